@@ -1,0 +1,155 @@
+"""The hgc op vocabulary: one `torch.library` custom op per attention-like core, plus the MoE block.
+
+Contract shared by every op (the "with output" style):
+
+1. Tensors in, a preallocated `out` mutated in place, nothing returned. The layer id is an int
+   argument: the runtime finds the layer's cache or state by it; the op never receives a cache.
+2. Only the recurrent or attention core is inside an attention op. Projections, norms, rotary
+   embeddings, gates and the l2 normalisation of q/k stay in the graph pieces around it.
+3. Token-major, flattened layouts: T is the number of tokens in the step, across all requests.
+   Which token belongs to which request, where its cache lives and what mode the step is in
+   come from the runtime's per-step ExecContext, never from the op's arguments.
+4. Each op declares its capture policy per mode here (`OP_SPECS`). That declaration is the only
+   place it is said; the split pass, the lints and the runtime all read it.
+
+The fake implementations do nothing: every op returns None and only mutates `out`, which
+already has its shape, so torch.export sees a single in-place node per op.
+
+The real implementations live in `runtime/backends/`. The runtime binds each op node of a graph
+(or each call of an eager model, through `OpTable`) to a backend method with the same
+arguments; `torch.ops.hgc.*` itself is only ever traced, never executed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .policy import Capture, Mode
+from .registry import LayerKind
+
+__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "op_spec", "is_hgc_op", "op_name_of"]
+
+_LIB = torch.library.Library("hgc", "FRAGMENT")  # noqa: the namespace our ops live in
+
+_C = Capture.CAPTURABLE
+_E = Capture.EAGER
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """The declaration of one op: its name, what it mutates and its capture policy per mode."""
+
+    name: str  # "gdn_core": the op is torch.ops.hgc.gdn_core
+    kinds: frozenset[LayerKind]  # the layer kinds whose layers use this op ("mlp" ops: empty)
+    stateful: bool  # reads and writes a KV cache or a state slot of its layer
+    policy: dict[Mode, Capture]
+    doc: str
+
+    def capture(self, mode: Mode) -> Capture:
+        return self.policy[Mode(mode)]
+
+
+# Attention and recurrent cores mutate per-request cache/state and their metadata depends on
+# variable sequence lengths: capturable only where every request adds a fixed number of tokens.
+_STATEFUL_POLICY = {Mode.DECODE: _C, Mode.TARGET_VERIFY: _C, Mode.EXTEND: _E, Mode.MIXED: _E}
+# Stateless device work with static shapes (no host sync, no data-dependent shapes).
+_ALWAYS_CAPTURABLE = {m: _C for m in Mode}
+
+OP_SPECS: dict[str, OpSpec] = {}
+
+
+def _declare(name: str, schema: str, kinds: set[LayerKind], stateful: bool, policy: dict, doc: str) -> None:
+    assert set(policy) == set(Mode), f"{name}: a capture policy must cover every mode"
+    _LIB.define(f"{name}{schema}")
+    # Every op mutates `out` only and returns nothing: the fake has nothing to compute.
+    _LIB._register_fake(name, lambda *args, **kwargs: None)
+    OP_SPECS[name] = OpSpec(name, frozenset(kinds), stateful, dict(policy), doc)
+
+
+_declare(
+    "gqa_attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer_id, float scale) -> ()",
+    {LayerKind.FULL_GQA}, True, _STATEFUL_POLICY,
+    "Causal softmax attention over the layer's paged K/V. q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv], "
+    "out [T,Hq,Dv]. Writes this step's k/v into the cache first.",
+)
+_declare(
+    "mla_attention",
+    "(Tensor q_latent, Tensor q_rope, Tensor kv_latent, Tensor k_rope, Tensor(a!) out, int layer_id,"
+    " float scale) -> ()",
+    {LayerKind.FULL_MLA}, True, _STATEFUL_POLICY,
+    "Absorbed MLA: q_latent [T,H,R] (q_nope through W_UK), q_rope [T,H,P], kv_latent [T,R] (normed "
+    "c_kv), k_rope [T,P]; the cache keeps [kv_latent | k_rope] per token. score = q_latent.c + "
+    "q_rope.k_rope, out [T,H,R] = softmax(scale*score) @ c.",
+)
+_declare(
+    "gdn_core",
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) out, int layer_id, float scale) -> ()",
+    {LayerKind.GDN}, True, _STATEFUL_POLICY,
+    "Gated delta rule. q,k [T,Hk,Dk] (already l2-normalised), v [T,Hv,Dv], g [T,Hv] log-decay, "
+    "beta [T,Hv]; value head h reads key head h // (Hv/Hk). Per token: S = exp(g) S; "
+    "S += k (beta (v - S^T k))^T; out = scale q^T S. State S [Hv,Dk,Dv] float32.",
+)
+_declare(
+    "kda_core",
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) out, int layer_id, float scale) -> ()",
+    {LayerKind.KDA}, True, _STATEFUL_POLICY,
+    "Kimi delta attention: the gated delta rule with a per-channel decay. q,k [T,H,Dk] "
+    "(already l2-normalised), v [T,H,Dv], g [T,H,Dk] log-decay, beta [T,H]. State [H,Dk,Dv] float32.",
+)
+_declare(
+    "lightning_core",
+    "(Tensor q, Tensor k, Tensor v, Tensor decay, Tensor(a!) out, int layer_id, float scale) -> ()",
+    {LayerKind.LIGHTNING}, True, _STATEFUL_POLICY,
+    "Simple GLA with a constant per-head decay (lightning attention). q,k [T,H,Dk], v [T,H,Dv], "
+    "decay [H] log-decay (<= 0). Per token: S = exp(decay) S + k v^T; out = scale q^T S.",
+)
+_declare(
+    "short_conv",
+    "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int layer_id, bool silu) -> ()",
+    {LayerKind.GDN, LayerKind.KDA}, True, _STATEFUL_POLICY,
+    "Causal depthwise convolution whose last K-1 inputs per request live in the layer's 'conv' "
+    "state. x, out [T,C], weight [C,K], bias [C] or None; silu applied after when asked.",
+)
+_declare(
+    "moe",
+    "(Tensor x, Tensor router_weight, Tensor? router_bias, Tensor w13, Tensor w2, Tensor(a!) out,"
+    " int layer_id, int top_k, str scoring, bool renormalize, float routed_scale, int num_groups,"
+    " int topk_groups) -> ()",
+    set(), False, _ALWAYS_CAPTURABLE,
+    "Routed experts: router top-k and expert SwiGLU MLPs. x [T,D], router_weight [E,D], "
+    "router_bias [E] (added to the scores for selection only) or None, w13 [E,2I,D] (gate rows "
+    "then up rows), w2 [E,D,I], out [T,D]. scoring 'softmax' or 'sigmoid'; with num_groups > 1 "
+    "only the topk_groups best groups (by the sum of their two best biased scores) compete. "
+    "Weights are the unbiased scores of the chosen experts, renormalised if asked, times "
+    "routed_scale. Shared experts stay in the graph.",
+)
+
+OPS_BY_KIND: dict[LayerKind, tuple[str, ...]] = {
+    kind: tuple(name for name, spec in OP_SPECS.items() if kind in spec.kinds) for kind in LayerKind
+}
+
+
+def op_spec(name: str) -> OpSpec:
+    try:
+        return OP_SPECS[name]
+    except KeyError:
+        raise KeyError(f"hgc has no op {name!r} (ops: {sorted(OP_SPECS)})") from None
+
+
+def op_name_of(target) -> Optional[str]:
+    """`torch.ops.hgc.gdn_core.default` (or the packet) -> "gdn_core"; anything else -> None."""
+    name = getattr(target, "name", None)
+    qualified = name() if callable(name) else None  # OpOverload.name() -> "hgc::gdn_core"
+    if qualified is None:
+        qualified = getattr(target, "_qualified_op_name", None)  # OpOverloadPacket
+    if isinstance(qualified, str) and qualified.startswith("hgc::"):
+        return qualified.split("::", 1)[1].split(".", 1)[0]
+    return None
+
+
+def is_hgc_op(target) -> bool:
+    return op_name_of(target) is not None

@@ -1,0 +1,208 @@
+"""CPU reference backend: every hgc op in plain torch, the oracle for every other backend.
+
+Each method takes the step's ExecContext, then the op's arguments in schema order, and writes
+`out` in place. The math is written for clarity, not speed:
+
+- requests are processed one at a time (so a request's result cannot depend on its batch),
+- linear-attention cores run the recurrence token by token in float32 (so extending in chunks
+  and decoding token by token execute the same arithmetic),
+- attention gathers the request's pages and runs a float32 causal softmax.
+
+Rows past the step's real tokens (padding) are zeroed and touch no cache or state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compiler.splitops import OP_SPECS
+from runtime.context import ExecContext
+from runtime.kv_pool import KVPool
+from runtime.state_pool import StatePool
+
+__all__ = ["CPUReferenceBackend", "gated_recurrence", "moe_reference", "route_topk"]
+
+
+def gated_recurrence(q, k, v, log_decay, beta, state, scale):
+    """Run S_t = exp(g_t) * S_{t-1} (+ delta-rule or plain outer-product update); return outputs.
+
+    q, k [L,H,Dk]; v [L,H,Dv]; log_decay broadcastable to [L,H,Dk]; beta [L,H] (delta rule) or
+    None (plain GLA: S += k v^T); state [H,Dk,Dv] float32, updated in place. Returns [L,H,Dv] f32.
+    """
+    L, H, Dk = k.shape
+    q, k, v = q.float(), k.float(), v.float()
+    decay = torch.exp(log_decay.float()).expand(L, H, Dk)
+    out = torch.empty(L, H, v.shape[-1], dtype=torch.float32)
+    S = state.clone()
+    for t in range(L):
+        S = S * decay[t].unsqueeze(-1)  # [H,Dk,1]: decay acts on the key dimension
+        if beta is None:
+            S = S + k[t].unsqueeze(-1) * v[t].unsqueeze(-2)
+        else:
+            predicted = torch.einsum("hk,hkv->hv", k[t], S)
+            delta = (v[t] - predicted) * beta[t].float().unsqueeze(-1)
+            S = S + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[t] = torch.einsum("hk,hkv->hv", q[t] * scale, S)
+    state.copy_(S)
+    return out
+
+
+def route_topk(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale, num_groups, topk_groups):
+    """Router of the moe op: returns (expert ids [T,k], weights [T,k] float32)."""
+    logits = F.linear(x.float(), router_weight.float())  # [T,E]
+    if scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        raise ValueError(f"moe: unknown scoring {scoring!r} (expected 'softmax' or 'sigmoid')")
+    choice = scores if router_bias is None else scores + router_bias.float()
+    if num_groups > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, num_groups, E // num_groups)
+        group_score = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(-1)  # [T,G]
+        keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(topk_groups, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(keep.repeat_interleave(E // num_groups, dim=1) == 0, float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    return ids, weights * routed_scale
+
+
+def moe_reference(x, router_weight, router_bias, w13, w2, top_k, scoring, renormalize, routed_scale,
+                  num_groups, topk_groups):
+    """Routed SwiGLU experts with a plain per-expert loop: [T,D] -> [T,D] float32."""
+    ids, weights = route_topk(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale,
+                              num_groups, topk_groups)
+    inter = w2.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in ids.unique().tolist():
+        rows, which = (ids == e).nonzero(as_tuple=True)
+        h = F.linear(x[rows], w13[e])
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(h, w2[e]).float()
+        out.index_add_(0, rows, y * weights[rows, which].unsqueeze(-1))
+    return out
+
+
+class CPUReferenceBackend:
+    """Implements every op on the CPU over a KV pool (full layers) and a state pool (linear layers)."""
+
+    name = "cpu_reference"
+
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool):
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _zero_padding(ctx: ExecContext, out: torch.Tensor) -> None:
+        if ctx.num_real_tokens < out.shape[0]:
+            out[ctx.num_real_tokens:].zero_()
+
+    def _write_kv(self, ctx: ExecContext, layer_id: int, entries: dict[str, torch.Tensor]) -> None:
+        """Scatter this step's per-token entries into the layer's pages (padding rows skipped)."""
+        cache = self.kv_pool.layer(layer_id)
+        n = ctx.num_real_tokens
+        flat_index = ctx.slot_mapping[:n].long()
+        for name, values in entries.items():
+            buf = cache[name]
+            buf.view(-1, *buf.shape[2:])[flat_index] = values[:n].to(buf.dtype)
+
+    def _read_kv(self, ctx: ExecContext, layer_id: int, b: int, length: int) -> dict[str, torch.Tensor]:
+        """The first `length` cached entries of request b, gathered from its pages."""
+        ps = ctx.page_size
+        pages = ctx.page_table[b, : -(-length // ps)].long()
+        return {name: buf[pages].reshape(-1, *buf.shape[2:])[:length]
+                for name, buf in self.kv_pool.layer(layer_id).items()}
+
+    @staticmethod
+    def _causal_softmax_attention(scores: torch.Tensor, cached: int) -> torch.Tensor:
+        """scores [H,Lq,Lk] f32 for queries at positions cached..cached+Lq-1 -> probabilities."""
+        Lq, Lk = scores.shape[-2:]
+        q_pos = torch.arange(Lq).unsqueeze(1) + cached
+        mask = torch.arange(Lk).unsqueeze(0) > q_pos
+        return torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+
+    # -- full attention -------------------------------------------------------------------
+
+    def gqa_attention(self, ctx, q, k, v, out, layer_id, scale):
+        self._write_kv(ctx, layer_id, {"k": k, "v": v})
+        Hq, Hkv = q.shape[1], k.shape[1]
+        for b, start, n, cached in ctx.token_ranges():
+            kv = self._read_kv(ctx, layer_id, b, cached + n)
+            keys = kv["k"].float().repeat_interleave(Hq // Hkv, dim=1)  # [L,Hq,D]
+            values = kv["v"].float().repeat_interleave(Hq // Hkv, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[start:start + n].float(), keys) * scale
+            probs = self._causal_softmax_attention(scores, cached)
+            out[start:start + n] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+        self._zero_padding(ctx, out)
+
+    def mla_attention(self, ctx, q_latent, q_rope, kv_latent, k_rope, out, layer_id, scale):
+        R = kv_latent.shape[-1]
+        self._write_kv(ctx, layer_id, {"latent": torch.cat([kv_latent, k_rope], dim=-1)})
+        for b, start, n, cached in ctx.token_ranges():
+            cache = self._read_kv(ctx, layer_id, b, cached + n)["latent"].float()  # [L, R+P]
+            c, kr = cache[:, :R], cache[:, R:]
+            scores = (torch.einsum("qhr,kr->hqk", q_latent[start:start + n].float(), c)
+                      + torch.einsum("qhp,kp->hqk", q_rope[start:start + n].float(), kr)) * scale
+            probs = self._causal_softmax_attention(scores, cached)
+            out[start:start + n] = torch.einsum("hqk,kr->qhr", probs, c).to(out.dtype)
+        self._zero_padding(ctx, out)
+
+    # -- linear attention -----------------------------------------------------------------
+
+    def _linear_core(self, ctx, layer_id, q, k, v, log_decay_rows, beta, out, scale):
+        """Shared driver: per request, run the recurrence from its slot and write the slot back."""
+        states = self.state_pool.layer(layer_id)["recurrent"]
+        for b, start, n, _ in ctx.token_ranges():
+            slot = int(ctx.state_slots[b])
+            rows = slice(start, start + n)
+            S = states[slot]
+            result = gated_recurrence(q[rows], k[rows], v[rows], log_decay_rows(rows),
+                                      None if beta is None else beta[rows], S, scale)
+            out[rows] = result.to(out.dtype)
+        self._zero_padding(ctx, out)
+
+    def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        Hk, Hv = q.shape[1], v.shape[1]
+        q = q.repeat_interleave(Hv // Hk, dim=1)  # value head h reads key head h // (Hv/Hk)
+        k = k.repeat_interleave(Hv // Hk, dim=1)
+        self._linear_core(ctx, layer_id, q, k, v, lambda rows: g[rows].unsqueeze(-1), beta, out, scale)
+
+    def kda_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        self._linear_core(ctx, layer_id, q, k, v, lambda rows: g[rows], beta, out, scale)
+
+    def lightning_core(self, ctx, q, k, v, decay, out, layer_id, scale):
+        per_head = decay.float().view(1, -1, 1)
+        self._linear_core(ctx, layer_id, q, k, v, lambda rows: per_head, None, out, scale)
+
+    def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
+        states = self.state_pool.layer(layer_id)["conv"]  # [slots, C, K-1]
+        K = weight.shape[-1]
+        w = weight.float()
+        for b, start, n, _ in ctx.token_ranges():
+            slot = int(ctx.state_slots[b])
+            window = torch.cat([states[slot].float(), x[start:start + n].float().t()], dim=1)  # [C, K-1+n]
+            y = sum(window[:, j:j + n] * w[:, j:j + 1] for j in range(K)).t()  # [n, C]
+            if bias is not None:
+                y = y + bias.float()
+            out[start:start + n] = (F.silu(y) if silu else y).to(out.dtype)
+            states[slot].copy_(window[:, n:].to(states.dtype))
+        self._zero_padding(ctx, out)
+
+    # -- MoE ------------------------------------------------------------------------------
+
+    def moe(self, ctx, x, router_weight, router_bias, w13, w2, out, layer_id, top_k, scoring, renormalize,
+            routed_scale, num_groups, topk_groups):
+        n = ctx.num_real_tokens if ctx is not None else x.shape[0]
+        out[:n] = moe_reference(x[:n], router_weight, router_bias, w13, w2, top_k, scoring, renormalize,
+                                routed_scale, num_groups, topk_groups).to(out.dtype)
+        out[n:].zero_()
+
+
+_missing = [name for name in OP_SPECS if not hasattr(CPUReferenceBackend, name)]
+assert not _missing, f"the CPU reference backend must implement every op; missing {_missing}"

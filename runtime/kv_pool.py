@@ -1,0 +1,69 @@
+"""Paged KV pool: K/V (or MLA latent) pages for the full-attention layers only.
+
+1. Built from the LayerRegistry: for every full layer and every kv entry of its spec, one tensor
+   [num_pages, page_size, *entry.shape]. Linear layers get nothing here.
+2. `alloc(n)` hands out n page ids, `free(pages)` returns them; requests hold their page list.
+3. Token i of a request lives at page_table[i // page_size], offset i % page_size.
+
+It does not decide how many pages exist (the memory planner does) nor when a request may grow
+(the engine does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiler.splitops import LayerRegistry, dtype_from_name
+
+__all__ = ["KVPool", "OutOfPages"]
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class KVPool:
+    def __init__(self, registry: LayerRegistry, num_pages: int, page_size: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"KV pool needs at least one page of one token (got {num_pages} x {page_size})")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = torch.device(device)
+        # layer id -> entry name -> [num_pages, page_size, *shape]
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {}
+        for layer in registry.full_layers():
+            self.buffers[layer.layer_id] = {
+                name: torch.zeros((num_pages, page_size, *spec.shape),
+                                  dtype=dtype or dtype_from_name(spec.dtype), device=self.device)
+                for name, spec in layer.kv.items()
+            }
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"KV pool: {n} pages asked, {len(self._free)} free of {self.num_pages}")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        taken = set(self._free)
+        for p in pages:
+            assert 0 <= p < self.num_pages and p not in taken, f"KV pool: page {p} freed twice or unknown"
+            taken.add(p)
+        self._free.extend(reversed(pages))
+
+    def layer(self, layer_id: int) -> dict[str, torch.Tensor]:
+        try:
+            return self.buffers[layer_id]
+        except KeyError:
+            raise KeyError(f"KV pool has no full-attention layer {layer_id} (layers: {sorted(self.buffers)})") from None
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for entries in self.buffers.values() for t in entries.values())

@@ -1,0 +1,67 @@
+"""Slot-indexed state pool: recurrent and convolution states of the linear-attention layers.
+
+1. Built from the LayerRegistry: for every linear layer and every state entry of its spec, one
+   tensor [num_slots + 1, *entry.shape]. Slot 0 is the padding slot: padded rows of a captured
+   batch point at it, and it is never handed to a request.
+2. `alloc()` hands out a slot and zeroes it in every layer (a new request starts from the empty
+   state; a reused slot must not leak its previous owner's state). `free(slot)` returns it.
+
+Full-attention layers get nothing here. Sizing is the memory planner's job.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiler.splitops import LayerRegistry, dtype_from_name
+
+__all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT"]
+
+PADDING_SLOT = 0
+
+
+class OutOfSlots(RuntimeError):
+    pass
+
+
+class StatePool:
+    def __init__(self, registry: LayerRegistry, num_slots: int, device: torch.device | str = "cpu"):
+        if num_slots < 1:
+            raise ValueError(f"state pool needs at least one request slot (got {num_slots})")
+        self.num_slots = num_slots  # slots a request can hold; the padding slot comes on top
+        self.device = torch.device(device)
+        # layer id -> entry name -> [num_slots + 1, *shape]
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {}
+        for layer in registry.linear_layers():
+            self.buffers[layer.layer_id] = {
+                name: torch.zeros((num_slots + 1, *spec.shape), dtype=dtype_from_name(spec.dtype), device=self.device)
+                for name, spec in layer.state.items()
+            }
+        self._free: list[int] = list(range(num_slots, PADDING_SLOT, -1))  # pop() hands out slot 1 first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfSlots(f"state pool: all {self.num_slots} slots are in use")
+        slot = self._free.pop()
+        for entries in self.buffers.values():
+            for t in entries.values():
+                t[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        assert slot != PADDING_SLOT, "state pool: the padding slot is never handed out, so never freed"
+        assert 0 < slot <= self.num_slots and slot not in self._free, f"state pool: slot {slot} freed twice or unknown"
+        self._free.append(slot)
+
+    def layer(self, layer_id: int) -> dict[str, torch.Tensor]:
+        try:
+            return self.buffers[layer_id]
+        except KeyError:
+            raise KeyError(f"state pool has no linear layer {layer_id} (layers: {sorted(self.buffers)})") from None
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for entries in self.buffers.values() for t in entries.values())
