@@ -1,0 +1,237 @@
+"""Building blocks shared by the model families, and the HybridLM base every family extends.
+
+A family model is a plain nn.Module whose state-dict names are the checkpoint's tensor names,
+except for routed experts, which are held stacked ([E, 2I, D] and [E, D, I]) so the whole block
+is one `moe` op; `MoEBlock` knows how its family names them in a checkpoint.
+
+Calling convention of every family model (flattened tokens, no batch dimension)::
+
+    logits = model(input_ids [T] int64, positions [T] int64, logits_index [R] int64)  # [R, V]
+
+Attention-like cores go through `self.ops` (an op table: compiler/splitops/table.py). Nothing
+here holds a cache or state; the runtime owns them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compiler.splitops import TRACED_OPS, LayerRegistry
+
+__all__ = ["RMSNorm", "SwiGLU", "Router", "MoEBlock", "HybridLM", "apply_rotary", "rope_inv_freq",
+           "EXPERT_STYLES", "CheckpointError", "init_weights_", "ceil_div"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and the field or tensor."""
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. `unit_offset`: scale by (1 + weight), weight stored around 0."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        return (x * (1.0 + w) if self.unit_offset else x * w).to(dtype)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float,
+                 interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first `rotary_dim` channels of x [T, H, D] by position; the rest pass through.
+
+    interleaved=False pairs channel i with i + rotary_dim/2 (GPT-NeoX / rotate_half);
+    interleaved=True pairs channels 2i and 2i+1 (GPT-J / DeepSeek `rope_interleave`).
+    """
+    inv_freq = rope_inv_freq(rotary_dim, theta).to(x.device)
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [T, rotary_dim/2]
+    cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)  # [T, 1, rotary_dim/2]
+    rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); names follow the checkpoints (gate_proj / up_proj / down_proj)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """The router's weight [E, D] and, where the family has one, its selection bias [E]."""
+
+    def __init__(self, hidden: int, num_experts: int, bias_name: str | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias_name = bias_name
+        if bias_name:
+            self.register_parameter(bias_name, nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)))
+
+    @property
+    def selection_bias(self):
+        return getattr(self, self.bias_name) if self.bias_name else None
+
+
+# How each family names routed expert e in a checkpoint (gate, up, down), or "fused" 3-D tensors.
+EXPERT_STYLES = {
+    "gate_up_down": ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight", "experts.{e}.down_proj.weight"),
+    "w1_w3_w2": ("experts.{e}.w1.weight", "experts.{e}.w3.weight", "experts.{e}.w2.weight"),
+    "fused": ("experts.gate_up_proj", None, "experts.down_proj"),
+}
+
+
+class MoEBlock(nn.Module):
+    """Routed experts as one `moe` op. Shared experts are the family's business (plain graph code)."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, layer_id: int, *, top_k: int,
+                 scoring: str, renormalize: bool, routed_scale: float = 1.0, num_groups: int = 1,
+                 topk_groups: int = 1, router_bias: str | None = None, expert_style: str = "gate_up_down"):
+        super().__init__()
+        assert expert_style in EXPERT_STYLES, f"unknown expert style {expert_style!r}"
+        self.layer_id = layer_id
+        self.top_k, self.scoring, self.renormalize = top_k, scoring, renormalize
+        self.routed_scale, self.num_groups, self.topk_groups = float(routed_scale), num_groups, topk_groups
+        self.num_experts, self.inter, self.expert_style = num_experts, inter, expert_style
+        self.gate = Router(hidden, num_experts, router_bias)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # gate rows, then up rows
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        out = torch.empty_like(x)
+        ops.moe(x, self.gate.weight, self.gate.selection_bias, self.w13, self.w2, out, self.layer_id,
+                self.top_k, self.scoring, self.renormalize, self.routed_scale, self.num_groups, self.topk_groups)
+        return out
+
+    # -- checkpoint names of the stacked expert weights -----------------------------------
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        gate_n, up_n, down_n = EXPERT_STYLES[self.expert_style]
+        if self.expert_style == "fused":
+            return {prefix + gate_n: self.w13, prefix + down_n: self.w2}
+        out = {}
+        for e in range(self.num_experts):
+            out[prefix + gate_n.format(e=e)] = self.w13[e, : self.inter]
+            out[prefix + up_n.format(e=e)] = self.w13[e, self.inter:]
+            out[prefix + down_n.format(e=e)] = self.w2[e]
+        return out
+
+    def load_checkpoint_tensors(self, prefix: str, take) -> None:
+        """`take(name, shape)` returns the checkpoint tensor of that name, checked for shape."""
+        gate_n, up_n, down_n = EXPERT_STYLES[self.expert_style]
+        E, I, D = self.num_experts, self.inter, self.w13.shape[-1]
+        with torch.no_grad():
+            if self.expert_style == "fused":
+                self.w13.copy_(take(prefix + gate_n, (E, 2 * I, D)))
+                self.w2.copy_(take(prefix + down_n, (E, D, I)))
+                return
+            for e in range(E):
+                self.w13[e, :I].copy_(take(prefix + gate_n.format(e=e), (I, D)))
+                self.w13[e, I:].copy_(take(prefix + up_n.format(e=e), (I, D)))
+                self.w2[e].copy_(take(prefix + down_n.format(e=e), (D, I)))
+
+
+class HybridLM(nn.Module):
+    """Base of every family model: op table, registry, and checkpoint-name mapping.
+
+    Subclasses build their modules in __init__, set `self.layer_registry`, and implement
+    `forward(input_ids, positions, logits_index)`. A draft (MTP / NextN) module, where the family
+    has one, is `self.draft` with `forward(input_ids, positions, hidden, logits_index)`.
+    """
+
+    family: str = ""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        self.ops = TRACED_OPS
+        self.layer_registry: LayerRegistry | None = None
+
+    def set_ops(self, ops) -> "HybridLM":
+        """Choose the op table: TRACED_OPS to export, a runtime BoundOps to run eagerly."""
+        self.ops = ops
+        return self
+
+    def _moe_blocks(self) -> dict[str, MoEBlock]:
+        return {name + ".": m for name, m in self.named_modules() if isinstance(m, MoEBlock)}
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor under its checkpoint name (views of the parameters, no copies)."""
+        blocks = self._moe_blocks()
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.state_dict(keep_vars=True).items():
+            owner = next((p for p in blocks if name.startswith(p) and name[len(p):] in ("w13", "w2")), None)
+            if owner is None:
+                out[name] = t.detach()
+        for prefix, block in blocks.items():
+            out.update({k: v.detach() for k, v in block.checkpoint_tensors(prefix).items()})
+        return out
+
+    def checkpoint_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.checkpoint_tensors().items()}
+
+    def load_checkpoint_tensors(self, get, source: str = "checkpoint") -> None:
+        """Fill every parameter from `get(name) -> tensor` (KeyError if absent)."""
+        def take(name, shape):
+            try:
+                t = get(name)
+            except KeyError:
+                raise CheckpointError(f"{source}: missing tensor {name!r}") from None
+            if tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{source}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+            return t
+
+        blocks = self._moe_blocks()
+        with torch.no_grad():
+            for name, p in self.state_dict(keep_vars=True).items():
+                if any(name.startswith(b) and name[len(b):] in ("w13", "w2") for b in blocks):
+                    continue
+                p.copy_(take(name, p.shape))
+            for prefix, block in blocks.items():
+                block.load_checkpoint_tensors(prefix, take)
+
+
+def init_weights_(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Seeded random weights: N(0, std) matrices, norms at their identity, A_log-like set by families."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+            elif "norm" in name:
+                p.copy_(torch.zeros_like(p) if getattr(_owner(model, name), "unit_offset", False) else torch.ones_like(p))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else model
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+

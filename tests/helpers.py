@@ -1,0 +1,46 @@
+"""Shared test helpers: run a family model eagerly on the CPU reference backend."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.backends.cpu_reference import CPUReferenceBackend
+from runtime.batch import SeqState
+from runtime.bound_ops import BoundOps
+from runtime.generate import make_pools, run_step
+
+
+class EagerRunner:
+    """One model bound to fresh pools; `step(...)` runs one step and returns its logits rows."""
+
+    def __init__(self, model, max_tokens: int = 512, num_seqs: int = 8, page_size: int = 16):
+        self.model = model
+        self.kv_pool, self.state_pool = make_pools(model.layer_registry, max_tokens, num_seqs, page_size)
+        self.ops = BoundOps(CPUReferenceBackend(self.kv_pool, self.state_pool))
+        model.set_ops(self.ops)
+
+    def new_seq(self) -> SeqState:
+        return SeqState(self.state_pool.alloc())
+
+    def step(self, items, all_logits: bool = False) -> torch.Tensor:
+        """items: [(SeqState, token ids)]. Returns logits of every row if all_logits, else last rows."""
+        if all_logits:
+            forward = lambda ids, pos, _: self.model(ids, pos, torch.arange(ids.shape[0]))
+        else:
+            forward = self.model
+        return run_step(forward, self.ops, items, self.kv_pool)
+
+
+def eager_logits(model, prompt: list[int], decode_ids: list[int]) -> torch.Tensor:
+    """Logits of every prompt position, then of each forced decode token: [len(prompt)+len(decode_ids), V]."""
+    runner = EagerRunner(model, max_tokens=len(prompt) + len(decode_ids) + 1, num_seqs=1)
+    seq = runner.new_seq()
+    rows = [runner.step([(seq, list(prompt))], all_logits=True)]
+    for tok in decode_ids:
+        rows.append(runner.step([(seq, [tok])]))
+    return torch.cat(rows)
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a-b| / max |b|: the tolerance measure of the family equivalence tests."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
