@@ -110,6 +110,9 @@ class CheckpointReader:
         fname = self.location[name]  # KeyError for an absent tensor: the caller names it
         return self._handles[fname].get_tensor(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.location[name]].get_slice(name).get_shape())
+
     def where(self, name: str) -> Path:
         return self.dir / self.location[name]
 

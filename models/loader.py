@@ -1,0 +1,83 @@
+"""Checkpoint directory -> family model with its weights, and the reverse for `hgc init-model`.
+
+1. read config.json, find the family by model_type, let the family validate its text config;
+2. build the model on the meta device (no memory), then materialise it on the target device;
+3. check the checkpoint's tensor names against the model's (missing, extra, mis-shaped), naming
+   the file and the tensor, and copy the tensors in.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from models.checkpoint import CheckpointReader, read_config, write_checkpoint
+from models.common import CheckpointError, HybridLM
+from models.families import Family, family_for_config, get_family
+
+__all__ = ["load_config", "build_meta_model", "load_checkpoint", "init_checkpoint", "config_dtype"]
+
+
+def config_dtype(text_config: dict) -> torch.dtype:
+    name = text_config.get("torch_dtype") or text_config.get("dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"config.json: field 'torch_dtype' / 'dtype' has unknown value {name!r}")
+    return dtype
+
+
+def load_config(ckpt_dir: str | os.PathLike) -> tuple[Family, dict, dict]:
+    """(family, config.json as written, the family's validated flat text config)."""
+    config = read_config(ckpt_dir)
+    source = str(Path(ckpt_dir) / "config.json")
+    family = family_for_config(config, source)
+    return family, config, family.text_config(config)
+
+
+def build_meta_model(family: Family, text_config: dict) -> HybridLM:
+    """The model with meta tensors: structure, registry and tensor shapes, no memory."""
+    with torch.device("meta"):
+        return family.build(text_config)
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> tuple[Family, dict, HybridLM]:
+    family, _, text = load_config(ckpt_dir)
+    model = build_meta_model(family, text).to_empty(device=device).to(dtype)
+    reader = CheckpointReader(ckpt_dir)
+    expected = model.checkpoint_shapes()
+    extra = sorted(reader.names() - set(expected))
+    if extra:
+        raise CheckpointError(f"{reader.where(extra[0])}: unexpected tensor {extra[0]!r} "
+                              f"(not part of a {family.name} model with this config.json; {len(extra)} such)")
+    missing = sorted(set(expected) - reader.names())
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: missing tensor {missing[0]!r} ({len(missing)} missing; "
+                              f"files: {', '.join(reader.files)})")
+
+    for name, (shape, _) in expected.items():
+        found = reader.shape(name)
+        if found != shape:
+            raise CheckpointError(f"{reader.where(name)}: tensor {name!r} has shape {list(found)}, "
+                                  f"expected {list(shape)} from config.json")
+    model.load_checkpoint_tensors(reader.get, source=str(ckpt_dir))
+    model.eval()
+    return family, text, model
+
+
+def init_checkpoint(family_name: str, size: str, seed: int, out_dir: str | os.PathLike,
+                    shard_bytes: int | None = 2 << 30, overwrite: bool = False, log=sys.stderr) -> Path:
+    """Write a seeded random checkpoint of a family in its real file format."""
+    family = get_family(family_name)
+    config = family.make_config(size)
+    text = family.text_config(config)
+    print(f"hgc init-model: building {family.name} ({size}) ...", file=log, flush=True)
+    model = family.build(text)
+    family.init_weights(model, seed)
+    model = model.to(config_dtype(text))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"hgc init-model: {n_params / 1e6:.1f}M parameters, writing {out_dir} ...", file=log, flush=True)
+    return write_checkpoint(out_dir, config, model.checkpoint_tensors(), shard_bytes=shard_bytes, overwrite=overwrite)
