@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     try:
-        from compiler import commands
+        import compiler.commands as commands
     except ImportError as e:  # only while compiler/commands.py is absent from a checkout
         if getattr(e, "name", "") != "compiler.commands":
             raise

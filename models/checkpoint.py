@@ -77,12 +77,13 @@ class CheckpointReader:
         path = self.dir / fname
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (listed in {INDEX_NAME})")
+        # A truncated file can still have a whole header: check the data length it declares
+        # first, so the message says "truncated" rather than a parser's complaint.
+        self._check_length(path)
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from None
-        # A truncated file can still have a whole header: check the data length it declares.
-        self._check_length(path)
         self._handles[fname] = handle
         return handle
 
@@ -96,9 +97,12 @@ class CheckpointReader:
             n = int.from_bytes(head, "little")
             try:
                 header = json.loads(f.read(n))
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 raise CheckpointError(f"{path}: truncated or corrupt header") from None
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        try:
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            raise CheckpointError(f"{path}: not a safetensors header (no tensor data offsets)") from None
         size = path.stat().st_size
         if size < 8 + n + end:
             raise CheckpointError(f"{path}: truncated: {size} bytes, the header describes {8 + n + end}")
