@@ -159,8 +159,12 @@ class HybridLM(nn.Module):
     """Base of every family model: op table, registry, and checkpoint-name mapping.
 
     Subclasses build their modules in __init__, set `self.layer_registry`, and implement
-    `forward(input_ids, positions, logits_index)`. A draft (MTP / NextN) module, where the family
-    has one, is `self.draft` with `forward(input_ids, positions, hidden, logits_index)`.
+    `forward_hidden(input_ids, positions) -> hidden [T,D]` (after the final norm) and
+    `compute_logits(hidden, logits_index) -> [R,V]`; `forward` is their composition.
+    A draft (MTP / NextN) module, where the family has one, is `self.draft` (None otherwise) with
+    `forward(input_ids, positions, hidden, logits_index) -> (logits [R,V], hidden [T,D])`, where
+    `input_ids` are the tokens one ahead of the positions whose main-model `hidden` is given.
+    `set_ops` must reach the draft too.
     """
 
     family: str = ""

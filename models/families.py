@@ -28,6 +28,9 @@ class Family:
     make_config: Callable[[str], dict]  # size -> a complete config.json for `hgc init-model`
     init_weights: Callable[[HybridLM, int], None]  # seeded random weights of sensible scale
     transformers_loadable: bool  # whether transformers' AutoModelForCausalLM reads our checkpoints
+    # Prefixes of checkpoint tensors that this text config deliberately leaves unread (a vision
+    # tower, an MTP layer the config does not enable). Any other unknown tensor is an error.
+    unread_tensors: Callable[[dict], tuple[str, ...]] = lambda text_config: ()
 
 
 FAMILY_IDS = ("qwen3_next", "qwen3_5", "kimi_linear", "bailing_linear")
