@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from compiler.splitops import OP_SPECS
+from runtime.backends.capability import BackendCapability
+from runtime.backends.protocol import BackendHooks, check_backend
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
 from runtime.state_pool import StatePool
@@ -87,14 +89,38 @@ def moe_reference(x, router_weight, router_bias, w13, w2, top_k, scoring, renorm
     return out
 
 
-class CPUReferenceBackend:
-    """Implements every op on the CPU over a KV pool (full layers) and a state pool (linear layers)."""
+class CPUReferenceBackend(BackendHooks):
+    """Implements every op on the CPU over a KV pool (full layers) and a state pool (linear layers).
+
+    `supported_ops` narrows it to some ops, so it can be one child of a hybrid backend.
+    """
 
     name = "cpu_reference"
+    # Every op in every mode; never inside a CUDA graph (there is none on the CPU).
+    capability = BackendCapability(
+        name="cpu_reference", device="cpu", ops=frozenset(OP_SPECS), modes_capturable=frozenset(),
+        doc="plain-torch reference of every op: the test oracle")
 
-    def __init__(self, kv_pool: KVPool, state_pool: StatePool):
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool, supported_ops=None):
         self.kv_pool = kv_pool
         self.state_pool = state_pool
+        if supported_ops is not None:
+            self.supported_ops = frozenset(supported_ops)
+        check_backend(self)
+
+    # -- hooks: the reference plans nothing, and says why ----------------------------------
+
+    def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
+        """Nothing to allocate: the reference never runs inside a captured graph."""
+
+    def init_replay_state(self, ctx: ExecContext, bucket: int) -> None:
+        """Nothing to copy: each op reads the ExecContext it is called with."""
+
+    def init_step_metadata(self, ctx: ExecContext) -> None:
+        """Nothing to plan: each op walks ctx.token_ranges() itself, one request at a time."""
+
+    def init_chunk_metadata(self, ctx: ExecContext, chunk_size: int) -> None:
+        """Nothing to plan: the recurrence and attention run over whole extends token by token."""
 
     # -- helpers ---------------------------------------------------------------------------
 

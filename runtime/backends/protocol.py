@@ -1,0 +1,196 @@
+"""The backend protocol, declared once: the hooks the runtime calls and the op methods it binds.
+
+A backend is an object the runtime hands to `BoundOps`. It owns how ops run on one device
+(kernels, planned metadata, static buffers for graph replay); the pools own the caches. Lifecycle
+of a backend, in the order the runtime calls it:
+
+1. Construction, over the KV pool and the state pool (whatever the backend needs of them).
+2. `init_capture_state(max_tokens, max_seqs)`: once, before the graph runner captures anything.
+3. For every step:
+   a. a step replayed from a captured graph: `init_replay_state(ctx, bucket)`, then replay;
+   b. any other step: `init_step_metadata(ctx)`, then, for an EXTEND or MIXED step,
+      `init_chunk_metadata(ctx, chunk_size)`, then the forward, whose op calls arrive as
+      `backend.<op>(ctx, *op_args)` (arguments in the op's schema order).
+
+Every hook is abstract: a backend that has nothing to plan says so in its own method (with a
+docstring saying why), so a wrapper that forgets to forward a hook cannot be instantiated (and
+the compiler's hook lint reports it), never a skipped plan (DESIGN.md failure 3).
+`__init_subclass__` also checks, when a backend class is defined, that each hook and op method it
+has accepts the protocol's arguments (failure 4).
+
+Op methods are declared here with the op's schema, but a backend implements only the ops in its
+`supported_ops` (taken from its `capability` declaration when it has one); the protocol's own op
+methods raise `OpNotSupported`. Nothing in the protocol is a silent default.
+
+This module does not decide which backend serves which layer (the compiler's routing pass and
+`runtime/backends/capability.py` do) nor wrap backends (`hybrid.py` does).
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from typing import ClassVar
+
+from compiler.splitops import OP_SPECS
+from runtime.context import ExecContext
+
+__all__ = ["BackendHooks", "HOOK_NAMES", "OP_NAMES", "OpNotSupported", "ProtocolError", "implements", "protocol_args",
+           "check_backend"]
+
+HOOK_NAMES: tuple[str, ...] = ("init_capture_state", "init_replay_state", "init_step_metadata", "init_chunk_metadata")
+OP_NAMES: tuple[str, ...] = tuple(OP_SPECS)
+
+
+class OpNotSupported(NotImplementedError):
+    """An op was called on a backend that does not declare it in `supported_ops`."""
+
+
+class ProtocolError(TypeError):
+    """A backend that contradicts the protocol: a hook or op it cannot take, an op it declares but lacks."""
+
+
+def _op_stub(name: str):
+    """The protocol's body for op `name`: refuse loudly, naming what the backend does declare."""
+
+    def op(self, ctx, *args):
+        raise OpNotSupported(f"backend {self.name!r} does not implement hgc.{name} "
+                             f"(it declares {sorted(self.supported_ops)}); route it to another backend")
+
+    op._hgc_protocol_stub = True  # how `implements` tells a declaration from an implementation
+    return op
+
+
+class BackendHooks(abc.ABC):
+    """Abstract base of every backend. Subclasses set `name` and `supported_ops` and implement the hooks."""
+
+    name: ClassVar[str] = "abstract"
+    # The hgc ops this backend runs: taken from the class's `capability.ops` when it has a capability
+    # declaration, else set here as a class attribute. An instance may narrow it to a subset in
+    # __init__ (a backend that can run every op may serve only some of them inside a hybrid).
+    supported_ops: frozenset[str] = frozenset()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for hook in HOOK_NAMES + OP_NAMES:
+            _check_signature(cls, hook)
+        # One fact, one place: a class with a capability declaration (runtime/backends/capability.py)
+        # serves the ops it declares there; a second, different list would be a second source of truth.
+        capability = getattr(cls, "capability", None)
+        if capability is not None:
+            declared = cls.__dict__.get("supported_ops")
+            if declared is None:
+                cls.supported_ops = frozenset(capability.ops)
+            elif frozenset(declared) != frozenset(capability.ops):
+                raise ProtocolError(f"{cls.__name__}: supported_ops {sorted(declared)} disagrees with its capability "
+                                    f"declaration's ops {sorted(capability.ops)}; declare the ops once")
+        unknown = set(cls.supported_ops) - set(OP_NAMES)
+        if unknown:
+            raise ProtocolError(f"{cls.__name__}.supported_ops names ops outside the vocabulary: {sorted(unknown)}")
+
+    # -- graph capture ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
+        """Once, before the graph runner captures its first CUDA graph (never during a step).
+
+        Allocate the static metadata buffers every captured graph reads, sized for the largest
+        bucket: `max_tokens` rows and `max_seqs` requests. Capture and replay only copy into them.
+        """
+
+    @abc.abstractmethod
+    def init_replay_state(self, ctx: ExecContext, bucket: int) -> None:
+        """Before capturing the graph of `bucket` (with a dummy step) and before every replay of it.
+
+        `bucket` is the padded request count the graph was captured for; `ctx` is already padded
+        to it (ctx.num_seqs == bucket, padded rows on the padding slot). Copy this step's metadata
+        into the static buffers the captured kernels read. `init_step_metadata` is not called for
+        a replayed step.
+        """
+
+    # -- per step -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def init_step_metadata(self, ctx: ExecContext) -> None:
+        """Once per step that is not replayed from a graph, after the step is built, before the forward.
+
+        Plan what the step's op calls share (index arrays on the device, attention plans), so
+        the op methods do no host-side planning of their own.
+        """
+
+    @abc.abstractmethod
+    def init_chunk_metadata(self, ctx: ExecContext, chunk_size: int) -> None:
+        """Once per EXTEND or MIXED step, after `init_step_metadata`, before the forward.
+
+        `chunk_size` is the engine's token budget per step: the longest piece of one request's
+        prompt a step can carry. Backends that split long extends (chunked-prefix MLA attention,
+        chunked linear-attention kernels) plan chunk boundaries and size workspaces here.
+        """
+
+    # -- ops (schema order after ctx; each writes `out` in place and returns None) ------------
+
+    gqa_attention = _op_stub("gqa_attention")
+    mla_attention = _op_stub("mla_attention")
+    gdn_core = _op_stub("gdn_core")
+    kda_core = _op_stub("kda_core")
+    lightning_core = _op_stub("lightning_core")
+    short_conv = _op_stub("short_conv")
+    moe = _op_stub("moe")
+
+
+# The arguments the runtime passes to each hook and op method, after self: a backend's method
+# must accept them positionally (the hybrid forwards positionally).
+_PROTOCOL_ARGS: dict[str, tuple[str, ...]] = {
+    "init_capture_state": ("max_tokens", "max_seqs"),
+    "init_replay_state": ("ctx", "bucket"),
+    "init_step_metadata": ("ctx",),
+    "init_chunk_metadata": ("ctx", "chunk_size"),
+    "gqa_attention": ("ctx", "q", "k", "v", "out", "layer_id", "scale"),
+    "mla_attention": ("ctx", "q_latent", "q_rope", "kv_latent", "k_rope", "out", "layer_id", "scale"),
+    "gdn_core": ("ctx", "q", "k", "v", "g", "beta", "out", "layer_id", "scale"),
+    "kda_core": ("ctx", "q", "k", "v", "g", "beta", "out", "layer_id", "scale"),
+    "lightning_core": ("ctx", "q", "k", "v", "decay", "out", "layer_id", "scale"),
+    "short_conv": ("ctx", "x", "weight", "bias", "out", "layer_id", "silu"),
+    "moe": ("ctx", "x", "router_weight", "router_bias", "w13", "w2", "out", "layer_id", "top_k", "scoring",
+            "renormalize", "routed_scale", "num_groups", "topk_groups"),
+}
+assert set(_PROTOCOL_ARGS) == set(HOOK_NAMES + OP_NAMES), "every hook and op needs its protocol arguments"
+
+
+def protocol_args(name: str) -> tuple[str, ...]:
+    """The arguments (after self) the runtime passes to hook or op `name`."""
+    return _PROTOCOL_ARGS[name]
+
+
+def _check_signature(cls: type, name: str) -> None:
+    method = getattr(cls, name, None)
+    if method is None or getattr(method, "_hgc_protocol_stub", False) or getattr(method, "__isabstractmethod__", False):
+        return
+    args = _PROTOCOL_ARGS[name]
+    try:
+        inspect.signature(method).bind(None, *args)  # None stands for self
+    except TypeError as e:
+        raise ProtocolError(
+            f"{cls.__name__}.{name}{inspect.signature(method)} does not accept the protocol's arguments "
+            f"(self, {', '.join(args)}): {e}") from None
+
+
+def implements(backend, op: str) -> bool:
+    """Whether `backend` has its own method for op (not the protocol's refusing stub)."""
+    method = getattr(type(backend), op, None)
+    return callable(method) and not getattr(method, "_hgc_protocol_stub", False)
+
+
+def check_backend(backend) -> None:
+    """Refuse an object that is not a protocol backend, or declares an op it does not implement."""
+    if not isinstance(backend, BackendHooks):
+        raise ProtocolError(
+            f"{type(backend).__name__} does not implement the backend protocol "
+            f"(runtime/backends/protocol.py BackendHooks: {', '.join(HOOK_NAMES)})")
+    unknown = sorted(set(backend.supported_ops) - set(OP_NAMES))
+    lacking = sorted(op for op in backend.supported_ops if not implements(backend, op))
+    beyond = sorted(set(backend.supported_ops) - set(type(backend).supported_ops))
+    problems = [f"{what} {ops}" for what, ops in (("unknown ops", unknown), ("ops it does not implement", lacking),
+                                                   ("ops beyond its class's declaration", beyond)) if ops]
+    if problems:
+        raise ProtocolError(f"backend {backend.name!r}: supported_ops names {'; '.join(problems)}")
