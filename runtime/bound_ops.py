@@ -27,6 +27,9 @@ class BoundOps:
             raise TypeError(f"backend {type(backend).__name__} does not implement ops {missing}")
         self.backend = backend
         self.ctx: ExecContext | None = None
+        # Called as observer(op name, args) after each op: the graph runner's start-up parity
+        # check records each layer's output with it. None (one attribute test) when unused.
+        self.observer = None
 
     @contextlib.contextmanager
     def step(self, ctx: ExecContext):
@@ -47,7 +50,9 @@ class BoundOps:
         def call(*args):
             if self.ctx is None:
                 raise NoStepError(f"hgc.{name} called outside a runtime step (use `with ops.step(ctx):`)")
-            return method(self.ctx, *args)
+            method(self.ctx, *args)
+            if self.observer is not None:
+                self.observer(name, args)
 
         call.__name__ = name
         return call

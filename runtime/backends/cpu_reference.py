@@ -35,7 +35,7 @@ def gated_recurrence(q, k, v, log_decay, beta, state, scale):
     L, H, Dk = k.shape
     q, k, v = q.float(), k.float(), v.float()
     decay = torch.exp(log_decay.float()).expand(L, H, Dk)
-    out = torch.empty(L, H, v.shape[-1], dtype=torch.float32)
+    out = torch.empty(L, H, v.shape[-1], dtype=torch.float32, device=v.device)
     S = state.clone()
     for t in range(L):
         S = S * decay[t].unsqueeze(-1)  # [H,Dk,1]: decay acts on the key dimension
@@ -79,7 +79,7 @@ def moe_reference(x, router_weight, router_bias, w13, w2, top_k, scoring, renorm
     ids, weights = route_topk(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale,
                               num_groups, topk_groups)
     inter = w2.shape[-1]
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         rows, which = (ids == e).nonzero(as_tuple=True)
         h = F.linear(x[rows], w13[e])
@@ -149,8 +149,8 @@ class CPUReferenceBackend(BackendHooks):
     def _causal_softmax_attention(scores: torch.Tensor, cached: int) -> torch.Tensor:
         """scores [H,Lq,Lk] f32 for queries at positions cached..cached+Lq-1 -> probabilities."""
         Lq, Lk = scores.shape[-2:]
-        q_pos = torch.arange(Lq).unsqueeze(1) + cached
-        mask = torch.arange(Lk).unsqueeze(0) > q_pos
+        q_pos = torch.arange(Lq, device=scores.device).unsqueeze(1) + cached
+        mask = torch.arange(Lk, device=scores.device).unsqueeze(0) > q_pos
         return torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
 
     # -- full attention -------------------------------------------------------------------

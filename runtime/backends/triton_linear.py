@@ -1,0 +1,351 @@
+"""Triton decode kernels for the linear-attention cores (GDN, KDA, Lightning) and the short conv.
+
+What this module owns: the kernels and their launchers for a decode step (one token per
+request, T == B rows), reading and updating the slot-indexed state pool in place.
+
+1. One program per (request, value head, Dv tile). It loads the request's slot id, and for a
+   real request the [Dk, BV] tile of that slot's state straight from the pool (no gather copy),
+   the token's q/k/v, its gate and beta, all in float32 registers.
+2. The whole update happens on that one tile in registers, then the tile is stored back to the
+   same addresses and the output row written once. Rows whose slot is the padding slot load
+   nothing, store no state and write zeros to `out`.
+3. The launch grid comes from tensor shapes only and the launchers never read a device value,
+   so a launch can be captured in a CUDA graph and replayed with new slot ids and inputs.
+
+The update is rearranged so that both reductions over Dk read the *old* state (one pass,
+independent reductions, nothing waits on a rewritten tile). With D = diag(exp(g)) acting on
+the key dimension and q already scaled:
+
+    a = (D k)^T S          predicted value of the old state under this token's decay     [BV]
+    c = (D q)^T S          query read of the decayed old state                           [BV]
+    u = beta (v - a)       delta-rule correction (Lightning: u = v, no beta)             [BV]
+    S' = D S + k u^T       new state                                                      [BK, BV]
+    o = c + (q . k) u      = q^T S', without a second reduction over the new tile         [BV]
+
+GDN is the scalar-decay case with key head h // (Hv / Hk); KDA the per-channel decay; Lightning
+a constant per-head decay without the delta rule. All three are one kernel with constexpr flags.
+Every stored state element is computed from the element loaded at the same address, so the
+in-place store cannot overtake a load in another thread.
+
+The short conv has one program per (request, channel tile): it loads the slot's last K-1
+inputs, convolves them with this token's input (bias, silu), and rolls the history in place.
+There a stored column comes from another column, so all loads precede one barrier and all
+stores follow it.
+
+Not here: extend/prefill (chunked kernels live elsewhere), l2-normalisation of q/k and the gate
+activations that produce g and beta (they stay in the graph), and which backend serves a layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.state_pool import PADDING_SLOT
+
+__all__ = [
+    "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
+    "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config",
+    "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode",
+]
+
+# How the log-decay is given (a constexpr of the kernel).
+GATE_PER_HEAD = 0  # GDN: g [T, H], one decay per token and value head
+GATE_PER_CHANNEL = 1  # KDA: g [T, H, Dk], one decay per token, head and key channel
+GATE_CONSTANT = 2  # Lightning: decay [H], the same for every token
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+    block_v: int  # BV: Dv columns of the state one program owns (a power of two)
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvConfig:
+    block_c: int  # channels one program owns (a power of two)
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter on the CPU: plan as for an H100/H200 so tests walk the same tiles
+
+
+def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
+    """Tile choice for a decode launch of `batch` rows of `heads` value heads.
+
+    The kernel is bound by the state bytes; what limits it at small batch is how many programs
+    are in flight to keep every SM's loads outstanding. Take the widest Dv tile (fewer, larger
+    programs: less per-program overhead) that still gives about four programs per SM; at batch 1
+    with 32 heads of 128 that is BV=8 (512 programs). Keep ~32 state floats per thread.
+    """
+    target = 4 * _num_sms(device)
+    max_bv = triton.next_power_of_2(dv)
+    block_v = min(8, max_bv)
+    for bv in (32, 16, 8):
+        if bv <= max_bv and batch * heads * triton.cdiv(dv, bv) >= target:
+            block_v = bv
+            break
+    num_warps = max(1, min(8, triton.next_power_of_2(dk) * block_v // 1024))
+    return RecurrentConfig(block_v, num_warps)
+
+
+def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
+    """Channel tile for the decode conv: about two programs per SM, at least one channel a thread."""
+    target = 2 * _num_sms(device)
+    block_c = 32
+    for bc in (512, 256, 128, 64, 32):
+        if batch * triton.cdiv(channels, bc) >= target:
+            block_c = bc
+            break
+    block_c = min(block_c, max(32, triton.next_power_of_2(channels)))
+    return ConvConfig(block_c, max(1, min(4, block_c // 64)))
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _recurrent_decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
+    stride_s_slot, stride_s_head,
+    scale,
+    GROUP: tl.constexpr,  # value heads per key head (Hv // Hk)
+    DK: tl.constexpr, DV: tl.constexpr,
+    BK: tl.constexpr,  # next power of two >= DK: the whole key dimension sits in one program
+    BV: tl.constexpr,
+    GATE: tl.constexpr,  # GATE_PER_HEAD / GATE_PER_CHANNEL / GATE_CONSTANT
+    DELTA: tl.constexpr,  # delta rule with beta (GDN, KDA) or plain outer product (Lightning)
+    PAD_SLOT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # request == row in a decode step
+    head = tl.program_id(1)  # value head
+    v_tile = tl.program_id(2)
+
+    offs_k = tl.arange(0, BK)
+    offs_v = v_tile * BV + tl.arange(0, BV)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    o_ptrs = out_ptr + row * stride_o_row + head * stride_o_head + offs_v
+
+    # slot ids are int64 and the pool can exceed 2**31 elements: keep offsets in int64.
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        key_head = head // GROUP
+        # q carries the output scale from the start: one multiply per key channel, not per output.
+        q = tl.load(q_ptr + row * stride_q_row + key_head * stride_q_head + offs_k, mask=m_k, other=0.0)
+        q = q.to(tl.float32) * scale
+        k = tl.load(k_ptr + row * stride_k_row + key_head * stride_k_head + offs_k, mask=m_k, other=0.0)
+        k = k.to(tl.float32)
+        v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + offs_v, mask=m_v, other=0.0)
+        v = v.to(tl.float32)
+
+        # state tile [BK, BV] of this slot and head; the pool's [Dk, Dv] rows are contiguous.
+        m_s = m_k[:, None] & m_v[None, :]
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+
+        # Both reductions read the old tile (module docstring), so neither waits on the update.
+        if GATE == 1:
+            decay = tl.load(g_ptr + row * stride_g_row + head * stride_g_head + offs_k, mask=m_k, other=0.0)
+            decay = tl.exp(decay.to(tl.float32))  # [BK]
+            c = tl.sum(s * (q * decay)[:, None], axis=0)
+            s_decayed = s * decay[:, None]
+            if DELTA:
+                a = tl.sum(s * (k * decay)[:, None], axis=0)
+        else:
+            if GATE == 0:
+                decay = tl.exp(tl.load(g_ptr + row * stride_g_row + head * stride_g_head).to(tl.float32))
+            else:
+                decay = tl.exp(tl.load(g_ptr + head * stride_g_head).to(tl.float32))  # constant per head
+            c = tl.sum(s * q[:, None], axis=0) * decay
+            s_decayed = s * decay
+            if DELTA:
+                a = tl.sum(s * k[:, None], axis=0) * decay
+
+        if DELTA:
+            beta = tl.load(beta_ptr + row * stride_b_row + head * stride_b_head).to(tl.float32)
+            u = beta * (v - a)
+        else:
+            u = v
+        qk = tl.sum(q * k, axis=0)
+
+        # Each stored element is computed from the element loaded at the same address, so no
+        # thread's store can overtake another thread's load of it.
+        tl.store(s_ptrs, (s_decayed + k[:, None] * u[None, :]).to(state_ptr.dtype.element_ty), mask=m_s)
+        tl.store(o_ptrs, (c + qk * u).to(out_ptr.dtype.element_ty), mask=m_v)
+    else:
+        # padding row: its inputs may hold anything; it reads nothing and writes zeros.
+        tl.store(o_ptrs, tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _short_conv_decode_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr,
+    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c,
+    C,
+    KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
+    KWP: tl.constexpr,  # next power of two >= KW: the window's columns in registers
+    BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    PAD_SLOT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c_tile = tl.program_id(1)
+    offs_c = c_tile * BC + tl.arange(0, BC)
+    m_c = offs_c < C
+    o_ptrs = out_ptr + row * stride_o_row + offs_c
+
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        cols = tl.arange(0, KWP)
+        # [BC, KWP] pointers to the slot's history; columns 0..K-2 exist
+        s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :]
+        m_hist = m_c[:, None] & (cols[None, :] < KW - 1)
+        hist = tl.load(s_ptrs, mask=m_hist, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x_row + offs_c, mask=m_c, other=0.0).to(tl.float32)  # [BC]
+        w = tl.load(w_ptr + offs_c[:, None] * stride_w_c + cols[None, :],
+                    mask=m_c[:, None] & (cols[None, :] < KW), other=0.0).to(tl.float32)  # [BC, KWP]
+        window = tl.where(cols[None, :] == KW - 1, x[:, None], hist)  # inputs t-K+1 .. t
+        y = tl.sum(window * w, axis=1)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)
+        if SILU:
+            y = y * tl.sigmoid(y)
+        # The rolled history: column j takes column j+1, the last one the new input. Read the
+        # shifted columns now, then a barrier: no thread may overwrite a column another thread
+        # has yet to read (the compiler may give loads and stores different thread layouts).
+        shifted = tl.load(s_ptrs + 1, mask=m_c[:, None] & (cols[None, :] < KW - 2), other=0.0).to(tl.float32)
+        new_hist = tl.where(cols[None, :] == KW - 2, x[:, None], shifted)
+        tl.debug_barrier()
+        tl.store(s_ptrs, new_hist.to(state_ptr.dtype.element_ty), mask=m_hist)
+        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
+    else:
+        tl.store(o_ptrs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=m_c)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers (host side: shape checks only, never a device read)
+# ---------------------------------------------------------------------------------------------
+
+
+def _unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Inputs need a unit-stride last dimension (16-byte loads); copy the rare one that has not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_rows(op: str, rows: int, slots: torch.Tensor, *tensors: torch.Tensor) -> None:
+    assert slots.dim() == 1 and slots.shape[0] == rows, (
+        f"{op}: a decode step has one row per request; got {rows} rows and state_slots of shape "
+        f"{tuple(slots.shape)}")
+    assert slots.dtype in (torch.int64, torch.int32), f"{op}: state_slots must be int32/int64, got {slots.dtype}"
+    for t in tensors:
+        assert t.device == slots.device, f"{op}: all tensors must be on {slots.device}, got one on {t.device}"
+
+
+def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
+                     beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     scale: float, gate_kind: int, config: RecurrentConfig | None = None) -> None:
+    """One decode step of the gated (delta-rule) recurrence over the slot-indexed pool, in place.
+
+    q, k [B, Hk, Dk]; v, out [B, Hv, Dv]; gate [B, Hv] / [B, Hv, Dk] / [Hv] by gate_kind; beta [B, Hv]
+    or None (no delta rule); state [num_slots+1, Hv, Dk, Dv] float32; slots [B] int64.
+    """
+    op = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}[gate_kind]
+    B, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    _check_rows(op, B, slots, q, k, v, gate, out, state)
+    assert k.shape == q.shape and v.shape[0] == B and out.shape == v.shape, (
+        f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)} disagree")
+    assert Hv % Hk == 0, f"{op}: {Hv} value heads cannot share {Hk} key heads evenly"
+    assert state.dtype == torch.float32 and state.shape[1:] == (Hv, Dk, Dv), (
+        f"{op}: state pool layer must be float32 [slots+1, {Hv}, {Dk}, {Dv}], got {state.dtype} {tuple(state.shape)}")
+    assert state.stride(3) == 1 and state.stride(2) == Dv, f"{op}: each state [Dk, Dv] must be contiguous"
+    assert out.stride(-1) == 1, f"{op}: out must have a unit-stride last dimension (it is written in place)"
+    expected_gate = {GATE_PER_HEAD: (B, Hv), GATE_PER_CHANNEL: (B, Hv, Dk), GATE_CONSTANT: (Hv,)}[gate_kind]
+    assert tuple(gate.shape) == expected_gate, f"{op}: gate shape {tuple(gate.shape)}, expected {expected_gate}"
+    q, k, v = _unit_last("q", q), _unit_last("k", k), _unit_last("v", v)
+    if gate_kind == GATE_PER_CHANNEL:
+        gate = _unit_last("g", gate)
+    if beta is not None:
+        assert tuple(beta.shape) == (B, Hv), f"{op}: beta shape {tuple(beta.shape)}, expected {(B, Hv)}"
+    if B == 0:
+        return
+    cfg = config or recurrent_config(B, Hv, Dk, Dv, q.device)
+    # A tile smaller than the program's threads would only replicate elements across them.
+    assert triton.next_power_of_2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
+    g_row, g_head = (0, gate.stride(0)) if gate_kind == GATE_CONSTANT else (gate.stride(0), gate.stride(1))
+    b_t = beta if beta is not None else gate  # never read without DELTA; any valid pointer will do
+    b_row, b_head = (beta.stride(0), beta.stride(1)) if beta is not None else (0, 0)
+    grid = (B, Hv, triton.cdiv(Dv, cfg.block_v))
+    _recurrent_decode_kernel[grid](
+        q, k, v, gate, b_t, out, state, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g_row, g_head, b_row, b_head, out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1),
+        float(scale),
+        GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=cfg.block_v,
+        GATE=gate_kind, DELTA=beta is not None, PAD_SLOT=PADDING_SLOT,
+        num_warps=cfg.num_warps,
+    )
+
+
+def gdn_decode(q, k, v, g, beta, out, state, slots, scale, config=None) -> None:
+    """GDN: q, k [B,Hk,Dk]; v, out [B,Hv,Dv]; g, beta [B,Hv]; state [slots+1,Hv,Dk,Dv] f32; slots [B]."""
+    recurrent_decode(q, k, v, g, beta, out, state, slots, scale, GATE_PER_HEAD, config)
+
+
+def kda_decode(q, k, v, g, beta, out, state, slots, scale, config=None) -> None:
+    """KDA: q, k, v, out [B,H,D]; g [B,H,Dk] per-channel log-decay; beta [B,H]; state [slots+1,H,Dk,Dv]."""
+    assert q.shape[1] == v.shape[1], f"kda_core: key heads {q.shape[1]} != value heads {v.shape[1]}"
+    recurrent_decode(q, k, v, g, beta, out, state, slots, scale, GATE_PER_CHANNEL, config)
+
+
+def lightning_decode(q, k, v, decay, out, state, slots, scale, config=None) -> None:
+    """Lightning: q, k, v, out [B,H,D]; decay [H] log-decay; state [slots+1,H,Dk,Dv]; no delta rule."""
+    assert q.shape[1] == v.shape[1], f"lightning_core: key heads {q.shape[1]} != value heads {v.shape[1]}"
+    recurrent_decode(q, k, v, decay, None, out, state, slots, scale, GATE_CONSTANT, config)
+
+
+def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                      conv_state: torch.Tensor, slots: torch.Tensor, silu: bool,
+                      config: ConvConfig | None = None) -> None:
+    """Causal depthwise conv, one token per request: x, out [B,C]; weight [C,K]; bias [C] or None;
+    conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rolled in place; slots [B]."""
+    B, C = x.shape
+    K = weight.shape[1]
+    _check_rows("short_conv", B, slots, x, weight, out, conv_state)
+    assert K >= 2, "short_conv: a kernel of width 1 keeps no state; it is not a decode conv"
+    assert weight.shape == (C, K) and out.shape == x.shape, (
+        f"short_conv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)} disagree")
+    assert conv_state.shape[1:] == (C, K - 1) and conv_state.stride(2) == 1, (
+        f"short_conv: conv state must be [slots+1, {C}, {K - 1}] with unit stride last, got {tuple(conv_state.shape)}")
+    assert out.stride(-1) == 1, "short_conv: out must have a unit-stride last dimension"
+    x, weight = _unit_last("x", x), _unit_last("weight", weight)
+    if bias is not None:
+        assert bias.shape == (C,), f"short_conv: bias shape {tuple(bias.shape)}, expected {(C,)}"
+        bias = bias.contiguous()
+    if B == 0:
+        return
+    cfg = config or conv_config(B, C, x.device)
+    assert cfg.block_c >= 32 * cfg.num_warps, f"short_conv: {cfg} leaves threads idle"
+    grid = (B, triton.cdiv(C, cfg.block_c))
+    _short_conv_decode_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, conv_state, slots,
+        x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
+        C,
+        KW=K, KWP=triton.next_power_of_2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
+        num_warps=cfg.num_warps,
+    )

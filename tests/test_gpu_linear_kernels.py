@@ -1,0 +1,220 @@
+"""The Triton decode kernels on a real CUDA GPU at real model dims, against the CPU reference.
+
+Marked gpu (CI deselects them). Dims: Qwen3-Next GDN (Hk 16 -> Hv 32, D 128), Kimi-Linear KDA
+(H 32, D 128), Bailing Lightning (H 16, D 128), Qwen3-Next conv (C 8192, K 4). Inputs bf16,
+padding rows at the end pointing at the padding slot, two consecutive steps from a random
+non-zero state, outputs poisoned before each run. One test captures the backend's decode ops
+in a CUDA graph and replays it for new slots and inputs through the protocol hooks.
+
+The kernels module is imported inside the tests, never at collection: on a CPU machine
+tests/test_triton_linear.py must be the first to import it (after setting TRITON_INTERPRET).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
+from runtime.backends.cpu_reference import CPUReferenceBackend
+from runtime.context import ExecContext
+from runtime.state_pool import PADDING_SLOT, StatePool
+
+# HGC_GPU_TESTS_DEVICE=cpu (with TRITON_INTERPRET=1) walks these tests through the interpreter on a
+# CPU, to check the test code itself without a GPU: `-k "not 64 and not graph"` keeps it short.
+DEV = os.environ.get("HGC_GPU_TESTS_DEVICE", "cuda")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CONV_C, CONV_K = 8192, 4
+SPECS = {  # op -> (layer kind, Hk, Hv, Dk, Dv)
+    "gdn_core": (LayerKind.GDN, 16, 32, 128, 128),
+    "kda_core": (LayerKind.KDA, 32, 32, 128, 128),
+    "lightning_core": (LayerKind.LIGHTNING, 16, 16, 128, 128),
+    "short_conv": (LayerKind.GDN, 0, 0, 0, 0),
+}
+
+
+def rel_err(x, ref) -> float:
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def registry_for(op: str) -> LayerRegistry:
+    kind, hk, hv, dk, dv = SPECS[op]
+    state = ({"conv": TensorSpec((CONV_C, CONV_K - 1), "float32")} if op == "short_conv"
+             else {"recurrent": TensorSpec((hv, dk, dv), "float32")})
+    return LayerRegistry([LayerSpec(0, kind, state=state)])
+
+
+def pools(op: str, num_slots: int, seed: int) -> tuple[StatePool, StatePool]:
+    reg = registry_for(op)
+    ref, dev = StatePool(reg, num_slots), StatePool(reg, num_slots, DEV)
+    g = torch.Generator().manual_seed(seed)
+    for name, t in ref.layer(0).items():
+        t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+        dev.layer(0)[name].copy_(t)
+    return ref, dev
+
+
+def decode_ctx(slots: list[int], num_real: int, device) -> ExecContext:
+    """A decode step of len(slots) rows: the first num_real are requests, the rest padding."""
+    B = len(slots)
+    ctx = ExecContext(
+        mode=Mode.DECODE, query_lens=[1] * num_real, cache_lens=[7] * num_real,
+        query_start_loc=torch.tensor(list(range(num_real + 1)) + [num_real] * (B - num_real), dtype=torch.int32,
+                                     device=device),
+        seq_lens=torch.tensor([8] * num_real + [0] * (B - num_real), dtype=torch.int32, device=device),
+        state_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+        page_table=torch.zeros(B, 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((B,), -1, dtype=torch.int64, device=device),
+        page_size=16, num_tokens=B, num_seqs=B)
+    ctx.check()
+    return ctx
+
+
+def inputs(op: str, B: int, num_real: int, dtype, g: torch.Generator) -> dict[str, torch.Tensor]:
+    _, hk, hv, dk, dv = SPECS[op]
+    r = lambda *shape: torch.randn(B, *shape, generator=g)
+    if op == "short_conv":
+        x = {"x": r(CONV_C)}
+    elif op == "gdn_core":
+        x = {"q": F.normalize(r(hk, dk), dim=-1), "k": F.normalize(r(hk, dk), dim=-1), "v": r(hv, dv),
+             "g": -F.softplus(r(hv)), "beta": torch.sigmoid(r(hv))}
+    elif op == "kda_core":
+        x = {"q": F.normalize(r(hv, dk), dim=-1), "k": F.normalize(r(hv, dk), dim=-1), "v": r(hv, dv),
+             "g": -F.softplus(r(hv, dk)), "beta": torch.sigmoid(r(hv))}
+    else:
+        x = {"q": r(hv, dk), "k": r(hv, dk) * 0.1, "v": r(hv, dv)}
+    for t in x.values():
+        t[num_real:] = float("nan")
+    return {name: t.to(dtype) for name, t in x.items()}
+
+
+CONSTS = {
+    "weight": torch.randn(CONV_C, CONV_K, generator=torch.Generator().manual_seed(1)) * 0.5,
+    "bias": torch.randn(CONV_C, generator=torch.Generator().manual_seed(2)),
+    "decay": -torch.linspace(0.01, 1.0, SPECS["lightning_core"][2]),
+}
+_CONST_CACHE: dict = {}
+
+
+def const(name: str, device, dtype) -> torch.Tensor:
+    """Weights live on the device before any capture: a host copy cannot be captured."""
+    key = (name, str(device), dtype)
+    if key not in _CONST_CACHE:
+        _CONST_CACHE[key] = CONSTS[name].to(device=device, dtype=dtype)
+    return _CONST_CACHE[key]
+
+
+def call(backend, ctx, op: str, x: dict, out: torch.Tensor) -> None:
+    dev, dtype = out.device, next(iter(x.values())).dtype
+    _, hk, hv, dk, dv = SPECS[op]
+    if op == "short_conv":
+        backend.short_conv(ctx, x["x"], const("weight", dev, dtype), const("bias", dev, dtype), out, 0, True)
+    elif op == "gdn_core":
+        backend.gdn_core(ctx, x["q"], x["k"], x["v"], x["g"], x["beta"], out, 0, dk ** -0.5)
+    elif op == "kda_core":
+        backend.kda_core(ctx, x["q"], x["k"], x["v"], x["g"], x["beta"], out, 0, dk ** -0.5)
+    else:
+        backend.lightning_core(ctx, x["q"], x["k"], x["v"], const("decay", dev, torch.float32), out, 0, dk ** -0.5)
+
+
+def out_like(op: str, B: int, dtype, device) -> torch.Tensor:
+    _, hk, hv, dk, dv = SPECS[op]
+    shape = (B, CONV_C) if op == "short_conv" else (B, hv, dv)
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def slots_for(B: int, num_slots: int, seed: int) -> tuple[list[int], int]:
+    num_real = B if B == 1 else B - max(1, B // 8)
+    perm = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed)) + 1
+    return perm[:num_real].tolist() + [PADDING_SLOT] * (B - num_real), num_real
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("B", [1, 8, 64])
+@pytest.mark.parametrize("op", list(SPECS))
+def test_kernels_match_reference_at_real_dims(op, B, dtype):
+    from runtime.backends.triton_linear_backend import TritonLinearBackend
+
+    if dtype == torch.float32 and B != 8:
+        pytest.skip("float32 inputs are checked at batch 8 only")
+    num_slots = B + 3
+    ref_pool, dev_pool = pools(op, num_slots, seed=B)
+    ref = CPUReferenceBackend(None, ref_pool)
+    tri = TritonLinearBackend(dev_pool)
+    entry = "conv" if op == "short_conv" else "recurrent"
+    slots, num_real = slots_for(B, num_slots, seed=B)
+    touched = slots[:num_real]
+    untouched = [s for s in range(num_slots + 1) if s not in touched]
+    before = dev_pool.layer(0)[entry][untouched].clone()
+    g = torch.Generator().manual_seed(100 + B)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for _ in range(2):
+        x = inputs(op, B, num_real, dtype, g)
+        out_ref = out_like(op, B, dtype, "cpu")
+        call(ref, decode_ctx(slots, num_real, "cpu"), op, x, out_ref)
+        out = out_like(op, B, dtype, DEV)
+        call(tri, decode_ctx(slots, num_real, DEV), op, {n: t.to(DEV) for n, t in x.items()}, out)
+        out = out.cpu()  # synchronises
+        assert torch.isfinite(out).all(), "every output element must be written"
+        assert out[num_real:].eq(0).all(), "padding rows must be zero"
+        assert rel_err(out[:num_real], out_ref[:num_real]) <= tol
+        assert rel_err(dev_pool.layer(0)[entry][touched], ref_pool.layer(0)[entry][touched]) <= 1e-4
+    assert torch.equal(dev_pool.layer(0)[entry][untouched], before), "padding slot or a free slot was written"
+
+
+def test_decode_graph_capture_and_replay():
+    """Capture gdn_core + short_conv once, replay for two steps with other slots and inputs."""
+    from runtime.backends.triton_linear_backend import TritonLinearBackend
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    bucket, num_slots = 8, 20
+    ref_g, dev_g = pools("gdn_core", num_slots, seed=5)
+    ref_c, dev_c = pools("short_conv", num_slots, seed=6)
+    tri_g, tri_c = TritonLinearBackend(dev_g), TritonLinearBackend(dev_c)
+    for tri in (tri_g, tri_c):
+        tri.init_capture_state(max_tokens=bucket, max_seqs=bucket)
+    # static inputs and outputs the graph reads and writes
+    static = {op: {n: t.cuda() for n, t in inputs(op, bucket, bucket, torch.bfloat16,
+                                                   torch.Generator().manual_seed(0)).items()}
+              for op in ("gdn_core", "short_conv")}
+    outs = {op: out_like(op, bucket, torch.bfloat16, "cuda") for op in static}
+    dummy = decode_ctx([PADDING_SLOT] * bucket, 0, "cuda")  # capture from a padding-only step
+    for tri in (tri_g, tri_c):
+        tri.init_replay_state(dummy, bucket)
+    for tri, op in ((tri_g, "gdn_core"), (tri_c, "short_conv")):  # compile outside capture
+        call(tri, dummy, op, static[op], outs[op])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for tri, op in ((tri_g, "gdn_core"), (tri_c, "short_conv")):
+            call(tri, dummy, op, static[op], outs[op])
+    g = torch.Generator().manual_seed(9)
+    for step in range(2):
+        slots, num_real = slots_for(bucket, num_slots, seed=50 + step)
+        ctx = decode_ctx(slots, num_real, "cuda")
+        for tri in (tri_g, tri_c):
+            tri.init_replay_state(ctx, bucket)
+        x = {op: inputs(op, bucket, num_real, torch.bfloat16, g) for op in static}
+        for op in static:
+            for n, t in x[op].items():
+                static[op][n].copy_(t)
+            outs[op].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for op, ref_pool, dev_pool, entry in (("gdn_core", ref_g, dev_g, "recurrent"),
+                                              ("short_conv", ref_c, dev_c, "conv")):
+            ref = CPUReferenceBackend(None, ref_pool)
+            out_ref = out_like(op, bucket, torch.bfloat16, "cpu")
+            call(ref, decode_ctx(slots, num_real, "cpu"), op, x[op], out_ref)
+            out = outs[op].cpu()
+            assert out[num_real:].eq(0).all() and torch.isfinite(out).all()
+            assert rel_err(out[:num_real], out_ref[:num_real]) <= 1e-2
+            touched = slots[:num_real]
+            assert rel_err(dev_pool.layer(0)[entry][touched], ref_pool.layer(0)[entry][touched]) <= 1e-4

@@ -1,0 +1,320 @@
+"""The Triton decode kernels (runtime/backends/triton_linear.py) against the CPU reference backend.
+
+On a machine without CUDA the kernels run in Triton's interpreter (numpy on the CPU): these are
+CPU tests of the kernel logic (indexing, masks, padding, the in-place update), not of speed.
+Dimensions stay small so the interpreter is quick. Every check draws fresh random inputs, starts
+from a non-zero state, poisons the outputs, and compares outputs and updated states by
+||x - ref|| / ||ref|| over several consecutive decode steps. The GPU versions at real dims are in
+tests/test_gpu_linear_kernels.py (marked gpu).
+
+The interpreter must be switched on before triton is first imported. Run alone, this module does
+that itself; in a whole-suite run where another module imported triton first, its tests are
+skipped here and `test_in_a_fresh_interpreter_process` runs this file in a new process instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Triton decides between compiled and interpreted functions when they are decorated, i.e. when
+# triton itself (its @jit standard library: tl.sum's combine function...) and then
+# runtime/backends/triton_linear.py are imported: the variable must be set before both. With
+# CUDA present (the GPU machine, where gpu-marked tests are collected in the same process) keep
+# the compiled kernels and run these tests on the GPU instead.
+_TRITON_WAS_IMPORTED = "triton" in sys.modules
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
+
+import torch.nn.functional as F  # noqa: E402
+
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec  # noqa: E402
+from runtime.backends import triton_linear as TL  # noqa: E402
+from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
+from runtime.backends.protocol import check_backend  # noqa: E402
+from runtime.backends.triton_linear_backend import TritonLinearBackend, WrongModeError  # noqa: E402
+from runtime.batch import SeqState, build_step  # noqa: E402
+from runtime.kv_pool import KVPool  # noqa: E402
+from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRETED else "cuda"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("no CUDA and the Triton interpreter is off", allow_module_level=True)
+
+
+def _triton_compiled_mode() -> bool:
+    """Whether triton's own @jit helpers were defined compiled (it was imported before the variable)."""
+    from triton.runtime.jit import JITFunction
+    import triton.language.standard as std
+    return any(isinstance(v, JITFunction) for v in vars(std).values())
+
+
+# In a whole-suite run another test module may import triton first (compiled mode); the
+# interpreter then cannot run these kernels here, so one test runs this file in a fresh process.
+FRESH_PROCESS = INTERPRETED and _TRITON_WAS_IMPORTED and _triton_compiled_mode()
+in_process = pytest.mark.skipif(FRESH_PROCESS, reason="triton was imported compiled before this module: "
+                                "test_in_a_fresh_interpreter_process runs these")
+
+
+@pytest.mark.skipif(not FRESH_PROCESS, reason="this process runs the kernels in the interpreter itself")
+def test_in_a_fresh_interpreter_process():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=root,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+
+D, C, KW = 16, 24, 4  # head dim, conv channels (not a power of two: masked tail), conv width
+NUM_SLOTS = 10
+
+# Layer id -> (kind, Hk, Hv, Dk, Dv). Two GDN layers: grouped value heads and Hk == Hv.
+LAYERS = {
+    0: ("gdn", 2, 4, D, D),
+    1: ("gdn", 4, 4, D, D),
+    2: ("kda", 4, 4, D, D),
+    3: ("lightning", 4, 4, D, D),
+    4: ("gdn", 2, 4, 12, 20),  # dims that are no power of two: masked key and value tails
+}
+REGISTRY = LayerRegistry([
+    LayerSpec(lid, LayerKind(kind), state={"recurrent": TensorSpec((hv, dk, dv), "float32"),
+                                           "conv": TensorSpec((C, KW - 1), "float32")})
+    for lid, (kind, hk, hv, dk, dv) in LAYERS.items()
+])
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+STATE_TOL = 1e-4  # states are float32 on both sides, computed from the same (rounded) inputs
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def make_pools(seed: int) -> tuple[StatePool, StatePool]:
+    """Two pools with the same random non-zero states: one for the reference, one for the kernels."""
+    ref = StatePool(REGISTRY, NUM_SLOTS)
+    g = torch.Generator().manual_seed(seed)
+    for entries in ref.buffers.values():
+        for t in entries.values():
+            t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+    dev = StatePool(REGISTRY, NUM_SLOTS, DEVICE)
+    for lid, entries in ref.buffers.items():
+        for name, t in entries.items():
+            dev.buffers[lid][name].copy_(t)
+    return ref, dev
+
+
+def decode_step(slots: list[int], num_real: int):
+    """A decode step as the runtime builds it: num_real requests, padded to len(slots) rows."""
+    kv = KVPool(REGISTRY, 64, 16)
+    items = [(SeqState(slot, num_cached=3), [0]) for slot in slots[:num_real]]
+    step = build_step(items, kv, mode=Mode.DECODE, pad_tokens_to=len(slots), pad_seqs_to=len(slots))
+    assert step.ctx.state_slots[num_real:].eq(PADDING_SLOT).all()
+    return step.ctx
+
+
+def step_inputs(op: str, layer_id: int, B: int, num_real: int, dtype: torch.dtype, g: torch.Generator):
+    """Fresh random inputs of one decode step; padding rows hold NaN (they must never matter)."""
+    kind, hk, hv, dk, dv = LAYERS[layer_id]
+    r = lambda *shape: torch.randn(B, *shape, generator=g)
+    if op == "short_conv":
+        x = {"x": r(C)}
+    elif op == "gdn_core":
+        x = {"q": F.normalize(r(hk, dk), dim=-1), "k": F.normalize(r(hk, dk), dim=-1), "v": r(hv, dv),
+             "g": -F.softplus(r(hv)), "beta": torch.sigmoid(r(hv))}
+    elif op == "kda_core":
+        x = {"q": F.normalize(r(hv, dk), dim=-1), "k": F.normalize(r(hv, dk), dim=-1), "v": r(hv, dv),
+             "g": -F.softplus(r(hv, dk)), "beta": torch.sigmoid(r(hv))}
+    else:
+        x = {"q": r(hv, dk), "k": r(hv, dk) * 0.3, "v": r(hv, dv)}
+    for t in x.values():
+        t[num_real:] = float("nan")
+    return {name: t.to(dtype) for name, t in x.items()}
+
+
+CONV_WEIGHT = torch.randn(C, KW, generator=torch.Generator().manual_seed(7))
+CONV_BIAS = torch.randn(C, generator=torch.Generator().manual_seed(8))
+DECAY = -torch.linspace(0.05, 1.0, 4)  # Lightning log-decay per head
+
+
+def run_op(backend, ctx, op: str, layer_id: int, x: dict, out_dtype: torch.dtype, device: str,
+           conv_bias=True, silu=True) -> torch.Tensor:
+    """Call `op` on `backend` with inputs moved to `device`; returns the out tensor (poisoned first)."""
+    x = {name: t.to(device) for name, t in x.items()}
+    B = next(iter(x.values())).shape[0]
+    kind, hk, hv, dk, dv = LAYERS[layer_id]
+    if op == "short_conv":
+        out = torch.full((B, C), float("nan"), dtype=out_dtype, device=device)
+        w = CONV_WEIGHT.to(device=device, dtype=x["x"].dtype)
+        bias = CONV_BIAS.to(device=device, dtype=x["x"].dtype) if conv_bias else None
+        backend.short_conv(ctx, x["x"], w, bias, out, layer_id, silu)
+        return out
+    out = torch.full((B, hv, dv), float("nan"), dtype=out_dtype, device=device)
+    scale = dk ** -0.5
+    if op == "gdn_core":
+        backend.gdn_core(ctx, x["q"], x["k"], x["v"], x["g"], x["beta"], out, layer_id, scale)
+    elif op == "kda_core":
+        backend.kda_core(ctx, x["q"], x["k"], x["v"], x["g"], x["beta"], out, layer_id, scale)
+    else:
+        backend.lightning_core(ctx, x["q"], x["k"], x["v"], DECAY.to(device), out, layer_id, scale)
+    return out
+
+
+def compare_steps(op: str, layer_id: int, slots: list[int], num_real: int, dtype: torch.dtype, steps: int,
+                  seed: int, backend_kwargs=None, conv_bias=True, silu=True):
+    """Run `steps` decode steps on both backends from the same pools; check everything each step."""
+    ref_pool, dev_pool = make_pools(seed)
+    kv = KVPool(REGISTRY, 4, 16)
+    ref = CPUReferenceBackend(kv, ref_pool)
+    tri = TritonLinearBackend(dev_pool, **(backend_kwargs or {}))
+    entry = "conv" if op == "short_conv" else "recurrent"
+    before = dev_pool.layer(layer_id)[entry].clone()
+    touched = sorted(set(slots[:num_real]))
+    untouched = [s for s in range(NUM_SLOTS + 1) if s not in touched]
+    assert PADDING_SLOT in untouched
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        ctx = decode_step(slots, num_real)
+        x = step_inputs(op, layer_id, len(slots), num_real, dtype, g)
+        out_ref = run_op(ref, ctx, op, layer_id, x, dtype, "cpu", conv_bias, silu)
+        out = run_op(tri, ctx, op, layer_id, x, dtype, DEVICE, conv_bias, silu).cpu()
+        assert torch.isfinite(out).all(), f"{op}: output rows left unwritten (NaN poison survived)"
+        assert out[num_real:].eq(0).all(), f"{op}: padding rows must be zero"
+        err = rel_err(out[:num_real], out_ref[:num_real])
+        assert err <= TOL[dtype], f"{op} layer {layer_id} B={len(slots)} {dtype}: out rel err {err:.2e}"
+        s_ref, s_dev = ref_pool.layer(layer_id)[entry], dev_pool.layer(layer_id)[entry].cpu()
+        s_err = rel_err(s_dev[touched], s_ref[touched])
+        assert s_err <= STATE_TOL, f"{op} layer {layer_id} B={len(slots)} {dtype}: state rel err {s_err:.2e}"
+    after = dev_pool.layer(layer_id)[entry]
+    assert torch.equal(after[untouched], before[untouched]), "padding slot or a free slot was written"
+    assert not torch.equal(after[touched], before[touched]), "the real slots were never updated"
+
+
+# (B, real requests, slots): padding rows at the end, as build_step lays them out; slots are
+# not in row order, so a kernel that indexes by row instead of by slot fails.
+BATCHES = {1: [5], 3: [7, 2, PADDING_SLOT], 8: [4, 9, 1, 6, 3, 10, PADDING_SLOT, PADDING_SLOT]}
+REAL = {1: 1, 3: 2, 8: 6}
+OPS = [("gdn_core", 0), ("gdn_core", 1), ("kda_core", 2), ("lightning_core", 3), ("short_conv", 0)]
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("op,layer_id", OPS, ids=[f"{op}-L{lid}" for op, lid in OPS])
+def test_decode_steps_match_reference(op, layer_id, batch, dtype):
+    compare_steps(op, layer_id, BATCHES[batch], REAL[batch], dtype, steps=3, seed=10 * batch + layer_id)
+
+
+@in_process
+def test_dims_that_are_not_powers_of_two():
+    compare_steps("gdn_core", 4, BATCHES[3], REAL[3], torch.float32, steps=2, seed=3)
+
+
+@in_process
+@pytest.mark.parametrize("block_v,num_warps", [(4, 1), (16, 2)])
+def test_every_tile_width_gives_the_same_result(block_v, num_warps):
+    """Dv split into 4 tiles of 4, or one tile of 16: programs own disjoint columns of the state."""
+    cfg = TL.RecurrentConfig(block_v, num_warps)
+    compare_steps("kda_core", 2, BATCHES[3], REAL[3], torch.float32, steps=2, seed=4,
+                  backend_kwargs={"recurrent_config": cfg})
+
+
+@in_process
+@pytest.mark.parametrize("conv_bias,silu", [(False, False), (True, False)])
+def test_short_conv_without_bias_or_silu(conv_bias, silu):
+    compare_steps("short_conv", 1, BATCHES[3], REAL[3], torch.float32, steps=4, seed=5,
+                  conv_bias=conv_bias, silu=silu, backend_kwargs={"conv_config": TL.ConvConfig(32, 1)})
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", [("gdn_core", 0), ("short_conv", 0)])
+def test_padding_row_between_real_rows(op, layer_id):
+    """A padding row anywhere (not only at the end) reads nothing, writes zeros and no state."""
+    ref_pool, dev_pool = make_pools(11)
+    ref = CPUReferenceBackend(KVPool(REGISTRY, 4, 16), ref_pool)
+    tri = TritonLinearBackend(dev_pool)
+    entry = "conv" if op == "short_conv" else "recurrent"
+    x = step_inputs(op, layer_id, 3, 3, torch.float32, torch.Generator().manual_seed(12))
+    for t in x.values():
+        t[1] = float("nan")
+    ctx = decode_step([3, 8, 5], 3)
+    ctx.state_slots[1] = PADDING_SLOT
+    before = dev_pool.layer(layer_id)[entry].clone()
+    out = run_op(tri, ctx, op, layer_id, x, torch.float32, DEVICE).cpu()
+    compact = decode_step([3, 5], 2)
+    out_ref = run_op(ref, compact, op, layer_id, {n: t[[0, 2]] for n, t in x.items()}, torch.float32, "cpu")
+    assert out[1].eq(0).all()
+    assert rel_err(out[[0, 2]], out_ref) <= 1e-4
+    after = dev_pool.layer(layer_id)[entry].cpu()
+    assert rel_err(after[[3, 5]], ref_pool.layer(layer_id)[entry][[3, 5]]) <= STATE_TOL
+    keep = [s for s in range(NUM_SLOTS + 1) if s not in (3, 5)]
+    assert torch.equal(after[keep], before.cpu()[keep])
+
+
+@in_process
+@pytest.mark.parametrize("mode", [Mode.EXTEND, Mode.MIXED, Mode.TARGET_VERIFY])
+def test_non_decode_steps_are_refused_naming_the_mode(mode):
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool)
+    ctx = decode_step([1, 2], 2)
+    ctx.mode = mode
+    x = step_inputs("gdn_core", 0, 2, 2, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(WrongModeError, match=f"'{mode.value}' step.*decode only"):
+        run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE)
+
+
+@in_process
+def test_backend_follows_the_protocol_and_declares_decode_only():
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool)
+    check_backend(tri)
+    assert tri.supported_ops == {"gdn_core", "kda_core", "lightning_core", "short_conv"}
+    cap = TritonLinearBackend.capability
+    assert cap.ops == tri.supported_ops and cap.device == "cuda"
+    assert cap.modes_supported == {Mode.DECODE} and cap.modes_capturable == {Mode.DECODE}
+
+
+@in_process
+def test_replayed_step_reads_slots_from_the_static_buffer():
+    """Capture reads slot ids from one static buffer; init_replay_state refreshes it per step."""
+    ref_pool, dev_pool = make_pools(21)
+    ref = CPUReferenceBackend(KVPool(REGISTRY, 4, 16), ref_pool)
+    tri = TritonLinearBackend(dev_pool)
+    tri.init_capture_state(max_tokens=8, max_seqs=8)
+    ctx = decode_step([6, 2, PADDING_SLOT], 2)
+    tri.init_replay_state(ctx, bucket=3)
+    assert tri._slots(ctx, "gdn_core", 0, 3).data_ptr() == tri._static_slots.data_ptr()
+    x = step_inputs("gdn_core", 0, 3, 2, torch.float32, torch.Generator().manual_seed(22))
+    out = run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE).cpu()
+    out_ref = run_op(ref, ctx, "gdn_core", 0, x, torch.float32, "cpu")
+    assert rel_err(out[:2], out_ref[:2]) <= 1e-4 and out[2].eq(0).all()
+    with pytest.raises(RuntimeError, match="bucket"):
+        tri.init_replay_state(ctx, bucket=4)
+    tri.init_step_metadata(ctx)  # an eager step: back to ctx.state_slots
+    assert tri._slots(ctx, "gdn_core", 0, 3).data_ptr() != tri._static_slots.data_ptr()
+
+
+@in_process
+def test_row_count_must_match_the_step():
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool)
+    ctx = decode_step([1, 2, PADDING_SLOT], 2)
+    x = step_inputs("short_conv", 0, 2, 2, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="one row per request"):
+        run_op(tri, ctx, "short_conv", 0, x, torch.float32, DEVICE)
+
+
+@in_process
+def test_default_tiles_keep_batch_one_spread_over_the_chip():
+    """Batch 1 at Qwen3-Next dims must not run as a handful of programs (see recurrent_config)."""
+    cfg = TL.recurrent_config(1, 32, 128, 128, torch.device("cpu"))
+    assert (cfg.block_v, cfg.num_warps) == (8, 1) and 1 * 32 * (128 // cfg.block_v) == 512
+    big = TL.recurrent_config(64, 32, 128, 128, torch.device("cpu"))
+    assert big.block_v == 32 and big.num_warps == 4
