@@ -24,6 +24,8 @@ __all__ = ["BACKENDS", "WRAPPERS", "backend_classes", "wrapper_classes", "capabi
 
 BACKENDS: tuple[str, ...] = (
     "runtime.backends.cpu_reference:CPUReferenceBackend",
+    "runtime.backends.flashinfer_attention:FlashInferAttentionBackend",
+    "runtime.backends.triton_linear_backend:TritonLinearBackend",
 )
 WRAPPERS: tuple[str, ...] = (
     "runtime.backends.hybrid:HybridBackend",

@@ -1,0 +1,599 @@
+"""FlashInfer full-attention backend: GQA and MLA layers over the paged KV pool, on a CUDA GPU.
+
+What it owns: the FlashInfer wrappers (and their plans) for every full-attention layer of one
+model, the step's paged metadata, and the write of each step's K/V rows into the pool.
+
+Lifecycle (the hooks of runtime/backends/protocol.py):
+
+1. `FlashInferAttentionBackend(kv_pool, q_heads, scales=...)` groups the pool's full layers by
+   head configuration (GQA: query heads, kv heads, head dims, scale; MLA: heads, latent rank,
+   rope dim, scale). Layers of one group share one plan per step. flashinfer is imported here;
+   without it the constructor raises and says to install the gpu extra.
+2. `init_step_metadata(ctx)` (eager steps) builds the paged metadata from the context once
+   (`build_paged_metadata`: qo/kv indptr, kv lengths and last-page lengths on the host, page
+   indices gathered on the device) and calls plan() once per group: a decode wrapper in decode
+   mode, a causal paged prefill wrapper otherwise (extend, mixed, target_verify: each request's
+   new rows over its whole paged cache; with `extend_impl="ragged"`, a step where every request
+   starts from an empty cache uses the ragged prefill wrapper over this step's k/v instead).
+   MLA groups plan `BatchMLAPagedAttentionWrapper`, or nothing extra for the Triton MLA kernel
+   (`mla_impl="triton"`, runtime/backends/triton_mla.py). `init_chunk_metadata` has nothing to
+   add: FlashInfer's prefill plan covers a whole extend.
+3. `gqa_attention(ctx, ...)` / `mla_attention(ctx, ...)` store this step's rows into the
+   layer's pages (a Triton kernel that skips rows whose slot is -1, so it is safe inside a
+   graph where the number of real rows changes between replays), run the planned wrapper on
+   the layer's caches and zero the padded output rows. They never plan: an op whose step was
+   not planned raises instead of running on stale metadata.
+4. CUDA graphs, decode only: `init_capture_state(max_tokens, max_seqs)` allocates the static
+   buffers every captured graph reads (slot ids, indptr, page indices, lengths), sized for the
+   largest bucket; `init_replay_state(ctx, bucket)`, before the capture of a bucket and before
+   each replay, copies the step's slot ids into them and plans the bucket's `use_cuda_graph`
+   wrappers (one per bucket and head group, made on first use over views of those buffers).
+   Padding requests of a bucket read one cached token of page 0 (a finite output, zeroed after).
+
+KV layout: the pool's "k" and "v" tensors [pages, page_size, Hkv, D] are FlashInfer's NHD tuple
+form as they are; the MLA "latent" entry [pages, page_size, R+P] is handed over as two strided
+views [..., :R] and [..., R:] (the MLA kernels take page and token strides).
+
+It does not: choose buckets, capture or replay graphs, pad batches (the graph runner does), or
+implement the linear-attention ops (runtime/backends/hybrid.py composes it with a linear child).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+
+from compiler.splitops import LayerKind, Mode
+from runtime.backends.capability import BackendCapability
+from runtime.backends.protocol import BackendHooks
+from runtime.context import ExecContext
+from runtime.kv_pool import KVPool
+
+try:  # Triton ships with Linux torch installs; only the GPU paths launch its kernels.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - metadata building still works without it
+    triton = None
+
+__all__ = [
+    "FlashInferAttentionBackend",
+    "FlashInferMissing",
+    "PagedMetadata",
+    "build_paged_metadata",
+    "store_kv_rows",
+    "import_flashinfer",
+]
+
+GPU_EXTRA_HINT = "install the gpu extra: pip install -e '.[gpu]' (flashinfer-python)"
+
+
+class FlashInferMissing(ImportError):
+    pass
+
+
+def import_flashinfer():
+    """Import flashinfer or raise FlashInferMissing with the install hint."""
+    try:
+        import flashinfer  # noqa: F401
+        import flashinfer.mla  # noqa: F401
+    except ImportError as exc:
+        raise FlashInferMissing(
+            f"FlashInferAttentionBackend needs flashinfer, which is not importable ({exc}); "
+            f"{GPU_EXTRA_HINT}") from exc
+    return flashinfer
+
+
+# -- paged metadata --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PagedMetadata:
+    """One step's requests in FlashInfer's paged form. Host tensors feed plan(), which reads them
+    on the host anyway; the page indices are gathered on the page table's device.
+
+    Request b's query rows are qo_indptr[b]:qo_indptr[b+1]; its kv_lens[b] cached tokens (this
+    step's included) live on pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], the last one holding
+    kv_last_page_len[b] tokens. row_req / row_pos give each query row its request and its
+    position (the number of keys it sees, minus one): the Triton MLA kernel reads those.
+    """
+
+    num_reqs: int  # requests planned (padding requests of a graph bucket included)
+    num_rows: int  # query rows the kernels read: qo_indptr[-1]
+    qo_indptr: torch.Tensor  # [num_reqs+1] int32, host
+    kv_indptr: torch.Tensor  # [num_reqs+1] int32, host
+    kv_lens: torch.Tensor  # [num_reqs] int32, host
+    kv_last_page_len: torch.Tensor  # [num_reqs] int32, host
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32, on ctx.page_table's device
+    row_req: torch.Tensor  # [num_rows] int32, host
+    row_pos: torch.Tensor  # [num_rows] int32, host
+    all_fresh: bool  # every real request starts from an empty cache (ragged prefill applies)
+
+
+def build_paged_metadata(ctx: ExecContext, pad_reqs_to: Optional[int] = None) -> PagedMetadata:
+    """FlashInfer's indptr / indices / last_page_len for the real requests of `ctx`.
+
+    pad_reqs_to (graph buckets): append padding requests up to that count, each owning one
+    query row and reading one cached token of page 0, so a fixed-size batch never has an empty
+    request. Only host lists (`query_lens`, `cache_lens`) are read on the host; the page table
+    stays on its device and is gathered there (no device-to-host synchronisation). The host
+    arithmetic is numpy: torch's CPU repeat_interleave took milliseconds per call here.
+    """
+    ps = ctx.page_size
+    q_lens = np.asarray(ctx.query_lens, dtype=np.int64)
+    cache = np.asarray(ctx.cache_lens, dtype=np.int64)
+    kv_lens = q_lens + cache
+    num_real = q_lens.size
+    n_pages = (kv_lens + ps - 1) // ps  # every real request holds at least its new token
+    width = ctx.page_table.shape[1]
+    if num_real and int(n_pages.max()) > width:
+        raise ValueError(f"build_paged_metadata: a request needs {int(n_pages.max())} pages but the "
+                         f"page table has {width} columns")
+    kv_indptr = np.zeros(num_real + 1, dtype=np.int64)
+    np.cumsum(n_pages, out=kv_indptr[1:])
+    total = int(kv_indptr[-1])
+    # Flat position of every (request, page) pair in the [B, width] page table: one gather on
+    # the device instead of a host loop or a boolean mask (which would synchronise).
+    flat = np.arange(total, dtype=np.int64) + np.repeat(np.arange(num_real) * width - kv_indptr[:-1], n_pages)
+    flat_dev = torch.from_numpy(flat).to(ctx.page_table.device, non_blocking=True)
+    kv_indices = ctx.page_table.reshape(-1).index_select(0, flat_dev).to(torch.int32)  # [] indexing: ms on CPU
+
+    qo_indptr = np.zeros(num_real + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qo_indptr[1:])
+    last = kv_lens - (n_pages - 1) * ps
+    rows = int(qo_indptr[-1])
+    row_req = np.repeat(np.arange(num_real), q_lens)
+    # Row i of request b sits at position cache_len + i: causal, it sees keys 0..that position.
+    row_pos = np.arange(rows) + np.repeat(cache - qo_indptr[:-1], q_lens)
+    all_fresh = not cache.any()
+
+    if pad_reqs_to is not None and pad_reqs_to > num_real:
+        n_pad = pad_reqs_to - num_real
+        steps = np.arange(1, n_pad + 1)
+        qo_indptr = np.concatenate([qo_indptr, rows + steps])
+        kv_indptr = np.concatenate([kv_indptr, total + steps])
+        kv_lens = np.concatenate([kv_lens, np.ones(n_pad, np.int64)])
+        last = np.concatenate([last, np.ones(n_pad, np.int64)])
+        kv_indices = torch.cat([kv_indices, torch.zeros(n_pad, dtype=torch.int32, device=kv_indices.device)])
+        row_req = np.concatenate([row_req, np.arange(num_real, pad_reqs_to)])
+        row_pos = np.concatenate([row_pos, np.zeros(n_pad, np.int64)])
+        num_real, rows = pad_reqs_to, rows + n_pad
+
+    i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+    return PagedMetadata(num_reqs=num_real, num_rows=rows, qo_indptr=i32(qo_indptr), kv_indptr=i32(kv_indptr),
+                         kv_lens=i32(kv_lens), kv_last_page_len=i32(last), kv_indices=kv_indices,
+                         row_req=i32(row_req), row_pos=i32(row_pos), all_fresh=all_fresh)
+
+
+# -- storing this step's rows ----------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _store_rows_kernel(slot_ptr, page_size,
+                           a_src, a_src_stride, a_dst, a_page_stride, a_tok_stride,
+                           b_src, b_src_stride, b_dst, b_page_stride, b_tok_stride,
+                           A_WIDTH: tl.constexpr, A_BLOCK: tl.constexpr,
+                           B_WIDTH: tl.constexpr, B_BLOCK: tl.constexpr):
+        # One program per token row; a row whose slot is negative (padding) writes nothing.
+        row = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        # A padding row gets an empty column range instead of a branch: no load, no store.
+        a_limit = tl.where(slot >= 0, A_WIDTH, 0)
+        b_limit = tl.where(slot >= 0, B_WIDTH, 0)
+        slot = tl.maximum(slot, 0)
+        page = slot // page_size
+        offset = slot % page_size
+        for start in tl.static_range(0, A_WIDTH, A_BLOCK):
+            cols = start + tl.arange(0, A_BLOCK)
+            mask = cols < a_limit
+            x = tl.load(a_src + row * a_src_stride + cols, mask=mask)
+            tl.store(a_dst + page * a_page_stride + offset * a_tok_stride + cols, x, mask=mask)
+        for start in tl.static_range(0, B_WIDTH, B_BLOCK):
+            cols = start + tl.arange(0, B_BLOCK)
+            mask = cols < b_limit
+            x = tl.load(b_src + row * b_src_stride + cols, mask=mask)
+            tl.store(b_dst + page * b_page_stride + offset * b_tok_stride + cols, x, mask=mask)
+
+
+def _rows_view(src: torch.Tensor) -> torch.Tensor:
+    """src [T, ...] -> [T, width] with unit column stride (a view when the layout allows)."""
+    flat = src.reshape(src.shape[0], -1)  # copies only when the per-row block is not one run
+    return flat if flat.stride(1) == 1 else flat.contiguous()
+
+
+def store_kv_rows(slot_mapping: torch.Tensor, page_size: int,
+                  a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Write rows of two sources into two paged destinations in one launch.
+
+    a, b: (src [T, ...], dst) where dst is a (view of a) pool tensor [pages, page_size, ...]
+    whose per-token block is contiguous (it may start at a column offset, as the MLA latent's
+    rope part does). Rows whose slot is -1 are skipped inside the kernel, so a captured graph
+    stays correct whatever number of real rows a replay has.
+    """
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("store_kv_rows needs triton (it ships with torch on Linux)")
+    T = slot_mapping.shape[0]
+    args = []
+    consts = {}
+    for name, (src, dst) in (("A", a), ("B", b)):
+        width = math.prod(dst.shape[2:])
+        assert src.shape[0] >= T, f"store_kv_rows: {src.shape[0]} source rows for {T} slots"
+        assert dst.stride(-1) == 1 and (dst.dim() == 3 or dst.stride(-2) == dst.shape[-1]), (
+            "store_kv_rows: each token's block of the destination must be contiguous")
+        assert src.dtype == dst.dtype, f"store_kv_rows: source {src.dtype} vs cache {dst.dtype}"
+        rows = _rows_view(src)
+        assert rows.shape[1] == width, f"store_kv_rows: rows of {rows.shape[1]} elements for a cache entry of {width}"
+        args += [rows, rows.stride(0), dst, dst.stride(0), dst.stride(1)]
+        consts[f"{name}_WIDTH"] = width
+        consts[f"{name}_BLOCK"] = min(triton.next_power_of_2(width), 2048)
+    if T == 0:
+        return
+    _store_rows_kernel[(T,)](slot_mapping, page_size, *args, **consts)
+
+
+# -- the backend -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """Layers that share one plan: same kind, heads, head dims, scale and dtypes."""
+
+    kind: str  # "gqa" or "mla"
+    num_q_heads: int
+    num_kv_heads: int  # MLA: 1 (the latent is shared by every head)
+    head_dim: int  # GQA: D of q/k; MLA: latent rank R
+    head_dim_v: int  # GQA: Dv; MLA: R
+    rope_dim: int  # MLA: P; GQA: 0
+    scale: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class _Planned:
+    """A wrapper plus the event that says its last plan's host-to-device copy has finished.
+
+    plan() fills a pinned host buffer and copies it asynchronously; planning the same wrapper
+    again before that copy ran would overwrite the source, so the next plan waits on the event.
+    """
+
+    wrapper: Any
+    on_cuda: bool = True
+    event: Optional[torch.cuda.Event] = None
+
+    def plan(self, *args, **kwargs) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        self.wrapper.plan(*args, **kwargs)
+        if self.on_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    ctx: ExecContext
+    meta: PagedMetadata
+    kind: str  # "decode", "prefill" or "ragged"
+    bucket: Optional[int]  # the captured bucket this plan serves; None: an eager step
+    slots: torch.Tensor  # [rows] slot ids the store kernel reads: ctx.slot_mapping, or the static copy
+    pad_rows: Optional[torch.Tensor]  # graph steps: [rows, 1, 1] bool, True on padding rows (static)
+    wrappers: dict  # _Group -> flashinfer wrapper (MLA with mla_impl="triton": absent)
+    triton_meta: Optional[tuple] = None  # (kv_indptr, kv_indices, row_req, row_pos) on the device
+
+
+
+
+class FlashInferAttentionBackend(BackendHooks):
+    """GQA and MLA full attention through FlashInfer's paged kernels (see the module docstring)."""
+
+    name = "flashinfer"
+    capability = BackendCapability(
+        name="flashinfer", device="cuda", ops=frozenset({"gqa_attention", "mla_attention"}),
+        modes_capturable=frozenset({Mode.DECODE}), kinds=frozenset({LayerKind.FULL_GQA, LayerKind.FULL_MLA}),
+        doc="paged GQA / MLA attention through FlashInfer (MLA optionally through triton_mla.py); "
+            "decode captured with use_cuda_graph wrappers, extend and mixed steps eager")
+
+    def __init__(self, kv_pool: KVPool, q_heads: int | Mapping[int, int],
+                 scales: float | Mapping[int, float] | None = None, *,
+                 mla_rope_dim: int = 64, q_dtype: Optional[torch.dtype] = None,
+                 workspace_bytes: int = 256 * 1024 * 1024, decode_tensor_cores: Optional[bool] = None,
+                 decode_backend: str = "fa2", prefill_backend: str = "auto", mla_backend: str = "auto",
+                 mla_impl: str = "flashinfer", extend_impl: str = "ragged"):
+        """q_heads: query heads of every full layer (one int, or per layer id). scales: softmax
+        scale per layer (GQA default head_dim**-0.5; MLA layers need one: the scale depends on
+        the un-absorbed head dims). The op's own `scale` argument must agree with it: FlashInfer
+        fixes the scale at plan time, before the op is called.
+        decode_tensor_cores: None = FlashInfer's tensor-core decode when a kv head serves 4 or
+        more query heads. decode_backend: the prefill kernel family the tensor-core decode runs
+        ("fa2" by default: on an H200 the "auto" choice, fa3, was 2-10x slower for one query
+        row, since it does not pack a kv head's query heads into one tile; benchmarks/
+        NOTES_attention.md). prefill_backend: FlashInfer's backend ("auto", "fa2", "fa3") of
+        the prefill kernels. mla_backend: the same for BatchMLAPagedAttentionWrapper.
+        mla_impl: "flashinfer" or "triton" (triton_mla.py). extend_impl: "ragged" (a step where
+        every request starts from an empty cache attends over this step's k/v, 1.5x faster at
+        2048 tokens) or "paged" (always the paged prefill).
+        """
+        self.flashinfer = import_flashinfer()
+        if mla_impl not in ("flashinfer", "triton"):
+            raise ValueError(f"mla_impl must be 'flashinfer' or 'triton', not {mla_impl!r}")
+        if extend_impl not in ("paged", "ragged"):
+            raise ValueError(f"extend_impl must be 'paged' or 'ragged', not {extend_impl!r}")
+        self.kv_pool = kv_pool
+        self.device = kv_pool.device
+        self._check_device()
+        self.decode_tensor_cores = decode_tensor_cores
+        self.decode_backend = decode_backend
+        self.prefill_backend = prefill_backend
+        self.mla_backend = mla_backend
+        self.mla_impl = mla_impl
+        self.extend_impl = extend_impl
+        # One float workspace for every wrapper: their runs follow one another on one stream.
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self.layers: dict[int, _Group] = {}
+        for layer_id, entries in kv_pool.buffers.items():
+            self.layers[layer_id] = self._group_of(layer_id, entries, q_heads, scales, mla_rope_dim, q_dtype)
+        self.groups: tuple[_Group, ...] = tuple(dict.fromkeys(self.layers.values()))
+        self._eager: dict[tuple[_Group, str], _Planned] = {}  # (group, kind) -> eager wrapper
+        self._static: Optional[dict[str, torch.Tensor]] = None  # init_capture_state's buffers
+        self._graph: dict[tuple[_Group, int], _Planned] = {}  # (group, bucket) -> use_cuda_graph wrapper
+        self._step: Optional[_StepPlan] = None
+
+    # -- configuration ---------------------------------------------------------------------
+
+    def _check_device(self) -> None:
+        if self.device.type != "cuda":
+            raise ValueError(f"FlashInferAttentionBackend needs a KV pool on a CUDA device, not {self.device}")
+
+    @staticmethod
+    def _group_of(layer_id, entries, q_heads, scales, rope_dim, q_dtype) -> _Group:
+        def per_layer(value, what):
+            if isinstance(value, Mapping):
+                if layer_id not in value:
+                    raise KeyError(f"FlashInferAttentionBackend: no {what} given for full layer {layer_id}")
+                return value[layer_id]
+            return value
+
+        heads = int(per_layer(q_heads, "query head count"))
+        scale = per_layer(scales, "softmax scale") if scales is not None else None
+        if "k" in entries and "v" in entries:
+            k, v = entries["k"], entries["v"]
+            hkv, d, dv = k.shape[2], k.shape[3], v.shape[3]
+            if heads % hkv:
+                raise ValueError(f"layer {layer_id}: {heads} query heads are not a multiple of {hkv} kv heads")
+            return _Group("gqa", heads, hkv, d, dv, 0, float(scale if scale is not None else d ** -0.5),
+                          q_dtype or k.dtype, k.dtype)
+        if "latent" in entries:
+            lat = entries["latent"]
+            rank = lat.shape[-1] - rope_dim
+            if scale is None:
+                raise ValueError(f"layer {layer_id} (MLA): pass its softmax scale in `scales` "
+                                 "(it depends on the un-absorbed qk head dims, which the pool does not know)")
+            return _Group("mla", heads, 1, rank, rank, rope_dim, float(scale), q_dtype or lat.dtype, lat.dtype)
+        raise ValueError(f"layer {layer_id}: KV entries {sorted(entries)} are neither GQA (k, v) nor MLA (latent)")
+
+    def _use_tensor_cores(self, g: _Group) -> bool:
+        if self.decode_tensor_cores is not None:
+            return self.decode_tensor_cores
+        return g.num_q_heads // g.num_kv_heads >= 4
+
+    # -- wrappers --------------------------------------------------------------------------
+
+    def _eager_wrapper(self, g: _Group, kind: str) -> _Planned:
+        key = (g, kind)
+        if key not in self._eager:
+            fi = self.flashinfer
+            if g.kind == "mla":
+                w = fi.mla.BatchMLAPagedAttentionWrapper(self.workspace, backend=self.mla_backend)
+            elif kind == "decode":
+                w = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.decode_backend,
+                                                          use_tensor_cores=self._use_tensor_cores(g))
+            elif kind == "prefill":
+                w = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.prefill_backend)
+            else:
+                w = fi.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=self.prefill_backend)
+            self._eager[key] = _Planned(w, self.device.type == "cuda")
+        return self._eager[key]
+
+    def _graph_wrapper(self, g: _Group, bucket: int) -> _Planned:
+        """The bucket's use_cuda_graph wrapper, over views of the static buffers (fixed addresses).
+
+        Every bucket and group shares the buffers: they hold the same step's metadata, and only
+        one graph replays at a time, right after init_replay_state refilled them.
+        """
+        key = (g, bucket)
+        if key not in self._graph:
+            fi, st = self.flashinfer, self._static
+            if g.kind == "mla":
+                w = fi.mla.BatchMLAPagedAttentionWrapper(
+                    self.workspace, use_cuda_graph=True, qo_indptr=st["qo_indptr"][: bucket + 1],
+                    kv_indptr=st["kv_indptr"][: bucket + 1], kv_indices=st["kv_indices"],
+                    kv_len_arr=st["kv_lens"][:bucket], backend=self.mla_backend)
+            else:
+                w = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores(g),
+                    paged_kv_indptr_buffer=st["kv_indptr"][: bucket + 1], paged_kv_indices_buffer=st["kv_indices"],
+                    paged_kv_last_page_len_buffer=st["kv_last_page_len"][:bucket], backend=self.decode_backend)
+            self._graph[key] = _Planned(w, self.device.type == "cuda")
+        return self._graph[key]
+
+    # -- planning (never inside a captured region) -----------------------------------------
+
+    def _plan(self, ctx: ExecContext, bucket: Optional[int]) -> _StepPlan:
+        mode = Mode(ctx.mode)
+        meta = build_paged_metadata(ctx, pad_reqs_to=bucket)
+        if mode == Mode.DECODE:
+            kind = "decode"
+        elif self.extend_impl == "ragged" and mode == Mode.EXTEND and meta.all_fresh:
+            kind = "ragged"
+        else:
+            kind = "prefill"
+        wrappers = {}
+        for g in self.groups:
+            if g.kind == "mla" and self.mla_impl == "triton":
+                continue
+            planned = self._graph_wrapper(g, bucket) if bucket is not None else (
+                self._eager_wrapper(g, "mla" if g.kind == "mla" else kind))
+            self._plan_group(planned, g, kind, meta)
+            wrappers[g] = planned.wrapper
+        triton_meta = None
+        if self.mla_impl == "triton" and any(g.kind == "mla" for g in self.groups):
+            triton_meta = self._triton_meta(meta, bucket)
+        if bucket is None:
+            slots, pad_rows = ctx.slot_mapping, None
+        else:
+            slots = self._static["slots"][:bucket]
+            slots.copy_(ctx.slot_mapping, non_blocking=True)
+            pad_rows = self._static["pad_rows"][:bucket]
+            torch.lt(slots.view(-1, 1, 1), 0, out=pad_rows)  # once per step, not once per layer
+        return _StepPlan(ctx, meta, kind, bucket, slots, pad_rows, wrappers, triton_meta)
+
+    def _plan_group(self, planned: _Planned, g: _Group, kind: str, meta: PagedMetadata) -> None:
+        ps = self.kv_pool.page_size
+        if g.kind == "mla":
+            # Decode rows see their whole cache: the plain (non-causal) schedule is the same thing.
+            planned.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_lens, g.num_q_heads,
+                         g.head_dim, g.rope_dim, ps, kind != "decode", g.scale, g.q_dtype, g.kv_dtype)
+        elif kind == "decode":
+            if g.head_dim != g.head_dim_v:
+                raise ValueError(f"FlashInfer decode needs equal q/k and v head dims (got {g.head_dim}, {g.head_dim_v})")
+            planned.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, g.num_q_heads, g.num_kv_heads,
+                         g.head_dim, ps, q_data_type=g.q_dtype, kv_data_type=g.kv_dtype, sm_scale=g.scale)
+        elif kind == "prefill":
+            planned.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, g.num_q_heads,
+                         g.num_kv_heads, g.head_dim, ps, head_dim_vo=g.head_dim_v, causal=True, sm_scale=g.scale,
+                         q_data_type=g.q_dtype, kv_data_type=g.kv_dtype)
+        else:  # ragged: this step's k/v are the whole cache of every request
+            planned.plan(meta.qo_indptr, meta.qo_indptr, g.num_q_heads, g.num_kv_heads, g.head_dim,
+                         head_dim_vo=g.head_dim_v, causal=True, sm_scale=g.scale, q_data_type=g.q_dtype,
+                         kv_data_type=g.kv_dtype)
+
+    def _triton_meta(self, meta: PagedMetadata, bucket: Optional[int]) -> tuple:
+        host = (meta.kv_indptr, meta.row_req, meta.row_pos)
+        if bucket is None:
+            indptr, row_req, row_pos = (t.to(self.device, non_blocking=True) for t in host)
+            return indptr, meta.kv_indices, row_req, row_pos
+        st = self._static
+        views = (st["kv_indptr"][: bucket + 1], st["kv_indices"], st["row_req"][:bucket], st["row_pos"][:bucket])
+        for view, value in zip(views, (meta.kv_indptr, meta.kv_indices, meta.row_req, meta.row_pos)):
+            view[: value.numel()].copy_(value)
+        return views
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
+        """Allocate the buffers every captured decode graph reads, sized for the largest bucket.
+
+        Decode buckets have one row per request, so `max_seqs` bounds both. Real requests own
+        distinct pages and each padding request reads one, so num_pages + max_seqs page indices
+        always fit.
+        """
+        i32 = dict(dtype=torch.int32, device=self.device)
+        n = max(max_seqs, max_tokens)
+        self._static = {
+            "slots": torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            "pad_rows": torch.ones((n, 1, 1), dtype=torch.bool, device=self.device),
+            "qo_indptr": torch.arange(n + 1, **i32),  # decode: one query row per request
+            "kv_indptr": torch.zeros(n + 1, **i32),
+            "kv_indices": torch.zeros(self.kv_pool.num_pages + n, **i32),
+            "kv_lens": torch.zeros(n, **i32),
+            "kv_last_page_len": torch.zeros(n, **i32),
+            "row_req": torch.zeros(n, **i32),
+            "row_pos": torch.zeros(n, **i32),
+        }
+        self._graph.clear()  # wrappers made over older buffers would read stale addresses
+
+    def init_replay_state(self, ctx: ExecContext, bucket: int) -> None:
+        """Plan the bucket's fixed-buffer wrappers for this step, before its capture or replay."""
+        if self._static is None:
+            raise RuntimeError(f"{self.name}: init_replay_state before init_capture_state")
+        if Mode(ctx.mode) != Mode.DECODE:
+            raise ValueError(f"{self.name}: only decode steps are captured (capability modes_capturable), "
+                             f"not a {Mode(ctx.mode).value!r} step; routing must keep it eager")
+        if ctx.num_seqs != bucket or ctx.num_tokens != bucket or bucket > self._static["slots"].shape[0]:
+            raise ValueError(f"{self.name}: a step of {ctx.num_seqs} requests and {ctx.num_tokens} rows replayed in "
+                             f"bucket {bucket} (static buffers hold {self._static['slots'].shape[0]}); the graph "
+                             "runner pads a decode step to one row per request of its bucket")
+        self._step = self._plan(ctx, bucket)
+
+    def init_step_metadata(self, ctx: ExecContext) -> None:
+        """Plan every head group for an eager step, once, before the step's first op."""
+        self._step = self._plan(ctx, bucket=None)
+
+    def init_chunk_metadata(self, ctx: ExecContext, chunk_size: int) -> None:
+        """Nothing to add: init_step_metadata planned the whole extend (FlashInfer's prefill plan
+        splits long requests into work tiles itself), and the ops must not plan."""
+        if self._step is None or self._step.ctx is not ctx:
+            raise RuntimeError(f"{self.name}: init_chunk_metadata for a step that init_step_metadata did not plan")
+
+    # -- ops -------------------------------------------------------------------------------
+
+    def _step_for(self, ctx: ExecContext, layer_id: int, kind: str, scale: float) -> tuple[_Group, _StepPlan]:
+        step = self._step
+        planned_for_ctx = step is not None and (step.ctx is ctx or (
+            # A graph runner may capture with its own context object over the same step.
+            step.bucket is not None and ctx.num_seqs == step.bucket and ctx.mode == step.ctx.mode))
+        if not planned_for_ctx:
+            raise RuntimeError(f"{self.name}: layer {layer_id} ran in a step that was not planned; call "
+                               "init_step_metadata(ctx) (or init_replay_state(ctx, bucket) for a graph) first")
+        try:
+            g = self.layers[layer_id]
+        except KeyError:
+            raise KeyError(f"{self.name} has no full layer {layer_id} (layers: {sorted(self.layers)})") from None
+        if g.kind != kind:
+            raise ValueError(f"layer {layer_id} is a {g.kind} layer, called through {kind}_attention")
+        if not math.isclose(scale, g.scale, rel_tol=1e-6):
+            raise ValueError(f"layer {layer_id}: the op's scale {scale} differs from the planned {g.scale}; "
+                             "pass it in FlashInferAttentionBackend(scales=...)")
+        return g, step
+
+    @staticmethod
+    def _zero_padding(step: _StepPlan, out: torch.Tensor) -> None:
+        if step.bucket is not None:
+            # The real row count changes between replays: mask on the device (rows with slot -1).
+            out.masked_fill_(step.pad_rows, 0)
+        elif step.meta.num_rows < out.shape[0]:
+            out[step.meta.num_rows:].zero_()
+
+    def gqa_attention(self, ctx, q, k, v, out, layer_id, scale):
+        g, step = self._step_for(ctx, layer_id, "gqa", scale)
+        assert q.shape[1] == g.num_q_heads and k.shape[1] == g.num_kv_heads, (
+            f"layer {layer_id}: q/k heads {q.shape[1]}/{k.shape[1]}, planned {g.num_q_heads}/{g.num_kv_heads}")
+        cache = self.kv_pool.layer(layer_id)
+        kc, vc = cache["k"], cache["v"]
+        store_kv_rows(step.slots, ctx.page_size, (k, kc), (v, vc))
+        n = step.meta.num_rows
+        wrapper = step.wrappers[g]
+        target = out[:n] if out.is_contiguous() else torch.empty_like(out[:n])
+        if step.kind == "ragged":
+            wrapper.run(q[:n], k[:n], v[:n], out=target)
+        else:
+            wrapper.run(q[:n], (kc, vc), out=target)
+        if target.data_ptr() != out.data_ptr():
+            out[:n].copy_(target)
+        self._zero_padding(step, out)
+
+    def mla_attention(self, ctx, q_latent, q_rope, kv_latent, k_rope, out, layer_id, scale):
+        g, step = self._step_for(ctx, layer_id, "mla", scale)
+        R = g.head_dim
+        assert kv_latent.shape[-1] == R and k_rope.shape[-1] == g.rope_dim, (
+            f"layer {layer_id}: latent/rope dims {kv_latent.shape[-1]}/{k_rope.shape[-1]}, planned {R}/{g.rope_dim}")
+        latent = self.kv_pool.layer(layer_id)["latent"]
+        ckv, kpe = latent[..., :R], latent[..., R:]  # strided views into [pages, page_size, R+P]
+        store_kv_rows(step.slots, ctx.page_size, (kv_latent, ckv), (k_rope, kpe))
+        n = step.meta.num_rows
+        target = out[:n] if out.is_contiguous() else torch.empty_like(out[:n])
+        if self.mla_impl == "triton":
+            from runtime.backends.triton_mla import triton_mla_attention
+            kv_indptr, kv_indices, row_req, row_pos = step.triton_meta
+            triton_mla_attention(q_latent[:n], q_rope[:n], ckv, kpe, kv_indptr, kv_indices, row_req[:n],
+                                 row_pos[:n], target, g.scale)
+        else:
+            step.wrappers[g].run(q_latent[:n], q_rope[:n], ckv, kpe, out=target)
+        if target.data_ptr() != out.data_ptr():
+            out[:n].copy_(target)
+        self._zero_padding(step, out)

@@ -1,0 +1,135 @@
+"""Triton MLA kernel: absorbed multi-head latent attention over the paged latent cache.
+
+The fallback (and cross-check) for FlashInfer's `BatchMLAPagedAttentionWrapper`, chosen with
+`FlashInferAttentionBackend(mla_impl="triton")`. Same contract as the `mla_attention` op: the
+cache keeps [c | k_rope] per token; score = q_latent.c + q_rope.k_rope; out = softmax(scale *
+score) @ c.
+
+1. Split pass, grid (rows, head blocks, splits): each program takes one query row, BLOCK_H heads
+   and one contiguous share of the keys that row may see (causal: positions 0..row_pos), walks it
+   BLOCK_N tokens at a time through the page indices, and keeps an online softmax in float32. It
+   writes its normalised partial output and its log-sum-exp (base 2).
+2. Combine pass, grid (rows, heads): merges the splits by their log-sum-exp.
+
+The number of splits depends only on the number of rows and heads, so a captured decode graph
+replays the same launch for any context length. Every query row reads its keys again, so for
+long extends this kernel moves far more bytes than a prefill kernel would: it is a decode kernel
+that also computes extend correctly, not a prefill kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["triton_mla_attention", "num_splits_for"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_split_kernel(q_lat, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, row_pos, part_o, part_lse,
+                      s_ql_t, s_ql_h, s_qr_t, s_qr_h, s_c_page, s_c_tok, s_k_page, s_k_tok,
+                      num_heads, page_size, scale_log2,
+                      R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    req = tl.load(row_req + t)
+    kv_len = tl.load(row_pos + t) + 1  # causal: the row sees keys 0..its own position
+    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+    first_page = tl.load(kv_indptr + req)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    r = tl.arange(0, R)
+    p = tl.arange(0, P)
+    q = tl.load(q_lat + t * s_ql_t + heads[:, None] * s_ql_h + r[None, :], mask=hmask[:, None], other=0.0)
+    qr = tl.load(q_rope + t * s_qr_t + heads[:, None] * s_qr_h + p[None, :], mask=hmask[:, None], other=0.0)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        page = tl.load(kv_indices + first_page + n // page_size, mask=nmask, other=0).to(tl.int64)
+        off = (n % page_size).to(tl.int64)
+        c = tl.load(ckv + page[:, None] * s_c_page + off[:, None] * s_c_tok + r[None, :], mask=nmask[:, None], other=0.0)
+        kr = tl.load(kpe + page[:, None] * s_k_page + off[:, None] * s_k_tok + p[None, :], mask=nmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(c), input_precision=PRECISION)
+        s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
+        s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c, input_precision=PRECISION)
+        m = m_new
+
+    has = l > 0
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+    o = acc / tl.where(has, l, 1.0)[:, None]
+    idx = (t * num_heads + heads) * NUM_SPLITS + split
+    tl.store(part_o + idx[:, None] * R + r[None, :], o, mask=hmask[:, None])
+    tl.store(part_lse + idx, lse, mask=hmask)
+
+
+@triton.jit
+def _mla_combine_kernel(part_o, part_lse, out, s_o_t, s_o_h, num_heads,
+                        R: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    r = tl.arange(0, R)
+    base = (t * num_heads + h) * NUM_SPLITS
+    lse = tl.load(part_lse + base + sp)
+    m = tl.max(lse, 0)
+    live = lse > float("-inf")
+    w = tl.where(live, tl.exp2(tl.where(live, lse - m, 0.0)), 0.0)
+    o = tl.load(part_o + (base + sp)[:, None] * R + r[None, :])
+    res = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out + t * s_o_t + h * s_o_h + r, res.to(out.dtype.element_ty))
+
+
+def num_splits_for(rows: int, head_blocks: int, num_sms: int) -> int:
+    """Splits per (row, head block): enough programs for about two waves, a power of two <= 32."""
+    want = max(1, -(-2 * num_sms // max(rows * head_blocks, 1)))
+    splits = 1
+    while splits < want and splits < 32:
+        splits *= 2
+    return splits
+
+
+def triton_mla_attention(q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, row_pos, out, scale,
+                         block_h: int = 16, block_n: int = 32, num_splits: int | None = None) -> None:
+    """q_latent [T,H,R], q_rope [T,H,P]; ckv [pages,page_size,R] and kpe [pages,page_size,P] (views
+    with unit last stride); kv_indptr/kv_indices: FlashInfer's page lists per request; row_req /
+    row_pos [T] int32: each row's request and position; out [T,H,R] written in place."""
+    T, H, R = q_latent.shape
+    P = q_rope.shape[-1]
+    if T == 0:
+        return
+    assert ckv.stride(-1) == 1 and kpe.stride(-1) == 1 and q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
+    assert R & (R - 1) == 0 and P & (P - 1) == 0, f"triton MLA: R={R} and P={P} must be powers of two"
+    head_blocks = triton.cdiv(H, block_h)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q_latent.device).multi_processor_count if q_latent.is_cuda else 4
+        num_splits = num_splits_for(T, head_blocks, sms)
+    part_o = torch.empty(T * H * num_splits, R, dtype=torch.float32, device=q_latent.device)
+    part_lse = torch.empty(T * H * num_splits, dtype=torch.float32, device=q_latent.device)
+    precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"
+    _mla_split_kernel[(T, head_blocks, num_splits)](
+        q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, row_pos, part_o, part_lse,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1),
+        H, ckv.shape[1], scale * _LOG2E,
+        R=R, P=P, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=precision,
+        num_warps=8, num_stages=2)
+    assert out.stride(-1) == 1
+    _mla_combine_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H,
+                                R=R, NUM_SPLITS=num_splits, num_warps=4)

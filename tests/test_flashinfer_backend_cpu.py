@@ -1,0 +1,477 @@
+"""CPU tests of the FlashInfer attention backend: everything that needs no GPU.
+
+1. `build_paged_metadata` against hand-computed indptr / indices / last_page_len / row positions.
+2. Without flashinfer, constructing the backend raises and names the gpu extra.
+3. The backend's plumbing (grouping, one plan per step and group, plan arguments, stale-plan
+   errors, scale checks, padding, graph buckets) through a stand-in `flashinfer` module whose
+   wrappers keep the real 0.6 signatures and compute FlashInfer's documented semantics in torch
+   (kv length = (pages-1)*page_size + last_page_len, causal mask aligned to the end of the
+   cache). Its outputs must equal the CPU reference backend's.
+4. The Triton kernels (K/V store, MLA) in the Triton interpreter, in a subprocess so that
+   TRITON_INTERPRET never leaks into this process (bf16 dots are wrong in the interpreter, so
+   the MLA kernel runs on float32 here and on bf16 in the GPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
+from runtime.backends import flashinfer_attention as fia
+from runtime.backends.cpu_reference import CPUReferenceBackend
+from runtime.backends.flashinfer_attention import FlashInferAttentionBackend, FlashInferMissing, build_paged_metadata
+from runtime.batch import SeqState, build_step, commit_step
+from runtime.kv_pool import KVPool
+
+ROOT = Path(__file__).resolve().parents[1]
+HQ, HKV, D, R, P = 4, 2, 8, 16, 8
+GQA_SCALE, MLA_SCALE = D ** -0.5, 0.3
+
+REGISTRY = LayerRegistry([
+    LayerSpec(0, LayerKind.FULL_GQA, kv={"k": TensorSpec((HKV, D), "float32"), "v": TensorSpec((HKV, D), "float32")}),
+    LayerSpec(1, LayerKind.GDN, state={"recurrent": TensorSpec((HQ, D, D), "float32")}),
+    LayerSpec(2, LayerKind.FULL_MLA, kv={"latent": TensorSpec((R + P,), "float32")}),
+    LayerSpec(3, LayerKind.FULL_GQA, kv={"k": TensorSpec((HKV, D), "float32"), "v": TensorSpec((HKV, D), "float32")}),
+])
+
+
+# -- 1. metadata --------------------------------------------------------------------------------
+
+
+def _ctx_three_requests():
+    """Page size 4. Request 0: new, 3 tokens. Request 1: 6 cached + 1 (decode). Request 2: 2 cached
+    + 5. Pages handed out so that no request's pages are contiguous."""
+    pool = KVPool(REGISTRY, 16, 4)
+    a, b, c = SeqState(1, pages=[7]), SeqState(2, pages=[2, 9]), SeqState(3, pages=[4])
+    b.num_cached, c.num_cached = 6, 2
+    built = build_step([(a, [0] * 3), (b, [0]), (c, [0] * 5)], pool, pad_tokens_to=12, pad_seqs_to=5)
+    return built.ctx, (a, b, c)
+
+
+def test_metadata_matches_hand_computed_values():
+    ctx, (a, b, c) = _ctx_three_requests()
+    assert c.pages[0] == 4 and len(c.pages) == 2  # build_step gave request 2 one more page
+    meta = build_paged_metadata(ctx)
+    # kv lengths 3, 7, 7 -> pages 1, 2, 2; last pages hold 3, 3, 3 tokens.
+    assert meta.num_reqs == 3 and meta.num_rows == 9
+    assert meta.qo_indptr.tolist() == [0, 3, 4, 9]
+    assert meta.kv_indptr.tolist() == [0, 1, 3, 5]
+    assert meta.kv_lens.tolist() == [3, 7, 7]
+    assert meta.kv_last_page_len.tolist() == [3, 3, 3]
+    assert meta.kv_indices.tolist() == [7, 2, 9, 4, c.pages[1]]
+    assert meta.row_req.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2]
+    assert meta.row_pos.tolist() == [0, 1, 2, 6, 2, 3, 4, 5, 6]
+    assert all(t.dtype == torch.int32 for t in (meta.qo_indptr, meta.kv_indptr, meta.kv_lens,
+                                                meta.kv_last_page_len, meta.kv_indices, meta.row_req, meta.row_pos))
+    assert not meta.all_fresh
+
+
+def test_metadata_full_last_page_and_fresh_batch():
+    pool = KVPool(REGISTRY, 16, 4)
+    a, b = SeqState(1), SeqState(2)
+    ctx = build_step([(a, [0] * 8), (b, [0] * 5)], pool).ctx  # 8 tokens fill two pages exactly
+    meta = build_paged_metadata(ctx)
+    assert meta.kv_indptr.tolist() == [0, 2, 4]
+    assert meta.kv_last_page_len.tolist() == [4, 1]
+    assert meta.kv_indices.tolist() == a.pages + b.pages
+    assert meta.all_fresh
+
+
+def test_metadata_padded_to_a_bucket():
+    """Graph buckets: padding requests own one row and read one token of page 0."""
+    pool = KVPool(REGISTRY, 16, 4)
+    a, b = SeqState(1, pages=[5, 6]), SeqState(2, pages=[3])
+    a.num_cached, b.num_cached = 5, 2
+    ctx = build_step([(a, [0]), (b, [0])], pool, pad_tokens_to=4, pad_seqs_to=4).ctx
+    meta = build_paged_metadata(ctx, pad_reqs_to=4)
+    assert meta.num_reqs == 4 and meta.num_rows == 4
+    assert meta.qo_indptr.tolist() == [0, 1, 2, 3, 4]
+    assert meta.kv_indptr.tolist() == [0, 2, 3, 4, 5]
+    assert meta.kv_lens.tolist() == [6, 3, 1, 1]
+    assert meta.kv_last_page_len.tolist() == [2, 3, 1, 1]
+    assert meta.kv_indices.tolist() == [5, 6, 3, 0, 0]
+    assert meta.row_req.tolist() == [0, 1, 2, 3] and meta.row_pos.tolist() == [5, 2, 0, 0]
+
+
+def test_metadata_rejects_a_narrow_page_table():
+    ctx, _ = _ctx_three_requests()
+    ctx = dataclasses.replace(ctx, page_table=ctx.page_table[:, :1])
+    with pytest.raises(ValueError, match="page table has 1 columns"):
+        build_paged_metadata(ctx)
+
+
+# -- 2. without flashinfer ---------------------------------------------------------------------
+
+
+def test_clear_error_without_flashinfer(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` raise ImportError
+    with pytest.raises(FlashInferMissing, match=r"install the gpu extra"):
+        FlashInferAttentionBackend(KVPool(REGISTRY, 4, 4), q_heads=HQ, scales={0: GQA_SCALE, 2: MLA_SCALE, 3: GQA_SCALE})
+
+
+# -- 3. plumbing through a stand-in flashinfer ---------------------------------------------------
+
+
+def _attend(q, keys, values, scale, causal):
+    """q [Lq,H,Dk]; keys [L,Hkv,Dk]; values [L,Hkv,Dv] -> [Lq,H,Dv], causal aligned to the end."""
+    Lq, H = q.shape[:2]
+    L = keys.shape[0]
+    group = H // keys.shape[1]
+    k = keys.float().repeat_interleave(group, 1)
+    v = values.float().repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if causal:
+        mask = torch.arange(L)[None, :] > (torch.arange(Lq)[:, None] + L - Lq)
+        s = s.masked_fill(mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+
+
+def _pages_of(indptr, indices, b):
+    return indices[int(indptr[b]):int(indptr[b + 1])].long()
+
+
+class _Fake:
+    """Shared bookkeeping: every plan and run is logged so tests can count them."""
+
+    log: list = []
+
+    def __init__(self, float_workspace_buffer, *args, use_cuda_graph=False, **kwargs):
+        self.use_cuda_graph = use_cuda_graph
+        self.kwargs = kwargs
+        _Fake.log.append(("init", type(self).__name__, use_cuda_graph))
+
+    def _into(self, name, value):
+        """Graph wrappers copy plan data into their fixed buffers, as flashinfer does."""
+        buf = self.kwargs.get(name)
+        if not self.use_cuda_graph:
+            return value
+        if name.endswith("indices_buffer") or name == "kv_indices":
+            assert value.numel() <= buf.numel(), f"{name}: {value.numel()} entries, buffer {buf.numel()}"
+            buf[: value.numel()].copy_(value)
+        else:
+            assert buf.shape == value.shape, f"{name}: plan size {tuple(value.shape)} != fixed buffer {tuple(buf.shape)}"
+            buf.copy_(value)
+        return buf
+
+
+class FakeDecode(_Fake):
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None, rope_scale=None,
+             rope_theta=None, non_blocking=True, block_tables=None, seq_lens=None, fixed_split_size=None,
+             disable_split_kv=False):
+        self.indptr = self._into("paged_kv_indptr_buffer", indptr)
+        self.indices = self._into("paged_kv_indices_buffer", indices)
+        self.last = self._into("paged_kv_last_page_len_buffer", last_page_len)
+        self.ps, self.scale = page_size, sm_scale
+        _Fake.log.append(("plan", "decode", len(last_page_len)))
+
+    def run(self, q, paged_kv_cache, *args, out=None, **kwargs):
+        kc, vc = paged_kv_cache
+        assert out is not None and out.shape == q.shape
+        for b in range(len(self.last)):
+            pages = _pages_of(self.indptr, self.indices, b)
+            L = (len(pages) - 1) * self.ps + int(self.last[b])
+            out[b] = _attend(q[b:b + 1], kc[pages].flatten(0, 1)[:L], vc[pages].flatten(0, 1)[:L], self.scale, False)[0]
+        _Fake.log.append(("run", "decode", q.shape[0]))
+        return out
+
+
+class FakePagedPrefill(_Fake):
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+             head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
+             pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+             o_data_type=None, non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None,
+             token_pos_in_items_len=0, max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
+             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False):
+        self.qo, self.indptr, self.indices, self.last = qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len
+        self.ps, self.scale, self.causal = page_size, sm_scale, causal
+        _Fake.log.append(("plan", "prefill", len(paged_kv_last_page_len)))
+
+    def run(self, q, paged_kv_cache, *args, out=None, **kwargs):
+        kc, vc = paged_kv_cache
+        assert q.shape[0] == int(self.qo[-1]), f"q has {q.shape[0]} rows, qo_indptr[-1] is {int(self.qo[-1])}"
+        for b in range(len(self.last)):
+            pages = _pages_of(self.indptr, self.indices, b)
+            L = (len(pages) - 1) * self.ps + int(self.last[b])
+            rows = slice(int(self.qo[b]), int(self.qo[b + 1]))
+            out[rows] = _attend(q[rows], kc[pages].flatten(0, 1)[:L], vc[pages].flatten(0, 1)[:L], self.scale, self.causal)
+        _Fake.log.append(("run", "prefill", q.shape[0]))
+        return out
+
+
+class FakeRagged(_Fake):
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, custom_mask=None,
+             packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
+             window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True, prefix_len_ptr=None,
+             token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None, fixed_split_size=None,
+             disable_split_kv=False):
+        self.qo, self.kv, self.scale, self.causal = qo_indptr, kv_indptr, sm_scale, causal
+        _Fake.log.append(("plan", "ragged", len(qo_indptr) - 1))
+
+    def run(self, q, k, v, *args, out=None, **kwargs):
+        for b in range(len(self.qo) - 1):
+            rows = slice(int(self.qo[b]), int(self.qo[b + 1]))
+            kv = slice(int(self.kv[b]), int(self.kv[b + 1]))
+            out[rows] = _attend(q[rows], k[kv], v[kv], self.scale, self.causal)
+        _Fake.log.append(("run", "ragged", q.shape[0]))
+        return out
+
+
+class FakeMLA(_Fake):
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+        self.qo = self._into("qo_indptr", qo_indptr)
+        self.indptr = self._into("kv_indptr", kv_indptr)
+        self.indices = self._into("kv_indices", kv_indices)
+        self.lens = self._into("kv_len_arr", kv_len_arr)
+        self.ps, self.scale, self.causal = page_size, sm_scale, causal
+        _Fake.log.append(("plan", "mla", len(kv_len_arr)))
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, **kwargs):
+        assert out is not None and out.shape == q_nope.shape
+        for b in range(len(self.lens)):
+            pages = _pages_of(self.indptr, self.indices, b)
+            L = int(self.lens[b])
+            rows = slice(int(self.qo[b]), int(self.qo[b + 1]))
+            c, kr = ckv_cache[pages].flatten(0, 1)[:L], kpe_cache[pages].flatten(0, 1)[:L]
+            q = torch.cat([q_nope[rows], q_pe[rows]], -1)
+            keys = torch.cat([c, kr], -1).unsqueeze(1)
+            out[rows] = _attend(q, keys, c.unsqueeze(1), self.scale, self.causal)
+        _Fake.log.append(("run", "mla", q_nope.shape[0]))
+        return out
+
+
+def _fake_flashinfer() -> types.ModuleType:
+    fi = types.ModuleType("flashinfer")
+    fi.BatchDecodeWithPagedKVCacheWrapper = FakeDecode
+    fi.BatchPrefillWithPagedKVCacheWrapper = FakePagedPrefill
+    fi.BatchPrefillWithRaggedKVCacheWrapper = FakeRagged
+    fi.mla = types.ModuleType("flashinfer.mla")
+    fi.mla.BatchMLAPagedAttentionWrapper = FakeMLA
+    return fi
+
+
+def _store_rows_torch(slot_mapping, page_size, a, b):
+    """What the Triton store kernel does, in torch (eager only): skip rows whose slot is -1."""
+    keep = slot_mapping >= 0
+    for src, dst in (a, b):
+        rows = src[: slot_mapping.shape[0]][keep].reshape(int(keep.sum()), *dst.shape[2:])
+        slots = slot_mapping[keep]
+        dst[slots // page_size, slots % page_size] = rows
+
+
+class CPUFlashInferBackend(FlashInferAttentionBackend):
+    def _check_device(self) -> None:  # the stand-in flashinfer runs on the CPU
+        pass
+
+
+@pytest.fixture
+def fake_fi(monkeypatch):
+    fi = _fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", fi.mla)
+    monkeypatch.setattr(fia, "store_kv_rows", _store_rows_torch)
+    _Fake.log = []
+    return fi
+
+
+SCALES = {0: GQA_SCALE, 2: MLA_SCALE, 3: GQA_SCALE}
+
+
+class Pair:
+    """The stand-in backend and the CPU reference over two pools with the same pages."""
+
+    def __init__(self, **kw):
+        self.pool = KVPool(REGISTRY, 64, 4)
+        self.ref_pool = KVPool(REGISTRY, 64, 4)
+        self.ref = CPUReferenceBackend(self.ref_pool, None)
+        self.be = CPUFlashInferBackend(self.pool, q_heads=HQ, scales=SCALES, mla_rope_dim=P, **kw)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def run(self, ctx, layer_id, T, graph=None):
+        r = lambda *s: torch.randn(*s, generator=self.gen)
+        if layer_id == 2:
+            args, shape = (r(T, HQ, R), r(T, HQ, P), r(T, R), r(T, P)), (T, HQ, R)
+            call = lambda be, out: be.mla_attention(ctx, *args, out, 2, MLA_SCALE)
+        else:
+            args, shape = (r(T, HQ, D), r(T, HKV, D), r(T, HKV, D)), (T, HQ, D)
+            call = lambda be, out: be.gqa_attention(ctx, *args, out, layer_id, GQA_SCALE)
+        n = ctx.num_real_tokens
+        for a in args:
+            a[n:] = float("nan")
+        out, ref = torch.full(shape, float("nan")), torch.empty(shape)
+        call(self.ref, ref)
+        call(self.be, out)
+        assert torch.isfinite(out).all() and out[n:].eq(0).all()
+        return float((out - ref).norm() / ref.norm())
+
+
+def _schedule(pool, **kw):
+    """Three steps: fresh extend, chunked extend + decode (mixed), decode."""
+    seqs = [SeqState(i + 1) for i in range(3)]
+    steps = [[(0, 5), (1, 2), (2, 7)], [(0, 3), (1, 1), (2, 6)], [(0, 1), (1, 1), (2, 1)]]
+    for items in steps:
+        step_items = [(seqs[i], [0] * n) for i, n in items]
+        yield build_step(step_items, pool, **kw).ctx
+        commit_step(step_items)
+
+
+@pytest.mark.parametrize("extend_impl", ["paged", "ragged"])
+def test_backend_matches_reference_through_fake_flashinfer(fake_fi, extend_impl):
+    pair = Pair(extend_impl=extend_impl)
+    for ctx in _schedule(pair.ref_pool, pad_tokens_to=16, pad_seqs_to=4):
+        pair.be.init_step_metadata(ctx)
+        for layer in (0, 2, 3):
+            assert pair.run(ctx, layer, ctx.num_tokens) < 1e-5
+    for name in ("k", "v"):
+        assert torch.equal(pair.pool.layer(0)[name], pair.ref_pool.layer(0)[name])
+    assert torch.equal(pair.pool.layer(2)["latent"], pair.ref_pool.layer(2)["latent"])
+    kinds = [entry[1] for entry in _Fake.log if entry[0] == "plan"]
+    # One plan per step and head group (layers 0 and 3 share one): GQA then MLA, three steps.
+    first = "ragged" if extend_impl == "ragged" else "prefill"
+    assert kinds == [first, "mla", "prefill", "mla", "decode", "mla"]
+
+
+def test_ops_refuse_a_step_that_was_not_planned(fake_fi):
+    pair = Pair()
+    ctxs = list(_schedule(pair.ref_pool))
+    with pytest.raises(RuntimeError, match="not planned"):
+        pair.run(ctxs[0], 0, ctxs[0].num_tokens)
+    pair.be.init_step_metadata(ctxs[0])
+    with pytest.raises(RuntimeError, match="not planned"):  # a new context needs a new plan
+        pair.run(ctxs[1], 0, ctxs[1].num_tokens)
+
+
+def test_op_scale_must_match_the_planned_scale(fake_fi):
+    pair = Pair()
+    ctx = next(_schedule(pair.ref_pool))
+    pair.be.init_step_metadata(ctx)
+    T = ctx.num_tokens
+    with pytest.raises(ValueError, match="differs from the planned"):
+        pair.be.gqa_attention(ctx, torch.randn(T, HQ, D), torch.randn(T, HKV, D), torch.randn(T, HKV, D),
+                              torch.empty(T, HQ, D), 0, 0.5)
+
+
+def test_mla_layers_need_a_scale(fake_fi):
+    with pytest.raises(ValueError, match="MLA.*scale"):
+        CPUFlashInferBackend(KVPool(REGISTRY, 4, 4), q_heads=HQ, scales=None, mla_rope_dim=P)
+    with pytest.raises(KeyError, match="no softmax scale given for full layer 2"):
+        CPUFlashInferBackend(KVPool(REGISTRY, 4, 4), q_heads=HQ, scales={0: GQA_SCALE, 3: GQA_SCALE}, mla_rope_dim=P)
+
+
+def test_graph_buckets_plan_fixed_buffers_and_mask_padding(fake_fi):
+    """Capture/replay planning on the stand-in: bucket checks, fixed buffers, padded rows zeroed."""
+    pair = Pair()
+    seqs = [SeqState(i + 1) for i in range(3)]
+    prefill = [(s, [0] * n) for s, n in zip(seqs, (6, 9, 3))]
+    ctx = build_step(prefill, pair.ref_pool).ctx
+    pair.be.init_step_metadata(ctx)
+    for layer in (0, 2):
+        pair.run(ctx, layer, ctx.num_tokens)
+    commit_step(prefill)
+
+    items = [(s, [0]) for s in seqs]
+    with pytest.raises(RuntimeError, match="before init_capture_state"):
+        pair.be.init_replay_state(build_step(items, pair.ref_pool, pad_tokens_to=4, pad_seqs_to=4).ctx, 4)
+    pair.be.init_capture_state(8, 8)
+    for count in (2, 3):  # "capture" with 2 real requests, "replay" with 3
+        items = [(s, [0]) for s in seqs[:count]]
+        ctx = build_step(items, pair.ref_pool, pad_tokens_to=4, pad_seqs_to=4, max_pages=8).ctx
+        pair.be.init_replay_state(ctx, 4)
+        for layer in (0, 2):
+            assert pair.run(ctx, layer, 4) < 1e-5
+        commit_step(items)
+    assert ("init", "FakeDecode", True) in _Fake.log and ("init", "FakeMLA", True) in _Fake.log
+    assert sum(1 for e in _Fake.log if e[0] == "init" and e[2]) == 2, "one graph wrapper per bucket and head group"
+
+    items = [(s, [0]) for s in seqs]
+    with pytest.raises(ValueError, match="bucket 4"):
+        pair.be.init_replay_state(build_step(items, pair.ref_pool, pad_tokens_to=5, pad_seqs_to=5).ctx, 4)
+    with pytest.raises(ValueError, match="bucket 16"):
+        pair.be.init_replay_state(build_step(items, pair.ref_pool, pad_tokens_to=16, pad_seqs_to=16).ctx, 16)
+    extend = build_step([(seqs[0], [0] * 3)], pair.ref_pool, pad_tokens_to=4, pad_seqs_to=4, mode=Mode.EXTEND).ctx
+    with pytest.raises(ValueError, match="only decode steps are captured"):
+        pair.be.init_replay_state(extend, 4)
+
+
+def test_chunk_hook_needs_a_planned_step(fake_fi):
+    pair = Pair()
+    ctx = next(_schedule(pair.ref_pool))
+    with pytest.raises(RuntimeError, match="did not plan"):
+        pair.be.init_chunk_metadata(ctx, 64)
+    pair.be.init_step_metadata(ctx)
+    pair.be.init_chunk_metadata(ctx, 64)
+
+
+def test_backend_follows_the_protocol_and_declares_its_capability():
+    from runtime.backends.protocol import BackendHooks
+
+    cap = FlashInferAttentionBackend.capability
+    assert issubclass(FlashInferAttentionBackend, BackendHooks)
+    assert FlashInferAttentionBackend.supported_ops == frozenset({"gqa_attention", "mla_attention"})
+    assert cap.device == "cuda" and cap.modes_capturable == frozenset({Mode.DECODE})
+    assert cap.kinds == frozenset({LayerKind.FULL_GQA, LayerKind.FULL_MLA})
+
+
+# -- 4. Triton kernels in the interpreter -------------------------------------------------------
+
+_INTERPRETER_SCRIPT = textwrap.dedent("""
+    import json, torch
+    from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec
+    from runtime.backends.cpu_reference import CPUReferenceBackend
+    from runtime.backends.flashinfer_attention import build_paged_metadata, store_kv_rows
+    from runtime.backends.triton_mla import triton_mla_attention
+    from runtime.batch import SeqState, build_step, commit_step
+    from runtime.kv_pool import KVPool
+
+    H, R, P, ps = 20, 32, 16, 4
+    reg = LayerRegistry([LayerSpec(0, LayerKind.FULL_MLA, kv={"latent": TensorSpec((R + P,), "float32")})])
+    ref_pool, pool = KVPool(reg, 32, ps), KVPool(reg, 32, ps)
+    ref = CPUReferenceBackend(ref_pool, None)
+    g = torch.Generator().manual_seed(0)
+    seqs = [SeqState(1), SeqState(2)]
+    errors, stores = [], []
+    for items in ([(0, 6), (1, 3)], [(0, 1), (1, 5)], [(0, 1), (1, 1)]):
+        step_items = [(seqs[i], [0] * n) for i, n in items]
+        ctx = build_step(step_items, ref_pool, pad_tokens_to=12, pad_seqs_to=3).ctx
+        T, n = ctx.num_tokens, ctx.num_real_tokens
+        x = [torch.randn(T, H, R, generator=g), torch.randn(T, H, P, generator=g),
+             torch.randn(T, R, generator=g), torch.randn(T, P, generator=g)]
+        expect = torch.empty(T, H, R)
+        ref.mla_attention(ctx, *x, expect, 0, 0.2)
+        lat = pool.layer(0)["latent"]
+        store_kv_rows(ctx.slot_mapping, ps, (x[2], lat[..., :R]), (x[3], lat[..., R:]))
+        stores.append(bool(torch.equal(lat, ref_pool.layer(0)["latent"])))
+        meta = build_paged_metadata(ctx)
+        out = torch.full((n, H, R), float("nan"))
+        for splits in (1, 4):
+            triton_mla_attention(x[0][:n], x[1][:n], lat[..., :R], lat[..., R:], meta.kv_indptr, meta.kv_indices,
+                                 meta.row_req, meta.row_pos, out, 0.2, num_splits=splits)
+            errors.append(float((out - expect[:n]).norm() / expect[:n].norm()))
+        commit_step(step_items)
+    print(json.dumps({"errors": errors, "stores": stores}))
+""")
+
+
+def test_triton_kernels_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(result["stores"]), "the store kernel must write every real row and skip padding rows"
+    assert max(result["errors"]) < 1e-5, result
