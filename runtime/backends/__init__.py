@@ -26,6 +26,7 @@ BACKENDS: tuple[str, ...] = (
     "runtime.backends.cpu_reference:CPUReferenceBackend",
     "runtime.backends.flashinfer_attention:FlashInferAttentionBackend",
     "runtime.backends.triton_linear_backend:TritonLinearBackend",
+    "runtime.backends.triton_moe:TritonMoEBackend",
 )
 WRAPPERS: tuple[str, ...] = (
     "runtime.backends.hybrid:HybridBackend",

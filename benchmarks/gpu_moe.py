@@ -1,0 +1,376 @@
+"""GPU check and benchmark of the fused Triton MoE (runtime/backends/triton_moe.py): one script, one call.
+
+On the GPU machine (see ../shared/gpu/README.md for the wheel install line):
+
+    python3 benchmarks/gpu_moe.py --out $OUT            # GPU tests, correctness, timings, table
+    python3 benchmarks/gpu_moe.py --tune --out $OUT     # tune configs first (writes JSON), then the above
+    python3 benchmarks/gpu_moe.py --dry-run --out /tmp/moe   # CPU: Triton interpreter, tiny dims
+
+Steps, in order:
+1. `pytest -m gpu tests/test_gpu_moe.py` in a subprocess (skipped with --skip-tests); its summary
+   goes into the JSON and the table.
+2. Measures the two ceilings in this run: device-to-device copy bandwidth (bytes read + written,
+   1 GiB) and the bf16 matmul rate (8192^3 torch.mm).
+3. With --tune: `tune_moe.tune_all` writes runtime/backends/moe_configs/E=..,I=..,device=...json
+   and a copy as OUT/moe_configs/E.._I.._<device>.json (the GPU machine keeps nothing; install the
+   copies with `python3 benchmarks/tune_moe.py --install OUTDIR/moe_configs/*.json`, then commit).
+4. For each bench layer (Qwen3-Next-like: D 2048, I 512, softmax top-k renormalised; E 16 top-4 and
+   E 512 top-10) and T in {1, 8, 32, 128, 512, 2048}: checks the fused op (bf16) against
+   `moe_reference` on the CPU in float32 (rel err of norms <= 1e-2, every row written, eager and
+   graph replay equal bit for bit), then times (median, L2 flushed before each run by do_bench):
+   - fused: the op captured in a CUDA graph, replayed;       fused eager: the same without a graph;
+   - loop: the reference's per-expert loop on the GPU in bf16 (what a user has; syncs on the host);
+   - floor: max(bytes / copy bandwidth, FLOPs / matmul rate) with bytes = distinct experts hit x
+     (w13 + w2 of one expert) + router weight + x + out, FLOPs = 2 T k 3 I D + 2 T E D.
+5. Writes OUT/gpu_moe.json and prints a short table last, with the two targets of the issue:
+   fused within 1.3x of the floor at T=1, and ahead of the loop at every T.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from runtime.backends.cpu_reference import moe_reference, route_topk  # noqa: E402
+from runtime.backends.triton_moe import (  # noqa: E402
+    CONFIG_DIR, TritonMoEBackend, combine, device_name_of, down_sorted, down_token, gate_up_sorted, gate_up_token,
+    route, sort_tokens,
+)
+
+# Bench layers: Qwen3-Next-like (hidden 2048, expert width 512, softmax, norm_topk_prob).
+SHAPES = {"e16": dict(E=16, top_k=4), "e512": dict(E=512, top_k=10)}
+D_GPU, I_GPU = 2048, 512
+TOKENS_GPU = [1, 8, 32, 128, 512, 2048]
+# Dry run: tiny dims on the interpreter.
+DRY_SHAPES = {"e8": dict(E=8, top_k=2), "e16": dict(E=16, top_k=4)}
+D_DRY, I_DRY = 128, 64
+TOKENS_DRY = [1, 4, 16]
+ROUTING = dict(scoring="softmax", renormalize=True, routed_scale=1.0, num_groups=1, topk_groups=1)
+
+TOL_GPU = 1e-2
+# Triton's interpreter rounds float32 -> bf16 by truncation (twice the error of the GPU's rounding).
+TOL_INTERPRETER = 3e-2
+
+
+class Bench:
+    """Device, dtype, dims and a median timer (milliseconds) for one run."""
+
+    def __init__(self, dry_run: bool):
+        self.dry = dry_run
+        self.device = torch.device("cpu" if dry_run else "cuda")
+        if not dry_run and not torch.cuda.is_available():
+            raise SystemExit("gpu_moe: no CUDA device (use --dry-run on the CPU)")
+        self.dtype = torch.bfloat16
+        self.D, self.I = (D_DRY, I_DRY) if dry_run else (D_GPU, I_GPU)
+        self.tol = TOL_INTERPRETER if dry_run else TOL_GPU
+
+    def time_ms(self, fn, rep_ms: int = 100) -> float:
+        if self.dry:
+            fn()
+            runs = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                fn()
+                runs.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(runs)
+        return float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
+
+    def graph_ms(self, fn, rep_ms: int = 100):
+        """Capture fn in a CUDA graph (after an eager warm-up that compiles) and time replays.
+
+        Returns (ms, graph). On the CPU there is no graph: fn is timed directly.
+        """
+        fn()
+        if self.dry:
+            return self.time_ms(fn, rep_ms), None
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return self.time_ms(graph.replay, rep_ms), graph
+
+    def sync(self):
+        if not self.dry:
+            torch.cuda.synchronize()
+
+
+def make_layer(bench: Bench, E: int, seed: int):
+    """Random bf16 router and expert weights scaled so activations stay O(1)."""
+    g = torch.Generator(device=bench.device).manual_seed(seed)
+    D, I, dev, dt = bench.D, bench.I, bench.device, bench.dtype
+    router = (torch.randn(E, D, device=dev, generator=g) * D ** -0.5).to(dt)
+    w13 = torch.randn(E, 2 * I, D, device=dev, dtype=dt, generator=g).mul_(D ** -0.5)
+    w2 = torch.randn(E, D, I, device=dev, dtype=dt, generator=g).mul_(I ** -0.5)
+    return router, w13, w2
+
+
+def moe_loop(x, router_weight, router_bias, w13, w2, top_k, scoring, renormalize, routed_scale, num_groups,
+             topk_groups):
+    """The reference's per-expert loop, on x's device and dtype: the baseline a user has."""
+    ids, weights = route_topk(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale,
+                              num_groups, topk_groups)
+    inter = w2.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        rows, which = (ids == e).nonzero(as_tuple=True)
+        h = F.linear(x[rows], w13[e])
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(h, w2[e]).float()
+        out.index_add_(0, rows, y * weights[rows, which].unsqueeze(-1))
+    return out.to(x.dtype)
+
+
+def measure_rates(bench: Bench) -> dict:
+    """Copy bandwidth (read + written bytes per second) and matmul rate, measured now, on this device."""
+    if bench.dry:
+        n, m, dt = 1 << 24, 256, torch.float32
+    else:
+        n, m, dt = 1 << 29, 8192, torch.bfloat16  # 1 GiB of bf16; 8192^3 matmul
+    src = torch.empty(n, dtype=dt, device=bench.device).uniform_(-1, 1)  # never time zeros
+    dst = torch.empty_like(src)
+    copy_ms = bench.time_ms(lambda: dst.copy_(src))
+    a = torch.randn(m, m, dtype=dt, device=bench.device)
+    b = torch.randn(m, m, dtype=dt, device=bench.device)
+    c = torch.empty(m, m, dtype=dt, device=bench.device)
+    mm_ms = bench.time_ms(lambda: torch.mm(a, b, out=c))
+    return {"copy_bytes": 2 * n * src_elt(dt), "copy_ms": copy_ms,
+            "copy_GBps": 2 * n * src_elt(dt) / copy_ms / 1e6,
+            "mm_n": m, "mm_ms": mm_ms, "mm_TFLOPs": 2 * m ** 3 / mm_ms / 1e9, "mm_dtype": str(dt)}
+
+
+def src_elt(dt) -> int:
+    return torch.empty(0, dtype=dt).element_size()
+
+
+def floor_us(rates: dict, T: int, E: int, k: int, D: int, I: int, hit: int, elt: int) -> dict:
+    weight_bytes = hit * 3 * I * D * elt  # w13 (2I x D) and w2 (D x I) of each distinct expert hit
+    other_bytes = E * D * elt + 2 * T * D * elt  # router weight, x, out
+    flops = 2 * T * k * 3 * I * D + 2 * T * E * D
+    bytes_us = (weight_bytes + other_bytes) / (rates["copy_GBps"] * 1e3)
+    flops_us = flops / (rates["mm_TFLOPs"] * 1e6)
+    return {"bytes": weight_bytes + other_bytes, "flops": flops, "bytes_us": bytes_us, "flops_us": flops_us,
+            "floor_us": max(bytes_us, flops_us), "bound": "bytes" if bytes_us >= flops_us else "flops"}
+
+
+def rel_err(out, ref) -> float:
+    return float((out.float().cpu() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def run_gpu_tests(bench: Bench) -> dict:
+    """pytest -m gpu tests/test_gpu_moe.py in a subprocess; returns its exit code and summary line."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu_moe.py"]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    summary = tail[-1] if tail else ""
+    print("\n".join(tail[-40:]), flush=True)
+    return {"command": " ".join(cmd[1:]), "rc": proc.returncode, "summary": summary, "seconds": time.time() - t0}
+
+
+def bench_shape(bench: Bench, name: str, E: int, top_k: int, tokens: list[int], rates: dict,
+                backend: TritonMoEBackend, skip_loop: bool) -> list[dict]:
+    D, I = bench.D, bench.I
+    router, w13, w2 = make_layer(bench, E, seed=E)
+    cpu_layer = (router.float().cpu(), None, w13.cpu().float(), w2.cpu().float())
+    routing = (top_k, ROUTING["scoring"], ROUTING["renormalize"], ROUTING["routed_scale"],
+               ROUTING["num_groups"], ROUTING["topk_groups"])
+    cfg_file = backend.config_path(E, I, device_name_of(bench.device))
+    rows = []
+    for T in tokens:
+        t_start = time.time()
+        x = torch.randn(T, D, device=bench.device).to(bench.dtype)
+        config = backend.config_for(T, E, I, D, top_k, bench.device)
+
+        def fused(out):
+            backend.moe(None, x, router, None, w13, w2, out, 0, *routing)
+
+        # Correctness: poisoned output, float32 CPU reference on the same bf16 values.
+        out = torch.full((T, D), float("nan"), device=bench.device, dtype=bench.dtype)
+        fused(out)
+        bench.sync()
+        finite = bool(torch.isfinite(out).all())
+        ref = moe_reference(x.float().cpu(), *cpu_layer, *routing)
+        err = rel_err(out, ref)
+        ids, _ = route(x, router, None, *routing)
+        rids, _ = route_topk(x.float().cpu(), cpu_layer[0], None, *routing)
+        same_routing = float((ids.long().cpu() == rids).all(-1).float().mean())
+        hit = int(ids.unique().numel())
+        again = torch.empty_like(out)
+        fused(again)
+        deterministic = bool(torch.equal(again, out))
+
+        # Timings.
+        static_out = torch.empty_like(out)
+        graph_ms, graph = bench.graph_ms(lambda: fused(static_out))
+        graph_equal = True
+        if graph is not None:
+            graph.replay()
+            bench.sync()
+            graph_equal = bool(torch.equal(static_out, out))
+            del graph
+        eager_ms = bench.time_ms(lambda: fused(static_out))
+        loop_ms = None
+        if not skip_loop:
+            loop_ms = bench.time_ms(lambda: moe_loop(x, router, None, w13, w2, *routing), rep_ms=200)
+        stages = stage_times(bench, x, router, w13, w2, routing, config)
+        fl = floor_us(rates, T, E, top_k, D, I, hit, out.element_size())
+        row = {
+            "shape": name, "E": E, "top_k": top_k, "D": D, "I": I, "T": T,
+            "path": config.path, "BLOCK_M": config.gate_up.BLOCK_M, "config": config.to_dict(),
+            "config_source": str(cfg_file.name) if cfg_file.is_file() else "default",
+            "rel_err": err, "tol": bench.tol, "finite": finite, "deterministic": deterministic,
+            "graph_equals_eager": graph_equal, "same_routing_frac": same_routing, "experts_hit": hit,
+            "ok": finite and err <= bench.tol and deterministic and graph_equal,
+            "fused_graph_us": graph_ms * 1e3, "fused_eager_us": eager_ms * 1e3,
+            "loop_us": None if loop_ms is None else loop_ms * 1e3, "stages_us": stages, **fl,
+        }
+        row["x_floor"] = row["fused_graph_us"] / fl["floor_us"]
+        row["speedup_vs_loop"] = None if loop_ms is None else row["loop_us"] / row["fused_graph_us"]
+        row["GBps"] = fl["bytes"] / row["fused_graph_us"] / 1e3
+        row["TFLOPs"] = fl["flops"] / row["fused_graph_us"] / 1e6
+        rows.append(row)
+        loop_txt = "-" if loop_ms is None else f"{row['loop_us']:.1f}"
+        print(f"[{name} T={T}] {config.path} BM={config.gate_up.BLOCK_M} err={err:.2e} ok={row['ok']} "
+              f"hit={hit} graph={row['fused_graph_us']:.1f}us eager={row['fused_eager_us']:.1f}us "
+              f"loop={loop_txt}us floor={fl['floor_us']:.1f}us ({fl['bound']}) x_floor={row['x_floor']:.2f} "
+              f"[{time.time() - t_start:.1f}s]", flush=True)
+        print("    stages (each alone in a graph, us): " + " ".join(f"{k}={v:.1f}" for k, v in stages.items()), flush=True)
+    return rows
+
+
+def stage_times(bench: Bench, x, router, w13, w2, routing, config) -> dict:
+    """Each stage of the op captured alone in a CUDA graph and replayed (us): where a step's time goes.
+
+    Graphs, because timing these small launches eagerly measures Python launch time instead. The
+    stages overlap nothing in the op either, so their sum minus the op's time is the launch gaps.
+    """
+    E = w13.shape[0]
+    top_k = routing[0]
+    ids, weights = route(x, router, None, *routing)
+    out = torch.empty_like(x)
+    times = {"route": bench.graph_ms(lambda: route(x, router, None, *routing))[0]}
+    if config.path == "token":
+        h = gate_up_token(x, w13, ids, config.gate_up)
+        times["gate_up"] = bench.graph_ms(lambda: gate_up_token(x, w13, ids, config.gate_up, h=h))[0]
+        times["down"] = bench.graph_ms(lambda: down_token(h, w2, ids, weights, out, config.down))[0]
+    else:
+        bm = config.gate_up.BLOCK_M
+        times["sort"] = bench.graph_ms(lambda: sort_tokens(ids, E, bm))[0]
+        sorted_pairs, block_expert, total = sort_tokens(ids, E, bm)
+        h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, top_k, config.gate_up)
+        y = down_sorted(h, w2, weights, sorted_pairs, block_expert, total, config.down)
+        times["gate_up"] = bench.graph_ms(
+            lambda: gate_up_sorted(x, w13, sorted_pairs, block_expert, total, top_k, config.gate_up, h=h))[0]
+        times["down"] = bench.graph_ms(lambda: down_sorted(h, w2, weights, sorted_pairs, block_expert, total,
+                                                           config.down, y=y))[0]
+        times["combine"] = bench.graph_ms(lambda: combine(y, ids, out, E))[0]
+    return {k: v * 1e3 for k, v in times.items()}
+
+
+def print_table(rows: list[dict], tests: dict | None, rates: dict, device: str) -> None:
+    print()
+    print(f"device {device}; copy {rates['copy_GBps']:.0f} GB/s (read+write); "
+          f"matmul {rates['mm_TFLOPs']:.1f} TFLOP/s ({rates['mm_dtype']})")
+    if tests is not None:
+        print(f"gpu tests: rc={tests['rc']} {tests['summary']}")
+    head = (f"{'layer':<6}{'T':>6} {'path':<7}{'BM':>4}{'err':>9} {'ok':<4}{'hit':>5}{'floor us':>10}"
+            f"{'fused us':>10}{'x floor':>8}{'eager us':>10}{'loop us':>10}{'vs loop':>8}{'GB/s':>7}{'TF/s':>7}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        loop = "-" if r["loop_us"] is None else f"{r['loop_us']:.1f}"
+        vs = "-" if r["speedup_vs_loop"] is None else f"{r['speedup_vs_loop']:.1f}x"
+        print(f"{r['shape']:<6}{r['T']:>6} {r['path']:<7}{r['BLOCK_M']:>4}{r['rel_err']:>9.1e} "
+              f"{'yes' if r['ok'] else 'NO':<4}{r['experts_hit']:>5}{r['floor_us']:>10.1f}{r['fused_graph_us']:>10.1f}"
+              f"{r['x_floor']:>8.2f}{r['fused_eager_us']:>10.1f}{loop:>10}{vs:>8}{r['GBps']:>7.0f}{r['TFLOPs']:>7.1f}")
+    for shape in sorted({r["shape"] for r in rows}):
+        mine = [r for r in rows if r["shape"] == shape]
+        t1 = [r for r in mine if r["T"] == 1]
+        if t1:
+            verdict = "MET" if t1[0]["x_floor"] <= 1.3 else "MISSED"
+            print(f"target {shape}: T=1 within 1.3x of floor: {verdict} ({t1[0]['x_floor']:.2f}x)")
+        with_loop = [r for r in mine if r["speedup_vs_loop"] is not None]
+        if with_loop:
+            behind = [r["T"] for r in with_loop if r["speedup_vs_loop"] <= 1.0]
+            print(f"target {shape}: ahead of the per-expert loop at every T: "
+                  f"{'MET' if not behind else 'MISSED at T=' + ','.join(map(str, behind))}")
+    bad = [f"{r['shape']}/T={r['T']}" for r in rows if not r["ok"]]
+    print("correctness: " + ("all ok" if not bad else "FAILED " + " ".join(bad)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="folder for gpu_moe.json (and tuned configs)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny dims")
+    parser.add_argument("--tune", action="store_true", help="tune and write the config JSON files first")
+    parser.add_argument("--tune-budget-s", type=float, default=420.0, help="time budget of --tune, all shapes")
+    parser.add_argument("--shapes", default=None, help="comma list of layers (default: all)")
+    parser.add_argument("--tokens", default=None, help="comma list of token counts")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run the GPU pytest file first")
+    parser.add_argument("--skip-loop", action="store_true", help="do not time the per-expert loop baseline")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    bench = Bench(args.dry_run)
+    shapes = DRY_SHAPES if bench.dry else SHAPES
+    if args.shapes:
+        shapes = {k: shapes[k] for k in args.shapes.split(",")}
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else (TOKENS_DRY if bench.dry else TOKENS_GPU)
+    device = device_name_of(bench.device)
+    env = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+           "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "argv": sys.argv, "interpreter": bench.dry}
+    print(f"gpu_moe: {env}", flush=True)
+
+    tests = None if args.skip_tests else run_gpu_tests(bench)
+    rates = measure_rates(bench)
+    print(f"rates: {rates}", flush=True)
+
+    config_dir = CONFIG_DIR
+    tuned = None
+    if args.tune:
+        import tune_moe  # benchmarks/ is on sys.path as the script's folder
+
+        # A dry run never writes into the repository's config folder.
+        config_dir = args.out / "moe_configs" if bench.dry else CONFIG_DIR
+        tuned = tune_moe.tune_all(bench, shapes, config_dir=config_dir, out_dir=args.out,
+                                  budget_s=args.tune_budget_s)
+    backend = TritonMoEBackend(config_dir=config_dir)
+
+    rows = []
+    for name, shape in shapes.items():
+        rows += bench_shape(bench, name, shape["E"], shape["top_k"], tokens, rates, backend, args.skip_loop)
+
+    result = {"env": env, "rates": rates, "tests": tests, "tuned": tuned, "rows": rows,
+              "seconds": time.time() - t0}
+    (args.out / "gpu_moe.json").write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.out / 'gpu_moe.json'} after {time.time() - t0:.0f}s")
+    print_table(rows, tests, rates, device)
+    failed = any(not r["ok"] for r in rows) or (tests is not None and tests["rc"] not in (0, 5))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,952 @@
+"""Fused Triton MoE: the `moe` op with device-side routing, static-shape token sorting and grouped GEMMs.
+
+Implements `hgc.moe` (compiler/splitops/ops.py) with the exact semantics of
+`runtime.backends.cpu_reference.route_topk` / `moe_reference`, capturable in a CUDA graph: no host
+synchronisation, no data-dependent shapes, every launch grid a function of (T, E, top_k, I, D) and
+the chosen config only.
+
+One call, in order (T tokens, E experts, k = top_k, P = T*k (token, slot) pairs):
+
+1. Router logits [T,E] float32: for T <= 16 `_logits_gemv_kernel` spreads the router over many
+   programs; small routers (E*D <= 64K) with T <= 64 are folded into step 2; otherwise
+   `_logits_kernel` (bf16 operands, float32 accumulation). Products of bf16 numbers are exact in
+   float32, so each is the reference's `x.float() @ W.float().T` up to summation order.
+2. `_route_kernel`, one program per token: softmax or sigmoid scores, + bias for selection only,
+   grouped selection (groups ranked by the sum of their two best biased scores), top-k, weights
+   renormalised and scaled. Rows at or past the real token count get the sentinel expert E and
+   weight 0, so padding costs no expert work. In the sorted path it also counts pairs per expert
+   (integer atomics: the counts are exact whatever the order).
+3. Sorted path (`BLOCK_M >= 16`): `_align_kernel`, one program per expert, lays its pairs out in
+   pair order (stable, so the result is deterministic) in a segment padded to BLOCK_M, with the
+   sentinel pair id P in the padding, and writes the expert of each block. Buffers have the static
+   bound `P + min(E, P) * (BLOCK_M - 1)` rows; blocks past the used total exit at once, and an
+   expert with no pairs owns no block, so its weights are never read.
+4. `_gate_up_sorted_kernel`: grouped GEMM x[tokens] @ w13[e]^T, gate and up tiles side by side,
+   SiLU(gate) * up fused, h [rows, I] stored in sorted row order.
+5. `_down_sorted_kernel`: h @ w2[e]^T times the routing weight, stored per pair: y [P, D].
+6. `_combine_kernel`: out[t] = sum_j y[t*k + j] in float32, in slot order (deterministic, no
+   atomics); rows of padding tokens come out zero.
+
+Token path (`BLOCK_M == 1`, chosen for tiny T such as batch-1 decode): no sorting. One GEMV program
+per (pair, column tile) computes h, then one program per (token, column tile) runs the down
+projection of its k experts and combines them in slot order. Each active expert's weights are read
+once per token, which at T=1 is exactly the active experts' bytes.
+
+Kernel configs come from JSON files in `runtime/backends/moe_configs/` named
+`E={E},I={I},device={device name, spaces as underscores}.json` (see the README there and
+`benchmarks/tune_moe.py`, which writes them); without a file `default_config` decides.
+
+Shapes never depend on data, so the same launches replay from a CUDA graph; the backend class at
+the end adds the runtime protocol (capability, capture hooks, padding count). Triton is imported on
+the first launch, not at import (see "Kernels" below).
+
+Not done here: shared experts (the op contract keeps them in the graph), expert parallelism,
+quantised weights. Inputs must be contiguous in their last dimension (asserted, never copied: a
+copy of the expert weights per call would cost more than the op).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from compiler.splitops import MODES
+from runtime.backends.capability import BackendCapability
+from runtime.backends.protocol import BackendHooks
+
+__all__ = [
+    "CONFIG_DIR", "CaptureError", "GemmConfig", "MoEConfig", "TritonMoEBackend", "combine", "config_file_name",
+    "default_config", "device_name_of", "down_sorted", "down_token", "fused_moe", "gate_up_sorted", "gate_up_token",
+    "load_config_table", "max_sorted_rows", "route", "sort_tokens",
+]
+
+CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
+
+# Fold the router GEMV into the routing kernel when each program can afford to read the whole
+# router weight (from L2 after the first token) and there are enough tokens to fill the GPU with
+# such programs: up to 64K elements, 17 to 64 tokens (see `route`).
+FUSE_LOGITS_MAX_ELEMS = 64 * 1024
+FUSE_LOGITS_MAX_TOKENS = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+#
+# Written as plain functions and handed to triton.jit on the first launch (`_load_kernels`), so
+# importing this module needs no triton (the compiler reads `TritonMoEBackend.capability` on
+# machines without it) and TRITON_INTERPRET is read when the kernels are first needed, not when
+# some earlier import pulled this module in. The bodies resolve `tl` and `_grouped_pid` as module
+# globals, which `_load_kernels` binds before anything is compiled.
+# ---------------------------------------------------------------------------------------------
+
+triton = None  # the triton module, bound by _load_kernels
+tl = None  # triton.language, bound by _load_kernels
+
+
+def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_FP32: tl.constexpr):
+    """logits [T,E] float32 = x [T,D] @ w [E,D]^T."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < T
+    n_mask = offs_n < E
+    a_ptrs = x_ptr + offs_m[:, None] * stride_xt + offs_k[None, :]  # [BM,BK]
+    b_ptrs = w_ptr + offs_n[None, :] * stride_we + offs_k[:, None]  # [BK,BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_mask = offs_k < D - k0
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_FP32:
+            # Mixed or float32 operands: exact float32 products, as the reference computes them.
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    tl.store(out_ptr + offs_m[:, None] * E + offs_n[None, :], acc,
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _logits_gemv_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_xt, stride_we,
+                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """logits [T,E] float32 for few tokens: one program per (token, BLOCK_E experts), many in flight."""
+    t = tl.program_id(0)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs_d
+        xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + d, mask=d < D, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_e[:, None] * stride_we + d[None, :],
+                     mask=e_mask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        acc += tl.sum(wv * xv[None, :], axis=1)
+    tl.store(out_ptr + t.to(tl.int64) * E + offs_e, acc, mask=e_mask)
+
+
+def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr, counts_ptr, nreal_ptr,
+                  n_real, routed_scale, D, stride_xt, stride_we,
+                  E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                  G_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                  FUSED_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
+                  RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr, COUNT: tl.constexpr):
+    """One token: ids [k] int32 and weights [k] float32 (and +1 per chosen expert in counts [E])."""
+    t = tl.program_id(0)
+    row = logits_ptr + t.to(tl.int64) * E
+    if FUSED_LOGITS:
+        e1 = tl.arange(0, E_PAD)
+        acc = tl.zeros((E_PAD,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + d, mask=d < D, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + e1[:, None] * stride_we + d[None, :],
+                         mask=(e1[:, None] < E) & (d[None, :] < D), other=0.0).to(tl.float32)
+            acc += tl.sum(wv * xv[None, :], axis=1)
+        tl.store(row + e1, acc, mask=e1 < E)
+        # The row is re-read below in the grouped [G,S] layout by other threads of this program.
+        tl.debug_barrier()
+
+    # Experts in a [group, member] layout; with one group it is [1, E].
+    g = tl.arange(0, G_PAD)[:, None]
+    s = tl.arange(0, S_PAD)[None, :]
+    valid = (g < NUM_GROUPS) & (s < GROUP_SIZE)
+    e2 = g * GROUP_SIZE + s  # expert id where valid
+    logit = tl.load(row + e2, mask=valid, other=0.0)
+    if SOFTMAX:
+        top = tl.max(tl.max(tl.where(valid, logit, float("-inf")), axis=1), axis=0)
+        p = tl.where(valid, tl.exp(logit - top), 0.0)
+        scores = p / tl.sum(tl.sum(p, axis=1), axis=0)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-logit))
+    choice = scores
+    if HAS_BIAS:
+        # The bias steers selection only; weights below use the unbiased scores.
+        choice = choice + tl.load(bias_ptr + e2, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+
+    if NUM_GROUPS > 1:
+        # Group score: the sum of the group's two best biased scores (one if groups have one member).
+        best1 = tl.max(choice, axis=1)  # [G]
+        arg1 = tl.min(tl.where(choice == best1[:, None], s, S_PAD), axis=1)
+        if GROUP_SIZE > 1:
+            best2 = tl.max(tl.where(s == arg1[:, None], float("-inf"), choice), axis=1)
+            gscore = best1 + best2
+        else:
+            gscore = best1
+        gidx = tl.arange(0, G_PAD)
+        gscore = tl.where(gidx < NUM_GROUPS, gscore, float("-inf"))
+        keep = gidx < 0
+        for _ in tl.static_range(TOPK_GROUPS):
+            gbest = tl.max(gscore, axis=0)
+            gi = tl.min(tl.where(gscore == gbest, gidx, G_PAD), axis=0)
+            keep = keep | (gidx == gi)
+            gscore = tl.where(gidx == gi, float("-inf"), gscore)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+
+    kk = tl.arange(0, K_PAD)
+    sel_ids = tl.full((K_PAD,), E, dtype=tl.int32)
+    sel_w = tl.zeros((K_PAD,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.max(choice, axis=1), axis=0)
+        # Lowest expert id among ties; clamp to the sentinel if nothing selectable is left.
+        idx = tl.min(tl.min(tl.where(valid & (choice == best), e2, E), axis=1), axis=0)
+        hit = valid & (e2 == idx)
+        w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
+        sel_ids = tl.where(kk == j, idx, sel_ids)
+        sel_w = tl.where(kk == j, w, sel_w)
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORM:
+        if SOFTMAX:
+            sel_w = sel_w / tl.sum(sel_w, axis=0)
+        else:
+            sel_w = sel_w / (tl.sum(sel_w, axis=0) + 1e-20)
+    sel_w = sel_w * routed_scale
+
+    if NREAL_FROM_PTR:
+        n_real = tl.load(nreal_ptr)
+    real = t < n_real
+    sel_ids = tl.where(real, sel_ids, E)
+    sel_w = tl.where(real, sel_w, 0.0)
+    k_mask = kk < TOP_K
+    tl.store(ids_ptr + t * TOP_K + kk, sel_ids, mask=k_mask)
+    tl.store(weights_ptr + t * TOP_K + kk, sel_w, mask=k_mask)
+    if COUNT:
+        tl.atomic_add(counts_ptr + sel_ids, tl.full((K_PAD,), 1, dtype=tl.int32),
+                      mask=k_mask & (sel_ids < E))
+
+
+def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, P,
+                  E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Expert e's segment of the sorted layout: its pairs in pair order, then sentinels (P)."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + offs, mask=offs < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded  # exclusive prefix: segment start of each expert
+    mine = offs == e
+    start = tl.sum(tl.where(mine, starts, 0), axis=0)
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    size = tl.sum(tl.where(mine, padded, 0), axis=0)
+    if e == 0:
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+    if count > 0:
+        seen = count * 0  # an int32 tensor: the loop carries it
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            ids = tl.load(ids_ptr + p, mask=p < P, other=E)
+            hit = ids == e
+            rank = seen + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(sorted_ptr + start + rank, p, mask=hit)
+            seen += tl.sum(hit.to(tl.int32), axis=0)
+        q = tl.arange(0, BLOCK_M)
+        tl.store(sorted_ptr + start + count + q, tl.full((BLOCK_M,), P, dtype=tl.int32),
+                 mask=q < size - count)
+        first_block = start // BLOCK_M
+        for b0 in range(0, size // BLOCK_M, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            tl.store(block_expert_ptr + first_block + b, tl.full((BLOCK_B,), e, dtype=tl.int32),
+                     mask=b < size // BLOCK_M)
+
+
+def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Walk GROUP_M row blocks down a column before moving right: neighbouring programs share tiles."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+def _gate_up_sorted_kernel(x_ptr, w13_ptr, h_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                           num_pid_m, P, TOP_K, I, D, stride_xt, stride_we, stride_wn, stride_hm,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr,
+                           EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """h[rows, cols] = silu(x[tok] @ w13[e, cols]^T) * (x[tok] @ w13[e, I + cols]^T) for one row block."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_pid(pid, num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return  # past the used blocks: no weight is read
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < P
+    tok = pair // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    # Tensor offsets stay int32 (the host checks the sizes); only the expert's base is 64-bit.
+    # Full 64-bit pointer tensors cost two registers per element and spilled at 64x64 tiles.
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BM,BK] gathered token rows
+    g_ptrs = w13_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK,BN] gate rows
+    up = I * stride_wn  # the up rows sit I rows below the gate rows
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                bg = tl.load(g_ptrs)
+                bu = tl.load(g_ptrs + up)
+            else:
+                bg = tl.load(g_ptrs, mask=n_mask[None, :], other=0.0)
+                bu = tl.load(g_ptrs + up, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < D - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            bu = tl.load(g_ptrs + up, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_FP32:
+            a32 = a.to(tl.float32)
+            acc_g = tl.dot(a32, bg.to(tl.float32), acc_g, input_precision="ieee")
+            acc_u = tl.dot(a32, bu.to(tl.float32), acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_mask[None, :])
+
+
+def _down_sorted_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                        num_pid_m, P, D, I, stride_hm, stride_we, stride_wn, stride_yp,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr,
+                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """y[pair, cols] = weight[pair] * (h[row] @ w2[e, cols]^T) for one row block."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_pid(pid, num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < P
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :]  # [BM,BK]
+    b_ptrs = w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK,BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < I - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    w = tl.load(weights_ptr + pair, mask=valid, other=0.0)
+    acc = acc * w[:, None]
+    y_ptrs = y_ptr + pair[:, None] * stride_yp + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, E, TOP_K, D, stride_yp, stride_ot, BLOCK_D: tl.constexpr):
+    """out[t] = sum over slots j (in order) of y[t*k + j]; padding tokens (all slots E) give 0."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = t * TOP_K + j
+        if tl.load(ids_ptr + pair) < E:  # padding slots own no y row (never written)
+            acc += tl.load(y_ptr + pair.to(tl.int64) * stride_yp + offs, mask=d_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _gate_up_token_kernel(x_ptr, w13_ptr, h_ptr, ids_ptr, E, TOP_K, D, I, stride_xt, stride_we, stride_wn,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """GEMV for one pair: h[pair, cols] float32. Padding pairs (expert E) write zeros and read no weight.
+
+    Loads that feed no dot are not software-pipelined, so a program should finish in one or two
+    steps: the token configs use narrow column tiles (2-8) and BLOCK_K up to D, many programs.
+    """
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    e = tl.load(ids_ptr + pair)
+    if e >= E:
+        tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=n_mask)
+        return
+    tok = pair // TOP_K
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok.to(tl.int64) * stride_xt + offs_k  # [BK]
+    g_ptrs = w13_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN,BK]
+    up = I * stride_wn  # the up rows sit I rows below the gate rows
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            xv = tl.load(x_ptrs).to(tl.float32)
+            wg = tl.load(g_ptrs, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            wu = tl.load(g_ptrs + up, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        else:
+            k_mask = offs_k < D - k0
+            xv = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            wg = tl.load(g_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            wu = tl.load(g_ptrs + up, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc_g += tl.sum(wg * xv[None, :], axis=1)
+        acc_u += tl.sum(wu * xv[None, :], axis=1)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h, mask=n_mask)
+
+
+def _down_token_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, E, D, I, stride_we, stride_wn, stride_ot,
+                       TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """out[t, cols] = sum over slots j (in order) of weight_j * (h[t*k+j] @ w2[e_j, cols]^T).
+
+    The slot loop is unrolled and padding slots are masked, not branched around, so the tiles of all
+    k experts can be in flight at once (a branch per slot serialised them: k DRAM round trips).
+    """
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair)
+        live = n_mask & ((offs_n * 0 + e) < E)  # [BN]: a padding slot (expert E) loads nothing
+        w_ptrs = w2_ptr + tl.minimum(e, E - 1).to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+        h_ptrs = h_ptr + pair.to(tl.int64) * I + offs_k  # padding rows of h hold zeros
+        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            if EVEN_K:
+                hv = tl.load(h_ptrs)
+                wt = tl.load(w_ptrs, mask=live[:, None], other=0.0).to(tl.float32)
+            else:
+                k_mask = offs_k < I - k0
+                hv = tl.load(h_ptrs, mask=k_mask, other=0.0)
+                wt = tl.load(w_ptrs, mask=live[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            part += tl.sum(wt * hv[None, :], axis=1)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc += tl.load(weights_ptr + pair) * part
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+_KERNEL_NAMES = ("_logits_kernel", "_logits_gemv_kernel", "_route_kernel", "_align_kernel", "_grouped_pid",
+                 "_gate_up_sorted_kernel", "_down_sorted_kernel", "_combine_kernel", "_gate_up_token_kernel",
+                 "_down_token_kernel")
+
+
+def _load_kernels() -> None:
+    """Import triton and wrap every kernel above in triton.jit, once per process."""
+    global triton, tl
+    if triton is not None:
+        return
+    import triton as triton_module
+    import triton.language as language
+
+    tl = language
+    scope = globals()
+    for name in _KERNEL_NAMES:
+        scope[name] = triton_module.jit(scope[name])
+    triton = triton_module  # last: marks the kernels as ready
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------
+
+_GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile of one expert GEMM. BLOCK_M == 1 selects the token-major GEMV kernels (no sorting)."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        def pow2(v):
+            return v >= 1 and v & (v - 1) == 0
+        token = self.BLOCK_M == 1  # GEMV tiles: any power-of-two width; dot tiles: >= 16 each way
+        ok = (pow2(self.BLOCK_N) and pow2(self.BLOCK_K) and self.BLOCK_K >= 16
+              and (token or (pow2(self.BLOCK_M) and self.BLOCK_M >= 16 and self.BLOCK_N >= 16))
+              and self.GROUP_M >= 1 and pow2(self.num_warps) and self.num_stages >= 1)
+        if not ok:
+            raise ValueError(f"bad MoE GEMM config {self}: blocks are powers of two, BLOCK_K >= 16; BLOCK_M is 1 "
+                             "(token path) or >= 16 with BLOCK_N >= 16 (sorted path)")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GemmConfig":
+        unknown = set(d) - set(_GEMM_KEYS)
+        if unknown:
+            raise ValueError(f"unknown MoE config keys {sorted(unknown)} (known: {list(_GEMM_KEYS)})")
+        return cls(**{k: int(v) for k, v in d.items()})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Configs of the two expert GEMMs for one token bucket. Both share BLOCK_M (the sort granule)."""
+
+    gate_up: GemmConfig
+    down: GemmConfig
+
+    def __post_init__(self):
+        if self.gate_up.BLOCK_M != self.down.BLOCK_M:
+            raise ValueError(f"gate_up and down must share BLOCK_M (the sorted layout): {self}")
+
+    @property
+    def path(self) -> str:
+        return "token" if self.gate_up.BLOCK_M == 1 else "sorted"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoEConfig":
+        if "gate_up" in d or "down" in d:
+            return cls(GemmConfig.from_dict(d["gate_up"]), GemmConfig.from_dict(d["down"]))
+        both = GemmConfig.from_dict({k: v for k, v in d.items() if k in _GEMM_KEYS})  # one config for both
+        return cls(both, both)
+
+    def to_dict(self) -> dict:
+        return {"gate_up": self.gate_up.to_dict(), "down": self.down.to_dict()}
+
+
+def default_config(T: int, E: int, I: int, D: int, top_k: int) -> MoEConfig:
+    """The config used when no JSON file matches: untuned, fitted to the winners of one H200 tuning run
+    (bf16, D 2048, I 512, E 16 top-4 and E 512 top-10; benchmarks/NOTES_moe.md).
+
+    - Token path while few pairs share an expert: T <= 4, or T <= 8 when E >= 8 k. GEMV programs
+      2 (T <= 2) or 4 columns wide that read the whole reduction in one step: their loads are not
+      software-pipelined, so many small programs keep more bytes in flight than a few deep loops.
+    - Otherwise sorted GEMMs, BLOCK_M from the mean rows per expert hit m = T k / min(E, T k):
+      m <= 10 -> 16, m <= 24 -> 32, m <= 48 -> 64, else 128 (padding waste pays for fewer, fuller tiles).
+    """
+    if T <= 4 or (T <= 8 and E >= 8 * top_k):
+        bn = 2 if T <= 2 else 4
+        return MoEConfig(GemmConfig(1, bn, min(2048, _next_pow2(D)), 1, 4, 1),
+                         GemmConfig(1, bn, min(512, _next_pow2(I)), 1, 2 if bn == 2 else 4, 1))
+    m = T * top_k / max(1, min(E, T * top_k))
+    if m <= 10:
+        return MoEConfig(GemmConfig(16, 32, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4))
+    if m <= 24:
+        return MoEConfig(GemmConfig(32, 64, 128, 4, 4, 4), GemmConfig(32, 128, 64, 8, 4, 4))
+    if m <= 48:
+        return MoEConfig(GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4))
+    return MoEConfig(GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 128, 64, 8, 8, 4))
+
+
+def device_name_of(device: torch.device) -> str:
+    """'NVIDIA_H100_80GB_HBM3' for CUDA devices, 'cpu' for the CPU (Triton interpreter)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace(" ", "_")
+    return device.type
+
+
+def config_file_name(E: int, I: int, device_name: str) -> str:
+    return f"E={E},I={I},device={device_name}.json"
+
+
+def load_config_table(path: Path) -> dict[int, MoEConfig]:
+    """{bucket token count: config} from one JSON file (see moe_configs/README.md for the format)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        buckets = data["buckets"]
+        table = {int(k): MoEConfig.from_dict(v) for k, v in buckets.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"MoE config file {path}: {exc}") from exc
+    if not table:
+        raise ValueError(f"MoE config file {path}: no buckets")
+    return table
+
+
+def _pick_bucket(table: dict[int, MoEConfig], T: int) -> MoEConfig:
+    """The smallest bucket >= T, or the largest bucket when T is past all of them."""
+    larger = [b for b in table if b >= T]
+    return table[min(larger) if larger else max(table)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrappers (no host synchronisation; every shape from (T, E, k, I, D, config))
+# ---------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _dot_fp32(*dtypes) -> bool:
+    """Dots run on bf16/fp16 tensor cores when all operands share that type, else in exact float32.
+
+    Under TRITON_INTERPRET=1 every dot is upcast: the interpreter (seen with triton 3.9) multiplies
+    bf16 operands as their raw uint16 bits. The upcast is exact, so results do not change.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return True
+    first = dtypes[0]
+    return not (all(d == first for d in dtypes) and first in (torch.bfloat16, torch.float16))
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
+          scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
+          n_real: "int | torch.Tensor | None" = None, counts: Optional[torch.Tensor] = None,
+          logits_kernel: Optional[str] = None):
+    """Device-side router: (ids [T,k] int32, weights [T,k] float32). Rows >= n_real get id E, weight 0.
+
+    n_real: host int, a one-element int32 device tensor (read by the kernel, so a captured graph
+    follows its value), or None for all rows. counts: int32 [E] zeros to add per-expert counts to.
+    logits_kernel: force 'fused', 'gemv' or 'dot' (tests); by default chosen from T, E and D.
+    """
+    _load_kernels()
+    T, D = x.shape
+    E = router_weight.shape[0]
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"moe: unknown scoring {scoring!r} (expected 'softmax' or 'sigmoid')")
+    if num_groups < 1 or E % num_groups:
+        raise ValueError(f"moe: {E} experts do not split into {num_groups} groups")
+    group_size = E // num_groups
+    if num_groups > 1 and not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"moe: topk_groups {topk_groups} must be in 1..{num_groups}")
+    kept = group_size * (topk_groups if num_groups > 1 else num_groups)
+    if not 1 <= top_k <= kept:
+        raise ValueError(f"moe: top_k {top_k} must be in 1..{kept} (experts left after group selection)")
+    assert x.stride(-1) == 1 and router_weight.stride(-1) == 1, "moe: x and router_weight need a contiguous last dim"
+    dev = x.device
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    logits = torch.empty(T, E, dtype=torch.float32, device=dev)
+    if T == 0:
+        return ids, weights
+    e_pad = _next_pow2(E)
+    if logits_kernel is None:
+        # T <= 16: the many-program GEMV, whatever the router size. Folding the logits into the
+        # routing kernel (one program per token) left a batch-1 step with one 8-warp program that
+        # loads the whole router and then runs ~15 cross-warp reductions (seen on an H200: ~8 us
+        # of a 28 us step); split, the GEMV loads in parallel and the top-k runs in one warp.
+        small = e_pad * D <= FUSE_LOGITS_MAX_ELEMS and T <= FUSE_LOGITS_MAX_TOKENS
+        logits_kernel = "gemv" if T <= 16 else ("fused" if small else "dot")
+    if logits_kernel not in ("fused", "gemv", "dot"):
+        raise ValueError(f"moe: unknown logits kernel {logits_kernel!r}")
+    fused = logits_kernel == "fused"
+    if fused:
+        pass  # the route kernel computes the logits itself
+    elif logits_kernel == "gemv":
+        # Few tokens: spread the router over many programs, each loading its rows (1 expert, or 4
+        # past 64 experts) of up to 2048 columns in one step.
+        block_e = 1 if E <= 64 else 4
+        _logits_gemv_kernel[(T, _cdiv(E, block_e))](
+            x, router_weight, logits, E, D, x.stride(0), router_weight.stride(0),
+            BLOCK_E=block_e, BLOCK_D=min(2048, _next_pow2(D)), num_warps=4)
+    else:
+        bn = min(64, max(16, _next_pow2(E)))
+        _logits_kernel[(_cdiv(T, 64), _cdiv(E, bn))](
+            x, router_weight, logits, T, E, D, x.stride(0), router_weight.stride(0),
+            BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64, DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype),
+            num_warps=4, num_stages=4)
+    if isinstance(n_real, torch.Tensor):
+        assert n_real.device == dev and n_real.numel() >= 1, "moe: n_real must be a one-element tensor on x's device"
+        nreal_ptr, n_real_int, from_ptr = n_real, T, True
+    else:
+        nreal_ptr, n_real_int, from_ptr = ids, T if n_real is None else int(n_real), False
+    g_pad = _next_pow2(num_groups)
+    s_pad = _next_pow2(group_size)
+    _route_kernel[(T,)](
+        x, router_weight, logits, router_bias if router_bias is not None else logits, ids, weights,
+        counts if counts is not None else ids, nreal_ptr, n_real_int, float(routed_scale), D,
+        x.stride(0), router_weight.stride(0),
+        E=E, TOP_K=top_k, K_PAD=_next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
+        TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=g_pad, S_PAD=s_pad, E_PAD=e_pad,
+        # Fused: the router tile is loaded in at most two steps (a serial chain of DRAM round trips
+        # would dominate a batch-1 step); 16K elements over 8 warps is 64 values per thread.
+        BLOCK_D=max(16, min(_next_pow2(D), 16384 // e_pad)), FUSED_LOGITS=fused, HAS_BIAS=router_bias is not None,
+        SOFTMAX=scoring == "softmax", RENORM=bool(renormalize), NREAL_FROM_PTR=from_ptr,
+        # Without the fused GEMV the kernel is a chain of small reductions over E: one warp keeps
+        # them in shuffles (no shared memory, no barriers) up to 128 experts.
+        COUNT=counts is not None, num_warps=8 if fused else (1 if e_pad <= 128 else (2 if e_pad <= 512 else 4)))
+    return ids, weights
+
+
+def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the padded sorted rows: every hit expert wastes at most BLOCK_M-1 rows."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return _cdiv(rows, block_m) * block_m
+
+
+def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, counts: Optional[torch.Tensor] = None):
+    """Group the (token, slot) pairs of `ids` [T,k] by expert, each segment padded to block_m.
+
+    Returns (sorted_pairs [R] int32, block_expert [R/block_m] int32, total [1] int32) with R =
+    max_sorted_rows(T*k, E, block_m). Entries [0, total) hold, expert by expert in id order, the
+    pair ids t*k+j of that expert in increasing order, then the sentinel T*k up to the segment's
+    padded end; entries at or past total are unspecified. Pairs with id >= E (padding) are left out.
+    counts: int32 [E] pairs per expert if the router already counted them (else computed here).
+    """
+    _load_kernels()
+    P = ids.numel()
+    E = num_experts
+    dev = ids.device
+    R = max_sorted_rows(P, E, block_m)
+    sorted_pairs = torch.empty(R, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(R // block_m, dtype=torch.int32, device=dev)
+    total = torch.zeros(1, dtype=torch.int32, device=dev)
+    if P == 0:
+        return sorted_pairs, block_expert, total
+    if counts is None:
+        # Scatter-add into E+1 bins (the last catches padding ids): no host sync, unlike bincount.
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=dev)
+        flat = ids.reshape(-1).long().clamp(max=E)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    _align_kernel[(E,)](ids, counts, sorted_pairs, block_expert, total, P, E=E, E_PAD=_next_pow2(E),
+                        BLOCK_M=block_m, BLOCK_P=1024 if P > 256 else 256,
+                        BLOCK_B=64, num_warps=4)
+    return sorted_pairs, block_expert, total
+
+
+def _check_stage(cfg: GemmConfig, path: str) -> None:
+    if (cfg.BLOCK_M == 1) != (path == "token"):
+        raise ValueError(f"moe: config {cfg} does not belong to the {path} path")
+
+
+def gate_up_sorted(x, w13, sorted_pairs, block_expert, total, top_k: int, cfg: GemmConfig, h=None):
+    """h [R, I] in x's dtype, rows in sorted order (padding rows hold zeros)."""
+    _load_kernels()
+    _check_stage(cfg, "sorted")
+    R, D = sorted_pairs.shape[0], x.shape[1]
+    I = w13.shape[1] // 2
+    bm = cfg.BLOCK_M
+    assert R % bm == 0, f"moe: sorted rows {R} are not a multiple of BLOCK_M {bm}"
+    if h is None:
+        h = torch.empty(R, I, dtype=x.dtype, device=x.device)
+    _gate_up_sorted_kernel[(R // bm * _cdiv(I, cfg.BLOCK_N),)](
+        x, w13, h, sorted_pairs, block_expert, total, R // bm, x.shape[0] * top_k, top_k, I, D,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(x.dtype),
+        EVEN_K=D % cfg.BLOCK_K == 0, EVEN_N=I % cfg.BLOCK_N == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return h
+
+
+def down_sorted(h, w2, weights, sorted_pairs, block_expert, total, cfg: GemmConfig, y=None):
+    """y [P, D] in h's dtype: each (token, slot) pair's expert output times its routing weight."""
+    _load_kernels()
+    _check_stage(cfg, "sorted")
+    R, I = h.shape
+    D = w2.shape[1]
+    P = weights.numel()
+    bm = cfg.BLOCK_M
+    if y is None:
+        y = torch.empty(P, D, dtype=h.dtype, device=h.device)
+    _down_sorted_kernel[(R // bm * _cdiv(D, cfg.BLOCK_N),)](
+        h, w2, y, weights, sorted_pairs, block_expert, total, R // bm, P, D, I,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(h.dtype),
+        EVEN_K=I % cfg.BLOCK_K == 0, EVEN_N=D % cfg.BLOCK_N == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def combine(y, ids, out, num_experts: int) -> None:
+    """out [T, D] = sum over slots of y [T*k, D], in slot order, in float32; padding tokens give 0."""
+    _load_kernels()
+    T, k = ids.shape
+    D = out.shape[1]
+    block_d = min(1024, _next_pow2(D))
+    _combine_kernel[(T, _cdiv(D, block_d))](
+        y, ids, out, num_experts, k, D, y.stride(0), out.stride(0), BLOCK_D=block_d,
+        num_warps=4 if block_d <= 512 else 8)
+
+
+def gate_up_token(x, w13, ids, cfg: GemmConfig, h=None):
+    """h [T*k, I] float32, one GEMV program per (pair, column tile); padding pairs are skipped."""
+    _load_kernels()
+    _check_stage(cfg, "token")
+    T, D = x.shape
+    k = ids.shape[1]
+    E, I = w13.shape[0], w13.shape[1] // 2
+    if h is None:
+        h = torch.empty(T * k, I, dtype=torch.float32, device=x.device)
+    _gate_up_token_kernel[(T * k, _cdiv(I, cfg.BLOCK_N))](
+        x, w13, h, ids, E, k, D, I, x.stride(0), w13.stride(0), w13.stride(1),
+        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=D % cfg.BLOCK_K == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return h
+
+
+def down_token(h, w2, ids, weights, out, cfg: GemmConfig) -> None:
+    """out [T, D]: each token's k down projections weighted and summed in slot order."""
+    _load_kernels()
+    _check_stage(cfg, "token")
+    T, k = ids.shape
+    E, D, I = w2.shape
+    _down_token_kernel[(T, _cdiv(D, cfg.BLOCK_N))](
+        h, w2, ids, weights, out, E, D, I, w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=k, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor],
+              w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, top_k: int, scoring: str,
+              renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
+              config: MoEConfig, n_real: "int | torch.Tensor | None" = None) -> None:
+    """Routed SwiGLU experts into `out` [T,D] (rows >= n_real zeroed). Shapes as the moe op."""
+    T, D = x.shape
+    E, two_i, D_w = w13.shape
+    I = two_i // 2
+    assert D_w == D and w2.shape == (E, D, I), (
+        f"moe: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match x {tuple(x.shape)}")
+    assert router_weight.shape == (E, D), f"moe: router_weight {tuple(router_weight.shape)} is not [E={E}, D={D}]"
+    assert out.shape == x.shape, f"moe: out {tuple(out.shape)} is not x's shape {tuple(x.shape)}"
+    assert x.dtype == w13.dtype == w2.dtype, (
+        f"moe: x, w13, w2 must share a dtype (got {x.dtype}, {w13.dtype}, {w2.dtype})")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("out", out)):
+        assert t.stride(-1) == 1, f"moe: {name} needs a contiguous last dimension (stride {t.stride()})"
+    # The kernels keep tensor offsets in int32 (64-bit only for an expert's base): check they fit.
+    bm = max(16, config.gate_up.BLOCK_M)
+    spans = {"x": T * x.stride(0), "out": T * out.stride(0), "one expert of w13": w13.stride(0),
+             "one expert of w2": w2.stride(0), "h": max_sorted_rows(T * top_k, E, bm) * I, "y": T * top_k * D}
+    big = {k: v for k, v in spans.items() if v >= 2 ** 31}
+    assert not big, f"moe: offsets past 2^31 elements in {big}; split the step into fewer tokens"
+    if T == 0:
+        return
+    route_args = (x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale, num_groups,
+                  topk_groups, n_real)
+    if config.path == "token":
+        ids, weights = route(*route_args)
+        h = gate_up_token(x, w13, ids, config.gate_up)
+        down_token(h, w2, ids, weights, out, config.down)
+        return
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+    ids, weights = route(*route_args, counts=counts)
+    sorted_pairs, block_expert, total = sort_tokens(ids, E, config.gate_up.BLOCK_M, counts=counts)
+    h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, top_k, config.gate_up)
+    y = down_sorted(h, w2, weights, sorted_pairs, block_expert, total, config.down)
+    combine(y, ids, out, E)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend
+# ---------------------------------------------------------------------------------------------
+
+
+class CaptureError(RuntimeError):
+    """The moe op was captured without the static padding count that replays must read."""
+
+
+class TritonMoEBackend(BackendHooks):
+    """Serves hgc.moe on CUDA with the kernels above (on the CPU too, under TRITON_INTERPRET=1).
+
+    Lifecycle (runtime/backends/protocol.py):
+
+    1. `TritonMoEBackend(config_dir=None)`: configs are read from `config_dir` (default
+       runtime/backends/moe_configs/) on first use per (E, I, device) and kept on the instance.
+    2. `init_capture_state(max_tokens, max_seqs)`: allocates the one static buffer captured
+       graphs read, the real token count [1] int32, on `device`.
+    3. `init_replay_state(ctx, bucket)`: writes ctx.num_real_tokens into it (before capture and
+       before every replay), so a replayed graph skips and zeroes this step's padding rows.
+       `init_step_metadata(ctx)`: an eager step passes ctx.num_real_tokens as a launch argument.
+    4. `moe(ctx, ...)`: host-side shape checks, then launches whose grids depend on shapes only.
+       Each kernel variant is compiled by its first eager launch (the runtime's warm-up); capture
+       after that. Capturing a step that went through no `init_replay_state` is refused
+       (CaptureError): its padding count would be frozen into the graph.
+
+    Rows at or past the real token count are routed to no expert (no weight is read for them)
+    and come out zero. With ctx None (benchmarks, tests) every row is real.
+    """
+
+    name = "triton_moe"
+    capability = BackendCapability(
+        name="triton_moe", device="cuda", ops=frozenset({"moe"}),
+        modes_supported=frozenset(MODES), modes_capturable=frozenset(MODES),
+        doc="Fused Triton MoE: device-side top-k routing, static-shape token sorting, grouped expert "
+            "GEMMs with SiLU-and-mul and weighted combine; no host sync, capturable in every mode")
+
+    def __init__(self, config_dir: "str | os.PathLike | None" = None, device: "str | torch.device" = "cuda"):
+        self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
+        self.device = torch.device(device)
+        self._tables: dict[tuple[int, int, str], Optional[dict[int, MoEConfig]]] = {}
+        self._static_n_real: Optional[torch.Tensor] = None  # [1] int32, read by captured graphs
+        self._planned: Optional[tuple[object, torch.Tensor]] = None  # (ctx, static count) of a replayed step
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
+        """Allocate the static real-token count that every captured graph of this backend reads."""
+        self._static_n_real = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    def init_replay_state(self, ctx, bucket: int) -> None:
+        """Write this step's real token count into the static buffer (outside any capture)."""
+        if self._static_n_real is None:
+            raise RuntimeError(f"{self.name}: init_replay_state before init_capture_state")
+        self._static_n_real.fill_(int(ctx.num_real_tokens))
+        self._planned = (ctx, self._static_n_real)
+
+    def init_step_metadata(self, ctx) -> None:
+        """Nothing to plan for an eager step: the real token count travels as a launch argument."""
+        self._planned = None
+
+    def init_chunk_metadata(self, ctx, chunk_size: int) -> None:
+        """Nothing to plan: a step's MoE needs no chunking (its buffers are sized from T each call)."""
+
+    # -- configs ------------------------------------------------------------------------------
+
+    def config_path(self, E: int, I: int, device_name: str) -> Path:
+        return self.config_dir / config_file_name(E, I, device_name)
+
+    def config_for(self, T: int, E: int, I: int, D: int, top_k: int, device: torch.device) -> MoEConfig:
+        key = (E, I, device_name_of(device))
+        if key not in self._tables:
+            path = self.config_path(*key)
+            self._tables[key] = load_config_table(path) if path.is_file() else None
+        table = self._tables[key]
+        return default_config(T, E, I, D, top_k) if table is None else _pick_bucket(table, T)
+
+    # -- op -------------------------------------------------------------------------------------
+
+    def moe(self, ctx, x, router_weight, router_bias, w13, w2, out, layer_id, top_k, scoring, renormalize,
+            routed_scale, num_groups, topk_groups, config: Optional[MoEConfig] = None):
+        n_real: "int | torch.Tensor | None" = None
+        if ctx is not None:
+            if self._planned is not None and self._planned[0] is ctx:
+                n_real = self._planned[1]
+            else:
+                if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise CaptureError(
+                        f"{self.name}: hgc.moe (layer {layer_id}) is being captured in a step that went through "
+                        f"no init_replay_state; its real token count ({ctx.num_real_tokens}) would be frozen "
+                        f"into the graph. Call init_capture_state once and init_replay_state before capture.")
+                n_real = int(ctx.num_real_tokens)
+        if config is None:
+            config = self.config_for(x.shape[0], w13.shape[0], w2.shape[-1], x.shape[1], top_k, x.device)
+        fused_moe(x, router_weight, router_bias, w13, w2, out, top_k, scoring, renormalize, routed_scale,
+                  num_groups, topk_groups, config, n_real=n_real)

@@ -1,0 +1,280 @@
+"""The fused Triton MoE (runtime/backends/triton_moe.py) against the CPU oracle, in float32.
+
+Without CUDA the kernels run in Triton's interpreter (numpy on the CPU; tests/conftest.py sets
+TRITON_INTERPRET=1 before anything imports triton, and so does this module when run alone). With
+CUDA (the GPU machine, where all test modules are collected in one process) the interpreter stays
+off and the same checks run on the GPU: float32 dots use input_precision "ieee" there, so the
+tolerance is the same. Dimensions are small and deliberately not multiples of the tiles (D=48,
+I=24 with 16/32 tiles) so the masked edges run. Each check draws fresh random inputs (on the CPU,
+then moved) and poisons `out` with NaN first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (as conftest.py does)
+
+import inspect
+import json
+import types
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed: the fused MoE kernels cannot run")
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
+    pytest.skip("no CUDA and TRITON_INTERPRET is off: the kernels cannot run", allow_module_level=True)
+
+from runtime.backends.cpu_reference import CPUReferenceBackend, moe_reference, route_topk  # noqa: E402
+from runtime.backends.triton_moe import (  # noqa: E402
+    GemmConfig, MoEConfig, TritonMoEBackend, config_file_name, default_config, fused_moe, route, sort_tokens,
+)
+
+DEV = torch.device("cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda")
+D, I = 48, 24
+SORTED = MoEConfig(GemmConfig(16, 16, 32), GemmConfig(16, 16, 32))
+TOKEN = MoEConfig(GemmConfig(1, 16, 32), GemmConfig(1, 16, 32))
+TOKEN_NARROW = MoEConfig(GemmConfig(1, 2, 64), GemmConfig(1, 4, 16))  # the shape that wins at batch 1
+
+# (scoring, bias, groups, topk_groups) per expert count: plain softmax, and sigmoid with a
+# selection bias and grouped selection.
+ROUTINGS = {
+    "softmax": lambda E: ("softmax", False, 1, 1),
+    "sigmoid_bias_grouped": lambda E: ("sigmoid", True, E // 2, 2 if E == 8 else 1),
+}
+
+
+def _layer(g: torch.Generator, E: int, bias: bool):
+    router = torch.randn(E, D, generator=g) * 0.3
+    b = torch.randn(E, generator=g) * 0.1 if bias else None
+    w13 = torch.randn(E, 2 * I, D, generator=g) * 0.2
+    w2 = torch.randn(E, D, I, generator=g) * 0.2
+    return router, b, w13, w2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _on(*tensors):
+    """The tensors on the device the kernels run on (None stays None)."""
+    return [None if t is None else t.to(DEV) for t in tensors]
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("E", [4, 8])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_fused_moe_matches_reference(T, E, top_k, routing):
+    g = torch.Generator().manual_seed(1000 * T + 10 * E + top_k + len(routing))
+    scoring, bias, groups, topk_groups = ROUTINGS[routing](E)
+    router, b, w13, w2 = _layer(g, E, bias)
+    x = torch.randn(T, D, generator=g)
+    args = (router, b, w13, w2, top_k, scoring, True, 2.5, groups, topk_groups)
+    ref = moe_reference(x, *args)
+    # T=1 runs both paths; larger T the sorted path (and the token path at T=3).
+    configs = [TOKEN, TOKEN_NARROW, SORTED] if T == 1 else ([SORTED, TOKEN] if T == 3 else [SORTED])
+    for config in configs:
+        out = torch.full((T, D), float("nan"), device=DEV)
+        fused_moe(*_on(x, router, b, w13, w2, out), top_k, scoring, True, 2.5, groups, topk_groups, config)
+        assert torch.isfinite(out).all(), f"{config.path}: rows left unwritten"
+        assert _rel(out, ref) <= 1e-4, f"{config.path}: rel err {_rel(out, ref):.2e}"
+
+
+def test_router_matches_route_topk_ids_and_weights():
+    g = torch.Generator().manual_seed(7)
+    E, T = 8, 9
+    x, router, b = torch.randn(T, D, generator=g), torch.randn(E, D, generator=g), torch.randn(E, generator=g) * 0.2
+    for scoring, groups, tg, renorm in [("softmax", 1, 1, False), ("sigmoid", 4, 2, True), ("sigmoid", 8, 3, False)]:
+        ids, w = route(*_on(x, router, b), 3, scoring, renorm, 1.5, groups, tg)
+        rids, rw = route_topk(x, router, b, 3, scoring, renorm, 1.5, groups, tg)
+        assert torch.equal(ids.long().cpu(), rids), (scoring, groups)
+        assert torch.allclose(w.cpu(), rw, rtol=1e-5, atol=1e-7), (scoring, groups)
+
+
+@pytest.mark.parametrize("logits_kernel,E", [("fused", 40), ("gemv", 40), ("gemv", 72), ("dot", 40)])
+def test_every_router_logits_kernel_matches_route_topk(logits_kernel, E):
+    g = torch.Generator().manual_seed(9)
+    T, Dr = 19, 80  # E, D and T off the tile sizes (the GEMV takes 1 expert per program up to 64, then 4)
+    x, router = torch.randn(T, Dr, generator=g), torch.randn(E, Dr, generator=g)
+    ids, w = route(*_on(x, router), None, 4, "softmax", True, 1.0, 1, 1, logits_kernel=logits_kernel)
+    rids, rw = route_topk(x, router, None, 4, "softmax", True, 1.0, 1, 1)
+    assert torch.equal(ids.long().cpu(), rids)
+    assert torch.allclose(w.cpu(), rw, rtol=1e-5, atol=1e-7)
+
+
+def test_router_marks_rows_past_the_real_count_as_padding():
+    g = torch.Generator().manual_seed(8)
+    x, router = _on(torch.randn(5, D, generator=g), torch.randn(4, D, generator=g))
+    for n_real in (3, torch.tensor([3], dtype=torch.int32, device=DEV)):
+        ids, w = route(x, router, None, 2, "softmax", True, 1.0, 1, 1, n_real=n_real)
+        assert (ids[3:] == 4).all() and (w[3:] == 0).all()
+        assert (ids[:3] < 4).all()
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_sort_tokens_places_every_pair_once_and_pads_with_the_sentinel(block_m):
+    g = torch.Generator().manual_seed(block_m)
+    T, k, E = 37, 3, 8
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    ids[-4:] = E  # padding tokens: no expert
+    P = T * k
+    sorted_pairs, block_expert, total = (t.cpu() for t in sort_tokens(ids.to(DEV), E, block_m))
+    total = int(total)
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat[flat < E].long(), minlength=E)
+    assert total == int(sum(-(-int(c) // block_m) * block_m for c in counts))
+    assert total <= sorted_pairs.numel() and sorted_pairs.numel() % block_m == 0
+    used = sorted_pairs[:total]
+    real = used[used < P]
+    assert sorted(real.tolist()) == [p for p in range(P) if flat[p] < E], "every real pair exactly once"
+    assert ((used == P) | (used < P)).all(), "padding entries hold the sentinel T*k"
+    start = 0
+    for e in range(E):
+        size = -(-int(counts[e]) // block_m) * block_m
+        seg = used[start:start + size]
+        n = int(counts[e])
+        assert seg[:n].tolist() == sorted(seg[:n].tolist()), "pairs keep their order within an expert"
+        assert (flat[seg[:n].long()] == e).all() and (seg[n:] == P).all()
+        assert (block_expert[start // block_m:(start + size) // block_m] == e).all()
+        start += size
+    # Only experts that received pairs own blocks, so only their weights are ever read.
+    assert set(block_expert[: total // block_m].tolist()) == set(flat[flat < E].tolist())
+
+
+def test_sort_tokens_bound_is_static_and_holds_for_one_expert_or_all():
+    E, bm = 8, 16
+    for ids in (torch.zeros(5, 2, dtype=torch.int32), torch.arange(8, dtype=torch.int32).view(4, 2)):
+        sorted_pairs, _, total = sort_tokens(ids.to(DEV), E, bm)
+        P = ids.numel()
+        assert sorted_pairs.numel() >= int(total)
+        assert sorted_pairs.numel() == -(-(P + min(E, P) * (bm - 1)) // bm) * bm
+
+
+def test_unused_experts_weights_never_reach_the_output():
+    g = torch.Generator().manual_seed(11)
+    E, T, k = 8, 3, 2
+    router, _, w13, w2 = _layer(g, E, False)
+    x = torch.randn(T, D, generator=g)
+    ids, _ = route_topk(x, router, None, k, "softmax", True, 1.0, 1, 1)
+    unused = [e for e in range(E) if e not in ids.unique().tolist()]
+    assert unused
+    w13[unused], w2[unused] = float("nan"), float("nan")
+    ref = moe_reference(x, router, None, w13, w2, k, "softmax", True, 1.0, 1, 1)
+    for config in (SORTED, TOKEN):
+        out = torch.full((T, D), float("nan"), device=DEV)
+        fused_moe(*_on(x, router, None, w13, w2, out), k, "softmax", True, 1.0, 1, 1, config)
+        assert torch.isfinite(out).all() and _rel(out, ref) <= 1e-4
+
+
+def _ctx(query_lens, num_tokens):
+    qsl = torch.zeros(len(query_lens) + 2, dtype=torch.int32)
+    qsl[1:len(query_lens) + 1] = torch.tensor(query_lens).cumsum(0)
+    qsl[len(query_lens) + 1:] = sum(query_lens)  # a padded request owns no rows
+    return types.SimpleNamespace(num_real_tokens=sum(query_lens), num_tokens=num_tokens, query_start_loc=qsl,
+                                 num_seqs=len(query_lens) + 1)
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_backend_zeroes_padding_rows_like_the_cpu_reference(replayed):
+    g = torch.Generator().manual_seed(12)
+    E, T = 4, 6
+    router, b, w13, w2 = _layer(g, E, True)
+    x = torch.randn(T, D, generator=g)
+    ctx = _ctx([2, 2], T)
+    op_args = (router, b, w13, w2)
+    tail = (0, 2, "sigmoid", True, 1.0, 2, 1)
+    expected = torch.full((T, D), float("nan"))
+    CPUReferenceBackend.moe(None, ctx, x, *op_args, expected, *tail)
+    backend = TritonMoEBackend(device=DEV)
+    if replayed:  # a graph step: the count comes from the static buffer the kernels read
+        backend.init_capture_state(max_tokens=T, max_seqs=ctx.num_seqs)
+        backend.init_replay_state(ctx, ctx.num_seqs)
+    else:
+        backend.init_step_metadata(ctx)
+    for config in (SORTED, TOKEN):
+        out = torch.full((T, D), float("nan"), device=DEV)
+        backend.moe(ctx, *_on(x, *op_args, out), *tail, config=config)
+        assert (out[4:] == 0).all(), "padding rows must be zero"
+        assert _rel(out[:4], expected[:4]) <= 1e-4
+
+
+def test_backend_declares_its_capability_and_keeps_the_protocol():
+    from compiler.splitops import MODES
+    from runtime.backends.protocol import BackendHooks, check_backend
+    backend = TritonMoEBackend(device=DEV)
+    check_backend(backend)
+    assert isinstance(backend, BackendHooks) and backend.supported_ops == frozenset({"moe"})
+    cap = TritonMoEBackend.capability
+    assert cap.device == "cuda" and cap.ops == frozenset({"moe"})
+    assert cap.modes_capturable == frozenset(MODES), "the moe op is capturable in every mode"
+
+
+def test_importing_the_backend_needs_no_triton():
+    import subprocess
+    import sys
+    code = "import sys, runtime.backends.triton_moe as m; m.TritonMoEBackend.capability; print('triton' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
+
+
+def test_backend_moe_has_the_cpu_reference_signature():
+    ours = list(inspect.signature(TritonMoEBackend.moe).parameters)
+    ref = list(inspect.signature(CPUReferenceBackend.moe).parameters)
+    assert ours[: len(ref)] == ref
+
+
+def test_results_are_deterministic_bit_for_bit():
+    g = torch.Generator().manual_seed(13)
+    E, T = 8, 17
+    router, b, w13, w2 = _layer(g, E, False)
+    x = torch.randn(T, D, generator=g)
+    outs = []
+    for _ in range(2):
+        out = torch.empty(T, D, device=DEV)
+        fused_moe(*_on(x, router, b, w13, w2, out), 2, "softmax", True, 1.0, 1, 1, SORTED)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_config_files_are_found_by_expert_count_width_and_device(tmp_path):
+    table = {"meta": {"E": 8, "I": 24},
+             "buckets": {"1": {"gate_up": TOKEN.gate_up.to_dict(), "down": TOKEN.down.to_dict()},
+                         "16": SORTED.gate_up.to_dict()}}
+    (tmp_path / config_file_name(8, 24, "cpu")).write_text(json.dumps(table))
+    backend = TritonMoEBackend(config_dir=tmp_path, device="cpu")
+    cpu = torch.device("cpu")
+    assert backend.config_for(1, 8, 24, D, 2, cpu).path == "token"
+    assert backend.config_for(2, 8, 24, D, 2, cpu) == SORTED  # smallest bucket >= T
+    assert backend.config_for(500, 8, 24, D, 2, cpu) == SORTED  # past the last bucket: the last
+    # No file for this width: the documented default.
+    assert backend.config_for(64, 8, 32, D, 2, cpu) == default_config(64, 8, 32, D, 2)
+    (tmp_path / config_file_name(4, 24, "cpu")).write_text("{not json")
+    with pytest.raises(ValueError, match="E=4,I=24,device=cpu.json"):
+        backend.config_for(1, 4, 24, D, 2, cpu)
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        MoEConfig(GemmConfig(16, 16, 32), GemmConfig(32, 16, 32))
+    with pytest.raises(ValueError, match="powers of two"):
+        GemmConfig(24, 16, 32)
+    with pytest.raises(ValueError, match="unknown MoE config keys"):
+        GemmConfig.from_dict({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_Q": 1})
+
+
+def test_bad_routing_arguments_are_refused_with_a_message():
+    x, router = torch.randn(2, D), torch.randn(6, D)
+    with pytest.raises(ValueError, match="do not split into 4 groups"):
+        route(x, router, None, 2, "softmax", True, 1.0, 4, 1)
+    with pytest.raises(ValueError, match="top_k 3"):
+        route(x, router, None, 3, "softmax", True, 1.0, 3, 1)
+    with pytest.raises(ValueError, match="unknown scoring"):
+        route(x, router, None, 1, "relu", True, 1.0, 1, 1)
