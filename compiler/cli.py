@@ -3,6 +3,7 @@
     hgc init-model --family F --size {tiny,small,bench} --seed N -o DIR   seeded random checkpoint
     hgc generate CHECKPOINT_DIR --prompt-ids "1,2,3;4,5" --max-new-tokens N --json   eager baseline
     hgc lint / compile / inspect / run                                    see compiler/commands.py
+    hgc serve ARTIFACT --host 127.0.0.1 --port N                           see runtime/server/cli.py
     hgc demo                                                              all of it on a tiny model
 
 Errors a user can fix (bad checkpoint, bad arguments) print one line and exit 2; nothing else
@@ -144,13 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifacts", default="artifacts")
     p.set_defaults(func=cmd_demo)
 
-    try:
-        import compiler.commands as commands
-    except ImportError as e:  # only while compiler/commands.py is absent from a checkout
-        if getattr(e, "name", "") != "compiler.commands":
-            raise
-    else:
-        commands.add_arguments(sub)
+    from compiler import commands
+    from runtime.server.cli import add_serve_arguments
+
+    commands.add_arguments(sub)
+    add_serve_arguments(sub)
     return parser
 
 

@@ -1,0 +1,76 @@
+"""The readable text dump: one line per node, hgc facts beside op nodes, pieces marked after the split.
+
+Example (Qwen3-Next tiny, after the split; extend plan)::
+
+    # hgc dump: split   program: main   nodes: 585   hgc ops: 10
+    # plans: decode 1 piece(s) (0 eager) | extend 21 piece(s) (10 eager) | ...
+    # ---- piece 0: captured (extend) ----
+    %embedding: float32[s0, 64] = aten.embedding.default(%p_model_embed_tokens_weight, %input_ids)
+    ...
+    # ---- piece 1: eager (extend) ----
+    %short_conv: = hgc.short_conv(%cat, %squeeze, None, %empty_like, 0, True)   # layer 0 gdn -> cpu_reference
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from compiler.dump.graph_view import GraphView, target_label, value_type
+from compiler.splitops import MODES
+
+__all__ = ["text_dump"]
+
+
+def _arg(a) -> str:
+    if isinstance(a, torch.fx.Node):
+        return f"%{a.name}"
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_arg(x) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k}: {_arg(v)}" for k, v in a.items()) + "}"
+    return repr(a)
+
+
+def _type(node) -> str:
+    dtype, shape = value_type(node.meta.get("val"))
+    if dtype is None:
+        return ""
+    return f"{str(dtype).removeprefix('torch.')}[{', '.join(str(s) for s in shape)}]"
+
+
+def _facts(node) -> str:
+    if "hgc.op" not in node.meta:
+        return ""
+    parts = [f"layer {node.meta.get('hgc.layer_id')}", str(node.meta.get("hgc.kind"))]
+    if "hgc.backend" in node.meta:
+        parts.append(f"-> {node.meta['hgc.backend']}")
+    return "   # " + " ".join(parts)
+
+
+def text_dump(view: GraphView) -> str:
+    nodes = view.nodes()
+    ops = [n for n in nodes if "hgc.op" in n.meta or target_label(n)[0] == "hgc"]
+    lines = [f"# hgc dump: {view.title}   program: {view.program}   nodes: {len(nodes)}   hgc ops: {len(ops)}"]
+    if view.plans:
+        summary = " | ".join(f"{m.value} {len(view.plans[m].pieces)} piece(s) ({view.plans[m].counts()['eager']} eager)"
+                             for m in MODES if m in view.plans)
+        lines.append(f"# plans: {summary}")
+    piece_of = view.piece_of()
+    current = None
+    for node in nodes:
+        if node.op == "placeholder":
+            kind = "weight" if node.name in view.lifted else "input"
+            lines.append(f"%{node.name}: {_type(node)} = {kind}")
+            continue
+        if node.op == "output":
+            lines.append(f"return {_arg(node.args[0])}")
+            continue
+        piece = piece_of.get(node.name)
+        if piece is not None and piece != current:
+            current = piece
+            lines.append(f"# ---- piece {piece}: {view.plan.pieces[piece].kind} ({view.plan.mode.value}) ----")
+        domain, op = target_label(node)
+        args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
+        lines.append(f"%{node.name}: {_type(node)} = {domain}.{op}({args}){_facts(node)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,277 @@
+"""Frontend: a checkpoint directory's config.json -> exported FX programs, on the meta device.
+
+1. Read config.json and find the family (models/loader.load_config); build the model under
+   torch.device("meta") in the compile dtype: no weight is read or allocated, so a 1T-parameter
+   layout traces as fast as a tiny one.
+2. Pick example sizes: the token count T (shared by input_ids, positions and, for the draft,
+   hidden) and the logits row count R, each >= 2 and unequal to every static dimension of the
+   model, so torch.export cannot mistake a token dimension for a weight dimension.
+3. `torch.export.export(strict=False)` the model's forward as program "main" and, where the model
+   has a draft (MTP) module, its forward as program "draft". Both dimensions are dynamic (below).
+   The model holds the traced op table (TRACED_OPS), so each hgc op call is one in-place
+   `torch.ops.hgc.<op>.default` node; no decomposition runs after export, which keeps it so.
+4. Map every lifted parameter, buffer and constant of each program to the checkpoint tensors
+   that fill it (`ParamSource`: views by storage identity, found on the meta model without data),
+   and list the inputs no checkpoint tensor covers (a lint reports them).
+
+Why R (the logits_index length) is dynamic too: the runtime asks for one logits row per request,
+and the number of requests in a step changes every step (and differs from T in extend steps).
+A static R would bake one batch size into the graph. It is its own dimension, not T's: in
+decode R == T, in extend R < T, and export must not assume either.
+
+What it does not do: run the model, read weights, choose backends or split (passes do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections import defaultdict
+
+import torch
+import torch.fx.config
+import torch.nn as nn
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from compiler.passes.base import CompileError
+from compiler.splitops import TRACED_OPS, LayerRegistry, RegistryError
+from compiler.splitops.artifact import PROGRAM_INPUTS, ParamSource, TensorView
+
+__all__ = ["FrontendError", "TracedModel", "trace_checkpoint", "trace_model", "build_model", "example_sizes", "export_programs",
+           "bind_weights", "DraftProgram"]
+
+
+class FrontendError(CompileError):
+    pass
+
+
+@dataclasses.dataclass
+class TracedModel:
+    family: object  # models.families.Family
+    config: dict  # config.json as written
+    text_config: dict  # the family's validated flat config
+    dtype: str
+    model: nn.Module  # the meta model (kept for its structure; holds no data)
+    registry: LayerRegistry
+    programs: dict[str, ExportedProgram]  # "main", and "draft" where the model has one
+    sizes: dict[str, int]  # example sizes used: {"T": ..., "R": ...}
+    tensors: dict[str, ParamSource]  # model FQN -> checkpoint views filling it
+    program_fqns: dict[str, dict[str, str]]  # program -> {program FQN: model FQN}
+    missing: dict[str, list[str]]  # program -> lifted FQNs no checkpoint tensor covers
+
+
+class DraftProgram(nn.Module):
+    """The draft's forward as a root module that owns the whole model.
+
+    Exporting `model.draft` alone would leave the tensors it borrows from the main model (the
+    shared embedding and lm_head) unregistered, and export would freeze them as constants. As an
+    attribute of this root, every model tensor is a parameter under FQN "lm.<model FQN>".
+    """
+
+    prefix = "lm."
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, positions, hidden, logits_index):
+        return self.lm.draft(input_ids, positions, hidden, logits_index)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise FrontendError(f"frontend: unknown dtype {name!r} (use float32, bfloat16 or float16)")
+    return dtype
+
+
+def build_model(family, text_config: dict, dtype: str) -> nn.Module:
+    """The family's model on the meta device, in `dtype`, with the traced op table."""
+    try:
+        with torch.device("meta"):
+            model = family.build(text_config)
+    except RegistryError as e:
+        raise FrontendError(f"frontend: the {family.name} model builds an invalid LayerRegistry: {e}; fix: each layer "
+                            f"id once, draft layers after the main ones (models/{family.name}.py)") from None
+    model = model.to(_dtype(dtype)).eval()
+    model.set_ops(TRACED_OPS)
+    if not isinstance(getattr(model, "layer_registry", None), LayerRegistry):
+        raise FrontendError(f"frontend: the {family.name} model has no layer_registry (a LayerRegistry); "
+                            f"models/ must set it in __init__")
+    return model
+
+
+def _static_dims(model: nn.Module, text_config: dict) -> set[int]:
+    dims: set[int] = {0, 1}
+    for t in list(model.parameters()) + list(model.buffers()):
+        dims.update(int(s) for s in t.shape)
+    for layer in model.layer_registry:
+        for spec in list(layer.kv.values()) + list(layer.state.values()):
+            dims.update(spec.shape)
+
+    def walk(value):
+        if isinstance(value, bool):
+            return
+        if isinstance(value, int):
+            dims.add(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(text_config)
+    return dims
+
+
+def example_sizes(model: nn.Module, text_config: dict) -> dict[str, int]:
+    """R then T: the two smallest integers >= 2 that are no static dimension of the model."""
+    taken = _static_dims(model, text_config)
+    picks = []
+    n = 2
+    while len(picks) < 2:
+        if n not in taken:
+            picks.append(n)
+        n += 1
+    return {"R": picks[0], "T": picks[1]}
+
+
+@contextlib.contextmanager
+def _without_stack_traces():
+    """Export without recording a Python stack trace per node.
+
+    The traces hold absolute source paths (graph.pt2 would differ between two checkouts of the
+    same code) and cost about a quarter of the export time; nothing in hgc reads them (lints and
+    dumps use nn_module_stack, which is kept). torch reads this flag from its fx config module,
+    so it is set for the duration of the export and restored after.
+    """
+    old = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = old
+
+
+def export_programs(model: nn.Module, sizes: dict[str, int], hidden_size: int,
+                    family_name: str = "model") -> dict[str, ExportedProgram]:
+    T = Dim("T", min=1)  # one token at least: decode of a single request
+    R = Dim("R", min=1)
+    ids = torch.zeros(sizes["T"], dtype=torch.long, device="meta")
+    positions = torch.zeros(sizes["T"], dtype=torch.long, device="meta")
+    rows = torch.zeros(sizes["R"], dtype=torch.long, device="meta")
+    jobs = {"main": (model, (ids, positions, rows), {"input_ids": {0: T}, "positions": {0: T}, "logits_index": {0: R}})}
+    if getattr(model, "draft", None) is not None:
+        hidden = torch.zeros(sizes["T"], hidden_size, dtype=next(model.parameters()).dtype, device="meta")
+        jobs["draft"] = (DraftProgram(model), (ids, positions, hidden, rows),
+                         {"input_ids": {0: T}, "positions": {0: T}, "hidden": {0: T}, "logits_index": {0: R}})
+    programs = {}
+    for name, (module, args, dynamic) in jobs.items():
+        try:
+            with _without_stack_traces():
+                ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise FrontendError(
+                f"frontend: torch.export of the {family_name} {name} program failed: {type(e).__name__}: {first}; "
+                f"fix: the model must trace on the meta device with a dynamic token count (no data-dependent "
+                f"Python branches, no reads of tensor values, shapes from the config only)") from e
+        # The example inputs would be pickled into graph.pt2; the artifact needs none, and leaving
+        # them out keeps graph.pt2 byte-identical across compiles and free of pickle payloads.
+        ep.example_inputs = None
+        _check_inplace_ops(ep, name)
+        users = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+        if tuple(users) != PROGRAM_INPUTS[name]:
+            raise FrontendError(f"frontend: the {name} program takes inputs {users}, expected {list(PROGRAM_INPUTS[name])}; "
+                                f"fix: keep the model's forward signature (models/common.py)")
+        programs[name] = ep
+    return programs
+
+
+def _check_inplace_ops(ep: ExportedProgram, program: str) -> None:
+    """Every hgc op call must stay one in-place node; a functionalised export would wrap it in
+    `auto_functionalized` (with copies) and the runtime could no longer bind it to a backend."""
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        wrapped = "auto_functionalized" in str(node.target) and any(
+            "hgc" in str(a) for a in list(node.args) + list(node.kwargs.values()))
+        if wrapped:
+            raise FrontendError(f"frontend: the {program} program wraps an hgc op in {node.target} (node {node.name}); "
+                                f"fix: export without run_decompositions / functionalisation")
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _resolve(model: nn.Module, fqn: str):
+    obj = model
+    for part in fqn.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def bind_weights(model: nn.Module, programs: dict[str, ExportedProgram]):
+    """(model FQN -> ParamSource, program -> {program FQN: model FQN}, program -> uncovered FQNs)."""
+    by_storage: dict[int, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    for name, t in model.checkpoint_tensors().items():
+        by_storage[_storage_key(t)].append((name, t))
+    tensors: dict[str, ParamSource] = {}
+    program_fqns: dict[str, dict[str, str]] = {}
+    missing: dict[str, list[str]] = {}
+    for program, ep in programs.items():
+        prefix = DraftProgram.prefix if program == "draft" else ""
+        mapping, lacking = {}, []
+        lifted = [s.target for s in ep.graph_signature.input_specs
+                  if s.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)]
+        for fqn in lifted:
+            model_fqn = fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn
+            if model_fqn not in tensors:
+                t = _resolve(model, model_fqn)
+                source = _source_of(t, by_storage) if t is not None else None
+                if source is None:
+                    lacking.append(fqn)
+                    continue
+                tensors[model_fqn] = source
+            mapping[fqn] = model_fqn
+        program_fqns[program] = mapping
+        missing[program] = lacking
+    return tensors, program_fqns, missing
+
+
+def _source_of(t: torch.Tensor, by_storage) -> ParamSource | None:
+    """The checkpoint views that fill `t` exactly (one each per distinct region), or None if they do not."""
+    views, seen = [], set()
+    for name, v in by_storage.get(_storage_key(t), []):
+        geometry = (v.storage_offset() - t.storage_offset(), tuple(v.shape), tuple(v.stride()))
+        if geometry in seen:
+            continue  # a tied name for the same region: one source is enough
+        seen.add(geometry)
+        views.append(TensorView(name, *geometry))
+    covered = sum(v.numel for v in views)
+    if not views or covered != t.numel():
+        return None
+    return ParamSource(tuple(t.shape), str(t.dtype).removeprefix("torch."), tuple(views))
+
+
+def trace_model(model: nn.Module, family, config: dict, text_config: dict, dtype: str) -> TracedModel:
+    """Steps 2-4 for a model already built on the meta device (tests pass toy models here)."""
+    sizes = example_sizes(model, text_config)
+    programs = export_programs(model, sizes, int(text_config["hidden_size"]), family.name)
+    tensors, program_fqns, missing = bind_weights(model, programs)
+    return TracedModel(family, config, text_config, dtype, model, model.layer_registry, programs, sizes, tensors,
+                       program_fqns, missing)
+
+
+def trace_checkpoint(ckpt_dir: str | os.PathLike, dtype: str = "float32") -> TracedModel:
+    """Steps 1-4 of the module docstring for one checkpoint directory (config.json is all it reads)."""
+    from models.loader import load_config
+
+    family, config, text = load_config(ckpt_dir)
+    return trace_model(build_model(family, text, dtype), family, config, text, dtype)

@@ -1,0 +1,69 @@
+"""CompileContext: the state every pass reads and extends; CompileConfig: the settings of one compile.
+
+Made once per compile by `compiler/pipeline.py`, handed to every pass and instrument, then read by
+the artifact writer. There is no global "current compile": whatever a pass needs is here.
+
+1. The frontend fills `registry` (the model's LayerRegistry: the single source of truth for layer
+   kinds), `programs` (name -> GraphModule of each exported program) and `signatures`.
+2. The pipeline adds `capabilities` (the backend capability table) and `backend_wrappers`.
+3. Passes add their results: `routing`, `split_plans`, `findings`; `program` says which program
+   the current pass call is working on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch.fx
+
+from compiler.splitops import LayerRegistry, Mode
+from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS, SplitPlan
+from compiler.lints.base import Finding
+
+__all__ = ["CompileConfig", "CompileContext"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    """Settings of one compile; every field that changes the artifact is recorded in the manifest."""
+
+    target: str = "cpu"  # the device routing binds backends for
+    dtype: str = "float32"  # the model dtype the graph is traced in (must match the eager baseline's)
+    decode_batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCH_SIZES
+    extend_token_counts: tuple[int, ...] = DEFAULT_EXTEND_TOKEN_COUNTS
+
+    def __post_init__(self) -> None:
+        for field in ("decode_batch_sizes", "extend_token_counts"):
+            values = getattr(self, field)
+            if not values or any(int(v) < 1 for v in values) or list(values) != sorted(set(values)):
+                raise ValueError(f"compile config: {field} must be increasing positive integers, got {list(values)}")
+
+    def to_json(self) -> dict:
+        return {"target": self.target, "dtype": self.dtype, "decode_batch_sizes": list(self.decode_batch_sizes),
+                "extend_token_counts": list(self.extend_token_counts)}
+
+
+@dataclasses.dataclass
+class CompileContext:
+    registry: LayerRegistry
+    capabilities: object  # runtime.backends.capability.CapabilityTable
+    config: CompileConfig
+    programs: dict[str, torch.fx.GraphModule]  # "main" first, then "draft" where the model has one
+    signatures: dict[str, object] = dataclasses.field(default_factory=dict)  # program -> ExportGraphSignature
+    backend_wrappers: tuple[type, ...] = ()  # wrapper backend classes for the hook-forwarding lint
+    missing_weights: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # program -> lifted FQNs with no checkpoint tensor
+    program: str = "main"  # the program the current pass call works on
+
+    # results
+    routing: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
+    split_plans: dict[str, dict[Mode, SplitPlan]] = dataclasses.field(default_factory=dict)
+    findings: list[Finding] = dataclasses.field(default_factory=list)
+    stopped_after: Optional[str] = None  # the pass that ended the pipeline early, if one did
+
+    @property
+    def program_names(self) -> list[str]:
+        return list(self.programs)
+
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]

@@ -1,0 +1,94 @@
+"""SplitPass: one order-preserving partition of each program per forward mode, recorded as data.
+
+For each mode (decode, extend, mixed, target_verify):
+
+1. an op node whose declared capture policy for that mode is "eager" is a split point;
+2. walking the graph in order, maximal runs of split points become eager pieces (adjacent eager
+   ops merge into one gap) and maximal runs of everything else become captured pieces;
+3. the plan (`SplitPlan`: ordered pieces, each "captured" or "eager" with its node names) goes to
+   ctx.split_plans[program][mode] and each node gets node.meta["hgc.piece"][mode] = piece index.
+
+Only op cores land in gaps: projections, norms, gates and the `out` allocations stay in the
+captured pieces around them. The plan is data (split.json); the runtime re-applies it with
+`compiler.splitops.artifact.apply_split_plan` (split_module with keep_original_order=True), so
+the pass itself leaves the graph untouched.
+
+Example (a GDN layer then a full layer) in extend mode, where every stateful op is eager:
+
+    captured[embedding..linear] eager[short_conv] captured[..] eager[gdn_core] captured[..] eager[gqa_attention] ...
+
+and in decode mode, where every op may be captured: one captured piece holding the whole graph.
+"""
+
+from __future__ import annotations
+
+from compiler.passes.annotate import is_op_node
+from compiler.passes.base import CompilePass, PassResult, PostconditionError, PreconditionError
+from compiler.splitops import MODES, Capture, Mode, op_name_of, op_spec
+from compiler.splitops.artifact import CAPTURED, EAGER, Piece, SplitPlan, plan_node_names
+
+__all__ = ["SplitPass", "plan_for_mode", "is_split_point"]
+
+
+def is_split_point(node, mode: Mode) -> bool:
+    """An op node whose capture policy for `mode` says eager (read from the op's declaration)."""
+    return is_op_node(node) and op_spec(op_name_of(node.target)).capture(mode) is Capture.EAGER
+
+
+def plan_for_mode(gm, mode: Mode) -> SplitPlan:
+    pieces: list[Piece] = []
+    run: list[str] = []
+    run_kind = None
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        kind = EAGER if is_split_point(node, mode) else CAPTURED
+        if kind != run_kind and run:
+            pieces.append(Piece(len(pieces), run_kind, tuple(run)))
+            run = []
+        run_kind = kind
+        run.append(node.name)
+    if run:
+        pieces.append(Piece(len(pieces), run_kind, tuple(run)))
+    return SplitPlan(mode, tuple(pieces))
+
+
+class SplitPass(CompilePass):
+    name = "split"
+    version = 1
+
+    def config(self) -> dict:
+        return {"modes": [m.value for m in MODES]}
+
+    def requires(self, gm, ctx) -> None:
+        unrouted = [n.name for n in gm.graph.nodes if is_op_node(n) and "hgc.backend" not in n.meta]
+        if unrouted:
+            raise PreconditionError(f"split: op nodes {unrouted[:3]} have no backend; the routing pass must run first")
+
+    def __call__(self, gm, ctx) -> PassResult:
+        plans = {mode: plan_for_mode(gm, mode) for mode in MODES}
+        ctx.split_plans[ctx.program] = plans
+        by_name = {n.name: n for n in gm.graph.nodes}
+        for mode, plan in plans.items():
+            for piece in plan.pieces:
+                for name in piece.nodes:
+                    by_name[name].meta.setdefault("hgc.piece", {})[mode.value] = piece.index
+        return PassResult(gm, modified=False)
+
+    def ensures(self, gm, ctx) -> None:
+        names = plan_node_names(gm)
+        by_name = {n.name: n for n in gm.graph.nodes}
+        for mode, plan in ctx.split_plans[ctx.program].items():
+            planned = [n for p in plan.pieces for n in p.nodes]
+            if planned != names:
+                raise PostconditionError(f"split: plan {mode.value} does not list the graph's nodes once each, in order")
+            for a, b in zip(plan.pieces, plan.pieces[1:]):
+                if a.kind == b.kind:
+                    raise PostconditionError(f"split: plan {mode.value}: pieces {a.index} and {b.index} are both "
+                                             f"{a.kind} (adjacent pieces must merge)")
+            for piece in plan.pieces:
+                if piece.kind == EAGER:
+                    strays = [n for n in piece.nodes if not is_split_point(by_name[n], mode)]
+                    if strays:
+                        raise PostconditionError(f"split: plan {mode.value}: eager piece {piece.index} holds "
+                                                 f"non-op-core nodes {strays[:3]}")

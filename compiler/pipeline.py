@@ -1,0 +1,119 @@
+"""The compile pipeline: the one ordered list of passes, and the whole compile flow.
+
+    checkpoint dir --frontend--> programs (main, draft) --passes--> routing, split plans, lints
+                   --artifact_writer--> artifacts/NAME/
+
+Flow of `compile_checkpoint` (what `hgc compile` runs):
+
+1. make a staging folder beside the output (nothing appears under the output name until the end);
+2. `plan`: trace the checkpoint's config on the meta device (compiler/frontend.py), build the
+   CompileContext, run the passes below with the dump and timing instruments;
+3. stop with `LintFailure` if any lint error was found;
+4. write the programs, weights and documents (compiler/artifact_writer.py), then rename the
+   staging folder into place.
+
+`hgc lint` and `hgc compile --plan-only` run `plan` alone, on a folder that may hold only
+config.json. Nothing else in hgc decides the order of passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Optional
+
+from compiler.frontend import TracedModel, trace_checkpoint
+from compiler.lints import BACKEND_RULES, CAPTURE_RULES, REGISTRY_RULES, sort_findings
+from compiler.passes.annotate import AnnotateOpsPass
+from compiler.passes.base import CompileError, CompilePass
+from compiler.passes.context import CompileConfig, CompileContext
+from compiler.passes.instruments import DumpInstrument, TimingInstrument
+from compiler.passes.lints import LintPass
+from compiler.passes.manager import PassManager
+from compiler.passes.routing import RoutingPass
+from compiler.passes.split import SplitPass
+from compiler.splitops.artifact import DUMPS
+
+__all__ = ["build_passes", "plan", "run_passes", "compile_checkpoint", "CompileResult", "LintFailure", "make_context"]
+
+
+def build_passes(config: CompileConfig) -> list[CompilePass]:
+    return [
+        # -- facts: what each op node is (op, layer id, registry kind, module) -------------------
+        AnnotateOpsPass(),
+        # -- the graphs against the LayerRegistry; errors stop here (routing needs known layers) --
+        LintPass("lint_registry", REGISTRY_RULES),
+        # -- binding: each op node to a backend of the target device ------------------------------
+        RoutingPass(),
+        # -- partition: one order-preserving plan per mode, gaps at ops declared eager ------------
+        SplitPass(),
+        # -- what the plans would capture, and the backend wrappers --------------------------------
+        LintPass("lint_capture", CAPTURE_RULES + BACKEND_RULES),
+    ]
+
+
+class LintFailure(CompileError):
+    def __init__(self, findings):
+        self.findings = findings
+        lines = "\n".join(f"  {f.line()}" for f in findings)
+        super().__init__(f"{len(findings)} lint error(s); nothing was written:\n{lines}")
+
+
+@dataclasses.dataclass
+class CompileResult:
+    traced: TracedModel
+    ctx: CompileContext
+    fingerprints: list[dict]
+    timing: TimingInstrument
+
+    def errors(self):
+        return sort_findings(self.ctx.errors())
+
+
+def make_context(traced: TracedModel, config: CompileConfig) -> CompileContext:
+    from runtime.backends import capability_table, wrapper_classes
+
+    return CompileContext(
+        registry=traced.registry, capabilities=capability_table(), config=config,
+        programs={name: ep.graph_module for name, ep in traced.programs.items()},
+        signatures={name: ep.graph_signature for name, ep in traced.programs.items()},
+        backend_wrappers=wrapper_classes(), missing_weights=traced.missing)
+
+
+def plan(ckpt_dir, config: CompileConfig, dump_dir: Optional[Path] = None,
+         timing: Optional[TimingInstrument] = None) -> CompileResult:
+    """Trace and run every pass; findings are in result.ctx (a lint error does not raise here)."""
+    timing = timing or TimingInstrument()
+    start = time.perf_counter()
+    traced = trace_checkpoint(ckpt_dir, config.dtype)
+    timing.add("00 export", "+".join(traced.programs), time.perf_counter() - start)
+    return run_passes(traced, config, dump_dir, timing)
+
+
+def run_passes(traced: TracedModel, config: CompileConfig, dump_dir: Optional[Path] = None,
+               timing: Optional[TimingInstrument] = None, ctx: Optional[CompileContext] = None) -> CompileResult:
+    """The passes of `build_passes` over traced programs (`ctx`: a prepared context, for tests)."""
+    timing = timing or TimingInstrument()
+    ctx = ctx or make_context(traced, config)
+    instruments = [timing] + ([DumpInstrument(dump_dir, timing=timing)] if dump_dir is not None else [])
+    manager = PassManager(build_passes(config), instruments)
+    manager.run(ctx)
+    return CompileResult(traced, ctx, manager.fingerprints(), timing)
+
+
+def compile_checkpoint(ckpt_dir, out, config: CompileConfig, force: bool = False, link_weights: bool = False,
+                       dumps: bool = True, timing: Optional[TimingInstrument] = None) -> tuple[CompileResult, dict]:
+    from compiler.artifact_writer import checkpoint_index, staging_folder, write_artifact
+
+    out, ckpt = Path(out), Path(ckpt_dir)
+    timing = timing or TimingInstrument()
+    with staging_folder(out, force=force, protect=[ckpt]) as tmp:
+        index = checkpoint_index(ckpt)  # first: a folder without weights fails before the trace
+        result = plan(ckpt, config, dump_dir=tmp / DUMPS if dumps else None, timing=timing)
+        if result.errors():
+            raise LintFailure(result.errors())
+        start = time.perf_counter()
+        manifest = write_artifact(tmp, out, result, index, ckpt, link=link_weights)
+        timing.add("write artifact", "", time.perf_counter() - start)
+    return result, manifest

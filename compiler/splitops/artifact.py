@@ -1,0 +1,376 @@
+"""The artifact format: file names, JSON documents and the split-plan re-application, in one place.
+
+The compiler's writer (compiler/artifact_writer.py) and the runtime's loader (runtime/loader.py)
+both use this module, so the two cannot disagree on a field. It depends on torch only.
+
+An artifact is a folder::
+
+    manifest.json         format version, versions, SHA-256 of every other file, family, registry,
+                          capture buckets, pass fingerprints, weight source
+    graph.pt2             torch.export.save of the weightless main program (meta parameters)
+    draft.pt2             the draft (MTP) program, where the model has one
+    weights.safetensors   checkpoint tensors under their checkpoint names (absent with --link-weights)
+    weights.json          how each program parameter is assembled from checkpoint tensors
+    routing.json          the backend of every hgc op node
+    split.json            per program and mode, the ordered pieces: captured or eager, with node names
+    lints.json            every lint finding of the compile
+    tokenizer.json ...    the checkpoint's tokenizer files, when it has them (data; listed in the manifest)
+    dumps/                NN_<pass>.{txt,onnx,svg}: the graph after each pass (for people, not hashed by the loader's run path)
+
+Lifecycle:
+
+1. The writer builds each document with the `*_doc` helpers and writes it with `dump_json`
+   (sorted keys, fixed indentation: the same input gives the same bytes).
+2. The loader reads each document back with the matching `parse_*` helper, which checks the
+   format version and the fields it needs and raises `ArtifactFormatError` naming file and field.
+3. `apply_split_plan` turns a recorded plan back into a GraphModule of pieces; the compiler's
+   split pass produces plans, and the loader re-applies them without importing the compiler.
+
+What this module does not do: decide anything (passes do), open an artifact folder, or check
+hashes against files (the loader does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from .policy import MODES, Mode
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "GRAPH", "DRAFT_GRAPH", "WEIGHTS", "WEIGHT_MAP", "ROUTING",
+    "SPLIT", "LINTS", "DUMPS", "PROGRAM_FILES", "PROGRAM_INPUTS", "DEFAULT_DECODE_BATCH_SIZES",
+    "DEFAULT_EXTEND_TOKEN_COUNTS", "CAPTURED", "EAGER", "ArtifactFormatError", "dump_json", "load_json",
+    "sha256_file", "safetensors_header", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
+    "apply_split_plan", "plan_node_names", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
+    "check_format", "piece_module_names",
+]
+
+FORMAT_NAME = "hgc-artifact"
+FORMAT_VERSION = 1
+
+MANIFEST = "manifest.json"
+GRAPH = "graph.pt2"
+DRAFT_GRAPH = "draft.pt2"
+WEIGHTS = "weights.safetensors"
+WEIGHT_MAP = "weights.json"
+ROUTING = "routing.json"
+SPLIT = "split.json"
+LINTS = "lints.json"
+DUMPS = "dumps"
+
+PROGRAM_FILES: dict[str, str] = {"main": GRAPH, "draft": DRAFT_GRAPH}
+# The user inputs of each program, in call order: the model's forward signature.
+PROGRAM_INPUTS: dict[str, tuple[str, ...]] = {
+    "main": ("input_ids", "positions", "logits_index"),
+    "draft": ("input_ids", "positions", "hidden", "logits_index"),
+}
+
+# Capture buckets recorded for the runtime's graph runner. Decode: padded request counts (powers of
+# two up to 256 cover serving batch sizes with at most 2x padding). Extend: padded token counts of
+# a chunked-prefill step (256 tokens to a 4096-token chunk).
+DEFAULT_DECODE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_EXTEND_TOKEN_COUNTS: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+
+CAPTURED = "captured"
+EAGER = "eager"
+
+
+class ArtifactFormatError(ValueError):
+    """A document that is not what this format version says it is; the message names file and field."""
+
+
+# -- bytes ---------------------------------------------------------------------------------------
+
+
+def dump_json(obj) -> bytes:
+    """Canonical JSON bytes: sorted keys, two-space indent, trailing newline (byte-identical reruns)."""
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=True) + "\n").encode()
+
+
+def load_json(path: str | os.PathLike, what: str | None = None):
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ArtifactFormatError(f"{path}: missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactFormatError(f"{path}: not valid JSON{f' ({what})' if what else ''}: {e}") from None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def safetensors_header(path: str | os.PathLike) -> tuple[bytes, dict]:
+    """(the header bytes: 8-byte length + JSON, the parsed JSON) of a safetensors file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ArtifactFormatError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        n = int.from_bytes(head, "little")
+        if n > 100 << 20:
+            raise ArtifactFormatError(f"{path}: safetensors header claims {n} bytes (over 100 MiB): corrupt")
+        body = f.read(n)
+    if len(body) < n:
+        raise ArtifactFormatError(f"{path}: truncated safetensors header")
+    try:
+        return head + body, json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactFormatError(f"{path}: safetensors header is not JSON: {e}") from None
+
+
+def check_format(doc, source: str) -> dict:
+    """Every JSON document starts with format name and version; refuse anything else."""
+    if not isinstance(doc, dict):
+        raise ArtifactFormatError(f"{source}: expected a JSON object")
+    if doc.get("format") != FORMAT_NAME:
+        raise ArtifactFormatError(f"{source}: field 'format' is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise ArtifactFormatError(f"{source}: format_version {doc.get('format_version')!r}; this hgc reads "
+                                  f"version {FORMAT_VERSION}: recompile the checkpoint with this hgc")
+    return doc
+
+
+def _header() -> dict:
+    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+
+
+# -- split plans ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A run of consecutive graph nodes: captured (may be one CUDA graph) or eager (a gap of op cores)."""
+
+    index: int
+    kind: str  # CAPTURED or EAGER
+    nodes: tuple[str, ...]  # node names, in graph order
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "kind": self.kind, "nodes": list(self.nodes)}
+
+    @classmethod
+    def from_json(cls, obj: dict, source: str) -> "Piece":
+        try:
+            piece = cls(int(obj["index"]), str(obj["kind"]), tuple(str(n) for n in obj["nodes"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactFormatError(f"{source}: a piece needs index, kind and nodes: {e}") from None
+        if piece.kind not in (CAPTURED, EAGER):
+            raise ArtifactFormatError(f"{source}: piece {piece.index} has kind {piece.kind!r} "
+                                      f"(expected {CAPTURED!r} or {EAGER!r})")
+        return piece
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """How one program runs in one mode: its pieces in order.
+
+    Example: a GDN layer followed by a full layer, in extend mode::
+
+        captured [embedding ... linear]   eager [short_conv]   captured [...]   eager [gdn_core]  ...
+    """
+
+    mode: Mode
+    pieces: tuple[Piece, ...]
+
+    def piece_of(self) -> dict[str, int]:
+        return {name: p.index for p in self.pieces for name in p.nodes}
+
+    def eager_nodes(self) -> list[str]:
+        return [n for p in self.pieces if p.kind == EAGER for n in p.nodes]
+
+    def counts(self) -> dict[str, int]:
+        return {CAPTURED: sum(p.kind == CAPTURED for p in self.pieces), EAGER: sum(p.kind == EAGER for p in self.pieces)}
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode.value, "pieces": [p.to_json() for p in self.pieces]}
+
+    @classmethod
+    def from_json(cls, obj: dict, source: str) -> "SplitPlan":
+        try:
+            mode = Mode(obj["mode"])
+        except (KeyError, ValueError, TypeError):
+            raise ArtifactFormatError(f"{source}: unknown or missing mode {obj.get('mode')!r}") from None
+        pieces = tuple(Piece.from_json(p, f"{source} mode {mode.value}") for p in obj.get("pieces", ()))
+        if [p.index for p in pieces] != list(range(len(pieces))):
+            raise ArtifactFormatError(f"{source}: mode {mode.value}: piece indices must be 0..{len(pieces) - 1} in order")
+        return cls(mode, pieces)
+
+
+def split_doc(plans: dict[str, dict[Mode, SplitPlan]]) -> dict:
+    """split.json: {"programs": {program: {mode: plan}}}."""
+    return {**_header(), "programs": {
+        program: {m.value: by_mode[m].to_json() for m in MODES if m in by_mode} for program, by_mode in plans.items()}}
+
+
+def parse_split_doc(doc, source: str = SPLIT) -> dict[str, dict[Mode, SplitPlan]]:
+    check_format(doc, source)
+    programs = doc.get("programs")
+    if not isinstance(programs, dict):
+        raise ArtifactFormatError(f"{source}: field 'programs' must be an object")
+    out: dict[str, dict[Mode, SplitPlan]] = {}
+    for program, by_mode in programs.items():
+        if not isinstance(by_mode, dict):
+            raise ArtifactFormatError(f"{source}: programs.{program} must be an object of modes")
+        plans = {Mode(m): SplitPlan.from_json(p, f"{source} programs.{program}") for m, p in by_mode.items()
+                 if m in {x.value for x in MODES}}
+        missing = [m.value for m in MODES if m not in plans]
+        if missing:
+            raise ArtifactFormatError(f"{source}: programs.{program} has no plan for mode(s) {missing}")
+        out[program] = plans
+    return out
+
+
+def plan_node_names(gm: torch.fx.GraphModule) -> list[str]:
+    """The nodes a plan must cover: everything but placeholders and the output, in graph order."""
+    return [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def piece_module_names(plan: SplitPlan) -> list[str]:
+    """The submodule name split_module gives each piece, in piece order."""
+    return [f"submod_{p.index}" for p in plan.pieces]
+
+
+def apply_split_plan(gm: torch.fx.GraphModule, plan: SplitPlan) -> torch.fx.GraphModule:
+    """Cut `gm` into the plan's pieces: a GraphModule calling submod_0, submod_1, ... in order.
+
+    `keep_original_order=True` is what makes this correct: the op nodes in eager pieces mutate
+    their `out` argument and return nothing, so no data edge orders a gap before the piece that
+    reads its `out`. split_module's default orders pieces topologically by data edges alone and
+    could run that reader first; keeping the original order preserves every in-place effect.
+
+    Refuses a plan that does not cover the graph exactly (a stale split.json): every node in one
+    piece, pieces in graph order, no unknown names.
+    """
+    names = plan_node_names(gm)
+    piece_of = plan.piece_of()
+    planned = [n for p in plan.pieces for n in p.nodes]
+    if len(planned) != len(piece_of):
+        dup = sorted({n for n in planned if planned.count(n) > 1})
+        raise ArtifactFormatError(f"split plan {plan.mode.value}: node(s) {dup[:5]} appear in more than one piece")
+    missing = [n for n in names if n not in piece_of]
+    unknown = sorted(set(piece_of) - set(names))
+    if missing or unknown:
+        raise ArtifactFormatError(
+            f"split plan {plan.mode.value} does not match the graph: {len(missing)} graph node(s) in no piece "
+            f"(first: {missing[:3]}), {len(unknown)} unknown name(s) (first: {unknown[:3]}); "
+            f"the plan was recorded for another graph: recompile")
+    order = [piece_of[n] for n in names]
+    if order != sorted(order):
+        at = next(i for i in range(1, len(order)) if order[i] < order[i - 1])
+        raise ArtifactFormatError(f"split plan {plan.mode.value}: node {names[at]} is in piece {order[at]} after "
+                                  f"a node of piece {order[at - 1]}: pieces must follow graph order")
+    # split_module records its partition on each node as an attribute: work on a copy so the
+    # caller's graph stays clean.
+    src = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
+    by_name = {n.name: n for n in src.graph.nodes}
+    index = {by_name[n]: piece_of[n] for n in names}
+    return split_module(src, None, lambda node: index[node], keep_original_order=True, keep_original_node_name=True)
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    new = torch.fx.Graph()
+    env: dict = {}
+    out = new.graph_copy(graph, env)
+    new.output(out)
+    for old, copied in env.items():
+        copied.meta = dict(old.meta)
+    return new
+
+
+# -- weights -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorView:
+    """Checkpoint tensor `name` fills the view (offset, shape, stride) of a program parameter."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to_json(self) -> list:
+        return [self.name, self.offset, list(self.shape), list(self.stride)]
+
+    @classmethod
+    def from_json(cls, obj, source: str) -> "TensorView":
+        try:
+            name, offset, shape, stride = obj
+            return cls(str(name), int(offset), tuple(int(s) for s in shape), tuple(int(s) for s in stride))
+        except (TypeError, ValueError) as e:
+            raise ArtifactFormatError(f"{source}: a view is [name, offset, shape, stride]: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSource:
+    """A model tensor (by model FQN): its shape and dtype in the program, and the views that fill it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    views: tuple[TensorView, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def is_whole(self) -> bool:
+        """One checkpoint tensor is the whole parameter (the common case: copy, no assembly)."""
+        v = self.views
+        return len(v) == 1 and v[0].offset == 0 and v[0].shape == self.shape and v[0].stride == _contiguous(self.shape)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def weights_doc(tensors: dict[str, ParamSource], programs: dict[str, dict[str, str]]) -> dict:
+    """weights.json: model tensors with their checkpoint views, and each program's FQN -> model tensor."""
+    return {**_header(),
+            "tensors": {fqn: {"shape": list(s.shape), "dtype": s.dtype, "views": [v.to_json() for v in s.views]}
+                        for fqn, s in tensors.items()},
+            "programs": programs}
+
+
+def parse_weights_doc(doc, source: str = WEIGHT_MAP) -> tuple[dict[str, ParamSource], dict[str, dict[str, str]]]:
+    check_format(doc, source)
+    tensors, programs = doc.get("tensors"), doc.get("programs")
+    if not isinstance(tensors, dict) or not isinstance(programs, dict):
+        raise ArtifactFormatError(f"{source}: needs objects 'tensors' and 'programs'")
+    out = {}
+    for fqn, obj in tensors.items():
+        try:
+            out[fqn] = ParamSource(tuple(int(s) for s in obj["shape"]), str(obj["dtype"]),
+                                   tuple(TensorView.from_json(v, f"{source} tensors.{fqn}") for v in obj["views"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactFormatError(f"{source}: tensors.{fqn}: needs shape, dtype, views: {e}") from None
+    for program, mapping in programs.items():
+        if not isinstance(mapping, dict) or any(v not in out for v in mapping.values()):
+            raise ArtifactFormatError(f"{source}: programs.{program} must map program FQNs to listed tensors")
+    return out, programs
+
