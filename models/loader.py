@@ -17,6 +17,7 @@ import torch
 from models.checkpoint import CheckpointReader, read_config, write_checkpoint
 from models.common import CheckpointError, HybridLM
 from models.families import Family, family_for_config, get_family
+from models.tokenizer import tokenizer_files_for_config
 
 __all__ = ["load_config", "build_meta_model", "load_checkpoint", "init_checkpoint", "config_dtype"]
 
@@ -81,4 +82,7 @@ def init_checkpoint(family_name: str, size: str, seed: int, out_dir: str | os.Pa
     model = model.to(config_dtype(text))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"hgc init-model: {n_params / 1e6:.1f}M parameters, writing {out_dir} ...", file=log, flush=True)
-    return write_checkpoint(out_dir, config, model.checkpoint_tensors(), shard_bytes=shard_bytes, overwrite=overwrite)
+    # A small trained tokenizer rides along so the server's text and chat paths work offline.
+    tokenizer = tokenizer_files_for_config(config, text)
+    return write_checkpoint(out_dir, config, model.checkpoint_tensors(), shard_bytes=shard_bytes,
+                            extra_files=tokenizer, overwrite=overwrite)

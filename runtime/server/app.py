@@ -1,0 +1,429 @@
+"""The HTTP server: a FastAPI app over one EngineLoop, speaking the OpenAI completions API.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
+events), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+
+Lifecycle:
+
+1. `create_app(served, options)` makes the app and its one `ServerState` (`app.state.hgc`): the
+   EngineLoop over the served model's Engine, the open requests, the counters. Nothing global.
+2. Lifespan start: the EngineLoop's thread starts. The app never steps the engine itself.
+3. A request: parse and validate (protocol.py; a 4xx with the OpenAI error body on any fault),
+   resolve the prompt to token ids, check it against the model, submit to the EngineLoop, then
+   stream or collect the tokens (generation.py). Engine calls that take the engine lock (submit,
+   cancel, stats) run on the state's thread pool, so the event loop never waits for a step.
+4. A client that disconnects, mid-stream or while waiting for a whole response, has its engine
+   request cancelled at once: its state slot and KV pages go back to the pools.
+5. Shutdown (`request_shutdown()`, called from the SIGTERM handler): new requests get 503 and
+   /health turns 503; in-flight requests run on until `shutdown_timeout` minus a grace period, then
+   are cancelled and finish with finish_reason "abort"; lifespan end stops the EngineLoop.
+
+It does not parse command lines or bind sockets (cli.py does), nor load models (model.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from runtime.engine import EngineLoop, EngineLoopError, SamplingParams
+from runtime.server.generation import Generation
+from runtime.server.metrics import CONTENT_TYPE, render_metrics
+from runtime.server.model import ServedModel
+from runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_body, chat_chunk,
+                                     completion_body, completion_chunk, error_body, models_body, now, parse_body,
+                                     usage_chunk)
+from runtime.server.sse import SSE_DONE, EventStreamResponse, sse_event
+from runtime.tokenizer import TokenizerError
+
+__all__ = ["ServerOptions", "ServerState", "create_app"]
+
+log = logging.getLogger("hgc.server")
+
+FINISH_REASONS = ("stop", "length", "cancelled", "abort", "error")
+ENDPOINTS = ("completions", "chat")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """Request limits and the shutdown bound (the `hgc serve` flags that are not engine sizing)."""
+
+    max_tokens_limit: int | None = None  # the largest max_tokens a request may ask (None: the model's context)
+    default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM
+    workers: int = 4  # threads for engine calls that take the engine lock
+
+    def __post_init__(self):
+        if self.default_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens must be at least 1 (got {self.default_max_tokens})")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"--max-tokens-limit must be at least 1 (got {self.max_tokens_limit})")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 (got {self.shutdown_timeout})")
+
+    @property
+    def abort_after(self) -> float:
+        """Seconds after SIGTERM at which in-flight requests are cancelled: before uvicorn's own bound,
+        so each one still gets a proper last chunk."""
+        return max(0.0, self.shutdown_timeout - min(1.0, self.shutdown_timeout / 2))
+
+
+class ServerState:
+    """Everything the routes share: the served model, its EngineLoop, open requests and counters."""
+
+    def __init__(self, served: ServedModel, options: ServerOptions):
+        self.served = served
+        self.options = options
+        self.engine_loop = EngineLoop(served.engine)
+        self.executor = concurrent.futures.ThreadPoolExecutor(options.workers, thread_name_prefix="hgc-server")
+        self.generations: dict[str, Generation] = {}
+        self.requests = collections.Counter({e: 0 for e in ENDPOINTS})
+        self.finished = collections.Counter({r: 0 for r in FINISH_REASONS})
+        self.errors: collections.Counter = collections.Counter()
+        self.prompt_tokens = 0
+        self.ttft = [0.0, 0]  # sum, count
+        self.duration = [0.0, 0]
+        self.created = now()
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def limit(self) -> int:
+        """The largest max_tokens a request may ask for."""
+        return min(self.options.max_tokens_limit or self.served.max_model_len, self.served.max_model_len)
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine_loop.error is None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.engine_loop.start()
+
+    def request_shutdown(self) -> None:
+        """From any thread (the signal handler): stop taking requests, bound the in-flight ones."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._begin_shutdown)
+
+    def _begin_shutdown(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        log.info("hgc serve: shutting down: %d request(s) in flight get %.1f s", len(self.generations),
+                 self.options.abort_after)
+        self.loop.call_later(self.options.abort_after, self.abort_all)
+
+    def abort_all(self) -> None:
+        if self.generations:
+            log.info("hgc serve: cancelling %d request(s) still in flight", len(self.generations))
+        for generation in list(self.generations.values()):
+            generation.aborted = True
+            generation.close()
+
+    async def stop(self) -> None:
+        self.draining = True
+        self.abort_all()
+        await self.loop.run_in_executor(None, functools.partial(self.engine_loop.stop, 5.0))
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        log.info("hgc serve: engine stopped")
+
+    # -- engine calls (off the event loop: each may wait for a step) --------------------------------
+
+    def _cancel(self, request_id) -> None:
+        try:
+            self.executor.submit(self.engine_loop.cancel, request_id)
+        except RuntimeError:  # the executor is shut down: EngineLoop.stop cancels what is left
+            pass
+
+    async def engine_stats(self) -> dict:
+        stats = await self.loop.run_in_executor(self.executor, self.engine_loop.stats)
+        if self.served.counters is not None:
+            stats.update(self.served.counters())
+        return stats
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, stop_strings: list[str],
+                     endpoint: str) -> Generation:
+        request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        future = self.loop.run_in_executor(self.executor, functools.partial(
+            self.engine_loop.submit, prompt_ids, params, request_id, loop=self.loop))
+        try:
+            handle = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The response was cancelled while the submit ran: cancel the request it makes.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception() or self._cancel(request_id))
+            raise
+        except ValueError as e:  # Engine.add_request's own checks (the app checks first; kept as a net)
+            raise RequestError(str(e), param="prompt") from None
+        except RuntimeError as e:
+            raise RequestError(f"the engine is not running: {e}", status=503, type="service_unavailable") from None
+        generation = Generation(request_id, handle, prompt_ids, self.served.tokenizer, stop_strings,
+                                params.stop_token_ids, self._cancel, self._on_end)
+        self.generations[request_id] = generation
+        self.requests[endpoint] += 1
+        self.prompt_tokens += len(prompt_ids)
+        return generation
+
+    def _on_end(self, generation: Generation) -> None:
+        self.generations.pop(generation.request_id, None)
+        self.finished[generation.finish_reason] += 1
+        if generation.first_token_s is not None:
+            self.ttft[0] += generation.first_token_s
+            self.ttft[1] += 1
+        self.duration[0] += time.perf_counter() - generation.submitted_s
+        self.duration[1] += 1
+
+    # -- request checks -----------------------------------------------------------------------------
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise RequestError("the server is shutting down", status=503, type="service_unavailable")
+        if not self.healthy:
+            raise RequestError(f"the engine failed: {self.engine_loop.error!r}", status=503,
+                               type="service_unavailable")
+
+    def check_model(self, name: str) -> None:
+        if name != self.served.name:
+            raise RequestError(f"The model '{name}' does not exist; this server serves '{self.served.name}'",
+                               status=404, param="model", code="model_not_found")
+
+    def _tokenizer(self, param: str, what: str):
+        if self.served.tokenizer is None:
+            raise RequestError(f"{what} needs a tokenizer, and this server has none (the artifact carries no "
+                               f"tokenizer.json and no --tokenizer was given): send the prompt as a list of token ids",
+                               param=param, code="no_tokenizer")
+        return self.served.tokenizer
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            ids = self._tokenizer("prompt", "a text prompt").encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+            bad = [t for t in ids if not 0 <= t < self.served.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0 .. "
+                                   f"{self.served.vocab_size - 1})", param="prompt", code="invalid_token_id")
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        return ids
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        tokenizer = self._tokenizer("messages", "a chat request")
+        if not tokenizer.has_chat_template:
+            raise RequestError("this model's tokenizer has no chat template: use /v1/completions", param="messages",
+                               code="no_chat_template")
+        try:
+            ids = tokenizer.encode_chat([m.template_dict() for m in req.messages], req.add_generation_prompt)
+        except TokenizerError as e:
+            raise RequestError(str(e), param="messages") from None
+        if not ids:
+            raise RequestError("the chat renders to an empty prompt", param="messages")
+        return ids
+
+    def sampling(self, req, prompt_len: int, max_tokens: int | None, default: int | None,
+                 prompt_param: str) -> SamplingParams:
+        """The engine's SamplingParams, after the length checks (OpenAI's context_length_exceeded)."""
+        context = self.served.max_model_len
+        room = context - prompt_len
+        if room < 1:
+            raise RequestError(f"This model's maximum context length is {context} tokens; the prompt has "
+                               f"{prompt_len} tokens, which leaves no room to generate", param=prompt_param,
+                               code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(default or self.limit, self.limit, room)
+        elif max_tokens > self.limit:
+            raise RequestError(f"max_tokens {max_tokens} is above this server's limit of {self.limit}",
+                               param="max_tokens", code="max_tokens_too_large")
+        elif prompt_len + max_tokens > context:
+            raise RequestError(f"This model's maximum context length is {context} tokens; you asked for "
+                               f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)",
+                               param="max_tokens", code="context_length_exceeded")
+        if req.stop and self.served.tokenizer is None:
+            self._tokenizer("stop", "a stop string")
+        stop_ids = set(req.stop_token_ids or ())
+        if self.served.eos_token_id is not None and not req.ignore_eos:
+            stop_ids.add(self.served.eos_token_id)
+        return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
+                              top_p=req.top_p, seed=req.seed, stop_token_ids=frozenset(stop_ids))
+
+    def metrics_snapshot(self) -> dict:
+        return {"open_requests": len(self.generations), "requests": dict(self.requests),
+                "finished": dict(self.finished), "errors": dict(self.errors), "prompt_tokens": self.prompt_tokens,
+                "ttft_sum": self.ttft[0], "ttft_count": self.ttft[1], "duration_sum": self.duration[0],
+                "duration_count": self.duration[1], "healthy": self.healthy, "draining": self.draining}
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(request: Request, generation: Generation) -> bool:
+    """Run a non-streamed request to its end; False if the client left first (its request is cancelled)."""
+
+    async def drain():
+        async for _ in generation.deltas():
+            pass
+
+    work = asyncio.ensure_future(drain())
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            work.result()
+            return True
+        return False
+    finally:
+        work.cancel()
+        watch.cancel()
+        generation.close()
+
+
+def _engine_error_body(error: BaseException) -> dict:
+    return error_body(f"the engine failed: {error.__cause__ or error!r}", "server_error", None, "engine_error")
+
+
+def create_app(served: ServedModel, options: ServerOptions | None = None) -> FastAPI:
+    state = ServerState(served, options or ServerOptions())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="hgc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.hgc = state
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, error: RequestError):
+        state.errors[error.status] += 1
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        # Unknown routes and methods: the same error shape as everything else.
+        state.errors[error.status_code] += 1
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {error.detail}", kind),
+                            status_code=error.status_code, headers=getattr(error, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, error: ClientDisconnect):
+        # The client left before its body was read: nothing was submitted, nobody reads a reply.
+        return Response(status_code=499)
+
+    @app.exception_handler(EngineLoopError)
+    async def engine_error(request: Request, error: EngineLoopError):
+        # The loop has logged nothing: say once per request what failed. /health is 503 from now on.
+        state.errors[500] += 1
+        log.error("hgc serve: %s %s: the engine loop failed: %r", request.method, request.url.path, error.__cause__)
+        return JSONResponse(_engine_error_body(error), status_code=500)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception):
+        # Starlette re-raises after sending this, so the server logs the traceback.
+        state.errors[500] += 1
+        return JSONResponse(error_body(f"internal error: {error!r}", "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not state.healthy:
+            return JSONResponse({"status": "engine_failed", "error": repr(state.engine_loop.error)}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok", "model": served.name, "open_requests": len(state.generations)}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return models_body(served.name, state.created, served.max_model_len,
+                           {**served.info, "vocab_size": served.vocab_size,
+                            "tokenizer": served.tokenizer is not None,
+                            "chat_template": bool(served.tokenizer and served.tokenizer.has_chat_template)})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render_metrics(await state.engine_stats(), state.metrics_snapshot()), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        state.check_accepting()
+        req = parse_body(await request.body(), CompletionRequest)
+        req.refuse_unsupported()
+        state.check_model(req.model)
+        prompt_ids = state.completion_prompt(req)
+        params = state.sampling(req, len(prompt_ids), req.max_tokens, state.options.default_max_tokens, "prompt")
+        generation = await state.submit(prompt_ids, params, req.stop or [], "completions")
+        rid, created, model = generation.request_id, now(), served.name
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def events():
+                try:
+                    async for delta in generation.deltas():
+                        yield sse_event(completion_chunk(rid, model, created, delta.text, delta.token_ids, None))
+                    yield sse_event(completion_chunk(rid, model, created, "", [], generation.finish_reason))
+                    if usage:
+                        yield sse_event(usage_chunk(rid, model, created, "text_completion", len(prompt_ids),
+                                                    len(generation.token_ids)))
+                except EngineLoopError as e:
+                    state.errors[500] += 1
+                    yield sse_event(_engine_error_body(e))
+                yield SSE_DONE
+
+            return EventStreamResponse(events(), generation.close)
+        if not await _collect(request, generation):
+            return Response(status_code=499)  # nobody is listening; the status is for the access log
+        return completion_body(rid, model, created, generation.text, generation.token_ids, generation.finish_reason,
+                               len(prompt_ids))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        state.check_accepting()
+        req = parse_body(await request.body(), ChatCompletionRequest)
+        req.refuse_unsupported()
+        state.check_model(req.model)
+        prompt_ids = state.chat_prompt(req)
+        params = state.sampling(req, len(prompt_ids), req.token_limit, None, "messages")
+        generation = await state.submit(prompt_ids, params, req.stop or [], "chat")
+        rid, created, model = generation.request_id, now(), served.name
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            async def events():
+                try:
+                    yield sse_event(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, [], None))
+                    async for delta in generation.deltas():
+                        yield sse_event(chat_chunk(rid, model, created, {"content": delta.text}, delta.token_ids,
+                                                   None))
+                    yield sse_event(chat_chunk(rid, model, created, {}, [], generation.finish_reason))
+                    if usage:
+                        yield sse_event(usage_chunk(rid, model, created, "chat.completion.chunk", len(prompt_ids),
+                                                    len(generation.token_ids)))
+                except EngineLoopError as e:
+                    state.errors[500] += 1
+                    yield sse_event(_engine_error_body(e))
+                yield SSE_DONE
+
+            return EventStreamResponse(events(), generation.close)
+        if not await _collect(request, generation):
+            return Response(status_code=499)
+        return chat_body(rid, model, created, generation.text, generation.token_ids, generation.finish_reason,
+                         len(prompt_ids))
+
+    return app

@@ -1,0 +1,155 @@
+"""What the server serves: one model behind an Engine, with its limits and its tokenizer.
+
+1. `EngineOptions` holds the serving knobs (`hgc serve` flags): slots, running cap, token budget per
+   step, page size, KV pages or a memory budget, the longest request.
+2. `build_engine(registry, bind, options)` sizes the pools (the memory planner when a budget is
+   given, else explicit slots and pages), makes the backend and its BoundOps, asks `bind(ops)` for
+   the forward callable, and builds the Engine.
+3. `load_served_model(artifact)` does that for a compiled artifact (runtime/loader.py), finds the
+   tokenizer in the artifact folder (or `tokenizer_dir`), and returns a `ServedModel`. Tests build
+   a ServedModel over an eager model with the same `build_engine`.
+
+The backend: the CPU reference backend on "cpu". A GPU serving process needs the backend factory
+`hgc run` uses; pass it as `backend_factory(kv_pool, state_pool) -> backend`.
+
+It does not run anything: the EngineLoop (app.py) steps the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from compiler.splitops import LayerRegistry
+from runtime.bound_ops import BoundOps
+from runtime.engine import Engine
+from runtime.kv_pool import KVPool
+from runtime.memory_planner import build_pools, plan_memory
+from runtime.state_pool import StatePool
+from runtime.tokenizer import TextTokenizer
+
+__all__ = ["EngineOptions", "ServedModel", "build_engine", "load_served_model", "DEFAULT_MAX_MODEL_LEN"]
+
+DEFAULT_MAX_MODEL_LEN = 4096  # when neither the flag nor the model says less
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    slots: int = 64  # state slots: the most requests that hold state at once
+    max_running: int | None = None  # requests in one step (None: every slot)
+    token_budget: int = 512  # tokens per step (prefill chunks and decodes together)
+    page_size: int = 16
+    kv_pages: int | None = None  # None: enough for every slot at max_model_len (or the planner's share)
+    memory_budget_bytes: int | None = None  # weights + state + KV; the planner splits it
+    max_model_len: int | None = None  # prompt + output tokens of one request
+
+    def __post_init__(self):
+        for name in ("slots", "token_budget", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        for name in ("max_running", "kv_pages", "memory_budget_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+
+
+@dataclasses.dataclass
+class ServedModel:
+    name: str  # what clients send as "model"
+    engine: Engine
+    vocab_size: int
+    max_model_len: int  # prompt + max_tokens of one request, at most
+    tokenizer: TextTokenizer | None = None
+    eos_token_id: int | None = None  # a default stop token (tokenizer's eos)
+    info: dict = dataclasses.field(default_factory=dict)  # shown on /v1/models
+    # Extra step counters for /metrics, e.g. a GraphRunner's {"graph_replays", "piecewise_steps",
+    # "eager_steps"}; merged over Engine.stats() (which has none of them while no runner is wired).
+    counters: Callable[[], dict] | None = None
+
+
+def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, weight_bytes: int,
+           device) -> tuple[KVPool, StatePool]:
+    if options.memory_budget_bytes is not None:
+        plan = plan_memory(registry, budget_bytes=options.memory_budget_bytes, weight_bytes=weight_bytes,
+                           max_seq_len=max_model_len, page_size=options.page_size, num_slots=options.slots,
+                           max_running=options.max_running)
+        return build_pools(registry, plan, device)
+    pages = options.kv_pages or options.slots * -(-max_model_len // options.page_size)
+    return KVPool(registry, pages, options.page_size, device), StatePool(registry, options.slots, device)
+
+
+def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], options: EngineOptions,
+                 max_model_len: int, *, weight_bytes: int = 0, device: str | torch.device = "cpu",
+                 backend_factory: Callable | None = None) -> Engine:
+    """Pools, backend, op table and Engine for one model; `bind(ops)` returns its forward."""
+    kv_pool, state_pool = _pools(registry, options, max_model_len, weight_bytes, device)
+    if backend_factory is None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"hgc serve: no backend for device {device!r} here; pass backend_factory (the one "
+                             f"`hgc run` uses) or serve on cpu")
+        from runtime.backends.cpu_reference import CPUReferenceBackend
+        backend_factory = CPUReferenceBackend
+    ops = BoundOps(backend_factory(kv_pool, state_pool))
+    return Engine(bind(ops), ops, kv_pool, state_pool, max_tokens_per_step=options.token_budget,
+                  max_running=options.max_running, max_seq_len=max_model_len, device=device)
+
+
+def _manifest_int(manifest: dict, *names: str) -> int | None:
+    """The first of `names` found as an integer in the manifest's model facts or its config.json copy."""
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    for doc in (manifest.get("model"), config.get("text_config"), config):
+        if isinstance(doc, dict):
+            for name in names:
+                value = doc.get(name)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    return value
+    return None
+
+
+def _vocab_size(art) -> int:
+    found = _manifest_int(art.manifest, "vocab_size")
+    if found is not None:
+        return found
+    # The output projection's rows are the vocabulary, whatever the manifest records.
+    for fqn, tensor in art.weights.items():
+        if fqn.endswith(("lm_head.weight", "embed_tokens.weight", "word_embeddings.weight")):
+            return int(tensor.shape[0])
+    raise ValueError(f"{art.docs.path}: cannot tell the vocabulary size (no vocab_size in manifest.json, "
+                     f"no lm_head weight)")
+
+
+def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
+                      options: EngineOptions = EngineOptions(), tokenizer_dir: str | os.PathLike | None = None,
+                      device: str = "cpu", backend_factory: Callable | None = None) -> ServedModel:
+    from runtime.loader import load_artifact
+
+    tokenizer = None
+    if tokenizer_dir is not None:  # first: a bad --tokenizer fails before seconds of loading programs
+        tokenizer = TextTokenizer.from_dir(tokenizer_dir)
+        if tokenizer is None:
+            raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
+    art = load_artifact(artifact, device=device)
+    if tokenizer is None:
+        # After the load: the artifact's tokenizer files are listed in its manifest, so their hashes
+        # were checked with everything else.
+        tokenizer = TextTokenizer.from_dir(artifact)
+    model_len = _manifest_int(art.manifest, "max_position_embeddings")
+    max_model_len = options.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_len or DEFAULT_MAX_MODEL_LEN)
+    if model_len is not None and max_model_len > model_len:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {model_len} positions")
+    weight_bytes = sum(t.nbytes for t in art.weights.values())
+    engine = build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
+                          backend_factory=backend_factory)
+    vocab_size = _vocab_size(art)
+    if tokenizer is not None and tokenizer.max_token_id >= vocab_size:
+        raise ValueError(f"{tokenizer.source}: the tokenizer has token id {tokenizer.max_token_id}, outside the "
+                         f"model's vocabulary of {vocab_size}")
+    eos = tokenizer.eos_token_id if tokenizer is not None else _manifest_int(art.manifest, "eos_token_id")
+    return ServedModel(
+        name=name or Path(artifact).resolve().name, engine=engine, vocab_size=vocab_size,
+        max_model_len=engine.max_seq_len, tokenizer=tokenizer, eos_token_id=eos,
+        info={"family": art.docs.family, "artifact": str(Path(artifact).resolve()), "device": str(device)})

@@ -1,0 +1,261 @@
+"""The OpenAI-compatible wire format: request schemas, their validation, response and chunk bodies.
+
+1. `parse_body(raw, schema)` turns request bytes into a validated schema object or raises
+   `RequestError` (HTTP 400, OpenAI error shape) naming the field: invalid JSON, a missing field,
+   a wrong type, a value out of range. Schemas are strict: "16" is not a number, 1.5 is not an
+   integer, true is not a number. Fields this server does not know are ignored, as OpenAI clients
+   send many; fields it knows but cannot honour (n > 1, logprobs, echo, penalties) are refused.
+2. The app resolves the prompt to token ids and checks it against the model (vocabulary, context
+   length, max_tokens limit), raising `RequestError` from here too (`context_length_error`, ...).
+3. `completion_body` / `completion_chunk` and `chat_body` / `chat_chunk` build the response
+   objects. Each choice also carries `token_ids` (an hgc extension): the generated ids, so a client
+   without the tokenizer, or a test, sees exactly what the engine produced.
+
+Error body: {"error": {"message", "type", "param", "code"}}, as OpenAI sends it.
+
+It does not talk to the engine or the network (app.py does).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["RequestError", "error_body", "parse_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
+           "StreamOptions", "completion_body", "completion_chunk", "chat_body", "chat_chunk", "usage_body",
+           "usage_chunk", "models_body", "now", "MAX_STOP_STRINGS"]
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit; each one is searched in the text after every token
+
+
+class RequestError(Exception):
+    """A request the server refuses: its HTTP status and the OpenAI error fields."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# -- requests -------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    # strict: no "16" -> 16 or true -> 1 coercion; extra fields ignored (clients send many).
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields both endpoints share."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default and range
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off (vLLM writes -1)
+    seed: int | None = Field(default=None, ge=0, lt=2 ** 63)
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value):
+        # OpenAI takes one string or a list of up to four.
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("must be a string or a list of strings")
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(s == "" for s in value):
+            raise ValueError("a stop string is empty")
+        return value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids(cls, value):
+        if value is not None and (not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value)):
+            raise ValueError("must be a list of non-negative token ids")
+        return value
+
+    def refuse_unsupported(self) -> None:
+        """Fields the schema knows so that a request asking for them is refused rather than ignored."""
+        if self.n != 1:
+            raise RequestError(f"n={self.n}: this server returns one choice per request; send n=1", param="n")
+        if self.logprobs not in (None, False):
+            raise RequestError("logprobs are not supported by this server", param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise RequestError(f"{name} is not supported by this server (send 0 or leave it out)", param=name)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `prompt`: text, or token ids (a single prompt; a list of one is unwrapped)."""
+
+    prompt: str | list[int]
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]  # ["text"] or [[1, 2, 3]]: a batch of one
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(_is_int(t) for t in value):
+            return value
+        if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+            raise ValueError("one prompt per request: send each prompt as its own request")
+        raise ValueError("must be a string or a list of token ids (integers)")
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise RequestError("echo is not supported by this server", param="echo")
+        if self.suffix:
+            raise RequestError("suffix is not supported by this server", param="suffix")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value):
+        # OpenAI content parts: [{"type": "text", "text": ...}, ...]; only text parts are served here.
+        if isinstance(value, list):
+            texts = []
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+                texts.append(part["text"])
+            return "".join(texts)
+        return value
+
+    def template_dict(self) -> dict:
+        # "developer" is OpenAI's newer name for the system role; templates know "system".
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. max_completion_tokens is OpenAI's newer name for max_tokens."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    add_generation_prompt: bool = True
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _param(loc: tuple) -> str:
+    return ".".join(str(part) for part in loc if not str(part).startswith(("function-", "union[")))
+
+
+def parse_body(raw: bytes, schema: type[_Strict]):
+    """Request bytes -> a validated `schema` instance, or RequestError (400) naming the field."""
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise RequestError("the request body must be a JSON object", code="invalid_json")
+    try:
+        return schema.model_validate(obj)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        param = _param(first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "missing":
+            message = f"missing required field '{param}'"
+        elif param:
+            got = first.get("input")
+            message = f"'{param}': {message}" + ("" if isinstance(got, (dict, list)) else f" (got {got!r})")
+        raise RequestError(message, param=param, code=first["type"]) from None
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(request_id: str, model: str, created: int, text: str, token_ids: list[int],
+                    finish_reason: str | None, prompt_tokens: int) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                         "token_ids": list(token_ids)}],
+            "usage": usage_body(prompt_tokens, len(token_ids))}
+
+
+def completion_chunk(request_id: str, model: str, created: int, text: str, token_ids: list[int],
+                     finish_reason: str | None) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                         "token_ids": list(token_ids)}]}
+
+
+def chat_body(request_id: str, model: str, created: int, text: str, token_ids: list[int],
+              finish_reason: str | None, prompt_tokens: int) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason, "token_ids": list(token_ids)}],
+            "usage": usage_body(prompt_tokens, len(token_ids))}
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: dict, token_ids: list[int],
+               finish_reason: str | None) -> dict:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                         "token_ids": list(token_ids)}]}
+
+
+def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    """The final chunk of a stream asked for with stream_options.include_usage: no choices, the usage."""
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage_body(prompt_tokens, completion_tokens)}
+
+
+def models_body(name: str, created: int, max_model_len: int, extra: dict | None = None) -> dict:
+    card = {"id": name, "object": "model", "created": created, "owned_by": "hgc", "max_model_len": max_model_len}
+    card.update(extra or {})
+    return {"object": "list", "data": [card]}
+
+
+def now() -> int:
+    return int(time.time())
