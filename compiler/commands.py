@@ -206,10 +206,12 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_run(args) -> int:
+    """Run prompts through a compiled artifact on the engine (continuous batching, chunked prefill)."""
     from compiler.cli import _check_vocab, _print_outputs, parse_prompt_ids
     from runtime.backends.cpu_reference import CPUReferenceBackend
     from runtime.bound_ops import BoundOps
-    from runtime.generate import greedy_generate, make_pools
+    from runtime.engine import Engine, SamplingParams
+    from runtime.generate import make_pools
     from runtime.loader import LoadError, load_artifact
 
     prompts = parse_prompt_ids(args.prompt_ids)
@@ -224,8 +226,17 @@ def cmd_run(args) -> int:
         forward = art.bind(ops)
     except LoadError as e:
         return _fail("run", e)
-    outputs = greedy_generate(forward, ops, kv_pool, state_pool, prompts, args.max_new_tokens)
-    _print_outputs(prompts, outputs, args.json)
+    engine = Engine(forward, ops, kv_pool, state_pool, max_tokens_per_step=args.max_tokens_per_step)
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed,
+                                stop_token_ids=frozenset(int(t) for t in args.stop_ids.split(",") if t.strip()))
+        ids = [engine.add_request(p, params) for p in prompts]
+    except ValueError as e:  # a sampling setting out of range, a stop id that is not an integer
+        return _fail("run", e)
+    results = engine.run_until_done()
+    outputs = [list(results[i].output_ids) for i in ids]
+    _print_outputs(prompts, outputs, args.json, extra={"timing": engine.timing()})
     return 0
 
 
@@ -267,9 +278,15 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
-    p = subparsers.add_parser("run", help="greedy generation from a compiled artifact (CPU reference backend)")
+    p = subparsers.add_parser("run", help="generate from a compiled artifact on the engine (CPU reference backend)")
     p.add_argument("artifact")
     p.add_argument("--prompt-ids", required=True, help='token ids, prompts separated by ";": "1,2,3;4,5"')
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="seed of each request's sampler (reproducible runs)")
+    p.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
+    p.add_argument("--max-tokens-per-step", type=int, default=512, help="chunked-prefill token budget per step")
+    p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
     p.set_defaults(func=cmd_run)
