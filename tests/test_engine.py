@@ -315,7 +315,7 @@ def test_engine_loop_streams_to_asyncio_and_cancels():
             if seen == 1:
                 assert long_one.cancel()
         assert seen < 500
-        assert long_one.result(timeout=5).finish_reason == "cancelled"
+        assert long_one.result(timeout=30).finish_reason == "cancelled"
         return tokens
 
     engine = make_engine(model, num_slots=2, num_pages=256, page_size=4)

@@ -4,7 +4,9 @@ Marked gpu (CI deselects them). Dims: Qwen3-Next GDN (Hk 16 -> Hv 32, D 128), Ki
 (H 32, D 128), Bailing Lightning (H 16, D 128), Qwen3-Next conv (C 8192, K 4). Inputs bf16,
 padding rows at the end pointing at the padding slot, two consecutive steps from a random
 non-zero state, outputs poisoned before each run. One test captures the backend's decode ops
-in a CUDA graph and replays it for new slots and inputs through the protocol hooks.
+in a CUDA graph and replays it for new slots and inputs through the protocol hooks. The last test
+runs extend, mixed and target-verify steps (FLA's chunk kernels, the torch conv, strided decode
+kernels) through a chain of steps on one pool, outputs and states against the reference.
 
 The kernels module is imported inside the tests, never at collection: on a CPU machine
 tests/test_triton_linear.py must be the first to import it (after setting TRITON_INTERPRET).
@@ -218,3 +220,85 @@ def test_decode_graph_capture_and_replay():
             assert rel_err(out[:num_real], out_ref[:num_real]) <= 1e-2
             touched = slots[:num_real]
             assert rel_err(dev_pool.layer(0)[entry][touched], ref_pool.layer(0)[entry][touched]) <= 1e-4
+
+
+# -- extend / mixed / target-verify (FLA chunk kernels, the torch conv, strided decode kernels) -----
+
+
+def _stub_einops() -> None:
+    """fla-core imports einops for naive references the backend never calls; the GPU machine may lack it."""
+    import sys
+    import types
+    try:
+        __import__("einops")
+    except ImportError:
+        stub = types.ModuleType("einops")
+        stub.rearrange = stub.repeat = stub.reduce = stub.einsum = lambda *a, **k: (_ for _ in ()).throw(
+            NotImplementedError("einops stub"))
+        sys.modules["einops"] = stub
+
+
+def step_ctx(mode: Mode, reqs: list[tuple[int, int, int]], pad_tokens: int, pad_seqs: int, device) -> ExecContext:
+    """(slot, cached, new tokens) per request, padding rows and requests at the end."""
+    lens = [n for *_, n in reqs]
+    T, B = sum(lens) + pad_tokens, len(reqs) + pad_seqs
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    ctx = ExecContext(
+        mode=mode, query_lens=lens, cache_lens=[c for _, c, _ in reqs],
+        query_start_loc=torch.tensor(qsl + [qsl[-1]] * pad_seqs, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([c + n for _, c, n in reqs] + [0] * pad_seqs, dtype=torch.int32, device=device),
+        state_slots=torch.tensor([s for s, *_ in reqs] + [PADDING_SLOT] * pad_seqs, dtype=torch.int64, device=device),
+        page_table=torch.zeros(B, 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=device),
+        page_size=16, num_tokens=T, num_seqs=B)
+    ctx.check()
+    return ctx
+
+
+EXTEND_STEPS = [  # slot 1 starts empty; step 2 continues its prompt next to decode rows and a new request
+    (Mode.EXTEND, [(1, 0, 150), (2, 30, 67)], 5, 1),
+    (Mode.MIXED, [(1, 150, 80), (2, 97, 1), (3, 0, 20), (4, 9, 1)], 3, 2),
+    (Mode.TARGET_VERIFY, [(1, 230, 3), (3, 20, 3)], 3, 1),
+    (Mode.TARGET_VERIFY, [(2, 98, 2), (4, 10, 4)], 0, 0),
+]
+
+
+@pytest.mark.parametrize("op", list(SPECS))
+def test_extend_mixed_verify_steps_match_reference_at_real_dims(op):
+    from runtime.backends.triton_linear_backend import TritonLinearBackend
+
+    if DEV != "cuda":
+        pytest.skip("the FLA chunk kernels need CUDA")
+    _stub_einops()
+    num_slots = 6
+    ref_pool, dev_pool = pools(op, num_slots, seed=31)
+    entry = "conv" if op == "short_conv" else "recurrent"
+    for pool in (ref_pool, dev_pool):
+        pool.layer(0)[entry][1].zero_()
+    before = dev_pool.layer(0)[entry].clone()
+    ref, tri = CPUReferenceBackend(None, ref_pool), TritonLinearBackend(dev_pool)
+    g = torch.Generator().manual_seed(32)
+    touched = set()
+    for mode, reqs, pad_t, pad_s in EXTEND_STEPS:
+        ctx = step_ctx(mode, reqs, pad_t, pad_s, DEV)
+        tri.init_step_metadata(ctx)
+        if mode in (Mode.EXTEND, Mode.MIXED):
+            tri.init_chunk_metadata(ctx, 256)
+        R, T = ctx.num_real_tokens, ctx.num_tokens
+        x = inputs(op, T, R, torch.bfloat16, g)
+        if "g" in x:
+            x["g"] = x["g"].float()  # the models pass float32 log-decays
+        out_ref = out_like(op, T, torch.float32, "cpu")
+        call(ref, step_ctx(mode, reqs, pad_t, pad_s, "cpu"), op, x, out_ref)  # float32 math on the same values
+        out = out_like(op, T, torch.bfloat16, DEV)
+        call(tri, ctx, op, {n: t.to(DEV) for n, t in x.items()}, out)
+        out = out.float().cpu()
+        assert torch.isfinite(out).all() and out[R:].eq(0).all(), f"{mode.value}: unwritten or non-zero padding rows"
+        assert rel_err(out[:R], out_ref[:R]) <= 1e-2, f"{mode.value} {reqs}"
+        touched |= {s for s, *_ in reqs}
+        t = sorted(touched)
+        assert rel_err(dev_pool.layer(0)[entry][t], ref_pool.layer(0)[entry][t]) <= 1e-2, f"{mode.value} state"
+    untouched = [s for s in range(num_slots + 1) if s not in touched]
+    assert torch.equal(dev_pool.layer(0)[entry][untouched], before[untouched]), "padding slot or a free slot written"

@@ -259,3 +259,63 @@ def test_the_compiler_lint_finds_nothing_to_say_about_the_hybrid():
     hybrid = hybrid_over_references(kv_pool, state_pool)
     assert backend_rules.wrapper_findings(HybridBackend) == []  # against the protocol itself
     assert backend_rules.wrapper_findings(hybrid) == []  # against this instance's children
+
+
+# -- more than two children ---------------------------------------------------------------------
+
+ATTENTION_OPS = FULL_OPS - {"moe"}
+
+
+def test_three_children_each_op_to_its_owner_every_hook_to_all():
+    full, linear, moe = Spy(ATTENTION_OPS), Spy(LINEAR_OPS), Spy({"moe"})
+    hybrid = HybridBackend(full, linear, moe)
+    assert hybrid.children == (full, linear, moe)
+    ctx = object()
+    hybrid.init_capture_state(64, 8)
+    hybrid.init_replay_state(ctx, 8)
+    hybrid.init_step_metadata(ctx)
+    hybrid.init_chunk_metadata(ctx, 512)
+    expected = [("init_capture_state", 64, 8), ("init_replay_state", ctx, 8), ("init_step_metadata", ctx),
+                ("init_chunk_metadata", ctx, 512)]
+    assert full.calls == linear.calls == moe.calls == expected
+    for child in (full, linear, moe):
+        child.calls.clear()
+    for op in OP_NAMES:
+        args = tuple(f"{op}.{a}" for a in protocol_args(op)[1:])
+        getattr(hybrid, op)(ctx, *args)
+        owner = moe if op == "moe" else full if op in ATTENTION_OPS else linear
+        assert owner.calls[-1] == (op, ctx, *args) and hybrid.owner_of(op) is owner
+    assert [len(c.calls) for c in (full, linear, moe)] == [len(ATTENTION_OPS), len(LINEAR_OPS), 1]
+
+
+def test_three_children_need_exactly_one_owner_per_op():
+    with pytest.raises(ProtocolError, match=r"hgc\.moe is declared by full and moe"):
+        HybridBackend(Spy(FULL_OPS), Spy(LINEAR_OPS), Spy({"moe"}))
+    with pytest.raises(ProtocolError, match=r"hgc\.gdn_core is declared by linear #1 and linear #2.*"
+                                            r"hgc\.moe is declared by no child"):
+        HybridBackend(Spy(ATTENTION_OPS), Spy(LINEAR_OPS), Spy(LINEAR_OPS - {"short_conv"}))
+    with pytest.raises(ProtocolError, match="two or more"):
+        HybridBackend(Spy(OP_NAMES))
+
+
+def test_three_reference_children_are_bitwise_the_reference_and_lint_clean():
+    model = build_model(MODELS[-1])
+    vocab = model.lm_head.weight.shape[0]
+    plain_pools, hybrid_pools = make_pools(model, 2, 32), make_pools(model, 2, 32)
+    plain = BoundOps(CPUReferenceBackend(*plain_pools))
+    three = HybridBackend(CPUReferenceBackend(*hybrid_pools, supported_ops=FULL_OPS - {"moe"}),
+                          CPUReferenceBackend(*hybrid_pools, supported_ops=LINEAR_OPS),
+                          CPUReferenceBackend(*hybrid_pools, supported_ops={"moe"}))
+    hybrid = BoundOps(three)
+    a, b = prompts(2, [7, 4], vocab, seed=3)
+    seqs = {id(p): [SeqState(p[1].alloc()), SeqState(p[1].alloc())] for p in (plain_pools, hybrid_pools)}
+    step = [a, b]
+    for _ in range(3):
+        outs = []
+        for ops, pools in ((plain, plain_pools), (hybrid, hybrid_pools)):
+            model.set_ops(ops)
+            outs.append(run_step(model, ops, list(zip(seqs[id(pools)], step)), pools[0]))
+        assert torch.equal(outs[0], outs[1])
+        step = [[t] for t in outs[0].argmax(-1).tolist()]
+    backend_rules = pytest.importorskip("compiler.lints.backend_rules")
+    assert backend_rules.wrapper_findings(three) == []

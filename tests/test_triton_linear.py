@@ -2,7 +2,10 @@
 
 On a machine without CUDA the kernels run in Triton's interpreter (numpy on the CPU): these are
 CPU tests of the kernel logic (indexing, masks, padding, the in-place update), not of speed.
-Dimensions stay small so the interpreter is quick. Every check draws fresh random inputs, starts
+Dimensions stay small so the interpreter is quick. Extend, mixed and target-verify steps are
+checked here too: the short conv's extend path is plain torch, target_verify runs the decode
+kernels on strided rows, and the FLA chunk calls are stood in for by the reference recurrence
+(`FakeFLA`), which checks the arguments the backend passes (gather, cu_seqlens, scatter). Every check draws fresh random inputs, starts
 from a non-zero state, poisons the outputs, and compares outputs and updated states by
 ||x - ref|| / ||ref|| over several consecutive decode steps. The GPU versions at real dims are in
 tests/test_gpu_linear_kernels.py (marked gpu).
@@ -39,7 +42,9 @@ from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorS
 from runtime.backends import triton_linear as TL  # noqa: E402
 from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
 from runtime.backends.protocol import check_backend  # noqa: E402
-from runtime.backends.triton_linear_backend import TritonLinearBackend, WrongModeError  # noqa: E402
+from runtime.backends.triton_linear_backend import (FLANotInstalled, TritonLinearBackend,  # noqa: E402
+                                                    WrongModeError)
+from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
 from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.kv_pool import KVPool  # noqa: E402
 from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
@@ -259,26 +264,16 @@ def test_padding_row_between_real_rows(op, layer_id):
 
 
 @in_process
-@pytest.mark.parametrize("mode", [Mode.EXTEND, Mode.MIXED, Mode.TARGET_VERIFY])
-def test_non_decode_steps_are_refused_naming_the_mode(mode):
-    _, dev_pool = make_pools(0)
-    tri = TritonLinearBackend(dev_pool)
-    ctx = decode_step([1, 2], 2)
-    ctx.mode = mode
-    x = step_inputs("gdn_core", 0, 2, 2, torch.float32, torch.Generator().manual_seed(0))
-    with pytest.raises(WrongModeError, match=f"'{mode.value}' step.*decode only"):
-        run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE)
-
-
-@in_process
-def test_backend_follows_the_protocol_and_declares_decode_only():
+def test_backend_follows_the_protocol_and_declares_every_mode():
     _, dev_pool = make_pools(0)
     tri = TritonLinearBackend(dev_pool)
     check_backend(tri)
     assert tri.supported_ops == {"gdn_core", "kda_core", "lightning_core", "short_conv"}
     cap = TritonLinearBackend.capability
     assert cap.ops == tri.supported_ops and cap.device == "cuda"
-    assert cap.modes_supported == {Mode.DECODE} and cap.modes_capturable == {Mode.DECODE}
+    assert cap.modes_supported == set(Mode)
+    # extend / mixed run FLA's host-planned chunk kernels: eager; target_verify is n strided decode launches
+    assert cap.modes_capturable == {Mode.DECODE, Mode.TARGET_VERIFY}
 
 
 @in_process
@@ -290,7 +285,7 @@ def test_replayed_step_reads_slots_from_the_static_buffer():
     tri.init_capture_state(max_tokens=8, max_seqs=8)
     ctx = decode_step([6, 2, PADDING_SLOT], 2)
     tri.init_replay_state(ctx, bucket=3)
-    assert tri._slots(ctx, "gdn_core", 0, 3).data_ptr() == tri._static_slots.data_ptr()
+    assert tri._step_slots(ctx).data_ptr() == tri._static_slots.data_ptr()
     x = step_inputs("gdn_core", 0, 3, 2, torch.float32, torch.Generator().manual_seed(22))
     out = run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE).cpu()
     out_ref = run_op(ref, ctx, "gdn_core", 0, x, torch.float32, "cpu")
@@ -298,7 +293,7 @@ def test_replayed_step_reads_slots_from_the_static_buffer():
     with pytest.raises(RuntimeError, match="bucket"):
         tri.init_replay_state(ctx, bucket=4)
     tri.init_step_metadata(ctx)  # an eager step: back to ctx.state_slots
-    assert tri._slots(ctx, "gdn_core", 0, 3).data_ptr() != tri._static_slots.data_ptr()
+    assert tri._step_slots(ctx).data_ptr() != tri._static_slots.data_ptr()
 
 
 @in_process
@@ -318,3 +313,180 @@ def test_default_tiles_keep_batch_one_spread_over_the_chip():
     assert (cfg.block_v, cfg.num_warps) == (8, 1) and 1 * 32 * (128 // cfg.block_v) == 512
     big = TL.recurrent_config(64, 32, 128, 128, torch.device("cpu"))
     assert big.block_v == 32 and big.num_warps == 4
+
+
+# -- extend, mixed and target-verify steps ------------------------------------------------------
+
+
+class FakeFLA:
+    """Stands in for FLA's chunk functions on the CPU: the reference recurrence per varlen sequence.
+
+    It checks what the backend must pass: keyword arguments, batch 1, cu_seqlens int64 equal to
+    cu_seqlens_cpu, one initial state per sequence, final states requested, no in-kernel l2norm."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _run(self, name, *, q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+             g=None, beta=None, g_gamma=None, use_qk_l2norm_in_kernel=False):
+        assert q.shape[0] == 1 and k.shape[0] == 1 and v.shape[0] == 1, "varlen calls use batch 1"
+        assert cu_seqlens.dtype == torch.int64 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+        assert cu_seqlens_cpu.device.type == "cpu" and int(cu_seqlens_cpu[-1]) == q.shape[1]
+        assert initial_state.shape[0] == len(cu_seqlens_cpu) - 1 and initial_state.dtype == torch.float32
+        assert output_final_state and not use_qk_l2norm_in_kernel
+        self.calls.append((name, cu_seqlens_cpu.tolist()))
+        rep = v.shape[2] // q.shape[2]
+        qq, kk = q[0].repeat_interleave(rep, dim=1), k[0].repeat_interleave(rep, dim=1)
+        ht = initial_state.clone()
+        o = torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
+        bounds = cu_seqlens_cpu.tolist()
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if name == "gdn":
+                decay = g[0, a:b].unsqueeze(-1)
+            elif name == "kda":
+                decay = g[0, a:b]
+            else:
+                assert g is None and g_gamma is not None and g_gamma.shape == (v.shape[2],)
+                decay = g_gamma.float().view(1, -1, 1)
+            o[a:b] = gated_recurrence(qq[a:b], kk[a:b], v[0, a:b], decay, None if beta is None else beta[0, a:b],
+                                      ht[i], scale)
+        initial_state.fill_(float("nan"))  # FLA may scribble on it: the backend must not reuse it
+        return o[None].to(v.dtype), ht
+
+    def gdn(self, **kw):
+        return self._run("gdn", **kw)
+
+    def kda(self, **kw):
+        return self._run("kda", **kw)
+
+    def simple_gla(self, **kw):
+        return self._run("simple_gla", **kw)
+
+
+def mode_step(mode: Mode, reqs: list[tuple[int, int, int]], pad_tokens: int = 0, pad_seqs: int = 0):
+    """A step of `mode` over (slot, cached tokens, new tokens) requests, padded as the runtime pads."""
+    kv = KVPool(REGISTRY, 64, 16)
+    items = [(SeqState(slot, num_cached=cached), [0] * n) for slot, cached, n in reqs]
+    T = sum(n for *_, n in reqs)
+    step = build_step(items, kv, mode=mode, pad_tokens_to=T + pad_tokens, pad_seqs_to=len(reqs) + pad_seqs)
+    step.ctx.check()
+    return step.ctx
+
+
+# Slot 4 starts empty (a new request), the others from random states. Step 2 continues slot 4's
+# prompt in a second chunk, mixed with a decode row (slot 7) and a new extend (slot 2).
+MODE_STEPS = [
+    (Mode.EXTEND, [(4, 0, 6), (7, 9, 5)], 3, 1),
+    (Mode.MIXED, [(4, 6, 4), (7, 14, 1), (2, 0, 3)], 2, 1),
+    (Mode.TARGET_VERIFY, [(4, 10, 3), (7, 15, 3), (2, 3, 3)], 3, 1),  # uniform: strided decode kernels
+    (Mode.TARGET_VERIFY, [(4, 13, 2), (2, 6, 3)], 0, 0),  # ragged: the eager extend path
+    (Mode.DECODE, [(2, 9, 1), (4, 15, 1)], 1, 1),
+]
+
+
+def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=0, silu=True, conv_bias=True):
+    ref_pool, dev_pool = make_pools(seed)
+    for pool in (ref_pool, dev_pool):
+        for t in pool.buffers[layer_id].values():
+            t[4].zero_()  # slot 4: a request that starts from the empty state
+    ref = CPUReferenceBackend(KVPool(REGISTRY, 4, 16), ref_pool)
+    fake = FakeFLA()
+    tri = TritonLinearBackend(dev_pool, fla=fake)
+    entry = "conv" if op == "short_conv" else "recurrent"
+    before = dev_pool.layer(layer_id)[entry].clone()
+    g = torch.Generator().manual_seed(seed + 1)
+    touched = set()
+    for mode, reqs, pad_tokens, pad_seqs in steps:
+        ctx = mode_step(mode, reqs, pad_tokens, pad_seqs)
+        tri.init_step_metadata(ctx)
+        if mode in (Mode.EXTEND, Mode.MIXED):
+            tri.init_chunk_metadata(ctx, 64)
+        R, T = ctx.num_real_tokens, ctx.num_tokens
+        x = step_inputs(op, layer_id, T, R, dtype, g)
+        out_ref = run_op(ref, ctx, op, layer_id, x, dtype, "cpu", conv_bias, silu)
+        out = run_op(tri, ctx, op, layer_id, x, dtype, DEVICE, conv_bias, silu).cpu()
+        what = f"{op} layer {layer_id} {mode.value} {reqs}"
+        assert torch.isfinite(out).all(), f"{what}: output rows left unwritten (NaN poison survived)"
+        assert out[R:].eq(0).all(), f"{what}: padding rows must be zero"
+        err = rel_err(out[:R], out_ref[:R])
+        assert err <= TOL[dtype], f"{what}: out rel err {err:.2e}"
+        touched |= {slot for slot, *_ in reqs}
+        rows = sorted(touched)
+        s_err = rel_err(dev_pool.layer(layer_id)[entry].cpu()[rows], ref_pool.layer(layer_id)[entry][rows])
+        assert s_err <= STATE_TOL, f"{what}: state rel err {s_err:.2e}"
+    untouched = [s for s in range(NUM_SLOTS + 1) if s not in touched]
+    assert PADDING_SLOT in untouched
+    assert torch.equal(dev_pool.layer(layer_id)[entry][untouched], before[untouched]), "padding or free slot written"
+    return fake
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", OPS, ids=[f"{op}-L{lid}" for op, lid in OPS])
+def test_extend_mixed_and_verify_steps_match_reference(op, layer_id):
+    fake = compare_mode_steps(op, layer_id, MODE_STEPS, seed=30 + layer_id)
+    if op == "short_conv":
+        assert fake.calls == []  # the conv's extend path is torch, no FLA
+    else:
+        # one chunk call per eager step over all its requests; the uniform verify step used none
+        assert [c[1] for c in fake.calls] == [[0, 6, 11], [0, 4, 5, 8], [0, 2, 5]]
+
+
+@in_process
+@pytest.mark.parametrize("conv_bias,silu", [(False, False), (True, False)])
+def test_conv_extend_without_bias_or_silu(conv_bias, silu):
+    compare_mode_steps("short_conv", 1, MODE_STEPS[:2], seed=41, conv_bias=conv_bias, silu=silu)
+
+
+@in_process
+def test_conv_extend_in_bf16():
+    compare_mode_steps("short_conv", 0, MODE_STEPS[:2], dtype=torch.bfloat16, seed=42)
+
+
+@in_process
+def test_extend_without_fla_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)  # import fla -> ImportError, whatever is installed
+    for name in [m for m in sys.modules if m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool)
+    ctx = mode_step(Mode.EXTEND, [(3, 0, 4)])
+    x = step_inputs("gdn_core", 0, 4, 4, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(FLANotInstalled, match=r"gpu extra.*fla-core"):
+        run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE)
+    run_op(tri, ctx, "short_conv", 0, step_inputs("short_conv", 0, 4, 4, torch.float32,
+                                                  torch.Generator().manual_seed(0)), torch.float32, DEVICE)
+
+
+@in_process
+@pytest.mark.parametrize("mode", [Mode.EXTEND, Mode.MIXED])
+def test_extend_steps_are_refused_inside_a_replayed_step(mode):
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool, fla=FakeFLA())
+    tri.init_capture_state(max_tokens=8, max_seqs=2)
+    ctx = mode_step(mode, [(3, 0, 4), (5, 2, 1)])
+    tri.init_replay_state(ctx, bucket=2)
+    x = step_inputs("gdn_core", 0, 5, 5, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(WrongModeError, match="run eagerly"):
+        run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE)
+
+
+@in_process
+def test_replayed_verify_step_reads_the_static_slots():
+    """target_verify is captured: slots come from the static buffer, n strided launches per op."""
+    ref_pool, dev_pool = make_pools(51)
+    ref = CPUReferenceBackend(KVPool(REGISTRY, 4, 16), ref_pool)
+    tri = TritonLinearBackend(dev_pool, fla=FakeFLA())
+    tri.init_capture_state(max_tokens=16, max_seqs=4)
+    ctx = mode_step(Mode.TARGET_VERIFY, [(6, 5, 2), (1, 3, 2)], pad_tokens=2, pad_seqs=1)
+    tri.init_replay_state(ctx, bucket=3)
+    assert tri._step_slots(ctx).data_ptr() == tri._static_slots.data_ptr()
+    x = step_inputs("kda_core", 2, 6, 4, torch.float32, torch.Generator().manual_seed(52))
+    out = run_op(tri, ctx, "kda_core", 2, x, torch.float32, DEVICE).cpu()
+    out_ref = run_op(ref, ctx, "kda_core", 2, x, torch.float32, "cpu")
+    assert rel_err(out[:4], out_ref[:4]) <= 1e-4 and out[4:].eq(0).all()
+    assert tri._fla.calls == []
+    ragged = mode_step(Mode.TARGET_VERIFY, [(6, 7, 1), (1, 5, 3)])
+    tri.init_replay_state(ragged, bucket=2)
+    with pytest.raises(WrongModeError, match="same number of rows"):
+        run_op(tri, ragged, "kda_core", 2, step_inputs("kda_core", 2, 4, 4, torch.float32,
+                                                       torch.Generator().manual_seed(0)), torch.float32, DEVICE)

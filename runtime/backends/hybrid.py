@@ -1,15 +1,19 @@
-"""HybridBackend: one full-attention child and one linear-attention child behind one backend.
+"""HybridBackend: any number of child backends (full attention, linear attention, MoE, ...) behind one backend.
 
-1. `HybridBackend(full, linear)` checks both children against the protocol and builds the op
-   table: every hgc op must be declared (`supported_ops`) by exactly one child, otherwise
-   construction fails naming the op and what each child declares. There is no fallback child.
+1. `HybridBackend(*children)` (for example `HybridBackend(full, linear, moe)`) checks every child
+   against the protocol and builds the op table: every hgc op must be declared (`supported_ops`)
+   by exactly one child, otherwise construction fails naming the op and what each child
+   declares. There is no fallback child, and a child that owns no op is refused (a hook forwarded
+   to a backend that serves nothing is a mistake in the composition, not a harmless extra).
 2. Each op method forwards to the child that declared the op, with the op's arguments unchanged.
-3. Each hook of the protocol is written out below and forwarded to both children, full first.
-   No `hasattr` guard: the protocol makes every hook abstract, so a child always has it, and the
-   protocol's definition-time check guarantees the child accepts the arguments forwarded here.
+3. Each hook of the protocol is written out below and forwarded to every child, in the order the
+   children were given. No `hasattr` guard: the protocol makes every hook abstract, so a child
+   always has it, and the protocol's definition-time check guarantees the child accepts the
+   arguments forwarded here.
 
 `children` lists the children for the compiler lint that checks wrappers (every hook a child
-implements must be forwarded with a signature the child accepts).
+implements must be forwarded with a signature the child accepts). Error messages name each child
+by the role its ops give it ("full", "linear", or its ops when it serves no layer kind, e.g. "moe").
 
 It does not decide which layers are full or linear (the LayerRegistry does; an op's kind is in
 its declaration, compiler/splitops/ops.py) and it holds no state of its own.
@@ -17,61 +21,77 @@ its declaration, compiler/splitops/ops.py) and it holds no state of its own.
 
 from __future__ import annotations
 
-from compiler.splitops import OP_SPECS
+from compiler.splitops import FULL_KINDS, LINEAR_KINDS, OP_SPECS
 from runtime.backends.protocol import OP_NAMES, BackendHooks, ProtocolError, check_backend
 from runtime.context import ExecContext
 
 __all__ = ["HybridBackend"]
 
 
+def _role(child: BackendHooks) -> str:
+    """What a child is for, from the ops it declares: 'full', 'linear', 'full+linear' or its ops."""
+    kinds = frozenset().union(*(OP_SPECS[op].kinds for op in child.supported_ops)) if child.supported_ops \
+        else frozenset()
+    roles = [r for r, ks in (("full", FULL_KINDS), ("linear", LINEAR_KINDS)) if kinds & ks]
+    return "+".join(roles) or "+".join(sorted(child.supported_ops)) or child.name
+
+
 class HybridBackend(BackendHooks):
     name = "hybrid"
     supported_ops = frozenset(OP_NAMES)  # each op has exactly one owner among the children, so all of them
 
-    def __init__(self, full: BackendHooks, linear: BackendHooks):
-        check_backend(full)
-        check_backend(linear)
-        self.full = full
-        self.linear = linear
-        self.children: tuple[BackendHooks, ...] = (full, linear)
-        self.name = f"hybrid({full.name}, {linear.name})"
+    def __init__(self, *children: BackendHooks):
+        if len(children) < 2:
+            raise ProtocolError(f"HybridBackend composes two or more backends (got {len(children)}); "
+                                f"use a single backend directly")
+        for child in children:
+            check_backend(child)
+        self.children: tuple[BackendHooks, ...] = tuple(children)
+        roles = [_role(c) for c in children]
+        # the same role twice (two linear children, say): tell them apart by position
+        self._roles = [r if roles.count(r) == 1 else f"{r} #{i}" for i, r in enumerate(roles)]
+        self.name = f"hybrid({', '.join(c.name for c in children)})"
         self._owner: dict[str, BackendHooks] = {}
         problems = []
         for op in OP_NAMES:
-            owners = [role for role, child in (("full", full), ("linear", linear)) if op in child.supported_ops]
+            owners = [i for i, child in enumerate(children) if op in child.supported_ops]
             if len(owners) != 1:
-                problems.append(f"hgc.{op} is declared by {' and '.join(owners) or 'neither child'}")
+                nobody = "neither child" if len(children) == 2 else "no child"
+                problems.append(f"hgc.{op} is declared by {' and '.join(self._roles[i] for i in owners) or nobody}")
             else:
-                self._owner[op] = full if owners[0] == "full" else linear
+                self._owner[op] = children[owners[0]]
+        idle = [self._roles[i] for i, c in enumerate(children) if not c.supported_ops]
+        if idle:
+            problems.append(f"children {idle} declare no op")
         if problems:
-            raise ProtocolError(
-                f"{self.name}: every op needs exactly one owner; {'; '.join(problems)}. "
-                f"full declares {sorted(full.supported_ops)}, linear declares {sorted(linear.supported_ops)}")
+            declared = "; ".join(f"{r} ({c.name}) declares {sorted(c.supported_ops)}"
+                                 for r, c in zip(self._roles, children))
+            raise ProtocolError(f"{self.name}: every op needs exactly one owner; {'; '.join(problems)}. {declared}")
 
     def owner_of(self, op: str) -> BackendHooks:
         return self._owner[op]
 
-    # -- hooks: forwarded to both children ----------------------------------------------------
+    # -- hooks: forwarded to every child, in order ---------------------------------------------
 
     def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
-        """Both children allocate their static buffers."""
-        self.full.init_capture_state(max_tokens, max_seqs)
-        self.linear.init_capture_state(max_tokens, max_seqs)
+        """Every child allocates its static buffers."""
+        for child in self.children:
+            child.init_capture_state(max_tokens, max_seqs)
 
     def init_replay_state(self, ctx: ExecContext, bucket: int) -> None:
-        """Both children copy this step's metadata into their buffers for `bucket`."""
-        self.full.init_replay_state(ctx, bucket)
-        self.linear.init_replay_state(ctx, bucket)
+        """Every child copies this step's metadata into its buffers for `bucket`."""
+        for child in self.children:
+            child.init_replay_state(ctx, bucket)
 
     def init_step_metadata(self, ctx: ExecContext) -> None:
-        """Both children plan the step."""
-        self.full.init_step_metadata(ctx)
-        self.linear.init_step_metadata(ctx)
+        """Every child plans the step."""
+        for child in self.children:
+            child.init_step_metadata(ctx)
 
     def init_chunk_metadata(self, ctx: ExecContext, chunk_size: int) -> None:
-        """Both children plan chunks (the hook DESIGN.md failure 3 lost behind a hasattr guard)."""
-        self.full.init_chunk_metadata(ctx, chunk_size)
-        self.linear.init_chunk_metadata(ctx, chunk_size)
+        """Every child plans chunks (the hook DESIGN.md failure 3 lost behind a hasattr guard)."""
+        for child in self.children:
+            child.init_chunk_metadata(ctx, chunk_size)
 
     # -- ops: routed to the declaring child ---------------------------------------------------
 

@@ -1,0 +1,606 @@
+"""Linear-attention extend on the GPU: TritonLinearBackend's extend / mixed / target-verify paths.
+
+One call on the lent GPU machine (table last, JSON in --out):
+
+1. Device facts: copy bandwidth (1 GiB copy_, read + write) and the bf16 matmul rate, both
+   measured here, for the floors.
+2. Checks, per family at real dims (GDN Hk 16 / Hv 32 / 128, KDA 32 x 128, Lightning 16 x 128,
+   short conv 8192 x 4), bf16 inputs with float32 log-decays (as the models pass them): a chain
+   of steps over one state pool: an extend from an empty state and one from an existing state,
+   a mixed step (the first request's next prompt chunk, decode rows, a new request, padding),
+   a uniform target-verify step (strided decode kernels), a ragged one (chunk path). Outputs AND
+   updated states against CPUReferenceBackend run on CPU copies in float32 (relative error of
+   the norm; bf16 within 1e-2), padding rows zero, padding and free slots untouched.
+3. Timing of one extend step of 512 and 2048 tokens (1 request, 4 requests): the backend, its
+   floor (max of bytes / copy rate and FLOPs / matmul rate) and the torch reference on the GPU.
+4. `pytest -m gpu tests/test_gpu_linear_kernels.py`.
+
+The FLA families run in subprocesses (in parallel: their Triton compiles overlap; the timing
+phases take a file lock, so one family is timed at a time), so a crash inside FLA (an illegal
+memory access poisons a CUDA context) costs one family, not the run.
+
+`--dry-run` runs on the CPU at tiny dims: the conv path for real, the FLA families through a
+stand-in (the reference recurrence behind FLA's keyword interface), the Triton decode kernels
+in Triton's interpreter, every piece of argument plumbing, the JSON and the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+from pathlib import Path
+
+if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec  # noqa: E402
+from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence  # noqa: E402
+from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: E402
+from runtime.context import ExecContext  # noqa: E402
+from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
+
+START = time.time()
+OUT_TOL = 1e-2  # bf16 inputs
+STATE_TOL = 1e-2  # FLA's chunk form keeps bf16 intermediates: states are not bitwise the recurrence
+
+# family -> (op, layer kind, Hk, Hv, Dk, Dv); conv: C, K in Hv, Dk
+REAL = {"gdn": ("gdn_core", LayerKind.GDN, 16, 32, 128, 128), "kda": ("kda_core", LayerKind.KDA, 32, 32, 128, 128),
+        "lightning": ("lightning_core", LayerKind.LIGHTNING, 16, 16, 128, 128),
+        "conv": ("short_conv", LayerKind.GDN, 0, 8192, 4, 0)}
+DRY = {"gdn": ("gdn_core", LayerKind.GDN, 2, 4, 16, 16), "kda": ("kda_core", LayerKind.KDA, 4, 4, 16, 16),
+       "lightning": ("lightning_core", LayerKind.LIGHTNING, 4, 4, 16, 16),
+       "conv": ("short_conv", LayerKind.GDN, 0, 24, 4, 0)}
+
+
+def is_cuda() -> bool:
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - START:6.1f}s] {msg}", flush=True)
+
+
+def rel_err(x, ref) -> float:
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def ensure_einops() -> str | None:
+    """fla-core imports einops for naive references we never call; stub it where it is missing."""
+    try:
+        __import__("einops")
+        return None
+    except ImportError:
+        def refuse(*a, **k):
+            raise NotImplementedError("einops is not installed; this stub only lets fla import")
+        stub = types.ModuleType("einops")
+        stub.rearrange = stub.repeat = stub.reduce = stub.einsum = refuse
+        sys.modules["einops"] = stub
+        return "einops missing: stubbed"
+
+
+class StandInFLA:
+    """Dry run only: FLA's chunk keyword interface over the reference recurrence (per varlen sequence)."""
+
+    def _run(self, kind, *, q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+             g=None, beta=None, g_gamma=None, use_qk_l2norm_in_kernel=False):
+        assert q.shape[0] == 1 and output_final_state and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+        rep = v.shape[2] // q.shape[2]
+        qq, kk = q[0].repeat_interleave(rep, 1), k[0].repeat_interleave(rep, 1)
+        ht, o = initial_state.clone(), torch.empty(v.shape[1:], dtype=torch.float32)
+        b = cu_seqlens_cpu.tolist()
+        for i, (s, e) in enumerate(zip(b[:-1], b[1:])):
+            decay = (g[0, s:e].unsqueeze(-1) if kind == "gdn" else g[0, s:e] if kind == "kda"
+                     else g_gamma.float().view(1, -1, 1))
+            o[s:e] = gated_recurrence(qq[s:e], kk[s:e], v[0, s:e], decay, None if beta is None else beta[0, s:e],
+                                      ht[i], scale)
+        return o[None].to(v.dtype), ht
+
+    def gdn(self, **kw):
+        return self._run("gdn", **kw)
+
+    def kda(self, **kw):
+        return self._run("kda", **kw)
+
+    def simple_gla(self, **kw):
+        return self._run("gla", **kw)
+
+
+# -- problems ------------------------------------------------------------------------------------
+
+
+def registry(spec) -> LayerRegistry:
+    op, kind, hk, hv, dk, dv = spec
+    state = ({"conv": TensorSpec((hv, dk - 1), "float32")} if op == "short_conv"
+             else {"recurrent": TensorSpec((hv, dk, dv), "float32")})
+    return LayerRegistry([LayerSpec(0, kind, state=state)])
+
+
+def make_ctx(mode: Mode, reqs: list[tuple[int, int, int]], pad_tokens: int, pad_seqs: int, device) -> ExecContext:
+    """(slot, cached, new tokens) per request; padding rows and padding requests at the end."""
+    lens = [n for *_, n in reqs]
+    T, B = sum(lens) + pad_tokens, len(reqs) + pad_seqs
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    qsl += [qsl[-1]] * pad_seqs
+    ctx = ExecContext(
+        mode=mode, query_lens=lens, cache_lens=[c for _, c, _ in reqs],
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([c + n for _, c, n in reqs] + [0] * pad_seqs, dtype=torch.int32, device=device),
+        state_slots=torch.tensor([s for s, *_ in reqs] + [PADDING_SLOT] * pad_seqs, dtype=torch.int64, device=device),
+        page_table=torch.zeros(B, 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=device),
+        page_size=16, num_tokens=T, num_seqs=B)
+    ctx.check()
+    return ctx
+
+
+def make_inputs(spec, T: int, R: int, g: torch.Generator, gate_scale: float = 1.0) -> dict:
+    """bf16 activations, float32 log-decays (as the models pass them); padding rows NaN."""
+    op, _, hk, hv, dk, dv = spec
+    r = lambda *shape: torch.randn(T, *shape, generator=g)
+    if op == "short_conv":
+        x = {"x": r(hv).bfloat16()}
+    elif op == "gdn_core":
+        x = {"q": F.normalize(r(hk, dk), dim=-1).bfloat16(), "k": F.normalize(r(hk, dk), dim=-1).bfloat16(),
+             "v": r(hv, dv).bfloat16(), "g": -F.softplus(r(hv)) * gate_scale, "beta": torch.sigmoid(r(hv)).bfloat16()}
+    elif op == "kda_core":
+        x = {"q": F.normalize(r(hv, dk), dim=-1).bfloat16(), "k": F.normalize(r(hv, dk), dim=-1).bfloat16(),
+             "v": r(hv, dv).bfloat16(), "g": -F.softplus(r(hv, dk)) * gate_scale,
+             "beta": torch.sigmoid(r(hv)).bfloat16()}
+    else:
+        x = {"q": r(hv, dk).bfloat16(), "k": (r(hv, dk) * 0.1).bfloat16(), "v": r(hv, dv).bfloat16()}
+    for t in x.values():
+        t[R:] = float("nan")
+    return x
+
+
+def consts(spec, device) -> dict:
+    op, _, hk, hv, dk, dv = spec
+    g = torch.Generator().manual_seed(5)
+    if op == "short_conv":
+        return {"weight": (torch.randn(hv, dk, generator=g) * 0.5).bfloat16().to(device),
+                "bias": torch.randn(hv, generator=g).bfloat16().to(device)}
+    if op == "lightning_core":
+        return {"decay": (-torch.linspace(0.01, 1.0, hv)).to(device)}
+    return {}
+
+
+def out_for(spec, T, device):
+    op, _, hk, hv, dk, dv = spec
+    shape = (T, hv) if op == "short_conv" else (T, hv, dv)
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+
+
+def call(backend, spec, ctx, x: dict, c: dict, out) -> None:
+    op, _, hk, hv, dk, dv = spec
+    if op == "short_conv":
+        backend.short_conv(ctx, x["x"], c["weight"], c["bias"], out, 0, True)
+    elif op == "lightning_core":
+        backend.lightning_core(ctx, x["q"], x["k"], x["v"], c["decay"], out, 0, dk ** -0.5)
+    else:
+        getattr(backend, op)(ctx, x["q"], x["k"], x["v"], x["g"], x["beta"], out, 0, dk ** -0.5)
+
+
+def steps_for(dry: bool):
+    """(name, mode, requests (slot, cached, n), pad tokens, pad requests). Slot 1 starts empty."""
+    a, b, m, d = (9, 5, 4, 3) if dry else (160, 97, 70, 33)
+    return [
+        ("extend: empty + existing state", Mode.EXTEND, [(1, 0, a), (2, 40, b)], 3, 1),
+        ("mixed: next chunk + decode + new", Mode.MIXED, [(1, a, m), (2, 40 + b, 1), (3, 0, d), (4, 7, 1)], 5, 2),
+        ("target_verify: uniform (decode kernels)", Mode.TARGET_VERIFY,
+         [(1, a + m, 4), (2, 41 + b, 4), (3, d, 4)], 4, 1),
+        ("target_verify: ragged (chunk path)", Mode.TARGET_VERIFY, [(2, 45 + b, 2), (4, 8, 3)], 0, 0),
+        ("decode", Mode.DECODE, [(3, d + 4, 1), (1, a + m + 4, 1)], 1, 1),
+    ]
+
+
+def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.0) -> dict:
+    """The step chain on the backend and on the CPU reference (float32) from the same states."""
+    reg = registry(spec)
+    num_slots = 6
+    ref_pool, dev_pool = StatePool(reg, num_slots), StatePool(reg, num_slots, device)
+    gen = torch.Generator().manual_seed(11)
+    entry = "conv" if spec[0] == "short_conv" else "recurrent"
+    ref_state = ref_pool.layer(0)[entry]
+    ref_state.copy_(torch.randn(ref_state.shape, generator=gen) * 0.5)
+    ref_state[1].zero_()  # slot 1: a new request
+    dev_pool.layer(0)[entry].copy_(ref_state)
+    before = ref_state.clone()
+    ref = CPUReferenceBackend(None, ref_pool)
+    tri = TritonLinearBackend(dev_pool, fla=fla)
+    c_dev, c_cpu = consts(spec, device), consts(spec, "cpu")
+    c_cpu = {k: v.float() for k, v in c_cpu.items()}
+    rows, touched = [], set()
+    for label, mode, reqs, pad_t, pad_s in steps_for(dry):
+        ctx = make_ctx(mode, reqs, pad_t, pad_s, device)
+        R, T = ctx.num_real_tokens, ctx.num_tokens
+        x = make_inputs(spec, T, R, gen, gate_scale)
+        tri.init_step_metadata(ctx)
+        if mode in (Mode.EXTEND, Mode.MIXED):
+            tri.init_chunk_metadata(ctx, 2048)
+        out = out_for(spec, T, device)
+        err = None
+        try:
+            call(tri, spec, ctx, {k: v.to(device) for k, v in x.items()}, c_dev, out)
+            out = out.float().cpu()
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"[:400]
+        out_ref = torch.zeros(T, *out.shape[1:])
+        call(ref, spec, make_ctx(mode, reqs, pad_t, pad_s, "cpu"), {k: v.float() for k, v in x.items()}, c_cpu,
+             out_ref)
+        touched |= {s for s, *_ in reqs}
+        t = sorted(touched)
+        row = {"step": label, "mode": mode.value, "tokens": R, "rows": T}
+        if err:
+            row["error"] = err
+            rows.append(row)
+            log(f"  {name} {label}: ERROR {err}")
+            break
+        row.update(out_rel_err=rel_err(out[:R], out_ref[:R]),
+                   state_rel_err=rel_err(dev_pool.layer(0)[entry].cpu()[t], ref_state[t]),
+                   finite=bool(torch.isfinite(out).all()), padding_zero=bool(out[R:].eq(0).all()))
+        row["ok"] = (row["finite"] and row["padding_zero"] and row["out_rel_err"] <= OUT_TOL
+                     and row["state_rel_err"] <= STATE_TOL)
+        rows.append(row)
+        log(f"  {name} {label}: out {row['out_rel_err']:.2e} state {row['state_rel_err']:.2e} "
+            f"{'ok' if row['ok'] else 'FAIL'}")
+    untouched = [s for s in range(num_slots + 1) if s not in touched]
+    kept = bool(torch.equal(dev_pool.layer(0)[entry].cpu()[untouched], before[untouched]))
+    return {"steps": rows, "untouched_slots_kept": kept, "gate_scale": gate_scale,
+            "ok": kept and all(r.get("ok") for r in rows)}
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+def bytes_and_flops(spec, T: int, R: int) -> tuple[int, int]:
+    """Ideal traffic (inputs, output, each state read and written once) and chunk-form FLOPs."""
+    op, _, hk, hv, dk, dv = spec
+    if op == "short_conv":
+        C, K = hv, dk
+        return T * C * 2 * 2 + R * C * (K - 1) * 4 * 2, 2 * K * C * T
+    io = T * (2 * hk * dk * 2 + hv * dv * 2 + hv * dv * 2)  # q, k, v, out in bf16 (KDA/Lightning: hk = hv)
+    if op == "gdn_core":
+        io += T * hv * (4 + 2)  # g f32, beta bf16
+    elif op == "kda_core":
+        io += T * hv * (dk * 4 + 2)
+    state = R * hv * dk * dv * 4 * 2
+    C = 64  # FLA's chunk: per token and head, state reads/updates plus the intra-chunk products
+    per = 4 * dk * dv + 2 * C * (dk + dv)
+    if op != "lightning_core":
+        per += 4 * dk * dv + 2 * C * (dk + dv)  # delta rule: k.S, w.S, K K^T and the WY solve
+    return io + state, T * hv * per
+
+
+def bench_ms(fn, reps: int) -> float:
+    if not is_cuda():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=max(5, reps // 4), rep=reps, return_mode="median")
+
+
+def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool) -> list[dict]:
+    reg = registry(spec)
+    rows = []
+    for T, R in ([(32, 1), (32, 4)] if dry else [(512, 1), (512, 4), (2048, 1), (2048, 4)]):
+        lens = [T // R] * R
+        pool = StatePool(reg, R + 1, device)
+        entry = "conv" if spec[0] == "short_conv" else "recurrent"
+        pool.layer(0)[entry].normal_().mul_(0.1)
+        ref_pool = StatePool(reg, R + 1, device)
+        ref_pool.layer(0)[entry].copy_(pool.layer(0)[entry])
+        ctx = make_ctx(Mode.EXTEND, [(i + 1, 0, n) for i, n in enumerate(lens)], 0, 0, device)
+        x = {k: v.to(device) for k, v in make_inputs(spec, T, T, torch.Generator().manual_seed(T + R)).items()}
+        c = consts(spec, device)
+        out = out_for(spec, T, device)
+        tri = TritonLinearBackend(pool, fla=fla)
+
+        def ours():
+            tri.init_step_metadata(ctx)
+            tri.init_chunk_metadata(ctx, T)
+            call(tri, spec, ctx, x, c, out)
+
+        ours()  # compile / autotune outside the timing
+        ms = bench_ms(ours, 100)
+        nbytes, flops = bytes_and_flops(spec, T, R)
+        floor_bw = nbytes / env["copy_bytes_per_s"] * 1e3
+        floor_fl = flops / env["matmul_flops_per_s"] * 1e3
+        floor = max(floor_bw, floor_fl)
+        ref = CPUReferenceBackend(None, ref_pool)
+        ref_ms = None
+        if not quick:
+            xf = {k: v for k, v in x.items()}
+            call(ref, spec, ctx, xf, c, out_for(spec, T, device))  # warm
+            if is_cuda():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call(ref, spec, ctx, xf, c, out_for(spec, T, device))
+            if is_cuda():
+                torch.cuda.synchronize()
+            ref_ms = (time.perf_counter() - t0) * 1e3
+        row = {"family": name, "tokens": T, "requests": R, "ours_ms": ms, "floor_ms": floor,
+               "floor_bytes_ms": floor_bw, "floor_flops_ms": floor_fl, "bytes": nbytes, "flops": flops,
+               "x_floor": ms / floor, "torch_ref_gpu_ms": ref_ms,
+               "ref_over_ours": None if ref_ms is None else ref_ms / ms}
+        rows.append(row)
+        log(f"  {name} T={T} R={R}: {ms * 1e3:.1f} us, floor {floor * 1e3:.1f} us "
+            f"(bytes {floor_bw * 1e3:.1f}, flops {floor_fl * 1e3:.1f}), x{ms / floor:.2f}; torch ref "
+            f"{'n/a' if ref_ms is None else f'{ref_ms:.1f} ms'}")
+        del pool, ref_pool
+    return rows
+
+
+# -- device facts -----------------------------------------------------------------------------------
+
+
+def device_facts(dry: bool) -> dict:
+    import triton
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "dry_run": dry, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if is_cuda():
+        p = torch.cuda.get_device_properties(0)
+        env.update(device=p.name, sms=p.multi_processor_count, memory_bytes=p.total_memory)
+    else:
+        env.update(device="cpu (dry run)")
+    try:
+        import fla
+        env["fla"] = getattr(fla, "__version__", "?")
+    except Exception as e:
+        env["fla"] = f"not importable: {type(e).__name__}: {e}"[:200]
+    return env
+
+
+def rates(dry: bool) -> dict:
+    if not is_cuda():
+        return {"copy_bytes_per_s": 1e10, "matmul_flops_per_s": 1e11, "method": "dry run placeholders"}
+    from triton.testing import do_bench
+    n = 1 << 30
+    src = torch.randn(n // 4, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    src = dst = None  # 2 GiB back before the kernels run
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+    a = b = None
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": 2 * n / (copy_ms * 1e-3), "matmul_flops_per_s": 2 * 8192 ** 3 / (mm_ms * 1e-3),
+            "method": "do_bench medians: 1 GiB copy_ (read + write), 8192^3 bf16 matmul"}
+
+
+# -- parts ----------------------------------------------------------------------------------------------
+
+
+def family_part(name: str, args) -> dict:
+    """One FLA family: checks (also with 10x milder gates), then timing under the shared lock."""
+    dry = args.dry_run
+    spec = (DRY if dry else REAL)[name]
+    device = "cpu" if dry else "cuda"
+    res: dict = {"family": name}
+    if dry:
+        fla = StandInFLA()
+    else:
+        res["einops"] = ensure_einops()
+        fla = None  # the backend imports FLA itself
+    env = {"copy_bytes_per_s": args.copy_bytes_per_s, "matmul_flops_per_s": args.matmul_flops_per_s}
+    t0 = time.time()
+    try:
+        res["check"] = check_family(name, spec, device, dry, fla)
+        if spec[0] != "lightning_core" and not res["check"]["ok"]:
+            res["check_mild_gates"] = check_family(name, spec, device, dry, fla, gate_scale=0.1)
+    except Exception as e:
+        res["check_error"] = f"{type(e).__name__}: {e}"[:600]
+        res["traceback"] = traceback.format_exc()[-2500:]
+    res["check_s"] = time.time() - t0
+    save_json(args.result, res)
+    lock = open(args.lock, "a+") if args.lock else contextlib.nullcontext()
+    with lock:
+        if args.lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            res["timing"] = time_family(name, spec, device, dry, fla, env, quick=False)
+        except Exception as e:
+            res["timing_error"] = f"{type(e).__name__}: {e}"[:600]
+            res["timing_traceback"] = traceback.format_exc()[-2500:]
+    return res
+
+
+def save_json(path, data) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def run_parts(args, names: list[str], timeout: float, log_dir: Path, lock: Path, meanwhile) -> dict:
+    """The FLA families in parallel subprocesses (each result survives a crash of the others);
+    `meanwhile()` runs in this process while they compile."""
+    if timeout < 20:
+        meanwhile()
+        return {n: {"error": f"skipped: {timeout:.0f} s left"} for n in names}
+    tmp = Path(tempfile.mkdtemp())
+    procs = {}
+    for n in names:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", n, "--result", str(tmp / f"{n}.json"),
+               "--lock", str(lock), "--copy-bytes-per-s", str(args.copy_bytes_per_s),
+               "--matmul-flops-per-s", str(args.matmul_flops_per_s)] + (["--dry-run"] if args.dry_run else [])
+        lf = open(log_dir / f"part_{n}.log", "w")
+        procs[n] = (subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, cwd=str(ROOT)), lf)
+    log(f"subprocesses {names} (timeout {timeout:.0f} s)")
+    deadline = time.time() + timeout
+    meanwhile()
+    results = {}
+    for n, (p, lf) in procs.items():
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = "timeout"
+        lf.close()
+        path = tmp / f"{n}.json"
+        try:
+            data = json.loads(path.read_text()) if path.exists() else {}
+        except ValueError:
+            data = {}
+        text = (log_dir / f"part_{n}.log").read_text()
+        if rc != 0:
+            data["error"] = f"subprocess rc={rc}; tail: {text[-1200:]}"
+        for line in text.splitlines():
+            if line.startswith("[") and "  " in line:
+                print("   " + line, flush=True)
+        results[n] = data
+    return results
+
+
+def run_pytest(timeout: float, log_dir: Path, dry: bool) -> dict:
+    if dry:
+        return {"skipped": "dry run (the gpu tests need CUDA)"}
+    if timeout < 20:
+        return {"error": "skipped: time budget"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu_linear_kernels.py"]
+    log(f"{' '.join(cmd[1:])} (timeout {timeout:.0f} s)")
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                           cwd=str(ROOT))
+        output, rc = p.stdout, p.returncode
+    except subprocess.TimeoutExpired as e:
+        output, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")), "timeout"
+    (log_dir / "pytest.log").write_text(output)
+    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+    return {"rc": rc, "summary": lines[-1] if lines else "", "tail": output[-3000:]}
+
+
+def fmt(v, spec=".1f", none="n/a") -> str:
+    return none if v is None else format(v, spec)
+
+
+def table(results: dict) -> str:
+    env = results["env"]
+    lines = [f"device: {env.get('device')}  torch {env['torch']}  triton {env['triton']}  fla {env.get('fla')}  "
+             f"copy {env['copy_bytes_per_s'] / 1e12:.2f} TB/s  bf16 matmul {env['matmul_flops_per_s'] / 1e12:.0f} "
+             f"TFLOP/s", "", "checks (rel err of the norm vs CPU reference, float32; bf16 tolerance 1e-2):",
+             "| family | step | out | state | ok |", "|---|---|---|---|---|"]
+    fams = results.get("families", {})
+    for name, r in fams.items():
+        for key in ("check", "check_mild_gates"):
+            chk = r.get(key)
+            if not chk:
+                continue
+            tag = name + (" (gates x0.1)" if key != "check" else "")
+            for s in chk["steps"]:
+                if "error" in s:
+                    lines.append(f"| {tag} | {s['step']} | ERROR {s['error'][:80]} | | no |")
+                else:
+                    lines.append(f"| {tag} | {s['step']} | {s['out_rel_err']:.1e} | {s['state_rel_err']:.1e} | "
+                                 f"{'yes' if s['ok'] else 'NO'} |")
+            if not chk["untouched_slots_kept"]:
+                lines.append(f"| {tag} | padding / free slots | WRITTEN | | NO |")
+        for k in ("check_error", "error", "timing_error"):
+            if k in r:
+                lines.append(f"| {name} | {k} | {str(r[k])[:160]} | | no |")
+    lines += ["", "extend step timing (eager; ms): ours vs floor = max(bytes / copy, FLOPs / matmul), torch ref on GPU",
+              "| family | T | requests | ours ms | floor ms (bytes / flops) | x floor | torch ref ms | ref / ours |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, r in fams.items():
+        for t in r.get("timing", []):
+            lines.append(f"| {name} | {t['tokens']} | {t['requests']} | {t['ours_ms']:.3f} | {t['floor_ms']:.3f} "
+                         f"({t['floor_bytes_ms']:.3f} / {t['floor_flops_ms']:.3f}) | {t['x_floor']:.1f} | "
+                         f"{fmt(t['torch_ref_gpu_ms'])} | {fmt(t['ref_over_ours'], '.0f')} |")
+    py = results.get("pytest", {})
+    lines.append("")
+    lines.append(f"pytest -m gpu tests/test_gpu_linear_kernels.py: {py.get('summary') or py.get('error') or py.get('skipped')}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_linear_extend_out"))
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny dims, FLA stood in for by the reference")
+    ap.add_argument("--budget-s", type=float, default=430.0, help="seconds for the whole script (device limit 480)")
+    ap.add_argument("--no-pytest", action="store_true")
+    ap.add_argument("--part", default="main", choices=["main", "gdn", "kda", "lightning"])
+    ap.add_argument("--result", default=None)
+    ap.add_argument("--lock", default=None)
+    ap.add_argument("--copy-bytes-per-s", type=float, default=None)
+    ap.add_argument("--matmul-flops-per-s", type=float, default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: use --dry-run on a CPU", file=sys.stderr)
+        return 2
+    if args.part != "main":
+        try:
+            res = family_part(args.part, args)
+        except Exception as e:
+            res = {"family": args.part, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}
+        save_json(args.result, res)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "gpu_linear_extend.json"
+    env = device_facts(args.dry_run)
+    env.update(rates(args.dry_run))
+    args.copy_bytes_per_s, args.matmul_flops_per_s = env["copy_bytes_per_s"], env["matmul_flops_per_s"]
+    log(f"{env['device']}: copy {env['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+        f"{env['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, fla {env['fla']}")
+    results: dict = {"env": env, "families": {}}
+    save = lambda: save_json(json_path, results)
+    save()
+    names = ["gdn", "kda", "lightning"]
+    deadline = START + args.budget_s
+    reserve = 0 if (args.dry_run or args.no_pytest) else 100
+    lock = Path(tempfile.mkdtemp()) / "timing.lock"
+
+    def conv_part():
+        """The conv in this process (no FLA), while the FLA families compile; timed under the lock."""
+        spec = (DRY if args.dry_run else REAL)["conv"]
+        device = "cpu" if args.dry_run else "cuda"
+        conv: dict = {"family": "conv"}
+        try:
+            conv["check"] = check_family("conv", spec, device, args.dry_run, None)
+            with open(lock, "a+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                conv["timing"] = time_family("conv", spec, device, args.dry_run, None, env, quick=False)
+        except Exception as e:
+            conv["error"] = f"{type(e).__name__}: {e}"
+            conv["traceback"] = traceback.format_exc()[-2500:]
+        results["families"]["conv"] = conv
+        save()
+
+    fams = run_parts(args, names, deadline - time.time() - reserve, out, lock, conv_part)
+    results["families"].update(fams)
+    save()
+    if not args.no_pytest:
+        results["pytest"] = run_pytest(min(150, deadline - time.time() - 5), out, args.dry_run)
+        save()
+    results["table"] = table(results)
+    save()
+    print("\n" + results["table"], flush=True)
+    print(f"\nresults: {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
