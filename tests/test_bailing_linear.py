@@ -31,8 +31,7 @@ from runtime.bound_ops import BoundOps
 from runtime.generate import make_pools, run_step
 from tests.helpers import EagerRunner, eager_logits, max_rel_err
 
-SHARED_CONFIGS = [Path(__file__).resolve().parents[2] / "shared" / "configs",
-                  Path(__file__).resolve().parents[1] / "shared" / "configs"]
+CONFIGS = Path(__file__).resolve().parent / "configs"  # copies of the published configs (SOURCES.md)
 PROMPT = [(7 * i + 3) % 300 + 2 for i in range(130)]
 DECODE = [11, 250, 42]
 
@@ -42,10 +41,7 @@ def rel_norm_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def shared_config(name: str) -> dict:
-    for folder in SHARED_CONFIGS:
-        if (folder / name).is_file():
-            return json.loads((folder / name).read_text())
-    pytest.skip(f"shared config fixture {name} not found")
+    return json.loads((CONFIGS / name).read_text())
 
 
 def tiny_model(variant: str, seed: int = 0):

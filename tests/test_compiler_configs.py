@@ -1,6 +1,6 @@
 """`hgc lint` on the published Kimi-Linear and Ring-mini-linear configs: no weights, under 30 s, no
 errors, and the routing table follows the published layer layout. The configs are the repo's copies
-in tests/configs/ (public files; see /work/shared/configs/SOURCES.md for where each came from).
+in tests/configs/ (public files; see tests/configs/SOURCES.md for where each came from).
 The Qwen configs are in test_compiler_configs_qwen.py (two files keep each under a minute).
 """
 

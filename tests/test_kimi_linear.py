@@ -3,7 +3,7 @@
 1. A tiny float32 checkpoint is written once; our model (built from the files) and transformers'
    (`from_pretrained`, plain PyTorch fallbacks since fla-core is not installed) run a 130-token
    prefill (more than two of transformers' 64-token KDA chunks) and 16 greedy decode steps.
-2. The published Kimi-Linear-48B-A3B config (embedded below, from /work/shared/configs) gives
+2. The published Kimi-Linear-48B-A3B config (embedded below, from tests/configs) gives
    the golden registry, and a meta-device build gives exactly the checkpoint's tensor names.
 3. Malformed layer lists and unsupported fields fail with a CheckpointError naming the field.
 """
@@ -26,7 +26,7 @@ PROMPT_LEN = 130
 DECODE_STEPS = 16
 
 # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json (revision e1df551a), as in
-# /work/shared/configs/kimi_linear_48b_a3b.json; auto_map left out (it names remote code).
+# tests/configs/kimi_linear_48b_a3b.json; auto_map left out (it names remote code).
 KIMI_48B = {
     "architectures": ["KimiLinearForCausalLM"], "bos_token_id": 163584, "dtype": "bfloat16",
     "eos_token_id": 163586, "first_k_dense_replace": 1, "head_dim": 72, "hidden_act": "silu",
