@@ -34,14 +34,7 @@ FAMILY = "qwen3_next"  # has a draft program: both .pt2 files are exercised
 PROMPTS = "1,2,3,4,5,6,7,8;9,10,11"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: intra-op threads only add synchronisation (and, on a shared 2-core machine,
-    contention). Eager and compiled runs share the setting, so the comparison stays exact."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 1
 NEW_TOKENS = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: intra-op threads only add synchronisation (and, on a shared 2-core machine,
-    contention). Eager and compiled runs share the setting, so the comparison stays exact."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _eager(ckpt, prompts, new_tokens):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 
 from models.families import FAMILY_IDS
-from tests.test_compiler_families import PROMPTS, _compiled, _eager, _one_thread, artifacts  # noqa: F401 (fixtures)
+from tests.test_compiler_families import PROMPTS, _compiled, _eager, artifacts  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)

@@ -34,13 +34,7 @@ def expected_backend(op: str, kind: str | None) -> str:
     return FULL.name if LayerKind(kind) in FULL_KINDS else LINEAR.name
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)

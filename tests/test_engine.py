@@ -22,13 +22,7 @@ MODELS = ["toy"] + available_families()
 LENGTHS = [3, 17, 9, 30, 1, 12, 25, 6]  # mixed prompt lengths
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra threads only contend.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def vocab_of(model) -> int:

@@ -25,12 +25,7 @@ FULL_OPS = frozenset(OP_SPECS) - LINEAR_OPS
 assert all(OP_SPECS[name].kinds <= FULL_KINDS for name in FULL_OPS)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hybrid_over_references(kv_pool, state_pool) -> HybridBackend:
