@@ -148,6 +148,9 @@ def _without_stack_traces():
     dumps use nn_module_stack, which is kept). torch reads this flag from its fx config module,
     so it is set for the duration of the export and restored after.
     """
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):  # torch < 2.12 has no such flag
+        yield
+        return
     old = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:

@@ -220,8 +220,34 @@ class GraphRunner:
         outputs = module(*self.program.weights, *inputs)
         return list(outputs)[self.program.num_mutations:][0]
 
+    def _plan_piecewise(self, ctx: ExecContext, key: Optional[CaptureKey]) -> None:
+        """Tell the backend about an eager or piecewise step, before its first piece runs.
+
+        Every child plans the step eagerly (`init_step_metadata`, plus `init_chunk_metadata`
+        outside decode). In a piecewise step (a key), the children whose declared capability
+        captures this mode also get `init_replay_state`: their ops sit inside captured pieces,
+        and a captured op must read its per-step values (the MoE's real token count, decode
+        slot ids) from the static buffers that hook fills, not from launch arguments frozen at
+        capture. A child that does not capture the mode (FlashInfer or FLA in an extend) runs in
+        the eager gaps on its eager plan; calling its replay hook would be refused or, worse,
+        would make it treat the eager step as a replayed one.
+        """
+        self.backend.init_step_metadata(ctx)
+        if ctx.mode != Mode.DECODE:
+            self.backend.init_chunk_metadata(ctx, ctx.num_tokens)
+        if key is None:
+            return
+        for child in tuple(getattr(self.backend, "children", ())) or (self.backend,):
+            capability = getattr(type(child), "capability", None)
+            if capability is not None and Mode(ctx.mode) in capability.modes_capturable:
+                child.init_replay_state(ctx, key.seqs)
+
+    @torch.no_grad()
     def run(self, step: StepInputs, key: Optional[CaptureKey]) -> torch.Tensor:
-        """Run one built step; returns logits of the real requests [B, V]."""
+        """Run one built step; returns logits of the real requests [B, V].
+
+        For a full graph the rows are a view of the graph's static output: the next replay of
+        that key overwrites them, so read (or clone) them before the next step."""
         inputs, ctx = self._fill(step, key)
         real = step.logits_index.shape[0]
         if key is not None and key.mode == Mode.DECODE and self.full_decode:
@@ -229,9 +255,7 @@ class GraphRunner:
             self._full_graphs[key].replay()
             self.counters["graph_replays"] += 1
             return self._outputs[key][:real]
-        self.backend.init_step_metadata(ctx)
-        if ctx.mode != Mode.DECODE:
-            self.backend.init_chunk_metadata(ctx, ctx.num_tokens)
+        self._plan_piecewise(ctx, key)
         self.state.key = key
         try:
             with self.ops.step(ctx):
@@ -261,6 +285,7 @@ class GraphRunner:
             sink.append((int(args[positions["layer_id"]]), name, args[positions["out"]]))
         return observe
 
+    @torch.no_grad()  # a graph captured with autograd on would record its bookkeeping too
     def capture(self) -> None:
         if self.sealed:
             raise CaptureError("capture after start-up: graphs are captured once, before serving")
@@ -282,14 +307,15 @@ class GraphRunner:
                     module = self.program.module_for(Mode.DECODE)
                     with self.ops.step(ctx):
                         self._call(module, inputs)  # warm-up
+                        # The warm-up's op outputs are not the graph's: keep only the captured ones,
+                        # which the replay overwrites and the parity check compares layer by layer.
+                        sink.clear()
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=self.state.pool):
                             self._outputs[key] = self._call(module, inputs)
                     self._full_graphs[key] = graph
                 else:
-                    self.backend.init_step_metadata(ctx)
-                    if key.mode != Mode.DECODE:
-                        self.backend.init_chunk_metadata(ctx, ctx.num_tokens)
+                    self._plan_piecewise(ctx, key)
                     self.state.key, self.state.capturing = key, True
                     with self.ops.step(ctx):
                         self._call(self._module(key.mode), inputs)

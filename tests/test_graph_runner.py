@@ -79,3 +79,23 @@ def test_padded_static_step_gives_the_unpadded_tokens(artifact):
         commit_step(ref_items)
         pending = [[int(t)] for t in want.argmax(-1)]
     assert runner.counters["eager_steps"] + runner.counters["piecewise_steps"] == 4
+
+
+def test_gpu_backend_facts_come_from_the_graph(tmp_path):
+    """build_gpu_backend's inputs, on the CPU: per-layer q heads and scales read from a cuda-target
+    artifact's graph, and FlashInfer's head-dim limit refused at construction, not at the first prefill."""
+    from runtime.gpu_backends import _check_head_dims, full_layer_facts
+    assert main(["init-model", "--family", "qwen3_next", "--size", "tiny", "-o", str(tmp_path / "c")]) == 0
+    assert main(["compile", str(tmp_path / "c"), "-o", str(tmp_path / "a"), "--target", "cuda", "--dtype",
+                 "bfloat16", "--no-dumps"]) == 0
+    art = load_artifact(tmp_path / "a")
+    facts = full_layer_facts(art)
+    kv, _ = make_pools(art.registry, 64, 2, page_size=8)
+    assert set(facts) == set(kv.buffers), "every pooled full layer (the draft's too) is found in a graph"
+    for f in facts.values():
+        assert f.op == "gqa_attention" and f.q_dtype == torch.bfloat16
+        head_dim = kv.buffers[f.layer_id]["k"].shape[-1]
+        assert f.q_heads % kv.buffers[f.layer_id]["k"].shape[2] == 0
+        assert f.scale == pytest.approx(head_dim ** -0.5)
+    with pytest.raises(ValueError, match="FlashInfer's prefill kernels take"):
+        _check_head_dims(kv)  # tiny's head dim is 32

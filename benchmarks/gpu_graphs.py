@@ -1,0 +1,383 @@
+"""End-to-end check of the GPU graph path: compile for cuda, load, eager tokens, capture, parity, graph tokens, timings.
+
+On the GPU machine (../shared/gpu/README.md has the wheel install line):
+
+    python3 benchmarks/gpu_graphs.py --out $OUT [--sizes small,bench]
+    python3 benchmarks/gpu_graphs.py --dry-run --out /tmp/gg     # CPU: steps 1-3, CPU reference backend
+
+Steps, per checkpoint size:
+1. `hgc init-model --family qwen3_next --size S` (or, for S = "small-hd64", the small config with
+   head_dim 64: FlashInfer builds no prefill for small's head dim 32) and `hgc compile --target
+   cuda --dtype bfloat16` (compiled here: .pt2 programs are tied to the torch release).
+2. load on cuda, pools for 32 requests x 512 tokens (bf16 KV), backend = build_gpu_backend.
+3. greedy tokens through a GraphRunner that was never captured (its eager path), for 8 prompts
+   of mixed lengths (one prefill step of 421 tokens, then decode at batch 8) x 32 new tokens.
+4. capture (decode buckets 1..32, extend buckets 256 and 512), timed.
+5. start-up parity (`check_parity`), its per-key relative errors printed.
+6. the same greedy run through the captured runner (prefill -> extend[512] piecewise, decode ->
+   decode[8] full graph), compared with step 3: mismatch rate and first differing position.
+   bf16 runs may legitimately part late (different kernels for padded shapes): reported, not hidden.
+7. decode step latency at batch 1, 8, 32 (eager vs graph), extend of 256 / 512 tokens (eager vs
+   piecewise): CUDA events around `GraphRunner.run` (host metadata + copies included), median.
+Every stage is wrapped: a failure is printed with its traceback, recorded in the JSON, and the
+next stage that does not depend on it still runs. A short table is printed last; JSON to --out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+from compiler.cli import main as hgc  # noqa: E402
+from compiler.splitops import Mode  # noqa: E402
+from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
+from runtime.bound_ops import BoundOps  # noqa: E402
+from runtime.generate import make_pools  # noqa: E402
+from runtime.graph_runner import GraphRunner  # noqa: E402
+from runtime.loader import load_artifact  # noqa: E402
+
+PROMPT_LENS = (3, 9, 17, 30, 48, 64, 100, 150)  # 421 tokens: the first step fits extend[512]
+NEW_TOKENS = 32
+MAX_SEQS, MAX_LEN, PAGE = 32, 512, 16
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32)
+EXTEND_BUCKETS = (256, 512)
+EXTEND_MAX_SEQS = 16
+
+
+class Stages:
+    """Runs named stages, records ok / error / seconds, and never lets one failure stop the script."""
+
+    def __init__(self, record: dict):
+        self.record = record
+
+    def __call__(self, name, fn, *args, needs=()):
+        missing = [n for n in needs if self.record.get(n, {}).get("status") != "ok"]
+        if missing:
+            self.record[name] = {"status": "skipped", "reason": f"needs {missing}"}
+            print(f"[{name}] skipped: needs {missing}", flush=True)
+            return None
+        print(f"[{name}] ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args)
+            self.record[name] = {"status": "ok", "seconds": round(time.perf_counter() - t0, 3)}
+            print(f"[{name}] ok in {time.perf_counter() - t0:.2f} s", flush=True)
+            return out
+        except Exception as e:  # report and continue: the later stages still tell something
+            tb = traceback.format_exc()
+            print(f"[{name}] FAILED: {type(e).__name__}: {e}\n{tb}", flush=True)
+            self.record[name] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000],
+                                 "traceback": tb[-4000:], "seconds": round(time.perf_counter() - t0, 3)}
+            return None
+
+
+def write_checkpoint_hd64(size: str, out: Path) -> None:
+    """`hgc init-model` of `size` with attention head_dim 64: FlashInfer 0.6.0 builds no prefill for
+    the head dim 32 of the tiny and small configs (runtime/gpu_backends.py refuses it), and "bench"
+    (head dim 256, 1.7B parameters) is slow to write. Benchmark-side only: the runtime never
+    imports models/."""
+    from models.checkpoint import write_checkpoint
+    from models.families import get_family
+    from models.loader import config_dtype
+
+    family = get_family("qwen3_next")
+    config = family.make_config(size)
+    config["head_dim"] = 64
+    text = family.text_config(config)
+    model = family.build(text)
+    family.init_weights(model, 0)
+    model = model.to(config_dtype(text))
+    write_checkpoint(out, config, model.checkpoint_tensors(), overwrite=True)
+
+
+def prompts_for(vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def greedy(runner: GraphRunner, state_pool, prompts, new_tokens: int, sync) -> tuple[list[list[int]], list[str]]:
+    """Greedy tokens through runner.build/run (eager before capture, graphs after); keys used per step."""
+    seqs = [SeqState(state_pool.alloc()) for _ in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    pending = [list(p) for p in prompts]
+    keys = []
+    try:
+        for _ in range(new_tokens):
+            items = list(zip(seqs, pending))
+            step, key = runner.build(items)
+            logits = runner.run(step, key)
+            nxt = logits.argmax(-1).tolist()  # read before the next replay overwrites the static rows
+            keys.append(str(key) if key else "eager")
+            commit_step(items)
+            for i, t in enumerate(nxt):
+                outs[i].append(t)
+            pending = [[t] for t in nxt]
+        sync()
+    finally:
+        for s in seqs:
+            runner.kv_pool.free(s.pages)
+            state_pool.free(s.slot)
+    return outs, keys
+
+
+def compare(a: list[list[int]], b: list[list[int]]) -> dict:
+    total = sum(len(x) for x in a)
+    diff = sum(x != y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    first = {}
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        pos = next((j for j, (x, y) in enumerate(zip(ra, rb)) if x != y), None)
+        if pos is not None:
+            first[f"prompt{i}(len {PROMPT_LENS[i]})"] = pos
+    return {"tokens": total, "mismatched": diff, "mismatch_rate": diff / max(total, 1),
+            "first_diff_per_prompt": first, "first_diff": min(first.values()) if first else None}
+
+
+def time_ms(fn, device, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn() between CUDA events (or perf_counter on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run_size(size: str, args, work: Path, rec: dict) -> None:
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    dtype = "bfloat16"
+    stage = Stages(rec.setdefault("stages", {}))
+    ckpt, art_dir = work / f"ckpt_{size}", work / f"art_{size}"
+    ctx = {}
+
+    def build():
+        if size.endswith("-hd64"):
+            write_checkpoint_hd64(size[: -len("-hd64")], ckpt)
+        elif hgc(["init-model", "--family", "qwen3_next", "--size", size, "--seed", "0", "-o", str(ckpt),
+                  "--force"]) != 0:
+            raise RuntimeError("init-model failed")
+        target = "cpu" if args.dry_run else "cuda"
+        if hgc(["compile", str(ckpt), "-o", str(art_dir), "--target", target, "--dtype", dtype, "--no-dumps",
+                "--force"]) != 0:
+            raise RuntimeError("compile failed")
+    stage("1_init_compile", build)
+
+    def load():
+        art = load_artifact(art_dir, dev)
+        kv, st = make_pools(art.registry, MAX_LEN, MAX_SEQS, page_size=PAGE, device=dev,
+                            kv_dtype=getattr(torch, dtype))
+        if args.dry_run:
+            from runtime.backends.cpu_reference import CPUReferenceBackend
+            backend = CPUReferenceBackend(kv, st)
+        else:
+            from runtime.gpu_backends import build_gpu_backend
+            backend = build_gpu_backend(art, kv, st)
+        ops = BoundOps(backend)
+        runner = GraphRunner(art.runner(ops), ops, kv, dev, decode_buckets=DECODE_BUCKETS,
+                             extend_buckets=EXTEND_BUCKETS, max_pages_per_seq=MAX_LEN // PAGE,
+                             extend_max_seqs=EXTEND_MAX_SEQS, debug=True)
+        vocab = int(art.program_fqns and art.weights[next(k for k in art.weights if "embed" in k)].shape[0])
+        ctx.update(art=art, kv=kv, st=st, backend=backend, runner=runner, vocab=vocab)
+        rec["backend"] = backend.name
+        rec["full_decode_graph"] = runner.full_decode
+        rec["vocab"] = vocab
+        rec["params"] = sum(w.numel() for w in art.weights.values())
+        print(f"  backend {backend.name}; full decode graph: {runner.full_decode}; "
+              f"{rec['params'] / 1e6:.1f}M params; vocab {vocab}", flush=True)
+    stage("2_load", load, needs=["1_init_compile"])
+
+    sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
+
+    def eager_tokens():
+        prompts = prompts_for(ctx["vocab"])
+        outs, keys = greedy(ctx["runner"], ctx["st"], prompts, args.new_tokens, sync)
+        ctx.update(prompts=prompts, eager=outs)
+        rec["eager_tokens_head"] = [o[:8] for o in outs]
+        rec["eager_keys"] = sorted(set(keys))
+    stage("3_eager_tokens", eager_tokens, needs=["2_load"])
+    if args.dry_run:
+        return
+
+    def capture():
+        sync()
+        t0 = time.perf_counter()
+        ctx["runner"].capture()
+        sync()
+        rec["capture_s"] = time.perf_counter() - t0
+        rec["captured_keys"] = [str(k) for k in ctx["runner"].keys]
+        rec["graph_pool_mem_GiB"] = torch.cuda.memory_reserved() / 2**30
+        print(f"  captured {len(ctx['runner'].keys)} keys in {rec['capture_s']:.2f} s", flush=True)
+    stage("4_capture", capture, needs=["2_load"])
+
+    def parity():
+        runner, kv, st = ctx["runner"], ctx["kv"], ctx["st"]
+        g = torch.Generator().manual_seed(1)
+        held: list[SeqState] = []
+
+        def release():
+            for s in held:
+                kv.free(s.pages)
+                st.free(s.slot)
+            held.clear()
+
+        def make_items(key):
+            release()  # the previous key's requests are done with
+            vocab = ctx["vocab"]
+            if key.mode == Mode.DECODE:
+                # real requests with 5..40 cached tokens (whatever their pages hold: both runs read the same)
+                items = []
+                for b in range(key.seqs):
+                    s = SeqState(st.alloc(), num_cached=5 + (7 * b) % 36)
+                    held.append(s)
+                    items.append((s, [int(torch.randint(1, vocab, (1,), generator=g))]))
+                return items
+            lens = [key.tokens // 2, key.tokens // 4, key.tokens // 8, 7]  # 4 requests, some rows padding
+            items = []
+            for n in lens:
+                s = SeqState(st.alloc())
+                held.append(s)
+                items.append((s, torch.randint(1, vocab, (n,), generator=g).tolist()))
+            return items
+        try:
+            report = runner.check_parity(make_items)
+        finally:
+            release()
+        rec["parity"] = report
+        for k, v in report.items():
+            print(f"  parity {k}: rel err {v:.3g}", flush=True)
+    stage("5_parity", parity, needs=["4_capture"])
+
+    def graph_tokens():
+        runner = ctx["runner"]
+        before = dict(runner.counters)
+        outs, keys = greedy(runner, ctx["st"], ctx["prompts"], args.new_tokens, sync)
+        rec["graph_keys"] = sorted(set(keys))
+        rec["graph_counters"] = {k: runner.counters[k] - before[k] for k in before}
+        cmp = compare(ctx["eager"], outs)
+        rec["tokens_vs_eager"] = cmp
+        print(f"  keys {rec['graph_keys']}; counters {rec['graph_counters']}", flush=True)
+        print(f"  graph vs eager: {cmp['mismatched']}/{cmp['tokens']} tokens differ "
+              f"(rate {cmp['mismatch_rate']:.3f}); first differing position {cmp['first_diff']}; "
+              f"per prompt {cmp['first_diff_per_prompt']}", flush=True)
+    stage("6_graph_tokens", graph_tokens, needs=["4_capture", "3_eager_tokens"])
+
+    def timings():
+        runner, kv, st = ctx["runner"], ctx["kv"], ctx["st"]
+        vocab = ctx["vocab"]
+        g = torch.Generator().manual_seed(2)
+        out = rec.setdefault("timings_ms", {})
+        for B in (1, 8, 32):
+            seqs = [SeqState(st.alloc()) for _ in range(B)]
+            try:
+                # a 64-token history per request, prefilled eagerly in chunks that fit the pool
+                for i in range(0, B, 8):
+                    items = [(s, torch.randint(1, vocab, (64,), generator=g).tolist()) for s in seqs[i:i + 8]]
+                    runner.run(build_step(items, kv, "cpu", max_pages=runner.max_pages), None)
+                    commit_step(items)
+                items = [(s, [int(torch.randint(1, vocab, (1,), generator=g))]) for s in seqs]
+                eager_step = build_step(items, kv, "cpu", max_pages=runner.max_pages)
+                graph_step, key = runner.build(items)
+                e = time_ms(lambda: runner.run(eager_step, None), torch.device("cuda"), args.iters)
+                r = time_ms(lambda: runner.run(graph_step, key), torch.device("cuda"), args.iters)
+                out[f"decode_b{B}"] = {"eager": e, "graph": r, "key": str(key)}
+                print(f"  decode B={B}: eager {e:.3f} ms, graph {r:.3f} ms ({key})", flush=True)
+            finally:
+                for s in seqs:
+                    kv.free(s.pages)
+                    st.free(s.slot)
+        for T in (256, 512):
+            seqs = [SeqState(st.alloc()) for _ in range(2)]
+            try:
+                items = [(seqs[0], torch.randint(1, vocab, (T // 2,), generator=g).tolist()),
+                         (seqs[1], torch.randint(1, vocab, (T - T // 2,), generator=g).tolist())]
+                eager_step = build_step(items, kv, "cpu", max_pages=runner.max_pages)
+                graph_step, key = runner.build(items)
+                # repeated fresh prefills of the same two requests: same pages, same work each time
+                e = time_ms(lambda: runner.run(eager_step, None), torch.device("cuda"), args.iters)
+                r = time_ms(lambda: runner.run(graph_step, key), torch.device("cuda"), args.iters)
+                out[f"extend_t{T}"] = {"eager": e, "piecewise": r, "key": str(key)}
+                print(f"  extend T={T}: eager {e:.3f} ms, piecewise {r:.3f} ms ({key})", flush=True)
+            finally:
+                for s in seqs:
+                    kv.free(s.pages)
+                    st.free(s.slot)
+    stage("7_timings", timings, needs=["4_capture"])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--sizes", default="small-hd64,bench",
+                   help="comma-separated checkpoint sizes, in order; SIZE-hd64 = SIZE with head_dim 64")
+    p.add_argument("--work", default=None, help="folder for checkpoints and artifacts (default: OUT/work)")
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--dry-run", action="store_true", help="CPU, CPU reference backend, steps 1-3 only")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    doc = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu",
+           "command": " ".join(sys.argv), "dry_run": args.dry_run, "sizes": {}}
+    for size in args.sizes.split(","):
+        print(f"=== qwen3_next {size} ===", flush=True)
+        rec = doc["sizes"].setdefault(size, {})
+        try:
+            with torch.no_grad():
+                run_size(size, args, work, rec)
+        except Exception as e:  # a bug in the script itself: keep the other sizes
+            rec["fatal"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        if torch.cuda.is_available() and not args.dry_run:
+            torch.cuda.empty_cache()
+        (out / "gpu_graphs.json").write_text(json.dumps(doc, indent=1, default=str))
+    # -- the table, last ----------------------------------------------------------------------
+    print(f"\n== gpu_graphs on {doc['device']} (torch {doc['torch']}) ==")
+    for size, rec in doc["sizes"].items():
+        st = {k: v["status"] for k, v in rec.get("stages", {}).items()}
+        print(f"{size}: stages {st}")
+        if "capture_s" in rec:
+            print(f"  capture {rec['capture_s']:.2f} s for {len(rec['captured_keys'])} keys")
+        if "parity" in rec:
+            print("  parity rel err: " + ", ".join(f"{k} {v:.2g}" for k, v in rec["parity"].items()))
+        if "tokens_vs_eager" in rec:
+            c = rec["tokens_vs_eager"]
+            print(f"  graph vs eager tokens: {c['mismatched']}/{c['tokens']} differ, first at {c['first_diff']}")
+        if rec.get("timings_ms"):
+            print(f"  {'step':<12}{'eager ms':>10}{'graph ms':>10}{'speedup':>9}")
+            for name, t in rec["timings_ms"].items():
+                g = t.get("graph", t.get("piecewise"))
+                print(f"  {name:<12}{t['eager']:>10.3f}{g:>10.3f}{t['eager'] / g:>8.2f}x")
+    print(f"JSON: {out / 'gpu_graphs.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
