@@ -76,8 +76,10 @@ class ServerOptions:
     @property
     def abort_after(self) -> float:
         """Seconds after SIGTERM at which in-flight requests are cancelled: before uvicorn's own bound,
-        so each one still gets a proper last chunk."""
-        return max(0.0, self.shutdown_timeout - min(1.0, self.shutdown_timeout / 2))
+        so each one still gets a proper last chunk. The grace (up to 3 s, half the bound at most)
+        covers the engine finishing its current step and every stream flushing its abort chunk
+        and [DONE] on a loaded machine; 1 s was seen to cut a stream short."""
+        return max(0.0, self.shutdown_timeout - min(3.0, self.shutdown_timeout / 2))
 
 
 class ServerState:
