@@ -57,12 +57,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec  # noqa: E402
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec  # noqa: E402
 from runtime.backends import triton_linear as TL  # noqa: E402
 from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence  # noqa: E402
 from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: E402
 from runtime.context import ExecContext  # noqa: E402
 from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
+from tests.linear_cases import decode_ctx  # noqa: E402
 
 START = time.time()
 OUT_TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
@@ -127,21 +128,6 @@ def make_pool(case: Case, num_slots: int, device, gen: torch.Generator) -> State
     t = pool.layer(0)[case.entry]
     t.copy_(torch.randn(t.shape, generator=gen) * 0.5)  # a non-zero state: zeros hide wrong indexing
     return pool
-
-
-def decode_ctx(slots: list[int], num_real: int, device) -> ExecContext:
-    B = len(slots)
-    ctx = ExecContext(
-        mode=Mode.DECODE, query_lens=[1] * num_real, cache_lens=[7] * num_real,
-        query_start_loc=torch.tensor(list(range(num_real + 1)) + [num_real] * (B - num_real), dtype=torch.int32,
-                                     device=device),
-        seq_lens=torch.tensor([8] * num_real + [0] * (B - num_real), dtype=torch.int32, device=device),
-        state_slots=torch.tensor(slots, dtype=torch.int64, device=device),
-        page_table=torch.zeros(B, 1, dtype=torch.int32, device=device),
-        slot_mapping=torch.full((B,), -1, dtype=torch.int64, device=device),
-        page_size=16, num_tokens=B, num_seqs=B)
-    ctx.check()
-    return ctx
 
 
 def make_inputs(case: Case, B: int, num_real: int, dtype, gen: torch.Generator) -> dict[str, torch.Tensor]:

@@ -18,12 +18,12 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.context import ExecContext
 from runtime.state_pool import PADDING_SLOT, StatePool
+from tests.linear_cases import decode_ctx, random_inputs
 
 # HGC_GPU_TESTS_DEVICE=cpu (with TRITON_INTERPRET=1) walks these tests through the interpreter on a
 # CPU, to check the test code itself without a GPU: `-k "not 64 and not graph"` keeps it short.
@@ -62,38 +62,9 @@ def pools(op: str, num_slots: int, seed: int) -> tuple[StatePool, StatePool]:
     return ref, dev
 
 
-def decode_ctx(slots: list[int], num_real: int, device) -> ExecContext:
-    """A decode step of len(slots) rows: the first num_real are requests, the rest padding."""
-    B = len(slots)
-    ctx = ExecContext(
-        mode=Mode.DECODE, query_lens=[1] * num_real, cache_lens=[7] * num_real,
-        query_start_loc=torch.tensor(list(range(num_real + 1)) + [num_real] * (B - num_real), dtype=torch.int32,
-                                     device=device),
-        seq_lens=torch.tensor([8] * num_real + [0] * (B - num_real), dtype=torch.int32, device=device),
-        state_slots=torch.tensor(slots, dtype=torch.int64, device=device),
-        page_table=torch.zeros(B, 1, dtype=torch.int32, device=device),
-        slot_mapping=torch.full((B,), -1, dtype=torch.int64, device=device),
-        page_size=16, num_tokens=B, num_seqs=B)
-    ctx.check()
-    return ctx
-
-
 def inputs(op: str, B: int, num_real: int, dtype, g: torch.Generator) -> dict[str, torch.Tensor]:
     _, hk, hv, dk, dv = SPECS[op]
-    r = lambda *shape: torch.randn(B, *shape, generator=g)
-    if op == "short_conv":
-        x = {"x": r(CONV_C)}
-    elif op == "gdn_core":
-        x = {"q": F.normalize(r(hk, dk), dim=-1), "k": F.normalize(r(hk, dk), dim=-1), "v": r(hv, dv),
-             "g": -F.softplus(r(hv)), "beta": torch.sigmoid(r(hv))}
-    elif op == "kda_core":
-        x = {"q": F.normalize(r(hv, dk), dim=-1), "k": F.normalize(r(hv, dk), dim=-1), "v": r(hv, dv),
-             "g": -F.softplus(r(hv, dk)), "beta": torch.sigmoid(r(hv))}
-    else:
-        x = {"q": r(hv, dk), "k": r(hv, dk) * 0.1, "v": r(hv, dv)}
-    for t in x.values():
-        t[num_real:] = float("nan")
-    return {name: t.to(dtype) for name, t in x.items()}
+    return random_inputs(op, B, num_real, (hk, hv, dk, dv), CONV_C, dtype, g, k_scale=0.1)
 
 
 CONSTS = {

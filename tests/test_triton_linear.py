@@ -36,7 +36,6 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 
-import torch.nn.functional as F  # noqa: E402
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec  # noqa: E402
 from runtime.backends import triton_linear as TL  # noqa: E402
@@ -48,6 +47,7 @@ from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
 from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.kv_pool import KVPool  # noqa: E402
 from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
+from tests.linear_cases import random_inputs  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -126,22 +126,9 @@ def decode_step(slots: list[int], num_real: int):
 
 
 def step_inputs(op: str, layer_id: int, B: int, num_real: int, dtype: torch.dtype, g: torch.Generator):
-    """Fresh random inputs of one decode step; padding rows hold NaN (they must never matter)."""
-    kind, hk, hv, dk, dv = LAYERS[layer_id]
-    r = lambda *shape: torch.randn(B, *shape, generator=g)
-    if op == "short_conv":
-        x = {"x": r(C)}
-    elif op == "gdn_core":
-        x = {"q": F.normalize(r(hk, dk), dim=-1), "k": F.normalize(r(hk, dk), dim=-1), "v": r(hv, dv),
-             "g": -F.softplus(r(hv)), "beta": torch.sigmoid(r(hv))}
-    elif op == "kda_core":
-        x = {"q": F.normalize(r(hv, dk), dim=-1), "k": F.normalize(r(hv, dk), dim=-1), "v": r(hv, dv),
-             "g": -F.softplus(r(hv, dk)), "beta": torch.sigmoid(r(hv))}
-    else:
-        x = {"q": r(hv, dk), "k": r(hv, dk) * 0.3, "v": r(hv, dv)}
-    for t in x.values():
-        t[num_real:] = float("nan")
-    return {name: t.to(dtype) for name, t in x.items()}
+    """Fresh random inputs of one step; padding rows hold NaN (they must never matter)."""
+    _, hk, hv, dk, dv = LAYERS[layer_id]
+    return random_inputs(op, B, num_real, (hk, hv, dk, dv), C, dtype, g, k_scale=0.3)
 
 
 CONV_WEIGHT = torch.randn(C, KW, generator=torch.Generator().manual_seed(7))
