@@ -55,4 +55,7 @@ class BoundOps:
                 self.observer(name, args)
 
         call.__name__ = name
+        # Cache it: __getattr__ runs only for missing attributes, so every later `ops.<name>` of an
+        # eager model's step finds the bound call directly instead of building it again.
+        self.__dict__[name] = call
         return call
