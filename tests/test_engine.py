@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -313,6 +314,16 @@ def test_engine_loop_streams_to_asyncio_and_cancels():
         return tokens
 
     engine = make_engine(model, num_slots=2, num_pages=256, page_size=4)
+    # A toy step takes about a millisecond, so on a loaded machine all 500 tokens could be made
+    # before the consumer wakes up once; a paced step keeps the long request live for ~10 s, far
+    # longer than the consumer needs to see its first token.
+    unpaced_step = engine.step
+
+    def paced_step():
+        time.sleep(0.02)
+        return unpaced_step()
+
+    engine.step = paced_step
     with EngineLoop(engine) as loop_:
         tokens = asyncio.run(main(loop_))
     assert tuple(tokens) == alone(model, prompt, params)
