@@ -3,7 +3,8 @@
 On the GPU machine (../shared/gpu/README.md has the wheel install line):
 
     python3 benchmarks/gpu_graphs.py --out $OUT [--sizes small,bench]
-    python3 benchmarks/gpu_graphs.py --dry-run --out /tmp/gg     # CPU: steps 1-3, CPU reference backend
+    python3 benchmarks/gpu_graphs.py --dry-run --out /tmp/gg --sizes tiny   # CPU: every step, CPU reference
+                                                                             # backend, graphs rerun (tests/graph_cases.py)
 
 Steps, per checkpoint size:
 1. `hgc init-model --family qwen3_next --size S` (or, for S = "small-hd64", the small config with
@@ -19,6 +20,8 @@ Steps, per checkpoint size:
    bf16 runs may legitimately part late (different kernels for padded shapes): reported, not hidden.
 7. decode step latency at batch 1, 8, 32 (eager vs graph), extend of 256 / 512 tokens (eager vs
    piecewise): CUDA events around `GraphRunner.run` (host metadata + copies included), median.
+8. piecewise decode (decode_graphs="piecewise": the extend plan's pieces, ops in eager gaps) at
+   batch 1, 8, 32 on a second runner, after its own parity check.
 Every stage is wrapped: a failure is printed with its traceback, recorded in the JSON, and the
 next stage that does not depend on it still runs. A short table is printed last; JSON to --out.
 """
@@ -32,6 +35,7 @@ if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -45,7 +49,6 @@ import torch  # noqa: E402
 
 
 from compiler.cli import main as hgc  # noqa: E402
-from compiler.splitops import Mode  # noqa: E402
 from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
 from runtime.bound_ops import BoundOps  # noqa: E402
 from runtime.generate import make_pools  # noqa: E402
@@ -148,6 +151,23 @@ def compare(a: list[list[int]], b: list[list[int]]) -> dict:
             "first_diff_per_prompt": first, "first_diff": min(first.values()) if first else None}
 
 
+@contextlib.contextmanager
+def decode_batch(runner: GraphRunner, state_pool, batch: int, vocab: int, g: torch.Generator):
+    """B requests with a 64-token history each (prefilled eagerly, 8 at a time), and their next
+    decode step's items; slots and pages are freed on exit."""
+    seqs = [SeqState(state_pool.alloc()) for _ in range(batch)]
+    try:
+        for i in range(0, batch, 8):
+            items = [(s, torch.randint(1, vocab, (64,), generator=g).tolist()) for s in seqs[i:i + 8]]
+            runner.run(build_step(items, runner.kv_pool, "cpu", max_pages=runner.max_pages), None)
+            commit_step(items)
+        yield [(s, [int(torch.randint(1, vocab, (1,), generator=g))]) for s in seqs]
+    finally:
+        for s in seqs:
+            runner.kv_pool.free(s.pages)
+            state_pool.free(s.slot)
+
+
 def time_ms(fn, device, iters: int, warmup: int = 3) -> float:
     """Median milliseconds of fn() between CUDA events (or perf_counter on the CPU)."""
     for _ in range(warmup):
@@ -172,6 +192,19 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
     dev = torch.device("cpu" if args.dry_run else "cuda")
     dtype = "bfloat16"
     stage = Stages(rec.setdefault("stages", {}))
+    # --dry-run: the CPU reference backend and tests/graph_cases.RerunGraphs standing in for CUDA
+    # graphs, so every stage's bookkeeping runs on a CPU before a GPU run is spent on it.
+    graphs = None
+    if args.dry_run:
+        from tests.graph_cases import RerunGraphs
+        graphs = RerunGraphs()
+
+    def make_backend(art, kv, st):
+        if args.dry_run:
+            from runtime.backends.cpu_reference import CPUReferenceBackend
+            return CPUReferenceBackend(kv, st)
+        from runtime.gpu_backends import build_gpu_backend
+        return build_gpu_backend(art, kv, st)
     ckpt, art_dir = work / f"ckpt_{size}", work / f"art_{size}"
     ctx = {}
 
@@ -191,16 +224,11 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
         art = load_artifact(art_dir, dev)
         kv, st = make_pools(art.registry, MAX_LEN, MAX_SEQS, page_size=PAGE, device=dev,
                             kv_dtype=getattr(torch, dtype))
-        if args.dry_run:
-            from runtime.backends.cpu_reference import CPUReferenceBackend
-            backend = CPUReferenceBackend(kv, st)
-        else:
-            from runtime.gpu_backends import build_gpu_backend
-            backend = build_gpu_backend(art, kv, st)
+        backend = make_backend(art, kv, st)
         ops = BoundOps(backend)
-        runner = GraphRunner(art.runner(ops), ops, kv, dev, decode_buckets=DECODE_BUCKETS,
+        runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=DECODE_BUCKETS,
                              extend_buckets=EXTEND_BUCKETS, max_pages_per_seq=MAX_LEN // PAGE,
-                             extend_max_seqs=EXTEND_MAX_SEQS, debug=True)
+                             extend_max_seqs=EXTEND_MAX_SEQS, debug=True, graphs=graphs)
         vocab = int(art.program_fqns and art.weights[next(k for k in art.weights if "embed" in k)].shape[0])
         ctx.update(art=art, kv=kv, st=st, backend=backend, runner=runner, vocab=vocab)
         rec["backend"] = backend.name
@@ -220,8 +248,6 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
         rec["eager_tokens_head"] = [o[:8] for o in outs]
         rec["eager_keys"] = sorted(set(keys))
     stage("3_eager_tokens", eager_tokens, needs=["2_load"])
-    if args.dry_run:
-        return
 
     def capture():
         sync()
@@ -230,43 +256,13 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
         sync()
         rec["capture_s"] = time.perf_counter() - t0
         rec["captured_keys"] = [str(k) for k in ctx["runner"].keys]
-        rec["graph_pool_mem_GiB"] = torch.cuda.memory_reserved() / 2**30
+        if dev.type == "cuda":
+            rec["graph_pool_mem_GiB"] = torch.cuda.memory_reserved() / 2**30
         print(f"  captured {len(ctx['runner'].keys)} keys in {rec['capture_s']:.2f} s", flush=True)
     stage("4_capture", capture, needs=["2_load"])
 
     def parity():
-        runner, kv, st = ctx["runner"], ctx["kv"], ctx["st"]
-        g = torch.Generator().manual_seed(1)
-        held: list[SeqState] = []
-
-        def release():
-            for s in held:
-                kv.free(s.pages)
-                st.free(s.slot)
-            held.clear()
-
-        def make_items(key):
-            release()  # the previous key's requests are done with
-            vocab = ctx["vocab"]
-            if key.mode == Mode.DECODE:
-                # real requests with 5..40 cached tokens (whatever their pages hold: both runs read the same)
-                items = []
-                for b in range(key.seqs):
-                    s = SeqState(st.alloc(), num_cached=5 + (7 * b) % 36)
-                    held.append(s)
-                    items.append((s, [int(torch.randint(1, vocab, (1,), generator=g))]))
-                return items
-            lens = [key.tokens // 2, key.tokens // 4, key.tokens // 8, 7]  # 4 requests, some rows padding
-            items = []
-            for n in lens:
-                s = SeqState(st.alloc())
-                held.append(s)
-                items.append((s, torch.randint(1, vocab, (n,), generator=g).tolist()))
-            return items
-        try:
-            report = runner.check_parity(make_items)
-        finally:
-            release()
+        report = ctx["runner"].check_parity(vocab_size=ctx["vocab"])
         rec["parity"] = report
         for k, v in report.items():
             print(f"  parity {k}: rel err {v:.3g}", flush=True)
@@ -292,24 +288,13 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
         g = torch.Generator().manual_seed(2)
         out = rec.setdefault("timings_ms", {})
         for B in (1, 8, 32):
-            seqs = [SeqState(st.alloc()) for _ in range(B)]
-            try:
-                # a 64-token history per request, prefilled eagerly in chunks that fit the pool
-                for i in range(0, B, 8):
-                    items = [(s, torch.randint(1, vocab, (64,), generator=g).tolist()) for s in seqs[i:i + 8]]
-                    runner.run(build_step(items, kv, "cpu", max_pages=runner.max_pages), None)
-                    commit_step(items)
-                items = [(s, [int(torch.randint(1, vocab, (1,), generator=g))]) for s in seqs]
+            with decode_batch(runner, st, B, vocab, g) as items:
                 eager_step = build_step(items, kv, "cpu", max_pages=runner.max_pages)
                 graph_step, key = runner.build(items)
-                e = time_ms(lambda: runner.run(eager_step, None), torch.device("cuda"), args.iters)
-                r = time_ms(lambda: runner.run(graph_step, key), torch.device("cuda"), args.iters)
+                e = time_ms(lambda: runner.run(eager_step, None), dev, args.iters)
+                r = time_ms(lambda: runner.run(graph_step, key), dev, args.iters)
                 out[f"decode_b{B}"] = {"eager": e, "graph": r, "key": str(key)}
                 print(f"  decode B={B}: eager {e:.3f} ms, graph {r:.3f} ms ({key})", flush=True)
-            finally:
-                for s in seqs:
-                    kv.free(s.pages)
-                    st.free(s.slot)
         for T in (256, 512):
             seqs = [SeqState(st.alloc()) for _ in range(2)]
             try:
@@ -318,8 +303,8 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
                 eager_step = build_step(items, kv, "cpu", max_pages=runner.max_pages)
                 graph_step, key = runner.build(items)
                 # repeated fresh prefills of the same two requests: same pages, same work each time
-                e = time_ms(lambda: runner.run(eager_step, None), torch.device("cuda"), args.iters)
-                r = time_ms(lambda: runner.run(graph_step, key), torch.device("cuda"), args.iters)
+                e = time_ms(lambda: runner.run(eager_step, None), dev, args.iters)
+                r = time_ms(lambda: runner.run(graph_step, key), dev, args.iters)
                 out[f"extend_t{T}"] = {"eager": e, "piecewise": r, "key": str(key)}
                 print(f"  extend T={T}: eager {e:.3f} ms, piecewise {r:.3f} ms ({key})", flush=True)
             finally:
@@ -327,6 +312,26 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
                     kv.free(s.pages)
                     st.free(s.slot)
     stage("7_timings", timings, needs=["4_capture"])
+
+    def piecewise_decode():
+        """Decode through the extend plan's pieces (attention and linear ops in eager gaps), on a
+        second runner with its own backend instance (its own static buffers), same pools."""
+        art, kv, st, vocab = ctx["art"], ctx["kv"], ctx["st"], ctx["vocab"]
+        ops = BoundOps(make_backend(art, kv, st))
+        runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=(1, 8, 32), extend_buckets=(),
+                             max_pages_per_seq=MAX_LEN // PAGE, extend_max_seqs=EXTEND_MAX_SEQS,
+                             decode_graphs="piecewise", graphs=graphs)
+        runner.capture()
+        rec["piecewise_decode_parity"] = runner.check_parity(vocab_size=vocab)
+        g = torch.Generator().manual_seed(3)
+        out = rec.setdefault("timings_ms", {})
+        for B in (1, 8, 32):
+            with decode_batch(runner, st, B, vocab, g) as items:
+                step, key = runner.build(items)
+                t = time_ms(lambda: runner.run(step, key), dev, args.iters)
+                out.setdefault(f"decode_b{B}", {})["piecewise"] = t
+                print(f"  decode B={B}: piecewise {t:.3f} ms ({key})", flush=True)
+    stage("8_piecewise_decode", piecewise_decode, needs=["4_capture"])
 
 
 def main(argv=None) -> int:
@@ -337,7 +342,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=None, help="folder for checkpoints and artifacts (default: OUT/work)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--dry-run", action="store_true", help="CPU, CPU reference backend, steps 1-3 only")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU: CPU reference backend, CUDA graphs replaced by reruns (tests/graph_cases.py)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -371,10 +377,13 @@ def main(argv=None) -> int:
             c = rec["tokens_vs_eager"]
             print(f"  graph vs eager tokens: {c['mismatched']}/{c['tokens']} differ, first at {c['first_diff']}")
         if rec.get("timings_ms"):
-            print(f"  {'step':<12}{'eager ms':>10}{'graph ms':>10}{'speedup':>9}")
+            print(f"  {'step':<12}{'eager ms':>10}{'full ms':>10}{'piecewise ms':>14}{'eager/best':>12}")
             for name, t in rec["timings_ms"].items():
-                g = t.get("graph", t.get("piecewise"))
-                print(f"  {name:<12}{t['eager']:>10.3f}{g:>10.3f}{t['eager'] / g:>8.2f}x")
+                cells = [t.get(k) for k in ("eager", "graph", "piecewise")]
+                best = min((c for c in cells[1:] if c), default=None)
+                text = "".join(f"{c:>{w}.3f}" if c else f"{'-':>{w}}" for c, w in zip(cells, (10, 10, 14)))
+                ratio = f"{t['eager'] / best:>11.2f}x" if best and t.get("eager") else ""
+                print(f"  {name:<12}{text}{ratio}")
     print(f"JSON: {out / 'gpu_graphs.json'}")
     return 0
 

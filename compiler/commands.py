@@ -207,26 +207,27 @@ def cmd_inspect(args) -> int:
 
 def cmd_run(args) -> int:
     """Run prompts through a compiled artifact on the engine (continuous batching, chunked prefill)."""
+    import sys
+
     from compiler.cli import _check_vocab, _print_outputs, parse_prompt_ids
-    from runtime.backends.cpu_reference import CPUReferenceBackend
-    from runtime.bound_ops import BoundOps
-    from runtime.engine import Engine, SamplingParams
-    from runtime.generate import make_pools
+    from runtime.engine import SamplingParams
+    from runtime.graph_runner import CaptureError, ParityError
     from runtime.loader import LoadError, load_artifact
+    from runtime.server.model import EngineOptions, engine_for_artifact
 
     prompts = parse_prompt_ids(args.prompt_ids)
     try:
-        art = load_artifact(args.artifact, device="cpu")
+        art = load_artifact(args.artifact, device=args.device)
     except LoadError as e:
         return _fail("run", e)
     _check_vocab(prompts, int(art.manifest["model"]["vocab_size"]))
-    kv_pool, state_pool = make_pools(art.registry, max(map(len, prompts)) + args.max_new_tokens, len(prompts))
-    ops = BoundOps(CPUReferenceBackend(kv_pool, state_pool))
+    options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step)
+    log = lambda line: print(f"hgc run: {line}", file=sys.stderr, flush=True)  # noqa: E731
     try:
-        forward = art.bind(ops)
-    except LoadError as e:
+        engine = engine_for_artifact(art, options, max(map(len, prompts)) + args.max_new_tokens, device=args.device,
+                                     graphs=not args.no_graphs, log=log)
+    except (LoadError, CaptureError, ParityError, ValueError) as e:
         return _fail("run", e)
-    engine = Engine(forward, ops, kv_pool, state_pool, max_tokens_per_step=args.max_tokens_per_step)
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed,
@@ -236,7 +237,10 @@ def cmd_run(args) -> int:
         return _fail("run", e)
     results = engine.run_until_done()
     outputs = [list(results[i].output_ids) for i in ids]
-    _print_outputs(prompts, outputs, args.json, extra={"timing": engine.timing()})
+    extra = {"timing": engine.timing()}
+    if engine.runner is not None:
+        extra["steps"] = dict(engine.runner.counters)
+    _print_outputs(prompts, outputs, args.json, extra=extra)
     return 0
 
 
@@ -278,7 +282,7 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
-    p = subparsers.add_parser("run", help="generate from a compiled artifact on the engine (CPU reference backend)")
+    p = subparsers.add_parser("run", help="generate from a compiled artifact on the engine (CPU reference or GPU backends)")
     p.add_argument("artifact")
     p.add_argument("--prompt-ids", required=True, help='token ids, prompts separated by ";": "1,2,3;4,5"')
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -288,5 +292,7 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of each request's sampler (reproducible runs)")
     p.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
     p.add_argument("--max-tokens-per-step", type=int, default=512, help="chunked-prefill token budget per step")
+    p.add_argument("--device", default="cpu", help="cpu (reference backend) or cuda (GPU backends, CUDA graphs)")
+    p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
     p.set_defaults(func=cmd_run)

@@ -40,8 +40,9 @@ Timing: a step that carries prompt tokens (a prefill chunk, alone or mixed with 
 prefill time; a step of decodes only counts as decode time. The step time ends after sampling, which reads
 the logits on the host, so device work is included.
 
-It does not capture CUDA graphs (a graph runner will call the capture hooks), run speculative
-decoding, or cache prefixes.
+With a graph runner (runtime/graph_runner.py, started before the engine serves), step 2 is the
+runner's `execute`: it builds the step padded to a captured key and picks full graph, piecewise or
+eager. The engine does not capture graphs itself, run speculative decoding, or cache prefixes.
 """
 
 from __future__ import annotations
@@ -156,11 +157,18 @@ class Engine:
 
     def __init__(self, forward: Callable, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, *,
                  max_tokens_per_step: int = 512, max_running: int | None = None, max_seq_len: int | None = None,
-                 device: torch.device | str = "cpu", recent_steps: int = 256):
+                 device: torch.device | str = "cpu", recent_steps: int = 256, runner=None):
+        """runner: a started GraphRunner (runtime/graph_runner.py) over the same ops and pools; each
+        step then goes through its dispatcher (full graph, piecewise or eager) instead of `forward`,
+        which may be None. Build it with chunk_size=max_tokens_per_step."""
         check_backend(ops.backend)  # the hooks are called below without guards
+        if runner is not None and (runner.ops is not ops or runner.kv_pool is not kv_pool
+                                   or runner.state_pool is not state_pool):
+            raise ValueError("Engine: the graph runner must run the engine's own op table and pools")
         if max_tokens_per_step < 1:
             raise ValueError(f"Engine: max_tokens_per_step must be >= 1 (got {max_tokens_per_step})")
         self.forward = forward
+        self.runner = runner
         self.ops = ops
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -301,6 +309,12 @@ class Engine:
     def _run(self, items: list[tuple[_Request, int]]) -> tuple[Mode, torch.Tensor]:
         """One forward over every scheduled token (prefill chunks and decodes together)."""
         seq_items = [(req.seq, req.next_tokens(n)) for req, n in items]
+        if self.runner is not None:
+            mode, logits = self.runner.execute(seq_items)
+            commit_step(seq_items)
+            return mode, logits
+        if self.forward is None:
+            raise RuntimeError("Engine: no forward callable and no graph runner to run the step")
         step = build_step(seq_items, self.kv_pool, self.device)
         backend = self.ops.backend
         backend.init_step_metadata(step.ctx)
@@ -420,6 +434,8 @@ class Engine:
             "last_step_s": last.seconds if last else None,
             "recent_steps": [dataclasses.asdict(r) for r in self._recent],  # JSON-ready for a server
             **self.timing(),
+            # graph_replays / piecewise_steps / eager_steps, when a graph runner dispatches the steps
+            **(dict(self.runner.counters) if self.runner is not None else {}),
         }
 
     def step_records(self) -> list[StepRecord]:

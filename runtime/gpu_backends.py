@@ -17,7 +17,7 @@ read, since the KV pool holds the draft's full layer too.
 The result is always `HybridBackend(FlashInferAttentionBackend, TritonLinearBackend,
 TritonMoEBackend)`: together they declare every hgc op exactly once, which HybridBackend checks.
 
-It does not size pools (runtime/generate.py, the memory planner) or capture graphs (GraphRunner).
+It does not size pools (runtime/generate.py, the memory planner) or capture graphs itself (GraphRunner).
 """
 
 from __future__ import annotations
@@ -140,3 +140,4 @@ def build_gpu_backend(artifact, kv_pool, state_pool, *, moe_config_dir=None, **f
     linear = TritonLinearBackend(state_pool)
     moe = TritonMoEBackend(moe_config_dir, device=state_pool.device)
     return HybridBackend(full, linear, moe)
+

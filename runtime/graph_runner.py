@@ -12,13 +12,19 @@ and replayed is `CapturedPiece`'s business, and what the ops do is the backend's
    graphs for each extend token bucket, largest first. All graphs share one memory pool. Padded
    rows point at the reserved state slot and write no KV. After `capture()` the runner is sealed:
    a capture at any later time is an error.
-3. `run(step_items)` per step: decode steps go to the smallest decode bucket that holds them,
-   extend and mixed steps to the smallest extend bucket that holds their tokens, anything larger
-   runs eagerly. The backend is told first (`init_replay_state` for a full graph,
-   `init_step_metadata` + `init_chunk_metadata` before a piecewise or eager step).
+3. `build(items)` + `run(step, key)` per step (`execute(items)` does both for the engine):
+   decode steps go to the smallest decode bucket that holds them, extend and mixed steps to the
+   smallest extend bucket that holds their tokens, anything larger runs eagerly. The backend is
+   told first: `init_replay_state` for a full graph; `init_step_metadata` (+ `init_chunk_metadata`
+   outside decode) for an eager step; both, then `init_replay_state`, for a piecewise step, whose
+   captured pieces read per-step values from the static buffers that hook fills (a hybrid
+   forwards it only to the children whose ops are captured in the step's mode).
 4. `check_parity()` (start-up, after capture): each captured key is run once eagerly and once
    from its graphs on the same inputs and the same starting caches and states; a mismatch names
    the mode, the bucket and the first layer whose op output differs, and the runner refuses to serve.
+
+How a graph is captured and replayed is `CudaGraphs`' business (torch.cuda); tests on the CPU
+hand the runner a stand-in with the same two methods, so everything above it runs there too.
 
 Piecewise graphs need no copies between pieces: every op is "with output", so the `out` an eager
 gap writes was allocated by the captured piece before it, inside the graph pool, at an address
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Callable, Optional
 
 import torch
@@ -40,9 +47,11 @@ from runtime.batch import SeqState, StepInputs, build_step
 from runtime.bound_ops import BoundOps
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
-from runtime.state_pool import PADDING_SLOT
+from runtime.state_pool import PADDING_SLOT, StatePool
 
-__all__ = ["GraphRunner", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece", "DEFAULT_DECODE_BUCKETS",
+__all__ = ["GraphRunner", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece", "CudaGraphs", "buckets_for",
+           "graph_runner_factory",
+           "DEFAULT_DECODE_BUCKETS",
            "DEFAULT_EXTEND_BUCKETS"]
 
 DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -67,12 +76,39 @@ class CaptureKey:
         return f"{self.mode.value}[tokens={self.tokens}, seqs={self.seqs}]"
 
 
+class CudaGraphs:
+    """Capture and replay through torch.cuda: the one place the runner touches the CUDA graph API."""
+
+    # A replay runs recorded kernels and no Python: the op outputs of a replayed step are read from
+    # the tensors recorded at capture (a CPU stand-in that reruns the ops says True instead).
+    replays_call_ops = False
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise CaptureError(f"CUDA graphs need a CUDA device; this runner is on {device}")
+
+    def new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[[], object], pool) -> tuple[object, object]:
+        """Record fn's kernels into a new graph in `pool`; returns (graph, fn's output tensors)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+
 class _Capturing:
     """Which key the pieces are capturing or replaying now: shared by the runner and its pieces."""
 
-    def __init__(self):
+    def __init__(self, graphs):
+        self.graphs = graphs
         self.key: Optional[CaptureKey] = None
         self.capturing = False
+        self.silent = False  # ops run now are not the graph's (warm-up, the first replay of a rerun stand-in)
         self.pool = None
 
 
@@ -82,19 +118,25 @@ class CapturedPiece(torch.nn.Module):
     def __init__(self, piece: torch.nn.Module, index: int, state: _Capturing, debug: bool = False):
         super().__init__()
         self.piece, self.index, self.state, self.debug = piece, index, state, debug
-        self.graphs: dict[CaptureKey, tuple[torch.cuda.CUDAGraph, object, list[int]]] = {}
+        self.graphs: dict[CaptureKey, tuple[object, object, list[int]]] = {}
 
     def forward(self, *args):
         key = self.state.key
         if key is None:  # an eager step: no graph at all
             return self.piece(*args)
         if self.state.capturing and key not in self.graphs:
-            self.piece(*args)  # warm-up outside the graph: lazy init, autotuning
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.state.pool):
-                out = self.piece(*args)
+            self.state.silent = True
+            try:
+                self.piece(*args)  # warm-up outside the graph: lazy init, Triton compiles, autotuning
+            finally:
+                self.state.silent = False
+            graph, out = self.state.graphs.capture(lambda: self.piece(*args), self.state.pool)
             self.graphs[key] = (graph, out, [a.data_ptr() for a in args if isinstance(a, torch.Tensor)])
-            graph.replay()  # the capture did not run the kernels; the step needs their results
+            self.state.silent = True
+            try:
+                graph.replay()  # the capture did not run the kernels; the step needs their results
+            finally:
+                self.state.silent = False
             return out
         if key not in self.graphs:
             raise CaptureError(f"piece {self.index}: no graph for {key}; captures happen at start-up only")
@@ -110,26 +152,41 @@ class CapturedPiece(torch.nn.Module):
 
 
 class GraphRunner:
-    def __init__(self, program, ops: BoundOps, kv_pool: KVPool, device: torch.device | str, *,
+    def __init__(self, program, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str, *,
                  decode_buckets=DEFAULT_DECODE_BUCKETS, extend_buckets=DEFAULT_EXTEND_BUCKETS,
-                 max_pages_per_seq: int, extend_max_seqs: int = 16, debug: bool = False):
-        """program: a loaded ProgramRunner (runtime/loader.py): `module_for(mode)`, `weights`, `plans`."""
-        self.program, self.ops, self.kv_pool = program, ops, kv_pool
+                 max_pages_per_seq: int, extend_max_seqs: int = 16, chunk_size: Optional[int] = None,
+                 decode_graphs: str = "full", debug: bool = False, graphs=None):
+        """program: a loaded ProgramRunner (runtime/loader.py): `module_for(mode)`, `weights`, `plans`.
+
+        kv_pool / state_pool: the caches the ops read and write (the parity check saves and
+        restores the rows a step touches). chunk_size: what `init_chunk_metadata` is told (the
+        engine's token budget; default: the largest extend bucket). graphs: how graphs are
+        captured and replayed (default CudaGraphs()). decode_graphs: "full" (one graph per decode
+        bucket when the decode plan is one captured piece) or "piecewise" (decode steps run the
+        extend plan's pieces, attention ops in eager gaps: what a backend that cannot be captured
+        in decode would get, and the baseline the full graph is measured against).
+        """
+        if decode_graphs not in ("full", "piecewise"):
+            raise ValueError(f"decode_graphs must be 'full' or 'piecewise', not {decode_graphs!r}")
+        self.program, self.ops, self.kv_pool, self.state_pool = program, ops, kv_pool, state_pool
         self.backend = ops.backend
         self.device = torch.device(device)
+        self.graphs = graphs if graphs is not None else CudaGraphs()
         self.decode_buckets = tuple(sorted(decode_buckets))
         self.extend_buckets = tuple(sorted(extend_buckets))
         self.extend_max_seqs = extend_max_seqs
         self.max_pages = max_pages_per_seq
         self.debug = debug
-        self.state = _Capturing()
+        self.state = _Capturing(self.graphs)
         self.sealed = False
         self.counters = {"graph_replays": 0, "piecewise_steps": 0, "eager_steps": 0}
-        self.full_decode = self._plan_is_one_captured_piece(Mode.DECODE)
+        self.full_decode = decode_graphs == "full" and self._plan_is_one_captured_piece(Mode.DECODE)
         self.keys: list[CaptureKey] = []
-        max_tokens = max(self.decode_buckets[-1], self.extend_buckets[-1] if self.extend_buckets else 0)
-        max_seqs = max(self.decode_buckets[-1], extend_max_seqs)
+        max_tokens = max(self.decode_buckets[-1] if self.decode_buckets else 1,
+                         self.extend_buckets[-1] if self.extend_buckets else 1)
+        max_seqs = max(self.decode_buckets[-1] if self.decode_buckets else 1, extend_max_seqs)
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.chunk_size = chunk_size or max_tokens
         # Static buffers: the only tensors a captured graph reads besides weights, caches and its pool.
         d = self.device
         self.buf = {
@@ -144,7 +201,7 @@ class GraphRunner:
         }
         self._modules: dict[Mode, torch.nn.Module] = {}
         self._outputs: dict[CaptureKey, object] = {}  # full graphs: their static logits
-        self._full_graphs: dict[CaptureKey, torch.cuda.CUDAGraph] = {}
+        self._full_graphs: dict[CaptureKey, object] = {}
         self._op_outs: dict[CaptureKey, list[tuple[int, str, torch.Tensor]]] = {}
 
     # -- keys and padding ------------------------------------------------------------------
@@ -166,17 +223,25 @@ class GraphRunner:
         return CaptureKey(Mode.EXTEND, bucket, self.extend_max_seqs) if bucket else None
 
     def _fill(self, step: StepInputs, key: Optional[CaptureKey]) -> tuple[tuple, ExecContext]:
-        """Copy a host-built step into the static buffers; views sized to the key (or the step)."""
+        """Copy a host-built step into the static buffers, as views sized to the key.
+
+        An eager step (no key) reads no graph, so it needs no static address and may be larger
+        than the buffers: its own tensors are moved to the device instead."""
         ctx = step.ctx
-        T = key.tokens if key else ctx.num_tokens
-        B = key.seqs if key else ctx.num_seqs
-        R = key.seqs if key else step.logits_index.shape[0]
+        if key is None:
+            moved = {name: getattr(ctx, name).to(self.device, non_blocking=True)
+                     for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping")}
+            inputs = tuple(t.to(self.device, non_blocking=True)
+                           for t in (step.input_ids, step.positions, step.logits_index))
+            return inputs, dataclasses.replace(ctx, **moved)
+        T, B, R = key.tokens, key.seqs, key.seqs
         b = self.buf
         for name, src, n in (("input_ids", step.input_ids, T), ("positions", step.positions, T),
                              ("slot_mapping", ctx.slot_mapping, T), ("seq_lens", ctx.seq_lens, B),
                              ("state_slots", ctx.state_slots, B), ("query_start_loc", ctx.query_start_loc, B + 1)):
             if src.shape[0] > n or n > b[name].shape[0]:
-                raise CaptureError(f"step does not fit {key}: {name} has {src.shape[0]} rows for {n}")
+                raise CaptureError(f"step does not fit {key}: {name} has {src.shape[0]} rows for {n} "
+                                   f"(buffers hold {b[name].shape[0]})")
             b[name][: src.shape[0]].copy_(src, non_blocking=True)
         pages = ctx.page_table.shape[1]
         if pages > self.max_pages:
@@ -204,8 +269,15 @@ class GraphRunner:
     # -- running ---------------------------------------------------------------------------
 
     def _module(self, mode: Mode) -> torch.nn.Module:
-        """The split module of a mode with its captured pieces wrapped (built once, reused)."""
+        """The split module of a mode with its captured pieces wrapped (built once, reused).
+
+        A decode plan that is one captured piece is captured whole (one graph per bucket), so its
+        module stays unwrapped: eager decode steps and the whole-step capture both run it as is."""
         plan_mode = Mode.DECODE if mode == Mode.DECODE else Mode.EXTEND
+        if plan_mode == Mode.DECODE and self.full_decode:
+            return self.program.module_for(plan_mode)
+        if plan_mode == Mode.DECODE and self._plan_is_one_captured_piece(Mode.DECODE):
+            plan_mode = Mode.EXTEND  # piecewise decode asked for: the extend plan has the eager gaps
         if plan_mode not in self._modules:
             split = self.program.module_for(plan_mode)
             pieces = self.program.plans[plan_mode].pieces
@@ -220,27 +292,19 @@ class GraphRunner:
         outputs = module(*self.program.weights, *inputs)
         return list(outputs)[self.program.num_mutations:][0]
 
-    def _plan_piecewise(self, ctx: ExecContext, key: Optional[CaptureKey]) -> None:
-        """Tell the backend about an eager or piecewise step, before its first piece runs.
-
-        Every child plans the step eagerly (`init_step_metadata`, plus `init_chunk_metadata`
-        outside decode). In a piecewise step (a key), the children whose declared capability
-        captures this mode also get `init_replay_state`: their ops sit inside captured pieces,
-        and a captured op must read its per-step values (the MoE's real token count, decode
-        slot ids) from the static buffers that hook fills, not from launch arguments frozen at
-        capture. A child that does not capture the mode (FlashInfer or FLA in an extend) runs in
-        the eager gaps on its eager plan; calling its replay hook would be refused or, worse,
-        would make it treat the eager step as a replayed one.
-        """
+    def _plan(self, ctx: ExecContext, key: Optional[CaptureKey]) -> None:
+        """Tell the backend about a step before its first op: the protocol's order for each kind of step."""
+        if key is not None and key.mode == Mode.DECODE and self.full_decode:
+            self.backend.init_replay_state(ctx, key.seqs)  # a whole-step graph: nothing is planned eagerly
+            return
         self.backend.init_step_metadata(ctx)
         if ctx.mode != Mode.DECODE:
-            self.backend.init_chunk_metadata(ctx, ctx.num_tokens)
-        if key is None:
-            return
-        for child in tuple(getattr(self.backend, "children", ())) or (self.backend,):
-            capability = getattr(type(child), "capability", None)
-            if capability is not None and Mode(ctx.mode) in capability.modes_capturable:
-                child.init_replay_state(ctx, key.seqs)
+            self.backend.init_chunk_metadata(ctx, self.chunk_size)
+        if key is not None:
+            # Piecewise: the ops inside captured pieces read their per-step values (the MoE's real
+            # token count, decode slot ids) from the static buffers this hook fills, not from launch
+            # arguments frozen at capture; the eager gaps keep the plans made just above.
+            self.backend.init_replay_state(ctx, key.seqs)
 
     @torch.no_grad()
     def run(self, step: StepInputs, key: Optional[CaptureKey]) -> torch.Tensor:
@@ -250,12 +314,12 @@ class GraphRunner:
         that key overwrites them, so read (or clone) them before the next step."""
         inputs, ctx = self._fill(step, key)
         real = step.logits_index.shape[0]
+        self._plan(ctx, key)
         if key is not None and key.mode == Mode.DECODE and self.full_decode:
-            self.backend.init_replay_state(ctx, key.seqs)
-            self._full_graphs[key].replay()
+            with self.ops.step(ctx):  # a real replay calls no op; a CPU stand-in reruns them
+                self._full_graphs[key].replay()
             self.counters["graph_replays"] += 1
             return self._outputs[key][:real]
-        self._plan_piecewise(ctx, key)
         self.state.key = key
         try:
             with self.ops.step(ctx):
@@ -265,112 +329,184 @@ class GraphRunner:
         self.counters["piecewise_steps" if key else "eager_steps"] += 1
         return logits[:real]
 
+    def execute(self, items: list[tuple[SeqState, list[int]]]) -> tuple[Mode, torch.Tensor]:
+        """The engine's step: build, dispatch and run; (the step's mode, logits [B, V] on the host)."""
+        step, key = self.build(items)
+        logits = self.run(step, key)
+        return step.ctx.mode, logits.float().cpu()  # read now: a full graph's next replay overwrites them
+
     # -- capture ---------------------------------------------------------------------------
 
-    def _dummy_step(self, key: CaptureKey) -> tuple[StepInputs, list[SeqState]]:
-        """A step of the key's shape on scratch pages and the padding slot (contents do not matter)."""
-        per_seq = max(1, key.tokens // key.seqs) if key.mode != Mode.DECODE else 1
-        seqs = [SeqState(PADDING_SLOT, num_cached=1 if key.mode == Mode.DECODE else 0) for _ in range(key.seqs)]
-        items = [(s, [0] * per_seq) for s in seqs]
-        items[-1] = (seqs[-1], [0] * (key.tokens - per_seq * (key.seqs - 1)))
+    def _dummy_step(self, key: CaptureKey) -> StepInputs:
+        """A step of the key's shape on the padding slot and page 0, writing no KV (contents do not matter).
+
+        Its requests are as long as a request may be (max_pages_per_seq pages); tokens beyond
+        what they hold are padding rows. Their page lists are set here, so no page is taken from
+        the pool: a capture works on a pool of any size.
+        """
+        cap = self.max_pages * self.kv_pool.page_size
+        if key.mode == Mode.DECODE:
+            lens, cached = [1] * key.seqs, 1
+        else:
+            left, lens, cached = key.tokens, [], 0
+            for b in range(key.seqs):
+                n = min(cap, max(1, left // (key.seqs - b)))
+                lens.append(n)
+                left -= n
+        items = [(SeqState(PADDING_SLOT, pages=[0] * self.kv_pool.pages_for(cached + n), num_cached=cached), [0] * n)
+                 for n in lens]
         step = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
                           pad_seqs_to=key.seqs, max_pages=self.max_pages)
         step.ctx.slot_mapping.fill_(-1)  # capture writes no KV
-        return step, seqs
+        return step
 
-    def _record_op_outs(self, sink: list):
-        """An observer for BoundOps: remember (layer id, op, out) of each op call."""
+    def _record_op_outs(self, sink: list, clone: bool = False):
+        """An observer for BoundOps: remember (layer id, op, out) of each op call, warm-ups excluded."""
         def observe(name: str, args: tuple):
+            if self.state.silent:
+                return
             positions = _arg_positions(name)
-            sink.append((int(args[positions["layer_id"]]), name, args[positions["out"]]))
+            out = args[positions["out"]]
+            sink.append((int(args[positions["layer_id"]]), name, out.clone() if clone else out))
         return observe
+
+    def capture_keys(self) -> list[CaptureKey]:
+        """What `capture()` captures, in capture order (largest first)."""
+        keys = [CaptureKey(Mode.DECODE, b, b) for b in reversed(self.decode_buckets)]
+        keys += [CaptureKey(Mode.EXTEND, t, self.extend_max_seqs) for t in reversed(self.extend_buckets)
+                 if t >= self.extend_max_seqs]
+        return keys
 
     @torch.no_grad()  # a graph captured with autograd on would record its bookkeeping too
     def capture(self) -> None:
         if self.sealed:
             raise CaptureError("capture after start-up: graphs are captured once, before serving")
-        if self.device.type != "cuda":
-            raise CaptureError(f"CUDA graphs need a CUDA device; this runner is on {self.device}")
+        self.graphs.check_device(self.device)
         self.backend.init_capture_state(self.max_tokens, self.max_seqs)
-        self.state.pool = torch.cuda.graph_pool_handle()
-        keys = [CaptureKey(Mode.DECODE, b, b) for b in reversed(self.decode_buckets)]
-        keys += [CaptureKey(Mode.EXTEND, t, self.extend_max_seqs) for t in reversed(self.extend_buckets)
-                 if t >= self.extend_max_seqs]
-        for key in keys:
-            step, seqs = self._dummy_step(key)
-            inputs, ctx = self._fill(step, key)
+        self.state.pool = self.graphs.new_pool()
+        for key in self.capture_keys():
+            inputs, ctx = self._fill(self._dummy_step(key), key)
+            # Every op's `out` as the graph leaves it: the parity check compares them layer by layer.
+            # Holding them keeps their memory from being reused by a later capture in the pool.
             sink: list = []
             self.ops.observer = self._record_op_outs(sink)
+            self.state.key = key
             try:
+                self._plan(ctx, key)
                 if key.mode == Mode.DECODE and self.full_decode:
-                    self.backend.init_replay_state(ctx, key.seqs)
-                    module = self.program.module_for(Mode.DECODE)
+                    module = self._module(Mode.DECODE)
                     with self.ops.step(ctx):
-                        self._call(module, inputs)  # warm-up
-                        # The warm-up's op outputs are not the graph's: keep only the captured ones,
-                        # which the replay overwrites and the parity check compares layer by layer.
-                        sink.clear()
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=self.state.pool):
-                            self._outputs[key] = self._call(module, inputs)
+                        self.state.silent = True
+                        try:
+                            self._call(module, inputs)  # warm-up: Triton compiles, lazy allocations
+                        finally:
+                            self.state.silent = False
+                        graph, self._outputs[key] = self.graphs.capture(
+                            lambda module=module, inputs=inputs: self._call(module, inputs), self.state.pool)
                     self._full_graphs[key] = graph
                 else:
-                    self._plan_piecewise(ctx, key)
-                    self.state.key, self.state.capturing = key, True
+                    self.state.capturing = True
                     with self.ops.step(ctx):
                         self._call(self._module(key.mode), inputs)
             finally:
                 self.state.key, self.state.capturing = None, False
                 self.ops.observer = None
-                for seq in seqs:
-                    self.kv_pool.free(seq.pages)
             self._op_outs[key] = sink
             self.keys.append(key)
-        torch.cuda.synchronize(self.device)
+        self.graphs.synchronize(self.device)
         self.sealed = True
 
     # -- start-up parity -------------------------------------------------------------------
 
-    def check_parity(self, make_items: Callable[[CaptureKey], list[tuple[SeqState, list[int]]]],
-                     rtol: float = 2e-2) -> dict[str, float]:
+    def parity_items(self, key: CaptureKey, vocab_size: int, generator: torch.Generator) -> list[tuple[SeqState, list[int]]]:
+        """Real requests (slots and pages of their own) that fill `key`, for `check_parity`.
+
+        Decode: one request per row of the bucket, each with 1 to 40 cached tokens (whatever its
+        pages hold: both runs read the same). Extend: up to extend_max_seqs fresh requests of
+        different lengths covering about three quarters of the bucket's rows, so padding rows and
+        padded requests are exercised too. Free them with `release_items`.
+        """
+        def tokens(n):
+            return torch.randint(1, vocab_size, (n,), generator=generator).tolist()
+
+        free = self.state_pool.num_free
+        if free < 1:
+            raise CaptureError("parity check: no free state slot for a request")
+        cap = self.max_pages * self.kv_pool.page_size  # the longest request the runner takes
+        if key.mode == Mode.DECODE:
+            # as many real requests as slots allow; the rest of the bucket is padding rows
+            lens = [1 + (7 * b) % max(1, min(40, cap - 1)) for b in range(min(key.seqs, free))]
+            return [(SeqState(self.state_pool.alloc(), num_cached=c), tokens(1)) for c in lens]
+        n = min(self.extend_max_seqs - 1, 4, free) or 1
+        budget = max(n, 3 * key.tokens // 4)
+        lens = [max(1, budget >> (i + 1)) for i in range(n - 1)]
+        lens.append(max(1, budget - sum(lens)))
+        return [(SeqState(self.state_pool.alloc()), tokens(min(m, cap))) for m in lens]
+
+    def release_items(self, items: list[tuple[SeqState, list[int]]]) -> None:
+        for seq, _ in items:
+            self.kv_pool.free(seq.pages)
+            seq.pages = []
+            self.state_pool.free(seq.slot)
+
+    def check_parity(self, make_items: Optional[Callable[[CaptureKey], list[tuple[SeqState, list[int]]]]] = None,
+                     *, vocab_size: Optional[int] = None, rtol: float = 2e-2, seed: int = 0) -> dict[str, float]:
         """Replay each key against eager on the same inputs; raise ParityError naming the first bad layer.
 
-        make_items(key) returns real requests (slots and pages of their own) that fill the key.
-        Caches and states touched by the step are saved before the eager run and restored before
-        the replay, so both start from the same state.
+        make_items(key) returns real requests that fill the key (default: `parity_items` with
+        random token ids below vocab_size; those are released again here). Caches and states
+        touched by the step are saved before the eager run and restored before the replay, so
+        both start from the same state.
         """
+        if make_items is None:
+            if vocab_size is None:
+                raise ValueError("check_parity: pass make_items or vocab_size")
+            generator = torch.Generator().manual_seed(seed)
+            make_items = lambda key: self.parity_items(key, vocab_size, generator)  # noqa: E731
+            release = self.release_items
+        else:
+            release = lambda items: None  # noqa: E731 - the caller owns its requests
         report = {}
         for key in self.keys:
             items = make_items(key)
-            step = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
-                              pad_seqs_to=key.seqs, max_pages=self.max_pages)
-            saved = self._snapshot(step.ctx)
-            eager_outs: list = []
-            self.ops.observer = lambda name, args: eager_outs.append(
-                (int(args[_arg_positions(name)["layer_id"]]), name, args[_arg_positions(name)["out"]].clone()))
-            sealed, self.sealed = self.sealed, False  # route this one step eagerly
             try:
-                eager_logits = self.run(step, None).clone()
+                report[str(key)] = self._check_key(key, items, rtol)
             finally:
-                self.sealed, self.ops.observer = sealed, None
-            self._restore(saved)
-            graph_logits = self.run(step, key).clone()
-            replay_outs = [(l, n, o.clone()) for l, n, o in self._op_outs[key]]
-            if key.mode != Mode.DECODE or not self.full_decode:
-                replay_outs = None  # piecewise: eager gaps ran again; compare the logits only
-            err = _rel_err(graph_logits, eager_logits)
-            report[str(key)] = err
-            if not math.isfinite(err) or err > rtol:
-                where = _first_bad_layer(eager_outs, replay_outs, rtol) if replay_outs else "logits"
-                raise ParityError(f"start-up parity: {key} replay differs from eager (rel err {err:.3g}); "
-                                  f"first differing: {where}; refusing to serve")
+                release(items)
         return report
+
+    def _check_key(self, key: CaptureKey, items, rtol: float) -> float:
+        step = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
+                          pad_seqs_to=key.seqs, max_pages=self.max_pages)
+        saved = self._snapshot(step.ctx)
+        eager_outs: list = []
+        self.ops.observer = self._record_op_outs(eager_outs, clone=True)
+        sealed, self.sealed = self.sealed, False  # route this one step eagerly
+        try:
+            eager_logits = self.run(step, None).clone()
+        finally:
+            self.sealed, self.ops.observer = sealed, None
+        self._restore(saved)
+        rerun_outs: list = []
+        if self.graphs.replays_call_ops:
+            self.ops.observer = self._record_op_outs(rerun_outs, clone=True)
+        try:
+            graph_logits = self.run(step, key).clone()
+        finally:
+            self.ops.observer = None
+        err = _rel_err(graph_logits, eager_logits)
+        if not math.isfinite(err) or err > rtol:
+            where = _first_bad_layer(eager_outs, rerun_outs if self.graphs.replays_call_ops else self._op_outs[key],
+                                     rtol)
+            raise ParityError(f"start-up parity: {key} replay differs from eager (rel err {err:.3g}); "
+                              f"first differing: {where}; refusing to serve")
+        return err
 
     def _snapshot(self, ctx: ExecContext) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         slots = ctx.state_slots[: ctx.num_real_seqs].to(self.device)
         pages = torch.unique(ctx.page_table[: ctx.num_real_seqs].flatten()).to(self.device).long()
         saved = []
-        for entries in self.backend_state_pool().buffers.values():
+        for entries in self.state_pool.buffers.values():
             saved += [(t, slots, t[slots].clone()) for t in entries.values()]
         for entries in self.kv_pool.buffers.values():
             saved += [(t, pages, t[pages].clone()) for t in entries.values()]
@@ -381,13 +517,59 @@ class GraphRunner:
         for tensor, index, values in saved:
             tensor[index] = values
 
-    def backend_state_pool(self):
-        pools = [getattr(self.backend, "state_pool", None)] + [getattr(c, "state_pool", None)
-                                                                  for c in getattr(self.backend, "children", ())]
-        pool = next((p for p in pools if p is not None), None)
-        if pool is None:
-            raise CaptureError("parity check: the backend exposes no state_pool")
-        return pool
+    def start(self, vocab_size: int, log: Callable[[str], None] = lambda line: None) -> dict[str, float]:
+        """Start-up: capture every key, then check each against eager; raises before serving on a mismatch."""
+        t0 = time.perf_counter()
+        self.capture()
+        log(f"captured {len(self.keys)} graphs ({', '.join(map(str, self.keys))}) in {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        report = self.check_parity(vocab_size=vocab_size)
+        worst = max(report.values(), default=0.0)
+        log(f"start-up parity: {len(report)} keys match eager (worst rel err {worst:.2g}) in "
+            f"{time.perf_counter() - t0:.1f} s")
+        return report
+
+
+def buckets_for(decode_sizes, extend_sizes, *, max_running: int, token_budget: int,
+                max_seq_len: Optional[int] = None) -> tuple[tuple, tuple]:
+    """The artifact's buckets, clipped to the steps an engine can send.
+
+    A decode step has at most max_running requests and an extend step at most token_budget
+    tokens (and at most max_running x max_seq_len): keep every bucket up to the first one that
+    holds that many; larger ones would only cost capture time and memory.
+    """
+    if max_seq_len is not None:
+        token_budget = min(token_budget, max_running * max_seq_len)
+    def clip(sizes, limit):
+        sizes = sorted(set(int(s) for s in sizes))
+        cover = next((s for s in sizes if s >= limit), None)
+        return tuple(s for s in sizes if s < limit) + ((cover,) if cover else ())
+    return clip(decode_sizes, max_running), clip(extend_sizes, token_budget)
+
+
+def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,
+                         log: Callable[[str], None] = lambda line: None):
+    """runner_factory(ops, kv_pool, state_pool, limits) for runtime/server/model.build_engine.
+
+    The runner captures the artifact's recorded buckets (manifest "buckets"), clipped to the
+    engine's limits (`buckets_for`), then runs the start-up parity check: a mismatch raises
+    ParityError before the engine exists, so nothing is served.
+    """
+    recorded = artifact.manifest["buckets"]
+
+    def make(ops, kv_pool, state_pool, limits):
+        decode, extend = buckets_for(recorded["decode_batch_sizes"], recorded["extend_token_counts"],
+                                     max_running=limits["max_running"], token_budget=limits["token_budget"],
+                                     max_seq_len=limits["max_seq_len"])
+        runner = GraphRunner(artifact.runner(ops, program), ops, kv_pool, state_pool, kv_pool.device,
+                             decode_buckets=decode, extend_buckets=extend,
+                             max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"]),
+                             extend_max_seqs=min(16, limits["max_running"]), chunk_size=limits["token_budget"],
+                             graphs=graphs)
+        runner.start(vocab_size, log=log)
+        return runner
+
+    return make
 
 
 def _arg_positions(op: str) -> dict[str, int]:

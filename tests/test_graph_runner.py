@@ -1,5 +1,7 @@
-"""Graph runner on the CPU: the dispatcher's choice of key, padding into static buffers, and the
-refusals. Capture itself needs CUDA: tests/test_gpu_graphs.py (marked gpu) covers it."""
+"""Graph runner on the CPU: the dispatcher's choice of key, padding into static buffers, the
+refusals, and the whole start-up (capture, parity, replayed steps, the engine on a runner) with
+tests/graph_cases.RerunGraphs standing in for CUDA graphs. Real capture needs CUDA:
+tests/test_gpu_graphs.py (marked gpu) covers it."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.batch import SeqState, commit_step
 from runtime.bound_ops import BoundOps
 from runtime.generate import make_pools
-from runtime.graph_runner import CaptureError, CaptureKey, GraphRunner
+from runtime.graph_runner import CaptureError, CaptureKey, GraphRunner, ParityError
+from tests.graph_cases import RerunGraphs, greedy
 from runtime.loader import load_artifact
 
 
@@ -24,11 +27,14 @@ def artifact(tmp_path_factory):
     return load_artifact(root / "a")
 
 
-def make_runner(art, decode=(1, 2, 4), extend=(32, 64)):
+def make_runner(art, decode=(1, 2, 4), extend=(32, 64), graphs=None, decode_graphs="full"):
     kv, st = make_pools(art.registry, 128, 8, page_size=8)
     ops = BoundOps(CPUReferenceBackend(kv, st))
-    runner = GraphRunner(art.runner(ops), ops, kv, "cpu", decode_buckets=decode, extend_buckets=extend,
-                         max_pages_per_seq=16, extend_max_seqs=4)
+    runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=decode, extend_buckets=extend,
+                         max_pages_per_seq=16, extend_max_seqs=4, debug=True, graphs=graphs,
+                         decode_graphs=decode_graphs)
+    if graphs is not None:
+        graphs.runner_state = runner.state
     return runner, kv, st
 
 
@@ -54,8 +60,8 @@ def test_capture_needs_cuda_and_happens_once(artifact):
 
 
 def test_padded_static_step_gives_the_unpadded_tokens(artifact):
-    """Steps padded to a key's shape (reserved slot, no KV writes, dummy logits rows) and
-    laid into the static buffers give the unpadded step's logits for the real requests."""
+    """Steps padded to a key's shape (reserved slot, no KV writes, dummy logits rows) give the
+    unpadded step's logits for the real requests."""
     runner, kv, st = make_runner(artifact)
     ref_runner, ref_kv, ref_st = make_runner(artifact)
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
@@ -70,7 +76,7 @@ def test_padded_static_step_gives_the_unpadded_tokens(artifact):
         from runtime.batch import build_step
         padded = build_step(items, kv, "cpu", mode=step.ctx.mode, pad_tokens_to=key.tokens, pad_seqs_to=key.seqs,
                             max_pages=16)
-        got = runner.run(padded, None)  # eager through the static buffers, at the key's padded shape
+        got = runner.run(padded, None)  # eager, at the key's padded shape
         ref_items = list(zip(ref_seqs, pending))
         ref_step, _ = ref_runner.build(ref_items)
         want = ref_runner.run(ref_step, None)
@@ -99,3 +105,152 @@ def test_gpu_backend_facts_come_from_the_graph(tmp_path):
         assert f.scale == pytest.approx(head_dim ** -0.5)
     with pytest.raises(ValueError, match="FlashInfer's prefill kernels take"):
         _check_head_dims(kv)  # tiny's head dim is 32
+
+
+
+
+def test_start_up_then_replayed_steps_give_the_eager_tokens(artifact):
+    """capture (largest first, full decode graphs, piecewise extend), parity, then greedy steps
+    through the dispatcher equal the eager tokens; nothing stays held; a second capture is refused."""
+    runner, kv, st = make_runner(artifact, graphs=RerunGraphs())
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], list(range(9, 30))]
+    eager, keys = greedy(runner, kv, st, prompts, 6)
+    assert all(k is None for k in keys)
+    free_slots, free_pages = st.num_free, kv.num_free
+    report = runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
+    assert runner.sealed and runner.full_decode
+    assert [str(k) for k in runner.keys] == [str(k) for k in runner.capture_keys()]
+    assert [k.tokens for k in runner.keys] == [4, 2, 1, 64, 32], "largest first, decode then extend"
+    assert set(report) == {str(k) for k in runner.keys} and max(report.values()) < 1e-5
+    assert (st.num_free, kv.num_free) == (free_slots, free_pages), "capture and parity hold nothing afterwards"
+    before = dict(runner.counters)
+    graph, keys = greedy(runner, kv, st, prompts, 6)
+    assert graph == eager
+    assert keys[0] == CaptureKey(Mode.EXTEND, 32, 4) and keys[1] == CaptureKey(Mode.DECODE, 4, 4)
+    assert runner.counters["graph_replays"] - before["graph_replays"] == 5
+    assert runner.counters["piecewise_steps"] - before["piecewise_steps"] == 1
+    with pytest.raises(CaptureError, match="capture after start-up"):
+        runner.capture()
+
+
+def test_piecewise_decode_runs_the_extend_pieces_and_gives_the_eager_tokens(artifact):
+    runner, kv, st = make_runner(artifact, decode=(2, 4), extend=(32,), graphs=RerunGraphs(),
+                                 decode_graphs="piecewise")
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    eager, _ = greedy(runner, kv, st, prompts, 4)
+    runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
+    assert not runner.full_decode
+    graph, keys = greedy(runner, kv, st, prompts, 4)
+    assert graph == eager and keys[1] == CaptureKey(Mode.DECODE, 2, 2)
+    assert runner.counters["graph_replays"] == 0 and runner.counters["piecewise_steps"] >= 4
+    extend_pieces = runner.program.plans[Mode.EXTEND].pieces
+    assert sum(p.kind == "captured" for p in extend_pieces) > 1, "decode ran pieces with eager gaps"
+
+
+def test_start_up_parity_refuses_a_replay_that_differs(artifact):
+    """A graph whose replay differs from eager stops the start-up, naming the mode and bucket."""
+    bad = CaptureKey(Mode.DECODE, 2, 2)
+    runner, _, _ = make_runner(artifact, graphs=RerunGraphs(perturb_replays_of={bad}))
+    with pytest.raises(ParityError, match=r"decode\[tokens=2, seqs=2\] replay differs from eager.*refusing"):
+        runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
+
+
+def test_parity_names_the_first_differing_layer(artifact):
+    """A backend whose captured ops misbehave only when replayed: the error names that layer's op."""
+    graphs = RerunGraphs()
+
+    class WrongInGraphs(CPUReferenceBackend):
+        def gqa_attention(self, ctx, q, k, v, out, layer_id, scale):
+            super().gqa_attention(ctx, q, k, v, out, layer_id, scale)
+            if graphs.inside:  # inside a capture or a replay: halve the output
+                out.mul_(0.5)
+
+    kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
+    ops = BoundOps(WrongInGraphs(kv, st))
+    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(1, 2), extend_buckets=(32,),
+                         max_pages_per_seq=16, extend_max_seqs=4, graphs=graphs)
+    graphs.runner_state = runner.state
+    full_layer = next(iter(kv.buffers))
+    with pytest.raises(ParityError, match=rf"first differing: layer {full_layer} \(gqa_attention"):
+        runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
+
+
+def test_engine_on_a_started_runner_gives_the_eager_engine_tokens(artifact):
+    """The engine's steps through the runner's dispatcher: same tokens as the eager engine, steps
+    counted as graph replays, piecewise or eager in its stats."""
+    from runtime.engine import Engine, SamplingParams
+
+    prompts = [list(range(1, 12)), [5, 6, 7], list(range(40, 90)), [3] * 7, [9, 8, 7, 6, 5]]
+    params = SamplingParams(max_new_tokens=9)
+
+    def serve(runner_too: bool):
+        runner, kv, st = make_runner(artifact, graphs=RerunGraphs() if runner_too else None)
+        runner.chunk_size = 64
+        if runner_too:
+            runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
+        forward = None if runner_too else artifact.bind(runner.ops)
+        engine = Engine(forward, runner.ops, kv, st, max_tokens_per_step=64, max_running=4,
+                        runner=runner if runner_too else None)
+        ids = [engine.add_request(p, params) for p in prompts]
+        results = engine.run_until_done()
+        return [results[i].output_ids for i in ids], engine.stats()
+
+    want, _ = serve(False)
+    got, stats = serve(True)
+    assert got == want
+    assert stats["graph_replays"] > 0 and stats["piecewise_steps"] > 0
+    assert stats["graph_replays"] + stats["piecewise_steps"] + stats["eager_steps"] >= stats["steps"]
+
+
+def test_buckets_are_clipped_to_what_the_engine_can_send():
+    from runtime.graph_runner import buckets_for
+    assert buckets_for((1, 2, 4, 8, 16), (256, 512, 1024), max_running=5, token_budget=512) == ((1, 2, 4, 8), (256, 512))
+    assert buckets_for((1, 2, 4), (64, 128), max_running=8, token_budget=100) == ((1, 2, 4), (64, 128))
+    assert buckets_for((1, 2, 4), (64, 128, 256), max_running=3, token_budget=512, max_seq_len=20) == ((1, 2, 4), (64,))
+
+
+def test_engine_built_with_a_runner_factory_on_a_small_pool(artifact):
+    """build_engine + graph_runner_factory as `hgc serve` / `hgc run` use them on CUDA: 3 slots
+    and 1-page requests, fewer pages than the largest bucket has rows; same tokens as eager."""
+    from runtime.graph_runner import graph_runner_factory
+    from runtime.server.model import EngineOptions, build_engine
+    from runtime.engine import SamplingParams
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [20, 21, 22, 23]]
+    options = EngineOptions(slots=3, page_size=16)
+    vocab = artifact.manifest["model"]["vocab_size"]
+    outs = []
+    for factory in (None, graph_runner_factory(artifact, vocab, graphs=RerunGraphs())):
+        engine = build_engine(artifact.registry, artifact.bind, options, 15, runner_factory=factory)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+        results = engine.run_until_done()
+        outs.append([results[i].output_ids for i in ids])
+    assert engine.runner is not None and engine.kv_pool.num_pages == 3
+    assert [str(k) for k in engine.runner.keys][:3] == ["decode[tokens=4, seqs=4]", "decode[tokens=2, seqs=2]",
+                                                          "decode[tokens=1, seqs=1]"]
+    assert engine.stats()["graph_replays"] > 0
+    assert outs[0] == outs[1]
+
+
+def test_triton_backends_under_the_runner(artifact):
+    """The GPU path's Triton children (linear decode kernels on the static slot buffer, the fused
+    MoE reading its static token count) under capture, parity and replayed steps, on the CPU
+    (Triton's interpreter, FLA's chunk kernels stood in by tests/test_triton_linear.FakeFLA, full
+    attention on the reference backend): greedy tokens equal the reference backend's."""
+    from runtime.backends.hybrid import HybridBackend
+    from runtime.backends.triton_linear_backend import TritonLinearBackend
+    from runtime.backends.triton_moe import TritonMoEBackend
+    from tests.test_triton_linear import FakeFLA
+
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    want, _ = greedy(*make_runner(artifact), prompts, 4)
+    kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
+    attention = CPUReferenceBackend(kv, st, supported_ops={"gqa_attention", "mla_attention"})
+    ops = BoundOps(HybridBackend(attention, TritonLinearBackend(st, fla=FakeFLA()), TritonMoEBackend(device="cpu")))
+    graphs = RerunGraphs()
+    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
+                         max_pages_per_seq=16, extend_max_seqs=2, debug=True, graphs=graphs)
+    runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
+    got, keys = greedy(runner, kv, st, prompts, 4)
+    assert got == want
+    assert keys[0] == CaptureKey(Mode.EXTEND, 16, 2) and keys[1] == CaptureKey(Mode.DECODE, 2, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import types
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def test_every_hook_reaches_both_children_and_each_op_only_its_owner():
     full, linear = Spy(FULL_OPS), Spy(LINEAR_OPS)
     hybrid = HybridBackend(full, linear)
     assert hybrid.children == (full, linear)
-    ctx = object()
+    ctx = types.SimpleNamespace(mode=Mode.DECODE)
     hybrid.init_capture_state(64, 8)
     hybrid.init_replay_state(ctx, 8)
     hybrid.init_step_metadata(ctx)
@@ -136,6 +137,28 @@ def test_every_hook_reaches_both_children_and_each_op_only_its_owner():
         assert owner.calls[-1] == (op, ctx, *args)
         assert all(call[0] != op for call in other.calls)
     assert len(full.calls) + len(linear.calls) == len(OP_NAMES)
+
+
+def test_replay_hook_reaches_only_the_children_that_capture_the_step_mode():
+    """In a piecewise extend step, a child whose kernels are never captured in extend (FlashInfer,
+    FLA's chunk kernels) runs in the eager gaps on its eager plan: its replay hook is not called."""
+    from runtime.backends.capability import BackendCapability
+
+    class DecodeOnly(Spy):
+        capability = BackendCapability(name="decode_only", device="cpu", ops=frozenset(FULL_OPS),
+                                       modes_capturable=frozenset({Mode.DECODE}))
+
+    class Everywhere(Spy):
+        capability = BackendCapability(name="everywhere", device="cpu", ops=frozenset(LINEAR_OPS),
+                                       modes_capturable=frozenset(Mode))
+
+    full, linear = DecodeOnly(FULL_OPS), Everywhere(LINEAR_OPS)
+    hybrid = HybridBackend(full, linear)
+    extend, decode = types.SimpleNamespace(mode=Mode.EXTEND), types.SimpleNamespace(mode=Mode.DECODE)
+    hybrid.init_replay_state(extend, 64)
+    assert full.calls == [] and linear.calls == [("init_replay_state", extend, 64)]
+    hybrid.init_replay_state(decode, 8)
+    assert full.calls == [("init_replay_state", decode, 8)] and linear.calls[-1] == ("init_replay_state", decode, 8)
 
 
 def test_hybrid_forwards_what_each_child_accepts():
@@ -265,7 +288,7 @@ def test_three_children_each_op_to_its_owner_every_hook_to_all():
     full, linear, moe = Spy(ATTENTION_OPS), Spy(LINEAR_OPS), Spy({"moe"})
     hybrid = HybridBackend(full, linear, moe)
     assert hybrid.children == (full, linear, moe)
-    ctx = object()
+    ctx = types.SimpleNamespace(mode=Mode.DECODE)
     hybrid.init_capture_state(64, 8)
     hybrid.init_replay_state(ctx, 8)
     hybrid.init_step_metadata(ctx)

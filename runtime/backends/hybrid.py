@@ -7,7 +7,8 @@
    to a backend that serves nothing is a mistake in the composition, not a harmless extra).
 2. Each op method forwards to the child that declared the op, with the op's arguments unchanged.
 3. Each hook of the protocol is written out below and forwarded to every child, in the order the
-   children were given. No `hasattr` guard: the protocol makes every hook abstract, so a child
+   children were given (`init_replay_state` only to the children whose declared capability
+   captures the step's mode: in a piecewise step the others run in the eager gaps). No `hasattr` guard: the protocol makes every hook abstract, so a child
    always has it, and the protocol's definition-time check guarantees the child accepts the
    arguments forwarded here.
 
@@ -21,7 +22,7 @@ its declaration, compiler/splitops/ops.py) and it holds no state of its own.
 
 from __future__ import annotations
 
-from compiler.splitops import FULL_KINDS, LINEAR_KINDS, OP_SPECS
+from compiler.splitops import FULL_KINDS, LINEAR_KINDS, OP_SPECS, Mode
 from runtime.backends.protocol import OP_NAMES, BackendHooks, ProtocolError, check_backend
 from runtime.context import ExecContext
 
@@ -34,6 +35,12 @@ def _role(child: BackendHooks) -> str:
         else frozenset()
     roles = [r for r, ks in (("full", FULL_KINDS), ("linear", LINEAR_KINDS)) if kinds & ks]
     return "+".join(roles) or "+".join(sorted(child.supported_ops)) or child.name
+
+
+def _captures(child: BackendHooks, mode) -> bool:
+    """Whether the child's ops may sit in a CUDA graph in `mode` (a child with no declaration: yes)."""
+    capability = getattr(type(child), "capability", None)
+    return capability is None or Mode(mode) in capability.modes_capturable
 
 
 class HybridBackend(BackendHooks):
@@ -79,9 +86,16 @@ class HybridBackend(BackendHooks):
             child.init_capture_state(max_tokens, max_seqs)
 
     def init_replay_state(self, ctx: ExecContext, bucket: int) -> None:
-        """Every child copies this step's metadata into its buffers for `bucket`."""
+        """Every child whose ops are captured in this step's mode copies the step's metadata into its buffers.
+
+        In a whole-step graph that is every child. In a piecewise step (captured pieces with eager
+        gaps) a child whose capability does not capture the mode runs its ops in the gaps on the
+        plan `init_step_metadata` made; its replay hook would refuse the mode (FlashInfer in an
+        extend) or, worse, make it treat the eager step as a replayed one.
+        """
         for child in self.children:
-            child.init_replay_state(ctx, bucket)
+            if _captures(child, ctx.mode):
+                child.init_replay_state(ctx, bucket)
 
     def init_step_metadata(self, ctx: ExecContext) -> None:
         """Every child plans the step."""

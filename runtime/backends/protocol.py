@@ -7,10 +7,12 @@ of a backend, in the order the runtime calls it:
 1. Construction, over the KV pool and the state pool (whatever the backend needs of them).
 2. `init_capture_state(max_tokens, max_seqs)`: once, before the graph runner captures anything.
 3. For every step:
-   a. a step replayed from a captured graph: `init_replay_state(ctx, bucket)`, then replay;
-   b. any other step: `init_step_metadata(ctx)`, then, for an EXTEND or MIXED step,
+   a. a step replayed from one whole-step graph: `init_replay_state(ctx, bucket)`, then replay;
+   b. an eager step: `init_step_metadata(ctx)`, then, for an EXTEND or MIXED step,
       `init_chunk_metadata(ctx, chunk_size)`, then the forward, whose op calls arrive as
-      `backend.<op>(ctx, *op_args)` (arguments in the op's schema order).
+      `backend.<op>(ctx, *op_args)` (arguments in the op's schema order);
+   c. a piecewise step (captured pieces with eager gaps): as b, then `init_replay_state(ctx,
+      bucket)` before the forward, for the ops that sit inside the captured pieces.
 
 Every hook is abstract: a backend that has nothing to plan says so in its own method (with a
 docstring saying why), so a wrapper that forgets to forward a hook cannot be instantiated (and
@@ -104,8 +106,10 @@ class BackendHooks(abc.ABC):
 
         `bucket` is the padded request count the graph was captured for; `ctx` is already padded
         to it (ctx.num_seqs == bucket, padded rows on the padding slot). Copy this step's metadata
-        into the static buffers the captured kernels read. `init_step_metadata` is not called for
-        a replayed step.
+        into the static buffers the captured kernels read. For a whole-step graph
+        `init_step_metadata` is not called; for a piecewise step it was called just before (the
+        eager gaps run on its plan), and this hook reaches only backends whose ops are captured in
+        the step's mode (a hybrid filters its children by their declared capability).
         """
 
     # -- per step -----------------------------------------------------------------------------

@@ -37,7 +37,8 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="folder with tokenizer.json (default: the artifact's own, if it has one)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu (reference backend) or cuda (GPU backends, CUDA graphs)")
+    p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     g = p.add_argument_group("engine sizing")
     g.add_argument("--slots", type=int, default=64, help="state slots: requests holding state at once")
     g.add_argument("--max-running", type=int, default=None, help="requests in one step (default: --slots)")
@@ -67,6 +68,7 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
 def cmd_serve(args) -> int:
     import torch
 
+    from runtime.graph_runner import CaptureError, ParityError
     from runtime.loader import LoadError
     from runtime.memory_planner import MemoryPlanError
     from runtime.server.app import ServerOptions
@@ -85,8 +87,10 @@ def cmd_serve(args) -> int:
                                        shutdown_timeout=args.shutdown_timeout)
         print(f"hgc serve: loading {args.artifact} ...", file=sys.stderr, flush=True)
         served = load_served_model(args.artifact, name=args.served_model_name, options=engine_options,
-                                   tokenizer_dir=args.tokenizer, device=args.device)
-    except (LoadError, MemoryPlanError, TokenizerError, ValueError, FileNotFoundError) as e:
+                                   tokenizer_dir=args.tokenizer, device=args.device, graphs=not args.no_graphs,
+                                   log=lambda line: print(f"hgc serve: {line}", file=sys.stderr, flush=True))
+    except (LoadError, MemoryPlanError, TokenizerError, ValueError, FileNotFoundError, CaptureError,
+            ParityError) as e:
         print(f"hgc serve: {e}", file=sys.stderr)
         return 2
     code = serve(served, server_options, args.host, args.port, log_level=args.log_level, access_log=args.access_log)

@@ -9,8 +9,10 @@
    tokenizer in the artifact folder (or `tokenizer_dir`), and returns a `ServedModel`. Tests build
    a ServedModel over an eager model with the same `build_engine`.
 
-The backend: the CPU reference backend on "cpu". A GPU serving process needs the backend factory
-`hgc run` uses; pass it as `backend_factory(kv_pool, state_pool) -> backend`.
+The backend: the CPU reference backend on "cpu"; on "cuda" the artifact's GPU backend
+(runtime/gpu_backends.py) and, unless `graphs=False`, a GraphRunner that captures the artifact's
+buckets and checks them against eager before the engine takes a request. Any other backend:
+`backend_factory(kv_pool, state_pool) -> backend`.
 
 It does not run anything: the EngineLoop (app.py) steps the engine.
 """
@@ -32,7 +34,8 @@ from runtime.memory_planner import build_pools, plan_memory
 from runtime.state_pool import StatePool
 from runtime.tokenizer import TextTokenizer
 
-__all__ = ["EngineOptions", "ServedModel", "build_engine", "load_served_model", "DEFAULT_MAX_MODEL_LEN"]
+__all__ = ["EngineOptions", "ServedModel", "build_engine", "engine_for_artifact", "load_served_model",
+           "DEFAULT_MAX_MODEL_LEN"]
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when neither the flag nor the model says less
 
@@ -84,8 +87,11 @@ def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, 
 
 def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], options: EngineOptions,
                  max_model_len: int, *, weight_bytes: int = 0, device: str | torch.device = "cpu",
-                 backend_factory: Callable | None = None) -> Engine:
-    """Pools, backend, op table and Engine for one model; `bind(ops)` returns its forward."""
+                 backend_factory: Callable | None = None, runner_factory: Callable | None = None) -> Engine:
+    """Pools, backend, op table and Engine for one model; `bind(ops)` returns its forward.
+
+    runner_factory(ops, kv_pool, state_pool, engine_limits) -> a started GraphRunner, whose
+    dispatcher then runs every step (engine_limits: max_running, token_budget, max_seq_len)."""
     kv_pool, state_pool = _pools(registry, options, max_model_len, weight_bytes, device)
     if backend_factory is None:
         if torch.device(device).type != "cpu":
@@ -94,8 +100,31 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
         from runtime.backends.cpu_reference import CPUReferenceBackend
         backend_factory = CPUReferenceBackend
     ops = BoundOps(backend_factory(kv_pool, state_pool))
+    runner = None
+    if runner_factory is not None:
+        limits = {"max_running": min(options.max_running or state_pool.num_slots, state_pool.num_slots),
+                  "token_budget": options.token_budget, "max_seq_len": max_model_len}
+        runner = runner_factory(ops, kv_pool, state_pool, limits)
     return Engine(bind(ops), ops, kv_pool, state_pool, max_tokens_per_step=options.token_budget,
-                  max_running=options.max_running, max_seq_len=max_model_len, device=device)
+                  max_running=options.max_running, max_seq_len=max_model_len, device=device, runner=runner)
+
+
+def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",
+                        backend_factory: Callable | None = None, graphs: bool = True,
+                        log: Callable[[str], None] = lambda line: None) -> Engine:
+    """The Engine of a loaded artifact: `build_engine` with the device's backend and, on CUDA with
+    `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory)."""
+    runner_factory = None
+    if torch.device(device).type == "cuda":
+        from runtime.gpu_backends import build_gpu_backend
+        from runtime.graph_runner import graph_runner_factory
+        if backend_factory is None:
+            backend_factory = lambda kv, st: build_gpu_backend(art, kv, st)  # noqa: E731
+        if graphs:
+            runner_factory = graph_runner_factory(art, _vocab_size(art), log=log)
+    weight_bytes = sum(t.nbytes for t in art.weights.values())
+    return build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
+                        backend_factory=backend_factory, runner_factory=runner_factory)
 
 
 def _manifest_int(manifest: dict, *names: str) -> int | None:
@@ -124,7 +153,10 @@ def _vocab_size(art) -> int:
 
 def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
                       options: EngineOptions = EngineOptions(), tokenizer_dir: str | os.PathLike | None = None,
-                      device: str = "cpu", backend_factory: Callable | None = None) -> ServedModel:
+                      device: str = "cpu", backend_factory: Callable | None = None, graphs: bool = True,
+                      log: Callable[[str], None] = lambda line: None) -> ServedModel:
+    """On a CUDA device the backend is build_gpu_backend's and, with `graphs`, every step goes
+    through a GraphRunner started (captured and parity-checked) here, before anything is served."""
     from runtime.loader import load_artifact
 
     tokenizer = None
@@ -141,10 +173,9 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
     max_model_len = options.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_len or DEFAULT_MAX_MODEL_LEN)
     if model_len is not None and max_model_len > model_len:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {model_len} positions")
-    weight_bytes = sum(t.nbytes for t in art.weights.values())
-    engine = build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
-                          backend_factory=backend_factory)
     vocab_size = _vocab_size(art)
+    engine = engine_for_artifact(art, options, max_model_len, device=device, backend_factory=backend_factory,
+                                 graphs=graphs, log=log)
     if tokenizer is not None and tokenizer.max_token_id >= vocab_size:
         raise ValueError(f"{tokenizer.source}: the tokenizer has token id {tokenizer.max_token_id}, outside the "
                          f"model's vocabulary of {vocab_size}")

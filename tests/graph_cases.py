@@ -1,0 +1,92 @@
+"""Graph runner test helpers: a CPU stand-in for CUDA graphs, and greedy decoding through a runner.
+
+`RerunGraphs` stands in for runtime.graph_runner.CudaGraphs on the CPU, so the graph runner's
+bookkeeping runs in CI.
+
+`RerunGraphs().capture(fn, pool)` runs fn once and returns its output tensors, as a CUDA graph
+capture hands back tensors in the graph's pool. `replay()` runs fn again and copies the result
+into those same tensors, so a replay writes where the capture's outputs live and every later
+reader sees the new values, as with a real graph. What it cannot show: a CUDA graph freezes the
+host-side values and launch arguments of its kernels at capture, while a rerun reads them afresh,
+so capture-safety of a kernel is checked only on the GPU (tests/test_gpu_graphs.py).
+
+`perturb_replays_of` adds a relative error to the replays of chosen keys: the start-up parity
+check must catch it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from runtime.batch import SeqState, commit_step
+
+
+class _Rerun:
+    def __init__(self, owner: "RerunGraphs", fn, out, noise: float):
+        self.owner, self.fn, self.out, self.noise = owner, fn, out, noise
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        for dst, src in zip(tree_leaves(self.out), tree_leaves(self.owner.in_graph(self.fn))):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+                if self.noise and dst.is_floating_point():
+                    dst.mul_(1 + self.noise)
+
+
+class RerunGraphs:
+    replays_call_ops = True  # the runner then observes op outputs during a replay
+
+    def __init__(self, perturb_replays_of=(), noise: float = 0.1):
+        self.inside = False
+        self.perturb = set(perturb_replays_of)
+        self.noise = noise
+        self.captured: list[_Rerun] = []
+        self.runner_state = None  # the runner's _Capturing: the key being captured (set by the test)
+
+    def check_device(self, device) -> None:
+        pass
+
+    def new_pool(self):
+        return None
+
+    def in_graph(self, fn):
+        """Run fn as the body of a capture or a replay (`inside` tells an op where it runs)."""
+        self.inside = True
+        try:
+            return fn()
+        finally:
+            self.inside = False
+
+    def capture(self, fn, pool):
+        key = self.runner_state.key if self.runner_state is not None else None
+        out = self.in_graph(fn)
+        graph = _Rerun(self, fn, out, self.noise if key in self.perturb else 0.0)
+        self.captured.append(graph)
+        return graph, out
+
+    def synchronize(self, device) -> None:
+        pass
+
+
+def greedy(runner, kv_pool, state_pool, prompts, n):
+    """n greedy tokens per prompt through runner.build/run (eager before capture, graphs after):
+    (tokens per prompt, the key of each step). Slots and pages are freed at the end."""
+    seqs = [SeqState(state_pool.alloc()) for _ in prompts]
+    pending, outs, keys = [list(p) for p in prompts], [[] for _ in prompts], []
+    with torch.no_grad():
+        for _ in range(n):
+            items = list(zip(seqs, pending))
+            step, key = runner.build(items)
+            nxt = runner.run(step, key).argmax(-1).tolist()  # read before the next replay overwrites them
+            keys.append(key)
+            commit_step(items)
+            for o, t in zip(outs, nxt):
+                o.append(t)
+            pending = [[t] for t in nxt]
+    for s in seqs:
+        kv_pool.free(s.pages)
+        state_pool.free(s.slot)
+    return outs, keys
