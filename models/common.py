@@ -45,8 +45,10 @@ class RMSNorm(nn.Module):
         return (x * (1.0 + w) if self.unit_offset else x * w).to(dtype)
 
 
-def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
+    # Made on the device of the tensors it multiplies: a host tensor would be copied over on every
+    # step, and a CUDA graph capture refuses that copy (lint host-sync-captured).
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float,
@@ -56,7 +58,7 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, thet
     interleaved=False pairs channel i with i + rotary_dim/2 (GPT-NeoX / rotate_half);
     interleaved=True pairs channels 2i and 2i+1 (GPT-J / DeepSeek `rope_interleave`).
     """
-    inv_freq = rope_inv_freq(rotary_dim, theta).to(x.device)
+    inv_freq = rope_inv_freq(rotary_dim, theta, positions.device)
     freqs = positions.float().unsqueeze(-1) * inv_freq  # [T, rotary_dim/2]
     cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)  # [T, 1, rotary_dim/2]
     rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]

@@ -21,7 +21,7 @@ from compiler.passes.split import SplitPass
 from compiler.pipeline import make_context, plan
 from compiler.splitops import OP_SPECS, Mode
 from runtime.backends.capability import BackendCapability, CapabilityTable
-from tests.test_compiler_toys import full_spec, lightning_spec, toy_plan, toy_traced
+from tests.test_compiler_toys import full_spec, lightning_spec, rule_ids, toy_plan, toy_traced
 
 
 def _errors(result):
@@ -157,6 +157,14 @@ def test_state_mutation_outside_ops_foreign_custom_op():
 def test_host_sync_captured(switch, words):
     f = _one(toy_plan(**{switch: True}), "host-sync-captured")
     assert words in f.message and "decode" in f.message
+
+
+def test_host_tensor_copied_to_the_device_in_a_captured_piece():
+    """A CUDA graph cannot capture a copy from pageable host memory (seen at the first capture on an
+    H200: rotary frequencies made with torch.arange on the host): an error on a cuda target only."""
+    f = _one(toy_plan(target="cuda", host_tensor=True), "host-sync-captured")
+    assert "copies a host tensor to the device" in f.message and "decode" in f.message
+    assert "host-sync-captured" not in rule_ids(toy_plan(host_tensor=True)), "nothing is captured on the cpu"
 
 
 def test_input_without_checkpoint_tensor():

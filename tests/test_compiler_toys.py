@@ -9,6 +9,7 @@ the real families. Config switches reproduce the failures the lints guard agains
     wrap_linear        layer indices whose linear attention sits in a plain attention module (failure 1)
     draft_id           the id the draft module passes to its ops (default: its registry id)
     item / mask        a host read (.item()) / a boolean mask in the forward
+    host_tensor        a tensor made on the host (torch.arange without a device) moved to the device
     buffer_state       a state kept in a module buffer and written in place
     foreign_op         a mutating custom op outside the hgc vocabulary
     nonpersistent      a non-persistent buffer used in the forward (no checkpoint tensor)
@@ -171,6 +172,8 @@ class ToyLM(HybridLM):
             x = x * (x.abs().max().item() + 1.0)
         if self.config.get("mask"):
             x = x[x[:, 0] > 0]
+        if self.config.get("host_tensor"):
+            x = x * torch.arange(D, dtype=torch.float32).to(x.device)
         if self.config.get("buffer_state"):
             self.running.add_(x.mean(0))
         if self.config.get("foreign_op"):

@@ -13,7 +13,8 @@ at least one mode.
                                keeps such writes as in-place nodes on the placeholder), or a custom op
                                outside `hgc` with mutable arguments (the same failure, by another road).
 - host-sync-captured:          a host synchronisation (.item(), .tolist(), .cpu(), nonzero, boolean
-                               masks) or a data-dependent shape (an unbacked symbol) in a captured piece.
+                               masks) or a data-dependent shape (an unbacked symbol) in a captured piece;
+                               on a device target also a host tensor copied to the device.
 - input-without-checkpoint-tensor: a lifted parameter, buffer or constant with no checkpoint tensor:
                                the weightless artifact would have no value for it.
 - backend-cannot-capture (warning): on a capturing target, an op whose policy allows capture in a
@@ -31,7 +32,7 @@ from compiler.splitops import MODES, Capture, op_name_of, op_spec
 from compiler.splitops.artifact import CAPTURED
 
 __all__ = ["StatefulOpCaptured", "StateMutationOutsideOps", "HostSyncCaptured", "InputWithoutCheckpointTensor",
-           "BackendCannotCapture", "CAPTURE_RULES", "host_sync_reason"]
+           "BackendCannotCapture", "CAPTURE_RULES", "host_sync_reason", "host_to_device_reason"]
 
 _aten = torch.ops.aten
 # Ops that read a device value back to the host, or whose output shape depends on tensor values.
@@ -60,20 +61,47 @@ def _captured_modes(ctx, node_name: str) -> list[str]:
     return out
 
 
+def _copy_devices(node):
+    """(source value, destination device type) of a copy node with an explicit device, else None."""
+    if node.op != "call_function" or node.target not in _COPY_OPS:
+        return None
+    device = node.kwargs.get("device")
+    if device is None and node.target is _aten.to.device and len(node.args) > 1:
+        device = node.args[1]
+    src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if device is None or getattr(src, "device", None) is None:
+        return None
+    return src, torch.device(device).type
+
+
 def host_sync_reason(node) -> str | None:
     """Why `node` forces a host synchronisation (or a data-dependent shape), or None."""
     if node.op != "call_function":
         return None
     if node.target in _SYNC_OPS:
         return _SYNC_OPS[node.target]
-    if node.target in _COPY_OPS:
-        device = node.kwargs.get("device")
-        if device is None and node.target is _aten.to.device and len(node.args) > 1:
-            device = node.args[1]
-        src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
-        if device is not None and torch.device(device).type == "cpu" and getattr(src, "device", None) is not None \
-                and src.device.type != "cpu":
-            return ".cpu() / .to('cpu') copies a device tensor to the host"
+    copy = _copy_devices(node)
+    if copy is not None and copy[1] == "cpu" and copy[0].device.type != "cpu":
+        return ".cpu() / .to('cpu') copies a device tensor to the host"
+    return _data_dependent_reason(node)
+
+
+def host_to_device_reason(node) -> str | None:
+    """Why `node` copies a host tensor to the device, or None.
+
+    Programs are traced on the meta device, which stands for the target's device; a tensor made
+    without a device (torch.arange(n), torch.tensor([...])) is a host tensor, and moving it over
+    is a copy from pageable host memory, which a CUDA graph capture refuses. On a CPU target
+    nothing is copied, so the caller asks only for device targets. (0-dim host tensors are
+    scalars that kernels take by value: no copy.)
+    """
+    copy = _copy_devices(node)
+    if copy is not None and copy[1] != "cpu" and copy[0].device.type == "cpu" and copy[0].dim() > 0:
+        return "it copies a host tensor to the device (made without device=, e.g. torch.arange(n))"
+    return None
+
+
+def _data_dependent_reason(node) -> str | None:
     val = node.meta.get("val")
     try:
         unbacked = free_unbacked_symbols(val) if val is not None else set()
@@ -177,10 +205,11 @@ class HostSyncCaptured(LintRule):
     doc = "no host synchronisation or data-dependent shape inside a captured piece"
 
     def check(self, gm, ctx):
+        on_device = ctx.config.target != "cpu"
         for node in gm.graph.nodes:
             if is_op_node(node):
                 continue
-            reason = host_sync_reason(node)
+            reason = host_sync_reason(node) or (host_to_device_reason(node) if on_device else None)
             if reason is None:
                 continue
             modes = _captured_modes(ctx, node.name)
@@ -191,7 +220,8 @@ class HostSyncCaptured(LintRule):
                     f"node {node.name} (in {module}) would be captured in mode(s) {', '.join(modes)}, but {reason}: "
                     f"a CUDA graph cannot replay it",
                     "compute the value on the device without reading it back (fixed shapes, torch.where instead of "
-                    "boolean masks), or move the work into an hgc op whose backend does it outside the graph",
+                    "boolean masks; tensors made with device=the input's device), or move the work into an hgc op "
+                    "whose backend does it outside the graph",
                     program=ctx.program, node=node.name)
 
 
