@@ -14,14 +14,17 @@ Steps, in order:
 3. With --tune: `tune_moe.tune_all` writes runtime/backends/moe_configs/E=..,I=..,device=...json
    and a copy as OUT/moe_configs/E.._I.._<device>.json (the GPU machine keeps nothing; install the
    copies with `python3 benchmarks/tune_moe.py --install OUTDIR/moe_configs/*.json`, then commit).
-4. For each bench layer (Qwen3-Next-like: D 2048, I 512, softmax top-k renormalised; E 16 top-4 and
-   E 512 top-10) and T in {1, 8, 32, 128, 512, 2048}: checks the fused op (bf16) against
+4. For each bench layer (Qwen3-Next-like: D 2048, I 512, softmax top-k renormalised, a shared
+   expert of width S 512 scaled by a sigmoid gate (--no-shared: routed experts only); E 16 top-4
+   and E 512 top-10) and T in {1, 8, 32, 128, 512, 2048}: checks the fused op (bf16) against
    `moe_reference` on the CPU in float32 (rel err of norms <= 1e-2, every row written, eager and
    graph replay equal bit for bit), then times (median, L2 flushed before each run by do_bench):
    - fused: the op captured in a CUDA graph, replayed;       fused eager: the same without a graph;
-   - loop: the reference's per-expert loop on the GPU in bf16 (what a user has; syncs on the host);
+   - loop: the reference's per-expert loop on the GPU in bf16, shared expert included (what a
+     user has; syncs on the host);
    - floor: max(bytes / copy bandwidth, FLOPs / matmul rate) with bytes = distinct experts hit x
-     (w13 + w2 of one expert) + router weight + x + out, FLOPs = 2 T k 3 I D + 2 T E D.
+     (w13 + w2 of one expert) + the shared expert's weights (3 S D) + router weight + shared gate
+     + x + out, FLOPs = 2 T k 3 I D + 2 T 3 S D + 2 T (E + 1) D.
 5. Writes OUT/gpu_moe.json and prints a short table last, with the two targets of the issue:
    fused within 1.3x of the floor at T=1, and ahead of the loop at every T.
 """
@@ -53,16 +56,17 @@ import triton.testing  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference, route_topk  # noqa: E402
 from runtime.backends.triton_moe import (  # noqa: E402
     CONFIG_DIR, TritonMoEBackend, combine, device_name_of, down_sorted, down_token, gate_up_sorted, gate_up_token,
-    route, sort_tokens,
+    route, shared_chunks, sort_tokens,
 )
 
-# Bench layers: Qwen3-Next-like (hidden 2048, expert width 512, softmax, norm_topk_prob).
+# Bench layers: Qwen3-Next-like (hidden 2048, expert width 512, softmax, norm_topk_prob, one shared
+# expert of width 512 behind a sigmoid gate).
 SHAPES = {"e16": dict(E=16, top_k=4), "e512": dict(E=512, top_k=10)}
-D_GPU, I_GPU = 2048, 512
+D_GPU, I_GPU, S_GPU = 2048, 512, 512
 TOKENS_GPU = [1, 8, 32, 128, 512, 2048]
 # Dry run: tiny dims on the interpreter.
 DRY_SHAPES = {"e8": dict(E=8, top_k=2), "e16": dict(E=16, top_k=4)}
-D_DRY, I_DRY = 128, 64
+D_DRY, I_DRY, S_DRY = 128, 64, 64
 TOKENS_DRY = [1, 4, 16]
 ROUTING = dict(scoring="softmax", renormalize=True, routed_scale=1.0, num_groups=1, topk_groups=1)
 
@@ -74,13 +78,14 @@ TOL_INTERPRETER = 3e-2
 class Bench:
     """Device, dtype, dims and a median timer (milliseconds) for one run."""
 
-    def __init__(self, dry_run: bool):
+    def __init__(self, dry_run: bool, shared: bool = True):
         self.dry = dry_run
         self.device = torch.device("cpu" if dry_run else "cuda")
         if not dry_run and not torch.cuda.is_available():
             raise SystemExit("gpu_moe: no CUDA device (use --dry-run on the CPU)")
         self.dtype = torch.bfloat16
         self.D, self.I = (D_DRY, I_DRY) if dry_run else (D_GPU, I_GPU)
+        self.S = 0 if not shared else (S_DRY if dry_run else S_GPU)  # shared expert width (gated), 0: none
         self.tol = TOL_INTERPRETER if dry_run else TOL_GPU
 
     def time_ms(self, fn, rep_ms: int = 100) -> float:
@@ -115,19 +120,27 @@ class Bench:
             torch.cuda.synchronize()
 
 
-def make_layer(bench: Bench, E: int, seed: int):
-    """Random bf16 router and expert weights scaled so activations stay O(1)."""
+def make_layer(bench: Bench, E: int, seed: int) -> tuple:
+    """Random bf16 weights scaled so activations stay O(1), in the moe op's schema order:
+    (router, router_bias None, w13, w2, shared_w13, shared_w2, shared_gate); the shared three are
+    None when the bench has no shared expert."""
     g = torch.Generator(device=bench.device).manual_seed(seed)
-    D, I, dev, dt = bench.D, bench.I, bench.device, bench.dtype
+    D, I, S, dev, dt = bench.D, bench.I, bench.S, bench.device, bench.dtype
     router = (torch.randn(E, D, device=dev, generator=g) * D ** -0.5).to(dt)
     w13 = torch.randn(E, 2 * I, D, device=dev, dtype=dt, generator=g).mul_(D ** -0.5)
     w2 = torch.randn(E, D, I, device=dev, dtype=dt, generator=g).mul_(I ** -0.5)
-    return router, w13, w2
+    if not S:
+        return router, None, w13, w2, None, None, None
+    sw13 = torch.randn(2 * S, D, device=dev, dtype=dt, generator=g).mul_(D ** -0.5)
+    sw2 = torch.randn(D, S, device=dev, dtype=dt, generator=g).mul_(S ** -0.5)
+    gate = (torch.randn(1, D, device=dev, generator=g) * D ** -0.5).to(dt)
+    return router, None, w13, w2, sw13, sw2, gate
 
 
-def moe_loop(*args):
-    """The reference's per-expert loop on the inputs' device and dtype: the baseline a user has."""
-    return moe_reference(*args).to(args[0].dtype)
+def moe_loop(x, *layer_and_routing):
+    """The reference's per-expert loop (shared expert included) on the inputs' device and dtype:
+    the baseline a user has."""
+    return moe_reference(x, *layer_and_routing).to(x.dtype)
 
 
 def measure_rates(bench: Bench) -> dict:
@@ -152,10 +165,11 @@ def src_elt(dt) -> int:
     return torch.empty(0, dtype=dt).element_size()
 
 
-def floor_us(rates: dict, T: int, E: int, k: int, D: int, I: int, hit: int, elt: int) -> dict:
-    weight_bytes = hit * 3 * I * D * elt  # w13 (2I x D) and w2 (D x I) of each distinct expert hit
-    other_bytes = E * D * elt + 2 * T * D * elt  # router weight, x, out
-    flops = 2 * T * k * 3 * I * D + 2 * T * E * D
+def floor_us(rates: dict, T: int, E: int, k: int, D: int, I: int, S: int, hit: int, elt: int) -> dict:
+    # w13 (2I x D) and w2 (D x I) of each distinct expert hit, and the shared expert's (2S x D, D x S).
+    weight_bytes = (hit * I + S) * 3 * D * elt
+    other_bytes = (E + (1 if S else 0)) * D * elt + 2 * T * D * elt  # router weight and shared gate, x, out
+    flops = 2 * T * 3 * (k * I + S) * D + 2 * T * (E + (1 if S else 0)) * D
     bytes_us = (weight_bytes + other_bytes) / (rates["copy_GBps"] * 1e3)
     flops_us = flops / (rates["mm_TFLOPs"] * 1e6)
     return {"bytes": weight_bytes + other_bytes, "flops": flops, "bytes_us": bytes_us, "flops_us": flops_us,
@@ -179,9 +193,10 @@ def run_gpu_tests(bench: Bench) -> dict:
 
 def bench_shape(bench: Bench, name: str, E: int, top_k: int, tokens: list[int], rates: dict,
                 backend: TritonMoEBackend, skip_loop: bool) -> list[dict]:
-    D, I = bench.D, bench.I
-    router, w13, w2 = make_layer(bench, E, seed=E)
-    cpu_layer = (router.float().cpu(), None, w13.cpu().float(), w2.cpu().float())
+    D, I, S = bench.D, bench.I, bench.S
+    layer = make_layer(bench, E, seed=E)
+    router = layer[0]
+    cpu_layer = tuple(None if t is None else t.float().cpu() for t in layer)
     routing = (top_k, ROUTING["scoring"], ROUTING["renormalize"], ROUTING["routed_scale"],
                ROUTING["num_groups"], ROUTING["topk_groups"])
     cfg_file = backend.config_path(E, I, device_name_of(bench.device))
@@ -192,7 +207,7 @@ def bench_shape(bench: Bench, name: str, E: int, top_k: int, tokens: list[int], 
         config = backend.config_for(T, E, I, D, top_k, bench.device)
 
         def fused(out):
-            backend.moe(None, x, router, None, w13, w2, out, 0, *routing)
+            backend.moe(None, x, *layer, out, 0, *routing)
 
         # Correctness: poisoned output, float32 CPU reference on the same bf16 values.
         out = torch.full((T, D), float("nan"), device=bench.device, dtype=bench.dtype)
@@ -221,11 +236,11 @@ def bench_shape(bench: Bench, name: str, E: int, top_k: int, tokens: list[int], 
         eager_ms = bench.time_ms(lambda: fused(static_out))
         loop_ms = None
         if not skip_loop:
-            loop_ms = bench.time_ms(lambda: moe_loop(x, router, None, w13, w2, *routing), rep_ms=200)
-        stages = stage_times(bench, x, router, w13, w2, routing, config)
-        fl = floor_us(rates, T, E, top_k, D, I, hit, out.element_size())
+            loop_ms = bench.time_ms(lambda: moe_loop(x, *layer, *routing), rep_ms=200)
+        stages = stage_times(bench, x, layer, routing, config)
+        fl = floor_us(rates, T, E, top_k, D, I, S, hit, out.element_size())
         row = {
-            "shape": name, "E": E, "top_k": top_k, "D": D, "I": I, "T": T,
+            "shape": name, "E": E, "top_k": top_k, "D": D, "I": I, "S": S, "shared_gated": S > 0, "T": T,
             "path": config.path, "BLOCK_M": config.gate_up.BLOCK_M, "config": config.to_dict(),
             "config_source": str(cfg_file.name) if cfg_file.is_file() else "default",
             "rel_err": err, "tol": bench.tol, "finite": finite, "deterministic": deterministic,
@@ -248,32 +263,35 @@ def bench_shape(bench: Bench, name: str, E: int, top_k: int, tokens: list[int], 
     return rows
 
 
-def stage_times(bench: Bench, x, router, w13, w2, routing, config) -> dict:
+def stage_times(bench: Bench, x, layer, routing, config) -> dict:
     """Each stage of the op captured alone in a CUDA graph and replayed (us): where a step's time goes.
 
     Graphs, because timing these small launches eagerly measures Python launch time instead. The
     stages overlap nothing in the op either, so their sum minus the op's time is the launch gaps.
     """
-    E = w13.shape[0]
-    top_k = routing[0]
-    ids, weights = route(x, router, None, *routing)
+    router, _, w13, w2, sw13, sw2, gate = layer
+    E, I = w13.shape[0], w13.shape[1] // 2
+    n_shared = shared_chunks(0 if sw13 is None else sw13.shape[0] // 2, I)
+    experts, slots = E + n_shared, routing[0] + n_shared  # the shared chunks sort as experts E..
+    shared = dict(n_shared=n_shared, shared_gate=gate)
+    ids, weights = route(x, router, None, *routing, **shared)
     out = torch.empty_like(x)
-    times = {"route": bench.graph_ms(lambda: route(x, router, None, *routing))[0]}
+    times = {"route": bench.graph_ms(lambda: route(x, router, None, *routing, **shared))[0]}
     if config.path == "token":
-        h = gate_up_token(x, w13, ids, config.gate_up)
-        times["gate_up"] = bench.graph_ms(lambda: gate_up_token(x, w13, ids, config.gate_up, h=h))[0]
-        times["down"] = bench.graph_ms(lambda: down_token(h, w2, ids, weights, out, config.down))[0]
+        h = gate_up_token(x, w13, ids, config.gate_up, shared_w13=sw13)
+        times["gate_up"] = bench.graph_ms(lambda: gate_up_token(x, w13, ids, config.gate_up, h=h, shared_w13=sw13))[0]
+        times["down"] = bench.graph_ms(lambda: down_token(h, w2, ids, weights, out, config.down, shared_w2=sw2))[0]
     else:
         bm = config.gate_up.BLOCK_M
-        times["sort"] = bench.graph_ms(lambda: sort_tokens(ids, E, bm))[0]
-        sorted_pairs, block_expert, total = sort_tokens(ids, E, bm)
-        h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, top_k, config.gate_up)
-        y = down_sorted(h, w2, weights, sorted_pairs, block_expert, total, config.down)
+        times["sort"] = bench.graph_ms(lambda: sort_tokens(ids, experts, bm))[0]
+        sorted_pairs, block_expert, total = sort_tokens(ids, experts, bm)
+        sort = (sorted_pairs, block_expert, total)
+        h = gate_up_sorted(x, w13, *sort, slots, config.gate_up, shared_w13=sw13)
+        y = down_sorted(h, w2, weights, *sort, config.down, shared_w2=sw2)
         times["gate_up"] = bench.graph_ms(
-            lambda: gate_up_sorted(x, w13, sorted_pairs, block_expert, total, top_k, config.gate_up, h=h))[0]
-        times["down"] = bench.graph_ms(lambda: down_sorted(h, w2, weights, sorted_pairs, block_expert, total,
-                                                           config.down, y=y))[0]
-        times["combine"] = bench.graph_ms(lambda: combine(y, ids, out, E))[0]
+            lambda: gate_up_sorted(x, w13, *sort, slots, config.gate_up, h=h, shared_w13=sw13))[0]
+        times["down"] = bench.graph_ms(lambda: down_sorted(h, w2, weights, *sort, config.down, y=y, shared_w2=sw2))[0]
+        times["combine"] = bench.graph_ms(lambda: combine(y, ids, out, experts))[0]
     return {k: v * 1e3 for k, v in times.items()}
 
 
@@ -281,6 +299,8 @@ def print_table(rows: list[dict], tests: dict | None, rates: dict, device: str) 
     print()
     print(f"device {device}; copy {rates['copy_GBps']:.0f} GB/s (read+write); "
           f"matmul {rates['mm_TFLOPs']:.1f} TFLOP/s ({rates['mm_dtype']})")
+    widths = sorted({r["S"] for r in rows})
+    print("shared expert: " + (", ".join(f"width {S}, gated" for S in widths if S) or "none"))
     if tests is not None:
         print(f"gpu tests: rc={tests['rc']} {tests['summary']}")
     head = (f"{'layer':<6}{'T':>6} {'path':<7}{'BM':>4}{'err':>9} {'ok':<4}{'hit':>5}{'floor us':>10}"
@@ -318,10 +338,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default=None, help="comma list of token counts")
     parser.add_argument("--skip-tests", action="store_true", help="do not run the GPU pytest file first")
     parser.add_argument("--skip-loop", action="store_true", help="do not time the per-expert loop baseline")
+    parser.add_argument("--no-shared", action="store_true", help="bench layers without the shared expert")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    bench = Bench(args.dry_run)
+    bench = Bench(args.dry_run, shared=not args.no_shared)
     shapes = DRY_SHAPES if bench.dry else SHAPES
     if args.shapes:
         shapes = {k: shapes[k] for k in args.shapes.split(",")}
@@ -329,7 +350,7 @@ def main(argv=None) -> int:
     device = device_name_of(bench.device)
     env = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
            "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "argv": sys.argv, "interpreter": bench.dry}
+           "argv": sys.argv, "interpreter": bench.dry, "shared_width": bench.S, "shared_gated": bench.S > 0}
     print(f"gpu_moe: {env}", flush=True)
 
     tests = None if args.skip_tests else run_gpu_tests(bench)

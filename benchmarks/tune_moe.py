@@ -12,6 +12,9 @@ transfer refuses names with '=' or ','). Back on the CPU machine, put the copies
 
 A dry run writes only under OUT.
 
+The layers are gpu_moe.py's, shared expert included (its chunks are extra experts every token
+takes, so they are part of the work being tuned); --no-shared tunes the routed experts alone.
+
 Per bucket T (1, 2, 4, ..., 4096), with one fixed random routing:
 1. Token path (T <= 8): each GEMV stage timed alone over a few (BLOCK_N, BLOCK_K, warps, stages).
 2. Sorted path: for each BLOCK_M that suits T*k / (experts hit), sort once, then time each GEMM
@@ -47,7 +50,7 @@ import triton  # noqa: E402
 from gpu_moe import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
 from runtime.backends.triton_moe import (  # noqa: E402
     CONFIG_DIR, GemmConfig, MoEConfig, config_file_name, default_config, device_name_of, down_sorted, down_token,
-    fused_moe, gate_up_sorted, gate_up_token, load_config_table, route, sort_tokens,
+    fused_moe, gate_up_sorted, gate_up_token, load_config_table, route, shared_chunks, sort_tokens,
 )
 
 BUCKETS_GPU = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -115,13 +118,16 @@ def _best(bench: Bench, label: str, candidates, run, log: list) -> tuple:
 
 
 def tune_bucket(bench: Bench, layer, T: int, E: int, top_k: int, log: list) -> dict:
-    router, w13, w2 = layer
+    router, _, w13, w2, sw13, sw2, gate = layer
     D, I, dev = bench.D, bench.I, bench.device
     limit = DRY_LIMIT if bench.dry else None
     routing = (top_k, ROUTING["scoring"], ROUTING["renormalize"], ROUTING["routed_scale"],
                ROUTING["num_groups"], ROUTING["topk_groups"])
+    # The shared expert's chunks are experts E.. that every token takes: tuned with them in.
+    n_shared = shared_chunks(bench.S, I)
+    experts, slots = E + n_shared, top_k + n_shared
     x = torch.randn(T, D, device=dev).to(bench.dtype)
-    ids, weights = route(x, router, None, *routing)
+    ids, weights = route(x, router, None, *routing, n_shared=n_shared, shared_gate=gate)
     out = torch.empty(T, D, device=dev, dtype=bench.dtype)
     finalists: dict[str, MoEConfig] = {}
     stages = {}
@@ -129,23 +135,25 @@ def tune_bucket(bench: Bench, layer, T: int, E: int, top_k: int, log: list) -> d
     if T <= TOKEN_PATH_MAX_T:
         gu_tiles = _token_tiles(TOKEN_GATE_UP_TILES, D)[:limit]
         dn_tiles = _token_tiles(TOKEN_DOWN_TILES, I)[:limit]
-        h = gate_up_token(x, w13, ids, gu_tiles[0])
-        gu, gu_ms = _best(bench, "gate_up_token", gu_tiles, lambda c: gate_up_token(x, w13, ids, c, h=h), log)
-        dn, dn_ms = _best(bench, "down_token", dn_tiles, lambda c: down_token(h, w2, ids, weights, out, c), log)
+        h = gate_up_token(x, w13, ids, gu_tiles[0], shared_w13=sw13)
+        gu, gu_ms = _best(bench, "gate_up_token", gu_tiles,
+                          lambda c: gate_up_token(x, w13, ids, c, h=h, shared_w13=sw13), log)
+        dn, dn_ms = _best(bench, "down_token", dn_tiles,
+                          lambda c: down_token(h, w2, ids, weights, out, c, shared_w2=sw2), log)
         finalists["token"] = MoEConfig(gu, dn)
         stages["token"] = {"gate_up_us": gu_ms * 1e3, "down_us": dn_ms * 1e3}
 
     for bm in block_m_candidates(T, top_k, E):
-        sorted_pairs, block_expert, total = sort_tokens(ids, E, bm)
-        R = sorted_pairs.shape[0]
+        sort = sort_tokens(ids, experts, bm)
+        R = sort[0].shape[0]
         h = torch.empty(R, I, device=dev, dtype=bench.dtype)
-        y = torch.empty(T * top_k, D, device=dev, dtype=bench.dtype)
+        y = torch.empty(T * slots, D, device=dev, dtype=bench.dtype)
         gu_tiles = [GemmConfig(bm, *t) for t in GATE_UP_TILES[bm]][:limit]
         dn_tiles = [GemmConfig(bm, *t) for t in DOWN_TILES[bm]][:limit]
         gu, gu_ms = _best(bench, f"gate_up_sorted_bm{bm}", gu_tiles,
-                          lambda c: gate_up_sorted(x, w13, sorted_pairs, block_expert, total, top_k, c, h=h), log)
+                          lambda c: gate_up_sorted(x, w13, *sort, slots, c, h=h, shared_w13=sw13), log)
         dn, dn_ms = _best(bench, f"down_sorted_bm{bm}", dn_tiles,
-                          lambda c: down_sorted(h, w2, weights, sorted_pairs, block_expert, total, c, y=y), log)
+                          lambda c: down_sorted(h, w2, weights, *sort, c, y=y, shared_w2=sw2), log)
         finalists[f"sorted_bm{bm}"] = MoEConfig(gu, dn)
         stages[f"sorted_bm{bm}"] = {"gate_up_us": gu_ms * 1e3, "down_us": dn_ms * 1e3}
 
@@ -153,7 +161,7 @@ def tune_bucket(bench: Bench, layer, T: int, E: int, top_k: int, log: list) -> d
     whole = {}
     for name, cfg in finalists.items():
         try:
-            ms, _ = bench.graph_ms(lambda: fused_moe(x, router, None, w13, w2, out, *routing, cfg), rep_ms=50)
+            ms, _ = bench.graph_ms(lambda: fused_moe(x, *layer, out, *routing, cfg), rep_ms=50)
             whole[name] = ms * 1e3
         except Exception as exc:
             log.append({"stage": f"whole_{name}", "config": cfg.to_dict(), "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -198,7 +206,8 @@ def tune_all(bench: Bench, shapes: dict, config_dir: Path, out_dir: Path, budget
         log: list = []
         table = tune_shape(bench, shape["E"], shape["top_k"], buckets, shape_deadline, log)
         doc = {
-            "meta": {"E": shape["E"], "I": bench.I, "D": bench.D, "top_k": shape["top_k"], "dtype": str(bench.dtype),
+            "meta": {"E": shape["E"], "I": bench.I, "D": bench.D, "S": bench.S, "top_k": shape["top_k"],
+                     "dtype": str(bench.dtype),
                      "device": device, "torch": torch.__version__, "triton": triton.__version__,
                      "date": datetime.datetime.now().isoformat(timespec="seconds"),
                      "command": " ".join(sys.argv), "interpreter": bench.dry, "failures": log},
@@ -252,13 +261,14 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="time budget for all shapes")
     parser.add_argument("--config-dir", type=Path, default=None,
                         help="where the backend reads configs (default: the repo's; a dry run: OUT/moe_configs)")
+    parser.add_argument("--no-shared", action="store_true", help="tune layers without the shared expert")
     args = parser.parse_args(argv)
     if args.install:
         install(args.install, args.config_dir or CONFIG_DIR)
         return 0
     if args.out is None:
         parser.error("--out is required (unless --install)")
-    bench = Bench(args.dry_run)
+    bench = Bench(args.dry_run, shared=not args.no_shared)
     shapes = DRY_SHAPES if bench.dry else SHAPES
     if args.shapes:
         shapes = {k: shapes[k] for k in args.shapes.split(",")}

@@ -28,9 +28,9 @@ A step through one layer (flattened tokens, x [T, D]):
    W_UK gives q_latent, the op's latent output times W_UV gives v), then `dense`.
 3. GQA layer (bailing_moe_linear): fused `query_key_value` (H + 2 Hkv heads), qk RMSNorm,
    partial NeoX rotary, the `gqa_attention` op, `dense`.
-4. MLP: a SwiGLU on the first `first_k_dense_replace` layers; elsewhere one `moe` op (sigmoid
+4. MLP: a SwiGLU on the first `first_k_dense_replace` layers; elsewhere one `moe` op: sigmoid
    router with `expert_bias` for selection, group-limited top-k, weights renormalised and scaled
-   by routed_scaling_factor) plus the shared experts.
+   by routed_scaling_factor, plus the shared experts (ungated) inside the same op.
 5. Draft (`BailingLinearForCausalLM.draft`, MTP layer N): enorm(embed(next ids)) and
    hnorm(main hidden) are joined by eh_proj, run through one full-attention decoder layer and
    final_layernorm; the main model's lm_head gives its logits. The main hidden it takes is
@@ -455,7 +455,7 @@ class BailingGQA(nn.Module):
 
 
 class BailingMoE(MoEBlock):
-    """Routed experts (one `moe` op) plus the shared experts, under `mlp.` in the checkpoint."""
+    """Routed experts plus the shared experts (as one ungated MLP, if any): one `moe` op, `mlp.` in the checkpoint."""
 
     def __init__(self, cfg: dict, layer_id: int):
         top_k = cfg["num_experts_per_tok"]
@@ -468,13 +468,7 @@ class BailingMoE(MoEBlock):
             routed_scale=cfg["routed_scaling_factor"], num_groups=cfg.get("n_group") or 1,
             topk_groups=cfg.get("topk_group") or 1,
             router_bias="expert_bias" if cfg["moe_router_enable_expert_bias"] else None,
-            expert_style="gate_up_down")
-        inter = _shared_inter(cfg)
-        self.shared_experts = SwiGLU(cfg["hidden_size"], inter) if inter else None
-
-    def forward(self, x, ops):
-        out = super().forward(x, ops)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+            expert_style="gate_up_down", shared_inter=_shared_inter(cfg), shared_name="shared_experts")
 
 
 def _attention(cfg: dict, layer_id: int, kind: str) -> nn.Module:

@@ -1,8 +1,9 @@
 """Building blocks shared by the model families, and the HybridLM base every family extends.
 
 A family model is a plain nn.Module whose state-dict names are the checkpoint's tensor names,
-except for routed experts, which are held stacked ([E, 2I, D] and [E, D, I]) so the whole block
-is one `moe` op; `MoEBlock` knows how its family names them in a checkpoint.
+except for the MoE block's expert weights, held in the `moe` op's layout (routed experts stacked
+[E, 2I, D] and [E, D, I], the shared expert as [2S, D] and [D, S]) so the whole block is one op;
+`MoEBlock` knows how its family names them in a checkpoint.
 
 Calling convention of every family model (flattened tokens, no batch dimension)::
 
@@ -108,13 +109,26 @@ EXPERT_STYLES = {
 
 
 class MoEBlock(nn.Module):
-    """Routed experts as one `moe` op. Shared experts are the family's business (plain graph code)."""
+    """The whole MoE block as one `moe` op: router, routed experts and, where the family has one,
+    the shared expert (`shared_inter` wide, scaled by sigmoid of a [1, D] gate when the family's
+    checkpoint has one).
+
+    Parameters are held in the op's layout (`w13`/`w2` stacked per routed expert, `shared_w13` /
+    `shared_w2` / `shared_gate` for the shared expert); `checkpoint_tensors` maps them to the
+    family's checkpoint names: `shared_name` is the shared MLP's prefix (its `gate_proj`,
+    `up_proj` and `down_proj` weights), `shared_gate_name` the gate's tensor (None: ungated).
+    """
+
+    # Parameters named here are written and read under checkpoint names by the block itself.
+    OP_LAYOUT_PARAMS = ("w13", "w2", "shared_w13", "shared_w2", "shared_gate")
 
     def __init__(self, hidden: int, inter: int, num_experts: int, layer_id: int, *, top_k: int,
                  scoring: str, renormalize: bool, routed_scale: float = 1.0, num_groups: int = 1,
-                 topk_groups: int = 1, router_bias: str | None = None, expert_style: str = "gate_up_down"):
+                 topk_groups: int = 1, router_bias: str | None = None, expert_style: str = "gate_up_down",
+                 shared_inter: int = 0, shared_name: str = "shared_experts", shared_gate_name: str | None = None):
         super().__init__()
         assert expert_style in EXPERT_STYLES, f"unknown expert style {expert_style!r}"
+        assert shared_inter or shared_gate_name is None, "a shared-expert gate needs a shared expert"
         self.layer_id = layer_id
         self.top_k, self.scoring, self.renormalize = top_k, scoring, renormalize
         self.routed_scale, self.num_groups, self.topk_groups = float(routed_scale), num_groups, topk_groups
@@ -122,16 +136,34 @@ class MoEBlock(nn.Module):
         self.gate = Router(hidden, num_experts, router_bias)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # gate rows, then up rows
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.shared_inter, self.shared_name, self.shared_gate_name = shared_inter, shared_name, shared_gate_name
+        self.shared_w13 = nn.Parameter(torch.empty(2 * shared_inter, hidden)) if shared_inter else None
+        self.shared_w2 = nn.Parameter(torch.empty(hidden, shared_inter)) if shared_inter else None
+        self.shared_gate = nn.Parameter(torch.empty(1, hidden)) if shared_gate_name else None
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         out = torch.empty_like(x)
-        ops.moe(x, self.gate.weight, self.gate.selection_bias, self.w13, self.w2, out, self.layer_id,
-                self.top_k, self.scoring, self.renormalize, self.routed_scale, self.num_groups, self.topk_groups)
+        ops.moe(x, self.gate.weight, self.gate.selection_bias, self.w13, self.w2, self.shared_w13, self.shared_w2,
+                self.shared_gate, out, self.layer_id, self.top_k, self.scoring, self.renormalize, self.routed_scale,
+                self.num_groups, self.topk_groups)
         return out
 
-    # -- checkpoint names of the stacked expert weights -----------------------------------
+    # -- checkpoint names of the op-layout weights ----------------------------------------
+
+    def _shared_names(self, prefix: str) -> tuple[str, str, str]:
+        return tuple(f"{prefix}{self.shared_name}.{proj}_proj.weight" for proj in ("gate", "up", "down"))
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        out = self._routed_checkpoint_tensors(prefix)
+        if self.shared_inter:
+            gate_n, up_n, down_n = self._shared_names(prefix)
+            S = self.shared_inter
+            out.update({gate_n: self.shared_w13[:S], up_n: self.shared_w13[S:], down_n: self.shared_w2})
+        if self.shared_gate_name:
+            out[prefix + self.shared_gate_name] = self.shared_gate
+        return out
+
+    def _routed_checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         gate_n, up_n, down_n = EXPERT_STYLES[self.expert_style]
         if self.expert_style == "fused":
             return {prefix + gate_n: self.w13, prefix + down_n: self.w2}
@@ -144,17 +176,29 @@ class MoEBlock(nn.Module):
 
     def load_checkpoint_tensors(self, prefix: str, take) -> None:
         """`take(name, shape)` returns the checkpoint tensor of that name, checked for shape."""
+        D = self.w13.shape[-1]
+        with torch.no_grad():
+            self._load_routed(prefix, take)
+            if self.shared_inter:
+                gate_n, up_n, down_n = self._shared_names(prefix)
+                S = self.shared_inter
+                self.shared_w13[:S].copy_(take(gate_n, (S, D)))
+                self.shared_w13[S:].copy_(take(up_n, (S, D)))
+                self.shared_w2.copy_(take(down_n, (D, S)))
+            if self.shared_gate_name:
+                self.shared_gate.copy_(take(prefix + self.shared_gate_name, (1, D)))
+
+    def _load_routed(self, prefix: str, take) -> None:
         gate_n, up_n, down_n = EXPERT_STYLES[self.expert_style]
         E, I, D = self.num_experts, self.inter, self.w13.shape[-1]
-        with torch.no_grad():
-            if self.expert_style == "fused":
-                self.w13.copy_(take(prefix + gate_n, (E, 2 * I, D)))
-                self.w2.copy_(take(prefix + down_n, (E, D, I)))
-                return
-            for e in range(E):
-                self.w13[e, :I].copy_(take(prefix + gate_n.format(e=e), (I, D)))
-                self.w13[e, I:].copy_(take(prefix + up_n.format(e=e), (I, D)))
-                self.w2[e].copy_(take(prefix + down_n.format(e=e), (D, I)))
+        if self.expert_style == "fused":
+            self.w13.copy_(take(prefix + gate_n, (E, 2 * I, D)))
+            self.w2.copy_(take(prefix + down_n, (E, D, I)))
+            return
+        for e in range(E):
+            self.w13[e, :I].copy_(take(prefix + gate_n.format(e=e), (I, D)))
+            self.w13[e, I:].copy_(take(prefix + up_n.format(e=e), (I, D)))
+            self.w2[e].copy_(take(prefix + down_n.format(e=e), (D, I)))
 
 
 class HybridLM(nn.Module):
@@ -190,8 +234,7 @@ class HybridLM(nn.Module):
         blocks = self._moe_blocks()
         out: dict[str, torch.Tensor] = {}
         for name, t in self.state_dict(keep_vars=True).items():
-            owner = next((p for p in blocks if name.startswith(p) and name[len(p):] in ("w13", "w2")), None)
-            if owner is None:
+            if not _in_op_layout(name, blocks):
                 out[name] = t.detach()
         for prefix, block in blocks.items():
             out.update({k: v.detach() for k, v in block.checkpoint_tensors(prefix).items()})
@@ -214,11 +257,16 @@ class HybridLM(nn.Module):
         blocks = self._moe_blocks()
         with torch.no_grad():
             for name, p in self.state_dict(keep_vars=True).items():
-                if any(name.startswith(b) and name[len(b):] in ("w13", "w2") for b in blocks):
+                if _in_op_layout(name, blocks):
                     continue
                 p.copy_(take(name, p.shape))
             for prefix, block in blocks.items():
                 block.load_checkpoint_tensors(prefix, take)
+
+
+def _in_op_layout(name: str, blocks: dict[str, MoEBlock]) -> bool:
+    """Whether state-dict entry `name` is a MoE block's op-layout weight (named in checkpoints by the block)."""
+    return any(name.startswith(prefix) and name[len(prefix):] in MoEBlock.OP_LAYOUT_PARAMS for prefix in blocks)
 
 
 def init_weights_(model: nn.Module, seed: int, std: float = 0.02) -> None:

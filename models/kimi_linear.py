@@ -23,9 +23,9 @@ The math follows transformers' `models/kimi_linear` (the test oracle):
 - MLA layer: DeepSeek-style latent attention without positional encoding (`mla_use_nope`): the
   qk_rope_head_dim channels of q and the shared k_rope still exist and still take part in the
   scores, they are just never rotated. Run absorbed through `hgc.mla_attention`.
-- MLP: dense SwiGLU for the first `first_k_dense_replace` layers, then sigmoid-scored routed
-  experts (selection bias `e_score_correction_bias`, renormalised, times routed_scaling_factor)
-  plus the shared experts.
+- MLP: dense SwiGLU for the first `first_k_dense_replace` layers, then one `hgc.moe` op:
+  sigmoid-scored routed experts (selection bias `e_score_correction_bias`, renormalised, times
+  routed_scaling_factor) plus the shared experts (ungated).
 
 What it does not do: MTP (Kimi-Linear has none; a config asking for it is refused), the rotary
 MLA variant (`mla_use_nope: false`, which transformers does not implement either), caches.
@@ -407,7 +407,7 @@ class KimiMLAttention(nn.Module):
 
 
 class KimiSparseMoE(MoEBlock):
-    """`block_sparse_moe`: routed experts (one hgc.moe op) plus the shared experts in the graph."""
+    """`block_sparse_moe`: routed experts plus the shared experts (as one ungated MLP): one hgc.moe op."""
 
     def __init__(self, cfg: dict, layer_id: int):
         super().__init__(
@@ -416,12 +416,8 @@ class KimiSparseMoE(MoEBlock):
             renormalize=bool(cfg.get("moe_renormalize", True)),
             routed_scale=float(cfg.get("routed_scaling_factor", 2.446)),
             num_groups=cfg.get("num_expert_group", 1), topk_groups=cfg.get("topk_group", 1),
-            router_bias="e_score_correction_bias", expert_style="w1_w3_w2")
-        shared_inter = cfg["moe_intermediate_size"] * cfg.get("num_shared_experts", 1)
-        self.shared_experts = SwiGLU(cfg["hidden_size"], shared_inter)  # the shared experts as one MLP
-
-    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return super().forward(x, ops) + self.shared_experts(x)
+            router_bias="e_score_correction_bias", expert_style="w1_w3_w2",
+            shared_inter=cfg["moe_intermediate_size"] * cfg.get("num_shared_experts", 1), shared_name="shared_experts")
 
 
 class KimiDecoderLayer(nn.Module):

@@ -10,7 +10,7 @@ zero-centred RMSNorms (scale 1 + w). Mixers are
 - gated GQA (`self_attn.*`, LayerKind.FULL_GQA): q_proj yields query and an output gate per head,
   q_norm / k_norm per head, partial NeoX rotary, op `gqa_attention`, output * sigmoid(gate).
 
-MLPs are a softmax-routed MoE (op `moe`) plus a sigmoid-gated shared expert, or a dense SwiGLU.
+MLPs are one `moe` op (softmax-routed experts plus a sigmoid-gated shared expert) or a dense SwiGLU.
 
 Config normalisation happens once, in `parse_dims`: it validates config.json and turns the
 interval / list / sparse-step quirks into explicit per-layer tuples, which `qwen_registry` writes
@@ -393,17 +393,12 @@ class QwenGatedAttention(nn.Module):
 
 
 class QwenSparseMoe(MoEBlock):
-    """Softmax top-k routed experts (one `moe` op) plus a shared expert scaled by sigmoid(shared_expert_gate)."""
+    """Softmax top-k routed experts plus a shared expert scaled by sigmoid(shared_expert_gate): one `moe` op."""
 
     def __init__(self, d: QwenDims, layer_id: int, expert_style: str):
         super().__init__(d.hidden, d.moe_inter, d.num_experts, layer_id, top_k=d.top_k, scoring="softmax",
-                         renormalize=d.norm_topk, expert_style=expert_style)
-        self.shared_expert = SwiGLU(d.hidden, d.shared_inter)
-        self.shared_expert_gate = nn.Linear(d.hidden, 1, bias=False)
-
-    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        routed = super().forward(x, ops)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+                         renormalize=d.norm_topk, expert_style=expert_style, shared_inter=d.shared_inter,
+                         shared_name="shared_expert", shared_gate_name="shared_expert_gate.weight")
 
 
 class QwenDecoderLayer(nn.Module):

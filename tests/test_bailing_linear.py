@@ -194,7 +194,7 @@ def test_model_layers_use_the_decay_formula():
             out.zero_()
 
         def __getattr__(self, name):  # every other op: zero its `out` argument
-            out_index = {"gqa_attention": 3, "mla_attention": 4, "moe": 5}[name]
+            out_index = {"gqa_attention": 3, "mla_attention": 4, "moe": 8}[name]
             return lambda *args: args[out_index].zero_()
 
     model.set_ops(Capture())

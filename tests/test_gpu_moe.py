@@ -2,7 +2,10 @@
 
 Run on the GPU machine: `python -m pytest -m gpu tests/test_gpu_moe.py`. The reference is
 `moe_reference` on the CPU with the same bf16 values upcast to float32; the tolerance is a
-relative error of norms <= 1e-2 (bf16 operands, bf16 intermediates h and y, bf16 output).
+relative error of norms <= 1e-2 (bf16 operands, bf16 intermediates h and y, bf16 output). Layers
+come without a shared expert, with a gated one as wide as a routed expert (Qwen3-Next), an
+ungated one twice as wide (Kimi-Linear with two shared experts) and a gated one of 640 channels
+(two chunks, the last one masked past 128 of its 512).
 """
 
 from __future__ import annotations
@@ -26,17 +29,27 @@ D, I = 2048, 512
 TOL = 1e-2
 
 
-def _layer(E: int, seed: int, bias: bool = False):
+# Shared experts: (width S, gated).
+SHARED = {"none": (0, False), "gated_S=I": (I, True), "ungated_S=2I": (2 * I, False), "gated_S=640": (640, True)}
+
+
+def _layer(E: int, seed: int, bias: bool = False, shared: str = "none"):
+    """(router, bias, w13, w2, shared_w13, shared_w2, shared_gate) in the moe op's schema order."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     router = torch.randn(E, D, device=DEV, generator=g).mul_(D ** -0.5).bfloat16()
     b = (torch.randn(E, device=DEV, generator=g) * 0.05) if bias else None
     w13 = torch.randn(E, 2 * I, D, device=DEV, generator=g).mul_(D ** -0.5).bfloat16()
     w2 = torch.randn(E, D, I, device=DEV, generator=g).mul_(I ** -0.5).bfloat16()
-    return router, b, w13, w2
+    S, gated = SHARED[shared]
+    sw13 = torch.randn(2 * S, D, device=DEV, generator=g).mul_(D ** -0.5).bfloat16() if S else None
+    sw2 = torch.randn(D, S, device=DEV, generator=g).mul_(S ** -0.5).bfloat16() if S else None
+    gate = torch.randn(1, D, device=DEV, generator=g).mul_(D ** -0.5).bfloat16() if gated else None
+    return router, b, w13, w2, sw13, sw2, gate
 
 
-def _reference(x, router, b, w13, w2, *tail):
-    cpu = [t.float().cpu() if t is not None else None for t in (x, router, b, w13, w2)]
+def _reference(x, *layer_and_tail):
+    layer, tail = layer_and_tail[:7], layer_and_tail[7:]
+    cpu = [t.float().cpu() if t is not None else None for t in (x, *layer)]
     return moe_reference(*cpu, *tail)
 
 
@@ -45,35 +58,37 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 513])
+@pytest.mark.parametrize("shared", ["none", "gated_S=I", "ungated_S=2I"])
 @pytest.mark.parametrize("E,top_k", [(16, 4), (512, 10)])
-def test_matches_reference_in_bf16(E, top_k, T):
-    router, b, w13, w2 = _layer(E, seed=E + T)
+def test_matches_reference_in_bf16(E, top_k, shared, T):
+    layer = _layer(E, seed=E + T, shared=shared)
     x = torch.randn(T, D, device=DEV).bfloat16()
     tail = (top_k, "softmax", True, 1.0, 1, 1)
     out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
-    TritonMoEBackend().moe(None, x, router, b, w13, w2, out, 0, *tail)
+    TritonMoEBackend().moe(None, x, *layer, out, 0, *tail)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "rows left unwritten"
-    err = _rel(out, _reference(x, router, b, w13, w2, *tail))
+    err = _rel(out, _reference(x, *layer, *tail))
     assert err <= TOL, f"rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("shared", ["none", "gated_S=640"])
 @pytest.mark.parametrize("T", [1, 2, 5])
-def test_token_and_sorted_paths_agree_with_reference(T):
-    router, b, w13, w2 = _layer(64, seed=3, bias=True)
+def test_token_and_sorted_paths_agree_with_reference(T, shared):
+    layer = _layer(64, seed=3, bias=True, shared=shared)
     x = torch.randn(T, D, device=DEV).bfloat16()
     tail = (6, "sigmoid", True, 2.5, 8, 4)  # sigmoid, selection bias, 8 groups, 4 kept
-    ref = _reference(x, router, b, w13, w2, *tail)
+    ref = _reference(x, *layer, *tail)
     for config in (MoEConfig(GemmConfig(1, 16, 256), GemmConfig(1, 16, 256)),
                    MoEConfig(GemmConfig(16, 64, 128, 1, 4, 4), GemmConfig(16, 64, 128, 1, 4, 4))):
         out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
-        fused_moe(x, router, b, w13, w2, out, *tail, config)
+        fused_moe(x, *layer, out, *tail, config)
         assert _rel(out, ref) <= TOL, f"{config.path}: rel err {_rel(out, ref):.2e}"
 
 
 def test_captured_graph_replays_bit_for_bit_and_follows_the_real_token_count():
     E, top_k, T = 16, 4, 8
-    router, b, w13, w2 = _layer(E, seed=5)
+    layer = _layer(E, seed=5, shared="gated_S=I")
     x = torch.randn(T, D, device=DEV).bfloat16()
     ctx = types.SimpleNamespace(num_real_tokens=8)
     tail = (top_k, "softmax", True, 1.0, 1, 1)
@@ -81,11 +96,11 @@ def test_captured_graph_replays_bit_for_bit_and_follows_the_real_token_count():
     backend.init_capture_state(max_tokens=T, max_seqs=T)
     backend.init_replay_state(ctx, T)
     eager = torch.empty(T, D, device=DEV, dtype=torch.bfloat16)
-    backend.moe(ctx, x, router, b, w13, w2, eager, 0, *tail)  # also compiles before capture
+    backend.moe(ctx, x, *layer, eager, 0, *tail)  # also compiles before capture
     out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        backend.moe(ctx, x, router, b, w13, w2, out, 0, *tail)
+        backend.moe(ctx, x, *layer, out, 0, *tail)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager), "graph replay differs from the eager call"
@@ -97,27 +112,27 @@ def test_captured_graph_replays_bit_for_bit_and_follows_the_real_token_count():
     graph.replay()
     torch.cuda.synchronize()
     assert (out[5:] == 0).all()
-    assert _rel(out[:5], _reference(x2[:5], router, b, w13, w2, *tail)) <= TOL
+    assert _rel(out[:5], _reference(x2[:5], *layer, *tail)) <= TOL
 
 
 def test_capture_without_replay_state_is_refused():
     from runtime.backends.triton_moe import CaptureError
-    router, b, w13, w2 = _layer(16, seed=6)
+    layer = _layer(16, seed=6)
     x = torch.randn(4, D, device=DEV).bfloat16()
     out = torch.empty_like(x)
     ctx = types.SimpleNamespace(num_real_tokens=3)
     backend = TritonMoEBackend()
     backend.init_step_metadata(ctx)
-    backend.moe(ctx, x, router, b, w13, w2, out, 0, 4, "softmax", True, 1.0, 1, 1)
+    backend.moe(ctx, x, *layer, out, 0, 4, "softmax", True, 1.0, 1, 1)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(CaptureError, match="init_replay_state"):
         with torch.cuda.graph(graph):
-            backend.moe(ctx, x, router, b, w13, w2, out, 0, 4, "softmax", True, 1.0, 1, 1)
+            backend.moe(ctx, x, *layer, out, 0, 4, "softmax", True, 1.0, 1, 1)
 
 
 def test_router_ids_match_the_reference_router():
     E, top_k, T = 512, 10, 256
-    router, b, w13, w2 = _layer(E, seed=9)
+    router = _layer(E, seed=9)[0]
     x = torch.randn(T, D, device=DEV).bfloat16()
     from runtime.backends.triton_moe import route
     ids, w = route(x, router, None, top_k, "softmax", True, 1.0, 1, 1)

@@ -160,13 +160,13 @@ def test_moe_batch_equals_each_token_alone_and_groups_restrict_choice():
     x = torch.randn(T, Dm, generator=g)
     router, bias = torch.randn(E, Dm, generator=g), torch.randn(E, generator=g) * 0.1
     w13, w2 = torch.randn(E, 2 * I, Dm, generator=g) * 0.1, torch.randn(E, Dm, I, generator=g) * 0.1
-    args = (router, bias, w13, w2, 2, "sigmoid", True, 2.5, 4, 2)
+    args = (router, bias, w13, w2, None, None, None, 2, "sigmoid", True, 2.5, 4, 2)
     batch = moe_reference(x, *args)
     alone = torch.cat([moe_reference(x[t:t + 1], *args) for t in range(T)])
     assert close(batch, alone)
     # A dense reference: every expert computed, weights zero outside the chosen ones.
     from runtime.backends.cpu_reference import route_topk
-    ids, weights = route_topk(x, *args[:2], *args[4:])
+    ids, weights = route_topk(x, *args[:2], *args[7:])
     dense = torch.zeros(T, Dm)
     for t in range(T):
         for j in range(ids.shape[1]):
@@ -176,6 +176,37 @@ def test_moe_batch_equals_each_token_alone_and_groups_restrict_choice():
     assert close(batch, dense)
     # With 4 groups of 2 experts and 2 groups kept, chosen experts span at most 2 groups.
     assert all(len(set((ids[t] // 2).tolist())) <= 2 for t in range(T))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_moe_shared_expert_adds_its_swiglu_scaled_by_the_gate(gated):
+    g = torch.Generator().manual_seed(2)
+    T, Dm, E, I, S = 5, 16, 4, 8, 12
+    x = torch.randn(T, Dm, generator=g)
+    router = torch.randn(E, Dm, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, Dm, generator=g) * 0.1, torch.randn(E, Dm, I, generator=g) * 0.1
+    sw13, sw2 = torch.randn(2 * S, Dm, generator=g) * 0.1, torch.randn(Dm, S, generator=g) * 0.1
+    gate = torch.randn(1, Dm, generator=g) if gated else None
+    tail = (2, "softmax", True, 1.0, 1, 1)
+    routed = moe_reference(x, router, None, w13, w2, None, None, None, *tail)
+    with_shared = moe_reference(x, router, None, w13, w2, sw13, sw2, gate, *tail)
+    swiglu = (F.silu(x @ sw13[:S].t()) * (x @ sw13[S:].t())) @ sw2.t()
+    scale = torch.sigmoid(x @ gate.t()) if gated else 1.0
+    assert close(with_shared, routed + scale * swiglu)
+
+
+def test_moe_refuses_a_half_given_or_misshapen_shared_expert():
+    x, router = torch.randn(3, 16), torch.randn(4, 16)
+    w13, w2 = torch.randn(4, 16, 16), torch.randn(4, 16, 8)
+    sw13, sw2, gate = torch.randn(24, 16), torch.randn(16, 12), torch.randn(1, 16)
+    tail = (2, "softmax", True, 1.0, 1, 1)
+    for bad, match in [((sw13, None, None), r"needs both shared_w13 and shared_w2 \(got only \['shared_w13'\]\)"),
+                       ((None, None, gate), r"got only \['shared_gate'\]"),
+                       ((sw13, torch.randn(16, 10), None), r"shared_w2 \[16, 10\] is not \[D=16, S=12\]"),
+                       ((torch.randn(24, 8), sw2, None), r"shared_w13 \[24, 8\] is not \[2S, D=16\]"),
+                       ((sw13, sw2, torch.randn(16)), r"shared_gate \[16\] is not \[1, D=16\]")]:
+        with pytest.raises(ValueError, match=match):
+            moe_reference(x, router, None, w13, w2, *bad, *tail)
 
 
 def test_softmax_routing_renormalised_weights_sum_to_scale():

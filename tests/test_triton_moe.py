@@ -6,7 +6,8 @@ CUDA (the GPU machine, where all test modules are collected in one process) the 
 off and the same checks run on the GPU: float32 dots use input_precision "ieee" there, so the
 tolerance is the same. Dimensions are small and deliberately not multiples of the tiles (D=48,
 I=24 with 16/32 tiles) so the masked edges run. Each check draws fresh random inputs (on the CPU,
-then moved) and poisons `out` with NaN first.
+then moved) and poisons `out` with NaN first. Shared experts come gated and ungated, as wide as
+one routed expert, two, and 40 channels (two chunks, the last one 16 wide: its masked tail runs).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_av
 
 from runtime.backends.cpu_reference import CPUReferenceBackend, moe_reference, route_topk  # noqa: E402
 from runtime.backends.triton_moe import (  # noqa: E402
-    GemmConfig, MoEConfig, TritonMoEBackend, config_file_name, default_config, fused_moe, route, sort_tokens,
+    GemmConfig, MoEConfig, TritonMoEBackend, config_file_name, default_config, fused_moe, route, shared_chunks,
+    sort_tokens,
 )
 
 DEV = torch.device("cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda")
@@ -47,12 +49,21 @@ ROUTINGS = {
 }
 
 
-def _layer(g: torch.Generator, E: int, bias: bool):
+# Shared experts: (width S, gated). S = I is one chunk, 2I two, 40 two with a 16-channel tail.
+SHARED = {"none": (0, False), "gated_S=I": (I, True), "ungated_S=2I": (2 * I, False), "gated_S=40": (40, True)}
+
+
+def _layer(g: torch.Generator, E: int, bias: bool, shared: str = "none"):
+    """(router, bias, w13, w2, shared_w13, shared_w2, shared_gate): the moe op's weights in schema order."""
     router = torch.randn(E, D, generator=g) * 0.3
     b = torch.randn(E, generator=g) * 0.1 if bias else None
     w13 = torch.randn(E, 2 * I, D, generator=g) * 0.2
     w2 = torch.randn(E, D, I, generator=g) * 0.2
-    return router, b, w13, w2
+    S, gated = SHARED[shared]
+    sw13 = torch.randn(2 * S, D, generator=g) * 0.2 if S else None
+    sw2 = torch.randn(D, S, generator=g) * 0.2 if S else None
+    gate = torch.randn(1, D, generator=g) * 0.3 if gated else None
+    return router, b, w13, w2, sw13, sw2, gate
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,17 +83,67 @@ def _on(*tensors):
 def test_fused_moe_matches_reference(T, E, top_k, routing):
     g = torch.Generator().manual_seed(1000 * T + 10 * E + top_k + len(routing))
     scoring, bias, groups, topk_groups = ROUTINGS[routing](E)
-    router, b, w13, w2 = _layer(g, E, bias)
+    layer = _layer(g, E, bias)
     x = torch.randn(T, D, generator=g)
-    args = (router, b, w13, w2, top_k, scoring, True, 2.5, groups, topk_groups)
-    ref = moe_reference(x, *args)
-    # T=1 runs both paths; larger T the sorted path (and the token path at T=3).
-    configs = [TOKEN, TOKEN_NARROW, SORTED] if T == 1 else ([SORTED, TOKEN] if T == 3 else [SORTED])
-    for config in configs:
+    tail = (top_k, scoring, True, 2.5, groups, topk_groups)
+    ref = moe_reference(x, *layer, *tail)
+    for config in _configs(T):
         out = torch.full((T, D), float("nan"), device=DEV)
-        fused_moe(*_on(x, router, b, w13, w2, out), top_k, scoring, True, 2.5, groups, topk_groups, config)
+        fused_moe(*_on(x, *layer, out), *tail, config)
         assert torch.isfinite(out).all(), f"{config.path}: rows left unwritten"
         assert _rel(out, ref) <= 1e-4, f"{config.path}: rel err {_rel(out, ref):.2e}"
+
+
+def _configs(T: int) -> list:
+    """T=1 runs both paths; larger T the sorted path (and the token path at T=3)."""
+    return [TOKEN, TOKEN_NARROW, SORTED] if T == 1 else ([SORTED, TOKEN] if T == 3 else [SORTED])
+
+
+# bf16: operands, h, y and out rounded to bf16 (the interpreter truncates), against float32 math
+# on the same bf16 values.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shared", [s for s in SHARED if s != "none"])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_fused_moe_with_a_shared_expert_matches_reference(T, shared, dtype):
+    g = torch.Generator().manual_seed(100 * T + len(shared))
+    E, top_k = 8, 2
+    layer = [t if t is None else t.to(dtype) for t in _layer(g, E, True, shared)]
+    x = torch.randn(T, D, generator=g).to(dtype)
+    tail = (top_k, "sigmoid", True, 2.5, 4, 2)
+    ref = moe_reference(*[t if t is None else t.float() for t in (x, *layer)], *tail)
+    for config in _configs(T):
+        out = torch.full((T, D), float("nan"), device=DEV, dtype=dtype)
+        fused_moe(*_on(x, *layer, out), *tail, config)
+        err = _rel(out, ref)
+        print(f"shared {shared} T={T} {dtype} {config.path}: rel err {err:.2e}")
+        assert torch.isfinite(out).all(), f"{config.path}: rows left unwritten"
+        assert err <= TOLERANCE[dtype], f"{config.path}: rel err {err:.2e}"
+
+
+def test_router_appends_the_shared_chunks_with_the_gate_weight():
+    g = torch.Generator().manual_seed(21)
+    E, T, k, n_real = 8, 6, 2, 4
+    router, b, _, _, sw13, _, gate = _layer(g, E, True, "gated_S=40")
+    n_shared = shared_chunks(sw13.shape[0] // 2, I)
+    assert n_shared == 2
+    x = torch.randn(T, D, generator=g)
+    counts = torch.zeros(E + n_shared, dtype=torch.int32, device=DEV)
+    ids, w = (t.cpu() for t in route(*_on(x, router, b), k, "sigmoid", True, 2.5, 4, 2, n_real=n_real,
+                                     counts=counts, n_shared=n_shared, shared_gate=gate.to(DEV)))
+    rids, rw = route_topk(x[:n_real], router, b, k, "sigmoid", True, 2.5, 4, 2)
+    assert ids.shape == w.shape == (T, k + n_shared)
+    assert torch.equal(ids[:n_real, :k].long(), rids) and torch.allclose(w[:n_real, :k], rw, rtol=1e-5, atol=1e-7)
+    # Slots k.. name chunks E, E+1 with weight sigmoid(x . gate); padding rows the sentinel, weight 0.
+    assert (ids[:n_real, k:] == torch.tensor([E, E + 1], dtype=torch.int32)).all()
+    g_ref = torch.sigmoid(x[:n_real] @ gate[0])
+    assert torch.allclose(w[:n_real, k:], g_ref[:, None].expand(n_real, n_shared), rtol=1e-5, atol=1e-7)
+    assert (ids[n_real:] == E + n_shared).all() and (w[n_real:] == 0).all()
+    # Every real token takes every chunk once; the routed counts are exact.
+    expected = torch.bincount(rids.reshape(-1), minlength=E).tolist() + [n_real] * n_shared
+    assert counts.cpu().tolist() == expected
 
 
 def test_router_matches_route_topk_ids_and_weights():
@@ -158,16 +219,17 @@ def test_sort_tokens_bound_is_static_and_holds_for_one_expert_or_all():
 def test_unused_experts_weights_never_reach_the_output():
     g = torch.Generator().manual_seed(11)
     E, T, k = 8, 3, 2
-    router, _, w13, w2 = _layer(g, E, False)
+    router, _, w13, w2, sw13, sw2, gate = _layer(g, E, False, "gated_S=I")
     x = torch.randn(T, D, generator=g)
     ids, _ = route_topk(x, router, None, k, "softmax", True, 1.0, 1, 1)
     unused = [e for e in range(E) if e not in ids.unique().tolist()]
     assert unused
     w13[unused], w2[unused] = float("nan"), float("nan")
-    ref = moe_reference(x, router, None, w13, w2, k, "softmax", True, 1.0, 1, 1)
+    layer = (router, None, w13, w2, sw13, sw2, gate)
+    ref = moe_reference(x, *layer, k, "softmax", True, 1.0, 1, 1)
     for config in (SORTED, TOKEN):
         out = torch.full((T, D), float("nan"), device=DEV)
-        fused_moe(*_on(x, router, None, w13, w2, out), k, "softmax", True, 1.0, 1, 1, config)
+        fused_moe(*_on(x, *layer, out), k, "softmax", True, 1.0, 1, 1, config)
         assert torch.isfinite(out).all() and _rel(out, ref) <= 1e-4
 
 
@@ -179,14 +241,14 @@ def _ctx(query_lens, num_tokens):
                                  num_seqs=len(query_lens) + 1)
 
 
+@pytest.mark.parametrize("shared", ["none", "gated_S=40"])
 @pytest.mark.parametrize("replayed", [False, True])
-def test_backend_zeroes_padding_rows_like_the_cpu_reference(replayed):
+def test_backend_zeroes_padding_rows_like_the_cpu_reference(replayed, shared):
     g = torch.Generator().manual_seed(12)
     E, T = 4, 6
-    router, b, w13, w2 = _layer(g, E, True)
+    op_args = _layer(g, E, True, shared)
     x = torch.randn(T, D, generator=g)
     ctx = _ctx([2, 2], T)
-    op_args = (router, b, w13, w2)
     tail = (0, 2, "sigmoid", True, 1.0, 2, 1)
     expected = torch.full((T, D), float("nan"))
     CPUReferenceBackend.moe(None, ctx, x, *op_args, expected, *tail)
@@ -234,12 +296,12 @@ def test_backend_moe_has_the_cpu_reference_signature():
 def test_results_are_deterministic_bit_for_bit():
     g = torch.Generator().manual_seed(13)
     E, T = 8, 17
-    router, b, w13, w2 = _layer(g, E, False)
+    layer = _layer(g, E, False, "ungated_S=2I")
     x = torch.randn(T, D, generator=g)
     outs = []
     for _ in range(2):
         out = torch.empty(T, D, device=DEV)
-        fused_moe(*_on(x, router, b, w13, w2, out), 2, "softmax", True, 1.0, 1, 1, SORTED)
+        fused_moe(*_on(x, *layer, out), 2, "softmax", True, 1.0, 1, 1, SORTED)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 

@@ -30,7 +30,7 @@ import torch
 from .policy import Capture, Mode
 from .registry import LayerKind
 
-__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "op_spec", "is_hgc_op", "op_name_of"]
+__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "op_spec", "is_hgc_op", "op_name_of", "moe_shared_width"]
 
 _LIB = torch.library.Library("hgc", "FRAGMENT")  # noqa: the namespace our ops live in
 
@@ -116,17 +116,41 @@ _declare(
 )
 _declare(
     "moe",
-    "(Tensor x, Tensor router_weight, Tensor? router_bias, Tensor w13, Tensor w2, Tensor(a!) out,"
-    " int layer_id, int top_k, str scoring, bool renormalize, float routed_scale, int num_groups,"
-    " int topk_groups) -> ()",
+    "(Tensor x, Tensor router_weight, Tensor? router_bias, Tensor w13, Tensor w2, Tensor? shared_w13,"
+    " Tensor? shared_w2, Tensor? shared_gate, Tensor(a!) out, int layer_id, int top_k, str scoring,"
+    " bool renormalize, float routed_scale, int num_groups, int topk_groups) -> ()",
     set(), False, _ALWAYS_CAPTURABLE,
-    "Routed experts: router top-k and expert SwiGLU MLPs. x [T,D], router_weight [E,D], "
-    "router_bias [E] (added to the scores for selection only) or None, w13 [E,2I,D] (gate rows "
-    "then up rows), w2 [E,D,I], out [T,D]. scoring 'softmax' or 'sigmoid'; with num_groups > 1 "
-    "only the topk_groups best groups (by the sum of their two best biased scores) compete. "
-    "Weights are the unbiased scores of the chosen experts, renormalised if asked, times "
-    "routed_scale. Shared experts stay in the graph.",
+    "The MoE block: router top-k, routed expert SwiGLU MLPs and the shared expert. x [T,D], "
+    "router_weight [E,D], router_bias [E] (added to the scores for selection only) or None, w13 "
+    "[E,2I,D] (gate rows then up rows), w2 [E,D,I], out [T,D]. scoring 'softmax' or 'sigmoid'; with "
+    "num_groups > 1 only the topk_groups best groups (by the sum of their two best biased scores) "
+    "compete. Routed weights are the unbiased scores of the chosen experts, renormalised if asked, "
+    "times routed_scale. Shared expert (every token, never routed): shared_w13 [2S,D] (gate rows then "
+    "up rows) and shared_w2 [D,S], both None for a block without one; shared_gate [1,D] or None. "
+    "out = routed + g * SwiGLU_shared(x) with g = sigmoid(x @ shared_gate^T), or 1 without a gate.",
 )
+
+
+def moe_shared_width(shared_w13, shared_w2, shared_gate, hidden: int) -> int:
+    """Width S of the moe op's shared expert (0: none), after checking its three tensors agree.
+
+    The one statement of the shared-expert shapes: backends call it before computing anything.
+    """
+    if shared_w13 is None or shared_w2 is None:
+        given = [n for n, t in (("shared_w13", shared_w13), ("shared_w2", shared_w2), ("shared_gate", shared_gate))
+                 if t is not None]
+        if given:
+            raise ValueError(f"moe: a shared expert needs both shared_w13 and shared_w2 (got only {given})")
+        return 0
+    if shared_w13.dim() != 2 or shared_w13.shape[0] % 2 or shared_w13.shape[1] != hidden:
+        raise ValueError(f"moe: shared_w13 {list(shared_w13.shape)} is not [2S, D={hidden}]")
+    S = shared_w13.shape[0] // 2
+    if tuple(shared_w2.shape) != (hidden, S):
+        raise ValueError(f"moe: shared_w2 {list(shared_w2.shape)} is not [D={hidden}, S={S}] (S from shared_w13)")
+    if shared_gate is not None and tuple(shared_gate.shape) != (1, hidden):
+        raise ValueError(f"moe: shared_gate {list(shared_gate.shape)} is not [1, D={hidden}]")
+    return S
+
 
 OPS_BY_KIND: dict[LayerKind, tuple[str, ...]] = {
     kind: tuple(name for name, spec in OP_SPECS.items() if kind in spec.kinds) for kind in LayerKind

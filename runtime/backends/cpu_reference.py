@@ -16,14 +16,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiler.splitops import OP_SPECS
+from compiler.splitops import OP_SPECS, moe_shared_width
 from runtime.backends.capability import BackendCapability
 from runtime.backends.protocol import BackendHooks, check_backend
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
 from runtime.state_pool import StatePool
 
-__all__ = ["CPUReferenceBackend", "gated_recurrence", "moe_reference", "route_topk"]
+__all__ = ["CPUReferenceBackend", "gated_recurrence", "moe_reference", "route_topk", "shared_expert_gate",
+           "swiglu_expert"]
 
 
 def gated_recurrence(q, k, v, log_decay, beta, state, scale):
@@ -73,20 +74,39 @@ def route_topk(x, router_weight, router_bias, top_k, scoring, renormalize, route
     return ids, weights * routed_scale
 
 
-def moe_reference(x, router_weight, router_bias, w13, w2, top_k, scoring, renormalize, routed_scale,
-                  num_groups, topk_groups):
-    """Routed SwiGLU experts with a plain per-expert loop: [T,D] -> [T,D] float32."""
+def moe_reference(x, router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate, top_k, scoring,
+                  renormalize, routed_scale, num_groups, topk_groups):
+    """The moe op with a plain per-expert loop: [T,D] -> [T,D] float32 (arguments in schema order)."""
+    moe_shared_width(shared_w13, shared_w2, shared_gate, x.shape[1])
     ids, weights = route_topk(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale,
                               num_groups, topk_groups)
-    inter = w2.shape[-1]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         rows, which = (ids == e).nonzero(as_tuple=True)
-        h = F.linear(x[rows], w13[e])
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, w2[e]).float()
+        y = swiglu_expert(x[rows], w13[e], w2[e])
         out.index_add_(0, rows, y * weights[rows, which].unsqueeze(-1))
+    if shared_w13 is not None:
+        out += shared_expert_gate(x, shared_gate) * swiglu_expert(x, shared_w13, shared_w2)
     return out
+
+
+def swiglu_expert(x, w13, w2):
+    """One SwiGLU expert, routed or shared: w2 (silu(gate rows of w13 . x) * (up rows of w13 . x)).
+
+    x [T,D], w13 [2I,D], w2 [D,I] -> [T,D] float32. The matmuls run in the inputs' dtype (float32
+    when this is the oracle: tests upcast bf16 values first), the sum over experts in float32.
+    """
+    inter = w2.shape[-1]
+    h = F.linear(x, w13)
+    h = F.silu(h[:, :inter]) * h[:, inter:]
+    return F.linear(h, w2).float()
+
+
+def shared_expert_gate(x, shared_gate):
+    """g [T,1] float32: sigmoid(x . shared_gate) in float32 (like the router's logits), or 1 without a gate."""
+    if shared_gate is None:
+        return torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    return torch.sigmoid(F.linear(x.float(), shared_gate.float()))
 
 
 class CPUReferenceBackend(BackendHooks):
@@ -222,11 +242,11 @@ class CPUReferenceBackend(BackendHooks):
 
     # -- MoE ------------------------------------------------------------------------------
 
-    def moe(self, ctx, x, router_weight, router_bias, w13, w2, out, layer_id, top_k, scoring, renormalize,
-            routed_scale, num_groups, topk_groups):
+    def moe(self, ctx, x, router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate, out, layer_id,
+            top_k, scoring, renormalize, routed_scale, num_groups, topk_groups):
         n = ctx.num_real_tokens if ctx is not None else x.shape[0]
-        out[:n] = moe_reference(x[:n], router_weight, router_bias, w13, w2, top_k, scoring, renormalize,
-                                routed_scale, num_groups, topk_groups).to(out.dtype)
+        out[:n] = moe_reference(x[:n], router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate,
+                                top_k, scoring, renormalize, routed_scale, num_groups, topk_groups).to(out.dtype)
         out[n:].zero_()
 
 

@@ -128,10 +128,11 @@ class HybridBackend(BackendHooks):
     def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
         return self._owner["short_conv"].short_conv(ctx, x, weight, bias, out, layer_id, silu)
 
-    def moe(self, ctx, x, router_weight, router_bias, w13, w2, out, layer_id, top_k, scoring, renormalize,
-            routed_scale, num_groups, topk_groups):
-        return self._owner["moe"].moe(ctx, x, router_weight, router_bias, w13, w2, out, layer_id, top_k, scoring,
-                                      renormalize, routed_scale, num_groups, topk_groups)
+    def moe(self, ctx, x, router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate, out, layer_id,
+            top_k, scoring, renormalize, routed_scale, num_groups, topk_groups):
+        return self._owner["moe"].moe(ctx, x, router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate,
+                                      out, layer_id, top_k, scoring, renormalize, routed_scale, num_groups,
+                                      topk_groups)
 
 
 _unrouted = [op for op in OP_SPECS if getattr(HybridBackend, op) is getattr(BackendHooks, op)]

@@ -155,8 +155,8 @@ _PROTOCOL_ARGS: dict[str, tuple[str, ...]] = {
     "kda_core": ("ctx", "q", "k", "v", "g", "beta", "out", "layer_id", "scale"),
     "lightning_core": ("ctx", "q", "k", "v", "decay", "out", "layer_id", "scale"),
     "short_conv": ("ctx", "x", "weight", "bias", "out", "layer_id", "silu"),
-    "moe": ("ctx", "x", "router_weight", "router_bias", "w13", "w2", "out", "layer_id", "top_k", "scoring",
-            "renormalize", "routed_scale", "num_groups", "topk_groups"),
+    "moe": ("ctx", "x", "router_weight", "router_bias", "w13", "w2", "shared_w13", "shared_w2", "shared_gate",
+            "out", "layer_id", "top_k", "scoring", "renormalize", "routed_scale", "num_groups", "topk_groups"),
 }
 assert set(_PROTOCOL_ARGS) == set(HOOK_NAMES + OP_NAMES), "every hook and op needs its protocol arguments"
 
