@@ -299,6 +299,23 @@ def bench_ms(fn, reps: int) -> float:
     return do_bench(fn, warmup=max(5, reps // 4), rep=reps, return_mode="median")
 
 
+def device_busy_ms(fn, reps: int = 20) -> float | None:
+    """Milliseconds of GPU kernel time per call of fn (the profiler's kernel durations summed), or
+    None off the GPU. Set against bench_ms (wall time per call), it splits an extend step into the
+    kernels' own time and the host's planning and launching, which an eager step waits on."""
+    if not is_cuda():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    busy_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return busy_us / 1e3 / reps
+
+
 def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool) -> list[dict]:
     reg = registry(spec)
     rows = []
@@ -322,6 +339,7 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
 
         ours()  # compile / autotune outside the timing
         ms = bench_ms(ours, 100)
+        kernel_ms = device_busy_ms(ours)
         nbytes, flops = bytes_and_flops(spec, T, R)
         floor_bw = nbytes / env["copy_bytes_per_s"] * 1e3
         floor_fl = flops / env["matmul_flops_per_s"] * 1e3
@@ -340,10 +358,12 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
             ref_ms = (time.perf_counter() - t0) * 1e3
         row = {"family": name, "tokens": T, "requests": R, "ours_ms": ms, "floor_ms": floor,
                "floor_bytes_ms": floor_bw, "floor_flops_ms": floor_fl, "bytes": nbytes, "flops": flops,
-               "x_floor": ms / floor, "torch_ref_gpu_ms": ref_ms,
+               "x_floor": ms / floor, "kernel_ms": kernel_ms,
+               "kernel_x_floor": None if kernel_ms is None else kernel_ms / floor, "torch_ref_gpu_ms": ref_ms,
                "ref_over_ours": None if ref_ms is None else ref_ms / ms}
         rows.append(row)
-        log(f"  {name} T={T} R={R}: {ms * 1e3:.1f} us, floor {floor * 1e3:.1f} us "
+        log(f"  {name} T={T} R={R}: {ms * 1e3:.1f} us (kernels {fmt(None if kernel_ms is None else kernel_ms * 1e3)} us), "
+            f"floor {floor * 1e3:.1f} us "
             f"(bytes {floor_bw * 1e3:.1f}, flops {floor_fl * 1e3:.1f}), x{ms / floor:.2f}; torch ref "
             f"{'n/a' if ref_ms is None else f'{ref_ms:.1f} ms'}")
         del pool, ref_pool
@@ -517,13 +537,16 @@ def table(results: dict) -> str:
         for k in ("check_error", "error", "timing_error"):
             if k in r:
                 lines.append(f"| {name} | {k} | {str(r[k])[:160]} | | no |")
-    lines += ["", "extend step timing (eager; ms): ours vs floor = max(bytes / copy, FLOPs / matmul), torch ref on GPU",
-              "| family | T | requests | ours ms | floor ms (bytes / flops) | x floor | torch ref ms | ref / ours |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "extend step timing (eager; ms): ours (wall, planning included) and its kernels alone (profiler),"
+              " vs floor = max(bytes / copy, FLOPs / matmul), torch ref on GPU",
+              "| family | T | requests | ours ms | kernels ms | floor ms (bytes / flops) | x floor | kernels x floor |"
+              " torch ref ms | ref / ours |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in fams.items():
         for t in r.get("timing", []):
-            lines.append(f"| {name} | {t['tokens']} | {t['requests']} | {t['ours_ms']:.3f} | {t['floor_ms']:.3f} "
-                         f"({t['floor_bytes_ms']:.3f} / {t['floor_flops_ms']:.3f}) | {t['x_floor']:.1f} | "
+            lines.append(f"| {name} | {t['tokens']} | {t['requests']} | {t['ours_ms']:.3f} | {fmt(t.get('kernel_ms'), '.3f')} "
+                         f"| {t['floor_ms']:.3f} ({t['floor_bytes_ms']:.3f} / {t['floor_flops_ms']:.3f}) | "
+                         f"{t['x_floor']:.1f} | {fmt(t.get('kernel_x_floor'))} | "
                          f"{fmt(t['torch_ref_gpu_ms'])} | {fmt(t['ref_over_ours'], '.0f')} |")
     py = results.get("pytest", {})
     lines.append("")

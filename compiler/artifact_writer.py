@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from compiler.passes.base import CompileError
-from compiler.splitops import MODES
+from compiler.splitops import MODES, op_schemas
 from compiler.splitops.artifact import (FORMAT_NAME, FORMAT_VERSION, LINTS, MANIFEST, PROGRAM_FILES,
                                         PROGRAM_INPUTS, ROUTING, SPLIT, WEIGHT_MAP, WEIGHTS, dump_json,
                                         safetensors_header, sha256_file, split_doc, weights_doc)
@@ -243,6 +243,7 @@ def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, link: bo
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "versions": {"hgc": hgc_version(), "torch": torch.__version__, "python": platform.python_version()},
+        "op_schemas": op_schemas(),
         "family": traced.family.name,
         "model_type": traced.config.get("model_type"),
         "config": traced.config,

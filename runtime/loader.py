@@ -72,7 +72,7 @@ import torch.utils._pytree as pytree
 import torch.utils._sympy.functions as sympy_functions
 from torch.export.graph_signature import InputKind, OutputKind
 
-from compiler.splitops import LayerRegistry, Mode, op_name_of  # also registers the hgc ops graphs call
+from compiler.splitops import LayerRegistry, Mode, op_name_of, op_schemas  # also registers the hgc ops graphs call
 from compiler.splitops.artifact import (DRAFT_GRAPH, GRAPH, LINTS, MANIFEST, PROGRAM_FILES,
                                         PROGRAM_INPUTS, ROUTING, SPLIT, WEIGHT_MAP, WEIGHTS, ArtifactFormatError,
                                         ParamSource, SplitPlan, apply_split_plan, check_format, load_json,
@@ -122,6 +122,22 @@ def _listed_files(root: Path) -> list[str]:
     return sorted(out)
 
 
+def _check_op_schemas(root: Path, manifest: dict) -> None:
+    """The programs call hgc ops positionally in the schemas they were traced with: refuse an
+    artifact whose ops differ from this runtime's, naming each op that changed."""
+    recorded = manifest.get("op_schemas")
+    if not isinstance(recorded, dict):
+        raise LoadError(f"{root / MANIFEST}: no 'op_schemas' (compiled by an hgc that did not record its op "
+                        f"vocabulary): recompile the checkpoint with this hgc")
+    here = op_schemas()
+    changed = sorted(name for name in set(recorded) | set(here) if recorded.get(name) != here.get(name))
+    if changed:
+        detail = "; ".join(f"hgc.{n}: artifact {recorded.get(n, 'absent')}, runtime {here.get(n, 'absent')}"
+                           for n in changed[:2])
+        raise LoadError(f"{root}: compiled for other hgc op schemas ({', '.join(changed)} changed: {detail}); "
+                        f"recompile the checkpoint with this hgc")
+
+
 def read_artifact(path: str | os.PathLike, verify_hashes: bool = True) -> ArtifactDocs:
     root = Path(path)
     if not root.is_dir():
@@ -133,6 +149,7 @@ def read_artifact(path: str | os.PathLike, verify_hashes: bool = True) -> Artifa
     for field in ("versions", "family", "registry", "programs", "files", "weights"):
         if field not in manifest:
             raise LoadError(f"{root / MANIFEST}: field {field!r} missing")
+    _check_op_schemas(root, manifest)
     built, here = manifest["versions"].get("torch", "?"), torch.__version__
     if _torch_release(built) != _torch_release(here):
         raise LoadError(f"{root}: compiled with torch {built}, this runtime has torch {here}; .pt2 programs are not "

@@ -50,12 +50,22 @@ def unknown_format_version(art):
     path.write_text(json.dumps(doc))
 
 
+def older_moe_schema(art):
+    """An artifact traced when hgc.moe had no shared-expert arguments."""
+    path = art / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["op_schemas"]["moe"] = doc["op_schemas"]["moe"].replace("Tensor? shared_w13, Tensor? shared_w2, "
+                                                                 "Tensor? shared_gate, ", "")
+    path.write_text(json.dumps(doc))
+
+
 @pytest.mark.parametrize("damage, message", [
     (flip_a_weight_byte, r"weights.safetensors.*(SHA-256|modified)"),
     (truncate_graph, r"graph.pt2.*(SHA-256|modified)"),
     (drop_manifest, r"manifest.json"),
     (edit_routing, r"routing.json.*(SHA-256|modified)"),
     (unknown_format_version, r"format"),
+    (older_moe_schema, r"other hgc op schemas \(moe changed.*recompile"),
 ])
 def test_damaged_artifact_is_refused(artifact, tmp_path, damage, message):
     art = tmp_path / "art"

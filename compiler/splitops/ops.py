@@ -30,7 +30,7 @@ import torch
 from .policy import Capture, Mode
 from .registry import LayerKind
 
-__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "op_spec", "is_hgc_op", "op_name_of", "moe_shared_width"]
+__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "op_spec", "is_hgc_op", "op_name_of", "op_schemas", "moe_shared_width"]
 
 _LIB = torch.library.Library("hgc", "FRAGMENT")  # noqa: the namespace our ops live in
 
@@ -155,6 +155,12 @@ def moe_shared_width(shared_w13, shared_w2, shared_gate, hidden: int) -> int:
 OPS_BY_KIND: dict[LayerKind, tuple[str, ...]] = {
     kind: tuple(name for name, spec in OP_SPECS.items() if kind in spec.kinds) for kind in LayerKind
 }
+
+
+def op_schemas() -> dict[str, str]:
+    """Each hgc op's registered schema: an artifact records them, and a runtime whose ops differ
+    refuses it (a .pt2 program calls its ops positionally, in the schema it was traced with)."""
+    return {name: str(getattr(torch.ops.hgc, name).default._schema) for name in OP_SPECS}
 
 
 def op_spec(name: str) -> OpSpec:

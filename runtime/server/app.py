@@ -268,6 +268,28 @@ class ServerState:
                 "duration_count": self.duration[1], "healthy": self.healthy, "draining": self.draining}
 
 
+async def _events(state, generation: Generation, chunk, usage, opening: dict | None = None):
+    """The SSE events of one streamed generation, for either endpoint.
+
+    An opening chunk (chat's role), one chunk per delta (`chunk(text, token_ids, finish)`), the
+    closing chunk (`chunk(None, [], finish_reason)`), the usage chunk when asked
+    (`usage(completion_tokens)`), then [DONE]. An engine failure ends the stream with an error
+    event instead: the status line was sent long ago.
+    """
+    try:
+        if opening is not None:
+            yield sse_event(opening)
+        async for delta in generation.deltas():
+            yield sse_event(chunk(delta.text, delta.token_ids, None))
+        yield sse_event(chunk(None, [], generation.finish_reason))
+        if usage is not None:
+            yield sse_event(usage(len(generation.token_ids)))
+    except EngineLoopError as e:
+        state.errors[500] += 1
+        yield sse_event(_engine_error_body(e))
+    yield SSE_DONE
+
+
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -373,22 +395,13 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         generation = await state.submit(prompt_ids, params, req.stop or [], "completions")
         rid, created, model = generation.request_id, now(), served.name
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
+            def chunk(text, token_ids, finish):  # text None: the closing chunk
+                return completion_chunk(rid, model, created, text or "", token_ids, finish)
 
-            async def events():
-                try:
-                    async for delta in generation.deltas():
-                        yield sse_event(completion_chunk(rid, model, created, delta.text, delta.token_ids, None))
-                    yield sse_event(completion_chunk(rid, model, created, "", [], generation.finish_reason))
-                    if usage:
-                        yield sse_event(usage_chunk(rid, model, created, "text_completion", len(prompt_ids),
-                                                    len(generation.token_ids)))
-                except EngineLoopError as e:
-                    state.errors[500] += 1
-                    yield sse_event(_engine_error_body(e))
-                yield SSE_DONE
-
-            return EventStreamResponse(events(), generation.close)
+            usage = None  # or usage(completion_tokens) -> the usage chunk
+            if req.stream_options and req.stream_options.include_usage:
+                usage = functools.partial(usage_chunk, rid, model, created, "text_completion", len(prompt_ids))
+            return EventStreamResponse(_events(state, generation, chunk, usage), generation.close)
         if not await _collect(request, generation):
             return Response(status_code=499)  # nobody is listening; the status is for the access log
         return completion_body(rid, model, created, generation.text, generation.token_ids, generation.finish_reason,
@@ -405,24 +418,14 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         generation = await state.submit(prompt_ids, params, req.stop or [], "chat")
         rid, created, model = generation.request_id, now(), served.name
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
+            def chunk(text, token_ids, finish):  # text None: the closing chunk
+                return chat_chunk(rid, model, created, {} if text is None else {"content": text}, token_ids, finish)
 
-            async def events():
-                try:
-                    yield sse_event(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, [], None))
-                    async for delta in generation.deltas():
-                        yield sse_event(chat_chunk(rid, model, created, {"content": delta.text}, delta.token_ids,
-                                                   None))
-                    yield sse_event(chat_chunk(rid, model, created, {}, [], generation.finish_reason))
-                    if usage:
-                        yield sse_event(usage_chunk(rid, model, created, "chat.completion.chunk", len(prompt_ids),
-                                                    len(generation.token_ids)))
-                except EngineLoopError as e:
-                    state.errors[500] += 1
-                    yield sse_event(_engine_error_body(e))
-                yield SSE_DONE
-
-            return EventStreamResponse(events(), generation.close)
+            usage = None  # or usage(completion_tokens) -> the usage chunk
+            if req.stream_options and req.stream_options.include_usage:
+                usage = functools.partial(usage_chunk, rid, model, created, "chat.completion.chunk", len(prompt_ids))
+            opening = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, [], None)
+            return EventStreamResponse(_events(state, generation, chunk, usage, opening), generation.close)
         if not await _collect(request, generation):
             return Response(status_code=499)
         return chat_body(rid, model, created, generation.text, generation.token_ids, generation.finish_reason,
