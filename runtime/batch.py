@@ -12,7 +12,9 @@ Padding (`pad_tokens_to`, `pad_seqs_to`) is done here and only here: padded toke
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
+import numpy as np
 import torch
 
 from compiler.splitops import Mode
@@ -50,7 +52,12 @@ def step_mode(query_lens: list[int], cache_lens: list[int]) -> Mode:
 def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device="cpu",
                mode: Mode | None = None, pad_tokens_to: int | None = None,
                pad_seqs_to: int | None = None, max_pages: int | None = None) -> StepInputs:
-    """items: (request state, new token ids) for each request of the step, in order."""
+    """items: (request state, new token ids) for each request of the step, in order.
+
+    Every step of the engine passes through here on the host, so the layout is computed with
+    whole-array numpy operations (one per field) rather than per-request torch calls: at 128
+    decoding requests that is the difference between a fraction of a millisecond and several.
+    """
     assert items, "a step needs at least one request"
     ps = kv_pool.page_size
     query_lens = [len(tokens) for _, tokens in items]
@@ -61,45 +68,43 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
         if need > 0:
             seq.pages.extend(kv_pool.alloc(need))
 
-    T = sum(query_lens)
-    B = len(items)
+    B, T = len(items), sum(query_lens)
     T_pad = max(T, pad_tokens_to or 0)
     B_pad = max(B, pad_seqs_to or 0)
     P = max(max_pages or 0, max(len(seq.pages) for seq, _ in items), 1)
 
-    input_ids = torch.zeros(T_pad, dtype=torch.long)
-    positions = torch.zeros(T_pad, dtype=torch.long)
-    slot_mapping = torch.full((T_pad,), -1, dtype=torch.long)
-    query_start_loc = torch.zeros(B_pad + 1, dtype=torch.int32)
-    seq_lens = torch.zeros(B_pad, dtype=torch.int32)
-    state_slots = torch.full((B_pad,), PADDING_SLOT, dtype=torch.long)
-    page_table = torch.zeros(B_pad, P, dtype=torch.int32)
-    logits_index = torch.zeros(B, dtype=torch.long)
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    cached = np.asarray(cache_lens, dtype=np.int64)
+    starts = np.zeros(B_pad + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=starts[1:B + 1])
+    starts[B + 1:] = T  # padded requests own no rows
+    page_table = np.zeros((B_pad, P), dtype=np.int64)
+    for b, (seq, _) in enumerate(items):
+        page_table[b, : len(seq.pages)] = seq.pages
+    row_req = np.repeat(np.arange(B), q_lens)
+    positions = np.zeros(T_pad, dtype=np.int64)
+    positions[:T] = np.arange(T) - starts[row_req] + cached[row_req]
+    slot_mapping = np.full(T_pad, -1, dtype=np.int64)
+    slot_mapping[:T] = page_table[row_req, positions[:T] // ps] * ps + positions[:T] % ps
+    input_ids = np.zeros(T_pad, dtype=np.int64)
+    input_ids[:T] = np.fromiter(itertools.chain.from_iterable(tokens for _, tokens in items), np.int64, T)
+    seq_lens = np.zeros(B_pad, dtype=np.int32)
+    seq_lens[:B] = cached + q_lens
+    state_slots = np.full(B_pad, PADDING_SLOT, dtype=np.int64)
+    state_slots[:B] = [seq.slot for seq, _ in items]
 
-    row = 0
-    for b, (seq, tokens) in enumerate(items):
-        n = len(tokens)
-        pos = torch.arange(seq.num_cached, seq.num_cached + n)
-        pages = torch.tensor(seq.pages, dtype=torch.long)
-        input_ids[row:row + n] = torch.tensor(tokens, dtype=torch.long)
-        positions[row:row + n] = pos
-        slot_mapping[row:row + n] = pages[pos // ps] * ps + pos % ps
-        seq_lens[b] = seq.num_cached + n
-        state_slots[b] = seq.slot
-        page_table[b, : len(seq.pages)] = pages.to(torch.int32)
-        row += n
-        query_start_loc[b + 1] = row
-        logits_index[b] = row - 1
-    query_start_loc[B + 1:] = row  # padded requests own no rows
+    def dev(a: np.ndarray, dtype=None) -> torch.Tensor:
+        t = torch.from_numpy(a if dtype is None else a.astype(dtype))
+        return t.to(device)
 
     ctx = ExecContext(
         mode=mode or step_mode(query_lens, cache_lens), query_lens=query_lens, cache_lens=cache_lens,
-        query_start_loc=query_start_loc.to(device), seq_lens=seq_lens.to(device),
-        state_slots=state_slots.to(device), page_table=page_table.to(device),
-        slot_mapping=slot_mapping.to(device), page_size=ps, num_tokens=T_pad, num_seqs=B_pad,
+        query_start_loc=dev(starts, np.int32), seq_lens=dev(seq_lens), state_slots=dev(state_slots),
+        page_table=dev(page_table, np.int32), slot_mapping=dev(slot_mapping), page_size=ps, num_tokens=T_pad,
+        num_seqs=B_pad,
     )
     ctx.check()
-    return StepInputs(input_ids.to(device), positions.to(device), logits_index.to(device), ctx)
+    return StepInputs(dev(input_ids), dev(positions), dev(starts[1:B + 1] - 1), ctx)
 
 
 def commit_step(items: list[tuple[SeqState, list[int]]]) -> None:

@@ -43,7 +43,7 @@ from typing import Callable, Optional
 import torch
 
 from compiler.splitops import Mode, op_spec
-from runtime.batch import SeqState, StepInputs, build_step
+from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.bound_ops import BoundOps
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
@@ -259,12 +259,10 @@ class GraphRunner:
 
     def build(self, items: list[tuple[SeqState, list[int]]], mode: Optional[Mode] = None) -> tuple[StepInputs, Optional[CaptureKey]]:
         """Lay a step out on the host, padded to the key that will run it."""
-        probe = build_step(items, self.kv_pool, "cpu", mode=mode, max_pages=self.max_pages)
-        key = self.key_for(probe.ctx.mode, probe.ctx.num_tokens, probe.ctx.num_seqs)
-        if key is None:
-            return probe, None
-        return build_step(items, self.kv_pool, "cpu", mode=probe.ctx.mode, pad_tokens_to=key.tokens,
-                          pad_seqs_to=key.seqs, max_pages=self.max_pages), key
+        mode = mode or step_mode([len(t) for _, t in items], [seq.num_cached for seq, _ in items])
+        key = self.key_for(mode, sum(len(t) for _, t in items), len(items))
+        padding = {"pad_tokens_to": key.tokens, "pad_seqs_to": key.seqs} if key is not None else {}
+        return build_step(items, self.kv_pool, "cpu", mode=mode, max_pages=self.max_pages, **padding), key
 
     # -- running ---------------------------------------------------------------------------
 
