@@ -328,10 +328,11 @@ class GraphRunner:
         return logits[:real]
 
     def execute(self, items: list[tuple[SeqState, list[int]]]) -> tuple[Mode, torch.Tensor]:
-        """The engine's step: build, dispatch and run; (the step's mode, logits [B, V] on the host)."""
+        """The engine's step: build, dispatch and run; (the step's mode, logits [B, V] on the device).
+
+        After a full graph the logits are the graph's static output: read them before the next step."""
         step, key = self.build(items)
-        logits = self.run(step, key)
-        return step.ctx.mode, logits.float().cpu()  # read now: a full graph's next replay overwrites them
+        return step.ctx.mode, self.run(step, key)
 
     # -- capture ---------------------------------------------------------------------------
 
