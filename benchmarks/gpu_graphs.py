@@ -35,10 +35,9 @@ if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -48,8 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 
+from bench_common import (Stages, compare, decode_batch, greedy, prompts_for, synchronizer,  # noqa: E402
+                          time_ms, write_checkpoint_hd64)
 from compiler.cli import main as hgc  # noqa: E402
-from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
+from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.bound_ops import BoundOps  # noqa: E402
 from runtime.generate import make_pools  # noqa: E402
 from runtime.graph_runner import GraphRunner  # noqa: E402
@@ -61,131 +62,6 @@ MAX_SEQS, MAX_LEN, PAGE = 32, 512, 16
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32)
 EXTEND_BUCKETS = (256, 512)
 EXTEND_MAX_SEQS = 16
-
-
-class Stages:
-    """Runs named stages, records ok / error / seconds, and never lets one failure stop the script."""
-
-    def __init__(self, record: dict):
-        self.record = record
-
-    def __call__(self, name, fn, *args, needs=()):
-        missing = [n for n in needs if self.record.get(n, {}).get("status") != "ok"]
-        if missing:
-            self.record[name] = {"status": "skipped", "reason": f"needs {missing}"}
-            print(f"[{name}] skipped: needs {missing}", flush=True)
-            return None
-        print(f"[{name}] ...", flush=True)
-        t0 = time.perf_counter()
-        try:
-            out = fn(*args)
-            self.record[name] = {"status": "ok", "seconds": round(time.perf_counter() - t0, 3)}
-            print(f"[{name}] ok in {time.perf_counter() - t0:.2f} s", flush=True)
-            return out
-        except Exception as e:  # report and continue: the later stages still tell something
-            tb = traceback.format_exc()
-            print(f"[{name}] FAILED: {type(e).__name__}: {e}\n{tb}", flush=True)
-            self.record[name] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000],
-                                 "traceback": tb[-4000:], "seconds": round(time.perf_counter() - t0, 3)}
-            return None
-
-
-def write_checkpoint_hd64(size: str, out: Path) -> None:
-    """`hgc init-model` of `size` with attention head_dim 64: FlashInfer 0.6.0 builds no prefill for
-    the head dim 32 of the tiny and small configs (runtime/gpu_backends.py refuses it), and "bench"
-    (head dim 256, 1.7B parameters) is slow to write. Benchmark-side only: the runtime never
-    imports models/."""
-    from models.checkpoint import write_checkpoint
-    from models.families import get_family
-    from models.loader import config_dtype
-
-    family = get_family("qwen3_next")
-    config = family.make_config(size)
-    config["head_dim"] = 64
-    text = family.text_config(config)
-    model = family.build(text)
-    family.init_weights(model, 0)
-    model = model.to(config_dtype(text))
-    write_checkpoint(out, config, model.checkpoint_tensors(), overwrite=True)
-
-
-def prompts_for(vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def greedy(runner: GraphRunner, state_pool, prompts, new_tokens: int, sync) -> tuple[list[list[int]], list[str]]:
-    """Greedy tokens through runner.build/run (eager before capture, graphs after); keys used per step."""
-    seqs = [SeqState(state_pool.alloc()) for _ in prompts]
-    outs: list[list[int]] = [[] for _ in prompts]
-    pending = [list(p) for p in prompts]
-    keys = []
-    try:
-        for _ in range(new_tokens):
-            items = list(zip(seqs, pending))
-            step, key = runner.build(items)
-            logits = runner.run(step, key)
-            nxt = logits.argmax(-1).tolist()  # read before the next replay overwrites the static rows
-            keys.append(str(key) if key else "eager")
-            commit_step(items)
-            for i, t in enumerate(nxt):
-                outs[i].append(t)
-            pending = [[t] for t in nxt]
-        sync()
-    finally:
-        for s in seqs:
-            runner.kv_pool.free(s.pages)
-            state_pool.free(s.slot)
-    return outs, keys
-
-
-def compare(a: list[list[int]], b: list[list[int]]) -> dict:
-    total = sum(len(x) for x in a)
-    diff = sum(x != y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-    first = {}
-    for i, (ra, rb) in enumerate(zip(a, b)):
-        pos = next((j for j, (x, y) in enumerate(zip(ra, rb)) if x != y), None)
-        if pos is not None:
-            first[f"prompt{i}(len {PROMPT_LENS[i]})"] = pos
-    return {"tokens": total, "mismatched": diff, "mismatch_rate": diff / max(total, 1),
-            "first_diff_per_prompt": first, "first_diff": min(first.values()) if first else None}
-
-
-@contextlib.contextmanager
-def decode_batch(runner: GraphRunner, state_pool, batch: int, vocab: int, g: torch.Generator):
-    """B requests with a 64-token history each (prefilled eagerly, 8 at a time), and their next
-    decode step's items; slots and pages are freed on exit."""
-    seqs = [SeqState(state_pool.alloc()) for _ in range(batch)]
-    try:
-        for i in range(0, batch, 8):
-            items = [(s, torch.randint(1, vocab, (64,), generator=g).tolist()) for s in seqs[i:i + 8]]
-            runner.run(build_step(items, runner.kv_pool, "cpu", max_pages=runner.max_pages), None)
-            commit_step(items)
-        yield [(s, [int(torch.randint(1, vocab, (1,), generator=g))]) for s in seqs]
-    finally:
-        for s in seqs:
-            runner.kv_pool.free(s.pages)
-            state_pool.free(s.slot)
-
-
-def time_ms(fn, device, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() between CUDA events (or perf_counter on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def run_size(size: str, args, work: Path, rec: dict) -> None:
@@ -239,10 +115,10 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
               f"{rec['params'] / 1e6:.1f}M params; vocab {vocab}", flush=True)
     stage("2_load", load, needs=["1_init_compile"])
 
-    sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
+    sync = synchronizer(dev)
 
     def eager_tokens():
-        prompts = prompts_for(ctx["vocab"])
+        prompts = prompts_for(ctx["vocab"], PROMPT_LENS)
         outs, keys = greedy(ctx["runner"], ctx["st"], prompts, args.new_tokens, sync)
         ctx.update(prompts=prompts, eager=outs)
         rec["eager_tokens_head"] = [o[:8] for o in outs]
@@ -274,7 +150,7 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
         outs, keys = greedy(runner, ctx["st"], ctx["prompts"], args.new_tokens, sync)
         rec["graph_keys"] = sorted(set(keys))
         rec["graph_counters"] = {k: runner.counters[k] - before[k] for k in before}
-        cmp = compare(ctx["eager"], outs)
+        cmp = compare(ctx["eager"], outs, PROMPT_LENS)
         rec["tokens_vs_eager"] = cmp
         print(f"  keys {rec['graph_keys']}; counters {rec['graph_counters']}", flush=True)
         print(f"  graph vs eager: {cmp['mismatched']}/{cmp['tokens']} tokens differ "
@@ -339,7 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--sizes", default="small-hd64,bench",
                    help="comma-separated checkpoint sizes, in order; SIZE-hd64 = SIZE with head_dim 64")
-    p.add_argument("--work", default=None, help="folder for checkpoints and artifacts (default: OUT/work)")
+    p.add_argument("--work", default=None, help="folder for checkpoints and artifacts (default: a temporary folder outside OUT: a "
+                   "bench checkpoint is gigabytes, and what is under OUT travels back)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--dry-run", action="store_true",
@@ -347,7 +224,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work) if args.work else out / "work"
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hgc_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     doc = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu",

@@ -1,0 +1,166 @@
+"""Helpers shared by the GPU benchmark scripts (gpu_graphs.py, gpu_e2e.py).
+
+- `Stages`: runs named stages, records ok / error / seconds, never lets one failure stop a script.
+- `write_checkpoint_hd64`: a checkpoint of a size with attention head_dim 64 (FlashInfer's smallest).
+- `prompts_for`, `greedy`, `compare`: greedy tokens through a runner and how two runs differ.
+- `decode_batch`: B requests with a history, and their next decode step's items.
+- `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU).
+
+A "runner" here is anything with `build(items) -> (step, key)`, `run(step, key) -> logits`,
+`kv_pool` and `max_pages`: a GraphRunner, or gpu_e2e.py's eager family model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from runtime.batch import SeqState, build_step, commit_step
+
+__all__ = ["Stages", "write_checkpoint_hd64", "prompts_for", "greedy", "compare", "decode_batch", "time_ms",
+           "synchronizer"]
+
+
+class Stages:
+    """Runs named stages, records ok / error / seconds, and never lets one failure stop the script.
+
+    A stage named in `skip` is recorded as skipped; so is one whose `needs` did not end ok."""
+
+    def __init__(self, record: dict, skip=()):
+        self.record = record
+        self.skip = set(skip)
+
+    def __call__(self, name, fn, *args, needs=()):
+        missing = [n for n in needs if self.record.get(n, {}).get("status") != "ok"]
+        if name in self.skip or missing:
+            reason = "--skip" if name in self.skip else f"needs {missing}"
+            self.record[name] = {"status": "skipped", "reason": reason}
+            print(f"[{name}] skipped: {reason}", flush=True)
+            return None
+        print(f"[{name}] ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args)
+            self.record[name] = {"status": "ok", "seconds": round(time.perf_counter() - t0, 3)}
+            print(f"[{name}] ok in {time.perf_counter() - t0:.2f} s", flush=True)
+            return out
+        except Exception as e:  # report and continue: the later stages still tell something
+            tb = traceback.format_exc()
+            print(f"[{name}] FAILED: {type(e).__name__}: {e}\n{tb}", flush=True)
+            self.record[name] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000],
+                                 "traceback": tb[-4000:], "seconds": round(time.perf_counter() - t0, 3)}
+            return None
+
+
+def write_checkpoint_hd64(size: str, out: Path, family_name: str = "qwen3_next") -> None:
+    """`hgc init-model` of `size` with attention head_dim 64: FlashInfer 0.6.0 builds no prefill for
+    the head dim 32 of qwen3_next's tiny and small configs (runtime/gpu_backends.py refuses it), and
+    "bench" (head dim 256, 1.7B parameters) is slow to write. Benchmark-side only: the runtime never
+    imports models/."""
+    from models.checkpoint import write_checkpoint
+    from models.families import get_family
+    from models.loader import config_dtype
+
+    family = get_family(family_name)
+    config = family.make_config(size)
+    config["head_dim"] = 64
+    text = family.text_config(config)
+    model = family.build(text)
+    family.init_weights(model, 0)
+    model = model.to(config_dtype(text))
+    write_checkpoint(out, config, model.checkpoint_tensors(), overwrite=True)
+
+
+def prompts_for(vocab: int, lens, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def greedy(runner, state_pool, prompts, new_tokens: int, sync,
+           eager: bool = False) -> tuple[list[list[int]], list[str]]:
+    """Greedy tokens through runner.build/run (graphs once captured), or every step eager (`eager`);
+    the keys used per step."""
+    seqs = [SeqState(state_pool.alloc()) for _ in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    pending = [list(p) for p in prompts]
+    keys = []
+    try:
+        for _ in range(new_tokens):
+            items = list(zip(seqs, pending))
+            if eager:
+                step, key = build_step(items, runner.kv_pool, "cpu", max_pages=runner.max_pages), None
+            else:
+                step, key = runner.build(items)
+            logits = runner.run(step, key)
+            nxt = logits.argmax(-1).tolist()  # read before the next replay overwrites the static rows
+            keys.append(str(key) if key else "eager")
+            commit_step(items)
+            for i, t in enumerate(nxt):
+                outs[i].append(t)
+            pending = [[t] for t in nxt]
+        sync()
+    finally:
+        for s in seqs:
+            runner.kv_pool.free(s.pages)
+            state_pool.free(s.slot)
+    return outs, keys
+
+
+def compare(a: list[list[int]], b: list[list[int]], prompt_lens) -> dict:
+    """How greedy tokens b differ from a: count, rate, first differing position per prompt."""
+    total = sum(len(x) for x in a)
+    diff = sum(x != y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    first = {}
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        pos = next((j for j, (x, y) in enumerate(zip(ra, rb)) if x != y), None)
+        if pos is not None:
+            first[f"prompt{i}(len {prompt_lens[i]})"] = pos
+    return {"tokens": total, "mismatched": diff, "mismatch_rate": diff / max(total, 1),
+            "first_diff_per_prompt": first, "first_diff": min(first.values()) if first else None}
+
+
+@contextlib.contextmanager
+def decode_batch(runner, state_pool, batch: int, vocab: int, g: torch.Generator, history: int = 64):
+    """B requests with a `history`-token past each (prefilled eagerly, 8 at a time), and their next
+    decode step's items; slots and pages are freed on exit."""
+    seqs = [SeqState(state_pool.alloc()) for _ in range(batch)]
+    try:
+        for i in range(0, batch, 8):
+            items = [(s, torch.randint(1, vocab, (history,), generator=g).tolist()) for s in seqs[i:i + 8]]
+            runner.run(build_step(items, runner.kv_pool, "cpu", max_pages=runner.max_pages), None)
+            commit_step(items)
+        yield [(s, [int(torch.randint(1, vocab, (1,), generator=g))]) for s in seqs]
+    finally:
+        for s in seqs:
+            runner.kv_pool.free(s.pages)
+            state_pool.free(s.slot)
+
+
+def time_ms(fn, device, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn() between CUDA events (or perf_counter on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def synchronizer(device: torch.device):
+    """A no-argument function that waits for the device's queued work (nothing to wait for on the CPU)."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
