@@ -2,7 +2,8 @@
 
 On the GPU machine (../shared/gpu/README.md has the wheel install line):
 
-    python3 benchmarks/gpu_graphs.py --out $OUT [--sizes small,bench]
+    python3 benchmarks/gpu_graphs.py --out $OUT [--sizes small-hd64,bench] [--families qwen3_next,kimi_linear]
+    python3 benchmarks/gpu_graphs.py --out $OUT --sizes bench --num-prompts 32 --new-tokens 64   # issue 6.4
     python3 benchmarks/gpu_graphs.py --dry-run --out /tmp/gg --sizes tiny   # CPU: every step, CPU reference
                                                                              # backend, graphs rerun (tests/graph_cases.py)
 
@@ -64,7 +65,7 @@ EXTEND_BUCKETS = (256, 512)
 EXTEND_MAX_SEQS = 16
 
 
-def run_size(size: str, args, work: Path, rec: dict) -> None:
+def run_size(family: str, size: str, args, work: Path, rec: dict) -> None:
     dev = torch.device("cpu" if args.dry_run else "cuda")
     dtype = "bfloat16"
     stage = Stages(rec.setdefault("stages", {}))
@@ -81,13 +82,14 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
             return CPUReferenceBackend(kv, st)
         from runtime.gpu_backends import build_gpu_backend
         return build_gpu_backend(art, kv, st)
-    ckpt, art_dir = work / f"ckpt_{size}", work / f"art_{size}"
+    ckpt, art_dir = work / f"ckpt_{family}_{size}", work / f"art_{family}_{size}"
+    prompt_lens = [PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(args.num_prompts)]
     ctx = {}
 
     def build():
         if size.endswith("-hd64"):
-            write_checkpoint_hd64(size[: -len("-hd64")], ckpt)
-        elif hgc(["init-model", "--family", "qwen3_next", "--size", size, "--seed", "0", "-o", str(ckpt),
+            write_checkpoint_hd64(size[: -len("-hd64")], ckpt, family)
+        elif hgc(["init-model", "--family", family, "--size", size, "--seed", "0", "-o", str(ckpt),
                   "--force"]) != 0:
             raise RuntimeError("init-model failed")
         target = "cpu" if args.dry_run else "cuda"
@@ -118,7 +120,7 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
     sync = synchronizer(dev)
 
     def eager_tokens():
-        prompts = prompts_for(ctx["vocab"], PROMPT_LENS)
+        prompts = prompts_for(ctx["vocab"], prompt_lens)
         outs, keys = greedy(ctx["runner"], ctx["st"], prompts, args.new_tokens, sync)
         ctx.update(prompts=prompts, eager=outs)
         rec["eager_tokens_head"] = [o[:8] for o in outs]
@@ -150,7 +152,7 @@ def run_size(size: str, args, work: Path, rec: dict) -> None:
         outs, keys = greedy(runner, ctx["st"], ctx["prompts"], args.new_tokens, sync)
         rec["graph_keys"] = sorted(set(keys))
         rec["graph_counters"] = {k: runner.counters[k] - before[k] for k in before}
-        cmp = compare(ctx["eager"], outs, PROMPT_LENS)
+        cmp = compare(ctx["eager"], outs, prompt_lens)
         rec["tokens_vs_eager"] = cmp
         print(f"  keys {rec['graph_keys']}; counters {rec['graph_counters']}", flush=True)
         print(f"  graph vs eager: {cmp['mismatched']}/{cmp['tokens']} tokens differ "
@@ -217,6 +219,9 @@ def main(argv=None) -> int:
                    help="comma-separated checkpoint sizes, in order; SIZE-hd64 = SIZE with head_dim 64")
     p.add_argument("--work", default=None, help="folder for checkpoints and artifacts (default: a temporary folder outside OUT: a "
                    "bench checkpoint is gigabytes, and what is under OUT travels back)")
+    p.add_argument("--families", default="qwen3_next", help="comma-separated families, each run at every size")
+    p.add_argument("--num-prompts", type=int, default=len(PROMPT_LENS),
+                   help=f"greedy prompts of stages 3 and 6 (lengths cycle through {PROMPT_LENS}; at most {MAX_SEQS})")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--dry-run", action="store_true",
@@ -229,12 +234,15 @@ def main(argv=None) -> int:
     doc = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu",
            "command": " ".join(sys.argv), "dry_run": args.dry_run, "sizes": {}}
-    for size in args.sizes.split(","):
-        print(f"=== qwen3_next {size} ===", flush=True)
-        rec = doc["sizes"].setdefault(size, {})
+    if not 1 <= args.num_prompts <= MAX_SEQS:
+        p.error(f"--num-prompts must be 1 to {MAX_SEQS}")
+    runs = [(family, size) for family in args.families.split(",") for size in args.sizes.split(",")]
+    for family, size in runs:
+        print(f"=== {family} {size} ===", flush=True)
+        rec = doc["sizes"].setdefault(f"{family} {size}", {})
         try:
             with torch.no_grad():
-                run_size(size, args, work, rec)
+                run_size(family, size, args, work, rec)
         except Exception as e:  # a bug in the script itself: keep the other sizes
             rec["fatal"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()

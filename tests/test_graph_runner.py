@@ -255,3 +255,17 @@ def test_triton_linear_backend_under_the_runner(artifact):
     got, keys = greedy(runner, kv, st, prompts, 3)
     assert got == want
     assert keys[0] == CaptureKey(Mode.EXTEND, 16, 2) and keys[1] == CaptureKey(Mode.DECODE, 2, 2)
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "bailing_linear", "qwen3_5"])
+def test_start_up_and_replayed_steps_on_the_other_families(family, tmp_path):
+    """KDA + MLA, Lightning + MLA/GQA, Qwen3.5: capture, parity and graph tokens equal to eager."""
+    assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "2", "-o", str(tmp_path / "c")]) == 0
+    assert main(["compile", str(tmp_path / "c"), "-o", str(tmp_path / "a"), "--no-dumps"]) == 0
+    art = load_artifact(tmp_path / "a")
+    runner, kv, st = make_runner(art, decode=(2,), extend=(32,), graphs=RerunGraphs())
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    eager, _ = greedy(runner, kv, st, prompts, 3)
+    runner.start(vocab_size=art.manifest["model"]["vocab_size"])
+    graph, keys = greedy(runner, kv, st, prompts, 3)
+    assert graph == eager and keys[1] == CaptureKey(Mode.DECODE, 2, 2)
