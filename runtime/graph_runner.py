@@ -563,12 +563,20 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
         runner = GraphRunner(artifact.runner(ops, program), ops, kv_pool, state_pool, kv_pool.device,
                              decode_buckets=decode, extend_buckets=extend,
                              max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"]),
-                             extend_max_seqs=min(16, limits["max_running"]), chunk_size=limits["token_budget"],
+                             extend_max_seqs=_extend_seqs(limits["max_running"], extend),
+                             chunk_size=limits["token_budget"],
                              graphs=graphs)
         runner.start(vocab_size, log=log)
         return runner
 
     return make
+
+
+def _extend_seqs(max_running: int, extend_buckets) -> int:
+    """Requests an extend graph holds. Under load most prefill chunks ride in mixed steps beside
+    every running decode, so a graph that holds fewer requests than may run leaves those steps
+    eager; a bucket of t tokens holds at most t requests (one token each)."""
+    return max(1, min([max_running, *extend_buckets]))
 
 
 def _arg_positions(op: str) -> dict[str, int]:

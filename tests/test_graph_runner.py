@@ -209,6 +209,13 @@ def test_buckets_are_clipped_to_what_the_engine_can_send():
     assert buckets_for((1, 2, 4), (64, 128, 256), max_running=3, token_budget=512, max_seq_len=20) == ((1, 2, 4), (64,))
 
 
+def test_extend_graphs_hold_every_running_request_a_mixed_step_can_carry():
+    from runtime.graph_runner import _extend_seqs
+    assert _extend_seqs(64, (256, 512)) == 64, "64 decodes beside a prefill chunk still replay"
+    assert _extend_seqs(300, (256, 512)) == 256, "a 256-token bucket holds at most 256 requests"
+    assert _extend_seqs(8, ()) == 8
+
+
 def test_engine_built_with_a_runner_factory_on_a_small_pool(artifact):
     """build_engine + graph_runner_factory as `hgc serve` / `hgc run` use them on CUDA: 3 slots
     and 1-page requests, fewer pages than the largest bucket has rows; same tokens as eager."""
