@@ -4,14 +4,16 @@ The runner owns the captured keys, the static buffers and the padding; how one p
 and replayed is `CapturedPiece`'s business, and what the ops do is the backend's. Lifecycle:
 
 1. Construction: static device buffers for the largest bucket (input ids, positions, logits
-   rows and every ExecContext tensor). Each step's host-built tensors are copied into them in
-   place (`copy_`, never reassigned), so every captured kernel reads the same addresses.
+   rows and every ExecContext tensor). Each step that replays graphs has its host-built tensors
+   copied into them in place (`copy_`, never reassigned), so every captured kernel reads the same
+   addresses; an eager step uses its own tensors and may be of any size.
 2. `capture()` (start-up only): `backend.init_capture_state`, then for each decode bucket,
    largest first, one graph of the whole step when every op's decode policy allows it (the
    artifact's decode plan is one captured piece) or piecewise graphs otherwise; then piecewise
    graphs for each extend token bucket, largest first. All graphs share one memory pool. Padded
    rows point at the reserved state slot and write no KV. After `capture()` the runner is sealed:
-   a capture at any later time is an error.
+   a capture at any later time is an error. Decode graphs are piecewise too when asked
+   (`decode_graphs="piecewise"`: the extend plan's pieces, the baseline of the full graph).
 3. `build(items)` + `run(step, key)` per step (`execute(items)` does both for the engine):
    decode steps go to the smallest decode bucket that holds them, extend and mixed steps to the
    smallest extend bucket that holds their tokens, anything larger runs eagerly. The backend is
@@ -22,9 +24,12 @@ and replayed is `CapturedPiece`'s business, and what the ops do is the backend's
 4. `check_parity()` (start-up, after capture): each captured key is run once eagerly and once
    from its graphs on the same inputs and the same starting caches and states; a mismatch names
    the mode, the bucket and the first layer whose op output differs, and the runner refuses to serve.
+   `start(vocab)` is capture + parity; `graph_runner_factory` makes a started runner for the engine
+   (runtime/server/model.py), with the artifact's buckets clipped to the engine's limits.
 
 How a graph is captured and replayed is `CudaGraphs`' business (torch.cuda); tests on the CPU
-hand the runner a stand-in with the same two methods, so everything above it runs there too.
+hand the runner a stand-in with the same methods (tests/graph_cases.py), so everything above it
+runs there too.
 
 Piecewise graphs need no copies between pieces: every op is "with output", so the `out` an eager
 gap writes was allocated by the captured piece before it, inside the graph pool, at an address
