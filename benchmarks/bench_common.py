@@ -1,4 +1,7 @@
-"""Helpers shared by the GPU benchmark scripts (gpu_graphs.py, gpu_e2e.py).
+"""Helpers shared by the GPU benchmark scripts.
+
+- `is_cuda`, `device_facts`, `device_rates`, `rel_err`, `ensure_einops`: what every kernel benchmark
+  needs; `device_rates` is the denominator of every floor.
 
 - `Stages`: runs named stages, records ok / error / seconds, never lets one failure stop a script.
 - `write_checkpoint_hd64`: a checkpoint of a size with attention head_dim 64 (FlashInfer's smallest).
@@ -13,17 +16,91 @@ A "runner" here is anything with `build(items) -> (step, key)`, `run(step, key) 
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import statistics
+import sys
 import time
 import traceback
+import types
 from pathlib import Path
 
 import torch
 
 from runtime.batch import SeqState, build_step, commit_step
 
-__all__ = ["Stages", "write_checkpoint_hd64", "prompts_for", "greedy", "compare", "decode_batch", "time_ms",
+__all__ = ["is_cuda", "device_facts", "device_rates", "rel_err", "ensure_einops", "Stages", "write_checkpoint_hd64", "prompts_for", "greedy", "compare", "decode_batch", "time_ms",
            "synchronizer"]
+
+
+def is_cuda() -> bool:
+    """A CUDA device that runs compiled kernels (not Triton's CPU interpreter)."""
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def device_facts(dry: bool) -> dict:
+    """Versions, date and the card of a run (on the CPU: placeholders a dry run can use)."""
+    import triton
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "dry_run": dry, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if is_cuda():
+        prop = torch.cuda.get_device_properties(0)
+        env.update(device=prop.name, sms=prop.multi_processor_count,
+                   l2_bytes=int(getattr(prop, "L2_cache_size", 50 << 20)), memory_bytes=prop.total_memory)
+    else:
+        env.update(device="cpu (Triton interpreter)", sms=None, l2_bytes=50 << 20, memory_bytes=None)
+    return env
+
+
+def device_rates() -> dict:
+    """The ceilings floors are measured against, in this run: device-to-device copy rate (bytes
+    read plus written, 1 GiB each way: far past the L2) and the bf16 matmul rate (8192^3), as
+    triton's do_bench medians. On the CPU a small memcpy and matmul stand in (dry runs only)."""
+    if not is_cuda():
+        n, m = 16 << 20, 256
+        src, dst = torch.randn(n // 4), torch.empty(n // 4)
+        a = torch.randn(m, m)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t1 = time.perf_counter()
+        a @ a
+        t2 = time.perf_counter()
+        return {"copy_bytes_per_s": 2 * n / (t1 - t0), "matmul_flops_per_s": 2 * m ** 3 / (t2 - t1),
+                "method": "cpu memcpy and float32 matmul (dry run)"}
+    from triton.testing import do_bench
+    n, m = 1 << 30, 8192
+    src = torch.randn(n // 4, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    src = dst = None  # 2 GiB back to the allocator before the kernels run
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    mm_ms = do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+    a = b = None
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": 2 * n / (copy_ms * 1e-3), "matmul_flops_per_s": 2 * m ** 3 / (mm_ms * 1e-3),
+            "method": "do_bench medians: 1 GiB copy_ (read + write), 8192^3 bf16 matmul"}
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| (float32 with torch's blocked sums: ample for 1e-4 checks of 1e8 elements)."""
+    x, ref = x.float().cpu(), ref.float().cpu()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def ensure_einops() -> str | None:
+    """FLA's ops packages import einops for their naive reference functions only (never called
+    here). If the machine lacks it, a stub that refuses every call lets the kernels import."""
+    try:
+        __import__("einops")
+        return None
+    except ImportError:
+        def refuse(*args, **kwargs):
+            raise NotImplementedError("einops is not installed; this stub only lets fla import")
+        stub = types.ModuleType("einops")
+        stub.rearrange = stub.repeat = stub.reduce = stub.einsum = refuse
+        sys.modules["einops"] = stub
+        return "einops missing: stubbed (only FLA's naive reference functions use it)"
 
 
 class Stages:

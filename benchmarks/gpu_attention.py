@@ -27,7 +27,6 @@ after every section so a run cut short still leaves its numbers; a short table p
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os

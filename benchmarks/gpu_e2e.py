@@ -78,7 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import (Stages, compare, decode_batch, greedy, prompts_for, synchronizer,  # noqa: E402
+from bench_common import (Stages, device_rates, compare, decode_batch, greedy, prompts_for, synchronizer,  # noqa: E402
                           time_ms, write_checkpoint_hd64)
 from compiler.cli import main as hgc  # noqa: E402
 from compiler.splitops import Mode, op_name_of  # noqa: E402
@@ -675,7 +675,7 @@ def check_targets(rec: dict) -> list[dict]:
 def print_summary(doc: dict) -> None:
     print(f"\n== gpu_e2e on {doc['device']} (torch {doc['torch']}, {doc['date']}) ==")
     if doc.get("copy"):
-        print(f"copy bandwidth {doc['copy']['bytes_per_s'] / 1e12:.3f} TB/s (read + written)")
+        print(f"copy bandwidth {doc['copy']['copy_bytes_per_s'] / 1e12:.3f} TB/s (read + written)")
     for family, rec in doc["families"].items():
         print(f"{family} {doc['size']}: " + ", ".join(f"{k} {v['status']}" for k, v in rec.get("stages", {}).items()))
         t = rec.get("timings_ms", {})
@@ -732,10 +732,9 @@ def main(argv=None) -> int:
     path = out / "gpu_e2e.json"
 
     def copy_bandwidth():
-        from gpu_linear_decode import copy_bandwidth as measure  # the linear-kernel benchmark's measurement
-        doc["copy"] = measure()
+        doc["copy"] = device_rates()
     Stages(doc["stages"], skip=args.skip)("copy_bandwidth", copy_bandwidth)
-    copy_rate = doc.get("copy", {}).get("bytes_per_s")
+    copy_rate = doc.get("copy", {}).get("copy_bytes_per_s")
     for family in args.families.split(","):
         print(f"=== {family} {args.size} ===", flush=True)
         rec = doc["families"].setdefault(family, {})

@@ -36,7 +36,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence
 from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: E402
 from runtime.context import ExecContext  # noqa: E402
 from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
+from bench_common import device_facts, device_rates, ensure_einops, is_cuda, rel_err  # noqa: E402
 from tests.linear_cases import decode_ctx  # noqa: E402
 
 START = time.time()
@@ -221,10 +221,6 @@ def reference_step(p: Problem, state_before: torch.Tensor, x_cpu: dict) -> tuple
     return cpu.out, ref_pool.layer(0)[c.entry]
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| (float32 with torch's blocked sums: ample for 1e-4 checks of 1e8 elements)."""
-    x, ref = x.float().cpu(), ref.float().cpu()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def check_against(p: Problem, out: torch.Tensor, state_after: torch.Tensor, state_before: torch.Tensor,
@@ -268,8 +264,6 @@ def bytes_and_flops(case: Case, B: int, num_real: int, in_bytes: int) -> tuple[i
     return state + num_real * per_row + out + B * 8, flops
 
 
-def is_cuda() -> bool:
-    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def time_calls(calls: list, min_calls: int = 32, replays: int = 15) -> dict:
@@ -321,23 +315,6 @@ def do_bench_us(fn) -> float | None:
     from triton.testing import do_bench
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
-
-def copy_bandwidth() -> dict:
-    """Device-to-device copy rate, counting bytes read plus written."""
-    if not is_cuda():
-        n = 16 << 20
-        src, dst = torch.randn(n // 4), torch.empty(n // 4)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        dt = time.perf_counter() - t0
-        return {"bytes_per_s": 2 * n / dt, "bytes": n, "method": "cpu memcpy (dry run)"}
-    n = 1 << 30
-    src = torch.randn(n // 4, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench_us(lambda: dst.copy_(src)) / 1e3
-    src = dst = None  # 2 GiB back to the allocator before the kernels run
-    torch.cuda.empty_cache()
-    return {"bytes_per_s": 2 * n / (ms * 1e-3), "bytes": n, "method": "do_bench median, 1 GiB copy_"}
 
 
 def sets_for(touched_bytes: int, l2_bytes: int, cap: int = 32) -> int:
@@ -483,21 +460,6 @@ def run_sweep(case: Case, B: int, device, env: dict, budget: Budget, log) -> dic
 # ---------------------------------------------------------------------------------------------
 
 
-def ensure_einops() -> str | None:
-    """FLA's ops packages import einops for their naive reference functions only (never called
-    here). If the machine lacks it, a stub that refuses every call lets the kernels import."""
-    try:
-        __import__("einops")
-        return None
-    except ImportError:
-        import types
-
-        def refuse(*args, **kwargs):
-            raise NotImplementedError("einops is not installed; this stub only lets fla import")
-        stub = types.ModuleType("einops")
-        stub.rearrange = stub.repeat = stub.reduce = stub.einsum = refuse
-        sys.modules["einops"] = stub
-        return "einops missing: stubbed (only FLA's naive reference functions use it)"
 
 
 def fla_part(cases: list[Case], batches: list[int], device, env: dict, log, save) -> dict:
@@ -707,16 +669,6 @@ def fla_chunk_part(device, dry: bool, variants: list[str], log, save) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def device_facts(dry: bool) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-           "dry_run": dry, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if is_cuda():
-        prop = torch.cuda.get_device_properties(0)
-        env.update(device=prop.name, sms=prop.multi_processor_count,
-                   l2_bytes=int(getattr(prop, "L2_cache_size", 50 << 20)), memory_bytes=prop.total_memory)
-    else:
-        env.update(device="cpu (Triton interpreter)", sms=None, l2_bytes=50 << 20, memory_bytes=None)
-    return env
 
 
 def run_subprocess(args, part: str, extra: list[str], timeout: float, log_file, log) -> dict:
@@ -879,7 +831,7 @@ def main(argv=None) -> int:
 
     if args.part != "main":  # a subprocess: one part, its JSON to --result
         env = device_facts(dry)
-        env["copy_bytes_per_s"] = args.copy_bytes_per_s or copy_bandwidth()["bytes_per_s"]
+        env["copy_bytes_per_s"] = args.copy_bytes_per_s or device_rates()["copy_bytes_per_s"]
         def save(data):  # whole files only: the parent may read it after a crash
             tmp = Path(args.result).with_suffix(".tmp")
             tmp.write_text(json.dumps(data, indent=1, default=str))
@@ -898,11 +850,11 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.budget_s)
     env = device_facts(dry)
-    bw = copy_bandwidth()
-    env["copy_bytes_per_s"], env["copy"] = bw["bytes_per_s"], bw
+    rates = device_rates()
+    env["copy_bytes_per_s"], env["copy"] = rates["copy_bytes_per_s"], rates
     env["batches"] = args.batch_list
-    args.copy_bytes_per_s = bw["bytes_per_s"]
-    log(f"{env['device']}: copy {bw['bytes_per_s'] / 1e12:.3f} TB/s; batches {args.batch_list}")
+    args.copy_bytes_per_s = rates["copy_bytes_per_s"]
+    log(f"{env['device']}: copy {rates['copy_bytes_per_s'] / 1e12:.3f} TB/s; batches {args.batch_list}")
     results: dict = {"env": env, "kernels": []}
     json_path = out_dir / "gpu_linear_decode.json"
 

@@ -31,13 +31,11 @@ import contextlib
 import fcntl
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import types
 from pathlib import Path
 
 if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is imported
@@ -50,10 +48,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec  # noqa: E402
-from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence  # noqa: E402
+from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
 from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: E402
-from runtime.context import ExecContext  # noqa: E402
-from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
+from runtime.state_pool import StatePool  # noqa: E402
+from bench_common import device_facts as common_device_facts  # noqa: E402
+from bench_common import device_rates, ensure_einops, is_cuda, rel_err  # noqa: E402
+from tests.linear_cases import FakeFLA, step_ctx  # noqa: E402
 
 START = time.time()
 OUT_TOL = 1e-2  # bf16 inputs
@@ -68,58 +68,14 @@ DRY = {"gdn": ("gdn_core", LayerKind.GDN, 2, 4, 16, 16), "kda": ("kda_core", Lay
        "conv": ("short_conv", LayerKind.GDN, 0, 24, 4, 0)}
 
 
-def is_cuda() -> bool:
-    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def log(msg: str) -> None:
     print(f"[{time.time() - START:6.1f}s] {msg}", flush=True)
 
 
-def rel_err(x, ref) -> float:
-    x, ref = x.double().cpu(), ref.double().cpu()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def ensure_einops() -> str | None:
-    """fla-core imports einops for naive references we never call; stub it where it is missing."""
-    try:
-        __import__("einops")
-        return None
-    except ImportError:
-        def refuse(*a, **k):
-            raise NotImplementedError("einops is not installed; this stub only lets fla import")
-        stub = types.ModuleType("einops")
-        stub.rearrange = stub.repeat = stub.reduce = stub.einsum = refuse
-        sys.modules["einops"] = stub
-        return "einops missing: stubbed"
-
-
-class StandInFLA:
-    """Dry run only: FLA's chunk keyword interface over the reference recurrence (per varlen sequence)."""
-
-    def _run(self, kind, *, q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-             g=None, beta=None, g_gamma=None, use_qk_l2norm_in_kernel=False):
-        assert q.shape[0] == 1 and output_final_state and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
-        rep = v.shape[2] // q.shape[2]
-        qq, kk = q[0].repeat_interleave(rep, 1), k[0].repeat_interleave(rep, 1)
-        ht, o = initial_state.clone(), torch.empty(v.shape[1:], dtype=torch.float32)
-        b = cu_seqlens_cpu.tolist()
-        for i, (s, e) in enumerate(zip(b[:-1], b[1:])):
-            decay = (g[0, s:e].unsqueeze(-1) if kind == "gdn" else g[0, s:e] if kind == "kda"
-                     else g_gamma.float().view(1, -1, 1))
-            o[s:e] = gated_recurrence(qq[s:e], kk[s:e], v[0, s:e], decay, None if beta is None else beta[0, s:e],
-                                      ht[i], scale)
-        return o[None].to(v.dtype), ht
-
-    def gdn(self, **kw):
-        return self._run("gdn", **kw)
-
-    def kda(self, **kw):
-        return self._run("kda", **kw)
-
-    def simple_gla(self, **kw):
-        return self._run("gla", **kw)
 
 
 # -- problems ------------------------------------------------------------------------------------
@@ -130,26 +86,6 @@ def registry(spec) -> LayerRegistry:
     state = ({"conv": TensorSpec((hv, dk - 1), "float32")} if op == "short_conv"
              else {"recurrent": TensorSpec((hv, dk, dv), "float32")})
     return LayerRegistry([LayerSpec(0, kind, state=state)])
-
-
-def make_ctx(mode: Mode, reqs: list[tuple[int, int, int]], pad_tokens: int, pad_seqs: int, device) -> ExecContext:
-    """(slot, cached, new tokens) per request; padding rows and padding requests at the end."""
-    lens = [n for *_, n in reqs]
-    T, B = sum(lens) + pad_tokens, len(reqs) + pad_seqs
-    qsl = [0]
-    for n in lens:
-        qsl.append(qsl[-1] + n)
-    qsl += [qsl[-1]] * pad_seqs
-    ctx = ExecContext(
-        mode=mode, query_lens=lens, cache_lens=[c for _, c, _ in reqs],
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([c + n for _, c, n in reqs] + [0] * pad_seqs, dtype=torch.int32, device=device),
-        state_slots=torch.tensor([s for s, *_ in reqs] + [PADDING_SLOT] * pad_seqs, dtype=torch.int64, device=device),
-        page_table=torch.zeros(B, 1, dtype=torch.int32, device=device),
-        slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=device),
-        page_size=16, num_tokens=T, num_seqs=B)
-    ctx.check()
-    return ctx
 
 
 def make_inputs(spec, T: int, R: int, g: torch.Generator, gate_scale: float = 1.0) -> dict:
@@ -230,7 +166,7 @@ def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.
     c_cpu = {k: v.float() for k, v in c_cpu.items()}
     rows, touched = [], set()
     for label, mode, reqs, pad_t, pad_s in steps_for(dry):
-        ctx = make_ctx(mode, reqs, pad_t, pad_s, device)
+        ctx = step_ctx(mode, reqs, pad_t, pad_s, device)
         R, T = ctx.num_real_tokens, ctx.num_tokens
         x = make_inputs(spec, T, R, gen, gate_scale)
         tri.init_step_metadata(ctx)
@@ -244,7 +180,7 @@ def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.
         except Exception as e:
             err = f"{type(e).__name__}: {e}"[:400]
         out_ref = torch.zeros(T, *out.shape[1:])
-        call(ref, spec, make_ctx(mode, reqs, pad_t, pad_s, "cpu"), {k: v.float() for k, v in x.items()}, c_cpu,
+        call(ref, spec, step_ctx(mode, reqs, pad_t, pad_s, "cpu"), {k: v.float() for k, v in x.items()}, c_cpu,
              out_ref)
         touched |= {s for s, *_ in reqs}
         t = sorted(touched)
@@ -326,7 +262,7 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
         pool.layer(0)[entry].normal_().mul_(0.1)
         ref_pool = StatePool(reg, R + 1, device)
         ref_pool.layer(0)[entry].copy_(pool.layer(0)[entry])
-        ctx = make_ctx(Mode.EXTEND, [(i + 1, 0, n) for i, n in enumerate(lens)], 0, 0, device)
+        ctx = step_ctx(Mode.EXTEND, [(i + 1, 0, n) for i, n in enumerate(lens)], 0, 0, device)
         x = {k: v.to(device) for k, v in make_inputs(spec, T, T, torch.Generator().manual_seed(T + R)).items()}
         c = consts(spec, device)
         out = out_for(spec, T, device)
@@ -374,14 +310,8 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
 
 
 def device_facts(dry: bool) -> dict:
-    import triton
-    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-           "dry_run": dry, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if is_cuda():
-        p = torch.cuda.get_device_properties(0)
-        env.update(device=p.name, sms=p.multi_processor_count, memory_bytes=p.total_memory)
-    else:
-        env.update(device="cpu (dry run)")
+    """bench_common's facts plus the FLA version the extend path runs."""
+    env = common_device_facts(dry)
     try:
         import fla
         env["fla"] = getattr(fla, "__version__", "?")
@@ -389,23 +319,6 @@ def device_facts(dry: bool) -> dict:
         env["fla"] = f"not importable: {type(e).__name__}: {e}"[:200]
     return env
 
-
-def rates(dry: bool) -> dict:
-    if not is_cuda():
-        return {"copy_bytes_per_s": 1e10, "matmul_flops_per_s": 1e11, "method": "dry run placeholders"}
-    from triton.testing import do_bench
-    n = 1 << 30
-    src = torch.randn(n // 4, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
-    src = dst = None  # 2 GiB back before the kernels run
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
-    a = b = None
-    torch.cuda.empty_cache()
-    return {"copy_bytes_per_s": 2 * n / (copy_ms * 1e-3), "matmul_flops_per_s": 2 * 8192 ** 3 / (mm_ms * 1e-3),
-            "method": "do_bench medians: 1 GiB copy_ (read + write), 8192^3 bf16 matmul"}
 
 
 # -- parts ----------------------------------------------------------------------------------------------
@@ -418,7 +331,7 @@ def family_part(name: str, args) -> dict:
     device = "cpu" if dry else "cuda"
     res: dict = {"family": name}
     if dry:
-        fla = StandInFLA()
+        fla = FakeFLA()
     else:
         res["einops"] = ensure_einops()
         fla = None  # the backend imports FLA itself
@@ -584,7 +497,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "gpu_linear_extend.json"
     env = device_facts(args.dry_run)
-    env.update(rates(args.dry_run))
+    env.update(device_rates())
     args.copy_bytes_per_s, args.matmul_flops_per_s = env["copy_bytes_per_s"], env["matmul_flops_per_s"]
     log(f"{env['device']}: copy {env['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
         f"{env['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, fla {env['fla']}")

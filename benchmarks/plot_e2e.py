@@ -110,7 +110,7 @@ def family_markdown(family: str, rec: dict, size: str) -> list[str]:
 
 
 def markdown(doc: dict) -> str:
-    copy = doc.get("copy", {}).get("bytes_per_s")
+    copy = doc.get("copy", {}).get("copy_bytes_per_s")
     lines = ["## End-to-end: hgc runtime vs torch.compile vs transformers", "",
              f"{doc['device']}, {doc['date']}, torch {doc['torch']}, transformers {doc.get('transformers', '-')}"
              + (f", copy bandwidth {copy / 1e12:.2f} TB/s (read + written)" if copy else "")

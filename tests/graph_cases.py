@@ -10,8 +10,8 @@ reader sees the new values, as with a real graph. What it cannot show: a CUDA gr
 host-side values and launch arguments of its kernels at capture, while a rerun reads them afresh,
 so capture-safety of a kernel is checked only on the GPU (tests/test_gpu_graphs.py).
 
-`perturb_replays_of` adds a relative error to the replays of chosen keys: the start-up parity
-check must catch it.
+`inside` tells a test backend whether it runs in a capture or replay, so it can misbehave only
+there: the start-up parity check must catch it.
 """
 
 from __future__ import annotations
@@ -23,28 +23,20 @@ from runtime.batch import SeqState, commit_step
 
 
 class _Rerun:
-    def __init__(self, owner: "RerunGraphs", fn, out, noise: float):
-        self.owner, self.fn, self.out, self.noise = owner, fn, out, noise
-        self.replays = 0
+    def __init__(self, owner: "RerunGraphs", fn, out):
+        self.owner, self.fn, self.out = owner, fn, out
 
     def replay(self) -> None:
-        self.replays += 1
         for dst, src in zip(tree_leaves(self.out), tree_leaves(self.owner.in_graph(self.fn))):
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
-                if self.noise and dst.is_floating_point():
-                    dst.mul_(1 + self.noise)
 
 
 class RerunGraphs:
     replays_call_ops = True  # the runner then observes op outputs during a replay
 
-    def __init__(self, perturb_replays_of=(), noise: float = 0.1):
-        self.inside = False
-        self.perturb = set(perturb_replays_of)
-        self.noise = noise
-        self.captured: list[_Rerun] = []
-        self.runner_state = None  # the runner's _Capturing: the key being captured (set by the test)
+    def __init__(self):
+        self.inside = False  # True while a capture or a replay runs: an op can tell where it runs
 
     def check_device(self, device) -> None:
         pass
@@ -53,7 +45,7 @@ class RerunGraphs:
         return None
 
     def in_graph(self, fn):
-        """Run fn as the body of a capture or a replay (`inside` tells an op where it runs)."""
+        """Run fn as the body of a capture or a replay."""
         self.inside = True
         try:
             return fn()
@@ -61,11 +53,8 @@ class RerunGraphs:
             self.inside = False
 
     def capture(self, fn, pool):
-        key = self.runner_state.key if self.runner_state is not None else None
         out = self.in_graph(fn)
-        graph = _Rerun(self, fn, out, self.noise if key in self.perturb else 0.0)
-        self.captured.append(graph)
-        return graph, out
+        return _Rerun(self, fn, out), out
 
     def synchronize(self, device) -> None:
         pass

@@ -1,5 +1,7 @@
-"""Shared by the linear-kernel tests and benchmarks/gpu_linear_decode.py: a decode ExecContext
-without a KV pool, and fresh random inputs of one step for a linear op (padding rows NaN)."""
+"""Shared by the linear-kernel tests and the linear benchmarks (gpu_linear_decode.py,
+gpu_linear_extend.py): ExecContexts without a KV pool (`decode_ctx`, `step_ctx`), fresh random
+inputs of one step for a linear op (padding rows NaN), and `FakeFLA`, FLA's chunk interface over
+the reference recurrence for CPU runs of the extend path."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from compiler.splitops import Mode
+from runtime.backends.cpu_reference import gated_recurrence
 from runtime.context import ExecContext
+from runtime.state_pool import PADDING_SLOT
 
 
 def decode_ctx(slots: list[int], num_real: int, device) -> ExecContext:
@@ -46,3 +50,67 @@ def random_inputs(op: str, rows: int, num_real: int, dims: tuple[int, int, int, 
     for t in x.values():
         t[num_real:] = float("nan")
     return {name: t.to(dtype) for name, t in x.items()}
+
+
+def step_ctx(mode: Mode, reqs: list[tuple[int, int, int]], pad_tokens: int, pad_seqs: int, device) -> ExecContext:
+    """(slot, cached, new tokens) per request, padding rows and requests at the end."""
+    lens = [n for *_, n in reqs]
+    T, B = sum(lens) + pad_tokens, len(reqs) + pad_seqs
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    ctx = ExecContext(
+        mode=mode, query_lens=lens, cache_lens=[c for _, c, _ in reqs],
+        query_start_loc=torch.tensor(qsl + [qsl[-1]] * pad_seqs, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([c + n for _, c, n in reqs] + [0] * pad_seqs, dtype=torch.int32, device=device),
+        state_slots=torch.tensor([s for s, *_ in reqs] + [PADDING_SLOT] * pad_seqs, dtype=torch.int64, device=device),
+        page_table=torch.zeros(B, 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=device),
+        page_size=16, num_tokens=T, num_seqs=B)
+    ctx.check()
+    return ctx
+
+
+class FakeFLA:
+    """Stands in for FLA's chunk functions on the CPU: the reference recurrence per varlen sequence.
+
+    It checks what the backend must pass: keyword arguments, batch 1, cu_seqlens int64 equal to
+    cu_seqlens_cpu, one initial state per sequence, final states requested, no in-kernel l2norm."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _run(self, name, *, q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+             g=None, beta=None, g_gamma=None, use_qk_l2norm_in_kernel=False):
+        assert q.shape[0] == 1 and k.shape[0] == 1 and v.shape[0] == 1, "varlen calls use batch 1"
+        assert cu_seqlens.dtype == torch.int64 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+        assert cu_seqlens_cpu.device.type == "cpu" and int(cu_seqlens_cpu[-1]) == q.shape[1]
+        assert initial_state.shape[0] == len(cu_seqlens_cpu) - 1 and initial_state.dtype == torch.float32
+        assert output_final_state and not use_qk_l2norm_in_kernel
+        self.calls.append((name, cu_seqlens_cpu.tolist()))
+        rep = v.shape[2] // q.shape[2]
+        qq, kk = q[0].repeat_interleave(rep, dim=1), k[0].repeat_interleave(rep, dim=1)
+        ht = initial_state.clone()
+        o = torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
+        bounds = cu_seqlens_cpu.tolist()
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if name == "gdn":
+                decay = g[0, a:b].unsqueeze(-1)
+            elif name == "kda":
+                decay = g[0, a:b]
+            else:
+                assert g is None and g_gamma is not None and g_gamma.shape == (v.shape[2],)
+                decay = g_gamma.float().view(1, -1, 1)
+            o[a:b] = gated_recurrence(qq[a:b], kk[a:b], v[0, a:b], decay, None if beta is None else beta[0, a:b],
+                                      ht[i], scale)
+        initial_state.fill_(float("nan"))  # FLA may scribble on it: the backend must not reuse it
+        return o[None].to(v.dtype), ht
+
+    def gdn(self, **kw):
+        return self._run("gdn", **kw)
+
+    def kda(self, **kw):
+        return self._run("kda", **kw)
+
+    def simple_gla(self, **kw):
+        return self._run("simple_gla", **kw)

@@ -21,9 +21,8 @@ import torch
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
 from runtime.backends.cpu_reference import CPUReferenceBackend
-from runtime.context import ExecContext
 from runtime.state_pool import PADDING_SLOT, StatePool
-from tests.linear_cases import decode_ctx, random_inputs
+from tests.linear_cases import decode_ctx, random_inputs, step_ctx
 
 # HGC_GPU_TESTS_DEVICE=cpu (with TRITON_INTERPRET=1) walks these tests through the interpreter on a
 # CPU, to check the test code itself without a GPU: `-k "not 64 and not graph"` keeps it short.
@@ -207,25 +206,6 @@ def _stub_einops() -> None:
         stub.rearrange = stub.repeat = stub.reduce = stub.einsum = lambda *a, **k: (_ for _ in ()).throw(
             NotImplementedError("einops stub"))
         sys.modules["einops"] = stub
-
-
-def step_ctx(mode: Mode, reqs: list[tuple[int, int, int]], pad_tokens: int, pad_seqs: int, device) -> ExecContext:
-    """(slot, cached, new tokens) per request, padding rows and requests at the end."""
-    lens = [n for *_, n in reqs]
-    T, B = sum(lens) + pad_tokens, len(reqs) + pad_seqs
-    qsl = [0]
-    for n in lens:
-        qsl.append(qsl[-1] + n)
-    ctx = ExecContext(
-        mode=mode, query_lens=lens, cache_lens=[c for _, c, _ in reqs],
-        query_start_loc=torch.tensor(qsl + [qsl[-1]] * pad_seqs, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([c + n for _, c, n in reqs] + [0] * pad_seqs, dtype=torch.int32, device=device),
-        state_slots=torch.tensor([s for s, *_ in reqs] + [PADDING_SLOT] * pad_seqs, dtype=torch.int64, device=device),
-        page_table=torch.zeros(B, 1, dtype=torch.int32, device=device),
-        slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=device),
-        page_size=16, num_tokens=T, num_seqs=B)
-    ctx.check()
-    return ctx
 
 
 EXTEND_STEPS = [  # slot 1 starts empty; step 2 continues its prompt next to decode rows and a new request

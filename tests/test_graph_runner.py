@@ -33,8 +33,6 @@ def make_runner(art, decode=(1, 2, 4), extend=(32, 64), graphs=None, decode_grap
     runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=decode, extend_buckets=extend,
                          max_pages_per_seq=16, extend_max_seqs=4, debug=True, graphs=graphs,
                          decode_graphs=decode_graphs)
-    if graphs is not None:
-        graphs.runner_state = runner.state
     return runner, kv, st
 
 
@@ -147,10 +145,26 @@ def test_piecewise_decode_runs_the_extend_pieces_and_gives_the_eager_tokens(arti
     assert sum(p.kind == "captured" for p in extend_pieces) > 1, "decode ran pieces with eager gaps"
 
 
+def runner_wrong_in_graphs(artifact, graphs, wrong):
+    """A runner over a reference backend whose gqa_attention output is halved where wrong(ctx) holds,
+    inside a capture or a replay only."""
+    class WrongInGraphs(CPUReferenceBackend):
+        def gqa_attention(self, ctx, q, k, v, out, layer_id, scale):
+            super().gqa_attention(ctx, q, k, v, out, layer_id, scale)
+            if graphs.inside and wrong(ctx):
+                out.mul_(0.5)
+
+    kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
+    ops = BoundOps(WrongInGraphs(kv, st))
+    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(1, 2, 4), extend_buckets=(32,),
+                         max_pages_per_seq=16, extend_max_seqs=4, graphs=graphs)
+    return runner, kv
+
+
 def test_start_up_parity_refuses_a_replay_that_differs(artifact):
     """A graph whose replay differs from eager stops the start-up, naming the mode and bucket."""
-    bad = CaptureKey(Mode.DECODE, 2, 2)
-    runner, _, _ = make_runner(artifact, graphs=RerunGraphs(perturb_replays_of={bad}))
+    graphs = RerunGraphs()
+    runner, _ = runner_wrong_in_graphs(artifact, graphs, lambda ctx: ctx.mode == Mode.DECODE and ctx.num_seqs == 2)
     with pytest.raises(ParityError, match=r"decode\[tokens=2, seqs=2\] replay differs from eager.*refusing"):
         runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
 
@@ -158,18 +172,7 @@ def test_start_up_parity_refuses_a_replay_that_differs(artifact):
 def test_parity_names_the_first_differing_layer(artifact):
     """A backend whose captured ops misbehave only when replayed: the error names that layer's op."""
     graphs = RerunGraphs()
-
-    class WrongInGraphs(CPUReferenceBackend):
-        def gqa_attention(self, ctx, q, k, v, out, layer_id, scale):
-            super().gqa_attention(ctx, q, k, v, out, layer_id, scale)
-            if graphs.inside:  # inside a capture or a replay: halve the output
-                out.mul_(0.5)
-
-    kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
-    ops = BoundOps(WrongInGraphs(kv, st))
-    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(1, 2), extend_buckets=(32,),
-                         max_pages_per_seq=16, extend_max_seqs=4, graphs=graphs)
-    graphs.runner_state = runner.state
+    runner, kv = runner_wrong_in_graphs(artifact, graphs, lambda ctx: True)
     full_layer = next(iter(kv.buffers))
     with pytest.raises(ParityError, match=rf"first differing: layer {full_layer} \(gqa_attention"):
         runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
@@ -242,13 +245,13 @@ def test_engine_built_with_a_runner_factory_on_a_small_pool(artifact):
 def test_triton_linear_backend_under_the_runner(artifact):
     """The GPU path's linear-attention child (Triton decode kernels reading slot ids from its static
     buffer in graphs, FLA's chunk kernels in the eager gaps) under capture, parity and replayed
-    steps, on the CPU: Triton's interpreter, FLA stood in by tests/test_triton_linear.FakeFLA, the
+    steps, on the CPU: Triton's interpreter, FLA stood in by tests/linear_cases.FakeFLA, the
     other ops on the reference backend. Greedy tokens equal the reference backend's. (The fused
     MoE's replay path has its own tests in test_triton_moe.py: under the interpreter it would take
     most of a minute here.)"""
     from runtime.backends.hybrid import HybridBackend
     from runtime.backends.triton_linear_backend import TritonLinearBackend
-    from tests.test_triton_linear import FakeFLA
+    from tests.linear_cases import FakeFLA
 
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     want, _ = greedy(*make_runner(artifact), prompts, 3)

@@ -43,11 +43,10 @@ from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
 from runtime.backends.protocol import check_backend  # noqa: E402
 from runtime.backends.triton_linear_backend import (FLANotInstalled, TritonLinearBackend,  # noqa: E402
                                                     WrongModeError)
-from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
 from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.kv_pool import KVPool  # noqa: E402
 from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
-from tests.linear_cases import random_inputs  # noqa: E402
+from tests.linear_cases import FakeFLA, random_inputs  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -303,51 +302,6 @@ def test_default_tiles_keep_batch_one_spread_over_the_chip():
 
 
 # -- extend, mixed and target-verify steps ------------------------------------------------------
-
-
-class FakeFLA:
-    """Stands in for FLA's chunk functions on the CPU: the reference recurrence per varlen sequence.
-
-    It checks what the backend must pass: keyword arguments, batch 1, cu_seqlens int64 equal to
-    cu_seqlens_cpu, one initial state per sequence, final states requested, no in-kernel l2norm."""
-
-    def __init__(self):
-        self.calls = []
-
-    def _run(self, name, *, q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-             g=None, beta=None, g_gamma=None, use_qk_l2norm_in_kernel=False):
-        assert q.shape[0] == 1 and k.shape[0] == 1 and v.shape[0] == 1, "varlen calls use batch 1"
-        assert cu_seqlens.dtype == torch.int64 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
-        assert cu_seqlens_cpu.device.type == "cpu" and int(cu_seqlens_cpu[-1]) == q.shape[1]
-        assert initial_state.shape[0] == len(cu_seqlens_cpu) - 1 and initial_state.dtype == torch.float32
-        assert output_final_state and not use_qk_l2norm_in_kernel
-        self.calls.append((name, cu_seqlens_cpu.tolist()))
-        rep = v.shape[2] // q.shape[2]
-        qq, kk = q[0].repeat_interleave(rep, dim=1), k[0].repeat_interleave(rep, dim=1)
-        ht = initial_state.clone()
-        o = torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
-        bounds = cu_seqlens_cpu.tolist()
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if name == "gdn":
-                decay = g[0, a:b].unsqueeze(-1)
-            elif name == "kda":
-                decay = g[0, a:b]
-            else:
-                assert g is None and g_gamma is not None and g_gamma.shape == (v.shape[2],)
-                decay = g_gamma.float().view(1, -1, 1)
-            o[a:b] = gated_recurrence(qq[a:b], kk[a:b], v[0, a:b], decay, None if beta is None else beta[0, a:b],
-                                      ht[i], scale)
-        initial_state.fill_(float("nan"))  # FLA may scribble on it: the backend must not reuse it
-        return o[None].to(v.dtype), ht
-
-    def gdn(self, **kw):
-        return self._run("gdn", **kw)
-
-    def kda(self, **kw):
-        return self._run("kda", **kw)
-
-    def simple_gla(self, **kw):
-        return self._run("simple_gla", **kw)
 
 
 def mode_step(mode: Mode, reqs: list[tuple[int, int, int]], pad_tokens: int = 0, pad_seqs: int = 0):

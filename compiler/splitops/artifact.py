@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 import torch
@@ -303,10 +304,7 @@ class TensorView:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def to_json(self) -> list:
         return [self.name, self.offset, list(self.shape), list(self.stride)]
@@ -330,10 +328,7 @@ class ParamSource:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def is_whole(self) -> bool:
         """One checkpoint tensor is the whole parameter (the common case: copy, no assembly)."""
