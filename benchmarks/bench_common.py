@@ -1,7 +1,7 @@
 """Helpers shared by the GPU benchmark scripts.
 
-- `is_cuda`, `device_facts`, `device_rates`, `rel_err`, `ensure_einops`: what every kernel benchmark
-  needs; `device_rates` is the denominator of every floor.
+- `is_cuda`, `device_facts`, `device_rates`, `rel_err`, `ensure_einops`, `run_gpu_pytest`, `fmt`:
+  what every kernel benchmark needs; `device_rates` is the denominator of every floor.
 
 - `Stages`: runs named stages, records ok / error / seconds, never lets one failure stop a script.
 - `write_checkpoint_hd64`: a checkpoint of a size with attention head_dim 64 (FlashInfer's smallest).
@@ -19,6 +19,7 @@ import contextlib
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -29,7 +30,7 @@ import torch
 
 from runtime.batch import SeqState, build_step, commit_step
 
-__all__ = ["is_cuda", "device_facts", "device_rates", "rel_err", "ensure_einops", "Stages", "write_checkpoint_hd64", "prompts_for", "greedy", "compare", "decode_batch", "time_ms",
+__all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "ensure_einops", "Stages", "write_checkpoint_hd64", "prompts_for", "greedy", "compare", "decode_batch", "time_ms",
            "synchronizer"]
 
 
@@ -80,6 +81,29 @@ def device_rates() -> dict:
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": 2 * n / (copy_ms * 1e-3), "matmul_flops_per_s": 2 * m ** 3 / (mm_ms * 1e-3),
             "method": "do_bench medians: 1 GiB copy_ (read + write), 8192^3 bf16 matmul"}
+
+
+def run_gpu_pytest(test_file: str, timeout: float, log_path: Path) -> dict:
+    """`pytest -m gpu TEST_FILE` in a subprocess from the repository root, its output to log_path:
+    {"rc", "summary" (the last line), "tail"}; rc "timeout" when it ran past `timeout` seconds."""
+    if timeout < 20:
+        return {"error": "skipped: time budget"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", test_file]
+    print(f"{' '.join(cmd[1:])} (timeout {timeout:.0f} s)", flush=True)
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                              cwd=str(Path(__file__).resolve().parents[1]))
+        output, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        output, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")), "timeout"
+    log_path.write_text(output)
+    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+    return {"rc": rc, "summary": lines[-1] if lines else "", "tail": output[-3000:]}
+
+
+def fmt(v, spec=".1f", none="n/a") -> str:
+    """A number for a table, or `none` where it was not measured."""
+    return none if v is None else format(v, spec)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

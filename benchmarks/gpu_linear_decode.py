@@ -62,7 +62,7 @@ from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence
 from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: E402
 from runtime.context import ExecContext  # noqa: E402
 from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
-from bench_common import device_facts, device_rates, ensure_einops, is_cuda, rel_err  # noqa: E402
+from bench_common import device_facts, device_rates, ensure_einops, fmt, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
 from tests.linear_cases import decode_ctx  # noqa: E402
 
 START = time.time()
@@ -702,25 +702,8 @@ def run_subprocess(args, part: str, extra: list[str], timeout: float, log_file, 
         return data
 
 
-def run_pytest(timeout: float, log_file, log) -> dict:
-    if timeout < 20:
-        return {"error": "skipped: time budget"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "tests/test_gpu_linear_kernels.py"]
-    log(f"[{time.time() - START:6.0f}s] {' '.join(cmd[1:])} (timeout {timeout:.0f} s)")
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                              cwd=str(ROOT))
-        output, rc = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        output, rc = str(e.stdout or ""), "timeout"
-    log_file.write(f"==== pytest rc={rc}\n{output}\n")
-    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
-    return {"rc": rc, "summary": lines[-1] if lines else "", "tail": output[-3000:]}
 
 
-def fmt(v, spec=".1f", none="n/a") -> str:
-    return none if v is None else format(v, spec)
 
 
 def summary_table(results: dict) -> str:
@@ -896,7 +879,8 @@ def main(argv=None) -> int:
                 save()
         # 4. the GPU tests, 5. the reported crash, alone and last
         if not args.no_pytest:
-            results["pytest"] = run_pytest(min(150, budget.left() - 60), lf, log)
+            results["pytest"] = run_gpu_pytest("tests/test_gpu_linear_kernels.py", min(150, budget.left() - 60),
+                                                out_dir / "pytest.log")
             save()
         if not args.no_fla:
             results["fla_chunk_l2norm"] = run_subprocess(

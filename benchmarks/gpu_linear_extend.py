@@ -52,7 +52,7 @@ from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
 from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: E402
 from runtime.state_pool import StatePool  # noqa: E402
 from bench_common import device_facts as common_device_facts  # noqa: E402
-from bench_common import device_rates, ensure_einops, is_cuda, rel_err  # noqa: E402
+from bench_common import device_rates, ensure_einops, fmt, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
 from tests.linear_cases import FakeFLA, step_ctx  # noqa: E402
 
 START = time.time()
@@ -404,26 +404,8 @@ def run_parts(args, names: list[str], timeout: float, log_dir: Path, lock: Path,
     return results
 
 
-def run_pytest(timeout: float, log_dir: Path, dry: bool) -> dict:
-    if dry:
-        return {"skipped": "dry run (the gpu tests need CUDA)"}
-    if timeout < 20:
-        return {"error": "skipped: time budget"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu_linear_kernels.py"]
-    log(f"{' '.join(cmd[1:])} (timeout {timeout:.0f} s)")
-    try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                           cwd=str(ROOT))
-        output, rc = p.stdout, p.returncode
-    except subprocess.TimeoutExpired as e:
-        output, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")), "timeout"
-    (log_dir / "pytest.log").write_text(output)
-    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
-    return {"rc": rc, "summary": lines[-1] if lines else "", "tail": output[-3000:]}
 
 
-def fmt(v, spec=".1f", none="n/a") -> str:
-    return none if v is None else format(v, spec)
 
 
 def table(results: dict) -> str:
@@ -529,7 +511,9 @@ def main(argv=None) -> int:
     results["families"].update(fams)
     save()
     if not args.no_pytest:
-        results["pytest"] = run_pytest(min(150, deadline - time.time() - 5), out, args.dry_run)
+        results["pytest"] = ({"skipped": "dry run (the gpu tests need CUDA)"} if args.dry_run else
+                             run_gpu_pytest("tests/test_gpu_linear_kernels.py", min(150, deadline - time.time() - 5),
+                                            out / "pytest.log"))
         save()
     results["table"] = table(results)
     save()
