@@ -48,6 +48,7 @@ eager. The engine does not capture graphs itself, run speculative decoding, or c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import collections
 import dataclasses
 import itertools
@@ -542,13 +543,19 @@ class EngineLoop:
        the handles (non-blocking puts, under the lock, so a cancel never overtakes a token).
     4. `stop()` ends the thread after its current step and cancels what is left.
 
-    One lock guards the engine: a submit or cancel waits at most one step. If a step raises, the
+    One lock guards the engine, and it is handed over fairly: a caller that wants it announces
+    itself (`_locked()`), and the thread lets every announced caller in before its next step, so a
+    submit, cancel or stats call waits at most one step. A plain lock would not do: the thread
+    releases it and takes it again at once, and on a busy machine a waiting caller was seen to
+    wait for dozens of steps (a shutdown's cancels then missed their bound). If a step raises, the
     loop stops and every open handle gets an EngineLoopError.
     """
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self._cond = threading.Condition()
+        self._wanting = 0  # callers waiting for the lock; the thread lets them in before stepping
+        self._wanting_lock = threading.Lock()
         self._handles: dict[Hashable, RequestHandle] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -561,13 +568,29 @@ class EngineLoop:
         self._thread.start()
         return self
 
+    @contextlib.contextmanager
+    def _locked(self):
+        """The engine lock, for a caller other than the loop thread: announced, so it waits one step at most."""
+        with self._wanting_lock:
+            self._wanting += 1
+        try:
+            self._cond.acquire()
+        finally:
+            with self._wanting_lock:
+                self._wanting -= 1
+        try:
+            yield
+        finally:
+            self._cond.notify_all()  # the thread may be waiting for the callers to be through
+            self._cond.release()
+
     def stop(self, timeout: float | None = None) -> None:
-        with self._cond:
+        with self._locked():
             self._stopping = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        with self._cond:
+        with self._locked():
             for request_id in list(self._handles):
                 if self.engine.cancel(request_id):
                     self._handles.pop(request_id)._finish(self.engine.pop_result(request_id))
@@ -580,7 +603,7 @@ class EngineLoop:
 
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: Hashable = None,
                loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
-        with self._cond:
+        with self._locked():
             if self._stopping or self.error is not None:
                 raise RuntimeError(f"EngineLoop.submit: the loop is stopped (error: {self.error!r})")
             request_id = self.engine.add_request(prompt_ids, params, request_id)
@@ -590,7 +613,7 @@ class EngineLoop:
         return handle
 
     def cancel(self, request_id: Hashable) -> bool:
-        with self._cond:
+        with self._locked():
             if not self.engine.cancel(request_id):
                 return False
             handle = self._handles.pop(request_id, None)
@@ -600,14 +623,15 @@ class EngineLoop:
             return True
 
     def stats(self) -> dict:
-        with self._cond:
+        with self._locked():
             return self.engine.stats()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self.engine.has_work():
-                    self._cond.wait()
+                while not self._stopping and (self._wanting or not self.engine.has_work()):
+                    # For work, or for the announced callers to be through (who notify as they leave).
+                    self._cond.wait(0.05 if self._wanting else None)
                 if self._stopping:
                     return
                 try:

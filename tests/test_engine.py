@@ -330,6 +330,33 @@ def test_engine_loop_streams_to_asyncio_and_cancels():
     assert_all_free(engine)
 
 
+def test_engine_loop_lets_a_caller_in_within_a_step_while_steps_hold_the_interpreter():
+    # A step that holds the GIL (as a CPU forward does): with a plain lock the thread takes the lock
+    # back before a waiting caller wakes, and a cancel could wait dozens of steps.
+    engine = make_engine(build_model("toy"), num_slots=2, num_pages=256, page_size=4)
+    unpaced_step, steps = engine.step, [0]
+
+    def busy_step():
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.005:
+            pass
+        steps[0] += 1
+        return unpaced_step()
+
+    engine.step = busy_step
+    with EngineLoop(engine) as loop_:
+        handle = loop_.submit(prompts(1, [10], 96, seed=8)[0], SamplingParams(max_new_tokens=1000))
+        waited = []
+        for _ in range(30):
+            time.sleep(0.005)
+            before = steps[0]
+            loop_.stats()
+            waited.append(steps[0] - before)
+        assert loop_.cancel(handle.request_id)
+    assert max(waited) <= 2, waited  # the step in progress, and at most one that began as we asked
+    assert handle.result(timeout=10).finish_reason == "cancelled"
+
+
 def test_engine_loop_reports_a_failed_step_to_every_request():
     model = build_model("toy")
     engine = make_engine(model)
