@@ -4,9 +4,9 @@ The runner owns the captured keys, the static buffers and the padding; how one p
 and replayed is `CapturedPiece`'s business, and what the ops do is the backend's. Lifecycle:
 
 1. Construction: static device buffers for the largest bucket (input ids, positions, logits
-   rows and every ExecContext tensor). Each step that replays graphs has its host-built tensors
-   copied into them in place (`copy_`, never reassigned), so every captured kernel reads the same
-   addresses; an eager step uses its own tensors and may be of any size.
+   rows and every ExecContext tensor; `StepStaging`). Each step that replays graphs has its
+   host-built tensors copied into them in place (one copy per dtype, never reassigned), so every
+   captured kernel reads the same addresses; an eager step uses its own tensors and may be of any size.
 2. `capture()` (start-up only): `backend.init_capture_state`, then for each decode bucket,
    largest first, one graph of the whole step when every op's decode policy allows it (the
    artifact's decode plan is one captured piece) or piecewise graphs otherwise; then piecewise
@@ -54,7 +54,7 @@ from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
 from runtime.state_pool import PADDING_SLOT, StatePool
 
-__all__ = ["GraphRunner", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece", "CudaGraphs", "buckets_for",
+__all__ = ["GraphRunner", "StepStaging", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece", "CudaGraphs", "buckets_for",
            "graph_runner_factory",
            "DEFAULT_DECODE_BUCKETS",
            "DEFAULT_EXTEND_BUCKETS"]
@@ -156,6 +156,83 @@ class CapturedPiece(torch.nn.Module):
         return out
 
 
+class StepStaging:
+    """The static step buffers: two device blocks (int64, int32), each filled by one host-to-device copy.
+
+    A replayed step's metadata is eight small tensors. Copied one by one from pageable host
+    memory, each copy is a synchronous driver call of its own; here they are laid out back to
+    back in a host block (pinned on CUDA) and the block's used prefix goes over in one
+    asynchronous copy per dtype. The layout is packed per step shape (T tokens, B requests), so
+    the prefix holds exactly that step's fields: every capture key has its own views into the
+    same blocks, which is safe because one step runs at a time and each fills all of its views.
+
+    The host block is written again only once the previous copy has left it (an event on CUDA;
+    on the CPU the copy is synchronous). Rows a step does not fill are padding: build_step pads
+    every field but logits_index, whose spare rows read row 0, and page_table's spare columns.
+    """
+
+    INT64 = ("input_ids", "positions", "slot_mapping", "logits_index", "state_slots")
+    INT32 = ("query_start_loc", "seq_lens", "page_table")
+    PER_TOKEN = ("input_ids", "positions", "slot_mapping")
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device):
+        self.max_pages, self.device = max_pages, device
+        cuda = device.type == "cuda"
+        sizes = {torch.int64: self._size(self.INT64, max_tokens, max_seqs),
+                 torch.int32: self._size(self.INT32, max_tokens, max_seqs)}
+        self.host = {dt: torch.zeros(n, dtype=dt, pin_memory=cuda) for dt, n in sizes.items()}
+        self.dev = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
+        self._event = torch.cuda.Event() if cuda else None
+        self._views: dict[tuple[int, int], tuple[dict, dict, dict]] = {}
+
+    def shape(self, name: str, T: int, B: int) -> tuple[int, ...]:
+        if name in self.PER_TOKEN:
+            return (T,)
+        if name == "query_start_loc":
+            return (B + 1,)
+        if name == "page_table":
+            return (B, self.max_pages)
+        return (B,)
+
+    def _size(self, names, T: int, B: int) -> int:
+        return sum(math.prod(self.shape(n, T, B)) for n in names)
+
+    def views(self, T: int, B: int) -> tuple[dict, dict, dict]:
+        """(host numpy views, device views, used length per dtype) of the layout for T tokens, B requests."""
+        if (T, B) not in self._views:
+            host, dev, used = {}, {}, {}
+            for dt, names in ((torch.int64, self.INT64), (torch.int32, self.INT32)):
+                at = 0
+                for name in names:
+                    shape = self.shape(name, T, B)
+                    n = math.prod(shape)
+                    host[name] = self.host[dt][at: at + n].view(shape).numpy()
+                    dev[name] = self.dev[dt][at: at + n].view(shape)
+                    at += n
+                used[dt] = at
+            self._views[(T, B)] = (host, dev, used)
+        return self._views[(T, B)]
+
+    def fill(self, T: int, B: int, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy a step's host tensors in and send them over; returns the device views."""
+        host, dev, used = self.views(T, B)
+        if self._event is not None:
+            self._event.synchronize()  # the previous step's copy has left the host block
+        for name, src in sources.items():
+            a, h = src.numpy(), host[name]
+            if name == "page_table":  # as wide as the longest request: the columns after it are 0
+                h[:, : a.shape[1]] = a
+                h[:, a.shape[1]:] = 0
+            else:
+                h[: a.shape[0]] = a
+                h[a.shape[0]:] = 0  # only logits_index comes short: its padded rows read row 0
+        for dt, n in used.items():
+            self.dev[dt][:n].copy_(self.host[dt][:n], non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        return dev
+
+
 class GraphRunner:
     def __init__(self, program, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str, *,
                  decode_buckets=DEFAULT_DECODE_BUCKETS, extend_buckets=DEFAULT_EXTEND_BUCKETS,
@@ -193,17 +270,7 @@ class GraphRunner:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.chunk_size = chunk_size or max_tokens
         # Static buffers: the only tensors a captured graph reads besides weights, caches and its pool.
-        d = self.device
-        self.buf = {
-            "input_ids": torch.zeros(max_tokens, dtype=torch.long, device=d),
-            "positions": torch.zeros(max_tokens, dtype=torch.long, device=d),
-            "logits_index": torch.zeros(max_seqs, dtype=torch.long, device=d),
-            "slot_mapping": torch.full((max_tokens,), -1, dtype=torch.long, device=d),
-            "query_start_loc": torch.zeros(max_seqs + 1, dtype=torch.int32, device=d),
-            "seq_lens": torch.zeros(max_seqs, dtype=torch.int32, device=d),
-            "state_slots": torch.full((max_seqs,), PADDING_SLOT, dtype=torch.long, device=d),
-            "page_table": torch.zeros(max_seqs, self.max_pages, dtype=torch.int32, device=d),
-        }
+        self.staging = StepStaging(max_tokens, max_seqs, self.max_pages, self.device)
         self._modules: dict[Mode, torch.nn.Module] = {}
         self._outputs: dict[CaptureKey, object] = {}  # full graphs: their static logits
         self._full_graphs: dict[CaptureKey, object] = {}
@@ -239,28 +306,25 @@ class GraphRunner:
             inputs = tuple(t.to(self.device, non_blocking=True)
                            for t in (step.input_ids, step.positions, step.logits_index))
             return inputs, dataclasses.replace(ctx, **moved)
-        T, B, R = key.tokens, key.seqs, key.seqs
-        b = self.buf
-        for name, src, n in (("input_ids", step.input_ids, T), ("positions", step.positions, T),
-                             ("slot_mapping", ctx.slot_mapping, T), ("seq_lens", ctx.seq_lens, B),
-                             ("state_slots", ctx.state_slots, B), ("query_start_loc", ctx.query_start_loc, B + 1)):
-            if src.shape[0] > n or n > b[name].shape[0]:
-                raise CaptureError(f"step does not fit {key}: {name} has {src.shape[0]} rows for {n} "
-                                   f"(buffers hold {b[name].shape[0]})")
-            b[name][: src.shape[0]].copy_(src, non_blocking=True)
+        T, B = key.tokens, key.seqs
+        if T > self.max_tokens or B > self.max_seqs:
+            raise CaptureError(f"step does not fit {key}: the buffers hold {self.max_tokens} tokens, {self.max_seqs} requests")
         pages = ctx.page_table.shape[1]
         if pages > self.max_pages:
             raise CaptureError(f"a request holds {pages} pages; the runner was built for {self.max_pages}")
-        b["page_table"][: ctx.page_table.shape[0], :pages].copy_(ctx.page_table, non_blocking=True)
-        b["page_table"][: ctx.page_table.shape[0], pages:].zero_()
-        b["logits_index"][: step.logits_index.shape[0]].copy_(step.logits_index, non_blocking=True)
-        b["logits_index"][step.logits_index.shape[0]:R].zero_()  # padded logits rows read row 0
+        sources = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": ctx.slot_mapping,
+                   "logits_index": step.logits_index, "state_slots": ctx.state_slots,
+                   "query_start_loc": ctx.query_start_loc, "seq_lens": ctx.seq_lens, "page_table": ctx.page_table}
+        for name, src in sources.items():
+            rows = self.staging.shape(name, T, B)[0]
+            # build_step pads every field to the key; only logits_index has a row per real request
+            if src.shape[0] > rows or (src.shape[0] != rows and name != "logits_index"):
+                raise CaptureError(f"step does not fit {key}: {name} has {src.shape[0]} rows for {rows}")
+        v = self.staging.fill(T, B, sources)
         static_ctx = dataclasses.replace(
-            ctx, query_start_loc=b["query_start_loc"][: B + 1], seq_lens=b["seq_lens"][:B],
-            state_slots=b["state_slots"][:B], page_table=b["page_table"][:B], slot_mapping=b["slot_mapping"][:T],
-            num_tokens=T, num_seqs=B)
-        inputs = (b["input_ids"][:T], b["positions"][:T], b["logits_index"][:R])
-        return inputs, static_ctx
+            ctx, query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"], state_slots=v["state_slots"],
+            page_table=v["page_table"], slot_mapping=v["slot_mapping"], num_tokens=T, num_seqs=B)
+        return (v["input_ids"], v["positions"], v["logits_index"]), static_ctx
 
     def build(self, items: list[tuple[SeqState, list[int]]], mode: Optional[Mode] = None) -> tuple[StepInputs, Optional[CaptureKey]]:
         """Lay a step out on the host, padded to the key that will run it."""

@@ -85,6 +85,34 @@ def test_padded_static_step_gives_the_unpadded_tokens(artifact):
     assert runner.counters["eager_steps"] + runner.counters["piecewise_steps"] == 4
 
 
+def test_static_buffers_take_each_key_in_one_packed_copy_per_dtype(artifact):
+    """Each key's fields lie back to back in the blocks, a smaller key after a larger one leaves
+    no stale row in what it reads, and a step not padded to its key is refused."""
+    from runtime.batch import build_step
+
+    runner, kv, st = make_runner(artifact)
+    staging = runner.staging
+    seqs = [SeqState(st.alloc(), num_cached=0) for _ in range(3)]
+    big = build_step([(s, [7] * 9) for s in seqs], kv, "cpu", pad_tokens_to=32, pad_seqs_to=4, max_pages=16)
+    inputs, ctx = runner._fill(big, CaptureKey(Mode.EXTEND, 32, 4))
+    _, dev, used = staging.views(32, 4)
+    assert used == {torch.int64: 3 * 32 + 2 * 4, torch.int32: 5 + 4 + 4 * 16}
+    assert dev["positions"].data_ptr() == dev["input_ids"].data_ptr() + 32 * 8, "packed back to back"
+    assert inputs[0].data_ptr() == dev["input_ids"].data_ptr() and ctx.page_table.data_ptr() == dev["page_table"].data_ptr()
+    assert torch.equal(ctx.slot_mapping, big.ctx.slot_mapping) and torch.equal(ctx.page_table, big.ctx.page_table)
+    assert inputs[2].tolist() == [8, 17, 26, 0], "the padded request's logits row reads row 0"
+
+    one = SeqState(st.alloc(), pages=kv.alloc(1), num_cached=3)
+    small = build_step([(one, [5])], kv, "cpu", pad_tokens_to=1, pad_seqs_to=1, max_pages=16)
+    inputs, ctx = runner._fill(small, CaptureKey(Mode.DECODE, 1, 1))
+    assert inputs[0].tolist() == [5] and inputs[1].tolist() == [3] and ctx.seq_lens.tolist() == [4]
+    assert ctx.page_table.tolist() == [[one.pages[0]] + [0] * 15], "no column left from the larger step"
+
+    unpadded = build_step([(s, [7] * 9) for s in seqs], kv, "cpu", max_pages=16)
+    with pytest.raises(CaptureError, match="input_ids has 27 rows for 32"):
+        runner._fill(unpadded, CaptureKey(Mode.EXTEND, 32, 4))
+
+
 def test_gpu_backend_facts_come_from_the_graph(tmp_path):
     """build_gpu_backend's inputs, on the CPU: per-layer q heads and scales read from a cuda-target
     artifact's graph, and FlashInfer's head-dim limit refused at construction, not at the first prefill."""
