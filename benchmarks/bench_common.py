@@ -102,8 +102,8 @@ def run_gpu_pytest(test_file: str, timeout: float, log_path: Path) -> dict:
 
 
 def fmt(v, spec=".1f", none="n/a") -> str:
-    """A number for a table, or `none` where it was not measured."""
-    return none if v is None else format(v, spec)
+    """A number for a table, or `none` where it was not measured (None or NaN)."""
+    return none if v is None or v != v else format(v, spec)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import device_rates, fmt  # noqa: E402
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec  # noqa: E402
 from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.kv_pool import KVPool  # noqa: E402
@@ -115,19 +115,11 @@ def env() -> None:
 
 
 def ceilings() -> None:
-    n = 1 << 30  # 1 GiB each way: far past L2
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    copy_bw = 2 * n / (ms * 1e-3)
-    del src, dst
-    m = 8192
-    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    ms_mm = bench_ms(lambda: a @ b)
-    rate = 2 * m ** 3 / (ms_mm * 1e-3)
-    RESULTS["ceilings"] = {"copy_GBps": copy_bw / 1e9, "bf16_mm_TFLOPs": rate / 1e12}
-    log(f"ceilings: copy {copy_bw / 1e9:.0f} GB/s (read+write), bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    rates = device_rates()
+    RESULTS["ceilings"] = {"copy_GBps": rates["copy_bytes_per_s"] / 1e9, "bf16_mm_TFLOPs": rates["matmul_flops_per_s"] / 1e12,
+                           "method": rates["method"]}
+    log(f"ceilings: copy {RESULTS['ceilings']['copy_GBps']:.0f} GB/s (read+write), "
+        f"bf16 matmul {RESULTS['ceilings']['bf16_mm_TFLOPs']:.0f} TFLOP/s")
 
 
 def copy_bw() -> float:
@@ -521,17 +513,11 @@ def extend_section(quick: bool) -> None:
 # -- table ---------------------------------------------------------------------------------------
 
 
-def fmt(v, digits: int = 1) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return f"{v:.{digits}f}"
-
-
 def print_tables() -> None:
     e, c = RESULTS["env"], RESULTS["ceilings"]
     print("\n==== gpu_attention summary ====")
     print(f"{e.get('device')} | torch {e.get('torch')} | flashinfer {e.get('flashinfer')} | triton {e.get('triton')} | "
-          f"copy {fmt(c.get('copy_GBps'), 0)} GB/s | bf16 mm {fmt(c.get('bf16_mm_TFLOPs'), 0)} TFLOP/s")
+          f"copy {fmt(c.get('copy_GBps'), '.0f')} GB/s | bf16 mm {fmt(c.get('bf16_mm_TFLOPs'), '.0f')} TFLOP/s")
     if RESULTS["jit"]:
         print("\nJIT (first plan + first run minus warm ones), seconds:")
         for r in RESULTS["jit"]:
@@ -555,7 +541,7 @@ def print_tables() -> None:
             print(f"  {r['config']:<14} {r['B']:>4} {r['ctx']:>5} "
                   + " ".join(f"{fmt(r.get(k + ':graph_us')):>13}" for k in keys)
                   + f" {fmt(r.get('default:eager_us')):>9} {fmt(sdpa):>8} {fmt(r['floor_us']):>7}"
-                  + f" {fmt(fi / r['floor_us'] if fi else None, 2):>8} {fmt(fi / sdpa if fi and sdpa else None, 2):>7}")
+                  + f" {fmt(fi / r['floor_us'] if fi else None, '.2f'):>8} {fmt(fi / sdpa if fi and sdpa else None, '.2f'):>7}")
     if RESULTS["extend"]:
         print("\nextend, one request, microseconds (defaults: ragged when every request is fresh, else paged; "
               "paged/ragged on prefill_backend auto = fa3 on Hopper):")

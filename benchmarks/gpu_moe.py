@@ -7,10 +7,10 @@ On the GPU machine (see ../shared/gpu/README.md for the wheel install line):
     python3 benchmarks/gpu_moe.py --dry-run --out /tmp/moe   # CPU: Triton interpreter, tiny dims
 
 Steps, in order:
-1. `pytest -m gpu tests/test_gpu_moe.py` in a subprocess (skipped with --skip-tests); its summary
+1. `pytest -m gpu tests/test_gpu_moe.py` in a subprocess (skipped with --skip-tests; log in OUT); its summary
    goes into the JSON and the table.
-2. Measures the two ceilings in this run: device-to-device copy bandwidth (bytes read + written,
-   1 GiB) and the bf16 matmul rate (8192^3 torch.mm).
+2. Measures the two ceilings in this run (bench_common.device_rates, as every kernel benchmark
+   does): device-to-device copy bandwidth (bytes read + written, 1 GiB) and the bf16 matmul rate (8192^3).
 3. With --tune: `tune_moe.tune_all` writes runtime/backends/moe_configs/E=..,I=..,device=...json
    and a copy as OUT/moe_configs/E.._I.._<device>.json (the GPU machine keeps nothing; install the
    copies with `python3 benchmarks/tune_moe.py --install OUTDIR/moe_configs/*.json`, then commit).
@@ -42,7 +42,6 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -53,6 +52,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+from bench_common import device_rates, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference, route_topk  # noqa: E402
 from runtime.backends.triton_moe import (  # noqa: E402
     CONFIG_DIR, TritonMoEBackend, combine, device_name_of, down_sorted, down_token, gate_up_sorted, gate_up_token,
@@ -143,26 +143,11 @@ def moe_loop(x, *layer_and_routing):
     return moe_reference(x, *layer_and_routing).to(x.dtype)
 
 
-def measure_rates(bench: Bench) -> dict:
-    """Copy bandwidth (read + written bytes per second) and matmul rate, measured now, on this device."""
-    if bench.dry:
-        n, m, dt = 1 << 24, 256, torch.float32
-    else:
-        n, m, dt = 1 << 29, 8192, torch.bfloat16  # 1 GiB of bf16; 8192^3 matmul
-    src = torch.empty(n, dtype=dt, device=bench.device).uniform_(-1, 1)  # never time zeros
-    dst = torch.empty_like(src)
-    copy_ms = bench.time_ms(lambda: dst.copy_(src))
-    a = torch.randn(m, m, dtype=dt, device=bench.device)
-    b = torch.randn(m, m, dtype=dt, device=bench.device)
-    c = torch.empty(m, m, dtype=dt, device=bench.device)
-    mm_ms = bench.time_ms(lambda: torch.mm(a, b, out=c))
-    return {"copy_bytes": 2 * n * src_elt(dt), "copy_ms": copy_ms,
-            "copy_GBps": 2 * n * src_elt(dt) / copy_ms / 1e6,
-            "mm_n": m, "mm_ms": mm_ms, "mm_TFLOPs": 2 * m ** 3 / mm_ms / 1e9, "mm_dtype": str(dt)}
-
-
-def src_elt(dt) -> int:
-    return torch.empty(0, dtype=dt).element_size()
+def measure_rates() -> dict:
+    """bench_common.device_rates (the ceilings of every floor), in the units of the table."""
+    rates = device_rates()
+    return {**rates, "copy_GBps": rates["copy_bytes_per_s"] / 1e9, "mm_TFLOPs": rates["matmul_flops_per_s"] / 1e12,
+            "mm_dtype": "bfloat16" if is_cuda() else "float32"}
 
 
 def floor_us(rates: dict, T: int, E: int, k: int, D: int, I: int, S: int, hit: int, elt: int) -> dict:
@@ -174,21 +159,6 @@ def floor_us(rates: dict, T: int, E: int, k: int, D: int, I: int, S: int, hit: i
     flops_us = flops / (rates["mm_TFLOPs"] * 1e6)
     return {"bytes": weight_bytes + other_bytes, "flops": flops, "bytes_us": bytes_us, "flops_us": flops_us,
             "floor_us": max(bytes_us, flops_us), "bound": "bytes" if bytes_us >= flops_us else "flops"}
-
-
-def rel_err(out, ref) -> float:
-    return float((out.float().cpu() - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def run_gpu_tests(bench: Bench) -> dict:
-    """pytest -m gpu tests/test_gpu_moe.py in a subprocess; returns its exit code and summary line."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu_moe.py"]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()
-    summary = tail[-1] if tail else ""
-    print("\n".join(tail[-40:]), flush=True)
-    return {"command": " ".join(cmd[1:]), "rc": proc.returncode, "summary": summary, "seconds": time.time() - t0}
 
 
 def bench_shape(bench: Bench, name: str, E: int, top_k: int, tokens: list[int], rates: dict,
@@ -353,8 +323,8 @@ def main(argv=None) -> int:
            "argv": sys.argv, "interpreter": bench.dry, "shared_width": bench.S, "shared_gated": bench.S > 0}
     print(f"gpu_moe: {env}", flush=True)
 
-    tests = None if args.skip_tests else run_gpu_tests(bench)
-    rates = measure_rates(bench)
+    tests = None if args.skip_tests else run_gpu_pytest("tests/test_gpu_moe.py", 600, args.out / "gpu_moe_pytest.log")
+    rates = measure_rates()
     print(f"rates: {rates}", flush=True)
 
     config_dir = CONFIG_DIR

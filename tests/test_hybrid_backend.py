@@ -115,17 +115,22 @@ def test_engine_over_the_hybrid_gives_the_reference_tokens():
 # -- routing and forwarding ---------------------------------------------------------------------
 
 
+def call_every_hook(hybrid, ctx) -> list[tuple]:
+    """Call each protocol hook once on `hybrid`; returns the calls a child that gets them all records."""
+    hybrid.init_capture_state(64, 8)
+    hybrid.init_replay_state(ctx, 8)
+    hybrid.init_step_metadata(ctx)
+    hybrid.init_chunk_metadata(ctx, 512)
+    return [("init_capture_state", 64, 8), ("init_replay_state", ctx, 8), ("init_step_metadata", ctx),
+            ("init_chunk_metadata", ctx, 512)]
+
+
 def test_every_hook_reaches_both_children_and_each_op_only_its_owner():
     full, linear = Spy(FULL_OPS), Spy(LINEAR_OPS)
     hybrid = HybridBackend(full, linear)
     assert hybrid.children == (full, linear)
     ctx = types.SimpleNamespace(mode=Mode.DECODE)
-    hybrid.init_capture_state(64, 8)
-    hybrid.init_replay_state(ctx, 8)
-    hybrid.init_step_metadata(ctx)
-    hybrid.init_chunk_metadata(ctx, 512)
-    expected = [("init_capture_state", 64, 8), ("init_replay_state", ctx, 8), ("init_step_metadata", ctx),
-                ("init_chunk_metadata", ctx, 512)]
+    expected = call_every_hook(hybrid, ctx)
     assert full.calls == expected and linear.calls == expected
     assert {c[0] for c in expected} == set(HOOK_NAMES)
     full.calls.clear()
@@ -289,12 +294,7 @@ def test_three_children_each_op_to_its_owner_every_hook_to_all():
     hybrid = HybridBackend(full, linear, moe)
     assert hybrid.children == (full, linear, moe)
     ctx = types.SimpleNamespace(mode=Mode.DECODE)
-    hybrid.init_capture_state(64, 8)
-    hybrid.init_replay_state(ctx, 8)
-    hybrid.init_step_metadata(ctx)
-    hybrid.init_chunk_metadata(ctx, 512)
-    expected = [("init_capture_state", 64, 8), ("init_replay_state", ctx, 8), ("init_step_metadata", ctx),
-                ("init_chunk_metadata", ctx, 512)]
+    expected = call_every_hook(hybrid, ctx)
     assert full.calls == linear.calls == moe.calls == expected
     for child in (full, linear, moe):
         child.calls.clear()

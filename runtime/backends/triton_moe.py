@@ -113,18 +113,8 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
     n_mask = offs_n < E
     a_ptrs = x_ptr + offs_m[:, None] * stride_xt + offs_k[None, :]  # [BM,BK]
     b_ptrs = w_ptr + offs_n[None, :] * stride_we + offs_k[:, None]  # [BK,BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k_mask = offs_k < D - k0
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if DOT_FP32:
-            # Mixed or float32 operands: exact float32 products, as the reference computes them.
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    # DOT_FP32 (mixed or float32 operands): exact float32 products, as the reference computes them.
+    acc = _dot_block(a_ptrs, b_ptrs, m_mask, n_mask, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, False, False)
     tl.store(out_ptr + offs_m[:, None] * E + offs_n[None, :], acc,
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -389,10 +379,11 @@ def _store_h(h_ptr, h, rows, offs_n, n_mask, stride_hm):
     tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
-def _down_block(a_ptrs, b_ptrs, valid, n_mask, K,
+def _dot_block(a_ptrs, b_ptrs, valid, n_mask, K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """a [BM, K] @ b [K, BN] in float32: h rows times one expert's down-projection columns."""
+    """a [BM, K] @ b [K, BN] in float32, K walked in BLOCK_K steps (the pointers advance along K by 1):
+    router logits, and h rows times one expert's down-projection columns."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
@@ -442,12 +433,12 @@ def _down_sorted_kernel(h_ptr, w2_ptr, sw2_ptr, y_ptr, weights_ptr, sorted_ptr, 
         if e >= E:
             c = (e - E).to(tl.int32)
             b_ptrs = sw2_ptr + c * I + offs_n[None, :] * stride_swn + offs_k[:, None]  # [BK,BN]
-            acc = _down_block(a_ptrs, b_ptrs, valid, n_mask, tl.minimum(S - c * I, I),
+            acc = _dot_block(a_ptrs, b_ptrs, valid, n_mask, tl.minimum(S - c * I, I),
                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K_SHARED, EVEN_N)
             _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stride_yp)
             return
     b_ptrs = w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK,BN]
-    acc = _down_block(a_ptrs, b_ptrs, valid, n_mask, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K, EVEN_N)
+    acc = _dot_block(a_ptrs, b_ptrs, valid, n_mask, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K, EVEN_N)
     _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stride_yp)
 
 
@@ -580,7 +571,7 @@ def _down_token_kernel(h_ptr, w2_ptr, sw2_ptr, ids_ptr, weights_ptr, out_ptr, E,
 
 
 _KERNEL_NAMES = ("_logits_kernel", "_logits_gemv_kernel", "_route_kernel", "_align_kernel", "_grouped_pid",
-                 "_gate_up_block", "_gate_up_sorted_kernel", "_store_h", "_down_block", "_down_sorted_kernel",
+                 "_gate_up_block", "_gate_up_sorted_kernel", "_store_h", "_dot_block", "_down_sorted_kernel",
                  "_store_weighted_y", "_combine_kernel", "_gate_up_row", "_gate_up_token_kernel", "_down_row",
                  "_down_token_kernel")
 
