@@ -233,7 +233,10 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     doc = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "cpu",
-           "command": " ".join(sys.argv), "dry_run": args.dry_run, "sizes": {}}
+           "command": " ".join(sys.argv), "dry_run": args.dry_run, "sizes": {},
+           # kernels built by an earlier call (benchmarks/jit_cache.py): first-use times are then not cold
+           "jit_cache_files_at_start": sum(1 for _ in Path(os.environ["TRITON_CACHE_DIR"]).rglob("*"))
+           if os.environ.get("TRITON_CACHE_DIR") and Path(os.environ["TRITON_CACHE_DIR"]).is_dir() else 0}
     if not 1 <= args.num_prompts <= MAX_SEQS:
         p.error(f"--num-prompts must be 1 to {MAX_SEQS}")
     runs = [(family, size) for family in args.families.split(",") for size in args.sizes.split(",")]
