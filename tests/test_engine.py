@@ -330,31 +330,44 @@ def test_engine_loop_streams_to_asyncio_and_cancels():
     assert_all_free(engine)
 
 
-def test_engine_loop_lets_a_caller_in_within_a_step_while_steps_hold_the_interpreter():
-    # A step that holds the GIL (as a CPU forward does): with a plain lock the thread takes the lock
-    # back before a waiting caller wakes, and a cancel could wait dozens of steps.
+def test_engine_loop_lets_a_waiting_caller_in_before_its_next_step():
+    # The stepping thread releases the lock and would take it back at once: with a plain lock a
+    # waiting cancel could sit through dozens of steps (a shutdown's cancels then missed their
+    # bound). Here a step is held open until a stats() call is known to wait for the lock; the
+    # step after it must find that call served.
     engine = make_engine(build_model("toy"), num_slots=2, num_pages=256, page_size=4)
-    unpaced_step, steps = engine.step, [0]
+    unpaced_step, unlocked_stats = engine.step, engine.stats
+    served, seen_by_step = [0], []
+    in_step, go = threading.Event(), threading.Event()
 
-    def busy_step():
-        start = time.perf_counter()
-        while time.perf_counter() - start < 0.005:
-            pass
-        steps[0] += 1
+    def gated_step():
+        seen_by_step.append(served[0])
+        if len(seen_by_step) == 3:
+            in_step.set()
+            assert go.wait(30)
         return unpaced_step()
 
-    engine.step = busy_step
+    def counted_stats():
+        served[0] += 1
+        return unlocked_stats()
+
+    engine.step, engine.stats = gated_step, counted_stats
     with EngineLoop(engine) as loop_:
-        handle = loop_.submit(prompts(1, [10], 96, seed=8)[0], SamplingParams(max_new_tokens=1000))
-        waited = []
-        for _ in range(30):
-            time.sleep(0.005)
-            before = steps[0]
-            loop_.stats()
-            waited.append(steps[0] - before)
+        handle = loop_.submit(prompts(1, [10], 96, seed=8)[0], SamplingParams(max_new_tokens=200))
+        assert in_step.wait(30)
+        caller = threading.Thread(target=loop_.stats)
+        caller.start()
+        deadline = time.monotonic() + 30
+        while loop_._wanting == 0:  # the caller has announced itself and waits for the lock
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        go.set()
+        caller.join(30)
+        while len(seen_by_step) < 4:  # the step after the held one has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
         assert loop_.cancel(handle.request_id)
-    assert max(waited) <= 2, waited  # the step in progress, and at most one that began as we asked
-    assert handle.result(timeout=10).finish_reason == "cancelled"
+    assert seen_by_step[2] == 0 and seen_by_step[3] == 1, seen_by_step[:6]
 
 
 def test_engine_loop_reports_a_failed_step_to_every_request():
