@@ -544,18 +544,20 @@ class EngineLoop:
     4. `stop()` ends the thread after its current step and cancels what is left.
 
     One lock guards the engine, and it is handed over fairly: a caller that wants it announces
-    itself (`_locked()`), and the thread lets every announced caller in before its next step, so a
-    submit, cancel or stats call waits at most one step. A plain lock would not do: the thread
-    releases it and takes it again at once, and on a busy machine a waiting caller was seen to
-    wait for dozens of steps (a shutdown's cancels then missed their bound). If a step raises, the
-    loop stops and every open handle gets an EngineLoopError.
+    itself (`_locked()`), and before each step the thread lets in every caller announced by then,
+    so a submit, cancel or stats call waits at most one step, and callers arriving all the time
+    cannot hold the steps back either. A plain lock would not do: the thread releases it and takes
+    it again at once, and with steps that hold the interpreter a waiting caller was seen to wait
+    for hundreds of steps (benchmarks/engine_lock_bench.py; a shutdown's cancels then missed their
+    bound). If a step raises, the loop stops and every open handle gets an EngineLoopError.
     """
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self._cond = threading.Condition()
-        self._wanting = 0  # callers waiting for the lock; the thread lets them in before stepping
-        self._wanting_lock = threading.Lock()
+        # Callers that have asked for the lock, and of those how many have had it (or gave up).
+        self._announced = self._admitted = 0
+        self._count_lock = threading.Lock()
         self._handles: dict[Hashable, RequestHandle] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -571,13 +573,13 @@ class EngineLoop:
     @contextlib.contextmanager
     def _locked(self):
         """The engine lock, for a caller other than the loop thread: announced, so it waits one step at most."""
-        with self._wanting_lock:
-            self._wanting += 1
+        with self._count_lock:
+            self._announced += 1
         try:
             self._cond.acquire()
-        finally:
-            with self._wanting_lock:
-                self._wanting -= 1
+        finally:  # admitted, or gave up (interrupted): either way the thread need not wait for it
+            with self._count_lock:
+                self._admitted += 1
         try:
             yield
         finally:
@@ -629,9 +631,10 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and (self._wanting or not self.engine.has_work()):
-                    # For work, or for the announced callers to be through (who notify as they leave).
-                    self._cond.wait(0.05 if self._wanting else None)
+                due = self._announced  # callers that asked before this point go before the next step
+                while not self._stopping and (self._admitted < due or not self.engine.has_work()):
+                    # For work, or for those callers to be through (each notifies as it leaves).
+                    self._cond.wait(0.05 if self._admitted < due else None)
                 if self._stopping:
                     return
                 try:

@@ -358,7 +358,7 @@ def test_engine_loop_lets_a_waiting_caller_in_before_its_next_step():
         caller = threading.Thread(target=loop_.stats)
         caller.start()
         deadline = time.monotonic() + 30
-        while loop_._wanting == 0:  # the caller has announced itself and waits for the lock
+        while loop_._announced == 0:  # the caller has announced itself and waits for the lock
             assert time.monotonic() < deadline
             time.sleep(0.001)
         go.set()
@@ -368,6 +368,28 @@ def test_engine_loop_lets_a_waiting_caller_in_before_its_next_step():
             time.sleep(0.001)
         assert loop_.cancel(handle.request_id)
     assert seen_by_step[2] == 0 and seen_by_step[3] == 1, seen_by_step[:6]
+
+
+def test_engine_loop_steps_on_while_callers_keep_coming():
+    # Fairness the other way round: callers that never stop asking (a metrics scraper, a stream of
+    # submits) must not hold the steps back; only those that asked before a step go before it.
+    engine = make_engine(build_model("toy"), num_slots=2, num_pages=256, page_size=4)
+    stop = threading.Event()
+    with EngineLoop(engine) as loop_:
+        def hammer():
+            while not stop.is_set():
+                loop_.stats()
+
+        callers = [threading.Thread(target=hammer) for _ in range(4)]
+        for t in callers:
+            t.start()
+        try:
+            handle = loop_.submit(prompts(1, [10], 96, seed=8)[0], SamplingParams(max_new_tokens=100))
+            assert handle.result(timeout=60).finish_reason == "length"
+        finally:
+            stop.set()
+            for t in callers:
+                t.join(30)
 
 
 def test_engine_loop_reports_a_failed_step_to_every_request():
