@@ -3,9 +3,11 @@
 - `is_cuda`, `device_facts`, `device_rates`, `rel_err`, `ensure_einops`, `run_gpu_pytest`, `fmt`:
   what every kernel benchmark needs; `device_rates` is the denominator of every floor.
 
-- `Stages`: runs named stages, records ok / error / seconds, never lets one failure stop a script.
+- `Stages`: runs named stages, records ok / error / seconds, never lets one failure stop a script;
+  `run_guarded`: the same for a whole run (a family, a size) around its stages.
 - `write_checkpoint_hd64`: a checkpoint of a size with attention head_dim 64 (FlashInfer's smallest).
-- `prompts_for`, `greedy`, `compare`: greedy tokens through a runner and how two runs differ.
+- `prompts_for`, `key_names`, `compare`: prompts, the keys a run used, and how two runs' greedy tokens differ (the tokens themselves:
+  tests/graph_cases.greedy, which the tests use too).
 - `decode_batch`: B requests with a history, and their next decode step's items.
 - `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU).
 
@@ -30,7 +32,7 @@ import torch
 
 from runtime.batch import SeqState, build_step, commit_step
 
-__all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "ensure_einops", "Stages", "write_checkpoint_hd64", "prompts_for", "greedy", "compare", "decode_batch", "time_ms",
+__all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
            "synchronizer"]
 
 
@@ -158,6 +160,20 @@ class Stages:
             return None
 
 
+def run_guarded(label: str, rec: dict, fn) -> None:
+    """One whole run of a script (a family, a size) under no_grad: an error that escapes its
+    Stages is a bug in the script itself, recorded as rec["fatal"] so the other runs still go."""
+    print(f"=== {label} ===", flush=True)
+    try:
+        with torch.no_grad():
+            fn()
+    except Exception as e:  # noqa: BLE001 - keep the other runs
+        rec["fatal"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    if is_cuda():
+        torch.cuda.empty_cache()
+
+
 def write_checkpoint_hd64(size: str, out: Path, family_name: str = "qwen3_next") -> None:
     """`hgc init-model` of `size` with attention head_dim 64: FlashInfer 0.6.0 builds no prefill for
     the head dim 32 of qwen3_next's tiny and small configs (runtime/gpu_backends.py refuses it), and
@@ -182,34 +198,9 @@ def prompts_for(vocab: int, lens, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def greedy(runner, state_pool, prompts, new_tokens: int, sync,
-           eager: bool = False) -> tuple[list[list[int]], list[str]]:
-    """Greedy tokens through runner.build/run (graphs once captured), or every step eager (`eager`);
-    the keys used per step."""
-    seqs = [SeqState(state_pool.alloc()) for _ in prompts]
-    outs: list[list[int]] = [[] for _ in prompts]
-    pending = [list(p) for p in prompts]
-    keys = []
-    try:
-        for _ in range(new_tokens):
-            items = list(zip(seqs, pending))
-            if eager:
-                step, key = build_step(items, runner.kv_pool, "cpu", max_pages=runner.max_pages), None
-            else:
-                step, key = runner.build(items)
-            logits = runner.run(step, key)
-            nxt = logits.argmax(-1).tolist()  # read before the next replay overwrites the static rows
-            keys.append(str(key) if key else "eager")
-            commit_step(items)
-            for i, t in enumerate(nxt):
-                outs[i].append(t)
-            pending = [[t] for t in nxt]
-        sync()
-    finally:
-        for s in seqs:
-            runner.kv_pool.free(s.pages)
-            state_pool.free(s.slot)
-    return outs, keys
+def key_names(keys) -> list[str]:
+    """The distinct keys of a run's steps, by name ("eager" for steps that ran eagerly)."""
+    return sorted({str(k) if k is not None else "eager" for k in keys})
 
 
 def compare(a: list[list[int]], b: list[list[int]], prompt_lens) -> dict:

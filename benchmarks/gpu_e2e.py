@@ -71,16 +71,16 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import (Stages, device_rates, compare, decode_batch, greedy, prompts_for, synchronizer,  # noqa: E402
+from bench_common import (Stages, device_rates, run_guarded, compare, decode_batch, key_names, prompts_for, synchronizer,  # noqa: E402
                           time_ms, write_checkpoint_hd64)
 from compiler.cli import main as hgc  # noqa: E402
+from tests.graph_cases import greedy  # noqa: E402
 from compiler.splitops import Mode, op_name_of  # noqa: E402
 from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.bound_ops import BoundOps  # noqa: E402
@@ -393,12 +393,13 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
     def tokens():
         runner, st = ctx["runner"], ctx["st"]
         prompts = prompts_for(ctx["vocab"], prompt_lens)
-        eager, _ = greedy(runner, st, prompts, args.new_tokens, sync, eager=True)
-        graphs, keys = greedy(runner, st, prompts, args.new_tokens, sync)
+        eager, _ = greedy(runner, st, prompts, args.new_tokens, sync=sync, eager=True)
+        graphs, keys = greedy(runner, st, prompts, args.new_tokens, sync=sync)
+        keys = key_names(keys)
         ctx.update(prompts=prompts, eager_tokens=eager)
-        rec["tokens_graph_vs_eager"] = {**compare(eager, graphs, prompt_lens), "keys": sorted(set(keys))}
+        rec["tokens_graph_vs_eager"] = {**compare(eager, graphs, prompt_lens), "keys": keys}
         print(f"  graphs vs eager: {rec['tokens_graph_vs_eager']['mismatched']} of "
-              f"{rec['tokens_graph_vs_eager']['tokens']} tokens differ; keys {sorted(set(keys))}", flush=True)
+              f"{rec['tokens_graph_vs_eager']['tokens']} tokens differ; keys {keys}", flush=True)
     stage("tokens", tokens, needs=["start"])
 
     def eager_and_graphs(name: str, items, column: str):
@@ -502,8 +503,8 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
                 out["warmup_s"] = sum(w["warmup_s"] for w in warm.values())
                 out["counters"] = counts_since(before, dynamo_counts())
                 prompts = prompts_for(ctx["vocab"], prompt_lens)
-                reference, _ = greedy(eager, st, prompts, args.new_tokens, sync)
-                got, _ = greedy(compiled, st, prompts, args.new_tokens, sync)
+                reference, _ = greedy(eager, st, prompts, args.new_tokens, sync=sync)
+                got, _ = greedy(compiled, st, prompts, args.new_tokens, sync=sync)
         finally:
             torch._dynamo.reset()  # the next family compiles from scratch too
         out["tokens_vs_uncompiled"] = compare(reference, got, prompt_lens)
@@ -736,16 +737,8 @@ def main(argv=None) -> int:
     Stages(doc["stages"], skip=args.skip)("copy_bandwidth", copy_bandwidth)
     copy_rate = doc.get("copy", {}).get("copy_bytes_per_s")
     for family in args.families.split(","):
-        print(f"=== {family} {args.size} ===", flush=True)
         rec = doc["families"].setdefault(family, {})
-        try:
-            with torch.no_grad():
-                run_family(family, args, work, rec, copy_rate)
-        except Exception as e:  # a bug in the script itself: keep the other families
-            rec["fatal"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        if cuda:
-            torch.cuda.empty_cache()
+        run_guarded(f"{family} {args.size}", rec, lambda: run_family(family, args, work, rec, copy_rate))
         path.write_text(json.dumps(doc, indent=1, default=str))
     print_summary(doc)
     print(f"JSON: {path}")

@@ -40,7 +40,6 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -48,9 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 
-from bench_common import (Stages, compare, decode_batch, greedy, prompts_for, synchronizer,  # noqa: E402
+from bench_common import (Stages, compare, run_guarded, decode_batch, key_names, prompts_for, synchronizer,  # noqa: E402
                           time_ms, write_checkpoint_hd64)
 from compiler.cli import main as hgc  # noqa: E402
+from tests.graph_cases import greedy  # noqa: E402
 from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.bound_ops import BoundOps  # noqa: E402
 from runtime.generate import make_pools  # noqa: E402
@@ -121,10 +121,10 @@ def run_size(family: str, size: str, args, work: Path, rec: dict) -> None:
 
     def eager_tokens():
         prompts = prompts_for(ctx["vocab"], prompt_lens)
-        outs, keys = greedy(ctx["runner"], ctx["st"], prompts, args.new_tokens, sync)
+        outs, keys = greedy(ctx["runner"], ctx["st"], prompts, args.new_tokens, sync=sync)
         ctx.update(prompts=prompts, eager=outs)
         rec["eager_tokens_head"] = [o[:8] for o in outs]
-        rec["eager_keys"] = sorted(set(keys))
+        rec["eager_keys"] = key_names(keys)
     stage("3_eager_tokens", eager_tokens, needs=["2_load"])
 
     def capture():
@@ -149,8 +149,8 @@ def run_size(family: str, size: str, args, work: Path, rec: dict) -> None:
     def graph_tokens():
         runner = ctx["runner"]
         before = dict(runner.counters)
-        outs, keys = greedy(runner, ctx["st"], ctx["prompts"], args.new_tokens, sync)
-        rec["graph_keys"] = sorted(set(keys))
+        outs, keys = greedy(runner, ctx["st"], ctx["prompts"], args.new_tokens, sync=sync)
+        rec["graph_keys"] = key_names(keys)
         rec["graph_counters"] = {k: runner.counters[k] - before[k] for k in before}
         cmp = compare(ctx["eager"], outs, prompt_lens)
         rec["tokens_vs_eager"] = cmp
@@ -241,16 +241,8 @@ def main(argv=None) -> int:
         p.error(f"--num-prompts must be 1 to {MAX_SEQS}")
     runs = [(family, size) for family in args.families.split(",") for size in args.sizes.split(",")]
     for family, size in runs:
-        print(f"=== {family} {size} ===", flush=True)
         rec = doc["sizes"].setdefault(f"{family} {size}", {})
-        try:
-            with torch.no_grad():
-                run_size(family, size, args, work, rec)
-        except Exception as e:  # a bug in the script itself: keep the other sizes
-            rec["fatal"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        if torch.cuda.is_available() and not args.dry_run:
-            torch.cuda.empty_cache()
+        run_guarded(f"{family} {size}", rec, lambda: run_size(family, size, args, work, rec))
         (out / "gpu_graphs.json").write_text(json.dumps(doc, indent=1, default=str))
     # -- the table, last ----------------------------------------------------------------------
     print(f"\n== gpu_graphs on {doc['device']} (torch {doc['torch']}) ==")

@@ -140,4 +140,3 @@ def build_gpu_backend(artifact, kv_pool, state_pool, *, moe_config_dir=None, **f
     linear = TritonLinearBackend(state_pool)
     moe = TritonMoEBackend(moe_config_dir, device=state_pool.device)
     return HybridBackend(full, linear, moe)
-

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
-from runtime.batch import SeqState, commit_step
+from runtime.batch import SeqState, build_step, commit_step
 
 
 class _Rerun:
@@ -60,22 +60,33 @@ class RerunGraphs:
         pass
 
 
-def greedy(runner, kv_pool, state_pool, prompts, n):
-    """n greedy tokens per prompt through runner.build/run (eager before capture, graphs after):
-    (tokens per prompt, the key of each step). Slots and pages are freed at the end."""
+def greedy(runner, state_pool, prompts, n: int, *, eager: bool = False, sync=None):
+    """n greedy tokens per prompt through runner.build/run (graphs once captured), or every step
+    eager (`eager`): (tokens per prompt, the key of each step, None where it ran eagerly). `sync()`
+    (if given) waits for the device at the end. Slots and pages are freed at the end.
+
+    A runner is anything with build(items) -> (step, key), run(step, key) -> logits, kv_pool and
+    max_pages: a GraphRunner, or a benchmark's eager model."""
     seqs = [SeqState(state_pool.alloc()) for _ in prompts]
     pending, outs, keys = [list(p) for p in prompts], [[] for _ in prompts], []
-    with torch.no_grad():
-        for _ in range(n):
-            items = list(zip(seqs, pending))
-            step, key = runner.build(items)
-            nxt = runner.run(step, key).argmax(-1).tolist()  # read before the next replay overwrites them
-            keys.append(key)
-            commit_step(items)
-            for o, t in zip(outs, nxt):
-                o.append(t)
-            pending = [[t] for t in nxt]
-    for s in seqs:
-        kv_pool.free(s.pages)
-        state_pool.free(s.slot)
+    try:
+        with torch.no_grad():
+            for _ in range(n):
+                items = list(zip(seqs, pending))
+                if eager:
+                    step, key = build_step(items, runner.kv_pool, "cpu", max_pages=runner.max_pages), None
+                else:
+                    step, key = runner.build(items)
+                nxt = runner.run(step, key).argmax(-1).tolist()  # read before the next replay overwrites them
+                keys.append(key)
+                commit_step(items)
+                for o, t in zip(outs, nxt):
+                    o.append(t)
+                pending = [[t] for t in nxt]
+        if sync is not None:
+            sync()
+    finally:
+        for s in seqs:
+            runner.kv_pool.free(s.pages)
+            state_pool.free(s.slot)
     return outs, keys

@@ -57,13 +57,13 @@ def make_runner(art, decode_graphs="full"):
 def test_capture_parity_and_tokens_match_eager(artifact):
     runner, kv, st = make_runner(artifact)
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
-    eager, keys = greedy(runner, kv, st, prompts, 6)
+    eager, keys = greedy(runner, st, prompts, 6)
     assert all(k is None for k in keys)
     runner.capture()
     assert runner.sealed and len(runner.keys) == 4
     report = runner.check_parity(vocab_size=256)
     assert set(report) == {str(k) for k in runner.keys} and max(report.values()) < 2e-2
-    graph, keys = greedy(runner, kv, st, prompts, 6)
+    graph, keys = greedy(runner, st, prompts, 6)
     assert keys[0] is not None and keys[0].mode == Mode.EXTEND and keys[1].mode == Mode.DECODE
     assert runner.counters["graph_replays"] >= 5 and runner.counters["piecewise_steps"] >= 1
     assert graph[0][:2] == eager[0][:2] and all(g[0] == e[0] for g, e in zip(graph, eager))
@@ -74,10 +74,10 @@ def test_capture_parity_and_tokens_match_eager(artifact):
 def test_piecewise_decode_matches_eager(artifact):
     runner, kv, st = make_runner(artifact, decode_graphs="piecewise")
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
-    eager, _ = greedy(runner, kv, st, prompts, 5)
+    eager, _ = greedy(runner, st, prompts, 5)
     runner.capture()
     runner.check_parity(vocab_size=256)
-    graph, keys = greedy(runner, kv, st, prompts, 5)
+    graph, keys = greedy(runner, st, prompts, 5)
     assert keys[1] == runner.key_for(Mode.DECODE, 2, 2) and runner.counters["graph_replays"] == 0
     assert all(g[0] == e[0] for g, e in zip(graph, eager))
 

@@ -140,7 +140,7 @@ def test_start_up_then_replayed_steps_give_the_eager_tokens(artifact):
     through the dispatcher equal the eager tokens; nothing stays held; a second capture is refused."""
     runner, kv, st = make_runner(artifact, graphs=RerunGraphs())
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], list(range(9, 30))]
-    eager, keys = greedy(runner, kv, st, prompts, 6)
+    eager, keys = greedy(runner, st, prompts, 6)
     assert all(k is None for k in keys)
     free_slots, free_pages = st.num_free, kv.num_free
     report = runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
@@ -150,7 +150,7 @@ def test_start_up_then_replayed_steps_give_the_eager_tokens(artifact):
     assert set(report) == {str(k) for k in runner.keys} and max(report.values()) < 1e-5
     assert (st.num_free, kv.num_free) == (free_slots, free_pages), "capture and parity hold nothing afterwards"
     before = dict(runner.counters)
-    graph, keys = greedy(runner, kv, st, prompts, 6)
+    graph, keys = greedy(runner, st, prompts, 6)
     assert graph == eager
     assert keys[0] == CaptureKey(Mode.EXTEND, 32, 4) and keys[1] == CaptureKey(Mode.DECODE, 4, 4)
     assert runner.counters["graph_replays"] - before["graph_replays"] == 5
@@ -163,10 +163,10 @@ def test_piecewise_decode_runs_the_extend_pieces_and_gives_the_eager_tokens(arti
     runner, kv, st = make_runner(artifact, decode=(2, 4), extend=(32,), graphs=RerunGraphs(),
                                  decode_graphs="piecewise")
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
-    eager, _ = greedy(runner, kv, st, prompts, 4)
+    eager, _ = greedy(runner, st, prompts, 4)
     runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
     assert not runner.full_decode
-    graph, keys = greedy(runner, kv, st, prompts, 4)
+    graph, keys = greedy(runner, st, prompts, 4)
     assert graph == eager and keys[1] == CaptureKey(Mode.DECODE, 2, 2)
     assert runner.counters["graph_replays"] == 0 and runner.counters["piecewise_steps"] >= 4
     extend_pieces = runner.program.plans[Mode.EXTEND].pieces
@@ -282,7 +282,8 @@ def test_triton_linear_backend_under_the_runner(artifact):
     from tests.linear_cases import FakeFLA
 
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
-    want, _ = greedy(*make_runner(artifact), prompts, 3)
+    reference, _, reference_st = make_runner(artifact)
+    want, _ = greedy(reference, reference_st, prompts, 3)
     kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
     linear = TritonLinearBackend(st, fla=FakeFLA())
     others = CPUReferenceBackend(kv, st, supported_ops=set(CPUReferenceBackend.supported_ops - linear.supported_ops))
@@ -290,7 +291,7 @@ def test_triton_linear_backend_under_the_runner(artifact):
     runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
                          max_pages_per_seq=16, extend_max_seqs=2, debug=True, graphs=RerunGraphs())
     runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
-    got, keys = greedy(runner, kv, st, prompts, 3)
+    got, keys = greedy(runner, st, prompts, 3)
     assert got == want
     assert keys[0] == CaptureKey(Mode.EXTEND, 16, 2) and keys[1] == CaptureKey(Mode.DECODE, 2, 2)
 
@@ -303,7 +304,7 @@ def test_start_up_and_replayed_steps_on_the_other_families(family, tmp_path):
     art = load_artifact(tmp_path / "a")
     runner, kv, st = make_runner(art, decode=(2,), extend=(32,), graphs=RerunGraphs())
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
-    eager, _ = greedy(runner, kv, st, prompts, 3)
+    eager, _ = greedy(runner, st, prompts, 3)
     runner.start(vocab_size=art.manifest["model"]["vocab_size"])
-    graph, keys = greedy(runner, kv, st, prompts, 3)
+    graph, keys = greedy(runner, st, prompts, 3)
     assert graph == eager and keys[1] == CaptureKey(Mode.DECODE, 2, 2)

@@ -8,9 +8,9 @@
 2. Each op method forwards to the child that declared the op, with the op's arguments unchanged.
 3. Each hook of the protocol is written out below and forwarded to every child, in the order the
    children were given (`init_replay_state` only to the children whose declared capability
-   captures the step's mode: in a piecewise step the others run in the eager gaps). No `hasattr` guard: the protocol makes every hook abstract, so a child
-   always has it, and the protocol's definition-time check guarantees the child accepts the
-   arguments forwarded here.
+   captures the step's mode: in a piecewise step the others run in the eager gaps). No `hasattr`
+   guard: the protocol makes every hook abstract, so a child always has it, and the protocol's
+   definition-time check guarantees the child accepts the arguments forwarded here.
 
 `children` lists the children for the compiler lint that checks wrappers (every hook a child
 implements must be forwarded with a signature the child accepts). Error messages name each child
