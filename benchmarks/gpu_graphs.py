@@ -106,7 +106,7 @@ def run_size(family: str, size: str, args, work: Path, rec: dict) -> None:
         ops = BoundOps(backend)
         runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=DECODE_BUCKETS,
                              extend_buckets=EXTEND_BUCKETS, max_pages_per_seq=MAX_LEN // PAGE,
-                             extend_max_seqs=EXTEND_MAX_SEQS, debug=True, graphs=graphs)
+                             extend_max_seqs=EXTEND_MAX_SEQS, graphs=graphs)
         vocab = int(art.program_fqns and art.weights[next(k for k in art.weights if "embed" in k)].shape[0])
         ctx.update(art=art, kv=kv, st=st, backend=backend, runner=runner, vocab=vocab)
         rec["backend"] = backend.name

@@ -54,6 +54,8 @@ class HybridBackend(BackendHooks):
         for child in children:
             check_backend(child)
         self.children: tuple[BackendHooks, ...] = tuple(children)
+        # init_replay_state's receivers per mode, fixed by the children's declared capabilities
+        self._capturing = {mode: tuple(c for c in children if _captures(c, mode)) for mode in Mode}
         roles = [_role(c) for c in children]
         # the same role twice (two linear children, say): tell them apart by position
         self._roles = [r if roles.count(r) == 1 else f"{r} #{i}" for i, r in enumerate(roles)]
@@ -93,9 +95,8 @@ class HybridBackend(BackendHooks):
         plan `init_step_metadata` made; its replay hook would refuse the mode (FlashInfer in an
         extend) or, worse, make it treat the eager step as a replayed one.
         """
-        for child in self.children:
-            if _captures(child, ctx.mode):
-                child.init_replay_state(ctx, bucket)
+        for child in self._capturing[Mode(ctx.mode)]:
+            child.init_replay_state(ctx, bucket)
 
     def init_step_metadata(self, ctx: ExecContext) -> None:
         """Every child plans the step."""
