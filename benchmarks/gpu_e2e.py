@@ -61,7 +61,6 @@ if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
@@ -85,7 +84,8 @@ from compiler.splitops import Mode, op_name_of  # noqa: E402
 from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.bound_ops import BoundOps  # noqa: E402
 from runtime.generate import make_pools  # noqa: E402
-from runtime.graph_runner import DEFAULT_DECODE_BUCKETS, DEFAULT_EXTEND_BUCKETS, GraphRunner  # noqa: E402
+from runtime.backends.protocol import plan_eager_step  # noqa: E402
+from runtime.graph_runner import DEFAULT_DECODE_BUCKETS, DEFAULT_EXTEND_BUCKETS, GraphRunner, step_on_device  # noqa: E402
 from runtime.loader import load_artifact  # noqa: E402
 
 PAGE = 16
@@ -98,15 +98,14 @@ GPU_DEFAULTS = dict(size="bench", batches="1,8,32,128", extends="512,2048", iter
 # The dry run walks every stage on a CPU; its sizes keep the reference backend and inductor's C++ builds short.
 DRY_DEFAULTS = dict(size="tiny", batches="1,8", extends="64,128", iters=1, new_tokens=3, hf_new_tokens=4)
 COLUMNS = ("eager", "piecewise", "full_graph", "full_graph_loop", "torch_compile", "hf_eager", "hf_static", "floor")
-_CTX_TENSORS = ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping")
 
 
 class EagerModel:
     """A family model from models/ (or its torch.compile'd self) as a runner: `build(items)` ->
-    (step, None) and `run(step, None)`, what bench_common's helpers call, over its own pools.
+    (step, None) and `run(step, None)`, what the greedy and timing helpers call, over its own pools.
 
-    `run` does what GraphRunner's eager path does: the step's tensors to the device, the backend's
-    planning hooks, then the forward inside `ops.step(ctx)`."""
+    `run` is GraphRunner's eager path (step_on_device, plan_eager_step), then the forward inside
+    `ops.step(ctx)`."""
 
     def __init__(self, forward, ops: BoundOps, kv_pool, max_pages: int, device: torch.device, chunk_size: int):
         self.forward, self.ops, self.kv_pool, self.max_pages = forward, ops, kv_pool, max_pages
@@ -117,13 +116,8 @@ class EagerModel:
 
     def run(self, step, key=None) -> torch.Tensor:
         assert key is None, "an eager model has no captured keys"
-        dev = self.device
-        moved = {name: getattr(step.ctx, name).to(dev, non_blocking=True) for name in _CTX_TENSORS}
-        ctx = dataclasses.replace(step.ctx, **moved)
-        inputs = [t.to(dev, non_blocking=True) for t in (step.input_ids, step.positions, step.logits_index)]
-        self.ops.backend.init_step_metadata(ctx)
-        if ctx.mode != Mode.DECODE:
-            self.ops.backend.init_chunk_metadata(ctx, self.chunk_size)
+        inputs, ctx = step_on_device(step, self.device)
+        plan_eager_step(self.ops.backend, ctx, self.chunk_size)
         # A new step: cudagraph trees may then overwrite the previous step's outputs (read already).
         torch.compiler.cudagraph_mark_step_begin()
         with self.ops.step(ctx):

@@ -52,6 +52,7 @@ from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
 from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: E402
 from runtime.state_pool import StatePool  # noqa: E402
 from bench_common import device_facts as common_device_facts  # noqa: E402
+from runtime.backends.protocol import plan_eager_step  # noqa: E402
 from bench_common import device_rates, ensure_einops, fmt, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
 from tests.linear_cases import FakeFLA, step_ctx  # noqa: E402
 
@@ -169,9 +170,7 @@ def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.
         ctx = step_ctx(mode, reqs, pad_t, pad_s, device)
         R, T = ctx.num_real_tokens, ctx.num_tokens
         x = make_inputs(spec, T, R, gen, gate_scale)
-        tri.init_step_metadata(ctx)
-        if mode in (Mode.EXTEND, Mode.MIXED):
-            tri.init_chunk_metadata(ctx, 2048)
+        plan_eager_step(tri, ctx, 2048)
         out = out_for(spec, T, device)
         err = None
         try:
@@ -269,8 +268,7 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
         tri = TritonLinearBackend(pool, fla=fla)
 
         def ours():
-            tri.init_step_metadata(ctx)
-            tri.init_chunk_metadata(ctx, T)
+            plan_eager_step(tri, ctx, T)
             call(tri, spec, ctx, x, c, out)
 
         ours()  # compile / autotune outside the timing

@@ -60,7 +60,7 @@ from typing import Callable, Hashable, NamedTuple
 import torch
 
 from compiler.splitops import Mode
-from runtime.backends.protocol import check_backend
+from runtime.backends.protocol import check_backend, plan_eager_step
 from runtime.batch import SeqState, build_step, commit_step
 from runtime.bound_ops import BoundOps
 from runtime.kv_pool import KVPool
@@ -317,10 +317,7 @@ class Engine:
         if self.forward is None:
             raise RuntimeError("Engine: no forward callable and no graph runner to run the step")
         step = build_step(seq_items, self.kv_pool, self.device)
-        backend = self.ops.backend
-        backend.init_step_metadata(step.ctx)
-        if step.ctx.mode != Mode.DECODE:
-            backend.init_chunk_metadata(step.ctx, self.max_tokens_per_step)
+        plan_eager_step(self.ops.backend, step.ctx, self.max_tokens_per_step)
         with self.ops.step(step.ctx), torch.no_grad():
             logits = self.forward(step.input_ids, step.positions, step.logits_index)  # [B, V]
         commit_step(seq_items)

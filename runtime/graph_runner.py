@@ -49,12 +49,13 @@ import torch
 
 from compiler.splitops import Mode, op_spec
 from runtime.batch import SeqState, StepInputs, build_step, step_mode
+from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
 from runtime.state_pool import PADDING_SLOT, StatePool
 
-__all__ = ["GraphRunner", "StepStaging", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece", "CudaGraphs", "buckets_for",
+__all__ = ["GraphRunner", "StepStaging", "step_on_device", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece", "CudaGraphs", "buckets_for",
            "graph_runner_factory",
            "DEFAULT_DECODE_BUCKETS",
            "DEFAULT_EXTEND_BUCKETS"]
@@ -301,11 +302,7 @@ class GraphRunner:
         than the buffers: its own tensors are moved to the device instead."""
         ctx = step.ctx
         if key is None:
-            moved = {name: getattr(ctx, name).to(self.device, non_blocking=True)
-                     for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping")}
-            inputs = tuple(t.to(self.device, non_blocking=True)
-                           for t in (step.input_ids, step.positions, step.logits_index))
-            return inputs, dataclasses.replace(ctx, **moved)
+            return step_on_device(step, self.device)
         T, B = key.tokens, key.seqs
         if T > self.max_tokens or B > self.max_seqs:
             raise CaptureError(f"step does not fit {key}: the buffers hold {self.max_tokens} tokens, {self.max_seqs} requests")
@@ -364,9 +361,7 @@ class GraphRunner:
         if key is not None and key.mode == Mode.DECODE and self.full_decode:
             self.backend.init_replay_state(ctx, key.seqs)  # a whole-step graph: nothing is planned eagerly
             return
-        self.backend.init_step_metadata(ctx)
-        if ctx.mode != Mode.DECODE:
-            self.backend.init_chunk_metadata(ctx, self.chunk_size)
+        plan_eager_step(self.backend, ctx, self.chunk_size)
         if key is not None:
             # Piecewise: the ops inside captured pieces read their per-step values (the MoE's real
             # token count, decode slot ids) from the static buffers this hook fills, not from launch
@@ -596,6 +591,16 @@ class GraphRunner:
         log(f"start-up parity: {len(report)} keys match eager (worst rel err {worst:.2g}) in "
             f"{time.perf_counter() - t0:.1f} s")
         return report
+
+
+def step_on_device(step: StepInputs, device) -> tuple[tuple, ExecContext]:
+    """An eager step's (input_ids, positions, logits_index) and context on `device`: its own
+    tensors, so it may be of any size (no graph reads them)."""
+    ctx = step.ctx
+    moved = {name: getattr(ctx, name).to(device, non_blocking=True)
+             for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping")}
+    inputs = tuple(t.to(device, non_blocking=True) for t in (step.input_ids, step.positions, step.logits_index))
+    return inputs, dataclasses.replace(ctx, **moved)
 
 
 def buckets_for(decode_sizes, extend_sizes, *, max_running: int, token_budget: int,

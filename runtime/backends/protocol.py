@@ -34,10 +34,10 @@ import abc
 import inspect
 from typing import ClassVar
 
-from compiler.splitops import OP_SPECS
+from compiler.splitops import OP_SPECS, Mode
 from runtime.context import ExecContext
 
-__all__ = ["BackendHooks", "HOOK_NAMES", "OP_NAMES", "OpNotSupported", "ProtocolError", "implements", "protocol_args",
+__all__ = ["plan_eager_step", "BackendHooks", "HOOK_NAMES", "OP_NAMES", "OpNotSupported", "ProtocolError", "implements", "protocol_args",
            "check_backend"]
 
 HOOK_NAMES: tuple[str, ...] = ("init_capture_state", "init_replay_state", "init_step_metadata", "init_chunk_metadata")
@@ -198,3 +198,10 @@ def check_backend(backend) -> None:
                                                    ("ops beyond its class's declaration", beyond)) if ops]
     if problems:
         raise ProtocolError(f"backend {backend.name!r}: supported_ops names {'; '.join(problems)}")
+
+
+def plan_eager_step(backend: BackendHooks, ctx: ExecContext, chunk_size: int) -> None:
+    """Step 3b above, before an eager step's forward: step metadata, and chunk metadata outside decode."""
+    backend.init_step_metadata(ctx)
+    if ctx.mode != Mode.DECODE:
+        backend.init_chunk_metadata(ctx, chunk_size)

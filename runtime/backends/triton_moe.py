@@ -380,8 +380,8 @@ def _store_h(h_ptr, h, rows, offs_n, n_mask, stride_hm):
 
 
 def _dot_block(a_ptrs, b_ptrs, valid, n_mask, K,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     """a [BM, K] @ b [K, BN] in float32, K walked in BLOCK_K steps (the pointers advance along K by 1):
     router logits, and h rows times one expert's down-projection columns."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -434,7 +434,7 @@ def _down_sorted_kernel(h_ptr, w2_ptr, sw2_ptr, y_ptr, weights_ptr, sorted_ptr, 
             c = (e - E).to(tl.int32)
             b_ptrs = sw2_ptr + c * I + offs_n[None, :] * stride_swn + offs_k[:, None]  # [BK,BN]
             acc = _dot_block(a_ptrs, b_ptrs, valid, n_mask, tl.minimum(S - c * I, I),
-                              BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K_SHARED, EVEN_N)
+                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K_SHARED, EVEN_N)
             _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stride_yp)
             return
     b_ptrs = w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK,BN]
