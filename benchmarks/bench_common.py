@@ -132,11 +132,14 @@ def ensure_einops() -> str | None:
 class Stages:
     """Runs named stages, records ok / error / seconds, and never lets one failure stop the script.
 
-    A stage named in `skip` is recorded as skipped; so is one whose `needs` did not end ok."""
+    A stage named in `skip` is recorded as skipped; so is one whose `needs` did not end ok.
+    `save()`, if given, runs after every stage: a run cut off by its time limit still leaves what
+    its finished stages measured."""
 
-    def __init__(self, record: dict, skip=()):
+    def __init__(self, record: dict, skip=(), save=None):
         self.record = record
         self.skip = set(skip)
+        self.save = save or (lambda: None)
 
     def __call__(self, name, fn, *args, needs=()):
         missing = [n for n in needs if self.record.get(n, {}).get("status") != "ok"]
@@ -158,6 +161,8 @@ class Stages:
             self.record[name] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:2000],
                                  "traceback": tb[-4000:], "seconds": round(time.perf_counter() - t0, 3)}
             return None
+        finally:
+            self.save()
 
 
 def run_guarded(label: str, rec: dict, fn) -> None:

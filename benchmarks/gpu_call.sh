@@ -3,7 +3,8 @@
 # (carried in, packed back out), run the given command under a time bound, log it under $OUT.
 #
 #   bash benchmarks/gpu_call.sh python3 benchmarks/gpu_graphs.py --out $OUT --sizes small-hd64
-#   (carry: .whl and, once a call has packed it and `python benchmarks/jit_cache.py unpack` has run here, .jitcache)
+#   (carry: .whl and, once a call has packed it and `python benchmarks/jit_cache.py stash FILES_AT` has
+#    run here, .jitcache_parts)
 #
 # The command gets HGC_CALL_SECONDS (default 500) seconds, so the cache is packed before the
 # call's own limit cuts everything off. Exit status: the command's (124 when it ran out of time).
@@ -12,7 +13,10 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p .jitcache
-export FLASHINFER_WORKSPACE_BASE=$PWD/.jitcache TRITON_CACHE_DIR=$PWD/.jitcache/triton
+[ -d .jitcache_parts ] && python3 benchmarks/jit_cache.py unpack .jitcache_parts
+# TRITON_CACHE_AUTOTUNING: autotuned kernels (FLA's) keep their choice in the cache too, so a
+# warm cache skips the benchmarking of every config, not only the builds.
+export FLASHINFER_WORKSPACE_BASE=$PWD/.jitcache TRITON_CACHE_DIR=$PWD/.jitcache/triton TRITON_CACHE_AUTOTUNING=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/call.log"
 timeout "${HGC_CALL_SECONDS:-500}" "$@" 2>&1 | tee -a "$OUT/call.log"
 rc=${PIPESTATUS[0]}

@@ -294,12 +294,12 @@ def fresh_compile_caches(folder: Path) -> dict:
     return {variable: os.environ[variable] for variable in caches}
 
 
-def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None) -> None:
+def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None, save) -> None:
     from models.families import get_family
     from models.loader import load_config
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
-    stage = Stages(rec.setdefault("stages", {}), skip=args.skip)
+    stage = Stages(rec.setdefault("stages", {}), skip=args.skip, save=save)
     sync = synchronizer(dev)
     timings = rec.setdefault("timings_ms", {})
 
@@ -726,14 +726,17 @@ def main(argv=None) -> int:
            "iters": args.iters, "stages": {}, "families": {}}
     path = out / "gpu_e2e.json"
 
+    def save():
+        path.write_text(json.dumps(doc, indent=1, default=str))
+
     def copy_bandwidth():
         doc["copy"] = device_rates()
     Stages(doc["stages"], skip=args.skip)("copy_bandwidth", copy_bandwidth)
     copy_rate = doc.get("copy", {}).get("copy_bytes_per_s")
     for family in args.families.split(","):
         rec = doc["families"].setdefault(family, {})
-        run_guarded(f"{family} {args.size}", rec, lambda: run_family(family, args, work, rec, copy_rate))
-        path.write_text(json.dumps(doc, indent=1, default=str))
+        run_guarded(f"{family} {args.size}", rec, lambda: run_family(family, args, work, rec, copy_rate, save))
+        save()
     print_summary(doc)
     print(f"JSON: {path}")
     return 0

@@ -65,10 +65,10 @@ EXTEND_BUCKETS = (256, 512)
 EXTEND_MAX_SEQS = 16
 
 
-def run_size(family: str, size: str, args, work: Path, rec: dict) -> None:
+def run_size(family: str, size: str, args, work: Path, rec: dict, save) -> None:
     dev = torch.device("cpu" if args.dry_run else "cuda")
     dtype = "bfloat16"
-    stage = Stages(rec.setdefault("stages", {}))
+    stage = Stages(rec.setdefault("stages", {}), save=save)
     # --dry-run: the CPU reference backend and tests/graph_cases.RerunGraphs standing in for CUDA
     # graphs, so every stage's bookkeeping runs on a CPU before a GPU run is spent on it.
     graphs = None
@@ -240,10 +240,13 @@ def main(argv=None) -> int:
     if not 1 <= args.num_prompts <= MAX_SEQS:
         p.error(f"--num-prompts must be 1 to {MAX_SEQS}")
     runs = [(family, size) for family in args.families.split(",") for size in args.sizes.split(",")]
+
+    def save():
+        (out / "gpu_graphs.json").write_text(json.dumps(doc, indent=1, default=str))
     for family, size in runs:
         rec = doc["sizes"].setdefault(f"{family} {size}", {})
-        run_guarded(f"{family} {size}", rec, lambda: run_size(family, size, args, work, rec))
-        (out / "gpu_graphs.json").write_text(json.dumps(doc, indent=1, default=str))
+        run_guarded(f"{family} {size}", rec, lambda: run_size(family, size, args, work, rec, save))
+        save()
     # -- the table, last ----------------------------------------------------------------------
     print(f"\n== gpu_graphs on {doc['device']} (torch {doc['torch']}) ==")
     for size, rec in doc["sizes"].items():

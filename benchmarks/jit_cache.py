@@ -4,21 +4,25 @@ The GPU machine keeps nothing between leases, and the first use of each FlashInf
 Triton kernel builds it (about two minutes of a first eager run of a small model on an H200).
 Both caches can live in the checkout instead of the home folder, so they travel:
 
-    # on the GPU machine, before anything imports flashinfer or triton:
+    # on the GPU machine (benchmarks/gpu_call.sh does all of this):
+    python3 benchmarks/jit_cache.py unpack .jitcache_parts   # the parts carried in, if any
     export FLASHINFER_WORKSPACE_BASE=$PWD/.jitcache TRITON_CACHE_DIR=$PWD/.jitcache/triton
-    ...                                               # the run itself
-    python3 benchmarks/jit_cache.py pack --out $OUT   # last: jitcache.tar.gz.000, .001, ... under $OUT
+    ...                                                       # the run itself
+    python3 benchmarks/jit_cache.py pack --out $OUT           # jitcache.tar.gz.000, .001, ... under $OUT
 
     # here, after the call (FILES_AT: where the call's files came back):
-    python benchmarks/jit_cache.py unpack FILES_AT    # refills .jitcache (git ignores it)
+    python benchmarks/jit_cache.py stash FILES_AT             # the parts into .jitcache_parts (git ignores it)
 
-and the next call names `.jitcache` in its `carry`, beside `.whl`.
+and the next call names `.jitcache_parts` in its `carry`, beside `.whl`. The parts travel
+compressed (Triton's cache compresses about 6 to 1), since what travels with a call is limited
+to 64 MiB and the wheels take 12 of it.
 
 What is packed: FlashInfer's built modules (`cached_ops/**.so`; not its object files or
-generated sources) and every file of the Triton cache, newest first, up to --max-mib (what
-travels with a call is limited; the wheels take 12 MiB of it). Parts are at most 15 MiB each,
-since a returned file may not exceed 16 MiB. Timings from runs on a warm cache say so: the
-graph benchmarks record whether `.jitcache` was present.
+generated sources) and Triton's cache, newest first, until the compressed parts reach --max-mib.
+Triton's cache is taken a kernel folder at a time: Triton uses a cached kernel only if every
+file its group lists is there, so half a folder is worth nothing. Parts are at most 15 MiB
+each, since a returned file may not exceed 16 MiB. Timings from runs on a warm cache say so:
+the graph benchmarks record whether `.jitcache` was present.
 """
 
 from __future__ import annotations
@@ -26,43 +30,51 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import shutil
 import sys
 import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".jitcache"
+PARTS = ROOT / ".jitcache_parts"
 PART_BYTES = 15 << 20
 PREFIX = "jitcache.tar.gz."
 
 
-def cache_files(cache: Path) -> list[Path]:
-    """The files worth carrying, newest first."""
-    picked = [p for p in (cache / "triton").rglob("*") if p.is_file()] if (cache / "triton").is_dir() else []
-    picked += [p for p in cache.glob(".cache/flashinfer/**/cached_ops/**/*.so") if p.is_file()]
-    return sorted(picked, key=lambda p: p.stat().st_mtime, reverse=True)
+def cache_units(cache: Path) -> list[list[Path]]:
+    """What is worth carrying, newest first, in units that are useful only whole: one Triton
+    kernel folder, or one FlashInfer module."""
+    units = []
+    triton = cache / "triton"
+    if triton.is_dir():
+        units += [files for d in triton.iterdir() if d.is_dir() and (files := [p for p in d.rglob("*") if p.is_file()])]
+    units += [[p] for p in cache.glob(".cache/flashinfer/**/cached_ops/**/*.so") if p.is_file()]
+    return sorted(units, key=lambda u: max(p.stat().st_mtime for p in u), reverse=True)
 
 
 def pack(cache: Path, out: Path, max_bytes: int) -> int:
-    files, kept, size = cache_files(cache), [], 0
-    for p in files:
-        n = p.stat().st_size
-        if size + n <= max_bytes:
-            kept.append(p)
-            size += n
+    """Units newest first while the compressed stream stays under max_bytes (checked after each
+    unit, so the last one kept may pass it by its own compressed size)."""
+    units, kept, size = cache_units(cache), 0, 0
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for p in kept:
-            tar.add(p, arcname=str(p.relative_to(cache)))
+        for unit in units:
+            if buf.tell() >= max_bytes:
+                break
+            for p in unit:
+                tar.add(p, arcname=str(p.relative_to(cache)))
+            kept += 1
+            size += sum(p.stat().st_size for p in unit)
     data = buf.getvalue()
     out.mkdir(parents=True, exist_ok=True)
     parts = [data[i: i + PART_BYTES] for i in range(0, len(data), PART_BYTES)] or [b""]
     for i, part in enumerate(parts):
         (out / f"{PREFIX}{i:03d}").write_bytes(part)
-    print(f"jit_cache: packed {len(kept)} of {len(files)} files ({size / 2**20:.1f} MiB, "
+    print(f"jit_cache: packed {kept} of {len(units)} kernel folders and modules ({size / 2**20:.1f} MiB, "
           f"{len(data) / 2**20:.1f} MiB compressed) into {len(parts)} part(s) under {out}"
-          + (f"; left out {len(files) - len(kept)} older files over the {max_bytes >> 20} MiB bound"
-             if len(kept) < len(files) else ""))
+          + (f"; left out the {len(units) - kept} oldest over the {max_bytes >> 20} MiB bound"
+             if kept < len(units) else ""))
     return 0
 
 
@@ -80,17 +92,38 @@ def unpack(src: Path, cache: Path) -> int:
     return 0
 
 
+def stash(src: Path, parts_dir: Path) -> int:
+    """The parts a call brought back, in place of the ones carried before (a call packs its whole cache)."""
+    parts = sorted(src.glob(PREFIX + "*"))
+    if not parts:
+        print(f"jit_cache: no {PREFIX}NNN parts in {src}", file=sys.stderr)
+        return 2
+    tmp = parts_dir.with_name(parts_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for p in parts:
+        shutil.copyfile(p, tmp / p.name)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    tmp.rename(parts_dir)
+    print(f"jit_cache: {len(parts)} part(s) ({sum(p.stat().st_size for p in parts) / 2**20:.1f} MiB) into {parts_dir}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     pk = sub.add_parser("pack", help="on the GPU machine: the cache into parts under --out")
     pk.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    pk.add_argument("--max-mib", type=int, default=40, help="most MiB of cache files to keep (newest first)")
-    up = sub.add_parser("unpack", help="here: parts from a call's returned files into .jitcache")
+    pk.add_argument("--max-mib", type=int, default=40, help="most MiB of compressed parts (newest units first)")
+    up = sub.add_parser("unpack", help="parts (carried in, or a call's returned files) into .jitcache")
     up.add_argument("src", type=Path)
+    st = sub.add_parser("stash", help="here: a call's returned parts into .jitcache_parts, for the next carry")
+    st.add_argument("src", type=Path)
     args = p.parse_args(argv)
     if args.command == "pack":
         return pack(CACHE, args.out, args.max_mib << 20)
+    if args.command == "stash":
+        return stash(args.src, PARTS)
     return unpack(args.src, CACHE)
 
 

@@ -89,6 +89,10 @@ def _dtype(name: str) -> torch.dtype:
 
 def build_model(family, text_config: dict, dtype: str) -> nn.Module:
     """The family's model on the meta device, in `dtype`, with the traced op table."""
+    # The registry's cache dtypes come from the config's dtype fields, and the caches must hold
+    # what the traced model computes: a float32 config compiled in bfloat16 gets a bfloat16 KV
+    # cache (FlashInfer plans attention for one q/kv dtype pair), not a float32 one.
+    text_config = {**text_config, "dtype": dtype, "torch_dtype": dtype}
     try:
         with torch.device("meta"):
             model = family.build(text_config)

@@ -1,5 +1,6 @@
 """benchmarks/jit_cache.py: the kernel caches that travel between GPU calls survive a pack and unpack,
-the newest files first when they do not all fit, and nothing but built modules and Triton's cache goes."""
+the newest first when they do not all fit, a Triton kernel folder whole or not at all, and nothing
+but built modules and Triton's cache goes."""
 
 from __future__ import annotations
 
@@ -11,24 +12,56 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import jit_cache  # noqa: E402
 
+KIB = 1024
 
-def test_pack_then_unpack_gives_back_the_built_kernels(tmp_path):
-    cache = tmp_path / "cache"
-    so = cache / ".cache/flashinfer/0.6.0/90a/cached_ops/batch_decode/batch_decode.so"
-    obj = so.with_name("batch_decode.cuda.o")
-    old = cache / "triton/ABC/old_kernel.cubin"
-    new = cache / "triton/DEF/new_kernel.json"
-    for p, size, mtime in ((old, 2000, 1000), (so, 3000, 1001), (obj, 5000, 1002), (new, 1000, 1003)):
+
+def make_cache(cache: Path) -> dict:
+    """Random (incompressible) files: two old Triton files in one kernel folder, a FlashInfer module
+    and its object file, one new Triton file."""
+    files = {"old_cubin": cache / "triton/ABC/old_kernel.cubin", "old_grp": cache / "triton/ABC/__grp__old_kernel.json",
+             "so": cache / ".cache/flashinfer/0.6.0/90a/cached_ops/batch_decode/batch_decode.so",
+             "new": cache / "triton/DEF/new_kernel.json"}
+    files["obj"] = files["so"].with_name("batch_decode.cuda.o")
+    for name, mtime in (("old_cubin", 1000), ("old_grp", 1000), ("so", 1001), ("obj", 1002), ("new", 1003)):
+        p = files[name]
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(os.urandom(size))
+        p.write_bytes(os.urandom(300 * KIB))
         os.utime(p, (mtime, mtime))
-    out = tmp_path / "out"
-    assert jit_cache.pack(cache, out, max_bytes=4500) == 0  # room for new (1000) and so (3000), not old
-    back = tmp_path / "back"
+    return files
+
+
+def unpacked(cache: Path, tmp_path: Path, max_bytes: int) -> list[str]:
+    out, back = tmp_path / "out", tmp_path / "back"
+    assert jit_cache.pack(cache, out, max_bytes=max_bytes) == 0
     assert jit_cache.unpack(out, back) == 0
-    got = sorted(str(p.relative_to(back)) for p in back.rglob("*") if p.is_file())
-    assert got == sorted([str(so.relative_to(cache)), str(new.relative_to(cache))])
-    assert (back / so.relative_to(cache)).read_bytes() == so.read_bytes()
+    return sorted(str(p.relative_to(back)) for p in back.rglob("*") if p.is_file())
+
+
+def test_pack_then_unpack_gives_back_the_newest_built_kernels(tmp_path):
+    cache = tmp_path / "cache"
+    files = make_cache(cache)
+    # 500 KiB compressed: new (300) is under it, so the module goes too; then the bound is passed
+    got = unpacked(cache, tmp_path, 500 * KIB)
+    assert got == sorted(str(files[n].relative_to(cache)) for n in ("so", "new"))
+    assert (tmp_path / "back" / files["so"].relative_to(cache)).read_bytes() == files["so"].read_bytes()
+
+
+def test_a_triton_kernel_folder_travels_whole(tmp_path):
+    cache = tmp_path / "cache"
+    files = make_cache(cache)
+    got = unpacked(cache, tmp_path, 4096 * KIB)
+    assert got == sorted(str(files[n].relative_to(cache)) for n in ("old_cubin", "old_grp", "so", "new"))
+
+
+def test_stash_replaces_the_carried_parts(tmp_path):
+    cache = tmp_path / "cache"
+    make_cache(cache)
+    parts = tmp_path / "parts"
+    (parts).mkdir()
+    (parts / "jitcache.tar.gz.007").write_bytes(b"stale")
+    assert jit_cache.pack(cache, tmp_path / "out", max_bytes=4096 * KIB) == 0
+    assert jit_cache.stash(tmp_path / "out", parts) == 0
+    assert sorted(p.name for p in parts.iterdir()) == ["jitcache.tar.gz.000"]
 
 
 def test_unpack_without_parts_says_so(tmp_path, capsys):

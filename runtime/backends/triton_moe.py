@@ -337,8 +337,7 @@ def _gate_up_sorted_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, sorted_ptr, block_ex
                            num_pid_m, P, SLOTS, E, I, S, D, stride_xt, stride_we, stride_wn, stride_swn, stride_hm,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr,
-                           EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                           HAS_SHARED: tl.constexpr, EVEN_N_SHARED: tl.constexpr):
+                           EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_SHARED: tl.constexpr):
     """h[rows, cols] = silu(x[tok] @ w13[e, cols]^T) * (x[tok] @ w13[e, I + cols]^T) for one row block.
 
     A block of expert e >= E is chunk c = e - E of the shared expert: its columns c*I + cols of
@@ -359,18 +358,22 @@ def _gate_up_sorted_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, sorted_ptr, block_ex
     # Tensor offsets stay int32 (the host checks the sizes); only the expert's base is 64-bit.
     # Full 64-bit pointer tensors cost two registers per element and spilled at 64x64 tiles.
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BM,BK] gathered token rows
+    # One GEMM loop for routed and shared blocks: the branch only picks the weight rows. Two
+    # inlined loops would each get pipeline buffers in shared memory (twice the tile, over the
+    # 227 KiB of an H100/H200 at the tuned 128x128 tiles).
+    w_base = w13_ptr + e * stride_we
+    stride_n = stride_wn
+    up = I * stride_wn  # the up rows sit I rows below the gate rows
+    w_mask = n_mask
     if HAS_SHARED:
         if e >= E:
             c = (e - E).to(tl.int32)
-            g_ptrs = sw13_ptr + (c * I) * stride_swn + offs_n[None, :] * stride_swn + offs_k[:, None]  # [BK,BN]
-            h = _gate_up_block(a_ptrs, g_ptrs, S * stride_swn, valid, offs_n < S - c * I, D,
-                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K, EVEN_N_SHARED)
-            _store_h(h_ptr, h, rows, offs_n, n_mask, stride_hm)
-            return
-    g_ptrs = w13_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK,BN] gate rows
-    # The up rows sit I rows below the gate rows.
-    h = _gate_up_block(a_ptrs, g_ptrs, I * stride_wn, valid, n_mask, D,
-                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K, EVEN_N)
+            w_base = sw13_ptr + (c * I) * stride_swn
+            stride_n = stride_swn
+            up = S * stride_swn
+            w_mask = offs_n < S - c * I
+    g_ptrs = w_base + offs_n[None, :] * stride_n + offs_k[:, None]  # [BK,BN] gate rows
+    h = _gate_up_block(a_ptrs, g_ptrs, up, valid, w_mask, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K, EVEN_N)
     _store_h(h_ptr, h, rows, offs_n, n_mask, stride_hm)
 
 
@@ -410,8 +413,7 @@ def _down_sorted_kernel(h_ptr, w2_ptr, sw2_ptr, y_ptr, weights_ptr, sorted_ptr, 
                         num_pid_m, P, E, D, I, S, stride_hm, stride_we, stride_wn, stride_swn, stride_yp,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr,
-                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                        HAS_SHARED: tl.constexpr, EVEN_K_SHARED: tl.constexpr):
+                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_SHARED: tl.constexpr):
     """y[pair, cols] = weight[pair] * (h[row] @ w2[e, cols]^T) for one row block.
 
     A block of expert e >= E is chunk c = e - E of the shared expert: sw2's columns c*I.. (at
@@ -429,16 +431,18 @@ def _down_sorted_kernel(h_ptr, w2_ptr, sw2_ptr, y_ptr, weights_ptr, sorted_ptr, 
     n_mask = offs_n < D
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :]  # [BM,BK]
+    # One GEMM loop for routed and shared blocks, as in _gate_up_sorted_kernel.
+    w_base = w2_ptr + e * stride_we
+    stride_n = stride_wn
+    K = I
     if HAS_SHARED:
         if e >= E:
             c = (e - E).to(tl.int32)
-            b_ptrs = sw2_ptr + c * I + offs_n[None, :] * stride_swn + offs_k[:, None]  # [BK,BN]
-            acc = _dot_block(a_ptrs, b_ptrs, valid, n_mask, tl.minimum(S - c * I, I),
-                             BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K_SHARED, EVEN_N)
-            _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stride_yp)
-            return
-    b_ptrs = w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK,BN]
-    acc = _dot_block(a_ptrs, b_ptrs, valid, n_mask, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K, EVEN_N)
+            w_base = sw2_ptr + c * I
+            stride_n = stride_swn
+            K = tl.minimum(S - c * I, I)
+    b_ptrs = w_base + offs_n[None, :] * stride_n + offs_k[:, None]  # [BK,BN]
+    acc = _dot_block(a_ptrs, b_ptrs, valid, n_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K, EVEN_N)
     _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stride_yp)
 
 
@@ -904,12 +908,13 @@ def gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots: int, cfg: G
     assert R % bm == 0, f"moe: sorted rows {R} are not a multiple of BLOCK_M {bm}"
     if h is None:
         h = torch.empty(R, I, dtype=x.dtype, device=x.device)
-    even_n = I % cfg.BLOCK_N == 0
+    # One loop serves routed and shared blocks, so it may skip the column mask only if both tile evenly.
+    even_n = I % cfg.BLOCK_N == 0 and (S == 0 or S % I == 0)
     _gate_up_sorted_kernel[(R // bm * _cdiv(I, cfg.BLOCK_N),)](
         x, w13, sw13, h, sorted_pairs, block_expert, total, R // bm, x.shape[0] * slots, slots, E, I, S, D,
         x.stride(0), w13.stride(0), w13.stride(1), stride_swn, h.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(x.dtype),
-        EVEN_K=D % cfg.BLOCK_K == 0, EVEN_N=even_n, HAS_SHARED=S > 0, EVEN_N_SHARED=even_n and S % I == 0,
+        EVEN_K=D % cfg.BLOCK_K == 0, EVEN_N=even_n, HAS_SHARED=S > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return h
 
@@ -929,12 +934,12 @@ def down_sorted(h, w2, weights, sorted_pairs, block_expert, total, cfg: GemmConf
     bm = cfg.BLOCK_M
     if y is None:
         y = torch.empty(P, D, dtype=h.dtype, device=h.device)
-    even_k = I % cfg.BLOCK_K == 0
+    even_k = I % cfg.BLOCK_K == 0 and (S == 0 or S % I == 0)  # one loop for routed and shared blocks
     _down_sorted_kernel[(R // bm * _cdiv(D, cfg.BLOCK_N),)](
         h, w2, sw2, y, weights, sorted_pairs, block_expert, total, R // bm, P, E, D, I, S,
         h.stride(0), w2.stride(0), w2.stride(1), stride_swn, y.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(h.dtype),
-        EVEN_K=even_k, EVEN_N=D % cfg.BLOCK_N == 0, HAS_SHARED=S > 0, EVEN_K_SHARED=even_k and S % I == 0,
+        EVEN_K=even_k, EVEN_N=D % cfg.BLOCK_N == 0, HAS_SHARED=S > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
