@@ -32,7 +32,7 @@ import torch
 
 from runtime.batch import SeqState, build_step, commit_step
 
-__all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
+__all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
            "synchronizer"]
 
 
@@ -256,6 +256,51 @@ def time_ms(fn, device, iters: int, warmup: int = 3) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
+    """Where one call's time goes: host time to issue it (perf_counter until fn returns, before
+    any wait), device kernel time per call (sum of the profiler's kernel durations; kernels replayed
+    from a CUDA graph are traced one by one), and the kernels and host ops that take the most.
+
+    A call whose host time exceeds its kernel time is bound by the host: the device idles between
+    launches. On the CPU only the host side is reported."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    host = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            torch.cuda.synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    kernels, host_ops = {}, {}
+    for e in prof.events():
+        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name[:90], [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time_total / 1e3  # us -> ms
+        elif e.device_type == torch.autograd.DeviceType.CPU:
+            h = host_ops.setdefault(e.name[:90], [0, 0.0])
+            h[0] += 1
+            h[1] += e.self_cpu_time_total / 1e3
+    per_call = lambda d: sorted(({"name": n, "calls": c / iters, "ms": round(t / iters, 4)}  # noqa: E731
+                                 for n, (c, t) in d.items()), key=lambda r: -r["ms"])
+    k_rows, h_rows = per_call(kernels), per_call(host_ops)
+    return {"host_issue_ms": statistics.median(host), "kernel_ms": round(sum(r["ms"] for r in k_rows), 4),
+            "kernels_per_call": sum(r["calls"] for r in k_rows), "top_kernels": k_rows[:top],
+            "top_host_ops": h_rows[:top]}
 
 
 def synchronizer(device: torch.device):

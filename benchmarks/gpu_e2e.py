@@ -28,12 +28,14 @@ denominator of every floor. Then, per family (stages are skipped with `--skip NA
    each eager gap occupies, launch gaps included), reported as a fraction of the step.
 7. piecewise_decode: a second runner, its own backend instance, decode_graphs="piecewise"
    (decode through the extend plan's pieces), started and timed at every B.
-8. floor: bytes one decode step must read (every weight the main program reads, except routed
+8. profile: host issue time against kernel time (torch.profiler) for decode at the smallest batch
+   (full graph and eager) and the largest extend (piecewise), with the top kernels and host ops.
+8b. floor: bytes one decode step must read (every weight the main program reads, except routed
    experts, of which min(E, B * top_k) per MoE layer, the upper bound of distinct experts hit;
    B rows of the embedding; linear states read and written; KV of the 65-token context) over the
    copy bandwidth.
 9. torch_compile: the family model from models/ on its own backend and pools,
-   `torch.compile(mode="reduce-overhead")`; per shape its first 3 calls (compile, cudagraph-tree
+   `torch.compile(mode="reduce-overhead", dynamic=False)`; per shape its first 3 calls (compile, cudagraph-tree
    warm-up and recording) minus 3 steady calls is its warm-up; steady decode and extend latency;
    greedy tokens against the same model uncompiled (stateful ops under cudagraph trees may give
    wrong tokens: reported as measured); dynamo's graph, graph-break and cudagraph-skip counts.
@@ -76,8 +78,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import (Stages, device_rates, run_guarded, compare, decode_batch, key_names, prompts_for, synchronizer,  # noqa: E402
-                          time_ms, write_checkpoint_hd64)
+from bench_common import (Stages, device_rates, run_guarded, compare, decode_batch, key_names, profile_call,  # noqa: E402
+                          prompts_for, synchronizer, time_ms, write_checkpoint_hd64)
 from compiler.cli import main as hgc  # noqa: E402
 from tests.graph_cases import greedy  # noqa: E402
 from compiler.splitops import Mode, op_name_of  # noqa: E402
@@ -448,6 +450,30 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
             print(f"  decode B={B}: piecewise {timings[f'decode_b{B}']['piecewise']:.3f} ms ({key})", flush=True)
     stage("piecewise_decode", piecewise_decode, needs=["load"])
 
+    def profile():
+        """Host issue time against kernel time for the smallest decode batch (full graph and eager)
+        and the largest extend (piecewise): what the step time is made of."""
+        runner, st = ctx["runner"], ctx["st"]
+        prof = rec.setdefault("profile", {})
+        g = torch.Generator().manual_seed(4)
+        B, T = min(batches), max(extends)
+        with decode_batch(runner, st, B, ctx["vocab"], g, HISTORY) as items:
+            step, key = runner.build(items)
+            eager_step = build_step(items, runner.kv_pool, "cpu", max_pages=runner.max_pages)
+            prof[f"decode_b{B}_full_graph"] = profile_call(lambda: runner.run(step, key), dev)
+            prof[f"decode_b{B}_eager"] = profile_call(lambda: runner.run(eager_step, None), dev)
+        with prefill_request(runner, st, T, ctx["vocab"], g) as items:
+            step, key = runner.build(items)
+            prof[f"extend_t{T}_piecewise"] = profile_call(lambda: runner.run(step, key), dev)
+        for name, p in prof.items():
+            print(f"  {name}: host issue {p['host_issue_ms']:.3f} ms, kernels {p['kernel_ms']:.3f} ms in "
+                  f"{p['kernels_per_call']:.0f} launches", flush=True)
+            for r in p["top_kernels"][:8]:
+                print(f"    kernel {r['ms']:8.4f} ms x{r['calls']:.0f}  {r['name']}", flush=True)
+            for r in p["top_host_ops"][:6]:
+                print(f"    host   {r['ms']:8.4f} ms x{r['calls']:.0f}  {r['name']}", flush=True)
+    stage("profile", profile, needs=["start"])
+
     def floor():
         if copy_rate is None:
             raise RuntimeError("no copy bandwidth was measured in this run")
@@ -471,8 +497,10 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
         out = rec.setdefault("torch_compile", {"model_load_s": time.perf_counter() - t0,
                                                "recompile_limit": torch._dynamo.config.recompile_limit})
         eager = EagerModel(model, ops, kv, max_len // PAGE, dev, max(extend_buckets))
-        compiled = EagerModel(torch.compile(model, mode="reduce-overhead"), ops, kv, max_len // PAGE, dev,
-                              max(extend_buckets))
+        # dynamic=False: one graph per shape, as reduce-overhead's CUDA graphs need anyway; with
+        # automatic dynamic shapes dynamo fails inside the Triton launches (a symbolic grid size).
+        compiled = EagerModel(torch.compile(model, mode="reduce-overhead", dynamic=False), ops, kv, max_len // PAGE,
+                              dev, max(extend_buckets))
         before = dynamo_counts()
         warm = out.setdefault("warmup", {})
 
