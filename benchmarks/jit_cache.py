@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import shutil
 import sys
@@ -42,13 +43,32 @@ PART_BYTES = 15 << 20
 PREFIX = "jitcache.tar.gz."
 
 
+def complete_kernel_folder(folder: Path) -> list[Path]:
+    """The files of a Triton kernel folder, or [] unless every group file in it lists only files
+    that are there. A folder missing its binary (a cache cut short) would load as a kernel
+    without one and fail at launch, which is worse than a rebuild."""
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    names = {p.name for p in files}
+    groups = [p for p in files if p.name.startswith("__grp__")]
+    if not groups:
+        return []
+    for g in groups:
+        try:
+            children = json.loads(g.read_text()).get("child_paths", {})
+        except (OSError, ValueError):
+            return []
+        if not children or any(Path(c).name not in names for c in children.values()):
+            return []
+    return files
+
+
 def cache_units(cache: Path) -> list[list[Path]]:
     """What is worth carrying, newest first, in units that are useful only whole: one Triton
     kernel folder, or one FlashInfer module."""
     units = []
     triton = cache / "triton"
     if triton.is_dir():
-        units += [files for d in triton.iterdir() if d.is_dir() and (files := [p for p in d.rglob("*") if p.is_file()])]
+        units += [files for d in triton.iterdir() if d.is_dir() and (files := complete_kernel_folder(d))]
     units += [[p] for p in cache.glob(".cache/flashinfer/**/cached_ops/**/*.so") if p.is_file()]
     return sorted(units, key=lambda u: max(p.stat().st_mtime for p in u), reverse=True)
 
@@ -84,7 +104,7 @@ def unpack(src: Path, cache: Path) -> int:
         print(f"jit_cache: no {PREFIX}NNN parts in {src}", file=sys.stderr)
         return 2
     data = b"".join(p.read_bytes() for p in parts)
-    cache.mkdir(exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         tar.extractall(cache, filter="data")  # refuses absolute paths and links out of the folder
         names = tar.getnames()
