@@ -75,7 +75,8 @@ class FakeFLA:
     """Stands in for FLA's chunk functions on the CPU: the reference recurrence per varlen sequence.
 
     It checks what the backend must pass: keyword arguments, batch 1, cu_seqlens int64 equal to
-    cu_seqlens_cpu, one initial state per sequence, final states requested, no in-kernel l2norm."""
+    cu_seqlens_cpu, one initial state per sequence, final states requested, no in-kernel l2norm,
+    and q, k, v of one dtype (FLA's kernels tl.dot them together and refuse a mix)."""
 
     def __init__(self):
         self.calls = []
@@ -83,6 +84,7 @@ class FakeFLA:
     def _run(self, name, *, q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
              g=None, beta=None, g_gamma=None, use_qk_l2norm_in_kernel=False):
         assert q.shape[0] == 1 and k.shape[0] == 1 and v.shape[0] == 1, "varlen calls use batch 1"
+        assert q.dtype == k.dtype == v.dtype, f"FLA needs q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
         assert cu_seqlens.dtype == torch.int64 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
         assert cu_seqlens_cpu.device.type == "cpu" and int(cu_seqlens_cpu[-1]) == q.shape[1]
         assert initial_state.shape[0] == len(cu_seqlens_cpu) - 1 and initial_state.dtype == torch.float32

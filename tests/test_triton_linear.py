@@ -325,7 +325,8 @@ MODE_STEPS = [
 ]
 
 
-def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=0, silu=True, conv_bias=True):
+def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=0, silu=True, conv_bias=True,
+                       qk_dtype=None):
     ref_pool, dev_pool = make_pools(seed)
     for pool in (ref_pool, dev_pool):
         for t in pool.buffers[layer_id].values():
@@ -344,6 +345,8 @@ def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=
             tri.init_chunk_metadata(ctx, 64)
         R, T = ctx.num_real_tokens, ctx.num_tokens
         x = step_inputs(op, layer_id, T, R, dtype, g)
+        if qk_dtype is not None:
+            x.update(q=x["q"].to(qk_dtype), k=x["k"].to(qk_dtype))
         out_ref = run_op(ref, ctx, op, layer_id, x, dtype, "cpu", conv_bias, silu)
         out = run_op(tri, ctx, op, layer_id, x, dtype, DEVICE, conv_bias, silu).cpu()
         what = f"{op} layer {layer_id} {mode.value} {reqs}"
@@ -359,6 +362,13 @@ def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=
     assert PADDING_SLOT in untouched
     assert torch.equal(dev_pool.layer(layer_id)[entry][untouched], before[untouched]), "padding or free slot written"
     return fake
+
+
+@in_process
+def test_float32_q_k_with_bf16_v_as_kimi_passes_them():
+    """Kimi's kda_core gets q, k in float32 (its l2norm's output) and v in bf16; FLA refuses a mix,
+    so the extend path hands them over in v's dtype (FakeFLA checks) and still matches the reference."""
+    compare_mode_steps("kda_core", 2, MODE_STEPS, dtype=torch.bfloat16, seed=50, qk_dtype=torch.float32)
 
 
 @in_process

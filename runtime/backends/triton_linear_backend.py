@@ -103,6 +103,13 @@ class _ExtendPlan:
     conv: dict  # kernel width K -> (window starts [T], history rows [R*(K-1)], token rows [T], tail rows)
 
 
+def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
+    """q and k in v's dtype for FLA's chunk kernels, which tl.dot them with v-sized tiles and refuse
+    a mix. Kimi keeps q, k in float32 after its l2norm (as transformers does); FLA's own in-kernel
+    l2norm would hand them on in the input dtype, which is what they get here."""
+    return tuple(t.to(v.dtype) for t in tensors)
+
+
 class TritonLinearBackend(BackendHooks):
     name = "triton_linear"
     supported_ops = frozenset({"gdn_core", "kda_core", "lightning_core", "short_conv"})
@@ -257,6 +264,7 @@ class TritonLinearBackend(BackendHooks):
             out[T:].zero_()
 
     def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        q, k = _in_dtype_of(v, q, k)
         def call(fla, T, h0, plan):
             return fla.gdn(q=q[None, :T], k=k[None, :T], v=v[None, :T], g=g[None, :T], beta=beta[None, :T],
                            scale=scale, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
@@ -264,6 +272,7 @@ class TritonLinearBackend(BackendHooks):
         self._chunk(ctx, "gdn_core", layer_id, out, call)
 
     def _kda_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        q, k = _in_dtype_of(v, q, k)
         def call(fla, T, h0, plan):
             return fla.kda(q=q[None, :T], k=k[None, :T], v=v[None, :T], g=g[None, :T], beta=beta[None, :T],
                            scale=scale, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
@@ -271,6 +280,7 @@ class TritonLinearBackend(BackendHooks):
         self._chunk(ctx, "kda_core", layer_id, out, call)
 
     def _lightning_extend(self, ctx, q, k, v, decay, out, layer_id, scale):
+        q, k = _in_dtype_of(v, q, k)
         def call(fla, T, h0, plan):
             # g_gamma: FLA's constant per-head log-decay, exactly Lightning's; no [T, H] gate tensor.
             return fla.simple_gla(q=q[None, :T], k=k[None, :T], v=v[None, :T], g_gamma=decay.float(), scale=scale,
