@@ -30,16 +30,16 @@ denominator of every floor. Then, per family (stages are skipped with `--skip NA
    (decode through the extend plan's pieces), started and timed at every B.
 8. profile: host issue time against kernel time (torch.profiler) for decode at the smallest batch
    (full graph and eager) and the largest extend (piecewise), with the top kernels and host ops.
-8b. floor: bytes one decode step must read (every weight the main program reads, except routed
+9. floor: bytes one decode step must read (every weight the main program reads, except routed
    experts, of which min(E, B * top_k) per MoE layer, the upper bound of distinct experts hit;
    B rows of the embedding; linear states read and written; KV of the 65-token context) over the
    copy bandwidth.
-9. torch_compile: the family model from models/ on its own backend and pools,
+10. torch_compile: the family model from models/ on its own backend and pools,
    `torch.compile(mode="reduce-overhead", dynamic=False)`; per shape its first 3 calls (compile, cudagraph-tree
    warm-up and recording) minus 3 steady calls is its warm-up; steady decode and extend latency;
    greedy tokens against the same model uncompiled (stateful ops under cudagraph trees may give
    wrong tokens: reported as measured); dynamo's graph, graph-break and cudagraph-skip counts.
-10. transformers (families it loads: qwen3_next): hf_load (`from_pretrained` of the same
+11. transformers (families it loads: qwen3_next): hf_load (`from_pretrained` of the same
    checkpoint folder in bf16, its loading report, the kernel fallbacks it logs: FLA or not),
    hf_eager / hf_static: `generate` of N new tokens at each B (history 64, greedy, exactly N),
    eager and with `cache_implementation="static"`; per-token decode latency = median of the
