@@ -79,7 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench_common import (Stages, device_rates, run_guarded, compare, decode_batch, key_names, profile_call,  # noqa: E402
-                          prompts_for, synchronizer, time_ms, write_checkpoint_hd64)
+                          prompts_for, rel_err, synchronizer, time_ms, write_checkpoint_hd64)
 from compiler.cli import main as hgc  # noqa: E402
 from tests.graph_cases import greedy  # noqa: E402
 from compiler.splitops import Mode, op_name_of  # noqa: E402
@@ -194,6 +194,22 @@ def step_and_gap_ms(run, clocks, device, iters: int) -> dict:
     fractions = [g / s for g, s in zip(gaps, steps)]
     return {"step_ms": statistics.median(steps), "gap_ms": statistics.median(gaps),
             "fraction": statistics.median(fractions), "eager_pieces": len(clocks)}
+
+
+def logit_drift(eager_logits: list, graph_logits: list, eager: list, graphs: list) -> dict:
+    """Whether differing greedy tokens are rounding or a fault: the relative error of the graph
+    run's logits against the eager run's, per step while every token still agrees (a fault shows
+    at once, rounding starts near bf16's 1e-3 and grows as it feeds back), and the eager top-2
+    logit gap of the first differing token (a near-tie flips on rounding)."""
+    per_step, gap = [], None
+    for i, (e, g) in enumerate(zip(eager_logits, graph_logits)):
+        per_step.append(float(f"{rel_err(g, e):.2e}"))
+        differ = [b for b in range(len(eager)) if eager[b][i] != graphs[b][i]]
+        if differ:
+            top2 = e[differ[0]].topk(2).values
+            gap = float(f"{(top2[0] - top2[1]).item():.3e}")
+            break
+    return {"logits_rel_err_per_step": per_step, "eager_top2_gap_at_first_diff": gap}
 
 
 def first_calls_s(fn, sync, n: int = FIRST_CALLS) -> list[float]:
@@ -389,13 +405,17 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
     def tokens():
         runner, st = ctx["runner"], ctx["st"]
         prompts = prompts_for(ctx["vocab"], prompt_lens)
-        eager, _ = greedy(runner, st, prompts, args.new_tokens, sync=sync, eager=True)
-        graphs, keys = greedy(runner, st, prompts, args.new_tokens, sync=sync)
+        eager_logits, graph_logits = [], []
+        eager, _ = greedy(runner, st, prompts, args.new_tokens, sync=sync, eager=True, logits=eager_logits)
+        graphs, keys = greedy(runner, st, prompts, args.new_tokens, sync=sync, logits=graph_logits)
         keys = key_names(keys)
         ctx.update(prompts=prompts, eager_tokens=eager)
-        rec["tokens_graph_vs_eager"] = {**compare(eager, graphs, prompt_lens), "keys": keys}
-        print(f"  graphs vs eager: {rec['tokens_graph_vs_eager']['mismatched']} of "
-              f"{rec['tokens_graph_vs_eager']['tokens']} tokens differ; keys {keys}", flush=True)
+        rec["tokens_graph_vs_eager"] = {**compare(eager, graphs, prompt_lens), "keys": keys,
+                                        **logit_drift(eager_logits, graph_logits, eager, graphs)}
+        t = rec["tokens_graph_vs_eager"]
+        print(f"  graphs vs eager: {t['mismatched']} of {t['tokens']} tokens differ; keys {keys}; logits rel err "
+              f"per step until the first difference {t['logits_rel_err_per_step']}; eager top-2 gap there "
+              f"{t['eager_top2_gap_at_first_diff']}", flush=True)
     stage("tokens", tokens, needs=["start"])
 
     def eager_and_graphs(name: str, items, column: str):

@@ -60,10 +60,11 @@ class RerunGraphs:
         pass
 
 
-def greedy(runner, state_pool, prompts, n: int, *, eager: bool = False, sync=None):
+def greedy(runner, state_pool, prompts, n: int, *, eager: bool = False, sync=None, logits=None):
     """n greedy tokens per prompt through runner.build/run (graphs once captured), or every step
     eager (`eager`): (tokens per prompt, the key of each step, None where it ran eagerly). `sync()`
-    (if given) waits for the device at the end. Slots and pages are freed at the end.
+    (if given) waits for the device at the end. Slots and pages are freed at the end. A list
+    given as `logits` gets each step's logits [B, V], float32 on the CPU.
 
     A runner is anything with build(items) -> (step, key), run(step, key) -> logits, kv_pool and
     max_pages: a GraphRunner, or a benchmark's eager model."""
@@ -77,7 +78,10 @@ def greedy(runner, state_pool, prompts, n: int, *, eager: bool = False, sync=Non
                     step, key = build_step(items, runner.kv_pool, "cpu", max_pages=runner.max_pages), None
                 else:
                     step, key = runner.build(items)
-                nxt = runner.run(step, key).argmax(-1).tolist()  # read before the next replay overwrites them
+                out = runner.run(step, key)
+                if logits is not None:
+                    logits.append(out.to("cpu", torch.float32, copy=True))  # a graph's output is overwritten next step
+                nxt = out.argmax(-1).tolist()  # read before the next replay overwrites them
                 keys.append(key)
                 commit_step(items)
                 for o, t in zip(outs, nxt):

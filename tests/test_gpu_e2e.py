@@ -22,6 +22,21 @@ SKIPPED = {"torch_compile", "hf_static"}
 pytestmark = pytest.mark.slow
 
 
+def test_logit_drift_tells_a_fault_from_a_near_tie():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from gpu_e2e import logit_drift
+
+    e = [torch.tensor([[0.0, 1.0, 0.99]]), torch.tensor([[2.0, 0.0, 1.999]])]
+    near = [e[0] * (1 + 1e-3), torch.tensor([[1.999, 0.0, 2.0]])]  # rounding flips a near-tie at step 1
+    drift = logit_drift(e, near, [[1, 0]], [[1, 2]])
+    assert drift["logits_rel_err_per_step"][0] < 2e-3 and len(drift["logits_rel_err_per_step"]) == 2
+    assert drift["eager_top2_gap_at_first_diff"] == pytest.approx(1e-3, rel=1e-2)
+    wrong = [torch.tensor([[5.0, 0.0, 0.0]])]  # a fault: far off at once
+    drift = logit_drift(e[:1], wrong, [[1]], [[0]])
+    assert drift["logits_rel_err_per_step"][0] > 1
+
+
 def test_dry_run_then_plot(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "e2e"
@@ -36,7 +51,7 @@ def test_dry_run_then_plot(tmp_path):
     rec = doc["families"]["qwen3_next"]
     status = {name: s["status"] for name, s in rec["stages"].items()}
     assert {n for n, s in status.items() if s != "ok"} == SKIPPED, status
-    assert len(status) == 13, status
+    assert len(status) == 14, status
 
     timings = rec["timings_ms"]
     assert set(timings) == {"decode_b1", "decode_b2", "extend_t32"}
@@ -46,7 +61,12 @@ def test_dry_run_then_plot(tmp_path):
     assert 0 < rec["extend_eager_gaps"]["32"]["fraction"] < 1
     assert rec["floor"]["2"]["bytes"] > rec["floor"]["1"]["bytes"] > 0
     assert rec["load_capture_s"] >= rec["load_s"] > 0
-    assert rec["tokens_graph_vs_eager"]["mismatched"] == 0
+    tokens = rec["tokens_graph_vs_eager"]
+    assert tokens["mismatched"] == 0 and tokens["eager_top2_gap_at_first_diff"] is None
+    assert len(tokens["logits_rel_err_per_step"]) == 2 and max(tokens["logits_rel_err_per_step"]) < 1e-5
+    profile = rec["profile"]
+    assert set(profile) == {"decode_b1_full_graph", "decode_b1_eager", "extend_t32_piecewise"}
+    assert all(p["host_issue_ms"] > 0 and p["top_host_ops"] for p in profile.values())
     assert rec["transformers"]["loading_info"]["missing_keys"] == []
     assert [t["target"] for t in rec["targets"]][:2] == ["decode B=1: eager / full graph",
                                                           "decode B=1: full graph / floor"]
