@@ -21,7 +21,6 @@ from pathlib import Path
 
 import onnx
 import pytest
-import torch
 
 from compiler.cli import main
 from compiler.passes.context import CompileConfig
