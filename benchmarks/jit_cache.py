@@ -98,10 +98,16 @@ def pack(cache: Path, out: Path, max_bytes: int) -> int:
     return 0
 
 
-def unpack(src: Path, cache: Path) -> int:
+def _parts(src: Path) -> list[Path]:
+    """The packed parts in `src`, in order; none is said on stderr."""
     parts = sorted(src.glob(PREFIX + "*"))
     if not parts:
         print(f"jit_cache: no {PREFIX}NNN parts in {src}", file=sys.stderr)
+    return parts
+
+
+def unpack(src: Path, cache: Path) -> int:
+    if not (parts := _parts(src)):
         return 2
     data = b"".join(p.read_bytes() for p in parts)
     cache.mkdir(parents=True, exist_ok=True)
@@ -114,9 +120,7 @@ def unpack(src: Path, cache: Path) -> int:
 
 def stash(src: Path, parts_dir: Path) -> int:
     """The parts a call brought back, in place of the ones carried before (a call packs its whole cache)."""
-    parts = sorted(src.glob(PREFIX + "*"))
-    if not parts:
-        print(f"jit_cache: no {PREFIX}NNN parts in {src}", file=sys.stderr)
+    if not (parts := _parts(src)):
         return 2
     tmp = parts_dir.with_name(parts_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -48,8 +48,8 @@ eager. The engine does not capture graphs itself, run speculative decoding, or c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import collections
+import contextlib
 import dataclasses
 import itertools
 import queue

@@ -74,6 +74,17 @@ def test_compile_writes_every_file_with_its_hash(artifact):
     assert oct((artifact).stat().st_mode & 0o777) != oct(0o700)
 
 
+def test_caches_take_the_compile_dtype_not_the_configs(ckpt, tmp_path):
+    """tiny's config says float32; compiled in bfloat16 the model computes in bf16, so its KV and
+    conv caches are bf16 (a float32 KV cache made FlashInfer plan for the wrong dtype pair on the
+    GPU); the recurrent state stays float32, as the family declares it."""
+    out = tmp_path / "bf16"
+    assert main(["compile", str(ckpt), "-o", str(out), "--dtype", "bfloat16", "--no-dumps"]) == 0
+    dtypes = {name: spec.dtype for layer in load_artifact(out, "cpu").registry.layers
+              for name, spec in {**layer.kv, **layer.state}.items()}
+    assert dtypes == {"k": "bfloat16", "v": "bfloat16", "conv": "bfloat16", "recurrent": "float32"}
+
+
 def test_compile_twice_is_byte_identical(ckpt, artifact, tmp_path):
     again = tmp_path / "again"
     assert main(["compile", str(ckpt), "-o", str(again), "--no-dumps"]) == 0
