@@ -35,11 +35,12 @@ FAMILIES = ("qwen3_next", "qwen3_5", "kimi_linear", "bailing_linear")
 _CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, {repo!r})
+from compiler.cli.wiring import toolchain
 from compiler.passes.context import CompileConfig
 from compiler.pipeline import compile_checkpoint
 rss_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 start = time.perf_counter()
-result, manifest = compile_checkpoint({ckpt!r}, {out!r}, CompileConfig(), force=True, dumps={dumps!r})
+result, manifest = compile_checkpoint({ckpt!r}, {out!r}, CompileConfig(), toolchain(), force=True, dumps={dumps!r})
 wall = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 rows = [[stage, program, seconds] for stage, program, seconds in result.timing.rows]

@@ -1,7 +1,7 @@
 """End-to-end benchmark: hgc's runtime (eager, piecewise, full-graph decode) against the same model
 under torch.compile and against transformers, on one checkpoint per family, with the floor.
 
-On the GPU machine (../shared/gpu/README.md has the wheel install line), one run:
+On the GPU machine (benchmarks/gpu_call.sh has the wheel install line), one run:
 
     python3 benchmarks/gpu_e2e.py --out $OUT                  # qwen3_next and bailing_linear, bench size
     python3 benchmarks/gpu_e2e.py --dry-run --out /tmp/e2e    # CPU: tiny size, CPU reference backend,
@@ -332,11 +332,9 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
         return RerunGraphs()
 
     def make_backend(art, kv, st):
-        if args.dry_run:
-            from runtime.backends.cpu_reference import CPUReferenceBackend
-            return CPUReferenceBackend(kv, st)
-        from runtime.gpu_backends import build_gpu_backend
-        return build_gpu_backend(art, kv, st)
+        # the backends the artifact's routing.json names: FlashInfer, Triton linear and MoE on cuda,
+        # the CPU reference in a --dry-run (compiled for cpu)
+        return art.backends(kv, st).for_program("main")
 
     batches, extends = args.batch_list, args.extend_list
     prompt_lens = PROMPT_LENS[: max(batches)]

@@ -1,6 +1,6 @@
 """End-to-end check of the GPU graph path: compile for cuda, load, eager tokens, capture, parity, graph tokens, timings.
 
-On the GPU machine (../shared/gpu/README.md has the wheel install line):
+On the GPU machine (benchmarks/gpu_call.sh has the wheel install line):
 
     python3 benchmarks/gpu_graphs.py --out $OUT [--sizes small-hd64,bench] [--families qwen3_next,kimi_linear]
     python3 benchmarks/gpu_graphs.py --out $OUT --sizes bench --num-prompts 32 --new-tokens 64   # issue 6.4
@@ -11,7 +11,7 @@ Steps, per checkpoint size:
 1. `hgc init-model --family qwen3_next --size S` (or, for S = "small-hd64", the small config with
    head_dim 64: FlashInfer builds no prefill for small's head dim 32) and `hgc compile --target
    cuda --dtype bfloat16` (compiled here: .pt2 programs are tied to the torch release).
-2. load on cuda, pools for 32 requests x 512 tokens (bf16 KV), backend = build_gpu_backend.
+2. load on cuda, pools for 32 requests x 512 tokens (bf16 KV), backends = the ones routing.json names (art.backends).
 3. greedy tokens through a GraphRunner that was never captured (its eager path), for 8 prompts
    of mixed lengths (one prefill step of 421 tokens, then decode at batch 8) x 32 new tokens.
 4. capture (decode buckets 1..32, extend buckets 256 and 512), timed.
@@ -77,11 +77,9 @@ def run_size(family: str, size: str, args, work: Path, rec: dict, save) -> None:
         graphs = RerunGraphs()
 
     def make_backend(art, kv, st):
-        if args.dry_run:
-            from runtime.backends.cpu_reference import CPUReferenceBackend
-            return CPUReferenceBackend(kv, st)
-        from runtime.gpu_backends import build_gpu_backend
-        return build_gpu_backend(art, kv, st)
+        # the backends the artifact's routing.json names: FlashInfer, Triton linear and MoE on cuda,
+        # the CPU reference in a --dry-run (compiled for cpu)
+        return art.backends(kv, st).for_program("main")
     ckpt, art_dir = work / f"ckpt_{family}_{size}", work / f"art_{family}_{size}"
     prompt_lens = [PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(args.num_prompts)]
     ctx = {}

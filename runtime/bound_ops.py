@@ -1,35 +1,49 @@
-"""BoundOps: an op table whose entries call a backend with the current step's ExecContext.
+"""BoundOps: the op calls of one model instance, each to a backend, with the current step's ExecContext.
 
-The runtime makes one per model instance. `with ops.step(ctx): model(...)` runs a step: every
-`ops.gdn_core(...)` call (eager model) or bound op node (loaded graph) becomes
-`backend.gdn_core(ctx, ...)`. Outside a step, calling an op is an error rather than a silent
-use of stale metadata.
+The runtime makes one per model instance; `with ops.step(ctx): model(...)` runs a step. Two ways
+an op reaches a backend:
+
+- a loaded graph (runtime/binding.py): every op node is bound to `ops.call_of(instance, op)`, the
+  method of the instance its routing.json entry names; `ops.backend` is then the BackendSet whose
+  hooks reach every instance of the program;
+- an eager model (the `hgc generate` baseline, tests): `ops.gdn_core(...)` calls the one backend
+  it was made over (the CPU reference), by op name: there is no routing table to follow.
+
+Every call records (layer id, backend) in `ops.executed` after the backend returned: what ran is
+reported from the calls themselves (`hgc run --json`'s executed_backends), not copied from
+routing.json. Outside a step, calling an op is an error rather than a silent use of stale metadata.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
-from compiler.splitops import OP_SPECS, op_spec
+from compiler.splitops import op_arguments, op_spec
 from runtime.context import ExecContext
 
-__all__ = ["BoundOps", "NoStepError"]
+__all__ = ["BoundOps", "NoStepError", "backend_name"]
 
 
 class NoStepError(RuntimeError):
     pass
 
 
+def backend_name(backend) -> str:
+    """The name routing.json uses for `backend`: its declared capability's, else its own."""
+    capability = getattr(type(backend), "capability", None)
+    return getattr(capability, "name", None) or backend.name
+
+
 class BoundOps:
     def __init__(self, backend):
-        missing = [name for name in OP_SPECS if not callable(getattr(backend, name, None))]
-        if missing:
-            raise TypeError(f"backend {type(backend).__name__} does not implement ops {missing}")
         self.backend = backend
         self.ctx: ExecContext | None = None
         # Called as observer(op name, args) after each op: the graph runner's start-up parity
         # check records each layer's output with it. None (one attribute test) when unused.
         self.observer = None
+        # (layer id, backend name) of every op call a backend has returned from.
+        self.executed: set[tuple[int, str]] = set()
 
     @contextlib.contextmanager
     def step(self, ctx: ExecContext):
@@ -41,20 +55,38 @@ class BoundOps:
         finally:
             self.ctx = None
 
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        op_spec(name)
-        method = getattr(self.backend, name)
+    def call_of(self, backend, op: str) -> Callable:
+        """A callable taking op `op`'s arguments in schema order that runs `backend.<op>(ctx, ...)`."""
+        method = getattr(backend, op)
+        name = backend_name(backend)
+        layer_at = op_arguments(op).index("layer_id")
+        executed = self.executed
 
         def call(*args):
             if self.ctx is None:
-                raise NoStepError(f"hgc.{name} called outside a runtime step (use `with ops.step(ctx):`)")
+                raise NoStepError(f"hgc.{op} called outside a runtime step (use `with ops.step(ctx):`)")
             method(self.ctx, *args)
+            executed.add((args[layer_at], name))
             if self.observer is not None:
-                self.observer(name, args)
+                self.observer(op, args)
 
-        call.__name__ = name
+        call.__name__ = call.__qualname__ = f"hgc_{op}"
+        call.hgc_op, call.hgc_backend = op, backend  # what the start-up check compares with routing.json
+        return call
+
+    def executed_backends(self) -> dict[str, list[str]]:
+        """{"<layer id>": [backend, ...]} of every op call so far, layers in order."""
+        by_layer: dict[int, set[str]] = {}
+        for layer_id, name in self.executed:
+            by_layer.setdefault(int(layer_id), set()).add(name)
+        return {str(layer_id): sorted(by_layer[layer_id]) for layer_id in sorted(by_layer)}
+
+    def __getattr__(self, name: str):
+        """An eager model's `ops.<op>`: the one backend this table was made over runs it."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        op_spec(name)
+        call = self.call_of(self.backend, name)
         # Cache it: __getattr__ runs only for missing attributes, so every later `ops.<name>` of an
         # eager model's step finds the bound call directly instead of building it again.
         self.__dict__[name] = call

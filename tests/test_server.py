@@ -495,6 +495,7 @@ def test_without_a_tokenizer_token_ids_work_and_text_is_refused(artifact):
 
 def test_an_engine_failure_fails_open_requests_and_turns_health_503(artifact):
     from runtime.loader import read_artifact
+    from runtime.backends.cpu_reference import CPUReferenceBackend
     from runtime.server.model import EngineOptions, ServedModel, build_engine
 
     registry = read_artifact(artifact[0]).registry
@@ -504,7 +505,8 @@ def test_an_engine_failure_fails_open_requests_and_turns_health_503(artifact):
             raise RuntimeError("kernel exploded")
         return forward
 
-    engine = build_engine(registry, bind, EngineOptions(slots=2, max_model_len=32), 32)
+    engine = build_engine(registry, bind, EngineOptions(slots=2, max_model_len=32), 32,
+                          backend_factory=CPUReferenceBackend)
     served = ServedModel(MODEL, engine, vocab_size=256, max_model_len=engine.max_seq_len)
     with server_in_thread(served) as url:
         body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 4}
@@ -530,17 +532,19 @@ def test_cli_errors_exit_2_with_one_line(artifact, tmp_path, capsys):
 def test_memory_budget_sizes_the_kv_pool_with_the_planner(artifact):
     from runtime.loader import read_artifact
     from runtime.memory_planner import MemoryPlanError, plan_memory
+    from runtime.backends.cpu_reference import CPUReferenceBackend
     from runtime.server.model import EngineOptions, build_engine
 
     registry = read_artifact(artifact[0]).registry
     options = EngineOptions(slots=4, memory_budget_bytes=8 << 20, max_model_len=128)
-    engine = build_engine(registry, lambda ops: None, options, 128, weight_bytes=1 << 20)
+    engine = build_engine(registry, lambda ops: None, options, 128, weight_bytes=1 << 20,
+                          backend_factory=CPUReferenceBackend)
     plan = plan_memory(registry, budget_bytes=8 << 20, weight_bytes=1 << 20, max_seq_len=128, page_size=16,
                        num_slots=4)
     assert engine.kv_pool.num_pages == plan.num_pages and engine.state_pool.num_slots == 4
     with pytest.raises(MemoryPlanError):
         build_engine(registry, lambda ops: None, EngineOptions(slots=4, memory_budget_bytes=1 << 20), 128,
-                     weight_bytes=1 << 20)
+                     weight_bytes=1 << 20, backend_factory=CPUReferenceBackend)
 
 
 def test_sigterm_with_requests_in_flight_exits_zero_within_the_bound(servers):

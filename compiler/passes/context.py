@@ -17,9 +17,10 @@ from typing import Optional
 
 import torch.fx
 
-from compiler.splitops import LayerRegistry, Mode
+from compiler.splitops import CapabilityTable, LayerRegistry, Mode
 from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS, SplitPlan
 from compiler.lints.base import Finding
+from compiler.passes.routing import Route
 
 __all__ = ["CompileConfig", "CompileContext"]
 
@@ -32,6 +33,7 @@ class CompileConfig:
     dtype: str = "float32"  # the model dtype the graph is traced in (must match the eager baseline's)
     decode_batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCH_SIZES
     extend_token_counts: tuple[int, ...] = DEFAULT_EXTEND_TOKEN_COUNTS
+    routes: tuple[Route, ...] = ()  # --route: nodes bound to a named backend (compiler/passes/routing.py)
 
     def __post_init__(self) -> None:
         for field in ("decode_batch_sizes", "extend_token_counts"):
@@ -41,13 +43,13 @@ class CompileConfig:
 
     def to_json(self) -> dict:
         return {"target": self.target, "dtype": self.dtype, "decode_batch_sizes": list(self.decode_batch_sizes),
-                "extend_token_counts": list(self.extend_token_counts)}
+                "extend_token_counts": list(self.extend_token_counts), "routes": [str(r) for r in self.routes]}
 
 
 @dataclasses.dataclass
 class CompileContext:
     registry: LayerRegistry
-    capabilities: object  # runtime.backends.capability.CapabilityTable
+    capabilities: CapabilityTable  # the backends' declarations, handed in by the command line
     config: CompileConfig
     programs: dict[str, torch.fx.GraphModule]  # "main" first, then "draft" where the model has one
     signatures: dict[str, object] = dataclasses.field(default_factory=dict)  # program -> ExportGraphSignature

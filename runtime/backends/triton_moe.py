@@ -67,9 +67,8 @@ from typing import Optional
 
 import torch
 
-from compiler.splitops import MODES, moe_shared_width
-from runtime.backends.capability import BackendCapability
-from runtime.backends.protocol import BackendHooks
+from compiler.splitops import MODES, BackendCapability, moe_shared_width
+from runtime.backends.protocol import BackendHooks, BackendSetup
 
 __all__ = [
     "CONFIG_DIR", "CaptureError", "GemmConfig", "MoEConfig", "TritonMoEBackend", "combine", "config_file_name",
@@ -1090,6 +1089,11 @@ class TritonMoEBackend(BackendHooks):
         self._tables: dict[tuple[int, int, str], Optional[dict[int, MoEConfig]]] = {}
         self._static_n_real: Optional[torch.Tensor] = None  # [1] int32, read by captured graphs
         self._planned: Optional[tuple[object, torch.Tensor]] = None  # (ctx, static count) of a replayed step
+
+    @classmethod
+    def build(cls, setup: BackendSetup) -> "TritonMoEBackend":
+        """The tuned configs of runtime/backends/moe_configs/, launches on the pools' device."""
+        return cls(device=setup.device)
 
     # -- hooks --------------------------------------------------------------------------------
 

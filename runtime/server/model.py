@@ -2,17 +2,18 @@
 
 1. `EngineOptions` holds the serving knobs (`hgc serve` flags): slots, running cap, token budget per
    step, page size, KV pages or a memory budget, the longest request.
-2. `build_engine(registry, bind, options)` sizes the pools (the memory planner when a budget is
-   given, else explicit slots and pages), makes the backend and its BoundOps, asks `bind(ops)` for
-   the forward callable, and builds the Engine.
+2. `build_engine(registry, bind, options, backend_factory=...)` sizes the pools (the memory planner
+   when a budget is given, else explicit slots and pages), makes the backend and its BoundOps, asks
+   `bind(ops)` for the forward callable, and builds the Engine.
 3. `load_served_model(artifact)` does that for a compiled artifact (runtime/loader.py), finds the
    tokenizer in the artifact folder (or `tokenizer_dir`), and returns a `ServedModel`. Tests build
    a ServedModel over an eager model with the same `build_engine`.
 
-The backend: the CPU reference backend on "cpu"; on "cuda" the artifact's GPU backend
-(runtime/gpu_backends.py) and, unless `graphs=False`, a GraphRunner that captures the artifact's
-buckets and checks them against eager before the engine takes a request. Any other backend:
-`backend_factory(kv_pool, state_pool) -> backend`.
+The backends of an artifact are the ones its routing.json names, built over the pools and bound
+node by node (runtime/binding.py); nothing here picks a backend by device. The device must be the
+one the artifact was compiled for (its routing target). On "cuda", unless `graphs=False`, a
+GraphRunner captures the artifact's buckets and checks them against eager before the engine takes
+a request. An eager model (tests) passes its own `backend_factory(kv_pool, state_pool) -> backend`.
 
 It does not run anything: the EngineLoop (app.py) steps the engine.
 """
@@ -86,19 +87,15 @@ def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, 
 
 
 def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], options: EngineOptions,
-                 max_model_len: int, *, weight_bytes: int = 0, device: str | torch.device = "cpu",
-                 backend_factory: Callable | None = None, runner_factory: Callable | None = None) -> Engine:
+                 max_model_len: int, *, backend_factory: Callable, weight_bytes: int = 0,
+                 device: str | torch.device = "cpu", runner_factory: Callable | None = None) -> Engine:
     """Pools, backend, op table and Engine for one model; `bind(ops)` returns its forward.
 
-    runner_factory(ops, kv_pool, state_pool, engine_limits) -> a started GraphRunner, whose
-    dispatcher then runs every step (engine_limits: max_running, token_budget, max_seq_len)."""
+    backend_factory(kv_pool, state_pool) -> the backend the op table calls (for an artifact: the
+    BackendSet of the instances its routing.json names). runner_factory(ops, kv_pool, state_pool,
+    engine_limits) -> a started GraphRunner, whose dispatcher then runs every step (engine_limits:
+    max_running, token_budget, max_seq_len)."""
     kv_pool, state_pool = _pools(registry, options, max_model_len, weight_bytes, device)
-    if backend_factory is None:
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"hgc serve: no backend for device {device!r} here; pass backend_factory (the one "
-                             f"`hgc run` uses) or serve on cpu")
-        from runtime.backends.cpu_reference import CPUReferenceBackend
-        backend_factory = CPUReferenceBackend
     ops = BoundOps(backend_factory(kv_pool, state_pool))
     runner = None
     if runner_factory is not None:
@@ -110,18 +107,22 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
 
 
 def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",
-                        backend_factory: Callable | None = None, graphs: bool = True,
+                        backend_factory: Callable | None = None, graphs: bool = True, registry=None,
                         log: Callable[[str], None] = lambda line: None) -> Engine:
-    """The Engine of a loaded artifact: `build_engine` with the device's backend and, on CUDA with
-    `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory)."""
+    """The Engine of a loaded artifact: `build_engine` over the backends its routing.json names
+    (`registry`: where their classes come from; default runtime.backends.discover()) and, on CUDA
+    with `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory)."""
+    target = art.docs.routing.target
+    if torch.device(device).type != torch.device(target).type:
+        raise ValueError(f"{art.docs.path}: compiled for target {target!r} (its routing.json binds {target} "
+                         f"backends), asked to run on {device!r}: pass --device {target}, or recompile with "
+                         f"--target {torch.device(device).type}")
+    if backend_factory is None:
+        backend_factory = lambda kv, st: art.backends(kv, st, registry).for_program("main")  # noqa: E731
     runner_factory = None
-    if torch.device(device).type == "cuda":
-        from runtime.gpu_backends import build_gpu_backend
+    if torch.device(device).type == "cuda" and graphs:
         from runtime.graph_runner import graph_runner_factory
-        if backend_factory is None:
-            backend_factory = lambda kv, st: build_gpu_backend(art, kv, st)  # noqa: E731
-        if graphs:
-            runner_factory = graph_runner_factory(art, _vocab_size(art), log=log)
+        runner_factory = graph_runner_factory(art, _vocab_size(art), log=log)
     weight_bytes = sum(t.nbytes for t in art.weights.values())
     return build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
                         backend_factory=backend_factory, runner_factory=runner_factory)
@@ -155,7 +156,7 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
                       options: EngineOptions = EngineOptions(), tokenizer_dir: str | os.PathLike | None = None,
                       device: str = "cpu", backend_factory: Callable | None = None, graphs: bool = True,
                       log: Callable[[str], None] = lambda line: None) -> ServedModel:
-    """On a CUDA device the backend is build_gpu_backend's and, with `graphs`, every step goes
+    """The backends are those routing.json names; on a CUDA device with `graphs`, every step goes
     through a GraphRunner started (captured and parity-checked) here, before anything is served."""
     from runtime.loader import load_artifact
 
