@@ -1,6 +1,6 @@
 """GPU check and benchmark of the fused Triton MoE (runtime/backends/triton_moe.py): one script, one call.
 
-On the GPU machine (see ../shared/gpu/README.md for the wheel install line):
+On the GPU machine (benchmarks/gpu_call.sh has the wheel install line):
 
     python3 benchmarks/gpu_moe.py --out $OUT            # GPU tests, correctness, timings, table
     python3 benchmarks/gpu_moe.py --tune --out $OUT     # tune configs first (writes JSON), then the above
