@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FAMILIES = ("qwen3_next", "qwen3_5", "kimi_linear", "bailing_linear")
+sys.path.insert(0, str(REPO))
+from models.families import FAMILY_IDS  # noqa: E402
 
 # Runs in the child process: compile and report. Kept as source text so the child imports only
 # what a real `hgc compile` imports.
@@ -84,7 +85,7 @@ def bench_family(family: str, workdir: Path, dumps: bool) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", action="append", choices=FAMILIES, help="repeatable; default: all four")
+    parser.add_argument("--family", action="append", choices=FAMILY_IDS, help="repeatable; default: all four")
     parser.add_argument("--workdir", default="/tmp/hgc-bench", help="where checkpoints and artifacts go")
     parser.add_argument("--out", default=None, help="JSON results file (default: WORKDIR/compile_bench.json)")
     parser.add_argument("--no-dumps", action="store_true", help="compile without dumps/")
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     results = []
-    for family in args.family or FAMILIES:
+    for family in args.family or FAMILY_IDS:
         r = bench_family(family, workdir, dumps=not args.no_dumps)
         results.append(r)
         print(f"{family:16s} compile {r['wall_s']:7.2f} s   peak RSS {r['rss_peak_mb']:8.1f} MB "

@@ -87,7 +87,8 @@ from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.bound_ops import BoundOps  # noqa: E402
 from runtime.generate import make_pools  # noqa: E402
 from runtime.backends.protocol import plan_eager_step  # noqa: E402
-from runtime.graph_runner import DEFAULT_DECODE_BUCKETS, DEFAULT_EXTEND_BUCKETS, GraphRunner, step_on_device  # noqa: E402
+from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS  # noqa: E402
+from runtime.graph_runner import GraphRunner, step_on_device  # noqa: E402
 from runtime.loader import load_artifact  # noqa: E402
 
 PAGE = 16
@@ -341,8 +342,8 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
     max_len = -(-max(max(extends), HISTORY + 1, max(prompt_lens) + args.new_tokens) // PAGE) * PAGE
     num_seqs = max(batches)
     extend_max_seqs = min(16, min(extends))  # an extend bucket smaller than its request rows is never captured
-    decode_buckets = tuple(sorted({b for b in DEFAULT_DECODE_BUCKETS if b <= max(batches)} | set(batches)))
-    extend_buckets = tuple(sorted({t for t in DEFAULT_EXTEND_BUCKETS if t <= max(extends)} | set(extends)))
+    decode_buckets = tuple(sorted({b for b in DEFAULT_DECODE_BATCH_SIZES if b <= max(batches)} | set(batches)))
+    extend_buckets = tuple(sorted({t for t in DEFAULT_EXTEND_TOKEN_COUNTS if t <= max(extends)} | set(extends)))
     rec["buckets"] = {"decode": decode_buckets, "extend": extend_buckets, "extend_max_seqs": extend_max_seqs}
     ckpt, art_dir = work / f"ckpt_{family}_{args.size}", work / f"art_{family}_{args.size}"
     ctx: dict = {}

@@ -47,7 +47,8 @@ from typing import Callable, Optional
 
 import torch
 
-from compiler.splitops import Mode, op_spec
+from compiler.splitops import Mode, op_arguments
+from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS
 from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
@@ -55,13 +56,8 @@ from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
 from runtime.state_pool import PADDING_SLOT, StatePool
 
-__all__ = ["GraphRunner", "StepStaging", "step_on_device", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece", "CudaGraphs", "buckets_for",
-           "graph_runner_factory",
-           "DEFAULT_DECODE_BUCKETS",
-           "DEFAULT_EXTEND_BUCKETS"]
-
-DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DEFAULT_EXTEND_BUCKETS = (256, 512, 1024, 2048, 4096)
+__all__ = ["GraphRunner", "StepStaging", "step_on_device", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece",
+           "CudaGraphs", "buckets_for", "graph_runner_factory"]
 
 
 class CaptureError(RuntimeError):
@@ -236,7 +232,7 @@ class StepStaging:
 
 class GraphRunner:
     def __init__(self, program, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str, *,
-                 decode_buckets=DEFAULT_DECODE_BUCKETS, extend_buckets=DEFAULT_EXTEND_BUCKETS,
+                 decode_buckets=DEFAULT_DECODE_BATCH_SIZES, extend_buckets=DEFAULT_EXTEND_TOKEN_COUNTS,
                  max_pages_per_seq: int, extend_max_seqs: int = 16, chunk_size: Optional[int] = None,
                  decode_graphs: str = "full", debug: bool = False, graphs=None):
         """program: a loaded ProgramRunner (runtime/loader.py): `module_for(mode)`, `weights`, `plans`.
@@ -654,8 +650,7 @@ def _extend_seqs(max_running: int, extend_buckets) -> int:
 
 
 def _arg_positions(op: str) -> dict[str, int]:
-    schema = getattr(torch.ops.hgc, op_spec(op).name).default._schema
-    return {a.name: i for i, a in enumerate(schema.arguments)}
+    return {name: i for i, name in enumerate(op_arguments(op))}
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -24,6 +24,7 @@ import pytest
 from compiler.cli import main as hgc
 from compiler.splitops import FULL_KINDS, LINEAR_KINDS, MODES, LayerKind, Mode
 from compiler.splitops.artifact import EAGER
+from models.families import FAMILY_IDS
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
 from runtime.backends.torch_reference import TorchReferenceBackend
 from runtime.backends.triton_linear_backend import TritonLinearBackend
@@ -33,7 +34,8 @@ from tests.helpers import tiny_checkpoint
 
 FULL, LINEAR, MOE, MLA = (FlashInferAttentionBackend.capability, TritonLinearBackend.capability,
                           TritonMoEBackend.capability, TritonMLABackend.capability)
-GQA_FAMILIES, MLA_FAMILIES = ("qwen3_next", "qwen3_5"), ("kimi_linear", "bailing_linear")
+GQA_FAMILIES = ("qwen3_next", "qwen3_5")  # full attention: GQA; the others' is MLA
+MLA_FAMILIES = tuple(f for f in FAMILY_IDS if f not in GQA_FAMILIES)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from compiler.splitops import MODES, OP_SPECS, BackendCapability, moe_shared_width
 from runtime.backends.protocol import BackendHooks, BackendSetup, check_backend
 from runtime.context import ExecContext
-from runtime.kv_pool import KVPool
+from runtime.kv_pool import KVPool, pages_for
 from runtime.state_pool import StatePool
 
 __all__ = ["CPUReferenceBackend", "gated_recurrence", "moe_reference", "route_topk", "shared_expert_gate",
@@ -168,8 +168,7 @@ class CPUReferenceBackend(BackendHooks):
 
     def _read_kv(self, ctx: ExecContext, layer_id: int, b: int, length: int) -> dict[str, torch.Tensor]:
         """The first `length` cached entries of request b, gathered from its pages."""
-        ps = ctx.page_size
-        pages = ctx.page_table[b, : -(-length // ps)].long()
+        pages = ctx.page_table[b, : pages_for(length, ctx.page_size)].long()
         return {name: buf[pages].reshape(-1, *buf.shape[2:])[:length]
                 for name, buf in self.kv_pool.layer(layer_id).items()}
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.backends.sm_count import num_sms
+
 __all__ = ["triton_mla_attention", "num_splits_for"]
 
 _LOG2E = 1.4426950408889634
@@ -118,8 +120,7 @@ def triton_mla_attention(q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_
     assert R & (R - 1) == 0 and P & (P - 1) == 0, f"triton MLA: R={R} and P={P} must be powers of two"
     head_blocks = triton.cdiv(H, block_h)
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q_latent.device).multi_processor_count if q_latent.is_cuda else 4
-        num_splits = num_splits_for(T, head_blocks, sms)
+        num_splits = num_splits_for(T, head_blocks, num_sms(q_latent.device))
     part_o = torch.empty(T * H * num_splits, R, dtype=torch.float32, device=q_latent.device)
     part_lse = torch.empty(T * H * num_splits, dtype=torch.float32, device=q_latent.device)
     precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"

@@ -30,7 +30,7 @@ import torch
 from compiler.splitops import LayerRegistry
 from runtime.bound_ops import BoundOps
 from runtime.engine import Engine
-from runtime.kv_pool import KVPool
+from runtime.kv_pool import KVPool, pages_for
 from runtime.memory_planner import build_pools, plan_memory
 from runtime.state_pool import StatePool
 from runtime.tokenizer import TextTokenizer
@@ -82,7 +82,7 @@ def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, 
                            max_seq_len=max_model_len, page_size=options.page_size, num_slots=options.slots,
                            max_running=options.max_running)
         return build_pools(registry, plan, device)
-    pages = options.kv_pages or options.slots * -(-max_model_len // options.page_size)
+    pages = options.kv_pages or options.slots * pages_for(max_model_len, options.page_size)
     return KVPool(registry, pages, options.page_size, device), StatePool(registry, options.slots, device)
 
 
