@@ -1,41 +1,40 @@
 """GraphRunner: captured CUDA graphs per bucket, and the one place that picks full, piecewise or eager.
 
-The runner owns the captured keys, the static buffers and the padding; how one piece is captured
-and replayed is `CapturedPiece`'s business, and what the ops do is the backend's. Lifecycle:
+The runner owns the captured keys, the static buffers and the padding; each role has its module:
+
+- runtime/buckets.py: the capture keys, and which key a step goes to;
+- runtime/step_staging.py: the static buffers a replayed step is copied into;
+- runtime/cuda_graphs.py: how one piece is captured and replayed (torch.cuda, or a CPU stand-in);
+- here: the lifecycle below and the start-up parity check.
+
+Lifecycle:
 
 1. Construction: static device buffers for the largest bucket (input ids, positions, logits
    rows and every ExecContext tensor; `StepStaging`). Each step that replays graphs has its
    host-built tensors copied into them in place (one copy per dtype, never reassigned), so every
    captured kernel reads the same addresses; an eager step uses its own tensors and may be of any size.
 2. `capture()` (start-up only): `backend.init_capture_state`, then for each decode bucket,
-   largest first, one graph of the whole step when every op's decode policy allows it (the
-   artifact's decode plan is one captured piece) or piecewise graphs otherwise; then piecewise
-   graphs for each extend token bucket, largest first. All graphs share one memory pool. Padded
-   rows point at the reserved state slot and write no KV. After `capture()` the runner is sealed:
-   a capture at any later time is an error. Decode graphs are piecewise too when asked
-   (`decode_graphs="piecewise"`: the extend plan's pieces, the baseline of the full graph).
+   largest first, one graph of the whole step when the artifact's decode plan (split.json) is one
+   captured piece, or piecewise graphs otherwise; then piecewise graphs for each extend token
+   bucket, largest first. All graphs share one memory pool. Padded rows point at the reserved
+   state slot and write no KV. After `capture()` the runner is sealed: a capture at any later time
+   is an error. Decode graphs are piecewise too when asked (`decode_graphs="piecewise"`: the
+   extend plan's pieces, the baseline of the full graph).
 3. `build(items)` + `run(step, key)` per step (`execute(items)` does both for the engine):
    decode steps go to the smallest decode bucket that holds them, extend and mixed steps to the
    smallest extend bucket that holds their tokens, anything larger runs eagerly. The backend is
    told first: `init_replay_state` for a full graph; `init_step_metadata` (+ `init_chunk_metadata`
    outside decode) for an eager step; both, then `init_replay_state`, for a piecewise step, whose
-   captured pieces read per-step values from the static buffers that hook fills (a hybrid
-   forwards it only to the children whose ops are captured in the step's mode).
+   captured pieces read per-step values from the static buffers that hook fills (the backend set
+   forwards it only to the instances with a node inside a captured piece of the step's mode).
 4. `check_parity()` (start-up, after capture): each captured key is run once eagerly and once
    from its graphs on the same inputs and the same starting caches and states; a mismatch names
    the mode, the bucket and the first layer whose op output differs, and the runner refuses to serve.
    `start(vocab)` is capture + parity; `graph_runner_factory` makes a started runner for the engine
    (runtime/server/model.py), with the artifact's buckets clipped to the engine's limits.
 
-How a graph is captured and replayed is `CudaGraphs`' business (torch.cuda); tests on the CPU
-hand the runner a stand-in with the same methods (tests/graph_cases.py), so everything above it
-runs there too.
-
-Piecewise graphs need no copies between pieces: every op is "with output", so the `out` an eager
-gap writes was allocated by the captured piece before it, inside the graph pool, at an address
-the next piece was captured with.
-
-It does not build requests or sample (the engine does) and does not choose kernels (routing did).
+It does not build requests or sample (the engine does) and does not choose kernels (routing did:
+which nodes sit in captured pieces is split.json's decision, read here through the program's plans).
 """
 
 from __future__ import annotations
@@ -52,182 +51,20 @@ from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEN
 from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
+from runtime.buckets import Buckets, CaptureKey, buckets_for, extend_seqs
+from runtime.cuda_graphs import CaptureError, CapturedPiece, CaptureState, CudaGraphs
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
 from runtime.state_pool import PADDING_SLOT, StatePool
+from runtime.step_staging import StepStaging, step_on_device
 
-__all__ = ["GraphRunner", "StepStaging", "step_on_device", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece",
-           "CudaGraphs", "buckets_for", "graph_runner_factory"]
-
-
-class CaptureError(RuntimeError):
-    pass
+__all__ = ["GraphRunner", "ParityError", "graph_runner_factory",
+           # the roles' own names, as the runner's users know them
+           "CaptureKey", "buckets_for", "CaptureError", "CudaGraphs", "CapturedPiece", "StepStaging", "step_on_device"]
 
 
 class ParityError(RuntimeError):
     pass
-
-
-@dataclasses.dataclass(frozen=True)
-class CaptureKey:
-    mode: Mode  # DECODE (full or piecewise) or EXTEND (piecewise; also serves MIXED steps)
-    tokens: int  # rows of the step, padding included
-    seqs: int  # requests of the step, padding included (logits rows)
-
-    def __str__(self) -> str:
-        return f"{self.mode.value}[tokens={self.tokens}, seqs={self.seqs}]"
-
-
-class CudaGraphs:
-    """Capture and replay through torch.cuda: the one place the runner touches the CUDA graph API."""
-
-    # A replay runs recorded kernels and no Python: the op outputs of a replayed step are read from
-    # the tensors recorded at capture (a CPU stand-in that reruns the ops says True instead).
-    replays_call_ops = False
-
-    def check_device(self, device: torch.device) -> None:
-        if device.type != "cuda":
-            raise CaptureError(f"CUDA graphs need a CUDA device; this runner is on {device}")
-
-    def new_pool(self):
-        return torch.cuda.graph_pool_handle()
-
-    def capture(self, fn: Callable[[], object], pool) -> tuple[object, object]:
-        """Record fn's kernels into a new graph in `pool`; returns (graph, fn's output tensors)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
-        return graph, out
-
-    def synchronize(self, device: torch.device) -> None:
-        torch.cuda.synchronize(device)
-
-
-class _Capturing:
-    """Which key the pieces are capturing or replaying now: shared by the runner and its pieces."""
-
-    def __init__(self, graphs):
-        self.graphs = graphs
-        self.key: Optional[CaptureKey] = None
-        self.capturing = False
-        self.silent = False  # ops run now are not the graph's (warm-up, the first replay of a rerun stand-in)
-        self.pool = None
-
-
-class CapturedPiece(torch.nn.Module):
-    """One captured piece of a split program: a CUDA graph per key, replayed with the inputs it was captured with."""
-
-    def __init__(self, piece: torch.nn.Module, index: int, state: _Capturing, debug: bool = False):
-        super().__init__()
-        self.piece, self.index, self.state, self.debug = piece, index, state, debug
-        self.graphs: dict[CaptureKey, tuple[object, object, list[int]]] = {}
-
-    def forward(self, *args):
-        key = self.state.key
-        if key is None:  # an eager step: no graph at all
-            return self.piece(*args)
-        if self.state.capturing and key not in self.graphs:
-            self.state.silent = True
-            try:
-                self.piece(*args)  # warm-up outside the graph: lazy init, Triton compiles, autotuning
-            finally:
-                self.state.silent = False
-            graph, out = self.state.graphs.capture(lambda: self.piece(*args), self.state.pool)
-            self.graphs[key] = (graph, out, [a.data_ptr() for a in args if isinstance(a, torch.Tensor)])
-            self.state.silent = True
-            try:
-                graph.replay()  # the capture did not run the kernels; the step needs their results
-            finally:
-                self.state.silent = False
-            return out
-        if key not in self.graphs:
-            raise CaptureError(f"piece {self.index}: no graph for {key}; captures happen at start-up only")
-        graph, out, addresses = self.graphs[key]
-        if self.debug:
-            now = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
-            if now != addresses:
-                bad = next(i for i, (a, b) in enumerate(zip(now, addresses)) if a != b)
-                raise CaptureError(f"piece {self.index} {key}: input {bad} moved: captured at {addresses[bad]:#x}, "
-                                   f"got {now[bad]:#x}; every input must be a static buffer")
-        graph.replay()
-        return out
-
-
-class StepStaging:
-    """The static step buffers: two device blocks (int64, int32), each filled by one host-to-device copy.
-
-    A replayed step's metadata is eight small tensors. Copied one by one from pageable host
-    memory, each copy is a synchronous driver call of its own; here they are laid out back to
-    back in a host block (pinned on CUDA) and the block's used prefix goes over in one
-    asynchronous copy per dtype. The layout is packed per step shape (T tokens, B requests), so
-    the prefix holds exactly that step's fields: every capture key has its own views into the
-    same blocks, which is safe because one step runs at a time and each fills all of its views.
-
-    The host block is written again only once the previous copy has left it (an event on CUDA;
-    on the CPU the copy is synchronous). Rows a step does not fill are padding: build_step pads
-    every field but logits_index, whose spare rows read row 0, and page_table's spare columns.
-    """
-
-    INT64 = ("input_ids", "positions", "slot_mapping", "logits_index", "state_slots")
-    INT32 = ("query_start_loc", "seq_lens", "page_table")
-    PER_TOKEN = ("input_ids", "positions", "slot_mapping")
-
-    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device):
-        self.max_pages, self.device = max_pages, device
-        cuda = device.type == "cuda"
-        sizes = {torch.int64: self._size(self.INT64, max_tokens, max_seqs),
-                 torch.int32: self._size(self.INT32, max_tokens, max_seqs)}
-        self.host = {dt: torch.zeros(n, dtype=dt, pin_memory=cuda) for dt, n in sizes.items()}
-        self.dev = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
-        self._event = torch.cuda.Event() if cuda else None
-        self._views: dict[tuple[int, int], tuple[dict, dict, dict]] = {}
-
-    def shape(self, name: str, T: int, B: int) -> tuple[int, ...]:
-        if name in self.PER_TOKEN:
-            return (T,)
-        if name == "query_start_loc":
-            return (B + 1,)
-        if name == "page_table":
-            return (B, self.max_pages)
-        return (B,)
-
-    def _size(self, names, T: int, B: int) -> int:
-        return sum(math.prod(self.shape(n, T, B)) for n in names)
-
-    def views(self, T: int, B: int) -> tuple[dict, dict, dict]:
-        """(host numpy views, device views, used length per dtype) of the layout for T tokens, B requests."""
-        if (T, B) not in self._views:
-            host, dev, used = {}, {}, {}
-            for dt, names in ((torch.int64, self.INT64), (torch.int32, self.INT32)):
-                at = 0
-                for name in names:
-                    shape = self.shape(name, T, B)
-                    n = math.prod(shape)
-                    host[name] = self.host[dt][at: at + n].view(shape).numpy()
-                    dev[name] = self.dev[dt][at: at + n].view(shape)
-                    at += n
-                used[dt] = at
-            self._views[(T, B)] = (host, dev, used)
-        return self._views[(T, B)]
-
-    def fill(self, T: int, B: int, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy a step's host tensors in and send them over; returns the device views."""
-        host, dev, used = self.views(T, B)
-        if self._event is not None:
-            self._event.synchronize()  # the previous step's copy has left the host block
-        for name, src in sources.items():
-            a, h = src.numpy(), host[name]
-            if name == "page_table":  # as wide as the longest request: the columns after it are 0
-                h[:, : a.shape[1]] = a
-                h[:, a.shape[1]:] = 0
-            else:
-                h[: a.shape[0]] = a
-                h[a.shape[0]:] = 0  # only logits_index comes short: its padded rows read row 0
-        for dt, n in used.items():
-            self.dev[dt][:n].copy_(self.host[dt][:n], non_blocking=True)
-        if self._event is not None:
-            self._event.record()
-        return dev
 
 
 class GraphRunner:
@@ -251,19 +88,17 @@ class GraphRunner:
         self.backend = ops.backend
         self.device = torch.device(device)
         self.graphs = graphs if graphs is not None else CudaGraphs()
-        self.decode_buckets = tuple(sorted(decode_buckets))
-        self.extend_buckets = tuple(sorted(extend_buckets))
+        self.buckets = Buckets(tuple(decode_buckets), tuple(extend_buckets), extend_max_seqs)
+        self.decode_buckets, self.extend_buckets = self.buckets.decode, self.buckets.extend
         self.extend_max_seqs = extend_max_seqs
         self.max_pages = max_pages_per_seq
         self.debug = debug
-        self.state = _Capturing(self.graphs)
+        self.state = CaptureState(self.graphs)
         self.sealed = False
         self.counters = {"graph_replays": 0, "piecewise_steps": 0, "eager_steps": 0}
         self.full_decode = decode_graphs == "full" and self._plan_is_one_captured_piece(Mode.DECODE)
         self.keys: list[CaptureKey] = []
-        max_tokens = max(self.decode_buckets[-1] if self.decode_buckets else 1,
-                         self.extend_buckets[-1] if self.extend_buckets else 1)
-        max_seqs = max(self.decode_buckets[-1] if self.decode_buckets else 1, extend_max_seqs)
+        max_tokens, max_seqs = self.buckets.max_tokens, self.buckets.max_seqs
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.chunk_size = chunk_size or max_tokens
         # Static buffers: the only tensors a captured graph reads besides weights, caches and its pool.
@@ -280,16 +115,8 @@ class GraphRunner:
         return len(pieces) == 1 and pieces[0].kind == "captured"
 
     def key_for(self, mode: Mode, num_tokens: int, num_seqs: int) -> Optional[CaptureKey]:
-        """The smallest captured key that holds this step, or None (eager)."""
-        if not self.sealed:
-            return None
-        if mode == Mode.DECODE:
-            bucket = next((b for b in self.decode_buckets if b >= num_seqs), None)
-            return CaptureKey(Mode.DECODE, bucket, bucket) if bucket else None
-        if num_seqs > self.extend_max_seqs:
-            return None
-        bucket = next((b for b in self.extend_buckets if b >= num_tokens), None)
-        return CaptureKey(Mode.EXTEND, bucket, self.extend_max_seqs) if bucket else None
+        """The smallest captured key that holds this step, or None (eager; always, before capture)."""
+        return self.buckets.key_for(mode, num_tokens, num_seqs) if self.sealed else None
 
     def _fill(self, step: StepInputs, key: Optional[CaptureKey]) -> tuple[tuple, ExecContext]:
         """Copy a host-built step into the static buffers, as views sized to the key.
@@ -431,10 +258,7 @@ class GraphRunner:
 
     def capture_keys(self) -> list[CaptureKey]:
         """What `capture()` captures, in capture order (largest first)."""
-        keys = [CaptureKey(Mode.DECODE, b, b) for b in reversed(self.decode_buckets)]
-        keys += [CaptureKey(Mode.EXTEND, t, self.extend_max_seqs) for t in reversed(self.extend_buckets)
-                 if t >= self.extend_max_seqs]
-        return keys
+        return self.buckets.capture_keys()
 
     @torch.no_grad()  # a graph captured with autograd on would record its bookkeeping too
     def capture(self) -> None:
@@ -589,31 +413,6 @@ class GraphRunner:
         return report
 
 
-def step_on_device(step: StepInputs, device) -> tuple[tuple, ExecContext]:
-    """An eager step's (input_ids, positions, logits_index) and context on `device`: its own
-    tensors, so it may be of any size (no graph reads them)."""
-    ctx = step.ctx
-    moved = {name: getattr(ctx, name).to(device, non_blocking=True)
-             for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping")}
-    inputs = tuple(t.to(device, non_blocking=True) for t in (step.input_ids, step.positions, step.logits_index))
-    return inputs, dataclasses.replace(ctx, **moved)
-
-
-def buckets_for(decode_sizes, extend_sizes, *, max_running: int, token_budget: int,
-                max_seq_len: Optional[int] = None) -> tuple[tuple, tuple]:
-    """The artifact's buckets, clipped to the steps an engine can send.
-
-    A decode step has at most max_running requests and an extend step at most token_budget
-    tokens (and at most max_running x max_seq_len): keep every bucket up to the first one that
-    holds that many; larger ones would only cost capture time and memory.
-    """
-    if max_seq_len is not None:
-        token_budget = min(token_budget, max_running * max_seq_len)
-    def clip(sizes, limit):
-        sizes = sorted(set(int(s) for s in sizes))
-        cover = next((s for s in sizes if s >= limit), None)
-        return tuple(s for s in sizes if s < limit) + ((cover,) if cover else ())
-    return clip(decode_sizes, max_running), clip(extend_sizes, token_budget)
 
 
 def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,
@@ -633,7 +432,7 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
         runner = GraphRunner(artifact.runner(ops, program), ops, kv_pool, state_pool, kv_pool.device,
                              decode_buckets=decode, extend_buckets=extend,
                              max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"]),
-                             extend_max_seqs=_extend_seqs(limits["max_running"], extend),
+                             extend_max_seqs=extend_seqs(limits["max_running"], extend),
                              chunk_size=limits["token_budget"],
                              graphs=graphs)
         runner.start(vocab_size, log=log)
@@ -641,12 +440,6 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
 
     return make
 
-
-def _extend_seqs(max_running: int, extend_buckets) -> int:
-    """Requests an extend graph holds. Under load most prefill chunks ride in mixed steps beside
-    every running decode, so a graph that holds fewer requests than may run leaves those steps
-    eager; a bucket of t tokens holds at most t requests (one token each)."""
-    return max(1, min([max_running, *extend_buckets]))
 
 
 def _arg_positions(op: str) -> dict[str, int]:

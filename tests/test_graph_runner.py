@@ -262,10 +262,10 @@ def test_buckets_are_clipped_to_what_the_engine_can_send():
 
 
 def test_extend_graphs_hold_every_running_request_a_mixed_step_can_carry():
-    from runtime.graph_runner import _extend_seqs
-    assert _extend_seqs(64, (256, 512)) == 64, "64 decodes beside a prefill chunk still replay"
-    assert _extend_seqs(300, (256, 512)) == 256, "a 256-token bucket holds at most 256 requests"
-    assert _extend_seqs(8, ()) == 8
+    from runtime.buckets import extend_seqs
+    assert extend_seqs(64, (256, 512)) == 64, "64 decodes beside a prefill chunk still replay"
+    assert extend_seqs(300, (256, 512)) == 256, "a 256-token bucket holds at most 256 requests"
+    assert extend_seqs(8, ()) == 8
 
 
 def test_engine_built_with_a_runner_factory_on_a_small_pool(artifact):
