@@ -197,6 +197,9 @@ def run_family(family: str, args, work: Path, rec: dict, save) -> None:
     ctx: dict = {}
 
     def init_compile():
+        if args.reuse and (art_dir / "manifest.json").is_file():
+            print(f"  reusing {art_dir}", flush=True)
+            return
         if hgc(["init-model", "--family", family, "--size", args.size, "--seed", "0", "-o", str(ckpt), "--force"]):
             raise RuntimeError("init-model failed")
         target = ["--target", "cuda", "--dtype", "bfloat16"] if dev.type == "cuda" else []
@@ -334,6 +337,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=32, help="prompts in the token check")
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt in the token check")
     p.add_argument("--skip", default="", help="comma-separated stage names not to run")
+    p.add_argument("--reuse", action="store_true", help="use the checkpoint and artifact an earlier run left in --work")
     args = p.parse_args(argv)
     args.size = args.size or ("bench" if args.device == "cuda" else "tiny")
     args.skip = [s for s in args.skip.split(",") if s]
