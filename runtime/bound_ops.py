@@ -42,6 +42,10 @@ class BoundOps:
         # Called as observer(op name, args) after each op: the graph runner's start-up parity
         # check records each layer's output with it. None (one attribute test) when unused.
         self.observer = None
+        # Called as intercept(op name, method, ctx, args) instead of the backend's method: the
+        # parity check runs each op of an unpadded step on a padded step's inputs with it
+        # (runtime/parity.py TeacherForcing). None (one attribute test) when unused.
+        self.intercept = None
         # (layer id, backend name) of every op call a backend has returned from.
         self.executed: set[tuple[int, str]] = set()
 
@@ -65,7 +69,10 @@ class BoundOps:
         def call(*args):
             if self.ctx is None:
                 raise NoStepError(f"hgc.{op} called outside a runtime step (use `with ops.step(ctx):`)")
-            method(self.ctx, *args)
+            if self.intercept is None:
+                method(self.ctx, *args)
+            else:
+                self.intercept(op, method, self.ctx, args)
             executed.add((args[layer_at], name))
             if self.observer is not None:
                 self.observer(op, args)

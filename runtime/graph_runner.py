@@ -27,11 +27,15 @@ Lifecycle:
    outside decode) for an eager step; both, then `init_replay_state`, for a piecewise step, whose
    captured pieces read per-step values from the static buffers that hook fills (the backend set
    forwards it only to the instances with a node inside a captured piece of the step's mode).
-4. `check_parity()` (start-up, after capture): each captured key is run once eagerly and once
-   from its graphs on the same inputs and the same starting caches and states; a mismatch names
-   the mode, the bucket and the first layer whose op output differs, and the runner refuses to serve.
-   `start(vocab)` is capture + parity; `graph_runner_factory` makes a started runner for the engine
-   (runtime/server/model.py), with the artifact's buckets clipped to the engine's limits.
+4. `check_parity()` (start-up, after capture): for each captured key, real requests that fill it
+   only in part run eagerly padded, eagerly unpadded with each op on the padded run's inputs, and
+   replayed padded, from the same caches and states (`_check_key`, runtime/parity.py). Every
+   op's real rows, the logits, the states and KV written for the real requests must agree within
+   the compute dtype's tolerance, and the padding slot and unowned pages must not change;
+   otherwise the runner refuses to serve, naming the mode, the bucket and the first layer that
+   differs. (A padded replay checked only against a padded eager run would pass a padding fault
+   both share.) `start(vocab)` is capture + parity; `graph_runner_factory` makes a started runner
+   for the engine (runtime/server/model.py), with the artifact's buckets clipped to its limits.
 
 It does not build requests or sample (the engine does) and does not choose kernels (routing did:
 which nodes sit in captured pieces is split.json's decision, read here through the program's plans).
@@ -46,7 +50,7 @@ from typing import Callable, Optional
 
 import torch
 
-from compiler.splitops import Mode, op_arguments
+from compiler.splitops import Mode
 from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS
 from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.backends.protocol import plan_eager_step
@@ -55,6 +59,7 @@ from runtime.buckets import Buckets, CaptureKey, buckets_for, extend_seqs
 from runtime.cuda_graphs import CaptureError, CapturedPiece, CaptureState, CudaGraphs
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
+from runtime.parity import CacheWatch, OpRecord, OpTrace, TeacherForcing, first_difference, rel_err, rtol_for
 from runtime.state_pool import PADDING_SLOT, StatePool
 from runtime.step_staging import StepStaging, step_on_device
 
@@ -106,7 +111,7 @@ class GraphRunner:
         self._modules: dict[Mode, torch.nn.Module] = {}
         self._outputs: dict[CaptureKey, object] = {}  # full graphs: their static logits
         self._full_graphs: dict[CaptureKey, object] = {}
-        self._op_outs: dict[CaptureKey, list[tuple[int, str, torch.Tensor]]] = {}
+        self._op_outs: dict[CaptureKey, list[OpRecord]] = {}  # each op's `out` in the key's graphs
 
     # -- keys and padding ------------------------------------------------------------------
 
@@ -246,16 +251,6 @@ class GraphRunner:
         step.ctx.slot_mapping.fill_(-1)  # capture writes no KV
         return step
 
-    def _record_op_outs(self, sink: list, clone: bool = False):
-        """An observer for BoundOps: remember (layer id, op, out) of each op call, warm-ups excluded."""
-        def observe(name: str, args: tuple):
-            if self.state.silent:
-                return
-            positions = _arg_positions(name)
-            out = args[positions["out"]]
-            sink.append((int(args[positions["layer_id"]]), name, out.clone() if clone else out))
-        return observe
-
     def capture_keys(self) -> list[CaptureKey]:
         """What `capture()` captures, in capture order (largest first)."""
         return self.buckets.capture_keys()
@@ -271,8 +266,8 @@ class GraphRunner:
             inputs, ctx = self._fill(self._dummy_step(key), key)
             # Every op's `out` as the graph leaves it: the parity check compares them layer by layer.
             # Holding them keeps their memory from being reused by a later capture in the pool.
-            sink: list = []
-            self.ops.observer = self._record_op_outs(sink)
+            sink = OpTrace(key.tokens, copy=False, skip=lambda: self.state.silent)
+            self.ops.observer = sink
             self.state.key = key
             try:
                 self._plan(ctx, key)
@@ -294,7 +289,7 @@ class GraphRunner:
             finally:
                 self.state.key, self.state.capturing = None, False
                 self.ops.observer = None
-            self._op_outs[key] = sink
+            self._op_outs[key] = sink.records
             self.keys.append(key)
         self.graphs.synchronize(self.device)
         self.sealed = True
@@ -302,12 +297,14 @@ class GraphRunner:
     # -- start-up parity -------------------------------------------------------------------
 
     def parity_items(self, key: CaptureKey, vocab_size: int, generator: torch.Generator) -> list[tuple[SeqState, list[int]]]:
-        """Real requests (slots and pages of their own) that fill `key`, for `check_parity`.
+        """Real requests (slots and pages of their own) that fill `key` only in part, for `check_parity`.
 
-        Decode: one request per row of the bucket, each with 1 to 40 cached tokens (whatever its
-        pages hold: both runs read the same). Extend: up to extend_max_seqs fresh requests of
-        different lengths covering about three quarters of the bucket's rows, so padding rows and
-        padded requests are exercised too. Free them with `release_items`.
+        Fewer requests than the bucket holds, so the replay has padded requests on the padding
+        slot (and, in extend, padding rows): what a padding fault needs to show. Decode: one
+        request fewer than the bucket (a bucket of one: one), each with 1 to 40 cached tokens
+        (whatever its pages hold: both runs read the same). Extend: up to 4 fresh requests of
+        different lengths covering about three quarters of the bucket's rows. Free them with
+        `release_items`.
         """
         def tokens(n):
             return torch.randint(1, vocab_size, (n,), generator=generator).tolist()
@@ -317,8 +314,7 @@ class GraphRunner:
             raise CaptureError("parity check: no free state slot for a request")
         cap = self.max_pages * self.kv_pool.page_size  # the longest request the runner takes
         if key.mode == Mode.DECODE:
-            # as many real requests as slots allow; the rest of the bucket is padding rows
-            lens = [1 + (7 * b) % max(1, min(40, cap - 1)) for b in range(min(key.seqs, free))]
+            lens = [1 + (7 * b) % max(1, min(40, cap - 1)) for b in range(min(max(1, key.seqs - 1), free))]
             return [(SeqState(self.state_pool.alloc(), num_cached=c), tokens(1)) for c in lens]
         n = min(self.extend_max_seqs - 1, 4, free) or 1
         budget = max(n, 3 * key.tokens // 4)
@@ -333,13 +329,13 @@ class GraphRunner:
             self.state_pool.free(seq.slot)
 
     def check_parity(self, make_items: Optional[Callable[[CaptureKey], list[tuple[SeqState, list[int]]]]] = None,
-                     *, vocab_size: Optional[int] = None, rtol: float = 2e-2, seed: int = 0) -> dict[str, float]:
-        """Replay each key against eager on the same inputs; raise ParityError naming the first bad layer.
+                     *, vocab_size: Optional[int] = None, rtol: Optional[float] = None, seed: int = 0) -> dict[str, float]:
+        """Replay each key padded against eager unpadded; raise ParityError naming what differs.
 
-        make_items(key) returns real requests that fill the key (default: `parity_items` with
-        random token ids below vocab_size; those are released again here). Caches and states
-        touched by the step are saved before the eager run and restored before the replay, so
-        both start from the same state.
+        make_items(key) returns real requests that fill the key in part (default: `parity_items`
+        with random token ids below vocab_size; those are released again here). rtol: the
+        tolerance (default: `runtime.parity.PARITY_RTOL` for the model's compute dtype). Returns
+        the logits' relative error per key.
         """
         if make_items is None:
             if vocab_size is None:
@@ -358,47 +354,71 @@ class GraphRunner:
                 release(items)
         return report
 
-    def _check_key(self, key: CaptureKey, items, rtol: float) -> float:
-        step = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
-                          pad_seqs_to=key.seqs, max_pages=self.max_pages)
-        saved = self._snapshot(step.ctx)
-        eager_outs: list = []
-        self.ops.observer = self._record_op_outs(eager_outs, clone=True)
-        sealed, self.sealed = self.sealed, False  # route this one step eagerly
-        try:
-            eager_logits = self.run(step, None).clone()
-        finally:
-            self.sealed, self.ops.observer = sealed, None
-        self._restore(saved)
-        rerun_outs: list = []
-        if self.graphs.replays_call_ops:
-            self.ops.observer = self._record_op_outs(rerun_outs, clone=True)
-        try:
-            graph_logits = self.run(step, key).clone()
-        finally:
-            self.ops.observer = None
-        err = _rel_err(graph_logits, eager_logits)
-        if not math.isfinite(err) or err > rtol:
-            where = _first_bad_layer(eager_outs, rerun_outs if self.graphs.replays_call_ops else self._op_outs[key],
-                                     rtol)
-            raise ParityError(f"start-up parity: {key} replay differs from eager (rel err {err:.3g}); "
-                              f"first differing: {where}; refusing to serve")
+    def _check_key(self, key: CaptureKey, items, rtol: Optional[float]) -> float:
+        """One key, three runs of the same real requests from the same caches (runtime/parity.py):
+
+        1. eagerly, padded to the key: the reference;
+        2. eagerly, unpadded, every op on the inputs run 1 handed it (TeacherForcing): each op's
+           real rows, the glue between ops, the logits, the states and KV written for the real
+           requests must match run 1. What differs is what padding changes for a real request;
+        3. the key's graphs, padded: logits, every op's real rows, states and KV must match run 1.
+           What differs is what capture changes.
+        Runs 2 and 3 must leave the padding slot and the pages no real request owns as they were.
+        Together: a padded replay computes real requests as an unpadded eager step does, within
+        the compute dtype's tolerance, without the rounding of differently shaped kernels growing
+        through later layers into a false alarm. Returns run 3's logits error.
+        """
+        padded = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
+                            pad_seqs_to=key.seqs, max_pages=self.max_pages)
+        plain = build_step(items, self.kv_pool, "cpu", mode=key.mode, max_pages=self.max_pages)  # pages taken above
+        rows = plain.ctx.num_real_tokens
+        watch = CacheWatch(self.kv_pool, self.state_pool, [seq.slot for seq, _ in items],
+                           [p for seq, _ in items for p in seq.pages])
+        problems: list[str] = []
+
+        reference = OpTrace(rows, inputs=True)
+        ref_logits = self._observed_run(padded, None, observer=reference)
+        ref_written = watch.written()
+        rtol = rtol if rtol is not None else rtol_for(reference.records[0].out.dtype if reference.records
+                                                      else torch.float32)
+        watch.restore()
+
+        forced = TeacherForcing(reference.records)
+        plain_logits = self._observed_run(plain, None, intercept=forced)
+        where, err = forced.first_beyond(rtol), rel_err(plain_logits, ref_logits)
+        if where or not math.isfinite(err) or err > rtol:
+            problems.append(f"unpadded against padded eager, op by op: first differing: "
+                            f"{where or f'the logits (rel err {err:.3g})'}")
+        written = watch.differences(ref_written, watch.written(), rtol)
+        if written:
+            problems.append(f"unpadded against padded eager: written for a real request: {written}")
+        problems += [f"the unpadded eager run touched {what}" for what in watch.touched_outside()]
+        watch.restore()
+
+        rerun = OpTrace(rows) if self.graphs.replays_call_ops else None
+        graph_logits = self._observed_run(padded, key, observer=rerun)
+        err = rel_err(graph_logits, ref_logits)
+        where = first_difference(reference.records, rerun.records if rerun else self._op_outs[key], rtol, rows)
+        if where or not math.isfinite(err) or err > rtol:
+            problems.append(f"replay against padded eager: logits rel err {err:.3g}; first differing: "
+                            f"{where or 'no single op output (the difference is in the pieces between ops)'}")
+        written = watch.differences(ref_written, watch.written(), rtol)
+        if written:
+            problems.append(f"replay against padded eager: written for a real request: {written}")
+        problems += [f"the replay touched {what}" for what in watch.touched_outside()]
+        if problems:
+            raise ParityError(f"start-up parity: {key} with {len(items)} real request(s) and {rows} real row(s): "
+                              f"{'; '.join(problems)}; refusing to serve")
         return err
 
-    def _snapshot(self, ctx: ExecContext) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        slots = ctx.state_slots[: ctx.num_real_seqs].to(self.device)
-        pages = torch.unique(ctx.page_table[: ctx.num_real_seqs].flatten()).to(self.device).long()
-        saved = []
-        for entries in self.state_pool.buffers.values():
-            saved += [(t, slots, t[slots].clone()) for t in entries.values()]
-        for entries in self.kv_pool.buffers.values():
-            saved += [(t, pages, t[pages].clone()) for t in entries.values()]
-        return saved
-
-    @staticmethod
-    def _restore(saved) -> None:
-        for tensor, index, values in saved:
-            tensor[index] = values
+    def _observed_run(self, step: StepInputs, key: Optional[CaptureKey], *, observer=None,
+                      intercept=None) -> torch.Tensor:
+        """run() with an observer or an intercept on the op table for this step only; a copy of the logits."""
+        self.ops.observer, self.ops.intercept = observer, intercept
+        try:
+            return self.run(step, key).clone()
+        finally:
+            self.ops.observer = self.ops.intercept = None
 
     def start(self, vocab_size: int, log: Callable[[str], None] = lambda line: None) -> dict[str, float]:
         """Start-up: capture every key, then check each against eager; raises before serving on a mismatch."""
@@ -439,20 +459,3 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
         return runner
 
     return make
-
-
-
-def _arg_positions(op: str) -> dict[str, int]:
-    return {name: i for i, name in enumerate(op_arguments(op))}
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
-def _first_bad_layer(eager, replay, rtol) -> str:
-    for (layer, name, e), (_, _, r) in zip(eager, replay):
-        err = _rel_err(r, e)
-        if not math.isfinite(err) or err > rtol:
-            return f"layer {layer} ({name}, rel err {err:.3g})"
-    return "no single op output (the difference is in the pieces between ops)"

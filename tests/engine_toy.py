@@ -1,4 +1,4 @@
-"""Test helpers for the engine and hybrid-backend tests: a toy hybrid model, tiny family models, engines.
+"""Test helpers for the engine and backend tests: a toy hybrid model, tiny family models, engines.
 
 `ToyHybridLM` is the smallest model that exercises every cache the runtime owns: a GDN-like layer
 (ops.short_conv + ops.gdn_core: conv window and recurrent state in the state pool) and a GQA layer

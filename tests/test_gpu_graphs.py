@@ -106,6 +106,32 @@ def test_hgc_run_on_cuda_with_graphs_gives_the_eager_tokens(artifact, capsys):
     assert differ <= len(got) * 8 // 4, f"{differ} of {len(got) * 8} tokens differ"
 
 
+def test_start_up_parity_refuses_a_padding_leak_on_the_gpu(artifact):
+    """The GPU backends with a linear-attention backend that adds its padding rows' values to the first
+    request's state (a padded step only: the rows with slot -1; capture-safe device ops) is refused
+    at start-up, naming the state and the layer; the unchanged backend starts (the test above)."""
+    from runtime.backends import discover
+    from runtime.backends.triton_linear_backend import TritonLinearBackend
+    from runtime.graph_runner import ParityError
+
+    class LeaksPadding(TritonLinearBackend):
+        def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+            super().gdn_core(ctx, q, k, v, g, beta, out, layer_id, scale)
+            padding = (ctx.slot_mapping < 0).to(v.dtype)[:, None, None]  # [T, 1, 1]
+            states = self.state_pool.layer(layer_id)["recurrent"]
+            leak = (v * padding).float().sum() + padding.sum()  # nonzero whenever the step has padding rows
+            states.index_add_(0, ctx.state_slots[:1], leak.expand(1, *states.shape[1:]).contiguous())
+
+    kv, st = make_pools(artifact.registry, 128, 8, page_size=16, device="cuda", kv_dtype=torch.bfloat16)
+    registry = discover().replacing(LeaksPadding, source="tests/test_gpu_graphs.py")  # the linear layers' backend
+    ops = BoundOps(artifact.backends(kv, st, registry).for_program("main"))
+    assert any(isinstance(m, LeaksPadding) for m in ops.backend.members.values())
+    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cuda", decode_buckets=(4,), extend_buckets=(64,),
+                         max_pages_per_seq=8, extend_max_seqs=4)
+    with pytest.raises(ParityError, match=r"written for a real request: layer \d+'s recurrent state in slot \d+"):
+        runner.start(vocab_size=256)
+
+
 @pytest.fixture(scope="module")
 def layer1_apart(artifact, tmp_path_factory):
     """The same checkpoint with GDN layer 1 bound to torch_reference, its neighbours to triton_linear."""

@@ -15,6 +15,7 @@ from runtime.batch import SeqState, commit_step
 from runtime.bound_ops import BoundOps
 from runtime.generate import make_pools
 from runtime.graph_runner import CaptureError, CaptureKey, GraphRunner, ParityError
+from runtime.parity import CacheWatch, rel_err
 from tests.graph_cases import RerunGraphs, greedy
 from runtime.loader import LoadError, load_artifact
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
@@ -214,7 +215,8 @@ def test_start_up_parity_refuses_a_replay_that_differs(artifact):
     """A graph whose replay differs from eager stops the start-up, naming the mode and bucket."""
     graphs = RerunGraphs()
     runner, _ = runner_wrong_in_graphs(artifact, graphs, lambda ctx: ctx.mode == Mode.DECODE and ctx.num_seqs == 2)
-    with pytest.raises(ParityError, match=r"decode\[tokens=2, seqs=2\] replay differs from eager.*refusing"):
+    with pytest.raises(ParityError, match=r"decode\[tokens=2, seqs=2\] with 1 real request.*replay against padded eager.*"
+                                          r"first differing: layer \d+ \(gqa_attention.*refusing to serve"):
         runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
 
 
@@ -224,6 +226,93 @@ def test_parity_names_the_first_differing_layer(artifact):
     runner, kv = runner_wrong_in_graphs(artifact, graphs, lambda ctx: True)
     full_layer = next(iter(kv.buffers))
     with pytest.raises(ParityError, match=rf"first differing: layer {full_layer} \(gqa_attention"):
+        runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
+
+
+class LeaksPadding(CPUReferenceBackend):
+    """A linear-attention core with a padding fault: the rows past the real ones (padding, present
+    only in a padded step) run through the recurrence of the first request's slot, as a kernel that
+    treated the padding as part of the last sequence would. Padded and unpadded, the real rows'
+    outputs are the same; the state left in the real slot is not."""
+
+    def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        super().gdn_core(ctx, q, k, v, g, beta, out, layer_id, scale)
+        n = ctx.num_real_tokens
+        if n < q.shape[0]:
+            from runtime.backends.cpu_reference import gated_recurrence
+            state = self.state_pool.layer(layer_id)["recurrent"][int(ctx.state_slots[0])]
+            rep = v.shape[1] // q.shape[1]
+            gated_recurrence(q[n:].repeat_interleave(rep, 1), k[n:].repeat_interleave(rep, 1), v[n:],
+                             g[n:].unsqueeze(-1), beta[n:], state, scale)
+
+
+def test_start_up_parity_refuses_a_padding_leak_that_padded_eager_hides(artifact):
+    """DESIGN.md failure 8. A backend that writes padding rows into a real request's slot gives the
+    same result padded in a graph and padded eagerly (the old check's comparison: it passes), but not
+    unpadded: the start-up check refuses it, naming the state and the layer."""
+    from runtime.batch import build_step
+
+    kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
+    ops = BoundOps(LeaksPadding(kv, st))
+    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(), extend_buckets=(32,),
+                         max_pages_per_seq=16, extend_max_seqs=4, graphs=RerunGraphs())
+    runner.capture()
+    vocab = artifact.manifest["model"]["vocab_size"]
+    key = CaptureKey(Mode.EXTEND, 32, 4)
+    # The old comparison: the same padded step eagerly and replayed, from the same caches.
+    items = runner.parity_items(key, vocab, torch.Generator().manual_seed(0))
+    try:
+        padded = build_step(items, kv, "cpu", mode=Mode.EXTEND, pad_tokens_to=32, pad_seqs_to=4, max_pages=16)
+        watch = CacheWatch(kv, st, [seq.slot for seq, _ in items], [p for seq, _ in items for p in seq.pages])
+        eager = runner.run(padded, None).clone()
+        eager_written = watch.written()
+        watch.restore()
+        replay = runner.run(padded, key).clone()
+        assert rel_err(replay, eager) < 1e-5
+        assert watch.differences(eager_written, watch.written(), rtol=1e-5) is None
+    finally:
+        runner.release_items(items)
+    linear = min(st.buffers)
+    with pytest.raises(ParityError, match=rf"extend\[tokens=32, seqs=4\].*unpadded against padded eager: written for a "
+                                          rf"real request: layer {linear}'s recurrent state in slot \d+.*refusing"):
+        runner.check_parity(vocab_size=vocab)
+
+
+def test_start_up_parity_names_an_op_whose_real_rows_change_when_padded(artifact):
+    """An attention op that lets padding rows into real rows' outputs (in every padded step, eager or
+    replayed): the op-by-op comparison on the same inputs names its layer."""
+    class MixesPaddingIn(CPUReferenceBackend):
+        def gqa_attention(self, ctx, q, k, v, out, layer_id, scale):
+            super().gqa_attention(ctx, q, k, v, out, layer_id, scale)
+            n = ctx.num_real_tokens
+            if n < q.shape[0]:
+                out[:n] += q[n:].float().mean(0).to(out.dtype) + 1.0
+
+    kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
+    ops = BoundOps(MixesPaddingIn(kv, st))
+    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(), extend_buckets=(32,),
+                         max_pages_per_seq=16, extend_max_seqs=4, graphs=RerunGraphs())
+    full_layer = next(iter(kv.buffers))
+    with pytest.raises(ParityError, match=rf"unpadded against padded eager, op by op: first differing: layer "
+                                          rf"{full_layer} \(gqa_attention, rel err [0-9.e+-]+ on the same inputs\)"):
+        runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
+
+
+def test_start_up_parity_refuses_a_write_to_the_padding_slot(artifact):
+    """Padded requests sit on the reserved slot, which no kernel may write: a backend that stores
+    into it is refused even though every real row is right."""
+    class WritesPaddingSlot(CPUReferenceBackend):
+        def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
+            super().short_conv(ctx, x, weight, bias, out, layer_id, silu)
+            if ctx.num_seqs > ctx.num_real_seqs:
+                self.state_pool.layer(layer_id)["conv"][int(ctx.state_slots[-1])] += 1.0
+
+    kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
+    ops = BoundOps(WritesPaddingSlot(kv, st))
+    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(4,), extend_buckets=(),
+                         max_pages_per_seq=16, extend_max_seqs=4, graphs=RerunGraphs())
+    with pytest.raises(ParityError, match=r"decode\[tokens=4, seqs=4\] with 3 real.*the replay touched the "
+                                          r"padding slot's conv state of layer \d+"):
         runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
 
 

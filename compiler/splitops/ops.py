@@ -48,6 +48,7 @@ class OpSpec:
     stateful: bool  # reads and writes a KV cache or a state slot of its layer
     policy: dict[Mode, Capture]
     doc: str
+    token_args: tuple[str, ...]  # the inputs with one row per token of the step (besides `out`)
 
     def capture(self, mode: Mode) -> Capture:
         return self.policy[Mode(mode)]
@@ -62,12 +63,13 @@ _ALWAYS_CAPTURABLE = {m: _C for m in Mode}
 OP_SPECS: dict[str, OpSpec] = {}
 
 
-def _declare(name: str, schema: str, kinds: set[LayerKind], stateful: bool, policy: dict, doc: str) -> None:
+def _declare(name: str, schema: str, kinds: set[LayerKind], stateful: bool, policy: dict, doc: str,
+             token_args: tuple[str, ...]) -> None:
     assert set(policy) == set(Mode), f"{name}: a capture policy must cover every mode"
     _LIB.define(f"{name}{schema}")
     # Every op mutates `out` only and returns nothing: the fake has nothing to compute.
     _LIB._register_fake(name, lambda *args, **kwargs: None)
-    OP_SPECS[name] = OpSpec(name, frozenset(kinds), stateful, dict(policy), doc)
+    OP_SPECS[name] = OpSpec(name, frozenset(kinds), stateful, dict(policy), doc, tuple(token_args))
 
 
 _declare(
@@ -76,6 +78,7 @@ _declare(
     {LayerKind.FULL_GQA}, True, _STATEFUL_POLICY,
     "Causal softmax attention over the layer's paged K/V. q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv], "
     "out [T,Hq,Dv]. Writes this step's k/v into the cache first.",
+    token_args=("q", "k", "v"),
 )
 _declare(
     "mla_attention",
@@ -85,6 +88,7 @@ _declare(
     "Absorbed MLA: q_latent [T,H,R] (q_nope through W_UK), q_rope [T,H,P], kv_latent [T,R] (normed "
     "c_kv), k_rope [T,P]; the cache keeps [kv_latent | k_rope] per token. score = q_latent.c + "
     "q_rope.k_rope, out [T,H,R] = softmax(scale*score) @ c.",
+    token_args=("q_latent", "q_rope", "kv_latent", "k_rope"),
 )
 _declare(
     "gdn_core",
@@ -93,6 +97,7 @@ _declare(
     "Gated delta rule. q,k [T,Hk,Dk] (already l2-normalised), v [T,Hv,Dv], g [T,Hv] log-decay, "
     "beta [T,Hv]; value head h reads key head h // (Hv/Hk). Per token: S = exp(g) S; "
     "S += k (beta (v - S^T k))^T; out = scale q^T S. State S [Hv,Dk,Dv] float32.",
+    token_args=("q", "k", "v", "g", "beta"),
 )
 _declare(
     "kda_core",
@@ -100,6 +105,7 @@ _declare(
     {LayerKind.KDA}, True, _STATEFUL_POLICY,
     "Kimi delta attention: the gated delta rule with a per-channel decay. q,k [T,H,Dk] "
     "(already l2-normalised), v [T,H,Dv], g [T,H,Dk] log-decay, beta [T,H]. State [H,Dk,Dv] float32.",
+    token_args=("q", "k", "v", "g", "beta"),
 )
 _declare(
     "lightning_core",
@@ -107,6 +113,7 @@ _declare(
     {LayerKind.LIGHTNING}, True, _STATEFUL_POLICY,
     "Simple GLA with a constant per-head decay (lightning attention). q,k [T,H,Dk], v [T,H,Dv], "
     "decay [H] log-decay (<= 0). Per token: S = exp(decay) S + k v^T; out = scale q^T S.",
+    token_args=("q", "k", "v"),
 )
 _declare(
     "short_conv",
@@ -114,6 +121,7 @@ _declare(
     {LayerKind.GDN, LayerKind.KDA}, True, _STATEFUL_POLICY,
     "Causal depthwise convolution whose last K-1 inputs per request live in the layer's 'conv' "
     "state. x, out [T,C], weight [C,K], bias [C] or None; silu applied after when asked.",
+    token_args=("x",),
 )
 _declare(
     "moe",
@@ -129,6 +137,7 @@ _declare(
     "times routed_scale. Shared expert (every token, never routed): shared_w13 [2S,D] (gate rows then "
     "up rows) and shared_w2 [D,S], both None for a block without one; shared_gate [1,D] or None. "
     "out = routed + g * SwiGLU_shared(x) with g = sigmoid(x @ shared_gate^T), or 1 without a gate.",
+    token_args=("x",),
 )
 
 

@@ -106,6 +106,15 @@ class BackendRegistry:
         return BackendRegistry([*((self._classes[n], self._sources[n]) for n in self._classes),
                                 *((cls, source) for cls in classes)])
 
+    def replacing(self, cls: type, source: str = "replaced in code") -> "BackendRegistry":
+        """This registry with `cls` standing in for the backend of its capability's name (a test's
+        stand-in that misbehaves on purpose, say)."""
+        name = cls.capability.name
+        if name not in self._classes:
+            raise BackendDiscoveryError(f"{source}: no backend named {name!r} to replace")
+        return BackendRegistry([(cls, source) if n == name else (self._classes[n], self._sources[n])
+                                for n in self._classes])
+
     def rows(self) -> list[dict]:
         """One row per backend, for `hgc backends`: its declaration and where it came from."""
         return [{**cls.capability.to_json(), "source": self._sources[name], "doc": cls.capability.doc}

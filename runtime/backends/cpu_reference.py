@@ -111,7 +111,7 @@ def shared_expert_gate(x, shared_gate):
 class CPUReferenceBackend(BackendHooks):
     """Implements every op on the CPU over a KV pool (full layers) and a state pool (linear layers).
 
-    `supported_ops` narrows it to some ops, so it can be one child of a hybrid backend.
+    `supported_ops` narrows it to some ops.
     """
 
     name = "cpu_reference"

@@ -101,7 +101,7 @@ class BackendHooks(abc.ABC):
     HOOKS: ClassVar[tuple[str, ...]] = HOOK_NAMES  # what the compiler's hook lint reads as "the protocol's hooks"
     # The hgc ops this backend runs: taken from the class's `capability.ops` when it has a capability
     # declaration, else set here as a class attribute. An instance may narrow it to a subset in
-    # __init__ (a backend that can run every op may serve only some of them inside a hybrid).
+    # __init__ (a backend that can run every op may be asked to serve only some of them).
     supported_ops: frozenset[str] = frozenset()
 
     def __init_subclass__(cls, **kwargs):
@@ -151,7 +151,8 @@ class BackendHooks(abc.ABC):
         into the static buffers the captured kernels read. For a whole-step graph
         `init_step_metadata` is not called; for a piecewise step it was called just before (the
         eager gaps run on its plan), and this hook reaches only backends whose ops are captured in
-        the step's mode (a hybrid filters its children by their declared capability).
+        the step's mode (the backend set forwards it to the instances with a node inside a captured
+        piece of the step's mode, as split.json says).
         """
 
     # -- per step -----------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class BackendHooks(abc.ABC):
 
 
 # The arguments the runtime passes to each hook and op method, after self: a backend's method
-# must accept them positionally (the hybrid forwards positionally).
+# must accept them positionally (the backend set forwards hooks positionally).
 _PROTOCOL_ARGS: dict[str, tuple[str, ...]] = {
     "init_capture_state": ("max_tokens", "max_seqs"),
     "init_replay_state": ("ctx", "bucket"),

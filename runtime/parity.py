@@ -1,0 +1,246 @@
+"""Padded against unpadded: the pieces of a check that padding changes nothing a real request sees.
+
+A captured graph runs a step padded to its bucket: token rows past the real ones, and requests
+past the real ones on the reserved padding slot (runtime/batch.py). The same requests run eagerly
+are not padded. Padding must not change a real row's output, the state written to a real
+request's slot or the KV written to its pages, and must leave the padding slot and every page no
+real request owns as they were. A check that pads both sides alike cannot see a fault that padding
+causes (DESIGN.md, failure 8), so the start-up parity check (runtime/graph_runner.py) and the
+layer-by-layer probe (benchmarks/padding_probe.py) compare a padded run with an unpadded one, using:
+
+1. `OpTrace`: a BoundOps observer that keeps, for each op call, its layer id, op name and the
+   real rows of its `out` (optionally of its per-token inputs too), copied when the call returns.
+2. `CacheWatch`: made before a step from the real requests' slots and pages. It saves what the
+   step may write (to restore it, so a second run starts from the same caches), a copy of the
+   padding slot and a fingerprint of every page no real request owns; `written()` reads the real
+   slots and pages after a run, `touched_outside()` names what changed outside them.
+3. `first_difference` and `CacheWatch.differences`: the comparisons, each naming the first layer,
+   op, slot entry or page whose relative error exceeds the tolerance.
+
+Tolerances are per compute dtype (`PARITY_RTOL`): a padded and an unpadded step may run different
+kernels for the glue between ops (a matrix product of 256 rows is not always tiled like one of 126),
+so they agree to rounding, not bit for bit. It does not capture, replay or decide buckets (the
+graph runner does) and does not choose what to run (routing did).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import torch
+
+from compiler.splitops import op_arguments, op_spec
+from runtime.kv_pool import KVPool
+from runtime.state_pool import PADDING_SLOT, StatePool
+
+__all__ = ["PARITY_RTOL", "OpRecord", "OpTrace", "TeacherForcing", "CacheWatch", "rel_err", "rtol_for", "first_difference",
+           "op_arg_positions"]
+
+# Relative error (of the norm) a padded replay may differ from the unpadded eager run by, per compute
+# dtype: bf16 glue computed by differently tiled kernels agrees to a few 1e-3; float32 to ~1e-6.
+PARITY_RTOL = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+def rtol_for(dtype: torch.dtype) -> float:
+    return PARITY_RTOL.get(dtype, PARITY_RTOL[torch.bfloat16])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float32 (0 when both are zero)."""
+    a, b = a.float(), b.float()
+    den = b.norm()
+    num = (a - b).norm()
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return float(num / den)
+
+
+def op_arg_positions(op: str) -> dict[str, int]:
+    """Argument name -> position in the op's schema (the order the observer receives them in)."""
+    return {name: i for i, name in enumerate(op_arguments(op))}
+
+
+@dataclasses.dataclass
+class OpRecord:
+    layer: int
+    op: str
+    out: torch.Tensor  # the real rows of the op's `out`, as it left the op
+    inputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # real rows of per-token inputs
+
+
+class OpTrace:
+    """A BoundOps observer: one OpRecord per op call, with the first `real_rows` rows of its tensors.
+
+    `skip()` says when a call is not the step's own (a warm-up before a capture). `inputs=True`
+    also keeps the op's per-token inputs (its declared `token_args`), so a comparison can tell an op
+    that computes differently from one that was handed different inputs. `copy=False` keeps the
+    tensors themselves instead of copies: the graph runner's capture does, to read the values a
+    later replay leaves in them.
+    """
+
+    def __init__(self, real_rows: int, *, inputs: bool = False, skip: Callable[[], bool] = lambda: False,
+                 copy: bool = True):
+        self.real_rows, self.inputs, self.skip, self.copy = real_rows, inputs, skip, copy
+        self.records: list[OpRecord] = []
+
+    def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        return t[: self.real_rows].detach().clone() if self.copy else t
+
+    def __call__(self, name: str, args: tuple) -> None:
+        if self.skip():
+            return
+        at = op_arg_positions(name)
+        inputs = {arg: self._keep(args[at[arg]]) for arg in op_spec(name).token_args} if self.inputs else {}
+        self.records.append(OpRecord(int(args[at["layer_id"]]), name, self._keep(args[at["out"]]), inputs))
+
+
+class TeacherForcing:
+    """A BoundOps intercept: each op of a step runs on the inputs another run of the same real
+    requests handed that op, and the rest of the step continues from that run's output.
+
+    Given the records (inputs kept) of a padded run, an unpadded run of the same requests under
+    this intercept compares, for every op call, free of differences carried over from earlier layers:
+
+    - `glue[i]`: the inputs this run computed for op i against the padded run's: what the pieces
+      between ops did differently (rounding of kernels picked by the number of rows);
+    - `ops[i]`: op i's output on the padded run's own inputs against the padded run's output:
+      what padding changed inside the op (a padding fault, or a kernel picked by the row count).
+
+    Both runs then write states and KV from the same inputs, so those compare tightly too. Without
+    it, a rounding difference in the first layer's glue reaches a near tie of an MoE router a few
+    layers on, flips an expert and grows to percents at the logits (benchmarks/padding_probe.py).
+    """
+
+    def __init__(self, reference: list[OpRecord]):
+        self.reference = reference
+        self.glue: list[float] = []
+        self.ops: list[float] = []
+
+    def __call__(self, name: str, method, ctx, args: tuple) -> None:
+        i = len(self.ops)
+        ref = self.reference[i] if i < len(self.reference) else None
+        at = op_arg_positions(name)
+        if ref is None or (ref.layer, ref.op) != (int(args[at["layer_id"]]), name):
+            raise RuntimeError(f"teacher forcing: call {i} is layer {int(args[at['layer_id']])} ({name}), the "
+                               f"reference run's is {ref and (ref.layer, ref.op)}: the runs are not of one program")
+        n = ref.out.shape[0]
+        err = 0.0
+        for arg, value in ref.inputs.items():
+            given = args[at[arg]]
+            err = max(err, rel_err(given[:n], value))
+            given[:n].copy_(value)  # in place: the op sees the layout this run made
+        self.glue.append(err)
+        method(ctx, *args)
+        out = args[at["out"]]
+        self.ops.append(rel_err(out[:n], ref.out))
+        out[:n].copy_(ref.out)
+
+    def first_beyond(self, rtol: float) -> Optional[str]:
+        """The first op (or the glue before it) whose relative error exceeds rtol, named; None if none."""
+        for ref, glue, op in zip(self.reference, self.glue, self.ops):
+            if not math.isfinite(op) or op > rtol:
+                return f"layer {ref.layer} ({ref.op}, rel err {op:.3g} on the same inputs)"
+            if not math.isfinite(glue) or glue > rtol:
+                return f"the pieces before layer {ref.layer} ({ref.op}: its inputs' rel err {glue:.3g})"
+        return None
+
+
+def first_difference(reference: list[OpRecord], other: list[OpRecord], rtol: float,
+                     real_rows: Optional[int] = None) -> Optional[str]:
+    """The first op call whose output differs beyond rtol, as 'layer N (op, rel err E)'; None if none.
+
+    Both lists must come from the same program (same calls in the same order); `real_rows` cuts
+    records kept whole (OpTrace with copy=False) to the real rows."""
+    if len(reference) != len(other):
+        return f"the runs made {len(reference)} and {len(other)} op calls"
+    for ref, got in zip(reference, other):
+        if (ref.layer, ref.op) != (got.layer, got.op):
+            return f"the runs called layer {ref.layer} ({ref.op}) and layer {got.layer} ({got.op}) in the same place"
+        a, b = got.out, ref.out
+        if real_rows is not None:
+            a, b = a[:real_rows], b[:real_rows]
+        err = rel_err(a, b)
+        if not math.isfinite(err) or err > rtol:
+            return f"layer {ref.layer} ({ref.op}, rel err {err:.3g})"
+    return None
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Per leading index: the sum and the L2 norm of its entries, in float32, without a copy of `t`
+    (both are reductions that convert as they read: a KV pool may be most of the GPU's memory)."""
+    flat = t.reshape(t.shape[0], -1)
+    return torch.stack([flat.sum(1, dtype=torch.float32),
+                        torch.linalg.vector_norm(flat, dim=1, dtype=torch.float32)], dim=1)
+
+
+class CacheWatch:
+    """The caches around one step of some real requests (their state slots and KV pages)."""
+
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool, slots: list[int], pages: list[int]):
+        self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.slots = sorted(set(int(s) for s in slots))
+        self.pages = sorted(set(int(p) for p in pages))
+        self._slot_index = torch.tensor(self.slots, dtype=torch.long, device=state_pool.device)
+        self._page_index = torch.tensor(self.pages, dtype=torch.long, device=kv_pool.device)
+        owned = torch.zeros(kv_pool.num_pages, dtype=torch.bool)
+        owned[self.pages] = True
+        self._unused = (~owned).nonzero().flatten().to(kv_pool.device)
+        self._saved = self._read()
+        self._padding = {(layer, name): t[PADDING_SLOT].clone() for layer, name, t in self._states()}
+        self._fingerprints = {(layer, name): _fingerprint(t)[self._unused] for layer, name, t in self._kv()}
+
+    def _states(self):
+        for layer, entries in self.state_pool.buffers.items():
+            for name, t in entries.items():
+                yield layer, name, t
+
+    def _kv(self):
+        for layer, entries in self.kv_pool.buffers.items():
+            for name, t in entries.items():
+                yield layer, name, t
+
+    def _read(self) -> dict[tuple[str, int, str], torch.Tensor]:
+        values = {("state", layer, name): t[self._slot_index].clone() for layer, name, t in self._states()}
+        values.update({("kv", layer, name): t[self._page_index].clone() for layer, name, t in self._kv()})
+        return values
+
+    def written(self) -> dict[tuple[str, int, str], torch.Tensor]:
+        """The real slots' states and the real pages' KV as they are now."""
+        return self._read()
+
+    def restore(self) -> None:
+        """Put the real slots and pages back as they were when the watch was made."""
+        for (where, layer, name), values in self._saved.items():
+            pool = self.state_pool if where == "state" else self.kv_pool
+            index = self._slot_index if where == "state" else self._page_index
+            pool.buffers[layer][name][index] = values
+
+    def touched_outside(self) -> list[str]:
+        """What changed since the watch was made outside the real slots and pages: the padding slot's
+        entries and the pages no real request owns."""
+        problems = []
+        for layer, name, t in self._states():
+            if not torch.equal(t[PADDING_SLOT], self._padding[(layer, name)]):
+                problems.append(f"the padding slot's {name} state of layer {layer}")
+        for layer, name, t in self._kv():
+            changed = (_fingerprint(t)[self._unused] != self._fingerprints[(layer, name)]).any(1)
+            if bool(changed.any()):
+                pages = self._unused[changed].tolist()
+                problems.append(f"{len(pages)} page(s) no request owns in layer {layer}'s {name} "
+                                f"(first: page {pages[0]})")
+        return problems
+
+    def differences(self, reference: dict, other: dict, rtol: float) -> Optional[str]:
+        """The first real slot's state or real page's KV (two `written()` results) that differs beyond
+        rtol, named with its layer, entry and slot or page; None if none."""
+        for key, ref in reference.items():
+            where, layer, name = key
+            got = other[key]
+            for i in range(ref.shape[0]):
+                err = rel_err(got[i], ref[i])
+                if not math.isfinite(err) or err > rtol:
+                    what = f"state in slot {self.slots[i]}" if where == "state" else f"KV in page {self.pages[i]}"
+                    return f"layer {layer}'s {name} {what} (rel err {err:.3g})"
+        return None
