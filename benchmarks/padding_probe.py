@@ -93,7 +93,7 @@ def routed_experts(backend, args: tuple, n_real: int) -> torch.Tensor:
                   get("renormalize"), get("routed_scale"), get("num_groups"), get("topk_groups"))
     owner = backend.owner_of("moe") if hasattr(backend, "owner_of") else backend
     if type(owner).__name__ == "TritonMoEBackend":
-        from runtime.backends.triton_moe import route
+        from runtime.backends.triton_moe_kernels import route
         ids, _ = route(*route_args, n_real=n_real)
     else:
         ids, _ = route_topk(*route_args)

@@ -26,7 +26,7 @@ from runtime.engine import SamplingParams
 from runtime.generate import run_step
 from runtime.loader import load_artifact
 from runtime.server.model import EngineOptions, engine_for_artifact
-from tests.engine_toy import build_model, make_engine, make_pools, prompts
+from tests.engine_toy import build_model, make_engine, make_pools
 
 LINEAR_OPS = frozenset(name for name, spec in OP_SPECS.items() if spec.kinds & LINEAR_KINDS)
 FULL_OPS = frozenset(OP_SPECS) - LINEAR_OPS

@@ -1,4 +1,4 @@
-"""The fused Triton MoE (runtime/backends/triton_moe.py) against the CPU oracle, in float32.
+"""The fused Triton MoE (runtime/backends/triton_moe_kernels.py, its backend triton_moe.py) against the CPU oracle, in float32.
 
 Without CUDA the kernels run in Triton's interpreter (numpy on the CPU; tests/conftest.py sets
 TRITON_INTERPRET=1 before anything imports triton, and so does this module when run alone). With
@@ -30,10 +30,9 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_av
     pytest.skip("no CUDA and TRITON_INTERPRET is off: the kernels cannot run", allow_module_level=True)
 
 from runtime.backends.cpu_reference import CPUReferenceBackend, moe_reference, route_topk  # noqa: E402
-from runtime.backends.triton_moe import (  # noqa: E402
-    GemmConfig, MoEConfig, TritonMoEBackend, config_file_name, default_config, fused_moe, route, shared_chunks,
-    sort_tokens,
-)
+from runtime.backends.moe_config import GemmConfig, MoEConfig, config_file_name, default_config  # noqa: E402
+from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
+from runtime.backends.triton_moe_kernels import fused_moe, route, shared_chunks, sort_tokens  # noqa: E402
 
 DEV = torch.device("cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda")
 D, I = 48, 24
