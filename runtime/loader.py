@@ -131,11 +131,15 @@ class LoadedArtifact:
         return forward
 
 
-def load_artifact(path: str | os.PathLike, device: str | torch.device = "cpu",
+def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "cpu",
                   expected_pipeline: str | None = None) -> LoadedArtifact:
-    """Steps 1-2 of the module docstring. `expected_pipeline`: the pipeline fingerprint
-    (manifest "pipeline_sha256") this runtime accepts; None accepts any pipeline of this format."""
+    """Steps 1-3 of the module docstring. `device` None: the device the artifact was compiled for
+    (its routing target: the device its backends run on). `expected_pipeline`: the pipeline
+    fingerprint (manifest "pipeline_sha256") this runtime accepts; None accepts any pipeline of
+    this format."""
     docs = read_artifact(path)
+    if device is None:
+        device = docs.routing.target
     if expected_pipeline is not None and docs.manifest.get("pipeline_sha256") != expected_pipeline:
         raise LoadError(f"{docs.path}: compiled by another pipeline (fingerprint "
                         f"{str(docs.manifest.get('pipeline_sha256'))[:12]}..., expected {expected_pipeline[:12]}...): "

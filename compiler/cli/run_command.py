@@ -20,13 +20,13 @@ def cmd_run(args) -> int:
     from compiler.cli.prompts import check_vocab, parse_prompt_ids, print_outputs
     from runtime.engine import SamplingParams
     from runtime.graph_runner import CaptureError, ParityError
-    from runtime.loader import LoadError, load_artifact, read_artifact
+    from runtime.loader import LoadError, load_artifact
     from runtime.server.model import EngineOptions, engine_for_artifact
 
     prompts = parse_prompt_ids(args.prompt_ids)
     try:
-        device = args.device or read_artifact(args.artifact).routing.target
-        art = load_artifact(args.artifact, device=device)
+        art = load_artifact(args.artifact, device=args.device)  # None: the artifact's target
+        device = art.device
     except LoadError as e:
         return fail("run", e)
     check_vocab(prompts, int(art.manifest["model"]["vocab_size"]))

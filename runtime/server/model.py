@@ -154,7 +154,7 @@ def _vocab_size(art) -> int:
 
 def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
                       options: EngineOptions = EngineOptions(), tokenizer_dir: str | os.PathLike | None = None,
-                      device: str = "cpu", backend_factory: Callable | None = None, graphs: bool = True,
+                      device: str | None = None, backend_factory: Callable | None = None, graphs: bool = True,
                       log: Callable[[str], None] = lambda line: None) -> ServedModel:
     """The backends are those routing.json names; on a CUDA device with `graphs`, every step goes
     through a GraphRunner started (captured and parity-checked) here, before anything is served."""
@@ -165,7 +165,8 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
         tokenizer = TextTokenizer.from_dir(tokenizer_dir)
         if tokenizer is None:
             raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
-    art = load_artifact(artifact, device=device)
+    art = load_artifact(artifact, device=device)  # device None: the artifact's target
+    device = art.device
     if tokenizer is None:
         # After the load: the artifact's tokenizer files are listed in its manifest, so their hashes
         # were checked with everything else.
