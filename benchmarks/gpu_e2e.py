@@ -332,10 +332,11 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
         from tests.graph_cases import RerunGraphs
         return RerunGraphs()
 
-    def make_backend(art, kv, st):
+    def make_ops(art, kv, st):
         # the backends the artifact's routing.json names: FlashInfer, Triton linear and MoE on cuda,
-        # the CPU reference in a --dry-run (compiled for cpu)
-        return art.backends(kv, st).for_program("main")
+        # the CPU reference in a --dry-run (compiled for cpu); the eager model's calls go to the same
+        # instance per layer as the graph's nodes
+        return art.backends(kv, st).op_table("main")
 
     batches, extends = args.batch_list, args.extend_list
     prompt_lens = PROMPT_LENS[: max(batches)]
@@ -368,7 +369,7 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
         t0 = time.perf_counter()
         art = load_artifact(art_dir, dev)
         kv, st = pools(art)
-        ops = BoundOps(make_backend(art, kv, st))
+        ops = make_ops(art, kv, st)
         runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=decode_buckets,
                              extend_buckets=extend_buckets, max_pages_per_seq=max_len // PAGE,
                              extend_max_seqs=extend_max_seqs, decode_graphs="full", graphs=make_graphs())
@@ -456,7 +457,7 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
 
     def piecewise_decode():
         art, kv, st = ctx["art"], ctx["kv"], ctx["st"]
-        ops = BoundOps(make_backend(art, kv, st))
+        ops = make_ops(art, kv, st)
         runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=batches, extend_buckets=(),
                              max_pages_per_seq=max_len // PAGE, extend_max_seqs=extend_max_seqs,
                              decode_graphs="piecewise", graphs=make_graphs())
@@ -511,7 +512,7 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
         _, _, model = load_checkpoint(ckpt, dtype=torch.bfloat16, device=dev)
         art = ctx["art"]
         kv, st = pools(art)
-        ops = BoundOps(make_backend(art, kv, st))
+        ops = make_ops(art, kv, st)
         model.set_ops(ops)
         out = rec.setdefault("torch_compile", {"model_load_s": time.perf_counter() - t0,
                                                "recompile_limit": torch._dynamo.config.recompile_limit})

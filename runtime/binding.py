@@ -85,12 +85,20 @@ class Backends:
 
     instances: dict[str, BackendHooks]
     sets: dict[str, BackendSet]
+    routes: dict[str, dict[tuple[str, int], str]]  # program -> (op, layer id) -> instance key
 
     def for_program(self, program: str = "main") -> BackendSet:
         try:
             return self.sets[program]
         except KeyError:
             raise LoadError(f"no {program} program was bound (programs: {sorted(self.sets)})") from None
+
+    def op_table(self, program: str = "main") -> BoundOps:
+        """An op table over the program's backend set that also serves an eager model of the same
+        checkpoint: each `ops.<op>(..., layer_id, ...)` goes to the instance routing.json names for
+        that layer's node (a graph bound with it calls its instances directly)."""
+        backends = self.for_program(program)  # refuses a program that was not bound
+        return BoundOps(backends, {k: self.instances[key] for k, key in self.routes[program].items()})
 
 
 def _refusal(entry: RouteEntry, facts, cls, device: torch.device) -> Optional[str]:
@@ -122,12 +130,13 @@ def build_backends(docs: ArtifactDocs, programs: dict, kv_pool, state_pool, devi
     first: dict[str, RouteEntry] = {}
     members: dict[str, list[str]] = {}
     captured: dict[str, dict[Mode, list[str]]] = {}
+    routes: dict[str, dict[tuple[str, int], str]] = {}
     for program in sorted(programs, key=lambda p: p != "main"):  # main first: its layers come first
         ep = programs[program]
         plans = docs.split_plans[program]
         in_captured = {mode: {n for p in plan.pieces if p.kind == CAPTURED for n in p.nodes}
                        for mode, plan in plans.items()}
-        members[program], captured[program] = [], {mode: [] for mode in Mode}
+        members[program], captured[program], routes[program] = [], {mode: [] for mode in Mode}, {}
         for entry, node in routed_calls(docs, program, ep.graph_module):
             if entry.backend not in registry:
                 raise LoadError(f"{docs.path}: routing.json routes {_at(entry, program)} to backend "
@@ -140,6 +149,7 @@ def build_backends(docs: ArtifactDocs, programs: dict, kv_pool, state_pool, devi
                 raise LoadError(f"{docs.path}: routing.json binds {_at(entry, program)} to {entry.backend}, which "
                                 f"this runtime cannot bind: {why}; recompile for this runtime")
             key = entry.instance
+            routes[program][(entry.op, entry.layer_id)] = key
             calls.setdefault(key, []).append(facts)
             first.setdefault(key, entry)
             if key not in members[program]:
@@ -160,7 +170,7 @@ def build_backends(docs: ArtifactDocs, programs: dict, kv_pool, state_pool, devi
                             f"failed to build: {type(e).__name__}: {e}") from e
     sets = {program: BackendSet({k: instances[k] for k in keys}, {m: tuple(v) for m, v in captured[program].items()})
             for program, keys in members.items()}
-    return Backends(instances, sets)
+    return Backends(instances, sets, routes)
 
 
 def members_of(backend) -> dict[str, BackendHooks]:

@@ -6,8 +6,9 @@ an op reaches a backend:
 - a loaded graph (runtime/binding.py): every op node is bound to `ops.call_of(instance, op)`, the
   method of the instance its routing.json entry names; `ops.backend` is then the BackendSet whose
   hooks reach every instance of the program;
-- an eager model (the `hgc generate` baseline, tests): `ops.gdn_core(...)` calls the one backend
-  it was made over (the CPU reference), by op name: there is no routing table to follow.
+- an eager model: `ops.gdn_core(..., layer_id, ...)` calls, when the table was made with `routes`
+  (`Backends.op_table`: (op, layer id) -> instance, from routing.json), the instance the layer's
+  entry names; without routes (the `hgc generate` baseline, tests) the one backend it was made over.
 
 Every call records (layer id, backend) in `ops.executed` after the backend returned: what ran is
 reported from the calls themselves (`hgc run --json`'s executed_backends), not copied from
@@ -17,7 +18,7 @@ routing.json. Outside a step, calling an op is an error rather than a silent use
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Mapping
 
 from compiler.splitops import op_arguments, op_spec
 from runtime.context import ExecContext
@@ -36,8 +37,9 @@ def backend_name(backend) -> str:
 
 
 class BoundOps:
-    def __init__(self, backend):
+    def __init__(self, backend, routes: Mapping[tuple[str, int], object] | None = None):
         self.backend = backend
+        self.routes = routes  # (op, layer id) -> backend instance, for an eager model over a routing table
         self.ctx: ExecContext | None = None
         # Called as observer(op name, args) after each op: the graph runner's start-up parity
         # check records each layer's output with it. None (one attribute test) when unused.
@@ -88,12 +90,28 @@ class BoundOps:
             by_layer.setdefault(int(layer_id), set()).add(name)
         return {str(layer_id): sorted(by_layer[layer_id]) for layer_id in sorted(by_layer)}
 
+    def _routed(self, op: str) -> Callable:
+        """An eager model's call of `op`: to the instance its layer's routing entry names."""
+        calls = {layer: self.call_of(instance, op) for (o, layer), instance in self.routes.items() if o == op}
+        layer_at = op_arguments(op).index("layer_id")
+
+        def call(*args):
+            try:
+                target = calls[args[layer_at]]
+            except KeyError:
+                raise LookupError(f"hgc.{op} of layer {args[layer_at]}: routing.json binds no such node (layers with "
+                                  f"hgc.{op}: {sorted(calls)})") from None
+            target(*args)
+
+        call.__name__ = op
+        return call
+
     def __getattr__(self, name: str):
-        """An eager model's `ops.<op>`: the one backend this table was made over runs it."""
+        """An eager model's `ops.<op>`: the routed instance of the call's layer, or the one backend."""
         if name.startswith("__"):
             raise AttributeError(name)
         op_spec(name)
-        call = self.call_of(self.backend, name)
+        call = self._routed(name) if self.routes is not None else self.call_of(self.backend, name)
         # Cache it: __getattr__ runs only for missing attributes, so every later `ops.<name>` of an
         # eager model's step finds the bound call directly instead of building it again.
         self.__dict__[name] = call

@@ -323,3 +323,21 @@ def test_every_linear_op_on_a_second_instance_is_bitwise_the_reference(checkpoin
     engine, _ = _tokens(routed)
     executed = engine.ops.executed_backends()
     assert [int(k) for k, v in executed.items() if "second_reference" in v] == linear_layers
+
+
+def test_an_eager_model_over_the_op_table_calls_each_layer_s_routed_instance(checkpoints):
+    """Backends.op_table serves the eager model of the same checkpoint too: each `ops.<op>` call goes
+    to the instance routing.json names for its layer (a layer routed apart stays apart)."""
+    from models.loader import load_checkpoint
+    from runtime.generate import greedy_generate
+
+    art = _compile(checkpoints, "qwen3_next", "layer1", "layers=1:second_reference")
+    _, _, model = load_checkpoint(checkpoints / "qwen3_next")
+    kv, st = make_pools_for(art.registry)
+    ops = art.backends(kv, st, REGISTRY).op_table("main")
+    model.set_ops(ops)
+    tokens = greedy_generate(model, ops, kv, st, PROMPTS, 4)
+    _, plain = _tokens(_compile(checkpoints, "qwen3_next", "plain"))
+    assert tokens == [list(t[:4]) for t in plain]
+    executed = ops.executed_backends()
+    assert executed["1"] == ["second_reference"] and all(v == ["cpu_reference"] for k, v in executed.items() if k != "1")
