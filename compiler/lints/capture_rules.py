@@ -117,6 +117,19 @@ def _data_dependent_reason(node) -> str | None:
     return None
 
 
+def _captured_op_nodes(gm, ctx):
+    """(mode, piece index, op node) for every op node inside a captured piece of this program's plans."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for mode, plan in ctx.split_plans.get(ctx.program, {}).items():
+        for piece in plan.pieces:
+            if piece.kind != CAPTURED:
+                continue
+            for name in piece.nodes:
+                node = by_name.get(name)
+                if node is not None and is_op_node(node):
+                    yield mode, piece.index, node
+
+
 class StatefulOpCaptured(LintRule):
     id = "stateful-op-captured"
     severity = ERROR
@@ -124,23 +137,15 @@ class StatefulOpCaptured(LintRule):
     doc = "no cache/state-mutating op in a captured piece of a mode where its policy says eager"
 
     def check(self, gm, ctx):
-        by_name = {n.name: n for n in gm.graph.nodes}
-        for mode, plan in ctx.split_plans.get(ctx.program, {}).items():
-            for piece in plan.pieces:
-                if piece.kind != CAPTURED:
-                    continue
-                for name in piece.nodes:
-                    node = by_name.get(name)
-                    if node is None or not is_op_node(node):
-                        continue
-                    spec = op_spec(op_name_of(node.target))
-                    if spec.stateful and spec.capture(mode) is Capture.EAGER:
-                        yield self.finding(
-                            f"hgc.{spec.name} of layer {node.meta.get('hgc.layer_id')} mutates its cache/state and "
-                            f"would be captured in mode {mode.value} (piece {piece.index}), where its declared policy "
-                            f"says eager: replays would reuse stale per-request metadata",
-                            "re-run the split pass (a split.json edited or recorded for another graph); never "
-                            "hand-edit a plan", program=ctx.program, node=name, layer_id=node.meta.get("hgc.layer_id"))
+        for mode, piece, node in _captured_op_nodes(gm, ctx):
+            spec = op_spec(op_name_of(node.target))
+            if spec.stateful and spec.capture(mode) is Capture.EAGER:
+                yield self.finding(
+                    f"hgc.{spec.name} of layer {node.meta.get('hgc.layer_id')} mutates its cache/state and "
+                    f"would be captured in mode {mode.value} (piece {piece}), where its declared policy "
+                    f"says eager: replays would reuse stale per-request metadata",
+                    "re-run the split pass (a split.json edited or recorded for another graph); never "
+                    "hand-edit a plan", program=ctx.program, node=node.name, layer_id=node.meta.get("hgc.layer_id"))
 
 
 class CapturedBeyondBackend(LintRule):
@@ -150,24 +155,16 @@ class CapturedBeyondBackend(LintRule):
     doc = "no op node in a captured piece of a mode its routed backend cannot be captured in"
 
     def check(self, gm, ctx):
-        by_name = {n.name: n for n in gm.graph.nodes}
-        for mode, plan in ctx.split_plans.get(ctx.program, {}).items():
-            for piece in plan.pieces:
-                if piece.kind != CAPTURED:
-                    continue
-                for name in piece.nodes:
-                    node = by_name.get(name)
-                    backend = node.meta.get("hgc.backend") if node is not None and is_op_node(node) else None
-                    if backend is None or backend not in ctx.capabilities:
-                        continue
-                    if mode not in ctx.capabilities[backend].modes_capturable:
-                        layer_id = node.meta.get("hgc.layer_id")
-                        yield self.finding(
-                            f"hgc.{node.meta['hgc.op']} of layer {layer_id} is routed to {backend}, which declares "
-                            f"no capture in mode {mode.value}, yet sits in captured piece {piece.index}: its "
-                            f"kernels would be frozen into a CUDA graph they were never made for",
-                            "re-run the split pass after routing (it makes such a node an eager gap); never "
-                            "hand-edit a plan", program=ctx.program, node=name, layer_id=layer_id, backend=backend)
+        for mode, piece, node in _captured_op_nodes(gm, ctx):
+            backend = node.meta.get("hgc.backend")
+            if backend in ctx.capabilities and mode not in ctx.capabilities[backend].modes_capturable:
+                layer_id = node.meta.get("hgc.layer_id")
+                yield self.finding(
+                    f"hgc.{node.meta['hgc.op']} of layer {layer_id} is routed to {backend}, which declares "
+                    f"no capture in mode {mode.value}, yet sits in captured piece {piece}: its "
+                    f"kernels would be frozen into a CUDA graph they were never made for",
+                    "re-run the split pass after routing (it makes such a node an eager gap); never "
+                    "hand-edit a plan", program=ctx.program, node=node.name, layer_id=layer_id, backend=backend)
 
 
 def _alias_base(node):
