@@ -38,7 +38,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from runtime.engine import EngineLoop, EngineLoopError, SamplingParams
+from runtime.engine import SamplingParams
+from runtime.engine_loop import EngineLoop, EngineLoopError
 from runtime.server.generation import Generation
 from runtime.server.metrics import CONTENT_TYPE, render_metrics
 from runtime.server.model import ServedModel

@@ -24,7 +24,8 @@ import dataclasses
 import time
 from typing import Callable, Hashable
 
-from runtime.engine import EngineLoopError, RequestHandle, RequestResult
+from runtime.engine import RequestResult
+from runtime.engine_loop import EngineLoopError, RequestHandle
 from runtime.tokenizer import IncrementalDecoder, TextTokenizer
 
 __all__ = ["Delta", "Generation"]
