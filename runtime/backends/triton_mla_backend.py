@@ -39,6 +39,7 @@ class TritonMLABackend(FlashInferAttentionBackend):
         return cls(setup.kv_pool, **full_layer_options(setup))
 
     def __init__(self, kv_pool, q_heads, scales=None, **kwargs):
+        kwargs.setdefault("workspace_bytes", 0)  # FlashInfer's float workspace: no FlashInfer wrapper runs here
         super().__init__(kv_pool, q_heads, scales, mla_impl="triton", **kwargs)
         gqa = [i for i, g in self.layers.items() if g.kind != "mla"]
         if gqa:
