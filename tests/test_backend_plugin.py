@@ -162,6 +162,14 @@ def eager(checkpoint):
     return json.loads(out.getvalue().strip().splitlines()[-1])["outputs"]
 
 
+@pytest.fixture(scope="module")
+def by_priority(plugin, checkpoint, tmp_path_factory):
+    """The checkpoint compiled with the plugin installed and no route: (artifact folder, routing.json)."""
+    out = tmp_path_factory.mktemp("by_priority") / "a"
+    assert main(["compile", str(checkpoint), "-o", str(out), "--no-dumps"]) == 0
+    return out, json.loads((out / "routing.json").read_text())
+
+
 def _gdn_layers(routing) -> list[int]:
     return sorted({e["layer_id"] for e in routing["programs"]["main"] if e["kind"] == "gdn"})
 
@@ -178,8 +186,8 @@ def test_hgc_backends_lists_the_installed_plugin(plugin, capsys):
     assert BACKEND in capsys.readouterr().out
 
 
-def test_the_plugin_runs_every_gdn_layer_and_gives_the_eager_tokens(plugin, checkpoint, eager, tmp_path, capsys):
-    routing = _compile(checkpoint, tmp_path / "a", capsys)
+def test_the_plugin_runs_every_gdn_layer_and_gives_the_eager_tokens(plugin, by_priority, eager, capsys):
+    art, routing = by_priority
     gdn = _gdn_layers(routing)
     assert gdn == [0, 1, 2]
     for e in routing["programs"]["main"]:
@@ -187,7 +195,7 @@ def test_the_plugin_runs_every_gdn_layer_and_gives_the_eager_tokens(plugin, chec
     assert [b["name"] for b in routing["backends"]] == ["cpu_reference", BACKEND]
     assert routing["backends"][1]["source"].startswith(f"entry point {BACKEND}")
     plugin.CALLS.clear()
-    ran = _run(tmp_path / "a", capsys)
+    ran = _run(art, capsys)
     assert ran["outputs"] == eager
     with_plugin = sorted(int(layer) for layer, names in ran["executed_backends"].items() if BACKEND in names)
     assert with_plugin == gdn
@@ -217,7 +225,7 @@ def test_one_layer_routed_to_the_plugin_runs_that_layer_only(plugin, checkpoint,
     assert ran["outputs"] == eager
 
 
-def test_its_nodes_are_eager_gaps_in_decode_and_the_runner_passes_parity(plugin, checkpoint, tmp_path, capsys):
+def test_its_nodes_are_eager_gaps_in_decode_and_the_runner_passes_parity(plugin, by_priority):
     """Capture follows the routed backend: the plugin declares no capture, so split.json makes every
     gdn_core an eager gap in decode too; the graph runner reads that and replays decode piecewise."""
     from runtime.bound_ops import BoundOps
@@ -226,11 +234,11 @@ def test_its_nodes_are_eager_gaps_in_decode_and_the_runner_passes_parity(plugin,
     from runtime.loader import load_artifact
     from tests.graph_cases import RerunGraphs, greedy
 
-    routing = _compile(checkpoint, tmp_path / "a", capsys)
-    split = json.loads((tmp_path / "a" / "split.json").read_text())["programs"]["main"]
+    path, routing = by_priority
+    split = json.loads((path / "split.json").read_text())["programs"]["main"]
     gaps = [n for p in split["decode"]["pieces"] if p["kind"] == EAGER for n in p["nodes"]]
     assert gaps == [e["node"] for e in routing["programs"]["main"] if e["backend"] == BACKEND]
-    art = load_artifact(tmp_path / "a")
+    art = load_artifact(path)
     kv, st = make_pools(art.registry, 128, 8, page_size=8)
     ops = BoundOps(art.backends(kv, st).for_program("main"))
     runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
@@ -246,12 +254,12 @@ def test_its_nodes_are_eager_gaps_in_decode_and_the_runner_passes_parity(plugin,
     assert ops.executed_backends()["0"] == ["cpu_reference", BACKEND]
 
 
-def test_an_artifact_that_needs_the_plugin_is_refused_where_it_is_not_installed(plugin, checkpoint, tmp_path, capsys):
-    _compile(checkpoint, tmp_path / "a", capsys)
+def test_an_artifact_that_needs_the_plugin_is_refused_where_it_is_not_installed(plugin, by_priority, capsys):
+    art, _ = by_priority
     site = next(p for p in sys.path if (Path(p) / PACKAGE).is_dir())
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "path", [p for p in sys.path if p != site])
-        assert main(["run", str(tmp_path / "a"), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 1
+        assert main(["run", str(art), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert f"routes layer 0 (main program, node gdn_core, hgc.gdn_core) to backend '{BACKEND}', which this " \
            f"runtime does not have" in err and "install the package that provides it" in err

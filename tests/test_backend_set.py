@@ -257,11 +257,18 @@ def checkpoints(tmp_path_factory):
     return root
 
 
+_COMPILED: dict = {}
+
+
 def _compile(root, family, name, *routes):
-    tools = toolchain(REGISTRY)
-    config = CompileConfig(routes=tuple(parse_route(r) for r in routes))
-    compile_checkpoint(root / family, root / f"{family}-{name}", config, tools, dumps=False, force=True)
-    return load_artifact(root / f"{family}-{name}")
+    """The checkpoint compiled with `routes` (once per module: an artifact is only read afterwards)."""
+    key = (str(root), family, name, routes)
+    if key not in _COMPILED:
+        config = CompileConfig(routes=tuple(parse_route(r) for r in routes))
+        compile_checkpoint(root / family, root / f"{family}-{name}", config, toolchain(REGISTRY), dumps=False,
+                           force=True)
+        _COMPILED[key] = load_artifact(root / f"{family}-{name}")
+    return _COMPILED[key]
 
 
 def _tokens(art):

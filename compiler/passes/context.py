@@ -5,7 +5,8 @@ the artifact writer. There is no global "current compile": whatever a pass needs
 
 1. The frontend fills `registry` (the model's LayerRegistry: the single source of truth for layer
    kinds), `programs` (name -> GraphModule of each exported program) and `signatures`.
-2. The pipeline adds `capabilities` (the backend capability table) and `backend_wrappers`.
+2. The pipeline adds `capabilities` (the backends' capability table) and `backend_wrappers`, both
+   from the Toolchain the command line hands it (compiler/toolchain.py).
 3. Passes add their results: `routing`, `split_plans`, `findings`; `program` says which program
    the current pass call is working on.
 """
