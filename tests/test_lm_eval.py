@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
-from tests.test_server import ServerProcess  # noqa: E402
+from tests.helpers import ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a compile, a server and three harness runs: about a minute on 2 cores
 

@@ -20,12 +20,10 @@ import asyncio
 import contextlib
 import io
 import json
-import os
 import random
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,9 +35,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 prom_parser = pytest.importorskip("prometheus_client.parser")
 
+from tests.helpers import ServerProcess  # noqa: E402
+
 pytestmark = pytest.mark.slow  # a compile and two server processes: about 45 s on 2 cores
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
 LIMIT = 200  # --max-tokens-limit
@@ -62,52 +61,6 @@ def artifact(tmp_path_factory) -> tuple[Path, Path]:
 def tokenizer_flag(art: Path, ckpt: Path) -> list[str]:
     # The artifact carries the checkpoint's tokenizer once the writer copies it; until then, point at it.
     return [] if (art / "tokenizer.json").is_file() else ["--tokenizer", str(ckpt)]
-
-
-class ServerProcess:
-    """`python -m runtime.server ARTIFACT --port 0 ...` in a subprocess; `wait_ready()` gives its URL."""
-
-    def __init__(self, args: list[str]):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.server", *args, "--host", "127.0.0.1",
-                                      "--port", "0", "--threads", "1", "--log-level", "warning"],
-                                     cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        self.lines: list[str] = []
-        self._listening = threading.Event()
-        self.url = None
-
-        def drain():  # keep the pipe empty, and catch the "listening" line
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                if "listening on http://" in line and self.url is None:
-                    self.url = line.split("listening on ")[1].split()[0]
-                    self._listening.set()
-            self._listening.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-
-    def wait_ready(self, timeout: float = 90.0) -> "ServerProcess":
-        if not self._listening.wait(timeout) or self.url is None:
-            self.kill()
-            raise RuntimeError("server did not start:\n" + "".join(self.lines))
-        return self
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -815,3 +768,22 @@ def test_the_openai_client_reads_logprobs_echo_and_n(server):
     tokens = [t for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
     assert len(tokens) == 3
     wait_all_free(server.url)
+
+
+def test_serve_bench_dry_run_reports_every_level(artifact, tmp_path):
+    """benchmarks/serve_bench.py starts `hgc serve` on the artifact and drives it at two
+    concurrencies through the OpenAI client (the CPU size of the GPU run's command)."""
+    pytest.importorskip("openai")
+    from benchmarks.serve_bench import DRY, main as serve_bench
+
+    assert serve_bench(["--dry-run", "--artifact", str(artifact[0]), "--serve-args", " ".join(tokenizer_flag(*artifact)),
+                        "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "serve_bench.json").read_text())
+    assert [lv["concurrency"] for lv in result["levels"]] == list(DRY["concurrency"])
+    for lv in result["levels"]:
+        assert lv["errors"] == 0 and lv["requests"] == DRY["requests_per_worker"] * lv["concurrency"]
+        for record in lv["records"]:
+            assert record["output_tokens"] == record["usage_completion_tokens"] == record["max_tokens"]
+            assert len(record["itl_s"]) == record["max_tokens"] - 1 and record["ttft_s"] > 0
+        assert 0 < lv["ttft_median_s"] <= lv["ttft_p99_s"] and 0 < lv["itl_median_s"] <= lv["itl_p99_s"]
+        assert lv["output_tokens"] == sum(r["max_tokens"] for r in lv["records"]) and lv["requests_per_s"] > 0
