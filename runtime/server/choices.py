@@ -60,7 +60,8 @@ class Choice:
             return "", None
         self._opened = True
         scores = None
-        if self.formatter is not None:
+        # (no scores when the request ended before its prompt was scored: cancelled, or shut down)
+        if self.formatter is not None and self.generation.prompt_logprobs is not None:
             scores = self.formatter.prompt(self.prompt_ids, self.generation.prompt_logprobs, self._prompt_offsets())
         return self.echo, scores
 
