@@ -10,14 +10,25 @@ the protocol (runtime/backends/protocol.py). A step:
    requests admitted from the queue. Pages for the chosen tokens are taken here.
 2. `_run`: lay the chosen tokens out as one batch (`build_step`), let the backend plan it
    (`init_step_metadata`, and `init_chunk_metadata` when prompt chunks are in it), run the forward.
-3. `_sample`: each request whose pending tokens are all in the cache now samples its next token
-   from its own logits row and its own generator.
-4. `_retire`: requests that hit a stop token or max_new_tokens free their state slot and pages at
+3. `_score_prompts`: requests that asked for their prompt's log-probabilities (echo) got logits
+   rows for each prompt token of their chunk; those rows are scored on the device
+   (runtime/logprobs.py).
+4. `_sample`: each request whose pending tokens are all in the cache now samples its next token
+   from its own logits row and its own generator, after its logit_bias and penalties
+   (runtime/penalties.py); requests sharing its prompt are forked from it first (below).
+5. `_retire`: requests that hit a stop token or max_new_tokens free their state slot and pages at
    once. (`cancel` frees them immediately, between steps.)
 
 A request's tokens are its prompt followed by what it generated; the cache holds the first
 `num_cached` of them. Prefill and decode are the same thing at different lengths: feed the tokens
 not yet cached, sample when none are left. That is also how a preempted request resumes.
+
+Shared prefill (OpenAI's `n`): a request added with `prefill_from=` another request of the same
+prompt waits, unqueued, until that request's prompt is in the cache. In that step it is forked:
+it gets a slot and pages of its own holding copies of the first one's states and KV, samples
+its first token from the same logits row (with its own generator), and decodes on its own. When
+no slot, place or pages are free for it then, it is queued at the front instead and prefills
+its prompt itself; the tokens are the same either way.
 
 Scheduling policy (deterministic; nothing is random but the requests' own generators):
 
@@ -64,6 +75,8 @@ from runtime.backends.protocol import check_backend, plan_eager_step
 from runtime.batch import SeqState, build_step, commit_step
 from runtime.bound_ops import BoundOps
 from runtime.kv_pool import KVPool
+from runtime.logprobs import TokenLogprob, token_logprobs
+from runtime.penalties import PenaltyTables
 from runtime.sampling import SamplingParams, make_generator, sample_next
 from runtime.state_pool import StatePool
 
@@ -81,8 +94,12 @@ class EngineLoopError(RuntimeError):
 
 class StepOutput(NamedTuple):
     request_id: Hashable
-    token: int
+    token: int | None  # None: a request that generates nothing (max_new_tokens 0) has finished
     finished: bool
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    # The request's first output carries its prompt's log-probabilities, when it asked for them:
+    # one entry for each prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +111,8 @@ class RequestResult:
     first_token_s: float | None  # from add_request to the first token
     total_s: float  # from add_request to the end
     preemptions: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per output token, when asked for
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # one per prompt token after the first, when asked for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +137,10 @@ class _Request:
     first_token_s: float | None = None
     preemptions: int = 0
     stop_reason: str | None = None  # set by the step that samples its last token
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # for tokens 1, 2, ...
+    forks: list["_Request"] = dataclasses.field(default_factory=list)  # waiting to share this prompt's prefill
+    fork_of: "_Request | None" = None  # while this request waits for that one's prefill
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +164,17 @@ class _Request:
         tokens = (self.prompt + self.output)[start:start + n]
         assert len(tokens) == n, f"request {self.request_id}: asked {n} tokens, {self.num_pending} pending"
         return tokens
+
+    def logits_rows(self, n: int) -> int:
+        """Logits rows this request needs from a chunk of its next n tokens, counted back from its
+        last one: 1, or more while it scores prompt tokens. The row at position p predicts token
+        p + 1; prompt tokens 1 .. len(prompt) - 1 are scored, those already scored are skipped
+        (a preempted request re-prefills)."""
+        if self.params.prompt_logprobs is None:
+            return 1
+        end = self.num_cached + n
+        first = max(self.num_cached, len(self.prompt_logprobs))
+        return end - first if first < min(end, len(self.prompt) - 1) else 1
 
 
 @dataclasses.dataclass
@@ -185,15 +219,27 @@ class Engine:
         self._results: dict[Hashable, RequestResult] = {}
         self._recent: collections.deque[StepRecord] = collections.deque(maxlen=recent_steps)
         self._totals = collections.Counter()  # counts and seconds, see timing() / stats()
+        self._penalties: PenaltyTables | None = None  # made when a request with a penalty or bias first samples
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: Hashable = None) -> Hashable:
-        """Queue a request; it joins the batch at a later step. Returns its id."""
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: Hashable = None,
+                    prefill_from: Hashable = None) -> Hashable:
+        """Queue a request; it joins the batch at a later step. Returns its id.
+
+        prefill_from: the id of a request with the same prompt that has not sampled yet; this one
+        then shares its prefill (see "Shared prefill" above)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("Engine.add_request: the prompt is empty")
+        parent = None
+        if prefill_from is not None:
+            parent = self._live.get(prefill_from)
+            if (parent is None or parent.fork_of is not None or parent.output or parent.prompt != prompt
+                    or parent.params.prompt_logprobs != params.prompt_logprobs):
+                raise ValueError(f"Engine.add_request: request {prefill_from!r} is not a live request of the same "
+                                 f"prompt (and prompt_logprobs) that has yet to sample: it cannot share its prefill")
         if len(prompt) + params.max_new_tokens > self.max_seq_len:
             raise ValueError(
                 f"Engine.add_request: {len(prompt)} prompt + {params.max_new_tokens} new tokens exceed the "
@@ -207,7 +253,11 @@ class Engine:
             raise ValueError(f"Engine.add_request: request id {request_id!r} is already in use")
         req = _Request(request_id, prompt, params, make_generator(params), time.perf_counter())
         self._live[request_id] = req
-        self._waiting.append(req)
+        if parent is not None:
+            req.fork_of = parent
+            parent.forks.append(req)
+        else:
+            self._waiting.append(req)
         return request_id
 
     def cancel(self, request_id: Hashable) -> bool:
@@ -215,11 +265,14 @@ class Engine:
         req = self._live.get(request_id)
         if req is None:
             return False
-        if req.seq is None:
+        if req.fork_of is not None:
+            req.fork_of.forks.remove(req)
+        elif req.seq is None:
             self._waiting.remove(req)
         else:
             self._running.remove(req)
             self._release(req)
+        self._queue_forks(req)  # they prefill by themselves now
         self._finish(req, "cancelled")
         return True
 
@@ -243,10 +296,13 @@ class Engine:
             raise EngineStalled(f"Engine.step: nothing scheduled with {len(self._waiting)} queued and "
                                 f"{len(self._running)} running requests; {self.kv_pool.num_free} pages and "
                                 f"{self.state_pool.num_free} slots free")
-        mode, logits = self._run(items)  # prefill chunks and decodes in one forward
-        outputs = self._sample(items, logits)  # for every request with nothing left pending
-        self._retire([req for req, _ in items if req.stop_reason is not None])
-        self._record(plan, mode, len(outputs), time.perf_counter() - start)
+        rows = [req.logits_rows(n) for req, n in items]
+        mode, logits = self._run(items, rows)  # prefill chunks and decodes in one forward: logits [sum(rows), V]
+        last_rows = list(itertools.accumulate(rows, initial=-1))[1:]  # each request's last logits row
+        self._score_prompts(items, rows, last_rows, logits)
+        outputs = self._sample(items, last_rows, logits)  # for every request with nothing left pending
+        self._retire([self._live[out.request_id] for out in outputs if out.finished])  # forks included
+        self._record(plan, mode, sum(out.token is not None for out in outputs), time.perf_counter() - start)
         return outputs
 
     def run_until_done(self) -> dict[Hashable, RequestResult]:
@@ -307,47 +363,141 @@ class Engine:
             budget -= n
             plan.prefill.append((req, n))
 
-    def _run(self, items: list[tuple[_Request, int]]) -> tuple[Mode, torch.Tensor]:
-        """One forward over every scheduled token (prefill chunks and decodes together)."""
+    def _run(self, items: list[tuple[_Request, int]], rows: list[int]) -> tuple[Mode, torch.Tensor]:
+        """One forward over every scheduled token (prefill chunks and decodes together); `rows[b]`
+        logits rows for request b (its last ones)."""
         seq_items = [(req.seq, req.next_tokens(n)) for req, n in items]
+        logits_rows = rows if any(r > 1 for r in rows) else None
         if self.runner is not None:
-            mode, logits = self.runner.execute(seq_items)
+            mode, logits = self.runner.execute(seq_items, logits_rows)
             commit_step(seq_items)
             return mode, logits
         if self.forward is None:
             raise RuntimeError("Engine: no forward callable and no graph runner to run the step")
-        step = build_step(seq_items, self.kv_pool, self.device)
+        step = build_step(seq_items, self.kv_pool, self.device, logits_rows=logits_rows)
         plan_eager_step(self.ops.backend, step.ctx, self.max_tokens_per_step)
         with self.ops.step(step.ctx), torch.no_grad():
             logits = self.forward(step.input_ids, step.positions, step.logits_index)  # [B, V]
         commit_step(seq_items)
         return step.ctx.mode, logits
 
-    def _sample(self, items: list[tuple[_Request, int]], logits: torch.Tensor) -> list[StepOutput]:
-        """logits [B, V] where the step ran. Only what sampling reads crosses to the host: B argmax
-        ids for greedy requests (at 128 requests and a 152k vocabulary the whole matrix would be
-        78 MB a step), and the float32 rows of requests that sample."""
-        outputs = []
+    def _score_prompts(self, items: list[tuple[_Request, int]], rows: list[int], last_rows: list[int],
+                       logits: torch.Tensor) -> None:
+        """Score the prompt tokens whose predicting rows this step computed, for requests that asked."""
+        picks, targets, ks, owners = [], [], [], []
+        for (req, n), count, last in zip(items, rows, last_rows):
+            if req.params.prompt_logprobs is None:
+                continue
+            end = req.num_cached  # committed: the chunk's positions are end - n .. end - 1
+            for position in range(max(end - count, len(req.prompt_logprobs)), min(end, len(req.prompt) - 1)):
+                picks.append(last - (end - 1 - position))
+                targets.append(req.prompt[position + 1])
+                ks.append(req.params.prompt_logprobs)
+                owners.append(req)
+        if picks:
+            index = torch.tensor(picks, device=logits.device)
+            for req, entry in zip(owners, token_logprobs(logits[index], targets, ks)):
+                req.prompt_logprobs.append(entry)
+
+    def _sample(self, items: list[tuple[_Request, int]], last_rows: list[int],
+                logits: torch.Tensor) -> list[StepOutput]:
+        """logits [R, V] where the step ran; `last_rows[b]` is request b's row for its next token.
+
+        Only what sampling reads crosses to the host: the chosen ids of greedy requests (at 128
+        requests and a 152k vocabulary the whole matrix would be 78 MB a step), the float32 rows of
+        requests that draw, and the log-probabilities asked for (runtime/logprobs.py)."""
         now = time.perf_counter()
-        ready = [b for b, (req, _) in enumerate(items) if req.num_pending == 0]
-        sampled = [b for b in ready if not items[b][0].params.greedy]
-        greedy_ids = logits.argmax(-1).tolist() if len(sampled) < len(ready) else None
-        rows = dict(zip(sampled, logits[sampled].float().cpu())) if sampled else {}
-        for b in ready:
-            req = items[b][0]
-            # (a prompt chunk that is not the last is not ready: its row predicts a token we already have)
-            token = greedy_ids[b] if req.params.greedy else sample_next(rows[b], req.params, req.generator)
-            req.output.append(token)
+        ready = []  # (request, its logits row); a prompt chunk that is not the last is not ready
+        for (req, _), row in zip(items, last_rows):
+            if req.num_pending == 0:
+                ready.append((req, row))
+                ready += [(child, row) for child in self._fork(req)]
+        drawing = [(req, row) for req, row in ready if req.params.max_new_tokens > 0]
+        tokens = dict(zip((req.request_id for req, _ in drawing), self._draw(drawing, logits)))
+        outputs = []
+        for req, _ in ready:
+            first = req.first_token_s is None
             if req.first_token_s is None:
                 req.first_token_s = now - req.arrival_s
-            req.stop_reason = self._stop_reason(req, token)
-            outputs.append(StepOutput(req.request_id, token, req.stop_reason is not None))
+            token = tokens.get(req.request_id)
+            if token is None:  # nothing to generate: the prompt is scored, the request is done
+                req.stop_reason = "length"
+            else:
+                req.output.append(token)
+                req.stop_reason = self._stop_reason(req, token)
+            prompt_logprobs = tuple(req.prompt_logprobs) if first and req.params.prompt_logprobs is not None else None
+            outputs.append(StepOutput(req.request_id, token, req.stop_reason is not None,
+                                      req.logprobs[-1] if token is not None and req.params.logprobs is not None
+                                      else None, prompt_logprobs))
         return outputs
+
+    def _draw(self, batch: list[tuple[_Request, int]], logits: torch.Tensor) -> list[int]:
+        """The next token of each (request, logits row): argmax or the request's own draw, from
+        the logits after its bias and penalties; records the log-probabilities asked for."""
+        if not batch:
+            return []
+        reqs = [req for req, _ in batch]
+        raw = logits[torch.tensor([row for _, row in batch], device=logits.device)]  # [B, V]
+        if self._penalties is None and any(req.params.changes_logits for req in reqs):
+            self._penalties = PenaltyTables(self.state_pool.num_slots + 1, raw.shape[1], raw.device)
+        processed, slots = raw, None
+        if self._penalties is not None:
+            # Once the tables exist every request has a row (neutral without penalties): one batched op.
+            for req in reqs:
+                self._penalties.load(req.seq.slot, req, req.params, req.prompt, req.output)
+            slots = torch.tensor([req.seq.slot for req in reqs], device=raw.device)
+            processed = self._penalties.apply(raw, slots)
+        drawn = [b for b, req in enumerate(reqs) if not req.params.greedy]
+        greedy_ids = processed.argmax(-1).tolist() if len(drawn) < len(reqs) else None
+        rows = dict(zip(drawn, processed[drawn].float().cpu())) if drawn else {}
+        tokens = [sample_next(rows[b], req.params, req.generator) if b in rows else greedy_ids[b]
+                  for b, req in enumerate(reqs)]
+        if self._penalties is not None:
+            self._penalties.record(slots, torch.tensor(tokens, device=raw.device))
+        scored = [b for b, req in enumerate(reqs) if req.params.logprobs is not None]
+        if scored:
+            entries = token_logprobs(raw[scored], [tokens[b] for b in scored], [reqs[b].params.logprobs for b in scored])
+            for b, entry in zip(scored, entries):
+                reqs[b].logprobs.append(entry)
+        return tokens
+
+    def _fork(self, req: _Request) -> list[_Request]:
+        """The requests waiting to share `req`'s prefill, now that its prompt is cached: each gets
+        its own slot and pages with copies of req's states and KV, and the ones that do are
+        returned (they sample from req's row this step). The others are queued to prefill alone."""
+        forks, req.forks = req.forks, []
+        forked = []
+        for child in forks:
+            child.fork_of = None
+            child.prompt_logprobs = list(req.prompt_logprobs)
+            if child.params.max_new_tokens == 0:
+                forked.append(child)  # only the prompt's scores: nothing to copy
+                continue
+            pages = len(req.seq.pages)
+            if len(self._running) >= self.max_running or not self.state_pool.num_free or pages > self.kv_pool.num_free:
+                self._waiting.appendleft(child)
+                self._totals["prefills_recomputed"] += 1
+                continue
+            child.seq = SeqState(self.state_pool.alloc(), self.kv_pool.alloc(pages), req.seq.num_cached)
+            self.state_pool.copy_slot(req.seq.slot, child.seq.slot)
+            self.kv_pool.copy_pages(req.seq.pages, child.seq.pages)
+            self._running.append(child)
+            self._totals["prefills_shared"] += 1
+            forked.append(child)
+        return forked
+
+    def _queue_forks(self, req: _Request) -> None:
+        """A request that leaves before its prompt is cached hands its waiting forks to the queue's front."""
+        for child in reversed(req.forks):
+            child.fork_of = None
+            self._waiting.appendleft(child)
+        req.forks = []
 
     def _retire(self, finished: list[_Request]) -> None:
         for req in finished:
-            self._running.remove(req)
-            self._release(req)
+            if req.seq is not None:  # a fork that only scored its prompt never held a slot
+                self._running.remove(req)
+                self._release(req)
             self._finish(req, req.stop_reason)
 
     @staticmethod
@@ -386,7 +536,7 @@ class Engine:
         del self._live[req.request_id]
         self._results[req.request_id] = RequestResult(
             req.request_id, tuple(req.prompt), tuple(req.output), reason, req.first_token_s,
-            time.perf_counter() - req.arrival_s, req.preemptions)
+            time.perf_counter() - req.arrival_s, req.preemptions, tuple(req.logprobs), tuple(req.prompt_logprobs))
         self._totals["requests_finished"] += 1
 
     # -- numbers --------------------------------------------------------------------------------
@@ -435,6 +585,9 @@ class Engine:
             "tokens_generated": self._totals["tokens_generated"],
             "requests_finished": self._totals["requests_finished"],
             "preemptions": self._totals["preemptions"],
+            # requests that shared another's prefill (forked), and those that found no room to
+            "prefills_shared": self._totals["prefills_shared"],
+            "prefills_recomputed": self._totals["prefills_recomputed"],
             "steps": self._totals["steps"],
             "last_step_s": last.seconds if last else None,
             "recent_steps": [dataclasses.asdict(r) for r in self._recent],  # JSON-ready for a server
@@ -456,6 +609,8 @@ class RequestHandle:
 
     Without an asyncio loop: iterate (`for token in handle`, blocking) or `handle.result()`.
     Submitted with `loop=`: `async for token in handle`. Either way `result()` blocks until done.
+    `handle.outputs()` (and `async for out in handle.aoutputs()`) give the whole StepOutputs instead,
+    log-probabilities included, and the one without a token that ends a max_new_tokens=0 request.
     """
 
     def __init__(self, request_id: Hashable, owner: "EngineLoop", loop: asyncio.AbstractEventLoop | None):
@@ -478,8 +633,8 @@ class RequestHandle:
         except RuntimeError:
             pass  # the consumer's event loop is closed: nobody is listening any more
 
-    def _token(self, token: int) -> None:
-        self._put(("token", token))
+    def _output(self, out: StepOutput) -> None:
+        self._put(("output", out))
 
     def _finish(self, result: RequestResult) -> None:
         self._result = result
@@ -497,7 +652,7 @@ class RequestHandle:
             raise EngineLoopError(f"the engine loop failed: {value!r}") from value
         return value
 
-    def __iter__(self):
+    def outputs(self):
         if self._sync_queue is None:
             raise TypeError("this request was submitted with an asyncio loop: use `async for`")
         while True:
@@ -507,7 +662,9 @@ class RequestHandle:
                 return
             yield value
 
-    async def _aiter(self):
+    async def aoutputs(self):
+        if self._async_queue is None:
+            raise TypeError("this request was submitted without an asyncio loop: pass loop= to submit, or iterate")
         while True:
             kind, value = await self._async_queue.get()
             value = self._unpack(kind, value)
@@ -515,10 +672,18 @@ class RequestHandle:
                 return
             yield value
 
+    def __iter__(self):
+        return (out.token for out in self.outputs() if out.token is not None)
+
+    async def _atokens(self):
+        async for out in self.aoutputs():
+            if out.token is not None:
+                yield out.token
+
     def __aiter__(self):
         if self._async_queue is None:
             raise TypeError("this request was submitted without an asyncio loop: pass loop= to submit, or iterate")
-        return self._aiter()
+        return self._atokens()
 
     def result(self, timeout: float | None = None) -> RequestResult:
         if not self._done.wait(timeout):
@@ -602,14 +767,29 @@ class EngineLoop:
 
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: Hashable = None,
                loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        return self.submit_group(prompt_ids, [params], [request_id], loop)[0]
+
+    def submit_group(self, prompt_ids, params: list[SamplingParams | None], request_ids: list[Hashable],
+                     loop: asyncio.AbstractEventLoop | None = None) -> list[RequestHandle]:
+        """Requests of one prompt, added in one hold of the lock: the first prefills it and the
+        others share that prefill (Engine.add_request's prefill_from). If one is refused, none stays."""
         with self._locked():
             if self._stopping or self.error is not None:
                 raise RuntimeError(f"EngineLoop.submit: the loop is stopped (error: {self.error!r})")
-            request_id = self.engine.add_request(prompt_ids, params, request_id)
-            handle = RequestHandle(request_id, self, loop)
-            self._handles[request_id] = handle
+            added = []
+            try:
+                for p, request_id in zip(params, request_ids, strict=True):
+                    added.append(self.engine.add_request(prompt_ids, p, request_id, added[0] if added else None))
+            except BaseException:
+                for request_id in reversed(added):
+                    self.engine.cancel(request_id)
+                    self.engine.pop_result(request_id)
+                raise
+            handles = [RequestHandle(request_id, self, loop) for request_id in added]
+            for handle in handles:
+                self._handles[handle.request_id] = handle
             self._cond.notify_all()
-        return handle
+        return handles
 
     def cancel(self, request_id: Hashable) -> bool:
         with self._locked():
@@ -646,7 +826,7 @@ class EngineLoop:
                     handle = self._handles.get(out.request_id)
                     if handle is None:
                         continue  # added on the engine directly, not through this loop
-                    handle._token(out.token)
+                    handle._output(out)
                     if out.finished:
                         del self._handles[out.request_id]
                         handle._finish(self.engine.pop_result(out.request_id))

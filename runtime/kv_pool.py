@@ -3,6 +3,7 @@
 1. Built from the LayerRegistry: for every full layer and every kv entry of its spec, one tensor
    [num_pages, page_size, *entry.shape]. Linear layers get nothing here.
 2. `alloc(n)` hands out n page ids, `free(pages)` returns them; requests hold their page list.
+   `copy_pages(src, dst)` copies page contents (a request forked after a shared prompt).
 3. Token i of a request lives at page_table[i // page_size], offset i % page_size.
 
 It does not decide how many pages exist (the memory planner does) nor when a request may grow
@@ -58,6 +59,18 @@ class KVPool:
             assert 0 <= p < self.num_pages and p not in taken, f"KV pool: page {p} freed twice or unknown"
             taken.add(p)
         self._free.extend(reversed(pages))
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy pages `src` onto pages `dst` in every layer (a request forked after its prefill
+        gets its own copy, so each can write its next tokens into the last page)."""
+        assert len(src) == len(dst), (src, dst)
+        if not src:
+            return
+        index_src = torch.tensor(src, device=self.device)
+        index_dst = torch.tensor(dst, device=self.device)
+        for entries in self.buffers.values():
+            for t in entries.values():
+                t[index_dst] = t[index_src]
 
     def layer(self, layer_id: int) -> dict[str, torch.Tensor]:
         try:

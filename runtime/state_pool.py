@@ -5,6 +5,8 @@
    batch point at it, and it is never handed to a request.
 2. `alloc()` hands out a slot and zeroes it in every layer (a new request starts from the empty
    state; a reused slot must not leak its previous owner's state). `free(slot)` returns it.
+3. `copy_slot(src, dst)` copies one request's states to another's slot (a request forked from
+   another after their shared prompt).
 
 Full-attention layers get nothing here. Sizing is the memory planner's job.
 """
@@ -51,6 +53,13 @@ class StatePool:
             for t in entries.values():
                 t[slot].zero_()
         return slot
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Give slot `dst` the states of slot `src` in every layer (a request forked after its prefill)."""
+        assert src != PADDING_SLOT and dst != PADDING_SLOT and src != dst, (src, dst)
+        for entries in self.buffers.values():
+            for t in entries.values():
+                t[dst].copy_(t[src])
 
     def free(self, slot: int) -> None:
         assert slot != PADDING_SLOT, "state pool: the padding slot is never handed out, so never freed"
