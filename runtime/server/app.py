@@ -273,7 +273,7 @@ async def _events(state, generation: Generation, chunk, usage, opening: dict | N
 
     An opening chunk (chat's role), one chunk per delta (`chunk(text, token_ids, finish)`), the
     closing chunk (`chunk(None, [], finish_reason)`), the usage chunk when asked
-    (`usage(completion_tokens)`), then [DONE]. An engine failure ends the stream with an error
+    (`usage(completion_tokens, cached_tokens)`), then [DONE]. An engine failure ends the stream with an error
     event instead: the status line was sent long ago.
     """
     try:
@@ -283,7 +283,7 @@ async def _events(state, generation: Generation, chunk, usage, opening: dict | N
             yield sse_event(chunk(delta.text, delta.token_ids, None))
         yield sse_event(chunk(None, [], generation.finish_reason))
         if usage is not None:
-            yield sse_event(usage(len(generation.token_ids)))
+            yield sse_event(usage(len(generation.token_ids), generation.cached_tokens))
     except EngineLoopError as e:
         state.errors[500] += 1
         yield sse_event(_engine_error_body(e))
@@ -398,14 +398,14 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
             def chunk(text, token_ids, finish):  # text None: the closing chunk
                 return completion_chunk(rid, model, created, text or "", token_ids, finish)
 
-            usage = None  # or usage(completion_tokens) -> the usage chunk
+            usage = None  # or usage(completion_tokens, cached_tokens) -> the usage chunk
             if req.stream_options and req.stream_options.include_usage:
                 usage = functools.partial(usage_chunk, rid, model, created, "text_completion", len(prompt_ids))
             return EventStreamResponse(_events(state, generation, chunk, usage), generation.close)
         if not await _collect(request, generation):
             return Response(status_code=499)  # nobody is listening; the status is for the access log
         return completion_body(rid, model, created, generation.text, generation.token_ids, generation.finish_reason,
-                               len(prompt_ids))
+                               len(prompt_ids), generation.cached_tokens)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -421,7 +421,7 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
             def chunk(text, token_ids, finish):  # text None: the closing chunk
                 return chat_chunk(rid, model, created, {} if text is None else {"content": text}, token_ids, finish)
 
-            usage = None  # or usage(completion_tokens) -> the usage chunk
+            usage = None  # or usage(completion_tokens, cached_tokens) -> the usage chunk
             if req.stream_options and req.stream_options.include_usage:
                 usage = functools.partial(usage_chunk, rid, model, created, "chat.completion.chunk", len(prompt_ids))
             opening = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, [], None)
@@ -429,6 +429,6 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         if not await _collect(request, generation):
             return Response(status_code=499)
         return chat_body(rid, model, created, generation.text, generation.token_ids, generation.finish_reason,
-                         len(prompt_ids))
+                         len(prompt_ids), generation.cached_tokens)
 
     return app
