@@ -36,8 +36,9 @@ Scheduling policy (deterministic; nothing is random but the requests' own genera
   tokens and its generator, to re-prefill prompt + output later), repeatedly, until one token fits.
   A request that is itself the youngest waits this step instead, keeping its pages.
 - No deadlock: `add_request` refuses a request longer than the KV pool, so the oldest running
-  request can always grow after preempting every younger one (the prefix cache holds no page a
-  request does not, that it cannot give back); it finishes, and the next-oldest becomes the oldest. With nothing running, the whole pool is free and the queue's head is
+  request can always grow after preempting every younger one (every page the prefix cache holds
+  and that request does not, the cache can give back); it finishes, and the next-oldest becomes
+  the oldest. With nothing running, the whole pool is free (or the cache's) and the queue's head is
   admitted. `step()` raises EngineStalled if a step with work to do schedules nothing.
 
 Timing: a step that carries prompt tokens (a prefill chunk, alone or mixed with decodes) counts as
@@ -178,7 +179,8 @@ class Engine:
         if runner is not None and (runner.ops is not ops or runner.kv_pool is not kv_pool
                                    or runner.state_pool is not state_pool):
             raise ValueError("Engine: the graph runner must run the engine's own op table and pools")
-        if prefix_cache is not None and (prefix_cache.kv_pool is not kv_pool or prefix_cache.state_pool is not state_pool):
+        if prefix_cache is not None and (prefix_cache.kv_pool is not kv_pool
+                                         or prefix_cache.state_pool is not state_pool):
             raise ValueError("Engine: the prefix cache must hold the engine's own pools")
         self.prefix_cache = prefix_cache
         if max_tokens_per_step < 1:
@@ -314,7 +316,9 @@ class Engine:
         """Admit queued requests in FIFO order while a place, a slot and their first chunk's pages are free."""
         while self._waiting and budget > 0 and len(self._running) < self.max_running and self.state_pool.num_free:
             req = self._waiting[0]
-            hold = None if self.prefix_cache is None else self.prefix_cache.take(req.prompt + req.output, len(req.prompt))
+            hold = None
+            if self.prefix_cache is not None:
+                hold = self.prefix_cache.take(req.prompt + req.output, len(req.prompt))
             cached = 0 if hold is None else hold.tokens
             n = min(req.num_tokens - cached, budget)
             if hold is not None:

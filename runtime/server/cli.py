@@ -75,7 +75,8 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
 def add_prefix_cache_arguments(group) -> None:
     """The prefix-cache flags `hgc serve` and `hgc run` share."""
     group.add_argument("--no-prefix-cache", action="store_true",
-                       help="prefill every prompt in full: no reuse of cached prefixes (KV pages, linear-state snapshots)")
+                       help="prefill every prompt in full: no reuse of cached prefixes (KV pages, "
+                            "linear-state snapshots)")
     group.add_argument("--snapshot-interval", type=int, default=None,
                        help="tokens between a request's snapshots at prefill chunk ends (default: 2048); prompt "
                             "ends and branch points are snapshotted regardless")

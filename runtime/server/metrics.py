@@ -3,8 +3,8 @@
 `render_metrics(engine_stats, server)` writes one family per number: `# HELP`, `# TYPE`, then its
 samples. Counters end in `_total`; label values are escaped. The numbers come from
 `Engine.stats()` (queue, running, slots, pages, tokens, steps, preemptions, phase times, the
-prefix cache's lookups, hits and snapshot memory) and from the server's own counters (requests by endpoint and finish reason, errors by status, prompt
-tokens, time to first token).
+prefix cache's lookups, hits and snapshot memory) and from the server's own counters (requests by
+endpoint and finish reason, errors by status, prompt tokens, time to first token).
 
 Graph replays versus eager steps: the CPU runtime captures no CUDA graphs, so every step is eager
 and `hgc_engine_steps_total{execution="graph_replay"}` is 0. A graph runner's counters
@@ -90,7 +90,8 @@ def _recent_tokens_per_second(recent_steps: list[dict]) -> float:
 def _prefix_cache(m: MetricsText, engine: dict) -> None:
     """The prefix cache's numbers (all 0 when the engine runs without one)."""
     get = lambda key: engine.get(f"prefix_cache_{key}", 0)  # noqa: E731
-    m.add("prefix_cache_enabled", "gauge", "1 when the engine reuses cached prefixes.", bool(engine.get("prefix_cache")))
+    m.add("prefix_cache_enabled", "gauge", "1 when the engine reuses cached prefixes.",
+          bool(engine.get("prefix_cache")))
     m.add("prefix_cache_queries_total", "counter", "Tokens of admitted requests looked up in the prefix cache.",
           get("lookup_tokens"))
     m.add("prefix_cache_hits_total", "counter", "Tokens admitted requests found in the prefix cache (not prefilled).",

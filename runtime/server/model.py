@@ -99,8 +99,8 @@ def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, 
     pages = options.kv_pages or options.slots * -(-max_model_len // options.page_size)
     snapshots = None
     if options.prefix_cache:
-        snapshots = SnapshotPool(registry, options.slots if options.prefix_snapshots is None else options.prefix_snapshots,
-                                 device)
+        count = options.slots if options.prefix_snapshots is None else options.prefix_snapshots
+        snapshots = SnapshotPool(registry, count, device)
     return KVPool(registry, pages, options.page_size, device), StatePool(registry, options.slots, device), snapshots
 
 
