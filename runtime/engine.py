@@ -31,9 +31,10 @@ Scheduling policy (deterministic; nothing is random but the requests' own genera
   and the pages for its first chunk are all free. No admission in a step that preempted.
 - Growth. A running request that needs pages takes them from the pool; if the pool is short, the
   prefix cache gives back pages that no request uses (least recently used first), and if it is
-  still short the request takes a shorter chunk. If not even one token fits, the youngest running request is preempted
-  (slot and pages freed, progress dropped, put back at the front of the queue with its generated
-  tokens and its generator, to re-prefill prompt + output later), repeatedly, until one token fits.
+  still short the request takes a shorter chunk. If not even one token fits, the youngest running
+  request is preempted (slot and pages freed, progress dropped, put back at the front of the
+  queue with its generated tokens and its generator, to re-prefill prompt + output later),
+  repeatedly, until one token fits.
   A request that is itself the youngest waits this step instead, keeping its pages.
 - No deadlock: `add_request` refuses a request longer than the KV pool, so the oldest running
   request can always grow after preempting every younger one (every page the prefix cache holds

@@ -20,25 +20,34 @@ calls, in its step:
    boundary it should snapshot at, inserts its prefix into the tree and makes the request use
    the tree's pages for it (a duplicate of pages the tree has is freed). Copies are issued on the
    host side of the step, between the forward and the next step, never inside a captured graph.
+   A request whose prompt is all in the cache now also inserts the prompt's whole pages, without
+   a snapshot: a later request can then see where it parts from this one (its branch point).
 4. Memory: `reclaim(free_target)` evicts unused cached prefixes when the KV pool runs short; a
    full snapshot pool drops its least recently used snapshot.
 
-Snapshot points of a request (positions, in tokens from its start, all page boundaries):
+Snapshot points of a request (positions, in tokens from its start, all page boundaries). Where
+one is not the end of a chunk anyway, the chunk is split there: the request takes one more step,
+of the tokens after the point. A step costs much more than its tokens on a GPU (an extend step
+has a floor of several milliseconds), so splits are kept to where they pay:
 
 - the branch point: where its tokens leave the tree's KV pages, when no snapshot is there yet.
-  The next request sharing that prefix then hits it: two requests with the same system prompt
-  and different questions make the prompt's pages and a snapshot at its end (rounded down).
-- the end of its prompt (`snapshot_prompt_end`): the last page boundary before the prompt's last
-  token, which an identical prompt hits, and the prompt's end itself when that is a boundary,
-  which a longer prompt that continues this one (the next turn of a chat) hits. When the prompt
-  does not end on a page boundary, the prompt's last chunk is split there: one more step of
-  fewer than page_size tokens, the price of a hit for the next request with this prompt.
+  The second request of a family that shares a prefix (a system prompt, a chat so far) pays one
+  split and every later one hits the whole shared part.
+- the end of its prompt (`snapshot_prompt_end`): the prompt's end itself when that is a page
+  boundary (a chunk ends there: no split), which a longer prompt continuing this one (the next
+  turn of a chat) hits; otherwise, on a miss only, the last page boundary before the end (a
+  split), which an identical prompt hits. A request that hit the cache takes no such split: its
+  one step after the hit is the time to first token the cache is for. So an identical repeat of
+  a page-aligned prompt, or of a prompt that hit, finds its snapshot from the third request on
+  (the second snapshots the branch point).
 - chunk ends, at least `snapshot_interval` tokens after its previous snapshot: long prompts
-  then leave snapshots along the way that partial matches can use.
-- with `snapshot_output`, the same cadence over its generated tokens.
+  then leave snapshots along the way that partial matches can use (with the default budget of
+  512 tokens a step, the end of every fourth chunk).
+- with `snapshot_output`, the same cadence over its generated tokens, at decode steps that end on
+  a page boundary (no split).
 
-Chunks end at page boundaries while caching, so at most page_size - 1 tokens of a step's budget
-per prefilling request go unused.
+Chunks that do not finish a request's tokens end at page boundaries while caching, so at most
+page_size - 1 tokens of a step's budget per prefilling request go unused.
 
 Speculative decoding (not built yet) must keep one rule: a snapshot is only ever taken of state
 after verified tokens. `after_step` snapshots the state at `seq.num_cached`, which counts only
@@ -81,6 +90,7 @@ class CacheHold:
     match: PrefixMatch
     points: tuple[int, ...]  # snapshot points ahead of it where a chunk must end, ascending
     snapshot_at: int  # its last snapshot (or the hit it started from)
+    prompt_inserted: bool = False  # the prompt's whole pages are in the tree
 
     @property
     def tokens(self) -> int:
@@ -105,10 +115,8 @@ class PrefixCache:
         ps = self.page_size
         match = self.tree.match(tokens, len(tokens) - 1)  # the last token always runs
         points = {match.kv_tokens}  # the branch point (the hit itself when no KV lies beyond it)
-        if self.config.snapshot_prompt_end:
-            points.add((prompt_len - 1) // ps * ps)
-            if prompt_len % ps == 0:
-                points.add(prompt_len)
+        if self.config.snapshot_prompt_end and (prompt_len % ps == 0 or match.tokens == 0):
+            points.add(prompt_len // ps * ps)
         self.kv_pool.share(match.pages)  # so that no eviction takes them before attach
         return CacheHold(match, tuple(sorted(p for p in points if p > match.tokens)), match.tokens)
 
@@ -159,24 +167,34 @@ class PrefixCache:
 
         The state in a request's slot is now the state after its first seq.num_cached tokens.
         """
+        if self.snapshots.num_snapshots == 0:
+            return  # pages alone give no hit: nothing to cache
         pending: dict[int, int] = {}  # snapshot id -> slot, saved together below
         for hold, seq, prompt, output in entries:
             pos = seq.num_cached
-            if not self._due(hold, pos, len(prompt)):
-                continue
-            hold.snapshot_at = pos  # taken, or found already there, or no room: not tried again
-            snapshot = self._free_snapshot(pending)
-            if snapshot is None:
-                continue
-            node, tree_pages = self.tree.insert((prompt + output)[:pos], seq.pages)
-            self._use_tree_pages(seq, tree_pages)
-            if node.snapshot is not None:  # another request stopped here first
-                self.snapshots.free(snapshot)
-                continue
-            self.tree.set_snapshot(node, snapshot)
-            pending[snapshot] = seq.slot
-            self.snapshots_taken += 1
+            if self._due(hold, pos, len(prompt)):
+                hold.snapshot_at = pos  # taken, or found already there, or no room: not tried again
+                self._snapshot(seq, (prompt + output)[:pos], pending)
+            if not hold.prompt_inserted and pos >= len(prompt):
+                hold.prompt_inserted = True
+                whole = pos - pos % self.page_size
+                _, tree_pages = self.tree.insert((prompt + output)[:whole], seq.pages)
+                self._use_tree_pages(seq, tree_pages)
         self.snapshots.save(self.state_pool, list(pending.values()), list(pending))
+
+    def _snapshot(self, seq: SeqState, tokens: list[int], pending: dict[int, int]) -> None:
+        """Insert tokens (the request's first seq.num_cached) with a snapshot of the request's slot."""
+        snapshot = self._free_snapshot(pending)
+        if snapshot is None:
+            return
+        node, tree_pages = self.tree.insert(tokens, seq.pages)
+        self._use_tree_pages(seq, tree_pages)
+        if node.snapshot is not None:  # another request stopped here first
+            self.snapshots.free(snapshot)
+            return
+        self.tree.set_snapshot(node, snapshot)
+        pending[snapshot] = seq.slot
+        self.snapshots_taken += 1
 
     def _free_snapshot(self, pending: dict[int, int]) -> int | None:
         """A snapshot id, evicting the least recently used snapshot when none is free."""

@@ -17,8 +17,8 @@ hybrid model the linear layers' state.
    one (made or hit longest ago) when the snapshot pool is full.
 4. `evict_pages(free_target)` removes least recently used leaves until the KV pool has that many
    free pages. A leaf is removed only if no request holds its pages (the tree's is the only
-   reference): the pages a running request uses are never evicted. Leaves without a snapshot
-   (useless: nothing can hit them) go first.
+   reference): the pages a running request uses are never evicted. Leaves without a snapshot go
+   first: pages alone give no hit, they only show a later request where it parts from them.
 5. `clear()` drops every node, reference and snapshot.
 
 References, not locks: the KV pool counts the holders of each page, the tree holds one reference
@@ -195,8 +195,8 @@ class RadixCache:
                 heapq.heappush(heap, (parent.snapshot is not None, parent.last_use, next(tie), parent))
 
     def evict_snapshot(self) -> int | None:
-        """Drop the least recently used snapshot (and its node, if that leaves a leaf nobody uses);
-        returns the freed id, None if the tree holds none."""
+        """Drop the least recently used snapshot (and its node, if that leaves a leaf nobody else
+        holds); returns the freed id, None if the tree holds none."""
         held = [n for n in self._nodes() if n.snapshot is not None]
         if not held:
             return None
@@ -204,7 +204,7 @@ class RadixCache:
         freed, node.snapshot = node.snapshot, None
         self.snapshots.free(freed)
         self.num_snapshots -= 1
-        while node.snapshot is None and self._evictable(node):  # useless now: nothing can hit it
+        while node.snapshot is None and self._evictable(node):  # pages alone give no hit
             self._remove(node)
             node = node.parent
         return freed

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from compiler.splitops import LayerRegistry, dtype_from_name
-from runtime.state_pool import StatePool
+from compiler.splitops import LayerRegistry
+from runtime.state_pool import StatePool, linear_state_buffers
 
 __all__ = ["SnapshotPool", "OutOfSnapshots"]
 
@@ -39,13 +39,7 @@ class SnapshotPool:
             raise ValueError(f"snapshot pool: the number of snapshots must be >= 0 (got {num_snapshots})")
         self.num_snapshots = num_snapshots
         self.device = torch.device(device)
-        # layer id -> entry name -> [num_snapshots, *shape]
-        self.buffers: dict[int, dict[str, torch.Tensor]] = {}
-        for layer in registry.linear_layers():
-            self.buffers[layer.layer_id] = {
-                name: torch.zeros((num_snapshots, *spec.shape), dtype=dtype_from_name(spec.dtype), device=self.device)
-                for name, spec in layer.state.items()
-            }
+        self.buffers = linear_state_buffers(registry, num_snapshots, self.device)  # [num_snapshots, *shape] each
         self._free: list[int] = list(range(num_snapshots - 1, -1, -1))  # pop() hands out id 0 first
 
     @property
@@ -62,29 +56,25 @@ class SnapshotPool:
             f"snapshot pool: snapshot {snapshot} freed twice or unknown")
         self._free.append(snapshot)
 
-    def _pairs(self, state_pool: StatePool, src: list[int], dst: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        assert len(src) == len(dst) and self.buffers.keys() == state_pool.buffers.keys(), (
-            "snapshot pool: built for another registry than the state pool")
-        as_index = lambda ids: torch.tensor(ids, dtype=torch.int64).to(self.device)  # noqa: E731
-        return as_index(src), as_index(dst)
-
     def save(self, state_pool: StatePool, slots: list[int], snapshots: list[int]) -> None:
         """snapshot[snapshots[i]] = state of slot slots[i], in every linear layer."""
-        if not slots:
-            return
-        src, dst = self._pairs(state_pool, slots, snapshots)
-        for layer_id, entries in self.buffers.items():
-            for name, saved in entries.items():
-                saved.index_copy_(0, dst, state_pool.buffers[layer_id][name].index_select(0, src))
+        self._copy(state_pool.buffers, slots, self.buffers, snapshots)
 
     def restore(self, state_pool: StatePool, snapshots: list[int], slots: list[int]) -> None:
         """state of slot slots[i] = snapshot[snapshots[i]], in every linear layer."""
-        if not slots:
+        self._copy(self.buffers, snapshots, state_pool.buffers, slots)
+
+    def _copy(self, src_buffers: dict, src: list[int], dst_buffers: dict, dst: list[int]) -> None:
+        """dst_buffers[layer][entry][dst[i]] = src_buffers[layer][entry][src[i]]: one indexed copy per tensor."""
+        assert len(src) == len(dst) and src_buffers.keys() == dst_buffers.keys(), (
+            "snapshot pool: built for another registry than the state pool")
+        if not src:
             return
-        src, dst = self._pairs(state_pool, snapshots, slots)
-        for layer_id, entries in self.buffers.items():
-            for name, saved in entries.items():
-                state_pool.buffers[layer_id][name].index_copy_(0, dst, saved.index_select(0, src))
+        src_index = torch.tensor(src, dtype=torch.int64).to(self.device)
+        dst_index = torch.tensor(dst, dtype=torch.int64).to(self.device)
+        for layer_id, entries in src_buffers.items():
+            for name, source in entries.items():
+                dst_buffers[layer_id][name].index_copy_(0, dst_index, source.index_select(0, src_index))
 
     def nbytes(self) -> int:
         return sum(t.nbytes for entries in self.buffers.values() for t in entries.values())

@@ -225,28 +225,60 @@ def test_prompt_ends_and_branch_points_are_where_later_requests_hit():
     cached = {}
     for i, prompt in enumerate(sharing_prompts(vocab)):
         cached[i] = engine.generate(prompt, params).cached_tokens
-    # 0 snapshots the end of its 27 tokens rounded down (24). 1 shares less than a page: nothing.
-    # 2 shares one page, no snapshot there: a miss that snapshots its branch point 4. 3 parts at 17:
-    # hits 4, snapshots its branch point 16. 4: the same 27 tokens: 24. 5 continues them: 24 (27 is
-    # no page boundary). 6, the aligned 24 tokens, may hit at most 23 of them: 16; it snapshots 20,
-    # the last boundary before its last token, which 7, the same again, hits. 8: the branch at 16.
+    # 0, a miss, snapshots the end of its 27 tokens rounded down (24). 1 shares less than a page:
+    # nothing. 2 shares one page, no snapshot there: a miss that snapshots its branch point 4.
+    # 3 parts at 17: hits 4, snapshots its branch point 16. 4: the same 27 tokens: 24. 5 continues
+    # them: 24 (27 is no page boundary). 6, the aligned 24 tokens, may hit at most 23 of them: 16;
+    # the pages go on to 20, its branch point, which 7, the same again, hits. 8: the branch at 16.
     assert cached == {0: 0, 1: 0, 2: 0, 3: 4, 4: 24, 5: 24, 6: 16, 7: 20, 8: 16}
 
 
-@pytest.mark.parametrize("length", [16, 18])
-def test_a_repeated_prompt_prefills_only_what_the_cache_lacks(length):
+@pytest.mark.parametrize("length, hits", [(18, [0, 16, 16]), (16, [0, 0, 12])])
+def test_a_repeated_prompt_prefills_only_what_the_cache_lacks(length, hits):
+    """18 tokens: the first request splits its last chunk at 16 to snapshot there, and the second
+    hits it. 16 tokens: the first snapshots its end (16), which a repeat cannot use (its last token
+    must run); the second finds the pages up to 12, snapshots there (its branch point) and the
+    third hits it. Each prefills exactly what it did not find."""
     model = build_model(MODELS[-1])
     prompt = random_ids(length, vocab_of(model), torch.Generator().manual_seed(length))
     params = SamplingParams(max_new_tokens=5)
-    engine = cached_engine(model, max_tokens_per_step=64)
-    first = engine.generate(prompt, params)
-    steps_before = len(engine.step_records())
-    second = engine.generate(prompt, params)
-    prefilled = sum(r.prefill_tokens for r in engine.step_records()[steps_before:])
-    assert first.cached_tokens == 0 and second.cached_tokens == (length - 1) // PAGE * PAGE > 0
-    assert prefilled == length - second.cached_tokens
-    assert second.output_ids == first.output_ids
-    assert engine.stats()["prefix_cache_hit_tokens"] == second.cached_tokens
+    engine = cached_engine(model, interval=1000, max_tokens_per_step=64)
+    results, prefilled = [], []
+    for _ in hits:
+        steps_before = len(engine.step_records())
+        results.append(engine.generate(prompt, params))
+        prefilled.append(sum(r.prefill_tokens for r in engine.step_records()[steps_before:]))
+    assert [r.cached_tokens for r in results] == hits
+    assert prefilled == [length - h for h in hits]
+    assert len({r.output_ids for r in results}) == 1
+    assert engine.stats()["prefix_cache_hit_tokens"] == sum(hits)
+    assert_all_free(engine)
+
+
+def test_output_snapshots_let_the_next_turn_hit_past_the_prompt():
+    model = build_model("toy")
+    g = torch.Generator().manual_seed(9)
+    prompt, params = random_ids(10, 96, g), SamplingParams(max_new_tokens=12)
+
+    def two_turns(engine):
+        first = engine.generate(prompt, params)
+        follow_up = prompt + list(first.output_ids) + random_ids(3, 96, g)
+        return first, engine.generate(follow_up, SamplingParams(max_new_tokens=4))
+
+    g.manual_seed(9)
+    plain = two_turns(cached_engine(model, cache=False))
+    g.manual_seed(9)
+    kv_pool, state_pool = make_pools(model, 4, 64, PAGE)
+    ops = BoundOps(CPUReferenceBackend(kv_pool, state_pool))
+    model.set_ops(ops)
+    cache = PrefixCache(kv_pool, state_pool, SnapshotPool(model.layer_registry, 16),
+                        PrefixCacheConfig(snapshot_interval=4, snapshot_output=True))
+    engine = Engine(model, ops, kv_pool, state_pool, prefix_cache=cache)
+    cached = two_turns(engine)
+    assert [r.output_ids for r in cached] == [r.output_ids for r in plain]
+    # The first turn's 10 + 12 tokens ran through 21 (its last sample is not fed): snapshots every
+    # 4 tokens of its output, the last at 20. Without output snapshots the hit would stop at 8.
+    assert cached[1].cached_tokens == 20
     assert_all_free(engine)
 
 
