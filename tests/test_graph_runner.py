@@ -242,20 +242,19 @@ def test_prefix_cache_on_a_started_runner_gives_the_eager_engine_tokens(artifact
     from runtime.snapshot_pool import SnapshotPool
 
     system = list(range(10, 31))  # 21 tokens: two pages of 8 and a part
-    prompts = [system + [40 + i] * (1 + i) for i in range(4)] + [system, system + [7, 7]]
-    params = SamplingParams(max_new_tokens=6)
+    prompts = [system + [40], system + [41, 41], system, system + [7, 7, 7]]
+    params = SamplingParams(max_new_tokens=4)
 
     def serve(cached: bool):
         kv, st = make_pools(artifact.registry, 512, 8, page_size=8)
         ops = BoundOps(CPUReferenceBackend(kv, st))
-        runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(1, 2, 4),
-                             extend_buckets=(32, 64), max_pages_per_seq=16, extend_max_seqs=4,
-                             graphs=RerunGraphs() if cached else None)
-        runner.chunk_size = 64
+        runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(1,), extend_buckets=(32,),
+                             max_pages_per_seq=16, extend_max_seqs=1, graphs=RerunGraphs() if cached else None)
+        runner.chunk_size = 32
         if cached:
             runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
         cache = PrefixCache(kv, st, SnapshotPool(artifact.registry, 8)) if cached else None
-        engine = Engine(None if cached else artifact.bind(ops), ops, kv, st, max_tokens_per_step=64, max_running=4,
+        engine = Engine(None if cached else artifact.bind(ops), ops, kv, st, max_tokens_per_step=32, max_running=1,
                         runner=runner if cached else None, prefix_cache=cache)
         outputs = []
         for prompt in prompts:  # one after another, so each finds what the earlier ones cached
@@ -265,7 +264,7 @@ def test_prefix_cache_on_a_started_runner_gives_the_eager_engine_tokens(artifact
     want, _ = serve(False)
     got, stats = serve(True)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
-    assert [r.cached_tokens for r in got] == [0, 16, 16, 16, 16, 16], "the system prompt's two whole pages"
+    assert [r.cached_tokens for r in got] == [0, 16, 16, 16], "the system prompt's two whole pages"
     assert stats["graph_replays"] > 0 and stats["piecewise_steps"] > 0
 
 

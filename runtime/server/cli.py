@@ -78,8 +78,9 @@ def add_prefix_cache_arguments(group) -> None:
                        help="prefill every prompt in full: no reuse of cached prefixes (KV pages, "
                             "linear-state snapshots)")
     group.add_argument("--snapshot-interval", type=int, default=None,
-                       help="tokens between a request's snapshots at prefill chunk ends (default: 2048); prompt "
-                            "ends and branch points are snapshotted regardless")
+                       help="tokens between a request's snapshots at prefill chunk ends (default: "
+                            "DEFAULT_SNAPSHOT_INTERVAL in runtime/prefix_cache.py); prompt ends and branch points "
+                            "are snapshotted regardless")
 
 
 def prefix_cache_options(args) -> dict:
