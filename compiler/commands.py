@@ -213,6 +213,7 @@ def cmd_run(args) -> int:
     from runtime.engine import SamplingParams
     from runtime.graph_runner import CaptureError, ParityError
     from runtime.loader import LoadError, load_artifact
+    from runtime.server.cli import prefix_cache_options
     from runtime.server.model import EngineOptions, engine_for_artifact
 
     prompts = parse_prompt_ids(args.prompt_ids)
@@ -221,9 +222,9 @@ def cmd_run(args) -> int:
     except LoadError as e:
         return _fail("run", e)
     _check_vocab(prompts, int(art.manifest["model"]["vocab_size"]))
-    options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step)
     log = lambda line: print(f"hgc run: {line}", file=sys.stderr, flush=True)  # noqa: E731
     try:
+        options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step, **prefix_cache_options(args))
         engine = engine_for_artifact(art, options, max(map(len, prompts)) + args.max_new_tokens, device=args.device,
                                      graphs=not args.no_graphs, log=log)
     except (LoadError, CaptureError, ParityError, ValueError) as e:
@@ -237,7 +238,7 @@ def cmd_run(args) -> int:
         return _fail("run", e)
     results = engine.run_until_done()
     outputs = [list(results[i].output_ids) for i in ids]
-    extra = {"timing": engine.timing()}
+    extra = {"timing": engine.timing(), "cached_tokens": [results[i].cached_tokens for i in ids]}
     if engine.runner is not None:
         extra["steps"] = dict(engine.runner.counters)
     _print_outputs(prompts, outputs, args.json, extra=extra)
@@ -295,4 +296,6 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu (reference backend) or cuda (GPU backends, CUDA graphs)")
     p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
+    from runtime.server.cli import add_prefix_cache_arguments  # the flags `hgc serve` has too
+    add_prefix_cache_arguments(p)
     p.set_defaults(func=cmd_run)

@@ -7,9 +7,12 @@ the protocol (runtime/backends/protocol.py). A step:
 
 1. `_schedule`: pick the work of this step under a token budget: a chunk of prompt for each
    request still prefilling (`prefill`), one token for each request decoding (`decode`), new
-   requests admitted from the queue. Pages for the chosen tokens are taken here.
+   requests admitted from the queue. Pages for the chosen tokens are taken here. With a prefix
+   cache, an admitted request starts after the longest prefix the cache holds for it (its pages
+   shared, its linear state copied from a snapshot), and chunks end where snapshots are due.
 2. `_run`: lay the chosen tokens out as one batch (`build_step`), let the backend plan it
    (`init_step_metadata`, and `init_chunk_metadata` when prompt chunks are in it), run the forward.
+   Then, with a prefix cache, requests that stopped at a snapshot point are snapshotted.
 3. `_score_prompts`: requests that asked for their prompt's log-probabilities (echo) got logits
    rows for each prompt token of their chunk; those rows are scored on the device
    (runtime/logprobs.py).
@@ -37,14 +40,17 @@ Scheduling policy (deterministic; nothing is random but the requests' own genera
   blocks the queue (no skipping ahead, so a long prompt is not starved).
 - Admission. The head of the queue is admitted when a running place (max_running), a state slot
   and the pages for its first chunk are all free. No admission in a step that preempted.
-- Growth. A running request that needs pages takes them from the pool; if the pool is short it
-  takes a shorter chunk. If not even one token fits, the youngest running request is preempted
-  (slot and pages freed, progress dropped, put back at the front of the queue with its generated
-  tokens and its generator, to re-prefill prompt + output later), repeatedly, until one token fits.
+- Growth. A running request that needs pages takes them from the pool; if the pool is short, the
+  prefix cache gives back pages that no request uses (least recently used first), and if it is
+  still short the request takes a shorter chunk. If not even one token fits, the youngest running
+  request is preempted (slot and pages freed, progress dropped, put back at the front of the
+  queue with its generated tokens and its generator, to re-prefill prompt + output later),
+  repeatedly, until one token fits.
   A request that is itself the youngest waits this step instead, keeping its pages.
 - No deadlock: `add_request` refuses a request longer than the KV pool, so the oldest running
-  request can always grow after preempting every younger one; it finishes, and the next-oldest
-  becomes the oldest. With nothing running, the whole pool is free and the queue's head is
+  request can always grow after preempting every younger one (every page the prefix cache holds
+  and that request does not, the cache can give back); it finishes, and the next-oldest becomes
+  the oldest. With nothing running, the whole pool is free (or the cache's) and the queue's head is
   admitted. `step()` raises EngineStalled if a step with work to do schedules nothing.
 
 Timing: a step that carries prompt tokens (a prefill chunk, alone or mixed with decodes) counts as
@@ -53,7 +59,9 @@ the logits on the host, so device work is included.
 
 With a graph runner (runtime/graph_runner.py, started before the engine serves), step 2 is the
 runner's `execute`: it builds the step padded to a captured key and picks full graph, piecewise or
-eager. The engine does not capture graphs itself, run speculative decoding, or cache prefixes.
+eager. The prefix cache's policy (what a request reuses, where its chunks end, when it snapshots)
+is runtime/prefix_cache.py's; the engine calls it. The engine does not capture graphs itself or
+run speculative decoding.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ from runtime.bound_ops import BoundOps
 from runtime.kv_pool import KVPool
 from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.penalties import PenaltyTables
+from runtime.prefix_cache import CacheHold, PrefixCache
 from runtime.sampling import SamplingParams, make_generator, sample_next
 from runtime.state_pool import StatePool
 
@@ -113,6 +122,7 @@ class RequestResult:
     preemptions: int
     logprobs: tuple[TokenLogprob, ...] = ()  # one per output token, when asked for
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # one per prompt token after the first, when asked for
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave it at its first admission
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +151,8 @@ class _Request:
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # for tokens 1, 2, ...
     forks: list["_Request"] = dataclasses.field(default_factory=list)  # waiting to share this prompt's prefill
     fork_of: "_Request | None" = None  # while this request waits for that one's prefill
+    cache: CacheHold | None = None  # while running with a prefix cache (admitted from the queue, not forked)
+    cached_tokens: int | None = None  # prompt tokens from the prefix cache at its first admission
 
     @property
     def num_tokens(self) -> int:
@@ -192,14 +204,20 @@ class Engine:
 
     def __init__(self, forward: Callable, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, *,
                  max_tokens_per_step: int = 512, max_running: int | None = None, max_seq_len: int | None = None,
-                 device: torch.device | str = "cpu", recent_steps: int = 256, runner=None):
+                 device: torch.device | str = "cpu", recent_steps: int = 256, runner=None,
+                 prefix_cache: PrefixCache | None = None):
         """runner: a started GraphRunner (runtime/graph_runner.py) over the same ops and pools; each
         step then goes through its dispatcher (full graph, piecewise or eager) instead of `forward`,
-        which may be None. Build it with chunk_size=max_tokens_per_step."""
+        which may be None. Build it with chunk_size=max_tokens_per_step.
+        prefix_cache: a PrefixCache over the same pools (None: every request prefills its whole prompt)."""
         check_backend(ops.backend)  # the hooks are called below without guards
         if runner is not None and (runner.ops is not ops or runner.kv_pool is not kv_pool
                                    or runner.state_pool is not state_pool):
             raise ValueError("Engine: the graph runner must run the engine's own op table and pools")
+        if prefix_cache is not None and (prefix_cache.kv_pool is not kv_pool
+                                         or prefix_cache.state_pool is not state_pool):
+            raise ValueError("Engine: the prefix cache must hold the engine's own pools")
+        self.prefix_cache = prefix_cache
         if max_tokens_per_step < 1:
             raise ValueError(f"Engine: max_tokens_per_step must be >= 1 (got {max_tokens_per_step})")
         self.forward = forward
@@ -298,6 +316,9 @@ class Engine:
                                 f"{self.state_pool.num_free} slots free")
         rows = [req.logits_rows(n) for req, n in items]
         mode, logits = self._run(items, rows)  # prefill chunks and decodes in one forward: logits [sum(rows), V]
+        if self.prefix_cache is not None:  # before sampling retires anyone: the slots hold the states
+            self.prefix_cache.after_step([(req.cache, req.seq, req.prompt, req.output) for req, _ in items
+                                          if req.cache is not None])
         last_rows = list(itertools.accumulate(rows, initial=-1))[1:]  # each request's last logits row
         self._score_prompts(items, rows, last_rows, logits)
         outputs = self._sample(items, last_rows, logits)  # for every request with nothing left pending
@@ -333,12 +354,12 @@ class Engine:
             req = self._running[i]
             i += 1
             want = min(req.num_pending, budget)
-            n = min(want, self._room(req))
+            n = self._fit(req, want)
             while n == 0 and self._running[-1] is not req:
                 victim = self._running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
-                n = min(want, self._room(req))
+                n = self._fit(req, want)
             if n == 0:
                 continue  # the youngest cannot grow: it waits; older requests finish or preempt it
             self._take_pages(req, n)
@@ -353,11 +374,25 @@ class Engine:
         """Admit queued requests in FIFO order while a place, a slot and their first chunk's pages are free."""
         while self._waiting and budget > 0 and len(self._running) < self.max_running and self.state_pool.num_free:
             req = self._waiting[0]
-            n = min(req.num_pending, budget)
-            if self.kv_pool.pages_for(n) > self.kv_pool.num_free:
+            hold = None
+            if self.prefix_cache is not None:
+                hold = self.prefix_cache.take(req.prompt + req.output, len(req.prompt))
+            cached = 0 if hold is None else hold.tokens
+            n = min(req.num_tokens - cached, budget)
+            if hold is not None:
+                n = self.prefix_cache.chunk(hold, cached, n, req.num_tokens)
+            need = self.kv_pool.pages_for(cached + n) - self.kv_pool.pages_for(cached)
+            if not self._free_pages(need):
+                if hold is not None:
+                    self.prefix_cache.drop(hold)
                 return  # the head waits for pages; the queue waits behind it
             self._waiting.popleft()
             req.seq = SeqState(self.state_pool.alloc())  # alloc zeroes the slot: no state from its last owner
+            if hold is not None:
+                self.prefix_cache.attach(hold, req.seq, req.num_tokens)  # shared pages, the snapshot in its slot
+            req.cache = hold
+            if req.cached_tokens is None:
+                req.cached_tokens = min(cached, len(req.prompt))
             self._running.append(req)
             self._take_pages(req, n)
             budget -= n
@@ -514,6 +549,26 @@ class Engine:
         """Tokens the request can add now: its pages' free tail plus every free page."""
         return (len(req.seq.pages) + self.kv_pool.num_free) * self.kv_pool.page_size - req.seq.num_cached
 
+    def _free_pages(self, need: int) -> bool:
+        """Whether `need` pages are free, after the prefix cache gave back unused ones if it had to."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reclaim(need)
+        return need <= self.kv_pool.num_free
+
+    def _fit(self, req: _Request, want: int) -> int:
+        """Tokens (at most `want`) the running request can feed this step: as many as its pages
+        allow, its chunk ending where the prefix cache wants a snapshot. A request forked from
+        another's prefill holds nothing of the cache (its prompt went in with the other's)."""
+        if self.prefix_cache is None or req.cache is None:
+            if self.prefix_cache is not None:
+                self._free_pages(self.kv_pool.pages_for(req.num_cached + want) - len(req.seq.pages))
+            return min(want, self._room(req))
+        start, total = req.num_cached, req.num_tokens
+        want = self.prefix_cache.chunk(req.cache, start, want, total)
+        self._free_pages(self.kv_pool.pages_for(start + want) - len(req.seq.pages))
+        n = min(want, self._room(req))
+        return n if n == want else self.prefix_cache.chunk(req.cache, start, n, total)
+
     def _take_pages(self, req: _Request, n: int) -> None:
         # Taken here rather than in build_step, so the schedule's page accounting is the truth.
         need = self.kv_pool.pages_for(req.seq.num_cached + n) - len(req.seq.pages)
@@ -521,9 +576,10 @@ class Engine:
             req.seq.pages.extend(self.kv_pool.alloc(need))
 
     def _release(self, req: _Request) -> None:
-        self.kv_pool.free(req.seq.pages)
+        self.kv_pool.free(req.seq.pages)  # pages shared with the prefix cache stay there
         self.state_pool.free(req.seq.slot)
         req.seq = None
+        req.cache = None
 
     def _preempt(self, req: _Request) -> None:
         self._running.remove(req)
@@ -536,7 +592,8 @@ class Engine:
         del self._live[req.request_id]
         self._results[req.request_id] = RequestResult(
             req.request_id, tuple(req.prompt), tuple(req.output), reason, req.first_token_s,
-            time.perf_counter() - req.arrival_s, req.preemptions, tuple(req.logprobs), tuple(req.prompt_logprobs))
+            time.perf_counter() - req.arrival_s, req.preemptions, tuple(req.logprobs), tuple(req.prompt_logprobs),
+            req.cached_tokens or 0)
         self._totals["requests_finished"] += 1
 
     # -- numbers --------------------------------------------------------------------------------
@@ -573,14 +630,24 @@ class Engine:
             "decode_tokens_per_s": t["decode_sampled"] / decode_s if decode_s > 0 else None,
         }
 
+    def cached_tokens(self, request_id: Hashable) -> int | None:
+        """Prompt tokens a live or finished request got from the prefix cache; None before its admission."""
+        req = self._live.get(request_id)
+        if req is not None:
+            return req.cached_tokens
+        result = self._results.get(request_id)
+        return None if result is None else result.cached_tokens
+
     def stats(self) -> dict:
+        """free_pages counts the pages a request can take: free ones and those only the prefix cache holds."""
         last = self._recent[-1] if self._recent else None
+        cache = self.prefix_cache
         return {
             "queue_depth": len(self._waiting),
             "running": len(self._running),
             "free_slots": self.state_pool.num_free,
             "total_slots": self.state_pool.num_slots,
-            "free_pages": self.kv_pool.num_free,
+            "free_pages": self.kv_pool.num_free + (cache.tree.reclaimable_pages() if cache is not None else 0),
             "total_pages": self.kv_pool.num_pages,
             "tokens_generated": self._totals["tokens_generated"],
             "requests_finished": self._totals["requests_finished"],
@@ -592,6 +659,8 @@ class Engine:
             "last_step_s": last.seconds if last else None,
             "recent_steps": [dataclasses.asdict(r) for r in self._recent],  # JSON-ready for a server
             **self.timing(),
+            "prefix_cache": cache is not None,
+            **(cache.stats() if cache is not None else {}),
             # graph_replays / piecewise_steps / eager_steps, when a graph runner dispatches the steps
             **(dict(self.runner.counters) if self.runner is not None else {}),
         }
@@ -622,6 +691,9 @@ class RequestHandle:
         self._done = threading.Event()
         self._result: RequestResult | None = None
         self._error: BaseException | None = None
+        # Prompt tokens the prefix cache gave the request: set by the loop before the first token is
+        # handed over, so a consumer that has a token can read it (usage before the result is in).
+        self.cached_tokens: int | None = None
 
     # Called by the EngineLoop, under its lock; puts never block.
     def _put(self, item: tuple[str, object]) -> None:
@@ -826,6 +898,8 @@ class EngineLoop:
                     handle = self._handles.get(out.request_id)
                     if handle is None:
                         continue  # added on the engine directly, not through this loop
+                    if handle.cached_tokens is None:
+                        handle.cached_tokens = self.engine.cached_tokens(out.request_id)
                     handle._output(out)
                     if out.finished:
                         del self._handles[out.request_id]

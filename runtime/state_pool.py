@@ -17,7 +17,7 @@ import torch
 
 from compiler.splitops import LayerRegistry, dtype_from_name
 
-__all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT"]
+__all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT", "linear_state_buffers"]
 
 PADDING_SLOT = 0
 
@@ -26,19 +26,23 @@ class OutOfSlots(RuntimeError):
     pass
 
 
+def linear_state_buffers(registry: LayerRegistry, rows: int,
+                         device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
+    """layer id -> state entry name -> zeros [rows, *shape] for every linear layer (the snapshot pool's layout too)."""
+    return {
+        layer.layer_id: {name: torch.zeros((rows, *spec.shape), dtype=dtype_from_name(spec.dtype), device=device)
+                         for name, spec in layer.state.items()}
+        for layer in registry.linear_layers()
+    }
+
+
 class StatePool:
     def __init__(self, registry: LayerRegistry, num_slots: int, device: torch.device | str = "cpu"):
         if num_slots < 1:
             raise ValueError(f"state pool needs at least one request slot (got {num_slots})")
         self.num_slots = num_slots  # slots a request can hold; the padding slot comes on top
         self.device = torch.device(device)
-        # layer id -> entry name -> [num_slots + 1, *shape]
-        self.buffers: dict[int, dict[str, torch.Tensor]] = {}
-        for layer in registry.linear_layers():
-            self.buffers[layer.layer_id] = {
-                name: torch.zeros((num_slots + 1, *spec.shape), dtype=dtype_from_name(spec.dtype), device=self.device)
-                for name, spec in layer.state.items()
-            }
+        self.buffers = linear_state_buffers(registry, num_slots + 1, self.device)  # [num_slots + 1, *shape] each
         self._free: list[int] = list(range(num_slots, PADDING_SLOT, -1))  # pop() hands out slot 1 first
 
     @property

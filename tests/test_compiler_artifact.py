@@ -128,7 +128,8 @@ def test_run_prints_the_same_json_as_generate(ckpt, artifact, capsys):
     assert main(["run", str(artifact), "--prompt-ids", PROMPTS, "--max-new-tokens", "5", "--json"]) == 0
     ran = _json_out(capsys)
     assert ran["outputs"] == eager["outputs"]
-    assert set(ran) == {"outputs", "timing"}  # run adds the engine's per-phase timing, nothing else
+    # run adds the engine's per-phase timing and each prompt's prefix-cache hit, nothing else
+    assert set(ran) == {"outputs", "timing", "cached_tokens"}
 
 
 def test_link_weights_records_files_and_binds_the_same_weights(ckpt, artifact, tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import random
@@ -243,6 +244,40 @@ def test_text_chat_stream_and_stop_strings(server):
             assert got["finish_reason"] == "stop" and got["token_ids"][-1] in (1, whole["token_ids"][3])
 
     asyncio.run(run())
+
+
+def test_a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server):
+    """The prefix cache is on by default: the second of two identical prompts reports the cached
+    prompt tokens (usage.prompt_tokens_details.cached_tokens), streamed or not, gives the same
+    tokens, and /metrics counts the hit."""
+    g = random.Random(16)
+    prompt = [g.randrange(2, 256) for _ in range(45)]  # 2 whole pages of 16 before its last token
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    before = metrics(server.url)
+    first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    second = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert second["usage"]["prompt_tokens"] == 45
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    usage = None
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[len("data: "):]).get("usage") or usage
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 32}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": " ".join(g.choice(WORDS) for _ in range(40))}],
+            "max_tokens": 3, "temperature": 0}
+    # The third at the latest hits (the second does when the prompt does not end on a page boundary).
+    chats = [httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json() for _ in range(3)]
+    assert chats[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert chats[2]["choices"][0]["token_ids"] == chats[0]["choices"][0]["token_ids"]
+    after = wait_all_free(server.url)
+    assert after["hgc_prefix_cache_enabled"] == 1 and after["hgc_prefix_cache_snapshot_bytes"] > 0
+    assert after["hgc_prefix_cache_hits_total"] - before["hgc_prefix_cache_hits_total"] >= 2 * 32 + 16
+    assert after["hgc_prefix_cache_requests_total{outcome=\"hit\"}"] >= 3
+    assert 0 < after["hgc_prefix_cache_hit_rate"] < 1
 
 
 def test_200_concurrent_requests_match_alone_and_free_everything(server):
@@ -515,8 +550,13 @@ def test_memory_budget_sizes_the_kv_pool_with_the_planner(artifact):
     options = EngineOptions(slots=4, memory_budget_bytes=8 << 20, max_model_len=128)
     engine = build_engine(registry, lambda ops: None, options, 128, weight_bytes=1 << 20)
     plan = plan_memory(registry, budget_bytes=8 << 20, weight_bytes=1 << 20, max_seq_len=128, page_size=16,
-                       num_slots=4)
+                       num_slots=4, snapshot_share=options.snapshot_share)
     assert engine.kv_pool.num_pages == plan.num_pages and engine.state_pool.num_slots == 4
+    assert engine.prefix_cache.snapshots.num_snapshots == plan.num_snapshots > 0
+    assert engine.prefix_cache.snapshots.nbytes() == plan.snapshot_bytes
+    uncached = build_engine(registry, lambda ops: None, dataclasses.replace(options, prefix_cache=False), 128,
+                            weight_bytes=1 << 20)
+    assert uncached.prefix_cache is None and uncached.kv_pool.num_pages > engine.kv_pool.num_pages
     with pytest.raises(MemoryPlanError):
         build_engine(registry, lambda ops: None, EngineOptions(slots=4, memory_budget_bytes=1 << 20), 128,
                      weight_bytes=1 << 20)
@@ -681,8 +721,10 @@ def test_several_prompts_with_n_give_every_choice_as_if_sent_alone(server):
     assert [c["text"] for c in streamed["choices"]] == [c["text"] for c in whole["choices"]]
     assert len({tuple(c["token_ids"]) for c in whole["choices"]}) == 6
     prompt_tokens = sum(single["usage"]["prompt_tokens"] for single in alone[::3])
+    # prompts shorter than a page: nothing for the prefix cache to serve
     assert whole["usage"] == streamed["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 48,
-                                                   "total_tokens": prompt_tokens + 48}
+                                                   "total_tokens": prompt_tokens + 48,
+                                                   "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_logprobs_penalties_and_bias(server, reference):

@@ -301,13 +301,22 @@ class ServerState:
                 "duration_count": self.duration[1], "healthy": self.healthy, "draining": self.draining}
 
 
+def _cached_tokens(choices: list[Choice]) -> int:
+    """Prompt tokens the prefix cache served, once per prompt: a prompt's n choices share its
+    prefill, and only the one that ran it reports the cached part."""
+    per_prompt: dict[int, int] = {}
+    for c in choices:
+        per_prompt[id(c.prompt_ids)] = max(per_prompt.get(id(c.prompt_ids), 0), c.generation.cached_tokens)
+    return sum(per_prompt.values())
+
+
 async def _events(state, choices: list[Choice], chunk, usage, openings: list[dict] = ()):
     """The SSE events of a streamed request's choices, for either endpoint.
 
     The opening chunks (chat's role), one chunk per delta of any choice (`chunk(choice, text,
     logprobs, token_ids, finish)`), each choice's closing chunk (`chunk(choice, text, logprobs,
     [], finish_reason)`, with the echoed prompt when nothing came before it), the usage chunk
-    when asked (`usage(completion_tokens)`), then [DONE]. An engine failure ends the stream with
+    when asked (`usage(completion_tokens, cached_tokens)`), then [DONE]. An engine failure ends the stream with
     an error event instead: the status line was sent long ago.
     """
     try:
@@ -323,7 +332,7 @@ async def _events(state, choices: list[Choice], chunk, usage, openings: list[dic
             else:
                 yield sse_event(chunk(choice, echo, scores, [], choice.generation.finish_reason))
         if usage is not None:
-            yield sse_event(usage(sum(len(c.generation.token_ids) for c in choices)))
+            yield sse_event(usage(sum(len(c.generation.token_ids) for c in choices), _cached_tokens(choices)))
     except EngineLoopError as e:
         state.errors[500] += 1
         yield sse_event(_engine_error_body(e))
@@ -440,7 +449,8 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         return choices
 
     def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
-        return usage_body(sum(map(len, prompts)), sum(len(c.generation.token_ids) for c in choices))
+        return usage_body(sum(map(len, prompts)), sum(len(c.generation.token_ids) for c in choices),
+                          _cached_tokens(choices))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

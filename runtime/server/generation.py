@@ -70,6 +70,11 @@ class Generation:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine's prefix cache served (known once the first token is in; 0 before)."""
+        return self.handle.cached_tokens or 0
+
     def _held_back(self) -> int:
         """Characters at the end of the text that could begin a stop string: not shown yet."""
         longest = max(map(len, self.stop_strings), default=1) - 1

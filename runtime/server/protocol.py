@@ -243,9 +243,11 @@ def parse_body(raw: bytes, schema: type[_Strict]):
 # -- responses ------------------------------------------------------------------------------------
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens the prefix cache served (not prefilled)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None,
@@ -281,10 +283,10 @@ def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dic
 
 
 def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_tokens: int,
-                completion_tokens: int) -> dict:
+                completion_tokens: int, cached_tokens: int = 0) -> dict:
     """The final chunk of a stream asked for with stream_options.include_usage: no choices, the usage."""
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage_body(prompt_tokens, completion_tokens)}
+            "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def models_body(name: str, created: int, max_model_len: int, extra: dict | None = None) -> dict:
