@@ -375,7 +375,9 @@ class Engine:
         while self._waiting and budget > 0 and len(self._running) < self.max_running and self.state_pool.num_free:
             req = self._waiting[0]
             hold = None
-            if self.prefix_cache is not None:
+            # A request scoring its prompt needs the logits of every prompt position, which a cached
+            # prefix does not keep: it prefills the whole prompt.
+            if self.prefix_cache is not None and req.params.prompt_logprobs is None:
                 hold = self.prefix_cache.take(req.prompt + req.output, len(req.prompt))
             cached = 0 if hold is None else hold.tokens
             n = min(req.num_tokens - cached, budget)
