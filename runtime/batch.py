@@ -36,7 +36,7 @@ class SeqState:
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    logits_index: torch.Tensor  # [B] int64: the last row of each real request
+    logits_index: torch.Tensor  # [R] int64: the last row of each real request (R == B), or more (logits_rows)
     ctx: ExecContext
 
 
@@ -51,8 +51,13 @@ def step_mode(query_lens: list[int], cache_lens: list[int]) -> Mode:
 
 def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device="cpu",
                mode: Mode | None = None, pad_tokens_to: int | None = None,
-               pad_seqs_to: int | None = None, max_pages: int | None = None) -> StepInputs:
+               pad_seqs_to: int | None = None, max_pages: int | None = None,
+               logits_rows: list[int] | None = None) -> StepInputs:
     """items: (request state, new token ids) for each request of the step, in order.
+
+    logits_rows: for each request, how many of its last rows get logits (default 1: the row that
+    predicts its next token). A request scoring its prompt asks for more; its rows stay in order,
+    so each request's last logits row is still the one its next token is sampled from.
 
     Every step of the engine passes through here on the host, so the layout is computed with
     whole-array numpy operations (one per field) rather than per-request torch calls: at 128
@@ -104,7 +109,15 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
         num_seqs=B_pad,
     )
     ctx.check()
-    return StepInputs(dev(input_ids), dev(positions), dev(starts[1:B + 1] - 1), ctx)
+    ends = starts[1:B + 1]
+    if logits_rows is None:
+        logits_index = ends - 1
+    else:
+        rows = np.asarray(logits_rows, dtype=np.int64)
+        assert rows.shape == (B,) and (rows >= 1).all() and (rows <= q_lens).all(), (logits_rows, query_lens)
+        # row r of request b: ends[b] - rows[b] + r, for r < rows[b]
+        logits_index = np.repeat(ends - rows, rows) + np.arange(rows.sum()) - np.repeat(np.cumsum(rows) - rows, rows)
+    return StepInputs(dev(input_ids), dev(positions), dev(logits_index), ctx)
 
 
 def commit_step(items: list[tuple[SeqState, list[int]]]) -> None:

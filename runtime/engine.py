@@ -7,17 +7,31 @@ the protocol (runtime/backends/protocol.py). A step:
 
 1. `_schedule`: pick the work of this step under a token budget: a chunk of prompt for each
    request still prefilling (`prefill`), one token for each request decoding (`decode`), new
-   requests admitted from the queue. Pages for the chosen tokens are taken here.
+   requests admitted from the queue. Pages for the chosen tokens are taken here. With a prefix
+   cache, an admitted request starts after the longest prefix the cache holds for it (its pages
+   shared, its linear state copied from a snapshot), and chunks end where snapshots are due.
 2. `_run`: lay the chosen tokens out as one batch (`build_step`), let the backend plan it
    (`init_step_metadata`, and `init_chunk_metadata` when prompt chunks are in it), run the forward.
-3. `_sample`: each request whose pending tokens are all in the cache now samples its next token
-   from its own logits row and its own generator.
-4. `_retire`: requests that hit a stop token or max_new_tokens free their state slot and pages at
+   Then, with a prefix cache, requests that stopped at a snapshot point are snapshotted.
+3. `_score_prompts`: requests that asked for their prompt's log-probabilities (echo) got logits
+   rows for each prompt token of their chunk; those rows are scored on the device
+   (runtime/logprobs.py).
+4. `_sample`: each request whose pending tokens are all in the cache now samples its next token
+   from its own logits row and its own generator, after its logit_bias and penalties
+   (runtime/penalties.py); requests sharing its prompt are forked from it first (below).
+5. `_retire`: requests that hit a stop token or max_new_tokens free their state slot and pages at
    once. (`cancel` frees them immediately, between steps.)
 
 A request's tokens are its prompt followed by what it generated; the cache holds the first
 `num_cached` of them. Prefill and decode are the same thing at different lengths: feed the tokens
 not yet cached, sample when none are left. That is also how a preempted request resumes.
+
+Shared prefill (OpenAI's `n`): a request added with `prefill_from=` another request of the same
+prompt waits, unqueued, until that request's prompt is in the cache. In that step it is forked:
+it gets a slot and pages of its own holding copies of the first one's states and KV, samples
+its first token from the same logits row (with its own generator), and decodes on its own. When
+no slot, place or pages are free for it then, it is queued at the front instead and prefills
+its prompt itself; the tokens are the same either way.
 
 Scheduling policy (deterministic; nothing is random but the requests' own generators):
 
@@ -26,14 +40,17 @@ Scheduling policy (deterministic; nothing is random but the requests' own genera
   blocks the queue (no skipping ahead, so a long prompt is not starved).
 - Admission. The head of the queue is admitted when a running place (max_running), a state slot
   and the pages for its first chunk are all free. No admission in a step that preempted.
-- Growth. A running request that needs pages takes them from the pool; if the pool is short it
-  takes a shorter chunk. If not even one token fits, the youngest running request is preempted
-  (slot and pages freed, progress dropped, put back at the front of the queue with its generated
-  tokens and its generator, to re-prefill prompt + output later), repeatedly, until one token fits.
+- Growth. A running request that needs pages takes them from the pool; if the pool is short, the
+  prefix cache gives back pages that no request uses (least recently used first), and if it is
+  still short the request takes a shorter chunk. If not even one token fits, the youngest running
+  request is preempted (slot and pages freed, progress dropped, put back at the front of the
+  queue with its generated tokens and its generator, to re-prefill prompt + output later),
+  repeatedly, until one token fits.
   A request that is itself the youngest waits this step instead, keeping its pages.
 - No deadlock: `add_request` refuses a request longer than the KV pool, so the oldest running
-  request can always grow after preempting every younger one; it finishes, and the next-oldest
-  becomes the oldest. With nothing running, the whole pool is free and the queue's head is
+  request can always grow after preempting every younger one (every page the prefix cache holds
+  and that request does not, the cache can give back); it finishes, and the next-oldest becomes
+  the oldest. With nothing running, the whole pool is free (or the cache's) and the queue's head is
   admitted. `step()` raises EngineStalled if a step with work to do schedules nothing.
 
 Timing: a step that carries prompt tokens (a prefill chunk, alone or mixed with decodes) counts as
@@ -42,8 +59,10 @@ the logits on the host, so device work is included.
 
 With a graph runner (runtime/graph_runner.py, started before the engine serves), step 2 is the
 runner's `execute`: it builds the step padded to a captured key and picks full graph, piecewise or
-eager. The engine does not capture graphs itself, run speculative decoding, or cache prefixes, and
-it runs on the caller's thread: runtime/engine_loop.py steps it on a background thread for the server.
+eager. The prefix cache's policy (what a request reuses, where its chunks end, when it snapshots)
+is runtime/prefix_cache.py's; the engine calls it. The engine does not capture graphs itself or
+run speculative decoding, and it runs on the caller's thread: runtime/engine_loop.py steps it on a
+background thread for the server.
 """
 
 from __future__ import annotations
@@ -61,6 +80,9 @@ from runtime.backends.protocol import check_backend, plan_eager_step
 from runtime.batch import SeqState, build_step, commit_step
 from runtime.bound_ops import BoundOps
 from runtime.kv_pool import KVPool
+from runtime.logprobs import TokenLogprob, token_logprobs
+from runtime.penalties import PenaltyTables
+from runtime.prefix_cache import CacheHold, PrefixCache
 from runtime.sampling import SamplingParams, make_generator, sample_next
 from runtime.state_pool import StatePool
 
@@ -73,8 +95,12 @@ class EngineStalled(RuntimeError):
 
 class StepOutput(NamedTuple):
     request_id: Hashable
-    token: int
+    token: int | None  # None: a request that generates nothing (max_new_tokens 0) has finished
     finished: bool
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    # The request's first output carries its prompt's log-probabilities, when it asked for them:
+    # one entry for each prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +112,9 @@ class RequestResult:
     first_token_s: float | None  # from add_request to the first token
     total_s: float  # from add_request to the end
     preemptions: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per output token, when asked for
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # one per prompt token after the first, when asked for
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave it at its first admission
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +139,12 @@ class _Request:
     first_token_s: float | None = None
     preemptions: int = 0
     stop_reason: str | None = None  # set by the step that samples its last token
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # for tokens 1, 2, ...
+    forks: list["_Request"] = dataclasses.field(default_factory=list)  # waiting to share this prompt's prefill
+    fork_of: "_Request | None" = None  # while this request waits for that one's prefill
+    cache: CacheHold | None = None  # while running with a prefix cache (admitted from the queue, not forked)
+    cached_tokens: int | None = None  # prompt tokens from the prefix cache at its first admission
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +169,17 @@ class _Request:
         assert len(tokens) == n, f"request {self.request_id}: asked {n} tokens, {self.num_pending} pending"
         return tokens
 
+    def logits_rows(self, n: int) -> int:
+        """Logits rows this request needs from a chunk of its next n tokens, counted back from its
+        last one: 1, or more while it scores prompt tokens. The row at position p predicts token
+        p + 1; prompt tokens 1 .. len(prompt) - 1 are scored, those already scored are skipped
+        (a preempted request re-prefills)."""
+        if self.params.prompt_logprobs is None:
+            return 1
+        end = self.num_cached + n
+        first = max(self.num_cached, len(self.prompt_logprobs))
+        return end - first if first < min(end, len(self.prompt) - 1) else 1
+
 
 @dataclasses.dataclass
 class _StepPlan:
@@ -150,14 +196,20 @@ class Engine:
 
     def __init__(self, forward: Callable, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, *,
                  max_tokens_per_step: int = 512, max_running: int | None = None, max_seq_len: int | None = None,
-                 device: torch.device | str = "cpu", recent_steps: int = 256, runner=None):
+                 device: torch.device | str = "cpu", recent_steps: int = 256, runner=None,
+                 prefix_cache: PrefixCache | None = None):
         """runner: a started GraphRunner (runtime/graph_runner.py) over the same ops and pools; each
         step then goes through its dispatcher (full graph, piecewise or eager) instead of `forward`,
-        which may be None. Build it with chunk_size=max_tokens_per_step."""
+        which may be None. Build it with chunk_size=max_tokens_per_step.
+        prefix_cache: a PrefixCache over the same pools (None: every request prefills its whole prompt)."""
         check_backend(ops.backend)  # the hooks are called below without guards
         if runner is not None and (runner.ops is not ops or runner.kv_pool is not kv_pool
                                    or runner.state_pool is not state_pool):
             raise ValueError("Engine: the graph runner must run the engine's own op table and pools")
+        if prefix_cache is not None and (prefix_cache.kv_pool is not kv_pool
+                                         or prefix_cache.state_pool is not state_pool):
+            raise ValueError("Engine: the prefix cache must hold the engine's own pools")
+        self.prefix_cache = prefix_cache
         if max_tokens_per_step < 1:
             raise ValueError(f"Engine: max_tokens_per_step must be >= 1 (got {max_tokens_per_step})")
         self.forward = forward
@@ -177,15 +229,27 @@ class Engine:
         self._results: dict[Hashable, RequestResult] = {}
         self._recent: collections.deque[StepRecord] = collections.deque(maxlen=recent_steps)
         self._totals = collections.Counter()  # counts and seconds, see timing() / stats()
+        self._penalties: PenaltyTables | None = None  # made when a request with a penalty or bias first samples
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: Hashable = None) -> Hashable:
-        """Queue a request; it joins the batch at a later step. Returns its id."""
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: Hashable = None,
+                    prefill_from: Hashable = None) -> Hashable:
+        """Queue a request; it joins the batch at a later step. Returns its id.
+
+        prefill_from: the id of a request with the same prompt that has not sampled yet; this one
+        then shares its prefill (see "Shared prefill" above)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("Engine.add_request: the prompt is empty")
+        parent = None
+        if prefill_from is not None:
+            parent = self._live.get(prefill_from)
+            if (parent is None or parent.fork_of is not None or parent.output or parent.prompt != prompt
+                    or parent.params.prompt_logprobs != params.prompt_logprobs):
+                raise ValueError(f"Engine.add_request: request {prefill_from!r} is not a live request of the same "
+                                 f"prompt (and prompt_logprobs) that has yet to sample: it cannot share its prefill")
         if len(prompt) + params.max_new_tokens > self.max_seq_len:
             raise ValueError(
                 f"Engine.add_request: {len(prompt)} prompt + {params.max_new_tokens} new tokens exceed the "
@@ -199,7 +263,11 @@ class Engine:
             raise ValueError(f"Engine.add_request: request id {request_id!r} is already in use")
         req = _Request(request_id, prompt, params, make_generator(params), time.perf_counter())
         self._live[request_id] = req
-        self._waiting.append(req)
+        if parent is not None:
+            req.fork_of = parent
+            parent.forks.append(req)
+        else:
+            self._waiting.append(req)
         return request_id
 
     def cancel(self, request_id: Hashable) -> bool:
@@ -207,11 +275,14 @@ class Engine:
         req = self._live.get(request_id)
         if req is None:
             return False
-        if req.seq is None:
+        if req.fork_of is not None:
+            req.fork_of.forks.remove(req)
+        elif req.seq is None:
             self._waiting.remove(req)
         else:
             self._running.remove(req)
             self._release(req)
+        self._queue_forks(req)  # they prefill by themselves now
         self._finish(req, "cancelled")
         return True
 
@@ -235,10 +306,16 @@ class Engine:
             raise EngineStalled(f"Engine.step: nothing scheduled with {len(self._waiting)} queued and "
                                 f"{len(self._running)} running requests; {self.kv_pool.num_free} pages and "
                                 f"{self.state_pool.num_free} slots free")
-        mode, logits = self._run(items)  # prefill chunks and decodes in one forward
-        outputs = self._sample(items, logits)  # for every request with nothing left pending
-        self._retire([req for req, _ in items if req.stop_reason is not None])
-        self._record(plan, mode, len(outputs), time.perf_counter() - start)
+        rows = [req.logits_rows(n) for req, n in items]
+        mode, logits = self._run(items, rows)  # prefill chunks and decodes in one forward: logits [sum(rows), V]
+        if self.prefix_cache is not None:  # before sampling retires anyone: the slots hold the states
+            self.prefix_cache.after_step([(req.cache, req.seq, req.prompt, req.output) for req, _ in items
+                                          if req.cache is not None])
+        last_rows = list(itertools.accumulate(rows, initial=-1))[1:]  # each request's last logits row
+        self._score_prompts(items, rows, last_rows, logits)
+        outputs = self._sample(items, last_rows, logits)  # for every request with nothing left pending
+        self._retire([self._live[out.request_id] for out in outputs if out.finished])  # forks included
+        self._record(plan, mode, sum(out.token is not None for out in outputs), time.perf_counter() - start)
         return outputs
 
     def run_until_done(self) -> dict[Hashable, RequestResult]:
@@ -269,12 +346,12 @@ class Engine:
             req = self._running[i]
             i += 1
             want = min(req.num_pending, budget)
-            n = min(want, self._room(req))
+            n = self._fit(req, want)
             while n == 0 and self._running[-1] is not req:
                 victim = self._running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
-                n = min(want, self._room(req))
+                n = self._fit(req, want)
             if n == 0:
                 continue  # the youngest cannot grow: it waits; older requests finish or preempt it
             self._take_pages(req, n)
@@ -289,57 +366,167 @@ class Engine:
         """Admit queued requests in FIFO order while a place, a slot and their first chunk's pages are free."""
         while self._waiting and budget > 0 and len(self._running) < self.max_running and self.state_pool.num_free:
             req = self._waiting[0]
-            n = min(req.num_pending, budget)
-            if self.kv_pool.pages_for(n) > self.kv_pool.num_free:
+            hold = None
+            # A request scoring its prompt needs the logits of every prompt position, which a cached
+            # prefix does not keep: it prefills the whole prompt.
+            if self.prefix_cache is not None and req.params.prompt_logprobs is None:
+                hold = self.prefix_cache.take(req.prompt + req.output, len(req.prompt))
+            cached = 0 if hold is None else hold.tokens
+            n = min(req.num_tokens - cached, budget)
+            if hold is not None:
+                n = self.prefix_cache.chunk(hold, cached, n, req.num_tokens)
+            need = self.kv_pool.pages_for(cached + n) - self.kv_pool.pages_for(cached)
+            if not self._free_pages(need):
+                if hold is not None:
+                    self.prefix_cache.drop(hold)
                 return  # the head waits for pages; the queue waits behind it
             self._waiting.popleft()
             req.seq = SeqState(self.state_pool.alloc())  # alloc zeroes the slot: no state from its last owner
+            if hold is not None:
+                self.prefix_cache.attach(hold, req.seq, req.num_tokens)  # shared pages, the snapshot in its slot
+            req.cache = hold
+            if req.cached_tokens is None:
+                req.cached_tokens = min(cached, len(req.prompt))
             self._running.append(req)
             self._take_pages(req, n)
             budget -= n
             plan.prefill.append((req, n))
 
-    def _run(self, items: list[tuple[_Request, int]]) -> tuple[Mode, torch.Tensor]:
-        """One forward over every scheduled token (prefill chunks and decodes together)."""
+    def _run(self, items: list[tuple[_Request, int]], rows: list[int]) -> tuple[Mode, torch.Tensor]:
+        """One forward over every scheduled token (prefill chunks and decodes together); `rows[b]`
+        logits rows for request b (its last ones)."""
         seq_items = [(req.seq, req.next_tokens(n)) for req, n in items]
+        logits_rows = rows if any(r > 1 for r in rows) else None
         if self.runner is not None:
-            mode, logits = self.runner.execute(seq_items)
+            mode, logits = self.runner.execute(seq_items, logits_rows)
             commit_step(seq_items)
             return mode, logits
         if self.forward is None:
             raise RuntimeError("Engine: no forward callable and no graph runner to run the step")
-        step = build_step(seq_items, self.kv_pool, self.device)
+        step = build_step(seq_items, self.kv_pool, self.device, logits_rows=logits_rows)
         plan_eager_step(self.ops.backend, step.ctx, self.max_tokens_per_step)
         with self.ops.step(step.ctx), torch.no_grad():
             logits = self.forward(step.input_ids, step.positions, step.logits_index)  # [B, V]
         commit_step(seq_items)
         return step.ctx.mode, logits
 
-    def _sample(self, items: list[tuple[_Request, int]], logits: torch.Tensor) -> list[StepOutput]:
-        """logits [B, V] where the step ran. Only what sampling reads crosses to the host: B argmax
-        ids for greedy requests (at 128 requests and a 152k vocabulary the whole matrix would be
-        78 MB a step), and the float32 rows of requests that sample."""
-        outputs = []
+    def _score_prompts(self, items: list[tuple[_Request, int]], rows: list[int], last_rows: list[int],
+                       logits: torch.Tensor) -> None:
+        """Score the prompt tokens whose predicting rows this step computed, for requests that asked."""
+        picks, targets, ks, owners = [], [], [], []
+        for (req, n), count, last in zip(items, rows, last_rows):
+            if req.params.prompt_logprobs is None:
+                continue
+            end = req.num_cached  # committed: the chunk's positions are end - n .. end - 1
+            for position in range(max(end - count, len(req.prompt_logprobs)), min(end, len(req.prompt) - 1)):
+                picks.append(last - (end - 1 - position))
+                targets.append(req.prompt[position + 1])
+                ks.append(req.params.prompt_logprobs)
+                owners.append(req)
+        if picks:
+            index = torch.tensor(picks, device=logits.device)
+            for req, entry in zip(owners, token_logprobs(logits[index], targets, ks)):
+                req.prompt_logprobs.append(entry)
+
+    def _sample(self, items: list[tuple[_Request, int]], last_rows: list[int],
+                logits: torch.Tensor) -> list[StepOutput]:
+        """logits [R, V] where the step ran; `last_rows[b]` is request b's row for its next token.
+
+        Only what sampling reads crosses to the host: the chosen ids of greedy requests (at 128
+        requests and a 152k vocabulary the whole matrix would be 78 MB a step), the float32 rows of
+        requests that draw, and the log-probabilities asked for (runtime/logprobs.py)."""
         now = time.perf_counter()
-        ready = [b for b, (req, _) in enumerate(items) if req.num_pending == 0]
-        sampled = [b for b in ready if not items[b][0].params.greedy]
-        greedy_ids = logits.argmax(-1).tolist() if len(sampled) < len(ready) else None
-        rows = dict(zip(sampled, logits[sampled].float().cpu())) if sampled else {}
-        for b in ready:
-            req = items[b][0]
-            # (a prompt chunk that is not the last is not ready: its row predicts a token we already have)
-            token = greedy_ids[b] if req.params.greedy else sample_next(rows[b], req.params, req.generator)
-            req.output.append(token)
+        ready = []  # (request, its logits row); a prompt chunk that is not the last is not ready
+        for (req, _), row in zip(items, last_rows):
+            if req.num_pending == 0:
+                ready.append((req, row))
+                ready += [(child, row) for child in self._fork(req)]
+        drawing = [(req, row) for req, row in ready if req.params.max_new_tokens > 0]
+        tokens = dict(zip((req.request_id for req, _ in drawing), self._draw(drawing, logits)))
+        outputs = []
+        for req, _ in ready:
+            first = req.first_token_s is None
             if req.first_token_s is None:
                 req.first_token_s = now - req.arrival_s
-            req.stop_reason = self._stop_reason(req, token)
-            outputs.append(StepOutput(req.request_id, token, req.stop_reason is not None))
+            token = tokens.get(req.request_id)
+            if token is None:  # nothing to generate: the prompt is scored, the request is done
+                req.stop_reason = "length"
+            else:
+                req.output.append(token)
+                req.stop_reason = self._stop_reason(req, token)
+            prompt_logprobs = tuple(req.prompt_logprobs) if first and req.params.prompt_logprobs is not None else None
+            outputs.append(StepOutput(req.request_id, token, req.stop_reason is not None,
+                                      req.logprobs[-1] if token is not None and req.params.logprobs is not None
+                                      else None, prompt_logprobs))
         return outputs
+
+    def _draw(self, batch: list[tuple[_Request, int]], logits: torch.Tensor) -> list[int]:
+        """The next token of each (request, logits row): argmax or the request's own draw, from
+        the logits after its bias and penalties; records the log-probabilities asked for."""
+        if not batch:
+            return []
+        reqs = [req for req, _ in batch]
+        raw = logits[torch.tensor([row for _, row in batch], device=logits.device)]  # [B, V]
+        if self._penalties is None and any(req.params.changes_logits for req in reqs):
+            self._penalties = PenaltyTables(self.state_pool.num_slots + 1, raw.shape[1], raw.device)
+        processed, slots = raw, None
+        if self._penalties is not None:
+            # Once the tables exist every request has a row (neutral without penalties): one batched op.
+            for req in reqs:
+                self._penalties.load(req.seq.slot, req, req.params, req.prompt, req.output)
+            slots = torch.tensor([req.seq.slot for req in reqs], device=raw.device)
+            processed = self._penalties.apply(raw, slots)
+        drawn = [b for b, req in enumerate(reqs) if not req.params.greedy]
+        greedy_ids = processed.argmax(-1).tolist() if len(drawn) < len(reqs) else None
+        rows = dict(zip(drawn, processed[drawn].float().cpu())) if drawn else {}
+        tokens = [sample_next(rows[b], req.params, req.generator) if b in rows else greedy_ids[b]
+                  for b, req in enumerate(reqs)]
+        if self._penalties is not None:
+            self._penalties.record(slots, torch.tensor(tokens, device=raw.device))
+        scored = [b for b, req in enumerate(reqs) if req.params.logprobs is not None]
+        if scored:
+            entries = token_logprobs(raw[scored], [tokens[b] for b in scored], [reqs[b].params.logprobs for b in scored])
+            for b, entry in zip(scored, entries):
+                reqs[b].logprobs.append(entry)
+        return tokens
+
+    def _fork(self, req: _Request) -> list[_Request]:
+        """The requests waiting to share `req`'s prefill, now that its prompt is cached: each gets
+        its own slot and pages with copies of req's states and KV, and the ones that do are
+        returned (they sample from req's row this step). The others are queued to prefill alone."""
+        forks, req.forks = req.forks, []
+        forked = []
+        for child in forks:
+            child.fork_of = None
+            child.prompt_logprobs = list(req.prompt_logprobs)
+            if child.params.max_new_tokens == 0:
+                forked.append(child)  # only the prompt's scores: nothing to copy
+                continue
+            pages = len(req.seq.pages)
+            if len(self._running) >= self.max_running or not self.state_pool.num_free or pages > self.kv_pool.num_free:
+                self._waiting.appendleft(child)
+                self._totals["prefills_recomputed"] += 1
+                continue
+            child.seq = SeqState(self.state_pool.alloc(), self.kv_pool.alloc(pages), req.seq.num_cached)
+            self.state_pool.copy_slot(req.seq.slot, child.seq.slot)
+            self.kv_pool.copy_pages(req.seq.pages, child.seq.pages)
+            self._running.append(child)
+            self._totals["prefills_shared"] += 1
+            forked.append(child)
+        return forked
+
+    def _queue_forks(self, req: _Request) -> None:
+        """A request that leaves before its prompt is cached hands its waiting forks to the queue's front."""
+        for child in reversed(req.forks):
+            child.fork_of = None
+            self._waiting.appendleft(child)
+        req.forks = []
 
     def _retire(self, finished: list[_Request]) -> None:
         for req in finished:
-            self._running.remove(req)
-            self._release(req)
+            if req.seq is not None:  # a fork that only scored its prompt never held a slot
+                self._running.remove(req)
+                self._release(req)
             self._finish(req, req.stop_reason)
 
     @staticmethod
@@ -356,6 +543,26 @@ class Engine:
         """Tokens the request can add now: its pages' free tail plus every free page."""
         return (len(req.seq.pages) + self.kv_pool.num_free) * self.kv_pool.page_size - req.seq.num_cached
 
+    def _free_pages(self, need: int) -> bool:
+        """Whether `need` pages are free, after the prefix cache gave back unused ones if it had to."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reclaim(need)
+        return need <= self.kv_pool.num_free
+
+    def _fit(self, req: _Request, want: int) -> int:
+        """Tokens (at most `want`) the running request can feed this step: as many as its pages
+        allow, its chunk ending where the prefix cache wants a snapshot. A request forked from
+        another's prefill holds nothing of the cache (its prompt went in with the other's)."""
+        if self.prefix_cache is None or req.cache is None:
+            if self.prefix_cache is not None:
+                self._free_pages(self.kv_pool.pages_for(req.num_cached + want) - len(req.seq.pages))
+            return min(want, self._room(req))
+        start, total = req.num_cached, req.num_tokens
+        want = self.prefix_cache.chunk(req.cache, start, want, total)
+        self._free_pages(self.kv_pool.pages_for(start + want) - len(req.seq.pages))
+        n = min(want, self._room(req))
+        return n if n == want else self.prefix_cache.chunk(req.cache, start, n, total)
+
     def _take_pages(self, req: _Request, n: int) -> None:
         # Taken here rather than in build_step, so the schedule's page accounting is the truth.
         need = self.kv_pool.pages_for(req.seq.num_cached + n) - len(req.seq.pages)
@@ -363,9 +570,10 @@ class Engine:
             req.seq.pages.extend(self.kv_pool.alloc(need))
 
     def _release(self, req: _Request) -> None:
-        self.kv_pool.free(req.seq.pages)
+        self.kv_pool.free(req.seq.pages)  # pages shared with the prefix cache stay there
         self.state_pool.free(req.seq.slot)
         req.seq = None
+        req.cache = None
 
     def _preempt(self, req: _Request) -> None:
         self._running.remove(req)
@@ -378,7 +586,8 @@ class Engine:
         del self._live[req.request_id]
         self._results[req.request_id] = RequestResult(
             req.request_id, tuple(req.prompt), tuple(req.output), reason, req.first_token_s,
-            time.perf_counter() - req.arrival_s, req.preemptions)
+            time.perf_counter() - req.arrival_s, req.preemptions, tuple(req.logprobs), tuple(req.prompt_logprobs),
+            req.cached_tokens or 0)
         self._totals["requests_finished"] += 1
 
     # -- numbers --------------------------------------------------------------------------------
@@ -415,22 +624,37 @@ class Engine:
             "decode_tokens_per_s": t["decode_sampled"] / decode_s if decode_s > 0 else None,
         }
 
+    def cached_tokens(self, request_id: Hashable) -> int | None:
+        """Prompt tokens a live or finished request got from the prefix cache; None before its admission."""
+        req = self._live.get(request_id)
+        if req is not None:
+            return req.cached_tokens
+        result = self._results.get(request_id)
+        return None if result is None else result.cached_tokens
+
     def stats(self) -> dict:
+        """free_pages counts the pages a request can take: free ones and those only the prefix cache holds."""
         last = self._recent[-1] if self._recent else None
+        cache = self.prefix_cache
         return {
             "queue_depth": len(self._waiting),
             "running": len(self._running),
             "free_slots": self.state_pool.num_free,
             "total_slots": self.state_pool.num_slots,
-            "free_pages": self.kv_pool.num_free,
+            "free_pages": self.kv_pool.num_free + (cache.tree.reclaimable_pages() if cache is not None else 0),
             "total_pages": self.kv_pool.num_pages,
             "tokens_generated": self._totals["tokens_generated"],
             "requests_finished": self._totals["requests_finished"],
             "preemptions": self._totals["preemptions"],
+            # requests that shared another's prefill (forked), and those that found no room to
+            "prefills_shared": self._totals["prefills_shared"],
+            "prefills_recomputed": self._totals["prefills_recomputed"],
             "steps": self._totals["steps"],
             "last_step_s": last.seconds if last else None,
             "recent_steps": [dataclasses.asdict(r) for r in self._recent],  # JSON-ready for a server
             **self.timing(),
+            "prefix_cache": cache is not None,
+            **(cache.stats() if cache is not None else {}),
             # graph_replays / piecewise_steps / eager_steps, when a graph runner dispatches the steps
             **(dict(self.runner.counters) if self.runner is not None else {}),
         }

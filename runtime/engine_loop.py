@@ -13,7 +13,7 @@ import queue
 import threading
 from typing import Hashable
 
-from runtime.engine import Engine, RequestResult, SamplingParams
+from runtime.engine import Engine, RequestResult, SamplingParams, StepOutput
 
 __all__ = ["EngineLoop", "RequestHandle", "EngineLoopError"]
 
@@ -27,6 +27,8 @@ class RequestHandle:
 
     Without an asyncio loop: iterate (`for token in handle`, blocking) or `handle.result()`.
     Submitted with `loop=`: `async for token in handle`. Either way `result()` blocks until done.
+    `handle.outputs()` (and `async for out in handle.aoutputs()`) give the whole StepOutputs instead,
+    log-probabilities included, and the one without a token that ends a max_new_tokens=0 request.
     """
 
     def __init__(self, request_id: Hashable, owner: "EngineLoop", loop: asyncio.AbstractEventLoop | None):
@@ -38,6 +40,9 @@ class RequestHandle:
         self._done = threading.Event()
         self._result: RequestResult | None = None
         self._error: BaseException | None = None
+        # Prompt tokens the prefix cache gave the request: set by the loop before the first token is
+        # handed over, so a consumer that has a token can read it (usage before the result is in).
+        self.cached_tokens: int | None = None
 
     # Called by the EngineLoop, under its lock; puts never block.
     def _put(self, item: tuple[str, object]) -> None:
@@ -49,8 +54,8 @@ class RequestHandle:
         except RuntimeError:
             pass  # the consumer's event loop is closed: nobody is listening any more
 
-    def _token(self, token: int) -> None:
-        self._put(("token", token))
+    def _output(self, out: StepOutput) -> None:
+        self._put(("output", out))
 
     def _finish(self, result: RequestResult) -> None:
         self._result = result
@@ -68,7 +73,7 @@ class RequestHandle:
             raise EngineLoopError(f"the engine loop failed: {value!r}") from value
         return value
 
-    def __iter__(self):
+    def outputs(self):
         if self._sync_queue is None:
             raise TypeError("this request was submitted with an asyncio loop: use `async for`")
         while True:
@@ -78,7 +83,9 @@ class RequestHandle:
                 return
             yield value
 
-    async def _aiter(self):
+    async def aoutputs(self):
+        if self._async_queue is None:
+            raise TypeError("this request was submitted without an asyncio loop: pass loop= to submit, or iterate")
         while True:
             kind, value = await self._async_queue.get()
             value = self._unpack(kind, value)
@@ -86,10 +93,18 @@ class RequestHandle:
                 return
             yield value
 
+    def __iter__(self):
+        return (out.token for out in self.outputs() if out.token is not None)
+
+    async def _atokens(self):
+        async for out in self.aoutputs():
+            if out.token is not None:
+                yield out.token
+
     def __aiter__(self):
         if self._async_queue is None:
             raise TypeError("this request was submitted without an asyncio loop: pass loop= to submit, or iterate")
-        return self._aiter()
+        return self._atokens()
 
     def result(self, timeout: float | None = None) -> RequestResult:
         if not self._done.wait(timeout):
@@ -173,14 +188,29 @@ class EngineLoop:
 
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: Hashable = None,
                loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        return self.submit_group(prompt_ids, [params], [request_id], loop)[0]
+
+    def submit_group(self, prompt_ids, params: list[SamplingParams | None], request_ids: list[Hashable],
+                     loop: asyncio.AbstractEventLoop | None = None) -> list[RequestHandle]:
+        """Requests of one prompt, added in one hold of the lock: the first prefills it and the
+        others share that prefill (Engine.add_request's prefill_from). If one is refused, none stays."""
         with self._locked():
             if self._stopping or self.error is not None:
                 raise RuntimeError(f"EngineLoop.submit: the loop is stopped (error: {self.error!r})")
-            request_id = self.engine.add_request(prompt_ids, params, request_id)
-            handle = RequestHandle(request_id, self, loop)
-            self._handles[request_id] = handle
+            added = []
+            try:
+                for p, request_id in zip(params, request_ids, strict=True):
+                    added.append(self.engine.add_request(prompt_ids, p, request_id, added[0] if added else None))
+            except BaseException:
+                for request_id in reversed(added):
+                    self.engine.cancel(request_id)
+                    self.engine.pop_result(request_id)
+                raise
+            handles = [RequestHandle(request_id, self, loop) for request_id in added]
+            for handle in handles:
+                self._handles[handle.request_id] = handle
             self._cond.notify_all()
-        return handle
+        return handles
 
     def cancel(self, request_id: Hashable) -> bool:
         with self._locked():
@@ -217,7 +247,9 @@ class EngineLoop:
                     handle = self._handles.get(out.request_id)
                     if handle is None:
                         continue  # added on the engine directly, not through this loop
-                    handle._token(out.token)
+                    if handle.cached_tokens is None:
+                        handle.cached_tokens = self.engine.cached_tokens(out.request_id)
+                    handle._output(out)
                     if out.finished:
                         del self._handles[out.request_id]
                         handle._finish(self.engine.pop_result(out.request_id))

@@ -151,12 +151,19 @@ class GraphRunner:
             page_table=v["page_table"], slot_mapping=v["slot_mapping"], num_tokens=T, num_seqs=B)
         return (v["input_ids"], v["positions"], v["logits_index"]), static_ctx
 
-    def build(self, items: list[tuple[SeqState, list[int]]], mode: Optional[Mode] = None) -> tuple[StepInputs, Optional[CaptureKey]]:
-        """Lay a step out on the host, padded to the key that will run it."""
+    def build(self, items: list[tuple[SeqState, list[int]]], mode: Optional[Mode] = None,
+              logits_rows: Optional[list[int]] = None) -> tuple[StepInputs, Optional[CaptureKey]]:
+        """Lay a step out on the host, padded to the key that will run it.
+
+        A step that asks for more than one logits row of a request (a prompt being scored) runs
+        eagerly: captured pieces were recorded with one logits row per request."""
         mode = mode or step_mode([len(t) for _, t in items], [seq.num_cached for seq, _ in items])
         key = self.key_for(mode, sum(len(t) for _, t in items), len(items))
+        if logits_rows is not None and any(r > 1 for r in logits_rows):
+            key = None
         padding = {"pad_tokens_to": key.tokens, "pad_seqs_to": key.seqs} if key is not None else {}
-        return build_step(items, self.kv_pool, "cpu", mode=mode, max_pages=self.max_pages, **padding), key
+        return build_step(items, self.kv_pool, "cpu", mode=mode, max_pages=self.max_pages, logits_rows=logits_rows,
+                          **padding), key
 
     # -- running ---------------------------------------------------------------------------
 
@@ -219,11 +226,12 @@ class GraphRunner:
         self.counters["piecewise_steps" if key else "eager_steps"] += 1
         return logits[:real]
 
-    def execute(self, items: list[tuple[SeqState, list[int]]]) -> tuple[Mode, torch.Tensor]:
-        """The engine's step: build, dispatch and run; (the step's mode, logits [B, V] on the device).
+    def execute(self, items: list[tuple[SeqState, list[int]]],
+                logits_rows: Optional[list[int]] = None) -> tuple[Mode, torch.Tensor]:
+        """The engine's step: build, dispatch and run; (the step's mode, logits [R, V] on the device).
 
         After a full graph the logits are the graph's static output: read them before the next step."""
-        step, key = self.build(items)
+        step, key = self.build(items, logits_rows=logits_rows)
         return step.ctx.mode, self.run(step, key)
 
     # -- capture ---------------------------------------------------------------------------

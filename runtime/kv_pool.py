@@ -2,8 +2,15 @@
 
 1. Built from the LayerRegistry: for every full layer and every kv entry of its spec, one tensor
    [num_pages, page_size, *entry.shape]. Linear layers get nothing here.
-2. `alloc(n)` hands out n page ids, `free(pages)` returns them; requests hold their page list.
+2. `alloc(n)` hands out n page ids, each with one reference; `share(pages)` adds a reference to
+   pages already handed out (a request reusing the prefix cache's pages, the cache keeping a
+   request's pages); `free(pages)` drops one reference each, and a page with none left is free.
+   Requests hold their page list; the prefix cache (runtime/radix_cache.py) holds its own.
+   `copy_pages(src, dst)` copies page contents (a request forked after a shared prompt).
 3. Token i of a request lives at page_table[i // page_size], offset i % page_size.
+
+A shared page is only ever read: pages are shared whole, and only full pages of tokens before a
+request's first new token, so no request writes into a page another one reads.
 
 It does not decide how many pages exist (the memory planner does) nor when a request may grow
 (the engine does).
@@ -44,6 +51,7 @@ class KVPool:
                 for name, spec in layer.kv.items()
             }
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._refs: list[int] = [0] * num_pages  # holders of each page: requests and the prefix cache
 
     @property
     def num_free(self) -> int:
@@ -55,14 +63,41 @@ class KVPool:
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"KV pool: {n} pages asked, {len(self._free)} free of {self.num_pages}")
-        return [self._free.pop() for _ in range(n)]
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder for each of `pages`, which must be held already."""
+        for p in pages:
+            assert 0 <= p < self.num_pages and self._refs[p] > 0, f"KV pool: page {p} shared while free"
+            self._refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
-        taken = set(self._free)
+        """Drop one reference to each page; a page nobody holds goes back to the free list."""
+        released = []
         for p in pages:
-            assert 0 <= p < self.num_pages and p not in taken, f"KV pool: page {p} freed twice or unknown"
-            taken.add(p)
-        self._free.extend(reversed(pages))
+            assert 0 <= p < self.num_pages and self._refs[p] > 0, f"KV pool: page {p} freed twice or unknown"
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                released.append(p)
+        self._free.extend(reversed(released))
+
+    def holders(self, page: int) -> int:
+        return self._refs[page]
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy pages `src` onto pages `dst` in every layer (a request forked after its prefill
+        gets its own copy, so each can write its next tokens into the last page)."""
+        assert len(src) == len(dst), (src, dst)
+        if not src:
+            return
+        index_src = torch.tensor(src, device=self.device)
+        index_dst = torch.tensor(dst, device=self.device)
+        for entries in self.buffers.values():
+            for t in entries.values():
+                t[index_dst] = t[index_src]
 
     def layer(self, layer_id: int) -> dict[str, torch.Tensor]:
         try:

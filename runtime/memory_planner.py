@@ -1,4 +1,5 @@
-"""Memory planner: split a device memory budget between weights, the state pool and the KV pool.
+"""Memory planner: split a device memory budget between weights, the state pool, the prefix cache's
+snapshot pool and the KV pool.
 
 It owns the arithmetic only; `build_pools` turns a plan into the pools. Lifecycle:
 
@@ -7,19 +8,28 @@ It owns the arithmetic only; `build_pools` turns a plan into the pools. Lifecycl
    included) and the bytes one slot costs in the state pool (every state entry of every linear
    layer). These are the same sums the pools allocate, so a plan's bytes equal the pools' nbytes.
 2. `plan_memory` subtracts the weights and any reserved bytes (activations, graph pools) from the
-   budget, sizes the state pool (explicit slot count, or a ratio of state to KV memory), and gives
-   every remaining byte to the KV pool in whole pages.
+   budget, gives the snapshot pool its share of what is left (`snapshot_share`, 0 without a
+   prefix cache), sizes the state pool (explicit slot count, or a ratio of state to KV memory),
+   and gives every remaining byte to the KV pool in whole pages.
 3. It checks the plan holds at least `min_requests` requests of `max_seq_len` tokens (default 1)
    and raises `MemoryPlanError` naming the missing bytes otherwise.
-4. `MemoryPlan.table()` prints the split; `build_pools(registry, plan)` allocates it.
+4. `MemoryPlan.table()` prints the split; `build_pools(registry, plan)` allocates the KV and
+   state pools, `build_snapshot_pool(registry, plan)` the snapshot pool.
 
 Formulas (s = state bytes per slot, t = KV bytes per token, P = page_size, D = draft tokens,
 R = max_running, S = slots)::
 
+    snapshots           N * s,  N = floor(snapshot_share * available / s)   # prefix cache
     main state          (S + 1) * s                      # +1: the reserved padding slot (slot 0)
     intermediate state  min(S, R) * D * s                # only with speculative decoding (D > 0)
-    KV pages            floor((available - state) / (P * t))
+    KV pages            floor((available - snapshots - state) / (P * t))
     available           budget - weights - reserved
+
+A snapshot is one slot's worth of state (every linear layer's recurrent and convolution state),
+so it costs s bytes. The prefix cache's KV pages are not a share of their own: the cache holds
+pages of the KV pool and gives them back when requests need them (runtime/radix_cache.py). With
+no linear layers a snapshot costs nothing, and the pool gets one per KV page (a node of the cache
+holds at least a page).
 
 Speculative decoding (target verify): a request feeds D + 1 tokens (its last accepted token and
 D drafts). The verify kernel writes the state after token i (i = 0 .. D-1) into intermediate
@@ -56,9 +66,10 @@ from tabulate import tabulate
 
 from compiler.splitops import LayerRegistry, dtype_from_name
 from runtime.kv_pool import KVPool, pages_for
+from runtime.snapshot_pool import SnapshotPool
 from runtime.state_pool import StatePool
 
-__all__ = ["CacheLayout", "MemoryPlan", "MemoryPlanError", "plan_memory", "build_pools"]
+__all__ = ["CacheLayout", "MemoryPlan", "MemoryPlanError", "plan_memory", "build_pools", "build_snapshot_pool"]
 
 GiB = 1 << 30
 
@@ -115,6 +126,8 @@ class MemoryPlan:
     kv_dtype: str | None  # the KV pool's dtype override (None: each entry's registry dtype)
     main_state_bytes: int  # (num_slots + 1) * state_bytes_per_slot
     intermediate_bytes: int  # intermediate_rows * draft_tokens * state_bytes_per_slot
+    num_snapshots: int  # the prefix cache's snapshot pool
+    snapshot_bytes: int  # num_snapshots * state_bytes_per_slot
     kv_bytes: int  # num_pages * page_size * kv_bytes_per_token
     leftover_bytes: int
 
@@ -124,7 +137,8 @@ class MemoryPlan:
 
     @property
     def state_bytes(self) -> int:
-        return self.main_state_bytes + self.intermediate_bytes
+        """Every byte of linear-layer state: main slots, intermediate states, snapshots."""
+        return self.main_state_bytes + self.intermediate_bytes + self.snapshot_bytes
 
     @property
     def kv_tokens(self) -> int:
@@ -147,6 +161,7 @@ class MemoryPlan:
             ("state: main", f"{self.num_slots} + 1 padding slots", s, self.main_state_bytes),
             ("state: intermediate", f"{self.intermediate_rows} requests x {D} draft tokens", s,
              self.intermediate_bytes),
+            ("state: snapshots", f"{self.num_snapshots} prefix-cache snapshots", s, self.snapshot_bytes),
             ("kv pages", f"{self.num_pages} pages x {self.page_size} tokens", self.page_bytes, self.kv_bytes),
             ("leftover", "", "", self.leftover_bytes),
             ("budget", "", "", self.budget_bytes),
@@ -193,11 +208,14 @@ def _largest_slots(share: int, per_slot: int, draft_tokens: int, max_running: in
 def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int, max_seq_len: int,
                 page_size: int = 16, num_slots: int | None = None, state_ratio: float | Fraction | None = None,
                 max_running: int | None = None, draft_tokens: int = 0, min_requests: int = 1,
-                reserved_bytes: int = 0, kv_dtype: torch.dtype | None = None) -> MemoryPlan:
+                reserved_bytes: int = 0, kv_dtype: torch.dtype | None = None,
+                snapshot_share: float | Fraction = 0) -> MemoryPlan:
     """Split `budget_bytes`; pass exactly one of `num_slots` or `state_ratio` (state bytes / KV bytes).
 
     max_running: the most requests a step can hold (the engine's batch cap); intermediate states
     are reserved for min(num_slots, max_running) of them. None means every slot can run.
+    snapshot_share: the fraction of the budget left after weights and reserved bytes that goes to
+    the prefix cache's snapshot pool (0: no prefix cache). The ratio then splits what remains.
     """
     if (num_slots is None) == (state_ratio is None):
         raise ValueError("plan_memory: pass exactly one of num_slots (explicit) or state_ratio (state / KV bytes)")
@@ -209,22 +227,29 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
     if max_running is not None and max_running < min_requests:
         raise ValueError(f"plan_memory: max_running {max_running} is below min_requests {min_requests}")
 
+    snapshot_share = Fraction(str(snapshot_share))  # as written: 0.1 is 1/10
+    if not 0 <= snapshot_share < 1:
+        raise ValueError(f"plan_memory: snapshot_share must be in [0, 1) (got {float(snapshot_share)!r})")
+
     layout = CacheLayout.from_registry(registry, kv_dtype)
     s, t, D = layout.state_bytes_per_slot, layout.kv_bytes_per_token, draft_tokens
     page_bytes = page_size * t
     per_request_pages = _pages_per_request(max_seq_len, D, page_size)
     min_pages = min_requests * per_request_pages
-    available = budget_bytes - weight_bytes - reserved_bytes
+    num_snapshots = int(max(budget_bytes - weight_bytes - reserved_bytes, 0) * snapshot_share) // s if s else 0
+    snapshot_bytes = num_snapshots * s
+    available = budget_bytes - weight_bytes - reserved_bytes - snapshot_bytes
 
     def minimum_total(slots: int) -> int:
         main, inter, _ = _state_bytes(slots, s, D, max_running)
-        return weight_bytes + reserved_bytes + main + inter + min_pages * page_bytes
+        return weight_bytes + reserved_bytes + snapshot_bytes + main + inter + min_pages * page_bytes
 
     def too_small(slots: int, what: str) -> MemoryPlanError:
         need = minimum_total(slots)
+        snapshots = f" + {num_snapshots} snapshots (snapshot_share {float(snapshot_share):g})" if snapshot_bytes else ""
         return MemoryPlanError(
             f"memory plan: a budget of {budget_bytes:,} bytes cannot hold {what}: it needs {need:,} bytes "
-            f"(weights {weight_bytes:,} + reserved {reserved_bytes:,} + state for {slots} slot(s) "
+            f"(weights {weight_bytes:,} + reserved {reserved_bytes:,}{snapshots} + state for {slots} slot(s) "
             f"+ {min_pages} pages of {page_bytes:,} bytes); {need - budget_bytes:,} bytes are missing",
             need - budget_bytes)
 
@@ -273,12 +298,15 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
             f"{min_requests} request(s) of {max_seq_len} tokens need {min_pages} pages "
             f"({missing:,} bytes missing). Use a smaller ratio or pass num_slots", missing)
     kv_bytes = num_pages * page_bytes
+    if s == 0 and snapshot_share > 0:
+        num_snapshots = num_pages  # they cost nothing; the cache holds at most one per page
     return MemoryPlan(
         budget_bytes=budget_bytes, weight_bytes=weight_bytes, reserved_bytes=reserved_bytes, layout=layout,
         page_size=page_size, num_pages=num_pages, num_slots=slots, draft_tokens=D, max_running=max_running,
         intermediate_rows=inter_rows, max_seq_len=max_seq_len,
         kv_dtype=None if kv_dtype is None else str(kv_dtype).removeprefix("torch."), main_state_bytes=main_bytes,
-        intermediate_bytes=inter_bytes, kv_bytes=kv_bytes, leftover_bytes=kv_share - kv_bytes,
+        intermediate_bytes=inter_bytes, num_snapshots=num_snapshots, snapshot_bytes=snapshot_bytes,
+        kv_bytes=kv_bytes, leftover_bytes=kv_share - kv_bytes,
     )
 
 
@@ -288,3 +316,8 @@ def build_pools(registry: LayerRegistry, plan: MemoryPlan,
     kv_dtype = None if plan.kv_dtype is None else dtype_from_name(plan.kv_dtype)
     return (KVPool(registry, plan.num_pages, plan.page_size, device, kv_dtype),
             StatePool(registry, plan.num_slots, device))
+
+
+def build_snapshot_pool(registry: LayerRegistry, plan: MemoryPlan, device: torch.device | str = "cpu") -> SnapshotPool:
+    """Allocate the plan's snapshot pool (for runtime/prefix_cache.py)."""
+    return SnapshotPool(registry, plan.num_snapshots, device)

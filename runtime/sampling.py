@@ -13,7 +13,10 @@ tokens, renormalise, keep the smallest prefix (most likely first) whose probabil
 top_p, renormalise, then draw by inverse CDF. Ties sort by token id (stable sort), so the order
 is deterministic.
 
-It does not do penalties, logprobs, or batched GPU sampling kernels.
+The logits a request samples from have had its logit_bias and penalties applied first, on the
+device (runtime/penalties.py); the log-probabilities it reports are of the model's own logits
+(runtime/logprobs.py). Both are the engine's to call; this module only holds the parameters and
+the draw. It does not do batched GPU sampling kernels.
 """
 
 from __future__ import annotations
@@ -27,17 +30,33 @@ __all__ = ["SamplingParams", "make_generator", "sample_next", "filtered_distribu
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 16
+    max_new_tokens: int = 16  # 0 only to score the prompt (prompt_logprobs set): nothing is sampled
     temperature: float = 0.0  # 0: greedy (argmax); top_k, top_p and seed are then unused
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     seed: int | None = None  # None: a fresh nondeterministic seed per request
     stop_token_ids: frozenset[int] = frozenset()  # a stop token is emitted, then the request ends
+    # OpenAI's penalties on the tokens generated so far, and the CTRL / transformers repetition
+    # penalty on prompt and generated tokens (runtime/penalties.py has the definitions).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1.0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted
+    logprobs: int | None = None  # each sampled token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams: max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if self.max_new_tokens < 0 or (self.max_new_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError(f"SamplingParams: max_new_tokens must be >= 1, or 0 with prompt_logprobs "
+                             f"(got {self.max_new_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"SamplingParams: {name} must be >= 0 or None (got {getattr(self, name)})")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"SamplingParams: repetition_penalty must be > 0 (got {self.repetition_penalty})")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams: temperature must be >= 0 (got {self.temperature})")
         if self.top_k < 0:
@@ -48,6 +67,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether a penalty or a bias applies: the sampler then reads the processed logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

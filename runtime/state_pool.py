@@ -5,6 +5,8 @@
    batch point at it, and it is never handed to a request.
 2. `alloc()` hands out a slot and zeroes it in every layer (a new request starts from the empty
    state; a reused slot must not leak its previous owner's state). `free(slot)` returns it.
+3. `copy_slot(src, dst)` copies one request's states to another's slot (a request forked from
+   another after their shared prompt).
 
 Full-attention layers get nothing here. Sizing is the memory planner's job.
 """
@@ -15,7 +17,7 @@ import torch
 
 from compiler.splitops import LayerRegistry, dtype_from_name
 
-__all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT"]
+__all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT", "linear_state_buffers"]
 
 PADDING_SLOT = 0
 
@@ -24,19 +26,23 @@ class OutOfSlots(RuntimeError):
     pass
 
 
+def linear_state_buffers(registry: LayerRegistry, rows: int,
+                         device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
+    """layer id -> state entry name -> zeros [rows, *shape] for every linear layer (the snapshot pool's layout too)."""
+    return {
+        layer.layer_id: {name: torch.zeros((rows, *spec.shape), dtype=dtype_from_name(spec.dtype), device=device)
+                         for name, spec in layer.state.items()}
+        for layer in registry.linear_layers()
+    }
+
+
 class StatePool:
     def __init__(self, registry: LayerRegistry, num_slots: int, device: torch.device | str = "cpu"):
         if num_slots < 1:
             raise ValueError(f"state pool needs at least one request slot (got {num_slots})")
         self.num_slots = num_slots  # slots a request can hold; the padding slot comes on top
         self.device = torch.device(device)
-        # layer id -> entry name -> [num_slots + 1, *shape]
-        self.buffers: dict[int, dict[str, torch.Tensor]] = {}
-        for layer in registry.linear_layers():
-            self.buffers[layer.layer_id] = {
-                name: torch.zeros((num_slots + 1, *spec.shape), dtype=dtype_from_name(spec.dtype), device=self.device)
-                for name, spec in layer.state.items()
-            }
+        self.buffers = linear_state_buffers(registry, num_slots + 1, self.device)  # [num_slots + 1, *shape] each
         self._free: list[int] = list(range(num_slots, PADDING_SLOT, -1))  # pop() hands out slot 1 first
 
     @property
@@ -51,6 +57,13 @@ class StatePool:
             for t in entries.values():
                 t[slot].zero_()
         return slot
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Give slot `dst` the states of slot `src` in every layer (a request forked after its prefill)."""
+        assert src != PADDING_SLOT and dst != PADDING_SLOT and src != dst, (src, dst)
+        for entries in self.buffers.values():
+            for t in entries.values():
+                t[dst].copy_(t[src])
 
     def free(self, slot: int) -> None:
         assert slot != PADDING_SLOT, "state pool: the padding slot is never handed out, so never freed"

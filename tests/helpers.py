@@ -1,6 +1,13 @@
-"""Shared test helpers: run a family model eagerly on the CPU reference backend."""
+"""Shared test helpers: run a family model eagerly on the CPU reference backend; run `hgc serve`."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import torch
 
@@ -84,3 +91,53 @@ def edit_routing(art, edit) -> None:
     doc["programs"] = {p: [edit(dict(e)) for e in entries] for p, entries in doc["programs"].items()}
     (art / ROUTING).write_bytes(dump_json(doc))
     rehash(art)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServerProcess:
+    """`python -m runtime.server ARTIFACT --port 0 ...` in a subprocess; `wait_ready()` gives its URL."""
+
+    def __init__(self, args: list[str]):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        threads = [] if "--threads" in args else ["--threads", "1"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.server", *args, "--host", "127.0.0.1",
+                                      "--port", "0", *threads, "--log-level", "warning"],
+                                     cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.lines: list[str] = []
+        self._listening = threading.Event()
+        self.url = None
+
+        def drain():  # keep the pipe empty, and catch the "listening" line
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if "listening on http://" in line and self.url is None:
+                    self.url = line.split("listening on ")[1].split()[0]
+                    self._listening.set()
+            self._listening.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+
+    def wait_ready(self, timeout: float = 90.0) -> "ServerProcess":
+        if not self._listening.wait(timeout) or self.url is None:
+            self.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.lines))
+        return self
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode

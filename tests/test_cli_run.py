@@ -45,3 +45,19 @@ def test_bad_sampling_setting_is_one_line(artifact, capsys):
     assert main(["run", str(artifact / "a"), "--prompt-ids", "1,2", "--top-p", "0"]) == 1
     err = capsys.readouterr().err
     assert "top_p" in err and "Traceback" not in err
+
+
+def test_run_reuses_a_prefix_unless_told_not_to(artifact, capsys):
+    # Two identical 40-token prompts and 16 tokens a step: the first is prefilled in chunks of 16,
+    # 16 (its last page boundary before the end: a snapshot) and 8; the second is admitted beside
+    # that last chunk and reuses the 32 tokens. Without the cache it prefills all 40.
+    prompt = ",".join(str(t) for t in range(3, 43))
+    args = ["run", str(artifact / "a"), "--prompt-ids", f"{prompt};{prompt}", "--max-new-tokens", "4",
+            "--max-tokens-per-step", "16", "--json"]
+    cached = run_json(capsys, *args)
+    plain = run_json(capsys, *args, "--no-prefix-cache")
+    assert cached["outputs"] == plain["outputs"]
+    assert cached["cached_tokens"] == [0, 32] and plain["cached_tokens"] == [0, 0]
+    assert (cached["timing"]["prefill_tokens"], plain["timing"]["prefill_tokens"]) == (48, 80)
+    assert main(["run", str(artifact / "a"), "--prompt-ids", prompt, "--snapshot-interval", "0"]) == 1
+    assert "--snapshot-interval must be at least 1" in capsys.readouterr().err

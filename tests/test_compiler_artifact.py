@@ -130,8 +130,9 @@ def test_run_prints_the_same_json_as_generate(ckpt, artifact, capsys):
     assert main(["run", str(artifact), "--prompt-ids", PROMPTS, "--max-new-tokens", "5", "--json"]) == 0
     ran = _json_out(capsys)
     assert ran["outputs"] == eager["outputs"]
-    # run adds the engine's per-phase timing and what each layer's op calls ran on, nothing else
-    assert set(ran) == {"outputs", "timing", "executed_backends"}
+    # run adds the engine's per-phase timing, each prompt's prefix-cache hit and what each layer's op
+    # calls ran on, nothing else
+    assert set(ran) == {"outputs", "timing", "cached_tokens", "executed_backends"}
     assert ran["executed_backends"] == {str(i): ["cpu_reference"] for i in range(4)}  # main layers; no draft runs
 
 

@@ -343,6 +343,41 @@ def test_engine_on_a_started_runner_gives_the_eager_engine_tokens(artifact):
     assert stats["graph_replays"] + stats["piecewise_steps"] + stats["eager_steps"] >= stats["steps"]
 
 
+def test_prefix_cache_on_a_started_runner_gives_the_eager_engine_tokens(artifact):
+    """Requests that reuse cached prefixes while steps replay graphs: the shared pages are page
+    ids in the static page table, the snapshots are copied outside the graphs; the tokens equal
+    those of the eager engine without a cache."""
+    from runtime.engine import Engine, SamplingParams
+    from runtime.prefix_cache import PrefixCache
+    from runtime.snapshot_pool import SnapshotPool
+
+    system = list(range(10, 31))  # 21 tokens: two pages of 8 and a part
+    prompts = [system + [40], system + [41, 41], system, system + [7, 7, 7]]
+    params = SamplingParams(max_new_tokens=4)
+
+    def serve(cached: bool):
+        kv, st = make_pools(artifact.registry, 512, 8, page_size=8)
+        ops = BoundOps(CPUReferenceBackend(kv, st))
+        runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(1,), extend_buckets=(32,),
+                             max_pages_per_seq=16, extend_max_seqs=1, graphs=RerunGraphs() if cached else None)
+        runner.chunk_size = 32
+        if cached:
+            runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
+        cache = PrefixCache(kv, st, SnapshotPool(artifact.registry, 8)) if cached else None
+        engine = Engine(None if cached else artifact.bind(ops), ops, kv, st, max_tokens_per_step=32, max_running=1,
+                        runner=runner if cached else None, prefix_cache=cache)
+        outputs = []
+        for prompt in prompts:  # one after another, so each finds what the earlier ones cached
+            outputs.append(engine.generate(prompt, params))
+        return outputs, engine.stats()
+
+    want, _ = serve(False)
+    got, stats = serve(True)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert [r.cached_tokens for r in got] == [0, 16, 16, 16], "the system prompt's two whole pages"
+    assert stats["graph_replays"] > 0 and stats["piecewise_steps"] > 0
+
+
 def test_buckets_are_clipped_to_what_the_engine_can_send():
     from runtime.graph_runner import buckets_for
     assert buckets_for((1, 2, 4, 8, 16), (256, 512, 1024), max_running=5, token_budget=512) == ((1, 2, 4, 8), (256, 512))

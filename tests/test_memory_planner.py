@@ -224,3 +224,28 @@ def test_table_is_readable():
     assert "state: intermediate" in table and "17 requests x 3 draft tokens" in table
     assert "13748 pages x 16 tokens" in table and "5,405,933,568" in table
     assert json.dumps(plan.to_json())  # serialisable for `hgc run --json`
+
+
+def test_the_snapshot_pool_takes_its_share_first_and_is_built_as_planned():
+    from runtime.memory_planner import build_snapshot_pool
+
+    # 10,000 available; a 0.1 share is 1,000 B = 5 snapshots of 176 B (880 B). The rest, 9,120:
+    # 2 x 176 for the slot and the padding slot, then (9,120 - 352) // 128 = 68 pages + 64 left.
+    plan = plan_memory(small_registry(), budget_bytes=10_000, weight_bytes=0, max_seq_len=10, page_size=4,
+                       num_slots=1, snapshot_share=0.1)
+    assert (plan.num_snapshots, plan.snapshot_bytes, plan.num_pages, plan.leftover_bytes) == (5, 880, 68, 64)
+    assert plan.budget_bytes == plan.weight_bytes + plan.state_bytes + plan.kv_bytes + plan.leftover_bytes
+    assert "5 prefix-cache snapshots" in plan.table()
+    assert build_snapshot_pool(small_registry(), plan).nbytes() == plan.snapshot_bytes
+    # Qwen3-Next at 60 GiB for weights and caches: 6 GiB of snapshots is 83 of 77,266,944 B each.
+    big = plan_memory(qwen3_next_registry(), budget_bytes=60 * GiB, weight_bytes=0, max_seq_len=4096, num_slots=16,
+                      snapshot_share=0.1)
+    assert big.num_snapshots == int(6 * GiB // QWEN3_NEXT_STATE) == 83
+
+
+def test_a_snapshot_share_that_leaves_too_little_is_refused_by_name():
+    with pytest.raises(MemoryPlanError, match=r"5 snapshots \(snapshot_share 0\.5\)"):
+        plan_memory(small_registry(), budget_bytes=2_000, weight_bytes=0, max_seq_len=40, page_size=4, num_slots=1,
+                    snapshot_share=0.5)
+    with pytest.raises(ValueError, match="snapshot_share must be in"):
+        plan_memory(small_registry(), budget_bytes=2_000, weight_bytes=0, max_seq_len=4, num_slots=1, snapshot_share=1)

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
-import os
 import random
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,9 +36,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 prom_parser = pytest.importorskip("prometheus_client.parser")
 
+from tests.helpers import ServerProcess  # noqa: E402
+
 pytestmark = pytest.mark.slow  # a compile and two server processes: about 45 s on 2 cores
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
 LIMIT = 200  # --max-tokens-limit
@@ -62,52 +62,6 @@ def artifact(tmp_path_factory) -> tuple[Path, Path]:
 def tokenizer_flag(art: Path, ckpt: Path) -> list[str]:
     # The artifact carries the checkpoint's tokenizer once the writer copies it; until then, point at it.
     return [] if (art / "tokenizer.json").is_file() else ["--tokenizer", str(ckpt)]
-
-
-class ServerProcess:
-    """`python -m runtime.server ARTIFACT --port 0 ...` in a subprocess; `wait_ready()` gives its URL."""
-
-    def __init__(self, args: list[str]):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.server", *args, "--host", "127.0.0.1",
-                                      "--port", "0", "--threads", "1", "--log-level", "warning"],
-                                     cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        self.lines: list[str] = []
-        self._listening = threading.Event()
-        self.url = None
-
-        def drain():  # keep the pipe empty, and catch the "listening" line
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                if "listening on http://" in line and self.url is None:
-                    self.url = line.split("listening on ")[1].split()[0]
-                    self._listening.set()
-            self._listening.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-
-    def wait_ready(self, timeout: float = 90.0) -> "ServerProcess":
-        if not self._listening.wait(timeout) or self.url is None:
-            self.kill()
-            raise RuntimeError("server did not start:\n" + "".join(self.lines))
-        return self
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +246,40 @@ def test_text_chat_stream_and_stop_strings(server):
     asyncio.run(run())
 
 
+def test_a_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server):
+    """The prefix cache is on by default: the second of two identical prompts reports the cached
+    prompt tokens (usage.prompt_tokens_details.cached_tokens), streamed or not, gives the same
+    tokens, and /metrics counts the hit."""
+    g = random.Random(16)
+    prompt = [g.randrange(2, 256) for _ in range(45)]  # 2 whole pages of 16 before its last token
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    before = metrics(server.url)
+    first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    second = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert second["usage"]["prompt_tokens"] == 45
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    usage = None
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[len("data: "):]).get("usage") or usage
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 32}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": " ".join(g.choice(WORDS) for _ in range(40))}],
+            "max_tokens": 3, "temperature": 0}
+    # The third at the latest hits (the second does when the prompt does not end on a page boundary).
+    chats = [httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json() for _ in range(3)]
+    assert chats[2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert chats[2]["choices"][0]["token_ids"] == chats[0]["choices"][0]["token_ids"]
+    after = wait_all_free(server.url)
+    assert after["hgc_prefix_cache_enabled"] == 1 and after["hgc_prefix_cache_snapshot_bytes"] > 0
+    assert after["hgc_prefix_cache_hits_total"] - before["hgc_prefix_cache_hits_total"] >= 2 * 32 + 16
+    assert after["hgc_prefix_cache_requests_total{outcome=\"hit\"}"] >= 3
+    assert 0 < after["hgc_prefix_cache_hit_rate"] < 1
+
+
 def test_200_concurrent_requests_match_alone_and_free_everything(server):
     # 100 distinct requests, each sent twice at once: streamed and not. Each of the 200 must equal
     # the same request sent alone (and so the streamed and the whole response agree under load).
@@ -382,7 +370,11 @@ BAD_REQUESTS = [
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt", "missing"),
     ("missing model", "/v1/completions", {"prompt": [1, 2]}, 400, "model", "missing"),
     ("prompt wrong type", "/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt", None),
-    ("two prompts", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ("prompts mixing text and ids", "/v1/completions", {"model": MODEL, "prompt": ["a", [1, 2]]}, 400, "prompt",
+     None),
+    ("an empty prompt among several", "/v1/completions", {"model": MODEL, "prompt": [[1], []]}, 400, "prompt", None),
+    ("a token id outside vocab in the second prompt", "/v1/completions",
+     {"model": MODEL, "prompt": [[1], [2, 10 ** 6]]}, 400, "prompt.1", "invalid_token_id"),
     ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt", None),
     ("max_tokens as string", "/v1/completions", {"model": MODEL, "prompt": [1], "max_tokens": "16"}, 400,
      "max_tokens", "int_type"),
@@ -407,7 +399,29 @@ BAD_REQUESTS = [
     ("prompt plus max_tokens over context", "/v1/completions",
      {"model": MODEL, "prompt": [5] * 200, "max_tokens": 100}, 400, "max_tokens", "context_length_exceeded"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": [1]}, 404, "model", "model_not_found"),
-    ("n above one", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 2}, 400, "n", None),
+    ("n zero", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 0}, 400, "n", None),
+    ("n above 128", "/v1/completions", {"model": MODEL, "prompt": [1], "n": 129}, 400, "n", None),
+    ("best_of above n", "/v1/completions", {"model": MODEL, "prompt": [1], "best_of": 3}, 400, "best_of", None),
+    ("logprobs above 20", "/v1/completions", {"model": MODEL, "prompt": [1], "logprobs": 21}, 400, "logprobs", None),
+    ("logprobs true on completions", "/v1/completions", {"model": MODEL, "prompt": [1], "logprobs": True}, 400,
+     "logprobs", None),
+    ("chat top_logprobs without logprobs", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("chat logprobs as a number", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400, "logprobs", None),
+    ("presence_penalty above 2", "/v1/completions", {"model": MODEL, "prompt": [1], "presence_penalty": 2.5}, 400,
+     "presence_penalty", None),
+    ("repetition_penalty zero", "/v1/completions", {"model": MODEL, "prompt": [1], "repetition_penalty": 0}, 400,
+     "repetition_penalty", None),
+    ("logit_bias key not a token id", "/v1/completions", {"model": MODEL, "prompt": [1], "logit_bias": {"x": 1}},
+     400, "logit_bias", None),
+    ("logit_bias above 100", "/v1/completions", {"model": MODEL, "prompt": [1], "logit_bias": {"5": 101}}, 400,
+     "logit_bias", None),
+    ("logit_bias token outside vocab", "/v1/completions",
+     {"model": MODEL, "prompt": [1], "logit_bias": {"1000000": 1}}, 400, "logit_bias", "invalid_token_id"),
+    ("echo with max_tokens over context", "/v1/completions",
+     {"model": MODEL, "prompt": [5] * 250, "echo": True, "max_tokens": 10}, 400, "max_tokens",
+     "context_length_exceeded"),
     ("chat without messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
     ("chat unknown role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
      400, "messages.0.role", None),
@@ -540,8 +554,13 @@ def test_memory_budget_sizes_the_kv_pool_with_the_planner(artifact):
     engine = build_engine(registry, lambda ops: None, options, 128, weight_bytes=1 << 20,
                           backend_factory=CPUReferenceBackend)
     plan = plan_memory(registry, budget_bytes=8 << 20, weight_bytes=1 << 20, max_seq_len=128, page_size=16,
-                       num_slots=4)
+                       num_slots=4, snapshot_share=options.snapshot_share)
     assert engine.kv_pool.num_pages == plan.num_pages and engine.state_pool.num_slots == 4
+    assert engine.prefix_cache.snapshots.num_snapshots == plan.num_snapshots > 0
+    assert engine.prefix_cache.snapshots.nbytes() == plan.snapshot_bytes
+    uncached = build_engine(registry, lambda ops: None, dataclasses.replace(options, prefix_cache=False), 128,
+                            weight_bytes=1 << 20, backend_factory=CPUReferenceBackend)
+    assert uncached.prefix_cache is None and uncached.kv_pool.num_pages > engine.kv_pool.num_pages
     with pytest.raises(MemoryPlanError):
         build_engine(registry, lambda ops: None, EngineOptions(slots=4, memory_budget_bytes=1 << 20), 128,
                      weight_bytes=1 << 20, backend_factory=CPUReferenceBackend)
@@ -595,3 +614,222 @@ def test_sigterm_with_requests_in_flight_exits_zero_within_the_bound(servers):
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "abort"
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{proc.url}/health", timeout=5)  # gone
+
+
+# -- the OpenAI surface evaluation harnesses and chat clients use ---------------------------------
+
+
+async def post_all(client, path: str, body: dict) -> dict:
+    """A whole response, or a stream folded into the same shape: {"choices": [...by index], "usage"}."""
+    if not body.get("stream"):
+        r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+    choices, usage = {}, None
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            assert "error" not in chunk, chunk
+            usage = chunk.get("usage") or usage
+            for part in chunk["choices"]:
+                c = choices.setdefault(part["index"], {"index": part["index"], "text": "", "token_ids": [],
+                                                       "finish_reason": None, "logprobs": None})
+                c["text"] += part["text"] if "text" in part else (part["delta"].get("content") or "")
+                c["token_ids"] += part["token_ids"]
+                c["finish_reason"] = part["finish_reason"] or c["finish_reason"]
+                if part["logprobs"] is not None:
+                    if c["logprobs"] is None:
+                        c["logprobs"] = {k: [] for k in part["logprobs"]}
+                    for k, v in part["logprobs"].items():
+                        c["logprobs"][k] += v
+    return {"choices": [choices[i] for i in sorted(choices)], "usage": usage}
+
+
+@pytest.fixture(scope="module")
+def reference(artifact):
+    """transformers' model of the served checkpoint, float32: log_softmax over a whole sequence."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(artifact[1], dtype=torch.float32).eval()
+
+    def logprobs(tokens: list[int]):
+        with torch.no_grad():
+            return torch.log_softmax(hf(input_ids=torch.tensor([tokens])).logits[0].float(), dim=-1)
+    return logprobs
+
+
+def test_echo_logprobs_equal_the_reference_model_and_stream_like_the_whole(server, reference):
+    prompt = [17, 60, 33, 91, 40, 120, 77, 8, 52]  # no special token (ids 0 .. 6)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "echo": True,
+            "logprobs": 3}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            plain = await post_all(client, "/v1/completions", {**body, "echo": False, "logprobs": None})
+            whole = await post_all(client, "/v1/completions", body)
+            streamed = await post_all(client, "/v1/completions", {**body, "stream": True})
+            scored = await post_all(client, "/v1/completions", {**body, "max_tokens": 0})
+            return plain, whole, streamed, scored
+
+    plain, whole, streamed, scored = asyncio.run(run())
+    choice = whole["choices"][0]
+    assert choice["token_ids"] == plain["choices"][0]["token_ids"]  # asking for scores changes no token
+    assert choice["text"] == streamed["choices"][0]["text"] and choice["text"].endswith(plain["choices"][0]["text"])
+    lp = choice["logprobs"]
+    tokens = prompt + choice["token_ids"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) \
+        == len(tokens)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first prompt token
+    ref = reference(tokens)
+    for i in range(1, len(tokens)):
+        assert abs(lp["token_logprobs"][i] - float(ref[i - 1, tokens[i]])) < 1e-4, i
+        top = lp["top_logprobs"][i]
+        assert 3 <= len(top) <= 4 and top[lp["tokens"][i]] == lp["token_logprobs"][i]
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(ref[i - 1].topk(3).values.tolist(), abs=1e-4)
+    # Offsets place each token's text in the choice's text; a special token (ids 0 .. 6) is written
+    # out in "tokens" but adds nothing to the text.
+    offsets = lp["text_offset"] + [len(choice["text"])]
+    pieces = [choice["text"][offsets[i]:offsets[i + 1]] for i in range(len(tokens))]
+    assert pieces == [text if token > 6 else "" for token, text in zip(tokens, lp["tokens"])], (pieces, lp["tokens"])
+    assert streamed["choices"][0]["logprobs"] == lp
+    # max_tokens 0: the prompt's scores alone, nothing generated.
+    only = scored["choices"][0]
+    assert only["token_ids"] == [] and only["finish_reason"] == "length" and scored["usage"]["completion_tokens"] == 0
+    assert only["text"] == choice["text"][:offsets[len(prompt)]]
+    assert only["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(prompt)]
+
+
+def test_several_prompts_with_n_give_every_choice_as_if_sent_alone(server):
+    prompts = [[40, 41, 42, 43, 44, 45], [9, 30, 12]]  # ids here; the client test sends a list of texts
+    body = {"model": MODEL, "prompt": prompts, "n": 3, "max_tokens": 8, "temperature": 0.9, "seed": 21,
+            "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            whole = await post_all(client, "/v1/completions", body)
+            streamed = await post_all(client, "/v1/completions", {**body, "stream": True,
+                                                                   "stream_options": {"include_usage": True}})
+            alone = [await post_all(client, "/v1/completions", {**body, "prompt": p, "n": 1, "seed": 21 + i})
+                     for p in prompts for i in range(3)]
+            return whole, streamed, alone
+
+    whole, streamed, alone = asyncio.run(run())
+    assert [c["index"] for c in whole["choices"]] == list(range(6))
+    for got, single in zip(whole["choices"], alone):
+        assert got["token_ids"] == single["choices"][0]["token_ids"] and got["text"] == single["choices"][0]["text"]
+    assert [c["token_ids"] for c in streamed["choices"]] == [c["token_ids"] for c in whole["choices"]]
+    assert [c["text"] for c in streamed["choices"]] == [c["text"] for c in whole["choices"]]
+    assert len({tuple(c["token_ids"]) for c in whole["choices"]}) == 6
+    prompt_tokens = sum(single["usage"]["prompt_tokens"] for single in alone[::3])
+    # prompts shorter than a page: nothing for the prefix cache to serve
+    assert whole["usage"] == streamed["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 48,
+                                                   "total_tokens": prompt_tokens + 48,
+                                                   "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_chat_logprobs_penalties_and_bias(server, reference):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hello, how are you today?"}], "max_tokens": 10,
+            "temperature": 0, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            out = {"plain": await post_all(client, "/v1/chat/completions", chat),
+                   "scored": await post_all(client, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2}),
+                   "streamed": await post_all(client, "/v1/chat/completions",
+                                              {**chat, "logprobs": True, "top_logprobs": 2, "stream": True}),
+                   # A bias makes token 77 the greedy choice every time; a frequency penalty then
+                   # costs each repeat until another token wins.
+                   "biased": await post_all(client, "/v1/chat/completions", {**chat, "logit_bias": {"77": 3}}),
+                   "penalised": await post_all(client, "/v1/chat/completions",
+                                               {**chat, "logit_bias": {"77": 3}, "frequency_penalty": 1.0}),
+                   "penalised_stream": await post_all(client, "/v1/chat/completions",
+                                                      {**chat, "logit_bias": {"77": 3}, "frequency_penalty": 1.0,
+                                                       "stream": True}),
+                   "repeated": await post_all(client, "/v1/chat/completions",
+                                              {**chat, "repetition_penalty": 2.0, "n": 2})}
+            return out
+
+    out = asyncio.run(run())
+    plain = out["plain"]["choices"][0]
+    scored = out["scored"]["choices"][0]
+    assert scored["token_ids"] == plain["token_ids"] and scored["message"]["content"] == plain["message"]["content"]
+    content = scored["logprobs"]["content"]
+    assert len(content) == 10 and "".join(e["token"] for e in content) == plain["message"]["content"]
+    for e in content:
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] == e["logprob"]  # greedy: the top
+        assert e["bytes"] == list(e["token"].encode())
+    assert out["streamed"]["choices"][0]["logprobs"]["content"] == content
+    assert out["biased"]["choices"][0]["token_ids"] == [77] * 10
+    penalised = out["penalised"]["choices"][0]["token_ids"]
+    assert penalised[0] == 77 and penalised.count(77) < 10, penalised
+    assert out["penalised_stream"]["choices"][0]["token_ids"] == penalised
+    repeated = [c["token_ids"] for c in out["repeated"]["choices"]]
+    assert repeated[0] == repeated[1] != plain["token_ids"]  # greedy: the n choices agree; the prompt's tokens cost
+
+
+def test_stop_strings_never_leak_with_several_choices(server):
+    body = {"model": MODEL, "prompt": "The engine runs", "max_tokens": 40, "temperature": 0.8, "seed": 5,
+            "ignore_eos": True, "n": 4}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            free = await post_all(client, "/v1/completions", body)
+            texts = [c["text"] for c in free["choices"]]
+            stop = next(t[len(t) // 2:len(t) // 2 + 2] for t in texts if len(t.strip()) > 8)
+            cut = [await post_all(client, "/v1/completions", {**body, "stop": [stop], "stream": s}) for s in (False, True)]
+            return texts, stop, cut
+
+    texts, stop, cut = asyncio.run(run())
+    for got in cut:
+        for text, choice in zip(texts, got["choices"]):
+            assert stop not in choice["text"]
+            if stop in text:
+                assert choice["finish_reason"] == "stop" and choice["text"] == text[:text.index(stop)]
+            else:
+                assert choice["finish_reason"] == "length" and choice["text"] == text
+    assert [(c["text"], c["finish_reason"]) for c in cut[0]["choices"]] == \
+        [(c["text"], c["finish_reason"]) for c in cut[1]["choices"]]
+
+
+def test_the_openai_client_reads_logprobs_echo_and_n(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    completion = client.completions.create(model=MODEL, prompt=["Hello", "The river"], n=2, max_tokens=4,
+                                           temperature=0, echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    first = completion.choices[0]
+    assert first.text.startswith("Hello") and first.logprobs.token_logprobs[0] is None
+    assert len(first.logprobs.tokens) == len(first.logprobs.text_offset) == len(first.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=3, n=2,
+                                          extra_body={"ignore_eos": True})
+    assert len(chat.choices) == 2 and len(chat.choices[1].logprobs.content) == 3
+    assert all(len(t.top_logprobs) == 3 for t in chat.choices[0].logprobs.content)
+    stream = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0, stream=True,
+                                       logprobs=1, extra_body={"ignore_eos": True})
+    tokens = [t for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    assert len(tokens) == 3
+    wait_all_free(server.url)
+
+
+def test_serve_bench_dry_run_reports_every_level(artifact, tmp_path):
+    """benchmarks/serve_bench.py starts `hgc serve` on the artifact and drives it at two
+    concurrencies through the OpenAI client (the CPU size of the GPU run's command)."""
+    pytest.importorskip("openai")
+    from benchmarks.serve_bench import DRY, main as serve_bench
+
+    assert serve_bench(["--dry-run", "--artifact", str(artifact[0]), "--serve-args", " ".join(tokenizer_flag(*artifact)),
+                        "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "serve_bench.json").read_text())
+    assert [lv["concurrency"] for lv in result["levels"]] == list(DRY["concurrency"])
+    for lv in result["levels"]:
+        assert lv["errors"] == 0 and lv["requests"] == DRY["requests_per_worker"] * lv["concurrency"]
+        for record in lv["records"]:
+            assert record["output_tokens"] == record["usage_completion_tokens"] == record["max_tokens"]
+            assert len(record["itl_s"]) == record["max_tokens"] - 1 and record["ttft_s"] > 0
+        assert 0 < lv["ttft_median_s"] <= lv["ttft_p99_s"] and 0 < lv["itl_median_s"] <= lv["itl_p99_s"]
+        assert lv["output_tokens"] == sum(r["max_tokens"] for r in lv["records"]) and lv["requests_per_s"] > 0

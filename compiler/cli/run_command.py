@@ -2,8 +2,9 @@
 
 The artifact's backends are the ones its routing.json names (runtime/binding.py), on the device it
 was compiled for (`--device` defaults to its target); with --json the output adds the engine's
-per-phase timing, the graph runner's step counters (on cuda) and `executed_backends`: per layer id,
-the backends the op calls actually reached, recorded at dispatch.
+per-phase timing, the prompt tokens each request found in the prefix cache, the graph runner's step
+counters (on cuda) and `executed_backends`: per layer id, the backends the op calls actually
+reached, recorded at dispatch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def cmd_run(args) -> int:
     from runtime.engine import SamplingParams
     from runtime.graph_runner import CaptureError, ParityError
     from runtime.loader import LoadError, load_artifact
+    from runtime.server.cli import prefix_cache_options
     from runtime.server.model import EngineOptions, engine_for_artifact
 
     prompts = parse_prompt_ids(args.prompt_ids)
@@ -30,9 +32,9 @@ def cmd_run(args) -> int:
     except LoadError as e:
         return fail("run", e)
     check_vocab(prompts, int(art.manifest["model"]["vocab_size"]))
-    options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step)
     log = lambda line: print(f"hgc run: {line}", file=sys.stderr, flush=True)  # noqa: E731
     try:
+        options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step, **prefix_cache_options(args))
         engine = engine_for_artifact(art, options, max(map(len, prompts)) + args.max_new_tokens, device=device,
                                      graphs=not args.no_graphs, log=log)
     except (LoadError, CaptureError, ParityError, ValueError) as e:
@@ -47,7 +49,8 @@ def cmd_run(args) -> int:
     results = engine.run_until_done()
     outputs = [list(results[i].output_ids) for i in ids]
     # what the backends were actually called for, recorded at dispatch (not read from routing.json)
-    extra = {"timing": engine.timing(), "executed_backends": engine.ops.executed_backends()}
+    extra = {"timing": engine.timing(), "cached_tokens": [results[i].cached_tokens for i in ids],
+             "executed_backends": engine.ops.executed_backends()}
     if engine.runner is not None:
         extra["steps"] = dict(engine.runner.counters)
     print_outputs(prompts, outputs, args.json, extra=extra)
@@ -70,4 +73,6 @@ def add_run_arguments(subparsers) -> None:
                         "binds that device's backends; on cuda, CUDA graphs")
     p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
+    from runtime.server.cli import add_prefix_cache_arguments  # the flags `hgc serve` has too
+    add_prefix_cache_arguments(p)
     p.set_defaults(func=cmd_run)

@@ -108,7 +108,7 @@ class BackendHooks(abc.ABC):
         super().__init_subclass__(**kwargs)
         for hook in HOOK_NAMES + OP_NAMES:
             _check_signature(cls, hook)
-        # One fact, one place: a class with a capability declaration (runtime/backends/capability.py)
+        # One fact, one place: a class with a capability declaration (compiler/splitops/capability.py)
         # serves the ops it declares there; a second, different list would be a second source of truth.
         capability = getattr(cls, "capability", None)
         if capability is not None:

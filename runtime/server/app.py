@@ -9,8 +9,9 @@ Lifecycle:
    EngineLoop over the served model's Engine, the open requests, the counters. Nothing global.
 2. Lifespan start: the EngineLoop's thread starts. The app never steps the engine itself.
 3. A request: parse and validate (protocol.py; a 4xx with the OpenAI error body on any fault),
-   resolve the prompt to token ids, check it against the model, submit to the EngineLoop, then
-   stream or collect the tokens (generation.py). Engine calls that take the engine lock (submit,
+   resolve each prompt to token ids, check it against the model, submit each prompt's n
+   requests to the EngineLoop together (they share its prefill), then stream or collect the
+   choices' tokens (choices.py, generation.py). Engine calls that take the engine lock (submit,
    cancel, stats) run on the state's thread pool, so the event loop never waits for a step.
 4. A client that disconnects, mid-stream or while waiting for a whole response, has its engine
    request cancelled at once: its state slot and KV pages go back to the pools.
@@ -40,12 +41,14 @@ from starlette.requests import ClientDisconnect
 
 from runtime.engine import SamplingParams
 from runtime.engine_loop import EngineLoop, EngineLoopError
+from runtime.server.choices import Choice, close_all, merged
 from runtime.server.generation import Generation
+from runtime.server.logprobs import join
 from runtime.server.metrics import CONTENT_TYPE, render_metrics
 from runtime.server.model import ServedModel
-from runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_body, chat_chunk,
-                                     completion_body, completion_chunk, error_body, models_body, now, parse_body,
-                                     usage_chunk)
+from runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_body, chat_choice,
+                                     chat_chunk, completion_body, completion_choice, completion_chunk, error_body,
+                                     models_body, now, parse_body, usage_body, usage_chunk)
 from runtime.server.sse import SSE_DONE, EventStreamResponse, sse_event
 from runtime.tokenizer import TokenizerError
 
@@ -158,27 +161,32 @@ class ServerState:
             stats.update(self.served.counters())
         return stats
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams, stop_strings: list[str],
-                     endpoint: str) -> Generation:
-        request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    async def submit(self, prompt_ids: list[int], params: list[SamplingParams], stop_strings: list[str],
+                     endpoint: str) -> list[Generation]:
+        """One prompt's requests (its n choices), added together: the first prefills, the others share it."""
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        request_ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in params]
         future = self.loop.run_in_executor(self.executor, functools.partial(
-            self.engine_loop.submit, prompt_ids, params, request_id, loop=self.loop))
+            self.engine_loop.submit_group, prompt_ids, params, request_ids, loop=self.loop))
         try:
-            handle = await asyncio.shield(future)
+            handles = await asyncio.shield(future)
         except asyncio.CancelledError:
-            # The response was cancelled while the submit ran: cancel the request it makes.
-            future.add_done_callback(lambda f: f.cancelled() or f.exception() or self._cancel(request_id))
+            # The response was cancelled while the submit ran: cancel the requests it makes.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception()
+                                     or [self._cancel(request_id) for request_id in request_ids])
             raise
         except ValueError as e:  # Engine.add_request's own checks (the app checks first; kept as a net)
             raise RequestError(str(e), param="prompt") from None
         except RuntimeError as e:
             raise RequestError(f"the engine is not running: {e}", status=503, type="service_unavailable") from None
-        generation = Generation(request_id, handle, prompt_ids, self.served.tokenizer, stop_strings,
-                                params.stop_token_ids, self._cancel, self._on_end)
-        self.generations[request_id] = generation
-        self.requests[endpoint] += 1
+        generations = []
+        for handle, p in zip(handles, params):
+            generation = Generation(handle.request_id, handle, prompt_ids, self.served.tokenizer, stop_strings,
+                                    p.stop_token_ids, self._cancel, self._on_end)
+            self.generations[handle.request_id] = generation
+            generations.append(generation)
         self.prompt_tokens += len(prompt_ids)
-        return generation
+        return generations
 
     def _on_end(self, generation: Generation) -> None:
         self.generations.pop(generation.request_id, None)
@@ -210,18 +218,33 @@ class ServerState:
                                param=param, code="no_tokenizer")
         return self.served.tokenizer
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, str):
-            ids = self._tokenizer("prompt", "a text prompt").encode(req.prompt)
-        else:
-            ids = list(req.prompt)
-            bad = [t for t in ids if not 0 <= t < self.served.vocab_size]
-            if bad:
-                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0 .. "
-                                   f"{self.served.vocab_size - 1})", param="prompt", code="invalid_token_id")
-        if not ids:
-            raise RequestError("the prompt is empty", param="prompt")
-        return ids
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Each prompt of the request as token ids, checked against the vocabulary."""
+        out = []
+        for i, prompt in enumerate(req.prompt):
+            param = "prompt" if len(req.prompt) == 1 else f"prompt.{i}"
+            if isinstance(prompt, str):
+                ids = self._tokenizer("prompt", "a text prompt").encode(prompt)
+            else:
+                ids = list(prompt)
+                self._check_token_ids(ids, param, "prompt token id")
+            if not ids:
+                raise RequestError("the prompt is empty", param=param)
+            out.append(ids)
+        return out
+
+    def _check_token_ids(self, ids, param: str, what: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.served.vocab_size]
+        if bad:
+            raise RequestError(f"{what} {bad[0]} is outside the vocabulary (0 .. {self.served.vocab_size - 1})",
+                               param=param, code="invalid_token_id")
+
+    def prompt_text(self, req: CompletionRequest, index: int, ids: list[int]) -> str:
+        """What echo shows: the prompt as sent, or its ids decoded (nothing without a tokenizer)."""
+        prompt = req.prompt[index]
+        if isinstance(prompt, str):
+            return prompt
+        return self.served.tokenizer.decode(ids) if self.served.tokenizer is not None else ""
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         tokenizer = self._tokenizer("messages", "a chat request")
@@ -236,12 +259,14 @@ class ServerState:
             raise RequestError("the chat renders to an empty prompt", param="messages")
         return ids
 
-    def sampling(self, req, prompt_len: int, max_tokens: int | None, default: int | None,
-                 prompt_param: str) -> SamplingParams:
-        """The engine's SamplingParams, after the length checks (OpenAI's context_length_exceeded)."""
+    def sampling(self, req, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[SamplingParams]:
+        """The engine's SamplingParams of each of the request's n choices for one prompt, after the
+        length checks (OpenAI's context_length_exceeded). Choice i draws with seed + i (vLLM's
+        convention), so each is the request sent alone with n=1 and that seed."""
         context = self.served.max_model_len
         room = context - prompt_len
-        if room < 1:
+        if room < 1 and max_tokens != 0:
             raise RequestError(f"This model's maximum context length is {context} tokens; the prompt has "
                                f"{prompt_len} tokens, which leaves no room to generate", param=prompt_param,
                                code="context_length_exceeded")
@@ -259,8 +284,16 @@ class ServerState:
         stop_ids = set(req.stop_token_ids or ())
         if self.served.eos_token_id is not None and not req.ignore_eos:
             stop_ids.add(self.served.eos_token_id)
-        return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
-                              top_p=req.top_p, seed=req.seed, stop_token_ids=frozenset(stop_ids))
+        if req.logit_bias:
+            self._check_token_ids(list(req.logit_bias), "logit_bias", "logit_bias token id")
+        if max_tokens == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0  # echo without logprobs: the engine's prompt-only request scores, nobody reads
+        return [SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
+                               top_p=req.top_p, seed=None if req.seed is None else req.seed + i,
+                               stop_token_ids=frozenset(stop_ids), presence_penalty=req.presence_penalty,
+                               frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                               logit_bias=req.logit_bias or {}, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                for i in range(req.n)]
 
     def metrics_snapshot(self) -> dict:
         return {"open_requests": len(self.generations), "requests": dict(self.requests),
@@ -269,22 +302,38 @@ class ServerState:
                 "duration_count": self.duration[1], "healthy": self.healthy, "draining": self.draining}
 
 
-async def _events(state, generation: Generation, chunk, usage, opening: dict | None = None):
-    """The SSE events of one streamed generation, for either endpoint.
+def _cached_tokens(choices: list[Choice]) -> int:
+    """Prompt tokens the prefix cache served, once per prompt: a prompt's n choices share its
+    prefill, and only the one that ran it reports the cached part."""
+    per_prompt: dict[int, int] = {}
+    for c in choices:
+        per_prompt[id(c.prompt_ids)] = max(per_prompt.get(id(c.prompt_ids), 0), c.generation.cached_tokens)
+    return sum(per_prompt.values())
 
-    An opening chunk (chat's role), one chunk per delta (`chunk(text, token_ids, finish)`), the
-    closing chunk (`chunk(None, [], finish_reason)`), the usage chunk when asked
-    (`usage(completion_tokens)`), then [DONE]. An engine failure ends the stream with an error
-    event instead: the status line was sent long ago.
+
+async def _events(state, choices: list[Choice], chunk, usage, openings: list[dict] = ()):
+    """The SSE events of a streamed request's choices, for either endpoint.
+
+    The opening chunks (chat's role), one chunk per delta of any choice (`chunk(choice, text,
+    logprobs, token_ids, finish)`), each choice's closing chunk (`chunk(choice, text, logprobs,
+    [], finish_reason)`, with the echoed prompt when nothing came before it), the usage chunk
+    when asked (`usage(completion_tokens, cached_tokens)`), then [DONE]. An engine failure ends the stream with
+    an error event instead: the status line was sent long ago.
     """
     try:
-        if opening is not None:
+        for opening in openings:
             yield sse_event(opening)
-        async for delta in generation.deltas():
-            yield sse_event(chunk(delta.text, delta.token_ids, None))
-        yield sse_event(chunk(None, [], generation.finish_reason))
+        async for kind, choice, delta in merged(choices):
+            echo, echo_scores = choice.opening()
+            text, scores = choice.delta(delta) if kind == "delta" else ("", None)
+            if echo_scores is not None:
+                scores = join([echo_scores, scores]) if scores is not None else echo_scores
+            if kind == "delta":
+                yield sse_event(chunk(choice, echo + text, scores, delta.token_ids, None))
+            else:
+                yield sse_event(chunk(choice, echo, scores, [], choice.generation.finish_reason))
         if usage is not None:
-            yield sse_event(usage(len(generation.token_ids)))
+            yield sse_event(usage(sum(len(c.generation.token_ids) for c in choices), _cached_tokens(choices)))
     except EngineLoopError as e:
         state.errors[500] += 1
         yield sse_event(_engine_error_body(e))
@@ -296,11 +345,12 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect(request: Request, generation: Generation) -> bool:
-    """Run a non-streamed request to its end; False if the client left first (its request is cancelled)."""
+async def _collect(request: Request, choices: list[Choice]) -> bool:
+    """Run a non-streamed request's choices to their end; False if the client left first (their
+    engine requests are cancelled)."""
 
     async def drain():
-        async for _ in generation.deltas():
+        async for _ in merged(choices):
             pass
 
     work = asyncio.ensure_future(drain())
@@ -314,7 +364,7 @@ async def _collect(request: Request, generation: Generation) -> bool:
     finally:
         work.cancel()
         watch.cancel()
-        generation.close()
+        close_all(choices)
 
 
 def _engine_error_body(error: BaseException) -> dict:
@@ -385,28 +435,60 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
     async def metrics():
         return Response(render_metrics(await state.engine_stats(), state.metrics_snapshot()), media_type=CONTENT_TYPE)
 
+    async def submit_all(prompts: list[list[int]], params: list[list[SamplingParams]], req, endpoint: str,
+                         make_choice) -> list[Choice]:
+        """Every prompt's n requests; `make_choice(index, prompt index, generation)` wraps each."""
+        choices = []
+        try:
+            for p, (prompt_ids, prompt_params) in enumerate(zip(prompts, params)):
+                generations = await state.submit(prompt_ids, prompt_params, req.stop or [], endpoint)
+                choices += [make_choice(p * req.n + i, p, g) for i, g in enumerate(generations)]
+        except BaseException:
+            close_all(choices)  # the prompts submitted before the one that failed
+            raise
+        state.requests[endpoint] += 1
+        return choices
+
+    def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+        return usage_body(sum(map(len, prompts)), sum(len(c.generation.token_ids) for c in choices),
+                          _cached_tokens(choices))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         state.check_accepting()
         req = parse_body(await request.body(), CompletionRequest)
         req.refuse_unsupported()
         state.check_model(req.model)
-        prompt_ids = state.completion_prompt(req)
-        params = state.sampling(req, len(prompt_ids), req.max_tokens, state.options.default_max_tokens, "prompt")
-        generation = await state.submit(prompt_ids, params, req.stop or [], "completions")
-        rid, created, model = generation.request_id, now(), served.name
-        if req.stream:
-            def chunk(text, token_ids, finish):  # text None: the closing chunk
-                return completion_chunk(rid, model, created, text or "", token_ids, finish)
+        prompts = state.completion_prompts(req)
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = [state.sampling(req, len(ids), req.max_tokens, state.options.default_max_tokens, "prompt",
+                                 req.logprobs, prompt_logprobs) for ids in prompts]
+        tokenizer = served.tokenizer
 
-            usage = None  # or usage(completion_tokens) -> the usage chunk
+        def make_choice(index: int, p: int, generation: Generation) -> Choice:
+            echo = state.prompt_text(req, p, prompts[p]) if req.echo else None
+            return Choice(index, generation, prompts[p], tokenizer, echo,
+                          "completion" if req.logprobs is not None else None)
+
+        choices = await submit_all(prompts, params, req, "completions", make_choice)
+        rid, created, model = choices[0].generation.request_id, now(), served.name
+        if req.stream:
+            def chunk(choice, text, scores, token_ids, finish):
+                return completion_chunk(rid, model, created,
+                                        completion_choice(choice.index, text, token_ids, finish, scores))
+
+            usage_of = None  # or usage_of(completion_tokens) -> the usage chunk
             if req.stream_options and req.stream_options.include_usage:
-                usage = functools.partial(usage_chunk, rid, model, created, "text_completion", len(prompt_ids))
-            return EventStreamResponse(_events(state, generation, chunk, usage), generation.close)
-        if not await _collect(request, generation):
+                usage_of = functools.partial(usage_chunk, rid, model, created, "text_completion",
+                                             sum(map(len, prompts)))
+            return EventStreamResponse(_events(state, choices, chunk, usage_of), lambda: close_all(choices))
+        if not await _collect(request, choices):
             return Response(status_code=499)  # nobody is listening; the status is for the access log
-        return completion_body(rid, model, created, generation.text, generation.token_ids, generation.finish_reason,
-                               len(prompt_ids))
+        bodies = []
+        for c in choices:  # in index order
+            text, scores = c.whole()
+            bodies.append(completion_choice(c.index, text, c.generation.token_ids, c.generation.finish_reason, scores))
+        return completion_body(rid, model, created, bodies, usage(prompts, choices))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -415,21 +497,33 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         req.refuse_unsupported()
         state.check_model(req.model)
         prompt_ids = state.chat_prompt(req)
-        params = state.sampling(req, len(prompt_ids), req.token_limit, None, "messages")
-        generation = await state.submit(prompt_ids, params, req.stop or [], "chat")
-        rid, created, model = generation.request_id, now(), served.name
-        if req.stream:
-            def chunk(text, token_ids, finish):  # text None: the closing chunk
-                return chat_chunk(rid, model, created, {} if text is None else {"content": text}, token_ids, finish)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = state.sampling(req, len(prompt_ids), req.token_limit, None, "messages", logprobs)
+        tokenizer = served.tokenizer
 
-            usage = None  # or usage(completion_tokens) -> the usage chunk
+        def make_choice(index: int, p: int, generation: Generation) -> Choice:
+            return Choice(index, generation, prompt_ids, tokenizer, None, "chat" if req.logprobs else None)
+
+        choices = await submit_all([prompt_ids], [params], req, "chat", make_choice)
+        rid, created, model = choices[0].generation.request_id, now(), served.name
+        if req.stream:
+            def chunk(choice, text, scores, token_ids, finish):  # finish: the closing chunk
+                delta = {} if finish is not None else {"content": text}
+                return chat_chunk(rid, model, created, choice.index, delta, token_ids, finish, scores)
+
+            usage_of = None  # or usage_of(completion_tokens) -> the usage chunk
             if req.stream_options and req.stream_options.include_usage:
-                usage = functools.partial(usage_chunk, rid, model, created, "chat.completion.chunk", len(prompt_ids))
-            opening = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, [], None)
-            return EventStreamResponse(_events(state, generation, chunk, usage, opening), generation.close)
-        if not await _collect(request, generation):
+                usage_of = functools.partial(usage_chunk, rid, model, created, "chat.completion.chunk",
+                                             len(prompt_ids))
+            openings = [chat_chunk(rid, model, created, c.index, {"role": "assistant", "content": ""}, [], None)
+                        for c in choices]
+            return EventStreamResponse(_events(state, choices, chunk, usage_of, openings), lambda: close_all(choices))
+        if not await _collect(request, choices):
             return Response(status_code=499)
-        return chat_body(rid, model, created, generation.text, generation.token_ids, generation.finish_reason,
-                         len(prompt_ids))
+        bodies = []
+        for c in choices:
+            text, scores = c.whole()
+            bodies.append(chat_choice(c.index, text, c.generation.token_ids, c.generation.finish_reason, scores))
+        return chat_body(rid, model, created, bodies, usage([prompt_ids], choices))
 
     return app

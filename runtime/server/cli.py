@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 
-__all__ = ["add_serve_arguments", "cmd_serve", "serve", "main"]
+__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "prefix_cache_options", "cmd_serve", "serve", "main"]
 
 
 def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
@@ -53,6 +53,13 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
                         "--kv-pages)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens of one request (default: min(4096, the model's positions))")
+    g = p.add_argument_group("prefix cache")
+    add_prefix_cache_arguments(g)
+    g.add_argument("--prefix-snapshots", type=int, default=None,
+                   help="linear-state snapshots the prefix cache may hold, without --memory-budget-gb "
+                        "(default: one per slot)")
+    g.add_argument("--snapshot-share", type=float, default=0.1,
+                   help="with --memory-budget-gb: the share of the memory after weights that goes to snapshots")
     g = p.add_argument_group("requests")
     g.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: --max-model-len)")
@@ -65,6 +72,25 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_serve)
     return p
+
+
+def add_prefix_cache_arguments(group) -> None:
+    """The prefix-cache flags `hgc serve` and `hgc run` share."""
+    group.add_argument("--no-prefix-cache", action="store_true",
+                       help="prefill every prompt in full: no reuse of cached prefixes (KV pages, "
+                            "linear-state snapshots)")
+    group.add_argument("--snapshot-interval", type=int, default=None,
+                       help="tokens between a request's snapshots at prefill chunk ends (default: "
+                            "DEFAULT_SNAPSHOT_INTERVAL in runtime/prefix_cache.py); prompt ends and branch points "
+                            "are snapshotted regardless")
+
+
+def prefix_cache_options(args) -> dict:
+    """EngineOptions fields from the flags of `add_prefix_cache_arguments`."""
+    options = {"prefix_cache": not args.no_prefix_cache}
+    if args.snapshot_interval is not None:
+        options["snapshot_interval"] = args.snapshot_interval
+    return options
 
 
 def cmd_serve(args) -> int:
@@ -83,7 +109,8 @@ def cmd_serve(args) -> int:
         engine_options = EngineOptions(
             slots=args.slots, max_running=args.max_running, token_budget=args.token_budget, page_size=args.page_size,
             kv_pages=args.kv_pages, max_model_len=args.max_model_len,
-            memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * (1 << 30)))
+            memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * (1 << 30)),
+            prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share, **prefix_cache_options(args))
         server_options = ServerOptions(max_tokens_limit=args.max_tokens_limit,
                                        default_max_tokens=args.default_max_tokens,
                                        shutdown_timeout=args.shutdown_timeout)
@@ -101,6 +128,14 @@ def cmd_serve(args) -> int:
     # that is meant to be bounded. Frozen objects are skipped by those collections.
     gc.freeze()
     return code
+
+
+def _prefix_cache_line(engine) -> str:
+    cache = engine.prefix_cache
+    if cache is None:
+        return "no prefix cache"
+    return (f"prefix cache: {cache.snapshots.num_snapshots} snapshots, "
+            f"{cache.snapshots.nbytes() / (1 << 20):.1f} MiB")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -147,7 +182,8 @@ def serve(served, options=None, host: str = "127.0.0.1", port: int = 8000, *, lo
                 bound_host, bound_port = sockets[0].getsockname()[:2]
                 print(f"hgc serve: {served.name} listening on http://{bound_host}:{bound_port} "
                       f"(max_model_len {served.max_model_len}, {served.engine.state_pool.num_slots} slots, "
-                      f"{served.engine.kv_pool.num_pages} KV pages)", file=sys.stderr, flush=True)
+                      f"{served.engine.kv_pool.num_pages} KV pages, {_prefix_cache_line(served.engine)})",
+                      file=sys.stderr, flush=True)
 
     try:
         sock = _bind(host, port)

@@ -1,9 +1,12 @@
 """One request's life in the server, between its RequestHandle and the HTTP response.
 
 1. The app submits the request to the EngineLoop and wraps the handle in a `Generation`.
-2. `async for delta in generation.deltas()` yields one `Delta(text, token_ids)` per engine token:
-   the text the token adds (incremental decoding; empty without a tokenizer, or while the text
-   might be the start of a stop string and is held back).
+2. `async for delta in generation.deltas()` yields one `Delta(text, token_ids, logprobs,
+   offsets)` per engine token: the text the token adds (incremental decoding; empty without a
+   tokenizer, or while the text might be the start of a stop string and is held back), the
+   token's log-probability entry when the request asked for them, and where the token's text
+   starts in `generation.text`. The prompt's scores, when asked for, are `prompt_logprobs`
+   once the first delta comes (or the deltas end: a request that generates nothing).
 3. A stop string found in the text ends the request at once: the text is cut before it, the
    engine request is cancelled. A stop token (eos or a client's stop_token_ids) is kept in
    `token_ids` but its text is not shown.
@@ -26,6 +29,7 @@ from typing import Callable, Hashable
 
 from runtime.engine import RequestResult
 from runtime.engine_loop import EngineLoopError, RequestHandle
+from runtime.logprobs import TokenLogprob
 from runtime.tokenizer import IncrementalDecoder, TextTokenizer
 
 __all__ = ["Delta", "Generation"]
@@ -35,6 +39,8 @@ __all__ = ["Delta", "Generation"]
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # for token_ids, when asked for
+    offsets: list[int] = dataclasses.field(default_factory=list)  # where each token's text starts in the text
 
 
 class Generation:
@@ -51,6 +57,9 @@ class Generation:
         self._on_end = on_end
         self.text = ""
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.offsets: list[int] = []
+        self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None
         self.finish_reason: str | None = None
         self.result: RequestResult | None = None
         self.aborted = False  # set by the server before it cancels (shutdown)
@@ -61,6 +70,11 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine's prefix cache served (known once the first token is in; 0 before)."""
+        return self.handle.cached_tokens or 0
 
     def _held_back(self) -> int:
         """Characters at the end of the text that could begin a stop string: not shown yet."""
@@ -81,24 +95,33 @@ class Generation:
     async def deltas(self):
         shown = 0  # characters of self.text already yielded
         try:
-            async for token in self.handle:
+            async for out in self.handle.aoutputs():
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs = out.prompt_logprobs
+                token = out.token
+                if token is None:
+                    continue  # the end of a request that only scored its prompt
                 if self.first_token_s is None:
                     self.first_token_s = time.perf_counter() - self.submitted_s
                 self.token_ids.append(token)
+                logprobs = [out.logprob] if out.logprob is not None else []
+                self.logprobs += logprobs
                 before = len(self.text)
+                self.offsets.append(before)
                 if self._decoder is not None and token not in self.hidden_token_ids:
                     self.text += self._decoder.push(token)
                 if self.stop_strings:
                     cut = self._find_stop(before)
                     if cut is not None:
                         self.text = self.text[:cut]
+                        self.offsets = [min(o, cut) for o in self.offsets]
                         self._closed = True
                         self._cancel(self.request_id)  # the engine would go on to max_tokens otherwise
                         self._end("stop")
-                        yield Delta(self.text[shown:], [token])
+                        yield Delta(self.text[shown:], [token], logprobs, [self.offsets[-1]])
                         return
                 upto = len(self.text) - (self._held_back() if self.stop_strings else 0)
-                yield Delta(self.text[shown:upto], [token])
+                yield Delta(self.text[shown:upto], [token], logprobs, [before])
                 shown = max(shown, upto)
         except EngineLoopError:
             self._closed = True  # the loop is gone, and every request with it

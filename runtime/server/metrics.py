@@ -2,9 +2,9 @@
 
 `render_metrics(engine_stats, server)` writes one family per number: `# HELP`, `# TYPE`, then its
 samples. Counters end in `_total`; label values are escaped. The numbers come from
-`Engine.stats()` (queue, running, slots, pages, tokens, steps, preemptions, phase times) and from
-the server's own counters (requests by endpoint and finish reason, errors by status, prompt
-tokens, time to first token).
+`Engine.stats()` (queue, running, slots, pages, tokens, steps, preemptions, phase times, the
+prefix cache's lookups, hits and snapshot memory) and from the server's own counters (requests by
+endpoint and finish reason, errors by status, prompt tokens, time to first token).
 
 Graph replays versus eager steps: the CPU runtime captures no CUDA graphs, so every step is eager
 and `hgc_engine_steps_total{execution="graph_replay"}` is 0. A graph runner's counters
@@ -87,6 +87,28 @@ def _recent_tokens_per_second(recent_steps: list[dict]) -> float:
     return sum(step["sampled"] for step in recent_steps) / seconds if seconds > 0 else 0.0
 
 
+def _prefix_cache(m: MetricsText, engine: dict) -> None:
+    """The prefix cache's numbers (all 0 when the engine runs without one)."""
+    get = lambda key: engine.get(f"prefix_cache_{key}", 0)  # noqa: E731
+    m.add("prefix_cache_enabled", "gauge", "1 when the engine reuses cached prefixes.",
+          bool(engine.get("prefix_cache")))
+    m.add("prefix_cache_queries_total", "counter", "Tokens of admitted requests looked up in the prefix cache.",
+          get("lookup_tokens"))
+    m.add("prefix_cache_hits_total", "counter", "Tokens admitted requests found in the prefix cache (not prefilled).",
+          get("hit_tokens"))
+    m.add("prefix_cache_hit_rate", "gauge", "Cached tokens / looked-up tokens, over all admissions so far.",
+          get("hit_tokens") / get("lookup_tokens") if get("lookup_tokens") else 0.0)
+    m.add("prefix_cache_requests_total", "counter", "Admissions that looked up the prefix cache, by outcome.",
+          [({"outcome": "hit"}, get("hits")), ({"outcome": "miss"}, get("lookups") - get("hits"))])
+    m.add("prefix_cache_pages", "gauge", "KV pages the prefix cache holds (shared with running requests or not).",
+          get("pages"))
+    m.add("prefix_cache_snapshots", "gauge", "Linear-state snapshots the prefix cache holds.", get("snapshots"))
+    m.add("prefix_cache_snapshot_slots", "gauge", "Snapshots the snapshot pool has room for.", get("snapshot_slots"))
+    m.add("prefix_cache_snapshot_bytes", "gauge", "Bytes of the snapshot pool.", get("snapshot_bytes"))
+    m.add("prefix_cache_snapshots_taken_total", "counter", "Snapshots taken of running requests.",
+          get("snapshots_taken"))
+
+
 def render_metrics(engine: dict, server: dict) -> str:
     """engine: Engine.stats(); server: the app's counters (see ServerState.metrics_snapshot)."""
     m = MetricsText()
@@ -117,6 +139,7 @@ def render_metrics(engine: dict, server: dict) -> str:
           engine["prefill_tokens"])
     m.add("preemptions_total", "counter", "Requests preempted to free pages (they re-prefill later).",
           engine["preemptions"])
+    _prefix_cache(m, engine)
 
     m.add("prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", server["prompt_tokens"])
     m.add("requests_total", "counter", "Accepted generation requests, by endpoint.",

@@ -1,10 +1,11 @@
 """What the server serves: one model behind an Engine, with its limits and its tokenizer.
 
 1. `EngineOptions` holds the serving knobs (`hgc serve` flags): slots, running cap, token budget per
-   step, page size, KV pages or a memory budget, the longest request.
+   step, page size, KV pages or a memory budget, the longest request, the prefix cache.
 2. `build_engine(registry, bind, options, backend_factory=...)` sizes the pools (the memory planner
    when a budget is given, else explicit slots and pages), makes the backend and its BoundOps, asks
-   `bind(ops)` for the forward callable, and builds the Engine.
+   `bind(ops)` for the forward callable, and builds the Engine, with a prefix cache unless it is
+   turned off.
 3. `load_served_model(artifact)` does that for a compiled artifact (runtime/loader.py), finds the
    tokenizer in the artifact folder (or `tokenizer_dir`), and returns a `ServedModel`. Tests build
    a ServedModel over an eager model with the same `build_engine`.
@@ -31,7 +32,9 @@ from compiler.splitops import LayerRegistry
 from runtime.bound_ops import BoundOps
 from runtime.engine import Engine
 from runtime.kv_pool import KVPool, pages_for
-from runtime.memory_planner import build_pools, plan_memory
+from runtime.memory_planner import build_pools, build_snapshot_pool, plan_memory
+from runtime.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
+from runtime.snapshot_pool import SnapshotPool
 from runtime.state_pool import StatePool
 from runtime.tokenizer import TextTokenizer
 
@@ -50,15 +53,26 @@ class EngineOptions:
     kv_pages: int | None = None  # None: enough for every slot at max_model_len (or the planner's share)
     memory_budget_bytes: int | None = None  # weights + state + KV; the planner splits it
     max_model_len: int | None = None  # prompt + output tokens of one request
+    prefix_cache: bool = True  # reuse cached prefixes (KV pages and linear-state snapshots)
+    prefix_snapshots: int | None = None  # snapshot pool size without a budget (None: one per slot)
+    snapshot_share: float = 0.1  # with a budget: the planner's share for the snapshot pool
+    snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL  # tokens between chunk-end snapshots of a request
 
     def __post_init__(self):
-        for name in ("slots", "token_budget", "page_size"):
+        for name in ("slots", "token_budget", "page_size", "snapshot_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
         for name in ("max_running", "kv_pages", "memory_budget_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        if self.prefix_snapshots is not None and self.prefix_snapshots < 0:
+            raise ValueError(f"--prefix-snapshots must be at least 0 (got {self.prefix_snapshots})")
+        if self.prefix_snapshots is not None and self.memory_budget_bytes is not None:
+            raise ValueError("--prefix-snapshots: with a memory budget the planner sizes the snapshot pool; "
+                             "set its share with --snapshot-share")
+        if not 0 <= self.snapshot_share < 1:
+            raise ValueError(f"--snapshot-share must be in [0, 1) (got {self.snapshot_share})")
 
 
 @dataclasses.dataclass
@@ -76,14 +90,20 @@ class ServedModel:
 
 
 def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, weight_bytes: int,
-           device) -> tuple[KVPool, StatePool]:
+           device) -> tuple[KVPool, StatePool, SnapshotPool | None]:
     if options.memory_budget_bytes is not None:
         plan = plan_memory(registry, budget_bytes=options.memory_budget_bytes, weight_bytes=weight_bytes,
                            max_seq_len=max_model_len, page_size=options.page_size, num_slots=options.slots,
-                           max_running=options.max_running)
-        return build_pools(registry, plan, device)
+                           max_running=options.max_running,
+                           snapshot_share=options.snapshot_share if options.prefix_cache else 0)
+        snapshots = build_snapshot_pool(registry, plan, device) if options.prefix_cache else None
+        return *build_pools(registry, plan, device), snapshots
     pages = options.kv_pages or options.slots * pages_for(max_model_len, options.page_size)
-    return KVPool(registry, pages, options.page_size, device), StatePool(registry, options.slots, device)
+    snapshots = None
+    if options.prefix_cache:
+        count = options.slots if options.prefix_snapshots is None else options.prefix_snapshots
+        snapshots = SnapshotPool(registry, count, device)
+    return KVPool(registry, pages, options.page_size, device), StatePool(registry, options.slots, device), snapshots
 
 
 def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], options: EngineOptions,
@@ -95,15 +115,20 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
     BackendSet of the instances its routing.json names). runner_factory(ops, kv_pool, state_pool,
     engine_limits) -> a started GraphRunner, whose dispatcher then runs every step (engine_limits:
     max_running, token_budget, max_seq_len)."""
-    kv_pool, state_pool = _pools(registry, options, max_model_len, weight_bytes, device)
+    kv_pool, state_pool, snapshots = _pools(registry, options, max_model_len, weight_bytes, device)
     ops = BoundOps(backend_factory(kv_pool, state_pool))
     runner = None
     if runner_factory is not None:
         limits = {"max_running": min(options.max_running or state_pool.num_slots, state_pool.num_slots),
                   "token_budget": options.token_budget, "max_seq_len": max_model_len}
         runner = runner_factory(ops, kv_pool, state_pool, limits)
+    prefix_cache = None
+    if snapshots is not None:
+        prefix_cache = PrefixCache(kv_pool, state_pool, snapshots,
+                                   PrefixCacheConfig(snapshot_interval=options.snapshot_interval))
     return Engine(bind(ops), ops, kv_pool, state_pool, max_tokens_per_step=options.token_budget,
-                  max_running=options.max_running, max_seq_len=max_model_len, device=device, runner=runner)
+                  max_running=options.max_running, max_seq_len=max_model_len, device=device, runner=runner,
+                  prefix_cache=prefix_cache)
 
 
 def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",

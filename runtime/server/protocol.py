@@ -4,12 +4,14 @@
    `RequestError` (HTTP 400, OpenAI error shape) naming the field: invalid JSON, a missing field,
    a wrong type, a value out of range. Schemas are strict: "16" is not a number, 1.5 is not an
    integer, true is not a number. Fields this server does not know are ignored, as OpenAI clients
-   send many; fields it knows but cannot honour (n > 1, logprobs, echo, penalties) are refused.
+   send many; fields it knows but cannot honour (suffix, best_of other than n) are refused.
 2. The app resolves the prompt to token ids and checks it against the model (vocabulary, context
    length, max_tokens limit), raising `RequestError` from here too (`context_length_error`, ...).
-3. `completion_body` / `completion_chunk` and `chat_body` / `chat_chunk` build the response
-   objects. Each choice also carries `token_ids` (an hgc extension): the generated ids, so a client
-   without the tokenizer, or a test, sees exactly what the engine produced.
+3. `completion_choice` / `completion_body` / `completion_chunk` and `chat_choice` / `chat_body` /
+   `chat_chunk` build the response objects: one choice per (prompt, n) pair, index
+   prompt * n + i, as OpenAI numbers them. Each choice also carries `token_ids` (an hgc
+   extension): the generated ids, so a client without the tokenizer, or a test, sees exactly
+   what the engine produced. Log-probabilities come formatted (runtime/server/logprobs.py).
 
 Error body: {"error": {"message", "type", "param", "code"}}, as OpenAI sends it.
 
@@ -20,15 +22,17 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["RequestError", "error_body", "parse_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
-           "StreamOptions", "completion_body", "completion_chunk", "chat_body", "chat_chunk", "usage_body",
-           "usage_chunk", "models_body", "now", "MAX_STOP_STRINGS"]
+           "StreamOptions", "completion_choice", "completion_body", "completion_chunk", "chat_choice", "chat_body",
+           "chat_chunk", "usage_body", "usage_chunk", "models_body", "now", "MAX_STOP_STRINGS", "MAX_LOGPROBS", "MAX_N"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit; each one is searched in the text after every token
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI chat's top_logprobs limit (and vLLM's default)
+MAX_N = 128  # choices per prompt: OpenAI's limit
 
 
 class RequestError(Exception):
@@ -74,10 +78,11 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI's range
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension; 1: off
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -102,15 +107,25 @@ class _SamplingFields(_Strict):
             raise ValueError("must be a list of non-negative token ids")
         return value
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias(cls, value):
+        # JSON object keys are strings: {"50256": -100}. Strict mode would refuse them as int keys.
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("must be an object mapping token ids to biases")
+        out = {}
+        for key, bias in value.items():
+            if not (isinstance(key, str) and key.strip().isdigit()):
+                raise ValueError(f"key {key!r} is not a token id")
+            if not (isinstance(bias, (int, float)) and not isinstance(bias, bool)) or not -100 <= bias <= 100:
+                raise ValueError(f"bias of token {key} must be a number in [-100, 100] (got {bias!r})")
+            out[int(key)] = float(bias)
+        return out
+
     def refuse_unsupported(self) -> None:
         """Fields the schema knows so that a request asking for them is refused rather than ignored."""
-        if self.n != 1:
-            raise RequestError(f"n={self.n}: this server returns one choice per request; send n=1", param="n")
-        if self.logprobs not in (None, False):
-            raise RequestError("logprobs are not supported by this server", param="logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise RequestError(f"{name} is not supported by this server (send 0 or leave it out)", param=name)
 
 
 def _is_int(value) -> bool:
@@ -118,31 +133,43 @@ def _is_int(value) -> bool:
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt`: text, or token ids (a single prompt; a list of one is unwrapped)."""
+    """POST /v1/completions. `prompt`: text, token ids, or a list of either (several prompts).
 
-    prompt: str | list[int]
+    After validation `prompt` is always a list of prompts, each a string or a list of token ids.
+    `logprobs` (an integer, the legacy API's) asks for each token's log-probability and that many
+    alternatives; with `echo` the prompt's tokens are scored too, and `max_tokens: 0` then scores
+    the prompt without generating."""
+
+    prompt: list[str | list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    best_of: int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-            value = value[0]  # ["text"] or [[1, 2, 3]]: a batch of one
-        if isinstance(value, str):
+    def _prompts(cls, value):
+        if isinstance(value, str) or (isinstance(value, list) and value and all(_is_int(t) for t in value)):
+            return [value]  # one prompt
+        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
             return value
-        if isinstance(value, list) and all(_is_int(t) for t in value):
+        if isinstance(value, list) and value and all(isinstance(p, list) and p and all(_is_int(t) for t in p)
+                                                     for p in value):
             return value
-        if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-            raise ValueError("one prompt per request: send each prompt as its own request")
-        raise ValueError("must be a string or a list of token ids (integers)")
+        raise ValueError("must be a string, a list of token ids (integers), or a non-empty list of either, "
+                         "each prompt non-empty")
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise RequestError("echo is not supported by this server", param="echo")
         if self.suffix:
             raise RequestError("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of is not supported by this server (leave it out, or equal to n)",
+                               param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens must be at least 1 (0 only with echo, to score the prompt)",
+                               param="max_tokens")
 
 
 class ChatMessage(_Strict):
@@ -174,6 +201,13 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
 
     @property
     def token_limit(self) -> int | None:
@@ -209,46 +243,50 @@ def parse_body(raw: bytes, schema: type[_Strict]):
 # -- responses ------------------------------------------------------------------------------------
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens the prefix cache served (not prefilled)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_body(request_id: str, model: str, created: int, text: str, token_ids: list[int],
-                    finish_reason: str | None, prompt_tokens: int) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                         "token_ids": list(token_ids)}],
-            "usage": usage_body(prompt_tokens, len(token_ids))}
+def completion_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None,
+                      logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "token_ids": list(token_ids)}
 
 
-def completion_chunk(request_id: str, model: str, created: int, text: str, token_ids: list[int],
-                     finish_reason: str | None) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                         "token_ids": list(token_ids)}]}
+def completion_body(request_id: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage}
 
 
-def chat_body(request_id: str, model: str, created: int, text: str, token_ids: list[int],
-              finish_reason: str | None, prompt_tokens: int) -> dict:
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason, "token_ids": list(token_ids)}],
-            "usage": usage_body(prompt_tokens, len(token_ids))}
+def completion_chunk(request_id: str, model: str, created: int, choice: dict) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_chunk(request_id: str, model: str, created: int, delta: dict, token_ids: list[int],
-               finish_reason: str | None) -> dict:
+def chat_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason, "token_ids": list(token_ids)}
+
+
+def chat_body(request_id: str, model: str, created: int, choices: list[dict], usage: dict) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage}
+
+
+def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dict, token_ids: list[int],
+               finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                          "token_ids": list(token_ids)}]}
 
 
 def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_tokens: int,
-                completion_tokens: int) -> dict:
+                completion_tokens: int, cached_tokens: int = 0) -> dict:
     """The final chunk of a stream asked for with stream_options.include_usage: no choices, the usage."""
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage_body(prompt_tokens, completion_tokens)}
+            "usage": usage_body(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def models_body(name: str, created: int, max_model_len: int, extra: dict | None = None) -> dict:
