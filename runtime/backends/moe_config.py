@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CONFIG_DIR", "GemmConfig", "MoEConfig", "default_config", "device_name_of", "config_file_name",
+__all__ = ["CONFIG_DIR", "GemmConfig", "MoEConfig", "default_config", "fit_shared_memory", "device_name_of", "config_file_name",
            "load_config_table", "pick_bucket", "next_pow2"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
@@ -109,6 +109,34 @@ def default_config(T: int, E: int, I: int, D: int, top_k: int) -> MoEConfig:
     if m <= 48:
         return MoEConfig(GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4))
     return MoEConfig(GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 128, 64, 8, 8, 4))
+
+
+# Shared memory one block may take on Hopper: 232,448 bytes (227 KiB), less a little for Triton's own.
+SHARED_MEMORY_BUDGET = 224 * 1024
+
+
+def fit_shared_memory(config: MoEConfig, itemsize: int, budget: int = SHARED_MEMORY_BUDGET) -> MoEConfig:
+    """The config with its sorted GEMMs' pipelines made to fit `budget` bytes of shared memory for
+    operands of `itemsize` bytes: fewer stages first, then a narrower BLOCK_K.
+
+    The default and tuned configs are sized for 2-byte operands; float32 operands take twice the
+    bytes per tile (seen on an H200: 294,912 bytes asked for a float32 gate/up tile, 232,448 there).
+    A buffer holds one A tile and the gate and up B tiles, (BLOCK_M + 2 BLOCK_N) BLOCK_K elements,
+    and a pipeline of num_stages keeps num_stages - 1 of them (which gives that 294,912 for the
+    128 x 128 x 64 float32 tile at 4 stages). Configs that fit are returned unchanged.
+    """
+    def fit(c: GemmConfig) -> GemmConfig:
+        if c.BLOCK_M == 1:
+            return c  # the token path keeps no pipelined tiles
+        while max(1, c.num_stages - 1) * (c.BLOCK_M + 2 * c.BLOCK_N) * c.BLOCK_K * itemsize > budget:
+            if c.num_stages > 2:
+                c = dataclasses.replace(c, num_stages=c.num_stages - 1)
+            elif c.BLOCK_K > 16:
+                c = dataclasses.replace(c, BLOCK_K=c.BLOCK_K // 2)
+            else:
+                break
+        return c
+    return MoEConfig(fit(config.gate_up), fit(config.down))
 
 
 def device_name_of(device: torch.device) -> str:

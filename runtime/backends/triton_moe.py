@@ -16,6 +16,7 @@ import torch
 
 from compiler.splitops import MODES, BackendCapability
 from runtime.backends.moe_config import (CONFIG_DIR, MoEConfig, config_file_name, default_config, device_name_of,
+                                         fit_shared_memory,
                                          load_config_table, pick_bucket)
 from runtime.backends.protocol import BackendHooks, BackendSetup
 
@@ -120,6 +121,7 @@ class TritonMoEBackend(BackendHooks):
                         f"into the graph. Call init_capture_state once and init_replay_state before capture.")
                 n_real = int(ctx.num_real_tokens)
         if config is None:
-            config = self.config_for(x.shape[0], w13.shape[0], w2.shape[-1], x.shape[1], top_k, x.device)
+            config = fit_shared_memory(self.config_for(x.shape[0], w13.shape[0], w2.shape[-1], x.shape[1], top_k,
+                                                       x.device), x.element_size())
         _kernels().fused_moe(x, router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate, out, top_k,
                              scoring, renormalize, routed_scale, num_groups, topk_groups, config, n_real=n_real)
