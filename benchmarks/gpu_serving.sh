@@ -10,7 +10,8 @@ set -u
 : "${OUT:?OUT is the folder whose files come back}"
 hgc() { python3 -m compiler.cli "$@"; }
 python3 -m pytest -q -m gpu tests/test_gpu_graphs.py -k float32 2>&1 | tail -15
-for family in "${@:-qwen3_next kimi_linear}"; do
+families=("$@"); [ $# -eq 0 ] && families=(qwen3_next kimi_linear)
+for family in "${families[@]}"; do
     ckpt=/tmp/ckpt_$family art=/tmp/bench_$family
     echo "== $family"
     hgc init-model --family "$family" --size bench --seed 0 -o "$ckpt" || continue
