@@ -8,6 +8,8 @@ Hooks, in the order the manager calls them (see manager.py):
     run_after_pipeline(ctx)                     also after a failure
 
 - `TimingInstrument` measures each pass on each program and prints one table at the end.
+- `ProgressInstrument` advances a progress bar (a tqdm-like factory handed in by the command
+  line) by one for each pass on each program.
 - `DumpInstrument` writes the graph of each program after each pass: `dumps/NN_<pass>.txt` (readable
   graph), `.onnx` (opens in Netron; hgc op nodes carry layer id and op name) and `.svg` (a picture).
   The main program's files sit in `dumps/`, the draft's in `dumps/draft/`. NN is the pass's
@@ -25,7 +27,7 @@ from typing import TextIO
 
 from tabulate import tabulate
 
-__all__ = ["Instrument", "TimingInstrument", "DumpInstrument"]
+__all__ = ["Instrument", "TimingInstrument", "DumpInstrument", "ProgressInstrument"]
 
 
 class Instrument:
@@ -71,6 +73,28 @@ class TimingInstrument(Instrument):
         stream = self.stream or sys.stderr
         print(f"{self.title}: timings", file=stream)
         print(self.table(), file=stream, flush=True)
+
+
+class ProgressInstrument(Instrument):
+    """One bar over the pipeline: a step per pass and program, the pass's name as its label."""
+
+    def __init__(self, progress, num_passes: int):
+        self.progress = progress
+        self.num_passes = num_passes
+        self.bar = None
+
+    def run_before_pipeline(self, ctx) -> None:
+        self.bar = self.progress(total=self.num_passes * len(ctx.program_names), desc="passes", unit="pass")
+
+    def run_before_pass(self, pass_, index, gm, ctx) -> None:
+        self.bar.set_description(f"pass {pass_.name} ({ctx.program})")
+
+    def run_after_pass(self, pass_, index, result, ctx) -> None:
+        self.bar.update()
+
+    def run_after_pipeline(self, ctx) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class DumpInstrument(Instrument):
