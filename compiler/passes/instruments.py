@@ -11,7 +11,8 @@ Hooks, in the order the manager calls them (see manager.py):
 - `ProgressInstrument` advances a progress bar (a tqdm-like factory handed in by the command
   line) by one for each pass on each program.
 - `DumpInstrument` writes the graph of each program after each pass: `dumps/NN_<pass>.txt` (readable
-  graph), `.onnx` (opens in Netron; hgc op nodes carry layer id and op name) and `.svg` (a picture).
+  graph), `.onnx` (opens in Netron; hgc op nodes carry layer id and op name), and once per pass
+  `dumps/NN_<pass>.svg`, the layer picture of every program side by side (compiler/dump/layers.py).
   The main program's files sit in `dumps/`, the draft's in `dumps/draft/`. NN is the pass's
   position in the pipeline; 00 is the exported graph before any pass.
 
@@ -98,7 +99,8 @@ class ProgressInstrument(Instrument):
 
 
 class DumpInstrument(Instrument):
-    """Writes text, ONNX and SVG of every program before the pipeline (00_export) and after each pass.
+    """Writes text and ONNX of every program, and the layer picture of all of them, before the
+    pipeline (00_export) and after each pass.
 
     With a TimingInstrument, the time spent writing dumps is reported as its own row.
     """
@@ -117,11 +119,14 @@ class DumpInstrument(Instrument):
         return folder / f"{index:02d}_{name}"
 
     def _write(self, index: int, name: str, gm, ctx) -> None:
-        from compiler.dump import write_dumps
+        from compiler.dump import write_dumps, write_layer_picture
 
         start = time.perf_counter()
         self.written.extend(write_dumps(self._base(index, name, ctx.program), gm, ctx, title=name,
                                         formats=self.formats))
+        # once every program is through this pass: the picture shows them side by side
+        if "svg" in self.formats and ctx.program == ctx.program_names[-1]:
+            self.written.append(write_layer_picture(self._base(index, name, "main").with_suffix(".svg"), ctx, name))
         self.seconds += time.perf_counter() - start
 
     def run_before_pipeline(self, ctx) -> None:
