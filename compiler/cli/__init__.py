@@ -19,7 +19,6 @@ show on a terminal only, and never with `--quiet`.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from compiler.cli.errors import EXIT_CODES, CommandParser, UsageError, run_with_errors
 from compiler.cli.progress import progress_bars
