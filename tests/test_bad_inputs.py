@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
 import shutil
 from pathlib import Path
