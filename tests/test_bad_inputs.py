@@ -294,7 +294,7 @@ def test_run_and_generate_end_with_one_timing_line_unless_quiet(work, capsys):
         out, err = capsys.readouterr()
         assert out.splitlines() == [line for line in out.splitlines() if " -> " in line] and len(out.splitlines()) == 2
         timing = [line for line in err.splitlines() if line.startswith(f"hgc {argv[0]}: ")]
-        assert len(timing) == 1 and re.search(rf"2 prompt\(s\), 6 new token\(s\) in [\d.]+ s, [\d.]+ tok/s", timing[0])
+        assert len(timing) == 1 and re.search(r"2 prompt\(s\), 6 new token\(s\) in [\d.]+ s, [\d.]+ tok/s", timing[0])
         assert detail in timing[0], timing
     assert main(["run", str(work / "art"), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--quiet"]) == 0
     assert capsys.readouterr().err == ""
