@@ -264,13 +264,16 @@ class GraphRunner:
         return self.buckets.capture_keys()
 
     @torch.no_grad()  # a graph captured with autograd on would record its bookkeeping too
-    def capture(self) -> None:
+    def capture(self, progress=None) -> None:
+        """Every key, largest first. The first capture of each mode also builds the kernels its
+        steps call (Triton compiles, library JIT): `progress` shows that wait as a bar over keys."""
         if self.sealed:
             raise CaptureError("capture after start-up: graphs are captured once, before serving")
         self.graphs.check_device(self.device)
         self.backend.init_capture_state(self.max_tokens, self.max_seqs)
         self.state.pool = self.graphs.new_pool()
-        for key in self.capture_keys():
+        keys = self.capture_keys()
+        for key in progress(keys, desc="capture CUDA graphs (and build kernels)", unit="graph") if progress else keys:
             inputs, ctx = self._fill(self._dummy_step(key), key)
             # Every op's `out` as the graph leaves it: the parity check compares them layer by layer.
             # Holding them keeps their memory from being reused by a later capture in the pool.
@@ -428,10 +431,12 @@ class GraphRunner:
         finally:
             self.ops.observer = self.ops.intercept = None
 
-    def start(self, vocab_size: int, log: Callable[[str], None] = lambda line: None) -> dict[str, float]:
-        """Start-up: capture every key, then check each against eager; raises before serving on a mismatch."""
+    def start(self, vocab_size: int, log: Callable[[str], None] = lambda line: None,
+              progress=None) -> dict[str, float]:
+        """Start-up: capture every key, then check each against eager; raises before serving on a mismatch.
+        `progress`: a tqdm-like factory, for a bar over the captures (a cold start builds kernels here)."""
         t0 = time.perf_counter()
-        self.capture()
+        self.capture(progress)
         log(f"captured {len(self.keys)} graphs ({', '.join(map(str, self.keys))}) in {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         report = self.check_parity(vocab_size=vocab_size)
@@ -444,7 +449,7 @@ class GraphRunner:
 
 
 def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,
-                         log: Callable[[str], None] = lambda line: None):
+                         log: Callable[[str], None] = lambda line: None, progress=None):
     """runner_factory(ops, kv_pool, state_pool, limits) for runtime/server/model.build_engine.
 
     The runner captures the artifact's recorded buckets (manifest "buckets"), clipped to the
@@ -463,7 +468,7 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
                              extend_max_seqs=extend_seqs(limits["max_running"], extend),
                              chunk_size=limits["token_budget"],
                              graphs=graphs)
-        runner.start(vocab_size, log=log)
+        runner.start(vocab_size, log=log, progress=progress)
         return runner
 
     return make

@@ -12,6 +12,8 @@ Lifecycle, one module per role:
    `hgc inspect` stops here.
 2. runtime/pt2_check.py: each .pt2 archive is checked for anything torch.export.load could use to
    run code, then loaded from the checked bytes.
+   `load_programs(docs)` loads them, and `check_model_facts` checks the manifest's vocabulary and
+   hidden size (and config.json's copy of them) against the main program's embedding and logits.
 3. runtime/weights.py: weights.json says which checkpoint tensors fill each program parameter.
 4. runtime/binding.py: `LoadedArtifact.backends(kv_pool, state_pool)` builds the instances
    routing.json names (and only those); `runner(ops, program)` binds every op node of the program
@@ -37,13 +39,13 @@ from torch.export.graph_signature import InputKind, OutputKind
 from compiler.splitops import LayerRegistry, Mode
 from compiler.splitops.artifact import (PROGRAM_FILES, PROGRAM_INPUTS, WEIGHT_MAP, ArtifactFormatError, SplitPlan,
                                         apply_split_plan, load_json, parse_weights_doc)
-from runtime.artifact_docs import ArtifactDocs, LoadError, read_artifact
+from runtime.artifact_docs import ArtifactDocs, LoadError, config_value, read_artifact
 from runtime.binding import Backends, bind_graph, build_backends, check_binding
 from runtime.pt2_check import check_pt2_bytes, load_program
 from runtime.weights import WeightFiles, assemble
 
 __all__ = ["LoadError", "ArtifactDocs", "LoadedArtifact", "ProgramRunner", "read_artifact", "load_artifact",
-           "check_pt2_bytes"]
+           "check_pt2_bytes", "load_programs", "check_model_facts"]
 
 
 class ProgramRunner:
@@ -131,12 +133,59 @@ class LoadedArtifact:
         return forward
 
 
+def load_programs(docs: ArtifactDocs) -> dict:
+    """Each program of the manifest, its archive checked (runtime/pt2_check.py) and loaded."""
+    files = docs.manifest["files"]
+    programs = {}
+    for program in docs.programs:
+        fname = PROGRAM_FILES[program]
+        if fname not in files:
+            raise LoadError(f"{docs.path}: program {program} has no {fname} listed in manifest.json")
+        programs[program] = load_program(docs.path / fname, files[fname])
+    return programs
+
+
+def _embedding_and_logits(ep) -> tuple[list | None, list | None]:
+    """(the token embedding's [vocab, hidden], the logits' shape) as the main program's graph has them."""
+    embedding = logits = None
+    for node in ep.graph.nodes:
+        if embedding is None and node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
+            val = node.args[0].meta.get("val")
+            embedding = list(val.shape) if isinstance(val, torch.Tensor) else None
+        if node.op == "output":
+            user = [a for a in pytree.tree_leaves(node.args[0]) if isinstance(a, torch.fx.Node)]
+            val = user[-len(ep.graph_signature.user_outputs)].meta.get("val") if user else None
+            logits = list(val.shape) if isinstance(val, torch.Tensor) else None
+    return embedding, logits
+
+
+def check_model_facts(docs: ArtifactDocs, main_program) -> None:
+    """manifest.json's `model` (and config.json's copy) against the main program: the vocabulary
+    is the embedding's rows and the logits' width, the hidden size the embedding's width. The
+    runtime checks prompt ids against the recorded vocabulary; a wrong one would index past the
+    embedding."""
+    embedding, logits = _embedding_and_logits(main_program)
+    if embedding is None or logits is None:
+        raise LoadError(f"{docs.path / PROGRAM_FILES['main']}: no token embedding or no logits output in the main "
+                        f"program: recompile")
+    found = {"vocab_size": embedding[0], "hidden_size": embedding[1]}
+    if isinstance(logits[-1], int) and logits[-1] != found["vocab_size"]:
+        raise LoadError(f"{docs.path / PROGRAM_FILES['main']}: logits have width {logits[-1]}, the embedding "
+                        f"{found['vocab_size']} rows: recompile")
+    model = docs.manifest.get("model") if isinstance(docs.manifest.get("model"), dict) else {}
+    for name, value in found.items():
+        for where, recorded in ((f"model.{name}", model.get(name)), (f"config {name}", config_value(docs.manifest, name))):
+            if recorded is not None and recorded != value:
+                raise LoadError(f"{docs.path / 'manifest.json'}: {where} is {recorded!r}, the main program's embedding "
+                                f"says {value} ({PROGRAM_FILES['main']}): the manifest does not describe this program")
+
+
 def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "cpu",
-                  expected_pipeline: str | None = None) -> LoadedArtifact:
+                  expected_pipeline: str | None = None, progress=None) -> LoadedArtifact:
     """Steps 1-3 of the module docstring. `device` None: the device the artifact was compiled for
     (its routing target: the device its backends run on). `expected_pipeline`: the pipeline
     fingerprint (manifest "pipeline_sha256") this runtime accepts; None accepts any pipeline of
-    this format."""
+    this format. `progress`: a tqdm-like factory, for a bar over the weights as they are read."""
     docs = read_artifact(path)
     if device is None:
         device = docs.routing.target
@@ -146,12 +195,8 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
                         f"recompile with this hgc")
     device = torch.device(device)
     files = docs.manifest["files"]
-    programs = {}
-    for program in docs.programs:
-        fname = PROGRAM_FILES[program]
-        if fname not in files:
-            raise LoadError(f"{docs.path}: program {program} has no {fname} listed in manifest.json")
-        programs[program] = load_program(docs.path / fname, files[fname])
+    programs = load_programs(docs)
+    check_model_facts(docs, programs["main"])
     if WEIGHT_MAP not in files:
         raise LoadError(f"{docs.path}: {WEIGHT_MAP} is not listed in manifest.json")
     try:
@@ -167,6 +212,8 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
         if tuple(users) != PROGRAM_INPUTS[program]:
             raise LoadError(f"{docs.path}: the {program} program takes {users}, expected {list(PROGRAM_INPUTS[program])}")
     weight_files = WeightFiles(docs, str(device))
-    weights = {fqn: assemble(fqn, src, weight_files, str(device)) for fqn, src in sources.items()}
+    items = sources.items()
+    if progress is not None:
+        items = progress(items, total=len(sources), desc="load weights", unit="tensor")
+    weights = {fqn: assemble(fqn, src, weight_files, str(device)) for fqn, src in items}
     return LoadedArtifact(docs, programs, weights, program_fqns, device)
-

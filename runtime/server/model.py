@@ -133,10 +133,11 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
 
 def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",
                         backend_factory: Callable | None = None, graphs: bool = True, registry=None,
-                        log: Callable[[str], None] = lambda line: None) -> Engine:
+                        log: Callable[[str], None] = lambda line: None, progress=None) -> Engine:
     """The Engine of a loaded artifact: `build_engine` over the backends its routing.json names
     (`registry`: where their classes come from; default runtime.backends.discover()) and, on CUDA
-    with `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory)."""
+    with `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory; `progress`, a
+    tqdm-like factory, draws a bar over its captures, kernel builds included)."""
     target = art.docs.routing.target
     if torch.device(device).type != torch.device(target).type:
         raise ValueError(f"{art.docs.path}: compiled for target {target!r} (its routing.json binds {target} "
@@ -147,7 +148,7 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
     runner_factory = None
     if torch.device(device).type == "cuda" and graphs:
         from runtime.graph_runner import graph_runner_factory
-        runner_factory = graph_runner_factory(art, _vocab_size(art), log=log)
+        runner_factory = graph_runner_factory(art, _vocab_size(art), log=log, progress=progress)
     weight_bytes = sum(t.nbytes for t in art.weights.values())
     return build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
                         backend_factory=backend_factory, runner_factory=runner_factory)
@@ -180,9 +181,10 @@ def _vocab_size(art) -> int:
 def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
                       options: EngineOptions = EngineOptions(), tokenizer_dir: str | os.PathLike | None = None,
                       device: str | None = None, backend_factory: Callable | None = None, graphs: bool = True,
-                      log: Callable[[str], None] = lambda line: None) -> ServedModel:
+                      log: Callable[[str], None] = lambda line: None, progress=None) -> ServedModel:
     """The backends are those routing.json names; on a CUDA device with `graphs`, every step goes
-    through a GraphRunner started (captured and parity-checked) here, before anything is served."""
+    through a GraphRunner started (captured and parity-checked) here, before anything is served.
+    `progress`: a tqdm-like factory, for bars over the weights and the captures."""
     from runtime.loader import load_artifact
 
     tokenizer = None
@@ -190,7 +192,7 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
         tokenizer = TextTokenizer.from_dir(tokenizer_dir)
         if tokenizer is None:
             raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
-    art = load_artifact(artifact, device=device)  # device None: the artifact's target
+    art = load_artifact(artifact, device=device, progress=progress)  # device None: the artifact's target
     device = art.device
     if tokenizer is None:
         # After the load: the artifact's tokenizer files are listed in its manifest, so their hashes
@@ -202,7 +204,7 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {model_len} positions")
     vocab_size = _vocab_size(art)
     engine = engine_for_artifact(art, options, max_model_len, device=device, backend_factory=backend_factory,
-                                 graphs=graphs, log=log)
+                                 graphs=graphs, log=log, progress=progress)
     if tokenizer is not None and tokenizer.max_token_id >= vocab_size:
         raise ValueError(f"{tokenizer.source}: the tokenizer has token id {tokenizer.max_token_id}, outside the "
                          f"model's vocabulary of {vocab_size}")
