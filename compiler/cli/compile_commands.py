@@ -6,8 +6,8 @@ the compile / load failed (the message, on stderr, names what and how to fix it)
 stdout (tabulate), or one JSON document with --json; progress and timings go to stderr.
 
     hgc lint CKPT [--json]                      trace config.json on the meta device, run the passes, list findings
-    hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only)
-    hgc inspect ARTIFACT [--json]               routing table, split plans, lints of an artifact
+    hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only, --inductor)
+    hgc inspect ARTIFACT [--json]               routing table, split plans, target bundles, lints of an artifact
     hgc backends [--json]                       every backend routing can choose, and where it came from
 """
 
@@ -21,7 +21,7 @@ from collections import defaultdict
 from tabulate import tabulate
 
 __all__ = ["add_arguments", "cmd_lint", "cmd_compile", "cmd_inspect", "cmd_backends", "routing_rows", "split_rows",
-           "fail"]
+           "bundle_rows", "fail"]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -170,6 +170,9 @@ def cmd_compile(args) -> int:
     from compiler.pipeline import compile_checkpoint, plan
     from compiler.splitops.errors import CompileError
 
+    inductor = _inductor_wanted(args)
+    if isinstance(inductor, Exception):
+        return fail("compile", inductor)
     try:
         tools = toolchain()
         if args.plan_only:
@@ -189,9 +192,41 @@ def cmd_compile(args) -> int:
     print(f"hgc compile: wrote {args.output} ({result.traced.family.name}, {_layout_summary(result.ctx.registry)}, "
           f"programs {', '.join(result.traced.programs)}, weights {weights}; {counts['warning']} warning(s), "
           f"{counts['info']} info)", file=sys.stderr)
+    if inductor == "not here":
+        print(f"hgc compile: no CUDA device here, so no target bundle was built: run `hgc build {args.output} --device "
+              f"cuda` on the GPU machine (or compile there)", file=sys.stderr)
+    elif inductor:
+        from compiler.cli.build_command import build_bundle
+        from runtime.loader import LoadError
+        try:
+            build_bundle(args.output, args.target, force=True,
+                         log=lambda line: print(f"hgc compile: {line}", file=sys.stderr, flush=True))
+        except (CompileError, LoadError, ValueError) as e:
+            return fail("compile", e)
     if args.json:
         print(json.dumps({"artifact": str(args.output), "family": result.traced.family.name, "counts": counts}))
     return 0
+
+
+def _inductor_wanted(args):
+    """Whether `hgc compile` builds a target bundle: --inductor / --no-inductor, else cuda yes, cpu no.
+    "not here" for a cuda compile on a machine without a CUDA device (the bundle is built on the GPU
+    machine later); an error when --inductor asks for that."""
+    import torch
+
+    device = args.target.split(":")[0]
+    wanted = args.inductor if args.inductor is not None else device == "cuda"
+    if not wanted or args.plan_only:
+        return False
+    if device not in ("cpu", "cuda"):
+        return ValueError(f"--inductor: no compiled target for --target {args.target} (cpu or cuda)")
+    if device == "cuda" and not torch.cuda.is_available():
+        if args.inductor:
+            return ValueError("--inductor --target cuda: this machine has no CUDA device to build the bundle on; "
+                              "compile with --no-inductor here and run `hgc build ARTIFACT --device cuda` on the GPU "
+                              "machine")
+        return "not here"
+    return True
 
 
 def cmd_inspect(args) -> int:
@@ -208,11 +243,12 @@ def cmd_inspect(args) -> int:
     split = split_rows(docs.split_plans)
     findings = [Finding.from_json(f) for f in docs.lints.get("findings", [])]
     m = docs.manifest
+    bundles = bundle_rows(m)
     if args.json:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
                           "routes": routes, "buckets": m["buckets"], "weights": m["weights"]["mode"],
                           "backends": raw_routing["backends"], "layers": routing, "split": split,
-                          "findings": [f.to_json() for f in findings]}))
+                          "findings": [f.to_json() for f in findings], "bundles": bundles}))
         return 0
     print(f"{args.artifact}: {m['family']} (torch {m['versions']['torch']}, hgc {m['versions']['hgc']}), target "
           f"{m['compile']['target']}, dtype {m['compile']['dtype']}, weights {m['weights']['mode']}")
@@ -222,8 +258,27 @@ def cmd_inspect(args) -> int:
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
     print()
+    if bundles:
+        print(tabulate(bundles, headers="keys", tablefmt="simple"))
+    else:
+        print(f"no target bundles (the glue runs traced; `hgc build {args.artifact} --device DEVICE` adds one)")
+    print()
     print(_findings_table(findings))
     return 0
+
+
+def bundle_rows(manifest: dict) -> list[dict]:
+    """One row per target bundle of an artifact: what it was built for, and its files."""
+    from compiler.splitops.bundle import KERNELS, PIECES, bundle_dir, describe_target
+
+    rows = []
+    for key, entry in sorted((manifest.get("targets") or {}).items()):
+        prefix = bundle_dir(key) + "/"
+        files = [f[len(prefix):] for f in manifest["files"] if f.startswith(prefix)]
+        rows.append({"bundle": prefix.rstrip("/"), "built for": describe_target(entry.get("facts") or {}),
+                     "pieces": sum(f.startswith(PIECES + "/") for f in files),
+                     "kernel files": sum(f.startswith(KERNELS + "/") for f in files)})
+    return rows
 
 
 def cmd_backends(args) -> int:
@@ -280,6 +335,10 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--decode-buckets", type=_ints, default=None, help="decode batch sizes to capture, e.g. 1,2,4,8")
     p.add_argument("--extend-buckets", type=_ints, default=None, help="extend token counts to capture, e.g. 256,512")
     p.add_argument("--json", action="store_true", help="JSON on stdout (with --plan-only: the whole plan)")
+    p.add_argument("--inductor", action=argparse.BooleanOptionalAction, default=None,
+                   help="also build this machine's target bundle: the glue between op cores compiled by Inductor "
+                        "and the kernels start-up needs, inside the artifact (`hgc build`); default: on for "
+                        "--target cuda (where this machine has a CUDA device), off for cpu")
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)
 

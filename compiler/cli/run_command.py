@@ -3,8 +3,9 @@
 The artifact's backends are the ones its routing.json names (runtime/binding.py), on the device it
 was compiled for (`--device` defaults to its target); with --json the output adds the engine's
 per-phase timing, the prompt tokens each request found in the prefix cache, the graph runner's step
-counters (on cuda) and `executed_backends`: per layer id, the backends the op calls actually
-reached, recorded at dispatch.
+counters (on cuda), `executed_backends`: per layer id, the backends the op calls actually
+reached, recorded at dispatch, and `compiled`: the target bundle whose pieces ran (kernels built
+at start-up, Inductor compiles, the start-up parity of compiled against traced glue).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ def cmd_run(args) -> int:
     from runtime.engine import SamplingParams
     from runtime.graph_runner import CaptureError, ParityError
     from runtime.loader import LoadError, load_artifact
-    from runtime.server.cli import prefix_cache_options
+    from runtime.server.cli import compiled_options, prefix_cache_options
     from runtime.server.model import EngineOptions, engine_for_artifact
 
     prompts = parse_prompt_ids(args.prompt_ids)
     try:
-        art = load_artifact(args.artifact, device=args.device)  # None: the artifact's target
+        art = load_artifact(args.artifact, device=args.device, compiled=compiled_options(args))  # None: its target
         device = art.device
     except LoadError as e:
         return fail("run", e)
@@ -53,6 +54,8 @@ def cmd_run(args) -> int:
              "executed_backends": engine.ops.executed_backends()}
     if engine.runner is not None:
         extra["steps"] = dict(engine.runner.counters)
+    if art.compiled is not None:  # the target bundle that ran: kernels built at start-up, parity
+        extra["compiled"] = art.compiled.report()
     print_outputs(prompts, outputs, args.json, extra=extra)
     return 0
 
@@ -73,6 +76,7 @@ def add_run_arguments(subparsers) -> None:
                         "binds that device's backends; on cuda, CUDA graphs")
     p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
-    from runtime.server.cli import add_prefix_cache_arguments  # the flags `hgc serve` has too
+    from runtime.server.cli import add_compiled_arguments, add_prefix_cache_arguments  # `hgc serve` has them too
     add_prefix_cache_arguments(p)
+    add_compiled_arguments(p)
     p.set_defaults(func=cmd_run)
