@@ -272,8 +272,24 @@ def main(argv=None) -> int:
     stage("transformers", transformers_stage, needs=["build"])
     save()
     print(table(doc))
+    print(json.dumps(summary(doc)))
     print(f"JSON: {path}")
     return 0
+
+
+def summary(doc: dict) -> dict:
+    """The numbers the issue asks for, one line: start-up, decode ms and kernels per step, per variant."""
+    def variant(rec: dict) -> dict:
+        return {"load_capture_parity_s": rec.get("load_capture_parity_s"), "process_s": rec.get("process_s"),
+                "kernels_built_at_start_up": rec.get("bundle", {}).get("kernel_builds"),
+                "decode": {B: {k: c.get(k) for k in ("step_ms", "kernels_per_step")}
+                           for B, c in rec.get("decode", {}).items()}}
+
+    hf = doc.get("transformers", {}).get("hf_static", {}).get("per_batch", {})
+    return {"device": doc["device"], "build_s": doc.get("build_s"),
+            "variants": {v: variant(doc["variants"][v]) for v in VARIANTS if v in doc["variants"]},
+            "hf_static_decode_ms": {B: c.get("decode_ms") for B, c in hf.items()},
+            "tokens_compiled_vs_uncompiled": doc.get("tokens_compiled_vs_uncompiled")}
 
 
 if __name__ == "__main__":

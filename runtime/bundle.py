@@ -78,8 +78,8 @@ def bundles_of(manifest: dict) -> dict[str, dict]:
     return targets
 
 
-def _rebuild(docs: ArtifactDocs, device: str) -> str:
-    return f"`hgc build {docs.path} --device {device}`"
+def _rebuild(docs: ArtifactDocs, device: str, force: bool = False) -> str:
+    return f"`hgc build {docs.path} --device {device}{' --force' if force else ''}`"
 
 
 # -- kernel builds --------------------------------------------------------------------------------
@@ -116,6 +116,8 @@ class KernelWatch:
                                 f"or pass --allow-kernel-builds to build it now")
 
     def __enter__(self):
+        # Inductor has no switch that forbids compiling; every C++ build goes through CppBuilder.build,
+        # so that one entry is wrapped for the block (start-up, single-threaded) and put back after.
         from torch._dynamo.utils import counters
         from torch._inductor.cpp_builder import CppBuilder
 
@@ -222,7 +224,7 @@ def _read_doc(docs: ArtifactDocs, key: str) -> dict:
 
 def _check(docs: ArtifactDocs, key: str, doc: dict, here: dict, device: torch.device) -> None:
     """Step 2."""
-    rebuild = _rebuild(docs, device.type)
+    rebuild = _rebuild(docs, device.type, force=True)  # a bundle of this key is there: it is replaced
     differences = facts_differences(doc["facts"], here)
     if differences:
         raise BundleError(f"{docs.path}: bundle {key} was built for {describe_target(doc['facts'])}; this installation "
@@ -268,8 +270,7 @@ def _consent(docs: ArtifactDocs, key: str, doc: dict, device: torch.device, opti
     raise BundleError(f"{docs.path}: bundle {bundle_dir(key)} holds executable code "
                       f"({executable_summary(doc['files'])}) "
                       f"that this installation did not build: {why}; pass --trust-compiled to run it, rebuild it here "
-                      f"with `hgc build {docs.path} --device {device.type} --force`, or pass --no-compiled to run the "
-                      f"traced glue")
+                      f"with {_rebuild(docs, device.type, force=True)}, or pass --no-compiled to run the traced glue")
 
 
 def _materialize(docs: ArtifactDocs, key: str, doc: dict) -> dict[str, Path]:
@@ -347,7 +348,7 @@ def open_bundle(docs: ArtifactDocs, device: str | torch.device, options: Compile
     _check(docs, key, doc, here, device)
     _consent(docs, key, doc, device, options)
     caches = _materialize(docs, key, doc)
-    remedy = f"rebuild the bundle with {_rebuild(docs, device.type)} --force"
+    remedy = f"rebuild the bundle with {_rebuild(docs, device.type, force=True)}"
     bundle = CompiledBundle(key, here, doc, {}, caches, options, remedy)
     if device.type == "cuda":
         _point_process_at(caches)

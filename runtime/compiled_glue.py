@@ -62,15 +62,22 @@ class CompiledGlue:
                                 f"{record.get('first')}): rebuild it")
 
     def install(self, split: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        """Step 2, in place on `split`'s piece modules; returns `split`."""
+        """Step 2, in place on `split`'s piece modules; returns `split`. Every segment with a
+        compiled piece must have been found in exactly one piece."""
+        installed: list[int] = []
         for name, piece in split.named_children():
             if isinstance(piece, torch.fx.GraphModule):
-                self._install_piece(piece, name)
+                installed += self._install_piece(piece, name)
+        expected = [r["index"] for r in self.records if r["piece"] is not None]
+        if sorted(installed) != expected:
+            missing = sorted(set(expected) - set(installed))
+            raise LoadError(f"bundle {self.bundle}: {self.program} glue segment(s) {missing[:3] or installed[:3]} "
+                            f"found in no piece, or in two, of the split program: rebuild it")
         return split
 
-    def _install_piece(self, piece: torch.fx.GraphModule, piece_name: str) -> None:
+    def _install_piece(self, piece: torch.fx.GraphModule, piece_name: str) -> list[int]:
         by_name = {n.name: n for n in piece.graph.nodes}
-        changed = False
+        changed: list[int] = []
         for record in self.records:
             if record["piece"] is None or record["first"] not in by_name:
                 continue
@@ -100,9 +107,10 @@ class CompiledGlue:
                 by_name[name] = out  # a later segment of this piece reads it from here
             for n in reversed(nodes):
                 piece.graph.erase_node(n)
-            changed = True
+            changed.append(record["index"])
         if changed:
             piece.recompile()
+        return changed
 
 
 def compiled_calls(module: torch.nn.Module) -> int:
