@@ -73,12 +73,13 @@ def test_a_run_from_empty_caches_builds_nothing_and_matches_the_traced_glue(buil
     rtol = PARITY_RTOL[getattr(torch, built["dtype"])]
     assert report["parity"] and all(p["worst_op_rel_err"] <= rtol and p["logits_rel_err"] <= rtol
                                     for p in report["parity"])
+    if built["dtype"] == "float32":  # TF32 off (torch's default): compiled glue differs from traced by rounding
+        assert all(p["logits_rel_err"] <= 1e-5 for p in report["parity"]), report["parity"]
     traced = run_json(built, "traced", "--no-compiled")
     pairs = [(a["output_ids"], b["output_ids"]) for a, b in zip(compiled["outputs"], traced["outputs"])]
-    if built["dtype"] == "float32":  # TF32 off (torch's default): the greedy tokens are the same
-        assert all(a == b for a, b in pairs)
-    else:  # bf16: rounding may flip a near tie later on; the first token of each prompt must agree
-        assert all(a[0] == b[0] for a, b in pairs)
+    # The first token of each prompt must agree; later ones may flip at a near tie of a random tiny
+    # model (benchmarks/startup_bench.py counts them on the bench model).
+    assert all(a[0] == b[0] for a, b in pairs), pairs
 
 
 def test_a_second_build_gives_the_same_code(built):
