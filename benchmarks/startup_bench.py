@@ -62,15 +62,14 @@ DRY_DEFAULTS = dict(size="tiny", batches="1,2", iters=2, new_tokens=4, hf_new_to
 CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE")
 
 
-def hgc_process(*argv: str, env: dict) -> tuple[float, subprocess.CompletedProcess]:
-    """`hgc ...` in its own process: (seconds, the finished process); its stderr is echoed."""
+def hgc_process(*argv: str, env: dict) -> float:
+    """`hgc ...` in its own process, its progress on our stderr as it goes; the seconds it took."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "compiler.cli", *argv], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "compiler.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           text=True)
-    sys.stderr.write(proc.stderr[-4000:])
     if proc.returncode != 0:
-        raise RuntimeError(f"hgc {argv[0]} failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
-    return time.perf_counter() - t0, proc
+        raise RuntimeError(f"hgc {argv[0]} failed with exit code {proc.returncode} (its stderr is above)")
+    return time.perf_counter() - t0
 
 
 def empty_caches(folder: Path) -> dict:
@@ -163,15 +162,13 @@ def build_artifacts(args, work: Path, doc: dict, env: dict) -> dict:
                     "--force", env=env)
     target = "cpu" if args.dry_run else "cuda"
     dtype = "float32" if args.dry_run else "bfloat16"
-    seconds, _ = hgc_process("compile", str(ckpt), "-o", str(plain), "--target", target, "--dtype", dtype,
-                             "--no-dumps", "--no-inductor", "--force", env=env)
-    doc["compile_s"] = seconds
+    doc["compile_s"] = hgc_process("compile", str(ckpt), "-o", str(plain), "--target", target, "--dtype", dtype,
+                                   "--no-dumps", "--no-inductor", "--force", env=env)
     shutil.rmtree(built, ignore_errors=True)
     shutil.copytree(plain, built)
     build_env = {**env, **empty_caches(work / "caches_build")}
-    seconds, proc = hgc_process("build", str(built), "--device", target, env=build_env)
-    doc["build_s"] = seconds
-    doc["build_log"] = proc.stderr.strip().splitlines()[-12:]
+    doc["build_s"] = hgc_process("build", str(built), "--device", target, env=build_env)
+    doc["bundle"] = json.loads((built / "manifest.json").read_text()).get("targets")
     return {"ckpt": ckpt, "uncompiled": plain, "compiled": built}
 
 
@@ -220,6 +217,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-extend", type=int, help="largest extend bucket captured (default: 4096)")
     p.add_argument("--skip", default="", help="comma-separated stages not to run: build, uncompiled, compiled, "
                                               "transformers")
+    p.add_argument("--reuse", action="store_true",
+                   help="use the checkpoint and artifacts an earlier call built under --work (split a run across "
+                        "calls with a time limit: build and start-ups in one, --reuse --skip uncompiled,compiled in "
+                        "the next for transformers)")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, cpu target, CUDA graphs rerun")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
@@ -252,7 +253,13 @@ def main(argv=None) -> int:
     save = lambda: path.write_text(json.dumps(doc, indent=1, default=str))  # noqa: E731
     stage = Stages(doc["stages"], skip=[s for s in args.skip.split(",") if s], save=save)
     arts: dict = {}
-    stage("build", lambda: arts.update(build_artifacts(args, work, doc, env)))
+    built = {"ckpt": work / "ckpt", "uncompiled": work / "art_uncompiled", "compiled": work / "art_compiled"}
+    if args.reuse and all((built[v] / "manifest.json").is_file() for v in VARIANTS):
+        arts.update(built)  # an earlier call's build (--work names its folder): start-up and decode only
+        doc["reused_build"] = str(work)
+        doc["stages"]["build"] = {"status": "ok", "reused": True}
+    else:
+        stage("build", lambda: arts.update(build_artifacts(args, work, doc, env)))
     for variant in VARIANTS:
         stage(variant, lambda v=variant: doc["variants"].__setitem__(v, start_variant(args, v, arts[v], work, env)),
               needs=["build"])
