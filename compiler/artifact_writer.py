@@ -14,6 +14,8 @@
 3. On success the staging folder is renamed to the output (an existing one, with --force, is
    moved aside first and deleted after); on any failure or interrupt (Ctrl-C included) it is
    deleted, so no half-written artifact is ever left under the output name.
+4. Later, `add_bundle` moves a built target bundle (`hgc build`) into targets/<key>/, lists its
+   files in manifest.json and reseals it.
 
 Weights are copied byte for byte from the checkpoint's safetensors files, streamed tensor by
 tensor (memory stays flat whatever the model size), under their checkpoint names.
@@ -46,7 +48,7 @@ from compiler.splitops.artifact import (FORMAT_NAME, FORMAT_VERSION, LINTS, MANI
                                         safetensors_header, seal_manifest, sha256_file, split_doc, weights_doc)
 
 __all__ = ["ArtifactWriteError", "staging_folder", "sweep_stale_staging", "write_artifact", "checkpoint_index",
-           "hgc_version", "lints_doc"]
+           "hgc_version", "lints_doc", "add_bundle"]
 
 
 class ArtifactWriteError(CompileError):
@@ -346,3 +348,44 @@ def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenize
     (tmp / MANIFEST).write_bytes(dump_json(manifest))
     return manifest
 
+
+
+# -- target bundles -------------------------------------------------------------------------------
+
+
+def add_bundle(artifact: Path, key: str, staged: Path, facts: dict, force: bool = False) -> dict:
+    """Move a built bundle folder (compiler/splitops/bundle.py) into artifact/targets/<key>/ and list
+    it in manifest.json: every file's SHA-256 under "files", the bundle under "targets". Returns the
+    manifest. An existing bundle of that key is replaced only with `force`.
+
+    The new manifest is written beside the old one first and renamed over it last, after the
+    bundle folder is in place: an interrupted build leaves either the old artifact or one whose
+    unlisted bundle files the loader refuses by name, never a manifest listing absent files."""
+    from compiler.splitops.artifact import load_json
+    from compiler.splitops.bundle import BUNDLE, bundle_dir
+
+    artifact = Path(artifact)
+    dest = artifact / bundle_dir(key)
+    if dest.exists() and not force:
+        raise ArtifactWriteError(f"{dest}: a bundle for {key} exists; pass --force to replace it")
+    manifest = load_json(artifact / MANIFEST, "manifest")
+    prefix = bundle_dir(key) + "/"
+    files = {name: sha for name, sha in manifest["files"].items() if not name.startswith(prefix)}
+    files.update({prefix + p.relative_to(staged).as_posix(): sha256_file(p)
+                  for p in sorted(staged.rglob("*")) if p.is_file()})
+    targets = dict(manifest.get("targets") or {})
+    targets[key] = {"bundle": prefix + BUNDLE, "facts": facts}
+    manifest.update(files=files, targets=targets)
+    manifest = seal_manifest(manifest)  # the loader checks the seal: the bundle's entries are the compiler's
+    pending = artifact / f".{MANIFEST}.pending"
+    pending.write_bytes(dump_json(manifest))
+    old = None
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{key}.old-", dir=dest.parent))
+        os.replace(dest, old / key)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(staged), str(dest))
+    os.replace(pending, artifact / MANIFEST)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return manifest

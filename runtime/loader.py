@@ -20,6 +20,10 @@ Lifecycle, one module per role:
    to the instance its entry names and checks the bound graph against routing.json before
    anything runs; `ProgramRunner` re-applies the split plan recorded for each mode
    (`compiler.splitops.artifact.apply_split_plan`; the compiler's passes are never imported).
+5. runtime/bundle.py: where the artifact holds a target bundle for this installation, its compiled
+   pieces are checked, consented to and loaded (`compiled`: CompiledOptions); each mode's split
+   module then runs them in place of the traced glue (runtime/compiled_glue.py), and
+   `module_for(mode, compiled=False)` still gives the traced glue (the start-up check's reference).
 
 What it does not do: allocate caches (runtime pools), schedule requests (the engine), capture
 CUDA graphs (the graph runner), choose a backend (routing did), or trust anything it has not checked.
@@ -41,40 +45,51 @@ from compiler.splitops.artifact import (PROGRAM_FILES, PROGRAM_INPUTS, WEIGHT_MA
                                         apply_split_plan, load_json, parse_weights_doc)
 from runtime.artifact_docs import ArtifactDocs, LoadError, config_value, read_artifact
 from runtime.binding import Backends, bind_graph, build_backends, check_binding
+from runtime.bundle import CompiledBundle, CompiledOptions, open_bundle
 from runtime.pt2_check import check_pt2_bytes, load_program
 from runtime.weights import WeightFiles, assemble
 
 __all__ = ["LoadError", "ArtifactDocs", "LoadedArtifact", "ProgramRunner", "read_artifact", "load_artifact",
-           "check_pt2_bytes", "load_programs", "check_model_facts"]
+           "check_pt2_bytes", "load_programs", "check_model_facts", "CompiledOptions"]
 
 
 class ProgramRunner:
     """One program bound to one op table: `runner(mode)(*user inputs)` runs the mode's recorded split."""
 
     def __init__(self, name: str, program, plans: dict[Mode, SplitPlan], weights: list[torch.Tensor], ops,
-                 device: torch.device, docs: ArtifactDocs):
+                 device: torch.device, docs: ArtifactDocs, glue=None):
+        """glue: the program's CompiledGlue (runtime/compiled_glue.py), or None to run the traced glue."""
         self.name, self.program, self.plans, self.ops, self.device = name, program, plans, ops, device
         self.weights = weights
         sig = program.graph_signature
         self.num_mutations = sum(1 for s in sig.output_specs if s.kind != OutputKind.USER_OUTPUT)
         self._bound = bind_graph(program.graph_module, name, docs, ops, device)
         check_binding(self._bound, name, docs, ops)  # start-up: what is bound is what routing.json says
+        self.glue = glue
+        if glue is not None:
+            glue.check(program.graph_module)
         self._by_plan: dict[tuple, torch.fx.GraphModule] = {}
 
-    def module_for(self, mode: Mode) -> torch.fx.GraphModule:
+    def module_for(self, mode: Mode, compiled: bool = True) -> torch.fx.GraphModule:
+        """The mode's split module; with the compiled pieces in place of the glue unless `compiled` is False."""
         plan = self.plans[Mode(mode)]
-        key = tuple((p.kind, p.nodes) for p in plan.pieces)
+        compiled = compiled and self.glue is not None
+        key = (compiled, tuple((p.kind, p.nodes) for p in plan.pieces))
         if key not in self._by_plan:
             try:
-                self._by_plan[key] = apply_split_plan(self._bound, plan)
+                split = apply_split_plan(self._bound, plan)
             except ArtifactFormatError as e:
                 raise LoadError(f"{self.name} program: {e}") from None
+            self._by_plan[key] = self.glue.install(split) if compiled else split
         return self._by_plan[key]
 
+    def user_outputs(self, mode: Mode, inputs, compiled: bool = True) -> list:
+        """The program's user outputs (flat) for one call in `mode` (call inside `ops.step(ctx)`)."""
+        outputs = self.module_for(mode, compiled)(*self.weights, *inputs)
+        return list(outputs)[self.num_mutations:]
+
     def __call__(self, mode: Mode, *inputs):
-        outputs = self.module_for(mode)(*self.weights, *inputs)
-        user = list(outputs)[self.num_mutations:]
-        return pytree.tree_unflatten(user, self.program.call_spec.out_spec)
+        return pytree.tree_unflatten(self.user_outputs(mode, inputs), self.program.call_spec.out_spec)
 
 
 @dataclasses.dataclass
@@ -84,6 +99,7 @@ class LoadedArtifact:
     weights: dict[str, torch.Tensor]  # model FQN -> tensor on the device
     program_fqns: dict[str, dict[str, str]]
     device: torch.device
+    compiled: CompiledBundle | None = None  # the target bundle whose pieces run the glue, if any
 
     @property
     def manifest(self) -> dict:
@@ -112,7 +128,8 @@ class LoadedArtifact:
         ep = self.programs[program]
         lifted = [s.target for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
         tensors = [self.weights[self.program_fqns[program][fqn]] for fqn in lifted]
-        return ProgramRunner(program, ep, self.split_plans[program], tensors, ops, self.device, self.docs)
+        glue = self.compiled.glue(program) if self.compiled is not None else None
+        return ProgramRunner(program, ep, self.split_plans[program], tensors, ops, self.device, self.docs, glue)
 
     def forward_for(self, mode: Mode | str, ops, program: str = "main") -> Callable:
         """The program's forward in one mode: (input_ids, positions, logits_index) -> logits for "main"."""
@@ -130,6 +147,7 @@ class LoadedArtifact:
             return run(ops.ctx.mode, *inputs)
 
         forward.__name__ = f"{self.docs.family}_{program}_forward"
+        forward.runner = run  # the start-up check of compiled pieces runs the same program both ways
         return forward
 
 
@@ -181,11 +199,14 @@ def check_model_facts(docs: ArtifactDocs, main_program) -> None:
 
 
 def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "cpu",
-                  expected_pipeline: str | None = None, progress=None) -> LoadedArtifact:
-    """Steps 1-3 of the module docstring. `device` None: the device the artifact was compiled for
+                  expected_pipeline: str | None = None, progress=None,
+                  compiled: CompiledOptions = CompiledOptions()) -> LoadedArtifact:
+    """Steps 1-3 and 5 of the module docstring. `device` None: the device the artifact was compiled for
     (its routing target: the device its backends run on). `expected_pipeline`: the pipeline
     fingerprint (manifest "pipeline_sha256") this runtime accepts; None accepts any pipeline of
-    this format. `progress`: a tqdm-like factory, for a bar over the weights as they are read."""
+    this format. `progress`: a tqdm-like factory, for a bar over the weights as they are read.
+    `compiled`: whether and how a target bundle's compiled pieces may run (an artifact without
+    bundles runs its traced glue whatever it says)."""
     docs = read_artifact(path)
     if device is None:
         device = docs.routing.target
@@ -216,4 +237,6 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
     if progress is not None:
         items = progress(items, total=len(sources), desc="load weights", unit="tensor")
     weights = {fqn: assemble(fqn, src, weight_files, str(device)) for fqn, src in items}
-    return LoadedArtifact(docs, programs, weights, program_fqns, device)
+    bundle = open_bundle(docs, device, compiled)  # last: the portable part is checked before any code loads
+    return LoadedArtifact(docs, programs, weights, program_fqns, device, bundle)
+

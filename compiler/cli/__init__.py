@@ -2,6 +2,7 @@
 
     hgc init-model / generate / demo                compiler/cli/model_commands.py
     hgc lint / compile / inspect / verify / backends compiler/cli/compile_commands.py
+    hgc build                                       compiler/cli/build_command.py
     hgc run                                         compiler/cli/run_command.py
     hgc serve ARTIFACT --host 127.0.0.1 --port N    runtime/server/cli.py
 
@@ -94,6 +95,7 @@ def _add_common_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from compiler.cli.build_command import add_build_arguments
     from compiler.cli.compile_commands import add_arguments
     from compiler.cli.model_commands import add_model_arguments
     from compiler.cli.run_command import add_run_arguments
@@ -105,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_model_arguments(sub)
     add_arguments(sub)
+    add_build_arguments(sub)
     add_run_arguments(sub)
     add_serve_arguments(sub)
     for command in sub.choices.values():

@@ -7,8 +7,8 @@ and picks the exit code. Tables go to stdout (tabulate), or one JSON document wi
 progress and timings go to stderr.
 
     hgc lint CKPT [--json]                      trace config.json on the meta device, run the passes, list findings
-    hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only)
-    hgc inspect ARTIFACT [--json]               routing table, split plans, lints of an artifact
+    hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only, --inductor)
+    hgc inspect ARTIFACT [--json]               routing table, split plans, target bundles, lints of an artifact
     hgc verify ARTIFACT [--full]                re-hash every file (with --full, linked checkpoint data too)
     hgc backends [--json]                       every backend routing can choose, and where it came from
 """
@@ -25,7 +25,7 @@ from tabulate import tabulate
 from compiler.cli.errors import EXIT_BAD_INPUT, UsageError
 
 __all__ = ["add_arguments", "cmd_lint", "cmd_compile", "cmd_inspect", "cmd_verify", "cmd_backends", "routing_rows",
-           "split_rows", "TARGETS"]
+           "split_rows", "bundle_rows", "TARGETS"]
 
 # The devices a compile can route to: the devices the built-in backends declare.
 TARGETS = ("cpu", "cuda")
@@ -167,6 +167,9 @@ def cmd_compile(args) -> int:
     from compiler.cli.wiring import toolchain
     from compiler.pipeline import compile_checkpoint, plan
 
+    inductor = _inductor_wanted(args)
+    if isinstance(inductor, Exception):
+        raise UsageError(str(inductor))
     tools = toolchain()
     if args.plan_only:
         result = plan(args.checkpoint, _config(args), tools, progress=args.progress)
@@ -185,9 +188,37 @@ def cmd_compile(args) -> int:
     print(f"hgc compile: wrote {args.output} ({result.traced.family.name}, {_layout_summary(result.ctx.registry)}, "
           f"programs {', '.join(result.traced.programs)}, weights {weights}; {counts['warning']} warning(s), "
           f"{counts['info']} info)", file=sys.stderr)
+    if inductor == "not here":
+        print(f"hgc compile: no CUDA device here, so no target bundle was built: run `hgc build {args.output} --device "
+              f"cuda` on the GPU machine (or compile there)", file=sys.stderr)
+    elif inductor:
+        from compiler.cli.build_command import build_bundle
+        build_bundle(args.output, args.target, force=True,
+                     log=lambda line: print(f"hgc compile: {line}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps({"artifact": str(args.output), "family": result.traced.family.name, "counts": counts}))
     return 0
+
+
+def _inductor_wanted(args):
+    """Whether `hgc compile` builds a target bundle: --inductor / --no-inductor, else cuda yes, cpu no.
+    "not here" for a cuda compile on a machine without a CUDA device (the bundle is built on the GPU
+    machine later); an error when --inductor asks for that."""
+    import torch
+
+    device = args.target.split(":")[0]
+    wanted = args.inductor if args.inductor is not None else device == "cuda"
+    if not wanted or args.plan_only:
+        return False
+    if device not in ("cpu", "cuda"):
+        return ValueError(f"--inductor: no compiled target for --target {args.target} (cpu or cuda)")
+    if device == "cuda" and not torch.cuda.is_available():
+        if args.inductor:
+            return ValueError("--inductor --target cuda: this machine has no CUDA device to build the bundle on; "
+                              "compile with --no-inductor here and run `hgc build ARTIFACT --device cuda` on the GPU "
+                              "machine")
+        return "not here"
+    return True
 
 
 def cmd_inspect(args) -> int:
@@ -201,11 +232,12 @@ def cmd_inspect(args) -> int:
     split = split_rows(docs.split_plans)
     findings = [Finding.from_json(f) for f in docs.lints.get("findings", [])]
     m = docs.manifest
+    bundles = bundle_rows(m)
     if args.json:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
                           "routes": routes, "buckets": m["buckets"], "weights": m["weights"]["mode"],
                           "backends": raw_routing["backends"], "layers": routing, "split": split,
-                          "findings": [f.to_json() for f in findings]}))
+                          "findings": [f.to_json() for f in findings], "bundles": bundles}))
         return 0
     print(f"{args.artifact}: {m['family']} (torch {m['versions']['torch']}, hgc {m['versions']['hgc']}), target "
           f"{m['compile']['target']}, dtype {m['compile']['dtype']}, weights {m['weights']['mode']}")
@@ -214,6 +246,11 @@ def cmd_inspect(args) -> int:
     print(tabulate(routing, headers="keys", tablefmt="simple"))
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
+    print()
+    if bundles:
+        print(tabulate(bundles, headers="keys", tablefmt="simple"))
+    else:
+        print(f"no target bundles (the glue runs traced; `hgc build {args.artifact} --device DEVICE` adds one)")
     print()
     print(_findings_table(findings))
     return 0
@@ -239,6 +276,18 @@ def cmd_verify(args) -> int:
     print(f"hgc verify: {args.artifact}: {files} file(s) ({nbytes / 1e6:.1f} MB) match manifest.json, "
           f"manifest seal, programs and model facts check out{what}")
     return 0
+def bundle_rows(manifest: dict) -> list[dict]:
+    """One row per target bundle of an artifact: what it was built for, and its files."""
+    from compiler.splitops.bundle import KERNELS, PIECES, bundle_dir, describe_target
+
+    rows = []
+    for key, entry in sorted((manifest.get("targets") or {}).items()):
+        prefix = bundle_dir(key) + "/"
+        files = [f[len(prefix):] for f in manifest["files"] if f.startswith(prefix)]
+        rows.append({"bundle": prefix.rstrip("/"), "built for": describe_target(entry.get("facts") or {}),
+                     "pieces": sum(f.startswith(PIECES + "/") for f in files),
+                     "kernel files": sum(f.startswith(KERNELS + "/") for f in files)})
+    return rows
 
 
 def cmd_backends(args) -> int:
@@ -310,6 +359,10 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--extend-buckets", type=_ints, default=None, metavar="N,N,...",
                    help="extend token counts to capture, e.g. 256,512 (default: 256,512,...,4096)")
     p.add_argument("--json", action="store_true", help="JSON on stdout (with --plan-only: the whole plan)")
+    p.add_argument("--inductor", action=argparse.BooleanOptionalAction, default=None,
+                   help="also build this machine's target bundle: the glue between op cores compiled by Inductor "
+                        "and the kernels start-up needs, inside the artifact (`hgc build`); default: on for "
+                        "--target cuda (where this machine has a CUDA device), off for cpu")
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)
 

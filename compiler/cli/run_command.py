@@ -3,8 +3,9 @@
 The artifact's backends are the ones its routing.json names (runtime/binding.py), on the device it
 was compiled for (`--device` defaults to its target); with --json the output adds the engine's
 per-phase timing, the prompt tokens each request found in the prefix cache, the graph runner's step
-counters (on cuda) and `executed_backends`: per layer id, the backends the op calls actually
-reached, recorded at dispatch.
+counters (on cuda), `executed_backends`: per layer id, the backends the op calls actually
+reached, recorded at dispatch, and `compiled`: the target bundle whose pieces ran (kernels built
+at start-up, Inductor compiles, the start-up parity of compiled against traced glue).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import time
 
 from compiler.cli.errors import UsageError
 from compiler.cli.prompts import check_request_limits, check_vocab, parse_prompt_ids, print_outputs, timing_line
-from runtime.server.cli import (add_prefix_cache_arguments, device_arg, device_problem, float_in, int_at_least,
-                                prefix_cache_options, token_ids)
+from runtime.server.cli import (add_compiled_arguments, add_prefix_cache_arguments, device_arg, device_problem,
+                                float_in, int_at_least, prefix_cache_options, token_ids)
 
 __all__ = ["cmd_run", "add_run_arguments"]
 
@@ -25,6 +26,7 @@ def cmd_run(args) -> int:
     from runtime.artifact_docs import config_value, read_artifact
     from runtime.engine import SamplingParams
     from runtime.loader import load_artifact
+    from runtime.server.cli import compiled_options
     from runtime.server.model import EngineOptions, engine_for_artifact
 
     prompts = parse_prompt_ids(args.prompt_ids)
@@ -40,7 +42,7 @@ def cmd_run(args) -> int:
     check_vocab(prompts, int(docs.manifest["model"]["vocab_size"]))
     check_request_limits(prompts, args.max_new_tokens, positions=config_value(docs.manifest, "max_position_embeddings"),
                          registry=docs.registry, weight_bytes=docs.stored_weight_bytes(), device=device)
-    art = load_artifact(args.artifact, device=device, progress=args.progress)
+    art = load_artifact(args.artifact, device=device, progress=args.progress, compiled=compiled_options(args))
     log = lambda line: print(f"hgc run: {line}", file=sys.stderr, flush=True)  # noqa: E731
     engine = engine_for_artifact(art, options, max(map(len, prompts)) + args.max_new_tokens, device=art.device,
                                  graphs=not args.no_graphs, log=log, progress=args.progress)
@@ -55,6 +57,8 @@ def cmd_run(args) -> int:
              "executed_backends": engine.ops.executed_backends()}
     if engine.runner is not None:
         extra["steps"] = dict(engine.runner.counters)
+    if art.compiled is not None:  # the target bundle that ran: kernels built at start-up, parity
+        extra["compiled"] = art.compiled.report()
     if not args.quiet:
         decode = timing["decode_tokens_per_s"]
         print(timing_line("run", outputs, seconds, f"prefill {timing['prefill_tokens']} token(s) in "
@@ -92,4 +96,5 @@ def add_run_arguments(subparsers) -> None:
     p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
     add_prefix_cache_arguments(p)  # the flags `hgc serve` has too
+    add_compiled_arguments(p)
     p.set_defaults(func=cmd_run)

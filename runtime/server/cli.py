@@ -34,8 +34,8 @@ import socket
 import sys
 from typing import NoReturn
 
-__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "prefix_cache_options", "cmd_serve", "serve", "main",
-           "int_at_least", "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB"]
+__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "prefix_cache_options", "add_compiled_arguments",
+           "compiled_options", "cmd_serve", "serve", "main", "int_at_least", "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB"]
 
 DEFAULT_MAX_BODY_MB = 8.0  # a 100k-token prompt is about 0.6 MB of JSON token ids, or 0.4 MB of text
 
@@ -128,6 +128,7 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
                    help="the device the artifact was compiled for (default: its --target): its routing.json binds "
                         "that device's backends; on cuda, CUDA graphs")
     p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
+    add_compiled_arguments(p.add_argument_group("compiled pieces"))
     g = p.add_argument_group("engine sizing")
     g.add_argument("--slots", type=int_at_least(1), default=64, help="state slots: requests holding state at once")
     g.add_argument("--max-running", type=int_at_least(1), default=None,
@@ -186,6 +187,23 @@ def prefix_cache_options(args) -> dict:
     return options
 
 
+def add_compiled_arguments(group) -> None:
+    """The flags `hgc serve` and `hgc run` share about an artifact's target bundle (runtime/bundle.py)."""
+    group.add_argument("--no-compiled", action="store_true",
+                       help="ignore the artifact's target bundles: run the traced glue, load no compiled code")
+    group.add_argument("--trust-compiled", action="store_true",
+                       help="run a bundle's compiled code although this installation did not build (sign) it")
+    group.add_argument("--allow-kernel-builds", action="store_true",
+                       help="build at start-up the kernels a bundle lacks, instead of refusing to start")
+
+
+def compiled_options(args):
+    """CompiledOptions from the flags of `add_compiled_arguments`."""
+    from runtime.bundle import CompiledOptions
+    return CompiledOptions(enabled=not args.no_compiled, trust=args.trust_compiled,
+                           allow_builds=args.allow_kernel_builds)
+
+
 def cmd_serve(args) -> int:
     """Load and serve; a refusal (LoadError, MemoryPlanError, TokenizerError, a bad option) or a
     start-up failure (CaptureError, ParityError) is raised for the caller to print as one line."""
@@ -207,7 +225,7 @@ def cmd_serve(args) -> int:
     print(f"hgc serve: loading {args.artifact} ...", file=sys.stderr, flush=True)
     served = load_served_model(args.artifact, name=args.served_model_name, options=engine_options,
                                tokenizer_dir=args.tokenizer, device=args.device, graphs=not args.no_graphs,
-                               log=lambda line: print(f"hgc serve: {line}", file=sys.stderr, flush=True),
+                               compiled=compiled_options(args), log=lambda line: print(f"hgc serve: {line}", file=sys.stderr, flush=True),
                                progress=getattr(args, "progress", None))
     code = serve(served, server_options, args.host, args.port, log_level=args.log_level, access_log=args.access_log)
     _end_process(code)
