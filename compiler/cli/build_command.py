@@ -146,9 +146,13 @@ def cmd_build(args) -> int:
 
 
 def add_build_arguments(subparsers) -> None:
-    p = subparsers.add_parser("build", help="add this installation's target bundle (compiled pieces, kernels) to an "
-                                            "artifact")
-    p.add_argument("artifact")
+    p = subparsers.add_parser(
+        "build", help="add this installation's target bundle (compiled pieces, kernels) to an artifact",
+        description="Compile an artifact's glue with Inductor for this machine's device and torch build, start it "
+                    "up once (every bucket captured and checked on cuda), and write what the kernel caches gained, "
+                    "signed with this installation's key, into targets/<key>/ of the artifact.",
+        epilog="examples:\n  hgc build artifacts/tiny --device cpu\n  hgc build artifacts/bench --device cuda --force")
+    p.add_argument("artifact", help="artifact folder written by `hgc compile`")
     p.add_argument("--device", required=True, choices=("cpu", "cuda"), help="the device the bundle is built for "
                                                                             "(this machine's)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle of this target")
