@@ -190,7 +190,8 @@ def test_another_installation_is_refused_without_the_trust_flag_and_runs_with_it
     signing_key(create=True)  # the other installation builds something once: it has a key of its own now
     with pytest.raises(BundleError, match=r"executable code \(kernels/inductor/.*pieces/.*another installation's key"):
         load_artifact(built["art"])
-    assert main(["run", str(built["art"]), "--prompt-ids", PROMPTS, "--max-new-tokens", str(NEW_TOKENS)]) == 1
+    # a bundle the user has not consented to is refused input: exit 2, as every refused artifact
+    assert main(["run", str(built["art"]), "--prompt-ids", PROMPTS, "--max-new-tokens", str(NEW_TOKENS)]) == 2
     assert "--trust-compiled" in capsys.readouterr().err
     ran = in_process("run", str(built["art"]), "--trust-compiled")
     assert ran["outputs"] == eager and ran["compiled"]["target"] == built["key"]
