@@ -24,7 +24,7 @@ import torch
 
 from compiler.cli import main
 from compiler.splitops import Mode
-from compiler.splitops.artifact import MANIFEST, dump_json, sha256_file
+from compiler.splitops.artifact import MANIFEST, dump_json, seal_manifest, sha256_file
 from compiler.splitops.bundle import BUNDLE, TARGETS, signed_payload, target_facts, target_key
 from runtime.bundle import BundleError, CompiledOptions
 from runtime.loader import LoadError, load_artifact
@@ -116,7 +116,7 @@ def rewrite_bundle(art: Path, key: str, edit) -> str:
     manifest["files"].update({p.relative_to(art).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
                               if p.is_file()})
     manifest["targets"] = {new_key: {"bundle": f"{TARGETS}/{new_key}/{BUNDLE}", "facts": doc["facts"]}}
-    (art / MANIFEST).write_bytes(dump_json(manifest))
+    (art / MANIFEST).write_bytes(dump_json(seal_manifest(manifest)))  # as the other build's compiler sealed it
     return new_key
 
 
@@ -226,7 +226,7 @@ def test_a_kernel_missing_from_the_bundle_is_an_error_naming_it(built):
     victim = next(p for p in sorted((folder / "kernels").rglob("*.main.so")))
     rewrite_bundle(art, built["key"], lambda doc, f: victim.unlink())
     proc = hgc("run", str(art), "--prompt-ids", PROMPTS, "--max-new-tokens", "1", check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # an incomplete bundle is a refused artifact
     assert f"kernel {victim.name} is not in the bundle" in proc.stderr and "--allow-kernel-builds" in proc.stderr
     assert "Traceback" not in proc.stderr
 
