@@ -16,7 +16,9 @@ On a cpu target in bfloat16 the same install then runs: its tokens are the trace
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import operator
 
 import pytest
@@ -38,13 +40,15 @@ CUDA_BUILDS = [("qwen3_next", "bfloat16"), ("qwen3_5", "bfloat16"), ("kimi_linea
 
 
 def compile_artifact(tmp_path_factory, family: str, target: str, dtype: str):
+    """`hgc compile` with the default --inductor of the target: (artifact, stderr)."""
     root = tmp_path_factory.mktemp(f"glue-{family}-{target}-{dtype}")
     # head_dim 64: FlashInfer builds no head dim 32 (tiny's GQA layers have 32)
     tiny_checkpoint(family, root / "ckpt", seed=3, **({"head_dim": 64} if family in ("qwen3_next", "qwen3_5") else {}))
-    flags = ["--no-inductor"] if target == "cuda" else []
-    assert hgc(["compile", str(root / "ckpt"), "-o", str(root / "art"), "--target", target, "--dtype", dtype,
-                "--no-dumps", "--quiet", *flags]) == 0
-    return root / "art"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert hgc(["compile", str(root / "ckpt"), "-o", str(root / "art"), "--target", target, "--dtype", dtype,
+                    "--no-dumps", "--quiet"]) == 0, err.getvalue()[-3000:]
+    return root / "art", err.getvalue()
 
 
 def traced_piece(gm: torch.fx.GraphModule, segment, device: torch.device) -> torch.fx.GraphModule:
@@ -76,13 +80,24 @@ def piece_calls(module: torch.fx.GraphModule) -> tuple[list[int], list[str]]:
 @pytest.fixture(scope="module", params=CUDA_BUILDS, ids=[f"{f}-{d}" for f, d in CUDA_BUILDS])
 def cuda_build(request, tmp_path_factory):
     family, dtype = request.param
-    art = compile_artifact(tmp_path_factory, family, "cuda", dtype)
+    art, err = compile_artifact(tmp_path_factory, family, "cuda", dtype)
     docs = read_artifact(art)
-    return docs, load_programs(docs)
+    return docs, load_programs(docs), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine builds the bundle (tests/test_gpu_inductor.py)")
+def test_a_cuda_compile_without_a_gpu_says_where_its_bundle_is_built(cuda_build, tmp_path, capsys):
+    """Compiled pieces are the default on cuda: here, with no GPU, the compile says to build them there;
+    asking for them here is a usage error naming the way out."""
+    docs, _, err = cuda_build
+    assert f"no target bundle was built: run `hgc build {docs.path} --device cuda` on the GPU machine" in err
+    assert not docs.manifest.get("targets")
+    assert hgc(["compile", "unused", "-o", str(tmp_path / "a"), "--target", "cuda", "--inductor"]) == 2
+    assert "--no-inductor here and run `hgc build ARTIFACT --device cuda`" in capsys.readouterr().err
 
 
 def test_every_segment_installs_in_the_captured_piece_of_every_plan_that_holds_it(cuda_build):
-    docs, programs = cuda_build
+    docs, programs, _ = cuda_build
     cut = 0
     for program, ep in programs.items():
         gm = ep.graph_module
@@ -104,7 +119,7 @@ def test_every_segment_installs_in_the_captured_piece_of_every_plan_that_holds_i
 
 
 def test_a_plan_that_cuts_inside_a_segment_is_refused_naming_both_pieces(cuda_build):
-    docs, programs = cuda_build
+    docs, programs, _ = cuda_build
     gm = programs["main"].graph_module
     plan = docs.split_plans["main"][Mode.DECODE]
     segment = next(s for s in glue_segments(gm) if s.outputs and len(s.nodes) > 1)
@@ -126,7 +141,9 @@ def test_installed_glue_gives_the_tokens_of_the_traced_glue_on_a_bfloat16_cpu_ta
     from runtime.generate import greedy_generate, make_pools
     from runtime.loader import ProgramRunner, load_artifact
 
-    art = load_artifact(compile_artifact(tmp_path_factory, "qwen3_next", "cpu", "bfloat16"))
+    path, _ = compile_artifact(tmp_path_factory, "qwen3_next", "cpu", "bfloat16")
+    art = load_artifact(path)
+    assert art.compiled is None, "cpu compiles build no bundle unless asked (--inductor)"
     assert len(art.split_plans["main"][Mode.EXTEND].pieces) > 1
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 10, 11]]
     outputs = []
