@@ -54,7 +54,8 @@ from typing import Callable, Optional
 import torch
 
 from compiler.splitops import Mode
-from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS
+from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS,
+                                        piece_module_names)
 from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
@@ -119,7 +120,7 @@ class GraphRunner:
 
     def _plan_is_one_captured_piece(self, mode: Mode) -> bool:
         pieces = self.program.plans[mode].pieces
-        return len(pieces) == 1 and pieces[0].kind == "captured"
+        return len(pieces) == 1 and pieces[0].kind == CAPTURED
 
     def key_for(self, mode: Mode, num_tokens: int, num_seqs: int) -> Optional[CaptureKey]:
         """The smallest captured key that holds this step, or None (eager; always, before capture)."""
@@ -181,10 +182,9 @@ class GraphRunner:
             plan_mode = Mode.EXTEND  # piecewise decode asked for: the extend plan has the eager gaps
         if plan_mode not in self._modules:
             split = self.program.module_for(plan_mode)
-            pieces = self.program.plans[plan_mode].pieces
-            for piece in pieces:
-                if piece.kind == "captured":
-                    name = f"submod_{piece.index}"
+            plan = self.program.plans[plan_mode]
+            for piece, name in zip(plan.pieces, piece_module_names(plan)):
+                if piece.kind == CAPTURED:
                     setattr(split, name, CapturedPiece(getattr(split, name), piece.index, self.state, self.debug))
             self._modules[plan_mode] = split
         return self._modules[plan_mode]

@@ -80,7 +80,7 @@ class ProgramRunner:
                 split = apply_split_plan(self._bound, plan)
             except ArtifactFormatError as e:
                 raise LoadError(f"{self.name} program: {e}") from None
-            self._by_plan[key] = self.glue.install(split) if compiled else split
+            self._by_plan[key] = self.glue.install(split, plan) if compiled else split
         return self._by_plan[key]
 
     def user_outputs(self, mode: Mode, inputs, compiled: bool = True) -> list:

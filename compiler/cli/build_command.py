@@ -107,8 +107,8 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     start = time.perf_counter()
     with cache_env(caches):
         art = load_artifact(artifact, device, compiled=CompiledOptions(enabled=False))
-        records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, device, staged,
-                                       caches["inductor"], log=log)
+        records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
+                                       device, staged, caches["inductor"], log=log)
         files = {name: sha256_file(staged / name) for name in pieces}
         sources = {p: docs.manifest["files"][PROGRAM_FILES[p]] for p in art.programs}
         doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version())

@@ -201,16 +201,14 @@ def cmd_compile(args) -> int:
 
 
 def _inductor_wanted(args):
-    """Whether `hgc compile` builds a target bundle: only with --inductor.
-    "not here" for a cuda compile on a machine without a CUDA device (the bundle is built on the GPU
-    machine later); an error when --inductor asks for that."""
+    """Whether `hgc compile` builds a target bundle: --inductor / --no-inductor, else cuda yes, cpu no
+    (on cpu the traced glue is the tested default and Inductor's C++ builds take minutes).
+    "not here" for a default cuda compile on a machine without a CUDA device (the bundle is built on
+    the GPU machine later); an error when --inductor asks for that."""
     import torch
 
     device = args.target.split(":")[0]
-    # Opt-in on every target for now: on cuda the build refuses its own split plan (a glue segment
-    # found across two captured pieces on the H200, tests/test_gpu_inductor.py), so a default-on
-    # bundle would make every GPU compile fail.
-    wanted = bool(args.inductor)
+    wanted = args.inductor if args.inductor is not None else device == "cuda"
     if not wanted or args.plan_only:
         return False
     if device not in ("cpu", "cuda"):
@@ -364,8 +362,9 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="JSON on stdout (with --plan-only: the whole plan)")
     p.add_argument("--inductor", action=argparse.BooleanOptionalAction, default=None,
                    help="also build this machine's target bundle: the glue between op cores compiled by Inductor "
-                        "and the kernels start-up needs, inside the artifact (`hgc build`); off by default (on "
-                        "cuda the build does not pass yet)")
+                        "and the kernels start-up needs, inside the artifact (`hgc build`). Default: on for "
+                        "--target cuda where this machine has a CUDA device (elsewhere it says to run `hgc build` "
+                        "on the GPU machine), off for cpu; --no-inductor turns it off (the traced glue runs)")
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)
 

@@ -53,7 +53,7 @@ __all__ = [
     "SPLIT", "LINTS", "DUMPS", "PROGRAM_FILES", "PROGRAM_INPUTS", "DEFAULT_DECODE_BATCH_SIZES",
     "DEFAULT_EXTEND_TOKEN_COUNTS", "CAPTURED", "EAGER", "ArtifactFormatError", "dump_json", "load_json",
     "sha256_file", "safetensors_header", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
-    "apply_split_plan", "plan_node_names", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
+    "apply_split_plan", "plan_node_names", "retarget_meta_devices", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
     "check_format", "piece_module_names", "RouteEntry", "RoutingTable", "routing_doc", "parse_routing_doc",
     "MANIFEST_SEAL", "seal_manifest", "check_manifest_seal",
 ]
@@ -385,6 +385,23 @@ def apply_split_plan(gm: torch.fx.GraphModule, plan: SplitPlan) -> torch.fx.Grap
     by_name = {n.name: n for n in src.graph.nodes}
     index = {by_name[n]: piece_of[n] for n in names}
     return split_module(src, None, lambda node: index[node], keep_original_order=True, keep_original_node_name=True)
+
+
+def retarget_meta_devices(graph: torch.fx.Graph, device: torch.device) -> None:
+    """Programs are traced on the meta device: every device argument of `graph`'s nodes (allocations,
+    checks) names `device` instead, in place. The loader does it to bind a program, the bundle
+    builder to compile its glue."""
+    def rewrite(value):
+        if isinstance(value, torch.device) and value.type == "meta":
+            return device
+        if isinstance(value, (list, tuple)):
+            return type(value)(rewrite(v) for v in value)
+        if isinstance(value, dict):
+            return {k: rewrite(v) for k, v in value.items()}
+        return value
+
+    for node in graph.nodes:
+        node.args, node.kwargs = rewrite(node.args), rewrite(node.kwargs)
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
