@@ -50,8 +50,7 @@ def built(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"gpu-inductor-{family}")
     # head_dim 64: FlashInfer builds no head dim 32 (tiny's GQA layers); float32 Kimi routes MLA to the Triton kernel
     tiny_checkpoint(family, root / "c", seed=1, **({"head_dim": 64} if family == "qwen3_next" else {}))
-    # no --inductor: compiled pieces are the default for a cuda target on a machine with a GPU
-    proc = hgc("compile", str(root / "c"), "-o", str(root / "a"), "--target", "cuda", "--dtype", dtype,
+    proc = hgc("compile", str(root / "c"), "-o", str(root / "a"), "--target", "cuda", "--dtype", dtype, "--inductor",
                "--decode-buckets", "1,2,4", "--extend-buckets", "64", "--no-dumps", caches=root / "build-caches",
                home=root / "home")
     return {"root": root, "art": root / "a", "home": root / "home", "dtype": dtype, "log": proc.stderr}
@@ -79,7 +78,7 @@ def differing(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x != y for p, q in zip(a, b) for x, y in zip(p, q))
 
 
-def test_compile_builds_the_bundle_by_default_on_cuda(built):
+def test_compile_with_inductor_builds_the_bundle_on_cuda(built):
     manifest = json.loads((built["art"] / "manifest.json").read_text())
     (key,) = manifest["targets"]
     assert key.startswith("sm") and f"building {key}" in built["log"] and "compiled in" in built["log"]
