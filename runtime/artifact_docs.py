@@ -6,8 +6,9 @@
    .pt2 files are not stable across releases), the op schemas the programs were traced with, and
    the SHA-256 of every listed file; a file it does not list is refused.
 2. The registry (in the manifest), routing.json (the binding: runtime/binding.py executes it),
-   split.json (what is captured per mode) and lints.json are parsed with the format module's
-   helpers (compiler/splitops/artifact.py), which name the file and field of anything malformed.
+   split.json (what is captured per mode), lints.json and, for a tensor-parallel artifact,
+   sharding.json are parsed with the format module's helpers (compiler/splitops/artifact.py),
+   which name the file and field of anything malformed.
 
 `LoadError` is the one error of loading: every refusal names the file, the field or the layer,
 and what to do. What it does not do: load programs (runtime/pt2_check.py), weights
@@ -23,9 +24,10 @@ from pathlib import Path
 import torch
 
 from compiler.splitops import LayerRegistry, Mode, op_schemas  # also registers the hgc ops graphs call
-from compiler.splitops.artifact import (DRAFT_GRAPH, GRAPH, LINTS, MANIFEST, PROGRAM_FILES, ROUTING, SPLIT, WEIGHTS,
-                                        ArtifactFormatError, RoutingTable, SplitPlan, check_format, load_json,
-                                        parse_routing_doc, parse_split_doc, sha256_file)
+from compiler.splitops.artifact import (DRAFT_GRAPH, GRAPH, LINTS, MANIFEST, PROGRAM_FILES, ROUTING, SHARDING, SPLIT,
+                                        WEIGHTS, ArtifactFormatError, RoutingTable, Sharding, SplitPlan, check_format,
+                                        load_json, parse_routing_doc, parse_sharding_doc, parse_split_doc,
+                                        sha256_file)
 
 __all__ = ["LoadError", "ArtifactDocs", "read_artifact", "check_hash", "HASHED_ON_LOAD"]
 
@@ -44,6 +46,12 @@ class ArtifactDocs:
     routing: RoutingTable
     split_plans: dict[str, dict[Mode, SplitPlan]]
     lints: dict
+    sharding: Sharding | None = None  # a tensor-parallel artifact's sharding.json (None: one device)
+
+    @property
+    def tp(self) -> int:
+        """The rank count the programs are one rank of (1: not tensor parallel)."""
+        return self.sharding.tp if self.sharding is not None else 1
 
     @property
     def family(self) -> str:
@@ -118,19 +126,21 @@ def read_artifact(path: str | os.PathLike, verify_hashes: bool = True) -> Artifa
     for name in (ROUTING, SPLIT, LINTS):
         if name not in files:
             raise LoadError(f"{root}: {name} is not listed in manifest.json")
-        if not verify_hashes:  # these are parsed below: always checked
+    for name in (ROUTING, SPLIT, LINTS, SHARDING):
+        if not verify_hashes and name in files:  # these are parsed below: always checked
             check_hash(root / name, files[name], name)
     try:
         registry = LayerRegistry.from_json(manifest["registry"])
         routing = parse_routing_doc(load_json(root / ROUTING), ROUTING)
         split_plans = parse_split_doc(load_json(root / SPLIT), SPLIT)
         lints = check_format(load_json(root / LINTS), LINTS)
+        sharding = parse_sharding_doc(load_json(root / SHARDING), SHARDING) if SHARDING in files else None
     except (ArtifactFormatError, KeyError, ValueError, TypeError) as e:
         raise LoadError(f"{root}: {e}") from None
     for program in manifest["programs"]:
         if program not in PROGRAM_FILES or program not in split_plans:
             raise LoadError(f"{root}: program {program!r} has no split plan or is unknown to this runtime")
-    return ArtifactDocs(root, manifest, registry, routing, split_plans, lints)
+    return ArtifactDocs(root, manifest, registry, routing, split_plans, lints, sharding)
 
 
 # Files whose hash `load_artifact` checks on the bytes it reads anyway (read once, not twice).

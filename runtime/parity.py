@@ -158,9 +158,11 @@ def first_difference(reference: list[OpRecord], other: list[OpRecord], rtol: flo
     for ref, got in zip(reference, other):
         if (ref.layer, ref.op) != (got.layer, got.op):
             return f"the runs called layer {ref.layer} ({ref.op}) and layer {got.layer} ({got.op}) in the same place"
-        a, b = got.out, ref.out
-        if real_rows is not None:
-            a, b = a[:real_rows], b[:real_rows]
+        # The real rows: the first `real_rows`, or fewer where an op's rows are the step's logits
+        # rows rather than its tokens (the lm_head gather of a tensor-parallel program: a replay
+        # gathers the padded requests' rows too, an unpadded run the real requests' only).
+        n = min(got.out.shape[0], ref.out.shape[0], real_rows if real_rows is not None else ref.out.shape[0])
+        a, b = got.out[:n], ref.out[:n]
         err = rel_err(a, b)
         if not math.isfinite(err) or err > rtol:
             return f"layer {ref.layer} ({ref.op}, rel err {err:.3g})"
