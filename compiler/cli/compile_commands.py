@@ -7,7 +7,7 @@ stdout (tabulate), or one JSON document with --json; progress and timings go to 
 
     hgc lint CKPT [--json]                      trace config.json on the meta device, run the passes, list findings
     hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only)
-    hgc inspect ARTIFACT [--json]               routing table, split plans, lints of an artifact
+    hgc inspect ARTIFACT [--json]               routing table, split plans, lints (and sharding) of an artifact
     hgc backends [--json]                       every backend routing can choose, and where it came from
 """
 
@@ -51,7 +51,7 @@ def _config(args):
     return CompileConfig(target=args.target, dtype=args.dtype,
                          decode_batch_sizes=getattr(args, "decode_buckets", None) or DEFAULT_DECODE_BATCH_SIZES,
                          extend_token_counts=getattr(args, "extend_buckets", None) or DEFAULT_EXTEND_TOKEN_COUNTS,
-                         routes=tuple(args.route or ()))
+                         routes=tuple(args.route or ()), tp=args.tp)
 
 
 def fail(command: str, error: Exception) -> int:
@@ -123,17 +123,20 @@ def _layout_summary(registry) -> str:
     return f"{len(kinds)} layers ({', '.join(parts)})" + (f" + {len(drafts)} draft" if drafts else "")
 
 
-def _plan_report(result, as_json: bool, title: str) -> int:
+def _plan_report(result, args, title: str) -> int:
+    from compiler.cli.memory_report import memory_facts, memory_lines
     from compiler.lints import sort_findings
 
     ctx, traced = result.ctx, result.traced
     findings = sort_findings(ctx.findings)
     counts = _counts(findings)
-    if as_json:
+    memory = memory_facts(traced, ctx.registry, ctx.tp, args.memory_gb, args.max_model_len)
+    if args.json:
         print(json.dumps({
             "family": traced.family.name, "target": ctx.config.target, "stopped_after": ctx.stopped_after,
             "registry": ctx.registry.to_json(), "layers": routing_rows(ctx.routing),
-            "split": split_rows(ctx.split_plans), "counts": counts, "findings": [f.to_json() for f in findings]}))
+            "split": split_rows(ctx.split_plans), "counts": counts, "findings": [f.to_json() for f in findings],
+            "memory": {k: v for k, v in memory.items() if k != "table"}}))
     else:
         if ctx.routing:
             print(tabulate(routing_rows(ctx.routing), headers="keys", tablefmt="simple"))
@@ -142,10 +145,14 @@ def _plan_report(result, as_json: bool, title: str) -> int:
             print(tabulate(split_rows(ctx.split_plans), headers="keys", tablefmt="simple"))
             print()
         print(_findings_table(findings))
+        print()
+        print(memory_lines(memory))
         stopped = f"; stopped after {ctx.stopped_after}" if ctx.stopped_after else ""
         print(f"\n{title}: {traced.family.name}, {_layout_summary(ctx.registry)}: {counts['error']} error(s), "
               f"{counts['warning']} warning(s), {counts['info']} info{stopped}")
-    return 1 if counts["error"] else 0
+    if memory["fits"] is False:
+        print(f"{title}: does not fit: {memory['error']}", file=sys.stderr)
+    return 1 if counts["error"] or memory["fits"] is False else 0
 
 
 # -- commands -------------------------------------------------------------------------------------
@@ -162,7 +169,7 @@ def cmd_lint(args) -> int:
         return fail("lint", e)
     if args.timings:
         result.timing.print_table()
-    return _plan_report(result, args.json, "hgc lint")
+    return _plan_report(result, args, "hgc lint")
 
 
 def cmd_compile(args) -> int:
@@ -176,16 +183,17 @@ def cmd_compile(args) -> int:
             result = plan(args.checkpoint, _config(args), tools)
             if args.timings:
                 result.timing.print_table()
-            return _plan_report(result, args.json, "hgc compile --plan-only")
+            return _plan_report(result, args, "hgc compile --plan-only")
         if not args.output:
             return fail("compile", ValueError("-o/--output is required (or pass --plan-only)"))
         result, manifest = compile_checkpoint(args.checkpoint, args.output, _config(args), tools, force=args.force,
-                                              link_weights=args.link_weights, dumps=not args.no_dumps)
+                                              link_weights=args.link_weights, dumps=not args.no_dumps,
+                                              weights=not args.no_weights)
     except CompileError as e:
         return fail("compile", e)
     counts = _counts(result.ctx.findings)
     result.timing.print_table()  # stderr: one table of every stage
-    weights = "linked" if manifest["weights"]["mode"] == "link" else "copied"
+    weights = {"link": "linked", "copy": "copied", "none": "none (run with --load-format dummy)"}[manifest["weights"]["mode"]]
     print(f"hgc compile: wrote {args.output} ({result.traced.family.name}, {_layout_summary(result.ctx.registry)}, "
           f"programs {', '.join(result.traced.programs)}, weights {weights}; {counts['warning']} warning(s), "
           f"{counts['info']} info)", file=sys.stderr)
@@ -212,7 +220,8 @@ def cmd_inspect(args) -> int:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
                           "routes": routes, "buckets": m["buckets"], "weights": m["weights"]["mode"],
                           "backends": raw_routing["backends"], "layers": routing, "split": split,
-                          "findings": [f.to_json() for f in findings]}))
+                          "findings": [f.to_json() for f in findings],
+                          "sharding": None if docs.sharding is None else _sharding_json(docs.sharding)}))
         return 0
     print(f"{args.artifact}: {m['family']} (torch {m['versions']['torch']}, hgc {m['versions']['hgc']}), target "
           f"{m['compile']['target']}, dtype {m['compile']['dtype']}, weights {m['weights']['mode']}")
@@ -222,8 +231,30 @@ def cmd_inspect(args) -> int:
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
     print()
+    if docs.sharding is not None:
+        _print_sharding(docs.sharding)
     print(_findings_table(findings))
     return 0
+
+
+def _sharding_json(sharding) -> dict:
+    return {k: v for k, v in sharding.doc.items() if k not in ("format", "format_version")}
+
+
+def _print_sharding(sharding) -> None:
+    """sharding.json as tables: each layer's per-rank caches against the whole model's, every collective."""
+    doc, cut = sharding.doc, sum(not s.replicated for s in sharding.tensors.values())
+    print(f"tensor parallel {sharding.tp}: MoE as {doc.get('moe')}; {len(sharding.tensors)} checkpoint tensors, "
+          f"{cut} cut across ranks, {len(sharding.tensors) - cut} replicated")
+    layers = [{"layer": l["layer_id"], "kind": l["kind"] + (" (draft)" if l["draft"] else ""),
+               "per rank (of the whole)": "; ".join(f"{name} {e['rank']} of {e['whole']}"
+                                                    for name, e in l["entries"].items())} for l in doc["layers"]]
+    print(tabulate(layers, headers="keys", tablefmt="simple"))
+    print()
+    rows = [{"program": program, "node": c["node"], "op": c["op"], "layer": c["layer_id"], "after": c["after"],
+             "why": c["why"]} for program in _programs_in_order(doc["collectives"]) for c in doc["collectives"][program]]
+    print(tabulate(rows, headers="keys", tablefmt="simple", maxcolwidths=[None, None, None, None, None, 90]))
+    print()
 
 
 def cmd_backends(args) -> int:
@@ -258,6 +289,13 @@ def _compile_flags(p) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the model is traced in; match `hgc generate --dtype` (default: float32)")
     p.add_argument("--timings", action="store_true", help="print the pass timing table on stderr (compile always does)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks: trace one rank's program (heads and widths split, collectives "
+                        "placed by the sharding pass); a count that does not divide is an error naming the layer")
+    p.add_argument("--memory-gb", type=float, default=None, metavar="G",
+                   help="with lint / --plan-only: one GPU's memory; plan one request of --max-model-len tokens per "
+                        "rank and fail, saying by how much per rank, when it does not fit")
+    p.add_argument("--max-model-len", type=int, default=4096, help="the request --memory-gb is checked with")
 
 
 def add_arguments(subparsers) -> None:
@@ -277,6 +315,8 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--plan-only", action="store_true",
                    help="trace and print routing, split plans and lints; write nothing (config.json suffices)")
     p.add_argument("--no-dumps", action="store_true", help="skip dumps/ (text, ONNX and SVG of every pass)")
+    p.add_argument("--no-weights", action="store_true",
+                   help="compile config.json alone (no safetensors needed); run the artifact with --load-format dummy")
     p.add_argument("--decode-buckets", type=_ints, default=None, help="decode batch sizes to capture, e.g. 1,2,4,8")
     p.add_argument("--extend-buckets", type=_ints, default=None, help="extend token counts to capture, e.g. 256,512")
     p.add_argument("--json", action="store_true", help="JSON on stdout (with --plan-only: the whole plan)")
