@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from models.common import CheckpointError
 
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the ranks of a --tp launch run again
     if getattr(args, "max_new_tokens", 1) is not None and getattr(args, "max_new_tokens", 1) < 1:
         print("hgc: --max-new-tokens must be at least 1", file=sys.stderr)
         return 2

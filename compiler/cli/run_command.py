@@ -5,6 +5,10 @@ was compiled for (`--device` defaults to its target); with --json the output add
 per-phase timing, the prompt tokens each request found in the prefix cache, the graph runner's step
 counters (on cuda) and `executed_backends`: per layer id, the backends the op calls actually
 reached, recorded at dispatch.
+
+`--tp N` runs a tensor-parallel artifact on N ranks (runtime/distributed.py): the command launches
+them (runtime/launcher.py) or, under torchrun, is one of them; rank 0 prints, the others follow
+its steps. `--load-format dummy` runs random weights (an artifact compiled with --no-weights).
 """
 
 from __future__ import annotations
@@ -18,27 +22,59 @@ __all__ = ["cmd_run", "add_run_arguments"]
 
 def cmd_run(args) -> int:
     """Run prompts through a compiled artifact on the engine (continuous batching, chunked prefill)."""
-    from compiler.cli.prompts import check_vocab, parse_prompt_ids, print_outputs
+    from compiler.cli.prompts import parse_prompt_ids
+    from runtime.distributed import PeerLost
+    from runtime.loader import LoadError
+    from runtime.server.cli import start_ranks
+
+    prompts = parse_prompt_ids(args.prompt_ids)
+    try:
+        code, group = start_ranks(args, "run")
+    except (LoadError, RuntimeError, ValueError) as e:
+        return fail("run", e)
+    if code is not None:
+        return code
+    try:
+        return _run(args, prompts, group)
+    except PeerLost as e:  # another rank stopped: say which, never a traceback from a collective
+        return fail("run", f"rank {group.rank}: {e}")
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _run(args, prompts, group) -> int:
+    from compiler.cli.prompts import check_vocab, print_outputs
     from runtime.engine import SamplingParams
     from runtime.graph_runner import CaptureError, ParityError
+    from runtime.distributed import follow, lead
     from runtime.loader import LoadError, load_artifact
     from runtime.server.cli import prefix_cache_options
     from runtime.server.model import EngineOptions, engine_for_artifact
 
-    prompts = parse_prompt_ids(args.prompt_ids)
+    rank, tp = (group.rank, group.world_size) if group is not None else (0, 1)
     try:
-        art = load_artifact(args.artifact, device=args.device)  # None: the artifact's target
+        art = load_artifact(args.artifact, device=group.device if group is not None else args.device,
+                            rank=rank, tp=tp, load_format=args.load_format)  # device None: the artifact's target
         device = art.device
     except LoadError as e:
         return fail("run", e)
     check_vocab(prompts, int(art.manifest["model"]["vocab_size"]))
-    log = lambda line: print(f"hgc run: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    def log(line: str) -> None:  # rank 0 speaks for every rank (they load and start alike)
+        if rank == 0:
+            print(f"hgc run: {line}", file=sys.stderr, flush=True)
+
     try:
         options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step, **prefix_cache_options(args))
         engine = engine_for_artifact(art, options, max(map(len, prompts)) + args.max_new_tokens, device=device,
                                      graphs=not args.no_graphs, log=log)
     except (LoadError, CaptureError, ParityError, ValueError) as e:
         return fail("run", e)
+    if rank > 0:
+        follow(engine, group)  # rank 0's steps, until it sends STOP
+        return 0
+    if group is not None:
+        lead(engine, group)
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed,
@@ -73,6 +109,7 @@ def add_run_arguments(subparsers) -> None:
                         "binds that device's backends; on cuda, CUDA graphs")
     p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
-    from runtime.server.cli import add_prefix_cache_arguments  # the flags `hgc serve` has too
+    from runtime.server.cli import add_prefix_cache_arguments, add_tp_arguments  # the flags `hgc serve` has too
     add_prefix_cache_arguments(p)
+    add_tp_arguments(p)
     p.set_defaults(func=cmd_run)

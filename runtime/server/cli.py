@@ -25,7 +25,8 @@ import signal
 import socket
 import sys
 
-__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "prefix_cache_options", "cmd_serve", "serve", "main"]
+__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "prefix_cache_options", "add_tp_arguments",
+           "start_ranks", "cmd_serve", "serve", "main"]
 
 
 def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
@@ -66,6 +67,7 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--default-max-tokens", type=int, default=16, help="max_tokens of a completion that sends none")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get after SIGTERM before they are cancelled")
+    add_tp_arguments(p.add_argument_group("tensor parallel and weights"))
     g = p.add_argument_group("process")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -85,6 +87,40 @@ def add_prefix_cache_arguments(group) -> None:
                             "are snapshotted regardless")
 
 
+def add_tp_arguments(group) -> None:
+    """The tensor-parallel and weight-loading flags `hgc serve` and `hgc run` share."""
+    from runtime.distributed import DEFAULT_TIMEOUT_S
+    from runtime.weights import LOAD_FORMATS
+
+    group.add_argument("--tp", type=int, default=1, metavar="N",
+                       help="tensor-parallel ranks, one process each (the artifact must be compiled with --tp N); "
+                            "launches them, or runs as one of them under torchrun")
+    group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                       help="auto: the artifact's weights; dummy: random weights of the right shapes made on the "
+                            "device (an artifact compiled with --no-weights from config.json alone)")
+    group.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                       help="seconds a collective may wait for the other ranks before the run fails")
+
+
+def start_ranks(args, command: str):
+    """--tp N: (exit code, None) in the process that launches the ranks (it returns when they end);
+    (None, RankGroup) in a rank (our launch's or torchrun's); (None, None) for --tp 1."""
+    from runtime.artifact_docs import read_artifact
+    from runtime.distributed import join, launched_rank
+    from runtime.launcher import launch
+
+    if args.tp < 1:
+        raise ValueError(f"--tp must be at least 1 (got {args.tp})")
+    if args.tp == 1:
+        return None, None
+    if not launched_rank():
+        return launch(args.tp, [sys.executable, "-m", "compiler.cli", *args.argv], f"hgc {command}"), None
+    import torch
+
+    device = args.device or read_artifact(args.artifact, verify_hashes=False).routing.target
+    return None, join(args.tp, torch.device(device).type, args.tp_timeout, label=f"hgc {command}")
+
+
 def prefix_cache_options(args) -> dict:
     """EngineOptions fields from the flags of `add_prefix_cache_arguments`."""
     options = {"prefix_cache": not args.no_prefix_cache}
@@ -96,6 +132,32 @@ def prefix_cache_options(args) -> dict:
 def cmd_serve(args) -> int:
     import torch
 
+    from runtime.distributed import PeerLost
+    from runtime.loader import LoadError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        code, group = start_ranks(args, "serve")
+    except (LoadError, RuntimeError, ValueError) as e:
+        print(f"hgc serve: {e}", file=sys.stderr)
+        return 2
+    if code is not None:
+        return code  # this process launched the ranks; they have ended
+    try:
+        return _serve_rank(args, group)
+    except PeerLost as e:  # another rank stopped: say which, never a traceback from a collective
+        print(f"hgc serve: rank {group.rank}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _serve_rank(args, group) -> int:
+    """`hgc serve` in one process: the only one (group None), rank 0 of a tensor-parallel launch
+    (which serves), or another rank (which follows rank 0's steps until it stops)."""
+    from runtime.distributed import follow, lead
     from runtime.graph_runner import CaptureError, ParityError
     from runtime.loader import LoadError
     from runtime.memory_planner import MemoryPlanError
@@ -103,8 +165,12 @@ def cmd_serve(args) -> int:
     from runtime.server.model import EngineOptions, load_served_model
     from runtime.tokenizer import TokenizerError
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    rank, tp = (group.rank, group.world_size) if group is not None else (0, 1)
+
+    def log(line: str) -> None:  # rank 0 speaks for every rank (they load and start alike)
+        if rank == 0:
+            print(f"hgc serve: {line}", file=sys.stderr, flush=True)
+
     try:
         engine_options = EngineOptions(
             slots=args.slots, max_running=args.max_running, token_budget=args.token_budget, page_size=args.page_size,
@@ -114,14 +180,20 @@ def cmd_serve(args) -> int:
         server_options = ServerOptions(max_tokens_limit=args.max_tokens_limit,
                                        default_max_tokens=args.default_max_tokens,
                                        shutdown_timeout=args.shutdown_timeout)
-        print(f"hgc serve: loading {args.artifact} ...", file=sys.stderr, flush=True)
+        log(f"loading {args.artifact} ...")
         served = load_served_model(args.artifact, name=args.served_model_name, options=engine_options,
-                                   tokenizer_dir=args.tokenizer, device=args.device, graphs=not args.no_graphs,
-                                   log=lambda line: print(f"hgc serve: {line}", file=sys.stderr, flush=True))
+                                   tokenizer_dir=args.tokenizer,
+                                   device=group.device if group is not None else args.device,
+                                   graphs=not args.no_graphs, rank=rank, tp=tp, load_format=args.load_format, log=log)
     except (LoadError, MemoryPlanError, TokenizerError, ValueError, FileNotFoundError, CaptureError,
             ParityError) as e:
-        print(f"hgc serve: {e}", file=sys.stderr)
+        print(f"hgc serve: {'' if group is None else f'rank {rank}: '}{e}", file=sys.stderr)
         return 2
+    if rank > 0:
+        follow(served.engine, group)  # until rank 0 sends STOP (it shuts down) or stops
+        return 0
+    if group is not None:
+        lead(served.engine, group)
     code = serve(served, server_options, args.host, args.port, log_level=args.log_level, access_log=args.access_log)
     # The process ends next. Its finalizer would run full collections over the whole heap (torch,
     # the programs, fastapi) as modules are cleared: seconds on a busy machine, after a shutdown
@@ -205,4 +277,5 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub).prog = parser.prog  # usage and errors read like the command that was typed
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    args.argv = ["serve", *(sys.argv[1:] if argv is None else argv)]
     return args.func(args)
