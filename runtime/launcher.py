@@ -62,9 +62,11 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
-def launch(tp: int, command: list[str], label: str = "hgc", grace_s: float = 10.0, poll_s: float = 0.1) -> int:
+def launch(tp: int, command: list[str], label: str = "hgc", grace_s: float = 10.0, poll_s: float = 0.1,
+           timeout_s: float | None = None) -> int:
     """Run `command` as `tp` ranks (steps 1-3 of the module docstring); rank 0's exit status, or 1
-    if any rank failed."""
+    if any rank failed. `timeout_s`: stop every rank after that long and return 124 (a benchmark's
+    bound on a launch that hangs with every rank alive)."""
     base = {**os.environ, **REQUIRED_ENV, "WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(_free_port())}
     procs = []
@@ -79,8 +81,13 @@ def launch(tp: int, command: list[str], label: str = "hgc", grace_s: float = 10.
             procs[0].send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:
+            if deadline is not None and time.monotonic() > deadline:
+                _stop(procs, grace_s)
+                print(f"{label}: the ranks ran past {timeout_s:.0f} s; stopped them", file=sys.stderr, flush=True)
+                return 124
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
