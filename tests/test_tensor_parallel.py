@@ -155,9 +155,13 @@ def test_a_sharding_that_does_not_divide_is_a_compile_error_and_lint_tp_needs_on
                    "--tp must divide 4 (1, 2, 4)"), err
     assert main(["compile", str(arts["kimi_linear"]["ckpt"]), "-o", str(tmp_path / "x"), "--tp", "4"]) == 1
     assert "(full_mla): 2 attention heads do not divide over 4 ranks; --tp must divide 2 (1, 2)" in capsys.readouterr().err
-    assert main(["lint", str(folder), "--tp", "2", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # 64 KiB of GPU memory: no error in the graphs, but one rank does not fit, and says by how much
+    assert main(["lint", str(folder), "--tp", "2", "--json", "--memory-gb", str(64 / (1 << 20))]) == 1
+    out, err = capsys.readouterr()
+    doc = json.loads(out.strip().splitlines()[-1])
     assert doc["counts"]["error"] == 0 and sorted(p.name for p in folder.iterdir()) == ["config.json"]
+    assert doc["memory"]["fits"] is False and doc["memory"]["missing_bytes"] > 0
+    assert re.search(r"memory plan, per rank of tensor parallel 2: .* bytes are missing per rank", err), err
     # every layer sums its attention output and its MLP; lm_head's logits are gathered after the
     # last layer of each program (the draft has the main model's lm_head)
     for program in ("main", "draft"):
