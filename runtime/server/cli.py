@@ -105,7 +105,7 @@ def add_tp_arguments(group) -> None:
 def start_ranks(args, command: str):
     """--tp N: (exit code, None) in the process that launches the ranks (it returns when they end);
     (None, RankGroup) in a rank (our launch's or torchrun's); (None, None) for --tp 1."""
-    from runtime.artifact_docs import read_artifact
+    from runtime.artifact_docs import LoadError, read_artifact
     from runtime.distributed import join, launched_rank
     from runtime.launcher import launch
 
@@ -113,11 +113,16 @@ def start_ranks(args, command: str):
         raise ValueError(f"--tp must be at least 1 (got {args.tp})")
     if args.tp == 1:
         return None, None
+    docs = read_artifact(args.artifact, verify_hashes=False)  # the loader checks the hashes, in each rank
+    if docs.tp != args.tp:  # before any process starts
+        raise LoadError(f"{docs.path}: compiled for --tp {docs.tp}, asked to run on {args.tp} ranks: run it with "
+                        f"{f'--tp {docs.tp}' if docs.tp > 1 else 'one process (no --tp)'}, or recompile with "
+                        f"`hgc compile --tp {args.tp}`")
     if not launched_rank():
         return launch(args.tp, [sys.executable, "-m", "compiler.cli", *args.argv], f"hgc {command}"), None
     import torch
 
-    device = args.device or read_artifact(args.artifact, verify_hashes=False).routing.target
+    device = args.device or docs.routing.target
     return None, join(args.tp, torch.device(device).type, args.tp_timeout, label=f"hgc {command}")
 
 
