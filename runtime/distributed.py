@@ -39,7 +39,9 @@ rank 0 watches every other rank's socket (they never write, so a readable one is
 stream); another rank watches rank 0's, peeking so a message waiting there is left for the main
 thread. The watchdog prints one line naming the rank that stopped and ends the process (exit
 status 3) even while its main thread is blocked inside a collective or a graph replay, which a
-dead peer would otherwise leave waiting forever (a captured NCCL call has no timeout). Eager
+dead peer would otherwise leave waiting forever (a captured NCCL call has no timeout). It does
+the same when the process that started the rank (the launcher, torchrun's agent) is gone, so a
+launcher killed outright leaves no rank behind. Eager
 collectives also fail on their own (gloo: the connection closes; NCCL: the group's timeout). The
 launcher (or torchrun) then stops whatever is left. What it does not do: schedule (the engine),
 decide what a rank holds (the artifact's sharding.json), or launch processes
@@ -163,7 +165,7 @@ class StepChannel:
                 self.closing = True
             return message
 
-    def _lost_peer(self) -> str | None:
+    def lost_peer(self) -> str | None:
         """Which rank's end of stream this rank sees now, if any (one check, no waiting)."""
         if self.peers:  # rank 0: the other ranks never write, so a readable socket has ended
             ready, _, _ = select.select(list(self.peers.values()), [], [], 0)
@@ -179,24 +181,6 @@ class StepChannel:
         finally:
             self._reading.release()
 
-    def watch(self, on_lost: Callable[[str], None], interval_s: float) -> threading.Thread:
-        """A daemon thread calling `on_lost(message)` once another rank's socket ends without a clean
-        close (module docstring); it checks every `interval_s` seconds until `closing`."""
-        def run():
-            while not self.closing:
-                try:
-                    who = self._lost_peer()
-                except (OSError, ValueError):  # a socket closed under it: by close(), or lost
-                    who = "a rank"
-                if who is not None and not self.closing:
-                    on_lost(f"{who} stopped: its step channel closed")
-                    return
-                time.sleep(interval_s)
-
-        thread = threading.Thread(target=run, name="hgc-tp-watchdog", daemon=True)
-        thread.start()
-        return thread
-
     def close(self) -> None:
         self.closing = True
         if self.peers:
@@ -206,6 +190,30 @@ class StepChannel:
                 pass
         for sock in list(self.peers.values()) + ([self.leader] if self.leader is not None else []):
             sock.close()
+
+
+def _watchdog(channel: StepChannel, parent: int, on_lost: Callable[[str], None], interval_s: float) -> threading.Thread:
+    """A daemon thread calling `on_lost(message)` once another rank's socket ends without a clean
+    close, or the process that started this rank (the launcher, torchrun's agent) is gone: with it
+    gone nothing would stop this rank, and a rank 0 would go on serving its port. It looks every
+    `interval_s` seconds until the channel closes."""
+    def run():
+        while not channel.closing:
+            try:
+                who = channel.lost_peer()
+            except (OSError, ValueError):  # a socket closed under it: by close(), or lost
+                who = "a rank"
+            if who is not None and not channel.closing:
+                on_lost(f"{who} stopped: its step channel closed")
+                return
+            if os.getppid() != parent:
+                on_lost(f"the process that started this rank (pid {parent}) ended")
+                return
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=run, name="hgc-tp-watchdog", daemon=True)
+    thread.start()
+    return thread
 
 
 # -- step messages ---------------------------------------------------------------------------------
@@ -354,7 +362,7 @@ def join(tp: int, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, label:
         return int(box[0])
 
     channel = StepChannel.open(rank, world, os.environ["MASTER_ADDR"], port_of, timeout_s)
-    channel.watch(_lost(f"{label} [rank {rank}]"), WATCH_INTERVAL_S)
+    _watchdog(channel, os.getppid(), _lost(f"{label} [rank {rank}]"), WATCH_INTERVAL_S)
     if rank > 0:
         # Ctrl-C reaches every process of the terminal's group; only rank 0 acts on it (it stops
         # and sends STOP). Here it would only turn a clean stop into a traceback.

@@ -5,9 +5,10 @@
    port on this host), so a rank cannot tell our launch from torchrun's, plus the settings the
    GPU machines require of every process that may touch NCCL (`REQUIRED_ENV`). Rank 0 keeps
    the terminal's stdout; the other ranks' stdout is dropped (they print nothing), stderr is shared.
-2. Watch: poll the ranks; the first one to end with a failure (or killed by a signal) has the
-   others stopped (SIGTERM, then SIGKILL after `grace_s`), and `launch` returns 1 after one line
-   naming the rank and how it ended. When rank 0 ends cleanly, the others get `grace_s` to follow
+2. Watch: poll the ranks; once one ends with a failure (or killed by a signal), the others get
+   `settle_s` to stop by themselves (each rank's watchdog sees the loss and says so, the way it
+   does under torchrun), then are stopped (SIGTERM, then SIGKILL after `grace_s`), and `launch`
+   returns 1 after one line naming the rank and how it ended. When rank 0 ends cleanly, the others get `grace_s` to follow
    (they stop on rank 0's STOP message, runtime/distributed.py) before they are killed.
 3. SIGTERM / SIGINT to the launcher go to rank 0, which shuts down the way one process does
    (`hgc serve` drains its requests) and stops the others.
@@ -49,7 +50,12 @@ def describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+def _stop(procs: list[subprocess.Popen], grace_s: float, settle_s: float = 0.0) -> None:
+    """Stop every rank still running: after `settle_s` for them to end by themselves, SIGTERM, then
+    SIGKILL after `grace_s`."""
+    settled = time.monotonic() + settle_s
+    while time.monotonic() < settled and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -63,7 +69,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 
 def launch(tp: int, command: list[str], label: str = "hgc", grace_s: float = 10.0, poll_s: float = 0.1,
-           timeout_s: float | None = None) -> int:
+           timeout_s: float | None = None, settle_s: float = 3.0) -> int:
     """Run `command` as `tp` ranks (steps 1-3 of the module docstring); rank 0's exit status, or 1
     if any rank failed. `timeout_s`: stop every rank after that long and return 124 (a benchmark's
     bound on a launch that hangs with every rank alive)."""
@@ -91,9 +97,12 @@ def launch(tp: int, command: list[str], label: str = "hgc", grace_s: float = 10.
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                _stop(procs, grace_s)
-                # A rank killed by a signal is where it started; the others failed because it went.
-                failed.sort(key=lambda rc: (rc[1] >= 0, rc[0]))
+                first = {r for r, _ in failed}
+                _stop(procs, grace_s, settle_s)
+                failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+                # The rank that failed first leads, then one killed by a signal (where it started);
+                # the others failed because it went.
+                failed.sort(key=lambda rc: (rc[0] not in first, rc[1] >= 0, rc[0]))
                 ended = "; ".join(f"rank {r} (pid {procs[r].pid}) {describe_exit(c)}" for r, c in failed)
                 print(f"{label}: {ended}; stopped the other ranks", file=sys.stderr, flush=True)
                 return 1

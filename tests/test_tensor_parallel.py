@@ -233,4 +233,7 @@ def test_serve_tp2_with_dummy_weights_answers_like_one_process_and_a_dead_rank_s
     assert "rank 1 stopped: its step channel closed" in log, log[-2000:]
     assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL", log), log[-2000:]
     assert took < DEATH_BOUND_S, took
+    for pid in pids:  # no rank left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     assert not any('"finish_reason":"length"' in line.replace(" ", "") for line in received), received[-2:]
