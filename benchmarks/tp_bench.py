@@ -342,7 +342,9 @@ def run_worker(args, knobs: dict) -> int:
 
     group = None
     if args.worker == "tp":
-        group = join(2, "cpu" if knobs["dry"] else "cuda", label="tp_bench")
+        # A collective may wait 10 minutes: loading a full-size release and building its kernels
+        # can take the ranks minutes, never quite in step (a death is the watchdog's, not this).
+        group = join(2, "cpu" if knobs["dry"] else "cuda", timeout_s=600, label="tp_bench")
     rank, tp = (group.rank, group.world_size) if group else (0, 1)
     device = group.device if group else torch.device("cpu" if knobs["dry"] else "cuda", 0)
     if device.type == "cuda":
