@@ -41,12 +41,13 @@ thread. The watchdog prints one line naming the rank that stopped and ends the p
 status 3) even while its main thread is blocked inside a collective or a graph replay, which a
 dead peer would otherwise leave waiting forever (a captured NCCL call has no timeout). It does
 the same when the process that started the rank (the launcher, torchrun's agent) is gone, so a
-launcher killed outright leaves no rank behind. Eager
-collectives also fail on their own (gloo: the connection closes; NCCL: the group's timeout). The
-launcher (or torchrun) then stops whatever is left. What it does not do: schedule (the engine),
-decide what a rank holds (the artifact's sharding.json), or launch processes
-(runtime/launcher.py). A rank that hangs without dying is caught only by the group's timeout on
-eager collectives.
+launcher killed outright leaves no rank behind. Eager collectives also fail on their own (gloo:
+the connection closes; NCCL: the group's timeout); the launcher (or torchrun) then stops whatever
+is left. A rank that hangs without dying is caught only by the group's timeout on eager
+collectives.
+
+What it does not do: schedule (the engine), decide what a rank holds (the artifact's
+sharding.json), or launch processes (runtime/launcher.py).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ __all__ = ["RankGroup", "PeerLost", "launched_rank", "join", "lead", "follow", "
            "decode_step", "DEFAULT_TIMEOUT_S", "WATCH_INTERVAL_S"]
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer than this fails (a peer is stuck or gone)
-WATCH_INTERVAL_S = 0.2  # how often the watchdog looks at the other ranks' sockets
+WATCH_INTERVAL_S = 0.2  # how often the watchdog looks at the other ranks' sockets and its launcher
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _STOP, _STEP, _END = 0, 1, 2  # message kinds: the last one; a step; the end of one engine's steps
 _JOURNAL_CODES = {"zero_slot": 0, "copy_slot": 1, "copy_pages": 2, "save": 3, "restore": 4}
