@@ -250,7 +250,11 @@ def decode_sweep(engine, vocab: int, B: int, knobs: dict, device) -> dict:
     from runtime.engine import SamplingParams
 
     g = torch.Generator().manual_seed(B)
-    params = SamplingParams(max_new_tokens=knobs["warmup"] + knobs["steps"] + knobs["profile_steps"] + 8)
+    # Requests prefilled in early chunks decode while later ones prefill (continuous batching):
+    # enough new tokens that none finishes before the last timed step.
+    prefill_steps = -(-B * knobs["history"] // knobs["token_budget"])
+    params = SamplingParams(max_new_tokens=prefill_steps + knobs["warmup"] + knobs["steps"]
+                            + knobs["profile_steps"] + 8)
     ids = [engine.add_request(torch.randint(2, vocab, (knobs["history"],), generator=g).tolist(), params)
            for _ in range(B)]
     try:
