@@ -69,8 +69,8 @@ import torch
 from runtime.batch import SeqState
 from runtime.launcher import REQUIRED_ENV
 
-__all__ = ["RankGroup", "PeerLost", "launched_rank", "join", "lead", "follow", "StepSender", "encode_step",
-           "decode_step", "DEFAULT_TIMEOUT_S", "WATCH_INTERVAL_S"]
+__all__ = ["RankGroup", "PeerLost", "LaunchError", "launched_rank", "join", "lead", "follow", "StepSender",
+           "encode_step", "decode_step", "DEFAULT_TIMEOUT_S", "WATCH_INTERVAL_S"]
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer than this fails (a peer is stuck or gone)
 WATCH_INTERVAL_S = 0.2  # how often the watchdog looks at the other ranks' sockets and its launcher
@@ -82,6 +82,11 @@ _JOURNAL_NAMES = {code: name for name, code in _JOURNAL_CODES.items()}
 
 class PeerLost(RuntimeError):
     """Another rank of the group stopped (its step channel closed, or a send to it failed)."""
+
+
+class LaunchError(ValueError):
+    """A launch this process cannot join as a rank: its environment disagrees with --tp, or a rank
+    has no device (bad input: the command line or torchrun's flags are what to fix)."""
 
 
 def launched_rank() -> bool:
@@ -321,21 +326,21 @@ def join(tp: int, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, label:
     import torch.distributed as dist
 
     if not launched_rank():
-        raise RuntimeError(f"--tp {tp}: this process has no rank environment ({', '.join(_ENV)}); start it with "
+        raise LaunchError(f"--tp {tp}: this process has no rank environment ({', '.join(_ENV)}); start it with "
                            f"`hgc run --tp {tp}` / `hgc serve --tp {tp}` (which launch the ranks) or torchrun")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != tp:
-        raise RuntimeError(f"--tp {tp}, but the launch has WORLD_SIZE {world} processes: they must agree "
+        raise LaunchError(f"--tp {tp}, but the launch has WORLD_SIZE {world} processes: they must agree "
                            f"(torchrun --nproc-per-node {tp})")
     if os.environ["MASTER_PORT"] == "0":  # torchrun --master-port 0 hands its ranks the 0, not the port it took
-        raise RuntimeError("--tp: MASTER_PORT is 0, which no rank can connect to; start torchrun with --standalone "
+        raise LaunchError("--tp: MASTER_PORT is 0, which no rank can connect to; start torchrun with --standalone "
                            "(or a --master-port of its own)")
     local = int(os.environ.get("LOCAL_RANK", rank))
     timeout = datetime.timedelta(seconds=timeout_s)
     os.environ.update(REQUIRED_ENV)  # under torchrun too: NCCL reads them when the communicator is made
     if device_type == "cuda":
         if local >= torch.cuda.device_count():
-            raise RuntimeError(f"--tp {tp}: rank {rank} (LOCAL_RANK {local}) has no GPU: this host shows "
+            raise LaunchError(f"--tp {tp}: rank {rank} (LOCAL_RANK {local}) has no GPU: this host shows "
                                f"{torch.cuda.device_count()}; one GPU per rank is needed")
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)

@@ -34,8 +34,11 @@ Lifecycle:
    the compute dtype's tolerance, and the padding slot and unowned pages must not change;
    otherwise the runner refuses to serve, naming the mode, the bucket and the first layer that
    differs. (A padded replay checked only against a padded eager run would pass a padding fault
-   both share.) `start(vocab)` is capture + parity; `graph_runner_factory` makes a started runner
-   for the engine (runtime/server/model.py), with the artifact's buckets clipped to its limits.
+   both share.) With compiled pieces (runtime/bundle.py), each key's padded step is first run
+   with the traced glue and compared op by op with the compiled pieces (runtime/compiled_parity.py):
+   the reference of the other runs is then known to be the graph's own. `start(vocab)` is capture +
+   parity; `graph_runner_factory` makes a started runner for the engine (runtime/server/model.py),
+   with the artifact's buckets clipped to its limits.
 
 It does not build requests or sample (the engine does) and does not choose kernels (routing did:
 which nodes sit in captured pieces is split.json's decision, read here through the program's plans).
@@ -56,20 +59,18 @@ from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
 from runtime.buckets import Buckets, CaptureKey, buckets_for, extend_seqs
+from runtime.compiled_parity import compare_compiled
 from runtime.cuda_graphs import CaptureError, CapturedPiece, CaptureState, CudaGraphs
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
-from runtime.parity import CacheWatch, OpRecord, OpTrace, TeacherForcing, first_difference, rel_err, rtol_for
+from runtime.parity import (CacheWatch, OpRecord, OpTrace, ParityError, TeacherForcing, first_difference, rel_err,
+                            rtol_for)
 from runtime.state_pool import PADDING_SLOT, StatePool
 from runtime.step_staging import StepStaging, step_on_device
 
 __all__ = ["GraphRunner", "ParityError", "graph_runner_factory",
            # the roles' own names, as the runner's users know them
            "CaptureKey", "buckets_for", "CaptureError", "CudaGraphs", "CapturedPiece", "StepStaging", "step_on_device"]
-
-
-class ParityError(RuntimeError):
-    pass
 
 
 class GraphRunner:
@@ -112,6 +113,7 @@ class GraphRunner:
         self._outputs: dict[CaptureKey, object] = {}  # full graphs: their static logits
         self._full_graphs: dict[CaptureKey, object] = {}
         self._op_outs: dict[CaptureKey, list[OpRecord]] = {}  # each op's `out` in the key's graphs
+        self.compiled_reports: dict[str, dict] = {}  # key -> compiled pieces against the traced glue (parity)
 
     # -- keys and padding ------------------------------------------------------------------
 
@@ -264,13 +266,16 @@ class GraphRunner:
         return self.buckets.capture_keys()
 
     @torch.no_grad()  # a graph captured with autograd on would record its bookkeeping too
-    def capture(self) -> None:
+    def capture(self, progress=None) -> None:
+        """Every key, largest first. The first capture of each mode also builds the kernels its
+        steps call (Triton compiles, library JIT): `progress` shows that wait as a bar over keys."""
         if self.sealed:
             raise CaptureError("capture after start-up: graphs are captured once, before serving")
         self.graphs.check_device(self.device)
         self.backend.init_capture_state(self.max_tokens, self.max_seqs)
         self.state.pool = self.graphs.new_pool()
-        for key in self.capture_keys():
+        keys = self.capture_keys()
+        for key in progress(keys, desc="capture CUDA graphs (and build kernels)", unit="graph") if progress else keys:
             inputs, ctx = self._fill(self._dummy_step(key), key)
             # Every op's `out` as the graph leaves it: the parity check compares them layer by layer.
             # Holding them keeps their memory from being reused by a later capture in the pool.
@@ -380,8 +385,15 @@ class GraphRunner:
                             pad_seqs_to=key.seqs, max_pages=self.max_pages)
         plain = build_step(items, self.kv_pool, "cpu", mode=key.mode, max_pages=self.max_pages)  # pages taken above
         rows = plain.ctx.num_real_tokens
-        watch = CacheWatch(self.kv_pool, self.state_pool, [seq.slot for seq, _ in items],
-                           [p for seq, _ in items for p in seq.pages])
+        slots, pages = [seq.slot for seq, _ in items], [p for seq, _ in items for p in seq.pages]
+        watch = CacheWatch(self.kv_pool, self.state_pool, slots, pages)
+        if getattr(self.program, "glue", None) is not None:
+            # Compiled pieces run both sides of the checks below: first they are compared with the
+            # traced glue itself, op by op (runtime/compiled_parity.py).
+            report = compare_compiled(self.program, self.ops, self.kv_pool, self.state_pool, padded, slots, pages,
+                                      self.chunk_size, rtol)
+            self.compiled_reports[str(key)] = {**report, "key": str(key)}
+            watch.restore()
         problems: list[str] = []
 
         reference = OpTrace(rows, inputs=True)
@@ -428,23 +440,30 @@ class GraphRunner:
         finally:
             self.ops.observer = self.ops.intercept = None
 
-    def start(self, vocab_size: int, log: Callable[[str], None] = lambda line: None) -> dict[str, float]:
-        """Start-up: capture every key, then check each against eager; raises before serving on a mismatch."""
+    def start(self, vocab_size: int, log: Callable[[str], None] = lambda line: None,
+              progress=None) -> dict[str, float]:
+        """Start-up: capture every key, then check each against eager; raises before serving on a mismatch.
+        `progress`: a tqdm-like factory, for a bar over the captures (a cold start builds kernels here)."""
         t0 = time.perf_counter()
-        self.capture()
+        self.capture(progress)
         log(f"captured {len(self.keys)} graphs ({', '.join(map(str, self.keys))}) in {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         report = self.check_parity(vocab_size=vocab_size)
         worst = max(report.values(), default=0.0)
         log(f"start-up parity: {len(report)} keys match eager (worst rel err {worst:.2g}) in "
             f"{time.perf_counter() - t0:.1f} s")
+        if self.compiled_reports:
+            ops = max(r["worst_op"] for r in self.compiled_reports.values())
+            logits = max(r["logits"] for r in self.compiled_reports.values())
+            log(f"compiled pieces match the traced glue on every key: worst op input rel err {ops:.2g}, "
+                f"logits {logits:.2g}")
         return report
 
 
 
 
 def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,
-                         log: Callable[[str], None] = lambda line: None):
+                         log: Callable[[str], None] = lambda line: None, progress=None):
     """runner_factory(ops, kv_pool, state_pool, limits) for runtime/server/model.build_engine.
 
     The runner captures the artifact's recorded buckets (manifest "buckets"), clipped to the
@@ -463,7 +482,9 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
                              extend_max_seqs=extend_seqs(limits["max_running"], extend),
                              chunk_size=limits["token_budget"],
                              graphs=graphs)
-        runner.start(vocab_size, log=log)
+        runner.start(vocab_size, log=log, progress=progress)
+        if getattr(artifact, "compiled", None) is not None:
+            artifact.compiled.parity = list(runner.compiled_reports.values())
         return runner
 
     return make

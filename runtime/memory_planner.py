@@ -60,6 +60,9 @@ Tensor parallel: every rank holds the same shapes (a rank's program, its registr
 shard), so one plan per rank is the plan of every rank; the budget is one device's, and with
 `ranks` > 1 the table and every shortfall say they are per rank.
 
+`available_bytes(device)` is the memory a device has free now (the budget `hgc run` and
+`hgc generate` check a request against before allocating anything).
+
 It does not measure weights or activations (callers pass them) nor decide anything at run time:
 the engine only ever sees the pools.
 """
@@ -67,6 +70,7 @@ the engine only ever sees the pools.
 from __future__ import annotations
 
 import dataclasses
+import os
 from fractions import Fraction
 
 import torch
@@ -78,7 +82,7 @@ from runtime.snapshot_pool import SnapshotPool
 from runtime.state_pool import StatePool
 
 __all__ = ["CacheLayout", "MemoryPlan", "MemoryPlanError", "plan_memory", "build_pools", "build_snapshot_pool",
-           "pool_bytes", "check_fits", "describe_bytes", "format_bytes"]
+           "pool_bytes", "check_fits", "describe_bytes", "format_bytes", "available_bytes", "GiB"]
 
 GiB = 1 << 30
 
@@ -327,6 +331,22 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
     )
 
 
+def available_bytes(device: torch.device | str) -> int:
+    """Free memory of a device now: the GPU's free bytes, or the host's available RAM (Linux's
+    MemAvailable: free plus reclaimable caches; what an allocation can get without swapping)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def build_pools(registry: LayerRegistry, plan: MemoryPlan,
                 device: torch.device | str = "cpu") -> tuple[KVPool, StatePool]:
     """Allocate the plan's pools (the intermediate states belong to the speculative runner)."""
@@ -369,7 +389,7 @@ def check_fits(parts: dict[str, int], device: torch.device | str, ranks: int = 1
     device = torch.device(device)
     if device.type != "cuda":
         return
-    free, _ = torch.cuda.mem_get_info(device)
+    free = available_bytes(device)
     need = sum(parts.values())
     if need > free:
         where = "memory" if ranks == 1 else f"memory, per rank of tensor parallel {ranks}"

@@ -14,10 +14,11 @@ generator on the device seeded by the tensor's name, made whole and then cut lik
 so a rank of tp 2 holds exactly the values a tp 1 run holds (their tokens can be compared), and a
 full-size release runs from config.json alone (an artifact compiled with --no-weights).
 
-Linked weights are checked by file size and the SHA-256 of each safetensors header (names, dtypes,
-shapes, offsets), not of the data: a checkpoint rewritten with the same layout and other values
-passes. Hashing every weight byte at each load is exactly what linking avoids; copy the weights
-into the artifact when that matters.
+Linked weights are checked at load by file size and the SHA-256 of each safetensors header
+(names, dtypes, shapes, offsets), not of the data: hashing every weight byte at each load is
+exactly what linking avoids. The compiler also records the SHA-256 of each whole linked file, and
+`hgc verify ARTIFACT --full` (`check_linked_files(docs, data=True)`) re-hashes them: a changed
+byte inside a linked tensor is found there, not at load.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 from compiler.splitops.artifact import COMPUTED, MANIFEST, WEIGHT_MAP, WEIGHTS, ParamSource, safetensors_header
 from runtime.artifact_docs import ArtifactDocs, LoadError, check_hash
 
-__all__ = ["WeightFiles", "assemble", "LOAD_FORMATS", "DUMMY_STD"]
+__all__ = ["WeightFiles", "assemble", "check_linked_files", "check_load_format", "whole_shapes", "LOAD_FORMATS",
+           "DUMMY_STD"]
 
 LOAD_FORMATS = ("auto", "dummy")  # auto: the artifact's weights; dummy: random ones (module docstring)
 DUMMY_STD = 0.02
@@ -56,8 +58,7 @@ class WeightFiles:
         elif spec.get("mode") == "link":
             paths = [self._linked(root, entry) for entry in spec.get("files", [])]
         elif spec.get("mode") == "none":
-            raise LoadError(f"{root}: compiled with --no-weights: it has no weights; run it with --load-format dummy "
-                            f"(random weights), or compile the checkpoint with its safetensors")
+            check_load_format(docs, "auto")  # raises: the artifact has no weights to read
         else:
             raise LoadError(f"{root / MANIFEST}: weights.mode {spec.get('mode')!r} (expected 'copy', 'link' or 'none')")
         if COMPUTED in docs.manifest["files"]:
@@ -123,6 +124,16 @@ class WeightFiles:
         return torch.randn(self.whole_shapes[name], generator=generator, device=self.device) * DUMMY_STD
 
 
+def check_load_format(docs: ArtifactDocs, load_format: str) -> None:
+    """Refuse, before anything is read or launched, a load format the artifact cannot run: an unknown
+    one, or its own weights when it was compiled without any."""
+    if load_format not in LOAD_FORMATS:
+        raise LoadError(f"--load-format {load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+    if load_format == "auto" and docs.manifest["weights"].get("mode") == "none":
+        raise LoadError(f"{docs.path}: compiled with --no-weights: it has no weights; run it with --load-format dummy "
+                        f"(random weights), or compile the checkpoint with its safetensors")
+
+
 def whole_shapes(sources: dict[str, ParamSource], sharding) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> its whole shape, from weights.json's (rank) views and sharding.json's specs."""
     out = {}
@@ -134,6 +145,36 @@ def whole_shapes(sources: dict[str, ParamSource], sharding) -> dict[str, tuple[i
                 shape[spec.dim] = sum(length for length, _ in spec.segments)
             out[v.name] = tuple(shape)
     return out
+
+
+def check_linked_files(docs: ArtifactDocs, data: bool = False, progress=None) -> tuple[int, int]:
+    """Each linked checkpoint file: found, its size and header as compiled, and with `data` the
+    SHA-256 of the whole file (`progress`: a tqdm-like factory, a bar over the bytes). Returns
+    (files, bytes); (0, 0) for copied weights."""
+    spec = docs.manifest["weights"]
+    if spec.get("mode") != "link":
+        return 0, 0
+    paths = [(WeightFiles._linked(docs.path, entry), entry) for entry in spec.get("files", [])]
+    total = sum(p.stat().st_size for p, _ in paths)
+    if not data:
+        return len(paths), total
+    bar = progress(total=total, desc="hash linked weights", unit="B", unit_scale=True) if progress else None
+    for path, entry in paths:
+        if not isinstance(entry.get("sha256"), str):
+            raise LoadError(f"{docs.path / MANIFEST}: linked file {entry['relative_path']} has no data hash: recompile")
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+                if bar is not None:
+                    bar.update(len(block))
+        if digest.hexdigest() != entry["sha256"]:
+            raise LoadError(f"{path}: its data differs from the file the artifact linked (SHA-256 "
+                            f"{digest.hexdigest()[:16]}..., recorded {entry['sha256'][:16]}...): the checkpoint "
+                            f"changed after compile; recompile")
+    if bar is not None:
+        bar.close()
+    return len(paths), total
 
 
 def assemble(fqn: str, source: ParamSource, files: WeightFiles, device: str) -> torch.Tensor:

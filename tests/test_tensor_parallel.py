@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from compiler.cli import main
+from compiler.cli.errors import EXIT_BAD_INPUT
 from tests.helpers import ROOT, ServerProcess, tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # 8 compiles and 6 launches of 2 ranks: about 80 s on 2 cores
@@ -149,14 +150,14 @@ def test_a_sharding_that_does_not_divide_is_a_compile_error_and_lint_tp_needs_on
     folder.mkdir()
     config = json.loads((arts["qwen3_next"]["ckpt"] / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))  # with its draft
-    assert main(["lint", str(folder), "--tp", "3"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert main(["lint", str(folder), "--tp", "3"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()[0]  # then a hint line
     assert err == ("hgc lint: tensor parallel 3: layer 3 (full_gqa): 4 attention heads do not divide over 3 ranks; "
                    "--tp must divide 4 (1, 2, 4)"), err
-    assert main(["compile", str(arts["kimi_linear"]["ckpt"]), "-o", str(tmp_path / "x"), "--tp", "4"]) == 1
+    assert main(["compile", str(arts["kimi_linear"]["ckpt"]), "-o", str(tmp_path / "x"), "--tp", "4"]) == EXIT_BAD_INPUT
     assert "(full_mla): 2 attention heads do not divide over 4 ranks; --tp must divide 2 (1, 2)" in capsys.readouterr().err
     # 64 KiB of GPU memory: no error in the graphs, but one rank does not fit, and says by how much
-    assert main(["lint", str(folder), "--tp", "2", "--json", "--memory-gb", str(64 / (1 << 20))]) == 1
+    assert main(["lint", str(folder), "--tp", "2", "--json", "--memory-gb", str(64 / (1 << 20))]) == EXIT_BAD_INPUT
     out, err = capsys.readouterr()
     doc = json.loads(out.strip().splitlines()[-1])
     assert doc["counts"]["error"] == 0 and sorted(p.name for p in folder.iterdir()) == ["config.json"]
@@ -183,7 +184,7 @@ def test_inspect_and_the_dumps_show_the_collectives_and_the_one_process_run_is_r
     assert [c["op"] for c in collectives].count("all_gather") == 1 and len(collectives) == 2 * 4 + 1
     assert main(["inspect", str(art)]) == 0
     assert "tensor parallel 2: MoE as tensor-parallel experts" in capsys.readouterr().out
-    assert main(["run", str(art), "--prompt-ids", "1,2"]) == 1
+    assert main(["run", str(art), "--prompt-ids", "1,2"]) == EXIT_BAD_INPUT
     assert "compiled for --tp 2, asked to run as rank 0 of 1: run it with hgc run --tp 2" in capsys.readouterr().err
 
 

@@ -121,15 +121,25 @@ def _redirect(old: torch.fx.Node, new: torch.fx.Node, keep: set) -> None:
             user.replace_input_with(old, new)
 
 
+def _passes_on(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether `user` passes `node`'s value on unchanged in layout (a dtype cast, a copy)."""
+    return (user.op == "call_function" and getattr(user.target, "__name__", "").split(".")[0] in _PASS_THROUGH
+            and bool(user.args) and user.args[0] is node)
+
+
 def _reaches_output(node: torch.fx.Node) -> bool:
     """Whether `node`'s value is a program output, directly or through dtype casts and copies."""
-    for user in node.users:
-        if user.op == "output":
-            return True
-        if user.op == "call_function" and getattr(user.target, "__name__", "").split(".")[0] in _PASS_THROUGH \
-                and user.args and user.args[0] is node and _reaches_output(user):
-            return True
-    return False
+    return any(user.op == "output" or (_passes_on(user, node) and _reaches_output(user)) for user in node.users)
+
+
+def _refresh_passed_on(node: torch.fx.Node) -> None:
+    """The casts and copies after `node` get meta values of its (new) shape: they were traced on the
+    rank's lm_head output, before the gather widened it, and the loader reads the logits' width there."""
+    for user in list(node.users):
+        if _passes_on(user, node) and isinstance(user.meta.get("val"), torch.Tensor):
+            args, kwargs = torch.fx.node.map_arg((user.args, user.kwargs), lambda n: n.meta["val"])
+            user.meta["val"] = _fake(lambda *a: user.target(*a, **kwargs), *args)
+            _refresh_passed_on(user)
 
 
 class ShardingPass(CompilePass):
@@ -233,6 +243,7 @@ class ShardingPass(CompilePass):
                             _fake(lambda v: v.new_empty((v.shape[0], width)), val))
         gather = _insert_after(graph, out, _HGC.all_gather.default, (node, out, layer_id), node)
         _redirect(node, out, {rows, out, gather})
+        _refresh_passed_on(out)
         for spec in getattr(signature, "output_specs", ()):  # the exported program names its outputs by node
             if getattr(spec.arg, "name", None) == node.name:
                 spec.arg = type(spec.arg)(name=out.name)
