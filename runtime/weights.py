@@ -31,8 +31,8 @@ import torch
 from compiler.splitops.artifact import COMPUTED, MANIFEST, WEIGHT_MAP, WEIGHTS, ParamSource, safetensors_header
 from runtime.artifact_docs import ArtifactDocs, LoadError, check_hash
 
-__all__ = ["WeightFiles", "assemble", "check_linked_files", "check_load_format", "whole_shapes", "LOAD_FORMATS",
-           "DUMMY_STD"]
+__all__ = ["WeightFiles", "assemble", "check_linked_files", "check_load_format", "dummy_tensor", "whole_shapes",
+           "LOAD_FORMATS", "DUMMY_STD"]
 
 LOAD_FORMATS = ("auto", "dummy")  # auto: the artifact's weights; dummy: random ones (module docstring)
 DUMMY_STD = 0.02
@@ -119,9 +119,15 @@ class WeightFiles:
     def _random(self, name: str) -> torch.Tensor:
         if name not in self.whole_shapes:
             raise LoadError(f"weights: no shape known for tensor {name!r} (weights.json does not list it)")
-        seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & ((1 << 63) - 1)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        return torch.randn(self.whole_shapes[name], generator=generator, device=self.device) * DUMMY_STD
+        return dummy_tensor(name, self.whole_shapes[name], self.device)
+
+
+def dummy_tensor(name: str, shape: tuple[int, ...], device: str = "cpu") -> torch.Tensor:
+    """The whole checkpoint tensor `name` under `--load-format dummy`: a function of its name and
+    shape alone, so every rank count cuts the same values (module docstring)."""
+    seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=generator, device=device) * DUMMY_STD
 
 
 def check_load_format(docs: ArtifactDocs, load_format: str) -> None:
