@@ -347,6 +347,9 @@ def open_bundle(docs: ArtifactDocs, device: str | torch.device, options: Compile
     selected = _select(docs, device)
     if selected is None:
         return None
+    if docs.tp > 1:  # `hgc build` refuses to make one: nothing has checked compiled glue on ranks
+        raise BundleError(f"{docs.path}: a target bundle in an artifact compiled for --tp {docs.tp}; compiled pieces "
+                          f"do not run on ranks: pass --no-compiled, or recompile without the bundle")
     key, here = selected
     start = time.perf_counter()
     doc = _read_doc(docs, key)

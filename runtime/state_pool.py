@@ -7,6 +7,9 @@
    state; a reused slot must not leak its previous owner's state). `free(slot)` returns it.
 3. `copy_slot(src, dst)` copies one request's states to another's slot (a request forked from
    another after their shared prompt).
+4. `journal`: on rank 0 of a tensor-parallel run, a list that records every change to the
+   buffers made outside a forward (zeroing, copies), for the other ranks to replay on theirs
+   (runtime/distributed.py); None elsewhere.
 
 Full-attention layers get nothing here. Sizing is the memory planner's job.
 """
@@ -44,6 +47,7 @@ class StatePool:
         self.device = torch.device(device)
         self.buffers = linear_state_buffers(registry, num_slots + 1, self.device)  # [num_slots + 1, *shape] each
         self._free: list[int] = list(range(num_slots, PADDING_SLOT, -1))  # pop() hands out slot 1 first
+        self.journal: list | None = None
 
     @property
     def num_free(self) -> int:
@@ -53,14 +57,21 @@ class StatePool:
         if not self._free:
             raise OutOfSlots(f"state pool: all {self.num_slots} slots are in use")
         slot = self._free.pop()
+        self.zero_slot(slot)
+        return slot
+
+    def zero_slot(self, slot: int) -> None:
+        if self.journal is not None:
+            self.journal.append(("zero_slot", slot))
         for entries in self.buffers.values():
             for t in entries.values():
                 t[slot].zero_()
-        return slot
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Give slot `dst` the states of slot `src` in every layer (a request forked after its prefill)."""
         assert src != PADDING_SLOT and dst != PADDING_SLOT and src != dst, (src, dst)
+        if self.journal is not None:
+            self.journal.append(("copy_slot", src, dst))
         for entries in self.buffers.values():
             for t in entries.values():
                 t[dst].copy_(t[src])

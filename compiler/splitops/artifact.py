@@ -10,8 +10,10 @@ An artifact is a folder::
                           `manifest_sha256`, the SHA-256 of its own other fields
     graph.pt2             torch.export.save of the weightless main program (meta parameters)
     draft.pt2             the draft (MTP) program, where the model has one
-    weights.safetensors   checkpoint tensors under their checkpoint names (absent with --link-weights)
+    weights.safetensors   checkpoint tensors under their checkpoint names (absent with --link-weights, --no-weights)
     weights.json          how each program parameter is assembled from checkpoint tensors
+    computed.safetensors  tensors the model computes from its config that ranks take slices of (tp > 1, where any)
+    sharding.json         --tp > 1: the rank count, how each rank reads each tensor, the collectives
     routing.json          the backend (and kernel options) of every hgc op node: the binding the runtime executes
     split.json            per program and mode, the ordered pieces: captured or eager, with node names
     lints.json            every lint finding of the compile
@@ -47,6 +49,7 @@ from torch.fx.passes.split_module import split_module
 
 from .capability import BackendCapability, CapabilityError, instance_key
 from .policy import MODES, Mode
+from .sharding import ShardSpec
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "GRAPH", "DRAFT_GRAPH", "WEIGHTS", "WEIGHT_MAP", "ROUTING",
@@ -55,6 +58,7 @@ __all__ = [
     "sha256_file", "safetensors_header", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
     "apply_split_plan", "plan_node_names", "retarget_meta_devices", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
     "check_format", "piece_module_names", "RouteEntry", "RoutingTable", "routing_doc", "parse_routing_doc",
+    "SHARDING", "COMPUTED", "Sharding", "sharding_doc", "parse_sharding_doc",
     "MANIFEST_SEAL", "seal_manifest", "check_manifest_seal",
 ]
 
@@ -71,6 +75,8 @@ WEIGHT_MAP = "weights.json"
 ROUTING = "routing.json"
 SPLIT = "split.json"
 LINTS = "lints.json"
+SHARDING = "sharding.json"
+COMPUTED = "computed.safetensors"
 DUMPS = "dumps"
 
 PROGRAM_FILES: dict[str, str] = {"main": GRAPH, "draft": DRAFT_GRAPH}
@@ -430,6 +436,11 @@ class TensorView:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameter on the device (a rank's part, for a tensor-parallel program)."""
+        return self.numel * getattr(torch, self.dtype).itemsize
+
     def to_json(self) -> list:
         return [self.name, self.offset, list(self.shape), list(self.stride)]
 
@@ -453,6 +464,11 @@ class ParamSource:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameter on the device (a rank's part, for a tensor-parallel program)."""
+        return self.numel * getattr(torch, self.dtype).itemsize
 
     def is_whole(self) -> bool:
         """One checkpoint tensor is the whole parameter (the common case: copy, no assembly)."""
@@ -493,3 +509,40 @@ def parse_weights_doc(doc, source: str = WEIGHT_MAP) -> tuple[dict[str, ParamSou
             raise ArtifactFormatError(f"{source}: programs.{program} must map program FQNs to listed tensors")
     return out, programs
 
+
+
+# -- tensor parallel -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """sharding.json parsed: the rank count, each checkpoint tensor's ShardSpec, and the rest as
+    written (layers' whole and rank shapes, the collectives and why), for `hgc inspect`."""
+
+    tp: int
+    tensors: dict[str, ShardSpec]
+    doc: dict
+
+    def spec(self, name: str) -> ShardSpec:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ArtifactFormatError(f"{SHARDING}: no spec for tensor {name!r}: the document belongs to another "
+                                      f"compile; recompile") from None
+
+
+def sharding_doc(summary: dict) -> dict:
+    """sharding.json: the sharding pass's summary (compiler/passes/sharding.py sharding_summary)."""
+    return {**_header(), **summary}
+
+
+def parse_sharding_doc(doc, source: str = SHARDING) -> Sharding:
+    check_format(doc, source)
+    tp, tensors = doc.get("tp"), doc.get("tensors")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2 or not isinstance(tensors, dict):
+        raise ArtifactFormatError(f"{source}: needs 'tp' (an integer >= 2) and 'tensors' (an object)")
+    try:
+        specs = {str(name): ShardSpec.from_json(obj) for name, obj in tensors.items()}
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ArtifactFormatError(f"{source}: tensors: each spec is {{dim, segments}}: {e}") from None
+    return Sharding(tp, specs, doc)
