@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -90,13 +91,14 @@ _BUILT = {"inductor": lambda p: p.suffix in (".so", ".cubin", ".hsaco", ".best_c
           "flashinfer": lambda p: p.suffix == ".so"}
 
 
-def _snapshot(folders: dict[str, Path]) -> dict[str, tuple[int, int]]:
+def _snapshot(folders: dict[str, Path]) -> dict[str, str]:
+    """cache/file -> SHA-256 of its bytes. By content, not time: loading a piece writes the tuning
+    choices it recorded at compile time again, the same bytes, which is no build."""
     out = {}
     for name, folder in folders.items():
         for p in Path(folder).rglob("*") if Path(folder).is_dir() else ():
             if p.is_file() and _BUILT[name](p):
-                st = p.stat()
-                out[f"{name}/{p.relative_to(folder)}"] = (st.st_size, st.st_mtime_ns)
+                out[f"{name}/{p.relative_to(folder)}"] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 
 
@@ -116,9 +118,10 @@ class KernelWatch:
         self.builds: list[str] = []
         self.inductor_compiles = 0
 
-    def _refuse(self, what: str):
-        return KernelBuildError(f"kernel {what} is not in the bundle and would be built at start-up; {self.remedy}, "
-                                f"or pass --allow-kernel-builds to build it now")
+    def _refuse(self, what: str, rebuilt: bool = False):
+        how = "of the bundle was rebuilt or tuned again" if rebuilt else "is not in the bundle and would be built"
+        return KernelBuildError(f"kernel {what} {how} at start-up; {self.remedy}, or pass --allow-kernel-builds to "
+                                f"build it now")
 
     def __enter__(self):
         # Inductor has no switch that forbids compiling; every C++ build goes through CppBuilder.build,
@@ -149,10 +152,11 @@ class KernelWatch:
         self.inductor_compiles += _inductor_compiles(counters) - self._compiles
         if kind is None:
             after = _snapshot(self.folders)
-            new = sorted(f for f, stat in after.items() if self._before.get(f) != stat)
+            new = sorted(f for f, sha in after.items() if self._before.get(f) != sha)
             new = [f for f in new if Path(f).name not in self.builds]
             if new and not self.allow:
-                raise self._refuse(f"{new[0]}" + (f" (and {len(new) - 1} more)" if len(new) > 1 else ""))
+                raise self._refuse(", ".join(new[:3]) + (f" (and {len(new) - 3} more)" if len(new) > 3 else ""),
+                                   rebuilt=new[0] in self._before)
             self.builds += new
         return False
 
@@ -192,6 +196,7 @@ class CompiledBundle:
         worst = [o["rel_err"] for r in self.parity for o in r["ops"]]
         return {"target": self.key, "pieces": len(self.pieces), "load_seconds": round(self.load_seconds, 2),
                 "kernel_builds": sum(len(w.builds) for w in self.watches),
+                "built": [b for w in self.watches for b in w.builds],  # what --allow-kernel-builds let build
                 "inductor_compiles": sum(w.inductor_compiles for w in self.watches),
                 "parity": [{"step": r.get("key", r["mode"]), "logits_rel_err": r["logits"],
                             "worst_op_rel_err": r["worst_op"], "rtol": r["rtol"]} for r in self.parity],
@@ -334,6 +339,15 @@ def _point_process_at(caches: dict[str, Path]) -> None:
                           "at the bundle's copy; load the artifact before anything imports flashinfer")
     os.environ.update({CACHE_ENV[name]: str(path) for name, path in caches.items()})
     os.environ.update(CACHE_SETTINGS)
+    try:
+        from flashinfer.jit import env as jit_env
+    except ImportError:  # no FlashInfer here: no backend will ask for one of its modules
+        return
+    # FlashInfer loads a module found in its AOT folder as it is and runs its ninja build for any other.
+    # The bundle holds the build's products without its inputs (generated sources, object files), so
+    # ninja would redo every module; with the AOT folder at the copy's module folder they load as built,
+    # and a module the bundle lacks is still built (into the same folder), where the KernelWatch sees it.
+    jit_env.FLASHINFER_AOT_DIR = jit_env.FLASHINFER_JIT_DIR
 
 
 def open_bundle(docs: ArtifactDocs, device: str | torch.device, options: CompiledOptions = CompiledOptions()

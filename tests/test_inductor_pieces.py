@@ -231,6 +231,29 @@ def test_a_kernel_missing_from_the_bundle_is_an_error_naming_it(built):
     assert "Traceback" not in proc.stderr
 
 
+def test_the_kernel_watch_tells_a_rewrite_of_the_same_bytes_from_a_build(tmp_path):
+    """Loading a piece writes its recorded tuning choices again (the same bytes): no build. A choice
+    whose bytes change, or a new kernel file, is a build, refused by name."""
+    from runtime.bundle import KernelBuildError, KernelWatch
+
+    folders = {name: tmp_path / name for name in ("inductor", "triton", "flashinfer")}
+    for folder in folders.values():
+        folder.mkdir()
+    choice = folders["inductor"] / "3b" / "abc.best_config"
+    choice.parent.mkdir()
+    choice.write_text('{"XBLOCK": 64}')
+    with KernelWatch(folders, allow=False, remedy="rebuild it") as watch:
+        choice.write_text('{"XBLOCK": 64}')
+    assert watch.builds == []
+    with pytest.raises(KernelBuildError, match=r"inductor/3b/abc.best_config of the bundle was rebuilt or tuned"):
+        with KernelWatch(folders, allow=False, remedy="rebuild it"):
+            choice.write_text('{"XBLOCK": 128}')
+    with pytest.raises(KernelBuildError, match=r"triton/k/__grp__k.json is not in the bundle"):
+        with KernelWatch(folders, allow=False, remedy="rebuild it"):
+            (folders["triton"] / "k").mkdir()
+            (folders["triton"] / "k" / "__grp__k.json").write_text("{}")
+
+
 def _perturbed(art):
     """The piece of the program's first glue segment, off by 1% in every output: a compiled piece that
     is not the traced glue (the inputs of layer 0's first op come out of it)."""

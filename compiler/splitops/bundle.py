@@ -54,8 +54,15 @@ KERNELS = "kernels"
 #   of one library per kernel: a build compiles (and parses ATen's headers) once per piece, and a
 #   step calls no Python between the kernels of a piece. With one compile per piece, a pool of
 #   compile workers (each importing torch) costs more than it saves.
+# - cuda: Triton's own launcher, not Inductor's static one. A statically launched kernel keeps the
+#   path its source had in the build's cache and looks its launch configuration (.best_config) up
+#   there, so a run finds the bundle's choices only while the build folder exists, and elsewhere
+#   times every candidate again and writes the result into that foreign path, unwatched. Launched
+#   from source, a kernel lives in the run's copy of the bundle and finds the choice beside it
+#   (benchmarks/inductor_tuning_probe.py shows both on the GPU). The launcher's cost is host time per
+#   launch, which a captured piece does not pay.
 INDUCTOR_CONFIG = {"cpu": {"cpp_cache_precompile_headers": False, "cpp_wrapper": True, "compile_threads": 1},
-                   "cuda": {"cpp_cache_precompile_headers": False}}
+                   "cuda": {"cpp_cache_precompile_headers": False, "use_static_cuda_launcher": False}}
 
 # kernels/<cache>/ in a bundle <-> the environment variable that points its library at that cache.
 # The build empties and fills these folders; a run points them at its checked copy of the bundle's.
