@@ -46,7 +46,8 @@ import torch
 from compiler.splitops.artifact import PROGRAM_FILES, ArtifactFormatError
 from compiler.splitops.bundle import (BUNDLE, CACHE_ENV, CACHE_SETTINGS, INDUCTOR_CONFIG, KERNELS, bundle_dir,
                                       cache_env, describe_target, executable_summary, facts_differences,
-                                      parse_bundle_doc, signed_payload, target_facts, target_key)
+                                      parse_bundle_doc, pin_triton_ptxas, signed_payload, target_facts,
+                                      target_key)
 from runtime.artifact_docs import ArtifactDocs, LoadError, check_hash
 from runtime.signing import SigningKeyError, key_id, key_path, signing_key, verify
 
@@ -339,6 +340,7 @@ def _point_process_at(caches: dict[str, Path]) -> None:
                           "at the bundle's copy; load the artifact before anything imports flashinfer")
     os.environ.update({CACHE_ENV[name]: str(path) for name, path in caches.items()})
     os.environ.update(CACHE_SETTINGS)
+    pin_triton_ptxas("cuda")
     try:
         from flashinfer.jit import env as jit_env
     except ImportError:  # no FlashInfer here: no backend will ask for one of its modules

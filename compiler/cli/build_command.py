@@ -74,8 +74,8 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     from compiler.artifact_writer import add_bundle, hgc_version
     from compiler.inductor_pieces import compile_glue
     from compiler.splitops.artifact import PROGRAM_FILES, dump_json, sha256_file
-    from compiler.splitops.bundle import (BUNDLE, CACHE_ENV, bundle_dir, bundle_doc, cache_env, signed_payload,
-                                          target_facts, target_key)
+    from compiler.splitops.bundle import (BUNDLE, CACHE_ENV, bundle_dir, bundle_doc, cache_env, pin_triton_ptxas,
+                                          signed_payload, target_facts, target_key)
     from runtime.bundle import CompiledOptions, load_built
     from runtime.loader import load_artifact, read_artifact
     from runtime.server.model import EngineOptions, engine_for_artifact
@@ -109,6 +109,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     log(f"building {key} for {artifact} (kernel caches under {work})")
     start = time.perf_counter()
     with cache_env(caches):
+        pin_triton_ptxas(torch.device(device).type)  # the run does the same (runtime/bundle.py)
         art = load_artifact(artifact, device, compiled=CompiledOptions(enabled=False))
         records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
                                        device, staged, caches["inductor"], log=log)

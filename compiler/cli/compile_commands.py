@@ -213,10 +213,9 @@ def _inductor_wanted(args):
     import torch
 
     device = args.target.split(":")[0]
-    # Opt-in on every target for now: the cuda bundle builds, but a start-up from it still compiles
-    # Triton kernels the bundle holds under other keys (its shapes follow the run's limits, not only
-    # the recorded buckets: tests/test_gpu_inductor.py on the H200, BENCHMARKS.md), so a default-on
-    # bundle would refuse every GPU start-up whose limits differ from the build's.
+    # Opt-in on every target for now: the cuda bundle builds, but a start-up from it still compiled
+    # Triton kernels the bundle holds under other keys (tests/test_gpu_inductor.py on the H200,
+    # BENCHMARKS.md), so a default-on bundle would refuse GPU start-ups until a GPU run passes.
     wanted = bool(args.inductor)
     if not wanted or args.plan_only:
         return False

@@ -38,6 +38,7 @@ import torch
 from .artifact import FORMAT_NAME, FORMAT_VERSION, ArtifactFormatError, check_format, dump_json
 
 __all__ = ["TARGETS", "BUNDLE", "PIECES", "KERNELS", "INDUCTOR_CONFIG", "CACHE_ENV", "CACHE_SETTINGS", "cache_env",
+           "pin_triton_ptxas",
            "NOT_REPRODUCIBLE", "not_reproducible", "target_facts", "target_key", "describe_target",
            "facts_differences", "bundle_doc", "signed_payload", "parse_bundle_doc", "bundle_dir", "executable_summary"]
 
@@ -93,6 +94,25 @@ def not_reproducible(files) -> dict[str, str]:
         if why is not None:
             out[f] = why
     return out
+
+
+def pin_triton_ptxas(device_type: str) -> None:
+    """cuda: settle, before anything compiles, which ptxas builds every Triton kernel of this process.
+
+    Triton keys its kernel cache and its autotuning results by the ptxas version. Inductor points
+    TRITON_PTXAS_PATH at torch's own ptxas, but only on the path that compiles one of its kernels,
+    in whichever process does it: a build compiles its pieces in worker processes, a run loads them
+    in its own, so the backends' kernels (ours, FLA's) were built with one ptxas and looked up with
+    another. benchmarks/bundle_keys_probe.py found every one of them compiled again at a run's
+    start-up, with metadata equal to the bundle's copy but another key. Taking Inductor's own choice
+    first, in the build and in the run, gives both the same."""
+    if device_type != "cuda":
+        return
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # an Inductor that does not choose: Triton's own ptxas everywhere
+        return
+    _set_triton_ptxas_path()
 
 
 @contextlib.contextmanager
