@@ -34,7 +34,7 @@ from compiler.passes.base import CompileError
 from compiler.splitops import MODES, op_schemas
 from compiler.splitops.artifact import (FORMAT_NAME, FORMAT_VERSION, LINTS, MANIFEST, PROGRAM_FILES,
                                         PROGRAM_INPUTS, ROUTING, SPLIT, WEIGHT_MAP, WEIGHTS, dump_json,
-                                        safetensors_header, sha256_file, split_doc, weights_doc)
+                                        program_outputs, safetensors_header, sha256_file, split_doc, weights_doc)
 
 __all__ = ["ArtifactWriteError", "staging_folder", "write_artifact", "checkpoint_index", "hgc_version", "routing_doc", "lints_doc"]
 
@@ -253,7 +253,8 @@ def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, link: bo
         "buckets": {"decode_batch_sizes": list(ctx.config.decode_batch_sizes),
                     "extend_token_counts": list(ctx.config.extend_token_counts)},
         "registry": ctx.registry.to_json(),
-        "programs": {p: {"file": PROGRAM_FILES[p], "inputs": list(PROGRAM_INPUTS[p]), "example_sizes": traced.sizes,
+        "programs": {p: {"file": PROGRAM_FILES[p], "inputs": list(PROGRAM_INPUTS[p]),
+                         "outputs": list(program_outputs(p, traced.programs)), "example_sizes": traced.sizes,
                          "modes": [m.value for m in MODES]} for p in traced.programs},
         "passes": fingerprints,
         "pipeline_sha256": hashlib.sha256(dump_json(fingerprints)).hexdigest(),
