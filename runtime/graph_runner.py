@@ -9,8 +9,10 @@ and replayed is `CapturedPiece`'s business, and what the ops do is the backend's
    captured kernel reads the same addresses; an eager step uses its own tensors and may be of any size.
 2. `capture()` (start-up only): `backend.init_capture_state`, then for each decode bucket,
    largest first, one graph of the whole step when every op's decode policy allows it (the
-   artifact's decode plan is one captured piece) or piecewise graphs otherwise; then piecewise
-   graphs for each extend token bucket, largest first. All graphs share one memory pool. Padded
+   artifact's decode plan is one captured piece) or piecewise graphs otherwise; the same for
+   each target_verify bucket (speculative decoding: `verify_tokens` tokens per request, so a
+   bucket of B requests is B * verify_tokens rows); then piecewise graphs for each extend token
+   bucket, largest first. All graphs share one memory pool. Padded
    rows point at the reserved state slot and write no KV. After `capture()` the runner is sealed:
    a capture at any later time is an error. Decode graphs are piecewise too when asked
    (`decode_graphs="piecewise"`: the extend plan's pieces, the baseline of the full graph).
@@ -35,6 +37,13 @@ How a graph is captured and replayed is `CudaGraphs`' business (torch.cuda); tes
 hand the runner a stand-in with the same methods (tests/graph_cases.py), so everything above it
 runs there too.
 
+The same runner serves either program of an artifact: the main program, or the draft (MTP)
+program, whose `hidden` input (the previous position's hidden states) is one more static buffer.
+`run_outputs` gives every output of a step (logits, and the hidden states where the program
+returns them); `run` the logits. Two runners over one backend (main and draft) share the
+backend's static buffers: whoever makes them calls `init_capture_state` once, sized for both, and
+captures each with `capture(init_backend=False)` (runtime/speculative.py does).
+
 Piecewise graphs need no copies between pieces: every op is "with output", so the `out` an eager
 gap writes was allocated by the captured piece before it, inside the graph pool, at an address
 the next piece was captured with.
@@ -52,6 +61,7 @@ from typing import Callable, Optional
 import torch
 
 from compiler.splitops import Mode
+from compiler.splitops.artifact import PROGRAM_INPUTS
 from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
@@ -79,12 +89,18 @@ class ParityError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class CaptureKey:
-    mode: Mode  # DECODE (full or piecewise) or EXTEND (piecewise; also serves MIXED steps)
+    mode: Mode  # DECODE or TARGET_VERIFY (full or piecewise), or EXTEND (piecewise; also serves MIXED steps)
     tokens: int  # rows of the step, padding included
-    seqs: int  # requests of the step, padding included (logits rows)
+    seqs: int  # requests of the step, padding included
+    rows: int = 0  # logits rows, padding included (0: one per request)
+
+    @property
+    def logits_rows(self) -> int:
+        return self.rows or self.seqs
 
     def __str__(self) -> str:
-        return f"{self.mode.value}[tokens={self.tokens}, seqs={self.seqs}]"
+        rows = f", rows={self.rows}" if self.rows else ""
+        return f"{self.mode.value}[tokens={self.tokens}, seqs={self.seqs}{rows}]"
 
 
 class CudaGraphs:
@@ -191,37 +207,43 @@ class StepStaging:
         self._event = torch.cuda.Event() if cuda else None
         self._views: dict[tuple[int, int], tuple[dict, dict, dict]] = {}
 
-    def shape(self, name: str, T: int, B: int) -> tuple[int, ...]:
+    def shape(self, name: str, T: int, B: int, R: int | None = None) -> tuple[int, ...]:
+        """The field's shape for T tokens, B requests and R logits rows (default B)."""
         if name in self.PER_TOKEN:
             return (T,)
         if name == "query_start_loc":
             return (B + 1,)
         if name == "page_table":
             return (B, self.max_pages)
+        if name == "logits_index":
+            return (B if R is None else R,)
         return (B,)
 
     def _size(self, names, T: int, B: int) -> int:
-        return sum(math.prod(self.shape(n, T, B)) for n in names)
+        # logits rows are at most T (one per token: a target_verify step checks every token)
+        return sum(math.prod(self.shape(n, T, B, max(T, B))) for n in names)
 
-    def views(self, T: int, B: int) -> tuple[dict, dict, dict]:
-        """(host numpy views, device views, used length per dtype) of the layout for T tokens, B requests."""
-        if (T, B) not in self._views:
+    def views(self, T: int, B: int, R: int | None = None) -> tuple[dict, dict, dict]:
+        """(host numpy views, device views, used length per dtype) of the layout for T tokens, B
+        requests and R logits rows (default B)."""
+        R = B if R is None else R
+        if (T, B, R) not in self._views:
             host, dev, used = {}, {}, {}
             for dt, names in ((torch.int64, self.INT64), (torch.int32, self.INT32)):
                 at = 0
                 for name in names:
-                    shape = self.shape(name, T, B)
+                    shape = self.shape(name, T, B, R)
                     n = math.prod(shape)
                     host[name] = self.host[dt][at: at + n].view(shape).numpy()
                     dev[name] = self.dev[dt][at: at + n].view(shape)
                     at += n
                 used[dt] = at
-            self._views[(T, B)] = (host, dev, used)
-        return self._views[(T, B)]
+            self._views[(T, B, R)] = (host, dev, used)
+        return self._views[(T, B, R)]
 
-    def fill(self, T: int, B: int, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def fill(self, T: int, B: int, sources: dict[str, torch.Tensor], R: int | None = None) -> dict[str, torch.Tensor]:
         """Copy a step's host tensors in and send them over; returns the device views."""
-        host, dev, used = self.views(T, B)
+        host, dev, used = self.views(T, B, R)
         if self._event is not None:
             self._event.synchronize()  # the previous step's copy has left the host block
         for name, src in sources.items():
@@ -243,16 +265,23 @@ class GraphRunner:
     def __init__(self, program, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str, *,
                  decode_buckets=DEFAULT_DECODE_BUCKETS, extend_buckets=DEFAULT_EXTEND_BUCKETS,
                  max_pages_per_seq: int, extend_max_seqs: int = 16, chunk_size: Optional[int] = None,
-                 decode_graphs: str = "full", debug: bool = False, graphs=None):
-        """program: a loaded ProgramRunner (runtime/loader.py): `module_for(mode)`, `weights`, `plans`.
+                 decode_graphs: str = "full", debug: bool = False, graphs=None,
+                 verify_buckets=(), verify_tokens: int = 0, verify_logits_rows: Optional[int] = None):
+        """program: a loaded ProgramRunner (runtime/loader.py): `name`, `module_for(mode)`, `weights`, `plans`.
 
         kv_pool / state_pool: the caches the ops read and write (the parity check saves and
         restores the rows a step touches). chunk_size: what `init_chunk_metadata` is told (the
         engine's token budget; default: the largest extend bucket). graphs: how graphs are
         captured and replayed (default CudaGraphs()). decode_graphs: "full" (one graph per decode
-        bucket when the decode plan is one captured piece) or "piecewise" (decode steps run the
-        extend plan's pieces, attention ops in eager gaps: what a backend that cannot be captured
-        in decode would get, and the baseline the full graph is measured against).
+        or target_verify bucket when that mode's plan is one captured piece) or "piecewise"
+        (decode steps run the extend plan's pieces, attention ops in eager gaps: what a backend
+        that cannot be captured in decode would get, and the baseline the full graph is
+        measured against).
+        verify_buckets / verify_tokens: target_verify steps of B requests (B in verify_buckets)
+        with verify_tokens tokens each (speculative decoding: D + 1); verify_logits_rows: logits
+        rows per request in such a step (the main program: every token, the default; the draft:
+        1, the last accepted position). The state pool's intermediate states must hold the
+        largest verify bucket (`StatePool.verify_rows`).
         """
         if decode_graphs not in ("full", "piecewise"):
             raise ValueError(f"decode_graphs must be 'full' or 'piecewise', not {decode_graphs!r}")
@@ -262,31 +291,53 @@ class GraphRunner:
         self.graphs = graphs if graphs is not None else CudaGraphs()
         self.decode_buckets = tuple(sorted(decode_buckets))
         self.extend_buckets = tuple(sorted(extend_buckets))
+        self.verify_buckets = tuple(sorted(verify_buckets)) if verify_tokens else ()
+        self.verify_tokens = verify_tokens
+        self.verify_logits_rows = verify_tokens if verify_logits_rows is None else verify_logits_rows
+        if self.verify_buckets and program.name == "main" and self.verify_buckets[-1] > state_pool.verify_rows:
+            raise CaptureError(f"target_verify bucket {self.verify_buckets[-1]} holds more requests than the state "
+                               f"pool's {state_pool.verify_rows} rows of intermediate states; keep verify buckets at "
+                               f"or below them (runtime/memory_planner.py)")
         self.extend_max_seqs = extend_max_seqs
         self.max_pages = max_pages_per_seq
         self.debug = debug
         self.state = _Capturing(self.graphs)
         self.sealed = False
         self.counters = {"graph_replays": 0, "piecewise_steps": 0, "eager_steps": 0}
-        self.full_decode = decode_graphs == "full" and self._plan_is_one_captured_piece(Mode.DECODE)
+        # Modes whose steps are one whole-step graph: every op of the mode's plan captured.
+        self.full_modes = frozenset(m for m in (Mode.DECODE, Mode.TARGET_VERIFY)
+                                    if decode_graphs == "full" and self._plan_is_one_captured_piece(m))
         self.keys: list[CaptureKey] = []
-        max_tokens = max(self.decode_buckets[-1] if self.decode_buckets else 1,
-                         self.extend_buckets[-1] if self.extend_buckets else 1)
-        max_seqs = max(self.decode_buckets[-1] if self.decode_buckets else 1, extend_max_seqs)
-        self.max_tokens, self.max_seqs = max_tokens, max_seqs
-        self.chunk_size = chunk_size or max_tokens
+        self.max_tokens = max(self.decode_buckets[-1] if self.decode_buckets else 1,
+                              self.extend_buckets[-1] if self.extend_buckets else 1,
+                              self.verify_buckets[-1] * verify_tokens if self.verify_buckets else 1)
+        self.max_seqs = max(self.decode_buckets[-1] if self.decode_buckets else 1, extend_max_seqs,
+                            self.verify_buckets[-1] if self.verify_buckets else 1)
+        self.chunk_size = chunk_size or self.max_tokens
         # Static buffers: the only tensors a captured graph reads besides weights, caches and its pool.
-        self.staging = StepStaging(max_tokens, max_seqs, self.max_pages, self.device)
+        self.staging = StepStaging(self.max_tokens, self.max_seqs, self.max_pages, self.device)
+        self.input_names = PROGRAM_INPUTS[program.name]
+        self._hidden = None  # the draft program's hidden input [max_tokens, D], when the program takes one
+        if "hidden" in self.input_names:
+            width, dtype = _hidden_input(program)
+            self._hidden = torch.zeros(self.max_tokens, width, dtype=dtype, device=self.device)
         self._modules: dict[Mode, torch.nn.Module] = {}
-        self._outputs: dict[CaptureKey, object] = {}  # full graphs: their static logits
+        self._outputs: dict[CaptureKey, list] = {}  # full graphs: their static outputs (logits, hidden)
         self._full_graphs: dict[CaptureKey, object] = {}
         self._op_outs: dict[CaptureKey, list[OpRecord]] = {}  # each op's `out` in the key's graphs
+
+    @property
+    def full_decode(self) -> bool:
+        return Mode.DECODE in self.full_modes
 
     # -- keys and padding ------------------------------------------------------------------
 
     def _plan_is_one_captured_piece(self, mode: Mode) -> bool:
         pieces = self.program.plans[mode].pieces
         return len(pieces) == 1 and pieces[0].kind == "captured"
+
+    def _is_full(self, key: Optional[CaptureKey]) -> bool:
+        return key is not None and key.mode in self.full_modes
 
     def key_for(self, mode: Mode, num_tokens: int, num_seqs: int) -> Optional[CaptureKey]:
         """The smallest captured key that holds this step, or None (eager)."""
@@ -295,10 +346,18 @@ class GraphRunner:
         if mode == Mode.DECODE:
             bucket = next((b for b in self.decode_buckets if b >= num_seqs), None)
             return CaptureKey(Mode.DECODE, bucket, bucket) if bucket else None
+        if mode == Mode.TARGET_VERIFY:
+            bucket = next((b for b in self.verify_buckets if b >= num_seqs), None)
+            if bucket is None or num_tokens != num_seqs * self.verify_tokens:
+                return None
+            return self._verify_key(bucket)
         if num_seqs > self.extend_max_seqs:
             return None
         bucket = next((b for b in self.extend_buckets if b >= num_tokens), None)
         return CaptureKey(Mode.EXTEND, bucket, self.extend_max_seqs) if bucket else None
+
+    def _verify_key(self, bucket: int) -> CaptureKey:
+        return CaptureKey(Mode.TARGET_VERIFY, bucket * self.verify_tokens, bucket, bucket * self.verify_logits_rows)
 
     def _fill(self, step: StepInputs, key: Optional[CaptureKey]) -> tuple[tuple, ExecContext]:
         """Copy a host-built step into the static buffers, as views sized to the key.
@@ -307,8 +366,9 @@ class GraphRunner:
         than the buffers: its own tensors are moved to the device instead."""
         ctx = step.ctx
         if key is None:
-            return step_on_device(step, self.device)
-        T, B = key.tokens, key.seqs
+            inputs, moved = step_on_device(step, self.device)
+            return self._program_inputs(inputs, step.hidden.to(self.device) if self._hidden is not None else None), moved
+        T, B, R = key.tokens, key.seqs, key.logits_rows
         if T > self.max_tokens or B > self.max_seqs:
             raise CaptureError(f"step does not fit {key}: the buffers hold {self.max_tokens} tokens, {self.max_seqs} requests")
         pages = ctx.page_table.shape[1]
@@ -318,25 +378,42 @@ class GraphRunner:
                    "logits_index": step.logits_index, "state_slots": ctx.state_slots,
                    "query_start_loc": ctx.query_start_loc, "seq_lens": ctx.seq_lens, "page_table": ctx.page_table}
         for name, src in sources.items():
-            rows = self.staging.shape(name, T, B)[0]
+            rows = self.staging.shape(name, T, B, R)[0]
             # build_step pads every field to the key; only logits_index has a row per real request
             if src.shape[0] > rows or (src.shape[0] != rows and name != "logits_index"):
                 raise CaptureError(f"step does not fit {key}: {name} has {src.shape[0]} rows for {rows}")
-        v = self.staging.fill(T, B, sources)
+        v = self.staging.fill(T, B, sources, R)
         static_ctx = dataclasses.replace(
             ctx, query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"], state_slots=v["state_slots"],
             page_table=v["page_table"], slot_mapping=v["slot_mapping"], num_tokens=T, num_seqs=B)
-        return (v["input_ids"], v["positions"], v["logits_index"]), static_ctx
+        hidden = None
+        if self._hidden is not None:
+            hidden = self._hidden[:T]
+            n = step.hidden.shape[0]
+            hidden[:n].copy_(step.hidden, non_blocking=True)
+            hidden[n:].zero_()  # padding rows: finite values a padded op may read
+        return self._program_inputs((v["input_ids"], v["positions"], v["logits_index"]), hidden), static_ctx
+
+    def _program_inputs(self, inputs: tuple, hidden) -> tuple:
+        """(input_ids, positions, logits_index) in the program's own order, its hidden states included."""
+        if self._hidden is None:
+            return inputs
+        if hidden is None:
+            raise CaptureError(f"the {self.program.name} program takes hidden states: build the step with them "
+                               f"(StepInputs.hidden)")
+        by_name = {"input_ids": inputs[0], "positions": inputs[1], "logits_index": inputs[2], "hidden": hidden}
+        return tuple(by_name[name] for name in self.input_names)
 
     def build(self, items: list[tuple[SeqState, list[int]]], mode: Optional[Mode] = None,
               logits_rows: Optional[list[int]] = None) -> tuple[StepInputs, Optional[CaptureKey]]:
         """Lay a step out on the host, padded to the key that will run it.
 
-        A step that asks for more than one logits row of a request (a prompt being scored) runs
-        eagerly: captured pieces were recorded with one logits row per request."""
+        A step that asks for more logits rows of a request than its key was captured with (a
+        prompt being scored) runs eagerly."""
         mode = mode or step_mode([len(t) for _, t in items], [seq.num_cached for seq, _ in items])
         key = self.key_for(mode, sum(len(t) for _, t in items), len(items))
-        if logits_rows is not None and any(r > 1 for r in logits_rows):
+        per_seq = self.verify_logits_rows if mode == Mode.TARGET_VERIFY else 1
+        if logits_rows is not None and any(r != per_seq for r in logits_rows):
             key = None
         padding = {"pad_tokens_to": key.tokens, "pad_seqs_to": key.seqs} if key is not None else {}
         return build_step(items, self.kv_pool, "cpu", mode=mode, max_pages=self.max_pages, logits_rows=logits_rows,
@@ -347,10 +424,11 @@ class GraphRunner:
     def _module(self, mode: Mode) -> torch.nn.Module:
         """The split module of a mode with its captured pieces wrapped (built once, reused).
 
-        A decode plan that is one captured piece is captured whole (one graph per bucket), so its
-        module stays unwrapped: eager decode steps and the whole-step capture both run it as is."""
-        plan_mode = Mode.DECODE if mode == Mode.DECODE else Mode.EXTEND
-        if plan_mode == Mode.DECODE and self.full_decode:
+        A decode or target_verify plan that is one captured piece is captured whole (one graph
+        per bucket), so its module stays unwrapped: eager steps and the whole-step capture both
+        run it as is. Extend and mixed steps run the extend plan."""
+        plan_mode = mode if mode in (Mode.DECODE, Mode.TARGET_VERIFY) else Mode.EXTEND
+        if plan_mode in self.full_modes:
             return self.program.module_for(plan_mode)
         if plan_mode == Mode.DECODE and self._plan_is_one_captured_piece(Mode.DECODE):
             plan_mode = Mode.EXTEND  # piecewise decode asked for: the extend plan has the eager gaps
@@ -364,13 +442,14 @@ class GraphRunner:
             self._modules[plan_mode] = split
         return self._modules[plan_mode]
 
-    def _call(self, module, inputs):
+    def _call(self, module, inputs) -> list:
+        """Every user output of the program: [logits] or [logits, hidden]."""
         outputs = module(*self.program.weights, *inputs)
-        return list(outputs)[self.program.num_mutations:][0]
+        return list(outputs)[self.program.num_mutations:]
 
     def _plan(self, ctx: ExecContext, key: Optional[CaptureKey]) -> None:
         """Tell the backend about a step before its first op: the protocol's order for each kind of step."""
-        if key is not None and key.mode == Mode.DECODE and self.full_decode:
+        if self._is_full(key):
             self.backend.init_replay_state(ctx, key.seqs)  # a whole-step graph: nothing is planned eagerly
             return
         plan_eager_step(self.backend, ctx, self.chunk_size)
@@ -381,27 +460,32 @@ class GraphRunner:
             self.backend.init_replay_state(ctx, key.seqs)
 
     @torch.no_grad()
-    def run(self, step: StepInputs, key: Optional[CaptureKey]) -> torch.Tensor:
-        """Run one built step; returns logits of the real requests [B, V].
+    def run_outputs(self, step: StepInputs, key: Optional[CaptureKey]) -> list[torch.Tensor]:
+        """Run one built step; returns [logits of the real rows [R, V]] and, where the program
+        returns them, the hidden states of the real tokens [T, D] after it.
 
-        For a full graph the rows are a view of the graph's static output: the next replay of
-        that key overwrites them, so read (or clone) them before the next step."""
+        For a full graph they are views of the graph's static outputs: the next replay of that
+        key overwrites them, so read (or clone) them before the next step."""
         inputs, ctx = self._fill(step, key)
-        real = step.logits_index.shape[0]
+        real = [step.logits_index.shape[0], step.ctx.num_real_tokens]
         self._plan(ctx, key)
-        if key is not None and key.mode == Mode.DECODE and self.full_decode:
+        if self._is_full(key):
             with self.ops.step(ctx):  # a real replay calls no op; a CPU stand-in reruns them
                 self._full_graphs[key].replay()
             self.counters["graph_replays"] += 1
-            return self._outputs[key][:real]
+            return [out[:n] for out, n in zip(self._outputs[key], real)]
         self.state.key = key
         try:
             with self.ops.step(ctx):
-                logits = self._call(self._module(ctx.mode), inputs)
+                outputs = self._call(self._module(ctx.mode), inputs)
         finally:
             self.state.key = None
         self.counters["piecewise_steps" if key else "eager_steps"] += 1
-        return logits[:real]
+        return [out[:n] for out, n in zip(outputs, real)]
+
+    def run(self, step: StepInputs, key: Optional[CaptureKey]) -> torch.Tensor:
+        """run_outputs' logits [R, V] alone."""
+        return self.run_outputs(step, key)[0]
 
     def execute(self, items: list[tuple[SeqState, list[int]]],
                 logits_rows: Optional[list[int]] = None) -> tuple[Mode, torch.Tensor]:
@@ -423,6 +507,8 @@ class GraphRunner:
         cap = self.max_pages * self.kv_pool.page_size
         if key.mode == Mode.DECODE:
             lens, cached = [1] * key.seqs, 1
+        elif key.mode == Mode.TARGET_VERIFY:
+            lens, cached = [self.verify_tokens] * key.seqs, 1
         else:
             left, lens, cached = key.tokens, [], 0
             for b in range(key.seqs):
@@ -431,25 +517,38 @@ class GraphRunner:
                 left -= n
         items = [(SeqState(PADDING_SLOT, pages=[0] * self.kv_pool.pages_for(cached + n), num_cached=cached), [0] * n)
                  for n in lens]
+        rows = [self.verify_logits_rows] * key.seqs if key.mode == Mode.TARGET_VERIFY else None
         step = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
-                          pad_seqs_to=key.seqs, max_pages=self.max_pages)
+                          pad_seqs_to=key.seqs, max_pages=self.max_pages, logits_rows=rows)
         step.ctx.slot_mapping.fill_(-1)  # capture writes no KV
-        return step
+        return self._with_hidden(step, torch.Generator().manual_seed(0))
+
+    def _with_hidden(self, step: StepInputs, generator: torch.Generator) -> StepInputs:
+        """The step with random hidden states for its real tokens, if the program takes them."""
+        if self._hidden is None:
+            return step
+        rows = step.ctx.num_real_tokens
+        hidden = torch.randn(rows, self._hidden.shape[1], generator=generator).to(self._hidden.dtype)
+        return dataclasses.replace(step, hidden=hidden)
 
     def capture_keys(self) -> list[CaptureKey]:
         """What `capture()` captures, in capture order (largest first)."""
         keys = [CaptureKey(Mode.DECODE, b, b) for b in reversed(self.decode_buckets)]
+        keys += [self._verify_key(b) for b in reversed(self.verify_buckets)]
         keys += [CaptureKey(Mode.EXTEND, t, self.extend_max_seqs) for t in reversed(self.extend_buckets)
                  if t >= self.extend_max_seqs]
         return keys
 
     @torch.no_grad()  # a graph captured with autograd on would record its bookkeeping too
-    def capture(self) -> None:
+    def capture(self, init_backend: bool = True, pool=None) -> None:
+        """Capture every key. init_backend=False: the backend's static buffers were allocated by
+        the caller (sized for every runner sharing the backend); pool: a graph pool to share."""
         if self.sealed:
             raise CaptureError("capture after start-up: graphs are captured once, before serving")
         self.graphs.check_device(self.device)
-        self.backend.init_capture_state(self.max_tokens, self.max_seqs)
-        self.state.pool = self.graphs.new_pool()
+        if init_backend:
+            self.backend.init_capture_state(self.max_tokens, self.max_seqs)
+        self.state.pool = pool if pool is not None else self.graphs.new_pool()
         for key in self.capture_keys():
             inputs, ctx = self._fill(self._dummy_step(key), key)
             # Every op's `out` as the graph leaves it: the parity check compares them layer by layer.
@@ -459,8 +558,8 @@ class GraphRunner:
             self.state.key = key
             try:
                 self._plan(ctx, key)
-                if key.mode == Mode.DECODE and self.full_decode:
-                    module = self._module(Mode.DECODE)
+                if self._is_full(key):
+                    module = self._module(key.mode)
                     with self.ops.step(ctx):
                         self.state.silent = True
                         try:
@@ -488,9 +587,10 @@ class GraphRunner:
         """Real requests (slots and pages of their own) that fill `key` only in part, for `check_parity`.
 
         Fewer requests than the bucket holds, so the replay has padded requests on the padding
-        slot (and, in extend, padding rows): what a padding fault needs to show. Decode: one
-        request fewer than the bucket (a bucket of one: one), each with 1 to 40 cached tokens
-        (whatever its pages hold: both runs read the same). Extend: up to 4 fresh requests of
+        slot (and, in extend, padding rows): what a padding fault needs to show. Decode and
+        target_verify: one request fewer than the bucket (a bucket of one: one), each with 1 to 40
+        cached tokens (whatever its pages hold: both runs read the same) and 1 or verify_tokens
+        new ones. Extend: up to 4 fresh requests of
         different lengths covering about three quarters of the bucket's rows. Free them with
         `release_items`.
         """
@@ -501,9 +601,10 @@ class GraphRunner:
         if free < 1:
             raise CaptureError("parity check: no free state slot for a request")
         cap = self.max_pages * self.kv_pool.page_size  # the longest request the runner takes
-        if key.mode == Mode.DECODE:
-            lens = [1 + (7 * b) % max(1, min(40, cap - 1)) for b in range(min(max(1, key.seqs - 1), free))]
-            return [(SeqState(self.state_pool.alloc(), num_cached=c), tokens(1)) for c in lens]
+        if key.mode in (Mode.DECODE, Mode.TARGET_VERIFY):
+            new = self.verify_tokens if key.mode == Mode.TARGET_VERIFY else 1
+            lens = [1 + (7 * b) % max(1, min(40, cap - new)) for b in range(min(max(1, key.seqs - 1), free))]
+            return [(SeqState(self.state_pool.alloc(), num_cached=c), tokens(new)) for c in lens]
         n = min(self.extend_max_seqs - 1, 4, free) or 1
         budget = max(n, 3 * key.tokens // 4)
         lens = [max(1, budget >> (i + 1)) for i in range(n - 1)]
@@ -556,12 +657,18 @@ class GraphRunner:
         the compute dtype's tolerance, without the rounding of differently shaped kernels growing
         through later layers into a false alarm. Returns run 3's logits error.
         """
+        logits_rows = [self.verify_logits_rows] * len(items) if key.mode == Mode.TARGET_VERIFY else None
         padded = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
-                            pad_seqs_to=key.seqs, max_pages=self.max_pages)
-        plain = build_step(items, self.kv_pool, "cpu", mode=key.mode, max_pages=self.max_pages)  # pages taken above
+                            pad_seqs_to=key.seqs, max_pages=self.max_pages, logits_rows=logits_rows)
+        plain = build_step(items, self.kv_pool, "cpu", mode=key.mode, max_pages=self.max_pages,
+                           logits_rows=logits_rows)  # pages taken above
         rows = plain.ctx.num_real_tokens
+        padded = self._with_hidden(padded, torch.Generator().manual_seed(rows))
+        plain = dataclasses.replace(plain, hidden=padded.hidden)
+        # target_verify writes intermediate states in the rows of the step's real requests
         watch = CacheWatch(self.kv_pool, self.state_pool, [seq.slot for seq, _ in items],
-                           [p for seq, _ in items for p in seq.pages])
+                           [p for seq, _ in items for p in seq.pages],
+                           verify_rows=len(items) if key.mode == Mode.TARGET_VERIFY else 0)
         problems: list[str] = []
 
         reference = OpTrace(rows, inputs=True)
@@ -573,7 +680,7 @@ class GraphRunner:
 
         forced = TeacherForcing(reference.records)
         plain_logits = self._observed_run(plain, None, intercept=forced)
-        where, err = forced.first_beyond(rtol), rel_err(plain_logits, ref_logits)
+        where, err = forced.first_beyond(rtol), _outputs_err(plain_logits, ref_logits)
         if where or not math.isfinite(err) or err > rtol:
             problems.append(f"unpadded against padded eager, op by op: first differing: "
                             f"{where or f'the logits (rel err {err:.3g})'}")
@@ -585,7 +692,7 @@ class GraphRunner:
 
         rerun = OpTrace(rows) if self.graphs.replays_call_ops else None
         graph_logits = self._observed_run(padded, key, observer=rerun)
-        err = rel_err(graph_logits, ref_logits)
+        err = _outputs_err(graph_logits, ref_logits)
         where = first_difference(reference.records, rerun.records if rerun else self._op_outs[key], rtol, rows)
         if where or not math.isfinite(err) or err > rtol:
             problems.append(f"replay against padded eager: logits rel err {err:.3g}; first differing: "
@@ -601,10 +708,11 @@ class GraphRunner:
 
     def _observed_run(self, step: StepInputs, key: Optional[CaptureKey], *, observer=None,
                       intercept=None) -> torch.Tensor:
-        """run() with an observer or an intercept on the op table for this step only; a copy of the logits."""
+        """run_outputs() with an observer or an intercept on the op table for this step only: copies
+        of every output (the logits, and the hidden states where the program returns them)."""
         self.ops.observer, self.ops.intercept = observer, intercept
         try:
-            return self.run(step, key).clone()
+            return [o.clone() for o in self.run_outputs(step, key)]
         finally:
             self.ops.observer = self.ops.intercept = None
 
@@ -619,6 +727,18 @@ class GraphRunner:
         log(f"start-up parity: {len(report)} keys match eager (worst rel err {worst:.2g}) in "
             f"{time.perf_counter() - t0:.1f} s")
         return report
+
+
+def _outputs_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest relative error over a step's outputs (logits, and hidden states where returned)."""
+    return max(rel_err(a, b) for a, b in zip(got, want))
+
+
+def _hidden_input(program) -> tuple[int, torch.dtype]:
+    """(width, dtype) of a program's `hidden` input, from its placeholder's recorded value."""
+    node = next(n for n in program.program.graph.nodes if n.op == "placeholder" and n.name == "hidden")
+    value = node.meta["val"]
+    return int(value.shape[1]), value.dtype
 
 
 def step_on_device(step: StepInputs, device) -> tuple[tuple, ExecContext]:

@@ -312,10 +312,11 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
 
 def build_pools(registry: LayerRegistry, plan: MemoryPlan,
                 device: torch.device | str = "cpu") -> tuple[KVPool, StatePool]:
-    """Allocate the plan's pools (the intermediate states belong to the speculative runner)."""
+    """Allocate the plan's pools (the state pool with the plan's intermediate states for D draft tokens)."""
     kv_dtype = None if plan.kv_dtype is None else dtype_from_name(plan.kv_dtype)
     return (KVPool(registry, plan.num_pages, plan.page_size, device, kv_dtype),
-            StatePool(registry, plan.num_slots, device))
+            StatePool(registry, plan.num_slots, device, draft_tokens=plan.draft_tokens,
+                      verify_rows=plan.intermediate_rows))
 
 
 def build_snapshot_pool(registry: LayerRegistry, plan: MemoryPlan, device: torch.device | str = "cpu") -> SnapshotPool:
