@@ -224,7 +224,8 @@ def cmd_run(args) -> int:
     _check_vocab(prompts, int(art.manifest["model"]["vocab_size"]))
     log = lambda line: print(f"hgc run: {line}", file=sys.stderr, flush=True)  # noqa: E731
     try:
-        options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step, **prefix_cache_options(args))
+        options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step,
+                                speculative_tokens=args.speculative_tokens, **prefix_cache_options(args))
         engine = engine_for_artifact(art, options, max(map(len, prompts)) + args.max_new_tokens, device=args.device,
                                      graphs=not args.no_graphs, log=log)
     except (LoadError, CaptureError, ParityError, ValueError) as e:
@@ -296,6 +297,7 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu (reference backend) or cuda (GPU backends, CUDA graphs)")
     p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
-    from runtime.server.cli import add_prefix_cache_arguments  # the flags `hgc serve` has too
+    from runtime.server.cli import add_prefix_cache_arguments, add_speculative_argument  # flags `hgc serve` has too
     add_prefix_cache_arguments(p)
+    add_speculative_argument(p)
     p.set_defaults(func=cmd_run)

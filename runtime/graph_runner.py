@@ -70,7 +70,7 @@ from runtime.kv_pool import KVPool
 from runtime.parity import CacheWatch, OpRecord, OpTrace, TeacherForcing, first_difference, rel_err, rtol_for
 from runtime.state_pool import PADDING_SLOT, StatePool
 
-__all__ = ["GraphRunner", "StepStaging", "step_on_device", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece", "CudaGraphs", "buckets_for",
+__all__ = ["GraphRunner", "StepStaging", "hidden_input_spec", "step_on_device", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece", "CudaGraphs", "buckets_for",
            "graph_runner_factory",
            "DEFAULT_DECODE_BUCKETS",
            "DEFAULT_EXTEND_BUCKETS"]
@@ -319,7 +319,7 @@ class GraphRunner:
         self.input_names = PROGRAM_INPUTS[program.name]
         self._hidden = None  # the draft program's hidden input [max_tokens, D], when the program takes one
         if "hidden" in self.input_names:
-            width, dtype = _hidden_input(program)
+            width, dtype = hidden_input_spec(program.program)
             self._hidden = torch.zeros(self.max_tokens, width, dtype=dtype, device=self.device)
         self._modules: dict[Mode, torch.nn.Module] = {}
         self._outputs: dict[CaptureKey, list] = {}  # full graphs: their static outputs (logits, hidden)
@@ -524,11 +524,12 @@ class GraphRunner:
         return self._with_hidden(step, torch.Generator().manual_seed(0))
 
     def _with_hidden(self, step: StepInputs, generator: torch.Generator) -> StepInputs:
-        """The step with random hidden states for its real tokens, if the program takes them."""
+        """The step with random hidden states for its real tokens (zeros for padding rows), if the
+        program takes them."""
         if self._hidden is None:
             return step
-        rows = step.ctx.num_real_tokens
-        hidden = torch.randn(rows, self._hidden.shape[1], generator=generator).to(self._hidden.dtype)
+        hidden = torch.zeros(step.ctx.num_tokens, self._hidden.shape[1], dtype=self._hidden.dtype)
+        hidden[: step.ctx.num_real_tokens] = torch.randn(step.ctx.num_real_tokens, hidden.shape[1], generator=generator)
         return dataclasses.replace(step, hidden=hidden)
 
     def capture_keys(self) -> list[CaptureKey]:
@@ -664,7 +665,7 @@ class GraphRunner:
                            logits_rows=logits_rows)  # pages taken above
         rows = plain.ctx.num_real_tokens
         padded = self._with_hidden(padded, torch.Generator().manual_seed(rows))
-        plain = dataclasses.replace(plain, hidden=padded.hidden)
+        plain = dataclasses.replace(plain, hidden=None if padded.hidden is None else padded.hidden[:rows])
         # target_verify writes intermediate states in the rows of the step's real requests
         watch = CacheWatch(self.kv_pool, self.state_pool, [seq.slot for seq, _ in items],
                            [p for seq, _ in items for p in seq.pages],
@@ -734,9 +735,9 @@ def _outputs_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return max(rel_err(a, b) for a, b in zip(got, want))
 
 
-def _hidden_input(program) -> tuple[int, torch.dtype]:
-    """(width, dtype) of a program's `hidden` input, from its placeholder's recorded value."""
-    node = next(n for n in program.program.graph.nodes if n.op == "placeholder" and n.name == "hidden")
+def hidden_input_spec(exported) -> tuple[int, torch.dtype]:
+    """(width, dtype) of an exported program's `hidden` input, from its placeholder's recorded value."""
+    node = next(n for n in exported.graph.nodes if n.op == "placeholder" and n.name == "hidden")
     value = node.meta["val"]
     return int(value.shape[1]), value.dtype
 
@@ -769,12 +770,14 @@ def buckets_for(decode_sizes, extend_sizes, *, max_running: int, token_budget: i
 
 
 def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,
-                         log: Callable[[str], None] = lambda line: None):
+                         speculative_tokens: int = 0, log: Callable[[str], None] = lambda line: None):
     """runner_factory(ops, kv_pool, state_pool, limits) for runtime/server/model.build_engine.
 
     The runner captures the artifact's recorded buckets (manifest "buckets"), clipped to the
     engine's limits (`buckets_for`), then runs the start-up parity check: a mismatch raises
-    ParityError before the engine exists, so nothing is served.
+    ParityError before the engine exists, so nothing is served. With speculative decoding (D
+    draft tokens) the decode buckets become target_verify buckets of D + 1 tokens per request,
+    as many as the state pool's intermediate rows hold (a decoding request is always verified).
     """
     recorded = artifact.manifest["buckets"]
 
@@ -782,12 +785,15 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
         decode, extend = buckets_for(recorded["decode_batch_sizes"], recorded["extend_token_counts"],
                                      max_running=limits["max_running"], token_budget=limits["token_budget"],
                                      max_seq_len=limits["max_seq_len"])
+        verify = ()
+        if speculative_tokens:
+            decode, verify = (), tuple(b for b in decode if b <= state_pool.verify_rows)
         runner = GraphRunner(artifact.runner(ops, program), ops, kv_pool, state_pool, kv_pool.device,
                              decode_buckets=decode, extend_buckets=extend,
-                             max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"]),
+                             max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"] + speculative_tokens),
                              extend_max_seqs=_extend_seqs(limits["max_running"], extend),
                              chunk_size=limits["token_budget"],
-                             graphs=graphs)
+                             graphs=graphs, verify_buckets=verify, verify_tokens=speculative_tokens + 1)
         runner.start(vocab_size, log=log)
         return runner
 

@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 
-__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "prefix_cache_options", "cmd_serve", "serve", "main"]
+__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "add_speculative_argument", "prefix_cache_options", "cmd_serve", "serve", "main"]
 
 
 def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
@@ -58,6 +58,7 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
                         "(default: one per slot)")
     g.add_argument("--snapshot-share", type=float, default=0.1,
                    help="with --memory-budget-gb: the share of the memory after weights that goes to snapshots")
+    add_speculative_argument(p.add_argument_group("speculative decoding"))
     g = p.add_argument_group("requests")
     g.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: --max-model-len)")
@@ -81,6 +82,13 @@ def add_prefix_cache_arguments(group) -> None:
                        help="tokens between a request's snapshots at prefill chunk ends (default: "
                             "DEFAULT_SNAPSHOT_INTERVAL in runtime/prefix_cache.py); prompt ends and branch points "
                             "are snapshotted regardless")
+
+
+def add_speculative_argument(group) -> None:
+    """The speculative-decoding flag `hgc serve` and `hgc run` share."""
+    group.add_argument("--speculative-tokens", type=int, default=0, metavar="D",
+                       help="draft D tokens per decoding request with the artifact's MTP draft program and verify "
+                            "them in one target_verify step (1..7; default 0: no speculation)")
 
 
 def prefix_cache_options(args) -> dict:
@@ -108,7 +116,8 @@ def cmd_serve(args) -> int:
             slots=args.slots, max_running=args.max_running, token_budget=args.token_budget, page_size=args.page_size,
             kv_pages=args.kv_pages, max_model_len=args.max_model_len,
             memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * (1 << 30)),
-            prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share, **prefix_cache_options(args))
+            prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share,
+            speculative_tokens=args.speculative_tokens, **prefix_cache_options(args))
         server_options = ServerOptions(max_tokens_limit=args.max_tokens_limit,
                                        default_max_tokens=args.default_max_tokens,
                                        shutdown_timeout=args.shutdown_timeout)

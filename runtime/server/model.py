@@ -3,8 +3,11 @@
 1. `EngineOptions` holds the serving knobs (`hgc serve` flags): slots, running cap, token budget per
    step, page size, KV pages or a memory budget, the longest request, the prefix cache.
 2. `build_engine(registry, bind, options)` sizes the pools (the memory planner when a budget is
-   given, else explicit slots and pages), makes the backend and its BoundOps, asks `bind(ops)` for
-   the forward callable, and builds the Engine, with a prefix cache unless it is turned off.
+   given, else explicit slots and pages; with speculative decoding, the intermediate states and
+   D more positions per request), makes the backend and its BoundOps, asks `bind(ops)` for the
+   forward callable, and builds the Engine, with a prefix cache unless it is turned off and a
+   speculative decoder (runtime/speculative.py, the artifact's draft program) with
+   `speculative_tokens`.
 3. `load_served_model(artifact)` does that for a compiled artifact (runtime/loader.py), finds the
    tokenizer in the artifact folder (or `tokenizer_dir`), and returns a `ServedModel`. Tests build
    a ServedModel over an eager model with the same `build_engine`.
@@ -55,6 +58,7 @@ class EngineOptions:
     prefix_snapshots: int | None = None  # snapshot pool size without a budget (None: one per slot)
     snapshot_share: float = 0.1  # with a budget: the planner's share for the snapshot pool
     snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL  # tokens between chunk-end snapshots of a request
+    speculative_tokens: int = 0  # D draft tokens verified per decoding request and step (0: no speculation)
 
     def __post_init__(self):
         for name in ("slots", "token_budget", "page_size", "snapshot_interval"):
@@ -71,6 +75,9 @@ class EngineOptions:
                              "set its share with --snapshot-share")
         if not 0 <= self.snapshot_share < 1:
             raise ValueError(f"--snapshot-share must be in [0, 1) (got {self.snapshot_share})")
+        from runtime.speculative import MAX_DRAFT_TOKENS
+        if not 0 <= self.speculative_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculative-tokens must be in 0..{MAX_DRAFT_TOKENS} (got {self.speculative_tokens})")
 
 
 @dataclasses.dataclass
@@ -89,28 +96,37 @@ class ServedModel:
 
 def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, weight_bytes: int,
            device) -> tuple[KVPool, StatePool, SnapshotPool | None]:
+    D = options.speculative_tokens
     if options.memory_budget_bytes is not None:
         plan = plan_memory(registry, budget_bytes=options.memory_budget_bytes, weight_bytes=weight_bytes,
                            max_seq_len=max_model_len, page_size=options.page_size, num_slots=options.slots,
-                           max_running=options.max_running,
+                           max_running=options.max_running, draft_tokens=D,
                            snapshot_share=options.snapshot_share if options.prefix_cache else 0)
         snapshots = build_snapshot_pool(registry, plan, device) if options.prefix_cache else None
         return *build_pools(registry, plan, device), snapshots
-    pages = options.kv_pages or options.slots * -(-max_model_len // options.page_size)
+    # A verify step writes D positions past a request's last token (runtime/memory_planner.py).
+    pages = options.kv_pages or options.slots * -(-(max_model_len + D) // options.page_size)
     snapshots = None
     if options.prefix_cache:
         count = options.slots if options.prefix_snapshots is None else options.prefix_snapshots
         snapshots = SnapshotPool(registry, count, device)
-    return KVPool(registry, pages, options.page_size, device), StatePool(registry, options.slots, device), snapshots
+    verify_rows = min(options.slots, options.max_running or options.slots) if D else 0
+    return (KVPool(registry, pages, options.page_size, device),
+            StatePool(registry, options.slots, device, draft_tokens=D, verify_rows=verify_rows), snapshots)
 
 
 def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], options: EngineOptions,
                  max_model_len: int, *, weight_bytes: int = 0, device: str | torch.device = "cpu",
-                 backend_factory: Callable | None = None, runner_factory: Callable | None = None) -> Engine:
+                 backend_factory: Callable | None = None, runner_factory: Callable | None = None,
+                 speculative_factory: Callable | None = None) -> Engine:
     """Pools, backend, op table and Engine for one model; `bind(ops)` returns its forward.
 
     runner_factory(ops, kv_pool, state_pool, engine_limits) -> a started GraphRunner, whose
-    dispatcher then runs every step (engine_limits: max_running, token_budget, max_seq_len)."""
+    dispatcher then runs every step (engine_limits: max_running, token_budget, max_seq_len).
+    speculative_factory(ops, kv_pool, state_pool, engine_limits, runner) -> a SpeculativeDecoder
+    (runtime/speculative.py), with options.speculative_tokens > 0."""
+    if bool(options.speculative_tokens) != (speculative_factory is not None):
+        raise ValueError("build_engine: speculative_tokens and a speculative_factory go together")
     kv_pool, state_pool, snapshots = _pools(registry, options, max_model_len, weight_bytes, device)
     if backend_factory is None:
         if torch.device(device).type != "cpu":
@@ -120,35 +136,42 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
         backend_factory = CPUReferenceBackend
     ops = BoundOps(backend_factory(kv_pool, state_pool))
     runner = None
+    limits = {"max_running": min(options.max_running or state_pool.num_slots, state_pool.num_slots),
+              "token_budget": options.token_budget, "max_seq_len": max_model_len}
     if runner_factory is not None:
-        limits = {"max_running": min(options.max_running or state_pool.num_slots, state_pool.num_slots),
-                  "token_budget": options.token_budget, "max_seq_len": max_model_len}
         runner = runner_factory(ops, kv_pool, state_pool, limits)
+    speculative = speculative_factory(ops, kv_pool, state_pool, limits, runner) if speculative_factory else None
     prefix_cache = None
     if snapshots is not None:
         prefix_cache = PrefixCache(kv_pool, state_pool, snapshots,
                                    PrefixCacheConfig(snapshot_interval=options.snapshot_interval))
     return Engine(bind(ops), ops, kv_pool, state_pool, max_tokens_per_step=options.token_budget,
                   max_running=options.max_running, max_seq_len=max_model_len, device=device, runner=runner,
-                  prefix_cache=prefix_cache)
+                  prefix_cache=prefix_cache, speculative=speculative)
 
 
 def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",
                         backend_factory: Callable | None = None, graphs: bool = True,
                         log: Callable[[str], None] = lambda line: None) -> Engine:
     """The Engine of a loaded artifact: `build_engine` with the device's backend and, on CUDA with
-    `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory)."""
-    runner_factory = None
+    `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory); with
+    options.speculative_tokens, the artifact's draft program as the drafter."""
+    runner_factory = speculative = None
+    D = options.speculative_tokens
     if torch.device(device).type == "cuda":
         from runtime.gpu_backends import build_gpu_backend
         from runtime.graph_runner import graph_runner_factory
         if backend_factory is None:
             backend_factory = lambda kv, st: build_gpu_backend(art, kv, st)  # noqa: E731
         if graphs:
-            runner_factory = graph_runner_factory(art, _vocab_size(art), log=log)
+            runner_factory = graph_runner_factory(art, _vocab_size(art), speculative_tokens=D, log=log)
+    if D:
+        from runtime.speculative import speculative_factory
+        speculative = speculative_factory(art, D, log=log)
     weight_bytes = sum(t.nbytes for t in art.weights.values())
     return build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
-                        backend_factory=backend_factory, runner_factory=runner_factory)
+                        backend_factory=backend_factory, runner_factory=runner_factory,
+                        speculative_factory=speculative)
 
 
 def _manifest_int(manifest: dict, *names: str) -> int | None:

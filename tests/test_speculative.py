@@ -1,0 +1,250 @@
+"""Speculative decoding on the CPU: draft + target_verify gives exactly the tokens of plain decoding.
+
+1. Greedy exactness with the artifact's own MTP draft: qwen3_next, qwen3_5 and bailing_linear tiny
+   checkpoints, D = 1, 3, 7, eight requests of mixed lengths that are admitted and finish at
+   different steps (4 slots, a 16-token budget, so prompts are chunked and requests queue). Every
+   slot and page is free afterwards.
+2. Acceptance exercised: a test-only drafter that proposes the target's own greedy continuation
+   (tests/spec_drafters.py) is kept in full, so each verify step moves a request D + 1 positions,
+   with the same tokens; one that always disagrees is never kept, one position per step.
+3. The same through the graph runner (tests/graph_cases.RerunGraphs standing in for CUDA graphs):
+   target_verify keys for the main program, decode and verify-layout keys for the draft,
+   captured and checked by the start-up parity check, then serving the same tokens.
+4. The pieces: intermediate states kept for the accepted position (the CPU reference's verify
+   path against decode steps), acceptance rules, draft counts for penalties.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiler.cli import main
+from compiler.splitops import Mode
+from runtime.acceptance import draft_counts, greedy_accept, rejection_accept
+from runtime.backends.cpu_reference import CPUReferenceBackend
+from runtime.batch import SeqState, build_step, commit_step
+from runtime.bound_ops import BoundOps
+from runtime.engine import SamplingParams
+from runtime.generate import make_pools
+from runtime.kv_pool import KVPool
+from runtime.loader import load_artifact
+from runtime.server.model import EngineOptions, build_engine, engine_for_artifact
+from runtime.speculative import EagerSteps, SpeculativeDecoder
+from runtime.state_pool import StatePool
+from tests.spec_drafters import DisagreeingDrafter, GreedyContinuationDrafter
+
+FAMILIES = ("qwen3_next", "qwen3_5", "bailing_linear")
+# Eight requests: lengths 1..17, new tokens 3..14, so they are admitted and finish at different steps.
+PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate([1, 5, 17, 3, 9, 2, 12, 7])]
+NEW_TOKENS = [9, 4, 14, 6, 11, 3, 8, 13]
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    made = {}
+
+    def get(family):
+        if family not in made:
+            ckpt, out = root / f"{family}-c", root / f"{family}-a"
+            assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "0", "-o", str(ckpt)]) == 0
+            assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps"]) == 0
+            made[family] = load_artifact(out)
+        return made[family]
+
+    return get
+
+
+def run(engine) -> tuple[list[list[int]], dict]:
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS, NEW_TOKENS)]
+    results = engine.run_until_done()
+    return [list(results[i].output_ids) for i in ids], engine.stats()
+
+
+def options(D: int) -> EngineOptions:
+    return EngineOptions(slots=4, token_budget=16, speculative_tokens=D)
+
+
+@pytest.fixture(scope="module")
+def plain(artifacts):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = run(engine_for_artifact(artifacts(family), options(0), MAX_LEN))[0]
+        return cache[family]
+
+    return get
+
+
+def all_free(stats: dict) -> bool:
+    return stats["free_slots"] == stats["total_slots"] and stats["free_pages"] == stats["total_pages"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("draft_tokens", (1, 3, 7))
+def test_mtp_draft_and_verify_give_the_tokens_of_plain_decoding(artifacts, plain, family, draft_tokens):
+    outputs, stats = run(engine_for_artifact(artifacts(family), options(draft_tokens), MAX_LEN))
+    assert outputs == plain(family)
+    assert [len(o) for o in outputs] == NEW_TOKENS
+    assert stats["spec_verify_steps"] > 0 and stats["spec_drafted"] == stats["spec_verified_requests"] * draft_tokens
+    assert all_free(stats), stats
+
+
+class Recording:
+    """Wraps a drafter: where each request stood (its output length) at each proposal."""
+
+    def __init__(self, drafter):
+        self.drafter, self.at = drafter, {}
+
+    def after_prefill(self, *args):
+        self.drafter.after_prefill(*args)
+
+    def after_verify(self, *args):
+        self.drafter.after_verify(*args)
+
+    def propose(self, requests, choose):
+        for req in requests:
+            self.at.setdefault(tuple(req.prompt), []).append(len(req.output))
+        self.drafter.propose(requests, choose)
+
+
+def engine_with(art, D: int, drafter):
+    def speculative(ops, kv_pool, state_pool, limits, runner):
+        main_steps = EagerSteps(art.bind(ops, "main", all_outputs=True), ops, kv_pool, "cpu", limits["token_budget"])
+        return SpeculativeDecoder(main_steps, drafter, D, state_pool)
+
+    return build_engine(art.registry, art.bind, options(D), MAX_LEN, speculative_factory=speculative)
+
+
+@pytest.mark.parametrize("draft_tokens", (3, 7))
+def test_a_draft_that_agrees_is_kept_and_moves_d_plus_one_positions_per_step(artifacts, plain, draft_tokens):
+    art, reference = artifacts("qwen3_next"), plain("qwen3_next")
+    drafter = Recording(GreedyContinuationDrafter({tuple(p): o for p, o in zip(PROMPTS, reference)}, draft_tokens,
+                                                  int(art.manifest["model"]["vocab_size"])))
+    outputs, stats = run(engine_with(art, draft_tokens, drafter))
+    assert outputs == reference
+    for prompt, new in zip(PROMPTS, NEW_TOKENS):
+        # the first token comes from the prefill; each verify step then keeps D drafts + 1
+        assert drafter.at.get(tuple(prompt), []) == list(range(1, new, draft_tokens + 1)), prompt
+    # only drafts past a request's last token (its reference ends there) are ever refused
+    assert stats["spec_acceptance_rate"] > 0.5 and stats["spec_tokens_per_verify"] > 2
+    assert all_free(stats)
+
+
+def test_a_draft_that_always_disagrees_is_never_kept(artifacts, plain):
+    art, reference = artifacts("qwen3_next"), plain("qwen3_next")
+    drafter = Recording(DisagreeingDrafter({tuple(p): o for p, o in zip(PROMPTS, reference)}, 3,
+                                           int(art.manifest["model"]["vocab_size"])))
+    outputs, stats = run(engine_with(art, 3, drafter))
+    assert outputs == reference
+    assert stats["spec_accepted"] == 0 and stats["spec_tokens_per_verify"] == 1
+    for prompt, new in zip(PROMPTS, NEW_TOKENS):
+        assert drafter.at.get(tuple(prompt), []) == list(range(1, new)), prompt
+    assert all_free(stats)
+
+
+def test_graph_runner_captures_verify_and_draft_keys_and_serves_the_same_tokens(artifacts, plain):
+    from runtime.graph_runner import graph_runner_factory
+    from runtime.speculative import speculative_factory
+    from tests.graph_cases import RerunGraphs
+
+    art, D, lines = artifacts("qwen3_next"), 3, []
+    vocab = int(art.manifest["model"]["vocab_size"])
+    engine = build_engine(art.registry, art.bind, options(D), MAX_LEN,
+                          runner_factory=graph_runner_factory(art, vocab, graphs=RerunGraphs(), speculative_tokens=D,
+                                                              log=lines.append),
+                          speculative_factory=speculative_factory(art, D, log=lines.append))
+    main_runner, draft_runner = engine.runner, engine.spec.drafter.steps
+    assert [str(k) for k in main_runner.keys][:3] == ["target_verify[tokens=16, seqs=4, rows=16]",
+                                                      "target_verify[tokens=8, seqs=2, rows=8]",
+                                                      "target_verify[tokens=4, seqs=1, rows=4]"]
+    assert Mode.TARGET_VERIFY in main_runner.full_modes, "the verify plan of a CPU artifact is one captured piece"
+    draft_keys = {str(k) for k in draft_runner.keys}
+    assert {"decode[tokens=4, seqs=4]", "target_verify[tokens=16, seqs=4, rows=4]"} <= draft_keys
+    assert any("start-up parity" in line for line in lines) and any("draft program" in line for line in lines)
+    outputs, stats = run(engine)
+    assert outputs == plain("qwen3_next")
+    assert main_runner.counters["graph_replays"] > 0 and draft_runner.counters["graph_replays"] > 0
+    assert all_free(stats)
+
+
+# -- the pieces --------------------------------------------------------------------------------
+
+
+def test_verify_step_keeps_each_positions_state_as_decode_steps_leave_it(artifacts):
+    """A target_verify step of D + 1 tokens leaves, in intermediate entry i, the state D + 1 decode
+    steps leave after token i, and in the slot the state after the last; keep_verified hands a
+    request the state after its last accepted token. (Equal to float32 rounding: the projections
+    before the ops multiply 4 rows at once instead of 1, and CPU kernels round by shape.)"""
+    art, D = artifacts("qwen3_next"), 3
+    tokens = [5, 9, 13, 17]
+    states = {}
+    for how in ("decode", "verify"):
+        kv = KVPool(art.registry, 8, 16)
+        st = StatePool(art.registry, 2, draft_tokens=D, verify_rows=2)
+        ops = BoundOps(CPUReferenceBackend(kv, st))
+        forward = art.bind(ops)
+        seq = SeqState(st.alloc())
+        prefill = build_step([(seq, [1, 2, 3])], kv)
+        with ops.step(prefill.ctx), torch.no_grad():
+            forward(prefill.input_ids, prefill.positions, prefill.logits_index)
+        commit_step([(seq, [1, 2, 3])])
+        after = []
+        if how == "decode":
+            for t in tokens:
+                step = build_step([(seq, [t])], kv)
+                with ops.step(step.ctx), torch.no_grad():
+                    forward(step.input_ids, step.positions, step.logits_index)
+                commit_step([(seq, [t])])
+                after.append({layer: {n: e[seq.slot].clone() for n, e in entries.items()}
+                              for layer, entries in st.buffers.items()})
+        else:
+            step = build_step([(seq, tokens)], kv, mode=Mode.TARGET_VERIFY, logits_rows=[D + 1])
+            with ops.step(step.ctx), torch.no_grad():
+                forward(step.input_ids, step.positions, step.logits_index)
+            after = [{layer: {n: st.verify_buffers[layer][n][0, i].clone() for n in entries}
+                      for layer, entries in st.buffers.items()} for i in range(D)]
+            after.append({layer: {n: e[seq.slot].clone() for n, e in entries.items()}
+                          for layer, entries in st.buffers.items()})
+            st.keep_verified([seq.slot], [2])  # tokens 0 and 1 kept
+            kept = {layer: {n: e[seq.slot].clone() for n, e in entries.items()} for layer, entries in st.buffers.items()}
+        states[how] = after
+    for i in range(D + 1):
+        for layer, entries in states["decode"][i].items():
+            for name, value in entries.items():
+                assert torch.allclose(states["verify"][i][layer][name], value, rtol=1e-4, atol=1e-6), (i, layer, name)
+                assert not torch.equal(value, states["decode"][i - 1][layer][name]) if i else True
+    assert all(torch.equal(kept[layer][n], states["verify"][1][layer][n]) for layer in kept for n in kept[layer])
+
+
+def test_greedy_acceptance_keeps_the_agreeing_prefix_and_the_targets_next_token():
+    assert greedy_accept([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert greedy_accept([4, 9, 6], [4, 5, 6, 7]) == [4, 5]
+    assert greedy_accept([9, 5, 6], [4, 5, 6, 7]) == [4]
+
+
+def test_rejection_sampling_keeps_a_draft_the_target_is_sure_of_and_never_one_it_excludes():
+    g = torch.Generator().manual_seed(0)
+    sure = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)
+    never = torch.tensor([0.5, 0.0, 0.5], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)
+    for _ in range(50):
+        assert rejection_accept([1], [q], [sure, never], g) in ([1, 0], [1, 2])
+        assert rejection_accept([1], [q], [never, sure], g)[0] in (0, 2)  # refused, drawn from the residual
+
+
+def test_draft_counts_mark_the_drafts_before_each_row():
+    counts = draft_counts([[2, 2, 1], [0, 3, 3]], 4, "cpu").view(2, 4, 4)
+    assert counts[0].tolist() == [[0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 2, 0]]
+    assert counts[1].tolist() == [[0, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 1], [1, 0, 0, 2]]
+
+
+def test_speculative_tokens_outside_one_to_seven_are_refused(artifacts):
+    with pytest.raises(ValueError, match="--speculative-tokens must be in 0..7"):
+        EngineOptions(speculative_tokens=8)
+    kv, st = make_pools(artifacts("qwen3_next").registry, 32, 1)
+    with pytest.raises(ValueError, match="intermediate states for 0"):
+        SpeculativeDecoder(None, None, 3, st)
