@@ -7,9 +7,10 @@ rolls back tokens that speculative decoding did not keep.
 
 1. `StructuredOutput(tokenizer, vocab_size, stop_token_ids)` describes the vocabulary to
    xgrammar once: every token's text as tokenizer.json decodes it (byte-level, Metaspace /
-   byte-fallback or raw pieces: `vocab_type`), special tokens as empty (never allowed inside
-   JSON), and the stop tokens, the only tokens allowed once the JSON is complete.
-2. `compile(response_format)` takes the OpenAI field: {"type": "json_object"} (any JSON object)
+   byte-fallback or raw pieces: `vocab_type`), special tokens and tokens holding a control
+   character as empty (never allowed: compact JSON has no raw control character), and the stop
+   tokens, the only tokens allowed once the JSON is complete.
+2. `compile(response_format)` takes the OpenAI field: {"type": "json_object"} (a JSON object)
    or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}. Grammars are
    compact: no whitespace between JSON tokens but the single spaces after ':' and ',' (a model
    could otherwise pad forever). A schema xgrammar cannot compile raises `GrammarError` naming
@@ -102,22 +103,33 @@ class StructuredOutput:
                 encoded[token] = piece
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(set(stop_token_ids))
-        info = self.xgr.TokenizerInfo(encoded, getattr(self.xgr.VocabType, kind), vocab_size=vocab_size,
-                                      stop_token_ids=self.stop_token_ids, add_prefix_space=prefix_space)
-        self._compiler = self.xgr.GrammarCompiler(info, max_threads=1)
+
+        def info():
+            return self.xgr.TokenizerInfo(encoded, getattr(self.xgr.VocabType, kind), vocab_size=vocab_size,
+                                          stop_token_ids=self.stop_token_ids, add_prefix_space=prefix_space)
+
+        # xgrammar 0.2 lets a length-bounded JSON string hold raw control characters (U+0000-U+001F
+        # but CR and LF), which JSON forbids (mlc-ai/xgrammar issue 800). Compact JSON needs none
+        # anywhere, so tokens whose text holds one are left out of the vocabulary it sees (empty:
+        # never allowed). Their text is known only decoded: xgrammar decodes once, then again.
+        control = [t for t, text in enumerate(info().decoded_vocab) if encoded[t] and any(b < 0x20 for b in text)]
+        for token in control:
+            encoded[token] = ""
+        self.tokenizer_info = info()  # what xgrammar takes each token's text to be (decoded_vocab)
+        self._compiler = self.xgr.GrammarCompiler(self.tokenizer_info, max_threads=1)
 
     def compile(self, response_format: dict) -> "Grammar":
         """OpenAI's response_format (already checked for shape by the server) -> a Grammar."""
         kind = response_format.get("type")
-        if kind == "json_object":
-            return Grammar(self, self._compile(lambda: self._compiler.compile_builtin_json_grammar(),
-                                               "response_format"), "json_object")
+        if kind == "json_object":  # OpenAI's JSON mode: a JSON object (not any JSON value), any content
+            return Grammar(self, self._compile(lambda: self._compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=False), "response_format"), "json_object")
         if kind == "json_schema":
             spec = response_format.get("json_schema") or {}
             schema = spec.get("schema")
             if not isinstance(schema, dict):
                 raise GrammarError("response_format.json_schema.schema: must be a JSON schema object")
-            text = json.dumps(schema, sort_keys=True)
+            text = json.dumps(schema)  # property order is output order: keep it
             # strict_mode (xgrammar's default): no property the schema does not name, unless it says
             # additionalProperties; OpenAI's strict schemas mean the same.
             compiled = self._compile(lambda: self._compiler.compile_json_schema(text, any_whitespace=False),

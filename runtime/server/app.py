@@ -9,9 +9,10 @@ Lifecycle:
    EngineLoop over the served model's Engine, the open requests, the counters. Nothing global.
 2. Lifespan start: the EngineLoop's thread starts. The app never steps the engine itself.
 3. A request: parse and validate (protocol.py; a 4xx with the OpenAI error body on any fault),
-   resolve each prompt to token ids, check it against the model, submit each prompt's n
-   requests to the EngineLoop together (they share its prefill), then stream or collect the
-   choices' tokens (choices.py, generation.py). Engine calls that take the engine lock (submit,
+   resolve each prompt to token ids, check it against the model, compile its response_format
+   into a grammar (runtime/grammar.py, off the event loop; a schema xgrammar refuses is a 400
+   naming why), submit each prompt's n requests to the EngineLoop together (they share its
+   prefill), then stream or collect the choices' tokens (choices.py, generation.py). Engine calls that take the engine lock (submit,
    cancel, stats) run on the state's thread pool, so the event loop never waits for a step.
 4. A client that disconnects, mid-stream or while waiting for a whole response, has its engine
    request cancelled at once: its state slot and KV pages go back to the pools.
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from runtime.engine import EngineLoop, EngineLoopError, SamplingParams
+from runtime.grammar import GrammarError, GrammarUnavailable
 from runtime.server.choices import Choice, close_all, merged
 from runtime.server.generation import Generation
 from runtime.server.logprobs import join
@@ -103,6 +105,7 @@ class ServerState:
         self.created = now()
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._structured = None  # runtime/grammar.py StructuredOutput, made at the first structured request
 
     @property
     def limit(self) -> int:
@@ -258,8 +261,32 @@ class ServerState:
             raise RequestError("the chat renders to an empty prompt", param="messages")
         return ids
 
+    async def grammar(self, req):
+        """The request's response_format as a compiled grammar (None: unconstrained), off the event loop."""
+        if req.response_format is None or not req.response_format.constrains():
+            return None
+        tokenizer = self._tokenizer("response_format", "structured output")
+        if self.served.eos_token_id is None:
+            raise RequestError("structured output needs an end-of-sequence token to end a complete JSON, and this "
+                               "model's tokenizer names none", param="response_format")
+
+        def compile_it():
+            from runtime.grammar import StructuredOutput
+
+            if self._structured is None:
+                self._structured = StructuredOutput(tokenizer, self.served.vocab_size, [self.served.eos_token_id])
+            return self._structured.compile(req.response_format.to_json())
+
+        try:
+            return await self.loop.run_in_executor(self.executor, compile_it)
+        except GrammarError as e:
+            raise RequestError(str(e), param="response_format", code="invalid_response_format") from None
+        except GrammarUnavailable as e:
+            raise RequestError(str(e), param="response_format", code="structured_output_unavailable") from None
+
     def sampling(self, req, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[SamplingParams]:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 grammar=None) -> list[SamplingParams]:
         """The engine's SamplingParams of each of the request's n choices for one prompt, after the
         length checks (OpenAI's context_length_exceeded). Choice i draws with seed + i (vLLM's
         convention), so each is the request sent alone with n=1 and that seed."""
@@ -291,7 +318,8 @@ class ServerState:
                                top_p=req.top_p, seed=None if req.seed is None else req.seed + i,
                                stop_token_ids=frozenset(stop_ids), presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                               logit_bias=req.logit_bias or {}, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                               logit_bias=req.logit_bias or {}, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                               grammar=grammar)
                 for i in range(req.n)]
 
     def metrics_snapshot(self) -> dict:
@@ -460,8 +488,9 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         state.check_model(req.model)
         prompts = state.completion_prompts(req)
         prompt_logprobs = req.logprobs if req.echo else None
+        grammar = await state.grammar(req)
         params = [state.sampling(req, len(ids), req.max_tokens, state.options.default_max_tokens, "prompt",
-                                 req.logprobs, prompt_logprobs) for ids in prompts]
+                                 req.logprobs, prompt_logprobs, grammar) for ids in prompts]
         tokenizer = served.tokenizer
 
         def make_choice(index: int, p: int, generation: Generation) -> Choice:
@@ -497,7 +526,8 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         state.check_model(req.model)
         prompt_ids = state.chat_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = state.sampling(req, len(prompt_ids), req.token_limit, None, "messages", logprobs)
+        grammar = await state.grammar(req)
+        params = state.sampling(req, len(prompt_ids), req.token_limit, None, "messages", logprobs, grammar=grammar)
         tokenizer = served.tokenizer
 
         def make_choice(index: int, p: int, generation: Generation) -> Choice:

@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["RequestError", "error_body", "parse_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
-           "StreamOptions", "completion_choice", "completion_body", "completion_chunk", "chat_choice", "chat_body",
+           "StreamOptions", "ResponseFormat", "completion_choice", "completion_body", "completion_chunk", "chat_choice", "chat_body",
            "chat_chunk", "usage_body", "usage_chunk", "models_body", "now", "MAX_STOP_STRINGS", "MAX_LOGPROBS", "MAX_N"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit; each one is searched in the text after every token
@@ -64,6 +64,35 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" with json_schema = {"name", "schema", "strict", "description"}; the output then
+    follows the schema (runtime/grammar.py). Checked here for shape; the schema itself is
+    xgrammar's to compile, and one it cannot is refused with its reason."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+    def constrains(self) -> bool:
+        return self.type != "text"
+
+    def check(self) -> None:
+        if self.type == "json_schema":
+            spec = self.json_schema
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise RequestError("response_format of type json_schema needs json_schema.schema, a JSON schema "
+                                   "object", param="response_format.json_schema.schema")
+            if "name" in spec and not isinstance(spec["name"], str):
+                raise RequestError("response_format.json_schema.name must be a string",
+                                   param="response_format.json_schema.name")
+        elif self.json_schema is not None:
+            raise RequestError(f"response_format.json_schema is only for type json_schema (got type {self.type!r})",
+                               param="response_format.json_schema")
+
+    def to_json(self) -> dict:
+        return {"type": self.type, **({"json_schema": self.json_schema} if self.json_schema is not None else {})}
+
+
 class _SamplingFields(_Strict):
     """Fields both endpoints share."""
 
@@ -83,6 +112,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension; 1: off
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None  # structured output (json_object / json_schema)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -126,6 +156,11 @@ class _SamplingFields(_Strict):
 
     def refuse_unsupported(self) -> None:
         """Fields the schema knows so that a request asking for them is refused rather than ignored."""
+        if self.response_format is not None and self.response_format.constrains():
+            self.response_format.check()
+            if self.ignore_eos:
+                raise RequestError("ignore_eos cannot be combined with response_format: a structured output ends "
+                                   "with the end-of-sequence token once its JSON is complete", param="ignore_eos")
 
 
 def _is_int(value) -> bool:
