@@ -146,6 +146,39 @@ def test_a_draft_that_always_disagrees_is_never_kept(artifacts, plain):
     assert all_free(stats)
 
 
+PENALISED = SamplingParams(max_new_tokens=10, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.5,
+                           logit_bias={7: 3.0, 11: -2.0, 140: 2.5}, logprobs=2)
+
+
+@pytest.mark.parametrize("drafter", ("agrees", "mtp"))
+def test_penalties_bias_and_logprobs_at_verified_positions_match_plain_decoding(artifacts, drafter):
+    """Row j of a verify step is penalised as if d_1 .. d_j had been generated: greedy tokens with
+    penalties and bias, and their log-probabilities (the raw rows), equal plain decoding's. With a
+    drafter that agrees, rows past the first decide most tokens."""
+    art, D = artifacts("qwen3_next"), 3
+
+    def go(engine):
+        ids = [engine.add_request(p, PENALISED) for p in PROMPTS]
+        results = engine.run_until_done()
+        return [results[i] for i in ids]
+
+    plain_results = go(engine_for_artifact(art, options(0), MAX_LEN))
+    reference = {tuple(p): list(r.output_ids) for p, r in zip(PROMPTS, plain_results)}
+    if drafter == "agrees":
+        engine = engine_with(art, D, GreedyContinuationDrafter(reference, D, int(art.manifest["model"]["vocab_size"])))
+    else:
+        engine = engine_for_artifact(art, options(D), MAX_LEN)
+    spec_results = go(engine)
+    assert [r.output_ids for r in spec_results] == [r.output_ids for r in plain_results]
+    for a, b in zip(spec_results, plain_results):
+        assert [e.token for e in a.logprobs] == list(a.output_ids)
+        assert torch.allclose(torch.tensor([e.logprob for e in a.logprobs]), torch.tensor([e.logprob for e in b.logprobs]),
+                              atol=1e-4)
+        assert [[t for t, _ in e.top] for e in a.logprobs] == [[t for t, _ in e.top] for e in b.logprobs]
+    if drafter == "agrees":
+        assert engine.stats()["spec_tokens_per_verify"] > 2
+
+
 def test_graph_runner_captures_verify_and_draft_keys_and_serves_the_same_tokens(artifacts, plain):
     from runtime.graph_runner import graph_runner_factory
     from runtime.speculative import speculative_factory
