@@ -13,6 +13,10 @@ ever kept, one token per step, the same tokens.
 
 Both propose without a distribution (q = None: deterministic), follow the drafter interface of
 runtime/speculative.py (`after_prefill`, `propose`, `after_verify`) and need no program.
+
+`ForcedDrafts` runs a real drafter (the MTP program: its steps, its cost) and then replaces each
+token it chose with the reference's: full acceptance at the real draft's cost, what
+benchmarks/spec_bench.py times against plain decoding.
 """
 
 from __future__ import annotations
@@ -45,3 +49,27 @@ class GreedyContinuationDrafter:
 def DisagreeingDrafter(references, draft_tokens: int, vocab_size: int) -> GreedyContinuationDrafter:
     """Proposes the reference token plus one at every position: never the target's argmax."""
     return GreedyContinuationDrafter(references, draft_tokens, vocab_size, shift=1)
+
+
+class ForcedDrafts:
+    def __init__(self, drafter, references: dict[tuple[int, ...], list[int]]):
+        self.drafter, self.references = drafter, references
+
+    def _forced(self, choose):
+        def forced(requests, logits, position):
+            choose(requests, logits, position)
+            for req in requests:
+                reference = self.references[tuple(req.prompt)]
+                at = len(req.output) + position  # the drafts follow the output
+                if at < len(reference):
+                    req.drafts[position] = reference[at]
+        return forced
+
+    def after_prefill(self, chunks, main_hidden, choose) -> None:
+        self.drafter.after_prefill(chunks, main_hidden, self._forced(choose))
+
+    def propose(self, requests, choose) -> None:
+        self.drafter.propose(requests, self._forced(choose))
+
+    def after_verify(self, requests, starts, kept, verify_hidden, choose) -> None:
+        self.drafter.after_verify(requests, starts, kept, verify_hidden, self._forced(choose))

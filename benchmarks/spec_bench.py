@@ -1,0 +1,272 @@
+"""Speculative decoding benchmark: what a target_verify step costs against a decode step, tokens per
+second at full acceptance against plain decoding, and greedy tokens with drafts against without.
+
+On the GPU machine, one run:
+
+    python3 benchmarks/spec_bench.py --out $OUT               # qwen3_next, bench size, bf16, CUDA graphs
+    python3 benchmarks/spec_bench.py --dry-run --out /tmp/sb  # CPU: tiny size, float32, reference backend,
+                                                              # graphs rerun (tests/graph_cases.py)
+
+1. init_compile: `hgc init-model` (its config has one MTP layer), `hgc compile` (on the GPU:
+   --target cuda --dtype bfloat16).
+2. step_cost: one GraphRunner over the main program with decode buckets and target_verify buckets
+   of D + 1 tokens (--batches, default 1, 8, 32; D = --draft-tokens, default 3), started (captured,
+   parity-checked). Per batch B: B requests with a 64-token history; their decode step and their
+   verify step of D + 1 tokens each, replayed from the graphs; median milliseconds and the ratio
+   verify / decode (goal at batch 1: <= 1.3).
+3. full_acceptance: one request (--prompt-len tokens, --new-tokens to generate) through an engine
+   as `hgc serve` builds it (pools, backend, graph runners, the draft's too), plain, then with D
+   drafts where the MTP draft program runs as usual and each token it proposes is replaced by
+   the target's own greedy continuation (tests/spec_drafters.ForcedDrafts): every draft is kept,
+   at the draft's real cost. Decode tokens per second of each, and the speedup (goal at D = 3,
+   batch 1: >= 2.5x). Both outputs must be the same tokens.
+4. greedy_equal: --prompts prompts of random lengths, --equal-tokens new tokens each, greedy,
+   through a plain engine and one with the real MTP draft (D drafts): the tokens must be equal;
+   any difference is reported with where it starts (a bf16 near tie decided differently by the
+   verify step's kernels would show here), with the acceptance rate the real draft reached.
+Timings: medians of --iters runs between CUDA events (perf_counter on the CPU); engine tokens per
+second from Engine.timing(). Every stage is wrapped (bench_common.Stages); JSON to
+OUT/spec_bench.json after each stage, a table last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench_common import Stages, compare, device_facts, fmt, prompts_for, run_guarded, time_ms  # noqa: E402
+from compiler.cli import main as hgc  # noqa: E402
+from compiler.splitops import Mode  # noqa: E402
+from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
+from runtime.engine import SamplingParams  # noqa: E402
+
+GPU_DEFAULTS = dict(family="qwen3_next", size="bench", batches="1,8,32", prompt_len=128, new_tokens=256,
+                    prompts=32, equal_tokens=64, iters=20)
+DRY_DEFAULTS = dict(family="qwen3_next", size="tiny", batches="1,2,4", prompt_len=8, new_tokens=12,
+                    prompts=4, equal_tokens=8, iters=2)
+TARGET_VERIFY_RATIO = 1.3  # verify step (D = 3) / decode step, batch 1
+TARGET_SPEEDUP = 2.5  # tokens/s at full acceptance / plain decode, D = 3, batch 1
+HISTORY = 64
+
+
+def bench(args, rec: dict, save) -> None:
+    from runtime.loader import load_artifact
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    work = Path(args.work)
+    stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
+    ckpt, art_dir = work / f"{args.family}-{args.size}", work / f"{args.family}-{args.size}-art"
+    D, batches = args.draft_tokens, [int(b) for b in args.batches.split(",")]
+    state: dict = {}
+
+    def init_compile():
+        if not (art_dir / "manifest.json").is_file():
+            assert hgc(["init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
+                        "--force"]) == 0
+            target = ["--target", "cpu"] if args.dry_run else ["--target", "cuda", "--dtype", "bfloat16"]
+            assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *target]) == 0
+        state["art"] = load_artifact(art_dir, device=str(device))
+        state["vocab"] = int(state["art"].manifest["model"]["vocab_size"])
+
+    def graphs():
+        if args.dry_run:
+            from tests.graph_cases import RerunGraphs
+            return RerunGraphs()
+        return None  # CudaGraphs
+
+    def backend(kv, st):
+        if args.dry_run:
+            from runtime.backends.cpu_reference import CPUReferenceBackend
+            return CPUReferenceBackend(kv, st)
+        from runtime.gpu_backends import build_gpu_backend
+        return build_gpu_backend(state["art"], kv, st)
+
+    def step_cost():
+        from runtime.bound_ops import BoundOps
+        from runtime.graph_runner import GraphRunner
+        from runtime.kv_pool import KVPool
+        from runtime.state_pool import StatePool
+
+        art, top = state["art"], max(batches)
+        page = 16
+        pages_per_seq = -(-(HISTORY + D + 2) // page)
+        kv = KVPool(art.registry, top * pages_per_seq + 1, page, device)
+        st = StatePool(art.registry, top, device, draft_tokens=D, verify_rows=top)
+        ops = BoundOps(backend(kv, st))
+        runner = GraphRunner(art.runner(ops), ops, kv, st, device, decode_buckets=batches, extend_buckets=(),
+                             verify_buckets=batches, verify_tokens=D + 1, max_pages_per_seq=pages_per_seq,
+                             extend_max_seqs=1, graphs=graphs())
+        runner.start(state["vocab"], log=lambda line: print(f"  {line}", flush=True))
+        g = torch.Generator().manual_seed(0)
+        out = {}
+        for B in batches:
+            seqs = [SeqState(st.alloc()) for _ in range(B)]
+            for s in seqs:  # the history, eagerly
+                items = [(s, torch.randint(1, state["vocab"], (HISTORY,), generator=g).tolist())]
+                runner.run(build_step(items, kv, "cpu", max_pages=runner.max_pages), None)
+                commit_step(items)
+            decode, decode_key = runner.build([(s, [5]) for s in seqs])
+            verify, verify_key = runner.build([(s, [5] * (D + 1)) for s in seqs], mode=Mode.TARGET_VERIFY,
+                                              logits_rows=[D + 1] * B)
+            assert decode_key is not None and verify_key is not None, (decode_key, verify_key)
+            decode_ms = time_ms(lambda: runner.run(decode, decode_key), device, args.iters)
+            verify_ms = time_ms(lambda: runner.run(verify, verify_key), device, args.iters)
+            out[str(B)] = {"decode_ms": decode_ms, "verify_ms": verify_ms, "ratio": verify_ms / decode_ms,
+                           "decode_key": str(decode_key), "verify_key": str(verify_key)}
+            for s in seqs:
+                kv.free(s.pages)
+                st.free(s.slot)
+        rec["step_cost"] = out
+        rec["step_cost_runner"] = {"full_modes": sorted(m.value for m in runner.full_modes),
+                                   "counters": dict(runner.counters)}
+
+    def engine(draft_tokens: int, drafter_wrap=None, slots: int = 1, max_len: int = 0):
+        """An engine as `hgc serve` builds it (graph runners included), optionally with its drafter wrapped."""
+        from runtime.graph_runner import graph_runner_factory
+        from runtime.server.model import EngineOptions, build_engine
+        from runtime.speculative import speculative_factory
+
+        art, log = state["art"], (lambda line: print(f"  {line}", flush=True))
+        options = EngineOptions(slots=slots, token_budget=512, speculative_tokens=draft_tokens, prefix_cache=False)
+        runners = graph_runner_factory(art, state["vocab"], graphs=graphs(), speculative_tokens=draft_tokens, log=log)
+        speculative = None
+        if draft_tokens:
+            base = speculative_factory(art, draft_tokens, log=log)
+
+            def speculative(ops, kv, st, limits, runner):
+                spec = base(ops, kv, st, limits, runner)
+                if drafter_wrap is not None:
+                    spec.drafter = drafter_wrap(spec.drafter)
+                return spec
+        return build_engine(art.registry, art.bind, options, max_len, device=device, backend_factory=backend,
+                            runner_factory=runners, speculative_factory=speculative)
+
+    def generate(eng, prompts: list[list[int]], new: int) -> list[list[int]]:
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=new)) for p in prompts]
+        results = eng.run_until_done()
+        return [list(results[i].output_ids) for i in ids]
+
+    def decode_rate(eng, prompts, new) -> tuple[list[list[int]], dict]:
+        """Tokens and the decode steps' numbers of one timed run, after an untimed warm-up run
+        (first-call costs: lazy modules, allocations)."""
+        generate(eng, prompts, 4)
+        before = len(eng.step_records())
+        tokens = generate(eng, prompts, new)
+        decode = [r for r in eng.step_records()[before:] if r.prefill_tokens == 0]
+        seconds, sampled = sum(r.seconds for r in decode), sum(r.sampled for r in decode)
+        return tokens, {"tokens_per_s": sampled / seconds, "steps": len(decode), "tokens": sampled,
+                        "s_per_step": seconds / len(decode)}
+
+    def full_acceptance():
+        from tests.spec_drafters import ForcedDrafts
+
+        prompt = prompts_for(state["vocab"], [args.prompt_len], seed=1)
+        max_len = args.prompt_len + args.new_tokens + 1
+        plain, a = decode_rate(engine(0, max_len=max_len), prompt, args.new_tokens)
+        references = {tuple(prompt[0]): plain[0]}
+        spec_engine = engine(D, lambda drafter: ForcedDrafts(drafter, references), max_len=max_len)
+        spec, b = decode_rate(spec_engine, prompt, args.new_tokens)
+        rec["full_acceptance"] = {"plain": a, "spec": b, "speedup": b["tokens_per_s"] / a["tokens_per_s"],
+                                  "same_tokens": plain == spec, "speculative": spec_engine.speculation()}
+
+    def greedy_equal():
+        lens = [int(n) for n in torch.randint(4, 2 * args.prompt_len, (args.prompts,),
+                                             generator=torch.Generator().manual_seed(2))]
+        prompts = prompts_for(state["vocab"], lens, seed=3)
+        max_len = max(lens) + args.equal_tokens + 1
+        plain = generate(engine(0, slots=args.prompts, max_len=max_len), prompts, args.equal_tokens)
+        spec_engine = engine(D, slots=args.prompts, max_len=max_len)
+        spec = generate(spec_engine, prompts, args.equal_tokens)
+        rec["greedy_equal"] = {**compare(plain, spec, lens), "equal": plain == spec,
+                               "acceptance_rate": spec_engine.speculation()["acceptance_rate"],
+                               "tokens_per_verify": spec_engine.speculation()["tokens_per_verify"]}
+
+    stages("init_compile", init_compile)
+    stages("step_cost", step_cost, needs=("init_compile",))
+    stages("full_acceptance", full_acceptance, needs=("init_compile",))
+    stages("greedy_equal", greedy_equal, needs=("init_compile",))
+    targets(rec, D)
+
+
+def targets(rec: dict, D: int) -> None:
+    out = {}
+    cost = rec.get("step_cost", {}).get("1")
+    if cost:
+        out["verify_over_decode_b1"] = {"value": cost["ratio"], "goal": f"<= {TARGET_VERIFY_RATIO} (D = {D})",
+                                        "met": cost["ratio"] <= TARGET_VERIFY_RATIO}
+    full = rec.get("full_acceptance")
+    if full:
+        out["full_acceptance_speedup"] = {"value": full["speedup"], "goal": f">= {TARGET_SPEEDUP}x (D = {D})",
+                                          "met": full["speedup"] >= TARGET_SPEEDUP and full["same_tokens"]}
+    equal = rec.get("greedy_equal")
+    if equal:
+        out["greedy_equal"] = {"value": equal["mismatched"], "goal": "0 tokens differ", "met": equal["equal"]}
+    rec["targets"] = out
+
+
+def table(rec: dict) -> str:
+    rows = [f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'ratio':>8}"]
+    for B, c in rec.get("step_cost", {}).items():
+        rows.append(f"{B:>6}{fmt(c['decode_ms'], '.3f'):>11}{fmt(c['verify_ms'], '.3f'):>11}{fmt(c['ratio'], '.2f'):>8}")
+    full = rec.get("full_acceptance")
+    if full:
+        rows.append(f"full acceptance: {fmt(full['spec']['tokens_per_s'])} tok/s against "
+                    f"{fmt(full['plain']['tokens_per_s'])} plain ({fmt(full['speedup'], '.2f')}x), same tokens: "
+                    f"{full['same_tokens']}")
+    equal = rec.get("greedy_equal")
+    if equal:
+        rows.append(f"greedy with drafts: {equal['mismatched']} of {equal['tokens']} tokens differ; real draft "
+                    f"acceptance {fmt(equal['acceptance_rate'], '.3f')}")
+    for name, t in rec.get("targets", {}).items():
+        rows.append(f"{name}: {t['value']:.3g} (goal {t['goal']}): {'met' if t['met'] else 'MISSED'}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for spec_bench.json")
+    p.add_argument("--work", default=None, help="folder for the checkpoint and artifact (default: OUT/work)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny size, reference backend: the script's own test")
+    p.add_argument("--family", default=None)
+    p.add_argument("--size", default=None)
+    p.add_argument("--draft-tokens", type=int, default=3, help="D")
+    p.add_argument("--batches", default=None, help="step_cost batch sizes, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--new-tokens", type=int, default=None, help="full_acceptance: tokens generated")
+    p.add_argument("--prompts", type=int, default=None, help="greedy_equal: prompts")
+    p.add_argument("--equal-tokens", type=int, default=None, help="greedy_equal: tokens per prompt")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--skip", default="", help="stages to skip, comma-separated")
+    args = p.parse_args(argv)
+    for name, value in (DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.work = args.work or str(out / "work")
+    rec = {"env": device_facts(args.dry_run), "config": dict(vars(args)), "stages": {}}
+    path = out / "spec_bench.json"
+
+    def save():
+        path.write_text(json.dumps(rec, indent=1, default=str))
+
+    run_guarded(f"{args.family} {args.size}: D = {args.draft_tokens}", rec, lambda: bench(args, rec, save))
+    save()
+    print(table(rec))
+    return rec
+
+
+if __name__ == "__main__":
+    main()
