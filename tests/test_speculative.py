@@ -281,3 +281,76 @@ def test_speculative_tokens_outside_one_to_seven_are_refused(artifacts):
     kv, st = make_pools(artifacts("qwen3_next").registry, 32, 1)
     with pytest.raises(ValueError, match="intermediate states for 0"):
         SpeculativeDecoder(None, None, 3, st)
+
+
+# -- the commands ----------------------------------------------------------------------------------
+
+
+def test_hgc_run_with_speculative_tokens_reports_acceptance(artifacts, plain, capsys):
+    import json
+
+    art = artifacts("qwen3_next")
+    prompt_ids = ";".join(",".join(map(str, p)) for p in PROMPTS[:3])
+    assert main(["run", str(art.docs.path), "--prompt-ids", prompt_ids, "--max-new-tokens", "6",
+                 "--speculative-tokens", "3", "--json"]) == 0
+    ran = json.loads(capsys.readouterr().out)
+    for got, want in zip(ran["outputs"], plain("qwen3_next")[:3]):  # greedy: the plain run's tokens, as far as both go
+        n = min(len(want), 6)
+        assert len(got["output_ids"]) == 6 and got["output_ids"][:n] == want[:n]
+    spec = ran["timing"]["speculative"]
+    assert spec["draft_tokens"] == 3 and spec["verify_steps"] > 0 and spec["draft_s"] > 0
+    assert {"acceptance_rate", "tokens_per_verify", "verify_s"} <= set(spec)
+
+
+def test_hgc_run_refuses_speculation_without_a_draft_program(tmp_path, capsys):
+    import io
+
+    from models.loader import init_checkpoint
+
+    init_checkpoint("kimi_linear", "tiny", 0, tmp_path / "c", log=io.StringIO())
+    assert main(["compile", str(tmp_path / "c"), "-o", str(tmp_path / "a"), "--no-dumps"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "a"), "--prompt-ids", "1,2", "--speculative-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "needs a draft (MTP) program" in err and "kimi_linear" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # three server processes: about 30 s on 2 cores
+def test_hgc_serve_with_speculative_tokens_gives_the_tokens_of_plain_decoding(artifacts, plain):
+    import asyncio
+    import json
+
+    httpx = pytest.importorskip("httpx")
+    from tests.helpers import ServerProcess
+    from tests.test_server import wait_all_free
+
+    runs = {"qwen3_next": 3, "qwen3_5": 7, "bailing_linear": 1}
+    servers = {family: ServerProcess([str(artifacts(family).docs.path), "--served-model-name", "m", "--slots", "4",
+                                      "--token-budget", "16", "--max-model-len", str(MAX_LEN),
+                                      "--speculative-tokens", str(D)])
+               for family, D in runs.items()}
+
+    async def send(url):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            replies = await asyncio.gather(*(client.post("/v1/completions", json={
+                "model": "m", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 1})
+                for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS))))
+        out = []
+        for r in replies:
+            assert r.status_code == 200, r.text
+            if r.headers["content-type"].startswith("text/event-stream"):
+                chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                out.append([t for c in chunks for choice in c["choices"] for t in choice["token_ids"]])
+            else:
+                out.append(r.json()["choices"][0]["token_ids"])
+        return out
+
+    try:
+        for family, server in servers.items():
+            server.wait_ready()
+            assert asyncio.run(send(server.url)) == plain(family), family
+            m = wait_all_free(server.url)
+            assert m["hgc_spec_draft_tokens"] == runs[family] and m["hgc_spec_verify_steps_total"] > 0
+    finally:
+        for server in servers.values():
+            assert server.stop() == 0, server.log()
