@@ -354,3 +354,47 @@ def test_hgc_serve_with_speculative_tokens_gives_the_tokens_of_plain_decoding(ar
     finally:
         for server in servers.values():
             assert server.stop() == 0, server.log()
+
+
+# -- with the engine's other features --------------------------------------------------------------
+
+
+def test_shared_prefill_prefix_cache_and_preemption_keep_plain_tokens(artifacts):
+    """Requests forked from another's prefill (n choices), prompts that share a cached prefix, and
+    a KV pool so small that requests are preempted and re-prefilled: with drafts, the same greedy
+    tokens as without, and everything free afterwards."""
+    art = artifacts("qwen3_next")
+    shared = [(5 * j) % 200 + 3 for j in range(40)]
+    prompts = [shared + [7], shared + [9, 11], list(range(3, 30)), [4, 5]]
+
+    def go(D: int, kv_pages: int | None) -> tuple[list, dict]:
+        engine = engine_for_artifact(art, EngineOptions(slots=4, token_budget=16, speculative_tokens=D,
+                                                        kv_pages=kv_pages, page_size=8), MAX_LEN)
+        params = SamplingParams(max_new_tokens=12)
+        first = engine.add_request(prompts[0], params)
+        ids = [first, engine.add_request(prompts[0], params, prefill_from=first)]
+        ids += [engine.add_request(p, params) for p in prompts[1:]]
+        results = engine.run_until_done()
+        return [list(results[i].output_ids) for i in ids], engine.stats()
+
+    reference, _ = go(0, None)
+    assert reference[0] == reference[1]
+    for D, pages in ((3, None), (3, 10), (5, 10)):
+        outputs, stats = go(D, pages)
+        assert outputs == reference, (D, pages)
+        assert all_free(stats)
+        if pages is None:  # room for everything: the second choice shares the first's prefill
+            assert stats["prefills_shared"] == 1
+        else:  # 10 pages of 8 tokens: requests are preempted, and re-prefill from the prefix cache
+            assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_the_memory_plan_sizes_the_intermediate_states_the_pool_allocates(artifacts):
+    from runtime.memory_planner import build_pools, plan_memory
+
+    art = artifacts("bailing_linear")
+    plan = plan_memory(art.registry, budget_bytes=64 << 20, weight_bytes=0, max_seq_len=128, num_slots=6,
+                       max_running=4, draft_tokens=3)
+    _, st = build_pools(art.registry, plan)
+    assert (st.draft_tokens, st.verify_rows) == (3, 4)
+    assert st.verify_nbytes() == plan.intermediate_bytes > 0
