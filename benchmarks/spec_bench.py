@@ -37,8 +37,6 @@ import sys
 if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
-import argparse  # noqa: E402
-import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import Stages, compare, device_facts, fmt, prompts_for, run_guarded, time_ms  # noqa: E402
-from compiler.cli import main as hgc  # noqa: E402
+from bench_common import (Stages, compare, compiled_artifact, engine_script, fmt, prompts_for, target_rows,  # noqa: E402
+                          time_ms)
 from compiler.splitops import Mode  # noqa: E402
 from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
 from runtime.engine import SamplingParams  # noqa: E402
@@ -65,19 +63,12 @@ def bench(args, rec: dict, save) -> None:
     from runtime.loader import load_artifact
 
     device = torch.device("cpu" if args.dry_run else "cuda")
-    work = Path(args.work)
     stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
-    ckpt, art_dir = work / f"{args.family}-{args.size}", work / f"{args.family}-{args.size}-art"
     D, batches = args.draft_tokens, [int(b) for b in args.batches.split(",")]
     state: dict = {}
 
     def init_compile():
-        if not (art_dir / "manifest.json").is_file():
-            assert hgc(["init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
-                        "--force"]) == 0
-            target = ["--target", "cpu"] if args.dry_run else ["--target", "cuda", "--dtype", "bfloat16"]
-            assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *target]) == 0
-        state["art"] = load_artifact(art_dir, device=str(device))
+        state["art"] = load_artifact(compiled_artifact(args), device=str(device))
         state["vocab"] = int(state["art"].manifest["model"]["vocab_size"])
 
     def graphs():
@@ -141,17 +132,15 @@ def bench(args, rec: dict, save) -> None:
         art, log = state["art"], (lambda line: print(f"  {line}", flush=True))
         options = EngineOptions(slots=slots, token_budget=512, speculative_tokens=draft_tokens, prefix_cache=False)
         runners = graph_runner_factory(art, state["vocab"], graphs=graphs(), speculative_tokens=draft_tokens, log=log)
-        speculative = None
-        if draft_tokens:
-            base = speculative_factory(art, draft_tokens, log=log)
+        base = speculative_factory(art, draft_tokens, log=log) if draft_tokens else None
 
-            def speculative(ops, kv, st, limits, runner):
-                spec = base(ops, kv, st, limits, runner)
-                if drafter_wrap is not None:
-                    spec.drafter = drafter_wrap(spec.drafter)
-                return spec
+        def wrapped(ops, kv, st, limits, runner):
+            spec = base(ops, kv, st, limits, runner)
+            if drafter_wrap is not None:
+                spec.drafter = drafter_wrap(spec.drafter)
+            return spec
         return build_engine(art.registry, art.bind, options, max_len, device=device, backend_factory=backend,
-                            runner_factory=runners, speculative_factory=speculative)
+                            runner_factory=runners, speculative_factory=wrapped if base else None)
 
     def generate(eng, prompts: list[list[int]], new: int) -> list[list[int]]:
         ids = [eng.add_request(p, SamplingParams(max_new_tokens=new)) for p in prompts]
@@ -229,43 +218,20 @@ def table(rec: dict) -> str:
     if equal:
         rows.append(f"greedy with drafts: {equal['mismatched']} of {equal['tokens']} tokens differ; real draft "
                     f"acceptance {fmt(equal['acceptance_rate'], '.3f')}")
-    for name, t in rec.get("targets", {}).items():
-        rows.append(f"{name}: {t['value']:.3g} (goal {t['goal']}): {'met' if t['met'] else 'MISSED'}")
-    return "\n".join(rows)
+    return "\n".join(rows + target_rows(rec))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder for spec_bench.json")
-    p.add_argument("--work", default=None, help="folder for the checkpoint and artifact (default: OUT/work)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny size, reference backend: the script's own test")
-    p.add_argument("--family", default=None)
-    p.add_argument("--size", default=None)
-    p.add_argument("--draft-tokens", type=int, default=3, help="D")
-    p.add_argument("--batches", default=None, help="step_cost batch sizes, comma-separated")
-    p.add_argument("--prompt-len", type=int, default=None)
-    p.add_argument("--new-tokens", type=int, default=None, help="full_acceptance: tokens generated")
-    p.add_argument("--prompts", type=int, default=None, help="greedy_equal: prompts")
-    p.add_argument("--equal-tokens", type=int, default=None, help="greedy_equal: tokens per prompt")
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--skip", default="", help="stages to skip, comma-separated")
-    args = p.parse_args(argv)
-    for name, value in (DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    args.work = args.work or str(out / "work")
-    rec = {"env": device_facts(args.dry_run), "config": dict(vars(args)), "stages": {}}
-    path = out / "spec_bench.json"
+    def add_arguments(p):
+        p.add_argument("--draft-tokens", type=int, default=3, help="D")
+        p.add_argument("--batches", default=None, help="step_cost batch sizes, comma-separated")
+        p.add_argument("--prompt-len", type=int, default=None)
+        p.add_argument("--new-tokens", type=int, default=None, help="full_acceptance: tokens generated")
+        p.add_argument("--prompts", type=int, default=None, help="greedy_equal: prompts")
+        p.add_argument("--equal-tokens", type=int, default=None, help="greedy_equal: tokens per prompt")
 
-    def save():
-        path.write_text(json.dumps(rec, indent=1, default=str))
-
-    run_guarded(f"{args.family} {args.size}: D = {args.draft_tokens}", rec, lambda: bench(args, rec, save))
-    save()
-    print(table(rec))
-    return rec
+    return engine_script(argv, __doc__, "spec_bench", {"gpu": GPU_DEFAULTS, "dry": DRY_DEFAULTS}, add_arguments,
+                         bench, table, lambda a: f"{a.family} {a.size}: D = {a.draft_tokens}")
 
 
 if __name__ == "__main__":

@@ -375,8 +375,8 @@ def test_mla_layers_need_a_scale(fake_fi):
         CPUFlashInferBackend(KVPool(REGISTRY, 4, 4), q_heads=HQ, scales={0: GQA_SCALE, 3: GQA_SCALE}, mla_rope_dim=P)
 
 
-def test_graph_buckets_plan_fixed_buffers_and_mask_padding(fake_fi):
-    """Capture/replay planning on the stand-in: bucket checks, fixed buffers, padded rows zeroed."""
+def _prefilled_pair() -> tuple[Pair, list[SeqState]]:
+    """A Pair whose three requests (slots 1-3) have 6, 9 and 3 tokens in both pools, run eagerly."""
     pair = Pair()
     seqs = [SeqState(i + 1) for i in range(3)]
     prefill = [(s, [0] * n) for s, n in zip(seqs, (6, 9, 3))]
@@ -385,6 +385,12 @@ def test_graph_buckets_plan_fixed_buffers_and_mask_padding(fake_fi):
     for layer in (0, 2):
         pair.run(ctx, layer, ctx.num_tokens)
     commit_step(prefill)
+    return pair, seqs
+
+
+def test_graph_buckets_plan_fixed_buffers_and_mask_padding(fake_fi):
+    """Capture/replay planning on the stand-in: bucket checks, fixed buffers, padded rows zeroed."""
+    pair, seqs = _prefilled_pair()
 
     items = [(s, [0]) for s in seqs]
     with pytest.raises(RuntimeError, match="before init_capture_state"):
@@ -414,14 +420,7 @@ def test_verify_buckets_plan_fixed_prefill_buffers_with_n_rows_per_request(fake_
     """A target_verify bucket (speculative decoding: every request n tokens) replays through the
     graph-mode paged prefill wrapper: padded requests own n rows each, so a bucket is always
     bucket * n rows; real rows equal the reference's, padded rows are zero, KV matches."""
-    pair = Pair()
-    seqs = [SeqState(i + 1) for i in range(3)]
-    prefill = [(s, [0] * n) for s, n in zip(seqs, (6, 9, 3))]
-    ctx = build_step(prefill, pair.ref_pool).ctx
-    pair.be.init_step_metadata(ctx)
-    for layer in (0, 2):
-        pair.run(ctx, layer, ctx.num_tokens)
-    commit_step(prefill)
+    pair, seqs = _prefilled_pair()
     pair.be.init_capture_state(16, 4)
     n = 3
     for count in (2, 3, 1):  # capture with 2 real requests, replay with 3, then 1
