@@ -185,7 +185,7 @@ def run_guarded(label: str, rec: dict, fn) -> None:
 
 def write_checkpoint_hd64(size: str, out: Path, family_name: str = "qwen3_next") -> None:
     """`hgc init-model` of `size` with attention head_dim 64: FlashInfer 0.6.0 builds no prefill for
-    the head dim 32 of qwen3_next's tiny and small configs (runtime/gpu_backends.py refuses it), and
+    the head dim 32 of qwen3_next's tiny and small configs (routing refuses it: FlashInfer's shape limit), and
     "bench" (head dim 256, 1.7B parameters) is slow to write. Benchmark-side only: the runtime never
     imports models/."""
     from models.checkpoint import write_checkpoint

@@ -28,18 +28,20 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FAMILIES = ("qwen3_next", "qwen3_5", "kimi_linear", "bailing_linear")
+sys.path.insert(0, str(REPO))
+from models.families import FAMILY_IDS  # noqa: E402
 
 # Runs in the child process: compile and report. Kept as source text so the child imports only
 # what a real `hgc compile` imports.
 _CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, {repo!r})
+from compiler.cli.wiring import toolchain
 from compiler.passes.context import CompileConfig
 from compiler.pipeline import compile_checkpoint
 rss_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 start = time.perf_counter()
-result, manifest = compile_checkpoint({ckpt!r}, {out!r}, CompileConfig(), force=True, dumps={dumps!r})
+result, manifest = compile_checkpoint({ckpt!r}, {out!r}, CompileConfig(), toolchain(), force=True, dumps={dumps!r})
 wall = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 rows = [[stage, program, seconds] for stage, program, seconds in result.timing.rows]
@@ -83,7 +85,7 @@ def bench_family(family: str, workdir: Path, dumps: bool) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", action="append", choices=FAMILIES, help="repeatable; default: all four")
+    parser.add_argument("--family", action="append", choices=FAMILY_IDS, help="repeatable; default: all four")
     parser.add_argument("--workdir", default="/tmp/hgc-bench", help="where checkpoints and artifacts go")
     parser.add_argument("--out", default=None, help="JSON results file (default: WORKDIR/compile_bench.json)")
     parser.add_argument("--no-dumps", action="store_true", help="compile without dumps/")
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     results = []
-    for family in args.family or FAMILIES:
+    for family in args.family or FAMILY_IDS:
         r = bench_family(family, workdir, dumps=not args.no_dumps)
         results.append(r)
         print(f"{family:16s} compile {r['wall_s']:7.2f} s   peak RSS {r['rss_peak_mb']:8.1f} MB "

@@ -1,7 +1,7 @@
 """End-to-end benchmark: hgc's runtime (eager, piecewise, full-graph decode) against the same model
 under torch.compile and against transformers, on one checkpoint per family, with the floor.
 
-On the GPU machine (../shared/gpu/README.md has the wheel install line), one run:
+On the GPU machine (benchmarks/gpu_call.sh has the wheel install line), one run:
 
     python3 benchmarks/gpu_e2e.py --out $OUT                  # qwen3_next and bailing_linear, bench size
     python3 benchmarks/gpu_e2e.py --dry-run --out /tmp/e2e    # CPU: tiny size, CPU reference backend,
@@ -87,7 +87,8 @@ from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.bound_ops import BoundOps  # noqa: E402
 from runtime.generate import make_pools  # noqa: E402
 from runtime.backends.protocol import plan_eager_step  # noqa: E402
-from runtime.graph_runner import DEFAULT_DECODE_BUCKETS, DEFAULT_EXTEND_BUCKETS, GraphRunner, step_on_device  # noqa: E402
+from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS  # noqa: E402
+from runtime.graph_runner import GraphRunner, step_on_device  # noqa: E402
 from runtime.loader import load_artifact  # noqa: E402
 
 PAGE = 16
@@ -331,20 +332,19 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
         from tests.graph_cases import RerunGraphs
         return RerunGraphs()
 
-    def make_backend(art, kv, st):
-        if args.dry_run:
-            from runtime.backends.cpu_reference import CPUReferenceBackend
-            return CPUReferenceBackend(kv, st)
-        from runtime.gpu_backends import build_gpu_backend
-        return build_gpu_backend(art, kv, st)
+    def make_ops(art, kv, st):
+        # the backends the artifact's routing.json names: FlashInfer, Triton linear and MoE on cuda,
+        # the CPU reference in a --dry-run (compiled for cpu); the eager model's calls go to the same
+        # instance per layer as the graph's nodes
+        return art.backends(kv, st).op_table("main")
 
     batches, extends = args.batch_list, args.extend_list
     prompt_lens = PROMPT_LENS[: max(batches)]
     max_len = -(-max(max(extends), HISTORY + 1, max(prompt_lens) + args.new_tokens) // PAGE) * PAGE
     num_seqs = max(batches)
     extend_max_seqs = min(16, min(extends))  # an extend bucket smaller than its request rows is never captured
-    decode_buckets = tuple(sorted({b for b in DEFAULT_DECODE_BUCKETS if b <= max(batches)} | set(batches)))
-    extend_buckets = tuple(sorted({t for t in DEFAULT_EXTEND_BUCKETS if t <= max(extends)} | set(extends)))
+    decode_buckets = tuple(sorted({b for b in DEFAULT_DECODE_BATCH_SIZES if b <= max(batches)} | set(batches)))
+    extend_buckets = tuple(sorted({t for t in DEFAULT_EXTEND_TOKEN_COUNTS if t <= max(extends)} | set(extends)))
     rec["buckets"] = {"decode": decode_buckets, "extend": extend_buckets, "extend_max_seqs": extend_max_seqs}
     ckpt, art_dir = work / f"ckpt_{family}_{args.size}", work / f"art_{family}_{args.size}"
     ctx: dict = {}
@@ -369,7 +369,7 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
         t0 = time.perf_counter()
         art = load_artifact(art_dir, dev)
         kv, st = pools(art)
-        ops = BoundOps(make_backend(art, kv, st))
+        ops = make_ops(art, kv, st)
         runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=decode_buckets,
                              extend_buckets=extend_buckets, max_pages_per_seq=max_len // PAGE,
                              extend_max_seqs=extend_max_seqs, decode_graphs="full", graphs=make_graphs())
@@ -457,7 +457,7 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
 
     def piecewise_decode():
         art, kv, st = ctx["art"], ctx["kv"], ctx["st"]
-        ops = BoundOps(make_backend(art, kv, st))
+        ops = make_ops(art, kv, st)
         runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=batches, extend_buckets=(),
                              max_pages_per_seq=max_len // PAGE, extend_max_seqs=extend_max_seqs,
                              decode_graphs="piecewise", graphs=make_graphs())
@@ -512,7 +512,7 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
         _, _, model = load_checkpoint(ckpt, dtype=torch.bfloat16, device=dev)
         art = ctx["art"]
         kv, st = pools(art)
-        ops = BoundOps(make_backend(art, kv, st))
+        ops = make_ops(art, kv, st)
         model.set_ops(ops)
         out = rec.setdefault("torch_compile", {"model_load_s": time.perf_counter() - t0,
                                                "recompile_limit": torch._dynamo.config.recompile_limit})

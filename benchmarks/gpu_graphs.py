@@ -1,6 +1,6 @@
 """End-to-end check of the GPU graph path: compile for cuda, load, eager tokens, capture, parity, graph tokens, timings.
 
-On the GPU machine (../shared/gpu/README.md has the wheel install line):
+On the GPU machine (benchmarks/gpu_call.sh has the wheel install line):
 
     python3 benchmarks/gpu_graphs.py --out $OUT [--sizes small-hd64,bench] [--families qwen3_next,kimi_linear]
     python3 benchmarks/gpu_graphs.py --out $OUT --sizes bench --num-prompts 32 --new-tokens 64   # issue 6.4
@@ -11,7 +11,7 @@ Steps, per checkpoint size:
 1. `hgc init-model --family qwen3_next --size S` (or, for S = "small-hd64", the small config with
    head_dim 64: FlashInfer builds no prefill for small's head dim 32) and `hgc compile --target
    cuda --dtype bfloat16` (compiled here: .pt2 programs are tied to the torch release).
-2. load on cuda, pools for 32 requests x 512 tokens (bf16 KV), backend = build_gpu_backend.
+2. load on cuda, pools for 32 requests x 512 tokens (bf16 KV), backends = the ones routing.json names (art.backends).
 3. greedy tokens through a GraphRunner that was never captured (its eager path), for 8 prompts
    of mixed lengths (one prefill step of 421 tokens, then decode at batch 8) x 32 new tokens.
 4. capture (decode buckets 1..32, extend buckets 256 and 512), timed.
@@ -52,7 +52,6 @@ from bench_common import (Stages, compare, run_guarded, decode_batch, key_names,
 from compiler.cli import main as hgc  # noqa: E402
 from tests.graph_cases import greedy  # noqa: E402
 from runtime.batch import SeqState, build_step  # noqa: E402
-from runtime.bound_ops import BoundOps  # noqa: E402
 from runtime.generate import make_pools  # noqa: E402
 from runtime.graph_runner import GraphRunner  # noqa: E402
 from runtime.loader import load_artifact  # noqa: E402
@@ -76,12 +75,10 @@ def run_size(family: str, size: str, args, work: Path, rec: dict, save) -> None:
         from tests.graph_cases import RerunGraphs
         graphs = RerunGraphs()
 
-    def make_backend(art, kv, st):
-        if args.dry_run:
-            from runtime.backends.cpu_reference import CPUReferenceBackend
-            return CPUReferenceBackend(kv, st)
-        from runtime.gpu_backends import build_gpu_backend
-        return build_gpu_backend(art, kv, st)
+    def make_ops(art, kv, st):
+        # the backends the artifact's routing.json names: FlashInfer, Triton linear and MoE on cuda,
+        # the CPU reference in a --dry-run (compiled for cpu)
+        return art.backends(kv, st).op_table("main")
     ckpt, art_dir = work / f"ckpt_{family}_{size}", work / f"art_{family}_{size}"
     prompt_lens = [PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(args.num_prompts)]
     ctx = {}
@@ -102,8 +99,8 @@ def run_size(family: str, size: str, args, work: Path, rec: dict, save) -> None:
         art = load_artifact(art_dir, dev)
         kv, st = make_pools(art.registry, MAX_LEN, MAX_SEQS, page_size=PAGE, device=dev,
                             kv_dtype=getattr(torch, dtype))
-        backend = make_backend(art, kv, st)
-        ops = BoundOps(backend)
+        ops = make_ops(art, kv, st)
+        backend = ops.backend
         runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=DECODE_BUCKETS,
                              extend_buckets=EXTEND_BUCKETS, max_pages_per_seq=MAX_LEN // PAGE,
                              extend_max_seqs=EXTEND_MAX_SEQS, graphs=graphs)
@@ -195,7 +192,7 @@ def run_size(family: str, size: str, args, work: Path, rec: dict, save) -> None:
         """Decode through the extend plan's pieces (attention and linear ops in eager gaps), on a
         second runner with its own backend instance (its own static buffers), same pools."""
         art, kv, st, vocab = ctx["art"], ctx["kv"], ctx["st"], ctx["vocab"]
-        ops = BoundOps(make_backend(art, kv, st))
+        ops = make_ops(art, kv, st)
         runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=(1, 8, 32), extend_buckets=(),
                              max_pages_per_seq=MAX_LEN // PAGE, extend_max_seqs=EXTEND_MAX_SEQS,
                              decode_graphs="piecewise", graphs=graphs)

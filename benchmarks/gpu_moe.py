@@ -1,6 +1,6 @@
-"""GPU check and benchmark of the fused Triton MoE (runtime/backends/triton_moe.py): one script, one call.
+"""GPU check and benchmark of the fused Triton MoE (runtime/backends/triton_moe_kernels.py): one script, one call.
 
-On the GPU machine (see ../shared/gpu/README.md for the wheel install line):
+On the GPU machine (benchmarks/gpu_call.sh has the wheel install line):
 
     python3 benchmarks/gpu_moe.py --out $OUT            # GPU tests, correctness, timings, table
     python3 benchmarks/gpu_moe.py --tune --out $OUT     # tune configs first (writes JSON), then the above
@@ -54,9 +54,10 @@ import triton.testing  # noqa: E402
 
 from bench_common import device_rates, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference, route_topk  # noqa: E402
-from runtime.backends.triton_moe import (  # noqa: E402
-    CONFIG_DIR, TritonMoEBackend, combine, device_name_of, down_sorted, down_token, gate_up_sorted, gate_up_token,
-    route, shared_chunks, sort_tokens,
+from runtime.backends.moe_config import CONFIG_DIR, device_name_of  # noqa: E402
+from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
+from runtime.backends.triton_moe_kernels import (  # noqa: E402
+    combine, down_sorted, down_token, gate_up_sorted, gate_up_token, route, shared_chunks, sort_tokens,
 )
 
 # Bench layers: Qwen3-Next-like (hidden 2048, expert width 512, softmax, norm_topk_prob, one shared

@@ -93,7 +93,7 @@ def routed_experts(backend, args: tuple, n_real: int) -> torch.Tensor:
                   get("renormalize"), get("routed_scale"), get("num_groups"), get("topk_groups"))
     owner = backend.owner_of("moe") if hasattr(backend, "owner_of") else backend
     if type(owner).__name__ == "TritonMoEBackend":
-        from runtime.backends.triton_moe import route
+        from runtime.backends.triton_moe_kernels import route
         ids, _ = route(*route_args, n_real=n_real)
     else:
         ids, _ = route_topk(*route_args)
@@ -210,14 +210,11 @@ def run_family(family: str, args, work: Path, rec: dict, save) -> None:
     def runner_for(art, decode, extend, seqs):
         kv, st = make_pools(art.registry, max_len, 2 * extend_seqs + 8, page_size=PAGE, device=dev,
                             kv_dtype=torch.bfloat16 if dev.type == "cuda" else None)
-        if dev.type == "cuda":
-            from runtime.gpu_backends import build_gpu_backend
-            backend, graphs = build_gpu_backend(art, kv, st), None
-        else:
-            from runtime.backends.cpu_reference import CPUReferenceBackend
+        graphs = None
+        if dev.type != "cuda":
             from tests.graph_cases import RerunGraphs
-            backend, graphs = CPUReferenceBackend(kv, st), RerunGraphs()
-        ops = BoundOps(backend)
+            graphs = RerunGraphs()
+        ops = BoundOps(art.backends(kv, st).for_program("main"))  # the backends routing.json names
         return GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=decode, extend_buckets=extend,
                            max_pages_per_seq=max_len // PAGE, extend_max_seqs=seqs, graphs=graphs)
 

@@ -109,6 +109,7 @@ def bench(args, rec: dict, save) -> None:
             from runtime.server.model import build_engine
             from tests.graph_cases import RerunGraphs
             eng = build_engine(art.registry, art.bind, options, max_len, device=device,
+                               backend_factory=lambda kv, st: art.backends(kv, st).for_program("main"),
                                runner_factory=graph_runner_factory(art, vocab, graphs=RerunGraphs(), log=log))
         else:
             eng = engine_for_artifact(art, options, max_len, device=device, log=log)

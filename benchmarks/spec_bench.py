@@ -77,13 +77,6 @@ def bench(args, rec: dict, save) -> None:
             return RerunGraphs()
         return None  # CudaGraphs
 
-    def backend(kv, st):
-        if args.dry_run:
-            from runtime.backends.cpu_reference import CPUReferenceBackend
-            return CPUReferenceBackend(kv, st)
-        from runtime.gpu_backends import build_gpu_backend
-        return build_gpu_backend(state["art"], kv, st)
-
     def step_cost():
         from runtime.bound_ops import BoundOps
         from runtime.graph_runner import GraphRunner
@@ -95,7 +88,7 @@ def bench(args, rec: dict, save) -> None:
         pages_per_seq = -(-(HISTORY + D + 2) // page)
         kv = KVPool(art.registry, top * pages_per_seq + 1, page, device)
         st = StatePool(art.registry, top, device, draft_tokens=D, verify_rows=top)
-        ops = BoundOps(backend(kv, st))
+        ops = BoundOps(art.backends(kv, st).for_program("main"))  # what routing.json names
         runner = GraphRunner(art.runner(ops), ops, kv, st, device, decode_buckets=batches, extend_buckets=(),
                              verify_buckets=batches, verify_tokens=D + 1, max_pages_per_seq=pages_per_seq,
                              extend_max_seqs=1, graphs=graphs())
@@ -126,13 +119,14 @@ def bench(args, rec: dict, save) -> None:
     def engine(draft_tokens: int, drafter_wrap=None, slots: int = 1, max_len: int = 0):
         """An engine as `hgc serve` builds it (graph runners included), optionally with its drafter wrapped."""
         from runtime.graph_runner import graph_runner_factory
-        from runtime.server.model import EngineOptions, build_engine
+        from runtime.server.model import EngineOptions, build_engine, routed_backends
         from runtime.speculative import speculative_factory
 
         art, log = state["art"], (lambda line: print(f"  {line}", flush=True))
         options = EngineOptions(slots=slots, token_budget=512, speculative_tokens=draft_tokens, prefix_cache=False)
         runners = graph_runner_factory(art, state["vocab"], graphs=graphs(), speculative_tokens=draft_tokens, log=log)
-        base = speculative_factory(art, draft_tokens, log=log) if draft_tokens else None
+        backend, draft_backend = routed_backends(art)  # both programs bound as routing.json says
+        base = speculative_factory(art, draft_tokens, draft_backend=draft_backend, log=log) if draft_tokens else None
 
         def wrapped(ops, kv, st, limits, runner):
             spec = base(ops, kv, st, limits, runner)

@@ -48,9 +48,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from gpu_moe import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
-from runtime.backends.triton_moe import (  # noqa: E402
-    CONFIG_DIR, GemmConfig, MoEConfig, config_file_name, default_config, device_name_of, down_sorted, down_token,
-    fused_moe, gate_up_sorted, gate_up_token, load_config_table, route, shared_chunks, sort_tokens,
+from runtime.backends.moe_config import (  # noqa: E402
+    CONFIG_DIR, GemmConfig, MoEConfig, config_file_name, default_config, device_name_of, load_config_table,
+)
+from runtime.backends.triton_moe_kernels import (  # noqa: E402
+    down_sorted, down_token, fused_moe, gate_up_sorted, gate_up_token, route, shared_chunks, sort_tokens,
 )
 
 BUCKETS_GPU = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]

@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from compiler.passes.base import CompileError
+from compiler.splitops.errors import CompileError
 from compiler.splitops import MODES, op_schemas
 from compiler.splitops.artifact import (FORMAT_NAME, FORMAT_VERSION, LINTS, MANIFEST, PROGRAM_FILES,
-                                        PROGRAM_INPUTS, ROUTING, SPLIT, WEIGHT_MAP, WEIGHTS, dump_json,
-                                        program_outputs, safetensors_header, sha256_file, split_doc, weights_doc)
+                                        PROGRAM_INPUTS, ROUTING, SPLIT, WEIGHT_MAP, WEIGHTS, dump_json, program_outputs,
+                                        routing_doc, safetensors_header, sha256_file, split_doc, weights_doc)
 
-__all__ = ["ArtifactWriteError", "staging_folder", "write_artifact", "checkpoint_index", "hgc_version", "routing_doc", "lints_doc"]
+__all__ = ["ArtifactWriteError", "staging_folder", "write_artifact", "checkpoint_index", "hgc_version", "lints_doc"]
 
 
 class ArtifactWriteError(CompileError):
@@ -95,12 +95,6 @@ def staging_folder(out: str | os.PathLike, force: bool = False, protect: list[Pa
 # -- documents --------------------------------------------------------------------------------------
 
 
-def routing_doc(ctx) -> dict:
-    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "target": ctx.config.target,
-            "backends": [c.to_json() for c in ctx.capabilities if c.device == ctx.config.target],
-            "programs": {p: ctx.routing.get(p, []) for p in ctx.program_names}}
-
-
 def lints_doc(ctx) -> dict:
     from compiler.lints import sort_findings
     findings = sort_findings(ctx.findings)
@@ -112,13 +106,11 @@ def lints_doc(ctx) -> dict:
 # -- weights ------------------------------------------------------------------------------------------
 
 
-def checkpoint_index(ckpt_dir: Path) -> dict[str, tuple[Path, dict, int]]:
-    """name -> (file, header entry, data start) for every tensor of the checkpoint's safetensors files."""
-    from models.checkpoint import CheckpointReader
-
-    reader = CheckpointReader(ckpt_dir)  # validates index, duplicates and truncation
+def checkpoint_index(ckpt_dir: Path, checkpoint_files) -> dict[str, tuple[Path, dict, int]]:
+    """name -> (file, header entry, data start) for every tensor of the checkpoint's safetensors files
+    (`checkpoint_files(ckpt_dir)`: the toolchain's list, which validates index, duplicates and truncation)."""
     out = {}
-    for fname in reader.files:
+    for fname in checkpoint_files(ckpt_dir):
         path = ckpt_dir / fname
         header_bytes, header = safetensors_header(path)
         for name, entry in header.items():
@@ -199,20 +191,13 @@ def link_weights(artifact_out: Path, names: list[str], index) -> list[dict]:
 # -- the artifact --------------------------------------------------------------------------------------
 
 
-def _tokenizer_files(ckpt_dir: Path) -> dict[str, bytes]:
-    """The checkpoint's tokenizer files (data only: JSON and a Jinja template), copied so a served
-    artifact needs nothing from the checkpoint folder; the runtime owns the list of names."""
-    try:
-        from runtime.tokenizer import tokenizer_files
-    except ImportError:  # a runtime without tokenizer support: nothing to copy
-        return {}
-    return tokenizer_files(ckpt_dir)
-
-
-def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, link: bool = False) -> dict:
+def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenizer_files, link: bool = False) -> dict:
     """Write every file of the artifact into `tmp` (which becomes `out`); returns the manifest.
 
-    `index` is `checkpoint_index(ckpt_dir)`: where each checkpoint tensor's bytes are."""
+    `index` is `checkpoint_index(ckpt_dir, ...)`: where each checkpoint tensor's bytes are.
+    `tokenizer_files(ckpt_dir)`: the checkpoint's tokenizer files (data only: JSON and a Jinja
+    template), copied so a served artifact needs nothing from the checkpoint folder; the runtime
+    owns the list of names (compiler/toolchain.py)."""
     traced, ctx = result.traced, result.ctx
     names = _check_sources(traced.tensors, index)
     for program, ep in traced.programs.items():
@@ -223,12 +208,13 @@ def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, link: bo
     else:
         known[WEIGHTS] = copy_weights(tmp / WEIGHTS, names, index)
         weights = {"mode": "copy", "file": WEIGHTS}
-    tokenizer = _tokenizer_files(Path(ckpt_dir))
+    tokenizer = tokenizer_files(Path(ckpt_dir))
     for name, data in tokenizer.items():
         (tmp / name).write_bytes(data)
     docs = {
         WEIGHT_MAP: weights_doc(traced.tensors, traced.program_fqns),
-        ROUTING: routing_doc(ctx),
+        ROUTING: routing_doc(ctx.config.target, ctx.config.routes, ctx.capabilities,
+                             {p: ctx.routing.get(p, []) for p in ctx.program_names}),
         SPLIT: split_doc({p: ctx.split_plans[p] for p in ctx.program_names}),
         LINTS: lints_doc(ctx),
     }

@@ -1,6 +1,7 @@
 """Frontend: a checkpoint directory's config.json -> exported FX programs, on the meta device.
 
-1. Read config.json and find the family (models/loader.load_config); build the model under
+1. Read config.json and find the family (the toolchain's `read_model`: models/loader.load_config,
+   handed in by the command line, so the compiler imports no model code); build the model under
    torch.device("meta") in the compile dtype: no weight is read or allocated, so a 1T-parameter
    layout traces as fast as a tiny one.
 2. Pick example sizes: the token count T (shared by input_ids, positions and, for the draft,
@@ -37,7 +38,7 @@ import torch.nn as nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from compiler.passes.base import CompileError
+from compiler.splitops.errors import CompileError
 from compiler.splitops import TRACED_OPS, LayerRegistry, RegistryError
 from compiler.splitops.artifact import PROGRAM_INPUTS, ParamSource, TensorView, program_outputs
 
@@ -310,9 +311,9 @@ def trace_model(model: nn.Module, family, config: dict, text_config: dict, dtype
                        program_fqns, missing)
 
 
-def trace_checkpoint(ckpt_dir: str | os.PathLike, dtype: str = "float32") -> TracedModel:
-    """Steps 1-4 of the module docstring for one checkpoint directory (config.json is all it reads)."""
-    from models.loader import load_config
+def trace_checkpoint(ckpt_dir: str | os.PathLike, dtype: str, read_model) -> TracedModel:
+    """Steps 1-4 of the module docstring for one checkpoint directory (config.json is all it reads).
 
-    family, config, text = load_config(ckpt_dir)
+    read_model(ckpt_dir) -> (family, config.json, text config): compiler/toolchain.py."""
+    family, config, text = read_model(ckpt_dir)
     return trace_model(build_model(family, text, dtype), family, config, text, dtype)

@@ -14,6 +14,10 @@ Flow of `compile_checkpoint` (what `hgc compile` runs):
 
 `hgc lint` and `hgc compile --plan-only` run `plan` alone, on a folder that may hold only
 config.json. Nothing else in hgc decides the order of passes.
+
+Every entry point takes a `Toolchain` (compiler/toolchain.py): the backends' capability table, the
+model reader and the checkpoint's file lists, handed in by the command line; the pipeline imports
+neither models/ nor runtime/.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from compiler.passes.manager import PassManager
 from compiler.passes.routing import RoutingPass
 from compiler.passes.split import SplitPass
 from compiler.splitops.artifact import DUMPS
+from compiler.toolchain import Toolchain
 
 __all__ = ["build_passes", "plan", "run_passes", "compile_checkpoint", "CompileResult", "LintFailure", "make_context"]
 
@@ -71,49 +76,53 @@ class CompileResult:
         return sort_findings(self.ctx.errors())
 
 
-def make_context(traced: TracedModel, config: CompileConfig) -> CompileContext:
-    from runtime.backends import capability_table, wrapper_classes
-
+def make_context(traced: TracedModel, config: CompileConfig, toolchain: Toolchain) -> CompileContext:
     return CompileContext(
-        registry=traced.registry, capabilities=capability_table(), config=config,
+        registry=traced.registry, capabilities=toolchain.capabilities, config=config,
         programs={name: ep.graph_module for name, ep in traced.programs.items()},
         signatures={name: ep.graph_signature for name, ep in traced.programs.items()},
-        backend_wrappers=wrapper_classes(), missing_weights=traced.missing)
+        backend_wrappers=toolchain.backend_wrappers, missing_weights=traced.missing)
 
 
-def plan(ckpt_dir, config: CompileConfig, dump_dir: Optional[Path] = None,
+def plan(ckpt_dir, config: CompileConfig, toolchain: Toolchain, dump_dir: Optional[Path] = None,
          timing: Optional[TimingInstrument] = None) -> CompileResult:
     """Trace and run every pass; findings are in result.ctx (a lint error does not raise here)."""
     timing = timing or TimingInstrument()
     start = time.perf_counter()
-    traced = trace_checkpoint(ckpt_dir, config.dtype)
+    traced = trace_checkpoint(ckpt_dir, config.dtype, toolchain.read_model)
     timing.add("00 export", "+".join(traced.programs), time.perf_counter() - start)
-    return run_passes(traced, config, dump_dir, timing)
+    return run_passes(traced, config, toolchain, dump_dir, timing)
 
 
-def run_passes(traced: TracedModel, config: CompileConfig, dump_dir: Optional[Path] = None,
-               timing: Optional[TimingInstrument] = None, ctx: Optional[CompileContext] = None) -> CompileResult:
-    """The passes of `build_passes` over traced programs (`ctx`: a prepared context, for tests)."""
+def run_passes(traced: TracedModel, config: CompileConfig, toolchain: Optional[Toolchain] = None,
+               dump_dir: Optional[Path] = None, timing: Optional[TimingInstrument] = None,
+               ctx: Optional[CompileContext] = None) -> CompileResult:
+    """The passes of `build_passes` over traced programs (`ctx`: a prepared context, for tests;
+    otherwise one is made with `toolchain`)."""
     timing = timing or TimingInstrument()
-    ctx = ctx or make_context(traced, config)
+    if ctx is None:
+        if toolchain is None:
+            raise ValueError("run_passes: pass a toolchain (or a prepared context)")
+        ctx = make_context(traced, config, toolchain)
     instruments = [timing] + ([DumpInstrument(dump_dir, timing=timing)] if dump_dir is not None else [])
     manager = PassManager(build_passes(config), instruments)
     manager.run(ctx)
     return CompileResult(traced, ctx, manager.fingerprints(), timing)
 
 
-def compile_checkpoint(ckpt_dir, out, config: CompileConfig, force: bool = False, link_weights: bool = False,
-                       dumps: bool = True, timing: Optional[TimingInstrument] = None) -> tuple[CompileResult, dict]:
+def compile_checkpoint(ckpt_dir, out, config: CompileConfig, toolchain: Toolchain, force: bool = False,
+                       link_weights: bool = False, dumps: bool = True,
+                       timing: Optional[TimingInstrument] = None) -> tuple[CompileResult, dict]:
     from compiler.artifact_writer import checkpoint_index, staging_folder, write_artifact
 
     out, ckpt = Path(out), Path(ckpt_dir)
     timing = timing or TimingInstrument()
     with staging_folder(out, force=force, protect=[ckpt]) as tmp:
-        index = checkpoint_index(ckpt)  # first: a folder without weights fails before the trace
-        result = plan(ckpt, config, dump_dir=tmp / DUMPS if dumps else None, timing=timing)
+        index = checkpoint_index(ckpt, toolchain.checkpoint_files)  # first: a folder without weights fails before the trace
+        result = plan(ckpt, config, toolchain, dump_dir=tmp / DUMPS if dumps else None, timing=timing)
         if result.errors():
             raise LintFailure(result.errors())
         start = time.perf_counter()
-        manifest = write_artifact(tmp, out, result, index, ckpt, link=link_weights)
+        manifest = write_artifact(tmp, out, result, index, ckpt, toolchain.tokenizer_files, link=link_weights)
         timing.add("write artifact", "", time.perf_counter() - start)
     return result, manifest

@@ -12,7 +12,7 @@ import torch
 from compiler.splitops import LayerRegistry
 from runtime.batch import SeqState, build_step, commit_step
 from runtime.bound_ops import BoundOps
-from runtime.kv_pool import KVPool
+from runtime.kv_pool import KVPool, pages_for
 from runtime.state_pool import StatePool
 
 __all__ = ["make_pools", "greedy_generate", "run_step"]
@@ -21,7 +21,7 @@ __all__ = ["make_pools", "greedy_generate", "run_step"]
 def make_pools(registry: LayerRegistry, max_tokens: int, num_seqs: int, page_size: int = 16,
                device="cpu", kv_dtype: torch.dtype | None = None) -> tuple[KVPool, StatePool]:
     """Pools big enough for `num_seqs` requests of up to `max_tokens` tokens each."""
-    pages = num_seqs * (-(-max_tokens // page_size))
+    pages = num_seqs * pages_for(max_tokens, page_size)
     return (KVPool(registry, max(pages, 1), page_size, device, kv_dtype), StatePool(registry, num_seqs, device))
 
 

@@ -1,28 +1,34 @@
 """GraphRunner: captured CUDA graphs per bucket, and the one place that picks full, piecewise or eager.
 
-The runner owns the captured keys, the static buffers and the padding; how one piece is captured
-and replayed is `CapturedPiece`'s business, and what the ops do is the backend's. Lifecycle:
+The runner owns the captured keys, the static buffers and the padding; each role has its module:
+
+- runtime/buckets.py: the capture keys, and which key a step goes to;
+- runtime/step_staging.py: the static buffers a replayed step is copied into;
+- runtime/cuda_graphs.py: how one piece is captured and replayed (torch.cuda, or a CPU stand-in);
+- here: the lifecycle below and the start-up parity check.
+
+Lifecycle:
 
 1. Construction: static device buffers for the largest bucket (input ids, positions, logits
    rows and every ExecContext tensor; `StepStaging`). Each step that replays graphs has its
    host-built tensors copied into them in place (one copy per dtype, never reassigned), so every
    captured kernel reads the same addresses; an eager step uses its own tensors and may be of any size.
 2. `capture()` (start-up only): `backend.init_capture_state`, then for each decode bucket,
-   largest first, one graph of the whole step when every op's decode policy allows it (the
-   artifact's decode plan is one captured piece) or piecewise graphs otherwise; the same for
-   each target_verify bucket (speculative decoding: `verify_tokens` tokens per request, so a
-   bucket of B requests is B * verify_tokens rows); then piecewise graphs for each extend token
-   bucket, largest first. All graphs share one memory pool. Padded
-   rows point at the reserved state slot and write no KV. After `capture()` the runner is sealed:
-   a capture at any later time is an error. Decode graphs are piecewise too when asked
-   (`decode_graphs="piecewise"`: the extend plan's pieces, the baseline of the full graph).
+   largest first, one graph of the whole step when the artifact's decode plan (split.json) is one
+   captured piece, or piecewise graphs otherwise; the same for each target_verify bucket
+   (speculative decoding: `verify_tokens` tokens per request, so a bucket of B requests is
+   B * verify_tokens rows; whole-step graphs where split.json's target_verify plan is one captured
+   piece); then piecewise graphs for each extend token bucket, largest first. All graphs share one memory pool. Padded rows point at the reserved
+   state slot and write no KV. After `capture()` the runner is sealed: a capture at any later time
+   is an error. Decode graphs are piecewise too when asked (`decode_graphs="piecewise"`: the
+   extend plan's pieces, the baseline of the full graph).
 3. `build(items)` + `run(step, key)` per step (`execute(items)` does both for the engine):
    decode steps go to the smallest decode bucket that holds them, extend and mixed steps to the
    smallest extend bucket that holds their tokens, anything larger runs eagerly. The backend is
    told first: `init_replay_state` for a full graph; `init_step_metadata` (+ `init_chunk_metadata`
    outside decode) for an eager step; both, then `init_replay_state`, for a piecewise step, whose
-   captured pieces read per-step values from the static buffers that hook fills (a hybrid
-   forwards it only to the children whose ops are captured in the step's mode).
+   captured pieces read per-step values from the static buffers that hook fills (the backend set
+   forwards it only to the instances with a node inside a captured piece of the step's mode).
 4. `check_parity()` (start-up, after capture): for each captured key, real requests that fill it
    only in part run eagerly padded, eagerly unpadded with each op on the padded run's inputs, and
    replayed padded, from the same caches and states (`_check_key`, runtime/parity.py). Every
@@ -33,22 +39,15 @@ and replayed is `CapturedPiece`'s business, and what the ops do is the backend's
    both share.) `start(vocab)` is capture + parity; `graph_runner_factory` makes a started runner
    for the engine (runtime/server/model.py), with the artifact's buckets clipped to its limits.
 
-How a graph is captured and replayed is `CudaGraphs`' business (torch.cuda); tests on the CPU
-hand the runner a stand-in with the same methods (tests/graph_cases.py), so everything above it
-runs there too.
-
 The same runner serves either program of an artifact: the main program, or the draft (MTP)
 program, whose `hidden` input (the previous position's hidden states) is one more static buffer.
 `run_outputs` gives every output of a step (logits, and the hidden states where the program
-returns them); `run` the logits. Two runners over one backend (main and draft) share the
-backend's static buffers: whoever makes them calls `init_capture_state` once, sized for both, and
-captures each with `capture(init_backend=False)` (runtime/speculative.py does).
+returns them); `run` the logits. Two runners over the same backend instances (main and draft)
+share their static buffers: the main runner's `init_capture_state` sizes them for both, and the
+draft captures with `capture(init_backend=False)` (runtime/speculative.py does).
 
-Piecewise graphs need no copies between pieces: every op is "with output", so the `out` an eager
-gap writes was allocated by the captured piece before it, inside the graph pool, at an address
-the next piece was captured with.
-
-It does not build requests or sample (the engine does) and does not choose kernels (routing did).
+It does not build requests or sample (the engine does) and does not choose kernels (routing did:
+which nodes sit in captured pieces is split.json's decision, read here through the program's plans).
 """
 
 from __future__ import annotations
@@ -61,209 +60,30 @@ from typing import Callable, Optional
 import torch
 
 from compiler.splitops import Mode
-from compiler.splitops.artifact import PROGRAM_INPUTS
+from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS, PROGRAM_INPUTS
 from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
+from runtime.buckets import Buckets, CaptureKey, buckets_for, extend_seqs
+from runtime.cuda_graphs import CaptureError, CapturedPiece, CaptureState, CudaGraphs
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
 from runtime.parity import CacheWatch, OpRecord, OpTrace, TeacherForcing, first_difference, rel_err, rtol_for
 from runtime.state_pool import PADDING_SLOT, StatePool
+from runtime.step_staging import StepStaging, step_on_device
 
-__all__ = ["GraphRunner", "StepStaging", "hidden_input_spec", "step_on_device", "CaptureKey", "CaptureError", "ParityError", "CapturedPiece", "CudaGraphs", "buckets_for",
-           "graph_runner_factory",
-           "DEFAULT_DECODE_BUCKETS",
-           "DEFAULT_EXTEND_BUCKETS"]
-
-DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DEFAULT_EXTEND_BUCKETS = (256, 512, 1024, 2048, 4096)
-
-
-class CaptureError(RuntimeError):
-    pass
+__all__ = ["GraphRunner", "ParityError", "graph_runner_factory", "hidden_input_spec",
+           # the roles' own names, as the runner's users know them
+           "CaptureKey", "buckets_for", "CaptureError", "CudaGraphs", "CapturedPiece", "StepStaging", "step_on_device"]
 
 
 class ParityError(RuntimeError):
     pass
 
 
-@dataclasses.dataclass(frozen=True)
-class CaptureKey:
-    mode: Mode  # DECODE or TARGET_VERIFY (full or piecewise), or EXTEND (piecewise; also serves MIXED steps)
-    tokens: int  # rows of the step, padding included
-    seqs: int  # requests of the step, padding included
-    rows: int = 0  # logits rows, padding included (0: one per request)
-
-    @property
-    def logits_rows(self) -> int:
-        return self.rows or self.seqs
-
-    def __str__(self) -> str:
-        rows = f", rows={self.rows}" if self.rows else ""
-        return f"{self.mode.value}[tokens={self.tokens}, seqs={self.seqs}{rows}]"
-
-
-class CudaGraphs:
-    """Capture and replay through torch.cuda: the one place the runner touches the CUDA graph API."""
-
-    # A replay runs recorded kernels and no Python: the op outputs of a replayed step are read from
-    # the tensors recorded at capture (a CPU stand-in that reruns the ops says True instead).
-    replays_call_ops = False
-
-    def check_device(self, device: torch.device) -> None:
-        if device.type != "cuda":
-            raise CaptureError(f"CUDA graphs need a CUDA device; this runner is on {device}")
-
-    def new_pool(self):
-        return torch.cuda.graph_pool_handle()
-
-    def capture(self, fn: Callable[[], object], pool) -> tuple[object, object]:
-        """Record fn's kernels into a new graph in `pool`; returns (graph, fn's output tensors)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
-        return graph, out
-
-    def synchronize(self, device: torch.device) -> None:
-        torch.cuda.synchronize(device)
-
-
-class _Capturing:
-    """Which key the pieces are capturing or replaying now: shared by the runner and its pieces."""
-
-    def __init__(self, graphs):
-        self.graphs = graphs
-        self.key: Optional[CaptureKey] = None
-        self.capturing = False
-        self.silent = False  # ops run now are not the graph's (warm-up, the first replay of a rerun stand-in)
-        self.pool = None
-
-
-class CapturedPiece(torch.nn.Module):
-    """One captured piece of a split program: a CUDA graph per key, replayed with the inputs it was captured with."""
-
-    def __init__(self, piece: torch.nn.Module, index: int, state: _Capturing, debug: bool = False):
-        super().__init__()
-        self.piece, self.index, self.state, self.debug = piece, index, state, debug
-        self.graphs: dict[CaptureKey, tuple[object, object, list[int]]] = {}
-
-    def forward(self, *args):
-        key = self.state.key
-        if key is None:  # an eager step: no graph at all
-            return self.piece(*args)
-        if self.state.capturing and key not in self.graphs:
-            self.state.silent = True
-            try:
-                self.piece(*args)  # warm-up outside the graph: lazy init, Triton compiles, autotuning
-            finally:
-                self.state.silent = False
-            graph, out = self.state.graphs.capture(lambda: self.piece(*args), self.state.pool)
-            self.graphs[key] = (graph, out, [a.data_ptr() for a in args if isinstance(a, torch.Tensor)])
-            self.state.silent = True
-            try:
-                graph.replay()  # the capture did not run the kernels; the step needs their results
-            finally:
-                self.state.silent = False
-            return out
-        if key not in self.graphs:
-            raise CaptureError(f"piece {self.index}: no graph for {key}; captures happen at start-up only")
-        graph, out, addresses = self.graphs[key]
-        if self.debug:
-            now = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
-            if now != addresses:
-                bad = next(i for i, (a, b) in enumerate(zip(now, addresses)) if a != b)
-                raise CaptureError(f"piece {self.index} {key}: input {bad} moved: captured at {addresses[bad]:#x}, "
-                                   f"got {now[bad]:#x}; every input must be a static buffer")
-        graph.replay()
-        return out
-
-
-class StepStaging:
-    """The static step buffers: two device blocks (int64, int32), each filled by one host-to-device copy.
-
-    A replayed step's metadata is eight small tensors. Copied one by one from pageable host
-    memory, each copy is a synchronous driver call of its own; here they are laid out back to
-    back in a host block (pinned on CUDA) and the block's used prefix goes over in one
-    asynchronous copy per dtype. The layout is packed per step shape (T tokens, B requests), so
-    the prefix holds exactly that step's fields: every capture key has its own views into the
-    same blocks, which is safe because one step runs at a time and each fills all of its views.
-
-    The host block is written again only once the previous copy has left it (an event on CUDA;
-    on the CPU the copy is synchronous). Rows a step does not fill are padding: build_step pads
-    every field but logits_index, whose spare rows read row 0, and page_table's spare columns.
-    """
-
-    INT64 = ("input_ids", "positions", "slot_mapping", "logits_index", "state_slots")
-    INT32 = ("query_start_loc", "seq_lens", "page_table")
-    PER_TOKEN = ("input_ids", "positions", "slot_mapping")
-
-    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device):
-        self.max_pages, self.device = max_pages, device
-        cuda = device.type == "cuda"
-        sizes = {torch.int64: self._size(self.INT64, max_tokens, max_seqs),
-                 torch.int32: self._size(self.INT32, max_tokens, max_seqs)}
-        self.host = {dt: torch.zeros(n, dtype=dt, pin_memory=cuda) for dt, n in sizes.items()}
-        self.dev = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
-        self._event = torch.cuda.Event() if cuda else None
-        self._views: dict[tuple[int, int], tuple[dict, dict, dict]] = {}
-
-    def shape(self, name: str, T: int, B: int, R: int | None = None) -> tuple[int, ...]:
-        """The field's shape for T tokens, B requests and R logits rows (default B)."""
-        if name in self.PER_TOKEN:
-            return (T,)
-        if name == "query_start_loc":
-            return (B + 1,)
-        if name == "page_table":
-            return (B, self.max_pages)
-        if name == "logits_index":
-            return (B if R is None else R,)
-        return (B,)
-
-    def _size(self, names, T: int, B: int) -> int:
-        # logits rows are at most T (one per token: a target_verify step checks every token)
-        return sum(math.prod(self.shape(n, T, B, max(T, B))) for n in names)
-
-    def views(self, T: int, B: int, R: int | None = None) -> tuple[dict, dict, dict]:
-        """(host numpy views, device views, used length per dtype) of the layout for T tokens, B
-        requests and R logits rows (default B)."""
-        R = B if R is None else R
-        if (T, B, R) not in self._views:
-            host, dev, used = {}, {}, {}
-            for dt, names in ((torch.int64, self.INT64), (torch.int32, self.INT32)):
-                at = 0
-                for name in names:
-                    shape = self.shape(name, T, B, R)
-                    n = math.prod(shape)
-                    host[name] = self.host[dt][at: at + n].view(shape).numpy()
-                    dev[name] = self.dev[dt][at: at + n].view(shape)
-                    at += n
-                used[dt] = at
-            self._views[(T, B, R)] = (host, dev, used)
-        return self._views[(T, B, R)]
-
-    def fill(self, T: int, B: int, sources: dict[str, torch.Tensor], R: int | None = None) -> dict[str, torch.Tensor]:
-        """Copy a step's host tensors in and send them over; returns the device views."""
-        host, dev, used = self.views(T, B, R)
-        if self._event is not None:
-            self._event.synchronize()  # the previous step's copy has left the host block
-        for name, src in sources.items():
-            a, h = src.numpy(), host[name]
-            if name == "page_table":  # as wide as the longest request: the columns after it are 0
-                h[:, : a.shape[1]] = a
-                h[:, a.shape[1]:] = 0
-            else:
-                h[: a.shape[0]] = a
-                h[a.shape[0]:] = 0  # only logits_index comes short: its padded rows read row 0
-        for dt, n in used.items():
-            self.dev[dt][:n].copy_(self.host[dt][:n], non_blocking=True)
-        if self._event is not None:
-            self._event.record()
-        return dev
-
-
 class GraphRunner:
     def __init__(self, program, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str, *,
-                 decode_buckets=DEFAULT_DECODE_BUCKETS, extend_buckets=DEFAULT_EXTEND_BUCKETS,
+                 decode_buckets=DEFAULT_DECODE_BATCH_SIZES, extend_buckets=DEFAULT_EXTEND_TOKEN_COUNTS,
                  max_pages_per_seq: int, extend_max_seqs: int = 16, chunk_size: Optional[int] = None,
                  decode_graphs: str = "full", debug: bool = False, graphs=None,
                  verify_buckets=(), verify_tokens: int = 0, verify_logits_rows: Optional[int] = None):
@@ -289,11 +109,11 @@ class GraphRunner:
         self.backend = ops.backend
         self.device = torch.device(device)
         self.graphs = graphs if graphs is not None else CudaGraphs()
-        self.decode_buckets = tuple(sorted(decode_buckets))
-        self.extend_buckets = tuple(sorted(extend_buckets))
-        self.verify_buckets = tuple(sorted(verify_buckets)) if verify_tokens else ()
-        self.verify_tokens = verify_tokens
-        self.verify_logits_rows = verify_tokens if verify_logits_rows is None else verify_logits_rows
+        self.buckets = Buckets(tuple(decode_buckets), tuple(extend_buckets), extend_max_seqs,
+                               tuple(verify_buckets), verify_tokens, verify_logits_rows or 0)
+        self.decode_buckets, self.extend_buckets = self.buckets.decode, self.buckets.extend
+        self.verify_buckets, self.verify_tokens = self.buckets.verify, verify_tokens
+        self.verify_logits_rows = self.buckets.verify_logits_rows
         if self.verify_buckets and program.name == "main" and self.verify_buckets[-1] > state_pool.verify_rows:
             raise CaptureError(f"target_verify bucket {self.verify_buckets[-1]} holds more requests than the state "
                                f"pool's {state_pool.verify_rows} rows of intermediate states; keep verify buckets at "
@@ -301,26 +121,23 @@ class GraphRunner:
         self.extend_max_seqs = extend_max_seqs
         self.max_pages = max_pages_per_seq
         self.debug = debug
-        self.state = _Capturing(self.graphs)
+        self.state = CaptureState(self.graphs)
         self.sealed = False
         self.counters = {"graph_replays": 0, "piecewise_steps": 0, "eager_steps": 0}
-        # Modes whose steps are one whole-step graph: every op of the mode's plan captured.
+        # Modes whose steps are one whole-step graph: every op of the mode's plan (split.json) captured.
         self.full_modes = frozenset(m for m in (Mode.DECODE, Mode.TARGET_VERIFY)
                                     if decode_graphs == "full" and self._plan_is_one_captured_piece(m))
         self.keys: list[CaptureKey] = []
-        self.max_tokens = max(self.decode_buckets[-1] if self.decode_buckets else 1,
-                              self.extend_buckets[-1] if self.extend_buckets else 1,
-                              self.verify_buckets[-1] * verify_tokens if self.verify_buckets else 1)
-        self.max_seqs = max(self.decode_buckets[-1] if self.decode_buckets else 1, extend_max_seqs,
-                            self.verify_buckets[-1] if self.verify_buckets else 1)
-        self.chunk_size = chunk_size or self.max_tokens
+        max_tokens, max_seqs = self.buckets.max_tokens, self.buckets.max_seqs
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.chunk_size = chunk_size or max_tokens
         # Static buffers: the only tensors a captured graph reads besides weights, caches and its pool.
-        self.staging = StepStaging(self.max_tokens, self.max_seqs, self.max_pages, self.device)
+        self.staging = StepStaging(max_tokens, max_seqs, self.max_pages, self.device)
         self.input_names = PROGRAM_INPUTS[program.name]
         self._hidden = None  # the draft program's hidden input [max_tokens, D], when the program takes one
         if "hidden" in self.input_names:
             width, dtype = hidden_input_spec(program.program)
-            self._hidden = torch.zeros(self.max_tokens, width, dtype=dtype, device=self.device)
+            self._hidden = torch.zeros(max_tokens, width, dtype=dtype, device=self.device)
         self._modules: dict[Mode, torch.nn.Module] = {}
         self._outputs: dict[CaptureKey, list] = {}  # full graphs: their static outputs (logits, hidden)
         self._full_graphs: dict[CaptureKey, object] = {}
@@ -340,24 +157,8 @@ class GraphRunner:
         return key is not None and key.mode in self.full_modes
 
     def key_for(self, mode: Mode, num_tokens: int, num_seqs: int) -> Optional[CaptureKey]:
-        """The smallest captured key that holds this step, or None (eager)."""
-        if not self.sealed:
-            return None
-        if mode == Mode.DECODE:
-            bucket = next((b for b in self.decode_buckets if b >= num_seqs), None)
-            return CaptureKey(Mode.DECODE, bucket, bucket) if bucket else None
-        if mode == Mode.TARGET_VERIFY:
-            bucket = next((b for b in self.verify_buckets if b >= num_seqs), None)
-            if bucket is None or num_tokens != num_seqs * self.verify_tokens:
-                return None
-            return self._verify_key(bucket)
-        if num_seqs > self.extend_max_seqs:
-            return None
-        bucket = next((b for b in self.extend_buckets if b >= num_tokens), None)
-        return CaptureKey(Mode.EXTEND, bucket, self.extend_max_seqs) if bucket else None
-
-    def _verify_key(self, bucket: int) -> CaptureKey:
-        return CaptureKey(Mode.TARGET_VERIFY, bucket * self.verify_tokens, bucket, bucket * self.verify_logits_rows)
+        """The smallest captured key that holds this step, or None (eager; always, before capture)."""
+        return self.buckets.key_for(mode, num_tokens, num_seqs) if self.sealed else None
 
     def _fill(self, step: StepInputs, key: Optional[CaptureKey]) -> tuple[tuple, ExecContext]:
         """Copy a host-built step into the static buffers, as views sized to the key.
@@ -534,16 +335,12 @@ class GraphRunner:
 
     def capture_keys(self) -> list[CaptureKey]:
         """What `capture()` captures, in capture order (largest first)."""
-        keys = [CaptureKey(Mode.DECODE, b, b) for b in reversed(self.decode_buckets)]
-        keys += [self._verify_key(b) for b in reversed(self.verify_buckets)]
-        keys += [CaptureKey(Mode.EXTEND, t, self.extend_max_seqs) for t in reversed(self.extend_buckets)
-                 if t >= self.extend_max_seqs]
-        return keys
+        return self.buckets.capture_keys()
 
     @torch.no_grad()  # a graph captured with autograd on would record its bookkeeping too
     def capture(self, init_backend: bool = True, pool=None) -> None:
-        """Capture every key. init_backend=False: the backend's static buffers were allocated by
-        the caller (sized for every runner sharing the backend); pool: a graph pool to share."""
+        """Capture every key. init_backend=False: the backends' static buffers were allocated by
+        the caller (sized for every runner sharing them); pool: a graph pool to share."""
         if self.sealed:
             raise CaptureError("capture after start-up: graphs are captured once, before serving")
         self.graphs.check_device(self.device)
@@ -708,7 +505,7 @@ class GraphRunner:
         return err
 
     def _observed_run(self, step: StepInputs, key: Optional[CaptureKey], *, observer=None,
-                      intercept=None) -> torch.Tensor:
+                      intercept=None) -> list[torch.Tensor]:
         """run_outputs() with an observer or an intercept on the op table for this step only: copies
         of every output (the logits, and the hidden states where the program returns them)."""
         self.ops.observer, self.ops.intercept = observer, intercept
@@ -742,33 +539,6 @@ def hidden_input_spec(exported) -> tuple[int, torch.dtype]:
     return int(value.shape[1]), value.dtype
 
 
-def step_on_device(step: StepInputs, device) -> tuple[tuple, ExecContext]:
-    """An eager step's (input_ids, positions, logits_index) and context on `device`: its own
-    tensors, so it may be of any size (no graph reads them)."""
-    ctx = step.ctx
-    moved = {name: getattr(ctx, name).to(device, non_blocking=True)
-             for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping")}
-    inputs = tuple(t.to(device, non_blocking=True) for t in (step.input_ids, step.positions, step.logits_index))
-    return inputs, dataclasses.replace(ctx, **moved)
-
-
-def buckets_for(decode_sizes, extend_sizes, *, max_running: int, token_budget: int,
-                max_seq_len: Optional[int] = None) -> tuple[tuple, tuple]:
-    """The artifact's buckets, clipped to the steps an engine can send.
-
-    A decode step has at most max_running requests and an extend step at most token_budget
-    tokens (and at most max_running x max_seq_len): keep every bucket up to the first one that
-    holds that many; larger ones would only cost capture time and memory.
-    """
-    if max_seq_len is not None:
-        token_budget = min(token_budget, max_running * max_seq_len)
-    def clip(sizes, limit):
-        sizes = sorted(set(int(s) for s in sizes))
-        cover = next((s for s in sizes if s >= limit), None)
-        return tuple(s for s in sizes if s < limit) + ((cover,) if cover else ())
-    return clip(decode_sizes, max_running), clip(extend_sizes, token_budget)
-
-
 def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,
                          speculative_tokens: int = 0, log: Callable[[str], None] = lambda line: None):
     """runner_factory(ops, kv_pool, state_pool, limits) for runtime/server/model.build_engine.
@@ -791,17 +561,10 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
         runner = GraphRunner(artifact.runner(ops, program), ops, kv_pool, state_pool, kv_pool.device,
                              decode_buckets=decode, extend_buckets=extend,
                              max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"] + speculative_tokens),
-                             extend_max_seqs=_extend_seqs(limits["max_running"], extend),
+                             extend_max_seqs=extend_seqs(limits["max_running"], extend),
                              chunk_size=limits["token_budget"],
                              graphs=graphs, verify_buckets=verify, verify_tokens=speculative_tokens + 1)
         runner.start(vocab_size, log=log)
         return runner
 
     return make
-
-
-def _extend_seqs(max_running: int, extend_buckets) -> int:
-    """Requests an extend graph holds. Under load most prefill chunks ride in mixed steps beside
-    every running decode, so a graph that holds fewer requests than may run leaves those steps
-    eager; a bucket of t tokens holds at most t requests (one token each)."""
-    return max(1, min([max_running, *extend_buckets]))

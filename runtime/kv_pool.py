@@ -22,11 +22,16 @@ import torch
 
 from compiler.splitops import LayerRegistry, dtype_from_name
 
-__all__ = ["KVPool", "OutOfPages"]
+__all__ = ["KVPool", "OutOfPages", "pages_for"]
 
 
 class OutOfPages(RuntimeError):
     pass
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` tokens: the one statement of it (pools, planner, backends)."""
+    return -(-num_tokens // page_size)
 
 
 class KVPool:
@@ -53,7 +58,7 @@ class KVPool:
         return len(self._free)
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):

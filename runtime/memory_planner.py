@@ -65,7 +65,7 @@ import torch
 from tabulate import tabulate
 
 from compiler.splitops import LayerRegistry, dtype_from_name
-from runtime.kv_pool import KVPool
+from runtime.kv_pool import KVPool, pages_for
 from runtime.snapshot_pool import SnapshotPool
 from runtime.state_pool import StatePool
 
@@ -181,7 +181,7 @@ class MemoryPlan:
 
 
 def _pages_per_request(max_seq_len: int, draft_tokens: int, page_size: int) -> int:
-    return -(-(max_seq_len + draft_tokens) // page_size)
+    return pages_for(max_seq_len + draft_tokens, page_size)
 
 
 def _state_bytes(num_slots: int, per_slot: int, draft_tokens: int, max_running: int | None) -> tuple[int, int, int]:

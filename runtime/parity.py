@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from compiler.splitops import op_spec
+from compiler.splitops import op_arguments, op_spec
 from runtime.kv_pool import KVPool
 from runtime.state_pool import PADDING_SLOT, StatePool
 
@@ -61,8 +61,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def op_arg_positions(op: str) -> dict[str, int]:
     """Argument name -> position in the op's schema (the order the observer receives them in)."""
-    schema = getattr(torch.ops.hgc, op_spec(op).name).default._schema
-    return {a.name: i for i, a in enumerate(schema.arguments)}
+    return {name: i for i, name in enumerate(op_arguments(op))}
 
 
 @dataclasses.dataclass

@@ -54,7 +54,9 @@ import torch
 from compiler.splitops import Mode
 from runtime.backends.protocol import plan_eager_step
 from runtime.batch import SeqState, StepInputs, build_step
+from runtime.binding import members_of
 from runtime.bound_ops import BoundOps
+from runtime.graph_runner import GraphRunner, hidden_input_spec
 from runtime.kv_pool import KVPool
 from runtime.state_pool import StatePool
 
@@ -212,29 +214,36 @@ class SpeculativeDecoder:
             seq.num_cached += n
 
 
-def speculative_factory(artifact, draft_tokens: int, *, log: Callable[[str], None] = lambda line: None):
+def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[Callable] = None,
+                        log: Callable[[str], None] = lambda line: None):
     """speculative(ops, kv_pool, state_pool, limits, runner) -> a SpeculativeDecoder for
     runtime/server/model.build_engine: the artifact's draft program as the drafter.
 
-    With a main GraphRunner (`runner`), the draft gets one of its own over the same backend:
-    decode buckets for the chain, the main runner's verify buckets for the draft after verify,
-    its extend buckets after prefill chunks. It captures into the main runner's graph pool, with
-    the backend's static buffers the main runner allocated (sized for both), and is
-    parity-checked like the main one before anything is served."""
+    draft_backend() -> the backend the draft program's op table calls: for an
+    artifact, the BackendSet routing.json makes for the draft program (runtime/binding.py), over
+    the same instances as the main program's, so each draft node is bound to the instance its
+    entry names and the draft's per-step hooks reach every instance owning a draft node. None:
+    the main op table serves the draft too (one plain backend that serves every node).
+
+    With a main GraphRunner (`runner`), the draft gets one of its own: decode buckets for the
+    chain, the main runner's verify buckets for the draft after verify, its extend buckets after
+    prefill chunks. It captures into the main runner's graph pool; instances shared with the main
+    program keep the static buffers the main runner allocated (sized for both), one owning draft
+    nodes only gets its own; it is parity-checked like the main one before anything is served."""
     if "draft" not in artifact.programs:
         raise ValueError(f"{artifact.docs.path}: --speculative-tokens needs a draft (MTP) program, and this "
                          f"{artifact.docs.family} artifact has none (its config enables no MTP layer)")
-    from runtime.graph_runner import GraphRunner, hidden_input_spec
 
     def make(ops, kv_pool, state_pool, limits, runner):
+        draft_ops = ops.sibling(draft_backend()) if draft_backend is not None else ops
         if runner is None:
             main = EagerSteps(artifact.bind(ops, "main", all_outputs=True), ops, kv_pool, kv_pool.device,
                               limits["token_budget"])
-            steps = EagerSteps(artifact.bind(ops, "draft"), ops, kv_pool, kv_pool.device, limits["token_budget"],
-                               takes_hidden=True)
+            steps = EagerSteps(artifact.bind(draft_ops, "draft"), draft_ops, kv_pool, kv_pool.device,
+                               limits["token_budget"], takes_hidden=True)
         else:
             main = runner
-            steps = GraphRunner(artifact.runner(ops, "draft"), ops, kv_pool, state_pool, kv_pool.device,
+            steps = GraphRunner(artifact.runner(draft_ops, "draft"), draft_ops, kv_pool, state_pool, kv_pool.device,
                                 decode_buckets=runner.verify_buckets, extend_buckets=runner.extend_buckets,
                                 max_pages_per_seq=runner.max_pages, extend_max_seqs=runner.extend_max_seqs,
                                 chunk_size=runner.chunk_size, graphs=runner.graphs,
@@ -243,6 +252,10 @@ def speculative_factory(artifact, draft_tokens: int, *, log: Callable[[str], Non
             if steps.max_tokens > runner.max_tokens or steps.max_seqs > runner.max_seqs:
                 raise ValueError(f"the draft's graph buckets ({steps.max_tokens} tokens, {steps.max_seqs} requests) "
                                  f"exceed the main runner's static buffers ({runner.max_tokens}, {runner.max_seqs})")
+            shared = members_of(ops.backend)
+            for key, member in members_of(draft_ops.backend).items():
+                if key not in shared:  # owns draft nodes only: the main runner sized no buffers for it
+                    member.init_capture_state(steps.max_tokens, steps.max_seqs)
             steps.capture(init_backend=False, pool=runner.state.pool)
             report = steps.check_parity(vocab_size=int(artifact.manifest["model"]["vocab_size"]))
             log(f"draft program: captured {len(steps.keys)} graphs; start-up parity: {len(report)} keys match eager")

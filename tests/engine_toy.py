@@ -1,4 +1,4 @@
-"""Test helpers for the engine and hybrid-backend tests: a toy hybrid model, tiny family models, engines.
+"""Test helpers for the engine and backend tests: a toy hybrid model, tiny family models, engines.
 
 `ToyHybridLM` is the smallest model that exercises every cache the runtime owns: a GDN-like layer
 (ops.short_conv + ops.gdn_core: conv window and recurrent state in the state pool) and a GQA layer
@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 from compiler.splitops import TRACED_OPS, LayerKind, LayerRegistry, LayerSpec, TensorSpec
 from models.common import RMSNorm, apply_rotary
+from models.families import FAMILY_IDS
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.bound_ops import BoundOps
 from runtime.engine import Engine
 from runtime.kv_pool import KVPool
 from runtime.state_pool import StatePool
 
-FAMILIES = ("qwen3_next", "qwen3_5", "kimi_linear", "bailing_linear")
 
 
 class ToyGDN(nn.Module):
@@ -107,7 +107,7 @@ class ToyHybridLM(nn.Module):
 
 
 def available_families() -> list[str]:
-    return [f for f in FAMILIES if importlib.util.find_spec(f"models.{f}") is not None]
+    return [f for f in FAMILY_IDS if importlib.util.find_spec(f"models.{f}") is not None]
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:

@@ -53,6 +53,46 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
+def tiny_checkpoint(family_name: str, out, seed: int = 0, **config_overrides):
+    """`hgc init-model --size tiny` of a family, with config.json fields overridden (e.g. head_dim=64:
+    FlashInfer's prefill kernels take head dims 64, 128 and 256, tiny's GQA layers have 32)."""
+    from models.checkpoint import write_checkpoint
+    from models.families import get_family
+    from models.loader import config_dtype
+
+    family = get_family(family_name)
+    config = {**family.make_config("tiny"), **config_overrides}
+    text = family.text_config(config)
+    model = family.build(text)
+    family.init_weights(model, seed)
+    write_checkpoint(out, config, model.to(config_dtype(text)).checkpoint_tensors())
+    return out
+
+
+def rehash(art) -> None:
+    """Recompute manifest.json's SHA-256 of every listed file: an edit then passes the hash check, so
+    only the check under test can catch it."""
+    import json
+
+    from compiler.splitops.artifact import MANIFEST, dump_json, sha256_file
+
+    manifest = json.loads((art / MANIFEST).read_text())
+    manifest["files"] = {name: sha256_file(art / name) for name in manifest["files"] if (art / name).exists()}
+    (art / MANIFEST).write_bytes(dump_json(manifest))
+
+
+def edit_routing(art, edit) -> None:
+    """Rewrite every entry of routing.json with `edit(entry) -> entry`, then re-hash the artifact."""
+    import json
+
+    from compiler.splitops.artifact import ROUTING, dump_json
+
+    doc = json.loads((art / ROUTING).read_text())
+    doc["programs"] = {p: [edit(dict(e)) for e in entries] for p, entries in doc["programs"].items()}
+    (art / ROUTING).write_bytes(dump_json(doc))
+    rehash(art)
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

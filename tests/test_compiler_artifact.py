@@ -23,9 +23,11 @@ import onnx
 import pytest
 
 from compiler.cli import main
+from compiler.cli.wiring import toolchain
 from compiler.passes.context import CompileConfig
 from compiler.pipeline import LintFailure, compile_checkpoint
-from compiler.splitops.artifact import GRAPH, MANIFEST, SPLIT, dump_json, sha256_file
+from compiler.splitops.artifact import FORMAT_VERSION, GRAPH, MANIFEST, SPLIT, dump_json, sha256_file
+from tests.helpers import rehash
 from models.loader import init_checkpoint
 from runtime.loader import LoadError, load_artifact, read_artifact
 
@@ -62,7 +64,7 @@ def _json_out(capsys) -> dict:
 
 def test_compile_writes_every_file_with_its_hash(artifact):
     manifest = json.loads((artifact / MANIFEST).read_text())
-    assert manifest["format_version"] == 1 and manifest["family"] == FAMILY
+    assert manifest["format_version"] == FORMAT_VERSION and manifest["family"] == FAMILY
     assert set(manifest["versions"]) == {"hgc", "torch", "python"}
     for name in ("graph.pt2", "draft.pt2", "weights.safetensors", "weights.json", "routing.json", "split.json",
                  "lints.json", "dumps/00_export.onnx", "dumps/05_lint_capture.svg", "dumps/draft/04_split.txt"):
@@ -105,7 +107,7 @@ def test_tokenizer_files_are_copied_and_listed(ckpt, tmp_path):
     (copy / "tokenizer.json").write_text('{"version": "1.0"}')
     (copy / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
     out = tmp_path / "art"
-    compile_checkpoint(copy, out, CompileConfig(), dumps=False)
+    compile_checkpoint(copy, out, CompileConfig(), toolchain(), dumps=False)
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["tokenizer"] == ["tokenizer.json", "tokenizer_config.json"]
     assert manifest["files"]["tokenizer.json"] == sha256_file(out / "tokenizer.json")
@@ -128,8 +130,10 @@ def test_run_prints_the_same_json_as_generate(ckpt, artifact, capsys):
     assert main(["run", str(artifact), "--prompt-ids", PROMPTS, "--max-new-tokens", "5", "--json"]) == 0
     ran = _json_out(capsys)
     assert ran["outputs"] == eager["outputs"]
-    # run adds the engine's per-phase timing and each prompt's prefix-cache hit, nothing else
-    assert set(ran) == {"outputs", "timing", "cached_tokens"}
+    # run adds the engine's per-phase timing, each prompt's prefix-cache hit and what each layer's op
+    # calls ran on, nothing else
+    assert set(ran) == {"outputs", "timing", "cached_tokens", "executed_backends"}
+    assert ran["executed_backends"] == {str(i): ["cpu_reference"] for i in range(4)}  # main layers; no draft runs
 
 
 def test_link_weights_records_files_and_binds_the_same_weights(ckpt, artifact, tmp_path):
@@ -149,7 +153,7 @@ def test_link_weights_refuses_a_changed_checkpoint(ckpt, tmp_path):
     copy = tmp_path / "ckpt"
     shutil.copytree(ckpt, copy)
     linked = tmp_path / "linked"
-    compile_checkpoint(copy, linked, CompileConfig(), link_weights=True, dumps=False)
+    compile_checkpoint(copy, linked, CompileConfig(), toolchain(), link_weights=True, dumps=False)
     tensors = load_file(copy / "model.safetensors")
     save_file(tensors, copy / "model.safetensors", metadata={"format": "pt", "edited": "yes"})
     with pytest.raises(LoadError, match="checkpoint changed after compile"):
@@ -245,7 +249,7 @@ def test_a_compile_that_dies_half_way_leaves_nothing(ckpt, tmp_path, monkeypatch
 
     monkeypatch.setattr(writer, "write_artifact", dies)
     with pytest.raises(KeyboardInterrupt):
-        compile_checkpoint(ckpt, tmp_path / "art", CompileConfig(), dumps=False)
+        compile_checkpoint(ckpt, tmp_path / "art", CompileConfig(), toolchain(), dumps=False)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -262,12 +266,6 @@ def _clone(artifact: Path, tmp_path: Path) -> Path:
     dest = tmp_path / "clone"
     shutil.copytree(artifact, dest)
     return dest
-
-
-def _rehash(art: Path) -> None:
-    manifest = json.loads((art / MANIFEST).read_text())
-    manifest["files"] = {name: sha256_file(art / name) for name in manifest["files"] if (art / name).exists()}
-    (art / MANIFEST).write_bytes(dump_json(manifest))
 
 
 def _rewrite_pt2(path: Path, edit) -> None:
@@ -336,7 +334,7 @@ def test_loader_never_unpickles_a_planted_payload(artifact, tmp_path, where):
         return data
 
     _rewrite_pt2(art / GRAPH, edit)
-    _rehash(art)
+    rehash(art)
     with pytest.raises(LoadError, match="pickle|weightless"):
         load_artifact(art)
     assert not marker.exists()
@@ -351,7 +349,7 @@ def test_loader_refuses_a_node_target_that_reaches_python(artifact, tmp_path):
         return data
 
     _rewrite_pt2(art / GRAPH, edit)
-    _rehash(art)
+    rehash(art)
     with pytest.raises(LoadError, match="node target 'torch.os.system'"):
         load_artifact(art)
 
@@ -371,7 +369,7 @@ def test_loader_refuses_an_evaluating_symbolic_expression(artifact, tmp_path):
         return data
 
     _rewrite_pt2(art / GRAPH, edit)
-    _rehash(art)
+    rehash(art)
     with pytest.raises(LoadError, match="symbolic expression"):
         load_artifact(art)
     assert not marker.exists()
@@ -383,7 +381,7 @@ def test_loader_refuses_aoti_code_in_the_archive(artifact, tmp_path):
     edit = lambda name, data: data  # noqa: E731
     edit.extra = {f"{root}/data/aotinductor/model/model.so": b"\x7fELF"}
     _rewrite_pt2(art / GRAPH, edit)
-    _rehash(art)
+    rehash(art)
     with pytest.raises(LoadError, match="unexpected archive entry"):
         load_artifact(art)
 
@@ -398,5 +396,6 @@ def test_loader_refuses_a_backend_the_artifact_does_not_route_to(artifact):
             return lambda *a: None
 
     art = load_artifact(artifact)
-    with pytest.raises(LoadError, match=r"routes ops to backend\(s\) \['cpu_reference'\]"):
+    with pytest.raises(LoadError, match=r"binds layer \d+ \(main program, node \w+, hgc.\w+\) to cpu_reference, "
+                                        r"and the op table offers \['other'\]"):
         art.bind(BoundOps(OtherBackend()))

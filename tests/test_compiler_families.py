@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiler.cli.wiring import toolchain
 from compiler.passes.context import CompileConfig
 from compiler.pipeline import compile_checkpoint
 from models.families import FAMILY_IDS
@@ -50,7 +51,7 @@ def artifacts(tmp_path_factory):
         if (family, size) not in cache:
             root = tmp_path_factory.mktemp(f"{family}_{size}")
             ckpt = init_checkpoint(family, size, seed=3, out_dir=root / "ckpt", log=open("/dev/null", "w"))
-            compile_checkpoint(ckpt, root / "art", CompileConfig(), dumps=False)
+            compile_checkpoint(ckpt, root / "art", CompileConfig(), toolchain(), dumps=False)
             cache[family, size] = (ckpt, load_artifact(root / "art"))
         return cache[family, size]
 

@@ -13,14 +13,16 @@ import pytest
 
 from compiler.lints import ALL_RULES, CAPTURE_RULES, wrapper_findings
 from compiler.passes.annotate import AnnotateOpsPass
+from compiler.cli.wiring import toolchain
 from compiler.passes.context import CompileConfig
 from compiler.passes.lints import LintPass
 from compiler.passes.manager import PassManager
-from compiler.passes.routing import RoutingPass
+from compiler.passes.routing import RoutingPass, parse_route
 from compiler.passes.split import SplitPass
 from compiler.pipeline import make_context, plan
 from compiler.splitops import OP_SPECS, Mode
-from runtime.backends.capability import BackendCapability, CapabilityTable
+from models.families import FAMILY_IDS
+from compiler.splitops.capability import BackendCapability, CapabilityTable
 from tests.test_compiler_toys import full_spec, lightning_spec, rule_ids, toy_plan, toy_traced
 
 
@@ -35,10 +37,14 @@ def _one(result, rule):
 
 
 def test_every_rule_has_an_id_severity_doc_and_a_test_here():
+    from pathlib import Path
     source = open(__file__).read()
+    design = (Path(__file__).resolve().parent.parent / "docs" / "DESIGN.md").read_text()
     for rule in ALL_RULES:
         assert rule.id and rule.severity in ("error", "warning", "info") and rule.doc
         assert f'"{rule.id}"' in source, f"no test names rule {rule.id}"
+        if rule.failure is not None:  # its messages point at that failure class of the design
+            assert f"\n{rule.failure}. **" in design, f"{rule.id}: docs/DESIGN.md lists no failure {rule.failure}"
 
 
 def test_the_toy_model_is_clean():
@@ -65,7 +71,7 @@ def test_op_layer_id_not_constant():
     node = next(n for n in gm.graph.nodes if n.name == "lightning_core")
     size = next(n for n in gm.graph.nodes if n.op == "call_function" and "sym_size" in str(n.target))
     node.args = node.args[:5] + (size,) + node.args[6:]
-    result = run_passes(traced, CompileConfig())
+    result = run_passes(traced, CompileConfig(), toolchain())
     f = _one(result, "op-layer-id-not-constant")
     assert f.node == "lightning_core" and "not a constant int" in f.message and "self.layer_id" in f.fix
 
@@ -136,7 +142,7 @@ class _NoGraphBreakSplit(SplitPass):
 
 def test_stateful_op_captured():
     traced = toy_traced()
-    ctx = make_context(traced, CompileConfig())
+    ctx = make_context(traced, CompileConfig(), toolchain())
     PassManager([AnnotateOpsPass(), RoutingPass(), _NoGraphBreakSplit(), LintPass("lint_capture", CAPTURE_RULES)]).run(ctx)
     found = [f for f in ctx.findings if f.rule == "stateful-op-captured"]
     assert {(f.node, f.layer_id) for f in found} == {("lightning_core", 0), ("gqa_attention", 1)}
@@ -162,7 +168,10 @@ def test_host_sync_captured(switch, words):
 def test_host_tensor_copied_to_the_device_in_a_captured_piece():
     """A CUDA graph cannot capture a copy from pageable host memory (seen at the first capture on an
     H200: rotary frequencies made with torch.arange on the host): an error on a cuda target only."""
-    f = _one(toy_plan(target="cuda", host_tensor=True), "host-sync-captured")
+    ops, modes = frozenset(OP_SPECS), frozenset(Mode)
+    table = CapabilityTable([BackendCapability("cpu_reference", "cpu", ops, modes_capturable=modes),
+                             BackendCapability("capturing_cuda", "cuda", ops, modes_capturable=modes)])
+    f = _one(toy_plan(target="cuda", capabilities=table, host_tensor=True), "host-sync-captured")
     assert "copies a host tensor to the device" in f.message and "decode" in f.message
     assert "host-sync-captured" not in rule_ids(toy_plan(host_tensor=True)), "nothing is captured on the cpu"
 
@@ -180,6 +189,34 @@ def test_backend_cannot_capture_is_a_warning_on_capturing_targets():
     f = _one(result, "backend-cannot-capture")
     assert f.severity == "warning" and f.backend == "slow_cuda" and "decode" in f.message
     assert not _errors(result)
+
+
+class _CaptureAllSplit(SplitPass):
+    """A split that plans by the op policies alone, blind to what the routed backend can capture."""
+
+    def __call__(self, gm, ctx):
+        from compiler.passes.split import plan_for_mode
+        result = super().__call__(gm, ctx)
+        ctx.split_plans[ctx.program] = {mode: plan_for_mode(gm, mode) for mode in ctx.split_plans[ctx.program]}
+        return result
+
+    def ensures(self, gm, ctx):
+        pass
+
+
+def test_captured_beyond_backend():
+    """A plan that captures a node in decode although its routed backend declares no capture there:
+    its kernels would be frozen into a graph (a split.json made for another routing)."""
+    ops = frozenset(OP_SPECS)
+    table = CapabilityTable([BackendCapability("cpu_reference", "cpu", ops, modes_capturable=frozenset(Mode)),
+                             BackendCapability("uncaptured_gqa", "cpu", frozenset({"gqa_attention"}), priority=3)])
+    ctx = make_context(toy_traced(), CompileConfig(routes=(parse_route("gqa_attention=uncaptured_gqa"),)),
+                       toolchain())
+    ctx.capabilities = table
+    PassManager([AnnotateOpsPass(), RoutingPass(), _CaptureAllSplit(), LintPass("lint_capture", CAPTURE_RULES)]).run(ctx)
+    found = [f for f in ctx.findings if f.rule == "captured-beyond-backend"]
+    assert {(f.node, f.layer_id, f.backend) for f in found} == {("gqa_attention", 1, "uncaptured_gqa")}
+    assert "mode decode" in found[0].message and ctx.stopped_after == "lint_capture"
 
 
 # -- backend wrappers ---------------------------------------------------------------------------------------
@@ -286,10 +323,10 @@ def test_hook_signature_mismatch_in_the_wrapper_signature():
     assert found and "budget" in found[0].message
 
 
-def test_good_wrapper_and_the_real_hybrid_backend_are_clean():
-    from runtime.backends.hybrid import HybridBackend
+def test_good_wrapper_and_the_real_backend_set_are_clean():
+    from runtime.backends.backend_set import BackendSet
     assert wrapper_findings(GoodWrapper) == []
-    assert wrapper_findings(HybridBackend) == []
+    assert wrapper_findings(BackendSet) == []
 
 
 def test_protocol_wrapper_missing_a_hook():
@@ -319,11 +356,11 @@ def test_broken_wrapper_fails_the_compile_pipeline():
 # -- silent on the shipped models ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear", "bailing_linear"])
+@pytest.mark.parametrize("family", FAMILY_IDS)
 def test_lints_are_silent_on_shipped_families(family, tmp_path):
     from models.families import get_family
     (tmp_path / "config.json").write_text(json.dumps(get_family(family).make_config("tiny")))
-    result = plan(tmp_path, CompileConfig())
+    result = plan(tmp_path, CompileConfig(), toolchain())
     assert [f.line() for f in result.ctx.findings] == []
     assert set(result.ctx.split_plans) == set(result.ctx.programs)
     assert {e["backend"] for es in result.ctx.routing.values() for e in es} == {"cpu_reference"}

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from compiler.cli.wiring import toolchain
 from compiler.passes.base import CompilePass, PassError, PassResult, PreconditionError
 from compiler.passes.context import CompileConfig
 from compiler.passes.instruments import Instrument, TimingInstrument
@@ -21,7 +22,7 @@ from compiler.pipeline import make_context, run_passes
 from compiler.splitops import MODES, OP_SPECS, TRACED_OPS, LayerKind, Mode
 from compiler.splitops.artifact import (CAPTURED, EAGER, ArtifactFormatError, Piece, SplitPlan, apply_split_plan,
                                         parse_split_doc, split_doc)
-from runtime.backends.capability import BackendCapability, CapabilityError, CapabilityTable
+from compiler.splitops.capability import BackendCapability, CapabilityError, CapabilityTable, ShapeLimit
 from tests.test_compiler_toys import H, HD, toy_plan, toy_traced
 
 ALL_OPS = frozenset(OP_SPECS)
@@ -49,7 +50,7 @@ class _Record(CompilePass):
 
 def _ctx(**overrides):
     traced = toy_traced(**overrides)
-    return make_context(traced, CompileConfig())
+    return make_context(traced, CompileConfig(), toolchain())
 
 
 def test_manager_runs_each_pass_on_every_program_in_order():
@@ -205,6 +206,133 @@ def test_routing_respects_declared_layer_kinds():
     assert {e["backend"] for e in result.ctx.routing["main"]} == {"cpu_reference"}
 
 
+# -- routes, dtypes, shape limits, kernel options ----------------------------------------------------
+
+
+CPU_ALL = BackendCapability("cpu_reference", "cpu", ALL_OPS, modes_capturable=frozenset(MODES))
+
+
+def _entries(result, program="main"):
+    return {e["node"]: e for e in result.ctx.routing[program]}
+
+
+def _routes(*texts):
+    from compiler.passes.routing import parse_route
+    return tuple(parse_route(t) for t in texts)
+
+
+def _route_plan(routes, table, **overrides):
+    from compiler.passes.context import CompileConfig
+    from compiler.pipeline import make_context, run_passes
+    traced = toy_traced(**overrides)
+    config = CompileConfig(routes=_routes(*routes))
+    ctx = make_context(traced, config, toolchain())
+    ctx.capabilities = table
+    return run_passes(traced, config, ctx=ctx)
+
+
+def test_routes_bind_an_op_and_layers_and_a_layer_route_beats_an_op_route():
+    alt = BackendCapability("alt_linear", "cpu", LINEAR_OPS, priority=-1)
+    table = CapabilityTable([CPU_ALL, alt])
+    layers = ["lightning", "full_gqa", "lightning"]
+    by_priority = _entries(_route_plan((), table, layers=layers, moe=[False, True, False]))
+    assert {e["backend"] for e in by_priority.values()} == {"cpu_reference"}
+    assert {e["chosen_by"] for e in by_priority.values()} == {"priority"}
+    routed = _entries(_route_plan(["lightning_core=alt_linear", "layers=2:cpu_reference"], table, layers=layers,
+                                  moe=[False, True, False]))
+    assert routed["lightning_core"]["backend"] == "alt_linear"
+    assert routed["lightning_core"]["chosen_by"] == "route lightning_core=alt_linear"
+    assert routed["lightning_core_1"]["backend"] == "cpu_reference"  # layer 2: the layer route wins
+    assert routed["lightning_core_1"]["chosen_by"] == "route layers=2:cpu_reference"
+    assert routed["gqa_attention"]["backend"] == routed["moe"]["backend"] == "cpu_reference"
+
+
+@pytest.mark.parametrize("routes, message", [
+    (["lightning_core=nowhere"], r"names backend 'nowhere', which this installation does not have \(backends: "
+                                 r"cpu_reference, alt_linear, cuda_all\)"),
+    (["gqa_attention=alt_linear"], r"alt_linear does not implement hgc.gqa_attention"),
+    (["layers=1:alt_linear"], r"alt_linear implements none of layer 1's ops \['gqa_attention'\]"),
+    (["layers=9:alt_linear"], r"the registry has no layer 9"),
+    (["lightning_core=cuda_all"], r"node lightning_core \(layer 0, kind lightning\): route lightning_core=cuda_all "
+                                  r"names cuda_all, which runs on 'cuda', and the compile target is 'cpu'"),
+    (["mla_attention=cpu_reference"], r"route mla_attention=cpu_reference matches no node"),
+    (["lightning_core=alt_linear[impl=fast]"], r"backend 'alt_linear' has no option 'impl' \(options: none\)"),
+    (["layers=0:alt_linear", "layers=0:cpu_reference"], r"routes layers=0:alt_linear, layers=0:cpu_reference each "
+                                                        r"claim it"),
+])
+def test_route_errors_name_the_route_the_layer_and_what_is_lacking(routes, message):
+    table = CapabilityTable([CPU_ALL, BackendCapability("alt_linear", "cpu", LINEAR_OPS, priority=-1),
+                             BackendCapability("cuda_all", "cuda", ALL_OPS)])
+    with pytest.raises(PassError, match=message):
+        _route_plan(routes, table)
+
+
+def test_route_syntax_is_refused_with_the_forms_it_takes():
+    from compiler.passes.routing import RoutingError, parse_route
+    assert str(parse_route("layers=7, 3:x[a=b, c=d]")) == "layers=3,7:x[a=b,c=d]"
+    for bad, words in [("gdn_core", "expected OP=BACKEND"), ("flash_attention=x", "hgc has no op 'flash_attention'"),
+                       ("gdn_core=x[fast]", "kernel option 'fast' is not option=choice")]:
+        with pytest.raises(RoutingError, match=words):
+            parse_route(bad)
+
+
+def test_routing_skips_a_backend_that_does_not_serve_the_dtype_and_names_each_when_none_does():
+    """DESIGN.md failure 9: float32 full attention must not land on a backend without float32 kernels."""
+    bf16 = BackendCapability("bf16_attention", "cuda", FULL_OPS, dtypes=frozenset({"bfloat16"}), priority=5)
+    anyd = BackendCapability("any_attention", "cuda", FULL_OPS)
+    linear = BackendCapability("cuda_rest", "cuda", ALL_OPS - FULL_OPS)
+    entries = _entries(toy_plan(target="cuda", capabilities=CapabilityTable([bf16, anyd, linear])))
+    assert entries["gqa_attention"]["backend"] == "any_attention" and entries["gqa_attention"]["dtype"] == "float32"
+    with pytest.raises(PassError, match=r"node gqa_attention \(layer 1, kind full_gqa\): no backend on cuda runs "
+                                        r"hgc.gqa_attention in float32 .*considered: bf16_attention runs dtypes "
+                                        r"\['bfloat16'\], not float32\); fix: compile with another --dtype"):
+        toy_plan(target="cuda", capabilities=CapabilityTable([bf16, linear]))
+
+
+def test_routing_honours_shape_limits():
+    head_dims = (ShapeLimit("gqa_attention", "q", -1, frozenset({64, 128}), why="kernels built for 64 and 128"),)
+    limited = BackendCapability("limited", "cpu", FULL_OPS, limits=head_dims, priority=5)
+    table = CapabilityTable([limited, CPU_ALL])
+    assert _entries(toy_plan(capabilities=table))["gqa_attention"]["backend"] == "cpu_reference"  # head dim HD
+    with pytest.raises(PassError, match=rf"route gqa_attention=limited sends hgc.gqa_attention \(float32\) to limited, "
+                                        rf"which q dim -1 is {HD}, it takes \[64, 128\] \(kernels built for 64 and 128\)"):
+        _route_plan(["gqa_attention=limited"], table)
+
+
+def test_an_explicit_only_backend_is_bound_by_a_route_and_never_by_priority():
+    slow = BackendCapability("slow_everything", "cpu", ALL_OPS, priority=9, explicit_only=True)
+    table = CapabilityTable([slow, CPU_ALL])
+    assert {e["backend"] for e in _route_plan((), table).ctx.routing["main"]} == {"cpu_reference"}
+    routed = _entries(_route_plan(["layers=0:slow_everything"], table))
+    assert routed["lightning_core"]["backend"] == "slow_everything" and routed["gqa_attention"]["backend"] == "cpu_reference"
+
+
+def test_kernel_options_are_resolved_and_recorded_per_node():
+    opts = BackendCapability("with_options", "cpu", FULL_OPS, priority=5, modes_capturable=frozenset(MODES),
+                             options=(("extend_impl", ("ragged", "paged")), ("decode", ("fa2", "fa3"))))
+    table = CapabilityTable([opts, CPU_ALL])
+    assert _entries(_route_plan((), table))["gqa_attention"]["options"] == {"extend_impl": "ragged", "decode": "fa2"}
+    routed = _entries(_route_plan(["gqa_attention=with_options[extend_impl=paged]"], table))
+    assert routed["gqa_attention"]["options"] == {"extend_impl": "paged", "decode": "fa2"}
+    assert routed["lightning_core"]["options"] == {}
+    with pytest.raises(PassError, match=r"option extend_impl takes ragged\|paged, not 'chunked'"):
+        _route_plan(["gqa_attention=with_options[extend_impl=chunked]"], table)
+
+
+def test_split_makes_a_node_of_a_backend_that_cannot_capture_an_eager_gap():
+    """Captured or eager is the op's policy AND the routed backend's capability, decided by the
+    split pass (and read from split.json by the runtime)."""
+    uncaptured = BackendCapability("uncaptured_linear", "cpu", LINEAR_OPS, priority=-1)
+    table = CapabilityTable([CPU_ALL, uncaptured])
+    plans = _route_plan(["layers=2:uncaptured_linear"], table, layers=["lightning", "full_gqa", "lightning"],
+                        moe=[False, True, False]).ctx.split_plans["main"]
+    decode_gaps = [p.nodes for p in plans[Mode.DECODE].pieces if p.kind == EAGER]
+    assert decode_gaps == [("lightning_core_1",)]  # layer 2 only: its neighbours stay captured
+    assert [p.kind for p in plans[Mode.DECODE].pieces] == [CAPTURED, EAGER, CAPTURED]
+    extend_gaps = [p.nodes for p in plans[Mode.EXTEND].pieces if p.kind == EAGER]
+    assert extend_gaps == [("lightning_core",), ("gqa_attention",), ("lightning_core_1",)]
+
+
 def test_capability_declarations_are_checked():
     with pytest.raises(CapabilityError, match="outside the vocabulary"):
         BackendCapability("x", "cpu", frozenset({"flash_attention"}))
@@ -213,15 +341,48 @@ def test_capability_declarations_are_checked():
                           modes_capturable=frozenset({Mode.EXTEND}))
     with pytest.raises(CapabilityError, match="two backends"):
         CapabilityTable([BackendCapability("x", "cpu", ALL_OPS), BackendCapability("x", "cuda", ALL_OPS)])
-    with pytest.raises(CapabilityError, match="names children"):
-        CapabilityTable([BackendCapability("hybrid", "cuda", ALL_OPS, children=("a", "b"))])
+    with pytest.raises(CapabilityError, match=r"dtypes \['float64'\] are not among"):
+        BackendCapability("x", "cpu", ALL_OPS, dtypes=frozenset({"float64"}))
+    with pytest.raises(CapabilityError, match="shape limits on ops it does not declare"):
+        BackendCapability("x", "cpu", FULL_OPS, limits=(ShapeLimit("gdn_core", "q", -1, frozenset({64})),))
+    with pytest.raises(CapabilityError, match="needs distinct choices"):
+        BackendCapability("x", "cpu", ALL_OPS, options=(("impl", ("a", "a")),))
 
 
-def test_cpu_reference_declares_every_op_every_mode_capturable_in_none():
-    from runtime.backends import capability_table
-    cap = capability_table()["cpu_reference"]
-    assert cap.device == "cpu" and cap.ops == ALL_OPS
-    assert set(cap.modes_supported) == set(MODES) and not cap.modes_capturable
+def test_capability_refusals_name_what_the_backend_lacks():
+    cap = BackendCapability("fi", "cuda", FULL_OPS, kinds=frozenset({LayerKind.FULL_GQA}),
+                            dtypes=frozenset({"bfloat16"}),
+                            limits=(ShapeLimit("gqa_attention", "q", -1, frozenset({64, 128}), why="kernels"),),
+                            options=(("impl", ("fast", "safe")),))
+    gqa = LayerKind.FULL_GQA
+    assert cap.refusal("gqa_attention", gqa, "bfloat16", {"q": (None, 4, 64)}) is None
+    assert "does not implement hgc.gdn_core" in cap.refusal("gdn_core", LayerKind.GDN, "bfloat16")
+    assert "serves ['full_gqa'] layers, not full_mla" in cap.refusal("mla_attention", LayerKind.FULL_MLA, "bfloat16")
+    assert "runs dtypes ['bfloat16'], not float32" in cap.refusal("gqa_attention", gqa, "float32")
+    assert cap.refusal("gqa_attention", gqa, "bfloat16", {"q": (None, 4, 32)}) == \
+        "q dim -1 is 32, it takes [64, 128] (kernels)"
+    pow2 = ShapeLimit("gqa_attention", "q", -1, power_of_two=True)
+    assert pow2.refusal(48) == "q dim -1 is 48, it takes powers of two" and pow2.refusal(None) is None
+    assert cap.resolve_options({}) == {"impl": "fast"} and cap.resolve_options({"impl": "safe"}) == {"impl": "safe"}
+    with pytest.raises(CapabilityError, match=r"option impl takes fast\|safe, not 'slow'"):
+        cap.resolve_options({"impl": "slow"})
+    with pytest.raises(CapabilityError, match="has no option 'tiles'"):
+        cap.resolve_options({"tiles": "8"})
+    assert BackendCapability.from_json(cap.to_json()) == cap
+
+
+def test_the_reference_backends_declare_every_op_and_their_capture():
+    """The CPU reference may sit in captured pieces (on the CPU a captured piece is rerun, nothing is
+    frozen), so CPU plans follow the op policies alone; the same math on cuda captures nothing and is
+    bound only by a route (never a silent slow fallback)."""
+    from runtime.backends import discover
+    table = discover().capability_table()
+    cpu, cuda = table["cpu_reference"], table["torch_reference"]
+    assert cpu.device == "cpu" and cpu.ops == ALL_OPS and not cpu.explicit_only
+    assert set(cpu.modes_supported) == set(cpu.modes_capturable) == set(MODES)
+    assert cuda.device == "cuda" and cuda.ops == ALL_OPS and cuda.explicit_only and not cuda.modes_capturable
+    assert table.candidates("gdn_core", LayerKind.GDN, "cuda")[0].name == "triton_linear"
+    assert "torch_reference" not in [c.name for c in table.candidates("gqa_attention", LayerKind.FULL_GQA, "cuda")]
 
 
 # -- split -----------------------------------------------------------------------------------------------------
@@ -335,7 +496,7 @@ def test_split_requires_routing_first():
 
 def test_dumps_per_pass_are_valid_onnx_with_layer_ids(tmp_path):
     traced = toy_traced(layers=["lightning", "full_gqa"], moe=[False, True], draft=True)
-    run_passes(traced, CompileConfig(), dump_dir=tmp_path)
+    run_passes(traced, CompileConfig(), toolchain(), dump_dir=tmp_path)
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert names[:3] == ["00_export.onnx", "00_export.svg", "00_export.txt"]
     assert "04_split.onnx" in names and (tmp_path / "draft" / "04_split.onnx").is_file()

@@ -210,11 +210,12 @@ def toy_traced(**overrides):
 def toy_plan(target: str = "cpu", capabilities=None, wrappers=None, **overrides):
     """Run the compile passes over a toy: returns the CompileResult (findings in result.ctx)."""
     from compiler.passes.context import CompileConfig
+    from compiler.cli.wiring import toolchain
     from compiler.pipeline import make_context, run_passes
 
     traced = toy_traced(**overrides)
     config = CompileConfig(target=target)
-    ctx = make_context(traced, config)
+    ctx = make_context(traced, config, toolchain())
     if capabilities is not None:
         ctx.capabilities = capabilities
     if wrappers is not None:

@@ -1,31 +1,43 @@
-"""`hgc compile --target cuda` on this CPU machine: routing binds every op to a CUDA backend.
+"""`hgc compile --target cuda` on this CPU machine: routing binds every op to a CUDA backend that serves it.
 
-Nothing runs on a GPU here: the compiler imports each backend module only to read its `capability`
-declaration (runtime/backends/__init__.py), so a CPU machine can compile for "cuda". For the tiny
-checkpoint of every family the routing table must send full-attention ops to FlashInfer, the
-linear-attention ops (and the short conv) to the Triton linear backend, and the MoE op to the
-Triton MoE backend. The expected names are read from those classes' declarations, not spelled
-twice. This fails as soon as any of them stops declaring every mode (routing needs one backend
-per op node that supports all of them).
+Nothing runs on a GPU here: the compiler reads each backend class's `capability` declaration
+(runtime/backends/__init__.py imports the modules without their kernel libraries), so a CPU
+machine can compile for "cuda". The expected names are read from those classes' declarations,
+not spelled twice.
+
+- bfloat16, attention head dims FlashInfer builds: full attention to FlashInfer, linear attention
+  (and the short conv) to the Triton linear backend, the MoE block to the Triton MoE backend, with
+  FlashInfer's kernel options recorded;
+- float32 (docs/DESIGN.md failure 9): FlashInfer has no float32 kernels, so MLA goes to the Triton
+  MLA kernel, and GQA, which nothing on cuda runs in float32 by itself, fails the compile naming
+  the layer, the dtype and each backend considered;
+- a head dim FlashInfer does not build fails the compile with the limit;
+- `--route` picks another kernel (triton_mla, FlashInfer's paged extend, torch_reference for one layer).
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from compiler.cli import main as hgc
 from compiler.splitops import FULL_KINDS, LINEAR_KINDS, MODES, LayerKind, Mode
+from compiler.splitops.artifact import EAGER
 from models.families import FAMILY_IDS
-from models.loader import init_checkpoint
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
+from runtime.backends.torch_reference import TorchReferenceBackend
 from runtime.backends.triton_linear_backend import TritonLinearBackend
+from runtime.backends.triton_mla_backend import TritonMLABackend
 from runtime.backends.triton_moe import TritonMoEBackend
+from tests.helpers import tiny_checkpoint
 
-FULL, LINEAR, MOE = (FlashInferAttentionBackend.capability, TritonLinearBackend.capability,
-                     TritonMoEBackend.capability)
+FULL, LINEAR, MOE, MLA = (FlashInferAttentionBackend.capability, TritonLinearBackend.capability,
+                          TritonMoEBackend.capability, TritonMLABackend.capability)
+GQA_FAMILIES = ("qwen3_next", "qwen3_5")  # full attention: GQA; the others' is MLA
+MLA_FAMILIES = tuple(f for f in FAMILY_IDS if f not in GQA_FAMILIES)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def expected_backend(op: str, kind: str | None) -> str:
@@ -34,31 +46,50 @@ def expected_backend(op: str, kind: str | None) -> str:
     return FULL.name if LayerKind(kind) in FULL_KINDS else LINEAR.name
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each family's tiny checkpoint; the GQA families with head_dim 64 (FlashInfer builds no 32)."""
+    root = tmp_path_factory.mktemp("cuda_target")
+    for family in GQA_FAMILIES + MLA_FAMILIES:
+        extra = {"head_dim": 64} if family in GQA_FAMILIES else {}
+        tiny_checkpoint(family, root / family, seed=3, **extra)
+    return root
 
 
-@pytest.mark.parametrize("family", FAMILY_IDS)
-def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(family, tmp_path, capsys):
-    ckpt, art = tmp_path / "ckpt", tmp_path / "art"
-    with open(os.devnull, "w") as quiet:
-        init_checkpoint(family, "tiny", seed=3, out_dir=ckpt, log=quiet)
-    rc = hgc(["compile", str(ckpt), "-o", str(art), "--target", "cuda", "--no-dumps"])
-    assert rc == 0, capsys.readouterr().err[-3000:]
+def compile_cuda(checkpoints, family, tmp_path, capsys, *flags):
+    art = tmp_path / f"{family}-art"
+    rc = hgc(["compile", str(checkpoints / family), "-o", str(art), "--target", "cuda", "--no-dumps", *flags])
+    err = capsys.readouterr().err
+    return rc, art, err
+
+
+def entries(art) -> list[dict]:
     routing = json.loads((art / "routing.json").read_text())
-    assert routing["target"] == "cuda"
+    return [e for program in routing["programs"].values() for e in program]
+
+
+@pytest.mark.parametrize("family", GQA_FAMILIES + MLA_FAMILIES)
+def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(checkpoints, family, tmp_path, capsys):
+    rc, art, err = compile_cuda(checkpoints, family, tmp_path, capsys, "--dtype", "bfloat16")
+    assert rc == 0, err[-3000:]
+    routing = json.loads((art / "routing.json").read_text())
+    assert routing["target"] == "cuda" and routing["routes"] == []
     assert all(b["device"] == "cuda" for b in routing["backends"])
     seen: dict[str, set] = {}
-    for program, entries in routing["programs"].items():
-        assert entries, f"{family}/{program}: no op nodes routed"
-        for e in entries:
+    for program, program_entries in routing["programs"].items():
+        assert program_entries, f"{family}/{program}: no op nodes routed"
+        for e in program_entries:
             want = expected_backend(e["op"], e["kind"])
             assert e["backend"] == want, f"{family}/{program} {e['node']} (layer {e['layer_id']}, {e['kind']}): " \
                                          f"routed to {e['backend']}, expected {want}"
+            assert e["dtype"] == "bfloat16" and e["chosen_by"] == "priority"
             seen.setdefault(e["backend"], set()).add(e["op"])
             if e["backend"] == LINEAR.name:
                 assert LayerKind(e["kind"]) in LINEAR_KINDS
                 assert e["backend_capturable"] == [m.value for m in MODES
                                                    if m in (Mode.DECODE, Mode.TARGET_VERIFY)]
+            if e["backend"] == FULL.name:  # routing.json says which kernels run: the defaults, spelled out
+                assert e["options"] == FULL.resolve_options({})
     # every family has full-attention and linear layers and routed experts
     assert set(seen) == {FULL.name, LINEAR.name, MOE.name}, f"{family}: backends used {sorted(seen)}"
     lints = json.loads((art / "lints.json").read_text())
@@ -67,6 +98,57 @@ def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(family, tmp_path, c
     assert not [f for f in lints["findings"] if f.get("backend") == LINEAR.name], lints["findings"]
 
 
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_float32_mla_routes_to_the_triton_kernel_not_flashinfer(checkpoints, family, tmp_path, capsys):
+    rc, art, err = compile_cuda(checkpoints, family, tmp_path, capsys, "--dtype", "float32")
+    assert rc == 0, err[-3000:]
+    full = [e for e in entries(art) if LayerKind(e["kind"]) in FULL_KINDS and e["op"] == "mla_attention"]
+    assert full and {e["backend"] for e in full} == {MLA.name} and {e["dtype"] for e in full} == {"float32"}
+    assert json.loads((art / "lints.json").read_text())["counts"]["error"] == 0
+
+
+@pytest.mark.parametrize("family", GQA_FAMILIES)
+def test_float32_gqa_on_cuda_fails_the_compile_naming_layer_dtype_and_backends(checkpoints, family, tmp_path, capsys):
+    rc, art, err = compile_cuda(checkpoints, family, tmp_path, capsys, "--dtype", "float32")
+    assert rc == 1 and not art.exists()
+    assert "node gqa_attention (layer 3, kind full_gqa): no backend on cuda runs hgc.gqa_attention in float32" in err
+    assert "considered: flashinfer runs dtypes ['bfloat16', 'float16'], not float32" in err
+    assert "--route gqa_attention=torch_reference" in err
+
+
+def test_a_head_dim_flashinfer_does_not_build_fails_the_compile(tmp_path, capsys):
+    tiny_checkpoint("qwen3_next", tmp_path / "hd32", seed=3)  # tiny: head_dim 32
+    rc, art, err = compile_cuda(tmp_path, "hd32", tmp_path, capsys, "--dtype", "bfloat16")
+    assert rc == 1
+    assert "(layer 3, kind full_gqa)" in err and "flashinfer q dim -1 is 32, it takes [64, 128, 256]" in err
+
+
+def test_routes_pick_the_other_kernels_and_are_recorded(checkpoints, tmp_path, capsys):
+    rc, art, err = compile_cuda(checkpoints, "kimi_linear", tmp_path, capsys, "--dtype", "bfloat16",
+                                "--route", "mla_attention=triton_mla", "--route", "layers=0:torch_reference")
+    assert rc == 0, err[-3000:]
+    by_node = {e["node"]: e for e in entries(art) if e["layer_id"] != 4}
+    assert {e["backend"] for e in by_node.values() if e["op"] == "mla_attention"} == {MLA.name}
+    layer0 = [e for e in by_node.values() if e["layer_id"] == 0]
+    assert layer0 and {e["backend"] for e in layer0} == {TorchReferenceBackend.capability.name}
+    assert {e["chosen_by"] for e in layer0} == {"route layers=0:torch_reference"}
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["compile"]["routes"] == ["mla_attention=triton_mla", "layers=0:torch_reference"]
+    # torch_reference captures nothing: layer 0's nodes are eager gaps even in decode, its neighbours not
+    split = json.loads((art / "split.json").read_text())["programs"]["main"]["decode"]["pieces"]
+    gaps = [n for p in split if p["kind"] == EAGER for n in p["nodes"]]
+    assert gaps == [e["node"] for e in layer0]
+    assert hgc(["inspect", str(art)]) == 0
+    assert "routes: mla_attention=triton_mla layers=0:torch_reference" in capsys.readouterr().out
+
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16",
+                                "--route", "gqa_attention=flashinfer[extend_impl=paged,decode_backend=fa3]")
+    assert rc == 0, err[-3000:]
+    gqa = [e for e in entries(art) if e["op"] == "gqa_attention"]
+    assert {json.dumps(e["options"], sort_keys=True) for e in gqa} == {json.dumps(
+        FULL.resolve_options({"extend_impl": "paged", "decode_backend": "fa3"}), sort_keys=True)}
+
+
 def test_the_cuda_backends_declare_every_mode():
-    for cap in (FULL, LINEAR, MOE):
+    for cap in (FULL, LINEAR, MOE, MLA):
         assert cap.device == "cuda" and set(cap.modes_supported) == set(MODES), cap.name

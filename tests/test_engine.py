@@ -15,7 +15,8 @@ from compiler.splitops import Mode
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.backends.protocol import ProtocolError
 from runtime.bound_ops import BoundOps
-from runtime.engine import Engine, EngineLoop, EngineLoopError, EngineStalled, SamplingParams
+from runtime.engine import Engine, EngineStalled, SamplingParams
+from runtime.engine_loop import EngineLoop, EngineLoopError
 from runtime.sampling import filtered_distribution, make_generator, sample_next
 from tests.engine_toy import available_families, build_model, make_engine, make_pools, prompts
 

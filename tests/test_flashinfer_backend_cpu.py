@@ -511,3 +511,39 @@ def test_triton_kernels_in_the_interpreter():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(result["stores"]), "the store kernel must write every real row and skip padding rows"
     assert max(result["errors"]) < 1e-5, result
+
+
+def test_the_triton_mla_backend_runs_mla_without_flashinfer(monkeypatch):
+    """triton_mla (the backend routing picks for float32 MLA on cuda, or by --route) on the CPU: the
+    Triton MLA kernel under Triton's interpreter, the paged metadata and row store of the FlashInfer
+    backend it extends, against the CPU reference over three steps (fresh extend, mixed, decode) in
+    float32; flashinfer is not importable and never asked for."""
+    pytest.importorskip("triton")
+    from runtime.backends.triton_mla_backend import TritonMLABackend
+
+    class CPUTritonMLA(TritonMLABackend):
+        def _check_device(self) -> None:  # the interpreter runs on the CPU
+            pass
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` would raise
+    monkeypatch.setattr(fia, "store_kv_rows", _store_rows_torch)
+    pool, ref_pool = KVPool(REGISTRY, 64, 4), KVPool(REGISTRY, 64, 4)
+    be = CPUTritonMLA(pool, q_heads=HQ, scales={2: MLA_SCALE}, layers=[2], mla_rope_dim=P)
+    assert be.flashinfer is None and set(be.layers) == {2} and be.workspace.numel() == 0
+    with pytest.raises(ValueError, match=r"serves MLA layers only; layers \[0\] are GQA"):
+        CPUTritonMLA(pool, q_heads=HQ, scales={0: GQA_SCALE}, layers=[0])
+    ref = CPUReferenceBackend(ref_pool, None)
+    gen = torch.Generator().manual_seed(1)
+    for ctx in _schedule(ref_pool, pad_tokens_to=16, pad_seqs_to=4):
+        be.init_step_metadata(ctx)
+        T, n = ctx.num_tokens, ctx.num_real_tokens
+        args = [torch.randn(T, HQ, R, generator=gen), torch.randn(T, HQ, P, generator=gen),
+                torch.randn(T, R, generator=gen), torch.randn(T, P, generator=gen)]
+        for a in args:
+            a[n:] = float("nan")
+        out, want = torch.full((T, HQ, R), float("nan")), torch.empty(T, HQ, R)
+        ref.mla_attention(ctx, *args, want, 2, MLA_SCALE)
+        be.mla_attention(ctx, *args, out, 2, MLA_SCALE)
+        assert torch.isfinite(out).all() and out[n:].eq(0).all()
+        assert float((out - want).norm() / want.norm()) < 1e-5
+    assert torch.equal(pool.layer(2)["latent"], ref_pool.layer(2)["latent"])

@@ -22,7 +22,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from runtime.backends.cpu_reference import moe_reference, route_topk  # noqa: E402
-from runtime.backends.triton_moe import GemmConfig, MoEConfig, TritonMoEBackend, fused_moe  # noqa: E402
+from runtime.backends.moe_config import GemmConfig, MoEConfig  # noqa: E402
+from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
+from runtime.backends.triton_moe_kernels import fused_moe  # noqa: E402
 
 DEV = torch.device("cuda")
 D, I = 2048, 512
@@ -134,7 +136,7 @@ def test_router_ids_match_the_reference_router():
     E, top_k, T = 512, 10, 256
     router = _layer(E, seed=9)[0]
     x = torch.randn(T, D, device=DEV).bfloat16()
-    from runtime.backends.triton_moe import route
+    from runtime.backends.triton_moe_kernels import route
     ids, w = route(x, router, None, top_k, "softmax", True, 1.0, 1, 1)
     rids, rw = route_topk(x.float().cpu(), router.float().cpu(), None, top_k, "softmax", True, 1.0, 1, 1)
     same = (ids.long().cpu() == rids).all(-1).float().mean().item()

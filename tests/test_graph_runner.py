@@ -17,7 +17,11 @@ from runtime.generate import make_pools
 from runtime.graph_runner import CaptureError, CaptureKey, GraphRunner, ParityError
 from runtime.parity import CacheWatch, rel_err
 from tests.graph_cases import RerunGraphs, greedy
-from runtime.loader import load_artifact
+from runtime.loader import LoadError, load_artifact
+from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
+from tests.helpers import edit_routing
+
+FULL_DEFAULTS = FlashInferAttentionBackend.capability.resolve_options({})
 
 
 @pytest.fixture(scope="module")
@@ -115,25 +119,42 @@ def test_static_buffers_take_each_key_in_one_packed_copy_per_dtype(artifact):
 
 
 def test_gpu_backend_facts_come_from_the_graph(tmp_path):
-    """build_gpu_backend's inputs, on the CPU: per-layer q heads and scales read from a cuda-target
-    artifact's graph, and FlashInfer's head-dim limit refused at construction, not at the first prefill."""
-    from runtime.gpu_backends import _check_head_dims, full_layer_facts
-    assert main(["init-model", "--family", "qwen3_next", "--size", "tiny", "-o", str(tmp_path / "c")]) == 0
+    """What FlashInfer is built with, on the CPU: per-layer q heads, scales and dtype read off a
+    cuda-target artifact's graph (the calls routing.json routes to it), every pooled full layer (the
+    draft's too) found there; and a routing.json edited to bind a head dim FlashInfer does not build
+    is refused at start-up, naming the layer, before any kernel is asked."""
+    from runtime.backends.flashinfer_attention import full_layer_options
+    from runtime.backends.protocol import BackendSetup
+    from runtime.binding import build_backends, routed_calls
+    from compiler.splitops import call_facts
+    from tests.helpers import tiny_checkpoint
+
+    tiny_checkpoint("qwen3_next", tmp_path / "c", head_dim=64)
     assert main(["compile", str(tmp_path / "c"), "-o", str(tmp_path / "a"), "--target", "cuda", "--dtype",
                  "bfloat16", "--no-dumps"]) == 0
     art = load_artifact(tmp_path / "a")
-    facts = full_layer_facts(art)
-    kv, _ = make_pools(art.registry, 64, 2, page_size=8)
-    assert set(facts) == set(kv.buffers), "every pooled full layer (the draft's too) is found in a graph"
-    for f in facts.values():
-        assert f.op == "gqa_attention" and f.q_dtype == torch.bfloat16
-        head_dim = kv.buffers[f.layer_id]["k"].shape[-1]
-        assert f.q_heads % kv.buffers[f.layer_id]["k"].shape[2] == 0
-        assert f.scale == pytest.approx(head_dim ** -0.5)
-    with pytest.raises(ValueError, match="FlashInfer's prefill kernels take"):
-        _check_head_dims(kv)  # tiny's head dim is 32
+    calls = [call_facts(node) for program, ep in art.programs.items()
+             for entry, node in routed_calls(art.docs, program, ep.graph_module) if entry.backend == "flashinfer"]
+    kv, st = make_pools(art.registry, 64, 2, page_size=8)
+    options = full_layer_options(BackendSetup(kv, st, torch.device("cuda"), tuple(calls), {}))
+    assert options["layers"] == sorted(kv.buffers), "every pooled full layer (the draft's too) is found in a graph"
+    assert options["q_dtype"] == torch.bfloat16
+    for layer_id in options["layers"]:
+        k = kv.buffers[layer_id]["k"]
+        assert options["q_heads"][layer_id] % k.shape[2] == 0
+        assert options["scales"][layer_id] == pytest.approx(k.shape[-1] ** -0.5)
 
-
+    tiny_checkpoint("qwen3_next", tmp_path / "hd32")  # tiny: head_dim 32, which FlashInfer does not build
+    assert main(["compile", str(tmp_path / "hd32"), "-o", str(tmp_path / "b"), "--target", "cuda", "--dtype",
+                 "bfloat16", "--no-dumps", "--route", "gqa_attention=torch_reference"]) == 0
+    edit_routing(tmp_path / "b", lambda e: {**e, "backend": "flashinfer", "options": FULL_DEFAULTS}
+                  if e["op"] == "gqa_attention" else e)
+    edited = load_artifact(tmp_path / "b")
+    kv, st = make_pools(edited.registry, 64, 2, page_size=8)
+    with pytest.raises(LoadError, match=r"binds layer 3 \(main program, node gqa_attention, hgc.gqa_attention\) to "
+                                        r"flashinfer, which this runtime cannot bind: flashinfer q dim -1 is 32, it "
+                                        r"takes \[64, 128, 256\]"):
+        build_backends(edited.docs, edited.programs, kv, st, "cuda")
 
 
 def test_start_up_then_replayed_steps_give_the_eager_tokens(artifact):
@@ -365,10 +386,10 @@ def test_buckets_are_clipped_to_what_the_engine_can_send():
 
 
 def test_extend_graphs_hold_every_running_request_a_mixed_step_can_carry():
-    from runtime.graph_runner import _extend_seqs
-    assert _extend_seqs(64, (256, 512)) == 64, "64 decodes beside a prefill chunk still replay"
-    assert _extend_seqs(300, (256, 512)) == 256, "a 256-token bucket holds at most 256 requests"
-    assert _extend_seqs(8, ()) == 8
+    from runtime.buckets import extend_seqs
+    assert extend_seqs(64, (256, 512)) == 64, "64 decodes beside a prefill chunk still replay"
+    assert extend_seqs(300, (256, 512)) == 256, "a 256-token bucket holds at most 256 requests"
+    assert extend_seqs(8, ()) == 8
 
 
 def test_engine_built_with_a_runner_factory_on_a_small_pool(artifact):
@@ -382,8 +403,10 @@ def test_engine_built_with_a_runner_factory_on_a_small_pool(artifact):
     options = EngineOptions(slots=3, page_size=16)
     vocab = artifact.manifest["model"]["vocab_size"]
     outs = []
+    backends = lambda kv, st: artifact.backends(kv, st).for_program("main")  # noqa: E731
     for factory in (None, graph_runner_factory(artifact, vocab, graphs=RerunGraphs())):
-        engine = build_engine(artifact.registry, artifact.bind, options, 15, runner_factory=factory)
+        engine = build_engine(artifact.registry, artifact.bind, options, 15, backend_factory=backends,
+                              runner_factory=factory)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
         results = engine.run_until_done()
         outs.append([results[i].output_ids for i in ids])
@@ -394,30 +417,49 @@ def test_engine_built_with_a_runner_factory_on_a_small_pool(artifact):
     assert outs[0] == outs[1]
 
 
-def test_triton_linear_backend_under_the_runner(artifact):
-    """The GPU path's linear-attention child (Triton decode kernels reading slot ids from its static
+def test_triton_linear_backend_under_the_runner(artifact, tmp_path):
+    """The GPU path's linear-attention backend (Triton decode kernels reading slot ids from its static
     buffer in graphs, FLA's chunk kernels in the eager gaps) under capture, parity and replayed
-    steps, on the CPU: Triton's interpreter, FLA stood in by tests/linear_cases.FakeFLA, the
-    other ops on the reference backend. Greedy tokens equal the reference backend's. (The fused
-    MoE's replay path has its own tests in test_triton_moe.py: under the interpreter it would take
-    most of a minute here.)"""
-    from runtime.backends.hybrid import HybridBackend
+    steps, on the CPU: Triton's interpreter, FLA stood in by tests/linear_cases.FakeFLA, declared for
+    the cpu device under another name so routing binds the linear ops to it and the other ops to the
+    reference. Greedy tokens equal the reference backend's. (The fused MoE's replay path has its own
+    tests in test_triton_moe.py: under the interpreter it would take most of a minute here.)"""
+    import dataclasses
+
+    from compiler.cli.wiring import toolchain
+    from compiler.passes.context import CompileConfig
+    from compiler.passes.routing import parse_route
+    from compiler.pipeline import compile_checkpoint
+    from runtime.backends import discover
     from runtime.backends.triton_linear_backend import TritonLinearBackend
     from tests.linear_cases import FakeFLA
 
+    class InterpretedTritonLinear(TritonLinearBackend):
+        name = "triton_linear_interpreted"
+        capability = dataclasses.replace(TritonLinearBackend.capability, name=name, device="cpu")
+
+        @classmethod
+        def build(cls, setup):
+            return cls(setup.state_pool, fla=FakeFLA())
+
+    registry = discover().with_classes(InterpretedTritonLinear, source="tests/test_graph_runner.py")
+    routes = tuple(parse_route(f"{op}={InterpretedTritonLinear.name}") for op in ("gdn_core", "short_conv"))
+    compile_checkpoint(artifact.docs.path.parent / "c", tmp_path / "a", CompileConfig(routes=routes),
+                       toolchain(registry), dumps=False)
+    art = load_artifact(tmp_path / "a")
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     reference, _, reference_st = make_runner(artifact)
     want, _ = greedy(reference, reference_st, prompts, 3)
-    kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
-    linear = TritonLinearBackend(st, fla=FakeFLA())
-    others = CPUReferenceBackend(kv, st, supported_ops=set(CPUReferenceBackend.supported_ops - linear.supported_ops))
-    ops = BoundOps(HybridBackend(others, linear))
-    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
+    kv, st = make_pools(art.registry, 128, 8, page_size=8)
+    ops = BoundOps(art.backends(kv, st, registry).for_program("main"))
+    assert set(ops.backend.members) == {"cpu_reference", InterpretedTritonLinear.name}
+    runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
                          max_pages_per_seq=16, extend_max_seqs=2, debug=True, graphs=RerunGraphs())
-    runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
+    runner.start(vocab_size=art.manifest["model"]["vocab_size"])
     got, keys = greedy(runner, st, prompts, 3)
     assert got == want
     assert keys[0] == CaptureKey(Mode.EXTEND, 16, 2) and keys[1] == CaptureKey(Mode.DECODE, 2, 2)
+    assert ops.executed_backends()["0"] == ["cpu_reference", InterpretedTritonLinear.name]
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "bailing_linear", "qwen3_5"])

@@ -376,3 +376,24 @@ def test_n_choices_forked_from_a_cache_hit_equal_the_same_choices_without_the_ca
     without, _, _ = serve(False)
     assert cached > 0 and stats["prefills_shared"] == 2
     assert with_cache == without
+
+
+def test_a_request_scoring_its_prompt_prefills_it_whole_and_gets_every_score():
+    """Echo with log-probabilities needs each prompt position's logits, which a cached prefix does
+    not keep: such a request takes no hit, and its scores equal the run without the cache."""
+    model = build_model("toy")
+    g = torch.Generator().manual_seed(6)
+    prompt = random_ids(22, vocab_of(model), g)
+    scored = SamplingParams(max_new_tokens=2, prompt_logprobs=1)
+
+    def serve(cache: bool):
+        engine = cached_engine(model, cache=cache, max_tokens_per_step=16)
+        engine.generate(prompt, SamplingParams(max_new_tokens=2))
+        engine.generate(prompt, SamplingParams(max_new_tokens=2))  # snapshots the branch point on a hit path
+        result = engine.generate(prompt, scored)
+        return result.prompt_logprobs, result.cached_tokens
+
+    with_cache, cached = serve(True)
+    without, _ = serve(False)
+    assert cached == 0 and len(with_cache) == len(prompt) - 1
+    assert with_cache == without

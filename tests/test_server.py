@@ -509,6 +509,7 @@ def test_without_a_tokenizer_token_ids_work_and_text_is_refused(artifact):
 
 def test_an_engine_failure_fails_open_requests_and_turns_health_503(artifact):
     from runtime.loader import read_artifact
+    from runtime.backends.cpu_reference import CPUReferenceBackend
     from runtime.server.model import EngineOptions, ServedModel, build_engine
 
     registry = read_artifact(artifact[0]).registry
@@ -518,7 +519,8 @@ def test_an_engine_failure_fails_open_requests_and_turns_health_503(artifact):
             raise RuntimeError("kernel exploded")
         return forward
 
-    engine = build_engine(registry, bind, EngineOptions(slots=2, max_model_len=32), 32)
+    engine = build_engine(registry, bind, EngineOptions(slots=2, max_model_len=32), 32,
+                          backend_factory=CPUReferenceBackend)
     served = ServedModel(MODEL, engine, vocab_size=256, max_model_len=engine.max_seq_len)
     with server_in_thread(served) as url:
         body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 4}
@@ -544,22 +546,24 @@ def test_cli_errors_exit_2_with_one_line(artifact, tmp_path, capsys):
 def test_memory_budget_sizes_the_kv_pool_with_the_planner(artifact):
     from runtime.loader import read_artifact
     from runtime.memory_planner import MemoryPlanError, plan_memory
+    from runtime.backends.cpu_reference import CPUReferenceBackend
     from runtime.server.model import EngineOptions, build_engine
 
     registry = read_artifact(artifact[0]).registry
     options = EngineOptions(slots=4, memory_budget_bytes=8 << 20, max_model_len=128)
-    engine = build_engine(registry, lambda ops: None, options, 128, weight_bytes=1 << 20)
+    engine = build_engine(registry, lambda ops: None, options, 128, weight_bytes=1 << 20,
+                          backend_factory=CPUReferenceBackend)
     plan = plan_memory(registry, budget_bytes=8 << 20, weight_bytes=1 << 20, max_seq_len=128, page_size=16,
                        num_slots=4, snapshot_share=options.snapshot_share)
     assert engine.kv_pool.num_pages == plan.num_pages and engine.state_pool.num_slots == 4
     assert engine.prefix_cache.snapshots.num_snapshots == plan.num_snapshots > 0
     assert engine.prefix_cache.snapshots.nbytes() == plan.snapshot_bytes
     uncached = build_engine(registry, lambda ops: None, dataclasses.replace(options, prefix_cache=False), 128,
-                            weight_bytes=1 << 20)
+                            weight_bytes=1 << 20, backend_factory=CPUReferenceBackend)
     assert uncached.prefix_cache is None and uncached.kv_pool.num_pages > engine.kv_pool.num_pages
     with pytest.raises(MemoryPlanError):
         build_engine(registry, lambda ops: None, EngineOptions(slots=4, memory_budget_bytes=1 << 20), 128,
-                     weight_bytes=1 << 20)
+                     weight_bytes=1 << 20, backend_factory=CPUReferenceBackend)
 
 
 def test_sigterm_with_requests_in_flight_exits_zero_within_the_bound(servers):

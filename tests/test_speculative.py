@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from compiler.cli import main
-from compiler.splitops import Mode
+from compiler.splitops import MODES, OP_SPECS, BackendCapability, Mode
 from runtime.acceptance import draft_counts, greedy_accept, rejection_accept
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.batch import SeqState, build_step, commit_step
@@ -29,7 +29,7 @@ from runtime.engine import SamplingParams
 from runtime.generate import make_pools
 from runtime.kv_pool import KVPool
 from runtime.loader import load_artifact
-from runtime.server.model import EngineOptions, build_engine, engine_for_artifact
+from runtime.server.model import EngineOptions, build_engine, engine_for_artifact, routed_backends
 from runtime.speculative import EagerSteps, SpeculativeDecoder
 from runtime.state_pool import StatePool
 from tests.spec_drafters import DisagreeingDrafter, GreedyContinuationDrafter
@@ -116,7 +116,8 @@ def engine_with(art, D: int, drafter):
         main_steps = EagerSteps(art.bind(ops, "main", all_outputs=True), ops, kv_pool, "cpu", limits["token_budget"])
         return SpeculativeDecoder(main_steps, drafter, D, state_pool)
 
-    return build_engine(art.registry, art.bind, options(D), MAX_LEN, speculative_factory=speculative)
+    return build_engine(art.registry, art.bind, options(D), MAX_LEN, backend_factory=routed_backends(art)[0],
+                        speculative_factory=speculative)
 
 
 @pytest.mark.parametrize("draft_tokens", (3, 7))
@@ -186,10 +187,12 @@ def test_graph_runner_captures_verify_and_draft_keys_and_serves_the_same_tokens(
 
     art, D, lines = artifacts("qwen3_next"), 3, []
     vocab = int(art.manifest["model"]["vocab_size"])
-    engine = build_engine(art.registry, art.bind, options(D), MAX_LEN,
+    backend, draft_backend = routed_backends(art)
+    engine = build_engine(art.registry, art.bind, options(D), MAX_LEN, backend_factory=backend,
                           runner_factory=graph_runner_factory(art, vocab, graphs=RerunGraphs(), speculative_tokens=D,
                                                               log=lines.append),
-                          speculative_factory=speculative_factory(art, D, log=lines.append))
+                          speculative_factory=speculative_factory(art, D, draft_backend=draft_backend,
+                                                                  log=lines.append))
     main_runner, draft_runner = engine.runner, engine.spec.drafter.steps
     assert [str(k) for k in main_runner.keys][:3] == ["target_verify[tokens=16, seqs=4, rows=16]",
                                                       "target_verify[tokens=8, seqs=2, rows=8]",
@@ -202,6 +205,63 @@ def test_graph_runner_captures_verify_and_draft_keys_and_serves_the_same_tokens(
     assert outputs == plain("qwen3_next")
     assert main_runner.counters["graph_replays"] > 0 and draft_runner.counters["graph_replays"] > 0
     assert all_free(stats)
+
+
+class DraftReference(CPUReferenceBackend):
+    """The reference math under another name, bound only by a route: the draft (MTP) layer routed
+    apart from every main layer. It records the modes of the steps it was told to plan."""
+
+    name = "draft_reference"
+    capability = BackendCapability(name="draft_reference", device="cpu", ops=frozenset(OP_SPECS),
+                                   modes_capturable=frozenset(MODES), explicit_only=True,
+                                   doc="the reference, as the draft layer's own backend in routing tests")
+    built: list = []
+
+    @classmethod
+    def build(cls, setup):
+        instance = cls(setup.kv_pool, setup.state_pool)
+        instance.planned = []
+        cls.built.append((instance, setup.layer_ids()))
+        return instance
+
+    def init_step_metadata(self, ctx):
+        self.planned.append(Mode(ctx.mode))
+        super().init_step_metadata(ctx)
+
+
+def test_a_draft_layer_routed_apart_is_bound_and_planned_through_the_draft_programs_own_set(artifacts, plain,
+                                                                                               tmp_path):
+    """routing.json binds the draft program's nodes as it binds the main program's: a draft layer
+    routed to its own backend runs there and only there, that instance is built once and is no
+    member of the main program's set, and the draft's steps (after a prefill, the chain, after a
+    verify) reach it through the draft's BackendSet. The tokens stay plain decoding's."""
+    from compiler.cli.wiring import toolchain
+    from compiler.passes.context import CompileConfig
+    from compiler.passes.routing import parse_route
+    from compiler.pipeline import compile_checkpoint
+    from runtime.backends import discover
+
+    registry = discover().with_classes(DraftReference, source="tests/test_speculative.py")
+    art = artifacts("qwen3_next")
+    draft_layers = sorted({e.layer_id for e in art.docs.routing.entries("draft")})
+    route = parse_route(f"layers={','.join(map(str, draft_layers))}:draft_reference")
+    compile_checkpoint(art.docs.path.parent / "qwen3_next-c", tmp_path / "a", CompileConfig(routes=(route,)),
+                       toolchain(registry), dumps=False, force=True)
+    routed = load_artifact(tmp_path / "a")
+    assert routed.routed_backends("draft") == ["draft_reference"]
+    assert "draft_reference" not in routed.routed_backends("main")
+    DraftReference.built.clear()
+    engine = engine_for_artifact(routed, options(3), MAX_LEN, registry=registry)
+    outputs, stats = run(engine)
+    assert outputs == plain("qwen3_next") and all_free(stats)
+    ((instance, layers),) = DraftReference.built
+    assert layers == draft_layers
+    assert "draft_reference" not in engine.ops.backend.members
+    assert set(engine.spec.drafter.steps.ops.backend.members) == {"draft_reference"}
+    assert {Mode.EXTEND, Mode.DECODE, Mode.TARGET_VERIFY} <= set(instance.planned)
+    executed = engine.ops.executed_backends()  # the draft's calls are recorded with the main program's
+    assert all(executed[str(i)] == ["draft_reference"] for i in draft_layers)
+    assert all(names == ["cpu_reference"] for layer, names in executed.items() if int(layer) not in draft_layers)
 
 
 # -- the pieces --------------------------------------------------------------------------------

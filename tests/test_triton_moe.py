@@ -1,4 +1,4 @@
-"""The fused Triton MoE (runtime/backends/triton_moe.py) against the CPU oracle, in float32.
+"""The fused Triton MoE (runtime/backends/triton_moe_kernels.py, its backend triton_moe.py) against the CPU oracle, in float32.
 
 Without CUDA the kernels run in Triton's interpreter (numpy on the CPU; tests/conftest.py sets
 TRITON_INTERPRET=1 before anything imports triton, and so does this module when run alone). With
@@ -30,10 +30,9 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_av
     pytest.skip("no CUDA and TRITON_INTERPRET is off: the kernels cannot run", allow_module_level=True)
 
 from runtime.backends.cpu_reference import CPUReferenceBackend, moe_reference, route_topk  # noqa: E402
-from runtime.backends.triton_moe import (  # noqa: E402
-    GemmConfig, MoEConfig, TritonMoEBackend, config_file_name, default_config, fused_moe, route, shared_chunks,
-    sort_tokens,
-)
+from runtime.backends.moe_config import GemmConfig, MoEConfig, config_file_name, default_config  # noqa: E402
+from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
+from runtime.backends.triton_moe_kernels import fused_moe, route, shared_chunks, sort_tokens  # noqa: E402
 
 DEV = torch.device("cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda")
 D, I = 48, 24
@@ -340,3 +339,21 @@ def test_bad_routing_arguments_are_refused_with_a_message():
         route(x, router, None, 3, "softmax", True, 1.0, 3, 1)
     with pytest.raises(ValueError, match="unknown scoring"):
         route(x, router, None, 1, "relu", True, 1.0, 1, 1)
+
+
+def test_float32_configs_are_fitted_to_shared_memory_and_bf16_ones_kept():
+    """The 128 x 128 x 64 tile at 4 stages asked an H200 for 294,912 bytes of shared memory in float32
+    (232,448 there): fitted, it takes fewer stages; every default bf16 config is returned unchanged."""
+    from runtime.backends.moe_config import SHARED_MEMORY_BUDGET, default_config, fit_shared_memory
+
+    def need(c, itemsize):
+        return max(1, c.num_stages - 1) * (c.BLOCK_M + 2 * c.BLOCK_N) * c.BLOCK_K * itemsize
+
+    big = default_config(256, 16, 1024, 2304, 8)
+    assert need(big.gate_up, 4) == 294912
+    fitted = fit_shared_memory(big, 4)
+    assert need(fitted.gate_up, 4) <= SHARED_MEMORY_BUDGET and need(fitted.down, 4) <= SHARED_MEMORY_BUDGET
+    assert fitted.gate_up.BLOCK_M == big.gate_up.BLOCK_M  # the sorted layout is unchanged
+    for T in (1, 8, 32, 128, 512, 4096):
+        c = default_config(T, 16, 512, 2048, 4)
+        assert fit_shared_memory(c, 2) == c

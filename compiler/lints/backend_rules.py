@@ -1,7 +1,7 @@
 """Rules about backend wrappers: every hook a child implements is forwarded, with arguments it accepts.
 
 A wrapper backend (the hybrid one holds a full-attention child and a linear-attention child)
-must forward each hook explicitly. Two failures seen in serving engines (DESIGN.md):
+must forward each hook explicitly. Two failures seen in serving engines (docs/DESIGN.md):
 
 - failure 3: the wrapper lacked `init_mha_chunk_metadata`, which its full-attention child had; a
   `hasattr` guard skipped planning silently and prefill crashed later with a shape mismatch.
@@ -15,14 +15,15 @@ Rules, checked by introspection of classes (nothing is instantiated):
 - hook-signature-mismatch (error): the wrapper's hook signature, and every call forwarding that
   hook in the wrapper's source, bind against each child's signature.
 
-Hooks are the names in `runtime.backends.protocol.HOOK_NAMES` where that module exists, any name a
-class lists in a `HOOKS` tuple, and every public method whose name starts with "init_".
+Hooks are the names any class lists in a `HOOKS` tuple (the runtime's protocol class, BackendHooks,
+lists its hooks there) and every public method whose name starts with "init_".
 
 Children of a wrapper, first that applies: the `children` argument; an instance's `children`; a
 class attribute `children` holding classes (a tuple, or a dict role -> class); otherwise the
-protocol's `BackendHooks` itself stands for "any child" (the wrapper must forward every protocol
-hook with the protocol's arguments). Forwarded calls are matched against every child, since a
-class alone does not say which attribute holds which child.
+wrapper's protocol (the class of its MRO that declares `HOOKS`: BackendHooks) stands for "any
+child" (the wrapper must forward every protocol hook with the protocol's arguments). Forwarded
+calls are matched against every child, since a class alone does not say which attribute holds
+which child. The rules import no runtime module: the classes they look at are handed to them.
 """
 
 from __future__ import annotations
@@ -39,12 +40,9 @@ __all__ = ["HookNotForwarded", "HookSignatureMismatch", "BACKEND_RULES", "wrappe
            "children_of"]
 
 
-def _protocol():
-    try:
-        from runtime.backends import protocol
-    except ImportError:  # the protocol module is optional for this lint: fall back to the generic rule
-        return None
-    return protocol
+def _protocol_of(cls: type):
+    """The protocol class `cls` derives from: the outermost class of its MRO declaring `HOOKS`, or None."""
+    return next((c for c in reversed(cls.__mro__) if "HOOKS" in vars(c)), None)
 
 
 def _cls(obj) -> type:
@@ -63,9 +61,6 @@ def implemented(cls: type, name: str) -> bool:
 
 def hook_names(*classes: type) -> list[str]:
     names: set[str] = set()
-    protocol = _protocol()
-    if protocol is not None:
-        names |= set(protocol.HOOK_NAMES)
     for cls in classes:
         names |= set(getattr(cls, "HOOKS", ()) or ())
         for name in dir(cls):
@@ -82,8 +77,8 @@ def children_of(wrapper, children: Sequence | None = None) -> list[type]:
         declared = list(declared.values())
     if isinstance(declared, (tuple, list)) and declared and all(not isinstance(c, str) for c in declared):
         return [_cls(c) for c in declared]
-    protocol = _protocol()
-    return [protocol.BackendHooks] if protocol is not None else []
+    protocol = _protocol_of(_cls(wrapper))
+    return [protocol] if protocol is not None else []
 
 
 def _signature(fn):
@@ -140,8 +135,7 @@ def _uses_hasattr_guard(fn, hook: str) -> bool:
 
 
 def _child_label(child: type) -> str:
-    protocol = _protocol()
-    if protocol is not None and child is protocol.BackendHooks:
+    if _protocol_of(child) is child:
         return "the backend protocol (any child)"
     return child.__name__
 
@@ -168,22 +162,22 @@ class _WrapperRule(LintRule):
 class HookNotForwarded(_WrapperRule):
     id = "hook-not-forwarded"
     severity = ERROR
+    failure = 3
     doc = "a wrapper defines every hook any of its children implements, and forwards it"
 
     def check_wrapper(self, wrapper, children=None):
         w = _cls(wrapper)
         kids = children_of(wrapper, children)
-        protocol = _protocol()
         for child in kids:
-            generic = protocol is not None and child is protocol.BackendHooks
+            generic = _protocol_of(child) is child
             for hook in hook_names(w, child):
-                child_has = (hook in protocol.HOOK_NAMES) if generic else implemented(child, hook)
+                child_has = (hook in child.HOOKS) if generic else implemented(child, hook)
                 if not child_has:
                     continue
                 if not implemented(w, hook):
                     yield self.finding(
                         f"wrapper {w.__name__} lacks hook {hook}, which {_child_label(child)} implements: a caller "
-                        f"guarding with hasattr would skip the child's planning silently (DESIGN.md failure 3)",
+                        f"guarding with hasattr would skip the child's planning silently",
                         f"define {w.__name__}.{hook} and forward it explicitly to every child that has it",
                         backend=w.__name__)
                     continue
@@ -210,6 +204,7 @@ class HookNotForwarded(_WrapperRule):
 class HookSignatureMismatch(_WrapperRule):
     id = "hook-signature-mismatch"
     severity = ERROR
+    failure = 4
     doc = "a wrapper's hooks, and the calls that forward them, fit every child's signature"
 
     def check_wrapper(self, wrapper, children=None):
@@ -240,7 +235,7 @@ class HookSignatureMismatch(_WrapperRule):
                         yield self.finding(
                             f"wrapper {w.__name__}.{hook} forwards {receiver}.{hook}({passed}) (line {line}), which "
                             f"{_child_label(child)}.{hook}{child_sig} does not accept ({e}): a TypeError waiting for "
-                            f"whoever uses that child (DESIGN.md failure 4)",
+                            f"whoever uses that child",
                             f"forward exactly the protocol's arguments of {hook}", backend=w.__name__)
 
 

@@ -1,6 +1,7 @@
 """What a lint rule is and what it reports: `LintRule` and `Finding`.
 
-A rule is a small class with an `id`, a `severity`, a one-line `doc`, and `check(...)` yielding
+A rule is a small class with an `id`, a `severity`, a one-line `doc`, the failure class of
+docs/DESIGN.md it guards where there is one (named in its messages), and `check(...)` yielding
 `Finding`s. Each finding names what is wrong (the layer, node or backend), why it matters, and a
 fix. Findings are data: the lints pass collects them in the CompileContext, the writer stores
 them in lints.json, `hgc lint` prints them, and any finding of severity "error" fails the compile.
@@ -71,8 +72,11 @@ class LintRule:
     severity: str = ERROR
     scope: str = "graph"  # "graph" | "artifact" | "backends"
     doc: str = ""
+    failure: int | None = None  # the failure class of docs/DESIGN.md this rule guards, named in its messages
 
     def finding(self, message: str, fix: str, **where) -> Finding:
+        if self.failure is not None:
+            message = f"{message} (docs/DESIGN.md failure {self.failure})"
         return Finding(self.id, self.severity, message, fix, **where)
 
     def check(self, *args) -> Iterable[Finding]:  # pragma: no cover - every rule overrides it

@@ -17,8 +17,12 @@ at least one mode.
                                on a device target also a host tensor copied to the device.
 - input-without-checkpoint-tensor: a lifted parameter, buffer or constant with no checkpoint tensor:
                                the weightless artifact would have no value for it.
+- captured-beyond-backend:      an op node sits in a captured piece of a mode its routed backend does
+                               not declare capturable (the split pass never plans that: a plan recorded
+                               for another routing, or edited).
 - backend-cannot-capture (warning): on a capturing target, an op whose policy allows capture in a
-                               mode is routed to a backend that cannot be captured in it.
+                               mode is routed to a backend that cannot be captured in it (the split
+                               pass makes the node an eager gap there).
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from compiler.lints.base import ERROR, WARNING, LintRule
-from compiler.passes.annotate import is_op_node, op_nodes
-from compiler.splitops import MODES, Capture, op_name_of, op_spec
+from compiler.splitops import MODES, Capture, is_op_node, op_name_of, op_nodes, op_spec
 from compiler.splitops.artifact import CAPTURED
 
-__all__ = ["StatefulOpCaptured", "StateMutationOutsideOps", "HostSyncCaptured", "InputWithoutCheckpointTensor",
-           "BackendCannotCapture", "CAPTURE_RULES", "host_sync_reason", "host_to_device_reason"]
+__all__ = ["StatefulOpCaptured", "CapturedBeyondBackend", "StateMutationOutsideOps", "HostSyncCaptured",
+           "InputWithoutCheckpointTensor", "BackendCannotCapture", "CAPTURE_RULES", "host_sync_reason",
+           "host_to_device_reason"]
 
 _aten = torch.ops.aten
 # Ops that read a device value back to the host, or whose output shape depends on tensor values.
@@ -113,29 +117,54 @@ def _data_dependent_reason(node) -> str | None:
     return None
 
 
+def _captured_op_nodes(gm, ctx):
+    """(mode, piece index, op node) for every op node inside a captured piece of this program's plans."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for mode, plan in ctx.split_plans.get(ctx.program, {}).items():
+        for piece in plan.pieces:
+            if piece.kind != CAPTURED:
+                continue
+            for name in piece.nodes:
+                node = by_name.get(name)
+                if node is not None and is_op_node(node):
+                    yield mode, piece.index, node
+
+
 class StatefulOpCaptured(LintRule):
     id = "stateful-op-captured"
     severity = ERROR
+    failure = 2
     doc = "no cache/state-mutating op in a captured piece of a mode where its policy says eager"
 
     def check(self, gm, ctx):
-        by_name = {n.name: n for n in gm.graph.nodes}
-        for mode, plan in ctx.split_plans.get(ctx.program, {}).items():
-            for piece in plan.pieces:
-                if piece.kind != CAPTURED:
-                    continue
-                for name in piece.nodes:
-                    node = by_name.get(name)
-                    if node is None or not is_op_node(node):
-                        continue
-                    spec = op_spec(op_name_of(node.target))
-                    if spec.stateful and spec.capture(mode) is Capture.EAGER:
-                        yield self.finding(
-                            f"hgc.{spec.name} of layer {node.meta.get('hgc.layer_id')} mutates its cache/state and "
-                            f"would be captured in mode {mode.value} (piece {piece.index}), where its declared policy "
-                            f"says eager: replays would reuse stale per-request metadata",
-                            "re-run the split pass (a split.json edited or recorded for another graph); never "
-                            "hand-edit a plan", program=ctx.program, node=name, layer_id=node.meta.get("hgc.layer_id"))
+        for mode, piece, node in _captured_op_nodes(gm, ctx):
+            spec = op_spec(op_name_of(node.target))
+            if spec.stateful and spec.capture(mode) is Capture.EAGER:
+                yield self.finding(
+                    f"hgc.{spec.name} of layer {node.meta.get('hgc.layer_id')} mutates its cache/state and "
+                    f"would be captured in mode {mode.value} (piece {piece}), where its declared policy "
+                    f"says eager: replays would reuse stale per-request metadata",
+                    "re-run the split pass (a split.json edited or recorded for another graph); never "
+                    "hand-edit a plan", program=ctx.program, node=node.name, layer_id=node.meta.get("hgc.layer_id"))
+
+
+class CapturedBeyondBackend(LintRule):
+    id = "captured-beyond-backend"
+    severity = ERROR
+    failure = 2
+    doc = "no op node in a captured piece of a mode its routed backend cannot be captured in"
+
+    def check(self, gm, ctx):
+        for mode, piece, node in _captured_op_nodes(gm, ctx):
+            backend = node.meta.get("hgc.backend")
+            if backend in ctx.capabilities and mode not in ctx.capabilities[backend].modes_capturable:
+                layer_id = node.meta.get("hgc.layer_id")
+                yield self.finding(
+                    f"hgc.{node.meta['hgc.op']} of layer {layer_id} is routed to {backend}, which declares "
+                    f"no capture in mode {mode.value}, yet sits in captured piece {piece}: its "
+                    f"kernels would be frozen into a CUDA graph they were never made for",
+                    "re-run the split pass after routing (it makes such a node an eager gap); never "
+                    "hand-edit a plan", program=ctx.program, node=node.name, layer_id=layer_id, backend=backend)
 
 
 def _alias_base(node):
@@ -257,12 +286,12 @@ class BackendCannotCapture(LintRule):
             if lost:
                 yield self.finding(
                     f"layer {node.meta['hgc.layer_id']}'s hgc.{spec.name} runs on {name}, which cannot be captured in "
-                    f"mode(s) {', '.join(lost)}; the runtime must run it eagerly there",
+                    f"mode(s) {', '.join(lost)}; the split makes it an eager gap there",
                     f"declare capture support in {name}'s capability, or add a backend that has it",
                     program=ctx.program, node=node.name, layer_id=node.meta["hgc.layer_id"], backend=name)
 
 
 CAPTURE_RULES: tuple[LintRule, ...] = (
-    StatefulOpCaptured(), StateMutationOutsideOps(), HostSyncCaptured(), InputWithoutCheckpointTensor(),
-    BackendCannotCapture(),
+    StatefulOpCaptured(), CapturedBeyondBackend(), StateMutationOutsideOps(), HostSyncCaptured(),
+    InputWithoutCheckpointTensor(), BackendCannotCapture(),
 )

@@ -1,6 +1,6 @@
 """Rules comparing the traced graphs with the LayerRegistry (they run before routing).
 
-Each rule guards against a failure seen in serving engines (DESIGN.md):
+Each rule guards against a failure seen in serving engines (docs/DESIGN.md):
 
 - op-layer-id-not-constant: an op's layer id is computed at run time, so no table can route it.
 - op-layer-unknown:    an op node names a layer id the registry lacks (it would find no cache).
@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from compiler.lints.base import ERROR, INFO, LintRule
-from compiler.passes.annotate import op_nodes
-from compiler.splitops import OPS_BY_KIND, op_spec
+from compiler.splitops import OPS_BY_KIND, op_nodes, op_spec
 
 __all__ = ["OpLayerIdNotConstant", "OpLayerUnknown", "OpKindMismatch", "DuplicateLayerId", "DraftIdClash",
            "LayerWithoutOp", "ModuleKindMismatch", "REGISTRY_RULES"]
@@ -68,6 +67,7 @@ class OpLayerUnknown(LintRule):
 class OpKindMismatch(LintRule):
     id = "op-kind-mismatch"
     severity = ERROR
+    failure = 1
     doc = "an op node's op belongs to its layer's registry kind (moe: the layer's mlp is 'moe')"
 
     def check(self, gm, ctx):
@@ -113,6 +113,7 @@ class DuplicateLayerId(LintRule):
 class DraftIdClash(LintRule):
     id = "draft-id-clash"
     severity = ERROR
+    failure = 6
     doc = "draft programs use draft layer ids only, the main program main ids only"
 
     def check(self, gm, ctx):
@@ -164,6 +165,7 @@ class LayerWithoutOp(LintRule):
 class ModuleKindMismatch(LintRule):
     id = "module-kind-mismatch"
     severity = INFO
+    failure = 1
     doc = "the module class export recorded for an attention op matches the registry's module (information)"
 
     def check(self, gm, ctx):

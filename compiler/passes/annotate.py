@@ -21,29 +21,9 @@ from __future__ import annotations
 import torch.fx
 
 from compiler.passes.base import CompilePass, PassResult
-from compiler.splitops import op_name_of, op_spec
+from compiler.splitops import call_arguments, op_name_of, op_nodes, op_spec
 
-__all__ = ["AnnotateOpsPass", "op_nodes", "op_argument", "is_op_node"]
-
-
-def is_op_node(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and op_name_of(node.target) is not None
-
-
-def op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The hgc op nodes of a graph, in graph order."""
-    return [n for n in gm.graph.nodes if is_op_node(n)]
-
-
-def op_argument(node: torch.fx.Node, name: str):
-    """The value of schema argument `name` of an op node (positional or keyword)."""
-    schema = node.target._schema
-    for i, arg in enumerate(schema.arguments):
-        if arg.name == name:
-            if i < len(node.args):
-                return node.args[i]
-            return node.kwargs.get(name, arg.default_value if arg.has_default_value() else None)
-    raise KeyError(f"op {schema.name} has no argument {name!r}")
+__all__ = ["AnnotateOpsPass", "module_stack"]
 
 
 def module_stack(node: torch.fx.Node) -> list[list[str]]:
@@ -63,7 +43,7 @@ class AnnotateOpsPass(CompilePass):
     def __call__(self, gm, ctx) -> PassResult:
         for node in op_nodes(gm):
             op = op_name_of(node.target)
-            layer_id = op_argument(node, "layer_id")
+            layer_id = call_arguments(node).get("layer_id")
             layer_id = layer_id if isinstance(layer_id, int) and not isinstance(layer_id, bool) else None
             spec = ctx.registry[layer_id] if layer_id is not None and layer_id in ctx.registry else None
             stack = module_stack(node)

@@ -26,11 +26,9 @@ import inspect
 
 import torch.fx
 
+from compiler.splitops.errors import CompileError
+
 __all__ = ["PassResult", "CompilePass", "CompileError", "PassError", "PreconditionError", "PostconditionError"]
-
-
-class CompileError(Exception):
-    """An error the user can act on: the message says what, where, and how to fix it."""
 
 
 class PreconditionError(CompileError):

@@ -5,7 +5,8 @@ the artifact writer. There is no global "current compile": whatever a pass needs
 
 1. The frontend fills `registry` (the model's LayerRegistry: the single source of truth for layer
    kinds), `programs` (name -> GraphModule of each exported program) and `signatures`.
-2. The pipeline adds `capabilities` (the backend capability table) and `backend_wrappers`.
+2. The pipeline adds `capabilities` (the backends' capability table) and `backend_wrappers`, both
+   from the Toolchain the command line hands it (compiler/toolchain.py).
 3. Passes add their results: `routing`, `split_plans`, `findings`; `program` says which program
    the current pass call is working on.
 """
@@ -17,9 +18,10 @@ from typing import Optional
 
 import torch.fx
 
-from compiler.splitops import LayerRegistry, Mode
+from compiler.splitops import CapabilityTable, LayerRegistry, Mode
 from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS, SplitPlan
 from compiler.lints.base import Finding
+from compiler.passes.routing import Route
 
 __all__ = ["CompileConfig", "CompileContext"]
 
@@ -32,6 +34,7 @@ class CompileConfig:
     dtype: str = "float32"  # the model dtype the graph is traced in (must match the eager baseline's)
     decode_batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCH_SIZES
     extend_token_counts: tuple[int, ...] = DEFAULT_EXTEND_TOKEN_COUNTS
+    routes: tuple[Route, ...] = ()  # --route: nodes bound to a named backend (compiler/passes/routing.py)
 
     def __post_init__(self) -> None:
         for field in ("decode_batch_sizes", "extend_token_counts"):
@@ -41,13 +44,13 @@ class CompileConfig:
 
     def to_json(self) -> dict:
         return {"target": self.target, "dtype": self.dtype, "decode_batch_sizes": list(self.decode_batch_sizes),
-                "extend_token_counts": list(self.extend_token_counts)}
+                "extend_token_counts": list(self.extend_token_counts), "routes": [str(r) for r in self.routes]}
 
 
 @dataclasses.dataclass
 class CompileContext:
     registry: LayerRegistry
-    capabilities: object  # runtime.backends.capability.CapabilityTable
+    capabilities: CapabilityTable  # the backends' declarations, handed in by the command line
     config: CompileConfig
     programs: dict[str, torch.fx.GraphModule]  # "main" first, then "draft" where the model has one
     signatures: dict[str, object] = dataclasses.field(default_factory=dict)  # program -> ExportGraphSignature

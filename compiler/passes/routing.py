@@ -1,49 +1,137 @@
-"""RoutingPass: bind every hgc op node to a backend, from the LayerRegistry and the capability table.
+"""RoutingPass: bind every hgc op node to a backend, from the LayerRegistry, the capability table and the routes.
 
 Sources of truth, and only these: the node's layer id argument, looked up in the LayerRegistry
-(its kind), the op's declaration (its capture policy), and the backends' own declarations
-(`runtime/backends/capability.py`). Module types are never consulted (DESIGN.md failure 1: a
-linear layer wrapped in an attention module was routed as full attention by its type).
+(its kind), the node's own facts (the dtype of its `out`, its arguments' shapes), the op's
+declaration (its capture policy), the backends' own declarations (compiler/splitops/capability.py:
+device, ops, kinds, modes, dtypes, shape limits, kernel options) and the routes the user gave
+(`hgc compile --route`). Module types are never consulted (docs/DESIGN.md failure 1: a linear layer
+wrapped in an attention module was routed as full attention by its type).
 
 For each op node, in graph order:
 
 1. kind = registry[layer id].kind;
-2. candidates = leaf backends on the compile target that declare the op (and the kind, where
-   they restrict kinds), best first (priority, then declaration order);
-3. keep those that support every mode; among them prefer one that can capture every mode in
-   which the op's policy allows capture;
-4. record the choice in node.meta["hgc.backend"] and one entry in ctx.routing[program].
+2. a route that applies binds it: `layers=3,7:BACKEND` (a listed layer, an op the backend
+   implements) before `OP=BACKEND`; the backend must run on the target and serve the node
+   (`capability.refusal`: op, kind, every mode, dtype, shapes), or the compile fails naming the
+   layer, the backend and what it lacks;
+3. otherwise the candidates are the backends of the target that declare the op (and the kind,
+   where they restrict kinds), minus those that only a route may bind (`explicit_only`); those
+   that refuse the node drop out, and the error, if none is left, names each with its reason
+   (docs/DESIGN.md failure 9: a backend chosen without regard to dtype or shape limits);
+4. among those left, the highest priority wins; among equals, one that can capture every mode in
+   which the op's policy allows capture, then declaration order;
+5. record the choice in node.meta["hgc.backend"] and one entry in ctx.routing[program]: backend,
+   kernel options (each declared option resolved, a route's choice or the default), and what chose it.
 
-A node no backend can take is a compile error naming pass, node, layer, kind and a fix.
+Route syntax (`parse_route`): `gdn_core=cpu_reference`, `layers=3,7:torch_reference`,
+`gqa_attention=flashinfer[extend_impl=paged]`. A route that matches no node, names an unknown
+backend or option, or whose backend implements none of a listed layer's ops is an error too.
 """
 
 from __future__ import annotations
 
-from compiler.passes.annotate import op_nodes
-from compiler.passes.base import CompileError, CompilePass, PassResult, PostconditionError, PreconditionError
-from compiler.splitops import MODES, Capture, LayerKind, op_spec
+import dataclasses
+import re
+from typing import Optional
 
-__all__ = ["RoutingPass", "RoutingError", "choose_backend"]
+from compiler.passes.base import CompilePass, PassResult, PostconditionError, PreconditionError
+from compiler.splitops import (MODES, OP_SPECS, Capture, CapabilityError, CompileError, LayerKind, call_facts, op_nodes,
+                              op_spec)
+
+__all__ = ["RoutingPass", "RoutingError", "Route", "parse_route", "choose_backend"]
 
 
 class RoutingError(CompileError):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One `--route`: bind the nodes of `op`, or of `layers`, to `backend` (with kernel `options`)."""
+
+    backend: str
+    op: Optional[str] = None
+    layers: Optional[tuple[int, ...]] = None
+    options: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        target = f"{self.op}=" if self.op else f"layers={','.join(map(str, self.layers))}:"
+        opts = f"[{','.join(f'{k}={v}' for k, v in self.options)}]" if self.options else ""
+        return f"{target}{self.backend}{opts}"
+
+
+_ROUTE = re.compile(r"^(?:(?P<op>[a-z_]+)=|layers=(?P<layers>[0-9][0-9, ]*):)(?P<backend>[A-Za-z0-9_.\-]+)"
+                    r"(?:\[(?P<options>[^\]]*)\])?$")
+
+
+def parse_route(text: str) -> Route:
+    """"gdn_core=cpu_reference" / "layers=3,7:fast_gdn" / "gqa_attention=flashinfer[extend_impl=paged]"."""
+    match = _ROUTE.match(text.strip())
+    if match is None:
+        raise RoutingError(f"--route {text!r}: expected OP=BACKEND or layers=3,7:BACKEND, optionally followed by "
+                           f"[option=choice,...] (ops: {', '.join(OP_SPECS)})")
+    op = match["op"]
+    if op is not None and op not in OP_SPECS:
+        raise RoutingError(f"--route {text!r}: hgc has no op {op!r} (ops: {', '.join(OP_SPECS)})")
+    layers = None
+    if match["layers"] is not None:
+        layers = tuple(sorted({int(x) for x in match["layers"].replace(" ", "").split(",") if x}))
+    options = []
+    for part in (match["options"] or "").split(","):
+        if not part.strip():
+            continue
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise RoutingError(f"--route {text!r}: kernel option {part!r} is not option=choice")
+        options.append((key.strip(), value.strip()))
+    return Route(match["backend"], op, layers, tuple(options))
+
+
 def _where(node, layer_id, kind) -> str:
     return f"routing: node {node.name} (layer {layer_id}, kind {kind})"
 
 
-def choose_backend(node, ctx):
-    """The capability of the backend that runs `node` on ctx.config.target; RoutingError if none can."""
+def _route_for(node, routes: tuple[Route, ...], table) -> Optional[Route]:
+    """The route that binds this node: a layer route whose backend implements the op, else an op route."""
     op, layer_id = node.meta["hgc.op"], node.meta["hgc.layer_id"]
+    by_layer = [r for r in routes if r.layers is not None and layer_id in r.layers and op in table[r.backend].ops]
+    if len({r.backend for r in by_layer}) > 1:
+        raise RoutingError(f"{_where(node, layer_id, node.meta['hgc.kind'])}: routes {', '.join(map(str, by_layer))} "
+                           f"each claim it; give each layer one backend per op")
+    if by_layer:
+        return by_layer[-1]
+    by_op = [r for r in routes if r.op == op]
+    return by_op[-1] if by_op else None
+
+
+def _routed(node, route: Route, ctx, facts):
+    """The capability `route` binds `node` to, after checking the backend can serve it there."""
+    layer_id, kind = node.meta["hgc.layer_id"], LayerKind(node.meta["hgc.kind"])
+    cap = ctx.capabilities[route.backend]
+    target = ctx.config.target
+    if cap.device != target:
+        raise RoutingError(f"{_where(node, layer_id, kind.value)}: route {route} names {cap.name}, which runs on "
+                           f"{cap.device!r}, and the compile target is {target!r}; fix: route to a {target} backend "
+                           f"or compile with --target {cap.device}")
+    why = cap.refusal(facts.op, kind, facts.dtype, facts.shapes)
+    if why is not None:
+        raise RoutingError(f"{_where(node, layer_id, kind.value)}: route {route} sends hgc.{facts.op} ({facts.dtype}) "
+                           f"to {cap.name}, which {why}; fix: route this layer to a backend that serves it "
+                           f"(hgc backends lists them)")
+    return cap
+
+
+def _automatic(node, ctx, facts):
+    """The best backend of the target for `node` by declaration: step 3-4 of the module docstring."""
+    op, layer_id = facts.op, node.meta["hgc.layer_id"]
     kind = LayerKind(node.meta["hgc.kind"])
     target = ctx.config.target
     table = ctx.capabilities
     candidates = table.candidates(op, kind, target)
     if not candidates:
         on_target = table.on_device(target)
-        listing = "; ".join(f"{c.name} [{', '.join(sorted(c.ops))}]" for c in on_target) or "none"
+        listing = "; ".join(f"{c.name} [{', '.join(sorted(c.ops))}]" + (" (only by --route)" if c.explicit_only else "")
+                            for c in on_target) or "none"
         devices = ", ".join(table.devices()) or "none"
         raise RoutingError(
             f"{_where(node, layer_id, kind.value)}: no backend on device {target!r} implements hgc.{op} for "
@@ -58,18 +146,72 @@ def choose_backend(node, ctx):
             f"{_where(node, layer_id, kind.value)}: no backend supports mode {lacking[0]} for hgc.{op} "
             f"(closest: {best.name}, which supports {[m.value for m in MODES if m in best.modes_supported]}); "
             f"fix: add mode {lacking[0]} to the capability of a {target} backend that runs {op}")
+    refusals = {c.name: c.refusal(op, kind, facts.dtype, facts.shapes) for c in full}
+    fits = [c for c in full if refusals[c.name] is None]
+    if not fits:
+        considered = "; ".join(f"{name} {why}" for name, why in refusals.items())
+        explicit = [c.name for c in table.on_device(target) if c.explicit_only and c.serves(op, kind)]
+        also = f", or --route {op}={explicit[0]} (eager, slow)" if explicit else ""
+        raise RoutingError(
+            f"{_where(node, layer_id, kind.value)}: no backend on {target} runs hgc.{op} in {facts.dtype} with "
+            f"shapes {dict(facts.shapes)} (considered: {considered}); fix: compile with another --dtype, or use a "
+            f"checkpoint whose shapes a backend serves{also}")
     policy = op_spec(op).policy
     wanted = {m for m in MODES if policy[m] is Capture.CAPTURABLE}
 
     def uncapturable(c) -> int:
         return len(wanted - set(c.modes_capturable))
 
-    return min(full, key=lambda c: (uncapturable(c), full.index(c)))
+    return min(fits, key=lambda c: (-c.priority, uncapturable(c), fits.index(c)))
+
+
+def choose_backend(node, ctx) -> tuple[object, dict, str]:
+    """(capability, resolved kernel options, what chose it) for `node` on ctx.config.target."""
+    facts = call_facts(node)
+    route = _route_for(node, ctx.config.routes, ctx.capabilities)
+    cap = _routed(node, route, ctx, facts) if route is not None else _automatic(node, ctx, facts)
+    try:
+        options = cap.resolve_options(dict(route.options) if route is not None else {})
+    except CapabilityError as e:
+        raise RoutingError(f"routing: route {route}: {e}") from None
+    return cap, options, f"route {route}" if route is not None else "priority"
+
+
+def _check_routes(ctx) -> None:
+    """Routes naming unknown backends, or layers the registry lacks: refused before any node."""
+    for route in ctx.config.routes:
+        if route.backend not in ctx.capabilities:
+            raise RoutingError(f"routing: route {route} names backend {route.backend!r}, which this installation does "
+                               f"not have (backends: {', '.join(ctx.capabilities.names())}); fix: install the package "
+                               f"that provides it (entry-point group hgc.backends) or name another")
+        cap = ctx.capabilities[route.backend]
+        if route.op is not None and route.op not in cap.ops:
+            raise RoutingError(f"routing: route {route}: {cap.name} does not implement hgc.{route.op} (it declares "
+                               f"{sorted(cap.ops)})")
+        for layer_id in route.layers or ():
+            if layer_id not in ctx.registry:
+                raise RoutingError(f"routing: route {route}: the registry has no layer {layer_id} (layers: "
+                                   f"{[spec.layer_id for spec in ctx.registry]})")
+
+
+def _check_routes_used(ctx) -> None:
+    """After every program is routed: each route bound at least one node, each listed layer a node."""
+    bound = [e for entries in ctx.routing.values() for e in entries]
+    for route in ctx.config.routes:
+        mine = [e for e in bound if e["chosen_by"] == f"route {route}"]
+        if route.op is not None and not mine:
+            raise RoutingError(f"routing: route {route} matches no node (no program calls hgc.{route.op}, or a layer "
+                               f"route claims every one)")
+        for layer_id in route.layers or ():
+            if not any(e["layer_id"] == layer_id for e in mine):
+                ops = sorted({e["op"] for e in bound if e["layer_id"] == layer_id})
+                raise RoutingError(f"routing: route {route}: {route.backend} implements none of layer {layer_id}'s "
+                                   f"ops {ops} (it declares {sorted(ctx.capabilities[route.backend].ops)})")
 
 
 class RoutingPass(CompilePass):
     name = "routing"
-    version = 1
+    version = 2
 
     def requires(self, gm, ctx) -> None:
         for node in op_nodes(gm):
@@ -81,9 +223,11 @@ class RoutingPass(CompilePass):
                     f"the registry lints must pass before routing")
 
     def __call__(self, gm, ctx) -> PassResult:
+        if ctx.program == ctx.program_names[0]:
+            _check_routes(ctx)
         entries = []
         for node in op_nodes(gm):
-            cap = choose_backend(node, ctx)
+            cap, options, chosen_by = choose_backend(node, ctx)
             node.meta["hgc.backend"] = cap.name
             policy = op_spec(node.meta["hgc.op"]).policy
             entries.append({
@@ -92,12 +236,17 @@ class RoutingPass(CompilePass):
                 "layer_id": node.meta["hgc.layer_id"],
                 "kind": node.meta["hgc.kind"],
                 "draft": node.meta["hgc.draft"],
+                "dtype": call_facts(node).dtype,
                 "backend": cap.name,
+                "options": options,
+                "chosen_by": chosen_by,
                 "policy": {m.value: policy[m].value for m in MODES},
                 "backend_capturable": [m.value for m in MODES if m in cap.modes_capturable],
                 "module": node.meta["hgc.module"],
             })
         ctx.routing[ctx.program] = entries
+        if ctx.program == ctx.program_names[-1]:
+            _check_routes_used(ctx)
         return PassResult(gm, modified=False)
 
     def ensures(self, gm, ctx) -> None:

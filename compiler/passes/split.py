@@ -2,7 +2,10 @@
 
 For each mode (decode, extend, mixed, target_verify):
 
-1. an op node whose declared capture policy for that mode is "eager" is a split point;
+1. an op node is a split point when its op's declared capture policy for that mode is "eager", OR
+   the backend routing bound it to does not declare that mode capturable (its capability's
+   `modes_capturable`): whether a node is captured is decided here, once, from both, and the
+   runtime reads the decision from split.json (it derives it nowhere else);
 2. walking the graph in order, maximal runs of split points become eager pieces (adjacent eager
    ops merge into one gap) and maximal runs of everything else become captured pieces;
 3. the plan (`SplitPlan`: ordered pieces, each "captured" or "eager" with its node names) goes to
@@ -17,32 +20,38 @@ Example (a GDN layer then a full layer) in extend mode, where every stateful op 
 
     captured[embedding..linear] eager[short_conv] captured[..] eager[gdn_core] captured[..] eager[gqa_attention] ...
 
-and in decode mode, where every op may be captured: one captured piece holding the whole graph.
+and in decode mode, where every op may be captured: one captured piece holding the whole graph
+(unless a node is routed to a backend that cannot be captured in decode: then its node is a gap).
 """
 
 from __future__ import annotations
 
-from compiler.passes.annotate import is_op_node
 from compiler.passes.base import CompilePass, PassResult, PostconditionError, PreconditionError
-from compiler.splitops import MODES, Capture, Mode, op_name_of, op_spec
+from compiler.splitops import MODES, Capture, Mode, is_op_node, op_name_of, op_spec
 from compiler.splitops.artifact import CAPTURED, EAGER, Piece, SplitPlan, plan_node_names
 
 __all__ = ["SplitPass", "plan_for_mode", "is_split_point"]
 
 
-def is_split_point(node, mode: Mode) -> bool:
-    """An op node whose capture policy for `mode` says eager (read from the op's declaration)."""
-    return is_op_node(node) and op_spec(op_name_of(node.target)).capture(mode) is Capture.EAGER
+def is_split_point(node, mode: Mode, capabilities=None) -> bool:
+    """An op node that runs eagerly in `mode`: its op's policy says eager, or (given the capability
+    table) the backend routing bound it to cannot be captured in that mode."""
+    if not is_op_node(node):
+        return False
+    if op_spec(op_name_of(node.target)).capture(mode) is Capture.EAGER:
+        return True
+    backend = node.meta.get("hgc.backend")
+    return capabilities is not None and backend is not None and mode not in capabilities[backend].modes_capturable
 
 
-def plan_for_mode(gm, mode: Mode) -> SplitPlan:
+def plan_for_mode(gm, mode: Mode, capabilities=None) -> SplitPlan:
     pieces: list[Piece] = []
     run: list[str] = []
     run_kind = None
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        kind = EAGER if is_split_point(node, mode) else CAPTURED
+        kind = EAGER if is_split_point(node, mode, capabilities) else CAPTURED
         if kind != run_kind and run:
             pieces.append(Piece(len(pieces), run_kind, tuple(run)))
             run = []
@@ -55,7 +64,7 @@ def plan_for_mode(gm, mode: Mode) -> SplitPlan:
 
 class SplitPass(CompilePass):
     name = "split"
-    version = 1
+    version = 2
 
     def config(self) -> dict:
         return {"modes": [m.value for m in MODES]}
@@ -66,7 +75,7 @@ class SplitPass(CompilePass):
             raise PreconditionError(f"split: op nodes {unrouted[:3]} have no backend; the routing pass must run first")
 
     def __call__(self, gm, ctx) -> PassResult:
-        plans = {mode: plan_for_mode(gm, mode) for mode in MODES}
+        plans = {mode: plan_for_mode(gm, mode, ctx.capabilities) for mode in MODES}
         ctx.split_plans[ctx.program] = plans
         by_name = {n.name: n for n in gm.graph.nodes}
         for mode, plan in plans.items():
@@ -88,7 +97,7 @@ class SplitPass(CompilePass):
                                              f"{a.kind} (adjacent pieces must merge)")
             for piece in plan.pieces:
                 if piece.kind == EAGER:
-                    strays = [n for n in piece.nodes if not is_split_point(by_name[n], mode)]
+                    strays = [n for n in piece.nodes if not is_split_point(by_name[n], mode, ctx.capabilities)]
                     if strays:
                         raise PostconditionError(f"split: plan {mode.value}: eager piece {piece.index} holds "
                                                  f"non-op-core nodes {strays[:3]}")

@@ -1,6 +1,18 @@
-"""The op vocabulary shared by models, compiler and runtime (depends on torch only)."""
+"""The op vocabulary shared by models, compiler and runtime (depends on torch only): the ground floor.
 
-from .ops import OP_SPECS, OPS_BY_KIND, OpSpec, is_hgc_op, moe_shared_width, op_name_of, op_schemas, op_spec
+    ops.py         one torch.library op per attention-like core, its capture policy, its arguments
+    policy.py      forward modes and capture policies
+    registry.py    the LayerRegistry: one entry per layer id, the single source of truth for kinds
+    table.py       TRACED_OPS: the op table models are traced with
+    capability.py  what a backend declares it can do, and the table routing reads
+    artifact.py    the artifact format: file names, documents, split-plan re-application
+    errors.py      CompileError, raised and caught by every layer above
+"""
+
+from .capability import DTYPES, BackendCapability, CapabilityError, CapabilityTable, ShapeLimit, instance_key
+from .errors import CompileError
+from .ops import (OP_SPECS, OPS_BY_KIND, CallFacts, OpSpec, call_arguments, call_facts, is_hgc_op, is_op_node,
+                  moe_shared_width, op_arguments, op_name_of, op_nodes, op_schemas, op_spec)
 from .policy import MODES, Capture, Mode
 from .registry import (FULL_KINDS, LINEAR_KINDS, LayerKind, LayerRegistry, LayerSpec, RegistryError,
                        TensorSpec, dtype_from_name)
@@ -8,8 +20,11 @@ from .table import TRACED_OPS, TracedOps
 
 __all__ = [
     "OP_SPECS", "OPS_BY_KIND", "OpSpec", "is_hgc_op", "moe_shared_width", "op_name_of", "op_schemas", "op_spec",
+    "op_arguments", "call_arguments", "CallFacts", "call_facts", "is_op_node", "op_nodes",
     "MODES", "Capture", "Mode",
     "FULL_KINDS", "LINEAR_KINDS", "LayerKind", "LayerRegistry", "LayerSpec", "RegistryError",
     "TensorSpec", "dtype_from_name",
     "TRACED_OPS", "TracedOps",
+    "DTYPES", "BackendCapability", "CapabilityError", "CapabilityTable", "ShapeLimit", "instance_key",
+    "CompileError",
 ]

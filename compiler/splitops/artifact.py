@@ -11,7 +11,7 @@ An artifact is a folder::
     draft.pt2             the draft (MTP) program, where the model has one
     weights.safetensors   checkpoint tensors under their checkpoint names (absent with --link-weights)
     weights.json          how each program parameter is assembled from checkpoint tensors
-    routing.json          the backend of every hgc op node
+    routing.json          the backend (and kernel options) of every hgc op node: the binding the runtime executes
     split.json            per program and mode, the ordered pieces: captured or eager, with node names
     lints.json            every lint finding of the compile
     tokenizer.json ...    the checkpoint's tokenizer files, when it has them (data; listed in the manifest)
@@ -42,6 +42,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from .capability import BackendCapability, CapabilityError, instance_key
 from .policy import MODES, Mode
 
 __all__ = [
@@ -50,11 +51,11 @@ __all__ = [
     "DEFAULT_EXTEND_TOKEN_COUNTS", "CAPTURED", "EAGER", "ArtifactFormatError", "dump_json", "load_json",
     "sha256_file", "safetensors_header", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
     "apply_split_plan", "plan_node_names", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
-    "check_format", "piece_module_names",
+    "check_format", "piece_module_names", "RouteEntry", "RoutingTable", "routing_doc", "parse_routing_doc",
 ]
 
 FORMAT_NAME = "hgc-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: routing.json is the binding (per node backend, kernel options, declarations used)
 
 MANIFEST = "manifest.json"
 GRAPH = "graph.pt2"
@@ -155,6 +156,83 @@ def check_format(doc, source: str) -> dict:
 
 def _header() -> dict:
     return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+
+
+# -- routing ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteEntry:
+    """One op node's binding: which backend (with which kernel options) runs it, and why."""
+
+    node: str
+    op: str
+    layer_id: int
+    kind: str | None
+    backend: str
+    options: dict  # kernel option -> choice, every option the backend declares
+    dtype: str | None
+    chosen_by: str  # "priority", or the --route that bound it
+
+    @property
+    def instance(self) -> str:
+        """The backend instance the runtime binds this node to (capability.instance_key)."""
+        return instance_key(self.backend, self.options)
+
+    @classmethod
+    def from_json(cls, obj, source: str) -> "RouteEntry":
+        try:
+            options = obj.get("options") or {}
+            if not isinstance(options, dict) or not all(isinstance(v, str) for v in options.values()):
+                raise TypeError("options must map names to strings")
+            return cls(str(obj["node"]), str(obj["op"]), int(obj["layer_id"]), obj.get("kind"), str(obj["backend"]),
+                       dict(options), obj.get("dtype"), str(obj.get("chosen_by", "priority")))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ArtifactFormatError(f"{source}: an entry needs node, op, layer_id and backend: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingTable:
+    """routing.json parsed: the compile target, the user's routes, the declarations of the backends
+    the entries name (as they were at compile time), and each program's entries in graph order."""
+
+    target: str
+    routes: tuple[str, ...]
+    backends: dict[str, BackendCapability]
+    programs: dict[str, tuple[RouteEntry, ...]]
+
+    def entries(self, program: str) -> tuple[RouteEntry, ...]:
+        return self.programs.get(program, ())
+
+    def backend_names(self, program: str | None = None) -> list[str]:
+        """The backends the entries name (of one program, or all), in order of first use."""
+        programs = [program] if program is not None else list(self.programs)
+        return list(dict.fromkeys(e.backend for p in programs for e in self.entries(p)))
+
+
+def routing_doc(target: str, routes, capabilities, programs: dict[str, list[dict]]) -> dict:
+    """routing.json: the target, the routes asked for, the declarations of the backends used, the entries."""
+    used = list(dict.fromkeys(e["backend"] for entries in programs.values() for e in entries))
+    return {**_header(), "target": target, "routes": [str(r) for r in routes],
+            "backends": [{**capabilities[name].to_json(), "source": capabilities.sources[name]} for name in used],
+            "programs": programs}
+
+
+def parse_routing_doc(doc, source: str = ROUTING) -> RoutingTable:
+    check_format(doc, source)
+    target, programs, backends = doc.get("target"), doc.get("programs"), doc.get("backends")
+    if not isinstance(target, str) or not isinstance(programs, dict) or not isinstance(backends, list):
+        raise ArtifactFormatError(f"{source}: needs 'target' (a string), 'backends' (a list) and 'programs' (an object)")
+    try:
+        declared = {str(b["name"]): BackendCapability.from_json(b) for b in backends}
+    except (KeyError, TypeError, ValueError, CapabilityError) as e:
+        raise ArtifactFormatError(f"{source}: field 'backends': {e}") from None
+    parsed = {}
+    for program, entries in programs.items():
+        if not isinstance(entries, list):
+            raise ArtifactFormatError(f"{source}: programs.{program} must be a list of entries")
+        parsed[program] = tuple(RouteEntry.from_json(e, f"{source} programs.{program}") for e in entries)
+    return RoutingTable(target, tuple(str(r) for r in doc.get("routes", ())), declared, parsed)
 
 
 # -- split plans ---------------------------------------------------------------------------------

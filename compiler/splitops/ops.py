@@ -30,7 +30,8 @@ import torch
 from .policy import Capture, Mode
 from .registry import LayerKind
 
-__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "op_spec", "is_hgc_op", "op_name_of", "op_schemas", "moe_shared_width"]
+__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "op_spec", "is_hgc_op", "op_name_of", "op_schemas", "moe_shared_width",
+           "op_arguments", "call_arguments", "CallFacts", "call_facts", "is_op_node", "op_nodes"]
 
 _LIB = torch.library.Library("hgc", "FRAGMENT")  # noqa: the namespace our ops live in
 
@@ -161,6 +162,10 @@ def moe_shared_width(shared_w13, shared_w2, shared_gate, hidden: int) -> int:
     return S
 
 
+_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    name: tuple(a.name for a in getattr(torch.ops.hgc, name).default._schema.arguments) for name in OP_SPECS
+}
+
 OPS_BY_KIND: dict[LayerKind, tuple[str, ...]] = {
     kind: tuple(name for name, spec in OP_SPECS.items() if kind in spec.kinds) for kind in LayerKind
 }
@@ -170,6 +175,65 @@ def op_schemas() -> dict[str, str]:
     """Each hgc op's registered schema: an artifact records them, and a runtime whose ops differ
     refuses it (a .pt2 program calls its ops positionally, in the schema it was traced with)."""
     return {name: str(getattr(torch.ops.hgc, name).default._schema) for name in OP_SPECS}
+
+
+def op_arguments(name: str) -> tuple[str, ...]:
+    """The schema argument names of op `name`, in call order: what each positional argument is.
+
+    The one place that reads an op's schema arguments; the annotate pass, the loader's binding,
+    the runtime's per-call bookkeeping and the lints all ask here."""
+    return _ARGUMENTS[name]
+
+
+def call_arguments(node) -> dict[str, object]:
+    """Every schema argument of an hgc op node (an fx.Node), by name: positional, keyword or the default.
+
+    Values are what the graph holds: fx.Nodes for tensors, constants for the rest. A missing
+    argument without a default is a KeyError naming it."""
+    name = op_name_of(node.target)
+    out = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+        else:
+            raise KeyError(f"graph node {node.name}: hgc.{name} lacks argument {arg.name!r}")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CallFacts:
+    """What routing and binding read off one op node: its layer id, dtype and argument shapes."""
+
+    op: str
+    layer_id: object  # an int when the node's layer_id is a constant (lints refuse anything else)
+    dtype: Optional[str]  # the dtype of `out`: the activation dtype the op computes in
+    shapes: dict[str, tuple]  # tensor argument -> sizes (None for a dynamic size, e.g. the token count)
+    scalars: dict[str, object]  # every non-tensor argument (layer_id, scale, top_k, ...)
+
+
+def _meta_val(value):
+    meta = getattr(value, "meta", None)
+    return meta.get("val") if isinstance(meta, dict) else None
+
+
+def call_facts(node) -> CallFacts:
+    """The CallFacts of an hgc op node, from its arguments' `meta["val"]` (export records them, and
+    torch.export.load restores them: the compiler and the runtime read the same facts)."""
+    args = call_arguments(node)
+    shapes, scalars = {}, {}
+    for name, value in args.items():
+        val = _meta_val(value)
+        if isinstance(val, torch.Tensor):
+            shapes[name] = tuple(s if isinstance(s, int) else None for s in val.shape)
+        elif not hasattr(value, "meta"):
+            scalars[name] = value
+    out = _meta_val(args.get("out"))
+    dtype = str(out.dtype).removeprefix("torch.") if isinstance(out, torch.Tensor) else None
+    return CallFacts(op_name_of(node.target), args.get("layer_id"), dtype, shapes, scalars)
 
 
 def op_spec(name: str) -> OpSpec:
@@ -192,3 +256,13 @@ def op_name_of(target) -> Optional[str]:
 
 def is_hgc_op(target) -> bool:
     return op_name_of(target) is not None
+
+
+def is_op_node(node) -> bool:
+    """An fx node calling an hgc op."""
+    return node.op == "call_function" and op_name_of(node.target) is not None
+
+
+def op_nodes(gm) -> list:
+    """The hgc op nodes of a graph module, in graph order."""
+    return [n for n in gm.graph.nodes if is_op_node(n)]

@@ -21,11 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiler.splitops import OP_SPECS, Mode, moe_shared_width
-from runtime.backends.capability import BackendCapability
-from runtime.backends.protocol import BackendHooks, check_backend
+from compiler.splitops import MODES, OP_SPECS, BackendCapability, Mode, moe_shared_width
+from runtime.backends.protocol import BackendHooks, BackendSetup, check_backend
 from runtime.context import ExecContext
-from runtime.kv_pool import KVPool
+from runtime.kv_pool import KVPool, pages_for
 from runtime.state_pool import StatePool
 
 __all__ = ["CPUReferenceBackend", "gated_recurrence", "moe_reference", "route_topk", "shared_expert_gate",
@@ -117,13 +116,17 @@ def shared_expert_gate(x, shared_gate):
 class CPUReferenceBackend(BackendHooks):
     """Implements every op on the CPU over a KV pool (full layers) and a state pool (linear layers).
 
-    `supported_ops` narrows it to some ops, so it can be one child of a hybrid backend.
+    `supported_ops` narrows it to some ops.
     """
 
     name = "cpu_reference"
-    # Every op in every mode; never inside a CUDA graph (there is none on the CPU).
+    # Every op in every mode, any dtype. Capturable in every mode: on the CPU no CUDA graph freezes
+    # anything, and the graph runner's CPU stand-in reruns a captured piece's ops on each replay, so
+    # the CPU plans are those of the ops' policies alone and the runner's bookkeeping (whole-step
+    # and piecewise graphs) runs in CI on them. The same math on a GPU is torch_reference, which
+    # declares no capture (its host loops would be frozen into a CUDA graph).
     capability = BackendCapability(
-        name="cpu_reference", device="cpu", ops=frozenset(OP_SPECS), modes_capturable=frozenset(),
+        name="cpu_reference", device="cpu", ops=frozenset(OP_SPECS), modes_capturable=frozenset(MODES),
         doc="plain-torch reference of every op: the test oracle")
 
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, supported_ops=None):
@@ -132,6 +135,11 @@ class CPUReferenceBackend(BackendHooks):
         if supported_ops is not None:
             self.supported_ops = frozenset(supported_ops)
         check_backend(self)
+
+    @classmethod
+    def build(cls, setup: BackendSetup) -> "CPUReferenceBackend":
+        """Over the pools alone: every op reads its layer's cache or state by layer id."""
+        return cls(setup.kv_pool, setup.state_pool)
 
     # -- hooks: the reference plans nothing, and says why ----------------------------------
 
@@ -165,8 +173,7 @@ class CPUReferenceBackend(BackendHooks):
 
     def _read_kv(self, ctx: ExecContext, layer_id: int, b: int, length: int) -> dict[str, torch.Tensor]:
         """The first `length` cached entries of request b, gathered from its pages."""
-        ps = ctx.page_size
-        pages = ctx.page_table[b, : -(-length // ps)].long()
+        pages = ctx.page_table[b, : pages_for(length, ctx.page_size)].long()
         return {name: buf[pages].reshape(-1, *buf.shape[2:])[:length]
                 for name, buf in self.kv_pool.layer(layer_id).items()}
 

@@ -16,8 +16,9 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    new rows over its whole paged cache; with `extend_impl="ragged"`, a step where every request
    starts from an empty cache uses the ragged prefill wrapper over this step's k/v instead).
    MLA groups plan `BatchMLAPagedAttentionWrapper`, or nothing extra for the Triton MLA kernel
-   (`mla_impl="triton"`, runtime/backends/triton_mla.py). `init_chunk_metadata` has nothing to
-   add: FlashInfer's prefill plan covers a whole extend.
+   (`mla_impl="triton"`: the `triton_mla` backend, runtime/backends/triton_mla_backend.py, which
+   routing picks by its own declaration). `init_chunk_metadata` has nothing to add: FlashInfer's
+   prefill plan covers a whole extend.
 3. `gqa_attention(ctx, ...)` / `mla_attention(ctx, ...)` store this step's rows into the
    layer's pages (a Triton kernel that skips rows whose slot is -1, so it is safe inside a
    graph where the number of real rows changes between replays), run the planned wrapper on
@@ -38,21 +39,21 @@ form as they are; the MLA "latent" entry [pages, page_size, R+P] is handed over 
 views [..., :R] and [..., R:] (the MLA kernels take page and token strides).
 
 It does not: choose buckets, capture or replay graphs, pad batches (the graph runner does), or
-implement the linear-attention ops (runtime/backends/hybrid.py composes it with a linear child).
+implement the linear-attention ops (routing binds those nodes to another backend; the runtime's
+BackendSet forwards each step's hooks to both).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 import torch
 
-from compiler.splitops import LayerKind, Mode
-from runtime.backends.capability import BackendCapability
-from runtime.backends.protocol import BackendHooks
+from compiler.splitops import BackendCapability, LayerKind, Mode, ShapeLimit
+from runtime.backends.protocol import BackendHooks, BackendSetup
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
 
@@ -64,6 +65,8 @@ except ImportError:  # pragma: no cover - metadata building still works without 
 
 __all__ = [
     "FlashInferAttentionBackend",
+    "FLASHINFER_GQA_HEAD_DIMS",
+    "full_layer_options",
     "FlashInferMissing",
     "PagedMetadata",
     "build_paged_metadata",
@@ -244,6 +247,52 @@ def store_kv_rows(slot_mapping: torch.Tensor, page_size: int,
 
 # -- the backend -----------------------------------------------------------------------------
 
+# FlashInfer 0.6.0's prefill kernels static_assert a head dim of 64, 128 or 256 (seen on an H200:
+# the sm90 ragged and paged prefill failed to JIT-build for head dim 32, and its fa2 tensor-core
+# decode refused the same dim at run time with "Invalid configuration"). Declared as a shape limit,
+# routing refuses it at compile time instead of a page of nvcc output at the first prefill.
+FLASHINFER_GQA_HEAD_DIMS = (64, 128, 256)
+_HEAD_DIM_WHY = "FlashInfer 0.6's prefill kernels are built for head dims 64, 128 and 256 only"
+# FlashInfer's kernels are instantiated for 16-bit activations: its JIT dtype table has no float32
+# (a float32 MLA plan died with a KeyError inside FlashInfer), so float32 routes elsewhere.
+_FLASHINFER_DTYPES = frozenset({"bfloat16", "float16"})
+
+
+def full_layer_options(setup: BackendSetup) -> dict:
+    """Constructor arguments of a full-attention backend for the layers routed to it: per layer
+    query heads and softmax scale, the MLA rope width and the query dtype, read off the calls.
+
+    FlashInfer fixes each layer's scale and head count at plan time, before any op runs; the
+    facts sit in the compiled graph (each node's `scale` argument and its query's shape and
+    dtype), which keeps one source of truth and the runtime free of models/. A layer met twice
+    (two programs, two calls) must agree with itself.
+    """
+    query = {"gqa_attention": "q", "mla_attention": "q_latent"}
+    heads, scales, ropes, dtypes = {}, {}, set(), set()
+    for call in setup.calls:
+        if call.op not in query:
+            continue
+        shape = call.shapes.get(query[call.op])
+        if shape is None or len(shape) != 3 or shape[1] is None:
+            raise ValueError(f"layer {call.layer_id} ({call.op}): its query carries no [rows, heads, dim] shape "
+                             f"in the graph; recompile the artifact")
+        fact = (shape[1], float(call.scalars["scale"]))
+        if heads.setdefault(call.layer_id, fact[0]) != fact[0] or scales.setdefault(call.layer_id, fact[1]) != fact[1]:
+            raise ValueError(f"layer {call.layer_id}: the graphs disagree about its query heads or scale")
+        if call.op == "mla_attention":
+            ropes.add(call.shapes["k_rope"][-1])
+        dtypes.add(call.dtype)
+    if len(ropes) > 1:
+        raise ValueError(f"MLA layers with different rope widths {sorted(ropes)}: one backend instance plans one width")
+    if len(dtypes) > 1:
+        raise ValueError(f"full layers with different dtypes {sorted(dtypes)}: one backend instance plans one")
+    options = {"q_heads": heads, "scales": scales, "layers": sorted(heads)}
+    if ropes:
+        options["mla_rope_dim"] = ropes.pop()
+    if dtypes:
+        options["q_dtype"] = getattr(torch, dtypes.pop())
+    return options
+
 
 @dataclasses.dataclass(frozen=True)
 class _Group:
@@ -301,18 +350,42 @@ class FlashInferAttentionBackend(BackendHooks):
     name = "flashinfer"
     capability = BackendCapability(
         name="flashinfer", device="cuda", ops=frozenset({"gqa_attention", "mla_attention"}),
-        modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
-        kinds=frozenset({LayerKind.FULL_GQA, LayerKind.FULL_MLA}),
-        doc="paged GQA / MLA attention through FlashInfer (MLA optionally through triton_mla.py); "
-            "decode and target_verify captured with use_cuda_graph wrappers, extend and mixed steps eager")
+        modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}), kinds=frozenset({LayerKind.FULL_GQA, LayerKind.FULL_MLA}),
+        dtypes=_FLASHINFER_DTYPES,
+        limits=(ShapeLimit("gqa_attention", "q", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY),
+                ShapeLimit("gqa_attention", "v", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY)),
+        # Kernel alternatives routing records (the first choice is the default; see __init__).
+        options=(("extend_impl", ("ragged", "paged")),
+                 ("decode_backend", ("fa2", "auto", "fa3")),
+                 ("decode_tensor_cores", ("auto", "on", "off")),
+                 ("prefill_backend", ("auto", "fa2", "fa3")),
+                 ("mla_backend", ("auto", "fa2", "fa3"))),
+        priority=1,
+        doc="paged GQA / MLA attention through FlashInfer; decode and target_verify captured with "
+            "use_cuda_graph wrappers, extend and mixed steps eager")
+
+    @classmethod
+    def build(cls, setup: BackendSetup) -> "FlashInferAttentionBackend":
+        """For the full layers routed here, with their heads, scales and dtypes read off the graph."""
+        return cls(setup.kv_pool, **full_layer_options(setup), **cls._kernel_options(setup.options))
+
+    @staticmethod
+    def _kernel_options(options: Mapping[str, str]) -> dict:
+        """Routing's recorded choices (capability.options) as constructor arguments."""
+        kwargs = {k: options[k] for k in ("extend_impl", "decode_backend", "prefill_backend", "mla_backend")
+                  if k in options}
+        if "decode_tensor_cores" in options:
+            kwargs["decode_tensor_cores"] = {"auto": None, "on": True, "off": False}[options["decode_tensor_cores"]]
+        return kwargs
 
     def __init__(self, kv_pool: KVPool, q_heads: int | Mapping[int, int],
-                 scales: float | Mapping[int, float] | None = None, *,
+                 scales: float | Mapping[int, float] | None = None, *, layers: Optional[Iterable[int]] = None,
                  mla_rope_dim: int = 64, q_dtype: Optional[torch.dtype] = None,
                  workspace_bytes: int = 256 * 1024 * 1024, decode_tensor_cores: Optional[bool] = None,
                  decode_backend: str = "fa2", prefill_backend: str = "auto", mla_backend: str = "auto",
                  mla_impl: str = "flashinfer", extend_impl: str = "ragged"):
-        """q_heads: query heads of every full layer (one int, or per layer id). scales: softmax
+        """q_heads: query heads of every full layer (one int, or per layer id). layers: the full
+        layers this instance serves (default: every full layer of the pool). scales: softmax
         scale per layer (GQA default head_dim**-0.5; MLA layers need one: the scale depends on
         the un-absorbed head dims). The op's own `scale` argument must agree with it: FlashInfer
         fixes the scale at plan time, before the op is called.
@@ -322,11 +395,12 @@ class FlashInferAttentionBackend(BackendHooks):
         row, since it does not pack a kv head's query heads into one tile; benchmarks/
         NOTES_attention.md). prefill_backend: FlashInfer's backend ("auto", "fa2", "fa3") of
         the prefill kernels. mla_backend: the same for BatchMLAPagedAttentionWrapper.
-        mla_impl: "flashinfer" or "triton" (triton_mla.py). extend_impl: "ragged" (a step where
+        mla_impl: "flashinfer" or "triton" (triton_mla.py; as a routing choice it is the
+        `triton_mla` backend, which fixes it). extend_impl: "ragged" (a step where
         every request starts from an empty cache attends over this step's k/v, 1.5x faster at
         2048 tokens) or "paged" (always the paged prefill).
         """
-        self.flashinfer = import_flashinfer()
+        self.flashinfer = self._kernel_library()
         if mla_impl not in ("flashinfer", "triton"):
             raise ValueError(f"mla_impl must be 'flashinfer' or 'triton', not {mla_impl!r}")
         if extend_impl not in ("paged", "ragged"):
@@ -343,7 +417,13 @@ class FlashInferAttentionBackend(BackendHooks):
         # One float workspace for every wrapper: their runs follow one another on one stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.layers: dict[int, _Group] = {}
-        for layer_id, entries in kv_pool.buffers.items():
+        served = sorted(kv_pool.buffers) if layers is None else sorted(layers)
+        unpooled = [i for i in served if i not in kv_pool.buffers]
+        if unpooled:
+            raise ValueError(f"{self.name}: layers {unpooled} hold no KV pages in the pool (full layers: "
+                             f"{sorted(kv_pool.buffers)})")
+        for layer_id in served:
+            entries = kv_pool.buffers[layer_id]
             self.layers[layer_id] = self._group_of(layer_id, entries, q_heads, scales, mla_rope_dim, q_dtype)
         self.groups: tuple[_Group, ...] = tuple(dict.fromkeys(self.layers.values()))
         self._eager: dict[tuple[_Group, str], _Planned] = {}  # (group, kind) -> eager wrapper
@@ -352,6 +432,10 @@ class FlashInferAttentionBackend(BackendHooks):
         self._step: Optional[_StepPlan] = None
 
     # -- configuration ---------------------------------------------------------------------
+
+    def _kernel_library(self):
+        """The flashinfer module (FlashInferMissing with the install hint when it is absent)."""
+        return import_flashinfer()
 
     def _check_device(self) -> None:
         if self.device.type != "cuda":

@@ -4,7 +4,10 @@ A backend is an object the runtime hands to `BoundOps`. It owns how ops run on o
 (kernels, planned metadata, static buffers for graph replay); the pools own the caches. Lifecycle
 of a backend, in the order the runtime calls it:
 
-1. Construction, over the KV pool and the state pool (whatever the backend needs of them).
+1. Construction: `Backend.build(setup)` for an artifact (the runtime's binder calls it once per
+   instance routing.json names, with a `BackendSetup`: the pools, the device, the op calls routed
+   to the instance with their layer ids, dtypes and shapes, and the kernel options routing
+   recorded), or the constructor directly over the pools (the eager baseline, tests).
 2. `init_capture_state(max_tokens, max_seqs)`: once, before the graph runner captures anything.
 3. For every step:
    a. a step replayed from one whole-step graph: `init_replay_state(ctx, bucket)`, then replay;
@@ -16,7 +19,7 @@ of a backend, in the order the runtime calls it:
 
 Every hook is abstract: a backend that has nothing to plan says so in its own method (with a
 docstring saying why), so a wrapper that forgets to forward a hook cannot be instantiated (and
-the compiler's hook lint reports it), never a skipped plan (DESIGN.md failure 3).
+the compiler's hook lint reports it), never a skipped plan (docs/DESIGN.md failure 3).
 `__init_subclass__` also checks, when a backend class is defined, that each hook and op method it
 has accepts the protocol's arguments (failure 4).
 
@@ -24,21 +27,25 @@ Op methods are declared here with the op's schema, but a backend implements only
 `supported_ops` (taken from its `capability` declaration when it has one); the protocol's own op
 methods raise `OpNotSupported`. Nothing in the protocol is a silent default.
 
-This module does not decide which backend serves which layer (the compiler's routing pass and
-`runtime/backends/capability.py` do) nor wrap backends (`hybrid.py` does).
+This module does not decide which backend serves which layer (the compiler's routing pass does,
+from the declarations of compiler/splitops/capability.py) nor compose backends (`backend_set.py`
+forwards the hooks to the instances a routing table names; runtime/binding.py binds the ops).
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import inspect
-from typing import ClassVar
+from typing import ClassVar, Optional
 
-from compiler.splitops import OP_SPECS, Mode
+import torch
+
+from compiler.splitops import OP_SPECS, CallFacts, Mode
 from runtime.context import ExecContext
 
-__all__ = ["plan_eager_step", "BackendHooks", "HOOK_NAMES", "OP_NAMES", "OpNotSupported", "ProtocolError", "implements", "protocol_args",
-           "check_backend"]
+__all__ = ["plan_eager_step", "BackendHooks", "BackendSetup", "HOOK_NAMES", "OP_NAMES", "OpNotSupported",
+           "ProtocolError", "implements", "protocol_args", "check_backend"]
 
 HOOK_NAMES: tuple[str, ...] = ("init_capture_state", "init_replay_state", "init_step_metadata", "init_chunk_metadata")
 OP_NAMES: tuple[str, ...] = tuple(OP_SPECS)
@@ -50,6 +57,30 @@ class OpNotSupported(NotImplementedError):
 
 class ProtocolError(TypeError):
     """A backend that contradicts the protocol: a hook or op it cannot take, an op it declares but lacks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSetup:
+    """What a backend class is handed to build one instance for an artifact (`BackendHooks.build`).
+
+    `calls` are the op nodes routing.json routes to this instance, in every program (main and
+    draft), with the facts read off the loaded graph: a backend that must know its layers before
+    the first step (FlashInfer fixes heads, scale and dtypes at plan time) reads them here, from
+    the graph the runtime executes, not from a model config.
+    """
+
+    kv_pool: object  # runtime.kv_pool.KVPool
+    state_pool: object  # runtime.state_pool.StatePool
+    device: torch.device
+    calls: tuple[CallFacts, ...]
+    options: dict[str, str]  # the kernel options routing resolved (capability.options), by name
+
+    def layer_ids(self, *ops: str) -> list[int]:
+        """The layer ids of the routed calls (of `ops` only, when given), sorted, each once."""
+        return sorted({int(c.layer_id) for c in self.calls if not ops or c.op in ops})
+
+    def first_call(self, layer_id: int, ops: tuple[str, ...] = ()) -> Optional[CallFacts]:
+        return next((c for c in self.calls if c.layer_id == layer_id and (not ops or c.op in ops)), None)
 
 
 def _op_stub(name: str):
@@ -67,16 +98,17 @@ class BackendHooks(abc.ABC):
     """Abstract base of every backend. Subclasses set `name` and `supported_ops` and implement the hooks."""
 
     name: ClassVar[str] = "abstract"
+    HOOKS: ClassVar[tuple[str, ...]] = HOOK_NAMES  # what the compiler's hook lint reads as "the protocol's hooks"
     # The hgc ops this backend runs: taken from the class's `capability.ops` when it has a capability
     # declaration, else set here as a class attribute. An instance may narrow it to a subset in
-    # __init__ (a backend that can run every op may serve only some of them inside a hybrid).
+    # __init__ (a backend that can run every op may be asked to serve only some of them).
     supported_ops: frozenset[str] = frozenset()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for hook in HOOK_NAMES + OP_NAMES:
             _check_signature(cls, hook)
-        # One fact, one place: a class with a capability declaration (runtime/backends/capability.py)
+        # One fact, one place: a class with a capability declaration (compiler/splitops/capability.py)
         # serves the ops it declares there; a second, different list would be a second source of truth.
         capability = getattr(cls, "capability", None)
         if capability is not None:
@@ -89,6 +121,16 @@ class BackendHooks(abc.ABC):
         unknown = set(cls.supported_ops) - set(OP_NAMES)
         if unknown:
             raise ProtocolError(f"{cls.__name__}.supported_ops names ops outside the vocabulary: {sorted(unknown)}")
+
+    def _build_stub(cls, setup: BackendSetup) -> "BackendHooks":
+        """One instance for the calls of `setup`; every backend a routing table can name defines it."""
+        raise ProtocolError(f"backend class {cls.__module__}.{cls.__qualname__} does not define "
+                            f"`build(setup)`, so the runtime cannot build it for an artifact; define the "
+                            f"classmethod (runtime/backends/protocol.py BackendSetup says what it is given)")
+
+    _build_stub._hgc_protocol_stub = True
+    build = classmethod(_build_stub)
+    del _build_stub
 
     # -- graph capture ----------------------------------------------------------------------
 
@@ -109,7 +151,8 @@ class BackendHooks(abc.ABC):
         into the static buffers the captured kernels read. For a whole-step graph
         `init_step_metadata` is not called; for a piecewise step it was called just before (the
         eager gaps run on its plan), and this hook reaches only backends whose ops are captured in
-        the step's mode (a hybrid filters its children by their declared capability).
+        the step's mode (the backend set forwards it to the instances with a node inside a captured
+        piece of the step's mode, as split.json says).
         """
 
     # -- per step -----------------------------------------------------------------------------
@@ -143,7 +186,7 @@ class BackendHooks(abc.ABC):
 
 
 # The arguments the runtime passes to each hook and op method, after self: a backend's method
-# must accept them positionally (the hybrid forwards positionally).
+# must accept them positionally (the backend set forwards hooks positionally).
 _PROTOCOL_ARGS: dict[str, tuple[str, ...]] = {
     "init_capture_state": ("max_tokens", "max_seqs"),
     "init_replay_state": ("ctx", "bucket"),

@@ -39,12 +39,12 @@ activations that produce g and beta (they stay in the graph), and which backend 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from runtime.backends.sm_count import num_sms
 from runtime.state_pool import PADDING_SLOT
 
 __all__ = [
@@ -71,13 +71,6 @@ class ConvConfig:
     num_warps: int
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter on the CPU: plan as for an H100/H200 so tests walk the same tiles
-
-
 def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
     """Tile choice for a decode launch of `batch` rows of `heads` value heads.
 
@@ -86,7 +79,7 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
     programs: less per-program overhead) that still gives about four programs per SM; at batch 1
     with 32 heads of 128 that is BV=8 (512 programs). Keep ~32 state floats per thread.
     """
-    target = 4 * _num_sms(device)
+    target = 4 * num_sms(device)
     max_bv = triton.next_power_of_2(dv)
     block_v = min(8, max_bv)
     for bv in (32, 16, 8):
@@ -99,7 +92,7 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
 
 def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
     """Channel tile for the decode conv: about two programs per SM, at least one channel a thread."""
-    target = 2 * _num_sms(device)
+    target = 2 * num_sms(device)
     block_c = 32
     for bc in (512, 256, 128, 64, 32):
         if batch * triton.cdiv(channels, bc) >= target:

@@ -55,9 +55,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from compiler.splitops import MODES, LayerKind, Mode
-from runtime.backends.capability import BackendCapability
-from runtime.backends.protocol import BackendHooks
+from compiler.splitops import MODES, BackendCapability, LayerKind, Mode
+from runtime.backends.protocol import BackendHooks, BackendSetup
 from runtime.context import ExecContext
 from runtime.state_pool import PADDING_SLOT, StatePool
 
@@ -140,6 +139,11 @@ class TritonLinearBackend(BackendHooks):
         self._static_slots: torch.Tensor | None = None  # [max_seqs] int64: what captured kernels read
         self._planned: tuple[ExecContext, torch.Tensor] | None = None  # (ctx, its slot ids [B])
         self._extend_plan: _ExtendPlan | None = None
+
+    @classmethod
+    def build(cls, setup: BackendSetup) -> "TritonLinearBackend":
+        """Over the state pool: every kernel finds its layer's state by layer id and slot."""
+        return cls(setup.state_pool)
 
     # -- hooks --------------------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.backends.sm_count import num_sms
+
 __all__ = ["triton_mla_attention", "num_splits_for"]
 
 _LOG2E = 1.4426950408889634
@@ -32,8 +34,8 @@ _LOG2E = 1.4426950408889634
 def _mla_split_kernel(q_lat, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, row_pos, part_o, part_lse,
                       s_ql_t, s_ql_h, s_qr_t, s_qr_h, s_c_page, s_c_tok, s_k_page, s_k_tok,
                       num_heads, page_size, scale_log2,
-                      R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                      R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,9 +49,11 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, r
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     r = tl.arange(0, R)
-    p = tl.arange(0, P)
+    p = tl.arange(0, P_PAD)  # a dot needs K >= 16: a narrower rope part is padded with zeros
+    pmask = p < P
     q = tl.load(q_lat + t * s_ql_t + heads[:, None] * s_ql_h + r[None, :], mask=hmask[:, None], other=0.0)
-    qr = tl.load(q_rope + t * s_qr_t + heads[:, None] * s_qr_h + p[None, :], mask=hmask[:, None], other=0.0)
+    qr = tl.load(q_rope + t * s_qr_t + heads[:, None] * s_qr_h + p[None, :], mask=hmask[:, None] & pmask[None, :],
+                 other=0.0)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -60,7 +64,8 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, r
         page = tl.load(kv_indices + first_page + n // page_size, mask=nmask, other=0).to(tl.int64)
         off = (n % page_size).to(tl.int64)
         c = tl.load(ckv + page[:, None] * s_c_page + off[:, None] * s_c_tok + r[None, :], mask=nmask[:, None], other=0.0)
-        kr = tl.load(kpe + page[:, None] * s_k_page + off[:, None] * s_k_tok + p[None, :], mask=nmask[:, None], other=0.0)
+        kr = tl.load(kpe + page[:, None] * s_k_page + off[:, None] * s_k_tok + p[None, :],
+                     mask=nmask[:, None] & pmask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(c), input_precision=PRECISION)
         s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
         s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
@@ -116,10 +121,10 @@ def triton_mla_attention(q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_
         return
     assert ckv.stride(-1) == 1 and kpe.stride(-1) == 1 and q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
     assert R & (R - 1) == 0 and P & (P - 1) == 0, f"triton MLA: R={R} and P={P} must be powers of two"
+    assert R >= 16, f"triton MLA: a latent rank of {R} is below a dot's smallest width (16)"
     head_blocks = triton.cdiv(H, block_h)
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q_latent.device).multi_processor_count if q_latent.is_cuda else 4
-        num_splits = num_splits_for(T, head_blocks, sms)
+        num_splits = num_splits_for(T, head_blocks, num_sms(q_latent.device))
     part_o = torch.empty(T * H * num_splits, R, dtype=torch.float32, device=q_latent.device)
     part_lse = torch.empty(T * H * num_splits, dtype=torch.float32, device=q_latent.device)
     precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"
@@ -128,7 +133,7 @@ def triton_mla_attention(q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1),
         H, ckv.shape[1], scale * _LOG2E,
-        R=R, P=P, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=precision,
+        R=R, P=P, P_PAD=max(16, P), BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=precision,
         num_warps=8, num_stages=2)
     assert out.stride(-1) == 1
     _mla_combine_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H,

@@ -40,7 +40,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from runtime.engine import EngineLoop, EngineLoopError, SamplingParams
+from runtime.engine import SamplingParams
+from runtime.engine_loop import EngineLoop, EngineLoopError
 from runtime.grammar import GrammarError, GrammarUnavailable
 from runtime.server.choices import Choice, close_all, merged
 from runtime.server.generation import Generation

@@ -37,7 +37,9 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="folder with tokenizer.json (default: the artifact's own, if it has one)")
-    p.add_argument("--device", default="cpu", help="cpu (reference backend) or cuda (GPU backends, CUDA graphs)")
+    p.add_argument("--device", default=None,
+                   help="the device the artifact was compiled for (default: its --target): its routing.json binds "
+                        "that device's backends; on cuda, CUDA graphs")
     p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     g = p.add_argument_group("engine sizing")
     g.add_argument("--slots", type=int, default=64, help="state slots: requests holding state at once")

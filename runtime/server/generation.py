@@ -27,7 +27,8 @@ import dataclasses
 import time
 from typing import Callable, Hashable
 
-from runtime.engine import EngineLoopError, RequestHandle, RequestResult
+from runtime.engine import RequestResult
+from runtime.engine_loop import EngineLoopError, RequestHandle
 from runtime.logprobs import TokenLogprob
 from runtime.tokenizer import IncrementalDecoder, TextTokenizer
 

@@ -2,20 +2,21 @@
 
 1. `EngineOptions` holds the serving knobs (`hgc serve` flags): slots, running cap, token budget per
    step, page size, KV pages or a memory budget, the longest request, the prefix cache.
-2. `build_engine(registry, bind, options)` sizes the pools (the memory planner when a budget is
-   given, else explicit slots and pages; with speculative decoding, the intermediate states and
-   D more positions per request), makes the backend and its BoundOps, asks `bind(ops)` for the
-   forward callable, and builds the Engine, with a prefix cache unless it is turned off and a
-   speculative decoder (runtime/speculative.py, the artifact's draft program) with
-   `speculative_tokens`.
+2. `build_engine(registry, bind, options, backend_factory=...)` sizes the pools (the memory planner
+   when a budget is given, else explicit slots and pages; with speculative decoding, the
+   intermediate states and D more positions per request), makes the backend and its BoundOps,
+   asks `bind(ops)` for the forward callable, and builds the Engine, with a prefix cache unless it
+   is turned off and a speculative decoder (runtime/speculative.py, the artifact's draft program)
+   with `speculative_tokens`.
 3. `load_served_model(artifact)` does that for a compiled artifact (runtime/loader.py), finds the
    tokenizer in the artifact folder (or `tokenizer_dir`), and returns a `ServedModel`. Tests build
    a ServedModel over an eager model with the same `build_engine`.
 
-The backend: the CPU reference backend on "cpu"; on "cuda" the artifact's GPU backend
-(runtime/gpu_backends.py) and, unless `graphs=False`, a GraphRunner that captures the artifact's
-buckets and checks them against eager before the engine takes a request. Any other backend:
-`backend_factory(kv_pool, state_pool) -> backend`.
+The backends of an artifact are the ones its routing.json names, built over the pools and bound
+node by node (runtime/binding.py); nothing here picks a backend by device. The device must be the
+one the artifact was compiled for (its routing target). On "cuda", unless `graphs=False`, a
+GraphRunner captures the artifact's buckets and checks them against eager before the engine takes
+a request. An eager model (tests) passes its own `backend_factory(kv_pool, state_pool) -> backend`.
 
 It does not run anything: the EngineLoop (app.py) steps the engine.
 """
@@ -32,14 +33,14 @@ import torch
 from compiler.splitops import LayerRegistry
 from runtime.bound_ops import BoundOps
 from runtime.engine import Engine
-from runtime.kv_pool import KVPool
+from runtime.kv_pool import KVPool, pages_for
 from runtime.memory_planner import build_pools, build_snapshot_pool, plan_memory
 from runtime.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
 from runtime.snapshot_pool import SnapshotPool
 from runtime.state_pool import StatePool
 from runtime.tokenizer import TextTokenizer
 
-__all__ = ["EngineOptions", "ServedModel", "build_engine", "engine_for_artifact", "load_served_model",
+__all__ = ["EngineOptions", "ServedModel", "build_engine", "engine_for_artifact", "routed_backends", "load_served_model",
            "DEFAULT_MAX_MODEL_LEN"]
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when neither the flag nor the model says less
@@ -105,7 +106,7 @@ def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, 
         snapshots = build_snapshot_pool(registry, plan, device) if options.prefix_cache else None
         return *build_pools(registry, plan, device), snapshots
     # A verify step writes D positions past a request's last token (runtime/memory_planner.py).
-    pages = options.kv_pages or options.slots * -(-(max_model_len + D) // options.page_size)
+    pages = options.kv_pages or options.slots * pages_for(max_model_len + D, options.page_size)
     snapshots = None
     if options.prefix_cache:
         count = options.slots if options.prefix_snapshots is None else options.prefix_snapshots
@@ -116,24 +117,20 @@ def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, 
 
 
 def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], options: EngineOptions,
-                 max_model_len: int, *, weight_bytes: int = 0, device: str | torch.device = "cpu",
-                 backend_factory: Callable | None = None, runner_factory: Callable | None = None,
+                 max_model_len: int, *, backend_factory: Callable, weight_bytes: int = 0,
+                 device: str | torch.device = "cpu", runner_factory: Callable | None = None,
                  speculative_factory: Callable | None = None) -> Engine:
     """Pools, backend, op table and Engine for one model; `bind(ops)` returns its forward.
 
-    runner_factory(ops, kv_pool, state_pool, engine_limits) -> a started GraphRunner, whose
-    dispatcher then runs every step (engine_limits: max_running, token_budget, max_seq_len).
-    speculative_factory(ops, kv_pool, state_pool, engine_limits, runner) -> a SpeculativeDecoder
-    (runtime/speculative.py), with options.speculative_tokens > 0."""
+    backend_factory(kv_pool, state_pool) -> the backend the op table calls (for an artifact: the
+    BackendSet of the instances its routing.json names). runner_factory(ops, kv_pool, state_pool,
+    engine_limits) -> a started GraphRunner, whose dispatcher then runs every step (engine_limits:
+    max_running, token_budget, max_seq_len). speculative_factory(ops, kv_pool, state_pool,
+    engine_limits, runner) -> a SpeculativeDecoder (runtime/speculative.py), with
+    options.speculative_tokens > 0."""
     if bool(options.speculative_tokens) != (speculative_factory is not None):
         raise ValueError("build_engine: speculative_tokens and a speculative_factory go together")
     kv_pool, state_pool, snapshots = _pools(registry, options, max_model_len, weight_bytes, device)
-    if backend_factory is None:
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"hgc serve: no backend for device {device!r} here; pass backend_factory (the one "
-                             f"`hgc run` uses) or serve on cpu")
-        from runtime.backends.cpu_reference import CPUReferenceBackend
-        backend_factory = CPUReferenceBackend
     ops = BoundOps(backend_factory(kv_pool, state_pool))
     runner = None
     limits = {"max_running": min(options.max_running or state_pool.num_slots, state_pool.num_slots),
@@ -151,27 +148,50 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
 
 
 def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",
-                        backend_factory: Callable | None = None, graphs: bool = True,
+                        backend_factory: Callable | None = None, graphs: bool = True, registry=None,
                         log: Callable[[str], None] = lambda line: None) -> Engine:
-    """The Engine of a loaded artifact: `build_engine` with the device's backend and, on CUDA with
-    `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory); with
-    options.speculative_tokens, the artifact's draft program as the drafter."""
-    runner_factory = speculative = None
+    """The Engine of a loaded artifact: `build_engine` over the backends its routing.json names
+    (`registry`: where their classes come from; default runtime.backends.discover()) and, on CUDA
+    with `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory); with
+    options.speculative_tokens, the artifact's draft program as the drafter, its nodes bound to the
+    same instances through the draft program's own BackendSet."""
+    target = art.docs.routing.target
+    if torch.device(device).type != torch.device(target).type:
+        raise ValueError(f"{art.docs.path}: compiled for target {target!r} (its routing.json binds {target} "
+                         f"backends), asked to run on {device!r}: pass --device {target}, or recompile with "
+                         f"--target {torch.device(device).type}")
     D = options.speculative_tokens
-    if torch.device(device).type == "cuda":
-        from runtime.gpu_backends import build_gpu_backend
+    draft_backend = None  # a caller's own backend_factory: its one backend serves the draft too
+    if backend_factory is None:
+        backend_factory, draft_backend = routed_backends(art, registry)
+    runner_factory = speculative = None
+    if torch.device(device).type == "cuda" and graphs:
         from runtime.graph_runner import graph_runner_factory
-        if backend_factory is None:
-            backend_factory = lambda kv, st: build_gpu_backend(art, kv, st)  # noqa: E731
-        if graphs:
-            runner_factory = graph_runner_factory(art, _vocab_size(art), speculative_tokens=D, log=log)
+        runner_factory = graph_runner_factory(art, _vocab_size(art), speculative_tokens=D, log=log)
     if D:
         from runtime.speculative import speculative_factory
-        speculative = speculative_factory(art, D, log=log)
+        speculative = speculative_factory(art, D, draft_backend=draft_backend, log=log)
     weight_bytes = sum(t.nbytes for t in art.weights.values())
     return build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
                         backend_factory=backend_factory, runner_factory=runner_factory,
                         speculative_factory=speculative)
+
+
+def routed_backends(art, registry=None) -> tuple[Callable, Callable]:
+    """(backend_factory, draft_backend) for `build_engine` and `speculative_factory`: the instances
+    the artifact's routing.json names, built once over the pools (runtime/binding.py), for both
+    programs. backend_factory(kv_pool, state_pool) -> the main program's BackendSet;
+    draft_backend() -> the draft program's, over the same instances."""
+    built = {}
+
+    def backend_factory(kv_pool, state_pool):
+        built["backends"] = art.backends(kv_pool, state_pool, registry)
+        return built["backends"].for_program("main")
+
+    def draft_backend():
+        return built["backends"].for_program("draft")
+
+    return backend_factory, draft_backend
 
 
 def _manifest_int(manifest: dict, *names: str) -> int | None:
@@ -200,9 +220,9 @@ def _vocab_size(art) -> int:
 
 def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
                       options: EngineOptions = EngineOptions(), tokenizer_dir: str | os.PathLike | None = None,
-                      device: str = "cpu", backend_factory: Callable | None = None, graphs: bool = True,
+                      device: str | None = None, backend_factory: Callable | None = None, graphs: bool = True,
                       log: Callable[[str], None] = lambda line: None) -> ServedModel:
-    """On a CUDA device the backend is build_gpu_backend's and, with `graphs`, every step goes
+    """The backends are those routing.json names; on a CUDA device with `graphs`, every step goes
     through a GraphRunner started (captured and parity-checked) here, before anything is served."""
     from runtime.loader import load_artifact
 
@@ -211,7 +231,8 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
         tokenizer = TextTokenizer.from_dir(tokenizer_dir)
         if tokenizer is None:
             raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
-    art = load_artifact(artifact, device=device)
+    art = load_artifact(artifact, device=device)  # device None: the artifact's target
+    device = art.device
     if tokenizer is None:
         # After the load: the artifact's tokenizer files are listed in its manifest, so their hashes
         # were checked with everything else.

@@ -1,60 +1,22 @@
-"""The `hgc` command line.
+"""The model commands: `hgc init-model`, `hgc generate` (the eager baseline) and `hgc demo`.
 
     hgc init-model --family F --size {tiny,small,bench} --seed N -o DIR   seeded random checkpoint
-    hgc generate CHECKPOINT_DIR --prompt-ids "1,2,3;4,5" --max-new-tokens N --json   eager baseline
-    hgc lint / compile / inspect / run                                    see compiler/commands.py
-    hgc serve ARTIFACT --host 127.0.0.1 --port N                           see runtime/server/cli.py
+    hgc generate CHECKPOINT_DIR --prompt-ids "1,2,3;4,5" --max-new-tokens N --json
     hgc demo                                                              all of it on a tiny model
 
-Errors a user can fix (bad checkpoint, bad arguments) print one line and exit 2; nothing else
-is caught.
+`hgc generate` runs the family's eager model on the CPU reference backend: the oracle every
+compiled artifact is compared with, so it has no routing table of its own.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-__all__ = ["main", "parse_prompt_ids"]
+from compiler.cli.prompts import check_vocab, parse_prompt_ids, print_outputs
 
-
-class UsageError(ValueError):
-    pass
-
-
-def parse_prompt_ids(text: str) -> list[list[int]]:
-    """"1,2,3;4,5" -> [[1, 2, 3], [4, 5]]."""
-    prompts = []
-    for i, part in enumerate(text.split(";")):
-        try:
-            ids = [int(tok) for tok in part.replace(" ", "").split(",") if tok != ""]
-        except ValueError:
-            raise UsageError(f"--prompt-ids: prompt {i + 1} ({part!r}) is not a comma-separated list of integers") from None
-        if not ids:
-            raise UsageError(f"--prompt-ids: prompt {i + 1} is empty")
-        if any(t < 0 for t in ids):
-            raise UsageError(f"--prompt-ids: prompt {i + 1} has a negative token id")
-        prompts.append(ids)
-    return prompts
-
-
-def _check_vocab(prompts: list[list[int]], vocab_size: int) -> None:
-    for i, p in enumerate(prompts):
-        bad = [t for t in p if t >= vocab_size]
-        if bad:
-            raise UsageError(f"--prompt-ids: prompt {i + 1} has token id {bad[0]}, outside the vocabulary of {vocab_size}")
-
-
-def _print_outputs(prompts, outputs, as_json: bool, extra: dict | None = None) -> None:
-    if as_json:
-        doc = {"outputs": [{"prompt_ids": p, "output_ids": o} for p, o in zip(prompts, outputs)]}
-        doc.update(extra or {})
-        print(json.dumps(doc))
-    else:
-        for p, o in zip(prompts, outputs):
-            print(f"{p} -> {o}")
+__all__ = ["cmd_init_model", "cmd_generate", "cmd_demo", "add_model_arguments"]
 
 
 def cmd_init_model(args) -> int:
@@ -76,12 +38,12 @@ def cmd_generate(args) -> int:
 
     prompts = parse_prompt_ids(args.prompt_ids)
     family, text, model = load_checkpoint(args.checkpoint, dtype=getattr(torch, args.dtype))
-    _check_vocab(prompts, int(text["vocab_size"]))
+    check_vocab(prompts, int(text["vocab_size"]))
     kv_pool, state_pool = make_pools(model.layer_registry, max(map(len, prompts)) + args.max_new_tokens, len(prompts))
     ops = BoundOps(CPUReferenceBackend(kv_pool, state_pool))
     model.set_ops(ops)
     outputs = greedy_generate(model, ops, kv_pool, state_pool, prompts, args.max_new_tokens)
-    _print_outputs(prompts, outputs, args.json)
+    print_outputs(prompts, outputs, args.json)
     return 0
 
 
@@ -116,11 +78,8 @@ def cmd_demo(args) -> int:
     return 0 if same else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_model_arguments(sub) -> None:
     from models.families import FAMILY_IDS, SIZES
-
-    parser = argparse.ArgumentParser(prog="hgc", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("init-model", help="write a seeded random checkpoint in a family's real format")
     p.add_argument("--family", required=True, choices=FAMILY_IDS)
@@ -144,28 +103,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None)
     p.add_argument("--artifacts", default="artifacts")
     p.set_defaults(func=cmd_demo)
-
-    from compiler import commands
-    from runtime.server.cli import add_serve_arguments
-
-    commands.add_arguments(sub)
-    add_serve_arguments(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    from models.common import CheckpointError
-
-    args = build_parser().parse_args(argv)
-    if getattr(args, "max_new_tokens", 1) is not None and getattr(args, "max_new_tokens", 1) < 1:
-        print("hgc: --max-new-tokens must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        return args.func(args)
-    except (CheckpointError, UsageError, FileExistsError) as e:
-        print(f"hgc {args.command}: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
-"""The compiler's commands: `hgc lint`, `hgc compile`, `hgc inspect`, `hgc run`.
+"""The compiler's commands: `hgc lint`, `hgc compile`, `hgc inspect`, `hgc backends`.
 
-`add_arguments(subparsers)` registers them on the CLI's parser (compiler/cli.py); each `cmd_*`
+`add_arguments(subparsers)` registers them on the CLI's parser (compiler/cli/__init__.py); each `cmd_*`
 takes the parsed Namespace and returns an exit code: 0 on success, 1 when lints found errors or
 the compile / load failed (the message, on stderr, names what and how to fix it). Tables go to
 stdout (tabulate), or one JSON document with --json; progress and timings go to stderr.
@@ -8,7 +8,7 @@ stdout (tabulate), or one JSON document with --json; progress and timings go to 
     hgc lint CKPT [--json]                      trace config.json on the meta device, run the passes, list findings
     hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only)
     hgc inspect ARTIFACT [--json]               routing table, split plans, lints of an artifact
-    hgc run ARTIFACT --prompt-ids "1,2;3"       greedy tokens from the compiled pieces (CPU reference backend)
+    hgc backends [--json]                       every backend routing can choose, and where it came from
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from collections import defaultdict
 
 from tabulate import tabulate
 
-__all__ = ["add_arguments", "cmd_lint", "cmd_compile", "cmd_inspect", "cmd_run", "routing_rows", "split_rows"]
+__all__ = ["add_arguments", "cmd_lint", "cmd_compile", "cmd_inspect", "cmd_backends", "routing_rows", "split_rows",
+           "fail"]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -33,16 +34,27 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _route(text: str):
+    from compiler.passes.routing import parse_route
+    from compiler.splitops.errors import CompileError
+
+    try:
+        return parse_route(text)
+    except CompileError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _config(args):
     from compiler.passes.context import CompileConfig
     from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS
 
     return CompileConfig(target=args.target, dtype=args.dtype,
                          decode_batch_sizes=getattr(args, "decode_buckets", None) or DEFAULT_DECODE_BATCH_SIZES,
-                         extend_token_counts=getattr(args, "extend_buckets", None) or DEFAULT_EXTEND_TOKEN_COUNTS)
+                         extend_token_counts=getattr(args, "extend_buckets", None) or DEFAULT_EXTEND_TOKEN_COUNTS,
+                         routes=tuple(args.route or ()))
 
 
-def _fail(command: str, error: Exception) -> int:
+def fail(command: str, error: Exception) -> int:
     print(f"hgc {command}: {error}", file=sys.stderr)
     return 1
 
@@ -55,7 +67,8 @@ def _programs_in_order(by_program: dict) -> list:
 
 
 def routing_rows(routing: dict) -> list[dict]:
-    """One row per (program, layer): kind, ops, backend(s), module."""
+    """One row per (program, layer): kind, ops, backend(s), what chose them (priority, or the --route,
+    whose text carries any kernel options it set), module. routing.json has every node's options."""
     rows = []
     for program in _programs_in_order(routing):
         entries = routing[program]
@@ -66,7 +79,8 @@ def routing_rows(routing: dict) -> list[dict]:
             es = by_layer[layer_id]
             rows.append({"program": program, "layer": layer_id, "kind": es[0]["kind"],
                          "ops": " ".join(e["op"] for e in es),
-                         "backend": " ".join(sorted({e["backend"] for e in es})),
+                         "backend": " ".join(dict.fromkeys(e["backend"] for e in es)),
+                         "chosen_by": " ".join(sorted({e.get("chosen_by", "priority") for e in es})),
                          "module": es[0]["module"].rsplit(".", 1)[-1]})
     return rows
 
@@ -138,34 +152,37 @@ def _plan_report(result, as_json: bool, title: str) -> int:
 
 
 def cmd_lint(args) -> int:
-    from compiler.passes.base import CompileError
+    from compiler.cli.wiring import toolchain
     from compiler.pipeline import plan
+    from compiler.splitops.errors import CompileError
 
     try:
-        result = plan(args.checkpoint, _config(args), dump_dir=args.dump_dir)
+        result = plan(args.checkpoint, _config(args), toolchain(), dump_dir=args.dump_dir)
     except CompileError as e:
-        return _fail("lint", e)
+        return fail("lint", e)
     if args.timings:
         result.timing.print_table()
     return _plan_report(result, args.json, "hgc lint")
 
 
 def cmd_compile(args) -> int:
-    from compiler.passes.base import CompileError
+    from compiler.cli.wiring import toolchain
     from compiler.pipeline import compile_checkpoint, plan
+    from compiler.splitops.errors import CompileError
 
     try:
+        tools = toolchain()
         if args.plan_only:
-            result = plan(args.checkpoint, _config(args))
+            result = plan(args.checkpoint, _config(args), tools)
             if args.timings:
                 result.timing.print_table()
             return _plan_report(result, args.json, "hgc compile --plan-only")
         if not args.output:
-            return _fail("compile", ValueError("-o/--output is required (or pass --plan-only)"))
-        result, manifest = compile_checkpoint(args.checkpoint, args.output, _config(args), force=args.force,
+            return fail("compile", ValueError("-o/--output is required (or pass --plan-only)"))
+        result, manifest = compile_checkpoint(args.checkpoint, args.output, _config(args), tools, force=args.force,
                                               link_weights=args.link_weights, dumps=not args.no_dumps)
     except CompileError as e:
-        return _fail("compile", e)
+        return fail("compile", e)
     counts = _counts(result.ctx.findings)
     result.timing.print_table()  # stderr: one table of every stage
     weights = "linked" if manifest["weights"]["mode"] == "link" else "copied"
@@ -183,19 +200,23 @@ def cmd_inspect(args) -> int:
 
     try:
         docs = read_artifact(args.artifact)
+        raw_routing = json.loads((docs.path / "routing.json").read_text())
     except LoadError as e:
-        return _fail("inspect", e)
-    routing = routing_rows(docs.routing["programs"])
+        return fail("inspect", e)
+    routing = routing_rows(raw_routing["programs"])
+    routes = list(docs.routing.routes)
     split = split_rows(docs.split_plans)
     findings = [Finding.from_json(f) for f in docs.lints.get("findings", [])]
     m = docs.manifest
     if args.json:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
-                          "buckets": m["buckets"], "weights": m["weights"]["mode"], "layers": routing,
-                          "split": split, "findings": [f.to_json() for f in findings]}))
+                          "routes": routes, "buckets": m["buckets"], "weights": m["weights"]["mode"],
+                          "backends": raw_routing["backends"], "layers": routing, "split": split,
+                          "findings": [f.to_json() for f in findings]}))
         return 0
     print(f"{args.artifact}: {m['family']} (torch {m['versions']['torch']}, hgc {m['versions']['hgc']}), target "
           f"{m['compile']['target']}, dtype {m['compile']['dtype']}, weights {m['weights']['mode']}")
+    print(f"routes: {' '.join(routes) if routes else 'none (every node by priority)'}")
     print(f"decode buckets {m['buckets']['decode_batch_sizes']}, extend buckets {m['buckets']['extend_token_counts']}\n")
     print(tabulate(routing, headers="keys", tablefmt="simple"))
     print()
@@ -205,44 +226,23 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
-    """Run prompts through a compiled artifact on the engine (continuous batching, chunked prefill)."""
-    import sys
+def cmd_backends(args) -> int:
+    """Every backend routing can choose: built-in, and installed under the entry-point group hgc.backends."""
+    from runtime.backends import BackendDiscoveryError, discover
 
-    from compiler.cli import _check_vocab, _print_outputs, parse_prompt_ids
-    from runtime.engine import SamplingParams
-    from runtime.graph_runner import CaptureError, ParityError
-    from runtime.loader import LoadError, load_artifact
-    from runtime.server.cli import prefix_cache_options
-    from runtime.server.model import EngineOptions, engine_for_artifact
-
-    prompts = parse_prompt_ids(args.prompt_ids)
     try:
-        art = load_artifact(args.artifact, device=args.device)
-    except LoadError as e:
-        return _fail("run", e)
-    _check_vocab(prompts, int(art.manifest["model"]["vocab_size"]))
-    log = lambda line: print(f"hgc run: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    try:
-        options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step,
-                                speculative_tokens=args.speculative_tokens, **prefix_cache_options(args))
-        engine = engine_for_artifact(art, options, max(map(len, prompts)) + args.max_new_tokens, device=args.device,
-                                     graphs=not args.no_graphs, log=log)
-    except (LoadError, CaptureError, ParityError, ValueError) as e:
-        return _fail("run", e)
-    try:
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed,
-                                stop_token_ids=frozenset(int(t) for t in args.stop_ids.split(",") if t.strip()))
-        ids = [engine.add_request(p, params) for p in prompts]
-    except ValueError as e:  # a sampling setting out of range, a stop id that is not an integer
-        return _fail("run", e)
-    results = engine.run_until_done()
-    outputs = [list(results[i].output_ids) for i in ids]
-    extra = {"timing": engine.timing(), "cached_tokens": [results[i].cached_tokens for i in ids]}
-    if engine.runner is not None:
-        extra["steps"] = dict(engine.runner.counters)
-    _print_outputs(prompts, outputs, args.json, extra=extra)
+        rows = discover().rows()
+    except BackendDiscoveryError as e:
+        return fail("backends", e)
+    if args.json:
+        print(json.dumps({"backends": rows}))
+        return 0
+    table = [(r["name"], r["device"], " ".join(r["ops"]), " ".join(r["modes_supported"]),
+              " ".join(r["modes_capturable"]) or "-", " ".join(r["dtypes"]) if r["dtypes"] else "any",
+              r["priority"] if not r["explicit_only"] else f"{r['priority']} (only by --route)", r["source"])
+             for r in rows]
+    print(tabulate(table, headers=("backend", "device", "ops", "modes", "capturable", "dtypes", "priority", "from"),
+                   tablefmt="simple", maxcolwidths=[None, None, 36, 24, 24, 20, None, 48]))
     return 0
 
 
@@ -251,6 +251,10 @@ def cmd_run(args) -> int:
 
 def _compile_flags(p) -> None:
     p.add_argument("--target", default="cpu", help="device whose backends the ops are routed to (default: cpu)")
+    p.add_argument("--route", action="append", type=_route, default=None, metavar="OP=BACKEND|layers=3,7:BACKEND",
+                   help="bind every node of an op (gdn_core=cpu_reference) or of layers (layers=3,7:torch_reference) "
+                        "to a backend, optionally with kernel options (gqa_attention=flashinfer[extend_impl=paged]); "
+                        "repeatable; recorded in the manifest; `hgc backends` lists the backends")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the model is traced in; match `hgc generate --dtype` (default: float32)")
     p.add_argument("--timings", action="store_true", help="print the pass timing table on stderr (compile always does)")
@@ -284,20 +288,6 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
-    p = subparsers.add_parser("run", help="generate from a compiled artifact on the engine (CPU reference or GPU backends)")
-    p.add_argument("artifact")
-    p.add_argument("--prompt-ids", required=True, help='token ids, prompts separated by ";": "1,2,3;4,5"')
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="seed of each request's sampler (reproducible runs)")
-    p.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
-    p.add_argument("--max-tokens-per-step", type=int, default=512, help="chunked-prefill token budget per step")
-    p.add_argument("--device", default="cpu", help="cpu (reference backend) or cuda (GPU backends, CUDA graphs)")
-    p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
-    p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
-    from runtime.server.cli import add_prefix_cache_arguments, add_speculative_argument  # flags `hgc serve` has too
-    add_prefix_cache_arguments(p)
-    add_speculative_argument(p)
-    p.set_defaults(func=cmd_run)
+    p = subparsers.add_parser("backends", help="list the backends routing can choose (built-in and installed plugins)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_backends)

@@ -1,0 +1,75 @@
+"""BackendSet: the backend instances one routing table names, behind the protocol's hooks.
+
+1. The runtime's binder (runtime/binding.py) builds one instance per backend (and kernel options)
+   that routing.json names, and for each program a BackendSet over the instances that own a node
+   of it (`members`, by instance key, in routing order), with `captured`: per mode, the members
+   owning a node inside a captured piece of that mode's split plan, read from split.json.
+2. Each hook of the protocol is written out below and forwarded to members explicitly:
+   `init_capture_state`, `init_step_metadata` and `init_chunk_metadata` to every member (each owns
+   a node of the step), `init_replay_state` to the members captured in the step's mode (in a
+   piecewise step the others run in the eager gaps on the plan `init_step_metadata` made; their
+   replay hook would refuse the mode, or make them treat an eager step as a replayed one). No
+   `hasattr` guard: the protocol makes every hook abstract, so a member always has it, and the
+   protocol's definition-time check guarantees it accepts the arguments forwarded here
+   (docs/DESIGN.md failures 3 and 4; the compiler's hook lint checks this class).
+3. Ops are not dispatched here: each graph node is bound to its instance's method by the binder,
+   so nothing at run time looks an op up by name or device. The set runs no op itself.
+
+It does not decide which backend runs a node (routing did, in routing.json) and holds no state
+of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from compiler.splitops import Mode
+from runtime.backends.protocol import BackendHooks, ProtocolError, check_backend
+from runtime.context import ExecContext
+
+__all__ = ["BackendSet"]
+
+
+class BackendSet(BackendHooks):
+    name = "backend_set"
+    supported_ops = frozenset()  # ops are bound per node to the members, never through the set
+
+    def __init__(self, members: Mapping[str, BackendHooks], captured: Mapping[Mode, tuple[str, ...]]):
+        if not members:
+            raise ProtocolError("BackendSet: a program with no op node has no backend to forward hooks to")
+        for member in members.values():
+            check_backend(member)
+        unknown = sorted({k for keys in captured.values() for k in keys} - set(members))
+        if unknown:
+            raise ProtocolError(f"BackendSet: captured members {unknown} are not members {sorted(members)}")
+        self.members: dict[str, BackendHooks] = dict(members)
+        self.children: tuple[BackendHooks, ...] = tuple(self.members.values())
+        # init_replay_state's receivers per mode, fixed by split.json's captured pieces
+        self._replayed = {mode: tuple(self.members[k] for k in captured.get(mode, ())) for mode in Mode}
+        self.name = f"backends({', '.join(self.members)})"
+
+    def replayed_in(self, mode: Mode) -> tuple[BackendHooks, ...]:
+        return self._replayed[Mode(mode)]
+
+    # -- hooks: forwarded explicitly ------------------------------------------------------------
+
+    def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
+        """Every member allocates its static buffers."""
+        for member in self.children:
+            member.init_capture_state(max_tokens, max_seqs)
+
+    def init_replay_state(self, ctx: ExecContext, bucket: int) -> None:
+        """The members with a node inside a captured piece of this step's mode copy its metadata
+        into their buffers (in a whole-step graph, every member that owns a node)."""
+        for member in self._replayed[Mode(ctx.mode)]:
+            member.init_replay_state(ctx, bucket)
+
+    def init_step_metadata(self, ctx: ExecContext) -> None:
+        """Every member plans the step."""
+        for member in self.children:
+            member.init_step_metadata(ctx)
+
+    def init_chunk_metadata(self, ctx: ExecContext, chunk_size: int) -> None:
+        """Every member plans chunks (the hook docs/DESIGN.md failure 3 lost behind a hasattr guard)."""
+        for member in self.children:
+            member.init_chunk_metadata(ctx, chunk_size)

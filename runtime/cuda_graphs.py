@@ -1,0 +1,107 @@
+"""CUDA graphs: how one shape is captured and replayed, piece by piece.
+
+1. `CudaGraphs` is the one place that touches torch.cuda's graph API (a pool, a capture, a
+   replay); tests on the CPU hand the runner a stand-in with the same methods
+   (tests/graph_cases.RerunGraphs).
+2. `CaptureState` says which key the pieces are capturing or replaying now; the graph runner sets
+   it around each step.
+3. `CapturedPiece` wraps one captured piece of a split program: at capture it runs a warm-up
+   outside the graph, records a graph per key and replays it once (the step needs its results);
+   afterwards it replays the key's graph, checking in debug mode that every input sits at the
+   address it was captured with.
+
+Piecewise graphs need no copies between pieces: every op is "with output", so the `out` an eager
+gap writes was allocated by the captured piece before it, inside the graph pool, at an address the
+next piece was captured with. Which keys exist is runtime/buckets.py's business; what a step puts
+in the static buffers, runtime/step_staging.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from runtime.buckets import CaptureKey
+
+__all__ = ["CaptureError", "CudaGraphs", "CaptureState", "CapturedPiece"]
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+
+class CudaGraphs:
+    """Capture and replay through torch.cuda: the one place the runner touches the CUDA graph API."""
+
+    # A replay runs recorded kernels and no Python: the op outputs of a replayed step are read from
+    # the tensors recorded at capture (a CPU stand-in that reruns the ops says True instead).
+    replays_call_ops = False
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise CaptureError(f"CUDA graphs need a CUDA device; this runner is on {device}")
+
+    def new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[[], object], pool) -> tuple[object, object]:
+        """Record fn's kernels into a new graph in `pool`; returns (graph, fn's output tensors)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+
+class CaptureState:
+    """Which key the pieces are capturing or replaying now: shared by the runner and its pieces."""
+
+    def __init__(self, graphs):
+        self.graphs = graphs
+        self.key: Optional[CaptureKey] = None
+        self.capturing = False
+        self.silent = False  # ops run now are not the graph's (warm-up, the first replay of a rerun stand-in)
+        self.pool = None
+
+
+class CapturedPiece(torch.nn.Module):
+    """One captured piece of a split program: a CUDA graph per key, replayed with the inputs it was captured with."""
+
+    def __init__(self, piece: torch.nn.Module, index: int, state: CaptureState, debug: bool = False):
+        super().__init__()
+        self.piece, self.index, self.state, self.debug = piece, index, state, debug
+        self.graphs: dict[CaptureKey, tuple[object, object, list[int]]] = {}
+
+    def forward(self, *args):
+        key = self.state.key
+        if key is None:  # an eager step: no graph at all
+            return self.piece(*args)
+        if self.state.capturing and key not in self.graphs:
+            self.state.silent = True
+            try:
+                self.piece(*args)  # warm-up outside the graph: lazy init, Triton compiles, autotuning
+            finally:
+                self.state.silent = False
+            graph, out = self.state.graphs.capture(lambda: self.piece(*args), self.state.pool)
+            self.graphs[key] = (graph, out, [a.data_ptr() for a in args if isinstance(a, torch.Tensor)])
+            self.state.silent = True
+            try:
+                graph.replay()  # the capture did not run the kernels; the step needs their results
+            finally:
+                self.state.silent = False
+            return out
+        if key not in self.graphs:
+            raise CaptureError(f"piece {self.index}: no graph for {key}; captures happen at start-up only")
+        graph, out, addresses = self.graphs[key]
+        if self.debug:
+            now = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+            if now != addresses:
+                bad = next(i for i, (a, b) in enumerate(zip(now, addresses)) if a != b)
+                raise CaptureError(f"piece {self.index} {key}: input {bad} moved: captured at {addresses[bad]:#x}, "
+                                   f"got {now[bad]:#x}; every input must be a static buffer")
+        graph.replay()
+        return out

@@ -1,0 +1,181 @@
+"""The .pt2 archives of an artifact: refuse anything torch.export.load could use to run code, then load.
+
+What torch.export.load would unpickle or execute (torch 2.13, torch/export/pt2_archive/_package.py
+and torch/_export/serde/serialize.py), and what `check_pt2_bytes` does about each:
+
+- weights or constants stored with `use_pickle: true` are read with torch.load(weights_only=False):
+  arbitrary code. The weights config must list no pickled entry, and every weight record must be
+  empty: hgc programs are weightless (traced on the meta device).
+- constants of torchbind / opaque types are read with torch._C._pickle_load_obj / pickle.loads: the
+  constants config must be empty.
+- the sample inputs record is read with torch.load(weights_only=True) and, when that fails, again
+  with weights_only=False: the record must be empty (the compiler saves no example inputs).
+- legacy weight/constant files (data/weights/<model>.pt), AOTInductor packages under
+  data/aotinductor/ (a shared library loaded with dlopen: native code), and any other entry are
+  refused: the archive may hold exactly the entries torch.export.save writes for a weightless
+  program, nothing else.
+- symbolic shape expressions (`expr_str`) are parsed with sympy.sympify, which evaluates Python:
+  each one must parse to calls of sympy / torch sympy classes on names and constants only.
+- node targets are resolved by getattr chains from the torch, operator and math modules (which
+  would reach, say, torch.os.system): every target must be a torch.ops.{aten,prims,hgc} overload
+  or an allowlisted operator function.
+
+The checks run on the bytes already read and hashed, and torch.export.load gets those same bytes,
+so the file cannot change between check and load.
+
+`load_program` checks a program's hash and archive on the bytes already read, and torch.export.load
+gets those same bytes, so the file cannot change between check and load.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import re
+import zipfile
+from pathlib import Path
+
+import sympy
+import torch
+import torch.utils._sympy.functions as sympy_functions
+
+from runtime.artifact_docs import LoadError, check_hash
+
+__all__ = ["check_pt2_bytes", "load_program"]
+
+_TARGET_RE = re.compile(r"^torch\.ops\.(aten|prims|hgc)\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+$")
+_OPERATOR_TARGETS = {f"_operator.{n}" for n in (
+    "getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pos", "pow", "eq", "ne", "lt", "le",
+    "gt", "ge", "and_", "or_", "not_", "abs")}
+_SYM_TARGETS = {f"torch.{n}" for n in ("sym_float", "sym_int", "sym_max", "sym_min", "sym_not", "sym_ite",
+                                       "sym_sqrt", "_sym_sqrt")}
+_SYMPY_NAMES = {"oo", "zoo", "nan", "true", "false", "True", "False", "None", "pi", "E", "I"}
+_ARCHIVE_FIXED = ("archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id",
+                  "models/model.json", "data/weights/model_weights_config.json",
+                  "data/constants/model_constants_config.json", "data/sample_inputs/model.pt")
+_WEIGHT_RECORD = re.compile(r"^data/weights/weight_[0-9]+$")
+
+
+def _sympy_callable(name: str) -> bool:
+    for module in (sympy, sympy_functions):
+        obj = getattr(module, name, None)
+        if isinstance(obj, type) and issubclass(obj, sympy.Basic):
+            return True
+    return False
+
+
+def _check_expr(expr: str, source: str, cache: dict) -> None:
+    """An expression sympify may evaluate: sympy constructors applied to names and constants only."""
+    if expr in cache:
+        return
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        raise LoadError(f"{source}: symbolic expression {expr[:80]!r} does not parse") from None
+    allowed_ops = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.USub, ast.UAdd)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Expression, ast.Load, ast.BinOp, ast.UnaryOp, ast.keyword)) or isinstance(node, allowed_ops):
+            if isinstance(node, ast.keyword) and (node.arg is None or node.arg.startswith("_")):
+                raise LoadError(f"{source}: symbolic expression {expr[:80]!r} passes **kwargs or a private keyword")
+            continue
+        if isinstance(node, ast.Call):
+            if not (isinstance(node.func, ast.Name) and _sympy_callable(node.func.id)):
+                raise LoadError(f"{source}: symbolic expression {expr[:80]!r} calls something that is not a sympy "
+                                f"constructor: refused (sympify would evaluate it as Python)")
+            continue
+        if isinstance(node, ast.Name):
+            if not (node.id in _SYMPY_NAMES or _sympy_callable(node.id) or re.fullmatch(r"[a-z]{1,3}[0-9]+", node.id)):
+                raise LoadError(f"{source}: symbolic expression {expr[:80]!r} names {node.id!r}, which is neither a "
+                                f"shape symbol nor a sympy class: refused")
+            continue
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, str) and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", node.value):
+                raise LoadError(f"{source}: symbolic expression {expr[:80]!r} holds a string that is not a symbol name")
+            if not isinstance(node.value, (str, int, float, bool)) and node.value is not None:
+                raise LoadError(f"{source}: symbolic expression {expr[:80]!r} holds a constant of type "
+                                f"{type(node.value).__name__}")
+            continue
+        raise LoadError(f"{source}: symbolic expression {expr[:80]!r} uses Python syntax {type(node).__name__}: refused")
+    cache[expr] = True
+
+
+def _check_model_json(doc, source: str) -> None:
+    cache: dict = {}
+    stack = [doc]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, dict):
+            target = obj.get("target")
+            if isinstance(target, str) and "inputs" in obj and "outputs" in obj:
+                if not (_TARGET_RE.match(target) or target in _OPERATOR_TARGETS or target in _SYM_TARGETS):
+                    raise LoadError(f"{source}: node target {target!r} is outside the allowed set (torch.ops.aten / "
+                                    f"prims / hgc overloads and basic operators): refused")
+            for key, value in obj.items():
+                if key == "expr_str":
+                    if not isinstance(value, str):
+                        raise LoadError(f"{source}: expr_str must be a string")
+                    _check_expr(value, source, cache)
+                else:
+                    stack.append(value)
+        elif isinstance(obj, list):
+            stack.extend(obj)
+    for name in (doc.get("range_constraints") or {}):
+        if not re.fullmatch(r"[a-z]{1,3}[0-9]+", str(name)):
+            raise LoadError(f"{source}: range constraint on {name!r}, which is not a shape symbol")
+
+
+def check_pt2_bytes(data: bytes, name: str) -> None:
+    """Refuse a .pt2 archive torch.export.load could use to run code (see the module docstring)."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        infos = archive.infolist()
+    except zipfile.BadZipFile as e:
+        raise LoadError(f"{name}: not a .pt2 archive ({e})") from None
+    roots = {info.filename.split("/", 1)[0] for info in infos}
+    if len(roots) != 1:
+        raise LoadError(f"{name}: archive entries under several roots {sorted(roots)[:3]}")
+    root = roots.pop()
+    entries = {info.filename[len(root) + 1:]: info for info in infos}
+    for entry, info in entries.items():
+        if entry in _ARCHIVE_FIXED:
+            continue
+        if _WEIGHT_RECORD.match(entry):
+            if info.file_size != 0:
+                raise LoadError(f"{name}: weight record {entry} holds {info.file_size} bytes; hgc programs are "
+                                f"weightless (weights come from weights.safetensors)")
+            continue
+        raise LoadError(f"{name}: unexpected archive entry {entry!r} (AOTInductor code, pickled objects and extra "
+                        f"files are refused)")
+    for needed in ("models/model.json", "data/weights/model_weights_config.json",
+                   "data/constants/model_constants_config.json"):
+        if needed not in entries:
+            raise LoadError(f"{name}: archive lacks {needed}")
+    if "data/sample_inputs/model.pt" in entries and entries["data/sample_inputs/model.pt"].file_size != 0:
+        raise LoadError(f"{name}: archive carries pickled sample inputs, which torch would unpickle without "
+                        f"weights_only when safe loading fails: refused")
+
+    def read_json(entry):
+        try:
+            return json.loads(archive.read(f"{root}/{entry}"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LoadError(f"{name}: {entry} is not JSON ({e})") from None
+
+    weights = read_json("data/weights/model_weights_config.json")
+    for fqn, meta in (weights.get("config") or {}).items():
+        if not isinstance(meta, dict) or meta.get("use_pickle") is not False or \
+                not re.fullmatch(r"weight_[0-9]+", str(meta.get("path_name"))):
+            raise LoadError(f"{name}: weight {fqn!r} is stored pickled or under an unexpected record: refused")
+    constants = read_json("data/constants/model_constants_config.json")
+    if constants.get("config"):
+        raise LoadError(f"{name}: the program carries constants ({sorted(constants['config'])[:3]}); hgc programs "
+                        f"have none (custom objects and tensor constants would be unpickled)")
+    _check_model_json(read_json("models/model.json"), name)
+
+
+def load_program(path: Path, expected_sha: str):
+    data = path.read_bytes()
+    check_hash(path, expected_sha, path.name, data)
+    check_pt2_bytes(data, str(path))
+    return torch.export.load(io.BytesIO(data))
+
