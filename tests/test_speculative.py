@@ -346,20 +346,27 @@ def test_speculative_tokens_outside_one_to_seven_are_refused(artifacts):
 # -- the commands ----------------------------------------------------------------------------------
 
 
-def test_hgc_run_with_speculative_tokens_reports_acceptance(artifacts, plain, capsys):
+@pytest.mark.parametrize("family,draft_tokens", [("qwen3_next", 3), ("qwen3_5", 7), ("bailing_linear", 1)])
+def test_hgc_run_with_speculative_tokens_gives_plain_tokens_and_reports_acceptance(artifacts, plain, capsys, family,
+                                                                                   draft_tokens):
+    """The eight mixed-length prompts through `hgc run` (chunked by a 16-token budget, so they start
+    decoding at different steps): greedy tokens with drafts are plain decoding's, and --json
+    reports acceptance, tokens per verify step and draft time."""
     import json
 
-    art = artifacts("qwen3_next")
-    prompt_ids = ";".join(",".join(map(str, p)) for p in PROMPTS[:3])
+    art = artifacts(family)
+    prompt_ids = ";".join(",".join(map(str, p)) for p in PROMPTS)
     assert main(["run", str(art.docs.path), "--prompt-ids", prompt_ids, "--max-new-tokens", "6",
-                 "--speculative-tokens", "3", "--json"]) == 0
+                 "--max-tokens-per-step", "16", "--speculative-tokens", str(draft_tokens), "--json"]) == 0
     ran = json.loads(capsys.readouterr().out)
-    for got, want in zip(ran["outputs"], plain("qwen3_next")[:3]):  # greedy: the plain run's tokens, as far as both go
+    for got, want in zip(ran["outputs"], plain(family)):  # greedy: the plain run's tokens, as far as both go
         n = min(len(want), 6)
         assert len(got["output_ids"]) == 6 and got["output_ids"][:n] == want[:n]
     spec = ran["timing"]["speculative"]
-    assert spec["draft_tokens"] == 3 and spec["verify_steps"] > 0 and spec["draft_s"] > 0
+    assert spec["draft_tokens"] == draft_tokens and spec["verify_steps"] > 0 and spec["draft_s"] > 0
     assert {"acceptance_rate", "tokens_per_verify", "verify_s"} <= set(spec)
+    draft_layers = {str(e.layer_id) for e in art.docs.routing.entries("draft")}
+    assert draft_layers <= set(ran["executed_backends"])  # the draft's calls are reported with the main program's
 
 
 def test_hgc_run_refuses_speculation_without_a_draft_program(tmp_path, capsys):
