@@ -10,7 +10,7 @@
 # call's own limit cuts everything off. Exit status: the command's (124 when it ran out of time).
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 3
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p .jitcache
 [ -d .jitcache_parts ] && python3 benchmarks/jit_cache.py unpack .jitcache_parts
