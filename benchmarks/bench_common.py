@@ -323,7 +323,7 @@ def compiled_artifact(args) -> Path:
         assert hgc(["init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
                     "--force"]) == 0
         target = ["--target", "cpu"] if args.dry_run else ["--target", "cuda", "--dtype", "bfloat16"]
-        assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *target]) == 0
+        assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", "--no-inductor", *target]) == 0
     return art_dir
 
 

@@ -91,7 +91,7 @@ def run_size(family: str, size: str, args, work: Path, rec: dict, save) -> None:
             raise RuntimeError("init-model failed")
         target = "cpu" if args.dry_run else "cuda"
         if hgc(["compile", str(ckpt), "-o", str(art_dir), "--target", target, "--dtype", dtype, "--no-dumps",
-                "--force"]) != 0:
+                "--force", "--no-inductor"]) != 0:
             raise RuntimeError("compile failed")
     stage("1_init_compile", build)
 

@@ -203,7 +203,7 @@ def run_family(family: str, args, work: Path, rec: dict, save) -> None:
         if hgc(["init-model", "--family", family, "--size", args.size, "--seed", "0", "-o", str(ckpt), "--force"]):
             raise RuntimeError("init-model failed")
         target = ["--target", "cuda", "--dtype", "bfloat16"] if dev.type == "cuda" else []
-        if hgc(["compile", str(ckpt), "-o", str(art_dir), "--no-dumps", "--force", *target]):
+        if hgc(["compile", str(ckpt), "-o", str(art_dir), "--no-dumps", "--force", "--no-inductor", *target]):
             raise RuntimeError("compile failed")
     stage("init_compile", init_compile)
 

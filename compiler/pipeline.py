@@ -32,7 +32,7 @@ from compiler.lints import BACKEND_RULES, CAPTURE_RULES, REGISTRY_RULES, sort_fi
 from compiler.passes.annotate import AnnotateOpsPass
 from compiler.passes.base import CompileError, CompilePass
 from compiler.passes.context import CompileConfig, CompileContext
-from compiler.passes.instruments import DumpInstrument, TimingInstrument
+from compiler.passes.instruments import DumpInstrument, ProgressInstrument, TimingInstrument
 from compiler.passes.lints import LintPass
 from compiler.passes.manager import PassManager
 from compiler.passes.routing import RoutingPass
@@ -85,18 +85,19 @@ def make_context(traced: TracedModel, config: CompileConfig, toolchain: Toolchai
 
 
 def plan(ckpt_dir, config: CompileConfig, toolchain: Toolchain, dump_dir: Optional[Path] = None,
-         timing: Optional[TimingInstrument] = None) -> CompileResult:
-    """Trace and run every pass; findings are in result.ctx (a lint error does not raise here)."""
+         timing: Optional[TimingInstrument] = None, progress=None) -> CompileResult:
+    """Trace and run every pass; findings are in result.ctx (a lint error does not raise here).
+    `progress`: a tqdm-like factory (compiler/cli/progress.py), for a bar over the passes."""
     timing = timing or TimingInstrument()
     start = time.perf_counter()
     traced = trace_checkpoint(ckpt_dir, config.dtype, toolchain.read_model)
     timing.add("00 export", "+".join(traced.programs), time.perf_counter() - start)
-    return run_passes(traced, config, toolchain, dump_dir, timing)
+    return run_passes(traced, config, toolchain, dump_dir, timing, progress=progress)
 
 
 def run_passes(traced: TracedModel, config: CompileConfig, toolchain: Optional[Toolchain] = None,
                dump_dir: Optional[Path] = None, timing: Optional[TimingInstrument] = None,
-               ctx: Optional[CompileContext] = None) -> CompileResult:
+               ctx: Optional[CompileContext] = None, progress=None) -> CompileResult:
     """The passes of `build_passes` over traced programs (`ctx`: a prepared context, for tests;
     otherwise one is made with `toolchain`)."""
     timing = timing or TimingInstrument()
@@ -104,25 +105,30 @@ def run_passes(traced: TracedModel, config: CompileConfig, toolchain: Optional[T
         if toolchain is None:
             raise ValueError("run_passes: pass a toolchain (or a prepared context)")
         ctx = make_context(traced, config, toolchain)
+    passes = build_passes(config)
     instruments = [timing] + ([DumpInstrument(dump_dir, timing=timing)] if dump_dir is not None else [])
-    manager = PassManager(build_passes(config), instruments)
+    if progress is not None:
+        instruments.append(ProgressInstrument(progress, len(passes)))
+    manager = PassManager(passes, instruments)
     manager.run(ctx)
     return CompileResult(traced, ctx, manager.fingerprints(), timing)
 
 
 def compile_checkpoint(ckpt_dir, out, config: CompileConfig, toolchain: Toolchain, force: bool = False,
                        link_weights: bool = False, dumps: bool = True,
-                       timing: Optional[TimingInstrument] = None) -> tuple[CompileResult, dict]:
+                       timing: Optional[TimingInstrument] = None, progress=None) -> tuple[CompileResult, dict]:
     from compiler.artifact_writer import checkpoint_index, staging_folder, write_artifact
 
     out, ckpt = Path(out), Path(ckpt_dir)
     timing = timing or TimingInstrument()
     with staging_folder(out, force=force, protect=[ckpt]) as tmp:
         index = checkpoint_index(ckpt, toolchain.checkpoint_files)  # first: a folder without weights fails before the trace
-        result = plan(ckpt, config, toolchain, dump_dir=tmp / DUMPS if dumps else None, timing=timing)
+        result = plan(ckpt, config, toolchain, dump_dir=tmp / DUMPS if dumps else None, timing=timing,
+                      progress=progress)
         if result.errors():
             raise LintFailure(result.errors())
         start = time.perf_counter()
-        manifest = write_artifact(tmp, out, result, index, ckpt, toolchain.tokenizer_files, link=link_weights)
+        manifest = write_artifact(tmp, out, result, index, ckpt, toolchain.tokenizer_files, link=link_weights,
+                                  progress=progress)
         timing.add("write artifact", "", time.perf_counter() - start)
     return result, manifest

@@ -12,7 +12,7 @@ uses it:
 - `read_model(ckpt_dir) -> (family, config.json, text config)`: the frontend builds
   `family.build(text config)` on the meta device and traces it;
 - `checkpoint_files(ckpt_dir) -> [safetensors file names]`: the writer copies or links them (the
-  callable checks index, duplicates and truncation);
+  callable checks index, duplicates, truncation and each tensor's dtype against config.json's);
 - `tokenizer_files(ckpt_dir) -> {name: bytes}`: the tokenizer files the runtime reads, copied into
   the artifact as data.
 """

@@ -3,6 +3,13 @@
 Reading never unpickles: safetensors only. Every error names the file and the field or tensor
 at fault. Writing goes to a temporary folder that is renamed into place, so an interrupted
 write leaves no half checkpoint.
+
+Tensor dtypes: every tensor must be stored in the dtype config.json declares (`torch_dtype` /
+`dtype`, float32 when absent), or in float32. The float32 exception is the one documented cast:
+published bfloat16 checkpoints keep some small tensors (gate logs, biases, norms) in float32, and
+the model casts every tensor to its own dtype on load. Anything else (an integer tensor, float64,
+float16 in a bfloat16 checkpoint) is refused naming the tensor: a cast would change the weights
+silently.
 """
 
 from __future__ import annotations
@@ -19,10 +26,24 @@ from safetensors.torch import save_file
 
 from models.common import CheckpointError
 
-__all__ = ["read_config", "CheckpointReader", "write_checkpoint", "INDEX_NAME", "SINGLE_NAME"]
+__all__ = ["read_config", "CheckpointReader", "write_checkpoint", "INDEX_NAME", "SINGLE_NAME", "STORED_DTYPES",
+           "check_stored_dtype", "check_output_folder"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+# safetensors' dtype codes of the floating types a checkpoint tensor may be stored in
+STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def check_stored_dtype(path: Path, name: str, stored: str, declared: torch.dtype) -> None:
+    """Refuse a tensor stored in another dtype than config.json declares (float32 is accepted: the
+    module docstring says why)."""
+    if STORED_DTYPES.get(stored) in (declared, torch.float32):
+        return
+    want = str(declared).removeprefix("torch.")
+    raise CheckpointError(f"{path}: tensor {name!r} is stored as {stored}, config.json declares {want} "
+                          f"(torch_dtype); rewrite the tensor in {want} or float32, or fix config.json")
 
 
 def read_config(ckpt_dir: str | os.PathLike) -> dict:
@@ -43,9 +64,11 @@ def read_config(ckpt_dir: str | os.PathLike) -> dict:
 
 
 class CheckpointReader:
-    """Maps tensor name -> file for a checkpoint directory and reads tensors lazily (mmap)."""
+    """Maps tensor name -> file for a checkpoint directory and reads tensors lazily (mmap).
 
-    def __init__(self, ckpt_dir: str | os.PathLike):
+    `dtype`: the dtype config.json declares; every tensor's stored dtype is checked against it."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = None):
         self.dir = Path(ckpt_dir)
         index = self.dir / INDEX_NAME
         if index.is_file():
@@ -67,6 +90,8 @@ class CheckpointReader:
             for name in handle.keys():
                 if name in self.location:
                     raise CheckpointError(f"{self.dir / fname}: tensor {name!r} also stored in {self.location[name]}")
+                if dtype is not None:
+                    check_stored_dtype(self.dir / fname, name, handle.get_slice(name).get_dtype(), dtype)
                 self.location[name] = fname
         if weight_map is not None:
             for name, fname in weight_map.items():
@@ -121,13 +146,33 @@ class CheckpointReader:
         return self.dir / self.location[name]
 
 
+def check_output_folder(out: Path, overwrite: bool) -> None:
+    """Refuse to write a checkpoint over an existing `out`, unless `overwrite` and it is a
+    checkpoint folder or an empty one: --force never deletes someone's other files."""
+    if not out.exists():
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out}: already exists; pass --force to replace it, or choose another -o")
+    if not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a folder; choose another -o")
+    entries = list(out.iterdir())
+    if not entries or ((out / "config.json").is_file() and any(out.glob("*.safetensors"))):
+        return
+    shown = ", ".join(sorted(e.name for e in entries)[:3]) + (", ..." if len(entries) > 3 else "")
+    raise FileExistsError(f"{out}: refusing to replace it with --force: it is not a checkpoint folder (no "
+                          f"config.json beside *.safetensors; it holds {shown}); --force replaces only a checkpoint "
+                          f"or an empty folder")
+
+
 def write_checkpoint(out_dir: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor],
                      shard_bytes: int | None = None, extra_files: dict[str, str] | None = None,
-                     overwrite: bool = False) -> Path:
-    """Write config.json and safetensors shards (with an index when more than one) atomically."""
+                     overwrite: bool = False, progress=None) -> Path:
+    """Write config.json and safetensors shards (with an index when more than one) atomically.
+
+    `overwrite` replaces a checkpoint folder or an empty one, and refuses anything else.
+    `progress`: a tqdm-like factory, for a bar over the shards as they are written."""
     out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out}: already exists")
+    check_output_folder(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -143,14 +188,13 @@ def write_checkpoint(out_dir: str | os.PathLike, config: dict, tensors: dict[str
                 size = 0
             shards[-1][name] = t.clone() if t.untyped_storage().nbytes() != t.nbytes else t
             size += t.nbytes
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / SINGLE_NAME), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                weight_map.update({name: fname for name in shard})
+        n = len(shards)
+        files = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        pairs = list(zip(files, shards))
+        for fname, shard in progress(pairs, desc="write shards", unit="shard") if progress else pairs:
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+        if n > 1:
+            weight_map = {name: fname for fname, shard in pairs for name in shard}
             total = sum(t.nbytes for t in tensors.values())
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                      indent=2, sort_keys=True) + "\n")

@@ -2,8 +2,9 @@
 
 1. read config.json, find the family by model_type, let the family validate its text config;
 2. build the model on the meta device (no memory), then materialise it on the target device;
-3. check the checkpoint's tensor names against the model's (missing, extra, mis-shaped), naming
-   the file and the tensor, and copy the tensors in.
+3. check the checkpoint's tensor names against the model's (missing, extra, mis-shaped, stored in
+   another dtype than config.json declares: models/checkpoint.py), naming the file and the
+   tensor, and copy the tensors in.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import CheckpointReader, read_config, write_checkpoint
+from models.checkpoint import CheckpointReader, check_output_folder, read_config, write_checkpoint
 from models.common import CheckpointError, HybridLM
 from models.families import Family, family_for_config, get_family
 from models.tokenizer import tokenizer_files_for_config
@@ -48,7 +49,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch.floa
                     device: str | torch.device = "cpu") -> tuple[Family, dict, HybridLM]:
     family, _, text = load_config(ckpt_dir)
     model = build_meta_model(family, text).to_empty(device=device).to(dtype)
-    reader = CheckpointReader(ckpt_dir)
+    reader = CheckpointReader(ckpt_dir, dtype=config_dtype(text))
     expected = model.checkpoint_shapes()
     unread = family.unread_tensors(text)
     extra = sorted(n for n in reader.names() - set(expected) if not n.startswith(unread))
@@ -71,20 +72,36 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch.floa
 
 
 def init_checkpoint(family_name: str, size: str, seed: int, out_dir: str | os.PathLike,
-                    shard_bytes: int | None = 2 << 30, overwrite: bool = False, log=None) -> Path:
-    """Write a seeded random checkpoint of a family in its real file format; progress goes to `log`
-    (default: sys.stderr as it is at the call, not as it was when this module was imported)."""
+                    shard_bytes: int | None = 2 << 30, overwrite: bool = False, log=None,
+                    progress=None) -> Path:
+    """Write a seeded random checkpoint of a family in its real file format. Progress lines go to
+    `log` (default: sys.stderr as it is at the call, not as it was when this module was imported).
+    `progress`: a tqdm-like factory, for a bar over the stages (a bench model takes minutes) and the
+    shards."""
     log = log if log is not None else sys.stderr
     family = get_family(family_name)
     config = family.make_config(size)
     text = family.text_config(config)
+    check_output_folder(Path(out_dir), overwrite)  # before minutes of work, not after
     print(f"hgc init-model: building {family.name} ({size}) ...", file=log, flush=True)
+    stages = progress(total=3, desc="init-model: build", unit="stage") if progress else None
     model = family.build(text)
+    if stages is not None:
+        stages.set_description("init-model: init weights")
+        stages.update()
     family.init_weights(model, seed)
     model = model.to(config_dtype(text))
+    if stages is not None:
+        stages.set_description("init-model: write")
+        stages.update()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"hgc init-model: {n_params / 1e6:.1f}M parameters, writing {out_dir} ...", file=log, flush=True)
     # A small trained tokenizer rides along so the server's text and chat paths work offline.
     tokenizer = tokenizer_files_for_config(config, text)
-    return write_checkpoint(out_dir, config, model.checkpoint_tensors(), shard_bytes=shard_bytes,
-                            extra_files=tokenizer, overwrite=overwrite)
+    try:
+        return write_checkpoint(out_dir, config, model.checkpoint_tensors(), shard_bytes=shard_bytes,
+                                extra_files=tokenizer, overwrite=overwrite, progress=progress)
+    finally:
+        if stages is not None:
+            stages.update()
+            stages.close()

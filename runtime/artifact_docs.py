@@ -2,12 +2,20 @@
 
     docs = read_artifact("artifacts/tiny")     # what `hgc inspect` shows; nothing is executed
 
-1. manifest.json: the format version, the torch version (major.minor must match the compiler's:
-   .pt2 files are not stable across releases), the op schemas the programs were traced with, and
-   the SHA-256 of every listed file; a file it does not list is refused.
+1. manifest.json: the format version, its seal (`manifest_sha256`: an edited field is refused),
+   the torch version (major.minor must match the compiler's: .pt2 files are not stable across
+   releases), the op schemas the programs were traced with, and the SHA-256 of every listed
+   file; a file it does not list is refused.
 2. The registry (in the manifest), routing.json (the binding: runtime/binding.py executes it),
    split.json (what is captured per mode) and lints.json are parsed with the format module's
    helpers (compiler/splitops/artifact.py), which name the file and field of anything malformed.
+3. The facts the runtime uses are cross-checked against the documents they describe
+   (`check_documents`): the programs against the registry's draft layers, routing.json and
+   split.json; each routing entry's layer kind against the registry; the layer count against
+   config.json's. The loader then checks vocabulary and hidden size against the programs
+   (runtime/loader.py).
+4. `verify_files(docs)` re-hashes every listed file, those the loader hashes while reading them
+   included (`hgc verify`).
 
 `LoadError` is the one error of loading: every refusal names the file, the field or the layer,
 and what to do. What it does not do: load programs (runtime/pt2_check.py), weights
@@ -24,10 +32,12 @@ import torch
 
 from compiler.splitops import LayerRegistry, Mode, op_schemas  # also registers the hgc ops graphs call
 from compiler.splitops.artifact import (DRAFT_GRAPH, GRAPH, LINTS, MANIFEST, PROGRAM_FILES, ROUTING, SPLIT, WEIGHTS,
-                                        ArtifactFormatError, RoutingTable, SplitPlan, check_format, load_json,
-                                        parse_routing_doc, parse_split_doc, sha256_file)
+                                        ArtifactFormatError, RoutingTable, SplitPlan, check_format,
+                                        check_manifest_seal, load_json, parse_routing_doc, parse_split_doc,
+                                        sha256_file)
 
-__all__ = ["LoadError", "ArtifactDocs", "read_artifact", "check_hash", "HASHED_ON_LOAD"]
+__all__ = ["LoadError", "ArtifactDocs", "read_artifact", "check_hash", "HASHED_ON_LOAD", "check_documents",
+           "config_value", "verify_files"]
 
 
 class LoadError(ValueError):
@@ -52,6 +62,14 @@ class ArtifactDocs:
     @property
     def programs(self) -> list[str]:
         return list(self.manifest["programs"])
+
+    def stored_weight_bytes(self) -> int:
+        """Bytes of the weight files as stored (weights.safetensors, or the linked checkpoint files)."""
+        spec = self.manifest["weights"]
+        if spec.get("mode") == "link":
+            return sum(int(entry.get("size", 0)) for entry in spec.get("files", []))
+        path = self.path / spec.get("file", WEIGHTS)
+        return path.stat().st_size if path.is_file() else 0
 
 
 def _torch_release(version: str) -> tuple[str, str]:
@@ -89,6 +107,7 @@ def read_artifact(path: str | os.PathLike, verify_hashes: bool = True) -> Artifa
         raise LoadError(f"{root}: not an artifact folder (compile one with `hgc compile CHECKPOINT -o {root}`)")
     try:
         manifest = check_format(load_json(root / MANIFEST, "manifest"), str(root / MANIFEST))
+        check_manifest_seal(manifest, str(root / MANIFEST))
     except ArtifactFormatError as e:
         raise LoadError(str(e)) from None
     for field in ("versions", "family", "registry", "programs", "files", "weights"):
@@ -127,10 +146,59 @@ def read_artifact(path: str | os.PathLike, verify_hashes: bool = True) -> Artifa
         lints = check_format(load_json(root / LINTS), LINTS)
     except (ArtifactFormatError, KeyError, ValueError, TypeError) as e:
         raise LoadError(f"{root}: {e}") from None
-    for program in manifest["programs"]:
-        if program not in PROGRAM_FILES or program not in split_plans:
+    docs = ArtifactDocs(root, manifest, registry, routing, split_plans, lints)
+    check_documents(docs)
+    return docs
+
+
+def config_value(manifest: dict, name: str):
+    """`name` from the manifest's copy of config.json (its text_config first, where it has one)."""
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return text.get(name, config.get(name))
+
+
+def check_documents(docs: ArtifactDocs) -> None:
+    """The manifest's facts against the documents they describe (step 3 of the module docstring)."""
+    root, manifest, registry = docs.path, docs.manifest, docs.registry
+    programs = manifest["programs"]
+    if not isinstance(programs, dict) or "main" not in programs:
+        raise LoadError(f"{root / MANIFEST}: field 'programs' must name the main program")
+    for program in programs:
+        if program not in PROGRAM_FILES or program not in docs.split_plans:
             raise LoadError(f"{root}: program {program!r} has no split plan or is unknown to this runtime")
-    return ArtifactDocs(root, manifest, registry, routing, split_plans, lints)
+    has_draft = bool(registry.draft_layers())
+    if has_draft != ("draft" in programs):
+        raise LoadError(f"{root / MANIFEST}: field 'programs' is {sorted(programs)}, but the registry has "
+                        f"{len(registry.draft_layers())} draft layer(s): the manifest does not describe this model")
+    for name, listed in ((ROUTING, docs.routing.programs), (SPLIT, docs.split_plans)):
+        if set(listed) != set(programs):
+            raise LoadError(f"{root}: {name} has programs {sorted(listed)}, manifest.json {sorted(programs)}")
+    for program, entries in docs.routing.programs.items():
+        for e in entries:
+            if e.layer_id not in registry or (e.kind is not None and e.kind != registry[e.layer_id].kind.value):
+                found = registry[e.layer_id].kind.value if e.layer_id in registry else "not in the registry"
+                raise LoadError(f"{root / ROUTING}: {program} node {e.node} is layer {e.layer_id} of kind {e.kind!r}; "
+                                f"the registry says {found}")
+    layers = config_value(manifest, "num_hidden_layers")
+    if isinstance(layers, int) and layers != len(registry.main_layers()):
+        raise LoadError(f"{root / MANIFEST}: config num_hidden_layers is {layers}, the registry has "
+                        f"{len(registry.main_layers())} main layers")
+
+
+def verify_files(docs: ArtifactDocs, progress=None) -> tuple[int, int]:
+    """Re-hash every file manifest.json lists (read_artifact skips those the loader hashes as it
+    reads them); returns (files, bytes). `progress`: a tqdm-like factory for a bar over the bytes."""
+    files = docs.manifest["files"]
+    total = sum((docs.path / name).stat().st_size for name in files)
+    bar = progress(total=total, desc="verify files", unit="B", unit_scale=True) if progress else None
+    for name, digest in sorted(files.items()):
+        check_hash(docs.path / name, digest, name)
+        if bar is not None:
+            bar.update((docs.path / name).stat().st_size)
+    if bar is not None:
+        bar.close()
+    return len(files), total
 
 
 # Files whose hash `load_artifact` checks on the bytes it reads anyway (read once, not twice).

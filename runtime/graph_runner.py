@@ -36,8 +36,11 @@ Lifecycle:
    the compute dtype's tolerance, and the padding slot and unowned pages must not change;
    otherwise the runner refuses to serve, naming the mode, the bucket and the first layer that
    differs. (A padded replay checked only against a padded eager run would pass a padding fault
-   both share.) `start(vocab)` is capture + parity; `graph_runner_factory` makes a started runner
-   for the engine (runtime/server/model.py), with the artifact's buckets clipped to its limits.
+   both share.) With compiled pieces (runtime/bundle.py), each key's padded step is first run
+   with the traced glue and compared op by op with the compiled pieces (runtime/compiled_parity.py):
+   the reference of the other runs is then known to be the graph's own. `start(vocab)` is capture +
+   parity; `graph_runner_factory` makes a started runner for the engine (runtime/server/model.py),
+   with the artifact's buckets clipped to its limits.
 
 The same runner serves either program of an artifact: the main program, or the draft (MTP)
 program, whose `hidden` input (the previous position's hidden states) is one more static buffer.
@@ -65,20 +68,18 @@ from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
 from runtime.buckets import Buckets, CaptureKey, buckets_for, extend_seqs
+from runtime.compiled_parity import compare_compiled
 from runtime.cuda_graphs import CaptureError, CapturedPiece, CaptureState, CudaGraphs
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
-from runtime.parity import CacheWatch, OpRecord, OpTrace, TeacherForcing, first_difference, rel_err, rtol_for
+from runtime.parity import (CacheWatch, OpRecord, OpTrace, ParityError, TeacherForcing, first_difference, rel_err,
+                            rtol_for)
 from runtime.state_pool import PADDING_SLOT, StatePool
 from runtime.step_staging import StepStaging, step_on_device
 
 __all__ = ["GraphRunner", "ParityError", "graph_runner_factory", "hidden_input_spec",
            # the roles' own names, as the runner's users know them
            "CaptureKey", "buckets_for", "CaptureError", "CudaGraphs", "CapturedPiece", "StepStaging", "step_on_device"]
-
-
-class ParityError(RuntimeError):
-    pass
 
 
 class GraphRunner:
@@ -142,6 +143,7 @@ class GraphRunner:
         self._outputs: dict[CaptureKey, list] = {}  # full graphs: their static outputs (logits, hidden)
         self._full_graphs: dict[CaptureKey, object] = {}
         self._op_outs: dict[CaptureKey, list[OpRecord]] = {}  # each op's `out` in the key's graphs
+        self.compiled_reports: dict[str, dict] = {}  # key -> compiled pieces against the traced glue (parity)
 
     @property
     def full_decode(self) -> bool:
@@ -338,16 +340,19 @@ class GraphRunner:
         return self.buckets.capture_keys()
 
     @torch.no_grad()  # a graph captured with autograd on would record its bookkeeping too
-    def capture(self, init_backend: bool = True, pool=None) -> None:
-        """Capture every key. init_backend=False: the backends' static buffers were allocated by
-        the caller (sized for every runner sharing them); pool: a graph pool to share."""
+    def capture(self, init_backend: bool = True, pool=None, progress=None) -> None:
+        """Every key, largest first. init_backend=False: the backends' static buffers were allocated
+        by the caller (sized for every runner sharing them); pool: a graph pool to share. The first
+        capture of each mode also builds the kernels its steps call (Triton compiles, library JIT):
+        `progress` shows that wait as a bar over keys."""
         if self.sealed:
             raise CaptureError("capture after start-up: graphs are captured once, before serving")
         self.graphs.check_device(self.device)
         if init_backend:
             self.backend.init_capture_state(self.max_tokens, self.max_seqs)
         self.state.pool = pool if pool is not None else self.graphs.new_pool()
-        for key in self.capture_keys():
+        keys = self.capture_keys()
+        for key in progress(keys, desc="capture CUDA graphs (and build kernels)", unit="graph") if progress else keys:
             inputs, ctx = self._fill(self._dummy_step(key), key)
             # Every op's `out` as the graph leaves it: the parity check compares them layer by layer.
             # Holding them keeps their memory from being reused by a later capture in the pool.
@@ -463,10 +468,17 @@ class GraphRunner:
         rows = plain.ctx.num_real_tokens
         padded = self._with_hidden(padded, torch.Generator().manual_seed(rows))
         plain = dataclasses.replace(plain, hidden=None if padded.hidden is None else padded.hidden[:rows])
+        slots, pages = [seq.slot for seq, _ in items], [p for seq, _ in items for p in seq.pages]
         # target_verify writes intermediate states in the rows of the step's real requests
-        watch = CacheWatch(self.kv_pool, self.state_pool, [seq.slot for seq, _ in items],
-                           [p for seq, _ in items for p in seq.pages],
-                           verify_rows=len(items) if key.mode == Mode.TARGET_VERIFY else 0)
+        verify_rows = len(items) if key.mode == Mode.TARGET_VERIFY else 0
+        watch = CacheWatch(self.kv_pool, self.state_pool, slots, pages, verify_rows=verify_rows)
+        if getattr(self.program, "glue", None) is not None:
+            # Compiled pieces run both sides of the checks below: first they are compared with the
+            # traced glue itself, op by op (runtime/compiled_parity.py).
+            report = compare_compiled(self.program, self.ops, self.kv_pool, self.state_pool, padded, slots, pages,
+                                      self.chunk_size, rtol, verify_rows=verify_rows)
+            self.compiled_reports[str(key)] = {**report, "key": str(key)}
+            watch.restore()
         problems: list[str] = []
 
         reference = OpTrace(rows, inputs=True)
@@ -514,16 +526,23 @@ class GraphRunner:
         finally:
             self.ops.observer = self.ops.intercept = None
 
-    def start(self, vocab_size: int, log: Callable[[str], None] = lambda line: None) -> dict[str, float]:
-        """Start-up: capture every key, then check each against eager; raises before serving on a mismatch."""
+    def start(self, vocab_size: int, log: Callable[[str], None] = lambda line: None,
+              progress=None) -> dict[str, float]:
+        """Start-up: capture every key, then check each against eager; raises before serving on a mismatch.
+        `progress`: a tqdm-like factory, for a bar over the captures (a cold start builds kernels here)."""
         t0 = time.perf_counter()
-        self.capture()
+        self.capture(progress=progress)
         log(f"captured {len(self.keys)} graphs ({', '.join(map(str, self.keys))}) in {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         report = self.check_parity(vocab_size=vocab_size)
         worst = max(report.values(), default=0.0)
         log(f"start-up parity: {len(report)} keys match eager (worst rel err {worst:.2g}) in "
             f"{time.perf_counter() - t0:.1f} s")
+        if self.compiled_reports:
+            ops = max(r["worst_op"] for r in self.compiled_reports.values())
+            logits = max(r["logits"] for r in self.compiled_reports.values())
+            log(f"compiled pieces match the traced glue on every key: worst op input rel err {ops:.2g}, "
+                f"logits {logits:.2g}")
         return report
 
 
@@ -540,7 +559,8 @@ def hidden_input_spec(exported) -> tuple[int, torch.dtype]:
 
 
 def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,
-                         speculative_tokens: int = 0, log: Callable[[str], None] = lambda line: None):
+                         speculative_tokens: int = 0, log: Callable[[str], None] = lambda line: None,
+                         progress=None):
     """runner_factory(ops, kv_pool, state_pool, limits) for runtime/server/model.build_engine.
 
     The runner captures the artifact's recorded buckets (manifest "buckets"), clipped to the
@@ -564,7 +584,9 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
                              extend_max_seqs=extend_seqs(limits["max_running"], extend),
                              chunk_size=limits["token_budget"],
                              graphs=graphs, verify_buckets=verify, verify_tokens=speculative_tokens + 1)
-        runner.start(vocab_size, log=log)
+        runner.start(vocab_size, log=log, progress=progress)
+        if getattr(artifact, "compiled", None) is not None:
+            artifact.compiled.parity = list(runner.compiled_reports.values())
         return runner
 
     return make

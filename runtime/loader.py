@@ -12,12 +12,18 @@ Lifecycle, one module per role:
    `hgc inspect` stops here.
 2. runtime/pt2_check.py: each .pt2 archive is checked for anything torch.export.load could use to
    run code, then loaded from the checked bytes.
+   `load_programs(docs)` loads them, and `check_model_facts` checks the manifest's vocabulary and
+   hidden size (and config.json's copy of them) against the main program's embedding and logits.
 3. runtime/weights.py: weights.json says which checkpoint tensors fill each program parameter.
 4. runtime/binding.py: `LoadedArtifact.backends(kv_pool, state_pool)` builds the instances
    routing.json names (and only those); `runner(ops, program)` binds every op node of the program
    to the instance its entry names and checks the bound graph against routing.json before
    anything runs; `ProgramRunner` re-applies the split plan recorded for each mode
    (`compiler.splitops.artifact.apply_split_plan`; the compiler's passes are never imported).
+5. runtime/bundle.py: where the artifact holds a target bundle for this installation, its compiled
+   pieces are checked, consented to and loaded (`compiled`: CompiledOptions); each mode's split
+   module then runs them in place of the traced glue (runtime/compiled_glue.py), and
+   `module_for(mode, compiled=False)` still gives the traced glue (the start-up check's reference).
 
 What it does not do: allocate caches (runtime pools), schedule requests (the engine), capture
 CUDA graphs (the graph runner), choose a backend (routing did), or trust anything it has not checked.
@@ -37,13 +43,14 @@ from torch.export.graph_signature import InputKind, OutputKind
 from compiler.splitops import LayerRegistry, Mode
 from compiler.splitops.artifact import (PROGRAM_FILES, PROGRAM_INPUTS, WEIGHT_MAP, ArtifactFormatError, SplitPlan,
                                         apply_split_plan, load_json, parse_weights_doc, program_outputs)
-from runtime.artifact_docs import ArtifactDocs, LoadError, read_artifact
+from runtime.artifact_docs import ArtifactDocs, LoadError, config_value, read_artifact
 from runtime.binding import Backends, bind_graph, build_backends, check_binding
+from runtime.bundle import CompiledBundle, CompiledOptions, open_bundle
 from runtime.pt2_check import check_pt2_bytes, load_program
 from runtime.weights import WeightFiles, assemble
 
 __all__ = ["LoadError", "ArtifactDocs", "LoadedArtifact", "ProgramRunner", "read_artifact", "load_artifact",
-           "check_pt2_bytes"]
+           "check_pt2_bytes", "load_programs", "check_model_facts", "CompiledOptions"]
 
 
 class ProgramRunner:
@@ -53,7 +60,8 @@ class ProgramRunner:
     (compiler/splitops/artifact.py `program_outputs`)."""
 
     def __init__(self, name: str, program, plans: dict[Mode, SplitPlan], weights: list[torch.Tensor], ops,
-                 device: torch.device, docs: ArtifactDocs, outputs: tuple[str, ...] = ("logits",)):
+                 device: torch.device, docs: ArtifactDocs, outputs: tuple[str, ...] = ("logits",), glue=None):
+        """glue: the program's CompiledGlue (runtime/compiled_glue.py), or None to run the traced glue."""
         self.name, self.program, self.plans, self.ops, self.device = name, program, plans, ops, device
         self.weights = weights
         self.outputs = tuple(outputs)
@@ -61,22 +69,31 @@ class ProgramRunner:
         self.num_mutations = sum(1 for s in sig.output_specs if s.kind != OutputKind.USER_OUTPUT)
         self._bound = bind_graph(program.graph_module, name, docs, ops, device)
         check_binding(self._bound, name, docs, ops)  # start-up: what is bound is what routing.json says
+        self.glue = glue
+        if glue is not None:
+            glue.check(program.graph_module)
         self._by_plan: dict[tuple, torch.fx.GraphModule] = {}
 
-    def module_for(self, mode: Mode) -> torch.fx.GraphModule:
+    def module_for(self, mode: Mode, compiled: bool = True) -> torch.fx.GraphModule:
+        """The mode's split module; with the compiled pieces in place of the glue unless `compiled` is False."""
         plan = self.plans[Mode(mode)]
-        key = tuple((p.kind, p.nodes) for p in plan.pieces)
+        compiled = compiled and self.glue is not None
+        key = (compiled, tuple((p.kind, p.nodes) for p in plan.pieces))
         if key not in self._by_plan:
             try:
-                self._by_plan[key] = apply_split_plan(self._bound, plan)
+                split = apply_split_plan(self._bound, plan)
             except ArtifactFormatError as e:
                 raise LoadError(f"{self.name} program: {e}") from None
+            self._by_plan[key] = self.glue.install(split) if compiled else split
         return self._by_plan[key]
 
+    def user_outputs(self, mode: Mode, inputs, compiled: bool = True) -> list:
+        """The program's user outputs (flat) for one call in `mode` (call inside `ops.step(ctx)`)."""
+        outputs = self.module_for(mode, compiled)(*self.weights, *inputs)
+        return list(outputs)[self.num_mutations:]
+
     def __call__(self, mode: Mode, *inputs):
-        outputs = self.module_for(mode)(*self.weights, *inputs)
-        user = list(outputs)[self.num_mutations:]
-        return pytree.tree_unflatten(user, self.program.call_spec.out_spec)
+        return pytree.tree_unflatten(self.user_outputs(mode, inputs), self.program.call_spec.out_spec)
 
 
 @dataclasses.dataclass
@@ -86,6 +103,7 @@ class LoadedArtifact:
     weights: dict[str, torch.Tensor]  # model FQN -> tensor on the device
     program_fqns: dict[str, dict[str, str]]
     device: torch.device
+    compiled: CompiledBundle | None = None  # the target bundle whose pieces run the glue, if any
 
     @property
     def manifest(self) -> dict:
@@ -114,8 +132,9 @@ class LoadedArtifact:
         ep = self.programs[program]
         lifted = [s.target for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
         tensors = [self.weights[self.program_fqns[program][fqn]] for fqn in lifted]
+        glue = self.compiled.glue(program) if self.compiled is not None else None
         return ProgramRunner(program, ep, self.split_plans[program], tensors, ops, self.device, self.docs,
-                             program_outputs(program, self.programs))
+                             program_outputs(program, self.programs), glue)
 
     def forward_for(self, mode: Mode | str, ops, program: str = "main") -> Callable:
         """The program's forward in one mode: (input_ids, positions, logits_index) -> logits for "main"
@@ -140,6 +159,7 @@ class LoadedArtifact:
             return pick(run(ops.ctx.mode, *inputs))
 
         forward.__name__ = f"{self.docs.family}_{program}_forward"
+        forward.runner = run  # the start-up check of compiled pieces runs the same program both ways
         return forward
 
 
@@ -150,12 +170,62 @@ def _pick_outputs(run: ProgramRunner, program: str, all_outputs: bool) -> Callab
     return lambda outputs: outputs
 
 
+def load_programs(docs: ArtifactDocs) -> dict:
+    """Each program of the manifest, its archive checked (runtime/pt2_check.py) and loaded."""
+    files = docs.manifest["files"]
+    programs = {}
+    for program in docs.programs:
+        fname = PROGRAM_FILES[program]
+        if fname not in files:
+            raise LoadError(f"{docs.path}: program {program} has no {fname} listed in manifest.json")
+        programs[program] = load_program(docs.path / fname, files[fname])
+    return programs
+
+
+def _embedding_and_logits(ep) -> tuple[list | None, list | None]:
+    """(the token embedding's [vocab, hidden], the logits' shape) as the main program's graph has them."""
+    embedding = logits = None
+    for node in ep.graph.nodes:
+        if embedding is None and node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
+            val = node.args[0].meta.get("val")
+            embedding = list(val.shape) if isinstance(val, torch.Tensor) else None
+        if node.op == "output":
+            user = [a for a in pytree.tree_leaves(node.args[0]) if isinstance(a, torch.fx.Node)]
+            val = user[-len(ep.graph_signature.user_outputs)].meta.get("val") if user else None
+            logits = list(val.shape) if isinstance(val, torch.Tensor) else None
+    return embedding, logits
+
+
+def check_model_facts(docs: ArtifactDocs, main_program) -> None:
+    """manifest.json's `model` (and config.json's copy) against the main program: the vocabulary
+    is the embedding's rows and the logits' width, the hidden size the embedding's width. The
+    runtime checks prompt ids against the recorded vocabulary; a wrong one would index past the
+    embedding."""
+    embedding, logits = _embedding_and_logits(main_program)
+    if embedding is None or logits is None:
+        raise LoadError(f"{docs.path / PROGRAM_FILES['main']}: no token embedding or no logits output in the main "
+                        f"program: recompile")
+    found = {"vocab_size": embedding[0], "hidden_size": embedding[1]}
+    if isinstance(logits[-1], int) and logits[-1] != found["vocab_size"]:
+        raise LoadError(f"{docs.path / PROGRAM_FILES['main']}: logits have width {logits[-1]}, the embedding "
+                        f"{found['vocab_size']} rows: recompile")
+    model = docs.manifest.get("model") if isinstance(docs.manifest.get("model"), dict) else {}
+    for name, value in found.items():
+        for where, recorded in ((f"model.{name}", model.get(name)), (f"config {name}", config_value(docs.manifest, name))):
+            if recorded is not None and recorded != value:
+                raise LoadError(f"{docs.path / 'manifest.json'}: {where} is {recorded!r}, the main program's embedding "
+                                f"says {value} ({PROGRAM_FILES['main']}): the manifest does not describe this program")
+
+
 def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "cpu",
-                  expected_pipeline: str | None = None) -> LoadedArtifact:
-    """Steps 1-3 of the module docstring. `device` None: the device the artifact was compiled for
+                  expected_pipeline: str | None = None, progress=None,
+                  compiled: CompiledOptions = CompiledOptions()) -> LoadedArtifact:
+    """Steps 1-3 and 5 of the module docstring. `device` None: the device the artifact was compiled for
     (its routing target: the device its backends run on). `expected_pipeline`: the pipeline
     fingerprint (manifest "pipeline_sha256") this runtime accepts; None accepts any pipeline of
-    this format."""
+    this format. `progress`: a tqdm-like factory, for a bar over the weights as they are read.
+    `compiled`: whether and how a target bundle's compiled pieces may run (an artifact without
+    bundles runs its traced glue whatever it says)."""
     docs = read_artifact(path)
     if device is None:
         device = docs.routing.target
@@ -165,12 +235,8 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
                         f"recompile with this hgc")
     device = torch.device(device)
     files = docs.manifest["files"]
-    programs = {}
-    for program in docs.programs:
-        fname = PROGRAM_FILES[program]
-        if fname not in files:
-            raise LoadError(f"{docs.path}: program {program} has no {fname} listed in manifest.json")
-        programs[program] = load_program(docs.path / fname, files[fname])
+    programs = load_programs(docs)
+    check_model_facts(docs, programs["main"])
     if WEIGHT_MAP not in files:
         raise LoadError(f"{docs.path}: {WEIGHT_MAP} is not listed in manifest.json")
     try:
@@ -192,6 +258,10 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
             raise LoadError(f"{docs.path}: the {program} program returns {returned} output(s) (manifest: {recorded}); "
                             f"this runtime expects {list(outputs)}: recompile the checkpoint with this hgc")
     weight_files = WeightFiles(docs, str(device))
-    weights = {fqn: assemble(fqn, src, weight_files, str(device)) for fqn, src in sources.items()}
-    return LoadedArtifact(docs, programs, weights, program_fqns, device)
+    items = sources.items()
+    if progress is not None:
+        items = progress(items, total=len(sources), desc="load weights", unit="tensor")
+    weights = {fqn: assemble(fqn, src, weight_files, str(device)) for fqn, src in items}
+    bundle = open_bundle(docs, device, compiled)  # last: the portable part is checked before any code loads
+    return LoadedArtifact(docs, programs, weights, program_fqns, device, bundle)
 

@@ -52,6 +52,9 @@ The minimum request: one slot (+ the padding slot), its D intermediate entries, 
 ceil((max_seq_len + D) / P) pages: verify writes K/V for D draft tokens that may be rejected, so
 a request at its last position still needs room for them.
 
+`available_bytes(device)` is the memory a device has free now (the budget `hgc run` and
+`hgc generate` check a request against before allocating anything).
+
 It does not measure weights or activations (callers pass them) nor decide anything at run time:
 the engine only ever sees the pools.
 """
@@ -59,6 +62,7 @@ the engine only ever sees the pools.
 from __future__ import annotations
 
 import dataclasses
+import os
 from fractions import Fraction
 
 import torch
@@ -69,7 +73,8 @@ from runtime.kv_pool import KVPool, pages_for
 from runtime.snapshot_pool import SnapshotPool
 from runtime.state_pool import StatePool
 
-__all__ = ["CacheLayout", "MemoryPlan", "MemoryPlanError", "plan_memory", "build_pools", "build_snapshot_pool"]
+__all__ = ["CacheLayout", "MemoryPlan", "MemoryPlanError", "plan_memory", "build_pools", "build_snapshot_pool",
+           "available_bytes", "GiB"]
 
 GiB = 1 << 30
 
@@ -308,6 +313,22 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
         intermediate_bytes=inter_bytes, num_snapshots=num_snapshots, snapshot_bytes=snapshot_bytes,
         kv_bytes=kv_bytes, leftover_bytes=kv_share - kv_bytes,
     )
+
+
+def available_bytes(device: torch.device | str) -> int:
+    """Free memory of a device now: the GPU's free bytes, or the host's available RAM (Linux's
+    MemAvailable: free plus reclaimable caches; what an allocation can get without swapping)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def build_pools(registry: LayerRegistry, plan: MemoryPlan,

@@ -37,8 +37,12 @@ from compiler.splitops import op_arguments, op_spec
 from runtime.kv_pool import KVPool
 from runtime.state_pool import PADDING_SLOT, StatePool
 
-__all__ = ["PARITY_RTOL", "OpRecord", "OpTrace", "TeacherForcing", "CacheWatch", "rel_err", "rtol_for", "first_difference",
+__all__ = ["ParityError", "PARITY_RTOL", "OpRecord", "OpTrace", "TeacherForcing", "CacheWatch", "rel_err", "rtol_for", "first_difference",
            "op_arg_positions"]
+
+class ParityError(RuntimeError):
+    """A start-up check found a difference beyond tolerance: the runtime refuses to serve."""
+
 
 # Relative error (of the norm) a padded replay may differ from the unpadded eager run by, per compute
 # dtype: bf16 glue computed by differently tiled kernels agrees to a few 1e-3; float32 to ~1e-6.

@@ -60,7 +60,8 @@ from runtime.graph_runner import GraphRunner, hidden_input_spec
 from runtime.kv_pool import KVPool
 from runtime.state_pool import StatePool
 
-__all__ = ["EagerSteps", "DraftChunk", "MTPDrafter", "SpeculativeDecoder", "MAX_DRAFT_TOKENS", "speculative_factory"]
+__all__ = ["EagerSteps", "DraftChunk", "MTPDrafter", "SpeculativeDecoder", "MAX_DRAFT_TOKENS",
+           "check_draft_program", "speculative_factory"]
 
 MAX_DRAFT_TOKENS = 7  # D: the verify step's buckets and the intermediate states grow with it
 
@@ -214,6 +215,13 @@ class SpeculativeDecoder:
             seq.num_cached += n
 
 
+def check_draft_program(docs) -> None:
+    """Refuse speculative decoding for an artifact (its ArtifactDocs) that holds no draft program."""
+    if "draft" not in docs.programs:
+        raise ValueError(f"{docs.path}: --speculative-tokens needs a draft (MTP) program, and this "
+                         f"{docs.family} artifact has none (its config enables no MTP layer)")
+
+
 def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[Callable] = None,
                         log: Callable[[str], None] = lambda line: None):
     """speculative(ops, kv_pool, state_pool, limits, runner) -> a SpeculativeDecoder for
@@ -230,9 +238,7 @@ def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[
     prefill chunks. It captures into the main runner's graph pool; instances shared with the main
     program keep the static buffers the main runner allocated (sized for both), one owning draft
     nodes only gets its own; it is parity-checked like the main one before anything is served."""
-    if "draft" not in artifact.programs:
-        raise ValueError(f"{artifact.docs.path}: --speculative-tokens needs a draft (MTP) program, and this "
-                         f"{artifact.docs.family} artifact has none (its config enables no MTP layer)")
+    check_draft_program(artifact.docs)
 
     def make(ops, kv_pool, state_pool, limits, runner):
         draft_ops = ops.sibling(draft_backend()) if draft_backend is not None else ops
@@ -258,6 +264,8 @@ def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[
                     member.init_capture_state(steps.max_tokens, steps.max_seqs)
             steps.capture(init_backend=False, pool=runner.state.pool)
             report = steps.check_parity(vocab_size=int(artifact.manifest["model"]["vocab_size"]))
+            if getattr(artifact, "compiled", None) is not None:  # the draft's compiled pieces, checked per key
+                artifact.compiled.parity += [{**r, "key": f"draft {r['key']}"} for r in steps.compiled_reports.values()]
             log(f"draft program: captured {len(steps.keys)} graphs; start-up parity: {len(report)} keys match eager")
         hidden_size, dtype = hidden_input_spec(artifact.programs["draft"])
         drafter = MTPDrafter(steps, draft_tokens, state_pool.num_slots, hidden_size, dtype, kv_pool.device)

@@ -101,11 +101,18 @@ class StepStaging:
         return dev
 
 
-def step_on_device(step: StepInputs, device) -> tuple[tuple, ExecContext]:
-    """An eager step's (input_ids, positions, logits_index) and context on `device`: its own
-    tensors, so it may be of any size (no graph reads them)."""
+def step_on_device(step: StepInputs, device,
+                   names: tuple[str, ...] = ("input_ids", "positions", "logits_index")) -> tuple[tuple, ExecContext]:
+    """An eager step's inputs named `names` (a program's PROGRAM_INPUTS: the draft's include its
+    hidden states) and context on `device`: its own tensors, so it may be of any size (no graph
+    reads them)."""
     ctx = step.ctx
     moved = {name: getattr(ctx, name).to(device, non_blocking=True)
              for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping")}
-    inputs = tuple(t.to(device, non_blocking=True) for t in (step.input_ids, step.positions, step.logits_index))
+    tensors = {"input_ids": step.input_ids, "positions": step.positions, "logits_index": step.logits_index,
+               "hidden": step.hidden}
+    missing = [name for name in names if tensors.get(name) is None]
+    if missing:
+        raise ValueError(f"the step has no {missing[0]} (StepInputs.{missing[0]}), which the program takes")
+    inputs = tuple(tensors[name].to(device, non_blocking=True) for name in names)
     return inputs, dataclasses.replace(ctx, **moved)

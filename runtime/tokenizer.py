@@ -96,7 +96,10 @@ class TextTokenizer:
     # -- encode / decode --------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: tokenizers releases the GIL only in its batch calls, and a
+        # 100k-token prompt takes 0.2 s, during which the server's event loop (/health, streams)
+        # would otherwise stand still.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

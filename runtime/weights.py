@@ -4,10 +4,11 @@ weights.json says which checkpoint tensors (views: offset, shape, stride) fill e
 they come from weights.safetensors or, with `hgc compile --link-weights`, from the checkpoint's own
 files, whose size and header hash are checked.
 
-Linked weights are checked by file size and the SHA-256 of each safetensors header (names, dtypes,
-shapes, offsets), not of the data: a checkpoint rewritten with the same layout and other values
-passes. Hashing every weight byte at each load is exactly what linking avoids; copy the weights
-into the artifact when that matters.
+Linked weights are checked at load by file size and the SHA-256 of each safetensors header
+(names, dtypes, shapes, offsets), not of the data: hashing every weight byte at each load is
+exactly what linking avoids. The compiler also records the SHA-256 of each whole linked file, and
+`hgc verify ARTIFACT --full` (`check_linked_files(docs, data=True)`) re-hashes them: a changed
+byte inside a linked tensor is found there, not at load.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from compiler.splitops.artifact import MANIFEST, WEIGHT_MAP, WEIGHTS, ParamSource, safetensors_header
 from runtime.artifact_docs import ArtifactDocs, LoadError, check_hash
 
-__all__ = ["WeightFiles", "assemble"]
+__all__ = ["WeightFiles", "assemble", "check_linked_files"]
 
 
 class WeightFiles:
@@ -65,6 +66,36 @@ class WeightFiles:
             return self.where[name].get_tensor(name)
         except KeyError:
             raise LoadError(f"weights: tensor {name!r} listed in weights.json is in no weights file") from None
+
+
+def check_linked_files(docs: ArtifactDocs, data: bool = False, progress=None) -> tuple[int, int]:
+    """Each linked checkpoint file: found, its size and header as compiled, and with `data` the
+    SHA-256 of the whole file (`progress`: a tqdm-like factory, a bar over the bytes). Returns
+    (files, bytes); (0, 0) for copied weights."""
+    spec = docs.manifest["weights"]
+    if spec.get("mode") != "link":
+        return 0, 0
+    paths = [(WeightFiles._linked(docs.path, entry), entry) for entry in spec.get("files", [])]
+    total = sum(p.stat().st_size for p, _ in paths)
+    if not data:
+        return len(paths), total
+    bar = progress(total=total, desc="hash linked weights", unit="B", unit_scale=True) if progress else None
+    for path, entry in paths:
+        if not isinstance(entry.get("sha256"), str):
+            raise LoadError(f"{docs.path / MANIFEST}: linked file {entry['relative_path']} has no data hash: recompile")
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+                if bar is not None:
+                    bar.update(len(block))
+        if digest.hexdigest() != entry["sha256"]:
+            raise LoadError(f"{path}: its data differs from the file the artifact linked (SHA-256 "
+                            f"{digest.hexdigest()[:16]}..., recorded {entry['sha256'][:16]}...): the checkpoint "
+                            f"changed after compile; recompile")
+    if bar is not None:
+        bar.close()
+    return len(paths), total
 
 
 def assemble(fqn: str, source: ParamSource, files: WeightFiles, device: str) -> torch.Tensor:

@@ -70,15 +70,26 @@ def tiny_checkpoint(family_name: str, out, seed: int = 0, **config_overrides):
 
 
 def rehash(art) -> None:
-    """Recompute manifest.json's SHA-256 of every listed file: an edit then passes the hash check, so
-    only the check under test can catch it."""
+    """Recompute manifest.json's SHA-256 of every listed file, and its seal: an edit then passes the
+    hash checks, so only the check under test can catch it."""
+    edit_manifest(art, lambda m: {**m, "files": {name: sha256_file(art / name) for name in m["files"]
+                                                 if (art / name).exists()}})
+
+
+def edit_manifest(art, edit) -> None:
+    """Rewrite manifest.json with `edit(manifest) -> manifest` and seal it again, as a compiler would
+    have written it: only the cross-checks can then catch the edit."""
     import json
 
-    from compiler.splitops.artifact import MANIFEST, dump_json, sha256_file
+    from compiler.splitops.artifact import MANIFEST, dump_json, seal_manifest
 
     manifest = json.loads((art / MANIFEST).read_text())
-    manifest["files"] = {name: sha256_file(art / name) for name in manifest["files"] if (art / name).exists()}
-    (art / MANIFEST).write_bytes(dump_json(manifest))
+    (art / MANIFEST).write_bytes(dump_json(seal_manifest(edit(manifest))))
+
+
+def sha256_file(path) -> str:
+    from compiler.splitops.artifact import sha256_file as sha
+    return sha(path)
 
 
 def edit_routing(art, edit) -> None:

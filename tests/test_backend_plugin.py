@@ -259,7 +259,7 @@ def test_an_artifact_that_needs_the_plugin_is_refused_where_it_is_not_installed(
     site = next(p for p in sys.path if (Path(p) / PACKAGE).is_dir())
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "path", [p for p in sys.path if p != site])
-        assert main(["run", str(art), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 1
+        assert main(["run", str(art), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert f"routes layer 0 (main program, node gdn_core, hgc.gdn_core) to backend '{BACKEND}', which this " \
            f"runtime does not have" in err and "install the package that provides it" in err

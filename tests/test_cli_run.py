@@ -42,9 +42,9 @@ def test_seeded_sampling_is_reproducible_and_the_seed_matters(artifact, capsys):
 
 
 def test_bad_sampling_setting_is_one_line(artifact, capsys):
-    assert main(["run", str(artifact / "a"), "--prompt-ids", "1,2", "--top-p", "0"]) == 1
+    assert main(["run", str(artifact / "a"), "--prompt-ids", "1,2", "--top-p", "0"]) == 2
     err = capsys.readouterr().err
-    assert "top_p" in err and "Traceback" not in err
+    assert "argument --top-p: must be in (0, 1]" in err and "Traceback" not in err
 
 
 def test_run_reuses_a_prefix_unless_told_not_to(artifact, capsys):
@@ -59,5 +59,5 @@ def test_run_reuses_a_prefix_unless_told_not_to(artifact, capsys):
     assert cached["outputs"] == plain["outputs"]
     assert cached["cached_tokens"] == [0, 32] and plain["cached_tokens"] == [0, 0]
     assert (cached["timing"]["prefill_tokens"], plain["timing"]["prefill_tokens"]) == (48, 80)
-    assert main(["run", str(artifact / "a"), "--prompt-ids", prompt, "--snapshot-interval", "0"]) == 1
-    assert "--snapshot-interval must be at least 1" in capsys.readouterr().err
+    assert main(["run", str(artifact / "a"), "--prompt-ids", prompt, "--snapshot-interval", "0"]) == 2
+    assert "argument --snapshot-interval: must be at least 1" in capsys.readouterr().err

@@ -197,25 +197,71 @@ def test_compiling_a_folder_without_weights_says_so(ckpt, tmp_path, capsys):
 def test_existing_output_is_refused_unless_force(ckpt, artifact, tmp_path, capsys):
     out = tmp_path / "art"
     out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps"]) == 1
+    assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps"]) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and not _leftovers(tmp_path, "art")
-    assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps", "--force"]) == 0
-    assert not (out / "keep.txt").exists() and (out / GRAPH).is_file() and not _leftovers(tmp_path, "art")
+    assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps", "--force"]) == 0  # an empty folder
+    assert (out / GRAPH).is_file() and not _leftovers(tmp_path, "art")
+    (out / GRAPH).write_bytes(b"stale")
+    assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps", "--force"]) == 0  # an artifact
+    assert (out / GRAPH).read_bytes() != b"stale" and not _leftovers(tmp_path, "art")
+
+
+def test_force_onto_a_folder_that_is_not_an_artifact_leaves_it_untouched(ckpt, tmp_path, capsys):
+    notes = tmp_path / "notes"
+    (notes / "2026").mkdir(parents=True)
+    (notes / "todo.txt").write_text("mine")
+    (notes / "2026" / "plan.md").write_text("also mine")
+    (notes / "manifest.json").write_text('{"format": "something else"}')
+    before = {p: p.read_bytes() for p in notes.rglob("*") if p.is_file()}
+    assert main(["compile", str(ckpt), "-o", str(notes), "--no-dumps", "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to replace it with --force: it is not an hgc artifact" in err and "todo.txt" in err
+    assert {p: p.read_bytes() for p in notes.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # no staging folder left either
+
+
+def test_a_killed_compiles_staging_folder_is_gone_after_the_next_compile(ckpt, tmp_path):
+    """A compile killed with SIGKILL (no cleanup runs) leaves .NAME.partial-*; the next compile into
+    the same place removes it, and leaves alone a staging folder a live compile holds."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "art"
+    script = ("import sys, time, compiler.artifact_writer as w\n"
+              "with w.staging_folder(sys.argv[1]) as tmp:\n"
+              "    (tmp / 'graph.pt2').write_bytes(b'half')\n"
+              "    print(tmp, flush=True)\n"
+              "    time.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    killed = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE, text=True, env=env)
+    live = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        stale, held = Path(killed.stdout.readline().strip()), Path(live.stdout.readline().strip())
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+        assert stale.is_dir() and stale.name.startswith(".art.partial-")
+        assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps"]) == 0
+        assert not stale.exists() and held.is_dir()  # the killed one swept, the live one kept
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["art", held.name])
+    finally:
+        live.kill()
+        live.wait(30)
+        killed.kill()
 
 
 def test_unwritable_output_folder_is_a_clear_message(ckpt, tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    assert main(["compile", str(ckpt), "-o", str(blocker / "art")]) == 1
+    assert main(["compile", str(ckpt), "-o", str(blocker / "art")]) == 2
     err = capsys.readouterr().err
     assert "cannot write into" in err and "choose a writable output folder" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
 def test_output_over_the_checkpoint_is_refused(ckpt, capsys):
-    assert main(["compile", str(ckpt), "-o", str(ckpt), "--force"]) == 1
+    assert main(["compile", str(ckpt), "-o", str(ckpt), "--force"]) == 2
     assert "holds the checkpoint" in capsys.readouterr().err
     assert (ckpt / "model.safetensors").is_file()
 
@@ -232,11 +278,11 @@ def test_checkpoint_failing_lints_writes_nothing(ckpt, tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(family_module, "FAMILY", dataclasses.replace(family_module.FAMILY, build=broken_build))
     out = tmp_path / "art"
-    assert main(["compile", str(ckpt), "-o", str(out)]) == 1
+    assert main(["compile", str(ckpt), "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert "lint error(s); nothing was written" in err and "layer-without-op" in err and "layer 99" in err
     assert not out.exists() and not _leftovers(tmp_path, "art")
-    assert main(["lint", str(ckpt)]) == 1
+    assert main(["lint", str(ckpt)]) == 2
     assert "layer-without-op" in capsys.readouterr().out
 
 

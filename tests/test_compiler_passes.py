@@ -514,4 +514,24 @@ def test_dumps_per_pass_are_valid_onnx_with_layer_ids(tmp_path):
     assert [(n.domain, n.op_type) for n in gap.node] == [("hgc", "lightning_core")]
     text = (tmp_path / "04_split.txt").read_text()
     assert "# ---- piece 1: eager (extend) ----" in text and "-> cpu_reference" in text
-    assert (tmp_path / "04_split.svg").read_text().startswith("<svg")
+    picture = (tmp_path / "04_split.svg").read_text()
+    assert picture.startswith("<svg") and "main program" in picture and "draft program" in picture
+    assert not (tmp_path / "draft" / "04_split.svg").exists()  # the draft sits beside the main program
+
+
+def test_the_layer_picture_has_a_row_per_layer_and_brackets_each_captured_piece():
+    from compiler.dump.layers import layer_picture, layer_rows
+
+    traced = toy_traced(layers=["lightning", "full_gqa"], moe=[False, True], draft=True)
+    ctx = run_passes(traced, CompileConfig(), toolchain()).ctx
+    main, draft = (layer_rows(ctx.programs[p], ctx, p) for p in ("main", "draft"))
+    assert [r.label for r in main.rows] == ["in", "0", "1", "out"] and [r.label for r in draft.rows] == ["in", "2", "out"]
+    layer1 = main.rows[2]
+    assert (layer1.kind, layer1.ops, layer1.backends) == ("full_gqa", ["gqa_attention", "moe"], ["cpu_reference"] * 2)
+    assert layer1.states["decode"] == [CAPTURED, CAPTURED] and layer1.states["extend"] == [EAGER, CAPTURED]
+    assert main.rows[1].states["extend"] == [EAGER]
+    # decode: one graph over every row; extend: three captured pieces around the two eager op cores
+    assert main.pieces["decode"] == [(0, 0, 3)] and [p[0] for p in main.pieces["extend"]] == [0, 2, 4]
+    svg = layer_picture([main, draft], "split")
+    assert svg.count("<path") == sum(len(spans) for t in (main, draft) for spans in t.pieces.values())
+    assert svg.count('fill="white">eager<') == 2 * 2 + 2  # extend and mixed: two eager cores in main, one in the draft

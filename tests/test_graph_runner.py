@@ -131,7 +131,7 @@ def test_gpu_backend_facts_come_from_the_graph(tmp_path):
 
     tiny_checkpoint("qwen3_next", tmp_path / "c", head_dim=64)
     assert main(["compile", str(tmp_path / "c"), "-o", str(tmp_path / "a"), "--target", "cuda", "--dtype",
-                 "bfloat16", "--no-dumps"]) == 0
+                 "bfloat16", "--no-dumps", "--no-inductor"]) == 0
     art = load_artifact(tmp_path / "a")
     calls = [call_facts(node) for program, ep in art.programs.items()
              for entry, node in routed_calls(art.docs, program, ep.graph_module) if entry.backend == "flashinfer"]
@@ -146,7 +146,7 @@ def test_gpu_backend_facts_come_from_the_graph(tmp_path):
 
     tiny_checkpoint("qwen3_next", tmp_path / "hd32")  # tiny: head_dim 32, which FlashInfer does not build
     assert main(["compile", str(tmp_path / "hd32"), "-o", str(tmp_path / "b"), "--target", "cuda", "--dtype",
-                 "bfloat16", "--no-dumps", "--route", "gqa_attention=torch_reference"]) == 0
+                 "bfloat16", "--no-dumps", "--no-inductor", "--route", "gqa_attention=torch_reference"]) == 0
     edit_routing(tmp_path / "b", lambda e: {**e, "backend": "flashinfer", "options": FULL_DEFAULTS}
                   if e["op"] == "gqa_attention" else e)
     edited = load_artifact(tmp_path / "b")

@@ -11,6 +11,7 @@ import pytest
 from compiler.cli import main
 from models.loader import init_checkpoint
 from runtime.loader import LoadError, load_artifact
+from tests.helpers import edit_manifest, edit_routing
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def drop_manifest(art):
     (art / "manifest.json").unlink()
 
 
-def edit_routing(art):
+def edit_routing_bytes(art):
     path = art / "routing.json"
     path.write_text(path.read_text().replace("cpu_reference", "cpu_referencf", 1))
 
@@ -51,21 +52,59 @@ def unknown_format_version(art):
 
 
 def older_moe_schema(art):
-    """An artifact traced when hgc.moe had no shared-expert arguments."""
+    """An artifact traced when hgc.moe had no shared-expert arguments (sealed by that compiler)."""
+    def older(doc):
+        doc["op_schemas"]["moe"] = doc["op_schemas"]["moe"].replace("Tensor? shared_w13, Tensor? shared_w2, "
+                                                                     "Tensor? shared_gate, ", "")
+        return doc
+    edit_manifest(art, older)
+
+
+def hand_edited_family(art):
+    """A field of manifest.json edited by hand, not resealed: the seal catches it."""
     path = art / "manifest.json"
     doc = json.loads(path.read_text())
-    doc["op_schemas"]["moe"] = doc["op_schemas"]["moe"].replace("Tensor? shared_w13, Tensor? shared_w2, "
-                                                                 "Tensor? shared_gate, ", "")
+    doc["family"] = "qwen3_next"
     path.write_text(json.dumps(doc))
+
+
+def manifest_field(path: str, value):
+    """The manifest with one field set (a dotted path), sealed again: only a cross-check can see it."""
+    def damage(art):
+        def edit(doc):
+            *parents, last = path.split(".")
+            target = doc
+            for key in parents:
+                target = target[key]
+            target[last] = value(target[last]) if callable(value) else value
+            return doc
+        edit_manifest(art, edit)
+    damage.__name__ = f"manifest_{path.replace('.', '_')}"
+    return damage
+
+
+def drop_draft_program(art):
+    edit_manifest(art, lambda doc: {**doc, "programs": {"main": doc["programs"]["main"]}})
+
+
+def routing_kind_edited(art):
+    edit_routing(art, lambda e: {**e, "kind": "gdn"} if e["layer_id"] == 0 else e)
 
 
 @pytest.mark.parametrize("damage, message", [
     (flip_a_weight_byte, r"weights.safetensors.*(SHA-256|modified)"),
     (truncate_graph, r"graph.pt2.*(SHA-256|modified)"),
     (drop_manifest, r"manifest.json"),
-    (edit_routing, r"routing.json.*(SHA-256|modified)"),
+    (edit_routing_bytes, r"routing.json.*(SHA-256|modified)"),
     (unknown_format_version, r"format"),
     (older_moe_schema, r"other hgc op schemas \(moe changed.*recompile"),
+    (hand_edited_family, r"manifest.json: its content does not match its manifest_sha256"),
+    (manifest_field("model.vocab_size", 1 << 20), r"model.vocab_size is 1048576, the main program's embedding says 320"),
+    (manifest_field("model.hidden_size", 65), r"model.hidden_size is 65, the main program's embedding says 64"),
+    (manifest_field("config.vocab_size", 100), r"config vocab_size is 100, the main program's embedding says 320"),
+    (manifest_field("config.num_hidden_layers", 9), r"config num_hidden_layers is 9, the registry has 4 main layers"),
+    (drop_draft_program, r"field 'programs' is \['main'\], but the registry has 1 draft layer"),
+    (routing_kind_edited, r"routing.json: main node \w+ is layer 0 of kind 'gdn'; the registry says lightning"),
 ])
 def test_damaged_artifact_is_refused(artifact, tmp_path, damage, message):
     art = tmp_path / "art"

@@ -538,7 +538,7 @@ def test_cli_errors_exit_2_with_one_line(artifact, tmp_path, capsys):
     assert main([str(tmp_path / "missing")]) == 2
     assert "not an artifact folder" in capsys.readouterr().err
     assert main([str(artifact[0]), "--slots", "0"]) == 2
-    assert "--slots must be at least 1" in capsys.readouterr().err
+    assert "argument --slots: must be at least 1" in capsys.readouterr().err
     assert main([str(artifact[0]), "--tokenizer", str(tmp_path)]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
 

@@ -377,9 +377,13 @@ def test_hgc_run_refuses_speculation_without_a_draft_program(tmp_path, capsys):
     init_checkpoint("kimi_linear", "tiny", 0, tmp_path / "c", log=io.StringIO())
     assert main(["compile", str(tmp_path / "c"), "-o", str(tmp_path / "a"), "--no-dumps"]) == 0
     capsys.readouterr()
-    assert main(["run", str(tmp_path / "a"), "--prompt-ids", "1,2", "--speculative-tokens", "2"]) == 1
+    # bad input (exit 2), found in the artifact's documents before anything loads
+    assert main(["run", str(tmp_path / "a"), "--prompt-ids", "1,2", "--speculative-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "needs a draft (MTP) program" in err and "kimi_linear" in err and "Traceback" not in err
+    assert main(["run", str(tmp_path / "a"), "--prompt-ids", "1,2", "--speculative-tokens", "8"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "hgc run: --speculative-tokens must be in 0..7 (got 8)" and err[1].startswith("  hint:")
 
 
 @pytest.mark.slow  # three server processes: about 30 s on 2 cores

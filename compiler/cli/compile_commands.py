@@ -1,13 +1,15 @@
-"""The compiler's commands: `hgc lint`, `hgc compile`, `hgc inspect`, `hgc backends`.
+"""The compiler's commands: `hgc lint`, `hgc compile`, `hgc inspect`, `hgc verify`, `hgc backends`.
 
 `add_arguments(subparsers)` registers them on the CLI's parser (compiler/cli/__init__.py); each `cmd_*`
-takes the parsed Namespace and returns an exit code: 0 on success, 1 when lints found errors or
-the compile / load failed (the message, on stderr, names what and how to fix it). Tables go to
-stdout (tabulate), or one JSON document with --json; progress and timings go to stderr.
+takes the parsed Namespace and returns an exit code: 0 on success, 2 when lints found errors. A
+refusal (CompileError, LoadError, ...) is raised, and compiler/cli/errors.py prints it as one line
+and picks the exit code. Tables go to stdout (tabulate), or one JSON document with --json;
+progress and timings go to stderr.
 
     hgc lint CKPT [--json]                      trace config.json on the meta device, run the passes, list findings
-    hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only)
-    hgc inspect ARTIFACT [--json]               routing table, split plans, lints of an artifact
+    hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only, --inductor)
+    hgc inspect ARTIFACT [--json]               routing table, split plans, target bundles, lints of an artifact
+    hgc verify ARTIFACT [--full]                re-hash every file (with --full, linked checkpoint data too)
     hgc backends [--json]                       every backend routing can choose, and where it came from
 """
 
@@ -20,8 +22,13 @@ from collections import defaultdict
 
 from tabulate import tabulate
 
-__all__ = ["add_arguments", "cmd_lint", "cmd_compile", "cmd_inspect", "cmd_backends", "routing_rows", "split_rows",
-           "fail"]
+from compiler.cli.errors import EXIT_BAD_INPUT, UsageError
+
+__all__ = ["add_arguments", "cmd_lint", "cmd_compile", "cmd_inspect", "cmd_verify", "cmd_backends", "routing_rows",
+           "split_rows", "bundle_rows", "TARGETS"]
+
+# The devices a compile can route to: the devices the built-in backends declare.
+TARGETS = ("cpu", "cuda")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -52,11 +59,6 @@ def _config(args):
                          decode_batch_sizes=getattr(args, "decode_buckets", None) or DEFAULT_DECODE_BATCH_SIZES,
                          extend_token_counts=getattr(args, "extend_buckets", None) or DEFAULT_EXTEND_TOKEN_COUNTS,
                          routes=tuple(args.route or ()))
-
-
-def fail(command: str, error: Exception) -> int:
-    print(f"hgc {command}: {error}", file=sys.stderr)
-    return 1
 
 
 # -- tables ----------------------------------------------------------------------------------------
@@ -145,7 +147,7 @@ def _plan_report(result, as_json: bool, title: str) -> int:
         stopped = f"; stopped after {ctx.stopped_after}" if ctx.stopped_after else ""
         print(f"\n{title}: {traced.family.name}, {_layout_summary(ctx.registry)}: {counts['error']} error(s), "
               f"{counts['warning']} warning(s), {counts['info']} info{stopped}")
-    return 1 if counts["error"] else 0
+    return EXIT_BAD_INPUT if counts["error"] else 0
 
 
 # -- commands -------------------------------------------------------------------------------------
@@ -154,12 +156,8 @@ def _plan_report(result, as_json: bool, title: str) -> int:
 def cmd_lint(args) -> int:
     from compiler.cli.wiring import toolchain
     from compiler.pipeline import plan
-    from compiler.splitops.errors import CompileError
 
-    try:
-        result = plan(args.checkpoint, _config(args), toolchain(), dump_dir=args.dump_dir)
-    except CompileError as e:
-        return fail("lint", e)
+    result = plan(args.checkpoint, _config(args), toolchain(), dump_dir=args.dump_dir, progress=args.progress)
     if args.timings:
         result.timing.print_table()
     return _plan_report(result, args.json, "hgc lint")
@@ -168,51 +166,81 @@ def cmd_lint(args) -> int:
 def cmd_compile(args) -> int:
     from compiler.cli.wiring import toolchain
     from compiler.pipeline import compile_checkpoint, plan
-    from compiler.splitops.errors import CompileError
 
-    try:
-        tools = toolchain()
-        if args.plan_only:
-            result = plan(args.checkpoint, _config(args), tools)
-            if args.timings:
-                result.timing.print_table()
-            return _plan_report(result, args.json, "hgc compile --plan-only")
-        if not args.output:
-            return fail("compile", ValueError("-o/--output is required (or pass --plan-only)"))
-        result, manifest = compile_checkpoint(args.checkpoint, args.output, _config(args), tools, force=args.force,
-                                              link_weights=args.link_weights, dumps=not args.no_dumps)
-    except CompileError as e:
-        return fail("compile", e)
+    inductor = _inductor_wanted(args)
+    if isinstance(inductor, Exception):
+        raise UsageError(str(inductor))
+    tools = toolchain()
+    if args.plan_only:
+        result = plan(args.checkpoint, _config(args), tools, progress=args.progress)
+        if args.timings:
+            result.timing.print_table()
+        return _plan_report(result, args.json, "hgc compile --plan-only")
+    if not args.output:
+        raise UsageError("-o/--output is required (or pass --plan-only)", hint="e.g. hgc compile CKPT -o artifacts/NAME")
+    result, manifest = compile_checkpoint(args.checkpoint, args.output, _config(args), tools, force=args.force,
+                                          link_weights=args.link_weights, dumps=not args.no_dumps,
+                                          progress=args.progress)
     counts = _counts(result.ctx.findings)
-    result.timing.print_table()  # stderr: one table of every stage
+    if not args.quiet:
+        result.timing.print_table()  # stderr: one table of every stage
     weights = "linked" if manifest["weights"]["mode"] == "link" else "copied"
     print(f"hgc compile: wrote {args.output} ({result.traced.family.name}, {_layout_summary(result.ctx.registry)}, "
           f"programs {', '.join(result.traced.programs)}, weights {weights}; {counts['warning']} warning(s), "
           f"{counts['info']} info)", file=sys.stderr)
+    if inductor == "not here":
+        print(f"hgc compile: no CUDA device here, so no target bundle was built: run `hgc build {args.output} --device "
+              f"cuda` on the GPU machine (or compile there)", file=sys.stderr)
+    elif inductor:
+        from compiler.cli.build_command import build_bundle
+        build_bundle(args.output, args.target, force=True,
+                     log=lambda line: print(f"hgc compile: {line}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps({"artifact": str(args.output), "family": result.traced.family.name, "counts": counts}))
     return 0
 
 
+def _inductor_wanted(args):
+    """Whether `hgc compile` builds a target bundle: only with --inductor.
+    "not here" for a cuda compile on a machine without a CUDA device (the bundle is built on the GPU
+    machine later); an error when --inductor asks for that."""
+    import torch
+
+    device = args.target.split(":")[0]
+    # Opt-in on every target for now: on cuda the build refuses its own split plan (a glue segment
+    # found across two captured pieces on the H200, tests/test_gpu_inductor.py), so a default-on
+    # bundle would make every GPU compile fail.
+    wanted = bool(args.inductor)
+    if not wanted or args.plan_only:
+        return False
+    if device not in ("cpu", "cuda"):
+        return ValueError(f"--inductor: no compiled target for --target {args.target} (cpu or cuda)")
+    if device == "cuda" and not torch.cuda.is_available():
+        if args.inductor:
+            return ValueError("--inductor --target cuda: this machine has no CUDA device to build the bundle on; "
+                              "compile with --no-inductor here and run `hgc build ARTIFACT --device cuda` on the GPU "
+                              "machine")
+        return "not here"
+    return True
+
+
 def cmd_inspect(args) -> int:
     from compiler.lints import Finding
-    from runtime.loader import LoadError, read_artifact
+    from runtime.loader import read_artifact
 
-    try:
-        docs = read_artifact(args.artifact)
-        raw_routing = json.loads((docs.path / "routing.json").read_text())
-    except LoadError as e:
-        return fail("inspect", e)
+    docs = read_artifact(args.artifact)
+    raw_routing = json.loads((docs.path / "routing.json").read_text())
     routing = routing_rows(raw_routing["programs"])
     routes = list(docs.routing.routes)
     split = split_rows(docs.split_plans)
     findings = [Finding.from_json(f) for f in docs.lints.get("findings", [])]
     m = docs.manifest
+    bundles = bundle_rows(m)
     if args.json:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
                           "routes": routes, "buckets": m["buckets"], "weights": m["weights"]["mode"],
                           "backends": raw_routing["backends"], "layers": routing, "split": split,
-                          "findings": [f.to_json() for f in findings]}))
+                          "findings": [f.to_json() for f in findings], "bundles": bundles}))
         return 0
     print(f"{args.artifact}: {m['family']} (torch {m['versions']['torch']}, hgc {m['versions']['hgc']}), target "
           f"{m['compile']['target']}, dtype {m['compile']['dtype']}, weights {m['weights']['mode']}")
@@ -222,18 +250,54 @@ def cmd_inspect(args) -> int:
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
     print()
+    if bundles:
+        print(tabulate(bundles, headers="keys", tablefmt="simple"))
+    else:
+        print(f"no target bundles (the glue runs traced; `hgc build {args.artifact} --device DEVICE` adds one)")
+    print()
     print(_findings_table(findings))
     return 0
 
 
+def cmd_verify(args) -> int:
+    """Everything the loader checks, without loading weights, and the hashes it skips: every listed
+    file re-hashed, the manifest's seal, the programs' archives, the facts cross-checked, linked
+    checkpoint files (with --full, their data)."""
+    from runtime.artifact_docs import read_artifact, verify_files
+    from runtime.loader import check_model_facts, load_programs
+    from runtime.weights import check_linked_files
+
+    progress = args.progress
+    docs = read_artifact(args.artifact)
+    files, nbytes = verify_files(docs, progress)
+    check_model_facts(docs, load_programs(docs)["main"])
+    linked, linked_bytes = check_linked_files(docs, data=args.full, progress=progress)
+    what = ""
+    if linked:
+        what = (f"; {linked} linked checkpoint file(s) ({linked_bytes / 1e6:.1f} MB): "
+                + ("data re-hashed" if args.full else "size and header (--full re-hashes their data)"))
+    print(f"hgc verify: {args.artifact}: {files} file(s) ({nbytes / 1e6:.1f} MB) match manifest.json, "
+          f"manifest seal, programs and model facts check out{what}")
+    return 0
+def bundle_rows(manifest: dict) -> list[dict]:
+    """One row per target bundle of an artifact: what it was built for, and its files."""
+    from compiler.splitops.bundle import KERNELS, PIECES, bundle_dir, describe_target
+
+    rows = []
+    for key, entry in sorted((manifest.get("targets") or {}).items()):
+        prefix = bundle_dir(key) + "/"
+        files = [f[len(prefix):] for f in manifest["files"] if f.startswith(prefix)]
+        rows.append({"bundle": prefix.rstrip("/"), "built for": describe_target(entry.get("facts") or {}),
+                     "pieces": sum(f.startswith(PIECES + "/") for f in files),
+                     "kernel files": sum(f.startswith(KERNELS + "/") for f in files)})
+    return rows
+
+
 def cmd_backends(args) -> int:
     """Every backend routing can choose: built-in, and installed under the entry-point group hgc.backends."""
-    from runtime.backends import BackendDiscoveryError, discover
+    from runtime.backends import discover
 
-    try:
-        rows = discover().rows()
-    except BackendDiscoveryError as e:
-        return fail("backends", e)
+    rows = discover().rows()
     if args.json:
         print(json.dumps({"backends": rows}))
         return 0
@@ -250,44 +314,85 @@ def cmd_backends(args) -> int:
 
 
 def _compile_flags(p) -> None:
-    p.add_argument("--target", default="cpu", help="device whose backends the ops are routed to (default: cpu)")
+    p.add_argument("--target", default="cpu", choices=TARGETS,
+                   help="device whose backends the ops are routed to")
     p.add_argument("--route", action="append", type=_route, default=None, metavar="OP=BACKEND|layers=3,7:BACKEND",
                    help="bind every node of an op (gdn_core=cpu_reference) or of layers (layers=3,7:torch_reference) "
                         "to a backend, optionally with kernel options (gqa_attention=flashinfer[extend_impl=paged]); "
-                        "repeatable; recorded in the manifest; `hgc backends` lists the backends")
+                        "repeatable; recorded in the manifest; `hgc backends` lists the backends (default: each "
+                        "node by priority)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="dtype the model is traced in; match `hgc generate --dtype` (default: float32)")
+                   help="dtype the model is traced in; match `hgc generate --dtype`")
     p.add_argument("--timings", action="store_true", help="print the pass timing table on stderr (compile always does)")
 
 
 def add_arguments(subparsers) -> None:
-    p = subparsers.add_parser("lint", help="check a checkpoint (or a folder with only config.json) without weights")
-    p.add_argument("checkpoint")
+    p = subparsers.add_parser(
+        "lint", help="check a checkpoint (or a folder with only config.json) without weights",
+        description="Trace config.json on the meta device (no weights are read), run every pass, and print the "
+                    "routing table, the split plans and the lint findings. Exit code 2 when a finding is an error.",
+        epilog="example:\n  hgc lint /tmp/ckpt --target cuda --dtype bfloat16")
+    p.add_argument("checkpoint", help="checkpoint folder (config.json; weights are not needed)")
     p.add_argument("--json", action="store_true", help="one JSON document instead of tables")
-    p.add_argument("--dump-dir", default=None, help="also write the graph dumps (txt, onnx, svg) into this folder")
+    p.add_argument("--dump-dir", default=None, metavar="DIR",
+                   help="also write the graph dumps (txt, onnx, layer picture svg) into this folder (default: none)")
     _compile_flags(p)
     p.set_defaults(func=cmd_lint)
 
-    p = subparsers.add_parser("compile", help="compile a checkpoint into an artifact folder")
-    p.add_argument("checkpoint")
-    p.add_argument("-o", "--output", default=None, help="artifact folder to create, e.g. artifacts/NAME")
-    p.add_argument("--force", action="store_true", help="replace an existing artifact folder")
+    p = subparsers.add_parser(
+        "compile", help="compile a checkpoint into an artifact folder",
+        description="Trace a checkpoint, route every op node to a backend, split the graph at the linear-attention "
+                    "ops, run the lints, and write the artifact folder (written whole, or not at all).",
+        epilog="examples:\n  hgc compile /tmp/ckpt -o artifacts/tiny\n"
+               "  hgc compile /tmp/ckpt -o artifacts/tiny-cuda --target cuda --dtype bfloat16\n"
+               "  hgc compile /tmp/ckpt --plan-only")
+    p.add_argument("checkpoint", help="checkpoint folder: config.json and *.safetensors")
+    p.add_argument("-o", "--output", default=None, metavar="DIR",
+                   help="artifact folder to create, e.g. artifacts/NAME (required unless --plan-only)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing artifact folder (only an hgc artifact or an empty folder is replaced)")
     p.add_argument("--link-weights", action="store_true",
-                   help="record the checkpoint's safetensors files (size, header hash) instead of copying weights")
+                   help="record the checkpoint's safetensors files (size, header and data hashes) instead of "
+                        "copying the weights")
     p.add_argument("--plan-only", action="store_true",
                    help="trace and print routing, split plans and lints; write nothing (config.json suffices)")
-    p.add_argument("--no-dumps", action="store_true", help="skip dumps/ (text, ONNX and SVG of every pass)")
-    p.add_argument("--decode-buckets", type=_ints, default=None, help="decode batch sizes to capture, e.g. 1,2,4,8")
-    p.add_argument("--extend-buckets", type=_ints, default=None, help="extend token counts to capture, e.g. 256,512")
+    p.add_argument("--no-dumps", action="store_true", help="skip dumps/ (text, ONNX and layer picture of every pass)")
+    p.add_argument("--decode-buckets", type=_ints, default=None, metavar="N,N,...",
+                   help="decode batch sizes to capture, e.g. 1,2,4,8 (default: 1,2,4,...,256)")
+    p.add_argument("--extend-buckets", type=_ints, default=None, metavar="N,N,...",
+                   help="extend token counts to capture, e.g. 256,512 (default: 256,512,...,4096)")
     p.add_argument("--json", action="store_true", help="JSON on stdout (with --plan-only: the whole plan)")
+    p.add_argument("--inductor", action=argparse.BooleanOptionalAction, default=None,
+                   help="also build this machine's target bundle: the glue between op cores compiled by Inductor "
+                        "and the kernels start-up needs, inside the artifact (`hgc build`); off by default (on "
+                        "cuda the build does not pass yet)")
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)
 
-    p = subparsers.add_parser("inspect", help="print an artifact's routing table, split plans and lints")
-    p.add_argument("artifact")
-    p.add_argument("--json", action="store_true")
+    p = subparsers.add_parser(
+        "inspect", help="print an artifact's routing table, split plans and lints",
+        description="Read an artifact's documents (hashes and versions checked, nothing executed) and print its "
+                    "routing table (backend per layer and op, and what chose it), split plans and lint findings.",
+        epilog="example:\n  hgc inspect artifacts/tiny --json")
+    p.add_argument("artifact", help="artifact folder written by `hgc compile`")
+    p.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     p.set_defaults(func=cmd_inspect)
 
-    p = subparsers.add_parser("backends", help="list the backends routing can choose (built-in and installed plugins)")
-    p.add_argument("--json", action="store_true")
+    p = subparsers.add_parser(
+        "verify", help="re-hash every file of an artifact (with --full, linked checkpoint data too)",
+        description="Check an artifact as the loader would, without loading weights, and re-hash every file it "
+                    "lists: the manifest's seal, versions, documents, the programs' archives, the model facts "
+                    "against the programs, and linked checkpoint files (size and header; their data with --full).",
+        epilog="examples:\n  hgc verify artifacts/tiny\n  hgc verify artifacts/linked --full")
+    p.add_argument("artifact", help="artifact folder written by `hgc compile`")
+    p.add_argument("--full", action="store_true",
+                   help="also re-hash the data of linked checkpoint files (reads every byte of them)")
+    p.set_defaults(func=cmd_verify)
+
+    p = subparsers.add_parser(
+        "backends", help="list the backends routing can choose (built-in and installed plugins)",
+        description="Every backend routing can choose, built-in or installed under the entry-point group "
+                    "hgc.backends, with its declaration: device, ops, modes, capturable modes, dtypes, priority.",
+        epilog="example:\n  hgc backends --json")
+    p.add_argument("--json", action="store_true", help="one JSON document instead of a table")
     p.set_defaults(func=cmd_backends)

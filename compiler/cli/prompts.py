@@ -1,14 +1,13 @@
-"""What every generating command shares: prompt ids from the command line, and how outputs are printed."""
+"""What every generating command shares: prompt ids from the command line, the limits a request is
+checked against before any work, how outputs are printed, and the timing line on stderr."""
 
 from __future__ import annotations
 
 import json
 
-__all__ = ["UsageError", "parse_prompt_ids", "check_vocab", "print_outputs"]
+from compiler.cli.errors import UsageError
 
-
-class UsageError(ValueError):
-    """A command-line argument the user can fix: one line, exit code 2."""
+__all__ = ["UsageError", "parse_prompt_ids", "check_vocab", "print_outputs", "check_request_limits", "timing_line"]
 
 
 def parse_prompt_ids(text: str) -> list[list[int]]:
@@ -42,3 +41,36 @@ def print_outputs(prompts, outputs, as_json: bool, extra: dict | None = None) ->
     else:
         for p, o in zip(prompts, outputs):
             print(f"{p} -> {o}")
+
+
+def check_request_limits(prompts: list[list[int]], max_new_tokens: int, *, positions: int | None, registry,
+                         weight_bytes: int, device: str, page_size: int = 16) -> None:
+    """Refuse, before anything is allocated, prompts and --max-new-tokens that the model's positions
+    (max_position_embeddings) or the device's free memory cannot hold. The memory check is the
+    memory planner's, for one slot and a full-length KV reservation per prompt: what `hgc run` and
+    `hgc generate` then allocate."""
+    from runtime.memory_planner import GiB, MemoryPlanError, available_bytes, plan_memory
+
+    longest = max(map(len, prompts))
+    if positions is not None and longest + max_new_tokens > positions:
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: the longest prompt has {longest} tokens and the model "
+                         f"{positions} positions (max_position_embeddings), so at most {positions - longest} new "
+                         f"tokens fit", hint=f"pass --max-new-tokens {max(positions - longest, 1)} or less")
+    budget = available_bytes(device)
+    try:
+        plan_memory(registry, budget_bytes=budget, weight_bytes=weight_bytes, max_seq_len=longest + max_new_tokens,
+                    page_size=page_size, num_slots=len(prompts), min_requests=len(prompts))
+    except MemoryPlanError as e:
+        need = budget + e.missing_bytes
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: {len(prompts)} request(s) of up to "
+                         f"{longest + max_new_tokens} tokens need {need / GiB:.1f} GiB (weights, KV cache and state); "
+                         f"{device} has {budget / GiB:.1f} GiB available",
+                         hint="lower --max-new-tokens or send fewer prompts at once") from None
+
+
+def timing_line(command: str, outputs: list[list[int]], seconds: float, detail: str = "") -> str:
+    """One line for stderr: prompts, tokens, wall time and rate (and what `detail` adds)."""
+    tokens = sum(map(len, outputs))
+    rate = f", {tokens / seconds:.1f} tok/s" if seconds > 0 else ""
+    return (f"hgc {command}: {len(outputs)} prompt(s), {tokens} new token(s) in {seconds:.2f} s{rate}"
+            + (f" ({detail})" if detail else ""))

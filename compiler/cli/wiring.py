@@ -16,11 +16,16 @@ __all__ = ["toolchain"]
 
 def toolchain(registry=None) -> Toolchain:
     from models.checkpoint import CheckpointReader
-    from models.loader import load_config
+    from models.loader import config_dtype, load_config
     from runtime.backends import discover, wrapper_classes
     from runtime.tokenizer import tokenizer_files
 
     registry = registry if registry is not None else discover()
+
+    def checkpoint_files(ckpt_dir) -> list[str]:
+        # every tensor's stored dtype checked against the one config.json declares (models/checkpoint.py)
+        return CheckpointReader(ckpt_dir, dtype=config_dtype(load_config(ckpt_dir)[2])).files
+
     return Toolchain(capabilities=registry.capability_table(), read_model=load_config,
-                     checkpoint_files=lambda ckpt_dir: CheckpointReader(ckpt_dir).files,
+                     checkpoint_files=checkpoint_files,
                      tokenizer_files=tokenizer_files, backend_wrappers=wrapper_classes())

@@ -1,9 +1,10 @@
-"""Dumps of a program's graph for people: readable text, ONNX (for Netron) and an SVG picture.
+"""Dumps of a compile for people: per program readable text and ONNX (for Netron), and one
+picture of every program's layers (compiler/dump/layers.py).
 
-`write_dumps(base, gm, ctx, title)` writes base.txt, base.onnx and base.svg and returns their
-paths. It reads the facts passes left in node.meta["hgc.*"] and ctx.split_plans; it changes
-nothing. The DumpInstrument (compiler/passes/instruments.py) calls it before the pipeline and
-after every pass.
+`write_dumps(base, gm, ctx, title)` writes base.txt and base.onnx of one program and returns their
+paths; `write_layer_picture(path, ctx, title)` writes the SVG of every program side by side. Both
+read the facts passes left in node.meta["hgc.*"] and ctx.split_plans; they change nothing. The
+DumpInstrument (compiler/passes/instruments.py) calls them before the pipeline and after every pass.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from pathlib import Path
 
 from compiler.dump.graph_view import GraphView
 from compiler.dump.onnx_graph import onnx_model
-from compiler.dump.svg import svg_picture
+from compiler.dump.layers import layer_picture, layer_rows
 from compiler.dump.text import text_dump
 
-__all__ = ["write_dumps", "GraphView", "text_dump", "onnx_model", "svg_picture"]
+__all__ = ["write_dumps", "write_layer_picture", "GraphView", "text_dump", "onnx_model", "layer_picture"]
 
 
-def write_dumps(base: Path, gm, ctx, title: str, formats=("txt", "onnx", "svg")) -> list[Path]:
+def write_dumps(base: Path, gm, ctx, title: str, formats=("txt", "onnx")) -> list[Path]:
     view = GraphView.of(gm, ctx, title)
     written = []
     if "txt" in formats:
@@ -29,8 +30,11 @@ def write_dumps(base: Path, gm, ctx, title: str, formats=("txt", "onnx", "svg"))
         path = base.with_suffix(".onnx")
         path.write_bytes(onnx_model(view).SerializeToString(deterministic=True))
         written.append(path)
-    if "svg" in formats:
-        path = base.with_suffix(".svg")
-        path.write_text(svg_picture(view))
-        written.append(path)
     return written
+
+
+def write_layer_picture(path: Path, ctx, title: str) -> Path:
+    """The layer picture of every program of `ctx` (main, then the draft beside it)."""
+    tables = [layer_rows(ctx.programs[program], ctx, program) for program in ctx.program_names]
+    path.write_text(layer_picture(tables, title))
+    return path

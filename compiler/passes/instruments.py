@@ -8,8 +8,11 @@ Hooks, in the order the manager calls them (see manager.py):
     run_after_pipeline(ctx)                     also after a failure
 
 - `TimingInstrument` measures each pass on each program and prints one table at the end.
+- `ProgressInstrument` advances a progress bar (a tqdm-like factory handed in by the command
+  line) by one for each pass on each program.
 - `DumpInstrument` writes the graph of each program after each pass: `dumps/NN_<pass>.txt` (readable
-  graph), `.onnx` (opens in Netron; hgc op nodes carry layer id and op name) and `.svg` (a picture).
+  graph), `.onnx` (opens in Netron; hgc op nodes carry layer id and op name), and once per pass
+  `dumps/NN_<pass>.svg`, the layer picture of every program side by side (compiler/dump/layers.py).
   The main program's files sit in `dumps/`, the draft's in `dumps/draft/`. NN is the pass's
   position in the pipeline; 00 is the exported graph before any pass.
 
@@ -25,7 +28,7 @@ from typing import TextIO
 
 from tabulate import tabulate
 
-__all__ = ["Instrument", "TimingInstrument", "DumpInstrument"]
+__all__ = ["Instrument", "TimingInstrument", "DumpInstrument", "ProgressInstrument"]
 
 
 class Instrument:
@@ -73,8 +76,31 @@ class TimingInstrument(Instrument):
         print(self.table(), file=stream, flush=True)
 
 
+class ProgressInstrument(Instrument):
+    """One bar over the pipeline: a step per pass and program, the pass's name as its label."""
+
+    def __init__(self, progress, num_passes: int):
+        self.progress = progress
+        self.num_passes = num_passes
+        self.bar = None
+
+    def run_before_pipeline(self, ctx) -> None:
+        self.bar = self.progress(total=self.num_passes * len(ctx.program_names), desc="passes", unit="pass")
+
+    def run_before_pass(self, pass_, index, gm, ctx) -> None:
+        self.bar.set_description(f"pass {pass_.name} ({ctx.program})")
+
+    def run_after_pass(self, pass_, index, result, ctx) -> None:
+        self.bar.update()
+
+    def run_after_pipeline(self, ctx) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 class DumpInstrument(Instrument):
-    """Writes text, ONNX and SVG of every program before the pipeline (00_export) and after each pass.
+    """Writes text and ONNX of every program, and the layer picture of all of them, before the
+    pipeline (00_export) and after each pass.
 
     With a TimingInstrument, the time spent writing dumps is reported as its own row.
     """
@@ -93,11 +119,14 @@ class DumpInstrument(Instrument):
         return folder / f"{index:02d}_{name}"
 
     def _write(self, index: int, name: str, gm, ctx) -> None:
-        from compiler.dump import write_dumps
+        from compiler.dump import write_dumps, write_layer_picture
 
         start = time.perf_counter()
         self.written.extend(write_dumps(self._base(index, name, ctx.program), gm, ctx, title=name,
                                         formats=self.formats))
+        # once every program is through this pass: the picture shows them side by side
+        if "svg" in self.formats and ctx.program == ctx.program_names[-1]:
+            self.written.append(write_layer_picture(self._base(index, name, "main").with_suffix(".svg"), ctx, name))
         self.seconds += time.perf_counter() - start
 
     def run_before_pipeline(self, ctx) -> None:

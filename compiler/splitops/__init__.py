@@ -6,6 +6,8 @@
     table.py       TRACED_OPS: the op table models are traced with
     capability.py  what a backend declares it can do, and the table routing reads
     artifact.py    the artifact format: file names, documents, split-plan re-application
+    bundle.py      the target bundle format: compiled code for one device and torch build, and its target
+    glue.py        where a program's glue is cut from its op cores (what Inductor compiles)
     errors.py      CompileError, raised and caught by every layer above
 """
 

@@ -6,7 +6,8 @@ both use this module, so the two cannot disagree on a field. It depends on torch
 An artifact is a folder::
 
     manifest.json         format version, versions, SHA-256 of every other file, family, registry,
-                          capture buckets, pass fingerprints, weight source
+                          capture buckets, pass fingerprints, weight source; sealed by
+                          `manifest_sha256`, the SHA-256 of its own other fields
     graph.pt2             torch.export.save of the weightless main program (meta parameters)
     draft.pt2             the draft (MTP) program, where the model has one
     weights.safetensors   checkpoint tensors under their checkpoint names (absent with --link-weights)
@@ -21,6 +22,8 @@ Lifecycle:
 
 1. The writer builds each document with the `*_doc` helpers and writes it with `dump_json`
    (sorted keys, fixed indentation: the same input gives the same bytes).
+   The manifest is written last, sealed with `seal_manifest` (an edit to any field of it, not
+   only to the files it lists, is then refused by `check_manifest_seal`).
 2. The loader reads each document back with the matching `parse_*` helper, which checks the
    format version and the fields it needs and raises `ArtifactFormatError` naming file and field.
 3. `apply_split_plan` turns a recorded plan back into a GraphModule of pieces; the compiler's
@@ -52,10 +55,13 @@ __all__ = [
     "sha256_file", "safetensors_header", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
     "apply_split_plan", "plan_node_names", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
     "check_format", "piece_module_names", "RouteEntry", "RoutingTable", "routing_doc", "parse_routing_doc",
+    "MANIFEST_SEAL", "seal_manifest", "check_manifest_seal",
 ]
 
 FORMAT_NAME = "hgc-artifact"
-FORMAT_VERSION = 2  # 2: routing.json is the binding (per node backend, kernel options, declarations used)
+# 2: routing.json is the binding (per node backend, kernel options, declarations used)
+# 3: manifest.json is sealed by its own hash; linked weight files record the SHA-256 of their data
+FORMAT_VERSION = 3
 
 MANIFEST = "manifest.json"
 GRAPH = "graph.pt2"
@@ -140,6 +146,29 @@ def safetensors_header(path: str | os.PathLike) -> tuple[bytes, dict]:
         return head + body, json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ArtifactFormatError(f"{path}: safetensors header is not JSON: {e}") from None
+
+
+MANIFEST_SEAL = "manifest_sha256"
+
+
+def _manifest_digest(manifest: dict) -> str:
+    return hashlib.sha256(dump_json({k: v for k, v in manifest.items() if k != MANIFEST_SEAL})).hexdigest()
+
+
+def seal_manifest(manifest: dict) -> dict:
+    """The manifest with `manifest_sha256`: the SHA-256 of its canonical bytes without that field."""
+    return {**manifest, MANIFEST_SEAL: _manifest_digest(manifest)}
+
+
+def check_manifest_seal(manifest: dict, source: str) -> None:
+    """Refuse a manifest whose content is not what the compiler sealed (a field edited by hand)."""
+    recorded = manifest.get(MANIFEST_SEAL)
+    if not isinstance(recorded, str):
+        raise ArtifactFormatError(f"{source}: no {MANIFEST_SEAL!r} (the hash of its own content): recompile "
+                                  f"the checkpoint with this hgc")
+    if recorded != _manifest_digest(manifest):
+        raise ArtifactFormatError(f"{source}: its content does not match its {MANIFEST_SEAL} (a field was edited "
+                                  f"after compile); an artifact is written whole by `hgc compile`: recompile")
 
 
 def check_format(doc, source: str) -> dict:

@@ -8,17 +8,27 @@ Lifecycle:
 1. `create_app(served, options)` makes the app and its one `ServerState` (`app.state.hgc`): the
    EngineLoop over the served model's Engine, the open requests, the counters. Nothing global.
 2. Lifespan start: the EngineLoop's thread starts. The app never steps the engine itself.
-3. A request: parse and validate (protocol.py; a 4xx with the OpenAI error body on any fault),
-   resolve each prompt to token ids, check it against the model, compile its response_format
-   into a grammar (runtime/grammar.py, off the event loop; a schema xgrammar refuses is a 400
-   naming why), submit each prompt's n requests to the EngineLoop together (they share its
-   prefill), then stream or collect the choices' tokens (choices.py, generation.py). Engine calls that take the engine lock (submit,
-   cancel, stats) run on the state's thread pool, so the event loop never waits for a step.
+3. A request: its body is read up to `max_body_bytes` (413 past it, from Content-Length before
+   a byte is read, or while it streams in), then parsed and validated (protocol.py; a 4xx with
+   the OpenAI error body on any fault), each prompt resolved to token ids and checked against
+   the model, its response_format compiled into a grammar (runtime/grammar.py; a schema
+   xgrammar refuses is a 400 naming why): all of that CPU work (JSON, validation, tokenization,
+   chat templates, grammars, echo text) runs on the state's request thread, never on the event
+   loop, so /health and streams stay responsive while a large request is prepared. Each
+   prompt's n requests are submitted to the EngineLoop together (they share its prefill), then
+   the choices' tokens are streamed or collected (choices.py, generation.py). Engine calls that
+   take the engine lock (submit, cancel, stats) run on the state's engine thread pool, so the
+   event loop never waits for a step.
 4. A client that disconnects, mid-stream or while waiting for a whole response, has its engine
    request cancelled at once: its state slot and KV pages go back to the pools.
-5. Shutdown (`request_shutdown()`, called from the SIGTERM handler): new requests get 503 and
-   /health turns 503; in-flight requests run on until `shutdown_timeout` minus a grace period, then
-   are cancelled and finish with finish_reason "abort"; lifespan end stops the EngineLoop.
+5. Shutdown (`request_shutdown(exit_server)`, called from the SIGTERM handler): the server keeps
+   listening while it drains, so new requests get 503 with Retry-After (not a refused
+   connection) and /health turns 503; in-flight requests run on until `shutdown_timeout` minus a
+   grace period, then are cancelled and finish with finish_reason "abort". Once none is left (or
+   `shutdown_timeout` has passed) `exit_server()` tells uvicorn to stop listening and finish;
+   lifespan end stops the EngineLoop.
+
+GET /openapi.json describes every route and both request bodies (runtime/server/openapi.py).
 
 It does not parse command lines or bind sockets (cli.py does), nor load models (model.py does).
 """
@@ -32,8 +42,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
+import threading
 import time
 import uuid
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -48,6 +61,7 @@ from runtime.server.generation import Generation
 from runtime.server.logprobs import join
 from runtime.server.metrics import CONTENT_TYPE, render_metrics
 from runtime.server.model import ServedModel
+from runtime.server.openapi import body_spec, install
 from runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_body, chat_choice,
                                      chat_chunk, completion_body, completion_choice, completion_chunk, error_body,
                                      models_body, now, parse_body, usage_body, usage_chunk)
@@ -70,6 +84,7 @@ class ServerOptions:
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM
     workers: int = 4  # threads for engine calls that take the engine lock
+    max_body_bytes: int = 8_000_000  # a larger request body gets 413 (--max-body-mb)
 
     def __post_init__(self):
         if self.default_max_tokens < 1:
@@ -78,6 +93,8 @@ class ServerOptions:
             raise ValueError(f"--max-tokens-limit must be at least 1 (got {self.max_tokens_limit})")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 (got {self.shutdown_timeout})")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-mb must be above 0 (got {self.max_body_bytes} bytes)")
 
     @property
     def abort_after(self) -> float:
@@ -86,6 +103,11 @@ class ServerOptions:
         covers the engine finishing its current step and every stream flushing its abort chunk
         and [DONE] on a loaded machine; 1 s was seen to cut a stream short."""
         return max(0.0, self.shutdown_timeout - min(3.0, self.shutdown_timeout / 2))
+
+    @property
+    def retry_after(self) -> str:
+        """Retry-After of a 503 while draining: by then this process is gone (or a new one is up)."""
+        return str(max(1, math.ceil(self.shutdown_timeout)))
 
 
 class ServerState:
@@ -96,6 +118,9 @@ class ServerState:
         self.options = options
         self.engine_loop = EngineLoop(served.engine)
         self.executor = concurrent.futures.ThreadPoolExecutor(options.workers, thread_name_prefix="hgc-server")
+        # Request preparation (JSON, validation, tokenization) apart from the engine calls: a large
+        # prompt being tokenized never holds up a submit, a cancel or /metrics.
+        self.prepare_executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hgc-request")
         self.generations: dict[str, Generation] = {}
         self.requests = collections.Counter({e: 0 for e in ENDPOINTS})
         self.finished = collections.Counter({r: 0 for r in FINISH_REASONS})
@@ -107,6 +132,7 @@ class ServerState:
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._structured = None  # runtime/grammar.py StructuredOutput, made at the first structured request
+        self._structured_lock = threading.Lock()
 
     @property
     def limit(self) -> int:
@@ -123,18 +149,29 @@ class ServerState:
         self.loop = loop
         self.engine_loop.start()
 
-    def request_shutdown(self) -> None:
-        """From any thread (the signal handler): stop taking requests, bound the in-flight ones."""
+    def request_shutdown(self, exit_server: Callable[[], None] = lambda: None) -> None:
+        """From any thread (the signal handler): stop taking requests, bound the in-flight ones, and
+        call `exit_server()` once none is left (or `shutdown_timeout` has passed)."""
         if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._begin_shutdown)
+            self.loop.call_soon_threadsafe(self._begin_shutdown, exit_server)
+        else:
+            exit_server()
 
-    def _begin_shutdown(self) -> None:
+    def _begin_shutdown(self, exit_server: Callable[[], None]) -> None:
         if self.draining:
+            exit_server()  # asked twice: stop waiting
             return
         self.draining = True
         log.info("hgc serve: shutting down: %d request(s) in flight get %.1f s", len(self.generations),
                  self.options.abort_after)
         self.loop.call_later(self.options.abort_after, self.abort_all)
+        self._drain_task = self.loop.create_task(self._exit_when_drained(exit_server))
+
+    async def _exit_when_drained(self, exit_server: Callable[[], None]) -> None:
+        deadline = self.loop.time() + self.options.shutdown_timeout
+        while self.generations and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        exit_server()
 
     def abort_all(self) -> None:
         if self.generations:
@@ -148,6 +185,7 @@ class ServerState:
         self.abort_all()
         await self.loop.run_in_executor(None, functools.partial(self.engine_loop.stop, 5.0))
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.prepare_executor.shutdown(wait=False, cancel_futures=True)
         log.info("hgc serve: engine stopped")
 
     # -- engine calls (off the event loop: each may wait for a step) --------------------------------
@@ -202,9 +240,14 @@ class ServerState:
 
     # -- request checks -----------------------------------------------------------------------------
 
+    async def prepare(self, work: Callable, *args):
+        """`work(*args)` on the request thread: CPU work of a request off the event loop."""
+        return await self.loop.run_in_executor(self.prepare_executor, functools.partial(work, *args))
+
     def check_accepting(self) -> None:
         if self.draining:
-            raise RequestError("the server is shutting down", status=503, type="service_unavailable")
+            raise RequestError("the server is shutting down", status=503, type="service_unavailable",
+                               headers={"Retry-After": self.options.retry_after})
         if not self.healthy:
             raise RequestError(f"the engine failed: {self.engine_loop.error!r}", status=503,
                                type="service_unavailable")
@@ -262,24 +305,21 @@ class ServerState:
             raise RequestError("the chat renders to an empty prompt", param="messages")
         return ids
 
-    async def grammar(self, req):
-        """The request's response_format as a compiled grammar (None: unconstrained), off the event loop."""
+    def grammar(self, req):
+        """The request's response_format as a compiled grammar (None: unconstrained); on the request thread."""
         if req.response_format is None or not req.response_format.constrains():
             return None
         tokenizer = self._tokenizer("response_format", "structured output")
         if self.served.eos_token_id is None:
             raise RequestError("structured output needs an end-of-sequence token to end a complete JSON, and this "
                                "model's tokenizer names none", param="response_format")
-
-        def compile_it():
-            from runtime.grammar import StructuredOutput
-
+        with self._structured_lock:  # the request threads share one compiler and its cache
             if self._structured is None:
-                self._structured = StructuredOutput(tokenizer, self.served.vocab_size, [self.served.eos_token_id])
-            return self._structured.compile(req.response_format.to_json())
+                from runtime.grammar import StructuredOutput
 
+                self._structured = StructuredOutput(tokenizer, self.served.vocab_size, [self.served.eos_token_id])
         try:
-            return await self.loop.run_in_executor(self.executor, compile_it)
+            return self._structured.compile(req.response_format.to_json())
         except GrammarError as e:
             raise RequestError(str(e), param="response_format", code="invalid_response_format") from None
         except GrammarUnavailable as e:
@@ -395,6 +435,26 @@ async def _collect(request: Request, choices: list[Choice]) -> bool:
         close_all(choices)
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 once it is larger than `limit` bytes: from Content-Length
+    before a byte is read, else while it streams in (a chunked body), never after reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared):,} bytes (Content-Length)", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"more than {limit:,} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(what: str, limit: int) -> RequestError:
+    return RequestError(f"the request body is {what}; this server takes at most {limit:,} bytes (hgc serve "
+                        f"--max-body-mb)", status=413, code="request_too_large")
+
+
 def _engine_error_body(error: BaseException) -> dict:
     return error_body(f"the engine failed: {error.__cause__ or error!r}", "server_error", None, "engine_error")
 
@@ -410,13 +470,14 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         finally:
             await state.stop()
 
-    app = FastAPI(title="hgc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="hgc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    install(app, (CompletionRequest, ChatCompletionRequest))
     app.state.hgc = state
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError):
         state.errors[error.status] += 1
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
@@ -449,7 +510,8 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         if not state.healthy:
             return JSONResponse({"status": "engine_failed", "error": repr(state.engine_loop.error)}, status_code=503)
         if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return JSONResponse({"status": "draining"}, status_code=503,
+                                headers={"Retry-After": state.options.retry_after})
         return {"status": "ok", "model": served.name, "open_requests": len(state.generations)}
 
     @app.get("/v1/models")
@@ -481,22 +543,28 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         return usage_body(sum(map(len, prompts)), sum(len(c.generation.token_ids) for c in choices),
                           _cached_tokens(choices))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        state.check_accepting()
-        req = parse_body(await request.body(), CompletionRequest)
+    def prepare_completion(body: bytes):
+        """Everything of a completion request before the engine: on the request thread."""
+        req = parse_body(body, CompletionRequest)
         req.refuse_unsupported()
         state.check_model(req.model)
         prompts = state.completion_prompts(req)
         prompt_logprobs = req.logprobs if req.echo else None
-        grammar = await state.grammar(req)
+        grammar = state.grammar(req)
         params = [state.sampling(req, len(ids), req.max_tokens, state.options.default_max_tokens, "prompt",
                                  req.logprobs, prompt_logprobs, grammar) for ids in prompts]
+        echoes = [state.prompt_text(req, p, ids) for p, ids in enumerate(prompts)] if req.echo else None
+        return req, prompts, params, echoes
+
+    @app.post("/v1/completions", openapi_extra=body_spec(CompletionRequest))
+    async def completions(request: Request):
+        state.check_accepting()
+        body = await read_body(request, state.options.max_body_bytes)
+        req, prompts, params, echoes = await state.prepare(prepare_completion, body)
         tokenizer = served.tokenizer
 
         def make_choice(index: int, p: int, generation: Generation) -> Choice:
-            echo = state.prompt_text(req, p, prompts[p]) if req.echo else None
-            return Choice(index, generation, prompts[p], tokenizer, echo,
+            return Choice(index, generation, prompts[p], tokenizer, echoes[p] if echoes is not None else None,
                           "completion" if req.logprobs is not None else None)
 
         choices = await submit_all(prompts, params, req, "completions", make_choice)
@@ -519,16 +587,22 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
             bodies.append(completion_choice(c.index, text, c.generation.token_ids, c.generation.finish_reason, scores))
         return completion_body(rid, model, created, bodies, usage(prompts, choices))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        state.check_accepting()
-        req = parse_body(await request.body(), ChatCompletionRequest)
+    def prepare_chat(body: bytes):
+        """Everything of a chat request before the engine (the template, tokenization): on the request thread."""
+        req = parse_body(body, ChatCompletionRequest)
         req.refuse_unsupported()
         state.check_model(req.model)
         prompt_ids = state.chat_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        grammar = await state.grammar(req)
-        params = state.sampling(req, len(prompt_ids), req.token_limit, None, "messages", logprobs, grammar=grammar)
+        grammar = state.grammar(req)
+        return req, prompt_ids, state.sampling(req, len(prompt_ids), req.token_limit, None, "messages", logprobs,
+                                                grammar=grammar)
+
+    @app.post("/v1/chat/completions", openapi_extra=body_spec(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        state.check_accepting()
+        body = await read_body(request, state.options.max_body_bytes)
+        req, prompt_ids, params = await state.prepare(prepare_chat, body)
         tokenizer = served.tokenizer
 
         def make_choice(index: int, p: int, generation: Generation) -> Choice:

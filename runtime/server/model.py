@@ -16,13 +16,17 @@ The backends of an artifact are the ones its routing.json names, built over the 
 node by node (runtime/binding.py); nothing here picks a backend by device. The device must be the
 one the artifact was compiled for (its routing target). On "cuda", unless `graphs=False`, a
 GraphRunner captures the artifact's buckets and checks them against eager before the engine takes
-a request. An eager model (tests) passes its own `backend_factory(kv_pool, state_pool) -> backend`.
+a request. An artifact whose compiled pieces were loaded (runtime/bundle.py) starts inside the
+bundle's KernelWatch (a kernel built or tuned at start-up is an error naming it), and without a
+GraphRunner its pieces are checked against the traced glue here (runtime/compiled_parity.py).
+An eager model (tests) passes its own `backend_factory(kv_pool, state_pool) -> backend`.
 
 It does not run anything: the EngineLoop (app.py) steps the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -149,10 +153,11 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
 
 def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",
                         backend_factory: Callable | None = None, graphs: bool = True, registry=None,
-                        log: Callable[[str], None] = lambda line: None) -> Engine:
+                        log: Callable[[str], None] = lambda line: None, progress=None) -> Engine:
     """The Engine of a loaded artifact: `build_engine` over the backends its routing.json names
     (`registry`: where their classes come from; default runtime.backends.discover()) and, on CUDA
-    with `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory); with
+    with `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory; `progress`, a
+    tqdm-like factory, draws a bar over its captures, kernel builds included); with
     options.speculative_tokens, the artifact's draft program as the drafter, its nodes bound to the
     same instances through the draft program's own BackendSet."""
     target = art.docs.routing.target
@@ -167,14 +172,24 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
     runner_factory = speculative = None
     if torch.device(device).type == "cuda" and graphs:
         from runtime.graph_runner import graph_runner_factory
-        runner_factory = graph_runner_factory(art, _vocab_size(art), speculative_tokens=D, log=log)
+        runner_factory = graph_runner_factory(art, _vocab_size(art), speculative_tokens=D, log=log, progress=progress)
     if D:
         from runtime.speculative import speculative_factory
         speculative = speculative_factory(art, D, draft_backend=draft_backend, log=log)
     weight_bytes = sum(t.nbytes for t in art.weights.values())
-    return build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
-                        backend_factory=backend_factory, runner_factory=runner_factory,
-                        speculative_factory=speculative)
+    with art.compiled.watch() if art.compiled is not None else contextlib.nullcontext():
+        engine = build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
+                              backend_factory=backend_factory, runner_factory=runner_factory,
+                              speculative_factory=speculative)
+        if art.compiled is not None and engine.runner is None:
+            from runtime.compiled_parity import check_compiled_start_up
+            reports = check_compiled_start_up(engine.forward.runner, engine.ops, engine.kv_pool, engine.state_pool,
+                                              _vocab_size(art), options.token_budget)
+            art.compiled.parity = reports
+            worst = max(o["rel_err"] for r in reports for o in r["ops"]) if reports else 0.0
+            log(f"compiled pieces ({art.compiled.key}) match the traced glue: worst op input rel err {worst:.2g}, "
+                f"logits {max(r['logits'] for r in reports):.2g}")
+    return engine
 
 
 def routed_backends(art, registry=None) -> tuple[Callable, Callable]:
@@ -221,9 +236,11 @@ def _vocab_size(art) -> int:
 def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
                       options: EngineOptions = EngineOptions(), tokenizer_dir: str | os.PathLike | None = None,
                       device: str | None = None, backend_factory: Callable | None = None, graphs: bool = True,
-                      log: Callable[[str], None] = lambda line: None) -> ServedModel:
+                      compiled=None, log: Callable[[str], None] = lambda line: None, progress=None) -> ServedModel:
     """The backends are those routing.json names; on a CUDA device with `graphs`, every step goes
-    through a GraphRunner started (captured and parity-checked) here, before anything is served."""
+    through a GraphRunner started (captured and parity-checked) here, before anything is served.
+    `compiled`: CompiledOptions for the artifact's target bundle (default: run it if this
+    installation built it). `progress`: a tqdm-like factory, for bars over the weights and the captures."""
     from runtime.loader import load_artifact
 
     tokenizer = None
@@ -231,7 +248,9 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
         tokenizer = TextTokenizer.from_dir(tokenizer_dir)
         if tokenizer is None:
             raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
-    art = load_artifact(artifact, device=device)  # device None: the artifact's target
+    from runtime.bundle import CompiledOptions
+    art = load_artifact(artifact, device=device, progress=progress,
+                        compiled=compiled or CompiledOptions())  # device None: the artifact's target
     device = art.device
     if tokenizer is None:
         # After the load: the artifact's tokenizer files are listed in its manifest, so their hashes
@@ -243,7 +262,7 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {model_len} positions")
     vocab_size = _vocab_size(art)
     engine = engine_for_artifact(art, options, max_model_len, device=device, backend_factory=backend_factory,
-                                 graphs=graphs, log=log)
+                                 graphs=graphs, log=log, progress=progress)
     if tokenizer is not None and tokenizer.max_token_id >= vocab_size:
         raise ValueError(f"{tokenizer.source}: the tokenizer has token id {tokenizer.max_token_id}, outside the "
                          f"model's vocabulary of {vocab_size}")

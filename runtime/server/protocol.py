@@ -39,9 +39,10 @@ class RequestError(Exception):
     """A request the server refuses: its HTTP status and the OpenAI error fields."""
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers  # e.g. Retry-After on a 503
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)

@@ -1,0 +1,303 @@
+"""Start-up and decode of a built artifact (compiled pieces, bundled kernels) against the portable one and transformers.
+
+On the GPU machine (benchmarks/gpu_call.sh installs the wheels; the caches it carries are not
+used: every start-up here begins from empty caches):
+
+    python3 benchmarks/startup_bench.py --out $OUT                     # qwen3_next, bench-hd64, bf16
+    python3 benchmarks/startup_bench.py --dry-run --out /tmp/startup   # CPU: tiny, cpu target, graphs rerun
+
+1. build: `hgc init-model`, `hgc compile --target cuda --dtype bfloat16 --no-inductor` (the portable
+   artifact), a copy of it, and `hgc build COPY --device cuda` in a process of its own, timed (what
+   building the bundle costs, once per artifact and machine).
+2. start, once per variant ("uncompiled": the portable artifact; "compiled": the copy with its
+   bundle), each in a fresh process whose kernel caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR,
+   FLASHINFER_WORKSPACE_BASE) are new empty folders, so the artifact is all there is:
+   load_artifact, a GraphRunner over every recorded bucket up to --max-batch and --max-extend,
+   start (capture, then parity). The compiled variant runs inside its bundle's KernelWatch: its
+   report says how many kernels were built or tuned at start-up (the goal: none).
+   In the same process, per batch B: B requests with 64-token histories; the full-graph decode
+   step (CUDA events, median of --iters) and its kernels per step (torch.profiler: the kernels of
+   a replayed graph are traced one by one); then greedy tokens of a few prompts, which the parent
+   compares between the variants.
+3. transformers: `generate` of the same checkpoint with `cache_implementation="static"` (its
+   compiled decode) per batch, per-token decode ms (benchmarks/gpu_e2e.run_transformers).
+
+One JSON document (OUT/startup_bench.json) and a table on stdout: start-up seconds per variant,
+decode ms and kernels per step per batch for compiled, uncompiled and transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from bench_common import Stages, compare, decode_batch, profile_call, prompts_for, time_ms  # noqa: E402
+
+PAGE = 16
+HISTORY = 64
+PROMPT_LENS = (5, 17, 40, 64)
+VARIANTS = ("uncompiled", "compiled")
+GPU_DEFAULTS = dict(size="bench-hd64", batches="1,8,32,128", iters=30, new_tokens=16, hf_new_tokens=32,
+                    max_batch=256, max_extend=4096)
+DRY_DEFAULTS = dict(size="tiny", batches="1,2", iters=2, new_tokens=4, hf_new_tokens=4, max_batch=2, max_extend=64)
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE")
+
+
+def hgc_process(*argv: str, env: dict) -> float:
+    """`hgc ...` in its own process, its progress on our stderr as it goes; the seconds it took."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "compiler.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"hgc {argv[0]} failed with exit code {proc.returncode} (its stderr is above)")
+    return time.perf_counter() - t0
+
+
+def empty_caches(folder: Path) -> dict:
+    """The kernel cache variables pointed at new empty folders under `folder`."""
+    shutil.rmtree(folder, ignore_errors=True)
+    out = {}
+    for variable in CACHE_VARIABLES:
+        (folder / variable.lower()).mkdir(parents=True)
+        out[variable] = str(folder / variable.lower())
+    return out
+
+
+# -- the child: one variant's start-up and decode, in a fresh process ---------------------------------
+
+
+def run_variant(args) -> dict:
+    """Step 2 for the artifact at args.child (this process starts with empty kernel caches)."""
+    from runtime.bundle import CompiledOptions
+    from runtime.generate import make_pools
+    from runtime.graph_runner import GraphRunner
+    from runtime.loader import load_artifact
+    from tests.graph_cases import RerunGraphs, greedy
+
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    rec: dict = {"variant": args.variant}
+    t0 = time.perf_counter()
+    art = load_artifact(args.child, dev, compiled=CompiledOptions(enabled=args.variant == "compiled"))
+    if args.variant == "compiled" and art.compiled is None:
+        raise RuntimeError(f"{args.child} has no bundle for this machine")
+    recorded = art.manifest["buckets"]
+    decode = tuple(b for b in recorded["decode_batch_sizes"] if b <= args.max_batch)
+    extend = tuple(t for t in recorded["extend_token_counts"] if t <= args.max_extend) or (args.max_extend,)
+    max_len = -(-max(max(extend), HISTORY + 1, max(PROMPT_LENS) + args.new_tokens) // PAGE) * PAGE
+    kv, st = make_pools(art.registry, max_len, max(decode), page_size=PAGE, device=dev,
+                        kv_dtype=torch.bfloat16 if dev.type == "cuda" else None)
+    ops = art.backends(kv, st).op_table("main")
+    runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=decode, extend_buckets=extend,
+                         max_pages_per_seq=max_len // PAGE, extend_max_seqs=min(16, min(extend)),
+                         graphs=RerunGraphs() if args.dry_run else None)
+    sync()
+    rec["load_s"] = time.perf_counter() - t0
+    vocab = int(art.manifest["model"]["vocab_size"])
+    marks = [time.perf_counter()]
+
+    def log(line):
+        marks.append(time.perf_counter())
+        print(f"  {line}", flush=True)
+
+    with art.compiled.watch() if art.compiled is not None else contextlib.nullcontext():
+        rec["parity"] = runner.start(vocab, log=log)
+    sync()
+    rec.update(capture_s=marks[1] - marks[0], parity_s=marks[-1] - marks[1], keys=[str(k) for k in runner.keys])
+    rec["load_capture_parity_s"] = rec["load_s"] + marks[-1] - marks[0]
+    if art.compiled is not None:
+        art.compiled.parity = list(runner.compiled_reports.values())
+        rec["bundle"] = art.compiled.report()
+    g = torch.Generator().manual_seed(2)
+    for B in args.batch_list:
+        if B > max(decode):
+            continue
+        with decode_batch(runner, st, B, vocab, g, HISTORY) as items:
+            step, key = runner.build(items)
+            cell = rec.setdefault("decode", {}).setdefault(str(B), {"key": str(key)})
+            cell["step_ms"] = time_ms(lambda: runner.run(step, key), dev, args.iters)
+            if dev.type == "cuda":
+                prof = profile_call(lambda: runner.run(step, key), dev)
+                cell.update(kernels_per_step=prof["kernels_per_call"], kernel_ms=prof["kernel_ms"],
+                            host_issue_ms=prof["host_issue_ms"], top_kernels=prof["top_kernels"][:8])
+        print(f"  decode B={B}: {cell['step_ms']:.3f} ms ({key}), {cell.get('kernels_per_step', 'n/a')} kernels",
+              flush=True)
+    prompts = prompts_for(vocab, PROMPT_LENS[: max(decode)])
+    rec["tokens"], _ = greedy(runner, st, prompts, args.new_tokens, sync=sync)
+    rec["prompt_lens"] = [len(p) for p in prompts]
+    return rec
+
+
+# -- the parent ---------------------------------------------------------------------------------
+
+
+def build_artifacts(args, work: Path, doc: dict, env: dict) -> dict:
+    """Step 1: the checkpoint, the portable artifact and a built copy."""
+    from bench_common import write_checkpoint_hd64
+
+    ckpt, plain, built = work / "ckpt", work / "art_uncompiled", work / "art_compiled"
+    if args.size.endswith("-hd64"):
+        write_checkpoint_hd64(args.size[: -len("-hd64")], ckpt, args.family)
+    else:
+        hgc_process("init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
+                    "--force", env=env)
+    target = "cpu" if args.dry_run else "cuda"
+    dtype = "float32" if args.dry_run else "bfloat16"
+    doc["compile_s"] = hgc_process("compile", str(ckpt), "-o", str(plain), "--target", target, "--dtype", dtype,
+                                   "--no-dumps", "--no-inductor", "--force", env=env)
+    shutil.rmtree(built, ignore_errors=True)
+    shutil.copytree(plain, built)
+    build_env = {**env, **empty_caches(work / "caches_build")}
+    doc["build_s"] = hgc_process("build", str(built), "--device", target, env=build_env)
+    doc["bundle"] = json.loads((built / "manifest.json").read_text()).get("targets")
+    return {"ckpt": ckpt, "uncompiled": plain, "compiled": built}
+
+
+def start_variant(args, variant: str, artifact: Path, work: Path, env: dict) -> dict:
+    """Step 2 in a fresh process with empty caches; its JSON."""
+    out = work / f"{variant}.json"
+    child_env = {**env, **empty_caches(work / f"caches_{variant}")}
+    argv = [sys.executable, __file__, "--child", str(artifact), "--variant", variant, "--child-out", str(out),
+            "--batches", args.batches, "--iters", str(args.iters), "--new-tokens", str(args.new_tokens),
+            "--max-batch", str(args.max_batch), "--max-extend", str(args.max_extend), "--out", str(work)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv + (["--dry-run"] if args.dry_run else []), cwd=ROOT, env=child_env, text=True)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"the {variant} start-up process failed ({proc.returncode})")
+    rec = json.loads(out.read_text())
+    rec["process_s"] = time.perf_counter() - t0  # with Python and torch imports: what a user waits
+    return rec
+
+
+def table(doc: dict) -> str:
+    rows = [f"{'':24s}" + "".join(f"{v:>16s}" for v in (*VARIANTS, "hf_static"))]
+    v = doc.get("variants", {})
+    rows.append(f"{'load+capture+parity s':24s}" + "".join(
+        f"{v.get(n, {}).get('load_capture_parity_s', float('nan')):16.2f}" for n in VARIANTS))
+    hf = doc.get("transformers", {}).get("hf_static", {}).get("per_batch", {})
+    for B in doc["batches"]:
+        ms = [v.get(n, {}).get("decode", {}).get(str(B), {}).get("step_ms", float("nan")) for n in VARIANTS]
+        kernels = [v.get(n, {}).get("decode", {}).get(str(B), {}).get("kernels_per_step") for n in VARIANTS]
+        rows.append(f"{f'decode B={B} ms':24s}" + "".join(f"{m:16.3f}" for m in ms)
+                    + f"{hf.get(str(B), {}).get('decode_ms', float('nan')):16.3f}")
+        rows.append(f"{f'decode B={B} kernels':24s}" + "".join(f"{k if k is not None else 'n/a':>16}" for k in kernels))
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default=None, help="folder for the checkpoint and artifacts (default: a temporary one)")
+    p.add_argument("--family", default="qwen3_next")
+    p.add_argument("--size", help=f"default {GPU_DEFAULTS['size']} ({DRY_DEFAULTS['size']} with --dry-run)")
+    p.add_argument("--batches", help="decode batch sizes, e.g. 1,8,32,128")
+    p.add_argument("--iters", type=int)
+    p.add_argument("--new-tokens", type=int, help="greedy tokens per prompt in the token comparison")
+    p.add_argument("--hf-new-tokens", type=int, help="tokens per transformers generate call")
+    p.add_argument("--max-batch", type=int, help="largest decode bucket captured (default: 256, every recorded one)")
+    p.add_argument("--max-extend", type=int, help="largest extend bucket captured (default: 4096)")
+    p.add_argument("--skip", default="", help="comma-separated stages not to run: build, uncompiled, compiled, "
+                                              "transformers")
+    p.add_argument("--reuse", action="store_true",
+                   help="use the checkpoint and artifacts an earlier call built under --work (split a run across "
+                        "calls with a time limit: build and start-ups in one, --reuse --skip uncompiled,compiled in "
+                        "the next for transformers)")
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, cpu target, CUDA graphs rerun")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name, value in (DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.batch_list = [int(b) for b in args.batches.split(",")]
+    args.extend_list = []  # run_transformers' prefill stage is not run here
+    if args.dry_run and "transformers" not in args.skip:  # inductor on a CPU takes minutes for generate's compile
+        args.skip = ",".join(filter(None, [args.skip, "transformers"]))
+    if args.child:
+        with torch.no_grad():
+            rec = run_variant(args)
+        Path(args.child_out).write_text(json.dumps(rec, default=str))
+        return 0
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hgc_startup_"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               HGC_HOME=str(work / "hgc_home"), PYTHONUNBUFFERED="1")
+    cuda = torch.cuda.is_available() and not args.dry_run
+    doc = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "command": " ".join(sys.argv),
+           "device": torch.cuda.get_device_name() if cuda else "cpu", "dry_run": args.dry_run, "size": args.size,
+           "family": args.family, "batches": args.batch_list, "iters": args.iters, "stages": {}, "variants": {}}
+    path = out / "startup_bench.json"
+    save = lambda: path.write_text(json.dumps(doc, indent=1, default=str))  # noqa: E731
+    stage = Stages(doc["stages"], skip=[s for s in args.skip.split(",") if s], save=save)
+    arts: dict = {}
+    built = {"ckpt": work / "ckpt", "uncompiled": work / "art_uncompiled", "compiled": work / "art_compiled"}
+    if args.reuse and all((built[v] / "manifest.json").is_file() for v in VARIANTS):
+        arts.update(built)  # an earlier call's build (--work names its folder): start-up and decode only
+        doc["reused_build"] = str(work)
+        doc["stages"]["build"] = {"status": "ok", "reused": True}
+    else:
+        stage("build", lambda: arts.update(build_artifacts(args, work, doc, env)))
+    for variant in VARIANTS:
+        stage(variant, lambda v=variant: doc["variants"].__setitem__(v, start_variant(args, v, arts[v], work, env)),
+              needs=["build"])
+    if all(doc["stages"].get(v, {}).get("status") == "ok" for v in VARIANTS):
+        a, b = (doc["variants"][v] for v in VARIANTS)
+        doc["tokens_compiled_vs_uncompiled"] = compare(a["tokens"], b["tokens"], a["prompt_lens"])
+
+    def transformers_stage():
+        from gpu_e2e import run_transformers
+
+        cells: dict = {}
+        vocab = int(json.loads((arts["ckpt"] / "config.json").read_text())["vocab_size"])
+        run_transformers(arts["ckpt"], args, torch.device("cuda" if cuda else "cpu"), doc,
+                         Stages(doc.setdefault("transformers_stages", {}), skip=["hf_eager", "hf_prefill"]),
+                         lambda step, column, value: cells.setdefault(step, {}).__setitem__(column, value), vocab)
+
+    stage("transformers", transformers_stage, needs=["build"])
+    save()
+    print(table(doc))
+    print(json.dumps(summary(doc)))
+    print(f"JSON: {path}")
+    return 0
+
+
+def summary(doc: dict) -> dict:
+    """The numbers the issue asks for, one line: start-up, decode ms and kernels per step, per variant."""
+    def variant(rec: dict) -> dict:
+        return {"load_capture_parity_s": rec.get("load_capture_parity_s"), "process_s": rec.get("process_s"),
+                "kernels_built_at_start_up": rec.get("bundle", {}).get("kernel_builds"),
+                "decode": {B: {k: c.get(k) for k in ("step_ms", "kernels_per_step")}
+                           for B, c in rec.get("decode", {}).items()}}
+
+    hf = doc.get("transformers", {}).get("hf_static", {}).get("per_batch", {})
+    return {"device": doc["device"], "build_s": doc.get("build_s"),
+            "variants": {v: variant(doc["variants"][v]) for v in VARIANTS if v in doc["variants"]},
+            "hf_static_decode_ms": {B: c.get("decode_ms") for B, c in hf.items()},
+            "tokens_compiled_vs_uncompiled": doc.get("tokens_compiled_vs_uncompiled")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Compile a program's glue with Inductor, once per distinct structure, into the files of a target bundle.
+
+The op cores stay opaque: they are outside every compiled piece and the runtime calls them in
+place between pieces (compiler/splitops/glue.py cuts the graph there), so Inductor sees plain
+aten glue, functionalizes nothing of ours and never copies an op's `out`.
+
+1. `glue_segments(gm)` cuts the program; a segment with no outputs (checks only) is skipped.
+2. `segment_module` + `structure_key`: layers of one structure share one compiled piece (a
+   48-layer model needs a handful, not hundreds).
+3. `fake_inputs(module, device)`: the segment's inputs as fake tensors on the target device, every
+   symbolic size (the token count T, the logits row count R) a fresh symbol of one ShapeEnv, hinted
+   with the example size the program was traced with. One compile then covers every bucket.
+4. `torch._inductor.standalone_compile(module, inputs, dynamic_shapes="from_graph")` (torch 2.8 and
+   later; `options={"config_patches": ...}` carries `INDUCTOR_CONFIG`), then
+   `CompiledArtifact.save(format="binary")` into `pieces/<key>.bin`.
+5. `inductor_cache_files(cache_dir)`: what Inductor built into the build's cache folder and the
+   pieces load at run time (C++ kernels on cpu; Triton kernel sources and tuning choices on cuda),
+   less its cache indexes, which the pieces carry themselves.
+
+The caller points Inductor's cache at an empty folder for the build (splitops.bundle.cache_env), so
+everything found there afterwards belongs to this build. What it does not do: write bundle.json,
+sign, or run kernels of the backends (compiler/cli/build_command.py does; runtime/bundle.py loads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.fx
+
+from compiler.splitops.bundle import INDUCTOR_CONFIG, PIECES
+from compiler.splitops.errors import CompileError
+from compiler.splitops.glue import glue_segments, segment_module, structure_key
+
+__all__ = ["PieceBuildError", "compile_glue", "fake_inputs", "inductor_cache_files"]
+
+# Inductor's own indexes of what it compiled: the pieces carry those entries inside their .bin.
+_CACHE_INDEXES = ("fxgraph", "aotautograd", "locks")
+
+
+class PieceBuildError(CompileError):
+    pass
+
+
+def _rewrite_device(module: torch.fx.GraphModule, device: torch.device) -> None:
+    """The graph was traced on the meta device: its device arguments (allocations, checks) name the target."""
+    def rewrite(value):
+        if isinstance(value, torch.device) and value.type == "meta":
+            return device
+        if isinstance(value, (list, tuple)):
+            return type(value)(rewrite(v) for v in value)
+        if isinstance(value, dict):
+            return {k: rewrite(v) for k, v in value.items()}
+        return value
+
+    for node in module.graph.nodes:
+        node.args, node.kwargs = rewrite(node.args), rewrite(node.kwargs)
+    module.recompile()
+
+
+def _hint(symbol, shape_env) -> int:
+    hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+    return int(hints[symbol])
+
+
+def fake_inputs(module: torch.fx.GraphModule, device: torch.device) -> list[torch.Tensor]:
+    """Step 3: fake tensors for the module's placeholders on `device`, sharing one symbol per traced
+    dimension, and every node's traced value refreshed from them (`example_value`, which
+    standalone_compile's "from_graph" reads its fake mode from)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    symbols: dict = {}  # traced symbol -> (new symbol, hint)
+
+    def size(value):
+        if isinstance(value, int):
+            return value
+        expr = value.node.expr
+        for s in sorted(expr.free_symbols, key=str):
+            if s not in symbols:
+                hint = _hint(s, value.node.shape_env)
+                # DYNAMIC, not duck-sized: two dimensions whose hints happen to agree stay two symbols
+                new = shape_env.create_symbol(hint, ConstantSource(str(s)), dynamic_dim=DimDynamic.DYNAMIC)
+                symbols[s] = (new, hint)
+        new_expr = expr.xreplace({s: v[0] for s, v in symbols.items()})
+        hint = int(expr.xreplace({s: v[1] for s, v in symbols.items()}))
+        return shape_env.create_symintnode(new_expr, hint=hint)
+
+    fakes = []
+    with mode:
+        for node in module.graph.nodes:
+            if node.op == "placeholder":
+                val = node.meta["val"]
+                fakes.append(torch.empty_strided([size(s) for s in val.shape], [size(s) for s in val.stride()],
+                                                 dtype=val.dtype, device=device))
+    FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes)
+    for node in module.graph.nodes:
+        if "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+    return fakes
+
+
+def _code_files(cache_dir: Path) -> set[Path]:
+    return {p for p in cache_dir.rglob("*") if p.suffix in (".py", ".cpp") and p.is_file()}
+
+
+def compile_glue(programs: dict[str, torch.fx.GraphModule], device: str | torch.device, out_dir: Path,
+                 cache_dir: Path, log: Callable[[str], None] = lambda line: None) -> tuple[dict, dict]:
+    """Steps 1-4 for every program; returns (programs: program -> segment records with the piece
+    file running each, pieces: file -> {structure, nodes, seconds, code_sha256}). Piece files are
+    written under out_dir/pieces/; Inductor's cache must point at cache_dir (cache_env)."""
+    from torch._inductor import standalone_compile
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    (out_dir / PIECES).mkdir(parents=True, exist_ok=True)
+    by_key: dict[str, str] = {}
+    pieces: dict[str, dict] = {}
+    records: dict[str, list[dict]] = {}
+    order = sorted(programs, key=lambda p: p != "main")  # main first: its pieces are the ones reused
+    todo = [(p, programs[p], s) for p in order for s in glue_segments(programs[p])]
+    for i, (program, gm, segment) in enumerate(todo, 1):
+        record = {**segment.to_json(), "piece": None}
+        records.setdefault(program, []).append(record)
+        if not segment.outputs:
+            continue
+        module = segment_module(gm, segment)
+        key = structure_key(module)
+        if key in by_key:
+            record["piece"] = by_key[key]
+            log(f"piece {i}/{len(todo)} ({program}, {len(segment.nodes)} nodes from {segment.nodes[0]}): "
+                f"same code as {by_key[key]}")
+            continue
+        name = f"{PIECES}/{key[:16]}.bin"
+        _rewrite_device(module, device)
+        start = time.perf_counter()
+        before = _code_files(cache_dir)
+        try:
+            inputs = fake_inputs(module, device)
+            with torch.no_grad():
+                compiled = standalone_compile(module, inputs, dynamic_shapes="from_graph",
+                                              options={"config_patches": dict(INDUCTOR_CONFIG[device.type])})
+            compiled.save(path=str(out_dir / name), format="binary")
+        except Exception as e:  # Inductor's errors are of many kinds; name the segment either way
+            raise PieceBuildError(f"inductor: {program} program, glue from node {segment.nodes[0]} to "
+                                  f"{segment.nodes[-1]} ({len(segment.nodes)} nodes) failed to compile: "
+                                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; build with "
+                                  f"--no-inductor to run the traced glue") from e
+        seconds = time.perf_counter() - start
+        code = hashlib.sha256()
+        for path in sorted(_code_files(cache_dir) - before):
+            code.update(path.name.encode() + b"\0" + path.read_bytes())
+        by_key[key] = record["piece"] = name
+        pieces[name] = {"structure": key, "nodes": len(segment.nodes), "seconds": round(seconds, 2),
+                        "code_sha256": code.hexdigest()}
+        log(f"piece {i}/{len(todo)} ({program}, {len(segment.nodes)} nodes from {segment.nodes[0]}): compiled in "
+            f"{seconds:.1f} s")
+    return records, pieces
+
+
+def inductor_cache_files(cache_dir: Path) -> list[Path]:
+    """Step 5: the files Inductor built into cache_dir, less its cache indexes."""
+    return sorted(p for p in cache_dir.rglob("*") if p.is_file() and not p.name.endswith(".lock")
+                  and p.relative_to(cache_dir).parts[0] not in _CACHE_INDEXES)

@@ -1,0 +1,223 @@
+"""The target bundle format: compiled code for one (device, torch build) inside an artifact, and what it was built for.
+
+An artifact may hold bundles beside its portable part::
+
+    targets/<key>/bundle.json       what was built, for which target, every file's SHA-256, the signature
+    targets/<key>/pieces/*.bin      Inductor-compiled glue (torch._inductor CompiledArtifact, binary)
+    targets/<key>/kernels/<cache>/  the kernel caches the pieces and the backends load: Inductor's
+                                    (C++ .so on cpu; Triton sources, tuning choices on cuda), Triton's
+                                    and FlashInfer's JIT modules (cuda)
+
+`<key>` names the target: `cpu-x86_64-torch2.13.0`, `sm90-torch2.11.0-cu128`. Every bundle file is
+listed with its SHA-256 in manifest.json (tampering is refused like tampering with weights) and in
+bundle.json, whose HMAC signature (runtime/signing.py) says which installation built it.
+
+1. `target_facts(device)`: what compiled code depends on here (device and its architecture, torch
+   build, Python; on cpu the instruction set `-march=native` resolves to, on cuda the CUDA, Triton
+   and FlashInfer versions). `target_key(facts)` names the folder; `facts_differences(a, b)` says
+   what differs between a bundle and this installation.
+2. `bundle_doc(...)` builds bundle.json; `signed_payload(doc)` is the bytes the signature covers
+   (the document without its signature); `parse_bundle_doc` reads it back, naming any bad field.
+3. `INDUCTOR_CONFIG`: the Inductor settings pieces are built and loaded with, per device type.
+   Kernel file names are keyed by the compile command, so both sides must use the same settings.
+
+What it does not do: compile (compiler/inductor_pieces.py), sign or check (runtime/signing.py,
+runtime/bundle.py), or write the artifact (compiler/artifact_writer.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import subprocess
+
+import torch
+
+from .artifact import FORMAT_NAME, FORMAT_VERSION, ArtifactFormatError, check_format, dump_json
+
+__all__ = ["TARGETS", "BUNDLE", "PIECES", "KERNELS", "INDUCTOR_CONFIG", "CACHE_ENV", "CACHE_SETTINGS", "cache_env",
+           "NOT_REPRODUCIBLE", "not_reproducible", "target_facts", "target_key", "describe_target",
+           "facts_differences", "bundle_doc", "signed_payload", "parse_bundle_doc", "bundle_dir", "executable_summary"]
+
+TARGETS = "targets"
+BUNDLE = "bundle.json"
+PIECES = "pieces"
+KERNELS = "kernels"
+
+# Inductor settings per device type, the same for building and loading (a kernel's file name is a
+# hash of its compile command, so both sides must agree):
+# - precompiled headers off: with them on, loading a piece first preprocesses (and, on a machine
+#   that never built one, compiles) a header before it even looks for the kernel's .so;
+# - cpu: the C++ wrapper, so each piece is one C++ library (its wrapper and all its kernels) instead
+#   of one library per kernel: a build compiles (and parses ATen's headers) once per piece, and a
+#   step calls no Python between the kernels of a piece. With one compile per piece, a pool of
+#   compile workers (each importing torch) costs more than it saves.
+INDUCTOR_CONFIG = {"cpu": {"cpp_cache_precompile_headers": False, "cpp_wrapper": True, "compile_threads": 1},
+                   "cuda": {"cpp_cache_precompile_headers": False}}
+
+# kernels/<cache>/ in a bundle <-> the environment variable that points its library at that cache.
+# The build empties and fills these folders; a run points them at its checked copy of the bundle's.
+CACHE_ENV = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR",
+             "flashinfer": "FLASHINFER_WORKSPACE_BASE"}
+# Triton keeps autotuning choices (FLA's kernels tune) in its cache only when asked to.
+CACHE_SETTINGS = {"TRITON_CACHE_AUTOTUNING": "1"}
+
+# Files a second build does not reproduce byte for byte, and why (bundle.json says so per file):
+# (path prefix or suffix, why). Everything else is: generated code and the libraries compiled from
+# it, built at the same path (the build folder's path is fixed: compilers record it).
+NOT_REPRODUCIBLE = (
+    (PIECES + "/", "a CompiledArtifact holds Inductor's cache entries, which record compile timings and a "
+                   "per-compile key; the code it runs is reproducible (`code_sha256` of the piece, and its "
+                   "kernels' files)"),
+    (".best_config", "an autotuning choice, made by timing candidates on the build machine"),
+    (f"{KERNELS}/triton/", "Triton's cache records the autotuning run's measurements beside the kernels"),
+    (f"{KERNELS}/flashinfer/", "FlashInfer's modules are built by nvcc and a linker whose output is not "
+                               "byte-stable"),
+)
+
+
+def not_reproducible(files) -> dict[str, str]:
+    """file -> why a rebuild may change it, for the bundle files NOT_REPRODUCIBLE covers."""
+    out = {}
+    for f in sorted(files):
+        why = next((w for pattern, w in NOT_REPRODUCIBLE if f.startswith(pattern) or f.endswith(pattern)), None)
+        if why is not None:
+            out[f] = why
+    return out
+
+
+@contextlib.contextmanager
+def cache_env(folders: dict[str, str]):
+    """The kernel caches (CACHE_ENV names -> folders) set for the block, the environment restored after."""
+    values = {CACHE_ENV[name]: str(path) for name, path in folders.items()}
+    values.update(CACHE_SETTINGS)
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def bundle_dir(key: str) -> str:
+    return f"{TARGETS}/{key}"
+
+
+def _cpu_target() -> tuple[str, str]:
+    """(the -march value, SHA-256 of every instruction-set flag) that g++'s `-march=native` resolves to.
+
+    Inductor compiles C++ kernels with -march=native: a bundle runs only where that resolves the same."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        compiler = get_cpp_compiler()
+    except Exception:  # an Inductor without the helper: the compiler it would call by default
+        compiler = "g++"
+    try:
+        out = subprocess.run([compiler, "-march=native", "-E", "-v", "-"], input="", capture_output=True,
+                             text=True, timeout=30).stderr
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", "unknown"
+    flags = sorted({w for line in out.splitlines() if " -march=" in line for w in line.split() if w.startswith("-m")})
+    march = next((w.split("=", 1)[1] for w in flags if w.startswith("-march=")), "unknown")
+    return march, hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16]
+
+
+def target_facts(device: str | torch.device) -> dict:
+    """What the compiled code of a bundle depends on, for this installation and `device`."""
+    device = torch.device(device)
+    facts = {"device": device.type, "torch": torch.__version__, "torch_git": str(torch.version.git_version),
+             "python": ".".join(platform.python_version_tuple()[:2])}
+    if device.type == "cpu":
+        # ATen's capability, not Inductor's pick_vec_isa(): that one compiles a test program the first
+        # time it is asked, and asking must not build anything.
+        march, flags = _cpu_target()
+        facts.update(machine=platform.machine(), vec_isa=torch.backends.cpu.get_cpu_capability().lower(),
+                     march=march, march_flags=flags)
+    elif device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        facts.update(arch=f"sm{major}{minor}", gpu=torch.cuda.get_device_name(device), cuda=str(torch.version.cuda),
+                     triton=_version("triton"), flashinfer=_version("flashinfer-python"))
+    else:
+        raise ValueError(f"no compiled target for device {device}: build for cpu or cuda")
+    return facts
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "absent"
+
+
+def target_key(facts: dict) -> str:
+    """The bundle's folder name: device (and architecture) and torch release."""
+    release = str(facts["torch"]).split("+")[0]
+    if facts["device"] == "cpu":
+        return f"cpu-{facts['machine']}-torch{release}"
+    return f"{facts['arch']}-torch{release}-cu{str(facts['cuda']).replace('.', '')}"
+
+
+def describe_target(facts: dict) -> str:
+    """One line for messages: the key and the facts people compare."""
+    extra = (f"{facts.get('vec_isa')}, -march={facts.get('march')}" if facts.get("device") == "cpu"
+             else f"{facts.get('gpu')}, CUDA {facts.get('cuda')}, triton {facts.get('triton')}")
+    return f"{target_key(facts)} (torch {facts.get('torch')}, python {facts.get('python')}, {extra})"
+
+
+def facts_differences(built: dict, here: dict) -> list[str]:
+    """'field: bundle X, here Y' for each fact that differs."""
+    return [f"{k}: bundle {built.get(k)!r}, here {here.get(k)!r}" for k in sorted(set(built) | set(here))
+            if built.get(k) != here.get(k)]
+
+
+def executable_summary(files) -> str:
+    """The bundle's files by folder, for a refusal: every one of them is code or code's data (pieces run
+    Python generated by Inductor; kernels are shared objects, cubins and their tuning choices)."""
+    folders: dict[str, int] = {}
+    for f in files:
+        folder = "/".join(f.split("/")[:2]) if f.startswith(KERNELS + "/") else f.split("/")[0]
+        folders[folder] = folders.get(folder, 0) + 1
+    return ", ".join(f"{folder}/ ({n} file{'s' * (n != 1)})" for folder, n in sorted(folders.items()))
+
+
+def bundle_doc(key: str, facts: dict, programs: dict, programs_sha256: dict, pieces: dict, files: dict,
+               seconds: float, hgc: str) -> dict:
+    """bundle.json without its signature. programs: program -> segment records (glue.GlueSegment.to_json()
+    plus the piece file that runs it, or None); programs_sha256: program -> SHA-256 of the .pt2 it was
+    built from; pieces: file -> {structure, code_sha256, nodes}; files: path inside the bundle -> SHA-256."""
+    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "target": key, "facts": facts,
+            "inductor_config": dict(INDUCTOR_CONFIG[facts["device"]]), "programs": programs,
+            "programs_sha256": programs_sha256, "pieces": pieces, "files": files,
+            "not_reproducible": not_reproducible(files),
+            "build": {"seconds": round(seconds, 1), "hgc": hgc}}
+
+
+def signed_payload(doc: dict) -> bytes:
+    return dump_json({k: v for k, v in doc.items() if k != "signature"})
+
+
+def parse_bundle_doc(doc, source: str) -> dict:
+    """bundle.json checked for the fields the loader reads; raises ArtifactFormatError naming the field."""
+    check_format(doc, source)
+    for field, kind in (("target", str), ("facts", dict), ("programs", dict), ("pieces", dict), ("files", dict),
+                        ("inductor_config", dict)):
+        if not isinstance(doc.get(field), kind):
+            raise ArtifactFormatError(f"{source}: field {field!r} missing or not a {kind.__name__}")
+    for program, records in doc["programs"].items():
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise ArtifactFormatError(f"{source}: programs.{program} must be a list of segment records")
+        for r in records:
+            if r.get("piece") is not None and r["piece"] not in doc["pieces"]:
+                raise ArtifactFormatError(f"{source}: programs.{program} segment {r.get('index')} names piece "
+                                          f"{r['piece']!r}, which 'pieces' does not list")
+    for name in doc["pieces"]:
+        if name not in doc["files"]:
+            raise ArtifactFormatError(f"{source}: piece {name} is not listed in 'files'")
+    return doc
