@@ -27,8 +27,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["RequestError", "error_body", "parse_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
-           "StreamOptions", "ResponseFormat", "completion_choice", "completion_body", "completion_chunk", "chat_choice", "chat_body",
-           "chat_chunk", "usage_body", "usage_chunk", "models_body", "now", "MAX_STOP_STRINGS", "MAX_LOGPROBS", "MAX_N"]
+           "StreamOptions", "JsonSchemaFormat", "ResponseFormat", "completion_choice", "completion_body",
+           "completion_chunk", "chat_choice", "chat_body", "chat_chunk", "usage_body", "usage_chunk", "models_body",
+           "now", "MAX_STOP_STRINGS", "MAX_LOGPROBS", "MAX_N"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit; each one is searched in the text after every token
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI chat's top_logprobs limit (and vLLM's default)
@@ -65,33 +66,43 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """response_format.json_schema, OpenAI's fields: the output follows `schema`, a JSON schema
+    object that xgrammar compiles (runtime/grammar.py); one it cannot is refused with its reason."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str | None = Field(default=None, max_length=64)
+    description: str | None = None
+    # "schema" is BaseModel's own attribute name: the field is schema_, read and written as "schema"
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object) or
     "json_schema" with json_schema = {"name", "schema", "strict", "description"}; the output then
     follows the schema (runtime/grammar.py). Checked here for shape; the schema itself is
-    xgrammar's to compile, and one it cannot is refused with its reason."""
+    xgrammar's to compile."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JsonSchemaFormat | None = None
 
     def constrains(self) -> bool:
         return self.type != "text"
 
     def check(self) -> None:
-        if self.type == "json_schema":
-            spec = self.json_schema
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise RequestError("response_format of type json_schema needs json_schema.schema, a JSON schema "
-                                   "object", param="response_format.json_schema.schema")
-            if "name" in spec and not isinstance(spec["name"], str):
-                raise RequestError("response_format.json_schema.name must be a string",
-                                   param="response_format.json_schema.name")
-        elif self.json_schema is not None:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise RequestError("response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                               param="response_format.json_schema.schema")
+        if self.type != "json_schema" and self.json_schema is not None:
             raise RequestError(f"response_format.json_schema is only for type json_schema (got type {self.type!r})",
                                param="response_format.json_schema")
 
     def to_json(self) -> dict:
-        return {"type": self.type, **({"json_schema": self.json_schema} if self.json_schema is not None else {})}
+        spec = {} if self.json_schema is None else {
+            "json_schema": self.json_schema.model_dump(by_alias=True, exclude_none=True)}
+        return {"type": self.type, **spec}
 
 
 class _SamplingFields(_Strict):
