@@ -75,9 +75,9 @@ from runtime.kv_pool import KVPool
 from runtime.parity import (CacheWatch, OpRecord, OpTrace, ParityError, TeacherForcing, first_difference, rel_err,
                             rtol_for)
 from runtime.state_pool import PADDING_SLOT, StatePool
-from runtime.step_staging import StepStaging, step_on_device
+from runtime.step_staging import StepStaging, hidden_input_spec, step_on_device
 
-__all__ = ["GraphRunner", "ParityError", "graph_runner_factory", "hidden_input_spec",
+__all__ = ["GraphRunner", "ParityError", "graph_runner_factory",
            # the roles' own names, as the runner's users know them
            "CaptureKey", "buckets_for", "CaptureError", "CudaGraphs", "CapturedPiece", "StepStaging", "step_on_device"]
 
@@ -549,13 +549,6 @@ class GraphRunner:
 def _outputs_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     """The largest relative error over a step's outputs (logits, and hidden states where returned)."""
     return max(rel_err(a, b) for a, b in zip(got, want))
-
-
-def hidden_input_spec(exported) -> tuple[int, torch.dtype]:
-    """(width, dtype) of an exported program's `hidden` input, from its placeholder's recorded value."""
-    node = next(n for n in exported.graph.nodes if n.op == "placeholder" and n.name == "hidden")
-    value = node.meta["val"]
-    return int(value.shape[1]), value.dtype
 
 
 def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,

@@ -56,9 +56,10 @@ from runtime.backends.protocol import plan_eager_step
 from runtime.batch import SeqState, StepInputs, build_step
 from runtime.binding import members_of
 from runtime.bound_ops import BoundOps
-from runtime.graph_runner import GraphRunner, hidden_input_spec
+from runtime.graph_runner import GraphRunner
 from runtime.kv_pool import KVPool
 from runtime.state_pool import StatePool
+from runtime.step_staging import hidden_input_spec
 
 __all__ = ["EagerSteps", "DraftChunk", "MTPDrafter", "SpeculativeDecoder", "MAX_DRAFT_TOKENS",
            "check_draft_program", "speculative_factory"]

@@ -2,7 +2,9 @@
 
 `StepStaging` holds them (two packed blocks, one per dtype, filled by one host-to-device copy
 each); `step_on_device` moves an eager step's own tensors instead (no graph reads them, so they
-may be of any size). The graph runner decides which of the two a step gets.
+may be of any size). The graph runner decides which of the two a step gets. `hidden_input_spec`
+reads the width and dtype of the draft program's hidden-state input, the one input a step does
+not lay out itself.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from runtime.batch import StepInputs
 from runtime.context import ExecContext
 
-__all__ = ["StepStaging", "step_on_device"]
+__all__ = ["StepStaging", "step_on_device", "hidden_input_spec"]
 
 
 class StepStaging:
@@ -116,3 +118,10 @@ def step_on_device(step: StepInputs, device,
         raise ValueError(f"the step has no {missing[0]} (StepInputs.{missing[0]}), which the program takes")
     inputs = tuple(tensors[name].to(device, non_blocking=True) for name in names)
     return inputs, dataclasses.replace(ctx, **moved)
+
+
+def hidden_input_spec(exported) -> tuple[int, torch.dtype]:
+    """(width, dtype) of an exported program's `hidden` input, from its placeholder's recorded value."""
+    node = next(n for n in exported.graph.nodes if n.op == "placeholder" and n.name == "hidden")
+    value = node.meta["val"]
+    return int(value.shape[1]), value.dtype

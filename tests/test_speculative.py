@@ -207,6 +207,23 @@ def test_graph_runner_captures_verify_and_draft_keys_and_serves_the_same_tokens(
     assert all_free(stats)
 
 
+def test_the_compiled_pieces_start_up_check_runs_the_draft_program_with_its_hidden_states(artifacts):
+    """Without a GraphRunner, `hgc run` / `hgc serve` compare an artifact's compiled pieces with its
+    traced glue at start-up; with drafts, the draft program's too, its hidden-state input filled.
+    This artifact has no bundle, so both sides run the traced glue: what is checked here is that
+    the check reaches the draft program and runs it (op by op, through the draft's own backend set)."""
+    from runtime.server.model import compiled_start_up_parity
+
+    art = artifacts("qwen3_next")
+    engine = engine_for_artifact(art, options(3), MAX_LEN)
+    reports = compiled_start_up_parity(engine, int(art.manifest["model"]["vocab_size"]), 16)
+    assert [r.get("key", r["mode"]) for r in reports] == ["extend", "decode", "draft extend", "draft decode"]
+    draft_layers = {e.layer_id for e in art.docs.routing.entries("draft")}
+    assert {int(o["layer"]) for r in reports[2:] for o in r["ops"]} == draft_layers
+    assert all(r["logits"] == 0.0 and r["worst_op"] == 0.0 for r in reports)
+    assert all_free(engine.stats())
+
+
 class DraftReference(CPUReferenceBackend):
     """The reference math under another name, bound only by a route: the draft (MTP) layer routed
     apart from every main layer. It records the modes of the steps it was told to plan."""

@@ -44,8 +44,8 @@ from runtime.snapshot_pool import SnapshotPool
 from runtime.state_pool import StatePool
 from runtime.tokenizer import TextTokenizer
 
-__all__ = ["EngineOptions", "ServedModel", "build_engine", "engine_for_artifact", "routed_backends", "load_served_model",
-           "DEFAULT_MAX_MODEL_LEN"]
+__all__ = ["EngineOptions", "ServedModel", "build_engine", "engine_for_artifact", "compiled_start_up_parity",
+           "routed_backends", "load_served_model", "DEFAULT_MAX_MODEL_LEN"]
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when neither the flag nor the model says less
 
@@ -182,14 +182,26 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
                               backend_factory=backend_factory, runner_factory=runner_factory,
                               speculative_factory=speculative)
         if art.compiled is not None and engine.runner is None:
-            from runtime.compiled_parity import check_compiled_start_up
-            reports = check_compiled_start_up(engine.forward.runner, engine.ops, engine.kv_pool, engine.state_pool,
-                                              _vocab_size(art), options.token_budget)
+            reports = compiled_start_up_parity(engine, _vocab_size(art), options.token_budget)
             art.compiled.parity = reports
             worst = max(o["rel_err"] for r in reports for o in r["ops"]) if reports else 0.0
             log(f"compiled pieces ({art.compiled.key}) match the traced glue: worst op input rel err {worst:.2g}, "
                 f"logits {max(r['logits'] for r in reports):.2g}")
     return engine
+
+
+def compiled_start_up_parity(engine: Engine, vocab_size: int, chunk_size: int) -> list[dict]:
+    """Without a GraphRunner: each program the engine runs, its compiled pieces against its traced
+    glue on a few steps (runtime/compiled_parity.py); the draft's reports are named as such."""
+    from runtime.compiled_parity import check_compiled_start_up
+
+    reports = check_compiled_start_up(engine.forward.runner, engine.ops, engine.kv_pool, engine.state_pool,
+                                      vocab_size, chunk_size)
+    if engine.spec is not None:  # the draft (MTP) program, run eagerly by runtime/speculative.EagerSteps
+        steps = engine.spec.drafter.steps
+        reports += [{**r, "key": f"draft {r['mode']}"} for r in check_compiled_start_up(
+            steps.forward.runner, steps.ops, engine.kv_pool, engine.state_pool, vocab_size, chunk_size)]
+    return reports
 
 
 def routed_backends(art, registry=None) -> tuple[Callable, Callable]:
