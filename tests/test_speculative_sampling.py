@@ -1,19 +1,25 @@
 """Speculative sampling keeps the output distribution: token frequencies with and without drafts agree.
 
-1. End to end: a tiny qwen3_next with a 12-token vocabulary and its output projection scaled up
-   (x10), so the target's distributions are far from uniform and the MTP draft's differ from them
-   (acceptance about 16%: both branches of the rejection rule run). 1,000 seeded requests per arm
-   sample 4 tokens at temperature 1 (with top_k 10 and a frequency penalty, so the p the rule
-   must reproduce is the processed distribution), plain and with D = 3 drafts. Tokens 2-4 come
+1. End to end: a tiny qwen3_next cut to two layers (GDN + MoE, full attention) and its MTP layer,
+   with a 12-token vocabulary and its output projection scaled up (x10), so the target's
+   distributions are far from uniform and the MTP draft's differ from them (acceptance about 17%:
+   both branches of the rejection rule run). 1,000 seeded requests per arm sample 4 tokens at
+   temperature 1 (with top_k 10 and a frequency penalty, so the p the rule must reproduce is the
+   processed distribution), plain and with D = 3 drafts, up to 512 at a time. Tokens 2-4 come
    from verify steps. For each of those positions a chi-square test of homogeneity on the 2 x V
    table of counts (cells expected below 5 merged) must not reject at significance 0.001 (three
-   tests: 0.003 family-wise). Seeds are fixed, so the test is deterministic; it runs with one
-   torch thread (two threads on a shared 2-core machine were 10x slower). Tried against broken
-   rules: keeping every draft is rejected at p < 1e-20.
-2. The rule alone (runtime/acceptance.py), where samples are cheap: 40,000 verify steps of two
+   tests: 0.003 family-wise). Power: at 1,000 samples per arm, two distributions 0.1 apart in
+   total variation are told apart with probability 0.94 to 0.99 (4 to 11 degrees of freedom; the
+   last test here shows one such pair rejected). Seeds are fixed, so the test is deterministic;
+   it runs with one torch thread (two threads on a shared 2-core machine were 10x slower). Tried
+   against broken rules: keeping every draft is rejected at p < 1e-25 at every position.
+2. The rule alone (runtime/acceptance.py), where samples are cheap: 5,000 verify steps of two
    drafts drawn from a fixed q against a fixed p, by a goodness-of-fit test of the first kept
    token against p at significance 0.001; the same test rejects a rule that draws a refused
    position from p instead of the residual max(0, p - q) (a bias too small for part 1's sample).
+   Power: that rule's first token has the distribution q min(1, p/q) + 0.45 p, whose
+   noncentrality at 5,000 samples is 723 against a critical value of 20.5 (5 degrees of
+   freedom): it is rejected with certainty (p < 1e-150 at the seed used).
 
 Penalties at verified positions (row j counts d_1 .. d_j) are checked exactly, not statistically:
 greedy tokens with penalties and bias equal plain decoding's (tests/test_speculative.py).
@@ -34,6 +40,7 @@ VOCAB = 12
 REQUESTS = 1000
 NEW = 4
 ALPHA = 1e-3
+RULE_SAMPLES = 5_000  # part 2 (module docstring: its power)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +50,10 @@ def artifact(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("specsample")
     family = get_family("qwen3_next")
-    config = {**family.make_config("tiny"), "vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1}
+    # two layers (a GDN layer with its MoE, a full-attention layer) and the MTP layer: every kind of
+    # state the rule must hand back, at half the tiny model's cost per sampled token
+    config = {**family.make_config("tiny"), "vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1,
+              "num_hidden_layers": 2, "full_attention_interval": 2, "mlp_only_layers": [1]}
     model = family.build(family.text_config(config))
     family.init_weights(model, 3)
     with torch.no_grad():
@@ -121,14 +131,14 @@ def test_rejection_rule_outputs_the_target_distribution():
     for rule, agrees in ((rejection_accept, True), (residual_from_p, False)):
         g = torch.Generator().manual_seed(1)
         first = torch.zeros(6, dtype=torch.int64)
-        for _ in range(40_000):
+        for _ in range(RULE_SAMPLES):
             drafts = [draw(q, g), draw(q, g)]
             first[rule(drafts, [q, q], [p, p, p], g)[0]] += 1
         assert (chi_square_fit_p(first, p) > ALPHA) == agrees, (rule.__name__, first.tolist())
 
 
 def test_the_chi_square_test_tells_different_distributions_apart():
-    """The test has the power to reject: two samples of 1,200 from distributions 0.1 apart in
+    """The test has the power to reject: two samples of 1,000 from distributions 0.1 apart in
     total variation are told apart."""
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([0.3, 0.3, 0.2, 0.1, 0.1])
