@@ -32,6 +32,7 @@ from runtime.loader import load_artifact
 from runtime.server.model import EngineOptions, build_engine, engine_for_artifact, routed_backends
 from runtime.speculative import EagerSteps, SpeculativeDecoder
 from runtime.state_pool import StatePool
+from tests.helpers import shared_artifact
 from tests.spec_drafters import DisagreeingDrafter, GreedyContinuationDrafter
 
 FAMILIES = ("qwen3_next", "qwen3_5", "bailing_linear")
@@ -43,15 +44,12 @@ MAX_LEN = 64
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
+    """family -> its tiny artifact, loaded; compiled once per session (tests/helpers.shared_artifact)."""
     made = {}
 
     def get(family):
         if family not in made:
-            ckpt, out = root / f"{family}-c", root / f"{family}-a"
-            assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "0", "-o", str(ckpt)]) == 0
-            assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps"]) == 0
-            made[family] = load_artifact(out)
+            made[family] = load_artifact(shared_artifact(tmp_path_factory, family)[1])
         return made[family]
 
     return get
@@ -247,7 +245,8 @@ class DraftReference(CPUReferenceBackend):
 
 
 def test_a_draft_layer_routed_apart_is_bound_and_planned_through_the_draft_programs_own_set(artifacts, plain,
-                                                                                               tmp_path):
+                                                                                               tmp_path,
+                                                                                               tmp_path_factory):
     """routing.json binds the draft program's nodes as it binds the main program's: a draft layer
     routed to its own backend runs there and only there, that instance is built once and is no
     member of the main program's set, and the draft's steps (after a prefill, the chain, after a
@@ -262,8 +261,9 @@ def test_a_draft_layer_routed_apart_is_bound_and_planned_through_the_draft_progr
     art = artifacts("qwen3_next")
     draft_layers = sorted({e.layer_id for e in art.docs.routing.entries("draft")})
     route = parse_route(f"layers={','.join(map(str, draft_layers))}:draft_reference")
-    compile_checkpoint(art.docs.path.parent / "qwen3_next-c", tmp_path / "a", CompileConfig(routes=(route,)),
-                       toolchain(registry), dumps=False, force=True)
+    checkpoint = shared_artifact(tmp_path_factory, "qwen3_next")[0]
+    compile_checkpoint(checkpoint, tmp_path / "a", CompileConfig(routes=(route,)), toolchain(registry), dumps=False,
+                       force=True)
     routed = load_artifact(tmp_path / "a")
     assert routed.routed_backends("draft") == ["draft_reference"]
     assert "draft_reference" not in routed.routed_backends("main")

@@ -21,7 +21,6 @@ naming why; no request crashes the server, and afterwards every slot and page is
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 
 import pytest
@@ -30,10 +29,10 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
-from tests.helpers import ServerProcess  # noqa: E402
+from tests.helpers import ServerProcess, shared_artifact  # noqa: E402
 from tests.test_server import metrics, post, wait_all_free  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a compile, two servers, 120 constrained requests: about a minute on 2 cores
+pytestmark = pytest.mark.slow  # two servers (the session's shared compile), 120 constrained requests: about a minute on 2 cores
 
 MODEL = "tiny"
 MAX_TOKENS = 120
@@ -86,13 +85,8 @@ assert len(SCHEMAS) == 30
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """(plain server, speculative server) over one tiny qwen3_next artifact with its tokenizer."""
-    from compiler.cli import main as hgc
-    from models.loader import init_checkpoint
-
-    work = tmp_path_factory.mktemp("structured")
-    ckpt = init_checkpoint("qwen3_next", "tiny", 0, work / "ckpt", log=io.StringIO())
-    assert hgc(["compile", str(ckpt), "-o", str(work / MODEL), "--no-dumps"]) == 0
-    flags = [str(work / MODEL), "--served-model-name", MODEL, "--max-model-len", "256", "--slots", "64"]
+    artifact = shared_artifact(tmp_path_factory, "qwen3_next")[1]
+    flags = [str(artifact), "--served-model-name", MODEL, "--max-model-len", "256", "--slots", "64"]
     plain = ServerProcess(flags)
     spec = ServerProcess(flags + ["--speculative-tokens", "3"])
     try:
