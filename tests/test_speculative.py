@@ -363,14 +363,14 @@ def test_speculative_tokens_outside_one_to_seven_are_refused(artifacts):
 # -- the commands ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,draft_tokens", [("qwen3_next", 3), ("qwen3_5", 7), ("bailing_linear", 1)])
-def test_hgc_run_with_speculative_tokens_gives_plain_tokens_and_reports_acceptance(artifacts, plain, capsys, family,
-                                                                                   draft_tokens):
+def test_hgc_run_with_speculative_tokens_gives_plain_tokens_and_reports_acceptance(artifacts, plain, capsys):
     """The eight mixed-length prompts through `hgc run` (chunked by a 16-token budget, so they start
     decoding at different steps): greedy tokens with drafts are plain decoding's, and --json
-    reports acceptance, tokens per verify step and draft time."""
+    reports acceptance, tokens per verify step and draft time. One family and D: `hgc run` builds
+    its engine with engine_for_artifact, whose tokens the test above checks for every family and D."""
     import json
 
+    family, draft_tokens = "qwen3_5", 7
     art = artifacts(family)
     prompt_ids = ";".join(",".join(map(str, p)) for p in PROMPTS)
     assert main(["run", str(art.docs.path), "--prompt-ids", prompt_ids, "--max-new-tokens", "6",
@@ -403,40 +403,51 @@ def test_hgc_run_refuses_speculation_without_a_draft_program(tmp_path, capsys):
     assert err[0] == "hgc run: --speculative-tokens must be in 0..7 (got 8)" and err[1].startswith("  hint:")
 
 
-@pytest.mark.slow  # three server processes: about 30 s on 2 cores
-def test_hgc_serve_with_speculative_tokens_gives_the_tokens_of_plain_decoding(artifacts, plain):
+async def served_tokens(url: str, model: str = "m") -> list[list[int]]:
+    """The eight prompts sent to a server at once (greedy, NEW_TOKENS each, every other one
+    streamed): each one's token ids."""
     import asyncio
     import json
 
-    httpx = pytest.importorskip("httpx")
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        replies = await asyncio.gather(*(client.post("/v1/completions", json={
+            "model": model, "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 1})
+            for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS))))
+    out = []
+    for r in replies:
+        assert r.status_code == 200, r.text
+        if r.headers["content-type"].startswith("text/event-stream"):
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            out.append([t for c in chunks for choice in c["choices"] for t in choice["token_ids"]])
+        else:
+            out.append(r.json()["choices"][0]["token_ids"])
+    return out
+
+
+@pytest.mark.slow  # two server processes: about 20 s on 2 cores
+def test_hgc_serve_with_speculative_tokens_gives_the_tokens_of_plain_decoding(artifacts, plain):
+    """`hgc serve` with 4 slots and a 16-token budget (requests queue, prompts are chunked): the
+    eight prompts' greedy tokens with drafts are plain decoding's, and /metrics reports the drafts.
+    qwen3_5 with D = 7 and bailing_linear with D = 1 here; qwen3_next with D = 3 through `hgc serve`
+    is tests/test_structured_output.py's (its plain and speculative servers, these eight prompts):
+    a server process costs seconds of start-up, and that module has both already."""
+    import asyncio
+
+    pytest.importorskip("httpx")
     from tests.helpers import ServerProcess
     from tests.test_server import wait_all_free
 
-    runs = {"qwen3_next": 3, "qwen3_5": 7, "bailing_linear": 1}
+    runs = {"qwen3_5": 7, "bailing_linear": 1}
     servers = {family: ServerProcess([str(artifacts(family).docs.path), "--served-model-name", "m", "--slots", "4",
                                       "--token-budget", "16", "--max-model-len", str(MAX_LEN),
                                       "--speculative-tokens", str(D)])
                for family, D in runs.items()}
-
-    async def send(url):
-        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            replies = await asyncio.gather(*(client.post("/v1/completions", json={
-                "model": "m", "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 1})
-                for i, (p, n) in enumerate(zip(PROMPTS, NEW_TOKENS))))
-        out = []
-        for r in replies:
-            assert r.status_code == 200, r.text
-            if r.headers["content-type"].startswith("text/event-stream"):
-                chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-                out.append([t for c in chunks for choice in c["choices"] for t in choice["token_ids"]])
-            else:
-                out.append(r.json()["choices"][0]["token_ids"])
-        return out
-
     try:
         for family, server in servers.items():
             server.wait_ready()
-            assert asyncio.run(send(server.url)) == plain(family), family
+            assert asyncio.run(served_tokens(server.url)) == plain(family), family
             m = wait_all_free(server.url)
             assert m["hgc_spec_draft_tokens"] == runs[family] and m["hgc_spec_verify_steps_total"] > 0
     finally:
