@@ -69,6 +69,26 @@ def tiny_checkpoint(family_name: str, out, seed: int = 0, **config_overrides):
     return out
 
 
+def artifacts_by_family(root: Path, compile_one):
+    """get(family) -> the artifact of its tiny checkpoint (`hgc init-model`, seed 0) compiled by
+    compile_one(family, checkpoint_dir, out_dir), made and loaded once per family (for a
+    module-scoped fixture: only the families a module's tests ask for are compiled)."""
+    from compiler.cli import main
+    from runtime.loader import load_artifact
+
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            ckpt, out = root / f"{family}-c", root / f"{family}-a"
+            assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "0", "-o", str(ckpt)]) == 0
+            compile_one(family, ckpt, out)
+            made[family] = load_artifact(out)
+        return made[family]
+
+    return get
+
+
 def rehash(art) -> None:
     """Recompute manifest.json's SHA-256 of every listed file: an edit then passes the hash check, so
     only the check under test can catch it."""

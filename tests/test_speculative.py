@@ -32,6 +32,7 @@ from runtime.loader import load_artifact
 from runtime.server.model import EngineOptions, build_engine, engine_for_artifact, routed_backends
 from runtime.speculative import EagerSteps, SpeculativeDecoder
 from runtime.state_pool import StatePool
+from tests.helpers import artifacts_by_family
 from tests.spec_drafters import DisagreeingDrafter, GreedyContinuationDrafter
 
 FAMILIES = ("qwen3_next", "qwen3_5", "bailing_linear")
@@ -43,18 +44,10 @@ MAX_LEN = 64
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
-    made = {}
+    def compile_one(family, ckpt, out):
+        assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps"]) == 0
 
-    def get(family):
-        if family not in made:
-            ckpt, out = root / f"{family}-c", root / f"{family}-a"
-            assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "0", "-o", str(ckpt)]) == 0
-            assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps"]) == 0
-            made[family] = load_artifact(out)
-        return made[family]
-
-    return get
+    return artifacts_by_family(tmp_path_factory.mktemp("spec"), compile_one)
 
 
 def run(engine) -> tuple[list[list[int]], dict]:
