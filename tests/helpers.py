@@ -1,5 +1,6 @@
 """Shared test helpers: run a family model eagerly on the CPU reference backend; run `hgc serve`;
-one compiled tiny artifact per family for the whole test session (`shared_artifact`)."""
+one compiled tiny artifact per family for the whole test session (`shared_artifact`), or per module
+for a module that compiles with its own routes (`artifacts_by_family`)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,24 @@ def shared_artifact(tmp_path_factory, family_name: str) -> tuple[Path, Path]:
                          "--force", "-q"]) == 0
             assert main(["compile", str(ckpt), "-o", str(art), "--no-dumps", "--force", "-q"]) == 0
     return ckpt, art
+def artifacts_by_family(root: Path, compile_one):
+    """get(family) -> the artifact of its tiny checkpoint (`hgc init-model`, seed 0) compiled by
+    compile_one(family, checkpoint_dir, out_dir), made and loaded once per family (for a
+    module-scoped fixture: only the families a module's tests ask for are compiled)."""
+    from compiler.cli import main
+    from runtime.loader import load_artifact
+
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            ckpt, out = root / f"{family}-c", root / f"{family}-a"
+            assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "0", "-o", str(ckpt)]) == 0
+            compile_one(family, ckpt, out)
+            made[family] = load_artifact(out)
+        return made[family]
+
+    return get
 
 
 def rehash(art) -> None:

@@ -10,7 +10,11 @@ Runs only on the GPU machine (`pytest -m gpu`); benchmarks/spec_bench.py measure
    (FlashInfer's paged prefill for verify, its decode kernel for plain steps) may decide a near
    tie differently, so tokens are compared where such ties cannot move them: each request's
    first token (its prefill) and, with a drafter forced to agree, the count of kept drafts.
-2. float32, full attention routed to torch_reference (FlashInfer has no float32 kernels), the
+2. bf16 on a dense model (no router): each row of a replayed verify step equals the replayed
+   decode step after the same tokens within the start-up parity tolerance (tests/spec_checks.py).
+   A fault in a backend's verify path shows here as a large error on every row, where greedy
+   tokens of a random-weight bf16 model would only diverge at some near tie.
+3. float32, full attention routed to torch_reference (FlashInfer has no float32 kernels), the
    linear layers and the MoE on their Triton kernels: greedy tokens with D = 1 and 3 are exactly
    plain decoding's for eight mixed-length requests, and a drafter proposing the plain
    continuation (tests/spec_drafters.py, test-only) is kept, advancing D + 1 positions per step.
@@ -37,18 +41,12 @@ NEW_TOKENS = [9, 4, 14, 6, 11, 3, 8, 13]
 MAX_LEN = 64
 
 
-def _artifact(root, name: str, dtype: str, *routes: str):
-    from models.checkpoint import write_checkpoint
-    from models.families import get_family
-    from models.loader import config_dtype
+def _artifact(root, name: str, dtype: str, *routes: str, dense: bool = False):
+    """A tiny qwen3_next compiled for cuda; dense: every layer's MLP dense (mlp_only_layers), no router."""
+    from tests.helpers import tiny_checkpoint
 
-    family = get_family("qwen3_next")
-    config = family.make_config("tiny")
-    config["head_dim"] = 64  # FlashInfer builds no prefill for tiny's head dim 32
-    text = family.text_config(config)
-    model = family.build(text)
-    family.init_weights(model, 1)
-    write_checkpoint(root / f"{name}-c", config, model.to(config_dtype(text)).checkpoint_tensors())
+    dense_mlps = {"mlp_only_layers": [0, 1, 2, 3]} if dense else {}  # tiny has 4 layers
+    tiny_checkpoint("qwen3_next", root / f"{name}-c", 1, head_dim=64, **dense_mlps)  # FlashInfer: no head dim 32
     flags = [f"--route={r}" for r in routes]
     assert main(["compile", str(root / f"{name}-c"), "-o", str(root / name), "--target", "cuda", "--dtype", dtype,
                  "--no-dumps", *flags]) == 0
@@ -59,6 +57,7 @@ def _artifact(root, name: str, dtype: str, *routes: str):
 def artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("gspec")
     return {"bf16": _artifact(root, "bf16", "bfloat16"),
+            "dense": _artifact(root, "dense", "bfloat16", dense=True),
             "fp32": _artifact(root, "fp32", "float32", "gqa_attention=torch_reference")}
 
 
@@ -91,6 +90,37 @@ def test_bf16_verify_and_draft_steps_are_captured_checked_and_replayed(artifacts
     assert [o[0] for o in outputs] == [p[0] for p in plain]  # each request's prefill token
     assert main_runner.counters["graph_replays"] > 0 and draft_runner.counters["graph_replays"] > 0
     assert stats["spec_verify_steps"] > 0
+
+
+def test_bf16_verify_rows_are_the_decode_steps_to_rounding(artifacts):
+    """Row j of a replayed target_verify step against the replayed decode step after the same j
+    tokens (tests/spec_checks.py: twin requests from one prefill), bf16, the default routing
+    (FlashInfer's paged prefill for verify, its decode kernel for decode, the Triton linear
+    kernels), 3 requests in buckets of 4, histories crossing page boundaries. The model is dense
+    (no random router to flip an expert on rounding), so every row must agree within the start-up
+    parity tolerance for bf16; a fault in a verify path (state, KV, rows) moves every row by far more."""
+    from runtime.bound_ops import BoundOps
+    from runtime.graph_runner import GraphRunner
+    from runtime.kv_pool import KVPool
+    from runtime.parity import rtol_for
+    from runtime.state_pool import StatePool
+    from tests.spec_checks import verify_against_decode
+
+    art, D, bucket, pages = artifacts["dense"], 3, 4, 8
+    vocab = int(art.manifest["model"]["vocab_size"])
+    kv = KVPool(art.registry, 2 * bucket * pages + 1, 16, "cuda")
+    st = StatePool(art.registry, 2 * bucket, "cuda", draft_tokens=D, verify_rows=bucket)
+    ops = BoundOps(art.backends(kv, st).for_program("main"))
+    runner = GraphRunner(art.runner(ops), ops, kv, st, "cuda", decode_buckets=(bucket,), extend_buckets=(),
+                         verify_buckets=(bucket,), verify_tokens=D + 1, max_pages_per_seq=pages,
+                         extend_max_seqs=2 * bucket)
+    runner.start(vocab)
+    found = verify_against_decode(runner, vocab, [5, 37, 70], D, torch.Generator().manual_seed(3))
+    rows = bucket * (D + 1)
+    assert [str(k) for k in found["keys"]] == ([f"target_verify[tokens={rows}, seqs={bucket}, rows={rows}]"]
+                                               + [f"decode[tokens={bucket}, seqs={bucket}]"] * (D + 1))
+    worst = max(found["rows"], key=lambda r: r["rel_err"])
+    assert worst["rel_err"] <= rtol_for(torch.bfloat16), worst
 
 
 def engine_with_drafter(art, D: int, drafter):
