@@ -14,7 +14,8 @@ used: every start-up here begins from empty caches):
    FLASHINFER_WORKSPACE_BASE) are new empty folders, so the artifact is all there is:
    load_artifact, a GraphRunner over every recorded bucket up to --max-batch and --max-extend,
    start (capture, then parity). The compiled variant runs inside its bundle's KernelWatch: its
-   report says how many kernels were built or tuned at start-up (the goal: none).
+   report says how many kernels were built or tuned, and how many graphs Inductor compiled, at
+   start-up (the goal: none of either).
    In the same process, per batch B: B requests with 64-token histories; the full-graph decode
    step (CUDA events, median of --iters) and its kernels per step (torch.profiler: the kernels of
    a replayed graph are traced one by one); then greedy tokens of a few prompts, which the parent
@@ -289,6 +290,7 @@ def summary(doc: dict) -> dict:
     def variant(rec: dict) -> dict:
         return {"load_capture_parity_s": rec.get("load_capture_parity_s"), "process_s": rec.get("process_s"),
                 "kernels_built_at_start_up": rec.get("bundle", {}).get("kernel_builds"),
+                "inductor_compiles_at_start_up": rec.get("bundle", {}).get("inductor_compiles"),
                 "decode": {B: {k: c.get(k) for k in ("step_ms", "kernels_per_step")}
                            for B, c in rec.get("decode", {}).items()}}
 

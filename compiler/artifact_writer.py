@@ -18,7 +18,11 @@
    files in manifest.json and reseals it.
 
 Weights are copied byte for byte from the checkpoint's safetensors files, streamed tensor by
-tensor (memory stays flat whatever the model size), under their checkpoint names.
+tensor (memory stays flat whatever the model size), under their checkpoint names. With
+--no-weights (a folder holding only config.json) there are none: the manifest says mode "none"
+and the runtime fills every tensor with random values (`--load-format dummy`). A tensor-parallel
+compile adds sharding.json and, for a model that computes tensors from its config which ranks
+slice (Bailing's Lightning decays), computed.safetensors with their whole values.
 
 The format itself (names, documents) is compiler/splitops/artifact.py, shared with the loader.
 """
@@ -43,10 +47,10 @@ import torch
 
 from compiler.splitops.errors import CompileError
 from compiler.splitops import MODES, op_schemas
-from compiler.splitops.artifact import (FORMAT_NAME, FORMAT_VERSION, LINTS, MANIFEST, PROGRAM_FILES,
-                                        PROGRAM_INPUTS, ROUTING, SPLIT, WEIGHT_MAP, WEIGHTS, dump_json, program_outputs,
-                                        routing_doc, safetensors_header, seal_manifest, sha256_file, split_doc,
-                                        weights_doc)
+from compiler.splitops.artifact import (COMPUTED, FORMAT_NAME, FORMAT_VERSION, LINTS, MANIFEST, PROGRAM_FILES,
+                                        PROGRAM_INPUTS, ROUTING, SHARDING, SPLIT, WEIGHT_MAP, WEIGHTS, dump_json,
+                                        program_outputs, routing_doc, safetensors_header, seal_manifest, sha256_file,
+                                        sharding_doc, split_doc, weights_doc)
 
 __all__ = ["ArtifactWriteError", "staging_folder", "sweep_stale_staging", "write_artifact", "checkpoint_index",
            "hgc_version", "lints_doc", "add_bundle"]
@@ -205,13 +209,16 @@ def checkpoint_index(ckpt_dir: Path, checkpoint_files) -> dict[str, tuple[Path, 
     return out
 
 
-def _check_sources(sources, index) -> list[str]:
-    needed = sorted({v.name for src in sources.values() for v in src.views})
+def _check_sources(sources, index, computed=(), shard_facts=None) -> list[str]:
+    """The checkpoint tensors the programs need, each checked against the index: present, and of
+    the shape the model expects (the whole model's, for a rank of a tensor-parallel compile)."""
+    needed = sorted({v.name for src in sources.values() for v in src.views} - set(computed))
     for name in needed:
         if name not in index:
             raise ArtifactWriteError(f"checkpoint: tensor {name!r} is missing (the model needs it); fix the checkpoint "
                                      f"or its config.json")
     shapes = {v.name: v.shape for src in sources.values() for v in src.views}
+    shapes.update({name: fact.whole for name, fact in (shard_facts or {}).items()})
     for name in needed:
         got = tuple(index[name][1]["shape"])
         if got != shapes[name]:
@@ -287,25 +294,42 @@ def link_weights(artifact_out: Path, names: list[str], index, progress=None) -> 
 # -- the artifact --------------------------------------------------------------------------------------
 
 
+def _write_computed(tmp: Path, computed: dict, index) -> None:
+    from safetensors.torch import save_file
+
+    clash = sorted(set(computed) & set(index or {}))
+    if clash:
+        raise ArtifactWriteError(f"checkpoint: tensor {clash[0]!r} is also one the model computes from config.json; "
+                                 f"the family must name its computed tensors apart")
+    save_file({name: t.detach().contiguous().cpu() for name, t in sorted(computed.items())}, str(tmp / COMPUTED),
+              metadata={"format": "pt"})
+
+
 def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenizer_files, link: bool = False,
                    progress=None) -> dict:
     """Write every file of the artifact into `tmp` (which becomes `out`); returns the manifest.
 
-    `index` is `checkpoint_index(ckpt_dir, ...)`: where each checkpoint tensor's bytes are.
+    `index` is `checkpoint_index(ckpt_dir, ...)`: where each checkpoint tensor's bytes are; None
+    for a compile without weights (mode "none").
     `tokenizer_files(ckpt_dir)`: the checkpoint's tokenizer files (data only: JSON and a Jinja
     template), copied so a served artifact needs nothing from the checkpoint folder; the runtime
     owns the list of names (compiler/toolchain.py). `progress`: a tqdm-like factory (bars over
     the weight bytes)."""
     traced, ctx = result.traced, result.ctx
-    names = _check_sources(traced.tensors, index)
     for program, ep in traced.programs.items():
         torch.export.save(ep, tmp / PROGRAM_FILES[program])
     known: dict[str, str] = {}  # file -> SHA-256 already computed
-    if link:
-        weights = {"mode": "link", "files": link_weights(out, names, index, progress)}
+    if index is None:
+        weights = {"mode": "none"}
     else:
-        known[WEIGHTS] = copy_weights(tmp / WEIGHTS, names, index, progress)
-        weights = {"mode": "copy", "file": WEIGHTS}
+        names = _check_sources(traced.tensors, index, traced.computed, traced.shard_facts)
+        if link:
+            weights = {"mode": "link", "files": link_weights(out, names, index, progress)}
+        else:
+            known[WEIGHTS] = copy_weights(tmp / WEIGHTS, names, index, progress)
+            weights = {"mode": "copy", "file": WEIGHTS}
+    if traced.computed:
+        _write_computed(tmp, traced.computed, index)
     tokenizer = tokenizer_files(Path(ckpt_dir))
     for name, data in tokenizer.items():
         (tmp / name).write_bytes(data)
@@ -316,6 +340,9 @@ def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenize
         SPLIT: split_doc({p: ctx.split_plans[p] for p in ctx.program_names}),
         LINTS: lints_doc(ctx),
     }
+    if ctx.tp > 1:
+        from compiler.passes.sharding import sharding_summary
+        docs[SHARDING] = sharding_doc(sharding_summary(ctx))
     for name, doc in docs.items():
         (tmp / name).write_bytes(dump_json(doc))
     files = {}

@@ -17,6 +17,13 @@
    that fill it (`ParamSource`: views by storage identity, found on the meta model without data),
    and list the inputs no checkpoint tensor covers (a lint reports them).
 
+Tensor parallel (`tp` > 1): the traced model is the one every rank runs (`family.build(text,
+tp)`: heads and widths divided, models/common.py); a count that does not divide fails its build
+with a `ShardingError` naming the layer. The whole model is built on the meta device beside it,
+and each checkpoint tensor's whole and rank shapes (with the fused layouts both declare) become
+`ShardFact`s, from which the sharding pass derives how each rank reads it. Tensors the rank model
+computes from its config (`computed_tensors`) are materialised here, whole, for the artifact.
+
 Why R (the logits_index length) is dynamic too: the runtime asks for one logits row per request,
 and the number of requests in a step changes every step (and differs from T in extend steps).
 A static R would bake one batch size into the graph. It is its own dimension, not T's: in
@@ -31,6 +38,7 @@ import contextlib
 import dataclasses
 import os
 from collections import defaultdict
+from typing import Optional
 
 import torch
 import torch.fx.config
@@ -43,11 +51,22 @@ from compiler.splitops import TRACED_OPS, LayerRegistry, RegistryError
 from compiler.splitops.artifact import PROGRAM_INPUTS, ParamSource, TensorView, program_outputs
 
 __all__ = ["FrontendError", "TracedModel", "trace_checkpoint", "trace_model", "build_model", "example_sizes", "export_programs",
-           "bind_weights", "DraftProgram", "MainWithHidden"]
+           "bind_weights", "DraftProgram", "MainWithHidden", "ShardFact", "shard_facts"]
 
 
 class FrontendError(CompileError):
     pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardFact:
+    """One checkpoint tensor seen by tensor parallelism: its whole shape, its shape on a rank, and
+    the (dim, segment lengths) of a fused layout in each, where the model declares one."""
+
+    whole: tuple[int, ...]
+    rank: tuple[int, ...]
+    whole_segments: Optional[tuple[int, tuple[int, ...]]] = None
+    rank_segments: Optional[tuple[int, tuple[int, ...]]] = None
 
 
 @dataclasses.dataclass
@@ -63,6 +82,10 @@ class TracedModel:
     tensors: dict[str, ParamSource]  # model FQN -> checkpoint views filling it
     program_fqns: dict[str, dict[str, str]]  # program -> {program FQN: model FQN}
     missing: dict[str, list[str]]  # program -> lifted FQNs no checkpoint tensor covers
+    tp: int = 1  # the rank count the programs are one rank of
+    whole_registry: Optional[LayerRegistry] = None  # the whole model's registry (tp > 1; `registry` is a rank's)
+    shard_facts: dict[str, ShardFact] = dataclasses.field(default_factory=dict)  # checkpoint name -> facts (tp > 1)
+    computed: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # computed tensors, whole, CPU
 
 
 class DraftProgram(nn.Module):
@@ -115,15 +138,15 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def build_model(family, text_config: dict, dtype: str) -> nn.Module:
-    """The family's model on the meta device, in `dtype`, with the traced op table."""
+def build_model(family, text_config: dict, dtype: str, tp: int = 1) -> nn.Module:
+    """The family's model (one rank of `tp`) on the meta device, in `dtype`, with the traced op table."""
     # The registry's cache dtypes come from the config's dtype fields, and the caches must hold
     # what the traced model computes: a float32 config compiled in bfloat16 gets a bfloat16 KV
     # cache (FlashInfer plans attention for one q/kv dtype pair), not a float32 one.
     text_config = {**text_config, "dtype": dtype, "torch_dtype": dtype}
     try:
         with torch.device("meta"):
-            model = family.build(text_config)
+            model = family.build(text_config, tp) if tp > 1 else family.build(text_config)
     except RegistryError as e:
         raise FrontendError(f"frontend: the {family.name} model builds an invalid LayerRegistry: {e}; fix: each layer "
                             f"id once, draft layers after the main ones (models/{family.name}.py)") from None
@@ -302,18 +325,43 @@ def _source_of(t: torch.Tensor, by_storage) -> ParamSource | None:
     return ParamSource(tuple(t.shape), str(t.dtype).removeprefix("torch."), tuple(views))
 
 
-def trace_model(model: nn.Module, family, config: dict, text_config: dict, dtype: str) -> TracedModel:
-    """Steps 2-4 for a model already built on the meta device (tests pass toy models here)."""
+def shard_facts(whole: nn.Module, rank: nn.Module) -> dict[str, ShardFact]:
+    """Checkpoint name -> ShardFact, from the whole model and a rank model (both on the meta device).
+    A computed tensor's whole shape is that of its whole value (`rank.computed_tensors()`)."""
+    whole_shapes = {name: shape for name, (shape, _) in whole.checkpoint_shapes().items()}
+    whole_shapes.update({name: tuple(t.shape) for name, t in rank.computed_tensors().items()})
+    whole_fused, rank_fused = whole.fused_segments(), rank.fused_segments()
+    facts = {}
+    for name, (shape, _) in rank.checkpoint_shapes().items():
+        if name not in whole_shapes:
+            raise FrontendError(f"frontend: the rank model has tensor {name!r}, which the whole model lacks and "
+                                f"computed_tensors() does not give; fix the family's rank build (models/)")
+        facts[name] = ShardFact(whole_shapes[name], shape, whole_fused.get(name), rank_fused.get(name))
+    return facts
+
+
+def trace_model(model: nn.Module, family, config: dict, text_config: dict, dtype: str,
+                whole: Optional[nn.Module] = None) -> TracedModel:
+    """Steps 2-4 for a model already built on the meta device (tests pass toy models here).
+    `whole`: for a rank model (model.tp > 1), the whole model it is one rank of."""
     sizes = example_sizes(model, text_config)
     programs = export_programs(model, sizes, int(text_config["hidden_size"]), family.name)
     tensors, program_fqns, missing = bind_weights(model, programs)
-    return TracedModel(family, config, text_config, dtype, model, model.layer_registry, programs, sizes, tensors,
-                       program_fqns, missing)
+    traced = TracedModel(family, config, text_config, dtype, model, model.layer_registry, programs, sizes, tensors,
+                         program_fqns, missing)
+    if whole is not None:
+        traced.tp, traced.whole_registry = model.tp, whole.layer_registry
+        traced.shard_facts = shard_facts(whole, model)
+        traced.computed = dict(model.computed_tensors())
+    return traced
 
 
-def trace_checkpoint(ckpt_dir: str | os.PathLike, dtype: str, read_model) -> TracedModel:
+def trace_checkpoint(ckpt_dir: str | os.PathLike, dtype: str, read_model, tp: int = 1) -> TracedModel:
     """Steps 1-4 of the module docstring for one checkpoint directory (config.json is all it reads).
 
-    read_model(ckpt_dir) -> (family, config.json, text config): compiler/toolchain.py."""
+    read_model(ckpt_dir) -> (family, config.json, text config): compiler/toolchain.py.
+    tp > 1: the programs of one rank of `tp` (see "Tensor parallel" above)."""
     family, config, text = read_model(ckpt_dir)
-    return trace_model(build_model(family, text, dtype), family, config, text, dtype)
+    model = build_model(family, text, dtype, tp)
+    whole = build_model(family, text, dtype) if tp > 1 else None
+    return trace_model(model, family, config, text, dtype, whole)

@@ -5,6 +5,8 @@ place between pieces (compiler/splitops/glue.py cuts the graph there), so Induct
 aten glue, functionalizes nothing of ours and never copies an op's `out`.
 
 1. `glue_segments(gm)` cuts the program; a segment with no outputs (checks only) is skipped.
+   Before anything compiles, `segment_pieces` checks that every mode's split plan holds each
+   segment whole in one captured piece, where the runtime will install it.
 2. `segment_module` + `structure_key`: layers of one structure share one compiled piece (a
    48-layer model needs a handful, not hundreds).
 3. `fake_inputs(module, device)`: the segment's inputs as fake tensors on the target device, every
@@ -32,9 +34,10 @@ from typing import Callable
 import torch
 import torch.fx
 
+from compiler.splitops.artifact import retarget_meta_devices
 from compiler.splitops.bundle import INDUCTOR_CONFIG, PIECES
 from compiler.splitops.errors import CompileError
-from compiler.splitops.glue import glue_segments, segment_module, structure_key
+from compiler.splitops.glue import GlueSplitError, glue_segments, segment_module, segment_pieces, structure_key
 
 __all__ = ["PieceBuildError", "compile_glue", "fake_inputs", "inductor_cache_files"]
 
@@ -44,22 +47,6 @@ _CACHE_INDEXES = ("fxgraph", "aotautograd", "locks")
 
 class PieceBuildError(CompileError):
     pass
-
-
-def _rewrite_device(module: torch.fx.GraphModule, device: torch.device) -> None:
-    """The graph was traced on the meta device: its device arguments (allocations, checks) name the target."""
-    def rewrite(value):
-        if isinstance(value, torch.device) and value.type == "meta":
-            return device
-        if isinstance(value, (list, tuple)):
-            return type(value)(rewrite(v) for v in value)
-        if isinstance(value, dict):
-            return {k: rewrite(v) for k, v in value.items()}
-        return value
-
-    for node in module.graph.nodes:
-        node.args, node.kwargs = rewrite(node.args), rewrite(node.kwargs)
-    module.recompile()
 
 
 def _hint(symbol, shape_env) -> int:
@@ -112,11 +99,12 @@ def _code_files(cache_dir: Path) -> set[Path]:
     return {p for p in cache_dir.rglob("*") if p.suffix in (".py", ".cpp") and p.is_file()}
 
 
-def compile_glue(programs: dict[str, torch.fx.GraphModule], device: str | torch.device, out_dir: Path,
+def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device: str | torch.device, out_dir: Path,
                  cache_dir: Path, log: Callable[[str], None] = lambda line: None) -> tuple[dict, dict]:
-    """Steps 1-4 for every program; returns (programs: program -> segment records with the piece
-    file running each, pieces: file -> {structure, nodes, seconds, code_sha256}). Piece files are
-    written under out_dir/pieces/; Inductor's cache must point at cache_dir (cache_env)."""
+    """Steps 1-4 for every program; plans: program -> mode -> SplitPlan (split.json). Returns
+    (programs: program -> segment records with the piece file running each, pieces: file ->
+    {structure, nodes, seconds, code_sha256}). Piece files are written under out_dir/pieces/;
+    Inductor's cache must point at cache_dir (cache_env)."""
     from torch._inductor import standalone_compile
 
     device = torch.device(device)
@@ -127,7 +115,14 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], device: str | torch.
     pieces: dict[str, dict] = {}
     records: dict[str, list[dict]] = {}
     order = sorted(programs, key=lambda p: p != "main")  # main first: its pieces are the ones reused
-    todo = [(p, programs[p], s) for p in order for s in glue_segments(programs[p])]
+    segments = {p: glue_segments(programs[p]) for p in order}
+    for program in order:
+        for plan in plans[program].values():
+            try:
+                segment_pieces(segments[program], plan, program)
+            except GlueSplitError as e:
+                raise PieceBuildError(f"inductor: {e}; recompile the artifact") from None
+    todo = [(p, programs[p], s) for p in order for s in segments[p]]
     for i, (program, gm, segment) in enumerate(todo, 1):
         record = {**segment.to_json(), "piece": None}
         records.setdefault(program, []).append(record)
@@ -141,7 +136,8 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], device: str | torch.
                 f"same code as {by_key[key]}")
             continue
         name = f"{PIECES}/{key[:16]}.bin"
-        _rewrite_device(module, device)
+        retarget_meta_devices(module.graph, device)
+        module.recompile()
         start = time.perf_counter()
         before = _code_files(cache_dir)
         try:

@@ -13,7 +13,8 @@ Flow of `compile_checkpoint` (what `hgc compile` runs):
    staging folder into place.
 
 `hgc lint` and `hgc compile --plan-only` run `plan` alone, on a folder that may hold only
-config.json. Nothing else in hgc decides the order of passes.
+config.json. Nothing else in hgc decides the order of passes. With `--tp N` (N > 1) the programs
+are one rank's and the sharding pass runs first; tp 1 compiles exactly as before.
 
 Every entry point takes a `Toolchain` (compiler/toolchain.py): the backends' capability table, the
 model reader and the checkpoint's file lists, handed in by the command line; the pipeline imports
@@ -36,6 +37,7 @@ from compiler.passes.instruments import DumpInstrument, ProgressInstrument, Timi
 from compiler.passes.lints import LintPass
 from compiler.passes.manager import PassManager
 from compiler.passes.routing import RoutingPass
+from compiler.passes.sharding import ShardingPass
 from compiler.passes.split import SplitPass
 from compiler.splitops.artifact import DUMPS
 from compiler.toolchain import Toolchain
@@ -44,7 +46,9 @@ __all__ = ["build_passes", "plan", "run_passes", "compile_checkpoint", "CompileR
 
 
 def build_passes(config: CompileConfig) -> list[CompilePass]:
-    return [
+    # -- tensor parallel: each weight's cut across ranks, collectives as op nodes (--tp > 1 only) --
+    sharding = [ShardingPass(config.tp)] if config.tp > 1 else []
+    return sharding + [
         # -- facts: what each op node is (op, layer id, registry kind, module) -------------------
         AnnotateOpsPass(),
         # -- the graphs against the LayerRegistry; errors stop here (routing needs known layers) --
@@ -77,11 +81,25 @@ class CompileResult:
 
 
 def make_context(traced: TracedModel, config: CompileConfig, toolchain: Toolchain) -> CompileContext:
+    if traced.tp != config.tp:
+        raise CompileError(f"pipeline: the programs were traced for --tp {traced.tp}, the compile asks for {config.tp}")
     return CompileContext(
         registry=traced.registry, capabilities=toolchain.capabilities, config=config,
         programs={name: ep.graph_module for name, ep in traced.programs.items()},
         signatures={name: ep.graph_signature for name, ep in traced.programs.items()},
-        backend_wrappers=toolchain.backend_wrappers, missing_weights=traced.missing)
+        backend_wrappers=toolchain.backend_wrappers, missing_weights=traced.missing,
+        tp=traced.tp, whole_registry=traced.whole_registry, shard_facts=traced.shard_facts,
+        weight_sources=weight_sources(traced))
+
+
+def weight_sources(traced: TracedModel) -> dict[str, dict]:
+    """program -> weight placeholder name -> the ParamSource (checkpoint views) that fills it."""
+    out = {}
+    for program, ep in traced.programs.items():
+        fqns = traced.program_fqns.get(program, {})
+        out[program] = {s.arg.name: traced.tensors[fqns[s.target]] for s in ep.graph_signature.input_specs
+                        if s.target in fqns}
+    return out
 
 
 def plan(ckpt_dir, config: CompileConfig, toolchain: Toolchain, dump_dir: Optional[Path] = None,
@@ -90,7 +108,7 @@ def plan(ckpt_dir, config: CompileConfig, toolchain: Toolchain, dump_dir: Option
     `progress`: a tqdm-like factory (compiler/cli/progress.py), for a bar over the passes."""
     timing = timing or TimingInstrument()
     start = time.perf_counter()
-    traced = trace_checkpoint(ckpt_dir, config.dtype, toolchain.read_model)
+    traced = trace_checkpoint(ckpt_dir, config.dtype, toolchain.read_model, tp=config.tp)
     timing.add("00 export", "+".join(traced.programs), time.perf_counter() - start)
     return run_passes(traced, config, toolchain, dump_dir, timing, progress=progress)
 
@@ -116,13 +134,18 @@ def run_passes(traced: TracedModel, config: CompileConfig, toolchain: Optional[T
 
 def compile_checkpoint(ckpt_dir, out, config: CompileConfig, toolchain: Toolchain, force: bool = False,
                        link_weights: bool = False, dumps: bool = True,
-                       timing: Optional[TimingInstrument] = None, progress=None) -> tuple[CompileResult, dict]:
+                       timing: Optional[TimingInstrument] = None, weights: bool = True,
+                       progress=None) -> tuple[CompileResult, dict]:
+    """`weights` False: compile config.json alone (a folder may hold nothing else); the artifact has
+    no weights and runs with random ones (`hgc run --load-format dummy`). `progress`: a tqdm-like
+    factory (compiler/cli/progress.py)."""
     from compiler.artifact_writer import checkpoint_index, staging_folder, write_artifact
 
     out, ckpt = Path(out), Path(ckpt_dir)
     timing = timing or TimingInstrument()
     with staging_folder(out, force=force, protect=[ckpt]) as tmp:
-        index = checkpoint_index(ckpt, toolchain.checkpoint_files)  # first: a folder without weights fails before the trace
+        # first: a folder without weights fails before the trace
+        index = checkpoint_index(ckpt, toolchain.checkpoint_files) if weights else None
         result = plan(ckpt, config, toolchain, dump_dir=tmp / DUMPS if dumps else None, timing=timing,
                       progress=progress)
         if result.errors():

@@ -37,6 +37,12 @@ A step through one layer (flattened tokens, x [T, D]):
    `forward_hidden(input_ids, positions)` (after the final norm, as in the reference's training
    path); `forward` is `compute_logits(forward_hidden(...), logits_index)`.
 
+Tensor parallelism (`build(cfg, tp)`): `rank_config` divides the heads (GQA's KV heads replicated
+below one per rank), g_norm's groups and the MLP / expert widths. The Lightning decay of a head
+depends on its index among all heads, so a rank model cannot compute its heads' decays from its
+own shapes: it holds them as a buffer (`log_decay`, a slice of `computed_tensors()`, which the
+artifact stores), where the whole model computes them in the graph.
+
 What it does not do: hold any cache or state (the runtime does, by layer id), serve
 rope_scaling (YaRN) or tied embeddings (refused at config time), or load transformers' own
 `bailing_hybrid` (Ling 3.0, KDA + MLA), which is a different architecture under the same
@@ -51,14 +57,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec, split_count
 from models.common import (CheckpointError, HybridLM, MoEBlock, RMSNorm, SwiGLU, apply_rotary,
-                           init_weights_)
+                           init_weights_, lm_head_rows)
 from models.families import Family
 
 __all__ = [
     "FAMILY", "MODEL_TYPES", "BailingLinearForCausalLM", "BailingMTPDraft", "text_config", "registry",
     "build", "make_config", "init_weights", "lightning_log_decay", "alibi_slopes", "main_layer_kinds",
+    "rank_config",
 ]
 
 MODEL_TYPES = ("bailing_moe_linear", "bailing_hybrid")
@@ -290,6 +297,33 @@ def lightning_log_decay(num_heads: int, layer_idx: int, num_layers: int, device=
     return -alibi_slopes(num_heads, device) * factor
 
 
+def rank_config(cfg: dict, tp: int) -> dict:
+    """The config of one rank of `tp`: heads, g_norm groups and MLP / expert widths divided (the
+    error names the first layer a count does not divide in); everything else as it is."""
+    if tp == 1:
+        return cfg
+    kinds = main_layer_kinds(cfg)
+    full_kind = attention_kind(cfg).value
+    linear = f"layer {kinds.index('linear')} (lightning)" if "linear" in kinds else "no layer"
+    full = f"layer {kinds.index('full')} ({full_kind})" if "full" in kinds else f"layer {len(kinds)} (draft)"
+    k_dense = cfg["first_k_dense_replace"]
+    moe = f"layer {k_dense} (moe MLP)"
+    heads = split_count(cfg["num_attention_heads"], tp, "attention heads", linear if "linear" in kinds else full)
+    out = dict(cfg, num_attention_heads=heads,
+               group_norm_size=split_count(cfg["group_norm_size"], tp, "g_norm groups", linear),
+               moe_intermediate_size=split_count(cfg["moe_intermediate_size"], tp, "expert intermediate channels", moe),
+               intermediate_size=split_count(cfg["intermediate_size"], tp, "dense MLP intermediate channels",
+                                             "layer 0 (dense MLP)" if k_dense else "no layer"))
+    if attention_kind(cfg) == LayerKind.FULL_GQA:
+        out["num_key_value_heads"] = split_count(cfg["num_key_value_heads"], tp, "KV heads", full, replicate=True)
+    else:
+        out["num_key_value_heads"] = heads  # MLA: one latent expanded to every head, kept equal as configs write it
+    if cfg.get("moe_shared_expert_intermediate_size") is not None:
+        out["moe_shared_expert_intermediate_size"] = split_count(
+            cfg["moe_shared_expert_intermediate_size"], tp, "shared-expert intermediate channels", moe)
+    return out
+
+
 # -- registry --------------------------------------------------------------------------------------
 
 
@@ -339,11 +373,14 @@ class GroupRMSNorm(nn.Module):
 class BailingLightning(nn.Module):
     """Lightning (simple GLA) attention of a linear layer; names under `attention.` in the checkpoint."""
 
-    def __init__(self, cfg: dict, layer_id: int):
+    def __init__(self, cfg: dict, layer_id: int, tp: int = 1):
         super().__init__()
         self.layer_id = layer_id
         self.num_layers = cfg["num_hidden_layers"]
         self.H, self.Dh = cfg["num_attention_heads"], cfg["head_dim"]
+        self.tp = tp
+        if tp > 1:  # this rank's heads' decays: a slice of `whole_log_decay()` (see the module docstring)
+            self.register_buffer("log_decay", torch.empty(self.H, dtype=torch.float32))
         self.rotary_dim = int(self.Dh * cfg["partial_rotary_factor"])
         self.theta = float(cfg["rope_theta"])
         self.silu = bool(cfg["linear_silu"])
@@ -369,11 +406,25 @@ class BailingLightning(nn.Module):
             q, k = self.query_layernorm(q), self.key_layernorm(k)
         q = apply_rotary(q, positions, self.rotary_dim, self.theta)
         k = apply_rotary(k, positions, self.rotary_dim, self.theta)
-        decay = lightning_log_decay(self.H, self.layer_id, self.num_layers, device=x.device)  # [H]
+        if self.tp > 1:
+            decay = self.log_decay.float()  # [H] of this rank's heads
+        else:
+            decay = lightning_log_decay(self.H, self.layer_id, self.num_layers, device=x.device)  # [H]
         out = v.new_empty(T, self.H, self.Dh)
         ops.lightning_core(q, k, v.contiguous(), decay, out, self.layer_id, self.Dh ** -0.5)
         o = self.g_norm(out.view(T, self.H * self.Dh))
         return self.dense(o * torch.sigmoid(self.g_proj(x)))
+
+    def whole_log_decay(self) -> torch.Tensor:
+        """The decays of all heads of the layer (every rank's), float32 on the CPU."""
+        return lightning_log_decay(self.H * self.tp, self.layer_id, self.num_layers)
+
+    def fused_segments(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """query_key_value's rows are q | k | v, H heads each."""
+        inner = self.H * self.Dh
+        layout = (0, (inner, inner, inner))
+        return {"query_key_value.weight": layout,
+                **({"query_key_value.bias": layout} if self.query_key_value.bias is not None else {})}
 
 
 class BailingMLA(nn.Module):
@@ -441,6 +492,12 @@ class BailingGQA(nn.Module):
             self.query_layernorm = self.key_layernorm = None
         self.dense = nn.Linear(self.H * self.Dh, hidden, bias=cfg["use_bias"])
 
+    def fused_segments(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """query_key_value's rows are H query heads | Hkv key heads | Hkv value heads."""
+        layout = (0, (self.H * self.Dh, self.Hkv * self.Dh, self.Hkv * self.Dh))
+        return {"query_key_value.weight": layout,
+                **({"query_key_value.bias": layout} if self.query_key_value.bias is not None else {})}
+
     def forward(self, x, positions, ops):
         T = x.shape[0]
         qkv = self.query_key_value(x).view(T, self.H + 2 * self.Hkv, self.Dh)
@@ -471,18 +528,18 @@ class BailingMoE(MoEBlock):
             expert_style="gate_up_down", shared_inter=_shared_inter(cfg), shared_name="shared_experts")
 
 
-def _attention(cfg: dict, layer_id: int, kind: str) -> nn.Module:
+def _attention(cfg: dict, layer_id: int, kind: str, tp: int) -> nn.Module:
     if kind == "linear":
-        return BailingLightning(cfg, layer_id)
+        return BailingLightning(cfg, layer_id, tp)
     return BailingMLA(cfg, layer_id) if attention_kind(cfg) == LayerKind.FULL_MLA else BailingGQA(cfg, layer_id)
 
 
 class BailingDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, layer_id: int, kind: str):
+    def __init__(self, cfg: dict, layer_id: int, kind: str, tp: int = 1):
         super().__init__()
         D, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.input_layernorm = RMSNorm(D, eps)
-        self.attention = _attention(cfg, layer_id, kind)
+        self.attention = _attention(cfg, layer_id, kind, tp)
         self.post_attention_layernorm = RMSNorm(D, eps)
         self.mlp = SwiGLU(D, cfg["intermediate_size"]) if layer_id < cfg["first_k_dense_replace"] \
             else BailingMoE(cfg, layer_id)
@@ -513,11 +570,11 @@ class BailingMTPLayer(BailingDecoderLayer):
 class BailingBackbone(nn.Module):
     """`model.*`: embeddings, main layers then the MTP layers (same ModuleList, as stored), final norm."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, tp: int = 1):
         super().__init__()
         N = cfg["num_hidden_layers"]
         self.word_embeddings = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        layers = [BailingDecoderLayer(cfg, i, kind) for i, kind in enumerate(main_layer_kinds(cfg))]
+        layers = [BailingDecoderLayer(cfg, i, kind, tp) for i, kind in enumerate(main_layer_kinds(cfg))]
         layers += [BailingMTPLayer(cfg, N + j) for j in range(cfg["num_nextn_predict_layers"])]
         self.layers = nn.ModuleList(layers)
         self.num_main = N
@@ -549,11 +606,12 @@ class BailingMTPDraft(nn.Module):
 class BailingLinearForCausalLM(HybridLM):
     family = "bailing_linear"
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, tp: int = 1):
         cfg = text_config(config)
-        super().__init__(cfg)
-        self.model = BailingBackbone(cfg)
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        super().__init__(cfg, tp)
+        cfg = text_config(rank_config(cfg, tp))
+        self.model = BailingBackbone(cfg, tp)
+        self.lm_head = nn.Linear(cfg["hidden_size"], lm_head_rows(cfg["vocab_size"], tp), bias=False)
         self.layer_registry = registry(cfg)
         mtp = list(self.model.layers[self.model.num_main:])
         draft = BailingMTPDraft(mtp, self.model.word_embeddings, self.lm_head, self.ops) if mtp else None
@@ -565,6 +623,11 @@ class BailingLinearForCausalLM(HybridLM):
         if self.draft is not None:
             self.draft.ops = ops
         return self
+
+    def computed_tensors(self) -> dict[str, torch.Tensor]:
+        """A rank model's Lightning decays, whole: each rank's `log_decay` buffer is its heads' slice."""
+        return {f"{name}.log_decay": m.whole_log_decay() for name, m in self.named_modules()
+                if isinstance(m, BailingLightning) and m.tp > 1}
 
     def forward_hidden(self, input_ids, positions):
         """Main-model hidden states after the final norm [T, D]: what the MTP draft consumes."""
@@ -580,8 +643,8 @@ class BailingLinearForCausalLM(HybridLM):
         return self.compute_logits(self.forward_hidden(input_ids, positions), logits_index)
 
 
-def build(cfg: dict) -> BailingLinearForCausalLM:
-    return BailingLinearForCausalLM(cfg)
+def build(cfg: dict, tp: int = 1) -> BailingLinearForCausalLM:
+    return BailingLinearForCausalLM(cfg, tp)
 
 
 def init_weights(model: HybridLM, seed: int) -> None:

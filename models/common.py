@@ -11,6 +11,17 @@ Calling convention of every family model (flattened tokens, no batch dimension):
 
 Attention-like cores go through `self.ops` (an op table: compiler/splitops/table.py). Nothing
 here holds a cache or state; the runtime owns them.
+
+Tensor parallelism. `family.build(text_config, tp)` builds the model one rank of `tp` runs: every
+quantity tensor parallelism splits (heads, MLP and expert widths, lm_head's vocabulary rows) is
+divided by `tp` when the family's dimensions are read, with the one rule of
+compiler/splitops/sharding.py (`split_count`, which names the layer when a count does not
+divide), and the modules are built from those rank dimensions unchanged. The model states what
+the compiler's sharding pass cannot see from shapes alone: tensors that fuse several projections
+along one dimension (`fused_segments`, e.g. a conv over q | k | v channels), and tensors it
+computes from its config that a rank takes a slice of (`computed_tensors`). Everything else (which
+dimension is cut, where the all-reduces go) the pass derives; the embedding stays whole on every
+rank, lm_head is cut by vocabulary rows (its logits are gathered).
 """
 
 from __future__ import annotations
@@ -19,10 +30,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiler.splitops import TRACED_OPS, LayerRegistry
+from compiler.splitops import TRACED_OPS, LayerRegistry, split_count
 
 __all__ = ["RMSNorm", "SwiGLU", "Router", "MoEBlock", "HybridLM", "apply_rotary", "rope_inv_freq",
-           "EXPERT_STYLES", "CheckpointError", "init_weights_", "ceil_div"]
+           "EXPERT_STYLES", "CheckpointError", "init_weights_", "ceil_div", "lm_head_rows"]
 
 
 class CheckpointError(ValueError):
@@ -148,6 +159,12 @@ class MoEBlock(nn.Module):
                 self.num_groups, self.topk_groups)
         return out
 
+    def fused_segments(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """The fused routed-expert tensor stacks gate rows then up rows along dim 1: two segments."""
+        if self.expert_style != "fused":
+            return {}
+        return {EXPERT_STYLES["fused"][0]: (1, (self.inter, self.inter))}
+
     # -- checkpoint names of the op-layout weights ----------------------------------------
 
     def _shared_names(self, prefix: str) -> tuple[str, str, str]:
@@ -215,9 +232,10 @@ class HybridLM(nn.Module):
 
     family: str = ""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, tp: int = 1):
         super().__init__()
         self.config = config
+        self.tp = tp  # the rank count this model is one rank of (1: the whole model)
         self.ops = TRACED_OPS
         self.layer_registry: LayerRegistry | None = None
 
@@ -242,6 +260,24 @@ class HybridLM(nn.Module):
 
     def checkpoint_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self.checkpoint_tensors().items()}
+
+    def fused_segments(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Checkpoint name -> (dim, segment lengths) of every tensor that fuses several projections
+        along one dimension (q | k | v rows, gate | up rows), in this model's shapes: a rank takes
+        its part of each segment, not one contiguous block. Modules declare theirs with a
+        `fused_segments()` method of their own, keyed by names under the module."""
+        out = {}
+        for prefix, module in self.named_modules():
+            own = getattr(module, "fused_segments", None)
+            if module is self or own is None:
+                continue
+            out.update({f"{prefix}.{name}": layout for name, layout in own().items()})
+        return out
+
+    def computed_tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint-named tensors the model computes from its config rather than reads, whole (for
+        every rank), on the CPU: a rank model holds a slice of each as a buffer. Empty by default."""
+        return {}
 
     def load_checkpoint_tensors(self, get, source: str = "checkpoint") -> None:
         """Fill every parameter from `get(name) -> tensor` (KeyError if absent)."""
@@ -288,4 +324,9 @@ def _owner(model: nn.Module, param_name: str) -> nn.Module:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def lm_head_rows(vocab: int, tp: int) -> int:
+    """lm_head's rows on one rank of `tp`: the vocabulary is split, the logits gathered after it."""
+    return split_count(vocab, tp, "vocabulary rows", "lm_head")
 

@@ -24,7 +24,9 @@ class Family:
     model_types: tuple[str, ...]  # config.json model_type values it serves
     text_config: Callable[[dict], dict]  # config.json -> the flat text-model config (validated)
     registry: Callable[[dict], LayerRegistry]  # text config -> registry (main + draft layers)
-    build: Callable[[dict], HybridLM]  # text config -> model with uninitialised weights
+    # (text config, tp=1) -> model with uninitialised weights: the whole model, or one rank of tp
+    # (models/common.py, "Tensor parallelism")
+    build: Callable[..., HybridLM]
     make_config: Callable[[str], dict]  # size -> a complete config.json for `hgc init-model`
     init_weights: Callable[[HybridLM, int], None]  # seeded random weights of sensible scale
     transformers_loadable: bool  # whether transformers' AutoModelForCausalLM reads our checkpoints

@@ -27,6 +27,10 @@ The math follows transformers' `models/kimi_linear` (the test oracle):
   sigmoid-scored routed experts (selection bias `e_score_correction_bias`, renormalised, times
   routed_scaling_factor) plus the shared experts (ungated).
 
+Tensor parallelism (`build(cfg, tp)`): `rank_config` divides the MLA and KDA heads and the MLP and
+expert widths; the latent (kv_a_proj, its norm, the KV cache) stays whole on every rank, each rank
+expanding it for its own heads.
+
 What it does not do: MTP (Kimi-Linear has none; a config asking for it is refused), the rotary
 MLA variant (`mla_use_nope: false`, which transformers does not implement either), caches.
 """
@@ -38,12 +42,12 @@ import math
 import torch
 import torch.nn as nn
 
-from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec
-from models.common import CheckpointError, HybridLM, MoEBlock, SwiGLU, init_weights_
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec, split_count
+from models.common import CheckpointError, HybridLM, MoEBlock, SwiGLU, init_weights_, lm_head_rows
 from models.families import SIZES, Family
 
 __all__ = ["FAMILY", "KimiLinearForCausalLM", "text_config", "build_registry", "build", "make_config",
-           "init_weights"]
+           "init_weights", "rank_config"]
 
 _SOURCE = "config.json"
 
@@ -258,6 +262,30 @@ def build_registry(cfg: dict) -> LayerRegistry:
     return LayerRegistry(layers)
 
 
+def rank_config(cfg: dict, tp: int) -> dict:
+    """The flat config of one rank of `tp`: heads and MLP / expert widths divided (the error names
+    the first layer a count does not divide in); everything else as it is."""
+    if tp == 1:
+        return cfg
+    kinds, dense = _layer_kinds(cfg), _dense_layers(cfg)
+
+    def first(pred, what) -> str:
+        i = next((i for i in range(len(kinds)) if pred(i)), None)
+        return f"layer {i} ({what})" if i is not None else "no layer"
+
+    mla = first(lambda i: kinds[i] is LayerKind.FULL_MLA, "full_mla")
+    kda = first(lambda i: kinds[i] is LayerKind.KDA, "kda")
+    heads = split_count(cfg["num_attention_heads"], tp, "attention heads", mla)
+    linear_heads = split_count(cfg["linear_num_heads"], tp, "KDA heads", kda)
+    out = dict(cfg, num_attention_heads=heads, num_key_value_heads=heads, linear_num_heads=linear_heads,
+               moe_intermediate_size=split_count(cfg["moe_intermediate_size"], tp, "expert intermediate channels",
+                                                 first(lambda i: not dense[i], "moe MLP")),
+               intermediate_size=split_count(cfg["intermediate_size"], tp, "dense MLP intermediate channels",
+                                             first(lambda i: dense[i], "dense MLP")))
+    out["linear_attn_config"] = dict(_linear_attn(cfg), num_heads=linear_heads)
+    return out
+
+
 # -- modules -----------------------------------------------------------------------------------
 
 
@@ -448,14 +476,15 @@ class KimiLinearForCausalLM(HybridLM):
 
     family = "kimi_linear"
 
-    def __init__(self, cfg: dict):
-        super().__init__(cfg)
+    def __init__(self, cfg: dict, tp: int = 1):
+        super().__init__(cfg, tp)
+        cfg = rank_config(cfg, tp)
         self.layer_registry = build_registry(cfg)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.model.layers = nn.ModuleList(KimiDecoderLayer(cfg, spec) for spec in self.layer_registry.main_layers())
         self.model.norm = KimiRMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5))
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = nn.Linear(cfg["hidden_size"], lm_head_rows(cfg["vocab_size"], tp), bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [T, D]
@@ -467,9 +496,10 @@ class KimiLinearForCausalLM(HybridLM):
 # -- family entry points -----------------------------------------------------------------------
 
 
-def build(cfg: dict) -> KimiLinearForCausalLM:
-    """The model in the config's dtype, router / A_log / dt_bias kept fp32; weights uninitialised."""
-    model = KimiLinearForCausalLM(cfg)
+def build(cfg: dict, tp: int = 1) -> KimiLinearForCausalLM:
+    """The model (one rank of `tp`) in the config's dtype, router / A_log / dt_bias kept fp32; weights
+    uninitialised."""
+    model = KimiLinearForCausalLM(cfg, tp)
     dtype = getattr(torch, _dtype_name(cfg))
     for name, p in model.named_parameters():
         if not name.endswith(_FP32_SUFFIXES):

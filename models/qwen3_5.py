@@ -44,6 +44,11 @@ class Qwen3_5GDN(GatedDeltaNetBase):
         self.in_proj_b = nn.Linear(d.hidden, d.v_heads, bias=False)
         self.in_proj_a = nn.Linear(d.hidden, d.v_heads, bias=False)
 
+    def fused_segments(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """in_proj_qkv's rows are the conv's channels, q | k | v."""
+        layout = super().fused_segments()["conv1d.weight"]
+        return {"conv1d.weight": layout, "in_proj_qkv.weight": layout}
+
     def project(self, x):
         z = self.in_proj_z(x).view(-1, self.v_heads, self.v_dim)
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
@@ -94,8 +99,8 @@ def registry(cfg: dict):
     return qwen_registry(parse_dims(cfg, _variant(cfg)), Qwen3_5GDN.__name__)
 
 
-def build(cfg: dict) -> QwenHybridLM:
-    return (Qwen3_5MoeForCausalLM if _variant(cfg) == "moe" else Qwen3_5ForCausalLM)(cfg)
+def build(cfg: dict, tp: int = 1) -> QwenHybridLM:
+    return (Qwen3_5MoeForCausalLM if _variant(cfg) == "moe" else Qwen3_5ForCausalLM)(cfg, tp)
 
 
 _COMMON = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,

@@ -28,6 +28,10 @@ Draft forward (vLLM's Qwen3-Next MTP): x = fc([norm_e(embed(ids)), norm_h(hidden
 layer, a final norm, the main model's lm_head. `hidden` is the main model's final hidden state
 (after model.norm, what `forward_hidden` returns) at the same positions.
 
+Tensor parallelism: `shard_dims(dims, tp)` divides the heads (KV heads replicated when there are
+fewer than ranks), the linear-attention heads and the MLP / expert widths; a rank model is built
+from those dims like any other (models/common.py).
+
 Tensor names equal the checkpoint's: `model.layers.{i}.*`, `model.embed_tokens`, `model.norm`,
 `lm_head`, `mtp.*` (routed experts stacked by MoEBlock, written per expert or fused by its style).
 """
@@ -41,12 +45,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec, split_count
 from models.common import (CheckpointError, HybridLM, MoEBlock, RMSNorm, SwiGLU, apply_rotary,
-                           init_weights_)
+                           init_weights_, lm_head_rows)
 from models.families import Family
 
-__all__ = ["QwenDims", "parse_dims", "qwen_registry", "QwenHybridLM", "Qwen3NextForCausalLM",
+__all__ = ["QwenDims", "parse_dims", "shard_dims", "qwen_registry", "QwenHybridLM", "Qwen3NextForCausalLM",
            "GatedDeltaNetBase", "Qwen3NextGDN", "QwenGatedAttention", "QwenSparseMoe", "QwenMTP",
            "GatedRMSNorm", "l2norm", "init_qwen_weights", "make_config", "FAMILY", "TENSOR_PREFIX_KEY"]
 
@@ -264,6 +268,29 @@ def parse_dims(cfg: dict, variant: str, source: str = "config.json") -> QwenDims
     )
 
 
+def shard_dims(d: QwenDims, tp: int) -> QwenDims:
+    """The dims of one rank of `tp`: heads, linear-attention heads and MLP widths divided (KV heads
+    replicated below one per rank); the error names the first layer a count does not divide in."""
+    if tp == 1:
+        return d
+
+    def layer(kind=None, mlp=None) -> str:
+        for i, (k, m) in enumerate(zip(d.layer_kinds, d.mlp_kinds)):
+            if (kind is None or k == kind) and (mlp is None or m == mlp):
+                return f"layer {i} ({k.value}{', ' + m + ' MLP' if mlp else ''})"
+        return f"layer {d.num_layers} (draft)"  # only the draft layer has it
+
+    full, gdn = layer(LayerKind.FULL_GQA), layer(LayerKind.GDN)
+    return dataclasses.replace(
+        d, heads=split_count(d.heads, tp, "attention heads", full),
+        kv_heads=split_count(d.kv_heads, tp, "KV heads", full, replicate=True),
+        k_heads=split_count(d.k_heads, tp, "linear-attention key heads", gdn),
+        v_heads=split_count(d.v_heads, tp, "linear-attention value heads", gdn),
+        moe_inter=split_count(d.moe_inter, tp, "expert intermediate channels", layer(mlp="moe")),
+        shared_inter=split_count(d.shared_inter, tp, "shared-expert intermediate channels", layer(mlp="moe")),
+        inter=split_count(d.inter, tp, "dense MLP intermediate channels", layer(mlp="dense")))
+
+
 def qwen_registry(d: QwenDims, gdn_module: str) -> LayerRegistry:
     """One LayerSpec per main layer, then the draft layer(s) with ids num_layers, num_layers+1, ..."""
     kv = {"k": TensorSpec((d.kv_heads, d.head_dim), d.dtype), "v": TensorSpec((d.kv_heads, d.head_dim), d.dtype)}
@@ -328,6 +355,11 @@ class GatedDeltaNetBase(nn.Module):
 
     def project(self, x: torch.Tensor):
         raise NotImplementedError
+
+    def fused_segments(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """The conv runs over q | k | v channels: three segments a rank takes its heads of."""
+        kd = self.k_heads * self.k_dim
+        return {"conv1d.weight": (0, (kd, kd, self.v_heads * self.v_dim))}
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         qkv, z, b, a = self.project(x)  # x [T,D]
@@ -469,9 +501,9 @@ class QwenHybridLM(HybridLM):
     expert_style = "gate_up_down"  # main layers
     mtp_expert_style = "gate_up_down"  # the MTP layer (per-expert tensors in every known checkpoint)
 
-    def __init__(self, config: dict):
-        super().__init__(config)
-        d = self.dims = parse_dims(config, self.variant)
+    def __init__(self, config: dict, tp: int = 1):
+        super().__init__(config, tp)
+        d = self.dims = shard_dims(parse_dims(config, self.variant), tp)
         self.layer_registry = qwen_registry(d, self.gdn_cls.__name__)
         backbone = QwenBackbone(d, self.layer_registry, self.gdn_cls, self.expert_style)
         if d.prefix == VL_PREFIX:  # model.language_model.*: the VL checkpoint layout
@@ -479,7 +511,7 @@ class QwenHybridLM(HybridLM):
             self.model.language_model = backbone
         else:
             self.model = backbone
-        self.lm_head = None if d.tie_embeddings else nn.Linear(d.hidden, d.vocab, bias=False)
+        self.lm_head = None if d.tie_embeddings else nn.Linear(d.hidden, lm_head_rows(d.vocab, tp), bias=False)
         if d.num_mtp:
             self.mtp = QwenMTP(d, self.layer_registry.draft_layers()[0], self.gdn_cls, self.mtp_expert_style, self)
         self.to(getattr(torch, d.dtype))

@@ -7,13 +7,14 @@
    releases), the op schemas the programs were traced with, and the SHA-256 of every listed
    file; a file it does not list is refused.
 2. The registry (in the manifest), routing.json (the binding: runtime/binding.py executes it),
-   split.json (what is captured per mode) and lints.json are parsed with the format module's
-   helpers (compiler/splitops/artifact.py), which name the file and field of anything malformed.
+   split.json (what is captured per mode), lints.json and, for a tensor-parallel artifact,
+   sharding.json are parsed with the format module's helpers (compiler/splitops/artifact.py),
+   which name the file and field of anything malformed.
 3. The facts the runtime uses are cross-checked against the documents they describe
    (`check_documents`): the programs against the registry's draft layers, routing.json and
    split.json; each routing entry's layer kind against the registry; the layer count against
-   config.json's. The loader then checks vocabulary and hidden size against the programs
-   (runtime/loader.py).
+   config.json's; the rank count of sharding.json against the compile's --tp. The loader then
+   checks vocabulary and hidden size against the programs (runtime/loader.py).
 4. `verify_files(docs)` re-hashes every listed file, those the loader hashes while reading them
    included (`hgc verify`).
 
@@ -31,9 +32,10 @@ from pathlib import Path
 import torch
 
 from compiler.splitops import LayerRegistry, Mode, op_schemas  # also registers the hgc ops graphs call
-from compiler.splitops.artifact import (DRAFT_GRAPH, GRAPH, LINTS, MANIFEST, PROGRAM_FILES, ROUTING, SPLIT, WEIGHTS,
-                                        ArtifactFormatError, RoutingTable, SplitPlan, check_format,
-                                        check_manifest_seal, load_json, parse_routing_doc, parse_split_doc,
+from compiler.splitops.artifact import (DRAFT_GRAPH, GRAPH, LINTS, MANIFEST, PROGRAM_FILES, ROUTING, SHARDING, SPLIT,
+                                        WEIGHTS, ArtifactFormatError, RoutingTable, Sharding, SplitPlan, check_format,
+                                        check_manifest_seal, load_json, parse_routing_doc, parse_sharding_doc,
+                                        parse_split_doc,
                                         sha256_file)
 
 __all__ = ["LoadError", "ArtifactDocs", "read_artifact", "check_hash", "HASHED_ON_LOAD", "check_documents",
@@ -54,6 +56,12 @@ class ArtifactDocs:
     routing: RoutingTable
     split_plans: dict[str, dict[Mode, SplitPlan]]
     lints: dict
+    sharding: Sharding | None = None  # a tensor-parallel artifact's sharding.json (None: one device)
+
+    @property
+    def tp(self) -> int:
+        """The rank count the programs are one rank of (1: not tensor parallel)."""
+        return self.sharding.tp if self.sharding is not None else 1
 
     @property
     def family(self) -> str:
@@ -137,16 +145,18 @@ def read_artifact(path: str | os.PathLike, verify_hashes: bool = True) -> Artifa
     for name in (ROUTING, SPLIT, LINTS):
         if name not in files:
             raise LoadError(f"{root}: {name} is not listed in manifest.json")
-        if not verify_hashes:  # these are parsed below: always checked
+    for name in (ROUTING, SPLIT, LINTS, SHARDING):
+        if not verify_hashes and name in files:  # these are parsed below: always checked
             check_hash(root / name, files[name], name)
     try:
         registry = LayerRegistry.from_json(manifest["registry"])
         routing = parse_routing_doc(load_json(root / ROUTING), ROUTING)
         split_plans = parse_split_doc(load_json(root / SPLIT), SPLIT)
         lints = check_format(load_json(root / LINTS), LINTS)
+        sharding = parse_sharding_doc(load_json(root / SHARDING), SHARDING) if SHARDING in files else None
     except (ArtifactFormatError, KeyError, ValueError, TypeError) as e:
         raise LoadError(f"{root}: {e}") from None
-    docs = ArtifactDocs(root, manifest, registry, routing, split_plans, lints)
+    docs = ArtifactDocs(root, manifest, registry, routing, split_plans, lints, sharding)
     check_documents(docs)
     return docs
 
@@ -184,6 +194,11 @@ def check_documents(docs: ArtifactDocs) -> None:
     if isinstance(layers, int) and layers != len(registry.main_layers()):
         raise LoadError(f"{root / MANIFEST}: config num_hidden_layers is {layers}, the registry has "
                         f"{len(registry.main_layers())} main layers")
+    compiled = manifest.get("compile") if isinstance(manifest.get("compile"), dict) else {}
+    if compiled.get("tp", 1) != docs.tp:  # sharding.json is there exactly when the compile asked for ranks
+        found = "no sharding.json" if docs.sharding is None else f"a sharding.json for {docs.tp} ranks"
+        raise LoadError(f"{root / MANIFEST}: compiled with --tp {compiled.get('tp', 1)}, but the artifact has "
+                        f"{found}: recompile")
 
 
 def verify_files(docs: ArtifactDocs, progress=None) -> tuple[int, int]:

@@ -39,7 +39,7 @@ import torch
 import torch.fx
 
 from compiler.splitops import CapabilityError, LayerKind, Mode, call_arguments, call_facts, op_name_of
-from compiler.splitops.artifact import CAPTURED, RouteEntry
+from compiler.splitops.artifact import CAPTURED, RouteEntry, retarget_meta_devices
 from runtime.artifact_docs import ArtifactDocs, LoadError
 from runtime.backends.backend_set import BackendSet
 from runtime.backends.protocol import BackendHooks, BackendSetup
@@ -181,30 +181,19 @@ def members_of(backend) -> dict[str, BackendHooks]:
     return {backend_name(backend): backend}
 
 
-def _rewrite_device(value, device: torch.device):
-    if isinstance(value, torch.device) and value.type == "meta":
-        return device
-    if isinstance(value, (list, tuple)):
-        return type(value)(_rewrite_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _rewrite_device(v, device) for k, v in value.items()}
-    return value
-
-
 def bind_graph(gm: torch.fx.GraphModule, program: str, docs: ArtifactDocs, ops: BoundOps,
                device: torch.device) -> torch.fx.GraphModule:
     """A copy of `gm` on `device` whose every op node calls its routed instance (step 4)."""
     graph = torch.fx.Graph()
     env: dict = {}
     graph.output(graph.graph_copy(gm.graph, env))
+    retarget_meta_devices(graph, device)
     offered = members_of(ops.backend)
     calls: dict[tuple[str, str], Callable] = {}
     pairs = {node.name: entry for entry, node in routed_calls(docs, program, gm)}
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        node.args = _rewrite_device(node.args, device)
-        node.kwargs = _rewrite_device(node.kwargs, device)
         op = op_name_of(node.target)
         if op is None:
             continue

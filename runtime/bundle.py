@@ -100,11 +100,16 @@ def _snapshot(folders: dict[str, Path]) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _inductor_compiles(counters) -> int:
+    return counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_bypass"]
+
+
 class KernelWatch:
     """Builds during a block: C++ kernels Inductor would compile (refused as they start, unless
     allowed) and any kernel a cache gains (Triton, FlashInfer, Inductor tuning), found by comparing
     the caches before and after. `builds` counts them; `inductor_compiles` counts graphs Inductor
-    compiled instead of finding them in a piece."""
+    compiled instead of finding them in a piece: its FX graph cache's misses, and its bypasses (a
+    graph the cache cannot key is compiled without a miss being counted)."""
 
     def __init__(self, folders: dict[str, Path], allow: bool, remedy: str):
         self.folders, self.allow, self.remedy = folders, allow, remedy
@@ -122,7 +127,7 @@ class KernelWatch:
         from torch._inductor.cpp_builder import CppBuilder
 
         self._before = _snapshot(self.folders)
-        self._misses = counters["inductor"]["fxgraph_cache_miss"]
+        self._compiles = _inductor_compiles(counters)
         self._build = CppBuilder.build
         watch = self
 
@@ -141,7 +146,7 @@ class KernelWatch:
         from torch._inductor.cpp_builder import CppBuilder
 
         CppBuilder.build = self._build
-        self.inductor_compiles += counters["inductor"]["fxgraph_cache_miss"] - self._misses
+        self.inductor_compiles += _inductor_compiles(counters) - self._compiles
         if kind is None:
             after = _snapshot(self.folders)
             new = sorted(f for f, stat in after.items() if self._before.get(f) != stat)
@@ -342,6 +347,9 @@ def open_bundle(docs: ArtifactDocs, device: str | torch.device, options: Compile
     selected = _select(docs, device)
     if selected is None:
         return None
+    if docs.tp > 1:  # `hgc build` refuses to make one: nothing has checked compiled glue on ranks
+        raise BundleError(f"{docs.path}: a target bundle in an artifact compiled for --tp {docs.tp}; compiled pieces "
+                          f"do not run on ranks: pass --no-compiled, or recompile without the bundle")
     key, here = selected
     start = time.perf_counter()
     doc = _read_doc(docs, key)

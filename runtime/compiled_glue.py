@@ -2,20 +2,23 @@
 
     glue = bundle.glue("main")            # runtime/bundle.py: the pieces, loaded and checked
     glue.check(program_gm)                # the program cuts into the segments the bundle was built for
-    glue.install(split_gm)                # each captured piece's glue runs become calls of compiled pieces
+    glue.install(split_gm, plan)          # each captured piece's glue runs become calls of compiled pieces
 
 1. `check(gm)`: `glue_segments(gm)` (compiler/splitops/glue.py, the cut the builder made) must give
    the segments bundle.json records, node for node; otherwise the bundle belongs to another graph.
-2. `install(split)`: in every piece of a split program (apply_split_plan keeps node names), the
-   nodes of each segment with a compiled piece are replaced by one call of that piece with the
-   segment's inputs, and its outputs are read back by position. The op nodes between segments
-   stay as they were: calls of the routed backend, mutating their `out` in place, which the next
-   piece reads. A split plan cuts only at op nodes, so a segment never straddles two pieces.
+   The segments are kept for step 2.
+2. `install(split, plan)`: the plan says which piece runs each segment (`segment_pieces`: from
+   split.json alone, refusing a plan that cuts inside a segment); in that piece module
+   (apply_split_plan keeps node names) the segment's nodes are replaced by one call of its compiled
+   piece with the segment's inputs, and its outputs are read back by position. A segment's nodes
+   are found among the piece's own nodes, never its placeholders: a piece that reads a value of an
+   earlier piece has a placeholder of that value's name. The op nodes between segments stay as
+   they were: calls of the routed backend, mutating their `out` in place, which the next piece reads.
 
 The split module is otherwise unchanged, so the graph runner captures and replays it like the
 traced one, and `ProgramRunner.module_for(mode, compiled=False)` still gives the traced glue:
 the reference the start-up check compares with (runtime/compiled_parity.py). What it does not
-do: load or check bundle files (runtime/bundle.py).
+do: load or check bundle files (runtime/bundle.py), or decide where pieces begin (the plan does).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Callable
 import torch
 import torch.fx
 
-from compiler.splitops.glue import glue_segments
+from compiler.splitops.artifact import SplitPlan, piece_module_names
+from compiler.splitops.glue import GlueSegment, GlueSplitError, glue_segments, segment_pieces
 from runtime.artifact_docs import LoadError
 
 __all__ = ["CompiledGlue", "compiled_calls"]
@@ -46,6 +50,7 @@ class CompiledGlue:
 
     def __init__(self, program: str, records: list[dict], pieces: dict, bundle: str):
         self.program, self.records, self.bundle = program, records, bundle
+        self._segments: list[GlueSegment] | None = None  # check(gm) sets them
         self._calls = {name: _piece_call(piece, f"hgc_piece_{name.rsplit('/', 1)[-1].split('.')[0]}")
                        for name, piece in pieces.items()}
 
@@ -60,57 +65,49 @@ class CompiledGlue:
                 raise LoadError(f"bundle {self.bundle}: {self.program} glue segment {segment.index} (from node "
                                 f"{segment.nodes[0]}) is not the one the bundle was built for (from "
                                 f"{record.get('first')}): rebuild it")
+        self._segments = segments
 
-    def install(self, split: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        """Step 2, in place on `split`'s piece modules; returns `split`. Every segment with a
-        compiled piece must have been found in exactly one piece."""
-        installed: list[int] = []
-        for name, piece in split.named_children():
-            if isinstance(piece, torch.fx.GraphModule):
-                installed += self._install_piece(piece, name)
-        expected = [r["index"] for r in self.records if r["piece"] is not None]
-        if sorted(installed) != expected:
-            missing = sorted(set(expected) - set(installed))
-            raise LoadError(f"bundle {self.bundle}: {self.program} glue segment(s) {missing[:3] or installed[:3]} "
-                            f"found in no piece, or in two, of the split program: rebuild it")
+    def install(self, split: torch.fx.GraphModule, plan: SplitPlan) -> torch.fx.GraphModule:
+        """Step 2, in place on `split` (apply_split_plan(gm, plan) of the checked graph); returns `split`."""
+        if self._segments is None:
+            raise RuntimeError(f"{self.program}: check(gm) the program before installing its compiled glue")
+        try:
+            held = segment_pieces(self._segments, plan, self.program)
+        except GlueSplitError as e:
+            raise LoadError(f"bundle {self.bundle}: {e}") from None
+        names = piece_module_names(plan)
+        by_piece: dict[int, list[GlueSegment]] = {}
+        for segment, record in zip(self._segments, self.records):
+            if record["piece"] is not None:
+                by_piece.setdefault(held[segment.index], []).append(segment)
+        for index, segments in by_piece.items():
+            self._install_piece(getattr(split, names[index]), names[index], segments)
         return split
 
-    def _install_piece(self, piece: torch.fx.GraphModule, piece_name: str) -> list[int]:
-        by_name = {n.name: n for n in piece.graph.nodes}
-        changed: list[int] = []
-        for record in self.records:
-            if record["piece"] is None or record["first"] not in by_name:
-                continue
-            nodes = []
-            node = by_name[record["first"]]
-            while len(nodes) < record["size"]:
-                if node.op in ("output", "placeholder", "root"):
-                    raise LoadError(f"bundle {self.bundle}: {self.program} glue segment {record['index']} does not "
-                                    f"lie whole in {piece_name}")
-                nodes.append(node)
-                node = node.next
-            if nodes[-1].name != record["last"]:
-                raise LoadError(f"bundle {self.bundle}: {self.program} glue segment {record['index']} ends at "
-                                f"{nodes[-1].name} in {piece_name}, recorded {record['last']}: rebuild it")
-            inside = set(nodes)
+    def _install_piece(self, piece: torch.fx.GraphModule, piece_name: str, segments: list[GlueSegment]) -> None:
+        values = {n.name: n for n in piece.graph.nodes}  # what a segment may read: placeholders included
+        computed = {n.name: n for n in piece.graph.nodes if n.op != "placeholder"}
+        for segment in segments:
+            where = f"bundle {self.bundle}: {self.program} glue segment {segment.index} in {piece_name}"
             try:
-                inputs = tuple(by_name[n] for n in record["inputs"])
+                nodes = [computed[n] for n in segment.nodes]
+                inputs = tuple(values[n] for n in segment.inputs)
             except KeyError as e:
-                raise LoadError(f"bundle {self.bundle}: {self.program} glue segment {record['index']} reads {e}, "
-                                f"which {piece_name} does not have") from None
+                raise LoadError(f"{where}: node {e} is not there; the split module is not of the checked "
+                                f"graph") from None
+            if any(a.next is not b for a, b in zip(nodes, nodes[1:])):
+                raise LoadError(f"{where}: its nodes are not one run there; the split module is not of the "
+                                f"checked graph")
+            inside = set(nodes)
             with piece.graph.inserting_before(nodes[0]):
-                call = piece.graph.call_function(self._calls[record["piece"]], inputs)
-                outputs = [piece.graph.call_function(operator.getitem, (call, i))
-                           for i in range(len(record["outputs"]))]
-            for name, out in zip(record["outputs"], outputs):
-                by_name[name].replace_all_uses_with(out, delete_user_cb=lambda user: user not in inside)
-                by_name[name] = out  # a later segment of this piece reads it from here
+                call = piece.graph.call_function(self._calls[self.records[segment.index]["piece"]], inputs)
+                outputs = [piece.graph.call_function(operator.getitem, (call, i)) for i in range(len(segment.outputs))]
+            for name, out in zip(segment.outputs, outputs):
+                values[name].replace_all_uses_with(out, delete_user_cb=lambda user: user not in inside)
+                values[name] = out  # a later segment of this piece reads it from here
             for n in reversed(nodes):
                 piece.graph.erase_node(n)
-            changed.append(record["index"])
-        if changed:
-            piece.recompile()
-        return changed
+        piece.recompile()
 
 
 def compiled_calls(module: torch.nn.Module) -> int:

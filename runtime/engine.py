@@ -265,6 +265,9 @@ class Engine:
         self._recent: collections.deque[StepRecord] = collections.deque(maxlen=recent_steps)
         self._totals = collections.Counter()  # counts and seconds, see timing() / stats()
         self._penalties: PenaltyTables | None = None  # made when a request with a penalty or bias first samples
+        # Tensor parallel, rank 0: called with each step's (seq_items, logits_rows) before it runs,
+        # to send it to the other ranks (runtime/distributed.py). None on one device.
+        self.broadcast: Callable | None = None
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -453,6 +456,13 @@ class Engine:
         with speculative decoding, else None)."""
         seq_items = [(req.seq, req.next_tokens(n)) for req, n in items]
         logits_rows = rows if any(r > 1 for r in rows) else None
+        if self.broadcast is not None:  # tensor parallel: the other ranks run the same step
+            self.broadcast(seq_items, logits_rows)
+        return self.execute(seq_items, logits_rows)
+
+    def execute(self, seq_items, logits_rows: list[int] | None) -> tuple[Mode, torch.Tensor, torch.Tensor | None]:
+        """Run one step's forward: (request state, new token ids) per request. The other ranks of a
+        tensor-parallel run call this with the steps rank 0 broadcasts (runtime/distributed.py)."""
         if self.spec is not None:
             mode, logits, hidden = self.spec.run_main(seq_items, logits_rows)
             commit_step(seq_items)

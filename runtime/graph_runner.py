@@ -63,7 +63,8 @@ from typing import Callable, Optional
 import torch
 
 from compiler.splitops import Mode
-from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS, PROGRAM_INPUTS
+from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS,
+                                        PROGRAM_INPUTS, piece_module_names)
 from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
@@ -153,7 +154,7 @@ class GraphRunner:
 
     def _plan_is_one_captured_piece(self, mode: Mode) -> bool:
         pieces = self.program.plans[mode].pieces
-        return len(pieces) == 1 and pieces[0].kind == "captured"
+        return len(pieces) == 1 and pieces[0].kind == CAPTURED
 
     def _is_full(self, key: Optional[CaptureKey]) -> bool:
         return key is not None and key.mode in self.full_modes
@@ -237,10 +238,9 @@ class GraphRunner:
             plan_mode = Mode.EXTEND  # piecewise decode asked for: the extend plan has the eager gaps
         if plan_mode not in self._modules:
             split = self.program.module_for(plan_mode)
-            pieces = self.program.plans[plan_mode].pieces
-            for piece in pieces:
-                if piece.kind == "captured":
-                    name = f"submod_{piece.index}"
+            plan = self.program.plans[plan_mode]
+            for piece, name in zip(plan.pieces, piece_module_names(plan)):
+                if piece.kind == CAPTURED:
                     setattr(split, name, CapturedPiece(getattr(split, name), piece.index, self.state, self.debug))
             self._modules[plan_mode] = split
         return self._modules[plan_mode]

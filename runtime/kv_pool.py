@@ -8,6 +8,8 @@
    Requests hold their page list; the prefix cache (runtime/radix_cache.py) holds its own.
    `copy_pages(src, dst)` copies page contents (a request forked after a shared prompt).
 3. Token i of a request lives at page_table[i // page_size], offset i % page_size.
+4. `journal`: on rank 0 of a tensor-parallel run, a list recording page copies for the other
+   ranks to replay (runtime/distributed.py); None elsewhere.
 
 A shared page is only ever read: pages are shared whole, and only full pages of tokens before a
 request's first new token, so no request writes into a page another one reads.
@@ -52,6 +54,7 @@ class KVPool:
             }
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._refs: list[int] = [0] * num_pages  # holders of each page: requests and the prefix cache
+        self.journal: list | None = None
 
     @property
     def num_free(self) -> int:
@@ -93,6 +96,8 @@ class KVPool:
         assert len(src) == len(dst), (src, dst)
         if not src:
             return
+        if self.journal is not None:
+            self.journal.append(("copy_pages", list(src), list(dst)))
         index_src = torch.tensor(src, device=self.device)
         index_dst = torch.tensor(dst, device=self.device)
         for entries in self.buffers.values():

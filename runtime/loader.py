@@ -14,7 +14,9 @@ Lifecycle, one module per role:
    run code, then loaded from the checked bytes.
    `load_programs(docs)` loads them, and `check_model_facts` checks the manifest's vocabulary and
    hidden size (and config.json's copy of them) against the main program's embedding and logits.
-3. runtime/weights.py: weights.json says which checkpoint tensors fill each program parameter.
+3. runtime/weights.py: weights.json says which checkpoint tensors fill each program parameter;
+   a rank of a tensor-parallel artifact reads only its part of each (sharding.json), and
+   `load_format="dummy"` makes them random instead of reading any.
 4. runtime/binding.py: `LoadedArtifact.backends(kv_pool, state_pool)` builds the instances
    routing.json names (and only those); `runner(ops, program)` binds every op node of the program
    to the instance its entry names and checks the bound graph against routing.json before
@@ -46,8 +48,9 @@ from compiler.splitops.artifact import (PROGRAM_FILES, PROGRAM_INPUTS, WEIGHT_MA
 from runtime.artifact_docs import ArtifactDocs, LoadError, config_value, read_artifact
 from runtime.binding import Backends, bind_graph, build_backends, check_binding
 from runtime.bundle import CompiledBundle, CompiledOptions, open_bundle
+from runtime.memory_planner import MemoryPlanError, check_fits
 from runtime.pt2_check import check_pt2_bytes, load_program
-from runtime.weights import WeightFiles, assemble
+from runtime.weights import WeightFiles, assemble, check_load_format, whole_shapes
 
 __all__ = ["LoadError", "ArtifactDocs", "LoadedArtifact", "ProgramRunner", "read_artifact", "load_artifact",
            "check_pt2_bytes", "load_programs", "check_model_facts", "CompiledOptions"]
@@ -84,7 +87,7 @@ class ProgramRunner:
                 split = apply_split_plan(self._bound, plan)
             except ArtifactFormatError as e:
                 raise LoadError(f"{self.name} program: {e}") from None
-            self._by_plan[key] = self.glue.install(split) if compiled else split
+            self._by_plan[key] = self.glue.install(split, plan) if compiled else split
         return self._by_plan[key]
 
     def user_outputs(self, mode: Mode, inputs, compiled: bool = True) -> list:
@@ -219,14 +222,22 @@ def check_model_facts(docs: ArtifactDocs, main_program) -> None:
 
 def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "cpu",
                   expected_pipeline: str | None = None, progress=None,
-                  compiled: CompiledOptions = CompiledOptions()) -> LoadedArtifact:
+                  compiled: CompiledOptions = CompiledOptions(), *, rank: int = 0, tp: int = 1,
+                  load_format: str = "auto") -> LoadedArtifact:
     """Steps 1-3 and 5 of the module docstring. `device` None: the device the artifact was compiled for
     (its routing target: the device its backends run on). `expected_pipeline`: the pipeline
     fingerprint (manifest "pipeline_sha256") this runtime accepts; None accepts any pipeline of
     this format. `progress`: a tqdm-like factory, for a bar over the weights as they are read.
     `compiled`: whether and how a target bundle's compiled pieces may run (an artifact without
-    bundles runs its traced glue whatever it says)."""
+    bundles runs its traced glue whatever it says). `rank` of `tp`: which part of a
+    tensor-parallel artifact's weights to load (the artifact must have been compiled for that
+    `tp`). `load_format`: "auto" (the artifact's weights) or "dummy" (random ones, runtime/weights.py)."""
     docs = read_artifact(path)
+    check_load_format(docs, load_format)
+    if docs.tp != tp or not 0 <= rank < tp:
+        how = f"hgc run --tp {docs.tp} (or torchrun with {docs.tp} processes)" if docs.tp > 1 else "one process (no --tp)"
+        raise LoadError(f"{docs.path}: compiled for --tp {docs.tp}, asked to run as rank {rank} of {tp}: run it with "
+                        f"{how}, or recompile with `hgc compile --tp {tp}`")
     if device is None:
         device = docs.routing.target
     if expected_pipeline is not None and docs.manifest.get("pipeline_sha256") != expected_pipeline:
@@ -257,7 +268,14 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
         if returned != len(outputs) or (recorded is not None and tuple(recorded) != outputs):
             raise LoadError(f"{docs.path}: the {program} program returns {returned} output(s) (manifest: {recorded}); "
                             f"this runtime expects {list(outputs)}: recompile the checkpoint with this hgc")
-    weight_files = WeightFiles(docs, str(device))
+    try:  # before any byte is read: a model too large for the device says by how much, per rank
+        more = (f"compile with a larger --tp than {docs.tp} (each rank then holds less)" if docs.tp > 1
+                else "compile with --tp N to spread the weights over N GPUs")
+        check_fits({"weights": sum(src.nbytes for src in sources.values())}, device, docs.tp, fix=more)
+    except MemoryPlanError as e:
+        raise LoadError(f"{docs.path}: {e}") from None
+    weight_files = WeightFiles(docs, str(device), rank=rank, dummy=load_format == "dummy",
+                               whole_shapes=whole_shapes(sources, docs.sharding))
     items = sources.items()
     if progress is not None:
         items = progress(items, total=len(sources), desc="load weights", unit="tensor")

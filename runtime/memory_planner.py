@@ -15,6 +15,10 @@ It owns the arithmetic only; `build_pools` turns a plan into the pools. Lifecycl
    and raises `MemoryPlanError` naming the missing bytes otherwise.
 4. `MemoryPlan.table()` prints the split; `build_pools(registry, plan)` allocates the KV and
    state pools, `build_snapshot_pool(registry, plan)` the snapshot pool.
+5. Without a budget (explicit slots and pages), `pool_bytes` states what the pools will take and
+   `check_fits` compares any parts (the weights before they are loaded, the pools before they are
+   allocated) with what the device has free, raising `MemoryPlanError` with the shortfall rather
+   than leaving a CUDA out-of-memory error halfway through start-up.
 
 Formulas (s = state bytes per slot, t = KV bytes per token, P = page_size, D = draft tokens,
 R = max_running, S = slots)::
@@ -52,6 +56,10 @@ The minimum request: one slot (+ the padding slot), its D intermediate entries, 
 ceil((max_seq_len + D) / P) pages: verify writes K/V for D draft tokens that may be rejected, so
 a request at its last position still needs room for them.
 
+Tensor parallel: every rank holds the same shapes (a rank's program, its registry and its weight
+shard), so one plan per rank is the plan of every rank; the budget is one device's, and with
+`ranks` > 1 the table and every shortfall say they are per rank.
+
 `available_bytes(device)` is the memory a device has free now (the budget `hgc run` and
 `hgc generate` check a request against before allocating anything).
 
@@ -74,7 +82,7 @@ from runtime.snapshot_pool import SnapshotPool
 from runtime.state_pool import StatePool
 
 __all__ = ["CacheLayout", "MemoryPlan", "MemoryPlanError", "plan_memory", "build_pools", "build_snapshot_pool",
-           "available_bytes", "GiB"]
+           "pool_bytes", "check_fits", "describe_bytes", "format_bytes", "available_bytes", "GiB"]
 
 GiB = 1 << 30
 
@@ -135,6 +143,7 @@ class MemoryPlan:
     snapshot_bytes: int  # num_snapshots * state_bytes_per_slot
     kv_bytes: int  # num_pages * page_size * kv_bytes_per_token
     leftover_bytes: int
+    ranks: int = 1  # tensor-parallel ranks: every number above is one rank's (one device's)
 
     @property
     def page_bytes(self) -> int:
@@ -173,7 +182,8 @@ class MemoryPlan:
         ]
         body = [(part, count, f"{unit:,}" if unit != "" else "", f"{nbytes:,}", f"{nbytes / GiB:.3f}")
                 for part, count, unit, nbytes in rows]
-        header = (f"{self.layout.num_linear_layers} linear layers ({s:,} B/slot), "
+        header = ("" if self.ranks == 1 else f"per rank of tensor parallel {self.ranks}: ") + (
+                  f"{self.layout.num_linear_layers} linear layers ({s:,} B/slot), "
                   f"{self.layout.num_full_layers} full layers ({self.layout.kv_bytes_per_token:,} B/token); "
                   f"{self.kv_tokens:,} KV tokens, {self.full_length_requests} requests of {self.max_seq_len} tokens")
         return header + "\n" + tabulate(body, headers=("part", "count", "bytes/unit", "bytes", "GiB"),
@@ -214,8 +224,11 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
                 page_size: int = 16, num_slots: int | None = None, state_ratio: float | Fraction | None = None,
                 max_running: int | None = None, draft_tokens: int = 0, min_requests: int = 1,
                 reserved_bytes: int = 0, kv_dtype: torch.dtype | None = None,
-                snapshot_share: float | Fraction = 0) -> MemoryPlan:
+                snapshot_share: float | Fraction = 0, ranks: int = 1) -> MemoryPlan:
     """Split `budget_bytes`; pass exactly one of `num_slots` or `state_ratio` (state bytes / KV bytes).
+
+    ranks: for a rank of a tensor-parallel program (its registry, its weight shard, one device's
+    budget): the plan and its errors say "per rank".
 
     max_running: the most requests a step can hold (the engine's batch cap); intermediate states
     are reserved for min(num_slots, max_running) of them. None means every slot can run.
@@ -236,6 +249,8 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
     if not 0 <= snapshot_share < 1:
         raise ValueError(f"plan_memory: snapshot_share must be in [0, 1) (got {float(snapshot_share)!r})")
 
+    where = "memory plan" if ranks == 1 else f"memory plan, per rank of tensor parallel {ranks}"
+    per_rank = "" if ranks == 1 else " per rank"
     layout = CacheLayout.from_registry(registry, kv_dtype)
     s, t, D = layout.state_bytes_per_slot, layout.kv_bytes_per_token, draft_tokens
     page_bytes = page_size * t
@@ -253,9 +268,10 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
         need = minimum_total(slots)
         snapshots = f" + {num_snapshots} snapshots (snapshot_share {float(snapshot_share):g})" if snapshot_bytes else ""
         return MemoryPlanError(
-            f"memory plan: a budget of {budget_bytes:,} bytes cannot hold {what}: it needs {need:,} bytes "
+            f"{where}: a budget of {budget_bytes:,} bytes cannot hold {what}: it needs {need:,} bytes "
             f"(weights {weight_bytes:,} + reserved {reserved_bytes:,}{snapshots} + state for {slots} slot(s) "
-            f"+ {min_pages} pages of {page_bytes:,} bytes); {need - budget_bytes:,} bytes are missing",
+            f"+ {min_pages} pages of {page_bytes:,} bytes); {need - budget_bytes:,} bytes are missing{per_rank} "
+            f"({format_bytes(need - budget_bytes)})",
             need - budget_bytes)
 
     if num_slots is not None:
@@ -281,7 +297,7 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
             if slots < min_requests:
                 main, inter, _ = _state_bytes(min_requests, s, D, max_running)
                 raise MemoryPlanError(
-                    f"memory plan: state_ratio {state_ratio} gives the state pool {share:,} bytes, which holds "
+                    f"{where}: state_ratio {state_ratio} gives the state pool {share:,} bytes, which holds "
                     f"{slots} slot(s); {min_requests} slot(s) need {main + inter:,} bytes "
                     f"({main + inter - share:,} missing). The budget itself suffices: use a ratio of at least "
                     f"{(main + inter) / (available - (main + inter)):.6g} or pass num_slots={min_requests}",
@@ -298,7 +314,7 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
         # Only a ratio gets here (explicit slots were checked against the whole minimum above).
         missing = (min_pages - num_pages) * page_bytes - (kv_share - num_pages * page_bytes)
         raise MemoryPlanError(
-            f"memory plan: state_ratio {state_ratio} gives the state pool {main_bytes + inter_bytes:,} bytes "
+            f"{where}: state_ratio {state_ratio} gives the state pool {main_bytes + inter_bytes:,} bytes "
             f"({slots} slots) and leaves the KV pool {kv_share:,} bytes, {num_pages} pages; "
             f"{min_requests} request(s) of {max_seq_len} tokens need {min_pages} pages "
             f"({missing:,} bytes missing). Use a smaller ratio or pass num_slots", missing)
@@ -311,7 +327,7 @@ def plan_memory(registry: LayerRegistry, *, budget_bytes: int, weight_bytes: int
         intermediate_rows=inter_rows, max_seq_len=max_seq_len,
         kv_dtype=None if kv_dtype is None else str(kv_dtype).removeprefix("torch."), main_state_bytes=main_bytes,
         intermediate_bytes=inter_bytes, num_snapshots=num_snapshots, snapshot_bytes=snapshot_bytes,
-        kv_bytes=kv_bytes, leftover_bytes=kv_share - kv_bytes,
+        kv_bytes=kv_bytes, leftover_bytes=kv_share - kv_bytes, ranks=ranks,
     )
 
 
@@ -343,3 +359,44 @@ def build_pools(registry: LayerRegistry, plan: MemoryPlan,
 def build_snapshot_pool(registry: LayerRegistry, plan: MemoryPlan, device: torch.device | str = "cpu") -> SnapshotPool:
     """Allocate the plan's snapshot pool (for runtime/prefix_cache.py)."""
     return SnapshotPool(registry, plan.num_snapshots, device)
+
+
+def pool_bytes(registry: LayerRegistry, *, num_slots: int, num_pages: int, page_size: int,
+               num_snapshots: int = 0, draft_tokens: int = 0, verify_rows: int = 0) -> dict[str, int]:
+    """What explicitly sized pools take: {"state", "intermediate", "snapshots", "kv"} in bytes (the
+    pools' nbytes; "intermediate": the state pool's verify_rows x draft_tokens verify states)."""
+    layout = CacheLayout.from_registry(registry)
+    return {"state": (num_slots + 1) * layout.state_bytes_per_slot,
+            "intermediate": verify_rows * draft_tokens * layout.state_bytes_per_slot,
+            "snapshots": num_snapshots * layout.state_bytes_per_slot,
+            "kv": num_pages * page_size * layout.kv_bytes_per_token}
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a number above 1: '74.20 GiB', '3.1 MiB', '512 B'."""
+    for unit, scale, digits in (("GiB", GiB, 2), ("MiB", 1 << 20, 1), ("KiB", 1 << 10, 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n} B"
+
+
+def describe_bytes(parts: dict[str, int]) -> str:
+    """'weights 74.20 GiB + kv 3.00 GiB = 77.20 GiB' (parts in the order given, zeros left out)."""
+    shown = [f"{name} {format_bytes(n)}" for name, n in parts.items() if n]
+    return " + ".join(shown) + (f" = {format_bytes(sum(parts.values()))}" if len(shown) > 1 else "")
+
+
+def check_fits(parts: dict[str, int], device: torch.device | str, ranks: int = 1, fix: str = "") -> None:
+    """Raise MemoryPlanError naming the shortfall when `parts` (name -> bytes) exceed what `device`
+    has free now. Only a CUDA device is checked (the CPU's memory is the host's, shared and paged)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    free = available_bytes(device)
+    need = sum(parts.values())
+    if need > free:
+        where = "memory" if ranks == 1 else f"memory, per rank of tensor parallel {ranks}"
+        short = need - free
+        raise MemoryPlanError(f"{where}: {describe_bytes(parts)} do not fit the {format_bytes(free)} free on {device}: "
+                              f"{format_bytes(short)} ({short:,} bytes) short{' per rank' if ranks > 1 else ''}"
+                              f"{'; ' + fix if fix else ''}", short)

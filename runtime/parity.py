@@ -153,6 +153,25 @@ class TeacherForcing:
         return None
 
 
+def overwritten_later(records: list[OpRecord]) -> set[int]:
+    """Indices of records whose `out` a later op call wrote in place.
+
+    A record kept by reference (a captured graph's op outputs, OpTrace with copy=False) shows its
+    tensor as it is after the replay. In a tensor-parallel program `hgc.all_reduce` sums a partial
+    output where it lies, so the record of the op that made the partial shows the sum: compared
+    with an eager copy taken before the sum it would be a false alarm. Records kept alive by
+    reference cannot share memory otherwise (the allocator cannot reuse a live tensor's storage),
+    so a shared data pointer means an in-place write."""
+    last: dict[int, int] = {}
+    stale: set[int] = set()
+    for i, record in enumerate(records):
+        ptr = record.out.data_ptr()
+        if ptr in last:
+            stale.add(last[ptr])
+        last[ptr] = i
+    return stale
+
+
 def first_difference(reference: list[OpRecord], other: list[OpRecord], rtol: float,
                      real_rows: Optional[int] = None) -> Optional[str]:
     """The first op call whose output differs beyond rtol, as 'layer N (op, rel err E)'; None if none.
@@ -161,12 +180,17 @@ def first_difference(reference: list[OpRecord], other: list[OpRecord], rtol: flo
     records kept whole (OpTrace with copy=False) to the real rows."""
     if len(reference) != len(other):
         return f"the runs made {len(reference)} and {len(other)} op calls"
-    for ref, got in zip(reference, other):
+    stale = overwritten_later(other)
+    for i, (ref, got) in enumerate(zip(reference, other)):
         if (ref.layer, ref.op) != (got.layer, got.op):
             return f"the runs called layer {ref.layer} ({ref.op}) and layer {got.layer} ({got.op}) in the same place"
-        a, b = got.out, ref.out
-        if real_rows is not None:
-            a, b = a[:real_rows], b[:real_rows]
+        if i in stale:  # holds a later op's result; that op's own record is compared instead
+            continue
+        # The real rows: the first `real_rows`, or fewer where an op's rows are the step's logits
+        # rows rather than its tokens (the lm_head gather of a tensor-parallel program: a replay
+        # gathers the padded requests' rows too, an unpadded run the real requests' only).
+        n = min(got.out.shape[0], ref.out.shape[0], real_rows if real_rows is not None else ref.out.shape[0])
+        a, b = got.out[:n], ref.out[:n]
         err = rel_err(a, b)
         if not math.isfinite(err) or err > rtol:
             return f"layer {ref.layer} ({ref.op}, rel err {err:.3g})"

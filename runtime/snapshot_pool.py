@@ -15,6 +15,9 @@ holds such states, one per snapshot id, in the state pool's layout:
    captured graph), on the stream that runs the steps, so it is ordered after the step that wrote
    the state and before the next one that reads it.
 
+On rank 0 of a tensor-parallel run, `journal` records each save and restore for the other ranks
+to replay on their pools (runtime/distributed.py); None elsewhere.
+
 It does not decide when to snapshot (runtime/prefix_cache.py does) nor how many snapshots fit
 (the memory planner does).
 """
@@ -41,6 +44,7 @@ class SnapshotPool:
         self.device = torch.device(device)
         self.buffers = linear_state_buffers(registry, num_snapshots, self.device)  # [num_snapshots, *shape] each
         self._free: list[int] = list(range(num_snapshots - 1, -1, -1))  # pop() hands out id 0 first
+        self.journal: list | None = None
 
     @property
     def num_free(self) -> int:
@@ -58,10 +62,14 @@ class SnapshotPool:
 
     def save(self, state_pool: StatePool, slots: list[int], snapshots: list[int]) -> None:
         """snapshot[snapshots[i]] = state of slot slots[i], in every linear layer."""
+        if self.journal is not None:
+            self.journal.append(("save", list(slots), list(snapshots)))
         self._copy(state_pool.buffers, slots, self.buffers, snapshots)
 
     def restore(self, state_pool: StatePool, snapshots: list[int], slots: list[int]) -> None:
         """state of slot slots[i] = snapshot[snapshots[i]], in every linear layer."""
+        if self.journal is not None:
+            self.journal.append(("restore", list(snapshots), list(slots)))
         self._copy(self.buffers, snapshots, state_pool.buffers, slots)
 
     def _copy(self, src_buffers: dict, src: list[int], dst_buffers: dict, dst: list[int]) -> None:

@@ -13,6 +13,10 @@
    [b, i], and the state after the last token into the request's slot. `keep_verified` then
    gives each request the state after its last accepted token (runtime/memory_planner.py says
    why D entries, indexed by row, and how many rows).
+5. `journal`: on rank 0 of a tensor-parallel run, a list that records every change to the
+   buffers made outside a forward (zeroing, copies), for the other ranks to replay on theirs
+   (runtime/distributed.py); None elsewhere. (`keep_verified` is not journaled: speculative
+   decoding is refused on tensor-parallel ranks.)
 
 Full-attention layers get nothing here. Sizing is the memory planner's job.
 """
@@ -61,6 +65,7 @@ class StatePool:
             layer_id: {name: t.new_zeros((verify_rows, draft_tokens, *t.shape[1:])) for name, t in entries.items()}
             for layer_id, entries in self.buffers.items()} if draft_tokens else {}
         self._free: list[int] = list(range(num_slots, PADDING_SLOT, -1))  # pop() hands out slot 1 first
+        self.journal: list | None = None
 
     @property
     def num_free(self) -> int:
@@ -70,14 +75,21 @@ class StatePool:
         if not self._free:
             raise OutOfSlots(f"state pool: all {self.num_slots} slots are in use")
         slot = self._free.pop()
+        self.zero_slot(slot)
+        return slot
+
+    def zero_slot(self, slot: int) -> None:
+        if self.journal is not None:
+            self.journal.append(("zero_slot", slot))
         for entries in self.buffers.values():
             for t in entries.values():
                 t[slot].zero_()
-        return slot
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Give slot `dst` the states of slot `src` in every layer (a request forked after its prefill)."""
         assert src != PADDING_SLOT and dst != PADDING_SLOT and src != dst, (src, dst)
+        if self.journal is not None:
+            self.journal.append(("copy_slot", src, dst))
         for entries in self.buffers.values():
             for t in entries.values():
                 t[dst].copy_(t[src])

@@ -4,6 +4,16 @@ weights.json says which checkpoint tensors (views: offset, shape, stride) fill e
 they come from weights.safetensors or, with `hgc compile --link-weights`, from the checkpoint's own
 files, whose size and header hash are checked.
 
+Tensor parallel: a rank of a --tp N artifact reads only its part of each tensor, with safetensors'
+`get_slice` over the ranges sharding.json's spec gives it (compiler/splitops/sharding.py), so no
+rank reads the whole model; the views of weights.json are already the rank's (the programs are a
+rank's). Tensors the model computes from its config (computed.safetensors) are read the same way.
+
+`--load-format dummy`: every checkpoint tensor is random instead, N(0, 0.02) in float32 from a
+generator on the device seeded by the tensor's name, made whole and then cut like a file's tensor,
+so a rank of tp 2 holds exactly the values a tp 1 run holds (their tokens can be compared), and a
+full-size release runs from config.json alone (an artifact compiled with --no-weights).
+
 Linked weights are checked at load by file size and the SHA-256 of each safetensors header
 (names, dtypes, shapes, offsets), not of the data: hashing every weight byte at each load is
 exactly what linking avoids. The compiler also records the SHA-256 of each whole linked file, and
@@ -18,26 +28,42 @@ from pathlib import Path
 
 import torch
 
-from compiler.splitops.artifact import MANIFEST, WEIGHT_MAP, WEIGHTS, ParamSource, safetensors_header
+from compiler.splitops.artifact import COMPUTED, MANIFEST, WEIGHT_MAP, WEIGHTS, ParamSource, safetensors_header
 from runtime.artifact_docs import ArtifactDocs, LoadError, check_hash
 
-__all__ = ["WeightFiles", "assemble", "check_linked_files"]
+__all__ = ["WeightFiles", "assemble", "check_linked_files", "check_load_format", "dummy_tensor", "whole_shapes",
+           "LOAD_FORMATS", "DUMMY_STD"]
+
+LOAD_FORMATS = ("auto", "dummy")  # auto: the artifact's weights; dummy: random ones (module docstring)
+DUMMY_STD = 0.02
 
 
 class WeightFiles:
-    """name -> (file, safe_open handle) over weights.safetensors or the linked checkpoint files."""
+    """name -> this rank's part of a checkpoint tensor: from weights.safetensors, the linked checkpoint
+    files or computed.safetensors, or random (`dummy`)."""
 
-    def __init__(self, docs: ArtifactDocs, device: str):
+    def __init__(self, docs: ArtifactDocs, device: str, rank: int = 0, dummy: bool = False,
+                 whole_shapes: dict[str, tuple[int, ...]] | None = None):
         from safetensors import safe_open
 
         root, spec = docs.path, docs.manifest["weights"]
-        if spec.get("mode") == "copy":
+        self.sharding, self.rank, self.device, self.dummy = docs.sharding, rank, device, dummy
+        self.whole_shapes = whole_shapes or {}
+        paths = []
+        if dummy:
+            pass  # nothing is read: `get` makes every checkpoint tensor
+        elif spec.get("mode") == "copy":
             paths = [root / spec.get("file", WEIGHTS)]
             check_hash(paths[0], docs.manifest["files"][WEIGHTS], WEIGHTS)
         elif spec.get("mode") == "link":
             paths = [self._linked(root, entry) for entry in spec.get("files", [])]
+        elif spec.get("mode") == "none":
+            check_load_format(docs, "auto")  # raises: the artifact has no weights to read
         else:
-            raise LoadError(f"{root / MANIFEST}: weights.mode {spec.get('mode')!r} (expected 'copy' or 'link')")
+            raise LoadError(f"{root / MANIFEST}: weights.mode {spec.get('mode')!r} (expected 'copy', 'link' or 'none')")
+        if COMPUTED in docs.manifest["files"]:
+            check_hash(root / COMPUTED, docs.manifest["files"][COMPUTED], COMPUTED)
+            paths.append(root / COMPUTED)
         self.where: dict[str, object] = {}
         for p in paths:
             handle = safe_open(str(p), framework="pt", device="cpu")
@@ -61,11 +87,70 @@ class WeightFiles:
                             f"checkpoint changed after compile; recompile")
         return found
 
+    def _ranges(self, name: str):
+        """(dim, [(start, stop), ...]) of this rank's part of `name`, or None for the whole tensor."""
+        if self.sharding is None:
+            return None
+        spec = self.sharding.spec(name)
+        return None if spec.replicated else (spec.dim, spec.rank_slices(self.rank, self.sharding.tp))
+
     def get(self, name: str) -> torch.Tensor:
-        try:
-            return self.where[name].get_tensor(name)
-        except KeyError:
-            raise LoadError(f"weights: tensor {name!r} listed in weights.json is in no weights file") from None
+        ranges = self._ranges(name)
+        if name not in self.where:
+            if not self.dummy:
+                raise LoadError(f"weights: tensor {name!r} listed in weights.json is in no weights file")
+            return self._cut(self._random(name), ranges)
+        handle = self.where[name]
+        if ranges is None:
+            return handle.get_tensor(name)
+        dim, spans = ranges
+        part = handle.get_slice(name)
+        pieces = [part[(slice(None),) * dim + (slice(a, b),)] for a, b in spans]  # only these bytes are read
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    @staticmethod
+    def _cut(t: torch.Tensor, ranges) -> torch.Tensor:
+        if ranges is None:
+            return t
+        dim, spans = ranges
+        pieces = [t.narrow(dim, a, b - a) for a, b in spans]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    def _random(self, name: str) -> torch.Tensor:
+        if name not in self.whole_shapes:
+            raise LoadError(f"weights: no shape known for tensor {name!r} (weights.json does not list it)")
+        return dummy_tensor(name, self.whole_shapes[name], self.device)
+
+
+def dummy_tensor(name: str, shape: tuple[int, ...], device: str = "cpu") -> torch.Tensor:
+    """The whole checkpoint tensor `name` under `--load-format dummy`: a function of its name and
+    shape alone, so every rank count cuts the same values (module docstring)."""
+    seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=generator, device=device) * DUMMY_STD
+
+
+def check_load_format(docs: ArtifactDocs, load_format: str) -> None:
+    """Refuse, before anything is read or launched, a load format the artifact cannot run: an unknown
+    one, or its own weights when it was compiled without any."""
+    if load_format not in LOAD_FORMATS:
+        raise LoadError(f"--load-format {load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+    if load_format == "auto" and docs.manifest["weights"].get("mode") == "none":
+        raise LoadError(f"{docs.path}: compiled with --no-weights: it has no weights; run it with --load-format dummy "
+                        f"(random weights), or compile the checkpoint with its safetensors")
+
+
+def whole_shapes(sources: dict[str, ParamSource], sharding) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> its whole shape, from weights.json's (rank) views and sharding.json's specs."""
+    out = {}
+    for source in sources.values():
+        for v in source.views:
+            shape = list(v.shape)
+            if sharding is not None and not sharding.spec(v.name).replicated:
+                spec = sharding.spec(v.name)
+                shape[spec.dim] = sum(length for length, _ in spec.segments)
+            out[v.name] = tuple(shape)
+    return out
 
 
 def check_linked_files(docs: ArtifactDocs, data: bool = False, progress=None) -> tuple[int, int]:
@@ -119,4 +204,3 @@ def assemble(fqn: str, source: ParamSource, files: WeightFiles, device: str) -> 
             raise LoadError(f"weights: {v.name} has shape {list(t.shape)}, its place in {fqn} is {list(v.shape)}")
         out.as_strided(v.shape, v.stride, v.offset).copy_(t)
     return out
-

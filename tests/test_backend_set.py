@@ -14,9 +14,10 @@ from compiler.cli.wiring import toolchain
 from compiler.passes.context import CompileConfig
 from compiler.passes.routing import parse_route
 from compiler.pipeline import compile_checkpoint
-from compiler.splitops import MODES, OP_SPECS, BackendCapability, LINEAR_KINDS, Mode, op_arguments
+from compiler.splitops import COLLECTIVE_OPS, MODES, OP_SPECS, BackendCapability, LINEAR_KINDS, Mode, op_arguments
 from runtime.backends import discover
 from runtime.backends.backend_set import BackendSet
+from runtime.backends.collectives import GlooCollectives
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.backends.protocol import (HOOK_NAMES, OP_NAMES, BackendHooks, OpNotSupported,
                                        ProtocolError, check_backend, protocol_args)
@@ -29,7 +30,7 @@ from runtime.server.model import EngineOptions, engine_for_artifact
 from tests.engine_toy import build_model, make_engine, make_pools
 
 LINEAR_OPS = frozenset(name for name, spec in OP_SPECS.items() if spec.kinds & LINEAR_KINDS)
-FULL_OPS = frozenset(OP_SPECS) - LINEAR_OPS
+FULL_OPS = frozenset(OP_SPECS) - LINEAR_OPS - COLLECTIVE_OPS
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -146,7 +147,8 @@ def test_protocol_op_arguments_are_the_op_schemas():
     for op in OP_NAMES:
         schema = [a.name for a in getattr(torch.ops.hgc, op).default._schema.arguments]
         assert list(protocol_args(op)) == ["ctx", *schema] and list(op_arguments(op)) == schema, op
-        reference_params = list(inspect.signature(getattr(CPUReferenceBackend, op)).parameters)[1:]
+        implementer = GlooCollectives if op in COLLECTIVE_OPS else CPUReferenceBackend
+        reference_params = list(inspect.signature(getattr(implementer, op)).parameters)[1:]
         assert reference_params == ["ctx", *schema], op
 
 
@@ -208,7 +210,7 @@ def test_the_engine_plans_every_step_and_chunks_only_prompt_steps():
 
 def test_supported_ops_come_from_the_capability_declaration():
     from compiler.splitops.capability import BackendCapability
-    assert CPUReferenceBackend.supported_ops == frozenset(OP_SPECS)  # CPUReferenceBackend.capability.ops
+    assert CPUReferenceBackend.supported_ops == frozenset(OP_SPECS) - COLLECTIVE_OPS  # CPUReferenceBackend.capability.ops
 
     class FromCapability(Spy):  # states no supported_ops of its own
         capability = BackendCapability(name="from_capability", device="cpu", ops=frozenset({"gdn_core"}))

@@ -97,6 +97,15 @@ def work(tmp_path_factory) -> Path:
     data[-3] ^= 0xFF
     path.write_bytes(bytes(data))
 
+    # a tensor-parallel artifact (config.json alone, no weights) and its damaged copies
+    assert main(["compile", str(w / "config_only"), "-o", str(w / "tp_art"), "--no-dumps", "--tp", "2",
+                 "--no-weights", "-q"]) == 0
+    shutil.copytree(w / "tp_art", w / "sharding_byte_art")  # sharding.json is hashed like every file
+    path = w / "sharding_byte_art" / "sharding.json"
+    path.write_text(path.read_text().replace('"tp": 2', '"tp":  2', 1))
+    shutil.copytree(w / "tp_art", w / "tp_claim_art")  # resealed: only the cross-check with sharding.json sees it
+    edit_manifest(w / "tp_claim_art", lambda m: {**m, "compile": {k: v for k, v in m["compile"].items() if k != "tp"}})
+
     # things that are not ours
     (w / "notes" / "2026").mkdir(parents=True)
     (w / "notes" / "todo.txt").write_text("mine")
@@ -162,6 +171,15 @@ CASES = [
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--decode-buckets", "a"], 2, r"argument --decode-buckets"),
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--extend-buckets", "0"], 2, r"argument --extend-buckets: expected increasing"),
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "gpu"], 2, r"argument --target: invalid choice: 'gpu'"),
+    (["compile", "{w}/ckpt", "-o", "{w}/new", "--tp", "0"], 2, r"argument --tp: must be at least 1 \(got 0\)"),
+    (["compile", "{w}/ckpt", "-o", "{w}/new", "--tp", "two"], 2, r"argument --tp: expected an integer, got 'two'"),
+    (["compile", "{w}/ckpt", "-o", "{w}/new", "--tp", "3"], 2,
+     r"^hgc compile: tensor parallel 3: layer \d+ \(\w+\): \d+ [\w ]+ do not divide over 3 ranks; --tp must divide"),
+    (["compile", "{w}/ckpt", "-o", "{w}/new", "--tp", "2", "--inductor"], 2,
+     r"--inductor --tp 2: compiled pieces are not built for a tensor-parallel artifact"),
+    (["lint", "{w}/config_only", "--tp", "-2"], 2, r"argument --tp: must be at least 1"),
+    (["lint", "{w}/config_only", "--tp", "8"], 2, r"^hgc lint: tensor parallel 8: layer \d+ .* do not divide over 8 ranks"),
+    (["lint", "{w}/config_only", "--memory-gb", "0"], 2, r"argument --memory-gb: must be in \(0"),
     # inspect / verify
     (["inspect", "{w}/missing"], 2, r"hgc inspect: .*missing: not an artifact folder"),
     (["inspect", "{w}/ckpt"], 2, r"ckpt/manifest.json: missing"),
@@ -170,6 +188,11 @@ CASES = [
     (["inspect", "{w}/no_draft_art"], 2, r"field 'programs' is \['main'\], but the registry has 1 draft layer"),
     (["verify", "{w}/weight_byte_art"], 2, r"hgc verify: .*weights.safetensors"),
     (["verify", "{w}/missing"], 2, r"not an artifact folder"),
+    (["verify", "{w}/sharding_byte_art"], 2, r"hgc verify: .*sharding.json: SHA-256 .* does not match manifest.json"),
+    (["inspect", "{w}/tp_claim_art"], 2, r"manifest.json: compiled with --tp 1, but the artifact has a sharding.json "
+                                         r"for 2 ranks"),
+    (["build", "{w}/tp_art", "--device", "cpu"], 2, r"hgc build: .*tp_art: compiled for --tp 2; compiled pieces are "
+                                                   r"not built for a tensor-parallel artifact"),
     # run
     (["run", "{w}/missing", "--prompt-ids", "1,2"], 2, r"hgc run: .*missing: not an artifact folder"),
     (["run", "{w}/art", "--prompt-ids", "1,2", "--max-new-tokens", "1000000000"], 2,
@@ -188,6 +211,18 @@ CASES = [
     (["run", "{w}/vocab_art", "--prompt-ids", "1,2"], 2, r"model.vocab_size is 1048576, the main program's embedding"),
     (["run", "{w}/edited_art", "--prompt-ids", "1,2"], 2, r"manifest_sha256"),
     (["run", "{w}/weight_byte_art", "--prompt-ids", "1,2"], 2, r"weights.safetensors"),
+    (["run", "{w}/art", "--prompt-ids", "1,2", "--tp", "0"], 2, r"argument --tp: must be at least 1 \(got 0\)"),
+    (["run", "{w}/art", "--prompt-ids", "1,2", "--tp", "2"], 2,
+     r"compiled for --tp 1, asked to run on 2 ranks: run it with one process"),
+    (["run", "{w}/art", "--prompt-ids", "1,2", "--load-format", "random"], 2, r"argument --load-format: invalid choice"),
+    (["run", "{w}/art", "--prompt-ids", "1,2", "--tp-timeout", "0"], 2, r"argument --tp-timeout: must be in \(0"),
+    (["run", "{w}/tp_art", "--prompt-ids", "1,2"], 2, r"tp_art: compiled with --no-weights: .*--load-format dummy"),
+    (["run", "{w}/tp_art", "--prompt-ids", "1,2", "--load-format", "dummy"], 2,
+     r"compiled for --tp 2, asked to run as rank 0 of 1: run it with hgc run --tp 2"),
+    (["run", "{w}/tp_art", "--prompt-ids", "1,2", "--tp", "4", "--load-format", "dummy"], 2,
+     r"compiled for --tp 2, asked to run on 4 ranks: run it with --tp 2"),
+    (["run", "{w}/tp_art", "--prompt-ids", "1,2", "--tp", "2", "--load-format", "dummy", "--speculative-tokens", "2"],
+     2, r"^hgc run: --speculative-tokens 2 --tp 2: speculative decoding does not run on tensor-parallel ranks yet"),
     # serve (each is refused before the socket is bound)
     (["serve", "{w}/missing"], 2, r"hgc serve: .*missing: not an artifact folder"),
     (["serve", "{w}/art", "--port", "-1"], 2, r"argument --port: must be at least 0"),
@@ -200,6 +235,10 @@ CASES = [
     (["serve", "{w}/art", "--max-body-mb", "0"], 2, r"argument --max-body-mb: must be in \(0"),
     (["serve", "{w}/art", "--log-level", "loud"], 2, r"argument --log-level: invalid choice"),
     (["serve", "{w}/vocab_art"], 2, r"model.vocab_size"),
+    (["serve", "{w}/tp_art", "--tp", "3", "--load-format", "dummy"], 2, r"compiled for --tp 2, asked to run on 3 ranks"),
+    (["serve", "{w}/tp_art", "--tp", "2"], 2, r"compiled with --no-weights: .*--load-format dummy"),
+    (["serve", "{w}/tp_art", "--tp", "2", "--load-format", "dummy", "--speculative-tokens", "1"], 2,
+     r"^hgc serve: --speculative-tokens 1 --tp 2: speculative decoding does not run on tensor-parallel ranks yet"),
 ]
 
 
@@ -217,7 +256,7 @@ def never_listen(monkeypatch):
 def test_the_table_is_long_enough():
     assert len(CASES) >= 60
     assert {c[0][0] for c in CASES if c[0]} >= {"init-model", "generate", "lint", "compile", "inspect", "verify",
-                                                  "run", "serve"}
+                                                  "build", "run", "serve"}
 
 
 @pytest.mark.parametrize("argv, code, pattern", CASES, ids=[" ".join(c[0])[:60] or "(none)" for c in CASES])
@@ -293,8 +332,10 @@ def test_run_and_generate_end_with_one_timing_line_unless_quiet(work, capsys):
         assert main([*argv, "--prompt-ids", "1,2,3;4,5", "--max-new-tokens", "3"]) == 0
         out, err = capsys.readouterr()
         assert out.splitlines() == [line for line in out.splitlines() if " -> " in line] and len(out.splitlines()) == 2
-        timing = [line for line in err.splitlines() if line.startswith(f"hgc {argv[0]}: ")]
-        assert len(timing) == 1 and re.search(r"2 prompt\(s\), 6 new token\(s\) in [\d.]+ s, [\d.]+ tok/s", timing[0])
+        # run says its memory plan first (runtime/server/model.py build_engine); the timing line is the last
+        timing = [line for line in err.splitlines() if "new token(s) in" in line]
+        assert len(timing) == 1 and err.splitlines()[-1] == timing[0] and timing[0].startswith(f"hgc {argv[0]}: ")
+        assert re.search(r"2 prompt\(s\), 6 new token\(s\) in [\d.]+ s, [\d.]+ tok/s", timing[0])
         assert detail in timing[0], timing
     assert main(["run", str(work / "art"), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--quiet"]) == 0
     assert capsys.readouterr().err == ""

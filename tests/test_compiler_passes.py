@@ -19,7 +19,7 @@ from compiler.passes.manager import PassManager
 from compiler.passes.routing import RoutingError
 from compiler.passes.split import SplitPass, plan_for_mode
 from compiler.pipeline import make_context, run_passes
-from compiler.splitops import MODES, OP_SPECS, TRACED_OPS, LayerKind, Mode
+from compiler.splitops import COLLECTIVE_OPS, MODES, OP_SPECS, TRACED_OPS, LayerKind, Mode
 from compiler.splitops.artifact import (CAPTURED, EAGER, ArtifactFormatError, Piece, SplitPlan, apply_split_plan,
                                         parse_split_doc, split_doc)
 from compiler.splitops.capability import BackendCapability, CapabilityError, CapabilityTable, ShapeLimit
@@ -374,13 +374,18 @@ def test_capability_refusals_name_what_the_backend_lacks():
 def test_the_reference_backends_declare_every_op_and_their_capture():
     """The CPU reference may sit in captured pieces (on the CPU a captured piece is rerun, nothing is
     frozen), so CPU plans follow the op policies alone; the same math on cuda captures nothing and is
-    bound only by a route (never a silent slow fallback)."""
+    bound only by a route (never a silent slow fallback). The collectives are torch.distributed's:
+    gloo on the CPU, NCCL on cuda, both capturable."""
     from runtime.backends import discover
     table = discover().capability_table()
     cpu, cuda = table["cpu_reference"], table["torch_reference"]
-    assert cpu.device == "cpu" and cpu.ops == ALL_OPS and not cpu.explicit_only
+    assert cpu.device == "cpu" and cpu.ops == ALL_OPS - COLLECTIVE_OPS and not cpu.explicit_only
     assert set(cpu.modes_supported) == set(cpu.modes_capturable) == set(MODES)
-    assert cuda.device == "cuda" and cuda.ops == ALL_OPS and cuda.explicit_only and not cuda.modes_capturable
+    assert cuda.device == "cuda" and cuda.ops == ALL_OPS - COLLECTIVE_OPS and cuda.explicit_only
+    assert not cuda.modes_capturable
+    for name, device in (("gloo", "cpu"), ("nccl", "cuda")):
+        assert table[name].device == device and table[name].ops == COLLECTIVE_OPS
+        assert set(table[name].modes_capturable) == set(MODES)
     assert table.candidates("gdn_core", LayerKind.GDN, "cuda")[0].name == "triton_linear"
     assert "torch_reference" not in [c.name for c in table.candidates("gqa_attention", LayerKind.FULL_GQA, "cuda")]
 

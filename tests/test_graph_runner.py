@@ -15,7 +15,7 @@ from runtime.batch import SeqState, commit_step
 from runtime.bound_ops import BoundOps
 from runtime.generate import make_pools
 from runtime.graph_runner import CaptureError, CaptureKey, GraphRunner, ParityError
-from runtime.parity import CacheWatch, rel_err
+from runtime.parity import CacheWatch, OpRecord, first_difference, rel_err
 from tests.graph_cases import RerunGraphs, greedy
 from runtime.loader import LoadError, load_artifact
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
@@ -464,3 +464,19 @@ def test_start_up_and_replayed_steps_on_the_other_families(family, tmp_path):
     runner.start(vocab_size=art.manifest["model"]["vocab_size"])
     graph, keys = greedy(runner, st, prompts, 3)
     assert graph == eager and keys[1] == CaptureKey(Mode.DECODE, 2, 2)
+
+
+def test_a_record_summed_in_place_later_is_compared_through_the_later_op():
+    """A captured graph keeps op outputs by reference; a tensor-parallel all_reduce then sums the
+    MoE's partial output where it lies. The MoE's record shows the sum, the eager copy the partial:
+    not a difference. The all_reduce's own record is still compared, so a wrong sum is found."""
+    partial = torch.ones(4, 8)
+    eager = [OpRecord(0, "moe", partial.clone()), OpRecord(0, "all_reduce", 2 * partial)]
+    summed = 2 * partial  # the replay's buffer after the in-place sum: both records point at it
+    assert first_difference(eager, [OpRecord(0, "moe", summed), OpRecord(0, "all_reduce", summed)], 1e-5) is None
+    wrong = 3 * partial
+    assert first_difference(eager, [OpRecord(0, "moe", wrong), OpRecord(0, "all_reduce", wrong)],
+                            1e-5).startswith("layer 0 (all_reduce")
+    # Separate tensors (records copied as they left their op) are each compared.
+    assert first_difference(eager, [OpRecord(0, "moe", 2 * partial), OpRecord(0, "all_reduce", 2 * partial)],
+                            1e-5).startswith("layer 0 (moe")

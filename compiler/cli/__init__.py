@@ -20,6 +20,7 @@ show on a terminal only, and never with `--quiet`.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from compiler.cli.errors import EXIT_CODES, CommandParser, UsageError, run_with_errors
 from compiler.cli.progress import progress_bars
@@ -125,4 +126,5 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help, --version, or a usage error already printed as one line
         return e.code if isinstance(e.code, int) else 0
     args.progress = progress_bars(args)  # what every command hands its long loops (None with --quiet)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the ranks of a --tp launch run again
     return run_with_errors(args)

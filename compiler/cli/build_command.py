@@ -86,6 +86,9 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
         raise ValueError(f"hgc build {artifact} --device cuda: this machine has no CUDA device; build on the GPU "
                          f"machine the artifact will run on")
     docs = read_artifact(artifact)
+    if docs.tp > 1:
+        raise ValueError(f"{artifact}: compiled for --tp {docs.tp}; compiled pieces are not built for a "
+                         f"tensor-parallel artifact yet (none has been checked on ranks): its ranks run the traced glue")
     target = docs.routing.target
     if torch.device(target).type != torch.device(device).type:
         raise ValueError(f"{artifact}: compiled for target {target!r} (its backends run there); build with "
@@ -107,8 +110,8 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     start = time.perf_counter()
     with cache_env(caches):
         art = load_artifact(artifact, device, compiled=CompiledOptions(enabled=False))
-        records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, device, staged,
-                                       caches["inductor"], log=log)
+        records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
+                                       device, staged, caches["inductor"], log=log)
         files = {name: sha256_file(staged / name) for name in pieces}
         sources = {p: docs.manifest["files"][PROGRAM_FILES[p]] for p in art.programs}
         doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version())

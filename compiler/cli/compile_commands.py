@@ -1,14 +1,15 @@
 """The compiler's commands: `hgc lint`, `hgc compile`, `hgc inspect`, `hgc verify`, `hgc backends`.
 
 `add_arguments(subparsers)` registers them on the CLI's parser (compiler/cli/__init__.py); each `cmd_*`
-takes the parsed Namespace and returns an exit code: 0 on success, 2 when lints found errors. A
-refusal (CompileError, LoadError, ...) is raised, and compiler/cli/errors.py prints it as one line
-and picks the exit code. Tables go to stdout (tabulate), or one JSON document with --json;
-progress and timings go to stderr.
+takes the parsed Namespace and returns an exit code: 0 on success, 2 when lints found errors (or,
+with --memory-gb, one rank does not fit). A refusal (CompileError, LoadError, ...) is raised, and
+compiler/cli/errors.py prints it as one line and picks the exit code. Tables go to stdout
+(tabulate), or one JSON document with --json; progress and timings go to stderr.
 
     hgc lint CKPT [--json]                      trace config.json on the meta device, run the passes, list findings
-    hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only, --inductor)
-    hgc inspect ARTIFACT [--json]               routing table, split plans, target bundles, lints of an artifact
+    hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only, --inductor,
+                                                --tp N, --no-weights)
+    hgc inspect ARTIFACT [--json]               routing table, split plans, sharding, bundles, lints of an artifact
     hgc verify ARTIFACT [--full]                re-hash every file (with --full, linked checkpoint data too)
     hgc backends [--json]                       every backend routing can choose, and where it came from
 """
@@ -23,6 +24,7 @@ from collections import defaultdict
 from tabulate import tabulate
 
 from compiler.cli.errors import EXIT_BAD_INPUT, UsageError
+from runtime.server.cli import float_in, int_at_least
 
 __all__ = ["add_arguments", "cmd_lint", "cmd_compile", "cmd_inspect", "cmd_verify", "cmd_backends", "routing_rows",
            "split_rows", "bundle_rows", "TARGETS"]
@@ -58,7 +60,7 @@ def _config(args):
     return CompileConfig(target=args.target, dtype=args.dtype,
                          decode_batch_sizes=getattr(args, "decode_buckets", None) or DEFAULT_DECODE_BATCH_SIZES,
                          extend_token_counts=getattr(args, "extend_buckets", None) or DEFAULT_EXTEND_TOKEN_COUNTS,
-                         routes=tuple(args.route or ()))
+                         routes=tuple(args.route or ()), tp=args.tp)
 
 
 # -- tables ----------------------------------------------------------------------------------------
@@ -125,17 +127,20 @@ def _layout_summary(registry) -> str:
     return f"{len(kinds)} layers ({', '.join(parts)})" + (f" + {len(drafts)} draft" if drafts else "")
 
 
-def _plan_report(result, as_json: bool, title: str) -> int:
+def _plan_report(result, args, title: str) -> int:
+    from compiler.cli.memory_report import memory_facts, memory_lines
     from compiler.lints import sort_findings
 
     ctx, traced = result.ctx, result.traced
     findings = sort_findings(ctx.findings)
     counts = _counts(findings)
-    if as_json:
+    memory = memory_facts(traced, ctx.registry, ctx.tp, args.memory_gb, args.max_model_len)
+    if args.json:
         print(json.dumps({
             "family": traced.family.name, "target": ctx.config.target, "stopped_after": ctx.stopped_after,
             "registry": ctx.registry.to_json(), "layers": routing_rows(ctx.routing),
-            "split": split_rows(ctx.split_plans), "counts": counts, "findings": [f.to_json() for f in findings]}))
+            "split": split_rows(ctx.split_plans), "counts": counts, "findings": [f.to_json() for f in findings],
+            "memory": {k: v for k, v in memory.items() if k != "table"}}))
     else:
         if ctx.routing:
             print(tabulate(routing_rows(ctx.routing), headers="keys", tablefmt="simple"))
@@ -144,10 +149,14 @@ def _plan_report(result, as_json: bool, title: str) -> int:
             print(tabulate(split_rows(ctx.split_plans), headers="keys", tablefmt="simple"))
             print()
         print(_findings_table(findings))
+        print()
+        print(memory_lines(memory))
         stopped = f"; stopped after {ctx.stopped_after}" if ctx.stopped_after else ""
         print(f"\n{title}: {traced.family.name}, {_layout_summary(ctx.registry)}: {counts['error']} error(s), "
               f"{counts['warning']} warning(s), {counts['info']} info{stopped}")
-    return EXIT_BAD_INPUT if counts["error"] else 0
+    if memory["fits"] is False:  # a MemoryPlanError's class: bad input, the table above says by how much
+        print(f"{title}: does not fit: {memory['error']}", file=sys.stderr)
+    return EXIT_BAD_INPUT if counts["error"] or memory["fits"] is False else 0
 
 
 # -- commands -------------------------------------------------------------------------------------
@@ -160,7 +169,7 @@ def cmd_lint(args) -> int:
     result = plan(args.checkpoint, _config(args), toolchain(), dump_dir=args.dump_dir, progress=args.progress)
     if args.timings:
         result.timing.print_table()
-    return _plan_report(result, args.json, "hgc lint")
+    return _plan_report(result, args, "hgc lint")
 
 
 def cmd_compile(args) -> int:
@@ -175,23 +184,21 @@ def cmd_compile(args) -> int:
         result = plan(args.checkpoint, _config(args), tools, progress=args.progress)
         if args.timings:
             result.timing.print_table()
-        return _plan_report(result, args.json, "hgc compile --plan-only")
+        return _plan_report(result, args, "hgc compile --plan-only")
     if not args.output:
         raise UsageError("-o/--output is required (or pass --plan-only)", hint="e.g. hgc compile CKPT -o artifacts/NAME")
     result, manifest = compile_checkpoint(args.checkpoint, args.output, _config(args), tools, force=args.force,
                                           link_weights=args.link_weights, dumps=not args.no_dumps,
-                                          progress=args.progress)
+                                          weights=not args.no_weights, progress=args.progress)
     counts = _counts(result.ctx.findings)
     if not args.quiet:
         result.timing.print_table()  # stderr: one table of every stage
-    weights = "linked" if manifest["weights"]["mode"] == "link" else "copied"
+    weights = {"link": "linked", "copy": "copied",
+               "none": "none (run with --load-format dummy)"}[manifest["weights"]["mode"]]
     print(f"hgc compile: wrote {args.output} ({result.traced.family.name}, {_layout_summary(result.ctx.registry)}, "
           f"programs {', '.join(result.traced.programs)}, weights {weights}; {counts['warning']} warning(s), "
           f"{counts['info']} info)", file=sys.stderr)
-    if inductor == "not here":
-        print(f"hgc compile: no CUDA device here, so no target bundle was built: run `hgc build {args.output} --device "
-              f"cuda` on the GPU machine (or compile there)", file=sys.stderr)
-    elif inductor:
+    if inductor:
         from compiler.cli.build_command import build_bundle
         build_bundle(args.output, args.target, force=True,
                      log=lambda line: print(f"hgc compile: {line}", file=sys.stderr, flush=True))
@@ -201,26 +208,27 @@ def cmd_compile(args) -> int:
 
 
 def _inductor_wanted(args):
-    """Whether `hgc compile` builds a target bundle: only with --inductor.
-    "not here" for a cuda compile on a machine without a CUDA device (the bundle is built on the GPU
-    machine later); an error when --inductor asks for that."""
+    """Whether `hgc compile` builds a target bundle: only with --inductor; an error when --inductor
+    asks for a cuda bundle on a machine without a CUDA device (it is built there by `hgc build`)."""
     import torch
 
     device = args.target.split(":")[0]
-    # Opt-in on every target for now: on cuda the build refuses its own split plan (a glue segment
-    # found across two captured pieces on the H200, tests/test_gpu_inductor.py), so a default-on
-    # bundle would make every GPU compile fail.
+    # Opt-in on every target for now: the cuda bundle builds, but a start-up from it still tunes
+    # Inductor kernels (their .best_config choices are not in the bundle: tests/test_gpu_inductor.py
+    # on the H200, BENCHMARKS.md), so a default-on bundle would refuse every GPU start-up.
     wanted = bool(args.inductor)
     if not wanted or args.plan_only:
         return False
+    if args.tp > 1:
+        return ValueError(f"--inductor --tp {args.tp}: compiled pieces are not built for a tensor-parallel artifact "
+                          f"yet (none has been checked on ranks); compile with --tp {args.tp} alone, the ranks run "
+                          f"the traced glue")
     if device not in ("cpu", "cuda"):
         return ValueError(f"--inductor: no compiled target for --target {args.target} (cpu or cuda)")
     if device == "cuda" and not torch.cuda.is_available():
-        if args.inductor:
-            return ValueError("--inductor --target cuda: this machine has no CUDA device to build the bundle on; "
-                              "compile with --no-inductor here and run `hgc build ARTIFACT --device cuda` on the GPU "
-                              "machine")
-        return "not here"
+        return ValueError("--inductor --target cuda: this machine has no CUDA device to build the bundle on; "
+                          "compile without --inductor here and run `hgc build ARTIFACT --device cuda` on the GPU "
+                          "machine")
     return True
 
 
@@ -240,7 +248,8 @@ def cmd_inspect(args) -> int:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
                           "routes": routes, "buckets": m["buckets"], "weights": m["weights"]["mode"],
                           "backends": raw_routing["backends"], "layers": routing, "split": split,
-                          "findings": [f.to_json() for f in findings], "bundles": bundles}))
+                          "findings": [f.to_json() for f in findings], "bundles": bundles,
+                          "sharding": None if docs.sharding is None else _sharding_json(docs.sharding)}))
         return 0
     print(f"{args.artifact}: {m['family']} (torch {m['versions']['torch']}, hgc {m['versions']['hgc']}), target "
           f"{m['compile']['target']}, dtype {m['compile']['dtype']}, weights {m['weights']['mode']}")
@@ -250,6 +259,8 @@ def cmd_inspect(args) -> int:
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
     print()
+    if docs.sharding is not None:
+        _print_sharding(docs.sharding)
     if bundles:
         print(tabulate(bundles, headers="keys", tablefmt="simple"))
     else:
@@ -257,6 +268,26 @@ def cmd_inspect(args) -> int:
     print()
     print(_findings_table(findings))
     return 0
+
+
+def _sharding_json(sharding) -> dict:
+    return {k: v for k, v in sharding.doc.items() if k not in ("format", "format_version")}
+
+
+def _print_sharding(sharding) -> None:
+    """sharding.json as tables: each layer's per-rank caches against the whole model's, every collective."""
+    doc, cut = sharding.doc, sum(not s.replicated for s in sharding.tensors.values())
+    print(f"tensor parallel {sharding.tp}: MoE as {doc.get('moe')}; {len(sharding.tensors)} checkpoint tensors, "
+          f"{cut} cut across ranks, {len(sharding.tensors) - cut} replicated")
+    layers = [{"layer": l["layer_id"], "kind": l["kind"] + (" (draft)" if l["draft"] else ""),
+               "per rank (of the whole)": "; ".join(f"{name} {e['rank']} of {e['whole']}"
+                                                    for name, e in l["entries"].items())} for l in doc["layers"]]
+    print(tabulate(layers, headers="keys", tablefmt="simple"))
+    print()
+    rows = [{"program": program, "node": c["node"], "op": c["op"], "layer": c["layer_id"], "after": c["after"],
+             "why": c["why"]} for program in _programs_in_order(doc["collectives"]) for c in doc["collectives"][program]]
+    print(tabulate(rows, headers="keys", tablefmt="simple", maxcolwidths=[None, None, None, None, None, 90]))
+    print()
 
 
 def cmd_verify(args) -> int:
@@ -279,6 +310,8 @@ def cmd_verify(args) -> int:
     print(f"hgc verify: {args.artifact}: {files} file(s) ({nbytes / 1e6:.1f} MB) match manifest.json, "
           f"manifest seal, programs and model facts check out{what}")
     return 0
+
+
 def bundle_rows(manifest: dict) -> list[dict]:
     """One row per target bundle of an artifact: what it was built for, and its files."""
     from compiler.splitops.bundle import KERNELS, PIECES, bundle_dir, describe_target
@@ -324,14 +357,24 @@ def _compile_flags(p) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the model is traced in; match `hgc generate --dtype`")
     p.add_argument("--timings", action="store_true", help="print the pass timing table on stderr (compile always does)")
+    p.add_argument("--tp", type=int_at_least(1), default=1, metavar="N",
+                   help="tensor-parallel ranks: trace one rank's program (heads and widths split, collectives "
+                        "placed by the sharding pass); a count that does not divide is an error naming the layer")
+    p.add_argument("--memory-gb", type=float_in(0, low_open=True), default=None, metavar="G",
+                   help="with lint / --plan-only: one GPU's memory; plan one request of --max-model-len tokens per "
+                        "rank and fail, saying by how much per rank, when it does not fit")
+    p.add_argument("--max-model-len", type=int_at_least(1), default=4096, metavar="N",
+                   help="the request --memory-gb is checked with, in tokens")
 
 
 def add_arguments(subparsers) -> None:
     p = subparsers.add_parser(
         "lint", help="check a checkpoint (or a folder with only config.json) without weights",
         description="Trace config.json on the meta device (no weights are read), run every pass, and print the "
-                    "routing table, the split plans and the lint findings. Exit code 2 when a finding is an error.",
-        epilog="example:\n  hgc lint /tmp/ckpt --target cuda --dtype bfloat16")
+                    "routing table, the split plans, the lint findings and the memory one rank needs. Exit code 2 "
+                    "when a finding is an error (or, with --memory-gb, when one rank does not fit).",
+        epilog="examples:\n  hgc lint /tmp/ckpt --target cuda --dtype bfloat16\n"
+               "  hgc lint /tmp/config-only --tp 2 --memory-gb 80")
     p.add_argument("checkpoint", help="checkpoint folder (config.json; weights are not needed)")
     p.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     p.add_argument("--dump-dir", default=None, metavar="DIR",
@@ -345,7 +388,8 @@ def add_arguments(subparsers) -> None:
                     "ops, run the lints, and write the artifact folder (written whole, or not at all).",
         epilog="examples:\n  hgc compile /tmp/ckpt -o artifacts/tiny\n"
                "  hgc compile /tmp/ckpt -o artifacts/tiny-cuda --target cuda --dtype bfloat16\n"
-               "  hgc compile /tmp/ckpt --plan-only")
+               "  hgc compile /tmp/ckpt --plan-only\n"
+               "  hgc compile /tmp/config-only -o artifacts/big-tp2 --tp 2 --no-weights   # run with --load-format dummy")
     p.add_argument("checkpoint", help="checkpoint folder: config.json and *.safetensors")
     p.add_argument("-o", "--output", default=None, metavar="DIR",
                    help="artifact folder to create, e.g. artifacts/NAME (required unless --plan-only)")
@@ -357,6 +401,8 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--plan-only", action="store_true",
                    help="trace and print routing, split plans and lints; write nothing (config.json suffices)")
     p.add_argument("--no-dumps", action="store_true", help="skip dumps/ (text, ONNX and layer picture of every pass)")
+    p.add_argument("--no-weights", action="store_true",
+                   help="compile config.json alone (no safetensors needed); run the artifact with --load-format dummy")
     p.add_argument("--decode-buckets", type=_ints, default=None, metavar="N,N,...",
                    help="decode batch sizes to capture, e.g. 1,2,4,8 (default: 1,2,4,...,256)")
     p.add_argument("--extend-buckets", type=_ints, default=None, metavar="N,N,...",
@@ -364,8 +410,9 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="JSON on stdout (with --plan-only: the whole plan)")
     p.add_argument("--inductor", action=argparse.BooleanOptionalAction, default=None,
                    help="also build this machine's target bundle: the glue between op cores compiled by Inductor "
-                        "and the kernels start-up needs, inside the artifact (`hgc build`); off by default (on "
-                        "cuda the build does not pass yet)")
+                        "and the kernels start-up needs, inside the artifact (`hgc build`). Off by default on "
+                        "every target (a cuda start-up from the bundle still tunes Inductor kernels); --inductor "
+                        "on a cuda compile without a CUDA device is an error (run `hgc build` on the GPU machine)")
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)
 

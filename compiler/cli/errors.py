@@ -13,7 +13,8 @@
 2. `run_with_errors(args)` runs the chosen command and turns whatever it raises into one line
    `hgc COMMAND: <message>` on stderr, a hint line, and the exit code of `classify` (Ctrl-C: the
    one line `hgc COMMAND: interrupted (Ctrl-C); ...`, exit 130). `--debug` prints the traceback
-   first.
+   first. In a rank of a tensor-parallel launch (`args.rank`, set by runtime/server/cli.start_ranks)
+   the line names the rank: `hgc COMMAND: rank N: <message>`.
 3. `classify(error)` is the one table from failure class to exit code and hint. A command raises
    its refusals (UsageError, CheckpointError, CompileError, LoadError, ...); it prints nothing on
    failure itself.
@@ -145,8 +146,9 @@ def _message(error: BaseException) -> str:
     return text
 
 
-def print_failure(command: str, error: BaseException, debug: bool = False) -> int:
-    """The failure's line(s) and hint on stderr; returns its exit code."""
+def print_failure(command: str, error: BaseException, debug: bool = False, rank: int | None = None) -> int:
+    """The failure's line(s) and hint on stderr; returns its exit code. `rank`: the rank of a
+    tensor-parallel launch this process is (its ranks share one stderr), named after the command."""
     code, hint = classify(error)
     if debug and not isinstance(error, KeyboardInterrupt):
         traceback.print_exception(error, file=sys.stderr)
@@ -154,7 +156,7 @@ def print_failure(command: str, error: BaseException, debug: bool = False) -> in
     message = _message(error)
     if message.startswith(prefix):  # raised with the command already named
         message = message[len(prefix):]
-    print(prefix + message, file=sys.stderr, flush=True)
+    print(prefix + ("" if rank is None else f"rank {rank}: ") + message, file=sys.stderr, flush=True)
     if hint:  # Ctrl-C has none: the user knows why it stopped
         print(f"  hint: {hint.replace('COMMAND', command)}", file=sys.stderr, flush=True)
     return code
@@ -165,4 +167,4 @@ def run_with_errors(args) -> int:
     try:
         return args.func(args)
     except (Exception, KeyboardInterrupt) as e:  # not SystemExit: --help and parser errors exit themselves
-        return print_failure(args.command, e, debug=getattr(args, "debug", False))
+        return print_failure(args.command, e, debug=getattr(args, "debug", False), rank=getattr(args, "rank", None))

@@ -6,6 +6,10 @@ per-phase timing, the prompt tokens each request found in the prefix cache, the 
 counters (on cuda), `executed_backends`: per layer id, the backends the op calls actually
 reached, recorded at dispatch, and `compiled`: the target bundle whose pieces ran (kernels built
 at start-up, Inductor compiles, the start-up parity of compiled against traced glue).
+
+`--tp N` runs a tensor-parallel artifact on N ranks (runtime/distributed.py): the command launches
+them (runtime/launcher.py) or, under torchrun, is one of them; rank 0 prints, the others follow
+its steps. `--load-format dummy` runs random weights (an artifact compiled with --no-weights).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import time
 from compiler.cli.errors import UsageError
 from compiler.cli.prompts import check_request_limits, check_vocab, parse_prompt_ids, print_outputs, timing_line
 from runtime.server.cli import (add_compiled_arguments, add_prefix_cache_arguments, add_speculative_argument,
-                                device_arg, device_problem, float_in, int_at_least, prefix_cache_options, token_ids)
+                                add_tp_arguments, compiled_options, device_arg, device_problem, float_in, int_at_least,
+                                prefix_cache_options, start_ranks, token_ids)
 
 __all__ = ["cmd_run", "add_run_arguments"]
 
@@ -25,18 +30,19 @@ def cmd_run(args) -> int:
     """Run prompts through a compiled artifact on the engine (continuous batching, chunked prefill)."""
     from runtime.artifact_docs import config_value, read_artifact
     from runtime.engine import SamplingParams
-    from runtime.loader import load_artifact
-    from runtime.server.cli import compiled_options
-    from runtime.server.model import EngineOptions, engine_for_artifact
+    from runtime.server.model import EngineOptions
     from runtime.speculative import check_draft_program
+    from runtime.weights import check_load_format
 
     prompts = parse_prompt_ids(args.prompt_ids)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop_ids)
     options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step,
                             speculative_tokens=args.speculative_tokens, **prefix_cache_options(args))
-    # The limits first, from the documents alone: nothing is loaded or allocated for a request that cannot run.
+    # The limits first, from the documents alone: nothing is loaded, allocated or launched for a
+    # request that cannot run.
     docs = read_artifact(args.artifact)
+    check_load_format(docs, args.load_format)
     device = args.device or docs.routing.target  # default: the device it was compiled for
     if args.device is None and (why := device_problem(device)) is not None:
         raise UsageError(f"{args.artifact} is compiled for {device} (--target {device}): {why}",
@@ -44,12 +50,42 @@ def cmd_run(args) -> int:
     check_vocab(prompts, int(docs.manifest["model"]["vocab_size"]))
     if args.speculative_tokens:
         check_draft_program(docs)
+    # a rank holds about 1/tp of the stored weights (its cut tensors; the loader checks its exact bytes)
     check_request_limits(prompts, args.max_new_tokens, positions=config_value(docs.manifest, "max_position_embeddings"),
-                         registry=docs.registry, weight_bytes=docs.stored_weight_bytes(), device=device)
-    art = load_artifact(args.artifact, device=device, progress=args.progress, compiled=compiled_options(args))
-    log = lambda line: print(f"hgc run: {line}", file=sys.stderr, flush=True)  # noqa: E731
+                         registry=docs.registry, weight_bytes=docs.stored_weight_bytes() // docs.tp, device=device)
+    code, group = start_ranks(args, "run")
+    if code is not None:
+        return code  # this process launched the ranks; they have ended
+    try:
+        return _run(args, prompts, params, options, group.device if group is not None else device, group)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _run(args, prompts, params, options, device, group) -> int:
+    """`hgc run` in one process: the only one (group None), rank 0 of a tensor-parallel launch (which
+    adds the requests and prints), or another rank (which follows rank 0's steps until it stops)."""
+    from runtime.distributed import follow, lead
+    from runtime.loader import load_artifact
+    from runtime.server.model import engine_for_artifact
+
+    rank, tp = (group.rank, group.world_size) if group is not None else (0, 1)
+    progress = args.progress if rank == 0 else None  # rank 0 speaks for every rank (they load and start alike)
+    art = load_artifact(args.artifact, device=device, progress=progress, compiled=compiled_options(args),
+                        rank=rank, tp=tp, load_format=args.load_format)
+
+    def log(line: str) -> None:  # the memory plan, what start-up did; nothing with --quiet
+        if rank == 0 and not args.quiet:
+            print(f"hgc run: {line}", file=sys.stderr, flush=True)
+
     engine = engine_for_artifact(art, options, max(map(len, prompts)) + args.max_new_tokens, device=art.device,
-                                 graphs=not args.no_graphs, log=log, progress=args.progress)
+                                 graphs=not args.no_graphs, log=log, progress=progress)
+    if rank > 0:
+        follow(engine, group)  # rank 0's steps, until it sends STOP
+        return 0
+    if group is not None:
+        lead(engine, group)
     ids = [engine.add_request(p, params) for p in prompts]
     start = time.perf_counter()
     results = engine.run_until_done()
@@ -79,7 +115,8 @@ def add_run_arguments(subparsers) -> None:
                     "the prefix cache), on the backends its routing.json names; on cuda, from captured CUDA graphs. "
                     "Prints each prompt and its new tokens, and a timing line on stderr.",
         epilog='examples:\n  hgc run artifacts/tiny --prompt-ids "1,2,3;4,5" --max-new-tokens 8\n'
-               '  hgc run artifacts/tiny --prompt-ids "1,2,3" --temperature 0.8 --top-p 0.9 --seed 7 --json')
+               '  hgc run artifacts/tiny --prompt-ids "1,2,3" --temperature 0.8 --top-p 0.9 --seed 7 --json\n'
+               '  hgc run artifacts/tiny-tp2 --tp 2 --prompt-ids "1,2,3"   # compiled with --tp 2; rank 0 prints')
     p.add_argument("artifact", help="artifact folder written by `hgc compile`")
     p.add_argument("--prompt-ids", required=True, help='token ids, prompts separated by ";": "1,2,3;4,5"')
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=16,
@@ -102,4 +139,5 @@ def add_run_arguments(subparsers) -> None:
     add_prefix_cache_arguments(p)  # the flags `hgc serve` has too
     add_speculative_argument(p)
     add_compiled_arguments(p)
+    add_tp_arguments(p)
     p.set_defaults(func=cmd_run)

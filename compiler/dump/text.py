@@ -9,6 +9,11 @@ Example (Qwen3-Next tiny, after the split; extend plan)::
     ...
     # ---- piece 1: eager (extend) ----
     %short_conv: = hgc.short_conv(%cat, %squeeze, None, %empty_like, 0, True)   # layer 0 gdn -> cpu_reference
+
+A tensor-parallel program (`--tp N`) also shows what one rank holds (the sharding pass's notes)::
+
+    %p_model_layers_0_mlp_w13: float32[8, 32, 64] = weight   # shard: dim 1 / 2 in 2 segments
+    %all_reduce_default: = hgc.all_reduce(%linear_2, 0)   # layer 0 gdn -> gloo (shard: collective after linear_2)
 """
 
 from __future__ import annotations
@@ -39,12 +44,20 @@ def _type(node) -> str:
     return f"{str(dtype).removeprefix('torch.')}[{', '.join(str(s) for s in shape)}]"
 
 
+def _shard(node) -> str:
+    """What one rank of a tensor-parallel program holds (the sharding pass's note), if anything."""
+    return f"shard: {node.meta['hgc.shard']}" if node.meta.get("hgc.shard") else ""
+
+
 def _facts(node) -> str:
     if "hgc.op" not in node.meta:
-        return ""
+        shard = _shard(node)
+        return f"   # {shard}" if shard else ""
     parts = [f"layer {node.meta.get('hgc.layer_id')}", str(node.meta.get("hgc.kind"))]
     if "hgc.backend" in node.meta:
         parts.append(f"-> {node.meta['hgc.backend']}")
+    if _shard(node):
+        parts.append(f"({_shard(node)})")
     return "   # " + " ".join(parts)
 
 
@@ -61,7 +74,7 @@ def text_dump(view: GraphView) -> str:
     for node in nodes:
         if node.op == "placeholder":
             kind = "weight" if node.name in view.lifted else "input"
-            lines.append(f"%{node.name}: {_type(node)} = {kind}")
+            lines.append(f"%{node.name}: {_type(node)} = {kind}{_facts(node)}")
             continue
         if node.op == "output":
             lines.append(f"return {_arg(node.args[0])}")

@@ -6,7 +6,8 @@ Each rule guards against a failure seen in serving engines (docs/DESIGN.md):
 - op-layer-unknown:    an op node names a layer id the registry lacks (it would find no cache).
 - op-kind-mismatch:    an op node's op disagrees with its layer's registry kind (failure 1's twin:
                        a GDN core on a layer the registry calls full attention).
-- duplicate-layer-id:  two op nodes of the same op claim one layer id (two layers would share a cache).
+- duplicate-layer-id:  two op nodes of the same op claim one layer id (two layers would share a cache);
+                       the collectives the sharding pass places are exempt (a layer sums two partials).
 - draft-id-clash:      the draft program uses a main layer's id, or the main program a draft id
                        (failure 6: the MTP layer must have an id of its own).
 - layer-without-op:    a registry layer that no program's graph uses (artifact scope).
@@ -93,13 +94,13 @@ class OpKindMismatch(LintRule):
 class DuplicateLayerId(LintRule):
     id = "duplicate-layer-id"
     severity = ERROR
-    doc = "one op node per (op, layer id) in a program"
+    doc = "one op node per (op, layer id) in a program (collectives aside: a layer has one per partial result)"
 
     def check(self, gm, ctx):
         seen = defaultdict(list)
         for node in op_nodes(gm):
             lid = node.meta.get("hgc.layer_id")
-            if lid is not None:
+            if lid is not None and not op_spec(node.meta["hgc.op"]).collective:
                 seen[(node.meta["hgc.op"], lid)].append(node)
         for (op, lid), nodes in seen.items():
             if len(nodes) > 1:

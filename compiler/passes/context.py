@@ -7,8 +7,9 @@ the artifact writer. There is no global "current compile": whatever a pass needs
    kinds), `programs` (name -> GraphModule of each exported program) and `signatures`.
 2. The pipeline adds `capabilities` (the backends' capability table) and `backend_wrappers`, both
    from the Toolchain the command line hands it (compiler/toolchain.py).
-3. Passes add their results: `routing`, `split_plans`, `findings`; `program` says which program
-   the current pass call is working on.
+3. Passes add their results: `routing`, `split_plans`, `findings` (and, for --tp > 1, the
+   sharding pass's `shard_specs` and `sharding`); `program` says which program the current pass
+   call is working on.
 """
 
 from __future__ import annotations
@@ -35,16 +36,20 @@ class CompileConfig:
     decode_batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCH_SIZES
     extend_token_counts: tuple[int, ...] = DEFAULT_EXTEND_TOKEN_COUNTS
     routes: tuple[Route, ...] = ()  # --route: nodes bound to a named backend (compiler/passes/routing.py)
+    tp: int = 1  # --tp: tensor-parallel ranks; the programs are one rank's (compiler/passes/sharding.py)
 
     def __post_init__(self) -> None:
         for field in ("decode_batch_sizes", "extend_token_counts"):
             values = getattr(self, field)
             if not values or any(int(v) < 1 for v in values) or list(values) != sorted(set(values)):
                 raise ValueError(f"compile config: {field} must be increasing positive integers, got {list(values)}")
+        if int(self.tp) != self.tp or self.tp < 1:
+            raise ValueError(f"compile config: --tp must be a positive integer, got {self.tp!r}")
 
     def to_json(self) -> dict:
         return {"target": self.target, "dtype": self.dtype, "decode_batch_sizes": list(self.decode_batch_sizes),
-                "extend_token_counts": list(self.extend_token_counts), "routes": [str(r) for r in self.routes]}
+                "extend_token_counts": list(self.extend_token_counts), "routes": [str(r) for r in self.routes],
+                **({"tp": self.tp} if self.tp > 1 else {})}
 
 
 @dataclasses.dataclass
@@ -57,11 +62,18 @@ class CompileContext:
     backend_wrappers: tuple[type, ...] = ()  # wrapper backend classes for the hook-forwarding lint
     missing_weights: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # program -> lifted FQNs with no checkpoint tensor
     program: str = "main"  # the program the current pass call works on
+    # tensor parallel (the frontend's facts for --tp > 1; compiler/passes/sharding.py reads them)
+    tp: int = 1
+    whole_registry: Optional[LayerRegistry] = None  # the whole model's (`registry` is one rank's)
+    shard_facts: dict = dataclasses.field(default_factory=dict)  # checkpoint name -> frontend.ShardFact
+    weight_sources: dict = dataclasses.field(default_factory=dict)  # program -> weight placeholder -> ParamSource
 
     # results
     routing: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
     split_plans: dict[str, dict[Mode, SplitPlan]] = dataclasses.field(default_factory=dict)
     findings: list[Finding] = dataclasses.field(default_factory=list)
+    shard_specs: dict = dataclasses.field(default_factory=dict)  # checkpoint name -> ShardSpec
+    sharding: dict[str, list[dict]] = dataclasses.field(default_factory=dict)  # program -> collectives placed
     stopped_after: Optional[str] = None  # the pass that ended the pipeline early, if one did
 
     @property

@@ -12,7 +12,8 @@ For each mode (decode, extend, mixed, target_verify):
    ctx.split_plans[program][mode] and each node gets node.meta["hgc.piece"][mode] = piece index.
 
 Only op cores land in gaps: projections, norms, gates and the `out` allocations stay in the
-captured pieces around them. The plan is data (split.json); the runtime re-applies it with
+captured pieces around them, so each run of glue between op cores (compiler/splitops/glue.py, what
+a target bundle compiles) lies whole in one captured piece of every plan; `ensures` checks it. The plan is data (split.json); the runtime re-applies it with
 `compiler.splitops.artifact.apply_split_plan` (split_module with keep_original_order=True), so
 the pass itself leaves the graph untouched.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 from compiler.passes.base import CompilePass, PassResult, PostconditionError, PreconditionError
 from compiler.splitops import MODES, Capture, Mode, is_op_node, op_name_of, op_spec
 from compiler.splitops.artifact import CAPTURED, EAGER, Piece, SplitPlan, plan_node_names
+from compiler.splitops.glue import GlueSplitError, glue_segments, segment_pieces
 
 __all__ = ["SplitPass", "plan_for_mode", "is_split_point"]
 
@@ -87,6 +89,7 @@ class SplitPass(CompilePass):
     def ensures(self, gm, ctx) -> None:
         names = plan_node_names(gm)
         by_name = {n.name: n for n in gm.graph.nodes}
+        segments = glue_segments(gm)
         for mode, plan in ctx.split_plans[ctx.program].items():
             planned = [n for p in plan.pieces for n in p.nodes]
             if planned != names:
@@ -101,3 +104,7 @@ class SplitPass(CompilePass):
                     if strays:
                         raise PostconditionError(f"split: plan {mode.value}: eager piece {piece.index} holds "
                                                  f"non-op-core nodes {strays[:3]}")
+            try:
+                segment_pieces(segments, plan, ctx.program)
+            except GlueSplitError as e:
+                raise PostconditionError(f"split: {e}") from None

@@ -6,6 +6,7 @@
     table.py       TRACED_OPS: the op table models are traced with
     capability.py  what a backend declares it can do, and the table routing reads
     artifact.py    the artifact format: file names, documents, split-plan re-application
+    sharding.py    tensor parallelism: how a tensor is cut across ranks, the divisibility rule
     bundle.py      the target bundle format: compiled code for one device and torch build, and its target
     glue.py        where a program's glue is cut from its op cores (what Inductor compiles)
     errors.py      CompileError, raised and caught by every layer above
@@ -13,15 +14,16 @@
 
 from .capability import DTYPES, BackendCapability, CapabilityError, CapabilityTable, ShapeLimit, instance_key
 from .errors import CompileError
-from .ops import (OP_SPECS, OPS_BY_KIND, CallFacts, OpSpec, call_arguments, call_facts, is_hgc_op, is_op_node,
+from .ops import (COLLECTIVE_OPS, OP_SPECS, OPS_BY_KIND, CallFacts, OpSpec, call_arguments, call_facts, is_hgc_op, is_op_node,
                   moe_shared_width, op_arguments, op_name_of, op_nodes, op_schemas, op_spec)
 from .policy import MODES, Capture, Mode
+from .sharding import REPLICATED, ShardingError, ShardSpec, split_count
 from .registry import (FULL_KINDS, LINEAR_KINDS, LayerKind, LayerRegistry, LayerSpec, RegistryError,
                        TensorSpec, dtype_from_name)
 from .table import TRACED_OPS, TracedOps
 
 __all__ = [
-    "OP_SPECS", "OPS_BY_KIND", "OpSpec", "is_hgc_op", "moe_shared_width", "op_name_of", "op_schemas", "op_spec",
+    "COLLECTIVE_OPS", "OP_SPECS", "OPS_BY_KIND", "OpSpec", "is_hgc_op", "moe_shared_width", "op_name_of", "op_schemas", "op_spec",
     "op_arguments", "call_arguments", "CallFacts", "call_facts", "is_op_node", "op_nodes",
     "MODES", "Capture", "Mode",
     "FULL_KINDS", "LINEAR_KINDS", "LayerKind", "LayerRegistry", "LayerSpec", "RegistryError",
@@ -29,4 +31,5 @@ __all__ = [
     "TRACED_OPS", "TracedOps",
     "DTYPES", "BackendCapability", "CapabilityError", "CapabilityTable", "ShapeLimit", "instance_key",
     "CompileError",
+    "REPLICATED", "ShardingError", "ShardSpec", "split_count",
 ]

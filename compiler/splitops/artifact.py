@@ -10,8 +10,10 @@ An artifact is a folder::
                           `manifest_sha256`, the SHA-256 of its own other fields
     graph.pt2             torch.export.save of the weightless main program (meta parameters)
     draft.pt2             the draft (MTP) program, where the model has one
-    weights.safetensors   checkpoint tensors under their checkpoint names (absent with --link-weights)
+    weights.safetensors   checkpoint tensors under their checkpoint names (absent with --link-weights, --no-weights)
     weights.json          how each program parameter is assembled from checkpoint tensors
+    computed.safetensors  tensors the model computes from its config that ranks take slices of (tp > 1, where any)
+    sharding.json         --tp > 1: the rank count, how each rank reads each tensor, the collectives
     routing.json          the backend (and kernel options) of every hgc op node: the binding the runtime executes
     split.json            per program and mode, the ordered pieces: captured or eager, with node names
     lints.json            every lint finding of the compile
@@ -47,14 +49,16 @@ from torch.fx.passes.split_module import split_module
 
 from .capability import BackendCapability, CapabilityError, instance_key
 from .policy import MODES, Mode
+from .sharding import ShardSpec
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "GRAPH", "DRAFT_GRAPH", "WEIGHTS", "WEIGHT_MAP", "ROUTING",
     "SPLIT", "LINTS", "DUMPS", "PROGRAM_FILES", "PROGRAM_INPUTS", "program_outputs", "DEFAULT_DECODE_BATCH_SIZES",
     "DEFAULT_EXTEND_TOKEN_COUNTS", "CAPTURED", "EAGER", "ArtifactFormatError", "dump_json", "load_json",
     "sha256_file", "safetensors_header", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
-    "apply_split_plan", "plan_node_names", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
+    "apply_split_plan", "plan_node_names", "retarget_meta_devices", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
     "check_format", "piece_module_names", "RouteEntry", "RoutingTable", "routing_doc", "parse_routing_doc",
+    "SHARDING", "COMPUTED", "Sharding", "sharding_doc", "parse_sharding_doc",
     "MANIFEST_SEAL", "seal_manifest", "check_manifest_seal",
 ]
 
@@ -71,6 +75,8 @@ WEIGHT_MAP = "weights.json"
 ROUTING = "routing.json"
 SPLIT = "split.json"
 LINTS = "lints.json"
+SHARDING = "sharding.json"
+COMPUTED = "computed.safetensors"
 DUMPS = "dumps"
 
 PROGRAM_FILES: dict[str, str] = {"main": GRAPH, "draft": DRAFT_GRAPH}
@@ -397,6 +403,23 @@ def apply_split_plan(gm: torch.fx.GraphModule, plan: SplitPlan) -> torch.fx.Grap
     return split_module(src, None, lambda node: index[node], keep_original_order=True, keep_original_node_name=True)
 
 
+def retarget_meta_devices(graph: torch.fx.Graph, device: torch.device) -> None:
+    """Programs are traced on the meta device: every device argument of `graph`'s nodes (allocations,
+    checks) names `device` instead, in place. The loader does it to bind a program, the bundle
+    builder to compile its glue."""
+    def rewrite(value):
+        if isinstance(value, torch.device) and value.type == "meta":
+            return device
+        if isinstance(value, (list, tuple)):
+            return type(value)(rewrite(v) for v in value)
+        if isinstance(value, dict):
+            return {k: rewrite(v) for k, v in value.items()}
+        return value
+
+    for node in graph.nodes:
+        node.args, node.kwargs = rewrite(node.args), rewrite(node.kwargs)
+
+
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     new = torch.fx.Graph()
     env: dict = {}
@@ -423,6 +446,11 @@ class TensorView:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameter on the device (a rank's part, for a tensor-parallel program)."""
+        return self.numel * getattr(torch, self.dtype).itemsize
+
     def to_json(self) -> list:
         return [self.name, self.offset, list(self.shape), list(self.stride)]
 
@@ -446,6 +474,11 @@ class ParamSource:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the parameter on the device (a rank's part, for a tensor-parallel program)."""
+        return self.numel * getattr(torch, self.dtype).itemsize
 
     def is_whole(self) -> bool:
         """One checkpoint tensor is the whole parameter (the common case: copy, no assembly)."""
@@ -486,3 +519,40 @@ def parse_weights_doc(doc, source: str = WEIGHT_MAP) -> tuple[dict[str, ParamSou
             raise ArtifactFormatError(f"{source}: programs.{program} must map program FQNs to listed tensors")
     return out, programs
 
+
+
+# -- tensor parallel -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """sharding.json parsed: the rank count, each checkpoint tensor's ShardSpec, and the rest as
+    written (layers' whole and rank shapes, the collectives and why), for `hgc inspect`."""
+
+    tp: int
+    tensors: dict[str, ShardSpec]
+    doc: dict
+
+    def spec(self, name: str) -> ShardSpec:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ArtifactFormatError(f"{SHARDING}: no spec for tensor {name!r}: the document belongs to another "
+                                      f"compile; recompile") from None
+
+
+def sharding_doc(summary: dict) -> dict:
+    """sharding.json: the sharding pass's summary (compiler/passes/sharding.py sharding_summary)."""
+    return {**_header(), **summary}
+
+
+def parse_sharding_doc(doc, source: str = SHARDING) -> Sharding:
+    check_format(doc, source)
+    tp, tensors = doc.get("tp"), doc.get("tensors")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2 or not isinstance(tensors, dict):
+        raise ArtifactFormatError(f"{source}: needs 'tp' (an integer >= 2) and 'tensors' (an object)")
+    try:
+        specs = {str(name): ShardSpec.from_json(obj) for name, obj in tensors.items()}
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ArtifactFormatError(f"{source}: tensors: each spec is {{dim, segments}}: {e}") from None
+    return Sharding(tp, specs, doc)

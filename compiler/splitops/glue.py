@@ -4,7 +4,8 @@ A program alternates glue (projections, norms, rotary, gates, residual adds, the
 allocations) and op cores (`torch.ops.hgc.*`, which the runtime binds to backends). Inductor
 compiles the glue; the op cores stay opaque calls made in place by the runtime. Every split plan
 cuts only at op cores, so each glue run sits whole inside one captured piece of every mode's
-plan: compiling the runs once serves every mode and every bucket.
+plan: compiling the runs once serves every mode and every bucket. Which piece that is, is read
+from the plan (split.json) alone, by `segment_pieces`.
 
 1. `glue_segments(gm)`: the maximal runs of non-op nodes in graph order, each with the values it
    reads from outside (`inputs`, first use first) and the values read after it (`outputs`,
@@ -16,6 +17,10 @@ plan: compiling the runs once serves every mode and every bucket.
    give the same code.
 3. `structure_key(module)`: the SHA-256 of that code and of each input's dtype, sizes and strides
    (symbolic sizes named by first appearance): equal keys, one compile.
+4. `segment_pieces(segments, plan)`: the captured piece of a split plan that runs each segment;
+   a plan that cuts inside a segment, or leaves glue in an eager piece, raises GlueSplitError. The
+   split pass checks it for every plan it makes, the builder before compiling anything, and the
+   runtime installs each segment into the piece it names.
 
 What it does not do: compile (compiler/inductor_pieces.py), or run anything (runtime/compiled_glue.py).
 """
@@ -29,9 +34,15 @@ import json
 import torch
 import torch.fx
 
+from .artifact import CAPTURED, SplitPlan
 from .ops import is_op_node
 
-__all__ = ["GlueSegment", "glue_segments", "segment_module", "structure_key", "input_specs"]
+__all__ = ["GlueSegment", "GlueSplitError", "glue_segments", "segment_module", "structure_key", "input_specs",
+           "segment_pieces"]
+
+
+class GlueSplitError(ValueError):
+    """A split plan that does not hold some glue segment whole in one captured piece."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,3 +132,20 @@ def structure_key(module: torch.fx.GraphModule) -> str:
     """Step 3: equal for two segments that compile to the same code."""
     text = json.dumps({"code": module.code, "inputs": input_specs(module)}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def segment_pieces(segments: list[GlueSegment], plan: SplitPlan, program: str = "main") -> dict[int, int]:
+    """Step 4: {segment index: index of the plan's piece that holds all its nodes}, for every segment."""
+    piece_of = plan.piece_of()
+    held: dict[int, int] = {}
+    for segment in segments:
+        pieces = sorted({piece_of[n] for n in segment.nodes})
+        where = f"{program} glue segment {segment.index} (nodes {segment.nodes[0]}..{segment.nodes[-1]})"
+        if len(pieces) > 1:
+            raise GlueSplitError(f"{where} lies across pieces {', '.join(map(str, pieces[:-1]))} and {pieces[-1]} of "
+                                 f"the {plan.mode.value} plan: a split plan may cut only at op nodes")
+        if plan.pieces[pieces[0]].kind != CAPTURED:
+            raise GlueSplitError(f"{where} lies in eager piece {pieces[0]} of the {plan.mode.value} plan: eager "
+                                 f"pieces hold op cores only")
+        held[segment.index] = pieces[0]
+    return held

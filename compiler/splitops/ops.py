@@ -30,7 +30,8 @@ import torch
 from .policy import Capture, Mode
 from .registry import LayerKind
 
-__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "op_spec", "is_hgc_op", "op_name_of", "op_schemas", "moe_shared_width",
+__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "COLLECTIVE_OPS", "op_spec", "is_hgc_op", "op_name_of", "op_schemas",
+           "moe_shared_width",
            "op_arguments", "call_arguments", "CallFacts", "call_facts", "is_op_node", "op_nodes"]
 
 _LIB = torch.library.Library("hgc", "FRAGMENT")  # noqa: the namespace our ops live in
@@ -49,6 +50,7 @@ class OpSpec:
     policy: dict[Mode, Capture]
     doc: str
     token_args: tuple[str, ...]  # the inputs with one row per token of the step (besides `out`)
+    collective: bool = False  # talks to the other ranks of a tensor-parallel group (several per layer)
 
     def capture(self, mode: Mode) -> Capture:
         return self.policy[Mode(mode)]
@@ -64,12 +66,12 @@ OP_SPECS: dict[str, OpSpec] = {}
 
 
 def _declare(name: str, schema: str, kinds: set[LayerKind], stateful: bool, policy: dict, doc: str,
-             token_args: tuple[str, ...]) -> None:
+             token_args: tuple[str, ...], collective: bool = False) -> None:
     assert set(policy) == set(Mode), f"{name}: a capture policy must cover every mode"
     _LIB.define(f"{name}{schema}")
     # Every op mutates `out` only and returns nothing: the fake has nothing to compute.
     _LIB._register_fake(name, lambda *args, **kwargs: None)
-    OP_SPECS[name] = OpSpec(name, frozenset(kinds), stateful, dict(policy), doc, tuple(token_args))
+    OP_SPECS[name] = OpSpec(name, frozenset(kinds), stateful, dict(policy), doc, tuple(token_args), collective)
 
 
 _declare(
@@ -141,6 +143,28 @@ _declare(
 )
 
 
+# Collectives of a tensor-parallel program (compiler/passes/sharding.py places them; never a model).
+# Capturable in every mode: an NCCL all-reduce of static shape records into a CUDA graph like any
+# kernel (all ranks replay the same graphs in the same order); the layer id is the layer whose
+# partial results they combine (the lm_head gather: the program's last layer).
+_declare(
+    "all_reduce",
+    "(Tensor(a!) out, int layer_id) -> ()",
+    set(), False, _ALWAYS_CAPTURABLE,
+    "Sum over the ranks of a tensor-parallel group, in place: out [T,D] holds this rank's partial "
+    "result (a row-parallel projection, a MoE block over its slice of every expert) and becomes the total.",
+    token_args=(), collective=True,  # its one per-token tensor is `out`, read and written in place
+)
+_declare(
+    "all_gather",
+    "(Tensor x, Tensor(a!) out, int layer_id) -> ()",
+    set(), False, _ALWAYS_CAPTURABLE,
+    "Concatenate every rank's x [R,C] along the last dimension in rank order: out [R, tp*C] (the "
+    "logits of a vocabulary-parallel lm_head).",
+    token_args=("x",), collective=True,
+)
+
+
 def moe_shared_width(shared_w13, shared_w2, shared_gate, hidden: int) -> int:
     """Width S of the moe op's shared expert (0: none), after checking its three tensors agree.
 
@@ -165,6 +189,8 @@ def moe_shared_width(shared_w13, shared_w2, shared_gate, hidden: int) -> int:
 _ARGUMENTS: dict[str, tuple[str, ...]] = {
     name: tuple(a.name for a in getattr(torch.ops.hgc, name).default._schema.arguments) for name in OP_SPECS
 }
+
+COLLECTIVE_OPS: frozenset[str] = frozenset(name for name, spec in OP_SPECS.items() if spec.collective)
 
 OPS_BY_KIND: dict[LayerKind, tuple[str, ...]] = {
     kind: tuple(name for name, spec in OP_SPECS.items() if kind in spec.kinds) for kind in LayerKind

@@ -44,6 +44,8 @@ BUILTIN: tuple[str, ...] = (
     "runtime.backends.triton_mla_backend:TritonMLABackend",
     "runtime.backends.triton_linear_backend:TritonLinearBackend",
     "runtime.backends.triton_moe:TritonMoEBackend",
+    "runtime.backends.collectives:GlooCollectives",
+    "runtime.backends.collectives:NcclCollectives",
 )
 WRAPPERS: tuple[str, ...] = (
     "runtime.backends.backend_set:BackendSet",

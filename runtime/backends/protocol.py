@@ -183,6 +183,8 @@ class BackendHooks(abc.ABC):
     lightning_core = _op_stub("lightning_core")
     short_conv = _op_stub("short_conv")
     moe = _op_stub("moe")
+    all_reduce = _op_stub("all_reduce")
+    all_gather = _op_stub("all_gather")
 
 
 # The arguments the runtime passes to each hook and op method, after self: a backend's method
@@ -200,6 +202,8 @@ _PROTOCOL_ARGS: dict[str, tuple[str, ...]] = {
     "short_conv": ("ctx", "x", "weight", "bias", "out", "layer_id", "silu"),
     "moe": ("ctx", "x", "router_weight", "router_bias", "w13", "w2", "shared_w13", "shared_w2", "shared_gate",
             "out", "layer_id", "top_k", "scoring", "renormalize", "routed_scale", "num_groups", "topk_groups"),
+    "all_reduce": ("ctx", "out", "layer_id"),
+    "all_gather": ("ctx", "x", "out", "layer_id"),
 }
 assert set(_PROTOCOL_ARGS) == set(HOOK_NAMES + OP_NAMES), "every hook and op needs its protocol arguments"
 

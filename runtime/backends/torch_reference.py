@@ -17,7 +17,7 @@ Lifecycle and hooks are the CPU reference's (nothing to plan, nothing to capture
 
 from __future__ import annotations
 
-from compiler.splitops import OP_SPECS, BackendCapability
+from compiler.splitops import COLLECTIVE_OPS, OP_SPECS, BackendCapability
 from runtime.backends.cpu_reference import CPUReferenceBackend
 
 __all__ = ["TorchReferenceBackend"]
@@ -26,6 +26,6 @@ __all__ = ["TorchReferenceBackend"]
 class TorchReferenceBackend(CPUReferenceBackend):
     name = "torch_reference"
     capability = BackendCapability(
-        name="torch_reference", device="cuda", ops=frozenset(OP_SPECS), modes_capturable=frozenset(),
+        name="torch_reference", device="cuda", ops=frozenset(OP_SPECS) - COLLECTIVE_OPS, modes_capturable=frozenset(),
         explicit_only=True,
         doc="the CPU reference's plain-torch math on GPU tensors: eager in every mode, chosen only by --route")

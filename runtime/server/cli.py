@@ -35,8 +35,8 @@ import sys
 from typing import NoReturn
 
 __all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "add_speculative_argument", "prefix_cache_options",
-           "add_compiled_arguments", "compiled_options", "cmd_serve", "serve", "main", "int_at_least", "float_in",
-           "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB"]
+           "add_compiled_arguments", "compiled_options", "add_tp_arguments", "start_ranks", "cmd_serve", "serve",
+           "main", "int_at_least", "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB"]
 
 DEFAULT_MAX_BODY_MB = 8.0  # a 100k-token prompt is about 0.6 MB of JSON token ids, or 0.4 MB of text
 
@@ -117,7 +117,7 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
                     "/v1/chat/completions (streamed or not), /v1/models, /health, /metrics. After SIGTERM, "
                     "in-flight requests finish (up to --shutdown-timeout) and new ones get 503 with Retry-After.",
         epilog="examples:\n  hgc serve artifacts/tiny --port 8000\n"
-               "  hgc serve artifacts/tiny --port 0 --slots 16 --max-model-len 2048 --memory-budget-gb 4\n"
+               "  hgc serve artifacts/tiny --port 0 --slots 16 --max-model-len 2048 --memory-budget-gb 4\n"               "  hgc serve artifacts/tiny-tp2 --tp 2 --port 8000   # compiled with --tp 2; rank 0 serves\n"
                "  curl -s localhost:8000/v1/completions -d '{\"model\": \"tiny\", \"prompt\": [1, 2, 3]}'")
     p.add_argument("artifact", help="artifact folder written by `hgc compile`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -161,6 +161,7 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
                    help="largest request body in MB (10^6 bytes); a larger one gets 413 before it is read")
     g.add_argument("--shutdown-timeout", type=float_in(0), default=10.0,
                    help="seconds in-flight requests get after SIGTERM before they are cancelled")
+    add_tp_arguments(p.add_argument_group("tensor parallel and weights"))
     g = p.add_argument_group("process")
     g.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
@@ -187,6 +188,52 @@ def add_speculative_argument(group) -> None:
     group.add_argument("--speculative-tokens", type=int_at_least(0), default=0, metavar="D",
                        help="draft D tokens per decoding request with the artifact's MTP draft program and verify "
                             "them in one target_verify step (1..7; default 0: no speculation)")
+
+
+def add_tp_arguments(group) -> None:
+    """The tensor-parallel and weight-loading flags `hgc serve` and `hgc run` share."""
+    from runtime.distributed import DEFAULT_TIMEOUT_S
+    from runtime.weights import LOAD_FORMATS
+
+    group.add_argument("--tp", type=int_at_least(1), default=1, metavar="N",
+                       help="tensor-parallel ranks, one process each (the artifact must be compiled with --tp N); "
+                            "launches them, or runs as one of them under torchrun")
+    group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                       help="auto: the artifact's weights; dummy: random weights of the right shapes made on the "
+                            "device (an artifact compiled with --no-weights from config.json alone)")
+    group.add_argument("--tp-timeout", type=float_in(0, low_open=True), default=DEFAULT_TIMEOUT_S, metavar="S",
+                       help="seconds a collective may wait for the other ranks before the run fails")
+
+
+def start_ranks(args, command: str):
+    """--tp N: (exit code, None) in the process that launches the ranks (it returns when they end);
+    (None, RankGroup) in a rank (our launch's or torchrun's); (None, None) for --tp 1. In a rank,
+    `args.rank` is set: its failures then name it (compiler/cli/errors.py)."""
+    from runtime.artifact_docs import LoadError, read_artifact
+    from runtime.distributed import join, launched_rank
+    from runtime.launcher import launch
+    from runtime.weights import check_load_format
+
+    if args.tp == 1:
+        return None, None
+    if args.speculative_tokens:  # before the artifact is read or any process starts
+        raise ValueError(f"--speculative-tokens {args.speculative_tokens} --tp {args.tp}: speculative decoding does "
+                         f"not run on tensor-parallel ranks yet (its draft and verify steps are not sent to the other "
+                         f"ranks); run with --tp {args.tp} alone, or draft on an artifact compiled without --tp")
+    docs = read_artifact(args.artifact, verify_hashes=False)  # the loader checks the hashes, in each rank
+    check_load_format(docs, args.load_format)  # before any process starts
+    if docs.tp != args.tp:
+        raise LoadError(f"{docs.path}: compiled for --tp {docs.tp}, asked to run on {args.tp} ranks: run it with "
+                        f"{f'--tp {docs.tp}' if docs.tp > 1 else 'one process (no --tp)'}, or recompile with "
+                        f"`hgc compile --tp {args.tp}`")
+    if not launched_rank():
+        return launch(args.tp, [sys.executable, "-m", "compiler.cli", *args.argv], f"hgc {command}"), None
+    import torch
+
+    device = args.device or docs.routing.target
+    group = join(args.tp, torch.device(device).type, args.tp_timeout, label=f"hgc {command}")
+    args.rank = group.rank
+    return None, group
 
 
 def prefix_cache_options(args) -> dict:
@@ -216,14 +263,35 @@ def compiled_options(args):
 
 def cmd_serve(args) -> int:
     """Load and serve; a refusal (LoadError, MemoryPlanError, TokenizerError, a bad option) or a
-    start-up failure (CaptureError, ParityError) is raised for the caller to print as one line."""
+    start-up failure (CaptureError, ParityError) is raised for the caller to print as one line.
+    With --tp N this process launches the ranks and returns how they ended, or is one of them."""
     import torch
-
-    from runtime.server.app import ServerOptions
-    from runtime.server.model import EngineOptions, load_served_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    code, group = start_ranks(args, "serve")
+    if code is not None:
+        return code  # this process launched the ranks; they have ended
+    try:
+        return _serve_rank(args, group)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _serve_rank(args, group) -> int:
+    """`hgc serve` in one process: the only one (group None), rank 0 of a tensor-parallel launch
+    (which serves), or another rank (which follows rank 0's steps until rank 0 stops)."""
+    from runtime.distributed import follow, lead
+    from runtime.server.app import ServerOptions
+    from runtime.server.model import EngineOptions, load_served_model
+
+    rank, tp = (group.rank, group.world_size) if group is not None else (0, 1)
+
+    def log(line: str) -> None:  # rank 0 speaks for every rank (they load and start alike)
+        if rank == 0:
+            print(f"hgc serve: {line}", file=sys.stderr, flush=True)
+
     engine_options = EngineOptions(
         slots=args.slots, max_running=args.max_running, token_budget=args.token_budget, page_size=args.page_size,
         kv_pages=args.kv_pages, max_model_len=args.max_model_len,
@@ -233,12 +301,20 @@ def cmd_serve(args) -> int:
     server_options = ServerOptions(max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
                                    shutdown_timeout=args.shutdown_timeout,
                                    max_body_bytes=int(args.max_body_mb * 1_000_000))
-    print(f"hgc serve: loading {args.artifact} ...", file=sys.stderr, flush=True)
+    log(f"loading {args.artifact} ...")
     served = load_served_model(args.artifact, name=args.served_model_name, options=engine_options,
-                               tokenizer_dir=args.tokenizer, device=args.device, graphs=not args.no_graphs,
-                               compiled=compiled_options(args), log=lambda line: print(f"hgc serve: {line}", file=sys.stderr, flush=True),
-                               progress=getattr(args, "progress", None))
+                               tokenizer_dir=args.tokenizer, device=group.device if group is not None else args.device,
+                               graphs=not args.no_graphs, compiled=compiled_options(args), log=log,
+                               progress=getattr(args, "progress", None) if rank == 0 else None,
+                               rank=rank, tp=tp, load_format=args.load_format)
+    if rank > 0:
+        follow(served.engine, group)  # until rank 0 sends STOP (it shuts down) or stops
+        return 0
+    if group is not None:
+        lead(served.engine, group)
     code = serve(served, server_options, args.host, args.port, log_level=args.log_level, access_log=args.access_log)
+    if group is not None:
+        group.close()  # STOP to the other ranks: they end with this process, which ends at once below
     _end_process(code)
 
 
@@ -339,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     except SystemExit as e:  # a usage error (argparse printed it, naming the flag) or --help
         return e.code if isinstance(e.code, int) else 0
+    args.argv = ["serve", *(sys.argv[1:] if argv is None else argv)]  # what the ranks of a --tp launch run again
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -38,7 +38,8 @@ from compiler.splitops import LayerRegistry
 from runtime.bound_ops import BoundOps
 from runtime.engine import Engine
 from runtime.kv_pool import KVPool, pages_for
-from runtime.memory_planner import build_pools, build_snapshot_pool, plan_memory
+from runtime.memory_planner import (build_pools, build_snapshot_pool, check_fits, describe_bytes, plan_memory,
+                                    pool_bytes)
 from runtime.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixCacheConfig
 from runtime.snapshot_pool import SnapshotPool
 from runtime.state_pool import StatePool
@@ -100,30 +101,42 @@ class ServedModel:
 
 
 def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, weight_bytes: int,
-           device) -> tuple[KVPool, StatePool, SnapshotPool | None]:
+           device, ranks: int) -> tuple[KVPool, StatePool, SnapshotPool | None, str]:
+    """The pools of one device (of one rank, for a tensor-parallel artifact: `registry` is a rank's),
+    planned from the budget or sized by the options (checked against the device's free memory
+    before they exist), and the lines that say what they take. With speculative decoding (D > 0)
+    the state pool holds the verify steps' intermediate states and every request D more positions."""
     D = options.speculative_tokens
     if options.memory_budget_bytes is not None:
         plan = plan_memory(registry, budget_bytes=options.memory_budget_bytes, weight_bytes=weight_bytes,
                            max_seq_len=max_model_len, page_size=options.page_size, num_slots=options.slots,
                            max_running=options.max_running, draft_tokens=D,
-                           snapshot_share=options.snapshot_share if options.prefix_cache else 0)
+                           snapshot_share=options.snapshot_share if options.prefix_cache else 0, ranks=ranks)
         snapshots = build_snapshot_pool(registry, plan, device) if options.prefix_cache else None
-        return *build_pools(registry, plan, device), snapshots
+        return *build_pools(registry, plan, device), snapshots, "memory plan\n" + plan.table()
     # A verify step writes D positions past a request's last token (runtime/memory_planner.py).
     pages = options.kv_pages or options.slots * pages_for(max_model_len + D, options.page_size)
-    snapshots = None
+    count = 0
     if options.prefix_cache:
         count = options.slots if options.prefix_snapshots is None else options.prefix_snapshots
-        snapshots = SnapshotPool(registry, count, device)
     verify_rows = min(options.slots, options.max_running or options.slots) if D else 0
+    parts = pool_bytes(registry, num_slots=options.slots, num_pages=pages, page_size=options.page_size,
+                       num_snapshots=count, draft_tokens=D, verify_rows=verify_rows)
+    check_fits(parts, device, ranks, fix="lower --slots, --kv-pages or --max-model-len, or size the pools with "
+                                         "--memory-budget-gb")
+    snapshots = SnapshotPool(registry, count, device) if options.prefix_cache else None
+    said = (f"memory{'' if ranks == 1 else f' per rank of tensor parallel {ranks}'}: "
+            f"{describe_bytes({'weights': weight_bytes, **parts})} ({options.slots} slots, {count} snapshots, "
+            f"{pages} KV pages of {options.page_size} tokens)")
     return (KVPool(registry, pages, options.page_size, device),
-            StatePool(registry, options.slots, device, draft_tokens=D, verify_rows=verify_rows), snapshots)
+            StatePool(registry, options.slots, device, draft_tokens=D, verify_rows=verify_rows), snapshots, said)
 
 
 def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], options: EngineOptions,
                  max_model_len: int, *, backend_factory: Callable, weight_bytes: int = 0,
                  device: str | torch.device = "cpu", runner_factory: Callable | None = None,
-                 speculative_factory: Callable | None = None) -> Engine:
+                 speculative_factory: Callable | None = None, ranks: int = 1,
+                 log: Callable[[str], None] = lambda line: None) -> Engine:
     """Pools, backend, op table and Engine for one model; `bind(ops)` returns its forward.
 
     backend_factory(kv_pool, state_pool) -> the backend the op table calls (for an artifact: the
@@ -131,11 +144,13 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
     engine_limits) -> a started GraphRunner, whose dispatcher then runs every step (engine_limits:
     max_running, token_budget, max_seq_len). speculative_factory(ops, kv_pool, state_pool,
     engine_limits, runner) -> a SpeculativeDecoder (runtime/speculative.py), with
-    options.speculative_tokens > 0."""
+    options.speculative_tokens > 0. ranks: the tensor-parallel rank count the registry and
+    weights are one rank's (what the memory lines say)."""
     if bool(options.speculative_tokens) != (speculative_factory is not None):
         raise ValueError("build_engine: speculative_tokens and a speculative_factory go together")
-    kv_pool, state_pool, snapshots = _pools(registry, options, max_model_len, weight_bytes, device)
+    kv_pool, state_pool, snapshots, memory = _pools(registry, options, max_model_len, weight_bytes, device, ranks)
     ops = BoundOps(backend_factory(kv_pool, state_pool))
+    log(memory)  # once the backends are bound: a refusal there stays the one line it is
     runner = None
     limits = {"max_running": min(options.max_running or state_pool.num_slots, state_pool.num_slots),
               "token_budget": options.token_budget, "max_seq_len": max_model_len}
@@ -180,7 +195,7 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
     with art.compiled.watch() if art.compiled is not None else contextlib.nullcontext():
         engine = build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
                               backend_factory=backend_factory, runner_factory=runner_factory,
-                              speculative_factory=speculative)
+                              speculative_factory=speculative, ranks=art.docs.tp, log=log)
         if art.compiled is not None and engine.runner is None:
             reports = compiled_start_up_parity(engine, _vocab_size(art), options.token_budget)
             art.compiled.parity = reports
@@ -247,12 +262,14 @@ def _vocab_size(art) -> int:
 
 def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
                       options: EngineOptions = EngineOptions(), tokenizer_dir: str | os.PathLike | None = None,
-                      device: str | None = None, backend_factory: Callable | None = None, graphs: bool = True,
-                      compiled=None, log: Callable[[str], None] = lambda line: None, progress=None) -> ServedModel:
+                      device: str | torch.device | None = None, backend_factory: Callable | None = None,
+                      graphs: bool = True, compiled=None, log: Callable[[str], None] = lambda line: None,
+                      progress=None, rank: int = 0, tp: int = 1, load_format: str = "auto") -> ServedModel:
     """The backends are those routing.json names; on a CUDA device with `graphs`, every step goes
     through a GraphRunner started (captured and parity-checked) here, before anything is served.
     `compiled`: CompiledOptions for the artifact's target bundle (default: run it if this
-    installation built it). `progress`: a tqdm-like factory, for bars over the weights and the captures."""
+    installation built it). `progress`: a tqdm-like factory, for bars over the weights and the captures.
+    `rank` of `tp`, `load_format`: which weights to load (runtime/loader.load_artifact)."""
     from runtime.loader import load_artifact
 
     tokenizer = None
@@ -261,8 +278,8 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
         if tokenizer is None:
             raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
     from runtime.bundle import CompiledOptions
-    art = load_artifact(artifact, device=device, progress=progress,
-                        compiled=compiled or CompiledOptions())  # device None: the artifact's target
+    art = load_artifact(artifact, device=device, progress=progress, compiled=compiled or CompiledOptions(),
+                        rank=rank, tp=tp, load_format=load_format)  # device None: the artifact's target
     device = art.device
     if tokenizer is None:
         # After the load: the artifact's tokenizer files are listed in its manifest, so their hashes
