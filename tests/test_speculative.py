@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from compiler.cli import main
-from compiler.splitops import MODES, OP_SPECS, BackendCapability, Mode
+from compiler.splitops import MODES, BackendCapability, Mode
 from runtime.acceptance import draft_counts, greedy_accept, rejection_accept
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.batch import SeqState, build_step, commit_step
@@ -227,7 +227,7 @@ class DraftReference(CPUReferenceBackend):
     apart from every main layer. It records the modes of the steps it was told to plan."""
 
     name = "draft_reference"
-    capability = BackendCapability(name="draft_reference", device="cpu", ops=frozenset(OP_SPECS),
+    capability = BackendCapability(name="draft_reference", device="cpu", ops=CPUReferenceBackend.capability.ops,
                                    modes_capturable=frozenset(MODES), explicit_only=True,
                                    doc="the reference, as the draft layer's own backend in routing tests")
     built: list = []
