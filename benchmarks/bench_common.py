@@ -10,6 +10,8 @@
   tests/graph_cases.greedy, which the tests use too).
 - `decode_batch`: B requests with a history, and their next decode step's items.
 - `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU).
+- `engine_script`: the main of a benchmark over one engine-level model (prefix_bench, spec_bench):
+  the shared flags, GPU or dry-run defaults, OUT/NAME.json saved after every stage, a table last.
 
 A "runner" here is anything with `build(items) -> (step, key)`, `run(step, key) -> logits`,
 `kv_pool` and `max_pages`: a GraphRunner, or gpu_e2e.py's eager family model.
@@ -17,7 +19,9 @@ A "runner" here is anything with `build(items) -> (step, key)`, `run(step, key) 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import platform
 import statistics
@@ -33,7 +37,7 @@ import torch
 from runtime.batch import SeqState, build_step, commit_step
 
 __all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
-           "synchronizer"]
+           "synchronizer", "engine_script", "target_rows", "compiled_artifact"]
 
 
 def is_cuda() -> bool:
@@ -306,3 +310,57 @@ def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
 def synchronizer(device: torch.device):
     """A no-argument function that waits for the device's queued work (nothing to wait for on the CPU)."""
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def compiled_artifact(args) -> Path:
+    """WORK/FAMILY-SIZE-art: `hgc init-model` and `hgc compile` (--target cuda --dtype bfloat16 on
+    the GPU, cpu in a dry run) unless an earlier run left it there."""
+    from compiler.cli import main as hgc
+
+    work = Path(args.work)
+    ckpt, art_dir = work / f"{args.family}-{args.size}", work / f"{args.family}-{args.size}-art"
+    if not (art_dir / "manifest.json").is_file():
+        assert hgc(["init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
+                    "--force"]) == 0
+        target = ["--target", "cpu"] if args.dry_run else ["--target", "cuda", "--dtype", "bfloat16"]
+        assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", "--no-inductor", *target]) == 0
+    return art_dir
+
+
+def target_rows(rec: dict) -> list[str]:
+    """One line per checked target of rec["targets"] ({name: {value, goal, met}})."""
+    return [f"{name}: {t['value']:.3g} (goal {t['goal']}): {'met' if t['met'] else 'MISSED'}"
+            for name, t in rec.get("targets", {}).items()]
+
+
+def engine_script(argv, doc: str, name: str, defaults: dict, add_arguments, bench, table, label) -> dict:
+    """Parse the shared flags (--out, --work, --dry-run, --family, --size, --iters, --skip) and the
+    script's own (`add_arguments(parser)`), fill what is unset from defaults["gpu"] or
+    defaults["dry"], run `bench(args, rec, save)` guarded, write OUT/NAME.json (after every stage
+    through `save`, and at the end) and print `table(rec)`. label(args): the run's title line."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", required=True, help=f"folder for {name}.json")
+    p.add_argument("--work", default=None, help="folder for the checkpoint and artifact (default: OUT/work)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny size, reference backend: the script's own test")
+    p.add_argument("--family", default=None)
+    p.add_argument("--size", default=None)
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--skip", default="", help="stages to skip, comma-separated")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    for key, value in defaults["dry" if args.dry_run else "gpu"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.work = args.work or str(out / "work")
+    rec = {"env": device_facts(args.dry_run), "config": dict(vars(args)), "stages": {}}
+    path = out / f"{name}.json"
+
+    def save():
+        path.write_text(json.dumps(rec, indent=1, default=str))
+
+    run_guarded(label(args), rec, lambda: bench(args, rec, save))
+    save()
+    print(table(rec))
+    return rec

@@ -44,7 +44,8 @@ from compiler.splitops import LayerKind, LayerRegistry, LayerSpec  # noqa: E402
 from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.kv_pool import KVPool  # noqa: E402
 from tests.test_gpu_attention import (MHA_128, MLA_16, MLA_32, MLA_P, MLA_R, QWEN3_NEXT, AttnConfig,  # noqa: E402
-                                      check_decode, check_extend, check_graph_decode, check_padded_decode)
+                                      check_decode, check_extend, check_graph_decode, check_padded_decode,
+                                      check_verify)
 
 T0 = time.time()
 RESULTS: dict = {"env": {}, "ceilings": {}, "jit": [], "checks": [], "decode": [], "extend": [], "errors": []}
@@ -274,6 +275,8 @@ def checks_section(quick: bool) -> None:
         (check_decode, (MLA_32, 37), {}), (check_extend, (MLA_32,), {}), (check_graph_decode, (MLA_32,), {}),
         (check_decode, (MLA_32, 37), {"mla_impl": "triton"}), (check_extend, (MLA_32,), {"mla_impl": "triton"}),
         (check_graph_decode, (MLA_32,), {"mla_impl": "triton"}),
+        (check_verify, (QWEN3_NEXT,), {}), (check_verify, (MLA_32,), {}),
+        (check_verify, (MLA_32,), {"mla_impl": "triton"}),
     ]
     if not quick:
         jobs += [

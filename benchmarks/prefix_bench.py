@@ -34,8 +34,6 @@ import sys
 if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
-import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -44,8 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import Stages, device_facts, fmt, run_guarded, time_ms  # noqa: E402
-from compiler.cli import main as hgc  # noqa: E402
+from bench_common import Stages, compiled_artifact, engine_script, fmt, target_rows, time_ms  # noqa: E402
 from runtime.engine import Engine, SamplingParams  # noqa: E402
 
 GPU_DEFAULTS = dict(family="qwen3_next", size="bench", prefix=2048, suffix=32, iters=5, token_budget=512)
@@ -93,16 +90,12 @@ def bench(args, rec: dict, save) -> None:
     from runtime.server.model import EngineOptions, engine_for_artifact
 
     device = torch.device("cpu" if args.dry_run else "cuda")
-    work = Path(args.work)
     stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
-    ckpt, art_dir = work / f"{args.family}-{args.size}", work / f"{args.family}-{args.size}-art"
+    art_dir = None
 
     def init_compile():
-        if not (art_dir / "manifest.json").is_file():
-            assert hgc(["init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
-                        "--force"]) == 0
-            target = ["--target", "cpu"] if args.dry_run else ["--target", "cuda", "--dtype", "bfloat16"]
-            assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", "--no-inductor", *target]) == 0
+        nonlocal art_dir
+        art_dir = compiled_artifact(args)
 
     state: dict = {}
 
@@ -205,42 +198,18 @@ def table(rec: dict) -> str:
     if "snapshot_copy" in rec:
         rows.append(f"snapshot copy: {fmt(rec['snapshot_copy']['ms'], '.3f')} ms for "
                     f"{rec['snapshot_copy']['bytes']:,} bytes")
-    for name, t in rec.get("targets", {}).items():
-        rows.append(f"{name}: {t['value']:.3g} (goal {t['goal']}): {'met' if t['met'] else 'MISSED'}")
-    return "\n".join(rows)
+    return "\n".join(rows + target_rows(rec))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder for prefix_bench.json")
-    p.add_argument("--work", default=None, help="folder for the checkpoint and artifact (default: OUT/work)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny size, reference backend: the script's own test")
-    p.add_argument("--family", default=None)
-    p.add_argument("--size", default=None)
-    p.add_argument("--prefix", type=int, default=None, help="shared prefix tokens")
-    p.add_argument("--suffix", type=int, default=None, help="tokens after the prefix")
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--token-budget", type=int, default=None, help="tokens per engine step (chunked prefill)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--skip", default="", help="stages to skip, comma-separated")
-    args = p.parse_args(argv)
-    for name, value in (DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    args.work = args.work or str(out / "work")
-    rec = {"env": device_facts(args.dry_run), "config": {k: v for k, v in vars(args).items()}, "stages": {}}
-    path = out / "prefix_bench.json"
+    def add_arguments(p):
+        p.add_argument("--prefix", type=int, default=None, help="shared prefix tokens")
+        p.add_argument("--suffix", type=int, default=None, help="tokens after the prefix")
+        p.add_argument("--token-budget", type=int, default=None, help="tokens per engine step (chunked prefill)")
+        p.add_argument("--page-size", type=int, default=16)
 
-    def save():
-        path.write_text(json.dumps(rec, indent=1, default=str))
-
-    run_guarded(f"{args.family} {args.size}: prefix {args.prefix} + suffix {args.suffix}", rec,
-                lambda: bench(args, rec, save))
-    save()
-    print(table(rec))
-    return rec
+    return engine_script(argv, __doc__, "prefix_bench", {"gpu": GPU_DEFAULTS, "dry": DRY_DEFAULTS}, add_arguments,
+                         bench, table, lambda a: f"{a.family} {a.size}: prefix {a.prefix} + suffix {a.suffix}")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ from compiler.splitops.errors import CompileError
 from compiler.splitops import MODES, op_schemas
 from compiler.splitops.artifact import (COMPUTED, FORMAT_NAME, FORMAT_VERSION, LINTS, MANIFEST, PROGRAM_FILES,
                                         PROGRAM_INPUTS, ROUTING, SHARDING, SPLIT, WEIGHT_MAP, WEIGHTS, dump_json,
-                                        routing_doc, safetensors_header, seal_manifest, sha256_file, sharding_doc,
-                                        split_doc, weights_doc)
+                                        program_outputs, routing_doc, safetensors_header, seal_manifest, sha256_file,
+                                        sharding_doc, split_doc, weights_doc)
 
 __all__ = ["ArtifactWriteError", "staging_folder", "sweep_stale_staging", "write_artifact", "checkpoint_index",
            "hgc_version", "lints_doc", "add_bundle"]
@@ -364,7 +364,8 @@ def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenize
         "buckets": {"decode_batch_sizes": list(ctx.config.decode_batch_sizes),
                     "extend_token_counts": list(ctx.config.extend_token_counts)},
         "registry": ctx.registry.to_json(),
-        "programs": {p: {"file": PROGRAM_FILES[p], "inputs": list(PROGRAM_INPUTS[p]), "example_sizes": traced.sizes,
+        "programs": {p: {"file": PROGRAM_FILES[p], "inputs": list(PROGRAM_INPUTS[p]),
+                         "outputs": list(program_outputs(p, traced.programs)), "example_sizes": traced.sizes,
                          "modes": [m.value for m in MODES]} for p in traced.programs},
         "passes": fingerprints,
         "pipeline_sha256": hashlib.sha256(dump_json(fingerprints)).hexdigest(),

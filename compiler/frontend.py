@@ -8,7 +8,9 @@
    hidden) and the logits row count R, each >= 2 and unequal to every static dimension of the
    model, so torch.export cannot mistake a token dimension for a weight dimension.
 3. `torch.export.export(strict=False)` the model's forward as program "main" and, where the model
-   has a draft (MTP) module, its forward as program "draft". Both dimensions are dynamic (below).
+   has a draft (MTP) module, its forward as program "draft"; the main program of such a model
+   returns its final hidden states too (`MainWithHidden`, what `program_outputs` in the artifact
+   format says). Both dimensions are dynamic (below).
    The model holds the traced op table (TRACED_OPS), so each hgc op call is one in-place
    `torch.ops.hgc.<op>.default` node; no decomposition runs after export, which keeps it so.
 4. Map every lifted parameter, buffer and constant of each program to the checkpoint tensors
@@ -42,14 +44,14 @@ import torch
 import torch.fx.config
 import torch.nn as nn
 from torch.export import Dim, ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 
 from compiler.splitops.errors import CompileError
 from compiler.splitops import TRACED_OPS, LayerRegistry, RegistryError
-from compiler.splitops.artifact import PROGRAM_INPUTS, ParamSource, TensorView
+from compiler.splitops.artifact import PROGRAM_INPUTS, ParamSource, TensorView, program_outputs
 
 __all__ = ["FrontendError", "TracedModel", "trace_checkpoint", "trace_model", "build_model", "example_sizes", "export_programs",
-           "bind_weights", "DraftProgram", "ShardFact", "shard_facts"]
+           "bind_weights", "DraftProgram", "MainWithHidden", "ShardFact", "shard_facts"]
 
 
 class FrontendError(CompileError):
@@ -102,6 +104,31 @@ class DraftProgram(nn.Module):
 
     def forward(self, input_ids, positions, hidden, logits_index):
         return self.lm.draft(input_ids, positions, hidden, logits_index)
+
+
+class MainWithHidden(nn.Module):
+    """The main forward of a model with a draft: (logits [R, V], final hidden states [T, D]).
+
+    The draft's first position after a main step reads the main model's hidden state there
+    (speculative decoding, runtime/speculative.py), so the program hands it out beside the
+    logits. The model's own children, parameters and buffers are registered on this root under
+    their own names, so the program's FQNs, node names and module paths are the model's.
+    Families with a draft implement `forward_hidden` and `compute_logits` (models/common.py).
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        for name, child in lm.named_children():
+            self.add_module(name, child)
+        for name, p in lm.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in lm.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        self.__dict__["_lm"] = lm  # not a submodule: its tensors are registered above, once
+
+    def forward(self, input_ids, positions, logits_index):
+        hidden = self._lm.forward_hidden(input_ids, positions)  # [T, D]
+        return self._lm.compute_logits(hidden, logits_index), hidden
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -194,8 +221,10 @@ def export_programs(model: nn.Module, sizes: dict[str, int], hidden_size: int,
     ids = torch.zeros(sizes["T"], dtype=torch.long, device="meta")
     positions = torch.zeros(sizes["T"], dtype=torch.long, device="meta")
     rows = torch.zeros(sizes["R"], dtype=torch.long, device="meta")
-    jobs = {"main": (model, (ids, positions, rows), {"input_ids": {0: T}, "positions": {0: T}, "logits_index": {0: R}})}
-    if getattr(model, "draft", None) is not None:
+    has_draft = getattr(model, "draft", None) is not None
+    main = MainWithHidden(model) if has_draft else model
+    jobs = {"main": (main, (ids, positions, rows), {"input_ids": {0: T}, "positions": {0: T}, "logits_index": {0: R}})}
+    if has_draft:
         hidden = torch.zeros(sizes["T"], hidden_size, dtype=next(model.parameters()).dtype, device="meta")
         jobs["draft"] = (DraftProgram(model), (ids, positions, hidden, rows),
                          {"input_ids": {0: T}, "positions": {0: T}, "hidden": {0: T}, "logits_index": {0: R}})
@@ -218,6 +247,11 @@ def export_programs(model: nn.Module, sizes: dict[str, int], hidden_size: int,
         if tuple(users) != PROGRAM_INPUTS[name]:
             raise FrontendError(f"frontend: the {name} program takes inputs {users}, expected {list(PROGRAM_INPUTS[name])}; "
                                 f"fix: keep the model's forward signature (models/common.py)")
+        outputs = program_outputs(name, jobs)
+        returned = sum(s.kind == OutputKind.USER_OUTPUT for s in ep.graph_signature.output_specs)
+        if returned != len(outputs):
+            raise FrontendError(f"frontend: the {name} program returns {returned} tensor(s), expected {len(outputs)} "
+                                f"({', '.join(outputs)}); fix: the draft returns (logits, hidden) (models/common.py)")
         programs[name] = ep
     return programs
 

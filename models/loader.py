@@ -72,10 +72,13 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, dtype: torch.dtype = torch.floa
 
 
 def init_checkpoint(family_name: str, size: str, seed: int, out_dir: str | os.PathLike,
-                    shard_bytes: int | None = 2 << 30, overwrite: bool = False, log=sys.stderr,
+                    shard_bytes: int | None = 2 << 30, overwrite: bool = False, log=None,
                     progress=None) -> Path:
-    """Write a seeded random checkpoint of a family in its real file format. `progress`: a
-    tqdm-like factory, for a bar over the stages (a bench model takes minutes) and the shards."""
+    """Write a seeded random checkpoint of a family in its real file format. Progress lines go to
+    `log` (default: sys.stderr as it is at the call, not as it was when this module was imported).
+    `progress`: a tqdm-like factory, for a bar over the stages (a bench model takes minutes) and the
+    shards."""
+    log = log if log is not None else sys.stderr
     family = get_family(family_name)
     config = family.make_config(size)
     text = family.text_config(config)

@@ -38,6 +38,9 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     logits_index: torch.Tensor  # [R] int64: the last row of each real request (R == B), or more (logits_rows)
     ctx: ExecContext
+    # [T_real, D]: the draft program's input, the hidden state each real token's draft reads (set by
+    # the caller: runtime/speculative.py); None for the main program
+    hidden: torch.Tensor | None = None
 
 
 def step_mode(query_lens: list[int], cache_lens: list[int]) -> Mode:

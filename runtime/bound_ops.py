@@ -83,6 +83,13 @@ class BoundOps:
         call.hgc_op, call.hgc_backend = op, backend  # what the start-up check compares with routing.json
         return call
 
+    def sibling(self, backend) -> "BoundOps":
+        """An op table of another program of the same model (the draft's) over `backend`, whose
+        calls are recorded with this table's: `executed_backends` reports both programs."""
+        other = BoundOps(backend)
+        other.executed = self.executed
+        return other
+
     def executed_backends(self) -> dict[str, list[str]]:
         """{"<layer id>": [backend, ...]} of every op call so far, layers in order."""
         by_layer: dict[int, set[str]] = {}

@@ -15,27 +15,30 @@ its sides run the compiled piece. This check compares with the traced glue itsel
    ParityError naming the layer and op; otherwise the report lists every op's error.
 
 `check_compiled_start_up` runs it on an extend step and a decode step of a few fresh requests: what
-`hgc run` / `hgc serve` do at start-up on a device without CUDA graphs. The graph runner calls
+`hgc run` / `hgc serve` do at start-up on a device without CUDA graphs, for the main program and,
+with speculative decoding, the draft program. The graph runner calls
 `compare_compiled` on each captured key's padded step. It does not capture, and does not decide
 what is compiled (the bundle does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
+from compiler.splitops.artifact import PROGRAM_INPUTS
 from runtime.backends.protocol import plan_eager_step
 from runtime.batch import SeqState, StepInputs, build_step, commit_step
 from runtime.parity import CacheWatch, OpTrace, ParityError, TeacherForcing, rel_err, rtol_for
-from runtime.step_staging import step_on_device
+from runtime.step_staging import hidden_input_spec, step_on_device
 
 __all__ = ["compare_compiled", "check_compiled_start_up"]
 
 
 def _run(program, ops, step: StepInputs, chunk_size: int, compiled: bool, *, observer=None, intercept=None):
-    inputs, ctx = step_on_device(step, program.device)
+    inputs, ctx = step_on_device(step, program.device, PROGRAM_INPUTS[program.name])
     plan_eager_step(ops.backend, ctx, chunk_size)
     ops.observer, ops.intercept = observer, intercept
     try:
@@ -46,10 +49,12 @@ def _run(program, ops, step: StepInputs, chunk_size: int, compiled: bool, *, obs
 
 
 def compare_compiled(program, ops, kv_pool, state_pool, step: StepInputs, slots: list[int], pages: list[int],
-                     chunk_size: int, rtol: Optional[float] = None) -> dict:
-    """Steps 1-4 on one built step; the caches are left as the compiled run wrote them."""
+                     chunk_size: int, rtol: Optional[float] = None, verify_rows: int = 0) -> dict:
+    """Steps 1-4 on one built step; the caches are left as the compiled run wrote them.
+    verify_rows: the real requests of a target_verify step, whose intermediate states are
+    compared too (runtime/parity.py CacheWatch)."""
     rows = step.ctx.num_real_tokens
-    watch = CacheWatch(kv_pool, state_pool, slots, pages)
+    watch = CacheWatch(kv_pool, state_pool, slots, pages, verify_rows=verify_rows)
     reference = OpTrace(rows, inputs=True)
     ref_logits = _run(program, ops, step, chunk_size, compiled=False, observer=reference)
     ref_written = watch.written()
@@ -80,8 +85,10 @@ def compare_compiled(program, ops, kv_pool, state_pool, step: StepInputs, slots:
 
 def check_compiled_start_up(program, ops, kv_pool, state_pool, vocab_size: int, chunk_size: int,
                             seed: int = 0) -> list[dict]:
-    """An extend step of two fresh requests, then a decode step of both, each compared (steps 1-4)."""
+    """An extend step of two fresh requests, then a decode step of both, each compared (steps 1-4).
+    A program that takes hidden states (the draft) gets random ones for every token."""
     generator = torch.Generator().manual_seed(seed)
+    hidden = hidden_input_spec(program.program) if "hidden" in PROGRAM_INPUTS[program.name] else None
     if state_pool.num_free < 2:
         raise ParityError("start-up parity of the compiled pieces needs 2 free state slots")
     seqs = [SeqState(state_pool.alloc()) for _ in range(2)]
@@ -91,6 +98,10 @@ def check_compiled_start_up(program, ops, kv_pool, state_pool, vocab_size: int, 
                  for seq, n in zip(seqs, (5, 3))]
         for _ in ("extend", "decode"):
             step = build_step(items, kv_pool, "cpu")
+            if hidden is not None:
+                width, dtype = hidden
+                step = dataclasses.replace(step, hidden=torch.randn(step.ctx.num_tokens, width,
+                                                                    generator=generator).to(dtype))
             reports.append(compare_compiled(program, ops, kv_pool, state_pool, step, [s.slot for s in seqs],
                                             [p for s in seqs for p in s.pages], chunk_size))
             commit_step(items)

@@ -67,3 +67,4 @@ class ExecContext:
         assert self.state_slots.shape[0] == self.num_seqs and self.seq_lens.shape[0] == self.num_seqs
         if self.mode == Mode.DECODE:
             assert all(n == 1 for n in self.query_lens), "a decode step has one token per request"
+

@@ -47,7 +47,9 @@ is left. A rank that hangs without dying is caught only by the group's timeout o
 collectives.
 
 What it does not do: schedule (the engine), decide what a rank holds (the artifact's
-sharding.json), or launch processes (runtime/launcher.py).
+sharding.json), launch processes (runtime/launcher.py), or run speculative decoding (its draft
+and verify steps are not sent to the other ranks: `hgc run/serve --tp N --speculative-tokens D`
+is refused, and `lead` refuses an engine with a speculative decoder).
 """
 
 from __future__ import annotations
@@ -397,6 +399,8 @@ def _lost(prefix: str) -> Callable[[str], None]:
 
 def lead(engine, group: RankGroup) -> None:
     """Step 3: rank 0's engine sends every step (and every pool change before it) to the others."""
+    if engine.spec is not None:  # its draft and verify steps, and keep_verified, are not sent (the CLI refuses it)
+        raise ValueError("speculative decoding does not run on tensor-parallel ranks yet")
     journal: list = []
     engine.state_pool.journal = engine.kv_pool.journal = journal
     if engine.prefix_cache is not None:

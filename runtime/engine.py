@@ -60,9 +60,25 @@ the logits on the host, so device work is included.
 With a graph runner (runtime/graph_runner.py, started before the engine serves), step 2 is the
 runner's `execute`: it builds the step padded to a captured key and picks full graph, piecewise or
 eager. The prefix cache's policy (what a request reuses, where its chunks end, when it snapshots)
-is runtime/prefix_cache.py's; the engine calls it. The engine does not capture graphs itself or
-run speculative decoding, and it runs on the caller's thread: runtime/engine_loop.py steps it on a
-background thread for the server.
+is runtime/prefix_cache.py's; the engine calls it.
+
+Speculative decoding (`speculative=`, a runtime/speculative.py SpeculativeDecoder with D draft
+tokens): prompt chunks run as in steps 1-5, without decodes beside them, and the draft then runs
+over the same positions (`after_prefill`, which proposes each new decoding request's first
+draft). Requests that decode are verified together after them (`_verify`): the drafter proposes
+D tokens each, one target_verify step of the main program checks them, and each request keeps
+the drafts its rule accepts plus one token of the target's (runtime/acceptance.py: the longest
+greedy prefix, or rejection sampling), all after its penalties, bias and grammar at every
+verified position, so it emits 1 to D + 1 tokens in a step with the distribution it would have
+without drafts. A decoding request needs pages for D positions past its next token.
+
+Structured output (`SamplingParams.grammar`, runtime/grammar.py): a request's matcher follows its
+output; every choice (sampled, argmax, drafted, verified) is made with the grammar's bitmask
+applied to the logits, and draft tokens the matcher took ahead are rolled back before they are
+verified position by position.
+
+The engine does not capture graphs itself, and it runs on the caller's thread:
+runtime/engine_loop.py steps it on a background thread for the server.
 """
 
 from __future__ import annotations
@@ -76,6 +92,7 @@ from typing import Callable, Hashable, NamedTuple
 import torch
 
 from compiler.splitops import Mode
+from runtime.acceptance import dense_distribution, draft_counts, draw, greedy_accept, rejection_accept
 from runtime.backends.protocol import check_backend, plan_eager_step
 from runtime.batch import SeqState, build_step, commit_step
 from runtime.bound_ops import BoundOps
@@ -83,7 +100,8 @@ from runtime.kv_pool import KVPool
 from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.penalties import PenaltyTables
 from runtime.prefix_cache import CacheHold, PrefixCache
-from runtime.sampling import SamplingParams, make_generator, sample_next
+from runtime.sampling import SamplingParams, filtered_distribution, make_generator, sample_next
+from runtime.speculative import DraftChunk, SpeculativeDecoder
 from runtime.state_pool import StatePool
 
 __all__ = ["Engine", "RequestResult", "StepOutput", "StepRecord", "EngineStalled", "SamplingParams"]
@@ -145,6 +163,13 @@ class _Request:
     fork_of: "_Request | None" = None  # while this request waits for that one's prefill
     cache: CacheHold | None = None  # while running with a prefix cache (admitted from the queue, not forked)
     cached_tokens: int | None = None  # prompt tokens from the prefix cache at its first admission
+    matcher: object | None = None  # its grammar's matcher (runtime/grammar.py), with structured output
+    # Speculative decoding: the draft tokens proposed for its next verify step, the draft's
+    # distribution each was drawn from (None: argmax, or a proposer that gives none), and how many
+    # of them the matcher has taken ahead of the output (rolled back before verification).
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    draft_q: list = dataclasses.field(default_factory=list)
+    grammar_ahead: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -197,11 +222,13 @@ class Engine:
     def __init__(self, forward: Callable, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, *,
                  max_tokens_per_step: int = 512, max_running: int | None = None, max_seq_len: int | None = None,
                  device: torch.device | str = "cpu", recent_steps: int = 256, runner=None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, speculative: SpeculativeDecoder | None = None):
         """runner: a started GraphRunner (runtime/graph_runner.py) over the same ops and pools; each
         step then goes through its dispatcher (full graph, piecewise or eager) instead of `forward`,
         which may be None. Build it with chunk_size=max_tokens_per_step.
-        prefix_cache: a PrefixCache over the same pools (None: every request prefills its whole prompt)."""
+        prefix_cache: a PrefixCache over the same pools (None: every request prefills its whole prompt).
+        speculative: a SpeculativeDecoder over the same pools (its main steps are the runner's, when
+        there is one); the main program then runs through it and `forward` is not used."""
         check_backend(ops.backend)  # the hooks are called below without guards
         if runner is not None and (runner.ops is not ops or runner.kv_pool is not kv_pool
                                    or runner.state_pool is not state_pool):
@@ -209,6 +236,12 @@ class Engine:
         if prefix_cache is not None and (prefix_cache.kv_pool is not kv_pool
                                          or prefix_cache.state_pool is not state_pool):
             raise ValueError("Engine: the prefix cache must hold the engine's own pools")
+        if speculative is not None and (speculative.state_pool is not state_pool
+                                        or (runner is not None and speculative.main is not runner)):
+            raise ValueError("Engine: the speculative decoder must hold the engine's state pool and run its main "
+                             "program through the engine's graph runner")
+        self.spec = speculative
+        lookahead = speculative.draft_tokens if speculative is not None else 0
         self.prefix_cache = prefix_cache
         if max_tokens_per_step < 1:
             raise ValueError(f"Engine: max_tokens_per_step must be >= 1 (got {max_tokens_per_step})")
@@ -219,8 +252,10 @@ class Engine:
         self.state_pool = state_pool
         self.device = device
         self.max_tokens_per_step = max_tokens_per_step
-        self.max_running = min(max_running or state_pool.num_slots, state_pool.num_slots)
-        capacity = kv_pool.num_pages * kv_pool.page_size
+        self.max_running = min(max_running or state_pool.num_slots, state_pool.num_slots,
+                               speculative.max_verify if speculative is not None else state_pool.num_slots)
+        # A verify step writes D positions past a request's next token: a request must fit with them.
+        capacity = kv_pool.num_pages * kv_pool.page_size - lookahead
         self.max_seq_len = min(max_seq_len or capacity, capacity)  # longer could never finish
         self._ids = itertools.count()
         self._live: dict[Hashable, _Request] = {}
@@ -265,6 +300,8 @@ class Engine:
         elif request_id in self._live or request_id in self._results:
             raise ValueError(f"Engine.add_request: request id {request_id!r} is already in use")
         req = _Request(request_id, prompt, params, make_generator(params), time.perf_counter())
+        if params.grammar is not None:
+            req.matcher = params.grammar.matcher()
         self._live[request_id] = req
         if parent is not None:
             req.fork_of = parent
@@ -309,17 +346,35 @@ class Engine:
             raise EngineStalled(f"Engine.step: nothing scheduled with {len(self._waiting)} queued and "
                                 f"{len(self._running)} running requests; {self.kv_pool.num_free} pages and "
                                 f"{self.state_pool.num_free} slots free")
+        if self.spec is None:
+            mode, outputs, _ = self._forward_and_sample(items)  # prefill chunks and decodes in one forward
+        else:
+            mode, outputs = None, []
+            if plan.prefill:  # prompt chunks alone, then the draft over the same positions
+                mode, outputs, _ = self._forward_and_sample(plan.prefill, drafts=True)
+            if plan.decode:  # every decoding request: drafts, one verify step, what each keeps
+                outputs += self._verify(plan.decode)
+                mode = mode or Mode.TARGET_VERIFY
+        self._retire([self._live[out.request_id] for out in outputs if out.finished])  # forks included
+        self._record(plan, mode, sum(out.token is not None for out in outputs), time.perf_counter() - start)
+        return outputs
+
+    def _forward_and_sample(self, items: list[tuple[_Request, int]], drafts: bool = False):
+        """Steps 2-4 for these requests: one forward, prompt scores, samples; with `drafts`, the
+        drafter's pass over the same positions after. (mode, outputs, hidden states or None)."""
         rows = [req.logits_rows(n) for req, n in items]
-        mode, logits = self._run(items, rows)  # prefill chunks and decodes in one forward: logits [sum(rows), V]
+        mode, logits, hidden = self._run(items, rows)  # logits [sum(rows), V]
         if self.prefix_cache is not None:  # before sampling retires anyone: the slots hold the states
             self.prefix_cache.after_step([(req.cache, req.seq, req.prompt, req.output) for req, _ in items
                                           if req.cache is not None])
         last_rows = list(itertools.accumulate(rows, initial=-1))[1:]  # each request's last logits row
         self._score_prompts(items, rows, last_rows, logits)
-        outputs = self._sample(items, last_rows, logits)  # for every request with nothing left pending
-        self._retire([self._live[out.request_id] for out in outputs if out.finished])  # forks included
-        self._record(plan, mode, sum(out.token is not None for out in outputs), time.perf_counter() - start)
-        return outputs
+        forked: list[tuple[_Request, _Request]] = []
+        outputs = self._sample(items, last_rows, logits, forked)  # for every request with nothing left pending
+        if drafts:
+            chunks = self._draft_chunks(items, forked)
+            self.spec.timed(self.spec.drafter.after_prefill, chunks, hidden, self._choose)
+        return mode, outputs, hidden
 
     def run_until_done(self) -> dict[Hashable, RequestResult]:
         """Step until nothing is queued or running; return (and pop) every finished request's result."""
@@ -395,22 +450,27 @@ class Engine:
             budget -= n
             plan.prefill.append((req, n))
 
-    def _run(self, items: list[tuple[_Request, int]], rows: list[int]) -> tuple[Mode, torch.Tensor]:
+    def _run(self, items: list[tuple[_Request, int]], rows: list[int]) -> tuple[Mode, torch.Tensor, torch.Tensor | None]:
         """One forward over every scheduled token (prefill chunks and decodes together); `rows[b]`
-        logits rows for request b (its last ones)."""
+        logits rows for request b (its last ones). (mode, logits, the hidden states of every token
+        with speculative decoding, else None)."""
         seq_items = [(req.seq, req.next_tokens(n)) for req, n in items]
         logits_rows = rows if any(r > 1 for r in rows) else None
         if self.broadcast is not None:  # tensor parallel: the other ranks run the same step
             self.broadcast(seq_items, logits_rows)
         return self.execute(seq_items, logits_rows)
 
-    def execute(self, seq_items, logits_rows: list[int] | None) -> tuple[Mode, torch.Tensor]:
+    def execute(self, seq_items, logits_rows: list[int] | None) -> tuple[Mode, torch.Tensor, torch.Tensor | None]:
         """Run one step's forward: (request state, new token ids) per request. The other ranks of a
         tensor-parallel run call this with the steps rank 0 broadcasts (runtime/distributed.py)."""
+        if self.spec is not None:
+            mode, logits, hidden = self.spec.run_main(seq_items, logits_rows)
+            commit_step(seq_items)
+            return mode, logits, hidden
         if self.runner is not None:
             mode, logits = self.runner.execute(seq_items, logits_rows)
             commit_step(seq_items)
-            return mode, logits
+            return mode, logits, None
         if self.forward is None:
             raise RuntimeError("Engine: no forward callable and no graph runner to run the step")
         step = build_step(seq_items, self.kv_pool, self.device, logits_rows=logits_rows)
@@ -418,7 +478,7 @@ class Engine:
         with self.ops.step(step.ctx), torch.no_grad():
             logits = self.forward(step.input_ids, step.positions, step.logits_index)  # [B, V]
         commit_step(seq_items)
-        return step.ctx.mode, logits
+        return step.ctx.mode, logits, None
 
     def _score_prompts(self, items: list[tuple[_Request, int]], rows: list[int], last_rows: list[int],
                        logits: torch.Tensor) -> None:
@@ -439,8 +499,9 @@ class Engine:
                 req.prompt_logprobs.append(entry)
 
     def _sample(self, items: list[tuple[_Request, int]], last_rows: list[int],
-                logits: torch.Tensor) -> list[StepOutput]:
+                logits: torch.Tensor, forked: list | None = None) -> list[StepOutput]:
         """logits [R, V] where the step ran; `last_rows[b]` is request b's row for its next token.
+        `forked` (if given) gets (child, parent) for each request forked from a parent's prefill.
 
         Only what sampling reads crosses to the host: the chosen ids of greedy requests (at 128
         requests and a 152k vocabulary the whole matrix would be 78 MB a step), the float32 rows of
@@ -450,7 +511,10 @@ class Engine:
         for (req, _), row in zip(items, last_rows):
             if req.num_pending == 0:
                 ready.append((req, row))
-                ready += [(child, row) for child in self._fork(req)]
+                children = self._fork(req)
+                ready += [(child, row) for child in children]
+                if forked is not None:
+                    forked += [(child, req) for child in children]
         drawing = [(req, row) for req, row in ready if req.params.max_new_tokens > 0]
         tokens = dict(zip((req.request_id for req, _ in drawing), self._draw(drawing, logits)))
         outputs = []
@@ -486,6 +550,7 @@ class Engine:
                 self._penalties.load(req.seq.slot, req, req.params, req.prompt, req.output)
             slots = torch.tensor([req.seq.slot for req in reqs], device=raw.device)
             processed = self._penalties.apply(raw, slots)
+        processed = self._constrain(reqs, raw, processed)
         drawn = [b for b, req in enumerate(reqs) if not req.params.greedy]
         greedy_ids = processed.argmax(-1).tolist() if len(drawn) < len(reqs) else None
         rows = dict(zip(drawn, processed[drawn].float().cpu())) if drawn else {}
@@ -493,12 +558,193 @@ class Engine:
                   for b, req in enumerate(reqs)]
         if self._penalties is not None:
             self._penalties.record(slots, torch.tensor(tokens, device=raw.device))
+        for req, token in zip(reqs, tokens):
+            self._follow_grammar(req, token)
         scored = [b for b, req in enumerate(reqs) if req.params.logprobs is not None]
         if scored:
             entries = token_logprobs(raw[scored], [tokens[b] for b in scored], [reqs[b].params.logprobs for b in scored])
             for b, entry in zip(scored, entries):
                 reqs[b].logprobs.append(entry)
         return tokens
+
+    # -- structured output ------------------------------------------------------------------
+
+    @staticmethod
+    def _constrain(reqs: list[_Request], raw: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
+        """processed [B, V] with each grammar request's disallowed tokens at -inf (a copy when it
+        would change `raw`, whose rows the log-probabilities read)."""
+        ruled = [b for b, req in enumerate(reqs) if req.matcher is not None]
+        if not ruled:
+            return processed
+        from runtime.grammar import apply_bitmask, new_bitmask
+
+        bitmask = new_bitmask(len(reqs), processed.shape[1])
+        for b in ruled:
+            reqs[b].matcher.fill(bitmask, b)
+        processed = processed.to(torch.float32, copy=processed is raw)
+        apply_bitmask(processed, bitmask)
+        return processed
+
+    @staticmethod
+    def _follow_grammar(req: _Request, token: int) -> None:
+        """A token the request emits advances its matcher; one its grammar refuses is a bug, not a state."""
+        if req.matcher is not None and not req.matcher.terminated and not req.matcher.accept(token):
+            raise RuntimeError(f"request {req.request_id!r}: token {token} was chosen against its grammar "
+                               f"({req.params.grammar})")
+
+    # -- speculative decoding --------------------------------------------------------------
+
+    @staticmethod
+    def _drop_drafts(req: _Request) -> None:
+        """Forget the request's drafts; its matcher gives back the ones it took ahead."""
+        if req.matcher is not None:
+            req.matcher.rollback(req.grammar_ahead)
+        req.grammar_ahead = 0
+        req.drafts, req.draft_q = [], []
+
+    def _draft_chunks(self, items: list[tuple[_Request, int]], forked: list[tuple[_Request, _Request]]) -> list[DraftChunk]:
+        """What the draft runs after a prefill step: each chunk's positions again, each with the
+        token one ahead, and for a request that decodes next, its first draft from the last
+        position. A request that finished has no draft; one forked from a parent gets the
+        parent's last chunk (its pages came before the draft wrote it) with its own sample last."""
+        chunks, of_parent, end = [], {}, 0
+        for req, n in items:
+            end += n
+            start = req.num_cached - n
+            ids = (req.prompt + req.output)[start + 1:start + n + 1]
+            rows = torch.arange(end - n, end)
+            of_parent[id(req)] = (start, ids, rows)
+            if req.stop_reason is None:
+                chunks.append(DraftChunk(req.seq, start, ids, rows, req if req.num_pending == 1 else None))
+        for child, parent in forked:
+            if child.stop_reason is None and child.seq is not None:
+                start, ids, rows = of_parent[id(parent)]
+                chunks.append(DraftChunk(child.seq, start, ids[:-1] + [child.output[-1]], rows, child))
+        return chunks
+
+    def _choose(self, reqs: list[_Request], logits: torch.Tensor, position: int) -> None:
+        """The draft token at `position` (0 .. D-1) of each request from the draft's logits [B, V]:
+        its grammar applied, then argmax or a draw from the request's filtered distribution (kept
+        as q for rejection sampling). Position 0 starts a new set of drafts."""
+        for req in reqs:
+            if position == 0:
+                self._drop_drafts(req)
+            assert len(req.drafts) == position, f"request {req.request_id!r}: draft {position} after {req.drafts}"
+        processed = self._constrain(reqs, logits, logits)
+        greedy = [req.params.greedy for req in reqs]
+        ids = processed.argmax(-1).tolist() if any(greedy) else None
+        for b, req in enumerate(reqs):
+            q = None
+            if greedy[b]:
+                token = ids[b]
+            else:
+                q = dense_distribution(*filtered_distribution(processed[b].float().cpu(), req.params),
+                                       processed.shape[1])
+                token = draw(q, req.generator)
+            req.drafts.append(token)
+            req.draft_q.append(q)
+            if req.matcher is not None and req.matcher.accept(token):
+                req.grammar_ahead += 1
+
+    def _verify(self, reqs: list[_Request]) -> list[StepOutput]:
+        """One round for the decoding requests: drafts, a target_verify step, the tokens each keeps."""
+        spec, D = self.spec, self.spec.draft_tokens
+        spec.timed(spec.drafter.propose, reqs, self._choose)
+        bad = [req.request_id for req in reqs if len(req.drafts) != D]
+        if bad:
+            raise RuntimeError(f"the drafter proposed no {D} drafts for request(s) {bad[:3]}")
+        starts = [req.seq.num_cached for req in reqs]
+        begin = time.perf_counter()
+        logits, hidden = spec.verify([(req.seq, req.next_tokens(1) + req.drafts) for req in reqs])
+        kept = self._accept_drafts(reqs, logits)
+        outputs = self._emit(reqs, kept, logits)
+        self._totals["spec_verify_s"] += time.perf_counter() - begin
+        self._totals["spec_steps"] += 1
+        self._totals["spec_verified"] += len(reqs)
+        self._totals["spec_drafted"] += len(reqs) * D
+        self._totals["spec_accepted"] += sum(len(k) - 1 for k in kept)
+        spec.keep([req.seq for req in reqs], [len(k) for k in kept])
+        for req in reqs:
+            self._drop_drafts(req)
+        going = [b for b, req in enumerate(reqs) if req.stop_reason is None]
+        if going:
+            rows = hidden.view(len(reqs), D + 1, -1)[torch.tensor(going, device=hidden.device)].flatten(0, 1)
+            spec.timed(spec.drafter.after_verify, [reqs[b] for b in going], [starts[b] for b in going],
+                       [kept[b] for b in going], rows, self._choose)
+        return outputs
+
+    def _accept_drafts(self, reqs: list[_Request], logits: torch.Tensor) -> list[list[int]]:
+        """logits [B * (D + 1), V] of a verify step -> the tokens each request keeps: the target's
+        rows after penalties (row j counting d_1 .. d_j as generated), bias and grammar (row j
+        masked after d_1 .. d_j, a draft the grammar refuses ending the walk), then the greedy or
+        the rejection-sampling rule."""
+        B, width, V = len(reqs), self.spec.draft_tokens + 1, logits.shape[1]
+        processed = logits
+        if self._penalties is None and any(req.params.changes_logits for req in reqs):
+            self._penalties = PenaltyTables(self.state_pool.num_slots + 1, V, logits.device)
+        if self._penalties is not None:
+            for req in reqs:
+                self._penalties.load(req.seq.slot, req, req.params, req.prompt, req.output)
+            slots = torch.tensor([req.seq.slot for req in reqs], device=logits.device).repeat_interleave(width)
+            processed = self._penalties.apply(logits, slots, draft_counts([req.drafts for req in reqs], V,
+                                                                          logits.device))
+        ruled = [b for b, req in enumerate(reqs) if req.matcher is not None]
+        if ruled:
+            from runtime.grammar import apply_bitmask, new_bitmask, verify_masks
+
+            bitmask = new_bitmask(B * width, V)
+            for b in ruled:
+                req = reqs[b]
+                req.matcher.rollback(req.grammar_ahead)  # the drafts it took ahead: walked again below
+                req.grammar_ahead = 0
+                verify_masks(req.matcher, req.drafts, bitmask, b * width)
+            processed = processed.to(torch.float32, copy=processed is logits)
+            apply_bitmask(processed, bitmask)
+        greedy = [req.params.greedy for req in reqs]
+        argmax = processed.argmax(-1).view(B, width).tolist() if any(greedy) else None
+        kept = []
+        for b, req in enumerate(reqs):
+            if greedy[b]:
+                kept.append(greedy_accept(req.drafts, argmax[b]))
+                continue
+            rows = processed[b * width:(b + 1) * width].float().cpu()
+            p = [dense_distribution(*filtered_distribution(rows[j], req.params), V) for j in range(width)]
+            q = [req.draft_q[j] if j < len(req.draft_q) else None for j in range(width - 1)]
+            kept.append(rejection_accept(req.drafts, q, p, req.generator))
+        return kept
+
+    def _emit(self, reqs: list[_Request], kept: list[list[int]], logits: torch.Tensor) -> list[StepOutput]:
+        """Append each request's kept tokens to its output, up to a stop token or max_new_tokens,
+        with their log-probabilities (the target's raw rows) and penalty counts; one StepOutput each."""
+        width = self.spec.draft_tokens + 1
+        emitted = []  # (request, verify row, token)
+        for b, (req, tokens) in enumerate(zip(reqs, kept)):
+            for j, token in enumerate(tokens):
+                req.output.append(token)
+                self._follow_grammar(req, token)
+                req.stop_reason = self._stop_reason(req, token)
+                emitted.append((req, b * width + j, token))
+                if req.stop_reason is not None:
+                    break
+        if self._penalties is not None:
+            self._penalties.record(torch.tensor([req.seq.slot for req, _, _ in emitted], device=logits.device),
+                                   torch.tensor([t for _, _, t in emitted], device=logits.device))
+        scored = [(req, row, token) for req, row, token in emitted if req.params.logprobs is not None]
+        if scored:
+            rows = torch.tensor([row for _, row, _ in scored], device=logits.device)
+            entries = token_logprobs(logits[rows], [t for _, _, t in scored], [r.params.logprobs for r, _, _ in scored])
+            for (req, _, _), entry in zip(scored, entries):
+                req.logprobs.append(entry)
+        result = []
+        counts = collections.Counter(req.request_id for req, _, _ in emitted)
+        done = collections.Counter()
+        for req, _, token in emitted:  # the last token of a request that stopped ends it
+            done[req.request_id] += 1
+            final = done[req.request_id] == counts[req.request_id] and req.stop_reason is not None
+            index = len(req.output) - counts[req.request_id] + done[req.request_id] - 1
+            logprob = req.logprobs[index] if req.params.logprobs is not None else None
+            result.append(StepOutput(req.request_id, token, final, logprob))
+        return result
 
     def _fork(self, req: _Request) -> list[_Request]:
         """The requests waiting to share `req`'s prefill, now that its prompt is cached: each gets
@@ -559,23 +805,30 @@ class Engine:
             self.prefix_cache.reclaim(need)
         return need <= self.kv_pool.num_free
 
+    def _lookahead(self, req: _Request) -> int:
+        """Positions a step writes past the request's next tokens: D for a request that decodes
+        with D drafts (its verify step writes them, then the draft's step after it)."""
+        return self.spec.draft_tokens if self.spec is not None and req.decoding else 0
+
     def _fit(self, req: _Request, want: int) -> int:
         """Tokens (at most `want`) the running request can feed this step: as many as its pages
-        allow, its chunk ending where the prefix cache wants a snapshot. A request forked from
-        another's prefill holds nothing of the cache (its prompt went in with the other's)."""
+        allow (with its lookahead), its chunk ending where the prefix cache wants a snapshot. A
+        request forked from another's prefill holds nothing of the cache (its prompt went in with
+        the other's)."""
+        ahead = self._lookahead(req)
         if self.prefix_cache is None or req.cache is None:
             if self.prefix_cache is not None:
-                self._free_pages(self.kv_pool.pages_for(req.num_cached + want) - len(req.seq.pages))
-            return min(want, self._room(req))
+                self._free_pages(self.kv_pool.pages_for(req.num_cached + want + ahead) - len(req.seq.pages))
+            return max(0, min(want, self._room(req) - ahead))
         start, total = req.num_cached, req.num_tokens
         want = self.prefix_cache.chunk(req.cache, start, want, total)
-        self._free_pages(self.kv_pool.pages_for(start + want) - len(req.seq.pages))
-        n = min(want, self._room(req))
+        self._free_pages(self.kv_pool.pages_for(start + want + ahead) - len(req.seq.pages))
+        n = max(0, min(want, self._room(req) - ahead))
         return n if n == want else self.prefix_cache.chunk(req.cache, start, n, total)
 
     def _take_pages(self, req: _Request, n: int) -> None:
         # Taken here rather than in build_step, so the schedule's page accounting is the truth.
-        need = self.kv_pool.pages_for(req.seq.num_cached + n) - len(req.seq.pages)
+        need = self.kv_pool.pages_for(req.seq.num_cached + n + self._lookahead(req)) - len(req.seq.pages)
         if need > 0:
             req.seq.pages.extend(self.kv_pool.alloc(need))
 
@@ -588,6 +841,7 @@ class Engine:
     def _preempt(self, req: _Request) -> None:
         self._running.remove(req)
         self._release(req)
+        self._drop_drafts(req)  # they are proposed again after its re-prefill
         req.preemptions += 1
         self._totals["preemptions"] += 1
         self._waiting.appendleft(req)  # it was admitted before anything still queued
@@ -632,6 +886,27 @@ class Engine:
             "decode_steps": decode_steps,
             "decode_s_per_token": decode_s / decode_steps if decode_steps else None,
             "decode_tokens_per_s": t["decode_sampled"] / decode_s if decode_s > 0 else None,
+            **({"speculative": self.speculation()} if self.spec is not None else {}),
+        }
+
+    def speculation(self) -> dict:
+        """Speculative decoding's numbers, for `hgc run --json` and /metrics.
+
+        acceptance_rate: drafts kept / drafts proposed. tokens_per_verify: tokens a request gains
+        from one verify step (kept drafts + the target's token; 1 to D + 1, before a stop cuts it).
+        draft_s: seconds in the drafter; verify_s: seconds in verify steps and choosing what is kept."""
+        t = self._totals
+        return {
+            "draft_tokens": self.spec.draft_tokens,
+            "verify_steps": t["spec_steps"],
+            "verified_requests": t["spec_verified"],
+            "drafted": t["spec_drafted"],
+            "accepted": t["spec_accepted"],
+            "acceptance_rate": t["spec_accepted"] / t["spec_drafted"] if t["spec_drafted"] else None,
+            "tokens_per_verify": (t["spec_accepted"] + t["spec_verified"]) / t["spec_verified"]
+            if t["spec_verified"] else None,
+            "draft_s": self.spec.draft_s,
+            "verify_s": t["spec_verify_s"],
         }
 
     def cached_tokens(self, request_id: Hashable) -> int | None:
@@ -667,6 +942,7 @@ class Engine:
             **(cache.stats() if cache is not None else {}),
             # graph_replays / piecewise_steps / eager_steps, when a graph runner dispatches the steps
             **(dict(self.runner.counters) if self.runner is not None else {}),
+            **({f"spec_{k}": v for k, v in self.speculation().items()} if self.spec is not None else {}),
         }
 
     def step_records(self) -> list[StepRecord]:

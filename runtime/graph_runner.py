@@ -15,8 +15,10 @@ Lifecycle:
    captured kernel reads the same addresses; an eager step uses its own tensors and may be of any size.
 2. `capture()` (start-up only): `backend.init_capture_state`, then for each decode bucket,
    largest first, one graph of the whole step when the artifact's decode plan (split.json) is one
-   captured piece, or piecewise graphs otherwise; then piecewise graphs for each extend token
-   bucket, largest first. All graphs share one memory pool. Padded rows point at the reserved
+   captured piece, or piecewise graphs otherwise; the same for each target_verify bucket
+   (speculative decoding: `verify_tokens` tokens per request, so a bucket of B requests is
+   B * verify_tokens rows; whole-step graphs where split.json's target_verify plan is one captured
+   piece); then piecewise graphs for each extend token bucket, largest first. All graphs share one memory pool. Padded rows point at the reserved
    state slot and write no KV. After `capture()` the runner is sealed: a capture at any later time
    is an error. Decode graphs are piecewise too when asked (`decode_graphs="piecewise"`: the
    extend plan's pieces, the baseline of the full graph).
@@ -40,6 +42,13 @@ Lifecycle:
    parity; `graph_runner_factory` makes a started runner for the engine (runtime/server/model.py),
    with the artifact's buckets clipped to its limits.
 
+The same runner serves either program of an artifact: the main program, or the draft (MTP)
+program, whose `hidden` input (the previous position's hidden states) is one more static buffer.
+`run_outputs` gives every output of a step (logits, and the hidden states where the program
+returns them); `run` the logits. Two runners over the same backend instances (main and draft)
+share their static buffers: the main runner's `init_capture_state` sizes them for both, and the
+draft captures with `capture(init_backend=False)` (runtime/speculative.py does).
+
 It does not build requests or sample (the engine does) and does not choose kernels (routing did:
 which nodes sit in captured pieces is split.json's decision, read here through the program's plans).
 """
@@ -55,7 +64,7 @@ import torch
 
 from compiler.splitops import Mode
 from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS,
-                                        piece_module_names)
+                                        PROGRAM_INPUTS, piece_module_names)
 from runtime.batch import SeqState, StepInputs, build_step, step_mode
 from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
@@ -67,7 +76,7 @@ from runtime.kv_pool import KVPool
 from runtime.parity import (CacheWatch, OpRecord, OpTrace, ParityError, TeacherForcing, first_difference, rel_err,
                             rtol_for)
 from runtime.state_pool import PADDING_SLOT, StatePool
-from runtime.step_staging import StepStaging, step_on_device
+from runtime.step_staging import StepStaging, hidden_input_spec, step_on_device
 
 __all__ = ["GraphRunner", "ParityError", "graph_runner_factory",
            # the roles' own names, as the runner's users know them
@@ -78,16 +87,23 @@ class GraphRunner:
     def __init__(self, program, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str, *,
                  decode_buckets=DEFAULT_DECODE_BATCH_SIZES, extend_buckets=DEFAULT_EXTEND_TOKEN_COUNTS,
                  max_pages_per_seq: int, extend_max_seqs: int = 16, chunk_size: Optional[int] = None,
-                 decode_graphs: str = "full", debug: bool = False, graphs=None):
-        """program: a loaded ProgramRunner (runtime/loader.py): `module_for(mode)`, `weights`, `plans`.
+                 decode_graphs: str = "full", debug: bool = False, graphs=None,
+                 verify_buckets=(), verify_tokens: int = 0, verify_logits_rows: Optional[int] = None):
+        """program: a loaded ProgramRunner (runtime/loader.py): `name`, `module_for(mode)`, `weights`, `plans`.
 
         kv_pool / state_pool: the caches the ops read and write (the parity check saves and
         restores the rows a step touches). chunk_size: what `init_chunk_metadata` is told (the
         engine's token budget; default: the largest extend bucket). graphs: how graphs are
         captured and replayed (default CudaGraphs()). decode_graphs: "full" (one graph per decode
-        bucket when the decode plan is one captured piece) or "piecewise" (decode steps run the
-        extend plan's pieces, attention ops in eager gaps: what a backend that cannot be captured
-        in decode would get, and the baseline the full graph is measured against).
+        or target_verify bucket when that mode's plan is one captured piece) or "piecewise"
+        (decode steps run the extend plan's pieces, attention ops in eager gaps: what a backend
+        that cannot be captured in decode would get, and the baseline the full graph is
+        measured against).
+        verify_buckets / verify_tokens: target_verify steps of B requests (B in verify_buckets)
+        with verify_tokens tokens each (speculative decoding: D + 1); verify_logits_rows: logits
+        rows per request in such a step (the main program: every token, the default; the draft:
+        1, the last accepted position). The state pool's intermediate states must hold the
+        largest verify bucket (`StatePool.verify_rows`).
         """
         if decode_graphs not in ("full", "piecewise"):
             raise ValueError(f"decode_graphs must be 'full' or 'piecewise', not {decode_graphs!r}")
@@ -95,32 +111,53 @@ class GraphRunner:
         self.backend = ops.backend
         self.device = torch.device(device)
         self.graphs = graphs if graphs is not None else CudaGraphs()
-        self.buckets = Buckets(tuple(decode_buckets), tuple(extend_buckets), extend_max_seqs)
+        self.buckets = Buckets(tuple(decode_buckets), tuple(extend_buckets), extend_max_seqs,
+                               tuple(verify_buckets), verify_tokens, verify_logits_rows or 0)
         self.decode_buckets, self.extend_buckets = self.buckets.decode, self.buckets.extend
+        self.verify_buckets, self.verify_tokens = self.buckets.verify, verify_tokens
+        self.verify_logits_rows = self.buckets.verify_logits_rows
+        if self.verify_buckets and program.name == "main" and self.verify_buckets[-1] > state_pool.verify_rows:
+            raise CaptureError(f"target_verify bucket {self.verify_buckets[-1]} holds more requests than the state "
+                               f"pool's {state_pool.verify_rows} rows of intermediate states; keep verify buckets at "
+                               f"or below them (runtime/memory_planner.py)")
         self.extend_max_seqs = extend_max_seqs
         self.max_pages = max_pages_per_seq
         self.debug = debug
         self.state = CaptureState(self.graphs)
         self.sealed = False
         self.counters = {"graph_replays": 0, "piecewise_steps": 0, "eager_steps": 0}
-        self.full_decode = decode_graphs == "full" and self._plan_is_one_captured_piece(Mode.DECODE)
+        # Modes whose steps are one whole-step graph: every op of the mode's plan (split.json) captured.
+        self.full_modes = frozenset(m for m in (Mode.DECODE, Mode.TARGET_VERIFY)
+                                    if decode_graphs == "full" and self._plan_is_one_captured_piece(m))
         self.keys: list[CaptureKey] = []
         max_tokens, max_seqs = self.buckets.max_tokens, self.buckets.max_seqs
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.chunk_size = chunk_size or max_tokens
         # Static buffers: the only tensors a captured graph reads besides weights, caches and its pool.
         self.staging = StepStaging(max_tokens, max_seqs, self.max_pages, self.device)
+        self.input_names = PROGRAM_INPUTS[program.name]
+        self._hidden = None  # the draft program's hidden input [max_tokens, D], when the program takes one
+        if "hidden" in self.input_names:
+            width, dtype = hidden_input_spec(program.program)
+            self._hidden = torch.zeros(max_tokens, width, dtype=dtype, device=self.device)
         self._modules: dict[Mode, torch.nn.Module] = {}
-        self._outputs: dict[CaptureKey, object] = {}  # full graphs: their static logits
+        self._outputs: dict[CaptureKey, list] = {}  # full graphs: their static outputs (logits, hidden)
         self._full_graphs: dict[CaptureKey, object] = {}
         self._op_outs: dict[CaptureKey, list[OpRecord]] = {}  # each op's `out` in the key's graphs
         self.compiled_reports: dict[str, dict] = {}  # key -> compiled pieces against the traced glue (parity)
+
+    @property
+    def full_decode(self) -> bool:
+        return Mode.DECODE in self.full_modes
 
     # -- keys and padding ------------------------------------------------------------------
 
     def _plan_is_one_captured_piece(self, mode: Mode) -> bool:
         pieces = self.program.plans[mode].pieces
         return len(pieces) == 1 and pieces[0].kind == CAPTURED
+
+    def _is_full(self, key: Optional[CaptureKey]) -> bool:
+        return key is not None and key.mode in self.full_modes
 
     def key_for(self, mode: Mode, num_tokens: int, num_seqs: int) -> Optional[CaptureKey]:
         """The smallest captured key that holds this step, or None (eager; always, before capture)."""
@@ -133,8 +170,9 @@ class GraphRunner:
         than the buffers: its own tensors are moved to the device instead."""
         ctx = step.ctx
         if key is None:
-            return step_on_device(step, self.device)
-        T, B = key.tokens, key.seqs
+            inputs, moved = step_on_device(step, self.device)
+            return self._program_inputs(inputs, step.hidden.to(self.device) if self._hidden is not None else None), moved
+        T, B, R = key.tokens, key.seqs, key.logits_rows
         if T > self.max_tokens or B > self.max_seqs:
             raise CaptureError(f"step does not fit {key}: the buffers hold {self.max_tokens} tokens, {self.max_seqs} requests")
         pages = ctx.page_table.shape[1]
@@ -144,25 +182,42 @@ class GraphRunner:
                    "logits_index": step.logits_index, "state_slots": ctx.state_slots,
                    "query_start_loc": ctx.query_start_loc, "seq_lens": ctx.seq_lens, "page_table": ctx.page_table}
         for name, src in sources.items():
-            rows = self.staging.shape(name, T, B)[0]
+            rows = self.staging.shape(name, T, B, R)[0]
             # build_step pads every field to the key; only logits_index has a row per real request
             if src.shape[0] > rows or (src.shape[0] != rows and name != "logits_index"):
                 raise CaptureError(f"step does not fit {key}: {name} has {src.shape[0]} rows for {rows}")
-        v = self.staging.fill(T, B, sources)
+        v = self.staging.fill(T, B, sources, R)
         static_ctx = dataclasses.replace(
             ctx, query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"], state_slots=v["state_slots"],
             page_table=v["page_table"], slot_mapping=v["slot_mapping"], num_tokens=T, num_seqs=B)
-        return (v["input_ids"], v["positions"], v["logits_index"]), static_ctx
+        hidden = None
+        if self._hidden is not None:
+            hidden = self._hidden[:T]
+            n = step.hidden.shape[0]
+            hidden[:n].copy_(step.hidden, non_blocking=True)
+            hidden[n:].zero_()  # padding rows: finite values a padded op may read
+        return self._program_inputs((v["input_ids"], v["positions"], v["logits_index"]), hidden), static_ctx
+
+    def _program_inputs(self, inputs: tuple, hidden) -> tuple:
+        """(input_ids, positions, logits_index) in the program's own order, its hidden states included."""
+        if self._hidden is None:
+            return inputs
+        if hidden is None:
+            raise CaptureError(f"the {self.program.name} program takes hidden states: build the step with them "
+                               f"(StepInputs.hidden)")
+        by_name = {"input_ids": inputs[0], "positions": inputs[1], "logits_index": inputs[2], "hidden": hidden}
+        return tuple(by_name[name] for name in self.input_names)
 
     def build(self, items: list[tuple[SeqState, list[int]]], mode: Optional[Mode] = None,
               logits_rows: Optional[list[int]] = None) -> tuple[StepInputs, Optional[CaptureKey]]:
         """Lay a step out on the host, padded to the key that will run it.
 
-        A step that asks for more than one logits row of a request (a prompt being scored) runs
-        eagerly: captured pieces were recorded with one logits row per request."""
+        A step that asks for more logits rows of a request than its key was captured with (a
+        prompt being scored) runs eagerly."""
         mode = mode or step_mode([len(t) for _, t in items], [seq.num_cached for seq, _ in items])
         key = self.key_for(mode, sum(len(t) for _, t in items), len(items))
-        if logits_rows is not None and any(r > 1 for r in logits_rows):
+        per_seq = self.verify_logits_rows if mode == Mode.TARGET_VERIFY else 1
+        if logits_rows is not None and any(r != per_seq for r in logits_rows):
             key = None
         padding = {"pad_tokens_to": key.tokens, "pad_seqs_to": key.seqs} if key is not None else {}
         return build_step(items, self.kv_pool, "cpu", mode=mode, max_pages=self.max_pages, logits_rows=logits_rows,
@@ -173,10 +228,11 @@ class GraphRunner:
     def _module(self, mode: Mode) -> torch.nn.Module:
         """The split module of a mode with its captured pieces wrapped (built once, reused).
 
-        A decode plan that is one captured piece is captured whole (one graph per bucket), so its
-        module stays unwrapped: eager decode steps and the whole-step capture both run it as is."""
-        plan_mode = Mode.DECODE if mode == Mode.DECODE else Mode.EXTEND
-        if plan_mode == Mode.DECODE and self.full_decode:
+        A decode or target_verify plan that is one captured piece is captured whole (one graph
+        per bucket), so its module stays unwrapped: eager steps and the whole-step capture both
+        run it as is. Extend and mixed steps run the extend plan."""
+        plan_mode = mode if mode in (Mode.DECODE, Mode.TARGET_VERIFY) else Mode.EXTEND
+        if plan_mode in self.full_modes:
             return self.program.module_for(plan_mode)
         if plan_mode == Mode.DECODE and self._plan_is_one_captured_piece(Mode.DECODE):
             plan_mode = Mode.EXTEND  # piecewise decode asked for: the extend plan has the eager gaps
@@ -189,13 +245,14 @@ class GraphRunner:
             self._modules[plan_mode] = split
         return self._modules[plan_mode]
 
-    def _call(self, module, inputs):
+    def _call(self, module, inputs) -> list:
+        """Every user output of the program: [logits] or [logits, hidden]."""
         outputs = module(*self.program.weights, *inputs)
-        return list(outputs)[self.program.num_mutations:][0]
+        return list(outputs)[self.program.num_mutations:]
 
     def _plan(self, ctx: ExecContext, key: Optional[CaptureKey]) -> None:
         """Tell the backend about a step before its first op: the protocol's order for each kind of step."""
-        if key is not None and key.mode == Mode.DECODE and self.full_decode:
+        if self._is_full(key):
             self.backend.init_replay_state(ctx, key.seqs)  # a whole-step graph: nothing is planned eagerly
             return
         plan_eager_step(self.backend, ctx, self.chunk_size)
@@ -206,27 +263,32 @@ class GraphRunner:
             self.backend.init_replay_state(ctx, key.seqs)
 
     @torch.no_grad()
-    def run(self, step: StepInputs, key: Optional[CaptureKey]) -> torch.Tensor:
-        """Run one built step; returns logits of the real requests [B, V].
+    def run_outputs(self, step: StepInputs, key: Optional[CaptureKey]) -> list[torch.Tensor]:
+        """Run one built step; returns [logits of the real rows [R, V]] and, where the program
+        returns them, the hidden states of the real tokens [T, D] after it.
 
-        For a full graph the rows are a view of the graph's static output: the next replay of
-        that key overwrites them, so read (or clone) them before the next step."""
+        For a full graph they are views of the graph's static outputs: the next replay of that
+        key overwrites them, so read (or clone) them before the next step."""
         inputs, ctx = self._fill(step, key)
-        real = step.logits_index.shape[0]
+        real = [step.logits_index.shape[0], step.ctx.num_real_tokens]
         self._plan(ctx, key)
-        if key is not None and key.mode == Mode.DECODE and self.full_decode:
+        if self._is_full(key):
             with self.ops.step(ctx):  # a real replay calls no op; a CPU stand-in reruns them
                 self._full_graphs[key].replay()
             self.counters["graph_replays"] += 1
-            return self._outputs[key][:real]
+            return [out[:n] for out, n in zip(self._outputs[key], real)]
         self.state.key = key
         try:
             with self.ops.step(ctx):
-                logits = self._call(self._module(ctx.mode), inputs)
+                outputs = self._call(self._module(ctx.mode), inputs)
         finally:
             self.state.key = None
         self.counters["piecewise_steps" if key else "eager_steps"] += 1
-        return logits[:real]
+        return [out[:n] for out, n in zip(outputs, real)]
+
+    def run(self, step: StepInputs, key: Optional[CaptureKey]) -> torch.Tensor:
+        """run_outputs' logits [R, V] alone."""
+        return self.run_outputs(step, key)[0]
 
     def execute(self, items: list[tuple[SeqState, list[int]]],
                 logits_rows: Optional[list[int]] = None) -> tuple[Mode, torch.Tensor]:
@@ -248,6 +310,8 @@ class GraphRunner:
         cap = self.max_pages * self.kv_pool.page_size
         if key.mode == Mode.DECODE:
             lens, cached = [1] * key.seqs, 1
+        elif key.mode == Mode.TARGET_VERIFY:
+            lens, cached = [self.verify_tokens] * key.seqs, 1
         else:
             left, lens, cached = key.tokens, [], 0
             for b in range(key.seqs):
@@ -256,24 +320,37 @@ class GraphRunner:
                 left -= n
         items = [(SeqState(PADDING_SLOT, pages=[0] * self.kv_pool.pages_for(cached + n), num_cached=cached), [0] * n)
                  for n in lens]
+        rows = [self.verify_logits_rows] * key.seqs if key.mode == Mode.TARGET_VERIFY else None
         step = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
-                          pad_seqs_to=key.seqs, max_pages=self.max_pages)
+                          pad_seqs_to=key.seqs, max_pages=self.max_pages, logits_rows=rows)
         step.ctx.slot_mapping.fill_(-1)  # capture writes no KV
-        return step
+        return self._with_hidden(step, torch.Generator().manual_seed(0))
+
+    def _with_hidden(self, step: StepInputs, generator: torch.Generator) -> StepInputs:
+        """The step with random hidden states for its real tokens (zeros for padding rows), if the
+        program takes them."""
+        if self._hidden is None:
+            return step
+        hidden = torch.zeros(step.ctx.num_tokens, self._hidden.shape[1], dtype=self._hidden.dtype)
+        hidden[: step.ctx.num_real_tokens] = torch.randn(step.ctx.num_real_tokens, hidden.shape[1], generator=generator)
+        return dataclasses.replace(step, hidden=hidden)
 
     def capture_keys(self) -> list[CaptureKey]:
         """What `capture()` captures, in capture order (largest first)."""
         return self.buckets.capture_keys()
 
     @torch.no_grad()  # a graph captured with autograd on would record its bookkeeping too
-    def capture(self, progress=None) -> None:
-        """Every key, largest first. The first capture of each mode also builds the kernels its
-        steps call (Triton compiles, library JIT): `progress` shows that wait as a bar over keys."""
+    def capture(self, init_backend: bool = True, pool=None, progress=None) -> None:
+        """Every key, largest first. init_backend=False: the backends' static buffers were allocated
+        by the caller (sized for every runner sharing them); pool: a graph pool to share. The first
+        capture of each mode also builds the kernels its steps call (Triton compiles, library JIT):
+        `progress` shows that wait as a bar over keys."""
         if self.sealed:
             raise CaptureError("capture after start-up: graphs are captured once, before serving")
         self.graphs.check_device(self.device)
-        self.backend.init_capture_state(self.max_tokens, self.max_seqs)
-        self.state.pool = self.graphs.new_pool()
+        if init_backend:
+            self.backend.init_capture_state(self.max_tokens, self.max_seqs)
+        self.state.pool = pool if pool is not None else self.graphs.new_pool()
         keys = self.capture_keys()
         for key in progress(keys, desc="capture CUDA graphs (and build kernels)", unit="graph") if progress else keys:
             inputs, ctx = self._fill(self._dummy_step(key), key)
@@ -284,8 +361,8 @@ class GraphRunner:
             self.state.key = key
             try:
                 self._plan(ctx, key)
-                if key.mode == Mode.DECODE and self.full_decode:
-                    module = self._module(Mode.DECODE)
+                if self._is_full(key):
+                    module = self._module(key.mode)
                     with self.ops.step(ctx):
                         self.state.silent = True
                         try:
@@ -313,9 +390,10 @@ class GraphRunner:
         """Real requests (slots and pages of their own) that fill `key` only in part, for `check_parity`.
 
         Fewer requests than the bucket holds, so the replay has padded requests on the padding
-        slot (and, in extend, padding rows): what a padding fault needs to show. Decode: one
-        request fewer than the bucket (a bucket of one: one), each with 1 to 40 cached tokens
-        (whatever its pages hold: both runs read the same). Extend: up to 4 fresh requests of
+        slot (and, in extend, padding rows): what a padding fault needs to show. Decode and
+        target_verify: one request fewer than the bucket (a bucket of one: one), each with 1 to 40
+        cached tokens (whatever its pages hold: both runs read the same) and 1 or verify_tokens
+        new ones. Extend: up to 4 fresh requests of
         different lengths covering about three quarters of the bucket's rows. Free them with
         `release_items`.
         """
@@ -326,9 +404,10 @@ class GraphRunner:
         if free < 1:
             raise CaptureError("parity check: no free state slot for a request")
         cap = self.max_pages * self.kv_pool.page_size  # the longest request the runner takes
-        if key.mode == Mode.DECODE:
-            lens = [1 + (7 * b) % max(1, min(40, cap - 1)) for b in range(min(max(1, key.seqs - 1), free))]
-            return [(SeqState(self.state_pool.alloc(), num_cached=c), tokens(1)) for c in lens]
+        if key.mode in (Mode.DECODE, Mode.TARGET_VERIFY):
+            new = self.verify_tokens if key.mode == Mode.TARGET_VERIFY else 1
+            lens = [1 + (7 * b) % max(1, min(40, cap - new)) for b in range(min(max(1, key.seqs - 1), free))]
+            return [(SeqState(self.state_pool.alloc(), num_cached=c), tokens(new)) for c in lens]
         n = min(self.extend_max_seqs - 1, 4, free) or 1
         budget = max(n, 3 * key.tokens // 4)
         lens = [max(1, budget >> (i + 1)) for i in range(n - 1)]
@@ -381,17 +460,23 @@ class GraphRunner:
         the compute dtype's tolerance, without the rounding of differently shaped kernels growing
         through later layers into a false alarm. Returns run 3's logits error.
         """
+        logits_rows = [self.verify_logits_rows] * len(items) if key.mode == Mode.TARGET_VERIFY else None
         padded = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
-                            pad_seqs_to=key.seqs, max_pages=self.max_pages)
-        plain = build_step(items, self.kv_pool, "cpu", mode=key.mode, max_pages=self.max_pages)  # pages taken above
+                            pad_seqs_to=key.seqs, max_pages=self.max_pages, logits_rows=logits_rows)
+        plain = build_step(items, self.kv_pool, "cpu", mode=key.mode, max_pages=self.max_pages,
+                           logits_rows=logits_rows)  # pages taken above
         rows = plain.ctx.num_real_tokens
+        padded = self._with_hidden(padded, torch.Generator().manual_seed(rows))
+        plain = dataclasses.replace(plain, hidden=None if padded.hidden is None else padded.hidden[:rows])
         slots, pages = [seq.slot for seq, _ in items], [p for seq, _ in items for p in seq.pages]
-        watch = CacheWatch(self.kv_pool, self.state_pool, slots, pages)
+        # target_verify writes intermediate states in the rows of the step's real requests
+        verify_rows = len(items) if key.mode == Mode.TARGET_VERIFY else 0
+        watch = CacheWatch(self.kv_pool, self.state_pool, slots, pages, verify_rows=verify_rows)
         if getattr(self.program, "glue", None) is not None:
             # Compiled pieces run both sides of the checks below: first they are compared with the
             # traced glue itself, op by op (runtime/compiled_parity.py).
             report = compare_compiled(self.program, self.ops, self.kv_pool, self.state_pool, padded, slots, pages,
-                                      self.chunk_size, rtol)
+                                      self.chunk_size, rtol, verify_rows=verify_rows)
             self.compiled_reports[str(key)] = {**report, "key": str(key)}
             watch.restore()
         problems: list[str] = []
@@ -405,7 +490,7 @@ class GraphRunner:
 
         forced = TeacherForcing(reference.records)
         plain_logits = self._observed_run(plain, None, intercept=forced)
-        where, err = forced.first_beyond(rtol), rel_err(plain_logits, ref_logits)
+        where, err = forced.first_beyond(rtol), _outputs_err(plain_logits, ref_logits)
         if where or not math.isfinite(err) or err > rtol:
             problems.append(f"unpadded against padded eager, op by op: first differing: "
                             f"{where or f'the logits (rel err {err:.3g})'}")
@@ -417,7 +502,7 @@ class GraphRunner:
 
         rerun = OpTrace(rows) if self.graphs.replays_call_ops else None
         graph_logits = self._observed_run(padded, key, observer=rerun)
-        err = rel_err(graph_logits, ref_logits)
+        err = _outputs_err(graph_logits, ref_logits)
         where = first_difference(reference.records, rerun.records if rerun else self._op_outs[key], rtol, rows)
         if where or not math.isfinite(err) or err > rtol:
             problems.append(f"replay against padded eager: logits rel err {err:.3g}; first differing: "
@@ -432,11 +517,12 @@ class GraphRunner:
         return err
 
     def _observed_run(self, step: StepInputs, key: Optional[CaptureKey], *, observer=None,
-                      intercept=None) -> torch.Tensor:
-        """run() with an observer or an intercept on the op table for this step only; a copy of the logits."""
+                      intercept=None) -> list[torch.Tensor]:
+        """run_outputs() with an observer or an intercept on the op table for this step only: copies
+        of every output (the logits, and the hidden states where the program returns them)."""
         self.ops.observer, self.ops.intercept = observer, intercept
         try:
-            return self.run(step, key).clone()
+            return [o.clone() for o in self.run_outputs(step, key)]
         finally:
             self.ops.observer = self.ops.intercept = None
 
@@ -445,7 +531,7 @@ class GraphRunner:
         """Start-up: capture every key, then check each against eager; raises before serving on a mismatch.
         `progress`: a tqdm-like factory, for a bar over the captures (a cold start builds kernels here)."""
         t0 = time.perf_counter()
-        self.capture(progress)
+        self.capture(progress=progress)
         log(f"captured {len(self.keys)} graphs ({', '.join(map(str, self.keys))}) in {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         report = self.check_parity(vocab_size=vocab_size)
@@ -460,15 +546,21 @@ class GraphRunner:
         return report
 
 
+def _outputs_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest relative error over a step's outputs (logits, and hidden states where returned)."""
+    return max(rel_err(a, b) for a, b in zip(got, want))
 
 
 def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,
-                         log: Callable[[str], None] = lambda line: None, progress=None):
+                         speculative_tokens: int = 0, log: Callable[[str], None] = lambda line: None,
+                         progress=None):
     """runner_factory(ops, kv_pool, state_pool, limits) for runtime/server/model.build_engine.
 
     The runner captures the artifact's recorded buckets (manifest "buckets"), clipped to the
     engine's limits (`buckets_for`), then runs the start-up parity check: a mismatch raises
-    ParityError before the engine exists, so nothing is served.
+    ParityError before the engine exists, so nothing is served. With speculative decoding (D
+    draft tokens) the decode buckets become target_verify buckets of D + 1 tokens per request,
+    as many as the state pool's intermediate rows hold (a decoding request is always verified).
     """
     recorded = artifact.manifest["buckets"]
 
@@ -476,12 +568,15 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
         decode, extend = buckets_for(recorded["decode_batch_sizes"], recorded["extend_token_counts"],
                                      max_running=limits["max_running"], token_budget=limits["token_budget"],
                                      max_seq_len=limits["max_seq_len"])
+        verify = ()
+        if speculative_tokens:
+            decode, verify = (), tuple(b for b in decode if b <= state_pool.verify_rows)
         runner = GraphRunner(artifact.runner(ops, program), ops, kv_pool, state_pool, kv_pool.device,
                              decode_buckets=decode, extend_buckets=extend,
-                             max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"]),
+                             max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"] + speculative_tokens),
                              extend_max_seqs=extend_seqs(limits["max_running"], extend),
                              chunk_size=limits["token_budget"],
-                             graphs=graphs)
+                             graphs=graphs, verify_buckets=verify, verify_tokens=speculative_tokens + 1)
         runner.start(vocab_size, log=log, progress=progress)
         if getattr(artifact, "compiled", None) is not None:
             artifact.compiled.parity = list(runner.compiled_reports.values())

@@ -44,7 +44,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from compiler.splitops import LayerRegistry, Mode
 from compiler.splitops.artifact import (PROGRAM_FILES, PROGRAM_INPUTS, WEIGHT_MAP, ArtifactFormatError, SplitPlan,
-                                        apply_split_plan, load_json, parse_weights_doc)
+                                        apply_split_plan, load_json, parse_weights_doc, program_outputs)
 from runtime.artifact_docs import ArtifactDocs, LoadError, config_value, read_artifact
 from runtime.binding import Backends, bind_graph, build_backends, check_binding
 from runtime.bundle import CompiledBundle, CompiledOptions, open_bundle
@@ -57,13 +57,17 @@ __all__ = ["LoadError", "ArtifactDocs", "LoadedArtifact", "ProgramRunner", "read
 
 
 class ProgramRunner:
-    """One program bound to one op table: `runner(mode)(*user inputs)` runs the mode's recorded split."""
+    """One program bound to one op table: `runner(mode, *user inputs)` runs the mode's recorded split.
+
+    It returns what the program returns: logits, or (logits, hidden) where `outputs` names two
+    (compiler/splitops/artifact.py `program_outputs`)."""
 
     def __init__(self, name: str, program, plans: dict[Mode, SplitPlan], weights: list[torch.Tensor], ops,
-                 device: torch.device, docs: ArtifactDocs, glue=None):
+                 device: torch.device, docs: ArtifactDocs, outputs: tuple[str, ...] = ("logits",), glue=None):
         """glue: the program's CompiledGlue (runtime/compiled_glue.py), or None to run the traced glue."""
         self.name, self.program, self.plans, self.ops, self.device = name, program, plans, ops, device
         self.weights = weights
+        self.outputs = tuple(outputs)
         sig = program.graph_signature
         self.num_mutations = sum(1 for s in sig.output_specs if s.kind != OutputKind.USER_OUTPUT)
         self._bound = bind_graph(program.graph_module, name, docs, ops, device)
@@ -132,26 +136,41 @@ class LoadedArtifact:
         lifted = [s.target for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
         tensors = [self.weights[self.program_fqns[program][fqn]] for fqn in lifted]
         glue = self.compiled.glue(program) if self.compiled is not None else None
-        return ProgramRunner(program, ep, self.split_plans[program], tensors, ops, self.device, self.docs, glue)
+        return ProgramRunner(program, ep, self.split_plans[program], tensors, ops, self.device, self.docs,
+                             program_outputs(program, self.programs), glue)
 
     def forward_for(self, mode: Mode | str, ops, program: str = "main") -> Callable:
-        """The program's forward in one mode: (input_ids, positions, logits_index) -> logits for "main"."""
+        """The program's forward in one mode: (input_ids, positions, logits_index) -> logits for "main"
+        (the main program's hidden states, where it returns them, are left out: `bind(all_outputs=True)`)."""
         run = self.runner(ops, program)
         mode = Mode(mode)
-        return lambda *inputs: run(mode, *inputs)
+        pick = _pick_outputs(run, program, all_outputs=False)
+        return lambda *inputs: pick(run(mode, *inputs))
 
-    def bind(self, ops, program: str = "main") -> Callable:
-        """The program's forward, choosing each step's plan from `ops.ctx.mode` (call inside `ops.step(ctx)`)."""
+    def bind(self, ops, program: str = "main", all_outputs: bool = False) -> Callable:
+        """The program's forward, choosing each step's plan from `ops.ctx.mode` (call inside `ops.step(ctx)`).
+
+        "main" returns logits, as a family model's forward does; with `all_outputs` it returns
+        every output `program_outputs` names (logits, hidden) where there are two. "draft" always
+        returns (logits, hidden)."""
         run = self.runner(ops, program)
+        pick = _pick_outputs(run, program, all_outputs)
 
         def forward(*inputs):
             if ops.ctx is None:
                 raise LoadError("artifact forward called outside a runtime step (use `with ops.step(ctx):`)")
-            return run(ops.ctx.mode, *inputs)
+            return pick(run(ops.ctx.mode, *inputs))
 
         forward.__name__ = f"{self.docs.family}_{program}_forward"
         forward.runner = run  # the start-up check of compiled pieces runs the same program both ways
         return forward
+
+
+def _pick_outputs(run: ProgramRunner, program: str, all_outputs: bool) -> Callable:
+    """What a bound forward hands back: the main program's logits alone unless every output is asked for."""
+    if program == "main" and not all_outputs and len(run.outputs) > 1:
+        return lambda outputs: outputs[0]
+    return lambda outputs: outputs
 
 
 def load_programs(docs: ArtifactDocs) -> dict:
@@ -243,6 +262,12 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
         users = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
         if tuple(users) != PROGRAM_INPUTS[program]:
             raise LoadError(f"{docs.path}: the {program} program takes {users}, expected {list(PROGRAM_INPUTS[program])}")
+        outputs = program_outputs(program, programs)
+        returned = sum(s.kind == OutputKind.USER_OUTPUT for s in ep.graph_signature.output_specs)
+        recorded = docs.manifest["programs"][program].get("outputs")
+        if returned != len(outputs) or (recorded is not None and tuple(recorded) != outputs):
+            raise LoadError(f"{docs.path}: the {program} program returns {returned} output(s) (manifest: {recorded}); "
+                            f"this runtime expects {list(outputs)}: recompile the checkpoint with this hgc")
     try:  # before any byte is read: a model too large for the device says by how much, per rank
         more = (f"compile with a larger --tp than {docs.tp} (each rank then holds less)" if docs.tp > 1
                 else "compile with --tp N to spread the weights over N GPUs")

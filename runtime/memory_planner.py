@@ -349,10 +349,11 @@ def available_bytes(device: torch.device | str) -> int:
 
 def build_pools(registry: LayerRegistry, plan: MemoryPlan,
                 device: torch.device | str = "cpu") -> tuple[KVPool, StatePool]:
-    """Allocate the plan's pools (the intermediate states belong to the speculative runner)."""
+    """Allocate the plan's pools (the state pool with the plan's intermediate states for D draft tokens)."""
     kv_dtype = None if plan.kv_dtype is None else dtype_from_name(plan.kv_dtype)
     return (KVPool(registry, plan.num_pages, plan.page_size, device, kv_dtype),
-            StatePool(registry, plan.num_slots, device))
+            StatePool(registry, plan.num_slots, device, draft_tokens=plan.draft_tokens,
+                      verify_rows=plan.intermediate_rows))
 
 
 def build_snapshot_pool(registry: LayerRegistry, plan: MemoryPlan, device: torch.device | str = "cpu") -> SnapshotPool:
@@ -361,10 +362,12 @@ def build_snapshot_pool(registry: LayerRegistry, plan: MemoryPlan, device: torch
 
 
 def pool_bytes(registry: LayerRegistry, *, num_slots: int, num_pages: int, page_size: int,
-               num_snapshots: int = 0) -> dict[str, int]:
-    """What explicitly sized pools take: {"state", "snapshots", "kv"} in bytes (the pools' nbytes)."""
+               num_snapshots: int = 0, draft_tokens: int = 0, verify_rows: int = 0) -> dict[str, int]:
+    """What explicitly sized pools take: {"state", "intermediate", "snapshots", "kv"} in bytes (the
+    pools' nbytes; "intermediate": the state pool's verify_rows x draft_tokens verify states)."""
     layout = CacheLayout.from_registry(registry)
     return {"state": (num_slots + 1) * layout.state_bytes_per_slot,
+            "intermediate": verify_rows * draft_tokens * layout.state_bytes_per_slot,
             "snapshots": num_snapshots * layout.state_bytes_per_slot,
             "kv": num_pages * page_size * layout.kv_bytes_per_token}
 

@@ -13,7 +13,9 @@ layer-by-layer probe (benchmarks/padding_probe.py) compare a padded run with an 
 2. `CacheWatch`: made before a step from the real requests' slots and pages. It saves what the
    step may write (to restore it, so a second run starts from the same caches), a copy of the
    padding slot and a fingerprint of every page no real request owns; `written()` reads the real
-   slots and pages after a run, `touched_outside()` names what changed outside them.
+   slots and pages after a run, `touched_outside()` names what changed outside them. For a
+   target_verify step it also watches the intermediate states of the real requests' rows (the
+   rows of padded requests may be written: no real request reads them).
 3. `first_difference` and `CacheWatch.differences`: the comparisons, each naming the first layer,
    op, slot entry or page whose relative error exceeds the tolerance.
 
@@ -206,8 +208,12 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
 class CacheWatch:
     """The caches around one step of some real requests (their state slots and KV pages)."""
 
-    def __init__(self, kv_pool: KVPool, state_pool: StatePool, slots: list[int], pages: list[int]):
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool, slots: list[int], pages: list[int],
+                 verify_rows: int = 0):
+        """verify_rows: the real requests of a target_verify step (rows 0 .. verify_rows - 1 of
+        the state pool's intermediate states); 0 for any other step."""
         self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.verify_rows = verify_rows
         self.slots = sorted(set(int(s) for s in slots))
         self.pages = sorted(set(int(p) for p in pages))
         self._slot_index = torch.tensor(self.slots, dtype=torch.long, device=state_pool.device)
@@ -229,9 +235,17 @@ class CacheWatch:
             for name, t in entries.items():
                 yield layer, name, t
 
+    def _verify(self):
+        if not self.verify_rows:
+            return
+        for layer, entries in self.state_pool.verify_buffers.items():
+            for name, t in entries.items():
+                yield layer, name, t
+
     def _read(self) -> dict[tuple[str, int, str], torch.Tensor]:
         values = {("state", layer, name): t[self._slot_index].clone() for layer, name, t in self._states()}
         values.update({("kv", layer, name): t[self._page_index].clone() for layer, name, t in self._kv()})
+        values.update({("verify", layer, name): t[: self.verify_rows].clone() for layer, name, t in self._verify()})
         return values
 
     def written(self) -> dict[tuple[str, int, str], torch.Tensor]:
@@ -241,6 +255,9 @@ class CacheWatch:
     def restore(self) -> None:
         """Put the real slots and pages back as they were when the watch was made."""
         for (where, layer, name), values in self._saved.items():
+            if where == "verify":
+                self.state_pool.verify_buffers[layer][name][: self.verify_rows] = values
+                continue
             pool = self.state_pool if where == "state" else self.kv_pool
             index = self._slot_index if where == "state" else self._page_index
             pool.buffers[layer][name][index] = values
@@ -269,6 +286,11 @@ class CacheWatch:
             for i in range(ref.shape[0]):
                 err = rel_err(got[i], ref[i])
                 if not math.isfinite(err) or err > rtol:
-                    what = f"state in slot {self.slots[i]}" if where == "state" else f"KV in page {self.pages[i]}"
+                    if where == "state":
+                        what = f"state in slot {self.slots[i]}"
+                    elif where == "kv":
+                        what = f"KV in page {self.pages[i]}"
+                    else:
+                        what = f"intermediate state of verify row {i}"
                     return f"layer {layer}'s {name} {what} (rel err {err:.3g})"
         return None

@@ -25,6 +25,9 @@ per-request index of a step):
    owner's until another request loads into that slot, so a request that comes back to the same
    slot finds its counts intact; a request that moved reloads.
 3. `apply(logits, slots)` gathers the rows of the step's requests and applies the definitions.
+   A speculative verify step checks several positions of a request at once: each row passes the
+   counts of the draft tokens before its position as `extra_counts`, so row j is penalised as
+   if d_1 .. d_j had been generated, as it would be without drafts.
 4. `record(slots, tokens)` counts the tokens just sampled (an accumulate on the device).
 
 Memory: 9 bytes per (slot, vocabulary entry); 64 slots of a 152k vocabulary take 88 MB.
@@ -82,9 +85,13 @@ class PenaltyTables:
         self.repetition[slot] = params.repetition_penalty
         self._owners[slot] = owner
 
-    def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] of the requests in `slots` [B] (device) -> processed logits [B, V] float32."""
-        return apply_penalties(logits, self.bias[slots], self.counts[slots], self.prompt_mask[slots],
+    def apply(self, logits: torch.Tensor, slots: torch.Tensor, extra_counts: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, V] of the requests in `slots` [B] (device; a slot may repeat) -> processed logits
+        [B, V] float32. extra_counts [B, V] int: tokens to count as generated besides the table's."""
+        counts = self.counts[slots]
+        if extra_counts is not None:
+            counts = counts + extra_counts
+        return apply_penalties(logits, self.bias[slots], counts, self.prompt_mask[slots],
                                self.presence[slots], self.frequency[slots], self.repetition[slots])
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:

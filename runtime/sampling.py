@@ -44,6 +44,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted
     logprobs: int | None = None  # each sampled token's log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # Structured output: a compiled grammar (runtime/grammar.py Grammar); each request matches it
+    # with a matcher of its own, and only tokens it allows are chosen.
+    grammar: object | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))

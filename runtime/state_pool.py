@@ -7,9 +7,16 @@
    state; a reused slot must not leak its previous owner's state). `free(slot)` returns it.
 3. `copy_slot(src, dst)` copies one request's states to another's slot (a request forked from
    another after their shared prompt).
-4. `journal`: on rank 0 of a tensor-parallel run, a list that records every change to the
+4. Speculative decoding (`draft_tokens` D > 0): `verify_buffers` hold, per linear layer and state
+   entry, [verify_rows, D, *shape]. A target_verify step feeds each request D + 1 tokens; its
+   ops write the state after token i (i < D) of the request in row b of the step into entry
+   [b, i], and the state after the last token into the request's slot. `keep_verified` then
+   gives each request the state after its last accepted token (runtime/memory_planner.py says
+   why D entries, indexed by row, and how many rows).
+5. `journal`: on rank 0 of a tensor-parallel run, a list that records every change to the
    buffers made outside a forward (zeroing, copies), for the other ranks to replay on theirs
-   (runtime/distributed.py); None elsewhere.
+   (runtime/distributed.py); None elsewhere. (`keep_verified` is not journaled: speculative
+   decoding is refused on tensor-parallel ranks.)
 
 Full-attention layers get nothing here. Sizing is the memory planner's job.
 """
@@ -40,12 +47,23 @@ def linear_state_buffers(registry: LayerRegistry, rows: int,
 
 
 class StatePool:
-    def __init__(self, registry: LayerRegistry, num_slots: int, device: torch.device | str = "cpu"):
+    def __init__(self, registry: LayerRegistry, num_slots: int, device: torch.device | str = "cpu", *,
+                 draft_tokens: int = 0, verify_rows: int = 0):
+        """draft_tokens: D of speculative decoding (0: none); verify_rows: the most requests a
+        target_verify step holds, padding included (memory_planner.plan_memory's intermediate_rows)."""
         if num_slots < 1:
             raise ValueError(f"state pool needs at least one request slot (got {num_slots})")
+        if draft_tokens < 0 or (draft_tokens > 0) != (verify_rows > 0):
+            raise ValueError(f"state pool: draft_tokens {draft_tokens} and verify_rows {verify_rows} must both be "
+                             f"positive (speculative decoding) or both 0")
         self.num_slots = num_slots  # slots a request can hold; the padding slot comes on top
         self.device = torch.device(device)
         self.buffers = linear_state_buffers(registry, num_slots + 1, self.device)  # [num_slots + 1, *shape] each
+        self.draft_tokens, self.verify_rows = draft_tokens, verify_rows
+        # [verify_rows, D, *shape] each: entry [b, i] is the state after token i of the verify step's request b
+        self.verify_buffers = {
+            layer_id: {name: t.new_zeros((verify_rows, draft_tokens, *t.shape[1:])) for name, t in entries.items()}
+            for layer_id, entries in self.buffers.items()} if draft_tokens else {}
         self._free: list[int] = list(range(num_slots, PADDING_SLOT, -1))  # pop() hands out slot 1 first
         self.journal: list | None = None
 
@@ -87,5 +105,35 @@ class StatePool:
         except KeyError:
             raise KeyError(f"state pool has no linear layer {layer_id} (layers: {sorted(self.buffers)})") from None
 
+    def verify_layer(self, layer_id: int, tokens: int, rows: int) -> dict[str, torch.Tensor]:
+        """The layer's intermediate states for a target_verify step of `rows` requests of `tokens`
+        tokens each, refusing one they cannot hold (a pool made without speculative decoding, or
+        for fewer draft tokens or rows)."""
+        if tokens - 1 > self.draft_tokens or rows > self.verify_rows:
+            raise ValueError(f"state pool: a target_verify step of {rows} request(s) x {tokens} tokens needs "
+                             f"intermediate states for {tokens - 1} draft tokens and {rows} rows; this pool holds "
+                             f"{self.draft_tokens} x {self.verify_rows} (build it with draft_tokens and verify_rows)")
+        self.layer(layer_id)  # a clear KeyError for a layer that is not linear
+        return self.verify_buffers[layer_id]
+
+    def keep_verified(self, slots: list[int], accepted: list[int]) -> None:
+        """After a target_verify step: request b of the step (slot slots[b]) accepted accepted[b]
+        of its D + 1 tokens (1 <= accepted <= D + 1). Its slot already holds the state after
+        the last token; for accepted <= D it takes the state after token accepted - 1 instead."""
+        D = self.draft_tokens
+        rows = [b for b, a in enumerate(accepted) if a <= D]
+        assert all(1 <= a <= D + 1 for a in accepted), f"accepted counts {accepted} outside 1..{D + 1}"
+        if not rows:
+            return
+        row_index = torch.tensor(rows, device=self.device)
+        entry_index = torch.tensor([accepted[b] - 1 for b in rows], device=self.device)
+        slot_index = torch.tensor([slots[b] for b in rows], device=self.device)
+        for layer_id, entries in self.buffers.items():
+            for name, t in entries.items():
+                t[slot_index] = self.verify_buffers[layer_id][name][row_index, entry_index]
+
     def nbytes(self) -> int:
         return sum(t.nbytes for entries in self.buffers.values() for t in entries.values())
+
+    def verify_nbytes(self) -> int:
+        return sum(t.nbytes for entries in self.verify_buffers.values() for t in entries.values())

@@ -61,6 +61,7 @@ class TextTokenizer:
         except Exception as e:  # tokenizers raises its own Exception subclass for malformed JSON
             raise TokenizerError(f"{source}/tokenizer.json: not a tokenizers document: {e}") from None
         self.source = source
+        self.tokenizer_json = tokenizer_json  # the document as read (structured output reads its decoder)
         self.config = dict(config or {})
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
@@ -102,6 +103,10 @@ class TextTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def vocab(self) -> dict[str, int]:
+        """Every piece (added tokens included) and its id, as tokenizer.json spells the pieces."""
+        return self._tok.get_vocab(with_added_tokens=True)
 
     # -- chat -------------------------------------------------------------------------------------
 

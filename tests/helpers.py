@@ -1,4 +1,6 @@
-"""Shared test helpers: run a family model eagerly on the CPU reference backend; run `hgc serve`."""
+"""Shared test helpers: run a family model eagerly on the CPU reference backend; run `hgc serve`;
+one compiled tiny artifact per family for the whole test session (`shared_artifact`), or per module
+for a module that compiles with its own routes (`artifacts_by_family`)."""
 
 from __future__ import annotations
 
@@ -67,6 +69,46 @@ def tiny_checkpoint(family_name: str, out, seed: int = 0, **config_overrides):
     family.init_weights(model, seed)
     write_checkpoint(out, config, model.to(config_dtype(text)).checkpoint_tensors())
     return out
+
+
+def shared_artifact(tmp_path_factory, family_name: str) -> tuple[Path, Path]:
+    """(checkpoint, artifact) of `hgc init-model --family F --size tiny --seed 0` compiled for the
+    CPU without dumps, built once per test session and shared by every module that asks, under
+    pytest-xdist by every worker too (a file lock: the first compiles, the others wait for it).
+    Their users only read them. The names are benchmarks/bench_common.compiled_artifact's, so a
+    benchmark's dry run given the folder as --work finds the artifact there."""
+    from filelock import FileLock
+
+    from compiler.cli import main
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-artifacts"
+    root.mkdir(exist_ok=True)
+    ckpt, art = root / f"{family_name}-tiny", root / f"{family_name}-tiny-art"
+    with FileLock(str(root / f"{family_name}.lock")):
+        if not (art / "manifest.json").is_file():  # the writer renames a finished artifact into place
+            assert main(["init-model", "--family", family_name, "--size", "tiny", "--seed", "0", "-o", str(ckpt),
+                         "--force", "-q"]) == 0
+            assert main(["compile", str(ckpt), "-o", str(art), "--no-dumps", "--force", "-q"]) == 0
+    return ckpt, art
+def artifacts_by_family(root: Path, compile_one):
+    """get(family) -> the artifact of its tiny checkpoint (`hgc init-model`, seed 0) compiled by
+    compile_one(family, checkpoint_dir, out_dir), made and loaded once per family (for a
+    module-scoped fixture: only the families a module's tests ask for are compiled)."""
+    from compiler.cli import main
+    from runtime.loader import load_artifact
+
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            ckpt, out = root / f"{family}-c", root / f"{family}-a"
+            assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "0", "-o", str(ckpt)]) == 0
+            compile_one(family, ckpt, out)
+            made[family] = load_artifact(out)
+        return made[family]
+
+    return get
 
 
 def rehash(art) -> None:

@@ -1,15 +1,20 @@
 """Shared by the linear-kernel tests and the linear benchmarks (gpu_linear_decode.py,
 gpu_linear_extend.py): ExecContexts without a KV pool (`decode_ctx`, `step_ctx`), fresh random
-inputs of one step for a linear op (padding rows NaN), and `FakeFLA`, FLA's chunk interface over
-the reference recurrence for CPU runs of the extend path."""
+inputs of one step for a linear op (padding rows NaN), `FakeFLA`, FLA's chunk interface over
+the reference recurrence for CPU runs of the extend path, and `interpreted_triton_linear`, the
+triton_linear backend declared for the cpu device so routing can bind a CPU artifact's linear
+ops to it (its kernels then run in Triton's interpreter)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from compiler.splitops import Mode
 from runtime.backends.cpu_reference import gated_recurrence
+from runtime.backends.triton_linear_backend import TritonLinearBackend
 from runtime.context import ExecContext
 from runtime.state_pool import PADDING_SLOT
 
@@ -116,3 +121,24 @@ class FakeFLA:
 
     def simple_gla(self, **kw):
         return self._run("simple_gla", **kw)
+
+
+INTERPRETED_TRITON_LINEAR = "triton_linear_interpreted"
+
+
+def interpreted_triton_linear(**options) -> type:
+    """TritonLinearBackend declared for the "cpu" device under its own name (routing binds a node
+    only to a backend of the compile target's device), built with FakeFLA for its extend path.
+
+    options: TritonLinearBackend keyword arguments, e.g. a pinned `recurrent_config` / `conv_config`
+    (the interpreter walks every program of a launch in Python: one wide tile per row is cheapest)."""
+
+    class InterpretedTritonLinear(TritonLinearBackend):
+        name = INTERPRETED_TRITON_LINEAR
+        capability = dataclasses.replace(TritonLinearBackend.capability, name=name, device="cpu")
+
+        @classmethod
+        def build(cls, setup):
+            return cls(setup.state_pool, fla=FakeFLA(), **options)
+
+    return InterpretedTritonLinear

@@ -221,6 +221,8 @@ CASES = [
      r"compiled for --tp 2, asked to run as rank 0 of 1: run it with hgc run --tp 2"),
     (["run", "{w}/tp_art", "--prompt-ids", "1,2", "--tp", "4", "--load-format", "dummy"], 2,
      r"compiled for --tp 2, asked to run on 4 ranks: run it with --tp 2"),
+    (["run", "{w}/tp_art", "--prompt-ids", "1,2", "--tp", "2", "--load-format", "dummy", "--speculative-tokens", "2"],
+     2, r"^hgc run: --speculative-tokens 2 --tp 2: speculative decoding does not run on tensor-parallel ranks yet"),
     # serve (each is refused before the socket is bound)
     (["serve", "{w}/missing"], 2, r"hgc serve: .*missing: not an artifact folder"),
     (["serve", "{w}/art", "--port", "-1"], 2, r"argument --port: must be at least 0"),
@@ -235,6 +237,8 @@ CASES = [
     (["serve", "{w}/vocab_art"], 2, r"model.vocab_size"),
     (["serve", "{w}/tp_art", "--tp", "3", "--load-format", "dummy"], 2, r"compiled for --tp 2, asked to run on 3 ranks"),
     (["serve", "{w}/tp_art", "--tp", "2"], 2, r"compiled with --no-weights: .*--load-format dummy"),
+    (["serve", "{w}/tp_art", "--tp", "2", "--load-format", "dummy", "--speculative-tokens", "1"], 2,
+     r"^hgc serve: --speculative-tokens 1 --tp 2: speculative decoding does not run on tensor-parallel ranks yet"),
 ]
 
 

@@ -131,8 +131,8 @@ class ToyDraft(nn.Module):
     def forward(self, input_ids, positions, hidden, logits_index):
         main = self._main
         x = self.fc(torch.cat([main.embed(input_ids), hidden], dim=-1))
-        x = self.layer(x, main.ops)
-        return main.head(main.norm(x)[logits_index])
+        x = main.norm(self.layer(x, main.ops))
+        return main.head(x[logits_index]), x
 
 
 class ToyLM(HybridLM):
@@ -167,6 +167,12 @@ class ToyLM(HybridLM):
         return self.mtp if self.config.get("draft") else None
 
     def forward(self, input_ids, positions, logits_index):
+        return self.compute_logits(self.forward_hidden(input_ids, positions), logits_index)
+
+    def compute_logits(self, hidden, logits_index):
+        return self.head(hidden[logits_index])
+
+    def forward_hidden(self, input_ids, positions):
         x = self.embed(input_ids)
         if self.config.get("item"):
             x = x * (x.abs().max().item() + 1.0)
@@ -184,7 +190,7 @@ class ToyLM(HybridLM):
             x = x * self.scale_table
         for layer in self.layers:
             x = layer(x, self.ops)
-        return self.head(self.norm(x)[logits_index])
+        return self.norm(x)
 
 
 TOY_FAMILY = types.SimpleNamespace(name="toy", build=ToyLM)

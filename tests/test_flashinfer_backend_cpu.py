@@ -155,7 +155,7 @@ class _Fake:
         buf = self.kwargs.get(name)
         if not self.use_cuda_graph:
             return value
-        if name.endswith("indices_buffer") or name == "kv_indices":
+        if name.endswith(("indices_buffer", "indices_buf")) or name == "kv_indices":
             assert value.numel() <= buf.numel(), f"{name}: {value.numel()} entries, buffer {buf.numel()}"
             buf[: value.numel()].copy_(value)
         else:
@@ -195,7 +195,10 @@ class FakePagedPrefill(_Fake):
              o_data_type=None, non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None,
              token_pos_in_items_len=0, max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
              max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False):
-        self.qo, self.indptr, self.indices, self.last = qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len
+        self.qo = self._into("qo_indptr_buf", qo_indptr)
+        self.indptr = self._into("paged_kv_indptr_buf", paged_kv_indptr)
+        self.indices = self._into("paged_kv_indices_buf", paged_kv_indices)
+        self.last = self._into("paged_kv_last_page_len_buf", paged_kv_last_page_len)
         self.ps, self.scale, self.causal = page_size, sm_scale, causal
         _Fake.log.append(("plan", "prefill", len(paged_kv_last_page_len)))
 
@@ -372,8 +375,8 @@ def test_mla_layers_need_a_scale(fake_fi):
         CPUFlashInferBackend(KVPool(REGISTRY, 4, 4), q_heads=HQ, scales={0: GQA_SCALE, 3: GQA_SCALE}, mla_rope_dim=P)
 
 
-def test_graph_buckets_plan_fixed_buffers_and_mask_padding(fake_fi):
-    """Capture/replay planning on the stand-in: bucket checks, fixed buffers, padded rows zeroed."""
+def _prefilled_pair() -> tuple[Pair, list[SeqState]]:
+    """A Pair whose three requests (slots 1-3) have 6, 9 and 3 tokens in both pools, run eagerly."""
     pair = Pair()
     seqs = [SeqState(i + 1) for i in range(3)]
     prefill = [(s, [0] * n) for s, n in zip(seqs, (6, 9, 3))]
@@ -382,6 +385,12 @@ def test_graph_buckets_plan_fixed_buffers_and_mask_padding(fake_fi):
     for layer in (0, 2):
         pair.run(ctx, layer, ctx.num_tokens)
     commit_step(prefill)
+    return pair, seqs
+
+
+def test_graph_buckets_plan_fixed_buffers_and_mask_padding(fake_fi):
+    """Capture/replay planning on the stand-in: bucket checks, fixed buffers, padded rows zeroed."""
+    pair, seqs = _prefilled_pair()
 
     items = [(s, [0]) for s in seqs]
     with pytest.raises(RuntimeError, match="before init_capture_state"):
@@ -403,8 +412,35 @@ def test_graph_buckets_plan_fixed_buffers_and_mask_padding(fake_fi):
     with pytest.raises(ValueError, match="bucket 16"):
         pair.be.init_replay_state(build_step(items, pair.ref_pool, pad_tokens_to=16, pad_seqs_to=16).ctx, 16)
     extend = build_step([(seqs[0], [0] * 3)], pair.ref_pool, pad_tokens_to=4, pad_seqs_to=4, mode=Mode.EXTEND).ctx
-    with pytest.raises(ValueError, match="only decode steps are captured"):
+    with pytest.raises(ValueError, match="only decode and target_verify steps are captured"):
         pair.be.init_replay_state(extend, 4)
+
+
+def test_verify_buckets_plan_fixed_prefill_buffers_with_n_rows_per_request(fake_fi):
+    """A target_verify bucket (speculative decoding: every request n tokens) replays through the
+    graph-mode paged prefill wrapper: padded requests own n rows each, so a bucket is always
+    bucket * n rows; real rows equal the reference's, padded rows are zero, KV matches."""
+    pair, seqs = _prefilled_pair()
+    pair.be.init_capture_state(16, 4)
+    n = 3
+    for count in (2, 3, 1):  # capture with 2 real requests, replay with 3, then 1
+        items = [(s, [0] * n) for s in seqs[:count]]
+        ctx = build_step(items, pair.ref_pool, mode=Mode.TARGET_VERIFY, pad_tokens_to=4 * n, pad_seqs_to=4,
+                         max_pages=8).ctx
+        pair.be.init_replay_state(ctx, 4)
+        assert pair.be._step.meta.num_rows == 4 * n
+        for layer in (0, 2, 3):
+            assert pair.run(ctx, layer, 4 * n) < 1e-5
+        commit_step(items)
+    for name in ("k", "v"):
+        assert torch.equal(pair.pool.layer(0)[name], pair.ref_pool.layer(0)[name])
+    assert torch.equal(pair.pool.layer(2)["latent"], pair.ref_pool.layer(2)["latent"])
+    assert ("init", "FakePagedPrefill", True) in _Fake.log
+    assert sum(1 for e in _Fake.log if e[0] == "init" and e[2]) == 2, "one graph wrapper per bucket, kind and group"
+    ragged = build_step([(seqs[0], [0] * 2), (seqs[1], [0] * 4)], pair.ref_pool, mode=Mode.TARGET_VERIFY,
+                        pad_tokens_to=8, pad_seqs_to=2, max_pages=8).ctx
+    with pytest.raises(ValueError, match="the same n rows for every request"):
+        pair.be.init_replay_state(ragged, 2)
 
 
 def test_chunk_hook_needs_a_planned_step(fake_fi):
@@ -422,7 +458,7 @@ def test_backend_follows_the_protocol_and_declares_its_capability():
     cap = FlashInferAttentionBackend.capability
     assert issubclass(FlashInferAttentionBackend, BackendHooks)
     assert FlashInferAttentionBackend.supported_ops == frozenset({"gqa_attention", "mla_attention"})
-    assert cap.device == "cuda" and cap.modes_capturable == frozenset({Mode.DECODE})
+    assert cap.device == "cuda" and cap.modes_capturable == frozenset({Mode.DECODE, Mode.TARGET_VERIFY})
     assert cap.kinds == frozenset({LayerKind.FULL_GQA, LayerKind.FULL_MLA})
 
 

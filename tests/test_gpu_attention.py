@@ -22,7 +22,7 @@ import random
 import pytest
 import torch
 
-from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.batch import SeqState, build_step, commit_step
 from runtime.kv_pool import KVPool
@@ -134,11 +134,12 @@ class Harness:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self, items: list[tuple[SeqState, int]], pad_tokens_to: int | None = None, pad_seqs_to: int | None = None,
-             graph: str | None = None, max_pages: int | None = None) -> dict:
-        """Run one step on both backends. graph: None (eager), "capture" or "replay"."""
+             graph: str | None = None, max_pages: int | None = None, mode: Mode | None = None) -> dict:
+        """Run one step on both backends. graph: None (eager), "capture" or "replay"; mode: the
+        step's mode (default: what its lengths make it; Mode.TARGET_VERIFY must be asked for)."""
         step_items = [(s, [0] * n) for s, n in items]
         built = build_step(step_items, self.cpu_pool, pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to,
-                           max_pages=max_pages)
+                           max_pages=max_pages, mode=mode)
         ctx = built.ctx
         T = ctx.num_tokens
         x = self.inputs(T)
@@ -174,7 +175,7 @@ class Harness:
     def _capture(self, gctx, gx) -> torch.Tensor:
         """What a graph runner does for a new bucket: allocate, plan, warm up, capture, replay."""
         be, bucket = self.backend, gctx.num_seqs
-        be.init_capture_state(bucket, bucket)
+        be.init_capture_state(gctx.num_tokens, bucket)  # a target_verify bucket has n rows per request
         be.init_replay_state(gctx, bucket)
         out = torch.full(self.out_shape(gctx.num_tokens), float("nan"), dtype=torch.bfloat16, device="cuda")
         self.call(be, gctx, gx, out)  # warm-up outside the capture: compiles the Triton kernels
@@ -259,6 +260,32 @@ def check_graph_decode(cfg: AttnConfig, bucket: int = 8, seed: int = 0, **kw) ->
     return _merge(f"graph decode {cfg.name} bucket={bucket} {kw or ''}".strip(), results, {"caches_match": h.caches_match()})
 
 
+def check_verify(cfg: AttnConfig, bucket: int = 4, n: int = 4, seed: int = 0, **kw) -> dict:
+    """target_verify steps as speculative decoding runs them: every request feeds n tokens (its last
+    one and n - 1 drafts) over its cache, causal among them. Eager, then a bucket captured with one
+    request fewer than it holds and replayed with a full bucket and with one request. After each
+    step a request keeps only some of its n tokens (as after rejected drafts), so the next step
+    writes over positions the last one wrote and must not read what it wrote there; cache lengths
+    start anywhere and cross page boundaries. Each step against the reference (which attends over
+    exactly the cached positions), the caches byte for byte."""
+    rng = random.Random(seed)
+    h = Harness(cfg, num_pages=1024, page_size=16, seed=seed, **kw)
+    seqs = h.new_seqs(_lengths(rng, bucket, 1, 400))
+    width = 1024 // bucket
+    pad = {"pad_tokens_to": bucket * n, "pad_seqs_to": bucket, "max_pages": width, "mode": Mode.TARGET_VERIFY}
+    results = []
+    for batch, graph in ((seqs[:bucket - 1], None), (seqs[:bucket - 1], "capture"), (seqs, "replay"),
+                         (seqs[1:2], "replay")):
+        if graph is None:
+            results.append(h.step([(s, n) for s in batch], mode=Mode.TARGET_VERIFY))
+        else:
+            results.append(h.step([(s, n) for s in batch], graph=graph, **pad))
+        for s in batch:  # keep 1 .. n of the n tokens just cached
+            s.num_cached -= n - rng.randint(1, n)
+    return _merge(f"verify {cfg.name} bucket={bucket} n={n} {kw or ''}".strip(), results,
+                  {"caches_match": h.caches_match()})
+
+
 # -- pytest ------------------------------------------------------------------------------------
 
 GQA_CONFIGS = [QWEN3_NEXT, MHA_128]
@@ -319,6 +346,17 @@ def test_mla_extend_chunked_mixed_padded(impl, cfg):
 @pytest.mark.parametrize("impl", MLA_IMPLS)
 def test_mla_graph_decode(impl):
     _assert(check_graph_decode(MLA_32, mla_impl=impl))
+
+
+@pytest.mark.parametrize("cfg", GQA_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("kw", [{}, {"prefill_backend": "fa2"}], ids=str)
+def test_gqa_verify_steps_eager_and_replayed(cfg, kw):
+    _assert(check_verify(cfg, **kw))
+
+
+@pytest.mark.parametrize("impl", MLA_IMPLS)
+def test_mla_verify_steps_eager_and_replayed(impl):
+    _assert(check_verify(MLA_32, mla_impl=impl))
 
 
 def test_unplanned_step_raises():

@@ -4,9 +4,11 @@ Marked gpu (CI deselects them). Dims: Qwen3-Next GDN (Hk 16 -> Hv 32, D 128), Ki
 (H 32, D 128), Bailing Lightning (H 16, D 128), Qwen3-Next conv (C 8192, K 4). Inputs bf16,
 padding rows at the end pointing at the padding slot, two consecutive steps from a random
 non-zero state, outputs poisoned before each run. One test captures the backend's decode ops
-in a CUDA graph and replays it for new slots and inputs through the protocol hooks. The last test
-runs extend, mixed and target-verify steps (FLA's chunk kernels, the torch conv, strided decode
-kernels) through a chain of steps on one pool, outputs and states against the reference.
+in a CUDA graph and replays it for new slots and inputs through the protocol hooks. One runs a
+target_verify step against the decode steps of the same tokens (outputs, the intermediate
+states speculative decoding keeps, final states). The last test runs extend, mixed and
+target-verify steps (FLA's chunk kernels, the torch conv, strided decode kernels) through a
+chain of steps on one pool, outputs and states against the reference.
 
 The kernels module is imported inside the tests, never at collection: on a CPU machine
 tests/test_triton_linear.py must be the first to import it (after setting TRITON_INTERPRET).
@@ -51,9 +53,13 @@ def registry_for(op: str) -> LayerRegistry:
     return LayerRegistry([LayerSpec(0, kind, state=state)])
 
 
+VERIFY = dict(draft_tokens=3, verify_rows=4)  # target_verify steps of up to 4 requests x 4 tokens
+
+
 def pools(op: str, num_slots: int, seed: int) -> tuple[StatePool, StatePool]:
+    """Two pools with the same random states (and room for a target_verify step's intermediate states)."""
     reg = registry_for(op)
-    ref, dev = StatePool(reg, num_slots), StatePool(reg, num_slots, DEV)
+    ref, dev = StatePool(reg, num_slots, **VERIFY), StatePool(reg, num_slots, DEV, **VERIFY)
     g = torch.Generator().manual_seed(seed)
     for name, t in ref.layer(0).items():
         t.copy_(torch.randn(t.shape, generator=g) * 0.5)
@@ -190,6 +196,44 @@ def test_decode_graph_capture_and_replay():
             assert rel_err(out[:num_real], out_ref[:num_real]) <= 1e-2
             touched = slots[:num_real]
             assert rel_err(dev_pool.layer(0)[entry][touched], ref_pool.layer(0)[entry][touched]) <= 1e-4
+
+
+@pytest.mark.parametrize("op", list(SPECS))
+def test_verify_launches_are_the_decode_launches_at_real_dims(op):
+    """A target_verify step (3 requests x 4 tokens, padded to 4 requests) against 4 decode steps of
+    the same tokens from the same states, both on the device in bf16. Outputs, the states after
+    each token (the intermediate entries speculative decoding keeps) and the final states must
+    agree to float32 rounding: both run the same kernel on the same rows. A fault in the strided
+    launches, in the state each launch starts from or in the intermediate copies moves them by O(1)."""
+    from runtime.backends.triton_linear_backend import TritonLinearBackend
+
+    n, bucket, num_real, num_slots = VERIFY["draft_tokens"] + 1, VERIFY["verify_rows"], 3, 6
+    _, verify_pool = pools(op, num_slots, seed=41)
+    _, decode_pool = pools(op, num_slots, seed=41)
+    verifier, decoder = TritonLinearBackend(verify_pool), TritonLinearBackend(decode_pool)
+    entry = "conv" if op == "short_conv" else "recurrent"
+    slots = [5, 2, 4, PADDING_SLOT]
+    before = verify_pool.layer(0)[entry].clone()
+    x = {name: t.to(DEV) for name, t in inputs(op, bucket * n, num_real * n, torch.bfloat16,
+                                                torch.Generator().manual_seed(42)).items()}
+    out = out_like(op, bucket * n, torch.bfloat16, DEV)
+    ctx = step_ctx(Mode.TARGET_VERIFY, [(s, 20 + 9 * i, n) for i, s in enumerate(slots[:num_real])], n, 1, DEV)
+    verifier.init_step_metadata(ctx)
+    call(verifier, ctx, op, x, out)
+    kept = verify_pool.verify_buffers[0][entry]
+    for t in range(n):
+        step_out = out_like(op, bucket, torch.bfloat16, DEV)
+        call(decoder, decode_ctx(slots, num_real, DEV), op, {name: v[t::n].contiguous() for name, v in x.items()},
+             step_out)  # row b: token t of request b, as the verify step's launch t reads it
+        got, want = out[t::n][:num_real], step_out[:num_real]
+        assert torch.isfinite(got).all() and rel_err(got.float(), want.float()) <= 1e-3, f"token {t}: outputs"
+        state = decode_pool.layer(0)[entry][slots[:num_real]]
+        if t < n - 1:
+            assert rel_err(kept[:num_real, t], state) <= 1e-6, f"the state after token {t}, kept for its rows"
+    assert out[num_real * n:].eq(0).all(), "padding rows must be zero"
+    assert rel_err(verify_pool.layer(0)[entry][slots[:num_real]], decode_pool.layer(0)[entry][slots[:num_real]]) <= 1e-6
+    untouched = [s for s in range(num_slots + 1) if s not in slots[:num_real]]
+    assert torch.equal(verify_pool.layer(0)[entry][untouched], before[untouched]), "padding slot or a free slot written"
 
 
 # -- extend / mixed / target-verify (FLA chunk kernels, the torch conv, strided decode kernels) -----

@@ -424,24 +424,14 @@ def test_triton_linear_backend_under_the_runner(artifact, tmp_path):
     the cpu device under another name so routing binds the linear ops to it and the other ops to the
     reference. Greedy tokens equal the reference backend's. (The fused MoE's replay path has its own
     tests in test_triton_moe.py: under the interpreter it would take most of a minute here.)"""
-    import dataclasses
-
     from compiler.cli.wiring import toolchain
     from compiler.passes.context import CompileConfig
     from compiler.passes.routing import parse_route
     from compiler.pipeline import compile_checkpoint
     from runtime.backends import discover
-    from runtime.backends.triton_linear_backend import TritonLinearBackend
-    from tests.linear_cases import FakeFLA
+    from tests.linear_cases import interpreted_triton_linear
 
-    class InterpretedTritonLinear(TritonLinearBackend):
-        name = "triton_linear_interpreted"
-        capability = dataclasses.replace(TritonLinearBackend.capability, name=name, device="cpu")
-
-        @classmethod
-        def build(cls, setup):
-            return cls(setup.state_pool, fla=FakeFLA())
-
+    InterpretedTritonLinear = interpreted_triton_linear()
     registry = discover().with_classes(InterpretedTritonLinear, source="tests/test_graph_runner.py")
     routes = tuple(parse_route(f"{op}={InterpretedTritonLinear.name}") for op in ("gdn_core", "short_conv"))
     compile_checkpoint(artifact.docs.path.parent / "c", tmp_path / "a", CompileConfig(routes=routes),

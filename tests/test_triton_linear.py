@@ -101,14 +101,17 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+VERIFY = dict(draft_tokens=3, verify_rows=4)  # target_verify steps of up to 4 requests x 4 tokens
+
+
 def make_pools(seed: int) -> tuple[StatePool, StatePool]:
     """Two pools with the same random non-zero states: one for the reference, one for the kernels."""
-    ref = StatePool(REGISTRY, NUM_SLOTS)
+    ref = StatePool(REGISTRY, NUM_SLOTS, **VERIFY)
     g = torch.Generator().manual_seed(seed)
     for entries in ref.buffers.values():
         for t in entries.values():
             t.copy_(torch.randn(t.shape, generator=g) * 0.5)
-    dev = StatePool(REGISTRY, NUM_SLOTS, DEVICE)
+    dev = StatePool(REGISTRY, NUM_SLOTS, DEVICE, **VERIFY)
     for lid, entries in ref.buffers.items():
         for name, t in entries.items():
             dev.buffers[lid][name].copy_(t)
@@ -358,6 +361,13 @@ def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=
         rows = sorted(touched)
         s_err = rel_err(dev_pool.layer(layer_id)[entry].cpu()[rows], ref_pool.layer(layer_id)[entry][rows])
         assert s_err <= STATE_TOL, f"{what}: state rel err {s_err:.2e}"
+        n = reqs[0][2]
+        if mode == Mode.TARGET_VERIFY and all(new == n for *_, new in reqs):
+            # the strided path keeps the state after each of the first n - 1 tokens, per row
+            got = dev_pool.verify_buffers[layer_id][entry].cpu()[:len(reqs), :n - 1]
+            want = ref_pool.verify_buffers[layer_id][entry][:len(reqs), :n - 1]
+            i_err = rel_err(got, want)
+            assert i_err <= STATE_TOL and want.abs().sum() > 0, f"{what}: intermediate state rel err {i_err:.2e}"
     untouched = [s for s in range(NUM_SLOTS + 1) if s not in touched]
     assert PADDING_SLOT in untouched
     assert torch.equal(dev_pool.layer(layer_id)[entry][untouched], before[untouched]), "padding or free slot written"
@@ -436,6 +446,8 @@ def test_replayed_verify_step_reads_the_static_slots():
     out_ref = run_op(ref, ctx, "kda_core", 2, x, torch.float32, "cpu")
     assert rel_err(out[:4], out_ref[:4]) <= 1e-4 and out[4:].eq(0).all()
     assert tri._fla.calls == []
+    kept, want = dev_pool.verify_buffers[2]["recurrent"].cpu()[:2, :1], ref_pool.verify_buffers[2]["recurrent"][:2, :1]
+    assert rel_err(kept, want) <= STATE_TOL, "the state after each request's first token, in its row"
     ragged = mode_step(Mode.TARGET_VERIFY, [(6, 7, 1), (1, 5, 3)])
     tri.init_replay_state(ragged, bucket=2)
     with pytest.raises(WrongModeError, match="same number of rows"):

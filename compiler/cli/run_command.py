@@ -19,9 +19,9 @@ import time
 
 from compiler.cli.errors import UsageError
 from compiler.cli.prompts import check_request_limits, check_vocab, parse_prompt_ids, print_outputs, timing_line
-from runtime.server.cli import (add_compiled_arguments, add_prefix_cache_arguments, add_tp_arguments, compiled_options,
-                                device_arg, device_problem, float_in, int_at_least, prefix_cache_options,
-                                start_ranks, token_ids)
+from runtime.server.cli import (add_compiled_arguments, add_prefix_cache_arguments, add_speculative_argument,
+                                add_tp_arguments, compiled_options, device_arg, device_problem, float_in, int_at_least,
+                                prefix_cache_options, start_ranks, token_ids)
 
 __all__ = ["cmd_run", "add_run_arguments"]
 
@@ -31,12 +31,14 @@ def cmd_run(args) -> int:
     from runtime.artifact_docs import config_value, read_artifact
     from runtime.engine import SamplingParams
     from runtime.server.model import EngineOptions
+    from runtime.speculative import check_draft_program
     from runtime.weights import check_load_format
 
     prompts = parse_prompt_ids(args.prompt_ids)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop_ids)
-    options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step, **prefix_cache_options(args))
+    options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step,
+                            speculative_tokens=args.speculative_tokens, **prefix_cache_options(args))
     # The limits first, from the documents alone: nothing is loaded, allocated or launched for a
     # request that cannot run.
     docs = read_artifact(args.artifact)
@@ -46,6 +48,8 @@ def cmd_run(args) -> int:
         raise UsageError(f"{args.artifact} is compiled for {device} (--target {device}): {why}",
                          hint="recompile the checkpoint with --target cpu to run it here")
     check_vocab(prompts, int(docs.manifest["model"]["vocab_size"]))
+    if args.speculative_tokens:
+        check_draft_program(docs)
     # a rank holds about 1/tp of the stored weights (its cut tensors; the loader checks its exact bytes)
     check_request_limits(prompts, args.max_new_tokens, positions=config_value(docs.manifest, "max_position_embeddings"),
                          registry=docs.registry, weight_bytes=docs.stored_weight_bytes() // docs.tp, device=device)
@@ -133,6 +137,7 @@ def add_run_arguments(subparsers) -> None:
     p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
     add_prefix_cache_arguments(p)  # the flags `hgc serve` has too
+    add_speculative_argument(p)
     add_compiled_arguments(p)
     add_tp_arguments(p)
     p.set_defaults(func=cmd_run)

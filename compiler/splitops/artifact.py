@@ -53,7 +53,7 @@ from .sharding import ShardSpec
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "GRAPH", "DRAFT_GRAPH", "WEIGHTS", "WEIGHT_MAP", "ROUTING",
-    "SPLIT", "LINTS", "DUMPS", "PROGRAM_FILES", "PROGRAM_INPUTS", "DEFAULT_DECODE_BATCH_SIZES",
+    "SPLIT", "LINTS", "DUMPS", "PROGRAM_FILES", "PROGRAM_INPUTS", "program_outputs", "DEFAULT_DECODE_BATCH_SIZES",
     "DEFAULT_EXTEND_TOKEN_COUNTS", "CAPTURED", "EAGER", "ArtifactFormatError", "dump_json", "load_json",
     "sha256_file", "safetensors_header", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
     "apply_split_plan", "plan_node_names", "retarget_meta_devices", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
@@ -85,6 +85,16 @@ PROGRAM_INPUTS: dict[str, tuple[str, ...]] = {
     "main": ("input_ids", "positions", "logits_index"),
     "draft": ("input_ids", "positions", "hidden", "logits_index"),
 }
+
+
+def program_outputs(program: str, programs) -> tuple[str, ...]:
+    """What `program` returns, in order, in an artifact holding `programs`.
+
+    logits [R, V] always. The draft returns its hidden states [T, D] too (the next draft position
+    reads them), and so does the main program of a model that has a draft: the draft's first
+    position after a main step reads the main model's final hidden state at the same position.
+    """
+    return ("logits", "hidden") if program == "draft" or "draft" in programs else ("logits",)
 
 # Capture buckets recorded for the runtime's graph runner. Decode: padded request counts (powers of
 # two up to 256 cover serving batch sizes with at most 2x padding). Extend: padded token counts of

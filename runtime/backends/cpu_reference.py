@@ -11,6 +11,11 @@ Each method takes the step's ExecContext, then the op's arguments in schema orde
   and decoding token by token execute the same arithmetic),
 - attention gathers the request's pages and runs a float32 causal softmax.
 
+In a TARGET_VERIFY step (speculative decoding: every request feeds its last token and D drafts)
+the linear ops run their D + 1 tokens one at a time, as D + 1 decode steps would, and write the
+state after each of the first D tokens into the state pool's intermediate entries of the
+request's row (`StatePool.verify_layer`); the state after the last one goes to its slot.
+
 Rows past the step's real tokens (padding) are zeroed and touch no cache or state.
 """
 
@@ -19,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiler.splitops import COLLECTIVE_OPS, MODES, OP_SPECS, BackendCapability, moe_shared_width
+from compiler.splitops import COLLECTIVE_OPS, MODES, OP_SPECS, BackendCapability, Mode, moe_shared_width
 from runtime.backends.protocol import BackendHooks, BackendSetup, check_backend
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool, pages_for
@@ -211,16 +216,30 @@ class CPUReferenceBackend(BackendHooks):
 
     # -- linear attention -----------------------------------------------------------------
 
+    def _verify_states(self, ctx, layer_id: int, entry: str):
+        """[rows, D, *shape] intermediate states of this entry in a TARGET_VERIFY step, else None."""
+        if ctx.mode != Mode.TARGET_VERIFY or not ctx.query_lens:
+            return None
+        return self.state_pool.verify_layer(layer_id, max(ctx.query_lens), ctx.num_real_seqs)[entry]
+
+    @staticmethod
+    def _token_spans(start: int, n: int, verify) -> list[slice]:
+        """The rows of one request as the recurrence runs them: all at once, or one by one in verify."""
+        return [slice(start, start + n)] if verify is None else [slice(start + t, start + t + 1) for t in range(n)]
+
     def _linear_core(self, ctx, layer_id, q, k, v, log_decay_rows, beta, out, scale):
         """Shared driver: per request, run the recurrence from its slot and write the slot back."""
         states = self.state_pool.layer(layer_id)["recurrent"]
+        verify = self._verify_states(ctx, layer_id, "recurrent")
         for b, start, n, _ in ctx.token_ranges():
             slot = int(ctx.state_slots[b])
-            rows = slice(start, start + n)
             S = states[slot]
-            result = gated_recurrence(q[rows], k[rows], v[rows], log_decay_rows(rows),
-                                      None if beta is None else beta[rows], S, scale)
-            out[rows] = result.to(out.dtype)
+            for t, rows in enumerate(self._token_spans(start, n, verify)):
+                result = gated_recurrence(q[rows], k[rows], v[rows], log_decay_rows(rows),
+                                          None if beta is None else beta[rows], S, scale)
+                out[rows] = result.to(out.dtype)
+                if verify is not None and t < n - 1:
+                    verify[b, t].copy_(S)
         self._zero_padding(ctx, out)
 
     def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
@@ -238,16 +257,21 @@ class CPUReferenceBackend(BackendHooks):
 
     def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
         states = self.state_pool.layer(layer_id)["conv"]  # [slots, C, K-1]
+        verify = self._verify_states(ctx, layer_id, "conv")
         K = weight.shape[-1]
         w = weight.float()
-        for b, start, n, _ in ctx.token_ranges():
+        for b, start, n_all, _ in ctx.token_ranges():
             slot = int(ctx.state_slots[b])
-            window = torch.cat([states[slot].float(), x[start:start + n].float().t()], dim=1)  # [C, K-1+n]
-            y = sum(window[:, j:j + n] * w[:, j:j + 1] for j in range(K)).t()  # [n, C]
-            if bias is not None:
-                y = y + bias.float()
-            out[start:start + n] = (F.silu(y) if silu else y).to(out.dtype)
-            states[slot].copy_(window[:, n:].to(states.dtype))
+            for t, rows in enumerate(self._token_spans(start, n_all, verify)):
+                n = rows.stop - rows.start
+                window = torch.cat([states[slot].float(), x[rows].float().t()], dim=1)  # [C, K-1+n]
+                y = sum(window[:, j:j + n] * w[:, j:j + 1] for j in range(K)).t()  # [n, C]
+                if bias is not None:
+                    y = y + bias.float()
+                out[rows] = (F.silu(y) if silu else y).to(out.dtype)
+                states[slot].copy_(window[:, n:].to(states.dtype))
+                if verify is not None and t < n_all - 1:
+                    verify[b, t].copy_(states[slot])
         self._zero_padding(ctx, out)
 
     # -- MoE ------------------------------------------------------------------------------

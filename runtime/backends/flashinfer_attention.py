@@ -24,12 +24,15 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    graph where the number of real rows changes between replays), run the planned wrapper on
    the layer's caches and zero the padded output rows. They never plan: an op whose step was
    not planned raises instead of running on stale metadata.
-4. CUDA graphs, decode only: `init_capture_state(max_tokens, max_seqs)` allocates the static
-   buffers every captured graph reads (slot ids, indptr, page indices, lengths), sized for the
-   largest bucket; `init_replay_state(ctx, bucket)`, before the capture of a bucket and before
-   each replay, copies the step's slot ids into them and plans the bucket's `use_cuda_graph`
-   wrappers (one per bucket and head group, made on first use over views of those buffers).
-   Padding requests of a bucket read one cached token of page 0 (a finite output, zeroed after).
+4. CUDA graphs, decode and target_verify: `init_capture_state(max_tokens, max_seqs)` allocates
+   the static buffers every captured graph reads (slot ids, indptr, page indices, lengths),
+   sized for the largest bucket; `init_replay_state(ctx, bucket)`, before the capture of a
+   bucket and before each replay, copies the step's slot ids into them and plans the bucket's
+   `use_cuda_graph` wrappers (one per bucket, step kind and head group, made on first use over
+   views of those buffers): the decode wrapper for decode, the paged prefill wrapper (causal)
+   for target_verify, whose requests all carry the same n tokens, so a bucket of B requests is
+   always B * n query rows. Padding requests of a bucket own as many query rows as a real one and
+   read that many cached tokens of page 0 (a finite output, zeroed after).
 
 KV layout: the pool's "k" and "v" tensors [pages, page_size, Hkv, D] are FlashInfer's NHD tuple
 form as they are; the MLA "latent" entry [pages, page_size, R+P] is handed over as two strided
@@ -116,12 +119,14 @@ class PagedMetadata:
     all_fresh: bool  # every real request starts from an empty cache (ragged prefill applies)
 
 
-def build_paged_metadata(ctx: ExecContext, pad_reqs_to: Optional[int] = None) -> PagedMetadata:
+def build_paged_metadata(ctx: ExecContext, pad_reqs_to: Optional[int] = None,
+                         pad_rows_per_req: int = 1) -> PagedMetadata:
     """FlashInfer's indptr / indices / last_page_len for the real requests of `ctx`.
 
-    pad_reqs_to (graph buckets): append padding requests up to that count, each owning one
-    query row and reading one cached token of page 0, so a fixed-size batch never has an empty
-    request. Only host lists (`query_lens`, `cache_lens`) are read on the host; the page table
+    pad_reqs_to (graph buckets): append padding requests up to that count, each owning
+    `pad_rows_per_req` query rows (1 in decode, n in a target_verify step of n tokens per
+    request) and reading as many cached tokens of page 0, so a fixed-size batch never has an
+    empty request and always the same number of rows. Only host lists (`query_lens`, `cache_lens`) are read on the host; the page table
     stays on its device and is gathered there (no device-to-host synchronisation). The host
     arithmetic is numpy: torch's CPU repeat_interleave took milliseconds per call here.
     """
@@ -154,16 +159,18 @@ def build_paged_metadata(ctx: ExecContext, pad_reqs_to: Optional[int] = None) ->
     all_fresh = not cache.any()
 
     if pad_reqs_to is not None and pad_reqs_to > num_real:
-        n_pad = pad_reqs_to - num_real
+        n_pad, per = pad_reqs_to - num_real, pad_rows_per_req
+        pad_pages = -(-per // ps)  # page 0, as often as `per` cached tokens need
         steps = np.arange(1, n_pad + 1)
-        qo_indptr = np.concatenate([qo_indptr, rows + steps])
-        kv_indptr = np.concatenate([kv_indptr, total + steps])
-        kv_lens = np.concatenate([kv_lens, np.ones(n_pad, np.int64)])
-        last = np.concatenate([last, np.ones(n_pad, np.int64)])
-        kv_indices = torch.cat([kv_indices, torch.zeros(n_pad, dtype=torch.int32, device=kv_indices.device)])
-        row_req = np.concatenate([row_req, np.arange(num_real, pad_reqs_to)])
-        row_pos = np.concatenate([row_pos, np.zeros(n_pad, np.int64)])
-        num_real, rows = pad_reqs_to, rows + n_pad
+        qo_indptr = np.concatenate([qo_indptr, rows + steps * per])
+        kv_indptr = np.concatenate([kv_indptr, total + steps * pad_pages])
+        kv_lens = np.concatenate([kv_lens, np.full(n_pad, per, np.int64)])
+        last = np.concatenate([last, np.full(n_pad, per - (pad_pages - 1) * ps, np.int64)])
+        kv_indices = torch.cat([kv_indices, torch.zeros(n_pad * pad_pages, dtype=torch.int32,
+                                                        device=kv_indices.device)])
+        row_req = np.concatenate([row_req, np.repeat(np.arange(num_real, pad_reqs_to), per)])
+        row_pos = np.concatenate([row_pos, np.tile(np.arange(per), n_pad)])
+        num_real, rows = pad_reqs_to, rows + n_pad * per
 
     i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
     return PagedMetadata(num_reqs=num_real, num_rows=rows, qo_indptr=i32(qo_indptr), kv_indptr=i32(kv_indptr),
@@ -343,7 +350,7 @@ class FlashInferAttentionBackend(BackendHooks):
     name = "flashinfer"
     capability = BackendCapability(
         name="flashinfer", device="cuda", ops=frozenset({"gqa_attention", "mla_attention"}),
-        modes_capturable=frozenset({Mode.DECODE}), kinds=frozenset({LayerKind.FULL_GQA, LayerKind.FULL_MLA}),
+        modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}), kinds=frozenset({LayerKind.FULL_GQA, LayerKind.FULL_MLA}),
         dtypes=_FLASHINFER_DTYPES,
         limits=(ShapeLimit("gqa_attention", "q", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY),
                 ShapeLimit("gqa_attention", "v", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY)),
@@ -354,8 +361,8 @@ class FlashInferAttentionBackend(BackendHooks):
                  ("prefill_backend", ("auto", "fa2", "fa3")),
                  ("mla_backend", ("auto", "fa2", "fa3"))),
         priority=1,
-        doc="paged GQA / MLA attention through FlashInfer; decode captured with use_cuda_graph wrappers, "
-            "extend and mixed steps eager")
+        doc="paged GQA / MLA attention through FlashInfer; decode and target_verify captured with "
+            "use_cuda_graph wrappers, extend and mixed steps eager")
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "FlashInferAttentionBackend":
@@ -421,7 +428,7 @@ class FlashInferAttentionBackend(BackendHooks):
         self.groups: tuple[_Group, ...] = tuple(dict.fromkeys(self.layers.values()))
         self._eager: dict[tuple[_Group, str], _Planned] = {}  # (group, kind) -> eager wrapper
         self._static: Optional[dict[str, torch.Tensor]] = None  # init_capture_state's buffers
-        self._graph: dict[tuple[_Group, int], _Planned] = {}  # (group, bucket) -> use_cuda_graph wrapper
+        self._graph: dict[tuple[_Group, int, str], _Planned] = {}  # (group, bucket, kind) -> use_cuda_graph wrapper
         self._step: Optional[_StepPlan] = None
 
     # -- configuration ---------------------------------------------------------------------
@@ -484,13 +491,15 @@ class FlashInferAttentionBackend(BackendHooks):
             self._eager[key] = _Planned(w, self.device.type == "cuda")
         return self._eager[key]
 
-    def _graph_wrapper(self, g: _Group, bucket: int) -> _Planned:
-        """The bucket's use_cuda_graph wrapper, over views of the static buffers (fixed addresses).
+    def _graph_wrapper(self, g: _Group, bucket: int, kind: str) -> _Planned:
+        """The bucket's use_cuda_graph wrapper for a step kind ("decode", or "prefill" for
+        target_verify), over views of the static buffers (fixed addresses).
 
-        Every bucket and group shares the buffers: they hold the same step's metadata, and only
-        one graph replays at a time, right after init_replay_state refilled them.
+        Every bucket, kind and group shares the buffers: they hold the same step's metadata, and
+        only one graph replays at a time, right after init_replay_state refilled them (plan()
+        copies each step's indptr, indices and lengths into them).
         """
-        key = (g, bucket)
+        key = (g, bucket, kind)
         if key not in self._graph:
             fi, st = self.flashinfer, self._static
             if g.kind == "mla":
@@ -498,11 +507,16 @@ class FlashInferAttentionBackend(BackendHooks):
                     self.workspace, use_cuda_graph=True, qo_indptr=st["qo_indptr"][: bucket + 1],
                     kv_indptr=st["kv_indptr"][: bucket + 1], kv_indices=st["kv_indices"],
                     kv_len_arr=st["kv_lens"][:bucket], backend=self.mla_backend)
-            else:
+            elif kind == "decode":
                 w = fi.BatchDecodeWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._use_tensor_cores(g),
                     paged_kv_indptr_buffer=st["kv_indptr"][: bucket + 1], paged_kv_indices_buffer=st["kv_indices"],
                     paged_kv_last_page_len_buffer=st["kv_last_page_len"][:bucket], backend=self.decode_backend)
+            else:
+                w = fi.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=st["qo_indptr"][: bucket + 1],
+                    paged_kv_indptr_buf=st["kv_indptr"][: bucket + 1], paged_kv_indices_buf=st["kv_indices"],
+                    paged_kv_last_page_len_buf=st["kv_last_page_len"][:bucket], backend=self.prefill_backend)
             self._graph[key] = _Planned(w, self.device.type == "cuda")
         return self._graph[key]
 
@@ -510,7 +524,8 @@ class FlashInferAttentionBackend(BackendHooks):
 
     def _plan(self, ctx: ExecContext, bucket: Optional[int]) -> _StepPlan:
         mode = Mode(ctx.mode)
-        meta = build_paged_metadata(ctx, pad_reqs_to=bucket)
+        per = ctx.num_tokens // ctx.num_seqs if bucket is not None else 1  # a bucket's rows per request
+        meta = build_paged_metadata(ctx, pad_reqs_to=bucket, pad_rows_per_req=per)
         if mode == Mode.DECODE:
             kind = "decode"
         elif self.extend_impl == "ragged" and mode == Mode.EXTEND and meta.all_fresh:
@@ -521,7 +536,7 @@ class FlashInferAttentionBackend(BackendHooks):
         for g in self.groups:
             if g.kind == "mla" and self.mla_impl == "triton":
                 continue
-            planned = self._graph_wrapper(g, bucket) if bucket is not None else (
+            planned = self._graph_wrapper(g, bucket, kind) if bucket is not None else (
                 self._eager_wrapper(g, "mla" if g.kind == "mla" else kind))
             self._plan_group(planned, g, kind, meta)
             wrappers[g] = planned.wrapper
@@ -531,9 +546,9 @@ class FlashInferAttentionBackend(BackendHooks):
         if bucket is None:
             slots, pad_rows = ctx.slot_mapping, None
         else:
-            slots = self._static["slots"][:bucket]
+            slots = self._static["slots"][:ctx.num_tokens]
             slots.copy_(ctx.slot_mapping, non_blocking=True)
-            pad_rows = self._static["pad_rows"][:bucket]
+            pad_rows = self._static["pad_rows"][:ctx.num_tokens]
             torch.lt(slots.view(-1, 1, 1), 0, out=pad_rows)  # once per step, not once per layer
         return _StepPlan(ctx, meta, kind, bucket, slots, pad_rows, wrappers, triton_meta)
 
@@ -563,7 +578,8 @@ class FlashInferAttentionBackend(BackendHooks):
             indptr, row_req, row_pos = (t.to(self.device, non_blocking=True) for t in host)
             return indptr, meta.kv_indices, row_req, row_pos
         st = self._static
-        views = (st["kv_indptr"][: bucket + 1], st["kv_indices"], st["row_req"][:bucket], st["row_pos"][:bucket])
+        rows = meta.num_rows
+        views = (st["kv_indptr"][: bucket + 1], st["kv_indices"], st["row_req"][:rows], st["row_pos"][:rows])
         for view, value in zip(views, (meta.kv_indptr, meta.kv_indices, meta.row_req, meta.row_pos)):
             view[: value.numel()].copy_(value)
         return views
@@ -571,18 +587,17 @@ class FlashInferAttentionBackend(BackendHooks):
     # -- hooks -------------------------------------------------------------------------------
 
     def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
-        """Allocate the buffers every captured decode graph reads, sized for the largest bucket.
-
-        Decode buckets have one row per request, so `max_seqs` bounds both. Real requests own
-        distinct pages and each padding request reads one, so num_pages + max_seqs page indices
-        always fit.
+        """Allocate the buffers every captured decode or target_verify graph reads, sized for the
+        largest bucket: n = max(max_seqs, max_tokens) rows (a verify bucket has several rows per
+        request). Real requests own distinct pages and the padding requests read page 0 for at
+        most n rows, so num_pages + n page indices always fit.
         """
         i32 = dict(dtype=torch.int32, device=self.device)
         n = max(max_seqs, max_tokens)
         self._static = {
             "slots": torch.full((n,), -1, dtype=torch.int64, device=self.device),
             "pad_rows": torch.ones((n, 1, 1), dtype=torch.bool, device=self.device),
-            "qo_indptr": torch.arange(n + 1, **i32),  # decode: one query row per request
+            "qo_indptr": torch.arange(n + 1, **i32),  # refilled by each plan (decode: one row per request)
             "kv_indptr": torch.zeros(n + 1, **i32),
             "kv_indices": torch.zeros(self.kv_pool.num_pages + n, **i32),
             "kv_lens": torch.zeros(n, **i32),
@@ -596,13 +611,19 @@ class FlashInferAttentionBackend(BackendHooks):
         """Plan the bucket's fixed-buffer wrappers for this step, before its capture or replay."""
         if self._static is None:
             raise RuntimeError(f"{self.name}: init_replay_state before init_capture_state")
-        if Mode(ctx.mode) != Mode.DECODE:
-            raise ValueError(f"{self.name}: only decode steps are captured (capability modes_capturable), "
-                             f"not a {Mode(ctx.mode).value!r} step; routing must keep it eager")
-        if ctx.num_seqs != bucket or ctx.num_tokens != bucket or bucket > self._static["slots"].shape[0]:
-            raise ValueError(f"{self.name}: a step of {ctx.num_seqs} requests and {ctx.num_tokens} rows replayed in "
-                             f"bucket {bucket} (static buffers hold {self._static['slots'].shape[0]}); the graph "
-                             "runner pads a decode step to one row per request of its bucket")
+        mode = Mode(ctx.mode)
+        if mode not in self.capability.modes_capturable:
+            raise ValueError(f"{self.name}: only decode and target_verify steps are captured (capability "
+                             f"modes_capturable), not a {mode.value!r} step; routing must keep it eager")
+        per = ctx.num_tokens // bucket if bucket else 0
+        uniform = mode == Mode.DECODE and per == 1 or mode == Mode.TARGET_VERIFY and per >= 1 and all(
+            n == per for n in ctx.query_lens)
+        if (ctx.num_seqs != bucket or not uniform or ctx.num_tokens != bucket * per
+                or ctx.num_tokens > self._static["slots"].shape[0]):
+            raise ValueError(f"{self.name}: a {mode.value} step of {ctx.num_seqs} requests and {ctx.num_tokens} rows "
+                             f"replayed in bucket {bucket} (static buffers hold {self._static['slots'].shape[0]} rows); "
+                             "the graph runner pads a decode step to one row per request of its bucket, a target_verify "
+                             "step to the same n rows for every request")
         self._step = self._plan(ctx, bucket)
 
     def init_step_metadata(self, ctx: ExecContext) -> None:

@@ -6,11 +6,15 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
   launch per op, slot ids read on the device, no gather or scatter. Capturable.
 - TARGET_VERIFY (every request carries the same n tokens, rows of request b are b*n .. b*n+n-1):
   the same decode kernels launched n times, launch t on the strided rows t, n+t, 2n+t, ... of
-  every tensor (the kernels take row strides), so token t sees the state token t-1 left. The
-  grid and the strides come from shapes only and slot ids from the static buffer, so this is
-  capturable too; it moves the state n times, which is cheap for n <= 8 drafts and needs no
-  chunk bookkeeping. A step whose rows are not laid out that way runs the extend path below
-  (eager only; refused inside a replayed step).
+  every tensor (the kernels take row strides), so token t sees the state token t-1 left. After
+  launch t < n-1 the state of each request's slot is copied into entry t of its row of the state
+  pool's intermediate states (speculative decoding keeps the state of the last accepted token:
+  runtime/state_pool.py `keep_verified`). The grid, the strides and the copy come from shapes
+  only and slot ids from the static buffer, so this is capturable too; it moves the state n
+  times, which is cheap for n <= 8 drafts and needs no chunk bookkeeping. A step whose rows are
+  not laid out that way runs the extend path below (eager only; refused inside a replayed step),
+  which keeps no intermediate states: speculative decoding always verifies D + 1 tokens per
+  request (runtime/speculative.py).
 - EXTEND and MIXED: eager. Linear cores: the step's real requests are one varlen batch for FLA's
   chunk kernels (chunk_gated_delta_rule, chunk_kda, chunk_simple_gla with g_gamma = decay):
   initial states gathered from the pool by slot, cu_seqlens from the step, final states scattered
@@ -334,6 +338,15 @@ class TritonLinearBackend(BackendHooks):
         if out.shape[0] > T:
             out[T:].zero_()
 
+    def _keep_intermediate(self, ctx: ExecContext, layer_id: int, entry: str, state: torch.Tensor,
+                           slots: torch.Tensor, t: int, n: int) -> None:
+        """After token t of a target-verify step (t < n-1): each row's slot state into its entry t.
+        Padded rows copy the padding slot into rows no real request reads this step."""
+        if t < n - 1:
+            rows = slots.shape[0]
+            verify = self.state_pool.verify_layer(layer_id, n, rows)[entry]
+            verify[:rows, t].copy_(state.index_select(0, slots))
+
     # -- ops ------------------------------------------------------------------------------------
 
     def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
@@ -344,6 +357,7 @@ class TritonLinearBackend(BackendHooks):
         for t in range(n):  # decode: n == 1, the whole tensors
             _kernels().gdn_decode(r(q, t, n), r(k, t, n), r(v, t, n), r(g, t, n), r(beta, t, n), r(out, t, n),
                                   state, slots, scale, self.recurrent_config)
+            self._keep_intermediate(ctx, layer_id, "recurrent", state, slots, t, n)
 
     def kda_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
         path, n = self._route(ctx, "kda_core", layer_id, q.shape[0])
@@ -353,6 +367,7 @@ class TritonLinearBackend(BackendHooks):
         for t in range(n):
             _kernels().kda_decode(r(q, t, n), r(k, t, n), r(v, t, n), r(g, t, n), r(beta, t, n), r(out, t, n),
                                   state, slots, scale, self.recurrent_config)
+            self._keep_intermediate(ctx, layer_id, "recurrent", state, slots, t, n)
 
     def lightning_core(self, ctx, q, k, v, decay, out, layer_id, scale):
         path, n = self._route(ctx, "lightning_core", layer_id, q.shape[0])
@@ -362,6 +377,7 @@ class TritonLinearBackend(BackendHooks):
         for t in range(n):
             _kernels().lightning_decode(r(q, t, n), r(k, t, n), r(v, t, n), decay, r(out, t, n), state, slots, scale,
                                         self.recurrent_config)
+            self._keep_intermediate(ctx, layer_id, "recurrent", state, slots, t, n)
 
     def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
         path, n = self._route(ctx, "short_conv", layer_id, x.shape[0])
@@ -370,3 +386,4 @@ class TritonLinearBackend(BackendHooks):
         slots, state, r = self._step_slots(ctx), self._layer_state(layer_id, "conv"), self._rows
         for t in range(n):
             _kernels().short_conv_decode(r(x, t, n), weight, bias, r(out, t, n), state, slots, silu, self.conv_config)
+            self._keep_intermediate(ctx, layer_id, "conv", state, slots, t, n)

@@ -11,12 +11,14 @@ Lifecycle:
 3. A request: its body is read up to `max_body_bytes` (413 past it, from Content-Length before
    a byte is read, or while it streams in), then parsed and validated (protocol.py; a 4xx with
    the OpenAI error body on any fault), each prompt resolved to token ids and checked against
-   the model: all of that CPU work (JSON, validation, tokenization, chat templates, echo text)
-   runs on the state's request thread, never on the event loop, so /health and streams stay
-   responsive while a large request is prepared. Each prompt's n requests are submitted to the
-   EngineLoop together (they share its prefill), then the choices' tokens are streamed or
-   collected (choices.py, generation.py). Engine calls that take the engine lock (submit,
-   cancel, stats) run on the state's engine thread pool, so the event loop never waits for a step.
+   the model, its response_format compiled into a grammar (runtime/grammar.py; a schema
+   xgrammar refuses is a 400 naming why): all of that CPU work (JSON, validation, tokenization,
+   chat templates, grammars, echo text) runs on the state's request thread, never on the event
+   loop, so /health and streams stay responsive while a large request is prepared. Each
+   prompt's n requests are submitted to the EngineLoop together (they share its prefill), then
+   the choices' tokens are streamed or collected (choices.py, generation.py). Engine calls that
+   take the engine lock (submit, cancel, stats) run on the state's engine thread pool, so the
+   event loop never waits for a step.
 4. A client that disconnects, mid-stream or while waiting for a whole response, has its engine
    request cancelled at once: its state slot and KV pages go back to the pools.
 5. Shutdown (`request_shutdown(exit_server)`, called from the SIGTERM handler): the server keeps
@@ -41,6 +43,7 @@ import dataclasses
 import functools
 import logging
 import math
+import threading
 import time
 import uuid
 from typing import Callable
@@ -52,6 +55,7 @@ from starlette.requests import ClientDisconnect
 
 from runtime.engine import SamplingParams
 from runtime.engine_loop import EngineLoop, EngineLoopError
+from runtime.grammar import GrammarError, GrammarUnavailable
 from runtime.server.choices import Choice, close_all, merged
 from runtime.server.generation import Generation
 from runtime.server.logprobs import join
@@ -127,6 +131,8 @@ class ServerState:
         self.created = now()
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._structured = None  # runtime/grammar.py StructuredOutput, made at the first structured request
+        self._structured_lock = threading.Lock()
 
     @property
     def limit(self) -> int:
@@ -299,8 +305,29 @@ class ServerState:
             raise RequestError("the chat renders to an empty prompt", param="messages")
         return ids
 
+    def grammar(self, req):
+        """The request's response_format as a compiled grammar (None: unconstrained); on the request thread."""
+        if req.response_format is None or not req.response_format.constrains():
+            return None
+        tokenizer = self._tokenizer("response_format", "structured output")
+        if self.served.eos_token_id is None:
+            raise RequestError("structured output needs an end-of-sequence token to end a complete JSON, and this "
+                               "model's tokenizer names none", param="response_format")
+        with self._structured_lock:  # the request threads share one compiler and its cache
+            if self._structured is None:
+                from runtime.grammar import StructuredOutput
+
+                self._structured = StructuredOutput(tokenizer, self.served.vocab_size, [self.served.eos_token_id])
+        try:
+            return self._structured.compile(req.response_format.to_json())
+        except GrammarError as e:
+            raise RequestError(str(e), param="response_format", code="invalid_response_format") from None
+        except GrammarUnavailable as e:
+            raise RequestError(str(e), param="response_format", code="structured_output_unavailable") from None
+
     def sampling(self, req, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[SamplingParams]:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 grammar=None) -> list[SamplingParams]:
         """The engine's SamplingParams of each of the request's n choices for one prompt, after the
         length checks (OpenAI's context_length_exceeded). Choice i draws with seed + i (vLLM's
         convention), so each is the request sent alone with n=1 and that seed."""
@@ -332,7 +359,8 @@ class ServerState:
                                top_p=req.top_p, seed=None if req.seed is None else req.seed + i,
                                stop_token_ids=frozenset(stop_ids), presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                               logit_bias=req.logit_bias or {}, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                               logit_bias=req.logit_bias or {}, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                               grammar=grammar)
                 for i in range(req.n)]
 
     def metrics_snapshot(self) -> dict:
@@ -522,8 +550,9 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         state.check_model(req.model)
         prompts = state.completion_prompts(req)
         prompt_logprobs = req.logprobs if req.echo else None
+        grammar = state.grammar(req)
         params = [state.sampling(req, len(ids), req.max_tokens, state.options.default_max_tokens, "prompt",
-                                 req.logprobs, prompt_logprobs) for ids in prompts]
+                                 req.logprobs, prompt_logprobs, grammar) for ids in prompts]
         echoes = [state.prompt_text(req, p, ids) for p, ids in enumerate(prompts)] if req.echo else None
         return req, prompts, params, echoes
 
@@ -565,7 +594,9 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
         state.check_model(req.model)
         prompt_ids = state.chat_prompt(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return req, prompt_ids, state.sampling(req, len(prompt_ids), req.token_limit, None, "messages", logprobs)
+        grammar = state.grammar(req)
+        return req, prompt_ids, state.sampling(req, len(prompt_ids), req.token_limit, None, "messages", logprobs,
+                                                grammar=grammar)
 
     @app.post("/v1/chat/completions", openapi_extra=body_spec(ChatCompletionRequest))
     async def chat_completions(request: Request):

@@ -34,9 +34,9 @@ import socket
 import sys
 from typing import NoReturn
 
-__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "prefix_cache_options", "add_compiled_arguments",
-           "compiled_options", "add_tp_arguments", "start_ranks", "cmd_serve", "serve", "main", "int_at_least",
-           "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB"]
+__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "add_speculative_argument", "prefix_cache_options",
+           "add_compiled_arguments", "compiled_options", "add_tp_arguments", "start_ranks", "cmd_serve", "serve",
+           "main", "int_at_least", "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB"]
 
 DEFAULT_MAX_BODY_MB = 8.0  # a 100k-token prompt is about 0.6 MB of JSON token ids, or 0.4 MB of text
 
@@ -151,6 +151,7 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
                         "(default: one per slot)")
     g.add_argument("--snapshot-share", type=float_in(0, 1, high_open=True), default=0.1,
                    help="with --memory-budget-gb: the share of the memory after weights that goes to snapshots")
+    add_speculative_argument(p.add_argument_group("speculative decoding"))
     g = p.add_argument_group("requests")
     g.add_argument("--max-tokens-limit", type=int_at_least(1), default=None,
                    help="largest max_tokens a request may ask for (default: --max-model-len)")
@@ -181,6 +182,14 @@ def add_prefix_cache_arguments(group) -> None:
                             "are snapshotted regardless")
 
 
+def add_speculative_argument(group) -> None:
+    """The speculative-decoding flag `hgc serve` and `hgc run` share."""
+    # 1..7 is checked by EngineOptions (runtime/speculative.MAX_DRAFT_TOKENS), before anything loads
+    group.add_argument("--speculative-tokens", type=int_at_least(0), default=0, metavar="D",
+                       help="draft D tokens per decoding request with the artifact's MTP draft program and verify "
+                            "them in one target_verify step (1..7; default 0: no speculation)")
+
+
 def add_tp_arguments(group) -> None:
     """The tensor-parallel and weight-loading flags `hgc serve` and `hgc run` share."""
     from runtime.distributed import DEFAULT_TIMEOUT_S
@@ -207,6 +216,10 @@ def start_ranks(args, command: str):
 
     if args.tp == 1:
         return None, None
+    if args.speculative_tokens:  # before the artifact is read or any process starts
+        raise ValueError(f"--speculative-tokens {args.speculative_tokens} --tp {args.tp}: speculative decoding does "
+                         f"not run on tensor-parallel ranks yet (its draft and verify steps are not sent to the other "
+                         f"ranks); run with --tp {args.tp} alone, or draft on an artifact compiled without --tp")
     docs = read_artifact(args.artifact, verify_hashes=False)  # the loader checks the hashes, in each rank
     check_load_format(docs, args.load_format)  # before any process starts
     if docs.tp != args.tp:
@@ -283,7 +296,8 @@ def _serve_rank(args, group) -> int:
         slots=args.slots, max_running=args.max_running, token_budget=args.token_budget, page_size=args.page_size,
         kv_pages=args.kv_pages, max_model_len=args.max_model_len,
         memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * (1 << 30)),
-        prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share, **prefix_cache_options(args))
+        prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share,
+        speculative_tokens=args.speculative_tokens, **prefix_cache_options(args))
     server_options = ServerOptions(max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
                                    shutdown_timeout=args.shutdown_timeout,
                                    max_body_bytes=int(args.max_body_mb * 1_000_000))

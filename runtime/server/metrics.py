@@ -3,7 +3,8 @@
 `render_metrics(engine_stats, server)` writes one family per number: `# HELP`, `# TYPE`, then its
 samples. Counters end in `_total`; label values are escaped. The numbers come from
 `Engine.stats()` (queue, running, slots, pages, tokens, steps, preemptions, phase times, the
-prefix cache's lookups, hits and snapshot memory) and from the server's own counters (requests by
+prefix cache's lookups, hits and snapshot memory, speculative decoding's drafts, acceptance and
+draft time) and from the server's own counters (requests by
 endpoint and finish reason, errors by status, prompt tokens, time to first token).
 
 Graph replays versus eager steps: the CPU runtime captures no CUDA graphs, so every step is eager
@@ -109,6 +110,24 @@ def _prefix_cache(m: MetricsText, engine: dict) -> None:
           get("snapshots_taken"))
 
 
+def _speculative(m: MetricsText, engine: dict) -> None:
+    """Speculative decoding's numbers (all 0 when the engine runs without it)."""
+    get = lambda key: engine.get(f"spec_{key}") or 0  # noqa: E731
+    m.add("spec_draft_tokens", "gauge", "Draft tokens verified per decoding request and step (0: no speculation).",
+          get("draft_tokens"))
+    m.add("spec_verify_steps_total", "counter", "Target-verify steps run.", get("verify_steps"))
+    m.add("spec_draft_tokens_total", "counter", "Draft tokens proposed, by outcome.",
+          [({"outcome": "accepted"}, get("accepted")), ({"outcome": "rejected"}, get("drafted") - get("accepted"))])
+    m.add("spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens, over all verify steps so far.",
+          float(get("acceptance_rate")))
+    m.add("spec_accepted_tokens_per_step", "gauge",
+          "Tokens a request gains per verify step (accepted drafts + the target's own), mean so far.",
+          float(get("tokens_per_verify")))
+    m.add("spec_draft_seconds_total", "counter", "Seconds spent running the draft program.", float(get("draft_s")))
+    m.add("spec_verify_seconds_total", "counter", "Seconds spent in target-verify steps and acceptance.",
+          float(get("verify_s")))
+
+
 def render_metrics(engine: dict, server: dict) -> str:
     """engine: Engine.stats(); server: the app's counters (see ServerState.metrics_snapshot)."""
     m = MetricsText()
@@ -140,6 +159,7 @@ def render_metrics(engine: dict, server: dict) -> str:
     m.add("preemptions_total", "counter", "Requests preempted to free pages (they re-prefill later).",
           engine["preemptions"])
     _prefix_cache(m, engine)
+    _speculative(m, engine)
 
     m.add("prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", server["prompt_tokens"])
     m.add("requests_total", "counter", "Accepted generation requests, by endpoint.",

@@ -3,9 +3,11 @@
 1. `EngineOptions` holds the serving knobs (`hgc serve` flags): slots, running cap, token budget per
    step, page size, KV pages or a memory budget, the longest request, the prefix cache.
 2. `build_engine(registry, bind, options, backend_factory=...)` sizes the pools (the memory planner
-   when a budget is given, else explicit slots and pages), makes the backend and its BoundOps, asks
-   `bind(ops)` for the forward callable, and builds the Engine, with a prefix cache unless it is
-   turned off.
+   when a budget is given, else explicit slots and pages; with speculative decoding, the
+   intermediate states and D more positions per request), makes the backend and its BoundOps,
+   asks `bind(ops)` for the forward callable, and builds the Engine, with a prefix cache unless it
+   is turned off and a speculative decoder (runtime/speculative.py, the artifact's draft program)
+   with `speculative_tokens`.
 3. `load_served_model(artifact)` does that for a compiled artifact (runtime/loader.py), finds the
    tokenizer in the artifact folder (or `tokenizer_dir`), and returns a `ServedModel`. Tests build
    a ServedModel over an eager model with the same `build_engine`.
@@ -43,8 +45,8 @@ from runtime.snapshot_pool import SnapshotPool
 from runtime.state_pool import StatePool
 from runtime.tokenizer import TextTokenizer
 
-__all__ = ["EngineOptions", "ServedModel", "build_engine", "engine_for_artifact", "load_served_model",
-           "DEFAULT_MAX_MODEL_LEN"]
+__all__ = ["EngineOptions", "ServedModel", "build_engine", "engine_for_artifact", "compiled_start_up_parity",
+           "routed_backends", "load_served_model", "DEFAULT_MAX_MODEL_LEN"]
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when neither the flag nor the model says less
 
@@ -62,6 +64,7 @@ class EngineOptions:
     prefix_snapshots: int | None = None  # snapshot pool size without a budget (None: one per slot)
     snapshot_share: float = 0.1  # with a budget: the planner's share for the snapshot pool
     snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL  # tokens between chunk-end snapshots of a request
+    speculative_tokens: int = 0  # D draft tokens verified per decoding request and step (0: no speculation)
 
     def __post_init__(self):
         for name in ("slots", "token_budget", "page_size", "snapshot_interval"):
@@ -78,6 +81,9 @@ class EngineOptions:
                              "set its share with --snapshot-share")
         if not 0 <= self.snapshot_share < 1:
             raise ValueError(f"--snapshot-share must be in [0, 1) (got {self.snapshot_share})")
+        from runtime.speculative import MAX_DRAFT_TOKENS
+        if not 0 <= self.speculative_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculative-tokens must be in 0..{MAX_DRAFT_TOKENS} (got {self.speculative_tokens})")
 
 
 @dataclasses.dataclass
@@ -98,56 +104,66 @@ def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, 
            device, ranks: int) -> tuple[KVPool, StatePool, SnapshotPool | None, str]:
     """The pools of one device (of one rank, for a tensor-parallel artifact: `registry` is a rank's),
     planned from the budget or sized by the options (checked against the device's free memory
-    before they exist), and the lines that say what they take."""
+    before they exist), and the lines that say what they take. With speculative decoding (D > 0)
+    the state pool holds the verify steps' intermediate states and every request D more positions."""
+    D = options.speculative_tokens
     if options.memory_budget_bytes is not None:
         plan = plan_memory(registry, budget_bytes=options.memory_budget_bytes, weight_bytes=weight_bytes,
                            max_seq_len=max_model_len, page_size=options.page_size, num_slots=options.slots,
-                           max_running=options.max_running,
+                           max_running=options.max_running, draft_tokens=D,
                            snapshot_share=options.snapshot_share if options.prefix_cache else 0, ranks=ranks)
         snapshots = build_snapshot_pool(registry, plan, device) if options.prefix_cache else None
         return *build_pools(registry, plan, device), snapshots, "memory plan\n" + plan.table()
-    pages = options.kv_pages or options.slots * pages_for(max_model_len, options.page_size)
+    # A verify step writes D positions past a request's last token (runtime/memory_planner.py).
+    pages = options.kv_pages or options.slots * pages_for(max_model_len + D, options.page_size)
     count = 0
     if options.prefix_cache:
         count = options.slots if options.prefix_snapshots is None else options.prefix_snapshots
+    verify_rows = min(options.slots, options.max_running or options.slots) if D else 0
     parts = pool_bytes(registry, num_slots=options.slots, num_pages=pages, page_size=options.page_size,
-                       num_snapshots=count)
+                       num_snapshots=count, draft_tokens=D, verify_rows=verify_rows)
     check_fits(parts, device, ranks, fix="lower --slots, --kv-pages or --max-model-len, or size the pools with "
                                          "--memory-budget-gb")
     snapshots = SnapshotPool(registry, count, device) if options.prefix_cache else None
     said = (f"memory{'' if ranks == 1 else f' per rank of tensor parallel {ranks}'}: "
             f"{describe_bytes({'weights': weight_bytes, **parts})} ({options.slots} slots, {count} snapshots, "
             f"{pages} KV pages of {options.page_size} tokens)")
-    return (KVPool(registry, pages, options.page_size, device), StatePool(registry, options.slots, device), snapshots,
-            said)
+    return (KVPool(registry, pages, options.page_size, device),
+            StatePool(registry, options.slots, device, draft_tokens=D, verify_rows=verify_rows), snapshots, said)
 
 
 def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], options: EngineOptions,
                  max_model_len: int, *, backend_factory: Callable, weight_bytes: int = 0,
-                 device: str | torch.device = "cpu", runner_factory: Callable | None = None, ranks: int = 1,
+                 device: str | torch.device = "cpu", runner_factory: Callable | None = None,
+                 speculative_factory: Callable | None = None, ranks: int = 1,
                  log: Callable[[str], None] = lambda line: None) -> Engine:
     """Pools, backend, op table and Engine for one model; `bind(ops)` returns its forward.
 
     backend_factory(kv_pool, state_pool) -> the backend the op table calls (for an artifact: the
     BackendSet of the instances its routing.json names). runner_factory(ops, kv_pool, state_pool,
     engine_limits) -> a started GraphRunner, whose dispatcher then runs every step (engine_limits:
-    max_running, token_budget, max_seq_len). ranks: the tensor-parallel rank count the registry and
+    max_running, token_budget, max_seq_len). speculative_factory(ops, kv_pool, state_pool,
+    engine_limits, runner) -> a SpeculativeDecoder (runtime/speculative.py), with
+    options.speculative_tokens > 0. ranks: the tensor-parallel rank count the registry and
     weights are one rank's (what the memory lines say)."""
+    if bool(options.speculative_tokens) != (speculative_factory is not None):
+        raise ValueError("build_engine: speculative_tokens and a speculative_factory go together")
     kv_pool, state_pool, snapshots, memory = _pools(registry, options, max_model_len, weight_bytes, device, ranks)
     ops = BoundOps(backend_factory(kv_pool, state_pool))
     log(memory)  # once the backends are bound: a refusal there stays the one line it is
     runner = None
+    limits = {"max_running": min(options.max_running or state_pool.num_slots, state_pool.num_slots),
+              "token_budget": options.token_budget, "max_seq_len": max_model_len}
     if runner_factory is not None:
-        limits = {"max_running": min(options.max_running or state_pool.num_slots, state_pool.num_slots),
-                  "token_budget": options.token_budget, "max_seq_len": max_model_len}
         runner = runner_factory(ops, kv_pool, state_pool, limits)
+    speculative = speculative_factory(ops, kv_pool, state_pool, limits, runner) if speculative_factory else None
     prefix_cache = None
     if snapshots is not None:
         prefix_cache = PrefixCache(kv_pool, state_pool, snapshots,
                                    PrefixCacheConfig(snapshot_interval=options.snapshot_interval))
     return Engine(bind(ops), ops, kv_pool, state_pool, max_tokens_per_step=options.token_budget,
                   max_running=options.max_running, max_seq_len=max_model_len, device=device, runner=runner,
-                  prefix_cache=prefix_cache)
+                  prefix_cache=prefix_cache, speculative=speculative)
 
 
 def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",
@@ -156,32 +172,68 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
     """The Engine of a loaded artifact: `build_engine` over the backends its routing.json names
     (`registry`: where their classes come from; default runtime.backends.discover()) and, on CUDA
     with `graphs`, a started GraphRunner (runtime/graph_runner.graph_runner_factory; `progress`, a
-    tqdm-like factory, draws a bar over its captures, kernel builds included)."""
+    tqdm-like factory, draws a bar over its captures, kernel builds included); with
+    options.speculative_tokens, the artifact's draft program as the drafter, its nodes bound to the
+    same instances through the draft program's own BackendSet."""
     target = art.docs.routing.target
     if torch.device(device).type != torch.device(target).type:
         raise ValueError(f"{art.docs.path}: compiled for target {target!r} (its routing.json binds {target} "
                          f"backends), asked to run on {device!r}: pass --device {target}, or recompile with "
                          f"--target {torch.device(device).type}")
+    D = options.speculative_tokens
+    draft_backend = None  # a caller's own backend_factory: its one backend serves the draft too
     if backend_factory is None:
-        backend_factory = lambda kv, st: art.backends(kv, st, registry).for_program("main")  # noqa: E731
-    runner_factory = None
+        backend_factory, draft_backend = routed_backends(art, registry)
+    runner_factory = speculative = None
     if torch.device(device).type == "cuda" and graphs:
         from runtime.graph_runner import graph_runner_factory
-        runner_factory = graph_runner_factory(art, _vocab_size(art), log=log, progress=progress)
+        runner_factory = graph_runner_factory(art, _vocab_size(art), speculative_tokens=D, log=log, progress=progress)
+    if D:
+        from runtime.speculative import speculative_factory
+        speculative = speculative_factory(art, D, draft_backend=draft_backend, log=log)
     weight_bytes = sum(t.nbytes for t in art.weights.values())
     with art.compiled.watch() if art.compiled is not None else contextlib.nullcontext():
         engine = build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
-                              backend_factory=backend_factory, runner_factory=runner_factory, ranks=art.docs.tp,
-                              log=log)
+                              backend_factory=backend_factory, runner_factory=runner_factory,
+                              speculative_factory=speculative, ranks=art.docs.tp, log=log)
         if art.compiled is not None and engine.runner is None:
-            from runtime.compiled_parity import check_compiled_start_up
-            reports = check_compiled_start_up(engine.forward.runner, engine.ops, engine.kv_pool, engine.state_pool,
-                                              _vocab_size(art), options.token_budget)
+            reports = compiled_start_up_parity(engine, _vocab_size(art), options.token_budget)
             art.compiled.parity = reports
             worst = max(o["rel_err"] for r in reports for o in r["ops"]) if reports else 0.0
             log(f"compiled pieces ({art.compiled.key}) match the traced glue: worst op input rel err {worst:.2g}, "
                 f"logits {max(r['logits'] for r in reports):.2g}")
     return engine
+
+
+def compiled_start_up_parity(engine: Engine, vocab_size: int, chunk_size: int) -> list[dict]:
+    """Without a GraphRunner: each program the engine runs, its compiled pieces against its traced
+    glue on a few steps (runtime/compiled_parity.py); the draft's reports are named as such."""
+    from runtime.compiled_parity import check_compiled_start_up
+
+    reports = check_compiled_start_up(engine.forward.runner, engine.ops, engine.kv_pool, engine.state_pool,
+                                      vocab_size, chunk_size)
+    if engine.spec is not None:  # the draft (MTP) program, run eagerly by runtime/speculative.EagerSteps
+        steps = engine.spec.drafter.steps
+        reports += [{**r, "key": f"draft {r['mode']}"} for r in check_compiled_start_up(
+            steps.forward.runner, steps.ops, engine.kv_pool, engine.state_pool, vocab_size, chunk_size)]
+    return reports
+
+
+def routed_backends(art, registry=None) -> tuple[Callable, Callable]:
+    """(backend_factory, draft_backend) for `build_engine` and `speculative_factory`: the instances
+    the artifact's routing.json names, built once over the pools (runtime/binding.py), for both
+    programs. backend_factory(kv_pool, state_pool) -> the main program's BackendSet;
+    draft_backend() -> the draft program's, over the same instances."""
+    built = {}
+
+    def backend_factory(kv_pool, state_pool):
+        built["backends"] = art.backends(kv_pool, state_pool, registry)
+        return built["backends"].for_program("main")
+
+    def draft_backend():
+        return built["backends"].for_program("draft")
+
+    return backend_factory, draft_backend
 
 
 def _manifest_int(manifest: dict, *names: str) -> int | None:

@@ -27,8 +27,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["RequestError", "error_body", "parse_body", "CompletionRequest", "ChatCompletionRequest", "ChatMessage",
-           "StreamOptions", "completion_choice", "completion_body", "completion_chunk", "chat_choice", "chat_body",
-           "chat_chunk", "usage_body", "usage_chunk", "models_body", "now", "MAX_STOP_STRINGS", "MAX_LOGPROBS", "MAX_N"]
+           "StreamOptions", "JsonSchemaFormat", "ResponseFormat", "completion_choice", "completion_body",
+           "completion_chunk", "chat_choice", "chat_body", "chat_chunk", "usage_body", "usage_chunk", "models_body",
+           "now", "MAX_STOP_STRINGS", "MAX_LOGPROBS", "MAX_N"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit; each one is searched in the text after every token
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI chat's top_logprobs limit (and vLLM's default)
@@ -65,6 +66,45 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """response_format.json_schema, OpenAI's fields: the output follows `schema`, a JSON schema
+    object that xgrammar compiles (runtime/grammar.py); one it cannot is refused with its reason."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str | None = Field(default=None, max_length=64)
+    description: str | None = None
+    # "schema" is BaseModel's own attribute name: the field is schema_, read and written as "schema"
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" with json_schema = {"name", "schema", "strict", "description"}; the output then
+    follows the schema (runtime/grammar.py). Checked here for shape; the schema itself is
+    xgrammar's to compile."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constrains(self) -> bool:
+        return self.type != "text"
+
+    def check(self) -> None:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise RequestError("response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                               param="response_format.json_schema.schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise RequestError(f"response_format.json_schema is only for type json_schema (got type {self.type!r})",
+                               param="response_format.json_schema")
+
+    def to_json(self) -> dict:
+        spec = {} if self.json_schema is None else {
+            "json_schema": self.json_schema.model_dump(by_alias=True, exclude_none=True)}
+        return {"type": self.type, **spec}
+
+
 class _SamplingFields(_Strict):
     """Fields both endpoints share."""
 
@@ -84,6 +124,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extension; 1: off
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None  # structured output (json_object / json_schema)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -127,6 +168,11 @@ class _SamplingFields(_Strict):
 
     def refuse_unsupported(self) -> None:
         """Fields the schema knows so that a request asking for them is refused rather than ignored."""
+        if self.response_format is not None and self.response_format.constrains():
+            self.response_format.check()
+            if self.ignore_eos:
+                raise RequestError("ignore_eos cannot be combined with response_format: a structured output ends "
+                                   "with the end-of-sequence token once its JSON is complete", param="ignore_eos")
 
 
 def _is_int(value) -> bool:

@@ -1,0 +1,336 @@
+"""Speculative decoding benchmark: what a target_verify step costs against a decode step, tokens per
+second at full acceptance against plain decoding, and greedy tokens with drafts against without.
+
+On the GPU machine, one run:
+
+    python3 benchmarks/spec_bench.py --out $OUT               # qwen3_next, bench size, bf16, CUDA graphs
+    python3 benchmarks/spec_bench.py --dry-run --out /tmp/sb  # CPU: tiny size, float32, reference backend,
+                                                              # graphs rerun (tests/graph_cases.py)
+
+1. init_compile: `hgc init-model` (its config has one MTP layer), `hgc compile` (on the GPU:
+   --target cuda --dtype bfloat16).
+2. step_cost: one GraphRunner over the main program with decode buckets and target_verify buckets
+   of D + 1 tokens (--batches, default 1, 8, 32; D = --draft-tokens, default 3), started (captured,
+   parity-checked). Per batch B: B requests with a 64-token history; their decode step and their
+   verify step of D + 1 tokens each, replayed from the graphs; median milliseconds and the ratio
+   verify / decode (goal at batch 1: <= 1.3).
+3. verify_vs_decode: whether a verify step computes what decode steps compute
+   (tests/spec_checks.verify_against_decode): twin requests with the same history, one verified
+   with D + 1 tokens, the other fed them by D + 1 decode steps, through a GraphRunner with decode
+   and verify buckets 1 and 8 (graphs replayed); per batch, the relative error of each row's
+   logits, the argmax disagreements and the decode row's top-2 log-prob margin at each. A fault
+   in a verify path moves every row; bf16 rounding moves them by a few 1e-3 (an expert of a
+   random-weight router flipped on that rounding, more). Goal: median row error within the
+   start-up parity tolerance for bf16 (runtime/parity.py), argmax flips only at near ties.
+4. full_acceptance: one request (--prompt-len tokens, --new-tokens to generate) through an engine
+   as `hgc serve` builds it (pools, backend, graph runners, the draft's too), plain, then with D
+   drafts where the MTP draft program runs as usual and each token it proposes is replaced by
+   the target's own greedy continuation (tests/spec_drafters.ForcedDrafts): every draft is kept,
+   at the draft's real cost. Decode tokens per second of each, and the speedup (goal at D = 3,
+   batch 1: >= 2.5x). Both outputs must be the same tokens. Also the speedup the measured step
+   costs give when every step keeps D + 1 tokens: in bf16 a near tie decided the other way by
+   the verify kernels sends the run down another text, after which no forced draft agrees.
+5. greedy_equal: --prompts prompts of random lengths, --equal-tokens new tokens each, greedy,
+   through a plain engine and one with the real MTP draft (D drafts): the tokens must be equal;
+   any difference is reported with where it starts, with the acceptance rate the real draft
+   reached. Both runs ask for top-2 log-probs, so each prompt's first difference comes with the
+   plain run's margin between its two most likely tokens there and that margin's rank among all
+   plain tokens' margins (near 0: a near tie decided the other way by differently shaped bf16
+   kernels; after it the two runs continue different texts, so every later token differs too),
+   and the tokens before it with how far the two runs' log-probs of the same token were apart.
+Timings: medians of --iters runs between CUDA events (perf_counter on the CPU); engine tokens per
+second from Engine.timing(). Every stage is wrapped (bench_common.Stages); JSON to
+OUT/spec_bench.json after each stage, a table last.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench_common import (Stages, compare, compiled_artifact, engine_script, fmt, prompts_for, target_rows,  # noqa: E402
+                          time_ms)
+from compiler.splitops import Mode  # noqa: E402
+from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
+from runtime.engine import SamplingParams  # noqa: E402
+
+GPU_DEFAULTS = dict(family="qwen3_next", size="bench", batches="1,8,32", prompt_len=128, new_tokens=256,
+                    prompts=32, equal_tokens=64, iters=20)
+DRY_DEFAULTS = dict(family="qwen3_next", size="tiny", batches="1,2,4", prompt_len=8, new_tokens=12,
+                    prompts=4, equal_tokens=8, iters=2)
+TARGET_VERIFY_RATIO = 1.3  # verify step (D = 3) / decode step, batch 1
+TARGET_SPEEDUP = 2.5  # tokens/s at full acceptance / plain decode, D = 3, batch 1
+HISTORY = 64
+# verify_vs_decode: requests per batch and their history lengths (pages of 16 tokens; the dry run's are shorter)
+TWIN_HISTORIES = {1: [70], 8: [5, 16, 37, 64, 100, 129, 200, 255]}
+DRY_TWIN_HISTORIES = {2: [3, 18]}
+
+
+def bench(args, rec: dict, save) -> None:
+    from runtime.loader import load_artifact
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
+    D, batches = args.draft_tokens, [int(b) for b in args.batches.split(",")]
+    state: dict = {}
+
+    def init_compile():
+        state["art"] = load_artifact(compiled_artifact(args), device=str(device))
+        state["vocab"] = int(state["art"].manifest["model"]["vocab_size"])
+
+    def graphs():
+        if args.dry_run:
+            from tests.graph_cases import RerunGraphs
+            return RerunGraphs()
+        return None  # CudaGraphs
+
+    def main_runner(buckets: list[int], slots: int, max_len: int, extend_max_seqs: int = 1):
+        """A started GraphRunner of the main program with decode and verify buckets, over pools of
+        `slots` requests of up to max_len tokens each (backends as routing.json names them)."""
+        from runtime.bound_ops import BoundOps
+        from runtime.graph_runner import GraphRunner
+        from runtime.kv_pool import KVPool
+        from runtime.state_pool import StatePool
+
+        art, page = state["art"], 16
+        pages_per_seq = -(-max_len // page)
+        kv = KVPool(art.registry, slots * pages_per_seq + 1, page, device)
+        st = StatePool(art.registry, slots, device, draft_tokens=D, verify_rows=max(buckets))
+        ops = BoundOps(art.backends(kv, st).for_program("main"))
+        runner = GraphRunner(art.runner(ops), ops, kv, st, device, decode_buckets=buckets, extend_buckets=(),
+                             verify_buckets=buckets, verify_tokens=D + 1, max_pages_per_seq=pages_per_seq,
+                             extend_max_seqs=extend_max_seqs, graphs=graphs())
+        runner.start(state["vocab"], log=lambda line: print(f"  {line}", flush=True))
+        return runner, kv, st
+
+    def step_cost():
+        runner, kv, st = main_runner(batches, max(batches), HISTORY + D + 2)
+        g = torch.Generator().manual_seed(0)
+        out = {}
+        for B in batches:
+            seqs = [SeqState(st.alloc()) for _ in range(B)]
+            for s in seqs:  # the history, eagerly
+                items = [(s, torch.randint(1, state["vocab"], (HISTORY,), generator=g).tolist())]
+                runner.run(build_step(items, kv, "cpu", max_pages=runner.max_pages), None)
+                commit_step(items)
+            decode, decode_key = runner.build([(s, [5]) for s in seqs])
+            verify, verify_key = runner.build([(s, [5] * (D + 1)) for s in seqs], mode=Mode.TARGET_VERIFY,
+                                              logits_rows=[D + 1] * B)
+            assert decode_key is not None and verify_key is not None, (decode_key, verify_key)
+            decode_ms = time_ms(lambda: runner.run(decode, decode_key), device, args.iters)
+            verify_ms = time_ms(lambda: runner.run(verify, verify_key), device, args.iters)
+            out[str(B)] = {"decode_ms": decode_ms, "verify_ms": verify_ms, "ratio": verify_ms / decode_ms,
+                           "decode_key": str(decode_key), "verify_key": str(verify_key)}
+            for s in seqs:
+                kv.free(s.pages)
+                st.free(s.slot)
+        rec["step_cost"] = out
+        rec["step_cost_runner"] = {"full_modes": sorted(m.value for m in runner.full_modes),
+                                   "counters": dict(runner.counters)}
+
+    def verify_vs_decode():
+        from runtime.parity import rtol_for
+        from tests.spec_checks import verify_against_decode
+
+        histories = DRY_TWIN_HISTORIES if args.dry_run else TWIN_HISTORIES
+        buckets = sorted(histories)
+        longest = max(n for lens in histories.values() for n in lens) + 2 * (D + 1)
+        runner, _, _ = main_runner(buckets, 2 * max(buckets), longest, extend_max_seqs=2 * max(buckets))
+        g = torch.Generator().manual_seed(4)
+        out = {}
+        for B, lens in histories.items():
+            found = verify_against_decode(runner, state["vocab"], lens, D, g)
+            errs = sorted(r["rel_err"] for r in found["rows"])
+            flips = [r for r in found["rows"] if not r["argmax_equal"]]
+            out[str(B)] = {"keys": [str(k) if k is not None else "eager" for k in found["keys"]],
+                           "rows": len(errs), "median_rel_err": errs[len(errs) // 2], "max_rel_err": errs[-1],
+                           "rows_over_tolerance": sum(e > rtol_for(torch.bfloat16) for e in errs),
+                           "argmax_flips": len(flips), "flip_margins": [r["margin"] for r in flips],
+                           "median_margin": sorted(r["margin"] for r in found["rows"])[len(errs) // 2],
+                           "per_row": found["rows"]}
+        rec["verify_vs_decode"] = out
+
+    def engine(draft_tokens: int, drafter_wrap=None, slots: int = 1, max_len: int = 0):
+        """An engine as `hgc serve` builds it (graph runners included), optionally with its drafter wrapped."""
+        from runtime.graph_runner import graph_runner_factory
+        from runtime.server.model import EngineOptions, build_engine, routed_backends
+        from runtime.speculative import speculative_factory
+
+        art, log = state["art"], (lambda line: print(f"  {line}", flush=True))
+        options = EngineOptions(slots=slots, token_budget=512, speculative_tokens=draft_tokens, prefix_cache=False)
+        runners = graph_runner_factory(art, state["vocab"], graphs=graphs(), speculative_tokens=draft_tokens, log=log)
+        backend, draft_backend = routed_backends(art)  # both programs bound as routing.json says
+        base = speculative_factory(art, draft_tokens, draft_backend=draft_backend, log=log) if draft_tokens else None
+
+        def wrapped(ops, kv, st, limits, runner):
+            spec = base(ops, kv, st, limits, runner)
+            if drafter_wrap is not None:
+                spec.drafter = drafter_wrap(spec.drafter)
+            return spec
+        return build_engine(art.registry, art.bind, options, max_len, device=device, backend_factory=backend,
+                            runner_factory=runners, speculative_factory=wrapped if base else None)
+
+    def generate(eng, prompts: list[list[int]], new: int, logprobs=None) -> list:
+        """Greedy tokens of each prompt; with `logprobs` (k), each prompt's results (tokens and log-probs)."""
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=new, logprobs=logprobs)) for p in prompts]
+        results = eng.run_until_done()
+        return [results[i] if logprobs else list(results[i].output_ids) for i in ids]
+
+    def decode_rate(eng, prompts, new) -> tuple[list[list[int]], dict]:
+        """Tokens and the decode steps' numbers of one timed run, after an untimed warm-up run
+        (first-call costs: lazy modules, allocations)."""
+        generate(eng, prompts, 4)
+        before = len(eng.step_records())
+        tokens = generate(eng, prompts, new)
+        decode = [r for r in eng.step_records()[before:] if r.prefill_tokens == 0]
+        seconds, sampled = sum(r.seconds for r in decode), sum(r.sampled for r in decode)
+        return tokens, {"tokens_per_s": sampled / seconds, "steps": len(decode), "tokens": sampled,
+                        "s_per_step": seconds / len(decode)}
+
+    def full_acceptance():
+        from tests.spec_drafters import ForcedDrafts
+
+        prompt = prompts_for(state["vocab"], [args.prompt_len], seed=1)
+        max_len = args.prompt_len + args.new_tokens + 1
+        plain, a = decode_rate(engine(0, max_len=max_len), prompt, args.new_tokens)
+        references = {tuple(prompt[0]): plain[0]}
+        spec_engine = engine(D, lambda drafter: ForcedDrafts(drafter, references), max_len=max_len)
+        spec, b = decode_rate(spec_engine, prompt, args.new_tokens)
+        # What the measured step costs give if every step keeps D + 1 tokens: in bf16 one near tie decided
+        # otherwise by the verify kernels ends the agreement with the plain run's tokens for good (the
+        # drafts then follow another text), and with it the measured speedup's meaning.
+        rec["full_acceptance"] = {"plain": a, "spec": b, "speedup": b["tokens_per_s"] / a["tokens_per_s"],
+                                  "speedup_if_all_kept": (D + 1) * a["s_per_step"] / b["s_per_step"],
+                                  "same_tokens": plain == spec, "speculative": spec_engine.speculation()}
+
+    def greedy_equal():
+        lens = [int(n) for n in torch.randint(4, 2 * args.prompt_len, (args.prompts,),
+                                             generator=torch.Generator().manual_seed(2))]
+        prompts = prompts_for(state["vocab"], lens, seed=3)
+        max_len = max(lens) + args.equal_tokens + 1
+        plain_results = generate(engine(0, slots=args.prompts, max_len=max_len), prompts, args.equal_tokens, 2)
+        spec_engine = engine(D, slots=args.prompts, max_len=max_len)
+        spec_results = generate(spec_engine, prompts, args.equal_tokens, 2)
+        plain = [list(r.output_ids) for r in plain_results]
+        spec = [list(r.output_ids) for r in spec_results]
+        rec["greedy_equal"] = {**compare(plain, spec, lens), "equal": plain == spec,
+                               "acceptance_rate": spec_engine.speculation()["acceptance_rate"],
+                               "tokens_per_verify": spec_engine.speculation()["tokens_per_verify"],
+                               "ties": tie_report(plain_results, spec_results)}
+
+    stages("init_compile", init_compile)
+    stages("step_cost", step_cost, needs=("init_compile",))
+    stages("verify_vs_decode", verify_vs_decode, needs=("init_compile",))
+    stages("full_acceptance", full_acceptance, needs=("init_compile",))
+    stages("greedy_equal", greedy_equal, needs=("init_compile",))
+    targets(rec, D)
+
+
+def _margin(entry) -> float:
+    """The gap between the two most likely tokens' log-probs of one TokenLogprob (top-2 asked for)."""
+    return entry.top[0][1] - entry.top[1][1]
+
+
+def tie_report(plain_results, spec_results) -> dict:
+    """Where greedy tokens with drafts first differ from plain decoding's, how close a call each was.
+
+    first_diffs: per differing prompt, the position, both runs' top-2 margins there, and the
+    plain margin's rank among all plain tokens' margins (0: the closest call of the run).
+    matched_logprob_delta: |plain - spec| log-prob of the same token at the positions before each
+    prompt's first difference: how far the two runs' numbers were apart where they agreed."""
+    margins = sorted(_margin(e) for r in plain_results for e in r.logprobs)
+    first_diffs, deltas = [], []
+    for i, (a, b) in enumerate(zip(plain_results, spec_results)):
+        pos = next((j for j, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), None)
+        end = len(a.logprobs) if pos is None else pos
+        deltas += [abs(a.logprobs[j].logprob - b.logprobs[j].logprob) for j in range(min(end, len(b.logprobs)))]
+        if pos is not None:
+            m = _margin(a.logprobs[pos])
+            rank = sum(x < m for x in margins) / max(len(margins), 1)
+            first_diffs.append({"prompt": i, "position": pos, "plain_margin": m,
+                                "spec_margin": _margin(b.logprobs[pos]), "plain_margin_rank": rank})
+    deltas.sort()
+    return {"first_diffs": first_diffs,
+            "median_plain_margin": margins[len(margins) // 2] if margins else None,
+            "worst_first_diff_rank": max((d["plain_margin_rank"] for d in first_diffs), default=None),
+            "matched_logprob_delta": {"median": deltas[len(deltas) // 2] if deltas else None,
+                                      "max": deltas[-1] if deltas else None}}
+
+
+def targets(rec: dict, D: int) -> None:
+    out = {}
+    cost = rec.get("step_cost", {}).get("1")
+    if cost:
+        out["verify_over_decode_b1"] = {"value": cost["ratio"], "goal": f"<= {TARGET_VERIFY_RATIO} (D = {D})",
+                                        "met": cost["ratio"] <= TARGET_VERIFY_RATIO}
+    versus = rec.get("verify_vs_decode")
+    if versus:
+        from runtime.parity import rtol_for
+
+        worst = max(v["median_rel_err"] for v in versus.values())
+        out["verify_matches_decode"] = {"value": worst, "goal": f"median row rel err <= {rtol_for(torch.bfloat16)}",
+                                        "met": worst <= rtol_for(torch.bfloat16)}
+    full = rec.get("full_acceptance")
+    if full:
+        out["full_acceptance_speedup"] = {"value": full["speedup"], "goal": f">= {TARGET_SPEEDUP}x (D = {D})",
+                                          "met": full["speedup"] >= TARGET_SPEEDUP and full["same_tokens"]}
+    equal = rec.get("greedy_equal")
+    if equal:
+        out["greedy_equal"] = {"value": equal["mismatched"], "goal": "0 tokens differ", "met": equal["equal"]}
+    rec["targets"] = out
+
+
+def table(rec: dict) -> str:
+    rows = [f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'ratio':>8}"]
+    for B, c in rec.get("step_cost", {}).items():
+        rows.append(f"{B:>6}{fmt(c['decode_ms'], '.3f'):>11}{fmt(c['verify_ms'], '.3f'):>11}{fmt(c['ratio'], '.2f'):>8}")
+    for B, v in rec.get("verify_vs_decode", {}).items():
+        rows.append(f"verify vs decode, batch {B}: row rel err median {fmt(v['median_rel_err'], '.2e')}, max "
+                    f"{fmt(v['max_rel_err'], '.2e')}; argmax flips {v['argmax_flips']} of {v['rows']} at margins "
+                    f"{[round(m, 4) for m in v['flip_margins']]} (median margin {fmt(v['median_margin'], '.3f')})")
+    full = rec.get("full_acceptance")
+    if full:
+        rows.append(f"full acceptance: {fmt(full['spec']['tokens_per_s'])} tok/s against "
+                    f"{fmt(full['plain']['tokens_per_s'])} plain ({fmt(full['speedup'], '.2f')}x), same tokens: "
+                    f"{full['same_tokens']}; {fmt(full.get('speedup_if_all_kept'), '.2f')}x if every step kept "
+                    f"D + 1 tokens at the measured step costs")
+    equal = rec.get("greedy_equal")
+    if equal:
+        rows.append(f"greedy with drafts: {equal['mismatched']} of {equal['tokens']} tokens differ; real draft "
+                    f"acceptance {fmt(equal['acceptance_rate'], '.3f')}")
+        ties = equal.get("ties")
+        if ties and ties["first_diffs"]:
+            margins = [round(d["plain_margin"], 4) for d in ties["first_diffs"]]
+            delta = ties["matched_logprob_delta"]
+            rows.append(f"  first differences at plain top-2 margins {margins} (median margin of all plain tokens "
+                        f"{fmt(ties['median_plain_margin'], '.3f')}; worst rank "
+                        f"{fmt(ties['worst_first_diff_rank'], '.3f')}); log-prob delta before them: median "
+                        f"{fmt(delta['median'], '.2e')}, max {fmt(delta['max'], '.2e')}")
+    return "\n".join(rows + target_rows(rec))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    def add_arguments(p):
+        p.add_argument("--draft-tokens", type=int, default=3, help="D")
+        p.add_argument("--batches", default=None, help="step_cost batch sizes, comma-separated")
+        p.add_argument("--prompt-len", type=int, default=None)
+        p.add_argument("--new-tokens", type=int, default=None, help="full_acceptance: tokens generated")
+        p.add_argument("--prompts", type=int, default=None, help="greedy_equal: prompts")
+        p.add_argument("--equal-tokens", type=int, default=None, help="greedy_equal: tokens per prompt")
+
+    return engine_script(argv, __doc__, "spec_bench", {"gpu": GPU_DEFAULTS, "dry": DRY_DEFAULTS}, add_arguments,
+                         bench, table, lambda a: f"{a.family} {a.size}: D = {a.draft_tokens}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""Speculative decoding: the draft (MTP) program proposes D tokens per request, one target_verify
+step of the main program checks them all, and each request keeps what agrees.
+
+What it owns: running the two programs' steps for it (the main program's steps with their hidden
+states, the draft's steps), the draft's per-request hidden state, and handing the verify step's
+intermediate linear states back to the requests. What a request keeps (greedy, rejection
+sampling, penalties, grammar) is the engine's (runtime/engine.py, runtime/acceptance.py).
+
+A program's steps run through a step runner: a GraphRunner (captured graphs, eager above its
+buckets) or `EagerSteps` (a bound forward, every step eager). Both have
+`build(items, mode, logits_rows) -> (step, key)` and `run_outputs(step, key) -> [logits, hidden]`.
+
+Lifecycle of a decoding request (p: its cached tokens; x_p, its last token, is not cached yet):
+
+1. The step that ends its prompt runs the main program over the prompt's last chunk (`run_main`:
+   logits and hidden states) and samples x_p. `MTPDrafter.after_prefill` then runs the draft over
+   the same positions, each fed the token one ahead and the main model's hidden state there, as
+   the released MTP layers are trained: the draft layer's KV is written for every position, and
+   its logits at the last one give d_1 (the engine's `choose`: grammar, greedy or a draw).
+   The draft's hidden state there is kept, by state slot.
+2. Each later step, `propose`: D - 1 draft decode steps at positions p .. p + D - 2, each fed the
+   previous draft token and the draft's own previous hidden state (chained, as the released
+   models do), give d_2 .. d_D.
+3. `verify`: one target_verify step of the main program over [x_p, d_1 .. d_D] at positions
+   p .. p + D, logits and hidden states at each; linear layers keep the state after each of the
+   first D positions (StatePool intermediate entries), the last in the request's slot.
+4. The engine keeps m drafts and one token of the target's own (1 <= m + 1 <= D + 1). `keep`:
+   the state after position p + m becomes the request's (StatePool.keep_verified) and p grows by
+   m + 1. Full-attention KV written at p + m + 1 .. p + D (main and draft layers) is stale and is
+   never read: a query reads positions up to its own, and every later step writes a position
+   before any query at or past it runs.
+5. `after_verify`: the draft runs positions p .. p + D in the verify layout (a fixed shape per
+   batch, so it can be captured), fed the kept tokens and the main model's hidden states there;
+   its logits at position p + m give the next d_1, its hidden state there is kept.
+
+Pages: a verify step and the draft after it write up to position p + D, the chain up to
+p + D - 2, so the engine reserves pages for D tokens past a decoding request's next one.
+
+With a prefix cache, the draft layer's KV of a cached prefix comes with the shared pages; at the
+prefix's last position it was computed from the first owner's next token, which may differ from
+the new request's. That changes what the draft proposes, never what is kept.
+
+It does not schedule or sample (the engine does) nor capture graphs (the graph runner does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import torch
+
+from compiler.splitops import Mode
+from runtime.backends.protocol import plan_eager_step
+from runtime.batch import SeqState, StepInputs, build_step
+from runtime.binding import members_of
+from runtime.bound_ops import BoundOps
+from runtime.graph_runner import GraphRunner
+from runtime.kv_pool import KVPool
+from runtime.state_pool import StatePool
+from runtime.step_staging import hidden_input_spec
+
+__all__ = ["EagerSteps", "DraftChunk", "MTPDrafter", "SpeculativeDecoder", "MAX_DRAFT_TOKENS",
+           "check_draft_program", "speculative_factory"]
+
+MAX_DRAFT_TOKENS = 7  # D: the verify step's buckets and the intermediate states grow with it
+
+
+class EagerSteps:
+    """A program's steps without graphs: `build` lays a step out, `run_outputs` plans and runs it eagerly.
+
+    forward(input_ids, positions, [hidden,] logits_index) returns logits or (logits, hidden)."""
+
+    def __init__(self, forward: Callable, ops: BoundOps, kv_pool: KVPool, device, chunk_size: int,
+                 takes_hidden: bool = False):
+        self.forward, self.ops, self.kv_pool = forward, ops, kv_pool
+        self.device, self.chunk_size, self.takes_hidden = device, chunk_size, takes_hidden
+        self.counters = {"eager_steps": 0}
+
+    def build(self, items, mode: Optional[Mode] = None, logits_rows=None) -> tuple[StepInputs, None]:
+        return build_step(items, self.kv_pool, self.device, mode=mode, logits_rows=logits_rows), None
+
+    @torch.no_grad()
+    def run_outputs(self, step: StepInputs, key=None) -> list[torch.Tensor]:
+        plan_eager_step(self.ops.backend, step.ctx, self.chunk_size)
+        inputs = (step.input_ids, step.positions)
+        if self.takes_hidden:
+            inputs += (step.hidden.to(self.device),)
+        with self.ops.step(step.ctx):
+            out = self.forward(*inputs, step.logits_index.to(self.device))
+        self.counters["eager_steps"] += 1
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _view(seq: SeqState, start: int) -> SeqState:
+    """The request's slot and pages, starting at position `start` (the draft rewrites positions the
+    main program already ran). Shares the page list: the pages are there already."""
+    return SeqState(seq.slot, seq.pages, start)
+
+
+@dataclasses.dataclass
+class DraftChunk:
+    """Positions start .. start + len(ids) - 1 of one request, for the draft after a main step."""
+
+    seq: SeqState
+    start: int
+    ids: list[int]  # the token one ahead of each position
+    rows: torch.Tensor  # the main step's hidden-state rows of those positions [len(ids)] int64
+    request: object | None  # the request that takes its next d_1 from the last position (None: no draft)
+
+
+class MTPDrafter:
+    """The artifact's draft program as a proposer (see the module docstring, steps 1, 2 and 5).
+
+    choose(requests, logits [B, V], position) -> None appends each request's draft token at
+    `position` (0 .. D-1) to its drafts (`request.drafts`), after its grammar and sampling."""
+
+    def __init__(self, steps, draft_tokens: int, num_slots: int, hidden_size: int, dtype: torch.dtype, device):
+        self.steps, self.draft_tokens = steps, draft_tokens
+        # the draft's hidden state at each request's last drafted position, by state slot
+        self.hidden = torch.zeros(num_slots + 1, hidden_size, dtype=dtype, device=device)
+
+    def _run(self, items, hidden: torch.Tensor, mode: Optional[Mode] = None, logits_rows=None,
+             logits_index: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        step, key = self.steps.build(items, mode=mode, logits_rows=logits_rows)
+        if logits_index is not None:
+            step = dataclasses.replace(step, logits_index=logits_index)
+        return self.steps.run_outputs(dataclasses.replace(step, hidden=hidden), key)
+
+    def after_prefill(self, chunks: list[DraftChunk], main_hidden: torch.Tensor, choose) -> None:
+        if not chunks:
+            return
+        items = [(_view(c.seq, c.start), c.ids) for c in chunks]
+        hidden = main_hidden[torch.cat([c.rows for c in chunks]).to(main_hidden.device)]
+        logits, draft_hidden = self._run(items, hidden)  # logits: the last position of each chunk
+        wants = [i for i, c in enumerate(chunks) if c.request is not None]
+        if not wants:
+            return
+        ends = torch.tensor([len(c.ids) for c in chunks]).cumsum(0) - 1
+        pick = torch.tensor(wants)
+        choose([chunks[i].request for i in wants], logits[pick.to(logits.device)], 0)
+        slots = torch.tensor([chunks[i].seq.slot for i in wants], device=self.hidden.device)
+        self.hidden[slots] = draft_hidden[ends[pick].to(draft_hidden.device)].to(self.hidden.dtype)
+
+    def propose(self, requests: list, choose) -> None:
+        """d_2 .. d_D for requests whose drafts hold d_1: D - 1 chained draft decode steps."""
+        slots = torch.tensor([r.seq.slot for r in requests], device=self.hidden.device)
+        for k in range(1, self.draft_tokens):
+            items = [(_view(r.seq, r.seq.num_cached + k - 1), [r.drafts[k - 1]]) for r in requests]
+            logits, draft_hidden = self._run(items, self.hidden[slots], mode=Mode.DECODE)
+            choose(requests, logits, k)
+            self.hidden[slots] = draft_hidden.to(self.hidden.dtype)
+
+    def after_verify(self, requests: list, starts: list[int], kept: list[list[int]], verify_hidden: torch.Tensor,
+                     choose) -> None:
+        """requests: those that go on; starts: their positions p before the verify step; kept: the
+        tokens each kept; verify_hidden [len(requests) * (D + 1), H]: their rows of the verify step."""
+        if not requests:
+            return
+        width = self.draft_tokens + 1
+        items = [(_view(r.seq, p), toks + [toks[-1]] * (width - len(toks))) for r, p, toks in zip(requests, starts, kept)]
+        rows = torch.tensor([b * width + len(toks) - 1 for b, toks in enumerate(kept)])
+        logits, draft_hidden = self._run(items, verify_hidden, mode=Mode.TARGET_VERIFY, logits_rows=[1] * len(items),
+                                         logits_index=rows)
+        choose(requests, logits, 0)
+        slots = torch.tensor([r.seq.slot for r in requests], device=self.hidden.device)
+        self.hidden[slots] = draft_hidden[rows.to(draft_hidden.device)].to(self.hidden.dtype)
+
+
+class SpeculativeDecoder:
+    """The engine's side of speculative decoding: the main program's steps, the drafter, the verify step."""
+
+    def __init__(self, main, drafter, draft_tokens: int, state_pool: StatePool):
+        if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculative-tokens must be in 1..{MAX_DRAFT_TOKENS} (got {draft_tokens})")
+        if state_pool.buffers and state_pool.draft_tokens < draft_tokens:
+            raise ValueError(f"speculative decoding with {draft_tokens} draft tokens: the state pool holds intermediate "
+                             f"states for {state_pool.draft_tokens}; build it with draft_tokens={draft_tokens} "
+                             f"(runtime/memory_planner.py)")
+        self.main, self.drafter, self.draft_tokens, self.state_pool = main, drafter, draft_tokens, state_pool
+        self.draft_s = 0.0  # seconds in the drafter (its host reads of the chosen tokens end each call)
+
+    @property
+    def max_verify(self) -> int:
+        """The most requests one verify step holds (the state pool's intermediate rows)."""
+        return self.state_pool.verify_rows if self.state_pool.buffers else 1 << 30
+
+    def run_main(self, items, logits_rows=None) -> tuple[Mode, torch.Tensor, torch.Tensor]:
+        """A step of the main program: (mode, logits [R, V], hidden states of the real tokens [T, H])."""
+        step, key = self.main.build(items, logits_rows=logits_rows)
+        logits, hidden = self.main.run_outputs(step, key)
+        return step.ctx.mode, logits, hidden
+
+    def timed(self, call, *args) -> None:
+        start = time.perf_counter()
+        try:
+            call(*args)
+        finally:
+            self.draft_s += time.perf_counter() - start
+
+    def verify(self, items) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target_verify step: items (request state, [last token, d_1 .. d_D]) ->
+        (logits [B * (D + 1), V], hidden [B * (D + 1), H]), request b's rows b*(D+1) .. b*(D+1)+D."""
+        width = self.draft_tokens + 1
+        assert all(len(tokens) == width for _, tokens in items), "a verify step feeds D + 1 tokens per request"
+        step, key = self.main.build(items, mode=Mode.TARGET_VERIFY, logits_rows=[width] * len(items))
+        logits, hidden = self.main.run_outputs(step, key)
+        return logits, hidden
+
+    def keep(self, seqs: list[SeqState], kept: list[int]) -> None:
+        """Request b of the verify step kept kept[b] tokens: its state and cached count follow."""
+        if self.state_pool.buffers:
+            self.state_pool.keep_verified([seq.slot for seq in seqs], kept)
+        for seq, n in zip(seqs, kept):
+            seq.num_cached += n
+
+
+def check_draft_program(docs) -> None:
+    """Refuse speculative decoding for an artifact (its ArtifactDocs) that holds no draft program."""
+    if "draft" not in docs.programs:
+        raise ValueError(f"{docs.path}: --speculative-tokens needs a draft (MTP) program, and this "
+                         f"{docs.family} artifact has none (its config enables no MTP layer)")
+
+
+def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[Callable] = None,
+                        log: Callable[[str], None] = lambda line: None):
+    """speculative(ops, kv_pool, state_pool, limits, runner) -> a SpeculativeDecoder for
+    runtime/server/model.build_engine: the artifact's draft program as the drafter.
+
+    draft_backend() -> the backend the draft program's op table calls: for an
+    artifact, the BackendSet routing.json makes for the draft program (runtime/binding.py), over
+    the same instances as the main program's, so each draft node is bound to the instance its
+    entry names and the draft's per-step hooks reach every instance owning a draft node. None:
+    the main op table serves the draft too (one plain backend that serves every node).
+
+    With a main GraphRunner (`runner`), the draft gets one of its own: decode buckets for the
+    chain, the main runner's verify buckets for the draft after verify, its extend buckets after
+    prefill chunks. It captures into the main runner's graph pool; instances shared with the main
+    program keep the static buffers the main runner allocated (sized for both), one owning draft
+    nodes only gets its own; it is parity-checked like the main one before anything is served."""
+    check_draft_program(artifact.docs)
+
+    def make(ops, kv_pool, state_pool, limits, runner):
+        draft_ops = ops.sibling(draft_backend()) if draft_backend is not None else ops
+        if runner is None:
+            main = EagerSteps(artifact.bind(ops, "main", all_outputs=True), ops, kv_pool, kv_pool.device,
+                              limits["token_budget"])
+            steps = EagerSteps(artifact.bind(draft_ops, "draft"), draft_ops, kv_pool, kv_pool.device,
+                               limits["token_budget"], takes_hidden=True)
+        else:
+            main = runner
+            steps = GraphRunner(artifact.runner(draft_ops, "draft"), draft_ops, kv_pool, state_pool, kv_pool.device,
+                                decode_buckets=runner.verify_buckets, extend_buckets=runner.extend_buckets,
+                                max_pages_per_seq=runner.max_pages, extend_max_seqs=runner.extend_max_seqs,
+                                chunk_size=runner.chunk_size, graphs=runner.graphs,
+                                verify_buckets=runner.verify_buckets, verify_tokens=draft_tokens + 1,
+                                verify_logits_rows=1)
+            if steps.max_tokens > runner.max_tokens or steps.max_seqs > runner.max_seqs:
+                raise ValueError(f"the draft's graph buckets ({steps.max_tokens} tokens, {steps.max_seqs} requests) "
+                                 f"exceed the main runner's static buffers ({runner.max_tokens}, {runner.max_seqs})")
+            shared = members_of(ops.backend)
+            for key, member in members_of(draft_ops.backend).items():
+                if key not in shared:  # owns draft nodes only: the main runner sized no buffers for it
+                    member.init_capture_state(steps.max_tokens, steps.max_seqs)
+            steps.capture(init_backend=False, pool=runner.state.pool)
+            report = steps.check_parity(vocab_size=int(artifact.manifest["model"]["vocab_size"]))
+            if getattr(artifact, "compiled", None) is not None:  # the draft's compiled pieces, checked per key
+                artifact.compiled.parity += [{**r, "key": f"draft {r['key']}"} for r in steps.compiled_reports.values()]
+            log(f"draft program: captured {len(steps.keys)} graphs; start-up parity: {len(report)} keys match eager")
+        hidden_size, dtype = hidden_input_spec(artifact.programs["draft"])
+        drafter = MTPDrafter(steps, draft_tokens, state_pool.num_slots, hidden_size, dtype, kv_pool.device)
+        return SpeculativeDecoder(main, drafter, draft_tokens, state_pool)
+
+    return make

@@ -1,0 +1,75 @@
+"""Test-only drafters for speculative decoding: one that always agrees with the target, one that never does.
+
+A random-weight MTP layer almost never proposes what the random target then picks, so the
+engine's acceptance path (several positions kept per step, states of the last kept position
+handed back, KV of rejected positions never read) would go untested with the real draft alone.
+
+`GreedyContinuationDrafter` proposes the target's own greedy continuation: each request's
+reference output (from a run without speculation) from where the request stands. Every draft is
+then the target's argmax, the verify step keeps all D of them, and a request advances D + 1
+positions per step, with exactly the reference tokens if acceptance is right.
+`DisagreeingDrafter` proposes the reference token plus one (mod V) at every position: nothing is
+ever kept, one token per step, the same tokens.
+
+Both propose without a distribution (q = None: deterministic), follow the drafter interface of
+runtime/speculative.py (`after_prefill`, `propose`, `after_verify`) and need no program.
+
+`ForcedDrafts` runs a real drafter (the MTP program: its steps, its cost) and then replaces each
+token it chose with the reference's: full acceptance at the real draft's cost, what
+benchmarks/spec_bench.py times against plain decoding.
+"""
+
+from __future__ import annotations
+
+
+class GreedyContinuationDrafter:
+    def __init__(self, references: dict[tuple[int, ...], list[int]], draft_tokens: int, vocab_size: int,
+                 shift: int = 0):
+        """references: prompt -> its greedy output without speculation; shift: added (mod V) to each
+        proposed token (0: agree)."""
+        self.references, self.draft_tokens, self.vocab_size, self.shift = references, draft_tokens, vocab_size, shift
+        self.proposed = 0
+
+    def after_prefill(self, chunks, main_hidden, choose) -> None:
+        """Nothing to run: the proposals come from the references."""
+
+    def after_verify(self, requests, starts, kept, verify_hidden, choose) -> None:
+        """Nothing to run: the proposals come from the references."""
+
+    def propose(self, requests, choose) -> None:
+        for req in requests:
+            reference = self.references[tuple(req.prompt)]
+            ahead = reference[len(req.output):len(req.output) + self.draft_tokens]
+            ahead += [0] * (self.draft_tokens - len(ahead))  # past the reference's end: anything
+            req.drafts = [(t + self.shift) % self.vocab_size for t in ahead]
+            req.draft_q = []
+            self.proposed += self.draft_tokens
+
+
+def DisagreeingDrafter(references, draft_tokens: int, vocab_size: int) -> GreedyContinuationDrafter:
+    """Proposes the reference token plus one at every position: never the target's argmax."""
+    return GreedyContinuationDrafter(references, draft_tokens, vocab_size, shift=1)
+
+
+class ForcedDrafts:
+    def __init__(self, drafter, references: dict[tuple[int, ...], list[int]]):
+        self.drafter, self.references = drafter, references
+
+    def _forced(self, choose):
+        def forced(requests, logits, position):
+            choose(requests, logits, position)
+            for req in requests:
+                reference = self.references[tuple(req.prompt)]
+                at = len(req.output) + position  # the drafts follow the output
+                if at < len(reference):
+                    req.drafts[position] = reference[at]
+        return forced
+
+    def after_prefill(self, chunks, main_hidden, choose) -> None:
+        self.drafter.after_prefill(chunks, main_hidden, self._forced(choose))
+
+    def propose(self, requests, choose) -> None:
+        self.drafter.propose(requests, self._forced(choose))
+
+    def after_verify(self, requests, starts, kept, verify_hidden, choose) -> None:
+        self.drafter.after_verify(requests, starts, kept, verify_hidden, self._forced(choose))

@@ -1,0 +1,154 @@
+"""Speculative decoding on a CUDA GPU: target_verify and draft steps captured, parity-checked and exact.
+
+Runs only on the GPU machine (`pytest -m gpu`); benchmarks/spec_bench.py measures the costs.
+
+1. bf16, the default routing (FlashInfer, the Triton linear kernels, the fused MoE): with three
+   drafts the main runner captures target_verify buckets as whole-step graphs (every op of the
+   verify plan in split.json is captured), the draft program gets its own runner over its own
+   BackendSet (decode and verify-layout keys), start-up parity passes for every key, the graphs
+   are replayed, and every slot and page is free afterwards. bf16 kernels of different shapes
+   (FlashInfer's paged prefill for verify, its decode kernel for plain steps) may decide a near
+   tie differently, so tokens are compared where such ties cannot move them: each request's
+   first token (its prefill) and, with a drafter forced to agree, the count of kept drafts.
+2. bf16 on a dense model (no router): each row of a replayed verify step equals the replayed
+   decode step after the same tokens within the start-up parity tolerance (tests/spec_checks.py).
+   A fault in a backend's verify path shows here as a large error on every row, where greedy
+   tokens of a random-weight bf16 model would only diverge at some near tie.
+3. float32, full attention routed to torch_reference (FlashInfer has no float32 kernels), the
+   linear layers and the MoE on their Triton kernels: greedy tokens with D = 1 and 3 are exactly
+   plain decoding's for eight mixed-length requests, and a drafter proposing the plain
+   continuation (tests/spec_drafters.py, test-only) is kept, advancing D + 1 positions per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiler.cli import main
+from compiler.splitops import Mode
+from runtime.engine import SamplingParams
+from runtime.loader import load_artifact
+from runtime.server.model import EngineOptions, build_engine, engine_for_artifact, routed_backends
+from runtime.speculative import SpeculativeDecoder
+from tests.spec_drafters import GreedyContinuationDrafter
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate([1, 5, 17, 3, 9, 2, 12, 7])]
+NEW_TOKENS = [9, 4, 14, 6, 11, 3, 8, 13]
+MAX_LEN = 64
+
+
+def _artifact(root, name: str, dtype: str, *routes: str, dense: bool = False):
+    """A tiny qwen3_next compiled for cuda; dense: every layer's MLP dense (mlp_only_layers), no router."""
+    from tests.helpers import tiny_checkpoint
+
+    dense_mlps = {"mlp_only_layers": [0, 1, 2, 3]} if dense else {}  # tiny has 4 layers
+    tiny_checkpoint("qwen3_next", root / f"{name}-c", 1, head_dim=64, **dense_mlps)  # FlashInfer: no head dim 32
+    flags = [f"--route={r}" for r in routes]
+    assert main(["compile", str(root / f"{name}-c"), "-o", str(root / name), "--target", "cuda", "--dtype", dtype,
+                 "--no-dumps", *flags]) == 0
+    return load_artifact(root / name, "cuda")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gspec")
+    return {"bf16": _artifact(root, "bf16", "bfloat16"),
+            "dense": _artifact(root, "dense", "bfloat16", dense=True),
+            "fp32": _artifact(root, "fp32", "float32", "gqa_attention=torch_reference")}
+
+
+def options(D: int) -> EngineOptions:
+    return EngineOptions(slots=4, token_budget=16, speculative_tokens=D, page_size=16)
+
+
+def run(engine) -> tuple[list[list[int]], dict]:
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS, NEW_TOKENS)]
+    results = engine.run_until_done()
+    return [list(results[i].output_ids) for i in ids], engine.stats()
+
+
+def all_free(stats: dict) -> bool:
+    return stats["free_slots"] == stats["total_slots"] and stats["free_pages"] == stats["total_pages"]
+
+
+def test_bf16_verify_and_draft_steps_are_captured_checked_and_replayed(artifacts):
+    art, lines = artifacts["bf16"], []
+    plain, _ = run(engine_for_artifact(art, options(0), MAX_LEN, device="cuda"))
+    engine = engine_for_artifact(art, options(3), MAX_LEN, device="cuda", log=lines.append)
+    main_runner, draft_runner = engine.runner, engine.spec.drafter.steps
+    assert Mode.TARGET_VERIFY in main_runner.full_modes, "FlashInfer, Triton linear and MoE all capture verify"
+    assert any(k.mode == Mode.TARGET_VERIFY for k in main_runner.keys)
+    assert {k.mode for k in draft_runner.keys} >= {Mode.DECODE, Mode.TARGET_VERIFY}
+    assert draft_runner.ops.backend is not main_runner.ops.backend  # the draft program's own BackendSet
+    assert any("draft program" in line and "match eager" in line for line in lines)
+    outputs, stats = run(engine)
+    assert [len(o) for o in outputs] == NEW_TOKENS and all_free(stats), stats
+    assert [o[0] for o in outputs] == [p[0] for p in plain]  # each request's prefill token
+    assert main_runner.counters["graph_replays"] > 0 and draft_runner.counters["graph_replays"] > 0
+    assert stats["spec_verify_steps"] > 0
+
+
+def test_bf16_verify_rows_are_the_decode_steps_to_rounding(artifacts):
+    """Row j of a replayed target_verify step against the replayed decode step after the same j
+    tokens (tests/spec_checks.py: twin requests from one prefill), bf16, the default routing
+    (FlashInfer's paged prefill for verify, its decode kernel for decode, the Triton linear
+    kernels), 3 requests in buckets of 4, histories crossing page boundaries. The model is dense
+    (no random router to flip an expert on rounding), so every row must agree within the start-up
+    parity tolerance for bf16; a fault in a verify path (state, KV, rows) moves every row by far more."""
+    from runtime.bound_ops import BoundOps
+    from runtime.graph_runner import GraphRunner
+    from runtime.kv_pool import KVPool
+    from runtime.parity import rtol_for
+    from runtime.state_pool import StatePool
+    from tests.spec_checks import verify_against_decode
+
+    art, D, bucket, pages = artifacts["dense"], 3, 4, 8
+    vocab = int(art.manifest["model"]["vocab_size"])
+    kv = KVPool(art.registry, 2 * bucket * pages + 1, 16, "cuda")
+    st = StatePool(art.registry, 2 * bucket, "cuda", draft_tokens=D, verify_rows=bucket)
+    ops = BoundOps(art.backends(kv, st).for_program("main"))
+    runner = GraphRunner(art.runner(ops), ops, kv, st, "cuda", decode_buckets=(bucket,), extend_buckets=(),
+                         verify_buckets=(bucket,), verify_tokens=D + 1, max_pages_per_seq=pages,
+                         extend_max_seqs=2 * bucket)
+    runner.start(vocab)
+    found = verify_against_decode(runner, vocab, [5, 37, 70], D, torch.Generator().manual_seed(3))
+    rows = bucket * (D + 1)
+    assert [str(k) for k in found["keys"]] == ([f"target_verify[tokens={rows}, seqs={bucket}, rows={rows}]"]
+                                               + [f"decode[tokens={bucket}, seqs={bucket}]"] * (D + 1))
+    worst = max(found["rows"], key=lambda r: r["rel_err"])
+    assert worst["rel_err"] <= rtol_for(torch.bfloat16), worst
+
+
+def engine_with_drafter(art, D: int, drafter):
+    def speculative(ops, kv_pool, state_pool, limits, runner):
+        return SpeculativeDecoder(runner, drafter, D, state_pool)  # the main program's captured steps
+
+    from runtime.graph_runner import graph_runner_factory
+    vocab = int(art.manifest["model"]["vocab_size"])
+    return build_engine(art.registry, art.bind, options(D), MAX_LEN, device="cuda",
+                        backend_factory=routed_backends(art)[0],
+                        runner_factory=graph_runner_factory(art, vocab, speculative_tokens=D),
+                        speculative_factory=speculative)
+
+
+@pytest.mark.parametrize("draft_tokens", (1, 3))
+def test_fp32_greedy_tokens_with_drafts_are_plain_decodings(artifacts, draft_tokens):
+    art = artifacts["fp32"]
+    plain, _ = run(engine_for_artifact(art, options(0), MAX_LEN, device="cuda"))
+    outputs, stats = run(engine_for_artifact(art, options(draft_tokens), MAX_LEN, device="cuda"))
+    assert outputs == plain
+    assert stats["spec_verify_steps"] > 0 and all_free(stats), stats
+
+
+def test_fp32_a_forced_agreeing_drafter_is_kept_in_full(artifacts):
+    art, D = artifacts["fp32"], 3
+    plain, _ = run(engine_for_artifact(art, options(0), MAX_LEN, device="cuda"))
+    drafter = GreedyContinuationDrafter({tuple(p): o for p, o in zip(PROMPTS, plain)}, D,
+                                        int(art.manifest["model"]["vocab_size"]))
+    outputs, stats = run(engine_with_drafter(art, D, drafter))
+    assert outputs == plain and all_free(stats)
+    assert stats["spec_acceptance_rate"] > 0.5 and stats["spec_tokens_per_verify"] > 2

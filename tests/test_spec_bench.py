@@ -1,0 +1,70 @@
+"""benchmarks/spec_bench.py --dry-run on the CPU: every stage of the GPU run (verify against decode
+step cost, verify rows against decode steps, full acceptance against plain decoding, greedy tokens
+with the real draft and how close a call each difference was), on a tiny model with the reference
+backend and tests/graph_cases.RerunGraphs for CUDA graphs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow  # five graph start-ups (the session's shared compile): about 10 s on 2 cores
+
+
+def test_dry_run_measures_every_stage(tmp_path, tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from spec_bench import main
+
+    from tests.helpers import shared_artifact
+
+    # init_compile finds the session's tiny qwen3_next there (its own names), compiled once for every module
+    work = shared_artifact(tmp_path_factory, "qwen3_next")[1].parent
+    rec = main(["--dry-run", "--out", str(tmp_path), "--work", str(work)])
+    assert json.loads((tmp_path / "spec_bench.json").read_text())["targets"] == rec["targets"]
+    assert {name: s["status"] for name, s in rec["stages"].items()} == dict.fromkeys(
+        ("init_compile", "step_cost", "verify_vs_decode", "full_acceptance", "greedy_equal"), "ok")
+    assert set(rec["step_cost"]) == {"1", "2", "4"}
+    assert rec["step_cost"]["1"]["verify_key"] == "target_verify[tokens=4, seqs=1, rows=4]"
+    assert "target_verify" in rec["step_cost_runner"]["full_modes"]
+    versus = rec["verify_vs_decode"]["2"]  # float32 on the reference: rows equal to rounding, the same argmax
+    assert versus["keys"] == ["target_verify[tokens=8, seqs=2, rows=8]"] + ["decode[tokens=2, seqs=2]"] * 4
+    assert versus["rows"] == 8 and versus["max_rel_err"] < 1e-5 and versus["argmax_flips"] == 0
+    full = rec["full_acceptance"]
+    assert full["same_tokens"] and full["speculative"]["acceptance_rate"] == 1.0
+    assert full["speculative"]["tokens_per_verify"] == 4.0 and full["spec"]["steps"] < full["plain"]["steps"]
+    equal = rec["greedy_equal"]
+    assert equal["equal"] and equal["tokens"] == 4 * 8
+    ties = equal["ties"]  # no difference to explain; the same token's log-prob in both runs to rounding
+    assert ties["first_diffs"] == [] and ties["matched_logprob_delta"]["max"] < 1e-4 and ties["median_plain_margin"] > 0
+    assert set(rec["targets"]) == {"verify_over_decode_b1", "verify_matches_decode", "full_acceptance_speedup",
+                                   "greedy_equal"}
+    assert rec["targets"]["verify_matches_decode"]["met"]
+
+
+def test_tie_report_says_where_runs_part_and_how_close_a_call_it_was():
+    """Each prompt's first difference, the plain run's top-2 margin there and its rank among all the
+    plain run's margins; the log-prob distance of the same token before it (tie_report of spec_bench)."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from spec_bench import tie_report
+
+    from runtime.logprobs import TokenLogprob
+
+    def result(tokens, margins, logprob=-1.0):
+        entries = [TokenLogprob(t, logprob, ((t, logprob), (t + 1, logprob - m))) for t, m in zip(tokens, margins)]
+        return types.SimpleNamespace(output_ids=tokens, logprobs=tuple(entries))
+
+    plain = [result([5, 6, 7, 8], [0.5, 0.9, 0.001, 0.7]), result([1, 2], [0.3, 0.4])]
+    spec = [result([5, 6, 9, 9], [0.5, 0.9, 0.002, 0.1], logprob=-1.01), result([1, 2], [0.3, 0.4])]
+    report = tie_report(plain, spec)
+    assert report["first_diffs"] == [{"prompt": 0, "position": 2, "plain_margin": pytest.approx(0.001),
+                                      "spec_margin": pytest.approx(0.002), "plain_margin_rank": 0.0}]
+    assert report["worst_first_diff_rank"] == 0.0 and report["median_plain_margin"] == pytest.approx(0.5)
+    delta = report["matched_logprob_delta"]  # positions 0, 1 of prompt 0 (0.01 apart) and both of prompt 1 (equal)
+    assert delta["max"] == pytest.approx(0.01) and delta["median"] == pytest.approx(0.01)
