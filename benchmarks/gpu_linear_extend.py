@@ -381,8 +381,11 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
             row["old_over_ours"] = row["old_torch_ms"] / ms
             row["old_over_ours_layer"] = row["old_torch_layer_ms"] / layer_ms
         rows.append(row)
-        old_note = (f"; old torch conv {row['old_torch_ms'] * 1e3:.1f} us (layer {row['old_torch_layer_ms'] * 1e3:.1f}), "
-                    f"x{row['old_over_ours']:.1f} / layer x{row['old_over_ours_layer']:.1f}" if "old_torch_ms" in row else "")
+        old_note = ""
+        if "old_torch_ms" in row:
+            old_note = (f"; old torch conv {row['old_torch_ms'] * 1e3:.1f} us (layer "
+                        f"{row['old_torch_layer_ms'] * 1e3:.1f}), x{row['old_over_ours']:.1f} / layer "
+                        f"x{row['old_over_ours_layer']:.1f}")
         log(f"  {name} T={T} R={R}: {ms * 1e3:.1f} us, layer {layer_ms * 1e3:.1f} us "
             f"(kernels {fmt(None if kernel_ms is None else kernel_ms * 1e3)} us), floor {floor * 1e3:.1f} us "
             f"(bytes {floor_bw * 1e3:.1f}, flops {floor_fl * 1e3:.1f}), x{ms / floor:.2f}; torch ref "

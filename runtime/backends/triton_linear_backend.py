@@ -48,9 +48,9 @@ Lifecycle (runtime/backends/protocol.py):
    once per step, when the step takes the extend path.
 4. Each op method checks shapes on the host (never reads the device in decode / target_verify).
 
-The kernels module (and with it triton) is imported on the first op call, never at import: the
-compiler imports this module on a CPU machine to read `capability`, and the CPU tests must be
-able to switch Triton to its interpreter before the kernels are defined.
+The kernels module (and with it triton) is imported on first use (a step's plan or an op call),
+never at import: the compiler imports this module on a CPU machine to read `capability`, and the
+CPU tests must be able to switch Triton to its interpreter before the kernels are defined.
 """
 
 from __future__ import annotations
