@@ -4,24 +4,32 @@ One call on the lent GPU machine (table last, JSON in --out):
 
 1. Device facts: copy bandwidth (1 GiB copy_, read + write) and the bf16 matmul rate, both
    measured here, for the floors.
-2. Checks, per family at real dims (GDN Hk 16 / Hv 32 / 128, KDA 32 x 128, Lightning 16 x 128,
-   short conv 8192 x 4), bf16 inputs with float32 log-decays (as the models pass them): a chain
-   of steps over one state pool: an extend from an empty state and one from an existing state,
-   a mixed step (the first request's next prompt chunk, decode rows, a new request, padding),
-   a uniform target-verify step (strided decode kernels), a ragged one (chunk path). Outputs AND
-   updated states against CPUReferenceBackend run on CPU copies in float32 (relative error of
-   the norm; bf16 within 1e-2), padding rows zero, padding and free slots untouched.
-3. Timing of one extend step of 512 and 2048 tokens (1 request, 4 requests): the backend, its
-   floor (max of bytes / copy rate and FLOPs / matmul rate) and the torch reference on the GPU.
+2. Checks, before anything is timed, per family at real dims (GDN Hk 16 / Hv 32 / 128, KDA
+   32 x 128, Lightning 16 x 128, short conv 8192 x 4), bf16 inputs with float32 log-decays (as the
+   models pass them): a chain of steps over one state pool: an extend from an empty state and one
+   from an existing state, a mixed step (the first request's next prompt chunk, decode rows, a new
+   request, padding), a uniform target-verify step (strided decode kernels), a ragged one (chunk
+   path). Outputs AND updated states against CPUReferenceBackend run on CPU copies in float32
+   (relative error of the norm; bf16 within 1e-2), padding rows zero, padding and free slots
+   untouched. The conv's extend kernel is also checked on its own at the bench models' widths
+   (Qwen3-Next 8192, Kimi-Linear 12288 channels, K 4) over requests of 1, K-2, K-1, K and 1000
+   tokens (tests/linear_cases.check_conv_extend); the conv is timed only if it passes.
+3. Timing of one extend step of 512 and 2048 tokens over 1, 4 and 16 requests: the backend with
+   its step planning ("ours"), one layer's op call on a step already planned ("layer": what each
+   further layer of a step costs), its kernels alone (profiler), its floor (max of bytes / copy
+   rate and FLOPs / matmul rate) and the torch reference on the GPU. For the conv, also the torch
+   extend path the Triton kernel replaced (gathers and a K-term sum over a scratch, its index
+   tables built once per step), measured in the same run: its step, layer and kernel times and
+   its ratio to ours.
 4. `pytest -m gpu tests/test_gpu_linear_kernels.py`.
 
 The FLA families run in subprocesses (in parallel: their Triton compiles overlap; the timing
 phases take a file lock, so one family is timed at a time), so a crash inside FLA (an illegal
 memory access poisons a CUDA context) costs one family, not the run.
 
-`--dry-run` runs on the CPU at tiny dims: the conv path for real, the FLA families through a
-stand-in (the reference recurrence behind FLA's keyword interface), the Triton decode kernels
-in Triton's interpreter, every piece of argument plumbing, the JSON and the table.
+`--dry-run` runs on the CPU at tiny dims: the Triton kernels (decode and the extend conv) in
+Triton's interpreter, the FLA families through a stand-in (the reference recurrence behind FLA's
+keyword interface), every piece of argument plumbing, the JSON and the table.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from runtime.state_pool import StatePool  # noqa: E402
 from bench_common import device_facts as common_device_facts  # noqa: E402
 from runtime.backends.protocol import plan_eager_step  # noqa: E402
 from bench_common import device_rates, ensure_einops, fmt, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
-from tests.linear_cases import FakeFLA, step_ctx  # noqa: E402
+from tests.linear_cases import FakeFLA, check_conv_extend, conv_extend_ok, step_ctx  # noqa: E402
 
 START = time.time()
 OUT_TOL = 1e-2  # bf16 inputs
@@ -67,6 +75,7 @@ REAL = {"gdn": ("gdn_core", LayerKind.GDN, 16, 32, 128, 128), "kda": ("kda_core"
 DRY = {"gdn": ("gdn_core", LayerKind.GDN, 2, 4, 16, 16), "kda": ("kda_core", LayerKind.KDA, 4, 4, 16, 16),
        "lightning": ("lightning_core", LayerKind.LIGHTNING, 4, 4, 16, 16),
        "conv": ("short_conv", LayerKind.GDN, 0, 24, 4, 0)}
+CONV_WIDTHS = {"qwen3_next": 8192, "kimi_linear": 3 * 32 * 128}  # the bench models' conv channels (K 4)
 
 
 
@@ -251,10 +260,76 @@ def device_busy_ms(fn, reps: int = 20) -> float | None:
     return busy_us / 1e3 / reps
 
 
+class OldTorchConv:
+    """The extend conv this backend ran before its Triton kernel, kept as the baseline it is measured
+    against: each request's K-1 history rows and its tokens gathered into a float32 scratch, a sum
+    of K shifted products, index_copy_ of the new histories. `plan` builds its index tables (host
+    lists, once per step in the old backend); `layer` is one layer's op call on them."""
+
+    def __init__(self, ctx, device):
+        self.lens = [n for n in ctx.query_lens if n > 0]
+        self.T, self.device = sum(self.lens), device
+
+    def plan(self, K: int) -> None:
+        P, cu = K - 1, 0
+        win, hist, tok, tail = [], [], [], []
+        for r, n in enumerate(self.lens):
+            off = cu + r * P
+            hist.extend(range(off, off + P))
+            tok.extend(range(off + P, off + P + n))
+            win.extend(range(off, off + n))
+            tail.extend(range(off + n, off + n + P))
+            cu += n
+        idx = torch.tensor([win, tok], dtype=torch.int64).to(self.device, non_blocking=True)
+        side = torch.tensor([hist, tail], dtype=torch.int64).to(self.device, non_blocking=True)
+        self.index = (idx[0], side[0], idx[1], side[1])
+
+    def layer(self, x, weight, bias, out, states, slots, silu) -> None:
+        T, (C, K), R = self.T, weight.shape, len(self.lens)
+        P = K - 1
+        win, hist, tok, tail = self.index
+        E = torch.empty(T + R * P, C, dtype=torch.float32, device=x.device)
+        E[hist] = states.index_select(0, slots).float().transpose(1, 2).reshape(R * P, C)
+        E[tok] = x[:T].float()
+        w = weight.float()
+        y = E[win] * w[:, 0]
+        for j in range(1, K):
+            y = y + E[win + j] * w[:, j]
+        if bias is not None:
+            y = y + bias.float()
+        out[:T].copy_(F.silu(y) if silu else y)
+        states.index_copy_(0, slots, E[tail].reshape(R, P, C).transpose(1, 2).to(states.dtype))
+        if out.shape[0] > T:
+            out[T:].zero_()
+
+
+def time_old_conv(spec, ctx, states, x, c, ours_out) -> dict:
+    """The old torch conv on the same step, timed like ours: `states` is the conv state pool layer as
+    our kernel found it when it wrote `ours_out`, which the old path must reproduce."""
+    op, _, hk, C, K, dv = spec
+    old = OldTorchConv(ctx, x.device)
+    slots = ctx.state_slots[:ctx.num_real_seqs].to(x.device)
+    old_out = torch.empty_like(ours_out)
+    old.plan(K)
+    old.layer(x, c["weight"], c["bias"], old_out, states, slots, True)
+    agree = rel_err(old_out.float(), ours_out.float())
+
+    def step():
+        old.plan(K)
+        old.layer(x, c["weight"], c["bias"], old_out, states, slots, True)
+
+    step_ms = bench_ms(step, 100)
+    layer_ms = bench_ms(lambda: old.layer(x, c["weight"], c["bias"], old_out, states, slots, True), 100)
+    kernel_ms = device_busy_ms(lambda: old.layer(x, c["weight"], c["bias"], old_out, states, slots, True))
+    return {"old_torch_ms": step_ms, "old_torch_layer_ms": layer_ms, "old_torch_kernel_ms": kernel_ms,
+            "old_torch_vs_ours_rel_err": agree}
+
+
 def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool) -> list[dict]:
     reg = registry(spec)
     rows = []
-    for T, R in ([(32, 1), (32, 4)] if dry else [(512, 1), (512, 4), (2048, 1), (2048, 4)]):
+    cases = [(32, 1), (32, 4), (64, 16)] if dry else [(512, 1), (512, 4), (512, 16), (2048, 1), (2048, 4), (2048, 16)]
+    for T, R in cases:
         lens = [T // R] * R
         pool = StatePool(reg, R + 1, device)
         entry = "conv" if spec[0] == "short_conv" else "recurrent"
@@ -271,8 +346,14 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
             plan_eager_step(tri, ctx, T)
             call(tri, spec, ctx, x, c, out)
 
+        def layer():
+            call(tri, spec, ctx, x, c, out)
+
+        states_before = pool.layer(0)[entry].clone()
         ours()  # compile / autotune outside the timing
+        first_out = out.clone()
         ms = bench_ms(ours, 100)
+        layer_ms = bench_ms(layer, 100)  # the plan ours() made last stays: each call is one more layer
         kernel_ms = device_busy_ms(ours)
         nbytes, flops = bytes_and_flops(spec, T, R)
         floor_bw = nbytes / env["copy_bytes_per_s"] * 1e3
@@ -290,17 +371,40 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
             if is_cuda():
                 torch.cuda.synchronize()
             ref_ms = (time.perf_counter() - t0) * 1e3
-        row = {"family": name, "tokens": T, "requests": R, "ours_ms": ms, "floor_ms": floor,
+        row = {"family": name, "tokens": T, "requests": R, "ours_ms": ms, "layer_ms": layer_ms, "floor_ms": floor,
                "floor_bytes_ms": floor_bw, "floor_flops_ms": floor_fl, "bytes": nbytes, "flops": flops,
                "x_floor": ms / floor, "kernel_ms": kernel_ms,
                "kernel_x_floor": None if kernel_ms is None else kernel_ms / floor, "torch_ref_gpu_ms": ref_ms,
                "ref_over_ours": None if ref_ms is None else ref_ms / ms}
+        if spec[0] == "short_conv":
+            row.update(time_old_conv(spec, ctx, states_before, x["x"], c, first_out))
+            row["old_over_ours"] = row["old_torch_ms"] / ms
+            row["old_over_ours_layer"] = row["old_torch_layer_ms"] / layer_ms
         rows.append(row)
-        log(f"  {name} T={T} R={R}: {ms * 1e3:.1f} us (kernels {fmt(None if kernel_ms is None else kernel_ms * 1e3)} us), "
-            f"floor {floor * 1e3:.1f} us "
+        old_note = ""
+        if "old_torch_ms" in row:
+            old_note = (f"; old torch conv {row['old_torch_ms'] * 1e3:.1f} us (layer "
+                        f"{row['old_torch_layer_ms'] * 1e3:.1f}), x{row['old_over_ours']:.1f} / layer "
+                        f"x{row['old_over_ours_layer']:.1f}")
+        log(f"  {name} T={T} R={R}: {ms * 1e3:.1f} us, layer {layer_ms * 1e3:.1f} us "
+            f"(kernels {fmt(None if kernel_ms is None else kernel_ms * 1e3)} us), floor {floor * 1e3:.1f} us "
             f"(bytes {floor_bw * 1e3:.1f}, flops {floor_fl * 1e3:.1f}), x{ms / floor:.2f}; torch ref "
-            f"{'n/a' if ref_ms is None else f'{ref_ms:.1f} ms'}")
+            f"{'n/a' if ref_ms is None else f'{ref_ms:.1f} ms'}{old_note}")
         del pool, ref_pool
+    return rows
+
+
+def conv_kernel_checks(dry: bool, device) -> list[dict]:
+    """The extend conv kernel on its own at the bench models' widths, bf16 (dry: 24 channels)."""
+    widths = {"dry": 24} if dry else CONV_WIDTHS
+    rows = []
+    for model, channels in widths.items():
+        r = check_conv_extend(channels, 4, torch.bfloat16, device, many=70 if dry else 1000, seed=channels)
+        r.update(model=model, ok=conv_extend_ok(r, out_tol=OUT_TOL))
+        log(f"  conv kernel {model} ({channels} ch): out " +
+            ", ".join(f"{s['out_rel_err']:.1e}" for s in r["steps"]) +
+            f"; state {max(s['state_rel_err'] for s in r['steps']):.1e} {'ok' if r['ok'] else 'FAIL'}")
+        rows.append(r)
     return rows
 
 
@@ -427,20 +531,39 @@ def table(results: dict) -> str:
                                  f"{'yes' if s['ok'] else 'NO'} |")
             if not chk["untouched_slots_kept"]:
                 lines.append(f"| {tag} | padding / free slots | WRITTEN | | NO |")
+        for chk in r.get("kernel_check", []):
+            for s in chk["steps"]:
+                lines.append(f"| conv kernel {chk['model']} {chk['channels']} ch | {s['mode']} {s['lengths']} | "
+                             f"{s['out_rel_err']:.1e} | {s['state_rel_err']:.1e} | {'yes' if chk['ok'] else 'NO'} |")
+            if not chk["untouched_slots_kept"]:
+                lines.append(f"| conv kernel {chk['model']} | padding / free slots | WRITTEN | | NO |")
         for k in ("check_error", "error", "timing_error"):
             if k in r:
                 lines.append(f"| {name} | {k} | {str(r[k])[:160]} | | no |")
-    lines += ["", "extend step timing (eager; ms): ours (wall, planning included) and its kernels alone (profiler),"
-              " vs floor = max(bytes / copy, FLOPs / matmul), torch ref on GPU",
-              "| family | T | requests | ours ms | kernels ms | floor ms (bytes / flops) | x floor | kernels x floor |"
-              " torch ref ms | ref / ours |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "extend step timing (eager; ms): ours (wall, the step's planning included), one more layer of a"
+              " planned step (wall), its kernels alone (profiler), vs floor = max(bytes / copy, FLOPs / matmul),"
+              " torch ref on GPU",
+              "| family | T | requests | ours ms | layer ms | kernels ms | floor ms (bytes / flops) | x floor |"
+              " kernels x floor | torch ref ms | ref / ours |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in fams.items():
         for t in r.get("timing", []):
-            lines.append(f"| {name} | {t['tokens']} | {t['requests']} | {t['ours_ms']:.3f} | {fmt(t.get('kernel_ms'), '.3f')} "
+            lines.append(f"| {name} | {t['tokens']} | {t['requests']} | {t['ours_ms']:.3f} | {t['layer_ms']:.3f} | "
+                         f"{fmt(t.get('kernel_ms'), '.3f')} "
                          f"| {t['floor_ms']:.3f} ({t['floor_bytes_ms']:.3f} / {t['floor_flops_ms']:.3f}) | "
                          f"{t['x_floor']:.1f} | {fmt(t.get('kernel_x_floor'))} | "
                          f"{fmt(t['torch_ref_gpu_ms'])} | {fmt(t['ref_over_ours'], '.0f')} |")
+    conv = [t for t in fams.get("conv", {}).get("timing", []) if "old_torch_ms" in t]
+    if conv:
+        lines += ["", "extend conv: the Triton kernel against the torch path it replaced, same run (ms)",
+                  "| T | requests | ours | old torch | old / ours | ours layer | old layer | old / ours (layer) |"
+                  " ours kernels | old kernels | old vs ours rel err |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for t in conv:
+            lines.append(f"| {t['tokens']} | {t['requests']} | {t['ours_ms']:.3f} | {t['old_torch_ms']:.3f} | "
+                         f"{t['old_over_ours']:.1f} | {t['layer_ms']:.3f} | {t['old_torch_layer_ms']:.3f} | "
+                         f"{t['old_over_ours_layer']:.1f} | {fmt(t.get('kernel_ms'), '.3f')} | "
+                         f"{fmt(t.get('old_torch_kernel_ms'), '.3f')} | {t['old_torch_vs_ours_rel_err']:.1e} |")
     py = results.get("pytest", {})
     lines.append("")
     lines.append(f"pytest -m gpu tests/test_gpu_linear_kernels.py: {py.get('summary') or py.get('error') or py.get('skipped')}")
@@ -496,14 +619,20 @@ def main(argv=None) -> int:
         conv: dict = {"family": "conv"}
         try:
             conv["check"] = check_family("conv", spec, device, args.dry_run, None)
+            conv["kernel_check"] = conv_kernel_checks(args.dry_run, device)
+            if not (conv["check"]["ok"] and all(r["ok"] for r in conv["kernel_check"])):
+                conv["timing_error"] = "not timed: the extend conv failed its checks"
+                log(f"  conv: {conv['timing_error']}")
+                return
             with open(lock, "a+") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)
                 conv["timing"] = time_family("conv", spec, device, args.dry_run, None, env, quick=False)
         except Exception as e:
             conv["error"] = f"{type(e).__name__}: {e}"
             conv["traceback"] = traceback.format_exc()[-2500:]
-        results["families"]["conv"] = conv
-        save()
+        finally:
+            results["families"]["conv"] = conv
+            save()
 
     fams = run_parts(args, names, deadline - time.time() - reserve, out, lock, conv_part)
     results["families"].update(fams)

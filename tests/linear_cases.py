@@ -1,9 +1,10 @@
 """Shared by the linear-kernel tests and the linear benchmarks (gpu_linear_decode.py,
 gpu_linear_extend.py): ExecContexts without a KV pool (`decode_ctx`, `step_ctx`), fresh random
 inputs of one step for a linear op (padding rows NaN), `FakeFLA`, FLA's chunk interface over
-the reference recurrence for CPU runs of the extend path, and `interpreted_triton_linear`, the
+the reference recurrence for CPU runs of the extend path, `interpreted_triton_linear`, the
 triton_linear backend declared for the cpu device so routing can bind a CPU artifact's linear
-ops to it (its kernels then run in Triton's interpreter)."""
+ops to it (its kernels then run in Triton's interpreter), and `check_conv_extend`, the extend
+conv kernel against the reference over the request lengths that matter to it."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from compiler.splitops import Mode
-from runtime.backends.cpu_reference import gated_recurrence
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
+from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence
+from runtime.backends.protocol import plan_eager_step
 from runtime.backends.triton_linear_backend import TritonLinearBackend
 from runtime.context import ExecContext
-from runtime.state_pool import PADDING_SLOT
+from runtime.state_pool import PADDING_SLOT, StatePool
 
 
 def decode_ctx(slots: list[int], num_real: int, device) -> ExecContext:
@@ -81,7 +83,8 @@ class FakeFLA:
 
     It checks what the backend must pass: keyword arguments, batch 1, cu_seqlens int64 equal to
     cu_seqlens_cpu, one initial state per sequence, final states requested, no in-kernel l2norm,
-    and q, k, v of one dtype (FLA's kernels tl.dot them together and refuse a mix)."""
+    and q, k, v of one dtype (FLA's kernels tl.dot them together and refuse a mix). Like FLA's
+    current entry points, gdn takes precomputed chunk indices and kda / simple_gla do not."""
 
     def __init__(self):
         self.calls = []
@@ -113,7 +116,12 @@ class FakeFLA:
         initial_state.fill_(float("nan"))  # FLA may scribble on it: the backend must not reuse it
         return o[None].to(v.dtype), ht
 
-    def gdn(self, **kw):
+    def gdn(self, *, chunk_indices, **kw):
+        """As FLA's chunk_gated_delta_rule, which takes the chunk indices precomputed: checked here
+        against the (sequence, chunk of 64) rows of cu_seqlens_cpu."""
+        bounds = kw["cu_seqlens_cpu"].tolist()
+        want = [[i, c] for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) for c in range((b - a + 63) // 64)]
+        assert chunk_indices.dtype == torch.int64 and chunk_indices.tolist() == want, (chunk_indices, want)
         return self._run("gdn", **kw)
 
     def kda(self, **kw):
@@ -142,3 +150,69 @@ def interpreted_triton_linear(**options) -> type:
             return cls(setup.state_pool, fla=FakeFLA(), **options)
 
     return InterpretedTritonLinear
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 on the host."""
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def conv_extend_steps(K: int, many: int) -> list:
+    """(mode, (slot, cached, new tokens) requests, padding rows, padding requests). Step 1 mixes
+    requests of 1, K-2, K-1, K and `many` tokens with one of none (slot 6); step 2 gives three of
+    the same slots fewer than K-1 tokens, so their new history reaches back into the one step 1
+    wrote, next to a new request. Slots are not in row order."""
+    return [(Mode.EXTEND, [(7, 5, 1), (3, 0, K - 2), (9, 2, K - 1), (1, 0, K), (5, 0, many), (6, 4, 0)], 5, 1),
+            (Mode.MIXED, [(3, K - 2, 1), (5, many, K - 2), (9, K + 1, 2), (2, 0, 3)], 2, 1)]
+
+
+def check_conv_extend(channels: int, K: int, dtype, device, many: int, seed: int, bias=True, silu=True) -> dict:
+    """The short conv's extend path of TritonLinearBackend against CPUReferenceBackend (float32 math
+    on the same rounded inputs) over `conv_extend_steps`, from random non-zero histories; inputs'
+    padding rows NaN, outputs poisoned. Per step: relative errors of the norm of the real rows and of
+    the touched slots' states, whether every real row is finite and every padding row zero; and
+    whether the padding slot, the free slots and the token-less request's slot kept every bit."""
+    from runtime.backends.triton_linear_backend import TritonLinearBackend
+
+    num_slots = 10
+    reg = LayerRegistry([LayerSpec(0, LayerKind.GDN, state={"conv": TensorSpec((channels, K - 1), "float32")})])
+    ref_pool, dev_pool = StatePool(reg, num_slots), StatePool(reg, num_slots, device)
+    g = torch.Generator().manual_seed(seed)
+    ref_state = ref_pool.layer(0)["conv"]
+    ref_state.copy_(torch.randn(ref_state.shape, generator=g))
+    dev_pool.layer(0)["conv"].copy_(ref_state)
+    before = ref_state.clone()
+    w = torch.randn(channels, K, generator=g).to(dtype)
+    b = torch.randn(channels, generator=g).to(dtype) if bias else None
+    w_dev, b_dev = w.to(device), None if b is None else b.to(device)
+    ref, tri = CPUReferenceBackend(None, ref_pool), TritonLinearBackend(dev_pool)
+    rows, touched = [], set()
+    for mode, reqs, pad_t, pad_s in conv_extend_steps(K, many):
+        ctx = step_ctx(mode, reqs, pad_t, pad_s, device)
+        plan_eager_step(tri, ctx, 2048)
+        R, T = ctx.num_real_tokens, ctx.num_tokens
+        x = torch.randn(T, channels, generator=g).to(dtype)
+        x[R:] = float("nan")  # padding rows: never read
+        out_ref = torch.full((T, channels), float("nan"), dtype=dtype)
+        ref.short_conv(step_ctx(mode, reqs, pad_t, pad_s, "cpu"), x, w, b, out_ref, 0, silu)
+        out = torch.full((T, channels), float("nan"), dtype=dtype, device=device)
+        tri.short_conv(ctx, x.to(device), w_dev, b_dev, out, 0, silu)
+        out = out.cpu()
+        touched |= {slot for slot, _, n in reqs if n > 0}
+        t = sorted(touched)
+        rows.append({"mode": mode.value, "lengths": [n for *_, n in reqs], "out_rel_err": rel_err(out[:R], out_ref[:R]),
+                     "state_rel_err": rel_err(dev_pool.layer(0)["conv"].cpu()[t], ref_state[t]),
+                     "finite": bool(torch.isfinite(out[:R]).all()), "padding_zero": bool(out[R:].eq(0).all())})
+    untouched = [s for s in range(num_slots + 1) if s not in touched]
+    assert PADDING_SLOT in untouched and 6 in untouched
+    kept = bool(torch.equal(dev_pool.layer(0)["conv"].cpu()[untouched], before[untouched]))
+    return {"channels": channels, "K": K, "dtype": str(dtype).removeprefix("torch."), "steps": rows,
+            "untouched_slots_kept": kept}
+
+
+def conv_extend_ok(result: dict, out_tol: float, state_tol: float = 1e-6) -> bool:
+    """Whether a check_conv_extend result passes: within the tolerances, rows written, padding zero, slots kept."""
+    return result["untouched_slots_kept"] and all(
+        s["finite"] and s["padding_zero"] and s["out_rel_err"] <= out_tol and s["state_rel_err"] <= state_tol
+        for s in result["steps"])

@@ -1,11 +1,15 @@
-"""The Triton decode kernels (runtime/backends/triton_linear.py) against the CPU reference backend.
+"""The Triton kernels (runtime/backends/triton_linear.py) against the CPU reference backend.
 
 On a machine without CUDA the kernels run in Triton's interpreter (numpy on the CPU): these are
 CPU tests of the kernel logic (indexing, masks, padding, the in-place update), not of speed.
 Dimensions stay small so the interpreter is quick. Extend, mixed and target-verify steps are
-checked here too: the short conv's extend path is plain torch, target_verify runs the decode
-kernels on strided rows, and the FLA chunk calls are stood in for by the reference recurrence
-(`FakeFLA`), which checks the arguments the backend passes (gather, cu_seqlens, scatter). Every check draws fresh random inputs, starts
+checked here too: the short conv's extend path is its own Triton kernel (also checked alone over
+the request lengths that matter to it), target_verify runs the decode kernels on strided rows,
+and the FLA chunk calls are stood in for by the reference recurrence (`FakeFLA`), which checks
+the arguments the backend passes (gather, cu_seqlens, chunk indices, scatter). A last group
+counts the host work of every op call after the step's hooks: none may scale with the step.
+(The interpreter truncates float32 to bfloat16 where a GPU rounds to nearest, so interpreted bf16
+outputs sit up to one bf16 step from the reference.) Every check draws fresh random inputs, starts
 from a non-zero state, poisons the outputs, and compares outputs and updated states by
 ||x - ref|| / ||ref|| over several consecutive decode steps. The GPU versions at real dims are in
 tests/test_gpu_linear_kernels.py (marked gpu).
@@ -40,13 +44,13 @@ triton = pytest.importorskip("triton", reason="triton is not importable here (it
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec  # noqa: E402
 from runtime.backends import triton_linear as TL  # noqa: E402
 from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
-from runtime.backends.protocol import check_backend  # noqa: E402
+from runtime.backends.protocol import check_backend, plan_eager_step  # noqa: E402
 from runtime.backends.triton_linear_backend import (FLANotInstalled, TritonLinearBackend,  # noqa: E402
                                                     WrongModeError)
 from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.kv_pool import KVPool  # noqa: E402
 from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
-from tests.linear_cases import FakeFLA, random_inputs  # noqa: E402
+from tests.linear_cases import FakeFLA, check_conv_extend, conv_extend_ok, random_inputs, rel_err  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -95,10 +99,6 @@ REGISTRY = LayerRegistry([
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 STATE_TOL = 1e-4  # states are float32 on both sides, computed from the same (rounded) inputs
 
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double().cpu(), ref.double().cpu()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 VERIFY = dict(draft_tokens=3, verify_rows=4)  # target_verify steps of up to 4 requests x 4 tokens
@@ -453,3 +453,149 @@ def test_replayed_verify_step_reads_the_static_slots():
     with pytest.raises(WrongModeError, match="same number of rows"):
         run_op(tri, ragged, "kda_core", 2, step_inputs("kda_core", 2, 4, 4, torch.float32,
                                                        torch.Generator().manual_seed(0)), torch.float32, DEVICE)
+
+
+# -- the extend conv kernel ---------------------------------------------------------------------
+
+@in_process
+@pytest.mark.parametrize("K,dtype,bias,silu", [(4, torch.float32, True, True), (4, torch.bfloat16, True, True),
+                                               (6, torch.float32, False, False), (6, torch.bfloat16, False, True)],
+                         ids=["K4-f32", "K4-bf16", "K6-f32-plain", "K6-bf16-nobias"])
+def test_conv_extend_kernel_matches_reference(K, dtype, bias, silu):
+    """The Triton extend conv against the reference's short convolution: requests of 1, K-2, K-1, K
+    and three token blocks' worth of tokens in one step, then fewer than K-1 tokens on the same slots;
+    40 channels (two tiles, the second masked). States are float32 copies of the inputs on both sides."""
+    many = 2 * TL.CONV_EXTEND_BLOCK_T + 5
+    result = check_conv_extend(40, K, dtype, DEVICE, many, seed=60 + K, bias=bias, silu=silu)
+    assert conv_extend_ok(result, out_tol=1e-6 if dtype == torch.float32 else 1e-2), result
+
+
+class CountingKernel:
+    """Stands in for a @triton.jit kernel's `kernel[grid]`: records each grid, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@in_process
+def test_conv_extend_is_one_launch_and_refuses_what_it_cannot_run_naming_the_layer(monkeypatch):
+    launches = CountingKernel(TL._short_conv_extend_kernel)
+    monkeypatch.setattr(TL, "_short_conv_extend_kernel", launches)
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool)
+    ctx = mode_step(Mode.EXTEND, [(3, 0, 40), (5, 2, 1)], pad_tokens=3, pad_seqs=1)
+    plan_eager_step(tri, ctx, 64)
+    x = step_inputs("short_conv", 1, 44, 41, torch.float32, torch.Generator().manual_seed(0))
+    run_op(tri, ctx, "short_conv", 1, x, torch.float32, DEVICE)
+    # (2 blocks of request 0, 1 of request 1, 1 of padding rows) x one tile of 24 channels
+    assert launches.grids == [(4, 1)]
+    with pytest.raises(ValueError, match=r"hgc.short_conv \(layer 1\).*kernel width 34"):
+        tri.short_conv(ctx, x["x"].to(DEVICE), torch.zeros(C, TL.CONV_EXTEND_BLOCK_T + 2, device=DEVICE), None,
+                       torch.empty(44, C, device=DEVICE), 1, True)
+    with pytest.raises(ValueError, match=r"hgc.short_conv \(layer 2\) got 40 rows for a step of 44"):
+        tri.short_conv(ctx, x["x"][:40].to(DEVICE), CONV_WEIGHT.to(DEVICE), None, torch.empty(40, C, device=DEVICE),
+                       2, True)
+    assert len(launches.grids) == 1
+
+
+# -- host work per layer ---------------------------------------------------------------------------
+
+BACKEND_FILES = {str(Path(TL.__file__).resolve()),
+                 str(Path(sys.modules[TritonLinearBackend.__module__].__file__).resolve())}
+
+
+class HostWork:
+    """Counts, by kind, the host work the backend's own code does (its module and the kernels' launchers;
+    not Triton's interpreter or the FLA stand-in): host tensors made, device moves, device reads, and
+    walks over the step's per-request lists."""
+
+    KINDS = {"host tensor": [(torch, "tensor"), (torch, "as_tensor"), (torch, "from_numpy")],
+             "device read": [(torch.Tensor, n) for n in ("tolist", "item", "cpu", "numpy", "__int__", "__index__",
+                                                         "__bool__", "__float__", "__iter__")]}
+
+    def __init__(self, monkeypatch):
+        self.counts: dict[str, int] = {}
+        for kind, targets in self.KINDS.items():
+            for owner, name in targets:
+                monkeypatch.setattr(owner, name, self._counting(kind, getattr(owner, name)))
+        to = torch.Tensor.to
+
+        def moving_to(t, *args, **kw):
+            if "device" in kw or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args):
+                self._note("device move")
+            return to(t, *args, **kw)
+        monkeypatch.setattr(torch.Tensor, "to", moving_to)
+
+    def _note(self, kind: str) -> None:
+        if sys._getframe(2).f_code.co_filename in BACKEND_FILES:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def _counting(self, kind, fn):
+        def wrapper(*args, **kw):
+            self._note(kind)
+            return fn(*args, **kw)
+        return wrapper
+
+    def take(self) -> dict[str, int]:
+        counts, self.counts = self.counts, {}
+        return counts
+
+
+class WalkCountingList(list):
+    """A per-request list of the step that counts every walk over it (len() is free)."""
+
+    def __init__(self, items, work: HostWork):
+        super().__init__(items)
+        self.work = work
+
+    def __iter__(self):
+        self.work.counts["request walk"] = self.work.counts.get("request walk", 0) + 1
+        return super().__iter__()
+
+    def __getitem__(self, i):
+        self.work.counts["request walk"] = self.work.counts.get("request walk", 0) + 1
+        return super().__getitem__(i)
+
+
+def host_work_of_a_step(monkeypatch, mode: Mode, reqs, pad_tokens: int, pad_seqs: int):
+    """Plan one step of `reqs` on the backend, then run every linear op of every layer: the plan's
+    host work, and each op call's."""
+    _, dev_pool = make_pools(70)
+    tri = TritonLinearBackend(dev_pool, fla=FakeFLA())
+    ctx = mode_step(mode, reqs, pad_tokens, pad_seqs)
+    R, T = ctx.num_real_tokens, ctx.num_tokens
+    inputs = {(op, lid): step_inputs(op, lid, T, R, torch.float32, torch.Generator().manual_seed(lid))
+              for op, lid in OPS + [("short_conv", lid) for lid in LAYERS if lid != 0]}
+    work = HostWork(monkeypatch)
+    ctx.query_lens = WalkCountingList(ctx.query_lens, work)
+    ctx.cache_lens = WalkCountingList(ctx.cache_lens, work)
+    plan_eager_step(tri, ctx, 64)
+    plan = work.take()
+    per_op = {}
+    for (op, lid), x in inputs.items():
+        run_op(tri, ctx, op, lid, x, torch.float32, DEVICE)
+        per_op[(op, lid)] = work.take()
+    return plan, per_op
+
+
+@in_process
+@pytest.mark.parametrize("mode,reqs,pad_tokens,pad_seqs", [
+    (Mode.EXTEND, [(4, 0, 6)], 2, 1),
+    (Mode.EXTEND, [(4, 0, 6), (7, 9, 5), (2, 3, 70), (9, 0, 1)], 3, 1),
+    (Mode.MIXED, [(4, 6, 4), (7, 14, 1), (2, 0, 3), (9, 5, 1)], 2, 1),
+    (Mode.TARGET_VERIFY, [(4, 13, 2), (2, 6, 3), (7, 1, 1), (9, 0, 4)], 0, 0),  # ragged: the extend path
+    (Mode.TARGET_VERIFY, [(4, 13, 2), (2, 6, 2)], 0, 0),  # uniform: decode kernels (slow in the interpreter)
+], ids=["extend-1", "extend-4", "mixed-4", "verify-ragged-4", "verify-uniform-2"])
+def test_op_calls_do_no_host_work_that_scales_with_the_step(monkeypatch, mode, reqs, pad_tokens, pad_seqs):
+    """Plan once per step, launch lean: after the step's hooks, no op call of any layer makes a host
+    tensor, moves one to the device, reads the device or walks the step's requests; the plan makes
+    its tables with one copy to the device, whatever the batch."""
+    plan, per_op = host_work_of_a_step(monkeypatch, mode, reqs, pad_tokens, pad_seqs)
+    assert all(work == {} for work in per_op.values()), {k: v for k, v in per_op.items() if v}
+    assert len(per_op) == len(LAYERS) + len(OPS) - 1
+    extend_path = mode != Mode.TARGET_VERIFY or len({n for *_, n in reqs}) > 1
+    assert plan.get("device move", 0) == (1 if extend_path else 0), plan

@@ -1,7 +1,8 @@
-"""Triton decode kernels for the linear-attention cores (GDN, KDA, Lightning) and the short conv.
+"""Triton kernels for the linear-attention cores (GDN, KDA, Lightning) and the short conv.
 
-What this module owns: the kernels and their launchers for a decode step (one token per
-request, T == B rows), reading and updating the slot-indexed state pool in place.
+What this module owns: the decode kernels and their launchers (one token per request, T == B
+rows), and the short convolution's extend kernel (any number of tokens per request), each
+reading and updating the slot-indexed state pool in place.
 
 1. One program per (request, value head, Dv tile). It loads the request's slot id, and for a
    real request the [Dk, BV] tile of that slot's state straight from the pool (no gather copy),
@@ -27,13 +28,22 @@ a constant per-head decay without the delta rule. All three are one kernel with 
 Every stored state element is computed from the element loaded at the same address, so the
 in-place store cannot overtake a load in another thread.
 
-The short conv has one program per (request, channel tile): it loads the slot's last K-1
+The decode conv has one program per (request, channel tile): it loads the slot's last K-1
 inputs, convolves them with this token's input (bias, silu), and rolls the history in place.
 There a stored column comes from another column, so all loads precede one barrier and all
 stores follow it.
 
-Not here: extend/prefill (chunked kernels live elsewhere), l2-normalisation of q/k and the gate
-activations that produce g and beta (they stay in the graph), and which backend serves a layer.
+The extend conv (`short_conv_extend`) has one program per (token block, channel tile). The
+step's token blocks are a table the caller plans once per step and shares across layers: each
+row names a request and a block of CONV_EXTEND_BLOCK_T of its tokens; one last pseudo-request
+holds the padding rows, whose programs write zeros. A program convolves its tokens with the K-1 inputs
+before them, taken from x or, for a request's first K-1 tokens, from the slot's history; the
+program of a request's first block also writes the slot's new history (see the kernel for why
+no other program can race it).
+
+Not here: the recurrent cores' extend/prefill (FLA's chunk kernels, called by the backend),
+l2-normalisation of q/k and the gate activations that produce g and beta (they stay in the
+graph), and which backend serves a layer.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ __all__ = [
     "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
     "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config",
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode",
+    "CONV_EXTEND_BLOCK_T", "conv_extend_config", "short_conv_extend",
 ]
 
 # How the log-decay is given (a constexpr of the kernel).
@@ -100,6 +111,26 @@ def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
             break
     block_c = min(block_c, max(32, triton.next_power_of_2(channels)))
     return ConvConfig(block_c, max(1, min(4, block_c // 64)))
+
+
+# Tokens one extend-conv program owns. The block table is planned once per step for this size,
+# so it is one constant, not a per-launch choice. It must be at least K-1, so that only a
+# request's first block reaches back into the slot's history (see _short_conv_extend_kernel).
+CONV_EXTEND_BLOCK_T = 32
+
+
+def conv_extend_config(num_blocks: int, channels: int, device: torch.device) -> ConvConfig:
+    """Channel tile of the extend conv: the widest that still gives about two programs per SM
+    (a long prompt: 256 channels, 8 warps; a few short requests: narrower tiles, more programs),
+    with ~32 elements of the [CONV_EXTEND_BLOCK_T, block_c] tile per thread."""
+    target = 2 * num_sms(device)
+    block_c = 32
+    for bc in (256, 128, 64, 32):
+        if num_blocks * triton.cdiv(channels, bc) >= target:
+            block_c = bc
+            break
+    block_c = min(block_c, max(32, triton.next_power_of_2(channels)))
+    return ConvConfig(block_c, max(1, min(8, CONV_EXTEND_BLOCK_T * block_c // 1024)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +260,95 @@ def _short_conv_decode_kernel(
         tl.store(o_ptrs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=m_c)
 
 
+@triton.jit
+def _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
+                 KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HISTORY: tl.constexpr):
+    """sum_k w[c, k] * input[i - (K-1) + k, c] over a [BT, BC] tile of tokens i, in float32, the taps
+    added in the reference's order. Input p >= 0 of the request is row p of x_rows; p < 0 is history
+    column K-1+p, read only with HISTORY (else those taps are zero: a block that never reaches back)."""
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for k in tl.static_range(KW):
+        p = offs_t + (k - (KW - 1))
+        v = tl.load(x_rows + p[:, None] * stride_x_row + offs_c[None, :], mask=m_out & (p >= 0)[:, None], other=0.0)
+        v = v.to(tl.float32)
+        if HISTORY:  # exactly one of the two masked loads is live per element
+            h = tl.load(hist_ptrs[None, :] + (KW - 1 + p)[:, None], mask=m_out & (p < 0)[:, None], other=0.0)
+            v += h.to(tl.float32)
+        wk = tl.load(w_ptr + offs_c * stride_w_c + k, mask=m_c, other=0.0).to(tl.float32)
+        acc += v * wk[None, :]
+    return acc
+
+
+@triton.jit
+def _short_conv_extend_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr,
+    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c,
+    C, num_seqs,
+    KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
+    HP: tl.constexpr,  # next power of two >= K-1: the history's columns in registers
+    BT: tl.constexpr,  # tokens of a block (CONV_EXTEND_BLOCK_T), at least K-1
+    BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    PAD_SLOT: tl.constexpr,
+):
+    # blocks [NB, 2]: (request r, block j) covers tokens j*BT .. j*BT+BT-1 of request r, which are
+    # rows bounds[r] + those of x and out; bounds [R+2] is cu_seqlens then the step's row count,
+    # so r == num_seqs is the padding rows.
+    blk = tl.program_id(0)
+    c_tile = tl.program_id(1)
+    seq = tl.load(blocks_ptr + 2 * blk)
+    j = tl.load(blocks_ptr + 2 * blk + 1)
+    bos = tl.load(bounds_ptr + seq).to(tl.int64)
+    n = tl.load(bounds_ptr + seq + 1).to(tl.int64) - bos  # tokens of the request (padding: rows)
+    offs_t = j * BT + tl.arange(0, BT)  # token index within the request
+    offs_c = c_tile * BC + tl.arange(0, BC)
+    m_t = offs_t < n
+    m_c = offs_c < C
+    m_out = m_t[:, None] & m_c[None, :]
+    o_ptrs = out_ptr + (bos + offs_t)[:, None] * stride_o_row + offs_c[None, :]
+
+    if seq == num_seqs:
+        # padding rows: their inputs may hold anything; they read nothing and come out zero.
+        tl.store(o_ptrs, tl.zeros([BT, BC], dtype=out_ptr.dtype.element_ty), mask=m_out)
+    else:
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        hist_ptrs = state_ptr + slot * stride_s_slot + offs_c * stride_s_c  # [BC]: column 0 of the history
+        x_rows = x_ptr + bos * stride_x_row
+        # Only a request's first block reaches back into the history (BT >= K-1): the others skip
+        # its loads altogether.
+        if j == 0:
+            acc = _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
+                               KW=KW, BT=BT, BC=BC, HISTORY=True)
+        else:
+            acc = _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
+                               KW=KW, BT=BT, BC=BC, HISTORY=False)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_out)
+
+        # The new history: the last K-1 inputs of the window [old history | the request's tokens],
+        # column q being input p = n - (K-1) + q: a token of x, or (fewer than K-1 new tokens)
+        # old history column n + q.
+        # The race: the slot's history is read by the taps above and rewritten here. Only this
+        # request's first block reads it (a block j > 0 starts at token j*BT >= K-1, all of whose
+        # taps are in x), and that block's program is the one that writes it, for its own
+        # channels only; requests have distinct slots. Within the program every load of the
+        # history precedes one barrier and every store follows it, as in the decode conv.
+        if (j == 0) & (slot != PAD_SLOT):
+            cols = tl.arange(0, HP)
+            p = n - (KW - 1) + cols
+            m_col = m_c[:, None] & (cols < KW - 1)[None, :]
+            new_x = tl.load(x_rows + p[None, :] * stride_x_row + offs_c[:, None], mask=m_col & (p >= 0)[None, :],
+                            other=0.0)
+            new_h = tl.load(hist_ptrs[:, None] + (KW - 1 + p)[None, :], mask=m_col & (p < 0)[None, :], other=0.0)
+            new_hist = new_x.to(tl.float32) + new_h.to(tl.float32)
+            tl.debug_barrier()
+            tl.store(hist_ptrs[:, None] + cols[None, :], new_hist.to(state_ptr.dtype.element_ty), mask=m_col)
+
+
 # ---------------------------------------------------------------------------------------------
 # launchers (host side: shape checks only, never a device read)
 # ---------------------------------------------------------------------------------------------
@@ -340,5 +460,56 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         C,
         KW=K, KWP=triton.next_power_of_2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
+        num_warps=cfg.num_warps,
+    )
+
+
+def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                      conv_state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, blocks: torch.Tensor,
+                      silu: bool, what: str = "short_conv", config: ConvConfig | None = None) -> None:
+    """Causal depthwise conv over ragged requests, one launch: x, out [rows, C]; weight [C, K];
+    bias [C] or None; conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rewritten in
+    place for every request; slots [R] the requests' slots; bounds [R+2] int64 (cu_seqlens of the
+    R requests, then `rows`: the rows past cu_seqlens[R] are padding and come out zero); blocks
+    [NB, 2] int64, (request, block of CONV_EXTEND_BLOCK_T tokens) covering every request's tokens
+    and, as request R, the padding rows. `what` names the caller (its layer) in errors.
+
+    The host reads no device value: the table is planned once per step by the caller, and NB is
+    its length."""
+    rows, C = x.shape
+    K = weight.shape[1] if weight.dim() == 2 else 0
+    R = slots.shape[0]
+    if weight.shape != (C, K) or out.shape != x.shape:
+        raise ValueError(f"{what}: x {tuple(x.shape)}, weight {tuple(weight.shape)} (expected [{C}, K]) and out "
+                         f"{tuple(out.shape)} disagree")
+    if not 2 <= K <= CONV_EXTEND_BLOCK_T + 1:
+        raise ValueError(f"{what}: kernel width {K} is not supported by the extend conv (2 to "
+                         f"{CONV_EXTEND_BLOCK_T + 1}: the first token block must hold the K-1 inputs of the history)")
+    if conv_state.shape[1:] != (C, K - 1) or conv_state.stride(2) != 1:
+        raise ValueError(f"{what}: conv state must be [slots+1, {C}, {K - 1}] with unit stride last, got "
+                         f"{tuple(conv_state.shape)} strides {conv_state.stride()}")
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"{what}: bias shape {tuple(bias.shape)}, expected {(C,)}")
+    if bounds.shape != (R + 2,) or blocks.dim() != 2 or blocks.shape[1] != 2:
+        raise ValueError(f"{what}: the step plan has bounds {tuple(bounds.shape)} and blocks {tuple(blocks.shape)} "
+                         f"for {R} requests; expected [{R + 2}] and [NB, 2]")
+    for t in (weight, out, conv_state, bounds, blocks) + (() if bias is None else (bias,)):
+        if t.device != x.device:
+            raise ValueError(f"{what}: all tensors must be on {x.device}, got one on {t.device}")
+    if out.stride(-1) != 1:
+        raise ValueError(f"{what}: out must have a unit-stride last dimension (it is written in place)")
+    x, weight = _unit_last("x", x), _unit_last("weight", weight)
+    bias = bias.contiguous() if bias is not None else None
+    num_blocks = blocks.shape[0]
+    if num_blocks == 0 or C == 0:
+        return
+    cfg = config or conv_extend_config(num_blocks, C, x.device)
+    grid = (num_blocks, triton.cdiv(C, cfg.block_c))
+    _short_conv_extend_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks,
+        x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
+        C, R,
+        KW=K, HP=max(2, triton.next_power_of_2(K - 1)), BT=CONV_EXTEND_BLOCK_T, BC=cfg.block_c,
+        HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
         num_warps=cfg.num_warps,
     )

@@ -20,9 +20,20 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
   initial states gathered from the pool by slot, cu_seqlens from the step, final states scattered
   back to the same slots; decode rows of a mixed step are sequences of length 1. FLA plans its
   chunks on the host from the lengths (cu_seqlens_cpu), so the call is not capturable; the
-  op policy keeps extend and mixed steps eager anyway. The short conv: one vectorised torch
-  computation over all requests (each request's K-1 history rows placed before its tokens).
-  Padded rows of `out` are zeroed and the padding slot is neither read nor written.
+  op policy keeps extend and mixed steps eager anyway. The short conv: our Triton extend kernel
+  (triton_linear.short_conv_extend), one launch over every request's tokens, reading each
+  request's history from its slot and writing the new one back. Padded rows of `out` are zeroed
+  and the padding slot is neither read nor written.
+
+Plan once per step, launch lean. Everything these paths derive from the step alone is made by
+the step's hooks and shared by every layer: slot ids on the device and the target-verify row
+layout (init_step_metadata / init_replay_state), and for a step on the extend path the kept
+requests, their slots, cu_seqlens on host and device, FLA's chunk indices and the conv kernel's
+token-block table (init_chunk_metadata, host tables built with torch and copied in one
+transfer). An op call then does constant host work: shape checks and its launches, no loop over
+requests, no host-to-device copy, no device read. FLA is handed the plan's chunk indices where
+its entry point takes them; elsewhere it derives them from cu_seqlens_cpu once per step, through
+its cache keyed by tensor identity, which every layer's call hits after the first.
 
 FLA is imported on the first extend call. Without it an extend fails with FLANotInstalled saying
 what to install; there is no fallback to the slow reference (a silent 100x slowdown is a bug
@@ -36,24 +47,25 @@ Lifecycle (runtime/backends/protocol.py):
 2. `init_capture_state(max_tokens, max_seqs)`: one static slot-id buffer [max_seqs] int64 on the
    pool's device; captured kernels read slot ids from it.
 3. `init_replay_state(ctx, bucket)`: copies the step's slot ids into that buffer (before capture
-   and before every replay). `init_step_metadata(ctx)`: an eager step reads `ctx.state_slots`.
-   `init_chunk_metadata(ctx, chunk_size)`: plans what every layer of an extend or mixed step
-   shares (real slots, cu_seqlens on host and device, the conv gather indices), once per step.
+   and before every replay). `init_step_metadata(ctx)`: an eager step's plan (slot ids on the
+   device, the verify layout). `init_chunk_metadata(ctx, chunk_size)`: the extend plan above,
+   once per step, when the step takes the extend path.
 4. Each op method checks shapes on the host (never reads the device in decode / target_verify).
 
-The kernels module (and with it triton) is imported on the first op call, never at import: the
-compiler imports this module on a CPU machine to read `capability`, and the CPU tests must be
-able to switch Triton to its interpreter before the kernels are defined.
+The kernels module (and with it triton) is imported on first use (a step's plan or an op call),
+never at import: the compiler imports this module on a CPU machine to read `capability`, and the
+CPU tests must be able to switch Triton to its interpreter before the kernels are defined.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import math
 import types
 
 import torch
-import torch.nn.functional as F
 
 from compiler.splitops import MODES, BackendCapability, LayerKind, Mode
 from runtime.backends.protocol import BackendHooks, BackendSetup
@@ -93,17 +105,58 @@ def fla_ops() -> types.SimpleNamespace:
     return types.SimpleNamespace(gdn=chunk_gated_delta_rule, kda=chunk_kda, simple_gla=chunk_simple_gla)
 
 
+FLA_CHUNK = 64  # FLA's chunk length: its entry points' default, which this backend never overrides
+
+
 @dataclasses.dataclass
 class _ExtendPlan:
-    """What every layer of one eager extend / mixed step shares, computed once per step."""
+    """What every layer of one eager extend / mixed / ragged verify step shares, made once per step
+    from the step's host lengths and copied to the device in one transfer."""
 
-    ctx: ExecContext
     num_tokens: int  # real rows (the first rows of the step)
-    lens: list[int]  # tokens of each request kept (requests with no token this step are skipped)
-    slots: torch.Tensor  # [R] int64 on the pool's device: the kept requests' slots
+    slots: torch.Tensor  # [R] int64 on the pool's device: the R requests with tokens this step
     cu_seqlens: torch.Tensor  # [R+1] int64 on the device
     cu_seqlens_cpu: torch.Tensor  # [R+1] int64 on the host (FLA plans its chunks from it, no sync)
-    conv: dict  # kernel width K -> (window starts [T], history rows [R*(K-1)], token rows [T], tail rows)
+    chunk_indices: torch.Tensor  # [chunks, 2] int64 on the device: (request, chunk) in FLA's layout
+    conv_bounds: torch.Tensor  # [R+2] int64 on the device: cu_seqlens, then num_rows (the padding rows)
+    conv_blocks: torch.Tensor  # [NB, 2] int64 on the device: (request, token block) of the extend conv
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    """What every layer of one step shares: made by the step's hooks, read by every op call."""
+
+    ctx: ExecContext
+    slots: torch.Tensor  # [B] int64 on the pool's device (in a replayed step: the static buffer)
+    replayed: bool  # init_replay_state made it: ops run inside a captured graph
+    verify_width: int | None  # target_verify with request b on rows b*n .. b*n+n-1: that n
+    extend: _ExtendPlan | None = None  # made for steps that take the extend path
+
+
+def _token_blocks(lens: torch.Tensor, size: int) -> torch.Tensor:
+    """[N, 2] int64 (sequence, block) rows: block j of sequence r covers its tokens j*size .. j*size+size-1.
+    lens [S] int64 on the host; sequences of length 0 get no row. FLA's chunk indices are this with
+    size FLA_CHUNK; the extend conv's token blocks with size CONV_EXTEND_BLOCK_T."""
+    counts = (lens + size - 1) // size
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0]), counts)
+    first = torch.cumsum(counts, 0) - counts  # each sequence's first row
+    return torch.stack([seq, torch.arange(seq.shape[0]) - first[seq]], 1)
+
+
+def _to_device_at_once(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """int64 host tensors -> views of one device buffer, made by one copy. Each part starts 16 bytes
+    aligned and the first at the buffer's start, so a kernel taking one of them (ours, FLA's) sees
+    the same pointer alignment every step and Triton never specializes it anew mid-serving."""
+    flat, spans, at = [], [], 0
+    for t in parts:
+        flat.append(t.flatten())
+        spans.append((at, t.shape))
+        at += t.numel()
+        if at % 2:
+            flat.append(torch.zeros(1, dtype=torch.int64))
+            at += 1
+    buf = torch.cat(flat).to(device, non_blocking=True)
+    return [buf[a:a + math.prod(shape)].view(shape) for a, shape in spans]
 
 
 def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
@@ -124,21 +177,22 @@ class TritonLinearBackend(BackendHooks):
         modes_supported=frozenset(MODES), modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
         kinds=frozenset({LayerKind.GDN, LayerKind.KDA, LayerKind.LIGHTNING}),
         doc="Triton decode kernels (decode; target_verify as n strided decode launches), FLA chunk kernels "
-            "for extend/mixed, torch for the extend conv; in place on the slot-indexed state pool (padding "
+            "for extend/mixed, a Triton extend conv; in place on the slot-indexed state pool (padding "
             "slot skipped); capturable in decode and target_verify")
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
-        choice, for benchmarks; None picks one per launch from the shapes. `fla`: a namespace with
-        gdn / kda / simple_gla standing in for FLA's chunk functions (tests); None imports FLA lazily."""
+        choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
+        `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
+        None imports FLA lazily."""
         self.state_pool = state_pool
         self.device = state_pool.device
         self.recurrent_config = recurrent_config
         self.conv_config = conv_config
         self._fla = fla
+        self._fla_chunk_indices: frozenset[str] | None = None  # FLA entry points that take chunk_indices
         self._static_slots: torch.Tensor | None = None  # [max_seqs] int64: what captured kernels read
-        self._planned: tuple[ExecContext, torch.Tensor] | None = None  # (ctx, its slot ids [B])
-        self._extend_plan: _ExtendPlan | None = None
+        self._step: _StepPlan | None = None
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonLinearBackend":
@@ -161,60 +215,99 @@ class TritonLinearBackend(BackendHooks):
                                f"steps to their bucket before replay")
         slots = self._static_slots[:bucket]
         slots.copy_(ctx.state_slots, non_blocking=True)
-        self._planned = (ctx, slots)
-        self._extend_plan = None
+        self._step = self._make_step_plan(ctx, slots, replayed=True)
 
     def init_step_metadata(self, ctx: ExecContext) -> None:
-        """An eager step: decode kernels read ctx.state_slots where it lies; forget the last plans."""
-        self._planned = None
-        self._extend_plan = None
+        """An eager step: plan what every op call of the step reads (slot ids on the device, the
+        target-verify row layout), forgetting the last step's plan."""
+        self._step = self._make_step_plan(ctx, self._device_slots(ctx), replayed=False)
 
     def init_chunk_metadata(self, ctx: ExecContext, chunk_size: int) -> None:
-        """Plan the extend path once for all layers: real slots, cu_seqlens (host and device).
+        """Plan the extend path once for all layers (when the step takes it): kept requests, their
+        slots, cu_seqlens on host and device, FLA's chunk indices, the extend conv's token blocks.
 
-        FLA chooses its own chunk length (64), so `chunk_size` (the engine's token budget) sizes
-        nothing here."""
-        self._extend_plan = self._make_plan(ctx)
+        FLA chooses its own chunk length (FLA_CHUNK), so `chunk_size` (the engine's token budget)
+        sizes nothing here."""
+        step = self._step_plan(ctx)
+        if self._takes_extend_path(step):
+            step.extend = self._make_extend_plan(step)
 
-    # -- helpers --------------------------------------------------------------------------------
+    # -- the step plan ------------------------------------------------------------------------------
+
+    def _device_slots(self, ctx: ExecContext) -> torch.Tensor:
+        slots = ctx.state_slots
+        return slots if slots.device == self.device else slots.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _make_step_plan(ctx: ExecContext, slots: torch.Tensor, replayed: bool) -> _StepPlan:
+        width = None
+        if Mode(ctx.mode) == Mode.TARGET_VERIFY and ctx.num_seqs and ctx.num_tokens % ctx.num_seqs == 0:
+            n = ctx.num_tokens // ctx.num_seqs
+            width = n if all(q == n for q in ctx.query_lens) else None
+        return _StepPlan(ctx, slots, replayed, width)
+
+    def _step_plan(self, ctx: ExecContext) -> _StepPlan:
+        """This step's plan; made here only for a caller that skipped init_step_metadata (tests)."""
+        if self._step is None or self._step.ctx is not ctx:
+            self._step = self._make_step_plan(ctx, self._device_slots(ctx), replayed=False)
+        return self._step
+
+    @staticmethod
+    def _takes_extend_path(step: _StepPlan) -> bool:
+        mode = Mode(step.ctx.mode)
+        return mode in (Mode.EXTEND, Mode.MIXED) or (mode == Mode.TARGET_VERIFY and step.verify_width is None)
+
+    def _make_extend_plan(self, step: _StepPlan) -> _ExtendPlan:
+        """Host tables from the step's lengths (torch on the host, no loop over requests), one copy."""
+        ctx = step.ctx
+        lens = torch.tensor(ctx.query_lens, dtype=torch.int64)
+        keep = torch.nonzero(lens).flatten()
+        lens = lens[keep]
+        R, T = lens.shape[0], int(lens.sum())
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)])
+        bounds = torch.cat([cu, torch.tensor([ctx.num_tokens], dtype=torch.int64)])
+        chunks = _token_blocks(lens, FLA_CHUNK)
+        # The padding rows are request R of the conv's table: their programs write zeros.
+        blocks = _token_blocks(torch.cat([lens, bounds[-1:] - T]), _kernels().CONV_EXTEND_BLOCK_T)
+        bounds_dev, keep_dev, chunks_dev, blocks_dev = _to_device_at_once(
+            [bounds, keep, chunks, blocks], self.device)
+        slots = step.slots[:ctx.num_real_seqs]
+        slots = slots if R == ctx.num_real_seqs else slots.index_select(0, keep_dev)
+        return _ExtendPlan(T, slots, bounds_dev[:R + 1], cu, chunks_dev, bounds_dev, blocks_dev)
+
+    def _extend_plan(self, step: _StepPlan) -> _ExtendPlan:
+        if step.extend is None:
+            step.extend = self._make_extend_plan(step)  # a caller that skipped init_chunk_metadata (tests)
+        return step.extend
+
+    # -- helpers: constant host work per op call ----------------------------------------------------
 
     def _step_slots(self, ctx: ExecContext) -> torch.Tensor:
         """Slot ids [B] for this step on the pool's device: the static buffer in a replayed step."""
-        if self._planned is not None and self._planned[0] is ctx:
-            return self._planned[1]
-        slots = ctx.state_slots
-        if slots.device != self.device:
-            slots = slots.to(self.device, non_blocking=True)
-        return slots
-
-    def _verify_width(self, ctx: ExecContext, rows: int) -> int | None:
-        """Tokens per request n if this target-verify step has rows b*n .. b*n+n-1 for request b."""
-        B = ctx.num_seqs
-        if B == 0 or rows % B:
-            return None
-        n = rows // B
-        return n if all(q == n for q in ctx.query_lens) else None
+        return self._step_plan(ctx).slots
 
     def _route(self, ctx: ExecContext, op: str, layer_id: int, rows: int) -> tuple[str, int]:
         """('decode', 1), ('verify', n) or ('extend', 0): which path this op call takes."""
+        step = self._step_plan(ctx)
         mode = Mode(ctx.mode)
-        replayed = self._planned is not None and self._planned[0] is ctx
         if mode == Mode.DECODE:
             if rows != ctx.num_seqs:
                 raise ValueError(f"{self.name}: hgc.{op} (layer {layer_id}) got {rows} rows for {ctx.num_seqs} "
                                  f"requests; a decode step has exactly one row per request, padding included")
             return "decode", 1
+        if rows != ctx.num_tokens:
+            raise ValueError(f"{self.name}: hgc.{op} (layer {layer_id}) got {rows} rows for a step of "
+                             f"{ctx.num_tokens}; ops see every row of the step, padding included")
         if mode == Mode.TARGET_VERIFY:
-            n = self._verify_width(ctx, rows)
-            if n is not None:
-                return "verify", n
-            if replayed:
+            if step.verify_width is not None:
+                return "verify", step.verify_width
+            if step.replayed:
                 raise WrongModeError(
                     f"{self.name}: hgc.{op} (layer {layer_id}): a replayed target_verify step must give every "
                     f"request the same number of rows (rows {rows}, requests {ctx.num_seqs}, lengths "
                     f"{ctx.query_lens}); ragged verify steps only run eagerly")
             return "extend", 0
-        if replayed:
+        if step.replayed:
             raise WrongModeError(f"{self.name}: hgc.{op} (layer {layer_id}) in a replayed {mode.value!r} step; "
                                  f"extend and mixed steps of linear layers run eagerly (FLA chunk kernels)")
         return "extend", 0
@@ -225,28 +318,14 @@ class TritonLinearBackend(BackendHooks):
     def _fla_ops(self) -> types.SimpleNamespace:
         if self._fla is None:
             self._fla = fla_ops()
+        if self._fla_chunk_indices is None:
+            # FLA versions differ in which entry points take precomputed chunk indices; where one
+            # does not, it derives them from cu_seqlens_cpu through FLA's cache keyed by tensor
+            # identity, which the plan's shared tensors hit on every layer after the first.
+            self._fla_chunk_indices = frozenset(
+                name for name in ("gdn", "kda", "simple_gla")
+                if "chunk_indices" in inspect.signature(getattr(self._fla, name)).parameters)
         return self._fla
-
-    def _make_plan(self, ctx: ExecContext) -> _ExtendPlan:
-        keep = [b for b, n in enumerate(ctx.query_lens) if n > 0]
-        lens = [ctx.query_lens[b] for b in keep]
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        cu_cpu = torch.tensor(cu, dtype=torch.int64)
-        slots = self._step_slots(ctx)[:ctx.num_real_seqs]
-        if len(keep) != ctx.num_real_seqs:
-            slots = slots[torch.tensor(keep, dtype=torch.int64, device=slots.device)]
-        if len(keep) == ctx.num_real_seqs and ctx.query_start_loc.device == self.device:
-            cu_dev = ctx.query_start_loc[:len(keep) + 1].to(torch.int64)  # already on the device: no copy
-        else:
-            cu_dev = cu_cpu.to(self.device, non_blocking=True)
-        return _ExtendPlan(ctx, ctx.num_real_tokens, lens, slots.to(torch.int64), cu_dev, cu_cpu, {})
-
-    def _plan(self, ctx: ExecContext) -> _ExtendPlan:
-        if self._extend_plan is None or self._extend_plan.ctx is not ctx:
-            self._extend_plan = self._make_plan(ctx)  # a caller that skipped init_chunk_metadata (tests)
-        return self._extend_plan
 
     @staticmethod
     def _rows(t: torch.Tensor, t0: int, n: int) -> torch.Tensor:
@@ -255,14 +334,22 @@ class TritonLinearBackend(BackendHooks):
 
     # -- the extend path (eager) ---------------------------------------------------------------
 
-    def _chunk(self, ctx, op, layer_id, out, call) -> None:
-        """Run one FLA chunk call over the step's real requests, states gathered and scattered by slot."""
-        plan = self._plan(ctx)
+    def _chunk(self, ctx, op, layer_id, out, fla_name: str, tokens: dict, **options) -> None:
+        """One FLA chunk call over the step's real requests, states gathered and scattered by slot.
+
+        `tokens`: the call's per-token inputs over the step's rows; `options`: its other keyword
+        arguments. Everything derived from the step comes from the plan."""
+        plan = self._extend_plan(self._step_plan(ctx))
         T = plan.num_tokens
-        if T > 0 and plan.lens:
+        if T > 0:
             states = self._layer_state(layer_id, "recurrent")
             h0 = states.index_select(0, plan.slots)  # [R, H, Dk, Dv] float32, a copy FLA may overwrite
-            o, ht = call(self._fla_ops(), T, h0, plan)
+            fla = self._fla_ops()
+            if fla_name in self._fla_chunk_indices:
+                options["chunk_indices"] = plan.chunk_indices
+            o, ht = getattr(fla, fla_name)(**{name: t[None, :T] for name, t in tokens.items()}, **options,
+                                           initial_state=h0, output_final_state=True,
+                                           cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu)
             if ht is None or tuple(ht.shape) != tuple(h0.shape):
                 raise RuntimeError(f"{self.name}: hgc.{op} (layer {layer_id}): FLA returned a final state of shape "
                                    f"{None if ht is None else tuple(ht.shape)}, expected {tuple(h0.shape)}")
@@ -273,70 +360,26 @@ class TritonLinearBackend(BackendHooks):
 
     def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
         q, k = _in_dtype_of(v, q, k)
-        def call(fla, T, h0, plan):
-            return fla.gdn(q=q[None, :T], k=k[None, :T], v=v[None, :T], g=g[None, :T], beta=beta[None, :T],
-                           scale=scale, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
-                           cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu)
-        self._chunk(ctx, "gdn_core", layer_id, out, call)
+        self._chunk(ctx, "gdn_core", layer_id, out, "gdn", dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
+                    use_qk_l2norm_in_kernel=False)
 
     def _kda_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
         q, k = _in_dtype_of(v, q, k)
-        def call(fla, T, h0, plan):
-            return fla.kda(q=q[None, :T], k=k[None, :T], v=v[None, :T], g=g[None, :T], beta=beta[None, :T],
-                           scale=scale, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
-                           cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu)
-        self._chunk(ctx, "kda_core", layer_id, out, call)
+        self._chunk(ctx, "kda_core", layer_id, out, "kda", dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
+                    use_qk_l2norm_in_kernel=False)
 
     def _lightning_extend(self, ctx, q, k, v, decay, out, layer_id, scale):
         q, k = _in_dtype_of(v, q, k)
-        def call(fla, T, h0, plan):
-            # g_gamma: FLA's constant per-head log-decay, exactly Lightning's; no [T, H] gate tensor.
-            return fla.simple_gla(q=q[None, :T], k=k[None, :T], v=v[None, :T], g_gamma=decay.float(), scale=scale,
-                                  initial_state=h0, output_final_state=True, cu_seqlens=plan.cu_seqlens,
-                                  cu_seqlens_cpu=plan.cu_seqlens_cpu)
-        self._chunk(ctx, "lightning_core", layer_id, out, call)
-
-    def _conv_indices(self, plan: _ExtendPlan, K: int):
-        """Gather indices of the extend conv for kernel width K, made once per step (host lists, one copy).
-
-        Request r's block in the scratch E [T + R*(K-1), C] is its K-1 history rows then its tokens,
-        at offset cu[r] + r*(K-1). Token i of request r reads E[cu[r] + r*(K-1) + i + j], j < K; the
-        new history is the block's last K-1 rows."""
-        if K not in plan.conv:
-            P = K - 1
-            win, hist, tok, tail = [], [], [], []
-            for r, n in enumerate(plan.lens):
-                off = int(plan.cu_seqlens_cpu[r]) + r * P
-                hist.extend(range(off, off + P))
-                tok.extend(range(off + P, off + P + n))
-                win.extend(range(off, off + n))
-                tail.extend(range(off + n, off + n + P))
-            idx = torch.tensor([win, tok], dtype=torch.int64).to(self.device, non_blocking=True)
-            side = torch.tensor([hist, tail], dtype=torch.int64).to(self.device, non_blocking=True)
-            plan.conv[K] = (idx[0], side[0], idx[1], side[1])
-        return plan.conv[K]
+        # g_gamma: FLA's constant per-head log-decay, exactly Lightning's; no [T, H] gate tensor.
+        self._chunk(ctx, "lightning_core", layer_id, out, "simple_gla", dict(q=q, k=k, v=v), scale=scale,
+                    g_gamma=decay.float())
 
     def _conv_extend(self, ctx, x, weight, bias, out, layer_id, silu):
-        plan = self._plan(ctx)
-        T = plan.num_tokens
-        if T > 0 and plan.lens:
-            states = self._layer_state(layer_id, "conv")  # [slots+1, C, K-1]
-            C, K = weight.shape
-            R, P = len(plan.lens), K - 1
-            win, hist, tok, tail = self._conv_indices(plan, K)
-            E = torch.empty(T + R * P, C, dtype=torch.float32, device=x.device)
-            E[hist] = states.index_select(0, plan.slots).float().transpose(1, 2).reshape(R * P, C)
-            E[tok] = x[:T].float()
-            w = weight.float()
-            y = E[win] * w[:, 0]
-            for j in range(1, K):  # same order of additions as the reference's sum over the window
-                y = y + E[win + j] * w[:, j]
-            if bias is not None:
-                y = y + bias.float()
-            out[:T].copy_(F.silu(y) if silu else y)
-            states.index_copy_(0, plan.slots, E[tail].reshape(R, P, C).transpose(1, 2).to(states.dtype))
-        if out.shape[0] > T:
-            out[T:].zero_()
+        """The Triton extend conv, one launch: every request's tokens, its new history, zero padding rows."""
+        plan = self._extend_plan(self._step_plan(ctx))
+        _kernels().short_conv_extend(x, weight, bias, out, self._layer_state(layer_id, "conv"), plan.slots,
+                                     plan.conv_bounds, plan.conv_blocks, silu,
+                                     what=f"{self.name}: hgc.short_conv (layer {layer_id})")
 
     def _keep_intermediate(self, ctx: ExecContext, layer_id: int, entry: str, state: torch.Tensor,
                            slots: torch.Tensor, t: int, n: int) -> None:
