@@ -40,6 +40,11 @@ Lifecycle:
    parity; `graph_runner_factory` makes a started runner for the engine (runtime/server/model.py),
    with the artifact's buckets clipped to its limits.
 
+Side streams: with `hgc compile --overlap`, split.json gives captured pieces side branches; the
+loader hands the runner those pieces already rewritten to fork each branch onto a second CUDA stream
+and join it back inside the piece (runtime/side_stream.py, which states the capture rule), so full
+and piecewise captures record both streams and eager steps run them too. Nothing here changes.
+
 It does not build requests or sample (the engine does) and does not choose kernels (routing did:
 which nodes sit in captured pieces is split.json's decision, read here through the program's plans).
 """

@@ -231,7 +231,7 @@ def test_the_dump_and_inspect_show_the_side_streams(qwen, capsys):
     assert {r["beside"] for r in doc["side_branches"]} == {"moe", "moe_1", "moe_2"}
 
 
-def test_flags_the_pass_does_not_combine_with_are_refused(qwen, capsys):
+def test_what_the_pass_does_not_combine_with_is_refused(qwen, capsys):
     qwen = qwen[0]
     for argv, message in ((["--overlap", "--tp", "2"], "--overlap with --tp 2"),
                           (["--overlap-min-bytes", "10"], "needs --overlap"),
@@ -239,6 +239,9 @@ def test_flags_the_pass_does_not_combine_with_are_refused(qwen, capsys):
         assert main(["compile", str(qwen / "c"), "-o", str(qwen / "x"), *argv]) == 2
         assert message in capsys.readouterr().err
     assert not (qwen / "x").exists()
+    assert main(["build", str(qwen / "on"), "--device", "cpu"]) == 2  # compiled pieces: one call per glue run
+    assert "compiled with --overlap; compiled pieces cannot be split across its two streams" in capsys.readouterr().err
+    assert not (qwen / "on" / "targets").exists()
 
 
 # -- the same outputs ---------------------------------------------------------------------------------

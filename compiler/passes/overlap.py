@@ -50,6 +50,8 @@ main stream: their backends plan per step on it).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import operator
 
@@ -104,9 +106,12 @@ def _alias_root(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def _size(dim, tokens: int) -> int:
-    if isinstance(dim, int):
-        return dim
-    expr = dim.node.expr
+    return dim if isinstance(dim, int) else _at(dim.node.expr, tokens)
+
+
+@functools.lru_cache(maxsize=4096)
+def _at(expr, tokens: int) -> int:
+    """A symbolic size with every symbol (the token count, the logits rows) set to `tokens`."""
     return int(expr.subs({s: tokens for s in expr.free_symbols}))
 
 
@@ -186,6 +191,7 @@ def find_branches(nodes: list[torch.fx.Node], min_bytes: int = MIN_BRANCH_BYTES)
     graph = piece_graph(nodes)
     position = {n: i for i, n in enumerate(nodes)}
     cost = {n: node_bytes(n) for n in nodes}
+    before = [0, *itertools.accumulate(cost[n] for n in nodes)]  # before[i]: bytes of nodes[:i]
     written = {_alias_root(v) for n in nodes if is_op_node(n) for v in _writes(n)}
     fit = {n for n in nodes if _side_fit(n, written)}
     anchors = sorted((n for n in nodes if is_op_node(n) and cost[n] >= min_bytes), key=lambda n: (-cost[n], position[n]))
@@ -210,7 +216,8 @@ def find_branches(nodes: list[torch.fx.Node], min_bytes: int = MIN_BRANCH_BYTES)
             if any(not (j <= fork or join <= f) for f, j, _ in kept):
                 continue
             side = sum(cost[n] for n in component)
-            main = sum(cost[n] for n in nodes[fork + 1:join] if n not in component and n not in taken)
+            main = before[join] - before[fork + 1] - sum(cost[n] for n in component | taken
+                                                         if fork < position[n] < join)
             if side < max(min_bytes, 1) or main < min_bytes:
                 continue
             ordered = sorted(component, key=position.__getitem__)
@@ -221,19 +228,31 @@ def find_branches(nodes: list[torch.fx.Node], min_bytes: int = MIN_BRANCH_BYTES)
     return tuple(b for _, _, b in sorted(kept, key=lambda k: k[0]))
 
 
+def _reached(graph: nx.DiGraph, sources: set, step) -> dict:
+    """Every node reached from `sources` along `step` (graph.successors or graph.predecessors),
+    sources excluded unless reached again: {node: the source it was reached from}."""
+    seen, frontier = {}, [(n, n) for n in sources]
+    while frontier:
+        node, source = frontier.pop()
+        for nxt in step(node):
+            if nxt not in seen:
+                seen[nxt] = source
+                frontier.append((nxt, source))
+    return seen
+
+
 def check_branch(nodes: list[torch.fx.Node], graph: nx.DiGraph, branch: SideBranch) -> str | None:
     """The dependency rule for one branch on the piece's dataflow graph: None, or what breaks it."""
     by_name = {n.name: n for n in nodes}
     position = {n: i for i, n in enumerate(nodes)}
     fork, join = _interval(branch, {n.name: i for i, n in enumerate(nodes)}, len(nodes))
     side = {by_name[n] for n in branch.nodes}
-    for node in side:
-        late = [a.name for a in nx.ancestors(graph, node) if a not in side and position[a] > fork]
-        if late:
-            return f"side node {node.name} depends on main node {late[0]} after the fork"
-        early = [d.name for d in nx.descendants(graph, node) if d not in side and position[d] < join]
-        if early:
-            return f"main node {early[0]} before the join depends on side node {node.name}"
+    for node, source in _reached(graph, side, graph.predecessors).items():
+        if node not in side and position[node] > fork:
+            return f"side node {source.name} depends on main node {node.name} after the fork"
+    for node, source in _reached(graph, side, graph.successors).items():
+        if node not in side and position[node] < join:
+            return f"main node {node.name} before the join depends on side node {source.name}"
     return None
 
 
