@@ -222,7 +222,7 @@ def test_the_dump_and_inspect_show_the_side_streams(qwen, capsys):
 
     assert main(["inspect", str(qwen / "on")]) == 0
     out = capsys.readouterr().out
-    assert "overlap: on (4 side-stream branch(es); size rule 4096 bytes)" in out and "fork after" in out
+    assert "overlap: on (4 side-stream branch(es); size rule 4096 bytes at one token)" in out and "fork after" in out
     assert main(["inspect", str(qwen / "off")]) == 0
     assert "overlap: off" in capsys.readouterr().out
     assert main(["inspect", str(qwen / "on"), "--json"]) == 0

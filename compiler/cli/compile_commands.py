@@ -157,7 +157,8 @@ def _plan_report(result, args, title: str) -> int:
         print(json.dumps({
             "family": traced.family.name, "target": ctx.config.target, "stopped_after": ctx.stopped_after,
             "registry": ctx.registry.to_json(), "layers": routing_rows(ctx.routing),
-            "split": split_rows(ctx.split_plans), "counts": counts, "findings": [f.to_json() for f in findings],
+            "split": split_rows(ctx.split_plans), "side_branches": side_branch_rows(ctx.split_plans),
+            "counts": counts, "findings": [f.to_json() for f in findings],
             "memory": {k: v for k, v in memory.items() if k != "table"}}))
     else:
         if ctx.routing:
@@ -166,6 +167,7 @@ def _plan_report(result, args, title: str) -> int:
         if ctx.split_plans:
             print(tabulate(split_rows(ctx.split_plans), headers="keys", tablefmt="simple"))
             print()
+            _print_overlap(_overlap_rule(result.fingerprints), side_branch_rows(ctx.split_plans))
         print(_findings_table(findings))
         print()
         print(memory_lines(memory))
@@ -283,7 +285,7 @@ def cmd_inspect(args) -> int:
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
     print()
-    _print_overlap(m["compile"], branches)
+    _print_overlap(_overlap_rule(m["passes"]), branches)
     if docs.sharding is not None:
         _print_sharding(docs.sharding)
     if bundles:
@@ -295,15 +297,19 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _print_overlap(compiled: dict, branches: list[dict]) -> None:
-    """Whether the compile ran the overlap pass, and its side-stream branches."""
-    if not compiled.get("overlap"):
+def _overlap_rule(fingerprints: list[dict]) -> int | None:
+    """The overlap pass's size rule, from the pipeline's pass fingerprints (None: it did not run)."""
+    return next((f["config"]["min_bytes"] for f in fingerprints if f["name"] == "overlap"), None)
+
+
+def _print_overlap(min_bytes: int | None, branches: list[dict]) -> None:
+    """Whether the compile ran the overlap pass (`min_bytes`: its size rule, None: it did not run),
+    and its side-stream branches."""
+    if min_bytes is None:
         print("overlap: off (hgc compile --overlap puts independent branches on a second CUDA stream)\n")
         return
-    rule = compiled.get("overlap_min_bytes")
-    print(f"overlap: on ({len(branches)} side-stream branch(es); size rule "
-          f"{'the pass default' if rule is None else f'{rule} bytes'}); on CUDA each runs on a second stream "
-          f"between its fork and join, on the CPU in graph order")
+    print(f"overlap: on ({len(branches)} side-stream branch(es); size rule {min_bytes} bytes at one token); on CUDA "
+          f"each runs on a second stream between its fork and join, on the CPU in graph order")
     if branches:
         print(tabulate(branches, headers="keys", tablefmt="simple"))
     print()

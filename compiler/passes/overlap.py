@@ -1,14 +1,17 @@
 """OverlapPass (`--overlap`): branches of each captured piece that can run on a second CUDA stream.
 
-A captured piece is a dataflow graph: FX's edges (a node reads another's value) plus the order the
-op cores impose by writing their `out` in place (an op's out is read after the op, so every later
-reader of it, or of a view of it, depends on the op; an earlier reader must run before it). For
-each captured piece of every mode's plan, this pass builds that graph with networkx and:
+A captured piece is a dataflow graph: FX's edges (a node reads another's value) plus the order
+in-place writes impose (an op core writes its `out`: every later reader of it, or of a view of
+it, depends on the op; an earlier reader must run before it). For each captured piece of every
+mode's plan, this pass builds that graph with networkx and:
 
-1. takes the piece's heavy nodes as anchors (op cores and matmuls), largest first by bytes moved;
+1. takes the piece's op cores as anchors, largest first by bytes moved. Op cores (the MoE block,
+   attention, recurrent scans) are the kernels that at decode batch sizes launch too few
+   programs to fill the GPU (one per expert, per request and head): the room a second stream can
+   use. A library matmul is sized to fill the GPU by itself, so it is no anchor;
 2. for each anchor, the nodes that are neither its ancestors nor its descendants can run at the
-   same time as it; among them, those fit for the side stream (aten glue: no hgc op, nothing
-   written in place, no value an op of the piece writes) fall into weakly connected components:
+   same time as it; among them, those fit for the side stream (aten glue: no op core, nothing
+   written in place, no buffer the piece writes in place) fall into weakly connected components:
    each component is a candidate branch;
 3. a branch forks after the last main node it reads (the side stream waits on the main stream
    there) and joins before the first main node that reads it (the main stream waits on the side
@@ -24,8 +27,12 @@ out of the moe op) the moe op is its layer's largest anchor, and the shared expe
 gate/up and down matmuls, the activation, the gate's matmul and sigmoid) is the component
 independent of it: forked after the MoE input's norm, joined before the sum of the two. The
 router GEMM is inside the moe op, so the shared expert overlaps router and routed experts alike.
-Whatever else the graph holds that is independent and large enough is found the same way (in an
-MLA layer, the kv down-projection beside the q projections).
+Whatever else is independent of an op core and large enough is found the same way: under a
+lower size rule, a Lightning layer's output-gate projection beside its recurrent core, a KDA
+layer's gate projections beside its short convolution (decode plans, where both share a piece).
+At the default rule only the shared experts are, on every family's bench config and on the
+published Qwen3-Next-80B and (dense: nothing) Qwen3.6-27B configs (tests/test_overlap.py checks
+the published two).
 
 The size rule. Each branch, and the main work it overlaps, must move at least `MIN_BRANCH_BYTES`
 (bytes read plus written by its nodes, from the shapes in the node metadata, at one token: the
@@ -137,7 +144,9 @@ def node_bytes(node: torch.fx.Node, tokens: int = REFERENCE_TOKENS) -> int:
 
 def _side_fit(node: torch.fx.Node, written: set) -> bool:
     """Aten glue the side stream may run: no op core, nothing written in place, nothing random,
-    no value (or view of one) that an op of the piece writes, a tensor value (or none: a check)."""
+    no value (or view of one) that a node of the piece writes in place, a tensor value (or none: a
+    check). The graph's write edges would order such a reader anyway; keeping it on the main
+    stream leaves no written buffer shared between streams."""
     if node.op != "call_function" or is_op_node(node) or _writes(node):
         return False
     schema = _schema(node)
@@ -192,7 +201,7 @@ def find_branches(nodes: list[torch.fx.Node], min_bytes: int = MIN_BRANCH_BYTES)
     position = {n: i for i, n in enumerate(nodes)}
     cost = {n: node_bytes(n) for n in nodes}
     before = [0, *itertools.accumulate(cost[n] for n in nodes)]  # before[i]: bytes of nodes[:i]
-    written = {_alias_root(v) for n in nodes if is_op_node(n) for v in _writes(n)}
+    written = {_alias_root(v) for n in nodes for v in _writes(n)}
     fit = {n for n in nodes if _side_fit(n, written)}
     anchors = sorted((n for n in nodes if is_op_node(n) and cost[n] >= min_bytes), key=lambda n: (-cost[n], position[n]))
     taken: set[torch.fx.Node] = set()
