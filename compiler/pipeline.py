@@ -36,7 +36,9 @@ from compiler.passes.context import CompileConfig, CompileContext
 from compiler.passes.instruments import DumpInstrument, ProgressInstrument, TimingInstrument
 from compiler.passes.lints import LintPass
 from compiler.passes.manager import PassManager
+from compiler.passes.overlap import OverlapPass
 from compiler.passes.routing import RoutingPass
+from compiler.passes.shared_expert import SharedExpertPass
 from compiler.passes.sharding import ShardingPass
 from compiler.passes.split import SplitPass
 from compiler.splitops.artifact import DUMPS
@@ -48,15 +50,21 @@ __all__ = ["build_passes", "plan", "run_passes", "compile_checkpoint", "CompileR
 def build_passes(config: CompileConfig) -> list[CompilePass]:
     # -- tensor parallel: each weight's cut across ranks, collectives as op nodes (--tp > 1 only) --
     sharding = [ShardingPass(config.tp)] if config.tp > 1 else []
+    # -- --overlap only (off by default until a GPU benchmark shows a gain): shared experts out of
+    #    the moe op before routing sees the graph, side-stream branches once the pieces exist ------
+    unfuse = [SharedExpertPass()] if config.overlap else []
+    overlap = [OverlapPass(config.overlap_min_bytes)] if config.overlap else []
     return sharding + [
         # -- facts: what each op node is (op, layer id, registry kind, module) -------------------
         AnnotateOpsPass(),
         # -- the graphs against the LayerRegistry; errors stop here (routing needs known layers) --
         LintPass("lint_registry", REGISTRY_RULES),
+        *unfuse,
         # -- binding: each op node to a backend of the target device ------------------------------
         RoutingPass(),
         # -- partition: one order-preserving plan per mode, gaps at ops declared eager ------------
         SplitPass(),
+        *overlap,
         # -- what the plans would capture, and the backend wrappers --------------------------------
         LintPass("lint_capture", CAPTURE_RULES + BACKEND_RULES),
     ]

@@ -10,6 +10,12 @@
    afterwards it replays the key's graph, checking in debug mode that every input sits at the
    address it was captured with.
 
+A piece with side-stream branches (split.json, `hgc compile --overlap`) arrives here rewritten by
+the loader (runtime/side_stream.py): its capture records both streams. That works because every
+branch's side stream first waits on an event recorded on the capturing stream (joining the
+capture) and the capturing stream waits on the side stream before the piece returns, so before
+`capture` ends: a side stream left unjoined would fail the capture.
+
 Piecewise graphs need no copies between pieces: every op is "with output", so the `out` an eager
 gap writes was allocated by the captured piece before it, inside the graph pool, at an address the
 next piece was captured with. Which keys exist is runtime/buckets.py's business; what a step puts

@@ -48,6 +48,10 @@ program, whose `hidden` input (the previous position's hidden states) is one mor
 returns them); `run` the logits. Two runners over the same backend instances (main and draft)
 share their static buffers: the main runner's `init_capture_state` sizes them for both, and the
 draft captures with `capture(init_backend=False)` (runtime/speculative.py does).
+Side streams: with `hgc compile --overlap`, split.json gives captured pieces side branches; the
+loader hands the runner those pieces already rewritten to fork each branch onto a second CUDA stream
+and join it back inside the piece (runtime/side_stream.py, which states the capture rule), so full
+and piecewise captures record both streams and eager steps run them too. Nothing here changes.
 
 It does not build requests or sample (the engine does) and does not choose kernels (routing did:
 which nodes sit in captured pieces is split.json's decision, read here through the program's plans).

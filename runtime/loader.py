@@ -26,6 +26,11 @@ Lifecycle, one module per role:
    pieces are checked, consented to and loaded (`compiled`: CompiledOptions); each mode's split
    module then runs them in place of the traced glue (runtime/compiled_glue.py), and
    `module_for(mode, compiled=False)` still gives the traced glue (the start-up check's reference).
+6. runtime/side_stream.py: on a CUDA device, each captured piece with side branches (split.json,
+   `hgc compile --overlap`) is rewritten to fork its branches onto a second stream and join them
+   back (`module_for`); on the CPU the nodes run in graph order. Side branches and compiled
+   pieces do not combine yet (a compiled segment is one call, it cannot be split across
+   streams): the runner refuses the pair.
 
 What it does not do: allocate caches (runtime pools), schedule requests (the engine), capture
 CUDA graphs (the graph runner), choose a backend (routing did), or trust anything it has not checked.
@@ -44,12 +49,14 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from compiler.splitops import LayerRegistry, Mode
 from compiler.splitops.artifact import (PROGRAM_FILES, PROGRAM_INPUTS, WEIGHT_MAP, ArtifactFormatError, SplitPlan,
-                                        apply_split_plan, load_json, parse_weights_doc, program_outputs)
+                                        apply_split_plan, load_json, parse_weights_doc, piece_module_names,
+                                        program_outputs)
 from runtime.artifact_docs import ArtifactDocs, LoadError, config_value, read_artifact
 from runtime.binding import Backends, bind_graph, build_backends, check_binding
 from runtime.bundle import CompiledBundle, CompiledOptions, open_bundle
 from runtime.memory_planner import MemoryPlanError, check_fits
 from runtime.pt2_check import check_pt2_bytes, load_program
+from runtime.side_stream import CudaSideStream, StreamPlanError, stream_piece
 from runtime.weights import WeightFiles, assemble, check_load_format, whole_shapes
 
 __all__ = ["LoadError", "ArtifactDocs", "LoadedArtifact", "ProgramRunner", "read_artifact", "load_artifact",
@@ -63,9 +70,20 @@ class ProgramRunner:
     (compiler/splitops/artifact.py `program_outputs`)."""
 
     def __init__(self, name: str, program, plans: dict[Mode, SplitPlan], weights: list[torch.Tensor], ops,
-                 device: torch.device, docs: ArtifactDocs, outputs: tuple[str, ...] = ("logits",), glue=None):
-        """glue: the program's CompiledGlue (runtime/compiled_glue.py), or None to run the traced glue."""
+                 device: torch.device, docs: ArtifactDocs, outputs: tuple[str, ...] = ("logits",), glue=None,
+                 streams=None):
+        """glue: the program's CompiledGlue (runtime/compiled_glue.py), or None to run the traced glue.
+        streams: what runs the plans' side branches (None: a CudaSideStream on a CUDA device, nothing
+        elsewhere; False: nothing: the nodes run in graph order, what a benchmark compares with)."""
         self.name, self.program, self.plans, self.ops, self.device = name, program, plans, ops, device
+        branched = [m.value for m, plan in plans.items() if plan.side_branches()]
+        if branched and glue is not None:
+            raise LoadError(f"{docs.path}: the {name} program has side-stream branches (hgc compile --overlap; modes "
+                            f"{', '.join(branched)}) and a target bundle of compiled pieces: the two do not combine "
+                            f"yet; run with --no-compiled, or recompile without --overlap")
+        if streams is None and branched and torch.device(device).type == "cuda":
+            streams = CudaSideStream(torch.device(device))
+        self.streams = streams or None
         self.weights = weights
         self.outputs = tuple(outputs)
         sig = program.graph_signature
@@ -81,14 +99,26 @@ class ProgramRunner:
         """The mode's split module; with the compiled pieces in place of the glue unless `compiled` is False."""
         plan = self.plans[Mode(mode)]
         compiled = compiled and self.glue is not None
-        key = (compiled, tuple((p.kind, p.nodes) for p in plan.pieces))
+        key = (compiled, tuple((p.kind, p.nodes, p.branches) for p in plan.pieces))
         if key not in self._by_plan:
             try:
                 split = apply_split_plan(self._bound, plan)
             except ArtifactFormatError as e:
                 raise LoadError(f"{self.name} program: {e}") from None
+            if self.streams is not None:
+                self._fork_branches(split, plan)
             self._by_plan[key] = self.glue.install(split, plan) if compiled else split
         return self._by_plan[key]
+
+    def _fork_branches(self, split: torch.fx.GraphModule, plan: SplitPlan) -> None:
+        """Step 6 of the module docstring: each captured piece with side branches forks them."""
+        for piece, name in zip(plan.pieces, piece_module_names(plan)):
+            if piece.branches:
+                where = f"{self.name} {plan.mode.value} piece {piece.index}"
+                try:
+                    stream_piece(getattr(split, name), piece.branches, self.streams, where)
+                except StreamPlanError as e:
+                    raise LoadError(str(e)) from None
 
     def user_outputs(self, mode: Mode, inputs, compiled: bool = True) -> list:
         """The program's user outputs (flat) for one call in `mode` (call inside `ops.step(ctx)`)."""
@@ -128,8 +158,9 @@ class LoadedArtifact:
         """The instances routing.json names, built over the pools (runtime/binding.py build_backends)."""
         return build_backends(self.docs, self.programs, kv_pool, state_pool, self.device, registry)
 
-    def runner(self, ops, program: str = "main") -> ProgramRunner:
-        """The program with every op node bound to the instance of `ops.backend` its routing entry names."""
+    def runner(self, ops, program: str = "main", streams=None) -> ProgramRunner:
+        """The program with every op node bound to the instance of `ops.backend` its routing entry names.
+        `streams`: what runs side branches (ProgramRunner; default: a CUDA side stream on a CUDA device)."""
         if program not in self.programs:
             raise LoadError(f"{self.docs.path}: no {program} program (programs: {sorted(self.programs)})")
         ep = self.programs[program]
@@ -137,7 +168,7 @@ class LoadedArtifact:
         tensors = [self.weights[self.program_fqns[program][fqn]] for fqn in lifted]
         glue = self.compiled.glue(program) if self.compiled is not None else None
         return ProgramRunner(program, ep, self.split_plans[program], tensors, ops, self.device, self.docs,
-                             program_outputs(program, self.programs), glue)
+                             program_outputs(program, self.programs), glue, streams)
 
     def forward_for(self, mode: Mode | str, ops, program: str = "main") -> Callable:
         """The program's forward in one mode: (input_ids, positions, logits_index) -> logits for "main"

@@ -12,6 +12,10 @@ so capture-safety of a kernel is checked only on the GPU (tests/test_gpu_graphs.
 
 `inside` tells a test backend whether it runs in a capture or replay, so it can misbehave only
 there: the start-up parity check must catch it.
+
+`RecordingSideStream` stands in for runtime.side_stream.CudaSideStream on the CPU: the loader then
+rewrites pieces with side branches as it does on a GPU, and the stand-in records each fork,
+leave and join (and refuses them out of order), so the rewritten pieces run, in graph order, in CI.
 """
 
 from __future__ import annotations
@@ -58,6 +62,32 @@ class RerunGraphs:
 
     def synchronize(self, device) -> None:
         pass
+
+
+class RecordingSideStream:
+    """fork / leave / join as a rewritten piece calls them, recorded; a call out of order is an error."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.kept: list[int] = []  # how many main-stream values each join kept alive
+        self.on_side = False
+        self.open = 0
+
+    def fork(self) -> None:
+        assert not self.on_side and self.open == 0, "fork inside an open branch"
+        self.calls.append("fork")
+        self.on_side, self.open = True, 1
+
+    def leave(self) -> None:
+        assert self.on_side, "leave without a fork"
+        self.calls.append("leave")
+        self.on_side = False
+
+    def join(self, *keep) -> None:
+        assert not self.on_side and self.open == 1, "join before the side branch was left"
+        self.calls.append("join")
+        self.kept.append(sum(isinstance(k, torch.Tensor) for k in keep))
+        self.open = 0
 
 
 def greedy(runner, state_pool, prompts, n: int, *, eager: bool = False, sync=None, logits=None):

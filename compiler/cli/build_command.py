@@ -89,6 +89,9 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     if docs.tp > 1:
         raise ValueError(f"{artifact}: compiled for --tp {docs.tp}; compiled pieces are not built for a "
                          f"tensor-parallel artifact yet (none has been checked on ranks): its ranks run the traced glue")
+    if docs.manifest["compile"].get("overlap"):
+        raise ValueError(f"{artifact}: compiled with --overlap; compiled pieces cannot be split across its two "
+                         f"streams yet (runtime/side_stream.py): it runs its traced glue, or recompile without --overlap")
     target = docs.routing.target
     if torch.device(target).type != torch.device(device).type:
         raise ValueError(f"{artifact}: compiled for target {target!r} (its backends run there); build with "

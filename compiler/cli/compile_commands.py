@@ -27,7 +27,7 @@ from compiler.cli.errors import EXIT_BAD_INPUT, UsageError
 from runtime.server.cli import float_in, int_at_least
 
 __all__ = ["add_arguments", "cmd_lint", "cmd_compile", "cmd_inspect", "cmd_verify", "cmd_backends", "routing_rows",
-           "split_rows", "bundle_rows", "TARGETS"]
+           "split_rows", "side_branch_rows", "bundle_rows", "TARGETS"]
 
 # The devices a compile can route to: the devices the built-in backends declare.
 TARGETS = ("cpu", "cuda")
@@ -60,7 +60,8 @@ def _config(args):
     return CompileConfig(target=args.target, dtype=args.dtype,
                          decode_batch_sizes=getattr(args, "decode_buckets", None) or DEFAULT_DECODE_BATCH_SIZES,
                          extend_token_counts=getattr(args, "extend_buckets", None) or DEFAULT_EXTEND_TOKEN_COUNTS,
-                         routes=tuple(args.route or ()), tp=args.tp)
+                         routes=tuple(args.route or ()), tp=args.tp, overlap=bool(args.overlap),
+                         overlap_min_bytes=args.overlap_min_bytes)
 
 
 # -- tables ----------------------------------------------------------------------------------------
@@ -103,9 +104,26 @@ def split_rows(plans: dict) -> list[dict]:
             layout = " ".join(parts)
             rows.append({"program": program, "mode": mode.value if hasattr(mode, "value") else mode,
                          "pieces": len(plan.pieces), "captured": plan.counts()["captured"],
-                         "eager": plan.counts()["eager"],
+                         "eager": plan.counts()["eager"], "side branches": len(plan.side_branches()),
                          "layout": layout if len(layout) <= 100 else layout[:97] + "..."})
     return rows
+
+
+def side_branch_rows(plans: dict) -> list[dict]:
+    """One row per side-stream branch (hgc compile --overlap), the modes whose plans hold it merged:
+    where it forks and joins, its nodes, the op it overlaps, the size rule's bytes at one token."""
+    rows: dict[tuple, dict] = {}
+    for program in _programs_in_order(plans):
+        for mode, plan in plans[program].items():
+            for piece, b in plan.side_branches():
+                row = rows.setdefault((program, b), {
+                    "program": program, "modes": [], "pieces": [], "fork after": b.fork_after or "(piece start)",
+                    "side nodes": f"{len(b.nodes)}: {b.nodes[0]}..{b.nodes[-1]}" if len(b.nodes) > 1 else b.nodes[0],
+                    "join before": b.join_before or "(piece end)", "beside": b.anchor,
+                    "side bytes": b.side_bytes, "main bytes": b.main_bytes})
+                row["modes"].append(mode.value if hasattr(mode, "value") else mode)
+                row["pieces"].append(piece)
+    return [{**r, "modes": " ".join(r["modes"]), "pieces": " ".join(map(str, r["pieces"]))} for r in rows.values()]
 
 
 def _findings_table(findings) -> str:
@@ -139,7 +157,8 @@ def _plan_report(result, args, title: str) -> int:
         print(json.dumps({
             "family": traced.family.name, "target": ctx.config.target, "stopped_after": ctx.stopped_after,
             "registry": ctx.registry.to_json(), "layers": routing_rows(ctx.routing),
-            "split": split_rows(ctx.split_plans), "counts": counts, "findings": [f.to_json() for f in findings],
+            "split": split_rows(ctx.split_plans), "side_branches": side_branch_rows(ctx.split_plans),
+            "counts": counts, "findings": [f.to_json() for f in findings],
             "memory": {k: v for k, v in memory.items() if k != "table"}}))
     else:
         if ctx.routing:
@@ -148,6 +167,7 @@ def _plan_report(result, args, title: str) -> int:
         if ctx.split_plans:
             print(tabulate(split_rows(ctx.split_plans), headers="keys", tablefmt="simple"))
             print()
+            _print_overlap(_overlap_rule(result.fingerprints), side_branch_rows(ctx.split_plans))
         print(_findings_table(findings))
         print()
         print(memory_lines(memory))
@@ -223,6 +243,9 @@ def _inductor_wanted(args):
         return ValueError(f"--inductor --tp {args.tp}: compiled pieces are not built for a tensor-parallel artifact "
                           f"yet (none has been checked on ranks); compile with --tp {args.tp} alone, the ranks run "
                           f"the traced glue")
+    if args.overlap:
+        return ValueError("--inductor --overlap: compiled pieces run each glue run as one call, which cannot be split "
+                          "across the overlap pass's two streams yet; choose one")
     if device not in ("cpu", "cuda"):
         return ValueError(f"--inductor: no compiled target for --target {args.target} (cpu or cuda)")
     if device == "cuda" and not torch.cuda.is_available():
@@ -241,6 +264,7 @@ def cmd_inspect(args) -> int:
     routing = routing_rows(raw_routing["programs"])
     routes = list(docs.routing.routes)
     split = split_rows(docs.split_plans)
+    branches = side_branch_rows(docs.split_plans)
     findings = [Finding.from_json(f) for f in docs.lints.get("findings", [])]
     m = docs.manifest
     bundles = bundle_rows(m)
@@ -248,6 +272,7 @@ def cmd_inspect(args) -> int:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
                           "routes": routes, "buckets": m["buckets"], "weights": m["weights"]["mode"],
                           "backends": raw_routing["backends"], "layers": routing, "split": split,
+                          "side_branches": branches,
                           "findings": [f.to_json() for f in findings], "bundles": bundles,
                           "sharding": None if docs.sharding is None else _sharding_json(docs.sharding)}))
         return 0
@@ -259,6 +284,7 @@ def cmd_inspect(args) -> int:
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
     print()
+    _print_overlap(_overlap_rule(m["passes"]), branches)
     if docs.sharding is not None:
         _print_sharding(docs.sharding)
     if bundles:
@@ -268,6 +294,24 @@ def cmd_inspect(args) -> int:
     print()
     print(_findings_table(findings))
     return 0
+
+
+def _overlap_rule(fingerprints: list[dict]) -> int | None:
+    """The overlap pass's size rule, from the pipeline's pass fingerprints (None: it did not run)."""
+    return next((f["config"]["min_bytes"] for f in fingerprints if f["name"] == "overlap"), None)
+
+
+def _print_overlap(min_bytes: int | None, branches: list[dict]) -> None:
+    """Whether the compile ran the overlap pass (`min_bytes`: its size rule, None: it did not run),
+    and its side-stream branches."""
+    if min_bytes is None:
+        print("overlap: off (hgc compile --overlap puts independent branches on a second CUDA stream)\n")
+        return
+    print(f"overlap: on ({len(branches)} side-stream branch(es); size rule {min_bytes} bytes at one token); on CUDA "
+          f"each runs on a second stream between its fork and join, on the CPU in graph order")
+    if branches:
+        print(tabulate(branches, headers="keys", tablefmt="simple"))
+    print()
 
 
 def _sharding_json(sharding) -> dict:
@@ -365,6 +409,16 @@ def _compile_flags(p) -> None:
                         "rank and fail, saying by how much per rank, when it does not fit")
     p.add_argument("--max-model-len", type=int_at_least(1), default=4096, metavar="N",
                    help="the request --memory-gb is checked with, in tokens")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+                   help="run independent branches of each captured piece on a second CUDA stream (the shared "
+                        "expert beside the MoE op's router and routed experts, which this takes out of the fused "
+                        "op): the overlap pass, shown in split.json, the dumps and `hgc inspect`. Off by default "
+                        "(--no-overlap) until a GPU measurement shows a gain: benchmarks/overlap_bench.py times the "
+                        "MoE layer and the decode step with and without it at batch 1, 8, 32, 128. On the CPU the "
+                        "branches run in order (same tokens). Not with --tp > 1 or --inductor yet")
+    p.add_argument("--overlap-min-bytes", type=int_at_least(0), default=None, metavar="BYTES",
+                   help="with --overlap: the size rule, bytes each branch and the work it overlaps must move at one "
+                        "token (default: 1 MiB, compiler/passes/overlap.py says why)")
 
 
 def add_arguments(subparsers) -> None:

@@ -10,6 +10,16 @@ Example (Qwen3-Next tiny, after the split; extend plan)::
     # ---- piece 1: eager (extend) ----
     %short_conv: = hgc.short_conv(%cat, %squeeze, None, %empty_like, 0, True)   # layer 0 gdn -> cpu_reference
 
+With `--overlap`, the side-stream branches of the shown plan (compiler/passes/overlap.py): where
+each forks and joins, and its nodes::
+
+    %to_15: float32[s72, 64] = aten.to.dtype.dtype(%mul_11, torch.float32)
+    # fork 0: the side stream waits on the main stream here; 12 node(s) on it beside %moe (side 27152 B, main 199168 B at one token)
+    %linear_default: float32[s72, 64] = aten.linear.default(%to_15, %p_model_layers_0_mlp_shared_w13)   # stream 1 (branch 0)
+    ...
+    # join 0: the main stream waits on the side stream here
+    %add_tensor: float32[s72, 64] = aten.add.Tensor.Tensor(%to_18, %mul_tensor)
+
 A tensor-parallel program (`--tp N`) also shows what one rank holds (the sharding pass's notes)::
 
     %p_model_layers_0_mlp_w13: float32[8, 32, 64] = weight   # shard: dim 1 / 2 in 2 segments
@@ -49,7 +59,9 @@ def _shard(node) -> str:
     return f"shard: {node.meta['hgc.shard']}" if node.meta.get("hgc.shard") else ""
 
 
-def _facts(node) -> str:
+def _facts(node, branch=None) -> str:
+    if branch is not None:
+        return f"   # stream 1 (branch {branch})"
     if "hgc.op" not in node.meta:
         shard = _shard(node)
         return f"   # {shard}" if shard else ""
@@ -66,10 +78,12 @@ def text_dump(view: GraphView) -> str:
     ops = [n for n in nodes if "hgc.op" in n.meta or target_label(n)[0] == "hgc"]
     lines = [f"# hgc dump: {view.title}   program: {view.program}   nodes: {len(nodes)}   hgc ops: {len(ops)}"]
     if view.plans:
-        summary = " | ".join(f"{m.value} {len(view.plans[m].pieces)} piece(s) ({view.plans[m].counts()['eager']} eager)"
-                             for m in MODES if m in view.plans)
+        summary = " | ".join(f"{m.value} {len(view.plans[m].pieces)} piece(s) ({view.plans[m].counts()['eager']} eager"
+                             + (f", {len(view.plans[m].side_branches())} side branches" if view.plans[m].side_branches()
+                                else "") + ")" for m in MODES if m in view.plans)
         lines.append(f"# plans: {summary}")
     piece_of = view.piece_of()
+    forks, joins, side = _stream_marks(view)
     current = None
     for node in nodes:
         if node.op == "placeholder":
@@ -77,13 +91,33 @@ def text_dump(view: GraphView) -> str:
             lines.append(f"%{node.name}: {_type(node)} = {kind}{_facts(node)}")
             continue
         if node.op == "output":
+            lines += joins.get((current, None), []) if current is not None else []
             lines.append(f"return {_arg(node.args[0])}")
             continue
         piece = piece_of.get(node.name)
         if piece is not None and piece != current:
+            if current is not None:
+                lines += joins.get((current, None), [])
             current = piece
             lines.append(f"# ---- piece {piece}: {view.plan.pieces[piece].kind} ({view.plan.mode.value}) ----")
+            lines += forks.get((piece, None), [])
+        lines += joins.get((piece, node.name), [])
         domain, op = target_label(node)
         args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
-        lines.append(f"%{node.name}: {_type(node)} = {domain}.{op}({args}){_facts(node)}")
+        lines.append(f"%{node.name}: {_type(node)} = {domain}.{op}({args}){_facts(node, side.get(node.name))}")
+        lines += forks.get((piece, node.name), [])
     return "\n".join(lines) + "\n"
+
+
+def _stream_marks(view: GraphView) -> tuple[dict, dict, dict]:
+    """The shown plan's side branches as dump lines: (piece, node after which it forks) -> lines,
+    (piece, node before which it joins) -> lines (None: the piece's start / end), side node -> branch."""
+    forks, joins, side = {}, {}, {}
+    for number, (piece, branch) in enumerate(view.plan.side_branches() if view.plan is not None else []):
+        forks.setdefault((piece, branch.fork_after), []).append(
+            f"# fork {number}: the side stream waits on the main stream here; {len(branch.nodes)} node(s) on it "
+            f"beside %{branch.anchor} (side {branch.side_bytes} B, main {branch.main_bytes} B at one token)")
+        joins.setdefault((piece, branch.join_before), []).append(
+            f"# join {number}: the main stream waits on the side stream here")
+        side.update(dict.fromkeys(branch.nodes, number))
+    return forks, joins, side

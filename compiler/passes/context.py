@@ -37,6 +37,8 @@ class CompileConfig:
     extend_token_counts: tuple[int, ...] = DEFAULT_EXTEND_TOKEN_COUNTS
     routes: tuple[Route, ...] = ()  # --route: nodes bound to a named backend (compiler/passes/routing.py)
     tp: int = 1  # --tp: tensor-parallel ranks; the programs are one rank's (compiler/passes/sharding.py)
+    overlap: bool = False  # --overlap: shared experts out of the moe op, side-stream branches (compiler/passes/overlap.py)
+    overlap_min_bytes: Optional[int] = None  # --overlap-min-bytes: the overlap pass's size rule (None: its default)
 
     def __post_init__(self) -> None:
         for field in ("decode_batch_sizes", "extend_token_counts"):
@@ -45,10 +47,18 @@ class CompileConfig:
                 raise ValueError(f"compile config: {field} must be increasing positive integers, got {list(values)}")
         if int(self.tp) != self.tp or self.tp < 1:
             raise ValueError(f"compile config: --tp must be a positive integer, got {self.tp!r}")
+        if self.overlap_min_bytes is not None and (not self.overlap or self.overlap_min_bytes < 0):
+            raise ValueError(f"compile config: --overlap-min-bytes {self.overlap_min_bytes} needs --overlap and a "
+                             f"count of bytes >= 0")
+        if self.overlap and self.tp > 1:
+            raise ValueError(f"compile config: --overlap with --tp {self.tp}: the side-stream pass has not been "
+                             f"built for tensor-parallel programs (the shared expert's partial sums); drop one")
 
     def to_json(self) -> dict:
         return {"target": self.target, "dtype": self.dtype, "decode_batch_sizes": list(self.decode_batch_sizes),
                 "extend_token_counts": list(self.extend_token_counts), "routes": [str(r) for r in self.routes],
+                "overlap": self.overlap,
+                **({"overlap_min_bytes": self.overlap_min_bytes} if self.overlap_min_bytes is not None else {}),
                 **({"tp": self.tp} if self.tp > 1 else {})}
 
 

@@ -1,6 +1,7 @@
 """The op vocabulary shared by models, compiler and runtime (depends on torch only): the ground floor.
 
     ops.py         one torch.library op per attention-like core, its capture policy, its arguments
+    shared_expert.py  the MoE shared expert's math (the CPU reference's, and what --overlap traces into a graph)
     policy.py      forward modes and capture policies
     registry.py    the LayerRegistry: one entry per layer id, the single source of truth for kinds
     table.py       TRACED_OPS: the op table models are traced with

@@ -15,7 +15,8 @@ An artifact is a folder::
     computed.safetensors  tensors the model computes from its config that ranks take slices of (tp > 1, where any)
     sharding.json         --tp > 1: the rank count, how each rank reads each tensor, the collectives
     routing.json          the backend (and kernel options) of every hgc op node: the binding the runtime executes
-    split.json            per program and mode, the ordered pieces: captured or eager, with node names
+    split.json            per program and mode, the ordered pieces: captured or eager, with node names,
+                          and a captured piece's side-stream branches (fork, nodes, join; `--overlap`)
     lints.json            every lint finding of the compile
     tokenizer.json ...    the checkpoint's tokenizer files, when it has them (data; listed in the manifest)
     dumps/                NN_<pass>.{txt,onnx,svg}: the graph after each pass (for people, not hashed by the loader's run path)
@@ -55,7 +56,7 @@ __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "GRAPH", "DRAFT_GRAPH", "WEIGHTS", "WEIGHT_MAP", "ROUTING",
     "SPLIT", "LINTS", "DUMPS", "PROGRAM_FILES", "PROGRAM_INPUTS", "program_outputs", "DEFAULT_DECODE_BATCH_SIZES",
     "DEFAULT_EXTEND_TOKEN_COUNTS", "CAPTURED", "EAGER", "ArtifactFormatError", "dump_json", "load_json",
-    "sha256_file", "safetensors_header", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
+    "sha256_file", "safetensors_header", "SideBranch", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
     "apply_split_plan", "plan_node_names", "retarget_meta_devices", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
     "check_format", "piece_module_names", "RouteEntry", "RoutingTable", "routing_doc", "parse_routing_doc",
     "SHARDING", "COMPUTED", "Sharding", "sharding_doc", "parse_sharding_doc",
@@ -65,7 +66,9 @@ __all__ = [
 FORMAT_NAME = "hgc-artifact"
 # 2: routing.json is the binding (per node backend, kernel options, declarations used)
 # 3: manifest.json is sealed by its own hash; linked weight files record the SHA-256 of their data
-FORMAT_VERSION = 3
+# 4: a captured piece of split.json may carry side-stream branches (the overlap pass): a runtime
+#    that ignored them would silently run a plan other than the one recorded
+FORMAT_VERSION = 4
 
 MANIFEST = "manifest.json"
 GRAPH = "graph.pt2"
@@ -274,15 +277,66 @@ def parse_routing_doc(doc, source: str = ROUTING) -> RoutingTable:
 
 
 @dataclasses.dataclass(frozen=True)
+class SideBranch:
+    """Nodes of a captured piece that run on the side stream (stream 1) while the main stream (0)
+    runs the piece's other nodes between `fork_after` and `join_before`.
+
+    fork_after: the main node after which the side stream waits on the main stream (None: the
+    piece's start); join_before: the main node before which the main stream waits on the side
+    stream (None: the piece's end). No side node reads a main node after the fork, and no main
+    node before the join reads a side node (compiler/passes/overlap.py checks it on the dataflow
+    graph; the runtime checks it again on the piece it rewrites). `anchor` is the main node the
+    branch overlaps (the reason it exists); the bytes are the size rule's estimates, at one token.
+    """
+
+    nodes: tuple[str, ...]  # graph order
+    fork_after: str | None
+    join_before: str | None
+    anchor: str
+    side_bytes: int
+    main_bytes: int
+
+    def to_json(self) -> dict:
+        return {"nodes": list(self.nodes), "fork_after": self.fork_after, "join_before": self.join_before,
+                "anchor": self.anchor, "side_bytes": self.side_bytes, "main_bytes": self.main_bytes}
+
+    @classmethod
+    def from_json(cls, obj, source: str) -> "SideBranch":
+        try:
+            fork, join = obj.get("fork_after"), obj.get("join_before")
+            branch = cls(tuple(str(n) for n in obj["nodes"]), None if fork is None else str(fork),
+                         None if join is None else str(join), str(obj["anchor"]), int(obj["side_bytes"]),
+                         int(obj["main_bytes"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ArtifactFormatError(f"{source}: a side branch needs nodes, fork_after, join_before, anchor and "
+                                      f"the bytes: {e}") from None
+        if not branch.nodes:
+            raise ArtifactFormatError(f"{source}: a side branch with no nodes")
+        return branch
+
+
+@dataclasses.dataclass(frozen=True)
 class Piece:
-    """A run of consecutive graph nodes: captured (may be one CUDA graph) or eager (a gap of op cores)."""
+    """A run of consecutive graph nodes: captured (may be one CUDA graph) or eager (a gap of op cores).
+
+    A captured piece may hold side-stream branches (`branches`, in graph order of their forks):
+    every node not in one runs on the main stream."""
 
     index: int
     kind: str  # CAPTURED or EAGER
     nodes: tuple[str, ...]  # node names, in graph order
+    branches: tuple[SideBranch, ...] = ()
+
+    def stream_of(self) -> dict[str, int]:
+        """Every node's stream: 1 for a side branch's nodes, 0 for the rest."""
+        side = {n for b in self.branches for n in b.nodes}
+        return {n: int(n in side) for n in self.nodes}
 
     def to_json(self) -> dict:
-        return {"index": self.index, "kind": self.kind, "nodes": list(self.nodes)}
+        out = {"index": self.index, "kind": self.kind, "nodes": list(self.nodes)}
+        if self.branches:  # a plan without side streams is written as before the overlap pass existed
+            out["side_branches"] = [b.to_json() for b in self.branches]
+        return out
 
     @classmethod
     def from_json(cls, obj: dict, source: str) -> "Piece":
@@ -293,7 +347,37 @@ class Piece:
         if piece.kind not in (CAPTURED, EAGER):
             raise ArtifactFormatError(f"{source}: piece {piece.index} has kind {piece.kind!r} "
                                       f"(expected {CAPTURED!r} or {EAGER!r})")
-        return piece
+        where = f"{source} piece {piece.index}"
+        branches = tuple(SideBranch.from_json(b, f"{where} side_branches") for b in obj.get("side_branches") or ())
+        if branches and piece.kind != CAPTURED:
+            raise ArtifactFormatError(f"{where}: an eager piece has side branches (only captured pieces hold glue)")
+        _check_branches(piece.nodes, branches, where)
+        return dataclasses.replace(piece, branches=branches)
+
+
+def _check_branches(nodes: tuple[str, ...], branches: tuple[SideBranch, ...], where: str) -> None:
+    """What a side branch's names must say about one piece: its nodes are the piece's and nobody
+    else's, its fork comes before its join and after the previous branch's join (one side stream
+    runs one branch at a time)."""
+    position = {n: i for i, n in enumerate(nodes)}
+    seen: set[str] = set()
+    previous_join = -1
+    for i, b in enumerate(branches):
+        strays = [n for n in b.nodes if n not in position]
+        if strays or seen & set(b.nodes) or len(set(b.nodes)) != len(b.nodes):
+            raise ArtifactFormatError(f"{where}: side branch {i} names node(s) not in the piece or in another branch "
+                                      f"(first: {(strays or sorted(seen & set(b.nodes)) or list(b.nodes))[0]})")
+        seen |= set(b.nodes)
+        for point in (b.fork_after, b.join_before, b.anchor):
+            if point is not None and (point not in position or point in b.nodes):
+                raise ArtifactFormatError(f"{where}: side branch {i}: {point!r} is not a main-stream node of the piece")
+        fork = -1 if b.fork_after is None else position[b.fork_after]
+        join = len(nodes) if b.join_before is None else position[b.join_before]
+        if not previous_join <= fork < join:
+            raise ArtifactFormatError(f"{where}: side branch {i} forks after {b.fork_after!r} and joins before "
+                                      f"{b.join_before!r}: the fork must come before the join, and after the "
+                                      f"previous branch's join")
+        previous_join = join
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +400,10 @@ class SplitPlan:
 
     def counts(self) -> dict[str, int]:
         return {CAPTURED: sum(p.kind == CAPTURED for p in self.pieces), EAGER: sum(p.kind == EAGER for p in self.pieces)}
+
+    def side_branches(self) -> list[tuple[int, SideBranch]]:
+        """(piece index, branch) of every side-stream branch, in piece order."""
+        return [(p.index, b) for p in self.pieces for b in p.branches]
 
     def to_json(self) -> dict:
         return {"mode": self.mode.value, "pieces": [p.to_json() for p in self.pieces]}

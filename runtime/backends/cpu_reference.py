@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from compiler.splitops import COLLECTIVE_OPS, MODES, OP_SPECS, BackendCapability, Mode, moe_shared_width
+from compiler.splitops.shared_expert import shared_expert, swiglu_expert
 from runtime.backends.protocol import BackendHooks, BackendSetup, check_backend
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool, pages_for
 from runtime.state_pool import StatePool
 
-__all__ = ["CPUReferenceBackend", "gated_recurrence", "moe_reference", "route_topk", "shared_expert_gate",
-           "swiglu_expert"]
+__all__ = ["CPUReferenceBackend", "gated_recurrence", "moe_reference", "route_topk"]
 
 
 def gated_recurrence(q, k, v, log_decay, beta, state, scale):
@@ -93,27 +93,8 @@ def moe_reference(x, router_weight, router_bias, w13, w2, shared_w13, shared_w2,
         y = swiglu_expert(x[rows], w13[e], w2[e])
         out.index_add_(0, rows, y * weights[rows, which].unsqueeze(-1))
     if shared_w13 is not None:
-        out += shared_expert_gate(x, shared_gate) * swiglu_expert(x, shared_w13, shared_w2)
+        out += shared_expert(x, shared_w13, shared_w2, shared_gate)
     return out
-
-
-def swiglu_expert(x, w13, w2):
-    """One SwiGLU expert, routed or shared: w2 (silu(gate rows of w13 . x) * (up rows of w13 . x)).
-
-    x [T,D], w13 [2I,D], w2 [D,I] -> [T,D] float32. The matmuls run in the inputs' dtype (float32
-    when this is the oracle: tests upcast bf16 values first), the sum over experts in float32.
-    """
-    inter = w2.shape[-1]
-    h = F.linear(x, w13)
-    h = F.silu(h[:, :inter]) * h[:, inter:]
-    return F.linear(h, w2).float()
-
-
-def shared_expert_gate(x, shared_gate):
-    """g [T,1] float32: sigmoid(x . shared_gate) in float32 (like the router's logits), or 1 without a gate."""
-    if shared_gate is None:
-        return torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-    return torch.sigmoid(F.linear(x.float(), shared_gate.float()))
 
 
 class CPUReferenceBackend(BackendHooks):
