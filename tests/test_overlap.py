@@ -261,7 +261,12 @@ def _logits(art, prompts, steps, streams=None, mode_of=None) -> list[torch.Tenso
     kv, st = make_pools(art.registry, 64, len(prompts), page_size=8)
     ops = BoundOps(CPUReferenceBackend(kv, st))
     runner = art.runner(ops, streams=streams)
-    forward = lambda *inputs: runner(ops.ctx.mode, *inputs)  # noqa: E731
+    logits_at = runner.outputs.index("logits")  # a model with a draft program also returns its hidden states
+
+    def forward(*inputs):
+        outputs = runner(ops.ctx.mode, *inputs)
+        return outputs[logits_at] if len(runner.outputs) > 1 else outputs
+
     seqs = [SeqState(st.alloc()) for _ in prompts]
     pending, out = [list(p) for p in prompts], []
     for _ in range(steps + 1):
