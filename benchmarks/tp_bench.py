@@ -38,8 +38,8 @@ Per model, on rank 0 (`measure`):
   (replayed from the graphs, traced one by one) over the step's wall time, and over all kernel
   time. An NCCL kernel also waits for the slowest rank to arrive, so the share includes skew.
 - tokens (the bench-size model): greedy tokens of 4 prompts, compared between TP 2 and TP 1 (bf16
-  rounds differently when a sum is split over ranks: the first differing step is reported, and the
-  top-2 logit gap there is not; see `compare`).
+  rounds differently when a sum is split over ranks: the first differing step is reported with
+  each run's top-1 minus top-2 log-probability there, so a near tie shows as one; see `compare`).
 
 It does not download anything, read a checkpoint, or tune kernels.
 """
@@ -179,13 +179,17 @@ def compare(one: dict, two: dict) -> dict:
     a, b = one.get("tokens"), two.get("tokens")
     if not a or not b:
         return {"status": "not compared (a run is missing)"}
+    gaps_one, gaps_two = one.get("top2_gaps"), two.get("top2_gaps")
     rows = []
-    for x, y in zip(a, b):
-        first = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None)
-        rows.append({"equal": x == y, "first_difference": first})
+    for i, (x, y) in enumerate(zip(a, b)):
+        first = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), None)
+        row = {"equal": x == y, "first_difference": first}
+        if first is not None and gaps_one and gaps_two:  # how near a tie each choice was (top-1 minus top-2 logprob)
+            row["top2_gap"] = {"tp1": gaps_one[i][first], "tp2": gaps_two[i][first]}
+        rows.append(row)
     return {"status": "equal" if all(r["equal"] for r in rows) else "differ", "prompts": rows,
-            "note": "bf16: a sum split over ranks rounds differently; a difference after several equal tokens "
-                    "is a near tie, one at the first token is a fault"}
+            "note": "bf16: a sum split over ranks rounds differently; a difference at a small top-2 gap is a "
+                    "near tie, one at a large gap is a fault"}
 
 
 def print_table(report: dict) -> None:
@@ -311,12 +315,16 @@ def profile_steps(engine, n: int, device) -> dict:
             "top_kernels": [{"name": k, "ms_per_step": round(t / n, 4)} for k, t in top]}
 
 
-def greedy_tokens(engine, knobs: dict) -> list[list[int]]:
+def greedy_tokens(engine, knobs: dict) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens of TOKEN_PROMPTS, and at each step the log-probability gap between the chosen
+    token and the runner-up (how near a tie the choice was)."""
     from runtime.engine import SamplingParams
 
-    ids = [engine.add_request(list(p), SamplingParams(max_new_tokens=knobs["new_tokens"])) for p in TOKEN_PROMPTS]
+    ids = [engine.add_request(list(p), SamplingParams(max_new_tokens=knobs["new_tokens"], logprobs=2))
+           for p in TOKEN_PROMPTS]
     results = engine.run_until_done()
-    return [list(results[i].output_ids) for i in ids]
+    gaps = [[round(lp.top[0][1] - lp.top[1][1], 5) for lp in results[i].logprobs] for i in ids]
+    return [list(results[i].output_ids) for i in ids], gaps
 
 
 def measure(name: str, art, engine, vocab: int, knobs: dict, device, copy_rate: float, record: dict,
@@ -334,7 +342,7 @@ def measure(name: str, art, engine, vocab: int, knobs: dict, device, copy_rate: 
               f"{row['graph_replays']}; NCCL {row.get('nccl_ms_per_step')} ms/step)", file=sys.stderr, flush=True)
         save()
     if name.startswith("bench"):
-        record["tokens"] = greedy_tokens(engine, knobs)
+        record["tokens"], record["top2_gaps"] = greedy_tokens(engine, knobs)
         save()
 
 
