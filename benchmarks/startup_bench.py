@@ -98,7 +98,8 @@ def run_variant(args) -> dict:
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     rec: dict = {"variant": args.variant}
     t0 = time.perf_counter()
-    art = load_artifact(args.child, dev, compiled=CompiledOptions(enabled=args.variant == "compiled"))
+    art = load_artifact(args.child, dev, compiled=CompiledOptions(enabled=args.variant == "compiled",
+                                                                  allow_builds=args.allow_kernel_builds))
     if args.variant == "compiled" and art.compiled is None:
         raise RuntimeError(f"{args.child} has no bundle for this machine")
     recorded = art.manifest["buckets"]
@@ -180,6 +181,7 @@ def start_variant(args, variant: str, artifact: Path, work: Path, env: dict) -> 
     argv = [sys.executable, __file__, "--child", str(artifact), "--variant", variant, "--child-out", str(out),
             "--batches", args.batches, "--iters", str(args.iters), "--new-tokens", str(args.new_tokens),
             "--max-batch", str(args.max_batch), "--max-extend", str(args.max_extend), "--out", str(work)]
+    argv += ["--allow-kernel-builds"] if args.allow_kernel_builds else []
     t0 = time.perf_counter()
     proc = subprocess.run(argv + (["--dry-run"] if args.dry_run else []), cwd=ROOT, env=child_env, text=True)
     if proc.returncode != 0 or not out.exists():
@@ -222,6 +224,9 @@ def main(argv=None) -> int:
                    help="use the checkpoint and artifacts an earlier call built under --work (split a run across "
                         "calls with a time limit: build and start-ups in one, --reuse --skip uncompiled,compiled in "
                         "the next for transformers)")
+    p.add_argument("--allow-kernel-builds", action="store_true",
+                   help="let the compiled start-up build what its bundle lacks (counted in its report) instead of "
+                        "refusing, so the decode numbers are taken either way")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, cpu target, CUDA graphs rerun")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)

@@ -397,7 +397,7 @@ class GraphRunner:
         slot (and, in extend, padding rows): what a padding fault needs to show. Decode and
         target_verify: one request fewer than the bucket (a bucket of one: one), each with 1 to 40
         cached tokens (whatever its pages hold: both runs read the same) and 1 or verify_tokens
-        new ones. Extend: up to 4 fresh requests of
+        new ones. Extend: up to 3 fresh requests of
         different lengths covering about three quarters of the bucket's rows. Free them with
         `release_items`.
         """
@@ -412,7 +412,9 @@ class GraphRunner:
             new = self.verify_tokens if key.mode == Mode.TARGET_VERIFY else 1
             lens = [1 + (7 * b) % max(1, min(40, cap - new)) for b in range(min(max(1, key.seqs - 1), free))]
             return [(SeqState(self.state_pool.alloc(), num_cached=c), tokens(new)) for c in lens]
-        n = min(self.extend_max_seqs - 1, 4, free) or 1
+        # 3 requests, not "as many as fit": the shapes start-up runs (and the kernels they build) stay
+        # the same under any limits that leave 3 slots free, so a bundle built under other limits covers them
+        n = min(self.extend_max_seqs - 1, 3, free) or 1
         budget = max(n, 3 * key.tokens // 4)
         lens = [max(1, budget >> (i + 1)) for i in range(n - 1)]
         lens.append(max(1, budget - sum(lens)))
@@ -578,7 +580,9 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
         runner = GraphRunner(artifact.runner(ops, program), ops, kv_pool, state_pool, kv_pool.device,
                              decode_buckets=decode, extend_buckets=extend,
                              max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"] + speculative_tokens),
-                             extend_max_seqs=extend_seqs(limits["max_running"], extend),
+                             # from the recorded buckets, not this run's limits: a bundle's kernels and
+                             # compiled pieces were built for these shapes (hgc build runs other limits)
+                             extend_max_seqs=extend_seqs(max(recorded["decode_batch_sizes"], default=1), extend),
                              chunk_size=limits["token_budget"],
                              graphs=graphs, verify_buckets=verify, verify_tokens=speculative_tokens + 1)
         runner.start(vocab_size, log=log, progress=progress)

@@ -279,7 +279,8 @@ def _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_
     return acc
 
 
-@triton.jit
+# num_seqs changes every step: not specialized, so one build serves every batch (the bundle holds it)
+@triton.jit(do_not_specialize=["num_seqs"])
 def _short_conv_extend_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr,
     stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c,

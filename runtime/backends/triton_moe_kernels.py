@@ -3,7 +3,10 @@
 Implements `hgc.moe` (compiler/splitops/ops.py) with the exact semantics of
 `runtime.backends.cpu_reference.route_topk` / `moe_reference`, capturable in a CUDA graph: no host
 synchronisation, no data-dependent shapes, every launch grid a function of (T, E, top_k, I, S, D)
-and the chosen config only.
+and the chosen config only. Counts that change from step to step (T, P, n_real, num_pid_m, the
+sentinel) are `do_not_specialize`: Triton would otherwise build a kernel again for each class of
+their values (divisible by 16, equal to 1), so a length that `hgc build` never ran would build a
+kernel at serving time, outside the artifact's bundle.
 
 The shared expert rides in the same launches. SwiGLU is separable over intermediate channels, so a
 shared expert of width S is the sum of n_shared = ceil(S/I) experts of the routed width I (the last
@@ -81,7 +84,7 @@ FUSE_LOGITS_MAX_TOKENS = 64
 # Kernels
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_FP32: tl.constexpr):
@@ -119,7 +122,7 @@ def _logits_gemv_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_xt, stride_we,
     tl.store(out_ptr + t.to(tl.int64) * E + offs_e, acc, mask=e_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_real"])
 def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weights_ptr, counts_ptr, nreal_ptr,
                   n_real, routed_scale, D, stride_xt, stride_we,
                   E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
@@ -240,7 +243,7 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weight
             tl.store(counts_ptr + E + c, c * 0 + rows, mask=c_mask & ((c * 0 + t) == 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, P,
                   E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
@@ -320,7 +323,7 @@ def _gate_up_block(a_ptrs, g_ptrs, up, valid, n_mask, D,
     return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pid_m", "P"])
 def _gate_up_sorted_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                            num_pid_m, P, SLOTS, E, I, S, D, stride_xt, stride_we, stride_wn, stride_swn, stride_hm,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -399,7 +402,7 @@ def _dot_block(a_ptrs, b_ptrs, valid, n_mask, K,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pid_m", "P"])
 def _down_sorted_kernel(h_ptr, w2_ptr, sw2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                         num_pid_m, P, E, D, I, S, stride_hm, stride_we, stride_wn, stride_swn, stride_yp,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -445,7 +448,7 @@ def _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stri
              mask=valid[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SENTINEL"])
 def _combine_kernel(y_ptr, ids_ptr, out_ptr, SENTINEL, SLOTS, D, stride_yp, stride_ot, BLOCK_D: tl.constexpr):
     """out[t] = sum over slots j (in order) of y[t*slots + j]; padding tokens (all slots SENTINEL) give 0."""
     t = tl.program_id(0)
@@ -603,7 +606,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
     get the sentinel id E + n_shared and weight 0 in every slot.
     n_real: host int, a one-element int32 device tensor (read by the kernel, so a captured graph
     follows its value), or None for all rows. counts: int32 [E + n_shared] zeros to add the pairs
-    per expert to. logits_kernel: force 'fused', 'gemv' or 'dot' (tests); by default chosen from
+    per expert to. logits_kernel: force 'fused", "gemv' or 'dot' (tests); by default chosen from
     T, E and D.
     """
     T, D = x.shape
