@@ -177,7 +177,7 @@ def run(args, work: Path, rec: dict, save) -> None:
                                 ("off", [])):
                 folders[name] = work / name
                 if hgc(["compile", str(work / "cfg"), "-o", str(folders[name]), "--target", target, "--dtype", dt,
-                        "--no-weights", "--no-dumps", "--force", "-q", *flags]) != 0:
+                        "--no-weights", "--no-dumps", "--no-inductor", "--force", "-q", *flags]) != 0:
                     raise RuntimeError(f"compile {name} failed")
         for name, folder in folders.items():
             manifest = json.loads((folder / "manifest.json").read_text())
@@ -191,7 +191,8 @@ def run(args, work: Path, rec: dict, save) -> None:
         print(f"  side branches per mode: {rec['side_branches']}", flush=True)
     stage("compile", compile_both)
 
-    max_len = -(-(HISTORY + args.new_tokens + 16) // PAGE) * PAGE
+    longest_prompt = 8 + 5 * (args.prompts - 1)  # the parity stage's prompts: 8, 13, 18, ...
+    max_len = -(-(max(HISTORY, longest_prompt) + args.new_tokens + 16) // PAGE) * PAGE
     num_seqs = max(max(args.batch_list), args.prompts)
 
     def runner_for(art, streams=None):

@@ -176,7 +176,7 @@ CASES = [
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--tp", "3"], 2,
      r"^hgc compile: tensor parallel 3: layer \d+ \(\w+\): \d+ [\w ]+ do not divide over 3 ranks; --tp must divide"),
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--tp", "2", "--inductor"], 2,
-     r"--inductor --tp 2: compiled pieces are not built for a tensor-parallel artifact"),
+     r"--inductor: --tp 2: compiled pieces are not built for a tensor-parallel artifact"),
     (["lint", "{w}/config_only", "--tp", "-2"], 2, r"argument --tp: must be at least 1"),
     (["lint", "{w}/config_only", "--tp", "8"], 2, r"^hgc lint: tensor parallel 8: layer \d+ .* do not divide over 8 ranks"),
     (["lint", "{w}/config_only", "--memory-gb", "0"], 2, r"argument --memory-gb: must be in \(0"),

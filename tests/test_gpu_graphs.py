@@ -43,7 +43,7 @@ def artifact(tmp_path_factory):
     model = family.build(text)
     family.init_weights(model, 1)
     write_checkpoint(root / "c", config, model.to(config_dtype(text)).checkpoint_tensors())
-    assert main(["compile", str(root / "c"), "-o", str(root / "a"), "--target", "cuda", "--dtype", "bfloat16",
+    assert main(["compile", str(root / "c"), "-o", str(root / "a"), "--target", "cuda", "--no-inductor", "--dtype", "bfloat16",
                  "--no-dumps", "--no-inductor"]) == 0
     return load_artifact(root / "a", "cuda")
 
@@ -136,7 +136,7 @@ def test_start_up_parity_refuses_a_padding_leak_on_the_gpu(artifact):
 def layer1_apart(artifact, tmp_path_factory):
     """The same checkpoint with GDN layer 1 bound to torch_reference, its neighbours to triton_linear."""
     root = tmp_path_factory.mktemp("gg_layer1")
-    assert main(["compile", str(artifact.docs.path.parent / "c"), "-o", str(root / "a"), "--target", "cuda",
+    assert main(["compile", str(artifact.docs.path.parent / "c"), "-o", str(root / "a"), "--target", "cuda", "--no-inductor",
                  "--dtype", "bfloat16", "--no-dumps", "--no-inductor", "--route", "layers=1:torch_reference"]) == 0
     return load_artifact(root / "a", "cuda")
 
@@ -170,7 +170,7 @@ def test_float32_kimi_runs_its_mla_on_the_triton_kernel(tmp_path, capsys):
     from tests.helpers import tiny_checkpoint
 
     tiny_checkpoint("kimi_linear", tmp_path / "c")
-    assert main(["compile", str(tmp_path / "c"), "-o", str(tmp_path / "a"), "--target", "cuda", "--dtype", "float32",
+    assert main(["compile", str(tmp_path / "c"), "-o", str(tmp_path / "a"), "--target", "cuda", "--no-inductor", "--dtype", "float32",
                  "--no-dumps", "--no-inductor"]) == 0
     routing = json.loads((tmp_path / "a" / "routing.json").read_text())
     assert {e["backend"] for e in routing["programs"]["main"] if e["op"] == "mla_attention"} == {"triton_mla"}

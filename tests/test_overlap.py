@@ -235,7 +235,7 @@ def test_what_the_pass_does_not_combine_with_is_refused(qwen, capsys):
     qwen = qwen[0]
     for argv, message in ((["--overlap", "--tp", "2"], "--overlap with --tp 2"),
                           (["--overlap-min-bytes", "10"], "needs --overlap"),
-                          (["--overlap", "--inductor"], "--inductor --overlap")):
+                          (["--overlap", "--inductor"], "--inductor: --overlap")):
         assert main(["compile", str(qwen / "c"), "-o", str(qwen / "x"), *argv]) == 2
         assert message in capsys.readouterr().err
     assert not (qwen / "x").exists()

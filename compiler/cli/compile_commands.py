@@ -228,31 +228,33 @@ def cmd_compile(args) -> int:
 
 
 def _inductor_wanted(args):
-    """Whether `hgc compile` builds a target bundle: only with --inductor; an error when --inductor
-    asks for a cuda bundle on a machine without a CUDA device (it is built there by `hgc build`)."""
+    """Whether `hgc compile` builds a target bundle. --inductor: yes, or an error naming what stands
+    in the way. --no-inductor: no. Neither: yes for a cuda target on a machine with a CUDA device
+    (a start-up from the bundle builds no kernel, and its decode steps run fewer, fused ones:
+    BENCHMARKS.md), otherwise no, with a note on stderr saying why and how to add it later."""
     import torch
 
-    device = args.target.split(":")[0]
-    # Opt-in on every target for now: the cuda bundle builds, but a start-up from it still compiled
-    # Triton kernels the bundle holds under other keys (tests/test_gpu_inductor.py on the H200,
-    # BENCHMARKS.md), so a default-on bundle would refuse GPU start-ups until a GPU run passes.
-    wanted = bool(args.inductor)
-    if not wanted or args.plan_only:
+    if args.inductor is False or args.plan_only:
         return False
-    if args.tp > 1:
-        return ValueError(f"--inductor --tp {args.tp}: compiled pieces are not built for a tensor-parallel artifact "
-                          f"yet (none has been checked on ranks); compile with --tp {args.tp} alone, the ranks run "
-                          f"the traced glue")
+    device = args.target.split(":")[0]
+    problems = [f"--tp {args.tp}: compiled pieces are not built for a tensor-parallel artifact yet (none has been "
+                f"checked on ranks); the ranks run the traced glue"] if args.tp > 1 else []
     if args.overlap:
-        return ValueError("--inductor --overlap: compiled pieces run each glue run as one call, which cannot be split "
-                          "across the overlap pass's two streams yet; choose one")
+        problems.append("--overlap: compiled pieces run each glue run as one call, which cannot be split across the "
+                        "overlap pass's two streams yet")
+    if args.no_weights:
+        problems.append("--no-weights: the build starts the artifact up once, which needs its weights; compile the "
+                        "checkpoint with its safetensors")
     if device not in ("cpu", "cuda"):
-        return ValueError(f"--inductor: no compiled target for --target {args.target} (cpu or cuda)")
-    if device == "cuda" and not torch.cuda.is_available():
-        return ValueError("--inductor --target cuda: this machine has no CUDA device to build the bundle on; "
-                          "compile without --inductor here and run `hgc build ARTIFACT --device cuda` on the GPU "
-                          "machine")
-    return True
+        problems.append(f"no compiled target for --target {args.target} (cpu or cuda)")
+    elif device == "cuda" and not torch.cuda.is_available():
+        problems.append("this machine has no CUDA device to build the bundle on; run `hgc build ARTIFACT --device "
+                        "cuda` on the GPU machine")
+    if args.inductor is None:  # the default
+        if device == "cuda" and problems:
+            print(f"hgc compile: no compiled pieces in this artifact: {problems[0]}", file=sys.stderr)
+        return device == "cuda" and not problems
+    return ValueError(f"--inductor: {problems[0]}") if problems else True
 
 
 def cmd_inspect(args) -> int:
@@ -464,9 +466,10 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="JSON on stdout (with --plan-only: the whole plan)")
     p.add_argument("--inductor", action=argparse.BooleanOptionalAction, default=None,
                    help="also build this machine's target bundle: the glue between op cores compiled by Inductor "
-                        "and the kernels start-up needs, inside the artifact (`hgc build`). Off by default on "
-                        "every target (a cuda start-up from the bundle still tunes Inductor kernels); --inductor "
-                        "on a cuda compile without a CUDA device is an error (run `hgc build` on the GPU machine)")
+                        "and every kernel start-up needs, inside the artifact (`hgc build`). Default: on for "
+                        "--target cuda on a machine with a CUDA device (not with --tp or --overlap yet), off "
+                        "elsewhere; --no-inductor turns it off. --inductor where it cannot be built is an error "
+                        "(without a CUDA device: run `hgc build ARTIFACT --device cuda` on the GPU machine)")
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)
 
