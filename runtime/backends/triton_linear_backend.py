@@ -65,6 +65,7 @@ import inspect
 import math
 import types
 
+import numpy as np
 import torch
 
 from compiler.splitops import MODES, BackendCapability, LayerKind, Mode
@@ -133,14 +134,16 @@ class _StepPlan:
     extend: _ExtendPlan | None = None  # made for steps that take the extend path
 
 
-def _token_blocks(lens: torch.Tensor, size: int) -> torch.Tensor:
+def _token_blocks(lens: np.ndarray, size: int) -> np.ndarray:
     """[N, 2] int64 (sequence, block) rows: block j of sequence r covers its tokens j*size .. j*size+size-1.
-    lens [S] int64 on the host; sequences of length 0 get no row. FLA's chunk indices are this with
-    size FLA_CHUNK; the extend conv's token blocks with size CONV_EXTEND_BLOCK_T."""
+    lens [S] int64; sequences of length 0 get no row. FLA's chunk indices are this with size
+    FLA_CHUNK; the extend conv's token blocks with size CONV_EXTEND_BLOCK_T. numpy, not torch: on
+    the GPU machine torch's CPU repeat_interleave took 4 to 12 ms a call (parallel threads woken
+    for a few hundred elements), which made every eager extend step wait 8 to 24 ms."""
     counts = (lens + size - 1) // size
-    seq = torch.repeat_interleave(torch.arange(lens.shape[0]), counts)
-    first = torch.cumsum(counts, 0) - counts  # each sequence's first row
-    return torch.stack([seq, torch.arange(seq.shape[0]) - first[seq]], 1)
+    seq = np.repeat(np.arange(lens.size, dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts  # each sequence's first row
+    return np.stack([seq, np.arange(seq.size, dtype=np.int64) - first[seq]], 1)
 
 
 def _to_device_at_once(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -258,17 +261,19 @@ class TritonLinearBackend(BackendHooks):
         return mode in (Mode.EXTEND, Mode.MIXED) or (mode == Mode.TARGET_VERIFY and step.verify_width is None)
 
     def _make_extend_plan(self, step: _StepPlan) -> _ExtendPlan:
-        """Host tables from the step's lengths (torch on the host, no loop over requests), one copy."""
+        """Host tables from the step's lengths (numpy, no loop over requests), one copy."""
         ctx = step.ctx
-        lens = torch.tensor(ctx.query_lens, dtype=torch.int64)
-        keep = torch.nonzero(lens).flatten()
+        lens = np.asarray(ctx.query_lens, dtype=np.int64)
+        keep = np.flatnonzero(lens).astype(np.int64)
         lens = lens[keep]
-        R, T = lens.shape[0], int(lens.sum())
-        cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)])
-        bounds = torch.cat([cu, torch.tensor([ctx.num_tokens], dtype=torch.int64)])
+        R, T = lens.size, int(lens.sum())
+        cu = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        bounds = np.append(cu, np.int64(ctx.num_tokens))
         chunks = _token_blocks(lens, FLA_CHUNK)
         # The padding rows are request R of the conv's table: their programs write zeros.
-        blocks = _token_blocks(torch.cat([lens, bounds[-1:] - T]), _kernels().CONV_EXTEND_BLOCK_T)
+        blocks = _token_blocks(np.append(lens, np.int64(ctx.num_tokens - T)), _kernels().CONV_EXTEND_BLOCK_T)
+        bounds, keep, chunks, blocks, cu = (torch.from_numpy(a) for a in (bounds, keep, chunks, blocks, cu))
         bounds_dev, keep_dev, chunks_dev, blocks_dev = _to_device_at_once(
             [bounds, keep, chunks, blocks], self.device)
         slots = step.slots[:ctx.num_real_seqs]
