@@ -37,7 +37,7 @@ import torch
 from runtime.batch import SeqState, build_step, commit_step
 
 __all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
-           "synchronizer", "engine_script", "target_rows", "compiled_artifact"]
+           "synchronizer", "host_profile", "engine_script", "target_rows", "compiled_artifact"]
 
 
 def is_cuda() -> bool:
@@ -305,6 +305,29 @@ def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
     return {"host_issue_ms": statistics.median(host), "kernel_ms": round(sum(r["ms"] for r in k_rows), 4),
             "kernels_per_call": sum(r["calls"] for r in k_rows), "top_kernels": k_rows[:top],
             "top_host_ops": h_rows[:top]}
+
+
+def host_profile(fn, iters: int = 20, top: int = 20, sync=None) -> dict:
+    """The Python functions that take fn's host time (cProfile over `iters` calls, the device
+    synchronised between calls so no call waits on an earlier one): the top functions by own time
+    and by cumulative time, milliseconds per call."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(iters):
+        if sync is not None:
+            sync()
+        prof.enable()
+        fn()
+        prof.disable()
+    if sync is not None:
+        sync()
+    rows = [{"function": f"{Path(file).name}:{line}:{name}", "calls_per_call": ncalls / iters,
+             "own_ms": round(tottime * 1e3 / iters, 4), "cum_ms": round(cumtime * 1e3 / iters, 4)}
+            for (file, line, name), (_, ncalls, tottime, cumtime, _) in pstats.Stats(prof).stats.items()]
+    return {"top_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "top_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
 
 
 def synchronizer(device: torch.device):

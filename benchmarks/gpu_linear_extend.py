@@ -61,7 +61,7 @@ from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: 
 from runtime.state_pool import StatePool  # noqa: E402
 from bench_common import device_facts as common_device_facts  # noqa: E402
 from runtime.backends.protocol import plan_eager_step  # noqa: E402
-from bench_common import device_rates, ensure_einops, fmt, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
+from bench_common import device_rates, ensure_einops, fmt, host_profile, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
 from tests.linear_cases import FakeFLA, check_conv_extend, conv_extend_ok, step_ctx  # noqa: E402
 
 START = time.time()
@@ -162,7 +162,9 @@ def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.
     """The step chain on the backend and on the CPU reference (float32) from the same states."""
     reg = registry(spec)
     num_slots = 6
-    ref_pool, dev_pool = StatePool(reg, num_slots), StatePool(reg, num_slots, device)
+    # the chain's target_verify steps keep each request's state after every draft token: D = 3 of them
+    verify = dict(draft_tokens=3, verify_rows=num_slots)
+    ref_pool, dev_pool = StatePool(reg, num_slots, **verify), StatePool(reg, num_slots, device, **verify)
     gen = torch.Generator().manual_seed(11)
     entry = "conv" if spec[0] == "short_conv" else "recurrent"
     ref_state = ref_pool.layer(0)[entry]
@@ -355,6 +357,8 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
         ms = bench_ms(ours, 100)
         layer_ms = bench_ms(layer, 100)  # the plan ours() made last stays: each call is one more layer
         kernel_ms = device_busy_ms(ours)
+        # where a step's wall time beyond its kernels goes (issue 14's per-request host cost)
+        host = host_profile(ours, 10, top=12, sync=torch.cuda.synchronize) if is_cuda() else None
         nbytes, flops = bytes_and_flops(spec, T, R)
         floor_bw = nbytes / env["copy_bytes_per_s"] * 1e3
         floor_fl = flops / env["matmul_flops_per_s"] * 1e3
@@ -373,7 +377,7 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
             ref_ms = (time.perf_counter() - t0) * 1e3
         row = {"family": name, "tokens": T, "requests": R, "ours_ms": ms, "layer_ms": layer_ms, "floor_ms": floor,
                "floor_bytes_ms": floor_bw, "floor_flops_ms": floor_fl, "bytes": nbytes, "flops": flops,
-               "x_floor": ms / floor, "kernel_ms": kernel_ms,
+               "x_floor": ms / floor, "kernel_ms": kernel_ms, "host_profile": host,
                "kernel_x_floor": None if kernel_ms is None else kernel_ms / floor, "torch_ref_gpu_ms": ref_ms,
                "ref_over_ours": None if ref_ms is None else ref_ms / ms}
         if spec[0] == "short_conv":
@@ -390,6 +394,8 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
             f"(kernels {fmt(None if kernel_ms is None else kernel_ms * 1e3)} us), floor {floor * 1e3:.1f} us "
             f"(bytes {floor_bw * 1e3:.1f}, flops {floor_fl * 1e3:.1f}), x{ms / floor:.2f}; torch ref "
             f"{'n/a' if ref_ms is None else f'{ref_ms:.1f} ms'}{old_note}")
+        for r in (host or {}).get("top_cum", [])[:8]:
+            log(f"      host cum {r['cum_ms']:8.3f} ms  own {r['own_ms']:8.3f} ms  x{r['calls_per_call']:g} {r['function']}")
         del pool, ref_pool
     return rows
 
