@@ -108,8 +108,10 @@ def buckets_for(decode_sizes, extend_sizes, *, max_running: int, token_budget: i
     return clip(decode_sizes, max_running), clip(extend_sizes, token_budget)
 
 
-def extend_seqs(max_running: int, extend_buckets) -> int:
-    """Requests an extend graph holds. Under load most prefill chunks ride in mixed steps beside
-    every running decode, so a graph that holds fewer requests than may run leaves those steps
-    eager; a bucket of t tokens holds at most t requests (one token each)."""
-    return max(1, min([max_running, *extend_buckets]))
+def extend_seqs(largest_decode: int, extend_buckets) -> int:
+    """Requests an extend graph holds: as many as the largest recorded decode bucket (under load
+    most prefill chunks ride in mixed steps beside every running decode, and a graph that holds
+    fewer leaves those steps eager), at most t for a bucket of t tokens (one token each). Taken
+    from the artifact's recorded buckets, not an engine's limits, so `hgc build` and every run
+    capture the same shapes and find the same kernels."""
+    return max(1, min([largest_decode, *extend_buckets]))

@@ -580,8 +580,6 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
         runner = GraphRunner(artifact.runner(ops, program), ops, kv_pool, state_pool, kv_pool.device,
                              decode_buckets=decode, extend_buckets=extend,
                              max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"] + speculative_tokens),
-                             # from the recorded buckets, not this run's limits: a bundle's kernels and
-                             # compiled pieces were built for these shapes (hgc build runs other limits)
                              extend_max_seqs=extend_seqs(max(recorded["decode_batch_sizes"], default=1), extend),
                              chunk_size=limits["token_budget"],
                              graphs=graphs, verify_buckets=verify, verify_tokens=speculative_tokens + 1)

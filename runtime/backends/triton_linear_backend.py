@@ -29,7 +29,7 @@ Plan once per step, launch lean. Everything these paths derive from the step alo
 the step's hooks and shared by every layer: slot ids on the device and the target-verify row
 layout (init_step_metadata / init_replay_state), and for a step on the extend path the kept
 requests, their slots, cu_seqlens on host and device, FLA's chunk indices and the conv kernel's
-token-block table (init_chunk_metadata, host tables built with torch and copied in one
+token-block table (init_chunk_metadata, host tables built with numpy and copied in one
 transfer). An op call then does constant host work: shape checks and its launches, no loop over
 requests, no host-to-device copy, no device read. FLA is handed the plan's chunk indices where
 its entry point takes them; elsewhere it derives them from cu_seqlens_cpu once per step, through
@@ -138,8 +138,8 @@ def _token_blocks(lens: np.ndarray, size: int) -> np.ndarray:
     """[N, 2] int64 (sequence, block) rows: block j of sequence r covers its tokens j*size .. j*size+size-1.
     lens [S] int64; sequences of length 0 get no row. FLA's chunk indices are this with size
     FLA_CHUNK; the extend conv's token blocks with size CONV_EXTEND_BLOCK_T. numpy, not torch: on
-    the GPU machine torch's CPU repeat_interleave took 4 to 12 ms a call (parallel threads woken
-    for a few hundred elements), which made every eager extend step wait 8 to 24 ms."""
+    the GPU machine torch's CPU repeat_interleave over a few hundred elements took from 0.04 to
+    15 ms a call, erratically (BENCHMARKS.md, the extend conv section), and the plan made two."""
     counts = (lens + size - 1) // size
     seq = np.repeat(np.arange(lens.size, dtype=np.int64), counts)
     first = np.cumsum(counts) - counts  # each sequence's first row
