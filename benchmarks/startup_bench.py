@@ -86,6 +86,33 @@ def empty_caches(folder: Path) -> dict:
 # -- the child: one variant's start-up and decode, in a fresh process ---------------------------------
 
 
+@contextlib.contextmanager
+def load_phases(into: dict):
+    """Seconds spent in each step of load_artifact (runtime/loader.py), summed over calls: the
+    loader's own functions wrapped with timers for the duration of the block."""
+    import runtime.loader as loader
+
+    steps = {"programs": "load_programs", "weights": "assemble", "bundle": "open_bundle"}
+    originals = {name: getattr(loader, name) for name in steps.values()}
+
+    def timed(phase, fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                into[phase] = into.get(phase, 0.0) + time.perf_counter() - t
+        return call
+
+    for phase, name in steps.items():
+        setattr(loader, name, timed(phase, originals[name]))
+    try:
+        yield into
+    finally:
+        for name, fn in originals.items():
+            setattr(loader, name, fn)
+
+
 def run_variant(args) -> dict:
     """Step 2 for the artifact at args.child (this process starts with empty kernel caches)."""
     from runtime.bundle import CompiledOptions
@@ -98,8 +125,12 @@ def run_variant(args) -> dict:
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     rec: dict = {"variant": args.variant}
     t0 = time.perf_counter()
-    art = load_artifact(args.child, dev, compiled=CompiledOptions(enabled=args.variant == "compiled",
-                                                                  allow_builds=args.allow_kernel_builds))
+    with load_phases(rec.setdefault("load_phases_s", {})):
+        art = load_artifact(args.child, dev, compiled=CompiledOptions(enabled=args.variant == "compiled",
+                                                                      allow_builds=args.allow_kernel_builds))
+    phases = rec["load_phases_s"]
+    mark = time.perf_counter()
+    phases["load_artifact"] = mark - t0  # programs, weights and bundle are parts of it
     if args.variant == "compiled" and art.compiled is None:
         raise RuntimeError(f"{args.child} has no bundle for this machine")
     recorded = art.manifest["buckets"]
@@ -108,11 +139,14 @@ def run_variant(args) -> dict:
     max_len = -(-max(max(extend), HISTORY + 1, max(PROMPT_LENS) + args.new_tokens) // PAGE) * PAGE
     kv, st = make_pools(art.registry, max_len, max(decode), page_size=PAGE, device=dev,
                         kv_dtype=torch.bfloat16 if dev.type == "cuda" else None)
+    phases["pools"], mark = time.perf_counter() - mark, time.perf_counter()
     ops = art.backends(kv, st).op_table("main")
+    phases["backends"], mark = time.perf_counter() - mark, time.perf_counter()
     runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=decode, extend_buckets=extend,
                          max_pages_per_seq=max_len // PAGE, extend_max_seqs=min(16, min(extend)),
                          graphs=RerunGraphs() if args.dry_run else None)
     sync()
+    phases["runner"] = time.perf_counter() - mark
     rec["load_s"] = time.perf_counter() - t0
     vocab = int(art.manifest["model"]["vocab_size"])
     marks = [time.perf_counter()]
@@ -124,7 +158,8 @@ def run_variant(args) -> dict:
     with art.compiled.watch() if art.compiled is not None else contextlib.nullcontext():
         rec["parity"] = runner.start(vocab, log=log)
     sync()
-    rec.update(capture_s=marks[1] - marks[0], parity_s=marks[-1] - marks[1], keys=[str(k) for k in runner.keys])
+    rec.update(capture_s=marks[1] - marks[0], parity_s=marks[-1] - marks[1], keys=[str(k) for k in runner.keys],
+               parity_s_per_key=runner.parity_seconds)
     rec["load_capture_parity_s"] = rec["load_s"] + marks[-1] - marks[0]
     if art.compiled is not None:
         art.compiled.parity = list(runner.compiled_reports.values())

@@ -149,6 +149,7 @@ class GraphRunner:
         self._full_graphs: dict[CaptureKey, object] = {}
         self._op_outs: dict[CaptureKey, list[OpRecord]] = {}  # each op's `out` in the key's graphs
         self.compiled_reports: dict[str, dict] = {}  # key -> compiled pieces against the traced glue (parity)
+        self.parity_seconds: dict[str, float] = {}  # key -> wall seconds of its start-up parity check
 
     @property
     def full_decode(self) -> bool:
@@ -446,10 +447,12 @@ class GraphRunner:
         report = {}
         for key in self.keys:
             items = make_items(key)
+            began = time.perf_counter()
             try:
                 report[str(key)] = self._check_key(key, items, rtol)
             finally:
                 release(items)
+                self.parity_seconds[str(key)] = time.perf_counter() - began
         return report
 
     def _check_key(self, key: CaptureKey, items, rtol: Optional[float]) -> float:

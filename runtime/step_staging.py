@@ -47,6 +47,10 @@ class StepStaging:
         self.host = {dt: torch.zeros(n, dtype=dt, pin_memory=cuda) for dt, n in sizes.items()}
         self.dev = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
         self._event = torch.cuda.Event() if cuda else None
+        # The device's index, resolved once: Event.record() without a stream looks the current
+        # device and stream up through torch's Python helpers, a measurable share of a replayed
+        # decode step's host time (benchmarks/replay_host_probe.py).
+        self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
         self._views: dict[tuple[int, int, int], tuple[dict, dict, dict]] = {}
 
     def shape(self, name: str, T: int, B: int, R: int | None = None) -> tuple[int, ...]:
@@ -99,7 +103,7 @@ class StepStaging:
         for dt, n in used.items():
             self.dev[dt][:n].copy_(self.host[dt][:n], non_blocking=True)
         if self._event is not None:
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(self._device_index))
         return dev
 
 
