@@ -103,7 +103,35 @@ def fla_ops() -> types.SimpleNamespace:
             f"triton_linear: extend, mixed and ragged target-verify steps of linear layers run FLA's chunk "
             f"kernels, and importing them failed ({type(e).__name__}: {e}); {hint}. There is no fallback to "
             f"the CPU reference on purpose.") from e
-    return types.SimpleNamespace(gdn=chunk_gated_delta_rule, kda=chunk_kda, simple_gla=chunk_simple_gla)
+    return types.SimpleNamespace(gdn=chunk_gated_delta_rule, kda=chunk_kda,
+                                 simple_gla=_simple_gla_taking_chunk_indices() or chunk_simple_gla)
+
+
+def _simple_gla_taking_chunk_indices():
+    """FLA's simple-GLA forward that takes the plan's chunk indices, or None where FLA has none.
+
+    FLA 0.6's public `chunk_simple_gla` takes no `chunk_indices` and builds them on every call
+    from cu_seqlens_cpu with torch's CPU repeat_interleave, which cost 0.04 to 15 ms a call on
+    the GPU machine (BENCHMARKS.md, extend host cost). Its forward, `chunk_simple_gla_fwd`, takes
+    them; the public entry's only other work for a constant decay is the base-2 rescale of
+    g_gamma and making the inputs contiguous, done here the same way. Without that forward (a
+    future FLA), the public entry computes the same result, slower."""
+    try:
+        from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
+        from fla.ops.utils.constant import RCP_LN2
+    except ImportError:
+        return None
+    if "chunk_indices" not in inspect.signature(chunk_simple_gla_fwd).parameters:
+        return None
+
+    def simple_gla(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                   chunk_indices):
+        del cu_seqlens_cpu  # the chunk indices are what FLA would have built from it
+        return chunk_simple_gla_fwd(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
+                                    g_gamma=g_gamma * RCP_LN2, scale=scale, initial_state=initial_state.contiguous(),
+                                    output_final_state=output_final_state, state_v_first=False,
+                                    cu_seqlens=cu_seqlens, chunk_size=FLA_CHUNK, chunk_indices=chunk_indices)
+    return simple_gla
 
 
 FLA_CHUNK = 64  # FLA's chunk length: its entry points' default, which this backend never overrides
