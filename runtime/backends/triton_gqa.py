@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from runtime.backends.sm_count import num_sms
-from runtime.backends.triton_mla import LOG2E, combine_splits, num_splits_for
+from runtime.backends.triton_mla import LOG2E, combine_splits, num_splits_for, softmax_step, split_result
 
 __all__ = ["triton_gqa_attention", "gqa_head_dim_refusal"]
 
@@ -88,22 +88,13 @@ def _gqa_split_kernel(q, k_cache, v_cache, page_table, seq_lens, part_o, part_ls
                      mask=nmask[:, None], other=0.0)
         s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION)
         sees = nmask[None, :] & (n[None, :] <= pos[:, None]) & live[:, None]
-        s = tl.where(sees, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A row that has seen no key yet (its position is before this tile) keeps m = -inf:
-        # subtract 0 instead, so its weights are exp2(-inf) = 0 rather than NaN.
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_sub)
-        w = tl.exp2(s - m_sub[:, None])
-        l = l * alpha + tl.sum(w, 1)
+        s = tl.where(sees, s * scale_log2, float("-inf"))  # a row before this tile: all -inf
+        m, alpha, w, l = softmax_step(m, l, s)
         vt = tl.load(v_cache + page[:, None] * s_v_page + off[:, None] * s_v_tok + kvh * s_v_head + dv[None, :],
                      mask=nmask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(w.to(vt.dtype), vt, input_precision=PRECISION)
-        m = m_new
 
-    has = l > 0
-    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
-    o = acc / tl.where(has, l, 1.0)[:, None]
+    o, lse = split_result(acc, m, l)
     idx = (row * num_q_heads + head) * NUM_SPLITS + split
     tl.store(part_o + idx[:, None] * DV + dv[None, :], o, mask=live[:, None])
     tl.store(part_lse + idx, lse, mask=live)

@@ -37,9 +37,32 @@ import triton.language as tl
 
 from runtime.backends.sm_count import num_sms
 
-__all__ = ["triton_mla_attention", "triton_mla_attention_paged", "num_splits_for", "combine_splits", "LOG2E"]
+__all__ = ["triton_mla_attention", "triton_mla_attention_paged", "num_splits_for", "combine_splits", "LOG2E",
+           "softmax_step", "split_result"]
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
+
+
+@triton.jit
+def softmax_step(m, l, s):
+    """One key tile of an online softmax in base 2: running max m [M] and sum l [M], this tile's
+    scaled scores s [M, N] (-inf where a row sees no key) -> (new max, rescale of the old
+    accumulator, the tile's weights [M, N], new sum)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so its weights are
+    # exp2(-inf) = 0 rather than NaN.
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_sub)
+    w = tl.exp2(s - m_sub[:, None])
+    return m_new, alpha, w, l * alpha + tl.sum(w, 1)
+
+
+@triton.jit
+def split_result(acc, m, l):
+    """A split's normalised output and base-2 log-sum-exp (-inf and zeros where it saw no key)."""
+    has = l > 0
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+    return acc / tl.where(has, l, 1.0)[:, None], lse
 
 
 @triton.jit
@@ -90,16 +113,10 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_po
         s = tl.dot(q, tl.trans(c), input_precision=PRECISION)
         s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
         s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(w, 1)
+        m, alpha, w, l = softmax_step(m, l, s)
         acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c, input_precision=PRECISION)
-        m = m_new
 
-    has = l > 0
-    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
-    o = acc / tl.where(has, l, 1.0)[:, None]
+    o, lse = split_result(acc, m, l)
     idx = (t * num_heads + heads) * NUM_SPLITS + split
     tl.store(part_o + idx[:, None] * R + r[None, :], o, mask=hmask[:, None])
     tl.store(part_lse + idx, lse, mask=hmask)
