@@ -14,8 +14,11 @@ Sections, each part in its own try/except (an error is reported and the run goes
 3. checks: the checks of tests/test_gpu_attention.py against the CPU reference (compact list).
 4. decode timings at batch 1, 8, 32, 128 and context 512 / 2048 / 8192 (one layer; per op call:
    K/V store + attention + padding mask): FlashInfer inside a CUDA graph (and eager), the
-   Triton MLA kernel for MLA, torch SDPA on an already gathered contiguous cache (in a CUDA
-   graph), and the floor: KV bytes read + q/out over the measured copy bandwidth.
+   plan-free Triton GQA kernel (`decode_impl=triton`) for GQA, the Triton MLA kernel for MLA,
+   torch SDPA on an already gathered contiguous cache (in a CUDA graph), and the floor: KV bytes
+   read + q/out over the measured copy bandwidth. Each variant's output is compared with the
+   default's on the same step before it is timed (`vs_fi`), and the host time of the
+   replay hook (`replan_us`: FlashInfer's plan, or the Triton path's device copies) is reported.
 5. extend timings: 512 and 2048 new tokens of one request from an empty cache, and 512 over
    2048 cached; floor = max(FLOPs over the matmul rate, bytes over the copy bandwidth).
 
@@ -43,9 +46,9 @@ from bench_common import device_rates, fmt  # noqa: E402
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec  # noqa: E402
 from runtime.batch import SeqState, build_step  # noqa: E402
 from runtime.kv_pool import KVPool  # noqa: E402
-from tests.test_gpu_attention import (MHA_128, MLA_16, MLA_32, MLA_P, MLA_R, QWEN3_NEXT, AttnConfig,  # noqa: E402
-                                      check_decode, check_extend, check_graph_decode, check_padded_decode,
-                                      check_verify)
+from tests.test_gpu_attention import (GQA_64, MHA_128, MLA_16, MLA_32, MLA_P, MLA_R, QWEN3_NEXT,  # noqa: E402
+                                      AttnConfig, check_decode, check_extend, check_graph_decode,
+                                      check_graph_growing, check_padded_decode, check_verify)
 
 T0 = time.time()
 RESULTS: dict = {"env": {}, "ceilings": {}, "jit": [], "checks": [], "decode": [], "extend": [], "errors": []}
@@ -241,12 +244,13 @@ def _variant(kw: dict) -> str:
 
 _LABELS = {"default": "fi", "decode_tensor_cores=False": "fi cuda-core", "decode_tensor_cores=True": "fi tc",
            "decode_backend=fa3,decode_tensor_cores=True": "fi tc fa3",
-           "mla_impl=triton": "triton mla", "mla_backend=fa2": "fi mla fa2"}
+           "mla_impl=triton": "triton mla", "mla_backend=fa2": "fi mla fa2", "decode_impl=triton": "triton gqa"}
 
 
 def jit_section(quick: bool) -> None:
     jobs = [(QWEN3_NEXT, "decode", {}), (QWEN3_NEXT, "extend", {}), (QWEN3_NEXT, "extend-fresh", {}),
-            (MLA_32, "decode", {}), (MLA_32, "decode", {"mla_impl": "triton"})]
+            (MLA_32, "decode", {}), (MLA_32, "decode", {"mla_impl": "triton"}),
+            (QWEN3_NEXT, "decode", {"decode_impl": "triton"})]
     if not quick:
         jobs += [(QWEN3_NEXT, "decode", {"decode_tensor_cores": False}),
                  (QWEN3_NEXT, "decode", {"decode_tensor_cores": True, "decode_backend": "fa3"}),
@@ -277,6 +281,11 @@ def checks_section(quick: bool) -> None:
         (check_graph_decode, (MLA_32,), {"mla_impl": "triton"}),
         (check_verify, (QWEN3_NEXT,), {}), (check_verify, (MLA_32,), {}),
         (check_verify, (MLA_32,), {"mla_impl": "triton"}),
+        (check_decode, (QWEN3_NEXT, 1), {"decode_impl": "triton"}), (check_decode, (QWEN3_NEXT, 64), {"decode_impl": "triton"}),
+        (check_padded_decode, (QWEN3_NEXT,), {"decode_impl": "triton"}),
+        (check_graph_decode, (QWEN3_NEXT,), {"decode_impl": "triton"}),
+        (check_graph_growing, (QWEN3_NEXT,), {"decode_impl": "triton"}),
+        (check_verify, (QWEN3_NEXT,), {"decode_impl": "triton"}),
     ]
     if not quick:
         jobs += [
@@ -288,6 +297,10 @@ def checks_section(quick: bool) -> None:
             (check_graph_decode, (MHA_128,), {}), (check_padded_decode, (MLA_16,), {}),
             (check_decode, (MLA_16, 1), {}), (check_decode, (MLA_16, 128), {}), (check_extend, (MLA_16,), {}),
             (check_decode, (MLA_16, 128), {"mla_impl": "triton"}),
+            (check_decode, (QWEN3_NEXT, 256), {"decode_impl": "triton"}), (check_decode, (GQA_64, 33), {"decode_impl": "triton"}),
+            (check_decode, (MHA_128, 33), {"decode_impl": "triton"}),
+            (check_decode, (QWEN3_NEXT, 9), {"max_len": 300, "page_size": 1, "decode_impl": "triton"}),
+            (check_verify, (QWEN3_NEXT,), {"decode_impl": "triton", "dtype": torch.float32}),
         ]
     for fn, args, kw in jobs:
         if over_budget():
@@ -358,10 +371,14 @@ def decode_point(cfg: AttnConfig, B: int, L: int, variants: list[dict]) -> dict:
     kv_bytes = B * (L + 1) * kv_token_bytes(cfg) + qo_bytes(cfg, B)
     row["floor_us"] = kv_bytes / copy_bw() * 1e6
     row["bytes_MB"] = kv_bytes / 1e6
+    first = None  # the default variant's output: every other variant is checked against it
     for kw in variants:
         name = _variant(kw)
         res = guarded("decode", f"{cfg.name} B={B} L={L} {name}", _fi_decode, cfg, pool, ctx, x, B, nl, kw)
         if res:
+            out = res.pop("out")
+            first = out if first is None else first
+            res["vs_fi"] = float((out.float() - first.float()).norm() / first.float().norm().clamp_min(1e-30))
             for k, v in res.items():
                 row[f"{name}:{k}"] = v
     res = guarded("decode", f"{cfg.name} B={B} L={L} sdpa", _sdpa_decode, cfg, pool, ctx, x, B, L + 1, nl)
@@ -377,6 +394,7 @@ def _fi_decode(cfg, pool, ctx, x, B, nl, kw) -> dict:
     call = op_call(be, cfg, ctx, x, out, layers=range(nl))
     be.init_step_metadata(ctx)
     call()
+    eager_out = out.clone()  # the correctness check comes before the timing
     eager = bench_ms(call) / nl
     be.init_capture_state(B, B)
     be.init_replay_state(ctx, B)
@@ -393,7 +411,7 @@ def _fi_decode(cfg, pool, ctx, x, B, nl, kw) -> dict:
     ok = bool(torch.isfinite(out).all())
     del g
     return {"graph_us": graph1 * 1e3, "graph2_us": graph2 * 1e3, "eager_us": eager * 1e3,
-            "replan_us": sorted(plan_s)[2] * 1e6, "finite": ok}
+            "replan_us": sorted(plan_s)[2] * 1e6, "finite": ok, "out": eager_out}
 
 
 def _sdpa_decode(cfg, pool, ctx, x, B, L, nl) -> dict:
@@ -419,8 +437,9 @@ def _sdpa_decode(cfg, pool, ctx, x, B, L, nl) -> dict:
 
 
 # The backend's defaults first ("fi"), then the alternatives the defaults were chosen against.
-GQA_DECODE_VARIANTS = [{}, {"decode_tensor_cores": False}, {"decode_tensor_cores": True, "decode_backend": "fa3"}]
-MHA_DECODE_VARIANTS = [{}, {"decode_tensor_cores": True}]
+GQA_DECODE_VARIANTS = [{}, {"decode_impl": "triton"}, {"decode_tensor_cores": False},
+                       {"decode_tensor_cores": True, "decode_backend": "fa3"}]
+MHA_DECODE_VARIANTS = [{}, {"decode_impl": "triton"}, {"decode_tensor_cores": True}]
 MLA_DECODE_VARIANTS = [{}, {"mla_impl": "triton"}, {"mla_backend": "fa2"}]
 
 
@@ -442,6 +461,8 @@ def decode_section(quick: bool) -> None:
                 if row:
                     RESULTS["decode"].append(row)
                     times = ", ".join(f"{_LABELS.get(_variant(kw), _variant(kw))} {row.get(_variant(kw) + ':graph_us', float('nan')):.1f}"
+                                      f" (host {row.get(_variant(kw) + ':replan_us', float('nan')):.0f},"
+                                      f" vs fi {row.get(_variant(kw) + ':vs_fi', float('nan')):.0e})"
                                       for kw in variants)
                     log(f"decode {cfg.name} B={B} L={L} (x{row['layers_in_graph']} layers): {times}, "
                         f"sdpa {row.get('sdpa_graph_us', float('nan')):.1f}, floor {row['floor_us']:.1f} us")
@@ -545,6 +566,12 @@ def print_tables() -> None:
                   + " ".join(f"{fmt(r.get(k + ':graph_us')):>13}" for k in keys)
                   + f" {fmt(r.get('default:eager_us')):>9} {fmt(sdpa):>8} {fmt(r['floor_us']):>7}"
                   + f" {fmt(fi / r['floor_us'] if fi else None, '.2f'):>8} {fmt(fi / sdpa if fi and sdpa else None, '.2f'):>7}")
+        print("\n  host time of init_replay_state per step (us; FlashInfer plans, the Triton decode copies on the device) "
+              "and each variant's relative difference from the default's output:")
+        for r in RESULTS["decode"]:
+            print(f"  {r['config']:<14} {r['B']:>4} {r['ctx']:>5} " + " ".join(
+                f"{_LABELS.get(k, k)[:13]:>13} {fmt(r.get(k + ':replan_us'), '.0f'):>6} {fmt(r.get(k + ':vs_fi'), '.0e'):>6}"
+                for k in keys))
     if RESULTS["extend"]:
         print("\nextend, one request, microseconds (defaults: ragged when every request is fresh, else paged; "
               "paged/ragged on prefill_backend auto = fa3 on Hopper):")

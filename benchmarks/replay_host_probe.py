@@ -10,7 +10,9 @@ replay leaves the device idle and is part of the number. This probe times, per b
 step, the replay alone (`graph.replay()` on the same filled buffers) and the host part, and
 names the functions that take the host time (cProfile, by own time and by cumulative time).
 Bench-size qwen3_next (head dim 64), bf16, the portable artifact (the host path of a replay is
-the same with compiled pieces). Writes OUT/replay_host_probe.json.
+the same with compiled pieces). Writes OUT/replay_host_probe.json. `--route` is passed to
+`hgc compile` as it is (repeatable): e.g. `--route "gqa_attention=flashinfer[decode_impl=triton]"`
+times the plan-free Triton decode; run the probe twice, with and without it, to compare.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="bench")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--route", action="append", default=[], help="passed to hgc compile --route (repeatable)")
     args = p.parse_args(argv)
     from compiler.cli import main as hgc
     from runtime.generate import make_pools
@@ -51,11 +54,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "command": " ".join(sys.argv), "size": args.size, "batches": {}}
+           "command": " ".join(sys.argv), "size": args.size, "routes": args.route, "batches": {}}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         write_checkpoint_hd64(args.size, Path(tmp, "c"))
+        routes = [arg for route in args.route for arg in ("--route", route)]
         assert hgc(["compile", f"{tmp}/c", "-o", f"{tmp}/a", "--target", "cuda", "--dtype", "bfloat16", "--no-dumps",
-                    "--no-inductor"]) == 0
+                    "--no-inductor", *routes]) == 0
         art = load_artifact(f"{tmp}/a", dev)
         max_len = 256
         kv, st = make_pools(art.registry, max_len, max(batches), page_size=PAGE, device=dev, kv_dtype=torch.bfloat16)

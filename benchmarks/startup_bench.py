@@ -5,6 +5,7 @@ used: every start-up here begins from empty caches):
 
     python3 benchmarks/startup_bench.py --out $OUT                     # qwen3_next, bench-hd64, bf16
     python3 benchmarks/startup_bench.py --dry-run --out /tmp/startup   # CPU: tiny, cpu target, graphs rerun
+    python3 benchmarks/startup_bench.py --out $OUT/triton --route "gqa_attention=flashinfer[decode_impl=triton]"
 
 1. build: `hgc init-model`, `hgc compile --target cuda --dtype bfloat16 --no-inductor` (the portable
    artifact), a copy of it, and `hgc build COPY --device cuda` in a process of its own, timed (what
@@ -199,8 +200,9 @@ def build_artifacts(args, work: Path, doc: dict, env: dict) -> dict:
                     "--force", env=env)
     target = "cpu" if args.dry_run else "cuda"
     dtype = "float32" if args.dry_run else "bfloat16"
+    routes = [arg for route in args.route for arg in ("--route", route)]
     doc["compile_s"] = hgc_process("compile", str(ckpt), "-o", str(plain), "--target", target, "--dtype", dtype,
-                                   "--no-dumps", "--no-inductor", "--force", env=env)
+                                   "--no-dumps", "--no-inductor", "--force", *routes, env=env)
     shutil.rmtree(built, ignore_errors=True)
     shutil.copytree(plain, built)
     build_env = {**env, **empty_caches(work / "caches_build")}
@@ -263,6 +265,9 @@ def main(argv=None) -> int:
                    help="let the compiled start-up build what its bundle lacks (counted in its report) instead of "
                         "refusing, so the decode numbers are taken either way")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, cpu target, CUDA graphs rerun")
+    p.add_argument("--route", action="append", default=[],
+                   help="passed to hgc compile --route (repeatable), e.g. 'gqa_attention=flashinfer[decode_impl=triton]'; "
+                        "use another --work (or no --reuse) for each set of routes")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -289,7 +294,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not args.dry_run
     doc = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "dry_run": args.dry_run, "size": args.size,
-           "family": args.family, "batches": args.batch_list, "iters": args.iters, "stages": {}, "variants": {}}
+           "family": args.family, "routes": args.route, "batches": args.batch_list, "iters": args.iters, "stages": {}, "variants": {}}
     path = out / "startup_bench.json"
     save = lambda: path.write_text(json.dumps(doc, indent=1, default=str))  # noqa: E731
     stage = Stages(doc["stages"], skip=[s for s in args.skip.split(",") if s], save=save)

@@ -142,11 +142,12 @@ def test_routes_pick_the_other_kernels_and_are_recorded(checkpoints, tmp_path, c
     assert "routes: mla_attention=triton_mla layers=0:torch_reference" in capsys.readouterr().out
 
     rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16",
-                                "--route", "gqa_attention=flashinfer[extend_impl=paged,decode_backend=fa3]")
+                                "--route", "gqa_attention=flashinfer[extend_impl=paged,decode_backend=fa3,decode_impl=triton]")
     assert rc == 0, err[-3000:]
     gqa = [e for e in entries(art) if e["op"] == "gqa_attention"]
     assert {json.dumps(e["options"], sort_keys=True) for e in gqa} == {json.dumps(
-        FULL.resolve_options({"extend_impl": "paged", "decode_backend": "fa3"}), sort_keys=True)}
+        FULL.resolve_options({"extend_impl": "paged", "decode_backend": "fa3", "decode_impl": "triton"}), sort_keys=True)}
+    assert {e["options"]["decode_impl"] for e in gqa} == {"triton"}
 
 
 def test_the_cuda_backends_declare_every_mode():

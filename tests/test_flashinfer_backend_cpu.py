@@ -34,7 +34,7 @@ from runtime.batch import SeqState, build_step, commit_step
 from runtime.kv_pool import KVPool
 
 ROOT = Path(__file__).resolve().parents[1]
-HQ, HKV, D, R, P = 4, 2, 8, 16, 8
+HQ, HKV, D, R, P = 4, 2, 16, 16, 8  # D: the Triton GQA kernel takes head dims >= 16
 GQA_SCALE, MLA_SCALE = D ** -0.5, 0.3
 
 REGISTRY = LayerRegistry([
@@ -322,9 +322,10 @@ class Pair:
         return float((out - ref).norm() / ref.norm())
 
 
-def _schedule(pool, **kw):
-    """Three steps: fresh extend, chunked extend + decode (mixed), decode."""
-    seqs = [SeqState(i + 1) for i in range(3)]
+def _schedule(pool, seqs=None, **kw):
+    """Three steps of three requests (slots 1-3, or `seqs`): fresh extend, chunked extend + decode
+    (mixed), decode; 9, 4 and 14 tokens cached after."""
+    seqs = seqs or [SeqState(i + 1) for i in range(3)]
     steps = [[(0, 5), (1, 2), (2, 7)], [(0, 3), (1, 1), (2, 6)], [(0, 1), (1, 1), (2, 1)]]
     for items in steps:
         step_items = [(seqs[i], [0] * n) for i, n in items]
@@ -375,9 +376,9 @@ def test_mla_layers_need_a_scale(fake_fi):
         CPUFlashInferBackend(KVPool(REGISTRY, 4, 4), q_heads=HQ, scales={0: GQA_SCALE, 3: GQA_SCALE}, mla_rope_dim=P)
 
 
-def _prefilled_pair() -> tuple[Pair, list[SeqState]]:
+def _prefilled_pair(**kw) -> tuple[Pair, list[SeqState]]:
     """A Pair whose three requests (slots 1-3) have 6, 9 and 3 tokens in both pools, run eagerly."""
-    pair = Pair()
+    pair = Pair(**kw)
     seqs = [SeqState(i + 1) for i in range(3)]
     prefill = [(s, [0] * n) for s, n in zip(seqs, (6, 9, 3))]
     ctx = build_step(prefill, pair.ref_pool).ctx
@@ -443,6 +444,95 @@ def test_verify_buckets_plan_fixed_prefill_buffers_with_n_rows_per_request(fake_
         pair.be.init_replay_state(ragged, 2)
 
 
+@pytest.fixture
+def host_plans(fake_fi, monkeypatch):
+    """Counts the host planning a step does: build_paged_metadata calls (by step mode) and the
+    stand-in wrappers' plan() calls (in _Fake.log). The Triton kernels run in Triton's interpreter
+    here, with the splits of an 8-SM device so that it walks few programs (the splits themselves
+    are checked in test_triton_kernels_in_the_interpreter)."""
+    pytest.importorskip("triton")
+    from runtime.backends import triton_gqa, triton_mla
+
+    built = []
+    real = fia.build_paged_metadata
+    monkeypatch.setattr(fia, "build_paged_metadata", lambda ctx, *a, **k: built.append(Mode(ctx.mode)) or real(ctx, *a, **k))
+    for module in (triton_gqa, triton_mla):
+        monkeypatch.setattr(module, "num_sms", lambda device: 8)
+    return built
+
+
+def _plans() -> list:
+    return [entry[1] for entry in _Fake.log if entry[0] == "plan"]
+
+
+def test_triton_decode_plans_nothing_for_decode_and_verify_steps(host_plans):
+    """decode_impl="triton" (GQA) with mla_impl="triton" (MLA): eager extend and mixed steps plan
+    FlashInfer's prefill for GQA (and the MLA kernel's row arrays); eager decode and uniform
+    target_verify steps build no paged metadata and plan no wrapper; every output equals the
+    reference's, padding rows zero."""
+    pair = Pair(decode_impl="triton", mla_impl="triton")
+    seqs = [SeqState(i + 1) for i in range(3)]
+    for ctx in _schedule(pair.ref_pool, seqs, pad_tokens_to=16, pad_seqs_to=4):
+        pair.be.init_step_metadata(ctx)
+        for layer in (0, 2, 3):
+            assert pair.run(ctx, layer, ctx.num_tokens) < 1e-5
+    assert host_plans == [Mode.EXTEND, Mode.MIXED] and _plans() == ["ragged", "prefill"]
+    items = [(s, [0] * 3) for s in seqs]  # 9, 4, 14 cached: the new rows cross page boundaries
+    ctx = build_step(items, pair.ref_pool, mode=Mode.TARGET_VERIFY, pad_tokens_to=12, pad_seqs_to=5).ctx
+    pair.be.init_step_metadata(ctx)
+    for layer in (0, 2, 3):
+        assert pair.run(ctx, layer, ctx.num_tokens) < 1e-5
+    assert host_plans == [Mode.EXTEND, Mode.MIXED] and len(_plans()) == 2
+    assert pair.be._step.meta is None and pair.be._step.table.rows_per_req == 3
+    for name in ("k", "v"):
+        assert torch.equal(pair.pool.layer(0)[name], pair.ref_pool.layer(0)[name])
+    assert torch.equal(pair.pool.layer(2)["latent"], pair.ref_pool.layer(2)["latent"])
+    commit_step(items)
+    with pytest.raises(RuntimeError, match="not planned"):  # a new step needs its own (empty) plan
+        pair.run(build_step([(s, [0]) for s in seqs], pair.ref_pool).ctx, 0, 3)
+
+
+@pytest.mark.parametrize("n", [1, 3], ids=["decode", "verify"])
+def test_triton_decode_graph_buckets_plan_nothing_on_the_host(host_plans, n):
+    """Graph buckets with decode_impl="triton" and mla_impl="triton": capture with 2 real requests
+    of a bucket of 4, replay with 3 and 1, each from a context of its own (new tensors: the hook
+    copies the page table and lengths into the static ones). No paged metadata, no plan, no
+    use_cuda_graph wrapper; real rows equal the reference's, padding rows are zero, KV matches."""
+    pair, seqs = _prefilled_pair(decode_impl="triton", mla_impl="triton")
+    before = (list(host_plans), _plans())
+    pair.be.init_capture_state(4 * n, 4)
+    mode = Mode.DECODE if n == 1 else Mode.TARGET_VERIFY
+    for count in (2, 3, 1):
+        items = [(s, [0] * n) for s in seqs[:count]]
+        ctx = build_step(items, pair.ref_pool, mode=mode, pad_tokens_to=4 * n, pad_seqs_to=4, max_pages=8).ctx
+        pair.be.init_replay_state(ctx, 4)
+        assert pair.be._step.num_rows == 4 * n and pair.be._step.table.page_table.data_ptr() == (
+            pair.be._static["page_table"].data_ptr())
+        for layer in (0, 2, 3):
+            assert pair.run(ctx, layer, 4 * n) < 1e-5
+        commit_step(items)
+    assert (host_plans, _plans()) == before and not any(e[0] == "init" and e[2] for e in _Fake.log)
+    for name in ("k", "v"):
+        assert torch.equal(pair.pool.layer(0)[name], pair.ref_pool.layer(0)[name])
+    assert torch.equal(pair.pool.layer(2)["latent"], pair.ref_pool.layer(2)["latent"])
+    wide = build_step([(seqs[0], [0] * n)], pair.ref_pool, mode=mode, pad_tokens_to=4 * n, pad_seqs_to=4,
+                      max_pages=9).ctx
+    with pytest.raises(ValueError, match="page table has 9 columns, the static one 8"):
+        pair.be.init_replay_state(wide, 4)
+
+
+def test_decode_impl_is_a_routing_choice_and_refuses_odd_head_dims(fake_fi):
+    cap = FlashInferAttentionBackend.capability
+    assert cap.option_choices()["decode_impl"] == ("flashinfer", "triton")  # flashinfer: the default
+    assert FlashInferAttentionBackend._kernel_options({"decode_impl": "triton"}) == {"decode_impl": "triton"}
+    reg = LayerRegistry([LayerSpec(0, LayerKind.FULL_GQA, kv={"k": TensorSpec((1, 24), "float32"),
+                                                              "v": TensorSpec((1, 24), "float32")})])
+    with pytest.raises(ValueError, match=r"layer 0 \(decode_impl='triton'\): .*powers of two >= 16, not 24"):
+        CPUFlashInferBackend(KVPool(reg, 4, 4), q_heads=2, decode_impl="triton", workspace_bytes=0)
+    with pytest.raises(ValueError, match="decode_impl must be"):
+        CPUFlashInferBackend(KVPool(reg, 4, 4), q_heads=2, decode_impl="fa3", workspace_bytes=0)
+
+
 def test_chunk_hook_needs_a_planned_step(fake_fi):
     pair = Pair()
     ctx = next(_schedule(pair.ref_pool))
@@ -466,23 +556,34 @@ def test_backend_follows_the_protocol_and_declares_its_capability():
 
 _INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, torch
-    from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec
+    from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
     from runtime.backends.cpu_reference import CPUReferenceBackend
     from runtime.backends.flashinfer_attention import build_paged_metadata, store_kv_rows
-    from runtime.backends.triton_mla import triton_mla_attention
+    from runtime.backends.triton_gqa import triton_gqa_attention
+    from runtime.backends.triton_mla import triton_mla_attention, triton_mla_attention_paged
     from runtime.batch import SeqState, build_step, commit_step
     from runtime.kv_pool import KVPool
 
-    H, R, P, ps = 20, 32, 16, 4
+    ps = 4
+    g = torch.Generator().manual_seed(0)
+    errors, stores, pad_zero = {}, [], []
+
+    def check(name, out, expect, real):
+        # real rows against the reference; every row after them (padding requests) exactly zero
+        errors.setdefault(name, []).append(float((out[:real] - expect[:real]).norm() / expect[:real].norm()))
+        pad_zero.append(bool(torch.isfinite(out).all() and out[real:].eq(0).all()))
+
+    # MLA: row arrays for every step (extend, mixed, decode, verify); the page table for the
+    # decode and verify steps (all requests n rows), padded to 3 requests.
+    H, R, P = 20, 32, 16
     reg = LayerRegistry([LayerSpec(0, LayerKind.FULL_MLA, kv={"latent": TensorSpec((R + P,), "float32")})])
     ref_pool, pool = KVPool(reg, 32, ps), KVPool(reg, 32, ps)
     ref = CPUReferenceBackend(ref_pool, None)
-    g = torch.Generator().manual_seed(0)
     seqs = [SeqState(1), SeqState(2)]
-    errors, stores = [], []
-    for items in ([(0, 6), (1, 3)], [(0, 1), (1, 5)], [(0, 1), (1, 1)]):
+    for items, mode in (([(0, 6), (1, 3)], None), ([(0, 1), (1, 5)], None), ([(0, 1), (1, 1)], Mode.DECODE),
+                        ([(0, 3), (1, 3)], Mode.TARGET_VERIFY)):
         step_items = [(seqs[i], [0] * n) for i, n in items]
-        ctx = build_step(step_items, ref_pool, pad_tokens_to=12, pad_seqs_to=3).ctx
+        ctx = build_step(step_items, ref_pool, pad_tokens_to=12, pad_seqs_to=3, mode=mode).ctx
         T, n = ctx.num_tokens, ctx.num_real_tokens
         x = [torch.randn(T, H, R, generator=g), torch.randn(T, H, P, generator=g),
              torch.randn(T, R, generator=g), torch.randn(T, P, generator=g)]
@@ -492,17 +593,63 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         store_kv_rows(ctx.slot_mapping, ps, (x[2], lat[..., :R]), (x[3], lat[..., R:]))
         stores.append(bool(torch.equal(lat, ref_pool.layer(0)["latent"])))
         meta = build_paged_metadata(ctx)
-        out = torch.full((n, H, R), float("nan"))
         for splits in (1, 4):
+            out = torch.full((n, H, R), float("nan"))
             triton_mla_attention(x[0][:n], x[1][:n], lat[..., :R], lat[..., R:], meta.kv_indptr, meta.kv_indices,
                                  meta.row_req, meta.row_pos, out, 0.2, num_splits=splits)
-            errors.append(float((out - expect[:n]).norm() / expect[:n].norm()))
+            check("mla rows", out, expect, n)
+            if mode is not None:
+                per = items[0][1]
+                rows = ctx.num_seqs * per
+                out = torch.full((rows, H, R), float("nan"))
+                triton_mla_attention_paged(x[0][:rows], x[1][:rows], lat[..., :R], lat[..., R:], ctx.page_table,
+                                           ctx.seq_lens, per, out, 0.2, num_splits=splits)
+                check("mla table", out, expect, n)
         commit_step(step_items)
-    print(json.dumps({"errors": errors, "stores": stores}))
+
+    # GQA from the page table: decode and verify rows (n = 4, after which each request keeps
+    # some of its n tokens, as after rejected drafts), requests crossing page boundaries, two
+    # padding requests with NaN queries, 1 and 4 splits of 16-key blocks; a group of 4 heads
+    # (one tile of 16 rows), and in verify steps one of 20 with head dims 32 / 16 (80 rows: two
+    # row blocks).
+    decode, verify = (Mode.DECODE, 1), (Mode.TARGET_VERIFY, 4)
+    for Hq, Hkv, D, DV, steps in ((8, 2, 16, 16, (decode, verify, verify, decode)), (20, 1, 32, 16, (verify,))):
+        kv = {"k": TensorSpec((Hkv, D), "float32"), "v": TensorSpec((Hkv, DV), "float32")}
+        pool = KVPool(LayerRegistry([LayerSpec(0, LayerKind.FULL_GQA, kv=kv)]), 64, ps)
+        ref = CPUReferenceBackend(pool, None)  # it writes each step's K/V: the kernel reads them
+        seqs = [SeqState(1), SeqState(2), SeqState(3)]
+        prefill = [(s, [0] * n) for s, n in zip(seqs, (21, 34, 6))]
+        for items, mode, n in ((prefill, None, 0), *(([(s, [0] * n) for s in seqs], mode, n) for mode, n in steps)):
+            ctx = build_step(items, pool, mode=mode, pad_seqs_to=5, pad_tokens_to=5 * max(n, 1) + 40 * (n == 0)).ctx
+            T, real = ctx.num_tokens, ctx.num_real_tokens
+            x = [torch.randn(T, Hq, D, generator=g), torch.randn(T, Hkv, D, generator=g),
+                 torch.randn(T, Hkv, DV, generator=g)]
+            for t in x:
+                t[real:] = float("nan")
+            expect = torch.empty(T, Hq, DV)
+            ref.gqa_attention(ctx, *x, expect, 0, 0.25)
+            for splits in (1, 4) if n else ():
+                out = torch.full((T, Hq, DV), float("nan"))
+                triton_gqa_attention(x[0], pool.layer(0)["k"], pool.layer(0)["v"], ctx.page_table, ctx.seq_lens, n,
+                                     out, 0.25, num_splits=splits, block_n=16)
+                check(f"gqa {Hq}/{Hkv}/{D}/{DV} n={n} splits={splits}", out, expect, real)
+            commit_step(items)
+            for s in seqs if n == 4 else ():
+                s.num_cached -= int(torch.randint(0, 4, (1,), generator=g))
+    try:
+        triton_gqa_attention(torch.zeros(1, 2, 24), torch.zeros(1, 4, 1, 24), torch.zeros(1, 4, 1, 24),
+                             torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1,
+                             torch.zeros(1, 2, 24), 1.0)
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    print(json.dumps({"errors": errors, "stores": stores, "pad_zero": pad_zero, "refusal": refusal}))
 """)
 
 
 def test_triton_kernels_in_the_interpreter():
+    """The K/V store, the MLA kernel (row arrays and page table) and the GQA kernel (page table)
+    under Triton's interpreter against the CPU reference, in float32 on fresh random inputs."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, cwd=ROOT, capture_output=True,
@@ -510,7 +657,12 @@ def test_triton_kernels_in_the_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(result["stores"]), "the store kernel must write every real row and skip padding rows"
-    assert max(result["errors"]) < 1e-5, result
+    errors = result["errors"]
+    assert len(errors["mla rows"]) == 8 and len(errors["mla table"]) == 4
+    assert sum(1 for name in errors if name.startswith("gqa")) == 6, sorted(errors)  # (n=1, 4; 4) x 2 splits
+    assert max(max(e) for e in errors.values()) < 1e-5, errors
+    assert all(result["pad_zero"]), "padding requests must get finite zero rows"
+    assert result["refusal"] == "the Triton GQA kernel takes head dims that are powers of two >= 16, not 24"
 
 
 def test_the_triton_mla_backend_runs_mla_without_flashinfer(monkeypatch):

@@ -1,7 +1,8 @@
 """FlashInfer full-attention backend: GQA and MLA layers over the paged KV pool, on a CUDA GPU.
 
 What it owns: the FlashInfer wrappers (and their plans) for every full-attention layer of one
-model, the step's paged metadata, and the write of each step's K/V rows into the pool.
+model, the step's paged metadata, the write of each step's K/V rows into the pool, and the choice
+of the plan-free Triton kernels for decode and target_verify steps (`decode_impl="triton"`).
 
 Lifecycle (the hooks of runtime/backends/protocol.py):
 
@@ -19,20 +20,30 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    (`mla_impl="triton"`: the `triton_mla` backend, runtime/backends/triton_mla_backend.py, which
    routing picks by its own declaration). `init_chunk_metadata` has nothing to add: FlashInfer's
    prefill plan covers a whole extend.
+   Table steps plan nothing: a decode step, or a target_verify step whose requests all carry the
+   same n rows, runs GQA groups with `decode_impl="triton"` (runtime/backends/triton_gqa.py) and
+   MLA groups with `mla_impl="triton"` (triton_mla.py's page-table mode) straight from the step's
+   `page_table` and `seq_lens`: no paged metadata is built and no wrapper is planned for them
+   (paged metadata is built only when some other group of the step needs it). Extend and mixed
+   steps keep FlashInfer's prefill wrappers (and the Triton MLA kernel its row arrays).
 3. `gqa_attention(ctx, ...)` / `mla_attention(ctx, ...)` store this step's rows into the
    layer's pages (a Triton kernel that skips rows whose slot is -1, so it is safe inside a
    graph where the number of real rows changes between replays), run the planned wrapper on
-   the layer's caches and zero the padded output rows. They never plan: an op whose step was
-   not planned raises instead of running on stale metadata.
+   the layer's caches (or the Triton kernel of a table step) and zero the padded output rows.
+   They never plan: an op whose step was not planned raises instead of running on stale metadata.
 4. CUDA graphs, decode and target_verify: `init_capture_state(max_tokens, max_seqs)` allocates
-   the static buffers every captured graph reads (slot ids, indptr, page indices, lengths),
-   sized for the largest bucket; `init_replay_state(ctx, bucket)`, before the capture of a
-   bucket and before each replay, copies the step's slot ids into them and plans the bucket's
-   `use_cuda_graph` wrappers (one per bucket, step kind and head group, made on first use over
-   views of those buffers): the decode wrapper for decode, the paged prefill wrapper (causal)
-   for target_verify, whose requests all carry the same n tokens, so a bucket of B requests is
-   always B * n query rows. Padding requests of a bucket own as many query rows as a real one and
-   read that many cached tokens of page 0 (a finite output, zeroed after).
+   the static buffers every captured graph reads (slot ids, indptr, page indices, lengths, and
+   for table steps the page table and sequence lengths), sized for the largest bucket;
+   `init_replay_state(ctx, bucket)`, before the capture of a bucket and before each replay,
+   copies the step's slot ids into them and plans the bucket's `use_cuda_graph` wrappers (one
+   per bucket, step kind and head group, made on first use over views of those buffers): the
+   decode wrapper for decode, the paged prefill wrapper (causal) for target_verify, whose
+   requests all carry the same n tokens, so a bucket of B requests is always B * n query rows.
+   Padding requests of a bucket own as many query rows as a real one and read that many cached
+   tokens of page 0 (a finite output, zeroed after). With only table groups (`decode_impl=
+   "triton"` on a GQA model) the hook plans nothing: it copies the step's page table and
+   sequence lengths (already on the device: the graph runner's staging) into the static ones,
+   device to device, next to the slot ids; padding requests (sequence length 0) see no key.
 
 KV layout: the pool's "k" and "v" tensors [pages, page_size, Hkv, D] are FlashInfer's NHD tuple
 form as they are; the MLA "latent" entry [pages, page_size, R+P] is handed over as two strided
@@ -331,15 +342,27 @@ class _Planned:
 
 
 @dataclasses.dataclass
+class _StepTable:
+    """A table step's addressing, as the Triton kernels read it: B requests of n rows each."""
+
+    page_table: torch.Tensor  # [B, width] int32 on the device (graph steps: the static copy)
+    seq_lens: torch.Tensor  # [B] int32 on the device: cached + new tokens (padding requests: 0)
+    rows_per_req: int  # n
+    groups: frozenset  # the _Groups that run a Triton kernel from it
+
+
+@dataclasses.dataclass
 class _StepPlan:
     ctx: ExecContext
-    meta: PagedMetadata
+    meta: Optional[PagedMetadata]  # None when no group of the step needs paged metadata
     kind: str  # "decode", "prefill" or "ragged"
     bucket: Optional[int]  # the captured bucket this plan serves; None: an eager step
+    num_rows: int  # query rows the kernels read (a graph step's padding requests included)
     slots: torch.Tensor  # [rows] slot ids the store kernel reads: ctx.slot_mapping, or the static copy
     pad_rows: Optional[torch.Tensor]  # graph steps: [rows, 1, 1] bool, True on padding rows (static)
-    wrappers: dict  # _Group -> flashinfer wrapper (MLA with mla_impl="triton": absent)
+    wrappers: dict  # _Group -> flashinfer wrapper (groups on a Triton kernel: absent)
     triton_meta: Optional[tuple] = None  # (kv_indptr, kv_indices, row_req, row_pos) on the device
+    table: Optional[_StepTable] = None  # decode / uniform target_verify steps with Triton groups
 
 
 
@@ -355,7 +378,10 @@ class FlashInferAttentionBackend(BackendHooks):
         limits=(ShapeLimit("gqa_attention", "q", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY),
                 ShapeLimit("gqa_attention", "v", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY)),
         # Kernel alternatives routing records (the first choice is the default; see __init__).
+        # decode_impl: the default is the first choice; "triton" plans nothing on the host for
+        # decode and target_verify steps (runtime/backends/triton_gqa.py).
         options=(("extend_impl", ("ragged", "paged")),
+                 ("decode_impl", ("flashinfer", "triton")),
                  ("decode_backend", ("fa2", "auto", "fa3")),
                  ("decode_tensor_cores", ("auto", "on", "off")),
                  ("prefill_backend", ("auto", "fa2", "fa3")),
@@ -372,8 +398,8 @@ class FlashInferAttentionBackend(BackendHooks):
     @staticmethod
     def _kernel_options(options: Mapping[str, str]) -> dict:
         """Routing's recorded choices (capability.options) as constructor arguments."""
-        kwargs = {k: options[k] for k in ("extend_impl", "decode_backend", "prefill_backend", "mla_backend")
-                  if k in options}
+        kwargs = {k: options[k] for k in ("extend_impl", "decode_impl", "decode_backend", "prefill_backend",
+                                          "mla_backend") if k in options}
         if "decode_tensor_cores" in options:
             kwargs["decode_tensor_cores"] = {"auto": None, "on": True, "off": False}[options["decode_tensor_cores"]]
         return kwargs
@@ -383,7 +409,7 @@ class FlashInferAttentionBackend(BackendHooks):
                  mla_rope_dim: int = 64, q_dtype: Optional[torch.dtype] = None,
                  workspace_bytes: int = 256 * 1024 * 1024, decode_tensor_cores: Optional[bool] = None,
                  decode_backend: str = "fa2", prefill_backend: str = "auto", mla_backend: str = "auto",
-                 mla_impl: str = "flashinfer", extend_impl: str = "ragged"):
+                 mla_impl: str = "flashinfer", extend_impl: str = "ragged", decode_impl: str = "flashinfer"):
         """q_heads: query heads of every full layer (one int, or per layer id). layers: the full
         layers this instance serves (default: every full layer of the pool). scales: softmax
         scale per layer (GQA default head_dim**-0.5; MLA layers need one: the scale depends on
@@ -398,13 +424,17 @@ class FlashInferAttentionBackend(BackendHooks):
         mla_impl: "flashinfer" or "triton" (triton_mla.py; as a routing choice it is the
         `triton_mla` backend, which fixes it). extend_impl: "ragged" (a step where
         every request starts from an empty cache attends over this step's k/v, 1.5x faster at
-        2048 tokens) or "paged" (always the paged prefill).
+        2048 tokens) or "paged" (always the paged prefill). decode_impl: "flashinfer" or "triton"
+        (GQA layers of decode and uniform target_verify steps through triton_gqa.py, straight from
+        the page table: nothing planned on the host).
         """
         self.flashinfer = self._kernel_library()
         if mla_impl not in ("flashinfer", "triton"):
             raise ValueError(f"mla_impl must be 'flashinfer' or 'triton', not {mla_impl!r}")
         if extend_impl not in ("paged", "ragged"):
             raise ValueError(f"extend_impl must be 'paged' or 'ragged', not {extend_impl!r}")
+        if decode_impl not in ("flashinfer", "triton"):
+            raise ValueError(f"decode_impl must be 'flashinfer' or 'triton', not {decode_impl!r}")
         self.kv_pool = kv_pool
         self.device = kv_pool.device
         self._check_device()
@@ -414,6 +444,7 @@ class FlashInferAttentionBackend(BackendHooks):
         self.mla_backend = mla_backend
         self.mla_impl = mla_impl
         self.extend_impl = extend_impl
+        self.decode_impl = decode_impl
         # One float workspace for every wrapper: their runs follow one another on one stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.layers: dict[int, _Group] = {}
@@ -426,6 +457,12 @@ class FlashInferAttentionBackend(BackendHooks):
             entries = kv_pool.buffers[layer_id]
             self.layers[layer_id] = self._group_of(layer_id, entries, q_heads, scales, mla_rope_dim, q_dtype)
         self.groups: tuple[_Group, ...] = tuple(dict.fromkeys(self.layers.values()))
+        if decode_impl == "triton":
+            from runtime.backends.triton_gqa import gqa_head_dim_refusal
+            for layer_id, g in self.layers.items():
+                why = g.kind == "gqa" and (gqa_head_dim_refusal(g.head_dim) or gqa_head_dim_refusal(g.head_dim_v))
+                if why:
+                    raise ValueError(f"layer {layer_id} (decode_impl='triton'): {why}")
         self._eager: dict[tuple[_Group, str], _Planned] = {}  # (group, kind) -> eager wrapper
         self._static: Optional[dict[str, torch.Tensor]] = None  # init_capture_state's buffers
         self._graph: dict[tuple[_Group, int, str], _Planned] = {}  # (group, bucket, kind) -> use_cuda_graph wrapper
@@ -524,33 +561,68 @@ class FlashInferAttentionBackend(BackendHooks):
 
     def _plan(self, ctx: ExecContext, bucket: Optional[int]) -> _StepPlan:
         mode = Mode(ctx.mode)
-        per = ctx.num_tokens // ctx.num_seqs if bucket is not None else 1  # a bucket's rows per request
-        meta = build_paged_metadata(ctx, pad_reqs_to=bucket, pad_rows_per_req=per)
+        per = self._rows_per_request(ctx)
+        on_table = frozenset(g for g in self.groups if per and self._table_kernel(g))
         if mode == Mode.DECODE:
             kind = "decode"
-        elif self.extend_impl == "ragged" and mode == Mode.EXTEND and meta.all_fresh:
-            kind = "ragged"
+        elif self.extend_impl == "ragged" and mode == Mode.EXTEND and not any(ctx.cache_lens):
+            kind = "ragged"  # every request starts from an empty cache
         else:
             kind = "prefill"
+        wrapped = [g for g in self.groups if g not in on_table and not (g.kind == "mla" and self.mla_impl == "triton")]
+        row_mla = any(g.kind == "mla" and self.mla_impl == "triton" and g not in on_table for g in self.groups)
+        meta = None
+        if wrapped or row_mla:  # table groups alone need no paged metadata: nothing built on the host
+            pad_per = ctx.num_tokens // ctx.num_seqs if bucket is not None else 1  # a bucket's rows per request
+            meta = build_paged_metadata(ctx, pad_reqs_to=bucket, pad_rows_per_req=pad_per)
         wrappers = {}
-        for g in self.groups:
-            if g.kind == "mla" and self.mla_impl == "triton":
-                continue
+        for g in wrapped:
             planned = self._graph_wrapper(g, bucket, kind) if bucket is not None else (
                 self._eager_wrapper(g, "mla" if g.kind == "mla" else kind))
             self._plan_group(planned, g, kind, meta)
             wrappers[g] = planned.wrapper
-        triton_meta = None
-        if self.mla_impl == "triton" and any(g.kind == "mla" for g in self.groups):
-            triton_meta = self._triton_meta(meta, bucket)
+        triton_meta = self._triton_meta(meta, bucket) if row_mla else None
         if bucket is None:
-            slots, pad_rows = ctx.slot_mapping, None
+            slots, pad_rows, num_rows = ctx.slot_mapping, None, ctx.num_real_tokens
         else:
+            num_rows = ctx.num_tokens  # init_replay_state checked: bucket * n
             slots = self._static["slots"][:ctx.num_tokens]
             slots.copy_(ctx.slot_mapping, non_blocking=True)
             pad_rows = self._static["pad_rows"][:ctx.num_tokens]
             torch.lt(slots.view(-1, 1, 1), 0, out=pad_rows)  # once per step, not once per layer
-        return _StepPlan(ctx, meta, kind, bucket, slots, pad_rows, wrappers, triton_meta)
+        table = self._table(ctx, bucket, per, on_table) if on_table else None
+        return _StepPlan(ctx, meta, kind, bucket, num_rows, slots, pad_rows, wrappers, triton_meta, table)
+
+    def _table_kernel(self, g: _Group) -> bool:
+        """Whether the group runs a Triton kernel from the page table in a table step."""
+        return self.decode_impl == "triton" if g.kind == "gqa" else self.mla_impl == "triton"
+
+    @staticmethod
+    def _rows_per_request(ctx: ExecContext) -> int:
+        """n for a table step (decode: 1; target_verify where every request has n rows), else 0."""
+        mode = Mode(ctx.mode)
+        if mode == Mode.DECODE:
+            return 1
+        if mode == Mode.TARGET_VERIFY and ctx.query_lens and len(set(ctx.query_lens)) == 1:
+            return ctx.query_lens[0]
+        return 0  # requests of different lengths: a prefill plan serves them
+
+    def _table(self, ctx: ExecContext, bucket: Optional[int], per: int, groups: frozenset) -> _StepTable:
+        """The page table and sequence lengths the Triton kernels read: the step's own in an eager
+        step (its real requests), copies into static buffers (device to device) in a graph step."""
+        if bucket is None:
+            reqs = ctx.num_real_seqs
+            return _StepTable(ctx.page_table[:reqs], ctx.seq_lens[:reqs], per, groups)
+        st, width = self._static, ctx.page_table.shape[1]
+        if st["page_table"] is None:  # sized by the first graph step: the graph runner's are all max_pages wide
+            st["page_table"] = torch.zeros(st["seq_lens"].shape[0], width, dtype=torch.int32, device=self.device)
+        table = st["page_table"]
+        if width > table.shape[1]:
+            raise ValueError(f"{self.name}: a graph step's page table has {width} columns, the static one "
+                             f"{table.shape[1]} (captured graphs read its address): keep max_pages fixed")
+        table[:bucket, :width].copy_(ctx.page_table, non_blocking=True)
+        st["seq_lens"][:bucket].copy_(ctx.seq_lens, non_blocking=True)
+        return _StepTable(table[:bucket], st["seq_lens"][:bucket], per, groups)
 
     def _plan_group(self, planned: _Planned, g: _Group, kind: str, meta: PagedMetadata) -> None:
         ps = self.kv_pool.page_size
@@ -604,6 +676,8 @@ class FlashInferAttentionBackend(BackendHooks):
             "kv_last_page_len": torch.zeros(n, **i32),
             "row_req": torch.zeros(n, **i32),
             "row_pos": torch.zeros(n, **i32),
+            "seq_lens": torch.zeros(n, **i32),  # table steps (decode_impl / mla_impl "triton")
+            "page_table": None,  # [n, width]: allocated by the first table step (its width)
         }
         self._graph.clear()  # wrappers made over older buffers would read stale addresses
 
@@ -662,8 +736,8 @@ class FlashInferAttentionBackend(BackendHooks):
         if step.bucket is not None:
             # The real row count changes between replays: mask on the device (rows with slot -1).
             out.masked_fill_(step.pad_rows, 0)
-        elif step.meta.num_rows < out.shape[0]:
-            out[step.meta.num_rows:].zero_()
+        elif step.num_rows < out.shape[0]:
+            out[step.num_rows:].zero_()
 
     def gqa_attention(self, ctx, q, k, v, out, layer_id, scale):
         g, step = self._step_for(ctx, layer_id, "gqa", scale)
@@ -672,13 +746,16 @@ class FlashInferAttentionBackend(BackendHooks):
         cache = self.kv_pool.layer(layer_id)
         kc, vc = cache["k"], cache["v"]
         store_kv_rows(step.slots, ctx.page_size, (k, kc), (v, vc))
-        n = step.meta.num_rows
-        wrapper = step.wrappers[g]
+        n = step.num_rows
         target = out[:n] if out.is_contiguous() else torch.empty_like(out[:n])
-        if step.kind == "ragged":
-            wrapper.run(q[:n], k[:n], v[:n], out=target)
+        if step.table is not None and g in step.table.groups:
+            from runtime.backends.triton_gqa import triton_gqa_attention
+            t = step.table
+            triton_gqa_attention(q[:n], kc, vc, t.page_table, t.seq_lens, t.rows_per_req, target, g.scale)
+        elif step.kind == "ragged":
+            step.wrappers[g].run(q[:n], k[:n], v[:n], out=target)
         else:
-            wrapper.run(q[:n], (kc, vc), out=target)
+            step.wrappers[g].run(q[:n], (kc, vc), out=target)
         if target.data_ptr() != out.data_ptr():
             out[:n].copy_(target)
         self._zero_padding(step, out)
@@ -691,9 +768,14 @@ class FlashInferAttentionBackend(BackendHooks):
         latent = self.kv_pool.layer(layer_id)["latent"]
         ckv, kpe = latent[..., :R], latent[..., R:]  # strided views into [pages, page_size, R+P]
         store_kv_rows(step.slots, ctx.page_size, (kv_latent, ckv), (k_rope, kpe))
-        n = step.meta.num_rows
+        n = step.num_rows
         target = out[:n] if out.is_contiguous() else torch.empty_like(out[:n])
-        if self.mla_impl == "triton":
+        if step.table is not None and g in step.table.groups:
+            from runtime.backends.triton_mla import triton_mla_attention_paged
+            t = step.table
+            triton_mla_attention_paged(q_latent[:n], q_rope[:n], ckv, kpe, t.page_table, t.seq_lens, t.rows_per_req,
+                                       target, g.scale)
+        elif self.mla_impl == "triton":
             from runtime.backends.triton_mla import triton_mla_attention
             kv_indptr, kv_indices, row_req, row_pos = step.triton_meta
             triton_mla_attention(q_latent[:n], q_rope[:n], ckv, kpe, kv_indptr, kv_indices, row_req[:n],

@@ -5,11 +5,23 @@ The fallback (and cross-check) for FlashInfer's `BatchMLAPagedAttentionWrapper`,
 cache keeps [c | k_rope] per token; score = q_latent.c + q_rope.k_rope; out = softmax(scale *
 score) @ c.
 
+Two ways to find a row's keys (a constexpr switch of the split pass):
+
+- row arrays (`triton_mla_attention`): FlashInfer's page lists per request (kv_indptr,
+  kv_indices) and each row's request and position, built on the host for any step (extend and
+  mixed steps, requests of any lengths);
+- the page table (`triton_mla_attention_paged`): a decode or target_verify step whose requests
+  all have the same n rows reads the step's `page_table` [B, width] and `seq_lens` [B] as they
+  are: row t is request t // n at position seq_lens - n + t % n. Nothing is built on the host, so
+  a captured decode graph replays with no plan at all (runtime/backends/triton_gqa.py does the
+  same for GQA).
+
 1. Split pass, grid (rows, head blocks, splits): each program takes one query row, BLOCK_H heads
-   and one contiguous share of the keys that row may see (causal: positions 0..row_pos), walks it
-   BLOCK_N tokens at a time through the page indices, and keeps an online softmax in float32. It
-   writes its normalised partial output and its log-sum-exp (base 2).
-2. Combine pass, grid (rows, heads): merges the splits by their log-sum-exp.
+   and one contiguous share of the keys that row may see (causal: positions 0..its position),
+   walks it BLOCK_N tokens at a time through the page indices, and keeps an online softmax in
+   float32. It writes its normalised partial output and its log-sum-exp (base 2).
+2. Combine pass, grid (rows, heads; `combine_splits`, shared with the GQA kernel): merges the
+   splits by their log-sum-exp.
 
 The number of splits depends only on the number of rows and heads, so a captured decode graph
 replays the same launch for any context length. Every query row reads its keys again, so for
@@ -25,26 +37,58 @@ import triton.language as tl
 
 from runtime.backends.sm_count import num_sms
 
-__all__ = ["triton_mla_attention", "num_splits_for"]
+__all__ = ["triton_mla_attention", "triton_mla_attention_paged", "num_splits_for", "combine_splits", "LOG2E",
+           "softmax_step", "split_result"]
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 
 
 @triton.jit
-def _mla_split_kernel(q_lat, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, row_pos, part_o, part_lse,
-                      s_ql_t, s_ql_h, s_qr_t, s_qr_h, s_c_page, s_c_tok, s_k_page, s_k_tok,
-                      num_heads, page_size, scale_log2,
+def softmax_step(m, l, s):
+    """One key tile of an online softmax in base 2: running max m [M] and sum l [M], this tile's
+    scaled scores s [M, N] (-inf where a row sees no key) -> (new max, rescale of the old
+    accumulator, the tile's weights [M, N], new sum)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # A row that has seen no key yet keeps m = -inf: subtract 0 instead, so its weights are
+    # exp2(-inf) = 0 rather than NaN.
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_sub)
+    w = tl.exp2(s - m_sub[:, None])
+    return m_new, alpha, w, l * alpha + tl.sum(w, 1)
+
+
+@triton.jit
+def split_result(acc, m, l):
+    """A split's normalised output and base-2 log-sum-exp (-inf and zeros where it saw no key)."""
+    has = l > 0
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+    return acc / tl.where(has, l, 1.0)[:, None], lse
+
+
+@triton.jit
+def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_lens, part_o, part_lse,
+                      s_ql_t, s_ql_h, s_qr_t, s_qr_h, s_c_page, s_c_tok, s_k_page, s_k_tok, s_pt,
+                      rows_per_req, num_heads, page_size, scale_log2,
                       R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                      FROM_TABLE: tl.constexpr):
+    # FROM_TABLE: `pages` is the page table [B, s_pt] and `seq_lens` gives each row its position
+    # (kv_indptr, row_req, row_pos unused); else `pages` is kv_indices, found through the row arrays.
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
-    req = tl.load(row_req + t)
-    kv_len = tl.load(row_pos + t) + 1  # causal: the row sees keys 0..its own position
+    if FROM_TABLE:
+        req = t // rows_per_req
+        kv_len = tl.load(seq_lens + req) - rows_per_req + t % rows_per_req + 1
+        page_row = pages + req * s_pt
+    else:
+        req = tl.load(row_req + t)
+        kv_len = tl.load(row_pos + t) + 1  # causal: the row sees keys 0..its own position
+        page_row = pages + tl.load(kv_indptr + req)
+    kv_len = tl.maximum(kv_len, 0)  # a padding request (seq_lens 0) sees no key: a zero output
     per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, kv_len)
-    first_page = tl.load(kv_indptr + req)
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
@@ -61,7 +105,7 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, r
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        page = tl.load(kv_indices + first_page + n // page_size, mask=nmask, other=0).to(tl.int64)
+        page = tl.load(page_row + n // page_size, mask=nmask, other=0).to(tl.int64)
         off = (n % page_size).to(tl.int64)
         c = tl.load(ckv + page[:, None] * s_c_page + off[:, None] * s_c_tok + r[None, :], mask=nmask[:, None], other=0.0)
         kr = tl.load(kpe + page[:, None] * s_k_page + off[:, None] * s_k_tok + p[None, :],
@@ -69,16 +113,10 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, r
         s = tl.dot(q, tl.trans(c), input_precision=PRECISION)
         s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
         s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(w, 1)
+        m, alpha, w, l = softmax_step(m, l, s)
         acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c, input_precision=PRECISION)
-        m = m_new
 
-    has = l > 0
-    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
-    o = acc / tl.where(has, l, 1.0)[:, None]
+    o, lse = split_result(acc, m, l)
     idx = (t * num_heads + heads) * NUM_SPLITS + split
     tl.store(part_o + idx[:, None] * R + r[None, :], o, mask=hmask[:, None])
     tl.store(part_lse + idx, lse, mask=hmask)
@@ -110,11 +148,42 @@ def num_splits_for(rows: int, head_blocks: int, num_sms: int) -> int:
     return splits
 
 
+def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """Merge the split pass's partial outputs: part_o [(row * H + head) * splits + split, Dv] float32
+    and their base-2 log-sum-exp part_lse (-inf: the split saw no key) into out [rows, H, Dv]
+    (unit last stride). A row and head whose splits all saw no key gets zeros."""
+    T, H, DV = out.shape
+    assert out.stride(-1) == 1
+    _mla_combine_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H,
+                                R=DV, NUM_SPLITS=num_splits, num_warps=4)
+
+
 def triton_mla_attention(q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, row_pos, out, scale,
                          block_h: int = 16, block_n: int = 32, num_splits: int | None = None) -> None:
     """q_latent [T,H,R], q_rope [T,H,P]; ckv [pages,page_size,R] and kpe [pages,page_size,P] (views
     with unit last stride); kv_indptr/kv_indices: FlashInfer's page lists per request; row_req /
     row_pos [T] int32: each row's request and position; out [T,H,R] written in place."""
+    # seq_lens is not read in this mode: any int32 tensor stands in for the pointer
+    _launch(q_latent, q_rope, ckv, kpe, kv_indices, kv_indptr, row_req, row_pos, row_pos, 0, 1, False,
+            out, scale, block_h, block_n, num_splits)
+
+
+def triton_mla_attention_paged(q_latent, q_rope, ckv, kpe, page_table, seq_lens, rows_per_req, out, scale,
+                               block_h: int = 16, block_n: int = 32, num_splits: int | None = None) -> None:
+    """As triton_mla_attention, for a step whose B requests all have rows_per_req (n) rows,
+    T = B * n: page_table [B, width] and seq_lens [B] int32 on the device, read as they are."""
+    B = page_table.shape[0]
+    if q_latent.shape[0] != B * rows_per_req or seq_lens.shape[0] < B:
+        raise ValueError(f"triton MLA: {q_latent.shape[0]} query rows for {B} requests of {rows_per_req} rows "
+                         f"({seq_lens.shape[0]} sequence lengths)")
+    assert page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    # kv_indptr, row_req and row_pos are not read in this mode: seq_lens stands in for the pointers
+    _launch(q_latent, q_rope, ckv, kpe, page_table, seq_lens, seq_lens, seq_lens, seq_lens, page_table.stride(0),
+            rows_per_req, True, out, scale, block_h, block_n, num_splits)
+
+
+def _launch(q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_lens, s_pt, rows_per_req,
+            from_table, out, scale, block_h, block_n, num_splits) -> None:
     T, H, R = q_latent.shape
     P = q_rope.shape[-1]
     if T == 0:
@@ -129,12 +198,10 @@ def triton_mla_attention(q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_
     part_lse = torch.empty(T * H * num_splits, dtype=torch.float32, device=q_latent.device)
     precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"
     _mla_split_kernel[(T, head_blocks, num_splits)](
-        q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, row_pos, part_o, part_lse,
+        q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_lens, part_o, part_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1),
-        H, ckv.shape[1], scale * _LOG2E,
+        ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), s_pt,
+        rows_per_req, H, ckv.shape[1], scale * LOG2E,
         R=R, P=P, P_PAD=max(16, P), BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=precision,
-        num_warps=8, num_stages=2)
-    assert out.stride(-1) == 1
-    _mla_combine_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H,
-                                R=R, NUM_SPLITS=num_splits, num_warps=4)
+        FROM_TABLE=from_table, num_warps=8, num_stages=2)
+    combine_splits(part_o, part_lse, out, num_splits)

@@ -10,7 +10,10 @@ the FlashInfer backend used to be, a constructor option routing never saw).
 It is FlashInferAttentionBackend with `mla_impl="triton"` and MLA layers only: the paged metadata,
 the store of this step's rows, the static buffers of captured decode graphs and the padding are
 that backend's, tested with it; FlashInfer itself is never imported (no FlashInfer wrapper serves
-an MLA layer under the Triton kernel). Lifecycle: runtime/backends/flashinfer_attention.py.
+an MLA layer under the Triton kernel). Decode steps read the page table and sequence lengths as
+they are (the kernel's page-table mode): nothing is planned on the host for them; extend and mixed
+steps build the paged metadata for the kernel's row arrays. Lifecycle:
+runtime/backends/flashinfer_attention.py.
 """
 
 from __future__ import annotations
