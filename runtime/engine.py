@@ -641,15 +641,41 @@ class Engine:
                 q = dense_distribution(*filtered_distribution(processed[b].float().cpu(), req.params),
                                        processed.shape[1])
                 token = draw(q, req.generator)
-            req.drafts.append(token)
-            req.draft_q.append(q)
-            if req.matcher is not None and req.matcher.accept(token):
-                req.grammar_ahead += 1
+            self._add_draft(req, token, q)
+
+    @staticmethod
+    def _drafts_by_argmax(req: _Request) -> bool:
+        """Whether `_choose` takes the request's drafts as the draft logits' argmax, unchanged: it is
+        greedy (no draw) and has no grammar (whose bitmask is the one change `_choose` makes to
+        draft logits; penalties and bias apply to the target's rows only, in `_accept_drafts`).
+        When it holds for every request of a proposal, the drafter may choose on the device and
+        hand the tokens back once (`_take_drafts`)."""
+        return req.params.greedy and req.matcher is None
+
+    def _take_drafts(self, reqs: list[_Request], tokens: list[list[int]], position: int) -> None:
+        """Drafts the drafter chose as the draft logits' argmax (`_drafts_by_argmax` holds for
+        every request): tokens[b] appended to request b's drafts from `position` (>= 1) on, as
+        `_choose` appends them."""
+        assert position >= 1 and all(self._drafts_by_argmax(req) for req in reqs)
+        for req, chosen in zip(reqs, tokens):
+            assert len(req.drafts) == position, f"request {req.request_id!r}: draft {position} after {req.drafts}"
+            for token in chosen:
+                self._add_draft(req, token, None)
+
+    @staticmethod
+    def _add_draft(req: _Request, token: int, q) -> None:
+        """The bookkeeping of one chosen draft: the token, its distribution (None: argmax), the matcher ahead."""
+        req.drafts.append(token)
+        req.draft_q.append(q)
+        if req.matcher is not None and req.matcher.accept(token):
+            req.grammar_ahead += 1
 
     def _verify(self, reqs: list[_Request]) -> list[StepOutput]:
         """One round for the decoding requests: drafts, a target_verify step, the tokens each keeps."""
         spec, D = self.spec, self.spec.draft_tokens
-        spec.timed(spec.drafter.propose, reqs, self._choose)
+        # every request's drafts the draft's argmax: the drafter may chain its steps on the device
+        take = self._take_drafts if all(self._drafts_by_argmax(req) for req in reqs) else None
+        spec.timed(spec.drafter.propose, reqs, self._choose, take)
         bad = [req.request_id for req in reqs if len(req.drafts) != D]
         if bad:
             raise RuntimeError(f"the drafter proposed no {D} drafts for request(s) {bad[:3]}")

@@ -8,7 +8,9 @@ sampling, penalties, grammar) is the engine's (runtime/engine.py, runtime/accept
 
 A program's steps run through a step runner: a GraphRunner (captured graphs, eager above its
 buckets) or `EagerSteps` (a bound forward, every step eager). Both have
-`build(items, mode, logits_rows) -> (step, key)` and `run_outputs(step, key) -> [logits, hidden]`.
+`build(items, mode, logits_rows) -> (step, key)` and `run_outputs(step, key, input_ids=None) ->
+[logits, hidden]`; `input_ids`, token ids on the device, replace the ids of the step's first rows
+(runtime/batch.write_input_ids).
 
 Lifecycle of a decoding request (p: its cached tokens; x_p, its last token, is not cached yet):
 
@@ -20,7 +22,11 @@ Lifecycle of a decoding request (p: its cached tokens; x_p, its last token, is n
    The draft's hidden state there is kept, by state slot.
 2. Each later step, `propose`: D - 1 draft decode steps at positions p .. p + D - 2, each fed the
    previous draft token and the draft's own previous hidden state (chained, as the released
-   models do), give d_2 .. d_D.
+   models do), give d_2 .. d_D. When every request's drafts are the draft's argmax (the
+   engine's `_drafts_by_argmax`: greedy, no grammar), the chain stays on the device: each step
+   is laid out with a placeholder token and fed the previous step's argmax there, and the
+   drafts come back in one read at the end (`take`). Otherwise each step's drafts are chosen on
+   the host (`choose`) before the next step is built.
 3. `verify`: one target_verify step of the main program over [x_p, d_1 .. d_D] at positions
    p .. p + D, logits and hidden states at each; linear layers keep the state after each of the
    first D positions (StatePool intermediate entries), the last in the request's slot.
@@ -53,7 +59,7 @@ import torch
 
 from compiler.splitops import Mode
 from runtime.backends.protocol import plan_eager_step
-from runtime.batch import SeqState, StepInputs, build_step
+from runtime.batch import SeqState, StepInputs, build_step, write_input_ids
 from runtime.binding import members_of
 from runtime.bound_ops import BoundOps
 from runtime.graph_runner import GraphRunner
@@ -82,8 +88,9 @@ class EagerSteps:
         return build_step(items, self.kv_pool, self.device, mode=mode, logits_rows=logits_rows), None
 
     @torch.no_grad()
-    def run_outputs(self, step: StepInputs, key=None) -> list[torch.Tensor]:
+    def run_outputs(self, step: StepInputs, key=None, input_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         plan_eager_step(self.ops.backend, step.ctx, self.chunk_size)
+        write_input_ids(step.input_ids, input_ids, step.ctx.num_real_tokens)  # the step's own tensor, on the device
         inputs = (step.input_ids, step.positions)
         if self.takes_hidden:
             inputs += (step.hidden.to(self.device),)
@@ -114,19 +121,31 @@ class MTPDrafter:
     """The artifact's draft program as a proposer (see the module docstring, steps 1, 2 and 5).
 
     choose(requests, logits [B, V], position) -> None appends each request's draft token at
-    `position` (0 .. D-1) to its drafts (`request.drafts`), after its grammar and sampling."""
+    `position` (0 .. D-1) to its drafts (`request.drafts`), after its grammar and sampling.
+    take(requests, tokens [B][n], position) -> None appends drafts chosen as the draft logits'
+    argmax at positions position .. position + n - 1 (the engine's `_take_drafts`)."""
 
     def __init__(self, steps, draft_tokens: int, num_slots: int, hidden_size: int, dtype: torch.dtype, device):
         self.steps, self.draft_tokens = steps, draft_tokens
         # the draft's hidden state at each request's last drafted position, by state slot
         self.hidden = torch.zeros(num_slots + 1, hidden_size, dtype=dtype, device=device)
 
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """values as an int64 index on the drafter's device, without waiting for the device: a
+        pageable copy would wait for every queued kernel first; from pinned memory it is queued
+        behind them (the caching host allocator keeps the pinned block until the copy has left it)."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.hidden.device.type != "cuda":
+            return host.to(self.hidden.device)
+        return host.pin_memory().to(self.hidden.device, non_blocking=True)
+
     def _run(self, items, hidden: torch.Tensor, mode: Optional[Mode] = None, logits_rows=None,
-             logits_index: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+             logits_index: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         step, key = self.steps.build(items, mode=mode, logits_rows=logits_rows)
+        step.hidden = hidden  # the step is this call's own: set in place, not copied
         if logits_index is not None:
-            step = dataclasses.replace(step, logits_index=logits_index)
-        return self.steps.run_outputs(dataclasses.replace(step, hidden=hidden), key)
+            step.logits_index = logits_index
+        return self.steps.run_outputs(step, key, input_ids=input_ids)
 
     def after_prefill(self, chunks: list[DraftChunk], main_hidden: torch.Tensor, choose) -> None:
         if not chunks:
@@ -140,17 +159,34 @@ class MTPDrafter:
         ends = torch.tensor([len(c.ids) for c in chunks]).cumsum(0) - 1
         pick = torch.tensor(wants)
         choose([chunks[i].request for i in wants], logits[pick.to(logits.device)], 0)
-        slots = torch.tensor([chunks[i].seq.slot for i in wants], device=self.hidden.device)
+        slots = self._index([chunks[i].seq.slot for i in wants])
         self.hidden[slots] = draft_hidden[ends[pick].to(draft_hidden.device)].to(self.hidden.dtype)
 
-    def propose(self, requests: list, choose) -> None:
-        """d_2 .. d_D for requests whose drafts hold d_1: D - 1 chained draft decode steps."""
-        slots = torch.tensor([r.seq.slot for r in requests], device=self.hidden.device)
+    def propose(self, requests: list, choose, take=None) -> None:
+        """d_2 .. d_D for requests whose drafts hold d_1: D - 1 chained draft decode steps, each fed
+        the previous step's hidden states as they come out (only the last are kept, by slot).
+
+        take: given when every request's drafts are the draft's argmax; the steps then run
+        without a read in between (each fed the previous step's argmax on the device, step 1
+        d_1 from the host) and `take` gets all D - 1 drafts of each request from one read at
+        the end. None: `choose` picks each step's drafts before the next step is built."""
+        if self.draft_tokens == 1:
+            return
+        slots = self._index([r.seq.slot for r in requests])
+        hidden, chosen = self.hidden[slots], []
         for k in range(1, self.draft_tokens):
-            items = [(_view(r.seq, r.seq.num_cached + k - 1), [r.drafts[k - 1]]) for r in requests]
-            logits, draft_hidden = self._run(items, self.hidden[slots], mode=Mode.DECODE)
-            choose(requests, logits, k)
-            self.hidden[slots] = draft_hidden.to(self.hidden.dtype)
+            fed = chosen[-1] if take is not None and chosen else None  # this step's ids, on the device
+            # with `fed`, the token laid out is a placeholder: the layout does not depend on it
+            items = [(_view(r.seq, r.seq.num_cached + k - 1), [0 if fed is not None else r.drafts[k - 1]])
+                     for r in requests]
+            logits, hidden = self._run(items, hidden, mode=Mode.DECODE, input_ids=fed)
+            if take is not None:
+                chosen.append(logits.argmax(-1))
+            else:
+                choose(requests, logits, k)
+        self.hidden[slots] = hidden.to(self.hidden.dtype)
+        if take is not None:
+            take(requests, torch.stack(chosen, 1).tolist(), 1)  # the one read of the chain
 
     def after_verify(self, requests: list, starts: list[int], kept: list[list[int]], verify_hidden: torch.Tensor,
                      choose) -> None:
@@ -164,7 +200,7 @@ class MTPDrafter:
         logits, draft_hidden = self._run(items, verify_hidden, mode=Mode.TARGET_VERIFY, logits_rows=[1] * len(items),
                                          logits_index=rows)
         choose(requests, logits, 0)
-        slots = torch.tensor([r.seq.slot for r in requests], device=self.hidden.device)
+        slots = self._index([r.seq.slot for r in requests])
         self.hidden[slots] = draft_hidden[rows.to(draft_hidden.device)].to(self.hidden.dtype)
 
 

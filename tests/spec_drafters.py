@@ -16,7 +16,8 @@ runtime/speculative.py (`after_prefill`, `propose`, `after_verify`) and need no 
 
 `ForcedDrafts` runs a real drafter (the MTP program: its steps, its cost) and then replaces each
 token it chose with the reference's: full acceptance at the real draft's cost, what
-benchmarks/spec_bench.py times against plain decoding.
+benchmarks/spec_bench.py times against plain decoding. (A chain kept on the device, greedy
+requests, feeds each step the draft's own argmax, not the forced token: the cost is the same.)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class GreedyContinuationDrafter:
     def after_verify(self, requests, starts, kept, verify_hidden, choose) -> None:
         """Nothing to run: the proposals come from the references."""
 
-    def propose(self, requests, choose) -> None:
+    def propose(self, requests, choose, take=None) -> None:
         for req in requests:
             reference = self.references[tuple(req.prompt)]
             ahead = reference[len(req.output):len(req.output) + self.draft_tokens]
@@ -55,21 +56,35 @@ class ForcedDrafts:
     def __init__(self, drafter, references: dict[tuple[int, ...], list[int]]):
         self.drafter, self.references = drafter, references
 
-    def _forced(self, choose):
-        def forced(requests, logits, position):
-            choose(requests, logits, position)
-            for req in requests:
-                reference = self.references[tuple(req.prompt)]
+    def _force(self, requests, positions) -> None:
+        for req in requests:
+            reference = self.references[tuple(req.prompt)]
+            for position in positions:
                 at = len(req.output) + position  # the drafts follow the output
                 if at < len(reference):
                     req.drafts[position] = reference[at]
+
+    def _forced(self, choose):
+        def forced(requests, logits, position):
+            choose(requests, logits, position)
+            self._force(requests, [position])
+        return forced
+
+    def _forced_take(self, take):
+        """The drafter's chain on the device ran on its own argmax; what it hands back is replaced."""
+        if take is None:
+            return None
+
+        def forced(requests, tokens, position):
+            take(requests, tokens, position)
+            self._force(requests, range(position, position + len(tokens[0])))
         return forced
 
     def after_prefill(self, chunks, main_hidden, choose) -> None:
         self.drafter.after_prefill(chunks, main_hidden, self._forced(choose))
 
-    def propose(self, requests, choose) -> None:
-        self.drafter.propose(requests, self._forced(choose))
+    def propose(self, requests, choose, take=None) -> None:
+        self.drafter.propose(requests, self._forced(choose), self._forced_take(take))
 
     def after_verify(self, requests, starts, kept, verify_hidden, choose) -> None:
         self.drafter.after_verify(requests, starts, kept, verify_hidden, self._forced(choose))

@@ -12,6 +12,9 @@
    captured and checked by the start-up parity check, then serving the same tokens.
 4. The pieces: intermediate states kept for the accepted position (the CPU reference's verify
    path against decode steps), acceptance rules, draft counts for penalties.
+5. The draft chain kept on the device (greedy requests without grammar): the drafts it proposes
+   are the per-step path's, eagerly and through a GraphRunner, with no `_choose` call after
+   position 0; a grammar or a temperature sends the call step by step, penalties do not.
 """
 
 from __future__ import annotations
@@ -103,10 +106,10 @@ class Recording:
     def after_verify(self, *args):
         self.drafter.after_verify(*args)
 
-    def propose(self, requests, choose):
+    def propose(self, requests, choose, take=None):
         for req in requests:
             self.at.setdefault(tuple(req.prompt), []).append(len(req.output))
-        self.drafter.propose(requests, choose)
+        self.drafter.propose(requests, choose, take)
 
 
 def engine_with(art, D: int, drafter):
@@ -497,3 +500,126 @@ def test_the_memory_plan_sizes_the_intermediate_states_the_pool_allocates(artifa
     _, st = build_pools(art.registry, plan)
     assert (st.draft_tokens, st.verify_rows) == (3, 4)
     assert st.verify_nbytes() == plan.intermediate_bytes > 0
+
+
+# -- the draft chain kept on the device ---------------------------------------------------------
+
+
+class ChainWatch:
+    """Wraps an engine's drafter and `_choose`: the drafts each proposal left, the positions
+    `_choose` was called for, and how many proposals took the device chain. `per_step` sends
+    every proposal through `_choose` step by step (the path of requests whose drafts are not the
+    argmax), to compare the device chain with."""
+
+    def __init__(self, engine):
+        self.drafter = engine.spec.drafter
+        engine.spec.drafter = self
+        choose, self.by_argmax = engine._choose, engine._drafts_by_argmax
+        engine._choose = lambda reqs, logits, position: (self.chose_at.append(position), choose(reqs, logits, position))
+        engine._drafts_by_argmax = lambda req: self.by_argmax(req) and not self.per_step
+        self.reset(per_step=False)
+
+    def reset(self, per_step: bool) -> "ChainWatch":
+        self.per_step, self.drafts, self.chose_at, self.chained = per_step, [], [], 0
+        return self
+
+    def after_prefill(self, *args):
+        self.drafter.after_prefill(*args)
+
+    def after_verify(self, *args):
+        self.drafter.after_verify(*args)
+
+    def propose(self, requests, choose, take=None):
+        self.chained += take is not None
+        self.drafter.propose(requests, choose, take)
+        self.drafts.append([list(r.drafts) for r in requests])
+
+
+def reusable(D: int) -> EngineOptions:
+    """options(D) without a prefix cache: a second run of the same prompts is scheduled as the first."""
+    return EngineOptions(slots=4, token_budget=16, speculative_tokens=D, prefix_cache=False)
+
+
+def chained_and_per_step(engine, expected) -> dict:
+    """The eight requests through one engine (built with `reusable`) twice, chained then per step:
+    {how: (drafts of each proposal, proposals chained, positions `_choose` was called for)}."""
+    watch, seen = ChainWatch(engine), {}
+    for how in ("chained", "per_step"):
+        watch.reset(per_step=how == "per_step")
+        outputs, stats = run(engine)
+        assert outputs == expected and all_free(stats), how
+        seen[how] = (watch.drafts, watch.chained, list(watch.chose_at))
+    (chained, n_chained, chose_chained), (stepped, n_stepped, chose_stepped) = seen["chained"], seen["per_step"]
+    assert chained == stepped and len(chained) > 3
+    assert n_chained == len(chained) and n_stepped == 0
+    assert [p for p in chose_chained if p >= 1] == []
+    return seen
+
+
+@pytest.mark.parametrize("draft_tokens", (3, 7))
+def test_chained_drafts_equal_per_step_drafts_and_plain_tokens(artifacts, plain, draft_tokens):
+    """Greedy requests without grammar: the chain of D - 1 draft steps runs on the device with no
+    read in between (`_choose` is never called for positions >= 1), proposes exactly the drafts
+    the per-step path proposes, and the tokens are plain decoding's; everything is free after.
+    (D = 1 has no chain: its proposals are d_1 alone, and the tests above run it chained.)"""
+    engine = engine_for_artifact(artifacts("qwen3_next"), reusable(draft_tokens), MAX_LEN)
+    seen = chained_and_per_step(engine, plain("qwen3_next"))
+    assert sorted(set(seen["per_step"][2])) == list(range(draft_tokens))
+
+
+def test_chained_drafts_through_a_graph_runner_feed_the_replayed_steps_on_the_device(artifacts, plain):
+    """The same through GraphRunners (graphs rerun on the CPU): the draft's decode steps are
+    replayed from captured graphs with the previous step's argmax written into their static input
+    ids, and propose what the per-step path proposes."""
+    from runtime.graph_runner import graph_runner_factory
+    from runtime.speculative import speculative_factory
+    from tests.graph_cases import RerunGraphs
+
+    art, D = artifacts("qwen3_next"), 3
+    vocab = int(art.manifest["model"]["vocab_size"])
+    backend, draft_backend = routed_backends(art)
+    engine = build_engine(art.registry, art.bind, reusable(D), MAX_LEN, backend_factory=backend,
+                          runner_factory=graph_runner_factory(art, vocab, graphs=RerunGraphs(), speculative_tokens=D),
+                          speculative_factory=speculative_factory(art, D, draft_backend=draft_backend))
+    draft_runner = engine.spec.drafter.steps
+    replays = draft_runner.counters["graph_replays"]
+    chained_and_per_step(engine, plain("qwen3_next"))
+    assert draft_runner.counters["graph_replays"] > replays
+
+
+def test_a_grammar_or_a_draw_sends_the_proposal_through_choose_and_penalties_do_not(artifacts):
+    """`_drafts_by_argmax`: a request with a grammar or a temperature has its drafts chosen on the
+    host, step by step, and so has every request proposed with it; penalties and bias change only
+    the target's rows (verification), so a penalised greedy request keeps the device chain. Greedy
+    tokens are plain decoding's either way."""
+    from runtime.grammar import StructuredOutput
+    from runtime.tokenizer import TextTokenizer
+
+    art, D = artifacts("qwen3_next"), 3
+    tok = TextTokenizer.from_dir(art.docs.path)
+    grammar = StructuredOutput(tok, int(art.manifest["model"]["vocab_size"]), [tok.eos_token_id]).compile(
+        {"type": "json_object"})
+    cases = {"grammar": SamplingParams(max_new_tokens=8, grammar=grammar),
+             "temperature": SamplingParams(max_new_tokens=8, temperature=0.8, seed=1),
+             "penalties": SamplingParams(max_new_tokens=8, frequency_penalty=1.5, repetition_penalty=1.3,
+                                         logit_bias={7: 3.0})}
+    greedy = SamplingParams(max_new_tokens=8)
+    spec_engine, plain_engine = engine_for_artifact(art, reusable(D), MAX_LEN), engine_for_artifact(art, reusable(0), MAX_LEN)
+    watch = ChainWatch(spec_engine)
+
+    def go(engine, params):
+        ids = [engine.add_request(PROMPTS[0], greedy), engine.add_request(PROMPTS[1], params)]
+        results = engine.run_until_done()
+        assert all_free(engine.stats())
+        return [list(results[i].output_ids) for i in ids]
+
+    for name, params in cases.items():
+        watch.reset(per_step=False)
+        outputs, reference = go(spec_engine, params), go(plain_engine, params)
+        assert outputs[0] == reference[0], name
+        if name != "temperature":
+            assert outputs[1] == reference[1], name
+        if name == "penalties":
+            assert watch.chained == len(watch.drafts) > 0 and not [p for p in watch.chose_at if p >= 1]
+        else:  # both requests are proposed together at first: the whole call goes step by step
+            assert watch.chained < len(watch.drafts) and {1, 2} <= set(watch.chose_at), name
