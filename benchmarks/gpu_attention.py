@@ -55,6 +55,7 @@ RESULTS: dict = {"env": {}, "ceilings": {}, "jit": [], "checks": [], "decode": [
 OUT_DIR: Path | None = None
 BUDGET_S = 480.0
 BACKEND_DEFAULTS: dict = {}  # --prefill-backend / --decode-backend / --mla-backend, for every backend made here
+FI = {"decode_impl": "flashinfer"}  # FlashInfer's GQA decode, named: the backend's default decode is Triton's
 
 
 def log(msg: str) -> None:
@@ -242,20 +243,21 @@ def _variant(kw: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(kw.items())) or "default"
 
 
-_LABELS = {"default": "fi", "decode_tensor_cores=False": "fi cuda-core", "decode_tensor_cores=True": "fi tc",
-           "decode_backend=fa3,decode_tensor_cores=True": "fi tc fa3",
+_LABELS = {"default": "default", "decode_impl=flashinfer": "fi", "decode_impl=flashinfer,decode_tensor_cores=False": "fi cuda-core",
+           "decode_impl=flashinfer,decode_tensor_cores=True": "fi tc",
+           "decode_backend=fa3,decode_impl=flashinfer,decode_tensor_cores=True": "fi tc fa3",
            "mla_impl=triton": "triton mla", "mla_backend=fa2": "fi mla fa2", "decode_impl=triton": "triton gqa"}
 
 
 def jit_section(quick: bool) -> None:
-    jobs = [(QWEN3_NEXT, "decode", {}), (QWEN3_NEXT, "extend", {}), (QWEN3_NEXT, "extend-fresh", {}),
+    jobs = [(QWEN3_NEXT, "decode", FI), (QWEN3_NEXT, "extend", {}), (QWEN3_NEXT, "extend-fresh", {}),
             (MLA_32, "decode", {}), (MLA_32, "decode", {"mla_impl": "triton"}),
             (QWEN3_NEXT, "decode", {"decode_impl": "triton"})]
     if not quick:
-        jobs += [(QWEN3_NEXT, "decode", {"decode_tensor_cores": False}),
-                 (QWEN3_NEXT, "decode", {"decode_tensor_cores": True, "decode_backend": "fa3"}),
+        jobs += [(QWEN3_NEXT, "decode", {**FI, "decode_tensor_cores": False}),
+                 (QWEN3_NEXT, "decode", {**FI, "decode_tensor_cores": True, "decode_backend": "fa3"}),
                  (QWEN3_NEXT, "extend", {"extend_impl": "paged", "prefill_backend": "fa2"}),
-                 (MHA_128, "decode", {}), (MHA_128, "extend", {}), (MHA_128, "decode", {"decode_tensor_cores": True}),
+                 (MHA_128, "decode", FI), (MHA_128, "extend", {}), (MHA_128, "decode", {**FI, "decode_tensor_cores": True}),
                  (MLA_32, "extend", {}), (MLA_32, "decode", {"mla_backend": "fa2"})]
     for cfg, mode, kw in jobs:
         if over_budget():
@@ -437,9 +439,9 @@ def _sdpa_decode(cfg, pool, ctx, x, B, L, nl) -> dict:
 
 
 # The backend's defaults first ("fi"), then the alternatives the defaults were chosen against.
-GQA_DECODE_VARIANTS = [{}, {"decode_impl": "triton"}, {"decode_tensor_cores": False},
-                       {"decode_tensor_cores": True, "decode_backend": "fa3"}]
-MHA_DECODE_VARIANTS = [{}, {"decode_impl": "triton"}, {"decode_tensor_cores": True}]
+GQA_DECODE_VARIANTS = [FI, {"decode_impl": "triton"}, {**FI, "decode_tensor_cores": False},
+                       {**FI, "decode_tensor_cores": True, "decode_backend": "fa3"}]
+MHA_DECODE_VARIANTS = [FI, {"decode_impl": "triton"}, {**FI, "decode_tensor_cores": True}]
 MLA_DECODE_VARIANTS = [{}, {"mla_impl": "triton"}, {"mla_backend": "fa2"}]
 
 

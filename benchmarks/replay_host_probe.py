@@ -11,8 +11,8 @@ step, the replay alone (`graph.replay()` on the same filled buffers) and the hos
 names the functions that take the host time (cProfile, by own time and by cumulative time).
 Bench-size qwen3_next (head dim 64), bf16, the portable artifact (the host path of a replay is
 the same with compiled pieces). Writes OUT/replay_host_probe.json. `--route` is passed to
-`hgc compile` as it is (repeatable): e.g. `--route "gqa_attention=flashinfer[decode_impl=triton]"`
-times the plan-free Triton decode; run the probe twice, with and without it, to compare.
+`hgc compile` as it is (repeatable): e.g. `--route "gqa_attention=flashinfer[decode_impl=flashinfer]"`
+times FlashInfer's planned decode instead of the default plan-free Triton one; run the probe twice, with and without it, to compare.
 """
 
 from __future__ import annotations

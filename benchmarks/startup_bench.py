@@ -5,7 +5,7 @@ used: every start-up here begins from empty caches):
 
     python3 benchmarks/startup_bench.py --out $OUT                     # qwen3_next, bench-hd64, bf16
     python3 benchmarks/startup_bench.py --dry-run --out /tmp/startup   # CPU: tiny, cpu target, graphs rerun
-    python3 benchmarks/startup_bench.py --out $OUT/triton --route "gqa_attention=flashinfer[decode_impl=triton]"
+    python3 benchmarks/startup_bench.py --out $OUT/fi --route "gqa_attention=flashinfer[decode_impl=flashinfer]"
 
 1. build: `hgc init-model`, `hgc compile --target cuda --dtype bfloat16 --no-inductor` (the portable
    artifact), a copy of it, and `hgc build COPY --device cuda` in a process of its own, timed (what
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
                         "refusing, so the decode numbers are taken either way")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, cpu target, CUDA graphs rerun")
     p.add_argument("--route", action="append", default=[],
-                   help="passed to hgc compile --route (repeatable), e.g. 'gqa_attention=flashinfer[decode_impl=triton]'; "
+                   help="passed to hgc compile --route (repeatable), e.g. 'gqa_attention=flashinfer[decode_impl=flashinfer]'; "
                         "use another --work (or no --reuse) for each set of routes")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)

@@ -277,6 +277,12 @@ def _store_rows_torch(slot_mapping, page_size, a, b):
 
 
 class CPUFlashInferBackend(FlashInferAttentionBackend):
+    """The backend over the stand-in flashinfer. Decode steps go through FlashInfer's wrappers
+    unless a test asks for the Triton decode (the backend's default) by name."""
+
+    def __init__(self, *args, decode_impl: str = "flashinfer", **kwargs):
+        super().__init__(*args, decode_impl=decode_impl, **kwargs)
+
     def _check_device(self) -> None:  # the stand-in flashinfer runs on the CPU
         pass
 
@@ -523,7 +529,7 @@ def test_triton_decode_graph_buckets_plan_nothing_on_the_host(host_plans, n):
 
 def test_decode_impl_is_a_routing_choice_and_refuses_odd_head_dims(fake_fi):
     cap = FlashInferAttentionBackend.capability
-    assert cap.option_choices()["decode_impl"] == ("flashinfer", "triton")  # flashinfer: the default
+    assert cap.option_choices()["decode_impl"] == ("triton", "flashinfer")  # triton: the default
     assert FlashInferAttentionBackend._kernel_options({"decode_impl": "triton"}) == {"decode_impl": "triton"}
     reg = LayerRegistry([LayerSpec(0, LayerKind.FULL_GQA, kv={"k": TensorSpec((1, 24), "float32"),
                                                               "v": TensorSpec((1, 24), "float32")})])

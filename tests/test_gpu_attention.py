@@ -83,6 +83,8 @@ class Harness:
         self.cpu_pool = KVPool(registry, num_pages, page_size)
         self.gpu_pool = KVPool(registry, num_pages, page_size, device="cuda")
         self.ref = CPUReferenceBackend(self.cpu_pool, None)
+        # FlashInfer's decode unless a test names the Triton one (the backend's default) itself
+        backend_kwargs.setdefault("decode_impl", "flashinfer")
         self.backend = FlashInferAttentionBackend(self.gpu_pool, q_heads=cfg.heads, scales=cfg.scale, **backend_kwargs)
         self.gen = torch.Generator().manual_seed(seed)
         self.graph = None  # (CUDAGraph, static inputs, static out) once captured

@@ -85,6 +85,11 @@ __all__ = [
     "import_flashinfer",
 ]
 
+# Decode and target_verify kernels of GQA layers, the default first: the plan-free Triton kernel
+# (triton_gqa.py) replays as fast as FlashInfer's decode and needs no host plan per step
+# (BENCHMARKS.md, "Plan-free decode"); FlashInfer's stays a routing choice.
+DECODE_IMPLS = ("triton", "flashinfer")
+
 GPU_EXTRA_HINT = "install the gpu extra: pip install -e '.[gpu]' (flashinfer-python)"
 
 
@@ -381,7 +386,7 @@ class FlashInferAttentionBackend(BackendHooks):
         # decode_impl: the default is the first choice; "triton" plans nothing on the host for
         # decode and target_verify steps (runtime/backends/triton_gqa.py).
         options=(("extend_impl", ("ragged", "paged")),
-                 ("decode_impl", ("flashinfer", "triton")),
+                 ("decode_impl", DECODE_IMPLS),
                  ("decode_backend", ("fa2", "auto", "fa3")),
                  ("decode_tensor_cores", ("auto", "on", "off")),
                  ("prefill_backend", ("auto", "fa2", "fa3")),
@@ -409,7 +414,7 @@ class FlashInferAttentionBackend(BackendHooks):
                  mla_rope_dim: int = 64, q_dtype: Optional[torch.dtype] = None,
                  workspace_bytes: int = 256 * 1024 * 1024, decode_tensor_cores: Optional[bool] = None,
                  decode_backend: str = "fa2", prefill_backend: str = "auto", mla_backend: str = "auto",
-                 mla_impl: str = "flashinfer", extend_impl: str = "ragged", decode_impl: str = "flashinfer"):
+                 mla_impl: str = "flashinfer", extend_impl: str = "ragged", decode_impl: str = DECODE_IMPLS[0]):
         """q_heads: query heads of every full layer (one int, or per layer id). layers: the full
         layers this instance serves (default: every full layer of the pool). scales: softmax
         scale per layer (GQA default head_dim**-0.5; MLA layers need one: the scale depends on
@@ -433,7 +438,7 @@ class FlashInferAttentionBackend(BackendHooks):
             raise ValueError(f"mla_impl must be 'flashinfer' or 'triton', not {mla_impl!r}")
         if extend_impl not in ("paged", "ragged"):
             raise ValueError(f"extend_impl must be 'paged' or 'ragged', not {extend_impl!r}")
-        if decode_impl not in ("flashinfer", "triton"):
+        if decode_impl not in DECODE_IMPLS:
             raise ValueError(f"decode_impl must be 'flashinfer' or 'triton', not {decode_impl!r}")
         self.kv_pool = kv_pool
         self.device = kv_pool.device
