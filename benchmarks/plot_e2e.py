@@ -194,7 +194,7 @@ def plot(doc: dict, path: Path) -> None:
             ys = [timings[step][column] for step in steps if column in timings[step]]
             if ys:
                 ax.bar(xs, ys, width, label=heading, color=f"C{i}", hatch="//" if column == "floor" else None)
-        ax.set_xticks(range(len(steps)), [step_label(s) for s in steps])
+        ax.set_xticks(range(len(steps)), [step_label(s) for s in steps], rotation=30, ha="right", fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("ms per step")
         ax.set_title(f"{family} ({doc['size']})")
