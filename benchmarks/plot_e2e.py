@@ -3,12 +3,16 @@
     python benchmarks/plot_e2e.py OUT/gpu_e2e.json --png e2e.png            # markdown to stdout
     python benchmarks/plot_e2e.py OUT/gpu_e2e.json --png e2e.png --md e2e.md
 
-The markdown: card, date, torch and command; per family a table (rows decode B and extend T,
-columns our eager / piecewise / full graph, torch.compile, transformers eager / static, floor, in
-ms), start-up (load+capture against torch.compile's warm-up and transformers' static compile), and
-the issue's targets, met or missed with the number. The plot: per family, step latency per row and
-column (log scale), and the start-up times. Runs on the CPU machine (matplotlib); the markdown needs
-no matplotlib.
+The markdown: card, date, torch and command; per family a table (rows decode B, extend T over R
+requests, mixed steps; columns our eager / piecewise / full graph, torch.compile, transformers
+eager / static, floor, in ms), the eager gaps' share of each extend step, the mixed steps against
+their chunk and decode steps alone, start-up (load+capture against torch.compile's warm-up and
+transformers' static compile), and the issue's targets, met or missed with the number. The plot:
+per family, step latency per row and column (log scale), and the start-up times. Runs on the CPU
+machine (matplotlib); the markdown needs no matplotlib.
+
+The row keys of the JSON are named and read here (`step_name`, `parse_step`; gpu_e2e.py imports
+them), so this file reads what that one writes without importing torch.
 """
 
 from __future__ import annotations
@@ -27,16 +31,44 @@ COLUMNS = (("eager", "eager"), ("piecewise", "piecewise"), ("full_graph", "full 
 STARTUP_COLORS = {"load+capture": "C2", "torch.compile warm-up": "C3", "transformers static compile": "C5"}
 
 
+KINDS = ("decode", "extend", "mixed")  # row kinds, in table order
+
+
+def step_name(kind: str, n: int, m: int = 1) -> str:
+    """The row key of a step in gpu_e2e.py's "timings_ms": decode of n requests ("decode_b8"),
+    extend of n tokens over m fresh requests ("extend_t512", "extend_t512_r4": R = 1 has no
+    suffix, as in the runs before it had), mixed step of n tokens with m decodes ("mixed_t2048_b8")."""
+    if kind == "decode":
+        return f"decode_b{n}"
+    if kind == "extend":
+        return f"extend_t{n}" + (f"_r{m}" if m > 1 else "")
+    return f"mixed_t{n}_b{m}"
+
+
+def parse_step(step: str) -> tuple[str, int, int]:
+    """step_name's inverse: (kind, n, m); decode_b8 -> ("decode", 8, 1)."""
+    kind, *fields = step.split("_")
+    values = {f[0]: int(f[1:]) for f in fields}
+    if kind == "decode":
+        return kind, values["b"], 1
+    return kind, values["t"], values.get("r" if kind == "extend" else "b", 1)
+
+
 def step_label(step: str) -> str:
-    """decode_b8 -> "decode B=8", extend_t512 -> "extend 512"."""
-    kind, _, n = step.partition("_")
-    return f"decode B={n[1:]}" if kind == "decode" else f"extend {n[1:]}"
+    """decode_b8 -> "decode B=8", extend_t512 -> "extend 512", extend_t512_r4 -> "extend 512 (4 requests)",
+    mixed_t2048_b8 -> "mixed 2048 (8 decodes)"."""
+    kind, n, m = parse_step(step)
+    if kind == "decode":
+        return f"decode B={n}"
+    if kind == "extend":
+        return f"extend {n}" + (f" ({m} requests)" if m > 1 else "")
+    return f"mixed {n} ({m} decode{'s' if m > 1 else ''})"
 
 
 def ordered_steps(timings: dict) -> list[str]:
     def key(step):
-        kind, _, n = step.partition("_")
-        return (kind != "decode", int(n[1:]))
+        kind, n, m = parse_step(step)
+        return (KINDS.index(kind), n, m)
     return sorted(timings, key=key)
 
 
@@ -75,9 +107,27 @@ def family_markdown(family: str, rec: dict, size: str) -> list[str]:
                       f"{step_label(s)} {ms:.3f} ms" for s, ms in loop.items()) + ".", ""]
     gaps = rec.get("extend_eager_gaps", {})
     if gaps:
+        # keys: the step's name after "extend_t" ("512", "512_r4")
         lines += ["Eager pieces of a piecewise extend step: " + ", ".join(
-            f"{T} tokens {g['fraction']:.1%} ({g['gap_ms']:.3f} of {g['step_ms']:.3f} ms, {g['eager_pieces']} pieces)"
-            for T, g in gaps.items()) + ".", ""]
+            f"{step_label('extend_t' + T)} {g['fraction']:.1%} ({g['gap_ms']:.3f} of "
+            f"{g['step_ms']:.3f} ms, {g['eager_pieces']} pieces)"
+            for T, g in sorted(gaps.items(), key=lambda kv: parse_step("extend_t" + kv[0])[1:])) + ".", ""]
+    mixed = rec.get("mixed", {})
+    if mixed:
+        lines += ["Mixed steps (B decodes of a 64-token history, then one fresh request's chunk filling the step to "
+                  "its token count), against the chunk alone plus the decode step alone, each as the runner runs "
+                  "it (ms):", "",
+                  "| step | key | eager | graphs | eager gaps | chunk alone | decode alone | alone, summed | "
+                  "graphs / alone |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for step in ordered_steps(mixed):
+            m, t = mixed[step], timings.get(step, {})
+            chunk, decode = m.get("chunk_alone", {}), m.get("decode_alone", {})
+            lines.append(f"| {step_label(step)}, chunk {m['chunk_tokens']} | {m.get('key') or 'eager'} | "
+                         f"{fmt(t.get('eager'))} | {fmt(t.get('piecewise'))} | "
+                         f"{'-' if m.get('fraction') is None else format(m['fraction'], '.1%')} | "
+                         f"{fmt(chunk.get('graphs'))} | {fmt(decode.get('graphs'))} | {fmt(m.get('alone_ms'))} | "
+                         f"{fmt(m.get('graphs_over_alone'), 2)} |")
+        lines.append("")
     times = startup(rec)
     start = rec.get("start", {})
     lines.append(f"Start-up: load+capture {fmt(times['load+capture'], 1, ' s')} (load {fmt(rec.get('load_s'), 1)}, "
@@ -116,10 +166,12 @@ def markdown(doc: dict) -> str:
              + (f", copy bandwidth {copy / 1e12:.2f} TB/s (read + written)" if copy else "")
              + (" (dry run on a CPU: the numbers mean nothing)" if doc.get("dry_run") else "") + ".", "",
              f"    {doc['command']}", "",
-             "Decode: one step of B requests with a 64-token history each; extend: one request's prefill of T "
-             "tokens; median ms. transformers: per token of `generate` (the step, sampling and its host loop), "
-             "prefill = forward of T tokens. Floor: bytes a decode step must read (weights with min(E, B x top_k) "
-             "routed experts per layer, states read and written, KV) over the copy bandwidth.", ""]
+             "Decode: one step of B requests with a 64-token history each; extend: a prefill of T tokens over R "
+             "fresh requests (equal shares, the remainder on the first; R = 1 unless the row says); mixed: a step "
+             "of T tokens holding B decodes and one request's prefill chunk; median ms. transformers: per token of "
+             "`generate` (the step, sampling and its host loop), prefill = forward of the same T tokens as a batch "
+             "of R rows (left-padded where the shares differ). Floor: bytes a decode step must read (weights with "
+             "min(E, B x top_k) routed experts per layer, states read and written, KV) over the copy bandwidth.", ""]
     for family, rec in doc["families"].items():
         lines += family_markdown(family, rec, doc["size"])
     return "\n".join(lines)
@@ -142,7 +194,7 @@ def plot(doc: dict, path: Path) -> None:
             ys = [timings[step][column] for step in steps if column in timings[step]]
             if ys:
                 ax.bar(xs, ys, width, label=heading, color=f"C{i}", hatch="//" if column == "floor" else None)
-        ax.set_xticks(range(len(steps)), [step_label(s) for s in steps])
+        ax.set_xticks(range(len(steps)), [step_label(s) for s in steps], rotation=30, ha="right", fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("ms per step")
         ax.set_title(f"{family} ({doc['size']})")

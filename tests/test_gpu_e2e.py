@@ -1,9 +1,10 @@
 """benchmarks/gpu_e2e.py --dry-run on the CPU: every stage of the GPU run's bookkeeping, then plot_e2e.py.
 
 The dry run uses the CPU reference backend and tests/graph_cases.RerunGraphs for CUDA graphs, at
-qwen3_next tiny with two decode batches and one extend size. torch.compile and transformers'
-static-cache generate compile with inductor's C++ backend on a CPU (tens of seconds each), so they
-are skipped here; a dry run by hand runs them (see the script's docstring).
+qwen3_next tiny with two decode batches, one extend size over 1, 3 (an uneven split, so
+transformers' batch is padded) and 16 requests, and mixed steps of that size with 1 and 2 decodes.
+torch.compile and transformers' static-cache generate compile with inductor's C++ backend on a CPU
+(tens of seconds each), so they are skipped here; a dry run by hand runs them (see the script's docstring).
 """
 
 from __future__ import annotations
@@ -37,11 +38,24 @@ def test_logit_drift_tells_a_fault_from_a_near_tie():
     assert drift["logits_rel_err_per_step"][0] > 1
 
 
+def test_step_names_and_token_splits():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_e2e import split_tokens
+    from plot_e2e import parse_step, step_label, step_name
+
+    for kind, n, m in (("decode", 8, 1), ("extend", 512, 1), ("extend", 2048, 16), ("mixed", 2048, 32)):
+        assert parse_step(step_name(kind, n, m)) == (kind, n, m)
+    assert step_name("extend", 512, 1) == "extend_t512"  # the key of the runs before the request count
+    assert step_label("extend_t512_r4") == "extend 512 (4 requests)"
+    assert split_tokens(32, 3) == [12, 10, 10] and split_tokens(2048, 16) == [128] * 16
+
+
 def test_dry_run_then_plot(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "e2e"
     cmd = [sys.executable, "benchmarks/gpu_e2e.py", "--dry-run", "--out", str(out), "--families", "qwen3_next",
-           "--batches", "1,2", "--extends", "32", "--iters", "1", "--new-tokens", "2", "--hf-new-tokens", "3",
+           "--batches", "1,2", "--extends", "32", "--extend-requests", "1,3,16", "--mixed-batches", "1,2",
+           "--iters", "1", "--new-tokens", "2", "--hf-new-tokens", "3",
            "--skip", ",".join(sorted(SKIPPED))]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -51,14 +65,25 @@ def test_dry_run_then_plot(tmp_path):
     rec = doc["families"]["qwen3_next"]
     status = {name: s["status"] for name, s in rec["stages"].items()}
     assert {n for n, s in status.items() if s != "ok"} == SKIPPED, status
-    assert len(status) == 14, status
+    assert len(status) == 15, status
 
     timings = rec["timings_ms"]
-    assert set(timings) == {"decode_b1", "decode_b2", "extend_t32"}
+    extends, mixed = {"extend_t32", "extend_t32_r3", "extend_t32_r16"}, {"mixed_t32_b1", "mixed_t32_b2"}
+    assert set(timings) == {"decode_b1", "decode_b2"} | extends | mixed
     for step in ("decode_b1", "decode_b2"):
         assert {"eager", "full_graph", "full_graph_loop", "piecewise", "floor", "hf_eager"} <= set(timings[step])
-    assert {"eager", "piecewise", "hf_eager"} <= set(timings["extend_t32"])
-    assert 0 < rec["extend_eager_gaps"]["32"]["fraction"] < 1
+    for step in extends:
+        assert {"eager", "piecewise", "hf_eager"} <= set(timings[step])
+        gaps = rec["extend_eager_gaps"][step[len("extend_t"):]]
+        assert 0 < gaps["fraction"] < 1 and gaps["key"] == "extend[tokens=32, seqs=16]"
+    assert rec["transformers"]["prefill_batches"]["extend_t32_r3"] == {"rows": 3, "row_tokens": 12, "padding_tokens": 4}
+    assert rec["transformers"]["prefill_batches"]["extend_t32_r16"]["padding_tokens"] == 0
+    for step in mixed:
+        m, B = rec["mixed"][step], int(step[len("mixed_t32_b"):])
+        assert {"eager", "piecewise"} <= set(timings[step]) and 0 < m["fraction"] < 1
+        # the engine's budget: B decodes and a chunk of 32 - B tokens fill the 32-token extend bucket
+        assert m["chunk_tokens"] == 32 - B and m["key"] == "extend[tokens=32, seqs=16]"
+        assert m["decode_alone"]["key"] == f"decode[tokens={B}, seqs={B}]" and m["alone_ms"] > 0
     assert rec["floor"]["2"]["bytes"] > rec["floor"]["1"]["bytes"] > 0
     assert rec["load_capture_s"] >= rec["load_s"] > 0
     tokens = rec["tokens_graph_vs_eager"]
@@ -68,8 +93,12 @@ def test_dry_run_then_plot(tmp_path):
     assert set(profile) == {"decode_b1_full_graph", "decode_b1_eager", "extend_t32_piecewise"}
     assert all(p["host_issue_ms"] > 0 and p["top_host_ops"] for p in profile.values())
     assert rec["transformers"]["loading_info"]["missing_keys"] == []
+    targets = {t["target"]: t for t in rec["targets"]}
     assert [t["target"] for t in rec["targets"]][:2] == ["decode B=1: eager / full graph",
                                                           "decode B=1: full graph / floor"]
+    for name in ("extend 32: eager gaps / step", "extend 32 (16 requests): eager gaps / step",
+                 "extend 32 (3 requests): transformers prefill / ours piecewise"):
+        assert targets[name]["value"] is not None, targets[name]
 
     png = out / "e2e.png"
     plot = [sys.executable, "benchmarks/plot_e2e.py", str(out / "gpu_e2e.json"), "--md", str(out / "e2e.md")]
@@ -79,4 +108,7 @@ def test_dry_run_then_plot(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     text = (out / "e2e.md").read_text()
     assert "| decode B=1 |" in text and "| extend 32 |" in text and "load+capture" in text
+    for row in ("| extend 32 (16 requests) |", "| mixed 32 (1 decode), chunk 31 |",
+                "| mixed 32 (2 decodes), chunk 30 |"):
+        assert row in text, row
     assert png.exists() == ("--png" in plot)
