@@ -308,3 +308,35 @@ def test_the_design_states_the_parity_tolerance_of_every_dtype():
     text = (ROOT / "docs" / "DESIGN.md").read_text()
     rows = dict(re.findall(r"^\| (float\d+|bfloat16) \| ([0-9.e-]+) \|$", text, flags=re.M))
     assert {getattr(torch, name): float(v) for name, v in rows.items()} == PARITY_RTOL
+
+
+def test_builds_of_one_target_take_turns_on_its_build_folder(tmp_path):
+    """Every build empties its target's build folder first and cannot move it (kernels record their
+    path), so a second build must wait for the first, not delete its kernels: two CPU builds run
+    side by side once wrote a bundle whose piece did not match its own hash."""
+    import threading
+    import time
+
+    from compiler.cli.build_command import build_lock
+
+    work, events, said = tmp_path / "build" / "cpu-key", [], []
+    first_holds, first_may_go = threading.Event(), threading.Event()
+
+    def first():
+        with build_lock(work):
+            events.append("first in")
+            first_holds.set()
+            first_may_go.wait(10)
+            events.append("first out")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert first_holds.wait(10)
+    threading.Timer(0.3, first_may_go.set).start()
+    started = time.perf_counter()
+    with build_lock(work, log=said.append):
+        events.append("second in")
+    thread.join(10)
+    assert events == ["first in", "first out", "second in"]
+    assert time.perf_counter() - started >= 0.25
+    assert said == [f"waiting for another hgc build that uses {work}"]

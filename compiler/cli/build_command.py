@@ -10,7 +10,8 @@ load. Building needs the target device, since kernels are built for the machine 
 1. The kernel caches (Inductor's, Triton's, FlashInfer's) point at empty folders under
    `$HGC_HOME/build/<key>/` (default `~/.cache/hgc/build/<key>/`) for the whole build: whatever they
    hold afterwards was built for this bundle. The folders keep their paths from one build to the
-   next, because compiled kernels record the path they were compiled at.
+   next, because compiled kernels record the path they were compiled at; so builds of one target
+   take turns (`build_lock`: a second one waits for the first and says so).
 2. The portable artifact is loaded (its own checks) and each program's glue is compiled
    (compiler/inductor_pieces.py), one piece per distinct structure.
 3. Start-up runs as `hgc run` / `hgc serve` would, with the fresh pieces: on cuda every recorded
@@ -29,13 +30,14 @@ at start-up (runtime/bundle.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["cmd_build", "build_bundle", "add_build_arguments", "build_root"]
+__all__ = ["cmd_build", "build_bundle", "add_build_arguments", "build_root", "build_lock"]
 
 
 def build_root(key: str) -> Path:
@@ -64,6 +66,29 @@ def _copy_caches(caches: dict[str, Path], staged: Path) -> int:
             shutil.copy2(p, dest)
             count += 1
     return count
+
+
+@contextlib.contextmanager
+def build_lock(work: Path, log=lambda line: None):
+    """Hold the build folder `work` for one build at a time (an exclusive lock on WORK.lock beside it).
+
+    Every build empties the folder before it starts, and the folder cannot move (compiled kernels
+    record the path they were built at), so two builds of the same target at once would delete
+    and overwrite each other's kernels and write a bundle whose files do not match its hashes. A
+    second build waits, and says so."""
+    import fcntl
+
+    work.parent.mkdir(parents=True, exist_ok=True)
+    with open(work.parent / f"{work.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another hgc build that uses {work}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def build_bundle(artifact, device: str, *, force: bool = False, slots: int | None = None,
@@ -104,44 +129,45 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
         raise ValueError("flashinfer was imported before the build set its module cache; run `hgc build` in a "
                          "process of its own")
     work = build_root(key)
-    shutil.rmtree(work, ignore_errors=True)
-    caches = {name: work / name for name in CACHE_ENV}
-    for folder in caches.values():
-        folder.mkdir(parents=True)
-    staged = work / "bundle"
-    log(f"building {key} for {artifact} (kernel caches under {work})")
-    start = time.perf_counter()
-    with cache_env(caches):
-        pin_triton_ptxas(torch.device(device).type)  # the run does the same (runtime/bundle.py)
-        art = load_artifact(artifact, device, compiled=CompiledOptions(enabled=False))
-        records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
-                                       device, staged, caches["inductor"], log=log)
-        files = {name: sha256_file(staged / name) for name in pieces}
-        sources = {p: docs.manifest["files"][PROGRAM_FILES[p]] for p in art.programs}
+    with build_lock(work, log):  # the folder is emptied first and its path is fixed: one build at a time
+        shutil.rmtree(work, ignore_errors=True)
+        caches = {name: work / name for name in CACHE_ENV}
+        for folder in caches.values():
+            folder.mkdir(parents=True)
+        staged = work / "bundle"
+        log(f"building {key} for {artifact} (kernel caches under {work})")
+        start = time.perf_counter()
+        with cache_env(caches):
+            pin_triton_ptxas(torch.device(device).type)  # the run does the same (runtime/bundle.py)
+            art = load_artifact(artifact, device, compiled=CompiledOptions(enabled=False))
+            records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
+                                           device, staged, caches["inductor"], log=log)
+            files = {name: sha256_file(staged / name) for name in pieces}
+            sources = {p: docs.manifest["files"][PROGRAM_FILES[p]] for p in art.programs}
+            doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version())
+            art.compiled = load_built(doc, staged, caches)
+            buckets = docs.manifest["buckets"]
+            on_gpu = torch.device(device).type == "cuda"
+            options = EngineOptions(slots=slots or (max(buckets["decode_batch_sizes"]) if on_gpu else 2),
+                                    token_budget=max(buckets["extend_token_counts"]) if on_gpu else 64,
+                                    prefix_cache=False)
+            model_len = max_model_len or min(4096, int(docs.manifest["config"].get("max_position_embeddings") or 4096))
+            log("start-up with the compiled pieces" + (" (capture and parity of every bucket)" if on_gpu else ""))
+            engine = engine_for_artifact(art, options, model_len, device=device, log=log)
+            del engine
+            if on_gpu:
+                torch.cuda.synchronize()
+        copied = _copy_caches(caches, staged)
+        files = {p.relative_to(staged).as_posix(): sha256_file(p) for p in sorted(staged.rglob("*")) if p.is_file()}
         doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version())
-        art.compiled = load_built(doc, staged, caches)
-        buckets = docs.manifest["buckets"]
-        on_gpu = torch.device(device).type == "cuda"
-        options = EngineOptions(slots=slots or (max(buckets["decode_batch_sizes"]) if on_gpu else 2),
-                                token_budget=max(buckets["extend_token_counts"]) if on_gpu else 64,
-                                prefix_cache=False)
-        model_len = max_model_len or min(4096, int(docs.manifest["config"].get("max_position_embeddings") or 4096))
-        log("start-up with the compiled pieces" + (" (capture and parity of every bucket)" if on_gpu else ""))
-        engine = engine_for_artifact(art, options, model_len, device=device, log=log)
-        del engine
-        if on_gpu:
-            torch.cuda.synchronize()
-    copied = _copy_caches(caches, staged)
-    files = {p.relative_to(staged).as_posix(): sha256_file(p) for p in sorted(staged.rglob("*")) if p.is_file()}
-    doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version())
-    doc["parity"] = art.compiled.report()["parity"]
-    doc["signature"] = sign(signed_payload(doc), signing_key(create=True))
-    (staged / BUNDLE).write_bytes(dump_json(doc))
-    add_bundle(artifact, key, staged, facts, force=force)
-    log(f"wrote {artifact / bundle_dir(key)}: {len(pieces)} compiled piece(s) for "
-        f"{sum(len(r) for r in records.values())} glue segment(s), {copied} kernel file(s), in "
-        f"{time.perf_counter() - start:.1f} s")
-    return doc
+        doc["parity"] = art.compiled.report()["parity"]
+        doc["signature"] = sign(signed_payload(doc), signing_key(create=True))
+        (staged / BUNDLE).write_bytes(dump_json(doc))
+        add_bundle(artifact, key, staged, facts, force=force)
+        log(f"wrote {artifact / bundle_dir(key)}: {len(pieces)} compiled piece(s) for "
+            f"{sum(len(r) for r in records.values())} glue segment(s), {copied} kernel file(s), in "
+            f"{time.perf_counter() - start:.1f} s")
+        return doc
 
 
 def cmd_build(args) -> int:
