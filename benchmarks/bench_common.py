@@ -337,16 +337,23 @@ def synchronizer(device: torch.device):
 
 def compiled_artifact(args) -> Path:
     """WORK/FAMILY-SIZE-art: `hgc init-model` and `hgc compile` (--target cuda --dtype bfloat16 on
-    the GPU, cpu in a dry run) unless an earlier run left it there."""
+    the GPU, cpu in a dry run) unless an earlier run left it there. With `args.compiled_pieces`
+    (--compiled-pieces), WORK/FAMILY-SIZE-art-compiled: the compile also builds the target bundle
+    (Inductor-compiled pieces and every kernel, as `hgc compile --target cuda` does by default on a
+    GPU machine; --inductor on the CPU), which takes minutes; without it the traced glue runs."""
     from compiler.cli import main as hgc
 
     work = Path(args.work)
-    ckpt, art_dir = work / f"{args.family}-{args.size}", work / f"{args.family}-{args.size}-art"
+    pieces = bool(getattr(args, "compiled_pieces", False))
+    ckpt = work / f"{args.family}-{args.size}"
+    art_dir = work / f"{args.family}-{args.size}-art{'-compiled' if pieces else ''}"
     if not (art_dir / "manifest.json").is_file():
-        assert hgc(["init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
-                    "--force"]) == 0
+        if not (ckpt / "config.json").is_file():
+            assert hgc(["init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
+                        "--force"]) == 0
         target = ["--target", "cpu"] if args.dry_run else ["--target", "cuda", "--dtype", "bfloat16"]
-        assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", "--no-inductor", *target]) == 0
+        inductor = ["--inductor"] if pieces else ["--no-inductor"]
+        assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *inductor, *target]) == 0
     return art_dir
 
 
@@ -369,6 +376,9 @@ def engine_script(argv, doc: str, name: str, defaults: dict, add_arguments, benc
     p.add_argument("--size", default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--skip", default="", help="stages to skip, comma-separated")
+    p.add_argument("--compiled-pieces", action="store_true",
+                   help="run the artifact with its target bundle (Inductor-compiled pieces, every kernel built ahead): "
+                        "the compile builds it first, minutes on the GPU; default: the traced glue")
     add_arguments(p)
     args = p.parse_args(argv)
     for key, value in defaults["dry" if args.dry_run else "gpu"].items():

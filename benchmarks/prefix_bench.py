@@ -86,6 +86,7 @@ def summary(runs: list[dict]) -> dict:
 
 
 def bench(args, rec: dict, save) -> None:
+    from runtime.bundle import CompiledOptions
     from runtime.loader import load_artifact
     from runtime.server.model import EngineOptions, engine_for_artifact
 
@@ -100,7 +101,9 @@ def bench(args, rec: dict, save) -> None:
     state: dict = {}
 
     def engine():
-        art = load_artifact(art_dir, device=str(device))
+        # The bundle's kernels were built for the start-up the compile ran; this engine's own limits
+        # may need others, which are built here (the bench times steps, not the start-up).
+        art = load_artifact(art_dir, device=str(device), compiled=CompiledOptions(allow_builds=True))
         vocab = int(art.manifest["model"]["vocab_size"])
         options = EngineOptions(slots=4, token_budget=args.token_budget, page_size=args.page_size)
         max_len, log = args.prefix + 2 * args.suffix + 1, lambda line: print(f"  {line}", flush=True)
