@@ -439,7 +439,7 @@ class FlashInferAttentionBackend(BackendHooks):
         if extend_impl not in ("paged", "ragged"):
             raise ValueError(f"extend_impl must be 'paged' or 'ragged', not {extend_impl!r}")
         if decode_impl not in DECODE_IMPLS:
-            raise ValueError(f"decode_impl must be 'flashinfer' or 'triton', not {decode_impl!r}")
+            raise ValueError(f"decode_impl must be one of {', '.join(map(repr, DECODE_IMPLS))}, not {decode_impl!r}")
         self.kv_pool = kv_pool
         self.device = kv_pool.device
         self._check_device()

@@ -16,7 +16,7 @@ negative sees no key and gets a zero output.
    through the page table, and keeps an online softmax in float32 (base 2). It writes its
    normalised partial output and its log-sum-exp. The n rows of a request share every key tile,
    so a verify step reads its cache once, not n times.
-2. Combine pass (triton_mla.combine_splits): merges the splits by their log-sum-exp.
+2. Combine pass (triton_split_kv.combine_splits): merges the splits by their log-sum-exp.
 
 The number of splits depends only on the number of requests and heads, so a captured graph
 replays one launch for any context length.
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from runtime.backends.sm_count import num_sms
-from runtime.backends.triton_mla import LOG2E, combine_splits, num_splits_for, softmax_step, split_result
+from runtime.backends.triton_split_kv import LOG2E, combine_splits, num_splits_for, softmax_step, split_result
 
 __all__ = ["triton_gqa_attention", "gqa_head_dim_refusal"]
 
