@@ -20,7 +20,8 @@ used: every start-up here begins from empty caches):
    In the same process, per batch B: B requests with 64-token histories; the full-graph decode
    step (CUDA events, median of --iters) and its kernels per step (torch.profiler: the kernels of
    a replayed graph are traced one by one); then greedy tokens of a few prompts, which the parent
-   compares between the variants.
+   compares between the variants; then the same decode steps through piecewise graphs (captured
+   after the rest: their capture sets the backends' buffers up again).
 3. transformers: `generate` of the same checkpoint with `cache_implementation="static"` (its
    compiled decode) per batch, per-token decode ms (benchmarks/gpu_e2e.run_transformers).
 
@@ -90,10 +91,11 @@ def empty_caches(folder: Path) -> dict:
 @contextlib.contextmanager
 def load_phases(into: dict):
     """Seconds spent in each step of load_artifact (runtime/loader.py), summed over calls: the
-    loader's own functions wrapped with timers for the duration of the block."""
+    loader's own functions wrapped with timers for the duration of the block. The weights are read
+    on a thread while the programs load, so their seconds overlap."""
     import runtime.loader as loader
 
-    steps = {"programs": "load_programs", "weights": "assemble", "bundle": "open_bundle"}
+    steps = {"programs": "load_programs", "weights": "read_weights", "bundle": "open_bundle"}
     originals = {name: getattr(loader, name) for name in steps.values()}
 
     def timed(phase, fn):
@@ -160,7 +162,7 @@ def run_variant(args) -> dict:
         rec["parity"] = runner.start(vocab, log=log)
     sync()
     rec.update(capture_s=marks[1] - marks[0], parity_s=marks[-1] - marks[1], keys=[str(k) for k in runner.keys],
-               parity_s_per_key=runner.parity_seconds)
+               parity_s_per_key=runner.parity_seconds, parity_phases_per_key=runner.parity_phases)
     rec["load_capture_parity_s"] = rec["load_s"] + marks[-1] - marks[0]
     if art.compiled is not None:
         art.compiled.parity = list(runner.compiled_reports.values())
@@ -182,7 +184,34 @@ def run_variant(args) -> dict:
     prompts = prompts_for(vocab, PROMPT_LENS[: max(decode)])
     rec["tokens"], _ = greedy(runner, st, prompts, args.new_tokens, sync=sync)
     rec["prompt_lens"] = [len(p) for p in prompts]
+    if "piecewise" not in args.skip:
+        time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g)
     return rec
+
+
+def time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g) -> None:
+    """The same decode steps through piecewise graphs (the extend plan's captured pieces with its
+    eager gaps): the issue's piecewise against full-graph ratio, from the same process and pools.
+    Its capture sets the backends' static buffers up again, so it comes after every use of the
+    full-graph runner."""
+    from runtime.graph_runner import GraphRunner
+    from tests.graph_cases import RerunGraphs
+
+    runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=decode, extend_buckets=(min(extend),),
+                         max_pages_per_seq=max_len // PAGE, extend_max_seqs=min(16, min(extend)),
+                         graphs=RerunGraphs() if args.dry_run else None, decode_graphs="piecewise")
+    runner.capture()
+    vocab = int(art.manifest["model"]["vocab_size"])
+    for B in args.batch_list:
+        if B > max(decode):
+            continue
+        with decode_batch(runner, st, B, vocab, g, HISTORY) as items:
+            step, key = runner.build(items)
+            cell = rec["decode"][str(B)]
+            cell["piecewise_ms"] = time_ms(lambda: runner.run(step, key), dev, args.iters)
+            cell["piecewise_over_full"] = cell["piecewise_ms"] / cell["step_ms"]
+        print(f"  decode B={B} piecewise: {cell['piecewise_ms']:.3f} ms ({cell['piecewise_over_full']:.2f}x full)",
+              flush=True)
 
 
 # -- the parent ---------------------------------------------------------------------------------
@@ -219,6 +248,7 @@ def start_variant(args, variant: str, artifact: Path, work: Path, env: dict) -> 
             "--batches", args.batches, "--iters", str(args.iters), "--new-tokens", str(args.new_tokens),
             "--max-batch", str(args.max_batch), "--max-extend", str(args.max_extend), "--out", str(work)]
     argv += ["--allow-kernel-builds"] if args.allow_kernel_builds else []
+    argv += ["--skip", args.skip] if args.skip else []
     t0 = time.perf_counter()
     proc = subprocess.run(argv + (["--dry-run"] if args.dry_run else []), cwd=ROOT, env=child_env, text=True)
     if proc.returncode != 0 or not out.exists():
@@ -256,7 +286,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=int, help="largest decode bucket captured (default: 256, every recorded one)")
     p.add_argument("--max-extend", type=int, help="largest extend bucket captured (default: 4096)")
     p.add_argument("--skip", default="", help="comma-separated stages not to run: build, uncompiled, compiled, "
-                                              "transformers")
+                                              "transformers; piecewise skips the piecewise decode timing")
     p.add_argument("--reuse", action="store_true",
                    help="use the checkpoint and artifacts an earlier call built under --work (split a run across "
                         "calls with a time limit: build and start-ups in one, --reuse --skip uncompiled,compiled in "
@@ -336,7 +366,7 @@ def summary(doc: dict) -> dict:
         return {"load_capture_parity_s": rec.get("load_capture_parity_s"), "process_s": rec.get("process_s"),
                 "kernels_built_at_start_up": rec.get("bundle", {}).get("kernel_builds"),
                 "inductor_compiles_at_start_up": rec.get("bundle", {}).get("inductor_compiles"),
-                "decode": {B: {k: c.get(k) for k in ("step_ms", "kernels_per_step")}
+                "decode": {B: {k: c.get(k) for k in ("step_ms", "kernels_per_step", "piecewise_ms")}
                            for B, c in rec.get("decode", {}).items()}}
 
     hf = doc.get("transformers", {}).get("hf_static", {}).get("per_batch", {})

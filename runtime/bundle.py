@@ -32,6 +32,7 @@ traced (runtime/compiled_parity.py), or build bundles (compiler/cli/build_comman
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -39,6 +40,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -92,15 +94,22 @@ _BUILT = {"inductor": lambda p: p.suffix in (".so", ".cubin", ".hsaco", ".best_c
           "flashinfer": lambda p: p.suffix == ".so"}
 
 
+def _in_parallel(fn, items: list) -> list:
+    """fn over items on a few threads: file reads and SHA-256 release the GIL, and a bundle holds
+    a thousand kernel files or more (one after another they were seconds of every start-up)."""
+    if len(items) < 16:
+        return [fn(item) for item in items]
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="hgc-bundle") as pool:
+        return list(pool.map(fn, items))
+
+
 def _snapshot(folders: dict[str, Path]) -> dict[str, str]:
     """cache/file -> SHA-256 of its bytes. By content, not time: loading a piece writes the tuning
     choices it recorded at compile time again, the same bytes, which is no build."""
-    out = {}
-    for name, folder in folders.items():
-        for p in Path(folder).rglob("*") if Path(folder).is_dir() else ():
-            if p.is_file() and _BUILT[name](p):
-                out[f"{name}/{p.relative_to(folder)}"] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
+    found = [(f"{name}/{p.relative_to(folder)}", p) for name, folder in folders.items()
+             for p in (Path(folder).rglob("*") if Path(folder).is_dir() else ()) if p.is_file() and _BUILT[name](p)]
+    digests = _in_parallel(lambda item: hashlib.sha256(item[1].read_bytes()).hexdigest(), found)
+    return {name: digest for (name, _), digest in zip(found, digests)}
 
 
 def _inductor_compiles(counters) -> int:
@@ -118,6 +127,7 @@ class KernelWatch:
         self.folders, self.allow, self.remedy = folders, allow, remedy
         self.builds: list[str] = []
         self.inductor_compiles = 0
+        self.snapshot_seconds = 0.0  # reading the caches before and after: the watch's own cost
 
     def _refuse(self, what: str, rebuilt: bool = False):
         how = "of the bundle was rebuilt or tuned again" if rebuilt else "is not in the bundle and would be built"
@@ -130,7 +140,9 @@ class KernelWatch:
         from torch._dynamo.utils import counters
         from torch._inductor.cpp_builder import CppBuilder
 
+        began = time.perf_counter()
         self._before = _snapshot(self.folders)
+        self.snapshot_seconds += time.perf_counter() - began
         self._compiles = _inductor_compiles(counters)
         self._build = CppBuilder.build
         watch = self
@@ -152,7 +164,9 @@ class KernelWatch:
         CppBuilder.build = self._build
         self.inductor_compiles += _inductor_compiles(counters) - self._compiles
         if kind is None:
+            began = time.perf_counter()
             after = _snapshot(self.folders)
+            self.snapshot_seconds += time.perf_counter() - began
             new = sorted(f for f, sha in after.items() if self._before.get(f) != sha)
             new = [f for f in new if Path(f).name not in self.builds]
             if new and not self.allow:
@@ -177,6 +191,7 @@ class CompiledBundle:
     options: CompiledOptions
     remedy: str
     load_seconds: float = 0.0
+    load_phases: dict = dataclasses.field(default_factory=dict)  # seconds per step of open_bundle
     watches: list = dataclasses.field(default_factory=list)
     parity: list = dataclasses.field(default_factory=list)  # start-up reports: compiled against traced glue
 
@@ -196,6 +211,8 @@ class CompiledBundle:
         """What `hgc run --json` says about it: kernels built at start-up must be 0."""
         worst = [o["rel_err"] for r in self.parity for o in r["ops"]]
         return {"target": self.key, "pieces": len(self.pieces), "load_seconds": round(self.load_seconds, 2),
+                "load_phases_s": self.load_phases,
+                "watch_seconds": round(sum(w.snapshot_seconds for w in self.watches), 3),
                 "kernel_builds": sum(len(w.builds) for w in self.watches),
                 "built": [b for w in self.watches for b in w.builds],  # what --allow-kernel-builds let build
                 "inductor_compiles": sum(w.inductor_compiles for w in self.watches),
@@ -292,6 +309,7 @@ def _materialize(docs: ArtifactDocs, key: str, doc: dict) -> dict[str, Path]:
     for folder in caches.values():
         folder.mkdir()
     base = docs.path / bundle_dir(key)
+    kernels = []
     for rel, sha in sorted(doc["files"].items()):
         parts = rel.split("/")
         if parts[0] != KERNELS:
@@ -299,13 +317,19 @@ def _materialize(docs: ArtifactDocs, key: str, doc: dict) -> dict[str, Path]:
         if len(parts) < 3 or parts[1] not in CACHE_ENV or ".." in parts:
             raise BundleError(f"{docs.path}: bundle {key} file {rel} is not under kernels/<cache>/ "
                               f"(caches: {', '.join(CACHE_ENV)})")
-        data = (base / rel).read_bytes()
-        check_hash(base / rel, sha, f"{bundle_dir(key)}/{rel}", data)
         dest = caches[parts[1]].joinpath(*parts[2:])
         dest.parent.mkdir(parents=True, exist_ok=True)
+        kernels.append((rel, sha, dest))
+
+    def copy(kernel):
+        rel, sha, dest = kernel
+        data = (base / rel).read_bytes()
+        check_hash(base / rel, sha, f"{bundle_dir(key)}/{rel}", data)
         dest.write_bytes(data)
         if rel.endswith(".so"):
             dest.chmod(0o755)
+
+    _in_parallel(copy, kernels)  # the first file that fails its hash raises here
     return caches
 
 
@@ -355,8 +379,6 @@ def _point_process_at(caches: dict[str, Path]) -> None:
 def open_bundle(docs: ArtifactDocs, device: str | torch.device, options: CompiledOptions = CompiledOptions()
                 ) -> CompiledBundle | None:
     """Steps 1-5 of the module docstring; None when compiled pieces are off or the artifact has none."""
-    import time
-
     if not options.enabled:
         return None
     device = torch.device(device)
@@ -367,16 +389,21 @@ def open_bundle(docs: ArtifactDocs, device: str | torch.device, options: Compile
         raise BundleError(f"{docs.path}: a target bundle in an artifact compiled for --tp {docs.tp}; compiled pieces "
                           f"do not run on ranks: pass --no-compiled, or recompile without the bundle")
     key, here = selected
-    start = time.perf_counter()
+    marks = [time.perf_counter()]
     doc = _read_doc(docs, key)
     _check(docs, key, doc, here, device)
     _consent(docs, key, doc, device, options)
+    marks.append(time.perf_counter())
     caches = _materialize(docs, key, doc)
+    marks.append(time.perf_counter())
     remedy = f"rebuild the bundle with {_rebuild(docs, device.type, force=True)}"
     bundle = CompiledBundle(key, here, doc, {}, caches, options, remedy)
     if device.type == "cuda":
         _point_process_at(caches)
     with cache_env({"inductor": caches["inductor"]}), bundle.watch():
         bundle.pieces = _load_pieces(docs.path / bundle_dir(key), doc)
-    bundle.load_seconds = time.perf_counter() - start
+    marks.append(time.perf_counter())
+    bundle.load_seconds = marks[-1] - marks[0]
+    bundle.load_phases = dict(zip(("check_and_consent", "materialize", "pieces"),
+                                  (round(b - a, 3) for a, b in zip(marks, marks[1:]))))
     return bundle

@@ -25,7 +25,8 @@ Lifecycle:
 3. `build(items)` + `run(step, key)` per step (`execute(items)` does both for the engine):
    decode steps go to the smallest decode bucket that holds them, extend and mixed steps to the
    smallest extend bucket that holds their tokens, anything larger runs eagerly. The backend is
-   told first: `init_replay_state` for a full graph; `init_step_metadata` (+ `init_chunk_metadata`
+   told first: `init_replay_state` for a full graph (recorded in the graph instead, for the backends
+   whose `replay_state_in_graph` says so: a replay then does no host work for them); `init_step_metadata` (+ `init_chunk_metadata`
    outside decode) for an eager step; both, then `init_replay_state`, for a piecewise step, whose
    captured pieces read per-step values from the static buffers that hook fills (the backend set
    forwards it only to the instances with a node inside a captured piece of the step's mode).
@@ -150,6 +151,7 @@ class GraphRunner:
         self._op_outs: dict[CaptureKey, list[OpRecord]] = {}  # each op's `out` in the key's graphs
         self.compiled_reports: dict[str, dict] = {}  # key -> compiled pieces against the traced glue (parity)
         self.parity_seconds: dict[str, float] = {}  # key -> wall seconds of its start-up parity check
+        self.parity_phases: dict[str, dict[str, float]] = {}  # key -> seconds per run of _check_key
 
     @property
     def full_decode(self) -> bool:
@@ -262,7 +264,9 @@ class GraphRunner:
     def _plan(self, ctx: ExecContext, key: Optional[CaptureKey]) -> None:
         """Tell the backend about a step before its first op: the protocol's order for each kind of step."""
         if self._is_full(key):
-            self.backend.init_replay_state(ctx, key.seqs)  # a whole-step graph: nothing is planned eagerly
+            # a whole-step graph: nothing is planned eagerly, and what the graph refills itself
+            # (replay_state_in_graph) is not done here either
+            self.backend.replay_state_on_host(ctx, key.seqs)
             return
         plan_eager_step(self.backend, ctx, self.chunk_size)
         if key is not None:
@@ -371,8 +375,8 @@ class GraphRunner:
             self.ops.observer = sink
             self.state.key = key
             try:
-                self._plan(ctx, key)
                 if self._is_full(key):
+                    self.backend.init_replay_state(ctx, key.seqs)  # every member, for the warm-up
                     module = self._module(key.mode)
                     with self.ops.step(ctx):
                         self.state.silent = True
@@ -381,9 +385,12 @@ class GraphRunner:
                         finally:
                             self.state.silent = False
                         graph, self._outputs[key] = self.graphs.capture(
-                            lambda module=module, inputs=inputs: self._call(module, inputs), self.state.pool)
+                            lambda module=module, inputs=inputs, ctx=ctx, key=key: self._whole_step(module, inputs, ctx,
+                                                                                                key),
+                            self.state.pool)
                     self._full_graphs[key] = graph
                 else:
+                    self._plan(ctx, key)
                     self.state.capturing = True
                     with self.ops.step(ctx):
                         self._call(self._module(key.mode), inputs)
@@ -394,6 +401,12 @@ class GraphRunner:
             self.keys.append(key)
         self.graphs.synchronize(self.device)
         self.sealed = True
+
+    def _whole_step(self, module, inputs, ctx: ExecContext, key: CaptureKey) -> list:
+        """What a whole-step graph records: the backends' replay state where the graph holds it
+        (replay_state_in_graph: device copies from the step buffers), then the step."""
+        self.backend.replay_state_captured(ctx, key.seqs)
+        return self._call(module, inputs)
 
     # -- start-up parity -------------------------------------------------------------------
 
@@ -486,6 +499,7 @@ class GraphRunner:
         slots, pages = [seq.slot for seq, _ in items], [p for seq, _ in items for p in seq.pages]
         # target_verify writes intermediate states in the rows of the step's real requests
         verify_rows = len(items) if key.mode == Mode.TARGET_VERIFY else 0
+        marks = [("watch", time.perf_counter())]
         watch = CacheWatch(self.kv_pool, self.state_pool, slots, pages, verify_rows=verify_rows)
         if getattr(self.program, "glue", None) is not None:
             # Compiled pieces run both sides of the checks below: first they are compared with the
@@ -496,6 +510,7 @@ class GraphRunner:
             watch.restore()
         problems: list[str] = []
 
+        marks.append(("compiled_vs_traced", time.perf_counter()))
         reference = OpTrace(rows, inputs=True)
         ref_logits = self._observed_run(padded, None, observer=reference)
         ref_written = watch.written()
@@ -503,6 +518,7 @@ class GraphRunner:
                                                       else torch.float32)
         watch.restore()
 
+        marks.append(("reference", time.perf_counter()))
         forced = TeacherForcing(reference.records)
         plain_logits = self._observed_run(plain, None, intercept=forced)
         where, err = forced.first_beyond(rtol), _outputs_err(plain_logits, ref_logits)
@@ -515,6 +531,7 @@ class GraphRunner:
         problems += [f"the unpadded eager run touched {what}" for what in watch.touched_outside()]
         watch.restore()
 
+        marks.append(("unpadded", time.perf_counter()))
         rerun = OpTrace(rows) if self.graphs.replays_call_ops else None
         graph_logits = self._observed_run(padded, key, observer=rerun)
         err = _outputs_err(graph_logits, ref_logits)
@@ -526,6 +543,8 @@ class GraphRunner:
         if written:
             problems.append(f"replay against padded eager: written for a real request: {written}")
         problems += [f"the replay touched {what}" for what in watch.touched_outside()]
+        marks.append(("replay", time.perf_counter()))
+        self.parity_phases[str(key)] = {name: round(t - marks[i][1], 4) for i, (name, t) in enumerate(marks[1:])}
         if problems:
             raise ParityError(f"start-up parity: {key} with {len(items)} real request(s) and {rows} real row(s): "
                               f"{'; '.join(problems)}; refusing to serve")

@@ -16,7 +16,8 @@ Lifecycle, one module per role:
    hidden size (and config.json's copy of them) against the main program's embedding and logits.
 3. runtime/weights.py: weights.json says which checkpoint tensors fill each program parameter;
    a rank of a tensor-parallel artifact reads only its part of each (sharding.json), and
-   `load_format="dummy"` makes them random instead of reading any.
+   `load_format="dummy"` makes them random instead of reading any. They are read on a thread of
+   their own while step 2 deserializes the programs.
 4. runtime/binding.py: `LoadedArtifact.backends(kv_pool, state_pool)` builds the instances
    routing.json names (and only those); `runner(ops, program)` binds every op node of the program
    to the instance its entry names and checks the bound graph against routing.json before
@@ -38,8 +39,10 @@ CUDA graphs (the graph runner), choose a backend (routing did), or trust anythin
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -251,6 +254,43 @@ def check_model_facts(docs: ArtifactDocs, main_program) -> None:
                                 f"says {value} ({PROGRAM_FILES['main']}): the manifest does not describe this program")
 
 
+def check_programs(docs: ArtifactDocs, programs: dict, program_fqns: dict[str, dict[str, str]]) -> None:
+    """Each loaded program against weights.json (every lifted parameter has a source) and against
+    what this runtime calls it with and expects back."""
+    check_model_facts(docs, programs["main"])
+    for program, ep in programs.items():
+        lifted = [s.target for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
+        unmapped = [f for f in lifted if f not in program_fqns.get(program, {})]
+        if unmapped:
+            raise LoadError(f"{docs.path}: {WEIGHT_MAP} does not say where {program} parameter {unmapped[0]!r} comes from")
+        users = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+        if tuple(users) != PROGRAM_INPUTS[program]:
+            raise LoadError(f"{docs.path}: the {program} program takes {users}, expected {list(PROGRAM_INPUTS[program])}")
+        outputs = program_outputs(program, programs)
+        returned = sum(s.kind == OutputKind.USER_OUTPUT for s in ep.graph_signature.output_specs)
+        recorded = docs.manifest["programs"][program].get("outputs")
+        if returned != len(outputs) or (recorded is not None and tuple(recorded) != outputs):
+            raise LoadError(f"{docs.path}: the {program} program returns {returned} output(s) (manifest: {recorded}); "
+                            f"this runtime expects {list(outputs)}: recompile the checkpoint with this hgc")
+
+
+def read_weights(docs: ArtifactDocs, sources: dict, device: torch.device, rank: int, load_format: str, progress,
+                 stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
+    """Step 3: model FQN -> its tensor on `device`, each file's hash checked first. `stop` set: return
+    early (the caller has failed and will not use them)."""
+    weight_files = WeightFiles(docs, str(device), rank=rank, dummy=load_format == "dummy",
+                               whole_shapes=whole_shapes(sources, docs.sharding))
+    items = sources.items()
+    if progress is not None:
+        items = progress(items, total=len(sources), desc="load weights", unit="tensor")
+    weights = {}
+    for fqn, src in items:
+        if stop is not None and stop.is_set():
+            break
+        weights[fqn] = assemble(fqn, src, weight_files, str(device))
+    return weights
+
+
 def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "cpu",
                   expected_pipeline: str | None = None, progress=None,
                   compiled: CompiledOptions = CompiledOptions(), *, rank: int = 0, tp: int = 1,
@@ -277,40 +317,31 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
                         f"recompile with this hgc")
     device = torch.device(device)
     files = docs.manifest["files"]
-    programs = load_programs(docs)
-    check_model_facts(docs, programs["main"])
     if WEIGHT_MAP not in files:
         raise LoadError(f"{docs.path}: {WEIGHT_MAP} is not listed in manifest.json")
     try:
         sources, program_fqns = parse_weights_doc(load_json(docs.path / WEIGHT_MAP), WEIGHT_MAP)
     except ArtifactFormatError as e:
         raise LoadError(f"{docs.path}: {e}") from None
-    for program, ep in programs.items():
-        lifted = [s.target for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
-        unmapped = [f for f in lifted if f not in program_fqns.get(program, {})]
-        if unmapped:
-            raise LoadError(f"{docs.path}: {WEIGHT_MAP} does not say where {program} parameter {unmapped[0]!r} comes from")
-        users = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-        if tuple(users) != PROGRAM_INPUTS[program]:
-            raise LoadError(f"{docs.path}: the {program} program takes {users}, expected {list(PROGRAM_INPUTS[program])}")
-        outputs = program_outputs(program, programs)
-        returned = sum(s.kind == OutputKind.USER_OUTPUT for s in ep.graph_signature.output_specs)
-        recorded = docs.manifest["programs"][program].get("outputs")
-        if returned != len(outputs) or (recorded is not None and tuple(recorded) != outputs):
-            raise LoadError(f"{docs.path}: the {program} program returns {returned} output(s) (manifest: {recorded}); "
-                            f"this runtime expects {list(outputs)}: recompile the checkpoint with this hgc")
     try:  # before any byte is read: a model too large for the device says by how much, per rank
         more = (f"compile with a larger --tp than {docs.tp} (each rank then holds less)" if docs.tp > 1
                 else "compile with --tp N to spread the weights over N GPUs")
         check_fits({"weights": sum(src.nbytes for src in sources.values())}, device, docs.tp, fix=more)
     except MemoryPlanError as e:
         raise LoadError(f"{docs.path}: {e}") from None
-    weight_files = WeightFiles(docs, str(device), rank=rank, dummy=load_format == "dummy",
-                               whole_shapes=whole_shapes(sources, docs.sharding))
-    items = sources.items()
-    if progress is not None:
-        items = progress(items, total=len(sources), desc="load weights", unit="tensor")
-    weights = {fqn: assemble(fqn, src, weight_files, str(device)) for fqn, src in items}
+    # The weights (hashing the file, reading it, copying to the device: I/O and copies that release
+    # the GIL) are read on a thread of their own while this one deserializes the programs (Python):
+    # the load takes the longer of the two instead of their sum.
+    stop = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hgc-weights") as pool:
+        reading = pool.submit(read_weights, docs, sources, device, rank, load_format, progress, stop)
+        try:
+            programs = load_programs(docs)
+            check_programs(docs, programs, program_fqns)
+        except BaseException:
+            stop.set()  # the weights thread stops at its next tensor; its own error, if any, is dropped
+            raise
+        weights = reading.result()
     bundle = open_bundle(docs, device, compiled)  # last: the portable part is checked before any code loads
     return LoadedArtifact(docs, programs, weights, program_fqns, device, bundle)
 

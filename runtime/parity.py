@@ -37,8 +37,8 @@ from compiler.splitops import op_arguments, op_spec
 from runtime.kv_pool import KVPool
 from runtime.state_pool import PADDING_SLOT, StatePool
 
-__all__ = ["ParityError", "PARITY_RTOL", "OpRecord", "OpTrace", "TeacherForcing", "CacheWatch", "rel_err", "rtol_for", "first_difference",
-           "op_arg_positions"]
+__all__ = ["ParityError", "PARITY_RTOL", "OpRecord", "OpTrace", "TeacherForcing", "CacheWatch", "rel_err", "rel_err_tensor",
+           "rtol_for", "first_difference", "op_arg_positions"]
 
 class ParityError(RuntimeError):
     """A start-up check found a difference beyond tolerance: the runtime refuses to serve."""
@@ -55,7 +55,12 @@ def rtol_for(dtype: torch.dtype) -> float:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float32 (0 when both are zero; inf when only b is)."""
-    return float(_row_rel_errs(a.reshape(1, -1), b.reshape(1, -1))[0])
+    return float(rel_err_tensor(a, b))
+
+
+def rel_err_tensor(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """rel_err as a 0-dim tensor on the tensors' device: no wait for the device until it is read."""
+    return _row_rel_errs(a.reshape(1, -1), b.reshape(1, -1))[0]
 
 
 def _row_rel_errs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -125,27 +130,49 @@ class TeacherForcing:
 
     def __init__(self, reference: list[OpRecord]):
         self.reference = reference
-        self.glue: list[float] = []
-        self.ops: list[float] = []
+        # Errors stay on the device until read: one read for the whole step, not one wait for the
+        # device per op input (hundreds per start-up key).
+        self._glue: list[torch.Tensor] = []
+        self._ops: list[torch.Tensor] = []
+        self._read: tuple[list[float], list[float]] | None = None
 
     def __call__(self, name: str, method, ctx, args: tuple) -> None:
-        i = len(self.ops)
+        i = len(self._ops)
         ref = self.reference[i] if i < len(self.reference) else None
         at = op_arg_positions(name)
         if ref is None or (ref.layer, ref.op) != (int(args[at["layer_id"]]), name):
             raise RuntimeError(f"teacher forcing: call {i} is layer {int(args[at['layer_id']])} ({name}), the "
                                f"reference run's is {ref and (ref.layer, ref.op)}: the runs are not of one program")
         n = ref.out.shape[0]
-        err = 0.0
+        errs = []
         for arg, value in ref.inputs.items():
             given = args[at[arg]]
-            err = max(err, rel_err(given[:n], value))
+            errs.append(rel_err_tensor(given[:n], value))
             given[:n].copy_(value)  # in place: the op sees the layout this run made
-        self.glue.append(err)
+        # the largest, NaN kept (max() of floats would drop a NaN that comes second)
+        self._glue.append(torch.stack(errs).amax() if errs else ref.out.new_zeros((), dtype=torch.float32))
         method(ctx, *args)
         out = args[at["out"]]
-        self.ops.append(rel_err(out[:n], ref.out))
+        self._ops.append(rel_err_tensor(out[:n], ref.out))
         out[:n].copy_(ref.out)
+        self._read = None
+
+    def _errors(self) -> tuple[list[float], list[float]]:
+        if self._read is None:
+            both = self._glue + self._ops
+            values = torch.stack([e.to(both[0].device) for e in both]).tolist() if both else []
+            self._read = (values[: len(self._glue)], values[len(self._glue):])
+        return self._read
+
+    @property
+    def glue(self) -> list[float]:
+        """Per op call: the relative error of the inputs this run computed against the reference's."""
+        return self._errors()[0]
+
+    @property
+    def ops(self) -> list[float]:
+        """Per op call: the relative error of its output on the reference's inputs."""
+        return self._errors()[1]
 
     def first_beyond(self, rtol: float) -> Optional[str]:
         """The first op (or the glue before it) whose relative error exceeds rtol, named; None if none."""
@@ -185,6 +212,7 @@ def first_difference(reference: list[OpRecord], other: list[OpRecord], rtol: flo
     if len(reference) != len(other):
         return f"the runs made {len(reference)} and {len(other)} op calls"
     stale = overwritten_later(other)
+    compared = []
     for i, (ref, got) in enumerate(zip(reference, other)):
         if (ref.layer, ref.op) != (got.layer, got.op):
             return f"the runs called layer {ref.layer} ({ref.op}) and layer {got.layer} ({got.op}) in the same place"
@@ -194,8 +222,10 @@ def first_difference(reference: list[OpRecord], other: list[OpRecord], rtol: flo
         # rows rather than its tokens (the lm_head gather of a tensor-parallel program: a replay
         # gathers the padded requests' rows too, an unpadded run the real requests' only).
         n = min(got.out.shape[0], ref.out.shape[0], real_rows if real_rows is not None else ref.out.shape[0])
-        a, b = got.out[:n], ref.out[:n]
-        err = rel_err(a, b)
+        compared.append((ref, rel_err_tensor(got.out[:n], ref.out[:n])))
+    # one wait for the device, not one per op
+    errs = torch.stack([e.to(compared[0][1].device) for _, e in compared]).tolist() if compared else []
+    for (ref, _), err in zip(compared, errs):
         if not math.isfinite(err) or err > rtol:
             return f"layer {ref.layer} ({ref.op}, rel err {err:.3g})"
     return None

@@ -30,9 +30,12 @@ gets those same bytes, so the file cannot change between check and load.
 from __future__ import annotations
 
 import ast
+import contextlib
 import io
 import json
 import re
+import types
+import typing
 import zipfile
 from pathlib import Path
 
@@ -173,9 +176,39 @@ def check_pt2_bytes(data: bytes, name: str) -> None:
     _check_model_json(read_json("models/model.json"), name)
 
 
+@contextlib.contextmanager
+def _schema_hints_once():
+    """torch.export.load turns the archive's JSON into schema dataclasses and asks
+    `typing.get_type_hints` for a class's field types once per object: 33,000 calls for the bench
+    qwen3_next's two programs, 2 of the 5 s their load takes. The schema's classes do not change
+    while a load runs, so for its duration the deserializer's `typing` answers each class once. Where
+    a torch build names the module otherwise, nothing is patched and the load is as slow as before."""
+    from torch._export.serde import serialize
+
+    if getattr(serialize, "typing", None) is not typing:
+        yield
+        return
+    hints: dict = {}
+
+    def get_type_hints(cls, globalns=None, localns=None, include_extras=False):
+        key = (cls, id(globalns), id(localns), include_extras)
+        if key not in hints:
+            hints[key] = typing.get_type_hints(cls, globalns=globalns, localns=localns, include_extras=include_extras)
+        return hints[key]
+
+    once = types.SimpleNamespace(**{name: getattr(typing, name) for name in dir(typing) if not name.startswith("__")})
+    once.get_type_hints = get_type_hints
+    serialize.typing = once
+    try:
+        yield
+    finally:
+        serialize.typing = typing
+
+
 def load_program(path: Path, expected_sha: str):
     data = path.read_bytes()
     check_hash(path, expected_sha, path.name, data)
     check_pt2_bytes(data, str(path))
-    return torch.export.load(io.BytesIO(data))
+    with _schema_hints_once():
+        return torch.export.load(io.BytesIO(data))
 

@@ -42,6 +42,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import mmap
 import os
 from pathlib import Path
 import torch
@@ -131,11 +132,16 @@ def load_json(path: str | os.PathLike, what: str | None = None):
         raise ArtifactFormatError(f"{path}: not valid JSON{f' ({what})' if what else ''}: {e}") from None
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+def sha256_file(path: str | os.PathLike) -> str:
+    """The file's SHA-256, in one call over a memory map: hashlib holds no GIL while it hashes, so a
+    multi-GB weights file hashed on one thread does not wait on another thread's Python once per
+    block (the runtime hashes the weights while the programs load)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+        if os.fstat(f.fileno()).st_size == 0:  # an empty file cannot be mapped
+            return h.hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            h.update(mapped)
     return h.hexdigest()
 
 
