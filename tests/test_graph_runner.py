@@ -446,10 +446,19 @@ def test_triton_linear_backend_under_the_runner(artifact, tmp_path):
     runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
                          max_pages_per_seq=16, extend_max_seqs=2, debug=True, graphs=RerunGraphs())
     runner.start(vocab_size=art.manifest["model"]["vocab_size"])
+    # Where each member's replay state is made in a replayed decode step: the Triton backend's
+    # (a device copy of the slot ids) inside the graph, the reference's (no such declaration) on the host.
+    where: list[tuple[str, bool]] = []
+    for name, member in ops.backend.members.items():
+        hook = member.init_replay_state
+        member.init_replay_state = lambda ctx, bucket, name=name, hook=hook: (
+            where.append((name, runner.graphs.inside)) if Mode(ctx.mode) == Mode.DECODE else None, hook(ctx, bucket))
     got, keys = greedy(runner, st, prompts, 3)
     assert got == want
     assert keys[0] == CaptureKey(Mode.EXTEND, 16, 2) and keys[1] == CaptureKey(Mode.DECODE, 2, 2)
     assert ops.executed_backends()["0"] == ["cpu_reference", InterpretedTritonLinear.name]
+    assert sorted(set(where)) == [("cpu_reference", False), (InterpretedTritonLinear.name, True)]
+    assert len(where) == 4, "each member once per replayed decode step (2 steps)"
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "bailing_linear", "qwen3_5"])

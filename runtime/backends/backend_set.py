@@ -64,6 +64,20 @@ class BackendSet(BackendHooks):
         for member in self._replayed[Mode(ctx.mode)]:
             member.init_replay_state(ctx, bucket)
 
+    def replay_state_in_graph(self, mode: Mode) -> bool:
+        """Whether every member replayed in `mode` records its init_replay_state in a whole-step graph."""
+        return all(member.replay_state_in_graph(mode) for member in self._replayed[Mode(mode)])
+
+    def replay_state_on_host(self, ctx: ExecContext, bucket: int) -> None:
+        """Before a whole-step replay: each replayed member whose hook the graph does not hold."""
+        for member in self._replayed[Mode(ctx.mode)]:
+            member.replay_state_on_host(ctx, bucket)
+
+    def replay_state_captured(self, ctx: ExecContext, bucket: int) -> None:
+        """Inside a whole-step capture: each replayed member whose hook the graph holds."""
+        for member in self._replayed[Mode(ctx.mode)]:
+            member.replay_state_captured(ctx, bucket)
+
     def init_step_metadata(self, ctx: ExecContext) -> None:
         """Every member plans the step."""
         for member in self.children:

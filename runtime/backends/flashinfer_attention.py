@@ -705,6 +705,14 @@ class FlashInferAttentionBackend(BackendHooks):
                              "step to the same n rows for every request")
         self._step = self._plan(ctx, bucket)
 
+    def replay_state_in_graph(self, mode: Mode) -> bool:
+        """A whole-step graph records this backend's replay state where every group runs a Triton
+        kernel from the page table (decode_impl / mla_impl "triton"): _plan then only copies the
+        step's slots, page table and lengths into the static buffers on the device, and the rows
+        per request are fixed by the bucket. FlashInfer's own plan() works on the host: it stays
+        before every replay."""
+        return Mode(mode) in self.capability.modes_capturable and all(self._table_kernel(g) for g in self.groups)
+
     def init_step_metadata(self, ctx: ExecContext) -> None:
         """Plan every head group for an eager step, once, before the step's first op."""
         self._step = self._plan(ctx, bucket=None)

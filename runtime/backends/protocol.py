@@ -10,7 +10,9 @@ of a backend, in the order the runtime calls it:
    recorded), or the constructor directly over the pools (the eager baseline, tests).
 2. `init_capture_state(max_tokens, max_seqs)`: once, before the graph runner captures anything.
 3. For every step:
-   a. a step replayed from one whole-step graph: `init_replay_state(ctx, bucket)`, then replay;
+   a. a step replayed from one whole-step graph: `init_replay_state(ctx, bucket)`, then replay
+      (or, where the backend's `replay_state_in_graph(mode)` says so, the hook is recorded in the
+      graph at capture and the replay alone refills its buffers);
    b. an eager step: `init_step_metadata(ctx)`, then, for an EXTEND or MIXED step,
       `init_chunk_metadata(ctx, chunk_size)`, then the forward, whose op calls arrive as
       `backend.<op>(ctx, *op_args)` (arguments in the op's schema order);
@@ -154,6 +156,31 @@ class BackendHooks(abc.ABC):
         the step's mode (the backend set forwards it to the instances with a node inside a captured
         piece of the step's mode, as split.json says).
         """
+
+    # Where init_replay_state runs for a whole-step graph. Not hooks of their own: the graph runner
+    # calls `replay_state_on_host` before each replay and `replay_state_captured` inside the capture,
+    # and each calls init_replay_state exactly where `replay_state_in_graph` says it belongs.
+
+    def replay_state_in_graph(self, mode: Mode) -> bool:
+        """Whether init_replay_state, for a whole-step graph of `mode`, may be recorded in the graph.
+
+        True only where the hook launches nothing but device work (copies, elementwise kernels)
+        that reads the step's device tensors, at the addresses the graph runner keeps for the
+        bucket, and depends on the host only through what the bucket fixes (its request count and
+        rows per request). The graph then refills this backend's buffers itself, and a replay
+        calls nothing on it (host time per decode step). The protocol answers False: the hook runs
+        on the host before every replay, which is always correct."""
+        return False
+
+    def replay_state_on_host(self, ctx: ExecContext, bucket: int) -> None:
+        """Before a whole-step replay: init_replay_state, unless the graph holds it."""
+        if not self.replay_state_in_graph(Mode(ctx.mode)):
+            self.init_replay_state(ctx, bucket)
+
+    def replay_state_captured(self, ctx: ExecContext, bucket: int) -> None:
+        """Inside a whole-step capture, before the step's first op: init_replay_state where the graph holds it."""
+        if self.replay_state_in_graph(Mode(ctx.mode)):
+            self.init_replay_state(ctx, bucket)
 
     # -- per step -----------------------------------------------------------------------------
 

@@ -248,6 +248,11 @@ class TritonLinearBackend(BackendHooks):
         slots.copy_(ctx.state_slots, non_blocking=True)
         self._step = self._make_step_plan(ctx, slots, replayed=True)
 
+    def replay_state_in_graph(self, mode: Mode) -> bool:
+        """Its replay state is one device copy of the step's slot ids (and, in target_verify, a row
+        layout the bucket fixes): a whole-step graph records it."""
+        return Mode(mode) in self.capability.modes_capturable
+
     def init_step_metadata(self, ctx: ExecContext) -> None:
         """An eager step: plan what every op call of the step reads (slot ids on the device, the
         target-verify row layout), forgetting the last step's plan."""
