@@ -39,7 +39,7 @@ from compiler.splitops.bundle import INDUCTOR_CONFIG, PIECES
 from compiler.splitops.errors import CompileError
 from compiler.splitops.glue import GlueSplitError, glue_segments, segment_module, segment_pieces, structure_key
 
-__all__ = ["PieceBuildError", "compile_glue", "fake_inputs", "inductor_cache_files"]
+__all__ = ["PieceBuildError", "compile_glue", "compile_piece", "fake_inputs", "inductor_cache_files"]
 
 # Inductor's own indexes of what it compiled: the pieces carry those entries inside their .bin.
 _CACHE_INDEXES = ("fxgraph", "aotautograd", "locks")
@@ -95,6 +95,19 @@ def fake_inputs(module: torch.fx.GraphModule, device: torch.device) -> list[torc
     return fakes
 
 
+def compile_piece(module: torch.fx.GraphModule, device: torch.device):
+    """Step 4 for one segment module (`segment_module`), retargeted to `device` in place: its
+    CompiledArtifact, for every value of its symbolic sizes."""
+    from torch._inductor import standalone_compile
+
+    retarget_meta_devices(module.graph, device)
+    module.recompile()
+    inputs = fake_inputs(module, device)
+    with torch.no_grad():
+        return standalone_compile(module, inputs, dynamic_shapes="from_graph",
+                                  options={"config_patches": dict(INDUCTOR_CONFIG[device.type])})
+
+
 def _code_files(cache_dir: Path) -> set[Path]:
     return {p for p in cache_dir.rglob("*") if p.suffix in (".py", ".cpp") and p.is_file()}
 
@@ -105,8 +118,6 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device:
     (programs: program -> segment records with the piece file running each, pieces: file ->
     {structure, nodes, seconds, code_sha256}). Piece files are written under out_dir/pieces/;
     Inductor's cache must point at cache_dir (cache_env)."""
-    from torch._inductor import standalone_compile
-
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -136,16 +147,10 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device:
                 f"same code as {by_key[key]}")
             continue
         name = f"{PIECES}/{key[:16]}.bin"
-        retarget_meta_devices(module.graph, device)
-        module.recompile()
         start = time.perf_counter()
         before = _code_files(cache_dir)
         try:
-            inputs = fake_inputs(module, device)
-            with torch.no_grad():
-                compiled = standalone_compile(module, inputs, dynamic_shapes="from_graph",
-                                              options={"config_patches": dict(INDUCTOR_CONFIG[device.type])})
-            compiled.save(path=str(out_dir / name), format="binary")
+            compile_piece(module, device).save(path=str(out_dir / name), format="binary")
         except Exception as e:  # Inductor's errors are of many kinds; name the segment either way
             raise PieceBuildError(f"inductor: {program} program, glue from node {segment.nodes[0]} to "
                                   f"{segment.nodes[-1]} ({len(segment.nodes)} nodes) failed to compile: "

@@ -6,7 +6,8 @@ kernel the bundle lacks, a piece that computes something else than the traced gl
 One build for the module (a 2-layer Qwen3-Next: a GDN layer and a gated GQA layer, dense MLPs), in
 a subprocess like a user's; each refusal works on a copy of the artifact, edited the
 way a different build would have written it (re-hashed and re-signed), so only the check under
-test can catch it.
+test can catch it. One glue segment of a Ling model (bailing_linear) is compiled alone: it reads
+a size taken before an op core, which no qwen3_next segment does.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from runtime.bundle import BundleError, CompiledOptions
 from runtime.loader import LoadError, load_artifact
 from runtime.parity import PARITY_RTOL, ParityError
 from runtime.signing import sign, signing_key
-from tests.helpers import ROOT, tiny_checkpoint
+from tests.helpers import ROOT, shared_artifact, tiny_checkpoint
 
 PROMPTS = "1,2,3,4,5,6,7;9,10,11"
 NEW_TOKENS = 5
@@ -340,3 +341,55 @@ def test_builds_of_one_target_take_turns_on_its_build_folder(tmp_path):
     assert events == ["first in", "first out", "second in"]
     assert time.perf_counter() - started >= 0.25
     assert said == [f"waiting for another hgc build that uses {work}"]
+
+
+def test_a_size_read_across_an_op_core_is_taken_from_a_tensor_input_and_compiles(tmp_path_factory, tmp_path,
+                                                                                 one_thread):
+    """Ling's MLA layers view the attention's output with the token count the first glue segment
+    took from input_ids (`sym_size.int`). Inductor's C++ wrapper takes tensors only (it passes None
+    for a SymInt input), so such a segment takes the count from a tensor it reads itself; its
+    piece compiles and, at a token count other than the traced one, gives the traced glue's values."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    from compiler.inductor_pieces import compile_piece
+    from compiler.splitops.bundle import cache_env
+    from compiler.splitops.glue import glue_segments, segment_module
+    from runtime.artifact_docs import read_artifact
+    from runtime.loader import load_programs
+
+    gm = load_programs(read_artifact(shared_artifact(tmp_path_factory, "bailing_linear")[1]))["main"].graph_module
+    by_name = {n.name: n for n in gm.graph.nodes}
+
+    def reads_a_size(segment) -> bool:
+        return any(isinstance(a.meta["val"], torch.SymInt) and a.name not in segment.nodes
+                   for n in segment.nodes for a in by_name[n].all_input_nodes)
+
+    segment = next((s for s in glue_segments(gm) if s.outputs and reads_a_size(s)), None)
+    assert segment is not None, "some bailing_linear glue segment reads a token count taken before an op core"
+    assert all(isinstance(by_name[n].meta["val"], torch.Tensor) for n in segment.inputs), segment.inputs
+    module = segment_module(gm, segment)
+    with cache_env({"inductor": tmp_path / "inductor"}):
+        piece = compile_piece(module, torch.device("cpu"))
+
+    rows = 3  # not the traced token count: a count fixed at compile time would fail here
+    assert rows not in {optimization_hint(d) for n in segment.inputs for d in by_name[n].meta["val"].shape
+                        if not isinstance(d, int)}
+
+    def concrete(dim) -> int:  # every symbolic size at `rows`
+        if isinstance(dim, int):
+            return dim
+        return int(dim.node.expr.xreplace(dict.fromkeys(dim.node.expr.free_symbols, rows)))
+
+    torch.manual_seed(0)
+    inputs = []
+    for name in segment.inputs:
+        val = by_name[name].meta["val"]
+        t = torch.empty_strided([concrete(d) for d in val.shape], [concrete(d) for d in val.stride()], dtype=val.dtype)
+        inputs.append(t.normal_() if t.is_floating_point() else t.random_(0, 3))
+    expected, got = module(*inputs), piece(*inputs)
+    assert len(got) == len(expected) == len(segment.outputs)
+    allocations = (torch.ops.aten.new_empty.default, torch.ops.aten.empty_like.default)  # an op core's `out`
+    for name, g, e in zip(segment.outputs, got, expected):
+        assert g.shape == e.shape, name
+        if by_name[name].target not in allocations:
+            torch.testing.assert_close(g, e, msg=lambda m, name=name: f"{name}: {m}")

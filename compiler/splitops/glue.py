@@ -9,12 +9,14 @@ from the plan (split.json) alone, by `segment_pieces`.
 
 1. `glue_segments(gm)`: the maximal runs of non-op nodes in graph order, each with the values it
    reads from outside (`inputs`, first use first) and the values read after it (`outputs`,
-   graph order). The bundle builder (compiler/inductor_pieces.py) and the runtime
-   (runtime/compiled_glue.py) both call it on the same graph, and the runtime refuses a bundle
-   whose recorded segments differ from its own.
+   graph order). A symbolic size read from outside (the token count, taken once by an earlier
+   segment) is not an input when a tensor input has it as a dimension: the segment takes it from
+   that tensor itself (`_border_reads`), so only tensors cross the glue's borders. The bundle
+   builder (compiler/inductor_pieces.py) and the runtime (runtime/compiled_glue.py) both call it
+   on the same graph, and the runtime refuses a bundle whose recorded segments differ from its own.
 2. `segment_module(gm, segment)`: the run as a GraphModule of its own, placeholders `in_0..` in
-   `inputs` order and a tuple of `outputs`, nodes renamed `v0..` so that layers of one structure
-   give the same code.
+   `inputs` order, then the sizes it takes from them (`size_0..`), and a tuple of `outputs`;
+   nodes renamed `v0..` so that layers of one structure give the same code.
 3. `structure_key(module)`: the SHA-256 of that code and of each input's dtype, sizes and strides
    (symbolic sizes named by first appearance): equal keys, one compile.
 4. `segment_pieces(segments, plan)`: the captured piece of a split plan that runs each segment;
@@ -62,6 +64,31 @@ class GlueSegment:
         return self.to_json() == {k: recorded.get(k) for k in ("index", "first", "last", "size", "inputs", "outputs")}
 
 
+def _border_reads(run: list[torch.fx.Node]) -> tuple[list[torch.fx.Node], dict]:
+    """The values a run reads from outside, first use first, as (inputs, sizes): sizes maps each
+    symbolic size among them that a tensor input has as a dimension to the first such (tensor,
+    dim); inputs are the rest (a size no tensor input has stays one, and `input_specs` refuses it).
+
+    Why: a model may take the token count once (`sym_size.int(input_ids, 0)`, MLA families) and
+    view every later layer's attention output with it. Passed across a border it would be a SymInt
+    input, which the cpu pieces cannot take: with Inductor's C++ wrapper, compile_fx replaces every
+    non-tensor placeholder by None (`_extract_inputs_from_exported_gm`, torch 2.13), and the view
+    fails on `[None, 64]`. The segment reads a tensor with that row count anyway (the op's `out` it
+    views), so it takes the size from that tensor; the runtime then passes tensors only."""
+    inside = set(run)
+    reads = list(dict.fromkeys(a for n in run for a in n.all_input_nodes if a not in inside))
+    dims = {}  # dimension expression -> (first tensor input with it, its index there)
+    for node in reads:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, s in enumerate(val.shape):
+                if isinstance(s, torch.SymInt):
+                    dims.setdefault(s.node.expr, (node, d))
+    sizes = {n: dims[n.meta["val"].node.expr] for n in reads
+             if isinstance(n.meta.get("val"), torch.SymInt) and n.meta["val"].node.expr in dims}
+    return [n for n in reads if n not in sizes], sizes
+
+
 def glue_segments(gm: torch.fx.GraphModule) -> list[GlueSegment]:
     """Step 1 of the module docstring. A run whose values nobody reads later (only checks) is kept:
     it has no outputs, and nothing is compiled for it."""
@@ -76,7 +103,7 @@ def glue_segments(gm: torch.fx.GraphModule) -> list[GlueSegment]:
     segments = []
     for run in (r for r in runs if r):
         inside = set(run)
-        inputs = list(dict.fromkeys(a for n in run for a in n.all_input_nodes if a not in inside))
+        inputs, _ = _border_reads(run)
         outputs = [n for n in run if any(u not in inside for u in n.users)]
         segments.append(GlueSegment(len(segments), tuple(n.name for n in run), tuple(n.name for n in inputs),
                                     tuple(n.name for n in outputs)))
@@ -88,10 +115,17 @@ def segment_module(gm: torch.fx.GraphModule, segment: GlueSegment) -> torch.fx.G
     by_name = {n.name: n for n in gm.graph.nodes}
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for i, name in enumerate(segment.inputs):
+    inputs, sizes = _border_reads([by_name[name] for name in segment.nodes])
+    assert [n.name for n in inputs] == list(segment.inputs), f"segment {segment.index} is not of this graph"
+    for i, node in enumerate(inputs):
         placeholder = graph.placeholder(f"in_{i}")
-        placeholder.meta = dict(by_name[name].meta)
-        env[by_name[name]] = placeholder
+        placeholder.meta = dict(node.meta)
+        env[node] = placeholder
+    for i, (size, (tensor, dim)) in enumerate(sizes.items()):
+        taken = graph.call_function(torch.ops.aten.sym_size.int, (env[tensor], dim))
+        taken.meta = dict(size.meta)
+        taken._rename(f"size_{i}")
+        env[size] = taken
     for i, name in enumerate(segment.nodes):
         copied = graph.node_copy(by_name[name], lambda n: env[n])
         copied.meta = dict(by_name[name].meta)
