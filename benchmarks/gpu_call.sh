@@ -12,6 +12,15 @@ set -u
 : "${OUT:?OUT is the folder whose files come back}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# Bytecode, as an installed copy has it. The machine's torch has no .pyc files and the environment
+# sets PYTHONDONTWRITEBYTECODE, and --no-compile above leaves the carried packages without any too:
+# every fresh process (each start-up a benchmark times) would compile the sources of torch, sympy,
+# FLA and FlashInfer again, about 6 s of a measured start-up that no installed copy pays. Bytecode
+# goes to a folder of its own (the installed trees may be read-only), written by the first process
+# that imports a module (a benchmark's build step) and read by every later one.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=/tmp/pycache
+python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1 || echo "compileall of /tmp/site failed (start-ups pay for source compiles)"
 mkdir -p .jitcache
 [ -d .jitcache_parts ] && python3 benchmarks/jit_cache.py unpack .jitcache_parts
 # TRITON_CACHE_AUTOTUNING: autotuned kernels (FLA's) keep their choice in the cache too, so a

@@ -116,6 +116,31 @@ def load_phases(into: dict):
             setattr(loader, name, fn)
 
 
+@contextlib.contextmanager
+def profiled(path):
+    """cProfile around the block (the start-up variant's whole run), its top functions by cumulative
+    and by own time written to `path`; nothing when `path` is falsy. The profiler slows Python
+    several-fold: the numbers of a profiled run say where the time goes, not how long it takes."""
+    if not path:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("cumulative").print_stats(120)
+        stats.sort_stats("tottime").print_stats(60)
+        Path(path).write_text(text.getvalue())
+
+
 def run_variant(args) -> dict:
     """Step 2 for the artifact at args.child (this process starts with empty kernel caches)."""
     from runtime.bundle import CompiledOptions
@@ -249,12 +274,15 @@ def start_variant(args, variant: str, artifact: Path, work: Path, env: dict) -> 
             "--max-batch", str(args.max_batch), "--max-extend", str(args.max_extend), "--out", str(work)]
     argv += ["--allow-kernel-builds"] if args.allow_kernel_builds else []
     argv += ["--skip", args.skip] if args.skip else []
+    argv += ["--profile"] if args.profile else []
     t0 = time.perf_counter()
     proc = subprocess.run(argv + (["--dry-run"] if args.dry_run else []), cwd=ROOT, env=child_env, text=True)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"the {variant} start-up process failed ({proc.returncode})")
     rec = json.loads(out.read_text())
     rec["process_s"] = time.perf_counter() - t0  # with Python and torch imports: what a user waits
+    if args.profile:
+        shutil.copy(work / f"profile_{variant}.txt", Path(args.out) / f"profile_{variant}.txt")
     return rec
 
 
@@ -294,6 +322,9 @@ def main(argv=None) -> int:
     p.add_argument("--allow-kernel-builds", action="store_true",
                    help="let the compiled start-up build what its bundle lacks (counted in its report) instead of "
                         "refusing, so the decode numbers are taken either way")
+    p.add_argument("--profile", action="store_true",
+                   help="run each start-up variant under cProfile and write OUT/profile_VARIANT.txt (its timings "
+                        "are then the profiler's, several-fold slower: use it to see where time goes)")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, cpu target, CUDA graphs rerun")
     p.add_argument("--route", action="append", default=[],
                    help="passed to hgc compile --route (repeatable), e.g. 'gqa_attention=flashinfer[decode_impl=flashinfer]'; "
@@ -310,7 +341,7 @@ def main(argv=None) -> int:
     if args.dry_run and "transformers" not in args.skip:  # inductor on a CPU takes minutes for generate's compile
         args.skip = ",".join(filter(None, [args.skip, "transformers"]))
     if args.child:
-        with torch.no_grad():
+        with torch.no_grad(), profiled(args.profile and Path(args.out) / f"profile_{args.variant}.txt"):
             rec = run_variant(args)
         Path(args.child_out).write_text(json.dumps(rec, default=str))
         return 0

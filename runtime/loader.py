@@ -278,6 +278,14 @@ def read_weights(docs: ArtifactDocs, sources: dict, device: torch.device, rank: 
                  stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
     """Step 3: model FQN -> its tensor on `device`, each file's hash checked first. `stop` set: return
     early (the caller has failed and will not use them)."""
+    try:  # before any byte is read: a model too large for the device says by how much, per rank
+        more = (f"compile with a larger --tp than {docs.tp} (each rank then holds less)" if docs.tp > 1
+                else "compile with --tp N to spread the weights over N GPUs")
+        # On a GPU this is the process's first CUDA call (the context, seconds): here, on the weights'
+        # thread, it overlaps the programs' load.
+        check_fits({"weights": sum(src.nbytes for src in sources.values())}, device, docs.tp, fix=more)
+    except MemoryPlanError as e:
+        raise LoadError(f"{docs.path}: {e}") from None
     weight_files = WeightFiles(docs, str(device), rank=rank, dummy=load_format == "dummy",
                                whole_shapes=whole_shapes(sources, docs.sharding))
     items = sources.items()
@@ -322,12 +330,6 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
     try:
         sources, program_fqns = parse_weights_doc(load_json(docs.path / WEIGHT_MAP), WEIGHT_MAP)
     except ArtifactFormatError as e:
-        raise LoadError(f"{docs.path}: {e}") from None
-    try:  # before any byte is read: a model too large for the device says by how much, per rank
-        more = (f"compile with a larger --tp than {docs.tp} (each rank then holds less)" if docs.tp > 1
-                else "compile with --tp N to spread the weights over N GPUs")
-        check_fits({"weights": sum(src.nbytes for src in sources.values())}, device, docs.tp, fix=more)
-    except MemoryPlanError as e:
         raise LoadError(f"{docs.path}: {e}") from None
     # The weights (hashing the file, reading it, copying to the device: I/O and copies that release
     # the GIL) are read on a thread of their own while this one deserializes the programs (Python):
