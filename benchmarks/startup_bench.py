@@ -298,6 +298,8 @@ def table(doc: dict) -> str:
         rows.append(f"{f'decode B={B} ms':24s}" + "".join(f"{m:16.3f}" for m in ms)
                     + f"{hf.get(str(B), {}).get('decode_ms', float('nan')):16.3f}")
         rows.append(f"{f'decode B={B} kernels':24s}" + "".join(f"{k if k is not None else 'n/a':>16}" for k in kernels))
+        piecewise = [v.get(n, {}).get("decode", {}).get(str(B), {}).get("piecewise_ms", float("nan")) for n in VARIANTS]
+        rows.append(f"{f'decode B={B} piecewise':24s}" + "".join(f"{m:16.3f}" for m in piecewise))
     return "\n".join(rows)
 
 
