@@ -179,8 +179,9 @@ def check_pt2_bytes(data: bytes, name: str) -> None:
 @contextlib.contextmanager
 def _schema_hints_once():
     """torch.export.load turns the archive's JSON into schema dataclasses and asks
-    `typing.get_type_hints` for a class's field types once per object: 33,000 calls for the bench
-    qwen3_next's two programs, 2 of the 5 s their load takes. The schema's classes do not change
+    `typing.get_type_hints` for a class's field types once per object: tens of thousands of calls
+    for a bench-size model, the largest single cost of the load under cProfile (`startup_bench.py
+    --profile` shows the load's costs). The schema's classes do not change
     while a load runs, so for its duration the deserializer's `typing` answers each class once. Where
     a torch build names the module otherwise, nothing is patched and the load is as slow as before."""
     from torch._export.serde import serialize

@@ -46,6 +46,11 @@ class BackendSet(BackendHooks):
         self.children: tuple[BackendHooks, ...] = tuple(self.members.values())
         # init_replay_state's receivers per mode, fixed by split.json's captured pieces
         self._replayed = {mode: tuple(self.members[k] for k in captured.get(mode, ())) for mode in Mode}
+        # Of those, per mode: (hooks run on the host before a whole-step replay, hooks the graph
+        # records). A member's answer is fixed when it is built, so a replay asks nobody.
+        self._whole_step = {mode: (tuple(m for m in members if not m.replay_state_in_graph(mode)),
+                                   tuple(m for m in members if m.replay_state_in_graph(mode)))
+                            for mode, members in self._replayed.items()}
         self.name = f"backends({', '.join(self.members)})"
 
     def replayed_in(self, mode: Mode) -> tuple[BackendHooks, ...]:
@@ -66,17 +71,17 @@ class BackendSet(BackendHooks):
 
     def replay_state_in_graph(self, mode: Mode) -> bool:
         """Whether every member replayed in `mode` records its init_replay_state in a whole-step graph."""
-        return all(member.replay_state_in_graph(mode) for member in self._replayed[Mode(mode)])
+        return not self._whole_step[Mode(mode)][0]
 
     def replay_state_on_host(self, ctx: ExecContext, bucket: int) -> None:
         """Before a whole-step replay: each replayed member whose hook the graph does not hold."""
-        for member in self._replayed[Mode(ctx.mode)]:
-            member.replay_state_on_host(ctx, bucket)
+        for member in self._whole_step[ctx.mode][0]:
+            member.init_replay_state(ctx, bucket)
 
     def replay_state_captured(self, ctx: ExecContext, bucket: int) -> None:
         """Inside a whole-step capture: each replayed member whose hook the graph holds."""
-        for member in self._replayed[Mode(ctx.mode)]:
-            member.replay_state_captured(ctx, bucket)
+        for member in self._whole_step[ctx.mode][1]:
+            member.init_replay_state(ctx, bucket)
 
     def init_step_metadata(self, ctx: ExecContext) -> None:
         """Every member plans the step."""
