@@ -25,11 +25,12 @@ Lifecycle:
 3. `build(items)` + `run(step, key)` per step (`execute(items)` does both for the engine):
    decode steps go to the smallest decode bucket that holds them, extend and mixed steps to the
    smallest extend bucket that holds their tokens, anything larger runs eagerly. The backend is
-   told first: `init_replay_state` for a full graph (recorded in the graph instead, for the backends
-   whose `replay_state_in_graph` says so: a replay then does no host work for them); `init_step_metadata` (+ `init_chunk_metadata`
-   outside decode) for an eager step; both, then `init_replay_state`, for a piecewise step, whose
-   captured pieces read per-step values from the static buffers that hook fills (the backend set
-   forwards it only to the instances with a node inside a captured piece of the step's mode).
+   told first: `init_replay_state` for a full graph (recorded in the graph instead, for the
+   backends whose `replay_state_in_graph` says so: a replay then does no host work for them);
+   `init_step_metadata` (+ `init_chunk_metadata` outside decode) for an eager step; both, then
+   `init_replay_state`, for a piecewise step, whose captured pieces read per-step values from the
+   static buffers that hook fills (the backend set forwards it only to the instances with a node
+   inside a captured piece of the step's mode).
 4. `check_parity()` (start-up, after capture): for each captured key, real requests that fill it
    only in part run eagerly padded, eagerly unpadded with each op on the padded run's inputs, and
    replayed padded, from the same caches and states (`_check_key`, runtime/parity.py). Every
@@ -499,7 +500,7 @@ class GraphRunner:
         slots, pages = [seq.slot for seq, _ in items], [p for seq, _ in items for p in seq.pages]
         # target_verify writes intermediate states in the rows of the step's real requests
         verify_rows = len(items) if key.mode == Mode.TARGET_VERIFY else 0
-        marks = [("watch", time.perf_counter())]
+        marks = [("start", time.perf_counter())]  # each later mark names the run that ended there
         watch = CacheWatch(self.kv_pool, self.state_pool, slots, pages, verify_rows=verify_rows)
         if getattr(self.program, "glue", None) is not None:
             # Compiled pieces run both sides of the checks below: first they are compared with the

@@ -37,8 +37,8 @@ from compiler.splitops import op_arguments, op_spec
 from runtime.kv_pool import KVPool
 from runtime.state_pool import PADDING_SLOT, StatePool
 
-__all__ = ["ParityError", "PARITY_RTOL", "OpRecord", "OpTrace", "TeacherForcing", "CacheWatch", "rel_err", "rel_err_tensor",
-           "rtol_for", "first_difference", "op_arg_positions"]
+__all__ = ["ParityError", "PARITY_RTOL", "OpRecord", "OpTrace", "TeacherForcing", "CacheWatch", "rel_err",
+           "rel_err_tensor", "rtol_for", "first_difference", "op_arg_positions"]
 
 class ParityError(RuntimeError):
     """A start-up check found a difference beyond tolerance: the runtime refuses to serve."""
