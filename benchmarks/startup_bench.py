@@ -138,7 +138,7 @@ def profiled(path):
         stats = pstats.Stats(profile, stream=text)
         stats.sort_stats("cumulative").print_stats(120)
         stats.sort_stats("tottime").print_stats(60)
-        Path(path).write_text(text.getvalue())
+        Path(path).write_text(text.getvalue().replace(f"{ROOT}/", ""))  # the repo's files by their paths in it
 
 
 def run_variant(args) -> dict:
