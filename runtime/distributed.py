@@ -32,6 +32,11 @@ MASTER_PORT):
 5. `group.close()`: rank 0 sends STOP; every rank leaves the process group. (Between engines of
    one launch, `group.end_engine()` sends END instead: the others return from `follow` and keep
    the channel.)
+6. `end_rank_process(code)`: the command has returned (and printed any failure); the process ends
+   without the interpreter's teardown. Gloo's worker threads can outlive destroy_process_group,
+   and a C++ thread object destroyed joinable at finalization aborts the process (SIGABRT,
+   "terminate called without an active exception"): a rank that finished its work would then
+   fail its launch, rarely and only under load.
 
 A rank that dies, at any point after `join` (loading, capture, parity, serving): its sockets
 close, and the watchdog of every rank it was connected to sees it within `WATCH_INTERVAL_S`:
@@ -63,7 +68,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, NoReturn
 
 import numpy as np
 import torch
@@ -71,8 +76,8 @@ import torch
 from runtime.batch import SeqState
 from runtime.launcher import REQUIRED_ENV
 
-__all__ = ["RankGroup", "PeerLost", "LaunchError", "launched_rank", "join", "lead", "follow", "StepSender",
-           "encode_step", "decode_step", "DEFAULT_TIMEOUT_S", "WATCH_INTERVAL_S"]
+__all__ = ["RankGroup", "PeerLost", "LaunchError", "launched_rank", "join", "end_rank_process", "lead", "follow",
+           "StepSender", "encode_step", "decode_step", "DEFAULT_TIMEOUT_S", "WATCH_INTERVAL_S"]
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective that waits longer than this fails (a peer is stuck or gone)
 WATCH_INTERVAL_S = 0.2  # how often the watchdog looks at the other ranks' sockets and its launcher
@@ -320,6 +325,13 @@ class RankGroup:
         self.channel.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def end_rank_process(code: int) -> NoReturn:
+    """Step 6 of the module docstring: streams flushed, then os._exit(code)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def join(tp: int, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, label: str = "hgc") -> RankGroup:

@@ -127,4 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     args.progress = progress_bars(args)  # what every command hands its long loops (None with --quiet)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what the ranks of a --tp launch run again
-    return run_with_errors(args)
+    code = run_with_errors(args)
+    if getattr(args, "rank", None) is not None:  # a rank of a --tp launch (set by start_ranks)
+        from runtime.distributed import end_rank_process
+        end_rank_process(code)
+    return code
