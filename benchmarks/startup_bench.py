@@ -20,8 +20,11 @@ used: every start-up here begins from empty caches):
    In the same process, per batch B: B requests with 64-token histories; the full-graph decode
    step (CUDA events, median of --iters) and its kernels per step (torch.profiler: the kernels of
    a replayed graph are traced one by one); then greedy tokens of a few prompts, which the parent
-   compares between the variants; then the same decode steps through piecewise graphs (captured
-   after the rest: their capture sets the backends' buffers up again).
+   compares between the variants; then graph replay against eager steps of the same build:
+   --graph-prompts prompts x --graph-tokens greedy tokens each way (32 x 64 on the GPU), the
+   tokens that differ, and where they do, the logits' drift before and the eager top-2 gap there
+   (gpu_e2e.logit_drift); then the same decode steps through piecewise graphs (captured after the
+   rest: their capture sets the backends' buffers up again).
 3. transformers: `generate` of the same checkpoint with `cache_implementation="static"` (its
    compiled decode) per batch, per-token decode ms (benchmarks/gpu_e2e.run_transformers).
 
@@ -60,8 +63,9 @@ HISTORY = 64
 PROMPT_LENS = (5, 17, 40, 64)
 VARIANTS = ("uncompiled", "compiled")
 GPU_DEFAULTS = dict(size="bench-hd64", batches="1,8,32,128", iters=30, new_tokens=16, hf_new_tokens=32,
-                    max_batch=256, max_extend=4096)
-DRY_DEFAULTS = dict(size="tiny", batches="1,2", iters=2, new_tokens=4, hf_new_tokens=4, max_batch=2, max_extend=64)
+                    max_batch=256, max_extend=4096, graph_prompts=32, graph_tokens=64)
+DRY_DEFAULTS = dict(size="tiny", batches="1,2", iters=2, new_tokens=4, hf_new_tokens=4, max_batch=2, max_extend=64,
+                    graph_prompts=2, graph_tokens=4)
 CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE")
 
 
@@ -164,7 +168,9 @@ def run_variant(args) -> dict:
     recorded = art.manifest["buckets"]
     decode = tuple(b for b in recorded["decode_batch_sizes"] if b <= args.max_batch)
     extend = tuple(t for t in recorded["extend_token_counts"] if t <= args.max_extend) or (args.max_extend,)
-    max_len = -(-max(max(extend), HISTORY + 1, max(PROMPT_LENS) + args.new_tokens) // PAGE) * PAGE
+    graph_lens = graph_prompt_lens(args.graph_prompts)
+    longest = max(max(PROMPT_LENS) + args.new_tokens, max(graph_lens) + args.graph_tokens)
+    max_len = -(-max(max(extend), HISTORY + 1, longest) // PAGE) * PAGE
     kv, st = make_pools(art.registry, max_len, max(decode), page_size=PAGE, device=dev,
                         kv_dtype=torch.bfloat16 if dev.type == "cuda" else None)
     phases["pools"], mark = time.perf_counter() - mark, time.perf_counter()
@@ -209,9 +215,35 @@ def run_variant(args) -> dict:
     prompts = prompts_for(vocab, PROMPT_LENS[: max(decode)])
     rec["tokens"], _ = greedy(runner, st, prompts, args.new_tokens, sync=sync)
     rec["prompt_lens"] = [len(p) for p in prompts]
+    if "graph_tokens" not in args.skip:
+        rec["tokens_graph_vs_eager"] = graph_vs_eager(runner, st, vocab, graph_lens, args.graph_tokens, sync)
     if "piecewise" not in args.skip:
         time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g)
     return rec
+
+
+def graph_prompt_lens(n: int) -> list[int]:
+    """n prompt lengths spread from 5 to 64 tokens."""
+    return [5 + (59 * i) // max(n - 1, 1) for i in range(n)]
+
+
+def graph_vs_eager(runner, st, vocab: int, lens: list[int], new_tokens: int, sync) -> dict:
+    """The issue's token check of one build: greedy tokens with every step eager, then with the
+    captured graphs (prefills of more requests than an extend bucket holds run eagerly in both),
+    compared; the logits' drift shows whether a difference is rounding or a fault."""
+    from bench_common import key_names
+    from gpu_e2e import logit_drift
+    from tests.graph_cases import greedy
+
+    prompts = prompts_for(vocab, lens, seed=3)
+    eager_logits, graph_logits = [], []
+    eager, _ = greedy(runner, st, prompts, new_tokens, sync=sync, eager=True, logits=eager_logits)
+    graphs, keys = greedy(runner, st, prompts, new_tokens, sync=sync, logits=graph_logits)
+    out = {**compare(eager, graphs, lens), "keys": key_names(keys),
+           **logit_drift(eager_logits, graph_logits, eager, graphs)}
+    print(f"  graphs vs eager: {out['mismatched']} of {out['tokens']} tokens differ ({len(prompts)} prompts x "
+          f"{new_tokens}); replayed keys {out['keys']}", flush=True)
+    return out
 
 
 def time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g) -> None:
@@ -271,7 +303,8 @@ def start_variant(args, variant: str, artifact: Path, work: Path, env: dict) -> 
     child_env = {**env, **empty_caches(work / f"caches_{variant}")}
     argv = [sys.executable, __file__, "--child", str(artifact), "--variant", variant, "--child-out", str(out),
             "--batches", args.batches, "--iters", str(args.iters), "--new-tokens", str(args.new_tokens),
-            "--max-batch", str(args.max_batch), "--max-extend", str(args.max_extend), "--out", str(work)]
+            "--max-batch", str(args.max_batch), "--max-extend", str(args.max_extend), "--out", str(work),
+            "--graph-prompts", str(args.graph_prompts), "--graph-tokens", str(args.graph_tokens)]
     argv += ["--allow-kernel-builds"] if args.allow_kernel_builds else []
     argv += ["--skip", args.skip] if args.skip else []
     argv += ["--profile"] if args.profile else []
@@ -300,6 +333,9 @@ def table(doc: dict) -> str:
         rows.append(f"{f'decode B={B} kernels':24s}" + "".join(f"{k if k is not None else 'n/a':>16}" for k in kernels))
         piecewise = [v.get(n, {}).get("decode", {}).get(str(B), {}).get("piecewise_ms", float("nan")) for n in VARIANTS]
         rows.append(f"{f'decode B={B} piecewise':24s}" + "".join(f"{m:16.3f}" for m in piecewise))
+    differ = [v.get(n, {}).get("tokens_graph_vs_eager") for n in VARIANTS]
+    cells = [f"{t['mismatched']} of {t['tokens']}" if t else "n/a" for t in differ]
+    rows.append(f"{'graph vs eager differ':24s}" + "".join(f"{c:>16}" for c in cells))
     return "\n".join(rows)
 
 
@@ -313,10 +349,13 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int)
     p.add_argument("--new-tokens", type=int, help="greedy tokens per prompt in the token comparison")
     p.add_argument("--hf-new-tokens", type=int, help="tokens per transformers generate call")
+    p.add_argument("--graph-prompts", type=int, help="prompts of the graph-against-eager token check (GPU: 32)")
+    p.add_argument("--graph-tokens", type=int, help="greedy tokens per prompt in that check (GPU: 64)")
     p.add_argument("--max-batch", type=int, help="largest decode bucket captured (default: 256, every recorded one)")
     p.add_argument("--max-extend", type=int, help="largest extend bucket captured (default: 4096)")
     p.add_argument("--skip", default="", help="comma-separated stages not to run: build, uncompiled, compiled, "
-                                              "transformers; piecewise skips the piecewise decode timing")
+                                              "transformers; piecewise skips the piecewise decode timing, "
+                                              "graph_tokens the graph-against-eager token check")
     p.add_argument("--reuse", action="store_true",
                    help="use the checkpoint and artifacts an earlier call built under --work (split a run across "
                         "calls with a time limit: build and start-ups in one, --reuse --skip uncompiled,compiled in "
@@ -400,7 +439,8 @@ def summary(doc: dict) -> dict:
                 "kernels_built_at_start_up": rec.get("bundle", {}).get("kernel_builds"),
                 "inductor_compiles_at_start_up": rec.get("bundle", {}).get("inductor_compiles"),
                 "decode": {B: {k: c.get(k) for k in ("step_ms", "kernels_per_step", "piecewise_ms")}
-                           for B, c in rec.get("decode", {}).items()}}
+                           for B, c in rec.get("decode", {}).items()},
+                "graph_vs_eager_mismatched": (rec.get("tokens_graph_vs_eager") or {}).get("mismatched")}
 
     hf = doc.get("transformers", {}).get("hf_static", {}).get("per_batch", {})
     return {"device": doc["device"], "build_s": doc.get("build_s"),
