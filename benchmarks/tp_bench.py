@@ -12,8 +12,11 @@ The parent process (no CUDA of its own):
 1. configs: the published config.json of each full-size release (--configs, default the repo's
    copies in tests/configs, SOURCES.md there says where each came from) and the bench-size
    Qwen3-Next config (`hgc init-model --size bench`'s), each alone in a folder: nothing else is read.
-2. compile: `hgc compile --no-weights --tp N --target cuda --dtype bfloat16` of each, decode
-   buckets --batches, one small extend bucket, all at once in subprocesses.
+2. compile: `hgc compile --no-weights --no-inductor --tp N --target cuda --dtype bfloat16` of
+   each, decode buckets --batches, one small extend bucket, all at once in subprocesses. With
+   --compiled-pieces, then `hgc build ART --device cuda` of each, one after another (a TP 2 build
+   launches its two ranks, each compiling the glue for its own GPU): the runs then load the
+   compiled pieces (the report's `compiled_pieces` per model; 0 where its build failed).
 3. tp1: the bench-size artifact compiled for one process, run by one worker on GPU 0.
 4. tpN: one launch of N ranks (runtime/launcher.py, as `hgc run --tp N` starts them); rank r on
    GPU r; every rank builds each model's engine in turn (dummy weights made on its GPU, its pools,
@@ -108,7 +111,8 @@ def compile_all(names: list[str], out: Path, configs: Path, knobs: dict, routes:
         source, tp = MODELS[name]
         art = out / "artifacts" / name
         cmd = [sys.executable, "-m", "compiler.cli", "compile", str(config_folder(source, out, configs, knobs["dry"])),
-               "-o", str(art), "--force", "--no-weights", "--no-dumps", "--tp", str(tp), "--target", knobs["target"],
+               "-o", str(art), "--force", "--no-weights", "--no-dumps", "--no-inductor", "--tp", str(tp),
+               "--target", knobs["target"],
                "--dtype", knobs["dtype"], "--decode-buckets", ",".join(map(str, knobs["batches"])),
                "--extend-buckets", str(knobs["extend_bucket"]), *[f"--route={r}" for r in routes]]
         log = open(out / f"compile_{name}.log", "w")
@@ -120,6 +124,25 @@ def compile_all(names: list[str], out: Path, configs: Path, knobs: dict, routes:
         report[name] = {"status": "ok" if code == 0 else "error", "seconds": round(time.perf_counter() - t0, 1),
                         "artifact": str(out / "artifacts" / name), "tail": text[-1500:] if code else text[-300:]}
         print(f"[compile {name}] {report[name]['status']} in {report[name]['seconds']} s", file=sys.stderr, flush=True)
+    return report
+
+
+def build_all(names: list[str], out: Path, knobs: dict, left) -> dict:
+    """--compiled-pieces: `hgc build` of each artifact in turn (each build uses every GPU its ranks need)."""
+    report = {}
+    for name in names:
+        if left() < 120:
+            report[name] = {"status": "skipped: out of time"}
+            continue
+        t0 = time.perf_counter()
+        log = out / f"build_{name}.log"
+        with open(log, "w") as f:
+            code = subprocess.run([sys.executable, "-m", "compiler.cli", "build", str(out / "artifacts" / name),
+                                   "--device", knobs["target"], "--force"], cwd=ROOT, stdout=f,
+                                  stderr=subprocess.STDOUT).returncode
+        report[name] = {"status": "ok" if code == 0 else f"error (exit {code})",
+                        "seconds": round(time.perf_counter() - t0, 1), "tail": log.read_text()[-1200:]}
+        print(f"[build {name}] {report[name]['status']} in {report[name]['seconds']} s", file=sys.stderr, flush=True)
     return report
 
 
@@ -142,6 +165,8 @@ def run_parent(args, knobs: dict) -> dict:
               "compile": compile_all(names, out, configs, knobs, args.route)}
     ready = [n for n in names if report["compile"][n]["status"] == "ok"]
     left = lambda: args.budget_s - (time.perf_counter() - t_start)  # noqa: E731
+    if args.compiled_pieces:
+        report["build"] = build_all(ready, out, knobs, left)
 
     one = [n for n in ready if MODELS[n][1] == 1]
     if one and left() > 60:
@@ -241,7 +266,8 @@ def build(name: str, args, knobs: dict, rank: int, tp: int, device: torch.device
                           backend_factory=lambda kv, st: art.backends(kv, st).for_program("main"),
                           weight_bytes=sum(t.nbytes for t in art.weights.values()), ranks=tp, log=log,
                           runner_factory=graph_runner_factory(art, vocab, graphs=graphs, log=log))
-    return art, engine, vocab, {"load_s": round(loaded, 2), "capture_parity_s": round(time.perf_counter() - t0, 2)}
+    return art, engine, vocab, {"load_s": round(loaded, 2), "capture_parity_s": round(time.perf_counter() - t0, 2),
+                                "compiled_pieces": len(art.compiled.pieces) if art.compiled is not None else 0}
 
 
 def sync(device: torch.device) -> None:
@@ -419,6 +445,8 @@ def main() -> int:
     p.add_argument("--configs", default=None, help="folder of the published configs (default tests/configs)")
     p.add_argument("--route", action="append", default=[], help="passed to every `hgc compile` (--route)")
     p.add_argument("--budget-s", type=float, default=470.0, help="no stage starts after this many seconds")
+    p.add_argument("--compiled-pieces", action="store_true",
+                   help="`hgc build` every artifact after compiling it, so the runs load compiled pieces")
     p.add_argument("--worker", choices=("tp1", "tp"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     knobs = dict(DRY if args.dry_run else GPU, dry=args.dry_run)

@@ -12,8 +12,10 @@ bundle (compiler/splitops/bundle.py) is code, so it gets its own steps:
 2. check: bundle.json (hash checked on the bytes read, like every file the loader reads) was built
    for exactly this target (torch build, Python, CPU instruction set or GPU architecture, CUDA,
    Triton, FlashInfer), with our Inductor settings, from the programs this artifact holds (their
-   .pt2 hashes), and lists exactly the bundle files manifest.json lists (whose hashes
-   read_artifact checked: a flipped byte is refused like tampered weights).
+   .pt2 hashes), for the artifact's rank count (a tensor-parallel bundle holds each rank's pieces
+   and kernels; a rank materializes and loads only its own), and lists exactly the bundle files
+   manifest.json lists (whose hashes read_artifact checked: a flipped byte is refused like
+   tampered weights).
 3. consent: the signature verifies under this installation's key (runtime/signing.py), or the user
    passed --trust-compiled. Otherwise refused, naming the executable files, how to trust them and
    how to rebuild them here.
@@ -48,8 +50,8 @@ import torch
 from compiler.splitops.artifact import PROGRAM_FILES, ArtifactFormatError
 from compiler.splitops.bundle import (BUNDLE, CACHE_ENV, CACHE_SETTINGS, INDUCTOR_CONFIG, KERNELS, bundle_dir,
                                       cache_env, describe_target, executable_summary, facts_differences,
-                                      parse_bundle_doc, pin_triton_ptxas, signed_payload, target_facts,
-                                      target_key)
+                                      parse_bundle_doc, pin_triton_ptxas, rank_dir, signed_payload,
+                                      target_facts, target_key)
 from runtime.artifact_docs import ArtifactDocs, LoadError, check_hash
 from runtime.signing import SigningKeyError, key_id, key_path, signing_key, verify
 
@@ -301,17 +303,21 @@ def _consent(docs: ArtifactDocs, key: str, doc: dict, device: torch.device, opti
                       f"with {_rebuild(docs, device.type, force=True)}, or pass --no-compiled to run the traced glue")
 
 
-def _materialize(docs: ArtifactDocs, key: str, doc: dict) -> dict[str, Path]:
-    """Step 4: kernels/<cache>/... into a private folder, checked while copied."""
+def _materialize(docs: ArtifactDocs, key: str, doc: dict, rank: int) -> dict[str, Path]:
+    """Step 4: kernels/<cache>/... (this rank's, in a tensor-parallel bundle) into a private folder,
+    checked while copied."""
     root = Path(tempfile.mkdtemp(prefix="hgc-kernels-"))
     atexit.register(shutil.rmtree, root, True)
     caches = {name: root / name for name in CACHE_ENV}
     for folder in caches.values():
         folder.mkdir()
     base = docs.path / bundle_dir(key)
+    mine = rank_dir(doc, rank)
     kernels = []
     for rel, sha in sorted(doc["files"].items()):
-        parts = rel.split("/")
+        if not rel.startswith(mine):
+            continue  # another rank's
+        parts = rel[len(mine):].split("/")
         if parts[0] != KERNELS:
             continue
         if len(parts) < 3 or parts[1] not in CACHE_ENV or ".." in parts:
@@ -333,26 +339,27 @@ def _materialize(docs: ArtifactDocs, key: str, doc: dict) -> dict[str, Path]:
     return caches
 
 
-def _load_pieces(base: Path, doc: dict) -> dict:
-    """Step 5's loads: each piece's bytes checked against bundle.json, then handed to Inductor."""
+def _load_pieces(base: Path, doc: dict, rank: int = 0) -> dict:
+    """Step 5's loads: each piece (this rank's) checked against bundle.json, then handed to Inductor."""
     from torch._inductor import CompiledArtifact, config
 
     pieces = {}
     for name in sorted(doc["pieces"]):
-        path = base / name
-        check_hash(path, doc["files"][name], f"{bundle_dir(doc['target'])}/{name}", path.read_bytes())
+        rel = rank_dir(doc, rank) + name
+        path = base / rel
+        check_hash(path, doc["files"][rel], f"{bundle_dir(doc['target'])}/{rel}", path.read_bytes())
         with config.patch(dict(INDUCTOR_CONFIG[doc["facts"]["device"]])):
             pieces[name] = CompiledArtifact.load(path=str(path), format="binary")
     return pieces
 
 
-def load_built(doc: dict, root: Path, caches: dict[str, Path]) -> CompiledBundle:
+def load_built(doc: dict, root: Path, caches: dict[str, Path], rank: int = 0) -> CompiledBundle:
     """A bundle built in this process and not yet in an artifact (`hgc build` runs it once before
-    bundling the kernels its start-up builds): its pieces from `root`, Inductor's cache at the
-    build's own folder, builds allowed (building is the point)."""
+    bundling the kernels its start-up builds): its pieces (rank `rank`'s) from `root`, Inductor's
+    cache at the build's own folder, builds allowed (building is the point)."""
     bundle = CompiledBundle(doc["target"], doc["facts"], doc, {}, caches, CompiledOptions(allow_builds=True), "")
     with cache_env({"inductor": caches["inductor"]}), bundle.watch():
-        bundle.pieces = _load_pieces(root, doc)
+        bundle.pieces = _load_pieces(root, doc, rank)
     return bundle
 
 
@@ -376,32 +383,33 @@ def _point_process_at(caches: dict[str, Path]) -> None:
     jit_env.FLASHINFER_AOT_DIR = jit_env.FLASHINFER_JIT_DIR
 
 
-def open_bundle(docs: ArtifactDocs, device: str | torch.device, options: CompiledOptions = CompiledOptions()
-                ) -> CompiledBundle | None:
-    """Steps 1-5 of the module docstring; None when compiled pieces are off or the artifact has none."""
+def open_bundle(docs: ArtifactDocs, device: str | torch.device, options: CompiledOptions = CompiledOptions(),
+                rank: int = 0) -> CompiledBundle | None:
+    """Steps 1-5 of the module docstring; None when compiled pieces are off or the artifact has none.
+    `rank`: which rank's pieces and kernels a tensor-parallel artifact's bundle gives this process."""
     if not options.enabled:
         return None
     device = torch.device(device)
     selected = _select(docs, device)
     if selected is None:
         return None
-    if docs.tp > 1:  # `hgc build` refuses to make one: nothing has checked compiled glue on ranks
-        raise BundleError(f"{docs.path}: a target bundle in an artifact compiled for --tp {docs.tp}; compiled pieces "
-                          f"do not run on ranks: pass --no-compiled, or recompile without the bundle")
     key, here = selected
     marks = [time.perf_counter()]
     doc = _read_doc(docs, key)
     _check(docs, key, doc, here, device)
+    if doc.get("ranks", 1) != docs.tp:
+        raise BundleError(f"{docs.path}: bundle {key} holds pieces for {doc.get('ranks', 1)} rank(s), the artifact "
+                          f"runs on {docs.tp}: rebuild it with {_rebuild(docs, device.type, force=True)}")
     _consent(docs, key, doc, device, options)
     marks.append(time.perf_counter())
-    caches = _materialize(docs, key, doc)
+    caches = _materialize(docs, key, doc, rank)
     marks.append(time.perf_counter())
     remedy = f"rebuild the bundle with {_rebuild(docs, device.type, force=True)}"
     bundle = CompiledBundle(key, here, doc, {}, caches, options, remedy)
     if device.type == "cuda":
         _point_process_at(caches)
     with cache_env({"inductor": caches["inductor"]}), bundle.watch():
-        bundle.pieces = _load_pieces(docs.path / bundle_dir(key), doc)
+        bundle.pieces = _load_pieces(docs.path / bundle_dir(key), doc, rank)
     marks.append(time.perf_counter())
     bundle.load_seconds = marks[-1] - marks[0]
     bundle.load_phases = dict(zip(("check_and_consent", "materialize", "pieces"),

@@ -319,6 +319,20 @@ class RankGroup:
         assert self.leader, "only rank 0 ends an engine's steps"
         self.channel.send(np.array([_END], dtype=np.int64))
 
+    def barrier(self) -> None:
+        """Every rank waits here for the others (work that is not a step: `hgc build` on ranks)."""
+        import torch.distributed as dist
+
+        dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def wait_for_stop(self) -> None:
+        """Another rank, with no steps to follow: block until rank 0 sends STOP, so that this rank
+        closes its channel after rank 0 has (closing first would read to rank 0's watchdog as a
+        rank lost). Raises PeerLost when rank 0 stops without it."""
+        assert not self.leader, "rank 0 sends STOP (close)"
+        while int(self.channel.recv()[0]) != _STOP:
+            pass
+
     def close(self) -> None:
         import torch.distributed as dist
 

@@ -344,6 +344,6 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
             stop.set()  # the weights thread stops at its next tensor; its own error, if any, is dropped
             raise
         weights = reading.result()
-    bundle = open_bundle(docs, device, compiled)  # last: the portable part is checked before any code loads
+    bundle = open_bundle(docs, device, compiled, rank)  # last: the portable part is checked before any code loads
     return LoadedArtifact(docs, programs, weights, program_fqns, device, bundle)
 

@@ -175,8 +175,8 @@ CASES = [
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--tp", "two"], 2, r"argument --tp: expected an integer, got 'two'"),
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--tp", "3"], 2,
      r"^hgc compile: tensor parallel 3: layer \d+ \(\w+\): \d+ [\w ]+ do not divide over 3 ranks; --tp must divide"),
-    (["compile", "{w}/ckpt", "-o", "{w}/new", "--tp", "2", "--inductor"], 2,
-     r"--inductor: --tp 2: compiled pieces are not built for a tensor-parallel artifact"),
+    (["compile", "{w}/ckpt", "-o", "{w}/new", "--tp", "2", "--target", "cuda", "--inductor"], 2,
+     r"--inductor: this machine has no CUDA device to build the bundle on"),
     (["lint", "{w}/config_only", "--tp", "-2"], 2, r"argument --tp: must be at least 1"),
     (["lint", "{w}/config_only", "--tp", "8"], 2, r"^hgc lint: tensor parallel 8: layer \d+ .* do not divide over 8 ranks"),
     (["lint", "{w}/config_only", "--memory-gb", "0"], 2, r"argument --memory-gb: must be in \(0"),
@@ -191,8 +191,8 @@ CASES = [
     (["verify", "{w}/sharding_byte_art"], 2, r"hgc verify: .*sharding.json: SHA-256 .* does not match manifest.json"),
     (["inspect", "{w}/tp_claim_art"], 2, r"manifest.json: compiled with --tp 1, but the artifact has a sharding.json "
                                          r"for 2 ranks"),
-    (["build", "{w}/tp_art", "--device", "cpu"], 2, r"hgc build: .*tp_art: compiled for --tp 2; compiled pieces are "
-                                                   r"not built for a tensor-parallel artifact"),
+    (["build", "{w}/tp_art", "--device", "cuda"], 2, r"hgc build: hgc build .*tp_art --device cuda: this machine has "
+                                                    r"no CUDA device"),
     # run
     (["run", "{w}/missing", "--prompt-ids", "1,2"], 2, r"hgc run: .*missing: not an artifact folder"),
     (["run", "{w}/art", "--prompt-ids", "1,2", "--max-new-tokens", "1000000000"], 2,

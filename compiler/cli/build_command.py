@@ -24,6 +24,14 @@ load. Building needs the target device, since kernels are built for the machine 
 5. compiler/artifact_writer.add_bundle moves the bundle into `targets/<key>/` and lists its files
    in manifest.json. An existing bundle of the same target is replaced only with --force.
 
+Ranks. A tensor-parallel artifact (`hgc compile --tp N`) is built by N ranks, which `hgc build`
+launches (runtime/launcher.py; or torchrun, as for `hgc run`): each rank loads its part of the
+weights, compiles the glue for its own device (Inductor's code names the device it was compiled
+for: cuda:r on rank r), and starts up with the others, collectives included, into kernel caches of
+its own (`rank<r>/` under the build folder); rank 0 then checks that every rank cut the same
+pieces and writes one bundle of N ranks' pieces and kernels (compiler/splitops/bundle.py). An
+artifact compiled with --no-weights starts up on random weights, as `--load-format dummy` does.
+
 What it does not do: compile the checkpoint (`hgc compile`), or decide what may run from a bundle
 at start-up (runtime/bundle.py).
 """
@@ -31,13 +39,15 @@ at start-up (runtime/bundle.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["cmd_build", "build_bundle", "add_build_arguments", "build_root", "build_lock"]
+__all__ = ["cmd_build", "build_bundle", "check_buildable", "build_on_ranks", "add_build_arguments", "build_root",
+           "build_lock"]
 
 
 def build_root(key: str) -> Path:
@@ -92,8 +102,10 @@ def build_lock(work: Path, log=lambda line: None):
 
 
 def build_bundle(artifact, device: str, *, force: bool = False, slots: int | None = None,
-                 max_model_len: int | None = None, log=lambda line: None) -> dict:
-    """Steps 1-5 of the module docstring; returns the bundle's document (signed)."""
+                 max_model_len: int | None = None, log=lambda line: None, group=None) -> dict | None:
+    """Steps 1-5 of the module docstring; returns the bundle's document (signed). A tensor-parallel
+    artifact is built by its ranks together (`group`: this process's runtime.distributed.RankGroup;
+    "Ranks" in the module docstring): rank 0 returns the document, the others None."""
     import torch
 
     from compiler.artifact_writer import add_bundle, hgc_version
@@ -107,20 +119,12 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     from runtime.signing import sign, signing_key
 
     artifact = Path(artifact)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"hgc build {artifact} --device cuda: this machine has no CUDA device; build on the GPU "
-                         f"machine the artifact will run on")
     docs = read_artifact(artifact)
-    if docs.tp > 1:
-        raise ValueError(f"{artifact}: compiled for --tp {docs.tp}; compiled pieces are not built for a "
-                         f"tensor-parallel artifact yet (none has been checked on ranks): its ranks run the traced glue")
-    if docs.manifest["compile"].get("overlap"):
-        raise ValueError(f"{artifact}: compiled with --overlap; compiled pieces cannot be split across its two "
-                         f"streams yet (runtime/side_stream.py): it runs its traced glue, or recompile without --overlap")
-    target = docs.routing.target
-    if torch.device(target).type != torch.device(device).type:
-        raise ValueError(f"{artifact}: compiled for target {target!r} (its backends run there); build with "
-                         f"--device {torch.device(target).type}")
+    rank, tp = (group.rank, group.world_size) if group is not None else (0, 1)
+    if docs.tp != tp:
+        raise ValueError(f"{artifact}: compiled for --tp {docs.tp}; its bundle is built by {docs.tp} ranks together, "
+                         f"which `hgc build` launches")
+    check_buildable(docs, device)
     facts = target_facts(device)
     key = target_key(facts)
     if (artifact / bundle_dir(key)).exists() and not force:
@@ -128,24 +132,40 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     if "flashinfer.jit.env" in sys.modules:
         raise ValueError("flashinfer was imported before the build set its module cache; run `hgc build` in a "
                          "process of its own")
+    # A config-only artifact (--no-weights) starts up once on random weights: the pieces and kernels
+    # depend on shapes and dtypes only, and parity compares two runs of the same weights.
+    load_format = "dummy" if docs.manifest["weights"].get("mode") == "none" else "auto"
+    log = log if rank == 0 else (lambda line: None)  # rank 0 speaks for every rank (they build alike)
     work = build_root(key)
-    with build_lock(work, log):  # the folder is emptied first and its path is fixed: one build at a time
-        shutil.rmtree(work, ignore_errors=True)
-        caches = {name: work / name for name in CACHE_ENV}
+    mine = work / f"rank{rank}" if tp > 1 else work  # this rank's kernel caches
+    staged = work / "bundle"
+    out = staged / f"rank{rank}" if tp > 1 else staged  # this rank's pieces and kernels in the bundle
+    # The folder is emptied first and its path is fixed: one build at a time (rank 0 holds the lock
+    # for the ranks, which wait at the barrier until it has emptied the folder).
+    with build_lock(work, log) if rank == 0 else contextlib.nullcontext():
+        if rank == 0:
+            shutil.rmtree(work, ignore_errors=True)
+        if group is not None:
+            group.barrier()
+        caches = {name: mine / name for name in CACHE_ENV}
         for folder in caches.values():
             folder.mkdir(parents=True)
-        staged = work / "bundle"
-        log(f"building {key} for {artifact} (kernel caches under {work})")
+        out.mkdir(parents=True, exist_ok=True)
+        log(f"building {key} for {artifact} (kernel caches under {work}"
+            + (f"; {tp} ranks, each compiling for its own device" if tp > 1 else "")
+            + (", random weights: the artifact has none" if load_format == "dummy" else "") + ")")
         start = time.perf_counter()
+        dev = group.device if group is not None else device
         with cache_env(caches):
             pin_triton_ptxas(torch.device(device).type)  # the run does the same (runtime/bundle.py)
-            art = load_artifact(artifact, device, compiled=CompiledOptions(enabled=False))
+            art = load_artifact(artifact, dev, compiled=CompiledOptions(enabled=False), rank=rank, tp=tp,
+                                load_format=load_format)
             records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
-                                           device, staged, caches["inductor"], log=log)
-            files = {name: sha256_file(staged / name) for name in pieces}
+                                           dev, out, caches["inductor"], log=log)
+            files = {name: sha256_file(out / name) for name in pieces}
             sources = {p: docs.manifest["files"][PROGRAM_FILES[p]] for p in art.programs}
             doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version())
-            art.compiled = load_built(doc, staged, caches)
+            art.compiled = load_built(doc, out, caches)
             buckets = docs.manifest["buckets"]
             on_gpu = torch.device(device).type == "cuda"
             options = EngineOptions(slots=slots or (max(buckets["decode_batch_sizes"]) if on_gpu else 2),
@@ -153,28 +173,93 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
                                     prefix_cache=False)
             model_len = max_model_len or min(4096, int(docs.manifest["config"].get("max_position_embeddings") or 4096))
             log("start-up with the compiled pieces" + (" (capture and parity of every bucket)" if on_gpu else ""))
-            engine = engine_for_artifact(art, options, model_len, device=device, log=log)
+            engine = engine_for_artifact(art, options, model_len, device=dev, log=log)
             del engine
             if on_gpu:
                 torch.cuda.synchronize()
-        copied = _copy_caches(caches, staged)
+        copied = _copy_caches(caches, out)
+        parity = art.compiled.report()["parity"]
+        if group is not None:  # what rank 0 checks and records of the others, once they are done
+            (mine / "rank.json").write_text(json.dumps({"programs": records, "parity": parity}))
+            group.barrier()
+        if rank > 0:
+            return None
+        by_rank = [json.loads((work / f"rank{r}" / "rank.json").read_text()) for r in range(tp)] if tp > 1 else []
+        for r, other in enumerate(by_rank):
+            if other["programs"] != json.loads(json.dumps(records)):  # one program: the same pieces on every rank
+                raise ValueError(f"{artifact}: rank {r} cut its glue into other pieces than rank 0 did; the ranks "
+                                 f"of one artifact must run one program")
         files = {p.relative_to(staged).as_posix(): sha256_file(p) for p in sorted(staged.rglob("*")) if p.is_file()}
-        doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version())
-        doc["parity"] = art.compiled.report()["parity"]
+        doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version(),
+                         ranks=tp)
+        doc["parity"] = parity
+        if by_rank:  # every rank's start-up compared its own pieces with its traced glue
+            doc["parity_per_rank"] = [other["parity"] for other in by_rank]
         doc["signature"] = sign(signed_payload(doc), signing_key(create=True))
         (staged / BUNDLE).write_bytes(dump_json(doc))
         add_bundle(artifact, key, staged, facts, force=force)
         log(f"wrote {artifact / bundle_dir(key)}: {len(pieces)} compiled piece(s) for "
-            f"{sum(len(r) for r in records.values())} glue segment(s), {copied} kernel file(s), in "
-            f"{time.perf_counter() - start:.1f} s")
+            f"{sum(len(r) for r in records.values())} glue segment(s)" + (f" on each of {tp} ranks" if tp > 1 else "")
+            + f", {copied} kernel file(s){' per rank' if tp > 1 else ''}, in {time.perf_counter() - start:.1f} s")
         return doc
 
 
+def check_buildable(docs, device: str) -> None:
+    """The refusals that need nothing loaded: checked before a tensor-parallel build launches its ranks."""
+    import torch
+
+    artifact = docs.path
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"hgc build {artifact} --device cuda: this machine has no CUDA device; build on the GPU "
+                         f"machine the artifact will run on")
+    if device == "cuda" and torch.cuda.device_count() < docs.tp:
+        raise ValueError(f"hgc build {artifact} --device cuda: compiled for --tp {docs.tp}, built by {docs.tp} ranks "
+                         f"with a GPU each; this machine has {torch.cuda.device_count()}")
+    if docs.manifest["compile"].get("overlap"):
+        raise ValueError(f"{artifact}: compiled with --overlap; compiled pieces cannot be split across its two "
+                         f"streams yet (runtime/side_stream.py): it runs its traced glue, or recompile without "
+                         f"--overlap")
+    target = docs.routing.target
+    if torch.device(target).type != torch.device(device).type:
+        raise ValueError(f"{artifact}: compiled for target {target!r} (its backends run there); build with "
+                         f"--device {torch.device(target).type}")
+
+
+def build_on_ranks(artifact, device: str, tp: int, force: bool = False) -> int:
+    """`hgc build` of a tensor-parallel artifact from a process that is not one of its ranks: launch
+    them (runtime/launcher.py), each running this command; their exit status."""
+    from runtime.launcher import launch
+
+    argv = [sys.executable, "-m", "compiler.cli", "build", str(artifact), "--device", device,
+            *(["--force"] if force else [])]
+    return launch(tp, argv, "hgc build")
+
+
 def cmd_build(args) -> int:
-    """Its refusals (CompileError, LoadError, ValueError) reach the CLI's one failure scheme."""
+    """Its refusals (CompileError, LoadError, ValueError) reach the CLI's one failure scheme. A
+    tensor-parallel artifact: this process launches its ranks (or is one of them)."""
+    import torch
+
+    from runtime.distributed import join, launched_rank
+    from runtime.loader import read_artifact
+
     log = lambda line: print(f"hgc build: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    build_bundle(args.artifact, args.device, force=args.force, slots=args.slots, max_model_len=args.max_model_len,
-                 log=log)
+    docs = read_artifact(args.artifact, verify_hashes=False)  # the build's own read checks the hashes
+    tp, group = docs.tp, None
+    if tp > 1:
+        if not launched_rank():
+            check_buildable(docs, args.device)  # one line here, not one per rank
+            return build_on_ranks(args.artifact, args.device, tp, force=args.force)
+        group = join(tp, torch.device(args.device).type, label="hgc build")
+        args.rank = group.rank
+    try:
+        build_bundle(args.artifact, args.device, force=args.force, slots=args.slots,
+                     max_model_len=args.max_model_len, log=log, group=group)
+        if group is not None and not group.leader:
+            group.wait_for_stop()  # rank 0 is writing the bundle; it sends STOP when it is done
+    finally:
+        if group is not None:
+            group.close()
     return 0
 
 
@@ -184,7 +269,8 @@ def add_build_arguments(subparsers) -> None:
         description="Compile an artifact's glue with Inductor for this machine's device and torch build, start it "
                     "up once (every bucket captured and checked on cuda), and write what the kernel caches gained, "
                     "signed with this installation's key, into targets/<key>/ of the artifact.",
-        epilog="examples:\n  hgc build artifacts/tiny --device cpu\n  hgc build artifacts/bench --device cuda --force")
+        epilog="examples:\n  hgc build artifacts/tiny --device cpu\n  hgc build artifacts/bench --device cuda --force\n"
+               "  hgc build artifacts/big-tp2 --device cuda    # compiled with --tp 2: launches 2 ranks, one GPU each")
     p.add_argument("artifact", help="artifact folder written by `hgc compile`")
     p.add_argument("--device", required=True, choices=("cpu", "cuda"), help="the device the bundle is built for "
                                                                             "(this machine's)")

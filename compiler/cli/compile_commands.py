@@ -218,7 +218,14 @@ def cmd_compile(args) -> int:
     print(f"hgc compile: wrote {args.output} ({result.traced.family.name}, {_layout_summary(result.ctx.registry)}, "
           f"programs {', '.join(result.traced.programs)}, weights {weights}; {counts['warning']} warning(s), "
           f"{counts['info']} info)", file=sys.stderr)
-    if inductor:
+    if inductor and args.tp > 1:  # the ranks build it together, each in a process of its own
+        from compiler.cli.build_command import build_on_ranks
+        code = build_on_ranks(args.output, args.target.split(":")[0], args.tp, force=True)
+        if code != 0:
+            raise RuntimeError(f"{args.output}: the artifact is written, but building its bundle on {args.tp} ranks "
+                               f"failed (exit status {code}, the ranks' errors above); rebuild it with `hgc build "
+                               f"{args.output} --device {args.target.split(':')[0]} --force`")
+    elif inductor:
         from compiler.cli.build_command import build_bundle
         build_bundle(args.output, args.target, force=True,
                      log=lambda line: print(f"hgc compile: {line}", file=sys.stderr, flush=True))
@@ -237,19 +244,18 @@ def _inductor_wanted(args):
     if args.inductor is False or args.plan_only:
         return False
     device = args.target.split(":")[0]
-    problems = [f"--tp {args.tp}: compiled pieces are not built for a tensor-parallel artifact yet (none has been "
-                f"checked on ranks); the ranks run the traced glue"] if args.tp > 1 else []
+    problems = []
     if args.overlap:
         problems.append("--overlap: compiled pieces run each glue run as one call, which cannot be split across the "
                         "overlap pass's two streams yet")
-    if args.no_weights:
-        problems.append("--no-weights: the build starts the artifact up once, which needs its weights; compile the "
-                        "checkpoint with its safetensors")
     if device not in ("cpu", "cuda"):
         problems.append(f"no compiled target for --target {args.target} (cpu or cuda)")
     elif device == "cuda" and not torch.cuda.is_available():
         problems.append("this machine has no CUDA device to build the bundle on; run `hgc build ARTIFACT --device "
                         "cuda` on the GPU machine")
+    elif device == "cuda" and torch.cuda.device_count() < args.tp:
+        problems.append(f"--tp {args.tp}: the bundle is built by {args.tp} ranks, one GPU each, and this machine has "
+                        f"{torch.cuda.device_count()}; run `hgc build ARTIFACT --device cuda` where the ranks will run")
     if args.inductor is None:  # the default
         if device == "cuda" and problems:
             print(f"hgc compile: no compiled pieces in this artifact: {problems[0]}", file=sys.stderr)
@@ -360,13 +366,16 @@ def cmd_verify(args) -> int:
 
 def bundle_rows(manifest: dict) -> list[dict]:
     """One row per target bundle of an artifact: what it was built for, and its files."""
-    from compiler.splitops.bundle import KERNELS, PIECES, bundle_dir, describe_target
+    from compiler.splitops.bundle import KERNELS, PIECES, bundle_dir, describe_target, without_rank_dir
 
     rows = []
     for key, entry in sorted((manifest.get("targets") or {}).items()):
         prefix = bundle_dir(key) + "/"
         files = [f[len(prefix):] for f in manifest["files"] if f.startswith(prefix)]
+        ranks = {f.split("/")[0] for f in files if without_rank_dir(f) != f}
+        files = list(map(without_rank_dir, files))  # a tensor-parallel bundle: every rank's files counted
         rows.append({"bundle": prefix.rstrip("/"), "built for": describe_target(entry.get("facts") or {}),
+                     "ranks": len(ranks) or 1,
                      "pieces": sum(f.startswith(PIECES + "/") for f in files),
                      "kernel files": sum(f.startswith(KERNELS + "/") for f in files)})
     return rows
@@ -467,9 +476,10 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--inductor", action=argparse.BooleanOptionalAction, default=None,
                    help="also build this machine's target bundle: the glue between op cores compiled by Inductor "
                         "and every kernel start-up needs, inside the artifact (`hgc build`). Default: on for "
-                        "--target cuda on a machine with a CUDA device (not with --tp or --overlap yet), off "
-                        "elsewhere; --no-inductor turns it off. --inductor where it cannot be built is an error "
-                        "(without a CUDA device: run `hgc build ARTIFACT --device cuda` on the GPU machine)")
+                        "--target cuda on a machine with a CUDA device (and, with --tp N, N of them; not with "
+                        "--overlap yet), off elsewhere; --no-inductor turns it off. With --tp N the N ranks build "
+                        "it, each for its own device. --inductor where it cannot be built is an error (without a "
+                        "CUDA device: run `hgc build ARTIFACT --device cuda` on the GPU machine)")
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)
 
