@@ -3,6 +3,9 @@
 - `hgc run --tp 2` of a tiny Kimi-Linear compiled for cuda in float32 (MLA on the Triton kernel,
   KDA and the MoE on theirs, the collectives on NCCL) gives the tokens of one GPU, with its decode
   steps replayed from whole-step graphs on both ranks.
+- The same artifact with compiled pieces (`hgc build --device cuda`, which launches both ranks, each
+  compiling the glue for its own GPU): the same tokens, each rank's pieces loaded, nothing built at
+  start-up.
 - `hgc serve --tp 2`: rank 1 killed while rank 0 replays decode graphs (an NCCL call in a graph
   waits for its peer without a timeout) ends the server within a bound, naming rank 1.
 
@@ -56,6 +59,26 @@ def test_tp2_on_two_gpus_gives_the_float32_tokens_of_one_gpu(arts, capsys):
     assert two["outputs"] == one["outputs"]
     assert all("nccl" in b for b in two["executed_backends"].values()), two["executed_backends"]
     assert two["steps"]["graph_replays"] > 0, two["steps"]  # decode ran from the captured graphs
+
+
+def test_tp2_compiled_pieces_on_two_gpus_give_the_same_tokens(arts, tmp_path, capsys):
+    assert main(["run", str(arts[1]), "--prompt-ids", PROMPTS, "--max-new-tokens", "8", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    art = tmp_path / "tp2-compiled"
+    subprocess.run(["cp", "-r", str(arts[2]), str(art)], check=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               HGC_HOME=str(tmp_path / "home"))
+    built = subprocess.run([sys.executable, "-m", "compiler.cli", "build", str(art), "--device", "cuda"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-4000:]
+    proc = subprocess.run([sys.executable, "-m", "compiler.cli", "run", str(art), "--tp", "2", "--prompt-ids",
+                           PROMPTS, "--max-new-tokens", "8", "--json"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert two["outputs"] == one["outputs"]
+    assert two["compiled"]["pieces"] >= 1 and two["compiled"]["kernel_builds"] == 0, two["compiled"]
+    assert two["steps"]["graph_replays"] > 0, two["steps"]
 
 
 def test_a_rank_killed_during_graph_replays_stops_the_server(arts):
