@@ -332,18 +332,20 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
     except ArtifactFormatError as e:
         raise LoadError(f"{docs.path}: {e}") from None
     # The weights (hashing the file, reading it, copying to the device: I/O and copies that release
-    # the GIL) are read on a thread of their own while this one deserializes the programs (Python):
-    # the load takes the longer of the two instead of their sum.
+    # the GIL) are read on a thread of their own while this one deserializes the programs and opens
+    # the bundle (Python): the load takes the longer of the two instead of their sum.
     stop = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hgc-weights") as pool:
         reading = pool.submit(read_weights, docs, sources, device, rank, load_format, progress, stop)
         try:
             programs = load_programs(docs)
             check_programs(docs, programs, program_fqns)
+            # After the programs: every file the bundle's code comes from is checked and consented to
+            # first (runtime/bundle.py); the weights are data, checked on their thread meanwhile.
+            bundle = open_bundle(docs, device, compiled, rank)
         except BaseException:
             stop.set()  # the weights thread stops at its next tensor; its own error, if any, is dropped
             raise
         weights = reading.result()
-    bundle = open_bundle(docs, device, compiled, rank)  # last: the portable part is checked before any code loads
     return LoadedArtifact(docs, programs, weights, program_fqns, device, bundle)
 

@@ -206,10 +206,41 @@ def _schema_hints_once():
         serialize.typing = typing
 
 
+@contextlib.contextmanager
+def _sympify_once():
+    """The deserializer parses every symbolic size it meets with `sympy.sympify(text, locals=...)`:
+    a thousand parses of a handful of distinct expressions ("s0", "2*s0") for a bench-size model,
+    a quarter of a warm load on the CPU. For the duration of a load the same text with the same
+    names bound to the same objects gives the same (immutable) expression, so it is parsed once.
+    Where a torch build names the module otherwise, nothing is patched."""
+    from torch._export.serde import serialize
+
+    if getattr(serialize, "sympy", None) is not sympy:
+        yield
+        return
+    parsed: dict = {}
+
+    def sympify(a, locals=None, *args, **kwargs):
+        if not isinstance(a, str) or args or kwargs:
+            return sympy.sympify(a, locals, *args, **kwargs)
+        key = (a, tuple((name, id(value)) for name, value in (locals or {}).items()))
+        if key not in parsed:
+            parsed[key] = (sympy.sympify(a, locals=locals), locals)  # the locals' objects kept alive: ids stay theirs
+        return parsed[key][0]
+
+    once = types.SimpleNamespace(**{name: getattr(sympy, name) for name in dir(sympy) if not name.startswith("__")})
+    once.sympify = sympify
+    serialize.sympy = once
+    try:
+        yield
+    finally:
+        serialize.sympy = sympy
+
+
 def load_program(path: Path, expected_sha: str):
     data = path.read_bytes()
     check_hash(path, expected_sha, path.name, data)
     check_pt2_bytes(data, str(path))
-    with _schema_hints_once():
+    with _schema_hints_once(), _sympify_once():
         return torch.export.load(io.BytesIO(data))
 
