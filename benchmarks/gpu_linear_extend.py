@@ -14,6 +14,8 @@ One call on the lent GPU machine (table last, JSON in --out):
    untouched. The conv's extend kernel is also checked on its own at the bench models' widths
    (Qwen3-Next 8192, Kimi-Linear 12288 channels, K 4) over requests of 1, K-2, K-1, K and 1000
    tokens (tests/linear_cases.check_conv_extend); the conv is timed only if it passes.
+   The same chain again with the short-extend limit above every request's length: the eager
+   steps through the recurrent extend kernel (triton_linear.recurrent_extend) instead of FLA.
 3. Timing of one extend step of 512 and 2048 tokens over 1, 4 and 16 requests: the backend with
    its step planning ("ours"), one layer's op call on a step already planned ("layer": what each
    further layer of a step costs), its kernels alone (profiler), its floor (max of bytes / copy
@@ -21,6 +23,10 @@ One call on the lent GPU machine (table last, JSON in --out):
    extend path the Triton kernel replaced (gathers and a K-term sum over a scratch, its index
    tables built once per step), measured in the same run: its step, layer and kernel times and
    its ratio to ours.
+   Then short extends (8 to 64 tokens a request, 1 to 16 requests), each timed through FLA's
+   chunk path and through the recurrent extend kernel, in the same run, once the recurrent
+   chain's check passed: which path a short step should take (the backend's
+   `short_extend_tokens`, off until this says).
 4. `pytest -m gpu tests/test_gpu_linear_kernels.py`.
 
 The FLA families run in subprocesses (in parallel: their Triton compiles overlap; the timing
@@ -158,8 +164,10 @@ def steps_for(dry: bool):
     ]
 
 
-def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.0) -> dict:
-    """The step chain on the backend and on the CPU reference (float32) from the same states."""
+def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.0, short_extend_tokens: int = 0) -> dict:
+    """The step chain on the backend and on the CPU reference (float32) from the same states
+    (with `short_extend_tokens` above every request's length: the eager steps through the recurrent
+    extend kernel instead of FLA)."""
     reg = registry(spec)
     num_slots = 6
     # the chain's target_verify steps keep each request's state after every draft token: D = 3 of them
@@ -173,7 +181,7 @@ def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.
     dev_pool.layer(0)[entry].copy_(ref_state)
     before = ref_state.clone()
     ref = CPUReferenceBackend(None, ref_pool)
-    tri = TritonLinearBackend(dev_pool, fla=fla)
+    tri = TritonLinearBackend(dev_pool, fla=fla, short_extend_tokens=short_extend_tokens)
     c_dev, c_cpu = consts(spec, device), consts(spec, "cpu")
     c_cpu = {k: v.float() for k, v in c_cpu.items()}
     rows, touched = [], set()
@@ -400,6 +408,52 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
     return rows
 
 
+# Short extends (each request at most SHORT_TOKENS tokens: a prefix-cache hit's tail, a short chunk):
+# FLA's chunk path against the recurrent extend kernel, same step, same run.
+SHORT_TOKENS = 64
+SHORT_CASES = [(8, 1), (32, 1), (64, 1), (32, 4), (256, 16)]
+
+
+def time_short_extend(name: str, spec, device, dry: bool, fla) -> list[dict]:
+    """Per case and path: the step with its planning (wall), one more planned layer (wall), and the
+    kernels alone; the recurrent kernel's outputs and states against FLA's from the same start."""
+    reg = registry(spec)
+    rows = []
+    for T, R in [(8, 1), (16, 4)] if dry else SHORT_CASES:
+        ctx = step_ctx(Mode.EXTEND, [(i + 1, 0, T // R) for i in range(R)], 0, 0, device)
+        x = {k: v.to(device) for k, v in make_inputs(spec, T, T, torch.Generator().manual_seed(T * 7 + R)).items()}
+        c = consts(spec, device)
+        start = torch.randn(StatePool(reg, R + 1).layer(0)["recurrent"].shape, generator=torch.Generator().manual_seed(3))
+        row, outs = {"family": name, "tokens": T, "requests": R}, {}
+        for path, limit in (("fla", 0), ("recurrent_extend", SHORT_TOKENS)):
+            pool = StatePool(reg, R + 1, device)
+            pool.layer(0)["recurrent"].copy_(start * 0.1)
+            tri = TritonLinearBackend(pool, fla=fla, short_extend_tokens=limit)
+            out = out_for(spec, T, device)
+
+            def step():
+                plan_eager_step(tri, ctx, T)
+                call(tri, spec, ctx, x, c, out)
+
+            def layer():
+                call(tri, spec, ctx, x, c, out)
+
+            step()  # compiles outside the timing; its result is the one compared
+            outs[path] = (out.float().cpu().clone(), pool.layer(0)["recurrent"].float().cpu().clone())
+            reps = 3 if dry else 100  # the interpreter's timings mean nothing: the dry run checks the plumbing
+            row[f"{path}_ms"] = bench_ms(step, reps)
+            row[f"{path}_layer_ms"] = bench_ms(layer, reps)
+            row[f"{path}_kernel_ms"] = device_busy_ms(step)
+        row["out_rel_err_vs_fla"] = rel_err(outs["recurrent_extend"][0], outs["fla"][0])
+        row["fla_over_recurrent"] = row["fla_ms"] / row["recurrent_extend_ms"]
+        row["fla_over_recurrent_layer"] = row["fla_layer_ms"] / row["recurrent_extend_layer_ms"]
+        rows.append(row)
+        log(f"  {name} short T={T} R={R}: fla {row['fla_ms'] * 1e3:.1f} us (layer {row['fla_layer_ms'] * 1e3:.1f}), "
+            f"recurrent {row['recurrent_extend_ms'] * 1e3:.1f} us (layer {row['recurrent_extend_layer_ms'] * 1e3:.1f}), "
+            f"x{row['fla_over_recurrent']:.1f}; outputs vs fla {row['out_rel_err_vs_fla']:.1e}")
+    return rows
+
+
 def conv_kernel_checks(dry: bool, device) -> list[dict]:
     """The extend conv kernel on its own at the bench models' widths, bf16 (dry: 24 channels)."""
     widths = {"dry": 24} if dry else CONV_WIDTHS
@@ -449,6 +503,7 @@ def family_part(name: str, args) -> dict:
         res["check"] = check_family(name, spec, device, dry, fla)
         if spec[0] != "lightning_core" and not res["check"]["ok"]:
             res["check_mild_gates"] = check_family(name, spec, device, dry, fla, gate_scale=0.1)
+        res["check_recurrent_extend"] = check_family(name, spec, device, dry, fla, short_extend_tokens=1 << 20)
     except Exception as e:
         res["check_error"] = f"{type(e).__name__}: {e}"[:600]
         res["traceback"] = traceback.format_exc()[-2500:]
@@ -460,6 +515,8 @@ def family_part(name: str, args) -> dict:
             fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             res["timing"] = time_family(name, spec, device, dry, fla, env, quick=False)
+            if res.get("check_recurrent_extend", {}).get("ok"):  # timed only once it matches the reference
+                res["short_extend"] = time_short_extend(name, spec, device, dry, fla)
         except Exception as e:
             res["timing_error"] = f"{type(e).__name__}: {e}"[:600]
             res["timing_traceback"] = traceback.format_exc()[-2500:]
@@ -524,11 +581,12 @@ def table(results: dict) -> str:
              "| family | step | out | state | ok |", "|---|---|---|---|---|"]
     fams = results.get("families", {})
     for name, r in fams.items():
-        for key in ("check", "check_mild_gates"):
+        for key in ("check", "check_mild_gates", "check_recurrent_extend"):
             chk = r.get(key)
             if not chk:
                 continue
-            tag = name + (" (gates x0.1)" if key != "check" else "")
+            tag = name + {"check": "", "check_mild_gates": " (gates x0.1)",
+                          "check_recurrent_extend": " (recurrent extend)"}[key]
             for s in chk["steps"]:
                 if "error" in s:
                     lines.append(f"| {tag} | {s['step']} | ERROR {s['error'][:80]} | | no |")
@@ -570,6 +628,19 @@ def table(results: dict) -> str:
                          f"{t['old_over_ours']:.1f} | {t['layer_ms']:.3f} | {t['old_torch_layer_ms']:.3f} | "
                          f"{t['old_over_ours_layer']:.1f} | {fmt(t.get('kernel_ms'), '.3f')} | "
                          f"{fmt(t.get('old_torch_kernel_ms'), '.3f')} | {t['old_torch_vs_ours_rel_err']:.1e} |")
+    short = [t for r in fams.values() for t in r.get("short_extend", [])]
+    if short:
+        lines += ["", f"short extends (every request <= {SHORT_TOKENS} tokens): FLA's chunk path against the recurrent "
+                      "extend kernel, same run (ms; step = with its planning)",
+                  "| family | T | requests | fla step | recurrent step | fla / recurrent | fla layer | recurrent layer |"
+                  " fla / recurrent (layer) | fla kernels | recurrent kernels | out vs fla |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for t in short:
+            lines.append(f"| {t['family']} | {t['tokens']} | {t['requests']} | {t['fla_ms']:.3f} | "
+                         f"{t['recurrent_extend_ms']:.3f} | {t['fla_over_recurrent']:.1f} | {t['fla_layer_ms']:.3f} | "
+                         f"{t['recurrent_extend_layer_ms']:.3f} | {t['fla_over_recurrent_layer']:.1f} | "
+                         f"{fmt(t.get('fla_kernel_ms'), '.3f')} | {fmt(t.get('recurrent_extend_kernel_ms'), '.3f')} | "
+                         f"{t['out_rel_err_vs_fla']:.1e} |")
     py = results.get("pytest", {})
     lines.append("")
     lines.append(f"pytest -m gpu tests/test_gpu_linear_kernels.py: {py.get('summary') or py.get('error') or py.get('skipped')}")

@@ -269,12 +269,17 @@ EXTEND_STEPS = [  # slot 1 starts empty; step 2 continues its prompt next to dec
 ]
 
 
+@pytest.mark.parametrize("short_extend_tokens", [0, 256], ids=["fla", "recurrent_extend"])
 @pytest.mark.parametrize("op", list(SPECS))
-def test_extend_mixed_verify_steps_match_reference_at_real_dims(op):
+def test_extend_mixed_verify_steps_match_reference_at_real_dims(op, short_extend_tokens):
+    """The step chain through FLA's chunk kernels, and again with every eager step's requests short
+    enough for the recurrent extend kernel (triton_linear.recurrent_extend)."""
     from runtime.backends.triton_linear_backend import TritonLinearBackend
 
     if DEV != "cuda":
         pytest.skip("the FLA chunk kernels need CUDA")
+    if short_extend_tokens and op == "short_conv":
+        pytest.skip("the short conv has one extend kernel")
     _stub_einops()
     num_slots = 6
     ref_pool, dev_pool = pools(op, num_slots, seed=31)
@@ -282,7 +287,8 @@ def test_extend_mixed_verify_steps_match_reference_at_real_dims(op):
     for pool in (ref_pool, dev_pool):
         pool.layer(0)[entry][1].zero_()
     before = dev_pool.layer(0)[entry].clone()
-    ref, tri = CPUReferenceBackend(None, ref_pool), TritonLinearBackend(dev_pool)
+    ref = CPUReferenceBackend(None, ref_pool)
+    tri = TritonLinearBackend(dev_pool, short_extend_tokens=short_extend_tokens)
     g = torch.Generator().manual_seed(32)
     touched = set()
     for mode, reqs, pad_t, pad_s in EXTEND_STEPS:

@@ -329,14 +329,14 @@ MODE_STEPS = [
 
 
 def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=0, silu=True, conv_bias=True,
-                       qk_dtype=None):
+                       qk_dtype=None, backend_kwargs=None):
     ref_pool, dev_pool = make_pools(seed)
     for pool in (ref_pool, dev_pool):
         for t in pool.buffers[layer_id].values():
             t[4].zero_()  # slot 4: a request that starts from the empty state
     ref = CPUReferenceBackend(KVPool(REGISTRY, 4, 16), ref_pool)
     fake = FakeFLA()
-    tri = TritonLinearBackend(dev_pool, fla=fake)
+    tri = TritonLinearBackend(dev_pool, fla=fake, **(backend_kwargs or {}))
     entry = "conv" if op == "short_conv" else "recurrent"
     before = dev_pool.layer(layer_id)[entry].clone()
     g = torch.Generator().manual_seed(seed + 1)
@@ -390,6 +390,29 @@ def test_extend_mixed_and_verify_steps_match_reference(op, layer_id):
     else:
         # one chunk call per eager step over all its requests; the uniform verify step used none
         assert [c[1] for c in fake.calls] == [[0, 6, 11], [0, 4, 5, 8], [0, 2, 5]]
+
+
+RECURRENT_OPS = [o for o in OPS if o[0] != "short_conv"]
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("op,layer_id", RECURRENT_OPS, ids=[f"{op}-L{lid}" for op, lid in RECURRENT_OPS])
+def test_short_extends_run_the_recurrent_extend_kernel(op, layer_id, dtype):
+    """Requests of at most 8 tokens: the extend, mixed and ragged verify steps take one recurrent
+    extend launch (tokens in order through the slot's state), no FLA; outputs, states, padding rows
+    and untouched slots as the reference has them."""
+    fake = compare_mode_steps(op, layer_id, MODE_STEPS, dtype=dtype, seed=60 + layer_id,
+                              backend_kwargs={"short_extend_tokens": 8})
+    assert fake.calls == []
+
+
+@in_process
+def test_a_step_with_a_longer_request_takes_fla():
+    """The limit is per request: the 6-token request sends its step to FLA, the 4- and 3-token
+    steps after it run the recurrent extend kernel."""
+    fake = compare_mode_steps("gdn_core", 0, MODE_STEPS, seed=70, backend_kwargs={"short_extend_tokens": 5})
+    assert [c[1] for c in fake.calls] == [[0, 6, 11]]
 
 
 @in_process

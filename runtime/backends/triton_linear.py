@@ -1,8 +1,10 @@
 """Triton kernels for the linear-attention cores (GDN, KDA, Lightning) and the short conv.
 
 What this module owns: the decode kernels and their launchers (one token per request, T == B
-rows), and the short convolution's extend kernel (any number of tokens per request), each
-reading and updating the slot-indexed state pool in place.
+rows), the recurrent cores' short-extend kernel (a few tokens per request, run one after another
+through the state in registers: `recurrent_extend`), and the short convolution's extend kernel
+(any number of tokens per request), each reading and updating the slot-indexed state pool in
+place.
 
 1. One program per (request, value head, Dv tile). It loads the request's slot id, and for a
    real request the [Dk, BV] tile of that slot's state straight from the pool (no gather copy),
@@ -41,7 +43,12 @@ before them, taken from x or, for a request's first K-1 tokens, from the slot's 
 program of a request's first block also writes the slot's new history (see the kernel for why
 no other program can race it).
 
-Not here: the recurrent cores' extend/prefill (FLA's chunk kernels, called by the backend),
+The short-extend kernel has one program per (request, value head, Dv tile): the decode kernel's
+update (`_token_step`, shared) applied to the request's tokens in order, the tile loaded once and
+stored once. Its time grows with the longest request, so it serves steps of short requests only;
+long prefills take FLA's chunk kernels.
+
+Not here: the recurrent cores' long extend/prefill (FLA's chunk kernels, called by the backend),
 l2-normalisation of q/k and the gate activations that produce g and beta (they stay in the
 graph), and which backend serves a layer.
 """
@@ -60,7 +67,7 @@ from runtime.state_pool import PADDING_SLOT
 __all__ = [
     "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
     "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config",
-    "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode",
+    "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
     "CONV_EXTEND_BLOCK_T", "conv_extend_config", "short_conv_extend",
 ]
 
@@ -139,6 +146,49 @@ def conv_extend_config(num_blocks: int, channels: int, device: torch.device) -> 
 
 
 @triton.jit
+def _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
+                stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                GROUP: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
+    """One token of one request through one [BK, BV] state tile in registers: (new tile, output [BV]).
+
+    Both reductions read the old tile (module docstring), so neither waits on the update. Every
+    new element comes from the old element of the same position, which lets a caller store the
+    tile back to the addresses it loaded it from."""
+    key_head = head // GROUP
+    # q carries the output scale from the start: one multiply per key channel, not per output.
+    q = tl.load(q_ptr + row * stride_q_row + key_head * stride_q_head + offs_k, mask=m_k, other=0.0)
+    q = q.to(tl.float32) * scale
+    k = tl.load(k_ptr + row * stride_k_row + key_head * stride_k_head + offs_k, mask=m_k, other=0.0)
+    k = k.to(tl.float32)
+    v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + offs_v, mask=m_v, other=0.0)
+    v = v.to(tl.float32)
+    if GATE == 1:
+        decay = tl.load(g_ptr + row * stride_g_row + head * stride_g_head + offs_k, mask=m_k, other=0.0)
+        decay = tl.exp(decay.to(tl.float32))  # [BK]
+        c = tl.sum(s * (q * decay)[:, None], axis=0)
+        s_decayed = s * decay[:, None]
+        if DELTA:
+            a = tl.sum(s * (k * decay)[:, None], axis=0)
+    else:
+        if GATE == 0:
+            decay = tl.exp(tl.load(g_ptr + row * stride_g_row + head * stride_g_head).to(tl.float32))
+        else:
+            decay = tl.exp(tl.load(g_ptr + head * stride_g_head).to(tl.float32))  # constant per head
+        c = tl.sum(s * q[:, None], axis=0) * decay
+        s_decayed = s * decay
+        if DELTA:
+            a = tl.sum(s * k[:, None], axis=0) * decay
+    if DELTA:
+        beta = tl.load(beta_ptr + row * stride_b_row + head * stride_b_head).to(tl.float32)
+        u = beta * (v - a)
+    else:
+        u = v  # Lightning: no delta rule
+    qk = tl.sum(q * k, axis=0)
+    return s_decayed + k[:, None] * u[None, :], c + qk * u
+
+
+@triton.jit
 def _recurrent_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
@@ -166,52 +216,58 @@ def _recurrent_decode_kernel(
     # slot ids are int64 and the pool can exceed 2**31 elements: keep offsets in int64.
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
-        key_head = head // GROUP
-        # q carries the output scale from the start: one multiply per key channel, not per output.
-        q = tl.load(q_ptr + row * stride_q_row + key_head * stride_q_head + offs_k, mask=m_k, other=0.0)
-        q = q.to(tl.float32) * scale
-        k = tl.load(k_ptr + row * stride_k_row + key_head * stride_k_head + offs_k, mask=m_k, other=0.0)
-        k = k.to(tl.float32)
-        v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + offs_v, mask=m_v, other=0.0)
-        v = v.to(tl.float32)
-
         # state tile [BK, BV] of this slot and head; the pool's [Dk, Dv] rows are contiguous.
         m_s = m_k[:, None] & m_v[None, :]
         s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
         s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
-
-        # Both reductions read the old tile (module docstring), so neither waits on the update.
-        if GATE == 1:
-            decay = tl.load(g_ptr + row * stride_g_row + head * stride_g_head + offs_k, mask=m_k, other=0.0)
-            decay = tl.exp(decay.to(tl.float32))  # [BK]
-            c = tl.sum(s * (q * decay)[:, None], axis=0)
-            s_decayed = s * decay[:, None]
-            if DELTA:
-                a = tl.sum(s * (k * decay)[:, None], axis=0)
-        else:
-            if GATE == 0:
-                decay = tl.exp(tl.load(g_ptr + row * stride_g_row + head * stride_g_head).to(tl.float32))
-            else:
-                decay = tl.exp(tl.load(g_ptr + head * stride_g_head).to(tl.float32))  # constant per head
-            c = tl.sum(s * q[:, None], axis=0) * decay
-            s_decayed = s * decay
-            if DELTA:
-                a = tl.sum(s * k[:, None], axis=0) * decay
-
-        if DELTA:
-            beta = tl.load(beta_ptr + row * stride_b_row + head * stride_b_head).to(tl.float32)
-            u = beta * (v - a)
-        else:
-            u = v
-        qk = tl.sum(q * k, axis=0)
-
+        s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
+                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                           stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                           GROUP=GROUP, GATE=GATE, DELTA=DELTA)
         # Each stored element is computed from the element loaded at the same address, so no
         # thread's store can overtake another thread's load of it.
-        tl.store(s_ptrs, (s_decayed + k[:, None] * u[None, :]).to(state_ptr.dtype.element_ty), mask=m_s)
-        tl.store(o_ptrs, (c + qk * u).to(out_ptr.dtype.element_ty), mask=m_v)
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_v)
     else:
         # padding row: its inputs may hold anything; it reads nothing and writes zeros.
         tl.store(o_ptrs, tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _recurrent_extend_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
+    stride_s_slot, stride_s_head,
+    scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr,
+):
+    """A few tokens per request: one program per (request, value head, Dv tile) loads the slot's
+    tile once, runs the request's tokens bounds[r] .. bounds[r+1]-1 through it in order, writing
+    each token's output, and stores the tile once at the end."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    v_tile = tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = v_tile * BV + tl.arange(0, BV)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    m_s = m_k[:, None] & m_v[None, :]
+    bos = tl.load(bounds_ptr + seq).to(tl.int64)
+    eos = tl.load(bounds_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+    s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+    for row in range(bos, eos):
+        s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
+                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                           stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                           GROUP=GROUP, GATE=GATE, DELTA=DELTA)
+        tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v, o.to(out_ptr.dtype.element_ty),
+                 mask=m_v)
+    # Only this program touches this tile of this slot: the store after the loop races nothing.
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
 
 
 @triton.jit
@@ -369,6 +425,34 @@ def _check_rows(op: str, rows: int, slots: torch.Tensor, *tensors: torch.Tensor)
         assert t.device == slots.device, f"{op}: all tensors must be on {slots.device}, got one on {t.device}"
 
 
+def _recurrent_args(op: str, q, k, v, gate, beta, out, state, gate_kind: int, rows: int) -> tuple:
+    """Shape checks shared by the decode and extend launchers; (q, k, v, gate, the stride arguments
+    after the pointers, the kernel's constexprs) with unit-stride last dimensions."""
+    Hk, Dk = q.shape[1], q.shape[2]
+    Hv, Dv = v.shape[1], v.shape[2]
+    assert q.shape[0] == rows and k.shape == q.shape and v.shape[0] == rows and out.shape == v.shape, (
+        f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)} disagree")
+    assert Hv % Hk == 0, f"{op}: {Hv} value heads cannot share {Hk} key heads evenly"
+    assert state.dtype == torch.float32 and state.shape[1:] == (Hv, Dk, Dv), (
+        f"{op}: state pool layer must be float32 [slots+1, {Hv}, {Dk}, {Dv}], got {state.dtype} {tuple(state.shape)}")
+    assert state.stride(3) == 1 and state.stride(2) == Dv, f"{op}: each state [Dk, Dv] must be contiguous"
+    assert out.stride(-1) == 1, f"{op}: out must have a unit-stride last dimension (it is written in place)"
+    expected_gate = {GATE_PER_HEAD: (rows, Hv), GATE_PER_CHANNEL: (rows, Hv, Dk), GATE_CONSTANT: (Hv,)}[gate_kind]
+    assert tuple(gate.shape) == expected_gate, f"{op}: gate shape {tuple(gate.shape)}, expected {expected_gate}"
+    q, k, v = _unit_last("q", q), _unit_last("k", k), _unit_last("v", v)
+    if gate_kind == GATE_PER_CHANNEL:
+        gate = _unit_last("g", gate)
+    if beta is not None:
+        assert tuple(beta.shape) == (rows, Hv), f"{op}: beta shape {tuple(beta.shape)}, expected {(rows, Hv)}"
+    g_row, g_head = (0, gate.stride(0)) if gate_kind == GATE_CONSTANT else (gate.stride(0), gate.stride(1))
+    b_row, b_head = (beta.stride(0), beta.stride(1)) if beta is not None else (0, 0)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               g_row, g_head, b_row, b_head, out.stride(0), out.stride(1), state.stride(0), state.stride(1))
+    consts = dict(GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), GATE=gate_kind,
+                  DELTA=beta is not None)
+    return q, k, v, gate, strides, consts
+
+
 def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
                      beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
                      scale: float, gate_kind: int, config: RecurrentConfig | None = None) -> None:
@@ -378,42 +462,46 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     or None (no delta rule); state [num_slots+1, Hv, Dk, Dv] float32; slots [B] int64.
     """
     op = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}[gate_kind]
-    B, Hk, Dk = q.shape
-    Hv, Dv = v.shape[1], v.shape[2]
+    B = q.shape[0]
     _check_rows(op, B, slots, q, k, v, gate, out, state)
-    assert k.shape == q.shape and v.shape[0] == B and out.shape == v.shape, (
-        f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)} disagree")
-    assert Hv % Hk == 0, f"{op}: {Hv} value heads cannot share {Hk} key heads evenly"
-    assert state.dtype == torch.float32 and state.shape[1:] == (Hv, Dk, Dv), (
-        f"{op}: state pool layer must be float32 [slots+1, {Hv}, {Dk}, {Dv}], got {state.dtype} {tuple(state.shape)}")
-    assert state.stride(3) == 1 and state.stride(2) == Dv, f"{op}: each state [Dk, Dv] must be contiguous"
-    assert out.stride(-1) == 1, f"{op}: out must have a unit-stride last dimension (it is written in place)"
-    expected_gate = {GATE_PER_HEAD: (B, Hv), GATE_PER_CHANNEL: (B, Hv, Dk), GATE_CONSTANT: (Hv,)}[gate_kind]
-    assert tuple(gate.shape) == expected_gate, f"{op}: gate shape {tuple(gate.shape)}, expected {expected_gate}"
-    q, k, v = _unit_last("q", q), _unit_last("k", k), _unit_last("v", v)
-    if gate_kind == GATE_PER_CHANNEL:
-        gate = _unit_last("g", gate)
-    if beta is not None:
-        assert tuple(beta.shape) == (B, Hv), f"{op}: beta shape {tuple(beta.shape)}, expected {(B, Hv)}"
+    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, B)
     if B == 0:
         return
+    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
     cfg = config or recurrent_config(B, Hv, Dk, Dv, q.device)
     # A tile smaller than the program's threads would only replicate elements across them.
     assert triton.next_power_of_2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
-    g_row, g_head = (0, gate.stride(0)) if gate_kind == GATE_CONSTANT else (gate.stride(0), gate.stride(1))
     b_t = beta if beta is not None else gate  # never read without DELTA; any valid pointer will do
-    b_row, b_head = (beta.stride(0), beta.stride(1)) if beta is not None else (0, 0)
     grid = (B, Hv, triton.cdiv(Dv, cfg.block_v))
-    _recurrent_decode_kernel[grid](
-        q, k, v, gate, b_t, out, state, slots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g_row, g_head, b_row, b_head, out.stride(0), out.stride(1),
-        state.stride(0), state.stride(1),
-        float(scale),
-        GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=cfg.block_v,
-        GATE=gate_kind, DELTA=beta is not None, PAD_SLOT=PADDING_SLOT,
-        num_warps=cfg.num_warps,
-    )
+    _recurrent_decode_kernel[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), **consts,
+                                   BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
+
+
+def recurrent_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
+                     beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     bounds: torch.Tensor, scale: float, gate_kind: int, config: RecurrentConfig | None = None) -> None:
+    """A few tokens of each of R requests through the recurrence, over the slot-indexed pool, in place.
+
+    The rows of q, k, v, gate, beta and out are the step's tokens (as recurrent_decode's, with T
+    rows); request r owns rows bounds[r] .. bounds[r+1]-1 (bounds [R+1] int64 on the device, a
+    request may own none) and the state in slot slots[r] (slots [R], no padding slot). Rows from
+    bounds[R] on are not touched. Its cost grows with the longest request's tokens, one after
+    another: for short requests (a prefix cache hit's tail), where a chunked kernel's launches cost
+    more than its work."""
+    op = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}[gate_kind]
+    R = slots.shape[0]
+    _check_rows(op, R, slots, q, k, v, gate, out, state, bounds)
+    assert tuple(bounds.shape) == (R + 1,), f"{op}: bounds must be [{R + 1}] for {R} requests, got {tuple(bounds.shape)}"
+    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, q.shape[0])
+    if R == 0:
+        return
+    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
+    cfg = config or recurrent_config(R, Hv, Dk, Dv, q.device)
+    assert triton.next_power_of_2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
+    b_t = beta if beta is not None else gate
+    grid = (R, Hv, triton.cdiv(Dv, cfg.block_v))
+    _recurrent_extend_kernel[grid](q, k, v, gate, b_t, out, state, slots, bounds, *strides, float(scale),
+                                   **consts, BV=cfg.block_v, num_warps=cfg.num_warps)
 
 
 def gdn_decode(q, k, v, g, beta, out, state, slots, scale, config=None) -> None:

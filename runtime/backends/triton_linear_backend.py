@@ -20,7 +20,10 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
   initial states gathered from the pool by slot, cu_seqlens from the step, final states scattered
   back to the same slots; decode rows of a mixed step are sequences of length 1. FLA plans its
   chunks on the host from the lengths (cu_seqlens_cpu), so the call is not capturable; the
-  op policy keeps extend and mixed steps eager anyway. The short conv: our Triton extend kernel
+  op policy keeps extend and mixed steps eager anyway. With `short_extend_tokens` set, a step
+  whose requests each bring at most that many tokens (a prefix-cache hit's tail, a short chunk)
+  runs the recurrent cores through our short-extend kernel instead (triton_linear.recurrent_extend:
+  one launch a layer, each request's tokens in order, no FLA). The short conv: our Triton extend kernel
   (triton_linear.short_conv_extend), one launch over every request's tokens, reading each
   request's history from its slot and writing the new one back. Padded rows of `out` are zeroed
   and the padding slot is neither read nor written.
@@ -149,6 +152,7 @@ class _ExtendPlan:
     chunk_indices: torch.Tensor  # [chunks, 2] int64 on the device: (request, chunk) in FLA's layout
     conv_bounds: torch.Tensor  # [R+2] int64 on the device: cu_seqlens, then num_rows (the padding rows)
     conv_blocks: torch.Tensor  # [NB, 2] int64 on the device: (request, token block) of the extend conv
+    longest: int  # the most tokens one request brings this step (which recurrent path it takes)
 
 
 @dataclasses.dataclass
@@ -211,15 +215,21 @@ class TritonLinearBackend(BackendHooks):
             "for extend/mixed, a Triton extend conv; in place on the slot-indexed state pool (padding "
             "slot skipped); capturable in decode and target_verify")
 
-    def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None):
+    def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
+                 short_extend_tokens: int = 0):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
-        None imports FLA lazily."""
+        None imports FLA lazily. `short_extend_tokens`: an eager step whose requests each bring at
+        most this many tokens runs the recurrent cores through `triton_linear.recurrent_extend` (one
+        launch a layer, tokens in order) instead of FLA's chunk kernels (several launches and their
+        Python a layer); 0, the default until benchmarks/gpu_linear_extend.py has compared the two
+        on the GPU, never."""
         self.state_pool = state_pool
         self.device = state_pool.device
         self.recurrent_config = recurrent_config
         self.conv_config = conv_config
+        self.short_extend_tokens = short_extend_tokens
         self._fla = fla
         self._fla_chunk_indices: frozenset[str] | None = None  # FLA entry points that take chunk_indices
         self._static_slots: torch.Tensor | None = None  # [max_seqs] int64: what captured kernels read
@@ -311,7 +321,8 @@ class TritonLinearBackend(BackendHooks):
             [bounds, keep, chunks, blocks], self.device)
         slots = step.slots[:ctx.num_real_seqs]
         slots = slots if R == ctx.num_real_seqs else slots.index_select(0, keep_dev)
-        return _ExtendPlan(T, slots, bounds_dev[:R + 1], cu, chunks_dev, bounds_dev, blocks_dev)
+        return _ExtendPlan(T, slots, bounds_dev[:R + 1], cu, chunks_dev, bounds_dev, blocks_dev,
+                           int(lens.max()) if R else 0)
 
     def _extend_plan(self, step: _StepPlan) -> _ExtendPlan:
         if step.extend is None:
@@ -396,17 +407,36 @@ class TritonLinearBackend(BackendHooks):
         if out.shape[0] > T:
             out[T:].zero_()
 
+    def _short_extend(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
+        """The recurrent extend kernel over the step's real requests, where each brings at most
+        `short_extend_tokens` tokens (padding rows zeroed); False where the step is longer."""
+        plan = self._extend_plan(self._step_plan(ctx))
+        if not 0 < plan.longest <= self.short_extend_tokens:
+            return False
+        T = plan.num_tokens
+        _kernels().recurrent_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"), plan.slots,
+                                    plan.cu_seqlens, scale, gate_kind, self.recurrent_config)
+        if out.shape[0] > T:
+            out[T:].zero_()
+        return True
+
     def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
+            return
         q, k = _in_dtype_of(v, q, k)
         self._chunk(ctx, "gdn_core", layer_id, out, "gdn", dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
                     use_qk_l2norm_in_kernel=False)
 
     def _kda_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_CHANNEL):
+            return
         q, k = _in_dtype_of(v, q, k)
         self._chunk(ctx, "kda_core", layer_id, out, "kda", dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
                     use_qk_l2norm_in_kernel=False)
 
     def _lightning_extend(self, ctx, q, k, v, decay, out, layer_id, scale):
+        if self._short_extend(ctx, layer_id, q, k, v, decay, None, out, scale, _kernels().GATE_CONSTANT):
+            return
         q, k = _in_dtype_of(v, q, k)
         # g_gamma: FLA's constant per-head log-decay, exactly Lightning's; no [T, H] gate tensor.
         self._chunk(ctx, "lightning_core", layer_id, out, "simple_gla", dict(q=q, k=k, v=v), scale=scale,
