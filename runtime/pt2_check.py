@@ -177,70 +177,66 @@ def check_pt2_bytes(data: bytes, name: str) -> None:
 
 
 @contextlib.contextmanager
-def _schema_hints_once():
-    """torch.export.load turns the archive's JSON into schema dataclasses and asks
-    `typing.get_type_hints` for a class's field types once per object: tens of thousands of calls
-    for a bench-size model, the largest single cost of the load under cProfile (`startup_bench.py
-    --profile` shows the load's costs). The schema's classes do not change
-    while a load runs, so for its duration the deserializer's `typing` answers each class once. Where
+def _in_deserializer(module, **overrides):
+    """For the duration of a load, torch's program deserializer sees `module` (which it imports as
+    a module attribute of the same name) with `overrides` in place of some of its functions. Where
     a torch build names the module otherwise, nothing is patched and the load is as slow as before."""
     from torch._export.serde import serialize
 
-    if getattr(serialize, "typing", None) is not typing:
+    name = module.__name__
+    if getattr(serialize, name, None) is not module:
         yield
         return
-    hints: dict = {}
-
-    def get_type_hints(cls, globalns=None, localns=None, include_extras=False):
-        key = (cls, id(globalns), id(localns), include_extras)
-        if key not in hints:
-            hints[key] = typing.get_type_hints(cls, globalns=globalns, localns=localns, include_extras=include_extras)
-        return hints[key]
-
-    once = types.SimpleNamespace(**{name: getattr(typing, name) for name in dir(typing) if not name.startswith("__")})
-    once.get_type_hints = get_type_hints
-    serialize.typing = once
+    patched = types.SimpleNamespace(**{a: getattr(module, a) for a in dir(module) if not a.startswith("__")})
+    patched.__dict__.update(overrides)
+    setattr(serialize, name, patched)
     try:
         yield
     finally:
-        serialize.typing = typing
+        setattr(serialize, name, module)
 
 
-@contextlib.contextmanager
-def _sympify_once():
-    """The deserializer parses every symbolic size it meets with `sympy.sympify(text, locals=...)`:
-    a thousand parses of a handful of distinct expressions ("s0", "2*s0") for a bench-size model,
-    a quarter of a warm load on the CPU. For the duration of a load the same text with the same
-    names bound to the same objects gives the same (immutable) expression, so it is parsed once.
-    Where a torch build names the module otherwise, nothing is patched."""
-    from torch._export.serde import serialize
+def _once(compute, key):
+    """`compute` answered once per `key(*args, **kwargs)` (None: not memoized) for one load."""
+    answers: dict = {}
 
-    if getattr(serialize, "sympy", None) is not sympy:
-        yield
-        return
-    parsed: dict = {}
+    def call(*args, **kwargs):
+        k = key(*args, **kwargs)
+        if k is None:
+            return compute(*args, **kwargs)
+        if k not in answers:
+            answers[k] = (compute(*args, **kwargs), args, kwargs)  # the arguments kept alive: their ids stay theirs
+        return answers[k][0]
+    return call
 
-    def sympify(a, locals=None, *args, **kwargs):
-        if not isinstance(a, str) or args or kwargs:
-            return sympy.sympify(a, locals, *args, **kwargs)
-        key = (a, tuple((name, id(value)) for name, value in (locals or {}).items()))
-        if key not in parsed:
-            parsed[key] = (sympy.sympify(a, locals=locals), locals)  # the locals' objects kept alive: ids stay theirs
-        return parsed[key][0]
 
-    once = types.SimpleNamespace(**{name: getattr(sympy, name) for name in dir(sympy) if not name.startswith("__")})
-    once.sympify = sympify
-    serialize.sympy = once
-    try:
-        yield
-    finally:
-        serialize.sympy = sympy
+def _deserializer_memos():
+    """Two questions torch.export.load asks again and again, answered once per load:
+
+    - `typing.get_type_hints(cls)` for a schema class's field types, once per object: tens of
+      thousands of calls for a bench-size model, the largest single cost of the load under
+      cProfile (`startup_bench.py --profile` shows the load's costs). The classes do not change
+      while a load runs.
+    - `sympy.sympify(text, locals=...)` for every symbolic size it meets: a thousand parses of a
+      handful of distinct expressions ("s0", "2*s0"), a quarter of a warm load on the CPU. The same
+      text with the same names bound to the same objects gives the same (immutable) expression.
+    """
+    hints = _once(typing.get_type_hints,
+                  lambda cls, globalns=None, localns=None, include_extras=False:
+                  (cls, id(globalns), id(localns), include_extras))
+    parse = _once(sympy.sympify,
+                  lambda a, locals=None, *args, **kwargs: None if not isinstance(a, str) or args or kwargs else
+                  (a, tuple((n, id(v)) for n, v in (locals or {}).items())))
+    stack = contextlib.ExitStack()
+    stack.enter_context(_in_deserializer(typing, get_type_hints=hints))
+    stack.enter_context(_in_deserializer(sympy, sympify=parse))
+    return stack
 
 
 def load_program(path: Path, expected_sha: str):
     data = path.read_bytes()
     check_hash(path, expected_sha, path.name, data)
     check_pt2_bytes(data, str(path))
-    with _schema_hints_once(), _sympify_once():
+    with _deserializer_memos():
         return torch.export.load(io.BytesIO(data))
 

@@ -107,7 +107,7 @@ def test_a_flipped_byte_in_rank_1s_piece_is_refused(built):
     assert f"rank1/pieces/{victim.name}" in proc.stderr and "does not match manifest.json" in proc.stderr
 
 
-def test_a_bundle_for_another_rank_count_is_refused(built):
+def test_a_bundle_for_another_rank_count_is_refused(built, monkeypatch):
     art = _copy(built, "one_rank")
 
     def drop_rank_1(doc, folder):  # as a build of the same program on one process would list it
@@ -117,15 +117,8 @@ def test_a_bundle_for_another_rank_count_is_refused(built):
             item.rename(folder / item.name)
         (folder / "rank0").rmdir()
 
-    env_home = os.environ.get("HGC_HOME")
-    os.environ["HGC_HOME"] = str(built["home"])  # re-signed with the building installation's key
-    try:
-        rewrite_bundle(art, built["key"], drop_rank_1)
-    finally:
-        if env_home is None:
-            os.environ.pop("HGC_HOME")
-        else:
-            os.environ["HGC_HOME"] = env_home
+    monkeypatch.setenv("HGC_HOME", str(built["home"]))  # re-signed with the building installation's key
+    rewrite_bundle(art, built["key"], drop_rank_1)
     proc = run_tp2(art, built["home"])
     assert proc.returncode == 1, proc.stderr[-2000:]  # the launcher's status when a rank failed (each said 2)
     assert "holds pieces for 1 rank(s), the artifact runs on 2" in proc.stderr and "hgc build" in proc.stderr

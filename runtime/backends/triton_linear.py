@@ -418,8 +418,7 @@ def _unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def _check_rows(op: str, rows: int, slots: torch.Tensor, *tensors: torch.Tensor) -> None:
     assert slots.dim() == 1 and slots.shape[0] == rows, (
-        f"{op}: a decode step has one row per request; got {rows} rows and state_slots of shape "
-        f"{tuple(slots.shape)}")
+        f"{op}: one state slot per request; got {rows} requests and state_slots of shape {tuple(slots.shape)}")
     assert slots.dtype in (torch.int64, torch.int32), f"{op}: state_slots must be int32/int64, got {slots.dtype}"
     for t in tensors:
         assert t.device == slots.device, f"{op}: all tensors must be on {slots.device}, got one on {t.device}"

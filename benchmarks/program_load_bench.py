@@ -1,0 +1,83 @@
+"""Program load: torch.export.load of an artifact's programs against runtime/pt2_check.load_program.
+
+    python benchmarks/program_load_bench.py --work /tmp/plb     # CPU or GPU machine; no weights needed
+
+1. `hgc compile --no-weights` of a family's config (default: bench qwen3_next with head dim 64, the
+   start-up bench's model, with its draft) for a cuda target: the programs are what a start-up
+   loads; no weight is written, and no GPU is needed to compile or to load them.
+2. In this process, alternately, `rounds` times: every program through `torch.export.load` of its
+   bytes, and through `load_program` (the same, checked, with the deserializer's repeated questions
+   answered once per load). The first round of each pays the imports the load triggers, so it is
+   reported apart; the other rounds give the warm medians.
+3. Both loads are compared: code, signature, ranges, every node's value.
+
+One JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def described(ep) -> list[str]:
+    return [str(ep.graph), str(ep.graph_signature), str(ep.range_constraints),
+            *(f"{n.name}: {n.meta.get('val')}" for n in ep.graph.nodes)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", required=True, help="folder for the config and the artifact (reused when present)")
+    p.add_argument("--family", default="qwen3_next")
+    p.add_argument("--size", default="bench")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+
+    from compiler.cli import main as hgc
+    from compiler.splitops.artifact import PROGRAM_FILES
+    from models.families import get_family
+    from runtime.artifact_docs import read_artifact
+    from runtime.pt2_check import load_program
+
+    work = Path(args.work)
+    art = work / f"{args.family}-{args.size}-hd64-art"
+    if not (art / "manifest.json").is_file():
+        config = get_family(args.family).make_config(args.size)
+        config["head_dim"] = 64
+        (work / "config").mkdir(parents=True, exist_ok=True)
+        (work / "config" / "config.json").write_text(json.dumps(config))
+        assert hgc(["compile", str(work / "config"), "-o", str(art), "--no-weights", "--no-dumps", "--no-inductor",
+                    "--target", "cuda", "--dtype", "bfloat16", "--force", "-q"]) == 0
+    docs = read_artifact(art)
+    files = {p: (docs.path / PROGRAM_FILES[p], docs.manifest["files"][PROGRAM_FILES[p]]) for p in docs.programs}
+    seconds: dict[str, list[float]] = {"torch_export_load": [], "load_program": []}
+    loaded = {}
+    for _ in range(args.rounds):
+        for way in seconds:
+            t0 = time.perf_counter()
+            if way == "torch_export_load":
+                loaded[way] = {p: torch.export.load(io.BytesIO(path.read_bytes())) for p, (path, _) in files.items()}
+            else:
+                loaded[way] = {p: load_program(path, sha) for p, (path, sha) in files.items()}
+            seconds[way].append(time.perf_counter() - t0)
+    same = all(described(loaded["torch_export_load"][p]) == described(loaded["load_program"][p]) for p in files)
+    out = {"artifact": str(art), "programs": {p: len(ep.graph.nodes) for p, ep in loaded["load_program"].items()},
+           "torch": torch.__version__, "same_programs": same,
+           **{way: {"first_s": round(s[0], 3), "warm_median_s": round(statistics.median(s[1:]), 3) if len(s) > 1 else None}
+              for way, s in seconds.items()}}
+    print(json.dumps(out))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
