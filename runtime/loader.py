@@ -17,7 +17,7 @@ Lifecycle, one module per role:
 3. runtime/weights.py: weights.json says which checkpoint tensors fill each program parameter;
    a rank of a tensor-parallel artifact reads only its part of each (sharding.json), and
    `load_format="dummy"` makes them random instead of reading any. They are read on a thread of
-   their own while step 2 deserializes the programs.
+   their own while step 2 deserializes the programs and step 5 opens the bundle.
 4. runtime/binding.py: `LoadedArtifact.backends(kv_pool, state_pool)` builds the instances
    routing.json names (and only those); `runner(ops, program)` binds every op node of the program
    to the instance its entry names and checks the bound graph against routing.json before

@@ -410,6 +410,8 @@ class TritonLinearBackend(BackendHooks):
     def _short_extend(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
         """The recurrent extend kernel over the step's real requests, where each brings at most
         `short_extend_tokens` tokens (padding rows zeroed); False where the step is longer."""
+        if not self.short_extend_tokens:
+            return False
         plan = self._extend_plan(self._step_plan(ctx))
         if not 0 < plan.longest <= self.short_extend_tokens:
             return False
