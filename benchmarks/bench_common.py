@@ -20,6 +20,7 @@ A "runner" here is anything with `build(items) -> (step, key)`, `run(step, key) 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import contextlib
 import json
 import os
@@ -346,14 +347,19 @@ def compiled_artifact(args) -> Path:
     work = Path(args.work)
     pieces = bool(getattr(args, "compiled_pieces", False))
     ckpt = work / f"{args.family}-{args.size}"
-    art_dir = work / f"{args.family}-{args.size}-art{'-compiled' if pieces else ''}"
+    routes = list(getattr(args, "route", None) or [])
+    # Artifacts of other routes sit beside each other in one --work: the folder names a digest of them.
+    routed = "-r" + hashlib.sha256("\n".join(routes).encode()).hexdigest()[:8] if routes else ""
+    art_dir = work / f"{args.family}-{args.size}-art{'-compiled' if pieces else ''}{routed}"
     if not (art_dir / "manifest.json").is_file():
         if not (ckpt / "config.json").is_file():
             assert hgc(["init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
                         "--force"]) == 0
         target = ["--target", "cpu"] if args.dry_run else ["--target", "cuda", "--dtype", "bfloat16"]
         inductor = ["--inductor"] if pieces else ["--no-inductor"]
-        assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *inductor, *target]) == 0
+        route_args = [arg for route in routes for arg in ("--route", route)]
+        assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *inductor, *target,
+                    *route_args]) == 0
     return art_dir
 
 
@@ -379,6 +385,9 @@ def engine_script(argv, doc: str, name: str, defaults: dict, add_arguments, benc
     p.add_argument("--compiled-pieces", action="store_true",
                    help="run the artifact with its target bundle (Inductor-compiled pieces, every kernel built ahead): "
                         "the compile builds it first, minutes on the GPU; default: the traced glue")
+    p.add_argument("--route", action="append", default=[],
+                   help="passed to hgc compile --route (repeatable), e.g. "
+                        "'gdn_core=triton_linear[short_extend_tokens=64]'; the artifact's folder names the routes")
     add_arguments(p)
     args = p.parse_args(argv)
     for key, value in defaults["dry" if args.dry_run else "gpu"].items():

@@ -22,14 +22,18 @@ import json
 import pytest
 
 from compiler.cli import main as hgc
-from compiler.splitops import FULL_KINDS, LINEAR_KINDS, MODES, LayerKind, Mode
+import torch
+
+from compiler.splitops import FULL_KINDS, LINEAR_KINDS, MODES, LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
 from compiler.splitops.artifact import EAGER
 from models.families import FAMILY_IDS
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
+from runtime.backends.protocol import BackendSetup
 from runtime.backends.torch_reference import TorchReferenceBackend
 from runtime.backends.triton_linear_backend import TritonLinearBackend
 from runtime.backends.triton_mla_backend import TritonMLABackend
 from runtime.backends.triton_moe import TritonMoEBackend
+from runtime.state_pool import StatePool
 from tests.helpers import tiny_checkpoint
 
 FULL, LINEAR, MOE, MLA = (FlashInferAttentionBackend.capability, TritonLinearBackend.capability,
@@ -148,6 +152,28 @@ def test_routes_pick_the_other_kernels_and_are_recorded(checkpoints, tmp_path, c
     assert {json.dumps(e["options"], sort_keys=True) for e in gqa} == {json.dumps(
         FULL.resolve_options({"extend_impl": "paged", "decode_backend": "fa3", "decode_impl": "triton"}), sort_keys=True)}
     assert {e["options"]["decode_impl"] for e in gqa} == {"triton"}
+
+
+def test_the_short_extend_limit_is_a_routing_option_the_backend_is_built_with(checkpoints, tmp_path, capsys):
+    """`short_extend_tokens` is chosen at compile time, recorded per node in routing.json, and the
+    instance the binder builds from that entry runs with it; a value not offered is refused."""
+    route = "gdn_core=triton_linear[short_extend_tokens=32]"
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16", "--route", route)
+    assert rc == 0, err[-3000:]
+    by_op = {}
+    for e in entries(art):
+        by_op.setdefault(e["op"], set()).add(e["options"].get("short_extend_tokens"))
+    assert by_op["gdn_core"] == {"32"} and by_op["short_conv"] == {"64"}  # the route names one op
+    pool = StatePool(LayerRegistry([LayerSpec(0, LayerKind.GDN, state={"x": TensorSpec((2, 4), "float32")})]), 2,
+                     torch.device("cpu"))
+    built = TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {"short_extend_tokens": "32"}))
+    assert built.short_extend_tokens == 32
+    # an entry without the option (routed before it was declared) gets the declared default
+    assert TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {})).short_extend_tokens == 64
+
+    rc, _, err = compile_cuda(checkpoints, "qwen3_next", tmp_path / "bad", capsys, "--dtype", "bfloat16",
+                              "--route", "gdn_core=triton_linear[short_extend_tokens=48]")
+    assert rc == 2 and "option short_extend_tokens takes 64|0|16|32|128, not '48'" in err
 
 
 def test_the_cuda_backends_declare_every_mode():

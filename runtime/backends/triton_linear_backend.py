@@ -201,6 +201,14 @@ def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
     return tuple(t.to(v.dtype) for t in tensors)
 
 
+# The short-extend limits routing offers, the first the default. 64: on an H200 the recurrent
+# kernel's step beat FLA's chunk path 3.3x to 12.9x at every measured short step (8 to 64 tokens a
+# request, 1 to 16 requests; benchmarks/gpu_linear_extend.py, BENCHMARKS.md), FLA's Python entry
+# costing about 1 ms a layer against some 0.1 ms of kernels. Longer requests are not measured
+# there, so they keep FLA's chunk kernels, whose work grows with chunks, not tokens. "0": FLA always.
+SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
+
+
 class TritonLinearBackend(BackendHooks):
     name = "triton_linear"
     supported_ops = frozenset({"gdn_core", "kda_core", "lightning_core", "short_conv"})
@@ -211,6 +219,9 @@ class TritonLinearBackend(BackendHooks):
         name="triton_linear", device="cuda", ops=supported_ops,
         modes_supported=frozenset(MODES), modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
         kinds=frozenset({LayerKind.GDN, LayerKind.KDA, LayerKind.LIGHTNING}),
+        # short_extend_tokens: the constructor's limit of the same name, chosen at compile time
+        # (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in routing.json.
+        options=(("short_extend_tokens", SHORT_EXTEND_CHOICES),),
         doc="Triton decode kernels (decode; target_verify as n strided decode launches), FLA chunk kernels "
             "for extend/mixed, a Triton extend conv; in place on the slot-indexed state pool (padding "
             "slot skipped); capturable in decode and target_verify")
@@ -223,8 +234,8 @@ class TritonLinearBackend(BackendHooks):
         None imports FLA lazily. `short_extend_tokens`: an eager step whose requests each bring at
         most this many tokens runs the recurrent cores through `triton_linear.recurrent_extend` (one
         launch a layer, tokens in order) instead of FLA's chunk kernels (several launches and their
-        Python a layer); 0, the default until benchmarks/gpu_linear_extend.py has compared the two
-        on the GPU, never."""
+        Python a layer); 0: never. An artifact sets it through the routing option of the same name
+        (SHORT_EXTEND_CHOICES)."""
         self.state_pool = state_pool
         self.device = state_pool.device
         self.recurrent_config = recurrent_config
@@ -238,7 +249,7 @@ class TritonLinearBackend(BackendHooks):
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonLinearBackend":
         """Over the state pool: every kernel finds its layer's state by layer id and slot."""
-        return cls(setup.state_pool)
+        return cls(setup.state_pool, short_extend_tokens=int(setup.options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])))
 
     # -- hooks --------------------------------------------------------------------------------
 
