@@ -460,8 +460,10 @@ def main() -> int:
     if unknown:
         p.error(f"--models: unknown {sorted(unknown)} (known: {', '.join(MODELS)})")
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.worker:
-        return run_worker(args, knobs)
+    if args.worker:  # a rank ends as the CLI's ranks do (runtime/distributed.py, step 6)
+        from runtime.distributed import end_rank_process
+
+        end_rank_process(run_worker(args, knobs))
     report = run_parent(args, knobs)
     (args.out / "tp_bench.json").write_text(json.dumps(report, indent=1))
     print_table(report)

@@ -29,7 +29,8 @@ MASTER_PORT):
 4. Other ranks: `follow(engine, group)`: receive a message, replay its journal on their pools,
    run `engine.execute` on the same step (the same forward, eager or graphs, so the collectives
    meet), discard the logits; until rank 0 sends STOP or its socket closes.
-5. `group.close()`: rank 0 sends STOP; every rank leaves the process group. (Between engines of
+5. `group.close()`: rank 0 sends STOP; every rank leaves a gloo process group (an NCCL one ends
+   with the process: see `close`). (Between engines of
    one launch, `group.end_engine()` sends END instead: the others return from `follow` and keep
    the channel.)
 6. `end_rank_process(code)`: the command has returned (and printed any failure); the process ends
@@ -334,10 +335,15 @@ class RankGroup:
             pass
 
     def close(self) -> None:
+        """Rank 0: STOP to the others; every rank: its channel closed. The process group is left
+        only on gloo: NCCL's destroy_process_group can block forever once a collective was captured
+        in a CUDA graph (pytorch/pytorch#115388; seen here as `hgc build` ranks that had written
+        their bundle and never ended). An NCCL rank's communicators go with its process, which
+        `end_rank_process` ends right after."""
         import torch.distributed as dist
 
         self.channel.close()
-        if dist.is_initialized():
+        if dist.is_initialized() and dist.get_backend() != "nccl":
             dist.destroy_process_group()
 
 
