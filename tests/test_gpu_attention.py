@@ -435,6 +435,39 @@ def test_triton_mla_decode_in_float32():
     _assert(check_decode(MLA_16, 5, dtype=torch.float32, mla_impl="triton"))
 
 
+def test_split_kernels_build_once_for_every_row_count_and_table_width():
+    """Steps of 1 to 300 rows (1 to 32 splits) over page tables 3 and 256 pages wide run on the
+    kernels the first of them compiled: a compiled artifact's bundle, built over its buckets, then
+    holds every kernel a later step of any size needs (nothing is built mid-serving)."""
+    from runtime.backends import triton_gqa, triton_mla, triton_split_kv
+
+    dev, R, P, page = "cuda", 64, 16, 16
+    ckv = torch.randn(600, page, R, device=dev, dtype=torch.bfloat16)
+    kpe = torch.randn(600, page, P, device=dev, dtype=torch.bfloat16)
+    k_cache = torch.randn(600, page, 2, 64, device=dev, dtype=torch.bfloat16)
+    kernels = (triton_mla._mla_split_kernel, triton_gqa._gqa_split_kernel, triton_split_kv._combine_kernel)
+
+    def step(rows: int, width: int) -> None:
+        lens = torch.full((rows,), min(40, width * page), dtype=torch.int32, device=dev)
+        table = torch.randint(0, 600, (rows, width), dtype=torch.int32, device=dev)
+        q = torch.randn(rows, 4, R, device=dev, dtype=torch.bfloat16)
+        triton_mla.triton_mla_attention_paged(q, torch.randn(rows, 4, P, device=dev, dtype=torch.bfloat16), ckv, kpe,
+                                              table, lens, 1, torch.empty_like(q), 0.1)
+        qg = torch.randn(rows, 8, 64, device=dev, dtype=torch.bfloat16)
+        triton_gqa.triton_gqa_attention(qg, k_cache, k_cache, table, lens, 1, torch.empty_like(qg), 0.1)
+
+    def compiled() -> list[set]:
+        return [{key for per_device in k.device_caches.values() for key in per_device[0]} for k in kernels]
+
+    step(1, 3)
+    first = compiled()
+    for rows, width in [(1, 256), (7, 3), (7, 256), (300, 3), (300, 256)]:
+        step(rows, width)
+    torch.cuda.synchronize()
+    for kernel, before, after in zip(kernels, first, compiled()):
+        assert after == before, f"{kernel.fn.__name__}: {len(after - before)} more compiled variant(s)"
+
+
 def test_unplanned_step_raises():
     from runtime.backends.flashinfer_attention import FlashInferAttentionBackend  # noqa: F401
 

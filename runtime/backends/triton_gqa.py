@@ -47,12 +47,14 @@ def gqa_head_dim_refusal(head_dim: int) -> str | None:
     return None
 
 
-@triton.jit
+# s_pt (the page table's width follows the longest request allowed) and num_splits (the
+# launch's rows) are never specialized: see triton_split_kv.MAX_SPLITS.
+@triton.jit(do_not_specialize=["s_pt", "num_splits"])
 def _gqa_split_kernel(q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse,
                       s_q_t, s_q_h, s_k_page, s_k_tok, s_k_head, s_v_page, s_v_tok, s_v_head, s_pt,
-                      rows_per_req, num_q_heads, page_size, scale_log2,
+                      rows_per_req, num_q_heads, page_size, scale_log2, num_splits,
                       GROUP: tl.constexpr, ROW_BLOCKS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       PRECISION: tl.constexpr):
     req = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1) // ROW_BLOCKS
@@ -68,7 +70,7 @@ def _gqa_split_kernel(q, k_cache, v_cache, page_table, seq_lens, part_o, part_ls
     seq_len = tl.load(seq_lens + req)
     pos = seq_len - rows_per_req + r  # keys 0..pos; negative (padding): none
     kv_len = tl.maximum(seq_len, 0)  # the request's last row sees them all
-    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, kv_len)
 
@@ -95,7 +97,7 @@ def _gqa_split_kernel(q, k_cache, v_cache, page_table, seq_lens, part_o, part_ls
         acc = acc * alpha[:, None] + tl.dot(w.to(vt.dtype), vt, input_precision=PRECISION)
 
     o, lse = split_result(acc, m, l)
-    idx = (row * num_q_heads + head) * NUM_SPLITS + split
+    idx = (row * num_q_heads + head) * num_splits + split
     tl.store(part_o + idx[:, None] * DV + dv[None, :], o, mask=live[:, None])
     tl.store(part_lse + idx, lse, mask=live)
 
@@ -137,7 +139,7 @@ def triton_gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
-        rows_per_req, Hq, k_cache.shape[1], scale * LOG2E,
-        GROUP=group, ROW_BLOCKS=row_blocks, D=D, DV=DV, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        rows_per_req, Hq, k_cache.shape[1], scale * LOG2E, num_splits,
+        GROUP=group, ROW_BLOCKS=row_blocks, D=D, DV=DV, BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION=precision, num_warps=4, num_stages=2)
     combine_splits(part_o, part_lse, out, num_splits)

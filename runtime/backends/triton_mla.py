@@ -41,12 +41,14 @@ from runtime.backends.triton_split_kv import LOG2E, combine_splits, num_splits_f
 __all__ = ["triton_mla_attention", "triton_mla_attention_paged"]
 
 
-@triton.jit
+# s_pt (the page table's width follows the longest request allowed) and num_splits (the
+# launch's rows) are never specialized: see triton_split_kv.MAX_SPLITS.
+@triton.jit(do_not_specialize=["s_pt", "num_splits"])
 def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_lens, part_o, part_lse,
                       s_ql_t, s_ql_h, s_qr_t, s_qr_h, s_c_page, s_c_tok, s_k_page, s_k_tok, s_pt,
-                      rows_per_req, num_heads, page_size, scale_log2,
+                      rows_per_req, num_heads, page_size, scale_log2, num_splits,
                       R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                       FROM_TABLE: tl.constexpr):
     # FROM_TABLE: `pages` is the page table [B, s_pt] and `seq_lens` gives each row its position
     # (kv_indptr, row_req, row_pos unused); else `pages` is kv_indices, found through the row arrays.
@@ -62,7 +64,7 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_po
         kv_len = tl.load(row_pos + t) + 1  # causal: the row sees keys 0..its own position
         page_row = pages + tl.load(kv_indptr + req)
     kv_len = tl.maximum(kv_len, 0)  # a padding request (seq_lens 0) sees no key: a zero output
-    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, kv_len)
 
@@ -93,7 +95,7 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_po
         acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c, input_precision=PRECISION)
 
     o, lse = split_result(acc, m, l)
-    idx = (t * num_heads + heads) * NUM_SPLITS + split
+    idx = (t * num_heads + heads) * num_splits + split
     tl.store(part_o + idx[:, None] * R + r[None, :], o, mask=hmask[:, None])
     tl.store(part_lse + idx, lse, mask=hmask)
 
@@ -141,7 +143,7 @@ def _launch(q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_
         q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_lens, part_o, part_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), s_pt,
-        rows_per_req, H, ckv.shape[1], scale * LOG2E,
-        R=R, P=P, P_PAD=max(16, P), BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=precision,
+        rows_per_req, H, ckv.shape[1], scale * LOG2E, num_splits,
+        R=R, P=P, P_PAD=max(16, P), BLOCK_H=block_h, BLOCK_N=block_n, PRECISION=precision,
         FROM_TABLE=from_table, num_warps=8, num_stages=2)
     combine_splits(part_o, part_lse, out, num_splits)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "combine_splits", "num_splits_for", "softmax_step", "split_result"]
+__all__ = ["LOG2E", "MAX_SPLITS", "combine_splits", "num_splits_for", "softmax_step", "split_result"]
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 
@@ -41,19 +41,27 @@ def split_result(acc, m, l):
     return acc / tl.where(has, l, 1.0)[:, None], lse
 
 
-@triton.jit
-def _combine_kernel(part_o, part_lse, out, s_o_t, s_o_h, num_heads,
-                        R: tl.constexpr, NUM_SPLITS: tl.constexpr):
+# The split count is a run-time argument of every kernel here, never a specialization: it follows
+# a launch's row count (num_splits_for), and an eager step's rows are any number, so as a constexpr
+# (or a specialized int) it would make kernels that no build saw, built in the middle of serving and
+# missing from the artifact's bundle. One kernel serves every count up to MAX_SPLITS.
+MAX_SPLITS = 32
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _combine_kernel(part_o, part_lse, out, s_o_t, s_o_h, num_heads, num_splits,
+                    R: tl.constexpr, MAX_SPLITS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    sp = tl.arange(0, NUM_SPLITS)
+    sp = tl.arange(0, MAX_SPLITS)
+    used = sp < num_splits
     r = tl.arange(0, R)
-    base = (t * num_heads + h) * NUM_SPLITS
-    lse = tl.load(part_lse + base + sp)
+    base = (t * num_heads + h) * num_splits
+    lse = tl.load(part_lse + base + sp, mask=used, other=float("-inf"))
     m = tl.max(lse, 0)
     live = lse > float("-inf")
     w = tl.where(live, tl.exp2(tl.where(live, lse - m, 0.0)), 0.0)
-    o = tl.load(part_o + (base + sp)[:, None] * R + r[None, :])
+    o = tl.load(part_o + (base + sp)[:, None] * R + r[None, :], mask=used[:, None], other=0.0)
     res = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(out + t * s_o_t + h * s_o_h + r, res.to(out.dtype.element_ty))
 
@@ -62,7 +70,7 @@ def num_splits_for(rows: int, head_blocks: int, num_sms: int) -> int:
     """Splits per (row, head block): enough programs for about two waves, a power of two <= 32."""
     want = max(1, -(-2 * num_sms // max(rows * head_blocks, 1)))
     splits = 1
-    while splits < want and splits < 32:
+    while splits < want and splits < MAX_SPLITS:
         splits *= 2
     return splits
 
@@ -73,5 +81,6 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
     (unit last stride). A row and head whose splits all saw no key gets zeros."""
     T, H, DV = out.shape
     assert out.stride(-1) == 1
-    _combine_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H,
-                                R=DV, NUM_SPLITS=num_splits, num_warps=4)
+    assert 1 <= num_splits <= MAX_SPLITS, f"split-KV attention: {num_splits} splits (1 to {MAX_SPLITS})"
+    _combine_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, num_splits,
+                            R=DV, MAX_SPLITS=MAX_SPLITS, num_warps=4)
