@@ -442,7 +442,9 @@ def test_triton_linear_backend_under_the_runner(artifact, tmp_path):
     want, _ = greedy(reference, reference_st, prompts, 3)
     kv, st = make_pools(art.registry, 128, 8, page_size=8)
     ops = BoundOps(art.backends(kv, st, registry).for_program("main"))
-    assert set(ops.backend.members) == {"cpu_reference", InterpretedTritonLinear.name}
+    # members are keyed by backend and kernel options ("name[option=choice]")
+    triton_key = f"{InterpretedTritonLinear.name}[short_extend_tokens=64]"
+    assert set(ops.backend.members) == {"cpu_reference", triton_key}
     runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
                          max_pages_per_seq=16, extend_max_seqs=2, debug=True, graphs=RerunGraphs())
     runner.start(vocab_size=art.manifest["model"]["vocab_size"])
@@ -457,7 +459,7 @@ def test_triton_linear_backend_under_the_runner(artifact, tmp_path):
     assert got == want
     assert keys[0] == CaptureKey(Mode.EXTEND, 16, 2) and keys[1] == CaptureKey(Mode.DECODE, 2, 2)
     assert ops.executed_backends()["0"] == ["cpu_reference", InterpretedTritonLinear.name]
-    assert sorted(set(where)) == [("cpu_reference", False), (InterpretedTritonLinear.name, True)]
+    assert sorted(set(where)) == [("cpu_reference", False), (triton_key, True)]
     assert len(where) == 4, "each member once per replayed decode step (2 steps)"
 
 
