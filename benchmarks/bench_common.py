@@ -350,12 +350,15 @@ def compiled_artifact(args) -> Path:
     routes = list(getattr(args, "route", None) or [])
     # Artifacts of other routes sit beside each other in one --work: the folder names a digest of them.
     routed = "-r" + hashlib.sha256("\n".join(routes).encode()).hexdigest()[:8] if routes else ""
-    art_dir = work / f"{args.family}-{args.size}-art{'-compiled' if pieces else ''}{routed}"
+    dtype = getattr(args, "dtype", None)
+    art_dir = work / f"{args.family}-{args.size}-art{'-compiled' if pieces else ''}{routed}{'-' + dtype if dtype else ''}"
     if not (art_dir / "manifest.json").is_file():
         if not (ckpt / "config.json").is_file():
             assert hgc(["init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
                         "--force"]) == 0
-        target = ["--target", "cpu"] if args.dry_run else ["--target", "cuda", "--dtype", "bfloat16"]
+        target = ["--target", "cpu"] if args.dry_run else ["--target", "cuda", "--dtype", dtype or "bfloat16"]
+        if args.dry_run and dtype:
+            target += ["--dtype", dtype]
         inductor = ["--inductor"] if pieces else ["--no-inductor"]
         route_args = [arg for route in routes for arg in ("--route", route)]
         assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *inductor, *target,
@@ -385,6 +388,9 @@ def engine_script(argv, doc: str, name: str, defaults: dict, add_arguments, benc
     p.add_argument("--compiled-pieces", action="store_true",
                    help="run the artifact with its target bundle (Inductor-compiled pieces, every kernel built ahead): "
                         "the compile builds it first, minutes on the GPU; default: the traced glue")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                   help="hgc compile --dtype (default: bfloat16 on the GPU, the checkpoint's float32 in a dry run); "
+                        "float32 on the GPU tells rounding from a fault where bf16 results differ")
     p.add_argument("--route", action="append", default=[],
                    help="passed to hgc compile --route (repeatable), e.g. "
                         "'gdn_core=triton_linear[short_extend_tokens=64]'; the artifact's folder names the routes")
