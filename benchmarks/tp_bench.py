@@ -444,7 +444,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per batch size")
     p.add_argument("--configs", default=None, help="folder of the published configs (default tests/configs)")
     p.add_argument("--route", action="append", default=[], help="passed to every `hgc compile` (--route)")
-    p.add_argument("--budget-s", type=float, default=470.0, help="no stage starts after this many seconds")
+    p.add_argument("--budget-s", type=float, default=470.0, help="no stage starts after this many seconds; a build (--compiled-pieces) "
+                        "starts only with 120 s of them left, a tensor-parallel launch with 90 s")
     p.add_argument("--compiled-pieces", action="store_true",
                    help="`hgc build` every artifact after compiling it, so the runs load compiled pieces")
     p.add_argument("--worker", choices=("tp1", "tp"), default=None, help=argparse.SUPPRESS)
