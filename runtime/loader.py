@@ -99,18 +99,23 @@ class ProgramRunner:
         self._by_plan: dict[tuple, torch.fx.GraphModule] = {}
 
     def module_for(self, mode: Mode, compiled: bool = True) -> torch.fx.GraphModule:
-        """The mode's split module; with the compiled pieces in place of the glue unless `compiled` is False."""
+        """The mode's split module; with the compiled pieces in place of the glue unless `compiled` is
+        False. The program is split once per plan: the compiled module shares the traced one's
+        pieces where no glue was compiled (runtime/compiled_glue.py)."""
         plan = self.plans[Mode(mode)]
         compiled = compiled and self.glue is not None
-        key = (compiled, tuple((p.kind, p.nodes, p.branches) for p in plan.pieces))
-        if key not in self._by_plan:
+        traced_key = (False, tuple((p.kind, p.nodes, p.branches) for p in plan.pieces))
+        if traced_key not in self._by_plan:
             try:
                 split = apply_split_plan(self._bound, plan)
             except ArtifactFormatError as e:
                 raise LoadError(f"{self.name} program: {e}") from None
             if self.streams is not None:
                 self._fork_branches(split, plan)
-            self._by_plan[key] = self.glue.install(split, plan) if compiled else split
+            self._by_plan[traced_key] = split
+        key = (compiled, traced_key[1])
+        if key not in self._by_plan:
+            self._by_plan[key] = self.glue.install(self._by_plan[traced_key], plan)
         return self._by_plan[key]
 
     def _fork_branches(self, split: torch.fx.GraphModule, plan: SplitPlan) -> None:

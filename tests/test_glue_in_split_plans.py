@@ -104,7 +104,8 @@ def test_every_segment_installs_in_the_captured_piece_of_every_plan_that_holds_i
         segments = glue_segments(gm)
         glue = traced_glue(gm, program)
         for mode, plan in docs.split_plans[program].items():
-            split = glue.install(apply_split_plan(gm, plan), plan)
+            traced = apply_split_plan(gm, plan)
+            split = glue.install(traced, plan)
             piece_of = plan.piece_of()
             assert all(plan.pieces[piece_of[n]].kind == CAPTURED for s in segments for n in s.nodes)
             # each piece: a call for each segment it holds, and of its own nodes only the op
@@ -114,6 +115,11 @@ def test_every_segment_installs_in_the_captured_piece_of_every_plan_that_holds_i
                                [n for n in p.nodes if n not in replaced])
                         for name, p in zip(piece_module_names(plan), plan.pieces)}
             assert {name: piece_calls(getattr(split, name)) for name in expected} == expected, (program, mode)
+            # the traced module is left as it was (the start-up check's reference), and a piece
+            # with no compiled glue is its very object in both
+            assert compiled_calls(traced) == 0 and compiled_calls(split) == sum(len(c) for c, _ in expected.values())
+            assert all((getattr(split, name) is getattr(traced, name)) == (not calls)
+                       for name, (calls, _) in expected.items()), (program, mode)
             cut += len(plan.pieces) > 1
     assert cut, "some plan of a cuda target cuts the program into several pieces"
 
