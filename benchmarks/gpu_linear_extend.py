@@ -25,8 +25,8 @@ One call on the lent GPU machine (table last, JSON in --out):
    its ratio to ours.
    Then short extends (8 to 64 tokens a request, 1 to 16 requests), each timed through FLA's
    chunk path and through the recurrent extend kernel, in the same run, once the recurrent
-   chain's check passed: which path a short step should take (the backend's
-   `short_extend_tokens`, off until this says).
+   chain's check passed: the evidence for the default of the backend's `short_extend_tokens`
+   routing option (runtime/backends/triton_linear_backend.py SHORT_EXTEND_CHOICES).
 4. `pytest -m gpu tests/test_gpu_linear_kernels.py`.
 
 The FLA families run in subprocesses (in parallel: their Triton compiles overlap; the timing

@@ -103,20 +103,20 @@ class ProgramRunner:
         False. The program is split once per plan: the compiled module shares the traced one's
         pieces where no glue was compiled (runtime/compiled_glue.py)."""
         plan = self.plans[Mode(mode)]
-        compiled = compiled and self.glue is not None
-        traced_key = (False, tuple((p.kind, p.nodes, p.branches) for p in plan.pieces))
-        if traced_key not in self._by_plan:
+        pieces = tuple((p.kind, p.nodes, p.branches) for p in plan.pieces)
+        if (False, pieces) not in self._by_plan:
             try:
                 split = apply_split_plan(self._bound, plan)
             except ArtifactFormatError as e:
                 raise LoadError(f"{self.name} program: {e}") from None
             if self.streams is not None:
                 self._fork_branches(split, plan)
-            self._by_plan[traced_key] = split
-        key = (compiled, traced_key[1])
-        if key not in self._by_plan:
-            self._by_plan[key] = self.glue.install(self._by_plan[traced_key], plan)
-        return self._by_plan[key]
+            self._by_plan[False, pieces] = split
+        if not (compiled and self.glue is not None):
+            return self._by_plan[False, pieces]
+        if (True, pieces) not in self._by_plan:
+            self._by_plan[True, pieces] = self.glue.install(self._by_plan[False, pieces], plan)
+        return self._by_plan[True, pieces]
 
     def _fork_branches(self, split: torch.fx.GraphModule, plan: SplitPlan) -> None:
         """Step 6 of the module docstring: each captured piece with side branches forks them."""

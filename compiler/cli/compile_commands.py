@@ -220,11 +220,12 @@ def cmd_compile(args) -> int:
           f"{counts['info']} info)", file=sys.stderr)
     if inductor and args.tp > 1:  # the ranks build it together, each in a process of its own
         from compiler.cli.build_command import build_on_ranks
-        code = build_on_ranks(args.output, args.target.split(":")[0], args.tp, force=True)
+        device = args.target.split(":")[0]
+        code = build_on_ranks(args.output, device, args.tp, force=True)
         if code != 0:
             raise RuntimeError(f"{args.output}: the artifact is written, but building its bundle on {args.tp} ranks "
                                f"failed (exit status {code}, the ranks' errors above); rebuild it with `hgc build "
-                               f"{args.output} --device {args.target.split(':')[0]} --force`")
+                               f"{args.output} --device {device} --force`")
     elif inductor:
         from compiler.cli.build_command import build_bundle
         build_bundle(args.output, args.target, force=True,

@@ -204,8 +204,9 @@ def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
 # The short-extend limits routing offers, the first the default. 64: on an H200 the recurrent
 # kernel's step beat FLA's chunk path 3.3x to 12.9x at every measured short step (8 to 64 tokens a
 # request, 1 to 16 requests; benchmarks/gpu_linear_extend.py, BENCHMARKS.md), FLA's Python entry
-# costing about 1 ms a layer against some 0.1 ms of kernels. Longer requests are not measured
-# there, so they keep FLA's chunk kernels, whose work grows with chunks, not tokens. "0": FLA always.
+# costing about 1 ms a layer against some 0.1 ms of kernels. Longer requests were not timed there,
+# and the recurrent kernel's time grows with a request's tokens one after another, so they keep
+# FLA's chunk kernels. "0": FLA always.
 SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 
 
@@ -223,7 +224,7 @@ class TritonLinearBackend(BackendHooks):
         # (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in routing.json.
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES),),
         doc="Triton decode kernels (decode; target_verify as n strided decode launches), FLA chunk kernels "
-            "for extend/mixed, a Triton extend conv; in place on the slot-indexed state pool (padding "
+            "for extend/mixed (a Triton recurrent kernel where every request is short), a Triton extend conv; in place on the slot-indexed state pool (padding "
             "slot skipped); capturable in decode and target_verify")
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
@@ -249,7 +250,9 @@ class TritonLinearBackend(BackendHooks):
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonLinearBackend":
         """Over the state pool: every kernel finds its layer's state by layer id and slot."""
-        return cls(setup.state_pool, short_extend_tokens=int(setup.options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])))
+        # an entry routed before the option existed has none: the declared default
+        limit = setup.options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])
+        return cls(setup.state_pool, short_extend_tokens=int(limit))
 
     # -- hooks --------------------------------------------------------------------------------
 
