@@ -30,11 +30,6 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 
-def described(ep) -> list[str]:
-    return [str(ep.graph), str(ep.graph_signature), str(ep.range_constraints),
-            *(f"{n.name}: {n.meta.get('val')}" for n in ep.graph.nodes)]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", required=True, help="folder for the config and the artifact (reused when present)")
@@ -48,6 +43,7 @@ def main(argv=None) -> int:
     from models.families import get_family
     from runtime.artifact_docs import read_artifact
     from runtime.pt2_check import load_program
+    from tests.test_pt2_load import _described  # what the test compares, compared the same way here
 
     work = Path(args.work)
     art = work / f"{args.family}-{args.size}-hd64-art"
@@ -70,7 +66,7 @@ def main(argv=None) -> int:
             else:
                 loaded[way] = {p: load_program(path, sha) for p, (path, sha) in files.items()}
             seconds[way].append(time.perf_counter() - t0)
-    same = all(described(loaded["torch_export_load"][p]) == described(loaded["load_program"][p]) for p in files)
+    same = all(_described(loaded["torch_export_load"][p]) == _described(loaded["load_program"][p]) for p in files)
     out = {"artifact": str(art), "programs": {p: len(ep.graph.nodes) for p, ep in loaded["load_program"].items()},
            "torch": torch.__version__, "same_programs": same,
            **{way: {"first_s": round(s[0], 3), "warm_median_s": round(statistics.median(s[1:]), 3) if len(s) > 1 else None}
