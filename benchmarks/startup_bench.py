@@ -164,8 +164,10 @@ def run_variant(args) -> dict:
     rec: dict = {"variant": args.variant}
     t0 = time.perf_counter()
     with load_phases(rec.setdefault("load_phases_s", {})):
+        # the main program alone, as `hgc run` without --speculative-tokens loads it
         art = load_artifact(args.child, dev, compiled=CompiledOptions(enabled=args.variant == "compiled",
-                                                                      allow_builds=args.allow_kernel_builds))
+                                                                      allow_builds=args.allow_kernel_builds),
+                            programs=("main",))
     phases = rec["load_phases_s"]
     mark = time.perf_counter()
     phases["load_artifact"] = mark - t0  # programs, weights and bundle are parts of it

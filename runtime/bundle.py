@@ -339,12 +339,14 @@ def _materialize(docs: ArtifactDocs, key: str, doc: dict, rank: int) -> dict[str
     return caches
 
 
-def _load_pieces(base: Path, doc: dict, rank: int = 0) -> dict:
-    """Step 5's loads: each piece (this rank's) checked against bundle.json, then handed to Inductor."""
+def _load_pieces(base: Path, doc: dict, rank: int = 0, programs: tuple[str, ...] | None = None) -> dict:
+    """Step 5's loads: each piece (this rank's) checked against bundle.json, then handed to Inductor.
+    `programs`: only the pieces their glue segments name (default: all)."""
     from torch._inductor import CompiledArtifact, config
 
     pieces = {}
-    for name in sorted(doc["pieces"]):
+    names = doc["pieces"] if programs is None else {r["piece"] for p in programs for r in doc["programs"].get(p, [])}
+    for name in sorted(names):
         rel = rank_dir(doc, rank) + name
         path = base / rel
         check_hash(path, doc["files"][rel], f"{bundle_dir(doc['target'])}/{rel}", path.read_bytes())
@@ -384,9 +386,10 @@ def _point_process_at(caches: dict[str, Path]) -> None:
 
 
 def open_bundle(docs: ArtifactDocs, device: str | torch.device, options: CompiledOptions = CompiledOptions(),
-                rank: int = 0) -> CompiledBundle | None:
+                rank: int = 0, programs: tuple[str, ...] | None = None) -> CompiledBundle | None:
     """Steps 1-5 of the module docstring; None when compiled pieces are off or the artifact has none.
-    `rank`: which rank's pieces and kernels a tensor-parallel artifact's bundle gives this process."""
+    `rank`: which rank's pieces and kernels a tensor-parallel artifact's bundle gives this process.
+    `programs`: whose pieces to load (default: every program's); the others' glue is not asked for."""
     if not options.enabled:
         return None
     device = torch.device(device)
@@ -409,7 +412,7 @@ def open_bundle(docs: ArtifactDocs, device: str | torch.device, options: Compile
     if device.type == "cuda":
         _point_process_at(caches)
     with cache_env({"inductor": caches["inductor"]}), bundle.watch():
-        bundle.pieces = _load_pieces(docs.path / bundle_dir(key), doc, rank)
+        bundle.pieces = _load_pieces(docs.path / bundle_dir(key), doc, rank, programs)
     marks.append(time.perf_counter())
     bundle.load_seconds = marks[-1] - marks[0]
     bundle.load_phases = dict(zip(("check_and_consent", "materialize", "pieces"),

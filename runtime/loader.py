@@ -170,13 +170,14 @@ class LoadedArtifact:
         """The program with every op node bound to the instance of `ops.backend` its routing entry names.
         `streams`: what runs side branches (ProgramRunner; default: a CUDA side stream on a CUDA device)."""
         if program not in self.programs:
-            raise LoadError(f"{self.docs.path}: no {program} program (programs: {sorted(self.programs)})")
+            loaded = "" if program not in self.docs.programs else " loaded (load_artifact(..., programs=...) left it out)"
+            raise LoadError(f"{self.docs.path}: no {program} program{loaded} (programs: {sorted(self.programs)})")
         ep = self.programs[program]
         lifted = [s.target for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
         tensors = [self.weights[self.program_fqns[program][fqn]] for fqn in lifted]
         glue = self.compiled.glue(program) if self.compiled is not None else None
         return ProgramRunner(program, ep, self.split_plans[program], tensors, ops, self.device, self.docs,
-                             program_outputs(program, self.programs), glue, streams)
+                             program_outputs(program, self.docs.programs), glue, streams)
 
     def forward_for(self, mode: Mode | str, ops, program: str = "main") -> Callable:
         """The program's forward in one mode: (input_ids, positions, logits_index) -> logits for "main"
@@ -212,11 +213,12 @@ def _pick_outputs(run: ProgramRunner, program: str, all_outputs: bool) -> Callab
     return lambda outputs: outputs
 
 
-def load_programs(docs: ArtifactDocs) -> dict:
-    """Each program of the manifest, its archive checked (runtime/pt2_check.py) and loaded."""
+def load_programs(docs: ArtifactDocs, names: tuple[str, ...] | None = None) -> dict:
+    """Each program of the manifest (or those `names` lists), its archive checked
+    (runtime/pt2_check.py) and loaded."""
     files = docs.manifest["files"]
     programs = {}
-    for program in docs.programs:
+    for program in select_programs(docs, names):
         fname = PROGRAM_FILES[program]
         if fname not in files:
             raise LoadError(f"{docs.path}: program {program} has no {fname} listed in manifest.json")
@@ -271,7 +273,7 @@ def check_programs(docs: ArtifactDocs, programs: dict, program_fqns: dict[str, d
         users = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
         if tuple(users) != PROGRAM_INPUTS[program]:
             raise LoadError(f"{docs.path}: the {program} program takes {users}, expected {list(PROGRAM_INPUTS[program])}")
-        outputs = program_outputs(program, programs)
+        outputs = program_outputs(program, docs.programs)
         returned = sum(s.kind == OutputKind.USER_OUTPUT for s in ep.graph_signature.output_specs)
         recorded = docs.manifest["programs"][program].get("outputs")
         if returned != len(outputs) or (recorded is not None and tuple(recorded) != outputs):
@@ -281,8 +283,8 @@ def check_programs(docs: ArtifactDocs, programs: dict, program_fqns: dict[str, d
 
 def read_weights(docs: ArtifactDocs, sources: dict, device: torch.device, rank: int, load_format: str, progress,
                  stop: threading.Event | None = None) -> dict[str, torch.Tensor]:
-    """Step 3: model FQN -> its tensor on `device`, each file's hash checked first. `stop` set: return
-    early (the caller has failed and will not use them)."""
+    """Step 3: model FQN -> its tensor on `device`, each file's hash checked (while its tensors are read,
+    before any is returned). `stop` set: return early (the caller has failed and will not use them)."""
     try:  # before any byte is read: a model too large for the device says by how much, per rank
         more = (f"compile with a larger --tp than {docs.tp} (each rank then holds less)" if docs.tp > 1
                 else "compile with --tp N to spread the weights over N GPUs")
@@ -297,17 +299,22 @@ def read_weights(docs: ArtifactDocs, sources: dict, device: torch.device, rank: 
     if progress is not None:
         items = progress(items, total=len(sources), desc="load weights", unit="tensor")
     weights = {}
-    for fqn, src in items:
-        if stop is not None and stop.is_set():
-            break
-        weights[fqn] = assemble(fqn, src, weight_files, str(device))
+    try:
+        for fqn, src in items:
+            if stop is not None and stop.is_set():
+                break
+            weights[fqn] = assemble(fqn, src, weight_files, str(device))
+    except Exception:
+        weight_files.checked()  # a file that fails its hash is the error to report, not what reading it did
+        raise
+    weight_files.checked()  # the files' hashes, checked while their tensors were read: nothing is handed on before
     return weights
 
 
 def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "cpu",
                   expected_pipeline: str | None = None, progress=None,
                   compiled: CompiledOptions = CompiledOptions(), *, rank: int = 0, tp: int = 1,
-                  load_format: str = "auto") -> LoadedArtifact:
+                  load_format: str = "auto", programs: tuple[str, ...] | None = None) -> LoadedArtifact:
     """Steps 1-3 and 5 of the module docstring. `device` None: the device the artifact was compiled for
     (its routing target: the device its backends run on). `expected_pipeline`: the pipeline
     fingerprint (manifest "pipeline_sha256") this runtime accepts; None accepts any pipeline of
@@ -315,8 +322,13 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
     `compiled`: whether and how a target bundle's compiled pieces may run (an artifact without
     bundles runs its traced glue whatever it says). `rank` of `tp`: which part of a
     tensor-parallel artifact's weights to load (the artifact must have been compiled for that
-    `tp`). `load_format`: "auto" (the artifact's weights) or "dummy" (random ones, runtime/weights.py)."""
+    `tp`). `load_format`: "auto" (the artifact's weights) or "dummy" (random ones, runtime/weights.py).
+    `programs`: which of the artifact's programs to load (default: all). A run without speculative
+    decoding names only "main": the draft's program and its compiled pieces are then not
+    deserialized, a part of start-up that a run which never drafts would pay for nothing. (The
+    weights are read whole either way: each program lifts every parameter of the model.)"""
     docs = read_artifact(path)
+    programs = select_programs(docs, programs)
     check_load_format(docs, load_format)
     if docs.tp != tp or not 0 <= rank < tp:
         how = f"hgc run --tp {docs.tp} (or torchrun with {docs.tp} processes)" if docs.tp > 1 else "one process (no --tp)"
@@ -343,14 +355,26 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hgc-weights") as pool:
         reading = pool.submit(read_weights, docs, sources, device, rank, load_format, progress, stop)
         try:
-            programs = load_programs(docs)
-            check_programs(docs, programs, program_fqns)
+            loaded = load_programs(docs, programs)
+            check_programs(docs, loaded, program_fqns)
             # After the programs: every file the bundle's code comes from is checked and consented to
             # first (runtime/bundle.py); the weights are data, checked on their thread meanwhile.
-            bundle = open_bundle(docs, device, compiled, rank)
+            bundle = open_bundle(docs, device, compiled, rank, programs)
         except BaseException:
             stop.set()  # the weights thread stops at its next tensor; its own error, if any, is dropped
             raise
         weights = reading.result()
-    return LoadedArtifact(docs, programs, weights, program_fqns, device, bundle)
+    return LoadedArtifact(docs, loaded, weights, program_fqns, device, bundle)
+
+
+def select_programs(docs: ArtifactDocs, names: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The programs a load asks for, in the artifact's order: all of them by default; "main" always."""
+    if names is None:
+        return tuple(docs.programs)
+    unknown = [n for n in names if n not in docs.programs]
+    if unknown:
+        raise LoadError(f"{docs.path}: no {unknown[0]} program to load (programs: {sorted(docs.programs)})")
+    if "main" not in names:
+        raise LoadError(f"{docs.path}: a load needs the main program (asked for {sorted(names)})")
+    return tuple(p for p in docs.programs if p in names)
 

@@ -24,6 +24,7 @@ byte inside a linked tensor is found there, not at load.
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 
 import torch
@@ -40,7 +41,12 @@ DUMMY_STD = 0.02
 
 class WeightFiles:
     """name -> this rank's part of a checkpoint tensor: from weights.safetensors, the linked checkpoint
-    files or computed.safetensors, or random (`dummy`)."""
+    files or computed.safetensors, or random (`dummy`).
+
+    The SHA-256 of each copied file is checked on a thread of its own (hashlib holds no GIL) while
+    the caller reads tensors: a multi-GB file is hashed in the time its tensors take to reach the
+    device, not before them. Nothing read may be used before `checked()` returns: it waits for the
+    hashes and raises the first mismatch."""
 
     def __init__(self, docs: ArtifactDocs, device: str, rank: int = 0, dummy: bool = False,
                  whole_shapes: dict[str, tuple[int, ...]] | None = None):
@@ -49,12 +55,12 @@ class WeightFiles:
         root, spec = docs.path, docs.manifest["weights"]
         self.sharding, self.rank, self.device, self.dummy = docs.sharding, rank, device, dummy
         self.whole_shapes = whole_shapes or {}
-        paths = []
+        paths, hashed = [], []
         if dummy:
             pass  # nothing is read: `get` makes every checkpoint tensor
         elif spec.get("mode") == "copy":
             paths = [root / spec.get("file", WEIGHTS)]
-            check_hash(paths[0], docs.manifest["files"][WEIGHTS], WEIGHTS)
+            hashed.append((paths[0], docs.manifest["files"][WEIGHTS], WEIGHTS))
         elif spec.get("mode") == "link":
             paths = [self._linked(root, entry) for entry in spec.get("files", [])]
         elif spec.get("mode") == "none":
@@ -62,13 +68,23 @@ class WeightFiles:
         else:
             raise LoadError(f"{root / MANIFEST}: weights.mode {spec.get('mode')!r} (expected 'copy', 'link' or 'none')")
         if COMPUTED in docs.manifest["files"]:
-            check_hash(root / COMPUTED, docs.manifest["files"][COMPUTED], COMPUTED)
+            hashed.append((root / COMPUTED, docs.manifest["files"][COMPUTED], COMPUTED))
             paths.append(root / COMPUTED)
+        self._hashing = [_HashCheck(*check) for check in hashed]
         self.where: dict[str, object] = {}
-        for p in paths:
-            handle = safe_open(str(p), framework="pt", device="cpu")
-            for name in handle.keys():
-                self.where.setdefault(name, handle)
+        try:
+            for p in paths:
+                handle = safe_open(str(p), framework="pt", device="cpu")
+                for name in handle.keys():
+                    self.where.setdefault(name, handle)
+        except Exception:
+            self.checked()  # a file that fails its hash is the error to report, not what parsing it did
+            raise
+
+    def checked(self) -> None:
+        """Wait for every file's hash check; raise the first mismatch (LoadError)."""
+        for check in self._hashing:
+            check.result()
 
     @staticmethod
     def _linked(root: Path, entry: dict) -> Path:
@@ -120,6 +136,26 @@ class WeightFiles:
         if name not in self.whole_shapes:
             raise LoadError(f"weights: no shape known for tensor {name!r} (weights.json does not list it)")
         return dummy_tensor(name, self.whole_shapes[name], self.device)
+
+
+class _HashCheck(threading.Thread):
+    """check_hash(path, expected, name) on a daemon thread; `result()` joins it and re-raises its error."""
+
+    def __init__(self, path: Path, expected: str, name: str):
+        super().__init__(name=f"hgc-hash-{name}", daemon=True)
+        self.args_, self.error = (path, expected, name), None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            check_hash(*self.args_)
+        except Exception as e:  # handed to the reader by result()
+            self.error = e
+
+    def result(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error
 
 
 def dummy_tensor(name: str, shape: tuple[int, ...], device: str = "cpu") -> torch.Tensor:

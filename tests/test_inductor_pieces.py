@@ -161,6 +161,22 @@ def test_a_second_run_with_empty_caches_loads_the_pieces_without_compiling(built
     assert plain["outputs"] == eager and "compiled" not in plain
 
 
+def test_a_load_of_some_programs_opens_only_the_pieces_their_glue_names(built):
+    """open_bundle(programs=...) (a run without drafts loads "main" alone): a piece that only another
+    program's glue names is not opened (here one bundle.json lists no file for), while a load of
+    every program looks it up."""
+    from runtime.bundle import _load_pieces
+
+    base = built["art"] / TARGETS / built["key"]
+    doc = json.loads((base / BUNDLE).read_text())
+    main_pieces = {r["piece"] for r in doc["programs"]["main"]}
+    doc["programs"]["other"] = [{"piece": "pieces/not_there.bin"}]
+    doc["pieces"] = {**doc["pieces"], "pieces/not_there.bin": {}}
+    assert set(_load_pieces(base, doc, programs=("main",))) == main_pieces
+    with pytest.raises(KeyError, match="not_there.bin"):
+        _load_pieces(base, doc)
+
+
 def test_inspect_lists_the_bundle(built, capsys):
     assert main(["inspect", str(built["art"])]) == 0
     out = capsys.readouterr().out

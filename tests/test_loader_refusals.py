@@ -30,6 +30,15 @@ def flip_a_weight_byte(art):
     path.write_bytes(bytes(data))
 
 
+def break_weights_header(art):
+    """The header's length field made absurd: safetensors cannot parse the file. The hash, checked
+    beside the reads, is still the error reported."""
+    path = art / "weights.safetensors"
+    data = bytearray(path.read_bytes())
+    data[:8] = (1 << 62).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
 def truncate_graph(art):
     path = art / "graph.pt2"
     path.write_bytes(path.read_bytes()[:-200])
@@ -93,6 +102,7 @@ def routing_kind_edited(art):
 
 @pytest.mark.parametrize("damage, message", [
     (flip_a_weight_byte, r"weights.safetensors.*(SHA-256|modified)"),
+    (break_weights_header, r"weights.safetensors: SHA-256 .* does not match manifest.json"),
     (truncate_graph, r"graph.pt2.*(SHA-256|modified)"),
     (drop_manifest, r"manifest.json"),
     (edit_routing_bytes, r"routing.json.*(SHA-256|modified)"),

@@ -623,3 +623,26 @@ def test_a_grammar_or_a_draw_sends_the_proposal_through_choose_and_penalties_do_
             assert watch.chained == len(watch.drafts) > 0 and not [p for p in watch.chose_at if p >= 1]
         else:  # both requests are proposed together at first: the whole call goes step by step
             assert watch.chained < len(watch.drafts) and {1, 2} <= set(watch.chose_at), name
+
+
+def test_a_run_without_drafts_loads_the_main_program_alone_and_decodes_the_same(artifacts, plain, tmp_path_factory,
+                                                                                  monkeypatch):
+    """load_artifact(programs=("main",)), as `hgc run` / `hgc serve` without --speculative-tokens load:
+    the draft's archive is not opened, the tokens are plain decoding's, and asking the load for a
+    draft runner says the load left it out."""
+    from runtime import loader
+    from runtime.artifact_docs import LoadError
+
+    art_dir = shared_artifact(tmp_path_factory, "qwen3_next")[1]
+    full = artifacts("qwen3_next")
+    opened = []
+    real = loader.load_program
+    monkeypatch.setattr(loader, "load_program", lambda path, sha: opened.append(path.name) or real(path, sha))
+    main_only = load_artifact(art_dir, programs=("main",))
+    assert opened == ["graph.pt2"] and sorted(main_only.programs) == ["main"]
+    assert set(main_only.weights) == set(full.weights)
+    assert run(engine_for_artifact(main_only, options(0), MAX_LEN))[0] == plain("qwen3_next")
+    with pytest.raises(LoadError, match=r"no draft program loaded \(load_artifact\(\.\.\., programs=\.\.\.\) left it out\)"):
+        main_only.runner(None, "draft")
+    with pytest.raises(LoadError, match=r"no verify program to load"):
+        load_artifact(art_dir, programs=("main", "verify"))

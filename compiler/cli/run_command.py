@@ -73,7 +73,8 @@ def _run(args, prompts, params, options, device, group) -> int:
     rank, tp = (group.rank, group.world_size) if group is not None else (0, 1)
     progress = args.progress if rank == 0 else None  # rank 0 speaks for every rank (they load and start alike)
     art = load_artifact(args.artifact, device=device, progress=progress, compiled=compiled_options(args),
-                        rank=rank, tp=tp, load_format=args.load_format)
+                        rank=rank, tp=tp, load_format=args.load_format,
+                        programs=None if options.speculative_tokens else ("main",))
 
     def log(line: str) -> None:  # the memory plan, what start-up did; nothing with --quiet
         if rank == 0 and not args.quiet:

@@ -278,8 +278,10 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
         if tokenizer is None:
             raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
     from runtime.bundle import CompiledOptions
+    # device None: the artifact's target; the draft program only where it drafts
     art = load_artifact(artifact, device=device, progress=progress, compiled=compiled or CompiledOptions(),
-                        rank=rank, tp=tp, load_format=load_format)  # device None: the artifact's target
+                        rank=rank, tp=tp, load_format=load_format,
+                        programs=None if options.speculative_tokens else ("main",))
     device = art.device
     if tokenizer is None:
         # After the load: the artifact's tokenizer files are listed in its manifest, so their hashes
