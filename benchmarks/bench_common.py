@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+
 from runtime.batch import SeqState, build_step, commit_step
 
 __all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
@@ -361,8 +363,15 @@ def compiled_artifact(args) -> Path:
             target += ["--dtype", dtype]
         inductor = ["--inductor"] if pieces else ["--no-inductor"]
         route_args = [arg for route in routes for arg in ("--route", route)]
-        assert hgc(["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *inductor, *target,
-                    *route_args]) == 0
+        argv = ["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *inductor, *target, *route_args]
+        if pieces:
+            # In a process of its own: a build's start-up imports FlashInfer, and this process must
+            # load the bundle before anything imports it (runtime/bundle.py points FlashInfer's
+            # module cache at the bundle's copy then, and refuses once it is imported).
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+            subprocess.run([sys.executable, "-m", "compiler.cli", *argv], env=env, check=True)
+        else:
+            assert hgc(argv) == 0
     return art_dir
 
 
