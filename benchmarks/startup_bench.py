@@ -164,10 +164,11 @@ def run_variant(args) -> dict:
     rec: dict = {"variant": args.variant}
     t0 = time.perf_counter()
     with load_phases(rec.setdefault("load_phases_s", {})):
-        # the main program alone, as `hgc run` without --speculative-tokens loads it
+        # the main program alone, as `hgc run` without --speculative-tokens loads it (--all-programs:
+        # every program, as a run with drafts does)
         art = load_artifact(args.child, dev, compiled=CompiledOptions(enabled=args.variant == "compiled",
                                                                       allow_builds=args.allow_kernel_builds),
-                            programs=("main",))
+                            programs=None if args.all_programs else ("main",))
     phases = rec["load_phases_s"]
     mark = time.perf_counter()
     phases["load_artifact"] = mark - t0  # programs, weights and bundle are parts of it
@@ -371,6 +372,7 @@ def start_variant(args, variant: str, artifact: Path, work: Path, env: dict) -> 
     argv += ["--allow-kernel-builds"] if args.allow_kernel_builds else []
     argv += ["--skip", args.skip] if args.skip else []
     argv += ["--profile"] if args.profile else []
+    argv += ["--all-programs"] if args.all_programs else []
     t0 = time.perf_counter()
     proc = subprocess.run(argv + (["--dry-run"] if args.dry_run else []), cwd=ROOT, env=child_env, text=True)
     if proc.returncode != 0 or not out.exists():
@@ -435,6 +437,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="run each start-up variant under cProfile and write OUT/profile_VARIANT.txt (its timings "
                         "are then the profiler's, several-fold slower: use it to see where time goes)")
+    p.add_argument("--all-programs", action="store_true",
+                   help="start-ups load every program of the artifact (the draft's too, as a run with "
+                        "--speculative-tokens does) instead of the main program alone; compare the two in one call "
+                        "(--reuse), since lent machines differ in host speed")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, cpu target, CUDA graphs rerun")
     p.add_argument("--route", action="append", default=[],
                    help="passed to hgc compile --route (repeatable), e.g. 'gqa_attention=flashinfer[decode_impl=flashinfer]'; "
@@ -466,7 +472,8 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not args.dry_run
     doc = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "dry_run": args.dry_run, "size": args.size,
-           "family": args.family, "routes": args.route, "batches": args.batch_list, "iters": args.iters, "stages": {}, "variants": {}}
+           "family": args.family, "routes": args.route, "all_programs": args.all_programs, "batches": args.batch_list,
+           "iters": args.iters, "stages": {}, "variants": {}}
     path = out / "startup_bench.json"
     save = lambda: path.write_text(json.dumps(doc, indent=1, default=str))  # noqa: E731
     stage = Stages(doc["stages"], skip=[s for s in args.skip.split(",") if s], save=save)
