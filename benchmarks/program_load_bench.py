@@ -6,9 +6,10 @@
    start-up bench's model, with its draft) for a cuda target: the programs are what a start-up
    loads; no weight is written, and no GPU is needed to compile or to load them.
 2. In this process, alternately, `rounds` times: every program through `torch.export.load` of its
-   bytes, and through `load_program` (the same, checked, with the deserializer's repeated questions
-   answered once per load). The first round of each pays the imports the load triggers, so it is
-   reported apart; the other rounds give the warm medians.
+   bytes, through `load_program` (the same, checked, with the deserializer's repeated questions
+   answered once per load), and the main program alone through `load_program` (what a run without
+   drafts loads: `load_artifact(programs=("main",))`). The first round of each pays the imports the
+   load triggers, so it is reported apart; the other rounds give the warm medians.
 3. Both loads are compared: code, signature, ranges, every node's value.
 
 One JSON line on stdout.
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
                     "--target", "cuda", "--dtype", "bfloat16", "--force", "-q"]) == 0
     docs = read_artifact(art)
     files = {p: (docs.path / PROGRAM_FILES[p], docs.manifest["files"][PROGRAM_FILES[p]]) for p in docs.programs}
-    seconds: dict[str, list[float]] = {"torch_export_load": [], "load_program": []}
+    seconds: dict[str, list[float]] = {"torch_export_load": [], "load_program": [], "main_program_alone": []}
     loaded = {}
     for _ in range(args.rounds):
         for way in seconds:
@@ -64,7 +65,8 @@ def main(argv=None) -> int:
             if way == "torch_export_load":
                 loaded[way] = {p: torch.export.load(io.BytesIO(path.read_bytes())) for p, (path, _) in files.items()}
             else:
-                loaded[way] = {p: load_program(path, sha) for p, (path, sha) in files.items()}
+                names = ("main",) if way == "main_program_alone" else files
+                loaded[way] = {p: load_program(*files[p]) for p in names}
             seconds[way].append(time.perf_counter() - t0)
     same = all(_described(loaded["torch_export_load"][p]) == _described(loaded["load_program"][p]) for p in files)
     out = {"artifact": str(art), "programs": {p: len(ep.graph.nodes) for p, ep in loaded["load_program"].items()},

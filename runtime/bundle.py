@@ -345,7 +345,8 @@ def _load_pieces(base: Path, doc: dict, rank: int = 0, programs: tuple[str, ...]
     from torch._inductor import CompiledArtifact, config
 
     pieces = {}
-    names = doc["pieces"] if programs is None else {r["piece"] for p in programs for r in doc["programs"].get(p, [])}
+    names = doc["pieces"] if programs is None else {r["piece"] for p in programs for r in doc["programs"].get(p, [])
+                                                    if r["piece"] is not None}  # None: a segment left traced
     for name in sorted(names):
         rel = rank_dir(doc, rank) + name
         path = base / rel

@@ -307,7 +307,8 @@ def read_weights(docs: ArtifactDocs, sources: dict, device: torch.device, rank: 
     except Exception:
         weight_files.checked()  # a file that fails its hash is the error to report, not what reading it did
         raise
-    weight_files.checked()  # the files' hashes, checked while their tensors were read: nothing is handed on before
+    if stop is None or not stop.is_set():  # stopped: the caller drops them, and need not wait for the hash
+        weight_files.checked()  # checked while their tensors were read: nothing is handed on before
     return weights
 
 

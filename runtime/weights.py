@@ -23,8 +23,8 @@ byte inside a linked tensor is found there, not at load.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
-import threading
 from pathlib import Path
 
 import torch
@@ -70,7 +70,9 @@ class WeightFiles:
         if COMPUTED in docs.manifest["files"]:
             hashed.append((root / COMPUTED, docs.manifest["files"][COMPUTED], COMPUTED))
             paths.append(root / COMPUTED)
-        self._hashing = [_HashCheck(*check) for check in hashed]
+        hashing = concurrent.futures.ThreadPoolExecutor(max(1, len(hashed)), thread_name_prefix="hgc-hash")
+        self._hashing = [hashing.submit(check_hash, *check) for check in hashed]
+        hashing.shutdown(wait=False)  # its threads end with their hashes
         self.where: dict[str, object] = {}
         try:
             for p in paths:
@@ -136,26 +138,6 @@ class WeightFiles:
         if name not in self.whole_shapes:
             raise LoadError(f"weights: no shape known for tensor {name!r} (weights.json does not list it)")
         return dummy_tensor(name, self.whole_shapes[name], self.device)
-
-
-class _HashCheck(threading.Thread):
-    """check_hash(path, expected, name) on a daemon thread; `result()` joins it and re-raises its error."""
-
-    def __init__(self, path: Path, expected: str, name: str):
-        super().__init__(name=f"hgc-hash-{name}", daemon=True)
-        self.args_, self.error = (path, expected, name), None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            check_hash(*self.args_)
-        except Exception as e:  # handed to the reader by result()
-            self.error = e
-
-    def result(self) -> None:
-        self.join()
-        if self.error is not None:
-            raise self.error
 
 
 def dummy_tensor(name: str, shape: tuple[int, ...], device: str = "cpu") -> torch.Tensor:

@@ -170,6 +170,7 @@ def test_a_load_of_some_programs_opens_only_the_pieces_their_glue_names(built):
     base = built["art"] / TARGETS / built["key"]
     doc = json.loads((base / BUNDLE).read_text())
     main_pieces = {r["piece"] for r in doc["programs"]["main"]}
+    doc["programs"]["main"].append({"piece": None})  # a segment left traced names no piece
     doc["programs"]["other"] = [{"piece": "pieces/not_there.bin"}]
     doc["pieces"] = {**doc["pieces"], "pieces/not_there.bin": {}}
     assert set(_load_pieces(base, doc, programs=("main",))) == main_pieces
