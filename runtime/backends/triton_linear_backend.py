@@ -224,8 +224,8 @@ class TritonLinearBackend(BackendHooks):
         # (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in routing.json.
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES),),
         doc="Triton decode kernels (decode; target_verify as n strided decode launches), FLA chunk kernels "
-            "for extend/mixed (a Triton recurrent kernel where every request is short), a Triton extend conv; in place on the slot-indexed state pool (padding "
-            "slot skipped); capturable in decode and target_verify")
+            "for extend/mixed (a Triton recurrent kernel where every request is short), a Triton extend conv; "
+            "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify")
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
                  short_extend_tokens: int = 0):
