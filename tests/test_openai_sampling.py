@@ -143,7 +143,9 @@ def test_n_choices_share_one_prefill_and_each_equals_its_derived_seed_alone():
         single = alone(model, prompt, p)
         assert results[rid].output_ids == single.output_ids
         assert [e.token for e in results[rid].logprobs] == [e.token for e in single.logprobs]
-        assert [e.logprob for e in results[rid].logprobs] == pytest.approx([e.logprob for e in single.logprobs])
+        # a batched step and a step alone round differently in float32 (same tokens, logprobs to 1e-5)
+        assert [e.logprob for e in results[rid].logprobs] == pytest.approx([e.logprob for e in single.logprobs],
+                                                                             abs=1e-5)
         assert results[rid].prompt_logprobs == results[ids[0]].prompt_logprobs
     assert results[other].finish_reason == "length"
     assert stats["free_slots"] == stats["total_slots"] and stats["free_pages"] == stats["total_pages"]
