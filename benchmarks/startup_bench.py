@@ -51,6 +51,7 @@ import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -62,7 +63,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from bench_common import Stages, compare, decode_batch, profile_call, prompts_for, time_ms  # noqa: E402
+from bench_common import (Stages, compare, decode_batch, host_profile, profile_call, prompts_for, synchronizer,  # noqa: E402
+                          time_ms)
 
 PAGE = 16
 HISTORY = 64
@@ -219,6 +221,8 @@ def run_variant(args) -> dict:
                 prof = profile_call(lambda: runner.run(step, key), dev)
                 cell.update(kernels_per_step=prof["kernels_per_call"], kernel_ms=prof["kernel_ms"],
                             host_issue_ms=prof["host_issue_ms"], top_kernels=prof["top_kernels"][:8])
+            host = host_profile(lambda: runner.run(step, key), 20, top=20, sync=synchronizer(dev))
+            cell.update(host_top_cum=host["top_cum"], host_top_own=host["top_own"])
         print(f"  decode B={B}: {cell['step_ms']:.3f} ms ({key}), {cell.get('kernels_per_step', 'n/a')} kernels",
               flush=True)
     prompts = prompts_for(vocab, PROMPT_LENS[: max(decode)])
@@ -314,6 +318,7 @@ def time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g)
     eager gaps): the issue's piecewise against full-graph ratio, from the same process and pools.
     Its capture sets the backends' static buffers up again, so it comes after every use of the
     full-graph runner."""
+    from runtime.backends.launch_cache import Launcher
     from runtime.graph_runner import GraphRunner
     from tests.graph_cases import RerunGraphs
 
@@ -328,10 +333,27 @@ def time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g)
         with decode_batch(runner, st, B, vocab, g, HISTORY) as items:
             step, key = runner.build(items)
             cell = rec["decode"][str(B)]
-            cell["piecewise_ms"] = time_ms(lambda: runner.run(step, key), dev, args.iters)
+            # with and without the Triton launch cache (runtime/backends/launch_cache.py), interleaved:
+            # lent machines' host speed drifts within a call
+            times = {True: [], False: []}
+            for _ in range(3):
+                for enabled in (True, False):
+                    Launcher.enabled = enabled
+                    times[enabled].append(time_ms(lambda: runner.run(step, key), dev, args.iters))
+            Launcher.enabled = True
+            cell["piecewise_ms"] = statistics.median(times[True])
+            cell["piecewise_ms_without_launch_cache"] = statistics.median(times[False])
             cell["piecewise_over_full"] = cell["piecewise_ms"] / cell["step_ms"]
-        print(f"  decode B={B} piecewise: {cell['piecewise_ms']:.3f} ms ({cell['piecewise_over_full']:.2f}x full)",
-              flush=True)
+            # Where a piecewise step's time goes: kernels (profiler) against the host's issue time,
+            # and the Python functions of that host time (the eager gaps' launch paths)
+            if dev.type == "cuda":
+                prof = profile_call(lambda: runner.run(step, key), dev)
+                cell.update(piecewise_kernels_per_step=prof["kernels_per_call"], piecewise_kernel_ms=prof["kernel_ms"],
+                            piecewise_host_issue_ms=prof["host_issue_ms"])
+            host = host_profile(lambda: runner.run(step, key), 20, top=30, sync=synchronizer(dev))
+            cell.update(piecewise_host_top_cum=host["top_cum"], piecewise_host_top_own=host["top_own"])
+        print(f"  decode B={B} piecewise: {cell['piecewise_ms']:.3f} ms ({cell['piecewise_over_full']:.2f}x full; "
+              f"{cell['piecewise_ms_without_launch_cache']:.3f} ms without the launch cache)", flush=True)
 
 
 # -- the parent ---------------------------------------------------------------------------------

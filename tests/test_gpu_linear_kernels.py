@@ -143,23 +143,31 @@ def test_kernels_match_reference_at_real_dims(op, B, dtype):
     assert torch.equal(dev_pool.layer(0)[entry][untouched], before), "padding slot or a free slot was written"
 
 
-def test_decode_graph_capture_and_replay():
-    """Capture gdn_core + short_conv once, replay for two steps with other slots and inputs."""
+def decode_setup(bucket: int, num_slots: int, seed: int):
+    """GDN and conv pools (reference and device, same random states), a Triton backend over each
+    with its static slot buffer, and static bf16 inputs and outputs on the GPU: what a captured or
+    eager decode gap launches on, step after step."""
     from runtime.backends.triton_linear_backend import TritonLinearBackend
 
-    if DEV != "cuda":
-        pytest.skip("CUDA graphs need a CUDA device")
-    bucket, num_slots = 8, 20
-    ref_g, dev_g = pools("gdn_core", num_slots, seed=5)
-    ref_c, dev_c = pools("short_conv", num_slots, seed=6)
+    ref_g, dev_g = pools("gdn_core", num_slots, seed=seed)
+    ref_c, dev_c = pools("short_conv", num_slots, seed=seed + 1)
     tri_g, tri_c = TritonLinearBackend(dev_g), TritonLinearBackend(dev_c)
     for tri in (tri_g, tri_c):
         tri.init_capture_state(max_tokens=bucket, max_seqs=bucket)
-    # static inputs and outputs the graph reads and writes
     static = {op: {n: t.cuda() for n, t in inputs(op, bucket, bucket, torch.bfloat16,
-                                                   torch.Generator().manual_seed(0)).items()}
+                                                   torch.Generator().manual_seed(seed + 2)).items()}
               for op in ("gdn_core", "short_conv")}
     outs = {op: out_like(op, bucket, torch.bfloat16, "cuda") for op in static}
+    return (ref_g, dev_g, tri_g), (ref_c, dev_c, tri_c), static, outs
+
+
+def test_decode_graph_capture_and_replay():
+    """Capture gdn_core + short_conv once, replay for two steps with other slots and inputs."""
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    bucket, num_slots = 8, 20
+    # static inputs and outputs the graph reads and writes
+    (ref_g, dev_g, tri_g), (ref_c, dev_c, tri_c), static, outs = decode_setup(bucket, num_slots, seed=5)
     dummy = decode_ctx([PADDING_SLOT] * bucket, 0, "cuda")  # capture from a padding-only step
     for tri in (tri_g, tri_c):
         tri.init_replay_state(dummy, bucket)
@@ -193,6 +201,43 @@ def test_decode_graph_capture_and_replay():
             assert rel_err(out[:num_real], out_ref[:num_real]) <= 1e-2
             touched = slots[:num_real]
             assert rel_err(dev_pool.layer(0)[entry][touched], ref_pool.layer(0)[entry][touched]) <= 1e-4
+
+
+def test_eager_decode_steps_on_static_buffers_relaunch_the_compiled_kernels():
+    """An eager gap of piecewise steps: decode launches on the same buffers step after step go
+    through the Launcher's compiled kernel (runtime/backends/launch_cache.py) after the first,
+    and each step's outputs and states still match the reference (new inputs and slots each step)."""
+    from runtime.backends import triton_linear
+
+    if DEV != "cuda":
+        pytest.skip("the Launcher's fast path needs compiled kernels (the interpreter has none)")
+    bucket, num_slots, steps = 8, 20, 3
+    (ref_g, dev_g, tri_g), (ref_c, dev_c, tri_c), static, outs = decode_setup(bucket, num_slots, seed=15)
+    launchers = (triton_linear._RECURRENT_DECODE, triton_linear._SHORT_CONV_DECODE)
+    hits_before = [launcher.hits for launcher in launchers]
+    g = torch.Generator().manual_seed(19)
+    for step in range(steps):
+        slots, num_real = slots_for(bucket, num_slots, seed=70 + step)
+        ctx = decode_ctx(slots, num_real, "cuda")
+        x = {op: inputs(op, bucket, num_real, torch.bfloat16, g) for op in static}
+        for (tri, op) in ((tri_g, "gdn_core"), (tri_c, "short_conv")):
+            tri.init_replay_state(ctx, bucket)  # the slots into the backend's static buffer
+            for n, t in x[op].items():
+                static[op][n].copy_(t)
+            outs[op].fill_(float("nan"))
+            call(tri, ctx, op, static[op], outs[op])
+        torch.cuda.synchronize()
+        for op, ref_pool, dev_pool, entry in (("gdn_core", ref_g, dev_g, "recurrent"),
+                                              ("short_conv", ref_c, dev_c, "conv")):
+            out_ref = out_like(op, bucket, torch.bfloat16, "cpu")
+            call(CPUReferenceBackend(None, ref_pool), decode_ctx(slots, num_real, "cpu"), op, x[op], out_ref)
+            out = outs[op].cpu()
+            assert out[num_real:].eq(0).all() and torch.isfinite(out).all()
+            assert rel_err(out[:num_real], out_ref[:num_real]) <= 1e-2, (op, step)
+            touched = slots[:num_real]
+            assert rel_err(dev_pool.layer(0)[entry][touched], ref_pool.layer(0)[entry][touched]) <= 1e-4, (op, step)
+    # every step after the first at least (the first may meet an argument list an earlier test left)
+    assert all(launcher.hits - before >= steps - 1 for launcher, before in zip(launchers, hits_before))
 
 
 @pytest.mark.parametrize("op", list(SPECS))

@@ -64,6 +64,8 @@ import numpy as np
 import torch
 
 from compiler.splitops import BackendCapability, LayerKind, Mode, ShapeLimit
+from runtime.backends.launch_cache import Launcher
+from runtime.backends.launch_math import next_pow2
 from runtime.backends.protocol import BackendHooks, BackendSetup
 from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
@@ -225,6 +227,10 @@ if triton is not None:
             tl.store(b_dst + page * b_page_stride + offset * b_tok_stride + cols, x, mask=mask)
 
 
+# Launched with the same arguments step after step in eager gaps: through a Launcher (launch_cache.py).
+_STORE_ROWS = Launcher(_store_rows_kernel) if triton is not None else None
+
+
 def _rows_view(src: torch.Tensor) -> torch.Tensor:
     """src [T, ...] -> [T, width] with unit column stride (a view when the layout allows)."""
     flat = src.reshape(src.shape[0], -1)  # copies only when the per-row block is not one run
@@ -255,10 +261,10 @@ def store_kv_rows(slot_mapping: torch.Tensor, page_size: int,
         assert rows.shape[1] == width, f"store_kv_rows: rows of {rows.shape[1]} elements for a cache entry of {width}"
         args += [rows, rows.stride(0), dst, dst.stride(0), dst.stride(1)]
         consts[f"{name}_WIDTH"] = width
-        consts[f"{name}_BLOCK"] = min(triton.next_power_of_2(width), 2048)
+        consts[f"{name}_BLOCK"] = min(next_pow2(width), 2048)
     if T == 0:
         return
-    _store_rows_kernel[(T,)](slot_mapping, page_size, *args, **consts)
+    _STORE_ROWS[(T,)](slot_mapping, page_size, *args, **consts)
 
 
 # -- the backend -----------------------------------------------------------------------------

@@ -15,14 +15,12 @@ from pathlib import Path
 
 import torch
 
+from runtime.backends.launch_math import next_pow2
+
 __all__ = ["CONFIG_DIR", "GemmConfig", "MoEConfig", "default_config", "fit_shared_memory", "device_name_of", "config_file_name",
            "load_config_table", "pick_bucket", "next_pow2"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 _GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")

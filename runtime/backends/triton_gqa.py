@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.backends.launch_cache import Launcher
+from runtime.backends.launch_math import cdiv, next_pow2
 from runtime.backends.sm_count import num_sms
 from runtime.backends.triton_split_kv import LOG2E, combine_splits, num_splits_for, softmax_step, split_result
 
@@ -102,6 +104,9 @@ def _gqa_split_kernel(q, k_cache, v_cache, page_table, seq_lens, part_o, part_ls
     tl.store(part_lse + idx, lse, mask=live)
 
 
+_GQA_SPLIT = Launcher(_gqa_split_kernel)  # eager gaps repeat its arguments (launch_cache.py)
+
+
 def triton_gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                          seq_lens: torch.Tensor, rows_per_req: int, out: torch.Tensor, scale: float,
                          num_splits: int | None = None, block_n: int | None = None) -> None:
@@ -126,8 +131,8 @@ def triton_gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     assert page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32
     group = Hq // Hkv
     tile_rows = rows_per_req * group
-    block_m = min(max(16, triton.next_power_of_2(tile_rows)), _MAX_BLOCK_M)
-    row_blocks = triton.cdiv(tile_rows, block_m)
+    block_m = min(max(16, next_pow2(tile_rows)), _MAX_BLOCK_M)
+    row_blocks = cdiv(tile_rows, block_m)
     if num_splits is None:
         num_splits = num_splits_for(B, Hkv * row_blocks, num_sms(q.device))
     if block_n is None:
@@ -135,7 +140,7 @@ def triton_gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     part_o = torch.empty(T * Hq * num_splits, DV, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(T * Hq * num_splits, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only applies to float32 operands
-    _gqa_split_kernel[(B, Hkv * row_blocks, num_splits)](
+    _GQA_SPLIT[(B, Hkv * row_blocks, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),

@@ -56,11 +56,14 @@ graph), and which backend serves a layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from runtime.backends.launch_cache import Launcher
+from runtime.backends.launch_math import cdiv, next_pow2
 from runtime.backends.sm_count import num_sms
 from runtime.state_pool import PADDING_SLOT
 
@@ -89,6 +92,7 @@ class ConvConfig:
     num_warps: int
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
 def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
     """Tile choice for a decode launch of `batch` rows of `heads` value heads.
 
@@ -98,25 +102,26 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
     with 32 heads of 128 that is BV=8 (512 programs). Keep ~32 state floats per thread.
     """
     target = 4 * num_sms(device)
-    max_bv = triton.next_power_of_2(dv)
+    max_bv = next_pow2(dv)
     block_v = min(8, max_bv)
     for bv in (32, 16, 8):
-        if bv <= max_bv and batch * heads * triton.cdiv(dv, bv) >= target:
+        if bv <= max_bv and batch * heads * cdiv(dv, bv) >= target:
             block_v = bv
             break
-    num_warps = max(1, min(8, triton.next_power_of_2(dk) * block_v // 1024))
+    num_warps = max(1, min(8, next_pow2(dk) * block_v // 1024))
     return RecurrentConfig(block_v, num_warps)
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
 def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
     """Channel tile for the decode conv: about two programs per SM, at least one channel a thread."""
     target = 2 * num_sms(device)
     block_c = 32
     for bc in (512, 256, 128, 64, 32):
-        if batch * triton.cdiv(channels, bc) >= target:
+        if batch * cdiv(channels, bc) >= target:
             block_c = bc
             break
-    block_c = min(block_c, max(32, triton.next_power_of_2(channels)))
+    block_c = min(block_c, max(32, next_pow2(channels)))
     return ConvConfig(block_c, max(1, min(4, block_c // 64)))
 
 
@@ -126,6 +131,7 @@ def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
 CONV_EXTEND_BLOCK_T = 32
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
 def conv_extend_config(num_blocks: int, channels: int, device: torch.device) -> ConvConfig:
     """Channel tile of the extend conv: the widest that still gives about two programs per SM
     (a long prompt: 256 channels, 8 warps; a few short requests: narrower tiles, more programs),
@@ -133,10 +139,10 @@ def conv_extend_config(num_blocks: int, channels: int, device: torch.device) -> 
     target = 2 * num_sms(device)
     block_c = 32
     for bc in (256, 128, 64, 32):
-        if num_blocks * triton.cdiv(channels, bc) >= target:
+        if num_blocks * cdiv(channels, bc) >= target:
             block_c = bc
             break
-    block_c = min(block_c, max(32, triton.next_power_of_2(channels)))
+    block_c = min(block_c, max(32, next_pow2(channels)))
     return ConvConfig(block_c, max(1, min(8, CONV_EXTEND_BLOCK_T * block_c // 1024)))
 
 
@@ -411,6 +417,12 @@ def _short_conv_extend_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+# The decode kernels launch in the eager gaps of piecewise steps with the same arguments step
+# after step: launched through a Launcher, they skip Triton's per-launch binding (launch_cache.py).
+_RECURRENT_DECODE = Launcher(_recurrent_decode_kernel)
+_SHORT_CONV_DECODE = Launcher(_short_conv_decode_kernel)
+
+
 def _unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
     """Inputs need a unit-stride last dimension (16-byte loads); copy the rare one that has not."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -447,7 +459,7 @@ def _recurrent_args(op: str, q, k, v, gate, beta, out, state, gate_kind: int, ro
     b_row, b_head = (beta.stride(0), beta.stride(1)) if beta is not None else (0, 0)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                g_row, g_head, b_row, b_head, out.stride(0), out.stride(1), state.stride(0), state.stride(1))
-    consts = dict(GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), GATE=gate_kind,
+    consts = dict(GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=next_pow2(Dk), GATE=gate_kind,
                   DELTA=beta is not None)
     return q, k, v, gate, strides, consts
 
@@ -469,10 +481,10 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
     cfg = config or recurrent_config(B, Hv, Dk, Dv, q.device)
     # A tile smaller than the program's threads would only replicate elements across them.
-    assert triton.next_power_of_2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
+    assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
     b_t = beta if beta is not None else gate  # never read without DELTA; any valid pointer will do
-    grid = (B, Hv, triton.cdiv(Dv, cfg.block_v))
-    _recurrent_decode_kernel[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), **consts,
+    grid = (B, Hv, cdiv(Dv, cfg.block_v))
+    _RECURRENT_DECODE[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), **consts,
                                    BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
 
 
@@ -496,9 +508,9 @@ def recurrent_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
         return
     Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
     cfg = config or recurrent_config(R, Hv, Dk, Dv, q.device)
-    assert triton.next_power_of_2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
+    assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
     b_t = beta if beta is not None else gate
-    grid = (R, Hv, triton.cdiv(Dv, cfg.block_v))
+    grid = (R, Hv, cdiv(Dv, cfg.block_v))
     _recurrent_extend_kernel[grid](q, k, v, gate, b_t, out, state, slots, bounds, *strides, float(scale),
                                    **consts, BV=cfg.block_v, num_warps=cfg.num_warps)
 
@@ -542,12 +554,12 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return
     cfg = config or conv_config(B, C, x.device)
     assert cfg.block_c >= 32 * cfg.num_warps, f"short_conv: {cfg} leaves threads idle"
-    grid = (B, triton.cdiv(C, cfg.block_c))
-    _short_conv_decode_kernel[grid](
+    grid = (B, cdiv(C, cfg.block_c))
+    _SHORT_CONV_DECODE[grid](
         x, weight, bias if bias is not None else weight, out, conv_state, slots,
         x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         C,
-        KW=K, KWP=triton.next_power_of_2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
+        KW=K, KWP=next_pow2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
         num_warps=cfg.num_warps,
     )
 
@@ -592,12 +604,12 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if num_blocks == 0 or C == 0:
         return
     cfg = config or conv_extend_config(num_blocks, C, x.device)
-    grid = (num_blocks, triton.cdiv(C, cfg.block_c))
+    grid = (num_blocks, cdiv(C, cfg.block_c))
     _short_conv_extend_kernel[grid](
         x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks,
         x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         C, R,
-        KW=K, HP=max(2, triton.next_power_of_2(K - 1)), BT=CONV_EXTEND_BLOCK_T, BC=cfg.block_c,
+        KW=K, HP=max(2, next_pow2(K - 1)), BT=CONV_EXTEND_BLOCK_T, BC=cfg.block_c,
         HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
         num_warps=cfg.num_warps,
     )

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.backends.launch_cache import Launcher
+from runtime.backends.launch_math import cdiv
 from runtime.backends.sm_count import num_sms
 from runtime.backends.triton_split_kv import LOG2E, combine_splits, num_splits_for, softmax_step, split_result
 
@@ -100,6 +102,9 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_po
     tl.store(part_lse + idx, lse, mask=hmask)
 
 
+_MLA_SPLIT = Launcher(_mla_split_kernel)  # eager gaps repeat its arguments (launch_cache.py)
+
+
 def triton_mla_attention(q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, row_pos, out, scale,
                          block_h: int = 16, block_n: int = 32, num_splits: int | None = None) -> None:
     """q_latent [T,H,R], q_rope [T,H,P]; ckv [pages,page_size,R] and kpe [pages,page_size,P] (views
@@ -133,13 +138,13 @@ def _launch(q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_
     assert ckv.stride(-1) == 1 and kpe.stride(-1) == 1 and q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
     assert R & (R - 1) == 0 and P & (P - 1) == 0, f"triton MLA: R={R} and P={P} must be powers of two"
     assert R >= 16, f"triton MLA: a latent rank of {R} is below a dot's smallest width (16)"
-    head_blocks = triton.cdiv(H, block_h)
+    head_blocks = cdiv(H, block_h)
     if num_splits is None:
         num_splits = num_splits_for(T, head_blocks, num_sms(q_latent.device))
     part_o = torch.empty(T * H * num_splits, R, dtype=torch.float32, device=q_latent.device)
     part_lse = torch.empty(T * H * num_splits, dtype=torch.float32, device=q_latent.device)
     precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"
-    _mla_split_kernel[(T, head_blocks, num_splits)](
+    _MLA_SPLIT[(T, head_blocks, num_splits)](
         q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_lens, part_o, part_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), s_pt,

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.backends.launch_cache import Launcher
+
 __all__ = ["LOG2E", "MAX_SPLITS", "combine_splits", "num_splits_for", "softmax_step", "split_result"]
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
@@ -66,6 +68,9 @@ def _combine_kernel(part_o, part_lse, out, s_o_t, s_o_h, num_heads, num_splits,
     tl.store(out + t * s_o_t + h * s_o_h + r, res.to(out.dtype.element_ty))
 
 
+_COMBINE = Launcher(_combine_kernel)  # eager gaps repeat its arguments (launch_cache.py)
+
+
 def num_splits_for(rows: int, head_blocks: int, num_sms: int) -> int:
     """Splits per (row, head block): enough programs for about two waves, a power of two <= 32."""
     want = max(1, -(-2 * num_sms // max(rows * head_blocks, 1)))
@@ -82,5 +87,5 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
     T, H, DV = out.shape
     assert out.stride(-1) == 1
     assert 1 <= num_splits <= MAX_SPLITS, f"split-KV attention: {num_splits} splits (1 to {MAX_SPLITS})"
-    _combine_kernel[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, num_splits,
+    _COMBINE[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, num_splits,
                             R=DV, MAX_SPLITS=MAX_SPLITS, num_warps=4)
