@@ -364,6 +364,16 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
         first_out = out.clone()
         ms = bench_ms(ours, 100)
         layer_ms = bench_ms(layer, 100)  # the plan ours() made last stays: each call is one more layer
+        public_ms = None
+        if spec[0] == "gdn_core" and fla is None and is_cuda():
+            # the same layer through FLA's public entry (the backend calls its forward): same run
+            from runtime.backends.triton_linear_backend import fla_ops
+
+            public = TritonLinearBackend(pool, fla=fla_ops(gdn_entry="public"))
+            plan_eager_step(public, ctx, T)
+            call(public, spec, ctx, x, c, out)
+            public_ms = bench_ms(lambda: call(public, spec, ctx, x, c, out), 100)
+            call(tri, spec, ctx, x, c, out)  # tri's plan again the step's current one
         kernel_ms = device_busy_ms(ours)
         # where a step's wall time beyond its kernels goes (issue 14's per-request host cost)
         host = host_profile(ours, 10, top=12, sync=torch.cuda.synchronize) if is_cuda() else None
@@ -387,7 +397,7 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
                "floor_bytes_ms": floor_bw, "floor_flops_ms": floor_fl, "bytes": nbytes, "flops": flops,
                "x_floor": ms / floor, "kernel_ms": kernel_ms, "host_profile": host,
                "kernel_x_floor": None if kernel_ms is None else kernel_ms / floor, "torch_ref_gpu_ms": ref_ms,
-               "ref_over_ours": None if ref_ms is None else ref_ms / ms}
+               "ref_over_ours": None if ref_ms is None else ref_ms / ms, "layer_public_entry_ms": public_ms}
         if spec[0] == "short_conv":
             row.update(time_old_conv(spec, ctx, states_before, x["x"], c, first_out))
             row["old_over_ours"] = row["old_torch_ms"] / ms
@@ -398,6 +408,8 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
             old_note = (f"; old torch conv {row['old_torch_ms'] * 1e3:.1f} us (layer "
                         f"{row['old_torch_layer_ms'] * 1e3:.1f}), x{row['old_over_ours']:.1f} / layer "
                         f"x{row['old_over_ours_layer']:.1f}")
+        if public_ms is not None:
+            old_note += f"; layer through FLA's public entry {public_ms * 1e3:.1f} us"
         log(f"  {name} T={T} R={R}: {ms * 1e3:.1f} us, layer {layer_ms * 1e3:.1f} us "
             f"(kernels {fmt(None if kernel_ms is None else kernel_ms * 1e3)} us), floor {floor * 1e3:.1f} us "
             f"(bytes {floor_bw * 1e3:.1f}, flops {floor_fl * 1e3:.1f}), x{ms / floor:.2f}; torch ref "

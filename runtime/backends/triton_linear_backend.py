@@ -92,8 +92,13 @@ def _kernels():
     return importlib.import_module("runtime.backends.triton_linear")
 
 
-def fla_ops() -> types.SimpleNamespace:
-    """FLA's three chunk entry points (keyword calls only: positional orders differ between them)."""
+def fla_ops(gdn_entry: str = "forward") -> types.SimpleNamespace:
+    """FLA's three chunk entry points (keyword calls only: positional orders differ between them).
+
+    gdn_entry: "forward" (FLA's gated-delta-rule forward below its public entry, where this FLA has
+    one: `_gdn_forward`) or "public" (its public entry; benchmarks/gpu_linear_extend.py times both)."""
+    if gdn_entry not in ("forward", "public"):
+        raise ValueError(f"fla_ops: gdn_entry must be 'forward' or 'public', not {gdn_entry!r}")
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         from fla.ops.kda import chunk_kda
@@ -106,8 +111,42 @@ def fla_ops() -> types.SimpleNamespace:
             f"triton_linear: extend, mixed and ragged target-verify steps of linear layers run FLA's chunk "
             f"kernels, and importing them failed ({type(e).__name__}: {e}); {hint}. There is no fallback to "
             f"the CPU reference on purpose.") from e
-    return types.SimpleNamespace(gdn=chunk_gated_delta_rule, kda=chunk_kda,
+    gdn = (_gdn_forward() if gdn_entry == "forward" else None) or chunk_gated_delta_rule
+    return types.SimpleNamespace(gdn=gdn, kda=chunk_kda,
                                  simple_gla=_simple_gla_taking_chunk_indices() or chunk_simple_gla)
+
+
+def _gdn_forward():
+    """FLA's gated-delta-rule forward, called below its public entry, or None where FLA has none.
+
+    Per layer of an extend step, FLA 0.6's public `chunk_gated_delta_rule` runs a dynamo-disable
+    wrapper, its backend dispatch, argument checks, an autograd Function with its input guard
+    (contiguous copies, a device context) and autocast wrapper, around `chunk_gated_delta_rule_fwd`:
+    host time of a layer whose kernels take a tenth of it (BENCHMARKS.md, the linear extend
+    section). For what this backend asks (no in-kernel l2norm, beta sigmoid or gate, chunks of 64,
+    the state laid out [K, V]) the forward computes the same result; the inputs are made contiguous
+    here as the guard did, and the output cast to q's dtype as the Function did."""
+    try:
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    except ImportError:
+        return None
+    wanted = {"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens",
+              "chunk_indices", "state_v_first", "chunk_size"}
+    if not wanted <= set(inspect.signature(chunk_gated_delta_rule_fwd).parameters):
+        return None
+
+    def gdn(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+            use_qk_l2norm_in_kernel=False):
+        del cu_seqlens_cpu  # the chunk indices are what FLA would have built from it
+        if use_qk_l2norm_in_kernel:
+            raise ValueError("triton_linear: the GDN forward is called without FLA's in-kernel l2norm")
+        # FLA 0.6 returns (g cumsum, o, A, final state, initial state, gate input)
+        _, o, _, final_state, _, _ = chunk_gated_delta_rule_fwd(
+            q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
+            scale=scale, initial_state=initial_state.contiguous(), output_final_state=output_final_state,
+            state_v_first=False, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK)
+        return o.to(q.dtype), final_state
+    return gdn
 
 
 def _simple_gla_taking_chunk_indices():
@@ -392,8 +431,9 @@ class TritonLinearBackend(BackendHooks):
 
     @staticmethod
     def _rows(t: torch.Tensor, t0: int, n: int) -> torch.Tensor:
-        """Rows t0, t0+n, t0+2n, ... of t: token t0 of every request in a target-verify step."""
-        return t[t0::n]
+        """Rows t0, t0+n, t0+2n, ... of t: token t0 of every request in a target-verify step (a
+        decode step's n == 1: t itself, no view to make on its launch path)."""
+        return t if n == 1 else t[t0::n]
 
     # -- the extend path (eager) ---------------------------------------------------------------
 
