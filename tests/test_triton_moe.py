@@ -156,6 +156,23 @@ def test_router_matches_route_topk_ids_and_weights():
         assert torch.allclose(w.cpu(), rw, rtol=1e-5, atol=1e-7), (scoring, groups)
 
 
+def test_router_picks_like_route_topk_at_512_experts_and_breaks_ties_by_lowest_id():
+    """Qwen3-Next-80B's router (512 experts, top 10, softmax) and Kimi-Linear's (sigmoid + bias,
+    top 8 of 256): the same ids and weights as the reference; scores that tie (a zero router: every
+    logit 0) pick the lowest ids, as torch.topk over the reference's scores does."""
+    g = torch.Generator().manual_seed(11)
+    T, Dr = 3, 64
+    for E, k, scoring, bias in [(512, 10, "softmax", None), (256, 8, "sigmoid", torch.randn(256, generator=g) * 0.2)]:
+        x, router = torch.randn(T, Dr, generator=g), torch.randn(E, Dr, generator=g)
+        ids, w = route(*_on(x, router, bias), k, scoring, True, 2.5, 1, 1)
+        rids, rw = route_topk(x, router, bias, k, scoring, True, 2.5, 1, 1)
+        assert torch.equal(ids.long().cpu(), rids), (E, scoring)
+        assert torch.allclose(w.cpu(), rw, rtol=1e-5, atol=1e-7), (E, scoring)
+        ids, w = route(*_on(x, torch.zeros(E, Dr), None), k, scoring, True, 1.0, 1, 1)
+        assert ids.long().cpu().tolist() == [list(range(k))] * T, (E, scoring)
+        assert torch.allclose(w.cpu(), torch.full((T, k), 1.0 / k)), (E, scoring)
+
+
 @pytest.mark.parametrize("logits_kernel,E", [("fused", 40), ("gemv", 40), ("gemv", 72), ("dot", 40)])
 def test_every_router_logits_kernel_matches_route_topk(logits_kernel, E):
     g = torch.Generator().manual_seed(9)
