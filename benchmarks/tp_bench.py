@@ -72,6 +72,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 HISTORY = 64  # tokens each decode request holds before the timed steps
+# Seconds of --budget-s kept for the tensor-parallel launch after the TP 1 run, and the least a TP 1
+# run is started with (its start-up alone took 30 to 100 s on an H200 with cold kernel caches).
+TP_LAUNCH_RESERVE_S = 240
+TP1_MIN_S = 90
 TOKEN_PROMPTS = ((3, 5, 7, 11), tuple(range(20, 37)), tuple(range(100, 140)), (9,) * 24)
 GPU = dict(batches=(1, 8, 32, 128), steps=20, warmup=3, profile_steps=5, new_tokens=16, token_budget=512,
            extend_bucket=16, target="cuda", dtype="bfloat16", history=HISTORY)
@@ -169,13 +173,21 @@ def run_parent(args, knobs: dict) -> dict:
         report["build"] = build_all(ready, out, knobs, left)
 
     one = [n for n in ready if MODELS[n][1] == 1]
-    if one and left() > 60:
+    tp1_s = left() - TP_LAUNCH_RESERVE_S  # the rest is kept for the tensor-parallel launch
+    not_run = {}  # model -> why it did not run, for its record
+    if one and tp1_s < TP1_MIN_S:
+        for n in one:
+            not_run[n] = (f"not run: --budget-s {args.budget_s:g} left {max(0.0, tp1_s):.0f} s for the TP 1 run after "
+                          f"keeping {TP_LAUNCH_RESERVE_S} s for the TP 2 launch (it needs {TP1_MIN_S} s); raise --budget-s")
+    elif one:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
         try:
             report["tp1_exit"] = subprocess.run(worker_cmd(args, "tp1", one), cwd=ROOT, env=env,
-                                                timeout=max(30, left() - 240)).returncode  # leave the launch time
+                                                timeout=tp1_s).returncode
         except subprocess.TimeoutExpired:
             report["tp1_exit"] = "timeout"
+            for n in one:
+                not_run[n] = f"timed out: the TP 1 run had {tp1_s:.0f} s of --budget-s {args.budget_s:g}"
     many = [n for n in ready if MODELS[n][1] > 1]
     launches = []
     while many and left() > 90:
@@ -190,7 +202,8 @@ def run_parent(args, knobs: dict) -> dict:
     for n in names:
         part = out / "parts" / f"{n}.json"
         rec = json.loads(part.read_text()) if part.exists() else {
-            "status": "not run" if not (out / "parts" / f"{n}.started").exists() else "failed while starting"}
+            "status": not_run.get(n) or ("not run" if not (out / "parts" / f"{n}.started").exists()
+                                         else "failed while starting (see the launch's stderr)")}
         if rec["status"] == "running":  # its process ended under it: another rank failed (see the log)
             rec["status"] = "failed: a rank ended during it (see the launch's stderr)"
         report["models"][n] = rec
@@ -227,7 +240,8 @@ def print_table(report: dict) -> None:
                   f"{'n/a' if share is None else f'{100 * share:.1f}':>13s}  {row.get('graph_replays')}",
                   file=sys.stderr)
         if rec.get("status") != "ok":
-            print(f"{name:26s} {rec.get('status')}: {str(rec.get('error', ''))[:200]}", file=sys.stderr)
+            error = str(rec.get("error") or "")[:200]
+            print(f"{name:26s} {rec.get('status')}" + (f": {error}" if error else ""), file=sys.stderr)
     print(f"tokens TP 2 vs TP 1 (bench size): {report['tokens_tp2_vs_tp1'].get('status')}", file=sys.stderr)
 
 
