@@ -42,9 +42,14 @@ class FakeKernel:
 
 
 class StreamLauncher(Launcher):
+    device = 0
+
+    def _device(self):
+        return self.device
+
     @staticmethod
-    def _stream():
-        return "stream"
+    def _stream(device):
+        return f"stream of {device}"
 
 
 def test_the_same_arguments_launch_the_compiled_kernel_with_every_parameter():
@@ -58,7 +63,7 @@ def test_the_same_arguments_launch_the_compiled_kernel_with_every_parameter():
     assert launch.hits == 1 and len(kernel.slow_launches) == 1
     (grid, stream, args), = kernel.compiled.launches
     # the constexprs after the positional arguments, from the keywords or their defaults
-    assert grid == (2, 3, 1) and stream == "stream" and args[1:] == (7, y, 16, 3) and args[0] is x2
+    assert grid == (2, 3, 1) and stream == "stream of 0" and args[1:] == (7, y, 16, 3) and args[0] is x2
 
 
 @pytest.mark.parametrize("change", ["address", "dtype", "int", "constexpr", "option", "grid"])
@@ -106,3 +111,16 @@ def test_a_disabled_launcher_takes_tritons_path_every_time(monkeypatch):
     for _ in range(2):
         launch[(1,)](x, 1, x, BLOCK=16)
     assert launch.hits == launch.misses == 0 and len(kernel.slow_launches) == 2
+
+
+def test_the_same_arguments_on_another_device_go_through_triton():
+    kernel = FakeKernel()
+    launch = StreamLauncher(kernel)
+    x = torch.zeros(4)
+    launch[(1,)](x, 1, x, BLOCK=16)
+    launch.device = 1  # the same addresses, another current device: Triton's cache is per device
+    launch[(1,)](x, 1, x, BLOCK=16)
+    assert launch.hits == 0 and launch.misses == 2
+    launch[(1,)](x, 1, x, BLOCK=16)
+    (_, stream, _), = kernel.compiled.launches
+    assert launch.hits == 1 and stream == "stream of 1"

@@ -9,11 +9,11 @@ addresses, and the strides and tiles follow the bucket.
 
 `Launcher` keeps, per exact argument list (each tensor's address and dtype, every other value, the
 grid and the launch options), the kernel Triton compiled for that list, and launches it through
-the compiled kernel's own launcher (what Triton's `run` ends with). Identical arguments specialize
-identically, so it is the kernel Triton's path would pick; any other list (a new buffer, another
-length) goes through Triton's path, which then remembers it. Under the interpreter
-(TRITON_INTERPRET=1, the CPU tests) Triton returns no compiled kernel and every launch takes
-Triton's path.
+the compiled kernel's own launcher (what Triton's `run` ends with). Identical arguments on the same
+device specialize identically, so it is the kernel Triton's path would pick; any other list (a new
+buffer, another length, another device) goes through Triton's path, which then remembers it.
+Under the interpreter (TRITON_INTERPRET=1, the CPU tests) Triton returns no compiled kernel and
+every launch takes Triton's path.
 """
 
 from __future__ import annotations
@@ -52,16 +52,20 @@ class Launcher:
             return
         key = self._key(grid, args, kwargs)
         entry = self._compiled.get(key)
+        if entry is not None:
+            device = self._device()
+            if entry[2] != device:
+                entry = None  # compiled for another device (Triton keeps a cache per device too)
         if entry is None:
             self.misses += 1
             compiled = self.kernel[grid](*args, **kwargs)
             self._remember(key, compiled, len(args), kwargs)
             return
         self.hits += 1
-        compiled, tail = entry
+        compiled, tail, _ = entry
         from triton import knobs
 
-        stream = self._stream()
+        stream = self._stream(device)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         full = (*args, *tail)
         # A launch hook (a profiler's) gets the metadata Triton's path would give it.
@@ -69,11 +73,16 @@ class Launcher:
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                      compiled.function, compiled.packed_metadata, metadata, enter, leave, *full)
 
+    # The current device and its current stream: the two torch calls Triton's CUDA driver binds its
+    # get_current_device / get_current_stream to, without its driver's lookups. Only reached once
+    # Triton has compiled a kernel, so never on a machine without CUDA.
     @staticmethod
-    def _stream():
-        """The current stream of the current device: the two torch calls Triton's CUDA driver binds
-        its get_current_device / get_current_stream to, without its driver's lookups."""
-        return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    def _device() -> int:
+        return torch.cuda.current_device()
+
+    @staticmethod
+    def _stream(device: int):
+        return torch._C._cuda_getCurrentRawStream(device)
 
     def _remember(self, key: tuple, compiled, positional: int, kwargs: dict) -> None:
         # The compiled kernel's launcher takes every parameter in order, constexprs included
@@ -83,6 +92,6 @@ class Launcher:
         if compiled is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             return  # the interpreter, or a Triton whose compiled kernels launch otherwise: its own path
         tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in self.kernel.params[positional:])
-        self._compiled[key] = (compiled, tail)
+        self._compiled[key] = (compiled, tail, self._device())
         if len(self._compiled) > self.size:
             self._compiled.popitem(last=False)
