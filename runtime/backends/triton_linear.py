@@ -485,7 +485,7 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     b_t = beta if beta is not None else gate  # never read without DELTA; any valid pointer will do
     grid = (B, Hv, cdiv(Dv, cfg.block_v))
     _RECURRENT_DECODE[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), **consts,
-                                   BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
+                            BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
 
 
 def recurrent_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
