@@ -63,7 +63,7 @@ from runtime.side_stream import CudaSideStream, StreamPlanError, stream_piece
 from runtime.weights import WeightFiles, assemble, check_load_format, whole_shapes
 
 __all__ = ["LoadError", "ArtifactDocs", "LoadedArtifact", "ProgramRunner", "read_artifact", "load_artifact",
-           "check_pt2_bytes", "load_programs", "check_model_facts", "CompiledOptions"]
+           "check_pt2_bytes", "load_programs", "check_model_facts", "CompiledOptions", "programs_for_run"]
 
 
 class ProgramRunner:
@@ -366,6 +366,12 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
             raise
         weights = reading.result()
     return LoadedArtifact(docs, loaded, weights, program_fqns, device, bundle)
+
+
+def programs_for_run(speculative_tokens: int) -> tuple[str, ...] | None:
+    """load_artifact's `programs` for a run: every program where it drafts (the draft program is
+    the MTP layer), the main program alone otherwise."""
+    return None if speculative_tokens else ("main",)
 
 
 def select_programs(docs: ArtifactDocs, names: tuple[str, ...] | None) -> tuple[str, ...]:

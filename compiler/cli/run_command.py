@@ -67,14 +67,14 @@ def _run(args, prompts, params, options, device, group) -> int:
     """`hgc run` in one process: the only one (group None), rank 0 of a tensor-parallel launch (which
     adds the requests and prints), or another rank (which follows rank 0's steps until it stops)."""
     from runtime.distributed import follow, lead
-    from runtime.loader import load_artifact
+    from runtime.loader import load_artifact, programs_for_run
     from runtime.server.model import engine_for_artifact
 
     rank, tp = (group.rank, group.world_size) if group is not None else (0, 1)
     progress = args.progress if rank == 0 else None  # rank 0 speaks for every rank (they load and start alike)
     art = load_artifact(args.artifact, device=device, progress=progress, compiled=compiled_options(args),
                         rank=rank, tp=tp, load_format=args.load_format,
-                        programs=None if options.speculative_tokens else ("main",))
+                        programs=programs_for_run(options.speculative_tokens))
 
     def log(line: str) -> None:  # the memory plan, what start-up did; nothing with --quiet
         if rank == 0 and not args.quiet:

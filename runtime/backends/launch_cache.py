@@ -36,6 +36,7 @@ class Launcher:
         self.kernel, self.size = kernel, size
         self._compiled: collections.OrderedDict = collections.OrderedDict()
         self.hits = self.misses = 0
+        self._hooks = None  # triton.knobs.runtime, once a kernel is remembered (no import before)
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(tuple(grid), args, kwargs)
@@ -63,10 +64,9 @@ class Launcher:
             return
         self.hits += 1
         compiled, tail, _ = entry
-        from triton import knobs
-
         stream = self._stream(device)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        # Triton's launch hooks, read at each launch as its own run does (a profiler may add one)
+        enter, leave = self._hooks.launch_enter_hook, self._hooks.launch_exit_hook
         full = (*args, *tail)
         # A launch hook (a profiler's) gets the metadata Triton's path would give it.
         metadata = compiled.launch_metadata(grid, stream, *full) if getattr(enter, "calls", enter) else None
@@ -91,6 +91,9 @@ class Launcher:
         # (num_warps), fixed by the key.
         if compiled is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             return  # the interpreter, or a Triton whose compiled kernels launch otherwise: its own path
+        from triton import knobs
+
+        self._hooks = knobs.runtime  # Triton's launch hooks, as its own run reads them
         tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in self.kernel.params[positional:])
         self._compiled[key] = (compiled, tail, self._device())
         if len(self._compiled) > self.size:

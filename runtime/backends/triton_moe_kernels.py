@@ -68,7 +68,8 @@ import triton
 import triton.language as tl
 
 from compiler.splitops import moe_shared_width
-from runtime.backends.moe_config import GemmConfig, MoEConfig, next_pow2
+from runtime.backends.launch_math import cdiv, next_pow2
+from runtime.backends.moe_config import GemmConfig, MoEConfig
 
 __all__ = ["combine", "down_sorted", "down_token", "fused_moe", "gate_up_sorted", "gate_up_token", "max_sorted_rows",
            "route", "shared_chunks", "sort_tokens"]
@@ -579,10 +580,6 @@ def _down_token_kernel(h_ptr, w2_ptr, sw2_ptr, ids_ptr, weights_ptr, out_ptr, E,
 # ---------------------------------------------------------------------------------------------
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _dot_fp32(*dtypes) -> bool:
     """Dots run on bf16/fp16 tensor cores when all operands share that type, else in exact float32.
 
@@ -651,12 +648,12 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
         # Few tokens: spread the router over many programs, each loading its rows (1 expert, or 4
         # past 64 experts) of up to 2048 columns in one step.
         block_e = 1 if E <= 64 else 4
-        _logits_gemv_kernel[(T, _cdiv(E, block_e))](
+        _logits_gemv_kernel[(T, cdiv(E, block_e))](
             x, router_weight, logits, E, D, x.stride(0), router_weight.stride(0),
             BLOCK_E=block_e, BLOCK_D=min(2048, next_pow2(D)), num_warps=4)
     else:
         bn = min(64, max(16, next_pow2(E)))
-        _logits_kernel[(_cdiv(T, 64), _cdiv(E, bn))](
+        _logits_kernel[(cdiv(T, 64), cdiv(E, bn))](
             x, router_weight, logits, T, E, D, x.stride(0), router_weight.stride(0),
             BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64, DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype),
             num_warps=4, num_stages=4)
@@ -691,7 +688,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
 def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static bound on the padded sorted rows: every hit expert wastes at most BLOCK_M-1 rows."""
     rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return _cdiv(rows, block_m) * block_m
+    return cdiv(rows, block_m) * block_m
 
 
 def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, counts: Optional[torch.Tensor] = None):
@@ -735,7 +732,7 @@ def shared_chunks(shared_width: int, inter: int) -> int:
     SwiGLU is separable over intermediate channels, so a shared expert of width S is the sum of
     ceil(S/I) experts of the routed width I (the last one masked past S) that every token selects.
     """
-    return _cdiv(shared_width, inter) if shared_width else 0
+    return cdiv(shared_width, inter) if shared_width else 0
 
 
 def _shared_operand(shared: Optional[torch.Tensor], routed: torch.Tensor) -> tuple:
@@ -761,7 +758,7 @@ def gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots: int, cfg: G
         h = torch.empty(R, I, dtype=x.dtype, device=x.device)
     # One loop serves routed and shared blocks, so it may skip the column mask only if both tile evenly.
     even_n = I % cfg.BLOCK_N == 0 and (S == 0 or S % I == 0)
-    _gate_up_sorted_kernel[(R // bm * _cdiv(I, cfg.BLOCK_N),)](
+    _gate_up_sorted_kernel[(R // bm * cdiv(I, cfg.BLOCK_N),)](
         x, w13, sw13, h, sorted_pairs, block_expert, total, R // bm, x.shape[0] * slots, slots, E, I, S, D,
         x.stride(0), w13.stride(0), w13.stride(1), stride_swn, h.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(x.dtype),
@@ -785,7 +782,7 @@ def down_sorted(h, w2, weights, sorted_pairs, block_expert, total, cfg: GemmConf
     if y is None:
         y = torch.empty(P, D, dtype=h.dtype, device=h.device)
     even_k = I % cfg.BLOCK_K == 0 and (S == 0 or S % I == 0)  # one loop for routed and shared blocks
-    _down_sorted_kernel[(R // bm * _cdiv(D, cfg.BLOCK_N),)](
+    _down_sorted_kernel[(R // bm * cdiv(D, cfg.BLOCK_N),)](
         h, w2, sw2, y, weights, sorted_pairs, block_expert, total, R // bm, P, E, D, I, S,
         h.stride(0), w2.stride(0), w2.stride(1), stride_swn, y.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(h.dtype),
@@ -802,7 +799,7 @@ def combine(y, ids, out, sentinel: int) -> None:
     T, slots = ids.shape
     D = out.shape[1]
     block_d = min(1024, next_pow2(D))
-    _combine_kernel[(T, _cdiv(D, block_d))](
+    _combine_kernel[(T, cdiv(D, block_d))](
         y, ids, out, sentinel, slots, D, y.stride(0), out.stride(0), BLOCK_D=block_d,
         num_warps=4 if block_d <= 512 else 8)
 
@@ -820,7 +817,7 @@ def gate_up_token(x, w13, ids, cfg: GemmConfig, h=None, shared_w13=None):
     sw13, stride_swn = _shared_operand(shared_w13, w13)
     if h is None:
         h = torch.empty(T * slots, I, dtype=torch.float32, device=x.device)
-    _gate_up_token_kernel[(T * slots, _cdiv(I, cfg.BLOCK_N))](
+    _gate_up_token_kernel[(T * slots, cdiv(I, cfg.BLOCK_N))](
         x, w13, sw13, h, ids, E, slots, D, I, S, x.stride(0), w13.stride(0), w13.stride(1), stride_swn,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=D % cfg.BLOCK_K == 0, N_SHARED=shared_chunks(S, I),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -836,7 +833,7 @@ def down_token(h, w2, ids, weights, out, cfg: GemmConfig, shared_w2=None) -> Non
     sw2, stride_swn = _shared_operand(shared_w2, w2)
     n_shared = shared_chunks(S, I)
     even_k = I % cfg.BLOCK_K == 0
-    _down_token_kernel[(T, _cdiv(D, cfg.BLOCK_N))](
+    _down_token_kernel[(T, cdiv(D, cfg.BLOCK_N))](
         h, w2, sw2, ids, weights, out, E, D, I, S, w2.stride(0), w2.stride(1), stride_swn, out.stride(0),
         TOP_K=slots - n_shared, N_SHARED=n_shared, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         EVEN_K=even_k, EVEN_K_SHARED=even_k and S % I == 0,

@@ -270,7 +270,7 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
     `compiled`: CompiledOptions for the artifact's target bundle (default: run it if this
     installation built it). `progress`: a tqdm-like factory, for bars over the weights and the captures.
     `rank` of `tp`, `load_format`: which weights to load (runtime/loader.load_artifact)."""
-    from runtime.loader import load_artifact
+    from runtime.loader import load_artifact, programs_for_run
 
     tokenizer = None
     if tokenizer_dir is not None:  # first: a bad --tokenizer fails before seconds of loading programs
@@ -278,10 +278,10 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
         if tokenizer is None:
             raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
     from runtime.bundle import CompiledOptions
-    # device None: the artifact's target; the draft program only where it drafts
+    # device None: the artifact's target
     art = load_artifact(artifact, device=device, progress=progress, compiled=compiled or CompiledOptions(),
                         rank=rank, tp=tp, load_format=load_format,
-                        programs=None if options.speculative_tokens else ("main",))
+                        programs=programs_for_run(options.speculative_tokens))
     device = art.device
     if tokenizer is None:
         # After the load: the artifact's tokenizer files are listed in its manifest, so their hashes
