@@ -218,9 +218,10 @@ def run_variant(args) -> dict:
             cell = rec.setdefault("decode", {}).setdefault(str(B), {"key": str(key)})
             cell["step_ms"] = time_ms(lambda: runner.run(step, key), dev, args.iters)
             if dev.type == "cuda":
-                prof = profile_call(lambda: runner.run(step, key), dev)
+                # Every kernel of the step at B=1 (where launches, not bytes, set the time); the top 8 elsewhere.
+                prof = profile_call(lambda: runner.run(step, key), dev, top=1000)
                 cell.update(kernels_per_step=prof["kernels_per_call"], kernel_ms=prof["kernel_ms"],
-                            host_issue_ms=prof["host_issue_ms"], top_kernels=prof["top_kernels"][:8])
+                            host_issue_ms=prof["host_issue_ms"], top_kernels=prof["top_kernels"][:1000 if B == 1 else 8])
             host = host_profile(lambda: runner.run(step, key), 20, top=20, sync=synchronizer(dev))
             cell.update(host_top_cum=host["top_cum"], host_top_own=host["top_own"])
         print(f"  decode B={B}: {cell['step_ms']:.3f} ms ({key}), {cell.get('kernels_per_step', 'n/a')} kernels",

@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec, split_count
-from models.common import (CheckpointError, HybridLM, MoEBlock, RMSNorm, SwiGLU, apply_rotary,
+from models.common import (CheckpointError, FusedLinear, HybridLM, MoEBlock, RMSNorm, SwiGLU, apply_rotary,
                            init_weights_, lm_head_rows)
 from models.families import Family
 
@@ -385,20 +385,21 @@ class BailingLightning(nn.Module):
         self.theta = float(cfg["rope_theta"])
         self.silu = bool(cfg["linear_silu"])
         hidden, inner, eps = cfg["hidden_size"], self.H * self.Dh, cfg["rms_norm_eps"]
-        # Linear layers are multi-head: k and v have as many heads as q (3 H Dh rows).
-        self.query_key_value = nn.Linear(hidden, 3 * inner, bias=cfg["use_qkv_bias"])
+        # Linear layers are multi-head: k and v have as many heads as q (3 H Dh rows); the output
+        # gate's projection of x runs in the same GEMM.
+        self.in_proj = FusedLinear(hidden, {"query_key_value": 3 * inner, "g_proj": inner},
+                                   bias=("query_key_value",) if cfg["use_qkv_bias"] else False)
         if cfg["use_qk_norm"]:
             self.query_layernorm = RMSNorm(self.Dh, eps)
             self.key_layernorm = RMSNorm(self.Dh, eps)
         else:
             self.query_layernorm = self.key_layernorm = None
-        self.g_proj = nn.Linear(hidden, inner, bias=False)
         self.g_norm = GroupRMSNorm(inner, cfg["group_norm_size"], eps)
         self.dense = nn.Linear(inner, hidden, bias=cfg["use_bias"])
 
     def forward(self, x, positions, ops):
         T = x.shape[0]
-        qkv = self.query_key_value(x)
+        qkv, g = self.in_proj(x)
         if self.silu:
             qkv = F.silu(qkv)
         q, k, v = qkv.view(T, 3 * self.H, self.Dh).split(self.H, dim=1)  # [T, H, Dh] each
@@ -413,7 +414,7 @@ class BailingLightning(nn.Module):
         out = v.new_empty(T, self.H, self.Dh)
         ops.lightning_core(q, k, v.contiguous(), decay, out, self.layer_id, self.Dh ** -0.5)
         o = self.g_norm(out.view(T, self.H * self.Dh))
-        return self.dense(o * torch.sigmoid(self.g_proj(x)))
+        return self.dense(o * torch.sigmoid(g))
 
     def whole_log_decay(self) -> torch.Tensor:
         """The decays of all heads of the layer (every rank's), float32 on the CPU."""
@@ -424,7 +425,7 @@ class BailingLightning(nn.Module):
         inner = self.H * self.Dh
         layout = (0, (inner, inner, inner))
         return {"query_key_value.weight": layout,
-                **({"query_key_value.bias": layout} if self.query_key_value.bias is not None else {})}
+                **({"query_key_value.bias": layout} if self.in_proj.biased else {})}
 
 
 class BailingMLA(nn.Module):
@@ -440,26 +441,25 @@ class BailingMLA(nn.Module):
         self.theta = float(cfg["rope_theta"])
         self.scale = (self.Dn + self.P) ** -0.5
         self.q_lora = cfg["q_lora_rank"] is not None
-        if not self.q_lora:
-            self.q_proj = nn.Linear(hidden, self.H * (self.Dn + self.P), bias=False)
-        else:
-            self.q_a_proj = nn.Linear(hidden, cfg["q_lora_rank"], bias=bias)
+        # The query's projection of x (whole, or its low-rank down projection) and the latent's, as one GEMM.
+        q_part = {"q_a_proj": cfg["q_lora_rank"]} if self.q_lora else {"q_proj": self.H * (self.Dn + self.P)}
+        parts = {**q_part, "kv_a_proj_with_mqa": self.R + self.P}
+        self.in_proj = FusedLinear(hidden, parts, bias=tuple(p for p in parts if p != "q_proj") if bias else False)
+        if self.q_lora:
             # The reference builds q_a_layernorm / kv_a_layernorm without passing rms_norm_eps: 1e-6.
             self.q_a_layernorm = RMSNorm(cfg["q_lora_rank"], 1e-6)
             self.q_b_proj = nn.Linear(cfg["q_lora_rank"], self.H * (self.Dn + self.P), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.R + self.P, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.R, 1e-6)
         self.kv_b_proj = nn.Linear(self.R, self.H * (self.Dn + self.Dv), bias=False)
         self.dense = nn.Linear(self.H * self.Dv, hidden, bias=bias)
 
     def forward(self, x, positions, ops):
         T = x.shape[0]
+        q, kv_a = self.in_proj(x)
         if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(T, self.H, self.Dn + self.P).split([self.Dn, self.P], dim=-1)
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.R, self.P], dim=-1)
+        c_kv, k_rope = kv_a.split([self.R, self.P], dim=-1)
         latent = self.kv_a_layernorm(c_kv)  # [T, R]
         # Interleaved pairs (2i, 2i+1). The reference de-interleaves first, which only permutes the
         # rotated channels of q and k alike: every q_rope . k_rope is the same.

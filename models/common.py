@@ -1,9 +1,10 @@
 """Building blocks shared by the model families, and the HybridLM base every family extends.
 
 A family model is a plain nn.Module whose state-dict names are the checkpoint's tensor names,
-except for the MoE block's expert weights, held in the `moe` op's layout (routed experts stacked
-[E, 2I, D] and [E, D, I], the shared expert as [2S, D] and [D, S]) so the whole block is one op;
-`MoEBlock` knows how its family names them in a checkpoint.
+except for weights held in a layout of their own: the MoE block's expert weights, in the `moe`
+op's layout (routed experts stacked [E, 2I, D] and [E, D, I], the shared expert as [2S, D] and
+[D, S]) so the whole block is one op, and sibling projections of one input stacked into one GEMM
+(`FusedLinear`). Each such module knows how its family names its weights in a checkpoint.
 
 Calling convention of every family model (flattened tokens, no batch dimension)::
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from compiler.splitops import TRACED_OPS, LayerRegistry, split_count
 
-__all__ = ["RMSNorm", "SwiGLU", "Router", "MoEBlock", "HybridLM", "apply_rotary", "rope_inv_freq",
+__all__ = ["RMSNorm", "SwiGLU", "Router", "MoEBlock", "FusedLinear", "HybridLM", "apply_rotary", "rope_inv_freq",
            "EXPERT_STYLES", "CheckpointError", "init_weights_", "ceil_div", "lm_head_rows"]
 
 
@@ -218,6 +219,77 @@ class MoEBlock(nn.Module):
             self.w2[e].copy_(take(prefix + down_n.format(e=e), (D, I)))
 
 
+class FusedLinear(nn.Module):
+    """Several projections of one input as one GEMM: their weights stacked by rows in one
+    parameter [sum(rows), in], the output split back into the parts (views of the one result).
+
+    A decode step reads each weight once however it is stacked, so stacking saves launches: each
+    GEMM of a batch-1 step is a few microseconds of launch and ramp whatever its size
+    (BENCHMARKS.md, "Sibling projections as one GEMM, and combo kernels"). The parts keep their names:
+    part `q_proj` of the module at `...attn.in_proj` is read and written as `...attn.q_proj.weight`
+    (the parent's projection, as the release names it), a row-slice view of the stack, so
+    checkpoints, the artifact's weight views and the sharding of each part (a rank's rows of every
+    part, cut or replicated part by part) are unchanged.
+
+    `bias`: True (every part has one), False, or the names of the parts that have one. Their biases
+    are stacked the same way in one parameter; where only some parts have one, the GEMM runs
+    without and each biased part adds its own (a pointwise add the compiled glue fuses with the
+    part's next op), since a bias for the other rows would be a tensor the checkpoint does not have.
+    """
+
+    OP_LAYOUT_PARAMS = ("weight", "bias")  # read and written under the parts' names (checkpoint_tensors)
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool | tuple[str, ...] = False):
+        super().__init__()
+        assert parts and all(n > 0 for n in parts.values()), f"FusedLinear needs parts with rows, got {parts}"
+        self.parts = dict(parts)
+        named = set(parts) if bias is True else set(bias or ())
+        assert named <= set(parts), f"FusedLinear: biases {sorted(named)} for parts {list(parts)}"
+        self.biased = tuple(p for p in parts if p in named)  # in part order, as the bias rows are stacked
+        self.weight = nn.Parameter(torch.empty(sum(parts.values()), in_features))
+        self.bias = nn.Parameter(torch.empty(sum(parts[p] for p in self.biased))) if self.biased else None
+
+    def forward(self, x: torch.Tensor, sizes: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
+        """One piece per part, or split by `sizes` (a piece may span adjacent parts; every part
+        or none biased)."""
+        if len(self.biased) in (0, len(self.parts)):
+            return F.linear(x, self.weight, self.bias).split(list(sizes or self.parts.values()), dim=-1)
+        assert sizes is None, "FusedLinear: pieces spanning parts need every part or none biased"
+        pieces, biases = F.linear(x, self.weight).split(list(self.parts.values()), dim=-1), iter(self._bias_rows())
+        return tuple(piece + next(biases) if part in self.biased else piece
+                     for part, piece in zip(self.parts, pieces))
+
+    def _bias_rows(self):
+        start = 0
+        for part in self.biased:
+            yield self.bias[start:start + self.parts[part]]
+            start += self.parts[part]
+
+    def _named_rows(self, prefix: str):
+        """(checkpoint name prefix of each part, its weight rows, its bias rows or None)."""
+        parent = prefix[:-1].rpartition(".")[0]
+        parent = parent + "." if parent else ""
+        biases = iter(self._bias_rows())
+        weights = self.weight.split(list(self.parts.values()))
+        for (part, rows), weight in zip(self.parts.items(), weights):
+            yield parent + part + ".", weight, next(biases) if part in self.biased else None
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, weight, bias in self._named_rows(prefix):
+            out[name + "weight"] = weight
+            if bias is not None:
+                out[name + "bias"] = bias
+        return out
+
+    def load_checkpoint_tensors(self, prefix: str, take) -> None:
+        with torch.no_grad():
+            for name, weight, bias in self._named_rows(prefix):
+                weight.copy_(take(name + "weight", tuple(weight.shape)))
+                if bias is not None:
+                    bias.copy_(take(name + "bias", tuple(bias.shape)))
+
+
 class HybridLM(nn.Module):
     """Base of every family model: op table, registry, and checkpoint-name mapping.
 
@@ -244,12 +316,13 @@ class HybridLM(nn.Module):
         self.ops = ops
         return self
 
-    def _moe_blocks(self) -> dict[str, MoEBlock]:
-        return {name + ".": m for name, m in self.named_modules() if isinstance(m, MoEBlock)}
+    def _self_named_blocks(self) -> dict[str, nn.Module]:
+        """Modules that hold weights in an op's layout and name them in checkpoints themselves."""
+        return {name + ".": m for name, m in self.named_modules() if isinstance(m, (MoEBlock, FusedLinear))}
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor under its checkpoint name (views of the parameters, no copies)."""
-        blocks = self._moe_blocks()
+        blocks = self._self_named_blocks()
         out: dict[str, torch.Tensor] = {}
         for name, t in self.state_dict(keep_vars=True).items():
             if not _in_op_layout(name, blocks):
@@ -290,7 +363,7 @@ class HybridLM(nn.Module):
                 raise CheckpointError(f"{source}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
             return t
 
-        blocks = self._moe_blocks()
+        blocks = self._self_named_blocks()
         with torch.no_grad():
             for name, p in self.state_dict(keep_vars=True).items():
                 if _in_op_layout(name, blocks):
@@ -300,9 +373,10 @@ class HybridLM(nn.Module):
                 block.load_checkpoint_tensors(prefix, take)
 
 
-def _in_op_layout(name: str, blocks: dict[str, MoEBlock]) -> bool:
-    """Whether state-dict entry `name` is a MoE block's op-layout weight (named in checkpoints by the block)."""
-    return any(name.startswith(prefix) and name[len(prefix):] in MoEBlock.OP_LAYOUT_PARAMS for prefix in blocks)
+def _in_op_layout(name: str, blocks: dict[str, nn.Module]) -> bool:
+    """Whether state-dict entry `name` is an op-layout weight of a block (named in checkpoints by the block)."""
+    return any(name.startswith(prefix) and name[len(prefix):] in block.OP_LAYOUT_PARAMS
+               for prefix, block in blocks.items())
 
 
 def init_weights_(model: nn.Module, seed: int, std: float = 0.02) -> None:

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec, split_count
-from models.common import CheckpointError, HybridLM, MoEBlock, SwiGLU, init_weights_, lm_head_rows
+from models.common import CheckpointError, FusedLinear, HybridLM, MoEBlock, SwiGLU, init_weights_, lm_head_rows
 from models.families import SIZES, Family
 
 __all__ = ["FAMILY", "KimiLinearForCausalLM", "text_config", "build_registry", "build", "make_config",
@@ -341,34 +341,34 @@ class KimiDeltaAttention(nn.Module):
         H, D, K = cfg["linear_num_heads"], cfg["linear_head_dim"], cfg["linear_conv_kernel_dim"]
         self.layer_id, self.num_heads, self.head_dim = layer_id, H, D
         C = H * D
-        self.q_proj = nn.Linear(hidden, C, bias=False)
-        self.k_proj = nn.Linear(hidden, C, bias=False)
-        self.v_proj = nn.Linear(hidden, C, bias=False)
+        # Every projection of x in one GEMM: q | k | v (adjacent, so the conv reads them as one
+        # [T, 3C] input without a concatenation), the forget gate's and output gate's low-rank (D)
+        # down projections, and beta's (one per head).
+        self.in_proj = FusedLinear(hidden, {"q_proj": C, "k_proj": C, "v_proj": C, "f_a_proj": D, "b_proj": H,
+                                            "g_a_proj": D})
         self.q_conv1d = _ConvWeight(C, K)
         self.k_conv1d = _ConvWeight(C, K)
         self.v_conv1d = _ConvWeight(C, K)
-        self.f_a_proj = nn.Linear(hidden, D, bias=False)  # forget gate, low rank D
         self.f_b_proj = nn.Linear(D, C, bias=False)
-        self.b_proj = nn.Linear(hidden, H, bias=False)  # beta, one per head
         self.A_log = nn.Parameter(torch.empty(1, 1, H, 1))  # checkpoint shape; per-head decay rate
         self.dt_bias = nn.Parameter(torch.empty(C))
-        self.g_a_proj = nn.Linear(hidden, D, bias=False)  # output gate, low rank D
         self.g_b_proj = nn.Linear(D, C, bias=False)
         self.o_norm = KimiGatedRMSNorm(D, cfg.get("rms_norm_eps", 1e-5))
         self.o_proj = nn.Linear(C, hidden, bias=False)
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay g [T,H,D] fp32: -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)."""
-        T = x.shape[0]
-        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(T, self.num_heads, self.head_dim)
+    def forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
+        """Per-channel log-decay g [T,H,D] fp32: -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), from f_a(x)."""
+        T = f_a.shape[0]
+        g = (self.f_b_proj(f_a).float() + self.dt_bias.float()).view(T, self.num_heads, self.head_dim)
         # transformers' softplus: log(1 + exp(g)) below 20 (not log1p), identity above.
         g = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
         return -torch.exp(self.A_log.float().view(self.num_heads, 1)) * g
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         T, H, D = x.shape[0], self.num_heads, self.head_dim
-        # One depthwise conv over q|k|v channels is exactly three separate ones (no channel mixing).
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3C]
+        # One depthwise conv over q|k|v channels is exactly three separate ones (no channel mixing);
+        # the three are adjacent parts of the projection, read by the conv as one [T, 3C] piece.
+        mixed, f_a, b, g_a = self.in_proj(x, (3 * H * D, D, H, D))
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight],
                                 dim=0).squeeze(1)  # [3C, K]
         conv_out = torch.empty_like(mixed)
@@ -377,11 +377,11 @@ class KimiDeltaAttention(nn.Module):
         # q, k stay fp32 after the norm, as in transformers / FLA where the l2norm runs in fp32
         # inside the kernel.
         q, k = _l2norm(q), _l2norm(k)
-        g = self.forget_gate(x)  # [T, H, D] fp32
-        beta = torch.sigmoid(self.b_proj(x))  # [T, H]
+        g = self.forget_gate(f_a)  # [T, H, D] fp32
+        beta = torch.sigmoid(b)  # [T, H]
         core = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
         ops.kda_core(q, k, v.contiguous(), g, beta, core, self.layer_id, D ** -0.5)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(T, H, D)
+        gate = self.g_b_proj(g_a).view(T, H, D)
         return self.o_proj(self.o_norm(core, gate).reshape(T, H * D))
 
 
@@ -402,13 +402,13 @@ class KimiMLAttention(nn.Module):
         bias = bool(cfg.get("attention_bias", False))
         self.q_lora_rank = cfg.get("q_lora_rank")
         qk = self.nope + self.rope
-        if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, H * qk, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+        # The query's projection of x (whole, or its low-rank down projection) and the latent's, as one GEMM.
+        q_part = {"q_proj": H * qk} if self.q_lora_rank is None else {"q_a_proj": self.q_lora_rank}
+        parts = {**q_part, "kv_a_proj_with_mqa": self.rank + self.rope}
+        self.in_proj = FusedLinear(hidden, parts, bias=tuple(p for p in parts if p != "q_proj") if bias else False)
+        if self.q_lora_rank is not None:
             self.q_a_layernorm = KimiRMSNorm(self.q_lora_rank, 1e-6)  # transformers: class default eps
             self.q_b_proj = nn.Linear(self.q_lora_rank, H * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=bias)
         # eps 1e-6, not rms_norm_eps: transformers (and Kimi's release) build it without an eps.
         self.kv_a_layernorm = KimiRMSNorm(self.rank, 1e-6)
         self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.v_dim), bias=False)
@@ -417,12 +417,11 @@ class KimiMLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv_a = self.in_proj(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_pe = q.view(T, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        c, k_pe = kv_a.split([self.rank, self.rope], dim=-1)
         c = self.kv_a_layernorm(c)  # [T, R]
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]  # [H, nope, R], [H, v, R]

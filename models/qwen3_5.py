@@ -21,9 +21,8 @@ and width positions are all the token position; hgc serves text only.
 
 from __future__ import annotations
 
-import torch.nn as nn
 
-from models.common import CheckpointError
+from models.common import CheckpointError, FusedLinear
 from models.families import Family
 from models.qwen3_next import (TENSOR_PREFIX_KEY, VL_PREFIX, unread_tensor_prefixes, GatedDeltaNetBase, QwenDims, QwenHybridLM,
                                init_qwen_weights, parse_dims, qwen_registry)
@@ -39,10 +38,8 @@ class Qwen3_5GDN(GatedDeltaNetBase):
 
     def __init__(self, d: QwenDims, layer_id: int):
         super().__init__(d, layer_id)
-        self.in_proj_qkv = nn.Linear(d.hidden, d.conv_channels, bias=False)
-        self.in_proj_z = nn.Linear(d.hidden, d.v_heads * d.v_dim, bias=False)
-        self.in_proj_b = nn.Linear(d.hidden, d.v_heads, bias=False)
-        self.in_proj_a = nn.Linear(d.hidden, d.v_heads, bias=False)
+        self.in_proj = FusedLinear(d.hidden, {"in_proj_qkv": d.conv_channels, "in_proj_z": d.v_heads * d.v_dim,
+                                              "in_proj_b": d.v_heads, "in_proj_a": d.v_heads})
 
     def fused_segments(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """in_proj_qkv's rows are the conv's channels, q | k | v."""
@@ -50,8 +47,8 @@ class Qwen3_5GDN(GatedDeltaNetBase):
         return {"conv1d.weight": layout, "in_proj_qkv.weight": layout}
 
     def project(self, x):
-        z = self.in_proj_z(x).view(-1, self.v_heads, self.v_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, b, a = self.in_proj(x)
+        return qkv, z.view(-1, self.v_heads, self.v_dim), b, a
 
 
 class Qwen3_5ForCausalLM(QwenHybridLM):

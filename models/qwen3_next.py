@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec, split_count
-from models.common import (CheckpointError, HybridLM, MoEBlock, RMSNorm, SwiGLU, apply_rotary,
+from models.common import (CheckpointError, FusedLinear, HybridLM, MoEBlock, RMSNorm, SwiGLU, apply_rotary,
                            init_weights_, lm_head_rows)
 from models.families import Family
 
@@ -385,14 +385,14 @@ class Qwen3NextGDN(GatedDeltaNetBase):
     def __init__(self, d: QwenDims, layer_id: int):
         super().__init__(d, layer_id)
         r = d.v_heads // d.k_heads
-        self.in_proj_qkvz = nn.Linear(d.hidden, d.k_heads * (2 * d.k_dim + 2 * r * d.v_dim), bias=False)
-        self.in_proj_ba = nn.Linear(d.hidden, 2 * d.v_heads, bias=False)
+        self.in_proj = FusedLinear(d.hidden, {"in_proj_qkvz": d.k_heads * (2 * d.k_dim + 2 * r * d.v_dim),
+                                              "in_proj_ba": 2 * d.v_heads})
 
     def project(self, x):
         Hk, Dk, Dv, r = self.k_heads, self.k_dim, self.v_dim, self.v_heads // self.k_heads
-        qkvz = self.in_proj_qkvz(x).view(-1, Hk, 2 * Dk + 2 * r * Dv)
-        q, k, v, z = qkvz.split([Dk, Dk, r * Dv, r * Dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(-1, Hk, 2 * r).split([r, r], dim=-1)
+        qkvz, ba = self.in_proj(x)
+        q, k, v, z = qkvz.view(-1, Hk, 2 * Dk + 2 * r * Dv).split([Dk, Dk, r * Dv, r * Dv], dim=-1)
+        b, a = ba.view(-1, Hk, 2 * r).split([r, r], dim=-1)
         qkv = torch.cat([q.reshape(-1, Hk * Dk), k.reshape(-1, Hk * Dk), v.reshape(-1, Hk * r * Dv)], dim=-1)
         return qkv, z.reshape(-1, self.v_heads, Dv), b.reshape(-1, self.v_heads), a.reshape(-1, self.v_heads)
 
@@ -405,20 +405,20 @@ class QwenGatedAttention(nn.Module):
         self.layer_id = layer_id
         self.heads, self.kv_heads, self.head_dim = d.heads, d.kv_heads, d.head_dim
         self.rotary_dim, self.theta = d.rotary_dim, d.rope_theta
+        self.qkv_proj = FusedLinear(d.hidden, {"q_proj": d.heads * d.head_dim * 2, "k_proj": d.kv_heads * d.head_dim,
+                                               "v_proj": d.kv_heads * d.head_dim}, bias=d.attention_bias)
         bias = d.attention_bias
-        self.q_proj = nn.Linear(d.hidden, d.heads * d.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(d.hidden, d.kv_heads * d.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d.hidden, d.kv_heads * d.head_dim, bias=bias)
         self.o_proj = nn.Linear(d.heads * d.head_dim, d.hidden, bias=bias)
         self.q_norm = RMSNorm(d.head_dim, d.eps, unit_offset=True)
         self.k_norm = RMSNorm(d.head_dim, d.eps, unit_offset=True)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ops) -> torch.Tensor:
         H, Hkv, hd = self.heads, self.kv_heads, self.head_dim
-        q, gate = self.q_proj(x).view(-1, H, 2 * hd).split([hd, hd], dim=-1)  # [T,H,hd] each
+        q, k, v = self.qkv_proj(x)
+        q, gate = q.view(-1, H, 2 * hd).split([hd, hd], dim=-1)  # [T,H,hd] each
         q = apply_rotary(self.q_norm(q), positions, self.rotary_dim, self.theta)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(-1, Hkv, hd)), positions, self.rotary_dim, self.theta)
-        v = self.v_proj(x).view(-1, Hkv, hd)
+        k = apply_rotary(self.k_norm(k.view(-1, Hkv, hd)), positions, self.rotary_dim, self.theta)
+        v = v.view(-1, Hkv, hd)
         out = torch.empty_like(q)
         ops.gqa_attention(q, k, v, out, self.layer_id, hd ** -0.5)
         return self.o_proj((out * torch.sigmoid(gate)).reshape(-1, H * hd))

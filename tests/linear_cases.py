@@ -167,10 +167,21 @@ def conv_extend_steps(K: int, many: int) -> list:
             (Mode.MIXED, [(3, K - 2, 1), (5, many, K - 2), (9, K + 1, 2), (2, 0, 3)], 2, 1)]
 
 
-def check_conv_extend(channels: int, K: int, dtype, device, many: int, seed: int, bias=True, silu=True) -> dict:
+def column_slice(t: torch.Tensor, extra: int = 24) -> torch.Tensor:
+    """t's values as the first columns of a wider tensor whose other columns are NaN: the layout a
+    stacked projection (models/common.py, FusedLinear) hands an op, rows `extra` elements further
+    apart than their width."""
+    wide = torch.full((t.shape[0], t.shape[1] + extra), float("nan"), dtype=t.dtype, device=t.device)
+    wide[:, : t.shape[1]] = t
+    return wide[:, : t.shape[1]]
+
+
+def check_conv_extend(channels: int, K: int, dtype, device, many: int, seed: int, bias=True, silu=True,
+                      sliced: bool = False) -> dict:
     """The short conv's extend path of TritonLinearBackend against CPUReferenceBackend (float32 math
     on the same rounded inputs) over `conv_extend_steps`, from random non-zero histories; inputs'
-    padding rows NaN, outputs poisoned. Per step: relative errors of the norm of the real rows and of
+    padding rows NaN, outputs poisoned; `sliced`: the device input is a `column_slice`. Per step:
+    relative errors of the norm of the real rows and of
     the touched slots' states, whether every real row is finite and every padding row zero; and
     whether the padding slot, the free slots and the token-less request's slot kept every bit."""
     from runtime.backends.triton_linear_backend import TritonLinearBackend
@@ -197,7 +208,7 @@ def check_conv_extend(channels: int, K: int, dtype, device, many: int, seed: int
         out_ref = torch.full((T, channels), float("nan"), dtype=dtype)
         ref.short_conv(step_ctx(mode, reqs, pad_t, pad_s, "cpu"), x, w, b, out_ref, 0, silu)
         out = torch.full((T, channels), float("nan"), dtype=dtype, device=device)
-        tri.short_conv(ctx, x.to(device), w_dev, b_dev, out, 0, silu)
+        tri.short_conv(ctx, column_slice(x.to(device)) if sliced else x.to(device), w_dev, b_dev, out, 0, silu)
         out = out.cpu()
         touched |= {slot for slot, _, n in reqs if n > 0}
         t = sorted(touched)

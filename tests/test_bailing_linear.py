@@ -381,9 +381,11 @@ def test_absorbed_mla_matches_reference_attention():
     # Reference (non-absorbed): q and k = [nope | rope], v from kv_b_proj, causal softmax.
     H, Dn, P, Dv, R = 4, 16, 8, 16, 32
     with torch.no_grad():
-        q = mla.q_b_proj(mla.q_a_layernorm(mla.q_a_proj(x))).view(T, H, Dn + P)
+        weights = model.checkpoint_tensors()
+        proj = lambda name: x @ weights[f"model.layers.3.attention.{name}.weight"].T
+        q = mla.q_b_proj(mla.q_a_layernorm(proj("q_a_proj"))).view(T, H, Dn + P)
         q_pass, q_rot = q.split([Dn, P], dim=-1)
-        k_pass, k_rot = mla.kv_a_proj_with_mqa(x).split([R, P], dim=-1)
+        k_pass, k_rot = proj("kv_a_proj_with_mqa").split([R, P], dim=-1)
         kv = mla.kv_b_proj(mla.kv_a_layernorm(k_pass)).view(T, H, Dn + Dv)
         k_nope, v = kv.split([Dn, Dv], dim=-1)
         q_rot = _hf_rotate_interleaved(q_rot, positions, 10000.0)

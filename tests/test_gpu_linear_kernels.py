@@ -26,7 +26,8 @@ import torch
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.state_pool import PADDING_SLOT, StatePool
-from tests.linear_cases import check_conv_extend, conv_extend_ok, decode_ctx, random_inputs, rel_err, step_ctx
+from tests.linear_cases import (check_conv_extend, column_slice, conv_extend_ok, decode_ctx, random_inputs, rel_err,
+                                step_ctx)
 
 # HGC_GPU_TESTS_DEVICE=cpu (with TRITON_INTERPRET=1) walks these tests through the interpreter on a
 # CPU, to check the test code itself without a GPU: `-k "not 64 and not graph"` keeps it short.
@@ -141,6 +142,33 @@ def test_kernels_match_reference_at_real_dims(op, B, dtype):
         assert rel_err(out[:num_real], out_ref[:num_real]) <= tol
         assert rel_err(dev_pool.layer(0)[entry][touched], ref_pool.layer(0)[entry][touched]) <= 1e-4
     assert torch.equal(dev_pool.layer(0)[entry][untouched], before), "padding slot or a free slot was written"
+
+
+@pytest.mark.parametrize("B", [1, 8])
+def test_short_conv_decode_reads_a_column_slice_of_a_stacked_projection(B):
+    """The conv's input as the q|k|v columns of a wider projection output (Kimi's KDA, Qwen3.5's
+    GDN): rows further apart than their width, NaN between them."""
+    from runtime.backends.triton_linear_backend import TritonLinearBackend
+
+    num_slots = B + 3
+    ref_pool, dev_pool = pools("short_conv", num_slots, seed=B)
+    ref, tri = CPUReferenceBackend(None, ref_pool), TritonLinearBackend(dev_pool)
+    slots, num_real = slots_for(B, num_slots, seed=B)
+    x = inputs("short_conv", B, num_real, torch.bfloat16, torch.Generator().manual_seed(7 + B))
+    out_ref = out_like("short_conv", B, torch.bfloat16, "cpu")
+    call(ref, decode_ctx(slots, num_real, "cpu"), "short_conv", x, out_ref)
+    out = out_like("short_conv", B, torch.bfloat16, DEV)
+    call(tri, decode_ctx(slots, num_real, DEV), "short_conv", {"x": column_slice(x["x"].to(DEV))}, out)
+    out = out.cpu()
+    assert torch.isfinite(out).all() and out[num_real:].eq(0).all()
+    assert rel_err(out[:num_real], out_ref[:num_real]) <= 1e-2
+    touched = slots[:num_real]
+    assert rel_err(dev_pool.layer(0)["conv"][touched].cpu(), ref_pool.layer(0)["conv"][touched]) <= 1e-4
+
+
+def test_conv_extend_kernel_reads_a_column_slice_of_a_stacked_projection():
+    result = check_conv_extend(3 * 32 * 128, CONV_K, torch.bfloat16, DEV, many=300, seed=5, sliced=True)
+    assert conv_extend_ok(result, out_tol=1e-2), result
 
 
 def decode_setup(bucket: int, num_slots: int, seed: int):
