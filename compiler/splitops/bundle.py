@@ -69,8 +69,13 @@ KERNELS = "kernels"
 #   from source, a kernel lives in the run's copy of the bundle and finds the choice beside it
 #   (benchmarks/inductor_tuning_probe.py shows both on the GPU). The launcher's cost is host time per
 #   launch, which a captured piece does not pay.
+# - cuda: combo kernels (Inductor's horizontal fusion): the independent small kernels of a piece
+#   (the copies, gates and norms a GDN layer computes for its op cores) run as one launch.
+#   At decode batch sizes each launch costs more than its bytes (BENCHMARKS.md, "Sibling
+#   projections as one GEMM, and combo kernels").
 INDUCTOR_CONFIG = {"cpu": {"cpp_cache_precompile_headers": False, "cpp_wrapper": True, "compile_threads": 1},
-                   "cuda": {"cpp_cache_precompile_headers": False, "use_static_cuda_launcher": False}}
+                   "cuda": {"cpp_cache_precompile_headers": False, "use_static_cuda_launcher": False,
+                            "combo_kernels": True}}
 
 # kernels/<cache>/ in a bundle <-> the environment variable that points its library at that cache.
 # The build empties and fills these folders; a run points them at its checked copy of the bundle's.
