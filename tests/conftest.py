@@ -16,6 +16,30 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+def pytest_configure(config):
+    """Under `-n auto --dist loadscope` a module is one unit of work, and pytest-xdist hands the
+    units out in the order of the collection instead of its own (most tests first), so that
+    pytest_collection_modifyitems decides it."""
+    if getattr(config.option, "dist", None) == "loadscope" and hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected the gpu tests
+def pytest_collection_modifyitems(config, items):
+    """Modules with a test marked slow first, then the others by their number of tests (xdist's own
+    order). A slow module is a few tests, each a compile, an Inductor build, rank processes or a
+    server: by test count they came last, and the last of them held one worker for a minute or two
+    after the other had run out of work. Longest first, the end of the run is small modules."""
+    if not hasattr(config, "workerinput"):  # the order only matters to xdist's workers
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(modules.values(), key=lambda tests: (not any(t.get_closest_marker("slow") for t in tests),
+                                                         -len(tests)))
+    items[:] = [item for tests in order for item in tests]
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: intra-op threads only add synchronisation (and, on a shared 2-core machine,

@@ -17,7 +17,6 @@ The HTTP endpoints' bad requests are in tests/test_server_edges.py.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 import shutil
@@ -29,8 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from compiler.cli import main
 from compiler.cli.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
-from models.loader import init_checkpoint
-from tests.helpers import edit_manifest
+from tests.helpers import edit_manifest, shared_artifact
 
 FAMILY = "qwen3_next"
 
@@ -56,8 +54,11 @@ def _rewrite_tensor(ckpt: Path, edit) -> None:
 def work(tmp_path_factory) -> Path:
     """The folder every case runs in: checkpoints, artifacts and their damaged copies."""
     w = tmp_path_factory.mktemp("bad_inputs")
-    ckpt = init_checkpoint(FAMILY, "tiny", 0, w / "ckpt", log=io.StringIO())
-    assert main(["compile", str(ckpt), "-o", str(w / "art"), "--no-dumps", "-q"]) == 0
+    # the tiny checkpoint and compile every module of the test run reuses (tests/helpers.shared_artifact),
+    # copied here: the cases read and damage these copies, never the originals
+    shared_ckpt, shared_art = shared_artifact(tmp_path_factory, FAMILY)
+    ckpt = shutil.copytree(shared_ckpt, w / "ckpt")
+    shutil.copytree(shared_art, w / "art")
     shutil.copytree(ckpt, w / "linked_ckpt")
     assert main(["compile", str(w / "linked_ckpt"), "-o", str(w / "linked_art"), "--no-dumps", "--link-weights",
                  "-q"]) == 0

@@ -21,17 +21,15 @@ from runtime.binding import check_binding
 from runtime.bound_ops import BoundOps
 from runtime.generate import make_pools
 from runtime.loader import LoadError, load_artifact
-from tests.helpers import edit_routing
+from tests.helpers import edit_routing, shared_artifact
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    root = tmp_path_factory.mktemp("binding")
-    assert main(["init-model", "--family", "bailing_linear", "--size", "tiny", "--seed", "5", "-o", str(root / "c")]) == 0
-    assert main(["compile", str(root / "c"), "-o", str(root / "a"), "--no-dumps"]) == 0
-    return root / "a"
+    """The session's tiny bailing_linear (tests/helpers.shared_artifact): the tests edit copies of it."""
+    return shared_artifact(tmp_path_factory, "bailing_linear")[1]
 
 
 def _layer1_core(edit):

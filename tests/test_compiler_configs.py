@@ -44,7 +44,9 @@ def lint_published(name: str, tmp_path, capsys) -> dict:
     seconds = time.perf_counter() - start
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, doc["findings"]
-    assert seconds < 60, f"hgc lint of {name} took {seconds:.1f} s (limit 60 s)"
+    # about 20 s alone on 2 cores; the bound catches a lint that rebuilds or traces the whole model
+    # (minutes), with room for a machine busy with the rest of the suite
+    assert seconds < 120, f"hgc lint of {name} took {seconds:.1f} s (limit 120 s)"
     assert doc["counts"]["error"] == 0 and doc["findings"] == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"], "lint wrote files"
     main_kinds, draft_kinds = expected_layout(name)

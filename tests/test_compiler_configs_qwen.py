@@ -8,6 +8,8 @@ import pytest
 
 from tests.test_compiler_configs import expected_layout, lint_published
 
+pytestmark = pytest.mark.slow  # two exports of 48- and 64-layer models: about 40 s on 2 cores
+
 
 @pytest.mark.parametrize("name", ["qwen3_next_80b_a3b", "qwen3_6_27b"])
 def test_lint_published_config(name, tmp_path, capsys):

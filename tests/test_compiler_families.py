@@ -20,6 +20,7 @@ from runtime.batch import SeqState, build_step
 from runtime.bound_ops import BoundOps
 from runtime.generate import greedy_generate, make_pools
 from runtime.loader import load_artifact
+from tests.helpers import shared_artifact
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19], [20]]
 NEW_TOKENS = 6
@@ -44,15 +45,21 @@ def _compiled(art, prompts, new_tokens):
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    """family, size -> (checkpoint dir, loaded artifact), built once for the module."""
+    """family, size -> (checkpoint dir, loaded artifact), built once for the module. Tiny is the
+    session's (tests/helpers.shared_artifact: the same compile, made once for every module that
+    reads it); small is compiled here."""
     cache = {}
 
     def get(family, size):
         if (family, size) not in cache:
-            root = tmp_path_factory.mktemp(f"{family}_{size}")
-            ckpt = init_checkpoint(family, size, seed=3, out_dir=root / "ckpt", log=open("/dev/null", "w"))
-            compile_checkpoint(ckpt, root / "art", CompileConfig(), toolchain(), dumps=False)
-            cache[family, size] = (ckpt, load_artifact(root / "art"))
+            if size == "tiny":
+                ckpt, art = shared_artifact(tmp_path_factory, family)
+            else:
+                root = tmp_path_factory.mktemp(f"{family}_{size}")
+                ckpt = init_checkpoint(family, size, seed=3, out_dir=root / "ckpt", log=open("/dev/null", "w"))
+                art = root / "art"
+                compile_checkpoint(ckpt, art, CompileConfig(), toolchain(), dumps=False)
+            cache[family, size] = (ckpt, load_artifact(art))
         return cache[family, size]
 
     return get

@@ -11,7 +11,8 @@ import pytest
 from models.families import FAMILY_IDS
 from tests.test_compiler_families import PROMPTS, _compiled, _eager, artifacts  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# four compiles of 8-layer models and their greedy runs: about 50 s on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)

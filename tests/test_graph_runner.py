@@ -19,17 +19,15 @@ from runtime.parity import CacheWatch, OpRecord, first_difference, rel_err
 from tests.graph_cases import RerunGraphs, greedy
 from runtime.loader import LoadError, load_artifact
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
-from tests.helpers import edit_routing
+from tests.helpers import edit_routing, shared_artifact
 
 FULL_DEFAULTS = FlashInferAttentionBackend.capability.resolve_options({})
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gr")
-    assert main(["init-model", "--family", "qwen3_next", "--size", "tiny", "--seed", "1", "-o", str(root / "c")]) == 0
-    assert main(["compile", str(root / "c"), "-o", str(root / "a")]) == 0
-    return load_artifact(root / "a")
+    """The session's tiny qwen3_next (tests/helpers.shared_artifact), loaded: its files are only read."""
+    return load_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
 
 
 def make_runner(art, decode=(1, 2, 4), extend=(32, 64), graphs=None, decode_graphs="full"):
@@ -417,7 +415,7 @@ def test_engine_built_with_a_runner_factory_on_a_small_pool(artifact):
     assert outs[0] == outs[1]
 
 
-def test_triton_linear_backend_under_the_runner(artifact, tmp_path):
+def test_triton_linear_backend_under_the_runner(artifact, tmp_path, tmp_path_factory):
     """The GPU path's linear-attention backend (Triton decode kernels reading slot ids from its static
     buffer in graphs, FLA's chunk kernels in the eager gaps) under capture, parity and replayed
     steps, on the CPU: Triton's interpreter, FLA stood in by tests/linear_cases.FakeFLA, declared for
@@ -434,8 +432,8 @@ def test_triton_linear_backend_under_the_runner(artifact, tmp_path):
     InterpretedTritonLinear = interpreted_triton_linear()
     registry = discover().with_classes(InterpretedTritonLinear, source="tests/test_graph_runner.py")
     routes = tuple(parse_route(f"{op}={InterpretedTritonLinear.name}") for op in ("gdn_core", "short_conv"))
-    compile_checkpoint(artifact.docs.path.parent / "c", tmp_path / "a", CompileConfig(routes=routes),
-                       toolchain(registry), dumps=False)
+    checkpoint = shared_artifact(tmp_path_factory, "qwen3_next")[0]  # the module artifact's
+    compile_checkpoint(checkpoint, tmp_path / "a", CompileConfig(routes=routes), toolchain(registry), dumps=False)
     art = load_artifact(tmp_path / "a")
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     reference, _, reference_st = make_runner(artifact)
@@ -464,11 +462,10 @@ def test_triton_linear_backend_under_the_runner(artifact, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "bailing_linear", "qwen3_5"])
-def test_start_up_and_replayed_steps_on_the_other_families(family, tmp_path):
-    """KDA + MLA, Lightning + MLA/GQA, Qwen3.5: capture, parity and graph tokens equal to eager."""
-    assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "2", "-o", str(tmp_path / "c")]) == 0
-    assert main(["compile", str(tmp_path / "c"), "-o", str(tmp_path / "a"), "--no-dumps"]) == 0
-    art = load_artifact(tmp_path / "a")
+def test_start_up_and_replayed_steps_on_the_other_families(family, tmp_path_factory):
+    """KDA + MLA, Lightning + MLA/GQA, Qwen3.5: capture, parity and graph tokens equal to eager.
+    Each family's tiny artifact is the session's (tests/helpers.shared_artifact), only read here."""
+    art = load_artifact(shared_artifact(tmp_path_factory, family)[1])
     runner, kv, st = make_runner(art, decode=(2,), extend=(32,), graphs=RerunGraphs())
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     eager, _ = greedy(runner, st, prompts, 3)

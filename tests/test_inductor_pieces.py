@@ -33,6 +33,8 @@ from runtime.parity import PARITY_RTOL, ParityError
 from runtime.signing import sign, signing_key
 from tests.helpers import ROOT, shared_artifact, tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # an Inductor build (C++ compiles) and two `hgc run` processes: about 90 s on 2 cores
+
 PROMPTS = "1,2,3,4,5,6,7;9,10,11"
 NEW_TOKENS = 5
 

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
 
-from compiler.cli import main
-from models.loader import init_checkpoint
 from runtime.loader import LoadError, load_artifact
-from tests.helpers import edit_manifest, edit_routing
+from tests.helpers import edit_manifest, edit_routing, shared_artifact
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    ckpt = init_checkpoint("bailing_linear", "tiny", seed=4, out_dir=tmp_path_factory.mktemp("c") / "c",
-                           log=open(os.devnull, "w"))
-    out = tmp_path_factory.mktemp("a") / "a"
-    assert main(["compile", str(ckpt), "-o", str(out)]) == 0
-    return out
+    """The session's tiny bailing_linear (tests/helpers.shared_artifact): each test damages a copy."""
+    return shared_artifact(tmp_path_factory, "bailing_linear")[1]
 
 
 def flip_a_weight_byte(art):

@@ -1,8 +1,9 @@
 """The overlap pass (`hgc compile --overlap`) on the CPU: the branches it finds, the dependency rule on
 the networkx graph, split.json, the dumps and `hgc inspect`, and the same outputs with and without it.
 
-One tiny Qwen3-Next checkpoint is compiled twice (with the pass, size rule 4 KiB: a tiny model's
-shared expert moves about 27 KB at one token, its norms and gates under 2 KB; and without).
+One tiny Qwen3-Next checkpoint is compiled with the pass (size rule 4 KiB: a tiny model's shared
+expert moves about 27 KB at one token, its norms and gates under 2 KB); the compile without it is
+the session's (tests/helpers.shared_artifact), as for Bailing and Kimi-Linear.
 Real per-layer dimensions (published configs cut to four layers, traced on the meta device)
 check the default size rule. On the CPU the side branches run in graph order; with
 tests/graph_cases.RecordingSideStream the loader rewrites the pieces as on a GPU, and both give
@@ -13,6 +14,7 @@ on a second CUDA stream.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import networkx as nx
@@ -33,7 +35,7 @@ from runtime.generate import make_pools, run_step
 from runtime.graph_runner import GraphRunner
 from runtime.loader import LoadError, ProgramRunner, load_artifact
 from tests.graph_cases import RecordingSideStream, RerunGraphs, greedy
-from tests.helpers import tiny_checkpoint
+from tests.helpers import shared_artifact
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only contend
 
@@ -41,22 +43,24 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 TINY_RULE = "4096"  # bytes: above a tiny model's norms and gates, below its shared expert
 
 
-def compiled(folder: Path, overlap: bool, dumps: bool = False):
-    """compile_checkpoint of folder/c into folder/on or folder/off: (the compile's context, the loaded artifact)."""
-    config = CompileConfig(overlap=overlap, overlap_min_bytes=int(TINY_RULE) if overlap else None)
-    out = folder / ("on" if overlap else "off")
-    result, _ = compile_checkpoint(folder / "c", out, config, toolchain(), dumps=dumps)
-    return result.ctx, load_artifact(out)
+def compiled_with_the_pass(ckpt: Path, folder: Path, dumps: bool = False):
+    """compile_checkpoint of ckpt with the pass into folder/on: (the compile's context, the loaded artifact)."""
+    config = CompileConfig(overlap=True, overlap_min_bytes=int(TINY_RULE))
+    result, _ = compile_checkpoint(ckpt, folder / "on", config, toolchain(), dumps=dumps)
+    return result.ctx, load_artifact(folder / "on")
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """A tiny Qwen3-Next compiled with the pass (with dumps) and without: (folder, the context of the
-    compile with the pass, both artifacts loaded)."""
+    compile with the pass, both artifacts loaded). The folder holds the checkpoint ("c") and both
+    artifacts ("on"; "off", a copy of the session's compile), as `hgc run` and the benchmark read them."""
+    ckpt, off = shared_artifact(tmp_path_factory, "qwen3_next")
     root = tmp_path_factory.mktemp("overlap")
-    tiny_checkpoint("qwen3_next", root / "c", seed=1)
-    ctx, on = compiled(root, overlap=True, dumps=True)
-    return root, ctx, on, compiled(root, overlap=False)[1]
+    shutil.copytree(ckpt, root / "c")
+    shutil.copytree(off, root / "off")
+    ctx, on = compiled_with_the_pass(root / "c", root, dumps=True)
+    return root, ctx, on, load_artifact(root / "off")
 
 
 def _moe_nodes(gm) -> list:
@@ -118,14 +122,14 @@ def test_the_shared_expert_of_every_moe_layer_is_a_side_branch(qwen):
     assert on.split_plans == ctx.split_plans
 
 
-def test_bailing_linear_the_same_branches_and_the_same_logits(tmp_path):
+def test_bailing_linear_the_same_branches_and_the_same_logits(tmp_path_factory, tmp_path):
     """Tiny Bailing (layer 0 dense): the same branches; every step's logits (CPU: the branches in
     graph order, through the rewritten pieces) equal those of the compile without the pass."""
-    tiny_checkpoint("bailing_linear", tmp_path / "c", seed=2)
-    ctx, on = compiled(tmp_path, overlap=True)
+    ckpt, art = shared_artifact(tmp_path_factory, "bailing_linear")
+    ctx, on = compiled_with_the_pass(ckpt, tmp_path)
     assert check_shared_expert_branches(ctx.programs["main"], ctx.split_plans["main"]) == 3
     assert check_shared_expert_branches(ctx.programs["draft"], ctx.split_plans["draft"]) == 1
-    _, off = compiled(tmp_path, overlap=False)
+    off = load_artifact(art)
     for a, b in zip(_logits(on, [[3, 4, 5, 6], [7, 8]], 2, RecordingSideStream()), _logits(off, [[3, 4, 5, 6], [7, 8]], 2)):
         assert torch.equal(a, b)
 
@@ -333,13 +337,13 @@ def test_a_recorded_branch_that_would_race_is_refused_at_load(qwen):
         runner.module_for(Mode.EXTEND)
 
 
-def test_kimi_linear_gives_the_same_logits_with_and_without_the_pass(tmp_path):
+def test_kimi_linear_gives_the_same_logits_with_and_without_the_pass(tmp_path_factory, tmp_path):
     """`hgc compile --overlap` (the command line, this time) of a tiny Kimi-Linear, against the compile without."""
-    tiny_checkpoint("kimi_linear", tmp_path / "c", seed=2)
-    assert main(["compile", str(tmp_path / "c"), "-o", str(tmp_path / "on"), "--overlap", "--overlap-min-bytes",
+    ckpt, art = shared_artifact(tmp_path_factory, "kimi_linear")
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "on"), "--overlap", "--overlap-min-bytes",
                  TINY_RULE, "--no-dumps", "-q"]) == 0
     on = load_artifact(tmp_path / "on")
-    _, off = compiled(tmp_path, overlap=False)
+    off = load_artifact(art)
     assert sum(len(p.side_branches()) for p in on.split_plans["main"].values()) > 0
     streams = RecordingSideStream()
     for a, b in zip(_logits(on, [[3, 4, 5, 6], [7, 8]], 2, streams), _logits(off, [[3, 4, 5, 6], [7, 8]], 2)):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import io
 import json
 import random
 import signal
@@ -36,9 +35,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 prom_parser = pytest.importorskip("prometheus_client.parser")
 
-from tests.helpers import ServerProcess  # noqa: E402
+from tests.helpers import ServerProcess, shared_artifact  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a compile and two server processes: about 45 s on 2 cores
+pytestmark = pytest.mark.slow  # two server processes (the session's shared compile): about 45 s on 2 cores
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -48,14 +47,9 @@ SIGTERM_BOUND = 6.0  # --shutdown-timeout of the SIGTERM test's server: cancel a
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory) -> tuple[Path, Path]:
-    """(artifact folder, checkpoint folder): a seeded tiny qwen3_next compiled with `hgc compile`."""
-    from compiler.cli import main as hgc
-    from models.loader import init_checkpoint
-
-    work = tmp_path_factory.mktemp("serve")
-    ckpt = init_checkpoint("qwen3_next", "tiny", 0, work / "ckpt", log=io.StringIO())
-    art = work / MODEL
-    assert hgc(["compile", str(ckpt), "-o", str(art), "--no-dumps"]) == 0
+    """(artifact folder, checkpoint folder): a seeded tiny qwen3_next compiled with `hgc compile`,
+    the session's (tests/helpers.shared_artifact: the servers only read it)."""
+    ckpt, art = shared_artifact(tmp_path_factory, "qwen3_next")
     return art, ckpt
 
 

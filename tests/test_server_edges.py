@@ -19,7 +19,6 @@ loopback HTTP:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import select
 import signal
@@ -35,9 +34,9 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from tests.helpers import ServerProcess  # noqa: E402
+from tests.helpers import ServerProcess, shared_artifact  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a compile and two server processes: about 40 s on 2 cores
+pytestmark = pytest.mark.slow  # two server processes (the session's shared compile): about 40 s on 2 cores
 
 MODEL = "tiny"
 MAX_BODY_MB = 1
@@ -47,13 +46,9 @@ SHUTDOWN = 6.0
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory) -> Path:
-    from compiler.cli import main as hgc
-    from models.loader import init_checkpoint
-
-    work = tmp_path_factory.mktemp("edges")
-    ckpt = init_checkpoint("qwen3_next", "tiny", 0, work / "ckpt", log=io.StringIO())
-    assert hgc(["compile", str(ckpt), "-o", str(work / MODEL), "--no-dumps", "-q"]) == 0
-    return work / MODEL
+    """A seeded tiny qwen3_next compiled with `hgc compile`, the session's (tests/helpers.shared_artifact:
+    the servers only read it, which test_bad_request_is_a_short_error_naming_the_culprit checks)."""
+    return shared_artifact(tmp_path_factory, "qwen3_next")[1]
 
 
 @pytest.fixture(scope="module")
