@@ -250,10 +250,15 @@ class GraphRunner:
             plan_mode = Mode.EXTEND  # piecewise decode asked for: the extend plan has the eager gaps
         if plan_mode not in self._modules:
             split = self.program.module_for(plan_mode)
-            plan = self.program.plans[plan_mode]
-            for piece, name in zip(plan.pieces, piece_module_names(plan)):
-                if piece.kind == CAPTURED:
-                    setattr(split, name, CapturedPiece(getattr(split, name), piece.index, self.state, self.debug))
+            # Modes whose plans have the same pieces share one split module (ProgramRunner.module_for):
+            # its pieces are wrapped once. A piece wrapped twice would capture its own graph inside
+            # the outer piece's capture, which CUDA refuses. A piece's graphs are kept per key, and a
+            # key names its mode, so one wrapper serves every mode that shares the module.
+            if not any(wrapped is split for wrapped in self._modules.values()):
+                plan = self.program.plans[plan_mode]
+                for piece, name in zip(plan.pieces, piece_module_names(plan)):
+                    if piece.kind == CAPTURED:
+                        setattr(split, name, CapturedPiece(getattr(split, name), piece.index, self.state, self.debug))
             self._modules[plan_mode] = split
         return self._modules[plan_mode]
 

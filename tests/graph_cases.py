@@ -49,7 +49,10 @@ class RerunGraphs:
         return None
 
     def in_graph(self, fn):
-        """Run fn as the body of a capture or a replay."""
+        """Run fn as the body of a capture or a replay. Inside another, it is refused, as CUDA refuses
+        a capture or replay while a capture runs on the stream."""
+        if self.inside:
+            raise RuntimeError("a graph capture or replay inside another capture (CUDA refuses it)")
         self.inside = True
         try:
             return fn()

@@ -263,3 +263,32 @@ def test_an_artifact_that_needs_the_plugin_is_refused_where_it_is_not_installed(
     err = capsys.readouterr().err
     assert f"routes layer 0 (main program, node gdn_core, hgc.gdn_core) to backend '{BACKEND}', which this " \
            f"runtime does not have" in err and "install the package that provides it" in err
+
+
+def test_modes_sharing_a_piecewise_module_capture_each_piece_once(plugin, by_priority):
+    """The plugin captures in no mode, so decode's and target_verify's plans cut at the same nodes and
+    share one split module (ProgramRunner.module_for). The runner wraps its captured pieces once:
+    wrapped again for the second mode, a piece would capture inside its own capture, which CUDA
+    refuses (and so does the CPU stand-in)."""
+    from runtime.bound_ops import BoundOps
+    from runtime.cuda_graphs import CapturedPiece
+    from runtime.generate import make_pools
+    from runtime.graph_runner import GraphRunner
+    from runtime.loader import load_artifact
+    from runtime.state_pool import StatePool
+    from tests.graph_cases import RerunGraphs
+
+    art = load_artifact(by_priority[0])
+    kv, _ = make_pools(art.registry, 128, 8, page_size=8)
+    st = StatePool(art.registry, 8, draft_tokens=1, verify_rows=2)
+    ops = BoundOps(art.backends(kv, st).for_program("main"))
+    runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
+                         max_pages_per_seq=16, extend_max_seqs=2, graphs=RerunGraphs(), verify_buckets=(2,),
+                         verify_tokens=2)
+    module = runner._module(Mode.DECODE)
+    assert runner._module(Mode.TARGET_VERIFY) is module
+    runner.capture()
+    pieces = [m for m in module.children() if isinstance(m, CapturedPiece)]
+    assert pieces and not any(isinstance(p.piece, CapturedPiece) for p in pieces)
+    modes = {key.mode for p in pieces for key in p.graphs}
+    assert {Mode.DECODE, Mode.TARGET_VERIFY} <= modes, modes
