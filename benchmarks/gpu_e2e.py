@@ -89,6 +89,7 @@ if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
+import hashlib  # noqa: E402
 import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -392,7 +393,10 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
     decode_buckets = tuple(sorted({b for b in DEFAULT_DECODE_BATCH_SIZES if b <= max(decoding)} | set(decoding)))
     extend_buckets = tuple(sorted({t for t in DEFAULT_EXTEND_TOKEN_COUNTS if t <= max(extends)} | set(extends)))
     rec["buckets"] = {"decode": decode_buckets, "extend": extend_buckets, "extend_max_seqs": extend_max_seqs}
-    ckpt, art_dir = work / f"ckpt_{family}_{args.size}", work / f"art_{family}_{args.size}"
+    # artifacts of other routes sit beside each other in one --work: the folder names a digest of them
+    routed = "-r" + hashlib.sha256("\n".join(args.route).encode()).hexdigest()[:8] if args.route else ""
+    ckpt, art_dir = work / f"ckpt_{family}_{args.size}", work / f"art_{family}_{args.size}{routed}"
+    rec["routes"] = list(args.route)
     ctx: dict = {}
 
     def init_compile():
@@ -404,7 +408,7 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
         target = "cpu" if args.dry_run else "cuda"
         # --no-inductor: the traced glue, the numbers' "before" (benchmarks/startup_bench.py measures compiled pieces)
         if hgc(["compile", str(ckpt), "-o", str(art_dir), "--target", target, "--dtype", "bfloat16", "--no-dumps",
-                "--force", "--no-inductor"]) != 0:
+                "--force", "--no-inductor", *[a for r in args.route for a in ("--route", r)]]) != 0:
             raise RuntimeError("compile failed")
     stage("init_compile", init_compile)
 
@@ -897,6 +901,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, help="greedy tokens per prompt in the token checks")
     p.add_argument("--hf-new-tokens", type=int, help="tokens per transformers generate call")
     p.add_argument("--skip", default="", help="comma-separated stage names not to run (recorded as skipped)")
+    p.add_argument("--route", action="append", default=[],
+                   help="hgc compile --route for every family's artifact (repeatable), e.g. "
+                        "'gdn_core=triton_linear[chunk_impl=triton]'")
     p.add_argument("--keep-caches", action="store_true",
                    help="use the kernel caches the environment points at instead of empty ones (start-up is then warm)")
     p.add_argument("--dry-run", action="store_true",

@@ -164,7 +164,8 @@ def steps_for(dry: bool):
     ]
 
 
-def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.0, short_extend_tokens: int = 0) -> dict:
+def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.0, short_extend_tokens: int = 0,
+                 chunk_impl: str = "fla") -> dict:
     """The step chain on the backend and on the CPU reference (float32) from the same states
     (with `short_extend_tokens` above every request's length: the eager steps through the recurrent
     extend kernel instead of FLA)."""
@@ -181,7 +182,7 @@ def check_family(name: str, spec, device, dry: bool, fla, gate_scale: float = 1.
     dev_pool.layer(0)[entry].copy_(ref_state)
     before = ref_state.clone()
     ref = CPUReferenceBackend(None, ref_pool)
-    tri = TritonLinearBackend(dev_pool, fla=fla, short_extend_tokens=short_extend_tokens)
+    tri = TritonLinearBackend(dev_pool, fla=fla, short_extend_tokens=short_extend_tokens, chunk_impl=chunk_impl)
     c_dev, c_cpu = consts(spec, device), consts(spec, "cpu")
     c_cpu = {k: v.float() for k, v in c_cpu.items()}
     rows, touched = [], set()
@@ -335,7 +336,33 @@ def time_old_conv(spec, ctx, states, x, c, ours_out) -> dict:
             "old_torch_vs_ours_rel_err": agree}
 
 
-def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool) -> list[dict]:
+# The recurrent cores our chunk kernels serve (runtime/backends/triton_chunk.py); KDA keeps FLA's.
+CHUNK_OPS = ("gdn_core", "lightning_core")
+
+
+def time_triton_chunk(spec, ctx, x, c, pool, entry: str, states_before, fla_out, fla_state, T: int) -> dict:
+    """The same extend layer through our chunk kernels (chunk_impl="triton"), in the same run as FLA's:
+    from the state FLA's first call started from, its output and new state against FLA's (both
+    bf16 kernels: agreement, not accuracy, which the checks measured against the reference); then
+    its step (planning + the op call), one more layer and its kernels, timed as FLA's are."""
+    pool.layer(0)[entry].copy_(states_before)
+    ours = TritonLinearBackend(pool, chunk_impl="triton")
+    out = out_for(spec, T, "cuda" if is_cuda() else "cpu")
+
+    def step():
+        plan_eager_step(ours, ctx, T)
+        call(ours, spec, ctx, x, c, out)
+
+    step()
+    agree_out, agree_state = rel_err(out, fla_out), rel_err(pool.layer(0)[entry], fla_state)
+    step_ms = bench_ms(step, 100)
+    layer_ms = bench_ms(lambda: call(ours, spec, ctx, x, c, out), 100)
+    return {"triton_chunk_ms": step_ms, "triton_chunk_layer_ms": layer_ms,
+            "triton_chunk_kernel_ms": device_busy_ms(step), "triton_chunk_vs_fla_out": agree_out,
+            "triton_chunk_vs_fla_state": agree_state}
+
+
+def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool, triton_chunk: bool = False) -> list[dict]:
     reg = registry(spec)
     rows = []
     cases = [(32, 1), (32, 4), (64, 16)] if dry else [(512, 1), (512, 4), (512, 16), (2048, 1), (2048, 4), (2048, 16)]
@@ -362,6 +389,7 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
         states_before = pool.layer(0)[entry].clone()
         ours()  # compile / autotune outside the timing
         first_out = out.clone()
+        first_state = pool.layer(0)[entry].clone()
         ms = bench_ms(ours, 100)
         layer_ms = bench_ms(layer, 100)  # the plan ours() made last stays: each call is one more layer
         public_ms = None
@@ -373,6 +401,10 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
             plan_eager_step(public, ctx, T)
             call(public, spec, ctx, x, c, out)
             public_ms = bench_ms(lambda: call(public, spec, ctx, x, c, out), 100)
+            call(tri, spec, ctx, x, c, out)  # tri's plan again the step's current one
+        chunk = time_triton_chunk(spec, ctx, x, c, pool, entry, states_before, first_out, first_state, T) \
+            if triton_chunk else {}
+        if chunk:
             call(tri, spec, ctx, x, c, out)  # tri's plan again the step's current one
         kernel_ms = device_busy_ms(ours)
         # where a step's wall time beyond its kernels goes (issue 14's per-request host cost)
@@ -397,7 +429,7 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
                "floor_bytes_ms": floor_bw, "floor_flops_ms": floor_fl, "bytes": nbytes, "flops": flops,
                "x_floor": ms / floor, "kernel_ms": kernel_ms, "host_profile": host,
                "kernel_x_floor": None if kernel_ms is None else kernel_ms / floor, "torch_ref_gpu_ms": ref_ms,
-               "ref_over_ours": None if ref_ms is None else ref_ms / ms, "layer_public_entry_ms": public_ms}
+               "ref_over_ours": None if ref_ms is None else ref_ms / ms, "layer_public_entry_ms": public_ms, **chunk}
         if spec[0] == "short_conv":
             row.update(time_old_conv(spec, ctx, states_before, x["x"], c, first_out))
             row["old_over_ours"] = row["old_torch_ms"] / ms
@@ -410,6 +442,12 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool)
                         f"x{row['old_over_ours_layer']:.1f}")
         if public_ms is not None:
             old_note += f"; layer through FLA's public entry {public_ms * 1e3:.1f} us"
+        if chunk:
+            old_note += (f"; our chunk kernels: step {chunk['triton_chunk_ms'] * 1e3:.1f} us, layer "
+                         f"{chunk['triton_chunk_layer_ms'] * 1e3:.1f} us (kernels "
+                         f"{fmt(None if chunk['triton_chunk_kernel_ms'] is None else chunk['triton_chunk_kernel_ms'] * 1e3)}"
+                         f" us), against FLA's out {chunk['triton_chunk_vs_fla_out']:.2e} state "
+                         f"{chunk['triton_chunk_vs_fla_state']:.2e}")
         log(f"  {name} T={T} R={R}: {ms * 1e3:.1f} us, layer {layer_ms * 1e3:.1f} us "
             f"(kernels {fmt(None if kernel_ms is None else kernel_ms * 1e3)} us), floor {floor * 1e3:.1f} us "
             f"(bytes {floor_bw * 1e3:.1f}, flops {floor_fl * 1e3:.1f}), x{ms / floor:.2f}; torch ref "
@@ -516,6 +554,8 @@ def family_part(name: str, args) -> dict:
         if spec[0] != "lightning_core" and not res["check"]["ok"]:
             res["check_mild_gates"] = check_family(name, spec, device, dry, fla, gate_scale=0.1)
         res["check_recurrent_extend"] = check_family(name, spec, device, dry, fla, short_extend_tokens=1 << 20)
+        if spec[0] in CHUNK_OPS:
+            res["check_triton_chunk"] = check_family(name, spec, device, dry, fla, chunk_impl="triton")
     except Exception as e:
         res["check_error"] = f"{type(e).__name__}: {e}"[:600]
         res["traceback"] = traceback.format_exc()[-2500:]
@@ -526,7 +566,9 @@ def family_part(name: str, args) -> dict:
         if args.lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            res["timing"] = time_family(name, spec, device, dry, fla, env, quick=False)
+            # our chunk kernels are timed beside FLA's only once their chain matched the reference
+            chunk = spec[0] in CHUNK_OPS and res.get("check_triton_chunk", {}).get("ok", False)
+            res["timing"] = time_family(name, spec, device, dry, fla, env, quick=False, triton_chunk=chunk)
             if res.get("check_recurrent_extend", {}).get("ok"):  # timed only once it matches the reference
                 res["short_extend"] = time_short_extend(name, spec, device, dry, fla)
         except Exception as e:
@@ -593,12 +635,13 @@ def table(results: dict) -> str:
              "| family | step | out | state | ok |", "|---|---|---|---|---|"]
     fams = results.get("families", {})
     for name, r in fams.items():
-        for key in ("check", "check_mild_gates", "check_recurrent_extend"):
+        for key in ("check", "check_mild_gates", "check_recurrent_extend", "check_triton_chunk"):
             chk = r.get(key)
             if not chk:
                 continue
             tag = name + {"check": "", "check_mild_gates": " (gates x0.1)",
-                          "check_recurrent_extend": " (recurrent extend)"}[key]
+                          "check_recurrent_extend": " (recurrent extend)",
+                          "check_triton_chunk": " (our chunk kernels)"}[key]
             for s in chk["steps"]:
                 if "error" in s:
                     lines.append(f"| {tag} | {s['step']} | ERROR {s['error'][:80]} | | no |")
@@ -629,6 +672,18 @@ def table(results: dict) -> str:
                          f"| {t['floor_ms']:.3f} ({t['floor_bytes_ms']:.3f} / {t['floor_flops_ms']:.3f}) | "
                          f"{t['x_floor']:.1f} | {fmt(t.get('kernel_x_floor'))} | "
                          f"{fmt(t['torch_ref_gpu_ms'])} | {fmt(t['ref_over_ours'], '.0f')} |")
+    chunk = [(name, t) for name, r in fams.items() for t in r.get("timing", []) if "triton_chunk_ms" in t]
+    if chunk:
+        lines += ["", "our chunk kernels (chunk_impl=triton) against FLA's, same run (ms; step: planning + one layer)",
+                  "| family | T | requests | FLA step | ours step | FLA / ours | FLA layer | ours layer | FLA / ours |"
+                  " FLA kernels | our kernels | out vs FLA | state vs FLA |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, t in chunk:
+            lines.append(f"| {name} | {t['tokens']} | {t['requests']} | {t['ours_ms']:.3f} | {t['triton_chunk_ms']:.3f} | "
+                         f"{t['ours_ms'] / t['triton_chunk_ms']:.2f} | {t['layer_ms']:.3f} | "
+                         f"{t['triton_chunk_layer_ms']:.3f} | {t['layer_ms'] / t['triton_chunk_layer_ms']:.2f} | "
+                         f"{fmt(t.get('kernel_ms'), '.3f')} | {fmt(t.get('triton_chunk_kernel_ms'), '.3f')} | "
+                         f"{t['triton_chunk_vs_fla_out']:.1e} | {t['triton_chunk_vs_fla_state']:.1e} |")
     conv = [t for t in fams.get("conv", {}).get("timing", []) if "old_torch_ms" in t]
     if conv:
         lines += ["", "extend conv: the Triton kernel against the torch path it replaced, same run (ms)",
@@ -666,6 +721,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=430.0, help="seconds for the whole script (device limit 480)")
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--part", default="main", choices=["main", "gdn", "kda", "lightning"])
+    ap.add_argument("--families", default="gdn,kda,lightning",
+                    help="FLA families to check and time, comma-separated (the conv always runs)")
     ap.add_argument("--result", default=None)
     ap.add_argument("--lock", default=None)
     ap.add_argument("--copy-bytes-per-s", type=float, default=None)
@@ -696,7 +753,11 @@ def main(argv=None) -> int:
     results: dict = {"env": env, "families": {}}
     save = lambda: save_json(json_path, results)
     save()
-    names = ["gdn", "kda", "lightning"]
+    names = [n for n in args.families.split(",") if n]
+    unknown = sorted(set(names) - {"gdn", "kda", "lightning"})
+    if unknown:
+        print(f"--families: no family {unknown[0]} (gdn, kda, lightning)", file=sys.stderr)
+        return 2
     deadline = START + args.budget_s
     reserve = 0 if (args.dry_run or args.no_pytest) else 100
     lock = Path(tempfile.mkdtemp()) / "timing.lock"

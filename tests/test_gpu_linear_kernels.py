@@ -342,17 +342,27 @@ EXTEND_STEPS = [  # slot 1 starts empty; step 2 continues its prompt next to dec
 ]
 
 
-@pytest.mark.parametrize("short_extend_tokens", [0, 256], ids=["fla", "recurrent_extend"])
+EXTEND_PATHS = {  # the backend's extend paths for the recurrent cores: its constructor's arguments
+    "fla": dict(short_extend_tokens=0),
+    "recurrent_extend": dict(short_extend_tokens=256),
+    "triton_chunk": dict(short_extend_tokens=0, chunk_impl="triton"),
+}
+
+
+@pytest.mark.parametrize("path", list(EXTEND_PATHS))
 @pytest.mark.parametrize("op", list(SPECS))
-def test_extend_mixed_verify_steps_match_reference_at_real_dims(op, short_extend_tokens):
-    """The step chain through FLA's chunk kernels, and again with every eager step's requests short
-    enough for the recurrent extend kernel (triton_linear.recurrent_extend)."""
+def test_extend_mixed_verify_steps_match_reference_at_real_dims(op, path):
+    """The step chain through FLA's chunk kernels, again with every eager step's requests short
+    enough for the recurrent extend kernel (triton_linear.recurrent_extend), and again through our
+    chunk kernels (triton_chunk.chunk_extend, GDN and Lightning)."""
     from runtime.backends.triton_linear_backend import TritonLinearBackend
 
-    if DEV != "cuda":
+    if DEV != "cuda" and path != "triton_chunk":
         pytest.skip("the FLA chunk kernels need CUDA")
-    if short_extend_tokens and op == "short_conv":
+    if path != "fla" and op == "short_conv":
         pytest.skip("the short conv has one extend kernel")
+    if path == "triton_chunk" and op == "kda_core":
+        pytest.skip("KDA's per-channel gates keep FLA's chunk kernels")
     _stub_einops()
     num_slots = 6
     ref_pool, dev_pool = pools(op, num_slots, seed=31)
@@ -361,7 +371,7 @@ def test_extend_mixed_verify_steps_match_reference_at_real_dims(op, short_extend
         pool.layer(0)[entry][1].zero_()
     before = dev_pool.layer(0)[entry].clone()
     ref = CPUReferenceBackend(None, ref_pool)
-    tri = TritonLinearBackend(dev_pool, short_extend_tokens=short_extend_tokens)
+    tri = TritonLinearBackend(dev_pool, **EXTEND_PATHS[path])
     g = torch.Generator().manual_seed(32)
     touched = set()
     for mode, reqs, pad_t, pad_s in EXTEND_STEPS:
@@ -385,3 +395,102 @@ def test_extend_mixed_verify_steps_match_reference_at_real_dims(op, short_extend
         assert rel_err(dev_pool.layer(0)[entry][t], ref_pool.layer(0)[entry][t]) <= 1e-2, f"{mode.value} state"
     untouched = [s for s in range(num_slots + 1) if s not in touched]
     assert torch.equal(dev_pool.layer(0)[entry][untouched], before[untouched]), "padding slot or a free slot written"
+
+
+# -- our chunk kernels alone (triton_chunk.chunk_extend) ---------------------------------------------
+
+CHUNK_LENS = [0, 1, 100, 64, 300, 1000]  # none, one row, partial, one whole chunk, several, many
+
+
+def chunk_case(op: str, dtype, seed: int):
+    """One chunk_extend launch's inputs at real dims: the requests of CHUNK_LENS one after another
+    then 5 NaN rows past bounds[R]; slots out of row order in a pool of random states; the tables."""
+    import numpy as np
+    from runtime.backends import triton_chunk
+
+    T, R = sum(CHUNK_LENS) + 5, len(CHUNK_LENS)
+    g = torch.Generator().manual_seed(seed)
+    x = inputs(op, T, sum(CHUNK_LENS), dtype, g)
+    if op == "lightning_core":
+        x["g"] = const("decay", "cpu", torch.float32)
+    else:
+        x["g"] = x["g"].float()  # the models pass float32 log-decays
+    ref_pool, dev_pool = pools(op, R + 3, seed=seed)
+    slots = (torch.randperm(R + 3, generator=g) + 1)[:R].tolist()
+    cu = np.concatenate([[0], np.cumsum(CHUNK_LENS)]).astype(np.int64)
+    tables = dict(slots=torch.tensor(slots, device=DEV), bounds=torch.from_numpy(cu).to(DEV),
+                  chunks=torch.from_numpy(triton_chunk.chunk_table(np.array(CHUNK_LENS), 64)).to(DEV))
+    return x, ref_pool, dev_pool, slots, tables
+
+
+def chunk_reference(op: str, x: dict, pool, slots) -> torch.Tensor:
+    """gated_recurrence per request on the reference pool (in place); the outputs [rows, Hv, Dv]."""
+    from runtime.backends.cpu_reference import gated_recurrence
+
+    _, hk, hv, dk, dv = SPECS[op]
+    out, at = torch.zeros(sum(CHUNK_LENS), hv, dv), 0
+    for n, slot in zip(CHUNK_LENS, slots):
+        rows = slice(at, at + n)
+        q, k = (x[name][rows].float().repeat_interleave(hv // hk, dim=1) for name in ("q", "k"))
+        gate = x["g"].expand(n, hv) if op == "lightning_core" else x["g"][rows]
+        beta = x["beta"][rows] if "beta" in x else None  # Lightning: no delta rule
+        out[rows] = gated_recurrence(q, k, x["v"][rows].float(), gate[..., None], beta,
+                                     pool.layer(0)["recurrent"][slot], dk ** -0.5)
+        at += n
+    return out
+
+
+def run_chunk_extend(op: str, x: dict, pool, tables: dict, out: torch.Tensor) -> None:
+    from runtime.backends import triton_chunk
+    from runtime.backends.triton_linear import GATE_CONSTANT, GATE_PER_HEAD
+
+    dk = SPECS[op][3]
+    d = {n: t.to(DEV) for n, t in x.items()}
+    triton_chunk.chunk_extend(d["q"], d["k"], d["v"], d["g"], d.get("beta"), out, pool.layer(0)["recurrent"],
+                              tables["slots"], tables["bounds"], tables["chunks"], dk ** -0.5,
+                              GATE_CONSTANT if op == "lightning_core" else GATE_PER_HEAD)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("op", ["gdn_core", "lightning_core"])
+def test_chunk_extend_kernels_match_reference_at_real_dims(op, dtype):
+    """Requests of 0, 1, 100, 64, 300 and 1000 rows in one launch (chunks of 64, Dk = Dv = 128,
+    Qwen3-Next's grouped heads for GDN): outputs and states against the recurrence, the padding
+    slot, free slots, the idle request's slot and the rows past the last request untouched."""
+    x, ref_pool, dev_pool, slots, tables = chunk_case(op, dtype, seed=81)
+    before = dev_pool.layer(0)["recurrent"].clone()
+    out_ref = chunk_reference(op, x, ref_pool, slots)
+    T, real = x["q"].shape[0], sum(CHUNK_LENS)
+    out = torch.full((T, SPECS[op][2], SPECS[op][4]), 7.0, dtype=dtype, device=DEV)
+    run_chunk_extend(op, x, dev_pool, tables, out)
+    out = out.float().cpu()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+    assert torch.isfinite(out).all() and out[real:].eq(7.0).all(), "rows past bounds[R] must not be written"
+    at = 0
+    for n, slot in zip(CHUNK_LENS, slots):
+        if n:
+            err = rel_err(out[at:at + n], out_ref[at:at + n])
+            assert err <= tol, f"{op} {dtype}: request of {n} rows, out rel err {err:.2e}"
+        s_err = rel_err(dev_pool.layer(0)["recurrent"][slot].cpu(), ref_pool.layer(0)["recurrent"][slot])
+        assert s_err <= tol, f"{op} {dtype}: request of {n} rows, state rel err {s_err:.2e}"
+        at += n
+    untouched = [s for s in range(len(slots) + 4) if s not in slots] + [slots[CHUNK_LENS.index(0)]]
+    assert torch.equal(dev_pool.layer(0)["recurrent"][untouched], before[untouched])
+
+
+def test_chunk_extend_relaunches_through_the_launcher_cache():
+    """A second call with the same arguments (the same step on the same buffers and workspace) takes
+    the Launcher's compiled kernels, both of them."""
+    from runtime.backends import triton_chunk
+
+    if DEV != "cuda":
+        pytest.skip("the Launcher's fast path needs compiled kernels (the interpreter has none)")
+    x, _, dev_pool, _, tables = chunk_case("gdn_core", torch.bfloat16, seed=82)
+    x = {n: t.to(DEV) for n, t in x.items()}
+    out = torch.empty(x["q"].shape[0], 32, 128, dtype=torch.bfloat16, device=DEV)
+    launchers = (triton_chunk._CHUNK_SOLVE, triton_chunk._CHUNK_STATE)
+    run_chunk_extend("gdn_core", x, dev_pool, tables, out)
+    hits = [launcher.hits for launcher in launchers]
+    run_chunk_extend("gdn_core", x, dev_pool, tables, out)
+    torch.cuda.synchronize()
+    assert [launcher.hits - h for launcher, h in zip(launchers, hits)] == [1, 1]

@@ -415,6 +415,41 @@ def test_a_step_with_a_longer_request_takes_fla():
     assert [c[1] for c in fake.calls] == [[0, 6, 11]]
 
 
+# Steps past any short-extend limit: slot 4's new prompt of 70 tokens (a whole chunk of 64 and a
+# partial one) beside a short request, then its next chunk in a mixed step, a ragged verify, a decode.
+CHUNK_STEPS = [
+    (Mode.EXTEND, [(4, 0, 70), (7, 9, 5)], 3, 1),
+    (Mode.MIXED, [(4, 70, 4), (7, 14, 1), (2, 0, 3)], 2, 1),
+    (Mode.TARGET_VERIFY, [(4, 74, 2), (2, 3, 3)], 0, 0),
+    (Mode.DECODE, [(2, 6, 1), (4, 76, 1)], 1, 1),
+]
+CHUNK_OPS = [("gdn_core", 0), ("gdn_core", 1), ("gdn_core", 4), ("lightning_core", 3)]
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", CHUNK_OPS, ids=[f"{op}-L{lid}" for op, lid in CHUNK_OPS])
+def test_extends_run_our_chunk_kernels_with_chunk_impl_triton(op, layer_id):
+    """chunk_impl="triton": GDN's and Lightning's extend, mixed and ragged verify steps run
+    triton_chunk.chunk_extend (no FLA call) and match the reference: outputs, states, padding rows
+    and untouched slots; grouped and ungrouped heads, dims that are not powers of two."""
+    fake = compare_mode_steps(op, layer_id, CHUNK_STEPS, seed=80 + layer_id, backend_kwargs={"chunk_impl": "triton"})
+    assert fake.calls == []
+
+
+@in_process
+def test_chunk_impl_is_a_routing_option_kda_keeps_fla():
+    from runtime.backends.protocol import BackendSetup
+
+    assert dict(TritonLinearBackend.capability.options)["chunk_impl"] == ("fla", "triton")
+    _, dev_pool = make_pools(0)
+    build = lambda options: TritonLinearBackend.build(BackendSetup(None, dev_pool, dev_pool.device, (), options))
+    assert build({}).chunk_impl == "fla" and build({"chunk_impl": "triton"}).chunk_impl == "triton"
+    with pytest.raises(ValueError, match="chunk_impl"):
+        TritonLinearBackend(dev_pool, chunk_impl="ours")
+    fake = compare_mode_steps("kda_core", 2, CHUNK_STEPS[:1], seed=90, backend_kwargs={"chunk_impl": "triton"})
+    assert [c[1] for c in fake.calls] == [[0, 70, 75]]
+
+
 @in_process
 @pytest.mark.parametrize("conv_bias,silu", [(False, False), (True, False)])
 def test_conv_extend_without_bias_or_silu(conv_bias, silu):
@@ -584,11 +619,11 @@ class WalkCountingList(list):
         return super().__getitem__(i)
 
 
-def host_work_of_a_step(monkeypatch, mode: Mode, reqs, pad_tokens: int, pad_seqs: int):
+def host_work_of_a_step(monkeypatch, mode: Mode, reqs, pad_tokens: int, pad_seqs: int, **backend_kwargs):
     """Plan one step of `reqs` on the backend, then run every linear op of every layer: the plan's
     host work, and each op call's."""
     _, dev_pool = make_pools(70)
-    tri = TritonLinearBackend(dev_pool, fla=FakeFLA())
+    tri = TritonLinearBackend(dev_pool, fla=FakeFLA(), **backend_kwargs)
     ctx = mode_step(mode, reqs, pad_tokens, pad_seqs)
     R, T = ctx.num_real_tokens, ctx.num_tokens
     inputs = {(op, lid): step_inputs(op, lid, T, R, torch.float32, torch.Generator().manual_seed(lid))
@@ -622,3 +657,12 @@ def test_op_calls_do_no_host_work_that_scales_with_the_step(monkeypatch, mode, r
     assert len(per_op) == len(LAYERS) + len(OPS) - 1
     extend_path = mode != Mode.TARGET_VERIFY or len({n for *_, n in reqs}) > 1
     assert plan.get("device move", 0) == (1 if extend_path else 0), plan
+
+
+@in_process
+def test_our_chunk_kernels_do_no_host_work_that_scales_with_the_step(monkeypatch):
+    """chunk_impl="triton": the chunk table is one more part of the plan's one copy; op calls stay lean."""
+    plan, per_op = host_work_of_a_step(monkeypatch, Mode.EXTEND, [(4, 0, 6), (7, 9, 5), (2, 3, 70), (9, 0, 1)], 3, 1,
+                                       chunk_impl="triton")
+    assert all(work == {} for work in per_op.values()), {k: v for k, v in per_op.items() if v}
+    assert plan.get("device move", 0) == 1, plan

@@ -23,18 +23,22 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
   op policy keeps extend and mixed steps eager anyway. With `short_extend_tokens` set, a step
   whose requests each bring at most that many tokens (a prefix-cache hit's tail, a short chunk)
   runs the recurrent cores through our short-extend kernel instead (triton_linear.recurrent_extend:
-  one launch a layer, each request's tokens in order, no FLA). The short conv: our Triton extend kernel
-  (triton_linear.short_conv_extend), one launch over every request's tokens, reading each
-  request's history from its slot and writing the new one back. Padded rows of `out` are zeroed
+  one launch a layer, each request's tokens in order, no FLA). With `chunk_impl="triton"` the other
+  extend steps of GDN and Lightning layers run our own chunk kernels instead of FLA's
+  (triton_chunk.chunk_extend: two launches a layer, one for Lightning, states read from and
+  written to the slots in place, no gather or scatter); KDA keeps FLA. The short conv: our Triton
+  extend kernel (triton_linear.short_conv_extend), one launch over every request's tokens, reading
+  each request's history from its slot and writing the new one back. Padded rows of `out` are zeroed
   and the padding slot is neither read nor written.
 
 Plan once per step, launch lean. Everything these paths derive from the step alone is made by
 the step's hooks and shared by every layer: slot ids on the device and the target-verify row
 layout (init_step_metadata / init_replay_state), and for a step on the extend path the kept
-requests, their slots, cu_seqlens on host and device, FLA's chunk indices and the conv kernel's
-token-block table (init_chunk_metadata, host tables built with numpy and copied in one
-transfer). An op call then does constant host work: shape checks and its launches, no loop over
-requests, no host-to-device copy, no device read. FLA is handed the plan's chunk indices where
+requests, their slots, cu_seqlens on host and device, FLA's chunk indices (with
+chunk_impl="triton" also our chunk kernels' chunk table) and the conv kernel's token-block table
+(init_chunk_metadata, host tables built with numpy and copied in one transfer). An op call then
+does constant host work: shape checks and its launches, no loop over requests, no host-to-device
+copy, no device read. FLA is handed the plan's chunk indices where
 its entry point takes them; elsewhere it derives them from cu_seqlens_cpu once per step, through
 its cache keyed by tensor identity, which every layer's call hits after the first.
 
@@ -90,6 +94,10 @@ class FLANotInstalled(RuntimeError):
 
 def _kernels():
     return importlib.import_module("runtime.backends.triton_linear")
+
+
+def _chunk_kernels():
+    return importlib.import_module("runtime.backends.triton_chunk")
 
 
 def fla_ops(gdn_entry: str = "forward") -> types.SimpleNamespace:
@@ -192,6 +200,9 @@ class _ExtendPlan:
     conv_bounds: torch.Tensor  # [R+2] int64 on the device: cu_seqlens, then num_rows (the padding rows)
     conv_blocks: torch.Tensor  # [NB, 2] int64 on the device: (request, token block) of the extend conv
     longest: int  # the most tokens one request brings this step (which recurrent path it takes)
+    # [N, 2] int64 on the device: (request, first row) of each chunk of our chunk kernels
+    # (triton_chunk.chunk_table); made only where chunk_impl is "triton"
+    triton_chunks: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -248,6 +259,13 @@ def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
 # FLA's chunk kernels. "0": FLA always.
 SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 
+# Which chunk kernels run the extend steps of GDN and Lightning layers (past the short-extend
+# limit), the first the default: "fla", FLA's (whose Python launch path costs about 1 ms of host
+# time a layer); "triton", ours (runtime/backends/triton_chunk.py: two launches a layer through the
+# Launcher, no gather or scatter). FLA stays the default until a GPU benchmark shows ours faster.
+# KDA's per-channel gates run FLA's either way.
+CHUNK_IMPL_CHOICES = ("fla", "triton")
+
 
 class TritonLinearBackend(BackendHooks):
     name = "triton_linear"
@@ -259,15 +277,17 @@ class TritonLinearBackend(BackendHooks):
         name="triton_linear", device="cuda", ops=supported_ops,
         modes_supported=frozenset(MODES), modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
         kinds=frozenset({LayerKind.GDN, LayerKind.KDA, LayerKind.LIGHTNING}),
-        # short_extend_tokens: the constructor's limit of the same name, chosen at compile time
-        # (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in routing.json.
-        options=(("short_extend_tokens", SHORT_EXTEND_CHOICES),),
+        # short_extend_tokens, chunk_impl: the constructor's arguments of the same names, chosen at
+        # compile time (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in
+        # routing.json.
+        options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES)),
         doc="Triton decode kernels (decode; target_verify as n strided decode launches), FLA chunk kernels "
-            "for extend/mixed (a Triton recurrent kernel where every request is short), a Triton extend conv; "
+            "for extend/mixed (a Triton recurrent kernel where every request is short; with chunk_impl=triton, "
+            "Triton chunk kernels for GDN and Lightning), a Triton extend conv; "
             "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify")
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
-                 short_extend_tokens: int = 0):
+                 short_extend_tokens: int = 0, chunk_impl: str = "fla"):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
@@ -275,12 +295,17 @@ class TritonLinearBackend(BackendHooks):
         most this many tokens runs the recurrent cores through `triton_linear.recurrent_extend` (one
         launch a layer, tokens in order) instead of FLA's chunk kernels (several launches and their
         Python a layer); 0: never. An artifact sets it through the routing option of the same name
-        (SHORT_EXTEND_CHOICES)."""
+        (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
+        and Lightning layers, "fla" or "triton" (triton_chunk.chunk_extend); the routing option of
+        the same name (CHUNK_IMPL_CHOICES)."""
+        if chunk_impl not in CHUNK_IMPL_CHOICES:
+            raise ValueError(f"{self.name}: chunk_impl must be one of {CHUNK_IMPL_CHOICES}, not {chunk_impl!r}")
         self.state_pool = state_pool
         self.device = state_pool.device
         self.recurrent_config = recurrent_config
         self.conv_config = conv_config
         self.short_extend_tokens = short_extend_tokens
+        self.chunk_impl = chunk_impl
         self._fla = fla
         self._fla_chunk_indices: frozenset[str] | None = None  # FLA entry points that take chunk_indices
         self._static_slots: torch.Tensor | None = None  # [max_seqs] int64: what captured kernels read
@@ -291,7 +316,8 @@ class TritonLinearBackend(BackendHooks):
         """Over the state pool: every kernel finds its layer's state by layer id and slot."""
         # an entry routed before the option existed has none: the declared default
         limit = setup.options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])
-        return cls(setup.state_pool, short_extend_tokens=int(limit))
+        chunk_impl = setup.options.get("chunk_impl", CHUNK_IMPL_CHOICES[0])
+        return cls(setup.state_pool, short_extend_tokens=int(limit), chunk_impl=chunk_impl)
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -369,13 +395,16 @@ class TritonLinearBackend(BackendHooks):
         chunks = _token_blocks(lens, FLA_CHUNK)
         # The padding rows are request R of the conv's table: their programs write zeros.
         blocks = _token_blocks(np.append(lens, np.int64(ctx.num_tokens - T)), _kernels().CONV_EXTEND_BLOCK_T)
-        bounds, keep, chunks, blocks, cu = (torch.from_numpy(a) for a in (bounds, keep, chunks, blocks, cu))
-        bounds_dev, keep_dev, chunks_dev, blocks_dev = _to_device_at_once(
-            [bounds, keep, chunks, blocks], self.device)
+        tables = [bounds, keep, chunks, blocks]
+        if self.chunk_impl == "triton":  # our chunk kernels' table, in the same copy
+            tables.append(_chunk_kernels().chunk_table(lens, _chunk_kernels().CHUNK_T))
+        cu = torch.from_numpy(cu)
+        bounds_dev, keep_dev, chunks_dev, blocks_dev, *ours = _to_device_at_once(
+            [torch.from_numpy(a) for a in tables], self.device)
         slots = step.slots[:ctx.num_real_seqs]
         slots = slots if R == ctx.num_real_seqs else slots.index_select(0, keep_dev)
         return _ExtendPlan(T, slots, bounds_dev[:R + 1], cu, chunks_dev, bounds_dev, blocks_dev,
-                           int(lens.max()) if R else 0)
+                           int(lens.max()) if R else 0, triton_chunks=ours[0] if ours else None)
 
     def _extend_plan(self, step: _StepPlan) -> _ExtendPlan:
         if step.extend is None:
@@ -476,8 +505,25 @@ class TritonLinearBackend(BackendHooks):
             out[T:].zero_()
         return True
 
+    def _triton_chunk(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
+        """Our chunk kernels over the step's real requests, states read from and written to their
+        slots in place (padding rows zeroed, as _chunk does); False where chunk_impl is "fla"."""
+        if self.chunk_impl != "triton":
+            return False
+        plan = self._extend_plan(self._step_plan(ctx))
+        T = plan.num_tokens
+        if T > 0:
+            _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
+                                          plan.slots, plan.cu_seqlens, plan.triton_chunks, scale, gate_kind,
+                                          block_t=_chunk_kernels().CHUNK_T)
+        if out.shape[0] > T:
+            out[T:].zero_()
+        return True
+
     def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
         if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
+            return
+        if self._triton_chunk(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
             return
         q, k = _in_dtype_of(v, q, k)
         self._chunk(ctx, "gdn_core", layer_id, out, "gdn", dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
@@ -492,6 +538,8 @@ class TritonLinearBackend(BackendHooks):
 
     def _lightning_extend(self, ctx, q, k, v, decay, out, layer_id, scale):
         if self._short_extend(ctx, layer_id, q, k, v, decay, None, out, scale, _kernels().GATE_CONSTANT):
+            return
+        if self._triton_chunk(ctx, layer_id, q, k, v, decay, None, out, scale, _kernels().GATE_CONSTANT):
             return
         q, k = _in_dtype_of(v, q, k)
         # g_gamma: FLA's constant per-head log-decay, exactly Lightning's; no [T, H] gate tensor.

@@ -1,0 +1,366 @@
+"""Chunked gated linear attention for extend steps (GDN, Lightning), in place on the state pool.
+
+What this module owns: `chunk_extend`, the recurrent cores of an extend step over any number of
+tokens per request in two Triton launches (one without the delta rule), reading each request's
+state from its slot of the pool and writing the new one back; `chunk_table`, the host-side table
+of chunks the backend plans once per step; and the cached workspace the two launches share.
+It replaces FLA's chunk kernels where their Python launch path (about a millisecond of host time
+a layer, BENCHMARKS.md) costs more than their kernels: the host work here is shape checks and two
+launches through `launch_cache.Launcher`.
+
+The math (per request, value head and chunk of C rows; decay acts on the key dimension as in
+cpu_reference.gated_recurrence, the oracle). g_i is row i's log-decay, G_i = g_0 + ... + g_i the
+chunk-local cumulative gate, S0 the state [Dk, Dv] entering the chunk:
+
+    A_ij  = beta_i (k_i . k_j) exp(G_i - G_j)     j < i (strictly lower; the delta rule only)
+    W     = (I + A)^-1 diag(beta) (K * exp(G))     U = (I + A)^-1 diag(beta) V
+    V'    = U - W S0                               (no delta rule: V' = V)
+    O     = scale ((Q * exp(G)) S0 + (causal(Q K^T) * exp(G_i - G_j)) V')
+    S1    = exp(G_last) S0 + (K * exp(G_last - G))^T V'
+
+Row i of V' is the delta rule's corrected value u_i = beta_i (v_i - k_i^T S_{i-1}), all rows of a
+chunk at once: unrolling S_{i-1} inside the chunk gives (I + A) V' = diag(beta) (V - (K*exp(G)) S0).
+With g <= 0 (a decay) every exponent taken is <= 0 (i >= j; masked entries never reach exp), so
+nothing overflows whatever the chunk's total decay.
+
+The inverse. (I + A)^-1 is never formed for the whole chunk. W and U solve (I + A) X = R by block
+forward substitution over sub-blocks of SUB = 16 rows: X_a = T_aa (R_a - sum_{c<a} A_ac X_c), the
+off-diagonal products on tensor cores (tl.dot) and T_aa = (I + A_aa)^-1 by plain forward
+substitution on the 16 x 16 block in registers (15 row steps). Why not the nilpotent product
+(I - A)(I + A^2)(I + A^4)...: it is exact in exact arithmetic but unstable in floating point, since
+the powers of A grow like binomial coefficients when keys repeat (a chunk of identical keys with
+beta = 1 and no decay: A^k entries up to C(63, 31) ~ 1e18 for the 64-row chunk, then cancelled
+back to an inverse with entries 0 and -1), and tf32 tensor-core products keep 10 mantissa bits.
+Forward substitution on a unit lower-triangular system is backward stable; doing it per 16-row
+block keeps its sequential part to 15 short steps and leaves the rest to matrix products.
+
+Two kernels (a launch with the same arguments goes through a Launcher: no Triton binding):
+
+1. `_chunk_solve_kernel`, one program per (chunk, value head), the delta rule only: W [rows, Hv,
+   Dk] and U [rows, Hv, Dv] float32 into the workspace, indexed by the step's row. Its sub-blocks
+   run in order; a block reads the earlier blocks' W and U back from the workspace after a barrier
+   (the program's threads wrote them), rather than keeping a variable number of blocks in registers.
+2. `_chunk_state_kernel`, one program per (request, value head, Dv tile), looping over the
+   request's chunks in order with the state tile [Dk, BV] in float32 registers: V', the chunk's
+   output rows and the state update; the tile is loaded from the request's slot once and stored
+   back once. The cumulative gates are a masked sum over the chunk's gate row (cheap beside the
+   chunk's products), recomputed where needed rather than stored.
+
+Rows past a request's last row in its last chunk load as zeros (k = v = beta = g = 0): their A
+rows and columns, W, U and V' rows are zero and their gates repeat the last real row's, so the
+masked chunk is exactly the shorter one; only real rows are stored.
+
+Precision: every product accumulates in float32 and every operand is float32 (q and k are taken
+to float32 as they are loaded: a bf16 value is exact in tf32, so nothing is lost against a bf16
+tl.dot, and Triton's interpreter computes bf16 dots wrongly). The tensor cores take them as tf32
+for 16-bit inputs (the production case) and as tf32x3 (about float32 accuracy) for float32
+inputs; the interpreter computes them in full float32.
+
+Not here: per-channel gates (KDA), which keep FLA's chunk kernels; the choice of path (the
+backend's `chunk_impl` option, runtime/backends/triton_linear_backend.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from runtime.backends.launch_cache import Launcher
+from runtime.backends.launch_math import cdiv, next_pow2
+from runtime.backends.sm_count import num_sms
+from runtime.backends.triton_linear import (GATE_CONSTANT, GATE_PER_CHANNEL, GATE_PER_HEAD, _check_rows,
+                                            _recurrent_args)
+
+__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "chunk_config", "chunk_table", "chunk_workspace", "chunk_extend"]
+
+CHUNK_T = 64  # rows of a chunk: the backend plans its chunk table for this size
+SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's smallest tile)
+
+_OPS = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig:
+    block_v: int  # BV: Dv columns of the state one program of the state kernel owns (a power of two >= 16)
+    num_warps: int  # of the state kernel
+    solve_warps: int  # of the solve kernel
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
+def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> ChunkConfig:
+    """The state kernel's programs each walk one request's chunks one after another, so its time is
+    the longest request's chunks times one chunk's latency: narrower Dv tiles mean more programs in
+    flight, but each tile repeats the chunk's q k^T and loads q, k and W again. On an H200 (both
+    kernels, bf16, 32 GDN heads of 128), one request of 4096 tokens took 1.35 ms in tiles of 16,
+    1.01 in tiles of 32 and 1.20 in tiles of 64; eight of 512: 1.51, 0.94 and 0.79; 8 warps were
+    slower in every case measured. Take 64 where that still gives a program per SM, else 32."""
+    block_v = 64 if requests * heads * cdiv(dv, 64) >= num_sms(device) else 32
+    block_v = min(block_v, max(16, next_pow2(dv)))
+    return ChunkConfig(block_v, 4, 4)
+
+
+# The state kernel's chunk loop is a chain (each chunk needs the state the last one left), so
+# software pipelining its loads buys little, and with float32 tiles of 64 x 128 its extra stages
+# would not fit in shared memory: one stage.
+_STATE_STAGES = 1
+
+
+def chunk_table(lens: np.ndarray, block_t: int = CHUNK_T) -> np.ndarray:
+    """[N, 2] int64 rows (request, first row of the chunk in the step) for every chunk of block_t
+    rows of every request, requests in order; lens [R] int64, the rows of each request, which are
+    laid out one after another from row 0 (a request of 0 rows gets no chunk). numpy, once per
+    step: the backend copies it to the device with its other tables."""
+    lens = np.asarray(lens, dtype=np.int64)
+    counts = (lens + block_t - 1) // block_t
+    req = np.repeat(np.arange(lens.size, dtype=np.int64), counts)
+    first_chunk = np.cumsum(counts) - counts  # each request's first row of the table
+    first_row = np.cumsum(lens) - lens  # each request's first row of the step
+    start = first_row[req] + (np.arange(req.size, dtype=np.int64) - first_chunk[req]) * block_t
+    return np.stack([req, start], 1).astype(np.int64)
+
+
+# One workspace per (device, Hv, Dk, Dv), shared by every layer of that shape: the launches of one
+# layer complete before the next layer's on the same stream. It grows to a power of two of rows and
+# never shrinks, so steps of the same bucket (and every layer of a step) get the same addresses,
+# which the Launcher's cache keys on.
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def chunk_workspace(rows: int, heads: int, dk: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W [rows, heads, dk], U [rows, heads, dv]) float32 views of the cached workspace."""
+    key = (torch.device(device), heads, dk, dv)
+    held = _WORKSPACES.get(key)
+    if held is None or held[0].shape[0] < rows:
+        cap = max(256, next_pow2(rows))
+        held = (torch.empty(cap, heads, dk, dtype=torch.float32, device=device),
+                torch.empty(cap, heads, dv, dtype=torch.float32, device=device))
+        _WORKSPACES[key] = held
+    return held[0][:rows], held[1][:rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _chunk_gates(g_ptr, rows, start, n, head, stride_g_row, stride_g_head, BT: tl.constexpr, GATE: tl.constexpr):
+    """Cumulative log-gates G at the chunk-local rows `rows` (float32, one per entry of rows): the
+    sum of the gates of the chunk's rows 0 .. rows[i]. Rows at or past n (the masked tail) hold the
+    last real row's G, so G at row BT-1 is always the chunk's total decay."""
+    if GATE == 2:  # GATE_CONSTANT: one log-decay per head
+        g = tl.load(g_ptr + head * stride_g_head).to(tl.float32)
+        cum = (tl.minimum(rows, n - 1) + 1).to(tl.float32) * g
+    else:
+        offs = tl.arange(0, BT)
+        gates = tl.load(g_ptr + (start + offs) * stride_g_row + head * stride_g_head, mask=offs < n, other=0.0)
+        cum = tl.sum(tl.where(offs[None, :] <= rows[:, None], gates.to(tl.float32)[None, :], 0.0), axis=1)
+    return cum
+
+
+@triton.jit
+def _unit_lower_inverse(a, BS: tl.constexpr):
+    """(I + a)^-1 for a strictly lower-triangular [BS, BS] float32 a, by forward substitution:
+    row i of the inverse is e_i - sum_{j<i} a_ij (row j of the inverse), rows in order. The rows
+    not yet reached hold e_j, and a_ij = 0 for j >= i, so each step is one masked product."""
+    rows = tl.arange(0, BS)
+    inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in tl.static_range(1, BS):
+        a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)  # row i of a, indexed by column j
+        step = tl.sum(a_i[:, None] * inv, axis=0)  # sum_j a_ij inv_j
+        inv = tl.where(rows[:, None] == i, inv - step[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _chunk_solve_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, bounds_ptr, chunks_ptr,
+    stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
+    stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row, stride_u_head,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+    BVF: tl.constexpr,  # next power of two >= DV (at least 16): all of Dv in one program
+    BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """W and U of one chunk and value head, by block forward substitution (module docstring)."""
+    chunk = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    key_head = head // GROUP
+    req = tl.load(chunks_ptr + 2 * chunk)
+    start = tl.load(chunks_ptr + 2 * chunk + 1)
+    n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
+    offs_s = tl.arange(0, BS)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BVF)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    k_rows = k_ptr + key_head * stride_k_head + offs_k[None, :]
+    w_rows = w_ptr + head * stride_w_head + offs_k[None, :]
+    u_rows = u_ptr + head * stride_u_head + offs_v[None, :]
+    lower = offs_s[:, None] > offs_s[None, :]
+    for a in tl.static_range(BT // BS):
+        rows_a = a * BS + offs_s  # chunk-local rows of block a
+        m_a = rows_a < n
+        row_a = start + rows_a
+        k_a = tl.load(k_rows + row_a[:, None] * stride_k_row, mask=m_a[:, None] & m_k[None, :], other=0.0)
+        k_a = k_a.to(tl.float32)
+        v_a = tl.load(v_ptr + row_a[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
+                      mask=m_a[:, None] & m_v[None, :], other=0.0)
+        beta_a = tl.load(beta_ptr + row_a * stride_b_row + head * stride_b_head, mask=m_a, other=0.0).to(tl.float32)
+        gate_a = _chunk_gates(g_ptr, rows_a, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+        rhs_w = (beta_a * tl.exp(gate_a))[:, None] * k_a
+        rhs_u = beta_a[:, None] * v_a.to(tl.float32)
+        # the earlier blocks' solved rows: R_a - sum_{c<a} A_ac X_c (every j < i here)
+        for c in tl.static_range(a):
+            rows_c = c * BS + offs_s
+            m_c = rows_c < n
+            row_c = start + rows_c
+            k_c = tl.load(k_rows + row_c[:, None] * stride_k_row, mask=m_c[:, None] & m_k[None, :], other=0.0)
+            k_c = k_c.to(tl.float32)
+            gate_c = _chunk_gates(g_ptr, rows_c, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+            a_ac = tl.dot(k_a, tl.trans(k_c), input_precision=DOT_PREC)
+            a_ac = beta_a[:, None] * a_ac * tl.exp(gate_a[:, None] - gate_c[None, :])
+            w_c = tl.load(w_rows + row_c[:, None] * stride_w_row, mask=m_c[:, None] & m_k[None, :], other=0.0)
+            u_c = tl.load(u_rows + row_c[:, None] * stride_u_row, mask=m_c[:, None] & m_v[None, :], other=0.0)
+            rhs_w -= tl.dot(a_ac, w_c, input_precision=DOT_PREC)
+            rhs_u -= tl.dot(a_ac, u_c, input_precision=DOT_PREC)
+        # the diagonal block: masked before exp, where G_i - G_j > 0 could overflow
+        a_aa = tl.dot(k_a, tl.trans(k_a), input_precision=DOT_PREC)
+        a_aa = tl.where(lower, beta_a[:, None] * a_aa * tl.exp(tl.where(lower, gate_a[:, None] - gate_a[None, :], 0.0)),
+                        0.0)
+        inv = _unit_lower_inverse(a_aa, BS=BS)
+        w_a = tl.dot(inv, rhs_w, input_precision=DOT_PREC)
+        u_a = tl.dot(inv, rhs_u, input_precision=DOT_PREC)
+        # Only the chunk's own rows: the rows after it belong to the next request.
+        tl.store(w_rows + row_a[:, None] * stride_w_row, w_a, mask=m_a[:, None] & m_k[None, :])
+        tl.store(u_rows + row_a[:, None] * stride_u_row, u_a, mask=m_a[:, None] & m_v[None, :])
+        # The next blocks read these rows back, as other threads of this program may hold them.
+        tl.debug_barrier()
+
+
+@triton.jit
+def _chunk_state_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, w_ptr, u_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_s_slot, stride_s_head,
+    stride_w_row, stride_w_head, stride_u_row, stride_u_head,
+    scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One request's chunks in order through one [BK, BV] state tile: outputs and the new state."""
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    v_tile = tl.program_id(2)
+    key_head = head // GROUP
+    bos = tl.load(bounds_ptr + req).to(tl.int64)
+    eos = tl.load(bounds_ptr + req + 1).to(tl.int64)
+    if eos > bos:  # a request without rows keeps its state as it is (not even rewritten)
+        offs_t = tl.arange(0, BT)
+        offs_k = tl.arange(0, BK)
+        offs_v = v_tile * BV + tl.arange(0, BV)
+        m_k = offs_k < DK
+        m_v = offs_v < DV
+        causal = offs_t[:, None] >= offs_t[None, :]
+        last = offs_t == BT - 1
+        slot = tl.load(slots_ptr + req).to(tl.int64)
+        # slot ids are int64 and the pool can exceed 2**31 elements: offsets stay int64.
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        m_s = m_k[:, None] & m_v[None, :]
+        s = tl.load(s_ptrs, mask=m_s, other=0.0)
+        for start in range(bos, eos, BT):
+            n = tl.minimum(eos - start, BT)
+            m_t = offs_t < n
+            rows = start + offs_t
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            q = tl.load(q_ptr + rows[:, None] * stride_q_row + key_head * stride_q_head + offs_k[None, :], mask=m_tk,
+                        other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
+                        other=0.0).to(tl.float32)
+            gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+            if DELTA:
+                w = tl.load(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :], mask=m_tk,
+                            other=0.0)
+                u = tl.load(u_ptr + rows[:, None] * stride_u_row + head * stride_u_head + offs_v[None, :], mask=m_tv,
+                            other=0.0)
+                v_new = u - tl.dot(w, s, input_precision=DOT_PREC)
+            else:
+                v_new = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
+                                mask=m_tv, other=0.0).to(tl.float32)
+            # intra-chunk attention, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+            p = tl.where(causal, qk * tl.exp(tl.where(causal, gate[:, None] - gate[None, :], 0.0)), 0.0)
+            o = tl.dot(q * tl.exp(gate)[:, None], s, input_precision=DOT_PREC)
+            o += tl.dot(p, v_new, input_precision=DOT_PREC)
+            tl.store(out_ptr + rows[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :],
+                     (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
+            total = tl.sum(tl.where(last, gate, 0.0), axis=0)  # the chunk's G_last (masked rows repeat it)
+            k_decayed = k * tl.exp(total - gate)[:, None]
+            s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PREC)
+        # Only this program owns this tile of this slot (requests have distinct slots).
+        tl.store(s_ptrs, s, mask=m_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher (host side: shape checks only, never a device read)
+# ---------------------------------------------------------------------------------------------
+
+_CHUNK_SOLVE = Launcher(_chunk_solve_kernel)
+_CHUNK_STATE = Launcher(_chunk_state_kernel)
+
+
+def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor | None,
+                 out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor,
+                 chunks: torch.Tensor, scale: float, gate_kind: int, block_t: int = CHUNK_T,
+                 config: ChunkConfig | None = None) -> None:
+    """The recurrent cores of an extend step by chunks, over the slot-indexed pool, in place.
+
+    q, k [T, Hk, Dk]; v, out [T, Hv, Dv] (value head h reads key head h // (Hv // Hk)); gate [T, Hv]
+    (GATE_PER_HEAD) or [Hv] (GATE_CONSTANT) log-decays; beta [T, Hv] (the delta rule) or None;
+    state [num_slots+1, Hv, Dk, Dv] float32; slots [R] int64, request r's state slot (no padding
+    slot); bounds [R+1] int64, request r owns rows bounds[r] .. bounds[r+1]-1 (maybe none); chunks
+    [N, 2] int64 on the device, `chunk_table` of the requests' lengths for this block_t. Rows from
+    bounds[R] on are not touched. The host reads no device value: the tables are the step's plan."""
+    op = _OPS[gate_kind]
+    if gate_kind == GATE_PER_CHANNEL:
+        raise ValueError(f"{op}: chunk_extend takes per-head or constant log-decays; per-channel gates (KDA) "
+                         f"run FLA's chunk kernels")
+    if block_t < SUB_T or block_t & (block_t - 1):
+        raise ValueError(f"{op}: block_t must be a power of two of at least {SUB_T}, got {block_t}")
+    R = slots.shape[0]
+    _check_rows(op, R, slots, q, k, v, gate, out, state, bounds, chunks)
+    assert tuple(bounds.shape) == (R + 1,), (
+        f"{op}: bounds must be [{R + 1}] for {R} requests, got {tuple(bounds.shape)}")
+    assert chunks.dim() == 2 and chunks.shape[1] == 2 and chunks.dtype == torch.int64 and chunks.is_contiguous(), (
+        f"{op}: chunks must be a contiguous [N, 2] int64 table (chunk_table), got {chunks.dtype} {tuple(chunks.shape)}")
+    if q.dtype != k.dtype:
+        q = q.to(k.dtype)  # one tl.dot takes both; a rare caller's mix costs a copy
+    rows = q.shape[0]
+    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, rows)
+    num_chunks = chunks.shape[0]
+    if R == 0 or num_chunks == 0:
+        return
+    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
+    (sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, so_r, so_h, ss_slot, ss_head) = strides
+    cfg = config or chunk_config(R, Hv, Dv, q.device)
+    common = dict(GROUP=consts["GROUP"], DK=Dk, DV=Dv, BK=max(SUB_T, next_pow2(Dk)), BT=block_t, GATE=gate_kind,
+                  DOT_PREC="tf32x3" if v.dtype == torch.float32 else "tf32")
+    delta = beta is not None
+    if delta:
+        w, u = chunk_workspace(rows, Hv, Dk, Dv, q.device)
+        _CHUNK_SOLVE[(num_chunks, Hv)](
+            k, v, gate, beta, w, u, bounds, chunks,
+            sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+            **common, BVF=max(SUB_T, next_pow2(Dv)), BS=SUB_T, num_warps=cfg.solve_warps)
+    else:
+        w, u = k, v  # never read without the delta rule; any valid pointers will do
+    _CHUNK_STATE[(R, Hv, cdiv(Dv, cfg.block_v))](
+        q, k, v, gate, w, u, out, state, slots, bounds,
+        sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, so_r, so_h, ss_slot, ss_head,
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        float(scale), **common, BV=cfg.block_v, DELTA=delta, num_warps=cfg.num_warps, num_stages=_STATE_STAGES)
