@@ -6,8 +6,11 @@ On the GPU machine, one run:
     python3 benchmarks/spec_bench.py --out $OUT               # qwen3_next, bench size, bf16, CUDA graphs
     python3 benchmarks/spec_bench.py --dry-run --out /tmp/sb  # CPU: tiny size, float32, reference backend,
                                                               # graphs rerun (tests/graph_cases.py)
-    python3 benchmarks/spec_bench.py --out $OUT --dtype float32 --skip step_cost,full_acceptance
-                                      # the equality stages in float32: rounding or a fault?
+    python3 benchmarks/spec_bench.py --out $OUT --dtype float32 --skip step_cost,full_acceptance \
+        --route gqa_attention=torch_reference --route "gdn_core=triton_linear[chunk_impl=triton]"
+                                      # the equality stages in float32: rounding or a fault? (GQA on a
+                                      # float32 backend; GDN extends off FLA, whose kernels take float32
+                                      # operands as tf32)
 
 1. init_compile: `hgc init-model` (its config has one MTP layer), `hgc compile` (on the GPU:
    --target cuda --dtype bfloat16, or --dtype; tolerances follow the dtype).
