@@ -11,25 +11,20 @@ states likewise; the padding slot, free slots and the rows past the last request
 bit for bit as they went in. Shapes stay small (Dk, Dv 16 or 32, chunks of 16 or 32 rows) so the
 interpreter is quick; tests/test_gpu_linear_kernels.py runs the same checks at real sizes.
 
-The interpreter must be switched on before triton is first imported; see tests/test_triton_linear.py,
-whose fresh-process fallback this file copies.
+The interpreter must be switched on before triton is first imported (tests/triton_interpreter.py,
+which also runs the file in a fresh process where triton was imported compiled first).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-_TRITON_WAS_IMPORTED = "triton" in sys.modules
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# before triton: tests/triton_interpreter.py says why
+from tests.triton_interpreter import DEVICE, INTERPRETED, interpreter_or_fresh_process  # noqa: E402,F401
 
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 
@@ -38,30 +33,7 @@ from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
 from runtime.backends.triton_linear import GATE_CONSTANT, GATE_PER_CHANNEL, GATE_PER_HEAD  # noqa: E402
 from runtime.state_pool import PADDING_SLOT  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRETED else "cuda"
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("no CUDA and the Triton interpreter is off", allow_module_level=True)
-
-
-def _triton_compiled_mode() -> bool:
-    from triton.runtime.jit import JITFunction
-    import triton.language.standard as std
-    return any(isinstance(v, JITFunction) for v in vars(std).values())
-
-
-FRESH_PROCESS = INTERPRETED and _TRITON_WAS_IMPORTED and _triton_compiled_mode()
-in_process = pytest.mark.skipif(FRESH_PROCESS, reason="triton was imported compiled before this module: "
-                                "test_in_a_fresh_interpreter_process runs these")
-
-
-@pytest.mark.skipif(not FRESH_PROCESS, reason="this process runs the kernels in the interpreter itself")
-def test_in_a_fresh_interpreter_process():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=root,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:]
+in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

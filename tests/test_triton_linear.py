@@ -14,29 +14,21 @@ from a non-zero state, poisons the outputs, and compares outputs and updated sta
 ||x - ref|| / ||ref|| over several consecutive decode steps. The GPU versions at real dims are in
 tests/test_gpu_linear_kernels.py (marked gpu).
 
-The interpreter must be switched on before triton is first imported. Run alone, this module does
-that itself; in a whole-suite run where another module imported triton first, its tests are
-skipped here and `test_in_a_fresh_interpreter_process` runs this file in a new process instead.
+The interpreter must be switched on before triton is first imported (tests/triton_interpreter.py);
+in a whole-suite run where another module imported triton compiled first, its tests are skipped
+here and `test_in_a_fresh_interpreter_process` runs this file in a new process instead.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-# Triton decides between compiled and interpreted functions when they are decorated, i.e. when
-# triton itself (its @jit standard library: tl.sum's combine function...) and then
-# runtime/backends/triton_linear.py are imported: the variable must be set before both. With
-# CUDA present (the GPU machine, where gpu-marked tests are collected in the same process) keep
-# the compiled kernels and run these tests on the GPU instead.
-_TRITON_WAS_IMPORTED = "triton" in sys.modules
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# before triton: tests/triton_interpreter.py says why
+from tests.triton_interpreter import DEVICE, INTERPRETED, interpreter_or_fresh_process  # noqa: E402,F401
 
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 
@@ -52,33 +44,7 @@ from runtime.kv_pool import KVPool  # noqa: E402
 from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
 from tests.linear_cases import FakeFLA, check_conv_extend, conv_extend_ok, random_inputs, rel_err  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRETED else "cuda"
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("no CUDA and the Triton interpreter is off", allow_module_level=True)
-
-
-def _triton_compiled_mode() -> bool:
-    """Whether triton's own @jit helpers were defined compiled (it was imported before the variable)."""
-    from triton.runtime.jit import JITFunction
-    import triton.language.standard as std
-    return any(isinstance(v, JITFunction) for v in vars(std).values())
-
-
-# In a whole-suite run another test module may import triton first (compiled mode); the
-# interpreter then cannot run these kernels here, so one test runs this file in a fresh process.
-FRESH_PROCESS = INTERPRETED and _TRITON_WAS_IMPORTED and _triton_compiled_mode()
-in_process = pytest.mark.skipif(FRESH_PROCESS, reason="triton was imported compiled before this module: "
-                                "test_in_a_fresh_interpreter_process runs these")
-
-
-@pytest.mark.skipif(not FRESH_PROCESS, reason="this process runs the kernels in the interpreter itself")
-def test_in_a_fresh_interpreter_process():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], cwd=root,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:]
+in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
 D, C, KW = 16, 24, 4  # head dim, conv channels (not a power of two: masked tail), conv width
 NUM_SLOTS = 10

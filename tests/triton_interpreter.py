@@ -1,0 +1,61 @@
+"""Triton kernels in CPU test modules: Triton's interpreter, or the module again in a fresh process.
+
+Triton decides between compiled and interpreted functions when they are decorated, i.e. when
+triton itself (its @jit standard library: tl.sum's combine function...) and then a kernel module
+are imported, so TRITON_INTERPRET must be set before both: importing this module sets it on a
+machine without CUDA (tests/conftest.py does too). With CUDA present (the GPU machine, where
+gpu-marked tests are collected in the same process) the kernels stay compiled and the modules run
+on the GPU instead. Where another module imported triton compiled first, a module's kernel tests
+cannot run in this process; one test then runs the module in a fresh interpreter process.
+
+A kernel test module imports this before triton, then:
+
+    triton = pytest.importorskip("triton", ...)
+    in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRETED else "cuda"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("no CUDA and the Triton interpreter is off", allow_module_level=True)
+
+
+def _triton_compiled_mode() -> bool:
+    """Whether triton's own @jit helpers were defined compiled (it was imported before the variable)."""
+    from triton.runtime.jit import JITFunction
+    import triton.language.standard as std
+    return any(isinstance(v, JITFunction) for v in vars(std).values())
+
+
+def interpreter_or_fresh_process(test_file: str):
+    """(a marker for the module's kernel tests, the module's fresh-process test), after triton's import.
+
+    The marker skips a test where this process cannot interpret the kernels; the test function
+    (bind it to a `test_` name in the module) then runs the module's file in a fresh interpreter
+    process, and is itself skipped where this process interprets them."""
+    fresh = INTERPRETED and _triton_compiled_mode()
+    in_process = pytest.mark.skipif(fresh, reason="triton was imported compiled before this module: "
+                                    "test_in_a_fresh_interpreter_process runs these")
+
+    @pytest.mark.skipif(not fresh, reason="this process runs the kernels in the interpreter itself")
+    def test_in_a_fresh_interpreter_process():
+        root = Path(__file__).resolve().parents[1]
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file], cwd=root,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-6000:]
+
+    return in_process, test_in_a_fresh_interpreter_process
