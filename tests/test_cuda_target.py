@@ -179,3 +179,11 @@ def test_the_short_extend_limit_is_a_routing_option_the_backend_is_built_with(ch
 def test_the_cuda_backends_declare_every_mode():
     for cap in (FULL, LINEAR, MOE, MLA):
         assert cap.device == "cuda" and set(cap.modes_supported) == set(MODES), cap.name
+
+
+def test_hgc_backends_lists_each_kernel_option_with_its_choices_default_first(capsys):
+    """The routing options a --route can name are in the table, not only in --json."""
+    assert hgc(["backends"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("triton_linear "))
+    assert "short_extend_tokens=64|0|16|32|128" in lines[at] and "chunk_impl=fla|triton" in lines[at + 1]

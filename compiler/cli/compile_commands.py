@@ -392,11 +392,20 @@ def cmd_backends(args) -> int:
         return 0
     table = [(r["name"], r["device"], " ".join(r["ops"]), " ".join(r["modes_supported"]),
               " ".join(r["modes_capturable"]) or "-", " ".join(r["dtypes"]) if r["dtypes"] else "any",
-              r["priority"] if not r["explicit_only"] else f"{r['priority']} (only by --route)", r["source"])
+              r["priority"] if not r["explicit_only"] else f"{r['priority']} (only by --route)",
+              options_column(r.get("options") or {}), r["source"])
              for r in rows]
-    print(tabulate(table, headers=("backend", "device", "ops", "modes", "capturable", "dtypes", "priority", "from"),
-                   tablefmt="simple", maxcolwidths=[None, None, 36, 24, 24, 20, None, 48]))
+    print(tabulate(table, headers=("backend", "device", "ops", "modes", "capturable", "dtypes", "priority",
+                                   "options (default first)", "from"),
+                   tablefmt="simple", maxcolwidths=[None, None, 36, 24, 24, 20, None, None, 48]))
     return 0
+
+
+def options_column(options: dict) -> str:
+    """A backend's kernel options as `--route OP=BACKEND[name=choice]` takes them, one a line:
+    name=a|b|c, the default (what routing records when the route names none) first."""
+    return "\n".join(f"{name}={'|'.join(map(str, choices))}" for name, choices in options.items()) or "-"
+
 
 
 # -- argparse -------------------------------------------------------------------------------------
@@ -408,8 +417,8 @@ def _compile_flags(p) -> None:
     p.add_argument("--route", action="append", type=_route, default=None, metavar="OP=BACKEND|layers=3,7:BACKEND",
                    help="bind every node of an op (gdn_core=cpu_reference) or of layers (layers=3,7:torch_reference) "
                         "to a backend, optionally with kernel options (gqa_attention=flashinfer[extend_impl=paged]); "
-                        "repeatable; recorded in the manifest; `hgc backends` lists the backends (default: each "
-                        "node by priority)")
+                        "repeatable; recorded in the manifest; `hgc backends` lists the backends and their kernel "
+                        "options (default: each node by priority)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the model is traced in; match `hgc generate --dtype`")
     p.add_argument("--timings", action="store_true", help="print the pass timing table on stderr (compile always does)")
@@ -507,7 +516,8 @@ def add_arguments(subparsers) -> None:
     p = subparsers.add_parser(
         "backends", help="list the backends routing can choose (built-in and installed plugins)",
         description="Every backend routing can choose, built-in or installed under the entry-point group "
-                    "hgc.backends, with its declaration: device, ops, modes, capturable modes, dtypes, priority.",
+                    "hgc.backends, with its declaration: device, ops, modes, capturable modes, dtypes, priority, "
+                    "kernel options (each name=choices, the default first).",
         epilog="example:\n  hgc backends --json")
     p.add_argument("--json", action="store_true", help="one JSON document instead of a table")
     p.set_defaults(func=cmd_backends)
