@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    """The session's tiny bailing_linear (tests/helpers.shared_artifact): the tests edit copies of it."""
+    """The test run's tiny bailing_linear (tests/helpers.shared_artifact): the tests edit copies of it."""
     return shared_artifact(tmp_path_factory, "bailing_linear")[1]
 
 

@@ -12,7 +12,7 @@ from tests.helpers import shared_artifact
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    """(checkpoint, artifact): the session's tiny kimi_linear (tests/helpers.shared_artifact), only read here."""
+    """(checkpoint, artifact): the test run's tiny kimi_linear (tests/helpers.shared_artifact), only read here."""
     return shared_artifact(tmp_path_factory, "kimi_linear")
 
 

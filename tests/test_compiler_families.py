@@ -46,7 +46,7 @@ def _compiled(art, prompts, new_tokens):
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     """family, size -> (checkpoint dir, loaded artifact), built once for the module. Tiny is the
-    session's (tests/helpers.shared_artifact: the same compile, made once for every module that
+    test run's (tests/helpers.shared_artifact: the same compile, made once for every module that
     reads it); small is compiled here."""
     cache = {}
 

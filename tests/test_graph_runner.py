@@ -26,7 +26,7 @@ FULL_DEFAULTS = FlashInferAttentionBackend.capability.resolve_options({})
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    """The session's tiny qwen3_next (tests/helpers.shared_artifact), loaded: its files are only read."""
+    """The test run's tiny qwen3_next (tests/helpers.shared_artifact), loaded: its files are only read."""
     return load_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
 
 
@@ -464,7 +464,7 @@ def test_triton_linear_backend_under_the_runner(artifact, tmp_path, tmp_path_fac
 @pytest.mark.parametrize("family", ["kimi_linear", "bailing_linear", "qwen3_5"])
 def test_start_up_and_replayed_steps_on_the_other_families(family, tmp_path_factory):
     """KDA + MLA, Lightning + MLA/GQA, Qwen3.5: capture, parity and graph tokens equal to eager.
-    Each family's tiny artifact is the session's (tests/helpers.shared_artifact), only read here."""
+    Each family's tiny artifact is the test run's (tests/helpers.shared_artifact), only read here."""
     art = load_artifact(shared_artifact(tmp_path_factory, family)[1])
     runner, kv, st = make_runner(art, decode=(2,), extend=(32,), graphs=RerunGraphs())
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]

@@ -13,7 +13,7 @@ from tests.helpers import edit_manifest, edit_routing, shared_artifact
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    """The session's tiny bailing_linear (tests/helpers.shared_artifact): each test damages a copy."""
+    """The test run's tiny bailing_linear (tests/helpers.shared_artifact): each test damages a copy."""
     return shared_artifact(tmp_path_factory, "bailing_linear")[1]
 
 

@@ -3,7 +3,7 @@ the networkx graph, split.json, the dumps and `hgc inspect`, and the same output
 
 One tiny Qwen3-Next checkpoint is compiled with the pass (size rule 4 KiB: a tiny model's shared
 expert moves about 27 KB at one token, its norms and gates under 2 KB); the compile without it is
-the session's (tests/helpers.shared_artifact), as for Bailing and Kimi-Linear.
+the test run's (tests/helpers.shared_artifact), as for Bailing and Kimi-Linear.
 Real per-layer dimensions (published configs cut to four layers, traced on the meta device)
 check the default size rule. On the CPU the side branches run in graph order; with
 tests/graph_cases.RecordingSideStream the loader rewrites the pieces as on a GPU, and both give
@@ -54,7 +54,7 @@ def compiled_with_the_pass(ckpt: Path, folder: Path, dumps: bool = False):
 def qwen(tmp_path_factory):
     """A tiny Qwen3-Next compiled with the pass (with dumps) and without: (folder, the context of the
     compile with the pass, both artifacts loaded). The folder holds the checkpoint ("c") and both
-    artifacts ("on"; "off", a copy of the session's compile), as `hgc run` and the benchmark read them."""
+    artifacts ("on"; "off", a copy of the test run's compile), as `hgc run` and the benchmark read them."""
     ckpt, off = shared_artifact(tmp_path_factory, "qwen3_next")
     root = tmp_path_factory.mktemp("overlap")
     shutil.copytree(ckpt, root / "c")

@@ -37,7 +37,7 @@ prom_parser = pytest.importorskip("prometheus_client.parser")
 
 from tests.helpers import ServerProcess, shared_artifact  # noqa: E402
 
-pytestmark = pytest.mark.slow  # two server processes (the session's shared compile): about 45 s on 2 cores
+pytestmark = pytest.mark.slow  # two server processes (the test run's shared compile): about 45 s on 2 cores
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -48,7 +48,7 @@ SIGTERM_BOUND = 6.0  # --shutdown-timeout of the SIGTERM test's server: cancel a
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory) -> tuple[Path, Path]:
     """(artifact folder, checkpoint folder): a seeded tiny qwen3_next compiled with `hgc compile`,
-    the session's (tests/helpers.shared_artifact: the servers only read it)."""
+    the test run's (tests/helpers.shared_artifact: the servers only read it)."""
     ckpt, art = shared_artifact(tmp_path_factory, "qwen3_next")
     return art, ckpt
 

@@ -36,7 +36,7 @@ pytest.importorskip("fastapi")
 
 from tests.helpers import ServerProcess, shared_artifact  # noqa: E402
 
-pytestmark = pytest.mark.slow  # two server processes (the session's shared compile): about 40 s on 2 cores
+pytestmark = pytest.mark.slow  # two server processes (the test run's shared compile): about 40 s on 2 cores
 
 MODEL = "tiny"
 MAX_BODY_MB = 1
@@ -46,7 +46,7 @@ SHUTDOWN = 6.0
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory) -> Path:
-    """A seeded tiny qwen3_next compiled with `hgc compile`, the session's (tests/helpers.shared_artifact:
+    """A seeded tiny qwen3_next compiled with `hgc compile`, the test run's (tests/helpers.shared_artifact:
     the servers only read it, which test_bad_request_is_a_short_error_naming_the_culprit checks)."""
     return shared_artifact(tmp_path_factory, "qwen3_next")[1]
 

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow  # five graph start-ups (the session's shared compile): about 10 s on 2 cores
+pytestmark = pytest.mark.slow  # five graph start-ups (the test run's shared compile): about 10 s on 2 cores
 
 
 def test_dry_run_measures_every_stage(tmp_path, tmp_path_factory):
@@ -22,7 +22,7 @@ def test_dry_run_measures_every_stage(tmp_path, tmp_path_factory):
 
     from tests.helpers import shared_artifact
 
-    # init_compile finds the session's tiny qwen3_next there (its own names), compiled once for every module
+    # init_compile finds the test run's tiny qwen3_next there (its own names), compiled once for every module
     work = shared_artifact(tmp_path_factory, "qwen3_next")[1].parent
     rec = main(["--dry-run", "--out", str(tmp_path), "--work", str(work)])
     assert json.loads((tmp_path / "spec_bench.json").read_text())["targets"] == rec["targets"]

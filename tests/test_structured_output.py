@@ -37,7 +37,7 @@ pytest.importorskip("xgrammar")
 from tests.helpers import ServerProcess, shared_artifact  # noqa: E402
 from tests.test_server import metrics, post, wait_all_free  # noqa: E402
 
-pytestmark = pytest.mark.slow  # two servers (the session's shared compile), 76 requests: about 40 s on 2 cores
+pytestmark = pytest.mark.slow  # two servers (the test run's shared compile), 76 requests: about 40 s on 2 cores
 
 MODEL = "tiny"
 MAX_TOKENS = 120
