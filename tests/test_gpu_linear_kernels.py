@@ -406,7 +406,7 @@ def chunk_case(op: str, dtype, seed: int):
     """One chunk_extend launch's inputs at real dims: the requests of CHUNK_LENS one after another
     then 5 NaN rows past bounds[R]; slots out of row order in a pool of random states; the tables."""
     import numpy as np
-    from runtime.backends import triton_chunk
+    from runtime.backends.launch_math import token_blocks
 
     T, R = sum(CHUNK_LENS) + 5, len(CHUNK_LENS)
     g = torch.Generator().manual_seed(seed)
@@ -419,7 +419,7 @@ def chunk_case(op: str, dtype, seed: int):
     slots = (torch.randperm(R + 3, generator=g) + 1)[:R].tolist()
     cu = np.concatenate([[0], np.cumsum(CHUNK_LENS)]).astype(np.int64)
     tables = dict(slots=torch.tensor(slots, device=DEV), bounds=torch.from_numpy(cu).to(DEV),
-                  chunks=torch.from_numpy(triton_chunk.chunk_table(np.array(CHUNK_LENS), 64)).to(DEV))
+                  chunks=torch.from_numpy(token_blocks(np.array(CHUNK_LENS), 64)).to(DEV))
     return x, ref_pool, dev_pool, slots, tables
 
 

@@ -29,6 +29,7 @@ from tests.triton_interpreter import DEVICE, INTERPRETED, interpreter_or_fresh_p
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 
 from runtime.backends import triton_chunk as TC  # noqa: E402
+from runtime.backends.launch_math import token_blocks  # noqa: E402
 from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
 from runtime.backends.triton_linear import GATE_CONSTANT, GATE_PER_CHANNEL, GATE_PER_HEAD  # noqa: E402
 from runtime.state_pool import PADDING_SLOT  # noqa: E402
@@ -170,7 +171,7 @@ def run_kernels(x, lens, state, slots, scale, gate_kind, block_t, out_dtype, con
     out = torch.full((T, *x["v"].shape[1:]), 7.0, dtype=out_dtype, device=DEVICE)
     pool = state.to(DEVICE)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    chunks = torch.from_numpy(TC.chunk_table(np.asarray(lens, dtype=np.int64), block_t)).to(DEVICE)
+    chunks = torch.from_numpy(token_blocks(np.asarray(lens, dtype=np.int64), block_t)).to(DEVICE)
     TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool,
                     torch.tensor(slots, dtype=torch.int64, device=DEVICE), torch.from_numpy(cu).to(DEVICE), chunks,
                     scale, gate_kind, block_t=block_t, config=config)
@@ -255,12 +256,13 @@ def test_per_channel_gates_are_refused_naming_the_op():
                         GATE_PER_CHANNEL)
 
 
-def test_chunk_table_rows_name_each_chunk_of_each_request():
-    table = TC.chunk_table(np.array([0, 1, 33, 32, 0, 5], dtype=np.int64), 16)
+def test_the_chunk_table_is_the_one_fla_takes_and_the_kernels_find_each_chunk_from_it():
+    """(request, chunk j) rows, requests of no rows left out: the kernels start chunk j of request r at
+    bounds[r] + j * block_t, so a request after an empty one and a partial last chunk land right."""
+    table = token_blocks(np.array([0, 1, 33, 32, 0, 5], dtype=np.int64), 16)
     assert table.dtype == np.int64
-    # request 1 starts at row 0, request 2 at row 1, request 3 at row 34, request 5 at row 66
-    assert table.tolist() == [[1, 0], [2, 1], [2, 17], [2, 33], [3, 34], [3, 50], [5, 66]]
-    assert TC.chunk_table(np.zeros(0, dtype=np.int64), 64).shape == (0, 2)
+    assert table.tolist() == [[1, 0], [2, 0], [2, 1], [2, 2], [3, 0], [3, 1], [5, 0]]
+    assert token_blocks(np.zeros(0, dtype=np.int64), 64).shape == (0, 2)
 
 
 def test_the_workspace_keeps_its_address_for_steps_that_fit():

@@ -2,8 +2,9 @@
 
 What this module owns: `chunk_extend`, the recurrent cores of an extend step over any number of
 tokens per request in two Triton launches (one without the delta rule), reading each request's
-state from its slot of the pool and writing the new one back; `chunk_table`, the host-side table
-of chunks the backend plans once per step; and the cached workspace the two launches share.
+state from its slot of the pool and writing the new one back, over the step's table of (request,
+chunk) rows (launch_math.token_blocks, the table FLA's chunk kernels take too, which the backend
+plans once per step); and the cached workspace the two launches share.
 It replaces FLA's chunk kernels where their Python launch path (about a millisecond of host time
 a layer, BENCHMARKS.md) costs more than their kernels: the host work here is shape checks and two
 launches through `launch_cache.Launcher`.
@@ -65,7 +66,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -76,9 +76,9 @@ from runtime.backends.sm_count import num_sms
 from runtime.backends.triton_linear import (GATE_CONSTANT, GATE_PER_CHANNEL, GATE_PER_HEAD, _check_rows,
                                             _recurrent_args)
 
-__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "chunk_config", "chunk_table", "chunk_workspace", "chunk_extend"]
+__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "chunk_config", "chunk_workspace", "chunk_extend"]
 
-CHUNK_T = 64  # rows of a chunk: the backend plans its chunk table for this size
+CHUNK_T = 64  # rows of a chunk by default: FLA's chunk length, so the backend's one table serves both
 SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's smallest tile)
 
 _OPS = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}
@@ -108,20 +108,6 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> Ch
 # software pipelining its loads buys little, and with float32 tiles of 64 x 128 its extra stages
 # would not fit in shared memory: one stage.
 _STATE_STAGES = 1
-
-
-def chunk_table(lens: np.ndarray, block_t: int = CHUNK_T) -> np.ndarray:
-    """[N, 2] int64 rows (request, first row of the chunk in the step) for every chunk of block_t
-    rows of every request, requests in order; lens [R] int64, the rows of each request, which are
-    laid out one after another from row 0 (a request of 0 rows gets no chunk). numpy, once per
-    step: the backend copies it to the device with its other tables."""
-    lens = np.asarray(lens, dtype=np.int64)
-    counts = (lens + block_t - 1) // block_t
-    req = np.repeat(np.arange(lens.size, dtype=np.int64), counts)
-    first_chunk = np.cumsum(counts) - counts  # each request's first row of the table
-    first_row = np.cumsum(lens) - lens  # each request's first row of the step
-    start = first_row[req] + (np.arange(req.size, dtype=np.int64) - first_chunk[req]) * block_t
-    return np.stack([req, start], 1).astype(np.int64)
 
 
 # One workspace per (device, Hv, Dk, Dv), shared by every layer of that shape: the launches of one
@@ -191,7 +177,7 @@ def _chunk_solve_kernel(
     head = tl.program_id(1)
     key_head = head // GROUP
     req = tl.load(chunks_ptr + 2 * chunk)
-    start = tl.load(chunks_ptr + 2 * chunk + 1)
+    start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
     n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
     offs_s = tl.arange(0, BS)
     offs_k = tl.arange(0, BK)
@@ -324,7 +310,8 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     (GATE_PER_HEAD) or [Hv] (GATE_CONSTANT) log-decays; beta [T, Hv] (the delta rule) or None;
     state [num_slots+1, Hv, Dk, Dv] float32; slots [R] int64, request r's state slot (no padding
     slot); bounds [R+1] int64, request r owns rows bounds[r] .. bounds[r+1]-1 (maybe none); chunks
-    [N, 2] int64 on the device, `chunk_table` of the requests' lengths for this block_t. Rows from
+    [N, 2] int64 on the device, (request, chunk j) rows: launch_math.token_blocks of the requests'
+    lengths for this block_t (chunk j of request r starts at row bounds[r] + j * block_t). Rows from
     bounds[R] on are not touched. The host reads no device value: the tables are the step's plan."""
     op = _OPS[gate_kind]
     if gate_kind == GATE_PER_CHANNEL:
@@ -337,7 +324,7 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     assert tuple(bounds.shape) == (R + 1,), (
         f"{op}: bounds must be [{R + 1}] for {R} requests, got {tuple(bounds.shape)}")
     assert chunks.dim() == 2 and chunks.shape[1] == 2 and chunks.dtype == torch.int64 and chunks.is_contiguous(), (
-        f"{op}: chunks must be a contiguous [N, 2] int64 table (chunk_table), got {chunks.dtype} {tuple(chunks.shape)}")
+        f"{op}: chunks must be a contiguous [N, 2] int64 table (token_blocks), got {chunks.dtype} {tuple(chunks.shape)}")
     if q.dtype != k.dtype:
         q = q.to(k.dtype)  # one tl.dot takes both; a rare caller's mix costs a copy
     rows = q.shape[0]

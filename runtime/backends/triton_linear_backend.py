@@ -34,8 +34,8 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
 Plan once per step, launch lean. Everything these paths derive from the step alone is made by
 the step's hooks and shared by every layer: slot ids on the device and the target-verify row
 layout (init_step_metadata / init_replay_state), and for a step on the extend path the kept
-requests, their slots, cu_seqlens on host and device, FLA's chunk indices (with
-chunk_impl="triton" also our chunk kernels' chunk table) and the conv kernel's token-block table
+requests, their slots, cu_seqlens on host and device, the chunk indices (FLA's and our chunk
+kernels' one table) and the conv kernel's token-block table
 (init_chunk_metadata, host tables built with numpy and copied in one transfer). An op call then
 does constant host work: shape checks and its launches, no loop over requests, no host-to-device
 copy, no device read. FLA is handed the plan's chunk indices where
@@ -76,6 +76,7 @@ import numpy as np
 import torch
 
 from compiler.splitops import MODES, BackendCapability, LayerKind, Mode
+from runtime.backends.launch_math import token_blocks
 from runtime.backends.protocol import BackendHooks, BackendSetup
 from runtime.context import ExecContext
 from runtime.state_pool import PADDING_SLOT, StatePool
@@ -200,9 +201,6 @@ class _ExtendPlan:
     conv_bounds: torch.Tensor  # [R+2] int64 on the device: cu_seqlens, then num_rows (the padding rows)
     conv_blocks: torch.Tensor  # [NB, 2] int64 on the device: (request, token block) of the extend conv
     longest: int  # the most tokens one request brings this step (which recurrent path it takes)
-    # [N, 2] int64 on the device: (request, first row) of each chunk of our chunk kernels
-    # (triton_chunk.chunk_table); made only where chunk_impl is "triton"
-    triton_chunks: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -214,18 +212,6 @@ class _StepPlan:
     replayed: bool  # init_replay_state made it: ops run inside a captured graph
     verify_width: int | None  # target_verify with request b on rows b*n .. b*n+n-1: that n
     extend: _ExtendPlan | None = None  # made for steps that take the extend path
-
-
-def _token_blocks(lens: np.ndarray, size: int) -> np.ndarray:
-    """[N, 2] int64 (sequence, block) rows: block j of sequence r covers its tokens j*size .. j*size+size-1.
-    lens [S] int64; sequences of length 0 get no row. FLA's chunk indices are this with size
-    FLA_CHUNK; the extend conv's token blocks with size CONV_EXTEND_BLOCK_T. numpy, not torch: on
-    the GPU machine torch's CPU repeat_interleave over a few hundred elements took from 0.04 to
-    15 ms a call, erratically (BENCHMARKS.md, the extend conv section), and the plan made two."""
-    counts = (lens + size - 1) // size
-    seq = np.repeat(np.arange(lens.size, dtype=np.int64), counts)
-    first = np.cumsum(counts) - counts  # each sequence's first row
-    return np.stack([seq, np.arange(seq.size, dtype=np.int64) - first[seq]], 1)
 
 
 def _to_device_at_once(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -392,19 +378,16 @@ class TritonLinearBackend(BackendHooks):
         cu = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
         bounds = np.append(cu, np.int64(ctx.num_tokens))
-        chunks = _token_blocks(lens, FLA_CHUNK)
+        chunks = token_blocks(lens, FLA_CHUNK)
         # The padding rows are request R of the conv's table: their programs write zeros.
-        blocks = _token_blocks(np.append(lens, np.int64(ctx.num_tokens - T)), _kernels().CONV_EXTEND_BLOCK_T)
-        tables = [bounds, keep, chunks, blocks]
-        if self.chunk_impl == "triton":  # our chunk kernels' table, in the same copy
-            tables.append(_chunk_kernels().chunk_table(lens, _chunk_kernels().CHUNK_T))
-        cu = torch.from_numpy(cu)
-        bounds_dev, keep_dev, chunks_dev, blocks_dev, *ours = _to_device_at_once(
-            [torch.from_numpy(a) for a in tables], self.device)
+        blocks = token_blocks(np.append(lens, np.int64(ctx.num_tokens - T)), _kernels().CONV_EXTEND_BLOCK_T)
+        bounds, keep, chunks, blocks, cu = (torch.from_numpy(a) for a in (bounds, keep, chunks, blocks, cu))
+        bounds_dev, keep_dev, chunks_dev, blocks_dev = _to_device_at_once(
+            [bounds, keep, chunks, blocks], self.device)
         slots = step.slots[:ctx.num_real_seqs]
         slots = slots if R == ctx.num_real_seqs else slots.index_select(0, keep_dev)
         return _ExtendPlan(T, slots, bounds_dev[:R + 1], cu, chunks_dev, bounds_dev, blocks_dev,
-                           int(lens.max()) if R else 0, triton_chunks=ours[0] if ours else None)
+                           int(lens.max()) if R else 0)
 
     def _extend_plan(self, step: _StepPlan) -> _ExtendPlan:
         if step.extend is None:
@@ -514,8 +497,8 @@ class TritonLinearBackend(BackendHooks):
         T = plan.num_tokens
         if T > 0:
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
-                                          plan.slots, plan.cu_seqlens, plan.triton_chunks, scale, gate_kind,
-                                          block_t=_chunk_kernels().CHUNK_T)
+                                          plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind,
+                                          block_t=FLA_CHUNK)
         if out.shape[0] > T:
             out[T:].zero_()
         return True
