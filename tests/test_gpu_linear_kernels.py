@@ -479,8 +479,8 @@ def test_chunk_extend_kernels_match_reference_at_real_dims(op, dtype):
 
 
 def test_chunk_extend_relaunches_through_the_launcher_cache():
-    """A second call with the same arguments (the same step on the same buffers and workspace) takes
-    the Launcher's compiled kernels, both of them."""
+    """A second call with the same arguments (the same step on the same buffers and workspaces) takes
+    the Launcher's compiled kernels, all three of them (solve, state, output)."""
     from runtime.backends import triton_chunk
 
     if DEV != "cuda":
@@ -488,9 +488,9 @@ def test_chunk_extend_relaunches_through_the_launcher_cache():
     x, _, dev_pool, _, tables = chunk_case("gdn_core", torch.bfloat16, seed=82)
     x = {n: t.to(DEV) for n, t in x.items()}
     out = torch.empty(x["q"].shape[0], 32, 128, dtype=torch.bfloat16, device=DEV)
-    launchers = (triton_chunk._CHUNK_SOLVE, triton_chunk._CHUNK_STATE)
+    launchers = (triton_chunk._CHUNK_SOLVE, triton_chunk._CHUNK_STATE, triton_chunk._CHUNK_OUTPUT)
     run_chunk_extend("gdn_core", x, dev_pool, tables, out)
     hits = [launcher.hits for launcher in launchers]
     run_chunk_extend("gdn_core", x, dev_pool, tables, out)
     torch.cuda.synchronize()
-    assert [launcher.hits - h for launcher, h in zip(launchers, hits)] == [1, 1]
+    assert [launcher.hits - h for launcher, h in zip(launchers, hits)] == [1, 1, 1]

@@ -8,8 +8,11 @@ over one launch of several requests: lengths 0, 1, a partial chunk, an exact chu
 chunks; grouped value heads; the delta rule (GDN) and none (Lightning, constant decay); non-zero
 initial states; slots out of row order. Outputs are compared per request by ||x - ref|| / ||ref||,
 states likewise; the padding slot, free slots and the rows past the last request must come out
-bit for bit as they went in. Shapes stay small (Dk, Dv 16 or 32, chunks of 16 or 32 rows) so the
-interpreter is quick; tests/test_gpu_linear_kernels.py runs the same checks at real sizes.
+bit for bit as they went in. Between the kernels: the workspaces hold the recurrence's state
+entering each chunk and V', and a repeated step launches with the same arguments (the Launcher's
+cache key: stable workspace addresses). Shapes stay small (Dk, Dv 16 or 32, chunks of 16 or 32
+rows) so the interpreter is quick; tests/test_gpu_linear_kernels.py runs the same checks at real
+sizes.
 
 The interpreter must be switched on before triton is first imported (tests/triton_interpreter.py,
 which also runs the file in a fresh process where triton was imported compiled first).
@@ -30,6 +33,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable here (it
 
 from runtime.backends import triton_chunk as TC  # noqa: E402
 from runtime.backends.launch_math import token_blocks  # noqa: E402
+from runtime.backends.launch_cache import Launcher  # noqa: E402
 from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
 from runtime.backends.triton_linear import GATE_CONSTANT, GATE_PER_CHANNEL, GATE_PER_HEAD  # noqa: E402
 from runtime.state_pool import PADDING_SLOT  # noqa: E402
@@ -215,9 +219,18 @@ def test_chunk_extend_matches_the_recurrence(delta, gate_kind):
 @in_process
 def test_chunks_of_several_sub_blocks():
     """Chunks of 32 rows (two 16-row blocks of forward substitution, the second reading the first's
-    rows back), Dk = Dv = 32 split into two Dv tiles of 16, one key head per value head."""
+    rows back), Dk = Dv = 32 split into two Dv tiles of 16 in the state and the output kernels, one
+    key head per value head."""
     check_case(LENS, 2, 2, 32, 32, True, GATE_PER_HEAD, torch.float32, 32, seed=4, tol=1e-4,
-               config=TC.ChunkConfig(16, 1, 1))
+               config=TC.ChunkConfig(16, 1, 1, 16, 1))
+
+
+@in_process
+def test_requests_past_the_first_block_find_their_first_chunk(monkeypatch):
+    """The state kernel sums the chunks of the requests before its own, _REQUEST_BLOCK requests at a
+    time (128); in blocks of 2 the later requests of LENS take several blocks, the last a partial one."""
+    monkeypatch.setattr(TC, "_REQUEST_BLOCK", 2)
+    check_case(LENS, 1, 1, 16, 16, True, GATE_PER_HEAD, torch.float32, 16, seed=12, tol=1e-4)
 
 
 @in_process
@@ -256,6 +269,89 @@ def test_per_channel_gates_are_refused_naming_the_op():
                         GATE_PER_CHANNEL)
 
 
+def states_entering_chunks(x, lens, state, slots, gate_kind, block_t):
+    """The recurrence (gated_recurrence) row by row per request: the state entering each chunk, in
+    the chunk table's order [N, Hv, Dk, Dv], and with the delta rule each row's corrected value
+    beta_t (v_t - k_t^T exp(g_t) S_t-1) [rows, Hv, Dv] (V', the state kernel's), else None."""
+    hv = x["v"].shape[1]
+    group = hv // x["q"].shape[1]
+    states, deltas, at = [], [], 0
+    for n, slot in zip(lens, slots):
+        rows = slice(at, at + n)
+        q, k = (x[name][rows].float().repeat_interleave(group, dim=1) for name in ("q", "k"))
+        v = x["v"][rows].float()
+        gate = x["gate"].expand(n, hv) if gate_kind == GATE_CONSTANT else x["gate"][rows]
+        beta = None if x["beta"] is None else x["beta"][rows]
+        s = state[slot].clone()
+        for t in range(n):
+            if t % block_t == 0:
+                states.append(s.clone())
+            if beta is not None:
+                decayed = s * torch.exp(gate[t])[:, None, None]
+                deltas.append(beta[t][:, None] * (v[t] - torch.einsum("hk,hkv->hv", k[t], decayed)))
+            gated_recurrence(q[t:t + 1], k[t:t + 1], v[t:t + 1], gate[t:t + 1, :, None],
+                             None if beta is None else beta[t:t + 1], s, 1.0)
+        at += n
+    return torch.stack(states), (torch.stack(deltas) if deltas else None)
+
+
+@in_process
+@pytest.mark.parametrize("delta,gate_kind,dtype", [(True, GATE_PER_HEAD, torch.float32),
+                                                   (False, GATE_CONSTANT, torch.float32),
+                                                   (True, GATE_PER_HEAD, torch.bfloat16)],
+                         ids=["gdn-f32", "lightning-f32", "gdn-bf16"])
+def test_the_workspaces_hold_the_states_entering_each_chunk_and_v_prime(delta, gate_kind, dtype):
+    """What the state kernel leaves the output kernel: row c of the chunk-state workspace is the
+    recurrence's state entering chunk c of the table (float32 for float32 inputs, bfloat16 for
+    16-bit ones), and with the delta rule U's storage holds V', each row's corrected value."""
+    block_t, hv, dk, dv = 16, 4, 16, 16
+    x, state, slots = make_case(LENS, 2, hv, dk, dv, delta, gate_kind, dtype, seed=9, k_scale=1.0 if delta else 0.3)
+    want_states, want_v_prime = states_entering_chunks(x, LENS, state, slots, gate_kind, block_t)
+    run_kernels(x, LENS, state.clone(), slots, dk ** -0.5, gate_kind, block_t, dtype)
+    device = torch.empty(0, device=DEVICE).device
+    chunks = token_blocks(np.asarray(LENS, dtype=np.int64), block_t)
+    assert want_states.shape[0] == chunks.shape[0]
+    states = TC.chunk_state_workspace(chunks.shape[0], hv, dk, dv, TC.chunk_state_dtype(dtype), device).cpu()
+    assert states.dtype == (torch.float32 if dtype == torch.float32 else torch.bfloat16)
+    # bf16 chunk states: a rounding of 2**-8 at most (the interpreter truncates: 2**-7)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for c, (req, start) in enumerate(chunks.tolist()):
+        err = rel_err(states[c].float(), want_states[c])
+        assert err < tol, f"chunk {c} (request {req}, row {start}): state rel err {err:.2e}"
+    if delta:
+        _, v_prime = TC.chunk_workspace(sum(LENS), hv, dk, dv, device)
+        err = rel_err(v_prime.cpu(), want_v_prime)
+        assert err < tol, f"V' rel err {err:.2e}"
+
+
+@in_process
+@pytest.mark.parametrize("delta,gate_kind", [(True, GATE_PER_HEAD), (False, GATE_CONSTANT)], ids=["gdn", "lightning"])
+def test_a_repeated_step_launches_with_the_same_arguments(monkeypatch, delta, gate_kind):
+    """The same step twice on the same buffers: each launch gets the argument list it got the first
+    time (the Launcher's cache key: the workspaces kept their addresses), so on the GPU every launch
+    after the first takes the Launcher's compiled kernel. Three launches with the delta rule (solve,
+    state, output), two without."""
+    launchers = {"solve": TC._CHUNK_SOLVE, "state": TC._CHUNK_STATE, "output": TC._CHUNK_OUTPUT}
+    keys = []
+    for name, launcher in launchers.items():
+        def recording(grid, args, kwargs, name=name, launch=launcher.launch):
+            keys.append((name, Launcher._key(grid, args, kwargs)))
+            launch(grid, args, kwargs)
+        monkeypatch.setattr(launcher, "launch", recording)
+    lens = [13, 20]
+    x, state, slots = make_case(lens, 1, 2, 16, 16, delta, gate_kind, torch.float32, seed=10, extra_rows=0)
+    dev = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    out, pool = torch.empty(sum(lens), 2, 16, device=DEVICE), state.to(DEVICE)
+    tables = (torch.tensor(slots, device=DEVICE), torch.tensor([0, 13, 33], device=DEVICE),
+              torch.from_numpy(token_blocks(np.asarray(lens, dtype=np.int64), 16)).to(DEVICE))
+    for _ in range(2):
+        TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool, *tables, 0.25, gate_kind,
+                        block_t=16)
+    first, second = keys[:len(keys) // 2], keys[len(keys) // 2:]
+    assert [name for name, _ in first] == (["solve", "state", "output"] if delta else ["state", "output"])
+    assert first == second
+
+
 def test_the_chunk_table_is_the_one_fla_takes_and_the_kernels_find_each_chunk_from_it():
     """(request, chunk j) rows, requests of no rows left out: the kernels start chunk j of request r at
     bounds[r] + j * block_t, so a request after an empty one and a partial last chunk land right."""
@@ -272,3 +368,14 @@ def test_the_workspace_keeps_its_address_for_steps_that_fit():
     assert (w2.data_ptr(), u2.data_ptr()) == (w.data_ptr(), u.data_ptr())
     w3, _ = TC.chunk_workspace(300, 3, 16, 8, torch.device("cpu"))
     assert w3.shape[0] == 300
+
+
+def test_the_chunk_state_workspace_keeps_its_address_for_steps_that_fit():
+    cs = TC.chunk_state_workspace(5, 3, 16, 8, torch.bfloat16, torch.device("cpu"))
+    assert cs.shape == (5, 3, 16, 8) and cs.dtype == torch.bfloat16
+    assert TC.chunk_state_workspace(16, 3, 16, 8, torch.bfloat16, torch.device("cpu")).data_ptr() == cs.data_ptr()
+    assert TC.chunk_state_workspace(17, 3, 16, 8, torch.bfloat16, torch.device("cpu")).shape[0] == 17
+    # float32 inputs keep float32 chunk states, in a workspace of their own
+    assert TC.chunk_state_workspace(5, 3, 16, 8, torch.float32, torch.device("cpu")).dtype == torch.float32
+    assert [TC.chunk_state_dtype(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [
+        torch.float32, torch.bfloat16, torch.bfloat16]

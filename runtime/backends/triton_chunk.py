@@ -1,17 +1,17 @@
 """Chunked gated linear attention for extend steps (GDN, Lightning), in place on the state pool.
 
 What this module owns: `chunk_extend`, the recurrent cores of an extend step over any number of
-tokens per request in two Triton launches (one without the delta rule), reading each request's
+tokens per request in three Triton launches (two without the delta rule), reading each request's
 state from its slot of the pool and writing the new one back, over the step's table of (request,
 chunk) rows (launch_math.token_blocks, the table FLA's chunk kernels take too, which the backend
-plans once per step); and the cached workspace the two launches share.
+plans once per step); and the cached workspaces the launches share.
 It replaces FLA's chunk kernels where their Python launch path (about a millisecond of host time
-a layer, BENCHMARKS.md) costs more than their kernels: the host work here is shape checks and two
-launches through `launch_cache.Launcher`.
+a layer, BENCHMARKS.md) costs more than their kernels: the host work here is shape checks and
+three launches through `launch_cache.Launcher`.
 
 The math (per request, value head and chunk of C rows; decay acts on the key dimension as in
 cpu_reference.gated_recurrence, the oracle). g_i is row i's log-decay, G_i = g_0 + ... + g_i the
-chunk-local cumulative gate, S0 the state [Dk, Dv] entering the chunk:
+chunk-local cumulative gate, S0 the state [Dk, Dv] entering the chunk (S_c in the kernels below):
 
     A_ij  = beta_i (k_i . k_j) exp(G_i - G_j)     j < i (strictly lower; the delta rule only)
     W     = (I + A)^-1 diag(beta) (K * exp(G))     U = (I + A)^-1 diag(beta) V
@@ -35,17 +35,46 @@ back to an inverse with entries 0 and -1), and tf32 tensor-core products keep 10
 Forward substitution on a unit lower-triangular system is backward stable; doing it per 16-row
 block keeps its sequential part to 15 short steps and leaves the rest to matrix products.
 
-Two kernels (a launch with the same arguments goes through a Launcher: no Triton binding):
+Three kernels (a launch with the same arguments goes through a Launcher: no Triton binding):
 
 1. `_chunk_solve_kernel`, one program per (chunk, value head), the delta rule only: W [rows, Hv,
    Dk] and U [rows, Hv, Dv] float32 into the workspace, indexed by the step's row. Its sub-blocks
    run in order; a block reads the earlier blocks' W and U back from the workspace after a barrier
    (the program's threads wrote them), rather than keeping a variable number of blocks in registers.
-2. `_chunk_state_kernel`, one program per (request, value head, Dv tile), looping over the
-   request's chunks in order with the state tile [Dk, BV] in float32 registers: V', the chunk's
-   output rows and the state update; the tile is loaded from the request's slot once and stored
-   back once. The cumulative gates are a masked sum over the chunk's gate row (cheap beside the
-   chunk's products), recomputed where needed rather than stored.
+2. `_chunk_state_kernel`, one program per (request, value head, Dv tile), the only sequential part:
+   it walks the request's chunks in order with the state tile [Dk, BV] in float32 registers and,
+   per chunk, stores the state entering it (S_c, into the chunk-state workspace at the chunk's row
+   of the chunk table), forms V' = U - W S_c (the delta rule; stored over U: the same rows, head and
+   columns, which this program alone owns) and moves the state on, S_c+1 = exp(G_last) S_c +
+   (K * exp(G_last - G))^T V'. The tile is loaded from the request's slot once and stored back once.
+3. `_chunk_output_kernel`, one program per (chunk, value head, Dv tile), all independent: the
+   chunk's outputs O = scale ((Q * exp(G)) S_c + (causal(Q K^T) * exp(G_i - G_j)) V'), from S_c and
+   V' (V without the delta rule) as the state kernel left them. It takes the key dimension in
+   blocks of 64, so q, k and S_c are never live whole.
+
+The cumulative gates are a masked sum over the chunk's gate row (cheap beside the chunk's
+products), recomputed in each kernel rather than stored.
+
+Why the split. Before it, the state kernel also produced the outputs: every step of its walk
+computed the chunk's Q K^T and both output products besides the two the recurrence needs (W S_c
+and K^T V'), five products a chunk in the sequential part, and its tile set (q, k, W, U, the
+scores, the state) spilled (255 registers and 224 spills on an H200 at Dk = Dv = 128). Measured
+there (bf16, 32 GDN heads of 128): 0.54 ms of kernel time a layer for one request of 2048 tokens,
+against 0.19 ms for FLA's kernels. Now the walk does only those two, and the output products, most
+of a long prompt's work, run in parallel over chunks; the price is the chunk states' round trip
+through memory (written once, read once per output Dv tile). This design is not yet measured on a
+GPU.
+
+Memory. The workspaces are cached per (device, Hv, Dk, Dv) (and the chunk states' dtype), shared by
+every layer of that shape, grown to a power of two and never shrunk (stable addresses for the
+Launcher):
+- W [rows, Hv, Dk] and U [rows, Hv, Dv] float32, the delta rule only (`chunk_workspace`): rows x Hv
+  x (Dk + Dv) x 4 bytes, 64 MiB for 2048 rows at Hv = 32, Dk = Dv = 128. V' [rows, Hv, Dv] is
+  written over U, so it costs nothing more.
+- the chunk states [chunks, Hv, Dk, Dv] (`chunk_state_workspace`), with and without the delta rule:
+  chunks x Hv x Dk x Dv x 2 bytes for 16-bit inputs (4 for float32 inputs), 32 MiB for one request
+  of 2048 rows (32 chunks) at Hv = 32, Dk = Dv = 128, and never less than 16 chunks' worth (16 MiB
+  there). A step has at most rows / 64 + requests chunks.
 
 Rows past a request's last row in its last chunk load as zeros (k = v = beta = g = 0): their A
 rows and columns, W, U and V' rows are zero and their gates repeat the last real row's, so the
@@ -55,7 +84,18 @@ Precision: every product accumulates in float32 and every operand is float32 (q 
 to float32 as they are loaded: a bf16 value is exact in tf32, so nothing is lost against a bf16
 tl.dot, and Triton's interpreter computes bf16 dots wrongly). The tensor cores take them as tf32
 for 16-bit inputs (the production case) and as tf32x3 (about float32 accuracy) for float32
-inputs; the interpreter computes them in full float32.
+inputs; the interpreter computes them in full float32. The chunk states S_c are stored as bfloat16
+for 16-bit inputs and float32 for float32 ones. bfloat16 is enough there because the walk keeps its
+state in float32 registers: the rounding reaches only the output term (Q * exp(G)) S_c, once, never
+the recurrence (the final state and every later S_c keep float32), and its 8 bits are the order of
+the output's own rounding to 16 bits and of tf32's 11; bfloat16 rather than float16 (for float16
+inputs too) since a state sums many tokens and can pass float16's 65504, where bfloat16 has
+float32's range. Checked in Triton's interpreter at Dk = Dv = 128 (bf16 inputs, requests of 1,
+100 and 300 rows, GDN and Lightning): the outputs' relative error against the recurrence was at
+most 6.0e-3 with bfloat16 chunk states and 3.4e-3 with float32 ones (that part is the outputs' own
+rounding to bf16), the final states unchanged; the tests' bound is 1e-2. The interpreter truncates
+float32 to bfloat16 where the GPU rounds to nearest, so both are upper bounds for the GPU. V' stays
+float32 (it is U's storage).
 
 Not here: per-channel gates (KDA), which keep FLA's chunk kernels; the choice of path (the
 backend's `chunk_impl` option, runtime/backends/triton_linear_backend.py).
@@ -76,7 +116,8 @@ from runtime.backends.sm_count import num_sms
 from runtime.backends.triton_linear import (GATE_CONSTANT, GATE_PER_CHANNEL, GATE_PER_HEAD, _check_rows,
                                             _recurrent_args)
 
-__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "chunk_config", "chunk_workspace", "chunk_extend"]
+__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "chunk_config", "chunk_workspace", "chunk_state_dtype",
+           "chunk_state_workspace", "chunk_extend"]
 
 CHUNK_T = 64  # rows of a chunk by default: FLA's chunk length, so the backend's one table serves both
 SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's smallest tile)
@@ -89,19 +130,30 @@ class ChunkConfig:
     block_v: int  # BV: Dv columns of the state one program of the state kernel owns (a power of two >= 16)
     num_warps: int  # of the state kernel
     solve_warps: int  # of the solve kernel
+    out_block_v: int = 64  # Dv columns of one output kernel program (a power of two >= 16)
+    out_warps: int = 4  # of the output kernel
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
 def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> ChunkConfig:
-    """The state kernel's programs each walk one request's chunks one after another, so its time is
-    the longest request's chunks times one chunk's latency: narrower Dv tiles mean more programs in
-    flight, but each tile repeats the chunk's q k^T and loads q, k and W again. On an H200 (both
-    kernels, bf16, 32 GDN heads of 128), one request of 4096 tokens took 1.35 ms in tiles of 16,
-    1.01 in tiles of 32 and 1.20 in tiles of 64; eight of 512: 1.51, 0.94 and 0.79; 8 warps were
-    slower in every case measured. Take 64 where that still gives a program per SM, else 32."""
+    """Tiles per kernel.
+
+    The state kernel's programs each walk one request's chunks one after another, so its time is the
+    longest request's chunks times one chunk's latency: narrower Dv tiles mean more programs in
+    flight, but each tile loads the chunk's k and W again. Measured on the previous two-kernel design
+    (the state kernel then also computed the outputs, repeating q k^T per tile), on an H200, bf16, 32
+    GDN heads of 128: one request of 4096 tokens took 1.35 ms in tiles of 16, 1.01 in tiles of 32 and
+    1.20 in tiles of 64; eight of 512: 1.51, 0.94 and 0.79; 8 warps were slower in every case
+    measured. The rule those numbers gave stays until the split design is measured: 64 where that
+    still gives a program per SM, else 32.
+
+    The output kernel's programs are independent (chunks x heads x Dv tiles, thousands for a long
+    prompt), so its tile is sized for registers rather than parallelism: 64 columns in 4 warps hold
+    five float32 blocks of 64 x 64 at once (q, k and S_c's rows for one block of 64 keys, the
+    scores, the outputs), about 160 registers a thread. Not measured."""
     block_v = 64 if requests * heads * cdiv(dv, 64) >= num_sms(device) else 32
-    block_v = min(block_v, max(16, next_pow2(dv)))
-    return ChunkConfig(block_v, 4, 4)
+    widest = max(16, next_pow2(dv))
+    return ChunkConfig(min(block_v, widest), 4, 4, min(64, widest), 4)
 
 
 # The state kernel's chunk loop is a chain (each chunk needs the state the last one left), so
@@ -109,16 +161,24 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> Ch
 # would not fit in shared memory: one stage.
 _STATE_STAGES = 1
 
+# Key columns the output kernel takes at a time (its q, k and S_c blocks).
+_OUT_KEY_BLOCK = 64
 
-# One workspace per (device, Hv, Dk, Dv), shared by every layer of that shape: the launches of one
-# layer complete before the next layer's on the same stream. It grows to a power of two of rows and
-# never shrinks, so steps of the same bucket (and every layer of a step) get the same addresses,
-# which the Launcher's cache keys on.
+# Requests the state kernel sums at a time to find a request's first chunk (its row of the table).
+_REQUEST_BLOCK = 128
+
+
+# One set of workspaces per (device, Hv, Dk, Dv) (the chunk states' also per dtype), shared by every
+# layer of that shape: the launches of one layer complete before the next layer's on the same
+# stream. Each grows to a power of two of rows (chunks) and never shrinks, so steps of the same
+# bucket (and every layer of a step) get the same addresses, which the Launcher's cache keys on.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_STATE_WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 
 def chunk_workspace(rows: int, heads: int, dk: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W [rows, heads, dk], U [rows, heads, dv]) float32 views of the cached workspace."""
+    """(W [rows, heads, dk], U [rows, heads, dv]) float32 views of the cached workspace: the solve
+    kernel writes both, the state kernel overwrites U with V' (module docstring, memory)."""
     key = (torch.device(device), heads, dk, dv)
     held = _WORKSPACES.get(key)
     if held is None or held[0].shape[0] < rows:
@@ -127,6 +187,25 @@ def chunk_workspace(rows: int, heads: int, dk: int, dv: int, device: torch.devic
                 torch.empty(cap, heads, dv, dtype=torch.float32, device=device))
         _WORKSPACES[key] = held
     return held[0][:rows], held[1][:rows]
+
+
+def chunk_state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The chunk states' dtype for inputs of `dtype`: float32 for float32, else bfloat16 (module
+    docstring, precision: the rounding reaches only the outputs; float16 could overflow)."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def chunk_state_workspace(chunks: int, heads: int, dk: int, dv: int, dtype: torch.dtype,
+                          device: torch.device) -> torch.Tensor:
+    """[chunks, heads, dk, dv] view of the cached chunk-state workspace in `dtype`: row c holds the
+    state entering chunk c of the chunk table, as the state kernel left it for the output kernel.
+    Cached and grown like `chunk_workspace`, by chunks (at least 16)."""
+    key = (torch.device(device), heads, dk, dv, dtype)
+    held = _STATE_WORKSPACES.get(key)
+    if held is None or held.shape[0] < chunks:
+        held = torch.empty(max(16, next_pow2(chunks)), heads, dk, dv, dtype=dtype, device=device)
+        _STATE_WORKSPACES[key] = held
+    return held[:chunks]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,16 +308,31 @@ def _chunk_solve_kernel(
 
 
 @triton.jit
+def _first_chunk(bounds_ptr, req, BT: tl.constexpr, BR: tl.constexpr):
+    """Request req's first row of the chunk table: the chunks of the requests before it, which
+    the chunk table lists first (requests in order), summed from the bounds BR requests at a time."""
+    first = tl.full([], 0, tl.int64)
+    for base in range(0, req, BR):
+        offs = base + tl.arange(0, BR)
+        m = offs < req
+        lo = tl.load(bounds_ptr + offs, mask=m, other=0).to(tl.int64)
+        hi = tl.load(bounds_ptr + offs + 1, mask=m, other=0).to(tl.int64)
+        first += tl.sum((hi - lo + BT - 1) // BT, axis=0)
+    return first
+
+
+@triton.jit
 def _chunk_state_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, w_ptr, u_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr,
-    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-    stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_s_slot, stride_s_head,
-    stride_w_row, stride_w_head, stride_u_row, stride_u_head,
-    scale,
+    k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, state_ptr, slots_ptr, bounds_ptr,
+    stride_k_row, stride_k_head, stride_g_row, stride_g_head, stride_w_row, stride_w_head,
+    stride_vp_row, stride_vp_head, stride_cs_chunk, stride_cs_head, stride_s_slot, stride_s_head,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, DOT_PREC: tl.constexpr,
+    BT: tl.constexpr, BR: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One request's chunks in order through one [BK, BV] state tile: outputs and the new state."""
+    """One request's chunks in order through one [BK, BV] state tile: per chunk the state entering it
+    (to the chunk-state workspace cs, [chunks, Hv, Dk, Dv] contiguous in its last two dims), V' and
+    the next state; the last state back to the slot. vp is U with the delta rule (V' is written over
+    it) and V without (read only)."""
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
@@ -251,45 +345,90 @@ def _chunk_state_kernel(
         offs_v = v_tile * BV + tl.arange(0, BV)
         m_k = offs_k < DK
         m_v = offs_v < DV
-        causal = offs_t[:, None] >= offs_t[None, :]
         last = offs_t == BT - 1
         slot = tl.load(slots_ptr + req).to(tl.int64)
         # slot ids are int64 and the pool can exceed 2**31 elements: offsets stay int64.
         s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
         s = tl.load(s_ptrs, mask=m_s, other=0.0)
+        cs_tile = cs_ptr + head * stride_cs_head + offs_k[:, None] * DV + offs_v[None, :]
+        first = _first_chunk(bounds_ptr, req, BT=BT, BR=BR)
         for start in range(bos, eos, BT):
+            chunk = first + (start - bos) // BT
+            tl.store(cs_tile + chunk * stride_cs_chunk, s.to(cs_ptr.dtype.element_ty), mask=m_s)
             n = tl.minimum(eos - start, BT)
             m_t = offs_t < n
             rows = start + offs_t
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
-            q = tl.load(q_ptr + rows[:, None] * stride_q_row + key_head * stride_q_head + offs_k[None, :], mask=m_tk,
-                        other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
-                        other=0.0).to(tl.float32)
-            gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+            vp_ptrs = vp_ptr + rows[:, None] * stride_vp_row + head * stride_vp_head + offs_v[None, :]
+            v_new = tl.load(vp_ptrs, mask=m_tv, other=0.0).to(tl.float32)
             if DELTA:
                 w = tl.load(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :], mask=m_tk,
                             other=0.0)
-                u = tl.load(u_ptr + rows[:, None] * stride_u_row + head * stride_u_head + offs_v[None, :], mask=m_tv,
-                            other=0.0)
-                v_new = u - tl.dot(w, s, input_precision=DOT_PREC)
-            else:
-                v_new = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
-                                mask=m_tv, other=0.0).to(tl.float32)
-            # intra-chunk attention, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-            p = tl.where(causal, qk * tl.exp(tl.where(causal, gate[:, None] - gate[None, :], 0.0)), 0.0)
-            o = tl.dot(q * tl.exp(gate)[:, None], s, input_precision=DOT_PREC)
-            o += tl.dot(p, v_new, input_precision=DOT_PREC)
-            tl.store(out_ptr + rows[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :],
-                     (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
+                v_new -= tl.dot(w, s, input_precision=DOT_PREC)
+                # Over U: this program alone reads and writes these rows' columns of this head.
+                tl.store(vp_ptrs, v_new, mask=m_tv)
+            k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
+                        other=0.0).to(tl.float32)
+            gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
             total = tl.sum(tl.where(last, gate, 0.0), axis=0)  # the chunk's G_last (masked rows repeat it)
             k_decayed = k * tl.exp(total - gate)[:, None]
             s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PREC)
         # Only this program owns this tile of this slot (requests have distinct slots).
         tl.store(s_ptrs, s, mask=m_s)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
+    stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
+    scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
+    BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One chunk's output rows for one value head and Dv tile, from the state entering the chunk (cs)
+    and V' (vp: V' over U with the delta rule, V without), the key dimension KB columns at a time."""
+    chunk = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    v_tile = tl.program_id(2)
+    key_head = head // GROUP
+    req = tl.load(chunks_ptr + 2 * chunk)
+    start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
+    n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
+    offs_t = tl.arange(0, BT)
+    offs_v = v_tile * BV + tl.arange(0, BV)
+    m_t = offs_t < n
+    m_v = offs_v < DV
+    m_tv = m_t[:, None] & m_v[None, :]
+    rows = start + offs_t
+    gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+    q_decay = tl.exp(gate)[:, None]
+    cs_chunk = cs_ptr + chunk * stride_cs_chunk + head * stride_cs_head
+    scores = tl.zeros([BT, BT], dtype=tl.float32)
+    o = tl.zeros([BT, BV], dtype=tl.float32)
+    for kb in tl.static_range(BK // KB):
+        offs_k = kb * KB + tl.arange(0, KB)
+        m_k = offs_k < DK
+        m_tk = m_t[:, None] & m_k[None, :]
+        q = tl.load(q_ptr + rows[:, None] * stride_q_row + key_head * stride_q_head + offs_k[None, :], mask=m_tk,
+                    other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
+                    other=0.0).to(tl.float32)
+        s = tl.load(cs_chunk + offs_k[:, None] * DV + offs_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                    other=0.0).to(tl.float32)
+        scores += tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        o += tl.dot(q * q_decay, s, input_precision=DOT_PREC)
+    # intra-chunk attention, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
+    causal = offs_t[:, None] >= offs_t[None, :]
+    p = tl.where(causal, scores * tl.exp(tl.where(causal, gate[:, None] - gate[None, :], 0.0)), 0.0)
+    v_new = tl.load(vp_ptr + rows[:, None] * stride_vp_row + head * stride_vp_head + offs_v[None, :], mask=m_tv,
+                    other=0.0).to(tl.float32)
+    o += tl.dot(p, v_new, input_precision=DOT_PREC)
+    # Only the chunk's own rows: the rows after it belong to the next request (or to no request).
+    tl.store(out_ptr + rows[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :],
+             (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +437,7 @@ def _chunk_state_kernel(
 
 _CHUNK_SOLVE = Launcher(_chunk_solve_kernel)
 _CHUNK_STATE = Launcher(_chunk_state_kernel)
+_CHUNK_OUTPUT = Launcher(_chunk_output_kernel)
 
 
 def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor | None,
@@ -335,19 +475,25 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
     (sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, so_r, so_h, ss_slot, ss_head) = strides
     cfg = config or chunk_config(R, Hv, Dv, q.device)
-    common = dict(GROUP=consts["GROUP"], DK=Dk, DV=Dv, BK=max(SUB_T, next_pow2(Dk)), BT=block_t, GATE=gate_kind,
+    BK = max(SUB_T, next_pow2(Dk))
+    common = dict(GROUP=consts["GROUP"], DK=Dk, DV=Dv, BK=BK, BT=block_t, GATE=gate_kind,
                   DOT_PREC="tf32x3" if v.dtype == torch.float32 else "tf32")
     delta = beta is not None
+    cs = chunk_state_workspace(num_chunks, Hv, Dk, Dv, chunk_state_dtype(v.dtype), q.device)
     if delta:
-        w, u = chunk_workspace(rows, Hv, Dk, Dv, q.device)
+        w, vp = chunk_workspace(rows, Hv, Dk, Dv, q.device)
         _CHUNK_SOLVE[(num_chunks, Hv)](
-            k, v, gate, beta, w, u, bounds, chunks,
-            sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+            k, v, gate, beta, w, vp, bounds, chunks,
+            sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1),
             **common, BVF=max(SUB_T, next_pow2(Dv)), BS=SUB_T, num_warps=cfg.solve_warps)
     else:
-        w, u = k, v  # never read without the delta rule; any valid pointers will do
+        w, vp = k, v  # w is never read without the delta rule (any valid pointer will do); V' is V
     _CHUNK_STATE[(R, Hv, cdiv(Dv, cfg.block_v))](
-        q, k, v, gate, w, u, out, state, slots, bounds,
-        sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, so_r, so_h, ss_slot, ss_head,
-        w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        float(scale), **common, BV=cfg.block_v, DELTA=delta, num_warps=cfg.num_warps, num_stages=_STATE_STAGES)
+        k, gate, w, vp, cs, state, slots, bounds,
+        sk_r, sk_h, sg_r, sg_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1), cs.stride(0), cs.stride(1),
+        ss_slot, ss_head,
+        **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, num_warps=cfg.num_warps, num_stages=_STATE_STAGES)
+    _CHUNK_OUTPUT[(num_chunks, Hv, cdiv(Dv, cfg.out_block_v))](
+        q, k, vp, gate, cs, out, bounds, chunks,
+        sq_r, sq_h, sk_r, sk_h, vp.stride(0), vp.stride(1), sg_r, sg_h, so_r, so_h, cs.stride(0), cs.stride(1),
+        float(scale), **common, KB=min(BK, _OUT_KEY_BLOCK), BV=cfg.out_block_v, num_warps=cfg.out_warps)
