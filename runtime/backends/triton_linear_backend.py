@@ -25,7 +25,7 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
   runs the recurrent cores through our short-extend kernel instead (triton_linear.recurrent_extend:
   one launch a layer, each request's tokens in order, no FLA). With `chunk_impl="triton"` the other
   extend steps of GDN and Lightning layers run our own chunk kernels instead of FLA's
-  (triton_chunk.chunk_extend: two launches a layer, one for Lightning, states read from and
+  (triton_chunk.chunk_extend: three launches a layer, two for Lightning, states read from and
   written to the slots in place, no gather or scatter); KDA keeps FLA. The short conv: our Triton
   extend kernel (triton_linear.short_conv_extend), one launch over every request's tokens, reading
   each request's history from its slot and writing the new one back. Padded rows of `out` are zeroed
@@ -247,7 +247,7 @@ SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 
 # Which chunk kernels run the extend steps of GDN and Lightning layers (past the short-extend
 # limit), the first the default: "fla", FLA's (whose Python launch path costs about 1 ms of host
-# time a layer); "triton", ours (runtime/backends/triton_chunk.py: two launches a layer through the
+# time a layer); "triton", ours (runtime/backends/triton_chunk.py: three launches a layer through the
 # Launcher, no gather or scatter). FLA stays the default until a GPU benchmark shows ours faster.
 # KDA's per-channel gates run FLA's either way.
 CHUNK_IMPL_CHOICES = ("fla", "triton")
