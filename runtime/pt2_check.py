@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import io
 import json
 import re
@@ -210,8 +211,80 @@ def _once(compute, key):
     return call
 
 
+@contextlib.contextmanager
+def _schema_plans():
+    """torch.export.load turns the program's JSON into schema dataclasses through
+    `serialize._dict_to_dataclass(cls, data)`, which asks the same questions of `cls` for every
+    value (is it Optional, a union, a dataclass; its fields; their type hints): about 75,000 calls
+    for a bench-size program, a fifth to a quarter of a warm load on the CPU. Here each `cls` is
+    asked once per load and the answers kept as a plan, which does what torch's function does for
+    that kind of class. Where a torch build has no such function, nothing is patched."""
+    from torch._export.serde import serialize
+
+    original = getattr(serialize, "_dict_to_dataclass", None)
+    union_base = getattr(getattr(serialize, "_Union", None), "create", None) and serialize._Union
+    if original is None or union_base is None:
+        yield
+        return
+    resolve = getattr(serialize, "_resolve_schema_cls", lambda cls: cls)
+    schema_names = vars(serialize.schema)
+    plans: dict = {}
+
+    def convert(cls, data):
+        try:
+            plan = plans.get(cls)
+        except TypeError:  # an unhashable annotation: torch's own path
+            return original(cls, data)
+        if plan is None:
+            plan = plans[cls] = plan_for(cls)
+        return plan(data)
+
+    def plan_for(cls):
+        cls = resolve(cls)
+        if isinstance(cls, str):
+            return lambda data: original(cls, data)  # raises as torch does
+        origin = typing.get_origin(cls)
+        if origin is typing.Annotated:
+            inner = cls.__origin__
+            return lambda data: convert(inner, data)
+        if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(cls):
+            if len(typing.get_args(cls)) != 2:
+                return lambda data: original(cls, data)  # raises as torch does
+            inner = typing.get_args(cls)[0]
+            return lambda data: None if data is None else convert(inner, data)
+        if isinstance(cls, type) and issubclass(cls, union_base):
+            hints = typing.get_type_hints(cls, globalns=schema_names)
+
+            def union(data):
+                if not isinstance(data, dict) or len(data) != 1 or not isinstance(next(iter(data)), str):
+                    return original(cls, data)  # raises as torch does
+                (tag, value), = data.items()
+                return cls.create(**{tag: convert(hints[tag], value)})
+            return union
+        if dataclasses.is_dataclass(cls):
+            hints = typing.get_type_hints(cls, globalns=schema_names)
+            fields = [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+            # keys the class does not define are ignored, as torch does (forward compatibility)
+            return lambda data: cls(**{name: convert(hint, data[name]) for name, hint in fields if name in data})
+        args = typing.get_args(cls)
+
+        def value(data):
+            if isinstance(data, list):
+                return [convert(args[0], d) for d in data] if data else data
+            if isinstance(data, dict):
+                return {k: convert(args[1], v) for k, v in data.items()}
+            return float(data) if cls is float else data
+        return value
+
+    serialize._dict_to_dataclass = convert
+    try:
+        yield
+    finally:
+        serialize._dict_to_dataclass = original
+
+
 def _deserializer_memos():
-    """Two questions torch.export.load asks again and again, answered once per load:
+    """Questions torch.export.load asks again and again, answered once per load:
 
     - `typing.get_type_hints(cls)` for a schema class's field types, once per object: tens of
       thousands of calls for a bench-size model, the largest single cost of the load under
@@ -220,6 +293,7 @@ def _deserializer_memos():
     - `sympy.sympify(text, locals=...)` for every symbolic size it meets: a thousand parses of a
       handful of distinct expressions ("s0", "2*s0"), a quarter of a warm load on the CPU. The same
       text with the same names bound to the same objects gives the same (immutable) expression.
+    - the shape of each schema class, once per class (`_schema_plans`).
     """
     hints = _once(typing.get_type_hints,
                   lambda cls, globalns=None, localns=None, include_extras=False:
@@ -230,6 +304,7 @@ def _deserializer_memos():
     stack = contextlib.ExitStack()
     stack.enter_context(_in_deserializer(typing, get_type_hints=hints))
     stack.enter_context(_in_deserializer(sympy, sympify=parse))
+    stack.enter_context(_schema_plans())
     return stack
 
 
