@@ -267,6 +267,11 @@ class TritonLinearBackend(BackendHooks):
         # compile time (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in
         # routing.json.
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES)),
+        # Lightning's extend steps default to our chunk kernels: whole extend steps of bench
+        # bailing_linear were 1.0x to 1.83x faster with them at 512 and 2048 tokens over 1, 4 and 16
+        # requests (BENCHMARKS.md, "Lightning extend steps on our chunk kernels"). GDN's stay on FLA's,
+        # whose kernels are faster where a 2048-token step is bound by the GPU.
+        op_defaults=(("lightning_core", "chunk_impl", "triton"),),
         doc="Triton decode kernels (decode; target_verify as n strided decode launches), FLA chunk kernels "
             "for extend/mixed (a Triton recurrent kernel where every request is short; with chunk_impl=triton, "
             "Triton chunk kernels for GDN and Lightning), a Triton extend conv; "
