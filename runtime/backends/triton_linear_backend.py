@@ -246,11 +246,18 @@ def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
 SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 
 # Which chunk kernels run the extend steps of GDN and Lightning layers (past the short-extend
-# limit), the first the default: "fla", FLA's (whose Python launch path costs about 1 ms of host
-# time a layer); "triton", ours (runtime/backends/triton_chunk.py: three launches a layer through the
-# Launcher, no gather or scatter). FLA stays the default until a GPU benchmark shows ours faster.
+# limit), the first the default (op_defaults below give each op its own): "fla", FLA's (whose
+# Python launch path costs about 1 ms of host time a layer); "triton", ours
+# (runtime/backends/triton_chunk.py: three launches a layer through the Launcher, no gather or
+# scatter); "auto", ours for a step of at most AUTO_TRITON_CHUNK_TOKENS real tokens, FLA's above.
 # KDA's per-channel gates run FLA's either way.
-CHUNK_IMPL_CHOICES = ("fla", "triton")
+CHUNK_IMPL_CHOICES = ("fla", "triton", "auto")
+# Where "auto" stops taking ours: whole extend steps of bench qwen3_next (9 GDN layers) were 2.2x
+# faster with ours at 512 tokens of one request and equal at 512 over 16, but 5 to 11% slower at
+# 2048 tokens, where the step is bound by the GPU and FLA's kernels are 1.5x to 2.2x faster than
+# ours (BENCHMARKS.md, "Our own chunk kernels for GDN and Lightning extend steps"). Between 512 and
+# 2048 nothing was measured, so FLA's keep it.
+AUTO_TRITON_CHUNK_TOKENS = 512
 
 
 class TritonLinearBackend(BackendHooks):
@@ -269,9 +276,9 @@ class TritonLinearBackend(BackendHooks):
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES)),
         # Lightning's extend steps default to our chunk kernels: whole extend steps of bench
         # bailing_linear were 1.0x to 1.83x faster with them at 512 and 2048 tokens over 1, 4 and 16
-        # requests (BENCHMARKS.md, "Lightning extend steps on our chunk kernels"). GDN's stay on FLA's,
-        # whose kernels are faster where a 2048-token step is bound by the GPU.
-        op_defaults=(("lightning_core", "chunk_impl", "triton"),),
+        # requests (BENCHMARKS.md, "Lightning extend steps on our chunk kernels"). GDN's take ours up
+        # to AUTO_TRITON_CHUNK_TOKENS a step and FLA's above, where FLA's faster kernels win.
+        op_defaults=(("lightning_core", "chunk_impl", "triton"), ("gdn_core", "chunk_impl", "auto")),
         doc="Triton decode kernels (decode; target_verify as n strided decode launches), FLA chunk kernels "
             "for extend/mixed (a Triton recurrent kernel where every request is short; with chunk_impl=triton, "
             "Triton chunk kernels for GDN and Lightning), a Triton extend conv; "
@@ -287,8 +294,8 @@ class TritonLinearBackend(BackendHooks):
         launch a layer, tokens in order) instead of FLA's chunk kernels (several launches and their
         Python a layer); 0: never. An artifact sets it through the routing option of the same name
         (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
-        and Lightning layers, "fla" or "triton" (triton_chunk.chunk_extend); the routing option of
-        the same name (CHUNK_IMPL_CHOICES)."""
+        and Lightning layers, "fla", "triton" (triton_chunk.chunk_extend) or "auto" (by the step's
+        tokens); the routing option of the same name (CHUNK_IMPL_CHOICES)."""
         if chunk_impl not in CHUNK_IMPL_CHOICES:
             raise ValueError(f"{self.name}: chunk_impl must be one of {CHUNK_IMPL_CHOICES}, not {chunk_impl!r}")
         self.state_pool = state_pool
@@ -495,11 +502,15 @@ class TritonLinearBackend(BackendHooks):
 
     def _triton_chunk(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
         """Our chunk kernels over the step's real requests, states read from and written to their
-        slots in place (padding rows zeroed, as _chunk does); False where chunk_impl is "fla"."""
-        if self.chunk_impl != "triton":
+        slots in place (padding rows zeroed, as _chunk does); False where chunk_impl is "fla", or
+        "auto" and the step has more than AUTO_TRITON_CHUNK_TOKENS real tokens (the same choice for
+        every layer of a step, and for a padded and an unpadded run of the same requests)."""
+        if self.chunk_impl == "fla":
             return False
         plan = self._extend_plan(self._step_plan(ctx))
         T = plan.num_tokens
+        if self.chunk_impl == "auto" and T > AUTO_TRITON_CHUNK_TOKENS:
+            return False
         if T > 0:
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
                                           plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind,
