@@ -222,7 +222,7 @@ def _schema_plans():
     from torch._export.serde import serialize
 
     original = getattr(serialize, "_dict_to_dataclass", None)
-    union_base = getattr(getattr(serialize, "_Union", None), "create", None) and serialize._Union
+    union_base = getattr(serialize, "_Union", None)  # the schema's tagged unions, built through `create`
     if original is None or union_base is None:
         yield
         return

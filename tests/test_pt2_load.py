@@ -1,7 +1,7 @@
 """Loading a program through runtime/pt2_check.py gives what torch.export.load gives.
 
 The checked load answers the deserializer's repeated questions once per load (a class's type
-hints, the parse of a symbolic size's text): the program must come out the same, node for node,
+hints, the parse of a symbolic size's text, a schema class's shape): the program must come out the same, node for node,
 with the same symbolic shapes and ranges, and torch's module must be left as it was.
 """
 
@@ -31,3 +31,4 @@ def test_the_checked_load_gives_the_program_torch_loads(tmp_path_factory):
                for s in getattr(n.meta.get("val"), "shape", ()))  # the token count is symbolic: parsed texts
     assert _described(checked) == _described(plain)
     assert serialize.sympy is sympy and serialize.typing.get_type_hints.__module__ == "typing"
+    assert serialize._dict_to_dataclass.__module__ == serialize.__name__  # torch's own again after the load
