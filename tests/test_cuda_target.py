@@ -80,6 +80,7 @@ def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(checkpoints, family
     assert routing["target"] == "cuda" and routing["routes"] == []
     assert all(b["device"] == "cuda" for b in routing["backends"])
     seen: dict[str, set] = {}
+    linear_options: set[str] = set()
     for program, program_entries in routing["programs"].items():
         assert program_entries, f"{family}/{program}: no op nodes routed"
         for e in program_entries:
@@ -94,10 +95,13 @@ def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(checkpoints, family
                                                    if m in (Mode.DECODE, Mode.TARGET_VERIFY)]
             if e["backend"] == FULL.name:  # routing.json says which kernels run: the defaults, spelled out
                 assert e["options"] == FULL.resolve_options({})
-            if e["op"] in ("gdn_core", "lightning_core"):  # the per-op defaults of the chunk kernels
+            if e["backend"] == LINEAR.name:  # Lightning's op default; GDN, KDA and the conv take "auto"
                 assert e["options"]["chunk_impl"] == ("triton" if e["op"] == "lightning_core" else "auto"), e
+                linear_options.add(json.dumps(e["options"], sort_keys=True))
     # every family has full-attention and linear layers and routed experts
     assert set(seen) == {FULL.name, LINEAR.name, MOE.name}, f"{family}: backends used {sorted(seen)}"
+    # the linear ops of a family resolve their options alike: one Triton linear instance, one step plan
+    assert len(linear_options) == 1, linear_options
     lints = json.loads((art / "lints.json").read_text())
     assert lints["counts"]["error"] == 0
     # the linear ops capture where their policy allows: no capture warning names triton_linear
@@ -189,4 +193,4 @@ def test_hgc_backends_lists_each_kernel_option_with_its_choices_default_first(ca
     lines = capsys.readouterr().out.splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.startswith("triton_linear "))
     assert "short_extend_tokens=64|0|16|32|128" in lines[at]
-    assert "chunk_impl=fla|triton|auto (lightning_core: triton, gdn_core: auto)" in lines[at + 1]
+    assert "chunk_impl=auto|fla|triton (lightning_core: triton)" in lines[at + 1]

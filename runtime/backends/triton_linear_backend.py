@@ -246,12 +246,13 @@ def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
 SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 
 # Which chunk kernels run the extend steps of GDN and Lightning layers (past the short-extend
-# limit), the first the default (op_defaults below give each op its own): "fla", FLA's (whose
-# Python launch path costs about 1 ms of host time a layer); "triton", ours
-# (runtime/backends/triton_chunk.py: three launches a layer through the Launcher, no gather or
-# scatter); "auto", ours for a step of at most AUTO_TRITON_CHUNK_TOKENS real tokens, FLA's above.
-# KDA's per-channel gates run FLA's either way.
-CHUNK_IMPL_CHOICES = ("fla", "triton", "auto")
+# limit), the first the default (Lightning's is "triton": op_defaults below): "auto", ours for a
+# step of at most AUTO_TRITON_CHUNK_TOKENS real tokens, FLA's above; "fla", FLA's (whose Python
+# launch path costs about 1 ms of host time a layer); "triton", ours (runtime/backends/triton_chunk.py:
+# three launches a layer through the Launcher, no gather or scatter). KDA's per-channel gates run
+# FLA's whatever the choice, and the short convolution has no chunk kernels: they take the default
+# with GDN, so the ops of one layer resolve alike and share one backend instance.
+CHUNK_IMPL_CHOICES = ("auto", "fla", "triton")
 # Where "auto" stops taking ours: whole extend steps of bench qwen3_next (9 GDN layers) were 2.2x
 # faster with ours at 512 tokens of one request and equal at 512 over 16, but 5 to 11% slower at
 # 2048 tokens, where the step is bound by the GPU and FLA's kernels are 1.5x to 2.2x faster than
@@ -276,9 +277,10 @@ class TritonLinearBackend(BackendHooks):
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES)),
         # Lightning's extend steps default to our chunk kernels: whole extend steps of bench
         # bailing_linear were 1.0x to 1.83x faster with them at 512 and 2048 tokens over 1, 4 and 16
-        # requests (BENCHMARKS.md, "Lightning extend steps on our chunk kernels"). GDN's take ours up
-        # to AUTO_TRITON_CHUNK_TOKENS a step and FLA's above, where FLA's faster kernels win.
-        op_defaults=(("lightning_core", "chunk_impl", "triton"), ("gdn_core", "chunk_impl", "auto")),
+        # requests (BENCHMARKS.md, "Lightning extend steps on our chunk kernels"). GDN's ("auto")
+        # take ours up to AUTO_TRITON_CHUNK_TOKENS a step and FLA's above, where FLA's faster
+        # kernels win.
+        op_defaults=(("lightning_core", "chunk_impl", "triton"),),
         doc="Triton decode kernels (decode; target_verify as n strided decode launches), FLA chunk kernels "
             "for extend/mixed (a Triton recurrent kernel where every request is short; with chunk_impl=triton, "
             "Triton chunk kernels for GDN and Lightning), a Triton extend conv; "
@@ -295,7 +297,8 @@ class TritonLinearBackend(BackendHooks):
         Python a layer); 0: never. An artifact sets it through the routing option of the same name
         (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
         and Lightning layers, "fla", "triton" (triton_chunk.chunk_extend) or "auto" (by the step's
-        tokens); the routing option of the same name (CHUNK_IMPL_CHOICES)."""
+        tokens); the routing option of the same name (CHUNK_IMPL_CHOICES), whose recorded choice
+        build() passes. Built directly (tests, benchmarks), FLA's unless asked."""
         if chunk_impl not in CHUNK_IMPL_CHOICES:
             raise ValueError(f"{self.name}: chunk_impl must be one of {CHUNK_IMPL_CHOICES}, not {chunk_impl!r}")
         self.state_pool = state_pool
