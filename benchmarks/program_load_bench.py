@@ -11,6 +11,9 @@
    drafts loads: `load_artifact(programs=("main",))`). The first round of each pays the imports the
    load triggers, so it is reported apart; the other rounds give the warm medians.
 3. Both loads are compared: code, signature, ranges, every node's value.
+4. The main program's JSON turned into torch's schema dataclasses (the part of a load
+   `runtime/pt2_check._schema_plans` speeds up), `rounds` times each way, alternately: torch's
+   converter under the load's other memos, and with the plans too; best of the rounds.
 
 One JSON line on stdout.
 """
@@ -69,12 +72,35 @@ def main(argv=None) -> int:
                 loaded[way] = {p: load_program(*files[p]) for p in names}
             seconds[way].append(time.perf_counter() - t0)
     same = all(_described(loaded["torch_export_load"][p]) == _described(loaded["load_program"][p]) for p in files)
+    schema = _schema_conversion(files["main"][0], args.rounds)
     out = {"artifact": str(art), "programs": {p: len(ep.graph.nodes) for p, ep in loaded["load_program"].items()},
            "torch": torch.__version__, "same_programs": same,
            **{way: {"first_s": round(s[0], 3), "warm_median_s": round(statistics.median(s[1:]), 3) if len(s) > 1 else None}
-              for way, s in seconds.items()}}
+              for way, s in seconds.items()}, "schema_conversion_best_s": schema}
     print(json.dumps(out))
     return 0 if same else 1
+
+
+def _schema_conversion(path: Path, rounds: int) -> dict:
+    """Step 4: seconds (best of `rounds`) to convert the program's model.json, both ways."""
+    import contextlib
+    import zipfile
+
+    from torch._export.serde import schema, serialize
+
+    from runtime import pt2_check
+
+    with zipfile.ZipFile(path) as z:
+        doc = json.loads(z.read(next(n for n in z.namelist() if n.endswith("models/model.json"))))
+    best = {"torch_converter": float("inf"), "schema_plans": float("inf")}
+    for _ in range(rounds):
+        for way in best:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(pt2_check._deserializer_memos(plans=way == "schema_plans"))
+                t0 = time.perf_counter()
+                serialize._dict_to_dataclass(schema.ExportedProgram, doc)
+                best[way] = min(best[way], time.perf_counter() - t0)
+    return {way: round(s, 3) for way, s in best.items()}
 
 
 if __name__ == "__main__":

@@ -215,30 +215,31 @@ def run_parent(args, knobs: dict) -> dict:
 def compare(one: dict, two: dict) -> dict:
     """The greedy tokens of TP 2 against TP 1, per prompt: equal, or the first differing step.
 
-    Up to and including the first differing step both runs saw the same tokens, so their
-    log-probabilities differ only by rounding: `drift` is the largest difference of a token's
-    log-probability between the runs (over the tokens in both top lists) at those steps. At the
-    first difference, `swing` is how far the two choices' log-probability difference moved between
-    the runs. Each of the two log-probabilities may move by the drift, so a swing within twice the
-    drift is a near tie flipped by rounding; a swing far beyond it is a fault."""
+    `top_logprobs` holds each step's top {token: logprob}, best first. At the first difference,
+    `top2_gap` is each run's top-1 minus top-2 log-probability (how near a tie its choice was). Up
+    to and including that step both runs saw the same tokens, so their log-probabilities differ only
+    by rounding: `drift` is the largest difference of a token's log-probability between the runs
+    (over the tokens in both top lists) at those steps. `swing` is how far the two choices'
+    log-probability difference moved between the runs. Each of the two log-probabilities may move
+    by the drift, so a swing within twice the drift is a near tie flipped by rounding; a swing far
+    beyond it is a fault."""
     a, b = one.get("tokens"), two.get("tokens")
     if not a or not b:
         return {"status": "not compared (a run is missing)"}
-    gaps_one, gaps_two = one.get("top2_gaps"), two.get("top2_gaps")
     tops_one, tops_two = one.get("top_logprobs"), two.get("top_logprobs")
     rows = []
     for i, (x, y) in enumerate(zip(a, b)):
         first = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), None)
         row = {"equal": x == y, "first_difference": first}
-        if first is not None and gaps_one and gaps_two:  # how near a tie each choice was (top-1 minus top-2 logprob)
-            row["top2_gap"] = {"tp1": gaps_one[i][first], "tp2": gaps_two[i][first]}
         if tops_one and tops_two:
             same_context = range(len(x) if first is None else first + 1)
             row["drift"] = max((abs(tops_one[i][j][t] - tops_two[i][j][t]) for j in same_context
                                 for t in tops_one[i][j].keys() & tops_two[i][j].keys()), default=None)
             if first is not None:
-                p, q = str(x[first]), str(y[first])
                 lp1, lp2 = tops_one[i][first], tops_two[i][first]
+                row["top2_gap"] = {run: round(top[0] - top[1], 5) for run, top in
+                                   (("tp1", list(lp1.values())), ("tp2", list(lp2.values())))}
+                p, q = str(x[first]), str(y[first])
                 if {p, q} <= lp1.keys() and {p, q} <= lp2.keys():
                     row["swing"] = round(abs((lp1[p] - lp1[q]) - (lp2[p] - lp2[q])), 5)
         rows.append(row)
@@ -375,17 +376,15 @@ def profile_steps(engine, n: int, device) -> dict:
 TOP_LOGPROBS = 20  # alternatives kept per step: enough to find each run's choice in the other's list
 
 
-def greedy_tokens(engine, knobs: dict) -> tuple[list[list[int]], list[list[float]], list[list[dict]]]:
-    """Greedy tokens of TOKEN_PROMPTS; at each step the log-probability gap between the chosen token
-    and the runner-up (how near a tie the choice was), and the top TOP_LOGPROBS {token: logprob}."""
+def greedy_tokens(engine, knobs: dict) -> tuple[list[list[int]], list[list[dict]]]:
+    """Greedy tokens of TOKEN_PROMPTS, and at each step the top TOP_LOGPROBS {token: logprob}, best first."""
     from runtime.engine import SamplingParams
 
     ids = [engine.add_request(list(p), SamplingParams(max_new_tokens=knobs["new_tokens"], logprobs=TOP_LOGPROBS))
            for p in TOKEN_PROMPTS]
     results = engine.run_until_done()
-    gaps = [[round(lp.top[0][1] - lp.top[1][1], 5) for lp in results[i].logprobs] for i in ids]
     tops = [[{str(t): round(v, 5) for t, v in lp.top} for lp in results[i].logprobs] for i in ids]
-    return [list(results[i].output_ids) for i in ids], gaps, tops
+    return [list(results[i].output_ids) for i in ids], tops
 
 
 def measure(name: str, art, engine, vocab: int, knobs: dict, device, copy_rate: float, record: dict,
@@ -403,7 +402,7 @@ def measure(name: str, art, engine, vocab: int, knobs: dict, device, copy_rate: 
               f"{row['graph_replays']}; NCCL {row.get('nccl_ms_per_step')} ms/step)", file=sys.stderr, flush=True)
         save()
     if name.startswith("bench"):
-        record["tokens"], record["top2_gaps"], record["top_logprobs"] = greedy_tokens(engine, knobs)
+        record["tokens"], record["top_logprobs"] = greedy_tokens(engine, knobs)
         save()
 
 

@@ -283,7 +283,7 @@ def _schema_plans():
         serialize._dict_to_dataclass = original
 
 
-def _deserializer_memos():
+def _deserializer_memos(plans: bool = True):
     """Questions torch.export.load asks again and again, answered once per load:
 
     - `typing.get_type_hints(cls)` for a schema class's field types, once per object: tens of
@@ -293,7 +293,8 @@ def _deserializer_memos():
     - `sympy.sympify(text, locals=...)` for every symbolic size it meets: a thousand parses of a
       handful of distinct expressions ("s0", "2*s0"), a quarter of a warm load on the CPU. The same
       text with the same names bound to the same objects gives the same (immutable) expression.
-    - the shape of each schema class, once per class (`_schema_plans`).
+    - the shape of each schema class, once per class (`_schema_plans`; `plans=False` leaves
+      torch's converter, for benchmarks/program_load_bench.py's comparison).
     """
     hints = _once(typing.get_type_hints,
                   lambda cls, globalns=None, localns=None, include_extras=False:
@@ -304,7 +305,8 @@ def _deserializer_memos():
     stack = contextlib.ExitStack()
     stack.enter_context(_in_deserializer(typing, get_type_hints=hints))
     stack.enter_context(_in_deserializer(sympy, sympify=parse))
-    stack.enter_context(_schema_plans())
+    if plans:
+        stack.enter_context(_schema_plans())
     return stack
 
 

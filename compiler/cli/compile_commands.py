@@ -412,7 +412,6 @@ def options_column(options: dict, op_defaults=()) -> str:
     return "\n".join(lines) or "-"
 
 
-
 # -- argparse -------------------------------------------------------------------------------------
 
 
