@@ -48,6 +48,25 @@ def is_cuda() -> bool:
     return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
+def device_ms_by_kernel(fn, reps: int = 20) -> dict[str, float]:
+    """Milliseconds of GPU time per call of fn, by kernel name (the profiler's self device time),
+    largest first; {} off the GPU. One warm-up call first, outside the profile."""
+    if not is_cuda():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    split: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0:
+            split[e.key] = split.get(e.key, 0.0) + e.self_device_time_total / 1e3 / reps
+    return dict(sorted(split.items(), key=lambda kv: -kv[1]))
+
+
 def device_facts(dry: bool) -> dict:
     """Versions, date and the card of a run (on the CPU: placeholders a dry run can use)."""
     import triton

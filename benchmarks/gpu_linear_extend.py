@@ -67,7 +67,8 @@ from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: 
 from runtime.state_pool import StatePool  # noqa: E402
 from bench_common import device_facts as common_device_facts  # noqa: E402
 from runtime.backends.protocol import plan_eager_step  # noqa: E402
-from bench_common import device_rates, ensure_einops, fmt, host_profile, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
+from bench_common import (device_ms_by_kernel, device_rates, ensure_einops, fmt, host_profile, is_cuda,  # noqa: E402
+                          rel_err, run_gpu_pytest)
 from tests.linear_cases import FakeFLA, check_conv_extend, conv_extend_ok, step_ctx  # noqa: E402
 
 START = time.time()
@@ -258,17 +259,7 @@ def device_busy_ms(fn, reps: int = 20) -> float | None:
     """Milliseconds of GPU kernel time per call of fn (the profiler's kernel durations summed), or
     None off the GPU. Set against bench_ms (wall time per call), it splits an extend step into the
     kernels' own time and the host's planning and launching, which an eager step waits on."""
-    if not is_cuda():
-        return None
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    busy_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return busy_us / 1e3 / reps
+    return sum(device_ms_by_kernel(fn, reps).values()) if is_cuda() else None
 
 
 class OldTorchConv:

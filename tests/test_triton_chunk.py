@@ -76,11 +76,13 @@ def torch_chunked(q, k, v, g, beta, state, scale, block_t, sub=TC.SUB_T):
                 b = beta[start:end, h].double()
                 A = (b[:, None] * (K @ K.T) * decay).tril(-1)
                 rhs = torch.cat([b[:, None] * K * torch.exp(G)[:, None], b[:, None] * V], 1)
-                X = torch.zeros_like(rhs)
-                for a0 in range(0, end - start, sub):  # block forward substitution
-                    a1 = min(a0 + sub, end - start)
-                    r = rhs[a0:a1] - A[a0:a1, :a0] @ X[:a0]
-                    X[a0:a1] = unit_lower_inverse(A[a0:a1, a0:a1]) @ r
+                T = torch.zeros_like(A)  # (I + A)^-1 by blocks: T_ij = -T_ii sum_{j<=c<i} A_ic T_cj
+                blocks = [slice(b, min(b + sub, end - start)) for b in range(0, end - start, sub)]
+                for i, bi in enumerate(blocks):
+                    T[bi, bi] = unit_lower_inverse(A[bi, bi])
+                    for bj in blocks[:i]:
+                        T[bi, bj] = -T[bi, bi] @ sum(A[bi, bc] @ T[bc, bj] for bc in blocks[blocks.index(bj):i])
+                X = T @ rhs
                 W, U = X[:, :K.shape[1]], X[:, K.shape[1]:]
                 v_new = U - W @ S[h]
             out[start:end, h] = scale * ((Q * torch.exp(G)[:, None]) @ S[h] + ((Q @ K.T) * decay) @ v_new)

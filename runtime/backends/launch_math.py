@@ -5,13 +5,24 @@ host code, each goes through Triton's constexpr unwrapping (a few microseconds a
 decode step's launch paths called them about 150 times (benchmarks/startup_bench.py's piecewise host
 profile). These are the same integer functions in plain Python, for host code; kernels keep Triton's.
 `token_blocks` is the (sequence, block) table the extend kernels (ours and FLA's) walk.
+`triton_interpreted` says whether launches run in Triton's interpreter (the CPU tests).
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-__all__ = ["cdiv", "next_pow2", "token_blocks"]
+__all__ = ["cdiv", "next_pow2", "token_blocks", "triton_interpreted"]
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET set, the CPU tests). Read
+    at each call, as Triton reads it when a kernel is first run. The interpreter (seen with triton
+    3.9) multiplies bf16 dot operands as their raw uint16 bits, so kernels that take 16-bit dots on
+    the GPU take float32 ones there: the upcast is exact, and the GPU tests check the 16-bit path."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def cdiv(a: int, b: int) -> int:

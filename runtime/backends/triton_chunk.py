@@ -24,23 +24,25 @@ chunk at once: unrolling S_{i-1} inside the chunk gives (I + A) V' = diag(beta) 
 With g <= 0 (a decay) every exponent taken is <= 0 (i >= j; masked entries never reach exp), so
 nothing overflows whatever the chunk's total decay.
 
-The inverse. (I + A)^-1 is never formed for the whole chunk. W and U solve (I + A) X = R by block
-forward substitution over sub-blocks of SUB = 16 rows: X_a = T_aa (R_a - sum_{c<a} A_ac X_c), the
-off-diagonal products on tensor cores (tl.dot) and T_aa = (I + A_aa)^-1 by plain forward
-substitution on the 16 x 16 block in registers (15 row steps). Why not the nilpotent product
-(I - A)(I + A^2)(I + A^4)...: it is exact in exact arithmetic but unstable in floating point, since
-the powers of A grow like binomial coefficients when keys repeat (a chunk of identical keys with
-beta = 1 and no decay: A^k entries up to C(63, 31) ~ 1e18 for the 64-row chunk, then cancelled
-back to an inverse with entries 0 and -1), and tf32 tensor-core products keep 10 mantissa bits.
-Forward substitution on a unit lower-triangular system is backward stable; doing it per 16-row
-block keeps its sequential part to 15 short steps and leaves the rest to matrix products.
+The inverse. T = (I + A)^-1 is formed per chunk by blocks of SUB = 16 rows: the diagonal blocks
+T_ii = (I + A_ii)^-1 by plain forward substitution (15 row steps, the four blocks' chains side by
+side in one [4, 16, 16] tile), then block row by block row T_ij = -T_ii sum_{j<=c<i} A_ic T_cj on
+tensor cores (tl.dot); W = T R_w and U = T R_u are then two products over the whole chunk. Why not
+the nilpotent product (I - A)(I + A^2)(I + A^4)...: it is exact in exact arithmetic but unstable in
+floating point, since the powers of A grow like binomial coefficients when keys repeat (a chunk of
+identical keys with beta = 1 and no decay: A^k entries up to C(63, 31) ~ 1e18 for the 64-row chunk,
+then cancelled back to an inverse with entries 0 and -1), and tf32 tensor-core products keep 10
+mantissa bits. Forward substitution on a unit lower-triangular system is backward stable; doing it
+per 16-row block keeps its sequential part to 15 short steps and leaves the rest to matrix products.
 
 Three kernels (a launch with the same arguments goes through a Launcher: no Triton binding):
 
-1. `_chunk_solve_kernel`, one program per (chunk, value head), the delta rule only: W [rows, Hv,
-   Dk] and U [rows, Hv, Dv] float32 into the workspace, indexed by the step's row. Its sub-blocks
-   run in order; a block reads the earlier blocks' W and U back from the workspace after a barrier
-   (the program's threads wrote them), rather than keeping a variable number of blocks in registers.
+1. `_chunk_solve_kernel`, one program per (chunk, value head), the delta rule only: A, then T over
+   it in the chunk's tile of the matrix workspace (the blocks are read back after a barrier, as
+   other threads of the program wrote them), then W [rows, Hv, Dk] and U [rows, Hv, Dv] float32 into
+   the workspace, indexed by the step's row. Measured on an H200 (bf16, 32 GDN heads of 128, 2048
+   rows): 0.114 ms, against 0.171 with the diagonal blocks one after another and 0.180 for the
+   earlier form that solved W and U block by block, reading the earlier blocks' rows back.
 2. `_chunk_state_kernel`, one program per (request, value head, Dv tile), the only sequential part:
    it walks the request's chunks in order with the state tile [Dk, BV] in float32 registers and,
    per chunk, stores the state entering it (S_c, into the chunk-state workspace at the chunk's row
@@ -58,12 +60,12 @@ products), recomputed in each kernel rather than stored.
 Why the split. Before it, the state kernel also produced the outputs: every step of its walk
 computed the chunk's Q K^T and both output products besides the two the recurrence needs (W S_c
 and K^T V'), five products a chunk in the sequential part, and its tile set (q, k, W, U, the
-scores, the state) spilled (255 registers and 224 spills on an H200 at Dk = Dv = 128). Measured
-there (bf16, 32 GDN heads of 128): 0.54 ms of kernel time a layer for one request of 2048 tokens,
-against 0.19 ms for FLA's kernels. Now the walk does only those two, and the output products, most
-of a long prompt's work, run in parallel over chunks; the price is the chunk states' round trip
-through memory (written once, read once per output Dv tile). Measured on an H200 (BENCHMARKS.md,
-"The outputs out of the serial walk"): 0.448 ms for that layer, still 2.2x FLA's 0.200 ms.
+scores, the state) spilled (255 registers and 224 spills on an H200 at Dk = Dv = 128). Now the walk
+does only those two, and the output products, most of a long prompt's work, run in parallel over
+chunks; the price is the chunk states' round trip through memory (written once, read once per
+output Dv tile). Kernel time of one GDN layer, one request of 2048 tokens, H200 (BENCHMARKS.md, "GDN
+extend steps on our chunk kernels"): 0.54 ms before the split, 0.45 after it, 0.29 now (16-bit
+products, a pipelined walk, the solve above), against 0.17 for FLA's kernels.
 
 Memory. The workspaces are cached per (device, Hv, Dk, Dv) (and the chunk states' dtype), shared by
 every layer of that shape, grown to a power of two and never shrunk (stable addresses for the
@@ -71,6 +73,8 @@ Launcher):
 - W [rows, Hv, Dk] and U [rows, Hv, Dv] float32, the delta rule only (`chunk_workspace`): rows x Hv
   x (Dk + Dv) x 4 bytes, 64 MiB for 2048 rows at Hv = 32, Dk = Dv = 128. V' [rows, Hv, Dv] is
   written over U, so it costs nothing more.
+- T [chunks, Hv, 64, 64] float32, the delta rule only (`chunk_matrix_workspace`): 16 MiB for 32
+  chunks at Hv = 32, never less than 16 chunks' worth.
 - the chunk states [chunks, Hv, Dk, Dv] (`chunk_state_workspace`), with and without the delta rule:
   chunks x Hv x Dk x Dv x 2 bytes for 16-bit inputs (4 for float32 inputs), 32 MiB for one request
   of 2048 rows (32 chunks) at Hv = 32, Dk = Dv = 128, and never less than 16 chunks' worth (16 MiB
@@ -80,25 +84,21 @@ Rows past a request's last row in its last chunk load as zeros (k = v = beta = g
 rows and columns, W, U and V' rows are zero and their gates repeat the last real row's, so the
 masked chunk is exactly the shorter one; only real rows are stored.
 
-Precision: every product accumulates in float32 and every operand is float32 (q and k are taken
-to float32 as they are loaded: a bf16 value is exact in tf32, so nothing is lost against a bf16
-tl.dot, and Triton's interpreter computes bf16 dots wrongly). The tensor cores take them as tf32
-for 16-bit inputs (the production case) and as tf32x3 (about float32 accuracy) for float32
-inputs; the interpreter computes them in full float32. The chunk states S_c are stored as bfloat16
-for 16-bit inputs and float32 for float32 ones. bfloat16 is enough there because the walk keeps its
-state in float32 registers: the rounding reaches only the output term (Q * exp(G)) S_c, once, never
-the recurrence (the final state and every later S_c keep float32), and its 8 bits are the order of
-the output's own rounding to 16 bits and of tf32's 11; bfloat16 rather than float16 (for float16
-inputs too) since a state sums many tokens and can pass float16's 65504, where bfloat16 has
-float32's range. Checked in Triton's interpreter at Dk = Dv = 128 (bf16 inputs, requests of 1,
-100 and 300 rows, GDN and Lightning): the outputs' relative error against the recurrence was at
-most 6.0e-3 with bfloat16 chunk states and 3.4e-3 with float32 ones (that part is the outputs' own
-rounding to bf16), the final states unchanged; the tests' bound is 1e-2. The interpreter truncates
-float32 to bfloat16 where the GPU rounds to nearest, so both are upper bounds for the GPU. V' stays
-float32 (it is U's storage).
-
-Not here: per-channel gates (KDA), which keep FLA's chunk kernels; the choice of path (the
-backend's `chunk_impl` option, runtime/backends/triton_linear_backend.py).
+Precision: every product accumulates in float32. For 16-bit inputs (the production case) the walk's
+products (W S_c, (K * decay)^T V') and the output kernel's take 16-bit operands: q and k as they
+are, the state and V' rounded to the chunk states' dtype, as FLA's kernels take theirs; the walk
+keeps its state in float32 registers, so the rounding reaches each chunk's products once and never
+accumulates through the recurrence. The solve keeps float32 operands as tf32 (its keys' product
+K K^T takes them in 16 bits, which is exact). On an H200 (benchmarks/chunk_kernel_sweep.py, requests
+of 1 to 1000 rows at Dk = Dv = 128 against the float32 recurrence) the 16-bit products moved GDN's
+worst output error from 2.3e-3 to 2.9e-3 and its states' from 8.4e-4 to 1.9e-3 (Lightning's: 2.0e-3
+to 2.7e-3, 4.3e-4 to 1.5e-3), against 1.7e-3 to 3.2e-3 for FLA's; the tests' bound is 1e-2, and
+`ChunkConfig.low_precision_dots=False` keeps float32 operands. Float32 inputs take float32
+operands as tf32x3 (about float32 accuracy). Triton's interpreter takes float32 operands throughout
+(launch_math.triton_interpreted says why). The chunk states S_c are stored as bfloat16 for 16-bit
+inputs and float32 for float32 ones: the rounding reaches only the output term (Q * exp(G)) S_c,
+once; bfloat16 rather than float16 (for float16 inputs too) since a state sums many tokens and can
+pass float16's 65504, where bfloat16 has float32's range. V' stays float32 (it is U's storage).
 """
 
 from __future__ import annotations
@@ -111,13 +111,13 @@ import triton
 import triton.language as tl
 
 from runtime.backends.launch_cache import Launcher
-from runtime.backends.launch_math import cdiv, next_pow2
+from runtime.backends.launch_math import cdiv, next_pow2, triton_interpreted
 from runtime.backends.sm_count import num_sms
 from runtime.backends.triton_linear import (GATE_CONSTANT, GATE_PER_CHANNEL, GATE_PER_HEAD, _check_rows,
                                             _recurrent_args)
 
-__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "chunk_config", "chunk_workspace", "chunk_state_dtype",
-           "chunk_state_workspace", "chunk_extend"]
+__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "chunk_config", "chunk_workspace", "chunk_matrix_workspace",
+           "chunk_state_dtype", "chunk_state_workspace", "chunk_extend"]
 
 CHUNK_T = 64  # rows of a chunk by default: FLA's chunk length, so the backend's one table serves both
 SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's smallest tile)
@@ -132,6 +132,10 @@ class ChunkConfig:
     solve_warps: int  # of the solve kernel
     out_block_v: int = 64  # Dv columns of one output kernel program (a power of two >= 16)
     out_warps: int = 4  # of the output kernel
+    state_stages: int = 1  # software-pipelining stages of the state kernel's chunk loop
+    # 16-bit inputs: the state and output kernels' products take 16-bit operands (module docstring,
+    # precision); False keeps float32 operands as tf32. Float32 inputs ignore it.
+    low_precision_dots: bool = True
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
@@ -140,26 +144,20 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> Ch
 
     The state kernel's programs each walk one request's chunks one after another, so its time is the
     longest request's chunks times one chunk's latency: narrower Dv tiles mean more programs in
-    flight, but each tile loads the chunk's k and W again. Measured on the previous two-kernel design
-    (the state kernel then also computed the outputs, repeating q k^T per tile), on an H200, bf16, 32
-    GDN heads of 128: one request of 4096 tokens took 1.35 ms in tiles of 16, 1.01 in tiles of 32 and
-    1.20 in tiles of 64; eight of 512: 1.51, 0.94 and 0.79; 8 warps were slower in every case
-    measured. The rule those numbers gave stays (the split design has been timed with it only, not
-    swept): 64 where that still gives a program per SM, else 32.
+    flight, but each tile loads the chunk's k and W again. The rule: 64 columns where that still
+    gives a program per SM, else 32 (measured on an earlier design; on an H200 with this one, bf16,
+    32 GDN heads of 128: one request of 2048 tokens 0.131 ms in tiles of 32 and 0.155 in tiles of
+    64, 2 stages). Its chunk loop is software-pipelined, the next chunk's loads issued during this
+    chunk's products: 3 stages for tiles of 32 columns (0.112 ms there against 0.133 with 2 and
+    0.165 with 1), 2 for tiles of 64, where a third does not fit in shared memory beside the others
+    (four requests of 512: 0.068 ms with 2, 0.119 with 3; benchmarks/chunk_kernel_sweep.py).
 
     The output kernel's programs are independent (chunks x heads x Dv tiles, thousands for a long
-    prompt), so its tile is sized for registers rather than parallelism: 64 columns in 4 warps hold
-    five float32 blocks of 64 x 64 at once (q, k and S_c's rows for one block of 64 keys, the
-    scores, the outputs), about 160 registers a thread. Not measured."""
-    block_v = 64 if requests * heads * cdiv(dv, 64) >= num_sms(device) else 32
-    widest = max(16, next_pow2(dv))
-    return ChunkConfig(min(block_v, widest), 4, 4, min(64, widest), 4)
+    prompt): 64 columns in 4 warps (8 warps or 128 columns were slower, the same sweep). The solve
+    kernel: 4 warps (2 or 8 were slower)."""
+    block_v = min(64 if requests * heads * cdiv(dv, 64) >= num_sms(device) else 32, max(16, next_pow2(dv)))
+    return ChunkConfig(block_v, 4, 4, min(64, max(16, next_pow2(dv))), 4, state_stages=3 if block_v <= 32 else 2)
 
-
-# The state kernel's chunk loop is a chain (each chunk needs the state the last one left), so
-# software pipelining its loads buys little, and with float32 tiles of 64 x 128 its extra stages
-# would not fit in shared memory: one stage.
-_STATE_STAGES = 1
 
 # Key columns the output kernel takes at a time (its q, k and S_c blocks).
 _OUT_KEY_BLOCK = 64
@@ -174,6 +172,7 @@ _REQUEST_BLOCK = 128
 # bucket (and every layer of a step) get the same addresses, which the Launcher's cache keys on.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _STATE_WORKSPACES: dict[tuple, torch.Tensor] = {}
+_MATRIX_WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 
 def chunk_workspace(rows: int, heads: int, dk: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +186,18 @@ def chunk_workspace(rows: int, heads: int, dk: int, dv: int, device: torch.devic
                 torch.empty(cap, heads, dv, dtype=torch.float32, device=device))
         _WORKSPACES[key] = held
     return held[0][:rows], held[1][:rows]
+
+
+def chunk_matrix_workspace(chunks: int, heads: int, block_t: int, device: torch.device) -> torch.Tensor:
+    """[chunks, heads, block_t, block_t] float32 view of the cached matrix workspace: the solve
+    kernel's A and then T = (I + A)^-1 of each chunk and value head. Cached and grown like
+    `chunk_state_workspace`, by chunks (at least 16)."""
+    key = (torch.device(device), heads, block_t)
+    held = _MATRIX_WORKSPACES.get(key)
+    if held is None or held.shape[0] < chunks:
+        held = torch.empty(max(16, next_pow2(chunks)), heads, block_t, block_t, dtype=torch.float32, device=device)
+        _MATRIX_WORKSPACES[key] = held
+    return held[:chunks]
 
 
 def chunk_state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -229,82 +240,94 @@ def _chunk_gates(g_ptr, rows, start, n, head, stride_g_row, stride_g_head, BT: t
 
 
 @triton.jit
-def _unit_lower_inverse(a, BS: tl.constexpr):
-    """(I + a)^-1 for a strictly lower-triangular [BS, BS] float32 a, by forward substitution:
-    row i of the inverse is e_i - sum_{j<i} a_ij (row j of the inverse), rows in order. The rows
-    not yet reached hold e_j, and a_ij = 0 for j >= i, so each step is one masked product."""
-    rows = tl.arange(0, BS)
-    inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in tl.static_range(1, BS):
-        a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)  # row i of a, indexed by column j
-        step = tl.sum(a_i[:, None] * inv, axis=0)  # sum_j a_ij inv_j
-        inv = tl.where(rows[:, None] == i, inv - step[None, :], inv)
+def _diagonal_block_inverses(tile, BT: tl.constexpr, BS: tl.constexpr):
+    """(I + A_bb)^-1 for every diagonal [BS, BS] block b of the strictly lower [BT, BT] A at `tile`
+    (row-major, in memory), by forward substitution, all blocks at once: row r of each inverse is
+    e_r - sum_{j<r} a_rj (row j of it). The rows not yet reached hold e_j and a_rj = 0 for j >= r,
+    so each step is one masked product; row r of A is loaded rather than picked out of a register
+    tile (a reduction less a step), and the blocks' chains run side by side in one [NB, BS, BS]
+    tile rather than one after another. Returns that tile."""
+    NB: tl.constexpr = BT // BS
+    blk = tl.arange(0, NB)
+    offs = tl.arange(0, BS)
+    inv = tl.where((offs[:, None] == offs[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BS, BS], tl.float32)
+    for r in tl.static_range(1, BS):
+        a_r = tl.load(tile + (blk[:, None] * BS + r) * BT + blk[:, None] * BS + offs[None, :])  # [NB, BS]: j
+        step = tl.sum(a_r[:, :, None] * inv, axis=1)  # [NB, BS]: sum_j a_rj inv_j
+        inv = tl.where((offs == r)[None, :, None], inv - step[:, None, :], inv)
     return inv
 
 
 @triton.jit
 def _chunk_solve_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, bounds_ptr, chunks_ptr,
+    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
     stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
     stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row, stride_u_head,
+    stride_t_chunk, stride_t_head,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
     BVF: tl.constexpr,  # next power of two >= DV (at least 16): all of Dv in one program
-    BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
-    """W and U of one chunk and value head, by block forward substitution (module docstring)."""
+    """W and U of one chunk and value head (module docstring): A, then T = (I + A)^-1 by blocks in
+    the chunk's [BT, BT] tile of the matrix workspace (t), then W = T R_w and U = T R_u."""
     chunk = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     key_head = head // GROUP
     req = tl.load(chunks_ptr + 2 * chunk)
     start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
     n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
-    offs_s = tl.arange(0, BS)
+    offs_t = tl.arange(0, BT)
     offs_k = tl.arange(0, BK)
     offs_v = tl.arange(0, BVF)
+    m_t = offs_t < n
     m_k = offs_k < DK
     m_v = offs_v < DV
-    k_rows = k_ptr + key_head * stride_k_head + offs_k[None, :]
-    w_rows = w_ptr + head * stride_w_head + offs_k[None, :]
-    u_rows = u_ptr + head * stride_u_head + offs_v[None, :]
-    lower = offs_s[:, None] > offs_s[None, :]
-    for a in tl.static_range(BT // BS):
-        rows_a = a * BS + offs_s  # chunk-local rows of block a
-        m_a = rows_a < n
-        row_a = start + rows_a
-        k_a = tl.load(k_rows + row_a[:, None] * stride_k_row, mask=m_a[:, None] & m_k[None, :], other=0.0)
-        k_a = k_a.to(tl.float32)
-        v_a = tl.load(v_ptr + row_a[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
-                      mask=m_a[:, None] & m_v[None, :], other=0.0)
-        beta_a = tl.load(beta_ptr + row_a * stride_b_row + head * stride_b_head, mask=m_a, other=0.0).to(tl.float32)
-        gate_a = _chunk_gates(g_ptr, rows_a, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
-        rhs_w = (beta_a * tl.exp(gate_a))[:, None] * k_a
-        rhs_u = beta_a[:, None] * v_a.to(tl.float32)
-        # the earlier blocks' solved rows: R_a - sum_{c<a} A_ac X_c (every j < i here)
-        for c in tl.static_range(a):
-            rows_c = c * BS + offs_s
-            m_c = rows_c < n
-            row_c = start + rows_c
-            k_c = tl.load(k_rows + row_c[:, None] * stride_k_row, mask=m_c[:, None] & m_k[None, :], other=0.0)
-            k_c = k_c.to(tl.float32)
-            gate_c = _chunk_gates(g_ptr, rows_c, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
-            a_ac = tl.dot(k_a, tl.trans(k_c), input_precision=DOT_PREC)
-            a_ac = beta_a[:, None] * a_ac * tl.exp(gate_a[:, None] - gate_c[None, :])
-            w_c = tl.load(w_rows + row_c[:, None] * stride_w_row, mask=m_c[:, None] & m_k[None, :], other=0.0)
-            u_c = tl.load(u_rows + row_c[:, None] * stride_u_row, mask=m_c[:, None] & m_v[None, :], other=0.0)
-            rhs_w -= tl.dot(a_ac, w_c, input_precision=DOT_PREC)
-            rhs_u -= tl.dot(a_ac, u_c, input_precision=DOT_PREC)
-        # the diagonal block: masked before exp, where G_i - G_j > 0 could overflow
-        a_aa = tl.dot(k_a, tl.trans(k_a), input_precision=DOT_PREC)
-        a_aa = tl.where(lower, beta_a[:, None] * a_aa * tl.exp(tl.where(lower, gate_a[:, None] - gate_a[None, :], 0.0)),
-                        0.0)
-        inv = _unit_lower_inverse(a_aa, BS=BS)
-        w_a = tl.dot(inv, rhs_w, input_precision=DOT_PREC)
-        u_a = tl.dot(inv, rhs_u, input_precision=DOT_PREC)
-        # Only the chunk's own rows: the rows after it belong to the next request.
-        tl.store(w_rows + row_a[:, None] * stride_w_row, w_a, mask=m_a[:, None] & m_k[None, :])
-        tl.store(u_rows + row_a[:, None] * stride_u_row, u_a, mask=m_a[:, None] & m_v[None, :])
-        # The next blocks read these rows back, as other threads of this program may hold them.
+    rows = start + offs_t
+    k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :],
+                mask=m_t[:, None] & m_k[None, :], other=0.0)
+    beta = tl.load(beta_ptr + rows * stride_b_row + head * stride_b_head, mask=m_t, other=0.0).to(tl.float32)
+    gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+    if LOWP:  # 16-bit keys: their products are exact either way, the 16-bit tensor cores faster
+        kk = tl.dot(k, tl.trans(k))
+    else:
+        kk = tl.dot(k.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=DOT_PREC)
+    # A, strictly lower, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
+    lower = offs_t[:, None] > offs_t[None, :]
+    a = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gate[:, None] - gate[None, :], 0.0)), 0.0)
+    tile = t_ptr + chunk * stride_t_chunk + head * stride_t_head  # [BT, BT], row-major
+    tl.store(tile + offs_t[:, None] * BT + offs_t[None, :], a)
+    tl.debug_barrier()  # the blocks below are read back by other threads of this program
+    # T over A: first every diagonal block T_ii = (I + A_ii)^-1, then block row by block row
+    # T_ij = -T_ii sum_{j<=c<i} A_ic T_cj. Block (i, j) is overwritten after its last read (j
+    # ascending); rows c < i hold T already (the barrier at the end of each block row).
+    offs_s = tl.arange(0, BS)
+    blk = tl.arange(0, BT // BS)
+    diagonal = ((blk[:, None, None] * BS + offs_s[None, :, None]) * BT + blk[:, None, None] * BS
+                + offs_s[None, None, :])
+    inverses = _diagonal_block_inverses(tile, BT=BT, BS=BS)
+    tl.debug_barrier()  # every thread's reads of the diagonal blocks of A are done
+    tl.store(tile + diagonal, inverses)
+    tl.debug_barrier()
+    block = offs_s[:, None] * BT + offs_s[None, :]
+    for i in tl.static_range(1, BT // BS):
+        t_ii = tl.load(tile + i * BS * BT + i * BS + block)
+        for j in tl.static_range(i):
+            acc = tl.zeros([BS, BS], dtype=tl.float32)
+            for c in tl.static_range(j, i):
+                acc += tl.dot(tl.load(tile + i * BS * BT + c * BS + block), tl.load(tile + c * BS * BT + j * BS + block),
+                              input_precision=DOT_PREC)
+            tl.store(tile + i * BS * BT + j * BS + block, -tl.dot(t_ii, acc, input_precision=DOT_PREC))
         tl.debug_barrier()
+    t = tl.load(tile + offs_t[:, None] * BT + offs_t[None, :])
+    v = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
+                mask=m_t[:, None] & m_v[None, :], other=0.0)
+    w = tl.dot(t, (beta * tl.exp(gate))[:, None] * k.to(tl.float32), input_precision=DOT_PREC)
+    u = tl.dot(t, beta[:, None] * v.to(tl.float32), input_precision=DOT_PREC)
+    # Only the chunk's own rows: the rows after it belong to the next request.
+    tl.store(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :], w,
+             mask=m_t[:, None] & m_k[None, :])
+    tl.store(u_ptr + rows[:, None] * stride_u_row + head * stride_u_head + offs_v[None, :], u,
+             mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -328,6 +351,7 @@ def _chunk_state_kernel(
     stride_vp_row, stride_vp_head, stride_cs_chunk, stride_cs_head, stride_s_slot, stride_s_head,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, DOT_PREC: tl.constexpr,
+    LOWP: tl.constexpr,
 ):
     """One request's chunks in order through one [BK, BV] state tile: per chunk the state entering it
     (to the chunk-state workspace cs, [chunks, Hv, Dk, Dv] contiguous in its last two dims), V' and
@@ -366,7 +390,10 @@ def _chunk_state_kernel(
             if DELTA:
                 w = tl.load(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :], mask=m_tk,
                             other=0.0)
-                v_new -= tl.dot(w, s, input_precision=DOT_PREC)
+                if LOWP:  # 16-bit operands: the chunk states' dtype (module docstring, precision)
+                    v_new -= tl.dot(w.to(cs_ptr.dtype.element_ty), s.to(cs_ptr.dtype.element_ty))
+                else:
+                    v_new -= tl.dot(w, s, input_precision=DOT_PREC)
                 # Over U: this program alone reads and writes these rows' columns of this head.
                 tl.store(vp_ptrs, v_new, mask=m_tv)
             k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
@@ -374,7 +401,11 @@ def _chunk_state_kernel(
             gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
             total = tl.sum(tl.where(last, gate, 0.0), axis=0)  # the chunk's G_last (masked rows repeat it)
             k_decayed = k * tl.exp(total - gate)[:, None]
-            s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PREC)
+            if LOWP:
+                s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed.to(cs_ptr.dtype.element_ty)),
+                                               v_new.to(cs_ptr.dtype.element_ty))
+            else:
+                s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PREC)
         # Only this program owns this tile of this slot (requests have distinct slots).
         tl.store(s_ptrs, s, mask=m_s)
 
@@ -386,7 +417,7 @@ def _chunk_output_kernel(
     stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
     scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
-    BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
     """One chunk's output rows for one value head and Dv tile, from the state entering the chunk (cs)
     and V' (vp: V' over U with the delta rule, V without), the key dimension KB columns at a time."""
@@ -413,19 +444,27 @@ def _chunk_output_kernel(
         m_k = offs_k < DK
         m_tk = m_t[:, None] & m_k[None, :]
         q = tl.load(q_ptr + rows[:, None] * stride_q_row + key_head * stride_q_head + offs_k[None, :], mask=m_tk,
-                    other=0.0).to(tl.float32)
+                    other=0.0)
         k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
-                    other=0.0).to(tl.float32)
+                    other=0.0)
         s = tl.load(cs_chunk + offs_k[:, None] * DV + offs_v[None, :], mask=m_k[:, None] & m_v[None, :],
-                    other=0.0).to(tl.float32)
-        scores += tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        o += tl.dot(q * q_decay, s, input_precision=DOT_PREC)
+                    other=0.0)
+        if LOWP:  # q and k in their own 16-bit dtype, S_c in its stored one (module docstring, precision)
+            scores += tl.dot(q, tl.trans(k))
+            o += tl.dot((q.to(tl.float32) * q_decay).to(cs_ptr.dtype.element_ty), s)
+        else:
+            q = q.to(tl.float32)
+            scores += tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PREC)
+            o += tl.dot(q * q_decay, s.to(tl.float32), input_precision=DOT_PREC)
     # intra-chunk attention, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
     causal = offs_t[:, None] >= offs_t[None, :]
     p = tl.where(causal, scores * tl.exp(tl.where(causal, gate[:, None] - gate[None, :], 0.0)), 0.0)
     v_new = tl.load(vp_ptr + rows[:, None] * stride_vp_row + head * stride_vp_head + offs_v[None, :], mask=m_tv,
                     other=0.0).to(tl.float32)
-    o += tl.dot(p, v_new, input_precision=DOT_PREC)
+    if LOWP:
+        o += tl.dot(p.to(cs_ptr.dtype.element_ty), v_new.to(cs_ptr.dtype.element_ty))
+    else:
+        o += tl.dot(p, v_new, input_precision=DOT_PREC)
     # Only the chunk's own rows: the rows after it belong to the next request (or to no request).
     tl.store(out_ptr + rows[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :],
              (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
@@ -479,21 +518,25 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     common = dict(GROUP=consts["GROUP"], DK=Dk, DV=Dv, BK=BK, BT=block_t, GATE=gate_kind,
                   DOT_PREC="tf32x3" if v.dtype == torch.float32 else "tf32")
     delta = beta is not None
+    lowp = cfg.low_precision_dots and v.dtype != torch.float32 and not triton_interpreted()
     cs = chunk_state_workspace(num_chunks, Hv, Dk, Dv, chunk_state_dtype(v.dtype), q.device)
     if delta:
         w, vp = chunk_workspace(rows, Hv, Dk, Dv, q.device)
+        t = chunk_matrix_workspace(num_chunks, Hv, block_t, q.device)
         _CHUNK_SOLVE[(num_chunks, Hv)](
-            k, v, gate, beta, w, vp, bounds, chunks,
+            k, v, gate, beta, w, vp, t, bounds, chunks,
             sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1),
-            **common, BVF=max(SUB_T, next_pow2(Dv)), BS=SUB_T, num_warps=cfg.solve_warps)
+            t.stride(0), t.stride(1),
+            **common, BVF=max(SUB_T, next_pow2(Dv)), BS=SUB_T, LOWP=lowp, num_warps=cfg.solve_warps)
     else:
         w, vp = k, v  # w is never read without the delta rule (any valid pointer will do); V' is V
     _CHUNK_STATE[(R, Hv, cdiv(Dv, cfg.block_v))](
         k, gate, w, vp, cs, state, slots, bounds,
         sk_r, sk_h, sg_r, sg_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1), cs.stride(0), cs.stride(1),
         ss_slot, ss_head,
-        **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, num_warps=cfg.num_warps, num_stages=_STATE_STAGES)
+        **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, LOWP=lowp, num_warps=cfg.num_warps,
+        num_stages=cfg.state_stages)
     _CHUNK_OUTPUT[(num_chunks, Hv, cdiv(Dv, cfg.out_block_v))](
         q, k, vp, gate, cs, out, bounds, chunks,
         sq_r, sq_h, sk_r, sk_h, vp.stride(0), vp.stride(1), sg_r, sg_h, so_r, so_h, cs.stride(0), cs.stride(1),
-        float(scale), **common, KB=min(BK, _OUT_KEY_BLOCK), BV=cfg.out_block_v, num_warps=cfg.out_warps)
+        float(scale), **common, KB=min(BK, _OUT_KEY_BLOCK), BV=cfg.out_block_v, LOWP=lowp, num_warps=cfg.out_warps)

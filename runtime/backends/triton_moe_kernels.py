@@ -60,7 +60,6 @@ dimension (asserted, never copied: a copy of the expert weights per call would c
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -68,7 +67,7 @@ import triton
 import triton.language as tl
 
 from compiler.splitops import moe_shared_width
-from runtime.backends.launch_math import cdiv, next_pow2
+from runtime.backends.launch_math import cdiv, next_pow2, triton_interpreted
 from runtime.backends.moe_config import GemmConfig, MoEConfig
 
 __all__ = ["combine", "down_sorted", "down_token", "fused_moe", "gate_up_sorted", "gate_up_token", "max_sorted_rows",
@@ -583,10 +582,9 @@ def _down_token_kernel(h_ptr, w2_ptr, sw2_ptr, ids_ptr, weights_ptr, out_ptr, E,
 def _dot_fp32(*dtypes) -> bool:
     """Dots run on bf16/fp16 tensor cores when all operands share that type, else in exact float32.
 
-    Under TRITON_INTERPRET=1 every dot is upcast: the interpreter (seen with triton 3.9) multiplies
-    bf16 operands as their raw uint16 bits. The upcast is exact, so results do not change.
+    Under the interpreter every dot is upcast (launch_math.triton_interpreted says why).
     """
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if triton_interpreted():
         return True
     first = dtypes[0]
     return not (all(d == first for d in dtypes) and first in (torch.bfloat16, torch.float16))
