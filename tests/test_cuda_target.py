@@ -95,8 +95,8 @@ def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(checkpoints, family
                                                    if m in (Mode.DECODE, Mode.TARGET_VERIFY)]
             if e["backend"] == FULL.name:  # routing.json says which kernels run: the defaults, spelled out
                 assert e["options"] == FULL.resolve_options({})
-            if e["backend"] == LINEAR.name:  # Lightning's op default; GDN, KDA and the conv take "auto"
-                assert e["options"]["chunk_impl"] == ("triton" if e["op"] == "lightning_core" else "auto"), e
+            if e["backend"] == LINEAR.name:  # every linear op takes the default: our chunk kernels
+                assert e["options"]["chunk_impl"] == "triton", e
                 linear_options.add(json.dumps(e["options"], sort_keys=True))
     # every family has full-attention and linear layers and routed experts
     assert set(seen) == {FULL.name, LINEAR.name, MOE.name}, f"{family}: backends used {sorted(seen)}"
@@ -193,4 +193,4 @@ def test_hgc_backends_lists_each_kernel_option_with_its_choices_default_first(ca
     lines = capsys.readouterr().out.splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.startswith("triton_linear "))
     assert "short_extend_tokens=64|0|16|32|128" in lines[at]
-    assert "chunk_impl=auto|fla|triton (lightning_core: triton)" in lines[at + 1]
+    assert "chunk_impl=triton|auto|fla" in lines[at + 1]

@@ -406,11 +406,11 @@ def test_extends_run_our_chunk_kernels_with_chunk_impl_triton(op, layer_id):
 def test_chunk_impl_is_a_routing_option_kda_keeps_fla():
     from runtime.backends.protocol import BackendSetup
 
-    assert dict(TritonLinearBackend.capability.options)["chunk_impl"] == ("auto", "fla", "triton")
+    assert dict(TritonLinearBackend.capability.options)["chunk_impl"] == ("triton", "auto", "fla")
     _, dev_pool = make_pools(0)
     build = lambda options: TritonLinearBackend.build(BackendSetup(None, dev_pool, dev_pool.device, (), options))
     # an entry routed before the option existed gets the declared default
-    assert build({}).chunk_impl == "auto" and build({"chunk_impl": "triton"}).chunk_impl == "triton"
+    assert build({}).chunk_impl == "triton" and build({"chunk_impl": "fla"}).chunk_impl == "fla"
     with pytest.raises(ValueError, match="chunk_impl"):
         TritonLinearBackend(dev_pool, chunk_impl="ours")
     fake = compare_mode_steps("kda_core", 2, CHUNK_STEPS[:1], seed=90, backend_kwargs={"chunk_impl": "triton"})

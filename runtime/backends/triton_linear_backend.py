@@ -23,8 +23,9 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
   op policy keeps extend and mixed steps eager anyway. With `short_extend_tokens` set, a step
   whose requests each bring at most that many tokens (a prefix-cache hit's tail, a short chunk)
   runs the recurrent cores through our short-extend kernel instead (triton_linear.recurrent_extend:
-  one launch a layer, each request's tokens in order, no FLA). With `chunk_impl="triton"` the other
-  extend steps of GDN and Lightning layers run our own chunk kernels instead of FLA's
+  one launch a layer, each request's tokens in order, no FLA). With `chunk_impl="triton"` (the
+  routing default) the other extend steps of GDN and Lightning layers run our own chunk kernels
+  instead of FLA's
   (triton_chunk.chunk_extend: three launches a layer, two for Lightning, states read from and
   written to the slots in place, no gather or scatter); KDA keeps FLA. The short conv: our Triton
   extend kernel (triton_linear.short_conv_extend), one launch over every request's tokens, reading
@@ -246,19 +247,21 @@ def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
 SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 
 # Which chunk kernels run the extend steps of GDN and Lightning layers (past the short-extend
-# limit), the first the default (Lightning's is "triton": op_defaults below): "auto", ours for a
-# step of at most AUTO_TRITON_CHUNK_TOKENS real tokens, FLA's above; "fla", FLA's (whose Python
-# launch path costs about 1 ms of host time a layer); "triton", ours (runtime/backends/triton_chunk.py:
-# three launches a layer through the Launcher, no gather or scatter). KDA's per-channel gates run
-# FLA's whatever the choice, and the short convolution has no chunk kernels: they take the default
-# with GDN, so the ops of one layer resolve alike and share one backend instance.
-CHUNK_IMPL_CHOICES = ("auto", "fla", "triton")
-# Where "auto" stops taking ours: whole extend steps of bench qwen3_next (9 GDN layers) were 2.2x
-# faster with ours at 512 tokens of one request and equal at 512 over 16, but 5 to 11% slower at
-# 2048 tokens, where the step is bound by the GPU and FLA's kernels are 1.5x to 2.2x faster than
-# ours (BENCHMARKS.md, "Our own chunk kernels for GDN and Lightning extend steps"). Between 512 and
-# 2048 nothing was measured, so FLA's keep it.
-AUTO_TRITON_CHUNK_TOKENS = 512
+# limit), the first the default: "triton", ours (runtime/backends/triton_chunk.py: three launches a
+# layer through the Launcher, no gather or scatter); "auto", ours for a step of at most
+# AUTO_TRITON_CHUNK_TOKENS real tokens, FLA's above; "fla", FLA's (whose Python launch path costs
+# about half a millisecond of host time a layer). Ours is the default: whole extend steps of bench qwen3_next
+# (9 GDN layers) were 1.07x to 2.61x faster with them than with FLA's at 512 and 2048 tokens over
+# 1, 4 and 16 requests, and of bench bailing_linear (6 Lightning layers) 1.0x to 1.83x (BENCHMARKS.md,
+# "GDN extend steps on our chunk kernels"). KDA's per-channel gates run FLA's whatever the choice,
+# and the short convolution has no chunk kernels: they take the default with GDN, so the ops of one
+# layer resolve alike and share one backend instance.
+CHUNK_IMPL_CHOICES = ("triton", "auto", "fla")
+# Where "auto" stops taking ours: 2048 tokens, the largest step whose whole time was measured (the
+# default extend buckets end there). Beyond it FLA's kernels pull ahead per layer (one request of
+# 8192 tokens on an H200: 0.61 ms of kernels against our 1.12, about equal in wall time with FLA's
+# host path); whole steps that long were not measured.
+AUTO_TRITON_CHUNK_TOKENS = 2048
 
 
 class TritonLinearBackend(BackendHooks):
@@ -266,7 +269,7 @@ class TritonLinearBackend(BackendHooks):
     supported_ops = frozenset({"gdn_core", "kda_core", "lightning_core", "short_conv"})
     # Every mode, so routing can bind these ops here on "cuda". Captured: decode (one decode-kernel
     # launch per op) and target_verify (n strided decode-kernel launches, shapes fixed per bucket).
-    # Extend and mixed run FLA's chunk kernels, whose chunk plan is made on the host: eager.
+    # Extend and mixed run chunk kernels over a table the step's plan makes on the host: eager.
     capability = BackendCapability(
         name="triton_linear", device="cuda", ops=supported_ops,
         modes_supported=frozenset(MODES), modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
@@ -275,15 +278,9 @@ class TritonLinearBackend(BackendHooks):
         # compile time (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in
         # routing.json.
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES)),
-        # Lightning's extend steps default to our chunk kernels: whole extend steps of bench
-        # bailing_linear were 1.0x to 1.83x faster with them at 512 and 2048 tokens over 1, 4 and 16
-        # requests (BENCHMARKS.md, "Lightning extend steps on our chunk kernels"). GDN's ("auto")
-        # take ours up to AUTO_TRITON_CHUNK_TOKENS a step and FLA's above, where FLA's faster
-        # kernels win.
-        op_defaults=(("lightning_core", "chunk_impl", "triton"),),
-        doc="Triton decode kernels (decode; target_verify as n strided decode launches), FLA chunk kernels "
-            "for extend/mixed (a Triton recurrent kernel where every request is short; with chunk_impl=triton, "
-            "Triton chunk kernels for GDN and Lightning), a Triton extend conv; "
+        doc="Triton decode kernels (decode; target_verify as n strided decode launches), Triton chunk kernels "
+            "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "
+            "chunk kernels for KDA, or with chunk_impl=fla), a Triton extend conv; "
             "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify")
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
