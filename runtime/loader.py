@@ -353,8 +353,10 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
     # the GIL) are read on a thread of their own while this one deserializes the programs and opens
     # the bundle (Python): the load takes the longer of the two instead of their sum.
     stop = threading.Event()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hgc-weights") as pool:
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hgc-weights") as pool:
         reading = pool.submit(read_weights, docs, sources, device, rank, load_format, progress, stop)
+        if device.type == "cuda":
+            pool.submit(warm_triton_cache_key)
         try:
             loaded = load_programs(docs, programs)
             check_programs(docs, loaded, program_fqns)
@@ -366,6 +368,21 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
             raise
         weights = reading.result()
     return LoadedArtifact(docs, loaded, weights, program_fqns, device, bundle)
+
+
+def warm_triton_cache_key() -> None:
+    """Triton's cache key for this installation, computed now, beside the programs' load.
+
+    The first kernel a process looks up in Triton's cache (the bundle's compiled pieces, our own
+    kernels) makes Triton hash its compiler's sources and its shared library (`triton_key`, cached
+    for the process): 0.37 s of a start-up on the GPU machine (BENCHMARKS.md, "Where a start-up
+    goes now"), nearly all of it SHA-256 over file reads, which release the GIL. On a thread of its
+    own it costs the start-up nothing. Without Triton (a CPU-only install) there is nothing to warm."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return
+    triton_key()
 
 
 def programs_for_run(speculative_tokens: int) -> tuple[str, ...] | None:
