@@ -1,7 +1,7 @@
 """The chunked linear-attention kernels (runtime/backends/triton_chunk.py) against the reference recurrence.
 
 First the math alone: a plain-torch float64 version of the kernels' algorithm (chunks, the WY
-form, the block forward substitution over 16-row blocks) against cpu_reference.gated_recurrence,
+form, the block inverse over 16-row blocks) against cpu_reference.gated_recurrence,
 including a chunk of identical keys where the nilpotent-product inverse would lose every digit.
 Then the kernels, in Triton's interpreter on a machine without CUDA (on the GPU machine, compiled),
 over one launch of several requests: lengths 0, 1, a partial chunk, an exact chunk and several
@@ -220,9 +220,9 @@ def test_chunk_extend_matches_the_recurrence(delta, gate_kind):
 
 @in_process
 def test_chunks_of_several_sub_blocks():
-    """Chunks of 32 rows (two 16-row blocks of forward substitution, the second reading the first's
-    rows back), Dk = Dv = 32 split into two Dv tiles of 16 in the state and the output kernels, one
-    key head per value head."""
+    """Chunks of 32 rows (two 16-row diagonal blocks inverted side by side, then the block below the
+    diagonal from both), Dk = Dv = 32 split into two Dv tiles of 16 in the state and the output
+    kernels, one key head per value head."""
     check_case(LENS, 2, 2, 32, 32, True, GATE_PER_HEAD, torch.float32, 32, seed=4, tol=1e-4,
                config=TC.ChunkConfig(16, 1, 1, 16, 1))
 

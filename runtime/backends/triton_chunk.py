@@ -99,6 +99,9 @@ operands as tf32x3 (about float32 accuracy). Triton's interpreter takes float32 
 inputs and float32 for float32 ones: the rounding reaches only the output term (Q * exp(G)) S_c,
 once; bfloat16 rather than float16 (for float16 inputs too) since a state sums many tokens and can
 pass float16's 65504, where bfloat16 has float32's range. V' stays float32 (it is U's storage).
+
+Not here: per-channel gates (KDA), which keep FLA's chunk kernels; the choice of path (the
+backend's `chunk_impl` option, runtime/backends/triton_linear_backend.py).
 """
 
 from __future__ import annotations
