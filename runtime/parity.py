@@ -281,8 +281,9 @@ class CacheWatch:
                 yield layer, name, t
 
     def _read(self) -> dict[tuple[str, int, str], torch.Tensor]:
-        values = {("state", layer, name): t[self._slot_index].clone() for layer, name, t in self._states()}
-        values.update({("kv", layer, name): t[self._page_index].clone() for layer, name, t in self._kv()})
+        # indexing by a tensor gathers into a new tensor already: no clone needed (a slice is a view)
+        values = {("state", layer, name): t[self._slot_index] for layer, name, t in self._states()}
+        values.update({("kv", layer, name): t[self._page_index] for layer, name, t in self._kv()})
         values.update({("verify", layer, name): t[: self.verify_rows].clone() for layer, name, t in self._verify()})
         return values
 
@@ -303,13 +304,16 @@ class CacheWatch:
     def touched_outside(self) -> list[str]:
         """What changed since the watch was made outside the real slots and pages: the padding slot's
         entries and the pages no real request owns."""
-        problems = []
-        for layer, name, t in self._states():
-            if not torch.equal(t[PADDING_SLOT], self._padding[(layer, name)]):
-                problems.append(f"the padding slot's {name} state of layer {layer}")
-        for layer, name, t in self._kv():
-            changed = (_fingerprint(t)[self._unused] != self._fingerprints[(layer, name)]).any(1)
-            if bool(changed.any()):
+        # every verdict computed on the device, then read back at once
+        states = [(layer, name, (t[PADDING_SLOT] != self._padding[(layer, name)]).any())
+                  for layer, name, t in self._states()]
+        kv = [(layer, name, (_fingerprint(t)[self._unused] != self._fingerprints[(layer, name)]).any(1))
+              for layer, name, t in self._kv()]
+        flags = torch.stack([f for *_, f in states] + [c.any() for *_, c in kv]).tolist() if states or kv else []
+        problems = [f"the padding slot's {name} state of layer {layer}"
+                    for (layer, name, _), flagged in zip(states, flags) if flagged]
+        for (layer, name, changed), flagged in zip(kv, flags[len(states):]):
+            if flagged:
                 pages = self._unused[changed].tolist()
                 problems.append(f"{len(pages)} page(s) no request owns in layer {layer}'s {name} "
                                 f"(first: page {pages[0]})")
