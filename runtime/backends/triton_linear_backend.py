@@ -15,19 +15,18 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
   not laid out that way runs the extend path below (eager only; refused inside a replayed step),
   which keeps no intermediate states: speculative decoding always verifies D + 1 tokens per
   request (runtime/speculative.py).
-- EXTEND and MIXED: eager. Linear cores: the step's real requests are one varlen batch for FLA's
-  chunk kernels (chunk_gated_delta_rule, chunk_kda, chunk_simple_gla with g_gamma = decay):
-  initial states gathered from the pool by slot, cu_seqlens from the step, final states scattered
-  back to the same slots; decode rows of a mixed step are sequences of length 1. FLA plans its
-  chunks on the host from the lengths (cu_seqlens_cpu), so the call is not capturable; the
-  op policy keeps extend and mixed steps eager anyway. With `short_extend_tokens` set, a step
-  whose requests each bring at most that many tokens (a prefix-cache hit's tail, a short chunk)
-  runs the recurrent cores through our short-extend kernel instead (triton_linear.recurrent_extend:
-  one launch a layer, each request's tokens in order, no FLA). With `chunk_impl="triton"` (the
-  routing default) the other extend steps of GDN and Lightning layers run our own chunk kernels
-  instead of FLA's
-  (triton_chunk.chunk_extend: three launches a layer, two for Lightning, states read from and
-  written to the slots in place, no gather or scatter); KDA keeps FLA. The short conv: our Triton
+- EXTEND and MIXED: eager. Linear cores of GDN and Lightning layers: our chunk kernels
+  (triton_chunk.chunk_extend, `chunk_impl="triton"`, the routing default: three launches a layer,
+  two for Lightning, over the step's real requests as one varlen batch, states read from and
+  written to their slots in place, no gather or scatter; decode rows of a mixed step are requests
+  of length 1). KDA's, and every layer's with `chunk_impl="fla"`: FLA's chunk kernels
+  (chunk_gated_delta_rule, chunk_kda, chunk_simple_gla with g_gamma = decay), initial states
+  gathered from the pool by slot, final states scattered back to the same slots. Both take the
+  chunk table the step's plan made on the host, so neither call is capturable; the op policy keeps
+  extend and mixed steps eager anyway. With `short_extend_tokens` set, a step whose requests each
+  bring at most that many tokens (a prefix-cache hit's tail, a short chunk) runs the recurrent
+  cores through our short-extend kernel instead (triton_linear.recurrent_extend: one launch a
+  layer, each request's tokens in order). The short conv: our Triton
   extend kernel (triton_linear.short_conv_extend), one launch over every request's tokens, reading
   each request's history from its slot and writing the new one back. Padded rows of `out` are zeroed
   and the padding slot is neither read nor written.
