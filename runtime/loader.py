@@ -355,8 +355,9 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
     stop = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hgc-weights") as pool:
         reading = pool.submit(read_weights, docs, sources, device, rank, load_format, progress, stop)
-        if device.type == "cuda":
-            pool.submit(warm_triton_cache_key)
+        warm = triton_cache_key_function() if device.type == "cuda" else None
+        if warm is not None:
+            pool.submit(warm)
         try:
             loaded = load_programs(docs, programs)
             check_programs(docs, loaded, program_fqns)
@@ -370,19 +371,22 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
     return LoadedArtifact(docs, loaded, weights, program_fqns, device, bundle)
 
 
-def warm_triton_cache_key() -> None:
-    """Triton's cache key for this installation, computed now, beside the programs' load.
+def triton_cache_key_function():
+    """Triton's function for its cache key of this installation, for a thread to call beside the
+    programs' load; None without Triton (a CPU-only install).
 
     The first kernel a process looks up in Triton's cache (the bundle's compiled pieces, our own
     kernels) makes Triton hash its compiler's sources and its shared library (`triton_key`, cached
     for the process): 0.37 s of a start-up on the GPU machine (BENCHMARKS.md, "Where a start-up
     goes now"), nearly all of it SHA-256 over file reads, which release the GIL. On a thread of its
-    own it costs the start-up nothing. Without Triton (a CPU-only install) there is nothing to warm."""
+    own it costs the start-up nothing. Triton is imported here, on the calling thread (the load
+    imports it anyway): two threads importing one package's modules at once is where Python's
+    import locks can refuse with a deadlock error."""
     try:
         from triton.runtime.cache import triton_key
     except ImportError:
-        return
-    triton_key()
+        return None
+    return triton_key
 
 
 def programs_for_run(speculative_tokens: int) -> tuple[str, ...] | None:
