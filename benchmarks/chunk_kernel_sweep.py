@@ -21,6 +21,7 @@ Writes OUT/chunk_kernel_sweep.json and prints one line per (shape, config).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -71,7 +72,6 @@ def configs(dry: bool) -> dict[str, dict]:
 
 
 def config_for(R: int, H: int, D: int, device, override: dict) -> TC.ChunkConfig:
-    import dataclasses
     return dataclasses.replace(TC.chunk_config(R, H, D, torch.device(device)), **override)
 
 

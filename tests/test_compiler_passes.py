@@ -319,25 +319,6 @@ def test_kernel_options_are_resolved_and_recorded_per_node():
         _route_plan(["gqa_attention=with_options[extend_impl=chunked]"], table)
 
 
-def test_an_option_default_may_differ_by_op():
-    """A backend may declare, per op, a default other than the first choice (where measurements
-    differ by op); a route still picks any choice, and a default for an op it lacks is refused."""
-    opts = BackendCapability("per_op", "cpu", LINEAR_OPS, priority=5, modes_capturable=frozenset(MODES),
-                             options=(("impl", ("a", "b")),), op_defaults=(("lightning_core", "impl", "b"),))
-    table = CapabilityTable([opts, CPU_ALL])
-    assert _entries(_route_plan((), table))["lightning_core"]["options"] == {"impl": "b"}
-    assert opts.resolve_options({}, op="gdn_core") == {"impl": "a"}
-    routed = _entries(_route_plan(["lightning_core=per_op[impl=a]"], table))
-    assert routed["lightning_core"]["options"] == {"impl": "a"}
-    assert BackendCapability.from_json(opts.to_json()) == opts
-    with pytest.raises(CapabilityError, match="default impl=b for gqa_attention"):
-        BackendCapability("bad", "cpu", LINEAR_OPS, options=(("impl", ("a", "b")),),
-                          op_defaults=(("gqa_attention", "impl", "b"),))
-    with pytest.raises(CapabilityError, match="default impl=c for lightning_core"):
-        BackendCapability("bad", "cpu", LINEAR_OPS, options=(("impl", ("a", "b")),),
-                          op_defaults=(("lightning_core", "impl", "c"),))
-
-
 def test_split_makes_a_node_of_a_backend_that_cannot_capture_an_eager_gap():
     """Captured or eager is the op's policy AND the routed backend's capability, decided by the
     split pass (and read from split.json by the runtime)."""

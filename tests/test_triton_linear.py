@@ -406,7 +406,7 @@ def test_extends_run_our_chunk_kernels_with_chunk_impl_triton(op, layer_id):
 def test_chunk_impl_is_a_routing_option_kda_keeps_fla():
     from runtime.backends.protocol import BackendSetup
 
-    assert dict(TritonLinearBackend.capability.options)["chunk_impl"] == ("triton", "auto", "fla")
+    assert dict(TritonLinearBackend.capability.options)["chunk_impl"] == ("triton", "fla")
     _, dev_pool = make_pools(0)
     build = lambda options: TritonLinearBackend.build(BackendSetup(None, dev_pool, dev_pool.device, (), options))
     # an entry routed before the option existed gets the declared default
@@ -414,19 +414,6 @@ def test_chunk_impl_is_a_routing_option_kda_keeps_fla():
     with pytest.raises(ValueError, match="chunk_impl"):
         TritonLinearBackend(dev_pool, chunk_impl="ours")
     fake = compare_mode_steps("kda_core", 2, CHUNK_STEPS[:1], seed=90, backend_kwargs={"chunk_impl": "triton"})
-    assert [c[1] for c in fake.calls] == [[0, 70, 75]]
-
-
-@in_process
-def test_chunk_impl_auto_takes_ours_up_to_its_token_limit(monkeypatch):
-    """chunk_impl="auto": a step of at most AUTO_TRITON_CHUNK_TOKENS real tokens runs our chunk
-    kernels, a longer one FLA's (the limit lowered here so both fit a CPU test)."""
-    from runtime.backends import triton_linear_backend
-
-    monkeypatch.setattr(triton_linear_backend, "AUTO_TRITON_CHUNK_TOKENS", 8)
-    # extend of 75 tokens: FLA's; mixed of 8 tokens: ours (no short-extend path, so both are chunk steps)
-    fake = compare_mode_steps("gdn_core", 0, CHUNK_STEPS[:2], seed=95,
-                              backend_kwargs={"chunk_impl": "auto", "short_extend_tokens": 0})
     assert [c[1] for c in fake.calls] == [[0, 70, 75]]
 
 

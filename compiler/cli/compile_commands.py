@@ -393,7 +393,7 @@ def cmd_backends(args) -> int:
     table = [(r["name"], r["device"], " ".join(r["ops"]), " ".join(r["modes_supported"]),
               " ".join(r["modes_capturable"]) or "-", " ".join(r["dtypes"]) if r["dtypes"] else "any",
               r["priority"] if not r["explicit_only"] else f"{r['priority']} (only by --route)",
-              options_column(r.get("options") or {}, r.get("op_defaults") or ()), r["source"])
+              options_column(r.get("options") or {}), r["source"])
              for r in rows]
     print(tabulate(table, headers=("backend", "device", "ops", "modes", "capturable", "dtypes", "priority",
                                    "options (default first)", "from"),
@@ -401,15 +401,10 @@ def cmd_backends(args) -> int:
     return 0
 
 
-def options_column(options: dict, op_defaults=()) -> str:
+def options_column(options: dict) -> str:
     """A backend's kernel options as `--route OP=BACKEND[name=choice]` takes them, one a line:
-    name=a|b|c, the default (what routing records when the route names none) first, then the ops
-    whose default is another choice: `(lightning_core: triton)`."""
-    lines = []
-    for name, choices in options.items():
-        own = ", ".join(f"{op}: {choice}" for op, option, choice in op_defaults if option == name)
-        lines.append(f"{name}={'|'.join(map(str, choices))}" + (f" ({own})" if own else ""))
-    return "\n".join(lines) or "-"
+    name=a|b|c, the default (what routing records when the route names none) first."""
+    return "\n".join(f"{name}={'|'.join(map(str, choices))}" for name, choices in options.items()) or "-"
 
 
 # -- argparse -------------------------------------------------------------------------------------

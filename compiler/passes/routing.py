@@ -171,7 +171,7 @@ def choose_backend(node, ctx) -> tuple[object, dict, str]:
     route = _route_for(node, ctx.config.routes, ctx.capabilities)
     cap = _routed(node, route, ctx, facts) if route is not None else _automatic(node, ctx, facts)
     try:
-        options = cap.resolve_options(dict(route.options) if route is not None else {}, op=facts.op)
+        options = cap.resolve_options(dict(route.options) if route is not None else {})
     except CapabilityError as e:
         raise RoutingError(f"routing: route {route}: {e}") from None
     return cap, options, f"route {route}" if route is not None else "priority"

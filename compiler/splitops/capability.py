@@ -121,9 +121,6 @@ class BackendCapability:
     # Kernel alternatives, each an option with its choices, the first the default. Routing records
     # the resolved choice per node; `--route OP=BACKEND[option=choice]` picks another.
     options: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    # (op, option, choice): where the measured best choice differs by op, that op's default instead
-    # of the first choice.
-    op_defaults: tuple[tuple[str, str, str], ...] = ()
     priority: int = 0  # among several backends that fit a node, the highest wins (then declaration order)
     explicit_only: bool = False  # never chosen by priority: only a --route naming it binds a node here
     doc: str = ""
@@ -148,11 +145,6 @@ class BackendCapability:
         for option, choices in self.options:
             if not choices or len(set(choices)) != len(choices):
                 raise CapabilityError(f"backend {self.name!r}: option {option!r} needs distinct choices, got {choices}")
-        choices = self.option_choices()
-        for op, option, choice in self.op_defaults:
-            if op not in self.ops or choice not in choices.get(option, ()):
-                raise CapabilityError(f"backend {self.name!r}: default {option}={choice} for {op}: not an op it declares "
-                                      f"or not a choice of a declared option")
 
     def serves(self, op: str, kind: Optional[LayerKind]) -> bool:
         """Whether this backend runs `op` for a layer of `kind` (kind None: an op of no layer kind)."""
@@ -187,14 +179,8 @@ class BackendCapability:
     def option_choices(self) -> dict[str, tuple[str, ...]]:
         return dict(self.options)
 
-    def option_defaults(self, op: Optional[str] = None) -> dict[str, str]:
-        """Each option's default for a node of `op`: its op default where declared, else the first choice."""
-        defaults = {option: values[0] for option, values in self.options}
-        defaults.update({option: choice for o, option, choice in self.op_defaults if o == op})
-        return defaults
-
-    def resolve_options(self, given: Mapping[str, str], op: Optional[str] = None) -> dict[str, str]:
-        """Every declared option with its choice: `given` where set, else the default for `op`."""
+    def resolve_options(self, given: Mapping[str, str]) -> dict[str, str]:
+        """Every declared option with its choice: `given` where set, else the default (first) choice."""
         choices = self.option_choices()
         unknown = sorted(set(given) - set(choices))
         if unknown:
@@ -204,7 +190,7 @@ class BackendCapability:
             if value not in choices[option]:
                 raise CapabilityError(f"backend {self.name!r}: option {option} takes {'|'.join(choices[option])}, "
                                       f"not {value!r}")
-        return {**self.option_defaults(op), **given}
+        return {option: given.get(option, values[0]) for option, values in choices.items()}
 
     def to_json(self) -> dict:
         return {
@@ -217,7 +203,6 @@ class BackendCapability:
             "dtypes": None if self.dtypes is None else sorted(self.dtypes),
             "limits": [lim.to_json() for lim in self.limits],
             "options": {k: list(v) for k, v in self.options},
-            "op_defaults": [list(d) for d in self.op_defaults],
             "priority": self.priority,
             "explicit_only": self.explicit_only,
         }
@@ -232,7 +217,6 @@ class BackendCapability:
             dtypes=None if obj.get("dtypes") is None else frozenset(obj["dtypes"]),
             limits=tuple(ShapeLimit.from_json(lim) for lim in obj.get("limits", ())),
             options=tuple((k, tuple(v)) for k, v in (obj.get("options") or {}).items()),
-            op_defaults=tuple(tuple(map(str, d)) for d in obj.get("op_defaults", ())),
             priority=int(obj.get("priority", 0)), explicit_only=bool(obj.get("explicit_only", False)),
         )
 

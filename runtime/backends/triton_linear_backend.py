@@ -247,20 +247,15 @@ SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 
 # Which chunk kernels run the extend steps of GDN and Lightning layers (past the short-extend
 # limit), the first the default: "triton", ours (runtime/backends/triton_chunk.py: three launches a
-# layer through the Launcher, no gather or scatter); "auto", ours for a step of at most
-# AUTO_TRITON_CHUNK_TOKENS real tokens, FLA's above; "fla", FLA's (whose Python launch path costs
-# about half a millisecond of host time a layer). Ours is the default: whole extend steps of bench qwen3_next
+# layer through the Launcher, no gather or scatter); "fla", FLA's (whose Python launch path costs
+# about half a millisecond of host time a layer; its kernels alone are faster for one long request,
+# 0.17 against 0.29 ms a layer at 2048 tokens). Ours is the default: whole extend steps of bench qwen3_next
 # (9 GDN layers) were 1.07x to 2.61x faster with them than with FLA's at 512 and 2048 tokens over
 # 1, 4 and 16 requests, and of bench bailing_linear (6 Lightning layers) 1.0x to 1.83x (BENCHMARKS.md,
 # "GDN extend steps on our chunk kernels"). KDA's per-channel gates run FLA's whatever the choice,
 # and the short convolution has no chunk kernels: they take the default with GDN, so the ops of one
 # layer resolve alike and share one backend instance.
-CHUNK_IMPL_CHOICES = ("triton", "auto", "fla")
-# Where "auto" stops taking ours: 2048 tokens, the largest step whose whole time was measured (the
-# default extend buckets end there). Beyond it FLA's kernels pull ahead per layer (one request of
-# 8192 tokens on an H200: 0.61 ms of kernels against our 1.12, about equal in wall time with FLA's
-# host path); whole steps that long were not measured.
-AUTO_TRITON_CHUNK_TOKENS = 2048
+CHUNK_IMPL_CHOICES = ("triton", "fla")
 
 
 class TritonLinearBackend(BackendHooks):
@@ -292,8 +287,7 @@ class TritonLinearBackend(BackendHooks):
         launch a layer, tokens in order) instead of FLA's chunk kernels (several launches and their
         Python a layer); 0: never. An artifact sets it through the routing option of the same name
         (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
-        and Lightning layers, "fla", "triton" (triton_chunk.chunk_extend) or "auto" (by the step's
-        tokens); the routing option of the same name (CHUNK_IMPL_CHOICES), whose recorded choice
+        and Lightning layers, "fla" or "triton" (triton_chunk.chunk_extend); the routing option of the same name (CHUNK_IMPL_CHOICES), whose recorded choice
         build() passes. Built directly (tests, benchmarks), FLA's unless asked."""
         if chunk_impl not in CHUNK_IMPL_CHOICES:
             raise ValueError(f"{self.name}: chunk_impl must be one of {CHUNK_IMPL_CHOICES}, not {chunk_impl!r}")
@@ -501,15 +495,11 @@ class TritonLinearBackend(BackendHooks):
 
     def _triton_chunk(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
         """Our chunk kernels over the step's real requests, states read from and written to their
-        slots in place (padding rows zeroed, as _chunk does); False where chunk_impl is "fla", or
-        "auto" and the step has more than AUTO_TRITON_CHUNK_TOKENS real tokens (the same choice for
-        every layer of a step, and for a padded and an unpadded run of the same requests)."""
+        slots in place (padding rows zeroed, as _chunk does); False where chunk_impl is "fla"."""
         if self.chunk_impl == "fla":
             return False
         plan = self._extend_plan(self._step_plan(ctx))
         T = plan.num_tokens
-        if self.chunk_impl == "auto" and T > AUTO_TRITON_CHUNK_TOKENS:
-            return False
         if T > 0:
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
                                           plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind,
