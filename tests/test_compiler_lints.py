@@ -145,7 +145,8 @@ def test_stateful_op_captured():
     ctx = make_context(traced, CompileConfig(), toolchain())
     PassManager([AnnotateOpsPass(), RoutingPass(), _NoGraphBreakSplit(), LintPass("lint_capture", CAPTURE_RULES)]).run(ctx)
     found = [f for f in ctx.findings if f.rule == "stateful-op-captured"]
-    assert {(f.node, f.layer_id) for f in found} == {("lightning_core", 0), ("gqa_attention", 1)}
+    # Lightning's policy allows extend capture (a table-driven core): attention's does not
+    assert {(f.node, f.layer_id) for f in found} == {("gqa_attention", 1)}
     assert any("mode extend" in f.message for f in found) and ctx.stopped_after == "lint_capture"
 
 

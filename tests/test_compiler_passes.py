@@ -330,7 +330,8 @@ def test_split_makes_a_node_of_a_backend_that_cannot_capture_an_eager_gap():
     assert decode_gaps == [("lightning_core_1",)]  # layer 2 only: its neighbours stay captured
     assert [p.kind for p in plans[Mode.DECODE].pieces] == [CAPTURED, EAGER, CAPTURED]
     extend_gaps = [p.nodes for p in plans[Mode.EXTEND].pieces if p.kind == EAGER]
-    assert extend_gaps == [("lightning_core",), ("gqa_attention",), ("lightning_core_1",)]
+    # extend: attention by its policy, layer 2's lightning by its backend (layer 0's is captured)
+    assert extend_gaps == [("gqa_attention",), ("lightning_core_1",)]
 
 
 def test_capability_declarations_are_checked():
@@ -393,23 +394,26 @@ def test_the_reference_backends_declare_every_op_and_their_capture():
 # -- split -----------------------------------------------------------------------------------------------------
 
 
-def test_split_decode_is_one_captured_piece_extend_has_gaps_at_stateful_ops():
+def test_split_decode_is_one_captured_piece_extend_has_gaps_at_host_planned_ops():
+    """Attention plans its extend kernels on the host: a gap. Lightning's policy allows capture in
+    extend (a table-driven core) and the CPU reference captures every mode, so it stays captured."""
     result = toy_plan(layers=["lightning", "full_gqa", "lightning"], moe=[False, True, False])
     plans = result.ctx.split_plans["main"]
     for mode in (Mode.DECODE, Mode.TARGET_VERIFY):
         assert [p.kind for p in plans[mode].pieces] == [CAPTURED]
     for mode in (Mode.EXTEND, Mode.MIXED):
         kinds = [p.kind for p in plans[mode].pieces]
-        assert kinds == [CAPTURED, EAGER, CAPTURED, EAGER, CAPTURED, EAGER, CAPTURED]
+        assert kinds == [CAPTURED, EAGER, CAPTURED]
         gaps = [p.nodes for p in plans[mode].pieces if p.kind == EAGER]
-        assert gaps == [("lightning_core",), ("gqa_attention",), ("lightning_core_1",)]  # moe stays captured
+        assert gaps == [("gqa_attention",)]  # moe and both lightning cores stay captured
 
 
 def test_split_records_the_piece_of_each_node():
     result = toy_plan()
     gm = result.ctx.programs["main"]
-    node = next(n for n in gm.graph.nodes if n.name == "lightning_core")
-    assert node.meta["hgc.piece"] == {"decode": 0, "extend": 1, "mixed": 1, "target_verify": 0}
+    pieces = {n.name: n.meta["hgc.piece"] for n in gm.graph.nodes if n.name in ("lightning_core", "gqa_attention")}
+    assert pieces["gqa_attention"] == {"decode": 0, "extend": 1, "mixed": 1, "target_verify": 0}
+    assert pieces["lightning_core"] == {"decode": 0, "extend": 0, "mixed": 0, "target_verify": 0}
 
 
 class _TwoOps(nn.Module):
@@ -421,7 +425,7 @@ class _TwoOps(nn.Module):
 
     def forward(self, q, k, v):
         a, b = torch.empty_like(q), torch.empty_like(q)
-        TRACED_OPS.lightning_core(q, k, v, self.decay, a, 0, 1.0)
+        TRACED_OPS.gqa_attention(q, k, v, a, 0, 1.0)
         TRACED_OPS.gqa_attention(q, k, v, b, 1, 1.0)
         return a + b
 
@@ -438,7 +442,7 @@ def test_split_merges_adjacent_eager_ops_into_one_gap():
     gm = _two_ops_gm()
     plan = plan_for_mode(gm, Mode.EXTEND)
     assert [p.kind for p in plan.pieces] == [CAPTURED, EAGER, CAPTURED]
-    assert plan.pieces[1].nodes == ("lightning_core", "gqa_attention")
+    assert plan.pieces[1].nodes == ("gqa_attention", "gqa_attention_1")
 
 
 def test_apply_split_plan_keeps_graph_order_and_only_op_cores_in_gaps():
@@ -448,7 +452,7 @@ def test_apply_split_plan_keeps_graph_order_and_only_op_cores_in_gaps():
     subs = [n.target for n in split.graph.nodes if n.op == "call_module"]
     assert subs == ["submod_0", "submod_1", "submod_2"]
     gap_ops = [n for n in getattr(split, "submod_1").graph.nodes if n.op == "call_function"]
-    assert [str(n.target) for n in gap_ops] == ["hgc.lightning_core.default", "hgc.gqa_attention.default"]
+    assert [str(n.target) for n in gap_ops] == ["hgc.gqa_attention.default"] * 2
     before = len(_op_nodes(gm))
     after = sum(len(_op_nodes(getattr(split, s))) for s in subs)
     assert before == after == 2
@@ -513,10 +517,10 @@ def test_dumps_per_pass_are_valid_onnx_with_layer_ids(tmp_path):
     assert ops["L0/lightning_core/lightning_core"]["layer_id"] == 0
     assert ops["L1/moe/moe"]["op"] == b"moe" and ops["L1/moe/moe"]["backend"] == b"cpu_reference"
     split = onnx.load(str(tmp_path / "04_split.onnx"))
-    assert [f.name for f in split.functions] == ["piece_0_captured", "piece_1_eager", "piece_2_captured",
-                                                 "piece_3_eager", "piece_4_captured"]
+    # extend: the attention core is the one gap (the lightning core is captured with its glue)
+    assert [f.name for f in split.functions] == ["piece_0_captured", "piece_1_eager", "piece_2_captured"]
     gap = next(f for f in split.functions if f.name == "piece_1_eager")
-    assert [(n.domain, n.op_type) for n in gap.node] == [("hgc", "lightning_core")]
+    assert [(n.domain, n.op_type) for n in gap.node] == [("hgc", "gqa_attention")]
     text = (tmp_path / "04_split.txt").read_text()
     assert "# ---- piece 1: eager (extend) ----" in text and "-> cpu_reference" in text
     picture = (tmp_path / "04_split.svg").read_text()
@@ -534,9 +538,9 @@ def test_the_layer_picture_has_a_row_per_layer_and_brackets_each_captured_piece(
     layer1 = main.rows[2]
     assert (layer1.kind, layer1.ops, layer1.backends) == ("full_gqa", ["gqa_attention", "moe"], ["cpu_reference"] * 2)
     assert layer1.states["decode"] == [CAPTURED, CAPTURED] and layer1.states["extend"] == [EAGER, CAPTURED]
-    assert main.rows[1].states["extend"] == [EAGER]
-    # decode: one graph over every row; extend: three captured pieces around the two eager op cores
-    assert main.pieces["decode"] == [(0, 0, 3)] and [p[0] for p in main.pieces["extend"]] == [0, 2, 4]
+    assert main.rows[1].states["extend"] == [CAPTURED]  # the lightning core: table-driven, captured
+    # decode: one graph over every row; extend: two captured pieces around the eager attention core
+    assert main.pieces["decode"] == [(0, 0, 3)] and [p[0] for p in main.pieces["extend"]] == [0, 2]
     svg = layer_picture([main, draft], "split")
     assert svg.count("<path") == sum(len(spans) for t in (main, draft) for spans in t.pieces.values())
-    assert svg.count('fill="white">eager<') == 2 * 2 + 2  # extend and mixed: two eager cores in main, one in the draft
+    assert svg.count('fill="white">eager<') == 2 + 2  # extend and mixed: one eager core in main, one in the draft

@@ -91,8 +91,10 @@ def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(checkpoints, family
             seen.setdefault(e["backend"], set()).add(e["op"])
             if e["backend"] == LINEAR.name:
                 assert LayerKind(e["kind"]) in LINEAR_KINDS
-                assert e["backend_capturable"] == [m.value for m in MODES
-                                                   if m in (Mode.DECODE, Mode.TARGET_VERIFY)]
+                # extend and mixed too where our own kernels run (GDN and Lightning chunks, the conv)
+                table_driven = e["op"] in ("gdn_core", "lightning_core", "short_conv")
+                assert e["backend_capturable"] == [m.value for m in MODES if table_driven
+                                                   or m in (Mode.DECODE, Mode.TARGET_VERIFY)], e
             if e["backend"] == FULL.name:  # routing.json says which kernels run: the defaults, spelled out
                 assert e["options"] == FULL.resolve_options({})
             if e["backend"] == LINEAR.name:  # every linear op takes the default: our chunk kernels
@@ -194,3 +196,31 @@ def test_hgc_backends_lists_each_kernel_option_with_its_choices_default_first(ca
     at = next(i for i, ln in enumerate(lines) if ln.startswith("triton_linear "))
     assert "short_extend_tokens=64|0|16|32|128" in lines[at]
     assert "chunk_impl=triton|fla" in lines[at + 1]
+
+
+@pytest.mark.parametrize("family", GQA_FAMILIES + MLA_FAMILIES)
+def test_extend_plans_capture_the_linear_ops_our_kernels_run(checkpoints, family, tmp_path, capsys):
+    """Extend and mixed plans cut only where a kernel plans on the host: attention everywhere, KDA
+    (FLA's chunk kernels); GDN, Lightning and the short conv sit in captured pieces. With
+    chunk_impl=fla the GDN and Lightning cores are gaps again, the conv still captured."""
+    def gaps(art, mode):
+        by_node = {e["node"]: e for e in json.loads((art / "routing.json").read_text())["programs"]["main"]}
+        pieces = json.loads((art / "split.json").read_text())["programs"]["main"][mode]["pieces"]
+        return sorted({by_node[n]["op"] for p in pieces if p["kind"] == EAGER for n in p["nodes"]})
+
+    rc, art, err = compile_cuda(checkpoints, family, tmp_path, capsys, "--dtype", "bfloat16")
+    assert rc == 0, err[-3000:]
+    attention = "mla_attention" if family in MLA_FAMILIES else "gqa_attention"
+    ops = {e["op"] for e in entries(art)}
+    eager = sorted({attention} | ({"kda_core"} & ops))
+    assert gaps(art, "extend") == gaps(art, "mixed") == eager
+    assert gaps(art, "decode") == []
+
+    linear = next(op for op in ("gdn_core", "lightning_core") if op in ops) if ops & {"gdn_core", "lightning_core"} else None
+    if linear is None:  # Kimi: KDA runs FLA's kernels whatever the option
+        return
+    (tmp_path / "fla").mkdir()
+    rc, art, err = compile_cuda(checkpoints, family, tmp_path / "fla", capsys, "--dtype", "bfloat16",
+                                "--route", f"{linear}=triton_linear[chunk_impl=fla]")
+    assert rc == 0, err[-3000:]
+    assert gaps(art, "extend") == sorted({attention, linear})

@@ -10,7 +10,8 @@ states speculative decoding keeps, final states). The extend conv kernel is chec
 the bench models' widths (Qwen3-Next 8192, Kimi-Linear 3 x 4096 channels, K 4) over requests of 1,
 K-2, K-1, K and 1000 tokens. The last test runs extend, mixed and target-verify steps (FLA's chunk
 kernels, the extend conv, strided decode kernels) through a chain of steps on one pool, outputs and
-states against the reference.
+states against the reference; another captures an extend step of our chunk kernels and the extend
+conv in a CUDA graph and replays it for steps of other lengths.
 
 The kernels module is imported inside the tests, never at collection: on a CPU machine
 tests/test_triton_linear.py must be the first to import it (after setting TRITON_INTERPRET).
@@ -394,6 +395,79 @@ def test_extend_mixed_verify_steps_match_reference_at_real_dims(op, path):
         t = sorted(touched)
         assert rel_err(dev_pool.layer(0)[entry][t], ref_pool.layer(0)[entry][t]) <= 1e-2, f"{mode.value} state"
     untouched = [s for s in range(num_slots + 1) if s not in touched]
+    assert torch.equal(dev_pool.layer(0)[entry][untouched], before[untouched]), "padding slot or a free slot written"
+
+
+EXTEND_BUCKET = (512, 4)  # rows and requests of the captured extend graph below
+REPLAYED_STEPS = [  # replayed in it: slots 1 and 3 start empty; decode rows beside prompt chunks
+    (Mode.EXTEND, [(1, 0, 150), (2, 30, 67)]),
+    (Mode.MIXED, [(1, 150, 80), (2, 97, 1), (3, 0, 300), (4, 9, 1)]),
+]
+
+
+@pytest.mark.parametrize("op", ["gdn_core", "lightning_core", "short_conv"])
+def test_extend_graph_capture_and_replay(op):
+    """An extend step captured once in a CUDA graph (our chunk kernels, the extend conv) from a
+    placeholder step on the padding slot, then replayed for an extend and a mixed step of other
+    lengths, slots and request counts through the static plan: outputs and states against the
+    reference, padding rows zero, the padding slot and free slots untouched (the placeholder step's
+    warm-up and capture included)."""
+    from runtime.backends.triton_linear_backend import TritonLinearBackend
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    T, B = EXTEND_BUCKET
+    ref_pool, dev_pool = pools(op, 6, seed=41)
+    entry = "conv" if op == "short_conv" else "recurrent"
+    for pool in (ref_pool, dev_pool):
+        pool.layer(0)[entry][[1, 3]] = 0  # new requests start from the empty state
+    before = dev_pool.layer(0)[entry].clone()
+    tri = TritonLinearBackend(dev_pool, chunk_impl="triton")
+    tri.init_capture_state(max_tokens=T, max_seqs=B)
+    g = torch.Generator().manual_seed(42)
+
+    def step_inputs(real: int) -> dict:
+        x = inputs(op, T, real, torch.bfloat16, g)
+        if "g" in x:
+            x["g"] = x["g"].float()  # the models pass float32 log-decays
+        return x
+
+    def plan(ctx) -> None:  # what the graph runner does before a piecewise step
+        tri.init_step_metadata(ctx)
+        tri.init_chunk_metadata(ctx, T)
+        tri.init_replay_state(ctx, B)
+
+    static = {n: t.to(DEV) for n, t in step_inputs(T).items()}
+    out = out_like(op, T, torch.bfloat16, DEV)
+    placeholder = step_ctx(Mode.EXTEND, [(PADDING_SLOT, 0, T // B)] * B, 0, 0, DEV)
+    plan(placeholder)
+    call(tri, placeholder, op, static, out)  # warm-up outside the graph: compiles, workspaces
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(tri, placeholder, op, static, out)
+    torch.cuda.synchronize()
+    assert torch.equal(dev_pool.layer(0)[entry], before), "the placeholder step wrote a slot"
+    ref = CPUReferenceBackend(None, ref_pool)
+    touched = set()
+    for mode, reqs in REPLAYED_STEPS:
+        real = sum(n for *_, n in reqs)
+        plan(step_ctx(mode, reqs, T - real, B - len(reqs), DEV))
+        x = step_inputs(real)
+        for n, t in x.items():
+            static[n].copy_(t)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        out_ref = out_like(op, T, torch.float32, "cpu")
+        call(ref, step_ctx(mode, reqs, T - real, B - len(reqs), "cpu"), op, x, out_ref)
+        got = out.float().cpu()
+        assert torch.isfinite(got).all() and got[real:].eq(0).all(), f"{mode.value}: unwritten or non-zero padding rows"
+        assert rel_err(got[:real], out_ref[:real]) <= 1e-2, f"{mode.value} {reqs}"
+        touched |= {slot for slot, *_ in reqs}
+        rows = sorted(touched)
+        assert rel_err(dev_pool.layer(0)[entry][rows].cpu(), ref_pool.layer(0)[entry][rows]) <= 1e-2, f"{mode.value} state"
+    untouched = [s for s in range(7) if s not in touched]
     assert torch.equal(dev_pool.layer(0)[entry][untouched], before[untouched]), "padding slot or a free slot written"
 
 

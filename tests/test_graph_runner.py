@@ -417,8 +417,9 @@ def test_engine_built_with_a_runner_factory_on_a_small_pool(artifact):
 
 def test_triton_linear_backend_under_the_runner(artifact, tmp_path, tmp_path_factory):
     """The GPU path's linear-attention backend (Triton decode kernels reading slot ids from its static
-    buffer in graphs, FLA's chunk kernels in the eager gaps) under capture, parity and replayed
-    steps, on the CPU: Triton's interpreter, FLA stood in by tests/linear_cases.FakeFLA, declared for
+    buffer in graphs; in extend graphs our chunk kernels and the extend conv over the static extend
+    plan, padded to the bucket) under capture, parity and replayed steps, on the CPU: Triton's
+    interpreter, FLA stood in by tests/linear_cases.FakeFLA, declared for
     the cpu device under another name so routing binds the linear ops to it and the other ops to the
     reference. Greedy tokens equal the reference backend's. (The fused MoE's replay path has its own
     tests in test_triton_moe.py: under the interpreter it would take most of a minute here.)"""

@@ -295,7 +295,9 @@ MODE_STEPS = [
 
 
 def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=0, silu=True, conv_bias=True,
-                       qk_dtype=None, backend_kwargs=None):
+                       qk_dtype=None, backend_kwargs=None, replayed=False):
+    """replayed: extend and mixed steps run as a captured graph's would, over the static plan
+    init_replay_state fills (each step's padding is its bucket)."""
     ref_pool, dev_pool = make_pools(seed)
     for pool in (ref_pool, dev_pool):
         for t in pool.buffers[layer_id].values():
@@ -307,11 +309,17 @@ def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=
     before = dev_pool.layer(layer_id)[entry].clone()
     g = torch.Generator().manual_seed(seed + 1)
     touched = set()
+    if replayed:
+        tri.init_capture_state(max_tokens=max(sum(r[2] for r in reqs) + t for _, reqs, t, _ in steps),
+                               max_seqs=max(len(reqs) + b for _, reqs, _, b in steps))
     for mode, reqs, pad_tokens, pad_seqs in steps:
         ctx = mode_step(mode, reqs, pad_tokens, pad_seqs)
         tri.init_step_metadata(ctx)
         if mode in (Mode.EXTEND, Mode.MIXED):
             tri.init_chunk_metadata(ctx, 64)
+            if replayed:
+                tri.init_replay_state(ctx, ctx.num_seqs)
+                assert tri._step.extend.captured
         R, T = ctx.num_real_tokens, ctx.num_tokens
         x = step_inputs(op, layer_id, T, R, dtype, g)
         if qk_dtype is not None:
@@ -374,6 +382,27 @@ def test_short_extends_run_the_recurrent_extend_kernel(op, layer_id, dtype):
 
 
 @in_process
+def test_ops_captured_in_extend_take_their_graph_kernels_eagerly_too(monkeypatch):
+    """chunk_impl="triton" makes GDN's and Lightning's extend steps capturable: their short eager steps
+    run the chunk kernels a replay runs, not the recurrent extend kernel (which rounds differently),
+    so eager and replayed steps agree; KDA, never captured in extend, keeps the short path."""
+    import runtime.backends.triton_linear as kernels
+
+    _, dev_pool = make_pools(3)
+    tri = TritonLinearBackend(dev_pool, fla=FakeFLA(), short_extend_tokens=64, chunk_impl="triton")
+    short = []
+    real = kernels.recurrent_extend
+    monkeypatch.setattr(kernels, "recurrent_extend", lambda *a, **k: (short.append(a[-2]), real(*a, **k)))
+    ctx = mode_step(Mode.EXTEND, [(4, 0, 6), (7, 9, 5)], 3, 1)
+    tri.init_step_metadata(ctx)
+    tri.init_chunk_metadata(ctx, 64)
+    for op, layer_id in (("gdn_core", 0), ("lightning_core", 3), ("kda_core", 2)):
+        run_op(tri, ctx, op, layer_id, step_inputs(op, layer_id, 14, 11, torch.float32,
+                                                      torch.Generator().manual_seed(1)), torch.float32, DEVICE)
+    assert short == [kernels.GATE_PER_CHANNEL], "only KDA took the recurrent extend kernel"
+
+
+@in_process
 def test_a_step_with_a_longer_request_takes_fla():
     """The limit is per request: the 6-token request sends its step to FLA, the 4- and 3-token
     steps after it run the recurrent extend kernel."""
@@ -400,6 +429,51 @@ def test_extends_run_our_chunk_kernels_with_chunk_impl_triton(op, layer_id):
     and untouched slots; grouped and ungrouped heads, dims that are not powers of two."""
     fake = compare_mode_steps(op, layer_id, CHUNK_STEPS, seed=80 + layer_id, backend_kwargs={"chunk_impl": "triton"})
     assert fake.calls == []
+
+
+# Two steps of one bucket (128 rows, 4 requests): the second must not read what the first left in
+# the static tables; a decode after them.
+REPLAYED_STEPS = [
+    (Mode.EXTEND, [(4, 0, 70), (7, 9, 5)], 53, 2),
+    (Mode.MIXED, [(4, 70, 4), (7, 14, 1), (2, 0, 3)], 120, 1),
+    (Mode.DECODE, [(2, 3, 1), (4, 74, 1)], 1, 1),
+]
+REPLAYED_OPS = [("gdn_core", 0), ("lightning_core", 3), ("short_conv", 0)]
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", REPLAYED_OPS, ids=[f"{op}-L{lid}" for op, lid in REPLAYED_OPS])
+def test_replayed_extend_steps_read_the_static_plan(op, layer_id):
+    """Captured extend and mixed steps (chunk_impl="triton"): every table padded to the bucket in
+    the static plan (the grid a graph keeps: chunk and conv-block rows for the most a step of the
+    bucket can have, more requests than the step brings) gives the reference's outputs and states;
+    padding rows zero, the padding slot and free slots untouched."""
+    fake = compare_mode_steps(op, layer_id, REPLAYED_STEPS, seed=60 + layer_id, backend_kwargs={"chunk_impl": "triton"},
+                              replayed=True)
+    assert fake.calls == []
+
+
+@in_process
+def test_static_plan_tables_are_padded_to_the_bucket():
+    """The layout a captured step's launches keep: slots and bounds for B+1 requests (the last one
+    empty, on the padding slot), chunk rows T/64 + B and conv-block rows T/32 + B + 1, the rows past
+    the step's own naming the empty request; the conv's padding rows are request B+1."""
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool, chunk_impl="triton")
+    tri.init_capture_state(max_tokens=256, max_seqs=8)
+    ctx = mode_step(Mode.MIXED, [(4, 6, 70), (7, 14, 1)], pad_tokens=57, pad_seqs=2)  # 128 rows, 4 requests
+    tri.init_replay_state(ctx, bucket=4)
+    plan = tri._step.extend
+    assert plan.captured and plan.slots.tolist() == [4, 7, PADDING_SLOT, PADDING_SLOT, PADDING_SLOT]
+    assert plan.cu_seqlens.tolist() == [0, 70, 71, 71, 71, 71]
+    assert plan.conv_bounds.tolist() == [0, 70, 71, 71, 71, 71, 128]
+    chunks = plan.chunk_indices.tolist()
+    assert len(chunks) == 128 // 64 + 4 and chunks[:3] == [[0, 0], [0, 1], [1, 0]] and chunks[3:] == [[4, 0]] * 3
+    blocks = plan.conv_blocks.tolist()
+    assert len(blocks) == 128 // 32 + 4 + 1
+    assert blocks[:6] == [[0, 0], [0, 1], [0, 2], [1, 0], [5, 0], [5, 1]] and blocks[6:] == [[4, 0]] * 3
+    with pytest.raises(RuntimeError, match="static plan holds 256 and 8"):
+        tri.init_replay_state(mode_step(Mode.EXTEND, [(4, 0, 300)]), bucket=1)
 
 
 @in_process

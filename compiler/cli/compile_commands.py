@@ -382,6 +382,16 @@ def bundle_rows(manifest: dict) -> list[dict]:
     return rows
 
 
+def capturable_column(row: dict) -> str:
+    """The modes a backend may be captured in, then each op captured in more under some options:
+    "decode target_verify; gdn_core +extend +mixed (chunk_impl=triton)"."""
+    text = " ".join(row["modes_capturable"]) or "-"
+    for extra in row.get("op_capture") or ():
+        when = ", ".join(f"{k}={v}" for k, v in extra["when"].items())
+        text += f"; {extra['op']} " + " ".join(f"+{m}" for m in extra["modes"]) + (f" ({when})" if when else "")
+    return text
+
+
 def cmd_backends(args) -> int:
     """Every backend routing can choose: built-in, and installed under the entry-point group hgc.backends."""
     from runtime.backends import discover
@@ -391,7 +401,7 @@ def cmd_backends(args) -> int:
         print(json.dumps({"backends": rows}))
         return 0
     table = [(r["name"], r["device"], " ".join(r["ops"]), " ".join(r["modes_supported"]),
-              " ".join(r["modes_capturable"]) or "-", " ".join(r["dtypes"]) if r["dtypes"] else "any",
+              capturable_column(r), " ".join(r["dtypes"]) if r["dtypes"] else "any",
               r["priority"] if not r["explicit_only"] else f"{r['priority']} (only by --route)",
               options_column(r.get("options") or {}), r["source"])
              for r in rows]

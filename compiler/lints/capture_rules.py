@@ -157,7 +157,8 @@ class CapturedBeyondBackend(LintRule):
     def check(self, gm, ctx):
         for mode, piece, node in _captured_op_nodes(gm, ctx):
             backend = node.meta.get("hgc.backend")
-            if backend in ctx.capabilities and mode not in ctx.capabilities[backend].modes_capturable:
+            if backend in ctx.capabilities and not ctx.capabilities[backend].capturable(
+                    node.meta["hgc.op"], mode, node.meta.get("hgc.backend_options")):
                 layer_id = node.meta.get("hgc.layer_id")
                 yield self.finding(
                     f"hgc.{node.meta['hgc.op']} of layer {layer_id} is routed to {backend}, which declares "
@@ -282,7 +283,8 @@ class BackendCannotCapture(LintRule):
                 continue
             cap = ctx.capabilities[name]
             spec = op_spec(node.meta["hgc.op"])
-            lost = [m.value for m in MODES if spec.capture(m) is Capture.CAPTURABLE and m not in cap.modes_capturable]
+            lost = [m.value for m in MODES if spec.capture(m) is Capture.CAPTURABLE
+                    and not cap.capturable(spec.name, m, node.meta.get("hgc.backend_options"))]
             if lost:
                 yield self.finding(
                     f"layer {node.meta['hgc.layer_id']}'s hgc.{spec.name} runs on {name}, which cannot be captured in "

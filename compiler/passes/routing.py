@@ -159,8 +159,8 @@ def _automatic(node, ctx, facts):
     policy = op_spec(op).policy
     wanted = {m for m in MODES if policy[m] is Capture.CAPTURABLE}
 
-    def uncapturable(c) -> int:
-        return len(wanted - set(c.modes_capturable))
+    def uncapturable(c) -> int:  # under its default kernel options (a route picks others)
+        return sum(not c.capturable(op, m) for m in wanted)
 
     return min(fits, key=lambda c: (-c.priority, uncapturable(c), fits.index(c)))
 
@@ -229,6 +229,7 @@ class RoutingPass(CompilePass):
         for node in op_nodes(gm):
             cap, options, chosen_by = choose_backend(node, ctx)
             node.meta["hgc.backend"] = cap.name
+            node.meta["hgc.backend_options"] = options  # the split pass reads them (OpCapture)
             policy = op_spec(node.meta["hgc.op"]).policy
             entries.append({
                 "node": node.name,
@@ -241,7 +242,7 @@ class RoutingPass(CompilePass):
                 "options": options,
                 "chosen_by": chosen_by,
                 "policy": {m.value: policy[m].value for m in MODES},
-                "backend_capturable": [m.value for m in MODES if m in cap.modes_capturable],
+                "backend_capturable": cap.capturable_modes(node.meta["hgc.op"], options),
                 "module": node.meta["hgc.module"],
             })
         ctx.routing[ctx.program] = entries

@@ -3,8 +3,8 @@
 For each mode (decode, extend, mixed, target_verify):
 
 1. an op node is a split point when its op's declared capture policy for that mode is "eager", OR
-   the backend routing bound it to does not declare that mode capturable (its capability's
-   `modes_capturable`): whether a node is captured is decided here, once, from both, and the
+   the backend routing bound it to does not declare that mode capturable for that op with the node's
+   kernel options (its capability's `capturable`: `modes_capturable`, or an `op_capture` entry): whether a node is captured is decided here, once, from both, and the
    runtime reads the decision from split.json (it derives it nowhere else);
 2. walking the graph in order, maximal runs of split points become eager pieces (adjacent eager
    ops merge into one gap) and maximal runs of everything else become captured pieces;
@@ -37,13 +37,15 @@ __all__ = ["SplitPass", "plan_for_mode", "is_split_point"]
 
 def is_split_point(node, mode: Mode, capabilities=None) -> bool:
     """An op node that runs eagerly in `mode`: its op's policy says eager, or (given the capability
-    table) the backend routing bound it to cannot be captured in that mode."""
+    table) the backend routing bound it to cannot capture that op, with the node's kernel options, in that mode."""
     if not is_op_node(node):
         return False
     if op_spec(op_name_of(node.target)).capture(mode) is Capture.EAGER:
         return True
     backend = node.meta.get("hgc.backend")
-    return capabilities is not None and backend is not None and mode not in capabilities[backend].modes_capturable
+    if capabilities is None or backend is None:
+        return False
+    return not capabilities[backend].capturable(op_name_of(node.target), mode, node.meta.get("hgc.backend_options"))
 
 
 def plan_for_mode(gm, mode: Mode, capabilities=None) -> SplitPlan:

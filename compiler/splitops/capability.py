@@ -33,7 +33,8 @@ from .ops import OP_SPECS
 from .policy import MODES, Mode
 from .registry import LayerKind
 
-__all__ = ["BackendCapability", "CapabilityTable", "CapabilityError", "ShapeLimit", "DTYPES", "instance_key"]
+__all__ = ["BackendCapability", "CapabilityTable", "CapabilityError", "ShapeLimit", "OpCapture", "DTYPES",
+           "instance_key"]
 
 # The activation dtypes a compile can trace in (hgc compile --dtype): what `dtypes` may name.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -88,6 +89,38 @@ class ShapeLimit:
                    bool(obj.get("power_of_two", False)), str(obj.get("why", "")))
 
 
+@dataclasses.dataclass(frozen=True)
+class OpCapture:
+    """One op of a backend capturable in more modes than the backend's `modes_capturable`, where the
+    node's kernel options match `when` (every (option, choice) pair; none: always).
+
+    Example (GDN extend steps capturable on our chunk kernels, not on FLA's)::
+
+        OpCapture("gdn_core", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("chunk_impl", "triton"),))
+    """
+
+    op: str
+    modes: frozenset[Mode]
+    when: tuple[tuple[str, str], ...] = ()
+    why: str = ""  # what makes these modes capturable, shown by `hgc backends`
+
+    def __post_init__(self) -> None:
+        if self.op not in OP_SPECS:
+            raise CapabilityError(f"op capture of {self.op!r}: not an op of the vocabulary")
+
+    def applies(self, op: str, mode: Mode, options: Mapping[str, str]) -> bool:
+        return op == self.op and mode in self.modes and all(options.get(k) == v for k, v in self.when)
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "modes": [m.value for m in MODES if m in self.modes],
+                "when": {k: v for k, v in self.when}, "why": self.why}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "OpCapture":
+        return cls(str(obj["op"]), frozenset(Mode(m) for m in obj["modes"]),
+                   tuple((str(k), str(v)) for k, v in (obj.get("when") or {}).items()), str(obj.get("why", "")))
+
+
 def instance_key(backend: str, options: Mapping[str, str]) -> str:
     """The name of one backend instance: the backend, with its kernel options when it has any.
 
@@ -115,6 +148,8 @@ class BackendCapability:
     ops: frozenset[str]  # hgc op names it implements
     modes_supported: frozenset[Mode] = frozenset(MODES)  # modes it can run at all
     modes_capturable: frozenset[Mode] = frozenset()  # modes in which its kernels may sit in a CUDA graph
+    # Ops capturable in more modes than that, under some kernel options: read through `capturable`.
+    op_capture: tuple[OpCapture, ...] = ()
     kinds: Optional[frozenset[LayerKind]] = None  # layer kinds it serves; None: any kind the op serves
     dtypes: Optional[frozenset[str]] = None  # activation dtypes (the dtype of an op's `out`); None: any
     limits: tuple[ShapeLimit, ...] = ()  # shape limits of its kernels
@@ -136,6 +171,16 @@ class BackendCapability:
         if not set(self.modes_capturable) <= set(self.modes_supported):
             raise CapabilityError(f"backend {self.name!r}: capturable in modes it does not support: "
                                   f"{sorted(m.value for m in set(self.modes_capturable) - set(self.modes_supported))}")
+        for extra in self.op_capture:
+            if extra.op not in self.ops:
+                raise CapabilityError(f"backend {self.name!r}: op capture of {extra.op!r}, an op it does not declare")
+            if not set(extra.modes) <= set(self.modes_supported):
+                raise CapabilityError(f"backend {self.name!r}: {extra.op} capturable in modes it does not support")
+            choices = dict(self.options)
+            for option, choice in extra.when:
+                if choice not in choices.get(option, ()):
+                    raise CapabilityError(f"backend {self.name!r}: op capture of {extra.op} names {option}={choice}, "
+                                          f"not one of its options' choices")
         if self.dtypes is not None and not set(self.dtypes) <= set(DTYPES):
             raise CapabilityError(f"backend {self.name!r}: dtypes {sorted(set(self.dtypes) - set(DTYPES))} are not "
                                   f"among {list(DTYPES)}")
@@ -179,6 +224,21 @@ class BackendCapability:
     def option_choices(self) -> dict[str, tuple[str, ...]]:
         return dict(self.options)
 
+    def capturable(self, op: str, mode: Mode, options: Optional[Mapping[str, str]] = None) -> bool:
+        """Whether a node of `op` routed here with kernel `options` (unset ones: their defaults) may
+        sit in a CUDA graph in `mode`: the backend's modes, or an `op_capture` entry that applies."""
+        mode = Mode(mode)
+        if mode in self.modes_capturable:
+            return True
+        if not self.op_capture:
+            return False
+        resolved = {o: (options or {}).get(o, values[0]) for o, values in self.options}
+        return any(extra.applies(op, mode, resolved) for extra in self.op_capture)
+
+    def capturable_modes(self, op: str, options: Optional[Mapping[str, str]] = None) -> list[str]:
+        """The modes `capturable` allows for `op` with `options`, in mode order (routing.json records them)."""
+        return [m.value for m in MODES if self.capturable(op, m, options)]
+
     def resolve_options(self, given: Mapping[str, str]) -> dict[str, str]:
         """Every declared option with its choice: `given` where set, else the default (first) choice."""
         choices = self.option_choices()
@@ -199,6 +259,7 @@ class BackendCapability:
             "ops": sorted(self.ops),
             "modes_supported": [m.value for m in MODES if m in self.modes_supported],
             "modes_capturable": [m.value for m in MODES if m in self.modes_capturable],
+            "op_capture": [extra.to_json() for extra in self.op_capture],
             "kinds": None if self.kinds is None else sorted(k.value for k in self.kinds),
             "dtypes": None if self.dtypes is None else sorted(self.dtypes),
             "limits": [lim.to_json() for lim in self.limits],
@@ -213,6 +274,7 @@ class BackendCapability:
             name=str(obj["name"]), device=str(obj["device"]), ops=frozenset(obj["ops"]),
             modes_supported=frozenset(Mode(m) for m in obj["modes_supported"]),
             modes_capturable=frozenset(Mode(m) for m in obj["modes_capturable"]),
+            op_capture=tuple(OpCapture.from_json(extra) for extra in obj.get("op_capture", ())),
             kinds=None if obj.get("kinds") is None else frozenset(LayerKind(k) for k in obj["kinds"]),
             dtypes=None if obj.get("dtypes") is None else frozenset(obj["dtypes"]),
             limits=tuple(ShapeLimit.from_json(lim) for lim in obj.get("limits", ())),

@@ -61,6 +61,12 @@ class OpSpec:
 _STATEFUL_POLICY = {Mode.DECODE: _C, Mode.TARGET_VERIFY: _C, Mode.EXTEND: _E, Mode.MIXED: _E}
 # Stateless device work with static shapes (no host sync, no data-dependent shapes).
 _ALWAYS_CAPTURABLE = {m: _C for m in Mode}
+# Recurrent cores whose extend work is a fixed set of launches over a per-step table (chunks,
+# cu_seqlens, slots) that can be padded to the bucket and read from static device buffers: capture
+# in every mode is allowed. Whether an extend step is captured is the routed backend's word (its
+# capability's `capturable`): our chunk kernels can, FLA's (a Python entry that plans on the host)
+# cannot. KDA keeps the stateful policy: no backend runs its per-channel gates that way.
+_TABLE_DRIVEN_POLICY = _ALWAYS_CAPTURABLE
 
 OP_SPECS: dict[str, OpSpec] = {}
 
@@ -95,7 +101,7 @@ _declare(
 _declare(
     "gdn_core",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) out, int layer_id, float scale) -> ()",
-    {LayerKind.GDN}, True, _STATEFUL_POLICY,
+    {LayerKind.GDN}, True, _TABLE_DRIVEN_POLICY,
     "Gated delta rule. q,k [T,Hk,Dk] (already l2-normalised), v [T,Hv,Dv], g [T,Hv] log-decay, "
     "beta [T,Hv]; value head h reads key head h // (Hv/Hk). Per token: S = exp(g) S; "
     "S += k (beta (v - S^T k))^T; out = scale q^T S. State S [Hv,Dk,Dv] float32.",
@@ -112,7 +118,7 @@ _declare(
 _declare(
     "lightning_core",
     "(Tensor q, Tensor k, Tensor v, Tensor decay, Tensor(a!) out, int layer_id, float scale) -> ()",
-    {LayerKind.LIGHTNING}, True, _STATEFUL_POLICY,
+    {LayerKind.LIGHTNING}, True, _TABLE_DRIVEN_POLICY,
     "Simple GLA with a constant per-head decay (lightning attention). q,k [T,H,Dk], v [T,H,Dv], "
     "decay [H] log-decay (<= 0). Per token: S = exp(decay) S + k v^T; out = scale q^T S.",
     token_args=("q", "k", "v"),
@@ -120,7 +126,7 @@ _declare(
 _declare(
     "short_conv",
     "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int layer_id, bool silu) -> ()",
-    {LayerKind.GDN, LayerKind.KDA}, True, _STATEFUL_POLICY,
+    {LayerKind.GDN, LayerKind.KDA}, True, _TABLE_DRIVEN_POLICY,
     "Causal depthwise convolution whose last K-1 inputs per request live in the layer's 'conv' "
     "state. x, out [T,C], weight [C,K], bias [C] or None; silu applied after when asked.",
     token_args=("x",),

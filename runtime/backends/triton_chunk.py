@@ -116,16 +116,15 @@ import triton.language as tl
 from runtime.backends.launch_cache import Launcher
 from runtime.backends.launch_math import cdiv, next_pow2, triton_interpreted
 from runtime.backends.sm_count import num_sms
-from runtime.backends.triton_linear import (GATE_CONSTANT, GATE_PER_CHANNEL, GATE_PER_HEAD, _check_rows,
-                                            _recurrent_args)
+from runtime.backends.triton_linear import GATE_PER_CHANNEL, OP_OF_GATE, _check_rows, _recurrent_args
+from runtime.state_pool import PADDING_SLOT
 
-__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "chunk_config", "chunk_workspace", "chunk_matrix_workspace",
-           "chunk_state_dtype", "chunk_state_workspace", "chunk_extend"]
+__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_config", "chunk_workspace",
+           "chunk_matrix_workspace", "chunk_state_dtype", "chunk_state_workspace", "chunk_extend"]
 
 CHUNK_T = 64  # rows of a chunk by default: FLA's chunk length, so the backend's one table serves both
 SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's smallest tile)
 
-_OPS = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +200,30 @@ def chunk_matrix_workspace(chunks: int, heads: int, block_t: int, device: torch.
         held = torch.empty(max(16, next_pow2(chunks)), heads, block_t, block_t, dtype=torch.float32, device=device)
         _MATRIX_WORKSPACES[key] = held
     return held[:chunks]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkWorkspaces:
+    """Workspaces owned by one caller instead of the shared cache: a captured step's kernels keep
+    their addresses, so they must never be regrown under it (an eager step longer than every
+    bucket regrows the cache). W and T are None without the delta rule."""
+
+    w: torch.Tensor | None  # [rows, Hv, Dk] float32
+    u: torch.Tensor  # [rows, Hv, Dv] float32 (V' over U; without the delta rule unused)
+    t: torch.Tensor | None  # [chunks, Hv, BT, BT] float32
+    cs: torch.Tensor  # [chunks, Hv, Dk, Dv] in chunk_state_dtype
+
+    @classmethod
+    def allocate(cls, rows: int, chunks: int, heads: int, dk: int, dv: int, dtype: torch.dtype, delta: bool,
+                 device: torch.device, block_t: int = 64) -> "ChunkWorkspaces":
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(rows, heads, dk, **f32) if delta else None,
+                   torch.empty(rows, heads, dv, **f32),
+                   torch.empty(chunks, heads, block_t, block_t, **f32) if delta else None,
+                   torch.empty(chunks, heads, dk, dv, dtype=chunk_state_dtype(dtype), device=device))
+
+    def fits(self, rows: int, chunks: int) -> bool:
+        return self.u.shape[0] >= rows and self.cs.shape[0] >= chunks
 
 
 def chunk_state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -279,6 +302,8 @@ def _chunk_solve_kernel(
     req = tl.load(chunks_ptr + 2 * chunk)
     start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
     n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
+    if n <= 0:  # a row of a captured step's table past the step's chunks (an empty request's)
+        return
     offs_t = tl.arange(0, BT)
     offs_k = tl.arange(0, BK)
     offs_v = tl.arange(0, BVF)
@@ -354,12 +379,13 @@ def _chunk_state_kernel(
     stride_vp_row, stride_vp_head, stride_cs_chunk, stride_cs_head, stride_s_slot, stride_s_head,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, DOT_PREC: tl.constexpr,
-    LOWP: tl.constexpr,
+    LOWP: tl.constexpr, PAD_SLOT: tl.constexpr,
 ):
     """One request's chunks in order through one [BK, BV] state tile: per chunk the state entering it
     (to the chunk-state workspace cs, [chunks, Hv, Dk, Dv] contiguous in its last two dims), V' and
     the next state; the last state back to the slot. vp is U with the delta rule (V' is written over
-    it) and V without (read only)."""
+    it) and V without (read only). A request on the padding slot (a graph capture's placeholder
+    requests) starts from a zero state and writes none back: the padding slot is never touched."""
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
@@ -377,7 +403,10 @@ def _chunk_state_kernel(
         # slot ids are int64 and the pool can exceed 2**31 elements: offsets stay int64.
         s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
-        s = tl.load(s_ptrs, mask=m_s, other=0.0)
+        # the padding slot's tile: neither read nor written (a [BK, BV] mask: the interpreter takes no
+        # scalar in a mask)
+        m_own = m_s & ((offs_k[:, None] * 0 + slot) != PAD_SLOT)
+        s = tl.load(s_ptrs, mask=m_own, other=0.0)
         cs_tile = cs_ptr + head * stride_cs_head + offs_k[:, None] * DV + offs_v[None, :]
         first = _first_chunk(bounds_ptr, req, BT=BT, BR=BR)
         for start in range(bos, eos, BT):
@@ -410,7 +439,7 @@ def _chunk_state_kernel(
             else:
                 s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PREC)
         # Only this program owns this tile of this slot (requests have distinct slots).
-        tl.store(s_ptrs, s, mask=m_s)
+        tl.store(s_ptrs, s, mask=m_own)
 
 
 @triton.jit
@@ -431,6 +460,8 @@ def _chunk_output_kernel(
     req = tl.load(chunks_ptr + 2 * chunk)
     start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
     n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
+    if n <= 0:  # a row of a captured step's table past the step's chunks (an empty request's)
+        return
     offs_t = tl.arange(0, BT)
     offs_v = v_tile * BV + tl.arange(0, BV)
     m_t = offs_t < n
@@ -485,7 +516,7 @@ _CHUNK_OUTPUT = Launcher(_chunk_output_kernel)
 def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor | None,
                  out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor,
                  chunks: torch.Tensor, scale: float, gate_kind: int, block_t: int = CHUNK_T,
-                 config: ChunkConfig | None = None) -> None:
+                 config: ChunkConfig | None = None, workspaces: ChunkWorkspaces | None = None) -> None:
     """The recurrent cores of an extend step by chunks, over the slot-indexed pool, in place.
 
     q, k [T, Hk, Dk]; v, out [T, Hv, Dv] (value head h reads key head h // (Hv // Hk)); gate [T, Hv]
@@ -494,8 +525,15 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     slot); bounds [R+1] int64, request r owns rows bounds[r] .. bounds[r+1]-1 (maybe none); chunks
     [N, 2] int64 on the device, (request, chunk j) rows: launch_math.token_blocks of the requests'
     lengths for this block_t (chunk j of request r starts at row bounds[r] + j * block_t). Rows from
-    bounds[R] on are not touched. The host reads no device value: the tables are the step's plan."""
-    op = _OPS[gate_kind]
+    bounds[R] on are not touched. The host reads no device value: the tables are the step's plan.
+
+    Inside a captured graph the tables are static buffers padded to the bucket (the backend's
+    static plan): slots and bounds for more requests than the step has, the extra ones empty
+    (bounds[r] == bounds[r+1]: their programs do nothing), and the chunk table's extra rows naming an
+    empty request (their programs store nothing); `workspaces` are then the caller's own, sized for
+    the largest bucket (ChunkWorkspaces). Requests on the padding slot read a zero state and write
+    none back."""
+    op = OP_OF_GATE[gate_kind]
     if gate_kind == GATE_PER_CHANNEL:
         raise ValueError(f"{op}: chunk_extend takes per-head or constant log-decays; per-channel gates (KDA) "
                          f"run FLA's chunk kernels")
@@ -522,10 +560,20 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
                   DOT_PREC="tf32x3" if v.dtype == torch.float32 else "tf32")
     delta = beta is not None
     lowp = cfg.low_precision_dots and v.dtype != torch.float32 and not triton_interpreted()
-    cs = chunk_state_workspace(num_chunks, Hv, Dk, Dv, chunk_state_dtype(v.dtype), q.device)
+    if workspaces is not None:
+        if not workspaces.fits(rows, num_chunks) or (delta and workspaces.w is None):
+            raise ValueError(f"{op}: the caller's workspaces hold {workspaces.u.shape[0]} rows and "
+                             f"{workspaces.cs.shape[0]} chunks; this step needs {rows} and {num_chunks}"
+                             + (" with the delta rule's W and T" if delta else ""))
+        cs = workspaces.cs[:num_chunks]
+    else:
+        cs = chunk_state_workspace(num_chunks, Hv, Dk, Dv, chunk_state_dtype(v.dtype), q.device)
     if delta:
-        w, vp = chunk_workspace(rows, Hv, Dk, Dv, q.device)
-        t = chunk_matrix_workspace(num_chunks, Hv, block_t, q.device)
+        if workspaces is not None:
+            w, vp, t = workspaces.w[:rows], workspaces.u[:rows], workspaces.t[:num_chunks]
+        else:
+            w, vp = chunk_workspace(rows, Hv, Dk, Dv, q.device)
+            t = chunk_matrix_workspace(num_chunks, Hv, block_t, q.device)
         _CHUNK_SOLVE[(num_chunks, Hv)](
             k, v, gate, beta, w, vp, t, bounds, chunks,
             sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1),
@@ -537,8 +585,8 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
         k, gate, w, vp, cs, state, slots, bounds,
         sk_r, sk_h, sg_r, sg_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1), cs.stride(0), cs.stride(1),
         ss_slot, ss_head,
-        **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, LOWP=lowp, num_warps=cfg.num_warps,
-        num_stages=cfg.state_stages)
+        **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, LOWP=lowp, PAD_SLOT=PADDING_SLOT,
+        num_warps=cfg.num_warps, num_stages=cfg.state_stages)
     _CHUNK_OUTPUT[(num_chunks, Hv, cdiv(Dv, cfg.out_block_v))](
         q, k, vp, gate, cs, out, bounds, chunks,
         sq_r, sq_h, sk_r, sk_h, vp.stride(0), vp.stride(1), sg_r, sg_h, so_r, so_h, cs.stride(0), cs.stride(1),

@@ -78,6 +78,7 @@ __all__ = [
 GATE_PER_HEAD = 0  # GDN: g [T, H], one decay per token and value head
 GATE_PER_CHANNEL = 1  # KDA: g [T, H, Dk], one decay per token, head and key channel
 GATE_CONSTANT = 2  # Lightning: decay [H], the same for every token
+OP_OF_GATE = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,6 +365,8 @@ def _short_conv_extend_kernel(
     j = tl.load(blocks_ptr + 2 * blk + 1)
     bos = tl.load(bounds_ptr + seq).to(tl.int64)
     n = tl.load(bounds_ptr + seq + 1).to(tl.int64) - bos  # tokens of the request (padding: rows)
+    if j * BT >= n:  # a row of a captured step's table past the step's blocks (an empty request's)
+        return
     offs_t = j * BT + tl.arange(0, BT)  # token index within the request
     offs_c = c_tile * BC + tl.arange(0, BC)
     m_t = offs_t < n
@@ -472,7 +475,7 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     q, k [B, Hk, Dk]; v, out [B, Hv, Dv]; gate [B, Hv] / [B, Hv, Dk] / [Hv] by gate_kind; beta [B, Hv]
     or None (no delta rule); state [num_slots+1, Hv, Dk, Dv] float32; slots [B] int64.
     """
-    op = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}[gate_kind]
+    op = OP_OF_GATE[gate_kind]
     B = q.shape[0]
     _check_rows(op, B, slots, q, k, v, gate, out, state)
     q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, B)
@@ -499,7 +502,7 @@ def recurrent_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     bounds[R] on are not touched. Its cost grows with the longest request's tokens, one after
     another: for short requests (a prefix cache hit's tail), where a chunked kernel's launches cost
     more than its work."""
-    op = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}[gate_kind]
+    op = OP_OF_GATE[gate_kind]
     R = slots.shape[0]
     _check_rows(op, R, slots, q, k, v, gate, out, state, bounds)
     assert tuple(bounds.shape) == (R + 1,), f"{op}: bounds must be [{R + 1}] for {R} requests, got {tuple(bounds.shape)}"

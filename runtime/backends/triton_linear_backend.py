@@ -75,8 +75,8 @@ import types
 import numpy as np
 import torch
 
-from compiler.splitops import MODES, BackendCapability, LayerKind, Mode
-from runtime.backends.launch_math import token_blocks
+from compiler.splitops import MODES, BackendCapability, LayerKind, Mode, OpCapture
+from runtime.backends.launch_math import cdiv, token_blocks
 from runtime.backends.protocol import BackendHooks, BackendSetup
 from runtime.context import ExecContext
 from runtime.state_pool import PADDING_SLOT, StatePool
@@ -201,6 +201,10 @@ class _ExtendPlan:
     conv_bounds: torch.Tensor  # [R+2] int64 on the device: cu_seqlens, then num_rows (the padding rows)
     conv_blocks: torch.Tensor  # [NB, 2] int64 on the device: (request, token block) of the extend conv
     longest: int  # the most tokens one request brings this step (which recurrent path it takes)
+    # The static plan of a captured step (_StaticExtendPlan): tables padded to the bucket at fixed
+    # addresses, every launch's grid fixed by the bucket; num_tokens, cu_seqlens_cpu and longest
+    # are then not the launches' to read.
+    captured: bool = False
 
 
 @dataclasses.dataclass
@@ -230,6 +234,94 @@ def _to_device_at_once(parts: list[torch.Tensor], device: torch.device) -> list[
     return [buf[a:a + math.prod(shape)].view(shape) for a, shape in spans]
 
 
+class _StaticExtendPlan:
+    """The extend path's tables for captured extend and mixed steps, in one static device buffer.
+
+    A captured graph keeps its launches' grids and pointers, so a step of bucket (T rows, B
+    requests) gets tables of fixed shapes at fixed addresses, refilled before each replay (one copy):
+
+    - slots [B+1]: the step's slot ids (padding requests on the padding slot), then one more
+      request that is always empty, on the padding slot;
+    - chunk bounds [B+2]: cu_seqlens of the B+1 requests (padding requests and the extra one
+      empty: their programs do nothing);
+    - chunks [T/64 + B, 2]: the real (request, chunk) rows, then rows naming the empty request
+      (their programs store nothing), the most a step of the bucket can have;
+    - conv bounds [B+3]: the chunk bounds, then T: request B+1 is the padding rows, which the
+      conv kernel writes as zeros; conv blocks [T/32 + B + 1, 2]: every request's blocks and the
+      padding rows', then rows naming the empty request.
+
+    Only real rows of the chunk kernels' `out` are written, so a captured step zeroes `out` first
+    (an eager one zeroes the padding rows after)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device):
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        device = torch.device(device)
+        size = self._size(max_tokens, max_seqs)
+        self.slots = torch.full((max_seqs + 1,), PADDING_SLOT, dtype=torch.int64, device=device)
+        self.buf = torch.zeros(size, dtype=torch.int64, device=device)
+        # The tables are written into pinned host memory and sent in one asynchronous copy; the
+        # next step waits for that copy to leave the host block before writing it again (as
+        # runtime/step_staging.py does).
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
+        self._event = torch.cuda.Event() if cuda else None
+
+    @staticmethod
+    def _rows(tokens: int, seqs: int) -> tuple[int, int]:
+        """(chunk rows, conv block rows) of a bucket's tables."""
+        return cdiv(tokens, FLA_CHUNK) + seqs, cdiv(tokens, _kernels().CONV_EXTEND_BLOCK_T) + seqs + 1
+
+    @classmethod
+    def _layout(cls, tokens: int, seqs: int) -> list[tuple[int, tuple[int, ...]]]:
+        """(offset, shape) of chunk bounds, conv bounds, chunks and conv blocks; 16-byte aligned."""
+        chunks, blocks = cls._rows(tokens, seqs)
+        spans, at = [], 0
+        for shape in ((seqs + 2,), (seqs + 3,), (chunks, 2), (blocks, 2)):
+            spans.append((at, shape))
+            at += math.prod(shape) + math.prod(shape) % 2
+        return spans
+
+    @classmethod
+    def _size(cls, tokens: int, seqs: int) -> int:
+        at, shape = cls._layout(tokens, seqs)[-1]
+        return at + math.prod(shape)
+
+    def fill(self, ctx: ExecContext) -> _ExtendPlan:
+        """This step's tables (host numpy, one copy) and the plan of views the ops launch over."""
+        T, B = ctx.num_tokens, ctx.num_seqs
+        if T > self.max_tokens or B > self.max_seqs:
+            raise RuntimeError(f"triton_linear: a captured extend step of {T} rows and {B} requests; the static "
+                               f"plan holds {self.max_tokens} and {self.max_seqs}")
+        lens = np.zeros(B + 1, dtype=np.int64)
+        lens[:ctx.num_real_seqs] = ctx.query_lens
+        real = int(lens.sum())
+        bounds = np.zeros(B + 3, dtype=np.int64)
+        np.cumsum(lens, out=bounds[1:B + 2])
+        bounds[B + 2] = T
+        layout = self._layout(T, B)
+        size = self._size(T, B)
+        if self._event is not None:
+            self._event.synchronize()  # the previous step's copy has left the host block
+        host = self.host[:size].numpy()
+        (cb, _), (vb, _), (ch, (n_chunks, _)), (bl, (n_blocks, _)) = layout
+        host[cb:cb + B + 2] = bounds[:B + 2]
+        host[vb:vb + B + 3] = bounds
+        for at, rows, table in ((ch, n_chunks, token_blocks(lens, FLA_CHUNK)),
+                                (bl, n_blocks, token_blocks(np.append(lens, np.int64(T - real)),
+                                                            _kernels().CONV_EXTEND_BLOCK_T))):
+            view = host[at:at + 2 * rows].reshape(rows, 2)
+            view[:] = (B, 0)  # the empty request: these rows' programs do nothing
+            view[:table.shape[0]] = table
+        self.buf[:size].copy_(self.host[:size], non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        self.slots[:B].copy_(ctx.state_slots[:B], non_blocking=True)
+        self.slots[B:B + 1].fill_(PADDING_SLOT)  # a larger bucket's step may have left a slot id here
+        views = [self.buf[at:at + math.prod(shape)].view(shape) for at, shape in layout]
+        chunk_bounds, conv_bounds, chunks, blocks = views
+        return _ExtendPlan(real, self.slots[:B + 1], chunk_bounds, None, chunks, conv_bounds, blocks, 0, captured=True)
+
+
 def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
     """q and k in v's dtype for FLA's chunk kernels, which tl.dot them with v-sized tiles and refuse
     a mix. Kimi keeps q, k in float32 after its l2norm (as transformers does); FLA's own in-kernel
@@ -242,7 +334,11 @@ def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
 # request, 1 to 16 requests; benchmarks/gpu_linear_extend.py, BENCHMARKS.md), FLA's Python entry
 # costing about 1 ms a layer against some 0.1 ms of kernels. Longer requests were not timed there,
 # and the recurrent kernel's time grows with a request's tokens one after another, so they keep
-# FLA's chunk kernels. "0": FLA always.
+# FLA's chunk kernels. "0": FLA always. It applies to the ops whose extend steps are never captured
+# (KDA, and GDN or Lightning with chunk_impl=fla): an op captured in extend runs the chunk kernels
+# eagerly too, so an eager step computes what the replayed graph of the same step does (a recurrent
+# and a chunked kernel round differently, and a random-weight bench model carried that to 27% of its
+# logits, benchmarks/gpu_e2e.py's graph-against-eager tokens: BENCHMARKS.md).
 SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 
 # Which chunk kernels run the extend steps of GDN and Lightning layers (past the short-extend
@@ -262,11 +358,22 @@ class TritonLinearBackend(BackendHooks):
     name = "triton_linear"
     supported_ops = frozenset({"gdn_core", "kda_core", "lightning_core", "short_conv"})
     # Every mode, so routing can bind these ops here on "cuda". Captured: decode (one decode-kernel
-    # launch per op) and target_verify (n strided decode-kernel launches, shapes fixed per bucket).
-    # Extend and mixed run chunk kernels over a table the step's plan makes on the host: eager.
+    # launch per op) and target_verify (n strided decode-kernel launches, shapes fixed per bucket);
+    # extend and mixed steps of the ops our own kernels run (GDN and Lightning on our chunk
+    # kernels, the short conv), whose tables a captured step reads from static buffers padded to
+    # the bucket (_StaticExtendPlan). KDA, and chunk_impl=fla, call FLA's Python entry, which plans
+    # on the host: eager.
     capability = BackendCapability(
         name="triton_linear", device="cuda", ops=supported_ops,
         modes_supported=frozenset(MODES), modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
+        op_capture=(
+            OpCapture("gdn_core", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("chunk_impl", "triton"),),
+                      why="our chunk kernels over the bucket's static tables"),
+            OpCapture("lightning_core", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("chunk_impl", "triton"),),
+                      why="our chunk kernels over the bucket's static tables"),
+            OpCapture("short_conv", frozenset({Mode.EXTEND, Mode.MIXED}),
+                      why="our extend conv over the bucket's static tables"),
+        ),
         kinds=frozenset({LayerKind.GDN, LayerKind.KDA, LayerKind.LIGHTNING}),
         # short_extend_tokens, chunk_impl: the constructor's arguments of the same names, chosen at
         # compile time (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in
@@ -275,7 +382,8 @@ class TritonLinearBackend(BackendHooks):
         doc="Triton decode kernels (decode; target_verify as n strided decode launches), Triton chunk kernels "
             "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "
             "chunk kernels for KDA, or with chunk_impl=fla), a Triton extend conv; "
-            "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify")
+            "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify, "
+            "and in extend and mixed where our own kernels run")
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
                  short_extend_tokens: int = 0, chunk_impl: str = "fla"):
@@ -300,7 +408,13 @@ class TritonLinearBackend(BackendHooks):
         self._fla = fla
         self._fla_chunk_indices: frozenset[str] | None = None  # FLA entry points that take chunk_indices
         self._static_slots: torch.Tensor | None = None  # [max_seqs] int64: what captured kernels read
+        self._static_extend: _StaticExtendPlan | None = None  # captured extend and mixed steps' tables
+        self._graph_workspaces: dict[tuple, object] = {}  # the chunk kernels' in captured steps (never regrown)
         self._step: _StepPlan | None = None
+        options = {"short_extend_tokens": str(short_extend_tokens), "chunk_impl": chunk_impl}
+        # Ops whose extend and mixed steps this instance may run inside a captured graph.
+        self._captured_extend = frozenset(op for op in self.supported_ops
+                                          if self.capability.capturable(op, Mode.EXTEND, options))
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonLinearBackend":
@@ -313,11 +427,15 @@ class TritonLinearBackend(BackendHooks):
     # -- hooks --------------------------------------------------------------------------------
 
     def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
-        """Allocate the static slot-id buffer that every captured decode / target-verify graph reads."""
+        """Allocate the static slot-id buffer that every captured decode / target-verify graph reads,
+        and the static extend tables where extend steps are captured."""
         self._static_slots = torch.full((max_seqs,), PADDING_SLOT, dtype=torch.int64, device=self.device)
+        if self._captured_extend:
+            self._static_extend = _StaticExtendPlan(max_tokens, max_seqs, self.device)
 
     def init_replay_state(self, ctx: ExecContext, bucket: int) -> None:
-        """Copy this step's slot ids into the static buffer read by the graph of `bucket`."""
+        """Copy this step's slot ids into the static buffer read by the graph of `bucket` (and, for
+        an extend or mixed step, its padded tables into the static extend plan)."""
         if self._static_slots is None:
             raise RuntimeError(f"{self.name}: init_replay_state before init_capture_state")
         if ctx.num_seqs != bucket or bucket > self._static_slots.shape[0]:
@@ -327,6 +445,8 @@ class TritonLinearBackend(BackendHooks):
         slots = self._static_slots[:bucket]
         slots.copy_(ctx.state_slots, non_blocking=True)
         self._step = self._make_step_plan(ctx, slots, replayed=True)
+        if Mode(ctx.mode) in (Mode.EXTEND, Mode.MIXED) and self._static_extend is not None:
+            self._step.extend = self._static_extend.fill(ctx)
 
     def replay_state_in_graph(self, mode: Mode) -> bool:
         """Its replay state is one device copy of the step's slot ids (and, in target_verify, a row
@@ -341,6 +461,7 @@ class TritonLinearBackend(BackendHooks):
     def init_chunk_metadata(self, ctx: ExecContext, chunk_size: int) -> None:
         """Plan the extend path once for all layers (when the step takes it): kept requests, their
         slots, cu_seqlens on host and device, FLA's chunk indices, the extend conv's token blocks.
+        (A replayed step then gets the static plan from init_replay_state, which replaces it.)
 
         FLA chooses its own chunk length (FLA_CHUNK), so `chunk_size` (the engine's token budget)
         sizes nothing here."""
@@ -426,9 +547,10 @@ class TritonLinearBackend(BackendHooks):
                     f"request the same number of rows (rows {rows}, requests {ctx.num_seqs}, lengths "
                     f"{ctx.query_lens}); ragged verify steps only run eagerly")
             return "extend", 0
-        if step.replayed:
+        if step.replayed and (op not in self._captured_extend or step.extend is None or not step.extend.captured):
             raise WrongModeError(f"{self.name}: hgc.{op} (layer {layer_id}) in a replayed {mode.value!r} step; "
-                                 f"extend and mixed steps of linear layers run eagerly (FLA chunk kernels)")
+                                 f"its extend and mixed steps run eagerly here (FLA's chunk kernels plan on the host), "
+                                 f"or init_replay_state made no static plan")
         return "extend", 0
 
     def _layer_state(self, layer_id: int, entry: str) -> torch.Tensor:
@@ -481,8 +603,8 @@ class TritonLinearBackend(BackendHooks):
     def _short_extend(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
         """The recurrent extend kernel over the step's real requests, where each brings at most
         `short_extend_tokens` tokens (padding rows zeroed); False where the step is longer."""
-        if not self.short_extend_tokens:
-            return False
+        if not self.short_extend_tokens or _kernels().OP_OF_GATE[gate_kind] in self._captured_extend:
+            return False  # an op captured in extend takes its graph's kernels eagerly too (SHORT_EXTEND_CHOICES)
         plan = self._extend_plan(self._step_plan(ctx))
         if not 0 < plan.longest <= self.short_extend_tokens:
             return False
@@ -499,6 +621,13 @@ class TritonLinearBackend(BackendHooks):
         if self.chunk_impl == "fla":
             return False
         plan = self._extend_plan(self._step_plan(ctx))
+        if plan.captured:
+            out.zero_()  # the kernels write the real rows only, whose count the graph does not know
+            state = self._layer_state(layer_id, "recurrent")
+            _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, state, plan.slots, plan.cu_seqlens,
+                                          plan.chunk_indices, scale, gate_kind, block_t=FLA_CHUNK,
+                                          config=self._graph_chunk_config(v), workspaces=self._workspaces(q, v, beta))
+            return True
         T = plan.num_tokens
         if T > 0:
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
@@ -507,6 +636,26 @@ class TritonLinearBackend(BackendHooks):
         if out.shape[0] > T:
             out[T:].zero_()
         return True
+
+    def _graph_chunk_config(self, v: torch.Tensor):
+        """Tiles of a captured step's chunk kernels: chosen for one request (the fewest programs in
+        flight), since the graph keeps them whatever the step's requests."""
+        return _chunk_kernels().chunk_config(1, v.shape[1], v.shape[2], v.device)
+
+    def _workspaces(self, q: torch.Tensor, v: torch.Tensor, beta) -> object:
+        """This instance's chunk workspaces for captured steps, sized for the largest bucket once
+        (first made by the largest extend bucket's warm-up, outside any graph: capture goes
+        largest first)."""
+        Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
+        key = (Hv, Dk, Dv, v.dtype, beta is not None)
+        held = self._graph_workspaces.get(key)
+        if held is None:
+            plan = self._static_extend
+            chunks, _ = plan._rows(plan.max_tokens, plan.max_seqs)
+            held = _chunk_kernels().ChunkWorkspaces.allocate(plan.max_tokens, chunks, Hv, Dk, Dv, v.dtype,
+                                                            beta is not None, v.device, block_t=FLA_CHUNK)
+            self._graph_workspaces[key] = held
+        return held
 
     def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
         if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
