@@ -104,6 +104,12 @@ def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(checkpoints, family
     assert set(seen) == {FULL.name, LINEAR.name, MOE.name}, f"{family}: backends used {sorted(seen)}"
     # the linear ops of a family resolve their options alike: one Triton linear instance, one step plan
     assert len(linear_options) == 1, linear_options
+    # Extend and mixed plans cut only where a kernel plans on the host: attention, and KDA (FLA's
+    # chunk kernels); GDN, Lightning and the short conv sit in captured pieces; decode has no gap.
+    attention = "mla_attention" if family in MLA_FAMILIES else "gqa_attention"
+    kda = ["kda_core"] if "kda_core" in {op for ops in seen.values() for op in ops} else []
+    assert gap_ops(art, "extend") == gap_ops(art, "mixed") == sorted([attention, *kda])
+    assert gap_ops(art, "decode") == []
     lints = json.loads((art / "lints.json").read_text())
     assert lints["counts"]["error"] == 0
     # the linear ops capture where their policy allows: no capture warning names triton_linear
@@ -198,29 +204,18 @@ def test_hgc_backends_lists_each_kernel_option_with_its_choices_default_first(ca
     assert "chunk_impl=triton|fla" in lines[at + 1]
 
 
-@pytest.mark.parametrize("family", GQA_FAMILIES + MLA_FAMILIES)
-def test_extend_plans_capture_the_linear_ops_our_kernels_run(checkpoints, family, tmp_path, capsys):
-    """Extend and mixed plans cut only where a kernel plans on the host: attention everywhere, KDA
-    (FLA's chunk kernels); GDN, Lightning and the short conv sit in captured pieces. With
-    chunk_impl=fla the GDN and Lightning cores are gaps again, the conv still captured."""
-    def gaps(art, mode):
-        by_node = {e["node"]: e for e in json.loads((art / "routing.json").read_text())["programs"]["main"]}
-        pieces = json.loads((art / "split.json").read_text())["programs"]["main"][mode]["pieces"]
-        return sorted({by_node[n]["op"] for p in pieces if p["kind"] == EAGER for n in p["nodes"]})
 
-    rc, art, err = compile_cuda(checkpoints, family, tmp_path, capsys, "--dtype", "bfloat16")
-    assert rc == 0, err[-3000:]
-    attention = "mla_attention" if family in MLA_FAMILIES else "gqa_attention"
-    ops = {e["op"] for e in entries(art)}
-    eager = sorted({attention} | ({"kda_core"} & ops))
-    assert gaps(art, "extend") == gaps(art, "mixed") == eager
-    assert gaps(art, "decode") == []
+def gap_ops(art, mode: str) -> list[str]:
+    """The ops in the eager gaps of the main program's plan for `mode` (split.json)."""
+    by_node = {e["node"]: e for e in json.loads((art / "routing.json").read_text())["programs"]["main"]}
+    pieces = json.loads((art / "split.json").read_text())["programs"]["main"][mode]["pieces"]
+    return sorted({by_node[n]["op"] for p in pieces if p["kind"] == EAGER for n in p["nodes"]})
 
-    linear = next(op for op in ("gdn_core", "lightning_core") if op in ops) if ops & {"gdn_core", "lightning_core"} else None
-    if linear is None:  # Kimi: KDA runs FLA's kernels whatever the option
-        return
-    (tmp_path / "fla").mkdir()
-    rc, art, err = compile_cuda(checkpoints, family, tmp_path / "fla", capsys, "--dtype", "bfloat16",
-                                "--route", f"{linear}=triton_linear[chunk_impl=fla]")
+
+def test_chunk_impl_fla_makes_gdn_an_extend_gap_again(checkpoints, tmp_path, capsys):
+    """FLA's chunk kernels plan on the host: with chunk_impl=fla the GDN cores are eager gaps in
+    extend and mixed steps; the short conv (our kernel either way) stays captured."""
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16",
+                                "--route", "gdn_core=triton_linear[chunk_impl=fla]")
     assert rc == 0, err[-3000:]
-    assert gaps(art, "extend") == sorted({attention, linear})
+    assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["gdn_core", "gqa_attention"]

@@ -477,6 +477,27 @@ def test_static_plan_tables_are_padded_to_the_bucket():
 
 
 @in_process
+def test_captured_steps_keep_their_first_workspaces():
+    """The chunk workspaces of captured steps are made once, for the first (the largest bucket's)
+    step, and never regrown under a graph: a larger captured step is refused, naming the sizes."""
+    _, dev_pool = make_pools(4)
+    tri = TritonLinearBackend(dev_pool, chunk_impl="triton")
+    tri.init_capture_state(max_tokens=256, max_seqs=8)
+    g = torch.Generator().manual_seed(5)
+    for T, refused in ((64, False), (64, False), (128, True)):
+        ctx = mode_step(Mode.EXTEND, [(4, 0, 20), (7, 3, 9)], pad_tokens=T - 29, pad_seqs=2)
+        tri.init_step_metadata(ctx)
+        tri.init_replay_state(ctx, bucket=4)
+        x = step_inputs("gdn_core", 0, T, 29, torch.float32, g)
+        if refused:
+            with pytest.raises(ValueError, match="workspaces hold 64 rows"):
+                run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE)
+        else:
+            run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE)
+    assert len(tri._graph_workspaces) == 1
+
+
+@in_process
 def test_chunk_impl_is_a_routing_option_kda_keeps_fla():
     from runtime.backends.protocol import BackendSetup
 

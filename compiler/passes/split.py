@@ -17,9 +17,12 @@ a target bundle compiles) lies whole in one captured piece of every plan; `ensur
 `compiler.splitops.artifact.apply_split_plan` (split_module with keep_original_order=True), so
 the pass itself leaves the graph untouched.
 
-Example (a GDN layer then a full layer) in extend mode, where every stateful op is eager:
+Example (a GDN layer then a full layer) in extend mode, with the GDN layer's ops on a backend that
+captures them there (triton_linear, chunk_impl=triton) and attention eager by its policy:
 
-    captured[embedding..linear] eager[short_conv] captured[..] eager[gdn_core] captured[..] eager[gqa_attention] ...
+    captured[embedding .. short_conv .. gdn_core .. linear] eager[gqa_attention] captured[..] ...
+
+(with chunk_impl=fla: ... eager[gdn_core] ... as well; the short conv stays captured)
 
 and in decode mode, where every op may be captured: one captured piece holding the whole graph
 (unless a node is routed to a backend that cannot be captured in decode: then its node is a gap).

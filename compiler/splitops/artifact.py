@@ -390,9 +390,9 @@ def _check_branches(nodes: tuple[str, ...], branches: tuple[SideBranch, ...], wh
 class SplitPlan:
     """How one program runs in one mode: its pieces in order.
 
-    Example: a GDN layer followed by a full layer, in extend mode::
+    Example: a GDN layer followed by a full layer, in extend mode, GDN's ops captured (chunk_impl=triton)::
 
-        captured [embedding ... linear]   eager [short_conv]   captured [...]   eager [gdn_core]  ...
+        captured [embedding ... short_conv ... gdn_core ... linear]   eager [gqa_attention]   captured [...]
     """
 
     mode: Mode

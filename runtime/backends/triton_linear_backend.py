@@ -15,15 +15,18 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
   not laid out that way runs the extend path below (eager only; refused inside a replayed step),
   which keeps no intermediate states: speculative decoding always verifies D + 1 tokens per
   request (runtime/speculative.py).
-- EXTEND and MIXED: eager. Linear cores of GDN and Lightning layers: our chunk kernels
+- EXTEND and MIXED: linear cores of GDN and Lightning layers: our chunk kernels
   (triton_chunk.chunk_extend, `chunk_impl="triton"`, the routing default: three launches a layer,
   two for Lightning, over the step's real requests as one varlen batch, states read from and
   written to their slots in place, no gather or scatter; decode rows of a mixed step are requests
   of length 1). KDA's, and every layer's with `chunk_impl="fla"`: FLA's chunk kernels
   (chunk_gated_delta_rule, chunk_kda, chunk_simple_gla with g_gamma = decay), initial states
   gathered from the pool by slot, final states scattered back to the same slots. Both take the
-  chunk table the step's plan made on the host, so neither call is capturable; the op policy keeps
-  extend and mixed steps eager anyway. With `short_extend_tokens` set, a step whose requests each
+  chunk table the step's plan made on the host. Ours and the extend conv are capturable (the
+  capability's `op_capture`): a replayed step reads the tables from the static extend plan
+  init_replay_state fills, padded to the bucket (_StaticExtendPlan); FLA's are not (its Python
+  plans on the host), so KDA and `chunk_impl=fla` stay eager gaps. With `short_extend_tokens` set,
+  a step of an op that is never captured in extend whose requests each
   bring at most that many tokens (a prefix-cache hit's tail, a short chunk) runs the recurrent
   cores through our short-extend kernel instead (triton_linear.recurrent_extend: one launch a
   layer, each request's tokens in order). The short conv: our Triton
@@ -52,9 +55,11 @@ Lifecycle (runtime/backends/protocol.py):
 1. `TritonLinearBackend(state_pool)`: kernels read and write the pool's "recurrent" and "conv"
    tensors of each layer directly, by slot id.
 2. `init_capture_state(max_tokens, max_seqs)`: one static slot-id buffer [max_seqs] int64 on the
-   pool's device; captured kernels read slot ids from it.
+   pool's device; captured kernels read slot ids from it. Where extend steps are captured, the
+   static extend plan too (its tables for the largest bucket).
 3. `init_replay_state(ctx, bucket)`: copies the step's slot ids into that buffer (before capture
-   and before every replay). `init_step_metadata(ctx)`: an eager step's plan (slot ids on the
+   and before every replay), and for an extend or mixed step its padded tables into the static
+   extend plan. `init_step_metadata(ctx)`: an eager step's plan (slot ids on the
    device, the verify layout). `init_chunk_metadata(ctx, chunk_size)`: the extend plan above,
    once per step, when the step takes the extend path.
 4. Each op method checks shapes on the host (never reads the device in decode / target_verify).
@@ -626,7 +631,8 @@ class TritonLinearBackend(BackendHooks):
             state = self._layer_state(layer_id, "recurrent")
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, state, plan.slots, plan.cu_seqlens,
                                           plan.chunk_indices, scale, gate_kind, block_t=FLA_CHUNK,
-                                          config=self._graph_chunk_config(v), workspaces=self._workspaces(q, v, beta))
+                                          config=self._graph_chunk_config(v),
+                                          workspaces=self._workspaces(q, v, beta, plan.chunk_indices.shape[0]))
             return True
         T = plan.num_tokens
         if T > 0:
@@ -642,17 +648,16 @@ class TritonLinearBackend(BackendHooks):
         flight), since the graph keeps them whatever the step's requests."""
         return _chunk_kernels().chunk_config(1, v.shape[1], v.shape[2], v.device)
 
-    def _workspaces(self, q: torch.Tensor, v: torch.Tensor, beta) -> object:
-        """This instance's chunk workspaces for captured steps, sized for the largest bucket once
-        (first made by the largest extend bucket's warm-up, outside any graph: capture goes
-        largest first)."""
+    def _workspaces(self, q: torch.Tensor, v: torch.Tensor, beta, chunks: int) -> object:
+        """This instance's chunk workspaces for captured steps, made once for the first captured
+        extend step's rows and chunk-table rows: the largest extend bucket's warm-up, outside any
+        graph (capture goes largest first). A later captured step never needs more; if one did,
+        chunk_extend would refuse it rather than regrow memory a graph holds."""
         Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
         key = (Hv, Dk, Dv, v.dtype, beta is not None)
         held = self._graph_workspaces.get(key)
         if held is None:
-            plan = self._static_extend
-            chunks, _ = plan._rows(plan.max_tokens, plan.max_seqs)
-            held = _chunk_kernels().ChunkWorkspaces.allocate(plan.max_tokens, chunks, Hv, Dk, Dv, v.dtype,
+            held = _chunk_kernels().ChunkWorkspaces.allocate(q.shape[0], chunks, Hv, Dk, Dv, v.dtype,
                                                             beta is not None, v.device, block_t=FLA_CHUNK)
             self._graph_workspaces[key] = held
         return held
