@@ -147,11 +147,8 @@ def interpreted_triton_linear(**options) -> type:
 
         @classmethod
         def build(cls, setup):
-            # routing's recorded options, as the real build passes them (the split captured the
-            # ops they make capturable), then the test's own
-            chosen = {"short_extend_tokens": int(setup.options.get("short_extend_tokens", 0)),
-                      "chunk_impl": setup.options.get("chunk_impl", "fla")}
-            return cls(setup.state_pool, fla=FakeFLA(), **{**chosen, **options})
+            # routing's recorded options, as the real build passes them, then the test's own
+            return cls(setup.state_pool, fla=FakeFLA(), **{**cls.routed_options(setup.options), **options})
 
     return InterpretedTritonLinear
 

@@ -215,7 +215,7 @@ class ChunkWorkspaces:
 
     @classmethod
     def allocate(cls, rows: int, chunks: int, heads: int, dk: int, dv: int, dtype: torch.dtype, delta: bool,
-                 device: torch.device, block_t: int = 64) -> "ChunkWorkspaces":
+                 device: torch.device, block_t: int = CHUNK_T) -> "ChunkWorkspaces":
         f32 = dict(dtype=torch.float32, device=device)
         return cls(torch.empty(rows, heads, dk, **f32) if delta else None,
                    torch.empty(rows, heads, dv, **f32),

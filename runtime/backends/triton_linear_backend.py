@@ -245,8 +245,8 @@ class _StaticExtendPlan:
     A captured graph keeps its launches' grids and pointers, so a step of bucket (T rows, B
     requests) gets tables of fixed shapes at fixed addresses, refilled before each replay (one copy):
 
-    - slots [B+1]: the step's slot ids (padding requests on the padding slot), then one more
-      request that is always empty, on the padding slot;
+    - slots [B+1]: the backend's static slot ids (the step's, padding requests on the padding
+      slot), then one more request that is always empty, on the padding slot;
     - chunk bounds [B+2]: cu_seqlens of the B+1 requests (padding requests and the extra one
       empty: their programs do nothing);
     - chunks [T/64 + B, 2]: the real (request, chunk) rows, then rows naming the empty request
@@ -262,7 +262,6 @@ class _StaticExtendPlan:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         device = torch.device(device)
         size = self._size(max_tokens, max_seqs)
-        self.slots = torch.full((max_seqs + 1,), PADDING_SLOT, dtype=torch.int64, device=device)
         self.buf = torch.zeros(size, dtype=torch.int64, device=device)
         # The tables are written into pinned host memory and sent in one asynchronous copy; the
         # next step waits for that copy to leave the host block before writing it again (as
@@ -291,8 +290,9 @@ class _StaticExtendPlan:
         at, shape = cls._layout(tokens, seqs)[-1]
         return at + math.prod(shape)
 
-    def fill(self, ctx: ExecContext) -> _ExtendPlan:
-        """This step's tables (host numpy, one copy) and the plan of views the ops launch over."""
+    def fill(self, ctx: ExecContext, slots: torch.Tensor) -> _ExtendPlan:
+        """This step's tables (host numpy, one copy) and the plan of views the ops launch over.
+        slots: the backend's static slot ids, the step's already copied into the first B."""
         T, B = ctx.num_tokens, ctx.num_seqs
         if T > self.max_tokens or B > self.max_seqs:
             raise RuntimeError(f"triton_linear: a captured extend step of {T} rows and {B} requests; the static "
@@ -320,11 +320,10 @@ class _StaticExtendPlan:
         self.buf[:size].copy_(self.host[:size], non_blocking=True)
         if self._event is not None:
             self._event.record()
-        self.slots[:B].copy_(ctx.state_slots[:B], non_blocking=True)
-        self.slots[B:B + 1].fill_(PADDING_SLOT)  # a larger bucket's step may have left a slot id here
+        slots[B:B + 1].fill_(PADDING_SLOT)  # a larger bucket's step may have left a slot id here
         views = [self.buf[at:at + math.prod(shape)].view(shape) for at, shape in layout]
         chunk_bounds, conv_bounds, chunks, blocks = views
-        return _ExtendPlan(real, self.slots[:B + 1], chunk_bounds, None, chunks, conv_bounds, blocks, 0, captured=True)
+        return _ExtendPlan(real, slots[:B + 1], chunk_bounds, None, chunks, conv_bounds, blocks, 0, captured=True)
 
 
 def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
@@ -412,7 +411,8 @@ class TritonLinearBackend(BackendHooks):
         self.chunk_impl = chunk_impl
         self._fla = fla
         self._fla_chunk_indices: frozenset[str] | None = None  # FLA entry points that take chunk_indices
-        self._static_slots: torch.Tensor | None = None  # [max_seqs] int64: what captured kernels read
+        # [max_seqs + 1] int64: what captured kernels read (a captured extend step's B + 1 requests)
+        self._static_slots: torch.Tensor | None = None
         self._static_extend: _StaticExtendPlan | None = None  # captured extend and mixed steps' tables
         self._graph_workspaces: dict[tuple, object] = {}  # the chunk kernels' in captured steps (never regrown)
         self._step: _StepPlan | None = None
@@ -424,17 +424,22 @@ class TritonLinearBackend(BackendHooks):
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonLinearBackend":
         """Over the state pool: every kernel finds its layer's state by layer id and slot."""
-        # an entry routed before the option existed has none: the declared default
-        limit = setup.options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])
-        chunk_impl = setup.options.get("chunk_impl", CHUNK_IMPL_CHOICES[0])
-        return cls(setup.state_pool, short_extend_tokens=int(limit), chunk_impl=chunk_impl)
+        return cls(setup.state_pool, **cls.routed_options(setup.options))
+
+    @staticmethod
+    def routed_options(options: dict) -> dict:
+        """The constructor's keyword arguments from routing's recorded kernel options (the split
+        captured the ops these make capturable); an entry routed before an option existed has
+        none: the declared default."""
+        return {"short_extend_tokens": int(options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])),
+                "chunk_impl": options.get("chunk_impl", CHUNK_IMPL_CHOICES[0])}
 
     # -- hooks --------------------------------------------------------------------------------
 
     def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
         """Allocate the static slot-id buffer that every captured decode / target-verify graph reads,
         and the static extend tables where extend steps are captured."""
-        self._static_slots = torch.full((max_seqs,), PADDING_SLOT, dtype=torch.int64, device=self.device)
+        self._static_slots = torch.full((max_seqs + 1,), PADDING_SLOT, dtype=torch.int64, device=self.device)
         if self._captured_extend:
             self._static_extend = _StaticExtendPlan(max_tokens, max_seqs, self.device)
 
@@ -443,15 +448,15 @@ class TritonLinearBackend(BackendHooks):
         an extend or mixed step, its padded tables into the static extend plan)."""
         if self._static_slots is None:
             raise RuntimeError(f"{self.name}: init_replay_state before init_capture_state")
-        if ctx.num_seqs != bucket or bucket > self._static_slots.shape[0]:
+        if ctx.num_seqs != bucket or bucket >= self._static_slots.shape[0]:
             raise RuntimeError(f"{self.name}: step of {ctx.num_seqs} requests replayed in bucket {bucket} "
-                               f"(static buffers hold {self._static_slots.shape[0]}); the graph runner pads "
+                               f"(static buffers hold {self._static_slots.shape[0] - 1}); the graph runner pads "
                                f"steps to their bucket before replay")
         slots = self._static_slots[:bucket]
         slots.copy_(ctx.state_slots, non_blocking=True)
         self._step = self._make_step_plan(ctx, slots, replayed=True)
         if Mode(ctx.mode) in (Mode.EXTEND, Mode.MIXED) and self._static_extend is not None:
-            self._step.extend = self._static_extend.fill(ctx)
+            self._step.extend = self._static_extend.fill(ctx, self._static_slots)
 
     def replay_state_in_graph(self, mode: Mode) -> bool:
         """Its replay state is one device copy of the step's slot ids (and, in target_verify, a row
