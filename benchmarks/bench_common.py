@@ -312,6 +312,11 @@ def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
         if cuda:
             torch.cuda.synchronize(device)
     kernels, host_ops = {}, {}
+    # One call's kernels in the order they ran (the first call of the profile): where the copies,
+    # memsets and small kernels sit between the big ones.
+    ordered = sorted((e for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    per = len(ordered) // max(iters, 1)
     for e in prof.events():
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
             k = kernels.setdefault(e.name[:90], [0, 0.0])
@@ -326,7 +331,29 @@ def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
     k_rows, h_rows = per_call(kernels), per_call(host_ops)
     return {"host_issue_ms": statistics.median(host), "kernel_ms": round(sum(r["ms"] for r in k_rows), 4),
             "kernels_per_call": sum(r["calls"] for r in k_rows), "top_kernels": k_rows[:top],
-            "top_host_ops": h_rows[:top]}
+            "top_host_ops": h_rows[:top], "kernel_sequence": [e.name[:60] for e in ordered[:per]]}
+
+
+def replay_host_split(runner, step, key, iters: int = 50) -> dict:
+    """Median host milliseconds of a whole-step replay's three parts, the device synchronised
+    between calls: the copy into the static buffers (`_fill`), the backends' hook (`_plan`) and the
+    graph launch (`replay()`). The device idles for all three before the step's first kernel.
+    (Reaches into the runner's parts on purpose: `run_outputs` is exactly these three calls.)"""
+    graph = runner._full_graphs[key]
+    parts = {"fill_ms": [], "plan_ms": [], "replay_ms": []}
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _, ctx = runner._fill(step, key)
+        t1 = time.perf_counter()
+        runner._plan(ctx, key)
+        t2 = time.perf_counter()
+        graph.replay()
+        t3 = time.perf_counter()
+        for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+            parts[name].append(dt * 1e3)
+    torch.cuda.synchronize()
+    return {name: round(statistics.median(v), 4) for name, v in parts.items()}
 
 
 def host_profile(fn, iters: int = 20, top: int = 20, sync=None) -> dict:

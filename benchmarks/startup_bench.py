@@ -63,8 +63,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from bench_common import (Stages, compare, decode_batch, host_profile, profile_call, prompts_for, synchronizer,  # noqa: E402
-                          time_ms)
+from bench_common import (Stages, compare, decode_batch, host_profile, profile_call, prompts_for,  # noqa: E402
+                          replay_host_split, synchronizer, time_ms)
 
 PAGE = 16
 HISTORY = 64
@@ -228,9 +228,14 @@ def run_variant(args) -> dict:
                 prof = profile_call(lambda: runner.run(step, key), dev, top=1000)
                 cell.update(kernels_per_step=prof["kernels_per_call"], kernel_ms=prof["kernel_ms"],
                             host_issue_ms=prof["host_issue_ms"], top_kernels=prof["top_kernels"][:1000 if B == 1 else 8])
+                if B == 1:
+                    cell["kernel_sequence"] = prof["kernel_sequence"]
+                if key in runner._full_graphs:
+                    cell["host_split_ms"] = replay_host_split(runner, step, key)
             host = host_profile(lambda: runner.run(step, key), 20, top=20, sync=synchronizer(dev))
             cell.update(host_top_cum=host["top_cum"], host_top_own=host["top_own"])
-        print(f"  decode B={B}: {cell['step_ms']:.3f} ms ({key}), {cell.get('kernels_per_step', 'n/a')} kernels",
+        print(f"  decode B={B}: {cell['step_ms']:.3f} ms ({key}), {cell.get('kernels_per_step', 'n/a')} kernels, "
+              f"host {cell.get('host_split_ms', 'n/a')}",
               flush=True)
     prompts = prompts_for(vocab, PROMPT_LENS[: max(decode)])
     rec["tokens"], _ = greedy(runner, st, prompts, args.new_tokens, sync=sync)

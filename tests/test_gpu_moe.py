@@ -21,6 +21,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from compiler.splitops import Mode  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference, route_topk  # noqa: E402
 from runtime.backends.moe_config import GemmConfig, MoEConfig  # noqa: E402
 from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
@@ -92,11 +93,14 @@ def test_captured_graph_replays_bit_for_bit_and_follows_the_real_token_count():
     E, top_k, T = 16, 4, 8
     layer = _layer(E, seed=5, shared="gated_S=I")
     x = torch.randn(T, D, device=DEV).bfloat16()
-    ctx = types.SimpleNamespace(num_real_tokens=8)
+    # The step buffer the graph runner refills before each replay: one request of T rows, then a
+    # padded request that owns none (the last offset is the real token count the kernels read).
+    qsl = torch.tensor([0, T, T], dtype=torch.int32, device=DEV)
+    ctx = types.SimpleNamespace(num_real_tokens=T, num_seqs=2, query_start_loc=qsl)
     tail = (top_k, "softmax", True, 1.0, 1, 1)
     backend = TritonMoEBackend()
-    backend.init_capture_state(max_tokens=T, max_seqs=T)
-    backend.init_replay_state(ctx, T)
+    backend.init_capture_state(max_tokens=T, max_seqs=2)
+    backend.init_replay_state(ctx, 2)
     eager = torch.empty(T, D, device=DEV, dtype=torch.bfloat16)
     backend.moe(ctx, x, *layer, eager, 0, *tail)  # also compiles before capture
     out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
@@ -106,9 +110,10 @@ def test_captured_graph_replays_bit_for_bit_and_follows_the_real_token_count():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager), "graph replay differs from the eager call"
-    # The next step has only 5 real rows: the runtime calls init_replay_state, then replays.
-    ctx5 = types.SimpleNamespace(num_real_tokens=5)
-    backend.init_replay_state(ctx5, T)
+    # The next step has only 5 real rows: the runtime refills the step buffer, then replays; the
+    # backend is not called at all (its replay state is in the graph).
+    assert backend.replay_state_in_graph(Mode.DECODE)
+    qsl.copy_(torch.tensor([0, 5, 5], dtype=torch.int32))
     x2 = torch.randn(T, D, device=DEV).bfloat16()
     x.copy_(x2)
     graph.replay()

@@ -366,5 +366,7 @@ def test_the_overlap_benchmark_runs_every_stage_dry(qwen, tmp_path):
         ("moe_layer", "compile", "decode", "parity"), "ok")
     assert json.loads((tmp_path / "overlap_bench.json").read_text())["parity"] == rec["parity"]
     assert rec["parity"]["mismatched"] == 0 and rec["side_branches"]["decode"] == 3
+    assert rec["parity_streams"]["mismatched"] == 0 and rec["first_step"]["argmax_flips"] == 0
+    assert rec["first_step"]["logits_rel_err"] == 0.0 and rec["first_step"]["prompts"] == 2
     assert all(err == 0.0 for row in rec["moe_layer_ms"].values() for err in row["rel_err_vs_fused"].values())
     assert set(rec["decode_step_ms"]["2"]) == {"off", "on", "on, one stream", "gain"}

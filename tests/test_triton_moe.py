@@ -374,3 +374,17 @@ def test_float32_configs_are_fitted_to_shared_memory_and_bf16_ones_kept():
     for T in (1, 8, 32, 128, 512, 4096):
         c = default_config(T, 16, 512, 2048, 4)
         assert fit_shared_memory(c, 2) == c
+
+
+def test_a_replayed_step_reads_its_real_token_count_from_the_step_buffer():
+    """No count is written before a replay: the kernels read query_start_loc's last offset, so a
+    whole-step graph needs no call on this backend, and a count of another dtype is refused."""
+    backend = TritonMoEBackend(device=DEV)
+    ctx = _ctx([2, 1], 4)
+    backend.init_replay_state(ctx, ctx.num_seqs)
+    count = backend._planned[1]
+    assert count.data_ptr() == ctx.query_start_loc[ctx.num_seqs:].data_ptr() and int(count) == 3
+    assert all(backend.replay_state_in_graph(m) for m in TritonMoEBackend.capability.modes_capturable)
+    wide = types.SimpleNamespace(num_seqs=ctx.num_seqs, query_start_loc=ctx.query_start_loc.long())
+    with pytest.raises(RuntimeError, match="query_start_loc must be int32"):
+        backend.init_replay_state(wide, ctx.num_seqs)

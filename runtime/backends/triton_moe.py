@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from compiler.splitops import MODES, BackendCapability
+from compiler.splitops import MODES, BackendCapability, Mode
 from runtime.backends.moe_config import (CONFIG_DIR, MoEConfig, config_file_name, default_config, device_name_of,
                                          fit_shared_memory,
                                          load_config_table, pick_bucket)
@@ -38,10 +38,13 @@ class TritonMoEBackend(BackendHooks):
 
     1. `TritonMoEBackend(config_dir=None)`: configs are read from `config_dir` (default
        runtime/backends/moe_configs/) on first use per (E, I, device) and kept on the instance.
-    2. `init_capture_state(max_tokens, max_seqs)`: allocates the one static buffer captured
-       graphs read, the real token count [1] int32, on `device`.
-    3. `init_replay_state(ctx, bucket)`: writes ctx.num_real_tokens into it (before capture and
-       before every replay), so a replayed graph skips and zeroes this step's padding rows.
+    2. `init_capture_state(max_tokens, max_seqs)`: nothing to allocate.
+    3. `init_replay_state(ctx, bucket)`: points the step's op calls at its real token count on the
+       device, `ctx.query_start_loc[ctx.num_seqs]` (a padded request owns no rows, so the last
+       offset is the real token count). That tensor is one of the graph runner's static step
+       buffers, refilled before every replay, so a replayed graph reads each step's count from it
+       and skips and zeroes that step's padding rows; the hook launches nothing, and a whole-step
+       graph records it (`replay_state_in_graph`), so a replay calls nothing on this backend.
        `init_step_metadata(ctx)`: an eager step passes ctx.num_real_tokens as a launch argument.
     4. `moe(ctx, ...)`: host-side shape checks, then launches whose grids depend on shapes only.
        Each kernel variant is compiled by its first eager launch (the runtime's warm-up); capture
@@ -64,8 +67,7 @@ class TritonMoEBackend(BackendHooks):
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
         self.device = torch.device(device)
         self._tables: dict[tuple[int, int, str], Optional[dict[int, MoEConfig]]] = {}
-        self._static_n_real: Optional[torch.Tensor] = None  # [1] int32, read by captured graphs
-        self._planned: Optional[tuple[object, torch.Tensor]] = None  # (ctx, static count) of a replayed step
+        self._planned: Optional[tuple[object, torch.Tensor]] = None  # (ctx, its real token count on the device)
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonMoEBackend":
@@ -75,15 +77,20 @@ class TritonMoEBackend(BackendHooks):
     # -- hooks --------------------------------------------------------------------------------
 
     def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
-        """Allocate the static real-token count that every captured graph of this backend reads."""
-        self._static_n_real = torch.zeros(1, dtype=torch.int32, device=self.device)
+        """Nothing to allocate: captured graphs read the real token count from the step buffers."""
 
     def init_replay_state(self, ctx, bucket: int) -> None:
-        """Write this step's real token count into the static buffer (outside any capture)."""
-        if self._static_n_real is None:
-            raise RuntimeError(f"{self.name}: init_replay_state before init_capture_state")
-        self._static_n_real.fill_(int(ctx.num_real_tokens))
-        self._planned = (ctx, self._static_n_real)
+        """The real token count of this step and of every replay of its graph: a view of the step's
+        query_start_loc (its last offset), which the graph runner refills before each replay."""
+        qsl = ctx.query_start_loc
+        if qsl.device.type != self.device.type or qsl.dtype != torch.int32:
+            raise RuntimeError(f"{self.name}: a replayed step's query_start_loc must be int32 on {self.device} "
+                               f"(got {qsl.dtype} on {qsl.device}): the kernels read its real token count there")
+        self._planned = (ctx, qsl[ctx.num_seqs:ctx.num_seqs + 1])
+
+    def replay_state_in_graph(self, mode: Mode) -> bool:
+        """init_replay_state launches nothing: a whole-step graph needs no call before its replay."""
+        return Mode(mode) in self.capability.modes_capturable
 
     def init_step_metadata(self, ctx) -> None:
         """Nothing to plan for an eager step: the real token count travels as a launch argument."""
@@ -118,7 +125,7 @@ class TritonMoEBackend(BackendHooks):
                     raise CaptureError(
                         f"{self.name}: hgc.moe (layer {layer_id}) is being captured in a step that went through "
                         f"no init_replay_state; its real token count ({ctx.num_real_tokens}) would be frozen "
-                        f"into the graph. Call init_capture_state once and init_replay_state before capture.")
+                        f"into the graph. Call init_replay_state before capture.")
                 n_real = int(ctx.num_real_tokens)
         if config is None:
             config = fit_shared_memory(self.config_for(x.shape[0], w13.shape[0], w2.shape[-1], x.shape[1], top_k,

@@ -1,0 +1,128 @@
+"""What one CUDA graph replay costs the host, by node count and node kind.
+
+A replayed decode step at batch 1 waits for the host twice: the step's own preparation, then the
+graph launch itself (`CUDAGraph.replay`), 0.145 ms for bench qwen3_next's 219-kernel step on an
+H200 (`bench_common.replay_host_split`). This probe asks whether the graph's size or its node kinds
+set that: graphs of N tiny kernels, the same with D2D copies (memcpy nodes), a memset, cuBLAS GEMVs
+or Triton kernels among them, and the median host time of `replay()` next to the replay's device
+time.
+
+    bash benchmarks/gpu_call.sh python3 benchmarks/graph_launch_probe.py --out $OUT
+
+Writes OUT/graph_launch_probe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+@functools.cache
+def _triton_add():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+    return add_one
+
+
+def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0) -> tuple[torch.cuda.CUDAGraph, list]:
+    """A graph of n nodes in one stream: elementwise kernels, with `copies` D2D copies, `fills`
+    memsets, `gemms` cuBLAS GEMVs (bf16 [1,2048] x [2048,2048]) and `tritons` Triton kernels
+    spread evenly among them."""
+    a = torch.zeros(64, device=dev)
+    b = torch.zeros(64, device=dev)
+    c = torch.zeros(64, dtype=torch.uint8, device=dev)
+    x = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+    y = torch.empty(1, 2048, device=dev, dtype=torch.bfloat16)
+    special = {}
+    for kind, count, shift in (("copy", copies, 0), ("fill", fills, 1), ("gemm", gemms, 2), ("triton", tritons, 3)):
+        for i in range(count):
+            special[min(n - 1, (i * n) // count + shift)] = kind
+    add_one = _triton_add() if tritons else None
+    if add_one is not None:
+        add_one[(1,)](a, 64, BLOCK=64)  # built before the capture
+    if gemms:
+        torch.mm(x, w, out=y)  # cuBLAS's handle and workspace, made before the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(g, stream=s):
+        for i in range(n):
+            kind = special.get(i)
+            if kind == "copy":
+                b.copy_(a)  # a D2D copy: a memcpy node
+            elif kind == "fill":
+                c.zero_()  # uint8 zero: torch may issue it as a memset node
+            elif kind == "gemm":
+                torch.mm(x, w, out=y)
+            elif kind == "triton":
+                add_one[(1,)](a, 64, BLOCK=64)
+            else:
+                a.add_(1)
+    torch.cuda.synchronize()
+    return g, [a, b, c, x, w, y]
+
+
+def time_replay(g: torch.cuda.CUDAGraph, iters: int) -> dict:
+    host, device, wall = [], [], []
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        e0.record()
+        t1 = time.perf_counter()
+        g.replay()
+        t2 = time.perf_counter()
+        e1.record()
+        e1.synchronize()
+        t3 = time.perf_counter()
+        host.append((t2 - t1) * 1e3)
+        device.append(e0.elapsed_time(e1))
+        wall.append((t3 - t0) * 1e3)
+    return {"replay_host_ms": statistics.median(host), "events_ms": statistics.median(device),
+            "wall_ms": statistics.median(wall)}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--iters", type=int, default=200)
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    rows = []
+    for n, copies, fills, gemms, tritons in ((50, 0, 0, 0, 0), (220, 0, 0, 0, 0), (500, 0, 0, 0, 0),
+                                             (220, 1, 0, 0, 0), (220, 20, 0, 0, 0), (220, 0, 1, 0, 0),
+                                             (220, 0, 0, 50, 0), (220, 0, 0, 0, 100), (220, 20, 1, 50, 100)):
+        g, keep = build(n, copies, fills, dev, gemms, tritons)
+        row = {"nodes": n, "copies": copies, "fills": fills, "gemms": gemms, "tritons": tritons,
+               **time_replay(g, args.iters)}
+        rows.append(row)
+        print(f"  {n} nodes, {copies} copies, {fills} fills, {gemms} GEMMs, {tritons} Triton: replay() "
+              f"{row['replay_host_ms']:.4f} ms on the host, "
+              f"{row['events_ms']:.4f} ms between events, {row['wall_ms']:.4f} ms wall", flush=True)
+        del g, keep
+    doc = {"card": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "graph_launch_probe.json").write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
