@@ -20,7 +20,8 @@ Lifecycle:
    options. Nothing else is built.
 3. `Backends.for_program(program)`: a BackendSet over the instances owning a node of the program,
    with, per mode, those owning a node inside a captured piece of split.json's plan (they get
-   `init_replay_state`).
+   `init_replay_state`) and those owning a node in one of its eager gaps (before a piecewise step
+   they alone plan eagerly).
 4. `bind_graph` copies a program's graph onto the device and makes every op node call
    `ops.call_of(instance, op)` with the op's arguments in schema order.
 5. `check_binding` walks the bound graph and compares each op node's instance and op with its
@@ -130,13 +131,16 @@ def build_backends(docs: ArtifactDocs, programs: dict, kv_pool, state_pool, devi
     first: dict[str, RouteEntry] = {}
     members: dict[str, list[str]] = {}
     captured: dict[str, dict[Mode, list[str]]] = {}
+    gaps: dict[str, dict[Mode, list[str]]] = {}
     routes: dict[str, dict[tuple[str, int], str]] = {}
     for program in sorted(programs, key=lambda p: p != "main"):  # main first: its layers come first
         ep = programs[program]
         plans = docs.split_plans[program]
         in_captured = {mode: {n for p in plan.pieces if p.kind == CAPTURED for n in p.nodes}
                        for mode, plan in plans.items()}
+        in_gaps = {mode: set(plan.eager_nodes()) for mode, plan in plans.items()}
         members[program], captured[program], routes[program] = [], {mode: [] for mode in Mode}, {}
+        gaps[program] = {mode: [] for mode in plans}
         for entry, node in routed_calls(docs, program, ep.graph_module):
             if entry.backend not in registry:
                 raise LoadError(f"{docs.path}: routing.json routes {_at(entry, program)} to backend "
@@ -154,9 +158,10 @@ def build_backends(docs: ArtifactDocs, programs: dict, kv_pool, state_pool, devi
             first.setdefault(key, entry)
             if key not in members[program]:
                 members[program].append(key)
-            for mode, names in in_captured.items():
-                if node.name in names and key not in captured[program][mode]:
-                    captured[program][mode].append(key)
+            for by_mode, names_by_mode in ((captured[program], in_captured), (gaps[program], in_gaps)):
+                for mode, names in names_by_mode.items():
+                    if node.name in names and key not in by_mode[mode]:
+                        by_mode[mode].append(key)
     instances = {}
     for key, facts in calls.items():
         entry = first[key]
@@ -168,7 +173,8 @@ def build_backends(docs: ArtifactDocs, programs: dict, kv_pool, state_pool, devi
             layers = setup.layer_ids()
             raise LoadError(f"{docs.path}: backend {key} ({registry.source(entry.backend)}) for layers {layers} "
                             f"failed to build: {type(e).__name__}: {e}") from e
-    sets = {program: BackendSet({k: instances[k] for k in keys}, {m: tuple(v) for m, v in captured[program].items()})
+    sets = {program: BackendSet({k: instances[k] for k in keys}, {m: tuple(v) for m, v in captured[program].items()},
+                                {m: tuple(v) for m, v in gaps[program].items()})
             for program, keys in members.items()}
     return Backends(instances, sets, routes)
 

@@ -274,12 +274,13 @@ class GraphRunner:
             # (replay_state_in_graph) is not done here either
             self.backend.replay_state_on_host(ctx, key.seqs)
             return
-        plan_eager_step(self.backend, ctx, self.chunk_size)
-        if key is not None:
-            # Piecewise: the ops inside captured pieces read their per-step values (the MoE's real
-            # token count, decode slot ids) from the static buffers this hook fills, not from launch
-            # arguments frozen at capture; the eager gaps keep the plans made just above.
-            self.backend.init_replay_state(ctx, key.seqs)
+        if key is None:
+            plan_eager_step(self.backend, ctx, self.chunk_size)
+            return
+        # Piecewise: the ops inside captured pieces read their per-step values (the MoE's real
+        # token count, decode slot ids) from the static buffers init_replay_state fills, not from
+        # launch arguments frozen at capture; the eager gaps run on the eager plan made first.
+        self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size)
 
     @torch.no_grad()
     def run_outputs(self, step: StepInputs, key: Optional[CaptureKey],

@@ -112,6 +112,25 @@ def test_replay_hook_reaches_only_the_members_captured_in_the_step_mode():
         BackendSet({"full": full}, {Mode.DECODE: ("moe",)})
 
 
+def test_a_piecewise_step_plans_eagerly_only_the_members_in_its_gaps():
+    """Before a piecewise extend step, a member with a node in an eager gap plans the step (step and
+    chunk metadata), a member captured there stages it (init_replay_state), one with both gets both;
+    a member whose nodes are all captured plans nothing its replay state would replace. A set made
+    without split.json's gaps plans every member, as an eager step does."""
+    attn, linear, mixed = Spy(FULL_OPS - {"moe"}), Spy(LINEAR_OPS), Spy({"moe"})
+    backends = BackendSet({"attn": attn, "linear": linear, "mixed": mixed},
+                          {Mode.EXTEND: ("linear", "mixed")}, {Mode.EXTEND: ("attn", "mixed")})
+    ctx = types.SimpleNamespace(mode=Mode.EXTEND)
+    backends.plan_piecewise_step(ctx, 4, 512)
+    assert attn.calls == [("init_step_metadata", ctx), ("init_chunk_metadata", ctx, 512)]
+    assert linear.calls == [("init_replay_state", ctx, 4)]
+    assert mixed.calls == [("init_step_metadata", ctx), ("init_chunk_metadata", ctx, 512), ("init_replay_state", ctx, 4)]
+    assert backends.planned_in_gaps(Mode.EXTEND) == (attn, mixed)
+    assert backends.planned_in_gaps(Mode.DECODE) == (attn, linear, mixed)  # no gaps named for decode: everyone
+    with pytest.raises(ProtocolError, match=r"gap members \['moe'\] are not members"):
+        BackendSet({"attn": attn}, {}, {Mode.EXTEND: ("moe",)})
+
+
 def test_the_set_forwards_what_each_member_accepts():
     """What the wrapper lint checks: every hook a member has is forwarded with arguments the member takes."""
     backends = BackendSet({"cpu_reference": CPUReferenceBackend(*make_pools(build_model("toy"), 1, 4))}, {})
@@ -273,6 +292,13 @@ def _compile(root, family, name, *routes):
     return _COMPILED[key]
 
 
+def _linear_apart(root, family):
+    """The checkpoint compiled with every linear op it has routed to SecondReference."""
+    plain = _compile(root, family, "plain")
+    return _compile(root, family, "linear", *(f"{op}=second_reference" for op in sorted(LINEAR_OPS)
+                                              if any(e.op == op for e in plain.docs.routing.entries("main"))))
+
+
 def _tokens(art):
     engine = engine_for_artifact(art, EngineOptions(slots=3, token_budget=8), 32, registry=REGISTRY)
     params = SamplingParams(max_new_tokens=5)
@@ -322,8 +348,7 @@ def test_every_linear_op_on_a_second_instance_is_bitwise_the_reference(checkpoin
     """Binding layers to different instances changes nothing but who runs them: logits bitwise equal."""
     plain = _compile(checkpoints, family, "plain")
     SecondReference.built.clear()
-    routed = _compile(checkpoints, family, "linear", *(f"{op}=second_reference" for op in sorted(LINEAR_OPS)
-                                                        if any(e.op == op for e in plain.docs.routing.entries("main"))))
+    routed = _linear_apart(checkpoints, family)
     for a, b in zip(_logits(plain), _logits(routed)):
         assert torch.equal(a, b)
     linear_layers = sorted({e.layer_id for e in plain.docs.routing.entries("main") if e.op in LINEAR_OPS})
@@ -332,6 +357,22 @@ def test_every_linear_op_on_a_second_instance_is_bitwise_the_reference(checkpoin
     engine, _ = _tokens(routed)
     executed = engine.ops.executed_backends()
     assert [int(k) for k, v in executed.items() if "second_reference" in v] == linear_layers
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_the_gaps_of_each_mode_come_from_split_json(checkpoints, family):
+    """A linear backend whose ops are captured in extend (Qwen3-Next's GDN and conv, under their
+    table-driven policy) is staged, not planned, before a piecewise extend step; one with an op in an
+    extend gap (Kimi's KDA, stateful) is planned too; attention is in the gaps of extend only."""
+    art = _linear_apart(checkpoints, family)
+    kv, st = make_pools_for(art.registry)
+    backends = art.backends(kv, st, REGISTRY).for_program("main")
+    second = next(m for m in backends.children if isinstance(m, SecondReference))
+    reference = next(m for m in backends.children if not isinstance(m, SecondReference))
+    assert second in backends.replayed_in(Mode.EXTEND)
+    assert (second in backends.planned_in_gaps(Mode.EXTEND)) == (family == "kimi_linear")
+    assert reference in backends.planned_in_gaps(Mode.EXTEND)
+    assert backends.planned_in_gaps(Mode.DECODE) == ()  # every op captured in decode on the CPU target
 
 
 def test_an_eager_model_over_the_op_table_calls_each_layer_s_routed_instance(checkpoints):

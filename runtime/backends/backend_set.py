@@ -3,12 +3,14 @@
 1. The runtime's binder (runtime/binding.py) builds one instance per backend (and kernel options)
    that routing.json names, and for each program a BackendSet over the instances that own a node
    of it (`members`, by instance key, in routing order), with `captured`: per mode, the members
-   owning a node inside a captured piece of that mode's split plan, read from split.json.
+   owning a node inside a captured piece of that mode's split plan, and `gaps`: those owning a
+   node in an eager gap of it, both read from split.json.
 2. Each hook of the protocol is written out below and forwarded to members explicitly:
    `init_capture_state`, `init_step_metadata` and `init_chunk_metadata` to every member (each owns
    a node of the step), `init_replay_state` to the members captured in the step's mode (in a
    piecewise step the others run in the eager gaps on the plan `init_step_metadata` made; their
-   replay hook would refuse the mode, or make them treat an eager step as a replayed one). No
+   replay hook would refuse the mode, or make them treat an eager step as a replayed one). A
+   piecewise step (`plan_piecewise_step`) plans eagerly only the members in its mode's gaps. No
    `hasattr` guard: the protocol makes every hook abstract, so a member always has it, and the
    protocol's definition-time check guarantees it accepts the arguments forwarded here
    (docs/DESIGN.md failures 3 and 4; the compiler's hook lint checks this class).
@@ -24,7 +26,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from compiler.splitops import Mode
-from runtime.backends.protocol import BackendHooks, ProtocolError, check_backend
+from runtime.backends.protocol import BackendHooks, ProtocolError, check_backend, plan_eager_step
 from runtime.context import ExecContext
 
 __all__ = ["BackendSet"]
@@ -34,18 +36,26 @@ class BackendSet(BackendHooks):
     name = "backend_set"
     supported_ops = frozenset()  # ops are bound per node to the members, never through the set
 
-    def __init__(self, members: Mapping[str, BackendHooks], captured: Mapping[Mode, tuple[str, ...]]):
+    def __init__(self, members: Mapping[str, BackendHooks], captured: Mapping[Mode, tuple[str, ...]],
+                 gaps: Mapping[Mode, tuple[str, ...]] | None = None):
+        """gaps: per mode, the members with a node in an eager gap; a mode it does not name (or
+        None: a set made by hand) plans every member before a piecewise step."""
         if not members:
             raise ProtocolError("BackendSet: a program with no op node has no backend to forward hooks to")
         for member in members.values():
             check_backend(member)
-        unknown = sorted({k for keys in captured.values() for k in keys} - set(members))
-        if unknown:
-            raise ProtocolError(f"BackendSet: captured members {unknown} are not members {sorted(members)}")
+        gaps = gaps or {}
+        for what, by_mode in (("captured", captured), ("gap", gaps)):
+            unknown = sorted({k for keys in by_mode.values() for k in keys} - set(members))
+            if unknown:
+                raise ProtocolError(f"BackendSet: {what} members {unknown} are not members {sorted(members)}")
         self.members: dict[str, BackendHooks] = dict(members)
         self.children: tuple[BackendHooks, ...] = tuple(self.members.values())
         # init_replay_state's receivers per mode, fixed by split.json's captured pieces
         self._replayed = {mode: tuple(self.members[k] for k in captured.get(mode, ())) for mode in Mode}
+        # the members planned eagerly before a piecewise step of each mode (split.json's eager gaps)
+        self._gaps = {mode: tuple(self.members[k] for k in gaps[mode]) if mode in gaps else self.children
+                      for mode in Mode}
         # Of those, per mode: (hooks run on the host before a whole-step replay, hooks the graph
         # records). A member's answer is fixed when it is built, so a replay asks nobody.
         self._whole_step = {mode: (tuple(m for m in members if not m.replay_state_in_graph(mode)),
@@ -55,6 +65,10 @@ class BackendSet(BackendHooks):
 
     def replayed_in(self, mode: Mode) -> tuple[BackendHooks, ...]:
         return self._replayed[Mode(mode)]
+
+    def planned_in_gaps(self, mode: Mode) -> tuple[BackendHooks, ...]:
+        """The members planned eagerly before a piecewise step of `mode`."""
+        return self._gaps[Mode(mode)]
 
     # -- hooks: forwarded explicitly ------------------------------------------------------------
 
@@ -67,6 +81,14 @@ class BackendSet(BackendHooks):
         """The members with a node inside a captured piece of this step's mode copy its metadata
         into their buffers (in a whole-step graph, every member that owns a node)."""
         for member in self._replayed[Mode(ctx.mode)]:
+            member.init_replay_state(ctx, bucket)
+
+    def plan_piecewise_step(self, ctx: ExecContext, bucket: int, chunk_size: int) -> None:
+        """The gaps' members plan the step eagerly, then the captured members stage it for the pieces."""
+        mode = Mode(ctx.mode)
+        for member in self._gaps[mode]:
+            plan_eager_step(member, ctx, chunk_size)
+        for member in self._replayed[mode]:
             member.init_replay_state(ctx, bucket)
 
     def replay_state_in_graph(self, mode: Mode) -> bool:
