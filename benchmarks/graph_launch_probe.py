@@ -3,9 +3,10 @@
 A replayed decode step at batch 1 waits for the host twice: the step's own preparation, then the
 graph launch itself (`CUDAGraph.replay`), 0.145 ms for bench qwen3_next's 219-kernel step on an
 H200 (`bench_common.replay_host_split`). This probe asks whether the graph's size or its node kinds
-set that: graphs of N tiny kernels, the same with D2D copies (memcpy nodes), a memset, cuBLAS GEMVs
-or Triton kernels among them, and the median host time of `replay()` next to the replay's device
-time.
+set that: graphs of N tiny kernels, the same with D2D copies (memcpy nodes), a uint8 `zero_`,
+cuBLAS GEMVs or Triton kernels in place of some of them, and the median host time of `replay()`
+next to the replay's device time. Each row records how many nodes of each kind the graph holds
+(where two kinds ask for the same position, the later one takes it).
 
     bash benchmarks/gpu_call.sh python3 benchmarks/graph_launch_probe.py --out $OUT
 
@@ -36,10 +37,10 @@ def _triton_add():
     return add_one
 
 
-def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0) -> tuple[torch.cuda.CUDAGraph, list]:
-    """A graph of n nodes in one stream: elementwise kernels, with `copies` D2D copies, `fills`
-    memsets, `gemms` cuBLAS GEMVs (bf16 [1,2048] x [2048,2048]) and `tritons` Triton kernels
-    spread evenly among them."""
+def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0) -> tuple[torch.cuda.CUDAGraph, list, dict]:
+    """A graph of n nodes in one stream: elementwise kernels, with about `copies` D2D copies,
+    `fills` uint8 zero_ calls, `gemms` cuBLAS GEMVs (bf16 [1,2048] x [2048,2048]) and `tritons`
+    Triton kernels spread evenly among them; returns (graph, its tensors, nodes per kind)."""
     a = torch.zeros(64, device=dev)
     b = torch.zeros(64, device=dev)
     c = torch.zeros(64, dtype=torch.uint8, device=dev)
@@ -73,7 +74,8 @@ def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0
             else:
                 a.add_(1)
     torch.cuda.synchronize()
-    return g, [a, b, c, x, w, y]
+    kinds = [special.get(i, "add") for i in range(n)]
+    return g, [a, b, c, x, w, y], {k: kinds.count(k) for k in ("add", "copy", "fill", "gemm", "triton")}
 
 
 def time_replay(g: torch.cuda.CUDAGraph, iters: int) -> dict:
@@ -108,11 +110,10 @@ def main(argv=None) -> dict:
     for n, copies, fills, gemms, tritons in ((50, 0, 0, 0, 0), (220, 0, 0, 0, 0), (500, 0, 0, 0, 0),
                                              (220, 1, 0, 0, 0), (220, 20, 0, 0, 0), (220, 0, 1, 0, 0),
                                              (220, 0, 0, 50, 0), (220, 0, 0, 0, 100), (220, 20, 1, 50, 100)):
-        g, keep = build(n, copies, fills, dev, gemms, tritons)
-        row = {"nodes": n, "copies": copies, "fills": fills, "gemms": gemms, "tritons": tritons,
-               **time_replay(g, args.iters)}
+        g, keep, held = build(n, copies, fills, dev, gemms, tritons)
+        row = {"nodes": n, "held": held, **time_replay(g, args.iters)}
         rows.append(row)
-        print(f"  {n} nodes, {copies} copies, {fills} fills, {gemms} GEMMs, {tritons} Triton: replay() "
+        print(f"  {n} nodes {held}: replay() "
               f"{row['replay_host_ms']:.4f} ms on the host, "
               f"{row['events_ms']:.4f} ms between events, {row['wall_ms']:.4f} ms wall", flush=True)
         del g, keep
