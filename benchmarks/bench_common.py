@@ -284,6 +284,20 @@ def time_ms(fn, device, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def host_speed_ms(reps: int = 21) -> float:
+    """Median milliseconds of a fixed pure-Python workload: a lent machine's host speed drifts
+    within one call, so a bench records this beside each host-bound timing it compares (two
+    timings taken at different host speeds do not compare)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(20000):
+            total += i & 7
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 4)
+
+
 def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
     """Where one call's time goes: host time to issue it (perf_counter until fn returns, before
     any wait), device kernel time per call (sum of the profiler's kernel durations; kernels replayed

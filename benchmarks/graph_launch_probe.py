@@ -4,8 +4,9 @@ A replayed decode step at batch 1 waits for the host twice: the step's own prepa
 graph launch itself (`CUDAGraph.replay`), 0.145 ms for bench qwen3_next's 219-kernel step on an
 H200 (`bench_common.replay_host_split`). This probe asks whether the graph's size or its node kinds
 set that: graphs of N tiny kernels, the same with D2D copies (memcpy nodes), a uint8 `zero_`,
-cuBLAS GEMVs or Triton kernels in place of some of them, and the median host time of `replay()`
-next to the replay's device time. Each row records how many nodes of each kind the graph holds
+cuBLAS GEMVs, one Triton kernel or many distinct Triton kernels (one module each) in place of some
+of them, and one graph timed while many others are alive; the median host time of `replay()` next
+to the replay's device time. Each row records how many nodes of each kind the graph holds
 (where two kinds ask for the same position, the later one takes it).
 
     bash benchmarks/gpu_call.sh python3 benchmarks/graph_launch_probe.py --out $OUT
@@ -25,6 +26,23 @@ from pathlib import Path
 import torch
 
 
+DISTINCT_MAX = 40
+
+
+@functools.cache
+def _triton_adds() -> list:
+    """DISTINCT_MAX launchers of distinct Triton kernels (one module each, as Inductor's and our
+    backends' kernels are); each is built at its first launch, before any capture."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_k(x_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + K, mask=i < n)
+    return [functools.partial(add_k[(1,)], K=k + 1, BLOCK=64) for k in range(DISTINCT_MAX)]
+
+
 @functools.cache
 def _triton_add():
     import triton
@@ -37,10 +55,12 @@ def _triton_add():
     return add_one
 
 
-def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0) -> tuple[torch.cuda.CUDAGraph, list, dict]:
+def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0,
+          distinct: int = 0) -> tuple[torch.cuda.CUDAGraph, list, dict]:
     """A graph of n nodes in one stream: elementwise kernels, with about `copies` D2D copies,
-    `fills` uint8 zero_ calls, `gemms` cuBLAS GEMVs (bf16 [1,2048] x [2048,2048]) and `tritons`
-    Triton kernels spread evenly among them; returns (graph, its tensors, nodes per kind)."""
+    `fills` uint8 zero_ calls, `gemms` cuBLAS GEMVs (bf16 [1,2048] x [2048,2048]), `tritons`
+    launches of one Triton kernel and `distinct` launches of as many different Triton kernels,
+    spread evenly among them; returns (graph, its tensors, nodes per kind)."""
     a = torch.zeros(64, device=dev)
     b = torch.zeros(64, device=dev)
     c = torch.zeros(64, dtype=torch.uint8, device=dev)
@@ -48,18 +68,23 @@ def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0
     w = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
     y = torch.empty(1, 2048, device=dev, dtype=torch.bfloat16)
     special = {}
-    for kind, count, shift in (("copy", copies, 0), ("fill", fills, 1), ("gemm", gemms, 2), ("triton", tritons, 3)):
+    for kind, count, shift in (("copy", copies, 0), ("fill", fills, 1), ("gemm", gemms, 2), ("triton", tritons, 3),
+                               ("distinct", distinct, 4)):
         for i in range(count):
             special[min(n - 1, (i * n) // count + shift)] = kind
     add_one = _triton_add() if tritons else None
     if add_one is not None:
         add_one[(1,)](a, 64, BLOCK=64)  # built before the capture
+    kernels = _triton_adds()[:distinct]
+    for launch in kernels:
+        launch(a, 64)  # each built before the capture
     if gemms:
         torch.mm(x, w, out=y)  # cuBLAS's handle and workspace, made before the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
+    used = 0  # distinct kernels launched so far
     with torch.cuda.graph(g, stream=s):
         for i in range(n):
             kind = special.get(i)
@@ -71,11 +96,14 @@ def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0
                 torch.mm(x, w, out=y)
             elif kind == "triton":
                 add_one[(1,)](a, 64, BLOCK=64)
+            elif kind == "distinct":
+                kernels[used % len(kernels)](a, 64)
+                used += 1
             else:
                 a.add_(1)
     torch.cuda.synchronize()
     kinds = [special.get(i, "add") for i in range(n)]
-    return g, [a, b, c, x, w, y], {k: kinds.count(k) for k in ("add", "copy", "fill", "gemm", "triton")}
+    return g, [a, b, c, x, w, y], {k: kinds.count(k) for k in ("add", "copy", "fill", "gemm", "triton", "distinct")}
 
 
 def time_replay(g: torch.cuda.CUDAGraph, iters: int) -> dict:
@@ -100,23 +128,37 @@ def time_replay(g: torch.cuda.CUDAGraph, iters: int) -> dict:
             "wall_ms": statistics.median(wall)}
 
 
+def report(row: dict) -> None:
+    print(f"  {row['nodes']} nodes {row['held']}{', %d other graphs alive' % row['other_graphs_alive'] if 'other_graphs_alive' in row else ''}: "
+          f"replay() {row['replay_host_ms']:.4f} ms on the host, {row['events_ms']:.4f} ms between events, "
+          f"{row['wall_ms']:.4f} ms wall", flush=True)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--other-graphs", type=int, default=40, help="graphs kept alive beside the one timed last")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     rows = []
-    for n, copies, fills, gemms, tritons in ((50, 0, 0, 0, 0), (220, 0, 0, 0, 0), (500, 0, 0, 0, 0),
-                                             (220, 1, 0, 0, 0), (220, 20, 0, 0, 0), (220, 0, 1, 0, 0),
-                                             (220, 0, 0, 50, 0), (220, 0, 0, 0, 100), (220, 20, 1, 50, 100)):
-        g, keep, held = build(n, copies, fills, dev, gemms, tritons)
+    for n, copies, fills, gemms, tritons, distinct in (
+            (50, 0, 0, 0, 0, 0), (220, 0, 0, 0, 0, 0), (500, 0, 0, 0, 0, 0), (220, 1, 0, 0, 0, 0),
+            (220, 20, 0, 0, 0, 0), (220, 0, 1, 0, 0, 0), (220, 0, 0, 50, 0, 0), (220, 0, 0, 0, 100, 0),
+            (220, 20, 1, 50, 100, 0), (220, 0, 0, 0, 0, 10), (220, 0, 0, 0, 0, 40)):
+        g, keep, held = build(n, copies, fills, dev, gemms, tritons, distinct)
         row = {"nodes": n, "held": held, **time_replay(g, args.iters)}
         rows.append(row)
-        print(f"  {n} nodes {held}: replay() "
-              f"{row['replay_host_ms']:.4f} ms on the host, "
-              f"{row['events_ms']:.4f} ms between events, {row['wall_ms']:.4f} ms wall", flush=True)
+        report(row)
         del g, keep
+    # Many graphs alive at once, as a runner's buckets and pieces are: whether launching one of them
+    # costs more when others hold their own device resources.
+    g, keep, held = build(220, 0, 0, dev)
+    others = [build(220, 0, 0, dev) for _ in range(args.other_graphs)]
+    row = {"nodes": 220, "held": held, "other_graphs_alive": len(others), **time_replay(g, args.iters)}
+    rows.append(row)
+    report(row)
+    del g, keep, others
     doc = {"card": torch.cuda.get_device_name(dev), "torch": torch.__version__,
            "cuda": torch.version.cuda, "rows": rows}
     out = Path(args.out)

@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from bench_common import (Stages, compare, decode_batch, host_profile, profile_call, prompts_for,  # noqa: E402
-                          replay_host_split, synchronizer, time_ms)
+                          host_speed_ms, replay_host_split, synchronizer, time_ms)
 
 PAGE = 16
 HISTORY = 64
@@ -222,6 +222,7 @@ def run_variant(args) -> dict:
         with decode_batch(runner, st, B, vocab, g, HISTORY) as items:
             step, key = runner.build(items)
             cell = rec.setdefault("decode", {}).setdefault(str(B), {"key": str(key)})
+            cell["host_speed_ms"] = host_speed_ms()
             cell["step_ms"] = time_ms(lambda: runner.run(step, key), dev, args.iters)
             if dev.type == "cuda":
                 # Every kernel of the step at B=1 (where launches, not bytes, set the time); the top 8 elsewhere.
@@ -229,7 +230,8 @@ def run_variant(args) -> dict:
                 cell.update(kernels_per_step=prof["kernels_per_call"], kernel_ms=prof["kernel_ms"],
                             host_issue_ms=prof["host_issue_ms"], top_kernels=prof["top_kernels"][:1000 if B == 1 else 8])
                 if B == 1:
-                    cell["kernel_sequence"] = prof["kernel_sequence"]
+                    # and the host calls under it: the driver calls (graph launch, copies) by their own time
+                    cell.update(kernel_sequence=prof["kernel_sequence"], top_host_ops=prof["top_host_ops"])
                 if key in runner._full_graphs:
                     cell["host_split_ms"] = replay_host_split(runner, step, key)
             host = host_profile(lambda: runner.run(step, key), 20, top=20, sync=synchronizer(dev))
@@ -347,6 +349,7 @@ def time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g)
             cell = rec["decode"][str(B)]
             # with and without the Triton launch cache (runtime/backends/launch_cache.py), interleaved:
             # lent machines' host speed drifts within a call
+            cell["piecewise_host_speed_ms"] = host_speed_ms()  # against host_speed_ms: the same host?
             times = {True: [], False: []}
             for _ in range(3):
                 for enabled in (True, False):

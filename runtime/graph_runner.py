@@ -246,8 +246,7 @@ class GraphRunner:
         plan_mode = mode if mode in (Mode.DECODE, Mode.TARGET_VERIFY) else Mode.EXTEND
         if plan_mode in self.full_modes:
             return self.program.module_for(plan_mode)
-        if plan_mode == Mode.DECODE and self._plan_is_one_captured_piece(Mode.DECODE):
-            plan_mode = Mode.EXTEND  # piecewise decode asked for: the extend plan has the eager gaps
+        plan_mode = self._piecewise_plan_mode(plan_mode)
         if plan_mode not in self._modules:
             split = self.program.module_for(plan_mode)
             # Modes whose plans have the same pieces share one split module (ProgramRunner.module_for):
@@ -261,6 +260,14 @@ class GraphRunner:
                         setattr(split, name, CapturedPiece(getattr(split, name), piece.index, self.state, self.debug))
             self._modules[plan_mode] = split
         return self._modules[plan_mode]
+
+    def _piecewise_plan_mode(self, mode: Mode) -> Mode:
+        """The mode whose split plan a piecewise step of `mode` runs: its own, but a decode plan
+        that is one captured piece has no gaps, so piecewise decode (asked for) runs the extend
+        plan's pieces and gaps. Extend and mixed steps run the extend plan."""
+        if mode == Mode.DECODE and self._plan_is_one_captured_piece(Mode.DECODE):
+            return Mode.EXTEND
+        return mode if mode in (Mode.DECODE, Mode.TARGET_VERIFY) else Mode.EXTEND
 
     def _call(self, module, inputs) -> list:
         """Every user output of the program: [logits] or [logits, hidden]."""
@@ -280,7 +287,7 @@ class GraphRunner:
         # Piecewise: the ops inside captured pieces read their per-step values (the MoE's real
         # token count, decode slot ids) from the static buffers init_replay_state fills, not from
         # launch arguments frozen at capture; the eager gaps run on the eager plan made first.
-        self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size)
+        self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size, self._piecewise_plan_mode(key.mode))
 
     @torch.no_grad()
     def run_outputs(self, step: StepInputs, key: Optional[CaptureKey],

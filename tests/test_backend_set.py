@@ -131,6 +131,18 @@ def test_a_piecewise_step_plans_eagerly_only_the_members_in_its_gaps():
         BackendSet({"attn": attn}, {}, {Mode.EXTEND: ("moe",)})
 
 
+def test_a_decode_step_through_the_extend_pieces_is_planned_as_the_extend_plan_places_its_members():
+    """Piecewise decode (a decode step run through the extend plan's pieces and gaps): attention, in
+    the gaps there, plans the step eagerly instead of staging it for a graph that does not hold it;
+    the hooks still get the decode step (no chunk metadata for it)."""
+    attn, linear = Spy(FULL_OPS - {"moe"}), Spy(LINEAR_OPS)
+    backends = BackendSet({"attn": attn, "linear": linear}, {Mode.DECODE: ("attn", "linear"), Mode.EXTEND: ("linear",)},
+                          {Mode.DECODE: (), Mode.EXTEND: ("attn",)})
+    decode = types.SimpleNamespace(mode=Mode.DECODE)
+    backends.plan_piecewise_step(decode, 2, 512, Mode.EXTEND)
+    assert attn.calls == [("init_step_metadata", decode)] and linear.calls == [("init_replay_state", decode, 2)]
+
+
 def test_the_set_forwards_what_each_member_accepts():
     """What the wrapper lint checks: every hook a member has is forwarded with arguments the member takes."""
     backends = BackendSet({"cpu_reference": CPUReferenceBackend(*make_pools(build_model("toy"), 1, 4))}, {})

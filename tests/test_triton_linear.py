@@ -454,6 +454,18 @@ def test_replayed_extend_steps_read_the_static_plan(op, layer_id):
 
 
 @in_process
+@pytest.mark.parametrize("chunk_impl", ["triton", "fla"])
+def test_an_op_in_an_eager_gap_beside_captured_ops_reads_the_eager_plan(chunk_impl):
+    """A piecewise step where this instance has ops on both sides (Kimi's KDA in the eager gaps,
+    its short conv captured): planned eagerly, then staged for the pieces (plan_piecewise_step's
+    order), KDA's chunk call gets the eager plan's real requests and matches the reference; the
+    captured conv's static plan is still the one the step keeps."""
+    fake = compare_mode_steps("kda_core", 2, REPLAYED_STEPS, seed=70, backend_kwargs={"chunk_impl": chunk_impl},
+                              replayed=True)
+    assert [c[1] for c in fake.calls] == [[0, 70, 75], [0, 4, 5, 8]]
+
+
+@in_process
 def test_static_plan_tables_are_padded_to_the_bucket():
     """The layout a captured step's launches keep: slots and bounds for B+1 requests (the last one
     empty, on the padding slot), chunk rows T/64 + B and conv-block rows T/32 + B + 1, the rows past

@@ -83,9 +83,11 @@ class BackendSet(BackendHooks):
         for member in self._replayed[Mode(ctx.mode)]:
             member.init_replay_state(ctx, bucket)
 
-    def plan_piecewise_step(self, ctx: ExecContext, bucket: int, chunk_size: int) -> None:
-        """The gaps' members plan the step eagerly, then the captured members stage it for the pieces."""
-        mode = Mode(ctx.mode)
+    def plan_piecewise_step(self, ctx: ExecContext, bucket: int, chunk_size: int,
+                            plan_mode: Mode | None = None) -> None:
+        """The gaps' members plan the step eagerly, then the captured members stage it for the
+        pieces; both as the split plan of `plan_mode` (default: the step's mode) places them."""
+        mode = Mode(plan_mode or ctx.mode)
         for member in self._gaps[mode]:
             plan_eager_step(member, ctx, chunk_size)
         for member in self._replayed[mode]:

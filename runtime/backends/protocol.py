@@ -184,13 +184,18 @@ class BackendHooks(abc.ABC):
         if self.replay_state_in_graph(Mode(ctx.mode)):
             self.init_replay_state(ctx, bucket)
 
-    def plan_piecewise_step(self, ctx: ExecContext, bucket: int, chunk_size: int) -> None:
+    def plan_piecewise_step(self, ctx: ExecContext, bucket: int, chunk_size: int,
+                            plan_mode: Mode | None = None) -> None:
         """Before a piecewise step (captured pieces around eager gaps): the gaps' plan
         (`plan_eager_step`), then `init_replay_state` for the pieces. Not a hook of its own: a
         backend set sends the first to the members with a node in an eager gap of the step's mode
         and the second to those with a node in a captured piece, so a member whose nodes are all
         captured plans nothing that its replay state would replace (a linear backend's host-built
-        extend tables)."""
+        extend tables). A member with nodes on both sides gets both, in that order, and its
+        `init_replay_state` must keep the eager plan for the ops in the gaps (Kimi's KDA beside its
+        captured short conv: runtime/backends/triton_linear_backend.py). `plan_mode`: the mode
+        whose split plan the step runs, where it is not the step's own (a decode step through the
+        extend plan's pieces: the graph runner's piecewise decode)."""
         plan_eager_step(self, ctx, chunk_size)
         self.init_replay_state(ctx, bucket)
 

@@ -221,6 +221,9 @@ class _StepPlan:
     replayed: bool  # init_replay_state made it: ops run inside a captured graph
     verify_width: int | None  # target_verify with request b on rows b*n .. b*n+n-1: that n
     extend: _ExtendPlan | None = None  # made for steps that take the extend path
+    # A piecewise step whose eager gaps hold some of this instance's ops (KDA beside a captured
+    # conv): the eager plan made before init_replay_state, which those ops keep reading.
+    eager_extend: _ExtendPlan | None = None
 
 
 def _to_device_at_once(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -324,6 +327,11 @@ class _StaticExtendPlan:
         views = [self.buf[at:at + math.prod(shape)].view(shape) for at, shape in layout]
         chunk_bounds, conv_bounds, chunks, blocks = views
         return _ExtendPlan(real, slots[:B + 1], chunk_bounds, None, chunks, conv_bounds, blocks, 0, captured=True)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (never on the CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
@@ -454,7 +462,10 @@ class TritonLinearBackend(BackendHooks):
                                f"steps to their bucket before replay")
         slots = self._static_slots[:bucket]
         slots.copy_(ctx.state_slots, non_blocking=True)
+        eager = self._step if self._step is not None and self._step.ctx is ctx and not self._step.replayed else None
         self._step = self._make_step_plan(ctx, slots, replayed=True)
+        if eager is not None:  # plan_piecewise_step planned the gaps first: their ops keep that plan
+            self._step.eager_extend = eager.extend
         if Mode(ctx.mode) in (Mode.EXTEND, Mode.MIXED) and self._static_extend is not None:
             self._step.extend = self._static_extend.fill(ctx, self._static_slots)
 
@@ -525,7 +536,11 @@ class TritonLinearBackend(BackendHooks):
         return _ExtendPlan(T, slots, bounds_dev[:R + 1], cu, chunks_dev, bounds_dev, blocks_dev,
                            int(lens.max()) if R else 0)
 
-    def _extend_plan(self, step: _StepPlan) -> _ExtendPlan:
+    def _extend_plan(self, step: _StepPlan, op: str) -> _ExtendPlan:
+        """The plan `op` reads: in a replayed step, an op that is not captured in extend runs in an
+        eager gap, on the eager plan (_route refused the step if there was none)."""
+        if step.replayed and op not in self._captured_extend:
+            return step.eager_extend
         if step.extend is None:
             step.extend = self._make_extend_plan(step)  # a caller that skipped init_chunk_metadata (tests)
         return step.extend
@@ -557,10 +572,15 @@ class TritonLinearBackend(BackendHooks):
                     f"request the same number of rows (rows {rows}, requests {ctx.num_seqs}, lengths "
                     f"{ctx.query_lens}); ragged verify steps only run eagerly")
             return "extend", 0
-        if step.replayed and (op not in self._captured_extend or step.extend is None or not step.extend.captured):
-            raise WrongModeError(f"{self.name}: hgc.{op} (layer {layer_id}) in a replayed {mode.value!r} step; "
-                                 f"its extend and mixed steps run eagerly here (FLA's chunk kernels plan on the host), "
-                                 f"or init_replay_state made no static plan")
+        if step.replayed:
+            captured = op in self._captured_extend and step.extend is not None and step.extend.captured
+            # an op the graphs cannot hold runs in an eager gap of a piecewise step, on the eager plan
+            # made before the replay state; never inside a capture, and never without that plan
+            in_gap = not captured and step.eager_extend is not None and not _capturing(self.device)
+            if not captured and not in_gap:
+                raise WrongModeError(f"{self.name}: hgc.{op} (layer {layer_id}) in a replayed {mode.value!r} step; "
+                                     f"its extend and mixed steps run eagerly here (FLA's chunk kernels plan on the "
+                                     f"host), or init_replay_state made no static plan")
         return "extend", 0
 
     def _layer_state(self, layer_id: int, entry: str) -> torch.Tensor:
@@ -591,7 +611,7 @@ class TritonLinearBackend(BackendHooks):
 
         `tokens`: the call's per-token inputs over the step's rows; `options`: its other keyword
         arguments. Everything derived from the step comes from the plan."""
-        plan = self._extend_plan(self._step_plan(ctx))
+        plan = self._extend_plan(self._step_plan(ctx), op)
         T = plan.num_tokens
         if T > 0:
             states = self._layer_state(layer_id, "recurrent")
@@ -613,9 +633,10 @@ class TritonLinearBackend(BackendHooks):
     def _short_extend(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
         """The recurrent extend kernel over the step's real requests, where each brings at most
         `short_extend_tokens` tokens (padding rows zeroed); False where the step is longer."""
-        if not self.short_extend_tokens or _kernels().OP_OF_GATE[gate_kind] in self._captured_extend:
+        op = _kernels().OP_OF_GATE[gate_kind]
+        if not self.short_extend_tokens or op in self._captured_extend:
             return False  # an op captured in extend takes its graph's kernels eagerly too (SHORT_EXTEND_CHOICES)
-        plan = self._extend_plan(self._step_plan(ctx))
+        plan = self._extend_plan(self._step_plan(ctx), op)
         if not 0 < plan.longest <= self.short_extend_tokens:
             return False
         T = plan.num_tokens
@@ -630,7 +651,7 @@ class TritonLinearBackend(BackendHooks):
         slots in place (padding rows zeroed, as _chunk does); False where chunk_impl is "fla"."""
         if self.chunk_impl == "fla":
             return False
-        plan = self._extend_plan(self._step_plan(ctx))
+        plan = self._extend_plan(self._step_plan(ctx), _kernels().OP_OF_GATE[gate_kind])
         if plan.captured:
             out.zero_()  # the kernels write the real rows only, whose count the graph does not know
             state = self._layer_state(layer_id, "recurrent")
@@ -695,7 +716,7 @@ class TritonLinearBackend(BackendHooks):
 
     def _conv_extend(self, ctx, x, weight, bias, out, layer_id, silu):
         """The Triton extend conv, one launch: every request's tokens, its new history, zero padding rows."""
-        plan = self._extend_plan(self._step_plan(ctx))
+        plan = self._extend_plan(self._step_plan(ctx), "short_conv")
         _kernels().short_conv_extend(x, weight, bias, out, self._layer_state(layer_id, "conv"), plan.slots,
                                      plan.conv_bounds, plan.conv_blocks, silu,
                                      what=f"{self.name}: hgc.short_conv (layer {layer_id})")
