@@ -23,8 +23,8 @@ used: every start-up here begins from empty caches):
    compares between the variants; then graph replay against eager steps of the same build:
    --graph-prompts prompts x --graph-tokens greedy tokens each way (32 x 64 on the GPU), the
    tokens that differ, and where they do, the logits' drift before and the eager top-2 gap there
-   (gpu_e2e.logit_drift); then the same decode steps through piecewise graphs (captured after the
-   rest: their capture sets the backends' buffers up again).
+   (gpu_e2e.logit_drift); then the same decode steps through piecewise graphs, on backend
+   instances of their own, timed in turns with the full graphs (their ratio: piecewise_over_full).
 3. torch_compile: in a fresh process with empty caches too, the same model from models/ on the
    same backends and pools, `torch.compile(mode="reduce-overhead", dynamic=False)` (as
    benchmarks/gpu_e2e.py compiles it): its load, and for every bucket the compiled variant
@@ -245,7 +245,7 @@ def run_variant(args) -> dict:
     if "graph_tokens" not in args.skip:
         rec["tokens_graph_vs_eager"] = graph_vs_eager(runner, st, vocab, graph_lens, args.graph_tokens, sync)
     if "piecewise" not in args.skip:
-        time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g)
+        time_piecewise(args, art, runner, kv, st, dev, decode, extend, max_len, rec, g)
     return rec
 
 
@@ -327,15 +327,18 @@ def graph_vs_eager(runner, st, vocab: int, lens: list[int], new_tokens: int, syn
     return out
 
 
-def time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g) -> None:
+def time_piecewise(args, art, full, kv, st, dev, decode, extend, max_len, rec, g) -> None:
     """The same decode steps through piecewise graphs (the extend plan's captured pieces with its
-    eager gaps): the issue's piecewise against full-graph ratio, from the same process and pools.
-    Its capture sets the backends' static buffers up again, so it comes after every use of the
-    full-graph runner."""
+    eager gaps) against the full graphs of `full`, timed in turns: the issue's piecewise against
+    full-graph ratio. A piecewise step at small batch is bound by the host, and a lent machine's
+    host speed drifts within a call, so each round times both runners back to back and the ratio is
+    taken from those rounds. The piecewise runner has backend instances of its own (their own
+    static buffers, over the same pools), so the full runner's graphs stay valid beside it."""
     from runtime.backends.launch_cache import Launcher
     from runtime.graph_runner import GraphRunner
     from tests.graph_cases import RerunGraphs
 
+    ops = art.backends(kv, st).op_table("main")
     runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=decode, extend_buckets=(min(extend),),
                          max_pages_per_seq=max_len // PAGE, extend_max_seqs=min(16, min(extend)),
                          graphs=RerunGraphs() if args.dry_run else None, decode_graphs="piecewise")
@@ -346,19 +349,22 @@ def time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g)
             continue
         with decode_batch(runner, st, B, vocab, g, HISTORY) as items:
             step, key = runner.build(items)
+            full_step, full_key = full.build(items)
             cell = rec["decode"][str(B)]
-            # with and without the Triton launch cache (runtime/backends/launch_cache.py), interleaved:
-            # lent machines' host speed drifts within a call
             cell["piecewise_host_speed_ms"] = host_speed_ms()  # against host_speed_ms: the same host?
-            times = {True: [], False: []}
+            # full graph, and piecewise with and without the Triton launch cache
+            # (runtime/backends/launch_cache.py), in turns
+            times = {"full": [], True: [], False: []}
             for _ in range(3):
+                times["full"].append(time_ms(lambda: full.run(full_step, full_key), dev, args.iters))
                 for enabled in (True, False):
                     Launcher.enabled = enabled
                     times[enabled].append(time_ms(lambda: runner.run(step, key), dev, args.iters))
             Launcher.enabled = True
+            cell["piecewise_full_ms"] = statistics.median(times["full"])
             cell["piecewise_ms"] = statistics.median(times[True])
             cell["piecewise_ms_without_launch_cache"] = statistics.median(times[False])
-            cell["piecewise_over_full"] = cell["piecewise_ms"] / cell["step_ms"]
+            cell["piecewise_over_full"] = cell["piecewise_ms"] / cell["piecewise_full_ms"]
             # Where a piecewise step's time goes: kernels (profiler) against the host's issue time,
             # and the Python functions of that host time (the eager gaps' launch paths)
             if dev.type == "cuda":
@@ -367,8 +373,9 @@ def time_piecewise(args, art, ops, kv, st, dev, decode, extend, max_len, rec, g)
                             piecewise_host_issue_ms=prof["host_issue_ms"])
             host = host_profile(lambda: runner.run(step, key), 20, top=30, sync=synchronizer(dev))
             cell.update(piecewise_host_top_cum=host["top_cum"], piecewise_host_top_own=host["top_own"])
-        print(f"  decode B={B} piecewise: {cell['piecewise_ms']:.3f} ms ({cell['piecewise_over_full']:.2f}x full; "
-              f"{cell['piecewise_ms_without_launch_cache']:.3f} ms without the launch cache)", flush=True)
+        print(f"  decode B={B} piecewise: {cell['piecewise_ms']:.3f} ms against {cell['piecewise_full_ms']:.3f} ms "
+              f"full in turns ({cell['piecewise_over_full']:.2f}x; {cell['piecewise_ms_without_launch_cache']:.3f} ms "
+              f"without the launch cache)", flush=True)
 
 
 # -- the parent ---------------------------------------------------------------------------------
