@@ -43,18 +43,6 @@ def _triton_adds() -> list:
     return [functools.partial(add_k[(1,)], K=k + 1, BLOCK=64) for k in range(DISTINCT_MAX)]
 
 
-@functools.cache
-def _triton_add():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def add_one(x_ptr, n, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
-    return add_one
-
-
 def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0,
           distinct: int = 0) -> tuple[torch.cuda.CUDAGraph, list, dict]:
     """A graph of n nodes in one stream: elementwise kernels, with about `copies` D2D copies,
@@ -72,10 +60,7 @@ def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0
                                ("distinct", distinct, 4)):
         for i in range(count):
             special[min(n - 1, (i * n) // count + shift)] = kind
-    add_one = _triton_add() if tritons else None
-    if add_one is not None:
-        add_one[(1,)](a, 64, BLOCK=64)  # built before the capture
-    kernels = _triton_adds()[:distinct]
+    kernels = _triton_adds()[:max(distinct, 1 if tritons else 0)]
     for launch in kernels:
         launch(a, 64)  # each built before the capture
     if gemms:
@@ -95,7 +80,7 @@ def build(n: int, copies: int, fills: int, dev, gemms: int = 0, tritons: int = 0
             elif kind == "gemm":
                 torch.mm(x, w, out=y)
             elif kind == "triton":
-                add_one[(1,)](a, 64, BLOCK=64)
+                kernels[0](a, 64)  # the same kernel each time
             elif kind == "distinct":
                 kernels[used % len(kernels)](a, 64)
                 used += 1

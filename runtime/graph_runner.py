@@ -243,10 +243,9 @@ class GraphRunner:
         A decode or target_verify plan that is one captured piece is captured whole (one graph
         per bucket), so its module stays unwrapped: eager steps and the whole-step capture both
         run it as is. Extend and mixed steps run the extend plan."""
-        plan_mode = mode if mode in (Mode.DECODE, Mode.TARGET_VERIFY) else Mode.EXTEND
-        if plan_mode in self.full_modes:
-            return self.program.module_for(plan_mode)
-        plan_mode = self._piecewise_plan_mode(plan_mode)
+        if mode in self.full_modes:  # decode or target_verify captured whole
+            return self.program.module_for(mode)
+        plan_mode = self._piecewise_plan_mode(mode)
         if plan_mode not in self._modules:
             split = self.program.module_for(plan_mode)
             # Modes whose plans have the same pieces share one split module (ProgramRunner.module_for):
