@@ -9,7 +9,8 @@
 - `prompts_for`, `key_names`, `compare`: prompts, the keys a run used, and how two runs' greedy tokens differ (the tokens themselves:
   tests/graph_cases.greedy, which the tests use too).
 - `decode_batch`: B requests with a history, and their next decode step's items.
-- `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU).
+- `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU); `launch_check_ms`:
+  the host cost of a small graph's replay, which says whether a profiler slowed the timings after it.
 - `engine_script`: the main of a benchmark over one engine-level model (prefix_bench, spec_bench):
   the shared flags, GPU or dry-run defaults, OUT/NAME.json saved after every stage, a table last.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -33,7 +35,14 @@ import traceback
 import types
 from pathlib import Path
 
-import torch
+# Kineto leaves CUPTI subscribed after a torch.profiler session unless told to tear it down, and a
+# subscribed CUPTI slows every later CUDA launch of the process: a 220-kernel graph's replay()
+# went from 0.004 to 0.05 ms of host time after one profile (graph_launch_probe, "after a
+# profile"). Every timing a bench takes after profiling would carry that, so benches tear it
+# down; `launch_check_ms` records whether that held in a run.
+os.environ.setdefault("TEARDOWN_CUPTI", "1")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -298,6 +307,35 @@ def host_speed_ms(reps: int = 21) -> float:
     return round(statistics.median(times), 4)
 
 
+@functools.cache
+def _launch_check_graph(device_index: int):
+    x = torch.zeros(64, device=torch.device("cuda", device_index))
+    x.add_(1)  # the kernel is loaded before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(100):
+            x.add_(1)
+    return graph, x
+
+
+def launch_check_ms(device: torch.device, iters: int = 50) -> float | None:
+    """Median host milliseconds of one replay() of a fixed 100-kernel graph, the device idle before
+    each: about 0.004 ms on an H200's host. Taken before a bench's timings and again after its
+    profiles; a second value far above the first says the profiler left CUPTI subscribed and the
+    timings after it paid for that (see TEARDOWN_CUPTI above). None on the CPU."""
+    if device.type != "cuda":
+        return None
+    graph, _ = _launch_check_graph(device.index if device.index is not None else torch.cuda.current_device())
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        graph.replay()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize(device)
+    return round(statistics.median(times), 4)
+
+
 def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
     """Where one call's time goes: host time to issue it (perf_counter until fn returns, before
     any wait), device kernel time per call (sum of the profiler's kernel durations; kernels replayed
@@ -323,8 +361,8 @@ def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
     with profile(activities=activities) as prof:
         for _ in range(iters):
             fn()
-        if cuda:
-            torch.cuda.synchronize(device)
+            if cuda:
+                torch.cuda.synchronize(device)  # each call starts on an idle device, as time_ms's do
     kernels, host_ops = {}, {}
     # One call's kernels in the order they ran (the first call of the profile): where the copies,
     # memsets and small kernels sit between the big ones.
@@ -345,7 +383,26 @@ def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
     k_rows, h_rows = per_call(kernels), per_call(host_ops)
     return {"host_issue_ms": statistics.median(host), "kernel_ms": round(sum(r["ms"] for r in k_rows), 4),
             "kernels_per_call": sum(r["calls"] for r in k_rows), "top_kernels": k_rows[:top],
-            "top_host_ops": h_rows[:top], "kernel_sequence": [e.name[:60] for e in ordered[:per]]}
+            "top_host_ops": h_rows[:top], "kernel_sequence": [e.name[:60] for e in ordered[:per]],
+            **device_gaps(ordered[-per:] if per else [])}
+
+
+def device_gaps(kernels: list, top: int = 12) -> dict:
+    """Where the device waits inside one call (its kernels' profiler events, in order): the span
+    from the first kernel's start to the last one's end, the idle time between kernels in it, and
+    the longest idle gaps with the kernels on either side (a gap where the host was behind: an
+    eager op's launch path, a piece's replay, a wait on the device). Measured under the profiler,
+    which widens them: it traces a graph's kernels one by one and adds host time to each launch
+    (cudaGraphLaunch about 0.07 ms under it against 0.006 ms without), so these say where the
+    device waits, not for how long it waits in an unprofiled step."""
+    if not kernels:
+        return {}
+    pairs = list(zip(kernels, kernels[1:]))
+    gaps = [{"us": round(b.time_range.start - a.time_range.end, 1), "before_kernel": i + 1,
+             "after": a.name[:50], "next": b.name[:50]} for i, (a, b) in enumerate(pairs)]
+    return {"device_span_ms": round((kernels[-1].time_range.end - kernels[0].time_range.start) / 1e3, 4),
+            "device_idle_ms": round(sum(max(g["us"], 0.0) for g in gaps) / 1e3, 4),
+            "longest_gaps": sorted(gaps, key=lambda g: -g["us"])[:top]}
 
 
 def replay_host_split(runner, step, key, iters: int = 50) -> dict:

@@ -18,13 +18,14 @@ used: every start-up here begins from empty caches):
    report says how many kernels were built or tuned, and how many graphs Inductor compiled, at
    start-up (the goal: none of either).
    In the same process, per batch B: B requests with 64-token histories; the full-graph decode
-   step (CUDA events, median of --iters) and its kernels per step (torch.profiler: the kernels of
-   a replayed graph are traced one by one); then greedy tokens of a few prompts, which the parent
+   step (CUDA events, median of --iters); then greedy tokens of a few prompts, which the parent
    compares between the variants; then graph replay against eager steps of the same build:
    --graph-prompts prompts x --graph-tokens greedy tokens each way (32 x 64 on the GPU), the
    tokens that differ, and where they do, the logits' drift before and the eager top-2 gap there
    (gpu_e2e.logit_drift); then the same decode steps through piecewise graphs, on backend
-   instances of their own, timed in turns with the full graphs (their ratio: piecewise_over_full).
+   instances of their own, timed in turns with the full graphs (their ratio: piecewise_over_full);
+   last, after every timing, the kernels per step of both (torch.profiler: the kernels of a
+   replayed graph are traced one by one), with `launch_check_ms` before and after (bench_common).
 3. torch_compile: in a fresh process with empty caches too, the same model from models/ on the
    same backends and pools, `torch.compile(mode="reduce-overhead", dynamic=False)` (as
    benchmarks/gpu_e2e.py compiles it): its load, and for every bucket the compiled variant
@@ -64,7 +65,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from bench_common import (Stages, compare, decode_batch, host_profile, profile_call, prompts_for,  # noqa: E402
-                          host_speed_ms, replay_host_split, synchronizer, time_ms)
+                          host_speed_ms, launch_check_ms, replay_host_split, synchronizer, time_ms)
 
 PAGE = 16
 HISTORY = 64
@@ -216,37 +217,65 @@ def run_variant(args) -> dict:
         # cannot run inside this one (Python 3.12: "another profiling tool is already active").
         return rec
     g = torch.Generator().manual_seed(2)
-    for B in args.batch_list:
-        if B > max(decode):
-            continue
+    batches = [B for B in args.batch_list if B <= max(decode)]
+    rec["launch_check_ms"] = {"before_timings": launch_check_ms(dev)}
+    for B in batches:
         with decode_batch(runner, st, B, vocab, g, HISTORY) as items:
             step, key = runner.build(items)
             cell = rec.setdefault("decode", {}).setdefault(str(B), {"key": str(key)})
             cell["host_speed_ms"] = host_speed_ms()
             cell["step_ms"] = time_ms(lambda: runner.run(step, key), dev, args.iters)
-            if dev.type == "cuda":
-                # Every kernel of the step at B=1 (where launches, not bytes, set the time); the top 8 elsewhere.
-                prof = profile_call(lambda: runner.run(step, key), dev, top=1000)
-                cell.update(kernels_per_step=prof["kernels_per_call"], kernel_ms=prof["kernel_ms"],
-                            host_issue_ms=prof["host_issue_ms"], top_kernels=prof["top_kernels"][:1000 if B == 1 else 8])
-                if B == 1:
-                    # and the host calls under it: the driver calls (graph launch, copies) by their own time
-                    cell.update(kernel_sequence=prof["kernel_sequence"], top_host_ops=prof["top_host_ops"])
-                if key in runner._full_graphs:
-                    cell["host_split_ms"] = replay_host_split(runner, step, key)
+            if dev.type == "cuda" and key in runner._full_graphs:
+                cell["host_split_ms"] = replay_host_split(runner, step, key)
             host = host_profile(lambda: runner.run(step, key), 20, top=20, sync=synchronizer(dev))
             cell.update(host_top_cum=host["top_cum"], host_top_own=host["top_own"])
-        print(f"  decode B={B}: {cell['step_ms']:.3f} ms ({key}), {cell.get('kernels_per_step', 'n/a')} kernels, "
-              f"host {cell.get('host_split_ms', 'n/a')}",
-              flush=True)
+        print(f"  decode B={B}: {cell['step_ms']:.3f} ms ({key}), host {cell.get('host_split_ms', 'n/a')}", flush=True)
     prompts = prompts_for(vocab, PROMPT_LENS[: max(decode)])
     rec["tokens"], _ = greedy(runner, st, prompts, args.new_tokens, sync=sync)
     rec["prompt_lens"] = [len(p) for p in prompts]
     if "graph_tokens" not in args.skip:
         rec["tokens_graph_vs_eager"] = graph_vs_eager(runner, st, vocab, graph_lens, args.graph_tokens, sync)
+    piecewise = None
     if "piecewise" not in args.skip:
-        time_piecewise(args, art, runner, kv, st, dev, decode, extend, max_len, rec, g)
+        piecewise = time_piecewise(args, art, runner, kv, st, dev, decode, extend, max_len, rec, g)
+    rec["launch_check_ms"]["after_timings"] = launch_check_ms(dev)
+    if dev.type == "cuda":
+        # Last: a torch.profiler session can leave CUPTI slowing every launch after it (bench_common,
+        # TEARDOWN_CUPTI), so no timing above runs after one.
+        profile_kernels(runner, piecewise, st, vocab, batches, dev, rec, g)
+        rec["launch_check_ms"]["after_profiles"] = launch_check_ms(dev)
     return rec
+
+
+def profile_kernels(full, piecewise, st, vocab, batches, dev, rec, g) -> None:
+    """The kernels per step (torch.profiler: a replayed graph's kernels are traced one by one) of
+    the full-graph and the piecewise decode steps timed before: at B=1, where launches rather than
+    bytes set the time, every kernel in order and the driver calls under the step; elsewhere the
+    top 8."""
+    for B in batches:
+        cell = rec["decode"][str(B)]
+        with decode_batch(full, st, B, vocab, g, HISTORY) as items:
+            step, key = full.build(items)
+            prof = profile_call(lambda: full.run(step, key), dev, top=1000)
+            cell.update(kernels_per_step=prof["kernels_per_call"], kernel_ms=prof["kernel_ms"],
+                        host_issue_ms=prof["host_issue_ms"], top_kernels=prof["top_kernels"][:1000 if B == 1 else 8],
+                        device_span_ms=prof["device_span_ms"], device_idle_ms=prof["device_idle_ms"])
+            if B == 1:
+                cell.update(kernel_sequence=prof["kernel_sequence"], top_host_ops=prof["top_host_ops"],
+                            longest_gaps=prof["longest_gaps"])
+            if piecewise is not None:
+                step, key = piecewise.build(items)
+                prof = profile_call(lambda: piecewise.run(step, key), dev, top=30)
+                cell.update(piecewise_kernels_per_step=prof["kernels_per_call"], piecewise_kernel_ms=prof["kernel_ms"],
+                            piecewise_host_issue_ms=prof["host_issue_ms"], piecewise_device_span_ms=prof["device_span_ms"],
+                            piecewise_device_idle_ms=prof["device_idle_ms"])
+                if B == 1:
+                    cell.update(piecewise_longest_gaps=prof["longest_gaps"], piecewise_top_host_ops=prof["top_host_ops"])
+        print(f"  decode B={B}: {cell['kernels_per_step']} kernels, {cell['kernel_ms']:.3f} ms of them "
+              f"({cell['host_issue_ms']:.3f} ms to issue; device idle {cell['device_idle_ms']:.3f} ms between them)"
+              + (f"; piecewise {cell['piecewise_kernels_per_step']} kernels, {cell['piecewise_kernel_ms']:.3f} ms, "
+                 f"{cell['piecewise_host_issue_ms']:.3f} ms to issue, device idle "
+                 f"{cell['piecewise_device_idle_ms']:.3f} ms" if piecewise is not None else ""), flush=True)
 
 
 def run_torch_compile(args) -> dict:
@@ -327,13 +356,14 @@ def graph_vs_eager(runner, st, vocab: int, lens: list[int], new_tokens: int, syn
     return out
 
 
-def time_piecewise(args, art, full, kv, st, dev, decode, extend, max_len, rec, g) -> None:
+def time_piecewise(args, art, full, kv, st, dev, decode, extend, max_len, rec, g):
     """The same decode steps through piecewise graphs (the extend plan's captured pieces with its
     eager gaps) against the full graphs of `full`, timed in turns: the issue's piecewise against
     full-graph ratio. A piecewise step at small batch is bound by the host, and a lent machine's
     host speed drifts within a call, so each round times both runners back to back and the ratio is
     taken from those rounds. The piecewise runner has backend instances of its own (their own
-    static buffers, over the same pools), so the full runner's graphs stay valid beside it."""
+    static buffers, over the same pools), so the full runner's graphs stay valid beside it.
+    Returns that runner (profile_kernels profiles its steps after every timing)."""
     from runtime.backends.launch_cache import Launcher
     from runtime.graph_runner import GraphRunner
     from tests.graph_cases import RerunGraphs
@@ -365,17 +395,14 @@ def time_piecewise(args, art, full, kv, st, dev, decode, extend, max_len, rec, g
             cell["piecewise_ms"] = statistics.median(times[True])
             cell["piecewise_ms_without_launch_cache"] = statistics.median(times[False])
             cell["piecewise_over_full"] = cell["piecewise_ms"] / cell["piecewise_full_ms"]
-            # Where a piecewise step's time goes: kernels (profiler) against the host's issue time,
-            # and the Python functions of that host time (the eager gaps' launch paths)
-            if dev.type == "cuda":
-                prof = profile_call(lambda: runner.run(step, key), dev)
-                cell.update(piecewise_kernels_per_step=prof["kernels_per_call"], piecewise_kernel_ms=prof["kernel_ms"],
-                            piecewise_host_issue_ms=prof["host_issue_ms"])
+            # Where a piecewise step's host time goes: the Python functions (the eager gaps' launch
+            # paths); its kernels are profiled after every timing (profile_kernels)
             host = host_profile(lambda: runner.run(step, key), 20, top=30, sync=synchronizer(dev))
             cell.update(piecewise_host_top_cum=host["top_cum"], piecewise_host_top_own=host["top_own"])
         print(f"  decode B={B} piecewise: {cell['piecewise_ms']:.3f} ms against {cell['piecewise_full_ms']:.3f} ms "
               f"full in turns ({cell['piecewise_over_full']:.2f}x; {cell['piecewise_ms_without_launch_cache']:.3f} ms "
               f"without the launch cache)", flush=True)
+    return runner
 
 
 # -- the parent ---------------------------------------------------------------------------------
