@@ -10,7 +10,8 @@
   tests/graph_cases.greedy, which the tests use too).
 - `decode_batch`: B requests with a history, and their next decode step's items.
 - `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU); `launch_check_ms`:
-  the host cost of a small graph's replay, which says whether a profiler slowed the timings after it.
+  the host cost of a small graph's replay, which says whether a profiler slowed the timings after it;
+  `profile_call` and its `device_gaps`: a call's kernels, host ops and the device's waits (profiler).
 - `engine_script`: the main of a benchmark over one engine-level model (prefix_bench, spec_bench):
   the shared flags, GPU or dry-run defaults, OUT/NAME.json saved after every stage, a table last.
 
@@ -49,7 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 from runtime.batch import SeqState, build_step, commit_step
 
 __all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
-           "synchronizer", "host_profile", "engine_script", "target_rows", "compiled_artifact"]
+           "synchronizer", "host_profile", "engine_script", "target_rows", "compiled_artifact", "host_speed_ms",
+           "launch_check_ms", "device_gaps", "replay_host_split"]
 
 
 def is_cuda() -> bool:
@@ -342,7 +344,7 @@ def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
     from a CUDA graph are traced one by one), and the kernels and host ops that take the most.
 
     A call whose host time exceeds its kernel time is bound by the host: the device idles between
-    launches. On the CPU only the host side is reported."""
+    launches (`device_gaps` says where). On the CPU only the host side is reported."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -364,11 +366,12 @@ def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
             if cuda:
                 torch.cuda.synchronize(device)  # each call starts on an idle device, as time_ms's do
     kernels, host_ops = {}, {}
-    # One call's kernels in the order they ran (the first call of the profile): where the copies,
-    # memsets and small kernels sit between the big ones.
+    # One call's kernels in the order they ran (the last call of the profile): where the copies,
+    # memsets and small kernels sit between the big ones, and where the device waits between them.
     ordered = sorted((e for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
     per = len(ordered) // max(iters, 1)
+    one_call = ordered[len(ordered) - per:]
     for e in prof.events():
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
             k = kernels.setdefault(e.name[:90], [0, 0.0])
@@ -383,8 +386,8 @@ def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
     k_rows, h_rows = per_call(kernels), per_call(host_ops)
     return {"host_issue_ms": statistics.median(host), "kernel_ms": round(sum(r["ms"] for r in k_rows), 4),
             "kernels_per_call": sum(r["calls"] for r in k_rows), "top_kernels": k_rows[:top],
-            "top_host_ops": h_rows[:top], "kernel_sequence": [e.name[:60] for e in ordered[:per]],
-            **device_gaps(ordered[-per:] if per else [])}
+            "top_host_ops": h_rows[:top], "kernel_sequence": [e.name[:60] for e in one_call],
+            **device_gaps(one_call)}
 
 
 def device_gaps(kernels: list, top: int = 12) -> dict:
