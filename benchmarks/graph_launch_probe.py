@@ -1,4 +1,4 @@
-"""What one CUDA graph replay costs the host, by node count and node kind, and after a profiler.
+r"""What one CUDA graph replay costs the host, by node count and node kind, and after a profiler.
 
 A replayed decode step at batch 1 waits for the host twice: the step's own preparation, then the
 graph launch itself (`CUDAGraph.replay`). That launch measured 0.145 ms for bench qwen3_next's

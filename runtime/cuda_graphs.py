@@ -72,14 +72,19 @@ class CaptureState:
         self.capturing = False
         self.silent = False  # ops run now are not the graph's (warm-up, the first replay of a rerun stand-in)
         self.pool = None
+        # Device work the first captured piece of the step being captured records ahead of its ops
+        # (the backends' replay state that its graph may hold: GraphRunner._plan); None: nothing.
+        self.prologue: Optional[Callable[[], None]] = None
 
 
 class CapturedPiece(torch.nn.Module):
     """One captured piece of a split program: a CUDA graph per key, replayed with the inputs it was captured with."""
 
-    def __init__(self, piece: torch.nn.Module, index: int, state: CaptureState, debug: bool = False):
+    def __init__(self, piece: torch.nn.Module, index: int, state: CaptureState, debug: bool = False,
+                 first: bool = False):
+        """first: the plan's first piece, which records the step's prologue (CaptureState.prologue)."""
         super().__init__()
-        self.piece, self.index, self.state, self.debug = piece, index, state, debug
+        self.piece, self.index, self.state, self.debug, self.first = piece, index, state, debug, first
         self.graphs: dict[CaptureKey, tuple[object, object, list[int]]] = {}
 
     def forward(self, *args):
@@ -87,12 +92,19 @@ class CapturedPiece(torch.nn.Module):
         if key is None:  # an eager step: no graph at all
             return self.piece(*args)
         if self.state.capturing and key not in self.graphs:
+            prologue = self.state.prologue if self.first else None
+
+            def body():
+                if prologue is not None:
+                    prologue()
+                return self.piece(*args)
+
             self.state.silent = True
             try:
-                self.piece(*args)  # warm-up outside the graph: lazy init, Triton compiles, autotuning
+                body()  # warm-up outside the graph: lazy init, Triton compiles, autotuning
             finally:
                 self.state.silent = False
-            graph, out = self.state.graphs.capture(lambda: self.piece(*args), self.state.pool)
+            graph, out = self.state.graphs.capture(body, self.state.pool)
             self.graphs[key] = (graph, out, [a.data_ptr() for a in args if isinstance(a, torch.Tensor)])
             self.state.silent = True
             try:

@@ -256,7 +256,8 @@ class GraphRunner:
                 plan = self.program.plans[plan_mode]
                 for piece, name in zip(plan.pieces, piece_module_names(plan)):
                     if piece.kind == CAPTURED:
-                        setattr(split, name, CapturedPiece(getattr(split, name), piece.index, self.state, self.debug))
+                        setattr(split, name, CapturedPiece(getattr(split, name), piece.index, self.state, self.debug,
+                                                           first=piece is plan.pieces[0]))
             self._modules[plan_mode] = split
         return self._modules[plan_mode]
 
@@ -286,7 +287,19 @@ class GraphRunner:
         # Piecewise: the ops inside captured pieces read their per-step values (the MoE's real
         # token count, decode slot ids) from the static buffers init_replay_state fills, not from
         # launch arguments frozen at capture; the eager gaps run on the eager plan made first.
-        self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size, self._piecewise_plan_mode(key.mode))
+        # Where the plan opens with a captured piece, that piece's graph stages what it may
+        # (stage_in_first_piece, recorded at capture): host time before the step's first launch,
+        # while the device waits, is what a piecewise step pays over a whole-step graph.
+        plan_mode = self._piecewise_plan_mode(key.mode)
+        staged = self._first_piece_stages(plan_mode)
+        self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size, plan_mode, first_piece_stages=staged)
+        if staged and self.state.capturing:
+            self.state.prologue = lambda: self.backend.stage_in_first_piece(ctx, key.seqs, plan_mode)
+
+    def _first_piece_stages(self, plan_mode: Mode) -> bool:
+        """Whether the split plan of `plan_mode` opens with a captured piece (which then records the
+        step's staging; CapturedPiece's `first`)."""
+        return self.program.plans[plan_mode].pieces[0].kind == CAPTURED
 
     @torch.no_grad()
     def run_outputs(self, step: StepInputs, key: Optional[CaptureKey],
@@ -403,12 +416,12 @@ class GraphRunner:
                             self.state.pool)
                     self._full_graphs[key] = graph
                 else:
+                    self.state.capturing = True  # before _plan: it leaves the first piece a prologue to record
                     self._plan(ctx, key)
-                    self.state.capturing = True
                     with self.ops.step(ctx):
                         self._call(self._module(key.mode), inputs)
             finally:
-                self.state.key, self.state.capturing = None, False
+                self.state.key, self.state.capturing, self.state.prologue = None, False, None
                 self.ops.observer = None
             self._op_outs[key] = sink.records
             self.keys.append(key)

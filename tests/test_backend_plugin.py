@@ -254,6 +254,44 @@ def test_its_nodes_are_eager_gaps_in_decode_and_the_runner_passes_parity(plugin,
     assert ops.executed_backends()["0"] == ["cpu_reference", BACKEND]
 
 
+def test_the_first_piece_stages_the_members_captured_alone(plugin, by_priority, monkeypatch):
+    """A member with no node in decode's eager gaps (the reference: every node but the plugin's GDN)
+    whose staging a graph may hold (`replay_state_in_graph`, answered True here) is staged by the
+    first captured piece's graph: at a replayed piecewise decode step the host does not call its
+    init_replay_state, the graph does (the CPU stand-in reruns what it captured). Extend steps, whose
+    staging holds host-built tables, stage on the host; the plugin, in the gaps, plans each step
+    eagerly; the tokens are the eager ones."""
+    from runtime.backends.cpu_reference import CPUReferenceBackend
+    from runtime.bound_ops import BoundOps
+    from runtime.generate import make_pools
+    from runtime.graph_runner import GraphRunner
+    from runtime.loader import load_artifact
+    from tests.graph_cases import RerunGraphs, greedy
+
+    graphs, staged = RerunGraphs(), []
+    monkeypatch.setattr(CPUReferenceBackend, "replay_state_in_graph", lambda self, mode: True)
+    monkeypatch.setattr(CPUReferenceBackend, "init_replay_state",
+                        lambda self, ctx, bucket: staged.append((Mode(ctx.mode), graphs.inside)))
+    art = load_artifact(by_priority[0])
+    kv, st = make_pools(art.registry, 128, 8, page_size=8)
+    ops = BoundOps(art.backends(kv, st).for_program("main"))
+    runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
+                         max_pages_per_seq=16, extend_max_seqs=2, debug=True, graphs=graphs)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    eager, _ = greedy(runner, st, prompts, 3)
+    runner.start(vocab_size=art.manifest["model"]["vocab_size"])
+    assert not runner.full_decode and runner.program.plans[Mode.DECODE].pieces[0].kind == "captured"
+    staged.clear()
+    plugin.CALLS.clear()
+    graph, keys = greedy(runner, st, prompts, 3)
+    assert graph == eager and runner.counters["piecewise_steps"] >= 3
+    decode = [inside for mode, inside in staged if mode == Mode.DECODE]
+    extend = [inside for mode, inside in staged if mode != Mode.DECODE]
+    assert len(decode) == 2 and all(decode), "staged in the first piece's graph, once per replayed decode step"
+    assert extend and not any(extend), "an extend step is staged on the host"
+    assert plugin.CALLS.count(("init_step_metadata", None)) == 3, "the gap's member plans every step eagerly"
+
+
 def test_an_artifact_that_needs_the_plugin_is_refused_where_it_is_not_installed(plugin, by_priority, capsys):
     art, _ = by_priority
     site = next(p for p in sys.path if (Path(p) / PACKAGE).is_dir())

@@ -143,6 +143,30 @@ def test_a_decode_step_through_the_extend_pieces_is_planned_as_the_extend_plan_p
     assert attn.calls == [("init_step_metadata", decode)] and linear.calls == [("init_replay_state", decode, 2)]
 
 
+def test_the_first_piece_stages_only_members_captured_alone_whose_staging_a_graph_holds():
+    """first_piece_stages: of the members captured in the plan, those with no node in its gaps and
+    whose replay state a graph may hold are left to the first piece (stage_in_first_piece), in decode
+    and target_verify steps only; a member on both sides, or whose staging is host work, is staged
+    on the host as before; an extend step stages everyone on the host."""
+    class InGraph(Spy):
+        def replay_state_in_graph(self, mode):
+            return True
+
+    attn, moe, linear, host = InGraph(FULL_OPS - {"moe"}), InGraph({"moe"}), InGraph(LINEAR_OPS), Spy(set())
+    backends = BackendSet({"attn": attn, "moe": moe, "linear": linear, "host": host},
+                          {Mode.EXTEND: ("moe", "linear", "host")}, {Mode.EXTEND: ("attn", "linear")})
+    decode = types.SimpleNamespace(mode=Mode.DECODE)
+    backends.plan_piecewise_step(decode, 2, 512, Mode.EXTEND, first_piece_stages=True)
+    assert moe.calls == [] and host.calls == [("init_replay_state", decode, 2)]
+    assert linear.calls == [("init_step_metadata", decode), ("init_replay_state", decode, 2)]
+    backends.stage_in_first_piece(decode, 2, Mode.EXTEND)
+    assert moe.calls == [("init_replay_state", decode, 2)] and len(host.calls) == 1 and len(linear.calls) == 2
+    extend = types.SimpleNamespace(mode=Mode.EXTEND)
+    backends.plan_piecewise_step(extend, 4, 512, first_piece_stages=True)
+    backends.stage_in_first_piece(extend, 4, Mode.EXTEND)
+    assert moe.calls[-1] == ("init_replay_state", extend, 4) and len(moe.calls) == 2
+
+
 def test_the_set_forwards_what_each_member_accepts():
     """What the wrapper lint checks: every hook a member has is forwarded with arguments the member takes."""
     backends = BackendSet({"cpu_reference": CPUReferenceBackend(*make_pools(build_model("toy"), 1, 4))}, {})

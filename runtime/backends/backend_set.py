@@ -61,6 +61,7 @@ class BackendSet(BackendHooks):
         self._whole_step = {mode: (tuple(m for m in members if not m.replay_state_in_graph(mode)),
                                    tuple(m for m in members if m.replay_state_in_graph(mode)))
                             for mode, members in self._replayed.items()}
+        self._first_piece: dict[tuple[Mode, Mode], tuple[BackendHooks, ...]] = {}  # _in_first_piece's answers
         self.name = f"backends({', '.join(self.members)})"
 
     def replayed_in(self, mode: Mode) -> tuple[BackendHooks, ...]:
@@ -84,14 +85,36 @@ class BackendSet(BackendHooks):
             member.init_replay_state(ctx, bucket)
 
     def plan_piecewise_step(self, ctx: ExecContext, bucket: int, chunk_size: int,
-                            plan_mode: Mode | None = None) -> None:
+                            plan_mode: Mode | None = None, first_piece_stages: bool = False) -> None:
         """The gaps' members plan the step eagerly, then the captured members stage it for the
-        pieces; both as the split plan of `plan_mode` (default: the step's mode) places them."""
+        pieces; both as the split plan of `plan_mode` (default: the step's mode) places them. With
+        `first_piece_stages`, the members `stage_in_first_piece` reaches are left to the piece."""
         mode = Mode(plan_mode or ctx.mode)
         for member in self._gaps[mode]:
             plan_eager_step(member, ctx, chunk_size)
+        in_piece = self._in_first_piece(Mode(ctx.mode), mode) if first_piece_stages else ()
         for member in self._replayed[mode]:
+            if member not in in_piece:
+                member.init_replay_state(ctx, bucket)
+
+    def stage_in_first_piece(self, ctx: ExecContext, bucket: int, plan_mode: Mode) -> None:
+        """Inside the first captured piece's capture: the members captured alone in `plan_mode`'s
+        plan (no node in its gaps) whose replay state a graph may hold, for this step's mode."""
+        for member in self._in_first_piece(Mode(ctx.mode), Mode(plan_mode)):
             member.init_replay_state(ctx, bucket)
+
+    def _in_first_piece(self, mode: Mode, plan_mode: Mode) -> tuple[BackendHooks, ...]:
+        """Who a piecewise `mode` step's first captured piece stages: decode and target_verify steps
+        only (an extend step's replay state holds host-built tables); a member in a gap of the plan
+        stays on the host, since the gap's op reads the plan its init_replay_state keeps."""
+        if mode not in (Mode.DECODE, Mode.TARGET_VERIFY):
+            return ()
+        found = self._first_piece.get((mode, plan_mode))
+        if found is None:  # a member's answer is fixed when it is built: asked once per pair of modes
+            gaps = self._gaps[plan_mode]
+            found = tuple(m for m in self._replayed[plan_mode] if m not in gaps and m.replay_state_in_graph(mode))
+            self._first_piece[(mode, plan_mode)] = found
+        return found
 
     def replay_state_in_graph(self, mode: Mode) -> bool:
         """Whether every member replayed in `mode` records its init_replay_state in a whole-step graph."""

@@ -185,7 +185,7 @@ class BackendHooks(abc.ABC):
             self.init_replay_state(ctx, bucket)
 
     def plan_piecewise_step(self, ctx: ExecContext, bucket: int, chunk_size: int,
-                            plan_mode: Mode | None = None) -> None:
+                            plan_mode: Mode | None = None, first_piece_stages: bool = False) -> None:
         """Before a piecewise step (captured pieces around eager gaps): the gaps' plan
         (`plan_eager_step`), then `init_replay_state` for the pieces. Not a hook of its own: a
         backend set sends the first to the members with a node in an eager gap of the step's mode
@@ -195,9 +195,19 @@ class BackendHooks(abc.ABC):
         `init_replay_state` must keep the eager plan for the ops in the gaps (Kimi's KDA beside its
         captured short conv: runtime/backends/triton_linear_backend.py). `plan_mode`: the mode
         whose split plan the step runs, where it is not the step's own (a decode step through the
-        extend plan's pieces: the graph runner's piecewise decode)."""
+        extend plan's pieces: the graph runner's piecewise decode). `first_piece_stages`: the
+        step's first captured piece records `stage_in_first_piece` (below), so what that stages is
+        not staged again here; a lone backend stages nothing there and plans everything here."""
         plan_eager_step(self, ctx, chunk_size)
         self.init_replay_state(ctx, bucket)
+
+    def stage_in_first_piece(self, ctx: ExecContext, bucket: int, plan_mode: Mode) -> None:
+        """Inside the capture of a piecewise decode or target_verify step's first captured piece,
+        before its first op: the init_replay_state that piece's graph may hold, so a replay leaves
+        it off the host. Only a backend with no node in the step's eager gaps and whose hook is
+        device work alone (`replay_state_in_graph`) may be staged there: a gap's op runs on the
+        host and reads what the hook planned on the host. The protocol stages nothing (a lone
+        backend may own a gap's node): always correct."""
 
     # -- per step -----------------------------------------------------------------------------
 
