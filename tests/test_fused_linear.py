@@ -47,7 +47,11 @@ def test_parts_keep_their_names_and_give_their_own_projections(bias):
 
 def test_pieces_may_span_adjacent_parts():
     model = _Parent({"q_proj": 4, "k_proj": 3, "g_proj": 2}, False)
-    x = torch.randn(2, 6)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the stack is allocated, not initialised: what it held could be NaN
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(2, 6, generator=g)
     qk, gate = model.attn.in_proj(x, (7, 2))
     q, k, g = model.attn.in_proj(x)
     assert torch.equal(qk, torch.cat([q, k], dim=-1)) and torch.equal(gate, g)
