@@ -18,7 +18,8 @@ On the GPU machine, one run:
    of D + 1 tokens (--batches, default 1, 8, 32; D = --draft-tokens, default 3), started (captured,
    parity-checked). Per batch B: B requests with a 64-token history; their decode step and their
    verify step of D + 1 tokens each, replayed from the graphs; median milliseconds and the ratio
-   verify / decode (goal at batch 1: <= 1.3).
+   verify / decode (goal at batch 1: <= 1.3). After every timing, each step is profiled: kernels
+   per step, their time, and the kernels a verify step pays more for than a decode step.
 3. verify_vs_decode: whether a verify step computes what decode steps compute
    (tests/spec_checks.verify_against_decode): twin requests with the same history, one verified
    with D + 1 tokens, the other fed them by D + 1 decode steps, through a GraphRunner with decode
@@ -63,8 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import (Stages, compare, compiled_artifact, engine_script, fmt, prompts_for, target_rows,  # noqa: E402
-                          time_ms)
+from bench_common import (Stages, compare, compiled_artifact, engine_script, fmt, profile_call, prompts_for,  # noqa: E402
+                          target_rows, time_ms)
 from compiler.splitops import Mode  # noqa: E402
 from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
 from runtime.engine import SamplingParams  # noqa: E402
@@ -120,9 +121,9 @@ def bench(args, rec: dict, save) -> None:
         return runner, kv, st
 
     def step_cost():
-        runner, kv, st = main_runner(batches, max(batches), HISTORY + D + 2)
+        runner, kv, st = main_runner(batches, sum(batches), HISTORY + D + 2)  # every batch held until profiled
         g = torch.Generator().manual_seed(0)
-        out = {}
+        out, held = {}, []
         for B in batches:
             seqs = [SeqState(st.alloc()) for _ in range(B)]
             for s in seqs:  # the history, eagerly
@@ -137,6 +138,16 @@ def bench(args, rec: dict, save) -> None:
             verify_ms = time_ms(lambda: runner.run(verify, verify_key), device, args.iters)
             out[str(B)] = {"decode_ms": decode_ms, "verify_ms": verify_ms, "ratio": verify_ms / decode_ms,
                            "decode_key": str(decode_key), "verify_key": str(verify_key)}
+            held.append((B, seqs, decode, decode_key, verify, verify_key))
+        # Where a verify step's time goes against a decode step's: profiled after every timing (a
+        # profile slows what is timed after it in the process: bench_common, TEARDOWN_CUPTI).
+        for B, seqs, decode, decode_key, verify, verify_key in held:
+            row = out[str(B)]
+            for name, step, key in (("decode", decode, decode_key), ("verify", verify, verify_key)):
+                prof = profile_call(lambda step=step, key=key: runner.run(step, key), device, top=25)
+                row[f"{name}_profile"] = {k: prof[k] for k in ("kernel_ms", "kernels_per_call", "top_kernels",
+                                                               "device_idle_ms") if k in prof}
+            row["verify_minus_decode_by_kernel"] = kernel_difference(row["decode_profile"], row["verify_profile"])
             for s in seqs:
                 kv.free(s.pages)
                 st.free(s.slot)
@@ -242,6 +253,16 @@ def bench(args, rec: dict, save) -> None:
     targets(rec, D)
 
 
+def kernel_difference(decode: dict, verify: dict, top: int = 12) -> list[dict]:
+    """Per kernel name, verify's ms per step minus decode's (from profile_call's top kernels), the
+    largest differences first: which kernels a verify step pays more for."""
+    ms = lambda prof: {r["name"]: r["ms"] for r in prof.get("top_kernels", [])}  # noqa: E731
+    d, v = ms(decode), ms(verify)
+    rows = [{"name": n, "decode_ms": d.get(n, 0.0), "verify_ms": v.get(n, 0.0),
+             "extra_ms": round(v.get(n, 0.0) - d.get(n, 0.0), 4)} for n in set(d) | set(v)]
+    return sorted(rows, key=lambda r: -abs(r["extra_ms"]))[:top]
+
+
 def _margin(entry) -> float:
     """The gap between the two most likely tokens' log-probs of one TokenLogprob (top-2 asked for)."""
     return entry.top[0][1] - entry.top[1][1]
@@ -299,6 +320,12 @@ def table(rec: dict) -> str:
     rows = [f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'ratio':>8}"]
     for B, c in rec.get("step_cost", {}).items():
         rows.append(f"{B:>6}{fmt(c['decode_ms'], '.3f'):>11}{fmt(c['verify_ms'], '.3f'):>11}{fmt(c['ratio'], '.2f'):>8}")
+        if "verify_profile" in c:
+            d, v = c["decode_profile"], c["verify_profile"]
+            rows.append(f"{'':>6}kernels: decode {fmt(d['kernels_per_call'], '.0f')} ({fmt(d['kernel_ms'], '.3f')} ms), "
+                        f"verify {fmt(v['kernels_per_call'], '.0f')} ({fmt(v['kernel_ms'], '.3f')} ms); verify pays more "
+                        "for: " + ", ".join(f"{r['name'][:40]} {r['extra_ms']:+.3f}"
+                                            for r in c["verify_minus_decode_by_kernel"][:6]))
     for B, v in rec.get("verify_vs_decode", {}).items():
         rows.append(f"verify vs decode, batch {B}: row rel err median {fmt(v['median_rel_err'], '.2e')}, max "
                     f"{fmt(v['max_rel_err'], '.2e')}; argmax flips {v['argmax_flips']} of {v['rows']} at margins "

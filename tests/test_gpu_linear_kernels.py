@@ -9,7 +9,7 @@ target_verify step against the decode steps of the same tokens (outputs, the int
 states speculative decoding keeps, final states). The extend conv kernel is checked on its own at
 the bench models' widths (Qwen3-Next 8192, Kimi-Linear 3 x 4096 channels, K 4) over requests of 1,
 K-2, K-1, K and 1000 tokens. The last test runs extend, mixed and target-verify steps (FLA's chunk
-kernels, the extend conv, strided decode kernels) through a chain of steps on one pool, outputs and
+kernels, the extend conv, the verify kernels) through a chain of steps on one pool, outputs and
 states against the reference; another captures an extend step of our chunk kernels and the extend
 conv in a CUDA graph and replays it for steps of other lengths.
 
@@ -274,8 +274,9 @@ def test_verify_launches_are_the_decode_launches_at_real_dims(op):
     """A target_verify step (3 requests x 4 tokens, padded to 4 requests) against 4 decode steps of
     the same tokens from the same states, both on the device in bf16. Outputs, the states after
     each token (the intermediate entries speculative decoding keeps) and the final states must
-    agree to float32 rounding: both run the same kernel on the same rows. A fault in the strided
-    launches, in the state each launch starts from or in the intermediate copies moves them by O(1)."""
+    agree to float32 rounding: the verify kernel computes each token as the decode kernel does. A
+    fault in its row layout, in the state each token starts from or in the intermediate writes
+    moves them by O(1)."""
     from runtime.backends.triton_linear_backend import TritonLinearBackend
 
     n, bucket, num_real, num_slots = VERIFY["draft_tokens"] + 1, VERIFY["verify_rows"], 3, 6
@@ -319,7 +320,7 @@ def test_conv_extend_kernel_at_real_dims(channels, dtype):
     assert conv_extend_ok(result, out_tol=1e-2 if dtype == torch.bfloat16 else 1e-6), result
 
 
-# -- extend / mixed / target-verify (FLA chunk kernels, the extend conv, strided decode kernels) ----
+# -- extend / mixed / target-verify (FLA chunk kernels, the extend conv, the verify kernels) ----
 
 
 def _stub_einops() -> None:

@@ -4,7 +4,8 @@ On a machine without CUDA the kernels run in Triton's interpreter (numpy on the 
 CPU tests of the kernel logic (indexing, masks, padding, the in-place update), not of speed.
 Dimensions stay small so the interpreter is quick. Extend, mixed and target-verify steps are
 checked here too: the short conv's extend path is its own Triton kernel (also checked alone over
-the request lengths that matter to it), target_verify runs the decode kernels on strided rows,
+the request lengths that matter to it), target_verify runs the verify kernels (bit for bit what n
+decode launches compute),
 and the FLA chunk calls are stood in for by the reference recurrence (`FakeFLA`), which checks
 the arguments the backend passes (gather, cu_seqlens, chunk indices, scatter). A last group
 counts the host work of every op call after the step's hooks: none may scale with the step.
@@ -227,7 +228,7 @@ def test_backend_follows_the_protocol_and_declares_every_mode():
     cap = TritonLinearBackend.capability
     assert cap.ops == tri.supported_ops and cap.device == "cuda"
     assert cap.modes_supported == set(Mode)
-    # extend / mixed run FLA's host-planned chunk kernels: eager; target_verify is n strided decode launches
+    # extend / mixed run FLA's host-planned chunk kernels: eager; target_verify is one verify launch an op
     assert cap.modes_capturable == {Mode.DECODE, Mode.TARGET_VERIFY}
 
 
@@ -288,7 +289,7 @@ def mode_step(mode: Mode, reqs: list[tuple[int, int, int]], pad_tokens: int = 0,
 MODE_STEPS = [
     (Mode.EXTEND, [(4, 0, 6), (7, 9, 5)], 3, 1),
     (Mode.MIXED, [(4, 6, 4), (7, 14, 1), (2, 0, 3)], 2, 1),
-    (Mode.TARGET_VERIFY, [(4, 10, 3), (7, 15, 3), (2, 3, 3)], 3, 1),  # uniform: strided decode kernels
+    (Mode.TARGET_VERIFY, [(4, 10, 3), (7, 15, 3), (2, 3, 3)], 3, 1),  # uniform: the verify kernels
     (Mode.TARGET_VERIFY, [(4, 13, 2), (2, 6, 3)], 0, 0),  # ragged: the eager extend path
     (Mode.DECODE, [(2, 9, 1), (4, 15, 1)], 1, 1),
 ]
@@ -337,7 +338,7 @@ def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=
         assert s_err <= STATE_TOL, f"{what}: state rel err {s_err:.2e}"
         n = reqs[0][2]
         if mode == Mode.TARGET_VERIFY and all(new == n for *_, new in reqs):
-            # the strided path keeps the state after each of the first n - 1 tokens, per row
+            # the verify kernels keep the state after each of the first n - 1 tokens, per row
             got = dev_pool.verify_buffers[layer_id][entry].cpu()[:len(reqs), :n - 1]
             want = ref_pool.verify_buffers[layer_id][entry][:len(reqs), :n - 1]
             i_err = rel_err(got, want)
@@ -346,6 +347,53 @@ def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=
     assert PADDING_SLOT in untouched
     assert torch.equal(dev_pool.layer(layer_id)[entry][untouched], before[untouched]), "padding or free slot written"
     return fake
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("op,layer_id", OPS, ids=[f"{op}-L{lid}" for op, lid in OPS])
+def test_a_verify_launch_is_n_decode_launches_bit_for_bit(op, layer_id, dtype):
+    """recurrent_verify / short_conv_verify over B requests of n tokens (one on the padding slot)
+    against n decode launches on the strided rows t, n+t, ... with the slot's state copied out after
+    each (what target_verify ran before): outputs, the slots' final states and every intermediate
+    state equal exactly; the padding request's rows are zero and its slot and rows untouched."""
+    n, slots_list = 4, [3, PADDING_SLOT, 6]
+    B = len(slots_list)
+    _, pool_a = make_pools(80 + layer_id)
+    _, pool_b = make_pools(80 + layer_id)
+    entry = "conv" if op == "short_conv" else "recurrent"
+    state_a, state_b = pool_a.layer(layer_id)[entry], pool_b.layer(layer_id)[entry]
+    inter = pool_a.verify_buffers[layer_id][entry]
+    inter.fill_(float("nan"))  # rows the padding request owns must stay unwritten
+    slots = torch.tensor(slots_list, device=DEVICE)
+    g = torch.Generator().manual_seed(layer_id)
+    x = {k: v.to(DEVICE) for k, v in step_inputs(op, layer_id, B * n, B * n, dtype, g).items()}
+    out_a = torch.full_like(x["v"] if op != "short_conv" else x["x"], float("nan"))
+    out_b = out_a.clone()
+    kept = []
+    if op == "short_conv":
+        w, bias = CONV_WEIGHT.to(DEVICE, x["x"].dtype), CONV_BIAS.to(DEVICE, x["x"].dtype)
+        TL.short_conv_verify(x["x"], w, bias, out_a, state_a, slots, inter, n, True)
+        for t in range(n):
+            TL.short_conv_decode(x["x"][t::n], w, bias, out_b[t::n], state_b, slots, True)
+            kept.append(state_b[slots].clone())
+    else:
+        gate_kind = {"gdn_core": TL.GATE_PER_HEAD, "kda_core": TL.GATE_PER_CHANNEL,
+                     "lightning_core": TL.GATE_CONSTANT}[op]
+        gate, beta = (DECAY.to(DEVICE), None) if op == "lightning_core" else (x["g"], x["beta"])
+        TL.recurrent_verify(x["q"], x["k"], x["v"], gate, beta, out_a, state_a, slots, inter, n, 0.5, gate_kind)
+        for t in range(n):
+            rows = lambda a: a[t::n]  # noqa: E731
+            TL.recurrent_decode(rows(x["q"]), rows(x["k"]), rows(x["v"]), gate if beta is None else rows(gate),
+                                None if beta is None else rows(beta), rows(out_b), state_b, slots, 0.5, gate_kind)
+            kept.append(state_b[slots].clone())
+    assert torch.equal(out_a, out_b), f"{op}: verify outputs differ from the decode launches'"
+    assert out_a[n:2 * n].eq(0).all(), "the padding request's rows are zero"
+    assert torch.equal(state_a, state_b), f"{op}: the slots' states differ (or the padding slot was written)"
+    for t in range(n - 1):
+        for b in (0, 2):
+            assert torch.equal(inter[b, t], kept[t][b]), f"{op}: intermediate state {t} of request {b}"
+    assert inter[1].isnan().all(), "the padding request keeps nothing"
 
 
 @in_process

@@ -71,6 +71,7 @@ __all__ = [
     "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
     "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config",
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
+    "recurrent_verify", "short_conv_verify",
     "CONV_EXTEND_BLOCK_T", "conv_extend_config", "short_conv_extend",
 ]
 
@@ -278,6 +279,54 @@ def _recurrent_extend_kernel(
 
 
 @triton.jit
+def _recurrent_verify_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, inter_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
+    stride_s_slot, stride_s_head, stride_i_row, stride_i_tok, stride_i_head,
+    scale,
+    N: tl.constexpr,  # tokens per request: request r owns rows r*N .. r*N+N-1
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, PAD_SLOT: tl.constexpr,
+):
+    """A target-verify step: one program per (request, value head, Dv tile) loads the slot's tile
+    once, runs the request's N tokens through it in order (each token exactly as the decode kernel
+    runs it), writes the tile after token t < N-1 into the request's intermediate entry t, and
+    stores the tile after the last token back into the slot. A request on the padding slot reads
+    and keeps nothing and writes zero outputs."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    v_tile = tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = v_tile * BV + tl.arange(0, BV)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    first = seq * N
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    if slot != PAD_SLOT:
+        m_s = m_k[:, None] & m_v[None, :]
+        tile = offs_k[:, None] * DV + offs_v[None, :]
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + tile
+        i_ptrs = inter_ptr + seq * stride_i_row + head * stride_i_head + tile
+        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+        for t in tl.static_range(N):
+            s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, first + t, head, offs_k, offs_v, m_k, m_v,
+                               stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row,
+                               stride_v_head, stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                               GROUP=GROUP, GATE=GATE, DELTA=DELTA)
+            tl.store(out_ptr + (first + t) * stride_o_row + head * stride_o_head + offs_v,
+                     o.to(out_ptr.dtype.element_ty), mask=m_v)
+            if t < N - 1:
+                tl.store(i_ptrs + t * stride_i_tok, s.to(inter_ptr.dtype.element_ty), mask=m_s)
+        # Only this program touches this tile of this slot: the store after the loop races nothing.
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+    else:
+        for t in tl.static_range(N):
+            tl.store(out_ptr + (first + t) * stride_o_row + head * stride_o_head + offs_v,
+                     tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
 def _short_conv_decode_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr,
     stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c,
@@ -297,30 +346,78 @@ def _short_conv_decode_kernel(
 
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
-        cols = tl.arange(0, KWP)
-        # [BC, KWP] pointers to the slot's history; columns 0..K-2 exist
-        s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :]
-        m_hist = m_c[:, None] & (cols[None, :] < KW - 1)
-        hist = tl.load(s_ptrs, mask=m_hist, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + row * stride_x_row + offs_c, mask=m_c, other=0.0).to(tl.float32)  # [BC]
-        w = tl.load(w_ptr + offs_c[:, None] * stride_w_c + cols[None, :],
-                    mask=m_c[:, None] & (cols[None, :] < KW), other=0.0).to(tl.float32)  # [BC, KWP]
-        window = tl.where(cols[None, :] == KW - 1, x[:, None], hist)  # inputs t-K+1 .. t
-        y = tl.sum(window * w, axis=1)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)
-        if SILU:
-            y = y * tl.sigmoid(y)
-        # The rolled history: column j takes column j+1, the last one the new input. Read the
-        # shifted columns now, then a barrier: no thread may overwrite a column another thread
-        # has yet to read (the compiler may give loads and stores different thread layouts).
-        shifted = tl.load(s_ptrs + 1, mask=m_c[:, None] & (cols[None, :] < KW - 2), other=0.0).to(tl.float32)
-        new_hist = tl.where(cols[None, :] == KW - 2, x[:, None], shifted)
-        tl.debug_barrier()
-        tl.store(s_ptrs, new_hist.to(state_ptr.dtype.element_ty), mask=m_hist)
+        y, _ = _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+                           stride_s_slot, stride_s_c, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
     else:
         tl.store(o_ptrs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=m_c)
+
+
+@triton.jit
+def _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+                stride_s_slot, stride_s_c, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SILU: tl.constexpr):
+    """One token (row `row` of x) through the conv of one slot's channels offs_c: (output [BC] in
+    float32, the rolled history [BC, KWP] in float32), the history stored back into the slot."""
+    cols = tl.arange(0, KWP)
+    # [BC, KWP] pointers to the slot's history; columns 0..K-2 exist
+    s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :]
+    m_hist = m_c[:, None] & (cols[None, :] < KW - 1)
+    hist = tl.load(s_ptrs, mask=m_hist, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x_row + offs_c, mask=m_c, other=0.0).to(tl.float32)  # [BC]
+    w = tl.load(w_ptr + offs_c[:, None] * stride_w_c + cols[None, :],
+                mask=m_c[:, None] & (cols[None, :] < KW), other=0.0).to(tl.float32)  # [BC, KWP]
+    window = tl.where(cols[None, :] == KW - 1, x[:, None], hist)  # inputs t-K+1 .. t
+    y = tl.sum(window * w, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    # The rolled history: column j takes column j+1, the last one the new input. Read the
+    # shifted columns now, then a barrier: no thread may overwrite a column another thread
+    # has yet to read (the compiler may give loads and stores different thread layouts).
+    shifted = tl.load(s_ptrs + 1, mask=m_c[:, None] & (cols[None, :] < KW - 2), other=0.0).to(tl.float32)
+    new_hist = tl.where(cols[None, :] == KW - 2, x[:, None], shifted)
+    tl.debug_barrier()
+    tl.store(s_ptrs, new_hist.to(state_ptr.dtype.element_ty), mask=m_hist)
+    return y, new_hist
+
+
+@triton.jit
+def _short_conv_verify_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, inter_ptr,
+    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_i_row, stride_i_tok, stride_i_c,
+    C,
+    N: tl.constexpr,  # tokens per request: request r owns rows r*N .. r*N+N-1
+    KW: tl.constexpr, KWP: tl.constexpr, BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PAD_SLOT: tl.constexpr,
+):
+    """A target-verify step of the decode conv: the request's N tokens in order, each through the
+    decode kernel's own step (_conv_token, which rolls the slot's history), and the history after
+    token t < N-1 also into the request's intermediate entry t. A request on the padding slot
+    reads and keeps nothing and writes zero outputs."""
+    seq = tl.program_id(0).to(tl.int64)
+    c_tile = tl.program_id(1)
+    offs_c = c_tile * BC + tl.arange(0, BC)
+    m_c = offs_c < C
+    first = seq * N
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    if slot != PAD_SLOT:
+        cols = tl.arange(0, KWP)
+        i_ptrs = inter_ptr + seq * stride_i_row + offs_c[:, None] * stride_i_c + cols[None, :]
+        for t in tl.static_range(N):
+            y, kept = _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, first + t, offs_c, m_c, stride_x_row,
+                                  stride_w_c, stride_s_slot, stride_s_c, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
+            tl.store(out_ptr + (first + t) * stride_o_row + offs_c, y.to(out_ptr.dtype.element_ty), mask=m_c)
+            if t < N - 1:
+                tl.store(i_ptrs + t * stride_i_tok, kept.to(inter_ptr.dtype.element_ty),
+                         mask=m_c[:, None] & (cols[None, :] < KW - 1))
+            # the next token reads the history this one stored, maybe from another thread
+            tl.debug_barrier()
+    else:
+        for t in tl.static_range(N):
+            tl.store(out_ptr + (first + t) * stride_o_row + offs_c, tl.zeros([BC], dtype=out_ptr.dtype.element_ty),
+                     mask=m_c)
 
 
 @triton.jit
@@ -424,6 +521,8 @@ def _short_conv_extend_kernel(
 # after step: launched through a Launcher, they skip Triton's per-launch binding (launch_cache.py).
 _RECURRENT_DECODE = Launcher(_recurrent_decode_kernel)
 _SHORT_CONV_DECODE = Launcher(_short_conv_decode_kernel)
+_RECURRENT_VERIFY = Launcher(_recurrent_verify_kernel)
+_SHORT_CONV_VERIFY = Launcher(_short_conv_verify_kernel)
 
 
 def _unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -518,6 +617,38 @@ def recurrent_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
                                    **consts, BV=cfg.block_v, num_warps=cfg.num_warps)
 
 
+def recurrent_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
+                     beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     inter: torch.Tensor, n: int, scale: float, gate_kind: int,
+                     config: RecurrentConfig | None = None) -> None:
+    """A target-verify step of B requests of n tokens each, in one launch: request b owns rows
+    b*n .. b*n+n-1 of q, k, v, gate, beta and out (as recurrent_decode's, with B*n rows) and the
+    state in slot slots[b] (the padding slot: zero outputs, nothing read or kept). The state after
+    token t < n-1 goes to inter[b, t] (inter [rows >= B, n-1 or more, Hv, Dk, Dv] float32, the
+    state pool's intermediate states), the state after the last token into the slot. Each token is
+    computed as recurrent_decode computes it with the same config, so the outputs and states are
+    those of n decode launches, one token of every request each."""
+    op = OP_OF_GATE[gate_kind]
+    B = slots.shape[0]
+    rows = B * n
+    _check_rows(op, B, slots, q, k, v, gate, out, state, inter)
+    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, rows)
+    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
+    assert inter.dtype == state.dtype and inter.shape[0] >= B and inter.shape[1] >= n - 1 and \
+        inter.shape[2:] == state.shape[1:] and inter.stride(4) == 1 and inter.stride(3) == Dv, (
+            f"{op}: intermediate states must be [>= {B}, >= {n - 1}, {Hv}, {Dk}, {Dv}] {state.dtype} with "
+            f"contiguous [Dk, Dv] states, got {inter.dtype} {tuple(inter.shape)}")
+    if B == 0:
+        return
+    cfg = config or recurrent_config(B, Hv, Dk, Dv, q.device)
+    assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
+    b_t = beta if beta is not None else gate
+    grid = (B, Hv, cdiv(Dv, cfg.block_v))
+    _RECURRENT_VERIFY[grid](q, k, v, gate, b_t, out, state, slots, inter, *strides,
+                            inter.stride(0), inter.stride(1), inter.stride(2), float(scale), N=n, **consts,
+                            BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
+
+
 def gdn_decode(q, k, v, g, beta, out, state, slots, scale, config=None) -> None:
     """GDN: q, k [B,Hk,Dk]; v, out [B,Hv,Dv]; g, beta [B,Hv]; state [slots+1,Hv,Dk,Dv] f32; slots [B]."""
     recurrent_decode(q, k, v, g, beta, out, state, slots, scale, GATE_PER_HEAD, config)
@@ -540,14 +671,36 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       config: ConvConfig | None = None) -> None:
     """Causal depthwise conv, one token per request: x, out [B,C]; weight [C,K]; bias [C] or None;
     conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rolled in place; slots [B]."""
-    B, C = x.shape
-    K = weight.shape[1]
-    _check_rows("short_conv", B, slots, x, weight, out, conv_state)
+    _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu, config, 1, None)
+
+
+def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                      conv_state: torch.Tensor, slots: torch.Tensor, inter: torch.Tensor, n: int, silu: bool,
+                      config: ConvConfig | None = None) -> None:
+    """The decode conv over a target-verify step of B requests of n tokens each, in one launch:
+    x, out [B*n, C], request b's rows b*n .. b*n+n-1; conv_state [slots+1, C, K-1]; slots [B] (the
+    padding slot: zero outputs, nothing read or kept); the history after token t < n-1 into
+    inter[b, t] (inter [>= B, >= n-1, C, K-1]), after the last one into the slot. Outputs and
+    histories are those of n short_conv_decode launches with the same config."""
+    _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu, config, n, inter)
+
+
+def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, config: ConvConfig | None, n: int,
+                       inter: torch.Tensor | None) -> None:
+    """short_conv_decode (n == 1, no intermediate histories) or short_conv_verify: checks, then one launch."""
+    B, (rows, C), K = slots.shape[0], x.shape, weight.shape[1]
+    _check_rows("short_conv", B, slots, x, weight, out, conv_state, *(() if inter is None else (inter,)))
     assert K >= 2, "short_conv: a kernel of width 1 keeps no state; it is not a decode conv"
-    assert weight.shape == (C, K) and out.shape == x.shape, (
-        f"short_conv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)} disagree")
+    assert rows == B * n and weight.shape == (C, K) and out.shape == x.shape, (
+        f"short_conv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)} for {B} requests "
+        f"of {n} token(s) disagree")
     assert conv_state.shape[1:] == (C, K - 1) and conv_state.stride(2) == 1, (
         f"short_conv: conv state must be [slots+1, {C}, {K - 1}] with unit stride last, got {tuple(conv_state.shape)}")
+    if inter is not None:
+        assert inter.dtype == conv_state.dtype and inter.shape[0] >= B and inter.shape[1] >= n - 1 and \
+            inter.shape[2:] == (C, K - 1) and inter.stride(3) == 1, (
+                f"short_conv: intermediate histories must be [>= {B}, >= {n - 1}, {C}, {K - 1}], got "
+                f"{tuple(inter.shape)}")
     assert out.stride(-1) == 1, "short_conv: out must have a unit-stride last dimension"
     x, weight = _unit_last("x", x), _unit_last("weight", weight)
     if bias is not None:
@@ -558,13 +711,15 @@ def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     cfg = config or conv_config(B, C, x.device)
     assert cfg.block_c >= 32 * cfg.num_warps, f"short_conv: {cfg} leaves threads idle"
     grid = (B, cdiv(C, cfg.block_c))
-    _SHORT_CONV_DECODE[grid](
-        x, weight, bias if bias is not None else weight, out, conv_state, slots,
-        x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
-        C,
-        KW=K, KWP=next_pow2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
-        num_warps=cfg.num_warps,
-    )
+    common = (x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1))
+    consts = dict(KW=K, KWP=next_pow2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu),
+                  PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
+    b_t = bias if bias is not None else weight  # never read without HAS_BIAS
+    if inter is None:
+        _SHORT_CONV_DECODE[grid](x, weight, b_t, out, conv_state, slots, *common, C, **consts)
+    else:
+        _SHORT_CONV_VERIFY[grid](x, weight, b_t, out, conv_state, slots, inter, *common,
+                                 inter.stride(0), inter.stride(1), inter.stride(2), C, N=n, **consts)
 
 
 def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,

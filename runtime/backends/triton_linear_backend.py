@@ -5,13 +5,15 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
 - DECODE (one token per request, T == B rows): our Triton decode kernels (triton_linear.py), one
   launch per op, slot ids read on the device, no gather or scatter. Capturable.
 - TARGET_VERIFY (every request carries the same n tokens, rows of request b are b*n .. b*n+n-1):
-  the same decode kernels launched n times, launch t on the strided rows t, n+t, 2n+t, ... of
-  every tensor (the kernels take row strides), so token t sees the state token t-1 left. After
-  launch t < n-1 the state of each request's slot is copied into entry t of its row of the state
-  pool's intermediate states (speculative decoding keeps the state of the last accepted token:
-  runtime/state_pool.py `keep_verified`). The grid, the strides and the copy come from shapes
-  only and slot ids from the static buffer, so this is capturable too; it moves the state n
-  times, which is cheap for n <= 8 drafts and needs no chunk bookkeeping. A step whose rows are
+  one launch per op (triton_linear.recurrent_verify / short_conv_verify): a program loads its
+  tile of the request's state once, runs the n tokens through it in order, each as the decode
+  kernel runs it, writes the state after token t < n-1 straight into entry t of the request's row
+  of the state pool's intermediate states (speculative decoding keeps the state of the last
+  accepted token: runtime/state_pool.py `keep_verified`) and the state after the last token into
+  the slot. The grid comes from shapes only and slot ids from the static buffer, so this is
+  capturable too. (Run as n decode launches with a gather and a copy of the state after each, the
+  linear ops cost a bench qwen3_next verify step at batch 1 0.35 ms more than decode's, 158 kernels
+  more: BENCHMARKS.md, "Sixth run".) A step whose rows are
   not laid out that way runs the extend path below (eager only; refused inside a replayed step),
   which keeps no intermediate states: speculative decoding always verifies D + 1 tokens per
   request (runtime/speculative.py).
@@ -370,7 +372,7 @@ class TritonLinearBackend(BackendHooks):
     name = "triton_linear"
     supported_ops = frozenset({"gdn_core", "kda_core", "lightning_core", "short_conv"})
     # Every mode, so routing can bind these ops here on "cuda". Captured: decode (one decode-kernel
-    # launch per op) and target_verify (n strided decode-kernel launches, shapes fixed per bucket);
+    # launch per op) and target_verify (one verify-kernel launch per op, shapes fixed per bucket);
     # extend and mixed steps of the ops our own kernels run (GDN and Lightning on our chunk
     # kernels, the short conv), whose tables a captured step reads from static buffers padded to
     # the bucket (_StaticExtendPlan). KDA, and chunk_impl=fla, call FLA's Python entry, which plans
@@ -391,7 +393,7 @@ class TritonLinearBackend(BackendHooks):
         # compile time (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in
         # routing.json.
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES)),
-        doc="Triton decode kernels (decode; target_verify as n strided decode launches), Triton chunk kernels "
+        doc="Triton decode kernels (decode; target_verify: every request's tokens in one launch), Triton chunk kernels "
             "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "
             "chunk kernels for KDA, or with chunk_impl=fla), a Triton extend conv; "
             "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify, "
@@ -598,12 +600,6 @@ class TritonLinearBackend(BackendHooks):
                 if "chunk_indices" in inspect.signature(getattr(self._fla, name)).parameters)
         return self._fla
 
-    @staticmethod
-    def _rows(t: torch.Tensor, t0: int, n: int) -> torch.Tensor:
-        """Rows t0, t0+n, t0+2n, ... of t: token t0 of every request in a target-verify step (a
-        decode step's n == 1: t itself, no view to make on its launch path)."""
-        return t if n == 1 else t[t0::n]
-
     # -- the extend path (eager) ---------------------------------------------------------------
 
     def _chunk(self, ctx, op, layer_id, out, fla_name: str, tokens: dict, **options) -> None:
@@ -721,52 +717,49 @@ class TritonLinearBackend(BackendHooks):
                                      plan.conv_bounds, plan.conv_blocks, silu,
                                      what=f"{self.name}: hgc.short_conv (layer {layer_id})")
 
-    def _keep_intermediate(self, ctx: ExecContext, layer_id: int, entry: str, state: torch.Tensor,
-                           slots: torch.Tensor, t: int, n: int) -> None:
-        """After token t of a target-verify step (t < n-1): each row's slot state into its entry t.
-        Padded rows copy the padding slot into rows no real request reads this step."""
-        if t < n - 1:
-            rows = slots.shape[0]
-            verify = self.state_pool.verify_layer(layer_id, n, rows)[entry]
-            verify[:rows, t].copy_(state.index_select(0, slots))
+    def _recurrent(self, ctx, op: str, layer_id: int, q, k, v, gate, beta, out, scale, gate_kind: int) -> bool:
+        """A decode step (n == 1) or a target-verify step of n tokens per request, one launch either way
+        (False: the step takes the extend path). A verify step keeps the state after each token but
+        the last in the state pool's intermediate states (entry t of the request's row), the last
+        one in its slot."""
+        path, n = self._route(ctx, op, layer_id, q.shape[0])
+        if path == "extend":
+            return False
+        kernels = _kernels()
+        if gate_kind != kernels.GATE_PER_HEAD:
+            assert q.shape[1] == v.shape[1], f"{op}: key heads {q.shape[1]} != value heads {v.shape[1]}"
+        slots, state = self._step_slots(ctx), self._layer_state(layer_id, "recurrent")
+        if n == 1:
+            kernels.recurrent_decode(q, k, v, gate, beta, out, state, slots, scale, gate_kind, self.recurrent_config)
+        else:
+            inter = self.state_pool.verify_layer(layer_id, n, slots.shape[0])["recurrent"]
+            kernels.recurrent_verify(q, k, v, gate, beta, out, state, slots, inter, n, scale, gate_kind,
+                                     self.recurrent_config)
+        return True
 
     # -- ops ------------------------------------------------------------------------------------
 
     def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
-        path, n = self._route(ctx, "gdn_core", layer_id, q.shape[0])
-        if path == "extend":
-            return self._gdn_extend(ctx, q, k, v, g, beta, out, layer_id, scale)
-        slots, state, r = self._step_slots(ctx), self._layer_state(layer_id, "recurrent"), self._rows
-        for t in range(n):  # decode: n == 1, the whole tensors
-            _kernels().gdn_decode(r(q, t, n), r(k, t, n), r(v, t, n), r(g, t, n), r(beta, t, n), r(out, t, n),
-                                  state, slots, scale, self.recurrent_config)
-            self._keep_intermediate(ctx, layer_id, "recurrent", state, slots, t, n)
+        if not self._recurrent(ctx, "gdn_core", layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
+            self._gdn_extend(ctx, q, k, v, g, beta, out, layer_id, scale)
 
     def kda_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
-        path, n = self._route(ctx, "kda_core", layer_id, q.shape[0])
-        if path == "extend":
-            return self._kda_extend(ctx, q, k, v, g, beta, out, layer_id, scale)
-        slots, state, r = self._step_slots(ctx), self._layer_state(layer_id, "recurrent"), self._rows
-        for t in range(n):
-            _kernels().kda_decode(r(q, t, n), r(k, t, n), r(v, t, n), r(g, t, n), r(beta, t, n), r(out, t, n),
-                                  state, slots, scale, self.recurrent_config)
-            self._keep_intermediate(ctx, layer_id, "recurrent", state, slots, t, n)
+        if not self._recurrent(ctx, "kda_core", layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_CHANNEL):
+            self._kda_extend(ctx, q, k, v, g, beta, out, layer_id, scale)
 
     def lightning_core(self, ctx, q, k, v, decay, out, layer_id, scale):
-        path, n = self._route(ctx, "lightning_core", layer_id, q.shape[0])
-        if path == "extend":
-            return self._lightning_extend(ctx, q, k, v, decay, out, layer_id, scale)
-        slots, state, r = self._step_slots(ctx), self._layer_state(layer_id, "recurrent"), self._rows
-        for t in range(n):
-            _kernels().lightning_decode(r(q, t, n), r(k, t, n), r(v, t, n), decay, r(out, t, n), state, slots, scale,
-                                        self.recurrent_config)
-            self._keep_intermediate(ctx, layer_id, "recurrent", state, slots, t, n)
+        if not self._recurrent(ctx, "lightning_core", layer_id, q, k, v, decay, None, out, scale,
+                               _kernels().GATE_CONSTANT):
+            self._lightning_extend(ctx, q, k, v, decay, out, layer_id, scale)
 
     def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
+        """The decode conv, or over a target-verify step its histories kept as the recurrent cores keep states."""
         path, n = self._route(ctx, "short_conv", layer_id, x.shape[0])
         if path == "extend":
             return self._conv_extend(ctx, x, weight, bias, out, layer_id, silu)
-        slots, state, r = self._step_slots(ctx), self._layer_state(layer_id, "conv"), self._rows
-        for t in range(n):
-            _kernels().short_conv_decode(r(x, t, n), weight, bias, r(out, t, n), state, slots, silu, self.conv_config)
-            self._keep_intermediate(ctx, layer_id, "conv", state, slots, t, n)
+        slots, state = self._step_slots(ctx), self._layer_state(layer_id, "conv")
+        if n == 1:
+            _kernels().short_conv_decode(x, weight, bias, out, state, slots, silu, self.conv_config)
+            return
+        inter = self.state_pool.verify_layer(layer_id, n, slots.shape[0])["conv"]
+        _kernels().short_conv_verify(x, weight, bias, out, state, slots, inter, n, silu, self.conv_config)
