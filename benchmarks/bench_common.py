@@ -338,13 +338,14 @@ def launch_check_ms(device: torch.device, iters: int = 50) -> float | None:
     return round(statistics.median(times), 4)
 
 
-def profile_call(fn, device, iters: int = 5, top: int = 12) -> dict:
+def profile_call(fn, device, iters: int = 5, top: int | None = 12) -> dict:
     """Where one call's time goes: host time to issue it (perf_counter until fn returns, before
     any wait), device kernel time per call (sum of the profiler's kernel durations; kernels replayed
     from a CUDA graph are traced one by one), and the kernels and host ops that take the most.
 
     A call whose host time exceeds its kernel time is bound by the host: the device idles between
-    launches (`device_gaps` says where). On the CPU only the host side is reported."""
+    launches (`device_gaps` says where). On the CPU only the host side is reported. `top`: how
+    many kernels and host ops to list, the most costly first (None: all of them)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"

@@ -68,3 +68,14 @@ def test_tie_report_says_where_runs_part_and_how_close_a_call_it_was():
     assert report["worst_first_diff_rank"] == 0.0 and report["median_plain_margin"] == pytest.approx(0.5)
     delta = report["matched_logprob_delta"]  # positions 0, 1 of prompt 0 (0.01 apart) and both of prompt 1 (equal)
     assert delta["max"] == pytest.approx(0.01) and delta["median"] == pytest.approx(0.01)
+
+
+def test_kernel_difference_counts_a_kernel_one_step_lacks_as_zero_there():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from spec_bench import kernel_difference
+
+    decode = [{"name": "a", "ms": 0.5}, {"name": "decode_only", "ms": 0.1}]
+    verify = [{"name": "a", "ms": 0.7}, {"name": "verify_only", "ms": 0.3}]
+    rows = {r["name"]: r for r in kernel_difference(decode, verify)}
+    assert rows["a"]["extra_ms"] == 0.2 and rows["verify_only"]["extra_ms"] == 0.3
+    assert rows["decode_only"]["extra_ms"] == -0.1 and [r["name"] for r in kernel_difference(decode, verify)][0] == "verify_only"
