@@ -89,6 +89,13 @@ __all__ = ["GraphRunner", "ParityError", "graph_runner_factory",
            "CaptureKey", "buckets_for", "CaptureError", "CudaGraphs", "CapturedPiece", "StepStaging", "step_on_device"]
 
 
+# Eager steps of up to this many tokens (or the step budget, if larger) launch at start-up every
+# kernel variant the backends pick by token count (`_launch_kernel_variants`). The fused MoE's
+# choices stop changing below it for the released shapes (its last default tile change is at a mean
+# of 48 pairs per expert: 2458 tokens for 512 experts, top-10).
+KERNEL_VARIANT_TOKENS = 8192
+
+
 class GraphRunner:
     def __init__(self, program, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, device: torch.device | str, *,
                  decode_buckets=DEFAULT_DECODE_BATCH_SIZES, extend_buckets=DEFAULT_EXTEND_TOKEN_COUNTS,
@@ -425,8 +432,27 @@ class GraphRunner:
                 self.ops.observer = None
             self._op_outs[key] = sink.records
             self.keys.append(key)
+        self._launch_kernel_variants()
         self.graphs.synchronize(self.device)
         self.sealed = True
+
+    def _launch_kernel_variants(self) -> None:
+        """One eager extend step (dummy, like a capture's) of each token count the backends name
+        (`kernel_variant_tokens`): every kernel variant an eager step may pick is then built at
+        start-up (by `hgc build`, into the bundle) or found there (a run), never first built while
+        serving. Counts up to KERNEL_VARIANT_TOKENS whatever the step budget, since a build's budget
+        (its largest extend bucket) is no bound on a run's. The steps must be the same in the build
+        and in a run under other limits (a kernel may also choose by its requests' lengths and
+        count), so a step of T tokens has ceil(T / 64) requests sharing them evenly; pieces smaller
+        than 64 only where a request or the budget holds less (then the run's start-up names what it
+        builds)."""
+        per_request = min(self.max_pages * self.kv_pool.page_size, self.chunk_size, 64)
+        for tokens in self.backend.kernel_variant_tokens(max(self.chunk_size, KERNEL_VARIANT_TOKENS)):
+            step = self._dummy_step(CaptureKey(Mode.EXTEND, tokens, -(-tokens // per_request)))
+            inputs, ctx = self._fill(step, None)
+            self._plan(ctx, None)
+            with self.ops.step(ctx):
+                self._call(self._module(Mode.EXTEND), inputs)
 
     def _whole_step(self, module, inputs, ctx: ExecContext, key: CaptureKey) -> list:
         """What a whole-step graph records: the backends' replay state where the graph holds it

@@ -40,6 +40,8 @@ FULL, LINEAR, MOE, MLA = (FlashInferAttentionBackend.capability, TritonLinearBac
                           TritonMoEBackend.capability, TritonMLABackend.capability)
 GQA_FAMILIES = ("qwen3_next", "qwen3_5")  # full attention: GQA; the others' is MLA
 MLA_FAMILIES = tuple(f for f in FAMILY_IDS if f not in GQA_FAMILIES)
+# bailing_linear builds its MLA rotary width from head_dim * partial_rotary_factor (0.5)
+RELEASED_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 128}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,10 +54,11 @@ def expected_backend(op: str, kind: str | None) -> str:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Each family's tiny checkpoint; the GQA families with head_dim 64 (FlashInfer builds no 32)."""
+    """Each family's tiny checkpoint; the GQA families with head_dim 64 (FlashInfer builds no 32), the
+    MLA families with the released latent rank 512 and rope width 64 (FlashInfer's MLA takes no other)."""
     root = tmp_path_factory.mktemp("cuda_target")
     for family in GQA_FAMILIES + MLA_FAMILIES:
-        extra = {"head_dim": 64} if family in GQA_FAMILIES else {}
+        extra = {"head_dim": 64} if family in GQA_FAMILIES else RELEASED_MLA
         tiny_checkpoint(family, root / family, seed=3, **extra)
     return root
 
@@ -139,6 +142,20 @@ def test_a_head_dim_flashinfer_does_not_build_fails_the_compile(tmp_path, capsys
     rc, art, err = compile_cuda(tmp_path, "hd32", tmp_path, capsys, "--dtype", "bfloat16")
     assert rc == 2
     assert "(layer 3, kind full_gqa)" in err and "flashinfer q dim -1 is 32, it takes [64, 128, 256]" in err
+
+
+def test_an_mla_geometry_flashinfer_is_not_checked_at_routes_to_the_triton_kernel(tmp_path, capsys):
+    """The tiny MLA geometry (latent rank 32, rope 8) in bf16: the Triton MLA kernel; naming FlashInfer
+    for it fails the compile with the limit."""
+    tiny_checkpoint("bailing_linear", tmp_path / "r32", seed=3)
+    rc, art, err = compile_cuda(tmp_path, "r32", tmp_path, capsys, "--dtype", "bfloat16")
+    assert rc == 0, err[-3000:]
+    mla = [e for e in entries(art) if e["op"] == "mla_attention"]
+    assert mla and {e["backend"] for e in mla} == {MLA.name}
+    rc, art, err = compile_cuda(tmp_path, "r32", tmp_path / "forced", capsys, "--dtype", "bfloat16",
+                                "--route", "mla_attention=flashinfer")
+    assert rc == 2 and not art.exists()
+    assert "node mla_attention (layer 3, kind full_mla)" in err and "q_latent dim -1 is 32, it takes [512]" in err
 
 
 def test_routes_pick_the_other_kernels_and_are_recorded(checkpoints, tmp_path, capsys):

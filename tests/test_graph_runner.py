@@ -14,7 +14,8 @@ from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.batch import SeqState, commit_step
 from runtime.bound_ops import BoundOps
 from runtime.generate import make_pools
-from runtime.graph_runner import CaptureError, CaptureKey, GraphRunner, ParityError
+from runtime.state_pool import PADDING_SLOT
+from runtime.graph_runner import KERNEL_VARIANT_TOKENS, CaptureError, CaptureKey, GraphRunner, ParityError
 from runtime.parity import CacheWatch, OpRecord, first_difference, rel_err
 from tests.graph_cases import RerunGraphs, greedy
 from runtime.loader import LoadError, load_artifact
@@ -177,6 +178,41 @@ def test_start_up_then_replayed_steps_give_the_eager_tokens(artifact):
     assert runner.counters["piecewise_steps"] - before["piecewise_steps"] == 1
     with pytest.raises(CaptureError, match="capture after start-up"):
         runner.capture()
+
+
+class VariantBackend(CPUReferenceBackend):
+    """The reference backend, naming two token counts whose eager steps pick kernels of their own."""
+
+    def __init__(self, *args, counts=(3, 40), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.counts, self.asked, self.eager_steps = counts, [], []
+
+    def kernel_variant_tokens(self, max_tokens):
+        self.asked.append(max_tokens)
+        return self.counts
+
+    def init_step_metadata(self, ctx):
+        self.eager_steps.append((ctx.mode, ctx.num_tokens, ctx.num_seqs, ctx.state_slots.tolist()))
+        super().init_step_metadata(ctx)
+
+
+def test_capture_runs_one_eager_step_of_each_kernel_variant_count(artifact):
+    """After the captures, one eager extend step of each count the backend names (up to
+    KERNEL_VARIANT_TOKENS, past the step budget), its requests each within the budget, on the
+    padding slot: no slot, page or counter of serving changes."""
+    kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
+    backend = VariantBackend(kv, st)
+    ops = BoundOps(backend)
+    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(1, 2), extend_buckets=(32,),
+                         max_pages_per_seq=4, extend_max_seqs=4, graphs=RerunGraphs(), chunk_size=16)
+    free = (st.num_free, kv.num_free)
+    runner.capture()
+    assert backend.asked == [KERNEL_VARIANT_TOKENS]
+    # a request carries at most 16 tokens (the budget; 4 pages of 8 would hold 32): 40 tokens take three
+    variant_steps = [s for s in backend.eager_steps if s[1] in (3, 40)]
+    assert [(m, t, b) for m, t, b, _ in variant_steps] == [(Mode.EXTEND, 3, 1), (Mode.EXTEND, 40, 3)]
+    assert all(slot == PADDING_SLOT for *_, slots in variant_steps for slot in slots)
+    assert (st.num_free, kv.num_free) == free and runner.counters["eager_steps"] == 0
 
 
 def test_piecewise_decode_runs_the_extend_pieces_and_gives_the_eager_tokens(artifact):

@@ -292,6 +292,38 @@ def test_backend_declares_its_capability_and_keeps_the_protocol():
     assert cap.modes_capturable == frozenset(MODES), "the moe op is capturable in every mode"
 
 
+def _moe_call(E=8, I=32, D=64, top_k=2, S=32, dtype="bfloat16"):
+    """The CallFacts routing reads off a moe node (token dimension dynamic)."""
+    from compiler.splitops import CallFacts
+    shapes = {"x": (None, D), "router_weight": (E, D), "w13": (E, 2 * I, D), "w2": (E, D, I), "out": (None, D)}
+    if S:
+        shapes.update(shared_w13=(2 * S, D), shared_w2=(D, S), shared_gate=(1, D))
+    return CallFacts("moe", 1, dtype, shapes, {"layer_id": 1, "top_k": top_k})
+
+
+def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monkeypatch):
+    """E=8 experts, top-2 and one shared chunk (3 slots per token), D=64, no tuned table: the default
+    config's token path to T=2 (2 columns) and T=4 (4), sorted tiles of BLOCK_M 16 from T=5 (a
+    mean of T/4 pairs per expert: <= 10), 32 from 41, 64 from 97, 128 from 193; the router's GEMV
+    to T=16, fused into the route kernel to 64, a dot past it; the sort's wider scan past 256 pairs
+    (T=86). A count of each, the smallest, and nothing under the interpreter."""
+    import runtime.backends.triton_moe as backend_module
+    from runtime.backends.triton_moe import MoELayerShape
+    layer = MoELayerShape.of(_moe_call())
+    assert layer == MoELayerShape(experts=8, inter=32, hidden=64, top_k=2, slots=3, itemsize=2)
+    backend = TritonMoEBackend(device="cpu", layers=(layer, layer))
+    monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
+    assert backend.kernel_variant_tokens(256) == (1, 3, 5, 17, 41, 65, 86, 97, 193)
+    assert backend.kernel_variant_tokens(64) == (1, 3, 5, 17, 41)
+    # a second layer shape adds its own first counts (no shared expert: 2 slots, wider scan at T=129)
+    other = MoELayerShape.of(_moe_call(S=0))
+    both = TritonMoEBackend(device="cpu", layers=(layer, other))
+    assert set(both.kernel_variant_tokens(256)) == {1, 3, 5, 17, 41, 65, 86, 97, 129, 193}
+    monkeypatch.setattr(backend_module, "triton_interpreted", lambda: True)
+    assert backend.kernel_variant_tokens(256) == ()
+    assert TritonMoEBackend(device="cpu").kernel_variant_tokens(256) == (), "no layer shapes: nothing to name"
+
+
 def test_importing_the_backend_needs_no_triton():
     import subprocess
     import sys

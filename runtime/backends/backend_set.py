@@ -130,6 +130,10 @@ class BackendSet(BackendHooks):
         for member in self._whole_step[ctx.mode][1]:
             member.init_replay_state(ctx, bucket)
 
+    def kernel_variant_tokens(self, max_tokens: int) -> tuple[int, ...]:
+        """Every member's counts, each once: one step of a count serves every member that names it."""
+        return tuple(sorted({t for member in self.children for t in member.kernel_variant_tokens(max_tokens)}))
+
     def init_step_metadata(self, ctx: ExecContext) -> None:
         """Every member plans the step."""
         for member in self.children:

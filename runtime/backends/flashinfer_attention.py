@@ -275,6 +275,14 @@ def store_kv_rows(slot_mapping: torch.Tensor, page_size: int,
 # routing refuses it at compile time instead of a page of nvcc output at the first prefill.
 FLASHINFER_GQA_HEAD_DIMS = (64, 128, 256)
 _HEAD_DIM_WHY = "FlashInfer 0.6's prefill kernels are built for head dims 64, 128 and 256 only"
+# FlashInfer's MLA (BatchMLAPagedAttentionWrapper) is used and checked here at one geometry only:
+# latent rank 512 and rope width 64, DeepSeek's, which the released Kimi-Linear and Ling configs
+# keep (tests/test_gpu_attention.py checks it against the reference there). A build of the tiny
+# bailing_linear model (rank 32, rope 8, bf16) that routed MLA here died in its start-up with an
+# illegal memory access on an H200. Other geometries route to the Triton MLA kernel.
+FLASHINFER_MLA_RANK, FLASHINFER_MLA_ROPE = 512, 64
+_MLA_WHY = (f"FlashInfer's MLA is checked at latent rank {FLASHINFER_MLA_RANK}, rope width {FLASHINFER_MLA_ROPE} "
+            "only; other widths ran into an illegal memory access")
 # FlashInfer's kernels are instantiated for 16-bit activations: its JIT dtype table has no float32
 # (a float32 MLA plan died with a KeyError inside FlashInfer), so float32 routes elsewhere.
 _FLASHINFER_DTYPES = frozenset({"bfloat16", "float16"})
@@ -387,7 +395,9 @@ class FlashInferAttentionBackend(BackendHooks):
         modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}), kinds=frozenset({LayerKind.FULL_GQA, LayerKind.FULL_MLA}),
         dtypes=_FLASHINFER_DTYPES,
         limits=(ShapeLimit("gqa_attention", "q", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY),
-                ShapeLimit("gqa_attention", "v", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY)),
+                ShapeLimit("gqa_attention", "v", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY),
+                ShapeLimit("mla_attention", "q_latent", -1, frozenset({FLASHINFER_MLA_RANK}), why=_MLA_WHY),
+                ShapeLimit("mla_attention", "q_rope", -1, frozenset({FLASHINFER_MLA_ROPE}), why=_MLA_WHY)),
         # Kernel alternatives routing records (the first choice is the default; see __init__).
         # decode_impl: the default is the first choice; "triton" plans nothing on the host for
         # decode and target_verify steps (runtime/backends/triton_gqa.py).

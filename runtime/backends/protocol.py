@@ -209,6 +209,18 @@ class BackendHooks(abc.ABC):
         host and reads what the hook planned on the host. The protocol stages nothing (a lone
         backend may own a gap's node): always correct."""
 
+    def kernel_variant_tokens(self, max_tokens: int) -> tuple[int, ...]:
+        """Token counts of eager extend steps that, run once each at start-up, launch every kernel
+        variant this backend's eager steps of up to `max_tokens` tokens can pick.
+
+        A Triton kernel is built again for each set of constexprs; a backend that picks tiles or
+        kernels from the step's token count (the fused MoE) would otherwise build one at serving
+        time for a count start-up never ran, outside the artifact's bundle (docs/DESIGN.md "Why a
+        run finds every kernel the build made"). The graph runner runs these steps after capture,
+        in the build and in every run alike. The protocol answers none: right for a backend whose
+        kernels the layer shapes alone fix; the run's start-up watch names any kernel built then."""
+        return ()
+
     # -- per step -----------------------------------------------------------------------------
 
     @abc.abstractmethod

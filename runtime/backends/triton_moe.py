@@ -7,6 +7,7 @@ triton); their tiles per token bucket come from runtime/backends/moe_config.py.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from pathlib import Path
@@ -18,6 +19,7 @@ from compiler.splitops import MODES, BackendCapability, Mode
 from runtime.backends.moe_config import (CONFIG_DIR, MoEConfig, config_file_name, default_config, device_name_of,
                                          fit_shared_memory,
                                          load_config_table, pick_bucket)
+from runtime.backends.launch_math import cdiv, triton_interpreted
 from runtime.backends.protocol import BackendHooks, BackendSetup
 
 __all__ = ["TritonMoEBackend", "CaptureError"]
@@ -25,6 +27,28 @@ __all__ = ["TritonMoEBackend", "CaptureError"]
 
 def _kernels():
     return importlib.import_module("runtime.backends.triton_moe_kernels")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELayerShape:
+    """What a moe call's launch choices depend on besides its token count."""
+
+    experts: int  # E, routed
+    inter: int  # I, one routed expert's width
+    hidden: int  # D
+    top_k: int
+    slots: int  # pairs per token: top_k + the shared expert's chunks of width I
+    itemsize: int  # bytes per activation element (shared-memory fit of the GEMM tiles)
+
+    @classmethod
+    def of(cls, call) -> "MoELayerShape":
+        """From a moe node's CallFacts (compiler/splitops/ops.py)."""
+        E, two_i, D = call.shapes["w13"]
+        shared = call.shapes.get("shared_w13")
+        S = shared[0] // 2 if shared else 0
+        top_k = int(call.scalars["top_k"])
+        itemsize = getattr(torch, call.dtype).itemsize  # `out`'s dtype, which x and the weights share
+        return cls(E, two_i // 2, D, top_k, top_k + cdiv(S, two_i // 2), itemsize)
 
 
 class CaptureError(RuntimeError):
@@ -63,16 +87,20 @@ class TritonMoEBackend(BackendHooks):
             "GEMMs (the shared expert as extra experts) with SiLU-and-mul and weighted combine; no host "
             "sync, capturable in every mode")
 
-    def __init__(self, config_dir: "str | os.PathLike | None" = None, device: "str | torch.device" = "cuda"):
+    def __init__(self, config_dir: "str | os.PathLike | None" = None, device: "str | torch.device" = "cuda",
+                 layers: tuple[MoELayerShape, ...] = ()):
+        """layers: the shapes of the moe calls this instance serves (`build` reads them off the
+        graph); `kernel_variant_tokens` needs them, nothing else does."""
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
         self.device = torch.device(device)
+        self.layers = tuple(dict.fromkeys(layers))
         self._tables: dict[tuple[int, int, str], Optional[dict[int, MoEConfig]]] = {}
         self._planned: Optional[tuple[object, torch.Tensor]] = None  # (ctx, its real token count on the device)
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonMoEBackend":
         """The tuned configs of runtime/backends/moe_configs/, launches on the pools' device."""
-        return cls(device=setup.device)
+        return cls(device=setup.device, layers=tuple(MoELayerShape.of(c) for c in setup.calls if c.op == "moe"))
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -91,6 +119,23 @@ class TritonMoEBackend(BackendHooks):
     def replay_state_in_graph(self, mode: Mode) -> bool:
         """init_replay_state launches nothing: a whole-step graph needs no call before its replay."""
         return Mode(mode) in self.capability.modes_capturable
+
+    def kernel_variant_tokens(self, max_tokens: int) -> tuple[int, ...]:
+        """The smallest token count of each launch variant an eager step of up to `max_tokens` picks
+        (triton_moe_kernels.launch_variant: logits kernel, GEMM tiles, sort width), over every layer
+        shape served here. Nothing under Triton's interpreter, which builds no kernel."""
+        if not self.layers or triton_interpreted():
+            return ()
+        launch_variant = _kernels().launch_variant
+        first: dict[tuple, int] = {}
+        for layer in self.layers:
+            fitted: dict[MoEConfig, MoEConfig] = {}
+            for T in range(1, max_tokens + 1):
+                raw = self.config_for(T, layer.experts, layer.inter, layer.hidden, layer.top_k, self.device)
+                config = fitted.get(raw) or fitted.setdefault(raw, fit_shared_memory(raw, layer.itemsize))
+                variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config)
+                first.setdefault((layer, variant), T)
+        return tuple(sorted(set(first.values())))
 
     def init_step_metadata(self, ctx) -> None:
         """Nothing to plan for an eager step: the real token count travels as a launch argument."""

@@ -590,6 +590,31 @@ def _dot_fp32(*dtypes) -> bool:
     return not (all(d == first for d in dtypes) and first in (torch.bfloat16, torch.float16))
 
 
+def logits_kernel_for(T: int, E: int, D: int) -> str:
+    """The router logits kernel a step of T tokens launches by default (`route`'s logits_kernel)."""
+    # T <= 16: the many-program GEMV, whatever the router size. Folding the logits into the
+    # routing kernel (one program per token) left a batch-1 step with one 8-warp program that
+    # loads the whole router and then runs ~15 cross-warp reductions (seen on an H200: ~8 us
+    # of a 28 us step); split, the GEMV loads in parallel and the top-k runs in one warp.
+    if T <= 16:
+        return "gemv"
+    return "fused" if next_pow2(E) * D <= FUSE_LOGITS_MAX_ELEMS and T <= FUSE_LOGITS_MAX_TOKENS else "dot"
+
+
+def align_block_p(num_pairs: int) -> int:
+    """The pairs `_align_kernel` scans per loop step: a wider step once there are many."""
+    return 1024 if num_pairs > 256 else 256
+
+
+def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig) -> tuple:
+    """Everything an eager step of T tokens picks from T that makes Triton build another kernel: the
+    logits kernel, the GEMM configs (their tiles are constexprs) and the sort's scan width. Two
+    token counts with equal variants launch the same kernels; the backend's
+    `kernel_variant_tokens` runs one count of each at start-up, so a bundle holds them all."""
+    sort = align_block_p(T * slots) if config.path == "sorted" else None
+    return logits_kernel_for(T, E, D), config, sort
+
+
 def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
           scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
           n_real: "int | torch.Tensor | None" = None, counts: Optional[torch.Tensor] = None,
@@ -631,12 +656,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
         return ids, weights
     e_pad = next_pow2(E)
     if logits_kernel is None:
-        # T <= 16: the many-program GEMV, whatever the router size. Folding the logits into the
-        # routing kernel (one program per token) left a batch-1 step with one 8-warp program that
-        # loads the whole router and then runs ~15 cross-warp reductions (seen on an H200: ~8 us
-        # of a 28 us step); split, the GEMV loads in parallel and the top-k runs in one warp.
-        small = e_pad * D <= FUSE_LOGITS_MAX_ELEMS and T <= FUSE_LOGITS_MAX_TOKENS
-        logits_kernel = "gemv" if T <= 16 else ("fused" if small else "dot")
+        logits_kernel = logits_kernel_for(T, E, D)
     if logits_kernel not in ("fused", "gemv", "dot"):
         raise ValueError(f"moe: unknown logits kernel {logits_kernel!r}")
     fused = logits_kernel == "fused"
@@ -714,7 +734,7 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, counts: Optio
         flat = ids.reshape(-1).long().clamp(max=E)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     _align_kernel[(E,)](ids, counts, sorted_pairs, block_expert, total, P, E=E, E_PAD=next_pow2(E),
-                        BLOCK_M=block_m, BLOCK_P=1024 if P > 256 else 256,
+                        BLOCK_M=block_m, BLOCK_P=align_block_p(P),
                         BLOCK_B=64, num_warps=4)
     return sorted_pairs, block_expert, total
 
