@@ -96,6 +96,7 @@ from runtime.acceptance import dense_distribution, draft_counts, draw, greedy_ac
 from runtime.backends.protocol import check_backend, plan_eager_step
 from runtime.batch import SeqState, build_step, commit_step
 from runtime.bound_ops import BoundOps
+from runtime.host_copy import to_device
 from runtime.kv_pool import KVPool
 from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.penalties import PenaltyTables
@@ -648,15 +649,15 @@ class Engine:
         """Whether `_choose` takes the request's drafts as the draft logits' argmax, unchanged: it is
         greedy (no draw) and has no grammar (whose bitmask is the one change `_choose` makes to
         draft logits; penalties and bias apply to the target's rows only, in `_accept_drafts`).
-        When it holds for every request of a proposal, the drafter may choose on the device and
-        hand the tokens back once (`_take_drafts`)."""
+        When it holds for every request of a round, the drafter chooses on the device
+        (`propose_on_device`) and the tokens come back in one read (`_take_drafts`)."""
         return req.params.greedy and req.matcher is None
 
     def _take_drafts(self, reqs: list[_Request], tokens: list[list[int]], position: int) -> None:
         """Drafts the drafter chose as the draft logits' argmax (`_drafts_by_argmax` holds for
-        every request): tokens[b] appended to request b's drafts from `position` (>= 1) on, as
-        `_choose` appends them."""
-        assert position >= 1 and all(self._drafts_by_argmax(req) for req in reqs)
+        every request): tokens[b] appended to request b's drafts from `position` on, as `_choose`
+        appends them."""
+        assert all(self._drafts_by_argmax(req) for req in reqs)
         for req, chosen in zip(reqs, tokens):
             assert len(req.drafts) == position, f"request {req.request_id!r}: draft {position} after {req.drafts}"
             for token in chosen:
@@ -671,11 +672,26 @@ class Engine:
             req.grammar_ahead += 1
 
     def _verify(self, reqs: list[_Request]) -> list[StepOutput]:
-        """One round for the decoding requests: drafts, a target_verify step, the tokens each keeps."""
+        """One round for the decoding requests: drafts, a target_verify step, the tokens each keeps.
+
+        A request's d_1 is on the host (its drafts hold it: chosen after its prefill, or after a
+        round with a request that needs the host) or only on the device (the drafter's `first`).
+        When every request's drafts are the draft's argmax, the drafter chains on the device; when
+        no request's logits change either, the round reads the device once (`_verify_on_device`)."""
         spec, D = self.spec, self.spec.draft_tokens
-        # every request's drafts the draft's argmax: the drafter may chain its steps on the device
-        take = self._take_drafts if all(self._drafts_by_argmax(req) for req in reqs) else None
-        spec.timed(spec.drafter.propose, reqs, self._choose, take)
+        if all(self._drafts_by_argmax(req) for req in reqs):
+            drafts = spec.timed(spec.drafter.propose_on_device, reqs)
+            if not any(req.params.changes_logits for req in reqs):
+                return self._verify_on_device(reqs, drafts)
+            tokens = drafts.tolist()  # penalties and bias: the target's rows are processed on the host
+            for req in reqs:
+                self._drop_drafts(req)
+            self._take_drafts(reqs, tokens, 0)
+        else:
+            on_device = [req for req in reqs if not req.drafts]  # their d_1 the argmax, left on the device
+            if on_device:
+                self._take_drafts(on_device, [[t] for t in spec.drafter.first_drafts(on_device)], 0)
+            spec.timed(spec.drafter.propose, reqs, self._choose)
         bad = [req.request_id for req in reqs if len(req.drafts) != D]
         if bad:
             raise RuntimeError(f"the drafter proposed no {D} drafts for request(s) {bad[:3]}")
@@ -683,6 +699,32 @@ class Engine:
         begin = time.perf_counter()
         logits, hidden = spec.verify([(req.seq, req.next_tokens(1) + req.drafts) for req in reqs])
         kept = self._accept_drafts(reqs, logits)
+        return self._finish_round(reqs, starts, kept, logits, hidden, begin, self._choose)
+
+    def _verify_on_device(self, reqs: list[_Request], drafts: torch.Tensor) -> list[StepOutput]:
+        """A round of greedy requests with no grammar, penalty or bias: the verify step takes the
+        drafts [B, D] from the device, and one read brings them back with the target's argmax.
+        The draft after it leaves each next d_1 on the device. So the host never waits for the
+        device between the round's steps but once, and lays the next step out while the device runs."""
+        spec, D = self.spec, self.spec.draft_tokens
+        starts = [req.seq.num_cached for req in reqs]
+        begin = time.perf_counter()
+        last = to_device([req.next_tokens(1)[0] for req in reqs], drafts.device)
+        ids = torch.cat([last[:, None], drafts], 1).flatten()
+        logits, hidden = spec.verify([(req.seq, [0] * (D + 1)) for req in reqs], input_ids=ids)
+        read = torch.cat([drafts, logits.argmax(-1).view(len(reqs), D + 1)], 1).tolist()  # the round's one read
+        kept = []
+        for req, row in zip(reqs, read):
+            self._drop_drafts(req)  # a d_1 chosen on the host after a prefill is the same argmax
+            self._take_drafts([req], [row[:D]], 0)
+            kept.append(greedy_accept(req.drafts, row[D:]))
+        return self._finish_round(reqs, starts, kept, logits, hidden, begin, None)
+
+    def _finish_round(self, reqs: list[_Request], starts: list[int], kept: list[list[int]], logits: torch.Tensor,
+                      hidden: torch.Tensor, begin: float, choose) -> list[StepOutput]:
+        """After a verify step: emit the kept tokens, keep their states, and run the draft over the
+        kept positions for the requests that go on (choose None: their next d_1 stays on the device)."""
+        spec, D = self.spec, self.spec.draft_tokens
         outputs = self._emit(reqs, kept, logits)
         self._totals["spec_verify_s"] += time.perf_counter() - begin
         self._totals["spec_steps"] += 1
@@ -694,9 +736,10 @@ class Engine:
             self._drop_drafts(req)
         going = [b for b, req in enumerate(reqs) if req.stop_reason is None]
         if going:
-            rows = hidden.view(len(reqs), D + 1, -1)[torch.tensor(going, device=hidden.device)].flatten(0, 1)
+            rows = hidden.view(len(reqs), D + 1, -1)
+            rows = (rows if len(going) == len(reqs) else rows[to_device(going, hidden.device)]).flatten(0, 1)
             spec.timed(spec.drafter.after_verify, [reqs[b] for b in going], [starts[b] for b in going],
-                       [kept[b] for b in going], rows, self._choose)
+                       [kept[b] for b in going], rows, choose)
         return outputs
 
     def _accept_drafts(self, reqs: list[_Request], logits: torch.Tensor) -> list[list[int]]:

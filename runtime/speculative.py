@@ -22,11 +22,13 @@ Lifecycle of a decoding request (p: its cached tokens; x_p, its last token, is n
    The draft's hidden state there is kept, by state slot.
 2. Each later step, `propose`: D - 1 draft decode steps at positions p .. p + D - 2, each fed the
    previous draft token and the draft's own previous hidden state (chained, as the released
-   models do), give d_2 .. d_D. When every request's drafts are the draft's argmax (the
-   engine's `_drafts_by_argmax`: greedy, no grammar), the chain stays on the device: each step
-   is laid out with a placeholder token and fed the previous step's argmax there, and the
-   drafts come back in one read at the end (`take`). Otherwise each step's drafts are chosen on
-   the host (`choose`) before the next step is built.
+   models do), give d_2 .. d_D, each step's drafts chosen on the host (`choose`) before the next
+   step is built. When every request's drafts are the draft's argmax (the engine's
+   `_drafts_by_argmax`: greedy, no grammar), `propose_on_device` runs the chain on the device
+   instead: d_1 is the argmax the last draft step left by slot (`first`), each step is laid out
+   with a placeholder token and fed the previous step's argmax there, and nothing is read: the
+   verify step takes the drafts from the device too, and the engine reads them back with the
+   target's argmax in one read per round (its `_verify_on_device`).
 3. `verify`: one target_verify step of the main program over [x_p, d_1 .. d_D] at positions
    p .. p + D, logits and hidden states at each; linear layers keep the state after each of the
    first D positions (StatePool intermediate entries), the last in the request's slot.
@@ -37,7 +39,8 @@ Lifecycle of a decoding request (p: its cached tokens; x_p, its last token, is n
    before any query at or past it runs.
 5. `after_verify`: the draft runs positions p .. p + D in the verify layout (a fixed shape per
    batch, so it can be captured), fed the kept tokens and the main model's hidden states there;
-   its logits at position p + m give the next d_1, its hidden state there is kept.
+   its logits at position p + m give the next d_1 (chosen on the host, or left on the device as
+   the argmax when no request needs the host), its hidden state there is kept.
 
 Pages: a verify step and the draft after it write up to position p + D, the chain up to
 p + D - 2, so the engine reserves pages for D tokens past a decoding request's next one.
@@ -63,6 +66,7 @@ from runtime.batch import SeqState, StepInputs, build_step, write_input_ids
 from runtime.binding import members_of
 from runtime.bound_ops import BoundOps
 from runtime.graph_runner import GraphRunner
+from runtime.host_copy import to_device
 from runtime.kv_pool import KVPool
 from runtime.state_pool import StatePool
 from runtime.step_staging import hidden_input_spec
@@ -122,22 +126,24 @@ class MTPDrafter:
 
     choose(requests, logits [B, V], position) -> None appends each request's draft token at
     `position` (0 .. D-1) to its drafts (`request.drafts`), after its grammar and sampling.
-    take(requests, tokens [B][n], position) -> None appends drafts chosen as the draft logits'
-    argmax at positions position .. position + n - 1 (the engine's `_take_drafts`)."""
+    `propose_on_device` and `first_drafts` hand back argmax drafts for the engine to append
+    (its `_take_drafts`)."""
 
     def __init__(self, steps, draft_tokens: int, num_slots: int, hidden_size: int, dtype: torch.dtype, device):
         self.steps, self.draft_tokens = steps, draft_tokens
         # the draft's hidden state at each request's last drafted position, by state slot
         self.hidden = torch.zeros(num_slots + 1, hidden_size, dtype=dtype, device=device)
+        # the draft logits' argmax there, by state slot: d_1 of the request's next round, on the
+        # device, for a round that chains on the device (`propose_on_device`)
+        self.first = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
 
     def _index(self, values: list[int]) -> torch.Tensor:
-        """values as an int64 index on the drafter's device, without waiting for the device: a
-        pageable copy would wait for every queued kernel first; from pinned memory it is queued
-        behind them (the caching host allocator keeps the pinned block until the copy has left it)."""
-        host = torch.tensor(values, dtype=torch.int64)
-        if self.hidden.device.type != "cuda":
-            return host.to(self.hidden.device)
-        return host.pin_memory().to(self.hidden.device, non_blocking=True)
+        """values as an int64 index on the drafter's device, the copy queued (runtime/host_copy.py)."""
+        return to_device(values, self.hidden.device)
+
+    def first_drafts(self, requests: list) -> list[int]:
+        """The d_1 each request's last draft step left on the device (`first`), read on the host."""
+        return self.first[self._index([r.seq.slot for r in requests])].tolist()
 
     def _run(self, items, hidden: torch.Tensor, mode: Optional[Mode] = None, logits_rows=None,
              logits_index: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
@@ -156,52 +162,59 @@ class MTPDrafter:
         wants = [i for i, c in enumerate(chunks) if c.request is not None]
         if not wants:
             return
-        ends = torch.tensor([len(c.ids) for c in chunks]).cumsum(0) - 1
-        pick = torch.tensor(wants)
-        choose([chunks[i].request for i in wants], logits[pick.to(logits.device)], 0)
+        ends = (torch.tensor([len(c.ids) for c in chunks]).cumsum(0) - 1)[wants].tolist()
+        mine = logits[self._index(wants)]
+        choose([chunks[i].request for i in wants], mine, 0)
         slots = self._index([chunks[i].seq.slot for i in wants])
-        self.hidden[slots] = draft_hidden[ends[pick].to(draft_hidden.device)].to(self.hidden.dtype)
+        self.hidden[slots] = draft_hidden[self._index(ends)].to(self.hidden.dtype)
+        self.first[slots] = mine.argmax(-1)
 
-    def propose(self, requests: list, choose, take=None) -> None:
+    def propose(self, requests: list, choose) -> None:
         """d_2 .. d_D for requests whose drafts hold d_1: D - 1 chained draft decode steps, each fed
-        the previous step's hidden states as they come out (only the last are kept, by slot).
-
-        take: given when every request's drafts are the draft's argmax; the steps then run
-        without a read in between (each fed the previous step's argmax on the device, step 1
-        d_1 from the host) and `take` gets all D - 1 drafts of each request from one read at
-        the end. None: `choose` picks each step's drafts before the next step is built."""
-        if self.draft_tokens == 1:
-            return
+        the previous step's hidden states as they come out (only the last are kept, by slot), and
+        `choose` picks each step's drafts on the host before the next step is built."""
         slots = self._index([r.seq.slot for r in requests])
-        hidden, chosen = self.hidden[slots], []
+        hidden = self.hidden[slots]
         for k in range(1, self.draft_tokens):
-            fed = chosen[-1] if take is not None and chosen else None  # this step's ids, on the device
-            # with `fed`, the token laid out is a placeholder: the layout does not depend on it
-            items = [(_view(r.seq, r.seq.num_cached + k - 1), [0 if fed is not None else r.drafts[k - 1]])
-                     for r in requests]
-            logits, hidden = self._run(items, hidden, mode=Mode.DECODE, input_ids=fed)
-            if take is not None:
-                chosen.append(logits.argmax(-1))
-            else:
-                choose(requests, logits, k)
+            items = [(_view(r.seq, r.seq.num_cached + k - 1), [r.drafts[k - 1]]) for r in requests]
+            logits, hidden = self._run(items, hidden, mode=Mode.DECODE)
+            choose(requests, logits, k)
         self.hidden[slots] = hidden.to(self.hidden.dtype)
-        if take is not None:
-            take(requests, torch.stack(chosen, 1).tolist(), 1)  # the one read of the chain
+
+    def propose_on_device(self, requests: list) -> torch.Tensor:
+        """d_1 .. d_D of each request as the draft logits' argmax, [B, D] int64 on the device, read by
+        nobody here: d_1 from `first`, then D - 1 chained draft decode steps, each laid out with a
+        placeholder token (the layout does not depend on it) and fed the previous step's argmax
+        and hidden states on the device. For requests whose drafts are the argmax (greedy, no
+        grammar: the engine's `_drafts_by_argmax`)."""
+        slots = self._index([r.seq.slot for r in requests])
+        hidden, chosen = self.hidden[slots], [self.first[slots]]
+        for k in range(1, self.draft_tokens):
+            items = [(_view(r.seq, r.seq.num_cached + k - 1), [0]) for r in requests]
+            logits, hidden = self._run(items, hidden, mode=Mode.DECODE, input_ids=chosen[-1])
+            chosen.append(logits.argmax(-1))
+        if self.draft_tokens > 1:
+            self.hidden[slots] = hidden.to(self.hidden.dtype)
+        return torch.stack(chosen, 1)
 
     def after_verify(self, requests: list, starts: list[int], kept: list[list[int]], verify_hidden: torch.Tensor,
-                     choose) -> None:
+                     choose=None) -> None:
         """requests: those that go on; starts: their positions p before the verify step; kept: the
-        tokens each kept; verify_hidden [len(requests) * (D + 1), H]: their rows of the verify step."""
+        tokens each kept; verify_hidden [len(requests) * (D + 1), H]: their rows of the verify step.
+        choose None: every request's next d_1 is the argmax, left on the device (`first`) for the
+        next round's `propose_on_device`, with no read here."""
         if not requests:
             return
         width = self.draft_tokens + 1
         items = [(_view(r.seq, p), toks + [toks[-1]] * (width - len(toks))) for r, p, toks in zip(requests, starts, kept)]
-        rows = torch.tensor([b * width + len(toks) - 1 for b, toks in enumerate(kept)])
+        rows = [b * width + len(toks) - 1 for b, toks in enumerate(kept)]
         logits, draft_hidden = self._run(items, verify_hidden, mode=Mode.TARGET_VERIFY, logits_rows=[1] * len(items),
-                                         logits_index=rows)
-        choose(requests, logits, 0)
+                                         logits_index=torch.tensor(rows))
+        if choose is not None:
+            choose(requests, logits, 0)
         slots = self._index([r.seq.slot for r in requests])
-        self.hidden[slots] = draft_hidden[rows.to(draft_hidden.device)].to(self.hidden.dtype)
+        self.hidden[slots] = draft_hidden[self._index(rows)].to(self.hidden.dtype)
+        self.first[slots] = logits.argmax(-1)
 
 
 class SpeculativeDecoder:
@@ -228,20 +241,22 @@ class SpeculativeDecoder:
         logits, hidden = self.main.run_outputs(step, key)
         return step.ctx.mode, logits, hidden
 
-    def timed(self, call, *args) -> None:
+    def timed(self, call, *args):
+        """call(*args), its seconds counted as the drafter's."""
         start = time.perf_counter()
         try:
-            call(*args)
+            return call(*args)
         finally:
             self.draft_s += time.perf_counter() - start
 
-    def verify(self, items) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, items, input_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One target_verify step: items (request state, [last token, d_1 .. d_D]) ->
-        (logits [B * (D + 1), V], hidden [B * (D + 1), H]), request b's rows b*(D+1) .. b*(D+1)+D."""
+        (logits [B * (D + 1), V], hidden [B * (D + 1), H]), request b's rows b*(D+1) .. b*(D+1)+D.
+        input_ids: the B * (D + 1) ids on the device, in that order, over the items' own (then placeholders)."""
         width = self.draft_tokens + 1
         assert all(len(tokens) == width for _, tokens in items), "a verify step feeds D + 1 tokens per request"
         step, key = self.main.build(items, mode=Mode.TARGET_VERIFY, logits_rows=[width] * len(items))
-        logits, hidden = self.main.run_outputs(step, key)
+        logits, hidden = self.main.run_outputs(step, key, input_ids=input_ids)
         return logits, hidden
 
     def keep(self, seqs: list[SeqState], kept: list[int]) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from compiler.splitops import LayerRegistry, dtype_from_name
+from runtime.host_copy import to_device
 
 __all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT", "linear_state_buffers"]
 
@@ -125,9 +126,10 @@ class StatePool:
         assert all(1 <= a <= D + 1 for a in accepted), f"accepted counts {accepted} outside 1..{D + 1}"
         if not rows:
             return
-        row_index = torch.tensor(rows, device=self.device)
-        entry_index = torch.tensor([accepted[b] - 1 for b in rows], device=self.device)
-        slot_index = torch.tensor([slots[b] for b in rows], device=self.device)
+        # queued, not waited for: the verify round's next step is laid out meanwhile (runtime/host_copy.py)
+        row_index = to_device(rows, self.device)
+        entry_index = to_device([accepted[b] - 1 for b in rows], self.device)
+        slot_index = to_device([slots[b] for b in rows], self.device)
         for layer_id, entries in self.buffers.items():
             for name, t in entries.items():
                 t[slot_index] = self.verify_buffers[layer_id][name][row_index, entry_index]

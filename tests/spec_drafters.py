@@ -12,7 +12,8 @@ positions per step, with exactly the reference tokens if acceptance is right.
 ever kept, one token per step, the same tokens.
 
 Both propose without a distribution (q = None: deterministic), follow the drafter interface of
-runtime/speculative.py (`after_prefill`, `propose`, `after_verify`) and need no program.
+runtime/speculative.py (`after_prefill`, `propose`, `propose_on_device`, `first_drafts`,
+`after_verify`) and need no program.
 
 `ForcedDrafts` runs a real drafter (the MTP program: its steps, its cost) and then replaces each
 token it chose with the reference's: full acceptance at the real draft's cost, what
@@ -21,6 +22,10 @@ requests, feeds each step the draft's own argmax, not the forced token: the cost
 """
 
 from __future__ import annotations
+
+import torch
+
+from runtime.host_copy import to_device
 
 
 class GreedyContinuationDrafter:
@@ -34,17 +39,26 @@ class GreedyContinuationDrafter:
     def after_prefill(self, chunks, main_hidden, choose) -> None:
         """Nothing to run: the proposals come from the references."""
 
-    def after_verify(self, requests, starts, kept, verify_hidden, choose) -> None:
+    def after_verify(self, requests, starts, kept, verify_hidden, choose=None) -> None:
         """Nothing to run: the proposals come from the references."""
 
-    def propose(self, requests, choose, take=None) -> None:
+    def _ahead(self, req) -> list[int]:
+        reference = self.references[tuple(req.prompt)]
+        ahead = reference[len(req.output):len(req.output) + self.draft_tokens]
+        ahead += [0] * (self.draft_tokens - len(ahead))  # past the reference's end: anything
+        return [(t + self.shift) % self.vocab_size for t in ahead]
+
+    def propose(self, requests, choose) -> None:
         for req in requests:
-            reference = self.references[tuple(req.prompt)]
-            ahead = reference[len(req.output):len(req.output) + self.draft_tokens]
-            ahead += [0] * (self.draft_tokens - len(ahead))  # past the reference's end: anything
-            req.drafts = [(t + self.shift) % self.vocab_size for t in ahead]
-            req.draft_q = []
+            req.drafts, req.draft_q = self._ahead(req), []
             self.proposed += self.draft_tokens
+
+    def propose_on_device(self, requests) -> torch.Tensor:
+        self.proposed += self.draft_tokens * len(requests)
+        return torch.tensor([self._ahead(req) for req in requests], dtype=torch.int64)
+
+    def first_drafts(self, requests) -> list[int]:
+        return [self._ahead(req)[0] for req in requests]
 
 
 def DisagreeingDrafter(references, draft_tokens: int, vocab_size: int) -> GreedyContinuationDrafter:
@@ -70,21 +84,30 @@ class ForcedDrafts:
             self._force(requests, [position])
         return forced
 
-    def _forced_take(self, take):
-        """The drafter's chain on the device ran on its own argmax; what it hands back is replaced."""
-        if take is None:
-            return None
-
-        def forced(requests, tokens, position):
-            take(requests, tokens, position)
-            self._force(requests, range(position, position + len(tokens[0])))
-        return forced
+    def _reference_ahead(self, requests, width: int) -> list[list[int]]:
+        """Each request's next `width` reference tokens from where it stands (-1 past the reference)."""
+        rows = []
+        for req in requests:
+            reference, at = self.references[tuple(req.prompt)], len(req.output)
+            rows.append([reference[at + j] if at + j < len(reference) else -1 for j in range(width)])
+        return rows
 
     def after_prefill(self, chunks, main_hidden, choose) -> None:
         self.drafter.after_prefill(chunks, main_hidden, self._forced(choose))
 
-    def propose(self, requests, choose, take=None) -> None:
-        self.drafter.propose(requests, self._forced(choose), self._forced_take(take))
+    def propose(self, requests, choose) -> None:
+        self.drafter.propose(requests, self._forced(choose))
 
-    def after_verify(self, requests, starts, kept, verify_hidden, choose) -> None:
-        self.drafter.after_verify(requests, starts, kept, verify_hidden, self._forced(choose))
+    def propose_on_device(self, requests) -> torch.Tensor:
+        """The drafter's chain ran on its own argmax; the drafts it hands over are replaced on the device."""
+        own = self.drafter.propose_on_device(requests)
+        forced = to_device(self._reference_ahead(requests, own.shape[1]), own.device)
+        return torch.where(forced >= 0, forced, own)
+
+    def first_drafts(self, requests) -> list[int]:
+        own = self.drafter.first_drafts(requests)
+        return [f if f >= 0 else o for o, (f,) in zip(own, self._reference_ahead(requests, 1))]
+
+    def after_verify(self, requests, starts, kept, verify_hidden, choose=None) -> None:
+        self.drafter.after_verify(requests, starts, kept, verify_hidden,
+                                  self._forced(choose) if choose is not None else None)

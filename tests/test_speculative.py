@@ -14,7 +14,8 @@
    path against decode steps), acceptance rules, draft counts for penalties.
 5. The draft chain kept on the device (greedy requests without grammar): the drafts it proposes
    are the per-step path's, eagerly and through a GraphRunner, with no `_choose` call after
-   position 0; a grammar or a temperature sends the call step by step, penalties do not.
+   position 0; a grammar or a temperature sends the call step by step, penalties do not; a
+   greedy request whose next d_1 was left on the device joins a round chosen on the host.
 """
 
 from __future__ import annotations
@@ -106,10 +107,20 @@ class Recording:
     def after_verify(self, *args):
         self.drafter.after_verify(*args)
 
-    def propose(self, requests, choose, take=None):
+    def _record(self, requests):
         for req in requests:
             self.at.setdefault(tuple(req.prompt), []).append(len(req.output))
-        self.drafter.propose(requests, choose, take)
+
+    def propose(self, requests, choose):
+        self._record(requests)
+        self.drafter.propose(requests, choose)
+
+    def propose_on_device(self, requests):
+        self._record(requests)
+        return self.drafter.propose_on_device(requests)
+
+    def first_drafts(self, requests):
+        return self.drafter.first_drafts(requests)
 
 
 def engine_with(art, D: int, drafter):
@@ -529,10 +540,18 @@ class ChainWatch:
     def after_verify(self, *args):
         self.drafter.after_verify(*args)
 
-    def propose(self, requests, choose, take=None):
-        self.chained += take is not None
-        self.drafter.propose(requests, choose, take)
+    def propose(self, requests, choose):
+        self.drafter.propose(requests, choose)
         self.drafts.append([list(r.drafts) for r in requests])
+
+    def propose_on_device(self, requests):
+        self.chained += 1
+        drafts = self.drafter.propose_on_device(requests)
+        self.drafts.append(drafts.tolist())
+        return drafts
+
+    def first_drafts(self, requests):
+        return self.drafter.first_drafts(requests)
 
 
 def reusable(D: int) -> EngineOptions:
@@ -623,6 +642,34 @@ def test_a_grammar_or_a_draw_sends_the_proposal_through_choose_and_penalties_do_
             assert watch.chained == len(watch.drafts) > 0 and not [p for p in watch.chose_at if p >= 1]
         else:  # both requests are proposed together at first: the whole call goes step by step
             assert watch.chained < len(watch.drafts) and {1, 2} <= set(watch.chose_at), name
+
+
+def test_a_greedy_request_whose_next_draft_is_on_the_device_joins_a_round_chosen_on_the_host(artifacts):
+    """A greedy request runs alone first (its rounds read the device once: each next d_1 stays
+    there); then a sampled request joins, and the rounds go step by step on the host, the greedy
+    request's d_1 read back from the device (`first_drafts`). Its tokens stay plain decoding's,
+    and rounds of both kinds ran."""
+    art, D = artifacts("qwen3_next"), 3
+    greedy, drawn = SamplingParams(max_new_tokens=14), SamplingParams(max_new_tokens=6, temperature=0.8, seed=3)
+    spec_engine, plain_engine = engine_for_artifact(art, reusable(D), MAX_LEN), engine_for_artifact(art, reusable(0), MAX_LEN)
+    watch = ChainWatch(spec_engine)
+    first_reads = []
+    first_drafts = watch.first_drafts
+    watch.first_drafts = lambda requests: (first_reads.append(len(requests)), first_drafts(requests))[1]
+
+    def go(engine, steps_alone):
+        ids = [engine.add_request(PROMPTS[2], greedy)]
+        for _ in range(steps_alone):
+            engine.step()
+        ids.append(engine.add_request(PROMPTS[0], drawn))
+        results = engine.run_until_done()
+        assert all_free(engine.stats())
+        return [list(results[i].output_ids) for i in ids]
+
+    outputs, reference = go(spec_engine, 4), go(plain_engine, 4)
+    assert outputs[0] == reference[0]
+    assert watch.chained > 0 and first_reads == [1], (watch.chained, first_reads)
+    assert {1, 2} <= set(watch.chose_at), "the mixed rounds chose their drafts on the host"
 
 
 def test_a_run_without_drafts_loads_the_main_program_alone_and_decodes_the_same(artifacts, plain, tmp_path_factory,
