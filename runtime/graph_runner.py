@@ -160,6 +160,7 @@ class GraphRunner:
         self.compiled_reports: dict[str, dict] = {}  # key -> compiled pieces against the traced glue (parity)
         self.parity_seconds: dict[str, float] = {}  # key -> wall seconds of its start-up parity check
         self.parity_phases: dict[str, dict[str, float]] = {}  # key -> seconds per run of _check_key
+        self.variant_steps: tuple[tuple[int, ...], float] = ((), 0.0)  # (token counts, seconds): capture's last
 
     @property
     def full_decode(self) -> bool:
@@ -447,12 +448,15 @@ class GraphRunner:
         than 64 only where a request or the budget holds less (then the run's start-up names what it
         builds)."""
         per_request = min(self.max_pages * self.kv_pool.page_size, self.chunk_size, 64)
-        for tokens in self.backend.kernel_variant_tokens(max(self.chunk_size, KERNEL_VARIANT_TOKENS)):
+        t0 = time.perf_counter()
+        counts = self.backend.kernel_variant_tokens(max(self.chunk_size, KERNEL_VARIANT_TOKENS))
+        for tokens in counts:
             step = self._dummy_step(CaptureKey(Mode.EXTEND, tokens, -(-tokens // per_request)))
             inputs, ctx = self._fill(step, None)
             self._plan(ctx, None)
             with self.ops.step(ctx):
                 self._call(self._module(Mode.EXTEND), inputs)
+        self.variant_steps = (counts, time.perf_counter() - t0)
 
     def _whole_step(self, module, inputs, ctx: ExecContext, key: CaptureKey) -> list:
         """What a whole-step graph records: the backends' replay state where the graph holds it
@@ -619,6 +623,9 @@ class GraphRunner:
         t0 = time.perf_counter()
         self.capture(progress=progress)
         log(f"captured {len(self.keys)} graphs ({', '.join(map(str, self.keys))}) in {time.perf_counter() - t0:.1f} s")
+        counts, seconds = self.variant_steps
+        if counts:
+            log(f"kernel variants: eager steps of {', '.join(map(str, counts))} tokens in {seconds:.2f} s")
         t0 = time.perf_counter()
         report = self.check_parity(vocab_size=vocab_size)
         worst = max(report.values(), default=0.0)

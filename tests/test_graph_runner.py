@@ -213,6 +213,7 @@ def test_capture_runs_one_eager_step_of_each_kernel_variant_count(artifact):
     assert [(m, t, b) for m, t, b, _ in variant_steps] == [(Mode.EXTEND, 3, 1), (Mode.EXTEND, 40, 3)]
     assert all(slot == PADDING_SLOT for *_, slots in variant_steps for slot in slots)
     assert (st.num_free, kv.num_free) == free and runner.counters["eager_steps"] == 0
+    assert runner.variant_steps[0] == (3, 40)
 
 
 def test_piecewise_decode_runs_the_extend_pieces_and_gives_the_eager_tokens(artifact):
