@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -178,6 +179,41 @@ class KernelWatch:
         return False
 
 
+class ServingWatch:
+    """After start-up: Triton kernels built while serving, i.e. a step needed a kernel variant the
+    bundle lacks (one that no start-up step launched: docs/DESIGN.md "Why a run finds every kernel
+    the build made"). Triton files each kernel in a folder of its own at the top of its cache, so
+    one listing of that folder finds it. `check()` looks at most once per `interval_s`, names each
+    new kernel once through `log` (the build already happened: a warning with the remedy, not a
+    refusal of the request) and keeps it in `builds`."""
+
+    def __init__(self, folder: Path, remedy: str, log: Callable[[str], None], interval_s: float = 1.0):
+        self.folder, self.remedy, self.log, self.interval_s = Path(folder), remedy, log, interval_s
+        self.builds: list[str] = []
+        self._seen = self._entries()
+        self._next = time.monotonic() + interval_s
+
+    def _entries(self) -> set[str]:
+        try:
+            return {entry.name for entry in os.scandir(self.folder)}
+        except FileNotFoundError:
+            return set()
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.interval_s
+        entries = self._entries()
+        new = sorted(entries - self._seen)
+        self._seen = entries
+        for folder in new:
+            names = sorted(p.name for p in (self.folder / folder).glob("*.json") if not p.name.startswith("__grp__"))
+            self.builds.append(f"triton/{folder}")
+            self.log(f"warning: Triton built kernel {', '.join(names) or folder} while serving: the bundle lacks "
+                     f"it, so this step waited for a build; {self.remedy}")
+
+
 # -- the bundle ---------------------------------------------------------------------------------------
 
 
@@ -208,6 +244,10 @@ class CompiledBundle:
         w = KernelWatch(self.caches, self.options.allow_builds, self.remedy)
         self.watches.append(w)
         return w
+
+    def serving_watch(self, log: Callable[[str], None]) -> ServingWatch:
+        """A ServingWatch over this bundle's Triton cache, from now on (after start-up)."""
+        return ServingWatch(self.caches["triton"], self.remedy, log)
 
     def report(self) -> dict:
         """What `hgc run --json` says about it: kernels built at start-up must be 0."""

@@ -248,6 +248,8 @@ class Engine:
             raise ValueError(f"Engine: max_tokens_per_step must be >= 1 (got {max_tokens_per_step})")
         self.forward = forward
         self.runner = runner
+        # after start-up, with a compiled bundle: names kernels built while serving (runtime/bundle.ServingWatch)
+        self.kernel_watch = None
         self.ops = ops
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -358,6 +360,8 @@ class Engine:
                 mode = mode or Mode.TARGET_VERIFY
         self._retire([self._live[out.request_id] for out in outputs if out.finished])  # forks included
         self._record(plan, mode, sum(out.token is not None for out in outputs), time.perf_counter() - start)
+        if self.kernel_watch is not None:
+            self.kernel_watch.check()
         return outputs
 
     def _forward_and_sample(self, items: list[tuple[_Request, int]], drafts: bool = False):
@@ -1012,6 +1016,7 @@ class Engine:
             # graph_replays / piecewise_steps / eager_steps, when a graph runner dispatches the steps
             **(dict(self.runner.counters) if self.runner is not None else {}),
             **({f"spec_{k}": v for k, v in self.speculation().items()} if self.spec is not None else {}),
+            **({"kernels_built_serving": len(self.kernel_watch.builds)} if self.kernel_watch is not None else {}),
         }
 
     def step_records(self) -> list[StepRecord]:

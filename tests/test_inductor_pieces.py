@@ -274,6 +274,45 @@ def test_the_kernel_watch_tells_a_rewrite_of_the_same_bytes_from_a_build(tmp_pat
             (folders["triton"] / "k" / "__grp__k.json").write_text("{}")
 
 
+def test_the_serving_watch_names_each_triton_kernel_built_after_start_up_once(tmp_path):
+    """After start-up a kernel Triton builds (a folder of its own in its cache) is a warning naming it
+    with the remedy, counted once; a folder there before the watch began is not."""
+    from runtime.bundle import ServingWatch
+
+    triton = tmp_path / "triton"
+    (triton / "OLD").mkdir(parents=True)
+    lines = []
+    watch = ServingWatch(triton, "rebuild it with hgc build", lines.append, interval_s=0.0)
+    watch.check()
+    assert lines == [] and watch.builds == []
+    (triton / "NEW").mkdir()
+    for name in ("_align_kernel.json", "__grp___align_kernel.json", "_align_kernel.cubin"):
+        (triton / "NEW" / name).write_text("{}")
+    watch.check()
+    watch.check()
+    assert watch.builds == ["triton/NEW"]
+    assert len(lines) == 1 and "_align_kernel.json while serving" in lines[0] and "rebuild it with hgc build" in lines[0]
+    slow = ServingWatch(triton, "rebuild", lines.append, interval_s=3600.0)
+    (triton / "LATER").mkdir()
+    slow.check()
+    assert slow.builds == [], "looked at most once per interval"
+
+
+def test_engine_stats_count_kernels_the_serving_watch_saw(tmp_path):
+    from runtime.bundle import ServingWatch
+    from runtime.sampling import SamplingParams
+    from tests.engine_toy import build_model, make_engine, prompts
+
+    engine = make_engine(build_model("toy"))
+    assert "kernels_built_serving" not in engine.stats()
+    triton = tmp_path / "triton"
+    triton.mkdir()
+    engine.kernel_watch = ServingWatch(triton, "rebuild", lambda line: None, interval_s=0.0)
+    (triton / "K").mkdir()
+    engine.generate(prompts(1, [5], 96)[0], SamplingParams(max_new_tokens=2))
+    assert engine.stats()["kernels_built_serving"] == 1
+
+
 def _perturbed(art):
     """The piece of the program's first glue segment, off by 1% in every output: a compiled piece that
     is not the traced glue (the inputs of layer 0's first op come out of it)."""

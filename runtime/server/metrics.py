@@ -4,7 +4,7 @@
 samples. Counters end in `_total`; label values are escaped. The numbers come from
 `Engine.stats()` (queue, running, slots, pages, tokens, steps, preemptions, phase times, the
 prefix cache's lookups, hits and snapshot memory, speculative decoding's drafts, acceptance and
-draft time) and from the server's own counters (requests by
+draft time, kernels built after start-up) and from the server's own counters (requests by
 endpoint and finish reason, errors by status, prompt tokens, time to first token).
 
 Graph replays versus eager steps: the CPU runtime captures no CUDA graphs, so every step is eager
@@ -158,6 +158,9 @@ def render_metrics(engine: dict, server: dict) -> str:
           engine["prefill_tokens"])
     m.add("preemptions_total", "counter", "Requests preempted to free pages (they re-prefill later).",
           engine["preemptions"])
+    m.add("kernels_built_serving_total", "counter",
+          "Triton kernels built after start-up: variants the compiled bundle lacks (None: no bundle on the GPU).",
+          engine.get("kernels_built_serving"))
     _prefix_cache(m, engine)
     _speculative(m, engine)
 

@@ -202,6 +202,8 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
             worst = max(o["rel_err"] for r in reports for o in r["ops"]) if reports else 0.0
             log(f"compiled pieces ({art.compiled.key}) match the traced glue: worst op input rel err {worst:.2g}, "
                 f"logits {max(r['logits'] for r in reports):.2g}")
+    if art.compiled is not None and torch.device(device).type == "cuda":  # the process's caches are the bundle's copy
+        engine.kernel_watch = art.compiled.serving_watch(log)
     return engine
 
 
