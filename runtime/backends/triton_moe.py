@@ -96,6 +96,7 @@ class TritonMoEBackend(BackendHooks):
         self.layers = tuple(dict.fromkeys(layers))
         self._tables: dict[tuple[int, int, str], Optional[dict[int, MoEConfig]]] = {}
         self._planned: Optional[tuple[object, torch.Tensor]] = None  # (ctx, its real token count on the device)
+        self._variant_tokens: dict[int, tuple[int, ...]] = {}  # kernel_variant_tokens' answers, by max_tokens
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonMoEBackend":
@@ -126,6 +127,8 @@ class TritonMoEBackend(BackendHooks):
         shape served here. Nothing under Triton's interpreter, which builds no kernel."""
         if not self.layers or triton_interpreted():
             return ()
+        if max_tokens in self._variant_tokens:  # the draft's runner asks what the main one asked
+            return self._variant_tokens[max_tokens]
         launch_variant = _kernels().launch_variant
         first: dict[tuple, int] = {}
         for layer in self.layers:
@@ -135,7 +138,8 @@ class TritonMoEBackend(BackendHooks):
                 config = fitted.get(raw) or fitted.setdefault(raw, fit_shared_memory(raw, layer.itemsize))
                 variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config)
                 first.setdefault((layer, variant), T)
-        return tuple(sorted(set(first.values())))
+        self._variant_tokens[max_tokens] = tuple(sorted(set(first.values())))
+        return self._variant_tokens[max_tokens]
 
     def init_step_metadata(self, ctx) -> None:
         """Nothing to plan for an eager step: the real token count travels as a launch argument."""
