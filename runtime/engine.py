@@ -717,11 +717,10 @@ class Engine:
         ids = torch.cat([last[:, None], drafts], 1).flatten()
         logits, hidden = spec.verify([(req.seq, [0] * (D + 1)) for req in reqs], input_ids=ids)
         read = torch.cat([drafts, logits.argmax(-1).view(len(reqs), D + 1)], 1).tolist()  # the round's one read
-        kept = []
-        for req, row in zip(reqs, read):
+        for req in reqs:
             self._drop_drafts(req)  # a d_1 chosen on the host after a prefill is the same argmax
-            self._take_drafts([req], [row[:D]], 0)
-            kept.append(greedy_accept(req.drafts, row[D:]))
+        self._take_drafts(reqs, [row[:D] for row in read], 0)
+        kept = [greedy_accept(req.drafts, row[D:]) for req, row in zip(reqs, read)]
         return self._finish_round(reqs, starts, kept, logits, hidden, begin, None)
 
     def _finish_round(self, reqs: list[_Request], starts: list[int], kept: list[list[int]], logits: torch.Tensor,

@@ -94,6 +94,8 @@ __all__ = ["GraphRunner", "ParityError", "graph_runner_factory",
 # choices stop changing below it for the released shapes (its last default tile change is at a mean
 # of 48 pairs per expert: 2458 tokens for 512 experts, top-10).
 KERNEL_VARIANT_TOKENS = 8192
+# Tokens per request of those steps: a fixed length, so a build and a run lay the same steps out.
+KERNEL_VARIANT_REQUEST_TOKENS = 64
 
 
 class GraphRunner:
@@ -444,10 +446,10 @@ class GraphRunner:
         serving. Counts up to KERNEL_VARIANT_TOKENS whatever the step budget, since a build's budget
         (its largest extend bucket) is no bound on a run's. The steps must be the same in the build
         and in a run under other limits (a kernel may also choose by its requests' lengths and
-        count), so a step of T tokens has ceil(T / 64) requests sharing them evenly; pieces smaller
-        than 64 only where a request or the budget holds less (then the run's start-up names what it
-        builds)."""
-        per_request = min(self.max_pages * self.kv_pool.page_size, self.chunk_size, 64)
+        count), so a step of T tokens has ceil(T / KERNEL_VARIANT_REQUEST_TOKENS) requests sharing
+        them evenly; shorter pieces only where a request or the budget holds less (then the run's
+        start-up names what it builds)."""
+        per_request = min(self.max_pages * self.kv_pool.page_size, self.chunk_size, KERNEL_VARIANT_REQUEST_TOKENS)
         t0 = time.perf_counter()
         counts = self.backend.kernel_variant_tokens(max(self.chunk_size, KERNEL_VARIANT_TOKENS))
         for tokens in counts:

@@ -11,9 +11,9 @@ It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in a
   of the state pool's intermediate states (speculative decoding keeps the state of the last
   accepted token: runtime/state_pool.py `keep_verified`) and the state after the last token into
   the slot. The grid comes from shapes only and slot ids from the static buffer, so this is
-  capturable too. (Run as n decode launches with a gather and a copy of the state after each, the
-  linear ops cost a bench qwen3_next verify step at batch 1 0.35 ms more than decode's, 158 kernels
-  more: BENCHMARKS.md, "Sixth run".) A step whose rows are
+  capturable too. (Run as n decode launches with a gather and a copy of the state after each, a
+  bench qwen3_next verify step at batch 1 took 380 kernels against decode's 222: BENCHMARKS.md,
+  "Sixth run".) A step whose rows are
   not laid out that way runs the extend path below (eager only; refused inside a replayed step),
   which keeps no intermediate states: speculative decoding always verifies D + 1 tokens per
   request (runtime/speculative.py).
