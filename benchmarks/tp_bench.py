@@ -37,9 +37,11 @@ Per model, on rank 0 (`measure`):
   weights except routed experts, of which min(E, B * top_k) per MoE layer; B embedding rows;
   states read and written; KV of the 65-token context) over the copy rate measured in this run
   (bench_common.device_rates, on the rank's GPU before any model is loaded).
-- all-reduce share: torch.profiler over --profile-steps decode steps: the NCCL kernels' time
-  (replayed from the graphs, traced one by one) over the step's wall time, and over all kernel
-  time. An NCCL kernel also waits for the slowest rank to arrive, so the share includes skew.
+- all-reduce share: torch.profiler over --profile-steps decode steps: the collective kernels'
+  time (NCCL's and the symmetric-memory one-shot all-reduce's, replayed from the graphs, traced
+  one by one) over the step's wall time, and over all kernel time. A collective kernel also waits
+  for the slowest rank to arrive, so the share includes skew. Also the kernels a step runs and,
+  for the last profiled step, the device's idle time between its first and last kernel.
 - tokens (the bench-size model): greedy tokens of 4 prompts, compared between TP 2 and TP 1 (bf16
   rounds differently when a sum is split over ranks: the first differing step is reported with
   each run's top-1 minus top-2 log-probability there, so a near tie shows as one; see `compare`).
@@ -340,15 +342,19 @@ def decode_sweep(engine, vocab: int, B: int, knobs: dict, device) -> dict:
     step_ms = statistics.median(times)
     row = {"step_ms": round(step_ms, 4), "step_ms_min": round(min(times), 4), "graph_replays": f"{replays}/{len(times)}",
            **profile}
-    if profile.get("nccl_ms_per_step") is not None:
-        row["allreduce_share_of_step"] = round(profile["nccl_ms_per_step"] / step_ms, 4)
+    if profile.get("collective_ms_per_step") is not None:
+        row["allreduce_share_of_step"] = round(profile["collective_ms_per_step"] / step_ms, 4)
     return row
 
 
 def profile_steps(engine, n: int, device) -> dict:
-    """torch.profiler over n decode steps: kernel time per step, the NCCL (collective) part of it,
-    the top kernels. On the CPU (dry run): the host time of the gloo calls instead."""
+    """torch.profiler over n decode steps: kernels and kernel time per step, the collectives' part
+    of it (NCCL's kernels and the symmetric-memory all-reduce's), the top kernels, and for the
+    last step the span from its first kernel to its last and the device's idle time inside it
+    (bench_common.device_gaps). On the CPU (dry run): the host time of the gloo calls instead."""
     from torch.profiler import ProfilerActivity, profile
+
+    from bench_common import device_gaps
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -366,10 +372,18 @@ def profile_steps(engine, n: int, device) -> dict:
             collective_host += e.cpu_time_total / 1e3
     if not cuda:
         return {"nccl_ms_per_step": None, "collective_host_ms_per_step": round(collective_host / n, 4)}
+    ordered = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    per = len(ordered) // max(n, 1)
+    gaps = device_gaps(ordered[len(ordered) - per:], top=6)
     nccl = sum(t for k, t in kernels.items() if "nccl" in k.lower())
+    symm = sum(t for k, t in kernels.items() if "one_shot_all_reduce" in k)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:8]
-    return {"kernel_ms_per_step": round(sum(kernels.values()) / n, 4), "nccl_ms_per_step": round(nccl / n, 4),
-            "allreduce_share_of_kernels": round(nccl / max(sum(kernels.values()), 1e-9), 4),
+    return {"kernel_ms_per_step": round(sum(kernels.values()) / n, 4), "kernels_per_step": per,
+            "nccl_ms_per_step": round(nccl / n, 4), "symm_mem_ms_per_step": round(symm / n, 4),
+            "collective_ms_per_step": round((nccl + symm) / n, 4),
+            "allreduce_share_of_kernels": round((nccl + symm) / max(sum(kernels.values()), 1e-9), 4),
+            "last_step_device_span_ms": gaps.get("device_span_ms"), "last_step_device_idle_ms": gaps.get("device_idle_ms"),
             "top_kernels": [{"name": k, "ms_per_step": round(t / n, 4)} for k, t in top]}
 
 
@@ -399,7 +413,8 @@ def measure(name: str, art, engine, vocab: int, knobs: dict, device, copy_rate: 
         row.update(floor_ms=round(floor["ms"], 4), floor_bytes=floor, x_floor=round(row["step_ms"] / floor["ms"], 3))
         record["decode"][str(B)] = row
         print(f"tp_bench: {name} B={B}: {row['step_ms']:.3f} ms/step (floor {floor['ms']:.3f} ms; graph replays "
-              f"{row['graph_replays']}; NCCL {row.get('nccl_ms_per_step')} ms/step)", file=sys.stderr, flush=True)
+              f"{row['graph_replays']}; collectives {row.get('collective_ms_per_step')} ms/step, "
+              f"{row.get('kernels_per_step')} kernels)", file=sys.stderr, flush=True)
         save()
     if name.startswith("bench"):
         record["tokens"], record["top_logprobs"] = greedy_tokens(engine, knobs)

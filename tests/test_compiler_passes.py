@@ -391,6 +391,23 @@ def test_the_reference_backends_declare_every_op_and_their_capture():
     assert "torch_reference" not in [c.name for c in table.candidates("gqa_attention", LayerKind.FULL_GQA, "cuda")]
 
 
+def test_small_all_reduces_go_to_symmetric_memory_and_gathers_and_float16_to_nccl():
+    """On cuda the one-shot symmetric-memory all-reduce outranks NCCL for all_reduce (decode's
+    all-reduces are a few KiB: latency, not bandwidth); it declares no gather, and its kernel takes
+    float32 and bfloat16 only, so a float16 all-reduce and every gather are NCCL's."""
+    from runtime.backends import discover
+    from runtime.backends.collectives import ONE_SHOT_MAX_BYTES
+
+    table = discover().capability_table()
+    assert [c.name for c in table.candidates("all_reduce", None, "cuda")] == ["symm_mem", "nccl"]
+    assert [c.name for c in table.candidates("all_gather", None, "cuda")] == ["nccl"]
+    symm = table["symm_mem"]
+    assert symm.refusal("all_reduce", None, "bfloat16", {"out": (None, 2048)}) is None
+    assert "float16" in symm.refusal("all_reduce", None, "float16", {"out": (None, 2048)})
+    assert table["nccl"].refusal("all_reduce", None, "float16", {"out": (None, 2048)}) is None
+    assert ONE_SHOT_MAX_BYTES >= 256 * 2048 * 2  # a batch-256 decode step of a 2048-wide bf16 model fits
+
+
 # -- split -----------------------------------------------------------------------------------------------------
 
 

@@ -46,6 +46,7 @@ BUILTIN: tuple[str, ...] = (
     "runtime.backends.triton_moe:TritonMoEBackend",
     "runtime.backends.collectives:GlooCollectives",
     "runtime.backends.collectives:NcclCollectives",
+    "runtime.backends.collectives:SymmMemAllReduce",
 )
 WRAPPERS: tuple[str, ...] = (
     "runtime.backends.backend_set:BackendSet",

@@ -23,6 +23,18 @@ Under CUDA graph capture the NCCL calls are recorded like kernels (every rank ca
 replays the same buckets in the same order: the graph runner's start-up is deterministic);
 gloo runs only eagerly (the CPU has no graphs). What it does not do: choose the group, time out
 (the group's timeout does), or decide where a collective goes.
+
+`symm_mem` (CUDA, all-reduce only, chosen by routing over `nccl` where it fits) sums small
+tensors with PyTorch's symmetric-memory one-shot all-reduce (`torch.ops.symm_mem`, peer-to-peer
+loads over NVLink, no multicast): one kernel that copies this rank's tensor into a buffer every
+rank can read, waits for its peers at a barrier of signal pads, and adds every rank's buffer.
+NCCL's ring takes two protocol rounds through its own channels for the same message; a decode
+step of a tensor-parallel model runs two all-reduces a layer of a few KiB each, where that
+latency, not bandwidth, is the cost (benchmarks/allreduce_bench.py measures both in graphs).
+Above `ONE_SHOT_MAX_BYTES` the one-shot read of every peer's whole tensor loses to the ring,
+so larger tensors (extend steps) go through NCCL, as do tensors whose byte size is not a whole
+number of 4-byte words (the kernel's smallest unit): the choice is the tensor's byte size, which
+every rank shares, so all ranks always meet in the same collective.
 """
 
 from __future__ import annotations
@@ -32,9 +44,14 @@ import torch
 from compiler.splitops import MODES, BackendCapability
 from runtime.backends.protocol import BackendHooks, BackendSetup
 
-__all__ = ["GlooCollectives", "NcclCollectives"]
+__all__ = ["GlooCollectives", "NcclCollectives", "SymmMemAllReduce", "ONE_SHOT_MAX_BYTES"]
 
 _OPS = frozenset({"all_reduce", "all_gather"})
+# The largest tensor the one-shot all-reduce sums (a batch-256 decode step of a 2048-wide model in
+# bf16); its symmetric buffer is this size on every rank.
+ONE_SHOT_MAX_BYTES = 1 << 20
+_VECTOR_BYTES = 16  # the one-shot kernel moves 16-byte vectors: the copy-in path needs that alignment
+_WORD_BYTES = 4  # and at least 4-byte words: a tensor of another byte size goes through NCCL
 
 
 class _Collectives(BackendHooks):
@@ -45,6 +62,13 @@ class _Collectives(BackendHooks):
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "_Collectives":
+        cls._check_group(setup)
+        import torch.distributed as dist
+
+        return cls(dist.get_world_size())
+
+    @classmethod
+    def _check_group(cls, setup: BackendSetup) -> None:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -58,7 +82,6 @@ class _Collectives(BackendHooks):
                 if gathered != width * world:
                     raise ValueError(f"{cls.capability.name}: layer {call.layer_id}'s gather was traced for "
                                      f"{gathered // width} ranks, the process group has {world}")
-        return cls(world)
 
     def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
         """Nothing to allocate: a collective's buffers are its operands."""
@@ -100,3 +123,76 @@ class NcclCollectives(_Collectives):
     capability = BackendCapability(
         name="nccl", device="cuda", ops=_OPS, modes_capturable=frozenset(MODES),
         doc="all-reduce and all-gather over torch.distributed's NCCL group, captured in CUDA graphs")
+
+
+class SymmMemAllReduce(NcclCollectives):
+    """all_reduce through symmetric memory's one-shot kernel up to ONE_SHOT_MAX_BYTES, NCCL above (module docstring)."""
+
+    name = "symm_mem"
+    capability = BackendCapability(
+        name="symm_mem", device="cuda", ops=frozenset({"all_reduce"}), modes_capturable=frozenset(MODES),
+        dtypes=frozenset({"float32", "bfloat16"}), priority=1,
+        doc=f"all-reduce of tensors up to {ONE_SHOT_MAX_BYTES >> 10} KiB with PyTorch's symmetric-memory one-shot "
+            f"kernel (peer loads over NVLink), larger ones over NCCL; GPUs of one host")
+
+    def __init__(self, world_size: int, buffer: torch.Tensor, group_name: str):
+        super().__init__(world_size)
+        self.buffer = buffer  # uint8, rendezvoused on every rank: its size is the largest one-shot sum
+        self.group_name = group_name
+
+    @classmethod
+    def build(cls, setup: BackendSetup) -> "SymmMemAllReduce":
+        cls._check_group(setup)
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
+
+        ops = torch.ops.symm_mem
+        way_out = "route the all-reduces to NCCL (`hgc compile --route all_reduce=nccl`)"
+        if not (hasattr(ops, "one_shot_all_reduce_copy_out") and hasattr(ops, "one_shot_all_reduce")):
+            raise RuntimeError(f"symm_mem: this torch ({torch.__version__}) has no symmetric-memory one-shot "
+                               f"all-reduce; {way_out}")
+        device, world = setup.device, dist.get_world_size()
+        if device.type != "cuda":
+            raise RuntimeError(f"symm_mem: runs on CUDA devices, this rank has {device}; {way_out}")
+        # Every rank must reach every other rank's buffer: one host, peer access between its GPUs.
+        if world > torch.cuda.device_count():
+            raise RuntimeError(f"symm_mem: {world} ranks on a host with {torch.cuda.device_count()} GPUs (the "
+                               f"one-shot all-reduce reads peers' memory on one host); {way_out}")
+        blind = [d for d in range(torch.cuda.device_count())
+                 if d != device.index and not torch.cuda.can_device_access_peer(device.index, d)]
+        if blind:
+            raise RuntimeError(f"symm_mem: GPU {device.index} cannot access GPUs {blind} as peers; {way_out}")
+        # A collective at build: every rank builds the same backends in the same order (runtime/binding.py).
+        return cls.with_buffer(world, ONE_SHOT_MAX_BYTES, device)
+
+    @classmethod
+    def with_buffer(cls, world: int, nbytes: int, device: torch.device) -> "SymmMemAllReduce":
+        """An instance whose one-shot sums go up to `nbytes` (a collective: every rank calls it)."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group_name = dist.group.WORLD.group_name
+        # The CUDA backend: buffers shared through CUDA's IPC handles among the host's GPUs, which
+        # is all a one-shot sum on one host needs (NVSHMEM, when installed, brings its own bootstrap).
+        if symm_mem.get_backend(device) != "CUDA":
+            symm_mem.set_backend("CUDA")
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(buffer, group_name)
+        return cls(world, buffer, group_name)
+
+    def all_reduce(self, ctx, out: torch.Tensor, layer_id: int) -> None:
+        nbytes = out.numel() * out.element_size()
+        if nbytes == 0:
+            return None
+        if nbytes > self.buffer.numel() or nbytes % _WORD_BYTES:
+            return super().all_reduce(ctx, out, layer_id)
+        staged = self.buffer[:nbytes].view(out.dtype)
+        flat = out.view(-1) if out.is_contiguous() else None
+        if flat is not None and out.data_ptr() % _VECTOR_BYTES == 0 and nbytes % _VECTOR_BYTES == 0:
+            # One kernel: copy in, barrier, sum every rank's buffer into `out` (each thread writes
+            # only the elements it copied in before the barrier, so `out` may be the local input).
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, flat, "sum", self.group_name, flat)
+        else:
+            # A tensor the vector copy cannot take: stage it, sum into a fresh tensor, copy back.
+            staged.copy_(out.reshape(-1))
+            out.copy_(torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(out.shape))
