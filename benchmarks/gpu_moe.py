@@ -16,7 +16,8 @@ Steps, in order:
    copies with `python3 benchmarks/tune_moe.py --install OUTDIR/moe_configs/*.json`, then commit).
 4. For each bench layer (Qwen3-Next-like: D 2048, I 512, softmax top-k renormalised, a shared
    expert of width S 512 scaled by a sigmoid gate (--no-shared: routed experts only); E 16 top-4
-   and E 512 top-10) and T in {1, 8, 32, 128, 512, 2048}: checks the fused op (bf16) against
+   and E 512 top-10; and one rank's share at tensor parallel 2 of Qwen3-Next-80B-A3B (E 512 top-10,
+   I 256, S 256) and of Kimi-Linear-48B-A3B (E 256 top-8, D 2304, I 512, S 512)) and T in {1, 8, 32, 128, 512, 2048}: checks the fused op (bf16) against
    `moe_reference` on the CPU in float32 (rel err of norms <= 1e-2, every row written, eager and
    graph replay equal bit for bit), then times (median, L2 flushed before each run by do_bench):
    - fused: the op captured in a CUDA graph, replayed;       fused eager: the same without a graph;
@@ -38,6 +39,7 @@ if "--dry-run" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -57,12 +59,19 @@ from runtime.backends.cpu_reference import moe_reference, route_topk  # noqa: E4
 from runtime.backends.moe_config import CONFIG_DIR, device_name_of  # noqa: E402
 from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
 from runtime.backends.triton_moe_kernels import (  # noqa: E402
-    combine, down_sorted, down_token, gate_up_sorted, gate_up_token, route, shared_chunks, sort_tokens,
+    combine, down_sorted, down_token, gate_up_sorted, gate_up_token, logits_kernel_for, route, shared_chunks,
+    sort_tokens,
 )
 
 # Bench layers: Qwen3-Next-like (hidden 2048, expert width 512, softmax, norm_topk_prob, one shared
-# expert of width 512 behind a sigmoid gate).
-SHAPES = {"e16": dict(E=16, top_k=4), "e512": dict(E=512, top_k=10)}
+# expert of width 512 behind a sigmoid gate). A layer may name its own D, I and S: the `_tp2` ones
+# are what one rank of tensor parallel 2 holds of a full-size release (every expert, half of its
+# intermediate channels, and half of the shared expert's), so their configs are tuned for the
+# shapes those ranks run. They keep this file's softmax routing: routing does not change the
+# expert GEMMs being tuned.
+SHAPES = {"e16": dict(E=16, top_k=4), "e512": dict(E=512, top_k=10),
+          "e512_tp2": dict(E=512, top_k=10, I=256, S=256),           # Qwen3-Next-80B-A3B, TP 2
+          "e256_tp2": dict(E=256, top_k=8, D=2304, I=512, S=512)}    # Kimi-Linear-48B-A3B, TP 2
 D_GPU, I_GPU, S_GPU = 2048, 512, 512
 TOKENS_GPU = [1, 8, 32, 128, 512, 2048]
 # Dry run: tiny dims on the interpreter.
@@ -88,6 +97,13 @@ class Bench:
         self.D, self.I = (D_DRY, I_DRY) if dry_run else (D_GPU, I_GPU)
         self.S = 0 if not shared else (S_DRY if dry_run else S_GPU)  # shared expert width (gated), 0: none
         self.tol = TOL_INTERPRETER if dry_run else TOL_GPU
+
+    def for_shape(self, shape: dict) -> "Bench":
+        """This bench with the layer's own D, I and S where the shape names them."""
+        bench = copy.copy(self)
+        bench.D, bench.I = shape.get("D", self.D), shape.get("I", self.I)
+        bench.S = shape.get("S", self.S) if self.S else 0
+        return bench
 
     def time_ms(self, fn, rep_ms: int = 100) -> float:
         if self.dry:
@@ -209,6 +225,7 @@ def bench_shape(bench: Bench, name: str, E: int, top_k: int, tokens: list[int], 
         if not skip_loop:
             loop_ms = bench.time_ms(lambda: moe_loop(x, *layer, *routing), rep_ms=200)
         stages = stage_times(bench, x, layer, routing, config)
+        before = baseline_stages_us(bench, x, layer, routing, config)
         fl = floor_us(rates, T, E, top_k, D, I, S, hit, out.element_size())
         row = {
             "shape": name, "E": E, "top_k": top_k, "D": D, "I": I, "S": S, "shared_gated": S > 0, "T": T,
@@ -218,7 +235,8 @@ def bench_shape(bench: Bench, name: str, E: int, top_k: int, tokens: list[int], 
             "graph_equals_eager": graph_equal, "same_routing_frac": same_routing, "experts_hit": hit,
             "ok": finite and err <= bench.tol and deterministic and graph_equal,
             "fused_graph_us": graph_ms * 1e3, "fused_eager_us": eager_ms * 1e3,
-            "loop_us": None if loop_ms is None else loop_ms * 1e3, "stages_us": stages, **fl,
+            "loop_us": None if loop_ms is None else loop_ms * 1e3, "stages_us": stages,
+            "baseline_stages_us": before, **fl,
         }
         row["x_floor"] = row["fused_graph_us"] / fl["floor_us"]
         row["speedup_vs_loop"] = None if loop_ms is None else row["loop_us"] / row["fused_graph_us"]
@@ -230,8 +248,33 @@ def bench_shape(bench: Bench, name: str, E: int, top_k: int, tokens: list[int], 
               f"hit={hit} graph={row['fused_graph_us']:.1f}us eager={row['fused_eager_us']:.1f}us "
               f"loop={loop_txt}us floor={fl['floor_us']:.1f}us ({fl['bound']}) x_floor={row['x_floor']:.2f} "
               f"[{time.time() - t_start:.1f}s]", flush=True)
-        print("    stages (each alone in a graph, us): " + " ".join(f"{k}={v:.1f}" for k, v in stages.items()), flush=True)
+        print("    stages (each alone in a graph, us): " + " ".join(f"{k}={v:.1f}" for k, v in stages.items())
+              + "".join(f"; before: {k}={v:.1f}" for k, v in before.items()),
+              flush=True)
     return rows
+
+
+def baseline_stages_us(bench: Bench, x, layer, routing, config) -> dict:
+    """Stages as they ran before two changes, timed in this run alone in a graph (us), as the
+    baselines of those changes: `route` with the shared gate's dot in the one-program routing
+    kernel (the logits GEMV now computes it), where the GEMV runs; `down` of the token path with
+    its reduction loop kept around a single tile (it now runs without the loop), where one tile
+    covers I."""
+    router, _, w13, w2, sw13, sw2, gate = layer
+    T, D = x.shape
+    E, I = w13.shape[0], w13.shape[1] // 2
+    shared = dict(n_shared=shared_chunks(0 if sw13 is None else sw13.shape[0] // 2, I), shared_gate=gate)
+    out = {}
+    if gate is not None and logits_kernel_for(T, E, D) == "gemv":
+        out["route_gate_in_route_kernel"] = bench.graph_ms(
+            lambda: route(x, router, None, *routing, **shared, gate_in_logits=False))[0] * 1e3
+    if config.path == "token" and I <= config.down.BLOCK_K:
+        ids, weights = route(x, router, None, *routing, **shared)
+        h = gate_up_token(x, w13, ids, config.gate_up, shared_w13=sw13)
+        y = torch.empty_like(x)
+        out["down_with_loop"] = bench.graph_ms(
+            lambda: down_token(h, w2, ids, weights, y, config.down, shared_w2=sw2, one_step=False))[0] * 1e3
+    return out
 
 
 def stage_times(bench: Bench, x, layer, routing, config) -> dict:
@@ -305,6 +348,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny dims")
     parser.add_argument("--tune", action="store_true", help="tune and write the config JSON files first")
     parser.add_argument("--tune-budget-s", type=float, default=420.0, help="time budget of --tune, all shapes")
+    parser.add_argument("--tune-buckets", default=None,
+                        help="comma list of token buckets --tune tunes (default: tune_moe's, 1 to 4096)")
     parser.add_argument("--shapes", default=None, help="comma list of layers (default: all)")
     parser.add_argument("--tokens", default=None, help="comma list of token counts")
     parser.add_argument("--skip-tests", action="store_true", help="do not run the GPU pytest file first")
@@ -336,12 +381,14 @@ def main(argv=None) -> int:
         # A dry run never writes into the repository's config folder.
         config_dir = args.out / "moe_configs" if bench.dry else CONFIG_DIR
         tuned = tune_moe.tune_all(bench, shapes, config_dir=config_dir, out_dir=args.out,
-                                  budget_s=args.tune_budget_s)
+                                  budget_s=args.tune_budget_s,
+                                  buckets=[int(b) for b in args.tune_buckets.split(",")] if args.tune_buckets else None)
     backend = TritonMoEBackend(config_dir=config_dir)
 
     rows = []
     for name, shape in shapes.items():
-        rows += bench_shape(bench, name, shape["E"], shape["top_k"], tokens, rates, backend, args.skip_loop)
+        rows += bench_shape(bench.for_shape(shape), name, shape["E"], shape["top_k"], tokens, rates, backend,
+                            args.skip_loop)
 
     result = {"env": env, "rates": rates, "tests": tests, "tuned": tuned, "rows": rows,
               "seconds": time.time() - t0}

@@ -364,10 +364,12 @@ def profile_steps(engine, n: int, device) -> dict:
             engine.step()
         sync(device)
     kernels: dict[str, float] = {}
+    calls: dict[str, int] = {}
     collective_host = 0.0
     for e in prof.events():
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name[:80]] = kernels.get(e.name[:80], 0.0) + e.device_time_total / 1e3
+            calls[e.name[:80]] = calls.get(e.name[:80], 0) + 1
         elif not cuda and e.name.startswith("gloo:"):  # gloo:all_reduce, gloo:all_gather
             collective_host += e.cpu_time_total / 1e3
     if not cuda:
@@ -377,14 +379,15 @@ def profile_steps(engine, n: int, device) -> dict:
     per = len(ordered) // max(n, 1)
     gaps = device_gaps(ordered[len(ordered) - per:], top=6)
     nccl = sum(t for k, t in kernels.items() if "nccl" in k.lower())
-    symm = sum(t for k, t in kernels.items() if "one_shot_all_reduce" in k)
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:8]
+    # The symmetric-memory all-reduce's kernels (torch's one_shot_all_reduce*): every non-NCCL all_reduce.
+    symm = sum(t for k, t in kernels.items() if "all_reduce" in k.lower() and "nccl" not in k.lower())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
     return {"kernel_ms_per_step": round(sum(kernels.values()) / n, 4), "kernels_per_step": per,
             "nccl_ms_per_step": round(nccl / n, 4), "symm_mem_ms_per_step": round(symm / n, 4),
             "collective_ms_per_step": round((nccl + symm) / n, 4),
             "allreduce_share_of_kernels": round((nccl + symm) / max(sum(kernels.values()), 1e-9), 4),
             "last_step_device_span_ms": gaps.get("device_span_ms"), "last_step_device_idle_ms": gaps.get("device_idle_ms"),
-            "top_kernels": [{"name": k, "ms_per_step": round(t / n, 4)} for k, t in top]}
+            "top_kernels": [{"name": k, "ms_per_step": round(t / n, 4), "calls_per_step": calls[k] / n} for k, t in top]}
 
 
 TOP_LOGPROBS = 20  # alternatives kept per step: enough to find each run's choice in the other's list

@@ -32,7 +32,9 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_av
 from runtime.backends.cpu_reference import CPUReferenceBackend, moe_reference, route_topk  # noqa: E402
 from runtime.backends.moe_config import GemmConfig, MoEConfig, config_file_name, default_config  # noqa: E402
 from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
-from runtime.backends.triton_moe_kernels import fused_moe, route, shared_chunks, sort_tokens  # noqa: E402
+from runtime.backends.triton_moe_kernels import (  # noqa: E402
+    down_token, fused_moe, gate_up_token, route, shared_chunks, sort_tokens,
+)
 
 DEV = torch.device("cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda")
 D, I = 48, 24
@@ -122,6 +124,31 @@ def test_fused_moe_with_a_shared_expert_matches_reference(T, shared, dtype):
         assert err <= TOLERANCE[dtype], f"{config.path}: rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("inter,shared_width", [(16, 16), (24, 40)], ids=["whole_tile", "masked_tail"])
+def test_the_token_down_projection_without_its_loop_sums_as_the_loop_does(inter, shared_width):
+    """A reduction of one tile runs as straight-line code: the same float32 sums as the one-trip
+    loop it replaces, bit for bit, with I equal to the tile and with I and a shared tail under it."""
+    g = torch.Generator().manual_seed(inter)
+    E, T, k, Dm = 6, 2, 3, 32
+    w13 = torch.randn(E, 2 * inter, Dm, generator=g) * 0.2
+    w2 = torch.randn(E, Dm, inter, generator=g) * 0.2
+    sw13 = torch.randn(2 * shared_width, Dm, generator=g) * 0.2
+    sw2 = torch.randn(Dm, shared_width, generator=g) * 0.2
+    x, router, gate = torch.randn(T, Dm, generator=g), torch.randn(E, Dm, generator=g), torch.randn(1, Dm, generator=g)
+    n_shared = shared_chunks(shared_width, inter)
+    ids, weights = route(*_on(x, router), None, k, "softmax", True, 1.0, 1, 1, n_shared=n_shared,
+                         shared_gate=gate.to(DEV))
+    cfg = GemmConfig(1, 4, 16 if inter == 16 else 32)
+    x, w13, w2, sw13, sw2 = _on(x, w13, w2, sw13, sw2)
+    h = gate_up_token(x, w13, ids, cfg, shared_w13=sw13)
+    outs = []
+    for one_step in (None, False):
+        out = torch.full((T, Dm), float("nan"), device=DEV)
+        down_token(h, w2, ids, weights, out, cfg, shared_w2=sw2, one_step=one_step)
+        outs.append(out.cpu())
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
 def test_router_appends_the_shared_chunks_with_the_gate_weight():
     g = torch.Generator().manual_seed(21)
     E, T, k, n_real = 8, 6, 2, 4
@@ -175,13 +202,20 @@ def test_router_picks_like_route_topk_at_512_experts_and_breaks_ties_by_lowest_i
 
 @pytest.mark.parametrize("logits_kernel,E", [("fused", 40), ("gemv", 40), ("gemv", 72), ("dot", 40)])
 def test_every_router_logits_kernel_matches_route_topk(logits_kernel, E):
+    """Each logits kernel, with and without a gated shared expert (whose logit the GEMV computes in
+    a program of its own, the others in the routing kernel): the reference's ids and weights."""
     g = torch.Generator().manual_seed(9)
     T, Dr = 19, 80  # E, D and T off the tile sizes (the GEMV takes 1 expert per program up to 64, then 4)
-    x, router = torch.randn(T, Dr, generator=g), torch.randn(E, Dr, generator=g)
-    ids, w = route(*_on(x, router), None, 4, "softmax", True, 1.0, 1, 1, logits_kernel=logits_kernel)
+    x, router, gate = torch.randn(T, Dr, generator=g), torch.randn(E, Dr, generator=g), torch.randn(1, Dr, generator=g)
     rids, rw = route_topk(x, router, None, 4, "softmax", True, 1.0, 1, 1)
-    assert torch.equal(ids.long().cpu(), rids)
-    assert torch.allclose(w.cpu(), rw, rtol=1e-5, atol=1e-7)
+    for shared in ({}, {"n_shared": 1, "shared_gate": gate.to(DEV)}):
+        ids, w = route(*_on(x, router), None, 4, "softmax", True, 1.0, 1, 1, logits_kernel=logits_kernel, **shared)
+        ids, w = ids.cpu(), w.cpu()
+        assert torch.equal(ids[:, :4].long(), rids)
+        assert torch.allclose(w[:, :4], rw, rtol=1e-5, atol=1e-7)
+        if shared:
+            assert (ids[:, 4] == E).all()
+            assert torch.allclose(w[:, 4], torch.sigmoid(x @ gate[0]), rtol=1e-5, atol=1e-6)
 
 
 def test_router_marks_rows_past_the_real_count_as_padding():

@@ -19,7 +19,8 @@ One call, in order (T tokens, E routed experts, k = top_k, slots = k + n_shared 
 T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
 
 1. Router logits [T,E] float32: for T <= 16 `_logits_gemv_kernel` spreads the router over many
-   programs; small routers (E*D <= 64K) with T <= 64 are folded into step 2; otherwise
+   programs, and with a gated shared expert one more program puts the gate's logit x . g in
+   column E; small routers (E*D <= 64K) with T <= 64 are folded into step 2; otherwise
    `_logits_kernel` (bf16 operands, float32 accumulation). Products of bf16 numbers are exact in
    float32, so each is the reference's `x.float() @ W.float().T` up to summation order.
 2. `_route_kernel`, one program per token: softmax or sigmoid scores, + bias for selection only,
@@ -105,43 +106,73 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
 
 
 @triton.jit
-def _logits_gemv_kernel(x_ptr, w_ptr, out_ptr, E, D, stride_xt, stride_we,
-                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    """logits [T,E] float32 for few tokens: one program per (token, BLOCK_E experts), many in flight."""
+def _logits_gemv_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, E, D, stride_xt, stride_we, stride_ot,
+                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
+    """logits [T,E] float32 for few tokens: one program per (token, BLOCK_E experts), many in flight.
+
+    HAS_GATE: the last program of each token computes the shared expert's gate logit x . gate into
+    column E, so the one-program routing kernel reads it from L2 instead of waiting on its own
+    D-long dot from DRAM.
+    """
     t = tl.program_id(0)
-    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_mask = offs_e < E
+    blk = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    out_row = out_ptr + t.to(tl.int64) * stride_ot
+    if HAS_GATE and blk == tl.num_programs(1) - 1:
+        acc_g = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + offs_d
+            xv = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+            acc_g += xv * tl.load(gate_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(out_row + E, tl.sum(acc_g, axis=0))
+        return
+    offs_e = blk * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
     acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + offs_d
-        xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + d, mask=d < D, other=0.0).to(tl.float32)
+        xv = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
         wv = tl.load(w_ptr + offs_e[:, None] * stride_we + d[None, :],
                      mask=e_mask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
         acc += tl.sum(wv * xv[None, :], axis=1)
-    tl.store(out_ptr + t.to(tl.int64) * E + offs_e, acc, mask=e_mask)
+    tl.store(out_row + offs_e, acc, mask=e_mask)
 
 
 @triton.jit(do_not_specialize=["n_real"])
 def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weights_ptr, counts_ptr, nreal_ptr,
-                  n_real, routed_scale, D, stride_xt, stride_we,
+                  n_real, routed_scale, D, stride_xt, stride_we, stride_lt,
                   E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                   G_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
                   FUSED_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
                   RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr, COUNT: tl.constexpr,
                   N_SHARED: tl.constexpr, NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr,
-                  GATE_BLOCK_D: tl.constexpr):
+                  GATE_IN_LOGITS: tl.constexpr, GATE_BLOCK_D: tl.constexpr):
     """One token: ids [k + n_shared] int32 and weights float32 (and +1 per chosen expert in counts).
 
     Slots 0..k-1 are the routed top-k; slots k.. are the shared expert's chunks E..E+n_shared-1,
     weighted by sigmoid(x . shared_gate) (1 without a gate). Padding rows get the sentinel
-    E + n_shared and weight 0 in every slot.
+    E + n_shared and weight 0 in every slot. GATE_IN_LOGITS: the logits kernel left x . shared_gate
+    in column E of the row.
     """
     t = tl.program_id(0)
     SLOTS: tl.constexpr = TOP_K + N_SHARED
     SENTINEL: tl.constexpr = E + N_SHARED
-    row = logits_ptr + t.to(tl.int64) * E
+    row = logits_ptr + t.to(tl.int64) * stride_lt
+    if N_SHARED > 0:
+        # The gate's logit first: its loads then overlap the selection below instead of following it.
+        gate_logit = 0.0
+        if SHARED_GATE:
+            if GATE_IN_LOGITS:
+                gate_logit = tl.load(row + E)
+            else:
+                acc_g = tl.zeros((GATE_BLOCK_D,), dtype=tl.float32)
+                for d0 in range(0, D, GATE_BLOCK_D):
+                    d = d0 + tl.arange(0, GATE_BLOCK_D)
+                    xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + d, mask=d < D, other=0.0).to(tl.float32)
+                    acc_g += xv * tl.load(sgate_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+                gate_logit = tl.sum(acc_g, axis=0)
     if FUSED_LOGITS:
         e1 = tl.arange(0, E_PAD)
         acc = tl.zeros((E_PAD,), dtype=tl.float32)
@@ -226,12 +257,7 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weight
     if N_SHARED > 0:
         gate = tl.full((NS_PAD,), 1.0, dtype=tl.float32)
         if SHARED_GATE:
-            acc_g = tl.zeros((GATE_BLOCK_D,), dtype=tl.float32)
-            for d0 in range(0, D, GATE_BLOCK_D):
-                d = d0 + tl.arange(0, GATE_BLOCK_D)
-                xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + d, mask=d < D, other=0.0).to(tl.float32)
-                acc_g += xv * tl.load(sgate_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            gate = gate / (1.0 + tl.exp(-tl.sum(acc_g, axis=0)))
+            gate = gate / (1.0 + tl.exp(-gate_logit))
         c = tl.arange(0, NS_PAD)
         c_mask = c < N_SHARED
         tl.store(ids_ptr + t * SLOTS + TOP_K + c, tl.where(real, E + c, SENTINEL), mask=c_mask)
@@ -520,10 +546,25 @@ def _gate_up_token_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, ids_ptr, E, SLOTS, D,
 
 
 @triton.jit
-def _down_row(h_ptrs, w_ptrs, live, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """h row [K] . w rows [BN, K] in float32; rows not `live` load nothing and give 0."""
-    part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+def _down_row(h_ptrs, w_ptrs, live, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              ONE_STEP: tl.constexpr):
+    """h row [K] . w rows [BN, K] in float32; rows not `live` load nothing and give 0.
+
+    ONE_STEP (K <= BLOCK_K): straight-line code, no loop. The caller unrolls its slots, and only
+    without a loop around each slot's loads (even a loop of one trip) can the compiler issue every
+    slot's loads before the first is used; with loops the slots were one DRAM round trip apart.
+    """
     offs_k = tl.arange(0, BLOCK_K)
+    if ONE_STEP:
+        if EVEN_K:
+            hv = tl.load(h_ptrs)
+            wt = tl.load(w_ptrs, mask=live[:, None], other=0.0).to(tl.float32)
+        else:
+            k_mask = offs_k < K
+            hv = tl.load(h_ptrs, mask=k_mask, other=0.0)
+            wt = tl.load(w_ptrs, mask=live[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        return tl.sum(wt * hv[None, :], axis=1)
+    part = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             hv = tl.load(h_ptrs)
@@ -542,7 +583,7 @@ def _down_row(h_ptrs, w_ptrs, live, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
 def _down_token_kernel(h_ptr, w2_ptr, sw2_ptr, ids_ptr, weights_ptr, out_ptr, E, D, I, S,
                        stride_we, stride_wn, stride_swn, stride_ot,
                        TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EVEN_K: tl.constexpr, EVEN_K_SHARED: tl.constexpr):
+                       EVEN_K: tl.constexpr, EVEN_K_SHARED: tl.constexpr, ONE_STEP: tl.constexpr):
     """out[t, cols] = sum over slots j (in order) of weight_j * (h[t*slots+j] @ w2[e_j, cols]^T).
 
     Slots 0..k-1 are routed experts, slots k + c the shared expert's chunk c (columns c*I.. of
@@ -561,7 +602,7 @@ def _down_token_kernel(h_ptr, w2_ptr, sw2_ptr, ids_ptr, weights_ptr, out_ptr, E,
         live = n_mask & ((offs_n * 0 + e) < E)  # [BN]: a padding slot (the sentinel) loads nothing
         w_ptrs = w2_ptr + tl.minimum(e, E - 1).to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
         h_ptrs = h_ptr + pair.to(tl.int64) * I + offs_k  # padding rows of h hold zeros
-        part = _down_row(h_ptrs, w_ptrs, live, I, BLOCK_N, BLOCK_K, EVEN_K)
+        part = _down_row(h_ptrs, w_ptrs, live, I, BLOCK_N, BLOCK_K, EVEN_K, ONE_STEP)
         acc += tl.load(weights_ptr + pair) * part
     for c in tl.static_range(N_SHARED):
         pair = t * SLOTS + TOP_K + c
@@ -569,7 +610,7 @@ def _down_token_kernel(h_ptr, w2_ptr, sw2_ptr, ids_ptr, weights_ptr, out_ptr, E,
         live = n_mask & ((offs_n * 0 + e) < E + N_SHARED)  # a padding token's chunk loads nothing
         w_ptrs = sw2_ptr + c * I + offs_n[:, None] * stride_swn + offs_k[None, :]
         h_ptrs = h_ptr + pair.to(tl.int64) * I + offs_k
-        part = _down_row(h_ptrs, w_ptrs, live, tl.minimum(S - c * I, I), BLOCK_N, BLOCK_K, EVEN_K_SHARED)
+        part = _down_row(h_ptrs, w_ptrs, live, tl.minimum(S - c * I, I), BLOCK_N, BLOCK_K, EVEN_K_SHARED, ONE_STEP)
         acc += tl.load(weights_ptr + pair) * part
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -618,7 +659,8 @@ def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig) -> tup
 def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
           scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
           n_real: "int | torch.Tensor | None" = None, counts: Optional[torch.Tensor] = None,
-          logits_kernel: Optional[str] = None, n_shared: int = 0, shared_gate: Optional[torch.Tensor] = None):
+          logits_kernel: Optional[str] = None, n_shared: int = 0, shared_gate: Optional[torch.Tensor] = None,
+          gate_in_logits: Optional[bool] = None):
     """Device-side router: (ids [T,k+n_shared] int32, weights [T,k+n_shared] float32).
 
     Slots 0..k-1 hold the routed top-k; slots k+c hold chunk c of the shared expert (expert id
@@ -627,7 +669,8 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
     n_real: host int, a one-element int32 device tensor (read by the kernel, so a captured graph
     follows its value), or None for all rows. counts: int32 [E + n_shared] zeros to add the pairs
     per expert to. logits_kernel: force 'fused", "gemv' or 'dot' (tests); by default chosen from
-    T, E and D.
+    T, E and D. gate_in_logits: False makes the routing kernel compute the shared gate's logit even
+    after the GEMV (benchmarks compare the two); by default the GEMV does.
     """
     T, D = x.shape
     E = router_weight.shape[0]
@@ -651,14 +694,15 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
     dev = x.device
     ids = torch.empty(T, top_k + n_shared, dtype=torch.int32, device=dev)
     weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=dev)
-    logits = torch.empty(T, E, dtype=torch.float32, device=dev)
-    if T == 0:
-        return ids, weights
-    e_pad = next_pow2(E)
     if logits_kernel is None:
         logits_kernel = logits_kernel_for(T, E, D)
     if logits_kernel not in ("fused", "gemv", "dot"):
         raise ValueError(f"moe: unknown logits kernel {logits_kernel!r}")
+    gate_in_logits = shared_gate is not None and logits_kernel == "gemv" and gate_in_logits is not False
+    logits = torch.empty(T, E + gate_in_logits, dtype=torch.float32, device=dev)
+    if T == 0:
+        return ids, weights
+    e_pad = next_pow2(E)
     fused = logits_kernel == "fused"
     if fused:
         pass  # the route kernel computes the logits itself
@@ -666,9 +710,10 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
         # Few tokens: spread the router over many programs, each loading its rows (1 expert, or 4
         # past 64 experts) of up to 2048 columns in one step.
         block_e = 1 if E <= 64 else 4
-        _logits_gemv_kernel[(T, cdiv(E, block_e))](
-            x, router_weight, logits, E, D, x.stride(0), router_weight.stride(0),
-            BLOCK_E=block_e, BLOCK_D=min(2048, next_pow2(D)), num_warps=4)
+        _logits_gemv_kernel[(T, cdiv(E, block_e) + gate_in_logits)](
+            x, router_weight, shared_gate if gate_in_logits else router_weight, logits, E, D, x.stride(0),
+            router_weight.stride(0), logits.stride(0),
+            BLOCK_E=block_e, BLOCK_D=min(2048, next_pow2(D)), HAS_GATE=gate_in_logits, num_warps=4)
     else:
         bn = min(64, max(16, next_pow2(E)))
         _logits_kernel[(cdiv(T, 64), cdiv(E, bn))](
@@ -686,7 +731,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
         x, router_weight, logits, router_bias if router_bias is not None else logits,
         shared_gate if shared_gate is not None else logits, ids, weights,
         counts if counts is not None else ids, nreal_ptr, n_real_int, float(routed_scale), D,
-        x.stride(0), router_weight.stride(0),
+        x.stride(0), router_weight.stride(0), logits.stride(0),
         E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
         TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=g_pad, S_PAD=s_pad, E_PAD=e_pad,
         # Fused: the router tile is loaded in at most two steps (a serial chain of DRAM round trips
@@ -699,7 +744,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
         # The shared gate is one [D] dot per token: loaded in one step up to D = 2048 (two above), not
         # in a chain of small steps (unpipelined loads: each one a DRAM round trip at batch 1).
         N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=shared_gate is not None,
-        GATE_BLOCK_D=min(2048, next_pow2(D)))
+        GATE_IN_LOGITS=gate_in_logits, GATE_BLOCK_D=min(2048, next_pow2(D)))
     return ids, weights
 
 
@@ -842,8 +887,12 @@ def gate_up_token(x, w13, ids, cfg: GemmConfig, h=None, shared_w13=None):
     return h
 
 
-def down_token(h, w2, ids, weights, out, cfg: GemmConfig, shared_w2=None) -> None:
-    """out [T, D]: each token's routed and shared-chunk down projections weighted and summed in slot order."""
+def down_token(h, w2, ids, weights, out, cfg: GemmConfig, shared_w2=None, one_step: Optional[bool] = None) -> None:
+    """out [T, D]: each token's routed and shared-chunk down projections weighted and summed in slot order.
+
+    one_step: False keeps the reduction loop even where one tile covers I (benchmarks time the two);
+    by default a reduction of one tile runs without a loop.
+    """
     _check_stage(cfg, "token")
     T, slots = ids.shape
     E, D, I = w2.shape
@@ -854,7 +903,7 @@ def down_token(h, w2, ids, weights, out, cfg: GemmConfig, shared_w2=None) -> Non
     _down_token_kernel[(T, cdiv(D, cfg.BLOCK_N))](
         h, w2, sw2, ids, weights, out, E, D, I, S, w2.stride(0), w2.stride(1), stride_swn, out.stride(0),
         TOP_K=slots - n_shared, N_SHARED=n_shared, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        EVEN_K=even_k, EVEN_K_SHARED=even_k and S % I == 0,
+        EVEN_K=even_k, EVEN_K_SHARED=even_k and S % I == 0, ONE_STEP=I <= cfg.BLOCK_K and one_step is not False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
