@@ -6,6 +6,11 @@
 #   (carry: .whl and, once a call has packed it and `python benchmarks/jit_cache.py stash FILES_AT` has
 #    run here, .jitcache_parts)
 #
+# .whl comes from ../shared/gpu/fetch-wheels.sh. Tests and benchmarks that start `hgc serve` there
+# also need the server's wheels, which the machine lacks; add them once with
+#   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl fastapi uvicorn httpx
+#
 # The command gets HGC_CALL_SECONDS (default 500) seconds, so the cache is packed before the
 # call's own limit cuts everything off. Exit status: the command's (124 when it ran out of time).
 set -u
