@@ -6,8 +6,8 @@
 #   (carry: .whl and, once a call has packed it and `python benchmarks/jit_cache.py stash FILES_AT` has
 #    run here, .jitcache_parts)
 #
-# .whl comes from ../shared/gpu/fetch-wheels.sh. Tests and benchmarks that start `hgc serve` there
-# also need the server's wheels, which the machine lacks; add them once with
+# .whl holds the wheels of what the GPU machine lacks (FlashInfer, FLA). Tests and benchmarks that
+# start `hgc serve` there also need the server's wheels; add them to it once with
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl fastapi uvicorn httpx
 #
