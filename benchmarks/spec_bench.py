@@ -221,7 +221,8 @@ def bench(args, rec: dict, save) -> None:
 
         prompt = prompts_for(state["vocab"], [args.prompt_len], seed=1)
         max_len = args.prompt_len + args.new_tokens + 1
-        plain, a = decode_rate(engine(0, max_len=max_len), prompt, args.new_tokens)
+        plain_engine = engine(0, max_len=max_len)
+        plain, a = decode_rate(plain_engine, prompt, args.new_tokens)
         references = {tuple(prompt[0]): plain[0]}
         spec_engine = engine(D, lambda drafter: ForcedDrafts(drafter, references), max_len=max_len)
         spec, b = decode_rate(spec_engine, prompt, args.new_tokens)
@@ -231,6 +232,23 @@ def bench(args, rec: dict, save) -> None:
         rec["full_acceptance"] = {"plain": a, "spec": b, "speedup": b["tokens_per_s"] / a["tokens_per_s"],
                                   "speedup_if_all_kept": (D + 1) * a["s_per_step"] / b["s_per_step"],
                                   "same_tokens": plain == spec, "speculative": spec_engine.speculation()}
+        # Where a round's time goes on the device against a plain step's, after every timing above.
+        rec["full_acceptance"]["step_profiles"] = {
+            "plain": engine_step_profile(plain_engine, prompt[0], args.new_tokens),
+            "spec": engine_step_profile(spec_engine, prompt[0], args.new_tokens)}
+
+    def engine_step_profile(eng, prompt: list[int], new: int) -> dict:
+        """One engine step of a request past its prefill, profiled (bench_common.profile_call): kernel
+        time and count, the device's span and idle time inside the step, the host's time to issue it
+        and the costliest kernels. A speculative step is a whole round: drafts and verify."""
+        eng.add_request(prompt, SamplingParams(max_new_tokens=new))
+        before = len(eng.step_records())
+        while len(eng.step_records()) == before or eng.step_records()[-1].prefill_tokens:
+            eng.step()
+        prof = profile_call(eng.step, device, top=25)
+        eng.run_until_done()
+        return {k: prof[k] for k in ("host_issue_ms", "kernel_ms", "kernels_per_call", "device_span_ms",
+                                     "device_idle_ms", "top_kernels") if k in prof}
 
     def greedy_equal():
         lens = [int(n) for n in torch.randint(4, 2 * args.prompt_len, (args.prompts,),

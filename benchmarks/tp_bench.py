@@ -349,9 +349,10 @@ def decode_sweep(engine, vocab: int, B: int, knobs: dict, device) -> dict:
 
 def profile_steps(engine, n: int, device) -> dict:
     """torch.profiler over n decode steps: kernels and kernel time per step, the collectives' part
-    of it (NCCL's kernels and the symmetric-memory all-reduce's), the top kernels, and for the
-    last step the span from its first kernel to its last and the device's idle time inside it
-    (bench_common.device_gaps). On the CPU (dry run): the host time of the gloo calls instead."""
+    of it (NCCL's kernels and the symmetric-memory all-reduce's), every kernel with its time and
+    calls per step (the costliest first), and for the last step the span from its first kernel to
+    its last and the device's idle time inside it (bench_common.device_gaps). On the CPU (dry
+    run): the host time of the gloo calls instead."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench_common import device_gaps
@@ -381,13 +382,13 @@ def profile_steps(engine, n: int, device) -> dict:
     nccl = sum(t for k, t in kernels.items() if "nccl" in k.lower())
     # The symmetric-memory all-reduce's kernels (torch's one_shot_all_reduce*): every non-NCCL all_reduce.
     symm = sum(t for k, t in kernels.items() if "all_reduce" in k.lower() and "nccl" not in k.lower())
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    every = sorted(kernels.items(), key=lambda kv: -kv[1])  # all of them: a step's whole inventory
     return {"kernel_ms_per_step": round(sum(kernels.values()) / n, 4), "kernels_per_step": per,
             "nccl_ms_per_step": round(nccl / n, 4), "symm_mem_ms_per_step": round(symm / n, 4),
             "collective_ms_per_step": round((nccl + symm) / n, 4),
             "allreduce_share_of_kernels": round((nccl + symm) / max(sum(kernels.values()), 1e-9), 4),
             "last_step_device_span_ms": gaps.get("device_span_ms"), "last_step_device_idle_ms": gaps.get("device_idle_ms"),
-            "top_kernels": [{"name": k, "ms_per_step": round(t / n, 4), "calls_per_step": calls[k] / n} for k, t in top]}
+            "kernels": [{"name": k, "ms_per_step": round(t / n, 4), "calls_per_step": calls[k] / n} for k, t in every]}
 
 
 TOP_LOGPROBS = 20  # alternatives kept per step: enough to find each run's choice in the other's list

@@ -37,6 +37,8 @@ def test_dry_run_measures_every_stage(tmp_path, tmp_path_factory):
     full = rec["full_acceptance"]
     assert full["same_tokens"] and full["speculative"]["acceptance_rate"] == 1.0
     assert full["speculative"]["tokens_per_verify"] == 4.0 and full["spec"]["steps"] < full["plain"]["steps"]
+    assert set(full["step_profiles"]) == {"plain", "spec"}  # one profiled engine step each (host only here)
+    assert all(p["host_issue_ms"] > 0 for p in full["step_profiles"].values())
     equal = rec["greedy_equal"]
     assert equal["equal"] and equal["tokens"] == 4 * 8
     ties = equal["ties"]  # no difference to explain; the same token's log-prob in both runs to rounding
