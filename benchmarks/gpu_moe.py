@@ -16,8 +16,9 @@ Steps, in order:
    copies with `python3 benchmarks/tune_moe.py --install OUTDIR/moe_configs/*.json`, then commit).
 4. For each bench layer (Qwen3-Next-like: D 2048, I 512, softmax top-k renormalised, a shared
    expert of width S 512 scaled by a sigmoid gate (--no-shared: routed experts only); E 16 top-4
-   and E 512 top-10; and one rank's share at tensor parallel 2 of Qwen3-Next-80B-A3B (E 512 top-10,
-   I 256, S 256) and of Kimi-Linear-48B-A3B (E 256 top-8, D 2304, I 512, S 512)) and T in {1, 8, 32, 128, 512, 2048}: checks the fused op (bf16) against
+   and E 512 top-10; and one rank's share at tensor parallel 2 of Qwen3-Next-80B-A3B (E 512
+   top-10, I 256, S 256) and of Kimi-Linear-48B-A3B (E 256 top-8, D 2304, I 512, S 512)) and T in
+   {1, 8, 32, 128, 512, 2048}: checks the fused op (bf16) against
    `moe_reference` on the CPU in float32 (rel err of norms <= 1e-2, every row written, eager and
    graph replay equal bit for bit), then times (median, L2 flushed before each run by do_bench):
    - fused: the op captured in a CUDA graph, replayed;       fused eager: the same without a graph;

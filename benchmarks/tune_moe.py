@@ -20,7 +20,8 @@ Per bucket T (1, 2, 4, ..., 4096), with one fixed random routing:
 2. Sorted path: for each BLOCK_M that suits T*k / (experts hit), sort once, then time each GEMM
    stage alone over a short list of tiles; keep the best per stage (they share BLOCK_M only).
 3. The whole op, captured in a CUDA graph, for each path's winner and for `default_config`;
-   the fastest is written, with its time and the default's time beside it.
+   the fastest is written (the default unless the fastest beats it by more than MIN_GAIN), with
+   its time and the default's time beside it.
 Stage times are do_bench medians with L2 flushed before every run. A config that fails to compile
 or launch (too much shared memory) is skipped and counted. When the time budget runs out, the
 buckets left get `default_config`, marked as such in the file.
@@ -262,9 +263,9 @@ def reselect(paths: list[Path]) -> None:
         meta = doc["meta"]
         for t, entry in doc["buckets"].items():
             whole = entry.get("whole_us")
-            if not whole or pick_winner(whole) == entry.get("winner"):
+            winner = pick_winner(whole) if whole else entry.get("winner")
+            if winner == entry.get("winner"):
                 continue
-            winner = pick_winner(whole)
             if winner != "default":
                 raise SystemExit(f"tune_moe --reselect: {path} bucket {t}: {winner} wins but its config is not recorded")
             cfg = default_config(int(t), meta["E"], meta["I"], meta["D"], meta["top_k"]).to_dict()
