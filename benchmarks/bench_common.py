@@ -366,29 +366,36 @@ def profile_call(fn, device, iters: int = 5, top: int | None = 12) -> dict:
             fn()
             if cuda:
                 torch.cuda.synchronize(device)  # each call starts on an idle device, as time_ms's do
-    kernels, host_ops = {}, {}
     # One call's kernels in the order they ran (the last call of the profile): where the copies,
     # memsets and small kernels sit between the big ones, and where the device waits between them.
-    ordered = sorted((e for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    ordered = device_kernels(prof) if cuda else []
     per = len(ordered) // max(iters, 1)
     one_call = ordered[len(ordered) - per:]
-    for e in prof.events():
-        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels.setdefault(e.name[:90], [0, 0.0])
-            k[0] += 1
-            k[1] += e.device_time_total / 1e3  # us -> ms
-        elif e.device_type == torch.autograd.DeviceType.CPU:
-            h = host_ops.setdefault(e.name[:90], [0, 0.0])
-            h[0] += 1
-            h[1] += e.self_cpu_time_total / 1e3
-    per_call = lambda d: sorted(({"name": n, "calls": c / iters, "ms": round(t / iters, 4)}  # noqa: E731
-                                 for n, (c, t) in d.items()), key=lambda r: -r["ms"])
-    k_rows, h_rows = per_call(kernels), per_call(host_ops)
+    k_rows = per_call_rows(((e.name, e.device_time_total) for e in ordered), iters)
+    h_rows = per_call_rows(((e.name, e.self_cpu_time_total) for e in prof.events()
+                            if e.device_type == torch.autograd.DeviceType.CPU), iters)
     return {"host_issue_ms": statistics.median(host), "kernel_ms": round(sum(r["ms"] for r in k_rows), 4),
             "kernels_per_call": sum(r["calls"] for r in k_rows), "top_kernels": k_rows[:top],
             "top_host_ops": h_rows[:top], "kernel_sequence": [e.name[:60] for e in one_call],
             **device_gaps(one_call)}
+
+
+def device_kernels(prof) -> list:
+    """A torch.profiler run's kernel events (graph replays traced one by one), in the order they ran."""
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def per_call_rows(named_us, calls: int) -> list[dict]:
+    """(name, microseconds) events summed per name over `calls` calls: {"name", "calls", "ms"} per
+    call, the costliest first (names cut at 90 characters)."""
+    totals: dict[str, list] = {}
+    for name, us in named_us:
+        row = totals.setdefault(name[:90], [0, 0.0])
+        row[0] += 1
+        row[1] += us / 1e3
+    return sorted(({"name": n, "calls": c / calls, "ms": round(t / calls, 4)} for n, (c, t) in totals.items()),
+                  key=lambda r: -r["ms"])
 
 
 def device_gaps(kernels: list, top: int = 12) -> dict:

@@ -355,7 +355,7 @@ def profile_steps(engine, n: int, device) -> dict:
     run): the host time of the gloo calls instead."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_common import device_gaps
+    from bench_common import device_gaps, device_kernels, per_call_rows
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -364,31 +364,27 @@ def profile_steps(engine, n: int, device) -> dict:
         for _ in range(n):
             engine.step()
         sync(device)
-    kernels: dict[str, float] = {}
-    calls: dict[str, int] = {}
-    collective_host = 0.0
-    for e in prof.events():
-        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name[:80]] = kernels.get(e.name[:80], 0.0) + e.device_time_total / 1e3
-            calls[e.name[:80]] = calls.get(e.name[:80], 0) + 1
-        elif not cuda and e.name.startswith("gloo:"):  # gloo:all_reduce, gloo:all_gather
-            collective_host += e.cpu_time_total / 1e3
     if not cuda:
-        return {"nccl_ms_per_step": None, "collective_host_ms_per_step": round(collective_host / n, 4)}
-    ordered = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+        gloo = sum(e.cpu_time_total for e in prof.events() if e.name.startswith("gloo:"))  # all_reduce, all_gather
+        return {"nccl_ms_per_step": None, "collective_host_ms_per_step": round(gloo / 1e3 / n, 4)}
+    ordered = device_kernels(prof)
     per = len(ordered) // max(n, 1)
     gaps = device_gaps(ordered[len(ordered) - per:], top=6)
-    nccl = sum(t for k, t in kernels.items() if "nccl" in k.lower())
+    rows = per_call_rows(((e.name, e.device_time_total) for e in ordered), n)  # per step: a step's whole inventory
+
+    def ms_per_step(keep) -> float:
+        return sum(e.device_time_total for e in ordered if keep(e.name.lower())) / 1e3 / n
+
+    kernel_ms = ms_per_step(lambda name: True)
+    nccl = ms_per_step(lambda name: "nccl" in name)
     # The symmetric-memory all-reduce's kernels (torch's one_shot_all_reduce*): every non-NCCL all_reduce.
-    symm = sum(t for k, t in kernels.items() if "all_reduce" in k.lower() and "nccl" not in k.lower())
-    every = sorted(kernels.items(), key=lambda kv: -kv[1])  # all of them: a step's whole inventory
-    return {"kernel_ms_per_step": round(sum(kernels.values()) / n, 4), "kernels_per_step": per,
-            "nccl_ms_per_step": round(nccl / n, 4), "symm_mem_ms_per_step": round(symm / n, 4),
-            "collective_ms_per_step": round((nccl + symm) / n, 4),
-            "allreduce_share_of_kernels": round((nccl + symm) / max(sum(kernels.values()), 1e-9), 4),
+    symm = ms_per_step(lambda name: "all_reduce" in name and "nccl" not in name)
+    return {"kernel_ms_per_step": round(kernel_ms, 4), "kernels_per_step": per,
+            "nccl_ms_per_step": round(nccl, 4), "symm_mem_ms_per_step": round(symm, 4),
+            "collective_ms_per_step": round(nccl + symm, 4),
+            "allreduce_share_of_kernels": round((nccl + symm) / max(kernel_ms, 1e-9), 4),
             "last_step_device_span_ms": gaps.get("device_span_ms"), "last_step_device_idle_ms": gaps.get("device_idle_ms"),
-            "kernels": [{"name": k, "ms_per_step": round(t / n, 4), "calls_per_step": calls[k] / n} for k, t in every]}
+            "kernels": rows}
 
 
 TOP_LOGPROBS = 20  # alternatives kept per step: enough to find each run's choice in the other's list

@@ -120,10 +120,8 @@ def check_against_nccl(rank: int, world: int, device: torch.device) -> list[dict
                 ref = x.clone()
                 dist.all_reduce(ref)
                 print(f"rank {rank}: {dtype} {n} elements at offset {offset}", file=sys.stderr, flush=True)
+                path = backend.path(x)
                 backend.all_reduce(None, x, 0)
-                nbytes = n * x.element_size()
-                path = ("nccl" if nbytes > backend.buffer.numel() or nbytes % 4 else
-                        "staged" if offset or nbytes % 16 else "one_shot")
                 rows.append({"numel": n, "dtype": str(dtype), "path": path, "how": "eager", **_compare(x, ref, world)})
     # Captured: three calls of different paths in one graph, replayed with new values.
     n_small, n_big = 8 * 2048, (backend.buffer.numel() // 2) + 4096
@@ -152,7 +150,8 @@ def check_against_nccl(rank: int, world: int, device: torch.device) -> list[dict
             refs.append(ref)
         graph.replay()
         torch.cuda.synchronize(device)
-        for t, ref, path in zip(statics, refs, ("one_shot", "staged", "nccl")):
-            rows.append({"numel": t.numel(), "dtype": str(t.dtype), "path": path, "how": f"graph replay {replay}",
+        for t, ref in zip(statics, refs):
+            rows.append({"numel": t.numel(), "dtype": str(t.dtype), "path": backend.path(t),
+                         "how": f"graph replay {replay}",
                          **_compare(t, ref, world)})
     return rows

@@ -1,12 +1,12 @@
-"""Tensor parallel on two GPUs (NCCL, all-reduces inside the captured CUDA graphs).
+"""Tensor parallel on two GPUs (symmetric memory and NCCL, collectives inside the captured CUDA graphs).
 
 - `hgc run --tp 2` of a tiny Kimi-Linear compiled for cuda in float32 (MLA on the Triton kernel,
-  KDA and the MoE on theirs, the all-reduces on symmetric memory, the gather on NCCL) gives the tokens of one GPU, with its decode
-  steps replayed from whole-step graphs on both ranks.
+  KDA and the MoE on theirs, the all-reduces on symmetric memory, the gather on NCCL) gives the
+  tokens of one GPU, with its decode steps replayed from whole-step graphs on both ranks.
 - The same artifact with compiled pieces (`hgc build --device cuda`, which launches both ranks, each
   compiling the glue for its own GPU): the same tokens, each rank's pieces loaded, nothing built at
   start-up.
-- `hgc serve --tp 2`: rank 1 killed while rank 0 replays decode graphs (an NCCL call in a graph
+- `hgc serve --tp 2`: rank 1 killed while rank 0 replays decode graphs (a collective in a graph
   waits for its peer without a timeout) ends the server within a bound, naming rank 1.
 
 Marked gpu (CI deselects it); needs two GPUs. The benchmark of the full-size releases is

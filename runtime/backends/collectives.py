@@ -180,17 +180,27 @@ class SymmMemAllReduce(NcclCollectives):
         symm_mem.rendezvous(buffer, group_name)
         return cls(world, buffer, group_name)
 
-    def all_reduce(self, ctx, out: torch.Tensor, layer_id: int) -> None:
+    def path(self, out: torch.Tensor) -> str:
+        """How `all_reduce` sums `out`: "one_shot" (one kernel), "staged" (copied into the buffer
+        first: off the 16-byte grid or not contiguous) or "nccl" (too large, or not whole 4-byte
+        words). Byte size and layout only, which every rank shares."""
         nbytes = out.numel() * out.element_size()
-        if nbytes == 0:
-            return None
         if nbytes > self.buffer.numel() or nbytes % _WORD_BYTES:
+            return "nccl"
+        aligned = out.data_ptr() % _VECTOR_BYTES == 0 and nbytes % _VECTOR_BYTES == 0
+        return "one_shot" if out.is_contiguous() and aligned else "staged"
+
+    def all_reduce(self, ctx, out: torch.Tensor, layer_id: int) -> None:
+        if out.numel() == 0:
+            return None
+        path = self.path(out)
+        if path == "nccl":
             return super().all_reduce(ctx, out, layer_id)
-        staged = self.buffer[:nbytes].view(out.dtype)
-        flat = out.view(-1) if out.is_contiguous() else None
-        if flat is not None and out.data_ptr() % _VECTOR_BYTES == 0 and nbytes % _VECTOR_BYTES == 0:
+        staged = self.buffer[:out.numel() * out.element_size()].view(out.dtype)
+        if path == "one_shot":
             # One kernel: copy in, barrier, sum every rank's buffer into `out` (each thread writes
             # only the elements it copied in before the barrier, so `out` may be the local input).
+            flat = out.view(-1)
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, flat, "sum", self.group_name, flat)
         else:
             # A tensor the vector copy cannot take: stage it, sum into a fresh tensor, copy back.

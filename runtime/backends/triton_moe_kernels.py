@@ -161,7 +161,7 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weight
     SENTINEL: tl.constexpr = E + N_SHARED
     row = logits_ptr + t.to(tl.int64) * stride_lt
     if N_SHARED > 0:
-        # The gate's logit first: its loads then overlap the selection below instead of following it.
+        # The gate's logit first, so that its loads can overlap the selection below instead of following it.
         gate_logit = 0.0
         if SHARED_GATE:
             if GATE_IN_LOGITS:
