@@ -36,6 +36,10 @@ On the GPU machine, one run:
    batch 1: >= 2.5x). Both outputs must be the same tokens. Also the speedup the measured step
    costs give when every step keeps D + 1 tokens: in bf16 a near tie decided the other way by
    the verify kernels sends the run down another text, after which no forced draft agrees.
+   Then the same engine with the draft's step after each verify moved back after the round's
+   read (SpeculativeDecoder.draft_before_read = False), alternated with the default order, three
+   runs each: the ratio of their median rates. Last, one plain step and one round profiled
+   (kernels, device idle, and the Python functions that issue them).
 5. greedy_equal: --prompts prompts of random lengths, --equal-tokens new tokens each, greedy,
    through a plain engine and one with the real MTP draft (D drafts): the tokens must be equal;
    any difference is reported with where it starts, with the acceptance rate the real draft
@@ -52,6 +56,7 @@ OUT/spec_bench.json after each stage, a table last.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
@@ -64,8 +69,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import (Stages, compare, compiled_artifact, engine_script, fmt, profile_call, prompts_for,  # noqa: E402
-                          target_rows, time_ms)
+from bench_common import (Stages, compare, compiled_artifact, engine_script, fmt, host_profile, profile_call,  # noqa: E402
+                          prompts_for, synchronizer, target_rows, time_ms)
 from compiler.splitops import Mode  # noqa: E402
 from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
 from runtime.engine import SamplingParams  # noqa: E402
@@ -209,9 +214,13 @@ def bench(args, rec: dict, save) -> None:
         """Tokens and the decode steps' numbers of one timed run, after an untimed warm-up run
         (first-call costs: lazy modules, allocations)."""
         generate(eng, prompts, 4)
-        before = len(eng.step_records())
+        mark = eng.step_records()[-1]
         tokens = generate(eng, prompts, new)
-        decode = [r for r in eng.step_records()[before:] if r.prefill_tokens == 0]
+        # The steps after `mark`. (The engine keeps only its recent step records: their count stops
+        # growing once it is full, and a run longer than it leaves `mark` out, every record then new.)
+        records = eng.step_records()
+        after = next((i + 1 for i, r in enumerate(records) if r is mark), 0)
+        decode = [r for r in records[after:] if r.prefill_tokens == 0]
         seconds, sampled = sum(r.seconds for r in decode), sum(r.sampled for r in decode)
         return tokens, {"tokens_per_s": sampled / seconds, "steps": len(decode), "tokens": sampled,
                         "s_per_step": seconds / len(decode)}
@@ -232,6 +241,19 @@ def bench(args, rec: dict, save) -> None:
         rec["full_acceptance"] = {"plain": a, "spec": b, "speedup": b["tokens_per_s"] / a["tokens_per_s"],
                                   "speedup_if_all_kept": (D + 1) * a["s_per_step"] / b["s_per_step"],
                                   "same_tokens": plain == spec, "speculative": spec_engine.speculation()}
+        # Baseline, same engine: the draft's step after each verify run after the round's read, from
+        # the host's kept tokens (the order before `after_verify_on_device`). Alternated with the
+        # default order, three runs each; medians of tokens per second.
+        rates = {True: [b["tokens_per_s"]], False: []}
+        for before in (False, True, False, True, False):
+            spec_engine.spec.draft_before_read = before
+            tokens, r = decode_rate(spec_engine, prompt, args.new_tokens)
+            assert tokens == spec, "the two orders of a round must give the same tokens"
+            rates[before].append(r["tokens_per_s"])
+        spec_engine.spec.draft_before_read = True
+        rec["full_acceptance"]["draft_order"] = {
+            "before_read_tokens_per_s": rates[True], "after_read_tokens_per_s": rates[False],
+            "ratio_of_medians": statistics.median(rates[True]) / statistics.median(rates[False])}
         # Where a round's time goes on the device against a plain step's, after every timing above.
         rec["full_acceptance"]["step_profiles"] = {
             "plain": engine_step_profile(plain_engine, prompt[0], args.new_tokens),
@@ -242,13 +264,19 @@ def bench(args, rec: dict, save) -> None:
         time and count, the device's span and idle time inside the step, the host's time to issue it
         and the costliest kernels. A speculative step is a whole round: drafts and verify."""
         eng.add_request(prompt, SamplingParams(max_new_tokens=new))
-        before = len(eng.step_records())
-        while len(eng.step_records()) == before or eng.step_records()[-1].prefill_tokens:
+        # Step through the prompt. (The engine keeps only its recent step records, so their count
+        # says nothing once it is full: each step's own record does.)
+        for _ in range(len(prompt) + 2):
             eng.step()
+            if not eng.step_records()[-1].prefill_tokens:
+                break
         prof = profile_call(eng.step, device, top=25)
+        # The host's share: which Python functions issue a step (a round's drafts, verify and reads).
+        prof["host_functions"] = host_profile(eng.step, iters=10, top=25, sync=synchronizer(device))
         eng.run_until_done()
         return {k: prof[k] for k in ("host_issue_ms", "kernel_ms", "kernels_per_call", "device_span_ms",
-                                     "device_idle_ms", "top_kernels") if k in prof}
+                                     "device_idle_ms", "top_kernels", "top_host_ops", "longest_gaps",
+                                     "kernel_sequence", "host_functions") if k in prof}
 
     def greedy_equal():
         lens = [int(n) for n in torch.randint(4, 2 * args.prompt_len, (args.prompts,),
@@ -356,6 +384,10 @@ def table(rec: dict) -> str:
                     f"{fmt(full['plain']['tokens_per_s'])} plain ({fmt(full['speedup'], '.2f')}x), same tokens: "
                     f"{full['same_tokens']}; {fmt(full.get('speedup_if_all_kept'), '.2f')}x if every step kept "
                     f"D + 1 tokens at the measured step costs")
+        order = full.get("draft_order")
+        if order:
+            rows.append(f"draft step before the round's read against after it: "
+                        f"{fmt(order['ratio_of_medians'], '.3f')}x tokens per second (medians of 3 runs each)")
     equal = rec.get("greedy_equal")
     if equal:
         rows.append(f"greedy with drafts: {equal['mismatched']} of {equal['tokens']} tokens differ; real draft "

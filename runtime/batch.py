@@ -6,8 +6,10 @@
 3. After the model ran, `commit_step` advances each request's cached-token count.
 
 A step's layout does not depend on its tokens' values, so a step may be built with placeholder
-tokens and get its real ids on the device just before it runs (`write_input_ids`): the draft's
+tokens and get its real ids on the device just before it runs (`write_rows`): the draft's
 chained steps feed the previous step's argmax without reading it back (runtime/speculative.py).
+Its logits rows may come from the device the same way (the draft step after a verify step, whose
+row per request is the last kept position, known on the device before the host reads it).
 
 Padding (`pad_tokens_to`, `pad_seqs_to`) is done here and only here: padded tokens get position
 0, slot_mapping -1 and no logits row; padded requests get the reserved state slot.
@@ -26,7 +28,7 @@ from runtime.context import ExecContext
 from runtime.kv_pool import KVPool
 from runtime.state_pool import PADDING_SLOT
 
-__all__ = ["SeqState", "StepInputs", "build_step", "commit_step", "step_mode", "write_input_ids"]
+__all__ = ["SeqState", "StepInputs", "build_step", "commit_step", "step_mode", "write_rows"]
 
 
 @dataclasses.dataclass
@@ -132,11 +134,12 @@ def commit_step(items: list[tuple[SeqState, list[int]]]) -> None:
         seq.num_cached += len(tokens)
 
 
-def write_input_ids(ids: torch.Tensor, input_ids: torch.Tensor | None, real_tokens: int) -> None:
-    """Write device-resident token ids over the first rows of a step's ids on the device, in place
-    (a step built with placeholders there); later rows, padding included, keep theirs. None: nothing."""
-    if input_ids is None:
+def write_rows(dst: torch.Tensor, rows: torch.Tensor | None, limit: int, what: str) -> None:
+    """Write device-resident values (token ids, logits row indices) over the first rows of a step's
+    tensor on the device, in place (a step built with placeholders there); later rows, padding
+    included, keep theirs. `limit`: how many rows are real; `what` names them in the error. None: nothing."""
+    if rows is None:
         return
-    if input_ids.shape[0] > real_tokens:
-        raise ValueError(f"{input_ids.shape[0]} input ids for a step of {real_tokens} real tokens")
-    ids[: input_ids.shape[0]].copy_(input_ids)
+    if rows.shape[0] > limit:
+        raise ValueError(f"{rows.shape[0]} {what} for a step of {limit}")
+    dst[: rows.shape[0]].copy_(rows)

@@ -708,25 +708,31 @@ class Engine:
     def _verify_on_device(self, reqs: list[_Request], drafts: torch.Tensor) -> list[StepOutput]:
         """A round of greedy requests with no grammar, penalty or bias: the verify step takes the
         drafts [B, D] from the device, and one read brings them back with the target's argmax.
-        The draft after it leaves each next d_1 on the device. So the host never waits for the
-        device between the round's steps but once, and lays the next step out while the device runs."""
+        The draft after it runs before that read, from what the device holds
+        (`after_verify_on_device`), and leaves each next d_1 on the device. So the host never
+        waits for the device between the round's steps but once, and lays each step out while
+        the device runs the one before."""
         spec, D = self.spec, self.spec.draft_tokens
         starts = [req.seq.num_cached for req in reqs]
         begin = time.perf_counter()
         last = to_device([req.next_tokens(1)[0] for req in reqs], drafts.device)
         ids = torch.cat([last[:, None], drafts], 1).flatten()
         logits, hidden = spec.verify([(req.seq, [0] * (D + 1)) for req in reqs], input_ids=ids)
-        read = torch.cat([drafts, logits.argmax(-1).view(len(reqs), D + 1)], 1).tolist()  # the round's one read
+        target = logits.argmax(-1).view(len(reqs), D + 1)
+        if spec.draft_before_read:
+            spec.timed(spec.drafter.after_verify_on_device, reqs, starts, drafts, target, hidden)
+        read = torch.cat([drafts, target], 1).tolist()  # the round's one read
         for req in reqs:
             self._drop_drafts(req)  # a d_1 chosen on the host after a prefill is the same argmax
         self._take_drafts(reqs, [row[:D] for row in read], 0)
         kept = [greedy_accept(req.drafts, row[D:]) for req, row in zip(reqs, read)]
-        return self._finish_round(reqs, starts, kept, logits, hidden, begin, None)
+        return self._finish_round(reqs, starts, kept, logits, hidden, begin, None, drafted=spec.draft_before_read)
 
     def _finish_round(self, reqs: list[_Request], starts: list[int], kept: list[list[int]], logits: torch.Tensor,
-                      hidden: torch.Tensor, begin: float, choose) -> list[StepOutput]:
+                      hidden: torch.Tensor, begin: float, choose, drafted: bool = False) -> list[StepOutput]:
         """After a verify step: emit the kept tokens, keep their states, and run the draft over the
-        kept positions for the requests that go on (choose None: their next d_1 stays on the device)."""
+        kept positions for the requests that go on (choose None: their next d_1 stays on the
+        device), unless it ran already (`drafted`: `after_verify_on_device`)."""
         spec, D = self.spec, self.spec.draft_tokens
         outputs = self._emit(reqs, kept, logits)
         self._totals["spec_verify_s"] += time.perf_counter() - begin
@@ -738,7 +744,7 @@ class Engine:
         for req in reqs:
             self._drop_drafts(req)
         going = [b for b, req in enumerate(reqs) if req.stop_reason is None]
-        if going:
+        if going and not drafted:
             rows = hidden.view(len(reqs), D + 1, -1)
             rows = (rows if len(going) == len(reqs) else rows[to_device(going, hidden.device)]).flatten(0, 1)
             spec.timed(spec.drafter.after_verify, [reqs[b] for b in going], [starts[b] for b in going],

@@ -71,7 +71,7 @@ import torch
 from compiler.splitops import Mode
 from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS,
                                         PROGRAM_INPUTS, piece_module_names)
-from runtime.batch import SeqState, StepInputs, build_step, step_mode, write_input_ids
+from runtime.batch import SeqState, StepInputs, build_step, step_mode, write_rows
 from runtime.backends.protocol import plan_eager_step
 from runtime.bound_ops import BoundOps
 from runtime.buckets import Buckets, CaptureKey, buckets_for, extend_seqs
@@ -181,17 +181,18 @@ class GraphRunner:
         """The smallest captured key that holds this step, or None (eager; always, before capture)."""
         return self.buckets.key_for(mode, num_tokens, num_seqs) if self.sealed else None
 
-    def _fill(self, step: StepInputs, key: Optional[CaptureKey],
-              input_ids: Optional[torch.Tensor] = None) -> tuple[tuple, ExecContext]:
+    def _fill(self, step: StepInputs, key: Optional[CaptureKey], input_ids: Optional[torch.Tensor] = None,
+              logits_index: Optional[torch.Tensor] = None) -> tuple[tuple, ExecContext]:
         """Copy a host-built step into the static buffers, as views sized to the key; then
-        `input_ids` (on the device, if given) over its first rows' ids (`write_input_ids`).
+        `input_ids` and `logits_index` (on the device, if given) over its first rows' ids and
+        logits rows (`write_rows`).
 
         An eager step (no key) reads no graph, so it needs no static address and may be larger
         than the buffers: its own tensors are moved to the device instead."""
         ctx = step.ctx
         if key is None:
             inputs, moved = step_on_device(step, self.device)
-            write_input_ids(inputs[0], input_ids, ctx.num_real_tokens)
+            self._write_device_rows(inputs, step, input_ids, logits_index)
             return self._program_inputs(inputs, step.hidden.to(self.device) if self._hidden is not None else None), moved
         T, B, R = key.tokens, key.seqs, key.logits_rows
         if T > self.max_tokens or B > self.max_seqs:
@@ -208,7 +209,8 @@ class GraphRunner:
             if src.shape[0] > rows or (src.shape[0] != rows and name != "logits_index"):
                 raise CaptureError(f"step does not fit {key}: {name} has {src.shape[0]} rows for {rows}")
         v = self.staging.fill(T, B, sources, R)
-        write_input_ids(v["input_ids"], input_ids, ctx.num_real_tokens)  # after the copy, on the same stream
+        # after the copy, on the same stream
+        self._write_device_rows((v["input_ids"], v["positions"], v["logits_index"]), step, input_ids, logits_index)
         static_ctx = dataclasses.replace(
             ctx, query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"], state_slots=v["state_slots"],
             page_table=v["page_table"], slot_mapping=v["slot_mapping"], num_tokens=T, num_seqs=B)
@@ -219,6 +221,12 @@ class GraphRunner:
             hidden[:n].copy_(step.hidden, non_blocking=True)
             hidden[n:].zero_()  # padding rows: finite values a padded op may read
         return self._program_inputs((v["input_ids"], v["positions"], v["logits_index"]), hidden), static_ctx
+
+    @staticmethod
+    def _write_device_rows(inputs: tuple, step: StepInputs, input_ids, logits_index) -> None:
+        """inputs: the step's (input_ids, positions, logits_index) on the device."""
+        write_rows(inputs[0], input_ids, step.ctx.num_real_tokens, "input ids")
+        write_rows(inputs[2], logits_index, step.logits_index.shape[0], "logits rows")
 
     def _program_inputs(self, inputs: tuple, hidden) -> tuple:
         """(input_ids, positions, logits_index) in the program's own order, its hidden states included."""
@@ -312,15 +320,16 @@ class GraphRunner:
         return self.program.plans[plan_mode].pieces[0].kind == CAPTURED
 
     @torch.no_grad()
-    def run_outputs(self, step: StepInputs, key: Optional[CaptureKey],
-                    input_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    def run_outputs(self, step: StepInputs, key: Optional[CaptureKey], input_ids: Optional[torch.Tensor] = None,
+                    logits_index: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """Run one built step; returns [logits of the real rows [R, V]] and, where the program
         returns them, the hidden states of the real tokens [T, D] after it. input_ids: int64 ids
-        on the device that replace the first rows' ids the step was built with (its placeholders).
+        on the device that replace the first rows' ids the step was built with (its placeholders);
+        logits_index likewise replaces its first logits rows.
 
         For a full graph they are views of the graph's static outputs: the next replay of that
         key overwrites them, so read (or clone) them before the next step."""
-        inputs, ctx = self._fill(step, key, input_ids)
+        inputs, ctx = self._fill(step, key, input_ids, logits_index)
         real = [step.logits_index.shape[0], step.ctx.num_real_tokens]
         self._plan(ctx, key)
         if self._is_full(key):

@@ -8,9 +8,9 @@ sampling, penalties, grammar) is the engine's (runtime/engine.py, runtime/accept
 
 A program's steps run through a step runner: a GraphRunner (captured graphs, eager above its
 buckets) or `EagerSteps` (a bound forward, every step eager). Both have
-`build(items, mode, logits_rows) -> (step, key)` and `run_outputs(step, key, input_ids=None) ->
-[logits, hidden]`; `input_ids`, token ids on the device, replace the ids of the step's first rows
-(runtime/batch.write_input_ids).
+`build(items, mode, logits_rows) -> (step, key)` and `run_outputs(step, key, input_ids=None,
+logits_index=None) -> [logits, hidden]`; `input_ids` (token ids) and `logits_index` (logits rows),
+on the device, replace the step's first rows of each (runtime/batch.write_rows).
 
 Lifecycle of a decoding request (p: its cached tokens; x_p, its last token, is not cached yet):
 
@@ -40,7 +40,12 @@ Lifecycle of a decoding request (p: its cached tokens; x_p, its last token, is n
 5. `after_verify`: the draft runs positions p .. p + D in the verify layout (a fixed shape per
    batch, so it can be captured), fed the kept tokens and the main model's hidden states there;
    its logits at position p + m give the next d_1 (chosen on the host, or left on the device as
-   the argmax when no request needs the host), its hidden state there is kept.
+   the argmax when no request needs the host), its hidden state there is kept. In a round that
+   reads the device once (greedy, drafts on the device), `after_verify_on_device` runs it before
+   that read: m, the kept tokens and the logits rows are worked out on the device from the drafts
+   and the verify step's argmax (the greedy rule), so the host lays the draft step out while the
+   device still runs the verify step, instead of after it while the device idles. A request that
+   the read then stops has had its draft step for nothing: it wrote only its own pages and slot.
 
 Pages: a verify step and the draft after it write up to position p + D, the chain up to
 p + D - 2, so the engine reserves pages for D tokens past a decoding request's next one.
@@ -62,7 +67,7 @@ import torch
 
 from compiler.splitops import Mode
 from runtime.backends.protocol import plan_eager_step
-from runtime.batch import SeqState, StepInputs, build_step, write_input_ids
+from runtime.batch import SeqState, StepInputs, build_step, write_rows
 from runtime.binding import members_of
 from runtime.bound_ops import BoundOps
 from runtime.graph_runner import GraphRunner
@@ -92,14 +97,17 @@ class EagerSteps:
         return build_step(items, self.kv_pool, self.device, mode=mode, logits_rows=logits_rows), None
 
     @torch.no_grad()
-    def run_outputs(self, step: StepInputs, key=None, input_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    def run_outputs(self, step: StepInputs, key=None, input_ids: Optional[torch.Tensor] = None,
+                    logits_index: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         plan_eager_step(self.ops.backend, step.ctx, self.chunk_size)
-        write_input_ids(step.input_ids, input_ids, step.ctx.num_real_tokens)  # the step's own tensor, on the device
+        write_rows(step.input_ids, input_ids, step.ctx.num_real_tokens, "input ids")  # the step's own tensor, on the device
+        rows = step.logits_index.to(self.device)
+        write_rows(rows, logits_index, rows.shape[0], "logits rows")
         inputs = (step.input_ids, step.positions)
         if self.takes_hidden:
             inputs += (step.hidden.to(self.device),)
         with self.ops.step(step.ctx):
-            out = self.forward(*inputs, step.logits_index.to(self.device))
+            out = self.forward(*inputs, rows)
         self.counters["eager_steps"] += 1
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
@@ -146,12 +154,14 @@ class MTPDrafter:
         return self.first[self._index([r.seq.slot for r in requests])].tolist()
 
     def _run(self, items, hidden: torch.Tensor, mode: Optional[Mode] = None, logits_rows=None,
-             logits_index: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+             logits_index: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None,
+             device_rows: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """logits_index: the step's logits rows from the host; device_rows: the same, on the device."""
         step, key = self.steps.build(items, mode=mode, logits_rows=logits_rows)
         step.hidden = hidden  # the step is this call's own: set in place, not copied
         if logits_index is not None:
             step.logits_index = logits_index
-        return self.steps.run_outputs(step, key, input_ids=input_ids)
+        return self.steps.run_outputs(step, key, input_ids=input_ids, logits_index=device_rows)
 
     def after_prefill(self, chunks: list[DraftChunk], main_hidden: torch.Tensor, choose) -> None:
         if not chunks:
@@ -217,6 +227,29 @@ class MTPDrafter:
         self.first[slots] = logits.argmax(-1)
 
 
+    def after_verify_on_device(self, requests: list, starts: list[int], drafts: torch.Tensor, target: torch.Tensor,
+                               verify_hidden: torch.Tensor) -> None:
+        """`after_verify` for greedy requests before the host knows what they keep (module
+        docstring, step 5): drafts [B, D] and the verify step's argmax target [B, D + 1] on the
+        device give each request's m (its leading drafts equal to the target's) and its kept
+        tokens d_1 .. d_m, t_m, as `greedy_accept` computes them on the host. Each next d_1 is left
+        on the device (`first`); nothing is read."""
+        if not requests:
+            return
+        B, width = len(requests), self.draft_tokens + 1
+        kept = (drafts == target[:, :-1]).to(torch.int64).cumprod(1).sum(1)  # m per request
+        # Fed at p + j: d_{j+1} while j < m, then the target's token at m (repeated as padding).
+        column = torch.arange(width, device=drafts.device)[None, :]
+        tokens = torch.where(column < kept[:, None], torch.cat([drafts, drafts[:, -1:]], 1), target.gather(1, kept[:, None]))
+        rows = torch.arange(B, device=drafts.device) * width + kept
+        items = [(_view(r.seq, p), [0] * width) for r, p in zip(requests, starts)]
+        logits, draft_hidden = self._run(items, verify_hidden, mode=Mode.TARGET_VERIFY, logits_rows=[1] * B,
+                                         input_ids=tokens.flatten(), device_rows=rows)
+        slots = self._index([r.seq.slot for r in requests])
+        self.hidden[slots] = draft_hidden[rows].to(self.hidden.dtype)
+        self.first[slots] = logits.argmax(-1)
+
+
 class SpeculativeDecoder:
     """The engine's side of speculative decoding: the main program's steps, the drafter, the verify step."""
 
@@ -229,6 +262,10 @@ class SpeculativeDecoder:
                              f"(runtime/memory_planner.py)")
         self.main, self.drafter, self.draft_tokens, self.state_pool = main, drafter, draft_tokens, state_pool
         self.draft_s = 0.0  # seconds in the drafter (its host reads of the chosen tokens end each call)
+        # A round that reads the device once runs the draft's step after the verify before that
+        # read (`MTPDrafter.after_verify_on_device`). False: after it, from the host's kept tokens,
+        # as every other round does (benchmarks/spec_bench.py times that order as its baseline).
+        self.draft_before_read = True
 
     @property
     def max_verify(self) -> int:

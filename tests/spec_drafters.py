@@ -13,7 +13,7 @@ ever kept, one token per step, the same tokens.
 
 Both propose without a distribution (q = None: deterministic), follow the drafter interface of
 runtime/speculative.py (`after_prefill`, `propose`, `propose_on_device`, `first_drafts`,
-`after_verify`) and need no program.
+`after_verify`, `after_verify_on_device`) and need no program.
 
 `ForcedDrafts` runs a real drafter (the MTP program: its steps, its cost) and then replaces each
 token it chose with the reference's: full acceptance at the real draft's cost, what
@@ -40,6 +40,9 @@ class GreedyContinuationDrafter:
         """Nothing to run: the proposals come from the references."""
 
     def after_verify(self, requests, starts, kept, verify_hidden, choose=None) -> None:
+        """Nothing to run: the proposals come from the references."""
+
+    def after_verify_on_device(self, requests, starts, drafts, target, verify_hidden) -> None:
         """Nothing to run: the proposals come from the references."""
 
     def _ahead(self, req) -> list[int]:
@@ -111,3 +114,6 @@ class ForcedDrafts:
     def after_verify(self, requests, starts, kept, verify_hidden, choose=None) -> None:
         self.drafter.after_verify(requests, starts, kept, verify_hidden,
                                   self._forced(choose) if choose is not None else None)
+
+    def after_verify_on_device(self, requests, starts, drafts, target, verify_hidden) -> None:
+        self.drafter.after_verify_on_device(requests, starts, drafts, target, verify_hidden)

@@ -107,6 +107,9 @@ class Recording:
     def after_verify(self, *args):
         self.drafter.after_verify(*args)
 
+    def after_verify_on_device(self, *args):
+        self.drafter.after_verify_on_device(*args)
+
     def _record(self, requests):
         for req in requests:
             self.at.setdefault(tuple(req.prompt), []).append(len(req.output))
@@ -540,6 +543,9 @@ class ChainWatch:
     def after_verify(self, *args):
         self.drafter.after_verify(*args)
 
+    def after_verify_on_device(self, *args):
+        self.drafter.after_verify_on_device(*args)
+
     def propose(self, requests, choose):
         self.drafter.propose(requests, choose)
         self.drafts.append([list(r.drafts) for r in requests])
@@ -604,6 +610,46 @@ def test_chained_drafts_through_a_graph_runner_feed_the_replayed_steps_on_the_de
     replays = draft_runner.counters["graph_replays"]
     chained_and_per_step(engine, plain("qwen3_next"))
     assert draft_runner.counters["graph_replays"] > replays
+
+
+def test_the_draft_after_a_verify_on_the_device_leaves_what_the_host_path_leaves(artifacts):
+    """`after_verify_on_device` works out each request's m, its kept tokens and its logits row from
+    the drafts and the verify step's argmax on the device, before the host reads anything; for m
+    from 0 to D it leaves the next d_1 and the hidden state that `after_verify` leaves from the
+    kept tokens the host computed (`greedy_accept`). (With random weights the engine's own rounds
+    keep almost nothing, so m > 0 is set up here.)"""
+    import types
+
+    art, D = artifacts("qwen3_next"), 3
+    engine = engine_for_artifact(art, options(D), MAX_LEN)
+    drafter, kv = engine.spec.drafter, engine.kv_pool
+    vocab, width = int(art.manifest["model"]["vocab_size"]), D + 1
+    starts = [5, 17, 30, 9]
+    reqs = [types.SimpleNamespace(seq=SeqState(slot, kv.alloc(kv.pages_for(p + width)), p))
+            for slot, p in zip((0, 2, 1, 3), starts)]
+    g = torch.Generator().manual_seed(0)
+    drafts = torch.randint(0, vocab, (len(reqs), D), generator=g)
+    target = torch.randint(0, vocab, (len(reqs), width), generator=g)
+    for b, m in enumerate((0, 1, 2, D)):  # request b keeps m drafts: the target agrees up to m, not at m
+        target[b, :m] = drafts[b, :m]
+        if m < D:
+            target[b, m] = (drafts[b, m] + 1) % vocab
+    kept = [greedy_accept(drafts[b].tolist(), target[b].tolist()) for b in range(len(reqs))]
+    assert [len(k) - 1 for k in kept] == [0, 1, 2, D]
+    hidden = torch.randn(len(reqs) * width, drafter.hidden.shape[1], generator=g).to(drafter.hidden.dtype)
+    slots = torch.tensor([r.seq.slot for r in reqs])
+
+    left = {}
+    for how in ("host", "device"):
+        drafter.first.zero_()
+        drafter.hidden.zero_()
+        if how == "host":
+            drafter.after_verify(reqs, starts, kept, hidden)
+        else:
+            drafter.after_verify_on_device(reqs, starts, drafts, target, hidden)
+        left[how] = (drafter.first[slots].clone(), drafter.hidden[slots].clone())
+    assert torch.equal(left["host"][0], left["device"][0])
+    assert torch.equal(left["host"][1], left["device"][1]) and left["host"][1].abs().sum() > 0
 
 
 def test_a_grammar_or_a_draw_sends_the_proposal_through_choose_and_penalties_do_not(artifacts):
