@@ -720,7 +720,9 @@ class Engine:
         logits, hidden = spec.verify([(req.seq, [0] * (D + 1)) for req in reqs], input_ids=ids)
         target = logits.argmax(-1).view(len(reqs), D + 1)
         if spec.draft_before_read:
+            drafting = spec.draft_s
             spec.timed(spec.drafter.after_verify_on_device, reqs, starts, drafts, target, hidden)
+            begin += spec.draft_s - drafting  # the drafter's time counts as drafting, not as verify time
         read = torch.cat([drafts, target], 1).tolist()  # the round's one read
         for req in reqs:
             self._drop_drafts(req)  # a d_1 chosen on the host after a prefill is the same argmax
