@@ -328,6 +328,13 @@ def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[
     program keep the static buffers the main runner allocated (sized for both), one owning draft
     nodes only gets its own; it is parity-checked like the main one before anything is served."""
     check_draft_program(artifact.docs)
+    # The state pool keeps per-position states for the main program's linear layers only, and a
+    # round may run the draft's step after a verify before those are kept (after_verify_on_device):
+    # a draft layer with a state of its own would be neither kept nor rolled back.
+    stateful = [layer.layer_id for layer in artifact.registry.draft_layers() if layer.state]
+    if stateful:
+        raise ValueError(f"{artifact.docs.path}: draft layer(s) {stateful} keep a linear-attention state; "
+                         f"speculative decoding supports full-attention draft (MTP) layers only")
 
     def make(ops, kv_pool, state_pool, limits, runner):
         draft_ops = ops.sibling(draft_backend()) if draft_backend is not None else ops

@@ -15,7 +15,9 @@
 5. The draft chain kept on the device (greedy requests without grammar): the drafts it proposes
    are the per-step path's, eagerly and through a GraphRunner, with no `_choose` call after
    position 0; a grammar or a temperature sends the call step by step, penalties do not; a
-   greedy request whose next d_1 was left on the device joins a round chosen on the host.
+   greedy request whose next d_1 was left on the device joins a round chosen on the host; the
+   draft's step after a verify, run on the device before the round's read, leaves what the host
+   path leaves for every m. A draft layer with a linear state of its own is refused.
 """
 
 from __future__ import annotations
@@ -418,6 +420,22 @@ def test_hgc_run_refuses_speculation_without_a_draft_program(tmp_path, capsys):
     assert main(["run", str(tmp_path / "a"), "--prompt-ids", "1,2", "--speculative-tokens", "8"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "hgc run: --speculative-tokens must be in 0..7 (got 8)" and err[1].startswith("  hint:")
+
+
+def test_a_draft_layer_with_a_linear_state_is_refused_naming_it(artifacts):
+    """No supported family has one (their MTP layers are full attention), and nothing would keep or
+    roll back its state: the factory refuses it, naming the layer, before anything is built."""
+    import types
+
+    from compiler.splitops.registry import LayerKind, LayerSpec, TensorSpec
+    from runtime.speculative import speculative_factory
+
+    art = artifacts("qwen3_next")
+    linear = LayerSpec(99, LayerKind.GDN, draft=True, state={"recurrent": TensorSpec((2, 4, 4), "float32")})
+    registry = types.SimpleNamespace(draft_layers=lambda: [linear])
+    with pytest.raises(ValueError, match=r"draft layer\(s\) \[99\] keep a linear-attention state"):
+        speculative_factory(types.SimpleNamespace(docs=art.docs, registry=registry), 3)
+    assert speculative_factory(art, 3) is not None  # the real draft layer: full attention
 
 
 async def served_tokens(url: str, model: str = "m") -> list[list[int]]:
