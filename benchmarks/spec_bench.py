@@ -270,6 +270,8 @@ def bench(args, rec: dict, save) -> None:
             eng.step()
             if not eng.step_records()[-1].prefill_tokens:
                 break
+        else:
+            raise RuntimeError(f"no decode step after {len(prompt) + 2} steps of a {len(prompt)}-token prompt")
         prof = profile_call(eng.step, device, top=25)
         # The host's share: which Python functions issue a step (a round's drafts, verify and reads).
         prof["host_functions"] = host_profile(eng.step, iters=10, top=25, sync=synchronizer(device))

@@ -154,14 +154,11 @@ class MTPDrafter:
         return self.first[self._index([r.seq.slot for r in requests])].tolist()
 
     def _run(self, items, hidden: torch.Tensor, mode: Optional[Mode] = None, logits_rows=None,
-             logits_index: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None,
-             device_rows: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-        """logits_index: the step's logits rows from the host; device_rows: the same, on the device."""
+             input_ids: Optional[torch.Tensor] = None, logits_index: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """input_ids, logits_index: on the device, over the step's first ids and logits rows."""
         step, key = self.steps.build(items, mode=mode, logits_rows=logits_rows)
         step.hidden = hidden  # the step is this call's own: set in place, not copied
-        if logits_index is not None:
-            step.logits_index = logits_index
-        return self.steps.run_outputs(step, key, input_ids=input_ids, logits_index=device_rows)
+        return self.steps.run_outputs(step, key, input_ids=input_ids, logits_index=logits_index)
 
     def after_prefill(self, chunks: list[DraftChunk], main_hidden: torch.Tensor, choose) -> None:
         if not chunks:
@@ -216,16 +213,9 @@ class MTPDrafter:
         if not requests:
             return
         width = self.draft_tokens + 1
-        items = [(_view(r.seq, p), toks + [toks[-1]] * (width - len(toks))) for r, p, toks in zip(requests, starts, kept)]
-        rows = [b * width + len(toks) - 1 for b, toks in enumerate(kept)]
-        logits, draft_hidden = self._run(items, verify_hidden, mode=Mode.TARGET_VERIFY, logits_rows=[1] * len(items),
-                                         logits_index=torch.tensor(rows))
-        if choose is not None:
-            choose(requests, logits, 0)
-        slots = self._index([r.seq.slot for r in requests])
-        self.hidden[slots] = draft_hidden[self._index(rows)].to(self.hidden.dtype)
-        self.first[slots] = logits.argmax(-1)
-
+        tokens = [toks + [toks[-1]] * (width - len(toks)) for toks in kept]
+        rows = self._index([b * width + len(toks) - 1 for b, toks in enumerate(kept)])
+        self._verify_layout(requests, starts, tokens, rows, verify_hidden, choose)
 
     def after_verify_on_device(self, requests: list, starts: list[int], drafts: torch.Tensor, target: torch.Tensor,
                                verify_hidden: torch.Tensor) -> None:
@@ -242,9 +232,19 @@ class MTPDrafter:
         column = torch.arange(width, device=drafts.device)[None, :]
         tokens = torch.where(column < kept[:, None], torch.cat([drafts, drafts[:, -1:]], 1), target.gather(1, kept[:, None]))
         rows = torch.arange(B, device=drafts.device) * width + kept
-        items = [(_view(r.seq, p), [0] * width) for r, p in zip(requests, starts)]
-        logits, draft_hidden = self._run(items, verify_hidden, mode=Mode.TARGET_VERIFY, logits_rows=[1] * B,
-                                         input_ids=tokens.flatten(), device_rows=rows)
+        self._verify_layout(requests, starts, [[0] * width] * B, rows, verify_hidden, input_ids=tokens.flatten())
+
+    def _verify_layout(self, requests: list, starts: list[int], tokens: list[list[int]], rows: torch.Tensor,
+                       verify_hidden: torch.Tensor, choose=None, input_ids: Optional[torch.Tensor] = None) -> None:
+        """The draft over positions p .. p + D of each request (the verify layout), fed `tokens`
+        (or placeholders there, replaced on the device by `input_ids`), with logits at each
+        request's row `rows` [B] on the device; keeps the hidden state there and the argmax (after
+        `choose`, if given) as each next d_1."""
+        items = [(_view(r.seq, p), toks) for r, p, toks in zip(requests, starts, tokens)]
+        logits, draft_hidden = self._run(items, verify_hidden, mode=Mode.TARGET_VERIFY, logits_rows=[1] * len(items),
+                                         input_ids=input_ids, logits_index=rows)
+        if choose is not None:
+            choose(requests, logits, 0)
         slots = self._index([r.seq.slot for r in requests])
         self.hidden[slots] = draft_hidden[rows].to(self.hidden.dtype)
         self.first[slots] = logits.argmax(-1)
