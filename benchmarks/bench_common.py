@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from runtime.batch import SeqState, build_step, commit_step
 
 __all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
-           "synchronizer", "host_profile", "engine_script", "target_rows", "compiled_artifact", "host_speed_ms",
+           "synchronizer", "host_profile", "engine_script", "target_rows", "compiled_artifact", "release_config", "load_format", "host_speed_ms",
            "launch_check_ms", "device_gaps", "replay_host_split"]
 
 
@@ -476,14 +477,18 @@ def compiled_artifact(args) -> Path:
 
     work = Path(args.work)
     pieces = bool(getattr(args, "compiled_pieces", False))
-    ckpt = work / f"{args.family}-{args.size}"
+    config = getattr(args, "config", None)
+    ckpt = work / (f"{args.family}-{args.size}" if not config else f"config-{release_config(config).stem}")
     routes = list(getattr(args, "route", None) or [])
     # Artifacts of other routes sit beside each other in one --work: the folder names a digest of them.
     routed = "-r" + hashlib.sha256("\n".join(routes).encode()).hexdigest()[:8] if routes else ""
     dtype = getattr(args, "dtype", None)
-    art_dir = work / f"{args.family}-{args.size}-art{'-compiled' if pieces else ''}{routed}{'-' + dtype if dtype else ''}"
+    art_dir = work / f"{ckpt.name}-art{'-compiled' if pieces else ''}{routed}{'-' + dtype if dtype else ''}"
     if not (art_dir / "manifest.json").is_file():
-        if not (ckpt / "config.json").is_file():
+        if config:  # the folder holds config.json alone: nothing else is read
+            ckpt.mkdir(parents=True, exist_ok=True)
+            shutil.copy(release_config(config), ckpt / "config.json")
+        elif not (ckpt / "config.json").is_file():
             assert hgc(["init-model", "--family", args.family, "--size", args.size, "--seed", "0", "-o", str(ckpt),
                         "--force"]) == 0
         target = ["--target", "cpu"] if args.dry_run else ["--target", "cuda", "--dtype", dtype or "bfloat16"]
@@ -491,7 +496,9 @@ def compiled_artifact(args) -> Path:
             target += ["--dtype", dtype]
         inductor = ["--inductor"] if pieces else ["--no-inductor"]
         route_args = [arg for route in routes for arg in ("--route", route)]
-        argv = ["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *inductor, *target, *route_args]
+        weights = ["--no-weights"] if config else []
+        argv = ["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *inductor, *target, *route_args,
+                *weights]
         if pieces:
             # In a process of its own: a build's start-up imports FlashInfer, and this process must
             # load the bundle before anything imports it (runtime/bundle.py points FlashInfer's
@@ -501,6 +508,20 @@ def compiled_artifact(args) -> Path:
         else:
             assert hgc(argv) == 0
     return art_dir
+
+
+def release_config(name: str) -> Path:
+    """--config: tests/configs/NAME.json (a published release's config, SOURCES.md there) or a path."""
+    path = Path(name) if name.endswith(".json") else ROOT / "tests" / "configs" / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(f.stem for f in (ROOT / "tests" / "configs").glob("*.json")))
+        raise SystemExit(f"--config {name}: no such file {path} (published configs: {known})")
+    return path
+
+
+def load_format(args) -> str:
+    """How compiled_artifact's artifact loads: random weights for a --config run (it has none)."""
+    return "dummy" if getattr(args, "config", None) else "auto"
 
 
 def target_rows(rec: dict) -> list[str]:
@@ -528,11 +549,20 @@ def engine_script(argv, doc: str, name: str, defaults: dict, add_arguments, benc
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
                    help="hgc compile --dtype (default: bfloat16 on the GPU, the checkpoint's float32 in a dry run); "
                         "float32 on the GPU tells rounding from a fault where bf16 results differ")
+    p.add_argument("--config", default=None,
+                   help="a published release's config.json at full size, with random weights (the name of one in "
+                        "tests/configs, e.g. qwen3_6_27b, or a path): compiled with --no-weights, loaded with "
+                        "--load-format dummy; --family follows its model_type, --size is not used")
     p.add_argument("--route", action="append", default=[],
                    help="passed to hgc compile --route (repeatable), e.g. "
                         "'gdn_core=triton_linear[short_extend_tokens=64]'; the artifact's folder names the routes")
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.config:
+        from models.families import family_for_config
+
+        path = release_config(args.config)
+        args.family, args.size = family_for_config(json.loads(path.read_text()), str(path)).name, "release"
     for key, value in defaults["dry" if args.dry_run else "gpu"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -11,6 +11,9 @@ On the GPU machine, one run:
                                       # the equality stages in float32: rounding or a fault? (GQA on a
                                       # float32 backend; GDN extends off FLA, whose kernels take float32
                                       # operands as tf32)
+    python3 benchmarks/spec_bench.py --out $OUT --config qwen3_6_27b --skip verify_vs_decode,greedy_equal
+                                      # a published release's shape (tests/configs), random weights:
+                                      # where the draft's steps weigh less against the main model's
 
 1. init_compile: `hgc init-model` (its config has one MTP layer), `hgc compile` (on the GPU:
    --target cuda --dtype bfloat16, or --dtype; tolerances follow the dtype).
@@ -35,11 +38,15 @@ On the GPU machine, one run:
    at the draft's real cost. Decode tokens per second of each, and the speedup (goal at D = 3,
    batch 1: >= 2.5x). Both outputs must be the same tokens. Also the speedup the measured step
    costs give when every step keeps D + 1 tokens: in bf16 a near tie decided the other way by
-   the verify kernels sends the run down another text, after which no forced draft agrees.
-   Then the same engine with the draft's step after each verify moved back after the round's
+   the verify kernels sends the run down another text, after which no forced draft agrees. So
+   when the tokens differ, the run is repeated forced to its own output (a request's verify steps
+   all have D + 1 rows, so its greedy text does not depend on what earlier rounds kept): that
+   rerun keeps every draft, and the speedup target takes it. Then the same engine with the draft's step after each verify moved back after the round's
    read (SpeculativeDecoder.draft_before_read = False), alternated with the default order, three
    runs each: the ratio of their median rates. Last, one plain step and one round profiled
-   (kernels, device idle, and the Python functions that issue them).
+   (kernels, device idle, and the Python functions that issue them), and from them the speedup
+   at the kernels' time alone (D + 1 plain steps' kernels over one round's): the bound with the
+   host hidden entirely.
 5. greedy_equal: --prompts prompts of random lengths, --equal-tokens new tokens each, greedy,
    through a plain engine and one with the real MTP draft (D drafts): the tokens must be equal;
    any difference is reported with where it starts, with the acceptance rate the real draft
@@ -69,8 +76,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import (Stages, compare, compiled_artifact, engine_script, fmt, host_profile, profile_call,  # noqa: E402
-                          prompts_for, synchronizer, target_rows, time_ms)
+from bench_common import (Stages, compare, compiled_artifact, engine_script, fmt, host_profile, load_format,  # noqa: E402
+                          profile_call, prompts_for, synchronizer, target_rows, time_ms)
 from compiler.splitops import Mode  # noqa: E402
 from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
 from runtime.engine import SamplingParams  # noqa: E402
@@ -97,7 +104,7 @@ def bench(args, rec: dict, save) -> None:
     state: dict = {}
 
     def init_compile():
-        state["art"] = load_artifact(compiled_artifact(args), device=str(device))
+        state["art"] = load_artifact(compiled_artifact(args), device=str(device), load_format=load_format(args))
         state["vocab"] = int(state["art"].manifest["model"]["vocab_size"])
 
     def graphs():
@@ -238,13 +245,28 @@ def bench(args, rec: dict, save) -> None:
         # What the measured step costs give if every step keeps D + 1 tokens: in bf16 one near tie decided
         # otherwise by the verify kernels ends the agreement with the plain run's tokens for good (the
         # drafts then follow another text), and with it the measured speedup's meaning.
-        rec["full_acceptance"] = {"plain": a, "spec": b, "speedup": b["tokens_per_s"] / a["tokens_per_s"],
-                                  "speedup_if_all_kept": (D + 1) * a["s_per_step"] / b["s_per_step"],
-                                  "same_tokens": plain == spec, "speculative": spec_engine.speculation()}
+        rec["full_acceptance"] = full = {"plain": a, "spec": b, "speedup": b["tokens_per_s"] / a["tokens_per_s"],
+                                         "speedup_if_all_kept": (D + 1) * a["s_per_step"] / b["s_per_step"],
+                                         "same_tokens": plain == spec, "speculative": spec_engine.speculation()}
+        if plain != spec:
+            # The forced drafts followed plain decoding's text, which the verify steps left at a near
+            # tie. Every verify step of one request has the same rows (D + 1), so its greedy text
+            # does not depend on what earlier rounds kept: forced to that text (the first run's own
+            # output), every draft is the target's argmax again. Timed the same way, on the same engine.
+            references[tuple(prompt[0])] = spec[0]
+            before = spec_engine.speculation()
+            own, c = decode_rate(spec_engine, prompt, args.new_tokens)
+            after = spec_engine.speculation()
+            drafted = after["drafted"] - before["drafted"]
+            full["own_text"] = {**c, "speedup": c["tokens_per_s"] / a["tokens_per_s"], "same_tokens_as_first": own == spec,
+                                "acceptance_rate": (after["accepted"] - before["accepted"]) / drafted if drafted else None}
+            spec = own
         # Baseline, same engine: the draft's step after each verify run after the round's read, from
         # the host's kept tokens (the order before `after_verify_on_device`). Alternated with the
         # default order, three runs each; medians of tokens per second.
         rates = {True: [b["tokens_per_s"]], False: []}
+        if "own_text" in full:
+            rates[True] = [full["own_text"]["tokens_per_s"]]
         for before in (False, True, False, True, False):
             spec_engine.spec.draft_before_read = before
             tokens, r = decode_rate(spec_engine, prompt, args.new_tokens)
@@ -255,9 +277,14 @@ def bench(args, rec: dict, save) -> None:
             "before_read_tokens_per_s": rates[True], "after_read_tokens_per_s": rates[False],
             "ratio_of_medians": statistics.median(rates[True]) / statistics.median(rates[False])}
         # Where a round's time goes on the device against a plain step's, after every timing above.
-        rec["full_acceptance"]["step_profiles"] = {
+        profiles = rec["full_acceptance"]["step_profiles"] = {
             "plain": engine_step_profile(plain_engine, prompt[0], args.new_tokens),
             "spec": engine_step_profile(spec_engine, prompt[0], args.new_tokens)}
+        # The speedup if the host cost nothing: D + 1 plain steps' kernel time over one round's (on
+        # the CPU, no kernel is timed). What no host-side change can lift.
+        if profiles["spec"].get("kernel_ms"):
+            rec["full_acceptance"]["kernel_floor_speedup"] = (
+                (D + 1) * profiles["plain"]["kernel_ms"] / profiles["spec"]["kernel_ms"])
 
     def engine_step_profile(eng, prompt: list[int], new: int) -> dict:
         """One engine step of a request past its prefill, profiled (bench_common.profile_call): kernel
@@ -358,8 +385,13 @@ def targets(rec: dict, D: int) -> None:
         out["verify_matches_decode"] = {"value": worst, "goal": f"median row rel err <= {rtol}", "met": worst <= rtol}
     full = rec.get("full_acceptance")
     if full:
-        out["full_acceptance_speedup"] = {"value": full["speedup"], "goal": f">= {TARGET_SPEEDUP}x (D = {D})",
-                                          "met": full["speedup"] >= TARGET_SPEEDUP and full["same_tokens"]}
+        # The run whose every draft was kept: forced to plain decoding's text, or else to its own (above).
+        own = full.get("own_text")
+        kept = full if full["same_tokens"] or own is None else own
+        kept_all = full["same_tokens"] or (own is not None and own["same_tokens_as_first"] and own["acceptance_rate"] == 1.0)
+        out["full_acceptance_speedup"] = {"value": kept["speedup"], "goal": f">= {TARGET_SPEEDUP}x (D = {D})",
+                                          "met": kept["speedup"] >= TARGET_SPEEDUP and kept_all,
+                                          "forced_to": "plain decoding's text" if kept is full else "its own greedy text"}
     equal = rec.get("greedy_equal")
     if equal:
         out["greedy_equal"] = {"value": equal["mismatched"], "goal": "0 tokens differ", "met": equal["equal"]}
@@ -385,7 +417,13 @@ def table(rec: dict) -> str:
         rows.append(f"full acceptance: {fmt(full['spec']['tokens_per_s'])} tok/s against "
                     f"{fmt(full['plain']['tokens_per_s'])} plain ({fmt(full['speedup'], '.2f')}x), same tokens: "
                     f"{full['same_tokens']}; {fmt(full.get('speedup_if_all_kept'), '.2f')}x if every step kept "
-                    f"D + 1 tokens at the measured step costs")
+                    f"D + 1 tokens at the measured step costs; {fmt(full.get('kernel_floor_speedup'), '.2f')}x at "
+                    f"the kernels' time alone")
+        own = full.get("own_text")
+        if own:
+            rows.append(f"forced to its own greedy text: {fmt(own['tokens_per_s'])} tok/s ({fmt(own['speedup'], '.2f')}x), "
+                        f"acceptance {fmt(own['acceptance_rate'], '.3f')}, the same tokens as its first run: "
+                        f"{own['same_tokens_as_first']}")
         order = full.get("draft_order")
         if order:
             rows.append(f"draft step before the round's read against after it: "
@@ -415,7 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--equal-tokens", type=int, default=None, help="greedy_equal: tokens per prompt")
 
     return engine_script(argv, __doc__, "spec_bench", {"gpu": GPU_DEFAULTS, "dry": DRY_DEFAULTS}, add_arguments,
-                         bench, table, lambda a: f"{a.family} {a.size}: D = {a.draft_tokens}")
+                         bench, table,
+                         lambda a: f"{a.config or a.family + ' ' + a.size}: D = {a.draft_tokens}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from compiler.splitops import op_arguments, op_spec
 from runtime.kv_pool import KVPool
 from runtime.state_pool import PADDING_SLOT, StatePool
 
-__all__ = ["ParityError", "PARITY_RTOL", "OpRecord", "OpTrace", "TeacherForcing", "CacheWatch", "rel_err",
+__all__ = ["ParityError", "PARITY_RTOL", "PARITY_DRIFT_LIMIT", "beyond_drift", "first_glue_fault", "OpRecord", "OpTrace", "TeacherForcing", "CacheWatch", "rel_err",
            "rel_err_tensor", "rtol_for", "first_difference", "op_arg_positions"]
 
 class ParityError(RuntimeError):
@@ -47,10 +47,35 @@ class ParityError(RuntimeError):
 # Relative error (of the norm) a padded replay may differ from the unpadded eager run by, per compute
 # dtype: bf16 glue computed by differently tiled kernels agrees to a few 1e-3; float32 to ~1e-6.
 PARITY_RTOL = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# Teacher forcing hands every op its reference inputs, but not what the glue carries past the ops
+# (the residual stream; a dense MLP, all glue): their rounding travels from layer to layer and adds
+# up with depth. On a 64-layer dense bf16 model (Qwen3.6-27B's shape) the inputs of the last layer
+# drifted 7e-3 to 2e-2 apart between a padded and an unpadded step, every op bit-identical on the
+# same inputs (benchmarks/parity_drift_probe.py). So a glue error (and the logits') is held to the
+# tolerance for what it adds over the largest glue error before it, and what it carries to this
+# many tolerances: a fault that enters in one piece still fails at the tolerance.
+PARITY_DRIFT_LIMIT = 4
 
 
 def rtol_for(dtype: torch.dtype) -> float:
     return PARITY_RTOL.get(dtype, PARITY_RTOL[torch.bfloat16])
+
+
+def beyond_drift(error: float, carried: float, rtol: float) -> bool:
+    """Whether a glue (or logits) error is more than rounding carried from earlier pieces: not
+    finite, more than rtol over `carried` (the largest glue error before it), or more than
+    PARITY_DRIFT_LIMIT tolerances in all."""
+    return not math.isfinite(error) or error - carried > rtol or error > PARITY_DRIFT_LIMIT * rtol
+
+
+def first_glue_fault(errors: list[float], rtol: float) -> Optional[int]:
+    """The index of the first glue error (per op, in call order) beyond_drift of those before it; None if none."""
+    carried = 0.0
+    for i, error in enumerate(errors):
+        if beyond_drift(error, carried, rtol):
+            return i
+        carried = max(carried, error)
+    return None
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,10 +145,12 @@ class TeacherForcing:
     requests handed that op, and the rest of the step continues from that run's output.
 
     Given the records (inputs kept) of a padded run, an unpadded run of the same requests under
-    this intercept compares, for every op call, free of differences carried over from earlier layers:
+    this intercept compares, for every op call, free of what earlier ops did differently:
 
     - `glue[i]`: the inputs this run computed for op i against the padded run's: what the pieces
-      between ops did differently (rounding of kernels picked by the number of rows);
+      between ops did differently (rounding of kernels picked by the number of rows), including
+      what the glue carries past the ops unforced (the residual stream), hence `first_glue_fault`'s
+      drift rule;
     - `ops[i]`: op i's output on the padded run's own inputs against the padded run's output:
       what padding changed inside the op (a padding fault, or a kernel picked by the row count).
 
@@ -178,13 +205,22 @@ class TeacherForcing:
         """Per op call: the relative error of its output on the reference's inputs."""
         return self._errors()[1]
 
+    @property
+    def carried(self) -> float:
+        """The largest glue error of the step: the drift the logits inherit (`beyond_drift`)."""
+        return max((e for e in self.glue if math.isfinite(e)), default=0.0)
+
     def first_beyond(self, rtol: float) -> Optional[str]:
-        """The first op (or the glue before it) whose relative error exceeds rtol, named; None if none."""
-        for ref, glue, op in zip(self.reference, self.glue, self.ops):
+        """The first op whose output on the same inputs exceeds rtol, or whose inputs the glue
+        computed beyond the drift rule (`first_glue_fault`), named; None if none."""
+        glue_fault = first_glue_fault(self.glue, rtol)
+        for i, (ref, glue, op) in enumerate(zip(self.reference, self.glue, self.ops)):
+            if i == glue_fault:
+                carried = max([0.0] + [e for e in self.glue[:i] if math.isfinite(e)])
+                return (f"the pieces before layer {ref.layer} ({ref.op}: its inputs' rel err {glue:.3g}, "
+                        f"{carried:.3g} carried from earlier layers)")
             if not math.isfinite(op) or op > rtol:
                 return f"layer {ref.layer} ({ref.op}, rel err {op:.3g} on the same inputs)"
-            if not math.isfinite(glue) or glue > rtol:
-                return f"the pieces before layer {ref.layer} ({ref.op}: its inputs' rel err {glue:.3g})"
         return None
 
 

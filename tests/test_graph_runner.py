@@ -526,3 +526,30 @@ def test_a_record_summed_in_place_later_is_compared_through_the_later_op():
     # Separate tensors (records copied as they left their op) are each compared.
     assert first_difference(eager, [OpRecord(0, "moe", 2 * partial), OpRecord(0, "all_reduce", 2 * partial)],
                             1e-5).startswith("layer 0 (moe")
+
+
+def test_glue_drift_that_grows_layer_by_layer_passes_and_a_jump_is_named():
+    """The drift rule (runtime/parity.py): what the glue carries past the ops adds up with depth and
+    is allowed up to PARITY_DRIFT_LIMIT tolerances; an error that enters in one piece (more than
+    rtol over the largest before it), a NaN, or drift past the limit is the first fault."""
+    from runtime.parity import PARITY_DRIFT_LIMIT, TeacherForcing, beyond_drift, first_glue_fault
+
+    rtol = 2e-2
+    drift = [0.0, 0.0, 0.004, 0.011, 0.019, 0.026, 0.034]  # a 64-layer dense model's kind of growth
+    assert first_glue_fault(drift, rtol) is None
+    assert first_glue_fault([0.0, 0.003, 0.03], rtol) == 2  # from nothing to past rtol in one piece
+    assert first_glue_fault([0.01, 0.015, 0.006, 0.045], rtol) == 3  # 0.03 over the 0.015 carried
+    creeping = [0.015 * i for i in range(10)]
+    assert first_glue_fault(creeping, rtol) == next(i for i, e in enumerate(creeping) if e > PARITY_DRIFT_LIMIT * rtol)
+    assert first_glue_fault([0.0, float("nan")], rtol) == 1
+    assert not beyond_drift(0.05, 0.034, rtol) and beyond_drift(0.06, 0.034, rtol)  # the logits over the carried drift
+
+    records = [OpRecord(layer, op, torch.zeros(1), {}) for layer, op in ((0, "short_conv"), (1, "gdn_core"),
+                                                                          (2, "gqa_attention"))]
+    forced = TeacherForcing(records)
+    forced._read = ([0.012, 0.025, 0.07], [0.0, 0.0, 0.0])
+    assert forced.carried == 0.07
+    assert forced.first_beyond(rtol) == ("the pieces before layer 2 (gqa_attention: its inputs' rel err 0.07, "
+                                         "0.025 carried from earlier layers)")
+    forced._read = ([0.012, 0.025, 0.03], [0.0, 0.021, 0.0])  # an op on the same inputs: held to rtol itself
+    assert forced.first_beyond(rtol) == "layer 1 (gdn_core, rel err 0.021 on the same inputs)"

@@ -81,3 +81,53 @@ def test_kernel_difference_counts_a_kernel_one_step_lacks_as_zero_there():
     rows = {r["name"]: r for r in kernel_difference(decode, verify)}
     assert rows["a"]["extra_ms"] == 0.2 and rows["verify_only"]["extra_ms"] == 0.3
     assert rows["decode_only"]["extra_ms"] == -0.1 and [r["name"] for r in kernel_difference(decode, verify)][0] == "verify_only"
+
+
+def test_a_published_config_runs_at_its_shape_with_random_weights(tmp_path):
+    """--config: a release's config.json alone (here a tiny dense Qwen3.5 in the published layout,
+    text_config and all), compiled with --no-weights and loaded with random weights; the family
+    follows its model_type. Full acceptance then keeps every draft with the plain run's tokens."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from spec_bench import main
+
+    from models.families import get_family
+
+    config = tmp_path / "release.json"
+    config.write_text(json.dumps(get_family("qwen3_5").make_config("tiny", "dense", vl=True)))
+    rec = main(["--dry-run", "--out", str(tmp_path / "out"), "--config", str(config),
+                "--skip", "step_cost,verify_vs_decode,greedy_equal"])
+    assert rec["config"]["family"] == "qwen3_5" and rec["stages"]["full_acceptance"]["status"] == "ok"
+    manifest = json.loads(next((tmp_path / "out" / "work").glob("config-release-art*/manifest.json")).read_text())
+    assert manifest["weights"]["mode"] == "none"
+    full = rec["full_acceptance"]
+    assert full["same_tokens"] and full["speculative"]["acceptance_rate"] == 1.0
+
+
+def test_an_unknown_config_names_the_published_ones():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_common import release_config
+
+    with pytest.raises(SystemExit, match=r"--config qwen9: no such file .*qwen3_6_27b"):
+        release_config("qwen9")
+    assert release_config("qwen3_6_27b").name == "qwen3_6_27b.json"
+
+
+def test_the_speedup_target_takes_the_run_whose_every_draft_was_kept():
+    """Forced to plain decoding's text, a near tie decided otherwise by the verify steps ends the
+    agreement; the rerun forced to the speculative run's own text then counts, if it kept every draft."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from spec_bench import targets
+
+    def full(same, own=None):
+        return {"full_acceptance": {"speedup": 0.8, "same_tokens": same, **({"own_text": own} if own else {})}}
+
+    rec = full(True)
+    targets(rec, 3)
+    assert rec["targets"]["full_acceptance_speedup"]["value"] == 0.8
+    rec = full(False, {"speedup": 2.7, "same_tokens_as_first": True, "acceptance_rate": 1.0})
+    targets(rec, 3)
+    assert rec["targets"]["full_acceptance_speedup"] == {"value": 2.7, "goal": ">= 2.5x (D = 3)", "met": True,
+                                                         "forced_to": "its own greedy text"}
+    rec = full(False, {"speedup": 2.7, "same_tokens_as_first": True, "acceptance_rate": 0.9})
+    targets(rec, 3)
+    assert not rec["targets"]["full_acceptance_speedup"]["met"]
