@@ -674,7 +674,13 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
                                      max_seq_len=limits["max_seq_len"])
         verify = ()
         if speculative_tokens:
-            decode, verify = (), tuple(b for b in decode if b <= state_pool.verify_rows)
+            rows = state_pool.verify_rows
+            decode, verify = (), tuple(b for b in decode if b <= rows)
+            if max(verify, default=0) < rows:  # a bucket past the intermediate states is not captured: say so
+                log(f"target_verify buckets {', '.join(map(str, verify)) or 'none'}: verify steps of "
+                    f"{max(verify, default=0) + 1} to {rows} requests run eagerly (the intermediate states hold "
+                    f"{rows} requests, no recorded bucket equals that); a --max-running (or --slots) among the "
+                    f"artifact's decode buckets ({', '.join(map(str, recorded['decode_batch_sizes']))}) captures them all")
         runner = GraphRunner(artifact.runner(ops, program), ops, kv_pool, state_pool, kv_pool.device,
                              decode_buckets=decode, extend_buckets=extend,
                              max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"] + speculative_tokens),

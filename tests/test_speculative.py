@@ -218,10 +218,34 @@ def test_graph_runner_captures_verify_and_draft_keys_and_serves_the_same_tokens(
     draft_keys = {str(k) for k in draft_runner.keys}
     assert {"decode[tokens=4, seqs=4]", "target_verify[tokens=16, seqs=4, rows=4]"} <= draft_keys
     assert any("start-up parity" in line for line in lines) and any("draft program" in line for line in lines)
+    assert not any("run eagerly" in line for line in lines)  # 4 slots: bucket 4 holds every verify step
     outputs, stats = run(engine)
     assert outputs == plain("qwen3_next")
     assert main_runner.counters["graph_replays"] > 0 and draft_runner.counters["graph_replays"] > 0
     assert all_free(stats)
+
+
+def test_verify_steps_past_the_last_bucket_the_intermediate_states_hold_are_named_at_start_up(artifacts):
+    """3 slots: the recorded bucket 4 would write intermediate states for 4 requests, so it is not
+    captured; start-up says which verify steps then run eagerly and how to capture them all."""
+    import dataclasses
+
+    from runtime.graph_runner import graph_runner_factory
+    from runtime.speculative import speculative_factory
+    from tests.graph_cases import RerunGraphs
+
+    art, D, lines = artifacts("qwen3_next"), 3, []
+    vocab = int(art.manifest["model"]["vocab_size"])
+    backend, draft_backend = routed_backends(art)
+    engine = build_engine(art.registry, art.bind, dataclasses.replace(options(D), slots=3), MAX_LEN,
+                          backend_factory=backend,
+                          runner_factory=graph_runner_factory(art, vocab, graphs=RerunGraphs(), speculative_tokens=D,
+                                                              log=lines.append),
+                          speculative_factory=speculative_factory(art, D, draft_backend=draft_backend))
+    assert [str(k) for k in engine.runner.keys if k.mode == Mode.TARGET_VERIFY] == [
+        "target_verify[tokens=8, seqs=2, rows=8]", "target_verify[tokens=4, seqs=1, rows=4]"]
+    said = [line for line in lines if "run eagerly" in line]
+    assert len(said) == 1 and "verify steps of 3 to 3 requests run eagerly" in said[0]
 
 
 def test_the_compiled_pieces_start_up_check_runs_the_draft_program_with_its_hidden_states(artifacts):
