@@ -3,9 +3,10 @@
 The check (runtime/graph_runner.py `_check_key`, runtime/parity.py TeacherForcing) hands each op
 of the unpadded run the padded run's inputs and measures how far the glue had computed them.
 Values the glue carries past the ops (the residual stream, a dense MLP) are not handed over, so
-their rounding differences travel from layer to layer. This probe runs that comparison eagerly
-for one decode step of B - 1 requests padded to B and prints, per op, the glue's and the op's
-relative error: rounding drift grows layer by layer, a fault jumps.
+their rounding differences travel from layer to layer. This probe starts a GraphRunner with one
+decode bucket B (its check: B - 1 requests padded to B) and prints, from the check's own record
+(`GraphRunner.parity_errors`, kept whether the key passes or is refused), per op, the glue's and
+the op's relative error: rounding drift grows layer by layer, a fault jumps.
 
     python3 benchmarks/parity_drift_probe.py --out $OUT --config qwen3_6_27b --bucket 8
     python3 benchmarks/parity_drift_probe.py --dry-run --out /tmp/pdp     # CPU, tiny, float32
@@ -27,46 +28,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench_common import Stages, compiled_artifact, engine_script, load_format  # noqa: E402
-from compiler.splitops import Mode  # noqa: E402
-from runtime.batch import build_step  # noqa: E402
 
 DEFAULTS = {"gpu": dict(family="qwen3_next", size="bench", iters=1), "dry": dict(family="qwen3_next", size="tiny", iters=1)}
 
 
 def bench(args, rec: dict, save) -> None:
     from runtime.bound_ops import BoundOps
-    from runtime.buckets import CaptureKey
-    from runtime.graph_runner import GraphRunner
+    from runtime.graph_runner import GraphRunner, ParityError
     from runtime.kv_pool import KVPool
     from runtime.loader import load_artifact
-    from runtime.parity import CacheWatch, OpTrace, TeacherForcing, rel_err
     from runtime.state_pool import StatePool
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
 
     def probe():
+        """The start-up check itself on one decode bucket: its op-by-op record (GraphRunner.parity_errors)
+        is kept whether the key passes or is refused."""
         art = load_artifact(compiled_artifact(args), device=str(device), load_format=load_format(args))
-        vocab, B = int(art.manifest["model"]["vocab_size"]), args.bucket
+        B = args.bucket
         kv = KVPool(art.registry, 8 * B + 1, 16, device)
         st = StatePool(art.registry, B, device)
         ops = BoundOps(art.backends(kv, st).for_program("main"))
+        graphs = None
+        if args.dry_run:
+            from tests.graph_cases import RerunGraphs
+            graphs = RerunGraphs()
         runner = GraphRunner(art.runner(ops), ops, kv, st, device, decode_buckets=(B,), extend_buckets=(),
-                             max_pages_per_seq=8)
-        items = runner.parity_items(CaptureKey(Mode.DECODE, B, B), vocab, torch.Generator().manual_seed(0))
-        padded = build_step(items, kv, "cpu", mode=Mode.DECODE, pad_tokens_to=B, pad_seqs_to=B, max_pages=8)
-        plain = build_step(items, kv, "cpu", mode=Mode.DECODE, max_pages=8)
-        rows = plain.ctx.num_real_tokens
-        watch = CacheWatch(kv, st, [s.slot for s, _ in items], [p for s, _ in items for p in s.pages])
-        reference = OpTrace(rows, inputs=True)
-        ref_logits = runner._observed_run(padded, None, observer=reference)
-        watch.restore()
-        forced = TeacherForcing(reference.records)
-        plain_logits = runner._observed_run(plain, None, intercept=forced)
-        rec["probe"] = {"bucket": B, "real_rows": rows,
-                        "logits_rel_err": rel_err(plain_logits[0], ref_logits[0]),
-                        "per_op": [{"layer": r.layer, "op": r.op, "glue": g, "op_err": o}
-                                   for r, g, o in zip(reference.records, forced.glue, forced.ops)]}
+                             max_pages_per_seq=8, graphs=graphs)
+        try:
+            runner.start(int(art.manifest["model"]["vocab_size"]))
+            refused = None
+        except ParityError as e:
+            refused = str(e)
+        (key, errors), = runner.parity_errors.items()
+        rec["probe"] = {"key": key, "bucket": B, "refused": refused, **errors}
 
     stages("probe", probe)
 
@@ -75,7 +71,8 @@ def table(rec: dict) -> str:
     p = rec.get("probe")
     if not p:
         return "no probe"
-    lines = [f"decode, {p['real_rows']} real rows padded to {p['bucket']}: logits rel err {p['logits_rel_err']:.3g}",
+    lines = [f"{p['key']}, {p['real_rows']} real rows: logits rel err {p['logits']:.3g}; "
+             f"{'refused: ' + p['refused'] if p['refused'] else 'passed'}",
              f"{'layer':>6} {'op':<16}{'glue':>10}{'op':>10}"]
     lines += [f"{r['layer']:>6} {r['op']:<16}{r['glue']:>10.3g}{r['op_err']:>10.3g}" for r in p["per_op"]]
     return "\n".join(lines)

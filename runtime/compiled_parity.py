@@ -69,11 +69,11 @@ def compare_compiled(program, ops, kv_pool, state_pool, step: StepInputs, slots:
     report = {"mode": step.ctx.mode.value, "rtol": rtol, "logits": rel_err(logits, ref_logits),
               "ops": [{"layer": r.layer, "op": r.op, "rel_err": e} for r, e in zip(reference.records, forced.glue)]}
     problems = []
-    at = first_glue_fault(forced.glue, rtol)  # rounding carried through the layers is allowed for (parity.py)
-    if at is not None:
-        first = report["ops"][at]
+    fault = first_glue_fault(forced.glue, rtol)  # rounding carried through the layers is allowed for (parity.py)
+    if fault is not None:
+        first = report["ops"][fault[0]]
         problems.append(f"first beyond it: the compiled glue before layer {first['layer']} ({first['op']}) hands it "
-                        f"inputs with rel err {first['rel_err']:.3g}")
+                        f"inputs with rel err {first['rel_err']:.3g} ({fault[1]:.3g} carried from earlier layers)")
     if beyond_drift(report["logits"], forced.carried, rtol):
         problems.append(f"logits rel err {report['logits']:.3g}")
     written = watch.differences(ref_written, watch.written(), rtol)

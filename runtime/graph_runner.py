@@ -162,6 +162,9 @@ class GraphRunner:
         self.compiled_reports: dict[str, dict] = {}  # key -> compiled pieces against the traced glue (parity)
         self.parity_seconds: dict[str, float] = {}  # key -> wall seconds of its start-up parity check
         self.parity_phases: dict[str, dict[str, float]] = {}  # key -> seconds per run of _check_key
+        # key -> run 2 of _check_key op by op (each op's glue and output error, the logits'), kept
+        # whether or not the key passed: what benchmarks/parity_drift_probe.py reports
+        self.parity_errors: dict[str, dict] = {}
         self.variant_steps: tuple[tuple[int, ...], float] = ((), 0.0)  # (token counts, seconds): capture's last
 
     @property
@@ -589,6 +592,9 @@ class GraphRunner:
         forced = TeacherForcing(reference.records)
         plain_logits = self._observed_run(plain, None, intercept=forced)
         where, err = forced.first_beyond(rtol), _outputs_err(plain_logits, ref_logits)
+        self.parity_errors[str(key)] = {"real_rows": rows, "logits": err, "per_op": [
+            {"layer": r.layer, "op": r.op, "glue": g, "op_err": o}
+            for r, g, o in zip(reference.records, forced.glue, forced.ops)]}
         if where or beyond_drift(err, forced.carried, rtol):  # the logits inherit the glue's drift
             problems.append(f"unpadded against padded eager, op by op: first differing: "
                             f"{where or f'the logits (rel err {err:.3g})'}")

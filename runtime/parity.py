@@ -69,12 +69,13 @@ def beyond_drift(error: float, carried: float, rtol: float) -> bool:
     return not math.isfinite(error) or error - carried > rtol or error > PARITY_DRIFT_LIMIT * rtol
 
 
-def first_glue_fault(errors: list[float], rtol: float) -> Optional[int]:
-    """The index of the first glue error (per op, in call order) beyond_drift of those before it; None if none."""
+def first_glue_fault(errors: list[float], rtol: float) -> Optional[tuple[int, float]]:
+    """The first glue error (per op, in call order) beyond_drift of those before it, as (its index,
+    the largest error before it); None if none."""
     carried = 0.0
     for i, error in enumerate(errors):
         if beyond_drift(error, carried, rtol):
-            return i
+            return i, carried
         carried = max(carried, error)
     return None
 
@@ -214,10 +215,9 @@ class TeacherForcing:
     def first_beyond(self, rtol: float) -> Optional[str]:
         """The first op whose output on the same inputs exceeds rtol, or whose inputs the glue
         computed beyond the drift rule (`first_glue_fault`), named; None if none."""
-        glue_fault = first_glue_fault(self.glue, rtol)
+        at, carried = first_glue_fault(self.glue, rtol) or (None, 0.0)
         for i, (ref, glue, op) in enumerate(zip(self.reference, self.glue, self.ops)):
-            if i == glue_fault:
-                carried = max([0.0] + [e for e in self.glue[:i] if math.isfinite(e)])
+            if i == at:
                 return (f"the pieces before layer {ref.layer} ({ref.op}: its inputs' rel err {glue:.3g}, "
                         f"{carried:.3g} carried from earlier layers)")
             if not math.isfinite(op) or op > rtol:
