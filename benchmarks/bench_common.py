@@ -483,7 +483,9 @@ def compiled_artifact(args) -> Path:
     # Artifacts of other routes sit beside each other in one --work: the folder names a digest of them.
     routed = "-r" + hashlib.sha256("\n".join(routes).encode()).hexdigest()[:8] if routes else ""
     dtype = getattr(args, "dtype", None)
-    art_dir = work / f"{ckpt.name}-art{'-compiled' if pieces else ''}{routed}{'-' + dtype if dtype else ''}"
+    invariant = bool(getattr(args, "batch_invariant", False))
+    art_dir = work / (f"{ckpt.name}-art{'-compiled' if pieces else ''}{routed}{'-' + dtype if dtype else ''}"
+                      f"{'-invariant' if invariant else ''}")
     if not (art_dir / "manifest.json").is_file():
         if config:  # the folder holds config.json alone: nothing else is read
             ckpt.mkdir(parents=True, exist_ok=True)
@@ -498,7 +500,7 @@ def compiled_artifact(args) -> Path:
         route_args = [arg for route in routes for arg in ("--route", route)]
         weights = ["--no-weights"] if config else []
         argv = ["compile", str(ckpt), "-o", str(art_dir), "--force", "--no-dumps", *inductor, *target, *route_args,
-                *weights]
+                *weights, *(["--batch-invariant"] if invariant else [])]
         if pieces:
             # In a process of its own: a build's start-up imports FlashInfer, and this process must
             # load the bundle before anything imports it (runtime/bundle.py points FlashInfer's
@@ -556,8 +558,13 @@ def engine_script(argv, doc: str, name: str, defaults: dict, add_arguments, benc
     p.add_argument("--route", action="append", default=[],
                    help="passed to hgc compile --route (repeatable), e.g. "
                         "'gdn_core=triton_linear[short_extend_tokens=64]'; the artifact's folder names the routes")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="hgc compile --batch-invariant (GPU only): decode and verify rows computed alike whatever "
+                        "shares their step; the artifact's folder says so")
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.batch_invariant and args.dry_run:
+        p.error("--batch-invariant: its kernels are built for CUDA; not with --dry-run")
     if args.config:
         from models.families import family_for_config
 

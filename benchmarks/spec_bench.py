@@ -14,6 +14,9 @@ On the GPU machine, one run:
     python3 benchmarks/spec_bench.py --out $OUT --config qwen3_6_27b --skip verify_vs_decode,greedy_equal
                                       # a published release's shape (tests/configs), random weights:
                                       # where the draft's steps weigh less against the main model's
+    python3 benchmarks/spec_bench.py --out $OUT --batch-invariant
+                                      # an artifact compiled with --batch-invariant: verify rows the
+                                      # decode steps' bits, greedy tokens with drafts plain decoding's
 
 1. init_compile: `hgc init-model` (its config has one MTP layer), `hgc compile` (on the GPU:
    --target cuda --dtype bfloat16, or --dtype; tolerances follow the dtype).
@@ -209,7 +212,8 @@ def bench(args, rec: dict, save) -> None:
                 spec.drafter = drafter_wrap(spec.drafter)
             return spec
         return build_engine(art.registry, art.bind, options, max_len, device=device, backend_factory=backend,
-                            runner_factory=runners, speculative_factory=wrapped if base else None)
+                            runner_factory=runners, speculative_factory=wrapped if base else None,
+                            prompts_apart=art.batch_invariant)
 
     def generate(eng, prompts: list[list[int]], new: int, logprobs=None) -> list:
         """Greedy tokens of each prompt; with `logprobs` (k), each prompt's results (tokens and log-probs)."""

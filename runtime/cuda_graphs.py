@@ -24,6 +24,7 @@ in the static buffers, runtime/step_staging.py's.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable, Optional
 
 import torch
@@ -53,10 +54,22 @@ class CudaGraphs:
         return torch.cuda.graph_pool_handle()
 
     def capture(self, fn: Callable[[], object], pool) -> tuple[object, object]:
-        """Record fn's kernels into a new graph in `pool`; returns (graph, fn's output tensors)."""
+        """Record fn's kernels into a new graph in `pool`; returns (graph, fn's output tensors).
+
+        The garbage collector is held off during the capture: a collection there can free an
+        unreachable earlier runner's graphs (an engine built and dropped before this one, in a
+        reference cycle), and destroying a graph while a stream captures invalidates the capture
+        ("operation not permitted when stream is capturing"). torch.cuda.graph collects nothing
+        on entry by default, so the old graphs wait for the next collection after it."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                out = fn()
+        finally:
+            if collecting:
+                gc.enable()
         return graph, out
 
     def synchronize(self, device: torch.device) -> None:

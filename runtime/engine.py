@@ -53,6 +53,11 @@ Scheduling policy (deterministic; nothing is random but the requests' own genera
   the oldest. With nothing running, the whole pool is free (or the cache's) and the queue's head is
   admitted. `step()` raises EngineStalled if a step with work to do schedules nothing.
 
+With `prompts_apart` (an artifact compiled with --batch-invariant), a step's prompt chunks and its
+decodes run as two forwards, the chunks first, as they do with speculative decoding: a decoding
+request's row then always goes through a decode step, whose rows are computed alike whatever
+shares them, and never through a mixed step's prefill attention.
+
 Timing: a step that carries prompt tokens (a prefill chunk, alone or mixed with decodes) counts as
 prefill time; a step of decodes only counts as decode time. The step time ends after sampling, which reads
 the logits on the host, so device work is included.
@@ -223,13 +228,18 @@ class Engine:
     def __init__(self, forward: Callable, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, *,
                  max_tokens_per_step: int = 512, max_running: int | None = None, max_seq_len: int | None = None,
                  device: torch.device | str = "cpu", recent_steps: int = 256, runner=None,
-                 prefix_cache: PrefixCache | None = None, speculative: SpeculativeDecoder | None = None):
+                 prefix_cache: PrefixCache | None = None, speculative: SpeculativeDecoder | None = None,
+                 prompts_apart: bool = False):
         """runner: a started GraphRunner (runtime/graph_runner.py) over the same ops and pools; each
         step then goes through its dispatcher (full graph, piecewise or eager) instead of `forward`,
         which may be None. Build it with chunk_size=max_tokens_per_step.
         prefix_cache: a PrefixCache over the same pools (None: every request prefills its whole prompt).
         speculative: a SpeculativeDecoder over the same pools (its main steps are the runner's, when
-        there is one); the main program then runs through it and `forward` is not used."""
+        there is one); the main program then runs through it and `forward` is not used.
+        prompts_apart: prompt chunks and decodes of one step run as two forwards, the chunks first (as
+        with speculative decoding), so a decoding request's row goes through a decode step, never
+        a mixed one. An artifact compiled with --batch-invariant asks for it: its decode rows are
+        computed alike in every decode and verify step, and a mixed step's attention is not."""
         check_backend(ops.backend)  # the hooks are called below without guards
         if runner is not None and (runner.ops is not ops or runner.kv_pool is not kv_pool
                                    or runner.state_pool is not state_pool):
@@ -242,6 +252,7 @@ class Engine:
             raise ValueError("Engine: the speculative decoder must hold the engine's state pool and run its main "
                              "program through the engine's graph runner")
         self.spec = speculative
+        self.prompts_apart = prompts_apart
         lookahead = speculative.draft_tokens if speculative is not None else 0
         self.prefix_cache = prefix_cache
         if max_tokens_per_step < 1:
@@ -349,8 +360,11 @@ class Engine:
             raise EngineStalled(f"Engine.step: nothing scheduled with {len(self._waiting)} queued and "
                                 f"{len(self._running)} running requests; {self.kv_pool.num_free} pages and "
                                 f"{self.state_pool.num_free} slots free")
-        if self.spec is None:
+        if self.spec is None and not (self.prompts_apart and plan.prefill and plan.decode):
             mode, outputs, _ = self._forward_and_sample(items)  # prefill chunks and decodes in one forward
+        elif self.spec is None:  # prompts_apart: the chunks' forward, then the decodes' own
+            mode, outputs, _ = self._forward_and_sample(plan.prefill)
+            outputs += self._forward_and_sample([(req, 1) for req in plan.decode])[1]
         else:
             mode, outputs = None, []
             if plan.prefill:  # prompt chunks alone, then the draft over the same positions

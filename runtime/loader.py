@@ -27,7 +27,11 @@ Lifecycle, one module per role:
    pieces are checked, consented to and loaded (`compiled`: CompiledOptions); each mode's split
    module then runs them in place of the traced glue (runtime/compiled_glue.py), and
    `module_for(mode, compiled=False)` still gives the traced glue (the start-up check's reference).
-6. runtime/side_stream.py: on a CUDA device, each captured piece with side branches (split.json,
+6. An artifact compiled with --batch-invariant (manifest "compile"), loaded on a CUDA device, sends
+   every matrix product of the process to runtime/backends/triton_matmul.py (`install`: one launch
+   shape for any row count): the glue's products, compiled or traced, call aten's mm and addmm.
+   Its backends' batch-invariant choices are in routing.json already (routing set them).
+7. runtime/side_stream.py: on a CUDA device, each captured piece with side branches (split.json,
    `hgc compile --overlap`) is rewritten to fork its branches onto a second stream and join them
    back (`module_for`); on the CPU the nodes run in graph order. Side branches and compiled
    pieces do not combine yet (a compiled segment is one call, it cannot be split across
@@ -153,6 +157,11 @@ class LoadedArtifact:
     @property
     def registry(self) -> LayerRegistry:
         return self.docs.registry
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Compiled with --batch-invariant: the engine runs prompt chunks apart from decodes."""
+        return batch_invariant(self.docs)
 
     @property
     def split_plans(self) -> dict[str, dict[Mode, SplitPlan]]:
@@ -368,7 +377,26 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
             stop.set()  # the weights thread stops at its next tensor; its own error, if any, is dropped
             raise
         weights = reading.result()
+    if batch_invariant(docs):
+        install_batch_invariant_gemms(docs, device)
     return LoadedArtifact(docs, loaded, weights, program_fqns, device, bundle)
+
+
+def batch_invariant(docs: ArtifactDocs) -> bool:
+    """Whether the artifact was compiled with --batch-invariant (its manifest's compile settings)."""
+    compiled = docs.manifest.get("compile")
+    return isinstance(compiled, dict) and compiled.get("batch_invariant") is True
+
+
+def install_batch_invariant_gemms(docs: ArtifactDocs, device: torch.device) -> None:
+    """Step 6: torch's CUDA matrix products through one Triton launch shape, for the whole process
+    (Inductor's compiled glue calls aten's extern mm, so no piece needs rebuilding). A CPU device
+    cannot keep the promise: the compile refuses that target, and a load there is refused too."""
+    if device.type != "cuda":
+        raise LoadError(f"{docs.path}: compiled with --batch-invariant, whose matrix products run on CUDA only; "
+                        f"asked to load on {device}")
+    from runtime.backends import triton_matmul
+    triton_matmul.install()
 
 
 def triton_cache_key_function():

@@ -30,10 +30,12 @@ from runtime.host_copy import to_device
 
 class GreedyContinuationDrafter:
     def __init__(self, references: dict[tuple[int, ...], list[int]], draft_tokens: int, vocab_size: int,
-                 shift: int = 0):
+                 shift: int = 0, device: "str | torch.device" = "cpu"):
         """references: prompt -> its greedy output without speculation; shift: added (mod V) to each
-        proposed token (0: agree)."""
+        proposed token (0: agree); device: where `propose_on_device` leaves the drafts (the
+        engine's: a round that reads the device once takes them from there, as the MTP drafter's)."""
         self.references, self.draft_tokens, self.vocab_size, self.shift = references, draft_tokens, vocab_size, shift
+        self.device = torch.device(device)
         self.proposed = 0
 
     def after_prefill(self, chunks, main_hidden, choose) -> None:
@@ -58,7 +60,7 @@ class GreedyContinuationDrafter:
 
     def propose_on_device(self, requests) -> torch.Tensor:
         self.proposed += self.draft_tokens * len(requests)
-        return torch.tensor([self._ahead(req) for req in requests], dtype=torch.int64)
+        return to_device([self._ahead(req) for req in requests], self.device)
 
     def first_drafts(self, requests) -> list[int]:
         return [self._ahead(req)[0] for req in requests]

@@ -17,6 +17,7 @@ not spelled twice.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -236,3 +237,63 @@ def test_chunk_impl_fla_makes_gdn_an_extend_gap_again(checkpoints, tmp_path, cap
                                 "--route", "gdn_core=triton_linear[chunk_impl=fla]")
     assert rc == 0, err[-3000:]
     assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["gdn_core", "gqa_attention"]
+
+
+# -- --batch-invariant ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", GQA_FAMILIES + MLA_FAMILIES)
+def test_batch_invariant_sets_every_routed_backends_declared_choices(checkpoints, family, tmp_path, capsys):
+    """`hgc compile --batch-invariant`: every node's options hold its backend's batch-invariant
+    choices (read from the declarations, not spelled here), the manifest records the setting, and
+    the draft program's nodes take them too."""
+    from runtime.backends import discover
+
+    table = discover().capability_table()
+    rc, art, err = compile_cuda(checkpoints, family, tmp_path, capsys, "--dtype", "bfloat16", "--batch-invariant")
+    assert rc == 0, err[-3000:]
+    for e in entries(art):
+        declared = table[e["backend"]].batch_invariant_for(e["op"])
+        assert declared is not None, e
+        assert all(e["options"][k] == v for k, v in declared.items()), (e["backend"], e["options"], declared)
+    # FlashInfer's MLA kernel splits by the batch: MLA layers go to the Triton MLA kernel instead
+    attention = FULL.name if family in GQA_FAMILIES else MLA.name
+    assert {e["backend"] for e in entries(art)} == {attention, LINEAR.name, MOE.name}
+    assert json.loads((art / "manifest.json").read_text())["compile"]["batch_invariant"] is True
+    if family in GQA_FAMILIES:  # the choices differ from the defaults: the setting changed something
+        assert all(e["options"]["kv_splits"] == "fixed" for e in entries(art) if e["op"] == "gqa_attention")
+        assert FULL.resolve_options({})["kv_splits"] != "fixed"
+
+
+def test_batch_invariant_refuses_a_route_that_undoes_it_a_backend_without_it_and_the_cpu(checkpoints, tmp_path, capsys):
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16", "--batch-invariant",
+                                "--route", "gqa_attention=flashinfer[kv_splits=auto]")
+    assert rc == 2 and not art.exists()
+    assert "(layer 3, kind full_gqa): --batch-invariant needs flashinfer[kv_splits=fixed]" in err
+    assert "sets kv_splits=auto; fix: drop that option from the route" in err
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16", "--batch-invariant",
+                                "--route", "layers=0:torch_reference")
+    assert rc == 2 and not art.exists()
+    assert "(layer 0, kind gdn): --batch-invariant, and route layers=0:torch_reference names torch_reference, " \
+           "which declares no batch-invariant kernels" in err
+    rc = hgc(["compile", str(checkpoints / "qwen3_next"), "-o", str(tmp_path / "cpu-art"), "--no-dumps",
+              "--batch-invariant"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not (tmp_path / "cpu-art").exists()
+    assert "--batch-invariant is built for --target cuda" in err.strip().splitlines()[0]
+
+
+def test_batch_invariant_choices_must_be_options_the_backend_offers():
+    from compiler.splitops import BackendCapability, CapabilityError
+
+    with pytest.raises(CapabilityError, match="batch-invariant choice tiles=fixed"):
+        BackendCapability("b", "cuda", ops=frozenset({"moe"}), options=(("tiles", ("auto",)),),
+                          batch_invariant=(("tiles", "fixed"),))
+    cap = BackendCapability("b", "cuda", ops=frozenset({"moe", "gqa_attention"}), options=(("tiles", ("auto", "fixed")),),
+                            batch_invariant=(("tiles", "fixed"),), batch_invariant_ops=frozenset({"moe"}))
+    assert BackendCapability.from_json(cap.to_json()) == cap
+    assert cap.batch_invariant_for("moe") == {"tiles": "fixed"} and cap.batch_invariant_for("gqa_attention") is None
+    with pytest.raises(CapabilityError, match="batch-invariant ops"):
+        dataclasses.replace(cap, batch_invariant_ops=frozenset({"short_conv"}))
+    none = dataclasses.replace(cap, batch_invariant=None)
+    assert BackendCapability.from_json(none.to_json()).batch_invariant is None

@@ -74,6 +74,32 @@ def test_greedy_tokens_do_not_depend_on_the_batch(name):
     assert_all_free(engine)
 
 
+def test_prompts_apart_never_mixes_a_decode_row_into_a_prompt_forward():
+    """prompts_apart (an artifact compiled with --batch-invariant): the staggered run above, where
+    chunks and decodes share steps, runs them as two forwards, chunks first; no forward is mixed, a
+    decoding request's row always goes through a decode forward, and the tokens are each request's own."""
+    model = build_model("toy")
+    requests = [(p, SamplingParams(max_new_tokens=4 + i)) for i, p in enumerate(prompts(8, LENGTHS, vocab_of(model)))]
+    engine = make_engine(model, num_slots=8, num_pages=128, page_size=4, max_tokens_per_step=24, prompts_apart=True)
+    forwards = []
+    execute = engine.execute
+
+    def recording(seq_items, logits_rows):
+        mode, logits, hidden = execute(seq_items, logits_rows)
+        forwards.append((mode, [len(tokens) for _, tokens in seq_items]))
+        return mode, logits, hidden
+    engine.execute = recording
+    results = run_staggered(engine, requests)
+    assert Mode.MIXED not in {mode for mode, _ in forwards}
+    decodes = [lens for mode, lens in forwards if mode is Mode.DECODE]
+    assert decodes and all(set(lens) == {1} for lens in decodes)
+    steps = len(engine.step_records())
+    assert len(forwards) > steps, "the run must have steps that carried both a prompt chunk and decodes"
+    for i, (prompt, params) in enumerate(requests):
+        assert results[i].output_ids == alone(model, prompt, params), f"request {i} (prompt of {len(prompt)})"
+    assert_all_free(engine)
+
+
 # -- no leak between requests -----------------------------------------------------------------
 
 

@@ -188,6 +188,26 @@ def test_every_tile_width_gives_the_same_result(block_v, num_warps):
 
 
 @in_process
+@pytest.mark.parametrize("op,layer_id", [("gdn_core", 0), ("short_conv", 0)])
+def test_fixed_decode_tiles_launch_one_requests_tiles_at_any_batch(monkeypatch, op, layer_id):
+    """decode_tiles="fixed" (hgc compile --batch-invariant): a decode step of 8 rows launches with the
+    tiles a step of one request gets, so a request's state reduces in one order whatever shares its
+    step; the results still match the reference. The default picks tiles by the request count."""
+    kernel, choose = {"gdn_core": ("recurrent_decode", TL.recurrent_config),
+                      "short_conv": ("short_conv_decode", TL.conv_config)}[op]
+    launched = []
+    real = getattr(TL, kernel)
+    monkeypatch.setattr(TL, kernel, lambda *a: launched.append(a[-1]) or real(*a))
+    compare_steps(op, layer_id, BATCHES[8], REAL[8], torch.float32, steps=1, seed=5,
+                  backend_kwargs={"decode_tiles": "fixed"})
+    _, hk, hv, dk, dv = LAYERS[layer_id]
+    one = choose(1, hv, dk, dv, torch.device(DEVICE)) if op == "gdn_core" else choose(1, C, torch.device(DEVICE))
+    assert launched == [one]
+    compare_steps(op, layer_id, BATCHES[8], REAL[8], torch.float32, steps=1, seed=5)
+    assert launched[1] is None, "by_batch leaves the choice to the launch (by its row count)"
+
+
+@in_process
 @pytest.mark.parametrize("conv_bias,silu", [(False, False), (True, False)])
 def test_short_conv_without_bias_or_silu(conv_bias, silu):
     compare_steps("short_conv", 1, BATCHES[3], REAL[3], torch.float32, steps=4, seed=5,

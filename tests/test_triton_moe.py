@@ -454,3 +454,43 @@ def test_a_replayed_step_reads_its_real_token_count_from_the_step_buffer():
     wide = types.SimpleNamespace(num_seqs=ctx.num_seqs, query_start_loc=ctx.query_start_loc.long())
     with pytest.raises(RuntimeError, match="query_start_loc must be int32"):
         backend.init_replay_state(wide, ctx.num_seqs)
+
+
+def test_fixed_tiles_give_a_token_the_same_bits_whatever_shares_its_step(monkeypatch):
+    """gemm_tiles="fixed" (hgc compile --batch-invariant): one config and one router kernel for every
+    token count, so token t's output in a step of 1 token equals its row in a step of 9 bit for bit,
+    and both match the CPU oracle. The tuned choice would switch paths between these counts (token
+    path to T=4, sorted tiles past it; the router's GEMV to 16, a dot past 64), which is what made a
+    decode row and a verify row of one token differ."""
+    import runtime.backends.triton_moe as backend_module
+    from runtime.backends.moe_config import FIXED_CONFIG, FIXED_LOGITS_KERNEL
+    from runtime.backends.triton_moe import MoELayerShape
+
+    g = torch.Generator().manual_seed(21)
+    E, T = 8, 9
+    op_args = _layer(g, E, True, "gated_S=40")
+    x = torch.randn(T, D, generator=g)
+    tail = (0, 2, "sigmoid", True, 1.0, 4, 2)
+    backend = TritonMoEBackend(device=DEV, gemm_tiles="fixed")
+    assert backend.config_for(1, E, I, D, 2, DEV) == backend.config_for(512, E, I, D, 2, DEV) == FIXED_CONFIG
+    launched = []
+    real_route = backend_module._kernels().route
+    monkeypatch.setattr(backend_module._kernels(), "route",
+                        lambda *a, **k: launched.append(k.get("logits_kernel")) or real_route(*a, **k))
+    rows = {}
+    for n in (1, T):
+        out = torch.full((n, D), float("nan"), device=DEV)
+        backend.moe(None, *_on(x[:n], *op_args, out), *tail)
+        rows[n] = out.cpu()
+    assert launched == [FIXED_LOGITS_KERNEL] * 2
+    assert torch.equal(rows[1][0], rows[T][0]), "token 0 alone and among 9 must give the same bits"
+    expected = torch.full((T, D), float("nan"))
+    CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
+    assert _rel(rows[T], expected) <= 1e-4
+    # one launch variant below the sort's wider scan: start-up builds a kernel set, not one per bucket
+    layer = MoELayerShape.of(_moe_call())
+    fixed = TritonMoEBackend(device="cpu", layers=(layer,), gemm_tiles="fixed")
+    monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
+    assert fixed.kernel_variant_tokens(256) == (1, 86)
+    with pytest.raises(ValueError, match="gemm_tiles"):
+        TritonMoEBackend(device="cpu", gemm_tiles="tiny")

@@ -61,7 +61,7 @@ def _config(args):
                          decode_batch_sizes=getattr(args, "decode_buckets", None) or DEFAULT_DECODE_BATCH_SIZES,
                          extend_token_counts=getattr(args, "extend_buckets", None) or DEFAULT_EXTEND_TOKEN_COUNTS,
                          routes=tuple(args.route or ()), tp=args.tp, overlap=bool(args.overlap),
-                         overlap_min_bytes=args.overlap_min_bytes)
+                         overlap_min_bytes=args.overlap_min_bytes, batch_invariant=bool(args.batch_invariant))
 
 
 # -- tables ----------------------------------------------------------------------------------------
@@ -446,6 +446,14 @@ def _compile_flags(p) -> None:
                         "(--no-overlap) until a GPU measurement shows a gain: benchmarks/overlap_bench.py times the "
                         "MoE layer and the decode step with and without it at batch 1, 8, 32, 128. On the CPU the "
                         "branches run in order (same tokens). Not with --tp > 1 or --inductor yet")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+                   help="batch-invariant numerics (--target cuda): every decode and target_verify row is computed bit "
+                        "for bit as the request's own decode step alone would be, whatever else shares its step, so "
+                        "speculative decoding gives plain decoding's greedy tokens in bf16 too. Routing sets each "
+                        "backend's batch-invariant kernel options (fixed attention splits, fixed MoE tiles) and refuses "
+                        "backends without them; the runtime sends the glue's matrix products to a Triton kernel of "
+                        "one launch shape and runs prompt chunks apart from decodes. Slower steps: BENCHMARKS.md "
+                        "\"Batch-invariant numerics\" measures by how much. Not with --tp > 1")
     p.add_argument("--overlap-min-bytes", type=int_at_least(0), default=None, metavar="BYTES",
                    help="with --overlap: the size rule, bytes each branch and the work it overlaps must move at one "
                         "token (default: 1 MiB, compiler/passes/overlap.py says why)")

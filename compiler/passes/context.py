@@ -39,6 +39,10 @@ class CompileConfig:
     tp: int = 1  # --tp: tensor-parallel ranks; the programs are one rank's (compiler/passes/sharding.py)
     overlap: bool = False  # --overlap: shared experts out of the moe op, side-stream branches (compiler/passes/overlap.py)
     overlap_min_bytes: Optional[int] = None  # --overlap-min-bytes: the overlap pass's size rule (None: its default)
+    # --batch-invariant: every decode and target_verify row computed bit for bit as the request's own
+    # decode step alone would be (routing sets each backend's declared choices; the runtime routes
+    # the glue's matrix products to a kernel of one launch shape: docs/DESIGN.md "Batch invariance")
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for field in ("decode_batch_sizes", "extend_token_counts"):
@@ -50,6 +54,13 @@ class CompileConfig:
         if self.overlap_min_bytes is not None and (not self.overlap or self.overlap_min_bytes < 0):
             raise ValueError(f"compile config: --overlap-min-bytes {self.overlap_min_bytes} needs --overlap and a "
                              f"count of bytes >= 0")
+        if self.batch_invariant and self.target.split(":")[0] != "cuda":
+            raise ValueError(f"compile config: --batch-invariant is built for --target cuda (its matrix-product "
+                             f"kernel is Triton's), not {self.target!r}")
+        if self.batch_invariant and self.tp > 1:
+            raise ValueError(f"compile config: --batch-invariant with --tp {self.tp}: an all-reduce's summation order "
+                             f"follows its message size, so rows of a tensor-parallel step are not batch-invariant; "
+                             f"drop one")
         if self.overlap and self.tp > 1:
             raise ValueError(f"compile config: --overlap with --tp {self.tp}: the side-stream pass has not been "
                              f"built for tensor-parallel programs (the shared expert's partial sums); drop one")
@@ -58,6 +69,7 @@ class CompileConfig:
         return {"target": self.target, "dtype": self.dtype, "decode_batch_sizes": list(self.decode_batch_sizes),
                 "extend_token_counts": list(self.extend_token_counts), "routes": [str(r) for r in self.routes],
                 "overlap": self.overlap,
+                **({"batch_invariant": True} if self.batch_invariant else {}),
                 **({"overlap_min_bytes": self.overlap_min_bytes} if self.overlap_min_bytes is not None else {}),
                 **({"tp": self.tp} if self.tp > 1 else {})}
 

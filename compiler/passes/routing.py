@@ -23,6 +23,11 @@ For each op node, in graph order:
 5. record the choice in node.meta["hgc.backend"] and one entry in ctx.routing[program]: backend,
    kernel options (each declared option resolved, a route's choice or the default), and what chose it.
 
+With --batch-invariant (CompileConfig.batch_invariant), step 3 keeps only backends that declare
+batch-invariant kernels (`BackendCapability.batch_invariant`), and step 5 sets the options that
+declaration names; a route to a backend without one, or one that sets such an option otherwise,
+is an error.
+
 Route syntax (`parse_route`): `gdn_core=cpu_reference`, `layers=3,7:torch_reference`,
 `gqa_attention=flashinfer[extend_impl=paged]`. A route that matches no node, names an unknown
 backend or option, or whose backend implements none of a listed layer's ops is an error too.
@@ -156,6 +161,14 @@ def _automatic(node, ctx, facts):
             f"{_where(node, layer_id, kind.value)}: no backend on {target} runs hgc.{op} in {facts.dtype} with "
             f"shapes {dict(facts.shapes)} (considered: {considered}); fix: compile with another --dtype, or use a "
             f"checkpoint whose shapes a backend serves{also}")
+    if ctx.config.batch_invariant:
+        invariant = [c for c in fits if c.batch_invariant_for(op) is not None]
+        if not invariant:
+            raise RoutingError(
+                f"{_where(node, layer_id, kind.value)}: --batch-invariant, and no backend that runs hgc.{op} here "
+                f"declares batch-invariant kernels (considered: {', '.join(c.name for c in fits)}); fix: compile "
+                f"without --batch-invariant, or give one of them a `batch_invariant` declaration")
+        fits = invariant
     policy = op_spec(op).policy
     wanted = {m for m in MODES if policy[m] is Capture.CAPTURABLE}
 
@@ -170,11 +183,31 @@ def choose_backend(node, ctx) -> tuple[object, dict, str]:
     facts = call_facts(node)
     route = _route_for(node, ctx.config.routes, ctx.capabilities)
     cap = _routed(node, route, ctx, facts) if route is not None else _automatic(node, ctx, facts)
+    given = dict(route.options) if route is not None else {}
+    if ctx.config.batch_invariant:
+        given = _batch_invariant_options(node, cap, given, route)
     try:
-        options = cap.resolve_options(dict(route.options) if route is not None else {})
+        options = cap.resolve_options(given)
     except CapabilityError as e:
         raise RoutingError(f"routing: route {route}: {e}") from None
     return cap, options, f"route {route}" if route is not None else "priority"
+
+
+def _batch_invariant_options(node, cap, given: dict, route: Optional[Route]) -> dict:
+    """`given` with the backend's batch-invariant choices set (--batch-invariant); a route that chose
+    otherwise, or a backend with no such choices, is refused."""
+    where = _where(node, node.meta["hgc.layer_id"], node.meta["hgc.kind"])
+    declared = cap.batch_invariant_for(node.meta["hgc.op"])
+    if declared is None:
+        raise RoutingError(f"{where}: --batch-invariant, and route {route} names {cap.name}, which declares no "
+                           f"batch-invariant kernels for hgc.{node.meta['hgc.op']}; fix: route it to a backend that "
+                           f"does (hgc backends lists them) or compile without --batch-invariant")
+    for option, choice in declared.items():
+        if given.get(option, choice) != choice:
+            raise RoutingError(f"{where}: --batch-invariant needs {cap.name}[{option}={choice}], and route {route} "
+                               f"sets {option}={given[option]}; fix: drop that option from the route")
+        given[option] = choice
+    return given
 
 
 def _check_routes(ctx) -> None:

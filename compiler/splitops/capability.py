@@ -156,6 +156,13 @@ class BackendCapability:
     # Kernel alternatives, each an option with its choices, the first the default. Routing records
     # the resolved choice per node; `--route OP=BACKEND[option=choice]` picks another.
     options: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # The kernel options under which every decode and verify row this backend computes is bit for bit
+    # the same whatever else shares its step (batch size, rows per request, other requests' lengths):
+    # `hgc compile --batch-invariant` sets them on every node routed here. (): always so; None: no
+    # such choice, and routing refuses the backend under that flag. batch_invariant_ops: the ops
+    # they hold for (None: every op it declares); routing refuses it for the others.
+    batch_invariant: Optional[tuple[tuple[str, str], ...]] = None
+    batch_invariant_ops: Optional[frozenset[str]] = None
     priority: int = 0  # among several backends that fit a node, the highest wins (then declaration order)
     explicit_only: bool = False  # never chosen by priority: only a --route naming it binds a node here
     doc: str = ""
@@ -190,6 +197,13 @@ class BackendCapability:
         for option, choices in self.options:
             if not choices or len(set(choices)) != len(choices):
                 raise CapabilityError(f"backend {self.name!r}: option {option!r} needs distinct choices, got {choices}")
+        for option, choice in self.batch_invariant or ():
+            if choice not in dict(self.options).get(option, ()):
+                raise CapabilityError(f"backend {self.name!r}: batch-invariant choice {option}={choice} is not one of "
+                                      f"its options' choices")
+        if self.batch_invariant_ops is not None and not set(self.batch_invariant_ops) <= set(self.ops):
+            raise CapabilityError(f"backend {self.name!r}: batch-invariant ops "
+                                  f"{sorted(set(self.batch_invariant_ops) - set(self.ops))} it does not declare")
 
     def serves(self, op: str, kind: Optional[LayerKind]) -> bool:
         """Whether this backend runs `op` for a layer of `kind` (kind None: an op of no layer kind)."""
@@ -220,6 +234,12 @@ class BackendCapability:
             if why:
                 return why
         return None
+
+    def batch_invariant_for(self, op: str) -> Optional[dict[str, str]]:
+        """The options that make this backend's rows of `op` batch-invariant, or None: it has none."""
+        if self.batch_invariant is None or (self.batch_invariant_ops is not None and op not in self.batch_invariant_ops):
+            return None
+        return dict(self.batch_invariant)
 
     def option_choices(self) -> dict[str, tuple[str, ...]]:
         return dict(self.options)
@@ -264,6 +284,8 @@ class BackendCapability:
             "dtypes": None if self.dtypes is None else sorted(self.dtypes),
             "limits": [lim.to_json() for lim in self.limits],
             "options": {k: list(v) for k, v in self.options},
+            "batch_invariant": None if self.batch_invariant is None else dict(self.batch_invariant),
+            "batch_invariant_ops": None if self.batch_invariant_ops is None else sorted(self.batch_invariant_ops),
             "priority": self.priority,
             "explicit_only": self.explicit_only,
         }
@@ -279,6 +301,10 @@ class BackendCapability:
             dtypes=None if obj.get("dtypes") is None else frozenset(obj["dtypes"]),
             limits=tuple(ShapeLimit.from_json(lim) for lim in obj.get("limits", ())),
             options=tuple((k, tuple(v)) for k, v in (obj.get("options") or {}).items()),
+            batch_invariant=(None if obj.get("batch_invariant") is None
+                             else tuple((k, str(v)) for k, v in obj["batch_invariant"].items())),
+            batch_invariant_ops=(None if obj.get("batch_invariant_ops") is None
+                                 else frozenset(obj["batch_invariant_ops"])),
             priority=int(obj.get("priority", 0)), explicit_only=bool(obj.get("explicit_only", False)),
         )
 

@@ -49,6 +49,17 @@ KV layout: the pool's "k" and "v" tensors [pages, page_size, Hkv, D] are FlashIn
 form as they are; the MLA "latent" entry [pages, page_size, R+P] is handed over as two strided
 views [..., :R] and [..., R:] (the MLA kernels take page and token strides).
 
+Splits of the keys (`kv_splits`, a routing option): "auto" lets the Triton kernels choose their
+split count from the step's rows; "fixed" makes them split every row's keys at fixed positions
+(triton_split_kv.py), so a row's output depends only on its query, its keys and its position, not
+on what else shares its step. It covers the steps the Triton kernels serve: for GQA layers,
+decode and target_verify steps whose requests all carry the same n rows (`decode_impl="triton"`);
+for MLA layers every step (`mla_impl="triton"`: the Triton MLA kernel serves extend and mixed
+steps too). GQA extend and mixed steps, and target_verify steps of unequal rows, still run
+FlashInfer's prefill wrappers, which choose their own splits per batch. FlashInfer's decode and
+MLA kernels do the same, so "fixed" needs every GQA group on decode_impl="triton" and every MLA
+group on mla_impl="triton".
+
 It does not: choose buckets, capture or replay graphs, pad batches (the graph runner does), or
 implement the linear-attention ops (routing binds those nodes to another backend; the runtime's
 BackendSet forwards each step's hooks to both).
@@ -79,6 +90,7 @@ except ImportError:  # pragma: no cover - metadata building still works without 
 __all__ = [
     "FlashInferAttentionBackend",
     "FLASHINFER_GQA_HEAD_DIMS",
+    "KV_SPLITS",
     "full_layer_options",
     "FlashInferMissing",
     "PagedMetadata",
@@ -91,6 +103,9 @@ __all__ = [
 # (triton_gqa.py) replays as fast as FlashInfer's decode and needs no host plan per step
 # (BENCHMARKS.md, "Plan-free decode"); FlashInfer's stays a routing choice.
 DECODE_IMPLS = ("triton", "flashinfer")
+# How the Triton attention kernels split a row's keys, the default first: "auto" by the step's rows,
+# "fixed" at fixed key positions (a row's result then independent of its step's batch).
+KV_SPLITS = ("auto", "fixed")
 
 GPU_EXTRA_HINT = "install the gpu extra: pip install -e '.[gpu]' (flashinfer-python)"
 
@@ -401,12 +416,19 @@ class FlashInferAttentionBackend(BackendHooks):
         # Kernel alternatives routing records (the first choice is the default; see __init__).
         # decode_impl: the default is the first choice; "triton" plans nothing on the host for
         # decode and target_verify steps (runtime/backends/triton_gqa.py).
+        # kv_splits: "fixed" makes the Triton kernels' results independent of the step's batch
+        # (module docstring, "Splits of the keys").
         options=(("extend_impl", ("ragged", "paged")),
                  ("decode_impl", DECODE_IMPLS),
                  ("decode_backend", ("fa2", "auto", "fa3")),
                  ("decode_tensor_cores", ("auto", "on", "off")),
                  ("prefill_backend", ("auto", "fa2", "fa3")),
-                 ("mla_backend", ("auto", "fa2", "fa3"))),
+                 ("mla_backend", ("auto", "fa2", "fa3")),
+                 ("kv_splits", KV_SPLITS)),
+        # --batch-invariant: GQA on the Triton table kernel with fixed splits. MLA layers here run
+        # FlashInfer's MLA kernel, which splits by the batch: routing sends them to triton_mla.
+        batch_invariant=(("decode_impl", "triton"), ("kv_splits", "fixed")),
+        batch_invariant_ops=frozenset({"gqa_attention"}),
         priority=1,
         doc="paged GQA / MLA attention through FlashInfer; decode and target_verify captured with "
             "use_cuda_graph wrappers, extend and mixed steps eager")
@@ -420,7 +442,7 @@ class FlashInferAttentionBackend(BackendHooks):
     def _kernel_options(options: Mapping[str, str]) -> dict:
         """Routing's recorded choices (capability.options) as constructor arguments."""
         kwargs = {k: options[k] for k in ("extend_impl", "decode_impl", "decode_backend", "prefill_backend",
-                                          "mla_backend") if k in options}
+                                          "mla_backend", "kv_splits") if k in options}
         if "decode_tensor_cores" in options:
             kwargs["decode_tensor_cores"] = {"auto": None, "on": True, "off": False}[options["decode_tensor_cores"]]
         return kwargs
@@ -430,7 +452,8 @@ class FlashInferAttentionBackend(BackendHooks):
                  mla_rope_dim: int = 64, q_dtype: Optional[torch.dtype] = None,
                  workspace_bytes: int = 256 * 1024 * 1024, decode_tensor_cores: Optional[bool] = None,
                  decode_backend: str = "fa2", prefill_backend: str = "auto", mla_backend: str = "auto",
-                 mla_impl: str = "flashinfer", extend_impl: str = "ragged", decode_impl: str = DECODE_IMPLS[0]):
+                 mla_impl: str = "flashinfer", extend_impl: str = "ragged", decode_impl: str = DECODE_IMPLS[0],
+                 kv_splits: str = KV_SPLITS[0]):
         """q_heads: query heads of every full layer (one int, or per layer id). layers: the full
         layers this instance serves (default: every full layer of the pool). scales: softmax
         scale per layer (GQA default head_dim**-0.5; MLA layers need one: the scale depends on
@@ -447,7 +470,9 @@ class FlashInferAttentionBackend(BackendHooks):
         every request starts from an empty cache attends over this step's k/v, 1.5x faster at
         2048 tokens) or "paged" (always the paged prefill). decode_impl: "flashinfer" or "triton"
         (GQA layers of decode and uniform target_verify steps through triton_gqa.py, straight from
-        the page table: nothing planned on the host).
+        the page table: nothing planned on the host). kv_splits: "auto" or "fixed", how the Triton
+        kernels split a row's keys (module docstring, "Splits of the keys"); "fixed" needs
+        decode_impl="triton" for GQA layers and mla_impl="triton" for MLA layers.
         """
         self.flashinfer = self._kernel_library()
         if mla_impl not in ("flashinfer", "triton"):
@@ -456,6 +481,8 @@ class FlashInferAttentionBackend(BackendHooks):
             raise ValueError(f"extend_impl must be 'paged' or 'ragged', not {extend_impl!r}")
         if decode_impl not in DECODE_IMPLS:
             raise ValueError(f"decode_impl must be one of {', '.join(map(repr, DECODE_IMPLS))}, not {decode_impl!r}")
+        if kv_splits not in KV_SPLITS:
+            raise ValueError(f"kv_splits must be one of {', '.join(map(repr, KV_SPLITS))}, not {kv_splits!r}")
         self.kv_pool = kv_pool
         self.device = kv_pool.device
         self._check_device()
@@ -466,6 +493,7 @@ class FlashInferAttentionBackend(BackendHooks):
         self.mla_impl = mla_impl
         self.extend_impl = extend_impl
         self.decode_impl = decode_impl
+        self.fixed_splits = kv_splits == "fixed"  # passed to every Triton attention kernel
         # One float workspace for every wrapper: their runs follow one another on one stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.layers: dict[int, _Group] = {}
@@ -484,6 +512,8 @@ class FlashInferAttentionBackend(BackendHooks):
                 why = g.kind == "gqa" and (gqa_head_dim_refusal(g.head_dim) or gqa_head_dim_refusal(g.head_dim_v))
                 if why:
                     raise ValueError(f"layer {layer_id} (decode_impl='triton'): {why}")
+        if self.fixed_splits:
+            self._check_fixed_splits()
         self._eager: dict[tuple[_Group, str], _Planned] = {}  # (group, kind) -> eager wrapper
         self._static: Optional[dict[str, torch.Tensor]] = None  # init_capture_state's buffers
         self._graph: dict[tuple[_Group, int, str], _Planned] = {}  # (group, bucket, kind) -> use_cuda_graph wrapper
@@ -494,6 +524,18 @@ class FlashInferAttentionBackend(BackendHooks):
     def _kernel_library(self):
         """The flashinfer module (FlashInferMissing with the install hint when it is absent)."""
         return import_flashinfer()
+
+    def _check_fixed_splits(self) -> None:
+        """kv_splits="fixed": every group on a Triton kernel, which takes fixed splits; FlashInfer's
+        decode and MLA kernels choose their own splits per batch."""
+        for layer_id, g in self.layers.items():
+            if g.kind == "gqa" and self.decode_impl != "triton":
+                raise ValueError(f"layer {layer_id} (kv_splits='fixed'): FlashInfer's decode kernel splits a row's "
+                                 f"keys by the batch; set decode_impl='triton' (decode_impl is {self.decode_impl!r})")
+            if g.kind == "mla" and self.mla_impl != "triton":
+                raise ValueError(f"layer {layer_id} (kv_splits='fixed'): FlashInfer's MLA kernel splits a row's "
+                                 f"keys by the batch; set mla_impl='triton' (route mla_attention to the triton_mla "
+                                 f"backend)")
 
     def _check_device(self) -> None:
         if self.device.type != "cuda":
@@ -780,7 +822,8 @@ class FlashInferAttentionBackend(BackendHooks):
         if step.table is not None and g in step.table.groups:
             from runtime.backends.triton_gqa import triton_gqa_attention
             t = step.table
-            triton_gqa_attention(q[:n], kc, vc, t.page_table, t.seq_lens, t.rows_per_req, target, g.scale)
+            triton_gqa_attention(q[:n], kc, vc, t.page_table, t.seq_lens, t.rows_per_req, target, g.scale,
+                                 fixed_splits=self.fixed_splits)
         elif step.kind == "ragged":
             step.wrappers[g].run(q[:n], k[:n], v[:n], out=target)
         else:
@@ -803,12 +846,12 @@ class FlashInferAttentionBackend(BackendHooks):
             from runtime.backends.triton_mla import triton_mla_attention_paged
             t = step.table
             triton_mla_attention_paged(q_latent[:n], q_rope[:n], ckv, kpe, t.page_table, t.seq_lens, t.rows_per_req,
-                                       target, g.scale)
+                                       target, g.scale, fixed_splits=self.fixed_splits)
         elif self.mla_impl == "triton":
             from runtime.backends.triton_mla import triton_mla_attention
             kv_indptr, kv_indices, row_req, row_pos = step.triton_meta
             triton_mla_attention(q_latent[:n], q_rope[:n], ckv, kpe, kv_indptr, kv_indices, row_req[:n],
-                                 row_pos[:n], target, g.scale)
+                                 row_pos[:n], target, g.scale, fixed_splits=self.fixed_splits)
         else:
             step.wrappers[g].run(q_latent[:n], q_rope[:n], ckv, kpe, out=target)
         if target.data_ptr() != out.data_ptr():

@@ -17,7 +17,7 @@ import torch
 
 from runtime.backends.launch_math import next_pow2
 
-__all__ = ["CONFIG_DIR", "GemmConfig", "MoEConfig", "default_config", "fit_shared_memory", "device_name_of", "config_file_name",
+__all__ = ["CONFIG_DIR", "GemmConfig", "MoEConfig", "default_config", "FIXED_CONFIG", "FIXED_LOGITS_KERNEL", "fit_shared_memory", "device_name_of", "config_file_name",
            "load_config_table", "pick_bucket"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
@@ -107,6 +107,16 @@ def default_config(T: int, E: int, I: int, D: int, top_k: int) -> MoEConfig:
     if m <= 48:
         return MoEConfig(GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4))
     return MoEConfig(GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 128, 64, 8, 8, 4))
+
+
+# Batch-invariant tiles (TritonMoEBackend(gemm_tiles="fixed")): one config for every token count, so a
+# token's expert products are the same bits in a step of 1 token or of 512. The sorted path, not the
+# token path: a pair's row reduces over BLOCK_K-wide steps in one order whatever other pairs share
+# its tile, and the same BLOCK_K, warps and tensor-core tile serve every step. Its first bucket's
+# tiles (the default for few pairs per expert), since decode and verify steps are where it runs most.
+FIXED_CONFIG = MoEConfig(GemmConfig(16, 32, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4))
+# ... and one router logits kernel: the GEMV reduces each token's row in one program whatever T is.
+FIXED_LOGITS_KERNEL = "gemv"
 
 
 # Shared memory one block may take on Hopper: 232,448 bytes (227 KiB), less a little for Triton's own.

@@ -392,7 +392,12 @@ class TritonLinearBackend(BackendHooks):
         # short_extend_tokens, chunk_impl: the constructor's arguments of the same names, chosen at
         # compile time (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in
         # routing.json.
-        options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES)),
+        # decode_tiles: "by_batch" picks the decode and verify kernels' tiles from the step's request
+        # count (more, narrower programs for few requests); "fixed" takes the one-request tiles for
+        # every count, so a request's state and output reduce in one order whatever shares its step.
+        options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
+                 ("decode_tiles", ("by_batch", "fixed"))),
+        batch_invariant=(("decode_tiles", "fixed"),),
         doc="Triton decode kernels (decode; target_verify: every request's tokens in one launch), Triton chunk kernels "
             "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "
             "chunk kernels for KDA, or with chunk_impl=fla), a Triton extend conv; "
@@ -400,7 +405,7 @@ class TritonLinearBackend(BackendHooks):
             "and in extend and mixed where our own kernels run")
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
-                 short_extend_tokens: int = 0, chunk_impl: str = "fla"):
+                 short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = "by_batch"):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
@@ -410,7 +415,12 @@ class TritonLinearBackend(BackendHooks):
         Python a layer); 0: never. An artifact sets it through the routing option of the same name
         (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
         and Lightning layers, "fla" or "triton" (triton_chunk.chunk_extend); the routing option of the same name (CHUNK_IMPL_CHOICES), whose recorded choice
-        build() passes. Built directly (tests, benchmarks), FLA's unless asked."""
+        build() passes. Built directly (tests, benchmarks), FLA's unless asked. `decode_tiles`: the
+        routing option of the same name; "fixed" launches decode and verify steps with the tiles
+        one request would get (unless a config is pinned)."""
+        if decode_tiles not in ("by_batch", "fixed"):
+            raise ValueError(f"{self.name}: decode_tiles must be 'by_batch' or 'fixed', not {decode_tiles!r}")
+        self.fixed_tiles = decode_tiles == "fixed"
         if chunk_impl not in CHUNK_IMPL_CHOICES:
             raise ValueError(f"{self.name}: chunk_impl must be one of {CHUNK_IMPL_CHOICES}, not {chunk_impl!r}")
         self.state_pool = state_pool
@@ -442,7 +452,8 @@ class TritonLinearBackend(BackendHooks):
         captured the ops these make capturable); an entry routed before an option existed has
         none: the declared default."""
         return {"short_extend_tokens": int(options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])),
-                "chunk_impl": options.get("chunk_impl", CHUNK_IMPL_CHOICES[0])}
+                "chunk_impl": options.get("chunk_impl", CHUNK_IMPL_CHOICES[0]),
+                "decode_tiles": options.get("decode_tiles", "by_batch")}
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -729,12 +740,14 @@ class TritonLinearBackend(BackendHooks):
         if gate_kind != kernels.GATE_PER_HEAD:
             assert q.shape[1] == v.shape[1], f"{op}: key heads {q.shape[1]} != value heads {v.shape[1]}"
         slots, state = self._step_slots(ctx), self._layer_state(layer_id, "recurrent")
+        config = self.recurrent_config
+        if config is None and self.fixed_tiles:  # the tiles of one request, whatever the step holds
+            config = kernels.recurrent_config(1, v.shape[1], q.shape[2], v.shape[2], v.device)
         if n == 1:
-            kernels.recurrent_decode(q, k, v, gate, beta, out, state, slots, scale, gate_kind, self.recurrent_config)
+            kernels.recurrent_decode(q, k, v, gate, beta, out, state, slots, scale, gate_kind, config)
         else:
             inter = self.state_pool.verify_layer(layer_id, n, slots.shape[0])["recurrent"]
-            kernels.recurrent_verify(q, k, v, gate, beta, out, state, slots, inter, n, scale, gate_kind,
-                                     self.recurrent_config)
+            kernels.recurrent_verify(q, k, v, gate, beta, out, state, slots, inter, n, scale, gate_kind, config)
         return True
 
     # -- ops ------------------------------------------------------------------------------------
@@ -758,8 +771,11 @@ class TritonLinearBackend(BackendHooks):
         if path == "extend":
             return self._conv_extend(ctx, x, weight, bias, out, layer_id, silu)
         slots, state = self._step_slots(ctx), self._layer_state(layer_id, "conv")
+        config = self.conv_config
+        if config is None and self.fixed_tiles:
+            config = _kernels().conv_config(1, x.shape[1], x.device)
         if n == 1:
-            _kernels().short_conv_decode(x, weight, bias, out, state, slots, silu, self.conv_config)
+            _kernels().short_conv_decode(x, weight, bias, out, state, slots, silu, config)
             return
         inter = self.state_pool.verify_layer(layer_id, n, slots.shape[0])["conv"]
-        _kernels().short_conv_verify(x, weight, bias, out, state, slots, inter, n, silu, self.conv_config)
+        _kernels().short_conv_verify(x, weight, bias, out, state, slots, inter, n, silu, config)

@@ -17,14 +17,18 @@ Two ways to find a row's keys (a constexpr switch of the split pass):
   same for GQA).
 
 1. Split pass, grid (rows, head blocks, splits): each program takes one query row, BLOCK_H heads
-   and one contiguous share of the keys that row may see (causal: positions 0..its position),
-   walks it BLOCK_N tokens at a time through the page indices, and keeps an online softmax in
-   float32. It writes its normalised partial output and its log-sum-exp (base 2).
+   and its split of the keys that row may see (causal: positions 0..its position; one contiguous
+   share, or with fixed splits chunks of SPLIT_TOKENS keys at fixed positions), walks it BLOCK_N
+   tokens at a time through the page indices, and keeps an online softmax in float32. It writes
+   its normalised partial output and its log-sum-exp (base 2).
 2. Combine pass, grid (rows, heads; `combine_splits` of triton_split_kv.py, shared with the GQA kernel): merges the
    splits by their log-sum-exp.
 
-The number of splits depends only on the number of rows and heads, so a captured decode graph
-replays the same launch for any context length. Every query row reads its keys again, so for
+The number of splits depends only on the number of rows and heads (fixed splits: always
+MAX_SPLITS), so a captured decode graph replays the same launch for any context length. With
+`fixed_splits=True` a row's output depends only on its query, its keys and its position: the same
+bits in a decode, verify, extend or mixed step of any batch, from the page table or the row
+arrays (triton_split_kv.py says how). Every query row reads its keys again, so for
 long extends this kernel moves far more bytes than a prefill kernel would: it is a decode kernel
 that also computes extend correctly, not a prefill kernel.
 """
@@ -38,7 +42,8 @@ import triton.language as tl
 from runtime.backends.launch_cache import Launcher
 from runtime.backends.launch_math import cdiv
 from runtime.backends.sm_count import num_sms
-from runtime.backends.triton_split_kv import LOG2E, combine_splits, num_splits_for, softmax_step, split_result
+from runtime.backends.triton_split_kv import (LOG2E, combine_splits, num_splits_for, softmax_step, split_chunks,
+                                              split_layout, split_result)
 
 __all__ = ["triton_mla_attention", "triton_mla_attention_paged"]
 
@@ -50,10 +55,11 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_po
                       s_ql_t, s_ql_h, s_qr_t, s_qr_h, s_c_page, s_c_tok, s_k_page, s_k_tok, s_pt,
                       rows_per_req, num_heads, page_size, scale_log2, num_splits,
                       R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
                       FROM_TABLE: tl.constexpr):
     # FROM_TABLE: `pages` is the page table [B, s_pt] and `seq_lens` gives each row its position
     # (kv_indptr, row_req, row_pos unused); else `pages` is kv_indices, found through the row arrays.
+    # SPLIT_TOKENS: 0, the default shares; else fixed splits (triton_split_kv.split_chunks).
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -66,9 +72,9 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_po
         kv_len = tl.load(row_pos + t) + 1  # causal: the row sees keys 0..its own position
         page_row = pages + tl.load(kv_indptr + req)
     kv_len = tl.maximum(kv_len, 0)  # a padding request (seq_lens 0) sees no key: a zero output
-    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, kv_len)
+    # Each row walks its own keys (one row per program): either way of finding them, in any step,
+    # fixed splits give a row at one position the same tiles in the same order.
+    width, rounds = split_chunks(kv_len, num_splits, SPLIT_TOKENS, BLOCK_N)
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
@@ -82,23 +88,28 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_po
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        page = tl.load(page_row + n // page_size, mask=nmask, other=0).to(tl.int64)
-        off = (n % page_size).to(tl.int64)
-        c = tl.load(ckv + page[:, None] * s_c_page + off[:, None] * s_c_tok + r[None, :], mask=nmask[:, None], other=0.0)
-        kr = tl.load(kpe + page[:, None] * s_k_page + off[:, None] * s_k_tok + p[None, :],
-                     mask=nmask[:, None] & pmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(c), input_precision=PRECISION)
-        s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
-        s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
-        m, alpha, w, l = softmax_step(m, l, s)
-        acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c, input_precision=PRECISION)
+    for rnd in range(0, rounds):
+        start = (split + rnd * num_splits) * width
+        end = tl.minimum(start + width, kv_len)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nmask = n < end
+            page = tl.load(page_row + n // page_size, mask=nmask, other=0).to(tl.int64)
+            off = (n % page_size).to(tl.int64)
+            c = tl.load(ckv + page[:, None] * s_c_page + off[:, None] * s_c_tok + r[None, :], mask=nmask[:, None],
+                        other=0.0)
+            kr = tl.load(kpe + page[:, None] * s_k_page + off[:, None] * s_k_tok + p[None, :],
+                         mask=nmask[:, None] & pmask[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(c), input_precision=PRECISION)
+            s += tl.dot(qr, tl.trans(kr), input_precision=PRECISION)
+            s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
+            m, alpha, w, l = softmax_step(m, l, s)
+            acc = acc * alpha[:, None] + tl.dot(w.to(c.dtype), c, input_precision=PRECISION)
 
     o, lse = split_result(acc, m, l)
     idx = (t * num_heads + heads) * num_splits + split
-    tl.store(part_o + idx[:, None] * R + r[None, :], o, mask=hmask[:, None])
+    # A split that saw no key stores its -inf alone: the combine pass reads no output for it.
+    tl.store(part_o + idx[:, None] * R + r[None, :], o, mask=(hmask & (lse > float("-inf")))[:, None])
     tl.store(part_lse + idx, lse, mask=hmask)
 
 
@@ -106,17 +117,24 @@ _MLA_SPLIT = Launcher(_mla_split_kernel)  # eager gaps repeat its arguments (lau
 
 
 def triton_mla_attention(q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_req, row_pos, out, scale,
-                         block_h: int = 16, block_n: int = 32, num_splits: int | None = None) -> None:
+                         block_h: int = 16, block_n: int = 32, num_splits: int | None = None,
+                         fixed_splits: bool = False, split_tokens: int | None = None) -> None:
     """q_latent [T,H,R], q_rope [T,H,P]; ckv [pages,page_size,R] and kpe [pages,page_size,P] (views
     with unit last stride); kv_indptr/kv_indices: FlashInfer's page lists per request; row_req /
-    row_pos [T] int32: each row's request and position; out [T,H,R] written in place."""
+    row_pos [T] int32: each row's request and position; out [T,H,R] written in place.
+
+    num_splits: the default mode's split count (None: num_splits_for chooses from the rows).
+    fixed_splits: a row's output depends only on its query, its keys and its position, the same
+    bits in any step and either way of finding its keys (triton_split_kv's module docstring);
+    split_tokens: its chunk (None: SPLIT_TOKENS; tests pass smaller ones). Not with num_splits."""
     # seq_lens is not read in this mode: any int32 tensor stands in for the pointer
     _launch(q_latent, q_rope, ckv, kpe, kv_indices, kv_indptr, row_req, row_pos, row_pos, 0, 1, False,
-            out, scale, block_h, block_n, num_splits)
+            out, scale, block_h, block_n, num_splits, fixed_splits, split_tokens)
 
 
 def triton_mla_attention_paged(q_latent, q_rope, ckv, kpe, page_table, seq_lens, rows_per_req, out, scale,
-                               block_h: int = 16, block_n: int = 32, num_splits: int | None = None) -> None:
+                               block_h: int = 16, block_n: int = 32, num_splits: int | None = None,
+                               fixed_splits: bool = False, split_tokens: int | None = None) -> None:
     """As triton_mla_attention, for a step whose B requests all have rows_per_req (n) rows,
     T = B * n: page_table [B, width] and seq_lens [B] int32 on the device, read as they are."""
     B = page_table.shape[0]
@@ -126,11 +144,11 @@ def triton_mla_attention_paged(q_latent, q_rope, ckv, kpe, page_table, seq_lens,
     assert page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32
     # kv_indptr, row_req and row_pos are not read in this mode: seq_lens stands in for the pointers
     _launch(q_latent, q_rope, ckv, kpe, page_table, seq_lens, seq_lens, seq_lens, seq_lens, page_table.stride(0),
-            rows_per_req, True, out, scale, block_h, block_n, num_splits)
+            rows_per_req, True, out, scale, block_h, block_n, num_splits, fixed_splits, split_tokens)
 
 
 def _launch(q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_lens, s_pt, rows_per_req,
-            from_table, out, scale, block_h, block_n, num_splits) -> None:
+            from_table, out, scale, block_h, block_n, num_splits, fixed_splits, split_tokens) -> None:
     T, H, R = q_latent.shape
     P = q_rope.shape[-1]
     if T == 0:
@@ -139,6 +157,7 @@ def _launch(q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_
     assert R & (R - 1) == 0 and P & (P - 1) == 0, f"triton MLA: R={R} and P={P} must be powers of two"
     assert R >= 16, f"triton MLA: a latent rank of {R} is below a dot's smallest width (16)"
     head_blocks = cdiv(H, block_h)
+    num_splits, split_tokens = split_layout(num_splits, fixed_splits, split_tokens, block_n)
     if num_splits is None:
         num_splits = num_splits_for(T, head_blocks, num_sms(q_latent.device))
     part_o = torch.empty(T * H * num_splits, R, dtype=torch.float32, device=q_latent.device)
@@ -149,6 +168,6 @@ def _launch(q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), s_pt,
         rows_per_req, H, ckv.shape[1], scale * LOG2E, num_splits,
-        R=R, P=P, P_PAD=max(16, P), BLOCK_H=block_h, BLOCK_N=block_n, PRECISION=precision,
-        FROM_TABLE=from_table, num_warps=8, num_stages=2)
+        R=R, P=P, P_PAD=max(16, P), BLOCK_H=block_h, BLOCK_N=block_n, SPLIT_TOKENS=split_tokens,
+        PRECISION=precision, FROM_TABLE=from_table, num_warps=8, num_stages=2)
     combine_splits(part_o, part_lse, out, num_splits)

@@ -14,12 +14,16 @@ an MLA layer under the Triton kernel). Decode steps read the page table and sequ
 they are (the kernel's page-table mode): nothing is planned on the host for them; extend and mixed
 steps build the paged metadata for the kernel's row arrays. Lifecycle:
 runtime/backends/flashinfer_attention.py.
+
+Its one routing option, `kv_splits` ("auto", the default, or "fixed"), is that backend's: "fixed"
+splits every row's keys at fixed positions, so a row's output is the same bits in any step of any
+batch (decode, target_verify, extend and mixed: the Triton kernel serves them all here).
 """
 
 from __future__ import annotations
 
 from compiler.splitops import DTYPES, BackendCapability, LayerKind, Mode, ShapeLimit
-from runtime.backends.flashinfer_attention import FlashInferAttentionBackend, full_layer_options
+from runtime.backends.flashinfer_attention import KV_SPLITS, FlashInferAttentionBackend, full_layer_options
 from runtime.backends.protocol import BackendSetup
 
 __all__ = ["TritonMLABackend"]
@@ -34,12 +38,14 @@ class TritonMLABackend(FlashInferAttentionBackend):
         modes_capturable=frozenset({Mode.DECODE}), dtypes=frozenset(DTYPES),
         limits=(ShapeLimit("mla_attention", "q_latent", -1, power_of_two=True, why=_POW2_WHY),
                 ShapeLimit("mla_attention", "q_rope", -1, power_of_two=True, why=_POW2_WHY)),
+        options=(("kv_splits", KV_SPLITS),),  # the FlashInfer backend's option of that name
+        batch_invariant=(("kv_splits", "fixed"),),
         priority=0,
         doc="MLA through the Triton split-KV kernel (triton_mla.py): every dtype; decode captured, extend eager")
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonMLABackend":
-        return cls(setup.kv_pool, **full_layer_options(setup))
+        return cls(setup.kv_pool, **full_layer_options(setup), **cls._kernel_options(setup.options))
 
     def __init__(self, kv_pool, q_heads, scales=None, **kwargs):
         kwargs.setdefault("workspace_bytes", 0)  # FlashInfer's float workspace: no FlashInfer wrapper runs here

@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 
 from compiler.splitops import MODES, BackendCapability, Mode
-from runtime.backends.moe_config import (CONFIG_DIR, MoEConfig, config_file_name, default_config, device_name_of,
-                                         fit_shared_memory,
-                                         load_config_table, pick_bucket)
+from runtime.backends.moe_config import (CONFIG_DIR, FIXED_CONFIG, FIXED_LOGITS_KERNEL, MoEConfig, config_file_name,
+                                         default_config, device_name_of, fit_shared_memory, load_config_table,
+                                         pick_bucket)
 from runtime.backends.launch_math import cdiv, triton_interpreted
 from runtime.backends.protocol import BackendHooks, BackendSetup
 
@@ -83,14 +83,23 @@ class TritonMoEBackend(BackendHooks):
     capability = BackendCapability(
         name="triton_moe", device="cuda", ops=frozenset({"moe"}),
         modes_supported=frozenset(MODES), modes_capturable=frozenset(MODES),
+        # gemm_tiles: "tuned" picks tiles and the router's logits kernel by the step's token count
+        # (moe_configs/); "fixed" uses one of each for every count (moe_config.FIXED_CONFIG), so a
+        # token's result does not depend on what shares its step.
+        options=(("gemm_tiles", ("tuned", "fixed")),),
+        batch_invariant=(("gemm_tiles", "fixed"),),
         doc="Fused Triton MoE: device-side top-k routing, static-shape token sorting, grouped expert "
             "GEMMs (the shared expert as extra experts) with SiLU-and-mul and weighted combine; no host "
             "sync, capturable in every mode")
 
     def __init__(self, config_dir: "str | os.PathLike | None" = None, device: "str | torch.device" = "cuda",
-                 layers: tuple[MoELayerShape, ...] = ()):
+                 layers: tuple[MoELayerShape, ...] = (), gemm_tiles: str = "tuned"):
         """layers: the shapes of the moe calls this instance serves (`build` reads them off the
-        graph); `kernel_variant_tokens` needs them, nothing else does."""
+        graph); `kernel_variant_tokens` needs them, nothing else does. gemm_tiles: the capability's
+        option ("fixed": FIXED_CONFIG and the GEMV router for every token count; config_dir unused)."""
+        if gemm_tiles not in ("tuned", "fixed"):
+            raise ValueError(f"{self.name}: gemm_tiles must be 'tuned' or 'fixed', not {gemm_tiles!r}")
+        self.fixed_tiles = gemm_tiles == "fixed"
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
         self.device = torch.device(device)
         self.layers = tuple(dict.fromkeys(layers))
@@ -101,7 +110,8 @@ class TritonMoEBackend(BackendHooks):
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonMoEBackend":
         """The tuned configs of runtime/backends/moe_configs/, launches on the pools' device."""
-        return cls(device=setup.device, layers=tuple(MoELayerShape.of(c) for c in setup.calls if c.op == "moe"))
+        return cls(device=setup.device, layers=tuple(MoELayerShape.of(c) for c in setup.calls if c.op == "moe"),
+                   gemm_tiles=setup.options.get("gemm_tiles", "tuned"))
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -136,7 +146,7 @@ class TritonMoEBackend(BackendHooks):
             for T in range(1, max_tokens + 1):
                 raw = self.config_for(T, layer.experts, layer.inter, layer.hidden, layer.top_k, self.device)
                 config = fitted.get(raw) or fitted.setdefault(raw, fit_shared_memory(raw, layer.itemsize))
-                variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config)
+                variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config, self._logits_kernel)
                 first.setdefault((layer, variant), T)
         self._variant_tokens[max_tokens] = tuple(sorted(set(first.values())))
         return self._variant_tokens[max_tokens]
@@ -153,7 +163,14 @@ class TritonMoEBackend(BackendHooks):
     def config_path(self, E: int, I: int, device_name: str) -> Path:
         return self.config_dir / config_file_name(E, I, device_name)
 
+    @property
+    def _logits_kernel(self) -> Optional[str]:
+        """The router logits kernel every step launches, or None: chosen per step from its token count."""
+        return FIXED_LOGITS_KERNEL if self.fixed_tiles else None
+
     def config_for(self, T: int, E: int, I: int, D: int, top_k: int, device: torch.device) -> MoEConfig:
+        if self.fixed_tiles:
+            return FIXED_CONFIG
         key = (E, I, device_name_of(device))
         if key not in self._tables:
             path = self.config_path(*key)
@@ -180,4 +197,5 @@ class TritonMoEBackend(BackendHooks):
             config = fit_shared_memory(self.config_for(x.shape[0], w13.shape[0], w2.shape[-1], x.shape[1], top_k,
                                                        x.device), x.element_size())
         _kernels().fused_moe(x, router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate, out, top_k,
-                             scoring, renormalize, routed_scale, num_groups, topk_groups, config, n_real=n_real)
+                             scoring, renormalize, routed_scale, num_groups, topk_groups, config, n_real=n_real,
+                             logits_kernel=self._logits_kernel)

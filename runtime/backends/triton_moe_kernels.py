@@ -647,13 +647,14 @@ def align_block_p(num_pairs: int) -> int:
     return 1024 if num_pairs > 256 else 256
 
 
-def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig) -> tuple:
+def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits_kernel: Optional[str] = None) -> tuple:
     """Everything an eager step of T tokens picks from T that makes Triton build another kernel: the
-    logits kernel, the GEMM configs (their tiles are constexprs) and the sort's scan width. Two
-    token counts with equal variants launch the same kernels; the backend's
-    `kernel_variant_tokens` runs one count of each at start-up, so a bundle holds them all."""
+    logits kernel (`logits_kernel` where the caller fixes it), the GEMM configs (their tiles are
+    constexprs) and the sort's scan width. Two token counts with equal variants launch the same
+    kernels; the backend's `kernel_variant_tokens` runs one count of each at start-up, so a bundle
+    holds them all."""
     sort = align_block_p(T * slots) if config.path == "sorted" else None
-    return logits_kernel_for(T, E, D), config, sort
+    return logits_kernel or logits_kernel_for(T, E, D), config, sort
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
@@ -911,8 +912,10 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
               w13: torch.Tensor, w2: torch.Tensor, shared_w13: Optional[torch.Tensor],
               shared_w2: Optional[torch.Tensor], shared_gate: Optional[torch.Tensor], out: torch.Tensor,
               top_k: int, scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
-              config: MoEConfig, n_real: "int | torch.Tensor | None" = None) -> None:
-    """The moe op into `out` [T,D] (rows >= n_real zeroed): arguments and shapes as its schema."""
+              config: MoEConfig, n_real: "int | torch.Tensor | None" = None,
+              logits_kernel: Optional[str] = None) -> None:
+    """The moe op into `out` [T,D] (rows >= n_real zeroed): arguments and shapes as its schema.
+    logits_kernel: the router's logits kernel (`route`), by default chosen from T."""
     T, D = x.shape
     E, two_i, D_w = w13.shape
     I = two_i // 2
@@ -941,7 +944,7 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
         return
     route_args = (x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale, num_groups,
                   topk_groups, n_real)
-    shared = dict(n_shared=n_shared, shared_gate=shared_gate)
+    shared = dict(n_shared=n_shared, shared_gate=shared_gate, logits_kernel=logits_kernel)
     if config.path == "token":
         ids, weights = route(*route_args, **shared)
         h = gate_up_token(x, w13, ids, config.gate_up, shared_w13=shared_w13)

@@ -2,8 +2,31 @@
 
 Both kernels split each query row's keys over several programs, keep an online softmax in
 float32 and base 2 inside each split, and merge the splits afterwards. What they share lives here,
-once: the online-softmax step of one key tile, a split's normalised result, the number of splits
-for a launch, and the combine pass.
+once: the online-softmax step of one key tile, a split's normalised result, which keys each split
+walks, the number of splits for a launch, and the combine pass.
+
+Two ways to cut a row's keys into splits (`split_chunks`, `split_layout`):
+
+- the default: `num_splits` follows the launch's rows (num_splits_for: about two waves of
+  programs) and each split takes one contiguous share of ceil(kv_len / num_splits) keys, rounded
+  up to the key tile. Fastest, but the same row at the same position is summed in another order
+  in a step of another batch size, and (GQA) in a verify step, whose shares follow the request's
+  last row.
+- fixed splits (`fixed_splits=True` of the kernels): a row's result depends only on its query,
+  its keys and its position, not on the batch, the rows per request or the step's longest row, so
+  a decode step and a verify step of any batch give a row the same bits. Each choice removes one
+  of those dependences:
+  * split boundaries at fixed key positions, chunks of SPLIT_TOKENS keys: a share of kv_len moves
+    with the row's length (GQA: the length of the request's last row) and with the split count;
+  * always MAX_SPLITS programs: a count from the launch's rows would group the chunks by batch;
+  * program `split` walks chunks split, split + MAX_SPLITS, split + 2 * MAX_SPLITS, ... in order:
+    which chunks one program sums, and in which order, follows from their positions alone, and a
+    context longer than MAX_SPLITS chunks adds rounds without regrouping the earlier chunks;
+  * the combine pass always merges MAX_SPLITS partials, the empty ones adding exact zeros;
+  * the GQA kernel takes its largest row tile whatever the rows per request (triton_gqa.py).
+  The price: a row of L keys keeps ceil(L / SPLIT_TOKENS) of its MAX_SPLITS programs busy (a short
+  context at a small batch gets fewer busy programs than the default would give it), and the
+  partial buffers hold MAX_SPLITS entries per row and head (an empty split writes its -inf only).
 
 It does not: address the paged cache (each kernel finds its keys its own way) or store K/V rows.
 """
@@ -16,7 +39,8 @@ import triton.language as tl
 
 from runtime.backends.launch_cache import Launcher
 
-__all__ = ["LOG2E", "MAX_SPLITS", "combine_splits", "num_splits_for", "softmax_step", "split_result"]
+__all__ = ["LOG2E", "MAX_SPLITS", "SPLIT_TOKENS", "combine_splits", "num_splits_for", "softmax_step", "split_chunks",
+           "split_layout", "split_result"]
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 
@@ -48,6 +72,32 @@ def split_result(acc, m, l):
 # (or a specialized int) it would make kernels that no build saw, built in the middle of serving and
 # missing from the artifact's bundle. One kernel serves every count up to MAX_SPLITS.
 MAX_SPLITS = 32
+# Fixed splits: keys per chunk. A multiple of every key tile (BLOCK_N: 32 or 64 by default), so
+# every chunk is whole tiles; several tiles per chunk keep a program's loop long enough to hide its
+# loads, and MAX_SPLITS chunks of 256 keys (8192 keys) spread a long context over every program of
+# a row before a second round starts (split_chunks). A constant, not a choice per step: another
+# chunk would be another sum.
+SPLIT_TOKENS = 256
+
+
+@triton.jit
+def split_chunks(kv_len, num_splits, SPLIT_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Which of a row's kv_len keys program `split` walks: (chunk width, rounds). Round c covers
+    chunk split + c * num_splits, keys [chunk * width, (chunk + 1) * width) below kv_len; rounds
+    run in order, one online softmax through them.
+
+    SPLIT_TOKENS 0, the default mode: one round, the keys cut into num_splits shares rounded up to
+    BLOCK_N (the share follows kv_len). Else fixed splits: chunks of SPLIT_TOKENS keys at fixed
+    positions and as many rounds as kv_len needs, so which keys a program sums, and in which order,
+    never depends on kv_len, only on the key positions (keys past a row's own position add exact
+    zeros: see the kernels)."""
+    if SPLIT_TOKENS == 0:
+        width = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        rounds = 1
+    else:
+        width = SPLIT_TOKENS
+        rounds = tl.cdiv(kv_len, SPLIT_TOKENS * num_splits)
+    return width, rounds
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -63,7 +113,11 @@ def _combine_kernel(part_o, part_lse, out, s_o_t, s_o_h, num_heads, num_splits,
     m = tl.max(lse, 0)
     live = lse > float("-inf")
     w = tl.where(live, tl.exp2(tl.where(live, lse - m, 0.0)), 0.0)
-    o = tl.load(part_o + (base + sp)[:, None] * R + r[None, :], mask=used[:, None], other=0.0)
+    # A split that saw no key stored no output (the split kernels skip it): read as zeros, as an
+    # unused lane is. Its weight is exactly 0 and 0 * 0 adds +0 to the sums, and the max ignores
+    # its -inf, so a row's extra empty splits leave its result bit for bit as it was: what fixed
+    # splits rely on (always MAX_SPLITS partials, most of them empty for a short row).
+    o = tl.load(part_o + (base + sp)[:, None] * R + r[None, :], mask=(used & live)[:, None], other=0.0)
     res = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(out + t * s_o_t + h * s_o_h + r, res.to(out.dtype.element_ty))
 
@@ -80,10 +134,30 @@ def num_splits_for(rows: int, head_blocks: int, num_sms: int) -> int:
     return splits
 
 
+def split_layout(num_splits: int | None, fixed_splits: bool, split_tokens: int | None,
+                 block_n: int) -> tuple[int | None, int]:
+    """A launch's (split count, SPLIT_TOKENS constexpr of its split kernel), from the caller's
+    arguments. Fixed splits: (MAX_SPLITS, SPLIT_TOKENS or the caller's split_tokens, a multiple of
+    block_n). The default: (num_splits as given, or None for num_splits_for to choose; 0)."""
+    if not fixed_splits:
+        if split_tokens is not None:
+            raise ValueError("split-KV attention: split_tokens sets the chunk of fixed splits; pass fixed_splits=True")
+        return num_splits, 0
+    if num_splits is not None:
+        raise ValueError(f"split-KV attention: num_splits={num_splits} sets the default mode's split count; "
+                         f"fixed splits always launch {MAX_SPLITS}")
+    tokens = SPLIT_TOKENS if split_tokens is None else split_tokens
+    if tokens <= 0 or tokens % block_n:
+        raise ValueError(f"split-KV attention: chunks of {tokens} keys are not a positive multiple of the "
+                         f"{block_n}-key tile")
+    return MAX_SPLITS, tokens
+
+
 def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
     """Merge the split pass's partial outputs: part_o [(row * H + head) * splits + split, Dv] float32
-    and their base-2 log-sum-exp part_lse (-inf: the split saw no key) into out [rows, H, Dv]
-    (unit last stride). A row and head whose splits all saw no key gets zeros."""
+    and their base-2 log-sum-exp part_lse (-inf: the split saw no key, and its part_o row is not
+    read) into out [rows, H, Dv] (unit last stride). A row and head whose splits all saw no key
+    gets zeros."""
     T, H, DV = out.shape
     assert out.stride(-1) == 1
     assert 1 <= num_splits <= MAX_SPLITS, f"split-KV attention: {num_splits} splits (1 to {MAX_SPLITS})"

@@ -135,7 +135,7 @@ def _pools(registry: LayerRegistry, options: EngineOptions, max_model_len: int, 
 def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], options: EngineOptions,
                  max_model_len: int, *, backend_factory: Callable, weight_bytes: int = 0,
                  device: str | torch.device = "cpu", runner_factory: Callable | None = None,
-                 speculative_factory: Callable | None = None, ranks: int = 1,
+                 speculative_factory: Callable | None = None, ranks: int = 1, prompts_apart: bool = False,
                  log: Callable[[str], None] = lambda line: None) -> Engine:
     """Pools, backend, op table and Engine for one model; `bind(ops)` returns its forward.
 
@@ -145,7 +145,8 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
     max_running, token_budget, max_seq_len). speculative_factory(ops, kv_pool, state_pool,
     engine_limits, runner) -> a SpeculativeDecoder (runtime/speculative.py), with
     options.speculative_tokens > 0. ranks: the tensor-parallel rank count the registry and
-    weights are one rank's (what the memory lines say)."""
+    weights are one rank's (what the memory lines say). prompts_apart: the Engine's (an artifact
+    compiled with --batch-invariant asks for it: LoadedArtifact.batch_invariant)."""
     if bool(options.speculative_tokens) != (speculative_factory is not None):
         raise ValueError("build_engine: speculative_tokens and a speculative_factory go together")
     kv_pool, state_pool, snapshots, memory = _pools(registry, options, max_model_len, weight_bytes, device, ranks)
@@ -163,7 +164,7 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
                                    PrefixCacheConfig(snapshot_interval=options.snapshot_interval))
     return Engine(bind(ops), ops, kv_pool, state_pool, max_tokens_per_step=options.token_budget,
                   max_running=options.max_running, max_seq_len=max_model_len, device=device, runner=runner,
-                  prefix_cache=prefix_cache, speculative=speculative)
+                  prefix_cache=prefix_cache, speculative=speculative, prompts_apart=prompts_apart)
 
 
 def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",
@@ -195,7 +196,8 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
     with art.compiled.watch() if art.compiled is not None else contextlib.nullcontext():
         engine = build_engine(art.registry, art.bind, options, max_model_len, weight_bytes=weight_bytes, device=device,
                               backend_factory=backend_factory, runner_factory=runner_factory,
-                              speculative_factory=speculative, ranks=art.docs.tp, log=log)
+                              speculative_factory=speculative, ranks=art.docs.tp,
+                              prompts_apart=art.batch_invariant, log=log)
         if art.compiled is not None and engine.runner is None:
             reports = compiled_start_up_parity(engine, _vocab_size(art), options.token_budget)
             art.compiled.parity = reports
