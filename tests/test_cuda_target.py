@@ -263,6 +263,12 @@ def test_batch_invariant_sets_every_routed_backends_declared_choices(checkpoints
     if family in GQA_FAMILIES:  # the choices differ from the defaults: the setting changed something
         assert all(e["options"]["kv_splits"] == "fixed" for e in entries(art) if e["op"] == "gqa_attention")
         assert FULL.resolve_options({})["kv_splits"] != "fixed"
+    if family == "qwen3_next":  # what a user reads: the artifact's setting, and what each backend would set
+        assert hgc(["inspect", str(art)]) == 0
+        assert "numerics: batch-invariant" in capsys.readouterr().out
+        assert hgc(["backends"]) == 0
+        out = capsys.readouterr().out
+        assert "batch-invariant" in out.splitlines()[0] and "gemm_tiles=fixed" in out and "(gqa_attention only)" in out
 
 
 def test_batch_invariant_refuses_a_route_that_undoes_it_a_backend_without_it_and_the_cpu(checkpoints, tmp_path, capsys):

@@ -288,6 +288,9 @@ def cmd_inspect(args) -> int:
     print(f"{args.artifact}: {m['family']} (torch {m['versions']['torch']}, hgc {m['versions']['hgc']}), target "
           f"{m['compile']['target']}, dtype {m['compile']['dtype']}, weights {m['weights']['mode']}")
     print(f"routes: {' '.join(routes) if routes else 'none (every node by priority)'}")
+    if m["compile"].get("batch_invariant"):
+        print("numerics: batch-invariant (hgc compile --batch-invariant: decode and verify rows computed as the "
+              "request's own decode step would be)")
     print(f"decode buckets {m['buckets']['decode_batch_sizes']}, extend buckets {m['buckets']['extend_token_counts']}\n")
     print(tabulate(routing, headers="keys", tablefmt="simple"))
     print()
@@ -403,12 +406,23 @@ def cmd_backends(args) -> int:
     table = [(r["name"], r["device"], " ".join(r["ops"]), " ".join(r["modes_supported"]),
               capturable_column(r), " ".join(r["dtypes"]) if r["dtypes"] else "any",
               r["priority"] if not r["explicit_only"] else f"{r['priority']} (only by --route)",
-              options_column(r.get("options") or {}), r["source"])
+              options_column(r.get("options") or {}), invariant_column(r), r["source"])
              for r in rows]
     print(tabulate(table, headers=("backend", "device", "ops", "modes", "capturable", "dtypes", "priority",
-                                   "options (default first)", "from"),
-                   tablefmt="simple", maxcolwidths=[None, None, 36, 24, 24, 20, None, None, 48]))
+                                   "options (default first)", "batch-invariant", "from"),
+                   tablefmt="simple", maxcolwidths=[None, None, 36, 24, 24, 20, None, None, 24, 48]))
     return 0
+
+
+def invariant_column(row: dict) -> str:
+    """What `hgc compile --batch-invariant` sets on a backend ("always": nothing to set; "-": it has no
+    batch-invariant kernels and is refused under that flag), and for which ops when not all."""
+    declared = row.get("batch_invariant")
+    if declared is None:
+        return "-"
+    text = "\n".join(f"{k}={v}" for k, v in declared.items()) or "always"
+    ops = row.get("batch_invariant_ops")
+    return text + (f"\n({' '.join(ops)} only)" if ops is not None else "")
 
 
 def options_column(options: dict) -> str:
