@@ -123,7 +123,7 @@ class ProgramRunner:
         return self._by_plan[True, pieces]
 
     def _fork_branches(self, split: torch.fx.GraphModule, plan: SplitPlan) -> None:
-        """Step 6 of the module docstring: each captured piece with side branches forks them."""
+        """Step 7 of the module docstring: each captured piece with side branches forks them."""
         for piece, name in zip(plan.pieces, piece_module_names(plan)):
             if piece.branches:
                 where = f"{self.name} {plan.mode.value} piece {piece.index}"
