@@ -360,18 +360,19 @@ class Engine:
             raise EngineStalled(f"Engine.step: nothing scheduled with {len(self._waiting)} queued and "
                                 f"{len(self._running)} running requests; {self.kv_pool.num_free} pages and "
                                 f"{self.state_pool.num_free} slots free")
-        if self.spec is None and not (self.prompts_apart and plan.prefill and plan.decode):
+        if self.spec is None and not self.prompts_apart:
             mode, outputs, _ = self._forward_and_sample(items)  # prefill chunks and decodes in one forward
-        elif self.spec is None:  # prompts_apart: the chunks' forward, then the decodes' own
-            mode, outputs, _ = self._forward_and_sample(plan.prefill)
-            outputs += self._forward_and_sample([(req, 1) for req in plan.decode])[1]
-        else:
+        else:  # prompt chunks alone first (the draft then runs over the same positions), then the decodes
             mode, outputs = None, []
-            if plan.prefill:  # prompt chunks alone, then the draft over the same positions
-                mode, outputs, _ = self._forward_and_sample(plan.prefill, drafts=True)
-            if plan.decode:  # every decoding request: drafts, one verify step, what each keeps
+            if plan.prefill:
+                mode, outputs, _ = self._forward_and_sample(plan.prefill, drafts=self.spec is not None)
+            if plan.decode and self.spec is not None:  # every decoding request: drafts, one verify step
                 outputs += self._verify(plan.decode)
                 mode = mode or Mode.TARGET_VERIFY
+            elif plan.decode:  # prompts_apart: a decode step of their own
+                decode_mode, decoded, _ = self._forward_and_sample([(req, 1) for req in plan.decode])
+                outputs += decoded
+                mode = mode or decode_mode
         self._retire([self._live[out.request_id] for out in outputs if out.finished])  # forks included
         self._record(plan, mode, sum(out.token is not None for out in outputs), time.perf_counter() - start)
         if self.kernel_watch is not None:

@@ -85,6 +85,10 @@ class MoEConfig:
         return {"gate_up": self.gate_up.to_dict(), "down": self.down.to_dict()}
 
 
+# The sorted tiles for few pairs per expert (default_config's first bucket; FIXED_CONFIG below).
+_FEW_PAIRS = MoEConfig(GemmConfig(16, 32, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4))
+
+
 def default_config(T: int, E: int, I: int, D: int, top_k: int) -> MoEConfig:
     """The config used when no JSON file matches: untuned, fitted to the winners of one H200 tuning run
     (bf16, D 2048, I 512, E 16 top-4 and E 512 top-10; benchmarks/NOTES_moe.md).
@@ -101,7 +105,7 @@ def default_config(T: int, E: int, I: int, D: int, top_k: int) -> MoEConfig:
                          GemmConfig(1, bn, min(512, next_pow2(I)), 1, 2 if bn == 2 else 4, 1))
     m = T * top_k / max(1, min(E, T * top_k))
     if m <= 10:
-        return MoEConfig(GemmConfig(16, 32, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4))
+        return _FEW_PAIRS
     if m <= 24:
         return MoEConfig(GemmConfig(32, 64, 128, 4, 4, 4), GemmConfig(32, 128, 64, 8, 4, 4))
     if m <= 48:
@@ -114,7 +118,7 @@ def default_config(T: int, E: int, I: int, D: int, top_k: int) -> MoEConfig:
 # token path: a pair's row reduces over BLOCK_K-wide steps in one order whatever other pairs share
 # its tile, and the same BLOCK_K, warps and tensor-core tile serve every step. Its first bucket's
 # tiles (the default for few pairs per expert), since decode and verify steps are where it runs most.
-FIXED_CONFIG = MoEConfig(GemmConfig(16, 32, 128, 1, 4, 4), GemmConfig(16, 128, 128, 1, 4, 4))
+FIXED_CONFIG = _FEW_PAIRS
 # ... and one router logits kernel: the GEMV reduces each token's row in one program whatever T is.
 FIXED_LOGITS_KERNEL = "gemv"
 
