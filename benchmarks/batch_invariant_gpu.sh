@@ -7,13 +7,15 @@
 # STAGES (comma-separated, default all): kernels (the GEMM and fixed-split attention kernels' GPU
 # tests: checked against their references and row invariance, before anything is timed), engine
 # (tests/test_gpu_speculative.py -k batch_invariant: verify rows the decode steps' bits, greedy
-# tokens with drafts plain decoding's), gemm (benchmarks/gemm_invariant_bench.py: the kernel against
-# cuBLAS), spec (benchmarks/spec_bench.py --batch-invariant: step costs, verify against decode, greedy
-# tokens of 32 prompts x 64 with the real draft), baseline (spec_bench's step costs with the default
-# kernels: the same-call baseline of the step costs). Results under $OUT, one folder per stage.
+# tokens with drafts plain decoding's), families (tests/test_gpu_batch_invariance.py: a decode row
+# alone and among others the same bits, for the four families and with compiled pieces), gemm
+# (benchmarks/gemm_invariant_bench.py: the kernel against cuBLAS), spec (benchmarks/spec_bench.py
+# --batch-invariant: step costs, verify against decode, greedy tokens of 32 prompts x 64 with the
+# real draft), baseline (spec_bench's step costs with the default kernels: the same-call baseline
+# of the step costs). Results under $OUT, one folder per stage.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
-stages=",${1:-kernels,engine,gemm,spec,baseline},"
+stages=",${1:-kernels,engine,families,gemm,spec,baseline},"
 status=0
 run() {  # run NAME COMMAND...: the stage's output to $OUT/NAME.log and the call's log
     local name=$1
@@ -29,6 +31,7 @@ run() {  # run NAME COMMAND...: the stage's output to $OUT/NAME.log and the call
 }
 run kernels python3 -m pytest -q -m gpu tests/test_triton_matmul.py tests/test_triton_fixed_splits.py -p no:cacheprovider
 run engine python3 -m pytest -q -m gpu tests/test_gpu_speculative.py -k batch_invariant -p no:cacheprovider
+run families python3 -m pytest -q -m gpu tests/test_gpu_batch_invariance.py -rA -p no:cacheprovider
 run gemm python3 benchmarks/gemm_invariant_bench.py --out "$OUT/gemm"
 run spec python3 benchmarks/spec_bench.py --out "$OUT/spec" --work /tmp/spec_bi --batch-invariant --skip full_acceptance
 run baseline python3 benchmarks/spec_bench.py --out "$OUT/baseline" --work /tmp/spec_bi \

@@ -79,7 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import (Stages, compare, compiled_artifact, engine_script, fmt, host_profile, load_format,  # noqa: E402
+from bench_common import (Stages, bench_engine, compare, compiled_artifact, engine_script, fmt, host_profile, load_format,  # noqa: E402
                           profile_call, prompts_for, synchronizer, target_rows, time_ms)
 from compiler.splitops import Mode  # noqa: E402
 from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
@@ -93,7 +93,7 @@ TARGET_VERIFY_RATIO = 1.3  # verify step (D = 3) / decode step, batch 1
 TARGET_SPEEDUP = 2.5  # tokens/s at full acceptance / plain decode, D = 3, batch 1
 HISTORY = 64
 # verify_vs_decode: requests per batch and their history lengths (pages of 16 tokens; the dry run's are shorter)
-TWIN_HISTORIES = {1: [70], 8: [5, 16, 37, 64, 100, 129, 200, 255]}
+TWIN_HISTORIES = {1: [70], 8: [5, 16, 37, 64, 129, 255, 300, 700]}  # past 256 keys: several attention splits
 DRY_TWIN_HISTORIES = {2: [3, 18]}
 
 
@@ -195,25 +195,8 @@ def bench(args, rec: dict, save) -> None:
         rec["verify_vs_decode"] = out
 
     def engine(draft_tokens: int, drafter_wrap=None, slots: int = 1, max_len: int = 0):
-        """An engine as `hgc serve` builds it (graph runners included), optionally with its drafter wrapped."""
-        from runtime.graph_runner import graph_runner_factory
-        from runtime.server.model import EngineOptions, build_engine, routed_backends
-        from runtime.speculative import speculative_factory
-
-        art, log = state["art"], (lambda line: print(f"  {line}", flush=True))
-        options = EngineOptions(slots=slots, token_budget=512, speculative_tokens=draft_tokens, prefix_cache=False)
-        runners = graph_runner_factory(art, state["vocab"], graphs=graphs(), speculative_tokens=draft_tokens, log=log)
-        backend, draft_backend = routed_backends(art)  # both programs bound as routing.json says
-        base = speculative_factory(art, draft_tokens, draft_backend=draft_backend, log=log) if draft_tokens else None
-
-        def wrapped(ops, kv, st, limits, runner):
-            spec = base(ops, kv, st, limits, runner)
-            if drafter_wrap is not None:
-                spec.drafter = drafter_wrap(spec.drafter)
-            return spec
-        return build_engine(art.registry, art.bind, options, max_len, device=device, backend_factory=backend,
-                            runner_factory=runners, speculative_factory=wrapped if base else None,
-                            prompts_apart=art.batch_invariant)
+        return bench_engine(state["art"], state["vocab"], draft_tokens, device, drafter_wrap=drafter_wrap, slots=slots,
+                            max_len=max_len, graphs=graphs())
 
     def generate(eng, prompts: list[list[int]], new: int, logprobs=None) -> list:
         """Greedy tokens of each prompt; with `logprobs` (k), each prompt's results (tokens and log-probs)."""
@@ -251,7 +234,8 @@ def bench(args, rec: dict, save) -> None:
         # drafts then follow another text), and with it the measured speedup's meaning.
         rec["full_acceptance"] = full = {"plain": a, "spec": b, "speedup": b["tokens_per_s"] / a["tokens_per_s"],
                                          "speedup_if_all_kept": (D + 1) * a["s_per_step"] / b["s_per_step"],
-                                         "same_tokens": plain == spec, "speculative": spec_engine.speculation()}
+                                         "same_tokens": plain == spec, "speculative": spec_engine.speculation(),
+                                         "difference": compare(plain, spec, [args.prompt_len])}
         if plain != spec:
             # The forced drafts followed plain decoding's text, which the verify steps left at a near
             # tie. Every verify step of one request has the same rows (D + 1), so its greedy text
@@ -420,7 +404,8 @@ def table(rec: dict) -> str:
     if full:
         rows.append(f"full acceptance: {fmt(full['spec']['tokens_per_s'])} tok/s against "
                     f"{fmt(full['plain']['tokens_per_s'])} plain ({fmt(full['speedup'], '.2f')}x), same tokens: "
-                    f"{full['same_tokens']}; {fmt(full.get('speedup_if_all_kept'), '.2f')}x if every step kept "
+                    f"{full['same_tokens']} (first difference at token {(full.get('difference') or {}).get('first_diff')}); "
+                    f"{fmt(full.get('speedup_if_all_kept'), '.2f')}x if every step kept "
                     f"D + 1 tokens at the measured step costs; {fmt(full.get('kernel_floor_speedup'), '.2f')}x at "
                     f"the kernels' time alone")
         own = full.get("own_text")

@@ -97,9 +97,9 @@ def test_bf16_verify_and_draft_steps_are_captured_checked_and_replayed(artifacts
     assert stats["spec_verify_steps"] > 0
 
 
-def verify_rows_against_decode(art, D: int, bucket: int, pages: int = 8) -> dict:
+def verify_rows_against_decode(art, D: int, bucket: int, histories=(5, 37, 70)) -> dict:
     """tests/spec_checks.verify_against_decode over a started runner of the main program with one
-    decode and one verify bucket, for three requests whose histories cross page boundaries."""
+    decode and one verify bucket, for requests of these history lengths (crossing page boundaries)."""
     from runtime.bound_ops import BoundOps
     from runtime.graph_runner import GraphRunner
     from runtime.kv_pool import KVPool
@@ -107,6 +107,7 @@ def verify_rows_against_decode(art, D: int, bucket: int, pages: int = 8) -> dict
     from tests.spec_checks import verify_against_decode
 
     vocab = int(art.manifest["model"]["vocab_size"])
+    pages = -(-(max(histories) + 2 * (D + 1)) // 16)
     kv = KVPool(art.registry, 2 * bucket * pages + 1, 16, "cuda")
     st = StatePool(art.registry, 2 * bucket, "cuda", draft_tokens=D, verify_rows=bucket)
     ops = BoundOps(art.backends(kv, st).for_program("main"))
@@ -114,7 +115,7 @@ def verify_rows_against_decode(art, D: int, bucket: int, pages: int = 8) -> dict
                          verify_buckets=(bucket,), verify_tokens=D + 1, max_pages_per_seq=pages,
                          extend_max_seqs=2 * bucket)
     runner.start(vocab)
-    return verify_against_decode(runner, vocab, [5, 37, 70], D, torch.Generator().manual_seed(3))
+    return verify_against_decode(runner, vocab, list(histories), D, torch.Generator().manual_seed(3))
 
 
 def test_bf16_verify_rows_are_the_decode_steps_to_rounding(artifacts):
@@ -186,10 +187,13 @@ def invariant_options(D: int) -> EngineOptions:
     return EngineOptions(slots=8, token_budget=64, speculative_tokens=D, page_size=16)
 
 
-def test_batch_invariant_verify_rows_are_the_decode_steps_bit_for_bit(invariant):
+@pytest.mark.parametrize("bucket,histories", [(4, (5, 37, 70)), (4, (255, 300, 700)), (1, (284,))],
+                         ids=["one-split", "past-256-keys", "one-request-past-256-keys"])
+def test_batch_invariant_verify_rows_are_the_decode_steps_bit_for_bit(invariant, bucket, histories):
+    """Histories past SPLIT_TOKENS (256 keys) put a row's keys in several fixed splits."""
     D = 3
-    found = verify_rows_against_decode(invariant, D, 4)
-    assert len(found["rows"]) == 3 * (D + 1)
+    found = verify_rows_against_decode(invariant, D, bucket, histories)
+    assert len(found["rows"]) == len(histories) * (D + 1)
     assert all(r["rel_err"] == 0.0 for r in found["rows"]), [r for r in found["rows"] if r["rel_err"]]
 
 
@@ -223,3 +227,21 @@ def test_batch_invariant_a_forced_agreeing_drafter_is_kept_with_plain_tokens(inv
     assert outputs == plain and all_free(stats)
     # as the float32 test: drafts past a request's last token propose padding, which is rejected
     assert stats["spec_acceptance_rate"] > 0.5 and stats["spec_tokens_per_verify"] > 2
+
+
+@pytest.mark.parametrize("draft_tokens", (1, 3))
+def test_batch_invariant_long_request_greedy_tokens_with_drafts_are_plain_decodings(invariant, draft_tokens):
+    """One request whose context grows past SPLIT_TOKENS (256 keys) while it decodes."""
+    from runtime.engine import SamplingParams
+
+    prompt = [(11 * j) % 200 + 3 for j in range(200)]
+
+    def text(D: int) -> list[int]:
+        engine = engine_for_artifact(invariant, EngineOptions(slots=1, token_budget=256, speculative_tokens=D,
+                                                              page_size=16), 400, device="cuda")
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=150))
+        return list(engine.run_until_done()[rid].output_ids)
+
+    plain, drafted = text(0), text(draft_tokens)
+    first = next((i for i, (a, b) in enumerate(zip(plain, drafted)) if a != b), None)
+    assert first is None, f"D = {draft_tokens}: the first differing token is {first} (position {len(prompt) + first})"

@@ -189,22 +189,33 @@ def test_every_tile_width_gives_the_same_result(block_v, num_warps):
 
 @in_process
 @pytest.mark.parametrize("op,layer_id", [("gdn_core", 0), ("short_conv", 0)])
-def test_fixed_decode_tiles_launch_one_requests_tiles_at_any_batch(monkeypatch, op, layer_id):
-    """decode_tiles="fixed" (hgc compile --batch-invariant): a decode step of 8 rows launches with the
-    tiles a step of one request gets, so a request's state reduces in one order whatever shares its
-    step; the results still match the reference. The default picks tiles by the request count."""
-    kernel, choose = {"gdn_core": ("recurrent_decode", TL.recurrent_config),
-                      "short_conv": ("short_conv_decode", TL.conv_config)}[op]
+def test_fixed_decode_tiles_launch_one_tile_at_any_batch(monkeypatch, op, layer_id):
+    """decode_tiles="fixed" (hgc compile --batch-invariant): a decode step of one request and one of 8
+    rows launch with the same tile (triton_linear.fixed_recurrent_config / fixed_conv_config), so a
+    request's state reduces in one order whatever shares its step; the results still match the
+    reference. The default picks tiles by the request count (the launch's own choice)."""
+    kernel = {"gdn_core": "recurrent_decode", "short_conv": "short_conv_decode"}[op]
+    _, hk, hv, dk, dv = LAYERS[layer_id]
+    fixed = TL.fixed_recurrent_config(hv, dk, dv, torch.device(DEVICE)) if op == "gdn_core" else TL.fixed_conv_config(C)
     launched = []
     real = getattr(TL, kernel)
     monkeypatch.setattr(TL, kernel, lambda *a: launched.append(a[-1]) or real(*a))
-    compare_steps(op, layer_id, BATCHES[8], REAL[8], torch.float32, steps=1, seed=5,
-                  backend_kwargs={"decode_tiles": "fixed"})
-    _, hk, hv, dk, dv = LAYERS[layer_id]
-    one = choose(1, hv, dk, dv, torch.device(DEVICE)) if op == "gdn_core" else choose(1, C, torch.device(DEVICE))
-    assert launched == [one]
+    for batch in (1, 8):
+        compare_steps(op, layer_id, BATCHES[batch], REAL[batch], torch.float32, steps=1, seed=5,
+                      backend_kwargs={"decode_tiles": "fixed"})
+    assert launched == [fixed, fixed]
     compare_steps(op, layer_id, BATCHES[8], REAL[8], torch.float32, steps=1, seed=5)
-    assert launched[1] is None, "by_batch leaves the choice to the launch (by its row count)"
+    assert launched[2] is None, "by_batch leaves the choice to the launch (by its row count)"
+
+
+def test_fixed_tiles_are_a_full_batchs_at_qwen3_next_dims():
+    """The fixed tiles are those the by-batch rule gives a full device (wide Dv tiles, 4 warps; 128
+    conv channels), not one request's (8 Dv columns, 1 warp), which cost 1.9x at batch 32 on an H200."""
+    dev = torch.device("cpu")
+    assert TL.fixed_recurrent_config(32, 128, 128, dev) == TL.recurrent_config(4096, 32, 128, 128, dev) == \
+        TL.RecurrentConfig(32, 4)
+    assert TL.fixed_conv_config(8192) == TL.ConvConfig(128, 2)
+    assert TL.fixed_conv_config(48) == TL.ConvConfig(64, 1)  # a tiny layer: no tile wider than its channels
 
 
 @in_process

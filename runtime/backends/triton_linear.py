@@ -69,7 +69,7 @@ from runtime.state_pool import PADDING_SLOT
 
 __all__ = [
     "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
-    "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config",
+    "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config", "fixed_conv_config",
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
     "recurrent_verify", "short_conv_verify",
     "CONV_EXTEND_BLOCK_T", "conv_extend_config", "short_conv_extend",
@@ -124,6 +124,29 @@ def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
             block_c = bc
             break
     block_c = min(block_c, max(32, next_pow2(channels)))
+    return ConvConfig(block_c, max(1, min(4, block_c // 64)))
+
+
+# decode_tiles="fixed" (hgc compile --batch-invariant): one tile for every request count, since a
+# different tile reduces a request's state and window in a different order. The tile chosen is the
+# one that serves a full batch best, not one request's: in the tile sweep of
+# benchmarks/gpu_linear_decode.py (BENCHMARKS.md, "Batch-invariant numerics", second run; GDN at 32
+# heads of 128, the Qwen3-Next conv of 8192 channels) one request's tiles (Dv 8, 1 warp; 32
+# channels) took 1.9x and 1.5x the time of these at batch 32 and 3.4x and 2.0x at batch 256, while
+# these cost at most 0.2 us more than one request's tiles at batch 1.
+
+
+@functools.lru_cache(maxsize=None)
+def fixed_recurrent_config(heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
+    """The decode and verify tile of decode_tiles="fixed": what `recurrent_config` picks once the
+    batch fills the device (Dv 32, 4 warps at Dk = Dv = 128)."""
+    return recurrent_config(4 * num_sms(device), heads, dk, dv, device)
+
+
+def fixed_conv_config(channels: int) -> ConvConfig:
+    """The decode and verify conv tile of decode_tiles="fixed": 128 channels and 2 warps (fewer
+    where the layer has fewer channels)."""
+    block_c = min(128, max(32, next_pow2(channels)))
     return ConvConfig(block_c, max(1, min(4, block_c // 64)))
 
 

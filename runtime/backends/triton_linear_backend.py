@@ -393,8 +393,9 @@ class TritonLinearBackend(BackendHooks):
         # compile time (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in
         # routing.json.
         # decode_tiles: "by_batch" picks the decode and verify kernels' tiles from the step's request
-        # count (more, narrower programs for few requests); "fixed" takes the one-request tiles for
-        # every count, so a request's state and output reduce in one order whatever shares its step.
+        # count (more, narrower programs for few requests); "fixed" takes one tile for every count
+        # (triton_linear.fixed_recurrent_config), so a request's state and output reduce in one order
+        # whatever shares its step.
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
                  ("decode_tiles", ("by_batch", "fixed"))),
         batch_invariant=(("decode_tiles", "fixed"),),
@@ -416,8 +417,9 @@ class TritonLinearBackend(BackendHooks):
         (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
         and Lightning layers, "fla" or "triton" (triton_chunk.chunk_extend); the routing option of the same name (CHUNK_IMPL_CHOICES), whose recorded choice
         build() passes. Built directly (tests, benchmarks), FLA's unless asked. `decode_tiles`: the
-        routing option of the same name; "fixed" launches decode and verify steps with the tiles
-        one request would get (unless a config is pinned)."""
+        routing option of the same name; "fixed" launches decode and verify steps with one tile at
+        every request count (triton_linear.fixed_recurrent_config, fixed_conv_config; unless a
+        config is pinned)."""
         if decode_tiles not in ("by_batch", "fixed"):
             raise ValueError(f"{self.name}: decode_tiles must be 'by_batch' or 'fixed', not {decode_tiles!r}")
         self.fixed_tiles = decode_tiles == "fixed"
@@ -741,8 +743,8 @@ class TritonLinearBackend(BackendHooks):
             assert q.shape[1] == v.shape[1], f"{op}: key heads {q.shape[1]} != value heads {v.shape[1]}"
         slots, state = self._step_slots(ctx), self._layer_state(layer_id, "recurrent")
         config = self.recurrent_config
-        if config is None and self.fixed_tiles:  # the tiles of one request, whatever the step holds
-            config = kernels.recurrent_config(1, v.shape[1], q.shape[2], v.shape[2], v.device)
+        if config is None and self.fixed_tiles:  # one tile, whatever the step holds
+            config = kernels.fixed_recurrent_config(v.shape[1], q.shape[2], v.shape[2], v.device)
         if n == 1:
             kernels.recurrent_decode(q, k, v, gate, beta, out, state, slots, scale, gate_kind, config)
         else:
@@ -773,7 +775,7 @@ class TritonLinearBackend(BackendHooks):
         slots, state = self._step_slots(ctx), self._layer_state(layer_id, "conv")
         config = self.conv_config
         if config is None and self.fixed_tiles:
-            config = _kernels().conv_config(1, x.shape[1], x.device)
+            config = _kernels().fixed_conv_config(x.shape[1])
         if n == 1:
             _kernels().short_conv_decode(x, weight, bias, out, state, slots, silu, config)
             return

@@ -1,0 +1,94 @@
+"""Where a speculative run's greedy text leaves plain decoding's, for one request, on one artifact.
+
+    bash benchmarks/gpu_call.sh python3 benchmarks/spec_text_probe.py --out $OUT --work /tmp/probe --batch-invariant
+
+`spec_bench`'s full_acceptance stage forces the drafts to plain decoding's text; when its tokens
+then differ, this probe tells which part of a speculative run moves them. One request (a
+--prompt-len token prompt, --new-tokens greedy tokens), bench-size qwen3_next, runs in order:
+
+1. plain decoding, twice on one engine and once on a fresh one: is the plain text the same run to run?
+2. D = 3 with the real MTP draft: at random weights every round keeps the target's token at row 0
+   alone, so only the verify step's first row and its state after one token are used;
+3. D = 1 and D = 3 with drafts forced to the first plain run's text (tests/spec_drafters.ForcedDrafts):
+   every row of every verify step is kept until the first difference.
+
+Each against the first plain run: how many tokens differ, the first differing token, and the draft
+acceptance. Writes OUT/spec_text_probe.json. `--dry-run`: the CPU, a tiny model (the script's own test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from bench_common import bench_engine, compare, compiled_artifact, prompts_for  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", required=True, help="folder for the checkpoint and artifact (reused when there)")
+    p.add_argument("--batch-invariant", action="store_true", help="compile with --batch-invariant")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny size: the script's own test")
+    args = p.parse_args(argv)
+    from runtime.engine import SamplingParams
+    from runtime.loader import load_artifact
+    from tests.spec_drafters import ForcedDrafts
+
+    device = "cpu" if args.dry_run else "cuda"
+    args.family, args.size = "qwen3_next", "tiny" if args.dry_run else "bench"
+    art = load_artifact(compiled_artifact(args), device=device)
+    vocab = int(art.manifest["model"]["vocab_size"])
+    graphs = None
+    if args.dry_run:
+        from tests.graph_cases import RerunGraphs
+        graphs = RerunGraphs()
+    prompt = prompts_for(vocab, [args.prompt_len], seed=1)
+    max_len = args.prompt_len + args.new_tokens + 1
+
+    def engine(D: int, wrap=None):
+        return bench_engine(art, vocab, D, device, drafter_wrap=wrap, max_len=max_len, graphs=graphs)
+
+    def text(eng) -> list[int]:
+        rid = eng.add_request(prompt[0], SamplingParams(max_new_tokens=args.new_tokens))
+        return list(eng.run_until_done()[rid].output_ids)
+
+    runs = {}
+    plain_engine = engine(0)
+    reference = text(plain_engine)
+    runs["plain, again on the same engine"] = (text(plain_engine), None)
+    runs["plain, a fresh engine"] = (text(engine(0)), None)
+    real = engine(3)
+    runs["D = 3, the real draft"] = (text(real), real.speculation())
+    for D in (1, 3):
+        forced = engine(D, lambda drafter: ForcedDrafts(drafter, {tuple(prompt[0]): reference}))
+        runs[f"D = {D}, drafts forced to the plain text"] = (text(forced), forced.speculation())
+    doc = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+           "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+           "batch_invariant": art.batch_invariant, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+           "runs": {}}
+    for name, (tokens, spec) in runs.items():
+        found = compare([reference], [tokens], [args.prompt_len])
+        doc["runs"][name] = {"mismatched": found["mismatched"], "first_diff": found["first_diff"],
+                             "acceptance_rate": spec["acceptance_rate"] if spec else None}
+        print(f"{name:45s} differ {found['mismatched']:4d}, first at token {found['first_diff']}, "
+              f"acceptance {spec['acceptance_rate'] if spec else '-'}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec_text_probe.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,32 @@
+"""benchmarks/spec_text_probe.py --dry-run on the CPU: its five runs (plain twice on one engine and once
+on a fresh one, D = 3 with the real draft, D = 1 and 3 forced to the plain text) on a tiny model with
+the reference backend and tests/graph_cases.RerunGraphs for CUDA graphs. In float32 on the reference
+every run gives plain decoding's tokens, and the forced runs keep every draft."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow  # five engine start-ups over the test run's shared compile
+
+
+def test_dry_run_compares_every_run_with_plain_decoding(tmp_path, tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from spec_text_probe import main
+
+    from tests.helpers import shared_artifact
+
+    work = shared_artifact(tmp_path_factory, "qwen3_next")[1].parent  # its own names (bench_common.compiled_artifact)
+    assert main(["--dry-run", "--out", str(tmp_path), "--work", str(work), "--prompt-len", "8",
+                 "--new-tokens", "12"]) == 0
+    runs = json.loads((tmp_path / "spec_text_probe.json").read_text())["runs"]
+    assert list(runs) == ["plain, again on the same engine", "plain, a fresh engine", "D = 3, the real draft",
+                          "D = 1, drafts forced to the plain text", "D = 3, drafts forced to the plain text"]
+    assert all(r["mismatched"] == 0 and r["first_diff"] is None for r in runs.values()), runs
+    assert [r["acceptance_rate"] for r in runs.values()][3:] == [1.0, 1.0]
