@@ -12,8 +12,10 @@ then differ, this probe tells which part of a speculative run moves them. One re
 3. D = 1 and D = 3 with drafts forced to the first plain run's text (tests/spec_drafters.ForcedDrafts):
    every row of every verify step is kept until the first difference.
 
-Each against the first plain run: how many tokens differ, the first differing token, and the draft
-acceptance. Writes OUT/spec_text_probe.json. `--dry-run`: the CPU, a tiny model (the script's own test).
+Each against the first plain run: how many tokens differ, the first differing token, the first
+token whose log-probability differs at all (the same token in both runs, before the texts part:
+where the bits part, which may be long before a near tie turns the text), the plain run's top-2
+margin at the first differing token, and the draft acceptance. Writes OUT/spec_text_probe.json. `--dry-run`: the CPU, a tiny model (the script's own test).
 """
 
 from __future__ import annotations
@@ -60,30 +62,39 @@ def main(argv=None) -> int:
     def engine(D: int, wrap=None):
         return bench_engine(art, vocab, D, device, drafter_wrap=wrap, max_len=max_len, graphs=graphs)
 
-    def text(eng) -> list[int]:
-        rid = eng.add_request(prompt[0], SamplingParams(max_new_tokens=args.new_tokens))
-        return list(eng.run_until_done()[rid].output_ids)
+    def text(eng):
+        rid = eng.add_request(prompt[0], SamplingParams(max_new_tokens=args.new_tokens, logprobs=2))
+        return eng.run_until_done()[rid]
 
     runs = {}
     plain_engine = engine(0)
-    reference = text(plain_engine)
+    reference = text(plain_engine)  # a request's result: its tokens and their log-probabilities
     runs["plain, again on the same engine"] = (text(plain_engine), None)
     runs["plain, a fresh engine"] = (text(engine(0)), None)
     real = engine(3)
     runs["D = 3, the real draft"] = (text(real), real.speculation())
     for D in (1, 3):
-        forced = engine(D, lambda drafter: ForcedDrafts(drafter, {tuple(prompt[0]): reference}))
+        forced = engine(D, lambda drafter: ForcedDrafts(drafter, {tuple(prompt[0]): list(reference.output_ids)}))
         runs[f"D = {D}, drafts forced to the plain text"] = (text(forced), forced.speculation())
     doc = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
            "batch_invariant": art.batch_invariant, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "runs": {}}
-    for name, (tokens, spec) in runs.items():
-        found = compare([reference], [tokens], [args.prompt_len])
-        doc["runs"][name] = {"mismatched": found["mismatched"], "first_diff": found["first_diff"],
+    for name, (result, spec) in runs.items():
+        found = compare([list(reference.output_ids)], [list(result.output_ids)], [args.prompt_len])
+        first = found["first_diff"]
+        common = len(reference.logprobs) if first is None else first
+        bits = next((j for j in range(min(common, len(result.logprobs)))
+                     if reference.logprobs[j].logprob != result.logprobs[j].logprob), None)
+        margin = None
+        if first is not None:
+            top = reference.logprobs[first].top
+            margin = top[0][1] - top[1][1]
+        doc["runs"][name] = {"mismatched": found["mismatched"], "first_diff": first, "first_logprob_diff": bits,
+                             "plain_margin_at_first_diff": margin,
                              "acceptance_rate": spec["acceptance_rate"] if spec else None}
-        print(f"{name:45s} differ {found['mismatched']:4d}, first at token {found['first_diff']}, "
-              f"acceptance {spec['acceptance_rate'] if spec else '-'}", flush=True)
+        print(f"{name:45s} differ {found['mismatched']:4d}, first at token {first}, first log-prob difference at "
+              f"token {bits}, acceptance {spec['acceptance_rate'] if spec else '-'}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec_text_probe.json").write_text(json.dumps(doc, indent=1))
