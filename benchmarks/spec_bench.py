@@ -79,8 +79,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_common import (Stages, bench_engine, compare, compiled_artifact, engine_script, fmt, host_profile, load_format,  # noqa: E402
-                          profile_call, prompts_for, synchronizer, target_rows, time_ms)
+from bench_common import (Stages, bench_engine, compare, compiled_artifact, engine_script, fmt,  # noqa: E402
+                          host_profile, load_format, profile_call, prompts_for, synchronizer, target_rows, time_ms)
 from compiler.splitops import Mode  # noqa: E402
 from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
 from runtime.engine import SamplingParams  # noqa: E402
@@ -405,7 +405,8 @@ def table(rec: dict) -> str:
     if full:
         rows.append(f"full acceptance: {fmt(full['spec']['tokens_per_s'])} tok/s against "
                     f"{fmt(full['plain']['tokens_per_s'])} plain ({fmt(full['speedup'], '.2f')}x), same tokens: "
-                    f"{full['same_tokens']} (first difference at token {(full.get('difference') or {}).get('first_diff')}); "
+                    f"{full['same_tokens']} (first difference at token "
+                    f"{(full.get('difference') or {}).get('first_diff')}); "
                     f"{fmt(full.get('speedup_if_all_kept'), '.2f')}x if every step kept "
                     f"D + 1 tokens at the measured step costs; {fmt(full.get('kernel_floor_speedup'), '.2f')}x at "
                     f"the kernels' time alone")
