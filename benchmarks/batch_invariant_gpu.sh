@@ -12,10 +12,14 @@
 # (benchmarks/gemm_invariant_bench.py: the kernel against cuBLAS), spec (benchmarks/spec_bench.py
 # --batch-invariant: step costs, verify against decode, greedy tokens of 32 prompts x 64 with the
 # real draft), baseline (spec_bench's step costs with the default kernels: the same-call baseline
-# of the step costs). Results under $OUT, one folder per stage.
+# of the step costs), lone (a lone request decoding past 256 keys, BENCHMARKS.md "Batch-invariant
+# numerics", second run: the GPU tests of the one-request verify bucket at 284 keys and of a long
+# request's greedy text with D = 1 and 3), probe (benchmarks/spec_text_probe.py on bench size:
+# where a lone request's text and log-probabilities with drafts leave plain decoding's). Results
+# under $OUT, one folder per stage.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
-stages=",${1:-kernels,engine,families,gemm,spec,baseline},"
+stages=",${1:-kernels,engine,families,gemm,spec,baseline,lone,probe},"
 status=0
 run() {  # run NAME COMMAND...: the stage's output to $OUT/NAME.log and the call's log
     local name=$1
@@ -36,4 +40,7 @@ run gemm python3 benchmarks/gemm_invariant_bench.py --out "$OUT/gemm"
 run spec python3 benchmarks/spec_bench.py --out "$OUT/spec" --work /tmp/spec_bi --batch-invariant --skip full_acceptance
 run baseline python3 benchmarks/spec_bench.py --out "$OUT/baseline" --work /tmp/spec_bi \
     --skip verify_vs_decode,full_acceptance,greedy_equal
+run lone python3 -m pytest -q -m gpu tests/test_gpu_speculative.py -k "one-request-past-256-keys or long_request" \
+    -rA -p no:cacheprovider
+run probe python3 benchmarks/spec_text_probe.py --out "$OUT/probe" --work /tmp/spec_probe --batch-invariant
 exit $status
