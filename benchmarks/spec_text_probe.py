@@ -10,7 +10,10 @@ then differ, this probe tells which part of a speculative run moves them. One re
 2. D = 3 with the real MTP draft: at random weights every round keeps the target's token at row 0
    alone, so only the verify step's first row and its state after one token are used;
 3. D = 1 and D = 3 with drafts forced to the first plain run's text (tests/spec_drafters.ForcedDrafts):
-   every row of every verify step is kept until the first difference.
+   every row of every verify step is kept until the first difference;
+4. D = 3 with no draft program in the rounds (tests/spec_drafters): the plain text proposed
+   (every row kept) and the plain text plus one (only row 0 kept). Against 2 and 3, these say
+   whether the draft program's steps between the verify steps move the main program's numbers.
 
 Each against the first plain run: how many tokens differ, the first differing token, the first
 token whose log-probability differs at all (the same token in both runs, before the texts part:
@@ -46,7 +49,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from runtime.engine import SamplingParams
     from runtime.loader import load_artifact
-    from tests.spec_drafters import ForcedDrafts
+    from tests.spec_drafters import DisagreeingDrafter, ForcedDrafts, GreedyContinuationDrafter
 
     device = "cpu" if args.dry_run else "cuda"
     args.family, args.size = "qwen3_next", "tiny" if args.dry_run else "bench"
@@ -73,9 +76,16 @@ def main(argv=None) -> int:
     runs["plain, a fresh engine"] = (text(engine(0)), None)
     real = engine(3)
     runs["D = 3, the real draft"] = (text(real), real.speculation())
+    plain_text = {tuple(prompt[0]): list(reference.output_ids)}
     for D in (1, 3):
-        forced = engine(D, lambda drafter: ForcedDrafts(drafter, {tuple(prompt[0]): list(reference.output_ids)}))
+        forced = engine(D, lambda drafter: ForcedDrafts(drafter, plain_text))
         runs[f"D = {D}, drafts forced to the plain text"] = (text(forced), forced.speculation())
+    no_program = {"the plain text proposed": GreedyContinuationDrafter(plain_text, 3, vocab),
+                  "the plain text plus one": DisagreeingDrafter(plain_text, 3, vocab)}
+    for what, drafter in no_program.items():
+        drafter.device = torch.device(device)  # where its drafts go: the engine's
+        eng = engine(3, lambda _, drafter=drafter: drafter)
+        runs[f"D = 3, no draft program, {what}"] = (text(eng), eng.speculation())
     doc = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
            "batch_invariant": art.batch_invariant, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
@@ -93,7 +103,7 @@ def main(argv=None) -> int:
         doc["runs"][name] = {"mismatched": found["mismatched"], "first_diff": first, "first_logprob_diff": bits,
                              "plain_margin_at_first_diff": margin,
                              "acceptance_rate": spec["acceptance_rate"] if spec else None}
-        print(f"{name:45s} differ {found['mismatched']:4d}, first at token {first}, first log-prob difference at "
+        print(f"{name:50s} differ {found['mismatched']:4d}, first at token {first}, first log-prob difference at "
               f"token {bits}, acceptance {spec['acceptance_rate'] if spec else '-'}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

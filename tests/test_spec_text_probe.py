@@ -1,5 +1,6 @@
-"""benchmarks/spec_text_probe.py --dry-run on the CPU: its five runs (plain twice on one engine and once
-on a fresh one, D = 3 with the real draft, D = 1 and 3 forced to the plain text) on a tiny model with
+"""benchmarks/spec_text_probe.py --dry-run on the CPU: its seven runs (plain twice on one engine and once
+on a fresh one, D = 3 with the real draft, D = 1 and 3 forced to the plain text, D = 3 with no draft
+program proposing the plain text and the plain text plus one) on a tiny model with
 the reference backend and tests/graph_cases.RerunGraphs for CUDA graphs. In float32 on the reference
 every run gives plain decoding's tokens, plain decoding its bits run to run, and the forced runs keep
 every draft."""
@@ -28,9 +29,11 @@ def test_dry_run_compares_every_run_with_plain_decoding(tmp_path, tmp_path_facto
                  "--new-tokens", "12"]) == 0
     runs = json.loads((tmp_path / "spec_text_probe.json").read_text())["runs"]
     assert list(runs) == ["plain, again on the same engine", "plain, a fresh engine", "D = 3, the real draft",
-                          "D = 1, drafts forced to the plain text", "D = 3, drafts forced to the plain text"]
+                          "D = 1, drafts forced to the plain text", "D = 3, drafts forced to the plain text",
+                          "D = 3, no draft program, the plain text proposed",
+                          "D = 3, no draft program, the plain text plus one"]
     assert all(r["mismatched"] == 0 and r["first_diff"] is None for r in runs.values()), runs
     # plain decoding is the same bits run to run; a verify row on the reference is the decode step's to
     # float32 rounding, which the log-probabilities show (a token's, before any text parts)
     assert [r["first_logprob_diff"] for r in runs.values()][:2] == [None, None]
-    assert [r["acceptance_rate"] for r in runs.values()][3:] == [1.0, 1.0]
+    assert [r["acceptance_rate"] for r in runs.values()][3:] == [1.0, 1.0, 1.0, 0.0]
