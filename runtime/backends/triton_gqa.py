@@ -38,8 +38,8 @@ import triton.language as tl
 from runtime.backends.launch_cache import Launcher
 from runtime.backends.launch_math import cdiv, next_pow2
 from runtime.backends.sm_count import num_sms
-from runtime.backends.triton_split_kv import (LOG2E, combine_splits, num_splits_for, softmax_step, split_chunks,
-                                              split_layout, split_result)
+from runtime.backends.triton_split_kv import (LOG2E, combine_splits, num_splits_for, paged_tile, round_keys,
+                                              softmax_step, split_chunks, split_layout, split_result)
 
 __all__ = ["triton_gqa_attention", "gqa_head_dim_refusal"]
 
@@ -90,13 +90,9 @@ def _gqa_split_kernel(q, k_cache, v_cache, page_table, seq_lens, part_o, part_ls
     # It scores them -inf: its max stays, alpha = exp2(0) = 1, its weights are 0 and add exact
     # zeros, so those tiles leave its sums bit for bit as a decode step at its position leaves them.
     for rnd in range(0, rounds):
-        start = (split + rnd * num_splits) * width
-        end = tl.minimum(start + width, kv_len)
+        start, end = round_keys(split, rnd, num_splits, width, kv_len)
         for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < end
-            page = tl.load(pages + n // page_size, mask=nmask, other=0).to(tl.int64)
-            off = (n % page_size).to(tl.int64)
+            n, nmask, page, off = paged_tile(pages, n0, end, page_size, BLOCK_N)
             kt = tl.load(k_cache + page[:, None] * s_k_page + off[:, None] * s_k_tok + kvh * s_k_head + d[None, :],
                          mask=nmask[:, None], other=0.0)
             s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION)

@@ -42,8 +42,8 @@ import triton.language as tl
 from runtime.backends.launch_cache import Launcher
 from runtime.backends.launch_math import cdiv
 from runtime.backends.sm_count import num_sms
-from runtime.backends.triton_split_kv import (LOG2E, combine_splits, num_splits_for, softmax_step, split_chunks,
-                                              split_layout, split_result)
+from runtime.backends.triton_split_kv import (LOG2E, combine_splits, num_splits_for, paged_tile, round_keys,
+                                              softmax_step, split_chunks, split_layout, split_result)
 
 __all__ = ["triton_mla_attention", "triton_mla_attention_paged"]
 
@@ -89,13 +89,9 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_po
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R], tl.float32)
     for rnd in range(0, rounds):
-        start = (split + rnd * num_splits) * width
-        end = tl.minimum(start + width, kv_len)
+        start, end = round_keys(split, rnd, num_splits, width, kv_len)
         for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < end
-            page = tl.load(page_row + n // page_size, mask=nmask, other=0).to(tl.int64)
-            off = (n % page_size).to(tl.int64)
+            n, nmask, page, off = paged_tile(page_row, n0, end, page_size, BLOCK_N)
             c = tl.load(ckv + page[:, None] * s_c_page + off[:, None] * s_c_tok + r[None, :], mask=nmask[:, None],
                         other=0.0)
             kr = tl.load(kpe + page[:, None] * s_k_page + off[:, None] * s_k_tok + p[None, :],

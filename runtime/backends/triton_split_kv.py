@@ -3,7 +3,8 @@
 Both kernels split each query row's keys over several programs, keep an online softmax in
 float32 and base 2 inside each split, and merge the splits afterwards. What they share lives here,
 once: the online-softmax step of one key tile, a split's normalised result, which keys each split
-walks, the number of splits for a launch, and the combine pass.
+walks and where a tile of them sits in the paged cache, the number of splits for a launch, and the
+combine pass.
 
 Two ways to cut a row's keys into splits (`split_chunks`, `split_layout`):
 
@@ -39,8 +40,8 @@ import triton.language as tl
 
 from runtime.backends.launch_cache import Launcher
 
-__all__ = ["LOG2E", "MAX_SPLITS", "SPLIT_TOKENS", "combine_splits", "num_splits_for", "softmax_step", "split_chunks",
-           "split_layout", "split_result"]
+__all__ = ["LOG2E", "MAX_SPLITS", "SPLIT_TOKENS", "combine_splits", "num_splits_for", "paged_tile", "round_keys",
+           "softmax_step", "split_chunks", "split_layout", "split_result"]
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 
@@ -98,6 +99,24 @@ def split_chunks(kv_len, num_splits, SPLIT_TOKENS: tl.constexpr, BLOCK_N: tl.con
         width = SPLIT_TOKENS
         rounds = tl.cdiv(kv_len, SPLIT_TOKENS * num_splits)
     return width, rounds
+
+
+@triton.jit
+def round_keys(split, rnd, num_splits, width, kv_len):
+    """Round `rnd` of program `split` (split_chunks): its chunk's keys [start, end), end capped at kv_len
+    (start >= end: nothing to walk)."""
+    start = (split + rnd * num_splits) * width
+    return start, tl.minimum(start + width, kv_len)
+
+
+@triton.jit
+def paged_tile(page_row, n0, end, page_size, BLOCK_N: tl.constexpr):
+    """Keys n0 .. n0 + BLOCK_N - 1 below `end` of a row whose pages `page_row` lists: (positions,
+    their mask, page ids and offsets in the page, both int64 for the cache's strides)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    nmask = n < end
+    page = tl.load(page_row + n // page_size, mask=nmask, other=0).to(tl.int64)
+    return n, nmask, page, (n % page_size).to(tl.int64)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
