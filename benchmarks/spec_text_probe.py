@@ -80,10 +80,10 @@ def main(argv=None) -> int:
     for D in (1, 3):
         forced = engine(D, lambda drafter: ForcedDrafts(drafter, plain_text))
         runs[f"D = {D}, drafts forced to the plain text"] = (text(forced), forced.speculation())
-    no_program = {"the plain text proposed": GreedyContinuationDrafter(plain_text, 3, vocab),
-                  "the plain text plus one": DisagreeingDrafter(plain_text, 3, vocab)}
+    # (the engine still builds and captures the draft program; these drafters never run it)
+    no_program = {"the plain text proposed": GreedyContinuationDrafter(plain_text, 3, vocab, device=device),
+                  "the plain text plus one": DisagreeingDrafter(plain_text, 3, vocab, device=device)}
     for what, drafter in no_program.items():
-        drafter.device = torch.device(device)  # where its drafts go: the engine's
         eng = engine(3, lambda _, drafter=drafter: drafter)
         runs[f"D = 3, no draft program, {what}"] = (text(eng), eng.speculation())
     doc = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),

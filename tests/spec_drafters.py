@@ -66,9 +66,10 @@ class GreedyContinuationDrafter:
         return [self._ahead(req)[0] for req in requests]
 
 
-def DisagreeingDrafter(references, draft_tokens: int, vocab_size: int) -> GreedyContinuationDrafter:
+def DisagreeingDrafter(references, draft_tokens: int, vocab_size: int,
+                       device: "str | torch.device" = "cpu") -> GreedyContinuationDrafter:
     """Proposes the reference token plus one at every position: never the target's argmax."""
-    return GreedyContinuationDrafter(references, draft_tokens, vocab_size, shift=1)
+    return GreedyContinuationDrafter(references, draft_tokens, vocab_size, shift=1, device=device)
 
 
 class ForcedDrafts:

@@ -17,8 +17,8 @@ import torch
 
 from runtime.backends.launch_math import next_pow2
 
-__all__ = ["CONFIG_DIR", "GemmConfig", "MoEConfig", "default_config", "FIXED_CONFIG", "FIXED_LOGITS_KERNEL", "fit_shared_memory", "device_name_of", "config_file_name",
-           "load_config_table", "pick_bucket"]
+__all__ = ["CONFIG_DIR", "GemmConfig", "MoEConfig", "default_config", "FIXED_CONFIG", "FIXED_LOGITS_KERNEL",
+           "fit_shared_memory", "device_name_of", "config_file_name", "load_config_table", "pick_bucket"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 

@@ -366,6 +366,8 @@ SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 # and the short convolution has no chunk kernels: they take the default with GDN, so the ops of one
 # layer resolve alike and share one backend instance.
 CHUNK_IMPL_CHOICES = ("triton", "fla")
+# decode_tiles: the decode and verify kernels' tiles "by_batch" (the default) or "fixed" (the capability's comment).
+DECODE_TILES = ("by_batch", "fixed")
 
 
 class TritonLinearBackend(BackendHooks):
@@ -397,7 +399,7 @@ class TritonLinearBackend(BackendHooks):
         # (triton_linear.fixed_recurrent_config), so a request's state and output reduce in one order
         # whatever shares its step.
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
-                 ("decode_tiles", ("by_batch", "fixed"))),
+                 ("decode_tiles", DECODE_TILES)),
         batch_invariant=(("decode_tiles", "fixed"),),
         doc="Triton decode kernels (decode; target_verify: every request's tokens in one launch), Triton chunk kernels "
             "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "
@@ -406,7 +408,7 @@ class TritonLinearBackend(BackendHooks):
             "and in extend and mixed where our own kernels run")
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
-                 short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = "by_batch"):
+                 short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0]):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
@@ -420,8 +422,8 @@ class TritonLinearBackend(BackendHooks):
         routing option of the same name; "fixed" launches decode and verify steps with one tile at
         every request count (triton_linear.fixed_recurrent_config, fixed_conv_config; unless a
         config is pinned)."""
-        if decode_tiles not in ("by_batch", "fixed"):
-            raise ValueError(f"{self.name}: decode_tiles must be 'by_batch' or 'fixed', not {decode_tiles!r}")
+        if decode_tiles not in DECODE_TILES:
+            raise ValueError(f"{self.name}: decode_tiles must be one of {DECODE_TILES}, not {decode_tiles!r}")
         self.fixed_tiles = decode_tiles == "fixed"
         if chunk_impl not in CHUNK_IMPL_CHOICES:
             raise ValueError(f"{self.name}: chunk_impl must be one of {CHUNK_IMPL_CHOICES}, not {chunk_impl!r}")
@@ -455,7 +457,7 @@ class TritonLinearBackend(BackendHooks):
         none: the declared default."""
         return {"short_extend_tokens": int(options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])),
                 "chunk_impl": options.get("chunk_impl", CHUNK_IMPL_CHOICES[0]),
-                "decode_tiles": options.get("decode_tiles", "by_batch")}
+                "decode_tiles": options.get("decode_tiles", DECODE_TILES[0])}
 
     # -- hooks --------------------------------------------------------------------------------
 

@@ -55,6 +55,10 @@ class CaptureError(RuntimeError):
     """The moe op was captured without the static padding count that replays must read."""
 
 
+# The gemm_tiles routing option's choices, the default first (the capability's comment says what each does).
+GEMM_TILES = ("tuned", "fixed")
+
+
 class TritonMoEBackend(BackendHooks):
     """Serves hgc.moe on CUDA with the kernels above (on the CPU too, under TRITON_INTERPRET=1).
 
@@ -86,19 +90,19 @@ class TritonMoEBackend(BackendHooks):
         # gemm_tiles: "tuned" picks tiles and the router's logits kernel by the step's token count
         # (moe_configs/); "fixed" uses one of each for every count (moe_config.FIXED_CONFIG), so a
         # token's result does not depend on what shares its step.
-        options=(("gemm_tiles", ("tuned", "fixed")),),
+        options=(("gemm_tiles", GEMM_TILES),),
         batch_invariant=(("gemm_tiles", "fixed"),),
         doc="Fused Triton MoE: device-side top-k routing, static-shape token sorting, grouped expert "
             "GEMMs (the shared expert as extra experts) with SiLU-and-mul and weighted combine; no host "
             "sync, capturable in every mode")
 
     def __init__(self, config_dir: "str | os.PathLike | None" = None, device: "str | torch.device" = "cuda",
-                 layers: tuple[MoELayerShape, ...] = (), gemm_tiles: str = "tuned"):
+                 layers: tuple[MoELayerShape, ...] = (), gemm_tiles: str = GEMM_TILES[0]):
         """layers: the shapes of the moe calls this instance serves (`build` reads them off the
         graph); `kernel_variant_tokens` needs them, nothing else does. gemm_tiles: the capability's
         option ("fixed": FIXED_CONFIG and the GEMV router for every token count; config_dir unused)."""
-        if gemm_tiles not in ("tuned", "fixed"):
-            raise ValueError(f"{self.name}: gemm_tiles must be 'tuned' or 'fixed', not {gemm_tiles!r}")
+        if gemm_tiles not in GEMM_TILES:
+            raise ValueError(f"{self.name}: gemm_tiles must be one of {GEMM_TILES}, not {gemm_tiles!r}")
         self.fixed_tiles = gemm_tiles == "fixed"
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
         self.device = torch.device(device)
@@ -111,7 +115,7 @@ class TritonMoEBackend(BackendHooks):
     def build(cls, setup: BackendSetup) -> "TritonMoEBackend":
         """The tuned configs of runtime/backends/moe_configs/, launches on the pools' device."""
         return cls(device=setup.device, layers=tuple(MoELayerShape.of(c) for c in setup.calls if c.op == "moe"),
-                   gemm_tiles=setup.options.get("gemm_tiles", "tuned"))
+                   gemm_tiles=setup.options.get("gemm_tiles", GEMM_TILES[0]))
 
     # -- hooks --------------------------------------------------------------------------------
 
