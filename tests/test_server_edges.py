@@ -6,9 +6,9 @@ loopback HTTP:
 - Bad requests (an oversized body, declared or streamed; a 100k-token prompt; broken JSON; a
   wrong method) each get their status and a short OpenAI error naming the culprit; the artifact
   folder is unchanged afterwards.
-- /health answers in under 100 ms while a 20 MB body and a 100k-token prompt (as token ids and
-  as text) are refused: the body limit is checked before reading (Content-Length) or while
-  streaming, and parsing and tokenization run off the event loop.
+- /health answers in under 100 ms (one answer in under 1 s) while a 20 MB body and a 100k-token
+  prompt (as token ids and as text) are refused: the body limit is checked before reading
+  (Content-Length) or while streaming, and parsing and tokenization run off the event loop.
 - schemathesis generates requests from /openapi.json (valid and invalid bodies, a bounded number
   per endpoint): no 5xx, and a normal request succeeds afterwards.
 - After SIGTERM, while a request is in flight, a new connection gets 503 with Retry-After (not a
@@ -41,6 +41,11 @@ pytestmark = pytest.mark.slow  # two server processes (the test run's shared com
 MODEL = "tiny"
 MAX_BODY_MB = 1
 HEALTH_BOUND = 0.1  # seconds
+# Each huge request is sent ROUNDS times one after another, so work done on the event loop would hold
+# /health at least ROUNDS times. One slow answer alone is a time-slice lost on a busy 2-core machine
+# (the suite runs in parallel with the server processes): it is allowed, up to STALL_BOUND.
+ROUNDS = 3
+STALL_BOUND = 1.0  # seconds
 SHUTDOWN = 6.0
 
 
@@ -183,7 +188,7 @@ def test_health_stays_fast_while_huge_requests_are_refused(server):
     statuses: dict[str, list[int]] = {}
 
     def heavy(name, fn, *args):
-        for _ in range(2):
+        for _ in range(ROUNDS):
             statuses.setdefault(name, []).append(fn(server.url, *args))
 
     poller = threading.Thread(target=poll)
@@ -202,13 +207,14 @@ def test_health_stays_fast_while_huge_requests_are_refused(server):
     busy = time.perf_counter() - started
     done.set()
     poller.join(10)
-    assert statuses == {"declared": [413, 413], "streamed": [413, 413], "ids": [400, 400], "text": [400, 400]}
+    assert statuses == {"declared": [413] * ROUNDS, "streamed": [413] * ROUNDS, "ids": [400] * ROUNDS,
+                        "text": [400] * ROUNDS}
     idle, during = sorted(latencies[:warm]), sorted(latencies[warm:])
     print(f"/health idle: median {idle[len(idle) // 2] * 1e3:.1f} ms; during {busy:.2f} s of huge requests: "
           f"{len(during)} answers, median "
           f"{during[len(during) // 2] * 1e3:.1f} ms, max {during[-1] * 1e3:.1f} ms")
     assert len(during) >= 5, during
-    assert during[-1] < HEALTH_BOUND, during[-5:]
+    assert sum(t >= HEALTH_BOUND for t in during) <= 1 and during[-1] < STALL_BOUND, during[-5:]
     ok_request(server.url)
 
 
