@@ -18,7 +18,9 @@ then differ, this probe tells which part of a speculative run moves them. One re
 Each against the first plain run: how many tokens differ, the first differing token, the first
 token whose log-probability differs at all (the same token in both runs, before the texts part:
 where the bits part, which may be long before a near tie turns the text), the plain run's top-2
-margin at the first differing token, and the draft acceptance. Writes OUT/spec_text_probe.json. `--dry-run`: the CPU, a tiny model (the script's own test).
+margin at the first differing token, and the draft acceptance. Then each run with the draft program
+against its twin without it (the same verify rows kept): where their tokens and log-probabilities
+first differ. Writes OUT/spec_text_probe.json. `--dry-run`: the CPU, a tiny model (the script's own test).
 """
 
 from __future__ import annotations
@@ -93,9 +95,7 @@ def main(argv=None) -> int:
     for name, (result, spec) in runs.items():
         found = compare([list(reference.output_ids)], [list(result.output_ids)], [args.prompt_len])
         first = found["first_diff"]
-        common = len(reference.logprobs) if first is None else first
-        bits = next((j for j in range(min(common, len(result.logprobs)))
-                     if reference.logprobs[j].logprob != result.logprobs[j].logprob), None)
+        bits = first_bits_apart(reference, result, first)
         margin = None
         if first is not None:
             top = reference.logprobs[first].top
@@ -105,10 +105,30 @@ def main(argv=None) -> int:
                              "acceptance_rate": spec["acceptance_rate"] if spec else None}
         print(f"{name:50s} differ {found['mismatched']:4d}, first at token {first}, first log-prob difference at "
               f"token {bits}, acceptance {spec['acceptance_rate'] if spec else '-'}", flush=True)
+    # A run with the draft program against the run without it that keeps the same verify rows: the same
+    # main-program steps, so any difference in bits comes from the draft program's steps in between.
+    # (The real draft's pair is like for like only while the real draft has kept nothing.)
+    doc["pairs"] = {}
+    for with_program, without in (("D = 3, drafts forced to the plain text",
+                                   "D = 3, no draft program, the plain text proposed"),
+                                  ("D = 3, the real draft", "D = 3, no draft program, the plain text plus one")):
+        a, b = runs[with_program][0], runs[without][0]
+        first = compare([list(a.output_ids)], [list(b.output_ids)], [args.prompt_len])["first_diff"]
+        bits = first_bits_apart(a, b, first)
+        doc["pairs"][f"{with_program} | {without}"] = {"first_diff": first, "first_logprob_diff": bits}
+        print(f"{with_program} against {without}: first token difference {first}, first log-prob difference {bits}",
+              flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec_text_probe.json").write_text(json.dumps(doc, indent=1))
     return 0
+
+
+def first_bits_apart(a, b, first_token_diff: "int | None") -> "int | None":
+    """The first token whose log-probability differs at all between results a and b, among the
+    tokens before their texts part (the same token in both)."""
+    common = min(len(a.logprobs), len(b.logprobs)) if first_token_diff is None else first_token_diff
+    return next((j for j in range(common) if a.logprobs[j].logprob != b.logprobs[j].logprob), None)
 
 
 if __name__ == "__main__":

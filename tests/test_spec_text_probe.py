@@ -2,8 +2,8 @@
 on a fresh one, D = 3 with the real draft, D = 1 and 3 forced to the plain text, D = 3 with no draft
 program proposing the plain text and the plain text plus one) on a tiny model with
 the reference backend and tests/graph_cases.RerunGraphs for CUDA graphs. In float32 on the reference
-every run gives plain decoding's tokens, plain decoding its bits run to run, and the forced runs keep
-every draft."""
+every run gives plain decoding's tokens, plain decoding its bits run to run, the forced runs keep
+every draft, and D = 3 forced with the draft program gives the bits of the same drafts without it."""
 
 from __future__ import annotations
 
@@ -37,3 +37,8 @@ def test_dry_run_compares_every_run_with_plain_decoding(tmp_path, tmp_path_facto
     # float32 rounding, which the log-probabilities show (a token's, before any text parts)
     assert [r["first_logprob_diff"] for r in runs.values()][:2] == [None, None]
     assert [r["acceptance_rate"] for r in runs.values()][3:] == [1.0, 1.0, 1.0, 0.0]
+    # the draft program's steps between the verify steps leave the main program's numbers alone: forced
+    # drafts with the program and the same drafts without it keep the same rows, with the same bits
+    pairs = json.loads((tmp_path / "spec_text_probe.json").read_text())["pairs"]
+    forced = pairs["D = 3, drafts forced to the plain text | D = 3, no draft program, the plain text proposed"]
+    assert forced == {"first_diff": None, "first_logprob_diff": None}, pairs
