@@ -14,12 +14,15 @@
 # real draft), baseline (spec_bench's step costs with the default kernels: the same-call baseline
 # of the step costs), lone (a lone request decoding past 256 keys, BENCHMARKS.md "Batch-invariant
 # numerics", second run: the GPU tests of the one-request verify bucket at 284 keys and of a long
-# request's greedy text with D = 1 and 3), probe (benchmarks/spec_text_probe.py on bench size:
-# where a lone request's text and log-probabilities with drafts leave plain decoding's). Results
-# under $OUT, one folder per stage.
+# request's greedy text with D = 1 and 3; a verify row that parts is traced op by op), twins
+# (spec_bench's verify_vs_decode alone: the twins of batch 1 at 284 keys and batch 8 up to 700,
+# replayed, then eager op by op: where each row's bits first part), probe
+# (benchmarks/spec_text_probe.py on bench size: where a lone request's text and log-probabilities
+# with drafts leave plain decoding's, and each run with the draft program against its twin without
+# it). twins and probe share one artifact. Results under $OUT, one folder per stage.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
-stages=",${1:-kernels,engine,families,gemm,spec,baseline,lone,probe},"
+stages=",${1:-kernels,engine,families,gemm,spec,baseline,lone,twins,probe},"
 status=0
 run() {  # run NAME COMMAND...: the stage's output to $OUT/NAME.log and the call's log
     local name=$1
@@ -42,5 +45,7 @@ run baseline python3 benchmarks/spec_bench.py --out "$OUT/baseline" --work /tmp/
     --skip verify_vs_decode,full_acceptance,greedy_equal
 run lone python3 -m pytest -q -m gpu tests/test_gpu_speculative.py -k "one-request-past-256-keys or long_request" \
     -rA -p no:cacheprovider
+run twins python3 benchmarks/spec_bench.py --out "$OUT/twins" --work /tmp/spec_probe --batch-invariant \
+    --skip step_cost,full_acceptance,greedy_equal
 run probe python3 benchmarks/spec_text_probe.py --out "$OUT/probe" --work /tmp/spec_probe --batch-invariant
 exit $status

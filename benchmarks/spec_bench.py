@@ -33,7 +33,10 @@ On the GPU machine, one run:
    logits, the argmax disagreements and the decode row's top-2 log-prob margin at each. A fault
    in a verify path moves every row; bf16 rounding moves them by a few 1e-3 (an expert of a
    random-weight router flipped on that rounding, more). Goal: median row error within the
-   start-up parity tolerance for bf16 (runtime/parity.py), argmax flips only at near ties.
+   start-up parity tolerance for bf16 (runtime/parity.py), argmax flips only at near ties. The
+   same twins again, every step eager under an op trace (`trace_ops`): where each row's bits
+   first part from the decode step's, the op handed other inputs or the op that computed
+   another output (`eager_traced`).
 4. full_acceptance: one request (--prompt-len tokens, --new-tokens to generate) through an engine
    as `hgc serve` builds it (pools, backend, graph runners, the draft's too), plain, then with D
    drafts where the MTP draft program runs as usual and each token it proposes is replaced by
@@ -65,6 +68,7 @@ OUT/spec_bench.json after each stage, a table last.
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import sys
@@ -184,7 +188,13 @@ def bench(args, rec: dict, save) -> None:
         g = torch.Generator().manual_seed(4)
         out = {}
         for B, lens in histories.items():
+            same = torch.Generator()
+            same.set_state(g.get_state())  # the traced run's histories and tokens are these twins'
             found = verify_against_decode(runner, state["vocab"], lens, D, g)
+            traced = verify_against_decode(runner, state["vocab"], lens, D, same, trace_ops=True)["rows"]
+            partings = collections.Counter(
+                "none" if r["parting"] is None else f"layer {r['parting']['layer']} {r['parting']['op']} {r['parting']['at']}"
+                for r in traced)
             errs = sorted(r["rel_err"] for r in found["rows"])
             flips = [r for r in found["rows"] if not r["argmax_equal"]]
             out[str(B)] = {"keys": [str(k) if k is not None else "eager" for k in found["keys"]],
@@ -192,7 +202,10 @@ def bench(args, rec: dict, save) -> None:
                            "rows_over_tolerance": sum(e > rtol_for(getattr(torch, rec["dtype"])) for e in errs),
                            "argmax_flips": len(flips), "flip_margins": [r["margin"] for r in flips],
                            "median_margin": sorted(r["margin"] for r in found["rows"])[len(errs) // 2],
-                           "per_row": found["rows"]}
+                           "per_row": found["rows"],
+                           "eager_traced": {"rows_parted": sum(r["parting"] is not None for r in traced),
+                                            "max_rel_err": max(r["rel_err"] for r in traced),
+                                            "first_partings": dict(partings.most_common()), "per_row": traced}}
         rec["verify_vs_decode"] = out
 
     def engine(draft_tokens: int, drafter_wrap=None, slots: int = 1, max_len: int = 0):
@@ -401,6 +414,10 @@ def table(rec: dict) -> str:
         rows.append(f"verify vs decode, batch {B}: row rel err median {fmt(v['median_rel_err'], '.2e')}, max "
                     f"{fmt(v['max_rel_err'], '.2e')}; argmax flips {v['argmax_flips']} of {v['rows']} at margins "
                     f"{[round(m, 4) for m in v['flip_margins']]} (median margin {fmt(v['median_margin'], '.3f')})")
+        traced = v.get("eager_traced")
+        if traced:
+            rows.append(f"{'':>6}eager, op by op: {traced['rows_parted']} of {v['rows']} rows part from the decode "
+                        f"step's bits; first at: {traced['first_partings']}")
     full = rec.get("full_acceptance")
     if full:
         rows.append(f"full acceptance: {fmt(full['spec']['tokens_per_s'])} tok/s against "

@@ -16,6 +16,13 @@ row's top-2 margin then says whether an argmax flip was a near tie):
 3. Per request and row: ||verify - decode|| / ||decode|| of the logits (float32), whether the
    argmaxes agree, and the decode row's margin between its two most likely tokens (log-probs).
 
+With `trace_ops=True` every step runs eagerly (the same kernels a replay launches) under a
+runtime/parity.OpTrace that keeps each op's per-token inputs and output, and each row also says
+where its bits first part from the decode step's (`parting`): walking the ops in order, the first
+op handed other inputs (the glue before it computed them differently: a GEMM, a norm) or the first
+op that gave another output from the same inputs (its kernel, or the state or KV it read); None
+where every op agrees bit for bit.
+
 Used by tests/test_gpu_speculative.py (a dense bf16 model: every row within the parity
 tolerance) and benchmarks/spec_bench.py (bench size, reported). Slots and pages are freed after.
 """
@@ -26,8 +33,9 @@ import torch
 
 from compiler.splitops import Mode
 from runtime.batch import SeqState, build_step, commit_step
+from runtime.parity import OpRecord, OpTrace
 
-__all__ = ["verify_against_decode"]
+__all__ = ["first_parting", "verify_against_decode"]
 
 
 def _host_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -35,28 +43,43 @@ def _host_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def verify_against_decode(runner, vocab_size: int, history_lens: list[int], draft_tokens: int,
-                          generator: torch.Generator) -> dict:
-    """{"rows": [{"request", "row", "rel_err", "argmax_equal", "margin"}], "keys": [verify key, decode keys]}."""
+                          generator: torch.Generator, trace_ops: bool = False) -> dict:
+    """{"rows": [{"request", "row", "rel_err", "argmax_equal", "margin"(, "parting")}],
+    "keys": [verify key, decode keys]} (keys None: eager; every key with trace_ops)."""
     kv, st, width = runner.kv_pool, runner.state_pool, draft_tokens + 1
     B = len(history_lens)
     twins = [SeqState(st.alloc()) for _ in range(2 * B)]
     a, b = twins[:B], twins[B:]
+    traces = []  # with trace_ops: the verify step's OpTrace, then each decode step's
+
+    def run(items, mode=None, logits_rows=None):
+        """One step through the runner: its logits on the host and its key."""
+        if not trace_ops:
+            step, key = runner.build(items, mode=mode, logits_rows=logits_rows)
+            logits = _host_logits(runner.run(step, key))
+        else:
+            step, key = build_step(items, kv, "cpu", mode=mode, max_pages=runner.max_pages,
+                                   logits_rows=logits_rows), None
+            traces.append(OpTrace(sum(len(t) for _, t in items), inputs=True))
+            runner.ops.observer = traces[-1]
+            try:
+                logits = _host_logits(runner.run(step, None))
+            finally:
+                runner.ops.observer = None
+        commit_step(items)
+        return logits, key
+
     try:
         history = [torch.randint(1, vocab_size, (n,), generator=generator).tolist() for n in history_lens]
         prefill = list(zip(a + b, history + history))
         runner.run(build_step(prefill, kv, "cpu", max_pages=runner.max_pages), None)
         commit_step(prefill)
         tokens = [torch.randint(1, vocab_size, (width,), generator=generator).tolist() for _ in range(B)]
-        items = list(zip(a, tokens))
-        step, verify_key = runner.build(items, mode=Mode.TARGET_VERIFY, logits_rows=[width] * B)
-        verify = _host_logits(runner.run(step, verify_key)).view(B, width, -1)
-        commit_step(items)
+        verify, verify_key = run(list(zip(a, tokens)), mode=Mode.TARGET_VERIFY, logits_rows=[width] * B)
+        verify = verify.view(B, width, -1)
         rows, keys = [], [verify_key]
         for j in range(width):
-            items = [(s, [t[j]]) for s, t in zip(b, tokens)]
-            step, key = runner.build(items)
-            decode = _host_logits(runner.run(step, key))
-            commit_step(items)
+            decode, key = run([(s, [t[j]]) for s, t in zip(b, tokens)])
             keys.append(key)
             top2 = torch.log_softmax(decode, dim=-1).topk(2, dim=-1).values
             for i in range(B):
@@ -65,8 +88,29 @@ def verify_against_decode(runner, vocab_size: int, history_lens: list[int], draf
                              "rel_err": float((got - want).norm() / want.norm().clamp_min(1e-30)),
                              "argmax_equal": int(got.argmax()) == int(want.argmax()),
                              "margin": float(top2[i, 0] - top2[i, 1])})
+                if trace_ops:
+                    rows[-1]["parting"] = first_parting(traces[0].records, i * width + j, traces[1 + j].records, i)
         return {"rows": rows, "keys": keys}
     finally:
         for seq in twins:
             kv.free(seq.pages)
             st.free(seq.slot)
+
+
+def first_parting(verify_ops: list[OpRecord], verify_row: int, decode_ops: list[OpRecord],
+                  decode_row: int) -> dict | None:
+    """Where a verify row's bits first part from its decode step's, walking the step's ops in order:
+    {"layer", "op", "index" (the op's place in the step), "at": "input NAME" (the glue before the
+    op handed it another per-token input NAME) or "output" (the op gave another output from the
+    same inputs), "rel_err" there}; None when every op's inputs and output agree bit for bit."""
+    if [(r.layer, r.op) for r in verify_ops] != [(r.layer, r.op) for r in decode_ops]:
+        raise ValueError("the verify and decode steps called other ops: no op-by-op comparison")
+    for index, (v, d) in enumerate(zip(verify_ops, decode_ops)):
+        for at, got, want in [*((f"input {arg}", v.inputs[arg][verify_row], d.inputs[arg][decode_row])
+                                for arg in v.inputs),
+                              ("output", v.out[verify_row], d.out[decode_row])]:
+            if not torch.equal(got, want):
+                got, want = got.float(), want.float()
+                return {"layer": v.layer, "op": v.op, "index": index, "at": at,
+                        "rel_err": float((got - want).norm() / want.norm().clamp_min(1e-30))}
+    return None

@@ -34,6 +34,8 @@ def test_dry_run_measures_every_stage(tmp_path, tmp_path_factory):
     versus = rec["verify_vs_decode"]["2"]  # float32 on the reference: rows equal to rounding, the same argmax
     assert versus["keys"] == ["target_verify[tokens=8, seqs=2, rows=8]"] + ["decode[tokens=2, seqs=2]"] * 4
     assert versus["rows"] == 8 and versus["max_rel_err"] < 1e-5 and versus["argmax_flips"] == 0
+    traced = versus["eager_traced"]  # the same twins eager, op by op: where each row's bits part (or "none")
+    assert len(traced["per_row"]) == 8 and sum(traced["first_partings"].values()) == 8 and traced["max_rel_err"] < 1e-5
     full = rec["full_acceptance"]
     assert full["same_tokens"] and full["speculative"]["acceptance_rate"] == 1.0
     assert full["speculative"]["tokens_per_verify"] == 4.0 and full["spec"]["steps"] < full["plain"]["steps"]
