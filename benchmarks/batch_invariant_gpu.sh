@@ -19,7 +19,8 @@
 # replayed, then eager op by op: where each row's bits first part), probe
 # (benchmarks/spec_text_probe.py on bench size: where a lone request's text and log-probabilities
 # with drafts leave plain decoding's, and each run with the draft program against its twin without
-# it). twins and probe share one artifact. Results under $OUT, one folder per stage.
+# it; then plain and D = 3 eager, traced op by op: the first position and op where they part).
+# twins and probe share one artifact. Results under $OUT, one folder per stage.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
 stages=",${1:-kernels,engine,families,gemm,spec,baseline,lone,twins,probe},"
@@ -47,5 +48,6 @@ run lone python3 -m pytest -q -m gpu tests/test_gpu_speculative.py -k "one-reque
     -rA -p no:cacheprovider
 run twins python3 benchmarks/spec_bench.py --out "$OUT/twins" --work /tmp/spec_probe --batch-invariant \
     --skip step_cost,full_acceptance,greedy_equal
-run probe python3 benchmarks/spec_text_probe.py --out "$OUT/probe" --work /tmp/spec_probe --batch-invariant
+run probe python3 benchmarks/spec_text_probe.py --out "$OUT/probe" --work /tmp/spec_probe --batch-invariant \
+    --trace-ops
 exit $status

@@ -192,9 +192,8 @@ def bench(args, rec: dict, save) -> None:
             same.set_state(g.get_state())  # the traced run's histories and tokens are these twins'
             found = verify_against_decode(runner, state["vocab"], lens, D, g)
             traced = verify_against_decode(runner, state["vocab"], lens, D, same, trace_ops=True)["rows"]
-            partings = collections.Counter(
-                "none" if r["parting"] is None else f"layer {r['parting']['layer']} {r['parting']['op']} {r['parting']['at']}"
-                for r in traced)
+            partings = collections.Counter("none" if r["parting"] is None else
+                                           "layer {layer} {op} {at}".format(**r["parting"]) for r in traced)
             errs = sorted(r["rel_err"] for r in found["rows"])
             flips = [r for r in found["rows"] if not r["argmax_equal"]]
             out[str(B)] = {"keys": [str(k) if k is not None else "eager" for k in found["keys"]],

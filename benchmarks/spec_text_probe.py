@@ -20,7 +20,10 @@ token whose log-probability differs at all (the same token in both runs, before 
 where the bits part, which may be long before a near tie turns the text), the plain run's top-2
 margin at the first differing token, and the draft acceptance. Then each run with the draft program
 against its twin without it (the same verify rows kept): where their tokens and log-probabilities
-first differ. Writes OUT/spec_text_probe.json. `--dry-run`: the CPU, a tiny model (the script's own test).
+first differ. `--trace-ops` also runs plain decoding and D = 3 forced (with the draft program and
+without it) with every step eager under tests/position_trace.PositionTrace: the first position,
+and there the first op, where each run's numbers leave eager plain decoding's. Writes
+OUT/spec_text_probe.json. `--dry-run`: the CPU, a tiny model (the script's own test).
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch-invariant", action="store_true", help="compile with --batch-invariant")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--trace-ops", action="store_true",
+                   help="also run plain and D = 3 (drafts forced, with and without the draft program) with every "
+                        "step eager under an op trace (tests/position_trace.py): the first position, and there the "
+                        "first op, where each leaves plain decoding's bits")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny size: the script's own test")
     args = p.parse_args(argv)
     from runtime.engine import SamplingParams
@@ -64,8 +71,8 @@ def main(argv=None) -> int:
     prompt = prompts_for(vocab, [args.prompt_len], seed=1)
     max_len = args.prompt_len + args.new_tokens + 1
 
-    def engine(D: int, wrap=None):
-        return bench_engine(art, vocab, D, device, drafter_wrap=wrap, max_len=max_len, graphs=graphs)
+    def engine(D: int, wrap=None, eager: bool = False):
+        return bench_engine(art, vocab, D, device, drafter_wrap=wrap, max_len=max_len, graphs=graphs, eager=eager)
 
     def text(eng):
         rid = eng.add_request(prompt[0], SamplingParams(max_new_tokens=args.new_tokens, logprobs=2))
@@ -118,10 +125,46 @@ def main(argv=None) -> int:
         doc["pairs"][f"{with_program} | {without}"] = {"first_diff": first, "first_logprob_diff": bits}
         print(f"{with_program} against {without}: first token difference {first}, first log-prob difference {bits}",
               flush=True)
+    if args.trace_ops:
+        doc["traced"] = traced_runs(engine, text, reference, plain_text, vocab, device, args.prompt_len)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec_text_probe.json").write_text(json.dumps(doc, indent=1))
     return 0
+
+
+def traced_runs(engine, text, reference, plain_text, vocab: int, device, prompt_len: int) -> dict:
+    """--trace-ops: plain decoding and two D = 3 runs, every step eager under a PositionTrace of the
+    main program's ops; each against the eager plain run: tokens, log-probabilities, and the first
+    position and op where the numbers part (tests/position_trace.first_position_parting)."""
+    from tests.position_trace import PositionTrace, first_position_parting
+    from tests.spec_drafters import ForcedDrafts, GreedyContinuationDrafter
+
+    def traced(D: int, wrap=None):
+        eng = engine(D, wrap, eager=True)
+        trace = PositionTrace(eng.ops)
+        try:
+            return text(eng), trace
+        finally:
+            trace.detach()
+
+    plain, plain_trace = traced(0)
+    runs = {"D = 3, drafts forced to the plain text": traced(3, lambda drafter: ForcedDrafts(drafter, plain_text)),
+            "D = 3, no draft program, the plain text proposed":
+                traced(3, lambda _: GreedyContinuationDrafter(plain_text, 3, vocab, device=device))}
+    found = compare([list(reference.output_ids)], [list(plain.output_ids)], [prompt_len])["first_diff"]
+    doc = {"plain, eager, against plain with graphs": {
+        "first_diff": found, "first_logprob_diff": first_bits_apart(reference, plain, found)}}
+    print(f"traced: plain, eager against plain with graphs: first token difference {found}, first log-prob "
+          f"difference {doc['plain, eager, against plain with graphs']['first_logprob_diff']}", flush=True)
+    for name, (result, trace) in runs.items():
+        first = compare([list(plain.output_ids)], [list(result.output_ids)], [prompt_len])["first_diff"]
+        doc[name] = {"first_diff": first, "first_logprob_diff": first_bits_apart(plain, result, first),
+                     "first_parting": first_position_parting(plain_trace, trace)}
+        print(f"traced: {name}, eager, against plain eager: first token difference {first}, first log-prob "
+              f"difference {doc[name]['first_logprob_diff']}, numbers first part at {doc[name]['first_parting']}",
+              flush=True)
+    return doc
 
 
 def first_bits_apart(a, b, first_token_diff: "int | None") -> "int | None":

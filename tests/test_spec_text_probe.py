@@ -3,7 +3,9 @@ on a fresh one, D = 3 with the real draft, D = 1 and 3 forced to the plain text,
 program proposing the plain text and the plain text plus one) on a tiny model with
 the reference backend and tests/graph_cases.RerunGraphs for CUDA graphs. In float32 on the reference
 every run gives plain decoding's tokens, plain decoding its bits run to run, the forced runs keep
-every draft, and D = 3 forced with the draft program gives the bits of the same drafts without it."""
+every draft, and D = 3 forced with the draft program gives the bits of the same drafts without it;
+with --trace-ops, the eager runs traced op by op (tests/position_trace.py) part from plain decoding at
+the same place with and without the draft program."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def test_dry_run_compares_every_run_with_plain_decoding(tmp_path, tmp_path_facto
 
     work = shared_artifact(tmp_path_factory, "qwen3_next")[1].parent  # its own names (bench_common.compiled_artifact)
     assert main(["--dry-run", "--out", str(tmp_path), "--work", str(work), "--prompt-len", "8",
-                 "--new-tokens", "12"]) == 0
+                 "--new-tokens", "12", "--trace-ops"]) == 0
     runs = json.loads((tmp_path / "spec_text_probe.json").read_text())["runs"]
     assert list(runs) == ["plain, again on the same engine", "plain, a fresh engine", "D = 3, the real draft",
                           "D = 1, drafts forced to the plain text", "D = 3, drafts forced to the plain text",
@@ -42,3 +44,12 @@ def test_dry_run_compares_every_run_with_plain_decoding(tmp_path, tmp_path_facto
     pairs = json.loads((tmp_path / "spec_text_probe.json").read_text())["pairs"]
     forced = pairs["D = 3, drafts forced to the plain text | D = 3, no draft program, the plain text proposed"]
     assert forced == {"first_diff": None, "first_logprob_diff": None}, pairs
+    # --trace-ops, every step eager: plain decoding has the bits of its graph runs; D = 3 leaves them at a
+    # verify row (on the CPU its glue rounds 4 rows otherwise than 1), at the same op with the draft
+    # program and without it
+    traced = json.loads((tmp_path / "spec_text_probe.json").read_text())["traced"]
+    assert traced["plain, eager, against plain with graphs"] == {"first_diff": None, "first_logprob_diff": None}
+    with_program = traced["D = 3, drafts forced to the plain text"]
+    without = traced["D = 3, no draft program, the plain text proposed"]
+    assert with_program == without and with_program["first_diff"] is None, traced
+    assert with_program["first_parting"] is None or with_program["first_parting"]["position"] >= 8, traced
