@@ -187,7 +187,11 @@ def add_speculative_argument(group) -> None:
     # 1..7 is checked by EngineOptions (runtime/speculative.MAX_DRAFT_TOKENS), before anything loads
     group.add_argument("--speculative-tokens", type=int_at_least(0), default=0, metavar="D",
                        help="draft D tokens per decoding request with the artifact's MTP draft program and verify "
-                            "them in one target_verify step (1..7; default 0: no speculation)")
+                            "them in one target_verify step (1..7; default 0: no speculation). Greedy tokens are "
+                            "plain decoding's where a verify row computes what a decode step does: in float32, "
+                            "and in bf16 for an artifact compiled with --batch-invariant (one fault open: README, "
+                            "speculative decoding); otherwise bf16 kernels of other shapes may decide a near tie the "
+                            "other way")
 
 
 def add_tp_arguments(group) -> None:
