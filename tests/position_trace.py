@@ -19,13 +19,15 @@ leave plain decoding's; one request at a time (a step of several real requests i
 from __future__ import annotations
 
 import hashlib
+import operator
+from typing import Callable
 
 import torch
 
 from compiler.splitops import op_spec
 from runtime.parity import op_arg_positions
 
-__all__ = ["PositionTrace", "first_position_parting"]
+__all__ = ["PositionTrace", "entries_apart", "first_position_parting"]
 
 
 def _digests(t: torch.Tensor, first: int, count: int) -> list[str]:
@@ -64,17 +66,29 @@ class PositionTrace:
                 self.by_position[p].append((layer, name, what, digest))
 
 
+def entries_apart(a: list, b: list, same: Callable = operator.eq) -> dict | None:
+    """Where two steps' ops first part, given each as entries (layer, op, "input NAME" or "output",
+    value), an op's inputs then its output, in the order of the step's ops: {"entry" (its place in
+    the lists), "index" (the op's place in the step), "layer", "op", "at"} of the first entry whose
+    values are not `same`; {"other_ops": True} when the steps called other ops; None when all agree.
+    Shared by first_position_parting (digests) and tests/spec_checks.first_parting (tensors)."""
+    if [e[:3] for e in a] != [e[:3] for e in b]:
+        return {"other_ops": True}
+    index = 0
+    for entry, ((layer, op, at, x), (*_, y)) in enumerate(zip(a, b)):
+        if not same(x, y):
+            return {"entry": entry, "index": index, "layer": layer, "op": op, "at": at}
+        index += at == "output"
+    return None
+
+
 def first_position_parting(a: PositionTrace, b: PositionTrace) -> dict | None:
     """{"position", "index" (the op's place in the step), "layer", "op", "at"} of the first difference
     between two traces of one request over the positions both computed, or {"position", "other_ops"}
     where the two steps there called other ops; None when every position agrees."""
     for p in sorted(set(a.by_position) & set(b.by_position)):
-        ra, rb = a.by_position[p], b.by_position[p]
-        if [r[:3] for r in ra] != [r[:3] for r in rb]:
-            return {"position": p, "other_ops": True}
-        index = 0  # each op's entries end with its output
-        for (layer, op, at, da), (_, _, _, db) in zip(ra, rb):
-            if da != db:
-                return {"position": p, "index": index, "layer": layer, "op": op, "at": at}
-            index += at == "output"
+        found = entries_apart(a.by_position[p], b.by_position[p])
+        if found is not None:
+            found.pop("entry", None)
+            return {"position": p, **found}
     return None

@@ -34,6 +34,7 @@ import torch
 from compiler.splitops import Mode
 from runtime.batch import SeqState, build_step, commit_step
 from runtime.parity import OpRecord, OpTrace
+from tests.position_trace import entries_apart
 
 __all__ = ["first_parting", "verify_against_decode"]
 
@@ -99,18 +100,23 @@ def verify_against_decode(runner, vocab_size: int, history_lens: list[int], draf
 
 def first_parting(verify_ops: list[OpRecord], verify_row: int, decode_ops: list[OpRecord],
                   decode_row: int) -> dict | None:
-    """Where a verify row's bits first part from its decode step's, walking the step's ops in order:
-    {"layer", "op", "index" (the op's place in the step), "at": "input NAME" (the glue before the
-    op handed it another per-token input NAME) or "output" (the op gave another output from the
-    same inputs), "rel_err" there}; None when every op's inputs and output agree bit for bit."""
-    if [(r.layer, r.op) for r in verify_ops] != [(r.layer, r.op) for r in decode_ops]:
+    """Where a verify row's bits first part from its decode step's, walking the step's ops in order
+    (tests/position_trace.entries_apart): {"layer", "op", "index" (the op's place in the step),
+    "at": "input NAME" (the glue before the op handed it another per-token input NAME) or "output"
+    (the op gave another output from the same inputs), "rel_err" there}; None when every op's
+    inputs and output agree bit for bit."""
+    a, b = _entries(verify_ops, verify_row), _entries(decode_ops, decode_row)
+    found = entries_apart(a, b, torch.equal)
+    if found is not None and found.get("other_ops"):
         raise ValueError("the verify and decode steps called other ops: no op-by-op comparison")
-    for index, (v, d) in enumerate(zip(verify_ops, decode_ops)):
-        for at, got, want in [*((f"input {arg}", v.inputs[arg][verify_row], d.inputs[arg][decode_row])
-                                for arg in v.inputs),
-                              ("output", v.out[verify_row], d.out[decode_row])]:
-            if not torch.equal(got, want):
-                got, want = got.float(), want.float()
-                return {"layer": v.layer, "op": v.op, "index": index, "at": at,
-                        "rel_err": float((got - want).norm() / want.norm().clamp_min(1e-30))}
-    return None
+    if found is None:
+        return None
+    k = found.pop("entry")
+    got, want = a[k][3].float(), b[k][3].float()
+    return {**found, "rel_err": float((got - want).norm() / want.norm().clamp_min(1e-30))}
+
+
+def _entries(ops: list[OpRecord], row: int) -> list[tuple[int, str, str, torch.Tensor]]:
+    """One row of a step's op records as entries_apart's (layer, op, at, tensor): inputs, then output."""
+    return [entry for r in ops for entry in [*((r.layer, r.op, f"input {arg}", t[row]) for arg, t in r.inputs.items()),
+                                             (r.layer, r.op, "output", r.out[row])]]

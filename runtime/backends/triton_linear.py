@@ -123,6 +123,11 @@ def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
         if batch * cdiv(channels, bc) >= target:
             block_c = bc
             break
+    return _conv_tile(block_c, channels)
+
+
+def _conv_tile(block_c: int, channels: int) -> ConvConfig:
+    """A decode-conv tile of block_c channels (fewer where the layer has fewer), one warp per 64."""
     block_c = min(block_c, max(32, next_pow2(channels)))
     return ConvConfig(block_c, max(1, min(4, block_c // 64)))
 
@@ -146,8 +151,7 @@ def fixed_recurrent_config(heads: int, dk: int, dv: int, device: torch.device) -
 def fixed_conv_config(channels: int) -> ConvConfig:
     """The decode and verify conv tile of decode_tiles="fixed": 128 channels and 2 warps (fewer
     where the layer has fewer channels)."""
-    block_c = min(128, max(32, next_pow2(channels)))
-    return ConvConfig(block_c, max(1, min(4, block_c // 64)))
+    return _conv_tile(128, channels)
 
 
 # Tokens one extend-conv program owns. The block table is planned once per step for this size,
