@@ -4,7 +4,7 @@
 #
 #   HGC_CALL_SECONDS=560 bash benchmarks/gpu_call.sh bash benchmarks/batch_invariant_gpu.sh [STAGES]
 #
-# STAGES (comma-separated, default all): kernels (the GEMM and fixed-split attention kernels' GPU
+# STAGES (comma-separated, default all): kernels (the GEMM, row-sum and fixed-split attention kernels' GPU
 # tests: checked against their references and row invariance, before anything is timed), engine
 # (tests/test_gpu_speculative.py -k batch_invariant: verify rows the decode steps' bits, greedy
 # tokens with drafts plain decoding's), families (tests/test_gpu_batch_invariance.py: a decode row
@@ -37,7 +37,8 @@ run() {  # run NAME COMMAND...: the stage's output to $OUT/NAME.log and the call
         [ $rc -eq 0 ] || status=$rc
     fi
 }
-run kernels python3 -m pytest -q -m gpu tests/test_triton_matmul.py tests/test_triton_fixed_splits.py -p no:cacheprovider
+run kernels python3 -m pytest -q -m gpu tests/test_triton_matmul.py tests/test_triton_row_sum.py tests/test_triton_fixed_splits.py \
+    -rA -p no:cacheprovider
 run engine python3 -m pytest -q -m gpu tests/test_gpu_speculative.py -k batch_invariant -p no:cacheprovider
 run families python3 -m pytest -q -m gpu tests/test_gpu_batch_invariance.py -rA -p no:cacheprovider
 run gemm python3 benchmarks/gemm_invariant_bench.py --out "$OUT/gemm"

@@ -108,11 +108,18 @@ def bench(args, rec: dict, save) -> None:
     device = torch.device("cpu" if args.dry_run else "cuda")
     stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
     D, batches = args.draft_tokens, [int(b) for b in args.batches.split(",")]
+    if args.torch_sums and not args.batch_invariant:
+        raise SystemExit("--torch-sums: only with --batch-invariant (without it torch's sums run anyway)")
+    rec["torch_sums"] = args.torch_sums
     rec["dtype"] = args.dtype or ("float32" if args.dry_run else "bfloat16")  # what the tolerances are for
     state: dict = {}
 
     def init_compile():
         state["art"] = load_artifact(compiled_artifact(args), device=str(device), load_format=load_format(args))
+        if args.torch_sums:  # the products stay batch-invariant; sums and means go back to torch
+            from runtime.backends import batch_invariant_aten
+            batch_invariant_aten.uninstall()
+            batch_invariant_aten.install(sums=False)
         state["vocab"] = int(state["art"].manifest["model"]["vocab_size"])
 
     def graphs():
@@ -458,6 +465,9 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--new-tokens", type=int, default=None, help="full_acceptance: tokens generated")
         p.add_argument("--prompts", type=int, default=None, help="greedy_equal: prompts")
         p.add_argument("--equal-tokens", type=int, default=None, help="greedy_equal: tokens per prompt")
+        p.add_argument("--torch-sums", action="store_true",
+                       help="with --batch-invariant: torch's own sums and means instead of the fixed-order row sums "
+                            "(the same-call baseline of their cost; a verify row may then leave its decode step's bits)")
 
     return engine_script(argv, __doc__, "spec_bench", {"gpu": GPU_DEFAULTS, "dry": DRY_DEFAULTS}, add_arguments,
                          bench, table,

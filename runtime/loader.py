@@ -28,8 +28,9 @@ Lifecycle, one module per role:
    module then runs them in place of the traced glue (runtime/compiled_glue.py), and
    `module_for(mode, compiled=False)` still gives the traced glue (the start-up check's reference).
 6. An artifact compiled with --batch-invariant (manifest "compile"), loaded on a CUDA device, sends
-   every matrix product of the process to runtime/backends/triton_matmul.py (`install`: one launch
-   shape for any row count): the glue's products, compiled or traced, call aten's mm and addmm.
+   every matrix product and every sum or mean over dims of the process to fixed-order kernels
+   (runtime/backends/batch_invariant_aten.py `install`: one order for any row count): the glue's
+   products, compiled or traced, call aten's mm and addmm, and the traced glue's norms its sum and mean.
    Its backends' batch-invariant choices are in routing.json already (routing set them).
 7. runtime/side_stream.py: on a CUDA device, each captured piece with side branches (split.json,
    `hgc compile --overlap`) is rewritten to fork its branches onto a second stream and join them
@@ -378,7 +379,7 @@ def load_artifact(path: str | os.PathLike, device: str | torch.device | None = "
             raise
         weights = reading.result()
     if batch_invariant(docs):
-        install_batch_invariant_gemms(docs, device)
+        install_batch_invariant_kernels(docs, device)
     return LoadedArtifact(docs, loaded, weights, program_fqns, device, bundle)
 
 
@@ -388,15 +389,15 @@ def batch_invariant(docs: ArtifactDocs) -> bool:
     return isinstance(compiled, dict) and compiled.get("batch_invariant") is True
 
 
-def install_batch_invariant_gemms(docs: ArtifactDocs, device: torch.device) -> None:
-    """Step 6: torch's CUDA matrix products through one Triton launch shape, for the whole process
-    (Inductor's compiled glue calls aten's extern mm, so no piece needs rebuilding). A CPU device
-    cannot keep the promise: the compile refuses that target, and a load there is refused too."""
+def install_batch_invariant_kernels(docs: ArtifactDocs, device: torch.device) -> None:
+    """Step 6: torch's CUDA matrix products and sums over dims in one fixed order, for the whole
+    process (Inductor's compiled glue calls aten's extern mm, so no piece needs rebuilding). A CPU
+    device cannot keep the promise: the compile refuses that target, and a load there is refused too."""
     if device.type != "cuda":
         raise LoadError(f"{docs.path}: compiled with --batch-invariant, whose matrix products run on CUDA only; "
                         f"asked to load on {device}")
-    from runtime.backends import triton_matmul
-    triton_matmul.install()
+    from runtime.backends import batch_invariant_aten
+    batch_invariant_aten.install()
 
 
 def triton_cache_key_function():

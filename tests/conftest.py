@@ -49,3 +49,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def batch_invariant_installed():
+    """runtime/backends/batch_invariant_aten.install() for one test (imported here, not at the top: a
+    kernel module must not import triton before tests/triton_interpreter.py has run); torch's own
+    kernels are back after it, for the rest of the session."""
+    from runtime.backends import batch_invariant_aten
+
+    assert not batch_invariant_aten.installed()
+    batch_invariant_aten.install()
+    try:
+        yield
+    finally:
+        batch_invariant_aten.uninstall()

@@ -57,10 +57,10 @@ def build(request, tmp_path_factory):
     """(name, artifact folder, the artifact loaded here or None). A build with compiled pieces is
     compiled and run in processes of their own: its bundle must be loaded before anything imports
     FlashInfer (runtime/bundle.py), which the other builds' runs in this process have done. Loading
-    an artifact here routes the process's CUDA matrix products to the batch-invariant GEMM, taken
+    an artifact here routes the process's CUDA matrix products and sums to the batch-invariant kernels, taken
     back afterwards for the other modules."""
     from compiler.cli import main
-    from runtime.backends import triton_matmul
+    from runtime.backends import batch_invariant_aten
     from runtime.loader import load_artifact
     from tests.helpers import tiny_checkpoint
 
@@ -75,9 +75,9 @@ def build(request, tmp_path_factory):
         return
     assert main(argv + ["--no-inductor"]) == 0
     art = load_artifact(root / "a", "cuda")
-    assert art.batch_invariant and triton_matmul.installed() and art.compiled is None
+    assert art.batch_invariant and batch_invariant_aten.installed() and art.compiled is None
     yield request.param, root / "a", art
-    triton_matmul.uninstall()
+    batch_invariant_aten.uninstall()
 
 
 def test_a_decode_row_is_the_same_bits_alone_and_among_others(build):

@@ -175,13 +175,13 @@ def test_fp32_a_forced_agreeing_drafter_is_kept_in_full(artifacts):
 @pytest.fixture(scope="module")
 def invariant(tmp_path_factory):
     """The bf16 artifact compiled with --batch-invariant; loading it routes the process's CUDA matrix
-    products to the batch-invariant kernel, which is taken back afterwards for the other modules."""
-    from runtime.backends import triton_matmul
+    products and sums to the batch-invariant kernels, taken back afterwards for the other modules."""
+    from runtime.backends import batch_invariant_aten
 
     art = _artifact(tmp_path_factory.mktemp("gspec_bi"), "invariant", "bfloat16", invariant=True)
-    assert art.batch_invariant and triton_matmul.installed()
+    assert art.batch_invariant and batch_invariant_aten.installed()
     yield art
-    triton_matmul.uninstall()
+    batch_invariant_aten.uninstall()
 
 
 def invariant_options(D: int) -> EngineOptions:

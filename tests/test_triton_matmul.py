@@ -7,7 +7,7 @@ float32 by ||x - ref|| / ||ref|| (16-bit outputs: one rounding, and the interpre
 where a GPU rounds to nearest, so up to one bf16 step per element). Row invariance is checked
 exactly: a prefix of A's rows, or A's rows permuted, give the same rows bit for bit. One test
 registers the functions for the CPU dispatch key for its duration, to check the aten wiring that
-install() does for CUDA (argument passing, out=, no recursion into torch's mm).
+batch_invariant_aten.install() does for CUDA (argument passing, out=, no recursion into torch's mm).
 
 The tests marked gpu run the compiled kernel at real dims (K 2048, N 2048 and 8192, M 1 to 512):
 close to cuBLAS, rows exact across M, torch's own calls routed after install(), and a captured
@@ -25,6 +25,7 @@ from tests.triton_interpreter import DEVICE, INTERPRETED, interpreter_or_fresh_p
 
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 
+from runtime.backends import batch_invariant_aten as BI  # noqa: E402
 from runtime.backends import triton_matmul as TM  # noqa: E402
 from tests.linear_cases import rel_err  # noqa: E402
 
@@ -176,7 +177,7 @@ def test_aten_ops_reach_the_kernel_once_registered():
     want = {"mm": TM.mm(x, w.t()), "addmm": TM.addmm(bias, x, w.t(), beta=0.5, alpha=2),
             "linear": TM.addmm(bias, x, w.t()), "bmm": TM.bmm(x3, b3),
             "linear3": TM.addmm(bias, x3.reshape(10, 17), w.t()).reshape(2, 5, 65)}
-    lib = TM._register("CPU")
+    lib = BI.register("CPU", TM.ATEN_IMPLS)
     try:
         got = {"mm": torch.mm(x, w.t()), "addmm": torch.addmm(bias, x, w.t(), beta=0.5, alpha=2),
                "linear": torch.nn.functional.linear(x, w, bias), "bmm": torch.bmm(x3, b3),
@@ -199,15 +200,15 @@ def test_aten_ops_reach_the_kernel_once_registered():
 
 def test_install_is_idempotent_and_undone():
     """install() keeps one registration (the CUDA key: on this machine no call reaches it)."""
-    assert not TM.installed()
+    assert not BI.installed()
     lines = []
     try:
-        TM.install(lines.append)
-        TM.install(lines.append)
-        assert TM.installed() and len(lines) == 1
+        BI.install(lines.append)
+        BI.install(lines.append)
+        assert BI.installed() and len(lines) == 1
     finally:
-        TM.uninstall()
-    assert not TM.installed()
+        BI.uninstall()
+    assert not BI.installed()
 
 
 # ----------------------------------------------------------------------------- GPU, real dims
@@ -223,17 +224,6 @@ def real_inputs(N: int, seed: int):
     w = (randn(N, K_REAL, dtype=torch.bfloat16, g=g) * K_REAL ** -0.5).cuda()
     bias = randn(N, dtype=torch.bfloat16, g=g).cuda()
     return a, w, bias
-
-
-@pytest.fixture
-def installed_for_the_test():
-    """install() for one test; torch's kernels back after it, for the rest of the session."""
-    assert not TM.installed()
-    TM.install()
-    try:
-        yield
-    finally:
-        TM.uninstall()
 
 
 @pytest.mark.gpu
@@ -252,11 +242,11 @@ def test_gpu_bf16_close_to_cublas_and_rows_exact_across_m(N):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.usefixtures("installed_for_the_test")
+@pytest.mark.usefixtures("batch_invariant_installed")
 def test_gpu_torch_gemms_run_the_kernel_once_installed():
     """torch.mm, addmm, linear and bmm on CUDA give the module's own bits, rows exact across M."""
     a, w, bias = real_inputs(2048, seed=1)
-    assert TM.installed()
+    assert BI.installed()
     full, full_bias, full_bmm = TM.mm(a, w.t()), TM.addmm(bias, a, w.t()), TM.bmm(a[None], w.t()[None])
     for M in M_REAL:
         assert torch.equal(torch.mm(a[:M], w.t()), full[:M]), f"torch.mm M={M}"
@@ -268,7 +258,7 @@ def test_gpu_torch_gemms_run_the_kernel_once_installed():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.usefixtures("installed_for_the_test")
+@pytest.mark.usefixtures("batch_invariant_installed")
 def test_gpu_captured_mm_replays_the_eager_result():
     a, w, _ = real_inputs(2048, seed=2)
     x = a[:32].clone()

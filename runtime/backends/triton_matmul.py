@@ -1,4 +1,4 @@
-"""A batch-invariant matrix product in Triton, and a switch that routes torch's CUDA GEMMs to it.
+"""A batch-invariant matrix product in Triton.
 
 Batch-invariant: every row of C = A @ B is computed bit for bit the same whatever the number of
 rows M of the call, so a decode step of 32 rows and a target_verify step of 128 rows give the same
@@ -8,12 +8,9 @@ another M. Here one kernel with one launch configuration serves every M (see _CO
 
 `mm`, `addmm` (torch.addmm's beta * bias + alpha * (a @ b)) and `bmm` take any strides (B is
 usually a transposed weight view) in float32, float16 or bfloat16, accumulate in float32 and
-return the inputs' dtype. `install()` registers them as aten::mm, aten::addmm and aten::bmm (and
-their out= forms) for the CUDA dispatch key. That is process-wide: every CUDA mm/addmm/bmm of the
-process, whoever calls it, runs here from then on. A runtime installs it to serve an artifact
-compiled with batch-invariant numerics (`hgc compile --batch-invariant`): Inductor's compiled glue
-calls aten mm/addmm as extern kernels and the eager glue calls them through torch, so the
-override reaches every GEMM of the step without recompiling anything.
+return the inputs' dtype. `ATEN_IMPLS` names them as aten::mm, aten::addmm and aten::bmm (and
+their out= forms): runtime/backends/batch_invariant_aten.py registers them for CUDA, process-wide,
+to serve an artifact compiled with `hgc compile --batch-invariant`.
 
 It does not: reach GEMMs that never go through those six aten ops (mv/addmv, baddbmm, Inductor's
 own Triton templates under max-autotune, custom kernels), take other dtypes (integers, float8,
@@ -23,8 +20,7 @@ for speed: it is meant to give the same bits, not to be as fast as cuBLAS at eve
 
 from __future__ import annotations
 
-import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -33,7 +29,7 @@ import triton.language as tl
 from runtime.backends.launch_cache import Launcher
 from runtime.backends.launch_math import cdiv, triton_interpreted
 
-__all__ = ["mm", "addmm", "bmm", "install", "installed", "uninstall"]
+__all__ = ["ATEN_IMPLS", "addmm", "bmm", "mm"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -195,41 +191,5 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) ->
     return c
 
 
-_LIB: Optional[torch.library.Library] = None  # kept here: dropping the Library unregisters its kernels
-
-
-def _register(dispatch_key: str) -> torch.library.Library:
-    """A Library with mm/addmm/bmm (and their out= forms) registered for `dispatch_key`. The
-    functions take the ops' arguments as they come (beta, alpha and out by keyword) and never call
-    torch's mm/matmul, which would come back here."""
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # "Overriding a previously registered kernel": the point
-        warnings.simplefilter("ignore", UserWarning)
-        for name, fn in (("mm", mm), ("mm.out", mm), ("addmm", addmm), ("addmm.out", addmm),
-                         ("bmm", bmm), ("bmm.out", bmm)):
-            lib.impl(name, fn, dispatch_key)
-    return lib
-
-
-def install(log: Optional[Callable[[str], None]] = None) -> None:
-    """Route aten::mm, addmm and bmm (and their out= forms) on CUDA to this module, for the whole
-    process (the module docstring says why a runtime does). A second call does nothing."""
-    global _LIB
-    if _LIB is not None:
-        return
-    _LIB = _register("CUDA")
-    if log is not None:
-        log("batch-invariant matmul: aten mm/addmm/bmm on CUDA run the fixed-tile Triton kernel")
-
-
-def installed() -> bool:
-    """Whether install() has routed torch's CUDA GEMMs here (and uninstall() has not undone it)."""
-    return _LIB is not None
-
-
-def uninstall() -> None:
-    """Give the CUDA GEMMs back to torch's own kernels (tests and benchmarks compare both)."""
-    global _LIB
-    if _LIB is not None:
-        _LIB._destroy()
-        _LIB = None
+# aten overload -> function, for batch_invariant_aten.register (the out= forms take out by keyword)
+ATEN_IMPLS = (("mm", mm), ("mm.out", mm), ("addmm", addmm), ("addmm.out", addmm), ("bmm", bmm), ("bmm.out", bmm))

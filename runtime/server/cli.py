@@ -189,9 +189,8 @@ def add_speculative_argument(group) -> None:
                        help="draft D tokens per decoding request with the artifact's MTP draft program and verify "
                             "them in one target_verify step (1..7; default 0: no speculation). Greedy tokens are "
                             "plain decoding's where a verify row computes what a decode step does: in float32, "
-                            "and in bf16 for an artifact compiled with --batch-invariant (one fault open: README, "
-                            "speculative decoding); otherwise bf16 kernels of other shapes may decide a near tie the "
-                            "other way")
+                            "and in bf16 for an artifact compiled with --batch-invariant (README, speculative "
+                            "decoding); otherwise bf16 kernels of other shapes may decide a near tie the other way")
 
 
 def add_tp_arguments(group) -> None:

@@ -1,0 +1,64 @@
+"""The batch-invariant switch: torch's CUDA matrix products and sums over dims, process-wide, to
+kernels whose every row is computed in one fixed order whatever the number of rows.
+
+`install()` registers, for the CUDA dispatch key, runtime/backends/triton_matmul.py's aten::mm,
+addmm and bmm (and their out= forms) and runtime/backends/triton_row_sum.py's aten::sum.dim_IntList
+and mean.dim. Every such call of the process, whoever makes it, runs there from then on. A runtime
+installs it to serve an artifact compiled with `hgc compile --batch-invariant` (runtime/loader.py):
+the eager glue calls these ops through torch (its RMSNorms and L2 norms are sum.dim / mean.dim
+over the last dim) and Inductor's compiled glue calls mm/addmm as extern kernels, so the override
+reaches them without recompiling anything.
+
+It does not reach the reductions Inductor's compiled glue generates itself, nor any op outside
+the two modules' lists (their docstrings say which).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from runtime.backends import triton_matmul, triton_row_sum
+
+__all__ = ["install", "installed", "register", "uninstall"]
+
+_LIB: Optional[torch.library.Library] = None  # kept here: dropping the Library unregisters its kernels
+
+
+def register(dispatch_key: str, impls: Sequence[tuple[str, Callable]]) -> torch.library.Library:
+    """A Library with each (aten overload, function) of `impls` registered for `dispatch_key`. The
+    functions take the ops' arguments as they come (keyword ones by keyword) and never call the op
+    they replace, which would come back to them. Tests register for the CPU key (the interpreter)."""
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": the point
+        warnings.simplefilter("ignore", UserWarning)
+        for name, fn in impls:
+            lib.impl(name, fn, dispatch_key)
+    return lib
+
+
+def install(log: Optional[Callable[[str], None]] = None, *, sums: bool = True) -> None:
+    """Route the products and sums named above on CUDA to the fixed-order kernels, for the whole
+    process (the module docstring says why a runtime does). A second call does nothing. `sums`
+    False leaves sums and means to torch (benchmarks time what the row sums cost against that)."""
+    global _LIB
+    if _LIB is not None:
+        return
+    _LIB = register("CUDA", triton_matmul.ATEN_IMPLS + (triton_row_sum.ATEN_IMPLS if sums else ()))
+    if log is not None:
+        log("batch-invariant kernels: aten mm/addmm/bmm and sum/mean over dims on CUDA run in one fixed order")
+
+
+def installed() -> bool:
+    """Whether install() has routed them (and uninstall() has not undone it)."""
+    return _LIB is not None
+
+
+def uninstall() -> None:
+    """Give the CUDA ops back to torch's own kernels (tests and benchmarks compare both)."""
+    global _LIB
+    if _LIB is not None:
+        _LIB._destroy()
+        _LIB = None
