@@ -394,7 +394,7 @@ def install_batch_invariant_kernels(docs: ArtifactDocs, device: torch.device) ->
     process (Inductor's compiled glue calls aten's extern mm, so no piece needs rebuilding). A CPU
     device cannot keep the promise: the compile refuses that target, and a load there is refused too."""
     if device.type != "cuda":
-        raise LoadError(f"{docs.path}: compiled with --batch-invariant, whose matrix products run on CUDA only; "
+        raise LoadError(f"{docs.path}: compiled with --batch-invariant, whose fixed-order kernels run on CUDA only; "
                         f"asked to load on {device}")
     from runtime.backends import batch_invariant_aten
     batch_invariant_aten.install()
