@@ -25,7 +25,11 @@ On the GPU machine, one run:
    parity-checked). Per batch B: B requests with a 64-token history; their decode step and their
    verify step of D + 1 tokens each, replayed from the graphs; median milliseconds and the ratio
    verify / decode (goal at batch 1: <= 1.3). After every timing, each step is profiled: kernels
-   per step, their time, and the kernels a verify step pays more for than a decode step.
+   per step, their time, and the kernels a verify step pays more for than a decode step. Last,
+   the logits product alone (the lm_head's shape: 1 row, as a draft step computes it, and D + 1),
+   which with the batch-1 profiles gives `speedup_bound`: the most full acceptance can give at the
+   kernels' time were the draft's layer free (D + 1 decode steps' kernels over a verify step's and
+   D one-row lm_head products).
 3. verify_vs_decode: whether a verify step computes what decode steps compute
    (tests/spec_checks.verify_against_decode): twin requests with the same history, one verified
    with D + 1 tokens, the other fed them by D + 1 decode steps, through a GraphRunner with decode
@@ -181,8 +185,22 @@ def bench(args, rec: dict, save) -> None:
                 kv.free(s.pages)
                 st.free(s.slot)
         rec["step_cost"] = out
+        rec["lm_head_ms"] = lm_head_ms()
         rec["step_cost_runner"] = {"full_modes": sorted(m.value for m in runner.full_modes),
                                    "counters": dict(runner.counters)}
+
+    def lm_head_ms() -> dict:
+        """The logits product alone, the lm_head's shape and dtype ([V, H] weights, random), through
+        whatever products are installed (--batch-invariant: the fixed-order kernel): 1 row, as each
+        draft step computes it, and D + 1 rows, as a verify step of one request does. Median ms."""
+        model = state["art"].manifest["model"]
+        dtype = getattr(torch, rec["dtype"])
+        weight = torch.randn(model["vocab_size"], model["hidden_size"], dtype=dtype, device=device)
+        rows = {}
+        for n in (1, D + 1):
+            h = torch.randn(n, model["hidden_size"], dtype=dtype, device=device)
+            rows[str(n)] = time_ms(lambda h=h: torch.nn.functional.linear(h, weight), device, args.iters)
+        return rows
 
     def verify_vs_decode():
         from runtime.parity import rtol_for
@@ -379,8 +397,23 @@ def tie_report(plain_results, spec_results) -> dict:
                                       "max": deltas[-1] if deltas else None}}
 
 
+def speedup_bound(rec: dict, D: int) -> dict | None:
+    """The most a round can give over plain decoding at the kernels' time, batch 1, were the draft's
+    layer free: D + 1 decode steps' kernels over one verify step's kernels plus D lm_head products
+    of one row (each draft token is the argmax of a full-vocabulary product of the draft's hidden
+    state). No kernel of the draft's layer can lift a goal above it; a measured speedup above it
+    comes from the host time that plain decoding pays every step and a round once for D + 1 tokens."""
+    cost, lm = rec.get("step_cost", {}).get("1"), rec.get("lm_head_ms")
+    if not cost or not lm or not cost.get("decode_profile", {}).get("kernel_ms"):
+        return None  # on the CPU no kernel is timed
+    decode, verify = cost["decode_profile"]["kernel_ms"], cost["verify_profile"]["kernel_ms"]
+    return {"decode_kernel_ms": decode, "verify_kernel_ms": verify, "lm_head_row_ms": lm["1"],
+            "speedup": (D + 1) * decode / (verify + D * lm["1"])}
+
+
 def targets(rec: dict, D: int) -> None:
     out = {}
+    rec["speedup_bound"] = speedup_bound(rec, D)
     cost = rec.get("step_cost", {}).get("1")
     if cost:
         out["verify_over_decode_b1"] = {"value": cost["ratio"], "goal": f"<= {TARGET_VERIFY_RATIO} (D = {D})",
@@ -438,6 +471,11 @@ def table(rec: dict) -> str:
             rows.append(f"forced to its own greedy text: {fmt(own['tokens_per_s'])} tok/s ({fmt(own['speedup'], '.2f')}x), "
                         f"acceptance {fmt(own['acceptance_rate'], '.3f')}, the same tokens as its first run: "
                         f"{own['same_tokens_as_first']}")
+        bound = rec.get("speedup_bound")
+        if bound:
+            rows.append(f"bound were the draft's layer free: {fmt(bound['speedup'], '.2f')}x = (D + 1) x decode kernels "
+                        f"{fmt(bound['decode_kernel_ms'], '.3f')} ms / (verify kernels {fmt(bound['verify_kernel_ms'], '.3f')} "
+                        f"+ D x lm_head row {fmt(bound['lm_head_row_ms'], '.3f')} ms)")
         order = full.get("draft_order")
         if order:
             rows.append(f"draft step before the round's read against after it: "
