@@ -53,7 +53,9 @@ On the GPU machine, one run:
    all have D + 1 rows, so its greedy text does not depend on what earlier rounds kept): that
    rerun keeps every draft, and the speedup target takes it. Then the same engine with the draft's step after each verify moved back after the round's
    read (SpeculativeDecoder.draft_before_read = False), alternated with the default order, three
-   runs each: the ratio of their median rates. Last, one plain step and one round profiled
+   runs each: the ratio of their median rates. With --batch-invariant, likewise the draft's graphs
+   as served (torch's products) against an engine whose draft graphs hold the fixed-order
+   products (`draft_products`). Last, one plain step and one round profiled
    (kernels, device idle, and the Python functions that issue them), and from them the speedup
    at the kernels' time alone (D + 1 plain steps' kernels over one round's): the bound with the
    host hidden entirely.
@@ -302,6 +304,8 @@ def bench(args, rec: dict, save) -> None:
         rec["full_acceptance"]["draft_order"] = {
             "before_read_tokens_per_s": rates[True], "after_read_tokens_per_s": rates[False],
             "ratio_of_medians": statistics.median(rates[True]) / statistics.median(rates[False])}
+        if args.batch_invariant and not args.torch_sums:
+            rec["full_acceptance"]["draft_products"] = draft_products_baseline(spec_engine, spec, prompt, references)
         # Where a round's time goes on the device against a plain step's, after every timing above.
         profiles = rec["full_acceptance"]["step_profiles"] = {
             "plain": engine_step_profile(plain_engine, prompt[0], args.new_tokens),
@@ -311,6 +315,27 @@ def bench(args, rec: dict, save) -> None:
         if profiles["spec"].get("kernel_ms"):
             rec["full_acceptance"]["kernel_floor_speedup"] = (
                 (D + 1) * profiles["plain"]["kernel_ms"] / profiles["spec"]["kernel_ms"])
+
+    def draft_products_baseline(spec_engine, tokens, prompt, references) -> dict:
+        """--batch-invariant: the draft's graphs as served (torch's products, runtime/speculative.py)
+        against the same engine built with them captured on the fixed-order products, alternated,
+        three runs each: the ratio of their median tokens per second; the same tokens asserted."""
+        import contextlib
+        from unittest import mock
+
+        from runtime.backends import batch_invariant_aten
+        from tests.spec_drafters import ForcedDrafts
+
+        with mock.patch.object(batch_invariant_aten, "products_to_torch", contextlib.nullcontext):
+            fixed_engine = engine(D, lambda drafter: ForcedDrafts(drafter, references),
+                                  max_len=args.prompt_len + args.new_tokens + 1)
+        rates = {"torch": [], "fixed": []}
+        for name in ("fixed", "torch") * 3:
+            got, r = decode_rate(spec_engine if name == "torch" else fixed_engine, prompt, args.new_tokens)
+            assert got == tokens, f"the draft on {name} products must give the same tokens"
+            rates[name].append(r["tokens_per_s"])
+        return {"torch_products_tokens_per_s": rates["torch"], "fixed_products_tokens_per_s": rates["fixed"],
+                "ratio_of_medians": statistics.median(rates["torch"]) / statistics.median(rates["fixed"])}
 
     def engine_step_profile(eng, prompt: list[int], new: int) -> dict:
         """One engine step of a request past its prefill, profiled (bench_common.profile_call): kernel
@@ -476,6 +501,10 @@ def table(rec: dict) -> str:
             rows.append(f"bound were the draft's layer free: {fmt(bound['speedup'], '.2f')}x = (D + 1) x decode kernels "
                         f"{fmt(bound['decode_kernel_ms'], '.3f')} ms / (verify kernels {fmt(bound['verify_kernel_ms'], '.3f')} "
                         f"+ D x lm_head row {fmt(bound['lm_head_row_ms'], '.3f')} ms)")
+        products = full.get("draft_products")
+        if products:
+            rows.append(f"the draft's graphs on torch's products against the fixed-order ones: "
+                        f"{fmt(products['ratio_of_medians'], '.3f')}x tokens per second (medians of 3 runs each)")
         order = full.get("draft_order")
         if order:
             rows.append(f"draft step before the round's read against after it: "

@@ -54,6 +54,10 @@ With a prefix cache, the draft layer's KV of a cached prefix comes with the shar
 prefix's last position it was computed from the first owner's next token, which may differ from
 the new request's. That changes what the draft proposes, never what is kept.
 
+For the same reason the draft's captured graphs run torch's own matrix products under
+`--batch-invariant` (runtime/backends/batch_invariant_aten.products_to_torch): the fixed-order
+kernel is slower at a draft step's one row, and only the verify rows must be fixed-order.
+
 It does not schedule or sample (the engine does) nor capture graphs (the graph runner does).
 """
 
@@ -66,6 +70,7 @@ from typing import Callable, Optional
 import torch
 
 from compiler.splitops import Mode
+from runtime.backends import batch_invariant_aten
 from runtime.backends.protocol import plan_eager_step
 from runtime.batch import SeqState, StepInputs, build_step, write_rows
 from runtime.binding import members_of
@@ -227,7 +232,11 @@ class MTPDrafter:
         if not requests:
             return
         B, width = len(requests), self.draft_tokens + 1
-        kept = (drafts == target[:, :-1]).to(torch.int64).cumprod(1).sum(1)  # m per request
+        # m per request: the first column where a draft differs (a column of False appended: D if none
+        # does). argmin takes the first of equal minima; an eager sum would, under --batch-invariant,
+        # go through the row-sum kernel's Python launch.
+        agree = torch.cat([drafts == target[:, :-1], torch.zeros_like(drafts[:, :1], dtype=torch.bool)], 1)
+        kept = agree.to(torch.uint8).argmin(1)
         # Fed at p + j: d_{j+1} while j < m, then the target's token at m (repeated as padding).
         column = torch.arange(width, device=drafts.device)[None, :]
         tokens = torch.where(column < kept[:, None], torch.cat([drafts, drafts[:, -1:]], 1), target.gather(1, kept[:, None]))
@@ -358,8 +367,11 @@ def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[
             for key, member in members_of(draft_ops.backend).items():
                 if key not in shared:  # owns draft nodes only: the main runner sized no buffers for it
                     member.init_capture_state(steps.max_tokens, steps.max_seqs)
-            steps.capture(init_backend=False, pool=runner.state.pool)
-            report = steps.check_parity(vocab_size=int(artifact.manifest["model"]["vocab_size"]))
+            # Under --batch-invariant the draft's graphs hold torch's own products: its numbers pick
+            # proposals only, and the verify rows that decide what is kept stay fixed-order.
+            with batch_invariant_aten.products_to_torch():
+                steps.capture(init_backend=False, pool=runner.state.pool)
+                report = steps.check_parity(vocab_size=int(artifact.manifest["model"]["vocab_size"]))
             if getattr(artifact, "compiled", None) is not None:  # the draft's compiled pieces, checked per key
                 artifact.compiled.parity += [{**r, "key": f"draft {r['key']}"} for r in steps.compiled_reports.values()]
             log(f"draft program: captured {len(steps.keys)} graphs; start-up parity: {len(report)} keys match eager")

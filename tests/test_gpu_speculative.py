@@ -252,3 +252,18 @@ def test_batch_invariant_long_request_greedy_tokens_with_drafts_are_plain_decodi
     first = next((i for i, (a, b) in enumerate(zip(plain, drafted)) if a != b), min(len(plain), len(drafted)))
     assert plain == drafted, (f"D = {draft_tokens}: tokens part at {first} (position {len(prompt) + first}); "
                               f"{len(plain)} plain, {len(drafted)} with drafts")
+
+
+def test_batch_invariant_draft_graphs_hold_torchs_products_and_main_graphs_the_fixed_order_ones(invariant):
+    """The draft's numbers pick proposals only (runtime/speculative.py): its graphs are captured with
+    torch's products, the main program's with the fixed-order kernel (`_matmul_kernel`)."""
+    engine = engine_for_artifact(invariant, invariant_options(3), MAX_LEN, device="cuda")
+    found = {}
+    for name, runner in (("main", engine.runner), ("draft", engine.spec.drafter.steps)):
+        key = min(runner._full_graphs, key=lambda k: (k.mode != Mode.DECODE, k.seqs))  # a whole-step graph
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            runner._full_graphs[key].replay()  # a fresh engine: its pages hold nothing yet
+            torch.cuda.synchronize()
+        found[name] = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert any("_matmul_kernel" in n for n in found["main"]), sorted(found["main"])
+    assert found["draft"] and not any("_matmul_kernel" in n for n in found["draft"]), sorted(found["draft"])

@@ -211,6 +211,32 @@ def test_install_is_idempotent_and_undone():
     assert not BI.installed()
 
 
+def cuda_kernel_source(op: str) -> str:
+    """Where the CUDA dispatch key's kernel of an aten op was registered (torch's dispatch table)."""
+    lines = [line for line in torch._C._dispatch_dump(op).splitlines() if line.startswith("CUDA:")]
+    return lines[0] if lines else "torch's own"
+
+
+def test_products_to_torch_gives_the_products_back_for_a_while():
+    """Inside: aten mm is torch's again, mean.dim still the row sum's; after: both routed again.
+    With nothing installed it changes nothing."""
+    ours = "batch_invariant_aten.py"
+    with BI.products_to_torch():
+        assert not BI.installed()
+    try:
+        BI.install()
+        assert BI.products_routed() and ours in cuda_kernel_source("aten::mm")
+        with BI.products_to_torch():
+            assert BI.installed() and not BI.products_routed()
+            assert ours not in cuda_kernel_source("aten::mm")
+            assert ours in cuda_kernel_source("aten::mean.dim")
+        assert BI.products_routed() and ours in cuda_kernel_source("aten::mm")
+        assert ours in cuda_kernel_source("aten::mean.dim")
+    finally:
+        BI.uninstall()
+    assert ours not in cuda_kernel_source("aten::mm") and ours not in cuda_kernel_source("aten::mean.dim")
+
+
 # ----------------------------------------------------------------------------- GPU, real dims
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
