@@ -254,16 +254,26 @@ def test_batch_invariant_long_request_greedy_tokens_with_drafts_are_plain_decodi
                               f"{len(plain)} plain, {len(drafted)} with drafts")
 
 
-def test_batch_invariant_draft_graphs_hold_torchs_products_and_main_graphs_the_fixed_order_ones(invariant):
+def test_batch_invariant_draft_steps_run_torchs_products_and_verify_steps_the_fixed_order_ones(invariant):
     """The draft's numbers pick proposals only (runtime/speculative.py): its graphs are captured with
-    torch's products, the main program's with the fixed-order kernel (`_matmul_kernel`)."""
-    engine = engine_for_artifact(invariant, invariant_options(3), MAX_LEN, device="cuda")
-    found = {}
-    for name, runner in (("main", engine.runner), ("draft", engine.spec.drafter.steps)):
-        key = min(runner._full_graphs, key=lambda k: (k.mode != Mode.DECODE, k.seqs))  # a whole-step graph
+    torch's products. So a round (D = 3: draft steps, the verify step, the draft's step after it)
+    launches the fixed-order kernel (`_matmul_kernel`) exactly as often as a plain decode step, whose
+    products the verify step shares."""
+    from runtime.engine import SamplingParams
+
+    def products_launched(D: int) -> int:
+        engine = engine_for_artifact(invariant, EngineOptions(slots=1, token_budget=64, speculative_tokens=D,
+                                                              page_size=16), MAX_LEN, device="cuda")
+        engine.add_request(PROMPTS[2], SamplingParams(max_new_tokens=24))
+        for _ in range(len(PROMPTS[2]) + 2):  # through the prompt
+            engine.step()
+            if not engine.step_records()[-1].prefill_tokens:
+                break
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            runner._full_graphs[key].replay()  # a fresh engine: its pages hold nothing yet
+            engine.step()
             torch.cuda.synchronize()
-        found[name] = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-    assert any("_matmul_kernel" in n for n in found["main"]), sorted(found["main"])
-    assert found["draft"] and not any("_matmul_kernel" in n for n in found["draft"]), sorted(found["draft"])
+        engine.run_until_done()
+        return sum("_matmul_kernel" in e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    plain, round_ = products_launched(0), products_launched(3)
+    assert plain > 0 and round_ == plain, (plain, round_)
