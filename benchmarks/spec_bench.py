@@ -26,10 +26,10 @@ On the GPU machine, one run:
    verify step of D + 1 tokens each, replayed from the graphs; median milliseconds and the ratio
    verify / decode (goal at batch 1: <= 1.3). After every timing, each step is profiled: kernels
    per step, their time, and the kernels a verify step pays more for than a decode step. Last,
-   the logits product alone (the lm_head's shape: 1 row, as a draft step computes it, and D + 1),
-   which with the batch-1 profiles gives `speedup_bound`: the most full acceptance can give at the
-   kernels' time were the draft's layer free (D + 1 decode steps' kernels over a verify step's and
-   D one-row lm_head products).
+   a draft step's logits product alone (the lm_head's shape, one row, the draft's products),
+   profiled, which with the batch-1 profiles gives `speedup_bound`: the most full acceptance can
+   give at the kernels' time were the draft's layer free (D + 1 decode steps' kernels over a
+   verify step's and D one-row lm_head products).
 3. verify_vs_decode: whether a verify step computes what decode steps compute
    (tests/spec_checks.verify_against_decode): twin requests with the same history, one verified
    with D + 1 tokens, the other fed them by D + 1 decode steps, through a GraphRunner with decode
@@ -192,17 +192,20 @@ def bench(args, rec: dict, save) -> None:
                                    "counters": dict(runner.counters)}
 
     def lm_head_ms() -> dict:
-        """The logits product alone, the lm_head's shape and dtype ([V, H] weights, random), through
-        whatever products are installed (--batch-invariant: the fixed-order kernel): 1 row, as each
-        draft step computes it, and D + 1 rows, as a verify step of one request does. Median ms."""
+        """A draft step's logits product alone, in the lm_head's shape and dtype ([V, H] random
+        weights, one row) and with the draft's products (torch's, also under --batch-invariant:
+        runtime/speculative.py): its kernel time per call from the profiler, as the steps' kernel
+        times above are taken (an eager call timed between events would count its launch too)."""
+        from runtime.backends import batch_invariant_aten
+
         model = state["art"].manifest["model"]
         dtype = getattr(torch, rec["dtype"])
         weight = torch.randn(model["vocab_size"], model["hidden_size"], dtype=dtype, device=device)
-        rows = {}
-        for n in (1, D + 1):
-            h = torch.randn(n, model["hidden_size"], dtype=dtype, device=device)
-            rows[str(n)] = time_ms(lambda h=h: torch.nn.functional.linear(h, weight), device, args.iters)
-        return rows
+        h = torch.randn(1, model["hidden_size"], dtype=dtype, device=device)
+        with batch_invariant_aten.products_to_torch():
+            prof = profile_call(lambda: torch.nn.functional.linear(h, weight), device, iters=args.iters, top=3)
+        return {"kernel_ms": prof["kernel_ms"], "host_issue_ms": prof["host_issue_ms"],
+                "kernels": [k["name"] for k in prof["top_kernels"]]}
 
     def verify_vs_decode():
         from runtime.parity import rtol_for
@@ -429,11 +432,11 @@ def speedup_bound(rec: dict, D: int) -> dict | None:
     state). No kernel of the draft's layer can lift a goal above it; a measured speedup above it
     comes from the host time that plain decoding pays every step and a round once for D + 1 tokens."""
     cost, lm = rec.get("step_cost", {}).get("1"), rec.get("lm_head_ms")
-    if not cost or not lm or not cost.get("decode_profile", {}).get("kernel_ms"):
+    if not cost or not lm or not lm.get("kernel_ms") or not cost.get("decode_profile", {}).get("kernel_ms"):
         return None  # on the CPU no kernel is timed
     decode, verify = cost["decode_profile"]["kernel_ms"], cost["verify_profile"]["kernel_ms"]
-    return {"decode_kernel_ms": decode, "verify_kernel_ms": verify, "lm_head_row_ms": lm["1"],
-            "speedup": (D + 1) * decode / (verify + D * lm["1"])}
+    return {"decode_kernel_ms": decode, "verify_kernel_ms": verify, "lm_head_row_ms": lm["kernel_ms"],
+            "speedup": (D + 1) * decode / (verify + D * lm["kernel_ms"])}
 
 
 def targets(rec: dict, D: int) -> None:
