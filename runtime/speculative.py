@@ -367,8 +367,7 @@ def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[
             for key, member in members_of(draft_ops.backend).items():
                 if key not in shared:  # owns draft nodes only: the main runner sized no buffers for it
                     member.init_capture_state(steps.max_tokens, steps.max_seqs)
-            # Under --batch-invariant the draft's graphs hold torch's own products: its numbers pick
-            # proposals only, and the verify rows that decide what is kept stay fixed-order.
+            # under --batch-invariant, on torch's own products (module docstring)
             with batch_invariant_aten.products_to_torch():
                 steps.capture(init_backend=False, pool=runner.state.pool)
                 report = steps.check_parity(vocab_size=int(artifact.manifest["model"]["vocab_size"]))
