@@ -111,7 +111,10 @@ def sweep_stale_staging(parent: Path, name: str) -> list[Path]:
     for folder in sorted(parent.glob(f".{name}.partial-*")) + sorted(parent.glob(f".{name}.old-*")):
         if not folder.is_dir() or folder.is_symlink():
             continue
-        fd = _lock(folder)
+        try:
+            fd = _lock(folder)
+        except FileNotFoundError:  # another compile's sweep took it since the glob
+            continue
         if fd is None:  # a compile into the same place is running: its folder is not stale
             continue
         try:
@@ -127,10 +130,13 @@ def sweep_stale_staging(parent: Path, name: str) -> list[Path]:
 
 def _locked_tempdir(prefix: str, parent: Path) -> tuple[Path, int | None]:
     """A new hidden folder in `parent`, locked. A sweep may take a folder between its creation and
-    the lock; it then has no links left, and another is made."""
+    the lock (before it is opened, or after: it then has no links left); another is made."""
     while True:
         tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-        fd = _lock(tmp)
+        try:
+            fd = _lock(tmp)
+        except FileNotFoundError:  # swept before it could be opened
+            continue
         if fcntl is None or (fd is not None and os.fstat(fd).st_nlink > 0):
             return tmp, fd
         if fd is not None:

@@ -251,6 +251,30 @@ def test_a_killed_compiles_staging_folder_is_gone_after_the_next_compile(ckpt, t
         killed.kill()
 
 
+def test_a_staging_folder_swept_by_another_compile_before_it_is_locked_is_no_error(tmp_path, monkeypatch):
+    """Two compiles into one place start together: each sweep may remove the other's new folder
+    between finding (or making) it and opening it for the lock. The sweep skips it; the maker makes
+    another. (Both once turned into "cannot write into ... (No such file or directory)".)"""
+    import compiler.artifact_writer as writer
+
+    real_lock, swept = writer._lock, []
+
+    def taken_first(folder):  # another compile's sweep removes the folder just before this one opens it
+        if not swept:
+            swept.append(folder)
+            shutil.rmtree(folder)
+        return real_lock(folder)
+
+    (tmp_path / ".art.partial-other").mkdir()
+    monkeypatch.setattr(writer, "_lock", taken_first)
+    assert writer.sweep_stale_staging(tmp_path, "art") == [] and swept == [tmp_path / ".art.partial-other"]
+    swept.clear()
+    with writer.staging_folder(tmp_path / "art") as tmp:
+        assert tmp.is_dir() and tmp != swept[0] and not swept[0].exists()
+        (tmp / "x").write_text("y")
+    assert (tmp_path / "art" / "x").read_text() == "y"
+
+
 def test_unwritable_output_folder_is_a_clear_message(ckpt, tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
