@@ -1,6 +1,7 @@
 """Shared test helpers: run a family model eagerly on the CPU reference backend; run `hgc serve`;
 one compiled tiny artifact per family for the whole test session (`shared_artifact`), or per module
-for a module that compiles with its own routes (`artifacts_by_family`)."""
+for a module that compiles with its own routes (`artifacts_by_family`); a bad input's one-line error
+(`assert_one_line_error`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from runtime.backends.cpu_reference import CPUReferenceBackend
@@ -194,3 +196,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
         return self.proc.returncode
+
+
+def assert_one_line_error(call, names: str) -> None:
+    """call() raises a ValueError with a one-line message that contains `names` (what was at fault)."""
+    with pytest.raises(ValueError) as err:
+        call()
+    assert names in str(err.value) and "\n" not in str(err.value), str(err.value)
