@@ -513,11 +513,11 @@ def compiled_artifact(args) -> Path:
 
 
 def bench_engine(art, vocab: int, draft_tokens: int, device, *, drafter_wrap=None, slots: int = 1, max_len: int = 0,
-                 graphs=None, eager: bool = False):
+                 graphs=None, eager: bool = False, fixed_draft_products: bool = False):
     """An engine as `hgc serve` builds it (graph runners included; `graphs` None: CudaGraphs; `eager`:
     no graph runner, every step eager, as `--no-graphs`), with `draft_tokens` drafts from the
     artifact's draft program, optionally wrapped (`drafter_wrap(drafter)`: e.g.
-    tests/spec_drafters.ForcedDrafts)."""
+    tests/spec_drafters.ForcedDrafts); `fixed_draft_products`: runtime/speculative.speculative_factory's."""
     from runtime.graph_runner import graph_runner_factory
     from runtime.server.model import EngineOptions, build_engine, routed_backends
     from runtime.speculative import speculative_factory
@@ -527,7 +527,8 @@ def bench_engine(art, vocab: int, draft_tokens: int, device, *, drafter_wrap=Non
     runners = None if eager else graph_runner_factory(art, vocab, graphs=graphs, speculative_tokens=draft_tokens,
                                                       log=log)
     backend, draft_backend = routed_backends(art)  # both programs bound as routing.json says
-    base = speculative_factory(art, draft_tokens, draft_backend=draft_backend, log=log) if draft_tokens else None
+    base = speculative_factory(art, draft_tokens, draft_backend=draft_backend, log=log,
+                               fixed_draft_products=fixed_draft_products) if draft_tokens else None
 
     def wrapped(ops, kv, st, limits, runner):
         spec = base(ops, kv, st, limits, runner)

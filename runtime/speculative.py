@@ -63,6 +63,7 @@ It does not schedule or sample (the engine does) nor capture graphs (the graph r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable, Optional
@@ -321,7 +322,7 @@ def check_draft_program(docs) -> None:
 
 
 def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[Callable] = None,
-                        log: Callable[[str], None] = lambda line: None):
+                        log: Callable[[str], None] = lambda line: None, fixed_draft_products: bool = False):
     """speculative(ops, kv_pool, state_pool, limits, runner) -> a SpeculativeDecoder for
     runtime/server/model.build_engine: the artifact's draft program as the drafter.
 
@@ -335,7 +336,9 @@ def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[
     chain, the main runner's verify buckets for the draft after verify, its extend buckets after
     prefill chunks. It captures into the main runner's graph pool; instances shared with the main
     program keep the static buffers the main runner allocated (sized for both), one owning draft
-    nodes only gets its own; it is parity-checked like the main one before anything is served."""
+    nodes only gets its own; it is parity-checked like the main one before anything is served.
+    Under --batch-invariant its graphs hold torch's products (module docstring);
+    `fixed_draft_products` keeps the fixed-order ones there too (a benchmark's same-call baseline)."""
     check_draft_program(artifact.docs)
     # The state pool keeps per-position states for the main program's linear layers only, and a
     # round may run the draft's step after a verify before those are kept (after_verify_on_device):
@@ -367,8 +370,8 @@ def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[
             for key, member in members_of(draft_ops.backend).items():
                 if key not in shared:  # owns draft nodes only: the main runner sized no buffers for it
                     member.init_capture_state(steps.max_tokens, steps.max_seqs)
-            # under --batch-invariant, on torch's own products (module docstring)
-            with batch_invariant_aten.products_to_torch():
+            products = contextlib.nullcontext() if fixed_draft_products else batch_invariant_aten.products_to_torch()
+            with products:
                 steps.capture(init_backend=False, pool=runner.state.pool)
                 report = steps.check_parity(vocab_size=int(artifact.manifest["model"]["vocab_size"]))
             if getattr(artifact, "compiled", None) is not None:  # the draft's compiled pieces, checked per key
