@@ -2,7 +2,7 @@
 
     python3 benchmarks/allreduce_bench.py --out $OUT            # two GPUs (--world N for more)
 
-First the check (tests/collective_checks.check_against_nccl: every path against NCCL's sums,
+First the check (testkit/collective_checks.check_against_nccl: every path against NCCL's sums,
 eager and in graph replays); nothing is timed if it fails. Then per message size (bf16), on
 every rank at once: one CUDA graph of --calls back-to-back all-reduces of one tensor, replayed
 --iters times between CUDA events; the median replay over the calls is the time of one
@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.collective_checks import check_against_nccl, run_ranks  # noqa: E402
+from testkit.collective_checks import check_against_nccl, run_ranks  # noqa: E402
 
 SIZES_KIB = (4, 16, 64, 256, 512, 1024, 2048, 4096, 8192)
 

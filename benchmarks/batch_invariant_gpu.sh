@@ -6,8 +6,8 @@
 #
 # STAGES (comma-separated, default all): kernels (the GEMM, row-sum and fixed-split attention kernels' GPU
 # tests: checked against their references and row invariance, before anything is timed), engine
-# (tests/test_gpu_speculative.py -k batch_invariant: verify rows the decode steps' bits, greedy
-# tokens with drafts plain decoding's), families (tests/test_gpu_batch_invariance.py: a decode row
+# (tests/gpu/test_gpu_speculative.py -k batch_invariant: verify rows the decode steps' bits, greedy
+# tokens with drafts plain decoding's), families (tests/gpu/test_gpu_batch_invariance.py: a decode row
 # alone and among others the same bits, for the four families and with compiled pieces), gemm
 # (benchmarks/gemm_invariant_bench.py: the kernel against cuBLAS), spec (benchmarks/spec_bench.py
 # --batch-invariant: step costs, verify against decode, greedy tokens of 32 prompts x 64 with the
@@ -37,15 +37,15 @@ run() {  # run NAME COMMAND...: the stage's output to $OUT/NAME.log and the call
         [ $rc -eq 0 ] || status=$rc
     fi
 }
-run kernels python3 -m pytest -q -m gpu tests/test_triton_matmul.py tests/test_triton_row_sum.py tests/test_triton_fixed_splits.py \
+run kernels python3 -m pytest -q -m gpu tests/runtime/backends/test_triton_matmul.py tests/runtime/backends/test_triton_row_sum.py tests/runtime/backends/test_triton_fixed_splits.py \
     -rA -p no:cacheprovider
-run engine python3 -m pytest -q -m gpu tests/test_gpu_speculative.py -k batch_invariant -p no:cacheprovider
-run families python3 -m pytest -q -m gpu tests/test_gpu_batch_invariance.py -rA -p no:cacheprovider
+run engine python3 -m pytest -q -m gpu tests/gpu/test_gpu_speculative.py -k batch_invariant -p no:cacheprovider
+run families python3 -m pytest -q -m gpu tests/gpu/test_gpu_batch_invariance.py -rA -p no:cacheprovider
 run gemm python3 benchmarks/gemm_invariant_bench.py --out "$OUT/gemm"
 run spec python3 benchmarks/spec_bench.py --out "$OUT/spec" --work /tmp/spec_bi --batch-invariant --skip full_acceptance
 run baseline python3 benchmarks/spec_bench.py --out "$OUT/baseline" --work /tmp/spec_bi \
     --skip verify_vs_decode,full_acceptance,greedy_equal
-run lone python3 -m pytest -q -m gpu tests/test_gpu_speculative.py -k "one-request-past-256-keys or long_request" \
+run lone python3 -m pytest -q -m gpu tests/gpu/test_gpu_speculative.py -k "one-request-past-256-keys or long_request" \
     -rA -p no:cacheprovider
 run twins python3 benchmarks/spec_bench.py --out "$OUT/twins" --work /tmp/spec_probe --batch-invariant \
     --skip step_cost,full_acceptance,greedy_equal

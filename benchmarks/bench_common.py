@@ -7,7 +7,7 @@
   `run_guarded`: the same for a whole run (a family, a size) around its stages.
 - `write_checkpoint_hd64`: a checkpoint of a size with attention head_dim 64 (FlashInfer's smallest).
 - `prompts_for`, `key_names`, `compare`: prompts, the keys a run used, and how two runs' greedy tokens differ (the tokens themselves:
-  tests/graph_cases.greedy, which the tests use too).
+  testkit/graph_cases.greedy, which the tests use too).
 - `decode_batch`: B requests with a history, and their next decode step's items.
 - `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU); `launch_check_ms`:
   the host cost of a small graph's replay, which says whether a profiler slowed the timings after it;
@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from runtime.batch import SeqState, build_step, commit_step
+from runtime.cache.batch import SeqState, build_step, commit_step
 
 __all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
            "synchronizer", "host_profile", "engine_script", "target_rows", "compiled_artifact", "release_config", "load_format", "host_speed_ms",
@@ -473,7 +473,7 @@ def compiled_artifact(args) -> Path:
     (--compiled-pieces), WORK/FAMILY-SIZE-art-compiled: the compile also builds the target bundle
     (Inductor-compiled pieces and every kernel, as `hgc compile --target cuda` does by default on a
     GPU machine; --inductor on the CPU), which takes minutes; without it the traced glue runs."""
-    from compiler.cli import main as hgc
+    from hgc import main as hgc
 
     work = Path(args.work)
     pieces = bool(getattr(args, "compiled_pieces", False))
@@ -503,10 +503,10 @@ def compiled_artifact(args) -> Path:
                 *weights, *(["--batch-invariant"] if invariant else [])]
         if pieces:
             # In a process of its own: a build's start-up imports FlashInfer, and this process must
-            # load the bundle before anything imports it (runtime/bundle.py points FlashInfer's
+            # load the bundle before anything imports it (runtime/artifact/bundle.py points FlashInfer's
             # module cache at the bundle's copy then, and refuses once it is imported).
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-            subprocess.run([sys.executable, "-m", "compiler.cli", *argv], env=env, check=True)
+            subprocess.run([sys.executable, "-m", "hgc", *argv], env=env, check=True)
         else:
             assert hgc(argv) == 0
     return art_dir
@@ -517,10 +517,10 @@ def bench_engine(art, vocab: int, draft_tokens: int, device, *, drafter_wrap=Non
     """An engine as `hgc serve` builds it (graph runners included; `graphs` None: CudaGraphs; `eager`:
     no graph runner, every step eager, as `--no-graphs`), with `draft_tokens` drafts from the
     artifact's draft program, optionally wrapped (`drafter_wrap(drafter)`: e.g.
-    tests/spec_drafters.ForcedDrafts); `fixed_draft_products`: runtime/speculative.speculative_factory's."""
-    from runtime.graph_runner import graph_runner_factory
-    from runtime.server.model import EngineOptions, build_engine, routed_backends
-    from runtime.speculative import speculative_factory
+    testkit/spec_drafters.ForcedDrafts); `fixed_draft_products`: runtime/engine/speculative.speculative_factory's."""
+    from runtime.graphs.runner import graph_runner_factory
+    from runtime.assembly import EngineOptions, build_engine, routed_backends
+    from runtime.engine.speculative import speculative_factory
 
     log = lambda line: print(f"  {line}", flush=True)  # noqa: E731
     options = EngineOptions(slots=slots, token_budget=512, speculative_tokens=draft_tokens, prefix_cache=False)

@@ -5,7 +5,7 @@
 Triton files a compiled kernel under a hash of its source, its specialization (which integer
 arguments are 1 or divisible by 16, which pointers are 16-byte aligned), its constexpr values, the
 compile options and some environment variables. A run that finds the same kernel under another
-hash compiles it again. This probe builds the tiny qwen3_next artifact as tests/test_gpu_inductor.py
+hash compiles it again. This probe builds the tiny qwen3_next artifact as tests/gpu/test_gpu_inductor.py
 does, runs it once with builds allowed (its private copy of the bundle kept), and for every Triton
 kernel the run compiled, compares the run's files with the bundle's file of the same name: the
 metadata fields that differ, and the kernel's signature line in its TTIR (the specialization).
@@ -25,15 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# `hgc run` with the bundle's private copy left in place (runtime/bundle.py removes it at exit)
-KEEP_COPY = ("import sys, runtime.bundle as b\n"
+# `hgc run` with the bundle's private copy left in place (runtime/artifact/bundle.py removes it at exit)
+KEEP_COPY = ("import sys, runtime.artifact.bundle as b\n"
              "b.atexit = type('KeepCopy', (), {'register': staticmethod(lambda *a, **k: None)})\n"
-             "from compiler.cli import main\n"
+             "from hgc import main\n"
              "sys.exit(main(sys.argv[1:]))\n")
 
 
 def hgc(argv: list[str], env: dict, keep_copy: bool = False) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", KEEP_COPY] if keep_copy else [sys.executable, "-m", "compiler.cli"]
+    cmd = [sys.executable, "-c", KEEP_COPY] if keep_copy else [sys.executable, "-m", "hgc"]
     proc = subprocess.run(cmd + argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise RuntimeError(f"hgc {argv[0]} exited {proc.returncode}: {proc.stderr[-3000:]}")
@@ -62,7 +62,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    from tests.helpers import tiny_checkpoint
+    from testkit.helpers import tiny_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="bundle-keys-"))
     base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),

@@ -1,4 +1,4 @@
-"""Our chunk kernels (runtime/backends/triton_chunk.py) per kernel, config by config, beside FLA's.
+"""Our chunk kernels (runtime/backends/kernels/chunk.py) per kernel, config by config, beside FLA's.
 
 For GDN (Qwen3-Next's 16 key / 32 value heads of 128) and Lightning (16 heads of 128), bf16:
 
@@ -41,14 +41,14 @@ import torch  # noqa: E402
 from bench_common import device_ms_by_kernel, is_cuda, rel_err  # noqa: E402
 from compiler.splitops import Mode  # noqa: E402
 from gpu_linear_extend import DRY, REAL, bench_ms, call, consts, make_inputs, out_for, registry  # noqa: E402
-from runtime.backends import triton_chunk as TC  # noqa: E402
+from runtime.backends.kernels import chunk as TC  # noqa: E402
 from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
-from runtime.backends.launch_math import token_blocks  # noqa: E402
+from runtime.backends.kernels.launch_math import token_blocks  # noqa: E402
 from runtime.backends.protocol import plan_eager_step  # noqa: E402
-from runtime.backends.triton_linear import GATE_CONSTANT, GATE_PER_HEAD  # noqa: E402
-from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: E402
-from runtime.state_pool import StatePool  # noqa: E402
-from tests.linear_cases import step_ctx  # noqa: E402
+from runtime.backends.kernels.linear import GATE_CONSTANT, GATE_PER_HEAD  # noqa: E402
+from runtime.backends.triton_linear import TritonLinearBackend  # noqa: E402
+from runtime.cache.state_pool import StatePool  # noqa: E402
+from testkit.linear_cases import step_ctx  # noqa: E402
 
 CHECK_LENS = [0, 1, 100, 64, 300, 1000]
 CHECK_TOL = 1e-2

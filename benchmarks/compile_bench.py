@@ -36,7 +36,7 @@ from models.families import FAMILY_IDS  # noqa: E402
 _CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, {repo!r})
-from compiler.cli.wiring import toolchain
+from hgc.wiring import toolchain
 from compiler.passes.context import CompileConfig
 from compiler.pipeline import compile_checkpoint
 rss_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -58,7 +58,7 @@ def bench_family(family: str, workdir: Path, dumps: bool) -> dict:
     ckpt = workdir / f"{family}-bench"
     if not (ckpt / "config.json").is_file():
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "compiler.cli", "init-model", "--family", family, "--size", "bench",
+        subprocess.run([sys.executable, "-m", "hgc", "init-model", "--family", family, "--size", "bench",
                         "--seed", "0", "-o", str(ckpt), "--force"], cwd=REPO, check=True)
         print(f"{family}: bench checkpoint written in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     out = workdir / f"{family}-bench-artifact"

@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.engine import SamplingParams  # noqa: E402
-from runtime.engine_loop import EngineLoop  # noqa: E402
-from tests.engine_toy import build_model, make_engine, prompts  # noqa: E402
+from runtime.engine.engine import SamplingParams  # noqa: E402
+from runtime.engine.loop import EngineLoop  # noqa: E402
+from testkit.engine_toy import build_model, make_engine, prompts  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""The batch-invariant matrix product (runtime/backends/triton_matmul.py) against cuBLAS, on the GPU.
+"""The batch-invariant matrix product (runtime/backends/kernels/matmul.py) against cuBLAS, on the GPU.
 
     python3 benchmarks/gemm_invariant_bench.py --out $OUT/gemm        # bf16, bench qwen3_next's projections
     python3 benchmarks/gemm_invariant_bench.py --out /tmp/g --dry-run  # CPU: Triton's interpreter, tiny shapes
@@ -49,7 +49,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype, iters: int) -> list[dict]:
-    from runtime.backends import triton_matmul
+    from runtime.backends.kernels import matmul as triton_matmul
 
     g = torch.Generator().manual_seed(n * 31 + k)
     a_all = (torch.randn(max(rows), k, generator=g) * 0.5).to(device, dtype)

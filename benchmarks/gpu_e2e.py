@@ -5,7 +5,7 @@ On the GPU machine (benchmarks/gpu_call.sh has the wheel install line), one run:
 
     python3 benchmarks/gpu_e2e.py --out $OUT                  # qwen3_next and bailing_linear, bench size
     python3 benchmarks/gpu_e2e.py --dry-run --out /tmp/e2e    # CPU: tiny size, CPU reference backend,
-                                                              # graphs rerun (tests/graph_cases.py)
+                                                              # graphs rerun (testkit/graph_cases.py)
 then, on the CPU machine: `python benchmarks/plot_e2e.py OUT/gpu_e2e.json --png e2e.png --md e2e.md`.
 Where one call has a time limit, `--families qwen3_next` and `--families bailing_linear` in two
 calls keep every ratio of a family within one run on one card.
@@ -44,7 +44,7 @@ denominator of every floor. Then, per family (stages are skipped with `--skip NA
    requests first) and at its token budget (chunks and decodes share it, so the step fills the
    T-token extend bucket as a serving step does; a chunk of T tokens beside them would pad to the
    next bucket). The runner sends a mixed step to the smallest extend bucket holding its tokens
-   (runtime/buckets.py `key_for`) when the bucket's request rows (`extend_max_seqs`, here sized to
+   (runtime/graphs/buckets.py `key_for`) when the bucket's request rows (`extend_max_seqs`, here sized to
    hold B + 1) hold its requests: eager vs piecewise, the eager gaps' share, and for comparison
    the chunk alone (piecewise) plus the decode step alone (full graph), eager and through graphs.
 8. piecewise_decode: a second runner, its own backend instance, decode_graphs="piecewise"
@@ -106,17 +106,17 @@ import torch  # noqa: E402
 
 from bench_common import (Stages, device_rates, run_guarded, compare, decode_batch, key_names, profile_call,  # noqa: E402
                           prompts_for, rel_err, synchronizer, time_ms, write_checkpoint_hd64)
-from compiler.cli import main as hgc  # noqa: E402
+from hgc import main as hgc  # noqa: E402
 from plot_e2e import parse_step, step_name  # noqa: E402
-from tests.graph_cases import greedy  # noqa: E402
+from testkit.graph_cases import greedy  # noqa: E402
 from compiler.splitops import Mode, op_name_of  # noqa: E402
-from runtime.batch import SeqState, build_step  # noqa: E402
-from runtime.bound_ops import BoundOps  # noqa: E402
-from runtime.generate import make_pools  # noqa: E402
+from runtime.cache.batch import SeqState, build_step  # noqa: E402
+from runtime.step.bound_ops import BoundOps  # noqa: E402
+from runtime.engine.generate import make_pools  # noqa: E402
 from runtime.backends.protocol import plan_eager_step  # noqa: E402
 from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS  # noqa: E402
-from runtime.graph_runner import GraphRunner, step_on_device  # noqa: E402
-from runtime.loader import load_artifact  # noqa: E402
+from runtime.graphs.runner import GraphRunner, step_on_device  # noqa: E402
+from runtime.artifact.loader import load_artifact  # noqa: E402
 
 PAGE = 16
 HISTORY = 64  # tokens each decode request holds before the timed step
@@ -367,10 +367,10 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
         timings.setdefault(step, {})[column] = value
 
     def make_graphs():
-        # --dry-run: tests/graph_cases.RerunGraphs stands in for CUDA graphs (reruns the ops)
+        # --dry-run: testkit/graph_cases.RerunGraphs stands in for CUDA graphs (reruns the ops)
         if not args.dry_run:
             return None
-        from tests.graph_cases import RerunGraphs
+        from testkit.graph_cases import RerunGraphs
         return RerunGraphs()
 
     def make_ops(art, kv, st):
@@ -386,7 +386,7 @@ def run_family(family: str, args, work: Path, rec: dict, copy_rate: float | None
     most_requests = max(max(args.extend_request_list), 1 + max(mixed_batches))  # of a timed extend or mixed step
     num_seqs = max(max(batches), most_requests)
     # Request rows of the extend graphs: enough for every timed extend and mixed step (the engine
-    # captures as many as its largest decode bucket: runtime/buckets.extend_seqs); an extend
+    # captures as many as its largest decode bucket: runtime/graphs/buckets.extend_seqs); an extend
     # bucket smaller than its request rows is never captured.
     extend_max_seqs = min(max(MIN_EXTEND_SEQS, most_requests), min(extends))
     decoding = [*batches, *mixed_batches]  # a mixed step's decodes are timed alone too, through a decode graph
@@ -907,7 +907,7 @@ def main(argv=None) -> int:
     p.add_argument("--keep-caches", action="store_true",
                    help="use the kernel caches the environment points at instead of empty ones (start-up is then warm)")
     p.add_argument("--dry-run", action="store_true",
-                   help="CPU: CPU reference backend, CUDA graphs replaced by reruns (tests/graph_cases.py)")
+                   help="CPU: CPU reference backend, CUDA graphs replaced by reruns (testkit/graph_cases.py)")
     args = p.parse_args(argv)
     for name, value in (DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS).items():
         if getattr(args, name) is None:

@@ -5,7 +5,7 @@ On the GPU machine (benchmarks/gpu_call.sh has the wheel install line):
     python3 benchmarks/gpu_graphs.py --out $OUT [--sizes small-hd64,bench] [--families qwen3_next,kimi_linear]
     python3 benchmarks/gpu_graphs.py --out $OUT --sizes bench --num-prompts 32 --new-tokens 64   # issue 6.4
     python3 benchmarks/gpu_graphs.py --dry-run --out /tmp/gg --sizes tiny   # CPU: every step, CPU reference
-                                                                             # backend, graphs rerun (tests/graph_cases.py)
+                                                                             # backend, graphs rerun (testkit/graph_cases.py)
 
 Steps, per checkpoint size:
 1. `hgc init-model --family qwen3_next --size S` (or, for S = "small-hd64", the small config with
@@ -49,12 +49,12 @@ import torch  # noqa: E402
 
 from bench_common import (Stages, compare, run_guarded, decode_batch, key_names, prompts_for, synchronizer,  # noqa: E402
                           time_ms, write_checkpoint_hd64)
-from compiler.cli import main as hgc  # noqa: E402
-from tests.graph_cases import greedy  # noqa: E402
-from runtime.batch import SeqState, build_step  # noqa: E402
-from runtime.generate import make_pools  # noqa: E402
-from runtime.graph_runner import GraphRunner  # noqa: E402
-from runtime.loader import load_artifact  # noqa: E402
+from hgc import main as hgc  # noqa: E402
+from testkit.graph_cases import greedy  # noqa: E402
+from runtime.cache.batch import SeqState, build_step  # noqa: E402
+from runtime.engine.generate import make_pools  # noqa: E402
+from runtime.graphs.runner import GraphRunner  # noqa: E402
+from runtime.artifact.loader import load_artifact  # noqa: E402
 
 PROMPT_LENS = (3, 9, 17, 30, 48, 64, 100, 150)  # 421 tokens: the first step fits extend[512]
 NEW_TOKENS = 32
@@ -68,11 +68,11 @@ def run_size(family: str, size: str, args, work: Path, rec: dict, save) -> None:
     dev = torch.device("cpu" if args.dry_run else "cuda")
     dtype = "bfloat16"
     stage = Stages(rec.setdefault("stages", {}), save=save)
-    # --dry-run: the CPU reference backend and tests/graph_cases.RerunGraphs standing in for CUDA
+    # --dry-run: the CPU reference backend and testkit/graph_cases.RerunGraphs standing in for CUDA
     # graphs, so every stage's bookkeeping runs on a CPU before a GPU run is spent on it.
     graphs = None
     if args.dry_run:
-        from tests.graph_cases import RerunGraphs
+        from testkit.graph_cases import RerunGraphs
         graphs = RerunGraphs()
 
     def make_ops(art, kv, st):
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--dry-run", action="store_true",
-                   help="CPU: CPU reference backend, CUDA graphs replaced by reruns (tests/graph_cases.py)")
+                   help="CPU: CPU reference backend, CUDA graphs replaced by reruns (testkit/graph_cases.py)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ One script for one call on the GPU machine (it never needs a second):
 5. FLA chunk vs fused_recurrent GDN at T=1024 (a reported 0.41 relative disagreement), each
    against the reference, for raw / half / fully normalised q and k; the in-kernel l2norm path
    (reported to crash) in a subprocess of its own, last.
-6. `pytest -m gpu tests/test_gpu_linear_kernels.py` in a subprocess.
+6. `pytest -m gpu tests/gpu/test_gpu_linear_kernels.py` in a subprocess.
 7. A short table last; everything in $OUT/gpu_linear_decode.json (subprocess output in
    $OUT/gpu_linear_decode_subprocess.log).
 
@@ -57,13 +57,13 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec  # noqa: E402
-from runtime.backends import triton_linear as TL  # noqa: E402
+from runtime.backends.kernels import linear as TL  # noqa: E402
 from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence  # noqa: E402
-from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: E402
-from runtime.context import ExecContext  # noqa: E402
-from runtime.state_pool import PADDING_SLOT, StatePool  # noqa: E402
+from runtime.backends.triton_linear import TritonLinearBackend  # noqa: E402
+from runtime.step.context import ExecContext  # noqa: E402
+from runtime.cache.state_pool import PADDING_SLOT, StatePool  # noqa: E402
 from bench_common import device_facts, device_rates, ensure_einops, fmt, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
-from tests.linear_cases import decode_ctx  # noqa: E402
+from testkit.linear_cases import decode_ctx  # noqa: E402
 
 START = time.time()
 OUT_TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
@@ -776,7 +776,7 @@ def summary_table(results: dict) -> str:
     if "error" in results.get("fla", {}):
         lines.append(f"FLA: {results['fla']['error'][:200]}")
     pt = results.get("pytest", {})
-    lines.append(f"pytest -m gpu tests/test_gpu_linear_kernels.py: {pt.get('summary') or pt.get('error', 'n/a')}")
+    lines.append(f"pytest -m gpu tests/gpu/test_gpu_linear_kernels.py: {pt.get('summary') or pt.get('error', 'n/a')}")
     lines.append(f"total {time.time() - START:.0f} s")
     return "\n".join(lines)
 
@@ -879,7 +879,7 @@ def main(argv=None) -> int:
                 save()
         # 4. the GPU tests, 5. the reported crash, alone and last
         if not args.no_pytest:
-            results["pytest"] = run_gpu_pytest("tests/test_gpu_linear_kernels.py", min(150, budget.left() - 60),
+            results["pytest"] = run_gpu_pytest("tests/gpu/test_gpu_linear_kernels.py", min(150, budget.left() - 60),
                                                 out_dir / "pytest.log")
             save()
         if not args.no_fla:

@@ -13,7 +13,7 @@ One call on the lent GPU machine (table last, JSON in --out):
    (relative error of the norm; bf16 within 1e-2), padding rows zero, padding and free slots
    untouched. The conv's extend kernel is also checked on its own at the bench models' widths
    (Qwen3-Next 8192, Kimi-Linear 12288 channels, K 4) over requests of 1, K-2, K-1, K and 1000
-   tokens (tests/linear_cases.check_conv_extend); the conv is timed only if it passes.
+   tokens (testkit/linear_cases.check_conv_extend); the conv is timed only if it passes.
    The same chain again with the short-extend limit above every request's length: the eager
    steps through the recurrent extend kernel (triton_linear.recurrent_extend) instead of FLA.
 3. Timing of one extend step of 512 and 2048 tokens over 1, 4 and 16 requests: the backend with
@@ -26,8 +26,8 @@ One call on the lent GPU machine (table last, JSON in --out):
    Then short extends (8 to 64 tokens a request, 1 to 16 requests), each timed through FLA's
    chunk path and through the recurrent extend kernel, in the same run, once the recurrent
    chain's check passed: the evidence for the default of the backend's `short_extend_tokens`
-   routing option (runtime/backends/triton_linear_backend.py SHORT_EXTEND_CHOICES).
-4. `pytest -m gpu tests/test_gpu_linear_kernels.py`.
+   routing option (runtime/backends/triton_linear.py SHORT_EXTEND_CHOICES).
+4. `pytest -m gpu tests/gpu/test_gpu_linear_kernels.py`.
 
 The FLA families run in subprocesses (in parallel: their Triton compiles overlap; the timing
 phases take a file lock, so one family is timed at a time), so a crash inside FLA (an illegal
@@ -63,13 +63,13 @@ import torch.nn.functional as F  # noqa: E402
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec  # noqa: E402
 from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
-from runtime.backends.triton_linear_backend import TritonLinearBackend  # noqa: E402
-from runtime.state_pool import StatePool  # noqa: E402
+from runtime.backends.triton_linear import TritonLinearBackend  # noqa: E402
+from runtime.cache.state_pool import StatePool  # noqa: E402
 from bench_common import device_facts as common_device_facts  # noqa: E402
 from runtime.backends.protocol import plan_eager_step  # noqa: E402
 from bench_common import (device_ms_by_kernel, device_rates, ensure_einops, fmt, host_profile, is_cuda,  # noqa: E402
                           rel_err, run_gpu_pytest)
-from tests.linear_cases import FakeFLA, check_conv_extend, conv_extend_ok, step_ctx  # noqa: E402
+from testkit.linear_cases import FakeFLA, check_conv_extend, conv_extend_ok, step_ctx  # noqa: E402
 
 START = time.time()
 OUT_TOL = 1e-2  # bf16 inputs
@@ -327,7 +327,7 @@ def time_old_conv(spec, ctx, states, x, c, ours_out) -> dict:
             "old_torch_vs_ours_rel_err": agree}
 
 
-# The recurrent cores our chunk kernels serve (runtime/backends/triton_chunk.py); KDA keeps FLA's.
+# The recurrent cores our chunk kernels serve (runtime/backends/kernels/chunk.py); KDA keeps FLA's.
 CHUNK_OPS = ("gdn_core", "lightning_core")
 
 
@@ -386,7 +386,7 @@ def time_family(name: str, spec, device, dry: bool, fla, env: dict, quick: bool,
         public_ms = None
         if spec[0] == "gdn_core" and fla is None and is_cuda():
             # the same layer through FLA's public entry (the backend calls its forward): same run
-            from runtime.backends.triton_linear_backend import fla_ops
+            from runtime.backends.triton_linear import fla_ops
 
             public = TritonLinearBackend(pool, fla=fla_ops(gdn_entry="public"))
             plan_eager_step(public, ctx, T)
@@ -701,7 +701,7 @@ def table(results: dict) -> str:
                          f"{t['out_rel_err_vs_fla']:.1e} |")
     py = results.get("pytest", {})
     lines.append("")
-    lines.append(f"pytest -m gpu tests/test_gpu_linear_kernels.py: {py.get('summary') or py.get('error') or py.get('skipped')}")
+    lines.append(f"pytest -m gpu tests/gpu/test_gpu_linear_kernels.py: {py.get('summary') or py.get('error') or py.get('skipped')}")
     return "\n".join(lines)
 
 
@@ -780,7 +780,7 @@ def main(argv=None) -> int:
     save()
     if not args.no_pytest:
         results["pytest"] = ({"skipped": "dry run (the gpu tests need CUDA)"} if args.dry_run else
-                             run_gpu_pytest("tests/test_gpu_linear_kernels.py", min(150, deadline - time.time() - 5),
+                             run_gpu_pytest("tests/gpu/test_gpu_linear_kernels.py", min(150, deadline - time.time() - 5),
                                             out / "pytest.log"))
         save()
     results["table"] = table(results)

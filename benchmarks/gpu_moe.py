@@ -1,4 +1,4 @@
-"""GPU check and benchmark of the fused Triton MoE (runtime/backends/triton_moe_kernels.py): one script, one call.
+"""GPU check and benchmark of the fused Triton MoE (runtime/backends/kernels/moe.py): one script, one call.
 
 On the GPU machine (benchmarks/gpu_call.sh has the wheel install line):
 
@@ -7,11 +7,11 @@ On the GPU machine (benchmarks/gpu_call.sh has the wheel install line):
     python3 benchmarks/gpu_moe.py --dry-run --out /tmp/moe   # CPU: Triton interpreter, tiny dims
 
 Steps, in order:
-1. `pytest -m gpu tests/test_gpu_moe.py` in a subprocess (skipped with --skip-tests; log in OUT); its summary
+1. `pytest -m gpu tests/gpu/test_gpu_moe.py` in a subprocess (skipped with --skip-tests; log in OUT); its summary
    goes into the JSON and the table.
 2. Measures the two ceilings in this run (bench_common.device_rates, as every kernel benchmark
    does): device-to-device copy bandwidth (bytes read + written, 1 GiB) and the bf16 matmul rate (8192^3).
-3. With --tune: `tune_moe.tune_all` writes runtime/backends/moe_configs/E=..,I=..,device=...json
+3. With --tune: `tune_moe.tune_all` writes runtime/backends/kernels/moe_configs/E=..,I=..,device=...json
    and a copy as OUT/moe_configs/E.._I.._<device>.json (the GPU machine keeps nothing; install the
    copies with `python3 benchmarks/tune_moe.py --install OUTDIR/moe_configs/*.json`, then commit).
 4. For each bench layer (Qwen3-Next-like: D 2048, I 512, softmax top-k renormalised, a shared
@@ -57,9 +57,9 @@ import triton.testing  # noqa: E402
 
 from bench_common import device_rates, is_cuda, rel_err, run_gpu_pytest  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference, route_topk  # noqa: E402
-from runtime.backends.moe_config import CONFIG_DIR, device_name_of  # noqa: E402
+from runtime.backends.kernels.moe_config import CONFIG_DIR, device_name_of  # noqa: E402
 from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
-from runtime.backends.triton_moe_kernels import (  # noqa: E402
+from runtime.backends.kernels.moe import (  # noqa: E402
     combine, down_sorted, down_token, gate_up_sorted, gate_up_token, logits_kernel_for, route, shared_chunks,
     sort_tokens,
 )
@@ -370,7 +370,7 @@ def main(argv=None) -> int:
            "argv": sys.argv, "interpreter": bench.dry, "shared_width": bench.S, "shared_gated": bench.S > 0}
     print(f"gpu_moe: {env}", flush=True)
 
-    tests = None if args.skip_tests else run_gpu_pytest("tests/test_gpu_moe.py", 600, args.out / "gpu_moe_pytest.log")
+    tests = None if args.skip_tests else run_gpu_pytest("tests/gpu/test_gpu_moe.py", 600, args.out / "gpu_moe_pytest.log")
     rates = measure_rates()
     print(f"rates: {rates}", flush=True)
 

@@ -9,8 +9,8 @@
 # benchmarks/serve_bench.py against `hgc serve` on it; results in $OUT/serve_FAMILY/serve_bench.json.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
-hgc() { python3 -m compiler.cli "$@"; }
-[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -q -m gpu tests/test_gpu_graphs.py -k float32 2>&1 | tail -15
+hgc() { python3 -m hgc "$@"; }
+[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -q -m gpu tests/gpu/test_gpu_graphs.py -k float32 2>&1 | tail -15
 families=("$@"); [ $# -eq 0 ] && families=(qwen3_next kimi_linear)
 for family in "${families[@]}"; do
     ckpt=/tmp/ckpt_$family art=/tmp/bench_$family

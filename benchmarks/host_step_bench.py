@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compiler.cli import main as hgc  # noqa: E402
+from hgc import main as hgc  # noqa: E402
 from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
-from runtime.batch import SeqState, build_step  # noqa: E402
-from runtime.bound_ops import BoundOps  # noqa: E402
-from runtime.generate import make_pools  # noqa: E402
-from runtime.graph_runner import GraphRunner  # noqa: E402
-from runtime.loader import load_artifact  # noqa: E402
+from runtime.cache.batch import SeqState, build_step  # noqa: E402
+from runtime.step.bound_ops import BoundOps  # noqa: E402
+from runtime.engine.generate import make_pools  # noqa: E402
+from runtime.graphs.runner import GraphRunner  # noqa: E402
+from runtime.artifact.loader import load_artifact  # noqa: E402
 
 CASES = ((1, 2048), (8, 2048), (32, 2048), (128, 2048), (128, 8192))
 PAGE = 16

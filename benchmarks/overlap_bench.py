@@ -15,7 +15,7 @@ Stages (bench_common.Stages: each recorded ok / error, a failure does not stop t
      expert as extra experts of the same launches);
    - serial: the moe op without its shared expert, then `add_shared_expert` on the same stream
      (what the unfused graph costs on one stream);
-   - overlap: the shared expert on the side stream (runtime/side_stream.CudaSideStream: the
+   - overlap: the shared expert on the side stream (runtime/graphs/side_stream.CudaSideStream: the
      runtime's own fork / leave / join) beside the moe op, summed after the join.
    gain = fused / overlap - 1 (the issue asks for 10% at B <= 8, or the measured reason not).
 2. compile: the size's config.json alone (--no-weights: dummy weights, the same for both, as
@@ -30,7 +30,7 @@ Stages (bench_common.Stages: each recorded ok / error, a failure does not stop t
    how many differ with the pass and without, and the first position that does.
 JSON to OUT/overlap_bench.json (card, date, command, every number), then a table.
 
---dry-run: tiny size, float32, the CPU reference backend, tests/graph_cases.RerunGraphs for the
+--dry-run: tiny size, float32, the CPU reference backend, testkit/graph_cases.RerunGraphs for the
 graphs and RecordingSideStream for the side stream (branches in graph order): every stage runs,
 the numbers mean nothing.
 """
@@ -128,12 +128,12 @@ def time_graph(fn, device, iters: int) -> tuple[float, torch.Tensor]:
 
 
 def run(args, work: Path, rec: dict, save) -> None:
-    from compiler.cli import main as hgc
-    from runtime.bound_ops import BoundOps
-    from runtime.generate import make_pools
-    from runtime.graph_runner import GraphRunner
-    from runtime.loader import load_artifact
-    from tests.graph_cases import RecordingSideStream, RerunGraphs, greedy
+    from hgc import main as hgc
+    from runtime.step.bound_ops import BoundOps
+    from runtime.engine.generate import make_pools
+    from runtime.graphs.runner import GraphRunner
+    from runtime.artifact.loader import load_artifact
+    from testkit.graph_cases import RecordingSideStream, RerunGraphs, greedy
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
     dtype = torch.float32 if args.dry_run else getattr(torch, args.dtype)
@@ -152,7 +152,7 @@ def run(args, work: Path, rec: dict, save) -> None:
             backend, streams = CPUReferenceBackend(None, None), RecordingSideStream()
         else:
             from runtime.backends.triton_moe import TritonMoEBackend
-            from runtime.side_stream import CudaSideStream
+            from runtime.graphs.side_stream import CudaSideStream
             backend, streams = TritonMoEBackend(device=dev), CudaSideStream(dev)
         rows = rec.setdefault("moe_layer_ms", {})
         for B in args.batch_list:

@@ -25,7 +25,7 @@ Per family (stages skippable with --skip):
    rows the same bits when it has 126 rows as when it has 256, and its time at either size
    (CUBLAS_WORKSPACE_CONFIG, if set, recorded: `:0:0` leaves cuBLAS no workspace for split-K).
 5. parity: a runner with a decode and an extend bucket captured (CUDA graphs; CPU: reruns), then
-   the start-up parity check (runtime/graph_runner.py): passed, or its refusal.
+   the start-up parity check (runtime/graphs/runner.py): passed, or its refusal.
 6. tokens: greedy tokens of --num-prompts prompts x --new-tokens, every step eager and unpadded,
    against a runner whose graphs pad them: "light" (the prefill in the smallest extend bucket
    that holds it, decode in a bucket of the batch) and "heavy" (an extend bucket twice that, a
@@ -50,16 +50,16 @@ import torch  # noqa: E402
 
 from bench_common import (Stages, compare, decode_batch, key_names, prompts_for, run_guarded, synchronizer,  # noqa: E402
                           time_ms)
-from compiler.cli import main as hgc  # noqa: E402
+from hgc import main as hgc  # noqa: E402
 from gpu_e2e import logit_drift  # noqa: E402
 from runtime.backends.cpu_reference import route_topk  # noqa: E402
-from runtime.batch import SeqState, build_step  # noqa: E402
-from runtime.bound_ops import BoundOps  # noqa: E402
-from runtime.generate import make_pools  # noqa: E402
-from runtime.graph_runner import GraphRunner, ParityError  # noqa: E402
-from runtime.loader import load_artifact  # noqa: E402
-from runtime.parity import CacheWatch, OpTrace, TeacherForcing, op_arg_positions, rel_err, rtol_for  # noqa: E402
-from tests.graph_cases import greedy  # noqa: E402
+from runtime.cache.batch import SeqState, build_step  # noqa: E402
+from runtime.step.bound_ops import BoundOps  # noqa: E402
+from runtime.engine.generate import make_pools  # noqa: E402
+from runtime.graphs.runner import GraphRunner, ParityError  # noqa: E402
+from runtime.artifact.loader import load_artifact  # noqa: E402
+from runtime.graphs.parity import CacheWatch, OpTrace, TeacherForcing, op_arg_positions, rel_err, rtol_for  # noqa: E402
+from testkit.graph_cases import greedy  # noqa: E402
 
 PAGE = 16
 PROBE_LENS = (5, 17, 40, 64)  # 126 tokens: the prefill of gpu_e2e's token check
@@ -93,7 +93,7 @@ def routed_experts(backend, args: tuple, n_real: int) -> torch.Tensor:
                   get("renormalize"), get("routed_scale"), get("num_groups"), get("topk_groups"))
     owner = backend.owner_of("moe") if hasattr(backend, "owner_of") else backend
     if type(owner).__name__ == "TritonMoEBackend":
-        from runtime.backends.triton_moe_kernels import route
+        from runtime.backends.kernels.moe import route
         ids, _ = route(*route_args, n_real=n_real)
     else:
         ids, _ = route_topk(*route_args)
@@ -212,7 +212,7 @@ def run_family(family: str, args, work: Path, rec: dict, save) -> None:
                             kv_dtype=torch.bfloat16 if dev.type == "cuda" else None)
         graphs = None
         if dev.type != "cuda":
-            from tests.graph_cases import RerunGraphs
+            from testkit.graph_cases import RerunGraphs
             graphs = RerunGraphs()
         ops = BoundOps(art.backends(kv, st).for_program("main"))  # the backends routing.json names
         return GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=decode, extend_buckets=extend,

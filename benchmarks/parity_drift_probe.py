@@ -1,6 +1,6 @@
 """Where the start-up parity check's unpadded run parts from its padded one, op by op, at depth.
 
-The check (runtime/graph_runner.py `_check_key`, runtime/parity.py TeacherForcing) hands each op
+The check (runtime/graphs/runner.py `_check_key`, runtime/graphs/parity.py TeacherForcing) hands each op
 of the unpadded run the padded run's inputs and measures how far the glue had computed them.
 Values the glue carries past the ops (the residual stream, a dense MLP) are not handed over, so
 their rounding differences travel from layer to layer. This probe starts a GraphRunner with one
@@ -33,11 +33,11 @@ DEFAULTS = {"gpu": dict(family="qwen3_next", size="bench", iters=1), "dry": dict
 
 
 def bench(args, rec: dict, save) -> None:
-    from runtime.bound_ops import BoundOps
-    from runtime.graph_runner import GraphRunner, ParityError
-    from runtime.kv_pool import KVPool
-    from runtime.loader import load_artifact
-    from runtime.state_pool import StatePool
+    from runtime.step.bound_ops import BoundOps
+    from runtime.graphs.runner import GraphRunner, ParityError
+    from runtime.cache.kv_pool import KVPool
+    from runtime.artifact.loader import load_artifact
+    from runtime.cache.state_pool import StatePool
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
@@ -52,7 +52,7 @@ def bench(args, rec: dict, save) -> None:
         ops = BoundOps(art.backends(kv, st).for_program("main"))
         graphs = None
         if args.dry_run:
-            from tests.graph_cases import RerunGraphs
+            from testkit.graph_cases import RerunGraphs
             graphs = RerunGraphs()
         runner = GraphRunner(art.runner(ops), ops, kv, st, device, decode_buckets=(B,), extend_buckets=(),
                              max_pages_per_seq=8, graphs=graphs)

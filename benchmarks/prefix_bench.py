@@ -5,12 +5,12 @@ On the GPU machine, one run:
 
     python3 benchmarks/prefix_bench.py --out $OUT                # qwen3_next, bench size, bf16, CUDA graphs
     python3 benchmarks/prefix_bench.py --dry-run --out /tmp/pb   # CPU: tiny size, float32, reference backend,
-                                                                 # graphs rerun (tests/graph_cases.py)
+                                                                 # graphs rerun (testkit/graph_cases.py)
 
 1. init_compile: `hgc init-model`, `hgc compile` (on the GPU: --target cuda --dtype bfloat16).
-2. engine: one engine as `hgc serve` builds it (runtime/server/model.engine_for_artifact: pools,
+2. engine: one engine as `hgc serve` builds it (runtime/assembly.engine_for_artifact: pools,
    backend, a started GraphRunner), the prefix cache on, --token-budget per step. The dry run
-   builds the same with tests/graph_cases.RerunGraphs standing in for CUDA graphs.
+   builds the same with testkit/graph_cases.RerunGraphs standing in for CUDA graphs.
 3. warm_up: one request of each kind below, untimed, so kernels are built before anything is timed.
 4. miss_no_cache: --iters requests, each a fresh random prefix of --prefix tokens and a suffix
    of --suffix, with the engine's prefix cache set aside: the plain prefill.
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench_common import Stages, compiled_artifact, engine_script, fmt, target_rows, time_ms  # noqa: E402
-from runtime.engine import Engine, SamplingParams  # noqa: E402
+from runtime.engine.engine import Engine, SamplingParams  # noqa: E402
 
 GPU_DEFAULTS = dict(family="qwen3_next", size="bench", prefix=2048, suffix=32, iters=5, token_budget=512)
 # The dry run walks every stage on the CPU reference backend: a prefix of a few pages keeps it short.
@@ -86,9 +86,9 @@ def summary(runs: list[dict]) -> dict:
 
 
 def bench(args, rec: dict, save) -> None:
-    from runtime.bundle import CompiledOptions
-    from runtime.loader import load_artifact
-    from runtime.server.model import EngineOptions, engine_for_artifact
+    from runtime.artifact.bundle import CompiledOptions
+    from runtime.artifact.loader import load_artifact
+    from runtime.assembly import EngineOptions, engine_for_artifact
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
@@ -108,9 +108,9 @@ def bench(args, rec: dict, save) -> None:
         options = EngineOptions(slots=4, token_budget=args.token_budget, page_size=args.page_size)
         max_len, log = args.prefix + 2 * args.suffix + 1, lambda line: print(f"  {line}", flush=True)
         if args.dry_run:
-            from runtime.graph_runner import graph_runner_factory
-            from runtime.server.model import build_engine
-            from tests.graph_cases import RerunGraphs
+            from runtime.graphs.runner import graph_runner_factory
+            from runtime.assembly import build_engine
+            from testkit.graph_cases import RerunGraphs
             eng = build_engine(art.registry, art.bind, options, max_len, device=device,
                                backend_factory=lambda kv, st: art.backends(kv, st).for_program("main"),
                                runner_factory=graph_runner_factory(art, vocab, graphs=RerunGraphs(), log=log))

@@ -1,4 +1,4 @@
-"""Program load: torch.export.load of an artifact's programs against runtime/pt2_check.load_program.
+"""Program load: torch.export.load of an artifact's programs against runtime/artifact/pt2_check.load_program.
 
     python benchmarks/program_load_bench.py --work /tmp/plb     # CPU or GPU machine; no weights needed
 
@@ -12,7 +12,7 @@
    load triggers, so it is reported apart; the other rounds give the warm medians.
 3. Both loads are compared: code, signature, ranges, every node's value.
 4. The main program's JSON turned into torch's schema dataclasses (the part of a load
-   `runtime/pt2_check._schema_plans` speeds up), `rounds` times each way, alternately: torch's
+   `runtime/artifact/pt2_check._schema_plans` speeds up), `rounds` times each way, alternately: torch's
    converter under the load's other memos, and with the plans too; best of the rounds.
 
 One JSON line on stdout.
@@ -42,12 +42,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
 
-    from compiler.cli import main as hgc
+    from hgc import main as hgc
     from compiler.splitops.artifact import PROGRAM_FILES
     from models.families import get_family
-    from runtime.artifact_docs import read_artifact
-    from runtime.pt2_check import load_program
-    from tests.test_pt2_load import _described  # what the test compares, compared the same way here
+    from runtime.artifact.docs import read_artifact
+    from runtime.artifact.pt2_check import load_program
+    from tests.runtime.artifact.test_pt2_load import _described  # what the test compares, compared the same way here
 
     work = Path(args.work)
     art = work / f"{args.family}-{args.size}-hd64-art"
@@ -88,7 +88,7 @@ def _schema_conversion(path: Path, rounds: int) -> dict:
 
     from torch._export.serde import schema, serialize
 
-    from runtime import pt2_check
+    from runtime.artifact import pt2_check
 
     with zipfile.ZipFile(path) as z:
         doc = json.loads(z.read(next(n for n in z.namelist() if n.endswith("models/model.json"))))

@@ -45,7 +45,7 @@ def hgc(args: list[str], timeout: float) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", "compiler.cli", *args], env=env, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "hgc", *args], env=env, capture_output=True,
                               text=True, timeout=timeout)
         rc, out, err = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as e:

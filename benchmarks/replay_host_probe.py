@@ -44,10 +44,10 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--route", action="append", default=[], help="passed to hgc compile --route (repeatable)")
     args = p.parse_args(argv)
-    from compiler.cli import main as hgc
-    from runtime.generate import make_pools
-    from runtime.graph_runner import GraphRunner
-    from runtime.loader import load_artifact
+    from hgc import main as hgc
+    from runtime.engine.generate import make_pools
+    from runtime.graphs.runner import GraphRunner
+    from runtime.artifact.loader import load_artifact
 
     dev = torch.device("cuda")
     batches = [int(b) for b in args.batches.split(",")]

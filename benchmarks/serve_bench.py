@@ -8,12 +8,12 @@ dependencies with hgc's):
     python3 benchmarks/serve_bench.py --artifact /tmp/bench --device cuda --out $OUT
     # the same for an MLA family: --family kimi_linear
 
-On a CPU, a few seconds (what tests/test_server.py runs):
+On a CPU, a few seconds (what tests/server/test_server.py runs):
 
     python benchmarks/serve_bench.py --dry-run --artifact artifacts/tiny --out /tmp/serve_bench
     python benchmarks/serve_bench.py --dry-run --url http://127.0.0.1:8000 --model tiny   # a running server
 
-1. The server: started here from --artifact (`python -m runtime.server`, its --device and sizing
+1. The server: started here from --artifact (`python -m hgc serve`, its --device and sizing
    flags, `--port 0`) and stopped at the end, or one already running at --url.
 2. The load: a fixed mix of (prompt tokens, output tokens) pairs, cycled; prompts are seeded
    random token ids (no tokenizer involved), outputs exactly that long (ignore_eos). Per
@@ -27,7 +27,7 @@ On a CPU, a few seconds (what tests/test_server.py runs):
    wall time, and the errors. The table is printed; --out writes serve_bench.json with the
    per-request records, the command line, the date and the server's /v1/models card.
 
-It does not compare engines or check tokens (tests/test_server.py does).
+It does not compare engines or check tokens (tests/server/test_server.py does).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers import ServerProcess  # noqa: E402
+from testkit.helpers import ServerProcess  # noqa: E402
 
 GPU = dict(concurrency=(1, 8, 32, 128), mix=((128, 128), (512, 64), (64, 256), (1024, 32)), requests_per_worker=4)
 DRY = dict(concurrency=(1, 4), mix=((8, 6), (24, 3), (4, 10)), requests_per_worker=2)

@@ -5,7 +5,7 @@ On the GPU machine, one run:
 
     python3 benchmarks/spec_bench.py --out $OUT               # qwen3_next, bench size, bf16, CUDA graphs
     python3 benchmarks/spec_bench.py --dry-run --out /tmp/sb  # CPU: tiny size, float32, reference backend,
-                                                              # graphs rerun (tests/graph_cases.py)
+                                                              # graphs rerun (testkit/graph_cases.py)
     python3 benchmarks/spec_bench.py --out $OUT --dtype float32 --skip step_cost,full_acceptance \
         --route gqa_attention=torch_reference --route "gdn_core=triton_linear[chunk_impl=triton]"
                                       # the equality stages in float32: rounding or a fault? (GQA on a
@@ -31,20 +31,20 @@ On the GPU machine, one run:
    give at the kernels' time were the draft's layer free (D + 1 decode steps' kernels over a
    verify step's and D one-row lm_head products).
 3. verify_vs_decode: whether a verify step computes what decode steps compute
-   (tests/spec_checks.verify_against_decode): twin requests with the same history, one verified
+   (testkit/spec_checks.verify_against_decode): twin requests with the same history, one verified
    with D + 1 tokens, the other fed them by D + 1 decode steps, through a GraphRunner with decode
    and verify buckets 1 and 8 (graphs replayed); per batch, the relative error of each row's
    logits, the argmax disagreements and the decode row's top-2 log-prob margin at each. A fault
    in a verify path moves every row; bf16 rounding moves them by a few 1e-3 (an expert of a
    random-weight router flipped on that rounding, more). Goal: median row error within the
-   start-up parity tolerance for bf16 (runtime/parity.py), argmax flips only at near ties. The
+   start-up parity tolerance for bf16 (runtime/graphs/parity.py), argmax flips only at near ties. The
    same twins again, every step eager under an op trace (`trace_ops`): where each row's bits
    first part from the decode step's, the op handed other inputs or the op that computed
    another output (`eager_traced`).
 4. full_acceptance: one request (--prompt-len tokens, --new-tokens to generate) through an engine
    as `hgc serve` builds it (pools, backend, graph runners, the draft's too), plain, then with D
    drafts where the MTP draft program runs as usual and each token it proposes is replaced by
-   the target's own greedy continuation (tests/spec_drafters.ForcedDrafts): every draft is kept,
+   the target's own greedy continuation (testkit/spec_drafters.ForcedDrafts): every draft is kept,
    at the draft's real cost. Decode tokens per second of each, and the speedup (goal at D = 3,
    batch 1: >= 2.5x). Both outputs must be the same tokens. Also the speedup the measured step
    costs give when every step keeps D + 1 tokens: in bf16 a near tie decided the other way by
@@ -92,8 +92,8 @@ import torch  # noqa: E402
 from bench_common import (Stages, bench_engine, compare, compiled_artifact, engine_script, fmt,  # noqa: E402
                           host_profile, load_format, profile_call, prompts_for, synchronizer, target_rows, time_ms)
 from compiler.splitops import Mode  # noqa: E402
-from runtime.batch import SeqState, build_step, commit_step  # noqa: E402
-from runtime.engine import SamplingParams  # noqa: E402
+from runtime.cache.batch import SeqState, build_step, commit_step  # noqa: E402
+from runtime.engine.engine import SamplingParams  # noqa: E402
 
 GPU_DEFAULTS = dict(family="qwen3_next", size="bench", batches="1,8,32", prompt_len=128, new_tokens=256,
                     prompts=32, equal_tokens=64, iters=20)
@@ -109,7 +109,7 @@ DRY_TWIN_HISTORIES = {2: [3, 18]}
 
 
 def bench(args, rec: dict, save) -> None:
-    from runtime.loader import load_artifact
+    from runtime.artifact.loader import load_artifact
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
@@ -130,17 +130,17 @@ def bench(args, rec: dict, save) -> None:
 
     def graphs():
         if args.dry_run:
-            from tests.graph_cases import RerunGraphs
+            from testkit.graph_cases import RerunGraphs
             return RerunGraphs()
         return None  # CudaGraphs
 
     def main_runner(buckets: list[int], slots: int, max_len: int, extend_max_seqs: int = 1):
         """A started GraphRunner of the main program with decode and verify buckets, over pools of
         `slots` requests of up to max_len tokens each (backends as routing.json names them)."""
-        from runtime.bound_ops import BoundOps
-        from runtime.graph_runner import GraphRunner
-        from runtime.kv_pool import KVPool
-        from runtime.state_pool import StatePool
+        from runtime.step.bound_ops import BoundOps
+        from runtime.graphs.runner import GraphRunner
+        from runtime.cache.kv_pool import KVPool
+        from runtime.cache.state_pool import StatePool
 
         art, page = state["art"], 16
         pages_per_seq = -(-max_len // page)
@@ -194,7 +194,7 @@ def bench(args, rec: dict, save) -> None:
     def lm_head_ms() -> dict:
         """A draft step's logits product alone, in the lm_head's shape and dtype ([V, H] random
         weights, one row) and with the draft's products (torch's, also under --batch-invariant:
-        runtime/speculative.py): its kernel time per call from the profiler, as the steps' kernel
+        runtime/engine/speculative.py): its kernel time per call from the profiler, as the steps' kernel
         times above are taken (an eager call timed between events would count its launch too)."""
         from runtime.backends import batch_invariant_aten
 
@@ -208,8 +208,8 @@ def bench(args, rec: dict, save) -> None:
                 "kernels": [k["name"] for k in prof["top_kernels"]]}
 
     def verify_vs_decode():
-        from runtime.parity import rtol_for
-        from tests.spec_checks import verify_against_decode
+        from runtime.graphs.parity import rtol_for
+        from testkit.spec_checks import verify_against_decode
 
         histories = DRY_TWIN_HISTORIES if args.dry_run else TWIN_HISTORIES
         buckets = sorted(histories)
@@ -263,7 +263,7 @@ def bench(args, rec: dict, save) -> None:
                         "s_per_step": seconds / len(decode)}
 
     def full_acceptance():
-        from tests.spec_drafters import ForcedDrafts
+        from testkit.spec_drafters import ForcedDrafts
 
         prompt = prompts_for(state["vocab"], [args.prompt_len], seed=1)
         max_len = args.prompt_len + args.new_tokens + 1
@@ -320,10 +320,10 @@ def bench(args, rec: dict, save) -> None:
                 (D + 1) * profiles["plain"]["kernel_ms"] / profiles["spec"]["kernel_ms"])
 
     def draft_products_baseline(spec_engine, tokens, prompt, references) -> dict:
-        """--batch-invariant: the draft's graphs as served (torch's products, runtime/speculative.py)
+        """--batch-invariant: the draft's graphs as served (torch's products, runtime/engine/speculative.py)
         against the same engine built with them captured on the fixed-order products, alternated,
         three runs each: the ratio of their median tokens per second; the same tokens asserted."""
-        from tests.spec_drafters import ForcedDrafts
+        from testkit.spec_drafters import ForcedDrafts
 
         fixed_engine = engine(D, lambda drafter: ForcedDrafts(drafter, references),
                               max_len=args.prompt_len + args.new_tokens + 1, fixed_draft_products=True)
@@ -443,7 +443,7 @@ def targets(rec: dict, D: int) -> None:
                                         "met": cost["ratio"] <= TARGET_VERIFY_RATIO}
     versus = rec.get("verify_vs_decode")
     if versus:
-        from runtime.parity import rtol_for
+        from runtime.graphs.parity import rtol_for
 
         worst, rtol = max(v["median_rel_err"] for v in versus.values()), rtol_for(getattr(torch, rec["dtype"]))
         out["verify_matches_decode"] = {"value": worst, "goal": f"median row rel err <= {rtol}", "met": worst <= rtol}

@@ -9,7 +9,7 @@ then differ, this probe tells which part of a speculative run moves them. One re
 1. plain decoding, twice on one engine and once on a fresh one: is the plain text the same run to run?
 2. D = 3 with the real MTP draft: at random weights every round keeps the target's token at row 0
    alone, so only the verify step's first row and its state after one token are used;
-3. D = 1 and D = 3 with drafts forced to the first plain run's text (tests/spec_drafters.ForcedDrafts):
+3. D = 1 and D = 3 with drafts forced to the first plain run's text (testkit/spec_drafters.ForcedDrafts):
    every row of every verify step is kept until the first difference;
 4. D = 3 with no draft program in the rounds (tests/spec_drafters): the plain text proposed
    (every row kept) and the plain text plus one (only row 0 kept). Against 2 and 3, these say
@@ -21,7 +21,7 @@ where the bits part, which may be long before a near tie turns the text), the pl
 margin at the first differing token, and the draft acceptance. Then each run with the draft program
 against its twin without it (the same verify rows kept): where their tokens and log-probabilities
 first differ. `--trace-ops` also runs plain decoding and D = 3 forced (with the draft program and
-without it) with every step eager under tests/position_trace.PositionTrace: the first position,
+without it) with every step eager under testkit/position_trace.PositionTrace: the first position,
 and there the first op, where each run's numbers leave eager plain decoding's. Writes
 OUT/spec_text_probe.json. `--dry-run`: the CPU, a tiny model (the script's own test).
 """
@@ -52,13 +52,13 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--trace-ops", action="store_true",
                    help="also run plain and D = 3 (drafts forced, with and without the draft program) with every "
-                        "step eager under an op trace (tests/position_trace.py): the first position, and there the "
+                        "step eager under an op trace (testkit/position_trace.py): the first position, and there the "
                         "first op, where each leaves plain decoding's bits")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny size: the script's own test")
     args = p.parse_args(argv)
-    from runtime.engine import SamplingParams
-    from runtime.loader import load_artifact
-    from tests.spec_drafters import DisagreeingDrafter, ForcedDrafts, GreedyContinuationDrafter
+    from runtime.engine.engine import SamplingParams
+    from runtime.artifact.loader import load_artifact
+    from testkit.spec_drafters import DisagreeingDrafter, ForcedDrafts, GreedyContinuationDrafter
 
     device = "cpu" if args.dry_run else "cuda"
     args.family, args.size = "qwen3_next", "tiny" if args.dry_run else "bench"
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     vocab = int(art.manifest["model"]["vocab_size"])
     graphs = None
     if args.dry_run:
-        from tests.graph_cases import RerunGraphs
+        from testkit.graph_cases import RerunGraphs
         graphs = RerunGraphs()
     prompt = prompts_for(vocab, [args.prompt_len], seed=1)
     max_len = args.prompt_len + args.new_tokens + 1
@@ -136,9 +136,9 @@ def main(argv=None) -> int:
 def traced_runs(engine, text, reference, plain_text, vocab: int, device, prompt_len: int) -> dict:
     """--trace-ops: plain decoding and two D = 3 runs, every step eager under a PositionTrace of the
     main program's ops; each against the eager plain run: tokens, log-probabilities, and the first
-    position and op where the numbers part (tests/position_trace.first_position_parting)."""
-    from tests.position_trace import PositionTrace, first_position_parting
-    from tests.spec_drafters import ForcedDrafts, GreedyContinuationDrafter
+    position and op where the numbers part (testkit/position_trace.first_position_parting)."""
+    from testkit.position_trace import PositionTrace, first_position_parting
+    from testkit.spec_drafters import ForcedDrafts, GreedyContinuationDrafter
 
     def traced(D: int, wrap=None):
         eng = engine(D, wrap, eager=True)

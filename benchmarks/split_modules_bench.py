@@ -1,5 +1,5 @@
 """What a start-up pays to build each mode's split modules: the split (apply_split_plan) and the install
-of compiled glue (runtime/compiled_glue.py), per mode, on a full-size program.
+of compiled glue (runtime/artifact/compiled_glue.py), per mode, on a full-size program.
 
     python benchmarks/split_modules_bench.py --work /tmp/smb     # CPU or GPU machine; no weights needed
 
@@ -12,7 +12,7 @@ of compiled glue (runtime/compiled_glue.py), per mode, on a full-size program.
 
 A start-up that runs compiled pieces builds two modules per mode, the compiled one it captures and
 the traced one the start-up check compares with. It now splits once and installs on copies of the
-pieces that get compiled glue (runtime/loader.py `module_for`); it used to split once per module,
+pieces that get compiled glue (runtime/artifact/loader.py `module_for`); it used to split once per module,
 so `split_s` is what each mode saves and `install_s` (the copies included) what it pays on top.
 One JSON line on stdout: medians over the rounds.
 """
@@ -38,11 +38,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
 
-    from compiler.cli import main as hgc
+    from hgc import main as hgc
     from compiler.splitops.artifact import apply_split_plan
-    from runtime.artifact_docs import read_artifact
-    from runtime.loader import load_programs
-    from tests.test_glue_in_split_plans import traced_glue
+    from runtime.artifact.docs import read_artifact
+    from runtime.artifact.loader import load_programs
+    from tests.compiler.test_glue_in_split_plans import traced_glue
 
     work = Path(args.work)
     config, art = work / "config", work / "art"

@@ -81,7 +81,7 @@ CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WO
 def hgc_process(*argv: str, env: dict) -> float:
     """`hgc ...` in its own process, its progress on our stderr as it goes; the seconds it took."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "compiler.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.run([sys.executable, "-m", "hgc", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"hgc {argv[0]} failed with exit code {proc.returncode} (its stderr is above)")
@@ -103,10 +103,10 @@ def empty_caches(folder: Path) -> dict:
 
 @contextlib.contextmanager
 def load_phases(into: dict):
-    """Seconds spent in each step of load_artifact (runtime/loader.py), summed over calls: the
+    """Seconds spent in each step of load_artifact (runtime/artifact/loader.py), summed over calls: the
     loader's own functions wrapped with timers for the duration of the block. The weights are read
     on a thread while the programs load, so their seconds overlap."""
-    import runtime.loader as loader
+    import runtime.artifact.loader as loader
 
     steps = {"programs": "load_programs", "weights": "read_weights", "bundle": "open_bundle"}
     originals = {name: getattr(loader, name) for name in steps.values()}
@@ -156,11 +156,11 @@ def profiled(path):
 
 def run_variant(args) -> dict:
     """Step 2 for the artifact at args.child (this process starts with empty kernel caches)."""
-    from runtime.bundle import CompiledOptions
-    from runtime.generate import make_pools
-    from runtime.graph_runner import GraphRunner
-    from runtime.loader import load_artifact
-    from tests.graph_cases import RerunGraphs, greedy
+    from runtime.artifact.bundle import CompiledOptions
+    from runtime.engine.generate import make_pools
+    from runtime.graphs.runner import GraphRunner
+    from runtime.artifact.loader import load_artifact
+    from testkit.graph_cases import RerunGraphs, greedy
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -283,9 +283,9 @@ def run_torch_compile(args) -> dict:
     from gpu_e2e import FIRST_CALLS, EagerModel, first_calls_s, prefill_requests
 
     from models.loader import load_checkpoint
-    from runtime.bundle import CompiledOptions
-    from runtime.generate import make_pools
-    from runtime.loader import load_artifact
+    from runtime.artifact.bundle import CompiledOptions
+    from runtime.engine.generate import make_pools
+    from runtime.artifact.loader import load_artifact
 
     dev = torch.device("cpu" if args.dry_run else "cuda")
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -343,7 +343,7 @@ def graph_vs_eager(runner, st, vocab: int, lens: list[int], new_tokens: int, syn
     compared; the logits' drift shows whether a difference is rounding or a fault."""
     from bench_common import key_names
     from gpu_e2e import logit_drift
-    from tests.graph_cases import greedy
+    from testkit.graph_cases import greedy
 
     prompts = prompts_for(vocab, lens, seed=3)
     eager_logits, graph_logits = [], []
@@ -364,9 +364,9 @@ def time_piecewise(args, art, full, kv, st, dev, decode, extend, max_len, rec, g
     taken from those rounds. The piecewise runner has backend instances of its own (their own
     static buffers, over the same pools), so the full runner's graphs stay valid beside it.
     Returns that runner (profile_kernels profiles its steps after every timing)."""
-    from runtime.backends.launch_cache import Launcher
-    from runtime.graph_runner import GraphRunner
-    from tests.graph_cases import RerunGraphs
+    from runtime.backends.kernels.launch_cache import Launcher
+    from runtime.graphs.runner import GraphRunner
+    from testkit.graph_cases import RerunGraphs
 
     ops = art.backends(kv, st).op_table("main")
     runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=decode, extend_buckets=(min(extend),),
@@ -383,7 +383,7 @@ def time_piecewise(args, art, full, kv, st, dev, decode, extend, max_len, rec, g
             cell = rec["decode"][str(B)]
             cell["piecewise_host_speed_ms"] = host_speed_ms()  # against host_speed_ms: the same host?
             # full graph, and piecewise with and without the Triton launch cache
-            # (runtime/backends/launch_cache.py), in turns
+            # (runtime/backends/kernels/launch_cache.py), in turns
             times = {"full": [], True: [], False: []}
             for _ in range(3):
                 times["full"].append(time_ms(lambda: full.run(full_step, full_key), dev, args.iters))

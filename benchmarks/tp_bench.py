@@ -6,7 +6,7 @@ On the GPU machine (2 GPUs; the 80B model needs more than 78 GiB a rank at TP 2:
 
     bash benchmarks/gpu_call.sh python3 benchmarks/tp_bench.py --out $OUT
     python benchmarks/tp_bench.py --dry-run --out /tmp/tpb     # CPU: tiny configs, float32, gloo,
-                                                                # graphs rerun (tests/graph_cases.py)
+                                                                # graphs rerun (testkit/graph_cases.py)
 
 The parent process (no CUDA of its own):
 1. configs: the published config.json of each full-size release (--configs, default the repo's
@@ -18,10 +18,10 @@ The parent process (no CUDA of its own):
    launches its two ranks, each compiling the glue for its own GPU): the runs then load the
    compiled pieces (the report's `compiled_pieces` per model; 0 where its build failed).
 3. tp1: the bench-size artifact compiled for one process, run by one worker on GPU 0.
-4. tpN: one launch of N ranks (runtime/launcher.py, as `hgc run --tp N` starts them); rank r on
+4. tpN: one launch of N ranks (runtime/dist/launcher.py, as `hgc run --tp N` starts them); rank r on
    GPU r; every rank builds each model's engine in turn (dummy weights made on its GPU, its pools,
    CUDA graphs captured with the all-reduces inside, start-up parity), rank 0 drives and the others
-   follow its steps (runtime/distributed.py), then `end_engine` and the next model. A model whose
+   follow its steps (runtime/dist/distributed.py), then `end_engine` and the next model. A model whose
    rank fails ends the launch (the watchdog stops the others); the parent relaunches for the models
    not yet run, so one failure costs one model.
 5. report: JSON (OUT/tp_bench.json, and on stdout), a table on stderr.
@@ -116,7 +116,7 @@ def compile_all(names: list[str], out: Path, configs: Path, knobs: dict, routes:
     for name in names:
         source, tp = MODELS[name]
         art = out / "artifacts" / name
-        cmd = [sys.executable, "-m", "compiler.cli", "compile", str(config_folder(source, out, configs, knobs["dry"])),
+        cmd = [sys.executable, "-m", "hgc", "compile", str(config_folder(source, out, configs, knobs["dry"])),
                "-o", str(art), "--force", "--no-weights", "--no-dumps", "--no-inductor", "--tp", str(tp),
                "--target", knobs["target"],
                "--dtype", knobs["dtype"], "--decode-buckets", ",".join(map(str, knobs["batches"])),
@@ -143,7 +143,7 @@ def build_all(names: list[str], out: Path, knobs: dict, left) -> dict:
         t0 = time.perf_counter()
         log = out / f"build_{name}.log"
         with open(log, "w") as f:
-            code = subprocess.run([sys.executable, "-m", "compiler.cli", "build", str(out / "artifacts" / name),
+            code = subprocess.run([sys.executable, "-m", "hgc", "build", str(out / "artifacts" / name),
                                    "--device", knobs["target"], "--force"], cwd=ROOT, stdout=f,
                                   stderr=subprocess.STDOUT).returncode
         report[name] = {"status": "ok" if code == 0 else f"error (exit {code})",
@@ -159,7 +159,7 @@ def worker_cmd(args, mode: str, names: list[str]) -> list[str]:
 
 
 def run_parent(args, knobs: dict) -> dict:
-    from runtime.launcher import launch
+    from runtime.dist.launcher import launch
 
     t_start = time.perf_counter()
     out = args.out
@@ -279,9 +279,9 @@ def log_to(lines: list[str], rank: int):
 def build(name: str, args, knobs: dict, rank: int, tp: int, device: torch.device, log) -> tuple:
     """One model's engine on this rank, as `hgc serve` builds it: dummy weights, pools, backends,
     a started GraphRunner (capture + parity, collectives inside)."""
-    from runtime.graph_runner import graph_runner_factory
-    from runtime.loader import load_artifact
-    from runtime.server.model import EngineOptions, build_engine
+    from runtime.graphs.runner import graph_runner_factory
+    from runtime.artifact.loader import load_artifact
+    from runtime.assembly import EngineOptions, build_engine
 
     t0 = time.perf_counter()
     art = load_artifact(args.out / "artifacts" / name, device=device, rank=rank, tp=tp, load_format="dummy")
@@ -292,7 +292,7 @@ def build(name: str, args, knobs: dict, rank: int, tp: int, device: torch.device
                             max_model_len=knobs["history"] + knobs["steps"] * 4 + 64, prefix_cache=False)
     graphs = None
     if knobs["dry"]:
-        from tests.graph_cases import RerunGraphs  # the CPU stand-in for CUDA graphs
+        from testkit.graph_cases import RerunGraphs  # the CPU stand-in for CUDA graphs
 
         graphs = RerunGraphs()
     t0 = time.perf_counter()
@@ -311,7 +311,7 @@ def sync(device: torch.device) -> None:
 
 def decode_sweep(engine, vocab: int, B: int, knobs: dict, device) -> dict:
     """B requests of a `history` past, prefilled; then timed decode steps (module docstring)."""
-    from runtime.engine import SamplingParams
+    from runtime.engine.engine import SamplingParams
 
     g = torch.Generator().manual_seed(B)
     # Requests prefilled in early chunks decode while later ones prefill (continuous batching):
@@ -392,7 +392,7 @@ TOP_LOGPROBS = 20  # alternatives kept per step: enough to find each run's choic
 
 def greedy_tokens(engine, knobs: dict) -> tuple[list[list[int]], list[list[dict]]]:
     """Greedy tokens of TOKEN_PROMPTS, and at each step the top TOP_LOGPROBS {token: logprob}, best first."""
-    from runtime.engine import SamplingParams
+    from runtime.engine.engine import SamplingParams
 
     ids = [engine.add_request(list(p), SamplingParams(max_new_tokens=knobs["new_tokens"], logprobs=TOP_LOGPROBS))
            for p in TOKEN_PROMPTS]
@@ -425,7 +425,7 @@ def run_worker(args, knobs: dict) -> int:
     """`--worker tp1`: the models alone in this process. `--worker tp`: this process is one rank
     of a launch; every model in turn (module docstring, step 4)."""
     from bench_common import device_facts, device_rates
-    from runtime.distributed import follow, join, lead
+    from runtime.dist.distributed import follow, join, lead
 
     group = None
     if args.worker == "tp":
@@ -510,8 +510,8 @@ def main() -> int:
     if unknown:
         p.error(f"--models: unknown {sorted(unknown)} (known: {', '.join(MODELS)})")
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.worker:  # a rank ends as the CLI's ranks do (runtime/distributed.py, step 6)
-        from runtime.distributed import end_rank_process
+    if args.worker:  # a rank ends as the CLI's ranks do (runtime/dist/distributed.py, step 6)
+        from runtime.dist.distributed import end_rank_process
 
         end_rank_process(run_worker(args, knobs))
     report = run_parent(args, knobs)

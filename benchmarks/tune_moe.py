@@ -4,7 +4,7 @@
     python3 benchmarks/tune_moe.py --out $OUT --shapes e16 --budget-s 240
     python3 benchmarks/tune_moe.py --dry-run --out /tmp/moe   # interpreter, tiny dims, 2 buckets
 
-Writes `runtime/backends/moe_configs/E={E},I={I},device={device}.json` (read by TritonMoEBackend)
+Writes `runtime/backends/kernels/moe_configs/E={E},I={I},device={device}.json` (read by TritonMoEBackend)
 and a copy as OUT/moe_configs/E{E}_I{I}_{device}.json (the GPU machine keeps nothing, and its file
 transfer refuses names with '=' or ','). Back on the CPU machine, put the copies in place with
 
@@ -49,10 +49,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from gpu_moe import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
-from runtime.backends.moe_config import (  # noqa: E402
+from runtime.backends.kernels.moe_config import (  # noqa: E402
     CONFIG_DIR, GemmConfig, MoEConfig, config_file_name, default_config, device_name_of, load_config_table,
 )
-from runtime.backends.triton_moe_kernels import (  # noqa: E402
+from runtime.backends.kernels.moe import (  # noqa: E402
     down_sorted, down_token, fused_moe, gate_up_sorted, gate_up_token, route, shared_chunks, sort_tokens,
 )
 

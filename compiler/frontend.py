@@ -110,7 +110,7 @@ class MainWithHidden(nn.Module):
     """The main forward of a model with a draft: (logits [R, V], final hidden states [T, D]).
 
     The draft's first position after a main step reads the main model's hidden state there
-    (speculative decoding, runtime/speculative.py), so the program hands it out beside the
+    (speculative decoding, runtime/engine/speculative.py), so the program hands it out beside the
     logits. The model's own children, parameters and buffers are registered on this root under
     their own names, so the program's FQNs, node names and module paths are the model's.
     Families with a draft implement `forward_hidden` and `compute_logits` (models/common.py).

@@ -21,7 +21,7 @@ aten glue, functionalizes nothing of ours and never copies an op's `out`.
 
 The caller points Inductor's cache at an empty folder for the build (splitops.bundle.cache_env), so
 everything found there afterwards belongs to this build. What it does not do: write bundle.json,
-sign, or run kernels of the backends (compiler/cli/build_command.py does; runtime/bundle.py loads).
+sign, or run kernels of the backends (hgc/build_command.py does; runtime/artifact/bundle.py loads).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def weight_sources(traced: TracedModel) -> dict[str, dict]:
 def plan(ckpt_dir, config: CompileConfig, toolchain: Toolchain, dump_dir: Optional[Path] = None,
          timing: Optional[TimingInstrument] = None, progress=None) -> CompileResult:
     """Trace and run every pass; findings are in result.ctx (a lint error does not raise here).
-    `progress`: a tqdm-like factory (compiler/cli/progress.py), for a bar over the passes."""
+    `progress`: a tqdm-like factory (hgc/progress.py), for a bar over the passes."""
     timing = timing or TimingInstrument()
     start = time.perf_counter()
     traced = trace_checkpoint(ckpt_dir, config.dtype, toolchain.read_model, tp=config.tp)
@@ -146,7 +146,7 @@ def compile_checkpoint(ckpt_dir, out, config: CompileConfig, toolchain: Toolchai
                        progress=None) -> tuple[CompileResult, dict]:
     """`weights` False: compile config.json alone (a folder may hold nothing else); the artifact has
     no weights and runs with random ones (`hgc run --load-format dummy`). `progress`: a tqdm-like
-    factory (compiler/cli/progress.py)."""
+    factory (hgc/progress.py)."""
     from compiler.artifact_writer import checkpoint_index, staging_folder, write_artifact
 
     out, ckpt = Path(out), Path(ckpt_dir)

@@ -2,8 +2,8 @@
 
 The compiler (frontend, passes, lints, artifact writer, pipeline) imports neither models/ nor
 runtime/: they sit beside it above the op vocabulary (docs/DESIGN.md, "Dependency direction";
-tests/test_imports.py checks it). The command line on top builds one Toolchain from them
-(compiler/cli/wiring.py) and hands it to the pipeline, which hands each part to the stage that
+tests/architecture/test_imports.py checks it). The command line on top builds one Toolchain from them
+(hgc/wiring.py) and hands it to the pipeline, which hands each part to the stage that
 uses it:
 
 - `capabilities`: the backends' declarations (runtime/backends: built-in and installed plugins),

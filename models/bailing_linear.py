@@ -287,7 +287,7 @@ def lightning_log_decay(num_heads: int, layer_idx: int, num_layers: int, device=
     decay = -slopes * (1 - (layer_idx - 1) / (num_layers - 1) + 1e-5): the variant of inclusionAI's
     released modeling code (BailingMoeV2_5LinearAttention and BailingMoeV2LinearAttention), which
     the checkpoints were published with. Its `layer_idx - 1` makes layer 0 decay slightly faster
-    than layer 1; MiniMax, vLLM and SGLang use `layer_idx` instead. See tests/test_bailing_linear.py.
+    than layer 1; MiniMax, vLLM and SGLang use `layer_idx` instead. See tests/models/test_bailing_linear.py.
     """
     if num_layers < 2:
         # Unreachable from a valid config: with one layer, that layer closes its group and is full.

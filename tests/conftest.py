@@ -54,7 +54,7 @@ def one_thread():
 @pytest.fixture
 def batch_invariant_installed():
     """runtime/backends/batch_invariant_aten.install() for one test (imported here, not at the top: a
-    kernel module must not import triton before tests/triton_interpreter.py has run); torch's own
+    kernel module must not import triton before testkit/triton_interpreter.py has run); torch's own
     kernels are back after it, for the rest of the session."""
     from runtime.backends import batch_invariant_aten
 

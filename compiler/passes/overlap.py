@@ -31,7 +31,7 @@ Whatever else is independent of an op core and large enough is found the same wa
 lower size rule, a Lightning layer's output-gate projection beside its recurrent core, a KDA
 layer's gate projections beside its short convolution (decode plans, where both share a piece).
 At the default rule only the shared experts are, on every family's bench config and on the
-published Qwen3-Next-80B and (dense: nothing) Qwen3.6-27B configs (tests/test_overlap.py checks
+published Qwen3-Next-80B and (dense: nothing) Qwen3.6-27B configs (tests/compiler/test_overlap.py checks
 the published two).
 
 The size rule. Each branch, and the main work it overlaps, must move at least `MIN_BRANCH_BYTES`
@@ -50,7 +50,7 @@ The constant is the compile's guess until benchmarks/overlap_bench.py measures i
 after its fork, no main node before its join depends on a side node.
 
 What it does not do: change the graph (the runtime moves side nodes after their fork when it
-runs a piece, runtime/side_stream.py), or decide anything for eager pieces (op cores stay on the
+runs a piece, runtime/graphs/side_stream.py), or decide anything for eager pieces (op cores stay on the
 main stream: their backends plan per step on it).
 """
 

@@ -1,6 +1,6 @@
 """The artifact format: file names, JSON documents and the split-plan re-application, in one place.
 
-The compiler's writer (compiler/artifact_writer.py) and the runtime's loader (runtime/loader.py)
+The compiler's writer (compiler/artifact_writer.py) and the runtime's loader (runtime/artifact/loader.py)
 both use this module, so the two cannot disagree on a field. It depends on torch only.
 
 An artifact is a folder::

@@ -16,7 +16,7 @@ structure per piece); `rank_dir(doc, r)` is the prefix of rank r's files.
 
 `<key>` names the target: `cpu-x86_64-torch2.13.0`, `sm90-torch2.11.0-cu128`. Every bundle file is
 listed with its SHA-256 in manifest.json (tampering is refused like tampering with weights) and in
-bundle.json, whose HMAC signature (runtime/signing.py) says which installation built it.
+bundle.json, whose HMAC signature (runtime/artifact/signing.py) says which installation built it.
 
 1. `target_facts(device)`: what compiled code depends on here (device and its architecture, torch
    build, Python; on cpu the instruction set `-march=native` resolves to, on cuda the CUDA, Triton
@@ -27,8 +27,8 @@ bundle.json, whose HMAC signature (runtime/signing.py) says which installation b
 3. `INDUCTOR_CONFIG`: the Inductor settings pieces are built and loaded with, per device type.
    Kernel file names are keyed by the compile command, so both sides must use the same settings.
 
-What it does not do: compile (compiler/inductor_pieces.py), sign or check (runtime/signing.py,
-runtime/bundle.py), or write the artifact (compiler/artifact_writer.py).
+What it does not do: compile (compiler/inductor_pieces.py), sign or check (runtime/artifact/signing.py,
+runtime/artifact/bundle.py), or write the artifact (compiler/artifact_writer.py).
 """
 
 from __future__ import annotations

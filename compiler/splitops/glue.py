@@ -12,7 +12,7 @@ from the plan (split.json) alone, by `segment_pieces`.
    graph order). A symbolic size read from outside (the token count, taken once by an earlier
    segment) is not an input when a tensor input has it as a dimension: the segment takes it from
    that tensor itself (`_border_reads`), so only tensors cross the glue's borders. The bundle
-   builder (compiler/inductor_pieces.py) and the runtime (runtime/compiled_glue.py) both call it
+   builder (compiler/inductor_pieces.py) and the runtime (runtime/artifact/compiled_glue.py) both call it
    on the same graph, and the runtime refuses a bundle whose recorded segments differ from its own.
 2. `segment_module(gm, segment)`: the run as a GraphModule of its own, placeholders `in_0..` in
    `inputs` order, then the sizes it takes from them (`size_0..`), and a tuple of `outputs`;
@@ -24,7 +24,7 @@ from the plan (split.json) alone, by `segment_pieces`.
    split pass checks it for every plan it makes, the builder before compiling anything, and the
    runtime installs each segment into the piece it names.
 
-What it does not do: compile (compiler/inductor_pieces.py), or run anything (runtime/compiled_glue.py).
+What it does not do: compile (compiler/inductor_pieces.py), or run anything (runtime/artifact/compiled_glue.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ replicated where there are fewer of them than ranks. Three facts live here:
    chunks, rank r taking chunk r * parts // tp of every segment. parts == tp is a plain split;
    parts < tp holds each chunk on tp / parts ranks (replicated KV heads); no dimension means the
    whole tensor on every rank. The sharding pass derives one spec per tensor
-   (compiler/passes/sharding.py); the runtime slices with it (runtime/weights.py).
+   (compiler/passes/sharding.py); the runtime slices with it (runtime/artifact/weights.py).
 3. `rank_slices(spec, rank, tp)`: the (start, stop) ranges of that rank, what safetensors'
    get_slice reads, so no rank reads more than its part.
 

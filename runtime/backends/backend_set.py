@@ -1,6 +1,6 @@
 """BackendSet: the backend instances one routing table names, behind the protocol's hooks.
 
-1. The runtime's binder (runtime/binding.py) builds one instance per backend (and kernel options)
+1. The runtime's binder (runtime/artifact/binding.py) builds one instance per backend (and kernel options)
    that routing.json names, and for each program a BackendSet over the instances that own a node
    of it (`members`, by instance key, in routing order), with `captured`: per mode, the members
    owning a node inside a captured piece of that mode's split plan, and `gaps`: those owning a
@@ -27,7 +27,7 @@ from typing import Mapping
 
 from compiler.splitops import Mode
 from runtime.backends.protocol import BackendHooks, ProtocolError, check_backend, plan_eager_step
-from runtime.context import ExecContext
+from runtime.step.context import ExecContext
 
 __all__ = ["BackendSet"]
 

@@ -1,10 +1,10 @@
 """The batch-invariant switch: torch's CUDA matrix products and sums over dims, process-wide, to
 kernels whose every row is computed in one fixed order whatever the number of rows.
 
-`install()` registers, for the CUDA dispatch key, runtime/backends/triton_matmul.py's aten::mm,
-addmm and bmm (and their out= forms) and runtime/backends/triton_row_sum.py's aten::sum.dim_IntList
+`install()` registers, for the CUDA dispatch key, runtime/backends/kernels/matmul.py's aten::mm,
+addmm and bmm (and their out= forms) and runtime/backends/kernels/row_sum.py's aten::sum.dim_IntList
 and mean.dim. Every such call of the process, whoever makes it, runs there from then on. A runtime
-installs it to serve an artifact compiled with `hgc compile --batch-invariant` (runtime/loader.py):
+installs it to serve an artifact compiled with `hgc compile --batch-invariant` (runtime/artifact/loader.py):
 the eager glue calls these ops through torch (its RMSNorms and L2 norms are sum.dim / mean.dim
 over the last dim) and Inductor's compiled glue calls mm/addmm as extern kernels, so the override
 reaches them without recompiling anything.
@@ -13,7 +13,7 @@ It does not reach the reductions Inductor's compiled glue generates itself, nor 
 the two modules' lists (their docstrings say which).
 
 `products_to_torch()` gives the products back to torch for a while: the speculative decoder
-captures the draft program's graphs inside it (runtime/speculative.py). A draft's numbers choose
+captures the draft program's graphs inside it (runtime/engine/speculative.py). A draft's numbers choose
 what is proposed, never what a request keeps (the verify step's rows decide that, and they stay
 fixed-order), and torch's products are the faster ones at a draft step's single row.
 """
@@ -52,7 +52,7 @@ def install(log: Optional[Callable[[str], None]] = None, *, sums: bool = True, p
     global _LIB
     if _LIB is not None:
         return
-    from runtime.backends import triton_matmul, triton_row_sum  # Triton's: a CPU-only install never gets here
+    from runtime.backends.kernels import matmul as triton_matmul, row_sum as triton_row_sum  # Triton's: a CPU-only install never gets here
     _LIB = register("CUDA", (triton_matmul.ATEN_IMPLS if products else ()) +
                     (triton_row_sum.ATEN_IMPLS if sums else ()))
     _ROUTED.update(products=products, sums=sums)

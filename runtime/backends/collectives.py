@@ -8,7 +8,7 @@ the same torch.distributed call) and `nccl` on CUDA.
 
 Lifecycle:
 
-1. The runtime starts the process group before it loads the artifact (runtime/distributed.py:
+1. The runtime starts the process group before it loads the artifact (runtime/dist/distributed.py:
    one process per rank, gloo or NCCL, every collective under the group's timeout), so `build`
    finds it and refuses to build without one, or with a world size other than the one the
    program's gathers were traced for.
@@ -162,7 +162,7 @@ class SymmMemAllReduce(NcclCollectives):
                  if d != device.index and not torch.cuda.can_device_access_peer(device.index, d)]
         if blind:
             raise RuntimeError(f"symm_mem: GPU {device.index} cannot access GPUs {blind} as peers; {way_out}")
-        # A collective at build: every rank builds the same backends in the same order (runtime/binding.py).
+        # A collective at build: every rank builds the same backends in the same order (runtime/artifact/binding.py).
         return cls.with_buffer(world, ONE_SHOT_MAX_BYTES, device)
 
     @classmethod

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from compiler.splitops import COLLECTIVE_OPS, MODES, OP_SPECS, BackendCapability, Mode, moe_shared_width
 from compiler.splitops.shared_expert import shared_expert, swiglu_expert
 from runtime.backends.protocol import BackendHooks, BackendSetup, check_backend
-from runtime.context import ExecContext
-from runtime.kv_pool import KVPool, pages_for
-from runtime.state_pool import StatePool
+from runtime.step.context import ExecContext
+from runtime.cache.kv_pool import KVPool, pages_for
+from runtime.cache.state_pool import StatePool
 
 __all__ = ["CPUReferenceBackend", "gated_recurrence", "moe_reference", "route_topk"]
 

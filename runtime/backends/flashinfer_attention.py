@@ -17,11 +17,11 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    new rows over its whole paged cache; with `extend_impl="ragged"`, a step where every request
    starts from an empty cache uses the ragged prefill wrapper over this step's k/v instead).
    MLA groups plan `BatchMLAPagedAttentionWrapper`, or nothing extra for the Triton MLA kernel
-   (`mla_impl="triton"`: the `triton_mla` backend, runtime/backends/triton_mla_backend.py, which
+   (`mla_impl="triton"`: the `triton_mla` backend, runtime/backends/triton_mla.py, which
    routing picks by its own declaration). `init_chunk_metadata` has nothing to add: FlashInfer's
    prefill plan covers a whole extend.
    Table steps plan nothing: a decode step, or a target_verify step whose requests all carry the
-   same n rows, runs GQA groups with `decode_impl="triton"` (runtime/backends/triton_gqa.py) and
+   same n rows, runs GQA groups with `decode_impl="triton"` (runtime/backends/kernels/gqa.py) and
    MLA groups with `mla_impl="triton"` (triton_mla.py's page-table mode) straight from the step's
    `page_table` and `seq_lens`: no paged metadata is built and no wrapper is planned for them
    (paged metadata is built only when some other group of the step needs it). Extend and mixed
@@ -75,11 +75,11 @@ import numpy as np
 import torch
 
 from compiler.splitops import BackendCapability, LayerKind, Mode, ShapeLimit
-from runtime.backends.launch_cache import Launcher
-from runtime.backends.launch_math import next_pow2
+from runtime.backends.kernels.launch_cache import Launcher
+from runtime.backends.kernels.launch_math import next_pow2
 from runtime.backends.protocol import BackendHooks, BackendSetup
-from runtime.context import ExecContext
-from runtime.kv_pool import KVPool
+from runtime.step.context import ExecContext
+from runtime.cache.kv_pool import KVPool
 
 try:  # Triton ships with Linux torch installs; only the GPU paths launch its kernels.
     import triton
@@ -292,7 +292,7 @@ FLASHINFER_GQA_HEAD_DIMS = (64, 128, 256)
 _HEAD_DIM_WHY = "FlashInfer 0.6's prefill kernels are built for head dims 64, 128 and 256 only"
 # FlashInfer's MLA (BatchMLAPagedAttentionWrapper) is used and checked here at one geometry only:
 # latent rank 512 and rope width 64, DeepSeek's, which the released Kimi-Linear and Ling configs
-# keep (tests/test_gpu_attention.py checks it against the reference there). A build of the tiny
+# keep (tests/gpu/test_gpu_attention.py checks it against the reference there). A build of the tiny
 # bailing_linear model (rank 32, rope 8, bf16) that routed MLA here died in its start-up with an
 # illegal memory access on an H200. Other geometries route to the Triton MLA kernel.
 FLASHINFER_MLA_RANK, FLASHINFER_MLA_ROPE = 512, 64
@@ -415,7 +415,7 @@ class FlashInferAttentionBackend(BackendHooks):
                 ShapeLimit("mla_attention", "q_rope", -1, frozenset({FLASHINFER_MLA_ROPE}), why=_MLA_WHY)),
         # Kernel alternatives routing records (the first choice is the default; see __init__).
         # decode_impl: the default is the first choice; "triton" plans nothing on the host for
-        # decode and target_verify steps (runtime/backends/triton_gqa.py).
+        # decode and target_verify steps (runtime/backends/kernels/gqa.py).
         # kv_splits: "fixed" makes the Triton kernels' results independent of the step's batch
         # (module docstring, "Splits of the keys").
         options=(("extend_impl", ("ragged", "paged")),
@@ -507,7 +507,7 @@ class FlashInferAttentionBackend(BackendHooks):
             self.layers[layer_id] = self._group_of(layer_id, entries, q_heads, scales, mla_rope_dim, q_dtype)
         self.groups: tuple[_Group, ...] = tuple(dict.fromkeys(self.layers.values()))
         if decode_impl == "triton":
-            from runtime.backends.triton_gqa import gqa_head_dim_refusal
+            from runtime.backends.kernels.gqa import gqa_head_dim_refusal
             for layer_id, g in self.layers.items():
                 why = g.kind == "gqa" and (gqa_head_dim_refusal(g.head_dim) or gqa_head_dim_refusal(g.head_dim_v))
                 if why:
@@ -820,7 +820,7 @@ class FlashInferAttentionBackend(BackendHooks):
         n = step.num_rows
         target = out[:n] if out.is_contiguous() else torch.empty_like(out[:n])
         if step.table is not None and g in step.table.groups:
-            from runtime.backends.triton_gqa import triton_gqa_attention
+            from runtime.backends.kernels.gqa import triton_gqa_attention
             t = step.table
             triton_gqa_attention(q[:n], kc, vc, t.page_table, t.seq_lens, t.rows_per_req, target, g.scale,
                                  fixed_splits=self.fixed_splits)
@@ -843,12 +843,12 @@ class FlashInferAttentionBackend(BackendHooks):
         n = step.num_rows
         target = out[:n] if out.is_contiguous() else torch.empty_like(out[:n])
         if step.table is not None and g in step.table.groups:
-            from runtime.backends.triton_mla import triton_mla_attention_paged
+            from runtime.backends.kernels.mla import triton_mla_attention_paged
             t = step.table
             triton_mla_attention_paged(q_latent[:n], q_rope[:n], ckv, kpe, t.page_table, t.seq_lens, t.rows_per_req,
                                        target, g.scale, fixed_splits=self.fixed_splits)
         elif self.mla_impl == "triton":
-            from runtime.backends.triton_mla import triton_mla_attention
+            from runtime.backends.kernels.mla import triton_mla_attention
             kv_indptr, kv_indices, row_req, row_pos = step.triton_meta
             triton_mla_attention(q_latent[:n], q_rope[:n], ckv, kpe, kv_indptr, kv_indices, row_req[:n],
                                  row_pos[:n], target, g.scale, fixed_splits=self.fixed_splits)

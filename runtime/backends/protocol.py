@@ -31,7 +31,7 @@ methods raise `OpNotSupported`. Nothing in the protocol is a silent default.
 
 This module does not decide which backend serves which layer (the compiler's routing pass does,
 from the declarations of compiler/splitops/capability.py) nor compose backends (`backend_set.py`
-forwards the hooks to the instances a routing table names; runtime/binding.py binds the ops).
+forwards the hooks to the instances a routing table names; runtime/artifact/binding.py binds the ops).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import ClassVar, Optional
 import torch
 
 from compiler.splitops import OP_SPECS, CallFacts, Mode
-from runtime.context import ExecContext
+from runtime.step.context import ExecContext
 
 __all__ = ["plan_eager_step", "BackendHooks", "BackendSetup", "HOOK_NAMES", "OP_NAMES", "OpNotSupported",
            "ProtocolError", "implements", "protocol_args", "check_backend"]
@@ -71,8 +71,8 @@ class BackendSetup:
     the graph the runtime executes, not from a model config.
     """
 
-    kv_pool: object  # runtime.kv_pool.KVPool
-    state_pool: object  # runtime.state_pool.StatePool
+    kv_pool: object  # runtime.cache.kv_pool.KVPool
+    state_pool: object  # runtime.cache.state_pool.StatePool
     device: torch.device
     calls: tuple[CallFacts, ...]
     options: dict[str, str]  # the kernel options routing resolved (capability.options), by name
@@ -193,7 +193,7 @@ class BackendHooks(abc.ABC):
         captured plans nothing that its replay state would replace (a linear backend's host-built
         extend tables). A member with nodes on both sides gets both, in that order, and its
         `init_replay_state` must keep the eager plan for the ops in the gaps (Kimi's KDA beside its
-        captured short conv: runtime/backends/triton_linear_backend.py). `plan_mode`: the mode
+        captured short conv: runtime/backends/triton_linear.py). `plan_mode`: the mode
         whose split plan the step runs, where it is not the step's own (a decode step through the
         extend plan's pieces: the graph runner's piecewise decode). `first_piece_stages`: the
         step's first captured piece records `stage_in_first_piece` (below), so what that stages is

@@ -1,800 +1,785 @@
-"""Triton kernels for the linear-attention cores (GDN, KDA, Lightning) and the short conv.
+"""TritonLinearBackend: the linear-attention ops of every step mode on the GPU, in place on the state pool.
 
-What this module owns: the decode kernels and their launchers (one token per request, T == B
-rows), the recurrent cores' short-extend kernel (a few tokens per request, run one after another
-through the state in registers: `recurrent_extend`), and the short convolution's extend kernel
-(any number of tokens per request), each reading and updating the slot-indexed state pool in
-place.
+It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in all four modes:
 
-1. One program per (request, value head, Dv tile). It loads the request's slot id, and for a
-   real request the [Dk, BV] tile of that slot's state straight from the pool (no gather copy),
-   the token's q/k/v, its gate and beta, all in float32 registers.
-2. The whole update happens on that one tile in registers, then the tile is stored back to the
-   same addresses and the output row written once. Rows whose slot is the padding slot load
-   nothing, store no state and write zeros to `out`.
-3. The launch grid comes from tensor shapes only and the launchers never read a device value,
-   so a launch can be captured in a CUDA graph and replayed with new slot ids and inputs.
+- DECODE (one token per request, T == B rows): our Triton decode kernels (triton_linear.py), one
+  launch per op, slot ids read on the device, no gather or scatter. Capturable.
+- TARGET_VERIFY (every request carries the same n tokens, rows of request b are b*n .. b*n+n-1):
+  one launch per op (triton_linear.recurrent_verify / short_conv_verify): a program loads its
+  tile of the request's state once, runs the n tokens through it in order, each as the decode
+  kernel runs it, writes the state after token t < n-1 straight into entry t of the request's row
+  of the state pool's intermediate states (speculative decoding keeps the state of the last
+  accepted token: runtime/cache/state_pool.py `keep_verified`) and the state after the last token into
+  the slot. The grid comes from shapes only and slot ids from the static buffer, so this is
+  capturable too. (Run as n decode launches with a gather and a copy of the state after each, a
+  bench qwen3_next verify step at batch 1 took 380 kernels against decode's 222: BENCHMARKS.md,
+  "Sixth run".) A step whose rows are
+  not laid out that way runs the extend path below (eager only; refused inside a replayed step),
+  which keeps no intermediate states: speculative decoding always verifies D + 1 tokens per
+  request (runtime/engine/speculative.py).
+- EXTEND and MIXED: linear cores of GDN and Lightning layers: our chunk kernels
+  (triton_chunk.chunk_extend, `chunk_impl="triton"`, the routing default: three launches a layer,
+  two for Lightning, over the step's real requests as one varlen batch, states read from and
+  written to their slots in place, no gather or scatter; decode rows of a mixed step are requests
+  of length 1). KDA's, and every layer's with `chunk_impl="fla"`: FLA's chunk kernels
+  (chunk_gated_delta_rule, chunk_kda, chunk_simple_gla with g_gamma = decay), initial states
+  gathered from the pool by slot, final states scattered back to the same slots. Both take the
+  chunk table the step's plan made on the host. Ours and the extend conv are capturable (the
+  capability's `op_capture`): a replayed step reads the tables from the static extend plan
+  init_replay_state fills, padded to the bucket (_StaticExtendPlan); FLA's are not (its Python
+  plans on the host), so KDA and `chunk_impl=fla` stay eager gaps. With `short_extend_tokens` set,
+  a step of an op that is never captured in extend whose requests each
+  bring at most that many tokens (a prefix-cache hit's tail, a short chunk) runs the recurrent
+  cores through our short-extend kernel instead (triton_linear.recurrent_extend: one launch a
+  layer, each request's tokens in order). The short conv: our Triton
+  extend kernel (triton_linear.short_conv_extend), one launch over every request's tokens, reading
+  each request's history from its slot and writing the new one back. Padded rows of `out` are zeroed
+  and the padding slot is neither read nor written.
 
-The update is rearranged so that both reductions over Dk read the *old* state (one pass,
-independent reductions, nothing waits on a rewritten tile). With D = diag(exp(g)) acting on
-the key dimension and q already scaled:
+Plan once per step, launch lean. Everything these paths derive from the step alone is made by
+the step's hooks and shared by every layer: slot ids on the device and the target-verify row
+layout (init_step_metadata / init_replay_state), and for a step on the extend path the kept
+requests, their slots, cu_seqlens on host and device, the chunk indices (FLA's and our chunk
+kernels' one table) and the conv kernel's token-block table
+(init_chunk_metadata, host tables built with numpy and copied in one transfer). An op call then
+does constant host work: shape checks and its launches, no loop over requests, no host-to-device
+copy, no device read. FLA is handed the plan's chunk indices where
+its entry point takes them; elsewhere it derives them from cu_seqlens_cpu once per step, through
+its cache keyed by tensor identity, which every layer's call hits after the first.
 
-    a = (D k)^T S          predicted value of the old state under this token's decay     [BV]
-    c = (D q)^T S          query read of the decayed old state                           [BV]
-    u = beta (v - a)       delta-rule correction (Lightning: u = v, no beta)             [BV]
-    S' = D S + k u^T       new state                                                      [BK, BV]
-    o = c + (q . k) u      = q^T S', without a second reduction over the new tile         [BV]
+FLA is imported on the first extend call. Without it an extend fails with FLANotInstalled saying
+what to install; there is no fallback to the slow reference (a silent 100x slowdown is a bug
+report nobody can read). The FLA entry points are looked up through `fla_ops()` so CPU tests can
+stand a reference in for them and check the gather / cu_seqlens / scatter plumbing.
 
-GDN is the scalar-decay case with key head h // (Hv / Hk); KDA the per-channel decay; Lightning
-a constant per-head decay without the delta rule. All three are one kernel with constexpr flags.
-Every stored state element is computed from the element loaded at the same address, so the
-in-place store cannot overtake a load in another thread.
+Lifecycle (runtime/backends/protocol.py):
 
-The decode conv has one program per (request, channel tile): it loads the slot's last K-1
-inputs, convolves them with this token's input (bias, silu), and rolls the history in place.
-There a stored column comes from another column, so all loads precede one barrier and all
-stores follow it.
+1. `TritonLinearBackend(state_pool)`: kernels read and write the pool's "recurrent" and "conv"
+   tensors of each layer directly, by slot id.
+2. `init_capture_state(max_tokens, max_seqs)`: one static slot-id buffer [max_seqs] int64 on the
+   pool's device; captured kernels read slot ids from it. Where extend steps are captured, the
+   static extend plan too (its tables for the largest bucket).
+3. `init_replay_state(ctx, bucket)`: copies the step's slot ids into that buffer (before capture
+   and before every replay), and for an extend or mixed step its padded tables into the static
+   extend plan. `init_step_metadata(ctx)`: an eager step's plan (slot ids on the
+   device, the verify layout). `init_chunk_metadata(ctx, chunk_size)`: the extend plan above,
+   once per step, when the step takes the extend path.
+4. Each op method checks shapes on the host (never reads the device in decode / target_verify).
 
-The extend conv (`short_conv_extend`) has one program per (token block, channel tile). The
-step's token blocks are a table the caller plans once per step and shares across layers: each
-row names a request and a block of CONV_EXTEND_BLOCK_T of its tokens; one last pseudo-request
-holds the padding rows, whose programs write zeros. A program convolves its tokens with the K-1 inputs
-before them, taken from x or, for a request's first K-1 tokens, from the slot's history; the
-program of a request's first block also writes the slot's new history (see the kernel for why
-no other program can race it).
-
-The short-extend kernel has one program per (request, value head, Dv tile): the decode kernel's
-update (`_token_step`, shared) applied to the request's tokens in order, the tile loaded once and
-stored once. Its time grows with the longest request, so it serves steps of short requests only;
-long prefills take FLA's chunk kernels.
-
-Not here: the recurrent cores' long extend/prefill (FLA's chunk kernels, called by the backend),
-l2-normalisation of q/k and the gate activations that produce g and beta (they stay in the
-graph), and which backend serves a layer.
+The kernels module (and with it triton) is imported on first use (a step's plan or an op call),
+never at import: the compiler imports this module on a CPU machine to read `capability`, and the
+CPU tests must be able to switch Triton to its interpreter before the kernels are defined.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import importlib
+import inspect
+import math
+import types
 
+import numpy as np
 import torch
-import triton
-import triton.language as tl
 
-from runtime.backends.launch_cache import Launcher
-from runtime.backends.launch_math import cdiv, next_pow2
-from runtime.backends.sm_count import num_sms
-from runtime.state_pool import PADDING_SLOT
+from compiler.splitops import MODES, BackendCapability, LayerKind, Mode, OpCapture
+from runtime.backends.kernels.launch_math import cdiv, token_blocks
+from runtime.backends.protocol import BackendHooks, BackendSetup
+from runtime.step.context import ExecContext
+from runtime.cache.state_pool import PADDING_SLOT, StatePool
 
-__all__ = [
-    "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
-    "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config", "fixed_conv_config",
-    "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
-    "recurrent_verify", "short_conv_verify",
-    "CONV_EXTEND_BLOCK_T", "conv_extend_config", "short_conv_extend",
-]
-
-# How the log-decay is given (a constexpr of the kernel).
-GATE_PER_HEAD = 0  # GDN: g [T, H], one decay per token and value head
-GATE_PER_CHANNEL = 1  # KDA: g [T, H, Dk], one decay per token, head and key channel
-GATE_CONSTANT = 2  # Lightning: decay [H], the same for every token
-OP_OF_GATE = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}
+__all__ = ["TritonLinearBackend", "WrongModeError", "FLANotInstalled", "fla_ops"]
 
 
-@dataclasses.dataclass(frozen=True)
-class RecurrentConfig:
-    block_v: int  # BV: Dv columns of the state one program owns (a power of two)
-    num_warps: int
+class WrongModeError(RuntimeError):
+    """A linear op reached this backend in a step it cannot run that way (for example a ragged
+    target-verify step inside a replayed graph)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ConvConfig:
-    block_c: int  # channels one program owns (a power of two)
-    num_warps: int
+class FLANotInstalled(RuntimeError):
+    """An extend or mixed step needs FLA's chunk kernels and fla-core is not importable."""
 
 
-@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
-def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
-    """Tile choice for a decode launch of `batch` rows of `heads` value heads.
-
-    The kernel is bound by the state bytes; what limits it at small batch is how many programs
-    are in flight to keep every SM's loads outstanding. Take the widest Dv tile (fewer, larger
-    programs: less per-program overhead) that still gives about four programs per SM; at batch 1
-    with 32 heads of 128 that is BV=8 (512 programs). Keep ~32 state floats per thread.
-    """
-    target = 4 * num_sms(device)
-    max_bv = next_pow2(dv)
-    block_v = min(8, max_bv)
-    for bv in (32, 16, 8):
-        if bv <= max_bv and batch * heads * cdiv(dv, bv) >= target:
-            block_v = bv
-            break
-    num_warps = max(1, min(8, next_pow2(dk) * block_v // 1024))
-    return RecurrentConfig(block_v, num_warps)
+def _kernels():
+    return importlib.import_module("runtime.backends.kernels.linear")
 
 
-@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
-def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
-    """Channel tile for the decode conv: about two programs per SM, at least one channel a thread."""
-    target = 2 * num_sms(device)
-    block_c = 32
-    for bc in (512, 256, 128, 64, 32):
-        if batch * cdiv(channels, bc) >= target:
-            block_c = bc
-            break
-    return _conv_tile(block_c, channels)
+def _chunk_kernels():
+    return importlib.import_module("runtime.backends.kernels.chunk")
 
 
-def _conv_tile(block_c: int, channels: int) -> ConvConfig:
-    """A decode-conv tile of block_c channels (fewer where the layer has fewer), one warp per 64."""
-    block_c = min(block_c, max(32, next_pow2(channels)))
-    return ConvConfig(block_c, max(1, min(4, block_c // 64)))
+def fla_ops(gdn_entry: str = "forward") -> types.SimpleNamespace:
+    """FLA's three chunk entry points (keyword calls only: positional orders differ between them).
+
+    gdn_entry: "forward" (FLA's gated-delta-rule forward below its public entry, where this FLA has
+    one: `_gdn_forward`) or "public" (its public entry; benchmarks/gpu_linear_extend.py times both)."""
+    if gdn_entry not in ("forward", "public"):
+        raise ValueError(f"fla_ops: gdn_entry must be 'forward' or 'public', not {gdn_entry!r}")
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.kda import chunk_kda
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError as e:
+        missing = getattr(e, "name", None) or str(e)
+        hint = ("fla-core imports einops; install it (pip install einops)" if missing == "einops" else
+                "install the gpu extra (pip install 'hgc[gpu]', which brings fla-core 0.6)")
+        raise FLANotInstalled(
+            f"triton_linear: extend, mixed and ragged target-verify steps of linear layers run FLA's chunk "
+            f"kernels, and importing them failed ({type(e).__name__}: {e}); {hint}. There is no fallback to "
+            f"the CPU reference on purpose.") from e
+    gdn = (_gdn_forward() if gdn_entry == "forward" else None) or chunk_gated_delta_rule
+    return types.SimpleNamespace(gdn=gdn, kda=chunk_kda,
+                                 simple_gla=_simple_gla_taking_chunk_indices() or chunk_simple_gla)
 
 
-# decode_tiles="fixed" (hgc compile --batch-invariant): one tile for every request count, since a
-# different tile reduces a request's state and window in a different order. The tile chosen is the
-# one that serves a full batch best, not one request's: in the tile sweep of
-# benchmarks/gpu_linear_decode.py (BENCHMARKS.md, "Batch-invariant numerics", second run; GDN at 32
-# heads of 128, the Qwen3-Next conv of 8192 channels) one request's tiles (Dv 8, 1 warp; 32
-# channels) took 1.9x and 1.5x the time of these at batch 32 and 3.4x and 2.0x at batch 256, while
-# these cost at most 0.2 us more than one request's tiles at batch 1.
+def _gdn_forward():
+    """FLA's gated-delta-rule forward, called below its public entry, or None where FLA has none.
+
+    Per layer of an extend step, FLA 0.6's public `chunk_gated_delta_rule` runs a dynamo-disable
+    wrapper, its backend dispatch, argument checks, an autograd Function with its input guard
+    (contiguous copies, a device context) and autocast wrapper, around `chunk_gated_delta_rule_fwd`:
+    host time of a layer whose kernels take a tenth of it (BENCHMARKS.md, the linear extend
+    section). For what this backend asks (no in-kernel l2norm, beta sigmoid or gate, chunks of 64,
+    the state laid out [K, V]) the forward computes the same result; the inputs are made contiguous
+    here as the guard did, and the output cast to q's dtype as the Function did."""
+    try:
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    except ImportError:
+        return None
+    wanted = {"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens",
+              "chunk_indices", "state_v_first", "chunk_size"}
+    if not wanted <= set(inspect.signature(chunk_gated_delta_rule_fwd).parameters):
+        return None
+
+    def gdn(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
+            use_qk_l2norm_in_kernel=False):
+        del cu_seqlens_cpu  # the chunk indices are what FLA would have built from it
+        if use_qk_l2norm_in_kernel:
+            raise ValueError("triton_linear: the GDN forward is called without FLA's in-kernel l2norm")
+        # FLA 0.6 returns (g cumsum, o, A, final state, initial state, gate input)
+        _, o, _, final_state, _, _ = chunk_gated_delta_rule_fwd(
+            q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
+            scale=scale, initial_state=initial_state.contiguous(), output_final_state=output_final_state,
+            state_v_first=False, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK)
+        return o.to(q.dtype), final_state
+    return gdn
 
 
-@functools.lru_cache(maxsize=None)
-def fixed_recurrent_config(heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
-    """The decode and verify tile of decode_tiles="fixed": what `recurrent_config` picks once the
-    batch fills the device (Dv 32, 4 warps at Dk = Dv = 128)."""
-    return recurrent_config(4 * num_sms(device), heads, dk, dv, device)
+def _simple_gla_taking_chunk_indices():
+    """FLA's simple-GLA forward that takes the plan's chunk indices, or None where FLA has none.
+
+    FLA 0.6's public `chunk_simple_gla` takes no `chunk_indices` and builds them on every call
+    from cu_seqlens_cpu with torch's CPU repeat_interleave, which cost 0.04 to 15 ms a call on
+    the GPU machine (BENCHMARKS.md, extend host cost). Its forward, `chunk_simple_gla_fwd`, takes
+    them; the public entry's only other work for a constant decay is the base-2 rescale of
+    g_gamma and making the inputs contiguous, done here the same way. Without that forward (a
+    future FLA), the public entry computes the same result, slower."""
+    try:
+        from fla.ops.simple_gla.chunk import chunk_simple_gla_fwd
+        from fla.ops.utils.constant import RCP_LN2
+    except ImportError:
+        return None
+    if "chunk_indices" not in inspect.signature(chunk_simple_gla_fwd).parameters:
+        return None
+
+    def simple_gla(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                   chunk_indices):
+        del cu_seqlens_cpu  # the chunk indices are what FLA would have built from it
+        return chunk_simple_gla_fwd(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=None,
+                                    g_gamma=g_gamma * RCP_LN2, scale=scale, initial_state=initial_state.contiguous(),
+                                    output_final_state=output_final_state, state_v_first=False,
+                                    cu_seqlens=cu_seqlens, chunk_size=FLA_CHUNK, chunk_indices=chunk_indices)
+    return simple_gla
 
 
-def fixed_conv_config(channels: int) -> ConvConfig:
-    """The decode and verify conv tile of decode_tiles="fixed": 128 channels and 2 warps (fewer
-    where the layer has fewer channels)."""
-    return _conv_tile(128, channels)
+FLA_CHUNK = 64  # FLA's chunk length: its entry points' default, which this backend never overrides
 
 
-# Tokens one extend-conv program owns. The block table is planned once per step for this size,
-# so it is one constant, not a per-launch choice. It must be at least K-1, so that only a
-# request's first block reaches back into the slot's history (see _short_conv_extend_kernel).
-CONV_EXTEND_BLOCK_T = 32
+@dataclasses.dataclass
+class _ExtendPlan:
+    """What every layer of one eager extend / mixed / ragged verify step shares, made once per step
+    from the step's host lengths and copied to the device in one transfer."""
+
+    num_tokens: int  # real rows (the first rows of the step)
+    slots: torch.Tensor  # [R] int64 on the pool's device: the R requests with tokens this step
+    cu_seqlens: torch.Tensor  # [R+1] int64 on the device
+    cu_seqlens_cpu: torch.Tensor  # [R+1] int64 on the host (FLA plans its chunks from it, no sync)
+    chunk_indices: torch.Tensor  # [chunks, 2] int64 on the device: (request, chunk) in FLA's layout
+    conv_bounds: torch.Tensor  # [R+2] int64 on the device: cu_seqlens, then num_rows (the padding rows)
+    conv_blocks: torch.Tensor  # [NB, 2] int64 on the device: (request, token block) of the extend conv
+    longest: int  # the most tokens one request brings this step (which recurrent path it takes)
+    # The static plan of a captured step (_StaticExtendPlan): tables padded to the bucket at fixed
+    # addresses, every launch's grid fixed by the bucket; num_tokens, cu_seqlens_cpu and longest
+    # are then not the launches' to read.
+    captured: bool = False
 
 
-@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
-def conv_extend_config(num_blocks: int, channels: int, device: torch.device) -> ConvConfig:
-    """Channel tile of the extend conv: the widest that still gives about two programs per SM
-    (a long prompt: 256 channels, 8 warps; a few short requests: narrower tiles, more programs),
-    with ~32 elements of the [CONV_EXTEND_BLOCK_T, block_c] tile per thread."""
-    target = 2 * num_sms(device)
-    block_c = 32
-    for bc in (256, 128, 64, 32):
-        if num_blocks * cdiv(channels, bc) >= target:
-            block_c = bc
-            break
-    block_c = min(block_c, max(32, next_pow2(channels)))
-    return ConvConfig(block_c, max(1, min(8, CONV_EXTEND_BLOCK_T * block_c // 1024)))
+@dataclasses.dataclass
+class _StepPlan:
+    """What every layer of one step shares: made by the step's hooks, read by every op call."""
+
+    ctx: ExecContext
+    slots: torch.Tensor  # [B] int64 on the pool's device (in a replayed step: the static buffer)
+    replayed: bool  # init_replay_state made it: ops run inside a captured graph
+    verify_width: int | None  # target_verify with request b on rows b*n .. b*n+n-1: that n
+    extend: _ExtendPlan | None = None  # made for steps that take the extend path
+    # A piecewise step whose eager gaps hold some of this instance's ops (KDA beside a captured
+    # conv): the eager plan made before init_replay_state, which those ops keep reading.
+    eager_extend: _ExtendPlan | None = None
 
 
-# ---------------------------------------------------------------------------------------------
-# kernels
-# ---------------------------------------------------------------------------------------------
+def _to_device_at_once(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """int64 host tensors -> views of one device buffer, made by one copy. Each part starts 16 bytes
+    aligned and the first at the buffer's start, so a kernel taking one of them (ours, FLA's) sees
+    the same pointer alignment every step and Triton never specializes it anew mid-serving."""
+    flat, spans, at = [], [], 0
+    for t in parts:
+        flat.append(t.flatten())
+        spans.append((at, t.shape))
+        at += t.numel()
+        if at % 2:
+            flat.append(torch.zeros(1, dtype=torch.int64))
+            at += 1
+    buf = torch.cat(flat).to(device, non_blocking=True)
+    return [buf[a:a + math.prod(shape)].view(shape) for a, shape in spans]
 
 
-@triton.jit
-def _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
-                stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-                stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
-                GROUP: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
-    """One token of one request through one [BK, BV] state tile in registers: (new tile, output [BV]).
+class _StaticExtendPlan:
+    """The extend path's tables for captured extend and mixed steps, in one static device buffer.
 
-    Both reductions read the old tile (module docstring), so neither waits on the update. Every
-    new element comes from the old element of the same position, which lets a caller store the
-    tile back to the addresses it loaded it from."""
-    key_head = head // GROUP
-    # q carries the output scale from the start: one multiply per key channel, not per output.
-    q = tl.load(q_ptr + row * stride_q_row + key_head * stride_q_head + offs_k, mask=m_k, other=0.0)
-    q = q.to(tl.float32) * scale
-    k = tl.load(k_ptr + row * stride_k_row + key_head * stride_k_head + offs_k, mask=m_k, other=0.0)
-    k = k.to(tl.float32)
-    v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + offs_v, mask=m_v, other=0.0)
-    v = v.to(tl.float32)
-    if GATE == 1:
-        decay = tl.load(g_ptr + row * stride_g_row + head * stride_g_head + offs_k, mask=m_k, other=0.0)
-        decay = tl.exp(decay.to(tl.float32))  # [BK]
-        c = tl.sum(s * (q * decay)[:, None], axis=0)
-        s_decayed = s * decay[:, None]
-        if DELTA:
-            a = tl.sum(s * (k * decay)[:, None], axis=0)
-    else:
-        if GATE == 0:
-            decay = tl.exp(tl.load(g_ptr + row * stride_g_row + head * stride_g_head).to(tl.float32))
+    A captured graph keeps its launches' grids and pointers, so a step of bucket (T rows, B
+    requests) gets tables of fixed shapes at fixed addresses, refilled before each replay (one copy):
+
+    - slots [B+1]: the backend's static slot ids (the step's, padding requests on the padding
+      slot), then one more request that is always empty, on the padding slot;
+    - chunk bounds [B+2]: cu_seqlens of the B+1 requests (padding requests and the extra one
+      empty: their programs do nothing);
+    - chunks [T/64 + B, 2]: the real (request, chunk) rows, then rows naming the empty request
+      (their programs store nothing), the most a step of the bucket can have;
+    - conv bounds [B+3]: the chunk bounds, then T: request B+1 is the padding rows, which the
+      conv kernel writes as zeros; conv blocks [T/32 + B + 1, 2]: every request's blocks and the
+      padding rows', then rows naming the empty request.
+
+    Only real rows of the chunk kernels' `out` are written, so a captured step zeroes `out` first
+    (an eager one zeroes the padding rows after)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device):
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        device = torch.device(device)
+        size = self._size(max_tokens, max_seqs)
+        self.buf = torch.zeros(size, dtype=torch.int64, device=device)
+        # The tables are written into pinned host memory and sent in one asynchronous copy; the
+        # next step waits for that copy to leave the host block before writing it again (as
+        # runtime/graphs/staging.py does).
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
+        self._event = torch.cuda.Event() if cuda else None
+
+    @staticmethod
+    def _rows(tokens: int, seqs: int) -> tuple[int, int]:
+        """(chunk rows, conv block rows) of a bucket's tables."""
+        return cdiv(tokens, FLA_CHUNK) + seqs, cdiv(tokens, _kernels().CONV_EXTEND_BLOCK_T) + seqs + 1
+
+    @classmethod
+    def _layout(cls, tokens: int, seqs: int) -> list[tuple[int, tuple[int, ...]]]:
+        """(offset, shape) of chunk bounds, conv bounds, chunks and conv blocks; 16-byte aligned."""
+        chunks, blocks = cls._rows(tokens, seqs)
+        spans, at = [], 0
+        for shape in ((seqs + 2,), (seqs + 3,), (chunks, 2), (blocks, 2)):
+            spans.append((at, shape))
+            at += math.prod(shape) + math.prod(shape) % 2
+        return spans
+
+    @classmethod
+    def _size(cls, tokens: int, seqs: int) -> int:
+        at, shape = cls._layout(tokens, seqs)[-1]
+        return at + math.prod(shape)
+
+    def fill(self, ctx: ExecContext, slots: torch.Tensor) -> _ExtendPlan:
+        """This step's tables (host numpy, one copy) and the plan of views the ops launch over.
+        slots: the backend's static slot ids, the step's already copied into the first B."""
+        T, B = ctx.num_tokens, ctx.num_seqs
+        if T > self.max_tokens or B > self.max_seqs:
+            raise RuntimeError(f"triton_linear: a captured extend step of {T} rows and {B} requests; the static "
+                               f"plan holds {self.max_tokens} and {self.max_seqs}")
+        lens = np.zeros(B + 1, dtype=np.int64)
+        lens[:ctx.num_real_seqs] = ctx.query_lens
+        real = int(lens.sum())
+        bounds = np.zeros(B + 3, dtype=np.int64)
+        np.cumsum(lens, out=bounds[1:B + 2])
+        bounds[B + 2] = T
+        layout = self._layout(T, B)
+        size = self._size(T, B)
+        if self._event is not None:
+            self._event.synchronize()  # the previous step's copy has left the host block
+        host = self.host[:size].numpy()
+        (cb, _), (vb, _), (ch, (n_chunks, _)), (bl, (n_blocks, _)) = layout
+        host[cb:cb + B + 2] = bounds[:B + 2]
+        host[vb:vb + B + 3] = bounds
+        for at, rows, table in ((ch, n_chunks, token_blocks(lens, FLA_CHUNK)),
+                                (bl, n_blocks, token_blocks(np.append(lens, np.int64(T - real)),
+                                                            _kernels().CONV_EXTEND_BLOCK_T))):
+            view = host[at:at + 2 * rows].reshape(rows, 2)
+            view[:] = (B, 0)  # the empty request: these rows' programs do nothing
+            view[:table.shape[0]] = table
+        self.buf[:size].copy_(self.host[:size], non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        slots[B:B + 1].fill_(PADDING_SLOT)  # a larger bucket's step may have left a slot id here
+        views = [self.buf[at:at + math.prod(shape)].view(shape) for at, shape in layout]
+        chunk_bounds, conv_bounds, chunks, blocks = views
+        return _ExtendPlan(real, slots[:B + 1], chunk_bounds, None, chunks, conv_bounds, blocks, 0, captured=True)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (never on the CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
+    """q and k in v's dtype for FLA's chunk kernels, which tl.dot them with v-sized tiles and refuse
+    a mix. Kimi keeps q, k in float32 after its l2norm (as transformers does); FLA's own in-kernel
+    l2norm would hand them on in the input dtype, which is what they get here."""
+    return tuple(t.to(v.dtype) for t in tensors)
+
+
+# The short-extend limits routing offers, the first the default. 64: on an H200 the recurrent
+# kernel's step beat FLA's chunk path 3.3x to 12.9x at every measured short step (8 to 64 tokens a
+# request, 1 to 16 requests; benchmarks/gpu_linear_extend.py, BENCHMARKS.md), FLA's Python entry
+# costing about 1 ms a layer against some 0.1 ms of kernels. Longer requests were not timed there,
+# and the recurrent kernel's time grows with a request's tokens one after another, so they keep
+# FLA's chunk kernels. "0": FLA always. It applies to the ops whose extend steps are never captured
+# (KDA, and GDN or Lightning with chunk_impl=fla): an op captured in extend runs the chunk kernels
+# eagerly too, so an eager step computes what the replayed graph of the same step does (a recurrent
+# and a chunked kernel round differently, and a random-weight bench model carried that to 27% of its
+# logits, benchmarks/gpu_e2e.py's graph-against-eager tokens: BENCHMARKS.md).
+SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
+
+# Which chunk kernels run the extend steps of GDN and Lightning layers (past the short-extend
+# limit), the first the default: "triton", ours (runtime/backends/kernels/chunk.py: three launches a
+# layer through the Launcher, no gather or scatter); "fla", FLA's (whose Python launch path costs
+# about half a millisecond of host time a layer; its kernels alone are faster for one long request,
+# 0.17 against 0.29 ms a layer at 2048 tokens). Ours is the default: whole extend steps of bench qwen3_next
+# (9 GDN layers) were 1.07x to 2.61x faster with them than with FLA's at 512 and 2048 tokens over
+# 1, 4 and 16 requests, and of bench bailing_linear (6 Lightning layers) 1.0x to 1.83x (BENCHMARKS.md,
+# "GDN extend steps on our chunk kernels"). KDA's per-channel gates run FLA's whatever the choice,
+# and the short convolution has no chunk kernels: they take the default with GDN, so the ops of one
+# layer resolve alike and share one backend instance.
+CHUNK_IMPL_CHOICES = ("triton", "fla")
+# decode_tiles: the decode and verify kernels' tiles "by_batch" (the default) or "fixed" (the capability's comment).
+DECODE_TILES = ("by_batch", "fixed")
+
+
+class TritonLinearBackend(BackendHooks):
+    name = "triton_linear"
+    supported_ops = frozenset({"gdn_core", "kda_core", "lightning_core", "short_conv"})
+    # Every mode, so routing can bind these ops here on "cuda". Captured: decode (one decode-kernel
+    # launch per op) and target_verify (one verify-kernel launch per op, shapes fixed per bucket);
+    # extend and mixed steps of the ops our own kernels run (GDN and Lightning on our chunk
+    # kernels, the short conv), whose tables a captured step reads from static buffers padded to
+    # the bucket (_StaticExtendPlan). KDA, and chunk_impl=fla, call FLA's Python entry, which plans
+    # on the host: eager.
+    capability = BackendCapability(
+        name="triton_linear", device="cuda", ops=supported_ops,
+        modes_supported=frozenset(MODES), modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
+        op_capture=(
+            OpCapture("gdn_core", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("chunk_impl", "triton"),),
+                      why="our chunk kernels over the bucket's static tables"),
+            OpCapture("lightning_core", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("chunk_impl", "triton"),),
+                      why="our chunk kernels over the bucket's static tables"),
+            OpCapture("short_conv", frozenset({Mode.EXTEND, Mode.MIXED}),
+                      why="our extend conv over the bucket's static tables"),
+        ),
+        kinds=frozenset({LayerKind.GDN, LayerKind.KDA, LayerKind.LIGHTNING}),
+        # short_extend_tokens, chunk_impl: the constructor's arguments of the same names, chosen at
+        # compile time (`--route gdn_core=triton_linear[short_extend_tokens=64]`) and recorded in
+        # routing.json.
+        # decode_tiles: "by_batch" picks the decode and verify kernels' tiles from the step's request
+        # count (more, narrower programs for few requests); "fixed" takes one tile for every count
+        # (triton_linear.fixed_recurrent_config), so a request's state and output reduce in one order
+        # whatever shares its step.
+        options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
+                 ("decode_tiles", DECODE_TILES)),
+        batch_invariant=(("decode_tiles", "fixed"),),
+        doc="Triton decode kernels (decode; target_verify: every request's tokens in one launch), Triton chunk kernels "
+            "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "
+            "chunk kernels for KDA, or with chunk_impl=fla), a Triton extend conv; "
+            "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify, "
+            "and in extend and mixed where our own kernels run")
+
+    def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
+                 short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0]):
+        """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
+        choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
+        `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
+        None imports FLA lazily. `short_extend_tokens`: an eager step whose requests each bring at
+        most this many tokens runs the recurrent cores through `triton_linear.recurrent_extend` (one
+        launch a layer, tokens in order) instead of FLA's chunk kernels (several launches and their
+        Python a layer); 0: never. An artifact sets it through the routing option of the same name
+        (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
+        and Lightning layers, "fla" or "triton" (triton_chunk.chunk_extend); the routing option of the same name (CHUNK_IMPL_CHOICES), whose recorded choice
+        build() passes. Built directly (tests, benchmarks), FLA's unless asked. `decode_tiles`: the
+        routing option of the same name; "fixed" launches decode and verify steps with one tile at
+        every request count (triton_linear.fixed_recurrent_config, fixed_conv_config; unless a
+        config is pinned)."""
+        if decode_tiles not in DECODE_TILES:
+            raise ValueError(f"{self.name}: decode_tiles must be one of {DECODE_TILES}, not {decode_tiles!r}")
+        self.fixed_tiles = decode_tiles == "fixed"
+        if chunk_impl not in CHUNK_IMPL_CHOICES:
+            raise ValueError(f"{self.name}: chunk_impl must be one of {CHUNK_IMPL_CHOICES}, not {chunk_impl!r}")
+        self.state_pool = state_pool
+        self.device = state_pool.device
+        self.recurrent_config = recurrent_config
+        self.conv_config = conv_config
+        self.short_extend_tokens = short_extend_tokens
+        self.chunk_impl = chunk_impl
+        self._fla = fla
+        self._fla_chunk_indices: frozenset[str] | None = None  # FLA entry points that take chunk_indices
+        # [max_seqs + 1] int64: what captured kernels read (a captured extend step's B + 1 requests)
+        self._static_slots: torch.Tensor | None = None
+        self._static_extend: _StaticExtendPlan | None = None  # captured extend and mixed steps' tables
+        self._graph_workspaces: dict[tuple, object] = {}  # the chunk kernels' in captured steps (never regrown)
+        self._step: _StepPlan | None = None
+        options = {"short_extend_tokens": str(short_extend_tokens), "chunk_impl": chunk_impl}
+        # Ops whose extend and mixed steps this instance may run inside a captured graph.
+        self._captured_extend = frozenset(op for op in self.supported_ops
+                                          if self.capability.capturable(op, Mode.EXTEND, options))
+
+    @classmethod
+    def build(cls, setup: BackendSetup) -> "TritonLinearBackend":
+        """Over the state pool: every kernel finds its layer's state by layer id and slot."""
+        return cls(setup.state_pool, **cls.routed_options(setup.options))
+
+    @staticmethod
+    def routed_options(options: dict) -> dict:
+        """The constructor's keyword arguments from routing's recorded kernel options (the split
+        captured the ops these make capturable); an entry routed before an option existed has
+        none: the declared default."""
+        return {"short_extend_tokens": int(options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])),
+                "chunk_impl": options.get("chunk_impl", CHUNK_IMPL_CHOICES[0]),
+                "decode_tiles": options.get("decode_tiles", DECODE_TILES[0])}
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
+        """Allocate the static slot-id buffer that every captured decode / target-verify graph reads,
+        and the static extend tables where extend steps are captured."""
+        self._static_slots = torch.full((max_seqs + 1,), PADDING_SLOT, dtype=torch.int64, device=self.device)
+        if self._captured_extend:
+            self._static_extend = _StaticExtendPlan(max_tokens, max_seqs, self.device)
+
+    def init_replay_state(self, ctx: ExecContext, bucket: int) -> None:
+        """Copy this step's slot ids into the static buffer read by the graph of `bucket` (and, for
+        an extend or mixed step, its padded tables into the static extend plan)."""
+        if self._static_slots is None:
+            raise RuntimeError(f"{self.name}: init_replay_state before init_capture_state")
+        if ctx.num_seqs != bucket or bucket >= self._static_slots.shape[0]:
+            raise RuntimeError(f"{self.name}: step of {ctx.num_seqs} requests replayed in bucket {bucket} "
+                               f"(static buffers hold {self._static_slots.shape[0] - 1}); the graph runner pads "
+                               f"steps to their bucket before replay")
+        slots = self._static_slots[:bucket]
+        slots.copy_(ctx.state_slots, non_blocking=True)
+        eager = self._step if self._step is not None and self._step.ctx is ctx and not self._step.replayed else None
+        self._step = self._make_step_plan(ctx, slots, replayed=True)
+        if eager is not None:  # plan_piecewise_step planned the gaps first: their ops keep that plan
+            self._step.eager_extend = eager.extend
+        if Mode(ctx.mode) in (Mode.EXTEND, Mode.MIXED) and self._static_extend is not None:
+            self._step.extend = self._static_extend.fill(ctx, self._static_slots)
+
+    def replay_state_in_graph(self, mode: Mode) -> bool:
+        """Its replay state is one device copy of the step's slot ids (and, in target_verify, a row
+        layout the bucket fixes): a whole-step graph records it."""
+        return Mode(mode) in self.capability.modes_capturable
+
+    def init_step_metadata(self, ctx: ExecContext) -> None:
+        """An eager step: plan what every op call of the step reads (slot ids on the device, the
+        target-verify row layout), forgetting the last step's plan."""
+        self._step = self._make_step_plan(ctx, self._device_slots(ctx), replayed=False)
+
+    def init_chunk_metadata(self, ctx: ExecContext, chunk_size: int) -> None:
+        """Plan the extend path once for all layers (when the step takes it): kept requests, their
+        slots, cu_seqlens on host and device, FLA's chunk indices, the extend conv's token blocks.
+        (A replayed step then gets the static plan from init_replay_state, which replaces it.)
+
+        FLA chooses its own chunk length (FLA_CHUNK), so `chunk_size` (the engine's token budget)
+        sizes nothing here."""
+        step = self._step_plan(ctx)
+        if self._takes_extend_path(step):
+            step.extend = self._make_extend_plan(step)
+
+    # -- the step plan ------------------------------------------------------------------------------
+
+    def _device_slots(self, ctx: ExecContext) -> torch.Tensor:
+        slots = ctx.state_slots
+        return slots if slots.device == self.device else slots.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _make_step_plan(ctx: ExecContext, slots: torch.Tensor, replayed: bool) -> _StepPlan:
+        width = None
+        if Mode(ctx.mode) == Mode.TARGET_VERIFY and ctx.num_seqs and ctx.num_tokens % ctx.num_seqs == 0:
+            n = ctx.num_tokens // ctx.num_seqs
+            width = n if all(q == n for q in ctx.query_lens) else None
+        return _StepPlan(ctx, slots, replayed, width)
+
+    def _step_plan(self, ctx: ExecContext) -> _StepPlan:
+        """This step's plan; made here only for a caller that skipped init_step_metadata (tests)."""
+        if self._step is None or self._step.ctx is not ctx:
+            self._step = self._make_step_plan(ctx, self._device_slots(ctx), replayed=False)
+        return self._step
+
+    @staticmethod
+    def _takes_extend_path(step: _StepPlan) -> bool:
+        mode = Mode(step.ctx.mode)
+        return mode in (Mode.EXTEND, Mode.MIXED) or (mode == Mode.TARGET_VERIFY and step.verify_width is None)
+
+    def _make_extend_plan(self, step: _StepPlan) -> _ExtendPlan:
+        """Host tables from the step's lengths (numpy, no loop over requests), one copy."""
+        ctx = step.ctx
+        lens = np.asarray(ctx.query_lens, dtype=np.int64)
+        keep = np.flatnonzero(lens).astype(np.int64)
+        lens = lens[keep]
+        R, T = lens.size, int(lens.sum())
+        cu = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        bounds = np.append(cu, np.int64(ctx.num_tokens))
+        chunks = token_blocks(lens, FLA_CHUNK)
+        # The padding rows are request R of the conv's table: their programs write zeros.
+        blocks = token_blocks(np.append(lens, np.int64(ctx.num_tokens - T)), _kernels().CONV_EXTEND_BLOCK_T)
+        bounds, keep, chunks, blocks, cu = (torch.from_numpy(a) for a in (bounds, keep, chunks, blocks, cu))
+        bounds_dev, keep_dev, chunks_dev, blocks_dev = _to_device_at_once(
+            [bounds, keep, chunks, blocks], self.device)
+        slots = step.slots[:ctx.num_real_seqs]
+        slots = slots if R == ctx.num_real_seqs else slots.index_select(0, keep_dev)
+        return _ExtendPlan(T, slots, bounds_dev[:R + 1], cu, chunks_dev, bounds_dev, blocks_dev,
+                           int(lens.max()) if R else 0)
+
+    def _extend_plan(self, step: _StepPlan, op: str) -> _ExtendPlan:
+        """The plan `op` reads: in a replayed step, an op that is not captured in extend runs in an
+        eager gap, on the eager plan (_route refused the step if there was none)."""
+        if step.replayed and op not in self._captured_extend:
+            return step.eager_extend
+        if step.extend is None:
+            step.extend = self._make_extend_plan(step)  # a caller that skipped init_chunk_metadata (tests)
+        return step.extend
+
+    # -- helpers: constant host work per op call ----------------------------------------------------
+
+    def _step_slots(self, ctx: ExecContext) -> torch.Tensor:
+        """Slot ids [B] for this step on the pool's device: the static buffer in a replayed step."""
+        return self._step_plan(ctx).slots
+
+    def _route(self, ctx: ExecContext, op: str, layer_id: int, rows: int) -> tuple[str, int]:
+        """('decode', 1), ('verify', n) or ('extend', 0): which path this op call takes."""
+        step = self._step_plan(ctx)
+        mode = Mode(ctx.mode)
+        if mode == Mode.DECODE:
+            if rows != ctx.num_seqs:
+                raise ValueError(f"{self.name}: hgc.{op} (layer {layer_id}) got {rows} rows for {ctx.num_seqs} "
+                                 f"requests; a decode step has exactly one row per request, padding included")
+            return "decode", 1
+        if rows != ctx.num_tokens:
+            raise ValueError(f"{self.name}: hgc.{op} (layer {layer_id}) got {rows} rows for a step of "
+                             f"{ctx.num_tokens}; ops see every row of the step, padding included")
+        if mode == Mode.TARGET_VERIFY:
+            if step.verify_width is not None:
+                return "verify", step.verify_width
+            if step.replayed:
+                raise WrongModeError(
+                    f"{self.name}: hgc.{op} (layer {layer_id}): a replayed target_verify step must give every "
+                    f"request the same number of rows (rows {rows}, requests {ctx.num_seqs}, lengths "
+                    f"{ctx.query_lens}); ragged verify steps only run eagerly")
+            return "extend", 0
+        if step.replayed:
+            captured = op in self._captured_extend and step.extend is not None and step.extend.captured
+            # an op the graphs cannot hold runs in an eager gap of a piecewise step, on the eager plan
+            # made before the replay state; never inside a capture, and never without that plan
+            in_gap = not captured and step.eager_extend is not None and not _capturing(self.device)
+            if not captured and not in_gap:
+                raise WrongModeError(f"{self.name}: hgc.{op} (layer {layer_id}) in a replayed {mode.value!r} step; "
+                                     f"its extend and mixed steps run eagerly here (FLA's chunk kernels plan on the "
+                                     f"host), or init_replay_state made no static plan")
+        return "extend", 0
+
+    def _layer_state(self, layer_id: int, entry: str) -> torch.Tensor:
+        return self.state_pool.layer(layer_id)[entry]
+
+    def _fla_ops(self) -> types.SimpleNamespace:
+        if self._fla is None:
+            self._fla = fla_ops()
+        if self._fla_chunk_indices is None:
+            # FLA versions differ in which entry points take precomputed chunk indices; where one
+            # does not, it derives them from cu_seqlens_cpu through FLA's cache keyed by tensor
+            # identity, which the plan's shared tensors hit on every layer after the first.
+            self._fla_chunk_indices = frozenset(
+                name for name in ("gdn", "kda", "simple_gla")
+                if "chunk_indices" in inspect.signature(getattr(self._fla, name)).parameters)
+        return self._fla
+
+    # -- the extend path (eager) ---------------------------------------------------------------
+
+    def _chunk(self, ctx, op, layer_id, out, fla_name: str, tokens: dict, **options) -> None:
+        """One FLA chunk call over the step's real requests, states gathered and scattered by slot.
+
+        `tokens`: the call's per-token inputs over the step's rows; `options`: its other keyword
+        arguments. Everything derived from the step comes from the plan."""
+        plan = self._extend_plan(self._step_plan(ctx), op)
+        T = plan.num_tokens
+        if T > 0:
+            states = self._layer_state(layer_id, "recurrent")
+            h0 = states.index_select(0, plan.slots)  # [R, H, Dk, Dv] float32, a copy FLA may overwrite
+            fla = self._fla_ops()
+            if fla_name in self._fla_chunk_indices:
+                options["chunk_indices"] = plan.chunk_indices
+            o, ht = getattr(fla, fla_name)(**{name: t[None, :T] for name, t in tokens.items()}, **options,
+                                           initial_state=h0, output_final_state=True,
+                                           cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu)
+            if ht is None or tuple(ht.shape) != tuple(h0.shape):
+                raise RuntimeError(f"{self.name}: hgc.{op} (layer {layer_id}): FLA returned a final state of shape "
+                                   f"{None if ht is None else tuple(ht.shape)}, expected {tuple(h0.shape)}")
+            out[:T].copy_(o.reshape(out[:T].shape))
+            states.index_copy_(0, plan.slots, ht.to(states.dtype))
+        if out.shape[0] > T:
+            out[T:].zero_()
+
+    def _short_extend(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
+        """The recurrent extend kernel over the step's real requests, where each brings at most
+        `short_extend_tokens` tokens (padding rows zeroed); False where the step is longer."""
+        op = _kernels().OP_OF_GATE[gate_kind]
+        if not self.short_extend_tokens or op in self._captured_extend:
+            return False  # an op captured in extend takes its graph's kernels eagerly too (SHORT_EXTEND_CHOICES)
+        plan = self._extend_plan(self._step_plan(ctx), op)
+        if not 0 < plan.longest <= self.short_extend_tokens:
+            return False
+        T = plan.num_tokens
+        _kernels().recurrent_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"), plan.slots,
+                                    plan.cu_seqlens, scale, gate_kind, self.recurrent_config)
+        if out.shape[0] > T:
+            out[T:].zero_()
+        return True
+
+    def _triton_chunk(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
+        """Our chunk kernels over the step's real requests, states read from and written to their
+        slots in place (padding rows zeroed, as _chunk does); False where chunk_impl is "fla"."""
+        if self.chunk_impl == "fla":
+            return False
+        plan = self._extend_plan(self._step_plan(ctx), _kernels().OP_OF_GATE[gate_kind])
+        if plan.captured:
+            out.zero_()  # the kernels write the real rows only, whose count the graph does not know
+            state = self._layer_state(layer_id, "recurrent")
+            _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, state, plan.slots, plan.cu_seqlens,
+                                          plan.chunk_indices, scale, gate_kind, block_t=FLA_CHUNK,
+                                          config=self._graph_chunk_config(v),
+                                          workspaces=self._workspaces(q, v, beta, plan.chunk_indices.shape[0]))
+            return True
+        T = plan.num_tokens
+        if T > 0:
+            _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
+                                          plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind,
+                                          block_t=FLA_CHUNK)
+        if out.shape[0] > T:
+            out[T:].zero_()
+        return True
+
+    def _graph_chunk_config(self, v: torch.Tensor):
+        """Tiles of a captured step's chunk kernels: chosen for one request (the fewest programs in
+        flight), since the graph keeps them whatever the step's requests."""
+        return _chunk_kernels().chunk_config(1, v.shape[1], v.shape[2], v.device)
+
+    def _workspaces(self, q: torch.Tensor, v: torch.Tensor, beta, chunks: int) -> object:
+        """This instance's chunk workspaces for captured steps, made once for the first captured
+        extend step's rows and chunk-table rows: the largest extend bucket's warm-up, outside any
+        graph (capture goes largest first). A later captured step never needs more; if one did,
+        chunk_extend would refuse it rather than regrow memory a graph holds."""
+        Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
+        key = (Hv, Dk, Dv, v.dtype, beta is not None)
+        held = self._graph_workspaces.get(key)
+        if held is None:
+            held = _chunk_kernels().ChunkWorkspaces.allocate(q.shape[0], chunks, Hv, Dk, Dv, v.dtype,
+                                                            beta is not None, v.device, block_t=FLA_CHUNK)
+            self._graph_workspaces[key] = held
+        return held
+
+    def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
+            return
+        if self._triton_chunk(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
+            return
+        q, k = _in_dtype_of(v, q, k)
+        self._chunk(ctx, "gdn_core", layer_id, out, "gdn", dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
+                    use_qk_l2norm_in_kernel=False)
+
+    def _kda_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_CHANNEL):
+            return
+        q, k = _in_dtype_of(v, q, k)
+        self._chunk(ctx, "kda_core", layer_id, out, "kda", dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
+                    use_qk_l2norm_in_kernel=False)
+
+    def _lightning_extend(self, ctx, q, k, v, decay, out, layer_id, scale):
+        if self._short_extend(ctx, layer_id, q, k, v, decay, None, out, scale, _kernels().GATE_CONSTANT):
+            return
+        if self._triton_chunk(ctx, layer_id, q, k, v, decay, None, out, scale, _kernels().GATE_CONSTANT):
+            return
+        q, k = _in_dtype_of(v, q, k)
+        # g_gamma: FLA's constant per-head log-decay, exactly Lightning's; no [T, H] gate tensor.
+        self._chunk(ctx, "lightning_core", layer_id, out, "simple_gla", dict(q=q, k=k, v=v), scale=scale,
+                    g_gamma=decay.float())
+
+    def _conv_extend(self, ctx, x, weight, bias, out, layer_id, silu):
+        """The Triton extend conv, one launch: every request's tokens, its new history, zero padding rows."""
+        plan = self._extend_plan(self._step_plan(ctx), "short_conv")
+        _kernels().short_conv_extend(x, weight, bias, out, self._layer_state(layer_id, "conv"), plan.slots,
+                                     plan.conv_bounds, plan.conv_blocks, silu,
+                                     what=f"{self.name}: hgc.short_conv (layer {layer_id})")
+
+    def _recurrent(self, ctx, op: str, layer_id: int, q, k, v, gate, beta, out, scale, gate_kind: int) -> bool:
+        """A decode step (n == 1) or a target-verify step of n tokens per request, one launch either way
+        (False: the step takes the extend path). A verify step keeps the state after each token but
+        the last in the state pool's intermediate states (entry t of the request's row), the last
+        one in its slot."""
+        path, n = self._route(ctx, op, layer_id, q.shape[0])
+        if path == "extend":
+            return False
+        kernels = _kernels()
+        if gate_kind != kernels.GATE_PER_HEAD:
+            assert q.shape[1] == v.shape[1], f"{op}: key heads {q.shape[1]} != value heads {v.shape[1]}"
+        slots, state = self._step_slots(ctx), self._layer_state(layer_id, "recurrent")
+        config = self.recurrent_config
+        if config is None and self.fixed_tiles:  # one tile, whatever the step holds
+            config = kernels.fixed_recurrent_config(v.shape[1], q.shape[2], v.shape[2], v.device)
+        if n == 1:
+            kernels.recurrent_decode(q, k, v, gate, beta, out, state, slots, scale, gate_kind, config)
         else:
-            decay = tl.exp(tl.load(g_ptr + head * stride_g_head).to(tl.float32))  # constant per head
-        c = tl.sum(s * q[:, None], axis=0) * decay
-        s_decayed = s * decay
-        if DELTA:
-            a = tl.sum(s * k[:, None], axis=0) * decay
-    if DELTA:
-        beta = tl.load(beta_ptr + row * stride_b_row + head * stride_b_head).to(tl.float32)
-        u = beta * (v - a)
-    else:
-        u = v  # Lightning: no delta rule
-    qk = tl.sum(q * k, axis=0)
-    return s_decayed + k[:, None] * u[None, :], c + qk * u
+            inter = self.state_pool.verify_layer(layer_id, n, slots.shape[0])["recurrent"]
+            kernels.recurrent_verify(q, k, v, gate, beta, out, state, slots, inter, n, scale, gate_kind, config)
+        return True
 
+    # -- ops ------------------------------------------------------------------------------------
 
-@triton.jit
-def _recurrent_decode_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr,
-    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-    stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
-    stride_s_slot, stride_s_head,
-    scale,
-    GROUP: tl.constexpr,  # value heads per key head (Hv // Hk)
-    DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr,  # next power of two >= DK: the whole key dimension sits in one program
-    BV: tl.constexpr,
-    GATE: tl.constexpr,  # GATE_PER_HEAD / GATE_PER_CHANNEL / GATE_CONSTANT
-    DELTA: tl.constexpr,  # delta rule with beta (GDN, KDA) or plain outer product (Lightning)
-    PAD_SLOT: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)  # request == row in a decode step
-    head = tl.program_id(1)  # value head
-    v_tile = tl.program_id(2)
+    def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        if not self._recurrent(ctx, "gdn_core", layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
+            self._gdn_extend(ctx, q, k, v, g, beta, out, layer_id, scale)
 
-    offs_k = tl.arange(0, BK)
-    offs_v = v_tile * BV + tl.arange(0, BV)
-    m_k = offs_k < DK
-    m_v = offs_v < DV
-    o_ptrs = out_ptr + row * stride_o_row + head * stride_o_head + offs_v
+    def kda_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        if not self._recurrent(ctx, "kda_core", layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_CHANNEL):
+            self._kda_extend(ctx, q, k, v, g, beta, out, layer_id, scale)
 
-    # slot ids are int64 and the pool can exceed 2**31 elements: keep offsets in int64.
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    if slot != PAD_SLOT:
-        # state tile [BK, BV] of this slot and head; the pool's [Dk, Dv] rows are contiguous.
-        m_s = m_k[:, None] & m_v[None, :]
-        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
-        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
-        s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
-                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-                           stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
-                           GROUP=GROUP, GATE=GATE, DELTA=DELTA)
-        # Each stored element is computed from the element loaded at the same address, so no
-        # thread's store can overtake another thread's load of it.
-        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_v)
-    else:
-        # padding row: its inputs may hold anything; it reads nothing and writes zeros.
-        tl.store(o_ptrs, tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
+    def lightning_core(self, ctx, q, k, v, decay, out, layer_id, scale):
+        if not self._recurrent(ctx, "lightning_core", layer_id, q, k, v, decay, None, out, scale,
+                               _kernels().GATE_CONSTANT):
+            self._lightning_extend(ctx, q, k, v, decay, out, layer_id, scale)
 
-
-@triton.jit
-def _recurrent_extend_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr,
-    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-    stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
-    stride_s_slot, stride_s_head,
-    scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr,
-):
-    """A few tokens per request: one program per (request, value head, Dv tile) loads the slot's
-    tile once, runs the request's tokens bounds[r] .. bounds[r+1]-1 through it in order, writing
-    each token's output, and stores the tile once at the end."""
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    v_tile = tl.program_id(2)
-    offs_k = tl.arange(0, BK)
-    offs_v = v_tile * BV + tl.arange(0, BV)
-    m_k = offs_k < DK
-    m_v = offs_v < DV
-    m_s = m_k[:, None] & m_v[None, :]
-    bos = tl.load(bounds_ptr + seq).to(tl.int64)
-    eos = tl.load(bounds_ptr + seq + 1).to(tl.int64)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
-    s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
-    for row in range(bos, eos):
-        s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
-                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-                           stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
-                           GROUP=GROUP, GATE=GATE, DELTA=DELTA)
-        tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v, o.to(out_ptr.dtype.element_ty),
-                 mask=m_v)
-    # Only this program touches this tile of this slot: the store after the loop races nothing.
-    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
-
-
-@triton.jit
-def _recurrent_verify_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, inter_ptr,
-    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-    stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
-    stride_s_slot, stride_s_head, stride_i_row, stride_i_tok, stride_i_head,
-    scale,
-    N: tl.constexpr,  # tokens per request: request r owns rows r*N .. r*N+N-1
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, PAD_SLOT: tl.constexpr,
-):
-    """A target-verify step: one program per (request, value head, Dv tile) loads the slot's tile
-    once, runs the request's N tokens through it in order (each token exactly as the decode kernel
-    runs it), writes the tile after token t < N-1 into the request's intermediate entry t, and
-    stores the tile after the last token back into the slot. A request on the padding slot reads
-    and keeps nothing and writes zero outputs."""
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    v_tile = tl.program_id(2)
-    offs_k = tl.arange(0, BK)
-    offs_v = v_tile * BV + tl.arange(0, BV)
-    m_k = offs_k < DK
-    m_v = offs_v < DV
-    first = seq * N
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    if slot != PAD_SLOT:
-        m_s = m_k[:, None] & m_v[None, :]
-        tile = offs_k[:, None] * DV + offs_v[None, :]
-        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + tile
-        i_ptrs = inter_ptr + seq * stride_i_row + head * stride_i_head + tile
-        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
-        for t in tl.static_range(N):
-            s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, first + t, head, offs_k, offs_v, m_k, m_v,
-                               stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row,
-                               stride_v_head, stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
-                               GROUP=GROUP, GATE=GATE, DELTA=DELTA)
-            tl.store(out_ptr + (first + t) * stride_o_row + head * stride_o_head + offs_v,
-                     o.to(out_ptr.dtype.element_ty), mask=m_v)
-            if t < N - 1:
-                tl.store(i_ptrs + t * stride_i_tok, s.to(inter_ptr.dtype.element_ty), mask=m_s)
-        # Only this program touches this tile of this slot: the store after the loop races nothing.
-        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
-    else:
-        for t in tl.static_range(N):
-            tl.store(out_ptr + (first + t) * stride_o_row + head * stride_o_head + offs_v,
-                     tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
-
-
-@triton.jit
-def _short_conv_decode_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr,
-    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c,
-    C,
-    KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
-    KWP: tl.constexpr,  # next power of two >= KW: the window's columns in registers
-    BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-    PAD_SLOT: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    c_tile = tl.program_id(1)
-    offs_c = c_tile * BC + tl.arange(0, BC)
-    m_c = offs_c < C
-    o_ptrs = out_ptr + row * stride_o_row + offs_c
-
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    if slot != PAD_SLOT:
-        y, _ = _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
-                           stride_s_slot, stride_s_c, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
-        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
-    else:
-        tl.store(o_ptrs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=m_c)
-
-
-@triton.jit
-def _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
-                stride_s_slot, stride_s_c, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                SILU: tl.constexpr):
-    """One token (row `row` of x) through the conv of one slot's channels offs_c: (output [BC] in
-    float32, the rolled history [BC, KWP] in float32), the history stored back into the slot."""
-    cols = tl.arange(0, KWP)
-    # [BC, KWP] pointers to the slot's history; columns 0..K-2 exist
-    s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :]
-    m_hist = m_c[:, None] & (cols[None, :] < KW - 1)
-    hist = tl.load(s_ptrs, mask=m_hist, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + row * stride_x_row + offs_c, mask=m_c, other=0.0).to(tl.float32)  # [BC]
-    w = tl.load(w_ptr + offs_c[:, None] * stride_w_c + cols[None, :],
-                mask=m_c[:, None] & (cols[None, :] < KW), other=0.0).to(tl.float32)  # [BC, KWP]
-    window = tl.where(cols[None, :] == KW - 1, x[:, None], hist)  # inputs t-K+1 .. t
-    y = tl.sum(window * w, axis=1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)
-    if SILU:
-        y = y * tl.sigmoid(y)
-    # The rolled history: column j takes column j+1, the last one the new input. Read the
-    # shifted columns now, then a barrier: no thread may overwrite a column another thread
-    # has yet to read (the compiler may give loads and stores different thread layouts).
-    shifted = tl.load(s_ptrs + 1, mask=m_c[:, None] & (cols[None, :] < KW - 2), other=0.0).to(tl.float32)
-    new_hist = tl.where(cols[None, :] == KW - 2, x[:, None], shifted)
-    tl.debug_barrier()
-    tl.store(s_ptrs, new_hist.to(state_ptr.dtype.element_ty), mask=m_hist)
-    return y, new_hist
-
-
-@triton.jit
-def _short_conv_verify_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, inter_ptr,
-    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_i_row, stride_i_tok, stride_i_c,
-    C,
-    N: tl.constexpr,  # tokens per request: request r owns rows r*N .. r*N+N-1
-    KW: tl.constexpr, KWP: tl.constexpr, BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PAD_SLOT: tl.constexpr,
-):
-    """A target-verify step of the decode conv: the request's N tokens in order, each through the
-    decode kernel's own step (_conv_token, which rolls the slot's history), and the history after
-    token t < N-1 also into the request's intermediate entry t. A request on the padding slot
-    reads and keeps nothing and writes zero outputs."""
-    seq = tl.program_id(0).to(tl.int64)
-    c_tile = tl.program_id(1)
-    offs_c = c_tile * BC + tl.arange(0, BC)
-    m_c = offs_c < C
-    first = seq * N
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    if slot != PAD_SLOT:
-        cols = tl.arange(0, KWP)
-        i_ptrs = inter_ptr + seq * stride_i_row + offs_c[:, None] * stride_i_c + cols[None, :]
-        for t in tl.static_range(N):
-            y, kept = _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, first + t, offs_c, m_c, stride_x_row,
-                                  stride_w_c, stride_s_slot, stride_s_c, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
-            tl.store(out_ptr + (first + t) * stride_o_row + offs_c, y.to(out_ptr.dtype.element_ty), mask=m_c)
-            if t < N - 1:
-                tl.store(i_ptrs + t * stride_i_tok, kept.to(inter_ptr.dtype.element_ty),
-                         mask=m_c[:, None] & (cols[None, :] < KW - 1))
-            # the next token reads the history this one stored, maybe from another thread
-            tl.debug_barrier()
-    else:
-        for t in tl.static_range(N):
-            tl.store(out_ptr + (first + t) * stride_o_row + offs_c, tl.zeros([BC], dtype=out_ptr.dtype.element_ty),
-                     mask=m_c)
-
-
-@triton.jit
-def _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
-                 KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HISTORY: tl.constexpr):
-    """sum_k w[c, k] * input[i - (K-1) + k, c] over a [BT, BC] tile of tokens i, in float32, the taps
-    added in the reference's order. Input p >= 0 of the request is row p of x_rows; p < 0 is history
-    column K-1+p, read only with HISTORY (else those taps are zero: a block that never reaches back)."""
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for k in tl.static_range(KW):
-        p = offs_t + (k - (KW - 1))
-        v = tl.load(x_rows + p[:, None] * stride_x_row + offs_c[None, :], mask=m_out & (p >= 0)[:, None], other=0.0)
-        v = v.to(tl.float32)
-        if HISTORY:  # exactly one of the two masked loads is live per element
-            h = tl.load(hist_ptrs[None, :] + (KW - 1 + p)[:, None], mask=m_out & (p < 0)[:, None], other=0.0)
-            v += h.to(tl.float32)
-        wk = tl.load(w_ptr + offs_c * stride_w_c + k, mask=m_c, other=0.0).to(tl.float32)
-        acc += v * wk[None, :]
-    return acc
-
-
-# num_seqs changes every step: not specialized, so one build serves every batch (the bundle holds it)
-@triton.jit(do_not_specialize=["num_seqs"])
-def _short_conv_extend_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr,
-    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c,
-    C, num_seqs,
-    KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
-    HP: tl.constexpr,  # next power of two >= K-1: the history's columns in registers
-    BT: tl.constexpr,  # tokens of a block (CONV_EXTEND_BLOCK_T), at least K-1
-    BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-    PAD_SLOT: tl.constexpr,
-):
-    # blocks [NB, 2]: (request r, block j) covers tokens j*BT .. j*BT+BT-1 of request r, which are
-    # rows bounds[r] + those of x and out; bounds [R+2] is cu_seqlens then the step's row count,
-    # so r == num_seqs is the padding rows.
-    blk = tl.program_id(0)
-    c_tile = tl.program_id(1)
-    seq = tl.load(blocks_ptr + 2 * blk)
-    j = tl.load(blocks_ptr + 2 * blk + 1)
-    bos = tl.load(bounds_ptr + seq).to(tl.int64)
-    n = tl.load(bounds_ptr + seq + 1).to(tl.int64) - bos  # tokens of the request (padding: rows)
-    if j * BT >= n:  # a row of a captured step's table past the step's blocks (an empty request's)
-        return
-    offs_t = j * BT + tl.arange(0, BT)  # token index within the request
-    offs_c = c_tile * BC + tl.arange(0, BC)
-    m_t = offs_t < n
-    m_c = offs_c < C
-    m_out = m_t[:, None] & m_c[None, :]
-    o_ptrs = out_ptr + (bos + offs_t)[:, None] * stride_o_row + offs_c[None, :]
-
-    if seq == num_seqs:
-        # padding rows: their inputs may hold anything; they read nothing and come out zero.
-        tl.store(o_ptrs, tl.zeros([BT, BC], dtype=out_ptr.dtype.element_ty), mask=m_out)
-    else:
-        slot = tl.load(slots_ptr + seq).to(tl.int64)
-        hist_ptrs = state_ptr + slot * stride_s_slot + offs_c * stride_s_c  # [BC]: column 0 of the history
-        x_rows = x_ptr + bos * stride_x_row
-        # Only a request's first block reaches back into the history (BT >= K-1): the others skip
-        # its loads altogether.
-        if j == 0:
-            acc = _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
-                               KW=KW, BT=BT, BC=BC, HISTORY=True)
-        else:
-            acc = _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
-                               KW=KW, BT=BT, BC=BC, HISTORY=False)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_out)
-
-        # The new history: the last K-1 inputs of the window [old history | the request's tokens],
-        # column q being input p = n - (K-1) + q: a token of x, or (fewer than K-1 new tokens)
-        # old history column n + q.
-        # The race: the slot's history is read by the taps above and rewritten here. Only this
-        # request's first block reads it (a block j > 0 starts at token j*BT >= K-1, all of whose
-        # taps are in x), and that block's program is the one that writes it, for its own
-        # channels only; requests have distinct slots. Within the program every load of the
-        # history precedes one barrier and every store follows it, as in the decode conv.
-        if (j == 0) & (slot != PAD_SLOT):
-            cols = tl.arange(0, HP)
-            p = n - (KW - 1) + cols
-            m_col = m_c[:, None] & (cols < KW - 1)[None, :]
-            new_x = tl.load(x_rows + p[None, :] * stride_x_row + offs_c[:, None], mask=m_col & (p >= 0)[None, :],
-                            other=0.0)
-            new_h = tl.load(hist_ptrs[:, None] + (KW - 1 + p)[None, :], mask=m_col & (p < 0)[None, :], other=0.0)
-            new_hist = new_x.to(tl.float32) + new_h.to(tl.float32)
-            tl.debug_barrier()
-            tl.store(hist_ptrs[:, None] + cols[None, :], new_hist.to(state_ptr.dtype.element_ty), mask=m_col)
-
-
-# ---------------------------------------------------------------------------------------------
-# launchers (host side: shape checks only, never a device read)
-# ---------------------------------------------------------------------------------------------
-
-
-# The decode kernels launch in the eager gaps of piecewise steps with the same arguments step
-# after step: launched through a Launcher, they skip Triton's per-launch binding (launch_cache.py).
-_RECURRENT_DECODE = Launcher(_recurrent_decode_kernel)
-_SHORT_CONV_DECODE = Launcher(_short_conv_decode_kernel)
-_RECURRENT_VERIFY = Launcher(_recurrent_verify_kernel)
-_SHORT_CONV_VERIFY = Launcher(_short_conv_verify_kernel)
-
-
-def _unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Inputs need a unit-stride last dimension (16-byte loads); copy the rare one that has not."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check_rows(op: str, rows: int, slots: torch.Tensor, *tensors: torch.Tensor) -> None:
-    assert slots.dim() == 1 and slots.shape[0] == rows, (
-        f"{op}: one state slot per request; got {rows} requests and state_slots of shape {tuple(slots.shape)}")
-    assert slots.dtype in (torch.int64, torch.int32), f"{op}: state_slots must be int32/int64, got {slots.dtype}"
-    for t in tensors:
-        assert t.device == slots.device, f"{op}: all tensors must be on {slots.device}, got one on {t.device}"
-
-
-def _recurrent_args(op: str, q, k, v, gate, beta, out, state, gate_kind: int, rows: int) -> tuple:
-    """Shape checks shared by the decode and extend launchers; (q, k, v, gate, the stride arguments
-    after the pointers, the kernel's constexprs) with unit-stride last dimensions."""
-    Hk, Dk = q.shape[1], q.shape[2]
-    Hv, Dv = v.shape[1], v.shape[2]
-    assert q.shape[0] == rows and k.shape == q.shape and v.shape[0] == rows and out.shape == v.shape, (
-        f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)} disagree")
-    assert Hv % Hk == 0, f"{op}: {Hv} value heads cannot share {Hk} key heads evenly"
-    assert state.dtype == torch.float32 and state.shape[1:] == (Hv, Dk, Dv), (
-        f"{op}: state pool layer must be float32 [slots+1, {Hv}, {Dk}, {Dv}], got {state.dtype} {tuple(state.shape)}")
-    assert state.stride(3) == 1 and state.stride(2) == Dv, f"{op}: each state [Dk, Dv] must be contiguous"
-    assert out.stride(-1) == 1, f"{op}: out must have a unit-stride last dimension (it is written in place)"
-    expected_gate = {GATE_PER_HEAD: (rows, Hv), GATE_PER_CHANNEL: (rows, Hv, Dk), GATE_CONSTANT: (Hv,)}[gate_kind]
-    assert tuple(gate.shape) == expected_gate, f"{op}: gate shape {tuple(gate.shape)}, expected {expected_gate}"
-    q, k, v = _unit_last("q", q), _unit_last("k", k), _unit_last("v", v)
-    if gate_kind == GATE_PER_CHANNEL:
-        gate = _unit_last("g", gate)
-    if beta is not None:
-        assert tuple(beta.shape) == (rows, Hv), f"{op}: beta shape {tuple(beta.shape)}, expected {(rows, Hv)}"
-    g_row, g_head = (0, gate.stride(0)) if gate_kind == GATE_CONSTANT else (gate.stride(0), gate.stride(1))
-    b_row, b_head = (beta.stride(0), beta.stride(1)) if beta is not None else (0, 0)
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               g_row, g_head, b_row, b_head, out.stride(0), out.stride(1), state.stride(0), state.stride(1))
-    consts = dict(GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=next_pow2(Dk), GATE=gate_kind,
-                  DELTA=beta is not None)
-    return q, k, v, gate, strides, consts
-
-
-def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
-                     beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                     scale: float, gate_kind: int, config: RecurrentConfig | None = None) -> None:
-    """One decode step of the gated (delta-rule) recurrence over the slot-indexed pool, in place.
-
-    q, k [B, Hk, Dk]; v, out [B, Hv, Dv]; gate [B, Hv] / [B, Hv, Dk] / [Hv] by gate_kind; beta [B, Hv]
-    or None (no delta rule); state [num_slots+1, Hv, Dk, Dv] float32; slots [B] int64.
-    """
-    op = OP_OF_GATE[gate_kind]
-    B = q.shape[0]
-    _check_rows(op, B, slots, q, k, v, gate, out, state)
-    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, B)
-    if B == 0:
-        return
-    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
-    cfg = config or recurrent_config(B, Hv, Dk, Dv, q.device)
-    # A tile smaller than the program's threads would only replicate elements across them.
-    assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
-    b_t = beta if beta is not None else gate  # never read without DELTA; any valid pointer will do
-    grid = (B, Hv, cdiv(Dv, cfg.block_v))
-    _RECURRENT_DECODE[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), **consts,
-                            BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
-
-
-def recurrent_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
-                     beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                     bounds: torch.Tensor, scale: float, gate_kind: int, config: RecurrentConfig | None = None) -> None:
-    """A few tokens of each of R requests through the recurrence, over the slot-indexed pool, in place.
-
-    The rows of q, k, v, gate, beta and out are the step's tokens (as recurrent_decode's, with T
-    rows); request r owns rows bounds[r] .. bounds[r+1]-1 (bounds [R+1] int64 on the device, a
-    request may own none) and the state in slot slots[r] (slots [R], no padding slot). Rows from
-    bounds[R] on are not touched. Its cost grows with the longest request's tokens, one after
-    another: for short requests (a prefix cache hit's tail), where a chunked kernel's launches cost
-    more than its work."""
-    op = OP_OF_GATE[gate_kind]
-    R = slots.shape[0]
-    _check_rows(op, R, slots, q, k, v, gate, out, state, bounds)
-    assert tuple(bounds.shape) == (R + 1,), f"{op}: bounds must be [{R + 1}] for {R} requests, got {tuple(bounds.shape)}"
-    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, q.shape[0])
-    if R == 0:
-        return
-    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
-    cfg = config or recurrent_config(R, Hv, Dk, Dv, q.device)
-    assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
-    b_t = beta if beta is not None else gate
-    grid = (R, Hv, cdiv(Dv, cfg.block_v))
-    _recurrent_extend_kernel[grid](q, k, v, gate, b_t, out, state, slots, bounds, *strides, float(scale),
-                                   **consts, BV=cfg.block_v, num_warps=cfg.num_warps)
-
-
-def recurrent_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
-                     beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                     inter: torch.Tensor, n: int, scale: float, gate_kind: int,
-                     config: RecurrentConfig | None = None) -> None:
-    """A target-verify step of B requests of n tokens each, in one launch: request b owns rows
-    b*n .. b*n+n-1 of q, k, v, gate, beta and out (as recurrent_decode's, with B*n rows) and the
-    state in slot slots[b] (the padding slot: zero outputs, nothing read or kept). The state after
-    token t < n-1 goes to inter[b, t] (inter [rows >= B, n-1 or more, Hv, Dk, Dv] float32, the
-    state pool's intermediate states), the state after the last token into the slot. Each token is
-    computed as recurrent_decode computes it with the same config, so the outputs and states are
-    those of n decode launches, one token of every request each."""
-    op = OP_OF_GATE[gate_kind]
-    B = slots.shape[0]
-    rows = B * n
-    _check_rows(op, B, slots, q, k, v, gate, out, state, inter)
-    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, rows)
-    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
-    assert inter.dtype == state.dtype and inter.shape[0] >= B and inter.shape[1] >= n - 1 and \
-        inter.shape[2:] == state.shape[1:] and inter.stride(4) == 1 and inter.stride(3) == Dv, (
-            f"{op}: intermediate states must be [>= {B}, >= {n - 1}, {Hv}, {Dk}, {Dv}] {state.dtype} with "
-            f"contiguous [Dk, Dv] states, got {inter.dtype} {tuple(inter.shape)}")
-    if B == 0:
-        return
-    cfg = config or recurrent_config(B, Hv, Dk, Dv, q.device)
-    assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
-    b_t = beta if beta is not None else gate
-    grid = (B, Hv, cdiv(Dv, cfg.block_v))
-    _RECURRENT_VERIFY[grid](q, k, v, gate, b_t, out, state, slots, inter, *strides,
-                            inter.stride(0), inter.stride(1), inter.stride(2), float(scale), N=n, **consts,
-                            BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
-
-
-def gdn_decode(q, k, v, g, beta, out, state, slots, scale, config=None) -> None:
-    """GDN: q, k [B,Hk,Dk]; v, out [B,Hv,Dv]; g, beta [B,Hv]; state [slots+1,Hv,Dk,Dv] f32; slots [B]."""
-    recurrent_decode(q, k, v, g, beta, out, state, slots, scale, GATE_PER_HEAD, config)
-
-
-def kda_decode(q, k, v, g, beta, out, state, slots, scale, config=None) -> None:
-    """KDA: q, k, v, out [B,H,D]; g [B,H,Dk] per-channel log-decay; beta [B,H]; state [slots+1,H,Dk,Dv]."""
-    assert q.shape[1] == v.shape[1], f"kda_core: key heads {q.shape[1]} != value heads {v.shape[1]}"
-    recurrent_decode(q, k, v, g, beta, out, state, slots, scale, GATE_PER_CHANNEL, config)
-
-
-def lightning_decode(q, k, v, decay, out, state, slots, scale, config=None) -> None:
-    """Lightning: q, k, v, out [B,H,D]; decay [H] log-decay; state [slots+1,H,Dk,Dv]; no delta rule."""
-    assert q.shape[1] == v.shape[1], f"lightning_core: key heads {q.shape[1]} != value heads {v.shape[1]}"
-    recurrent_decode(q, k, v, decay, None, out, state, slots, scale, GATE_CONSTANT, config)
-
-
-def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                      conv_state: torch.Tensor, slots: torch.Tensor, silu: bool,
-                      config: ConvConfig | None = None) -> None:
-    """Causal depthwise conv, one token per request: x, out [B,C]; weight [C,K]; bias [C] or None;
-    conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rolled in place; slots [B]."""
-    _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu, config, 1, None)
-
-
-def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                      conv_state: torch.Tensor, slots: torch.Tensor, inter: torch.Tensor, n: int, silu: bool,
-                      config: ConvConfig | None = None) -> None:
-    """The decode conv over a target-verify step of B requests of n tokens each, in one launch:
-    x, out [B*n, C], request b's rows b*n .. b*n+n-1; conv_state [slots+1, C, K-1]; slots [B] (the
-    padding slot: zero outputs, nothing read or kept); the history after token t < n-1 into
-    inter[b, t] (inter [>= B, >= n-1, C, K-1]), after the last one into the slot. Outputs and
-    histories are those of n short_conv_decode launches with the same config."""
-    _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu, config, n, inter)
-
-
-def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, config: ConvConfig | None, n: int,
-                       inter: torch.Tensor | None) -> None:
-    """short_conv_decode (n == 1, no intermediate histories) or short_conv_verify: checks, then one launch."""
-    B, (rows, C), K = slots.shape[0], x.shape, weight.shape[1]
-    _check_rows("short_conv", B, slots, x, weight, out, conv_state, *(() if inter is None else (inter,)))
-    assert K >= 2, "short_conv: a kernel of width 1 keeps no state; it is not a decode conv"
-    assert rows == B * n and weight.shape == (C, K) and out.shape == x.shape, (
-        f"short_conv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)} for {B} requests "
-        f"of {n} token(s) disagree")
-    assert conv_state.shape[1:] == (C, K - 1) and conv_state.stride(2) == 1, (
-        f"short_conv: conv state must be [slots+1, {C}, {K - 1}] with unit stride last, got {tuple(conv_state.shape)}")
-    if inter is not None:
-        assert inter.dtype == conv_state.dtype and inter.shape[0] >= B and inter.shape[1] >= n - 1 and \
-            inter.shape[2:] == (C, K - 1) and inter.stride(3) == 1, (
-                f"short_conv: intermediate histories must be [>= {B}, >= {n - 1}, {C}, {K - 1}], got "
-                f"{tuple(inter.shape)}")
-    assert out.stride(-1) == 1, "short_conv: out must have a unit-stride last dimension"
-    x, weight = _unit_last("x", x), _unit_last("weight", weight)
-    if bias is not None:
-        assert bias.shape == (C,), f"short_conv: bias shape {tuple(bias.shape)}, expected {(C,)}"
-        bias = bias.contiguous()
-    if B == 0:
-        return
-    cfg = config or conv_config(B, C, x.device)
-    assert cfg.block_c >= 32 * cfg.num_warps, f"short_conv: {cfg} leaves threads idle"
-    grid = (B, cdiv(C, cfg.block_c))
-    common = (x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1))
-    consts = dict(KW=K, KWP=next_pow2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu),
-                  PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
-    b_t = bias if bias is not None else weight  # never read without HAS_BIAS
-    if inter is None:
-        _SHORT_CONV_DECODE[grid](x, weight, b_t, out, conv_state, slots, *common, C, **consts)
-    else:
-        _SHORT_CONV_VERIFY[grid](x, weight, b_t, out, conv_state, slots, inter, *common,
-                                 inter.stride(0), inter.stride(1), inter.stride(2), C, N=n, **consts)
-
-
-def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                      conv_state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, blocks: torch.Tensor,
-                      silu: bool, what: str = "short_conv", config: ConvConfig | None = None) -> None:
-    """Causal depthwise conv over ragged requests, one launch: x, out [rows, C]; weight [C, K];
-    bias [C] or None; conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rewritten in
-    place for every request; slots [R] the requests' slots; bounds [R+2] int64 (cu_seqlens of the
-    R requests, then `rows`: the rows past cu_seqlens[R] are padding and come out zero); blocks
-    [NB, 2] int64, (request, block of CONV_EXTEND_BLOCK_T tokens) covering every request's tokens
-    and, as request R, the padding rows. `what` names the caller (its layer) in errors.
-
-    The host reads no device value: the table is planned once per step by the caller, and NB is
-    its length."""
-    rows, C = x.shape
-    K = weight.shape[1] if weight.dim() == 2 else 0
-    R = slots.shape[0]
-    if weight.shape != (C, K) or out.shape != x.shape:
-        raise ValueError(f"{what}: x {tuple(x.shape)}, weight {tuple(weight.shape)} (expected [{C}, K]) and out "
-                         f"{tuple(out.shape)} disagree")
-    if not 2 <= K <= CONV_EXTEND_BLOCK_T + 1:
-        raise ValueError(f"{what}: kernel width {K} is not supported by the extend conv (2 to "
-                         f"{CONV_EXTEND_BLOCK_T + 1}: the first token block must hold the K-1 inputs of the history)")
-    if conv_state.shape[1:] != (C, K - 1) or conv_state.stride(2) != 1:
-        raise ValueError(f"{what}: conv state must be [slots+1, {C}, {K - 1}] with unit stride last, got "
-                         f"{tuple(conv_state.shape)} strides {conv_state.stride()}")
-    if bias is not None and bias.shape != (C,):
-        raise ValueError(f"{what}: bias shape {tuple(bias.shape)}, expected {(C,)}")
-    if bounds.shape != (R + 2,) or blocks.dim() != 2 or blocks.shape[1] != 2:
-        raise ValueError(f"{what}: the step plan has bounds {tuple(bounds.shape)} and blocks {tuple(blocks.shape)} "
-                         f"for {R} requests; expected [{R + 2}] and [NB, 2]")
-    for t in (weight, out, conv_state, bounds, blocks) + (() if bias is None else (bias,)):
-        if t.device != x.device:
-            raise ValueError(f"{what}: all tensors must be on {x.device}, got one on {t.device}")
-    if out.stride(-1) != 1:
-        raise ValueError(f"{what}: out must have a unit-stride last dimension (it is written in place)")
-    x, weight = _unit_last("x", x), _unit_last("weight", weight)
-    bias = bias.contiguous() if bias is not None else None
-    num_blocks = blocks.shape[0]
-    if num_blocks == 0 or C == 0:
-        return
-    cfg = config or conv_extend_config(num_blocks, C, x.device)
-    grid = (num_blocks, cdiv(C, cfg.block_c))
-    _short_conv_extend_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks,
-        x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
-        C, R,
-        KW=K, HP=max(2, next_pow2(K - 1)), BT=CONV_EXTEND_BLOCK_T, BC=cfg.block_c,
-        HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
-        num_warps=cfg.num_warps,
-    )
+    def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
+        """The decode conv, or over a target-verify step its histories kept as the recurrent cores keep states."""
+        path, n = self._route(ctx, "short_conv", layer_id, x.shape[0])
+        if path == "extend":
+            return self._conv_extend(ctx, x, weight, bias, out, layer_id, silu)
+        slots, state = self._step_slots(ctx), self._layer_state(layer_id, "conv")
+        config = self.conv_config
+        if config is None and self.fixed_tiles:
+            config = _kernels().fixed_conv_config(x.shape[1])
+        if n == 1:
+            _kernels().short_conv_decode(x, weight, bias, out, state, slots, silu, config)
+            return
+        inter = self.state_pool.verify_layer(layer_id, n, slots.shape[0])["conv"]
+        _kernels().short_conv_verify(x, weight, bias, out, state, slots, inter, n, silu, config)

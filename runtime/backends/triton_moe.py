@@ -1,8 +1,8 @@
 """TritonMoEBackend: the `moe` op on CUDA through the fused Triton MoE kernels, capturable in every mode.
 
-The kernels and their launches are runtime/backends/triton_moe_kernels.py (imported on the first
+The kernels and their launches are runtime/backends/kernels/moe.py (imported on the first
 op call, so this module, which the registry imports for `capability` on any machine, needs no
-triton); their tiles per token bucket come from runtime/backends/moe_config.py.
+triton); their tiles per token bucket come from runtime/backends/kernels/moe_config.py.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from typing import Optional
 import torch
 
 from compiler.splitops import MODES, BackendCapability, Mode
-from runtime.backends.moe_config import (CONFIG_DIR, FIXED_CONFIG, FIXED_LOGITS_KERNEL, MoEConfig, config_file_name,
+from runtime.backends.kernels.moe_config import (CONFIG_DIR, FIXED_CONFIG, FIXED_LOGITS_KERNEL, MoEConfig, config_file_name,
                                          default_config, device_name_of, fit_shared_memory, load_config_table,
                                          pick_bucket)
-from runtime.backends.launch_math import cdiv, triton_interpreted
+from runtime.backends.kernels.launch_math import cdiv, triton_interpreted
 from runtime.backends.protocol import BackendHooks, BackendSetup
 
 __all__ = ["TritonMoEBackend", "CaptureError"]
 
 
 def _kernels():
-    return importlib.import_module("runtime.backends.triton_moe_kernels")
+    return importlib.import_module("runtime.backends.kernels.moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class TritonMoEBackend(BackendHooks):
     Lifecycle (runtime/backends/protocol.py):
 
     1. `TritonMoEBackend(config_dir=None)`: configs are read from `config_dir` (default
-       runtime/backends/moe_configs/) on first use per (E, I, device) and kept on the instance.
+       runtime/backends/kernels/moe_configs/) on first use per (E, I, device) and kept on the instance.
     2. `init_capture_state(max_tokens, max_seqs)`: nothing to allocate.
     3. `init_replay_state(ctx, bucket)`: points the step's op calls at its real token count on the
        device, `ctx.query_start_loc[ctx.num_seqs]` (a padded request owns no rows, so the last
@@ -113,7 +113,7 @@ class TritonMoEBackend(BackendHooks):
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonMoEBackend":
-        """The tuned configs of runtime/backends/moe_configs/, launches on the pools' device."""
+        """The tuned configs of runtime/backends/kernels/moe_configs/, launches on the pools' device."""
         return cls(device=setup.device, layers=tuple(MoELayerShape.of(c) for c in setup.calls if c.op == "moe"),
                    gemm_tiles=setup.options.get("gemm_tiles", GEMM_TILES[0]))
 

@@ -11,7 +11,7 @@ Lifecycle:
 3. A request: its body is read up to `max_body_bytes` (413 past it, from Content-Length before
    a byte is read, or while it streams in), then parsed and validated (protocol.py; a 4xx with
    the OpenAI error body on any fault), each prompt resolved to token ids and checked against
-   the model, its response_format compiled into a grammar (runtime/grammar.py; a schema
+   the model, its response_format compiled into a grammar (runtime/engine/grammar.py; a schema
    xgrammar refuses is a 400 naming why): all of that CPU work (JSON, validation, tokenization,
    chat templates, grammars, echo text) runs on the state's request thread, never on the event
    loop, so /health and streams stay responsive while a large request is prepared. Each
@@ -53,20 +53,20 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from runtime.engine import SamplingParams
-from runtime.engine_loop import EngineLoop, EngineLoopError
-from runtime.grammar import GrammarError, GrammarUnavailable
+from runtime.engine.engine import SamplingParams
+from runtime.engine.loop import EngineLoop, EngineLoopError
+from runtime.engine.grammar import GrammarError, GrammarUnavailable
 from runtime.server.choices import Choice, close_all, merged
 from runtime.server.generation import Generation
 from runtime.server.logprobs import join
 from runtime.server.metrics import CONTENT_TYPE, render_metrics
-from runtime.server.model import ServedModel
+from runtime.assembly import ServedModel
 from runtime.server.openapi import body_spec, install
 from runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, chat_body, chat_choice,
                                      chat_chunk, completion_body, completion_choice, completion_chunk, error_body,
                                      models_body, now, parse_body, usage_body, usage_chunk)
 from runtime.server.sse import SSE_DONE, EventStreamResponse, sse_event
-from runtime.tokenizer import TokenizerError
+from runtime.artifact.tokenizer import TokenizerError
 
 __all__ = ["ServerOptions", "ServerState", "create_app"]
 
@@ -131,7 +131,7 @@ class ServerState:
         self.created = now()
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._structured = None  # runtime/grammar.py StructuredOutput, made at the first structured request
+        self._structured = None  # runtime/engine/grammar.py StructuredOutput, made at the first structured request
         self._structured_lock = threading.Lock()
 
     @property
@@ -315,7 +315,7 @@ class ServerState:
                                "model's tokenizer names none", param="response_format")
         with self._structured_lock:  # the request threads share one compiler and its cache
             if self._structured is None:
-                from runtime.grammar import StructuredOutput
+                from runtime.engine.grammar import StructuredOutput
 
                 self._structured = StructuredOutput(tokenizer, self.served.vocab_size, [self.served.eos_token_id])
         try:

@@ -20,7 +20,7 @@ import asyncio
 
 from runtime.server.generation import Delta, Generation
 from runtime.server.logprobs import ChoiceLogprobs, join
-from runtime.tokenizer import IncrementalDecoder, TextTokenizer
+from runtime.artifact.tokenizer import IncrementalDecoder, TextTokenizer
 
 __all__ = ["Choice", "merged", "close_all"]
 

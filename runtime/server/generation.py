@@ -27,10 +27,10 @@ import dataclasses
 import time
 from typing import Callable, Hashable
 
-from runtime.engine import RequestResult
-from runtime.engine_loop import EngineLoopError, RequestHandle
-from runtime.logprobs import TokenLogprob
-from runtime.tokenizer import IncrementalDecoder, TextTokenizer
+from runtime.engine.engine import RequestResult
+from runtime.engine.loop import EngineLoopError, RequestHandle
+from runtime.engine.logprobs import TokenLogprob
+from runtime.artifact.tokenizer import IncrementalDecoder, TextTokenizer
 
 __all__ = ["Delta", "Generation"]
 

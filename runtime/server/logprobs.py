@@ -19,18 +19,18 @@ A token's text is the text it adds after the tokens before it (decoded with a fe
 context, as the streaming decoder does, so a word-start piece keeps its space), special tokens
 written out. Without a tokenizer a token is written "token_id:<id>" (vLLM's spelling).
 
-It does not compute log-probabilities (runtime/logprobs.py) or place the text (generation.py
+It does not compute log-probabilities (runtime/engine/logprobs.py) or place the text (generation.py
 gives each token's offset in the choice's text).
 """
 
 from __future__ import annotations
 
-from runtime.logprobs import TokenLogprob
-from runtime.tokenizer import TextTokenizer
+from runtime.engine.logprobs import TokenLogprob
+from runtime.artifact.tokenizer import TextTokenizer
 
 __all__ = ["ChoiceLogprobs", "join"]
 
-CONTEXT = 4  # tokens decoded before the one being written (runtime/tokenizer.IncrementalDecoder's window)
+CONTEXT = 4  # tokens decoded before the one being written (runtime/artifact/tokenizer.IncrementalDecoder's window)
 
 
 class ChoiceLogprobs:

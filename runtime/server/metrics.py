@@ -9,7 +9,7 @@ endpoint and finish reason, errors by status, prompt tokens, time to first token
 
 Graph replays versus eager steps: the CPU runtime captures no CUDA graphs, so every step is eager
 and `hgc_engine_steps_total{execution="graph_replay"}` is 0. A graph runner's counters
-(`graph_replays`, `piecewise_steps`, `eager_steps`, as runtime/graph_runner.py keeps them), merged
+(`graph_replays`, `piecewise_steps`, `eager_steps`, as runtime/graphs/runner.py keeps them), merged
 into the stats by the app (ServedModel.counters), show here without a change.
 
 Example::

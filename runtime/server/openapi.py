@@ -5,7 +5,7 @@ before the parse, and the parse runs off the event loop), so FastAPI cannot see 
 This module puts them back: the JSON schema pydantic derives from each request model
 (runtime/server/protocol.py: the same fields, bounds and required keys the parser enforces) is
 added under components/schemas and referenced from the route's requestBody. Clients and
-property-based tests (tests/test_server_edges.py drives it with schemathesis) read it.
+property-based tests (tests/server/test_server_edges.py drives it with schemathesis) read it.
 
 1. `body_spec(model)`: the `openapi_extra` of a route whose body is `model`.
 2. `install(app, models)`: app.openapi returns FastAPI's document with the models' schemas added.

@@ -68,7 +68,7 @@ class StreamOptions(_Strict):
 
 class JsonSchemaFormat(_Strict):
     """response_format.json_schema, OpenAI's fields: the output follows `schema`, a JSON schema
-    object that xgrammar compiles (runtime/grammar.py); one it cannot is refused with its reason."""
+    object that xgrammar compiles (runtime/engine/grammar.py); one it cannot is refused with its reason."""
 
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
 
@@ -82,7 +82,7 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object) or
     "json_schema" with json_schema = {"name", "schema", "strict", "description"}; the output then
-    follows the schema (runtime/grammar.py). Checked here for shape; the schema itself is
+    follows the schema (runtime/engine/grammar.py). Checked here for shape; the schema itself is
     xgrammar's to compile."""
 
     type: Literal["text", "json_object", "json_schema"]

@@ -1,0 +1,283 @@
+"""`hgc build ARTIFACT --device cpu|cuda`: add this installation's target bundle to an artifact.
+
+    hgc build artifacts/NAME --device cuda            # on the GPU machine; progress on stderr
+    hgc compile CKPT -o artifacts/NAME --target cpu --inductor    # compile, then this, in one command
+
+A bundle (compiler/splitops/bundle.py) holds everything start-up would otherwise compile or tune:
+the Inductor-compiled glue of every program and the kernel caches the pieces and the backends
+load. Building needs the target device, since kernels are built for the machine at hand.
+
+1. The kernel caches (Inductor's, Triton's, FlashInfer's) point at empty folders under
+   `$HGC_HOME/build/<key>/` (default `~/.cache/hgc/build/<key>/`) for the whole build: whatever they
+   hold afterwards was built for this bundle. The folders keep their paths from one build to the
+   next, because compiled kernels record the path they were compiled at; so builds of one target
+   take turns (`build_lock`: a second one waits for the first and says so).
+2. The portable artifact is loaded (its own checks) and each program's glue is compiled
+   (compiler/inductor_pieces.py), one piece per distinct structure.
+3. Start-up runs as `hgc run` / `hgc serve` would, with the fresh pieces: on cuda every recorded
+   bucket is captured and checked (which builds the FlashInfer modules and Triton kernels of the
+   captured shapes and tunes FLA's kernels, into the caches of step 1), and the compiled pieces
+   are compared with the traced glue (runtime/graphs/compiled_parity.py).
+4. The caches are copied into `kernels/<cache>/`; bundle.json lists every file's SHA-256, says which
+   files a second build does not reproduce and why, and is signed with this installation's key
+   (runtime/artifact/signing.py, created on first build, mode 0600).
+5. compiler/artifact_writer.add_bundle moves the bundle into `targets/<key>/` and lists its files
+   in manifest.json. An existing bundle of the same target is replaced only with --force.
+
+Ranks. A tensor-parallel artifact (`hgc compile --tp N`) is built by N ranks, which `hgc build`
+launches (runtime/dist/launcher.py; or torchrun, as for `hgc run`): each rank loads its part of the
+weights, compiles the glue for its own device (Inductor's code names the device it was compiled
+for: cuda:r on rank r), and starts up with the others, collectives included, into kernel caches of
+its own (`rank<r>/` under the build folder); rank 0 then checks that every rank cut the same
+pieces and writes one bundle of N ranks' pieces and kernels (compiler/splitops/bundle.py). An
+artifact compiled with --no-weights starts up on random weights, as `--load-format dummy` does.
+
+What it does not do: compile the checkpoint (`hgc compile`), or decide what may run from a bundle
+at start-up (runtime/artifact/bundle.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["cmd_build", "build_bundle", "check_buildable", "build_on_ranks", "add_build_arguments", "build_root",
+           "build_lock"]
+
+
+def build_root(key: str) -> Path:
+    if os.environ.get("HGC_HOME"):
+        return Path(os.environ["HGC_HOME"]) / "build" / key
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "hgc" / "build" / key
+
+
+def _copy_caches(caches: dict[str, Path], staged: Path) -> int:
+    """Step 4's copy: what each cache gained during the build, under kernels/<cache>/."""
+    from compiler.inductor_pieces import inductor_cache_files
+    from compiler.splitops.bundle import KERNELS
+
+    count = 0
+    for name, folder in caches.items():
+        if name == "inductor":
+            files = inductor_cache_files(folder)
+        elif name == "flashinfer":  # the built modules; their objects and generated sources are not loaded
+            files = [p for p in folder.rglob("*.so") if "cached_ops" in p.parts]
+        else:
+            files = [p for p in folder.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+        for p in sorted(files):
+            dest = staged / KERNELS / name / p.relative_to(folder)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(p, dest)
+            count += 1
+    return count
+
+
+@contextlib.contextmanager
+def build_lock(work: Path, log=lambda line: None):
+    """Hold the build folder `work` for one build at a time (an exclusive lock on WORK.lock beside it).
+
+    Every build empties the folder before it starts, and the folder cannot move (compiled kernels
+    record the path they were built at), so two builds of the same target at once would delete
+    and overwrite each other's kernels and write a bundle whose files do not match its hashes. A
+    second build waits, and says so."""
+    import fcntl
+
+    work.parent.mkdir(parents=True, exist_ok=True)
+    with open(work.parent / f"{work.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another hgc build that uses {work}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build_bundle(artifact, device: str, *, force: bool = False, slots: int | None = None,
+                 max_model_len: int | None = None, log=lambda line: None, group=None) -> dict | None:
+    """Steps 1-5 of the module docstring; returns the bundle's document (signed). A tensor-parallel
+    artifact is built by its ranks together (`group`: this process's runtime.dist.distributed.RankGroup;
+    "Ranks" in the module docstring): rank 0 returns the document, the others None."""
+    import torch
+
+    from compiler.artifact_writer import add_bundle, hgc_version
+    from compiler.inductor_pieces import compile_glue
+    from compiler.splitops.artifact import PROGRAM_FILES, dump_json, sha256_file
+    from compiler.splitops.bundle import (BUNDLE, CACHE_ENV, bundle_dir, bundle_doc, cache_env, pin_triton_ptxas,
+                                          signed_payload, target_facts, target_key)
+    from runtime.artifact.bundle import CompiledOptions, load_built
+    from runtime.artifact.loader import load_artifact, read_artifact
+    from runtime.assembly import EngineOptions, engine_for_artifact
+    from runtime.artifact.signing import sign, signing_key
+
+    artifact = Path(artifact)
+    docs = read_artifact(artifact)
+    rank, tp = (group.rank, group.world_size) if group is not None else (0, 1)
+    if docs.tp != tp:
+        raise ValueError(f"{artifact}: compiled for --tp {docs.tp}; its bundle is built by {docs.tp} ranks together, "
+                         f"which `hgc build` launches")
+    check_buildable(docs, device)
+    facts = target_facts(device)
+    key = target_key(facts)
+    if (artifact / bundle_dir(key)).exists() and not force:
+        raise FileExistsError(f"{artifact / bundle_dir(key)} exists; pass --force to rebuild it")
+    if "flashinfer.jit.env" in sys.modules:
+        raise ValueError("flashinfer was imported before the build set its module cache; run `hgc build` in a "
+                         "process of its own")
+    # A config-only artifact (--no-weights) starts up once on random weights: the pieces and kernels
+    # depend on shapes and dtypes only, and parity compares two runs of the same weights.
+    load_format = "dummy" if docs.manifest["weights"].get("mode") == "none" else "auto"
+    log = log if rank == 0 else (lambda line: None)  # rank 0 speaks for every rank (they build alike)
+    work = build_root(key)
+    mine = work / f"rank{rank}" if tp > 1 else work  # this rank's kernel caches
+    staged = work / "bundle"
+    out = staged / f"rank{rank}" if tp > 1 else staged  # this rank's pieces and kernels in the bundle
+    # The folder is emptied first and its path is fixed: one build at a time (rank 0 holds the lock
+    # for the ranks, which wait at the barrier until it has emptied the folder).
+    with build_lock(work, log) if rank == 0 else contextlib.nullcontext():
+        if rank == 0:
+            shutil.rmtree(work, ignore_errors=True)
+        if group is not None:
+            group.barrier()
+        caches = {name: mine / name for name in CACHE_ENV}
+        for folder in caches.values():
+            folder.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
+        log(f"building {key} for {artifact} (kernel caches under {work}"
+            + (f"; {tp} ranks, each compiling for its own device" if tp > 1 else "")
+            + (", random weights: the artifact has none" if load_format == "dummy" else "") + ")")
+        start = time.perf_counter()
+        dev = group.device if group is not None else device
+        with cache_env(caches):
+            pin_triton_ptxas(torch.device(device).type)  # the run does the same (runtime/artifact/bundle.py)
+            art = load_artifact(artifact, dev, compiled=CompiledOptions(enabled=False), rank=rank, tp=tp,
+                                load_format=load_format)
+            records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
+                                           dev, out, caches["inductor"], log=log)
+            files = {name: sha256_file(out / name) for name in pieces}
+            sources = {p: docs.manifest["files"][PROGRAM_FILES[p]] for p in art.programs}
+            doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version())
+            art.compiled = load_built(doc, out, caches)
+            buckets = docs.manifest["buckets"]
+            on_gpu = torch.device(device).type == "cuda"
+            options = EngineOptions(slots=slots or (max(buckets["decode_batch_sizes"]) if on_gpu else 2),
+                                    token_budget=max(buckets["extend_token_counts"]) if on_gpu else 64,
+                                    prefix_cache=False)
+            model_len = max_model_len or min(4096, int(docs.manifest["config"].get("max_position_embeddings") or 4096))
+            log("start-up with the compiled pieces" + (" (capture and parity of every bucket)" if on_gpu else ""))
+            engine = engine_for_artifact(art, options, model_len, device=dev, log=log)
+            del engine
+            if on_gpu:
+                torch.cuda.synchronize()
+        copied = _copy_caches(caches, out)
+        parity = art.compiled.report()["parity"]
+        if group is not None:  # what rank 0 checks and records of the others, once they are done
+            (mine / "rank.json").write_text(json.dumps({"programs": records, "parity": parity}))
+            group.barrier()
+        if rank > 0:
+            return None
+        by_rank = [json.loads((work / f"rank{r}" / "rank.json").read_text()) for r in range(tp)] if tp > 1 else []
+        for r, other in enumerate(by_rank):
+            if other["programs"] != json.loads(json.dumps(records)):  # one program: the same pieces on every rank
+                raise ValueError(f"{artifact}: rank {r} cut its glue into other pieces than rank 0 did; the ranks "
+                                 f"of one artifact must run one program")
+        files = {p.relative_to(staged).as_posix(): sha256_file(p) for p in sorted(staged.rglob("*")) if p.is_file()}
+        doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version(),
+                         ranks=tp)
+        doc["parity"] = parity
+        if by_rank:  # every rank's start-up compared its own pieces with its traced glue
+            doc["parity_per_rank"] = [other["parity"] for other in by_rank]
+        doc["signature"] = sign(signed_payload(doc), signing_key(create=True))
+        (staged / BUNDLE).write_bytes(dump_json(doc))
+        add_bundle(artifact, key, staged, facts, force=force)
+        log(f"wrote {artifact / bundle_dir(key)}: {len(pieces)} compiled piece(s) for "
+            f"{sum(len(r) for r in records.values())} glue segment(s)" + (f" on each of {tp} ranks" if tp > 1 else "")
+            + f", {copied} kernel file(s){' per rank' if tp > 1 else ''}, in {time.perf_counter() - start:.1f} s")
+        return doc
+
+
+def check_buildable(docs, device: str) -> None:
+    """The refusals that need nothing loaded: checked before a tensor-parallel build launches its ranks."""
+    import torch
+
+    artifact = docs.path
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"hgc build {artifact} --device cuda: this machine has no CUDA device; build on the GPU "
+                         f"machine the artifact will run on")
+    if device == "cuda" and torch.cuda.device_count() < docs.tp:
+        raise ValueError(f"hgc build {artifact} --device cuda: compiled for --tp {docs.tp}, built by {docs.tp} ranks "
+                         f"with a GPU each; this machine has {torch.cuda.device_count()}")
+    if docs.manifest["compile"].get("overlap"):
+        raise ValueError(f"{artifact}: compiled with --overlap; compiled pieces cannot be split across its two "
+                         f"streams yet (runtime/graphs/side_stream.py): it runs its traced glue, or recompile without "
+                         f"--overlap")
+    target = docs.routing.target
+    if torch.device(target).type != torch.device(device).type:
+        raise ValueError(f"{artifact}: compiled for target {target!r} (its backends run there); build with "
+                         f"--device {torch.device(target).type}")
+
+
+def build_on_ranks(artifact, device: str, tp: int, force: bool = False) -> int:
+    """`hgc build` of a tensor-parallel artifact from a process that is not one of its ranks: launch
+    them (runtime/dist/launcher.py), each running this command; their exit status."""
+    from runtime.dist.launcher import launch
+
+    argv = [sys.executable, "-m", "hgc", "build", str(artifact), "--device", device,
+            *(["--force"] if force else [])]
+    return launch(tp, argv, "hgc build")
+
+
+def cmd_build(args) -> int:
+    """Its refusals (CompileError, LoadError, ValueError) reach the CLI's one failure scheme. A
+    tensor-parallel artifact: this process launches its ranks (or is one of them)."""
+    import torch
+
+    from runtime.dist.distributed import join, launched_rank
+    from runtime.artifact.loader import read_artifact
+
+    log = lambda line: print(f"hgc build: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    docs = read_artifact(args.artifact, verify_hashes=False)  # the build's own read checks the hashes
+    tp, group = docs.tp, None
+    if tp > 1:
+        if not launched_rank():
+            check_buildable(docs, args.device)  # one line here, not one per rank
+            return build_on_ranks(args.artifact, args.device, tp, force=args.force)
+        group = join(tp, torch.device(args.device).type, label="hgc build")
+        args.rank = group.rank
+    try:
+        build_bundle(args.artifact, args.device, force=args.force, slots=args.slots,
+                     max_model_len=args.max_model_len, log=log, group=group)
+        if group is not None and not group.leader:
+            group.wait_for_stop()  # rank 0 is writing the bundle; it sends STOP when it is done
+    finally:
+        if group is not None:
+            group.close()
+    return 0
+
+
+def add_build_arguments(subparsers) -> None:
+    p = subparsers.add_parser(
+        "build", help="add this installation's target bundle (compiled pieces, kernels) to an artifact",
+        description="Compile an artifact's glue with Inductor for this machine's device and torch build, start it "
+                    "up once (every bucket captured and checked on cuda), and write what the kernel caches gained, "
+                    "signed with this installation's key, into targets/<key>/ of the artifact.",
+        epilog="examples:\n  hgc build artifacts/tiny --device cpu\n  hgc build artifacts/bench --device cuda --force\n"
+               "  hgc build artifacts/big-tp2 --device cuda    # compiled with --tp 2: launches 2 ranks, one GPU each")
+    p.add_argument("artifact", help="artifact folder written by `hgc compile`")
+    p.add_argument("--device", required=True, choices=("cpu", "cuda"), help="the device the bundle is built for "
+                                                                            "(this machine's)")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle of this target")
+    p.add_argument("--slots", type=int, default=None,
+                   help="cuda: state slots of the start-up run (default: the largest decode bucket, so every bucket "
+                        "is captured)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest request of the start-up run (default: "
+                                                                   "min(4096, the model's positions))")
+    p.set_defaults(func=cmd_build)

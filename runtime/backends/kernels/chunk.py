@@ -1,0 +1,593 @@
+"""Chunked gated linear attention for extend steps (GDN, Lightning), in place on the state pool.
+
+What this module owns: `chunk_extend`, the recurrent cores of an extend step over any number of
+tokens per request in three Triton launches (two without the delta rule), reading each request's
+state from its slot of the pool and writing the new one back, over the step's table of (request,
+chunk) rows (launch_math.token_blocks, the table FLA's chunk kernels take too, which the backend
+plans once per step); and the cached workspaces the launches share.
+It replaces FLA's chunk kernels where their Python launch path (about a millisecond of host time
+a layer, BENCHMARKS.md) costs more than their kernels: the host work here is shape checks and
+three launches through `launch_cache.Launcher`.
+
+The math (per request, value head and chunk of C rows; decay acts on the key dimension as in
+cpu_reference.gated_recurrence, the oracle). g_i is row i's log-decay, G_i = g_0 + ... + g_i the
+chunk-local cumulative gate, S0 the state [Dk, Dv] entering the chunk (S_c in the kernels below):
+
+    A_ij  = beta_i (k_i . k_j) exp(G_i - G_j)     j < i (strictly lower; the delta rule only)
+    W     = (I + A)^-1 diag(beta) (K * exp(G))     U = (I + A)^-1 diag(beta) V
+    V'    = U - W S0                               (no delta rule: V' = V)
+    O     = scale ((Q * exp(G)) S0 + (causal(Q K^T) * exp(G_i - G_j)) V')
+    S1    = exp(G_last) S0 + (K * exp(G_last - G))^T V'
+
+Row i of V' is the delta rule's corrected value u_i = beta_i (v_i - k_i^T S_{i-1}), all rows of a
+chunk at once: unrolling S_{i-1} inside the chunk gives (I + A) V' = diag(beta) (V - (K*exp(G)) S0).
+With g <= 0 (a decay) every exponent taken is <= 0 (i >= j; masked entries never reach exp), so
+nothing overflows whatever the chunk's total decay.
+
+The inverse. T = (I + A)^-1 is formed per chunk by blocks of SUB = 16 rows: the diagonal blocks
+T_ii = (I + A_ii)^-1 by plain forward substitution (15 row steps, the four blocks' chains side by
+side in one [4, 16, 16] tile), then block row by block row T_ij = -T_ii sum_{j<=c<i} A_ic T_cj on
+tensor cores (tl.dot); W = T R_w and U = T R_u are then two products over the whole chunk. Why not
+the nilpotent product (I - A)(I + A^2)(I + A^4)...: it is exact in exact arithmetic but unstable in
+floating point, since the powers of A grow like binomial coefficients when keys repeat (a chunk of
+identical keys with beta = 1 and no decay: A^k entries up to C(63, 31) ~ 1e18 for the 64-row chunk,
+then cancelled back to an inverse with entries 0 and -1), and tf32 tensor-core products keep 10
+mantissa bits. Forward substitution on a unit lower-triangular system is backward stable; doing it
+per 16-row block keeps its sequential part to 15 short steps and leaves the rest to matrix products.
+
+Three kernels (a launch with the same arguments goes through a Launcher: no Triton binding):
+
+1. `_chunk_solve_kernel`, one program per (chunk, value head), the delta rule only: A, then T over
+   it in the chunk's tile of the matrix workspace (the blocks are read back after a barrier, as
+   other threads of the program wrote them), then W [rows, Hv, Dk] and U [rows, Hv, Dv] float32 into
+   the workspace, indexed by the step's row. Measured on an H200 (bf16, 32 GDN heads of 128, 2048
+   rows): 0.114 ms, against 0.171 with the diagonal blocks one after another and 0.180 for the
+   earlier form that solved W and U block by block, reading the earlier blocks' rows back.
+2. `_chunk_state_kernel`, one program per (request, value head, Dv tile), the only sequential part:
+   it walks the request's chunks in order with the state tile [Dk, BV] in float32 registers and,
+   per chunk, stores the state entering it (S_c, into the chunk-state workspace at the chunk's row
+   of the chunk table), forms V' = U - W S_c (the delta rule; stored over U: the same rows, head and
+   columns, which this program alone owns) and moves the state on, S_c+1 = exp(G_last) S_c +
+   (K * exp(G_last - G))^T V'. The tile is loaded from the request's slot once and stored back once.
+3. `_chunk_output_kernel`, one program per (chunk, value head, Dv tile), all independent: the
+   chunk's outputs O = scale ((Q * exp(G)) S_c + (causal(Q K^T) * exp(G_i - G_j)) V'), from S_c and
+   V' (V without the delta rule) as the state kernel left them. It takes the key dimension in
+   blocks of 64, so q, k and S_c are never live whole.
+
+The cumulative gates are a masked sum over the chunk's gate row (cheap beside the chunk's
+products), recomputed in each kernel rather than stored.
+
+Why the split. Before it, the state kernel also produced the outputs: every step of its walk
+computed the chunk's Q K^T and both output products besides the two the recurrence needs (W S_c
+and K^T V'), five products a chunk in the sequential part, and its tile set (q, k, W, U, the
+scores, the state) spilled (255 registers and 224 spills on an H200 at Dk = Dv = 128). Now the walk
+does only those two, and the output products, most of a long prompt's work, run in parallel over
+chunks; the price is the chunk states' round trip through memory (written once, read once per
+output Dv tile). Kernel time of one GDN layer, one request of 2048 tokens, H200 (BENCHMARKS.md, "GDN
+extend steps on our chunk kernels"): 0.54 ms before the split, 0.45 after it, 0.29 now (16-bit
+products, a pipelined walk, the solve above), against 0.17 for FLA's kernels.
+
+Memory. The workspaces are cached per (device, Hv, Dk, Dv) (and the chunk states' dtype), shared by
+every layer of that shape, grown to a power of two and never shrunk (stable addresses for the
+Launcher):
+- W [rows, Hv, Dk] and U [rows, Hv, Dv] float32, the delta rule only (`chunk_workspace`): rows x Hv
+  x (Dk + Dv) x 4 bytes, 64 MiB for 2048 rows at Hv = 32, Dk = Dv = 128. V' [rows, Hv, Dv] is
+  written over U, so it costs nothing more.
+- T [chunks, Hv, 64, 64] float32, the delta rule only (`chunk_matrix_workspace`): 16 MiB for 32
+  chunks at Hv = 32, never less than 16 chunks' worth.
+- the chunk states [chunks, Hv, Dk, Dv] (`chunk_state_workspace`), with and without the delta rule:
+  chunks x Hv x Dk x Dv x 2 bytes for 16-bit inputs (4 for float32 inputs), 32 MiB for one request
+  of 2048 rows (32 chunks) at Hv = 32, Dk = Dv = 128, and never less than 16 chunks' worth (16 MiB
+  there). A step has at most rows / 64 + requests chunks.
+
+Rows past a request's last row in its last chunk load as zeros (k = v = beta = g = 0): their A
+rows and columns, W, U and V' rows are zero and their gates repeat the last real row's, so the
+masked chunk is exactly the shorter one; only real rows are stored.
+
+Precision: every product accumulates in float32. For 16-bit inputs (the production case) the walk's
+products (W S_c, (K * decay)^T V') and the output kernel's take 16-bit operands: q and k as they
+are, the state and V' rounded to the chunk states' dtype, as FLA's kernels take theirs; the walk
+keeps its state in float32 registers, so the rounding reaches each chunk's products once and never
+accumulates through the recurrence. The solve keeps float32 operands as tf32 (its keys' product
+K K^T takes them in 16 bits, which is exact). On an H200 (benchmarks/chunk_kernel_sweep.py, requests
+of 1 to 1000 rows at Dk = Dv = 128 against the float32 recurrence) the 16-bit products moved GDN's
+worst output error from 2.3e-3 to 2.9e-3 and its states' from 8.4e-4 to 1.9e-3 (Lightning's: 2.0e-3
+to 2.7e-3, 4.3e-4 to 1.5e-3), against 1.7e-3 to 3.2e-3 for FLA's; the tests' bound is 1e-2, and
+`ChunkConfig.low_precision_dots=False` keeps float32 operands. Float32 inputs take float32
+operands as tf32x3 (about float32 accuracy). Triton's interpreter takes float32 operands throughout
+(launch_math.triton_interpreted says why). The chunk states S_c are stored as bfloat16 for 16-bit
+inputs and float32 for float32 ones: the rounding reaches only the output term (Q * exp(G)) S_c,
+once; bfloat16 rather than float16 (for float16 inputs too) since a state sums many tokens and can
+pass float16's 65504, where bfloat16 has float32's range. V' stays float32 (it is U's storage).
+
+Not here: per-channel gates (KDA), which keep FLA's chunk kernels; the choice of path (the
+backend's `chunk_impl` option, runtime/backends/triton_linear.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.backends.kernels.launch_cache import Launcher
+from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
+from runtime.backends.kernels.sm_count import num_sms
+from runtime.backends.kernels.linear import GATE_PER_CHANNEL, OP_OF_GATE, _check_rows, _recurrent_args
+from runtime.cache.state_pool import PADDING_SLOT
+
+__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_config", "chunk_workspace",
+           "chunk_matrix_workspace", "chunk_state_dtype", "chunk_state_workspace", "chunk_extend"]
+
+CHUNK_T = 64  # rows of a chunk by default: FLA's chunk length, so the backend's one table serves both
+SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's smallest tile)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig:
+    block_v: int  # BV: Dv columns of the state one program of the state kernel owns (a power of two >= 16)
+    num_warps: int  # of the state kernel
+    solve_warps: int  # of the solve kernel
+    out_block_v: int = 64  # Dv columns of one output kernel program (a power of two >= 16)
+    out_warps: int = 4  # of the output kernel
+    state_stages: int = 1  # software-pipelining stages of the state kernel's chunk loop
+    # 16-bit inputs: the state and output kernels' products take 16-bit operands (module docstring,
+    # precision); False keeps float32 operands as tf32. Float32 inputs ignore it.
+    low_precision_dots: bool = True
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
+def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> ChunkConfig:
+    """Tiles per kernel.
+
+    The state kernel's programs each walk one request's chunks one after another, so its time is the
+    longest request's chunks times one chunk's latency: narrower Dv tiles mean more programs in
+    flight, but each tile loads the chunk's k and W again. The rule: 64 columns where that still
+    gives a program per SM, else 32 (measured on an earlier design; on an H200 with this one, bf16,
+    32 GDN heads of 128: one request of 2048 tokens 0.131 ms in tiles of 32 and 0.155 in tiles of
+    64, 2 stages). Its chunk loop is software-pipelined, the next chunk's loads issued during this
+    chunk's products: 3 stages for tiles of 32 columns (0.112 ms there against 0.133 with 2 and
+    0.165 with 1), 2 for tiles of 64, where a third does not fit in shared memory beside the others
+    (four requests of 512: 0.068 ms with 2, 0.119 with 3; benchmarks/chunk_kernel_sweep.py).
+
+    The output kernel's programs are independent (chunks x heads x Dv tiles, thousands for a long
+    prompt): 64 columns in 4 warps (8 warps or 128 columns were slower, the same sweep). The solve
+    kernel: 4 warps (2 or 8 were slower)."""
+    block_v = min(64 if requests * heads * cdiv(dv, 64) >= num_sms(device) else 32, max(16, next_pow2(dv)))
+    return ChunkConfig(block_v, 4, 4, min(64, max(16, next_pow2(dv))), 4, state_stages=3 if block_v <= 32 else 2)
+
+
+# Key columns the output kernel takes at a time (its q, k and S_c blocks).
+_OUT_KEY_BLOCK = 64
+
+# Requests the state kernel sums at a time to find a request's first chunk (its row of the table).
+_REQUEST_BLOCK = 128
+
+
+# One set of workspaces per (device, Hv, Dk, Dv) (the chunk states' also per dtype), shared by every
+# layer of that shape: the launches of one layer complete before the next layer's on the same
+# stream. Each grows to a power of two of rows (chunks) and never shrinks, so steps of the same
+# bucket (and every layer of a step) get the same addresses, which the Launcher's cache keys on.
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_STATE_WORKSPACES: dict[tuple, torch.Tensor] = {}
+_MATRIX_WORKSPACES: dict[tuple, torch.Tensor] = {}
+
+
+def chunk_workspace(rows: int, heads: int, dk: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W [rows, heads, dk], U [rows, heads, dv]) float32 views of the cached workspace: the solve
+    kernel writes both, the state kernel overwrites U with V' (module docstring, memory)."""
+    key = (torch.device(device), heads, dk, dv)
+    held = _WORKSPACES.get(key)
+    if held is None or held[0].shape[0] < rows:
+        cap = max(256, next_pow2(rows))
+        held = (torch.empty(cap, heads, dk, dtype=torch.float32, device=device),
+                torch.empty(cap, heads, dv, dtype=torch.float32, device=device))
+        _WORKSPACES[key] = held
+    return held[0][:rows], held[1][:rows]
+
+
+def chunk_matrix_workspace(chunks: int, heads: int, block_t: int, device: torch.device) -> torch.Tensor:
+    """[chunks, heads, block_t, block_t] float32 view of the cached matrix workspace: the solve
+    kernel's A and then T = (I + A)^-1 of each chunk and value head. Cached and grown like
+    `chunk_state_workspace`, by chunks (at least 16)."""
+    key = (torch.device(device), heads, block_t)
+    held = _MATRIX_WORKSPACES.get(key)
+    if held is None or held.shape[0] < chunks:
+        held = torch.empty(max(16, next_pow2(chunks)), heads, block_t, block_t, dtype=torch.float32, device=device)
+        _MATRIX_WORKSPACES[key] = held
+    return held[:chunks]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkWorkspaces:
+    """Workspaces owned by one caller instead of the shared cache: a captured step's kernels keep
+    their addresses, so they must never be regrown under it (an eager step longer than every
+    bucket regrows the cache). W and T are None without the delta rule."""
+
+    w: torch.Tensor | None  # [rows, Hv, Dk] float32
+    u: torch.Tensor  # [rows, Hv, Dv] float32 (V' over U; without the delta rule unused)
+    t: torch.Tensor | None  # [chunks, Hv, BT, BT] float32
+    cs: torch.Tensor  # [chunks, Hv, Dk, Dv] in chunk_state_dtype
+
+    @classmethod
+    def allocate(cls, rows: int, chunks: int, heads: int, dk: int, dv: int, dtype: torch.dtype, delta: bool,
+                 device: torch.device, block_t: int = CHUNK_T) -> "ChunkWorkspaces":
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(rows, heads, dk, **f32) if delta else None,
+                   torch.empty(rows, heads, dv, **f32),
+                   torch.empty(chunks, heads, block_t, block_t, **f32) if delta else None,
+                   torch.empty(chunks, heads, dk, dv, dtype=chunk_state_dtype(dtype), device=device))
+
+    def fits(self, rows: int, chunks: int) -> bool:
+        return self.u.shape[0] >= rows and self.cs.shape[0] >= chunks
+
+
+def chunk_state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The chunk states' dtype for inputs of `dtype`: float32 for float32, else bfloat16 (module
+    docstring, precision: the rounding reaches only the outputs; float16 could overflow)."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def chunk_state_workspace(chunks: int, heads: int, dk: int, dv: int, dtype: torch.dtype,
+                          device: torch.device) -> torch.Tensor:
+    """[chunks, heads, dk, dv] view of the cached chunk-state workspace in `dtype`: row c holds the
+    state entering chunk c of the chunk table, as the state kernel left it for the output kernel.
+    Cached and grown like `chunk_workspace`, by chunks (at least 16)."""
+    key = (torch.device(device), heads, dk, dv, dtype)
+    held = _STATE_WORKSPACES.get(key)
+    if held is None or held.shape[0] < chunks:
+        held = torch.empty(max(16, next_pow2(chunks)), heads, dk, dv, dtype=dtype, device=device)
+        _STATE_WORKSPACES[key] = held
+    return held[:chunks]
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _chunk_gates(g_ptr, rows, start, n, head, stride_g_row, stride_g_head, BT: tl.constexpr, GATE: tl.constexpr):
+    """Cumulative log-gates G at the chunk-local rows `rows` (float32, one per entry of rows): the
+    sum of the gates of the chunk's rows 0 .. rows[i]. Rows at or past n (the masked tail) hold the
+    last real row's G, so G at row BT-1 is always the chunk's total decay."""
+    if GATE == 2:  # GATE_CONSTANT: one log-decay per head
+        g = tl.load(g_ptr + head * stride_g_head).to(tl.float32)
+        cum = (tl.minimum(rows, n - 1) + 1).to(tl.float32) * g
+    else:
+        offs = tl.arange(0, BT)
+        gates = tl.load(g_ptr + (start + offs) * stride_g_row + head * stride_g_head, mask=offs < n, other=0.0)
+        cum = tl.sum(tl.where(offs[None, :] <= rows[:, None], gates.to(tl.float32)[None, :], 0.0), axis=1)
+    return cum
+
+
+@triton.jit
+def _diagonal_block_inverses(tile, BT: tl.constexpr, BS: tl.constexpr):
+    """(I + A_bb)^-1 for every diagonal [BS, BS] block b of the strictly lower [BT, BT] A at `tile`
+    (row-major, in memory), by forward substitution, all blocks at once: row r of each inverse is
+    e_r - sum_{j<r} a_rj (row j of it). The rows not yet reached hold e_j and a_rj = 0 for j >= r,
+    so each step is one masked product; row r of A is loaded rather than picked out of a register
+    tile (a reduction less a step), and the blocks' chains run side by side in one [NB, BS, BS]
+    tile rather than one after another. Returns that tile."""
+    NB: tl.constexpr = BT // BS
+    blk = tl.arange(0, NB)
+    offs = tl.arange(0, BS)
+    inv = tl.where((offs[:, None] == offs[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BS, BS], tl.float32)
+    for r in tl.static_range(1, BS):
+        a_r = tl.load(tile + (blk[:, None] * BS + r) * BT + blk[:, None] * BS + offs[None, :])  # [NB, BS]: j
+        step = tl.sum(a_r[:, :, None] * inv, axis=1)  # [NB, BS]: sum_j a_rj inv_j
+        inv = tl.where((offs == r)[None, :, None], inv - step[:, None, :], inv)
+    return inv
+
+
+@triton.jit
+def _chunk_solve_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
+    stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
+    stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row, stride_u_head,
+    stride_t_chunk, stride_t_head,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+    BVF: tl.constexpr,  # next power of two >= DV (at least 16): all of Dv in one program
+    BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
+):
+    """W and U of one chunk and value head (module docstring): A, then T = (I + A)^-1 by blocks in
+    the chunk's [BT, BT] tile of the matrix workspace (t), then W = T R_w and U = T R_u."""
+    chunk = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    key_head = head // GROUP
+    req = tl.load(chunks_ptr + 2 * chunk)
+    start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
+    n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
+    if n <= 0:  # a row of a captured step's table past the step's chunks (an empty request's)
+        return
+    offs_t = tl.arange(0, BT)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BVF)
+    m_t = offs_t < n
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    rows = start + offs_t
+    k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :],
+                mask=m_t[:, None] & m_k[None, :], other=0.0)
+    beta = tl.load(beta_ptr + rows * stride_b_row + head * stride_b_head, mask=m_t, other=0.0).to(tl.float32)
+    gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+    if LOWP:  # 16-bit keys: their products are exact either way, the 16-bit tensor cores faster
+        kk = tl.dot(k, tl.trans(k))
+    else:
+        kk = tl.dot(k.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=DOT_PREC)
+    # A, strictly lower, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
+    lower = offs_t[:, None] > offs_t[None, :]
+    a = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gate[:, None] - gate[None, :], 0.0)), 0.0)
+    tile = t_ptr + chunk * stride_t_chunk + head * stride_t_head  # [BT, BT], row-major
+    tl.store(tile + offs_t[:, None] * BT + offs_t[None, :], a)
+    tl.debug_barrier()  # the blocks below are read back by other threads of this program
+    # T over A: first every diagonal block T_ii = (I + A_ii)^-1, then block row by block row
+    # T_ij = -T_ii sum_{j<=c<i} A_ic T_cj. Block (i, j) is overwritten after its last read (j
+    # ascending); rows c < i hold T already (the barrier at the end of each block row).
+    offs_s = tl.arange(0, BS)
+    blk = tl.arange(0, BT // BS)
+    diagonal = ((blk[:, None, None] * BS + offs_s[None, :, None]) * BT + blk[:, None, None] * BS
+                + offs_s[None, None, :])
+    inverses = _diagonal_block_inverses(tile, BT=BT, BS=BS)
+    tl.debug_barrier()  # every thread's reads of the diagonal blocks of A are done
+    tl.store(tile + diagonal, inverses)
+    tl.debug_barrier()
+    block = offs_s[:, None] * BT + offs_s[None, :]
+    for i in tl.static_range(1, BT // BS):
+        t_ii = tl.load(tile + i * BS * BT + i * BS + block)
+        for j in tl.static_range(i):
+            acc = tl.zeros([BS, BS], dtype=tl.float32)
+            for c in tl.static_range(j, i):
+                acc += tl.dot(tl.load(tile + i * BS * BT + c * BS + block), tl.load(tile + c * BS * BT + j * BS + block),
+                              input_precision=DOT_PREC)
+            tl.store(tile + i * BS * BT + j * BS + block, -tl.dot(t_ii, acc, input_precision=DOT_PREC))
+        tl.debug_barrier()
+    t = tl.load(tile + offs_t[:, None] * BT + offs_t[None, :])
+    v = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
+                mask=m_t[:, None] & m_v[None, :], other=0.0)
+    w = tl.dot(t, (beta * tl.exp(gate))[:, None] * k.to(tl.float32), input_precision=DOT_PREC)
+    u = tl.dot(t, beta[:, None] * v.to(tl.float32), input_precision=DOT_PREC)
+    # Only the chunk's own rows: the rows after it belong to the next request.
+    tl.store(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :], w,
+             mask=m_t[:, None] & m_k[None, :])
+    tl.store(u_ptr + rows[:, None] * stride_u_row + head * stride_u_head + offs_v[None, :], u,
+             mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _first_chunk(bounds_ptr, req, BT: tl.constexpr, BR: tl.constexpr):
+    """Request req's first row of the chunk table: the chunks of the requests before it, which
+    the chunk table lists first (requests in order), summed from the bounds BR requests at a time."""
+    first = tl.full([], 0, tl.int64)
+    for base in range(0, req, BR):
+        offs = base + tl.arange(0, BR)
+        m = offs < req
+        lo = tl.load(bounds_ptr + offs, mask=m, other=0).to(tl.int64)
+        hi = tl.load(bounds_ptr + offs + 1, mask=m, other=0).to(tl.int64)
+        first += tl.sum((hi - lo + BT - 1) // BT, axis=0)
+    return first
+
+
+@triton.jit
+def _chunk_state_kernel(
+    k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, state_ptr, slots_ptr, bounds_ptr,
+    stride_k_row, stride_k_head, stride_g_row, stride_g_head, stride_w_row, stride_w_head,
+    stride_vp_row, stride_vp_head, stride_cs_chunk, stride_cs_head, stride_s_slot, stride_s_head,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BR: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, DOT_PREC: tl.constexpr,
+    LOWP: tl.constexpr, PAD_SLOT: tl.constexpr,
+):
+    """One request's chunks in order through one [BK, BV] state tile: per chunk the state entering it
+    (to the chunk-state workspace cs, [chunks, Hv, Dk, Dv] contiguous in its last two dims), V' and
+    the next state; the last state back to the slot. vp is U with the delta rule (V' is written over
+    it) and V without (read only). A request on the padding slot (a graph capture's placeholder
+    requests) starts from a zero state and writes none back: the padding slot is never touched."""
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    v_tile = tl.program_id(2)
+    key_head = head // GROUP
+    bos = tl.load(bounds_ptr + req).to(tl.int64)
+    eos = tl.load(bounds_ptr + req + 1).to(tl.int64)
+    if eos > bos:  # a request without rows keeps its state as it is (not even rewritten)
+        offs_t = tl.arange(0, BT)
+        offs_k = tl.arange(0, BK)
+        offs_v = v_tile * BV + tl.arange(0, BV)
+        m_k = offs_k < DK
+        m_v = offs_v < DV
+        last = offs_t == BT - 1
+        slot = tl.load(slots_ptr + req).to(tl.int64)
+        # slot ids are int64 and the pool can exceed 2**31 elements: offsets stay int64.
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        m_s = m_k[:, None] & m_v[None, :]
+        # the padding slot's tile: neither read nor written (a [BK, BV] mask: the interpreter takes no
+        # scalar in a mask)
+        m_own = m_s & ((offs_k[:, None] * 0 + slot) != PAD_SLOT)
+        s = tl.load(s_ptrs, mask=m_own, other=0.0)
+        cs_tile = cs_ptr + head * stride_cs_head + offs_k[:, None] * DV + offs_v[None, :]
+        first = _first_chunk(bounds_ptr, req, BT=BT, BR=BR)
+        for start in range(bos, eos, BT):
+            chunk = first + (start - bos) // BT
+            tl.store(cs_tile + chunk * stride_cs_chunk, s.to(cs_ptr.dtype.element_ty), mask=m_s)
+            n = tl.minimum(eos - start, BT)
+            m_t = offs_t < n
+            rows = start + offs_t
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            vp_ptrs = vp_ptr + rows[:, None] * stride_vp_row + head * stride_vp_head + offs_v[None, :]
+            v_new = tl.load(vp_ptrs, mask=m_tv, other=0.0).to(tl.float32)
+            if DELTA:
+                w = tl.load(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :], mask=m_tk,
+                            other=0.0)
+                if LOWP:  # 16-bit operands: the chunk states' dtype (module docstring, precision)
+                    v_new -= tl.dot(w.to(cs_ptr.dtype.element_ty), s.to(cs_ptr.dtype.element_ty))
+                else:
+                    v_new -= tl.dot(w, s, input_precision=DOT_PREC)
+                # Over U: this program alone reads and writes these rows' columns of this head.
+                tl.store(vp_ptrs, v_new, mask=m_tv)
+            k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
+                        other=0.0).to(tl.float32)
+            gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+            total = tl.sum(tl.where(last, gate, 0.0), axis=0)  # the chunk's G_last (masked rows repeat it)
+            k_decayed = k * tl.exp(total - gate)[:, None]
+            if LOWP:
+                s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed.to(cs_ptr.dtype.element_ty)),
+                                               v_new.to(cs_ptr.dtype.element_ty))
+            else:
+                s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PREC)
+        # Only this program owns this tile of this slot (requests have distinct slots).
+        tl.store(s_ptrs, s, mask=m_own)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
+    stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
+    scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
+    BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
+):
+    """One chunk's output rows for one value head and Dv tile, from the state entering the chunk (cs)
+    and V' (vp: V' over U with the delta rule, V without), the key dimension KB columns at a time."""
+    chunk = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    v_tile = tl.program_id(2)
+    key_head = head // GROUP
+    req = tl.load(chunks_ptr + 2 * chunk)
+    start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
+    n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
+    if n <= 0:  # a row of a captured step's table past the step's chunks (an empty request's)
+        return
+    offs_t = tl.arange(0, BT)
+    offs_v = v_tile * BV + tl.arange(0, BV)
+    m_t = offs_t < n
+    m_v = offs_v < DV
+    m_tv = m_t[:, None] & m_v[None, :]
+    rows = start + offs_t
+    gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+    q_decay = tl.exp(gate)[:, None]
+    cs_chunk = cs_ptr + chunk * stride_cs_chunk + head * stride_cs_head
+    scores = tl.zeros([BT, BT], dtype=tl.float32)
+    o = tl.zeros([BT, BV], dtype=tl.float32)
+    for kb in tl.static_range(BK // KB):
+        offs_k = kb * KB + tl.arange(0, KB)
+        m_k = offs_k < DK
+        m_tk = m_t[:, None] & m_k[None, :]
+        q = tl.load(q_ptr + rows[:, None] * stride_q_row + key_head * stride_q_head + offs_k[None, :], mask=m_tk,
+                    other=0.0)
+        k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
+                    other=0.0)
+        s = tl.load(cs_chunk + offs_k[:, None] * DV + offs_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                    other=0.0)
+        if LOWP:  # q and k in their own 16-bit dtype, S_c in its stored one (module docstring, precision)
+            scores += tl.dot(q, tl.trans(k))
+            o += tl.dot((q.to(tl.float32) * q_decay).to(cs_ptr.dtype.element_ty), s)
+        else:
+            q = q.to(tl.float32)
+            scores += tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PREC)
+            o += tl.dot(q * q_decay, s.to(tl.float32), input_precision=DOT_PREC)
+    # intra-chunk attention, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
+    causal = offs_t[:, None] >= offs_t[None, :]
+    p = tl.where(causal, scores * tl.exp(tl.where(causal, gate[:, None] - gate[None, :], 0.0)), 0.0)
+    v_new = tl.load(vp_ptr + rows[:, None] * stride_vp_row + head * stride_vp_head + offs_v[None, :], mask=m_tv,
+                    other=0.0).to(tl.float32)
+    if LOWP:
+        o += tl.dot(p.to(cs_ptr.dtype.element_ty), v_new.to(cs_ptr.dtype.element_ty))
+    else:
+        o += tl.dot(p, v_new, input_precision=DOT_PREC)
+    # Only the chunk's own rows: the rows after it belong to the next request (or to no request).
+    tl.store(out_ptr + rows[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :],
+             (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher (host side: shape checks only, never a device read)
+# ---------------------------------------------------------------------------------------------
+
+_CHUNK_SOLVE = Launcher(_chunk_solve_kernel)
+_CHUNK_STATE = Launcher(_chunk_state_kernel)
+_CHUNK_OUTPUT = Launcher(_chunk_output_kernel)
+
+
+def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor | None,
+                 out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor,
+                 chunks: torch.Tensor, scale: float, gate_kind: int, block_t: int = CHUNK_T,
+                 config: ChunkConfig | None = None, workspaces: ChunkWorkspaces | None = None) -> None:
+    """The recurrent cores of an extend step by chunks, over the slot-indexed pool, in place.
+
+    q, k [T, Hk, Dk]; v, out [T, Hv, Dv] (value head h reads key head h // (Hv // Hk)); gate [T, Hv]
+    (GATE_PER_HEAD) or [Hv] (GATE_CONSTANT) log-decays; beta [T, Hv] (the delta rule) or None;
+    state [num_slots+1, Hv, Dk, Dv] float32; slots [R] int64, request r's state slot (no padding
+    slot); bounds [R+1] int64, request r owns rows bounds[r] .. bounds[r+1]-1 (maybe none); chunks
+    [N, 2] int64 on the device, (request, chunk j) rows: launch_math.token_blocks of the requests'
+    lengths for this block_t (chunk j of request r starts at row bounds[r] + j * block_t). Rows from
+    bounds[R] on are not touched. The host reads no device value: the tables are the step's plan.
+
+    Inside a captured graph the tables are static buffers padded to the bucket (the backend's
+    static plan): slots and bounds for more requests than the step has, the extra ones empty
+    (bounds[r] == bounds[r+1]: their programs do nothing), and the chunk table's extra rows naming an
+    empty request (their programs store nothing); `workspaces` are then the caller's own, sized for
+    the largest bucket (ChunkWorkspaces). Requests on the padding slot read a zero state and write
+    none back."""
+    op = OP_OF_GATE[gate_kind]
+    if gate_kind == GATE_PER_CHANNEL:
+        raise ValueError(f"{op}: chunk_extend takes per-head or constant log-decays; per-channel gates (KDA) "
+                         f"run FLA's chunk kernels")
+    if block_t < SUB_T or block_t & (block_t - 1):
+        raise ValueError(f"{op}: block_t must be a power of two of at least {SUB_T}, got {block_t}")
+    R = slots.shape[0]
+    _check_rows(op, R, slots, q, k, v, gate, out, state, bounds, chunks)
+    assert tuple(bounds.shape) == (R + 1,), (
+        f"{op}: bounds must be [{R + 1}] for {R} requests, got {tuple(bounds.shape)}")
+    assert chunks.dim() == 2 and chunks.shape[1] == 2 and chunks.dtype == torch.int64 and chunks.is_contiguous(), (
+        f"{op}: chunks must be a contiguous [N, 2] int64 table (token_blocks), got {chunks.dtype} {tuple(chunks.shape)}")
+    if q.dtype != k.dtype:
+        q = q.to(k.dtype)  # one tl.dot takes both; a rare caller's mix costs a copy
+    rows = q.shape[0]
+    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, rows)
+    num_chunks = chunks.shape[0]
+    if R == 0 or num_chunks == 0:
+        return
+    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
+    (sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, so_r, so_h, ss_slot, ss_head) = strides
+    cfg = config or chunk_config(R, Hv, Dv, q.device)
+    BK = max(SUB_T, next_pow2(Dk))
+    common = dict(GROUP=consts["GROUP"], DK=Dk, DV=Dv, BK=BK, BT=block_t, GATE=gate_kind,
+                  DOT_PREC="tf32x3" if v.dtype == torch.float32 else "tf32")
+    delta = beta is not None
+    lowp = cfg.low_precision_dots and v.dtype != torch.float32 and not triton_interpreted()
+    if workspaces is not None:
+        if not workspaces.fits(rows, num_chunks) or (delta and workspaces.w is None):
+            raise ValueError(f"{op}: the caller's workspaces hold {workspaces.u.shape[0]} rows and "
+                             f"{workspaces.cs.shape[0]} chunks; this step needs {rows} and {num_chunks}"
+                             + (" with the delta rule's W and T" if delta else ""))
+        cs = workspaces.cs[:num_chunks]
+    else:
+        cs = chunk_state_workspace(num_chunks, Hv, Dk, Dv, chunk_state_dtype(v.dtype), q.device)
+    if delta:
+        if workspaces is not None:
+            w, vp, t = workspaces.w[:rows], workspaces.u[:rows], workspaces.t[:num_chunks]
+        else:
+            w, vp = chunk_workspace(rows, Hv, Dk, Dv, q.device)
+            t = chunk_matrix_workspace(num_chunks, Hv, block_t, q.device)
+        _CHUNK_SOLVE[(num_chunks, Hv)](
+            k, v, gate, beta, w, vp, t, bounds, chunks,
+            sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1),
+            t.stride(0), t.stride(1),
+            **common, BVF=max(SUB_T, next_pow2(Dv)), BS=SUB_T, LOWP=lowp, num_warps=cfg.solve_warps)
+    else:
+        w, vp = k, v  # w is never read without the delta rule (any valid pointer will do); V' is V
+    _CHUNK_STATE[(R, Hv, cdiv(Dv, cfg.block_v))](
+        k, gate, w, vp, cs, state, slots, bounds,
+        sk_r, sk_h, sg_r, sg_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1), cs.stride(0), cs.stride(1),
+        ss_slot, ss_head,
+        **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, LOWP=lowp, PAD_SLOT=PADDING_SLOT,
+        num_warps=cfg.num_warps, num_stages=cfg.state_stages)
+    _CHUNK_OUTPUT[(num_chunks, Hv, cdiv(Dv, cfg.out_block_v))](
+        q, k, vp, gate, cs, out, bounds, chunks,
+        sq_r, sq_h, sk_r, sk_h, vp.stride(0), vp.stride(1), sg_r, sg_h, so_r, so_h, cs.stride(0), cs.stride(1),
+        float(scale), **common, KB=min(BK, _OUT_KEY_BLOCK), BV=cfg.out_block_v, LOWP=lowp, num_warps=cfg.out_warps)

@@ -1,0 +1,800 @@
+"""Triton kernels for the linear-attention cores (GDN, KDA, Lightning) and the short conv.
+
+What this module owns: the decode kernels and their launchers (one token per request, T == B
+rows), the recurrent cores' short-extend kernel (a few tokens per request, run one after another
+through the state in registers: `recurrent_extend`), and the short convolution's extend kernel
+(any number of tokens per request), each reading and updating the slot-indexed state pool in
+place.
+
+1. One program per (request, value head, Dv tile). It loads the request's slot id, and for a
+   real request the [Dk, BV] tile of that slot's state straight from the pool (no gather copy),
+   the token's q/k/v, its gate and beta, all in float32 registers.
+2. The whole update happens on that one tile in registers, then the tile is stored back to the
+   same addresses and the output row written once. Rows whose slot is the padding slot load
+   nothing, store no state and write zeros to `out`.
+3. The launch grid comes from tensor shapes only and the launchers never read a device value,
+   so a launch can be captured in a CUDA graph and replayed with new slot ids and inputs.
+
+The update is rearranged so that both reductions over Dk read the *old* state (one pass,
+independent reductions, nothing waits on a rewritten tile). With D = diag(exp(g)) acting on
+the key dimension and q already scaled:
+
+    a = (D k)^T S          predicted value of the old state under this token's decay     [BV]
+    c = (D q)^T S          query read of the decayed old state                           [BV]
+    u = beta (v - a)       delta-rule correction (Lightning: u = v, no beta)             [BV]
+    S' = D S + k u^T       new state                                                      [BK, BV]
+    o = c + (q . k) u      = q^T S', without a second reduction over the new tile         [BV]
+
+GDN is the scalar-decay case with key head h // (Hv / Hk); KDA the per-channel decay; Lightning
+a constant per-head decay without the delta rule. All three are one kernel with constexpr flags.
+Every stored state element is computed from the element loaded at the same address, so the
+in-place store cannot overtake a load in another thread.
+
+The decode conv has one program per (request, channel tile): it loads the slot's last K-1
+inputs, convolves them with this token's input (bias, silu), and rolls the history in place.
+There a stored column comes from another column, so all loads precede one barrier and all
+stores follow it.
+
+The extend conv (`short_conv_extend`) has one program per (token block, channel tile). The
+step's token blocks are a table the caller plans once per step and shares across layers: each
+row names a request and a block of CONV_EXTEND_BLOCK_T of its tokens; one last pseudo-request
+holds the padding rows, whose programs write zeros. A program convolves its tokens with the K-1 inputs
+before them, taken from x or, for a request's first K-1 tokens, from the slot's history; the
+program of a request's first block also writes the slot's new history (see the kernel for why
+no other program can race it).
+
+The short-extend kernel has one program per (request, value head, Dv tile): the decode kernel's
+update (`_token_step`, shared) applied to the request's tokens in order, the tile loaded once and
+stored once. Its time grows with the longest request, so it serves steps of short requests only;
+long prefills take FLA's chunk kernels.
+
+Not here: the recurrent cores' long extend/prefill (FLA's chunk kernels, called by the backend),
+l2-normalisation of q/k and the gate activations that produce g and beta (they stay in the
+graph), and which backend serves a layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.backends.kernels.launch_cache import Launcher
+from runtime.backends.kernels.launch_math import cdiv, next_pow2
+from runtime.backends.kernels.sm_count import num_sms
+from runtime.cache.state_pool import PADDING_SLOT
+
+__all__ = [
+    "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
+    "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config", "fixed_conv_config",
+    "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
+    "recurrent_verify", "short_conv_verify",
+    "CONV_EXTEND_BLOCK_T", "conv_extend_config", "short_conv_extend",
+]
+
+# How the log-decay is given (a constexpr of the kernel).
+GATE_PER_HEAD = 0  # GDN: g [T, H], one decay per token and value head
+GATE_PER_CHANNEL = 1  # KDA: g [T, H, Dk], one decay per token, head and key channel
+GATE_CONSTANT = 2  # Lightning: decay [H], the same for every token
+OP_OF_GATE = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONSTANT: "lightning_core"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+    block_v: int  # BV: Dv columns of the state one program owns (a power of two)
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvConfig:
+    block_c: int  # channels one program owns (a power of two)
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
+def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
+    """Tile choice for a decode launch of `batch` rows of `heads` value heads.
+
+    The kernel is bound by the state bytes; what limits it at small batch is how many programs
+    are in flight to keep every SM's loads outstanding. Take the widest Dv tile (fewer, larger
+    programs: less per-program overhead) that still gives about four programs per SM; at batch 1
+    with 32 heads of 128 that is BV=8 (512 programs). Keep ~32 state floats per thread.
+    """
+    target = 4 * num_sms(device)
+    max_bv = next_pow2(dv)
+    block_v = min(8, max_bv)
+    for bv in (32, 16, 8):
+        if bv <= max_bv and batch * heads * cdiv(dv, bv) >= target:
+            block_v = bv
+            break
+    num_warps = max(1, min(8, next_pow2(dk) * block_v // 1024))
+    return RecurrentConfig(block_v, num_warps)
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
+def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
+    """Channel tile for the decode conv: about two programs per SM, at least one channel a thread."""
+    target = 2 * num_sms(device)
+    block_c = 32
+    for bc in (512, 256, 128, 64, 32):
+        if batch * cdiv(channels, bc) >= target:
+            block_c = bc
+            break
+    return _conv_tile(block_c, channels)
+
+
+def _conv_tile(block_c: int, channels: int) -> ConvConfig:
+    """A decode-conv tile of block_c channels (fewer where the layer has fewer), one warp per 64."""
+    block_c = min(block_c, max(32, next_pow2(channels)))
+    return ConvConfig(block_c, max(1, min(4, block_c // 64)))
+
+
+# decode_tiles="fixed" (hgc compile --batch-invariant): one tile for every request count, since a
+# different tile reduces a request's state and window in a different order. The tile chosen is the
+# one that serves a full batch best, not one request's: in the tile sweep of
+# benchmarks/gpu_linear_decode.py (BENCHMARKS.md, "Batch-invariant numerics", second run; GDN at 32
+# heads of 128, the Qwen3-Next conv of 8192 channels) one request's tiles (Dv 8, 1 warp; 32
+# channels) took 1.9x and 1.5x the time of these at batch 32 and 3.4x and 2.0x at batch 256, while
+# these cost at most 0.2 us more than one request's tiles at batch 1.
+
+
+@functools.lru_cache(maxsize=None)
+def fixed_recurrent_config(heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
+    """The decode and verify tile of decode_tiles="fixed": what `recurrent_config` picks once the
+    batch fills the device (Dv 32, 4 warps at Dk = Dv = 128)."""
+    return recurrent_config(4 * num_sms(device), heads, dk, dv, device)
+
+
+def fixed_conv_config(channels: int) -> ConvConfig:
+    """The decode and verify conv tile of decode_tiles="fixed": 128 channels and 2 warps (fewer
+    where the layer has fewer channels)."""
+    return _conv_tile(128, channels)
+
+
+# Tokens one extend-conv program owns. The block table is planned once per step for this size,
+# so it is one constant, not a per-launch choice. It must be at least K-1, so that only a
+# request's first block reaches back into the slot's history (see _short_conv_extend_kernel).
+CONV_EXTEND_BLOCK_T = 32
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
+def conv_extend_config(num_blocks: int, channels: int, device: torch.device) -> ConvConfig:
+    """Channel tile of the extend conv: the widest that still gives about two programs per SM
+    (a long prompt: 256 channels, 8 warps; a few short requests: narrower tiles, more programs),
+    with ~32 elements of the [CONV_EXTEND_BLOCK_T, block_c] tile per thread."""
+    target = 2 * num_sms(device)
+    block_c = 32
+    for bc in (256, 128, 64, 32):
+        if num_blocks * cdiv(channels, bc) >= target:
+            block_c = bc
+            break
+    block_c = min(block_c, max(32, next_pow2(channels)))
+    return ConvConfig(block_c, max(1, min(8, CONV_EXTEND_BLOCK_T * block_c // 1024)))
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
+                stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                GROUP: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
+    """One token of one request through one [BK, BV] state tile in registers: (new tile, output [BV]).
+
+    Both reductions read the old tile (module docstring), so neither waits on the update. Every
+    new element comes from the old element of the same position, which lets a caller store the
+    tile back to the addresses it loaded it from."""
+    key_head = head // GROUP
+    # q carries the output scale from the start: one multiply per key channel, not per output.
+    q = tl.load(q_ptr + row * stride_q_row + key_head * stride_q_head + offs_k, mask=m_k, other=0.0)
+    q = q.to(tl.float32) * scale
+    k = tl.load(k_ptr + row * stride_k_row + key_head * stride_k_head + offs_k, mask=m_k, other=0.0)
+    k = k.to(tl.float32)
+    v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + offs_v, mask=m_v, other=0.0)
+    v = v.to(tl.float32)
+    if GATE == 1:
+        decay = tl.load(g_ptr + row * stride_g_row + head * stride_g_head + offs_k, mask=m_k, other=0.0)
+        decay = tl.exp(decay.to(tl.float32))  # [BK]
+        c = tl.sum(s * (q * decay)[:, None], axis=0)
+        s_decayed = s * decay[:, None]
+        if DELTA:
+            a = tl.sum(s * (k * decay)[:, None], axis=0)
+    else:
+        if GATE == 0:
+            decay = tl.exp(tl.load(g_ptr + row * stride_g_row + head * stride_g_head).to(tl.float32))
+        else:
+            decay = tl.exp(tl.load(g_ptr + head * stride_g_head).to(tl.float32))  # constant per head
+        c = tl.sum(s * q[:, None], axis=0) * decay
+        s_decayed = s * decay
+        if DELTA:
+            a = tl.sum(s * k[:, None], axis=0) * decay
+    if DELTA:
+        beta = tl.load(beta_ptr + row * stride_b_row + head * stride_b_head).to(tl.float32)
+        u = beta * (v - a)
+    else:
+        u = v  # Lightning: no delta rule
+    qk = tl.sum(q * k, axis=0)
+    return s_decayed + k[:, None] * u[None, :], c + qk * u
+
+
+@triton.jit
+def _recurrent_decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
+    stride_s_slot, stride_s_head,
+    scale,
+    GROUP: tl.constexpr,  # value heads per key head (Hv // Hk)
+    DK: tl.constexpr, DV: tl.constexpr,
+    BK: tl.constexpr,  # next power of two >= DK: the whole key dimension sits in one program
+    BV: tl.constexpr,
+    GATE: tl.constexpr,  # GATE_PER_HEAD / GATE_PER_CHANNEL / GATE_CONSTANT
+    DELTA: tl.constexpr,  # delta rule with beta (GDN, KDA) or plain outer product (Lightning)
+    PAD_SLOT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # request == row in a decode step
+    head = tl.program_id(1)  # value head
+    v_tile = tl.program_id(2)
+
+    offs_k = tl.arange(0, BK)
+    offs_v = v_tile * BV + tl.arange(0, BV)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    o_ptrs = out_ptr + row * stride_o_row + head * stride_o_head + offs_v
+
+    # slot ids are int64 and the pool can exceed 2**31 elements: keep offsets in int64.
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        # state tile [BK, BV] of this slot and head; the pool's [Dk, Dv] rows are contiguous.
+        m_s = m_k[:, None] & m_v[None, :]
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+        s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
+                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                           stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                           GROUP=GROUP, GATE=GATE, DELTA=DELTA)
+        # Each stored element is computed from the element loaded at the same address, so no
+        # thread's store can overtake another thread's load of it.
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_v)
+    else:
+        # padding row: its inputs may hold anything; it reads nothing and writes zeros.
+        tl.store(o_ptrs, tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _recurrent_extend_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
+    stride_s_slot, stride_s_head,
+    scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr,
+):
+    """A few tokens per request: one program per (request, value head, Dv tile) loads the slot's
+    tile once, runs the request's tokens bounds[r] .. bounds[r+1]-1 through it in order, writing
+    each token's output, and stores the tile once at the end."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    v_tile = tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = v_tile * BV + tl.arange(0, BV)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    m_s = m_k[:, None] & m_v[None, :]
+    bos = tl.load(bounds_ptr + seq).to(tl.int64)
+    eos = tl.load(bounds_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+    s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+    for row in range(bos, eos):
+        s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
+                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                           stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                           GROUP=GROUP, GATE=GATE, DELTA=DELTA)
+        tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v, o.to(out_ptr.dtype.element_ty),
+                 mask=m_v)
+    # Only this program touches this tile of this slot: the store after the loop races nothing.
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def _recurrent_verify_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, inter_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
+    stride_s_slot, stride_s_head, stride_i_row, stride_i_tok, stride_i_head,
+    scale,
+    N: tl.constexpr,  # tokens per request: request r owns rows r*N .. r*N+N-1
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, PAD_SLOT: tl.constexpr,
+):
+    """A target-verify step: one program per (request, value head, Dv tile) loads the slot's tile
+    once, runs the request's N tokens through it in order (each token exactly as the decode kernel
+    runs it), writes the tile after token t < N-1 into the request's intermediate entry t, and
+    stores the tile after the last token back into the slot. A request on the padding slot reads
+    and keeps nothing and writes zero outputs."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    v_tile = tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = v_tile * BV + tl.arange(0, BV)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    first = seq * N
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    if slot != PAD_SLOT:
+        m_s = m_k[:, None] & m_v[None, :]
+        tile = offs_k[:, None] * DV + offs_v[None, :]
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + tile
+        i_ptrs = inter_ptr + seq * stride_i_row + head * stride_i_head + tile
+        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+        for t in tl.static_range(N):
+            s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, first + t, head, offs_k, offs_v, m_k, m_v,
+                               stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row,
+                               stride_v_head, stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                               GROUP=GROUP, GATE=GATE, DELTA=DELTA)
+            tl.store(out_ptr + (first + t) * stride_o_row + head * stride_o_head + offs_v,
+                     o.to(out_ptr.dtype.element_ty), mask=m_v)
+            if t < N - 1:
+                tl.store(i_ptrs + t * stride_i_tok, s.to(inter_ptr.dtype.element_ty), mask=m_s)
+        # Only this program touches this tile of this slot: the store after the loop races nothing.
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+    else:
+        for t in tl.static_range(N):
+            tl.store(out_ptr + (first + t) * stride_o_row + head * stride_o_head + offs_v,
+                     tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _short_conv_decode_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr,
+    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c,
+    C,
+    KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
+    KWP: tl.constexpr,  # next power of two >= KW: the window's columns in registers
+    BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    PAD_SLOT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c_tile = tl.program_id(1)
+    offs_c = c_tile * BC + tl.arange(0, BC)
+    m_c = offs_c < C
+    o_ptrs = out_ptr + row * stride_o_row + offs_c
+
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        y, _ = _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+                           stride_s_slot, stride_s_c, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
+        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
+    else:
+        tl.store(o_ptrs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=m_c)
+
+
+@triton.jit
+def _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+                stride_s_slot, stride_s_c, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SILU: tl.constexpr):
+    """One token (row `row` of x) through the conv of one slot's channels offs_c: (output [BC] in
+    float32, the rolled history [BC, KWP] in float32), the history stored back into the slot."""
+    cols = tl.arange(0, KWP)
+    # [BC, KWP] pointers to the slot's history; columns 0..K-2 exist
+    s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :]
+    m_hist = m_c[:, None] & (cols[None, :] < KW - 1)
+    hist = tl.load(s_ptrs, mask=m_hist, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x_row + offs_c, mask=m_c, other=0.0).to(tl.float32)  # [BC]
+    w = tl.load(w_ptr + offs_c[:, None] * stride_w_c + cols[None, :],
+                mask=m_c[:, None] & (cols[None, :] < KW), other=0.0).to(tl.float32)  # [BC, KWP]
+    window = tl.where(cols[None, :] == KW - 1, x[:, None], hist)  # inputs t-K+1 .. t
+    y = tl.sum(window * w, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    # The rolled history: column j takes column j+1, the last one the new input. Read the
+    # shifted columns now, then a barrier: no thread may overwrite a column another thread
+    # has yet to read (the compiler may give loads and stores different thread layouts).
+    shifted = tl.load(s_ptrs + 1, mask=m_c[:, None] & (cols[None, :] < KW - 2), other=0.0).to(tl.float32)
+    new_hist = tl.where(cols[None, :] == KW - 2, x[:, None], shifted)
+    tl.debug_barrier()
+    tl.store(s_ptrs, new_hist.to(state_ptr.dtype.element_ty), mask=m_hist)
+    return y, new_hist
+
+
+@triton.jit
+def _short_conv_verify_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, inter_ptr,
+    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_i_row, stride_i_tok, stride_i_c,
+    C,
+    N: tl.constexpr,  # tokens per request: request r owns rows r*N .. r*N+N-1
+    KW: tl.constexpr, KWP: tl.constexpr, BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PAD_SLOT: tl.constexpr,
+):
+    """A target-verify step of the decode conv: the request's N tokens in order, each through the
+    decode kernel's own step (_conv_token, which rolls the slot's history), and the history after
+    token t < N-1 also into the request's intermediate entry t. A request on the padding slot
+    reads and keeps nothing and writes zero outputs."""
+    seq = tl.program_id(0).to(tl.int64)
+    c_tile = tl.program_id(1)
+    offs_c = c_tile * BC + tl.arange(0, BC)
+    m_c = offs_c < C
+    first = seq * N
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    if slot != PAD_SLOT:
+        cols = tl.arange(0, KWP)
+        i_ptrs = inter_ptr + seq * stride_i_row + offs_c[:, None] * stride_i_c + cols[None, :]
+        for t in tl.static_range(N):
+            y, kept = _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, first + t, offs_c, m_c, stride_x_row,
+                                  stride_w_c, stride_s_slot, stride_s_c, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
+            tl.store(out_ptr + (first + t) * stride_o_row + offs_c, y.to(out_ptr.dtype.element_ty), mask=m_c)
+            if t < N - 1:
+                tl.store(i_ptrs + t * stride_i_tok, kept.to(inter_ptr.dtype.element_ty),
+                         mask=m_c[:, None] & (cols[None, :] < KW - 1))
+            # the next token reads the history this one stored, maybe from another thread
+            tl.debug_barrier()
+    else:
+        for t in tl.static_range(N):
+            tl.store(out_ptr + (first + t) * stride_o_row + offs_c, tl.zeros([BC], dtype=out_ptr.dtype.element_ty),
+                     mask=m_c)
+
+
+@triton.jit
+def _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
+                 KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HISTORY: tl.constexpr):
+    """sum_k w[c, k] * input[i - (K-1) + k, c] over a [BT, BC] tile of tokens i, in float32, the taps
+    added in the reference's order. Input p >= 0 of the request is row p of x_rows; p < 0 is history
+    column K-1+p, read only with HISTORY (else those taps are zero: a block that never reaches back)."""
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for k in tl.static_range(KW):
+        p = offs_t + (k - (KW - 1))
+        v = tl.load(x_rows + p[:, None] * stride_x_row + offs_c[None, :], mask=m_out & (p >= 0)[:, None], other=0.0)
+        v = v.to(tl.float32)
+        if HISTORY:  # exactly one of the two masked loads is live per element
+            h = tl.load(hist_ptrs[None, :] + (KW - 1 + p)[:, None], mask=m_out & (p < 0)[:, None], other=0.0)
+            v += h.to(tl.float32)
+        wk = tl.load(w_ptr + offs_c * stride_w_c + k, mask=m_c, other=0.0).to(tl.float32)
+        acc += v * wk[None, :]
+    return acc
+
+
+# num_seqs changes every step: not specialized, so one build serves every batch (the bundle holds it)
+@triton.jit(do_not_specialize=["num_seqs"])
+def _short_conv_extend_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr,
+    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c,
+    C, num_seqs,
+    KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
+    HP: tl.constexpr,  # next power of two >= K-1: the history's columns in registers
+    BT: tl.constexpr,  # tokens of a block (CONV_EXTEND_BLOCK_T), at least K-1
+    BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    PAD_SLOT: tl.constexpr,
+):
+    # blocks [NB, 2]: (request r, block j) covers tokens j*BT .. j*BT+BT-1 of request r, which are
+    # rows bounds[r] + those of x and out; bounds [R+2] is cu_seqlens then the step's row count,
+    # so r == num_seqs is the padding rows.
+    blk = tl.program_id(0)
+    c_tile = tl.program_id(1)
+    seq = tl.load(blocks_ptr + 2 * blk)
+    j = tl.load(blocks_ptr + 2 * blk + 1)
+    bos = tl.load(bounds_ptr + seq).to(tl.int64)
+    n = tl.load(bounds_ptr + seq + 1).to(tl.int64) - bos  # tokens of the request (padding: rows)
+    if j * BT >= n:  # a row of a captured step's table past the step's blocks (an empty request's)
+        return
+    offs_t = j * BT + tl.arange(0, BT)  # token index within the request
+    offs_c = c_tile * BC + tl.arange(0, BC)
+    m_t = offs_t < n
+    m_c = offs_c < C
+    m_out = m_t[:, None] & m_c[None, :]
+    o_ptrs = out_ptr + (bos + offs_t)[:, None] * stride_o_row + offs_c[None, :]
+
+    if seq == num_seqs:
+        # padding rows: their inputs may hold anything; they read nothing and come out zero.
+        tl.store(o_ptrs, tl.zeros([BT, BC], dtype=out_ptr.dtype.element_ty), mask=m_out)
+    else:
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        hist_ptrs = state_ptr + slot * stride_s_slot + offs_c * stride_s_c  # [BC]: column 0 of the history
+        x_rows = x_ptr + bos * stride_x_row
+        # Only a request's first block reaches back into the history (BT >= K-1): the others skip
+        # its loads altogether.
+        if j == 0:
+            acc = _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
+                               KW=KW, BT=BT, BC=BC, HISTORY=True)
+        else:
+            acc = _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
+                               KW=KW, BT=BT, BC=BC, HISTORY=False)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_out)
+
+        # The new history: the last K-1 inputs of the window [old history | the request's tokens],
+        # column q being input p = n - (K-1) + q: a token of x, or (fewer than K-1 new tokens)
+        # old history column n + q.
+        # The race: the slot's history is read by the taps above and rewritten here. Only this
+        # request's first block reads it (a block j > 0 starts at token j*BT >= K-1, all of whose
+        # taps are in x), and that block's program is the one that writes it, for its own
+        # channels only; requests have distinct slots. Within the program every load of the
+        # history precedes one barrier and every store follows it, as in the decode conv.
+        if (j == 0) & (slot != PAD_SLOT):
+            cols = tl.arange(0, HP)
+            p = n - (KW - 1) + cols
+            m_col = m_c[:, None] & (cols < KW - 1)[None, :]
+            new_x = tl.load(x_rows + p[None, :] * stride_x_row + offs_c[:, None], mask=m_col & (p >= 0)[None, :],
+                            other=0.0)
+            new_h = tl.load(hist_ptrs[:, None] + (KW - 1 + p)[None, :], mask=m_col & (p < 0)[None, :], other=0.0)
+            new_hist = new_x.to(tl.float32) + new_h.to(tl.float32)
+            tl.debug_barrier()
+            tl.store(hist_ptrs[:, None] + cols[None, :], new_hist.to(state_ptr.dtype.element_ty), mask=m_col)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers (host side: shape checks only, never a device read)
+# ---------------------------------------------------------------------------------------------
+
+
+# The decode kernels launch in the eager gaps of piecewise steps with the same arguments step
+# after step: launched through a Launcher, they skip Triton's per-launch binding (launch_cache.py).
+_RECURRENT_DECODE = Launcher(_recurrent_decode_kernel)
+_SHORT_CONV_DECODE = Launcher(_short_conv_decode_kernel)
+_RECURRENT_VERIFY = Launcher(_recurrent_verify_kernel)
+_SHORT_CONV_VERIFY = Launcher(_short_conv_verify_kernel)
+
+
+def _unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Inputs need a unit-stride last dimension (16-byte loads); copy the rare one that has not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_rows(op: str, rows: int, slots: torch.Tensor, *tensors: torch.Tensor) -> None:
+    assert slots.dim() == 1 and slots.shape[0] == rows, (
+        f"{op}: one state slot per request; got {rows} requests and state_slots of shape {tuple(slots.shape)}")
+    assert slots.dtype in (torch.int64, torch.int32), f"{op}: state_slots must be int32/int64, got {slots.dtype}"
+    for t in tensors:
+        assert t.device == slots.device, f"{op}: all tensors must be on {slots.device}, got one on {t.device}"
+
+
+def _recurrent_args(op: str, q, k, v, gate, beta, out, state, gate_kind: int, rows: int) -> tuple:
+    """Shape checks shared by the decode and extend launchers; (q, k, v, gate, the stride arguments
+    after the pointers, the kernel's constexprs) with unit-stride last dimensions."""
+    Hk, Dk = q.shape[1], q.shape[2]
+    Hv, Dv = v.shape[1], v.shape[2]
+    assert q.shape[0] == rows and k.shape == q.shape and v.shape[0] == rows and out.shape == v.shape, (
+        f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)} disagree")
+    assert Hv % Hk == 0, f"{op}: {Hv} value heads cannot share {Hk} key heads evenly"
+    assert state.dtype == torch.float32 and state.shape[1:] == (Hv, Dk, Dv), (
+        f"{op}: state pool layer must be float32 [slots+1, {Hv}, {Dk}, {Dv}], got {state.dtype} {tuple(state.shape)}")
+    assert state.stride(3) == 1 and state.stride(2) == Dv, f"{op}: each state [Dk, Dv] must be contiguous"
+    assert out.stride(-1) == 1, f"{op}: out must have a unit-stride last dimension (it is written in place)"
+    expected_gate = {GATE_PER_HEAD: (rows, Hv), GATE_PER_CHANNEL: (rows, Hv, Dk), GATE_CONSTANT: (Hv,)}[gate_kind]
+    assert tuple(gate.shape) == expected_gate, f"{op}: gate shape {tuple(gate.shape)}, expected {expected_gate}"
+    q, k, v = _unit_last("q", q), _unit_last("k", k), _unit_last("v", v)
+    if gate_kind == GATE_PER_CHANNEL:
+        gate = _unit_last("g", gate)
+    if beta is not None:
+        assert tuple(beta.shape) == (rows, Hv), f"{op}: beta shape {tuple(beta.shape)}, expected {(rows, Hv)}"
+    g_row, g_head = (0, gate.stride(0)) if gate_kind == GATE_CONSTANT else (gate.stride(0), gate.stride(1))
+    b_row, b_head = (beta.stride(0), beta.stride(1)) if beta is not None else (0, 0)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               g_row, g_head, b_row, b_head, out.stride(0), out.stride(1), state.stride(0), state.stride(1))
+    consts = dict(GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=next_pow2(Dk), GATE=gate_kind,
+                  DELTA=beta is not None)
+    return q, k, v, gate, strides, consts
+
+
+def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
+                     beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     scale: float, gate_kind: int, config: RecurrentConfig | None = None) -> None:
+    """One decode step of the gated (delta-rule) recurrence over the slot-indexed pool, in place.
+
+    q, k [B, Hk, Dk]; v, out [B, Hv, Dv]; gate [B, Hv] / [B, Hv, Dk] / [Hv] by gate_kind; beta [B, Hv]
+    or None (no delta rule); state [num_slots+1, Hv, Dk, Dv] float32; slots [B] int64.
+    """
+    op = OP_OF_GATE[gate_kind]
+    B = q.shape[0]
+    _check_rows(op, B, slots, q, k, v, gate, out, state)
+    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, B)
+    if B == 0:
+        return
+    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
+    cfg = config or recurrent_config(B, Hv, Dk, Dv, q.device)
+    # A tile smaller than the program's threads would only replicate elements across them.
+    assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
+    b_t = beta if beta is not None else gate  # never read without DELTA; any valid pointer will do
+    grid = (B, Hv, cdiv(Dv, cfg.block_v))
+    _RECURRENT_DECODE[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), **consts,
+                            BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
+
+
+def recurrent_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
+                     beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     bounds: torch.Tensor, scale: float, gate_kind: int, config: RecurrentConfig | None = None) -> None:
+    """A few tokens of each of R requests through the recurrence, over the slot-indexed pool, in place.
+
+    The rows of q, k, v, gate, beta and out are the step's tokens (as recurrent_decode's, with T
+    rows); request r owns rows bounds[r] .. bounds[r+1]-1 (bounds [R+1] int64 on the device, a
+    request may own none) and the state in slot slots[r] (slots [R], no padding slot). Rows from
+    bounds[R] on are not touched. Its cost grows with the longest request's tokens, one after
+    another: for short requests (a prefix cache hit's tail), where a chunked kernel's launches cost
+    more than its work."""
+    op = OP_OF_GATE[gate_kind]
+    R = slots.shape[0]
+    _check_rows(op, R, slots, q, k, v, gate, out, state, bounds)
+    assert tuple(bounds.shape) == (R + 1,), f"{op}: bounds must be [{R + 1}] for {R} requests, got {tuple(bounds.shape)}"
+    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, q.shape[0])
+    if R == 0:
+        return
+    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
+    cfg = config or recurrent_config(R, Hv, Dk, Dv, q.device)
+    assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
+    b_t = beta if beta is not None else gate
+    grid = (R, Hv, cdiv(Dv, cfg.block_v))
+    _recurrent_extend_kernel[grid](q, k, v, gate, b_t, out, state, slots, bounds, *strides, float(scale),
+                                   **consts, BV=cfg.block_v, num_warps=cfg.num_warps)
+
+
+def recurrent_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
+                     beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     inter: torch.Tensor, n: int, scale: float, gate_kind: int,
+                     config: RecurrentConfig | None = None) -> None:
+    """A target-verify step of B requests of n tokens each, in one launch: request b owns rows
+    b*n .. b*n+n-1 of q, k, v, gate, beta and out (as recurrent_decode's, with B*n rows) and the
+    state in slot slots[b] (the padding slot: zero outputs, nothing read or kept). The state after
+    token t < n-1 goes to inter[b, t] (inter [rows >= B, n-1 or more, Hv, Dk, Dv] float32, the
+    state pool's intermediate states), the state after the last token into the slot. Each token is
+    computed as recurrent_decode computes it with the same config, so the outputs and states are
+    those of n decode launches, one token of every request each."""
+    op = OP_OF_GATE[gate_kind]
+    B = slots.shape[0]
+    rows = B * n
+    _check_rows(op, B, slots, q, k, v, gate, out, state, inter)
+    q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, rows)
+    Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
+    assert inter.dtype == state.dtype and inter.shape[0] >= B and inter.shape[1] >= n - 1 and \
+        inter.shape[2:] == state.shape[1:] and inter.stride(4) == 1 and inter.stride(3) == Dv, (
+            f"{op}: intermediate states must be [>= {B}, >= {n - 1}, {Hv}, {Dk}, {Dv}] {state.dtype} with "
+            f"contiguous [Dk, Dv] states, got {inter.dtype} {tuple(inter.shape)}")
+    if B == 0:
+        return
+    cfg = config or recurrent_config(B, Hv, Dk, Dv, q.device)
+    assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
+    b_t = beta if beta is not None else gate
+    grid = (B, Hv, cdiv(Dv, cfg.block_v))
+    _RECURRENT_VERIFY[grid](q, k, v, gate, b_t, out, state, slots, inter, *strides,
+                            inter.stride(0), inter.stride(1), inter.stride(2), float(scale), N=n, **consts,
+                            BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
+
+
+def gdn_decode(q, k, v, g, beta, out, state, slots, scale, config=None) -> None:
+    """GDN: q, k [B,Hk,Dk]; v, out [B,Hv,Dv]; g, beta [B,Hv]; state [slots+1,Hv,Dk,Dv] f32; slots [B]."""
+    recurrent_decode(q, k, v, g, beta, out, state, slots, scale, GATE_PER_HEAD, config)
+
+
+def kda_decode(q, k, v, g, beta, out, state, slots, scale, config=None) -> None:
+    """KDA: q, k, v, out [B,H,D]; g [B,H,Dk] per-channel log-decay; beta [B,H]; state [slots+1,H,Dk,Dv]."""
+    assert q.shape[1] == v.shape[1], f"kda_core: key heads {q.shape[1]} != value heads {v.shape[1]}"
+    recurrent_decode(q, k, v, g, beta, out, state, slots, scale, GATE_PER_CHANNEL, config)
+
+
+def lightning_decode(q, k, v, decay, out, state, slots, scale, config=None) -> None:
+    """Lightning: q, k, v, out [B,H,D]; decay [H] log-decay; state [slots+1,H,Dk,Dv]; no delta rule."""
+    assert q.shape[1] == v.shape[1], f"lightning_core: key heads {q.shape[1]} != value heads {v.shape[1]}"
+    recurrent_decode(q, k, v, decay, None, out, state, slots, scale, GATE_CONSTANT, config)
+
+
+def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                      conv_state: torch.Tensor, slots: torch.Tensor, silu: bool,
+                      config: ConvConfig | None = None) -> None:
+    """Causal depthwise conv, one token per request: x, out [B,C]; weight [C,K]; bias [C] or None;
+    conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rolled in place; slots [B]."""
+    _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu, config, 1, None)
+
+
+def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                      conv_state: torch.Tensor, slots: torch.Tensor, inter: torch.Tensor, n: int, silu: bool,
+                      config: ConvConfig | None = None) -> None:
+    """The decode conv over a target-verify step of B requests of n tokens each, in one launch:
+    x, out [B*n, C], request b's rows b*n .. b*n+n-1; conv_state [slots+1, C, K-1]; slots [B] (the
+    padding slot: zero outputs, nothing read or kept); the history after token t < n-1 into
+    inter[b, t] (inter [>= B, >= n-1, C, K-1]), after the last one into the slot. Outputs and
+    histories are those of n short_conv_decode launches with the same config."""
+    _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu, config, n, inter)
+
+
+def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, config: ConvConfig | None, n: int,
+                       inter: torch.Tensor | None) -> None:
+    """short_conv_decode (n == 1, no intermediate histories) or short_conv_verify: checks, then one launch."""
+    B, (rows, C), K = slots.shape[0], x.shape, weight.shape[1]
+    _check_rows("short_conv", B, slots, x, weight, out, conv_state, *(() if inter is None else (inter,)))
+    assert K >= 2, "short_conv: a kernel of width 1 keeps no state; it is not a decode conv"
+    assert rows == B * n and weight.shape == (C, K) and out.shape == x.shape, (
+        f"short_conv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)} for {B} requests "
+        f"of {n} token(s) disagree")
+    assert conv_state.shape[1:] == (C, K - 1) and conv_state.stride(2) == 1, (
+        f"short_conv: conv state must be [slots+1, {C}, {K - 1}] with unit stride last, got {tuple(conv_state.shape)}")
+    if inter is not None:
+        assert inter.dtype == conv_state.dtype and inter.shape[0] >= B and inter.shape[1] >= n - 1 and \
+            inter.shape[2:] == (C, K - 1) and inter.stride(3) == 1, (
+                f"short_conv: intermediate histories must be [>= {B}, >= {n - 1}, {C}, {K - 1}], got "
+                f"{tuple(inter.shape)}")
+    assert out.stride(-1) == 1, "short_conv: out must have a unit-stride last dimension"
+    x, weight = _unit_last("x", x), _unit_last("weight", weight)
+    if bias is not None:
+        assert bias.shape == (C,), f"short_conv: bias shape {tuple(bias.shape)}, expected {(C,)}"
+        bias = bias.contiguous()
+    if B == 0:
+        return
+    cfg = config or conv_config(B, C, x.device)
+    assert cfg.block_c >= 32 * cfg.num_warps, f"short_conv: {cfg} leaves threads idle"
+    grid = (B, cdiv(C, cfg.block_c))
+    common = (x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1))
+    consts = dict(KW=K, KWP=next_pow2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu),
+                  PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
+    b_t = bias if bias is not None else weight  # never read without HAS_BIAS
+    if inter is None:
+        _SHORT_CONV_DECODE[grid](x, weight, b_t, out, conv_state, slots, *common, C, **consts)
+    else:
+        _SHORT_CONV_VERIFY[grid](x, weight, b_t, out, conv_state, slots, inter, *common,
+                                 inter.stride(0), inter.stride(1), inter.stride(2), C, N=n, **consts)
+
+
+def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                      conv_state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, blocks: torch.Tensor,
+                      silu: bool, what: str = "short_conv", config: ConvConfig | None = None) -> None:
+    """Causal depthwise conv over ragged requests, one launch: x, out [rows, C]; weight [C, K];
+    bias [C] or None; conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rewritten in
+    place for every request; slots [R] the requests' slots; bounds [R+2] int64 (cu_seqlens of the
+    R requests, then `rows`: the rows past cu_seqlens[R] are padding and come out zero); blocks
+    [NB, 2] int64, (request, block of CONV_EXTEND_BLOCK_T tokens) covering every request's tokens
+    and, as request R, the padding rows. `what` names the caller (its layer) in errors.
+
+    The host reads no device value: the table is planned once per step by the caller, and NB is
+    its length."""
+    rows, C = x.shape
+    K = weight.shape[1] if weight.dim() == 2 else 0
+    R = slots.shape[0]
+    if weight.shape != (C, K) or out.shape != x.shape:
+        raise ValueError(f"{what}: x {tuple(x.shape)}, weight {tuple(weight.shape)} (expected [{C}, K]) and out "
+                         f"{tuple(out.shape)} disagree")
+    if not 2 <= K <= CONV_EXTEND_BLOCK_T + 1:
+        raise ValueError(f"{what}: kernel width {K} is not supported by the extend conv (2 to "
+                         f"{CONV_EXTEND_BLOCK_T + 1}: the first token block must hold the K-1 inputs of the history)")
+    if conv_state.shape[1:] != (C, K - 1) or conv_state.stride(2) != 1:
+        raise ValueError(f"{what}: conv state must be [slots+1, {C}, {K - 1}] with unit stride last, got "
+                         f"{tuple(conv_state.shape)} strides {conv_state.stride()}")
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"{what}: bias shape {tuple(bias.shape)}, expected {(C,)}")
+    if bounds.shape != (R + 2,) or blocks.dim() != 2 or blocks.shape[1] != 2:
+        raise ValueError(f"{what}: the step plan has bounds {tuple(bounds.shape)} and blocks {tuple(blocks.shape)} "
+                         f"for {R} requests; expected [{R + 2}] and [NB, 2]")
+    for t in (weight, out, conv_state, bounds, blocks) + (() if bias is None else (bias,)):
+        if t.device != x.device:
+            raise ValueError(f"{what}: all tensors must be on {x.device}, got one on {t.device}")
+    if out.stride(-1) != 1:
+        raise ValueError(f"{what}: out must have a unit-stride last dimension (it is written in place)")
+    x, weight = _unit_last("x", x), _unit_last("weight", weight)
+    bias = bias.contiguous() if bias is not None else None
+    num_blocks = blocks.shape[0]
+    if num_blocks == 0 or C == 0:
+        return
+    cfg = config or conv_extend_config(num_blocks, C, x.device)
+    grid = (num_blocks, cdiv(C, cfg.block_c))
+    _short_conv_extend_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks,
+        x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
+        C, R,
+        KW=K, HP=max(2, next_pow2(K - 1)), BT=CONV_EXTEND_BLOCK_T, BC=cfg.block_c,
+        HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
+        num_warps=cfg.num_warps,
+    )

@@ -1,0 +1,960 @@
+"""Fused Triton MoE: the `moe` op with device-side routing, static-shape token sorting and grouped GEMMs.
+
+Implements `hgc.moe` (compiler/splitops/ops.py) with the exact semantics of
+`runtime.backends.cpu_reference.route_topk` / `moe_reference`, capturable in a CUDA graph: no host
+synchronisation, no data-dependent shapes, every launch grid a function of (T, E, top_k, I, S, D)
+and the chosen config only. Counts that change from step to step (T, P, n_real, num_pid_m, the
+sentinel) are `do_not_specialize`: Triton would otherwise build a kernel again for each class of
+their values (divisible by 16, equal to 1), so a length that `hgc build` never ran would build a
+kernel at serving time, outside the artifact's bundle.
+
+The shared expert rides in the same launches. SwiGLU is separable over intermediate channels, so a
+shared expert of width S is the sum of n_shared = ceil(S/I) experts of the routed width I (the last
+one masked past S): chunk c is expert id E + c, and every real token selects all of them with the
+weight g = sigmoid(x . shared_gate) (1 without a gate). The GEMM kernels read the weights of an id
+>= E from the shared tensors (a branch per program on its expert id), so the expert weights are
+never concatenated or copied, and a model without a shared expert compiles that branch out.
+
+One call, in order (T tokens, E routed experts, k = top_k, slots = k + n_shared per token, P =
+T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
+
+1. Router logits [T,E] float32: for T <= 16 `_logits_gemv_kernel` spreads the router over many
+   programs, and with a gated shared expert one more program puts the gate's logit x . g in
+   column E; small routers (E*D <= 64K) with T <= 64 are folded into step 2; otherwise
+   `_logits_kernel` (bf16 operands, float32 accumulation). Products of bf16 numbers are exact in
+   float32, so each is the reference's `x.float() @ W.float().T` up to summation order.
+2. `_route_kernel`, one program per token: softmax or sigmoid scores, + bias for selection only,
+   grouped selection (groups ranked by the sum of their two best biased scores), top-k, weights
+   renormalised and scaled; then the shared chunks' ids and the gate g in the slots after the
+   top-k. Rows at or past the real token count get the sentinel in every slot and weight 0, so
+   padding costs no expert work. In the sorted path it also counts pairs per expert (integer
+   atomics: the counts are exact whatever the order; the shared chunks' count is the real token
+   count, stored once).
+3. Sorted path (`BLOCK_M >= 16`): `_align_kernel`, one program per expert (the shared chunks
+   after the routed experts), lays its pairs out in pair order (stable, so the result is
+   deterministic) in a segment padded to BLOCK_M, with the sentinel pair id P in the padding, and
+   writes the expert of each block. Buffers have the static bound
+   `P + min(E + n_shared, P) * (BLOCK_M - 1)` rows; blocks past the used total exit at once, and
+   an expert with no pairs owns no block, so its weights are never read.
+4. `_gate_up_sorted_kernel`: grouped GEMM x[tokens] @ w13[e]^T (for a shared chunk, its rows of
+   shared_w13), gate and up tiles side by side, SiLU(gate) * up fused, h [rows, I] stored in
+   sorted row order.
+5. `_down_sorted_kernel`: h @ w2[e]^T (for a shared chunk, its columns of shared_w2) times the
+   pair's weight, stored per pair: y [P, D].
+6. `_combine_kernel`: out[t] = sum_j y[t*slots + j] in float32, in slot order (deterministic, no
+   atomics); rows of padding tokens come out zero.
+
+Token path (`BLOCK_M == 1`, chosen for tiny T such as batch-1 decode): no sorting. One GEMV program
+per (pair, column tile) computes h, then one program per (token, column tile) runs the down
+projection of its k experts and n_shared shared chunks and combines them in slot order. Each active
+expert's weights are read once per token, which at T=1 is exactly the active experts' bytes.
+
+Kernel configs: runtime/backends/kernels/moe_config.py. Shapes never depend on data, so the same launches
+replay from a CUDA graph; the backend (runtime/backends/triton_moe.py) adds the runtime protocol
+(capability, capture hooks, padding count) and imports this module on its first call, as the
+Triton linear backend imports its kernels: importing the backend needs no triton, and
+TRITON_INTERPRET is read when the kernels are first needed.
+
+Not done here: expert parallelism, quantised weights. Inputs must be contiguous in their last
+dimension (asserted, never copied: a copy of the expert weights per call would cost more than the op).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from compiler.splitops import moe_shared_width
+from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
+from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig
+
+__all__ = ["combine", "down_sorted", "down_token", "fused_moe", "gate_up_sorted", "gate_up_token", "max_sorted_rows",
+           "route", "shared_chunks", "sort_tokens"]
+
+# Fold the router GEMV into the routing kernel when each program can afford to read the whole
+# router weight (from L2 after the first token) and there are enough tokens to fill the GPU with
+# such programs: up to 64K elements, 17 to 64 tokens (see `route`).
+FUSE_LOGITS_MAX_ELEMS = 64 * 1024
+FUSE_LOGITS_MAX_TOKENS = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_FP32: tl.constexpr):
+    """logits [T,E] float32 = x [T,D] @ w [E,D]^T."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < T
+    n_mask = offs_n < E
+    a_ptrs = x_ptr + offs_m[:, None] * stride_xt + offs_k[None, :]  # [BM,BK]
+    b_ptrs = w_ptr + offs_n[None, :] * stride_we + offs_k[:, None]  # [BK,BN]
+    # DOT_FP32 (mixed or float32 operands): exact float32 products, as the reference computes them.
+    acc = _dot_block(a_ptrs, b_ptrs, m_mask, n_mask, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, False, False)
+    tl.store(out_ptr + offs_m[:, None] * E + offs_n[None, :], acc,
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _logits_gemv_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, E, D, stride_xt, stride_we, stride_ot,
+                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
+    """logits [T,E] float32 for few tokens: one program per (token, BLOCK_E experts), many in flight.
+
+    HAS_GATE: the last program of each token computes the shared expert's gate logit x . gate into
+    column E, so the one-program routing kernel reads it from L2 instead of waiting on its own
+    D-long dot from DRAM.
+    """
+    t = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    out_row = out_ptr + t.to(tl.int64) * stride_ot
+    if HAS_GATE and blk == tl.num_programs(1) - 1:
+        acc_g = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + offs_d
+            xv = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+            acc_g += xv * tl.load(gate_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(out_row + E, tl.sum(acc_g, axis=0))
+        return
+    offs_e = blk * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_mask = offs_e < E
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs_d
+        xv = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_e[:, None] * stride_we + d[None, :],
+                     mask=e_mask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        acc += tl.sum(wv * xv[None, :], axis=1)
+    tl.store(out_row + offs_e, acc, mask=e_mask)
+
+
+@triton.jit(do_not_specialize=["n_real"])
+def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weights_ptr, counts_ptr, nreal_ptr,
+                  n_real, routed_scale, D, stride_xt, stride_we, stride_lt,
+                  E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                  G_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                  FUSED_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
+                  RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr, COUNT: tl.constexpr,
+                  N_SHARED: tl.constexpr, NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr,
+                  GATE_IN_LOGITS: tl.constexpr, GATE_BLOCK_D: tl.constexpr):
+    """One token: ids [k + n_shared] int32 and weights float32 (and +1 per chosen expert in counts).
+
+    Slots 0..k-1 are the routed top-k; slots k.. are the shared expert's chunks E..E+n_shared-1,
+    weighted by sigmoid(x . shared_gate) (1 without a gate). Padding rows get the sentinel
+    E + n_shared and weight 0 in every slot. GATE_IN_LOGITS: the logits kernel left x . shared_gate
+    in column E of the row.
+    """
+    t = tl.program_id(0)
+    SLOTS: tl.constexpr = TOP_K + N_SHARED
+    SENTINEL: tl.constexpr = E + N_SHARED
+    row = logits_ptr + t.to(tl.int64) * stride_lt
+    if N_SHARED > 0:
+        # The gate's logit first, so that its loads can overlap the selection below instead of following it.
+        gate_logit = 0.0
+        if SHARED_GATE:
+            if GATE_IN_LOGITS:
+                gate_logit = tl.load(row + E)
+            else:
+                acc_g = tl.zeros((GATE_BLOCK_D,), dtype=tl.float32)
+                for d0 in range(0, D, GATE_BLOCK_D):
+                    d = d0 + tl.arange(0, GATE_BLOCK_D)
+                    xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + d, mask=d < D, other=0.0).to(tl.float32)
+                    acc_g += xv * tl.load(sgate_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+                gate_logit = tl.sum(acc_g, axis=0)
+    if FUSED_LOGITS:
+        e1 = tl.arange(0, E_PAD)
+        acc = tl.zeros((E_PAD,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + d, mask=d < D, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + e1[:, None] * stride_we + d[None, :],
+                         mask=(e1[:, None] < E) & (d[None, :] < D), other=0.0).to(tl.float32)
+            acc += tl.sum(wv * xv[None, :], axis=1)
+        tl.store(row + e1, acc, mask=e1 < E)
+        # The row is re-read below in the grouped [G,S] layout by other threads of this program.
+        tl.debug_barrier()
+
+    # Experts in a [group, member] layout; with one group it is [1, E].
+    g = tl.arange(0, G_PAD)[:, None]
+    s = tl.arange(0, S_PAD)[None, :]
+    valid = (g < NUM_GROUPS) & (s < GROUP_SIZE)
+    e2 = g * GROUP_SIZE + s  # expert id where valid
+    logit = tl.load(row + e2, mask=valid, other=0.0)
+    if SOFTMAX:
+        top = tl.max(tl.max(tl.where(valid, logit, float("-inf")), axis=1), axis=0)
+        p = tl.where(valid, tl.exp(logit - top), 0.0)
+        scores = p / tl.sum(tl.sum(p, axis=1), axis=0)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-logit))
+    choice = scores
+    if HAS_BIAS:
+        # The bias steers selection only; weights below use the unbiased scores.
+        choice = choice + tl.load(bias_ptr + e2, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+
+    if NUM_GROUPS > 1:
+        # Group score: the sum of the group's two best biased scores (one if groups have one member).
+        best1 = tl.max(choice, axis=1)  # [G]
+        arg1 = tl.min(tl.where(choice == best1[:, None], s, S_PAD), axis=1)
+        if GROUP_SIZE > 1:
+            best2 = tl.max(tl.where(s == arg1[:, None], float("-inf"), choice), axis=1)
+            gscore = best1 + best2
+        else:
+            gscore = best1
+        gidx = tl.arange(0, G_PAD)
+        gscore = tl.where(gidx < NUM_GROUPS, gscore, float("-inf"))
+        keep = gidx < 0
+        for _ in tl.static_range(TOPK_GROUPS):
+            gbest = tl.max(gscore, axis=0)
+            gi = tl.min(tl.where(gscore == gbest, gidx, G_PAD), axis=0)
+            keep = keep | (gidx == gi)
+            gscore = tl.where(gidx == gi, float("-inf"), gscore)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+
+    kk = tl.arange(0, K_PAD)
+    sel_ids = tl.full((K_PAD,), SENTINEL, dtype=tl.int32)
+    sel_w = tl.zeros((K_PAD,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.max(choice, axis=1), axis=0)
+        # Lowest expert id among ties; clamp to the sentinel if nothing selectable is left.
+        idx = tl.min(tl.min(tl.where(valid & (choice == best), e2, SENTINEL), axis=1), axis=0)
+        hit = valid & (e2 == idx)
+        w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
+        sel_ids = tl.where(kk == j, idx, sel_ids)
+        sel_w = tl.where(kk == j, w, sel_w)
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORM:
+        if SOFTMAX:
+            sel_w = sel_w / tl.sum(sel_w, axis=0)
+        else:
+            sel_w = sel_w / (tl.sum(sel_w, axis=0) + 1e-20)
+    sel_w = sel_w * routed_scale
+
+    if NREAL_FROM_PTR:
+        n_real = tl.load(nreal_ptr)
+    real = t < n_real
+    sel_ids = tl.where(real, sel_ids, SENTINEL)
+    sel_w = tl.where(real, sel_w, 0.0)
+    k_mask = kk < TOP_K
+    tl.store(ids_ptr + t * SLOTS + kk, sel_ids, mask=k_mask)
+    tl.store(weights_ptr + t * SLOTS + kk, sel_w, mask=k_mask)
+    if COUNT:
+        tl.atomic_add(counts_ptr + sel_ids, tl.full((K_PAD,), 1, dtype=tl.int32),
+                      mask=k_mask & (sel_ids < E))
+
+    if N_SHARED > 0:
+        gate = tl.full((NS_PAD,), 1.0, dtype=tl.float32)
+        if SHARED_GATE:
+            gate = gate / (1.0 + tl.exp(-gate_logit))
+        c = tl.arange(0, NS_PAD)
+        c_mask = c < N_SHARED
+        tl.store(ids_ptr + t * SLOTS + TOP_K + c, tl.where(real, E + c, SENTINEL), mask=c_mask)
+        tl.store(weights_ptr + t * SLOTS + TOP_K + c, tl.where(real, gate, 0.0), mask=c_mask)
+        if COUNT:
+            # Every real token takes every chunk: program 0 stores the count once (T atomics on one
+            # address would serialise).
+            rows = tl.minimum(n_real, tl.num_programs(0))
+            tl.store(counts_ptr + E + c, c * 0 + rows, mask=c_mask & ((c * 0 + t) == 0))
+
+
+@triton.jit(do_not_specialize=["P"])
+def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, P,
+                  E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Expert e's segment of the sorted layout: its pairs in pair order, then sentinels (P)."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + offs, mask=offs < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded  # exclusive prefix: segment start of each expert
+    mine = offs == e
+    start = tl.sum(tl.where(mine, starts, 0), axis=0)
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    size = tl.sum(tl.where(mine, padded, 0), axis=0)
+    if e == 0:
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+    if count > 0:
+        seen = count * 0  # an int32 tensor: the loop carries it
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            ids = tl.load(ids_ptr + p, mask=p < P, other=E)
+            hit = ids == e
+            rank = seen + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(sorted_ptr + start + rank, p, mask=hit)
+            seen += tl.sum(hit.to(tl.int32), axis=0)
+        q = tl.arange(0, BLOCK_M)
+        tl.store(sorted_ptr + start + count + q, tl.full((BLOCK_M,), P, dtype=tl.int32),
+                 mask=q < size - count)
+        first_block = start // BLOCK_M
+        for b0 in range(0, size // BLOCK_M, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            tl.store(block_expert_ptr + first_block + b, tl.full((BLOCK_B,), e, dtype=tl.int32),
+                     mask=b < size // BLOCK_M)
+
+
+@triton.jit
+def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Walk GROUP_M row blocks down a column before moving right: neighbouring programs share tiles."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_block(a_ptrs, g_ptrs, up, valid, n_mask, D,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """silu(a @ gate) * (a @ up) [BM,BN] float32: a the gathered token rows, gate/up rows `up` apart."""
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                bg = tl.load(g_ptrs)
+                bu = tl.load(g_ptrs + up)
+            else:
+                bg = tl.load(g_ptrs, mask=n_mask[None, :], other=0.0)
+                bu = tl.load(g_ptrs + up, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < D - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            bu = tl.load(g_ptrs + up, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_FP32:
+            a32 = a.to(tl.float32)
+            acc_g = tl.dot(a32, bg.to(tl.float32), acc_g, input_precision="ieee")
+            acc_u = tl.dot(a32, bu.to(tl.float32), acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+
+
+@triton.jit(do_not_specialize=["num_pid_m", "P"])
+def _gate_up_sorted_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                           num_pid_m, P, SLOTS, E, I, S, D, stride_xt, stride_we, stride_wn, stride_swn, stride_hm,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr,
+                           EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """h[rows, cols] = silu(x[tok] @ w13[e, cols]^T) * (x[tok] @ w13[e, I + cols]^T) for one row block.
+
+    A block of expert e >= E is chunk c = e - E of the shared expert: its columns c*I + cols of
+    sw13's gate rows (and S rows below, its up rows); columns past S are masked, so they hold 0.
+    """
+    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_pid(pid, num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return  # past the used blocks: no weight is read
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < P
+    tok = pair // SLOTS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    # Tensor offsets stay int32 (the host checks the sizes); only the expert's base is 64-bit.
+    # Full 64-bit pointer tensors cost two registers per element and spilled at 64x64 tiles.
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BM,BK] gathered token rows
+    # One GEMM loop for routed and shared blocks: the branch only picks the weight rows. Two
+    # inlined loops would each get pipeline buffers in shared memory (twice the tile, over the
+    # 227 KiB of an H100/H200 at the tuned 128x128 tiles).
+    w_base = w13_ptr + e * stride_we
+    stride_n = stride_wn
+    up = I * stride_wn  # the up rows sit I rows below the gate rows
+    w_mask = n_mask
+    if HAS_SHARED:
+        if e >= E:
+            c = (e - E).to(tl.int32)
+            w_base = sw13_ptr + (c * I) * stride_swn
+            stride_n = stride_swn
+            up = S * stride_swn
+            w_mask = offs_n < S - c * I
+    g_ptrs = w_base + offs_n[None, :] * stride_n + offs_k[:, None]  # [BK,BN] gate rows
+    h = _gate_up_block(a_ptrs, g_ptrs, up, valid, w_mask, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K, EVEN_N)
+    _store_h(h_ptr, h, rows, offs_n, n_mask, stride_hm)
+
+
+@triton.jit
+def _store_h(h_ptr, h, rows, offs_n, n_mask, stride_hm):
+    """h rows of one block in sorted row order, in h's dtype (every row: padding rows hold zeros)."""
+    tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=n_mask[None, :])
+
+
+@triton.jit
+def _dot_block(a_ptrs, b_ptrs, valid, n_mask, K,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """a [BM, K] @ b [K, BN] in float32, K walked in BLOCK_K steps (the pointers advance along K by 1):
+    router logits, and h rows times one expert's down-projection columns."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_pid_m", "P"])
+def _down_sorted_kernel(h_ptr, w2_ptr, sw2_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                        num_pid_m, P, E, D, I, S, stride_hm, stride_we, stride_wn, stride_swn, stride_yp,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr,
+                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """y[pair, cols] = weight[pair] * (h[row] @ w2[e, cols]^T) for one row block.
+
+    A block of expert e >= E is chunk c = e - E of the shared expert: sw2's columns c*I.. (at
+    most S - c*I of them) against the chunk's h columns.
+    """
+    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_pid(pid, num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < P
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :]  # [BM,BK]
+    # One GEMM loop for routed and shared blocks, as in _gate_up_sorted_kernel.
+    w_base = w2_ptr + e * stride_we
+    stride_n = stride_wn
+    K = I
+    if HAS_SHARED:
+        if e >= E:
+            c = (e - E).to(tl.int32)
+            w_base = sw2_ptr + c * I
+            stride_n = stride_swn
+            K = tl.minimum(S - c * I, I)
+    b_ptrs = w_base + offs_n[None, :] * stride_n + offs_k[:, None]  # [BK,BN]
+    acc = _dot_block(a_ptrs, b_ptrs, valid, n_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K, EVEN_N)
+    _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stride_yp)
+
+
+@triton.jit
+def _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stride_yp):
+    """y[pair] = routing weight * acc for the block's real pairs (padding rows own no y row)."""
+    w = tl.load(weights_ptr + pair, mask=valid, other=0.0)
+    tl.store(y_ptr + pair[:, None] * stride_yp + offs_n[None, :], (acc * w[:, None]).to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["SENTINEL"])
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, SENTINEL, SLOTS, D, stride_yp, stride_ot, BLOCK_D: tl.constexpr):
+    """out[t] = sum over slots j (in order) of y[t*slots + j]; padding tokens (all slots SENTINEL) give 0."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(SLOTS):
+        pair = t * SLOTS + j
+        if tl.load(ids_ptr + pair) < SENTINEL:  # padding slots own no y row (never written)
+            acc += tl.load(y_ptr + pair.to(tl.int64) * stride_yp + offs, mask=d_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _gate_up_row(x_ptrs, g_ptrs, up, n_mask, D, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """silu(x . gate rows) * (x . up rows) [BN] float32 for one token; up rows `up` past the gate rows."""
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            xv = tl.load(x_ptrs).to(tl.float32)
+            wg = tl.load(g_ptrs, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            wu = tl.load(g_ptrs + up, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        else:
+            k_mask = offs_k < D - k0
+            xv = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            wg = tl.load(g_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            wu = tl.load(g_ptrs + up, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc_g += tl.sum(wg * xv[None, :], axis=1)
+        acc_u += tl.sum(wu * xv[None, :], axis=1)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+
+
+@triton.jit
+def _gate_up_token_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, ids_ptr, E, SLOTS, D, I, S,
+                          stride_xt, stride_we, stride_wn, stride_swn,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                          N_SHARED: tl.constexpr):
+    """GEMV for one pair: h[pair, cols] float32. Padding pairs (the sentinel E + n_shared) write zeros
+    and read no weight; a pair of expert e >= E is chunk e - E of the shared expert.
+
+    Loads that feed no dot are not software-pipelined, so a program should finish in one or two
+    steps: the token configs use narrow column tiles (2-8) and BLOCK_K up to D, many programs.
+    """
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    e = tl.load(ids_ptr + pair)
+    if e >= E + N_SHARED:
+        tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=n_mask)
+        return
+    tok = pair // SLOTS
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok.to(tl.int64) * stride_xt + offs_k  # [BK]
+    if N_SHARED > 0:
+        if e >= E:
+            c = e - E
+            g_ptrs = sw13_ptr + (c * I).to(tl.int64) * stride_swn + offs_n[:, None] * stride_swn + offs_k[None, :]
+            h = _gate_up_row(x_ptrs, g_ptrs, S * stride_swn, offs_n < S - c * I, D, BLOCK_N, BLOCK_K, EVEN_K)
+            tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h, mask=n_mask)
+            return
+    g_ptrs = w13_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN,BK]
+    # The up rows sit I rows below the gate rows.
+    h = _gate_up_row(x_ptrs, g_ptrs, I * stride_wn, n_mask, D, BLOCK_N, BLOCK_K, EVEN_K)
+    tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h, mask=n_mask)
+
+
+@triton.jit
+def _down_row(h_ptrs, w_ptrs, live, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              ONE_STEP: tl.constexpr):
+    """h row [K] . w rows [BN, K] in float32; rows not `live` load nothing and give 0.
+
+    ONE_STEP (K <= BLOCK_K): straight-line code, no loop. The caller unrolls its slots, and only
+    without a loop around each slot's loads (even a loop of one trip) can the compiler issue every
+    slot's loads before the first is used; with loops the slots were one DRAM round trip apart.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    if ONE_STEP:
+        if EVEN_K:
+            hv = tl.load(h_ptrs)
+            wt = tl.load(w_ptrs, mask=live[:, None], other=0.0).to(tl.float32)
+        else:
+            k_mask = offs_k < K
+            hv = tl.load(h_ptrs, mask=k_mask, other=0.0)
+            wt = tl.load(w_ptrs, mask=live[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        return tl.sum(wt * hv[None, :], axis=1)
+    part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            hv = tl.load(h_ptrs)
+            wt = tl.load(w_ptrs, mask=live[:, None], other=0.0).to(tl.float32)
+        else:
+            k_mask = offs_k < K - k0
+            hv = tl.load(h_ptrs, mask=k_mask, other=0.0)
+            wt = tl.load(w_ptrs, mask=live[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        part += tl.sum(wt * hv[None, :], axis=1)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return part
+
+
+@triton.jit
+def _down_token_kernel(h_ptr, w2_ptr, sw2_ptr, ids_ptr, weights_ptr, out_ptr, E, D, I, S,
+                       stride_we, stride_wn, stride_swn, stride_ot,
+                       TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       EVEN_K: tl.constexpr, EVEN_K_SHARED: tl.constexpr, ONE_STEP: tl.constexpr):
+    """out[t, cols] = sum over slots j (in order) of weight_j * (h[t*slots+j] @ w2[e_j, cols]^T).
+
+    Slots 0..k-1 are routed experts, slots k + c the shared expert's chunk c (columns c*I.. of
+    sw2). The slot loops are unrolled and padding slots are masked, not branched around, so the
+    tiles of all slots can be in flight at once (a branch per slot serialised them: k DRAM round trips).
+    """
+    t = tl.program_id(0)
+    SLOTS: tl.constexpr = TOP_K + N_SHARED
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * SLOTS + j
+        e = tl.load(ids_ptr + pair)
+        live = n_mask & ((offs_n * 0 + e) < E)  # [BN]: a padding slot (the sentinel) loads nothing
+        w_ptrs = w2_ptr + tl.minimum(e, E - 1).to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+        h_ptrs = h_ptr + pair.to(tl.int64) * I + offs_k  # padding rows of h hold zeros
+        part = _down_row(h_ptrs, w_ptrs, live, I, BLOCK_N, BLOCK_K, EVEN_K, ONE_STEP)
+        acc += tl.load(weights_ptr + pair) * part
+    for c in tl.static_range(N_SHARED):
+        pair = t * SLOTS + TOP_K + c
+        e = tl.load(ids_ptr + pair)
+        live = n_mask & ((offs_n * 0 + e) < E + N_SHARED)  # a padding token's chunk loads nothing
+        w_ptrs = sw2_ptr + c * I + offs_n[:, None] * stride_swn + offs_k[None, :]
+        h_ptrs = h_ptr + pair.to(tl.int64) * I + offs_k
+        part = _down_row(h_ptrs, w_ptrs, live, tl.minimum(S - c * I, I), BLOCK_N, BLOCK_K, EVEN_K_SHARED, ONE_STEP)
+        acc += tl.load(weights_ptr + pair) * part
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrappers (no host synchronisation; every shape from (T, E, k, I, D, config))
+# ---------------------------------------------------------------------------------------------
+
+
+def _dot_fp32(*dtypes) -> bool:
+    """Dots run on bf16/fp16 tensor cores when all operands share that type, else in exact float32.
+
+    Under the interpreter every dot is upcast (launch_math.triton_interpreted says why).
+    """
+    if triton_interpreted():
+        return True
+    first = dtypes[0]
+    return not (all(d == first for d in dtypes) and first in (torch.bfloat16, torch.float16))
+
+
+def logits_kernel_for(T: int, E: int, D: int) -> str:
+    """The router logits kernel a step of T tokens launches by default (`route`'s logits_kernel)."""
+    # T <= 16: the many-program GEMV, whatever the router size. Folding the logits into the
+    # routing kernel (one program per token) left a batch-1 step with one 8-warp program that
+    # loads the whole router and then runs ~15 cross-warp reductions (seen on an H200: ~8 us
+    # of a 28 us step); split, the GEMV loads in parallel and the top-k runs in one warp.
+    if T <= 16:
+        return "gemv"
+    return "fused" if next_pow2(E) * D <= FUSE_LOGITS_MAX_ELEMS and T <= FUSE_LOGITS_MAX_TOKENS else "dot"
+
+
+def align_block_p(num_pairs: int) -> int:
+    """The pairs `_align_kernel` scans per loop step: a wider step once there are many."""
+    return 1024 if num_pairs > 256 else 256
+
+
+def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits_kernel: Optional[str] = None) -> tuple:
+    """Everything an eager step of T tokens picks from T that makes Triton build another kernel: the
+    logits kernel (`logits_kernel` where the caller fixes it), the GEMM configs (their tiles are
+    constexprs) and the sort's scan width. Two token counts with equal variants launch the same
+    kernels; the backend's `kernel_variant_tokens` runs one count of each at start-up, so a bundle
+    holds them all."""
+    sort = align_block_p(T * slots) if config.path == "sorted" else None
+    return logits_kernel or logits_kernel_for(T, E, D), config, sort
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
+          scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
+          n_real: "int | torch.Tensor | None" = None, counts: Optional[torch.Tensor] = None,
+          logits_kernel: Optional[str] = None, n_shared: int = 0, shared_gate: Optional[torch.Tensor] = None,
+          gate_in_logits: Optional[bool] = None):
+    """Device-side router: (ids [T,k+n_shared] int32, weights [T,k+n_shared] float32).
+
+    Slots 0..k-1 hold the routed top-k; slots k+c hold chunk c of the shared expert (expert id
+    E + c) with weight sigmoid(x . shared_gate), or 1 when shared_gate is None. Rows >= n_real
+    get the sentinel id E + n_shared and weight 0 in every slot.
+    n_real: host int, a one-element int32 device tensor (read by the kernel, so a captured graph
+    follows its value), or None for all rows. counts: int32 [E + n_shared] zeros to add the pairs
+    per expert to. logits_kernel: force 'fused", "gemv' or 'dot' (tests); by default chosen from
+    T, E and D. gate_in_logits: False makes the routing kernel compute the shared gate's logit even
+    after the GEMV (benchmarks compare the two); by default the GEMV does.
+    """
+    T, D = x.shape
+    E = router_weight.shape[0]
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"moe: unknown scoring {scoring!r} (expected 'softmax' or 'sigmoid')")
+    if num_groups < 1 or E % num_groups:
+        raise ValueError(f"moe: {E} experts do not split into {num_groups} groups")
+    group_size = E // num_groups
+    if num_groups > 1 and not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"moe: topk_groups {topk_groups} must be in 1..{num_groups}")
+    kept = group_size * (topk_groups if num_groups > 1 else num_groups)
+    if not 1 <= top_k <= kept:
+        raise ValueError(f"moe: top_k {top_k} must be in 1..{kept} (experts left after group selection)")
+    assert x.stride(-1) == 1 and router_weight.stride(-1) == 1, "moe: x and router_weight need a contiguous last dim"
+    if shared_gate is not None:
+        assert n_shared > 0, "moe: a shared gate without a shared expert"
+        assert shared_gate.numel() == D and shared_gate.stride(-1) == 1, (
+            f"moe: shared_gate {tuple(shared_gate.shape)} is not a contiguous [1, D={D}]")
+    if counts is not None:
+        assert counts.numel() == E + n_shared, f"moe: counts has {counts.numel()} bins, not E + n_shared = {E + n_shared}"
+    dev = x.device
+    ids = torch.empty(T, top_k + n_shared, dtype=torch.int32, device=dev)
+    weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=dev)
+    if logits_kernel is None:
+        logits_kernel = logits_kernel_for(T, E, D)
+    if logits_kernel not in ("fused", "gemv", "dot"):
+        raise ValueError(f"moe: unknown logits kernel {logits_kernel!r}")
+    gate_in_logits = shared_gate is not None and logits_kernel == "gemv" and gate_in_logits is not False
+    logits = torch.empty(T, E + gate_in_logits, dtype=torch.float32, device=dev)
+    if T == 0:
+        return ids, weights
+    e_pad = next_pow2(E)
+    fused = logits_kernel == "fused"
+    if fused:
+        pass  # the route kernel computes the logits itself
+    elif logits_kernel == "gemv":
+        # Few tokens: spread the router over many programs, each loading its rows (1 expert, or 4
+        # past 64 experts) of up to 2048 columns in one step.
+        block_e = 1 if E <= 64 else 4
+        _logits_gemv_kernel[(T, cdiv(E, block_e) + gate_in_logits)](
+            x, router_weight, shared_gate if gate_in_logits else router_weight, logits, E, D, x.stride(0),
+            router_weight.stride(0), logits.stride(0),
+            BLOCK_E=block_e, BLOCK_D=min(2048, next_pow2(D)), HAS_GATE=gate_in_logits, num_warps=4)
+    else:
+        bn = min(64, max(16, next_pow2(E)))
+        _logits_kernel[(cdiv(T, 64), cdiv(E, bn))](
+            x, router_weight, logits, T, E, D, x.stride(0), router_weight.stride(0),
+            BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64, DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype),
+            num_warps=4, num_stages=4)
+    if isinstance(n_real, torch.Tensor):
+        assert n_real.device == dev and n_real.numel() >= 1, "moe: n_real must be a one-element tensor on x's device"
+        nreal_ptr, n_real_int, from_ptr = n_real, T, True
+    else:
+        nreal_ptr, n_real_int, from_ptr = ids, T if n_real is None else int(n_real), False
+    g_pad = next_pow2(num_groups)
+    s_pad = next_pow2(group_size)
+    _route_kernel[(T,)](
+        x, router_weight, logits, router_bias if router_bias is not None else logits,
+        shared_gate if shared_gate is not None else logits, ids, weights,
+        counts if counts is not None else ids, nreal_ptr, n_real_int, float(routed_scale), D,
+        x.stride(0), router_weight.stride(0), logits.stride(0),
+        E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
+        TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=g_pad, S_PAD=s_pad, E_PAD=e_pad,
+        # Fused: the router tile is loaded in at most two steps (a serial chain of DRAM round trips
+        # would dominate a batch-1 step); 16K elements over 8 warps is 64 values per thread.
+        BLOCK_D=max(16, min(next_pow2(D), 16384 // e_pad)), FUSED_LOGITS=fused, HAS_BIAS=router_bias is not None,
+        SOFTMAX=scoring == "softmax", RENORM=bool(renormalize), NREAL_FROM_PTR=from_ptr,
+        # Without the fused GEMV the kernel is a chain of small reductions over E: one warp keeps
+        # them in shuffles (no shared memory, no barriers) up to 128 experts.
+        COUNT=counts is not None, num_warps=8 if fused else (1 if e_pad <= 128 else (2 if e_pad <= 512 else 4)),
+        # The shared gate is one [D] dot per token: loaded in one step up to D = 2048 (two above), not
+        # in a chain of small steps (unpipelined loads: each one a DRAM round trip at batch 1).
+        N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=shared_gate is not None,
+        GATE_IN_LOGITS=gate_in_logits, GATE_BLOCK_D=min(2048, next_pow2(D)))
+    return ids, weights
+
+
+def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the padded sorted rows: every hit expert wastes at most BLOCK_M-1 rows."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return cdiv(rows, block_m) * block_m
+
+
+def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, counts: Optional[torch.Tensor] = None):
+    """Group the (token, slot) pairs of `ids` [T,k] by expert, each segment padded to block_m.
+
+    num_experts: E, every id the GEMMs compute (routed experts and the shared expert's chunks);
+    ids >= E are padding and left out. Returns (sorted_pairs [R] int32, block_expert [R/block_m]
+    int32, total [1] int32) with R = max_sorted_rows(T*k, E, block_m). Entries [0, total) hold,
+    expert by expert in id order, the pair ids t*k+j of that expert in increasing order, then the
+    sentinel T*k up to the segment's padded end; entries at or past total are unspecified.
+    counts: int32 [E] pairs per expert if the router already counted them (else computed here).
+    """
+    P = ids.numel()
+    E = num_experts
+    dev = ids.device
+    R = max_sorted_rows(P, E, block_m)
+    sorted_pairs = torch.empty(R, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(R // block_m, dtype=torch.int32, device=dev)
+    total = torch.zeros(1, dtype=torch.int32, device=dev)
+    if P == 0:
+        return sorted_pairs, block_expert, total
+    if counts is None:
+        # Scatter-add into E+1 bins (the last catches padding ids): no host sync, unlike bincount.
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=dev)
+        flat = ids.reshape(-1).long().clamp(max=E)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    _align_kernel[(E,)](ids, counts, sorted_pairs, block_expert, total, P, E=E, E_PAD=next_pow2(E),
+                        BLOCK_M=block_m, BLOCK_P=align_block_p(P),
+                        BLOCK_B=64, num_warps=4)
+    return sorted_pairs, block_expert, total
+
+
+def _check_stage(cfg: GemmConfig, path: str) -> None:
+    if (cfg.BLOCK_M == 1) != (path == "token"):
+        raise ValueError(f"moe: config {cfg} does not belong to the {path} path")
+
+
+def shared_chunks(shared_width: int, inter: int) -> int:
+    """How many width-I chunks the kernels cut a shared expert of width S into (0: no shared expert).
+
+    SwiGLU is separable over intermediate channels, so a shared expert of width S is the sum of
+    ceil(S/I) experts of the routed width I (the last one masked past S) that every token selects.
+    """
+    return cdiv(shared_width, inter) if shared_width else 0
+
+
+def _shared_operand(shared: Optional[torch.Tensor], routed: torch.Tensor) -> tuple:
+    """(tensor, row stride) of a shared-expert weight for a launch; without one the routed tensor
+    stands in as a pointer that is never read (the shared branch is compiled out)."""
+    return (routed, 0) if shared is None else (shared, shared.stride(0))
+
+
+def gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots: int, cfg: GemmConfig, h=None, shared_w13=None):
+    """h [R, I] in x's dtype, rows in sorted order (padding rows hold zeros).
+
+    slots: pairs per token (top_k + the shared expert's chunks). Blocks of expert ids >= E read
+    shared_w13 [2S, D].
+    """
+    _check_stage(cfg, "sorted")
+    R, D = sorted_pairs.shape[0], x.shape[1]
+    E, I = w13.shape[0], w13.shape[1] // 2
+    S = 0 if shared_w13 is None else shared_w13.shape[0] // 2
+    sw13, stride_swn = _shared_operand(shared_w13, w13)
+    bm = cfg.BLOCK_M
+    assert R % bm == 0, f"moe: sorted rows {R} are not a multiple of BLOCK_M {bm}"
+    if h is None:
+        h = torch.empty(R, I, dtype=x.dtype, device=x.device)
+    # One loop serves routed and shared blocks, so it may skip the column mask only if both tile evenly.
+    even_n = I % cfg.BLOCK_N == 0 and (S == 0 or S % I == 0)
+    _gate_up_sorted_kernel[(R // bm * cdiv(I, cfg.BLOCK_N),)](
+        x, w13, sw13, h, sorted_pairs, block_expert, total, R // bm, x.shape[0] * slots, slots, E, I, S, D,
+        x.stride(0), w13.stride(0), w13.stride(1), stride_swn, h.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(x.dtype),
+        EVEN_K=D % cfg.BLOCK_K == 0, EVEN_N=even_n, HAS_SHARED=S > 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return h
+
+
+def down_sorted(h, w2, weights, sorted_pairs, block_expert, total, cfg: GemmConfig, y=None, shared_w2=None):
+    """y [P, D] in h's dtype: each (token, slot) pair's expert output times its weight.
+
+    Blocks of expert ids >= E read shared_w2 [D, S].
+    """
+    _check_stage(cfg, "sorted")
+    R, I = h.shape
+    E, D = w2.shape[0], w2.shape[1]
+    S = 0 if shared_w2 is None else shared_w2.shape[1]
+    sw2, stride_swn = _shared_operand(shared_w2, w2)
+    P = weights.numel()
+    bm = cfg.BLOCK_M
+    if y is None:
+        y = torch.empty(P, D, dtype=h.dtype, device=h.device)
+    even_k = I % cfg.BLOCK_K == 0 and (S == 0 or S % I == 0)  # one loop for routed and shared blocks
+    _down_sorted_kernel[(R // bm * cdiv(D, cfg.BLOCK_N),)](
+        h, w2, sw2, y, weights, sorted_pairs, block_expert, total, R // bm, P, E, D, I, S,
+        h.stride(0), w2.stride(0), w2.stride(1), stride_swn, y.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(h.dtype),
+        EVEN_K=even_k, EVEN_N=D % cfg.BLOCK_N == 0, HAS_SHARED=S > 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def combine(y, ids, out, sentinel: int) -> None:
+    """out [T, D] = sum over slots of y [T*slots, D], in slot order, in float32; padding tokens give 0.
+
+    sentinel: the expert id of padding slots (E + the shared expert's chunks).
+    """
+    T, slots = ids.shape
+    D = out.shape[1]
+    block_d = min(1024, next_pow2(D))
+    _combine_kernel[(T, cdiv(D, block_d))](
+        y, ids, out, sentinel, slots, D, y.stride(0), out.stride(0), BLOCK_D=block_d,
+        num_warps=4 if block_d <= 512 else 8)
+
+
+def gate_up_token(x, w13, ids, cfg: GemmConfig, h=None, shared_w13=None):
+    """h [T*slots, I] float32, one GEMV program per (pair, column tile); padding pairs are skipped.
+
+    Pairs of expert ids >= E read shared_w13 [2S, D].
+    """
+    _check_stage(cfg, "token")
+    T, D = x.shape
+    slots = ids.shape[1]
+    E, I = w13.shape[0], w13.shape[1] // 2
+    S = 0 if shared_w13 is None else shared_w13.shape[0] // 2
+    sw13, stride_swn = _shared_operand(shared_w13, w13)
+    if h is None:
+        h = torch.empty(T * slots, I, dtype=torch.float32, device=x.device)
+    _gate_up_token_kernel[(T * slots, cdiv(I, cfg.BLOCK_N))](
+        x, w13, sw13, h, ids, E, slots, D, I, S, x.stride(0), w13.stride(0), w13.stride(1), stride_swn,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=D % cfg.BLOCK_K == 0, N_SHARED=shared_chunks(S, I),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return h
+
+
+def down_token(h, w2, ids, weights, out, cfg: GemmConfig, shared_w2=None, one_step: Optional[bool] = None) -> None:
+    """out [T, D]: each token's routed and shared-chunk down projections weighted and summed in slot order.
+
+    one_step: False keeps the reduction loop even where one tile covers I (benchmarks time the two);
+    by default a reduction of one tile runs without a loop.
+    """
+    _check_stage(cfg, "token")
+    T, slots = ids.shape
+    E, D, I = w2.shape
+    S = 0 if shared_w2 is None else shared_w2.shape[1]
+    sw2, stride_swn = _shared_operand(shared_w2, w2)
+    n_shared = shared_chunks(S, I)
+    even_k = I % cfg.BLOCK_K == 0
+    _down_token_kernel[(T, cdiv(D, cfg.BLOCK_N))](
+        h, w2, sw2, ids, weights, out, E, D, I, S, w2.stride(0), w2.stride(1), stride_swn, out.stride(0),
+        TOP_K=slots - n_shared, N_SHARED=n_shared, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        EVEN_K=even_k, EVEN_K_SHARED=even_k and S % I == 0, ONE_STEP=I <= cfg.BLOCK_K and one_step is not False,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor],
+              w13: torch.Tensor, w2: torch.Tensor, shared_w13: Optional[torch.Tensor],
+              shared_w2: Optional[torch.Tensor], shared_gate: Optional[torch.Tensor], out: torch.Tensor,
+              top_k: int, scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
+              config: MoEConfig, n_real: "int | torch.Tensor | None" = None,
+              logits_kernel: Optional[str] = None) -> None:
+    """The moe op into `out` [T,D] (rows >= n_real zeroed): arguments and shapes as its schema.
+    logits_kernel: the router's logits kernel (`route`), by default chosen from T."""
+    T, D = x.shape
+    E, two_i, D_w = w13.shape
+    I = two_i // 2
+    assert D_w == D and w2.shape == (E, D, I), (
+        f"moe: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match x {tuple(x.shape)}")
+    assert router_weight.shape == (E, D), f"moe: router_weight {tuple(router_weight.shape)} is not [E={E}, D={D}]"
+    assert out.shape == x.shape, f"moe: out {tuple(out.shape)} is not x's shape {tuple(x.shape)}"
+    S = moe_shared_width(shared_w13, shared_w2, shared_gate, D)
+    n_shared = shared_chunks(S, I)
+    operands = {"x": x, "w13": w13, "w2": w2, "shared_w13": shared_w13, "shared_w2": shared_w2}
+    operands = {name: t for name, t in operands.items() if t is not None}
+    assert len({t.dtype for t in operands.values()}) == 1, (
+        "moe: x and the expert weights must share a dtype (got "
+        + ", ".join(f"{name} {t.dtype}" for name, t in operands.items()) + ")")
+    for name, t in (*operands.items(), ("out", out)):
+        assert t.stride(-1) == 1, f"moe: {name} needs a contiguous last dimension (stride {t.stride()})"
+    # The kernels keep tensor offsets in int32 (64-bit only for an expert's base): check they fit.
+    slots = top_k + n_shared
+    bm = max(16, config.gate_up.BLOCK_M)
+    spans = {"x": T * x.stride(0), "out": T * out.stride(0), "one expert of w13": w13.stride(0),
+             "one expert of w2": w2.stride(0), "h": max_sorted_rows(T * slots, E + n_shared, bm) * I,
+             "y": T * slots * D, "shared_w13": 2 * S * D, "shared_w2": S * D}
+    big = {k: v for k, v in spans.items() if v >= 2 ** 31}
+    assert not big, f"moe: offsets past 2^31 elements in {big}; split the step into fewer tokens"
+    if T == 0:
+        return
+    route_args = (x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale, num_groups,
+                  topk_groups, n_real)
+    shared = dict(n_shared=n_shared, shared_gate=shared_gate, logits_kernel=logits_kernel)
+    if config.path == "token":
+        ids, weights = route(*route_args, **shared)
+        h = gate_up_token(x, w13, ids, config.gate_up, shared_w13=shared_w13)
+        down_token(h, w2, ids, weights, out, config.down, shared_w2=shared_w2)
+        return
+    # The shared expert's chunks sort like experts E..E+n_shared-1 (after every routed expert).
+    experts = E + n_shared
+    counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
+    ids, weights = route(*route_args, counts=counts, **shared)
+    sorted_pairs, block_expert, total = sort_tokens(ids, experts, config.gate_up.BLOCK_M, counts=counts)
+    h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots, config.gate_up, shared_w13=shared_w13)
+    y = down_sorted(h, w2, weights, sorted_pairs, block_expert, total, config.down, shared_w2=shared_w2)
+    combine(y, ids, out, experts)

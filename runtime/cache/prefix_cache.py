@@ -1,0 +1,243 @@
+"""Prefix cache for hybrid models: which prefix a request reuses, where its chunks end, when it snapshots.
+
+A reused prefix is two things: the full-attention KV pages of its tokens (shared by reference,
+never copied: runtime/cache/radix_cache.py) and the state of every linear layer after its last token
+(a snapshot, copied into the request's own slot: runtime/cache/snapshot_pool.py). Both exist only at
+page boundaries, so a hit is always a whole number of pages, at any page boundary. The engine
+calls, in its step:
+
+1. Admission: `take(tokens, prompt_len)` finds the longest prefix that ends at a node with a
+   snapshot, at most all tokens but the last (the last one must run to give the logits of the
+   next), and holds a reference to its pages; `attach(hold, seq)` then gives the pages to the
+   request, sets its cached-token count and copies the snapshot into its slot, or `drop(hold)`
+   lets go if the request cannot be admitted this step.
+2. Scheduling: `chunk(hold, start, n, total)` shortens a chunk so that it ends on a snapshot
+   point (below), and so that a chunk that does not finish the request's tokens ends on a page
+   boundary. The state of a linear layer exists only where a step stopped: the kernels return
+   the state after a request's last token of the step, never one in the middle. So the cache
+   snapshots only where a step ends, and the scheduler makes steps end where snapshots are wanted.
+3. After the forward: `after_step(entries)` snapshots each request that stopped on a page
+   boundary it should snapshot at, inserts its prefix into the tree and makes the request use
+   the tree's pages for it (a duplicate of pages the tree has is freed). Copies are issued on the
+   host side of the step, between the forward and the next step, never inside a captured graph.
+   A request whose prompt is all in the cache now also inserts the prompt's whole pages, without
+   a snapshot: a later request can then see where it parts from this one (its branch point).
+4. Memory: `reclaim(free_target)` evicts unused cached prefixes when the KV pool runs short; a
+   full snapshot pool drops its least recently used snapshot.
+
+Snapshot points of a request (positions, in tokens from its start, all page boundaries). Where
+one is not the end of a chunk anyway, the chunk is split there: the request takes one more step,
+of the tokens after the point. A step costs much more than its tokens on a GPU (an extend step
+has a floor of several milliseconds), so splits are kept to where they pay:
+
+- the branch point: where its tokens leave the tree's KV pages, when no snapshot is there yet.
+  The second request of a family that shares a prefix (a system prompt, a chat so far) pays one
+  split and every later one hits the whole shared part.
+- the end of its prompt (`snapshot_prompt_end`): the prompt's end itself when that is a page
+  boundary (a chunk ends there: no split), which a longer prompt continuing this one (the next
+  turn of a chat) hits; otherwise, on a miss only, the last page boundary before the end (a
+  split), which an identical prompt hits. A request that hit the cache takes no such split: its
+  one step after the hit is the time to first token the cache is for. So an identical repeat of
+  a page-aligned prompt, or of a prompt that hit, finds its snapshot from the third request on
+  (the second snapshots the branch point).
+- chunk ends, at least `snapshot_interval` tokens after its previous snapshot: long prompts
+  then leave snapshots along the way that partial matches can use (with the default budget of
+  512 tokens a step, the end of every fourth chunk).
+- with `snapshot_output`, the same cadence over its generated tokens, at decode steps that end on
+  a page boundary (no split).
+
+Chunks that do not finish a request's tokens end at page boundaries while caching, so at most
+page_size - 1 tokens of a step's budget per prefilling request go unused.
+
+Speculative decoding (not built yet) must keep one rule: a snapshot is only ever taken of state
+after verified tokens. `after_step` snapshots the state at `seq.num_cached`, which counts only
+tokens that are part of the request; a verify step must call it after acceptance has written the
+accepted state into the slot and set num_cached to the accepted length, never before.
+
+It does not schedule requests (the engine does) nor size the pools (the memory planner does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from runtime.cache.batch import SeqState
+from runtime.cache.kv_pool import KVPool
+from runtime.cache.radix_cache import PrefixMatch, RadixCache
+from runtime.cache.snapshot_pool import SnapshotPool
+from runtime.cache.state_pool import StatePool
+
+__all__ = ["PrefixCache", "PrefixCacheConfig", "CacheHold", "DEFAULT_SNAPSHOT_INTERVAL"]
+
+# A snapshot costs about as much memory as this many tokens of KV (Qwen3-Next-80B: 77 MB of linear
+# state against 24 KB of KV per token, ~3,100 tokens), so a prefix keeps its snapshots' share of
+# its memory near its KV's.
+DEFAULT_SNAPSHOT_INTERVAL = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheConfig:
+    snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL  # tokens between chunk-end snapshots of one request
+    snapshot_prompt_end: bool = True
+    snapshot_output: bool = False
+
+    def __post_init__(self):
+        if self.snapshot_interval < 1:
+            raise ValueError(f"--snapshot-interval must be at least 1 (got {self.snapshot_interval})")
+
+
+@dataclasses.dataclass
+class CacheHold:
+    """One request's dealings with the cache, from its admission to its end (or preemption)."""
+
+    match: PrefixMatch
+    points: tuple[int, ...]  # snapshot points ahead of it where a chunk must end, ascending
+    snapshot_at: int  # its last snapshot (or the hit it started from)
+    prompt_inserted: bool = False  # the prompt's whole pages are in the tree
+
+    @property
+    def tokens(self) -> int:
+        return self.match.tokens
+
+
+class PrefixCache:
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool, snapshots: SnapshotPool,
+                 config: PrefixCacheConfig = PrefixCacheConfig()):
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.snapshots = snapshots
+        self.config = config
+        self.page_size = kv_pool.page_size
+        self.tree = RadixCache(kv_pool, snapshots)
+        self.lookups = self.hits = self.lookup_tokens = self.hit_tokens = self.snapshots_taken = 0
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def take(self, tokens: list[int], prompt_len: int) -> CacheHold:
+        """The longest reusable prefix of `tokens` and the snapshot points after it; holds its pages."""
+        ps = self.page_size
+        match = self.tree.match(tokens, len(tokens) - 1)  # the last token always runs
+        points = {match.kv_tokens}  # the branch point (the hit itself when no KV lies beyond it)
+        if self.config.snapshot_prompt_end and (prompt_len % ps == 0 or match.tokens == 0):
+            points.add(prompt_len // ps * ps)
+        self.kv_pool.share(match.pages)  # so that no eviction takes them before attach
+        return CacheHold(match, tuple(sorted(p for p in points if p > match.tokens)), match.tokens)
+
+    def drop(self, hold: CacheHold) -> None:
+        self.kv_pool.free(hold.match.pages)
+
+    def attach(self, hold: CacheHold, seq: SeqState, num_tokens: int) -> None:
+        """A fresh request state (of `num_tokens` tokens) takes the held prefix: its pages (the
+        references `take` made) and its snapshot, copied into the request's slot."""
+        assert not seq.pages and seq.num_cached == 0, "attach: the request must be fresh"
+        match = hold.match
+        seq.pages = list(match.pages)
+        seq.num_cached = match.tokens
+        if match.snapshot is not None:
+            self.snapshots.restore(self.state_pool, [match.snapshot], [seq.slot])
+            self.tree.use(match)
+            self.hits += 1
+        self.lookups += 1
+        self.lookup_tokens += num_tokens
+        self.hit_tokens += match.tokens
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def chunk(self, hold: CacheHold, start: int, n: int, total: int) -> int:
+        """n, or fewer tokens so that the chunk from `start` ends on the next snapshot point or,
+        when it does not finish the request's `total` tokens, on a page boundary."""
+        end = start + n
+        for point in hold.points:
+            if start < point < end:
+                return point - start
+        if end < total:
+            aligned = end - end % self.page_size
+            if aligned > start:
+                return aligned - start
+        return n
+
+    # -- after the forward ----------------------------------------------------------------------
+
+    def _due(self, hold: CacheHold, pos: int, prompt_len: int) -> bool:
+        if pos % self.page_size or pos <= hold.snapshot_at:
+            return False
+        if pos > prompt_len and not self.config.snapshot_output:
+            return False
+        return pos in hold.points or pos - hold.snapshot_at >= self.config.snapshot_interval
+
+    def after_step(self, entries) -> None:
+        """entries: (hold, seq, prompt, output) of each request the step ran, after its commit.
+
+        The state in a request's slot is now the state after its first seq.num_cached tokens.
+        """
+        if self.snapshots.num_snapshots == 0:
+            return  # pages alone give no hit: nothing to cache
+        pending: dict[int, int] = {}  # snapshot id -> slot, saved together below
+        for hold, seq, prompt, output in entries:
+            pos = seq.num_cached
+            if self._due(hold, pos, len(prompt)):
+                hold.snapshot_at = pos  # taken, or found already there, or no room: not tried again
+                self._snapshot(seq, (prompt + output)[:pos], pending)
+            if not hold.prompt_inserted and pos >= len(prompt):
+                hold.prompt_inserted = True
+                whole = pos - pos % self.page_size
+                _, tree_pages = self.tree.insert((prompt + output)[:whole], seq.pages)
+                self._use_tree_pages(seq, tree_pages)
+        self.snapshots.save(self.state_pool, list(pending.values()), list(pending))
+
+    def _snapshot(self, seq: SeqState, tokens: list[int], pending: dict[int, int]) -> None:
+        """Insert tokens (the request's first seq.num_cached) with a snapshot of the request's slot."""
+        snapshot = self._free_snapshot(pending)
+        if snapshot is None:
+            return
+        node, tree_pages = self.tree.insert(tokens, seq.pages)
+        self._use_tree_pages(seq, tree_pages)
+        if node.snapshot is not None:  # another request stopped here first
+            self.snapshots.free(snapshot)
+            return
+        self.tree.set_snapshot(node, snapshot)
+        pending[snapshot] = seq.slot
+        self.snapshots_taken += 1
+
+    def _free_snapshot(self, pending: dict[int, int]) -> int | None:
+        """A snapshot id, evicting the least recently used snapshot when none is free."""
+        if self.snapshots.num_free == 0:
+            freed = self.tree.evict_snapshot()
+            if freed is None:
+                return None  # a pool of no snapshots: caching is off in effect
+            pending.pop(freed, None)  # taken earlier in this step: its save must not happen
+        return self.snapshots.alloc()
+
+    def _use_tree_pages(self, seq: SeqState, tree_pages: list[int]) -> None:
+        """The request reads the tree's pages for its prefix from now on; its duplicates are freed.
+
+        Both hold the same tokens' keys and values. Sharing them keeps the path of every running
+        request made of pages it holds itself, so nothing the tree holds alone is stuck in it."""
+        for i, page in enumerate(tree_pages):
+            if seq.pages[i] != page:
+                self.kv_pool.share([page])
+                self.kv_pool.free([seq.pages[i]])
+                seq.pages[i] = page
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def reclaim(self, free_target: int) -> None:
+        """Evict cached prefixes nobody uses until the KV pool has `free_target` free pages (or none are left)."""
+        if self.kv_pool.num_free < free_target:
+            self.tree.evict_pages(free_target)
+
+    def clear(self) -> None:
+        self.tree.clear()
+
+    def stats(self) -> dict:
+        return {
+            "prefix_cache_lookups": self.lookups,
+            "prefix_cache_hits": self.hits,
+            "prefix_cache_lookup_tokens": self.lookup_tokens,
+            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_pages": self.tree.num_pages,
+            "prefix_cache_snapshots": self.tree.num_snapshots,
+            "prefix_cache_snapshot_slots": self.snapshots.num_snapshots,
+            "prefix_cache_snapshot_bytes": self.snapshots.nbytes(),
+            "prefix_cache_snapshots_taken": self.snapshots_taken,
+        }

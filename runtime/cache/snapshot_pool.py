@@ -1,0 +1,88 @@
+"""Snapshot pool: saved copies of a request's linear-layer state, for the prefix cache.
+
+A hybrid model's cached prefix is its full-attention KV pages plus the state every linear layer
+had after the prefix's last token: the recurrent matrix and the convolution window. This pool
+holds such states, one per snapshot id, in the state pool's layout:
+
+1. Built from the LayerRegistry: for every linear layer and every state entry, one tensor
+   [num_snapshots, *entry.shape] of the state pool's dtype. With no linear layers it holds
+   nothing, and any number of ids costs no memory.
+2. `alloc()` hands out an id, `free(id)` returns it; the radix cache (runtime/cache/radix_cache.py)
+   keeps the ids its nodes hold.
+3. `save(state_pool, slots, ids)` copies the state of request slots into snapshots;
+   `restore(state_pool, ids, slots)` copies snapshots into request slots. One indexed copy per
+   state tensor for all the pairs of a step, issued on the host side of a step (never inside a
+   captured graph), on the stream that runs the steps, so it is ordered after the step that wrote
+   the state and before the next one that reads it.
+
+On rank 0 of a tensor-parallel run, `journal` records each save and restore for the other ranks
+to replay on their pools (runtime/dist/distributed.py); None elsewhere.
+
+It does not decide when to snapshot (runtime/cache/prefix_cache.py does) nor how many snapshots fit
+(the memory planner does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiler.splitops import LayerRegistry
+from runtime.cache.state_pool import StatePool, linear_state_buffers
+
+__all__ = ["SnapshotPool", "OutOfSnapshots"]
+
+
+class OutOfSnapshots(RuntimeError):
+    pass
+
+
+class SnapshotPool:
+    def __init__(self, registry: LayerRegistry, num_snapshots: int, device: torch.device | str = "cpu"):
+        if num_snapshots < 0:
+            raise ValueError(f"snapshot pool: the number of snapshots must be >= 0 (got {num_snapshots})")
+        self.num_snapshots = num_snapshots
+        self.device = torch.device(device)
+        self.buffers = linear_state_buffers(registry, num_snapshots, self.device)  # [num_snapshots, *shape] each
+        self._free: list[int] = list(range(num_snapshots - 1, -1, -1))  # pop() hands out id 0 first
+        self.journal: list | None = None
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfSnapshots(f"snapshot pool: all {self.num_snapshots} snapshots are in use")
+        return self._free.pop()
+
+    def free(self, snapshot: int) -> None:
+        assert 0 <= snapshot < self.num_snapshots and snapshot not in self._free, (
+            f"snapshot pool: snapshot {snapshot} freed twice or unknown")
+        self._free.append(snapshot)
+
+    def save(self, state_pool: StatePool, slots: list[int], snapshots: list[int]) -> None:
+        """snapshot[snapshots[i]] = state of slot slots[i], in every linear layer."""
+        if self.journal is not None:
+            self.journal.append(("save", list(slots), list(snapshots)))
+        self._copy(state_pool.buffers, slots, self.buffers, snapshots)
+
+    def restore(self, state_pool: StatePool, snapshots: list[int], slots: list[int]) -> None:
+        """state of slot slots[i] = snapshot[snapshots[i]], in every linear layer."""
+        if self.journal is not None:
+            self.journal.append(("restore", list(snapshots), list(slots)))
+        self._copy(self.buffers, snapshots, state_pool.buffers, slots)
+
+    def _copy(self, src_buffers: dict, src: list[int], dst_buffers: dict, dst: list[int]) -> None:
+        """dst_buffers[layer][entry][dst[i]] = src_buffers[layer][entry][src[i]]: one indexed copy per tensor."""
+        assert len(src) == len(dst) and src_buffers.keys() == dst_buffers.keys(), (
+            "snapshot pool: built for another registry than the state pool")
+        if not src:
+            return
+        src_index = torch.tensor(src, dtype=torch.int64).to(self.device)
+        dst_index = torch.tensor(dst, dtype=torch.int64).to(self.device)
+        for layer_id, entries in src_buffers.items():
+            for name, source in entries.items():
+                dst_buffers[layer_id][name].index_copy_(0, dst_index, source.index_select(0, src_index))
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for entries in self.buffers.values() for t in entries.values())

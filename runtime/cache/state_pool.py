@@ -1,0 +1,141 @@
+"""Slot-indexed state pool: recurrent and convolution states of the linear-attention layers.
+
+1. Built from the LayerRegistry: for every linear layer and every state entry of its spec, one
+   tensor [num_slots + 1, *entry.shape]. Slot 0 is the padding slot: padded rows of a captured
+   batch point at it, and it is never handed to a request.
+2. `alloc()` hands out a slot and zeroes it in every layer (a new request starts from the empty
+   state; a reused slot must not leak its previous owner's state). `free(slot)` returns it.
+3. `copy_slot(src, dst)` copies one request's states to another's slot (a request forked from
+   another after their shared prompt).
+4. Speculative decoding (`draft_tokens` D > 0): `verify_buffers` hold, per linear layer and state
+   entry, [verify_rows, D, *shape]. A target_verify step feeds each request D + 1 tokens; its
+   ops write the state after token i (i < D) of the request in row b of the step into entry
+   [b, i], and the state after the last token into the request's slot. `keep_verified` then
+   gives each request the state after its last accepted token (runtime/cache/memory_planner.py says
+   why D entries, indexed by row, and how many rows).
+5. `journal`: on rank 0 of a tensor-parallel run, a list that records every change to the
+   buffers made outside a forward (zeroing, copies), for the other ranks to replay on theirs
+   (runtime/dist/distributed.py); None elsewhere. (`keep_verified` is not journaled: speculative
+   decoding is refused on tensor-parallel ranks.)
+
+Full-attention layers get nothing here. Sizing is the memory planner's job.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiler.splitops import LayerRegistry, dtype_from_name
+from runtime.step.host_copy import to_device
+
+__all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT", "linear_state_buffers"]
+
+PADDING_SLOT = 0
+
+
+class OutOfSlots(RuntimeError):
+    pass
+
+
+def linear_state_buffers(registry: LayerRegistry, rows: int,
+                         device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
+    """layer id -> state entry name -> zeros [rows, *shape] for every linear layer (the snapshot pool's layout too)."""
+    return {
+        layer.layer_id: {name: torch.zeros((rows, *spec.shape), dtype=dtype_from_name(spec.dtype), device=device)
+                         for name, spec in layer.state.items()}
+        for layer in registry.linear_layers()
+    }
+
+
+class StatePool:
+    def __init__(self, registry: LayerRegistry, num_slots: int, device: torch.device | str = "cpu", *,
+                 draft_tokens: int = 0, verify_rows: int = 0):
+        """draft_tokens: D of speculative decoding (0: none); verify_rows: the most requests a
+        target_verify step holds, padding included (memory_planner.plan_memory's intermediate_rows)."""
+        if num_slots < 1:
+            raise ValueError(f"state pool needs at least one request slot (got {num_slots})")
+        if draft_tokens < 0 or (draft_tokens > 0) != (verify_rows > 0):
+            raise ValueError(f"state pool: draft_tokens {draft_tokens} and verify_rows {verify_rows} must both be "
+                             f"positive (speculative decoding) or both 0")
+        self.num_slots = num_slots  # slots a request can hold; the padding slot comes on top
+        self.device = torch.device(device)
+        self.buffers = linear_state_buffers(registry, num_slots + 1, self.device)  # [num_slots + 1, *shape] each
+        self.draft_tokens, self.verify_rows = draft_tokens, verify_rows
+        # [verify_rows, D, *shape] each: entry [b, i] is the state after token i of the verify step's request b
+        self.verify_buffers = {
+            layer_id: {name: t.new_zeros((verify_rows, draft_tokens, *t.shape[1:])) for name, t in entries.items()}
+            for layer_id, entries in self.buffers.items()} if draft_tokens else {}
+        self._free: list[int] = list(range(num_slots, PADDING_SLOT, -1))  # pop() hands out slot 1 first
+        self.journal: list | None = None
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfSlots(f"state pool: all {self.num_slots} slots are in use")
+        slot = self._free.pop()
+        self.zero_slot(slot)
+        return slot
+
+    def zero_slot(self, slot: int) -> None:
+        if self.journal is not None:
+            self.journal.append(("zero_slot", slot))
+        for entries in self.buffers.values():
+            for t in entries.values():
+                t[slot].zero_()
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Give slot `dst` the states of slot `src` in every layer (a request forked after its prefill)."""
+        assert src != PADDING_SLOT and dst != PADDING_SLOT and src != dst, (src, dst)
+        if self.journal is not None:
+            self.journal.append(("copy_slot", src, dst))
+        for entries in self.buffers.values():
+            for t in entries.values():
+                t[dst].copy_(t[src])
+
+    def free(self, slot: int) -> None:
+        assert slot != PADDING_SLOT, "state pool: the padding slot is never handed out, so never freed"
+        assert 0 < slot <= self.num_slots and slot not in self._free, f"state pool: slot {slot} freed twice or unknown"
+        self._free.append(slot)
+
+    def layer(self, layer_id: int) -> dict[str, torch.Tensor]:
+        try:
+            return self.buffers[layer_id]
+        except KeyError:
+            raise KeyError(f"state pool has no linear layer {layer_id} (layers: {sorted(self.buffers)})") from None
+
+    def verify_layer(self, layer_id: int, tokens: int, rows: int) -> dict[str, torch.Tensor]:
+        """The layer's intermediate states for a target_verify step of `rows` requests of `tokens`
+        tokens each, refusing one they cannot hold (a pool made without speculative decoding, or
+        for fewer draft tokens or rows)."""
+        if tokens - 1 > self.draft_tokens or rows > self.verify_rows:
+            raise ValueError(f"state pool: a target_verify step of {rows} request(s) x {tokens} tokens needs "
+                             f"intermediate states for {tokens - 1} draft tokens and {rows} rows; this pool holds "
+                             f"{self.draft_tokens} x {self.verify_rows} (build it with draft_tokens and verify_rows)")
+        self.layer(layer_id)  # a clear KeyError for a layer that is not linear
+        return self.verify_buffers[layer_id]
+
+    def keep_verified(self, slots: list[int], accepted: list[int]) -> None:
+        """After a target_verify step: request b of the step (slot slots[b]) accepted accepted[b]
+        of its D + 1 tokens (1 <= accepted <= D + 1). Its slot already holds the state after
+        the last token; for accepted <= D it takes the state after token accepted - 1 instead."""
+        D = self.draft_tokens
+        rows = [b for b, a in enumerate(accepted) if a <= D]
+        assert all(1 <= a <= D + 1 for a in accepted), f"accepted counts {accepted} outside 1..{D + 1}"
+        if not rows:
+            return
+        # queued, not waited for: the verify round's next step is laid out meanwhile (runtime/step/host_copy.py)
+        row_index = to_device(rows, self.device)
+        entry_index = to_device([accepted[b] - 1 for b in rows], self.device)
+        slot_index = to_device([slots[b] for b in rows], self.device)
+        for layer_id, entries in self.buffers.items():
+            for name, t in entries.items():
+                t[slot_index] = self.verify_buffers[layer_id][name][row_index, entry_index]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for entries in self.buffers.values() for t in entries.values())
+
+    def verify_nbytes(self) -> int:
+        return sum(t.nbytes for entries in self.verify_buffers.values() for t in entries.values())

@@ -1,0 +1,117 @@
+"""Capture keys and buckets: which captured graphs exist, and which one a step goes to.
+
+1. `CaptureKey(mode, tokens, seqs, rows)` names one captured shape: a decode bucket (one row per
+   request), a target_verify bucket (speculative decoding: `verify_tokens` rows per request, and
+   `rows` logits rows) or an extend bucket (its token rows and a fixed number of request rows;
+   mixed steps use the extend graphs).
+2. `Buckets(decode, extend, extend_max_seqs, verify, verify_tokens, verify_logits_rows)`: `capture_keys()` in capture order (largest first,
+   so smaller graphs reuse the pool's memory), `key_for(mode, tokens, seqs)` the smallest key that
+   holds a step or None (an eager step), and the largest step the static buffers must hold.
+3. `buckets_for`: the artifact's recorded buckets clipped to the steps an engine can send;
+   `extend_seqs`: how many requests an extend graph holds.
+
+The artifact's default buckets are the format's (compiler/splitops/artifact.py). This module
+captures nothing (runtime/graphs/cuda_graphs.py) and pads nothing (runtime/graphs/staging.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from compiler.splitops import Mode
+
+__all__ = ["CaptureKey", "Buckets", "buckets_for", "extend_seqs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureKey:
+    mode: Mode  # DECODE or TARGET_VERIFY (full or piecewise), or EXTEND (piecewise; also serves MIXED steps)
+    tokens: int  # rows of the step, padding included
+    seqs: int  # requests of the step, padding included
+    rows: int = 0  # logits rows, padding included (0: one per request)
+
+    @property
+    def logits_rows(self) -> int:
+        return self.rows or self.seqs
+
+    def __str__(self) -> str:
+        rows = f", rows={self.rows}" if self.rows else ""
+        return f"{self.mode.value}[tokens={self.tokens}, seqs={self.seqs}{rows}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    decode: tuple[int, ...]  # padded request counts of the decode graphs
+    extend: tuple[int, ...]  # padded token counts of the extend graphs
+    extend_max_seqs: int  # request rows of every extend graph
+    verify: tuple[int, ...] = ()  # padded request counts of the target_verify graphs
+    verify_tokens: int = 0  # tokens per request of a target_verify step (D + 1; 0: none)
+    verify_logits_rows: int = 0  # logits rows per request of such a step (0: every token)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decode", tuple(sorted(self.decode)))
+        object.__setattr__(self, "extend", tuple(sorted(self.extend)))
+        object.__setattr__(self, "verify", tuple(sorted(self.verify)) if self.verify_tokens else ())
+        object.__setattr__(self, "verify_logits_rows", self.verify_logits_rows or self.verify_tokens)
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.decode[-1] if self.decode else 1, self.extend[-1] if self.extend else 1,
+                   self.verify[-1] * self.verify_tokens if self.verify else 1)
+
+    @property
+    def max_seqs(self) -> int:
+        return max(self.decode[-1] if self.decode else 1, self.extend_max_seqs, self.verify[-1] if self.verify else 1)
+
+    def verify_key(self, bucket: int) -> CaptureKey:
+        return CaptureKey(Mode.TARGET_VERIFY, bucket * self.verify_tokens, bucket, bucket * self.verify_logits_rows)
+
+    def key_for(self, mode: Mode, num_tokens: int, num_seqs: int) -> Optional[CaptureKey]:
+        """The smallest key that holds this step, or None (eager)."""
+        if mode == Mode.DECODE:
+            bucket = next((b for b in self.decode if b >= num_seqs), None)
+            return CaptureKey(Mode.DECODE, bucket, bucket) if bucket else None
+        if mode == Mode.TARGET_VERIFY:
+            bucket = next((b for b in self.verify if b >= num_seqs), None)
+            if bucket is None or num_tokens != num_seqs * self.verify_tokens:
+                return None
+            return self.verify_key(bucket)
+        if num_seqs > self.extend_max_seqs:
+            return None
+        bucket = next((b for b in self.extend if b >= num_tokens), None)
+        return CaptureKey(Mode.EXTEND, bucket, self.extend_max_seqs) if bucket else None
+
+    def capture_keys(self) -> list[CaptureKey]:
+        """Every key, in capture order (largest first); an extend bucket smaller than its request rows has none."""
+        keys = [CaptureKey(Mode.DECODE, b, b) for b in reversed(self.decode)]
+        keys += [self.verify_key(b) for b in reversed(self.verify)]
+        keys += [CaptureKey(Mode.EXTEND, t, self.extend_max_seqs) for t in reversed(self.extend)
+                 if t >= self.extend_max_seqs]
+        return keys
+
+
+def buckets_for(decode_sizes, extend_sizes, *, max_running: int, token_budget: int,
+                max_seq_len: Optional[int] = None) -> tuple[tuple, tuple]:
+    """The artifact's buckets, clipped to the steps an engine can send.
+
+    A decode step has at most max_running requests and an extend step at most token_budget
+    tokens (and at most max_running x max_seq_len): keep every bucket up to the first one that
+    holds that many; larger ones would only cost capture time and memory.
+    """
+    if max_seq_len is not None:
+        token_budget = min(token_budget, max_running * max_seq_len)
+    def clip(sizes, limit):
+        sizes = sorted(set(int(s) for s in sizes))
+        cover = next((s for s in sizes if s >= limit), None)
+        return tuple(s for s in sizes if s < limit) + ((cover,) if cover else ())
+    return clip(decode_sizes, max_running), clip(extend_sizes, token_budget)
+
+
+def extend_seqs(largest_decode: int, extend_buckets) -> int:
+    """Requests an extend graph holds: as many as the largest recorded decode bucket (under load
+    most prefill chunks ride in mixed steps beside every running decode, and a graph that holds
+    fewer leaves those steps eager), at most t for a bucket of t tokens (one token each). Taken
+    from the artifact's recorded buckets, not an engine's limits, so `hgc build` and every run
+    capture the same shapes and find the same kernels."""
+    return max(1, min([largest_decode, *extend_buckets]))

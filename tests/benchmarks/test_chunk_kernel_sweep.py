@@ -1,0 +1,40 @@
+"""benchmarks/chunk_kernel_sweep.py --dry-run on the CPU (Triton's interpreter, tiny dims): each config
+is checked against the recurrence before it is timed, and unknown config names are refused. In a fresh process: the script sets TRITON_INTERPRET
+before triton is imported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "chunk_kernel_sweep.py"
+
+pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
+
+
+def sweep(tmp_path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_dry_run_checks_then_times_each_config(tmp_path):
+    proc = sweep(tmp_path, "--families", "gdn,lightning", "--shapes", "32x2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "chunk_kernel_sweep.json").read_text())
+    for family in ("gdn", "lightning"):
+        fam = doc["families"][family]
+        assert set(fam["checks"]) == {"default", "f32-dots"}
+        assert all(c["ok"] and c["out_rel_err"] < 1e-2 for c in fam["checks"].values()), fam["checks"]
+        (row,) = fam["timings"]
+        assert (row["tokens"], row["requests"]) == (32, 2) and set(row["ours"]) == {"default", "f32-dots"}
+        assert all(t["wall_ms"] > 0 for t in row["ours"].values())
+
+
+def test_unknown_config_names_are_refused(tmp_path):
+    proc = sweep(tmp_path, "--configs", "default,fastest")
+    assert proc.returncode == 2 and "--configs: unknown ['fastest']" in proc.stderr

@@ -1,0 +1,92 @@
+"""benchmarks/jit_cache.py: the kernel caches that travel between GPU calls survive a pack and unpack,
+the newest first when they do not all fit, a Triton kernel folder whole or not at all, and nothing
+but built modules and Triton's cache goes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import jit_cache  # noqa: E402
+
+KIB = 1024
+
+
+def make_cache(cache: Path) -> dict:
+    """Random (incompressible) files: two old Triton files in one kernel folder, a FlashInfer module
+    and its object file, one new Triton file."""
+    files = {"old_cubin": cache / "triton/ABC/old_kernel.cubin", "old_grp": cache / "triton/ABC/__grp__old_kernel.json",
+             "so": cache / ".cache/flashinfer/0.6.0/90a/cached_ops/batch_decode/batch_decode.so",
+             "new": cache / "triton/DEF/new_kernel.json"}
+    files["obj"] = files["so"].with_name("batch_decode.cuda.o")
+    files["new_grp"] = cache / "triton/DEF/__grp__new_kernel.json"
+    for name, mtime in (("old_cubin", 1000), ("old_grp", 1000), ("so", 1001), ("obj", 1002), ("new", 1003)):
+        p = files[name]
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith("_grp"):
+            continue
+        p.write_bytes(os.urandom(300 * KIB))
+    # group files list their folder's files, as Triton's do
+    files["old_grp"].write_text(json.dumps({"child_paths": {"c": str(files["old_cubin"])}}))
+    files["new_grp"].write_text(json.dumps({"child_paths": {"j": str(files["new"])}}))
+    for name, mtime in (("old_cubin", 1000), ("old_grp", 1000), ("so", 1001), ("obj", 1002), ("new", 1003),
+                        ("new_grp", 1003)):
+        os.utime(files[name], (mtime, mtime))
+    return files
+
+
+def unpacked(cache: Path, tmp_path: Path, max_bytes: int) -> list[str]:
+    out, back = tmp_path / "out", tmp_path / "back"
+    assert jit_cache.pack(cache, out, max_bytes=max_bytes) == 0
+    assert jit_cache.unpack(out, back) == 0
+    return sorted(str(p.relative_to(back)) for p in back.rglob("*") if p.is_file())
+
+
+def test_pack_then_unpack_gives_back_the_newest_built_kernels(tmp_path):
+    cache = tmp_path / "cache"
+    files = make_cache(cache)
+    # 500 KiB compressed: new (300) is under it, so the module goes too; then the bound is passed
+    got = unpacked(cache, tmp_path, 500 * KIB)
+    assert got == sorted(str(files[n].relative_to(cache)) for n in ("so", "new", "new_grp"))
+    assert (tmp_path / "back" / files["so"].relative_to(cache)).read_bytes() == files["so"].read_bytes()
+
+
+def test_a_triton_kernel_folder_travels_whole(tmp_path):
+    cache = tmp_path / "cache"
+    files = make_cache(cache)
+    got = unpacked(cache, tmp_path, 4096 * KIB)
+    assert got == sorted(str(files[n].relative_to(cache)) for n in ("old_cubin", "old_grp", "so", "new", "new_grp"))
+
+
+def test_stash_replaces_the_carried_parts(tmp_path):
+    cache = tmp_path / "cache"
+    make_cache(cache)
+    parts = tmp_path / "parts"
+    (parts).mkdir()
+    (parts / "jitcache.tar.gz.007").write_bytes(b"stale")
+    assert jit_cache.pack(cache, tmp_path / "out", max_bytes=4096 * KIB) == 0
+    assert jit_cache.stash(tmp_path / "out", parts) == 0
+    assert sorted(p.name for p in parts.iterdir()) == ["jitcache.tar.gz.000"]
+
+
+def test_unpack_without_parts_says_so(tmp_path, capsys):
+    assert jit_cache.unpack(tmp_path, tmp_path / "c") == 2
+    assert "no jitcache.tar.gz.NNN parts" in capsys.readouterr().err
+
+
+def test_a_kernel_folder_missing_a_file_its_group_lists_stays_behind(tmp_path):
+    cache = tmp_path / "cache"
+    whole, cut = cache / "triton/AAA", cache / "triton/BBB"
+    for folder in (whole, cut):
+        folder.mkdir(parents=True)
+        (folder / "k.json").write_text("{}")
+        (folder / "k.cubin").write_bytes(b"\0" * 10)
+        children = {"k.json": str(folder / "k.json"), "k.cubin": str(folder / "k.cubin")}
+        (folder / "__grp__k.json").write_text(json.dumps({"child_paths": children}))
+    (cut / "k.cubin").unlink()
+    got = unpacked(cache, tmp_path, 4096 * KIB)
+    assert got == sorted(["triton/AAA/k.json", "triton/AAA/k.cubin", "triton/AAA/__grp__k.json"])

@@ -1,0 +1,383 @@
+"""The chunked linear-attention kernels (runtime/backends/kernels/chunk.py) against the reference recurrence.
+
+First the math alone: a plain-torch float64 version of the kernels' algorithm (chunks, the WY
+form, the block inverse over 16-row blocks) against cpu_reference.gated_recurrence,
+including a chunk of identical keys where the nilpotent-product inverse would lose every digit.
+Then the kernels, in Triton's interpreter on a machine without CUDA (on the GPU machine, compiled),
+over one launch of several requests: lengths 0, 1, a partial chunk, an exact chunk and several
+chunks; grouped value heads; the delta rule (GDN) and none (Lightning, constant decay); non-zero
+initial states; slots out of row order. Outputs are compared per request by ||x - ref|| / ||ref||,
+states likewise; the padding slot, free slots and the rows past the last request must come out
+bit for bit as they went in. Between the kernels: the workspaces hold the recurrence's state
+entering each chunk and V', and a repeated step launches with the same arguments (the Launcher's
+cache key: stable workspace addresses). Shapes stay small (Dk, Dv 16 or 32, chunks of 16 or 32
+rows) so the interpreter is quick; tests/gpu/test_gpu_linear_kernels.py runs the same checks at real
+sizes.
+
+The interpreter must be switched on before triton is first imported (testkit/triton_interpreter.py,
+which also runs the file in a fresh process where triton was imported compiled first).
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+# before triton: testkit/triton_interpreter.py says why
+from testkit.triton_interpreter import DEVICE, INTERPRETED, interpreter_or_fresh_process  # noqa: E402,F401
+
+triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
+
+from runtime.backends.kernels import chunk as TC  # noqa: E402
+from runtime.backends.kernels.launch_math import token_blocks  # noqa: E402
+from runtime.backends.kernels.launch_cache import Launcher  # noqa: E402
+from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
+from runtime.backends.kernels.linear import GATE_CONSTANT, GATE_PER_CHANNEL, GATE_PER_HEAD  # noqa: E402
+from runtime.cache.state_pool import PADDING_SLOT  # noqa: E402
+
+in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+# -- the math, in plain torch ---------------------------------------------------------------------
+
+
+def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """(I + a)^-1 for strictly lower-triangular a, row by row (the kernel's forward substitution)."""
+    n = a.shape[0]
+    inv = torch.eye(n, dtype=a.dtype)
+    for i in range(1, n):
+        inv[i] = inv[i] - a[i] @ inv
+    return inv
+
+
+def torch_chunked(q, k, v, g, beta, state, scale, block_t, sub=TC.SUB_T):
+    """The kernels' algorithm for one request in float64: q, k [L, H, Dk]; v [L, H, Dv]; g [L, H];
+    beta [L, H] or None; state [H, Dk, Dv], updated in place. Returns the outputs [L, H, Dv]."""
+    q, k, v, g = q.double(), k.double(), v.double(), g.double()
+    L, H, _ = q.shape
+    out = torch.zeros(L, H, v.shape[2], dtype=torch.float64)
+    S = state.double()
+    for start in range(0, L, block_t):
+        end = min(start + block_t, L)
+        for h in range(H):
+            Q, K, V = q[start:end, h], k[start:end, h], v[start:end, h]
+            G = g[start:end, h].cumsum(0)
+            decay = torch.exp(G[:, None] - G[None, :]).tril()  # exp(G_i - G_j), j <= i
+            if beta is None:
+                v_new = V
+            else:
+                b = beta[start:end, h].double()
+                A = (b[:, None] * (K @ K.T) * decay).tril(-1)
+                rhs = torch.cat([b[:, None] * K * torch.exp(G)[:, None], b[:, None] * V], 1)
+                T = torch.zeros_like(A)  # (I + A)^-1 by blocks: T_ij = -T_ii sum_{j<=c<i} A_ic T_cj
+                blocks = [slice(b, min(b + sub, end - start)) for b in range(0, end - start, sub)]
+                for i, bi in enumerate(blocks):
+                    T[bi, bi] = unit_lower_inverse(A[bi, bi])
+                    for bj in blocks[:i]:
+                        T[bi, bj] = -T[bi, bi] @ sum(A[bi, bc] @ T[bc, bj] for bc in blocks[blocks.index(bj):i])
+                X = T @ rhs
+                W, U = X[:, :K.shape[1]], X[:, K.shape[1]:]
+                v_new = U - W @ S[h]
+            out[start:end, h] = scale * ((Q * torch.exp(G)[:, None]) @ S[h] + ((Q @ K.T) * decay) @ v_new)
+            S[h] = torch.exp(G[-1]) * S[h] + (K * torch.exp(G[-1] - G)[:, None]).T @ v_new
+    state.copy_(S)
+    return out
+
+
+def unit_rows(*shape, g):
+    return F.normalize(torch.randn(*shape, generator=g), dim=-1)
+
+
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "no_delta"])
+@pytest.mark.parametrize("block_t", [16, 64])
+def test_blocked_chunk_math_matches_the_recurrence(delta, block_t):
+    g = torch.Generator().manual_seed(1)
+    L, H, D = 150, 2, 16
+    q, k, v = unit_rows(L, H, D, g=g), unit_rows(L, H, D, g=g), torch.randn(L, H, D, generator=g)
+    gate = -F.softplus(torch.randn(L, H, generator=g))
+    beta = torch.sigmoid(torch.randn(L, H, generator=g)) if delta else None
+    s0 = torch.randn(H, D, D, generator=g)
+    s_ref, s_got = s0.clone(), s0.double()
+    want = gated_recurrence(q, k, v, gate[..., None], beta, s_ref, 0.25)
+    got = torch_chunked(q, k, v, gate, beta, s_got, 0.25, block_t)
+    assert rel_err(got, want) < 1e-5 and rel_err(s_got, s_ref) < 1e-5
+
+
+def test_identical_keys_need_a_stable_inverse():
+    """A chunk of one repeated key with beta = 1 and no decay: (I + A)^-1 is bidiagonal (1, -1),
+    while the powers of A reach C(63, 31) ~ 1e18. Forward substitution keeps it exact; the
+    nilpotent product (I - A)(I + A^2)...(I + A^32) loses every digit in float32."""
+    n = 64
+    A = torch.ones(n, n, dtype=torch.float64).tril(-1)
+    want = torch.eye(n, dtype=torch.float64) - torch.diag(torch.ones(n - 1, dtype=torch.float64), -1)
+    assert torch.equal(unit_lower_inverse(A), want)
+    a32 = A.float()
+    product, power = torch.eye(n) - a32, a32 @ a32
+    for _ in range(5):
+        product, power = product @ (torch.eye(n) + power), power @ power
+    assert rel_err(product, want) > 1e-2  # the unstable alternative, for the record
+
+
+# -- the kernels ---------------------------------------------------------------------------------
+
+NUM_SLOTS = 8
+
+
+def make_case(lens, hk, hv, dk, dv, delta, gate_kind, dtype, seed, extra_rows=3, k_scale=1.0):
+    """Inputs of one launch: requests of `lens` rows one after another, then `extra_rows` rows past
+    bounds[R] holding NaN (never read), slots out of row order, a pool of random non-zero states."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens) + extra_rows
+    x = {"q": unit_rows(T, hk, dk, g=g), "k": unit_rows(T, hk, dk, g=g) * k_scale,
+         "v": torch.randn(T, hv, dv, generator=g)}
+    if gate_kind == GATE_CONSTANT:
+        x["gate"] = -torch.linspace(0.05, 1.0, hv)
+    else:
+        x["gate"] = -F.softplus(torch.randn(T, hv, generator=g))
+    x["beta"] = torch.sigmoid(torch.randn(T, hv, generator=g)) if delta else None
+    for name, t in x.items():
+        if t is not None and t.shape[0] == T:
+            t[sum(lens):] = float("nan")
+    for name in ("q", "k", "v"):
+        x[name] = x[name].to(dtype)
+    state = torch.randn(NUM_SLOTS + 1, hv, dk, dv, generator=g) * 0.5
+    perm = (torch.randperm(NUM_SLOTS, generator=g) + 1)[:len(lens)]
+    return x, state, perm.tolist()
+
+
+def reference(x, lens, state, slots, scale, gate_kind):
+    """gated_recurrence per request on a copy of the pool: (outputs [rows, Hv, Dv] float32, pool)."""
+    state = state.clone()
+    hv = x["v"].shape[1]
+    group = hv // x["q"].shape[1]
+    out = torch.zeros(sum(lens), hv, x["v"].shape[2])
+    at = 0
+    for n, slot in zip(lens, slots):
+        rows = slice(at, at + n)
+        q, k = (x[name][rows].float().repeat_interleave(group, dim=1) for name in ("q", "k"))
+        gate = x["gate"].expand(n, hv) if gate_kind == GATE_CONSTANT else x["gate"][rows]
+        beta = None if x["beta"] is None else x["beta"][rows]
+        s = state[slot]
+        out[rows] = gated_recurrence(q, k, x["v"][rows].float(), gate[..., None], beta, s, scale)
+        at += n
+    return out, state
+
+
+def run_kernels(x, lens, state, slots, scale, gate_kind, block_t, out_dtype, config=None):
+    """chunk_extend on the device; returns (out, pool) on the host. out starts as a sentinel."""
+    T = x["q"].shape[0]
+    dev = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    out = torch.full((T, *x["v"].shape[1:]), 7.0, dtype=out_dtype, device=DEVICE)
+    pool = state.to(DEVICE)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    chunks = torch.from_numpy(token_blocks(np.asarray(lens, dtype=np.int64), block_t)).to(DEVICE)
+    TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool,
+                    torch.tensor(slots, dtype=torch.int64, device=DEVICE), torch.from_numpy(cu).to(DEVICE), chunks,
+                    scale, gate_kind, block_t=block_t, config=config)
+    return out.cpu(), pool.cpu()
+
+
+def check_case(lens, hk, hv, dk, dv, delta, gate_kind, dtype, block_t, seed, tol, config=None, k_scale=1.0):
+    x, state, slots = make_case(lens, hk, hv, dk, dv, delta, gate_kind, dtype, seed, k_scale=k_scale)
+    scale = dk ** -0.5
+    want, want_pool = reference(x, lens, state, slots, scale, gate_kind)
+    got, got_pool = run_kernels(x, lens, state, slots, scale, gate_kind, block_t, dtype, config)
+    R = sum(lens)
+    assert torch.isfinite(got).all(), "an output row was written from a masked (NaN) row"
+    assert got[R:].eq(7.0).all(), "rows past bounds[R] must not be touched"
+    at = 0
+    for n, slot in zip(lens, slots):
+        if n:
+            err = rel_err(got[at:at + n].float(), want[at:at + n])
+            assert err < tol, f"request of {n} rows: out rel err {err:.2e}"
+        s_err = rel_err(got_pool[slot], want_pool[slot])
+        assert s_err < (1e-4 if dtype == torch.float32 else tol), f"request of {n} rows: state rel err {s_err:.2e}"
+        at += n
+    zero_len = [slot for n, slot in zip(lens, slots) if n == 0]
+    untouched = [s for s in range(NUM_SLOTS + 1) if s not in slots] + zero_len
+    assert PADDING_SLOT in untouched
+    assert torch.equal(got_pool[untouched], state[untouched]), "the padding slot, a free slot or an idle request's"
+
+
+LENS = [0, 1, 13, 40, 32]  # none, one row, a partial chunk, several chunks with a tail, whole chunks
+
+
+@in_process
+@pytest.mark.parametrize("delta,gate_kind", [(True, GATE_PER_HEAD), (False, GATE_CONSTANT), (False, GATE_PER_HEAD)],
+                         ids=["gdn", "lightning", "gla"])
+def test_chunk_extend_matches_the_recurrence(delta, gate_kind):
+    """Grouped value heads (Hv = 2 Hk), chunks of 16 rows, Dk = Dv = 16, float32."""
+    check_case(LENS, 2, 4, 16, 16, delta, gate_kind, torch.float32, 16, seed=3, tol=1e-4,
+               k_scale=1.0 if delta else 0.3)
+
+
+@in_process
+def test_chunks_of_several_sub_blocks():
+    """Chunks of 32 rows (two 16-row diagonal blocks inverted side by side, then the block below the
+    diagonal from both), Dk = Dv = 32 split into two Dv tiles of 16 in the state and the output
+    kernels, one key head per value head."""
+    check_case(LENS, 2, 2, 32, 32, True, GATE_PER_HEAD, torch.float32, 32, seed=4, tol=1e-4,
+               config=TC.ChunkConfig(16, 1, 1, 16, 1))
+
+
+@in_process
+def test_requests_past_the_first_block_find_their_first_chunk(monkeypatch):
+    """The state kernel sums the chunks of the requests before its own, _REQUEST_BLOCK requests at a
+    time (128); in blocks of 2 the later requests of LENS take several blocks, the last a partial one."""
+    monkeypatch.setattr(TC, "_REQUEST_BLOCK", 2)
+    check_case(LENS, 1, 1, 16, 16, True, GATE_PER_HEAD, torch.float32, 16, seed=12, tol=1e-4)
+
+
+@in_process
+def test_dims_that_are_not_powers_of_two():
+    check_case([5, 20], 1, 2, 12, 20, True, GATE_PER_HEAD, torch.float32, 16, seed=5, tol=1e-4)
+
+
+@in_process
+@pytest.mark.parametrize("delta,gate_kind", [(True, GATE_PER_HEAD), (False, GATE_CONSTANT)], ids=["gdn", "lightning"])
+def test_bf16_inputs(delta, gate_kind):
+    check_case([3, 20], 2, 4, 16, 16, delta, gate_kind, torch.bfloat16, 16, seed=6, tol=1e-2,
+               k_scale=1.0 if delta else 0.3)
+
+
+@in_process
+def test_repeated_keys_stay_accurate():
+    """Every row of a request has the same key, beta near 1, almost no decay: the chunk's A is close
+    to the all-ones lower triangle, where an unstable inverse would blow up."""
+    lens = [40]
+    x, state, slots = make_case(lens, 1, 1, 16, 16, True, GATE_PER_HEAD, torch.float32, seed=7, extra_rows=0)
+    x["k"][:] = x["k"][0]
+    x["beta"][:] = 0.999
+    x["gate"][:] = -1e-3
+    want, want_pool = reference(x, lens, state, slots, 0.25, GATE_PER_HEAD)
+    got, got_pool = run_kernels(x, lens, state, slots, 0.25, GATE_PER_HEAD, 32, torch.float32)
+    assert rel_err(got, want) < 1e-4 and rel_err(got_pool, want_pool) < 1e-4
+
+
+@in_process
+def test_per_channel_gates_are_refused_naming_the_op():
+    x, state, slots = make_case([4], 1, 1, 16, 16, True, GATE_PER_HEAD, torch.float32, seed=8)
+    gate = torch.zeros(7, 1, 16)
+    with pytest.raises(ValueError, match=r"kda_core: .*per-channel gates \(KDA\)"):
+        TC.chunk_extend(x["q"], x["k"], x["v"], gate, x["beta"], torch.empty(7, 1, 16), state,
+                        torch.tensor(slots), torch.tensor([0, 4]), torch.zeros(1, 2, dtype=torch.int64), 1.0,
+                        GATE_PER_CHANNEL)
+
+
+def states_entering_chunks(x, lens, state, slots, gate_kind, block_t):
+    """The recurrence (gated_recurrence) row by row per request: the state entering each chunk, in
+    the chunk table's order [N, Hv, Dk, Dv], and with the delta rule each row's corrected value
+    beta_t (v_t - k_t^T exp(g_t) S_t-1) [rows, Hv, Dv] (V', the state kernel's), else None."""
+    hv = x["v"].shape[1]
+    group = hv // x["q"].shape[1]
+    states, deltas, at = [], [], 0
+    for n, slot in zip(lens, slots):
+        rows = slice(at, at + n)
+        q, k = (x[name][rows].float().repeat_interleave(group, dim=1) for name in ("q", "k"))
+        v = x["v"][rows].float()
+        gate = x["gate"].expand(n, hv) if gate_kind == GATE_CONSTANT else x["gate"][rows]
+        beta = None if x["beta"] is None else x["beta"][rows]
+        s = state[slot].clone()
+        for t in range(n):
+            if t % block_t == 0:
+                states.append(s.clone())
+            if beta is not None:
+                decayed = s * torch.exp(gate[t])[:, None, None]
+                deltas.append(beta[t][:, None] * (v[t] - torch.einsum("hk,hkv->hv", k[t], decayed)))
+            gated_recurrence(q[t:t + 1], k[t:t + 1], v[t:t + 1], gate[t:t + 1, :, None],
+                             None if beta is None else beta[t:t + 1], s, 1.0)
+        at += n
+    return torch.stack(states), (torch.stack(deltas) if deltas else None)
+
+
+@in_process
+@pytest.mark.parametrize("delta,gate_kind,dtype", [(True, GATE_PER_HEAD, torch.float32),
+                                                   (False, GATE_CONSTANT, torch.float32),
+                                                   (True, GATE_PER_HEAD, torch.bfloat16)],
+                         ids=["gdn-f32", "lightning-f32", "gdn-bf16"])
+def test_the_workspaces_hold_the_states_entering_each_chunk_and_v_prime(delta, gate_kind, dtype):
+    """What the state kernel leaves the output kernel: row c of the chunk-state workspace is the
+    recurrence's state entering chunk c of the table (float32 for float32 inputs, bfloat16 for
+    16-bit ones), and with the delta rule U's storage holds V', each row's corrected value."""
+    block_t, hv, dk, dv = 16, 4, 16, 16
+    x, state, slots = make_case(LENS, 2, hv, dk, dv, delta, gate_kind, dtype, seed=9, k_scale=1.0 if delta else 0.3)
+    want_states, want_v_prime = states_entering_chunks(x, LENS, state, slots, gate_kind, block_t)
+    run_kernels(x, LENS, state.clone(), slots, dk ** -0.5, gate_kind, block_t, dtype)
+    device = torch.empty(0, device=DEVICE).device
+    chunks = token_blocks(np.asarray(LENS, dtype=np.int64), block_t)
+    assert want_states.shape[0] == chunks.shape[0]
+    states = TC.chunk_state_workspace(chunks.shape[0], hv, dk, dv, TC.chunk_state_dtype(dtype), device).cpu()
+    assert states.dtype == (torch.float32 if dtype == torch.float32 else torch.bfloat16)
+    # bf16 chunk states: a rounding of 2**-8 at most (the interpreter truncates: 2**-7)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for c, (req, start) in enumerate(chunks.tolist()):
+        err = rel_err(states[c].float(), want_states[c])
+        assert err < tol, f"chunk {c} (request {req}, row {start}): state rel err {err:.2e}"
+    if delta:
+        _, v_prime = TC.chunk_workspace(sum(LENS), hv, dk, dv, device)
+        err = rel_err(v_prime.cpu(), want_v_prime)
+        assert err < tol, f"V' rel err {err:.2e}"
+
+
+@in_process
+@pytest.mark.parametrize("delta,gate_kind", [(True, GATE_PER_HEAD), (False, GATE_CONSTANT)], ids=["gdn", "lightning"])
+def test_a_repeated_step_launches_with_the_same_arguments(monkeypatch, delta, gate_kind):
+    """The same step twice on the same buffers: each launch gets the argument list it got the first
+    time (the Launcher's cache key: the workspaces kept their addresses), so on the GPU every launch
+    after the first takes the Launcher's compiled kernel. Three launches with the delta rule (solve,
+    state, output), two without."""
+    launchers = {"solve": TC._CHUNK_SOLVE, "state": TC._CHUNK_STATE, "output": TC._CHUNK_OUTPUT}
+    keys = []
+    for name, launcher in launchers.items():
+        def recording(grid, args, kwargs, name=name, launch=launcher.launch):
+            keys.append((name, Launcher._key(grid, args, kwargs)))
+            launch(grid, args, kwargs)
+        monkeypatch.setattr(launcher, "launch", recording)
+    lens = [13, 20]
+    x, state, slots = make_case(lens, 1, 2, 16, 16, delta, gate_kind, torch.float32, seed=10, extra_rows=0)
+    dev = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    out, pool = torch.empty(sum(lens), 2, 16, device=DEVICE), state.to(DEVICE)
+    tables = (torch.tensor(slots, device=DEVICE), torch.tensor([0, 13, 33], device=DEVICE),
+              torch.from_numpy(token_blocks(np.asarray(lens, dtype=np.int64), 16)).to(DEVICE))
+    for _ in range(2):
+        TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool, *tables, 0.25, gate_kind,
+                        block_t=16)
+    first, second = keys[:len(keys) // 2], keys[len(keys) // 2:]
+    assert [name for name, _ in first] == (["solve", "state", "output"] if delta else ["state", "output"])
+    assert first == second
+
+
+def test_the_chunk_table_is_the_one_fla_takes_and_the_kernels_find_each_chunk_from_it():
+    """(request, chunk j) rows, requests of no rows left out: the kernels start chunk j of request r at
+    bounds[r] + j * block_t, so a request after an empty one and a partial last chunk land right."""
+    table = token_blocks(np.array([0, 1, 33, 32, 0, 5], dtype=np.int64), 16)
+    assert table.dtype == np.int64
+    assert table.tolist() == [[1, 0], [2, 0], [2, 1], [2, 2], [3, 0], [3, 1], [5, 0]]
+    assert token_blocks(np.zeros(0, dtype=np.int64), 64).shape == (0, 2)
+
+
+def test_the_workspace_keeps_its_address_for_steps_that_fit():
+    w, u = TC.chunk_workspace(100, 3, 16, 8, torch.device("cpu"))
+    assert w.shape == (100, 3, 16) and u.shape == (100, 3, 8) and w.dtype == u.dtype == torch.float32
+    w2, u2 = TC.chunk_workspace(200, 3, 16, 8, torch.device("cpu"))
+    assert (w2.data_ptr(), u2.data_ptr()) == (w.data_ptr(), u.data_ptr())
+    w3, _ = TC.chunk_workspace(300, 3, 16, 8, torch.device("cpu"))
+    assert w3.shape[0] == 300
+
+
+def test_the_chunk_state_workspace_keeps_its_address_for_steps_that_fit():
+    cs = TC.chunk_state_workspace(5, 3, 16, 8, torch.bfloat16, torch.device("cpu"))
+    assert cs.shape == (5, 3, 16, 8) and cs.dtype == torch.bfloat16
+    assert TC.chunk_state_workspace(16, 3, 16, 8, torch.bfloat16, torch.device("cpu")).data_ptr() == cs.data_ptr()
+    assert TC.chunk_state_workspace(17, 3, 16, 8, torch.bfloat16, torch.device("cpu")).shape[0] == 17
+    # float32 inputs keep float32 chunk states, in a workspace of their own
+    assert TC.chunk_state_workspace(5, 3, 16, 8, torch.float32, torch.device("cpu")).dtype == torch.float32
+    assert [TC.chunk_state_dtype(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [
+        torch.float32, torch.bfloat16, torch.bfloat16]

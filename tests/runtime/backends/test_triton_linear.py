@@ -1,0 +1,821 @@
+"""The Triton kernels (runtime/backends/kernels/linear.py) against the CPU reference backend.
+
+On a machine without CUDA the kernels run in Triton's interpreter (numpy on the CPU): these are
+CPU tests of the kernel logic (indexing, masks, padding, the in-place update), not of speed.
+Dimensions stay small so the interpreter is quick. Extend, mixed and target-verify steps are
+checked here too: the short conv's extend path is its own Triton kernel (also checked alone over
+the request lengths that matter to it), target_verify runs the verify kernels (bit for bit what n
+decode launches compute),
+and the FLA chunk calls are stood in for by the reference recurrence (`FakeFLA`), which checks
+the arguments the backend passes (gather, cu_seqlens, chunk indices, scatter). A last group
+counts the host work of every op call after the step's hooks: none may scale with the step.
+(The interpreter truncates float32 to bfloat16 where a GPU rounds to nearest, so interpreted bf16
+outputs sit up to one bf16 step from the reference.) Every check draws fresh random inputs, starts
+from a non-zero state, poisons the outputs, and compares outputs and updated states by
+||x - ref|| / ||ref|| over several consecutive decode steps. The GPU versions at real dims are in
+tests/gpu/test_gpu_linear_kernels.py (marked gpu).
+
+The interpreter must be switched on before triton is first imported (testkit/triton_interpreter.py);
+in a whole-suite run where another module imported triton compiled first, its tests are skipped
+here and `test_in_a_fresh_interpreter_process` runs this file in a new process instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# before triton: testkit/triton_interpreter.py says why
+from testkit.triton_interpreter import DEVICE, INTERPRETED, interpreter_or_fresh_process  # noqa: E402,F401
+
+triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
+
+
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec  # noqa: E402
+from runtime.backends.kernels import linear as TL  # noqa: E402
+from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
+from runtime.backends.protocol import check_backend, plan_eager_step  # noqa: E402
+from runtime.backends.triton_linear import (FLANotInstalled, TritonLinearBackend,  # noqa: E402
+                                                    WrongModeError)
+from runtime.cache.batch import SeqState, build_step  # noqa: E402
+from runtime.cache.kv_pool import KVPool  # noqa: E402
+from runtime.cache.state_pool import PADDING_SLOT, StatePool  # noqa: E402
+from testkit.linear_cases import FakeFLA, check_conv_extend, conv_extend_ok, random_inputs, rel_err  # noqa: E402
+
+in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
+
+D, C, KW = 16, 24, 4  # head dim, conv channels (not a power of two: masked tail), conv width
+NUM_SLOTS = 10
+
+# Layer id -> (kind, Hk, Hv, Dk, Dv). Two GDN layers: grouped value heads and Hk == Hv.
+LAYERS = {
+    0: ("gdn", 2, 4, D, D),
+    1: ("gdn", 4, 4, D, D),
+    2: ("kda", 4, 4, D, D),
+    3: ("lightning", 4, 4, D, D),
+    4: ("gdn", 2, 4, 12, 20),  # dims that are no power of two: masked key and value tails
+}
+REGISTRY = LayerRegistry([
+    LayerSpec(lid, LayerKind(kind), state={"recurrent": TensorSpec((hv, dk, dv), "float32"),
+                                           "conv": TensorSpec((C, KW - 1), "float32")})
+    for lid, (kind, hk, hv, dk, dv) in LAYERS.items()
+])
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+STATE_TOL = 1e-4  # states are float32 on both sides, computed from the same (rounded) inputs
+
+
+
+VERIFY = dict(draft_tokens=3, verify_rows=4)  # target_verify steps of up to 4 requests x 4 tokens
+
+
+def make_pools(seed: int) -> tuple[StatePool, StatePool]:
+    """Two pools with the same random non-zero states: one for the reference, one for the kernels."""
+    ref = StatePool(REGISTRY, NUM_SLOTS, **VERIFY)
+    g = torch.Generator().manual_seed(seed)
+    for entries in ref.buffers.values():
+        for t in entries.values():
+            t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+    dev = StatePool(REGISTRY, NUM_SLOTS, DEVICE, **VERIFY)
+    for lid, entries in ref.buffers.items():
+        for name, t in entries.items():
+            dev.buffers[lid][name].copy_(t)
+    return ref, dev
+
+
+def decode_step(slots: list[int], num_real: int):
+    """A decode step as the runtime builds it: num_real requests, padded to len(slots) rows."""
+    kv = KVPool(REGISTRY, 64, 16)
+    items = [(SeqState(slot, num_cached=3), [0]) for slot in slots[:num_real]]
+    step = build_step(items, kv, mode=Mode.DECODE, pad_tokens_to=len(slots), pad_seqs_to=len(slots))
+    assert step.ctx.state_slots[num_real:].eq(PADDING_SLOT).all()
+    return step.ctx
+
+
+def step_inputs(op: str, layer_id: int, B: int, num_real: int, dtype: torch.dtype, g: torch.Generator):
+    """Fresh random inputs of one step; padding rows hold NaN (they must never matter)."""
+    _, hk, hv, dk, dv = LAYERS[layer_id]
+    return random_inputs(op, B, num_real, (hk, hv, dk, dv), C, dtype, g, k_scale=0.3)
+
+
+CONV_WEIGHT = torch.randn(C, KW, generator=torch.Generator().manual_seed(7))
+CONV_BIAS = torch.randn(C, generator=torch.Generator().manual_seed(8))
+DECAY = -torch.linspace(0.05, 1.0, 4)  # Lightning log-decay per head
+
+
+def run_op(backend, ctx, op: str, layer_id: int, x: dict, out_dtype: torch.dtype, device: str,
+           conv_bias=True, silu=True) -> torch.Tensor:
+    """Call `op` on `backend` with inputs moved to `device`; returns the out tensor (poisoned first)."""
+    x = {name: t.to(device) for name, t in x.items()}
+    B = next(iter(x.values())).shape[0]
+    kind, hk, hv, dk, dv = LAYERS[layer_id]
+    if op == "short_conv":
+        out = torch.full((B, C), float("nan"), dtype=out_dtype, device=device)
+        w = CONV_WEIGHT.to(device=device, dtype=x["x"].dtype)
+        bias = CONV_BIAS.to(device=device, dtype=x["x"].dtype) if conv_bias else None
+        backend.short_conv(ctx, x["x"], w, bias, out, layer_id, silu)
+        return out
+    out = torch.full((B, hv, dv), float("nan"), dtype=out_dtype, device=device)
+    scale = dk ** -0.5
+    if op == "gdn_core":
+        backend.gdn_core(ctx, x["q"], x["k"], x["v"], x["g"], x["beta"], out, layer_id, scale)
+    elif op == "kda_core":
+        backend.kda_core(ctx, x["q"], x["k"], x["v"], x["g"], x["beta"], out, layer_id, scale)
+    else:
+        backend.lightning_core(ctx, x["q"], x["k"], x["v"], DECAY.to(device), out, layer_id, scale)
+    return out
+
+
+def compare_steps(op: str, layer_id: int, slots: list[int], num_real: int, dtype: torch.dtype, steps: int,
+                  seed: int, backend_kwargs=None, conv_bias=True, silu=True):
+    """Run `steps` decode steps on both backends from the same pools; check everything each step."""
+    ref_pool, dev_pool = make_pools(seed)
+    kv = KVPool(REGISTRY, 4, 16)
+    ref = CPUReferenceBackend(kv, ref_pool)
+    tri = TritonLinearBackend(dev_pool, **(backend_kwargs or {}))
+    entry = "conv" if op == "short_conv" else "recurrent"
+    before = dev_pool.layer(layer_id)[entry].clone()
+    touched = sorted(set(slots[:num_real]))
+    untouched = [s for s in range(NUM_SLOTS + 1) if s not in touched]
+    assert PADDING_SLOT in untouched
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        ctx = decode_step(slots, num_real)
+        x = step_inputs(op, layer_id, len(slots), num_real, dtype, g)
+        out_ref = run_op(ref, ctx, op, layer_id, x, dtype, "cpu", conv_bias, silu)
+        out = run_op(tri, ctx, op, layer_id, x, dtype, DEVICE, conv_bias, silu).cpu()
+        assert torch.isfinite(out).all(), f"{op}: output rows left unwritten (NaN poison survived)"
+        assert out[num_real:].eq(0).all(), f"{op}: padding rows must be zero"
+        err = rel_err(out[:num_real], out_ref[:num_real])
+        assert err <= TOL[dtype], f"{op} layer {layer_id} B={len(slots)} {dtype}: out rel err {err:.2e}"
+        s_ref, s_dev = ref_pool.layer(layer_id)[entry], dev_pool.layer(layer_id)[entry].cpu()
+        s_err = rel_err(s_dev[touched], s_ref[touched])
+        assert s_err <= STATE_TOL, f"{op} layer {layer_id} B={len(slots)} {dtype}: state rel err {s_err:.2e}"
+    after = dev_pool.layer(layer_id)[entry]
+    assert torch.equal(after[untouched], before[untouched]), "padding slot or a free slot was written"
+    assert not torch.equal(after[touched], before[touched]), "the real slots were never updated"
+
+
+# (B, real requests, slots): padding rows at the end, as build_step lays them out; slots are
+# not in row order, so a kernel that indexes by row instead of by slot fails.
+BATCHES = {1: [5], 3: [7, 2, PADDING_SLOT], 8: [4, 9, 1, 6, 3, 10, PADDING_SLOT, PADDING_SLOT]}
+REAL = {1: 1, 3: 2, 8: 6}
+OPS = [("gdn_core", 0), ("gdn_core", 1), ("kda_core", 2), ("lightning_core", 3), ("short_conv", 0)]
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("op,layer_id", OPS, ids=[f"{op}-L{lid}" for op, lid in OPS])
+def test_decode_steps_match_reference(op, layer_id, batch, dtype):
+    compare_steps(op, layer_id, BATCHES[batch], REAL[batch], dtype, steps=3, seed=10 * batch + layer_id)
+
+
+@in_process
+def test_dims_that_are_not_powers_of_two():
+    compare_steps("gdn_core", 4, BATCHES[3], REAL[3], torch.float32, steps=2, seed=3)
+
+
+@in_process
+@pytest.mark.parametrize("block_v,num_warps", [(4, 1), (16, 2)])
+def test_every_tile_width_gives_the_same_result(block_v, num_warps):
+    """Dv split into 4 tiles of 4, or one tile of 16: programs own disjoint columns of the state."""
+    cfg = TL.RecurrentConfig(block_v, num_warps)
+    compare_steps("kda_core", 2, BATCHES[3], REAL[3], torch.float32, steps=2, seed=4,
+                  backend_kwargs={"recurrent_config": cfg})
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", [("gdn_core", 0), ("short_conv", 0)])
+def test_fixed_decode_tiles_launch_one_tile_at_any_batch(monkeypatch, op, layer_id):
+    """decode_tiles="fixed" (hgc compile --batch-invariant): a decode step of one request and one of 8
+    rows launch with the same tile (triton_linear.fixed_recurrent_config / fixed_conv_config), so a
+    request's state reduces in one order whatever shares its step; the results still match the
+    reference. The default picks tiles by the request count (the launch's own choice)."""
+    kernel = {"gdn_core": "recurrent_decode", "short_conv": "short_conv_decode"}[op]
+    _, hk, hv, dk, dv = LAYERS[layer_id]
+    fixed = TL.fixed_recurrent_config(hv, dk, dv, torch.device(DEVICE)) if op == "gdn_core" else TL.fixed_conv_config(C)
+    launched = []
+    real = getattr(TL, kernel)
+    monkeypatch.setattr(TL, kernel, lambda *a: launched.append(a[-1]) or real(*a))
+    for batch in (1, 8):
+        compare_steps(op, layer_id, BATCHES[batch], REAL[batch], torch.float32, steps=1, seed=5,
+                      backend_kwargs={"decode_tiles": "fixed"})
+    assert launched == [fixed, fixed]
+    compare_steps(op, layer_id, BATCHES[8], REAL[8], torch.float32, steps=1, seed=5)
+    assert launched[2] is None, "by_batch leaves the choice to the launch (by its row count)"
+
+
+def test_fixed_tiles_are_a_full_batchs_at_qwen3_next_dims():
+    """The fixed tiles are those the by-batch rule gives a full device (wide Dv tiles, 4 warps; 128
+    conv channels), not one request's (8 Dv columns, 1 warp), which cost 1.9x at batch 32 on an H200."""
+    dev = torch.device("cpu")
+    assert TL.fixed_recurrent_config(32, 128, 128, dev) == TL.recurrent_config(4096, 32, 128, 128, dev) == \
+        TL.RecurrentConfig(32, 4)
+    assert TL.fixed_conv_config(8192) == TL.ConvConfig(128, 2)
+    assert TL.fixed_conv_config(48) == TL.ConvConfig(64, 1)  # a tiny layer: no tile wider than its channels
+
+
+@in_process
+@pytest.mark.parametrize("conv_bias,silu", [(False, False), (True, False)])
+def test_short_conv_without_bias_or_silu(conv_bias, silu):
+    compare_steps("short_conv", 1, BATCHES[3], REAL[3], torch.float32, steps=4, seed=5,
+                  conv_bias=conv_bias, silu=silu, backend_kwargs={"conv_config": TL.ConvConfig(32, 1)})
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", [("gdn_core", 0), ("short_conv", 0)])
+def test_padding_row_between_real_rows(op, layer_id):
+    """A padding row anywhere (not only at the end) reads nothing, writes zeros and no state."""
+    ref_pool, dev_pool = make_pools(11)
+    ref = CPUReferenceBackend(KVPool(REGISTRY, 4, 16), ref_pool)
+    tri = TritonLinearBackend(dev_pool)
+    entry = "conv" if op == "short_conv" else "recurrent"
+    x = step_inputs(op, layer_id, 3, 3, torch.float32, torch.Generator().manual_seed(12))
+    for t in x.values():
+        t[1] = float("nan")
+    ctx = decode_step([3, 8, 5], 3)
+    ctx.state_slots[1] = PADDING_SLOT
+    before = dev_pool.layer(layer_id)[entry].clone()
+    out = run_op(tri, ctx, op, layer_id, x, torch.float32, DEVICE).cpu()
+    compact = decode_step([3, 5], 2)
+    out_ref = run_op(ref, compact, op, layer_id, {n: t[[0, 2]] for n, t in x.items()}, torch.float32, "cpu")
+    assert out[1].eq(0).all()
+    assert rel_err(out[[0, 2]], out_ref) <= 1e-4
+    after = dev_pool.layer(layer_id)[entry].cpu()
+    assert rel_err(after[[3, 5]], ref_pool.layer(layer_id)[entry][[3, 5]]) <= STATE_TOL
+    keep = [s for s in range(NUM_SLOTS + 1) if s not in (3, 5)]
+    assert torch.equal(after[keep], before.cpu()[keep])
+
+
+@in_process
+def test_backend_follows_the_protocol_and_declares_every_mode():
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool)
+    check_backend(tri)
+    assert tri.supported_ops == {"gdn_core", "kda_core", "lightning_core", "short_conv"}
+    cap = TritonLinearBackend.capability
+    assert cap.ops == tri.supported_ops and cap.device == "cuda"
+    assert cap.modes_supported == set(Mode)
+    # extend / mixed run FLA's host-planned chunk kernels: eager; target_verify is one verify launch an op
+    assert cap.modes_capturable == {Mode.DECODE, Mode.TARGET_VERIFY}
+
+
+@in_process
+def test_replayed_step_reads_slots_from_the_static_buffer():
+    """Capture reads slot ids from one static buffer; init_replay_state refreshes it per step."""
+    ref_pool, dev_pool = make_pools(21)
+    ref = CPUReferenceBackend(KVPool(REGISTRY, 4, 16), ref_pool)
+    tri = TritonLinearBackend(dev_pool)
+    tri.init_capture_state(max_tokens=8, max_seqs=8)
+    ctx = decode_step([6, 2, PADDING_SLOT], 2)
+    tri.init_replay_state(ctx, bucket=3)
+    assert tri._step_slots(ctx).data_ptr() == tri._static_slots.data_ptr()
+    x = step_inputs("gdn_core", 0, 3, 2, torch.float32, torch.Generator().manual_seed(22))
+    out = run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE).cpu()
+    out_ref = run_op(ref, ctx, "gdn_core", 0, x, torch.float32, "cpu")
+    assert rel_err(out[:2], out_ref[:2]) <= 1e-4 and out[2].eq(0).all()
+    with pytest.raises(RuntimeError, match="bucket"):
+        tri.init_replay_state(ctx, bucket=4)
+    tri.init_step_metadata(ctx)  # an eager step: back to ctx.state_slots
+    assert tri._step_slots(ctx).data_ptr() != tri._static_slots.data_ptr()
+
+
+@in_process
+def test_row_count_must_match_the_step():
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool)
+    ctx = decode_step([1, 2, PADDING_SLOT], 2)
+    x = step_inputs("short_conv", 0, 2, 2, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="one row per request"):
+        run_op(tri, ctx, "short_conv", 0, x, torch.float32, DEVICE)
+
+
+@in_process
+def test_default_tiles_keep_batch_one_spread_over_the_chip():
+    """Batch 1 at Qwen3-Next dims must not run as a handful of programs (see recurrent_config)."""
+    cfg = TL.recurrent_config(1, 32, 128, 128, torch.device("cpu"))
+    assert (cfg.block_v, cfg.num_warps) == (8, 1) and 1 * 32 * (128 // cfg.block_v) == 512
+    big = TL.recurrent_config(64, 32, 128, 128, torch.device("cpu"))
+    assert big.block_v == 32 and big.num_warps == 4
+
+
+# -- extend, mixed and target-verify steps ------------------------------------------------------
+
+
+def mode_step(mode: Mode, reqs: list[tuple[int, int, int]], pad_tokens: int = 0, pad_seqs: int = 0):
+    """A step of `mode` over (slot, cached tokens, new tokens) requests, padded as the runtime pads."""
+    kv = KVPool(REGISTRY, 64, 16)
+    items = [(SeqState(slot, num_cached=cached), [0] * n) for slot, cached, n in reqs]
+    T = sum(n for *_, n in reqs)
+    step = build_step(items, kv, mode=mode, pad_tokens_to=T + pad_tokens, pad_seqs_to=len(reqs) + pad_seqs)
+    step.ctx.check()
+    return step.ctx
+
+
+# Slot 4 starts empty (a new request), the others from random states. Step 2 continues slot 4's
+# prompt in a second chunk, mixed with a decode row (slot 7) and a new extend (slot 2).
+MODE_STEPS = [
+    (Mode.EXTEND, [(4, 0, 6), (7, 9, 5)], 3, 1),
+    (Mode.MIXED, [(4, 6, 4), (7, 14, 1), (2, 0, 3)], 2, 1),
+    (Mode.TARGET_VERIFY, [(4, 10, 3), (7, 15, 3), (2, 3, 3)], 3, 1),  # uniform: the verify kernels
+    (Mode.TARGET_VERIFY, [(4, 13, 2), (2, 6, 3)], 0, 0),  # ragged: the eager extend path
+    (Mode.DECODE, [(2, 9, 1), (4, 15, 1)], 1, 1),
+]
+
+
+def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=0, silu=True, conv_bias=True,
+                       qk_dtype=None, backend_kwargs=None, replayed=False):
+    """replayed: extend and mixed steps run as a captured graph's would, over the static plan
+    init_replay_state fills (each step's padding is its bucket)."""
+    ref_pool, dev_pool = make_pools(seed)
+    for pool in (ref_pool, dev_pool):
+        for t in pool.buffers[layer_id].values():
+            t[4].zero_()  # slot 4: a request that starts from the empty state
+    ref = CPUReferenceBackend(KVPool(REGISTRY, 4, 16), ref_pool)
+    fake = FakeFLA()
+    tri = TritonLinearBackend(dev_pool, fla=fake, **(backend_kwargs or {}))
+    entry = "conv" if op == "short_conv" else "recurrent"
+    before = dev_pool.layer(layer_id)[entry].clone()
+    g = torch.Generator().manual_seed(seed + 1)
+    touched = set()
+    if replayed:
+        tri.init_capture_state(max_tokens=max(sum(r[2] for r in reqs) + t for _, reqs, t, _ in steps),
+                               max_seqs=max(len(reqs) + b for _, reqs, _, b in steps))
+    for mode, reqs, pad_tokens, pad_seqs in steps:
+        ctx = mode_step(mode, reqs, pad_tokens, pad_seqs)
+        tri.init_step_metadata(ctx)
+        if mode in (Mode.EXTEND, Mode.MIXED):
+            tri.init_chunk_metadata(ctx, 64)
+            if replayed:
+                tri.init_replay_state(ctx, ctx.num_seqs)
+                assert tri._step.extend.captured
+        R, T = ctx.num_real_tokens, ctx.num_tokens
+        x = step_inputs(op, layer_id, T, R, dtype, g)
+        if qk_dtype is not None:
+            x.update(q=x["q"].to(qk_dtype), k=x["k"].to(qk_dtype))
+        out_ref = run_op(ref, ctx, op, layer_id, x, dtype, "cpu", conv_bias, silu)
+        out = run_op(tri, ctx, op, layer_id, x, dtype, DEVICE, conv_bias, silu).cpu()
+        what = f"{op} layer {layer_id} {mode.value} {reqs}"
+        assert torch.isfinite(out).all(), f"{what}: output rows left unwritten (NaN poison survived)"
+        assert out[R:].eq(0).all(), f"{what}: padding rows must be zero"
+        err = rel_err(out[:R], out_ref[:R])
+        assert err <= TOL[dtype], f"{what}: out rel err {err:.2e}"
+        touched |= {slot for slot, *_ in reqs}
+        rows = sorted(touched)
+        s_err = rel_err(dev_pool.layer(layer_id)[entry].cpu()[rows], ref_pool.layer(layer_id)[entry][rows])
+        assert s_err <= STATE_TOL, f"{what}: state rel err {s_err:.2e}"
+        n = reqs[0][2]
+        if mode == Mode.TARGET_VERIFY and all(new == n for *_, new in reqs):
+            # the verify kernels keep the state after each of the first n - 1 tokens, per row
+            got = dev_pool.verify_buffers[layer_id][entry].cpu()[:len(reqs), :n - 1]
+            want = ref_pool.verify_buffers[layer_id][entry][:len(reqs), :n - 1]
+            i_err = rel_err(got, want)
+            assert i_err <= STATE_TOL and want.abs().sum() > 0, f"{what}: intermediate state rel err {i_err:.2e}"
+    untouched = [s for s in range(NUM_SLOTS + 1) if s not in touched]
+    assert PADDING_SLOT in untouched
+    assert torch.equal(dev_pool.layer(layer_id)[entry][untouched], before[untouched]), "padding or free slot written"
+    return fake
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("op,layer_id", OPS, ids=[f"{op}-L{lid}" for op, lid in OPS])
+def test_a_verify_launch_is_n_decode_launches_bit_for_bit(op, layer_id, dtype):
+    """recurrent_verify / short_conv_verify over B requests of n tokens (one on the padding slot)
+    against n decode launches on the strided rows t, n+t, ... with the slot's state copied out after
+    each (what target_verify ran before): outputs, the slots' final states and every intermediate
+    state equal exactly; the padding request's rows are zero and its slot and rows untouched."""
+    n, slots_list = 4, [3, PADDING_SLOT, 6]
+    B = len(slots_list)
+    _, pool_a = make_pools(80 + layer_id)
+    _, pool_b = make_pools(80 + layer_id)
+    entry = "conv" if op == "short_conv" else "recurrent"
+    state_a, state_b = pool_a.layer(layer_id)[entry], pool_b.layer(layer_id)[entry]
+    inter = pool_a.verify_buffers[layer_id][entry]
+    inter.fill_(float("nan"))  # rows the padding request owns must stay unwritten
+    slots = torch.tensor(slots_list, device=DEVICE)
+    g = torch.Generator().manual_seed(layer_id)
+    x = {k: v.to(DEVICE) for k, v in step_inputs(op, layer_id, B * n, B * n, dtype, g).items()}
+    out_a = torch.full_like(x["v"] if op != "short_conv" else x["x"], float("nan"))
+    out_b = out_a.clone()
+    kept = []
+    if op == "short_conv":
+        w, bias = CONV_WEIGHT.to(DEVICE, x["x"].dtype), CONV_BIAS.to(DEVICE, x["x"].dtype)
+        TL.short_conv_verify(x["x"], w, bias, out_a, state_a, slots, inter, n, True)
+        for t in range(n):
+            TL.short_conv_decode(x["x"][t::n], w, bias, out_b[t::n], state_b, slots, True)
+            kept.append(state_b[slots].clone())
+    else:
+        gate_kind = {"gdn_core": TL.GATE_PER_HEAD, "kda_core": TL.GATE_PER_CHANNEL,
+                     "lightning_core": TL.GATE_CONSTANT}[op]
+        gate, beta = (DECAY.to(DEVICE), None) if op == "lightning_core" else (x["g"], x["beta"])
+        TL.recurrent_verify(x["q"], x["k"], x["v"], gate, beta, out_a, state_a, slots, inter, n, 0.5, gate_kind)
+        for t in range(n):
+            rows = lambda a: a[t::n]  # noqa: E731
+            TL.recurrent_decode(rows(x["q"]), rows(x["k"]), rows(x["v"]), gate if beta is None else rows(gate),
+                                None if beta is None else rows(beta), rows(out_b), state_b, slots, 0.5, gate_kind)
+            kept.append(state_b[slots].clone())
+    assert torch.equal(out_a, out_b), f"{op}: verify outputs differ from the decode launches'"
+    assert out_a[n:2 * n].eq(0).all(), "the padding request's rows are zero"
+    assert torch.equal(state_a, state_b), f"{op}: the slots' states differ (or the padding slot was written)"
+    for t in range(n - 1):
+        for b in (0, 2):
+            assert torch.equal(inter[b, t], kept[t][b]), f"{op}: intermediate state {t} of request {b}"
+    assert inter[1].isnan().all(), "the padding request keeps nothing"
+
+
+@in_process
+def test_float32_q_k_with_bf16_v_as_kimi_passes_them():
+    """Kimi's kda_core gets q, k in float32 (its l2norm's output) and v in bf16; FLA refuses a mix,
+    so the extend path hands them over in v's dtype (FakeFLA checks) and still matches the reference."""
+    compare_mode_steps("kda_core", 2, MODE_STEPS, dtype=torch.bfloat16, seed=50, qk_dtype=torch.float32)
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", OPS, ids=[f"{op}-L{lid}" for op, lid in OPS])
+def test_extend_mixed_and_verify_steps_match_reference(op, layer_id):
+    fake = compare_mode_steps(op, layer_id, MODE_STEPS, seed=30 + layer_id)
+    if op == "short_conv":
+        assert fake.calls == []  # the conv's extend path is torch, no FLA
+    else:
+        # one chunk call per eager step over all its requests; the uniform verify step used none
+        assert [c[1] for c in fake.calls] == [[0, 6, 11], [0, 4, 5, 8], [0, 2, 5]]
+
+
+RECURRENT_OPS = [o for o in OPS if o[0] != "short_conv"]
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("op,layer_id", RECURRENT_OPS, ids=[f"{op}-L{lid}" for op, lid in RECURRENT_OPS])
+def test_short_extends_run_the_recurrent_extend_kernel(op, layer_id, dtype):
+    """Requests of at most 8 tokens: the extend, mixed and ragged verify steps take one recurrent
+    extend launch (tokens in order through the slot's state), no FLA; outputs, states, padding rows
+    and untouched slots as the reference has them."""
+    fake = compare_mode_steps(op, layer_id, MODE_STEPS, dtype=dtype, seed=60 + layer_id,
+                              backend_kwargs={"short_extend_tokens": 8})
+    assert fake.calls == []
+
+
+@in_process
+def test_ops_captured_in_extend_take_their_graph_kernels_eagerly_too(monkeypatch):
+    """chunk_impl="triton" makes GDN's and Lightning's extend steps capturable: their short eager steps
+    run the chunk kernels a replay runs, not the recurrent extend kernel (which rounds differently),
+    so eager and replayed steps agree; KDA, never captured in extend, keeps the short path."""
+    import runtime.backends.kernels.linear as kernels
+
+    _, dev_pool = make_pools(3)
+    tri = TritonLinearBackend(dev_pool, fla=FakeFLA(), short_extend_tokens=64, chunk_impl="triton")
+    short = []
+    real = kernels.recurrent_extend
+    monkeypatch.setattr(kernels, "recurrent_extend", lambda *a, **k: (short.append(a[-2]), real(*a, **k)))
+    ctx = mode_step(Mode.EXTEND, [(4, 0, 6), (7, 9, 5)], 3, 1)
+    tri.init_step_metadata(ctx)
+    tri.init_chunk_metadata(ctx, 64)
+    for op, layer_id in (("gdn_core", 0), ("lightning_core", 3), ("kda_core", 2)):
+        run_op(tri, ctx, op, layer_id, step_inputs(op, layer_id, 14, 11, torch.float32,
+                                                      torch.Generator().manual_seed(1)), torch.float32, DEVICE)
+    assert short == [kernels.GATE_PER_CHANNEL], "only KDA took the recurrent extend kernel"
+
+
+@in_process
+def test_a_step_with_a_longer_request_takes_fla():
+    """The limit is per request: the 6-token request sends its step to FLA, the 4- and 3-token
+    steps after it run the recurrent extend kernel."""
+    fake = compare_mode_steps("gdn_core", 0, MODE_STEPS, seed=70, backend_kwargs={"short_extend_tokens": 5})
+    assert [c[1] for c in fake.calls] == [[0, 6, 11]]
+
+
+# Steps past any short-extend limit: slot 4's new prompt of 70 tokens (a whole chunk of 64 and a
+# partial one) beside a short request, then its next chunk in a mixed step, a ragged verify, a decode.
+CHUNK_STEPS = [
+    (Mode.EXTEND, [(4, 0, 70), (7, 9, 5)], 3, 1),
+    (Mode.MIXED, [(4, 70, 4), (7, 14, 1), (2, 0, 3)], 2, 1),
+    (Mode.TARGET_VERIFY, [(4, 74, 2), (2, 3, 3)], 0, 0),
+    (Mode.DECODE, [(2, 6, 1), (4, 76, 1)], 1, 1),
+]
+CHUNK_OPS = [("gdn_core", 0), ("gdn_core", 1), ("gdn_core", 4), ("lightning_core", 3)]
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", CHUNK_OPS, ids=[f"{op}-L{lid}" for op, lid in CHUNK_OPS])
+def test_extends_run_our_chunk_kernels_with_chunk_impl_triton(op, layer_id):
+    """chunk_impl="triton": GDN's and Lightning's extend, mixed and ragged verify steps run
+    triton_chunk.chunk_extend (no FLA call) and match the reference: outputs, states, padding rows
+    and untouched slots; grouped and ungrouped heads, dims that are not powers of two."""
+    fake = compare_mode_steps(op, layer_id, CHUNK_STEPS, seed=80 + layer_id, backend_kwargs={"chunk_impl": "triton"})
+    assert fake.calls == []
+
+
+# Two steps of one bucket (128 rows, 4 requests): the second must not read what the first left in
+# the static tables; a decode after them.
+REPLAYED_STEPS = [
+    (Mode.EXTEND, [(4, 0, 70), (7, 9, 5)], 53, 2),
+    (Mode.MIXED, [(4, 70, 4), (7, 14, 1), (2, 0, 3)], 120, 1),
+    (Mode.DECODE, [(2, 3, 1), (4, 74, 1)], 1, 1),
+]
+REPLAYED_OPS = [("gdn_core", 0), ("lightning_core", 3), ("short_conv", 0)]
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", REPLAYED_OPS, ids=[f"{op}-L{lid}" for op, lid in REPLAYED_OPS])
+def test_replayed_extend_steps_read_the_static_plan(op, layer_id):
+    """Captured extend and mixed steps (chunk_impl="triton"): every table padded to the bucket in
+    the static plan (the grid a graph keeps: chunk and conv-block rows for the most a step of the
+    bucket can have, more requests than the step brings) gives the reference's outputs and states;
+    padding rows zero, the padding slot and free slots untouched."""
+    fake = compare_mode_steps(op, layer_id, REPLAYED_STEPS, seed=60 + layer_id, backend_kwargs={"chunk_impl": "triton"},
+                              replayed=True)
+    assert fake.calls == []
+
+
+@in_process
+@pytest.mark.parametrize("chunk_impl", ["triton", "fla"])
+def test_an_op_in_an_eager_gap_beside_captured_ops_reads_the_eager_plan(chunk_impl):
+    """A piecewise step where this instance has ops on both sides (Kimi's KDA in the eager gaps,
+    its short conv captured): planned eagerly, then staged for the pieces (plan_piecewise_step's
+    order), KDA's chunk call gets the eager plan's real requests and matches the reference; the
+    captured conv's static plan is still the one the step keeps."""
+    fake = compare_mode_steps("kda_core", 2, REPLAYED_STEPS, seed=70, backend_kwargs={"chunk_impl": chunk_impl},
+                              replayed=True)
+    assert [c[1] for c in fake.calls] == [[0, 70, 75], [0, 4, 5, 8]]
+
+
+@in_process
+def test_static_plan_tables_are_padded_to_the_bucket():
+    """The layout a captured step's launches keep: slots and bounds for B+1 requests (the last one
+    empty, on the padding slot), chunk rows T/64 + B and conv-block rows T/32 + B + 1, the rows past
+    the step's own naming the empty request; the conv's padding rows are request B+1."""
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool, chunk_impl="triton")
+    tri.init_capture_state(max_tokens=256, max_seqs=8)
+    ctx = mode_step(Mode.MIXED, [(4, 6, 70), (7, 14, 1)], pad_tokens=57, pad_seqs=2)  # 128 rows, 4 requests
+    tri.init_replay_state(ctx, bucket=4)
+    plan = tri._step.extend
+    assert plan.captured and plan.slots.tolist() == [4, 7, PADDING_SLOT, PADDING_SLOT, PADDING_SLOT]
+    assert plan.cu_seqlens.tolist() == [0, 70, 71, 71, 71, 71]
+    assert plan.conv_bounds.tolist() == [0, 70, 71, 71, 71, 71, 128]
+    chunks = plan.chunk_indices.tolist()
+    assert len(chunks) == 128 // 64 + 4 and chunks[:3] == [[0, 0], [0, 1], [1, 0]] and chunks[3:] == [[4, 0]] * 3
+    blocks = plan.conv_blocks.tolist()
+    assert len(blocks) == 128 // 32 + 4 + 1
+    assert blocks[:6] == [[0, 0], [0, 1], [0, 2], [1, 0], [5, 0], [5, 1]] and blocks[6:] == [[4, 0]] * 3
+    with pytest.raises(RuntimeError, match="static plan holds 256 and 8"):
+        tri.init_replay_state(mode_step(Mode.EXTEND, [(4, 0, 300)]), bucket=1)
+
+
+@in_process
+def test_captured_steps_keep_their_first_workspaces():
+    """The chunk workspaces of captured steps are made once, for the first (the largest bucket's)
+    step, and never regrown under a graph: a larger captured step is refused, naming the sizes."""
+    _, dev_pool = make_pools(4)
+    tri = TritonLinearBackend(dev_pool, chunk_impl="triton")
+    tri.init_capture_state(max_tokens=256, max_seqs=8)
+    g = torch.Generator().manual_seed(5)
+    for T, refused in ((64, False), (64, False), (128, True)):
+        ctx = mode_step(Mode.EXTEND, [(4, 0, 20), (7, 3, 9)], pad_tokens=T - 29, pad_seqs=2)
+        tri.init_step_metadata(ctx)
+        tri.init_replay_state(ctx, bucket=4)
+        x = step_inputs("gdn_core", 0, T, 29, torch.float32, g)
+        if refused:
+            with pytest.raises(ValueError, match="workspaces hold 64 rows"):
+                run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE)
+        else:
+            run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE)
+    assert len(tri._graph_workspaces) == 1
+
+
+@in_process
+def test_chunk_impl_is_a_routing_option_kda_keeps_fla():
+    from runtime.backends.protocol import BackendSetup
+
+    assert dict(TritonLinearBackend.capability.options)["chunk_impl"] == ("triton", "fla")
+    _, dev_pool = make_pools(0)
+    build = lambda options: TritonLinearBackend.build(BackendSetup(None, dev_pool, dev_pool.device, (), options))
+    # an entry routed before the option existed gets the declared default
+    assert build({}).chunk_impl == "triton" and build({"chunk_impl": "fla"}).chunk_impl == "fla"
+    with pytest.raises(ValueError, match="chunk_impl"):
+        TritonLinearBackend(dev_pool, chunk_impl="ours")
+    fake = compare_mode_steps("kda_core", 2, CHUNK_STEPS[:1], seed=90, backend_kwargs={"chunk_impl": "triton"})
+    assert [c[1] for c in fake.calls] == [[0, 70, 75]]
+
+
+@in_process
+@pytest.mark.parametrize("conv_bias,silu", [(False, False), (True, False)])
+def test_conv_extend_without_bias_or_silu(conv_bias, silu):
+    compare_mode_steps("short_conv", 1, MODE_STEPS[:2], seed=41, conv_bias=conv_bias, silu=silu)
+
+
+@in_process
+def test_conv_extend_in_bf16():
+    compare_mode_steps("short_conv", 0, MODE_STEPS[:2], dtype=torch.bfloat16, seed=42)
+
+
+@in_process
+def test_extend_without_fla_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)  # import fla -> ImportError, whatever is installed
+    for name in [m for m in sys.modules if m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool)
+    ctx = mode_step(Mode.EXTEND, [(3, 0, 4)])
+    x = step_inputs("gdn_core", 0, 4, 4, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(FLANotInstalled, match=r"gpu extra.*fla-core"):
+        run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE)
+    run_op(tri, ctx, "short_conv", 0, step_inputs("short_conv", 0, 4, 4, torch.float32,
+                                                  torch.Generator().manual_seed(0)), torch.float32, DEVICE)
+
+
+@in_process
+@pytest.mark.parametrize("mode", [Mode.EXTEND, Mode.MIXED])
+def test_extend_steps_are_refused_inside_a_replayed_step(mode):
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool, fla=FakeFLA())
+    tri.init_capture_state(max_tokens=8, max_seqs=2)
+    ctx = mode_step(mode, [(3, 0, 4), (5, 2, 1)])
+    tri.init_replay_state(ctx, bucket=2)
+    x = step_inputs("gdn_core", 0, 5, 5, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(WrongModeError, match="run eagerly"):
+        run_op(tri, ctx, "gdn_core", 0, x, torch.float32, DEVICE)
+
+
+@in_process
+def test_replayed_verify_step_reads_the_static_slots():
+    """target_verify is captured: slots come from the static buffer, n strided launches per op."""
+    ref_pool, dev_pool = make_pools(51)
+    ref = CPUReferenceBackend(KVPool(REGISTRY, 4, 16), ref_pool)
+    tri = TritonLinearBackend(dev_pool, fla=FakeFLA())
+    tri.init_capture_state(max_tokens=16, max_seqs=4)
+    ctx = mode_step(Mode.TARGET_VERIFY, [(6, 5, 2), (1, 3, 2)], pad_tokens=2, pad_seqs=1)
+    tri.init_replay_state(ctx, bucket=3)
+    assert tri._step_slots(ctx).data_ptr() == tri._static_slots.data_ptr()
+    x = step_inputs("kda_core", 2, 6, 4, torch.float32, torch.Generator().manual_seed(52))
+    out = run_op(tri, ctx, "kda_core", 2, x, torch.float32, DEVICE).cpu()
+    out_ref = run_op(ref, ctx, "kda_core", 2, x, torch.float32, "cpu")
+    assert rel_err(out[:4], out_ref[:4]) <= 1e-4 and out[4:].eq(0).all()
+    assert tri._fla.calls == []
+    kept, want = dev_pool.verify_buffers[2]["recurrent"].cpu()[:2, :1], ref_pool.verify_buffers[2]["recurrent"][:2, :1]
+    assert rel_err(kept, want) <= STATE_TOL, "the state after each request's first token, in its row"
+    ragged = mode_step(Mode.TARGET_VERIFY, [(6, 7, 1), (1, 5, 3)])
+    tri.init_replay_state(ragged, bucket=2)
+    with pytest.raises(WrongModeError, match="same number of rows"):
+        run_op(tri, ragged, "kda_core", 2, step_inputs("kda_core", 2, 4, 4, torch.float32,
+                                                       torch.Generator().manual_seed(0)), torch.float32, DEVICE)
+
+
+# -- the extend conv kernel ---------------------------------------------------------------------
+
+@in_process
+@pytest.mark.parametrize("K,dtype,bias,silu", [(4, torch.float32, True, True), (4, torch.bfloat16, True, True),
+                                               (6, torch.float32, False, False), (6, torch.bfloat16, False, True)],
+                         ids=["K4-f32", "K4-bf16", "K6-f32-plain", "K6-bf16-nobias"])
+def test_conv_extend_kernel_matches_reference(K, dtype, bias, silu):
+    """The Triton extend conv against the reference's short convolution: requests of 1, K-2, K-1, K
+    and three token blocks' worth of tokens in one step, then fewer than K-1 tokens on the same slots;
+    40 channels (two tiles, the second masked). States are float32 copies of the inputs on both sides."""
+    many = 2 * TL.CONV_EXTEND_BLOCK_T + 5
+    result = check_conv_extend(40, K, dtype, DEVICE, many, seed=60 + K, bias=bias, silu=silu)
+    assert conv_extend_ok(result, out_tol=1e-6 if dtype == torch.float32 else 1e-2), result
+
+
+class CountingKernel:
+    """Stands in for a @triton.jit kernel's `kernel[grid]`: records each grid, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@in_process
+def test_conv_extend_is_one_launch_and_refuses_what_it_cannot_run_naming_the_layer(monkeypatch):
+    launches = CountingKernel(TL._short_conv_extend_kernel)
+    monkeypatch.setattr(TL, "_short_conv_extend_kernel", launches)
+    _, dev_pool = make_pools(0)
+    tri = TritonLinearBackend(dev_pool)
+    ctx = mode_step(Mode.EXTEND, [(3, 0, 40), (5, 2, 1)], pad_tokens=3, pad_seqs=1)
+    plan_eager_step(tri, ctx, 64)
+    x = step_inputs("short_conv", 1, 44, 41, torch.float32, torch.Generator().manual_seed(0))
+    run_op(tri, ctx, "short_conv", 1, x, torch.float32, DEVICE)
+    # (2 blocks of request 0, 1 of request 1, 1 of padding rows) x one tile of 24 channels
+    assert launches.grids == [(4, 1)]
+    with pytest.raises(ValueError, match=r"hgc.short_conv \(layer 1\).*kernel width 34"):
+        tri.short_conv(ctx, x["x"].to(DEVICE), torch.zeros(C, TL.CONV_EXTEND_BLOCK_T + 2, device=DEVICE), None,
+                       torch.empty(44, C, device=DEVICE), 1, True)
+    with pytest.raises(ValueError, match=r"hgc.short_conv \(layer 2\) got 40 rows for a step of 44"):
+        tri.short_conv(ctx, x["x"][:40].to(DEVICE), CONV_WEIGHT.to(DEVICE), None, torch.empty(40, C, device=DEVICE),
+                       2, True)
+    assert len(launches.grids) == 1
+
+
+# -- host work per layer ---------------------------------------------------------------------------
+
+BACKEND_FILES = {str(Path(TL.__file__).resolve()),
+                 str(Path(sys.modules[TritonLinearBackend.__module__].__file__).resolve())}
+
+
+class HostWork:
+    """Counts, by kind, the host work the backend's own code does (its module and the kernels' launchers;
+    not Triton's interpreter or the FLA stand-in): host tensors made, device moves, device reads, and
+    walks over the step's per-request lists."""
+
+    KINDS = {"host tensor": [(torch, "tensor"), (torch, "as_tensor"), (torch, "from_numpy")],
+             "device read": [(torch.Tensor, n) for n in ("tolist", "item", "cpu", "numpy", "__int__", "__index__",
+                                                         "__bool__", "__float__", "__iter__")]}
+
+    def __init__(self, monkeypatch):
+        self.counts: dict[str, int] = {}
+        for kind, targets in self.KINDS.items():
+            for owner, name in targets:
+                monkeypatch.setattr(owner, name, self._counting(kind, getattr(owner, name)))
+        to = torch.Tensor.to
+
+        def moving_to(t, *args, **kw):
+            if "device" in kw or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args):
+                self._note("device move")
+            return to(t, *args, **kw)
+        monkeypatch.setattr(torch.Tensor, "to", moving_to)
+
+    def _note(self, kind: str) -> None:
+        if sys._getframe(2).f_code.co_filename in BACKEND_FILES:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def _counting(self, kind, fn):
+        def wrapper(*args, **kw):
+            self._note(kind)
+            return fn(*args, **kw)
+        return wrapper
+
+    def take(self) -> dict[str, int]:
+        counts, self.counts = self.counts, {}
+        return counts
+
+
+class WalkCountingList(list):
+    """A per-request list of the step that counts every walk over it (len() is free)."""
+
+    def __init__(self, items, work: HostWork):
+        super().__init__(items)
+        self.work = work
+
+    def __iter__(self):
+        self.work.counts["request walk"] = self.work.counts.get("request walk", 0) + 1
+        return super().__iter__()
+
+    def __getitem__(self, i):
+        self.work.counts["request walk"] = self.work.counts.get("request walk", 0) + 1
+        return super().__getitem__(i)
+
+
+def host_work_of_a_step(monkeypatch, mode: Mode, reqs, pad_tokens: int, pad_seqs: int, **backend_kwargs):
+    """Plan one step of `reqs` on the backend, then run every linear op of every layer: the plan's
+    host work, and each op call's."""
+    _, dev_pool = make_pools(70)
+    tri = TritonLinearBackend(dev_pool, fla=FakeFLA(), **backend_kwargs)
+    ctx = mode_step(mode, reqs, pad_tokens, pad_seqs)
+    R, T = ctx.num_real_tokens, ctx.num_tokens
+    inputs = {(op, lid): step_inputs(op, lid, T, R, torch.float32, torch.Generator().manual_seed(lid))
+              for op, lid in OPS + [("short_conv", lid) for lid in LAYERS if lid != 0]}
+    work = HostWork(monkeypatch)
+    ctx.query_lens = WalkCountingList(ctx.query_lens, work)
+    ctx.cache_lens = WalkCountingList(ctx.cache_lens, work)
+    plan_eager_step(tri, ctx, 64)
+    plan = work.take()
+    per_op = {}
+    for (op, lid), x in inputs.items():
+        run_op(tri, ctx, op, lid, x, torch.float32, DEVICE)
+        per_op[(op, lid)] = work.take()
+    return plan, per_op
+
+
+@in_process
+@pytest.mark.parametrize("mode,reqs,pad_tokens,pad_seqs", [
+    (Mode.EXTEND, [(4, 0, 6)], 2, 1),
+    (Mode.EXTEND, [(4, 0, 6), (7, 9, 5), (2, 3, 70), (9, 0, 1)], 3, 1),
+    (Mode.MIXED, [(4, 6, 4), (7, 14, 1), (2, 0, 3), (9, 5, 1)], 2, 1),
+    (Mode.TARGET_VERIFY, [(4, 13, 2), (2, 6, 3), (7, 1, 1), (9, 0, 4)], 0, 0),  # ragged: the extend path
+    (Mode.TARGET_VERIFY, [(4, 13, 2), (2, 6, 2)], 0, 0),  # uniform: decode kernels (slow in the interpreter)
+], ids=["extend-1", "extend-4", "mixed-4", "verify-ragged-4", "verify-uniform-2"])
+def test_op_calls_do_no_host_work_that_scales_with_the_step(monkeypatch, mode, reqs, pad_tokens, pad_seqs):
+    """Plan once per step, launch lean: after the step's hooks, no op call of any layer makes a host
+    tensor, moves one to the device, reads the device or walks the step's requests; the plan makes
+    its tables with one copy to the device, whatever the batch."""
+    plan, per_op = host_work_of_a_step(monkeypatch, mode, reqs, pad_tokens, pad_seqs)
+    assert all(work == {} for work in per_op.values()), {k: v for k, v in per_op.items() if v}
+    assert len(per_op) == len(LAYERS) + len(OPS) - 1
+    extend_path = mode != Mode.TARGET_VERIFY or len({n for *_, n in reqs}) > 1
+    assert plan.get("device move", 0) == (1 if extend_path else 0), plan
+
+
+@in_process
+def test_our_chunk_kernels_do_no_host_work_that_scales_with_the_step(monkeypatch):
+    """chunk_impl="triton": the chunk table is one more part of the plan's one copy; op calls stay lean."""
+    plan, per_op = host_work_of_a_step(monkeypatch, Mode.EXTEND, [(4, 0, 6), (7, 9, 5), (2, 3, 70), (9, 0, 1)], 3, 1,
+                                       chunk_impl="triton")
+    assert all(work == {} for work in per_op.values()), {k: v for k, v in per_op.items() if v}
+    assert plan.get("device move", 0) == 1, plan

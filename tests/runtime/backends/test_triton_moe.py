@@ -1,0 +1,496 @@
+"""The fused Triton MoE (runtime/backends/kernels/moe.py, its backend triton_moe.py) against the CPU oracle, in float32.
+
+Without CUDA the kernels run in Triton's interpreter (numpy on the CPU; tests/conftest.py sets
+TRITON_INTERPRET=1 before anything imports triton, and so does this module when run alone). With
+CUDA (the GPU machine, where all test modules are collected in one process) the interpreter stays
+off and the same checks run on the GPU: float32 dots use input_precision "ieee" there, so the
+tolerance is the same. Dimensions are small and deliberately not multiples of the tiles (D=48,
+I=24 with 16/32 tiles) so the masked edges run. Each check draws fresh random inputs (on the CPU,
+then moved) and poisons `out` with NaN first. Shared experts come gated and ungated, as wide as
+one routed expert, two, and 40 channels (two chunks, the last one 16 wide: its masked tail runs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (as conftest.py does)
+
+import inspect
+import json
+import types
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed: the fused MoE kernels cannot run")
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
+    pytest.skip("no CUDA and TRITON_INTERPRET is off: the kernels cannot run", allow_module_level=True)
+
+from runtime.backends.cpu_reference import CPUReferenceBackend, moe_reference, route_topk  # noqa: E402
+from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig, config_file_name, default_config  # noqa: E402
+from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
+from runtime.backends.kernels.moe import (  # noqa: E402
+    down_token, fused_moe, gate_up_token, route, shared_chunks, sort_tokens,
+)
+
+DEV = torch.device("cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda")
+D, I = 48, 24
+SORTED = MoEConfig(GemmConfig(16, 16, 32), GemmConfig(16, 16, 32))
+TOKEN = MoEConfig(GemmConfig(1, 16, 32), GemmConfig(1, 16, 32))
+TOKEN_NARROW = MoEConfig(GemmConfig(1, 2, 64), GemmConfig(1, 4, 16))  # the shape that wins at batch 1
+
+# (scoring, bias, groups, topk_groups) per expert count: plain softmax, and sigmoid with a
+# selection bias and grouped selection.
+ROUTINGS = {
+    "softmax": lambda E: ("softmax", False, 1, 1),
+    "sigmoid_bias_grouped": lambda E: ("sigmoid", True, E // 2, 2 if E == 8 else 1),
+}
+
+
+# Shared experts: (width S, gated). S = I is one chunk, 2I two, 40 two with a 16-channel tail.
+SHARED = {"none": (0, False), "gated_S=I": (I, True), "ungated_S=2I": (2 * I, False), "gated_S=40": (40, True)}
+
+
+def _layer(g: torch.Generator, E: int, bias: bool, shared: str = "none"):
+    """(router, bias, w13, w2, shared_w13, shared_w2, shared_gate): the moe op's weights in schema order."""
+    router = torch.randn(E, D, generator=g) * 0.3
+    b = torch.randn(E, generator=g) * 0.1 if bias else None
+    w13 = torch.randn(E, 2 * I, D, generator=g) * 0.2
+    w2 = torch.randn(E, D, I, generator=g) * 0.2
+    S, gated = SHARED[shared]
+    sw13 = torch.randn(2 * S, D, generator=g) * 0.2 if S else None
+    sw2 = torch.randn(D, S, generator=g) * 0.2 if S else None
+    gate = torch.randn(1, D, generator=g) * 0.3 if gated else None
+    return router, b, w13, w2, sw13, sw2, gate
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _on(*tensors):
+    """The tensors on the device the kernels run on (None stays None)."""
+    return [None if t is None else t.to(DEV) for t in tensors]
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("E", [4, 8])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_fused_moe_matches_reference(T, E, top_k, routing):
+    g = torch.Generator().manual_seed(1000 * T + 10 * E + top_k + len(routing))
+    scoring, bias, groups, topk_groups = ROUTINGS[routing](E)
+    layer = _layer(g, E, bias)
+    x = torch.randn(T, D, generator=g)
+    tail = (top_k, scoring, True, 2.5, groups, topk_groups)
+    ref = moe_reference(x, *layer, *tail)
+    for config in _configs(T):
+        out = torch.full((T, D), float("nan"), device=DEV)
+        fused_moe(*_on(x, *layer, out), *tail, config)
+        assert torch.isfinite(out).all(), f"{config.path}: rows left unwritten"
+        assert _rel(out, ref) <= 1e-4, f"{config.path}: rel err {_rel(out, ref):.2e}"
+
+
+def _configs(T: int) -> list:
+    """T=1 runs both paths; larger T the sorted path (and the token path at T=3)."""
+    return [TOKEN, TOKEN_NARROW, SORTED] if T == 1 else ([SORTED, TOKEN] if T == 3 else [SORTED])
+
+
+# bf16: operands, h, y and out rounded to bf16 (the interpreter truncates), against float32 math
+# on the same bf16 values.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shared", [s for s in SHARED if s != "none"])
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_fused_moe_with_a_shared_expert_matches_reference(T, shared, dtype):
+    g = torch.Generator().manual_seed(100 * T + len(shared))
+    E, top_k = 8, 2
+    layer = [t if t is None else t.to(dtype) for t in _layer(g, E, True, shared)]
+    x = torch.randn(T, D, generator=g).to(dtype)
+    tail = (top_k, "sigmoid", True, 2.5, 4, 2)
+    ref = moe_reference(*[t if t is None else t.float() for t in (x, *layer)], *tail)
+    for config in _configs(T):
+        out = torch.full((T, D), float("nan"), device=DEV, dtype=dtype)
+        fused_moe(*_on(x, *layer, out), *tail, config)
+        err = _rel(out, ref)
+        print(f"shared {shared} T={T} {dtype} {config.path}: rel err {err:.2e}")
+        assert torch.isfinite(out).all(), f"{config.path}: rows left unwritten"
+        assert err <= TOLERANCE[dtype], f"{config.path}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("inter,shared_width", [(16, 16), (24, 40)], ids=["whole_tile", "masked_tail"])
+def test_the_token_down_projection_without_its_loop_sums_as_the_loop_does(inter, shared_width):
+    """A reduction of one tile runs as straight-line code: the same float32 sums as the one-trip
+    loop it replaces, bit for bit, with I equal to the tile and with I and a shared tail under it."""
+    g = torch.Generator().manual_seed(inter)
+    E, T, k, Dm = 6, 2, 3, 32
+    w13 = torch.randn(E, 2 * inter, Dm, generator=g) * 0.2
+    w2 = torch.randn(E, Dm, inter, generator=g) * 0.2
+    sw13 = torch.randn(2 * shared_width, Dm, generator=g) * 0.2
+    sw2 = torch.randn(Dm, shared_width, generator=g) * 0.2
+    x, router, gate = torch.randn(T, Dm, generator=g), torch.randn(E, Dm, generator=g), torch.randn(1, Dm, generator=g)
+    n_shared = shared_chunks(shared_width, inter)
+    ids, weights = route(*_on(x, router), None, k, "softmax", True, 1.0, 1, 1, n_shared=n_shared,
+                         shared_gate=gate.to(DEV))
+    cfg = GemmConfig(1, 4, 16 if inter == 16 else 32)
+    x, w13, w2, sw13, sw2 = _on(x, w13, w2, sw13, sw2)
+    h = gate_up_token(x, w13, ids, cfg, shared_w13=sw13)
+    outs = []
+    for one_step in (None, False):
+        out = torch.full((T, Dm), float("nan"), device=DEV)
+        down_token(h, w2, ids, weights, out, cfg, shared_w2=sw2, one_step=one_step)
+        outs.append(out.cpu())
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
+def test_router_appends_the_shared_chunks_with_the_gate_weight():
+    g = torch.Generator().manual_seed(21)
+    E, T, k, n_real = 8, 6, 2, 4
+    router, b, _, _, sw13, _, gate = _layer(g, E, True, "gated_S=40")
+    n_shared = shared_chunks(sw13.shape[0] // 2, I)
+    assert n_shared == 2
+    x = torch.randn(T, D, generator=g)
+    counts = torch.zeros(E + n_shared, dtype=torch.int32, device=DEV)
+    ids, w = (t.cpu() for t in route(*_on(x, router, b), k, "sigmoid", True, 2.5, 4, 2, n_real=n_real,
+                                     counts=counts, n_shared=n_shared, shared_gate=gate.to(DEV)))
+    rids, rw = route_topk(x[:n_real], router, b, k, "sigmoid", True, 2.5, 4, 2)
+    assert ids.shape == w.shape == (T, k + n_shared)
+    assert torch.equal(ids[:n_real, :k].long(), rids) and torch.allclose(w[:n_real, :k], rw, rtol=1e-5, atol=1e-7)
+    # Slots k.. name chunks E, E+1 with weight sigmoid(x . gate); padding rows the sentinel, weight 0.
+    assert (ids[:n_real, k:] == torch.tensor([E, E + 1], dtype=torch.int32)).all()
+    g_ref = torch.sigmoid(x[:n_real] @ gate[0])
+    assert torch.allclose(w[:n_real, k:], g_ref[:, None].expand(n_real, n_shared), rtol=1e-5, atol=1e-7)
+    assert (ids[n_real:] == E + n_shared).all() and (w[n_real:] == 0).all()
+    # Every real token takes every chunk once; the routed counts are exact.
+    expected = torch.bincount(rids.reshape(-1), minlength=E).tolist() + [n_real] * n_shared
+    assert counts.cpu().tolist() == expected
+
+
+def test_router_matches_route_topk_ids_and_weights():
+    g = torch.Generator().manual_seed(7)
+    E, T = 8, 9
+    x, router, b = torch.randn(T, D, generator=g), torch.randn(E, D, generator=g), torch.randn(E, generator=g) * 0.2
+    for scoring, groups, tg, renorm in [("softmax", 1, 1, False), ("sigmoid", 4, 2, True), ("sigmoid", 8, 3, False)]:
+        ids, w = route(*_on(x, router, b), 3, scoring, renorm, 1.5, groups, tg)
+        rids, rw = route_topk(x, router, b, 3, scoring, renorm, 1.5, groups, tg)
+        assert torch.equal(ids.long().cpu(), rids), (scoring, groups)
+        assert torch.allclose(w.cpu(), rw, rtol=1e-5, atol=1e-7), (scoring, groups)
+
+
+def test_router_picks_like_route_topk_at_512_experts_and_breaks_ties_by_lowest_id():
+    """Qwen3-Next-80B's router (512 experts, top 10, softmax) and Kimi-Linear's (sigmoid + bias,
+    top 8 of 256): the same ids and weights as the reference; scores that tie (a zero router: every
+    logit 0) pick the lowest ids, as torch.topk over the reference's scores does."""
+    g = torch.Generator().manual_seed(11)
+    T, Dr = 3, 64
+    for E, k, scoring, bias in [(512, 10, "softmax", None), (256, 8, "sigmoid", torch.randn(256, generator=g) * 0.2)]:
+        x, router = torch.randn(T, Dr, generator=g), torch.randn(E, Dr, generator=g)
+        ids, w = route(*_on(x, router, bias), k, scoring, True, 2.5, 1, 1)
+        rids, rw = route_topk(x, router, bias, k, scoring, True, 2.5, 1, 1)
+        assert torch.equal(ids.long().cpu(), rids), (E, scoring)
+        assert torch.allclose(w.cpu(), rw, rtol=1e-5, atol=1e-7), (E, scoring)
+        ids, w = route(*_on(x, torch.zeros(E, Dr), None), k, scoring, True, 1.0, 1, 1)
+        assert ids.long().cpu().tolist() == [list(range(k))] * T, (E, scoring)
+        assert torch.allclose(w.cpu(), torch.full((T, k), 1.0 / k)), (E, scoring)
+
+
+@pytest.mark.parametrize("logits_kernel,E", [("fused", 40), ("gemv", 40), ("gemv", 72), ("dot", 40)])
+def test_every_router_logits_kernel_matches_route_topk(logits_kernel, E):
+    """Each logits kernel, with and without a gated shared expert (whose logit the GEMV computes in
+    a program of its own, the others in the routing kernel): the reference's ids and weights."""
+    g = torch.Generator().manual_seed(9)
+    T, Dr = 19, 80  # E, D and T off the tile sizes (the GEMV takes 1 expert per program up to 64, then 4)
+    x, router, gate = torch.randn(T, Dr, generator=g), torch.randn(E, Dr, generator=g), torch.randn(1, Dr, generator=g)
+    rids, rw = route_topk(x, router, None, 4, "softmax", True, 1.0, 1, 1)
+    for shared in ({}, {"n_shared": 1, "shared_gate": gate.to(DEV)}):
+        ids, w = route(*_on(x, router), None, 4, "softmax", True, 1.0, 1, 1, logits_kernel=logits_kernel, **shared)
+        ids, w = ids.cpu(), w.cpu()
+        assert torch.equal(ids[:, :4].long(), rids)
+        assert torch.allclose(w[:, :4], rw, rtol=1e-5, atol=1e-7)
+        if shared:
+            assert (ids[:, 4] == E).all()
+            assert torch.allclose(w[:, 4], torch.sigmoid(x @ gate[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_router_marks_rows_past_the_real_count_as_padding():
+    g = torch.Generator().manual_seed(8)
+    x, router = _on(torch.randn(5, D, generator=g), torch.randn(4, D, generator=g))
+    for n_real in (3, torch.tensor([3], dtype=torch.int32, device=DEV)):
+        ids, w = route(x, router, None, 2, "softmax", True, 1.0, 1, 1, n_real=n_real)
+        assert (ids[3:] == 4).all() and (w[3:] == 0).all()
+        assert (ids[:3] < 4).all()
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_sort_tokens_places_every_pair_once_and_pads_with_the_sentinel(block_m):
+    g = torch.Generator().manual_seed(block_m)
+    T, k, E = 37, 3, 8
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    ids[-4:] = E  # padding tokens: no expert
+    P = T * k
+    sorted_pairs, block_expert, total = (t.cpu() for t in sort_tokens(ids.to(DEV), E, block_m))
+    total = int(total)
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat[flat < E].long(), minlength=E)
+    assert total == int(sum(-(-int(c) // block_m) * block_m for c in counts))
+    assert total <= sorted_pairs.numel() and sorted_pairs.numel() % block_m == 0
+    used = sorted_pairs[:total]
+    real = used[used < P]
+    assert sorted(real.tolist()) == [p for p in range(P) if flat[p] < E], "every real pair exactly once"
+    assert ((used == P) | (used < P)).all(), "padding entries hold the sentinel T*k"
+    start = 0
+    for e in range(E):
+        size = -(-int(counts[e]) // block_m) * block_m
+        seg = used[start:start + size]
+        n = int(counts[e])
+        assert seg[:n].tolist() == sorted(seg[:n].tolist()), "pairs keep their order within an expert"
+        assert (flat[seg[:n].long()] == e).all() and (seg[n:] == P).all()
+        assert (block_expert[start // block_m:(start + size) // block_m] == e).all()
+        start += size
+    # Only experts that received pairs own blocks, so only their weights are ever read.
+    assert set(block_expert[: total // block_m].tolist()) == set(flat[flat < E].tolist())
+
+
+def test_sort_tokens_bound_is_static_and_holds_for_one_expert_or_all():
+    E, bm = 8, 16
+    for ids in (torch.zeros(5, 2, dtype=torch.int32), torch.arange(8, dtype=torch.int32).view(4, 2)):
+        sorted_pairs, _, total = sort_tokens(ids.to(DEV), E, bm)
+        P = ids.numel()
+        assert sorted_pairs.numel() >= int(total)
+        assert sorted_pairs.numel() == -(-(P + min(E, P) * (bm - 1)) // bm) * bm
+
+
+def test_unused_experts_weights_never_reach_the_output():
+    g = torch.Generator().manual_seed(11)
+    E, T, k = 8, 3, 2
+    router, _, w13, w2, sw13, sw2, gate = _layer(g, E, False, "gated_S=I")
+    x = torch.randn(T, D, generator=g)
+    ids, _ = route_topk(x, router, None, k, "softmax", True, 1.0, 1, 1)
+    unused = [e for e in range(E) if e not in ids.unique().tolist()]
+    assert unused
+    w13[unused], w2[unused] = float("nan"), float("nan")
+    layer = (router, None, w13, w2, sw13, sw2, gate)
+    ref = moe_reference(x, *layer, k, "softmax", True, 1.0, 1, 1)
+    for config in (SORTED, TOKEN):
+        out = torch.full((T, D), float("nan"), device=DEV)
+        fused_moe(*_on(x, *layer, out), k, "softmax", True, 1.0, 1, 1, config)
+        assert torch.isfinite(out).all() and _rel(out, ref) <= 1e-4
+
+
+def _ctx(query_lens, num_tokens):
+    qsl = torch.zeros(len(query_lens) + 2, dtype=torch.int32)
+    qsl[1:len(query_lens) + 1] = torch.tensor(query_lens).cumsum(0)
+    qsl[len(query_lens) + 1:] = sum(query_lens)  # a padded request owns no rows
+    return types.SimpleNamespace(num_real_tokens=sum(query_lens), num_tokens=num_tokens, query_start_loc=qsl,
+                                 num_seqs=len(query_lens) + 1)
+
+
+@pytest.mark.parametrize("shared", ["none", "gated_S=40"])
+@pytest.mark.parametrize("replayed", [False, True])
+def test_backend_zeroes_padding_rows_like_the_cpu_reference(replayed, shared):
+    g = torch.Generator().manual_seed(12)
+    E, T = 4, 6
+    op_args = _layer(g, E, True, shared)
+    x = torch.randn(T, D, generator=g)
+    ctx = _ctx([2, 2], T)
+    tail = (0, 2, "sigmoid", True, 1.0, 2, 1)
+    expected = torch.full((T, D), float("nan"))
+    CPUReferenceBackend.moe(None, ctx, x, *op_args, expected, *tail)
+    backend = TritonMoEBackend(device=DEV)
+    if replayed:  # a graph step: the count comes from the static buffer the kernels read
+        backend.init_capture_state(max_tokens=T, max_seqs=ctx.num_seqs)
+        backend.init_replay_state(ctx, ctx.num_seqs)
+    else:
+        backend.init_step_metadata(ctx)
+    for config in (SORTED, TOKEN):
+        out = torch.full((T, D), float("nan"), device=DEV)
+        backend.moe(ctx, *_on(x, *op_args, out), *tail, config=config)
+        assert (out[4:] == 0).all(), "padding rows must be zero"
+        assert _rel(out[:4], expected[:4]) <= 1e-4
+
+
+def test_backend_declares_its_capability_and_keeps_the_protocol():
+    from compiler.splitops import MODES
+    from runtime.backends.protocol import BackendHooks, check_backend
+    backend = TritonMoEBackend(device=DEV)
+    check_backend(backend)
+    assert isinstance(backend, BackendHooks) and backend.supported_ops == frozenset({"moe"})
+    cap = TritonMoEBackend.capability
+    assert cap.device == "cuda" and cap.ops == frozenset({"moe"})
+    assert cap.modes_capturable == frozenset(MODES), "the moe op is capturable in every mode"
+
+
+def _moe_call(E=8, I=32, D=64, top_k=2, S=32, dtype="bfloat16"):
+    """The CallFacts routing reads off a moe node (token dimension dynamic)."""
+    from compiler.splitops import CallFacts
+    shapes = {"x": (None, D), "router_weight": (E, D), "w13": (E, 2 * I, D), "w2": (E, D, I), "out": (None, D)}
+    if S:
+        shapes.update(shared_w13=(2 * S, D), shared_w2=(D, S), shared_gate=(1, D))
+    return CallFacts("moe", 1, dtype, shapes, {"layer_id": 1, "top_k": top_k})
+
+
+def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monkeypatch):
+    """E=8 experts, top-2 and one shared chunk (3 slots per token), D=64, no tuned table: the default
+    config's token path to T=2 (2 columns) and T=4 (4), sorted tiles of BLOCK_M 16 from T=5 (a
+    mean of T/4 pairs per expert: <= 10), 32 from 41, 64 from 97, 128 from 193; the router's GEMV
+    to T=16, fused into the route kernel to 64, a dot past it; the sort's wider scan past 256 pairs
+    (T=86). A count of each, the smallest, and nothing under the interpreter."""
+    import runtime.backends.triton_moe as backend_module
+    from runtime.backends.triton_moe import MoELayerShape
+    layer = MoELayerShape.of(_moe_call())
+    assert layer == MoELayerShape(experts=8, inter=32, hidden=64, top_k=2, slots=3, itemsize=2)
+    backend = TritonMoEBackend(device="cpu", layers=(layer, layer))
+    monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
+    assert backend.kernel_variant_tokens(256) == (1, 3, 5, 17, 41, 65, 86, 97, 193)
+    assert backend.kernel_variant_tokens(64) == (1, 3, 5, 17, 41)
+    # a second layer shape adds its own first counts (no shared expert: 2 slots, wider scan at T=129)
+    other = MoELayerShape.of(_moe_call(S=0))
+    both = TritonMoEBackend(device="cpu", layers=(layer, other))
+    assert set(both.kernel_variant_tokens(256)) == {1, 3, 5, 17, 41, 65, 86, 97, 129, 193}
+    monkeypatch.setattr(backend_module, "triton_interpreted", lambda: True)
+    assert backend.kernel_variant_tokens(256) == ()
+    assert TritonMoEBackend(device="cpu").kernel_variant_tokens(256) == (), "no layer shapes: nothing to name"
+
+
+def test_importing_the_backend_needs_no_triton():
+    import subprocess
+    import sys
+    code = "import sys, runtime.backends.triton_moe as m; m.TritonMoEBackend.capability; print('triton' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
+
+
+def test_backend_moe_has_the_cpu_reference_signature():
+    ours = list(inspect.signature(TritonMoEBackend.moe).parameters)
+    ref = list(inspect.signature(CPUReferenceBackend.moe).parameters)
+    assert ours[: len(ref)] == ref
+
+
+def test_results_are_deterministic_bit_for_bit():
+    g = torch.Generator().manual_seed(13)
+    E, T = 8, 17
+    layer = _layer(g, E, False, "ungated_S=2I")
+    x = torch.randn(T, D, generator=g)
+    outs = []
+    for _ in range(2):
+        out = torch.empty(T, D, device=DEV)
+        fused_moe(*_on(x, *layer, out), 2, "softmax", True, 1.0, 1, 1, SORTED)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_config_files_are_found_by_expert_count_width_and_device(tmp_path):
+    table = {"meta": {"E": 8, "I": 24},
+             "buckets": {"1": {"gate_up": TOKEN.gate_up.to_dict(), "down": TOKEN.down.to_dict()},
+                         "16": SORTED.gate_up.to_dict()}}
+    (tmp_path / config_file_name(8, 24, "cpu")).write_text(json.dumps(table))
+    backend = TritonMoEBackend(config_dir=tmp_path, device="cpu")
+    cpu = torch.device("cpu")
+    assert backend.config_for(1, 8, 24, D, 2, cpu).path == "token"
+    assert backend.config_for(2, 8, 24, D, 2, cpu) == SORTED  # smallest bucket >= T
+    assert backend.config_for(500, 8, 24, D, 2, cpu) == SORTED  # past the last bucket: the last
+    # No file for this width: the documented default.
+    assert backend.config_for(64, 8, 32, D, 2, cpu) == default_config(64, 8, 32, D, 2)
+    (tmp_path / config_file_name(4, 24, "cpu")).write_text("{not json")
+    with pytest.raises(ValueError, match="E=4,I=24,device=cpu.json"):
+        backend.config_for(1, 4, 24, D, 2, cpu)
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        MoEConfig(GemmConfig(16, 16, 32), GemmConfig(32, 16, 32))
+    with pytest.raises(ValueError, match="powers of two"):
+        GemmConfig(24, 16, 32)
+    with pytest.raises(ValueError, match="unknown MoE config keys"):
+        GemmConfig.from_dict({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_Q": 1})
+
+
+def test_bad_routing_arguments_are_refused_with_a_message():
+    x, router = torch.randn(2, D), torch.randn(6, D)
+    with pytest.raises(ValueError, match="do not split into 4 groups"):
+        route(x, router, None, 2, "softmax", True, 1.0, 4, 1)
+    with pytest.raises(ValueError, match="top_k 3"):
+        route(x, router, None, 3, "softmax", True, 1.0, 3, 1)
+    with pytest.raises(ValueError, match="unknown scoring"):
+        route(x, router, None, 1, "relu", True, 1.0, 1, 1)
+
+
+def test_float32_configs_are_fitted_to_shared_memory_and_bf16_ones_kept():
+    """The 128 x 128 x 64 tile at 4 stages asked an H200 for 294,912 bytes of shared memory in float32
+    (232,448 there): fitted, it takes fewer stages; every default bf16 config is returned unchanged."""
+    from runtime.backends.kernels.moe_config import SHARED_MEMORY_BUDGET, default_config, fit_shared_memory
+
+    def need(c, itemsize):
+        return max(1, c.num_stages - 1) * (c.BLOCK_M + 2 * c.BLOCK_N) * c.BLOCK_K * itemsize
+
+    big = default_config(256, 16, 1024, 2304, 8)
+    assert need(big.gate_up, 4) == 294912
+    fitted = fit_shared_memory(big, 4)
+    assert need(fitted.gate_up, 4) <= SHARED_MEMORY_BUDGET and need(fitted.down, 4) <= SHARED_MEMORY_BUDGET
+    assert fitted.gate_up.BLOCK_M == big.gate_up.BLOCK_M  # the sorted layout is unchanged
+    for T in (1, 8, 32, 128, 512, 4096):
+        c = default_config(T, 16, 512, 2048, 4)
+        assert fit_shared_memory(c, 2) == c
+
+
+def test_a_replayed_step_reads_its_real_token_count_from_the_step_buffer():
+    """No count is written before a replay: the kernels read query_start_loc's last offset, so a
+    whole-step graph needs no call on this backend, and a count of another dtype is refused."""
+    backend = TritonMoEBackend(device=DEV)
+    ctx = _ctx([2, 1], 4)
+    backend.init_replay_state(ctx, ctx.num_seqs)
+    count = backend._planned[1]
+    assert count.data_ptr() == ctx.query_start_loc[ctx.num_seqs:].data_ptr() and int(count) == 3
+    assert all(backend.replay_state_in_graph(m) for m in TritonMoEBackend.capability.modes_capturable)
+    wide = types.SimpleNamespace(num_seqs=ctx.num_seqs, query_start_loc=ctx.query_start_loc.long())
+    with pytest.raises(RuntimeError, match="query_start_loc must be int32"):
+        backend.init_replay_state(wide, ctx.num_seqs)
+
+
+def test_fixed_tiles_give_a_token_the_same_bits_whatever_shares_its_step(monkeypatch):
+    """gemm_tiles="fixed" (hgc compile --batch-invariant): one config and one router kernel for every
+    token count, so token t's output in a step of 1 token equals its row in a step of 9 bit for bit,
+    and both match the CPU oracle. The tuned choice would switch paths between these counts (token
+    path to T=4, sorted tiles past it; the router's GEMV to 16, a dot past 64), which is what made a
+    decode row and a verify row of one token differ."""
+    import runtime.backends.triton_moe as backend_module
+    from runtime.backends.kernels.moe_config import FIXED_CONFIG, FIXED_LOGITS_KERNEL
+    from runtime.backends.triton_moe import MoELayerShape
+
+    g = torch.Generator().manual_seed(21)
+    E, T = 8, 9
+    op_args = _layer(g, E, True, "gated_S=40")
+    x = torch.randn(T, D, generator=g)
+    tail = (0, 2, "sigmoid", True, 1.0, 4, 2)
+    backend = TritonMoEBackend(device=DEV, gemm_tiles="fixed")
+    assert backend.config_for(1, E, I, D, 2, DEV) == backend.config_for(512, E, I, D, 2, DEV) == FIXED_CONFIG
+    launched = []
+    real_route = backend_module._kernels().route
+    monkeypatch.setattr(backend_module._kernels(), "route",
+                        lambda *a, **k: launched.append(k.get("logits_kernel")) or real_route(*a, **k))
+    rows = {}
+    for n in (1, T):
+        out = torch.full((n, D), float("nan"), device=DEV)
+        backend.moe(None, *_on(x[:n], *op_args, out), *tail)
+        rows[n] = out.cpu()
+    assert launched == [FIXED_LOGITS_KERNEL] * 2
+    assert torch.equal(rows[1][0], rows[T][0]), "token 0 alone and among 9 must give the same bits"
+    expected = torch.full((T, D), float("nan"))
+    CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
+    assert _rel(rows[T], expected) <= 1e-4
+    # one launch variant below the sort's wider scan: start-up builds a kernel set, not one per bucket
+    layer = MoELayerShape.of(_moe_call())
+    fixed = TritonMoEBackend(device="cpu", layers=(layer,), gemm_tiles="fixed")
+    monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
+    assert fixed.kernel_variant_tokens(256) == (1, 86)
+    with pytest.raises(ValueError, match="gemm_tiles"):
+        TritonMoEBackend(device="cpu", gemm_tiles="tiny")
