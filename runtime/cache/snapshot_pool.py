@@ -28,6 +28,7 @@ import torch
 
 from compiler.splitops import LayerRegistry
 from runtime.cache.state_pool import StatePool, linear_state_buffers
+from runtime.step.host_copy import to_device
 
 __all__ = ["SnapshotPool", "OutOfSnapshots"]
 
@@ -78,8 +79,10 @@ class SnapshotPool:
             "snapshot pool: built for another registry than the state pool")
         if not src:
             return
-        src_index = torch.tensor(src, dtype=torch.int64).to(self.device)
-        dst_index = torch.tensor(dst, dtype=torch.int64).to(self.device)
+        # Queued from pinned memory, not a synchronous copy that would wait for every queued step
+        # kernel (runtime/step/host_copy.py): the engine loop lays out the next step meanwhile.
+        src_index = to_device(src, self.device)
+        dst_index = to_device(dst, self.device)
         for layer_id, entries in src_buffers.items():
             for name, source in entries.items():
                 dst_buffers[layer_id][name].index_copy_(0, dst_index, source.index_select(0, src_index))

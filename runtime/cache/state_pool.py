@@ -82,18 +82,19 @@ class StatePool:
     def zero_slot(self, slot: int) -> None:
         if self.journal is not None:
             self.journal.append(("zero_slot", slot))
-        for entries in self.buffers.values():
-            for t in entries.values():
-                t[slot].zero_()
+        # One multi-tensor launch for every layer's entries, not one zero_ each: a new request's
+        # slot is zeroed on the engine loop's thread, between steps.
+        torch._foreach_zero_(self._slot_views(slot))
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Give slot `dst` the states of slot `src` in every layer (a request forked after its prefill)."""
         assert src != PADDING_SLOT and dst != PADDING_SLOT and src != dst, (src, dst)
         if self.journal is not None:
             self.journal.append(("copy_slot", src, dst))
-        for entries in self.buffers.values():
-            for t in entries.values():
-                t[dst].copy_(t[src])
+        torch._foreach_copy_(self._slot_views(dst), self._slot_views(src))
+
+    def _slot_views(self, slot: int) -> list[torch.Tensor]:
+        return [t[slot] for entries in self.buffers.values() for t in entries.values()]
 
     def free(self, slot: int) -> None:
         assert slot != PADDING_SLOT, "state pool: the padding slot is never handed out, so never freed"
