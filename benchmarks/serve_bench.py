@@ -85,12 +85,35 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
             "itl_s": [b - a for a, b in zip(times, times[1:])]}
 
 
-async def run_level(client, model: str, concurrency: int, mix, count: int, vocab: int, seed: int) -> dict:
-    g = random.Random(seed)
-    jobs = [mix[i % len(mix)] for i in range(count)]
-    prompts = [[g.randrange(FIRST_TOKEN_ID, vocab) for _ in range(p)] for p, _ in jobs]
-    queue = list(zip(prompts, (o for _, o in jobs)))
-    queue.reverse()
+def parse_mix(text: str) -> tuple[tuple[int, int], ...]:
+    """--mix: comma-separated prompt:output pairs of positive token counts, e.g. 128:128,512:64."""
+    try:
+        mix = tuple(tuple(int(x) for x in pair.split(":")) for pair in text.split(","))
+    except ValueError:
+        mix = ()
+    if not mix or any(len(pair) != 2 or min(pair) < 1 for pair in mix):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected prompt:output pairs of positive token counts, "
+                                         f"e.g. 128:128,512:64")
+    return mix
+
+
+def level_requests(mix, concurrency: int, requests_per_worker: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """The (prompt ids, output tokens) of one level, in sending order: the mix cycled over
+    requests_per_worker x concurrency requests, prompts seeded random ids (seed + concurrency),
+    the same for every engine a level is run on (benchmarks/serving/offline_bench.py's too)."""
+    g = random.Random(seed + concurrency)
+    jobs = [mix[i % len(mix)] for i in range(requests_per_worker * concurrency)]
+    return [([g.randrange(FIRST_TOKEN_ID, vocab) for _ in range(p)], o) for p, o in jobs]
+
+
+def sizing(concurrency, mix) -> dict:
+    """The engine's size for a run: a slot per worker of the highest concurrency, and room for the
+    longest request of the mix (at least 256 tokens)."""
+    return {"slots": max(concurrency), "max_model_len": max(256, max(p + o for p, o in mix))}
+
+
+async def run_level(client, model: str, concurrency: int, requests: list[tuple[list[int], int]]) -> dict:
+    queue = list(reversed(requests))
     records = []
 
     async def worker():
@@ -148,7 +171,7 @@ async def bench(url: str, model: str | None, concurrency, mix, requests_per_work
             raise SystemExit(f"serve_bench: the warm-up request failed: {warm['error']}")
         levels = []
         for c in concurrency:
-            level = await run_level(client, model, c, mix, requests_per_worker * c, vocab, seed + c)
+            level = await run_level(client, model, c, level_requests(mix, c, requests_per_worker, vocab, seed))
             print(f"concurrency {c}: {level['requests']} requests in {level['wall_s']:.1f} s, "
                   f"{level['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
             levels.append(level)
@@ -163,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
     p.add_argument("--dry-run", action="store_true", help=f"CPU size: concurrency {DRY['concurrency']}, mix {DRY['mix']}")
     p.add_argument("--concurrency", type=int, nargs="+", default=None, help=f"default {GPU['concurrency']}")
-    p.add_argument("--mix", default=None, help="prompt:output pairs, e.g. 128:128,512:64 (default: the GPU or dry mix)")
+    p.add_argument("--mix", type=parse_mix, default=None,
+                   help="prompt:output pairs, e.g. 128:128,512:64 (default: the GPU or dry mix)")
     p.add_argument("--requests-per-worker", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="with --artifact: hgc serve --device")
@@ -172,15 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     preset = DRY if args.dry_run else GPU
     concurrency = tuple(args.concurrency or preset["concurrency"])
-    mix = preset["mix"] if args.mix is None else tuple(tuple(int(x) for x in pair.split(":"))
-                                                        for pair in args.mix.split(","))
+    mix = args.mix or preset["mix"]
     per_worker = args.requests_per_worker or preset["requests_per_worker"]
-    longest = max(a + b for a, b in mix)
 
     server = None
     if args.artifact:
-        slots = max(concurrency)
-        flags = ["--device", args.device, "--slots", str(slots), "--max-model-len", str(max(256, longest)),
+        size = sizing(concurrency, mix)
+        flags = ["--device", args.device, "--slots", str(size["slots"]), "--max-model-len", str(size["max_model_len"]),
                  *args.serve_args.split()]
         server = ServerProcess([args.artifact, *flags]).wait_ready(timeout=1800)
     url = args.url or server.url
