@@ -223,13 +223,21 @@ def serve_vs_run(art_dir: Path, device: str, seed: int, threads: int) -> dict:
 
 
 def bench(args, rec: dict, save) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        run_stages(args, rec, save)
+    finally:
+        torch.set_num_threads(threads)  # a caller's (a test process's) setting is its own
+
+
+def run_stages(args, rec: dict, save) -> None:
     from runtime.artifact.bundle import CompiledOptions
     from runtime.artifact.loader import load_artifact
     from runtime.assembly import EngineOptions, engine_for_artifact
 
     stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
     state: dict = {}
-    torch.set_num_threads(args.threads)
 
     def artifact():
         state["art_dir"] = Path(args.artifact) if args.artifact else compiled_artifact(args)
