@@ -12,6 +12,7 @@ On a CPU, a few seconds (what tests/server/test_server.py runs):
 
     python benchmarks/serve_bench.py --dry-run --artifact artifacts/tiny --out /tmp/serve_bench
     python benchmarks/serve_bench.py --dry-run --url http://127.0.0.1:8000 --model tiny   # a running server
+    python benchmarks/serve_bench.py --dry-run --artifact artifacts/tiny --offline   # and the engine alone
 
 1. The server: started here from --artifact (`python -m hgc serve`, its --device and sizing
    flags, `--port 0`) and stopped at the end, or one already running at --url.
@@ -26,6 +27,11 @@ On a CPU, a few seconds (what tests/server/test_server.py runs):
    vLLM's benchmark pools it), output tokens per second and requests per second over the level's
    wall time, and the errors. The table is printed; --out writes serve_bench.json with the
    per-request records, the command line, the date and the server's /v1/models card.
+5. With --offline, once the server has stopped: benchmarks/serving/offline_bench.py in a process of
+   its own on the same artifact, levels and prompts (level_requests), straight to the engine;
+   per level its output tok/s with as many requests in flight and served tok/s over it (what
+   HTTP, the tokenizer-free streaming path and the engine loop's thread cost). Its JSON goes to
+   OUT/offline/, its stages' status and closed-loop runs into serve_bench.json.
 
 It does not compare engines or check tokens (tests/server/test_server.py does).
 """
@@ -35,14 +41,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_common import fmt  # noqa: E402
 from testkit.helpers import ServerProcess  # noqa: E402
 
 GPU = dict(concurrency=(1, 8, 32, 128), mix=((128, 128), (512, 64), (64, 256), (1024, 32)), requests_per_worker=4)
@@ -141,13 +151,44 @@ def fmt_ms(seconds: float | None) -> str:
 
 
 def table(levels: list[dict]) -> str:
-    head = "| concurrency | requests | errors | TTFT median ms | TTFT p99 ms | ITL median ms | ITL p99 ms | out tok/s | req/s |"
-    rows = [head, "|" + "---|" * 9]
+    """The levels' table; with --offline, two more columns: the offline figure at the same number
+    in flight and served over offline."""
+    offline = any("served_over_offline" in lv for lv in levels)
+    head = ("| concurrency | requests | errors | TTFT median ms | TTFT p99 ms | ITL median ms | ITL p99 ms | out tok/s "
+            "| req/s |" + (" offline tok/s | served/offline |" if offline else ""))
+    rows = [head, "|" + "---|" * (11 if offline else 9)]
     for lv in levels:
         rows.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | {fmt_ms(lv['ttft_median_s'])} | "
                     f"{fmt_ms(lv['ttft_p99_s'])} | {fmt_ms(lv['itl_median_s'])} | {fmt_ms(lv['itl_p99_s'])} | "
-                    f"{lv['output_tokens_per_s']:.1f} | {lv['requests_per_s']:.2f} |")
+                    f"{lv['output_tokens_per_s']:.1f} | {lv['requests_per_s']:.2f} |"
+                    + (f" {fmt(lv['offline_output_tokens_per_s'], '.1f', '-')} | {fmt(lv['served_over_offline'], '.2f', '-')} |"
+                       if offline else ""))
     return "\n".join(rows)
+
+
+def offline(args, concurrency, mix, per_worker: int, out: Path) -> dict:
+    """benchmarks/serving/offline_bench.py on the same artifact, levels and prompts, in a process of
+    its own (started after the server has stopped, so the two never share the device): its
+    stages' status and its closed-loop runs by concurrency."""
+    script = ROOT / "benchmarks" / "serving" / "offline_bench.py"
+    argv = [sys.executable, str(script), "--artifact", args.artifact, "--device", args.device, "--out", str(out),
+            "--concurrency", ",".join(map(str, concurrency)), "--mix", ",".join(f"{p}:{o}" for p, o in mix),
+            "--iters", str(per_worker), "--seed", str(args.seed), "--no-serve-vs-run",
+            *(["--dry-run"] if args.dry_run else [])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run(argv, cwd=ROOT, env=env, check=True)
+    rec = json.loads((out / "offline_bench.json").read_text())
+    return {"command": " ".join(argv[1:]), "stages": {name: s["status"] for name, s in rec["stages"].items()},
+            "engine": rec.get("engine"), "runs": rec.get("runs", {})}
+
+
+def add_offline(levels: list[dict], report: dict) -> None:
+    """Per level: the offline output tok/s with as many in flight, and served over it (None where
+    the offline run did not finish)."""
+    for lv in levels:
+        run = report["runs"].get(f"closed_loop_c{lv['concurrency']}")
+        lv["offline_output_tokens_per_s"] = run["output_tokens_per_s"] if run else None
+        lv["served_over_offline"] = lv["output_tokens_per_s"] / run["output_tokens_per_s"] if run else None
 
 
 async def bench(url: str, model: str | None, concurrency, mix, requests_per_worker: int, seed: int) -> dict:
@@ -192,8 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="with --artifact: hgc serve --device")
     p.add_argument("--serve-args", default="", help="with --artifact: more hgc serve flags, e.g. '--slots 256'")
-    p.add_argument("--out", default=None, help="folder for serve_bench.json")
+    p.add_argument("--out", default=None, help="folder for serve_bench.json (and offline/ with --offline)")
+    p.add_argument("--offline", action="store_true",
+                   help="with --artifact: then benchmarks/serving/offline_bench.py on it, the same levels and prompts "
+                        "with no HTTP, and per level served tok/s over offline tok/s at as many in flight (the server's "
+                        "engine knobs at hgc serve's defaults: --serve-args that change them make unlike engines)")
     args = p.parse_args(argv)
+    if args.offline and not args.artifact:
+        p.error("--offline: needs --artifact (the offline run loads it)")
     preset = DRY if args.dry_run else GPU
     concurrency = tuple(args.concurrency or preset["concurrency"])
     mix = args.mix or preset["mix"]
@@ -211,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
+    if args.offline:
+        with tempfile.TemporaryDirectory() as scratch:
+            result["offline"] = offline(args, concurrency, mix, per_worker,
+                                        Path(args.out) / "offline" if args.out else Path(scratch))
+        add_offline(result["levels"], result["offline"])
     result.update(command=" ".join(sys.argv if argv is None else ["serve_bench.py", *argv]),
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), dry_run=args.dry_run, mix=mix,
                   requests_per_worker=per_worker)
@@ -218,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "serve_bench.json").write_text(json.dumps(result, indent=1))
-    return 0 if all(lv["errors"] == 0 for lv in result["levels"]) else 1
+    offline_ok = all(status == "ok" for status in result.get("offline", {}).get("stages", {}).values())
+    return 0 if offline_ok and all(lv["errors"] == 0 for lv in result["levels"]) else 1
 
 
 if __name__ == "__main__":

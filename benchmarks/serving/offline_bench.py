@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.bench_common import Stages, compiled_artifact, device_kernels, engine_script, fmt, target_rows  # noqa: E402
+from hgc.serve_command import int_at_least  # noqa: E402
 from benchmarks.serve_bench import DRY, GPU, bench as serve_levels, level_requests, parse_mix, sizing  # noqa: E402
 from runtime.engine.engine import SamplingParams  # noqa: E402
 from testkit.helpers import ServerProcess  # noqa: E402
@@ -315,11 +316,11 @@ def main(argv: list[str] | None = None) -> dict:
                        help=f"requests in flight per closed-loop run (default {GPU['concurrency']}, dry "
                             f"{DRY['concurrency']})")
         p.add_argument("--mix", type=parse_mix, default=None, help="prompt:output pairs, as serve_bench's --mix")
-        p.add_argument("--token-budget", type=int, default=512, help="tokens per engine step (hgc serve's default)")
+        p.add_argument("--token-budget", type=int_at_least(1), default=512, help="tokens per engine step (hgc serve's default)")
         p.add_argument("--seed", type=int, default=0, help="prompt seed, as serve_bench's --seed (same prompts)")
-        p.add_argument("--profile-steps", type=int, default=None,
+        p.add_argument("--profile-steps", type=int_at_least(0), default=None,
                        help="steps of each run under the profiler, for the GPU busy fraction (default 50 on cuda)")
-        p.add_argument("--threads", type=int, default=1,
+        p.add_argument("--threads", type=int_at_least(1), default=1,
                        help="torch CPU threads of this process, the server and hgc run (tiny models on a shared CPU "
                             "only lose to more)")
         p.add_argument("--serve-vs-run", action=argparse.BooleanOptionalAction, default=None,

@@ -3,6 +3,7 @@ model, issue 53's hgc serve against hgc run measure, and whether the report's co
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -53,3 +54,27 @@ def test_busy_time_counts_overlapping_kernels_once():
     spans = [Span(0, 10), Span(5, 12), Span(6, 8), Span(20, 25)]
     assert busy_seconds(spans) == pytest.approx(17e-6)
     assert busy_seconds([]) == 0.0
+
+
+def test_serve_bench_puts_served_over_offline_beside_each_level():
+    """serve_bench --offline: each level's served tok/s over the closed-loop run with as many in
+    flight; a level whose offline run is missing shows none rather than a made-up ratio."""
+    from benchmarks.serve_bench import add_offline, table
+
+    levels = [{"concurrency": c, "requests": 4, "errors": 0, "ttft_median_s": 0.01, "ttft_p99_s": 0.02,
+               "itl_median_s": 0.001, "itl_p99_s": 0.002, "output_tokens_per_s": tps, "requests_per_s": 1.0}
+              for c, tps in ((1, 50.0), (8, 300.0))]
+    add_offline(levels, {"runs": {"closed_loop_c1": {"output_tokens_per_s": 100.0}}})
+    assert (levels[0]["offline_output_tokens_per_s"], levels[0]["served_over_offline"]) == (100.0, 0.5)
+    assert (levels[1]["offline_output_tokens_per_s"], levels[1]["served_over_offline"]) == (None, None)
+    rows = table(levels).splitlines()
+    assert rows[0].endswith("| offline tok/s | served/offline |") and rows[2].endswith("| 100.0 | 0.50 |")
+    assert rows[3].endswith("| - | - |")
+
+
+@pytest.mark.parametrize("text", ["128", "128:0", "a:b", "128:64,"])
+def test_a_bad_mix_is_a_one_line_usage_error(text):
+    from benchmarks.serve_bench import parse_mix
+
+    with pytest.raises(argparse.ArgumentTypeError, match="prompt:output pairs"):
+        parse_mix(text)
