@@ -58,6 +58,7 @@ from testkit.helpers import ServerProcess  # noqa: E402
 GPU = dict(concurrency=(1, 8, 32, 128), mix=((128, 128), (512, 64), (64, 256), (1024, 32)), requests_per_worker=4)
 DRY = dict(concurrency=(1, 4), mix=((8, 6), (24, 3), (4, 10)), requests_per_worker=2)
 FIRST_TOKEN_ID = 16  # prompt ids start above the special tokens of hgc's tokenizers (and of most others)
+WARM_UP = (list(range(FIRST_TOKEN_ID, FIRST_TOKEN_ID + 8)), 4)  # (prompt, output tokens) before the levels
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -207,7 +208,7 @@ async def bench(url: str, model: str | None, concurrency, mix, requests_per_work
         if extra.get("max_model_len") and longest > extra["max_model_len"]:
             raise SystemExit(f"serve_bench: the mix needs {longest} tokens per request; the server takes "
                              f"{extra['max_model_len']} (--max-model-len)")
-        warm = await one_request(client, model, list(range(FIRST_TOKEN_ID, FIRST_TOKEN_ID + 8)), 4)
+        warm = await one_request(client, model, *WARM_UP)
         if "error" in warm:
             raise SystemExit(f"serve_bench: the warm-up request failed: {warm['error']}")
         levels = []

@@ -52,11 +52,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-
-from benchmarks.bench_common import Stages, compiled_artifact, device_kernels, engine_script, fmt, target_rows  # noqa: E402
+# bench_common first: it sets the profiler's environment before torch is imported
+from benchmarks.bench_common import (Stages, compiled_artifact, device_kernels, engine_script, fmt,  # noqa: E402
+                                     target_rows)
+from benchmarks.serve_bench import (DRY, GPU, WARM_UP, bench as serve_levels, level_requests, parse_mix,  # noqa: E402
+                                    sizing)
 from hgc.serve_command import int_at_least  # noqa: E402
-from benchmarks.serve_bench import DRY, GPU, bench as serve_levels, level_requests, parse_mix, sizing  # noqa: E402
+import torch  # noqa: E402
 from runtime.engine.engine import SamplingParams  # noqa: E402
 from testkit.helpers import ServerProcess  # noqa: E402
 
@@ -206,7 +208,8 @@ def serve_vs_run(art_dir: Path, device: str, seed: int, threads: int) -> dict:
     n, mix = SERVE_VS_RUN["requests"], ((SERVE_VS_RUN["prompt_tokens"], SERVE_VS_RUN["new_tokens"]),)
     size = sizing((n,), mix)
     server = ServerProcess([str(art_dir), "--device", device, "--slots", str(size["slots"]),
-                            "--max-model-len", str(size["max_model_len"]), "--threads", str(threads)]).wait_ready(timeout=600)
+                            "--max-model-len", str(size["max_model_len"]), "--threads", str(threads)])
+    server.wait_ready(timeout=600)
     try:
         served = asyncio.run(serve_levels(server.url, None, (n,), mix, 1, seed))
     finally:
@@ -260,7 +263,7 @@ def run_stages(args, rec: dict, save) -> None:
         return level_requests(args.mix, concurrency, args.iters, state["vocab"], args.seed)
 
     def warm_up():
-        run_requests(state["engine"], [(list(range(16, 24)), 4)], None, 0)
+        run_requests(state["engine"], [WARM_UP], None, 0)
 
     def level(name: str, concurrency: int, in_flight: int | None):
         rec["runs"][name] = {"mode": "all_at_once" if in_flight is None else "closed_loop",
@@ -275,8 +278,8 @@ def run_stages(args, rec: dict, save) -> None:
         stages(f"closed_loop_c{c}", level, f"closed_loop_c{c}", c, c, needs=("engine",))
     state.pop("engine", None)  # its pools go before a server loads the artifact again
     if args.serve_vs_run:
-        measure = stages("serve_vs_run", lambda: serve_vs_run(state["art_dir"], state["device"], args.seed, args.threads),
-                         needs=("engine",))
+        measure = stages("serve_vs_run", serve_vs_run, state.get("art_dir"), state.get("device"), args.seed,
+                         args.threads, needs=("engine",))
         if measure is not None:
             rec["serve_vs_run"] = measure
             rec["targets"] = {"serve_over_run": {"value": measure["ratio"], "goal": f">= {SERVE_VS_RUN_GOAL}",
