@@ -95,7 +95,11 @@ def init_checkpoint(family_name: str, size: str, seed: int, out_dir: str | os.Pa
         stages.set_description("init-model: write")
         stages.update()
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"hgc init-model: {n_params / 1e6:.1f}M parameters, writing {out_dir} ...", file=log, flush=True)
+    line = f"hgc init-model: {n_params / 1e6:.1f}M parameters, writing {out_dir} ..."
+    if stages is not None:  # through the bar: a plain print lands after the drawn bar and leaves it part-drawn
+        stages.write(line, file=log)
+    else:
+        print(line, file=log, flush=True)
     # A small trained tokenizer rides along so the server's text and chat paths work offline.
     tokenizer = tokenizer_files_for_config(config, text)
     try:

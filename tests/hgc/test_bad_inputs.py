@@ -31,6 +31,7 @@ from hgc.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from testkit.helpers import edit_manifest, shared_artifact
 
 FAMILY = "qwen3_next"
+POSITIONS = 262144  # the tiny qwen3_next's max_position_embeddings
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -125,7 +126,9 @@ CASES = [
     # init-model
     (["init-model", "--family", "nope", "-o", "{w}/new"], 2, r"hgc init-model: argument --family: invalid choice: 'nope'"),
     (["init-model", "--family", FAMILY, "--size", "huge", "-o", "{w}/new"], 2, r"argument --size: invalid choice"),
-    (["init-model", "--family", FAMILY, "--seed", "abc", "-o", "{w}/new"], 2, r"argument --seed: invalid int value"),
+    (["init-model", "--family", FAMILY, "--seed", "abc", "-o", "{w}/new"], 2, r"argument --seed: expected an integer"),
+    (["init-model", "--family", FAMILY, "--seed", "-1", "-o", "{w}/new"], 2, r"argument --seed: must be in \[0, "),
+    (["init-model", "--fam", FAMILY, "-o", "{w}/new"], 2, r"arguments are required: --family"),  # no prefixes
     (["init-model", "--family", FAMILY, "--shard-mb", "-1", "-o", "{w}/new"], 2, r"argument --shard-mb: must be in"),
     (["init-model", "--family", FAMILY], 2, r"the following arguments are required: -o/--output"),
     (["init-model", "--family", FAMILY, "-o", "{w}/ckpt"], 2, r"hgc init-model: .*ckpt: already exists; pass --force"),
@@ -137,6 +140,9 @@ CASES = [
     (["generate", "{w}/ckpt", "--prompt-ids", ""], 2, r"--prompt-ids"),
     (["generate", "{w}/ckpt", "--prompt-ids", "1,x"], 2, r"--prompt-ids: prompt 1 \('1,x'\) is not a comma-separated list of integers"),
     (["generate", "{w}/ckpt", "--prompt-ids", "-1"], 2, r"--prompt-ids"),
+    (["generate", "{w}/ckpt", "--prompt-ids", "1,,2"], 2, r"--prompt-ids: prompt 1 \('1,,2'\) is not a comma-sep"),
+    (["generate", "{w}/ckpt", "--prompt-ids", "1,2", "--max-new-token", "3"], 2,
+     r"unrecognized arguments: --max-new-token 3"),
     (["generate", "{w}/ckpt", "--prompt-ids", "999999"], 2, r"token id 999999.*vocab"),
     (["generate", "{w}/ckpt", "--prompt-ids", "1,2", "--max-new-tokens", "0"], 2,
      r"argument --max-new-tokens: must be at least 1"),
@@ -209,6 +215,12 @@ CASES = [
     (["run", "{w}/art", "--prompt-ids", "1,2", "--snapshot-interval", "0"], 2, r"argument --snapshot-interval"),
     (["run", "{w}/art", "--prompt-ids", "999999"], 2, r"token id 999999.*vocab"),
     (["run", "{w}/art", "--prompt-ids", "1;;2"], 2, r"--prompt-ids"),
+    (["run", "{w}/art", "--prompt-ids", "1,,2"], 2, r"--prompt-ids: prompt 1 \('1,,2'\) is not a comma-separated"),
+    (["run", "{w}/art", "--prompt-ids", ",".join(["1"] * POSITIONS), "--max-new-tokens", "1"], 2,
+     rf"--prompt-ids: prompt 1 has {POSITIONS} tokens; the model has {POSITIONS} positions .*at most {POSITIONS - 1}"),
+    (["run", "{w}/art", "--prompt-ids", "1,2", "--seed", "1180591620717411303424"], 2,
+     r"argument --seed: must be in \[0, 9223372036854775807\] \(got 1180591620717411303424\)"),
+    (["run", "{w}/art", "--prompt-ids", "1,2", "--max-new-token", "3"], 2, r"unrecognized arguments: --max-new-token"),
     (["run", "{w}/vocab_art", "--prompt-ids", "1,2"], 2, r"model.vocab_size is 1048576, the main program's embedding"),
     (["run", "{w}/edited_art", "--prompt-ids", "1,2"], 2, r"manifest_sha256"),
     (["run", "{w}/weight_byte_art", "--prompt-ids", "1,2"], 2, r"weights.safetensors"),
@@ -226,8 +238,13 @@ CASES = [
      2, r"^hgc run: --speculative-tokens 2 --tp 2: speculative decoding does not run on tensor-parallel ranks yet"),
     # serve (each is refused before the socket is bound)
     (["serve", "{w}/missing"], 2, r"hgc serve: .*missing: not an artifact folder"),
-    (["serve", "{w}/art", "--port", "-1"], 2, r"argument --port: must be at least 0"),
+    (["serve", "{w}/art", "--port", "-1"], 2, r"argument --port: must be in \[0, 65535\]"),
     (["serve", "{w}/art", "--port", "http"], 2, r"argument --port: expected an integer"),
+    (["serve", "{w}/art", "--port", "70000"], 2, r"argument --port: must be in \[0, 65535\] \(got 70000\)"),
+    (["serve", "{w}/art", "--host", "no-such-host.invalid"], 2, r"argument --host: 'no-such-host.invalid' is not an "
+                                                                 r"address to listen on"),
+    (["serve", "{w}/art", "--port", "0", "--host", "192.0.2.1"], 2,
+     r"--host 192.0.2.1 --port 0: cannot listen there"),  # an address of another machine (TEST-NET-1)
     (["serve", "{w}/art", "--slots", "0"], 2, r"argument --slots: must be at least 1"),
     (["serve", "{w}/art", "--max-model-len", "100000000"], 2, r"--max-model-len 100000000 exceeds the model's"),
     (["serve", "{w}/art", "--tokenizer", "{w}/empty_dir"], 2, r"--tokenizer .*empty_dir: no tokenizer.json"),
@@ -340,3 +357,34 @@ def test_run_and_generate_end_with_one_timing_line_unless_quiet(work, capsys):
         assert detail in timing[0], timing
     assert main(["run", str(work / "art"), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--quiet"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_port_in_use_is_refused_before_loading(work, capsys, monkeypatch):
+    import socket
+
+    import runtime.assembly
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(runtime.assembly, "load_served_model", refuse)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(work / "art"), "--port", str(port)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith(f"hgc serve: --host 127.0.0.1 --port {port}: cannot listen there: "), err
+    assert len(err.strip().splitlines()) == 2
+
+
+def test_a_closed_pipe_ends_quietly(work):
+    """`hgc inspect A | head -1`: the reader leaves early; no "Broken pipe", exit 0."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "hgc", "inspect", str(work / "art")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the command writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 0 and err == "", err
