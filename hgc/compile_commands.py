@@ -209,8 +209,14 @@ def cmd_compile(args) -> int:
         raise UsageError("-o/--output is required (or pass --plan-only)", hint="e.g. hgc compile CKPT -o artifacts/NAME")
     result, manifest = compile_checkpoint(args.checkpoint, args.output, _config(args), tools, force=args.force,
                                           link_weights=args.link_weights, dumps=not args.no_dumps,
-                                          weights=not args.no_weights, progress=args.progress)
+                                          weights=not args.no_weights, progress=args.progress,
+                                          allow_non_finite=args.allow_non_finite)
     counts = _counts(result.ctx.findings)
+    from compiler.artifact_writer import WRITE_FINDINGS
+
+    for finding in result.ctx.findings:  # the writer's own (weights, tokenizer): one line each
+        if finding.rule in WRITE_FINDINGS:
+            print(f"hgc compile: warning: {finding.message} (fix: {finding.fix})", file=sys.stderr)
     if not args.quiet:
         result.timing.print_table()  # stderr: one table of every stage
     weights = {"link": "linked", "copy": "copied",
@@ -504,6 +510,8 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--link-weights", action="store_true",
                    help="record the checkpoint's safetensors files (size, header and data hashes) instead of "
                         "copying the weights")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="copy weights holding NaN or inf (a research checkpoint) instead of refusing them")
     p.add_argument("--plan-only", action="store_true",
                    help="trace and print routing, split plans and lints; write nothing (config.json suffices)")
     p.add_argument("--no-dumps", action="store_true", help="skip dumps/ (text, ONNX and layer picture of every pass)")

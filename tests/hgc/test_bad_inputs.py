@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 import shutil
 from pathlib import Path
@@ -79,6 +80,17 @@ def work(tmp_path_factory) -> Path:
     shutil.copytree(ckpt, w / "truncated_ckpt")
     data = (w / "truncated_ckpt" / "model.safetensors").read_bytes()
     (w / "truncated_ckpt" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    shutil.copytree(ckpt, w / "garbage_ckpt")  # random bytes under a safetensors name
+    (w / "garbage_ckpt" / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
+    shutil.copytree(ckpt, w / "nan_ckpt")
+    _rewrite_tensor(w / "nan_ckpt", lambda t: t["model.norm.weight"].__setitem__(slice(0, 2), torch.tensor(
+        [float("nan"), float("inf")])))
+    shutil.copytree(ckpt, w / "nan_linked_ckpt")
+    shutil.copy(w / "nan_ckpt" / "model.safetensors", w / "nan_linked_ckpt" / "model.safetensors")
+    (w / "huge_layers").mkdir()
+    (w / "huge_layers" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1_000_000_000}))
+    (w / "huge_vocab").mkdir()
+    (w / "huge_vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": 1 << 40}))
     (w / "negative_layers").mkdir()
     (w / "negative_layers" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": -1}))
 
@@ -155,6 +167,7 @@ CASES = [
     (["generate", "{w}/bad_json_ckpt", "--prompt-ids", "1,2"], 2, r"config.json"),
     (["generate", "{w}/unknown_family_ckpt", "--prompt-ids", "1,2"], 2, r"gpt9"),
     (["generate", "{w}/truncated_ckpt", "--prompt-ids", "1,2"], 2, r"model.safetensors"),
+    (["generate", "{w}/garbage_ckpt", "--prompt-ids", "1,2"], 2, r"garbage_ckpt/model.safetensors: not a safetensors"),
     (["generate", "{w}/config_only", "--prompt-ids", "1,2"], 2, r"config_only.*safetensors"),
     # lint
     (["lint", "{w}/missing"], 2, r"hgc lint: .*missing: not a directory"),
@@ -165,6 +178,9 @@ CASES = [
     (["lint", "{w}/ckpt", "--route", "gdn_core=no_such_backend"], 2, r"no_such_backend"),
     (["lint", "{w}/negative_layers"], 2, r"num_hidden_layers"),
     (["lint", "{w}/unknown_family_ckpt"], 2, r"gpt9"),
+    (["lint", "{w}/huge_layers"], 2, r"huge_layers/config.json: num_hidden_layers is 1000000000; hgc builds at most "
+                                     r"1024 layers"),
+    (["lint", "{w}/huge_vocab"], 2, r"config.json: vocab_size is 1099511627776, past the limit of 2147483647"),
     # compile
     (["compile", "{w}/ckpt"], 2, r"-o/--output is required"),
     (["compile", "{w}/ckpt", "-o", "{w}/art"], 2, r"art: already exists; pass --force"),
@@ -174,6 +190,14 @@ CASES = [
     (["compile", "{w}/ckpt", "-o", "{w}/a_file/art"], 2, r"cannot write into"),
     (["compile", "{w}/config_only", "-o", "{w}/new"], 2, r"config_only.*safetensors"),
     (["compile", "{w}/int32_ckpt", "-o", "{w}/new"], 2, r"tensor 'model.norm.weight' is stored as I32"),
+    (["compile", "{w}/garbage_ckpt", "-o", "{w}/new"], 2, r"garbage_ckpt/model.safetensors: not a safetensors file: "
+                                                          r"its header length \(first 8 bytes\) says \d+ bytes"),
+    (["compile", "{w}/huge_layers", "-o", "{w}/new", "--no-weights"], 2, r"num_hidden_layers is 1000000000"),
+    (["compile", "{w}/nan_ckpt", "-o", "{w}/new"], 2, r"nan_ckpt/model.safetensors: tensor 'model.norm.weight' has 2 "
+                                                      r"non-finite value\(s\) \(NaN or inf\) of 64; pass "
+                                                      r"--allow-non-finite"),
+    (["compile", "{w}/nan_linked_ckpt", "-o", "{w}/new", "--link-weights"], 2, r"tensor 'model.norm.weight' has 2 "
+                                                                                r"non-finite value"),
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--decode-buckets", "4,2"], 2, r"argument --decode-buckets: expected increasing"),
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--decode-buckets", "a"], 2, r"argument --decode-buckets"),
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--extend-buckets", "0"], 2, r"argument --extend-buckets: expected increasing"),
@@ -388,3 +412,20 @@ def test_a_closed_pipe_ends_quietly(work):
     proc.stdout.close()  # the reader is gone before the command writes
     err = proc.stderr.read().decode()
     assert proc.wait(120) == 0 and err == "", err
+
+
+def test_weights_the_model_does_not_read_are_one_warning_line_and_a_lint(work, capsys, tmp_path):
+    """A checkpoint with a tensor no program reads and no tokenizer: the compile succeeds, says
+    each in one warning line, and lists both in lints.json. NaN weights compile with the flag."""
+    ckpt = shutil.copytree(work / "nan_ckpt", tmp_path / "ckpt")
+    _rewrite_tensor(ckpt, lambda t: t.update({"model.layers.99.stray.weight": torch.zeros(3)}))
+    (ckpt / "tokenizer.json").unlink()
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "art"), "--no-dumps", "-q"]) == EXIT_BAD_INPUT
+    assert "non-finite" in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "art"), "--no-dumps", "-q", "--allow-non-finite"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hgc compile: warning: ")]
+    assert len(warnings) == 2, warnings
+    assert re.search(r"1 checkpoint tensor\(s\) no program reads: model.layers.99.stray.weight", warnings[0] + warnings[1])
+    assert re.search(r"has no tokenizer.json: the artifact serves token ids only", warnings[0] + warnings[1])
+    lints = json.loads((tmp_path / "art" / "lints.json").read_text())
+    assert {f["rule"] for f in lints["findings"]} >= {"unused_tensors", "no_tokenizer"}
