@@ -224,6 +224,8 @@ def cmd_compile(args) -> int:
     print(f"hgc compile: wrote {args.output} ({result.traced.family.name}, {_layout_summary(result.ctx.registry)}, "
           f"programs {', '.join(result.traced.programs)}, weights {weights}; {counts['warning']} warning(s), "
           f"{counts['info']} info)", file=sys.stderr)
+    if (note := _no_bundle_note(args)) is not None:
+        print(note, file=sys.stderr)
     if inductor and args.tp > 1:  # the ranks build it together, each in a process of its own
         from hgc.build_command import build_on_ranks
         device = args.target.split(":")[0]
@@ -241,15 +243,10 @@ def cmd_compile(args) -> int:
     return 0
 
 
-def _inductor_wanted(args):
-    """Whether `hgc compile` builds a target bundle. --inductor: yes, or an error naming what stands
-    in the way. --no-inductor: no. Neither: yes for a cuda target on a machine with a CUDA device
-    (a start-up from the bundle builds no kernel, and its decode steps run fewer, fused ones:
-    BENCHMARKS.md), otherwise no, with a note on stderr saying why and how to add it later."""
+def _bundle_problems(args) -> list[str]:
+    """What stands in the way of building a target bundle here (empty: nothing)."""
     import torch
 
-    if args.inductor is False or args.plan_only:
-        return False
     device = args.target.split(":")[0]
     problems = []
     if args.overlap:
@@ -263,11 +260,28 @@ def _inductor_wanted(args):
     elif device == "cuda" and torch.cuda.device_count() < args.tp:
         problems.append(f"--tp {args.tp}: the bundle is built by {args.tp} ranks, one GPU each, and this machine has "
                         f"{torch.cuda.device_count()}; run `hgc build ARTIFACT --device cuda` where the ranks will run")
+    return problems
+
+
+def _inductor_wanted(args):
+    """Whether `hgc compile` builds a target bundle. --inductor: yes, or an error naming what stands
+    in the way. --no-inductor: no. Neither: yes for a cuda target on a machine with a CUDA device
+    (a start-up from the bundle builds no kernel, and its decode steps run fewer, fused ones:
+    BENCHMARKS.md), otherwise no, with a note (`_no_bundle_note`) saying why and how to add it later."""
+    if args.inductor is False or args.plan_only:
+        return False
+    problems = _bundle_problems(args)
     if args.inductor is None:  # the default
-        if device == "cuda" and problems:
-            print(f"hgc compile: no compiled pieces in this artifact: {problems[0]}", file=sys.stderr)
-        return device == "cuda" and not problems
+        return args.target.split(":")[0] == "cuda" and not problems
     return ValueError(f"--inductor: {problems[0]}") if problems else True
+
+
+def _no_bundle_note(args) -> str | None:
+    """Why a default cuda compile made no target bundle (None: it made one, or was not asked to).
+    Said after the artifact is written: a compile that fails says its own cause first."""
+    if args.inductor is not None or args.target.split(":")[0] != "cuda" or not (problems := _bundle_problems(args)):
+        return None
+    return f"hgc compile: no compiled pieces in this artifact: {problems[0]}"
 
 
 def cmd_inspect(args) -> int:
