@@ -152,7 +152,10 @@ def _locked_tempdir(prefix: str, parent: Path) -> tuple[Path, int | None]:
             os.close(fd)
 
 
-OWNER = "compile.pid"  # in the claimed staging folder: which process holds the output (removed before the move)
+def _owner_file(parent: Path, out: Path) -> Path:
+    """Beside the claimed staging folder (never in it: the manifest lists that folder's files): the
+    pid of the compile that holds the output, for the message of the one refused."""
+    return parent / f".{out.name}.partial-claim.pid"
 
 
 def _claim(parent: Path, out: Path) -> tuple[Path, int | None]:
@@ -170,7 +173,7 @@ def _claim(parent: Path, out: Path) -> tuple[Path, int | None]:
                 continue
             if fd is None:
                 try:
-                    owner = f"pid {(tmp / OWNER).read_text().strip()}"
+                    owner = f"pid {_owner_file(parent, out).read_text().strip()}"
                 except OSError:
                     owner = "another process"
                 raise ArtifactWriteError(f"{out}: another hgc compile ({owner}) is writing it now; wait for it to "
@@ -186,7 +189,7 @@ def _claim(parent: Path, out: Path) -> tuple[Path, int | None]:
             if fd is not None:
                 os.close(fd)
             continue
-        (tmp / OWNER).write_text(str(os.getpid()))
+        _owner_file(parent, out).write_text(str(os.getpid()))
         return tmp, fd
 
 
@@ -231,7 +234,6 @@ def staging_folder(out: str | os.PathLike, force: bool = False, protect: list[Pa
                                  f"output folder with -o") from None
     try:
         yield tmp
-        (tmp / OWNER).unlink()
         if out.exists() and not force:
             raise ArtifactWriteError(f"{out}: appeared while this compile ran; nothing was replaced: pass --force to "
                                      f"replace it, or choose another -o")
@@ -249,6 +251,7 @@ def staging_folder(out: str | os.PathLike, force: bool = False, protect: list[Pa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
+        _owner_file(parent, out).unlink(missing_ok=True)
         for fd in fds:
             os.close(fd)
 

@@ -264,7 +264,8 @@ def test_the_second_of_two_compiles_into_one_place_exits_2_naming_the_first(ckpt
         assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps", "-q"]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"hgc compile: {out}: another hgc compile (pid {live.pid}) is writing it now"), err
-        assert sorted(p.name for p in tmp_path.iterdir()) == [held.name]  # the first's folder untouched
+        # the first's folder and the note of its pid untouched
+        assert sorted(p.name for p in tmp_path.iterdir()) == [held.name, f"{held.name}.pid"]
         assert (held / "graph.pt2").read_bytes() == b"half"
     finally:
         live.kill()
