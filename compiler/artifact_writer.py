@@ -4,16 +4,18 @@
    but an hgc artifact or an empty folder: --force replaces an artifact, never someone's files),
    an output that is or holds the checkpoint, and an unwritable parent, each with a clear message.
    It removes the staging folders that killed compiles left beside the output (`.NAME.partial-*`,
-   `.NAME.old-*`: those no live process holds a lock on), makes a hidden staging folder in the
-   same parent, locks it for as long as this compile runs, and yields it.
+   `.NAME.old-*`: those no live process holds a lock on), claims the output with the one hidden
+   staging folder `.NAME.partial-claim` (an exclusive mkdir, locked for as long as this compile
+   runs: a second compile into the same output exits 2 naming the first's pid) and yields it.
 2. The compile runs with its dumps written into the staging folder; `write_artifact` then writes
    graph.pt2 (and draft.pt2), the weights (copied, or linked with --link-weights: size, header
    hash and data hash of each file), weights.json, the checkpoint's tokenizer files if it has
    them, routing.json, split.json, lints.json, and last manifest.json with the SHA-256 of every
    file, sealed with the hash of its own content.
 3. On success the staging folder is renamed to the output (an existing one, with --force, is
-   moved aside first and deleted after); on any failure or interrupt (Ctrl-C included) it is
-   deleted, so no half-written artifact is ever left under the output name.
+   moved aside first and deleted after). Whatever appeared at the output while the compile ran is
+   refused, never replaced, unless --force was given (and it is an artifact or empty). On any failure or interrupt (Ctrl-C included) the staging
+   folder is deleted, so no half-written artifact is ever left under the output name.
 4. Later, `add_bundle` moves a built target bundle (`hgc build`) into targets/<key>/, lists its
    files in manifest.json and reseals it.
 
@@ -30,6 +32,7 @@ The format itself (names, documents) is compiler/splitops/artifact.py, shared wi
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -45,6 +48,7 @@ except ImportError:  # pragma: no cover - not POSIX: staging folders are not loc
 
 import torch
 
+from compiler.lints.base import Finding
 from compiler.splitops.errors import CompileError
 from compiler.splitops import MODES, op_schemas
 from compiler.splitops.artifact import (COMPUTED, FORMAT_NAME, FORMAT_VERSION, LINTS, MANIFEST, PROGRAM_FILES,
@@ -52,12 +56,17 @@ from compiler.splitops.artifact import (COMPUTED, FORMAT_NAME, FORMAT_VERSION, L
                                         program_outputs, routing_doc, safetensors_header, seal_manifest, sha256_file,
                                         sharding_doc, split_doc, weights_doc)
 
-__all__ = ["ArtifactWriteError", "staging_folder", "sweep_stale_staging", "write_artifact", "checkpoint_index",
+__all__ = ["ArtifactWriteError", "WRITE_FINDINGS", "staging_folder", "sweep_stale_staging", "write_artifact", "checkpoint_index",
            "hgc_version", "lints_doc", "add_bundle"]
 
 
 class ArtifactWriteError(CompileError):
     pass
+
+
+# Findings of the writer itself (added to lints.json beside the passes' and printed by `hgc compile`).
+UNUSED_TENSORS, NO_TOKENIZER = "unused_tensors", "no_tokenizer"
+WRITE_FINDINGS = (UNUSED_TENSORS, NO_TOKENIZER)
 
 
 def hgc_version() -> str:
@@ -143,6 +152,59 @@ def _locked_tempdir(prefix: str, parent: Path) -> tuple[Path, int | None]:
             os.close(fd)
 
 
+def _owner_file(parent: Path, out: Path) -> Path:
+    """Beside the claimed staging folder (never in it: the manifest lists that folder's files): the
+    pid of the compile that holds the output, for the message of the one refused."""
+    return parent / f".{out.name}.partial-claim.pid"
+
+
+def _claim(parent: Path, out: Path) -> tuple[Path, int | None]:
+    """The output's one staging folder, made by an exclusive mkdir and locked for the whole compile:
+    a second compile into the same output finds it held and is refused, naming the first. A folder
+    left by a killed compile holds no lock: it is removed and claimed again."""
+    tmp = parent / f".{out.name}.partial-claim"
+    while True:
+        try:
+            tmp.mkdir()
+        except FileExistsError:
+            try:
+                fd = _lock(tmp)
+            except FileNotFoundError:  # its owner finished (or was swept) since the mkdir
+                continue
+            if fd is None:
+                try:
+                    owner = f"pid {_owner_file(parent, out).read_text().strip()}"
+                except OSError:
+                    owner = "another process"
+                raise ArtifactWriteError(f"{out}: another hgc compile ({owner}) is writing it now; wait for it to "
+                                         f"end, or choose another -o") from None
+            shutil.rmtree(tmp, ignore_errors=True)  # stale: no live process holds it
+            os.close(fd)
+            continue
+        try:
+            fd = _lock(tmp)
+        except FileNotFoundError:  # taken for stale between the mkdir and the lock
+            continue
+        if fcntl is not None and (fd is None or os.fstat(fd).st_nlink == 0):
+            if fd is not None:
+                os.close(fd)
+            continue
+        _owner_file(parent, out).write_text(str(os.getpid()))
+        return tmp, fd
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the staging folder to `out`, which did not exist a moment ago. A folder that appeared
+    since with something in it makes the rename fail (ENOTEMPTY): it is refused, never replaced."""
+    try:
+        os.replace(tmp, out)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise ArtifactWriteError(f"{out}: appeared while this compile ran; nothing was replaced: pass --force to "
+                                     f"replace it, or choose another -o") from None
+        raise
+
+
 @contextlib.contextmanager
 def staging_folder(out: str | os.PathLike, force: bool = False, protect: list[Path] | None = None):
     out = Path(out)
@@ -162,7 +224,7 @@ def staging_folder(out: str | os.PathLike, force: bool = False, protect: list[Pa
     try:
         parent.mkdir(parents=True, exist_ok=True)
         sweep_stale_staging(parent, out.name)
-        tmp, fd = _locked_tempdir(f".{out.name}.partial-", parent)
+        tmp, fd = _claim(parent, out)
         fds += [fd] if fd is not None else []
         umask = os.umask(0)
         os.umask(umask)
@@ -172,18 +234,24 @@ def staging_folder(out: str | os.PathLike, force: bool = False, protect: list[Pa
                                  f"output folder with -o") from None
     try:
         yield tmp
+        if out.exists() and not force:
+            raise ArtifactWriteError(f"{out}: appeared while this compile ran; nothing was replaced: pass --force to "
+                                     f"replace it, or choose another -o")
         if out.exists():
+            if (why := _replaceable(out)) is not None:  # someone's files put there since the start
+                raise ArtifactWriteError(f"{out}: refusing to replace it with --force: {why}")
             old, fd = _locked_tempdir(f".{out.name}.old-", parent)
             fds += [fd] if fd is not None else []
             os.replace(out, old / out.name)
             os.replace(tmp, out)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, out)
+            _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
+        _owner_file(parent, out).unlink(missing_ok=True)
         for fd in fds:
             os.close(fd)
 
@@ -233,8 +301,40 @@ def _check_sources(sources, index, computed=(), shard_facts=None) -> list[str]:
     return needed
 
 
-def copy_weights(dest: Path, names: list[str], index, progress=None) -> str:
-    """A safetensors file holding `names` (sorted), their bytes copied from the checkpoint in chunks.
+# safetensors dtype code -> torch dtype, for the floating types whose values are checked while copied
+_FLOAT_CODES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_CHUNK = 1 << 24  # bytes read at once: a multiple of every item size
+
+
+def _tensor_chunks(name: str, index, buffer: bytearray, allow_non_finite: bool):
+    """The stored bytes of checkpoint tensor `name`, as views of `buffer` one chunk at a time. A
+    floating tensor's values are counted as they pass: NaN or inf is refused naming the tensor
+    and the count (they always give garbage text), unless `allow_non_finite`."""
+    path, entry, start = index[name]
+    begin, end = entry["data_offsets"]
+    dtype = None if allow_non_finite else _FLOAT_CODES.get(entry["dtype"])
+    bad = 0
+    with open(path, "rb") as src:
+        src.seek(start + begin)
+        left = end - begin
+        while left > 0:
+            got = src.readinto(memoryview(buffer)[:min(left, _CHUNK)])
+            if not got:
+                raise ArtifactWriteError(f"{path}: truncated while copying tensor {name!r}")
+            if dtype is not None:
+                values = torch.frombuffer(buffer, dtype=dtype, count=got // dtype.itemsize)
+                bad += int(values.numel() - torch.isfinite(values).sum())
+            yield memoryview(buffer)[:got]
+            left -= got
+    if bad:
+        count = (end - begin) // dtype.itemsize
+        raise ArtifactWriteError(f"{path}: tensor {name!r} has {bad} non-finite value(s) (NaN or inf) of {count}; "
+                                 f"pass --allow-non-finite to compile it anyway")
+
+
+def copy_weights(dest: Path, names: list[str], index, progress=None, allow_non_finite: bool = False) -> str:
+    """A safetensors file holding `names` (sorted), their bytes copied from the checkpoint in chunks
+    and checked on the way (`_tensor_chunks`).
 
     Returns the file's SHA-256, computed while writing (the manifest needs it; reading gigabytes
     back just to hash them would double the write time). `progress`: a tqdm-like factory."""
@@ -249,28 +349,44 @@ def copy_weights(dest: Path, names: list[str], index, progress=None) -> str:
     blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors pads its header to 8 bytes
     bar = progress(total=offset, desc="write weights", unit="B", unit_scale=True) if progress else None
+    buffer = bytearray(_CHUNK)
     with open(dest, "wb") as out:
         for head in (len(blob).to_bytes(8, "little"), blob):
             out.write(head)
             digest.update(head)
         for name in names:
-            path, entry, start = index[name]
-            begin, end = entry["data_offsets"]
-            with open(path, "rb") as src:
-                src.seek(start + begin)
-                left = end - begin
-                while left > 0:
-                    chunk = src.read(min(left, 1 << 24))
-                    if not chunk:
-                        raise ArtifactWriteError(f"{path}: truncated while copying tensor {name!r}")
-                    out.write(chunk)
-                    digest.update(chunk)
-                    left -= len(chunk)
-                    if bar is not None:
-                        bar.update(len(chunk))
+            for chunk in _tensor_chunks(name, index, buffer, allow_non_finite):
+                out.write(chunk)
+                digest.update(chunk)
+                if bar is not None:
+                    bar.update(len(chunk))
     if bar is not None:
         bar.close()
     return digest.hexdigest()
+
+
+def check_linked_values(names: list[str], index, allow_non_finite: bool) -> None:
+    """The values of linked tensors, checked as a copy would check them (they are not copied)."""
+    if allow_non_finite:
+        return
+    buffer = bytearray(_CHUNK)
+    for name in names:
+        for _ in _tensor_chunks(name, index, buffer, allow_non_finite):
+            pass
+
+
+def unused_tensors_finding(index, needed: list[str], traced) -> Finding | None:
+    """One warning listing the checkpoint's tensors no program reads: usually the wrong checkpoint
+    or a layer the family does not map. Tensors the family leaves unread on purpose (an MTP layer
+    the config does not enable, a vision tower) are not listed."""
+    unread = traced.family.unread_tensors(traced.text_config)
+    unused = sorted(set(index) - set(needed) - set(traced.computed) - {n for n in index if n.startswith(unread)})
+    if not unused:
+        return None
+    shown = ", ".join(unused[:5]) + (f", ... ({len(unused)} in all)" if len(unused) > 5 else "")
+    return Finding(UNUSED_TENSORS, "warning", f"{len(unused)} checkpoint tensor(s) no program reads: {shown}",
+                   "check that the checkpoint is the model config.json describes (a missing layer mapping leaves "
+                   "its tensors unread)")
 
 
 def link_weights(artifact_out: Path, names: list[str], index, progress=None) -> list[dict]:
@@ -312,7 +428,7 @@ def _write_computed(tmp: Path, computed: dict, index) -> None:
 
 
 def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenizer_files, link: bool = False,
-                   progress=None) -> dict:
+                   progress=None, allow_non_finite: bool = False) -> dict:
     """Write every file of the artifact into `tmp` (which becomes `out`); returns the manifest.
 
     `index` is `checkpoint_index(ckpt_dir, ...)`: where each checkpoint tensor's bytes are; None
@@ -330,13 +446,20 @@ def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenize
     else:
         names = _check_sources(traced.tensors, index, traced.computed, traced.shard_facts)
         if link:
+            check_linked_values(names, index, allow_non_finite)
             weights = {"mode": "link", "files": link_weights(out, names, index, progress)}
         else:
-            known[WEIGHTS] = copy_weights(tmp / WEIGHTS, names, index, progress)
+            known[WEIGHTS] = copy_weights(tmp / WEIGHTS, names, index, progress, allow_non_finite)
             weights = {"mode": "copy", "file": WEIGHTS}
+        if (unused := unused_tensors_finding(index, names, traced)) is not None:
+            ctx.findings.append(unused)
     if traced.computed:
         _write_computed(tmp, traced.computed, index)
     tokenizer = tokenizer_files(Path(ckpt_dir))
+    if "tokenizer.json" not in tokenizer:
+        ctx.findings.append(Finding(NO_TOKENIZER, "warning", f"{ckpt_dir} has no tokenizer.json: the artifact "
+                                    f"serves token ids only (a text or chat request is refused)",
+                                    "put the model's tokenizer.json beside config.json, or serve with --tokenizer DIR"))
     for name, data in tokenizer.items():
         (tmp / name).write_bytes(data)
     docs = {

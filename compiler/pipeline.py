@@ -143,10 +143,11 @@ def run_passes(traced: TracedModel, config: CompileConfig, toolchain: Optional[T
 def compile_checkpoint(ckpt_dir, out, config: CompileConfig, toolchain: Toolchain, force: bool = False,
                        link_weights: bool = False, dumps: bool = True,
                        timing: Optional[TimingInstrument] = None, weights: bool = True,
-                       progress=None) -> tuple[CompileResult, dict]:
+                       progress=None, allow_non_finite: bool = False) -> tuple[CompileResult, dict]:
     """`weights` False: compile config.json alone (a folder may hold nothing else); the artifact has
     no weights and runs with random ones (`hgc run --load-format dummy`). `progress`: a tqdm-like
-    factory (hgc/progress.py)."""
+    factory (hgc/progress.py). `allow_non_finite`: copy weights holding NaN or inf (research
+    checkpoints) instead of refusing them."""
     from compiler.artifact_writer import checkpoint_index, staging_folder, write_artifact
 
     out, ckpt = Path(out), Path(ckpt_dir)
@@ -160,6 +161,6 @@ def compile_checkpoint(ckpt_dir, out, config: CompileConfig, toolchain: Toolchai
             raise LintFailure(result.errors())
         start = time.perf_counter()
         manifest = write_artifact(tmp, out, result, index, ckpt, toolchain.tokenizer_files, link=link_weights,
-                                  progress=progress)
+                                  progress=progress, allow_non_finite=allow_non_finite)
         timing.add("write artifact", "", time.perf_counter() - start)
     return result, manifest

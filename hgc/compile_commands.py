@@ -209,8 +209,14 @@ def cmd_compile(args) -> int:
         raise UsageError("-o/--output is required (or pass --plan-only)", hint="e.g. hgc compile CKPT -o artifacts/NAME")
     result, manifest = compile_checkpoint(args.checkpoint, args.output, _config(args), tools, force=args.force,
                                           link_weights=args.link_weights, dumps=not args.no_dumps,
-                                          weights=not args.no_weights, progress=args.progress)
+                                          weights=not args.no_weights, progress=args.progress,
+                                          allow_non_finite=args.allow_non_finite)
     counts = _counts(result.ctx.findings)
+    from compiler.artifact_writer import WRITE_FINDINGS
+
+    for finding in result.ctx.findings:  # the writer's own (weights, tokenizer): one line each
+        if finding.rule in WRITE_FINDINGS:
+            print(f"hgc compile: warning: {finding.message} (fix: {finding.fix})", file=sys.stderr)
     if not args.quiet:
         result.timing.print_table()  # stderr: one table of every stage
     weights = {"link": "linked", "copy": "copied",
@@ -218,6 +224,8 @@ def cmd_compile(args) -> int:
     print(f"hgc compile: wrote {args.output} ({result.traced.family.name}, {_layout_summary(result.ctx.registry)}, "
           f"programs {', '.join(result.traced.programs)}, weights {weights}; {counts['warning']} warning(s), "
           f"{counts['info']} info)", file=sys.stderr)
+    if (note := _no_bundle_note(args)) is not None:
+        print(note, file=sys.stderr)
     if inductor and args.tp > 1:  # the ranks build it together, each in a process of its own
         from hgc.build_command import build_on_ranks
         device = args.target.split(":")[0]
@@ -235,15 +243,10 @@ def cmd_compile(args) -> int:
     return 0
 
 
-def _inductor_wanted(args):
-    """Whether `hgc compile` builds a target bundle. --inductor: yes, or an error naming what stands
-    in the way. --no-inductor: no. Neither: yes for a cuda target on a machine with a CUDA device
-    (a start-up from the bundle builds no kernel, and its decode steps run fewer, fused ones:
-    BENCHMARKS.md), otherwise no, with a note on stderr saying why and how to add it later."""
+def _bundle_problems(args) -> list[str]:
+    """What stands in the way of building a target bundle here (empty: nothing)."""
     import torch
 
-    if args.inductor is False or args.plan_only:
-        return False
     device = args.target.split(":")[0]
     problems = []
     if args.overlap:
@@ -257,11 +260,28 @@ def _inductor_wanted(args):
     elif device == "cuda" and torch.cuda.device_count() < args.tp:
         problems.append(f"--tp {args.tp}: the bundle is built by {args.tp} ranks, one GPU each, and this machine has "
                         f"{torch.cuda.device_count()}; run `hgc build ARTIFACT --device cuda` where the ranks will run")
+    return problems
+
+
+def _inductor_wanted(args):
+    """Whether `hgc compile` builds a target bundle. --inductor: yes, or an error naming what stands
+    in the way. --no-inductor: no. Neither: yes for a cuda target on a machine with a CUDA device
+    (a start-up from the bundle builds no kernel, and its decode steps run fewer, fused ones:
+    BENCHMARKS.md), otherwise no, with a note (`_no_bundle_note`) saying why and how to add it later."""
+    if args.inductor is False or args.plan_only:
+        return False
+    problems = _bundle_problems(args)
     if args.inductor is None:  # the default
-        if device == "cuda" and problems:
-            print(f"hgc compile: no compiled pieces in this artifact: {problems[0]}", file=sys.stderr)
-        return device == "cuda" and not problems
+        return args.target.split(":")[0] == "cuda" and not problems
     return ValueError(f"--inductor: {problems[0]}") if problems else True
+
+
+def _no_bundle_note(args) -> str | None:
+    """Why a default cuda compile made no target bundle (None: it made one, or was not asked to).
+    Said after the artifact is written: a compile that fails says its own cause first."""
+    if args.inductor is not None or args.target.split(":")[0] != "cuda" or not (problems := _bundle_problems(args)):
+        return None
+    return f"hgc compile: no compiled pieces in this artifact: {problems[0]}"
 
 
 def cmd_inspect(args) -> int:
@@ -504,6 +524,8 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--link-weights", action="store_true",
                    help="record the checkpoint's safetensors files (size, header and data hashes) instead of "
                         "copying the weights")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="copy weights holding NaN or inf (a research checkpoint) instead of refusing them")
     p.add_argument("--plan-only", action="store_true",
                    help="trace and print routing, split plans and lints; write nothing (config.json suffices)")
     p.add_argument("--no-dumps", action="store_true", help="skip dumps/ (text, ONNX and layer picture of every pass)")

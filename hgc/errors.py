@@ -7,9 +7,12 @@
          found before any work where it can be (limits, devices, files)
     130  interrupted (Ctrl-C): whatever was half written is removed first
 
+A closed stdout pipe (`hgc inspect A | head`) ends the command quietly with 0: the reader has read
+what it wanted.
+
 1. `CommandParser` is the parser class of `hgc` and of every subcommand: an argparse error
    prints `hgc COMMAND: argument --flag: what is wrong` and a hint, not the usage block, and
-   exits 2 (argparse's own code for usage errors).
+   exits 2 (argparse's own code for usage errors). A flag is spelled out: no prefixes.
 2. `run_with_errors(args)` runs the chosen command and turns whatever it raises into one line
    `hgc COMMAND: <message>` on stderr, a hint line, and the exit code of `classify` (Ctrl-C: the
    one line `hgc COMMAND: interrupted (Ctrl-C); ...`, exit 130). `--debug` prints the traceback
@@ -25,6 +28,7 @@ What it does not do: validate anything (the commands and the modules they call d
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 import traceback
@@ -77,6 +81,9 @@ class CommandParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        # No prefix matching: with it `--max-new-token 3` ran as --max-new-tokens, and a flag added
+        # later could silently change what an old command line means.
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # argparse's hook: it must not return
@@ -146,6 +153,14 @@ def _message(error: BaseException) -> str:
     return text
 
 
+def _reader_left() -> int:
+    """stdout's reader is gone: what is still buffered goes nowhere, so the exit flush cannot fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_OK
+
+
 def print_failure(command: str, error: BaseException, debug: bool = False, rank: int | None = None) -> int:
     """The failure's line(s) and hint on stderr; returns its exit code. `rank`: the rank of a
     tensor-parallel launch this process is (its ranks share one stderr), named after the command."""
@@ -163,8 +178,13 @@ def print_failure(command: str, error: BaseException, debug: bool = False, rank:
 
 
 def run_with_errors(args) -> int:
-    """`args.func(args)`, with every failure as `print_failure` prints it."""
+    """`args.func(args)`, with every failure as `print_failure` prints it. A reader that closed the
+    pipe (`hgc inspect A | head`) has what it wanted: exit 0, quietly."""
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not as a message from the interpreter's teardown
+        return code
+    except BrokenPipeError:
+        return _reader_left()
     except (Exception, KeyboardInterrupt) as e:  # not SystemExit: --help and parser errors exit themselves
         return print_failure(args.command, e, debug=getattr(args, "debug", False), rank=getattr(args, "rank", None))

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from hgc.prompts import check_request_limits, check_vocab, parse_prompt_ids, print_outputs, timing_line
-from hgc.serve_command import float_in, int_at_least
+from hgc.serve_command import SEED_LIMIT, float_in, int_at_least
 
 __all__ = ["cmd_init_model", "cmd_generate", "cmd_demo", "add_model_arguments"]
 
@@ -63,10 +63,17 @@ def cmd_generate(args) -> int:
 
 def cmd_demo(args) -> int:
     """The built-in default job: make a tiny hybrid model, generate eagerly, compile, run, compare."""
-    import subprocess
     import tempfile
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="hgc-demo-"))
+    if args.workdir:
+        return _demo(args, Path(args.workdir))
+    with tempfile.TemporaryDirectory(prefix="hgc-demo-") as work:  # the checkpoint is the demo's own: removed after
+        return _demo(args, Path(work))
+
+
+def _demo(args, work: Path) -> int:
+    import subprocess
+
     ckpt, art = work / "checkpoint", Path(args.artifacts) / f"demo-{args.family}"
     prompts = "1,2,3,4,5,6,7,8;9,10,11"
     steps = [
@@ -104,7 +111,7 @@ def add_model_arguments(sub) -> None:
                "  hgc init-model --family kimi_linear --size bench --seed 1 -o /data/kimi-bench --shard-mb 1024")
     p.add_argument("--family", required=True, choices=FAMILY_IDS, help="the model family whose format is written")
     p.add_argument("--size", default="tiny", choices=SIZES, help="the preset size")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (same seed, same bytes)")
+    p.add_argument("--seed", type=int_at_least(0, SEED_LIMIT), default=0, help="seed of the random weights (same seed, same bytes)")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="checkpoint folder to create")
     p.add_argument("--shard-mb", type=float_in(0), default=2048, help="largest safetensors shard (MiB); 0: one file")
     p.add_argument("--force", action="store_true",
@@ -133,6 +140,6 @@ def add_model_arguments(sub) -> None:
         epilog="example:\n  hgc demo --family kimi_linear")
     p.add_argument("--family", default="qwen3_next", choices=FAMILY_IDS, help="the model family of the demo")
     p.add_argument("--workdir", default=None, metavar="DIR",
-                   help="where the checkpoint is written (default: a new temporary folder)")
+                   help="where the checkpoint is written and kept (default: a temporary folder, removed at the end)")
     p.add_argument("--artifacts", default="artifacts", metavar="DIR", help="where the artifact is written")
     p.set_defaults(func=cmd_demo)

@@ -14,12 +14,12 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
     """"1,2,3;4,5" -> [[1, 2, 3], [4, 5]]."""
     prompts = []
     for i, part in enumerate(text.split(";")):
-        try:
-            ids = [int(tok) for tok in part.replace(" ", "").split(",") if tok != ""]
+        if not part.strip():
+            raise UsageError(f"--prompt-ids: prompt {i + 1} is empty")
+        try:  # every item an integer: an empty one ("1,,2") is a typo, not a token to drop
+            ids = [int(tok) for tok in part.replace(" ", "").split(",")]
         except ValueError:
             raise UsageError(f"--prompt-ids: prompt {i + 1} ({part!r}) is not a comma-separated list of integers") from None
-        if not ids:
-            raise UsageError(f"--prompt-ids: prompt {i + 1} is empty")
         if any(t < 0 for t in ids):
             raise UsageError(f"--prompt-ids: prompt {i + 1} has a negative token id")
         prompts.append(ids)
@@ -52,6 +52,11 @@ def check_request_limits(prompts: list[list[int]], max_new_tokens: int, *, posit
     from runtime.cache.memory_planner import GiB, MemoryPlanError, available_bytes, plan_memory
 
     longest = max(map(len, prompts))
+    if positions is not None and longest >= positions:  # no --max-new-tokens can help: the prompt is too long
+        which = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        raise UsageError(f"--prompt-ids: prompt {which + 1} has {longest} tokens; the model has {positions} positions "
+                         f"(max_position_embeddings), so a prompt may have at most {positions - 1}",
+                         hint="shorten the prompt")
     if positions is not None and longest + max_new_tokens > positions:
         raise UsageError(f"--max-new-tokens {max_new_tokens}: the longest prompt has {longest} tokens and the model "
                          f"{positions} positions (max_position_embeddings), so at most {positions - longest} new "

@@ -19,9 +19,9 @@ import time
 
 from hgc.errors import UsageError
 from hgc.prompts import check_request_limits, check_vocab, parse_prompt_ids, print_outputs, timing_line
-from hgc.serve_command import (add_compiled_arguments, add_prefix_cache_arguments, add_speculative_argument,
-                                add_tp_arguments, compiled_options, device_arg, device_problem, float_in, int_at_least,
-                                prefix_cache_options, start_ranks, token_ids)
+from hgc.serve_command import (SEED_LIMIT, add_compiled_arguments, add_prefix_cache_arguments,
+                                add_speculative_argument, add_tp_arguments, compiled_options, device_arg, device_problem,
+                                float_in, int_at_least, prefix_cache_options, start_ranks, token_ids)
 
 __all__ = ["cmd_run", "add_run_arguments"]
 
@@ -126,7 +126,7 @@ def add_run_arguments(subparsers) -> None:
     p.add_argument("--top-k", type=int_at_least(0), default=0, help="sample from the k most likely tokens; 0: off")
     p.add_argument("--top-p", type=float_in(0, 1, low_open=True), default=1.0,
                    help="sample from the smallest set of tokens whose probability reaches p; 1: off")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--seed", type=int_at_least(0, SEED_LIMIT), default=None,
                    help="seed of each request's sampler, for reproducible runs (default: unseeded)")
     p.add_argument("--stop-ids", type=token_ids, default=frozenset(), metavar="ID,ID,...",
                    help="comma-separated token ids that end a prompt's generation (default: none)")

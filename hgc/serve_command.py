@@ -5,9 +5,10 @@
 
 1. `add_serve_arguments(subparsers)` registers the command (hgc/__init__.py calls it);
    `cmd_serve(args)` loads the model (runtime/assembly.py) and calls `serve`.
-2. `serve(served, options, host, port)` binds the socket itself (so `--port 0` works and the
-   port is known), prints one "listening" line on stderr once uvicorn accepts connections, and
-   runs until SIGTERM or SIGINT.
+2. The socket is bound before the model loads (`bind_socket`: a port in use or an address this
+   machine does not have is refused at once, exit 2, naming --host/--port; `--port 0` takes any
+   free port). `serve(served, options, sock)` prints one "listening" line on stderr once uvicorn
+   accepts connections on it, and runs until SIGTERM or SIGINT.
 3. SIGTERM: answer new requests 503 with Retry-After while in-flight ones finish, for up to
    --shutdown-timeout seconds (cancelling them shortly before), then stop listening, stop the
    engine, exit 0. uvicorn stops listening at once and re-raises the signal after its shutdown by
@@ -36,7 +37,7 @@ from typing import NoReturn
 
 __all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "add_speculative_argument", "prefix_cache_options",
            "add_compiled_arguments", "compiled_options", "add_tp_arguments", "start_ranks", "cmd_serve", "serve",
-           "main", "int_at_least", "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB"]
+           "bind_socket", "int_at_least", "host_arg", "SEED_LIMIT", "PORT_LIMIT", "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB"]
 
 DEFAULT_MAX_BODY_MB = 8.0  # a 100k-token prompt is about 0.6 MB of JSON token ids, or 0.4 MB of text
 
@@ -44,17 +45,33 @@ DEFAULT_MAX_BODY_MB = 8.0  # a 100k-token prompt is about 0.6 MB of JSON token i
 # -- flag types: each value checked as argparse reads it, the flag named in the error -----------------
 
 
-def int_at_least(least: int):
-    """argparse type: an integer >= `least`."""
+SEED_LIMIT = 2 ** 63 - 1  # torch's generators take a signed 64-bit seed
+PORT_LIMIT = 65535
+
+
+def int_at_least(least: int, most: int | None = None):
+    """argparse type: an integer >= `least` (and <= `most`, when given)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if most is not None and not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"must be in [{least}, {most}] (got {value})")
         if value < least:
             raise argparse.ArgumentTypeError(f"must be at least {least} (got {value})")
         return value
     return parse
+
+
+def host_arg(text: str) -> str:
+    """argparse type: an address this machine can resolve (a name or a numeric address), checked
+    before the model loads rather than when the socket is bound."""
+    try:
+        socket.getaddrinfo(text, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an address to listen on ({e})") from None
+    return text
 
 
 def float_in(low: float, high: float = float("inf"), low_open: bool = False, high_open: bool = False):
@@ -120,8 +137,8 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
                "  hgc serve artifacts/tiny --port 0 --slots 16 --max-model-len 2048 --memory-budget-gb 4\n"               "  hgc serve artifacts/tiny-tp2 --tp 2 --port 8000   # compiled with --tp 2; rank 0 serves\n"
                "  curl -s localhost:8000/v1/completions -d '{\"model\": \"tiny\", \"prompt\": [1, 2, 3]}'")
     p.add_argument("artifact", help="artifact folder written by `hgc compile`")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int_at_least(0), default=8000, help="TCP port; 0: any free port (printed on stderr)")
+    p.add_argument("--host", type=host_arg, default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int_at_least(0, PORT_LIMIT), default=8000, help="TCP port; 0: any free port (printed on stderr)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="folder with tokenizer.json (default: the artifact's own, if it has one)")
@@ -160,7 +177,8 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-body-mb", type=float_in(0, low_open=True), default=DEFAULT_MAX_BODY_MB,
                    help="largest request body in MB (10^6 bytes); a larger one gets 413 before it is read")
     g.add_argument("--shutdown-timeout", type=float_in(0), default=10.0,
-                   help="seconds in-flight requests get after SIGTERM before they are cancelled")
+                   help="seconds from SIGTERM to exit: in-flight requests run until min(3, half of it) seconds "
+                        "before the end, then are cancelled with a last chunk (default 10: they get 7 s)")
     add_tp_arguments(p.add_argument_group("tensor parallel and weights"))
     g = p.add_argument_group("process")
     g.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
@@ -304,6 +322,7 @@ def _serve_rank(args, group) -> int:
     server_options = ServerOptions(max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
                                    shutdown_timeout=args.shutdown_timeout,
                                    max_body_bytes=int(args.max_body_mb * 1_000_000))
+    sock = bind_socket(args.host, args.port) if rank == 0 else None  # refused before the model loads
     log(f"loading {args.artifact} ...")
     served = load_served_model(args.artifact, name=args.served_model_name, options=engine_options,
                                tokenizer_dir=args.tokenizer, device=group.device if group is not None else args.device,
@@ -315,7 +334,7 @@ def _serve_rank(args, group) -> int:
         return 0
     if group is not None:
         lead(served.engine, group)
-    code = serve(served, server_options, args.host, args.port, log_level=args.log_level, access_log=args.access_log)
+    code = serve(served, server_options, sock, log_level=args.log_level, access_log=args.access_log)
     if group is not None:
         group.close()  # STOP to the other ranks: they end with this process, which ends at once below
     _end_process(code)
@@ -337,6 +356,17 @@ def _prefix_cache_line(engine) -> str:
             f"{cache.snapshots.nbytes() / (1 << 20):.1f} MiB")
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening); a refusal names the flags."""
+    try:
+        return _bind(host, port)
+    except OSError as e:
+        from hgc.errors import UsageError
+
+        raise UsageError(f"--host {host} --port {port}: cannot listen there: {e.strerror or e}",
+                         hint="pick a free port (--port 0 takes any) or an address of this machine") from None
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
@@ -349,9 +379,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(served, options=None, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-          access_log: bool = False) -> int:
-    """Serve `served` (a ServedModel) until a signal; 0 after a clean shutdown, 1 if it never started."""
+def serve(served, options, sock: socket.socket, *, log_level: str = "info", access_log: bool = False) -> int:
+    """Serve `served` (a ServedModel) on `sock` (from `bind_socket`) until a signal; 0 after a clean
+    shutdown, 1 if it never started."""
     import uvicorn
 
     from runtime.server.app import ServerOptions, create_app
@@ -390,11 +420,6 @@ def serve(served, options=None, host: str = "127.0.0.1", port: int = 8000, *, lo
                       f"{served.engine.kv_pool.num_pages} KV pages, {_prefix_cache_line(served.engine)})",
                       file=sys.stderr, flush=True)
 
-    try:
-        sock = _bind(host, port)
-    except OSError as e:
-        print(f"hgc serve: cannot listen on {host}:{port}: {e}", file=sys.stderr)
-        return 2
     # uvicorn's own graceful wait starts once the app has drained (or cancelled) its requests: the
     # grace the streams get to send their last chunk.
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from models.common import CheckpointError
 
 __all__ = ["read_config", "CheckpointReader", "write_checkpoint", "INDEX_NAME", "SINGLE_NAME", "STORED_DTYPES",
-           "check_stored_dtype", "check_output_folder"]
+           "check_stored_dtype", "check_output_folder", "check_safetensors_header"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -102,35 +102,15 @@ class CheckpointReader:
         path = self.dir / fname
         if not path.is_file():
             raise CheckpointError(f"{path}: missing (listed in {INDEX_NAME})")
-        # A truncated file can still have a whole header: check the data length it declares
-        # first, so the message says "truncated" rather than a parser's complaint.
-        self._check_length(path)
+        # Its header first, field by field: a parser's complaint about random bytes names neither
+        # the file nor what is wrong ("cannot fit 'int' into an index-sized integer").
+        check_safetensors_header(path)
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from None
         self._handles[fname] = handle
         return handle
-
-    @staticmethod
-    def _check_length(path: Path) -> None:
-        """The data section must be as long as the header's offsets say (catches truncation)."""
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated (no header)")
-            n = int.from_bytes(head, "little")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise CheckpointError(f"{path}: truncated or corrupt header") from None
-        try:
-            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-            raise CheckpointError(f"{path}: not a safetensors header (no tensor data offsets)") from None
-        size = path.stat().st_size
-        if size < 8 + n + end:
-            raise CheckpointError(f"{path}: truncated: {size} bytes, the header describes {8 + n + end}")
 
     def names(self) -> set[str]:
         return set(self.location)
@@ -144,6 +124,57 @@ class CheckpointReader:
 
     def where(self, name: str) -> Path:
         return self.dir / self.location[name]
+
+
+# bytes per element of each safetensors dtype code
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def check_safetensors_header(path: Path) -> dict:
+    """A safetensors file's header, checked field by field against the file: the 8-byte length, the
+    JSON, and each tensor's dtype, shape and data_offsets (inside the data, as long as the shape
+    says). Returns the header; refuses the first bad field, naming the file (and the tensor)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated: {size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise CheckpointError(f"{path}: not a safetensors file: its header length (first 8 bytes) says {n} "
+                                  f"bytes, the file has {size - 8} after it (truncated or not safetensors)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file: its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file: its header is not a JSON object")
+    data = size - 8 - n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where}: header entry is not an object")
+        if entry.get("dtype") not in _ITEM_BYTES:
+            raise CheckpointError(f"{where}: field 'dtype' is {entry.get('dtype')!r}, not a safetensors dtype")
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(f"{where}: field 'shape' is {shape!r}, not a list of sizes")
+        offsets = entry.get("data_offsets")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{where}: field 'data_offsets' is {offsets!r}, not [begin, end]")
+        if offsets[1] > data:
+            raise CheckpointError(f"{path}: truncated: {size} bytes, tensor {name!r} ends at byte {8 + n + offsets[1]}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if offsets[1] - offsets[0] != numel * _ITEM_BYTES[entry["dtype"]]:
+            raise CheckpointError(f"{where}: field 'data_offsets' spans {offsets[1] - offsets[0]} bytes, its shape "
+                                  f"{shape} of {entry['dtype']} needs {numel * _ITEM_BYTES[entry['dtype']]}")
+    return header
 
 
 def check_output_folder(out: Path, overwrite: bool) -> None:

@@ -20,7 +20,7 @@ from models.common import CheckpointError, HybridLM
 from models.families import Family, family_for_config, get_family
 from models.tokenizer import tokenizer_files_for_config
 
-__all__ = ["load_config", "build_meta_model", "load_checkpoint", "init_checkpoint", "config_dtype"]
+__all__ = ["load_config", "build_meta_model", "load_checkpoint", "init_checkpoint", "config_dtype", "check_model_limits"]
 
 
 def config_dtype(text_config: dict) -> torch.dtype:
@@ -36,7 +36,36 @@ def load_config(ckpt_dir: str | os.PathLike) -> tuple[Family, dict, dict]:
     config = read_config(ckpt_dir)
     source = str(Path(ckpt_dir) / "config.json")
     family = family_for_config(config, source)
+    # before the family reads it: its per-layer lists of a billion layers would take minutes
+    for fields in (config, config.get("text_config")):
+        if isinstance(fields, dict):
+            check_model_limits(fields, source)
     return family, config, family.text_config(config)
+
+
+# Sizes past which a config cannot be a model hgc builds, refused before anything is built: a
+# billion layers would trace for hours; a dimension past int32 breaks the kernels' indexing.
+MAX_LAYERS = 1024  # the deepest published models have about 130
+MAX_DIM = 2 ** 31 - 1
+MAX_TENSOR_ELEMENTS = 2 ** 36  # the embedding (vocab_size x hidden_size): 128 GiB in bfloat16
+_DIMS = ("hidden_size", "vocab_size", "intermediate_size", "moe_intermediate_size", "num_experts",
+         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def check_model_limits(text: dict, source: str) -> None:
+    """Refuse config fields no machine could build a model of, naming the field and the limit."""
+    layers = text.get("num_hidden_layers")
+    if isinstance(layers, int) and layers > MAX_LAYERS:
+        raise CheckpointError(f"{source}: num_hidden_layers is {layers}; hgc builds at most {MAX_LAYERS} layers")
+    for field in _DIMS:
+        value = text.get(field)
+        if isinstance(value, int) and value > MAX_DIM:
+            raise CheckpointError(f"{source}: {field} is {value}, past the limit of {MAX_DIM} (2^31 - 1: the "
+                                  f"kernels index with 32-bit integers)")
+    vocab, hidden = text.get("vocab_size"), text.get("hidden_size")
+    if isinstance(vocab, int) and isinstance(hidden, int) and vocab * hidden > MAX_TENSOR_ELEMENTS:
+        raise CheckpointError(f"{source}: vocab_size {vocab} x hidden_size {hidden} is {vocab * hidden} embedding "
+                              f"values, past the limit of {MAX_TENSOR_ELEMENTS} (2^36) for one tensor")
 
 
 def build_meta_model(family: Family, text_config: dict) -> HybridLM:
@@ -95,7 +124,11 @@ def init_checkpoint(family_name: str, size: str, seed: int, out_dir: str | os.Pa
         stages.set_description("init-model: write")
         stages.update()
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"hgc init-model: {n_params / 1e6:.1f}M parameters, writing {out_dir} ...", file=log, flush=True)
+    line = f"hgc init-model: {n_params / 1e6:.1f}M parameters, writing {out_dir} ..."
+    if stages is not None:  # through the bar: a plain print lands after the drawn bar and leaves it part-drawn
+        stages.write(line, file=log)
+    else:
+        print(line, file=log, flush=True)
     # A small trained tokenizer rides along so the server's text and chat paths work offline.
     tokenizer = tokenizer_files_for_config(config, text)
     try:

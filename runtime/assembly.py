@@ -305,4 +305,4 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
     return ServedModel(
         name=name or Path(artifact).resolve().name, engine=engine, vocab_size=vocab_size,
         max_model_len=engine.max_seq_len, tokenizer=tokenizer, eos_token_id=eos,
-        info={"family": art.docs.family, "artifact": str(Path(artifact).resolve()), "device": str(device)})
+        info={"family": art.docs.family, "device": str(device)})  # no server path: every client sees it

@@ -154,8 +154,11 @@ ROOT = Path(__file__).resolve().parent.parent
 class ServerProcess:
     """`python -m hgc serve ARTIFACT --port 0 ...` in a subprocess; `wait_ready()` gives its URL."""
 
-    def __init__(self, args: list[str]):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    def __init__(self, args: list[str], first_on_path: str | None = None):
+        """`first_on_path`: a folder searched before every other for imports (e.g. one whose module
+        hides an installed optional extra)."""
+        path = ([first_on_path] if first_on_path else []) + [str(ROOT), os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         threads = [] if "--threads" in args else ["--threads", "1"]
         self.proc = subprocess.Popen([sys.executable, "-m", "hgc", "serve", *args, "--host", "127.0.0.1",
                                       "--port", "0", *threads, "--log-level", "warning"],

@@ -238,6 +238,7 @@ class PrefixCache:
             "prefix_cache_pages": self.tree.num_pages,
             "prefix_cache_snapshots": self.tree.num_snapshots,
             "prefix_cache_snapshot_slots": self.snapshots.num_snapshots,
+            "prefix_cache_snapshot_slots_free": self.snapshots.num_free,
             "prefix_cache_snapshot_bytes": self.snapshots.nbytes(),
             "prefix_cache_snapshots_taken": self.snapshots_taken,
         }

@@ -313,17 +313,18 @@ class ServerState:
         if self.served.eos_token_id is None:
             raise RequestError("structured output needs an end-of-sequence token to end a complete JSON, and this "
                                "model's tokenizer names none", param="response_format")
-        with self._structured_lock:  # the request threads share one compiler and its cache
-            if self._structured is None:
-                from runtime.engine.grammar import StructuredOutput
-
-                self._structured = StructuredOutput(tokenizer, self.served.vocab_size, [self.served.eos_token_id])
         try:
+            with self._structured_lock:  # the request threads share one compiler and its cache
+                if self._structured is None:
+                    from runtime.engine.grammar import StructuredOutput
+
+                    self._structured = StructuredOutput(tokenizer, self.served.vocab_size, [self.served.eos_token_id])
             return self._structured.compile(req.response_format.to_json())
         except GrammarError as e:
             raise RequestError(str(e), param="response_format", code="invalid_response_format") from None
-        except GrammarUnavailable as e:
-            raise RequestError(str(e), param="response_format", code="structured_output_unavailable") from None
+        except GrammarUnavailable as e:  # this deployment's missing extra, not the client's mistake
+            raise RequestError(str(e), status=501, type="not_implemented_error", param="response_format",
+                               code="structured_output_unavailable") from None
 
     def sampling(self, req, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
@@ -405,6 +406,10 @@ async def _events(state, choices: list[Choice], chunk, usage, openings: list[dic
     except EngineLoopError as e:
         state.errors[500] += 1
         yield sse_event(_engine_error_body(e))
+    except Exception as e:  # a fault of ours after the status line: say so in the stream, not a cut connection
+        state.errors[500] += 1
+        log.exception("hgc serve: a stream failed after its first byte")
+        yield sse_event(error_body(f"internal error: {e!r}", "server_error"))
     yield SSE_DONE
 
 
@@ -501,7 +506,8 @@ def create_app(served: ServedModel, options: ServerOptions | None = None) -> Fas
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception):
-        # Starlette re-raises after sending this, so the server logs the traceback.
+        # Only our own faults get here (a client's or a deployment's is a RequestError, 4xx or 501):
+        # counted in /metrics; Starlette re-raises after sending this, so uvicorn logs the traceback.
         state.errors[500] += 1
         return JSONResponse(error_body(f"internal error: {error!r}", "server_error"), status_code=500)
 

@@ -105,6 +105,9 @@ def _prefix_cache(m: MetricsText, engine: dict) -> None:
           get("pages"))
     m.add("prefix_cache_snapshots", "gauge", "Linear-state snapshots the prefix cache holds.", get("snapshots"))
     m.add("prefix_cache_snapshot_slots", "gauge", "Snapshots the snapshot pool has room for.", get("snapshot_slots"))
+    m.add("prefix_cache_snapshot_slots_free", "gauge",
+          "Free snapshot-pool slots: slots minus free is what the cache and running requests hold.",
+          get("snapshot_slots_free"))
     m.add("prefix_cache_snapshot_bytes", "gauge", "Bytes of the snapshot pool.", get("snapshot_bytes"))
     m.add("prefix_cache_snapshots_taken_total", "counter", "Snapshots taken of running requests.",
           get("snapshots_taken"))

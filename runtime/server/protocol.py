@@ -250,11 +250,25 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Tool calling is not served: known here so that a request asking for it is refused, never
+    # answered with plain text as if the tools had been seen (also the legacy functions fields).
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        for field in ("tools", "functions"):
+            if getattr(self, field):
+                raise RequestError(f"{field} are not supported by this server (no tool calling): leave {field} out",
+                                   param=field, code="tools_unsupported")
+        for field in ("tool_choice", "function_call"):
+            if getattr(self, field) not in (None, "none"):
+                raise RequestError(f"{field} is not supported by this server (no tool calling): leave it out or "
+                                   f"send \"none\"", param=field, code="tools_unsupported")
 
     @property
     def token_limit(self) -> int | None:

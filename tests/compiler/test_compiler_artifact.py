@@ -15,6 +15,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -220,35 +221,81 @@ def test_force_onto_a_folder_that_is_not_an_artifact_leaves_it_untouched(ckpt, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # no staging folder left either
 
 
-def test_a_killed_compiles_staging_folder_is_gone_after_the_next_compile(ckpt, tmp_path):
-    """A compile killed with SIGKILL (no cleanup runs) leaves .NAME.partial-*; the next compile into
-    the same place removes it, and leaves alone a staging folder a live compile holds."""
-    import signal
+HOLD_STAGING = ("import sys, time, compiler.artifact_writer as w\n"
+                "with w.staging_folder(sys.argv[1]) as tmp:\n"
+                "    (tmp / 'graph.pt2').write_bytes(b'half')\n"
+                "    print(tmp, flush=True)\n"
+                "    time.sleep(600)\n")
+
+
+def _holding(out: Path):
+    """A process that has claimed `out`'s staging folder and sleeps with it (it prints the folder)."""
     import subprocess
     import sys
-    import time
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.Popen([sys.executable, "-c", HOLD_STAGING, str(out)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def test_a_killed_compiles_staging_folder_is_gone_after_the_next_compile(ckpt, tmp_path):
+    """A compile killed with SIGKILL (no cleanup runs) leaves .NAME.partial-claim; it holds no lock,
+    so the next compile into the same place removes it and claims the output itself."""
+    import signal
 
     out = tmp_path / "art"
-    script = ("import sys, time, compiler.artifact_writer as w\n"
-              "with w.staging_folder(sys.argv[1]) as tmp:\n"
-              "    (tmp / 'graph.pt2').write_bytes(b'half')\n"
-              "    print(tmp, flush=True)\n"
-              "    time.sleep(600)\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    killed = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE, text=True, env=env)
-    live = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE, text=True, env=env)
+    killed = _holding(out)
     try:
-        stale, held = Path(killed.stdout.readline().strip()), Path(live.stdout.readline().strip())
+        stale = Path(killed.stdout.readline().strip())
         killed.send_signal(signal.SIGKILL)
         killed.wait(30)
-        assert stale.is_dir() and stale.name.startswith(".art.partial-")
+        assert stale.is_dir() and stale.name == ".art.partial-claim"
         assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps"]) == 0
-        assert not stale.exists() and held.is_dir()  # the killed one swept, the live one kept
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["art", held.name])
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+    finally:
+        killed.kill()
+
+
+def test_the_second_of_two_compiles_into_one_place_exits_2_naming_the_first(ckpt, tmp_path, capsys):
+    out = tmp_path / "art"
+    live = _holding(out)
+    try:
+        held = Path(live.stdout.readline().strip())
+        assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps", "-q"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hgc compile: {out}: another hgc compile (pid {live.pid}) is writing it now"), err
+        # the first's folder and the note of its pid untouched
+        assert sorted(p.name for p in tmp_path.iterdir()) == [held.name, f"{held.name}.pid"]
+        assert (held / "graph.pt2").read_bytes() == b"half"
     finally:
         live.kill()
         live.wait(30)
-        killed.kill()
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_folder_made_at_the_output_during_the_compile_is_never_replaced(ckpt, tmp_path, capsys, monkeypatch,
+                                                                          force):
+    """The output was free when the compile began; a user makes a folder there meanwhile. The final
+    move refuses it (with --force too: it is not an artifact), and the user's file is kept."""
+    import compiler.artifact_writer as writer
+
+    out = tmp_path / "art"
+    real = writer.write_artifact
+
+    def user_meanwhile(*args, **kwargs):
+        manifest = real(*args, **kwargs)
+        out.mkdir()
+        (out / "mine.txt").write_text("mine")
+        return manifest
+
+    monkeypatch.setattr(writer, "write_artifact", user_meanwhile)
+    assert main(["compile", str(ckpt), "-o", str(out), "--no-dumps", "-q", *(["--force"] if force else [])]) == 2
+    err = capsys.readouterr().err
+    pattern = r"refusing to replace it with --force: it is not an hgc artifact" if force else \
+        r"appeared while this compile ran; nothing was replaced"
+    assert re.search(rf"^hgc compile: {re.escape(str(out))}: {pattern}", err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"] and (out / "mine.txt").read_text() == "mine"
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
 
 
 def test_a_staging_folder_swept_by_another_compile_before_it_is_locked_is_no_error(tmp_path, monkeypatch):
@@ -270,7 +317,8 @@ def test_a_staging_folder_swept_by_another_compile_before_it_is_locked_is_no_err
     assert writer.sweep_stale_staging(tmp_path, "art") == [] and swept == [tmp_path / ".art.partial-other"]
     swept.clear()
     with writer.staging_folder(tmp_path / "art") as tmp:
-        assert tmp.is_dir() and tmp != swept[0] and not swept[0].exists()
+        # the claim was swept between its mkdir and its lock: made again under the one claim name
+        assert tmp.is_dir() and swept == [tmp] and tmp.name == ".art.partial-claim"
         (tmp / "x").write_text("y")
     assert (tmp_path / "art" / "x").read_text() == "y"
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 import shutil
 from pathlib import Path
@@ -31,6 +32,7 @@ from hgc.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from testkit.helpers import edit_manifest, shared_artifact
 
 FAMILY = "qwen3_next"
+POSITIONS = 262144  # the tiny qwen3_next's max_position_embeddings
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -78,6 +80,17 @@ def work(tmp_path_factory) -> Path:
     shutil.copytree(ckpt, w / "truncated_ckpt")
     data = (w / "truncated_ckpt" / "model.safetensors").read_bytes()
     (w / "truncated_ckpt" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    shutil.copytree(ckpt, w / "garbage_ckpt")  # random bytes under a safetensors name
+    (w / "garbage_ckpt" / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
+    shutil.copytree(ckpt, w / "nan_ckpt")
+    _rewrite_tensor(w / "nan_ckpt", lambda t: t["model.norm.weight"].__setitem__(slice(0, 2), torch.tensor(
+        [float("nan"), float("inf")])))
+    shutil.copytree(ckpt, w / "nan_linked_ckpt")
+    shutil.copy(w / "nan_ckpt" / "model.safetensors", w / "nan_linked_ckpt" / "model.safetensors")
+    (w / "huge_layers").mkdir()
+    (w / "huge_layers" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1_000_000_000}))
+    (w / "huge_vocab").mkdir()
+    (w / "huge_vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": 1 << 40}))
     (w / "negative_layers").mkdir()
     (w / "negative_layers" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": -1}))
 
@@ -125,7 +138,9 @@ CASES = [
     # init-model
     (["init-model", "--family", "nope", "-o", "{w}/new"], 2, r"hgc init-model: argument --family: invalid choice: 'nope'"),
     (["init-model", "--family", FAMILY, "--size", "huge", "-o", "{w}/new"], 2, r"argument --size: invalid choice"),
-    (["init-model", "--family", FAMILY, "--seed", "abc", "-o", "{w}/new"], 2, r"argument --seed: invalid int value"),
+    (["init-model", "--family", FAMILY, "--seed", "abc", "-o", "{w}/new"], 2, r"argument --seed: expected an integer"),
+    (["init-model", "--family", FAMILY, "--seed", "-1", "-o", "{w}/new"], 2, r"argument --seed: must be in \[0, "),
+    (["init-model", "--fam", FAMILY, "-o", "{w}/new"], 2, r"arguments are required: --family"),  # no prefixes
     (["init-model", "--family", FAMILY, "--shard-mb", "-1", "-o", "{w}/new"], 2, r"argument --shard-mb: must be in"),
     (["init-model", "--family", FAMILY], 2, r"the following arguments are required: -o/--output"),
     (["init-model", "--family", FAMILY, "-o", "{w}/ckpt"], 2, r"hgc init-model: .*ckpt: already exists; pass --force"),
@@ -137,6 +152,9 @@ CASES = [
     (["generate", "{w}/ckpt", "--prompt-ids", ""], 2, r"--prompt-ids"),
     (["generate", "{w}/ckpt", "--prompt-ids", "1,x"], 2, r"--prompt-ids: prompt 1 \('1,x'\) is not a comma-separated list of integers"),
     (["generate", "{w}/ckpt", "--prompt-ids", "-1"], 2, r"--prompt-ids"),
+    (["generate", "{w}/ckpt", "--prompt-ids", "1,,2"], 2, r"--prompt-ids: prompt 1 \('1,,2'\) is not a comma-sep"),
+    (["generate", "{w}/ckpt", "--prompt-ids", "1,2", "--max-new-token", "3"], 2,
+     r"unrecognized arguments: --max-new-token 3"),
     (["generate", "{w}/ckpt", "--prompt-ids", "999999"], 2, r"token id 999999.*vocab"),
     (["generate", "{w}/ckpt", "--prompt-ids", "1,2", "--max-new-tokens", "0"], 2,
      r"argument --max-new-tokens: must be at least 1"),
@@ -149,6 +167,7 @@ CASES = [
     (["generate", "{w}/bad_json_ckpt", "--prompt-ids", "1,2"], 2, r"config.json"),
     (["generate", "{w}/unknown_family_ckpt", "--prompt-ids", "1,2"], 2, r"gpt9"),
     (["generate", "{w}/truncated_ckpt", "--prompt-ids", "1,2"], 2, r"model.safetensors"),
+    (["generate", "{w}/garbage_ckpt", "--prompt-ids", "1,2"], 2, r"garbage_ckpt/model.safetensors: not a safetensors"),
     (["generate", "{w}/config_only", "--prompt-ids", "1,2"], 2, r"config_only.*safetensors"),
     # lint
     (["lint", "{w}/missing"], 2, r"hgc lint: .*missing: not a directory"),
@@ -159,6 +178,9 @@ CASES = [
     (["lint", "{w}/ckpt", "--route", "gdn_core=no_such_backend"], 2, r"no_such_backend"),
     (["lint", "{w}/negative_layers"], 2, r"num_hidden_layers"),
     (["lint", "{w}/unknown_family_ckpt"], 2, r"gpt9"),
+    (["lint", "{w}/huge_layers"], 2, r"huge_layers/config.json: num_hidden_layers is 1000000000; hgc builds at most "
+                                     r"1024 layers"),
+    (["lint", "{w}/huge_vocab"], 2, r"config.json: vocab_size is 1099511627776, past the limit of 2147483647"),
     # compile
     (["compile", "{w}/ckpt"], 2, r"-o/--output is required"),
     (["compile", "{w}/ckpt", "-o", "{w}/art"], 2, r"art: already exists; pass --force"),
@@ -168,6 +190,14 @@ CASES = [
     (["compile", "{w}/ckpt", "-o", "{w}/a_file/art"], 2, r"cannot write into"),
     (["compile", "{w}/config_only", "-o", "{w}/new"], 2, r"config_only.*safetensors"),
     (["compile", "{w}/int32_ckpt", "-o", "{w}/new"], 2, r"tensor 'model.norm.weight' is stored as I32"),
+    (["compile", "{w}/garbage_ckpt", "-o", "{w}/new"], 2, r"garbage_ckpt/model.safetensors: not a safetensors file: "
+                                                          r"its header length \(first 8 bytes\) says \d+ bytes"),
+    (["compile", "{w}/huge_layers", "-o", "{w}/new", "--no-weights"], 2, r"num_hidden_layers is 1000000000"),
+    (["compile", "{w}/nan_ckpt", "-o", "{w}/new"], 2, r"nan_ckpt/model.safetensors: tensor 'model.norm.weight' has 2 "
+                                                      r"non-finite value\(s\) \(NaN or inf\) of 64; pass "
+                                                      r"--allow-non-finite"),
+    (["compile", "{w}/nan_linked_ckpt", "-o", "{w}/new", "--link-weights"], 2, r"tensor 'model.norm.weight' has 2 "
+                                                                                r"non-finite value"),
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--decode-buckets", "4,2"], 2, r"argument --decode-buckets: expected increasing"),
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--decode-buckets", "a"], 2, r"argument --decode-buckets"),
     (["compile", "{w}/ckpt", "-o", "{w}/new", "--extend-buckets", "0"], 2, r"argument --extend-buckets: expected increasing"),
@@ -209,6 +239,12 @@ CASES = [
     (["run", "{w}/art", "--prompt-ids", "1,2", "--snapshot-interval", "0"], 2, r"argument --snapshot-interval"),
     (["run", "{w}/art", "--prompt-ids", "999999"], 2, r"token id 999999.*vocab"),
     (["run", "{w}/art", "--prompt-ids", "1;;2"], 2, r"--prompt-ids"),
+    (["run", "{w}/art", "--prompt-ids", "1,,2"], 2, r"--prompt-ids: prompt 1 \('1,,2'\) is not a comma-separated"),
+    (["run", "{w}/art", "--prompt-ids", ",".join(["1"] * POSITIONS), "--max-new-tokens", "1"], 2,
+     rf"--prompt-ids: prompt 1 has {POSITIONS} tokens; the model has {POSITIONS} positions .*at most {POSITIONS - 1}"),
+    (["run", "{w}/art", "--prompt-ids", "1,2", "--seed", "1180591620717411303424"], 2,
+     r"argument --seed: must be in \[0, 9223372036854775807\] \(got 1180591620717411303424\)"),
+    (["run", "{w}/art", "--prompt-ids", "1,2", "--max-new-token", "3"], 2, r"unrecognized arguments: --max-new-token"),
     (["run", "{w}/vocab_art", "--prompt-ids", "1,2"], 2, r"model.vocab_size is 1048576, the main program's embedding"),
     (["run", "{w}/edited_art", "--prompt-ids", "1,2"], 2, r"manifest_sha256"),
     (["run", "{w}/weight_byte_art", "--prompt-ids", "1,2"], 2, r"weights.safetensors"),
@@ -226,8 +262,13 @@ CASES = [
      2, r"^hgc run: --speculative-tokens 2 --tp 2: speculative decoding does not run on tensor-parallel ranks yet"),
     # serve (each is refused before the socket is bound)
     (["serve", "{w}/missing"], 2, r"hgc serve: .*missing: not an artifact folder"),
-    (["serve", "{w}/art", "--port", "-1"], 2, r"argument --port: must be at least 0"),
+    (["serve", "{w}/art", "--port", "-1"], 2, r"argument --port: must be in \[0, 65535\]"),
     (["serve", "{w}/art", "--port", "http"], 2, r"argument --port: expected an integer"),
+    (["serve", "{w}/art", "--port", "70000"], 2, r"argument --port: must be in \[0, 65535\] \(got 70000\)"),
+    (["serve", "{w}/art", "--host", "no-such-host.invalid"], 2, r"argument --host: 'no-such-host.invalid' is not an "
+                                                                 r"address to listen on"),
+    (["serve", "{w}/art", "--port", "0", "--host", "192.0.2.1"], 2,
+     r"--host 192.0.2.1 --port 0: cannot listen there"),  # an address of another machine (TEST-NET-1)
     (["serve", "{w}/art", "--slots", "0"], 2, r"argument --slots: must be at least 1"),
     (["serve", "{w}/art", "--max-model-len", "100000000"], 2, r"--max-model-len 100000000 exceeds the model's"),
     (["serve", "{w}/art", "--tokenizer", "{w}/empty_dir"], 2, r"--tokenizer .*empty_dir: no tokenizer.json"),
@@ -340,3 +381,51 @@ def test_run_and_generate_end_with_one_timing_line_unless_quiet(work, capsys):
         assert detail in timing[0], timing
     assert main(["run", str(work / "art"), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--quiet"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_port_in_use_is_refused_before_loading(work, capsys, monkeypatch):
+    import socket
+
+    import runtime.assembly
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(runtime.assembly, "load_served_model", refuse)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(work / "art"), "--port", str(port)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith(f"hgc serve: --host 127.0.0.1 --port {port}: cannot listen there: "), err
+    assert len(err.strip().splitlines()) == 2
+
+
+def test_a_closed_pipe_ends_quietly(work):
+    """`hgc inspect A | head -1`: the reader leaves early; no "Broken pipe", exit 0."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "hgc", "inspect", str(work / "art")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the command writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 0 and err == "", err
+
+
+def test_weights_the_model_does_not_read_are_one_warning_line_and_a_lint(work, capsys, tmp_path):
+    """A checkpoint with a tensor no program reads and no tokenizer: the compile succeeds, says
+    each in one warning line, and lists both in lints.json. NaN weights compile with the flag."""
+    ckpt = shutil.copytree(work / "nan_ckpt", tmp_path / "ckpt")
+    _rewrite_tensor(ckpt, lambda t: t.update({"model.layers.99.stray.weight": torch.zeros(3)}))
+    (ckpt / "tokenizer.json").unlink()
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "art"), "--no-dumps", "-q"]) == EXIT_BAD_INPUT
+    assert "non-finite" in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "art"), "--no-dumps", "-q", "--allow-non-finite"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hgc compile: warning: ")]
+    assert len(warnings) == 2, warnings
+    assert re.search(r"1 checkpoint tensor\(s\) no program reads: model.layers.99.stray.weight", warnings[0] + warnings[1])
+    assert re.search(r"has no tokenizer.json: the artifact serves token ids only", warnings[0] + warnings[1])
+    lints = json.loads((tmp_path / "art" / "lints.json").read_text())
+    assert {f["rule"] for f in lints["findings"]} >= {"unused_tensors", "no_tokenizer"}

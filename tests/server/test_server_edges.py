@@ -57,12 +57,15 @@ def artifact(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(artifact):
-    """(a server with small limits, one to drain): started together, so their start-ups overlap."""
+def servers(artifact, tmp_path_factory):
+    """(a server with small limits, one to drain): started together, so their start-ups overlap.
+    The one to drain runs as if the `structured` extra were not installed (xgrammar hidden)."""
+    hide = tmp_path_factory.mktemp("no_xgrammar")
+    (hide / "xgrammar.py").write_text('raise ImportError("No module named \'xgrammar\' (hidden by the test)")\n')
     small = ServerProcess([str(artifact), "--served-model-name", MODEL, "--max-model-len", "128",
                            "--max-tokens-limit", "8", "--slots", "8", "--max-body-mb", str(MAX_BODY_MB)])
     drained = ServerProcess([str(artifact), "--served-model-name", MODEL, "--max-model-len", "4096", "--slots", "4",
-                             "--shutdown-timeout", str(SHUTDOWN)])
+                             "--shutdown-timeout", str(SHUTDOWN)], first_on_path=str(hide))
     try:
         yield small.wait_ready(), drained.wait_ready()
     finally:
@@ -153,6 +156,16 @@ HTTP_CASES = [
     ("body past --max-body-mb", "POST", "/v1/chat/completions", b"{" + b" " * (MAX_BODY_MB * 1_000_000) + b"}", {},
      413, r"request body is [\d,]+ bytes \(Content-Length\).*--max-body-mb"),
     ("GET on a POST route", "GET", "/v1/chat/completions", b"", {}, 405, r"GET /v1/chat/completions"),
+    ("tools", "POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                          "tools": [{"type": "function", "function": {"name": "f"}}]}
+                                                         ).encode(), {}, 400, r"^tools are not supported"),
+    ("tool_choice", "POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user",
+                                                                                             "content": "hi"}],
+                                                                "tool_choice": "auto"}).encode(), {}, 400,
+     r"^tool_choice is not supported"),
+    ("legacy functions", "POST", "/v1/chat/completions",
+     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                 "functions": [{"name": "f"}]}).encode(), {}, 400, r"^functions are not supported"),
     ("unknown route", "POST", "/v2/completions", b"{}", {}, 404, r"/v2/completions"),
 ]
 
@@ -246,6 +259,27 @@ def test_openapi_schema_drives_every_endpoint_without_a_server_error(server):
     assert not server_errors, server_errors[:3]
     assert 200 in calls and any(400 <= s < 500 for s in calls)
     ok_request(server.url)
+
+
+def test_models_show_no_server_path(server, artifact):
+    text = httpx.get(f"{server.url}/v1/models", timeout=30).text
+    assert str(artifact) not in text and str(artifact.parent) not in text, text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_without_its_extra_is_a_501_naming_it(servers, path, stream):
+    """A deployment without the `structured` extra: a response_format request, streamed or not, is
+    refused before anything streams, naming the extra; a plain request still works."""
+    base = {"model": MODEL, "max_tokens": 2, "stream": stream, "response_format": {"type": "json_object"}}
+    body = {**base, "prompt": "hello"} if path == "/v1/completions" else \
+        {**base, "messages": [{"role": "user", "content": "hello"}]}
+    r = httpx.post(f"{servers[1].url}{path}", json=body, timeout=60)
+    assert r.status_code == 501, r.text[:300]
+    error = r.json()["error"]
+    assert error["code"] == "structured_output_unavailable" and error["param"] == "response_format", error
+    assert "pip install 'hgc[structured]'" in error["message"] and len(error["message"].splitlines()) == 1
+    ok_request(servers[1].url)
 
 
 def test_draining_server_answers_503_with_retry_after_then_exits_quietly(servers):
