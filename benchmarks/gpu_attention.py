@@ -11,7 +11,7 @@ Sections, each part in its own try/except (an error is reported and the run goes
    measured here; they turn bytes and FLOPs into floor times.
 2. jit: the first plan() of each FlashInfer kernel kind builds it (JIT); its time is reported
    apart from a second, warm plan. Also the first launch of the Triton kernels.
-3. checks: the checks of tests/gpu/test_gpu_attention.py against the CPU reference (compact list).
+3. checks: the checks of testkit/attention_cases.py (tests/gpu/test_gpu_attention.py asserts them) against the CPU reference (compact list).
 4. decode timings at batch 1, 8, 32, 128 and context 512 / 2048 / 8192 (one layer; per op call:
    K/V store + attention + padding mask): FlashInfer inside a CUDA graph (and eager), the
    plan-free Triton GQA kernel (`decode_impl=triton`) for GQA, the Triton MLA kernel for MLA,
@@ -46,9 +46,9 @@ from bench_common import device_rates, fmt  # noqa: E402
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec  # noqa: E402
 from runtime.cache.batch import SeqState, build_step  # noqa: E402
 from runtime.cache.kv_pool import KVPool  # noqa: E402
-from tests.gpu.test_gpu_attention import (GQA_64, MHA_128, MLA_16, MLA_32, MLA_P, MLA_R, QWEN3_NEXT,  # noqa: E402
-                                      AttnConfig, check_decode, check_extend, check_graph_decode,
-                                      check_graph_growing, check_padded_decode, check_verify)
+from testkit.attention_cases import (GQA_64, MHA_128, MLA_16, MLA_32, MLA_P, MLA_R, QWEN3_NEXT,  # noqa: E402
+                                     AttnConfig, check_decode, check_extend, check_graph_decode,
+                                     check_graph_growing, check_padded_decode, check_verify)
 
 T0 = time.time()
 RESULTS: dict = {"env": {}, "ceilings": {}, "jit": [], "checks": [], "decode": [], "extend": [], "errors": []}

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from models.families import get_family
     from runtime.artifact.docs import read_artifact
     from runtime.artifact.pt2_check import load_program
-    from tests.runtime.artifact.test_pt2_load import _described  # what the test compares, compared the same way here
+    from testkit.program_text import described  # what the test compares, compared the same way here
 
     work = Path(args.work)
     art = work / f"{args.family}-{args.size}-hd64-art"
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                 names = ("main",) if way == "main_program_alone" else files
                 loaded[way] = {p: load_program(*files[p]) for p in names}
             seconds[way].append(time.perf_counter() - t0)
-    same = all(_described(loaded["torch_export_load"][p]) == _described(loaded["load_program"][p]) for p in files)
+    same = all(described(loaded["torch_export_load"][p]) == described(loaded["load_program"][p]) for p in files)
     schema = _schema_conversion(files["main"][0], args.rounds)
     out = {"artifact": str(art), "programs": {p: len(ep.graph.nodes) for p, ep in loaded["load_program"].items()},
            "torch": torch.__version__, "same_programs": same,

@@ -7,8 +7,8 @@ of compiled glue (runtime/artifact/compiled_glue.py), per mode, on a full-size p
    layers, from tests/configs): its program is what a tensor-parallel start-up splits; no GPU and no
    weight is needed to compile or to split it.
 2. Per mode, `rounds` times: `apply_split_plan` of the program alone, then the install of its glue
-   into that split. The glue's pieces are the traced segments themselves (tests/
-   test_glue_in_split_plans.traced_glue): the install's work is the same whatever a piece runs.
+   into that split. The glue's pieces are the traced segments themselves (testkit/traced_glue.py):
+   the install's work is the same whatever a piece runs.
 
 A start-up that runs compiled pieces builds two modules per mode, the compiled one it captures and
 the traced one the start-up check compares with. It now splits once and installs on copies of the
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     from compiler.splitops.artifact import apply_split_plan
     from runtime.artifact.docs import read_artifact
     from runtime.artifact.loader import load_programs
-    from tests.compiler.test_glue_in_split_plans import traced_glue
+    from testkit.traced_glue import traced_glue
 
     work = Path(args.work)
     config, art = work / "config", work / "art"
