@@ -1,5 +1,5 @@
 """FlashInfer and Triton attention backends against the CPU reference, on a CUDA GPU: the checks
-shared by tests/gpu/test_gpu_attention.py (which asserts them) and benchmarks/gpu_attention.py
+shared by tests/gpu/test_gpu_attention.py (which asserts them) and benchmarks/kernels/gpu_attention.py
 (which prints them as a table).
 
 Every check drives two pools with the same page assignment: a CPU pool under

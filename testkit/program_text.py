@@ -1,6 +1,6 @@
 """Everything the runtime reads of an exported program, as text (`described`): two loads of one
 program are the same program when their descriptions are equal. Shared by
-tests/runtime/artifact/test_pt2_load.py and benchmarks/program_load_bench.py, which compare the
+tests/runtime/artifact/test_pt2_load.py and benchmarks/host/program_load_bench.py, which compare the
 checked load with torch.export.load the same way."""
 
 from __future__ import annotations

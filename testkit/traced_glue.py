@@ -1,6 +1,6 @@
 """A program's glue with each segment's own traced glue as its piece (`traced_glue`): what
 runtime/artifact/compiled_glue.py installs when a piece is the segment itself rather than an
-Inductor build, so tests/compiler/test_glue_in_split_plans.py and benchmarks/split_modules_bench.py
+Inductor build, so tests/compiler/test_glue_in_split_plans.py and benchmarks/host/split_modules_bench.py
 run the runtime's real install without compiling a bundle."""
 
 from __future__ import annotations

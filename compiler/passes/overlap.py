@@ -43,7 +43,7 @@ records, two waits; an eager step pays each as a host call) cost about what such
 hide. Every real family's shared expert is far above it (Qwen3-Next: 6 MiB in bf16; Kimi-Linear
 13.5 MiB), norms, rotary, gates and routers' side computations far below (KiB). An op core's
 bytes are its arguments' (for the moe op: every expert, an upper bound of what a token reads).
-The constant is the compile's guess until benchmarks/overlap_bench.py measures it;
+The constant is the compile's guess until benchmarks/serving/overlap_bench.py measures it;
 `--overlap-min-bytes` overrides it and is recorded in the pass fingerprint.
 
 `ensures` checks the dependency rule on the networkx graph: no side node depends on a main node

@@ -2,7 +2,7 @@
 
 Kernel configs come from JSON files in `runtime/backends/kernels/moe_configs/` named
 `E={E},I={I},device={device name, spaces as underscores}.json` (see the README there and
-`benchmarks/tune_moe.py`, which writes them); without a file `default_config` decides. The backend
+`benchmarks/kernels/tune_moe.py`, which writes them); without a file `default_config` decides. The backend
 (runtime/backends/triton_moe.py) picks one per call with `pick_bucket`; the kernels
 (runtime/backends/kernels/moe.py) launch with it. Plain Python: no triton here.
 """
