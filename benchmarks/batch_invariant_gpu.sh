@@ -12,8 +12,8 @@
 # (benchmarks/kernels/gemm_invariant_bench.py: the kernel against cuBLAS), spec (benchmarks/serving/spec_bench.py
 # --batch-invariant: step costs, verify against decode, greedy tokens of 32 prompts x 64 with the
 # real draft), baseline (spec_bench's step costs with the default kernels: the same-call baseline
-# of the step costs), lone (a lone request decoding past 256 keys, BENCHMARKS.md "Batch-invariant
-# numerics", second run: the GPU tests of the one-request verify bucket at 284 keys and of a long
+# of the step costs), lone (a lone request decoding past 256 keys, benchmarks/history/batch_invariant.md,
+# second run: the GPU tests of the one-request verify bucket at 284 keys and of a long
 # request's greedy text with D = 1 and 3; a verify row that parts is traced op by op), twins
 # (spec_bench's verify_vs_decode alone: the twins of batch 1 at 284 keys and batch 8 up to 700,
 # replayed, then eager op by op: where each row's bits first part), probe

@@ -71,8 +71,8 @@ KERNELS = "kernels"
 #   launch, which a captured piece does not pay.
 # - cuda: combo kernels (Inductor's horizontal fusion): the independent small kernels of a piece
 #   (the copies, gates and norms a GDN layer computes for its op cores) run as one launch.
-#   At decode batch sizes each launch costs more than its bytes (BENCHMARKS.md, "Sibling
-#   projections as one GEMM, and combo kernels").
+#   At decode batch sizes each launch costs more than its bytes (benchmarks/history/compiled_pieces.md,
+#   "Sibling projections as one GEMM, and combo kernels").
 INDUCTOR_CONFIG = {"cpu": {"cpp_cache_precompile_headers": False, "cpp_wrapper": True, "compile_threads": 1},
                    "cuda": {"cpp_cache_precompile_headers": False, "use_static_cuda_launcher": False,
                             "combo_kernels": True}}

@@ -63,7 +63,7 @@ and K^T V'), five products a chunk in the sequential part, and its tile set (q, 
 scores, the state) spilled (255 registers and 224 spills on an H200 at Dk = Dv = 128). Now the walk
 does only those two, and the output products, most of a long prompt's work, run in parallel over
 chunks; the price is the chunk states' round trip through memory (written once, read once per
-output Dv tile). Kernel time of one GDN layer, one request of 2048 tokens, H200 (BENCHMARKS.md, "GDN
+output Dv tile). Kernel time of one GDN layer, one request of 2048 tokens, H200 (benchmarks/history/extend.md, "GDN
 extend steps on our chunk kernels"): 0.54 ms before the split, 0.45 after it, 0.29 now (16-bit
 products, a pipelined walk, the solve above), against 0.17 for FLA's kernels.
 
