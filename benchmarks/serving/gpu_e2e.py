@@ -5,7 +5,7 @@ On the GPU machine (benchmarks/gpu_call.sh has the wheel install line), one run:
 
     python3 benchmarks/serving/gpu_e2e.py --out $OUT                  # qwen3_next and bailing_linear, bench size
     python3 benchmarks/serving/gpu_e2e.py --dry-run --out /tmp/e2e    # CPU: tiny size, CPU reference backend,
-                                                              # graphs rerun (testkit/graph_cases.py)
+                                                                      # graphs rerun (testkit/graph_cases.py)
 then, on the CPU machine: `python benchmarks/plots/plot_e2e.py OUT/gpu_e2e.json --png e2e.png --md e2e.md`.
 Where one call has a time limit, `--families qwen3_next` and `--families bailing_linear` in two
 calls keep every ratio of a family within one run on one card.

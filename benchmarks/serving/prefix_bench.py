@@ -5,7 +5,7 @@ On the GPU machine, one run:
 
     python3 benchmarks/serving/prefix_bench.py --out $OUT                # qwen3_next, bench size, bf16, CUDA graphs
     python3 benchmarks/serving/prefix_bench.py --dry-run --out /tmp/pb   # CPU: tiny size, float32, reference backend,
-                                                                 # graphs rerun (testkit/graph_cases.py)
+                                                                         # graphs rerun (testkit/graph_cases.py)
 
 1. init_compile: `hgc init-model`, `hgc compile` (on the GPU: --target cuda --dtype bfloat16).
 2. engine: one engine as `hgc serve` builds it (runtime/assembly.engine_for_artifact: pools,

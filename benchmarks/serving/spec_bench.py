@@ -5,7 +5,7 @@ On the GPU machine, one run:
 
     python3 benchmarks/serving/spec_bench.py --out $OUT               # qwen3_next, bench size, bf16, CUDA graphs
     python3 benchmarks/serving/spec_bench.py --dry-run --out /tmp/sb  # CPU: tiny size, float32, reference backend,
-                                                              # graphs rerun (testkit/graph_cases.py)
+                                                                      # graphs rerun (testkit/graph_cases.py)
     python3 benchmarks/serving/spec_bench.py --out $OUT --dtype float32 --skip step_cost,full_acceptance \
         --route gqa_attention=torch_reference --route "gdn_core=triton_linear[chunk_impl=triton]"
                                       # the equality stages in float32: rounding or a fault? (GQA on a
