@@ -7,7 +7,7 @@
   `run_guarded`: the same for a whole run (a family, a size) around its stages.
 - `write_checkpoint_hd64`: a checkpoint of a size with attention head_dim 64 (FlashInfer's smallest).
 - `prompts_for`, `key_names`, `compare`: prompts, the keys a run used, and how two runs' greedy tokens differ (the tokens themselves:
-  testkit/graph_cases.greedy, which the tests use too).
+  testkit/graph_cases.greedy, which the tests use too); `logit_drift`: whether differing tokens are rounding or a fault.
 - `decode_batch`: B requests with a history, and their next decode step's items.
 - `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU); `launch_check_ms`:
   the host cost of a small graph's replay, which says whether a profiler slowed the timings after it;
@@ -257,6 +257,22 @@ def compare(a: list[list[int]], b: list[list[int]], prompt_lens) -> dict:
             first[f"prompt{i}(len {prompt_lens[i]})"] = pos
     return {"tokens": total, "mismatched": diff, "mismatch_rate": diff / max(total, 1),
             "first_diff_per_prompt": first, "first_diff": min(first.values()) if first else None}
+
+
+def logit_drift(eager_logits: list, graph_logits: list, eager: list, graphs: list) -> dict:
+    """Whether differing greedy tokens are rounding or a fault: the relative error of the graph
+    run's logits against the eager run's, per step while every token still agrees (a fault shows
+    at once, rounding starts near bf16's 1e-3 and grows as it feeds back), and the eager top-2
+    logit gap of the first differing token (a near-tie flips on rounding)."""
+    per_step, gap = [], None
+    for i, (e, g) in enumerate(zip(eager_logits, graph_logits)):
+        per_step.append(float(f"{rel_err(g, e):.2e}"))
+        differ = [b for b in range(len(eager)) if eager[b][i] != graphs[b][i]]
+        if differ:
+            top2 = e[differ[0]].topk(2).values
+            gap = float(f"{(top2[0] - top2[1]).item():.3e}")
+            break
+    return {"logits_rel_err_per_step": per_step, "eager_top2_gap_at_first_diff": gap}
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep kernel builds in .jitcache
 # (carried in, packed back out), run the given command under a time bound, log it under $OUT.
 #
-#   bash benchmarks/gpu_call.sh python3 benchmarks/gpu_graphs.py --out $OUT --sizes small-hd64
+#   bash benchmarks/gpu_call.sh python3 benchmarks/serving/gpu_graphs.py --out $OUT --sizes small-hd64
 #   (carry: .whl and, once a call has packed it and `python benchmarks/jit_cache.py stash FILES_AT` has
 #    run here, .jitcache_parts)
 #

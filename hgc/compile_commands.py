@@ -477,7 +477,7 @@ def _compile_flags(p) -> None:
                    help="run independent branches of each captured piece on a second CUDA stream (the shared "
                         "expert beside the MoE op's router and routed experts, which this takes out of the fused "
                         "op): the overlap pass, shown in split.json, the dumps and `hgc inspect`. Off by default "
-                        "(--no-overlap) until a GPU measurement shows a gain: benchmarks/overlap_bench.py times the "
+                        "(--no-overlap) until a GPU measurement shows a gain: benchmarks/serving/overlap_bench.py times the "
                         "MoE layer and the decode step with and without it at batch 1, 8, 32, 128. On the CPU the "
                         "branches run in order (same tokens). Not with --tp > 1 or --inductor yet")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,

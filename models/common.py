@@ -225,7 +225,7 @@ class FusedLinear(nn.Module):
 
     A decode step reads each weight once however it is stacked, so stacking saves launches: each
     GEMM of a batch-1 step is a few microseconds of launch and ramp whatever its size
-    (BENCHMARKS.md, "Sibling projections as one GEMM, and combo kernels"). The parts keep their names:
+    (benchmarks/history/compiled_pieces.md, "Sibling projections as one GEMM, ..."). The parts keep their names:
     part `q_proj` of the module at `...attn.in_proj` is read and written as `...attn.q_proj.weight`
     (the parent's projection, as the release names it), a row-slice view of the stack, so
     checkpoints, the artifact's weight views and the sharding of each part (a rank's rows of every

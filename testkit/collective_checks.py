@@ -1,6 +1,6 @@
 """Checks of the symmetric-memory all-reduce against NCCL's, one process per GPU.
 
-Used by tests/gpu/test_gpu_collectives.py (the check alone) and benchmarks/allreduce_bench.py (the
+Used by tests/gpu/test_gpu_collectives.py (the check alone) and benchmarks/kernels/allreduce_bench.py (the
 check, then the timings). `run_ranks(fn, world)` starts one process per GPU with an NCCL group
 and returns what each rank's `fn(rank, world, device)` returned; `check_against_nccl` is one
 rank's check.

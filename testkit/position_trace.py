@@ -12,7 +12,7 @@ within a position, op by op: the first position where they differ, and there the
 another input (the glue before it computed it differently) or the first op that computed another
 output from the same inputs. Digests, not tensors: a whole run of a bench-size model stays small.
 
-Used by benchmarks/spec_text_probe.py (`--trace-ops`) to say where a speculative run's numbers
+Used by benchmarks/probes/spec_text_probe.py (`--trace-ops`) to say where a speculative run's numbers
 leave plain decoding's; one request at a time (a step of several real requests is refused).
 """
 

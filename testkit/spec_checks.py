@@ -24,7 +24,7 @@ op that gave another output from the same inputs (its kernel, or the state or KV
 where every op agrees bit for bit.
 
 Used by tests/gpu/test_gpu_speculative.py (a dense bf16 model: every row within the parity
-tolerance) and benchmarks/spec_bench.py (bench size, reported). Slots and pages are freed after.
+tolerance) and benchmarks/serving/spec_bench.py (bench size, reported). Slots and pages are freed after.
 """
 
 from __future__ import annotations

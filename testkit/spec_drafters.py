@@ -17,7 +17,7 @@ runtime/engine/speculative.py (`after_prefill`, `propose`, `propose_on_device`, 
 
 `ForcedDrafts` runs a real drafter (the MTP program: its steps, its cost) and then replaces each
 token it chose with the reference's: full acceptance at the real draft's cost, what
-benchmarks/spec_bench.py times against plain decoding. (A chain kept on the device, greedy
+benchmarks/serving/spec_bench.py times against plain decoding. (A chain kept on the device, greedy
 requests, feeds each step the draft's own argmax, not the forced token: the cost is the same.)
 """
 

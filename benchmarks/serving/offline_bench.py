@@ -1,7 +1,7 @@
 """Offline throughput benchmark: serve_bench's request mix fed straight to the engine, no HTTP.
 
 What `hgc serve` could give at most: the same requests, the same engine, nothing between them.
-On the GPU machine (benchmarks/serve_bench.py --offline runs it in the same call as the served
+On the GPU machine (benchmarks/serving/serve_bench.py --offline runs it in the same call as the served
 levels, on the same artifact):
 
     python3 benchmarks/serving/offline_bench.py --artifact /tmp/bench --out $OUT --concurrency 1,8,32,128
@@ -50,13 +50,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve_bench, imported by file name like bench_common
+sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 # bench_common first: it sets the profiler's environment before torch is imported
-from benchmarks.bench_common import (Stages, compiled_artifact, device_kernels, engine_script, fmt,  # noqa: E402
-                                     target_rows)
-from benchmarks.serve_bench import (DRY, GPU, WARM_UP, bench as serve_levels, level_requests, parse_mix,  # noqa: E402
-                                    sizing)
+from bench_common import Stages, compiled_artifact, device_kernels, engine_script, fmt, target_rows  # noqa: E402
+from serve_bench import DRY, GPU, WARM_UP, bench as serve_levels, level_requests, parse_mix, sizing  # noqa: E402
 from hgc.serve_command import int_at_least  # noqa: E402
 import torch  # noqa: E402
 from runtime.engine.engine import SamplingParams  # noqa: E402

@@ -37,13 +37,13 @@ the published two).
 The size rule. Each branch, and the main work it overlaps, must move at least `MIN_BRANCH_BYTES`
 (bytes read plus written by its nodes, from the shapes in the node metadata, at one token: the
 decode batch where weights dominate and overlap has the most to hide). Below 1 MiB a branch is a
-few launches of latency-bound kernels (one launch and ramp is 2-3 us on an H200, benchmarks/
-NOTES_moe.md; 1 MiB at its 4.2 TB/s copy rate is 0.25 us), and a fork and a join (two event
+few launches of latency-bound kernels (one launch and ramp is 2-3 us on an H200,
+benchmarks/history/moe_notes.md; 1 MiB at its 4.2 TB/s copy rate is 0.25 us), and a fork and a join (two event
 records, two waits; an eager step pays each as a host call) cost about what such a branch could
 hide. Every real family's shared expert is far above it (Qwen3-Next: 6 MiB in bf16; Kimi-Linear
 13.5 MiB), norms, rotary, gates and routers' side computations far below (KiB). An op core's
 bytes are its arguments' (for the moe op: every expert, an upper bound of what a token reads).
-The constant is the compile's guess until benchmarks/overlap_bench.py measures it;
+The constant is the compile's guess until benchmarks/serving/overlap_bench.py measures it;
 `--overlap-min-bytes` overrides it and is recorded in the pass fingerprint.
 
 `ensures` checks the dependency rule on the networkx graph: no side node depends on a main node

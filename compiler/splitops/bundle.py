@@ -67,12 +67,12 @@ KERNELS = "kernels"
 #   there, so a run finds the bundle's choices only while the build folder exists, and elsewhere
 #   times every candidate again and writes the result into that foreign path, unwatched. Launched
 #   from source, a kernel lives in the run's copy of the bundle and finds the choice beside it
-#   (benchmarks/inductor_tuning_probe.py shows both on the GPU). The launcher's cost is host time per
+#   (benchmarks/probes/inductor_tuning_probe.py shows both on the GPU). The launcher's cost is host time per
 #   launch, which a captured piece does not pay.
 # - cuda: combo kernels (Inductor's horizontal fusion): the independent small kernels of a piece
 #   (the copies, gates and norms a GDN layer computes for its op cores) run as one launch.
-#   At decode batch sizes each launch costs more than its bytes (BENCHMARKS.md, "Sibling
-#   projections as one GEMM, and combo kernels").
+#   At decode batch sizes each launch costs more than its bytes (benchmarks/history/compiled_pieces.md,
+#   "Sibling projections as one GEMM, and combo kernels").
 INDUCTOR_CONFIG = {"cpu": {"cpp_cache_precompile_headers": False, "cpp_wrapper": True, "compile_threads": 1},
                    "cuda": {"cpp_cache_precompile_headers": False, "use_static_cuda_launcher": False,
                             "combo_kernels": True}}
@@ -127,7 +127,7 @@ def pin_triton_ptxas(device_type: str) -> None:
     TRITON_PTXAS_PATH at torch's own ptxas, but only on the path that compiles one of its kernels,
     in whichever process does it: a build compiles its pieces in worker processes, a run loads them
     in its own, so the backends' kernels (ours, FLA's) were built with one ptxas and looked up with
-    another. benchmarks/bundle_keys_probe.py found every one of them compiled again at a run's
+    another. benchmarks/probes/bundle_keys_probe.py found every one of them compiled again at a run's
     start-up, with metadata equal to the bundle's copy but another key. Taking Inductor's own choice
     first, in the build and in the run, gives both the same."""
     if device_type != "cuda":

@@ -406,8 +406,8 @@ def triton_cache_key_function():
 
     The first kernel a process looks up in Triton's cache (the bundle's compiled pieces, our own
     kernels) makes Triton hash its compiler's sources and its shared library (`triton_key`, cached
-    for the process): 0.37 s of a start-up on the GPU machine (BENCHMARKS.md, "Where a start-up
-    goes now"), nearly all of it SHA-256 over file reads, which release the GIL. On a thread of its
+    for the process): 0.37 s of a start-up on the GPU machine (benchmarks/history/compiled_pieces.md, "Where a
+    start-up goes now"), nearly all of it SHA-256 over file reads, which release the GIL. On a thread of its
     own it costs the start-up nothing. Triton is imported here, on the calling thread (the load
     imports it anyway): two threads importing one package's modules at once is where Python's
     import locks can refuse with a deadlock error."""

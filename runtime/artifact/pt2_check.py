@@ -294,7 +294,7 @@ def _deserializer_memos(plans: bool = True):
       handful of distinct expressions ("s0", "2*s0"), a quarter of a warm load on the CPU. The same
       text with the same names bound to the same objects gives the same (immutable) expression.
     - the shape of each schema class, once per class (`_schema_plans`; `plans=False` leaves
-      torch's converter, for benchmarks/program_load_bench.py's comparison).
+      torch's converter, for benchmarks/host/program_load_bench.py's comparison).
     """
     hints = _once(typing.get_type_hints,
                   lambda cls, globalns=None, localns=None, include_extras=False:

@@ -30,7 +30,7 @@ loads over NVLink, no multicast): one kernel that copies this rank's tensor into
 rank can read, waits for its peers at a barrier of signal pads, and adds every rank's buffer.
 NCCL's ring takes two protocol rounds through its own channels for the same message; a decode
 step of a tensor-parallel model runs two all-reduces a layer of a few KiB each, where that
-latency, not bandwidth, is the cost (benchmarks/allreduce_bench.py measures both in graphs).
+latency, not bandwidth, is the cost (benchmarks/kernels/allreduce_bench.py measures both in graphs).
 Above `ONE_SHOT_MAX_BYTES` the one-shot read of every peer's whole tensor loses to the ring,
 so larger tensors (extend steps) go through NCCL, as do tensors whose byte size is not a whole
 number of 4-byte words (the kernel's smallest unit): the choice is the tensor's byte size, which

@@ -101,7 +101,7 @@ __all__ = [
 
 # Decode and target_verify kernels of GQA layers, the default first: the plan-free Triton kernel
 # (triton_gqa.py) replays as fast as FlashInfer's decode and needs no host plan per step
-# (BENCHMARKS.md, "Plan-free decode"); FlashInfer's stays a routing choice.
+# (benchmarks/history/compiled_pieces.md, "Plan-free decode"); FlashInfer's stays a routing choice.
 DECODE_IMPLS = ("triton", "flashinfer")
 # How the Triton attention kernels split a row's keys, the default first: "auto" by the step's rows,
 # "fixed" at fixed key positions (a row's result then independent of its step's batch).
@@ -462,8 +462,8 @@ class FlashInferAttentionBackend(BackendHooks):
         decode_tensor_cores: None = FlashInfer's tensor-core decode when a kv head serves 4 or
         more query heads. decode_backend: the prefill kernel family the tensor-core decode runs
         ("fa2" by default: on an H200 the "auto" choice, fa3, was 2-10x slower for one query
-        row, since it does not pack a kv head's query heads into one tile; benchmarks/
-        NOTES_attention.md). prefill_backend: FlashInfer's backend ("auto", "fa2", "fa3") of
+        row, since it does not pack a kv head's query heads into one tile;
+        benchmarks/history/attention_notes.md). prefill_backend: FlashInfer's backend ("auto", "fa2", "fa3") of
         the prefill kernels. mla_backend: the same for BatchMLAPagedAttentionWrapper.
         mla_impl: "flashinfer" or "triton" (triton_mla.py; as a routing choice it is the
         `triton_mla` backend, which fixes it). extend_impl: "ragged" (a step where

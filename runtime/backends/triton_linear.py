@@ -112,7 +112,7 @@ def fla_ops(gdn_entry: str = "forward") -> types.SimpleNamespace:
     """FLA's three chunk entry points (keyword calls only: positional orders differ between them).
 
     gdn_entry: "forward" (FLA's gated-delta-rule forward below its public entry, where this FLA has
-    one: `_gdn_forward`) or "public" (its public entry; benchmarks/gpu_linear_extend.py times both)."""
+    one: `_gdn_forward`) or "public" (its public entry; benchmarks/kernels/gpu_linear_extend.py times both)."""
     if gdn_entry not in ("forward", "public"):
         raise ValueError(f"fla_ops: gdn_entry must be 'forward' or 'public', not {gdn_entry!r}")
     try:
@@ -345,14 +345,14 @@ def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
 
 # The short-extend limits routing offers, the first the default. 64: on an H200 the recurrent
 # kernel's step beat FLA's chunk path 3.3x to 12.9x at every measured short step (8 to 64 tokens a
-# request, 1 to 16 requests; benchmarks/gpu_linear_extend.py, BENCHMARKS.md), FLA's Python entry
+# request, 1 to 16 requests; benchmarks/kernels/gpu_linear_extend.py, BENCHMARKS.md), FLA's Python entry
 # costing about 1 ms a layer against some 0.1 ms of kernels. Longer requests were not timed there,
 # and the recurrent kernel's time grows with a request's tokens one after another, so they keep
 # FLA's chunk kernels. "0": FLA always. It applies to the ops whose extend steps are never captured
 # (KDA, and GDN or Lightning with chunk_impl=fla): an op captured in extend runs the chunk kernels
 # eagerly too, so an eager step computes what the replayed graph of the same step does (a recurrent
 # and a chunked kernel round differently, and a random-weight bench model carried that to 27% of its
-# logits, benchmarks/gpu_e2e.py's graph-against-eager tokens: BENCHMARKS.md).
+# logits, benchmarks/serving/gpu_e2e.py's graph-against-eager tokens: BENCHMARKS.md).
 SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 
 # Which chunk kernels run the extend steps of GDN and Lightning layers (past the short-extend

@@ -131,7 +131,7 @@ class EngineLoop:
     so a submit, cancel or stats call waits at most one step, and callers arriving all the time
     cannot hold the steps back either. A plain lock would not do: the thread releases it and takes
     it again at once, and with steps that hold the interpreter a waiting caller was seen to wait
-    for hundreds of steps (benchmarks/engine_lock_bench.py; a shutdown's cancels then missed their
+    for hundreds of steps (benchmarks/host/engine_lock_bench.py; a shutdown's cancels then missed their
     bound). If a step raises, the loop stops and every open handle gets an EngineLoopError.
     """
 

@@ -274,7 +274,7 @@ class SpeculativeDecoder:
         self.draft_s = 0.0  # seconds in the drafter (its host reads of the chosen tokens end each call)
         # A round that reads the device once runs the draft's step after the verify before that
         # read (`MTPDrafter.after_verify_on_device`). False: after it, from the host's kept tokens,
-        # as every other round does (benchmarks/spec_bench.py times that order as its baseline).
+        # as every other round does (benchmarks/serving/spec_bench.py times that order as its baseline).
         self.draft_before_read = True
 
     @property

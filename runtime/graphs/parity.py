@@ -6,7 +6,7 @@ are not padded. Padding must not change a real row's output, the state written t
 request's slot or the KV written to its pages, and must leave the padding slot and every page no
 real request owns as they were. A check that pads both sides alike cannot see a fault that padding
 causes (DESIGN.md, failure 8), so the start-up parity check (runtime/graphs/runner.py) and the
-layer-by-layer probe (benchmarks/padding_probe.py) compare a padded run with an unpadded one, using:
+layer-by-layer probe (benchmarks/probes/padding_probe.py) compare a padded run with an unpadded one, using:
 
 1. `OpTrace`: a BoundOps observer that keeps, for each op call, its layer id, op name and the
    real rows of its `out` (optionally of its per-token inputs too), copied when the call returns.
@@ -52,7 +52,7 @@ PARITY_RTOL = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 2e-2, t
 # (the residual stream; a dense MLP, all glue): their rounding travels from layer to layer and adds
 # up with depth. On a 64-layer dense bf16 model (Qwen3.6-27B's shape) the inputs of later layers
 # drifted 7e-3 to 2e-2 apart between a padded and an unpadded step, every op bit-identical on the
-# same inputs (benchmarks/parity_drift_probe.py). So a glue error (and the logits') is held to the
+# same inputs (benchmarks/probes/parity_drift_probe.py). So a glue error (and the logits') is held to the
 # tolerance for what it adds over the largest glue error before it, and what it carries to this
 # many tolerances: a fault that enters in one piece still fails at the tolerance.
 PARITY_DRIFT_LIMIT = 4
@@ -158,7 +158,7 @@ class TeacherForcing:
 
     Both runs then write states and KV from the same inputs, so those compare tightly too. Without
     it, a rounding difference in the first layer's glue reaches a near tie of an MoE router a few
-    layers on, flips an expert and grows to percents at the logits (benchmarks/padding_probe.py).
+    layers on, flips an expert and grows to percents at the logits (benchmarks/probes/padding_probe.py).
     """
 
     def __init__(self, reference: list[OpRecord]):

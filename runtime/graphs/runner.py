@@ -163,7 +163,7 @@ class GraphRunner:
         self.parity_seconds: dict[str, float] = {}  # key -> wall seconds of its start-up parity check
         self.parity_phases: dict[str, dict[str, float]] = {}  # key -> seconds per run of _check_key
         # key -> run 2 of _check_key op by op (each op's glue and output error, the logits'), kept
-        # whether or not the key passed: what benchmarks/parity_drift_probe.py reports
+        # whether or not the key passed: what benchmarks/probes/parity_drift_probe.py reports
         self.parity_errors: dict[str, dict] = {}
         self.variant_steps: tuple[tuple[int, ...], float] = ((), 0.0)  # (token counts, seconds): capture's last
 

@@ -49,7 +49,7 @@ class StepStaging:
         self._event = torch.cuda.Event() if cuda else None
         # The device's index, resolved once: Event.record() without a stream looks the current
         # device and stream up through torch's Python helpers, a measurable share of a replayed
-        # decode step's host time (benchmarks/replay_host_probe.py).
+        # decode step's host time (benchmarks/probes/replay_host_probe.py).
         self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
         self._views: dict[tuple[int, int, int], tuple[dict, dict, dict]] = {}
 

@@ -19,6 +19,10 @@ Every import counts, at module level or inside a function (a lazy import is a de
 runs later). `from a.b import c` is an edge to the module a.b.c when that is a module of the repo,
 else to a.b. The tests fail on a circle (naming it) and on an edge between floors that must not
 meet (naming the file and line).
+
+The lab stands beside the house: benchmarks/ imports the product and testkit/, never tests/, and its
+scripts import each other by file name (each puts benchmarks/ or its own folder on sys.path), so the
+circle check resolves such a name to the benchmark file of that name.
 """
 
 from __future__ import annotations
@@ -102,6 +106,34 @@ def import_graph(root: Path = REPO, packages=PACKAGES) -> dict[str, list[tuple[s
     return {m: imports_of(m, p, known) for m, p in known.items()}
 
 
+def benchmark_modules(root: Path = REPO) -> dict[str, Path]:
+    """Every file under benchmarks/ by the name a script imports it under: its file name."""
+    out: dict[str, Path] = {}
+    for path in sorted((root / "benchmarks").rglob("*.py")):
+        assert path.stem not in out, f"{path.relative_to(root)}: a second benchmark file named {path.stem}.py " \
+                                     f"(first: {out[path.stem].relative_to(root)}); `import {path.stem}` would be either"
+        out[path.stem] = path
+    return out
+
+
+def lab_graph(root: Path = REPO) -> dict[str, list[tuple[str, int]]]:
+    """The import graph of the product, testkit and the benchmark scripts together."""
+    known = {**find_modules(root), **benchmark_modules(root)}
+    return {m: imports_of(m, p, known) for m, p in known.items()}
+
+
+def imports_of_tests(root: Path = REPO) -> list[str]:
+    """file:line of every import of the tests package under benchmarks/."""
+    bad = []
+    for path in sorted((root / "benchmarks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n == "tests" or n.startswith("tests.") for n in names):
+                bad.append(f"{path.relative_to(root)}:{node.lineno}")
+    return bad
+
+
 def cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), each as a sorted list."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -146,7 +178,7 @@ def floor_violations(graph, root: Path = REPO) -> list[str]:
 
 
 def test_no_import_circles():
-    found = cycles(import_graph())
+    found = cycles(lab_graph())
     assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
@@ -205,6 +237,28 @@ def test_the_walk_sees_circles_lazy_imports_and_relative_imports(tmp_path):
     assert floor_violations(graph, tmp_path) == [
         "compiler/passes/b.py:2: compiler.passes.b (compiler) imports runtime.engine (runtime.engine)",
         "runtime/step/context.py:1: runtime.step.context (runtime.step) imports runtime.engine (runtime.engine)"]
+
+
+def test_no_benchmark_imports_tests():
+    bad = imports_of_tests()
+    assert not bad, "benchmarks importing tests/ (shared code goes in testkit/):\n  " + "\n  ".join(bad)
+
+
+def test_the_lab_walk_sees_circles_between_scripts_and_imports_of_tests(tmp_path):
+    """The checker on a throwaway lab: two scripts in different folders importing each other by
+    file name (one lazily), and a probe importing a test module."""
+    files = {
+        "testkit/__init__.py": "",
+        "benchmarks/common.py": "import torch\n",
+        "benchmarks/kernels/a.py": "import common\nfrom b import f\n",
+        "benchmarks/serving/b.py": "def f():\n    import a\n",
+        "benchmarks/probes/c.py": "import common\n\ndef g():\n    from tests.gpu.test_x import check\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cycles(lab_graph(tmp_path)) == [["a", "b"]]
+    assert imports_of_tests(tmp_path) == ["benchmarks/probes/c.py:4"]
 
 
 def test_the_runtime_is_its_rooms_and_its_entry_modules():

@@ -1,4 +1,4 @@
-"""benchmarks/chunk_kernel_sweep.py --dry-run on the CPU (Triton's interpreter, tiny dims): each config
+"""benchmarks/kernels/chunk_kernel_sweep.py --dry-run on the CPU (Triton's interpreter, tiny dims): each config
 is checked against the recurrence before it is timed, and unknown config names are refused. In a fresh process: the script sets TRITON_INTERPRET
 before triton is imported."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "chunk_kernel_sweep.py"
+SCRIPT = ROOT / "benchmarks" / "kernels" / "chunk_kernel_sweep.py"
 
 pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def test_logit_drift_tells_a_fault_from_a_near_tie():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
-    from gpu_e2e import logit_drift
+    from bench_common import logit_drift
 
     e = [torch.tensor([[0.0, 1.0, 0.99]]), torch.tensor([[2.0, 0.0, 1.999]])]
     near = [e[0] * (1 + 1e-3), torch.tensor([[1.999, 0.0, 2.0]])]  # rounding flips a near-tie at step 1
@@ -39,7 +39,8 @@ def test_logit_drift_tells_a_fault_from_a_near_tie():
 
 
 def test_step_names_and_token_splits():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "plots"))
     from gpu_e2e import split_tokens
     from plot_e2e import parse_step, step_label, step_name
 
@@ -53,7 +54,7 @@ def test_step_names_and_token_splits():
 def test_dry_run_then_plot(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "e2e"
-    cmd = [sys.executable, "benchmarks/gpu_e2e.py", "--dry-run", "--out", str(out), "--families", "qwen3_next",
+    cmd = [sys.executable, "benchmarks/serving/gpu_e2e.py", "--dry-run", "--out", str(out), "--families", "qwen3_next",
            "--batches", "1,2", "--extends", "32", "--extend-requests", "1,3,16", "--mixed-batches", "1,2",
            "--iters", "1", "--new-tokens", "2", "--hf-new-tokens", "3",
            "--skip", ",".join(sorted(SKIPPED))]
@@ -101,7 +102,7 @@ def test_dry_run_then_plot(tmp_path):
         assert targets[name]["value"] is not None, targets[name]
 
     png = out / "e2e.png"
-    plot = [sys.executable, "benchmarks/plot_e2e.py", str(out / "gpu_e2e.json"), "--md", str(out / "e2e.md")]
+    plot = [sys.executable, "benchmarks/plots/plot_e2e.py", str(out / "gpu_e2e.json"), "--md", str(out / "e2e.md")]
     if importlib.util.find_spec("matplotlib") is not None:  # CI installs the test extra only
         plot += ["--png", str(png)]
     run = subprocess.run(plot, cwd=ROOT, capture_output=True, text=True, timeout=120)

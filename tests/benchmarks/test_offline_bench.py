@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.serve_bench import DRY
+from benchmarks.serving.serve_bench import DRY
 from benchmarks.serving.offline_bench import SERVE_VS_RUN, busy_seconds, main
 
 pytestmark = pytest.mark.slow  # a compile, the engine, a server and an hgc run: about 30 s on 2 idle cores
@@ -59,7 +59,7 @@ def test_busy_time_counts_overlapping_kernels_once():
 def test_serve_bench_puts_served_over_offline_beside_each_level():
     """serve_bench --offline: each level's served tok/s over the closed-loop run with as many in
     flight; a level whose offline run is missing shows none rather than a made-up ratio."""
-    from benchmarks.serve_bench import add_offline, table
+    from benchmarks.serving.serve_bench import add_offline, table
 
     levels = [{"concurrency": c, "requests": 4, "errors": 0, "ttft_median_s": 0.01, "ttft_p99_s": 0.02,
                "itl_median_s": 0.001, "itl_p99_s": 0.002, "output_tokens_per_s": tps, "requests_per_s": 1.0}
@@ -74,7 +74,7 @@ def test_serve_bench_puts_served_over_offline_beside_each_level():
 
 @pytest.mark.parametrize("text", ["128", "128:0", "a:b", "128:64,"])
 def test_a_bad_mix_is_a_one_line_usage_error(text):
-    from benchmarks.serve_bench import parse_mix
+    from benchmarks.serving.serve_bench import parse_mix
 
     with pytest.raises(argparse.ArgumentTypeError, match="prompt:output pairs"):
         parse_mix(text)

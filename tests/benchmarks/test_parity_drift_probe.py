@@ -1,4 +1,4 @@
-"""benchmarks/parity_drift_probe.py --dry-run on the CPU: the start-up check's unpadded-against-padded
+"""benchmarks/probes/parity_drift_probe.py --dry-run on the CPU: the start-up check's unpadded-against-padded
 comparison of one decode bucket, op by op, on the tiny qwen3_next (float32, the reference backend,
 graphs rerun), read from the check's own record."""
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_dry_run_reports_every_ops_glue_and_output_error(tmp_path, tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
     from parity_drift_probe import main
 
     from testkit.helpers import shared_artifact

@@ -1,4 +1,4 @@
-"""benchmarks/plot_decode.py reads what startup_bench.py and gpu_e2e.py write (no matplotlib needed here)."""
+"""benchmarks/plots/plot_decode.py reads what startup_bench.py and gpu_e2e.py write (no matplotlib needed here)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "plots"))
 from plot_decode import main, series  # noqa: E402
 
 RUN = {"size": "bench", "date": "2026-11-28", "device": "NVIDIA H200",

@@ -1,4 +1,4 @@
-"""benchmarks/prefix_bench.py --dry-run on the CPU: every stage of the GPU run, on a tiny model with
+"""benchmarks/serving/prefix_bench.py --dry-run on the CPU: every stage of the GPU run, on a tiny model with
 the reference backend and testkit/graph_cases.RerunGraphs for CUDA graphs, and what its JSON says."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # a compile and a graph start-up: about 20 s on 2
 
 
 def test_dry_run_measures_hit_and_miss(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
     from prefix_bench import main
 
     rec = main(["--dry-run", "--out", str(tmp_path), "--iters", "1"])

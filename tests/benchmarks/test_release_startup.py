@@ -1,4 +1,4 @@
-"""benchmarks/release_startup.py --dry-run on the CPU: a config-only folder compiled without weights
+"""benchmarks/serving/release_startup.py --dry-run on the CPU: a config-only folder compiled without weights
 and run with random ones, in processes of their own, speculative decoding on where the artifact
 has a draft program."""
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # a compile and a run in subprocesses: about 25 s
 
 
 def test_a_release_config_compiles_starts_and_runs(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
     from release_startup import main
 
     from models.families import get_family

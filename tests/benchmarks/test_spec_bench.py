@@ -1,4 +1,4 @@
-"""benchmarks/spec_bench.py --dry-run on the CPU: every stage of the GPU run (verify against decode
+"""benchmarks/serving/spec_bench.py --dry-run on the CPU: every stage of the GPU run (verify against decode
 step cost, verify rows against decode steps, full acceptance against plain decoding, greedy tokens
 with the real draft and how close a call each difference was), on a tiny model with the reference
 backend and testkit/graph_cases.RerunGraphs for CUDA graphs."""
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # five graph start-ups (the test run's shared com
 
 
 def test_dry_run_measures_every_stage(tmp_path, tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
     from spec_bench import main
 
     from testkit.helpers import shared_artifact
@@ -55,7 +55,7 @@ def test_tie_report_says_where_runs_part_and_how_close_a_call_it_was():
     plain run's margins; the log-prob distance of the same token before it (tie_report of spec_bench)."""
     import types
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
     from spec_bench import tie_report
 
     from runtime.engine.logprobs import TokenLogprob
@@ -75,7 +75,7 @@ def test_tie_report_says_where_runs_part_and_how_close_a_call_it_was():
 
 
 def test_kernel_difference_counts_a_kernel_one_step_lacks_as_zero_there():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
     from spec_bench import kernel_difference
 
     decode = [{"name": "a", "ms": 0.5}, {"name": "decode_only", "ms": 0.1}]
@@ -89,7 +89,7 @@ def test_a_published_config_runs_at_its_shape_with_random_weights(tmp_path):
     """--config: a release's config.json alone (here a tiny dense Qwen3.5 in the published layout,
     text_config and all), compiled with --no-weights and loaded with random weights; the family
     follows its model_type. Full acceptance then keeps every draft with the plain run's tokens."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
     from spec_bench import main
 
     from models.families import get_family
@@ -117,7 +117,7 @@ def test_an_unknown_config_names_the_published_ones():
 def test_the_speedup_target_takes_the_run_whose_every_draft_was_kept():
     """Forced to plain decoding's text, a near tie decided otherwise by the verify steps ends the
     agreement; the rerun forced to the speculative run's own text then counts, if it kept every draft."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
     from spec_bench import targets
 
     def full(same, own=None):

@@ -1,4 +1,4 @@
-"""benchmarks/spec_text_probe.py --dry-run on the CPU: its seven runs (plain twice on one engine and once
+"""benchmarks/probes/spec_text_probe.py --dry-run on the CPU: its seven runs (plain twice on one engine and once
 on a fresh one, D = 3 with the real draft, D = 1 and 3 forced to the plain text, D = 3 with no draft
 program proposing the plain text and the plain text plus one) on a tiny model with
 the reference backend and testkit/graph_cases.RerunGraphs for CUDA graphs. In float32 on the reference
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # five engine start-ups over the test run's share
 
 
 def test_dry_run_compares_every_run_with_plain_decoding(tmp_path, tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
     from spec_text_probe import main
 
     from testkit.helpers import shared_artifact

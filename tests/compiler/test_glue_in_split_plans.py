@@ -26,12 +26,13 @@ import torch
 
 from hgc import main as hgc
 from compiler.splitops import Mode
-from compiler.splitops.artifact import CAPTURED, Piece, apply_split_plan, piece_module_names, retarget_meta_devices
-from compiler.splitops.glue import glue_segments, segment_module
+from compiler.splitops.artifact import CAPTURED, Piece, apply_split_plan, piece_module_names
+from compiler.splitops.glue import glue_segments
 from runtime.artifact.docs import LoadError, read_artifact
-from runtime.artifact.compiled_glue import CompiledGlue, compiled_calls
+from runtime.artifact.compiled_glue import compiled_calls
 from runtime.artifact.loader import load_programs
 from testkit.helpers import tiny_checkpoint
+from testkit.traced_glue import traced_glue
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,23 +50,6 @@ def compile_artifact(tmp_path_factory, family: str, target: str, dtype: str):
         assert hgc(["compile", str(root / "ckpt"), "-o", str(root / "art"), "--target", target, "--dtype", dtype,
                     "--no-dumps", "--quiet"]) == 0, err.getvalue()[-3000:]
     return root / "art", err.getvalue()
-
-
-def traced_piece(gm: torch.fx.GraphModule, segment, device: torch.device) -> torch.fx.GraphModule:
-    module = segment_module(gm, segment)
-    retarget_meta_devices(module.graph, device)
-    module.recompile()
-    return module
-
-
-def traced_glue(gm: torch.fx.GraphModule, program: str, device: str = "cpu") -> CompiledGlue:
-    """The program's glue with each segment's own traced glue as its piece."""
-    segments = glue_segments(gm)
-    records = [{**s.to_json(), "piece": f"pieces/{s.index}.bin" if s.outputs else None} for s in segments]
-    pieces = {f"pieces/{s.index}.bin": traced_piece(gm, s, torch.device(device)) for s in segments if s.outputs}
-    glue = CompiledGlue(program, records, pieces, "traced")
-    glue.check(gm)
-    return glue
 
 
 def piece_calls(module: torch.fx.GraphModule) -> tuple[list[int], list[str]]:

@@ -352,11 +352,11 @@ def test_kimi_linear_gives_the_same_logits_with_and_without_the_pass(tmp_path_fa
 
 
 def test_the_overlap_benchmark_runs_every_stage_dry(qwen, tmp_path):
-    """benchmarks/overlap_bench.py --dry-run on the module's two artifacts: the MoE layer's three
+    """benchmarks/serving/overlap_bench.py --dry-run on the module's two artifacts: the MoE layer's three
     variants agree bit for bit (float32, CPU), each stage ends ok, the JSON and the table say so."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "serving"))
     from overlap_bench import main as bench
 
     root = qwen[0]

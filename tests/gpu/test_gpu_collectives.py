@@ -1,6 +1,6 @@
 """The symmetric-memory all-reduce on two GPUs against NCCL's, eager and inside a CUDA graph.
 
-testkit/collective_checks.py holds the check (benchmarks/allreduce_bench.py runs it before timing):
+testkit/collective_checks.py holds the check (benchmarks/kernels/allreduce_bench.py runs it before timing):
 bf16 and float32, one element to past the one-shot buffer, aligned tensors (one kernel) and views
 off the 16-byte grid (staged), then the three paths captured in one graph and replayed with new
 values. Two ranks: every sum must equal NCCL's bit for bit.

@@ -1,6 +1,6 @@
 """GraphRunner on a CUDA GPU: capture, start-up parity and graph-vs-eager tokens on a tiny qwen3_next.
 
-Runs only on the GPU machine (`pytest -m gpu`); benchmarks/gpu_graphs.py drives the bigger
+Runs only on the GPU machine (`pytest -m gpu`); benchmarks/serving/gpu_graphs.py drives the bigger
 checkpoints and the timings. The backends are the ones the artifact's routing.json names
 (runtime/artifact/binding.py), so these tests also cover building FlashInfer from the per-layer scales and
 head counts of the artifact's graph. Two routings beyond the default: one GDN layer bound to a

@@ -2,7 +2,7 @@
 kernel caches compiles, builds and tunes nothing, graph replay gives the eager tokens, compiled glue gives
 the traced glue's tokens, a second build gives the same code.
 
-Runs only on the GPU machine (`pytest -m gpu`); benchmarks/startup_bench.py measures start-up and
+Runs only on the GPU machine (`pytest -m gpu`); benchmarks/serving/startup_bench.py measures start-up and
 decode. Each `hgc` runs in a process of its own with empty kernel caches (Inductor's, Triton's,
 FlashInfer's), so nothing but the artifact can supply a kernel. Three tiny builds: qwen3_next
 (FlashInfer attention) and bailing_linear (its tiny MLA geometry on the Triton MLA kernel) in
@@ -139,7 +139,7 @@ def test_compiled_pieces_give_the_tokens_of_the_traced_glue(built, runs):
     if built["dtype"] == "float32":  # TF32 off: greedy tokens identical
         assert got == want
     else:  # bf16: Inductor rounds a fused chain once; the first token of each prompt must agree
-        # (benchmarks/startup_bench.py counts the rest on the bench model)
+        # (benchmarks/serving/startup_bench.py counts the rest on the bench model)
         assert [g[0] for g in got] == [w[0] for w in want], (got, want)
 
 

@@ -6,7 +6,7 @@ hide a fault or to excuse one) is compiled with `--overlap` (size rule 4 KiB: th
 expert is a side branch in every MoE layer) and without. The runner with the pass captures every
 decode bucket as one graph holding both streams, and the extend bucket piecewise, each side
 branch forked off the capturing stream and joined back before its capture ends
-(runtime/graphs/side_stream.py states the rule). benchmarks/overlap_bench.py times it.
+(runtime/graphs/side_stream.py states the rule). benchmarks/serving/overlap_bench.py times it.
 """
 
 from __future__ import annotations

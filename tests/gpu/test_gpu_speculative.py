@@ -1,6 +1,6 @@
 """Speculative decoding on a CUDA GPU: target_verify and draft steps captured, parity-checked and exact.
 
-Runs only on the GPU machine (`pytest -m gpu`); benchmarks/spec_bench.py measures the costs.
+Runs only on the GPU machine (`pytest -m gpu`); benchmarks/serving/spec_bench.py measures the costs.
 
 1. bf16, the default routing (FlashInfer, the Triton linear kernels, the fused MoE): with three
    drafts the main runner captures target_verify buckets as whole-step graphs (every op of the

@@ -10,7 +10,7 @@
   waits for its peer without a timeout) ends the server within a bound, naming rank 1.
 
 Marked gpu (CI deselects it); needs two GPUs. The benchmark of the full-size releases is
-benchmarks/tp_bench.py.
+benchmarks/serving/tp_bench.py.
 """
 
 from __future__ import annotations

@@ -811,10 +811,10 @@ def test_the_openai_client_reads_logprobs_echo_and_n(server):
 
 
 def test_serve_bench_dry_run_reports_every_level(artifact, tmp_path):
-    """benchmarks/serve_bench.py starts `hgc serve` on the artifact and drives it at two
+    """benchmarks/serving/serve_bench.py starts `hgc serve` on the artifact and drives it at two
     concurrencies through the OpenAI client (the CPU size of the GPU run's command)."""
     pytest.importorskip("openai")
-    from benchmarks.serve_bench import DRY, main as serve_bench
+    from benchmarks.serving.serve_bench import DRY, main as serve_bench
 
     assert serve_bench(["--dry-run", "--artifact", str(artifact[0]), "--serve-args", " ".join(tokenizer_flag(*artifact)),
                         "--out", str(tmp_path)]) == 0

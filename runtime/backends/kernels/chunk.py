@@ -63,7 +63,7 @@ and K^T V'), five products a chunk in the sequential part, and its tile set (q, 
 scores, the state) spilled (255 registers and 224 spills on an H200 at Dk = Dv = 128). Now the walk
 does only those two, and the output products, most of a long prompt's work, run in parallel over
 chunks; the price is the chunk states' round trip through memory (written once, read once per
-output Dv tile). Kernel time of one GDN layer, one request of 2048 tokens, H200 (BENCHMARKS.md, "GDN
+output Dv tile). Kernel time of one GDN layer, one request of 2048 tokens, H200 (benchmarks/history/extend.md, "GDN
 extend steps on our chunk kernels"): 0.54 ms before the split, 0.45 after it, 0.29 now (16-bit
 products, a pipelined walk, the solve above), against 0.17 for FLA's kernels.
 
@@ -89,7 +89,7 @@ products (W S_c, (K * decay)^T V') and the output kernel's take 16-bit operands:
 are, the state and V' rounded to the chunk states' dtype, as FLA's kernels take theirs; the walk
 keeps its state in float32 registers, so the rounding reaches each chunk's products once and never
 accumulates through the recurrence. The solve keeps float32 operands as tf32 (its keys' product
-K K^T takes them in 16 bits, which is exact). On an H200 (benchmarks/chunk_kernel_sweep.py, requests
+K K^T takes them in 16 bits, which is exact). On an H200 (benchmarks/kernels/chunk_kernel_sweep.py, requests
 of 1 to 1000 rows at Dk = Dv = 128 against the float32 recurrence) the 16-bit products moved GDN's
 worst output error from 2.3e-3 to 2.9e-3 and its states' from 8.4e-4 to 1.9e-3 (Lightning's: 2.0e-3
 to 2.7e-3, 4.3e-4 to 1.5e-3), against 1.7e-3 to 3.2e-3 for FLA's; the tests' bound is 1e-2, and
@@ -152,7 +152,7 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> Ch
     64, 2 stages). Its chunk loop is software-pipelined, the next chunk's loads issued during this
     chunk's products: 3 stages for tiles of 32 columns (0.112 ms there against 0.133 with 2 and
     0.165 with 1), 2 for tiles of 64, where a third does not fit in shared memory beside the others
-    (four requests of 512: 0.068 ms with 2, 0.119 with 3; benchmarks/chunk_kernel_sweep.py).
+    (four requests of 512: 0.068 ms with 2, 0.119 with 3; benchmarks/kernels/chunk_kernel_sweep.py).
 
     The output kernel's programs are independent (chunks x heads x Dv tiles, thousands for a long
     prompt): 64 columns in 4 warps (8 warps or 128 columns were slower, the same sweep). The solve

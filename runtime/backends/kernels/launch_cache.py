@@ -1,7 +1,7 @@
 """Launching a Triton kernel again with the same arguments, without Triton's per-launch binding.
 
 `kernel[grid](*args)` binds and specializes every argument on each call: Python work of tens of
-microseconds per launch (benchmarks/startup_bench.py's piecewise host profile: Triton's `run`, its
+microseconds per launch (benchmarks/serving/startup_bench.py's piecewise host profile: Triton's `run`, its
 binder and `native_specialize_impl` were the largest share of a piecewise decode step's host time).
 An eager gap between captured pieces launches its kernels with the same arguments on every step
 of a bucket: the captured pieces' outputs, the pools and the static step buffers sit at fixed
@@ -28,7 +28,7 @@ __all__ = ["Launcher"]
 class Launcher:
     """`Launcher(kernel)[grid](*args, **kwargs)` launches like `kernel[grid](*args, **kwargs)`."""
 
-    # False: every launch takes Triton's path (benchmarks/startup_bench.py times piecewise steps
+    # False: every launch takes Triton's path (benchmarks/serving/startup_bench.py times piecewise steps
     # both ways in one process).
     enabled = True
 

@@ -2,7 +2,7 @@
 
 `triton.cdiv` and `triton.next_power_of_2` are constexpr functions in current Triton: called from
 host code, each goes through Triton's constexpr unwrapping (a few microseconds a call), and a
-decode step's launch paths called them about 150 times (benchmarks/startup_bench.py's piecewise host
+decode step's launch paths called them about 150 times (benchmarks/serving/startup_bench.py's piecewise host
 profile). These are the same integer functions in plain Python, for host code; kernels keep Triton's.
 `token_blocks` is the (sequence, block) table the extend kernels (ours and FLA's) walk.
 `triton_interpreted` says whether launches run in Triton's interpreter (the CPU tests).

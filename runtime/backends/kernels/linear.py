@@ -135,7 +135,7 @@ def _conv_tile(block_c: int, channels: int) -> ConvConfig:
 # decode_tiles="fixed" (hgc compile --batch-invariant): one tile for every request count, since a
 # different tile reduces a request's state and window in a different order. The tile chosen is the
 # one that serves a full batch best, not one request's: in the tile sweep of
-# benchmarks/gpu_linear_decode.py (BENCHMARKS.md, "Batch-invariant numerics", second run; GDN at 32
+# benchmarks/kernels/gpu_linear_decode.py (benchmarks/history/batch_invariant.md, second run; GDN at 32
 # heads of 128, the Qwen3-Next conv of 8192 channels) one request's tiles (Dv 8, 1 warp; 32
 # channels) took 1.9x and 1.5x the time of these at batch 32 and 3.4x and 2.0x at batch 256, while
 # these cost at most 0.2 us more than one request's tiles at batch 1.

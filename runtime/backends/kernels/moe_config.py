@@ -2,7 +2,7 @@
 
 Kernel configs come from JSON files in `runtime/backends/kernels/moe_configs/` named
 `E={E},I={I},device={device name, spaces as underscores}.json` (see the README there and
-`benchmarks/tune_moe.py`, which writes them); without a file `default_config` decides. The backend
+`benchmarks/kernels/tune_moe.py`, which writes them); without a file `default_config` decides. The backend
 (runtime/backends/triton_moe.py) picks one per call with `pick_bucket`; the kernels
 (runtime/backends/kernels/moe.py) launch with it. Plain Python: no triton here.
 """
@@ -91,7 +91,7 @@ _FEW_PAIRS = MoEConfig(GemmConfig(16, 32, 128, 1, 4, 4), GemmConfig(16, 128, 128
 
 def default_config(T: int, E: int, I: int, D: int, top_k: int) -> MoEConfig:
     """The config used when no JSON file matches: untuned, fitted to the winners of one H200 tuning run
-    (bf16, D 2048, I 512, E 16 top-4 and E 512 top-10; benchmarks/NOTES_moe.md).
+    (bf16, D 2048, I 512, E 16 top-4 and E 512 top-10; benchmarks/history/moe_notes.md).
 
     - Token path while few pairs share an expert: T <= 4, or T <= 8 when E >= 8 k. GEMV programs
       2 (T <= 2) or 4 columns wide that read the whole reduction in one step: their loads are not

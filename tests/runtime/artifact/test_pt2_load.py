@@ -14,12 +14,7 @@ from torch._export.serde import serialize
 from compiler.splitops.artifact import MANIFEST, PROGRAM_FILES, load_json
 from runtime.artifact.pt2_check import load_program
 from testkit.helpers import shared_artifact
-
-
-def _described(ep) -> list[str]:
-    """Everything the runtime reads of a program, as text: its code, signature, ranges, each node's value."""
-    return [str(ep.graph), str(ep.graph_signature), str(ep.range_constraints),
-            *(f"{n.name}: {n.meta.get('val')}" for n in ep.graph.nodes)]
+from testkit.program_text import described
 
 
 def test_the_checked_load_gives_the_program_torch_loads(tmp_path_factory):
@@ -29,6 +24,6 @@ def test_the_checked_load_gives_the_program_torch_loads(tmp_path_factory):
     plain = torch.export.load(path)
     assert any(isinstance(s, torch.SymInt) for n in checked.graph.nodes
                for s in getattr(n.meta.get("val"), "shape", ()))  # the token count is symbolic: parsed texts
-    assert _described(checked) == _described(plain)
+    assert described(checked) == described(plain)
     assert serialize.sympy is sympy and serialize.typing.get_type_hints.__module__ == "typing"
     assert serialize._dict_to_dataclass.__module__ == serialize.__name__  # torch's own again after the load

@@ -331,7 +331,7 @@ def test_start_up_parity_names_an_op_whose_real_rows_change_when_padded(artifact
     with pytest.raises(ParityError, match=rf"unpadded against padded eager, op by op: first differing: layer "
                                           rf"{full_layer} \(gqa_attention, rel err [0-9.e+-]+ on the same inputs\)"):
         runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
-    # the refused key's op-by-op record stays readable (benchmarks/parity_drift_probe.py reads it)
+    # the refused key's op-by-op record stays readable (benchmarks/probes/parity_drift_probe.py reads it)
     (record,) = runner.parity_errors.values()
     worst = max(record["per_op"], key=lambda r: r["op_err"])
     assert (worst["layer"], worst["op"]) == (full_layer, "gqa_attention") and worst["op_err"] > 1e-3

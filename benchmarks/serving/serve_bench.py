@@ -1,0 +1,280 @@
+"""Serving benchmark: `hgc serve` under load at several concurrencies, through the OpenAI client.
+
+On the GPU machine (the lead's command; carry the wheels of fastapi, uvicorn, openai and their
+dependencies with hgc's):
+
+    hgc init-model --family qwen3_next --size bench --seed 0 -o /tmp/ckpt
+    hgc compile /tmp/ckpt --target cuda --dtype bfloat16 -o /tmp/bench
+    python3 benchmarks/serving/serve_bench.py --artifact /tmp/bench --device cuda --out $OUT
+    # the same for an MLA family: --family kimi_linear
+
+On a CPU, a few seconds (what tests/server/test_server.py runs):
+
+    python benchmarks/serving/serve_bench.py --dry-run --artifact artifacts/tiny --out /tmp/serve_bench
+    python benchmarks/serving/serve_bench.py --dry-run --url http://127.0.0.1:8000 --model tiny   # a running server
+    python benchmarks/serving/serve_bench.py --dry-run --artifact artifacts/tiny --offline   # and the engine alone
+
+1. The server: started here from --artifact (`python -m hgc serve`, its --device and sizing
+   flags, `--port 0`) and stopped at the end, or one already running at --url.
+2. The load: a fixed mix of (prompt tokens, output tokens) pairs, cycled; prompts are seeded
+   random token ids (no tokenizer involved), outputs exactly that long (ignore_eos). Per
+   concurrency C: C workers, each sending its next request as soon as its last one ends (a
+   closed loop), until --requests-per-worker x C requests have ended. One warm-up request first.
+3. Each request streams (`stream: true`, usage included): its time to first token (TTFT: from
+   sending to the first chunk that carries a token) and the gaps between its later tokens
+   (inter-token latency, ITL) are recorded.
+4. Per level: TTFT and ITL median and p99 (ITL pooled over every token of every request, as
+   vLLM's benchmark pools it), output tokens per second and requests per second over the level's
+   wall time, and the errors. The table is printed; --out writes serve_bench.json with the
+   per-request records, the command line, the date and the server's /v1/models card.
+5. With --offline, once the server has stopped: benchmarks/serving/offline_bench.py in a process of
+   its own on the same artifact, levels and prompts (level_requests), straight to the engine;
+   per level its output tok/s with as many requests in flight and served tok/s over it (what
+   HTTP, the tokenizer-free streaming path and the engine loop's thread cost). Its JSON goes to
+   OUT/offline/, its stages' status and closed-loop runs into serve_bench.json.
+
+It does not compare engines or check tokens (tests/server/test_server.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+from bench_common import fmt  # noqa: E402
+from testkit.helpers import ServerProcess  # noqa: E402
+
+GPU = dict(concurrency=(1, 8, 32, 128), mix=((128, 128), (512, 64), (64, 256), (1024, 32)), requests_per_worker=4)
+DRY = dict(concurrency=(1, 4), mix=((8, 6), (24, 3), (4, 10)), requests_per_worker=2)
+FIRST_TOKEN_ID = 16  # prompt ids start above the special tokens of hgc's tokenizers (and of most others)
+WARM_UP = (list(range(FIRST_TOKEN_ID, FIRST_TOKEN_ID + 8)), 4)  # (prompt, output tokens) before the levels
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """Send one streamed completion; its TTFT, token times and token count (or its error)."""
+    start = time.perf_counter()
+    times, tokens = [], 0
+    try:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                n = len(getattr(choice, "token_ids", None) or [])  # hgc's extension: the ids of the chunk
+                if n:
+                    times += [time.perf_counter()] * n
+                    tokens += n
+    except Exception as e:  # noqa: BLE001 - counted per level, the run goes on
+        return {"error": repr(e), "prompt_tokens": len(prompt), "max_tokens": max_tokens}
+    end = time.perf_counter()
+    return {"prompt_tokens": len(prompt), "max_tokens": max_tokens, "output_tokens": tokens,
+            "usage_completion_tokens": usage.completion_tokens if usage else None,
+            "ttft_s": times[0] - start if times else None, "latency_s": end - start,
+            "itl_s": [b - a for a, b in zip(times, times[1:])]}
+
+
+def parse_mix(text: str) -> tuple[tuple[int, int], ...]:
+    """--mix: comma-separated prompt:output pairs of positive token counts, e.g. 128:128,512:64."""
+    try:
+        mix = tuple(tuple(int(x) for x in pair.split(":")) for pair in text.split(","))
+    except ValueError:
+        mix = ()
+    if not mix or any(len(pair) != 2 or min(pair) < 1 for pair in mix):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected prompt:output pairs of positive token counts, "
+                                         f"e.g. 128:128,512:64")
+    return mix
+
+
+def level_requests(mix, concurrency: int, requests_per_worker: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """The (prompt ids, output tokens) of one level, in sending order: the mix cycled over
+    requests_per_worker x concurrency requests, prompts seeded random ids (seed + concurrency),
+    the same for every engine a level is run on (benchmarks/serving/offline_bench.py's too)."""
+    g = random.Random(seed + concurrency)
+    jobs = [mix[i % len(mix)] for i in range(requests_per_worker * concurrency)]
+    return [([g.randrange(FIRST_TOKEN_ID, vocab) for _ in range(p)], o) for p, o in jobs]
+
+
+def sizing(concurrency, mix) -> dict:
+    """The engine's size for a run: a slot per worker of the highest concurrency, and room for the
+    longest request of the mix (at least 256 tokens)."""
+    return {"slots": max(concurrency), "max_model_len": max(256, max(p + o for p, o in mix))}
+
+
+async def run_level(client, model: str, concurrency: int, requests: list[tuple[list[int], int]]) -> dict:
+    queue = list(reversed(requests))
+    records = []
+
+    async def worker():
+        while queue:
+            prompt, max_tokens = queue.pop()
+            records.append(await one_request(client, model, prompt, max_tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    done = [r for r in records if "error" not in r]
+    ttft = [r["ttft_s"] for r in done if r["ttft_s"] is not None]
+    itl = [gap for r in done for gap in r["itl_s"]]
+    out_tokens = sum(r["output_tokens"] for r in done)
+    return {"concurrency": concurrency, "requests": len(records), "errors": len(records) - len(done),
+            "wall_s": wall, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
+            "requests_per_s": len(done) / wall,
+            "ttft_median_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "itl_median_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            "records": records}
+
+
+def fmt_ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def table(levels: list[dict]) -> str:
+    """The levels' table; with --offline, two more columns: the offline figure at the same number
+    in flight and served over offline."""
+    offline = any("served_over_offline" in lv for lv in levels)
+    head = ("| concurrency | requests | errors | TTFT median ms | TTFT p99 ms | ITL median ms | ITL p99 ms | out tok/s "
+            "| req/s |" + (" offline tok/s | served/offline |" if offline else ""))
+    rows = [head, "|" + "---|" * (11 if offline else 9)]
+    for lv in levels:
+        rows.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | {fmt_ms(lv['ttft_median_s'])} | "
+                    f"{fmt_ms(lv['ttft_p99_s'])} | {fmt_ms(lv['itl_median_s'])} | {fmt_ms(lv['itl_p99_s'])} | "
+                    f"{lv['output_tokens_per_s']:.1f} | {lv['requests_per_s']:.2f} |"
+                    + (f" {fmt(lv['offline_output_tokens_per_s'], '.1f', '-')} | {fmt(lv['served_over_offline'], '.2f', '-')} |"
+                       if offline else ""))
+    return "\n".join(rows)
+
+
+def offline(args, concurrency, mix, per_worker: int, out: Path) -> dict:
+    """benchmarks/serving/offline_bench.py on the same artifact, levels and prompts, in a process of
+    its own (started after the server has stopped, so the two never share the device): its
+    stages' status and its closed-loop runs by concurrency."""
+    script = ROOT / "benchmarks" / "serving" / "offline_bench.py"
+    argv = [sys.executable, str(script), "--artifact", args.artifact, "--device", args.device, "--out", str(out),
+            "--concurrency", ",".join(map(str, concurrency)), "--mix", ",".join(f"{p}:{o}" for p, o in mix),
+            "--iters", str(per_worker), "--seed", str(args.seed), "--no-serve-vs-run",
+            *(["--dry-run"] if args.dry_run else [])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run(argv, cwd=ROOT, env=env, check=True)
+    rec = json.loads((out / "offline_bench.json").read_text())
+    return {"command": " ".join(argv[1:]), "stages": {name: s["status"] for name, s in rec["stages"].items()},
+            "engine": rec.get("engine"), "runs": rec.get("runs", {})}
+
+
+def add_offline(levels: list[dict], report: dict) -> None:
+    """Per level: the offline output tok/s with as many in flight, and served over it (None where
+    the offline run did not finish)."""
+    for lv in levels:
+        run = report["runs"].get(f"closed_loop_c{lv['concurrency']}")
+        lv["offline_output_tokens_per_s"] = run["output_tokens_per_s"] if run else None
+        lv["served_over_offline"] = lv["output_tokens_per_s"] / run["output_tokens_per_s"] if run else None
+
+
+async def bench(url: str, model: str | None, concurrency, mix, requests_per_worker: int, seed: int) -> dict:
+    import httpx
+    import openai
+
+    limit = max(concurrency) + 8  # connections: one per worker, without the client's default cap of 100
+    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600, http_client=http)
+    async with client:
+        card = (await client.models.list()).data[0]
+        model = model or card.id
+        extra = card.model_extra or {}
+        vocab = int(extra.get("vocab_size") or 1000)
+        longest = max(p + o for p, o in mix)
+        if extra.get("max_model_len") and longest > extra["max_model_len"]:
+            raise SystemExit(f"serve_bench: the mix needs {longest} tokens per request; the server takes "
+                             f"{extra['max_model_len']} (--max-model-len)")
+        warm = await one_request(client, model, *WARM_UP)
+        if "error" in warm:
+            raise SystemExit(f"serve_bench: the warm-up request failed: {warm['error']}")
+        levels = []
+        for c in concurrency:
+            level = await run_level(client, model, c, level_requests(mix, c, requests_per_worker, vocab, seed))
+            print(f"concurrency {c}: {level['requests']} requests in {level['wall_s']:.1f} s, "
+                  f"{level['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
+            levels.append(level)
+    return {"model_card": card.model_dump(), "levels": levels}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--artifact", help="start `hgc serve` on this artifact (stopped at the end)")
+    where.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    p.add_argument("--dry-run", action="store_true", help=f"CPU size: concurrency {DRY['concurrency']}, mix {DRY['mix']}")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help=f"default {GPU['concurrency']}")
+    p.add_argument("--mix", type=parse_mix, default=None,
+                   help="prompt:output pairs, e.g. 128:128,512:64 (default: the GPU or dry mix)")
+    p.add_argument("--requests-per-worker", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="with --artifact: hgc serve --device")
+    p.add_argument("--serve-args", default="", help="with --artifact: more hgc serve flags, e.g. '--slots 256'")
+    p.add_argument("--out", default=None, help="folder for serve_bench.json (and offline/ with --offline)")
+    p.add_argument("--offline", action="store_true",
+                   help="with --artifact: then benchmarks/serving/offline_bench.py on it, the same levels and prompts "
+                        "with no HTTP, and per level served tok/s over offline tok/s at as many in flight (the server's "
+                        "engine knobs at hgc serve's defaults: --serve-args that change them make unlike engines)")
+    args = p.parse_args(argv)
+    if args.offline and not args.artifact:
+        p.error("--offline: needs --artifact (the offline run loads it)")
+    preset = DRY if args.dry_run else GPU
+    concurrency = tuple(args.concurrency or preset["concurrency"])
+    mix = args.mix or preset["mix"]
+    per_worker = args.requests_per_worker or preset["requests_per_worker"]
+
+    server = None
+    if args.artifact:
+        size = sizing(concurrency, mix)
+        flags = ["--device", args.device, "--slots", str(size["slots"]), "--max-model-len", str(size["max_model_len"]),
+                 *args.serve_args.split()]
+        server = ServerProcess([args.artifact, *flags]).wait_ready(timeout=1800)
+    url = args.url or server.url
+    try:
+        result = asyncio.run(bench(url, args.model, concurrency, mix, per_worker, args.seed))
+    finally:
+        if server is not None:
+            server.stop()
+    if args.offline:
+        with tempfile.TemporaryDirectory() as scratch:
+            result["offline"] = offline(args, concurrency, mix, per_worker,
+                                        Path(args.out) / "offline" if args.out else Path(scratch))
+        add_offline(result["levels"], result["offline"])
+    result.update(command=" ".join(sys.argv if argv is None else ["serve_bench.py", *argv]),
+                  date=time.strftime("%Y-%m-%d %H:%M:%S"), dry_run=args.dry_run, mix=mix,
+                  requests_per_worker=per_worker)
+    print(table(result["levels"]))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "serve_bench.json").write_text(json.dumps(result, indent=1))
+    offline_ok = all(status == "ok" for status in result.get("offline", {}).get("stages", {}).values())
+    return 0 if offline_ok and all(lv["errors"] == 0 for lv in result["levels"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
