@@ -182,10 +182,7 @@ def _check_key(runner, key: CaptureKey, items: Items, rtol: Optional[float]) -> 
     if where or beyond_drift(err, forced.carried, rtol):  # the logits inherit the glue's drift
         problems.append(f"unpadded against padded eager, op by op: first differing: "
                         f"{where or f'the logits (rel err {err:.3g})'}")
-    written = watch.differences(ref_written, watch.written(), rtol)
-    if written:
-        problems.append(f"unpadded against padded eager: written for a real request: {written}")
-    problems += [f"the unpadded eager run touched {what}" for what in watch.touched_outside()]
+    problems += _cache_problems(watch, ref_written, rtol, "unpadded against padded eager", "unpadded eager run")
     watch.restore()
 
     marks.append(("unpadded", time.perf_counter()))
@@ -196,16 +193,21 @@ def _check_key(runner, key: CaptureKey, items: Items, rtol: Optional[float]) -> 
     if where or not math.isfinite(err) or err > rtol:
         problems.append(f"replay against padded eager: logits rel err {err:.3g}; first differing: "
                         f"{where or 'no single op output (the difference is in the pieces between ops)'}")
-    written = watch.differences(ref_written, watch.written(), rtol)
-    if written:
-        problems.append(f"replay against padded eager: written for a real request: {written}")
-    problems += [f"the replay touched {what}" for what in watch.touched_outside()]
+    problems += _cache_problems(watch, ref_written, rtol, "replay against padded eager", "replay")
     marks.append(("replay", time.perf_counter()))
     record.phases[name] = {run: round(t - marks[i][1], 4) for i, (run, t) in enumerate(marks[1:])}
     if problems:
         raise ParityError(f"start-up parity: {key} with {len(items)} real request(s) and {rows} real row(s): "
                           f"{'; '.join(problems)}; refusing to serve")
     return err
+
+
+def _cache_problems(watch: CacheWatch, reference: dict, rtol: float, against: str, run: str) -> list[str]:
+    """What a run wrote for a real request beyond rtol of the reference run's writes, and what it
+    touched outside the real requests' slots and pages, each named."""
+    written = watch.differences(reference, watch.written(), rtol)
+    problems = [f"{against}: written for a real request: {written}"] if written else []
+    return problems + [f"the {run} touched {what}" for what in watch.touched_outside()]
 
 
 def _observed_run(runner, step: StepInputs, key: Optional[CaptureKey], *, observer=None,
