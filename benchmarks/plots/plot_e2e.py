@@ -1,7 +1,7 @@
 """Turn gpu_e2e.py's JSON into a PNG plot and the BENCHMARKS.md section text (it edits no file but its outputs).
 
-    python benchmarks/plot_e2e.py OUT/gpu_e2e.json --png e2e.png            # markdown to stdout
-    python benchmarks/plot_e2e.py OUT/gpu_e2e.json --png e2e.png --md e2e.md
+    python benchmarks/plots/plot_e2e.py OUT/gpu_e2e.json --png e2e.png            # markdown to stdout
+    python benchmarks/plots/plot_e2e.py OUT/gpu_e2e.json --png e2e.png --md e2e.md
 
 The markdown: card, date, torch and command; per family a table (rows decode B, extend T over R
 requests, mixed steps; columns our eager / piecewise / full graph, torch.compile, transformers
@@ -212,7 +212,7 @@ def plot(doc: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", help="gpu_e2e.json written by benchmarks/gpu_e2e.py")
+    p.add_argument("json", help="gpu_e2e.json written by benchmarks/serving/gpu_e2e.py")
     p.add_argument("--png", help="write the plot here (needs matplotlib)")
     p.add_argument("--md", help="write the markdown section here (default: stdout)")
     args = p.parse_args(argv)

@@ -25,7 +25,7 @@ Per family (stages skippable with --skip):
    rows the same bits when it has 126 rows as when it has 256, and its time at either size
    (CUBLAS_WORKSPACE_CONFIG, if set, recorded: `:0:0` leaves cuBLAS no workspace for split-K).
 5. parity: a runner with a decode and an extend bucket captured (CUDA graphs; CPU: reruns), then
-   the start-up parity check (runtime/graphs/runner.py): passed, or its refusal.
+   the start-up parity check (runtime/graphs/startup_parity.py): passed, or its refusal.
 6. tokens: greedy tokens of --num-prompts prompts x --new-tokens, every step eager and unpadded,
    against a runner whose graphs pad them: "light" (the prefill in the smallest extend bucket
    that holds it, decode in a bucket of the batch) and "heavy" (an extend bucket twice that, a
@@ -57,6 +57,7 @@ from runtime.cache.batch import SeqState, build_step  # noqa: E402
 from runtime.step.bound_ops import BoundOps  # noqa: E402
 from runtime.engine.generate import make_pools  # noqa: E402
 from runtime.graphs.runner import GraphRunner, ParityError  # noqa: E402
+from runtime.graphs.startup_parity import release_items  # noqa: E402
 from runtime.artifact.loader import load_artifact  # noqa: E402
 from runtime.graphs.parity import CacheWatch, OpTrace, TeacherForcing, op_arg_positions, rel_err, rtol_for  # noqa: E402
 from testkit.graph_cases import greedy  # noqa: E402
@@ -249,7 +250,7 @@ def run_family(family: str, args, work: Path, rec: dict, save) -> None:
         try:
             rec[key] = probe(runner, runner.backend, items, PAD_TOKENS, PAD_SEQS)
         finally:
-            runner.release_items(items)
+            release_items(runner, items)
         report(rec[key])
         # The next decode step of a batch with a history, padded to a bucket of twice its requests.
         with decode_batch(runner, st, args.num_prompts, ctx["vocab"], torch.Generator().manual_seed(12)) as items:

@@ -1,11 +1,11 @@
 """Where the start-up parity check's unpadded run parts from its padded one, op by op, at depth.
 
-The check (runtime/graphs/runner.py `_check_key`, runtime/graphs/parity.py TeacherForcing) hands each op
+The check (runtime/graphs/startup_parity.py `_check_key`, runtime/graphs/parity.py TeacherForcing) hands each op
 of the unpadded run the padded run's inputs and measures how far the glue had computed them.
 Values the glue carries past the ops (the residual stream, a dense MLP) are not handed over, so
 their rounding differences travel from layer to layer. This probe starts a GraphRunner with one
 decode bucket B (its check: B - 1 requests padded to B) and prints, from the check's own record
-(`GraphRunner.parity_errors`, kept whether the key passes or is refused), per op, the glue's and
+(`GraphRunner.parity.errors`, kept whether the key passes or is refused), per op, the glue's and
 the op's relative error: rounding drift grows layer by layer, a fault jumps.
 
     python3 benchmarks/probes/parity_drift_probe.py --out $OUT --config qwen3_6_27b --bucket 8
@@ -43,7 +43,7 @@ def bench(args, rec: dict, save) -> None:
     stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
 
     def probe():
-        """The start-up check itself on one decode bucket: its op-by-op record (GraphRunner.parity_errors)
+        """The start-up check itself on one decode bucket: its op-by-op record (GraphRunner.parity.errors)
         is kept whether the key passes or is refused."""
         art = load_artifact(compiled_artifact(args), device=str(device), load_format=load_format(args))
         B = args.bucket
@@ -61,7 +61,7 @@ def bench(args, rec: dict, save) -> None:
             refused = None
         except ParityError as e:
             refused = str(e)
-        (key, errors), = runner.parity_errors.items()
+        (key, errors), = runner.parity.errors.items()
         rec["probe"] = {"key": key, "bucket": B, "refused": refused, **errors}
 
     stages("probe", probe)

@@ -15,7 +15,7 @@ Steps, per checkpoint size:
 3. greedy tokens through a GraphRunner that was never captured (its eager path), for 8 prompts
    of mixed lengths (one prefill step of 421 tokens, then decode at batch 8) x 32 new tokens.
 4. capture (decode buckets 1..32, extend buckets 256 and 512), timed.
-5. start-up parity (`check_parity`), its per-key relative errors printed.
+5. start-up parity (runtime/graphs/startup_parity.py `check_parity`), its per-key relative errors printed.
 6. the same greedy run through the captured runner (prefill -> extend[512] piecewise, decode ->
    decode[8] full graph), compared with step 3: mismatch rate and first differing position.
    bf16 runs may legitimately part late (different kernels for padded shapes): reported, not hidden.
@@ -55,6 +55,7 @@ from testkit.graph_cases import greedy  # noqa: E402
 from runtime.cache.batch import SeqState, build_step  # noqa: E402
 from runtime.engine.generate import make_pools  # noqa: E402
 from runtime.graphs.runner import GraphRunner  # noqa: E402
+from runtime.graphs.startup_parity import check_parity  # noqa: E402
 from runtime.artifact.loader import load_artifact  # noqa: E402
 
 PROMPT_LENS = (3, 9, 17, 30, 48, 64, 100, 150)  # 421 tokens: the first step fits extend[512]
@@ -138,7 +139,7 @@ def run_size(family: str, size: str, args, work: Path, rec: dict, save) -> None:
     stage("4_capture", capture, needs=["2_load"])
 
     def parity():
-        report = ctx["runner"].check_parity(vocab_size=ctx["vocab"])
+        report = check_parity(ctx["runner"], vocab_size=ctx["vocab"])
         rec["parity"] = report
         for k, v in report.items():
             print(f"  parity {k}: rel err {v:.3g}", flush=True)
@@ -198,7 +199,7 @@ def run_size(family: str, size: str, args, work: Path, rec: dict, save) -> None:
                              max_pages_per_seq=MAX_LEN // PAGE, extend_max_seqs=EXTEND_MAX_SEQS,
                              decode_graphs="piecewise", graphs=graphs)
         runner.capture()
-        rec["piecewise_decode_parity"] = runner.check_parity(vocab_size=vocab)
+        rec["piecewise_decode_parity"] = check_parity(runner, vocab_size=vocab)
         g = torch.Generator().manual_seed(3)
         out = rec.setdefault("timings_ms", {})
         for B in (1, 8, 32):

@@ -205,12 +205,12 @@ def run_variant(args) -> dict:
         rec["parity"] = runner.start(vocab, log=log)
     sync()
     rec.update(capture_s=marks[1] - marks[0], parity_s=marks[-1] - marks[1], keys=[str(k) for k in runner.keys],
-               parity_s_per_key=runner.parity_seconds, parity_phases_per_key=runner.parity_phases)
+               parity_s_per_key=runner.parity.seconds, parity_phases_per_key=runner.parity.phases)
     rec["load_capture_parity_s"] = rec["load_s"] + marks[-1] - marks[0]
     # whether the start-up imported FLA (about a second of Python where no layer runs its kernels)
     rec["fla_imported"] = any(name == "fla" or name.startswith("fla.") for name in sys.modules)
     if art.compiled is not None:
-        art.compiled.parity = list(runner.compiled_reports.values())
+        art.compiled.parity = list(runner.parity.compiled.values())
         rec["bundle"] = art.compiled.report()
     if args.profile:
         # The profile is of the start-up; the decode timings below run profilers of their own, which

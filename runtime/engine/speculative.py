@@ -81,6 +81,7 @@ from runtime.step.host_copy import to_device
 from runtime.cache.kv_pool import KVPool
 from runtime.cache.state_pool import StatePool
 from runtime.graphs.staging import hidden_input_spec
+from runtime.graphs.startup_parity import check_parity
 
 __all__ = ["EagerSteps", "DraftChunk", "MTPDrafter", "SpeculativeDecoder", "MAX_DRAFT_TOKENS",
            "check_draft_program", "speculative_factory"]
@@ -373,9 +374,9 @@ def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[
             products = contextlib.nullcontext() if fixed_draft_products else batch_invariant_aten.products_to_torch()
             with products:
                 steps.capture(init_backend=False, pool=runner.state.pool)
-                report = steps.check_parity(vocab_size=int(artifact.manifest["model"]["vocab_size"]))
+                report = check_parity(steps, vocab_size=int(artifact.manifest["model"]["vocab_size"]))
             if getattr(artifact, "compiled", None) is not None:  # the draft's compiled pieces, checked per key
-                artifact.compiled.parity += [{**r, "key": f"draft {r['key']}"} for r in steps.compiled_reports.values()]
+                artifact.compiled.parity += [{**r, "key": f"draft {r['key']}"} for r in steps.parity.compiled.values()]
             log(f"draft program: captured {len(steps.keys)} graphs; start-up parity: {len(report)} keys match eager")
         hidden_size, dtype = hidden_input_spec(artifact.programs["draft"])
         drafter = MTPDrafter(steps, draft_tokens, state_pool.num_slots, hidden_size, dtype, kv_pool.device)

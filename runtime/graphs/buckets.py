@@ -9,6 +9,9 @@
    holds a step or None (an eager step), and the largest step the static buffers must hold.
 3. `buckets_for`: the artifact's recorded buckets clipped to the steps an engine can send;
    `extend_seqs`: how many requests an extend graph holds.
+4. `one_captured_piece` and `piecewise_plan_mode`: what the program's split plans (split.json) say
+   about a mode's graphs: whole-step (its plan is one captured piece), or pieces with eager gaps,
+   and whose plan's pieces those are.
 
 The artifact's default buckets are the format's (compiler/splitops/artifact.py). This module
 captures nothing (runtime/graphs/cuda_graphs.py) and pads nothing (runtime/graphs/staging.py).
@@ -20,8 +23,9 @@ import dataclasses
 from typing import Optional
 
 from compiler.splitops import Mode
+from compiler.splitops.artifact import CAPTURED
 
-__all__ = ["CaptureKey", "Buckets", "buckets_for", "extend_seqs"]
+__all__ = ["CaptureKey", "Buckets", "buckets_for", "extend_seqs", "one_captured_piece", "piecewise_plan_mode"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +119,17 @@ def extend_seqs(largest_decode: int, extend_buckets) -> int:
     from the artifact's recorded buckets, not an engine's limits, so `hgc build` and every run
     capture the same shapes and find the same kernels."""
     return max(1, min([largest_decode, *extend_buckets]))
+
+
+def one_captured_piece(plan) -> bool:
+    """Whether a split plan (split.json) is one captured piece: its mode's steps may be one whole-step graph."""
+    return len(plan.pieces) == 1 and plan.pieces[0].kind == CAPTURED
+
+
+def piecewise_plan_mode(plans, mode: Mode) -> Mode:
+    """The mode whose split plan (of `plans`, by mode) a piecewise step of `mode` runs: its own, but
+    a decode plan that is one captured piece has no gaps, so piecewise decode (asked for) runs the
+    extend plan's pieces and gaps. Extend and mixed steps run the extend plan."""
+    if mode == Mode.DECODE and one_captured_piece(plans[Mode.DECODE]):
+        return Mode.EXTEND
+    return mode if mode in (Mode.DECODE, Mode.TARGET_VERIFY) else Mode.EXTEND

@@ -1,6 +1,6 @@
 """Compiled glue against traced glue: the start-up check that the bundle's pieces compute what the graph says.
 
-The graph runner's parity check (runtime/graphs/runner.py) compares padded replays with eager runs
+The start-up parity check (runtime/graphs/startup_parity.py) compares padded replays with eager runs
 of the same glue; it cannot see a compiled piece that differs from the traced graph, since both of
 its sides run the compiled piece. This check compares with the traced glue itself:
 
@@ -18,7 +18,7 @@ its sides run the compiled piece. This check compares with the traced glue itsel
 
 `check_compiled_start_up` runs it on an extend step and a decode step of a few fresh requests: what
 `hgc run` / `hgc serve` do at start-up on a device without CUDA graphs, for the main program and,
-with speculative decoding, the draft program. The graph runner calls
+with speculative decoding, the draft program. The start-up parity check calls
 `compare_compiled` on each captured key's padded step. It does not capture, and does not decide
 what is compiled (the bundle does).
 """

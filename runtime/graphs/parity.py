@@ -5,7 +5,7 @@ past the real ones on the reserved padding slot (runtime/cache/batch.py). The sa
 are not padded. Padding must not change a real row's output, the state written to a real
 request's slot or the KV written to its pages, and must leave the padding slot and every page no
 real request owns as they were. A check that pads both sides alike cannot see a fault that padding
-causes (DESIGN.md, failure 8), so the start-up parity check (runtime/graphs/runner.py) and the
+causes (DESIGN.md, failure 8), so the start-up parity check (runtime/graphs/startup_parity.py) and the
 layer-by-layer probe (benchmarks/probes/padding_probe.py) compare a padded run with an unpadded one, using:
 
 1. `OpTrace`: a BoundOps observer that keeps, for each op call, its layer id, op name and the

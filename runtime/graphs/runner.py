@@ -2,10 +2,11 @@
 
 The runner owns the captured keys, the static buffers and the padding; each role has its module:
 
-- runtime/graphs/buckets.py: the capture keys, and which key a step goes to;
+- runtime/graphs/buckets.py: the capture keys, which key a step goes to, and which modes are whole-step graphs;
 - runtime/graphs/staging.py: the static buffers a replayed step is copied into;
 - runtime/graphs/cuda_graphs.py: how one piece is captured and replayed (torch.cuda, or a CPU stand-in);
-- here: the lifecycle below and the start-up parity check.
+- runtime/graphs/startup_parity.py: the start-up check of the captured keys against eager;
+- here: the lifecycle below: dispatch a step to a whole-step graph, captured pieces or eager, and capture.
 
 Lifecycle:
 
@@ -31,18 +32,11 @@ Lifecycle:
    `init_replay_state`, for a piecewise step, whose captured pieces read per-step values from the
    static buffers that hook fills (the backend set forwards it only to the instances with a node
    inside a captured piece of the step's mode).
-4. `check_parity()` (start-up, after capture): for each captured key, real requests that fill it
-   only in part run eagerly padded, eagerly unpadded with each op on the padded run's inputs, and
-   replayed padded, from the same caches and states (`_check_key`, runtime/graphs/parity.py). Every
-   op's real rows, the logits, the states and KV written for the real requests must agree within
-   the compute dtype's tolerance, and the padding slot and unowned pages must not change;
-   otherwise the runner refuses to serve, naming the mode, the bucket and the first layer that
-   differs. (A padded replay checked only against a padded eager run would pass a padding fault
-   both share.) With compiled pieces (runtime/artifact/bundle.py), each key's padded step is first run
-   with the traced glue and compared op by op with the compiled pieces (runtime/graphs/compiled_parity.py):
-   the reference of the other runs is then known to be the graph's own. `start(vocab)` is capture +
-   parity; `graph_runner_factory` makes a started runner for the engine (runtime/assembly.py),
-   with the artifact's buckets clipped to its limits.
+4. `start(vocab)` is capture + start-up parity (runtime/graphs/startup_parity.py, `check_parity`):
+   each captured key replayed padded against eager runs of the same real requests, padded and
+   unpadded; a mismatch raises ParityError and the runner refuses to serve. What it found stays in
+   `parity` (a ParityRecord). `graph_runner_factory` makes a started runner for the engine
+   (runtime/assembly.py), with the artifact's buckets clipped to its limits.
 
 The same runner serves either program of an artifact: the main program, or the draft (MTP)
 program, whose `hidden` input (the previous position's hidden states) is one more static buffer.
@@ -61,8 +55,6 @@ which nodes sit in captured pieces is split.json's decision, read here through t
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from typing import Callable, Optional
 
@@ -74,15 +66,15 @@ from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DE
 from runtime.cache.batch import SeqState, StepInputs, build_step, step_mode, write_rows
 from runtime.backends.protocol import plan_eager_step
 from runtime.step.bound_ops import BoundOps
-from runtime.graphs.buckets import Buckets, CaptureKey, buckets_for, extend_seqs
-from runtime.graphs.compiled_parity import compare_compiled
+from runtime.graphs.buckets import (Buckets, CaptureKey, buckets_for, extend_seqs, one_captured_piece,
+                                    piecewise_plan_mode)
 from runtime.graphs.cuda_graphs import CaptureError, CapturedPiece, CaptureState, CudaGraphs
 from runtime.step.context import ExecContext
 from runtime.cache.kv_pool import KVPool
-from runtime.graphs.parity import (CacheWatch, OpRecord, OpTrace, ParityError, TeacherForcing, beyond_drift, first_difference,
-                            rel_err, rtol_for)
+from runtime.graphs.parity import OpRecord, OpTrace, ParityError
 from runtime.cache.state_pool import PADDING_SLOT, StatePool
 from runtime.graphs.staging import StepStaging, hidden_input_spec, step_on_device
+from runtime.graphs.startup_parity import ParityRecord, check_parity
 
 __all__ = ["GraphRunner", "ParityError", "graph_runner_factory",
            # the roles' own names, as the runner's users know them
@@ -123,19 +115,14 @@ class GraphRunner:
         if decode_graphs not in ("full", "piecewise"):
             raise ValueError(f"decode_graphs must be 'full' or 'piecewise', not {decode_graphs!r}")
         self.program, self.ops, self.kv_pool, self.state_pool = program, ops, kv_pool, state_pool
-        self.backend = ops.backend
         self.device = torch.device(device)
         self.graphs = graphs if graphs is not None else CudaGraphs()
         self.buckets = Buckets(tuple(decode_buckets), tuple(extend_buckets), extend_max_seqs,
                                tuple(verify_buckets), verify_tokens, verify_logits_rows or 0)
-        self.decode_buckets, self.extend_buckets = self.buckets.decode, self.buckets.extend
-        self.verify_buckets, self.verify_tokens = self.buckets.verify, verify_tokens
-        self.verify_logits_rows = self.buckets.verify_logits_rows
         if self.verify_buckets and program.name == "main" and self.verify_buckets[-1] > state_pool.verify_rows:
             raise CaptureError(f"target_verify bucket {self.verify_buckets[-1]} holds more requests than the state "
                                f"pool's {state_pool.verify_rows} rows of intermediate states; keep verify buckets at "
                                f"or below them (runtime/cache/memory_planner.py)")
-        self.extend_max_seqs = extend_max_seqs
         self.max_pages = max_pages_per_seq
         self.debug = debug
         self.state = CaptureState(self.graphs)
@@ -143,39 +130,51 @@ class GraphRunner:
         self.counters = {"graph_replays": 0, "piecewise_steps": 0, "eager_steps": 0}
         # Modes whose steps are one whole-step graph: every op of the mode's plan (split.json) captured.
         self.full_modes = frozenset(m for m in (Mode.DECODE, Mode.TARGET_VERIFY)
-                                    if decode_graphs == "full" and self._plan_is_one_captured_piece(m))
+                                    if decode_graphs == "full" and one_captured_piece(program.plans[m]))
         self.keys: list[CaptureKey] = []
-        max_tokens, max_seqs = self.buckets.max_tokens, self.buckets.max_seqs
-        self.max_tokens, self.max_seqs = max_tokens, max_seqs
-        self.chunk_size = chunk_size or max_tokens
-        # Static buffers: the only tensors a captured graph reads besides weights, caches and its pool.
-        self.staging = StepStaging(max_tokens, max_seqs, self.max_pages, self.device)
+        self.chunk_size = chunk_size or self.max_tokens
         self.input_names = PROGRAM_INPUTS[program.name]
-        self._hidden = None  # the draft program's hidden input [max_tokens, D], when the program takes one
-        if "hidden" in self.input_names:
-            width, dtype = hidden_input_spec(program.program)
-            self._hidden = torch.zeros(max_tokens, width, dtype=dtype, device=self.device)
+        # Static buffers: the only tensors a captured graph reads besides weights, caches and its pool
+        # (the draft program's hidden states among them).
+        self.staging = StepStaging(self.max_tokens, self.max_seqs, self.max_pages, self.device,
+                                   hidden_input_spec(program.program) if "hidden" in self.input_names else None)
         self._modules: dict[Mode, torch.nn.Module] = {}
-        self._outputs: dict[CaptureKey, list] = {}  # full graphs: their static outputs (logits, hidden)
-        self._full_graphs: dict[CaptureKey, object] = {}
-        self._op_outs: dict[CaptureKey, list[OpRecord]] = {}  # each op's `out` in the key's graphs
-        self.compiled_reports: dict[str, dict] = {}  # key -> compiled pieces against the traced glue (parity)
-        self.parity_seconds: dict[str, float] = {}  # key -> wall seconds of its start-up parity check
-        self.parity_phases: dict[str, dict[str, float]] = {}  # key -> seconds per run of _check_key
-        # key -> run 2 of _check_key op by op (each op's glue and output error, the logits'), kept
-        # whether or not the key passed: what benchmarks/probes/parity_drift_probe.py reports
-        self.parity_errors: dict[str, dict] = {}
+        self._full_graphs: dict[CaptureKey, tuple[object, list]] = {}  # whole-step graphs and their static outputs
+        self.op_outs: dict[CaptureKey, list[OpRecord]] = {}  # each op's `out` in the key's graphs
+        self.parity = ParityRecord()  # what start-up parity found (runtime/graphs/startup_parity.py)
         self.variant_steps: tuple[tuple[int, ...], float] = ((), 0.0)  # (token counts, seconds): capture's last
+
+    # -- what the buckets and the backend say (derived, not kept) ---------------------------
+
+    @property
+    def backend(self):
+        return self.ops.backend
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets.max_tokens
+
+    @property
+    def max_seqs(self) -> int:
+        return self.buckets.max_seqs
+
+    @property
+    def extend_buckets(self) -> tuple[int, ...]:
+        return self.buckets.extend
+
+    @property
+    def extend_max_seqs(self) -> int:
+        return self.buckets.extend_max_seqs
+
+    @property
+    def verify_buckets(self) -> tuple[int, ...]:
+        return self.buckets.verify
 
     @property
     def full_decode(self) -> bool:
         return Mode.DECODE in self.full_modes
 
     # -- keys and padding ------------------------------------------------------------------
-
-    def _plan_is_one_captured_piece(self, mode: Mode) -> bool:
-        pieces = self.program.plans[mode].pieces
-        return len(pieces) == 1 and pieces[0].kind == CAPTURED
 
     def _is_full(self, key: Optional[CaptureKey]) -> bool:
         return key is not None and key.mode in self.full_modes
@@ -186,60 +185,21 @@ class GraphRunner:
 
     def _fill(self, step: StepInputs, key: Optional[CaptureKey], input_ids: Optional[torch.Tensor] = None,
               logits_index: Optional[torch.Tensor] = None) -> tuple[tuple, ExecContext]:
-        """Copy a host-built step into the static buffers, as views sized to the key; then
-        `input_ids` and `logits_index` (on the device, if given) over its first rows' ids and
-        logits rows (`write_rows`).
+        """The program's inputs (in its own order) and context for a host-built step: copied into the
+        static buffers as views sized to the key (`StepStaging.stage`); then `input_ids` and
+        `logits_index` (on the device, if given) over its first rows' ids and logits rows (`write_rows`).
 
         An eager step (no key) reads no graph, so it needs no static address and may be larger
         than the buffers: its own tensors are moved to the device instead."""
-        ctx = step.ctx
         if key is None:
-            inputs, moved = step_on_device(step, self.device)
-            self._write_device_rows(inputs, step, input_ids, logits_index)
-            return self._program_inputs(inputs, step.hidden.to(self.device) if self._hidden is not None else None), moved
-        T, B, R = key.tokens, key.seqs, key.logits_rows
-        if T > self.max_tokens or B > self.max_seqs:
-            raise CaptureError(f"step does not fit {key}: the buffers hold {self.max_tokens} tokens, {self.max_seqs} requests")
-        pages = ctx.page_table.shape[1]
-        if pages > self.max_pages:
-            raise CaptureError(f"a request holds {pages} pages; the runner was built for {self.max_pages}")
-        sources = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": ctx.slot_mapping,
-                   "logits_index": step.logits_index, "state_slots": ctx.state_slots,
-                   "query_start_loc": ctx.query_start_loc, "seq_lens": ctx.seq_lens, "page_table": ctx.page_table}
-        for name, src in sources.items():
-            rows = self.staging.shape(name, T, B, R)[0]
-            # build_step pads every field to the key; only logits_index has a row per real request
-            if src.shape[0] > rows or (src.shape[0] != rows and name != "logits_index"):
-                raise CaptureError(f"step does not fit {key}: {name} has {src.shape[0]} rows for {rows}")
-        v = self.staging.fill(T, B, sources, R)
+            inputs, ctx = step_on_device(step, self.device, self.input_names)
+            by_name = dict(zip(self.input_names, inputs))
+        else:
+            by_name, ctx = self.staging.stage(step, key)
         # after the copy, on the same stream
-        self._write_device_rows((v["input_ids"], v["positions"], v["logits_index"]), step, input_ids, logits_index)
-        static_ctx = dataclasses.replace(
-            ctx, query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"], state_slots=v["state_slots"],
-            page_table=v["page_table"], slot_mapping=v["slot_mapping"], num_tokens=T, num_seqs=B)
-        hidden = None
-        if self._hidden is not None:
-            hidden = self._hidden[:T]
-            n = step.hidden.shape[0]
-            hidden[:n].copy_(step.hidden, non_blocking=True)
-            hidden[n:].zero_()  # padding rows: finite values a padded op may read
-        return self._program_inputs((v["input_ids"], v["positions"], v["logits_index"]), hidden), static_ctx
-
-    @staticmethod
-    def _write_device_rows(inputs: tuple, step: StepInputs, input_ids, logits_index) -> None:
-        """inputs: the step's (input_ids, positions, logits_index) on the device."""
-        write_rows(inputs[0], input_ids, step.ctx.num_real_tokens, "input ids")
-        write_rows(inputs[2], logits_index, step.logits_index.shape[0], "logits rows")
-
-    def _program_inputs(self, inputs: tuple, hidden) -> tuple:
-        """(input_ids, positions, logits_index) in the program's own order, its hidden states included."""
-        if self._hidden is None:
-            return inputs
-        if hidden is None:
-            raise CaptureError(f"the {self.program.name} program takes hidden states: build the step with them "
-                               f"(StepInputs.hidden)")
-        by_name = {"input_ids": inputs[0], "positions": inputs[1], "logits_index": inputs[2], "hidden": hidden}
-        return tuple(by_name[name] for name in self.input_names)
+        write_rows(by_name["input_ids"], input_ids, step.ctx.num_real_tokens, "input ids")
+        write_rows(by_name["logits_index"], logits_index, step.logits_index.shape[0], "logits rows")
+        return tuple(by_name[name] for name in self.input_names), ctx
 
     def build(self, items: list[tuple[SeqState, list[int]]], mode: Optional[Mode] = None,
               logits_rows: Optional[list[int]] = None) -> tuple[StepInputs, Optional[CaptureKey]]:
@@ -249,7 +209,7 @@ class GraphRunner:
         prompt being scored) runs eagerly."""
         mode = mode or step_mode([len(t) for _, t in items], [seq.num_cached for seq, _ in items])
         key = self.key_for(mode, sum(len(t) for _, t in items), len(items))
-        per_seq = self.verify_logits_rows if mode == Mode.TARGET_VERIFY else 1
+        per_seq = self.buckets.verify_logits_rows if mode == Mode.TARGET_VERIFY else 1
         if logits_rows is not None and any(r != per_seq for r in logits_rows):
             key = None
         padding = {"pad_tokens_to": key.tokens, "pad_seqs_to": key.seqs} if key is not None else {}
@@ -266,7 +226,7 @@ class GraphRunner:
         run it as is. Extend and mixed steps run the extend plan."""
         if mode in self.full_modes:  # decode or target_verify captured whole
             return self.program.module_for(mode)
-        plan_mode = self._piecewise_plan_mode(mode)
+        plan_mode = piecewise_plan_mode(self.program.plans, mode)
         if plan_mode not in self._modules:
             split = self.program.module_for(plan_mode)
             # Modes whose plans have the same pieces share one split module (ProgramRunner.module_for):
@@ -281,14 +241,6 @@ class GraphRunner:
                                                            first=piece is plan.pieces[0]))
             self._modules[plan_mode] = split
         return self._modules[plan_mode]
-
-    def _piecewise_plan_mode(self, mode: Mode) -> Mode:
-        """The mode whose split plan a piecewise step of `mode` runs: its own, but a decode plan
-        that is one captured piece has no gaps, so piecewise decode (asked for) runs the extend
-        plan's pieces and gaps. Extend and mixed steps run the extend plan."""
-        if mode == Mode.DECODE and self._plan_is_one_captured_piece(Mode.DECODE):
-            return Mode.EXTEND
-        return mode if mode in (Mode.DECODE, Mode.TARGET_VERIFY) else Mode.EXTEND
 
     def _call(self, module, inputs) -> list:
         """Every user output of the program: [logits] or [logits, hidden]."""
@@ -308,19 +260,15 @@ class GraphRunner:
         # Piecewise: the ops inside captured pieces read their per-step values (the MoE's real
         # token count, decode slot ids) from the static buffers init_replay_state fills, not from
         # launch arguments frozen at capture; the eager gaps run on the eager plan made first.
-        # Where the plan opens with a captured piece, that piece's graph stages what it may
-        # (stage_in_first_piece, recorded at capture): host time before the step's first launch,
-        # while the device waits, is what a piecewise step pays over a whole-step graph.
-        plan_mode = self._piecewise_plan_mode(key.mode)
-        staged = self._first_piece_stages(plan_mode)
+        # Where the plan opens with a captured piece (CapturedPiece's `first`), that piece's graph
+        # stages what it may (stage_in_first_piece, recorded at capture): host time before the
+        # step's first launch, while the device waits, is what a piecewise step pays over a
+        # whole-step graph.
+        plan_mode = piecewise_plan_mode(self.program.plans, key.mode)
+        staged = self.program.plans[plan_mode].pieces[0].kind == CAPTURED
         self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size, plan_mode, first_piece_stages=staged)
         if staged and self.state.capturing:
             self.state.prologue = lambda: self.backend.stage_in_first_piece(ctx, key.seqs, plan_mode)
-
-    def _first_piece_stages(self, plan_mode: Mode) -> bool:
-        """Whether the split plan of `plan_mode` opens with a captured piece (which then records the
-        step's staging; CapturedPiece's `first`)."""
-        return self.program.plans[plan_mode].pieces[0].kind == CAPTURED
 
     @torch.no_grad()
     def run_outputs(self, step: StepInputs, key: Optional[CaptureKey], input_ids: Optional[torch.Tensor] = None,
@@ -336,10 +284,11 @@ class GraphRunner:
         real = [step.logits_index.shape[0], step.ctx.num_real_tokens]
         self._plan(ctx, key)
         if self._is_full(key):
+            graph, outputs = self._full_graphs[key]
             with self.ops.step(ctx):  # a real replay calls no op; a CPU stand-in reruns them
-                self._full_graphs[key].replay()
+                graph.replay()
             self.counters["graph_replays"] += 1
-            return [out[:n] for out, n in zip(self._outputs[key], real)]
+            return [out[:n] for out, n in zip(outputs, real)]
         self.state.key = key
         try:
             with self.ops.step(ctx):
@@ -374,7 +323,7 @@ class GraphRunner:
         if key.mode == Mode.DECODE:
             lens, cached = [1] * key.seqs, 1
         elif key.mode == Mode.TARGET_VERIFY:
-            lens, cached = [self.verify_tokens] * key.seqs, 1
+            lens, cached = [self.buckets.verify_tokens] * key.seqs, 1
         else:
             left, lens, cached = key.tokens, [], 0
             for b in range(key.seqs):
@@ -383,20 +332,11 @@ class GraphRunner:
                 left -= n
         items = [(SeqState(PADDING_SLOT, pages=[0] * self.kv_pool.pages_for(cached + n), num_cached=cached), [0] * n)
                  for n in lens]
-        rows = [self.verify_logits_rows] * key.seqs if key.mode == Mode.TARGET_VERIFY else None
+        rows = [self.buckets.verify_logits_rows] * key.seqs if key.mode == Mode.TARGET_VERIFY else None
         step = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
                           pad_seqs_to=key.seqs, max_pages=self.max_pages, logits_rows=rows)
         step.ctx.slot_mapping.fill_(-1)  # capture writes no KV
-        return self._with_hidden(step, torch.Generator().manual_seed(0))
-
-    def _with_hidden(self, step: StepInputs, generator: torch.Generator) -> StepInputs:
-        """The step with random hidden states for its real tokens (zeros for padding rows), if the
-        program takes them."""
-        if self._hidden is None:
-            return step
-        hidden = torch.zeros(step.ctx.num_tokens, self._hidden.shape[1], dtype=self._hidden.dtype)
-        hidden[: step.ctx.num_real_tokens] = torch.randn(step.ctx.num_real_tokens, hidden.shape[1], generator=generator)
-        return dataclasses.replace(step, hidden=hidden)
+        return self.staging.with_random_hidden(step, torch.Generator().manual_seed(0))
 
     def capture_keys(self) -> list[CaptureKey]:
         """What `capture()` captures, in capture order (largest first)."""
@@ -432,11 +372,10 @@ class GraphRunner:
                             self._call(module, inputs)  # warm-up: Triton compiles, lazy allocations
                         finally:
                             self.state.silent = False
-                        graph, self._outputs[key] = self.graphs.capture(
+                        self._full_graphs[key] = self.graphs.capture(
                             lambda module=module, inputs=inputs, ctx=ctx, key=key: self._whole_step(module, inputs, ctx,
                                                                                                 key),
                             self.state.pool)
-                    self._full_graphs[key] = graph
                 else:
                     self.state.capturing = True  # before _plan: it leaves the first piece a prologue to record
                     self._plan(ctx, key)
@@ -445,7 +384,7 @@ class GraphRunner:
             finally:
                 self.state.key, self.state.capturing, self.state.prologue = None, False, None
                 self.ops.observer = None
-            self._op_outs[key] = sink.records
+            self.op_outs[key] = sink.records
             self.keys.append(key)
         self._launch_kernel_variants()
         self.graphs.synchronize(self.device)
@@ -478,187 +417,18 @@ class GraphRunner:
         self.backend.replay_state_captured(ctx, key.seqs)
         return self._call(module, inputs)
 
-    # -- start-up parity -------------------------------------------------------------------
-
-    def parity_items(self, key: CaptureKey, vocab_size: int, generator: torch.Generator) -> list[tuple[SeqState, list[int]]]:
-        """Real requests (slots and pages of their own) that fill `key` only in part, for `check_parity`.
-
-        Fewer requests than the bucket holds, so the replay has padded requests on the padding
-        slot (and, in extend, padding rows): what a padding fault needs to show. Decode and
-        target_verify: one request fewer than the bucket (a bucket of one: one), each with 1 to 40
-        cached tokens (whatever its pages hold: both runs read the same) and 1 or verify_tokens
-        new ones. Extend: up to 3 fresh requests of
-        different lengths covering about three quarters of the bucket's rows. Free them with
-        `release_items`.
-        """
-        def tokens(n):
-            return torch.randint(1, vocab_size, (n,), generator=generator).tolist()
-
-        free = self.state_pool.num_free
-        if free < 1:
-            raise CaptureError("parity check: no free state slot for a request")
-        cap = self.max_pages * self.kv_pool.page_size  # the longest request the runner takes
-        if key.mode in (Mode.DECODE, Mode.TARGET_VERIFY):
-            new = self.verify_tokens if key.mode == Mode.TARGET_VERIFY else 1
-            lens = [1 + (7 * b) % max(1, min(40, cap - new)) for b in range(min(max(1, key.seqs - 1), free))]
-            return [(SeqState(self.state_pool.alloc(), num_cached=c), tokens(new)) for c in lens]
-        # 3 requests, not "as many as fit": the shapes start-up runs (and the kernels they build) stay
-        # the same under any limits that leave 3 slots free, so a bundle built under other limits covers them
-        n = min(self.extend_max_seqs - 1, 3, free) or 1
-        budget = max(n, 3 * key.tokens // 4)
-        lens = [max(1, budget >> (i + 1)) for i in range(n - 1)]
-        lens.append(max(1, budget - sum(lens)))
-        return [(SeqState(self.state_pool.alloc()), tokens(min(m, cap))) for m in lens]
-
-    def release_items(self, items: list[tuple[SeqState, list[int]]]) -> None:
-        for seq, _ in items:
-            self.kv_pool.free(seq.pages)
-            seq.pages = []
-            self.state_pool.free(seq.slot)
-
-    def check_parity(self, make_items: Optional[Callable[[CaptureKey], list[tuple[SeqState, list[int]]]]] = None,
-                     *, vocab_size: Optional[int] = None, rtol: Optional[float] = None, seed: int = 0) -> dict[str, float]:
-        """Replay each key padded against eager unpadded; raise ParityError naming what differs.
-
-        make_items(key) returns real requests that fill the key in part (default: `parity_items`
-        with random token ids below vocab_size; those are released again here). rtol: the
-        tolerance (default: `runtime.graphs.parity.PARITY_RTOL` for the model's compute dtype). Returns
-        the logits' relative error per key.
-        """
-        if make_items is None:
-            if vocab_size is None:
-                raise ValueError("check_parity: pass make_items or vocab_size")
-            generator = torch.Generator().manual_seed(seed)
-            make_items = lambda key: self.parity_items(key, vocab_size, generator)  # noqa: E731
-            release = self.release_items
-        else:
-            release = lambda items: None  # noqa: E731 - the caller owns its requests
-        report = {}
-        for key in self.keys:
-            items = make_items(key)
-            began = time.perf_counter()
-            try:
-                report[str(key)] = self._check_key(key, items, rtol)
-            finally:
-                release(items)
-                self.parity_seconds[str(key)] = time.perf_counter() - began
-        return report
-
-    def _check_key(self, key: CaptureKey, items, rtol: Optional[float]) -> float:
-        """One key, three runs of the same real requests from the same caches (runtime/graphs/parity.py):
-
-        1. eagerly, padded to the key: the reference;
-        2. eagerly, unpadded, every op on the inputs run 1 handed it (TeacherForcing): each op's
-           real rows, the glue between ops, the logits, the states and KV written for the real
-           requests must match run 1. What differs is what padding changes for a real request;
-        3. the key's graphs, padded: logits, every op's real rows, states and KV must match run 1.
-           What differs is what capture changes.
-        Runs 2 and 3 must leave the padding slot and the pages no real request owns as they were.
-        Together: a padded replay computes real requests as an unpadded eager step does, within
-        the compute dtype's tolerance, without the rounding of differently shaped kernels growing
-        through later layers into a false alarm. Returns run 3's logits error.
-        """
-        logits_rows = [self.verify_logits_rows] * len(items) if key.mode == Mode.TARGET_VERIFY else None
-        padded = build_step(items, self.kv_pool, "cpu", mode=key.mode, pad_tokens_to=key.tokens,
-                            pad_seqs_to=key.seqs, max_pages=self.max_pages, logits_rows=logits_rows)
-        plain = build_step(items, self.kv_pool, "cpu", mode=key.mode, max_pages=self.max_pages,
-                           logits_rows=logits_rows)  # pages taken above
-        rows = plain.ctx.num_real_tokens
-        padded = self._with_hidden(padded, torch.Generator().manual_seed(rows))
-        plain = dataclasses.replace(plain, hidden=None if padded.hidden is None else padded.hidden[:rows])
-        slots, pages = [seq.slot for seq, _ in items], [p for seq, _ in items for p in seq.pages]
-        # target_verify writes intermediate states in the rows of the step's real requests
-        verify_rows = len(items) if key.mode == Mode.TARGET_VERIFY else 0
-        marks = [("start", time.perf_counter())]  # each later mark names the run that ended there
-        watch = CacheWatch(self.kv_pool, self.state_pool, slots, pages, verify_rows=verify_rows)
-        if getattr(self.program, "glue", None) is not None:
-            # Compiled pieces run both sides of the checks below: first they are compared with the
-            # traced glue itself, op by op (runtime/graphs/compiled_parity.py).
-            report = compare_compiled(self.program, self.ops, self.kv_pool, self.state_pool, padded, slots, pages,
-                                      self.chunk_size, rtol, verify_rows=verify_rows)
-            self.compiled_reports[str(key)] = {**report, "key": str(key)}
-            watch.restore()
-        problems: list[str] = []
-
-        marks.append(("compiled_vs_traced", time.perf_counter()))
-        reference = OpTrace(rows, inputs=True)
-        ref_logits = self._observed_run(padded, None, observer=reference)
-        ref_written = watch.written()
-        rtol = rtol if rtol is not None else rtol_for(reference.records[0].out.dtype if reference.records
-                                                      else torch.float32)
-        watch.restore()
-
-        marks.append(("reference", time.perf_counter()))
-        forced = TeacherForcing(reference.records)
-        plain_logits = self._observed_run(plain, None, intercept=forced)
-        where, err = forced.first_beyond(rtol), _outputs_err(plain_logits, ref_logits)
-        self.parity_errors[str(key)] = {"real_rows": rows, "logits": err, "per_op": [
-            {"layer": r.layer, "op": r.op, "glue": g, "op_err": o}
-            for r, g, o in zip(reference.records, forced.glue, forced.ops)]}
-        if where or beyond_drift(err, forced.carried, rtol):  # the logits inherit the glue's drift
-            problems.append(f"unpadded against padded eager, op by op: first differing: "
-                            f"{where or f'the logits (rel err {err:.3g})'}")
-        written = watch.differences(ref_written, watch.written(), rtol)
-        if written:
-            problems.append(f"unpadded against padded eager: written for a real request: {written}")
-        problems += [f"the unpadded eager run touched {what}" for what in watch.touched_outside()]
-        watch.restore()
-
-        marks.append(("unpadded", time.perf_counter()))
-        rerun = OpTrace(rows) if self.graphs.replays_call_ops else None
-        graph_logits = self._observed_run(padded, key, observer=rerun)
-        err = _outputs_err(graph_logits, ref_logits)
-        where = first_difference(reference.records, rerun.records if rerun else self._op_outs[key], rtol, rows)
-        if where or not math.isfinite(err) or err > rtol:
-            problems.append(f"replay against padded eager: logits rel err {err:.3g}; first differing: "
-                            f"{where or 'no single op output (the difference is in the pieces between ops)'}")
-        written = watch.differences(ref_written, watch.written(), rtol)
-        if written:
-            problems.append(f"replay against padded eager: written for a real request: {written}")
-        problems += [f"the replay touched {what}" for what in watch.touched_outside()]
-        marks.append(("replay", time.perf_counter()))
-        self.parity_phases[str(key)] = {name: round(t - marks[i][1], 4) for i, (name, t) in enumerate(marks[1:])}
-        if problems:
-            raise ParityError(f"start-up parity: {key} with {len(items)} real request(s) and {rows} real row(s): "
-                              f"{'; '.join(problems)}; refusing to serve")
-        return err
-
-    def _observed_run(self, step: StepInputs, key: Optional[CaptureKey], *, observer=None,
-                      intercept=None) -> list[torch.Tensor]:
-        """run_outputs() with an observer or an intercept on the op table for this step only: copies
-        of every output (the logits, and the hidden states where the program returns them)."""
-        self.ops.observer, self.ops.intercept = observer, intercept
-        try:
-            return [o.clone() for o in self.run_outputs(step, key)]
-        finally:
-            self.ops.observer = self.ops.intercept = None
-
     def start(self, vocab_size: int, log: Callable[[str], None] = lambda line: None,
               progress=None) -> dict[str, float]:
-        """Start-up: capture every key, then check each against eager; raises before serving on a mismatch.
-        `progress`: a tqdm-like factory, for a bar over the captures (a cold start builds kernels here)."""
+        """Start-up: capture every key, then check each against eager (runtime/graphs/startup_parity.py);
+        raises ParityError before serving on a mismatch. `progress`: a tqdm-like factory, for a bar over
+        the captures (a cold start builds kernels here). Returns the logits' relative error per key."""
         t0 = time.perf_counter()
         self.capture(progress=progress)
         log(f"captured {len(self.keys)} graphs ({', '.join(map(str, self.keys))}) in {time.perf_counter() - t0:.1f} s")
         counts, seconds = self.variant_steps
         if counts:
             log(f"kernel variants: eager steps of {', '.join(map(str, counts))} tokens in {seconds:.2f} s")
-        t0 = time.perf_counter()
-        report = self.check_parity(vocab_size=vocab_size)
-        worst = max(report.values(), default=0.0)
-        log(f"start-up parity: {len(report)} keys match eager (worst rel err {worst:.2g}) in "
-            f"{time.perf_counter() - t0:.1f} s")
-        if self.compiled_reports:
-            ops = max(r["worst_op"] for r in self.compiled_reports.values())
-            logits = max(r["logits"] for r in self.compiled_reports.values())
-            log(f"compiled pieces match the traced glue on every key: worst op input rel err {ops:.2g}, "
-                f"logits {logits:.2g}")
-        return report
-
-
-def _outputs_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    """The largest relative error over a step's outputs (logits, and hidden states where returned)."""
-    return max(rel_err(a, b) for a, b in zip(got, want))
+        return check_parity(self, vocab_size=vocab_size, log=log)
 
 
 def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,
@@ -695,7 +465,7 @@ def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", gr
                              graphs=graphs, verify_buckets=verify, verify_tokens=speculative_tokens + 1)
         runner.start(vocab_size, log=log, progress=progress)
         if getattr(artifact, "compiled", None) is not None:
-            artifact.compiled.parity = list(runner.compiled_reports.values())
+            artifact.compiled.parity = list(runner.parity.compiled.values())
         return runner
 
     return make

@@ -1,10 +1,12 @@
 """Static step staging: the device buffers every captured graph reads a step's inputs from.
 
 `StepStaging` holds them (two packed blocks, one per dtype, filled by one host-to-device copy
-each); `step_on_device` moves an eager step's own tensors instead (no graph reads them, so they
-may be of any size). The graph runner decides which of the two a step gets. `hidden_input_spec`
-reads the width and dtype of the draft program's hidden-state input, the one input a step does
-not lay out itself.
+each, and the draft program's hidden states); `stage` copies a step padded to its capture key in
+and refuses one that does not fit. `step_on_device` moves an eager step's own tensors instead (no
+graph reads them, so they may be of any size). The graph runner decides which of the two a step
+gets. `hidden_input_spec` reads the width and dtype of the draft program's hidden-state input, the
+one input a step does not lay out itself; `StepStaging.with_random_hidden` makes it up for a step
+whose contents do not matter (a capture's, the start-up parity check's).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import math
 import torch
 
 from runtime.cache.batch import StepInputs
+from runtime.graphs.buckets import CaptureKey
+from runtime.graphs.cuda_graphs import CaptureError
 from runtime.step.context import ExecContext
 
 __all__ = ["StepStaging", "step_on_device", "hidden_input_spec"]
@@ -39,8 +43,11 @@ class StepStaging:
     INT32 = ("query_start_loc", "seq_lens", "page_table")
     PER_TOKEN = ("input_ids", "positions", "slot_mapping")
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device):
-        self.max_pages, self.device = max_pages, device
+    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, device: torch.device,
+                 hidden: tuple[int, torch.dtype] | None = None):
+        """hidden: (width, dtype) of the program's hidden-state input (the draft's, `hidden_input_spec`),
+        which gets a static buffer [max_tokens, width] of its own; None: the program takes none."""
+        self.max_tokens, self.max_seqs, self.max_pages, self.device = max_tokens, max_seqs, max_pages, device
         cuda = device.type == "cuda"
         sizes = {torch.int64: self._size(self.INT64, max_tokens, max_seqs),
                  torch.int32: self._size(self.INT32, max_tokens, max_seqs)}
@@ -52,6 +59,7 @@ class StepStaging:
         # decode step's host time (benchmarks/probes/replay_host_probe.py).
         self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
         self._views: dict[tuple[int, int, int], tuple[dict, dict, dict]] = {}
+        self.hidden = torch.zeros(max_tokens, hidden[0], dtype=hidden[1], device=device) if hidden else None
 
     def shape(self, name: str, T: int, B: int, R: int | None = None) -> tuple[int, ...]:
         """The field's shape for T tokens, B requests and R logits rows (default B)."""
@@ -105,6 +113,48 @@ class StepStaging:
         if self._event is not None:
             self._event.record(torch.cuda.current_stream(self._device_index))
         return dev
+
+    def stage(self, step: StepInputs, key: CaptureKey) -> tuple[dict[str, torch.Tensor], ExecContext]:
+        """Copy a host-built step padded to `key` in: (its inputs as device views sized to the key, by
+        input name, the hidden states included where the program takes them; the step's context on
+        the static views). A step larger than the buffers or not padded to the key is refused."""
+        ctx = step.ctx
+        T, B, R = key.tokens, key.seqs, key.logits_rows
+        if T > self.max_tokens or B > self.max_seqs:
+            raise CaptureError(f"step does not fit {key}: the buffers hold {self.max_tokens} tokens, {self.max_seqs} requests")
+        pages = ctx.page_table.shape[1]
+        if pages > self.max_pages:
+            raise CaptureError(f"a request holds {pages} pages; the runner was built for {self.max_pages}")
+        sources = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": ctx.slot_mapping,
+                   "logits_index": step.logits_index, "state_slots": ctx.state_slots,
+                   "query_start_loc": ctx.query_start_loc, "seq_lens": ctx.seq_lens, "page_table": ctx.page_table}
+        for name, src in sources.items():
+            rows = self.shape(name, T, B, R)[0]
+            # build_step pads every field to the key; only logits_index has a row per real request
+            if src.shape[0] > rows or (src.shape[0] != rows and name != "logits_index"):
+                raise CaptureError(f"step does not fit {key}: {name} has {src.shape[0]} rows for {rows}")
+        v = self.fill(T, B, sources, R)
+        static_ctx = dataclasses.replace(
+            ctx, query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"], state_slots=v["state_slots"],
+            page_table=v["page_table"], slot_mapping=v["slot_mapping"], num_tokens=T, num_seqs=B)
+        inputs = {name: v[name] for name in ("input_ids", "positions", "logits_index")}
+        if self.hidden is not None:
+            if step.hidden is None:
+                raise CaptureError("the program takes hidden states: build the step with them (StepInputs.hidden)")
+            hidden = inputs["hidden"] = self.hidden[:T]
+            n = step.hidden.shape[0]
+            hidden[:n].copy_(step.hidden, non_blocking=True)
+            hidden[n:].zero_()  # padding rows: finite values a padded op may read
+        return inputs, static_ctx
+
+    def with_random_hidden(self, step: StepInputs, generator: torch.Generator) -> StepInputs:
+        """The step with random hidden states for its real tokens (zeros for padding rows), if the
+        program takes them: for a step whose contents do not matter."""
+        if self.hidden is None:
+            return step
+        hidden = torch.zeros(step.ctx.num_tokens, self.hidden.shape[1], dtype=self.hidden.dtype)
+        hidden[: step.ctx.num_real_tokens] = torch.randn(step.ctx.num_real_tokens, hidden.shape[1], generator=generator)
+        return dataclasses.replace(step, hidden=hidden)
 
 
 def step_on_device(step: StepInputs, device,

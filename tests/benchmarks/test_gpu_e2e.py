@@ -1,4 +1,4 @@
-"""benchmarks/gpu_e2e.py --dry-run on the CPU: every stage of the GPU run's bookkeeping, then plot_e2e.py.
+"""benchmarks/serving/gpu_e2e.py --dry-run on the CPU: every stage of the GPU run's bookkeeping, then plot_e2e.py.
 
 The dry run uses the CPU reference backend and testkit/graph_cases.RerunGraphs for CUDA graphs, at
 qwen3_next tiny with two decode batches, one extend size over 1, 3 (an uneven split, so

@@ -355,8 +355,8 @@ def test_graph_runner_replays_compiled_pieces_checked_against_the_traced_glue(bu
     runner = GraphRunner(program, ops, kv, st, "cpu", decode_buckets=(1, 2), extend_buckets=(16,),
                          max_pages_per_seq=16, extend_max_seqs=4, graphs=RerunGraphs())
     runner.start(vocab_size=art.manifest["model"]["vocab_size"])
-    assert set(runner.compiled_reports) == {str(k) for k in runner.keys}
-    for report in runner.compiled_reports.values():
+    assert set(runner.parity.compiled) == {str(k) for k in runner.keys}
+    for report in runner.parity.compiled.values():
         assert report["ops"] and report["worst_op"] <= PARITY_RTOL[torch.float32]
     tokens, keys = greedy(runner, st, [e["prompt_ids"] for e in eager], NEW_TOKENS)
     assert tokens == [e["output_ids"] for e in eager] and any(k is not None for k in keys)

@@ -20,6 +20,7 @@ from compiler.splitops import Mode
 from runtime.step.bound_ops import BoundOps
 from runtime.engine.generate import make_pools
 from runtime.graphs.runner import CaptureError, GraphRunner
+from runtime.graphs.startup_parity import check_parity
 from runtime.artifact.loader import load_artifact
 from testkit.graph_cases import greedy
 
@@ -65,7 +66,7 @@ def test_capture_parity_and_tokens_match_eager(artifact):
     assert all(k is None for k in keys)
     runner.capture()
     assert runner.sealed and len(runner.keys) == 4
-    report = runner.check_parity(vocab_size=256)
+    report = check_parity(runner, vocab_size=256)
     assert set(report) == {str(k) for k in runner.keys} and max(report.values()) < 2e-2
     graph, keys = greedy(runner, st, prompts, 6)
     assert keys[0] is not None and keys[0].mode == Mode.EXTEND and keys[1].mode == Mode.DECODE
@@ -80,7 +81,7 @@ def test_piecewise_decode_matches_eager(artifact):
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     eager, _ = greedy(runner, st, prompts, 5)
     runner.capture()
-    runner.check_parity(vocab_size=256)
+    check_parity(runner, vocab_size=256)
     graph, keys = greedy(runner, st, prompts, 5)
     assert keys[1] == runner.key_for(Mode.DECODE, 2, 2) and runner.counters["graph_replays"] == 0
     assert all(g[0] == e[0] for g, e in zip(graph, eager))
@@ -151,7 +152,7 @@ def test_one_gdn_layer_on_a_second_linear_variant_passes_parity_and_runs_only_th
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
     eager, _ = greedy(runner, st, prompts, 6)
     runner.capture()
-    report = runner.check_parity(vocab_size=256)
+    report = check_parity(runner, vocab_size=256)
     assert set(report) == {str(k) for k in runner.keys} and max(report.values()) < 2e-2
     graph, keys = greedy(runner, st, prompts, 6)
     assert keys[1].mode == Mode.DECODE and runner.counters["piecewise_steps"] >= 5

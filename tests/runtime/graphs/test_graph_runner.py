@@ -17,6 +17,7 @@ from runtime.engine.generate import make_pools
 from runtime.cache.state_pool import PADDING_SLOT
 from runtime.graphs.runner import KERNEL_VARIANT_TOKENS, CaptureError, CaptureKey, GraphRunner, ParityError
 from runtime.graphs.parity import CacheWatch, OpRecord, first_difference, rel_err
+from runtime.graphs.startup_parity import check_parity, parity_items, release_items
 from testkit.graph_cases import RerunGraphs, greedy
 from runtime.artifact.loader import LoadError, load_artifact
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
@@ -295,7 +296,7 @@ def test_start_up_parity_refuses_a_padding_leak_that_padded_eager_hides(artifact
     vocab = artifact.manifest["model"]["vocab_size"]
     key = CaptureKey(Mode.EXTEND, 32, 4)
     # The old comparison: the same padded step eagerly and replayed, from the same caches.
-    items = runner.parity_items(key, vocab, torch.Generator().manual_seed(0))
+    items = parity_items(runner, key, vocab, torch.Generator().manual_seed(0))
     try:
         padded = build_step(items, kv, "cpu", mode=Mode.EXTEND, pad_tokens_to=32, pad_seqs_to=4, max_pages=16)
         watch = CacheWatch(kv, st, [seq.slot for seq, _ in items], [p for seq, _ in items for p in seq.pages])
@@ -306,11 +307,11 @@ def test_start_up_parity_refuses_a_padding_leak_that_padded_eager_hides(artifact
         assert rel_err(replay, eager) < 1e-5
         assert watch.differences(eager_written, watch.written(), rtol=1e-5) is None
     finally:
-        runner.release_items(items)
+        release_items(runner, items)
     linear = min(st.buffers)
     with pytest.raises(ParityError, match=rf"extend\[tokens=32, seqs=4\].*unpadded against padded eager: written for a "
                                           rf"real request: layer {linear}'s recurrent state in slot \d+.*refusing"):
-        runner.check_parity(vocab_size=vocab)
+        check_parity(runner, vocab_size=vocab)
 
 
 def test_start_up_parity_names_an_op_whose_real_rows_change_when_padded(artifact):
@@ -332,7 +333,7 @@ def test_start_up_parity_names_an_op_whose_real_rows_change_when_padded(artifact
                                           rf"{full_layer} \(gqa_attention, rel err [0-9.e+-]+ on the same inputs\)"):
         runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
     # the refused key's op-by-op record stays readable (benchmarks/probes/parity_drift_probe.py reads it)
-    (record,) = runner.parity_errors.values()
+    (record,) = runner.parity.errors.values()
     worst = max(record["per_op"], key=lambda r: r["op_err"])
     assert (worst["layer"], worst["op"]) == (full_layer, "gqa_attention") and worst["op_err"] > 1e-3
 
