@@ -528,32 +528,18 @@ def compiled_artifact(args) -> Path:
     return art_dir
 
 
-def bench_engine(art, vocab: int, draft_tokens: int, device, *, drafter_wrap=None, slots: int = 1, max_len: int = 0,
+def bench_engine(art, draft_tokens: int, device, *, drafter_wrap=None, slots: int = 1, max_len: int = 0,
                  graphs=None, eager: bool = False, fixed_draft_products: bool = False):
     """An engine as `hgc serve` builds it (graph runners included; `graphs` None: CudaGraphs; `eager`:
     no graph runner, every step eager, as `--no-graphs`), with `draft_tokens` drafts from the
     artifact's draft program, optionally wrapped (`drafter_wrap(drafter)`: e.g.
-    testkit/spec_drafters.ForcedDrafts); `fixed_draft_products`: runtime/engine/speculative.speculative_factory's."""
-    from runtime.graphs.runner import graph_runner_factory
-    from runtime.assembly import EngineOptions, build_engine, routed_backends
-    from runtime.engine.speculative import speculative_factory
+    testkit/spec_drafters.ForcedDrafts); `fixed_draft_products`: runtime/assembly.engine_for_artifact's."""
+    from runtime.assembly import EngineOptions, engine_for_artifact
 
     log = lambda line: print(f"  {line}", flush=True)  # noqa: E731
     options = EngineOptions(slots=slots, token_budget=512, speculative_tokens=draft_tokens, prefix_cache=False)
-    runners = None if eager else graph_runner_factory(art, vocab, graphs=graphs, speculative_tokens=draft_tokens,
-                                                      log=log)
-    backend, draft_backend = routed_backends(art)  # both programs bound as routing.json says
-    base = speculative_factory(art, draft_tokens, draft_backend=draft_backend, log=log,
-                               fixed_draft_products=fixed_draft_products) if draft_tokens else None
-
-    def wrapped(ops, kv, st, limits, runner):
-        spec = base(ops, kv, st, limits, runner)
-        if drafter_wrap is not None:
-            spec.drafter = drafter_wrap(spec.drafter)
-        return spec
-    return build_engine(art.registry, art.bind, options, max_len, device=device, backend_factory=backend,
-                        runner_factory=runners, speculative_factory=wrapped if base else None,
-                        prompts_apart=art.batch_invariant)
+    return engine_for_artifact(art, options, max_len, device=device, graphs=False if eager else graphs or True,
+                               log=log, drafter_wrap=drafter_wrap, fixed_draft_products=fixed_draft_products)
 
 
 def release_config(name: str) -> Path:

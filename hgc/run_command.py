@@ -66,7 +66,7 @@ def cmd_run(args) -> int:
 def _run(args, prompts, params, options, device, group) -> int:
     """`hgc run` in one process: the only one (group None), rank 0 of a tensor-parallel launch (which
     adds the requests and prints), or another rank (which follows rank 0's steps until it stops)."""
-    from runtime.dist.distributed import follow, lead
+    from runtime.dist.distributed import follow
     from runtime.artifact.loader import load_artifact, programs_for_run
     from runtime.assembly import engine_for_artifact
 
@@ -81,12 +81,11 @@ def _run(args, prompts, params, options, device, group) -> int:
             print(f"hgc run: {line}", file=sys.stderr, flush=True)
 
     engine = engine_for_artifact(art, options, max(map(len, prompts)) + args.max_new_tokens, device=art.device,
-                                 graphs=not args.no_graphs, log=log, progress=progress)
+                                 graphs=not args.no_graphs, log=log, progress=progress,
+                                 tp_lead=group if rank == 0 else None)
     if rank > 0:
         follow(engine, group)  # rank 0's steps, until it sends STOP
         return 0
-    if group is not None:
-        lead(engine, group)
     ids = [engine.add_request(p, params) for p in prompts]
     start = time.perf_counter()
     results = engine.run_until_done()
@@ -96,7 +95,7 @@ def _run(args, prompts, params, options, device, group) -> int:
     timing = engine.timing()
     extra = {"timing": timing, "cached_tokens": [results[i].cached_tokens for i in ids],
              "executed_backends": engine.ops.executed_backends()}
-    if engine.runner is not None:
+    if engine.runner.counters:  # a graph runner's: graph replays, piecewise and eager steps
         extra["steps"] = dict(engine.runner.counters)
     if art.compiled is not None:  # the target bundle that ran: kernels built at start-up, parity
         extra["compiled"] = art.compiled.report()

@@ -303,7 +303,7 @@ def cmd_serve(args) -> int:
 def _serve_rank(args, group) -> int:
     """`hgc serve` in one process: the only one (group None), rank 0 of a tensor-parallel launch
     (which serves), or another rank (which follows rank 0's steps until rank 0 stops)."""
-    from runtime.dist.distributed import follow, lead
+    from runtime.dist.distributed import follow
     from runtime.server.app import ServerOptions
     from runtime.assembly import EngineOptions, load_served_model
 
@@ -328,12 +328,11 @@ def _serve_rank(args, group) -> int:
                                tokenizer_dir=args.tokenizer, device=group.device if group is not None else args.device,
                                graphs=not args.no_graphs, compiled=compiled_options(args), log=log,
                                progress=getattr(args, "progress", None) if rank == 0 else None,
-                               rank=rank, tp=tp, load_format=args.load_format)
+                               rank=rank, tp=tp, load_format=args.load_format,
+                               tp_lead=group if rank == 0 else None)
     if rank > 0:
         follow(served.engine, group)  # until rank 0 sends STOP (it shuts down) or stops
         return 0
-    if group is not None:
-        lead(served.engine, group)
     code = serve(served, server_options, sock, log_level=args.log_level, access_log=args.access_log)
     if group is not None:
         group.close()  # STOP to the other ranks: they end with this process, which ends at once below

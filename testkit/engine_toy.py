@@ -19,6 +19,7 @@ from models.families import FAMILY_IDS
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.step.bound_ops import BoundOps
 from runtime.engine.engine import Engine
+from runtime.graphs.step_runner import EagerRunner
 from runtime.cache.kv_pool import KVPool
 from runtime.cache.state_pool import StatePool
 
@@ -127,12 +128,19 @@ def make_pools(model, num_slots: int, num_pages: int, page_size: int = 4) -> tup
 
 def make_engine(model, num_slots: int = 8, num_pages: int = 256, page_size: int = 4, backend_factory=None,
                 **engine_kwargs) -> Engine:
-    """An Engine over fresh pools; the model is bound to this engine's op table."""
+    """An Engine over fresh pools, its steps eager; the model is bound to this engine's op table."""
     kv_pool, state_pool = make_pools(model, num_slots, num_pages, page_size)
     factory = backend_factory or (lambda kv, st: CPUReferenceBackend(kv, st))
     ops = BoundOps(factory(kv_pool, state_pool))
     model.set_ops(ops)
-    return Engine(model, ops, kv_pool, state_pool, **engine_kwargs)
+    return eager_engine(model, ops, kv_pool, state_pool, **engine_kwargs)
+
+
+def eager_engine(forward, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, max_tokens_per_step: int = 512,
+                 **engine_kwargs) -> Engine:
+    """An Engine whose steps run `forward` eagerly over `ops` (an EagerRunner)."""
+    runner = EagerRunner(forward, ops, kv_pool, engine_kwargs.get("device", "cpu"), max_tokens_per_step)
+    return Engine(runner, kv_pool, state_pool, max_tokens_per_step=max_tokens_per_step, **engine_kwargs)
 
 
 def prompts(count: int, lengths, vocab: int, seed: int = 1) -> list[list[int]]:

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     max_len = args.prompt_len + args.new_tokens + 1
 
     def engine(D: int, wrap=None, eager: bool = False):
-        return bench_engine(art, vocab, D, device, drafter_wrap=wrap, max_len=max_len, graphs=graphs, eager=eager)
+        return bench_engine(art, D, device, drafter_wrap=wrap, max_len=max_len, graphs=graphs, eager=eager)
 
     def text(eng):
         rid = eng.add_request(prompt[0], SamplingParams(max_new_tokens=args.new_tokens, logprobs=2))

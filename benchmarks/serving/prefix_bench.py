@@ -89,6 +89,7 @@ def bench(args, rec: dict, save) -> None:
     from runtime.artifact.bundle import CompiledOptions
     from runtime.artifact.loader import load_artifact
     from runtime.assembly import EngineOptions, engine_for_artifact
+    from runtime.graphs.runner import GraphRunner
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     stages = Stages(rec["stages"], skip=args.skip.split(",") if args.skip else (), save=save)
@@ -107,17 +108,13 @@ def bench(args, rec: dict, save) -> None:
         vocab = int(art.manifest["model"]["vocab_size"])
         options = EngineOptions(slots=4, token_budget=args.token_budget, page_size=args.page_size)
         max_len, log = args.prefix + 2 * args.suffix + 1, lambda line: print(f"  {line}", flush=True)
+        graphs = True
         if args.dry_run:
-            from runtime.graphs.runner import graph_runner_factory
-            from runtime.assembly import build_engine
             from testkit.graph_cases import RerunGraphs
-            eng = build_engine(art.registry, art.bind, options, max_len, device=device,
-                               backend_factory=lambda kv, st: art.backends(kv, st).for_program("main"),
-                               runner_factory=graph_runner_factory(art, vocab, graphs=RerunGraphs(), log=log))
-        else:
-            eng = engine_for_artifact(art, options, max_len, device=device, log=log)
+            graphs = RerunGraphs()
+        eng = engine_for_artifact(art, options, max_len, device=device, graphs=graphs, log=log)
         state.update(engine=eng, cache=eng.prefix_cache, requests=Requests(vocab, args.prefix, args.suffix))
-        rec["engine"] = {"device": str(device), "graphs": eng.runner is not None, "token_budget": args.token_budget,
+        rec["engine"] = {"device": str(device), "graphs": isinstance(eng.runner, GraphRunner), "token_budget": args.token_budget,
                          "page_size": args.page_size, "kv_pages": eng.kv_pool.num_pages,
                          "snapshots": eng.prefix_cache.snapshots.num_snapshots,
                          "snapshot_interval": eng.prefix_cache.config.snapshot_interval}

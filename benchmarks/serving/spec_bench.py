@@ -238,7 +238,7 @@ def bench(args, rec: dict, save) -> None:
         rec["verify_vs_decode"] = out
 
     def engine(draft_tokens: int, drafter_wrap=None, slots: int = 1, max_len: int = 0, fixed_draft_products=False):
-        return bench_engine(state["art"], state["vocab"], draft_tokens, device, drafter_wrap=drafter_wrap, slots=slots,
+        return bench_engine(state["art"], draft_tokens, device, drafter_wrap=drafter_wrap, slots=slots,
                             max_len=max_len, graphs=graphs(), fixed_draft_products=fixed_draft_products)
 
     def generate(eng, prompts: list[list[int]], new: int, logprobs=None) -> list:

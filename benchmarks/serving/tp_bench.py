@@ -276,12 +276,12 @@ def log_to(lines: list[str], rank: int):
     return log
 
 
-def build(name: str, args, knobs: dict, rank: int, tp: int, device: torch.device, log) -> tuple:
+def build(name: str, args, knobs: dict, rank: int, tp: int, device: torch.device, log, tp_lead=None) -> tuple:
     """One model's engine on this rank, as `hgc serve` builds it: dummy weights, pools, backends,
-    a started GraphRunner (capture + parity, collectives inside)."""
-    from runtime.graphs.runner import graph_runner_factory
+    a started GraphRunner (capture + parity, collectives inside); `tp_lead`: rank 0's group, which
+    its engine sends every step to."""
     from runtime.artifact.loader import load_artifact
-    from runtime.assembly import EngineOptions, build_engine
+    from runtime.assembly import EngineOptions, engine_for_artifact
 
     t0 = time.perf_counter()
     art = load_artifact(args.out / "artifacts" / name, device=device, rank=rank, tp=tp, load_format="dummy")
@@ -290,16 +290,14 @@ def build(name: str, args, knobs: dict, rank: int, tp: int, device: torch.device
     slots = max(knobs["batches"])
     options = EngineOptions(slots=slots, max_running=slots, token_budget=knobs["token_budget"],
                             max_model_len=knobs["history"] + knobs["steps"] * 4 + 64, prefix_cache=False)
-    graphs = None
+    graphs = True
     if knobs["dry"]:
         from testkit.graph_cases import RerunGraphs  # the CPU stand-in for CUDA graphs
 
         graphs = RerunGraphs()
     t0 = time.perf_counter()
-    engine = build_engine(art.registry, art.bind, options, options.max_model_len, device=device,
-                          backend_factory=lambda kv, st: art.backends(kv, st).for_program("main"),
-                          weight_bytes=sum(t.nbytes for t in art.weights.values()), ranks=tp, log=log,
-                          runner_factory=graph_runner_factory(art, vocab, graphs=graphs, log=log))
+    engine = engine_for_artifact(art, options, options.max_model_len, device=device, graphs=graphs, log=log,
+                                 tp_lead=tp_lead)
     return art, engine, vocab, {"load_s": round(loaded, 2), "capture_parity_s": round(time.perf_counter() - t0, 2),
                                 "compiled_pieces": len(art.compiled.pieces) if art.compiled is not None else 0}
 
@@ -425,7 +423,7 @@ def run_worker(args, knobs: dict) -> int:
     """`--worker tp1`: the models alone in this process. `--worker tp`: this process is one rank
     of a launch; every model in turn (module docstring, step 4)."""
     from bench_common import device_facts, device_rates
-    from runtime.dist.distributed import follow, join, lead
+    from runtime.dist.distributed import follow, join
 
     group = None
     if args.worker == "tp":
@@ -445,7 +443,8 @@ def run_worker(args, knobs: dict) -> int:
             (parts / f"{name}.started").write_text("")
         lines: list[str] = []
         try:
-            art, engine, vocab, start = build(name, args, knobs, rank, tp, device, log_to(lines, rank))
+            art, engine, vocab, start = build(name, args, knobs, rank, tp, device, log_to(lines, rank),
+                                              group if rank == 0 else None)
         except Exception as e:
             # It ends this process: the other ranks are inside the same collectives and cannot go on
             # without it (the watchdog stops them); the parent relaunches for the models after this one.
@@ -459,8 +458,6 @@ def run_worker(args, knobs: dict) -> int:
         if rank > 0:
             follow(engine, group)  # until rank 0 ends this engine
         else:
-            if group:
-                lead(engine, group)
             try:
                 with torch.no_grad():
                     measure(name, art, engine, vocab, knobs, device, rates["copy_bytes_per_s"], record, save)

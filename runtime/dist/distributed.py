@@ -21,7 +21,7 @@ MASTER_PORT):
 2. Every rank loads its shard of the artifact and builds the same engine (pools, backends, graph
    runner: capture and start-up parity run on every rank, in the same order, collectives
    included).
-3. Rank 0: `lead(engine, group)`: the pools journal every change to their data made outside a
+3. Rank 0: `lead(group, pools...)`, while its engine is built: the pools journal every change to their data made outside a
    forward (slot zeroing and copies, page copies, prefix-cache snapshots), and before each
    forward the engine hands the step to `StepSender`, which sends the journal and the step
    (each request's slot, pages, cached count, tokens; the logits rows) to every other rank.
@@ -55,7 +55,7 @@ collectives.
 What it does not do: schedule (the engine), decide what a rank holds (the artifact's
 sharding.json), launch processes (runtime/dist/launcher.py), or run speculative decoding (its draft
 and verify steps are not sent to the other ranks: `hgc run/serve --tp N --speculative-tokens D`
-is refused, and `lead` refuses an engine with a speculative decoder).
+is refused, and `lead` refuses draft tokens).
 """
 
 from __future__ import annotations
@@ -411,7 +411,7 @@ def join(tp: int, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, label:
 
 
 class StepSender:
-    """Rank 0's `engine.broadcast`: the journal so far, then the step, to every other rank."""
+    """Rank 0's engine's `broadcast`: the journal so far, then the step, to every other rank."""
 
     def __init__(self, channel: StepChannel, journal: list):
         self.channel, self.journal = channel, journal
@@ -429,15 +429,17 @@ def _lost(prefix: str) -> Callable[[str], None]:
     return on_lost
 
 
-def lead(engine, group: RankGroup) -> None:
-    """Step 3: rank 0's engine sends every step (and every pool change before it) to the others."""
-    if engine.spec is not None:  # its draft and verify steps, and keep_verified, are not sent (the CLI refuses it)
+def lead(group: RankGroup, kv_pool, state_pool, snapshots, draft_tokens: int) -> StepSender:
+    """Step 3: rank 0's pools journal every change to their data made outside a forward (the
+    snapshot pool's too, with a prefix cache); returns the engine's `broadcast`, which sends every
+    step (and the journal before it) to the others (runtime/assembly.engine_for_artifact's tp_lead)."""
+    if draft_tokens:  # its draft and verify steps, and keep_verified, are not sent (the CLI refuses it)
         raise ValueError("speculative decoding does not run on tensor-parallel ranks yet")
     journal: list = []
-    engine.state_pool.journal = engine.kv_pool.journal = journal
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.snapshots.journal = journal
-    engine.broadcast = StepSender(group.channel, journal)
+    state_pool.journal = kv_pool.journal = journal
+    if snapshots is not None:
+        snapshots.journal = journal
+    return StepSender(group.channel, journal)
 
 
 def follow(engine, group: RankGroup) -> int:

@@ -6,16 +6,18 @@ states, the draft's steps), the draft's per-request hidden state, and handing th
 intermediate linear states back to the requests. What a request keeps (greedy, rejection
 sampling, penalties, grammar) is the engine's (runtime/engine/engine.py, runtime/engine/acceptance.py).
 
-A program's steps run through a step runner: a GraphRunner (captured graphs, eager above its
-buckets) or `EagerSteps` (a bound forward, every step eager). Both have
-`build(items, mode, logits_rows) -> (step, key)` and `run_outputs(step, key, input_ids=None,
-logits_index=None) -> [logits, hidden]`; `input_ids` (token ids) and `logits_index` (logits rows),
-on the device, replace the step's first rows of each (runtime/cache/batch.write_rows).
+A program's steps run through a step runner (runtime/graphs/step_runner.py): a GraphRunner
+(captured graphs, eager above its buckets) or an EagerRunner (a bound forward, every step eager).
+Both have `build(items, mode, logits_rows) -> (step, key)` and `run_outputs(step, key,
+input_ids=None, logits_index=None) -> [logits, hidden]`; `input_ids` (token ids) and
+`logits_index` (logits rows), on the device, replace the step's first rows of each
+(runtime/cache/batch.write_rows). The main program's runner is the engine's own: its `execute`
+gives the hidden states the draft reads. runtime/assembly.py builds both runners.
 
 Lifecycle of a decoding request (p: its cached tokens; x_p, its last token, is not cached yet):
 
-1. The step that ends its prompt runs the main program over the prompt's last chunk (`run_main`:
-   logits and hidden states) and samples x_p. `MTPDrafter.after_prefill` then runs the draft over
+1. The step that ends its prompt runs the main program over the prompt's last chunk (the
+   engine's runner: logits and hidden states) and samples x_p. `MTPDrafter.after_prefill` then runs the draft over
    the same positions, each fed the token one ahead and the main model's hidden state there, as
    the released MTP layers are trained: the draft layer's KV is written for every position, and
    its logits at the last one give d_1 (the engine's `choose`: grammar, greedy or a draw).
@@ -63,60 +65,21 @@ It does not schedule or sample (the engine does) nor capture graphs (the graph r
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from compiler.splitops import Mode
-from runtime.backends import batch_invariant_aten
-from runtime.backends.protocol import plan_eager_step
-from runtime.cache.batch import SeqState, StepInputs, build_step, write_rows
-from runtime.artifact.binding import members_of
-from runtime.step.bound_ops import BoundOps
-from runtime.graphs.runner import GraphRunner
+from runtime.cache.batch import SeqState
 from runtime.step.host_copy import to_device
-from runtime.cache.kv_pool import KVPool
 from runtime.cache.state_pool import StatePool
-from runtime.graphs.staging import hidden_input_spec
-from runtime.graphs.startup_parity import check_parity
 
-__all__ = ["EagerSteps", "DraftChunk", "MTPDrafter", "SpeculativeDecoder", "MAX_DRAFT_TOKENS",
-           "check_draft_program", "speculative_factory"]
+__all__ = ["DraftChunk", "MTPDrafter", "SpeculativeDecoder", "MAX_DRAFT_TOKENS", "check_draft_program",
+           "check_drafter"]
 
 MAX_DRAFT_TOKENS = 7  # D: the verify step's buckets and the intermediate states grow with it
-
-
-class EagerSteps:
-    """A program's steps without graphs: `build` lays a step out, `run_outputs` plans and runs it eagerly.
-
-    forward(input_ids, positions, [hidden,] logits_index) returns logits or (logits, hidden)."""
-
-    def __init__(self, forward: Callable, ops: BoundOps, kv_pool: KVPool, device, chunk_size: int,
-                 takes_hidden: bool = False):
-        self.forward, self.ops, self.kv_pool = forward, ops, kv_pool
-        self.device, self.chunk_size, self.takes_hidden = device, chunk_size, takes_hidden
-        self.counters = {"eager_steps": 0}
-
-    def build(self, items, mode: Optional[Mode] = None, logits_rows=None) -> tuple[StepInputs, None]:
-        return build_step(items, self.kv_pool, self.device, mode=mode, logits_rows=logits_rows), None
-
-    @torch.no_grad()
-    def run_outputs(self, step: StepInputs, key=None, input_ids: Optional[torch.Tensor] = None,
-                    logits_index: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-        plan_eager_step(self.ops.backend, step.ctx, self.chunk_size)
-        write_rows(step.input_ids, input_ids, step.ctx.num_real_tokens, "input ids")  # the step's own tensor, on the device
-        rows = step.logits_index.to(self.device)
-        write_rows(rows, logits_index, rows.shape[0], "logits rows")
-        inputs = (step.input_ids, step.positions)
-        if self.takes_hidden:
-            inputs += (step.hidden.to(self.device),)
-        with self.ops.step(step.ctx):
-            out = self.forward(*inputs, rows)
-        self.counters["eager_steps"] += 1
-        return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def _view(seq: SeqState, start: int) -> SeqState:
@@ -283,12 +246,6 @@ class SpeculativeDecoder:
         """The most requests one verify step holds (the state pool's intermediate rows)."""
         return self.state_pool.verify_rows if self.state_pool.buffers else 1 << 30
 
-    def run_main(self, items, logits_rows=None) -> tuple[Mode, torch.Tensor, torch.Tensor]:
-        """A step of the main program: (mode, logits [R, V], hidden states of the real tokens [T, H])."""
-        step, key = self.main.build(items, logits_rows=logits_rows)
-        logits, hidden = self.main.run_outputs(step, key)
-        return step.ctx.mode, logits, hidden
-
     def timed(self, call, *args):
         """call(*args), its seconds counted as the drafter's."""
         start = time.perf_counter()
@@ -322,64 +279,14 @@ def check_draft_program(docs) -> None:
                          f"{docs.family} artifact has none (its config enables no MTP layer)")
 
 
-def speculative_factory(artifact, draft_tokens: int, *, draft_backend: Optional[Callable] = None,
-                        log: Callable[[str], None] = lambda line: None, fixed_draft_products: bool = False):
-    """speculative(ops, kv_pool, state_pool, limits, runner) -> a SpeculativeDecoder for
-    runtime/assembly.build_engine: the artifact's draft program as the drafter.
+def check_drafter(artifact) -> None:
+    """Refuse speculative decoding for an artifact whose draft program is missing or keeps a state.
 
-    draft_backend() -> the backend the draft program's op table calls: for an
-    artifact, the BackendSet routing.json makes for the draft program (runtime/artifact/binding.py), over
-    the same instances as the main program's, so each draft node is bound to the instance its
-    entry names and the draft's per-step hooks reach every instance owning a draft node. None:
-    the main op table serves the draft too (one plain backend that serves every node).
-
-    With a main GraphRunner (`runner`), the draft gets one of its own: decode buckets for the
-    chain, the main runner's verify buckets for the draft after verify, its extend buckets after
-    prefill chunks. It captures into the main runner's graph pool; instances shared with the main
-    program keep the static buffers the main runner allocated (sized for both), one owning draft
-    nodes only gets its own; it is parity-checked like the main one before anything is served.
-    Under --batch-invariant its graphs hold torch's products (module docstring);
-    `fixed_draft_products` keeps the fixed-order ones there too (a benchmark's same-call baseline)."""
+    The state pool keeps per-position states for the main program's linear layers only, and a
+    round may run the draft's step after a verify before those are kept (after_verify_on_device):
+    a draft layer with a state of its own would be neither kept nor rolled back."""
     check_draft_program(artifact.docs)
-    # The state pool keeps per-position states for the main program's linear layers only, and a
-    # round may run the draft's step after a verify before those are kept (after_verify_on_device):
-    # a draft layer with a state of its own would be neither kept nor rolled back.
     stateful = [layer.layer_id for layer in artifact.registry.draft_layers() if layer.state]
     if stateful:
         raise ValueError(f"{artifact.docs.path}: draft layer(s) {stateful} keep a linear-attention state; "
                          f"speculative decoding supports full-attention draft (MTP) layers only")
-
-    def make(ops, kv_pool, state_pool, limits, runner):
-        draft_ops = ops.sibling(draft_backend()) if draft_backend is not None else ops
-        if runner is None:
-            main = EagerSteps(artifact.bind(ops, "main", all_outputs=True), ops, kv_pool, kv_pool.device,
-                              limits["token_budget"])
-            steps = EagerSteps(artifact.bind(draft_ops, "draft"), draft_ops, kv_pool, kv_pool.device,
-                               limits["token_budget"], takes_hidden=True)
-        else:
-            main = runner
-            steps = GraphRunner(artifact.runner(draft_ops, "draft"), draft_ops, kv_pool, state_pool, kv_pool.device,
-                                decode_buckets=runner.verify_buckets, extend_buckets=runner.extend_buckets,
-                                max_pages_per_seq=runner.max_pages, extend_max_seqs=runner.extend_max_seqs,
-                                chunk_size=runner.chunk_size, graphs=runner.graphs,
-                                verify_buckets=runner.verify_buckets, verify_tokens=draft_tokens + 1,
-                                verify_logits_rows=1)
-            if steps.max_tokens > runner.max_tokens or steps.max_seqs > runner.max_seqs:
-                raise ValueError(f"the draft's graph buckets ({steps.max_tokens} tokens, {steps.max_seqs} requests) "
-                                 f"exceed the main runner's static buffers ({runner.max_tokens}, {runner.max_seqs})")
-            shared = members_of(ops.backend)
-            for key, member in members_of(draft_ops.backend).items():
-                if key not in shared:  # owns draft nodes only: the main runner sized no buffers for it
-                    member.init_capture_state(steps.max_tokens, steps.max_seqs)
-            products = contextlib.nullcontext() if fixed_draft_products else batch_invariant_aten.products_to_torch()
-            with products:
-                steps.capture(init_backend=False, pool=runner.state.pool)
-                report = check_parity(steps, vocab_size=int(artifact.manifest["model"]["vocab_size"]))
-            if getattr(artifact, "compiled", None) is not None:  # the draft's compiled pieces, checked per key
-                artifact.compiled.parity += [{**r, "key": f"draft {r['key']}"} for r in steps.parity.compiled.values()]
-            log(f"draft program: captured {len(steps.keys)} graphs; start-up parity: {len(report)} keys match eager")
-        hidden_size, dtype = hidden_input_spec(artifact.programs["draft"])
-        drafter = MTPDrafter(steps, draft_tokens, state_pool.num_slots, hidden_size, dtype, kv_pool.device)
-        return SpeculativeDecoder(main, drafter, draft_tokens, state_pool)
-
-    return make

@@ -35,8 +35,8 @@ Lifecycle:
 4. `start(vocab)` is capture + start-up parity (runtime/graphs/startup_parity.py, `check_parity`):
    each captured key replayed padded against eager runs of the same real requests, padded and
    unpadded; a mismatch raises ParityError and the runner refuses to serve. What it found stays in
-   `parity` (a ParityRecord). `graph_runner_factory` makes a started runner for the engine
-   (runtime/assembly.py), with the artifact's buckets clipped to its limits.
+   `parity` (a ParityRecord). runtime/assembly.py starts the engine's runner, with the
+   artifact's buckets clipped to its limits.
 
 The same runner serves either program of an artifact: the main program, or the draft (MTP)
 program, whose `hidden` input (the previous position's hidden states) is one more static buffer.
@@ -66,8 +66,7 @@ from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DE
 from runtime.cache.batch import SeqState, StepInputs, build_step, step_mode, write_rows
 from runtime.backends.protocol import plan_eager_step
 from runtime.step.bound_ops import BoundOps
-from runtime.graphs.buckets import (Buckets, CaptureKey, buckets_for, extend_seqs, one_captured_piece,
-                                    piecewise_plan_mode)
+from runtime.graphs.buckets import Buckets, CaptureKey, buckets_for, one_captured_piece, piecewise_plan_mode
 from runtime.graphs.cuda_graphs import CaptureError, CapturedPiece, CaptureState, CudaGraphs
 from runtime.step.context import ExecContext
 from runtime.cache.kv_pool import KVPool
@@ -75,8 +74,9 @@ from runtime.graphs.parity import OpRecord, OpTrace, ParityError
 from runtime.cache.state_pool import PADDING_SLOT, StatePool
 from runtime.graphs.staging import StepStaging, hidden_input_spec, step_on_device
 from runtime.graphs.startup_parity import ParityRecord, check_parity
+from runtime.graphs.step_runner import run_step
 
-__all__ = ["GraphRunner", "ParityError", "graph_runner_factory",
+__all__ = ["GraphRunner", "ParityError",
            # the roles' own names, as the runner's users know them
            "CaptureKey", "buckets_for", "CaptureError", "CudaGraphs", "CapturedPiece", "StepStaging", "step_on_device"]
 
@@ -303,12 +303,9 @@ class GraphRunner:
         return self.run_outputs(step, key)[0]
 
     def execute(self, items: list[tuple[SeqState, list[int]]],
-                logits_rows: Optional[list[int]] = None) -> tuple[Mode, torch.Tensor]:
-        """The engine's step: build, dispatch and run; (the step's mode, logits [R, V] on the device).
-
-        After a full graph the logits are the graph's static output: read them before the next step."""
-        step, key = self.build(items, logits_rows=logits_rows)
-        return step.ctx.mode, self.run(step, key)
+                logits_rows: Optional[list[int]] = None) -> tuple[Mode, torch.Tensor, Optional[torch.Tensor]]:
+        """The engine's step (runtime/graphs/step_runner.StepRunner): build, dispatch and run."""
+        return run_step(self, items, logits_rows)
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -429,43 +426,3 @@ class GraphRunner:
         if counts:
             log(f"kernel variants: eager steps of {', '.join(map(str, counts))} tokens in {seconds:.2f} s")
         return check_parity(self, vocab_size=vocab_size, log=log)
-
-
-def graph_runner_factory(artifact, vocab_size: int, *, program: str = "main", graphs=None,
-                         speculative_tokens: int = 0, log: Callable[[str], None] = lambda line: None,
-                         progress=None):
-    """runner_factory(ops, kv_pool, state_pool, limits) for runtime/assembly.build_engine.
-
-    The runner captures the artifact's recorded buckets (manifest "buckets"), clipped to the
-    engine's limits (`buckets_for`), then runs the start-up parity check: a mismatch raises
-    ParityError before the engine exists, so nothing is served. With speculative decoding (D
-    draft tokens) the decode buckets become target_verify buckets of D + 1 tokens per request,
-    as many as the state pool's intermediate rows hold (a decoding request is always verified).
-    """
-    recorded = artifact.manifest["buckets"]
-
-    def make(ops, kv_pool, state_pool, limits):
-        decode, extend = buckets_for(recorded["decode_batch_sizes"], recorded["extend_token_counts"],
-                                     max_running=limits["max_running"], token_budget=limits["token_budget"],
-                                     max_seq_len=limits["max_seq_len"])
-        verify = ()
-        if speculative_tokens:
-            rows = state_pool.verify_rows
-            decode, verify = (), tuple(b for b in decode if b <= rows)
-            if max(verify, default=0) < rows:  # a bucket past the intermediate states is not captured: say so
-                log(f"target_verify buckets {', '.join(map(str, verify)) or 'none'}: verify steps of "
-                    f"{max(verify, default=0) + 1} to {rows} requests run eagerly (the intermediate states hold "
-                    f"{rows} requests, no recorded bucket equals that); a --max-running (or --slots) among the "
-                    f"artifact's decode buckets ({', '.join(map(str, recorded['decode_batch_sizes']))}) captures them all")
-        runner = GraphRunner(artifact.runner(ops, program), ops, kv_pool, state_pool, kv_pool.device,
-                             decode_buckets=decode, extend_buckets=extend,
-                             max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"] + speculative_tokens),
-                             extend_max_seqs=extend_seqs(max(recorded["decode_batch_sizes"], default=1), extend),
-                             chunk_size=limits["token_budget"],
-                             graphs=graphs, verify_buckets=verify, verify_tokens=speculative_tokens + 1)
-        runner.start(vocab_size, log=log, progress=progress)
-        if getattr(artifact, "compiled", None) is not None:
-            artifact.compiled.parity = list(runner.parity.compiled.values())
-        return runner
-
-    return make

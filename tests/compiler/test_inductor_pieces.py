@@ -303,11 +303,11 @@ def test_engine_stats_count_kernels_the_serving_watch_saw(tmp_path):
     from runtime.engine.sampling import SamplingParams
     from testkit.engine_toy import build_model, make_engine, prompts
 
-    engine = make_engine(build_model("toy"))
-    assert "kernels_built_serving" not in engine.stats()
+    assert "kernels_built_serving" not in make_engine(build_model("toy")).stats()
     triton = tmp_path / "triton"
     triton.mkdir()
-    engine.kernel_watch = ServingWatch(triton, "rebuild", lambda line: None, interval_s=0.0)
+    engine = make_engine(build_model("toy"), kernel_watch=ServingWatch(triton, "rebuild", lambda line: None,
+                                                                       interval_s=0.0))
     (triton / "K").mkdir()
     engine.generate(prompts(1, [5], 96)[0], SamplingParams(max_new_tokens=2))
     assert engine.stats()["kernels_built_serving"] == 1
@@ -330,7 +330,7 @@ def test_start_up_parity_refuses_a_piece_that_differs_from_the_traced_glue(built
 
     art = load_artifact(built["art"])
     engine = engine_for_artifact(art, EngineOptions(slots=2, token_budget=64), 64)
-    assert engine.forward.runner.glue is not None and art.compiled.parity
+    assert engine.runner.forward.runner.glue is not None and art.compiled.parity
     art = load_artifact(built["art"])
     _perturbed(art)
     with pytest.raises(ParityError, match=r"compiled pieces against the traced glue .*layer 0 \(\w+\) hands it "

@@ -33,8 +33,7 @@ from hgc import main
 from compiler.splitops import Mode
 from runtime.engine.engine import SamplingParams
 from runtime.artifact.loader import load_artifact
-from runtime.assembly import EngineOptions, build_engine, engine_for_artifact, routed_backends
-from runtime.engine.speculative import SpeculativeDecoder
+from runtime.assembly import EngineOptions, engine_for_artifact
 from testkit.spec_drafters import GreedyContinuationDrafter
 
 pytestmark = [pytest.mark.gpu,
@@ -139,15 +138,8 @@ def test_bf16_verify_rows_are_the_decode_steps_to_rounding(artifacts):
 
 
 def engine_with_drafter(art, D: int, drafter):
-    def speculative(ops, kv_pool, state_pool, limits, runner):
-        return SpeculativeDecoder(runner, drafter, D, state_pool)  # the main program's captured steps
-
-    from runtime.graphs.runner import graph_runner_factory
-    vocab = int(art.manifest["model"]["vocab_size"])
-    return build_engine(art.registry, art.bind, options(D), MAX_LEN, device="cuda",
-                        backend_factory=routed_backends(art)[0],
-                        runner_factory=graph_runner_factory(art, vocab, speculative_tokens=D),
-                        speculative_factory=speculative)
+    # the main program's captured steps, `drafter` in place of the artifact's
+    return engine_for_artifact(art, options(D), MAX_LEN, device="cuda", drafter_wrap=lambda mtp: drafter)
 
 
 @pytest.mark.parametrize("draft_tokens", (1, 3))
@@ -219,16 +211,7 @@ def test_batch_invariant_a_forced_agreeing_drafter_is_kept_with_plain_tokens(inv
     plain, _ = run(engine_for_artifact(art, invariant_options(0), MAX_LEN, device="cuda"))
     drafter = GreedyContinuationDrafter({tuple(p): o for p, o in zip(PROMPTS, plain)}, D,
                                         int(art.manifest["model"]["vocab_size"]), device="cuda")
-
-    def speculative(ops, kv_pool, state_pool, limits, runner):
-        return SpeculativeDecoder(runner, drafter, D, state_pool)
-
-    from runtime.graphs.runner import graph_runner_factory
-    vocab = int(art.manifest["model"]["vocab_size"])
-    engine = build_engine(art.registry, art.bind, invariant_options(D), MAX_LEN, device="cuda",
-                          backend_factory=routed_backends(art)[0],
-                          runner_factory=graph_runner_factory(art, vocab, speculative_tokens=D),
-                          speculative_factory=speculative, prompts_apart=art.batch_invariant)
+    engine = engine_for_artifact(art, invariant_options(D), MAX_LEN, device="cuda", drafter_wrap=lambda mtp: drafter)
     outputs, stats = run(engine)
     assert outputs == plain and all_free(stats)
     # as the float32 test: drafts past a request's last token propose padding, which is rejected

@@ -25,7 +25,7 @@ from runtime.cache.kv_pool import KVPool
 from runtime.cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from runtime.cache.radix_cache import RadixCache
 from runtime.cache.snapshot_pool import SnapshotPool
-from testkit.engine_toy import available_families, build_model, make_pools
+from testkit.engine_toy import available_families, build_model, eager_engine, make_pools
 
 MODELS = ["toy"] + available_families()
 PAGE = 4
@@ -42,7 +42,7 @@ def cached_engine(model, *, cache: bool = True, slots: int = 6, pages: int = 128
     if cache:
         prefix_cache = PrefixCache(kv_pool, state_pool, SnapshotPool(model.layer_registry, snapshots),
                                    PrefixCacheConfig(snapshot_interval=interval))
-    return Engine(model, ops, kv_pool, state_pool, prefix_cache=prefix_cache, **engine_kwargs)
+    return eager_engine(model, ops, kv_pool, state_pool, prefix_cache=prefix_cache, **engine_kwargs)
 
 
 def random_ids(n: int, vocab: int, g: torch.Generator) -> list[int]:
@@ -74,7 +74,7 @@ def check_references(engine: Engine) -> None:
     """Each page is held exactly by the running requests whose page lists have it and the tree."""
     kv = engine.kv_pool
     want = collections.Counter()
-    for req in engine._running:
+    for req in engine.scheduler.running:
         want.update(req.seq.pages)
     if engine.prefix_cache is not None:
         want.update(engine.prefix_cache.tree.held_pages())
@@ -273,7 +273,7 @@ def test_output_snapshots_let_the_next_turn_hit_past_the_prompt():
     model.set_ops(ops)
     cache = PrefixCache(kv_pool, state_pool, SnapshotPool(model.layer_registry, 16),
                         PrefixCacheConfig(snapshot_interval=4, snapshot_output=True))
-    engine = Engine(model, ops, kv_pool, state_pool, prefix_cache=cache)
+    engine = eager_engine(model, ops, kv_pool, state_pool, prefix_cache=cache)
     cached = two_turns(engine)
     assert [r.output_ids for r in cached] == [r.output_ids for r in plain]
     # The first turn's 10 + 12 tokens ran through 21 (its last sample is not fed): snapshots every
@@ -349,7 +349,7 @@ def test_the_engine_refuses_a_cache_over_other_pools():
     other_kv, _ = make_pools(model, 2, 8, PAGE)
     cache = PrefixCache(other_kv, state_pool, SnapshotPool(model.layer_registry, 2))
     with pytest.raises(ValueError, match="prefix cache must hold the engine's own pools"):
-        Engine(model, BoundOps(CPUReferenceBackend(kv_pool, state_pool)), kv_pool, state_pool, prefix_cache=cache)
+        eager_engine(model, BoundOps(CPUReferenceBackend(kv_pool, state_pool)), kv_pool, state_pool, prefix_cache=cache)
 
 
 def test_n_choices_forked_from_a_cache_hit_equal_the_same_choices_without_the_cache():

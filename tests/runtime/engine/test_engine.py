@@ -18,7 +18,7 @@ from runtime.step.bound_ops import BoundOps
 from runtime.engine.engine import Engine, EngineStalled, SamplingParams
 from runtime.engine.loop import EngineLoop, EngineLoopError
 from runtime.engine.sampling import filtered_distribution, make_generator, sample_next
-from testkit.engine_toy import available_families, build_model, make_engine, make_pools, prompts
+from testkit.engine_toy import available_families, build_model, eager_engine, make_engine, make_pools, prompts
 
 MODELS = ["toy"] + available_families()
 LENGTHS = [3, 17, 9, 30, 1, 12, 25, 6]  # mixed prompt lengths
@@ -270,7 +270,7 @@ def test_the_engine_needs_a_protocol_backend():
             return getattr(CPUReferenceBackend(kv_pool, state_pool), name)
 
     with pytest.raises(ProtocolError, match="does not implement the backend protocol"):
-        Engine(model, BoundOps(OpsWithoutHooks()), kv_pool, state_pool)
+        eager_engine(model, BoundOps(OpsWithoutHooks()), kv_pool, state_pool)
 
 
 def test_a_stall_is_an_error_not_a_hang():
@@ -426,7 +426,7 @@ def test_engine_loop_reports_a_failed_step_to_every_request():
     def broken(*args):
         raise RuntimeError("kernel exploded")
 
-    engine.forward = broken
+    engine.runner.forward = broken
     with EngineLoop(engine) as loop_:
         handle = loop_.submit([3, 4, 5], SamplingParams())
         with pytest.raises(EngineLoopError, match="kernel exploded"):

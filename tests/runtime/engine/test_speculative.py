@@ -13,7 +13,7 @@
 4. The pieces: intermediate states kept for the accepted position (the CPU reference's verify
    path against decode steps), acceptance rules, draft counts for penalties.
 5. The draft chain kept on the device (greedy requests without grammar): the drafts it proposes
-   are the per-step path's, eagerly and through a GraphRunner, with no `_choose` call after
+   are the per-step path's, eagerly and through a GraphRunner, with no `Choices.choose` call after
    position 0; a grammar or a temperature sends the call step by step, penalties do not; a
    greedy request whose next d_1 was left on the device joins a round chosen on the host; the
    draft's step after a verify, run on the device before the round's read, leaves what the host
@@ -35,8 +35,8 @@ from runtime.engine.engine import SamplingParams
 from runtime.engine.generate import make_pools
 from runtime.cache.kv_pool import KVPool
 from runtime.artifact.loader import load_artifact
-from runtime.assembly import EngineOptions, build_engine, engine_for_artifact, routed_backends
-from runtime.engine.speculative import EagerSteps, SpeculativeDecoder
+from runtime.assembly import EngineOptions, engine_for_artifact
+from runtime.engine.speculative import SpeculativeDecoder
 from runtime.cache.state_pool import StatePool
 from testkit.helpers import shared_artifact
 from testkit.spec_drafters import DisagreeingDrafter, GreedyContinuationDrafter
@@ -129,12 +129,7 @@ class Recording:
 
 
 def engine_with(art, D: int, drafter):
-    def speculative(ops, kv_pool, state_pool, limits, runner):
-        main_steps = EagerSteps(art.bind(ops, "main", all_outputs=True), ops, kv_pool, "cpu", limits["token_budget"])
-        return SpeculativeDecoder(main_steps, drafter, D, state_pool)
-
-    return build_engine(art.registry, art.bind, options(D), MAX_LEN, backend_factory=routed_backends(art)[0],
-                        speculative_factory=speculative)
+    return engine_for_artifact(art, options(D), MAX_LEN, drafter_wrap=lambda mtp: drafter)
 
 
 @pytest.mark.parametrize("draft_tokens", (3, 7))
@@ -198,18 +193,10 @@ def test_penalties_bias_and_logprobs_at_verified_positions_match_plain_decoding(
 
 
 def test_graph_runner_captures_verify_and_draft_keys_and_serves_the_same_tokens(artifacts, plain):
-    from runtime.graphs.runner import graph_runner_factory
-    from runtime.engine.speculative import speculative_factory
     from testkit.graph_cases import RerunGraphs
 
     art, D, lines = artifacts("qwen3_next"), 3, []
-    vocab = int(art.manifest["model"]["vocab_size"])
-    backend, draft_backend = routed_backends(art)
-    engine = build_engine(art.registry, art.bind, options(D), MAX_LEN, backend_factory=backend,
-                          runner_factory=graph_runner_factory(art, vocab, graphs=RerunGraphs(), speculative_tokens=D,
-                                                              log=lines.append),
-                          speculative_factory=speculative_factory(art, D, draft_backend=draft_backend,
-                                                                  log=lines.append))
+    engine = engine_for_artifact(art, options(D), MAX_LEN, graphs=RerunGraphs(), log=lines.append)
     main_runner, draft_runner = engine.runner, engine.spec.drafter.steps
     assert [str(k) for k in main_runner.keys][:3] == ["target_verify[tokens=16, seqs=4, rows=16]",
                                                       "target_verify[tokens=8, seqs=2, rows=8]",
@@ -230,18 +217,11 @@ def test_verify_steps_past_the_last_bucket_the_intermediate_states_hold_are_name
     captured; start-up says which verify steps then run eagerly and how to capture them all."""
     import dataclasses
 
-    from runtime.graphs.runner import graph_runner_factory
-    from runtime.engine.speculative import speculative_factory
     from testkit.graph_cases import RerunGraphs
 
     art, D, lines = artifacts("qwen3_next"), 3, []
-    vocab = int(art.manifest["model"]["vocab_size"])
-    backend, draft_backend = routed_backends(art)
-    engine = build_engine(art.registry, art.bind, dataclasses.replace(options(D), slots=3), MAX_LEN,
-                          backend_factory=backend,
-                          runner_factory=graph_runner_factory(art, vocab, graphs=RerunGraphs(), speculative_tokens=D,
-                                                              log=lines.append),
-                          speculative_factory=speculative_factory(art, D, draft_backend=draft_backend))
+    engine = engine_for_artifact(art, dataclasses.replace(options(D), slots=3), MAX_LEN, graphs=RerunGraphs(),
+                                 log=lines.append)
     assert [str(k) for k in engine.runner.keys if k.mode == Mode.TARGET_VERIFY] == [
         "target_verify[tokens=8, seqs=2, rows=8]", "target_verify[tokens=4, seqs=1, rows=4]"]
     said = [line for line in lines if "run eagerly" in line]
@@ -257,7 +237,8 @@ def test_the_compiled_pieces_start_up_check_runs_the_draft_program_with_its_hidd
 
     art = artifacts("qwen3_next")
     engine = engine_for_artifact(art, options(3), MAX_LEN)
-    reports = compiled_start_up_parity(engine, int(art.manifest["model"]["vocab_size"]), 16)
+    reports = compiled_start_up_parity(engine.runner, engine.spec, engine.kv_pool, engine.state_pool,
+                                       int(art.manifest["model"]["vocab_size"]), 16)
     assert [r.get("key", r["mode"]) for r in reports] == ["extend", "decode", "draft extend", "draft decode"]
     draft_layers = {e.layer_id for e in art.docs.routing.entries("draft")}
     assert {int(o["layer"]) for r in reports[2:] for o in r["ops"]} == draft_layers
@@ -452,14 +433,14 @@ def test_a_draft_layer_with_a_linear_state_is_refused_naming_it(artifacts):
     import types
 
     from compiler.splitops.registry import LayerKind, LayerSpec, TensorSpec
-    from runtime.engine.speculative import speculative_factory
+    from runtime.engine.speculative import check_drafter
 
     art = artifacts("qwen3_next")
     linear = LayerSpec(99, LayerKind.GDN, draft=True, state={"recurrent": TensorSpec((2, 4, 4), "float32")})
     registry = types.SimpleNamespace(draft_layers=lambda: [linear])
     with pytest.raises(ValueError, match=r"draft layer\(s\) \[99\] keep a linear-attention state"):
-        speculative_factory(types.SimpleNamespace(docs=art.docs, registry=registry), 3)
-    assert speculative_factory(art, 3) is not None  # the real draft layer: full attention
+        check_drafter(types.SimpleNamespace(docs=art.docs, registry=registry))
+    check_drafter(art)  # the real draft layer: full attention
 
 
 async def served_tokens(url: str, model: str = "m") -> list[list[int]]:
@@ -562,17 +543,18 @@ def test_the_memory_plan_sizes_the_intermediate_states_the_pool_allocates(artifa
 
 
 class ChainWatch:
-    """Wraps an engine's drafter and `_choose`: the drafts each proposal left, the positions
-    `_choose` was called for, and how many proposals took the device chain. `per_step` sends
-    every proposal through `_choose` step by step (the path of requests whose drafts are not the
+    """Wraps an engine's drafter and `Choices.choose`: the drafts each proposal left, the positions
+    `Choices.choose` was called for, and how many proposals took the device chain. `per_step` sends
+    every proposal through `Choices.choose` step by step (the path of requests whose drafts are not the
     argmax), to compare the device chain with."""
 
     def __init__(self, engine):
         self.drafter = engine.spec.drafter
         engine.spec.drafter = self
-        choose, self.by_argmax = engine._choose, engine._drafts_by_argmax
-        engine._choose = lambda reqs, logits, position: (self.chose_at.append(position), choose(reqs, logits, position))
-        engine._drafts_by_argmax = lambda req: self.by_argmax(req) and not self.per_step
+        choices = engine.choices
+        choose, self.by_argmax = choices.choose, choices.drafts_by_argmax
+        choices.choose = lambda reqs, logits, position: (self.chose_at.append(position), choose(reqs, logits, position))
+        choices.drafts_by_argmax = lambda req: self.by_argmax(req) and not self.per_step
         self.reset(per_step=False)
 
     def reset(self, per_step: bool) -> "ChainWatch":
@@ -609,7 +591,7 @@ def reusable(D: int) -> EngineOptions:
 
 def chained_and_per_step(engine, expected) -> dict:
     """The eight requests through one engine (built with `reusable`) twice, chained then per step:
-    {how: (drafts of each proposal, proposals chained, positions `_choose` was called for)}."""
+    {how: (drafts of each proposal, proposals chained, positions `Choices.choose` was called for)}."""
     watch, seen = ChainWatch(engine), {}
     for how in ("chained", "per_step"):
         watch.reset(per_step=how == "per_step")
@@ -626,7 +608,7 @@ def chained_and_per_step(engine, expected) -> dict:
 @pytest.mark.parametrize("draft_tokens", (3, 7))
 def test_chained_drafts_equal_per_step_drafts_and_plain_tokens(artifacts, plain, draft_tokens):
     """Greedy requests without grammar: the chain of D - 1 draft steps runs on the device with no
-    read in between (`_choose` is never called for positions >= 1), proposes exactly the drafts
+    read in between (`Choices.choose` is never called for positions >= 1), proposes exactly the drafts
     the per-step path proposes, and the tokens are plain decoding's; everything is free after.
     (D = 1 has no chain: its proposals are d_1 alone, and the tests above run it chained.)"""
     engine = engine_for_artifact(artifacts("qwen3_next"), reusable(draft_tokens), MAX_LEN)
@@ -638,16 +620,10 @@ def test_chained_drafts_through_a_graph_runner_feed_the_replayed_steps_on_the_de
     """The same through GraphRunners (graphs rerun on the CPU): the draft's decode steps are
     replayed from captured graphs with the previous step's argmax written into their static input
     ids, and propose what the per-step path proposes."""
-    from runtime.graphs.runner import graph_runner_factory
-    from runtime.engine.speculative import speculative_factory
     from testkit.graph_cases import RerunGraphs
 
     art, D = artifacts("qwen3_next"), 3
-    vocab = int(art.manifest["model"]["vocab_size"])
-    backend, draft_backend = routed_backends(art)
-    engine = build_engine(art.registry, art.bind, reusable(D), MAX_LEN, backend_factory=backend,
-                          runner_factory=graph_runner_factory(art, vocab, graphs=RerunGraphs(), speculative_tokens=D),
-                          speculative_factory=speculative_factory(art, D, draft_backend=draft_backend))
+    engine = engine_for_artifact(art, reusable(D), MAX_LEN, graphs=RerunGraphs())
     draft_runner = engine.spec.drafter.steps
     replays = draft_runner.counters["graph_replays"]
     chained_and_per_step(engine, plain("qwen3_next"))
@@ -695,7 +671,7 @@ def test_the_draft_after_a_verify_on_the_device_leaves_what_the_host_path_leaves
 
 
 def test_a_grammar_or_a_draw_sends_the_proposal_through_choose_and_penalties_do_not(artifacts):
-    """`_drafts_by_argmax`: a request with a grammar or a temperature has its drafts chosen on the
+    """`Choices.drafts_by_argmax`: a request with a grammar or a temperature has its drafts chosen on the
     host, step by step, and so has every request proposed with it; penalties and bias change only
     the target's rows (verification), so a penalised greedy request keeps the device chain. Greedy
     tokens are plain decoding's either way."""

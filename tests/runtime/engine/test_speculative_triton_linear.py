@@ -37,8 +37,7 @@ from runtime.step.bound_ops import BoundOps
 from runtime.engine.engine import SamplingParams
 from runtime.graphs.runner import GraphRunner
 from runtime.cache.kv_pool import KVPool
-from runtime.assembly import EngineOptions, build_engine, engine_for_artifact, routed_backends
-from runtime.engine.speculative import speculative_factory
+from runtime.assembly import EngineOptions, engine_for_artifact
 from runtime.cache.state_pool import StatePool
 from testkit.helpers import artifacts_by_family
 from testkit.linear_cases import INTERPRETED_TRITON_LINEAR, interpreted_triton_linear
@@ -114,15 +113,7 @@ def test_greedy_tokens_with_drafts_are_plain_decodings(artifacts, registry):
         assert engine.stats()["spec_verify_steps"] > 0
 
     def engine_with(D, wrap):
-        backend, draft_backend = routed_backends(art, registry)
-        real = speculative_factory(art, D, draft_backend=draft_backend)
-
-        def speculative(ops, kv_pool, state_pool, limits, runner):
-            spec = real(ops, kv_pool, state_pool, limits, runner)
-            spec.drafter = wrap(spec.drafter)
-            return spec
-        return build_engine(art.registry, art.bind, options(D), MAX_LEN, backend_factory=backend,
-                            speculative_factory=speculative)
+        return engine_for_artifact(art, options(D), MAX_LEN, registry=registry, drafter_wrap=wrap)
 
     forced = engine_with(3, lambda mtp: ForcedDrafts(mtp, references))
     assert run(forced) == plain, "MTP draft forced to the plain continuation"

@@ -18,6 +18,7 @@ from runtime.cache.state_pool import PADDING_SLOT
 from runtime.graphs.runner import KERNEL_VARIANT_TOKENS, CaptureError, CaptureKey, GraphRunner, ParityError
 from runtime.graphs.parity import CacheWatch, OpRecord, first_difference, rel_err
 from runtime.graphs.startup_parity import check_parity, parity_items, release_items
+from runtime.graphs.step_runner import EagerRunner
 from testkit.graph_cases import RerunGraphs, greedy
 from runtime.artifact.loader import LoadError, load_artifact
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
@@ -369,9 +370,8 @@ def test_engine_on_a_started_runner_gives_the_eager_engine_tokens(artifact):
         runner.chunk_size = 64
         if runner_too:
             runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
-        forward = None if runner_too else artifact.bind(runner.ops)
-        engine = Engine(forward, runner.ops, kv, st, max_tokens_per_step=64, max_running=4,
-                        runner=runner if runner_too else None)
+        steps = runner if runner_too else EagerRunner(artifact.bind(runner.ops), runner.ops, kv, "cpu", 64)
+        engine = Engine(steps, kv, st, max_tokens_per_step=64, max_running=4)
         ids = [engine.add_request(p, params) for p in prompts]
         results = engine.run_until_done()
         return [results[i].output_ids for i in ids], engine.stats()
@@ -404,8 +404,8 @@ def test_prefix_cache_on_a_started_runner_gives_the_eager_engine_tokens(artifact
         if cached:
             runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
         cache = PrefixCache(kv, st, SnapshotPool(artifact.registry, 8)) if cached else None
-        engine = Engine(None if cached else artifact.bind(ops), ops, kv, st, max_tokens_per_step=32, max_running=1,
-                        runner=runner if cached else None, prefix_cache=cache)
+        steps = runner if cached else EagerRunner(artifact.bind(ops), ops, kv, "cpu", 32)
+        engine = Engine(steps, kv, st, max_tokens_per_step=32, max_running=1, prefix_cache=cache)
         outputs = []
         for prompt in prompts:  # one after another, so each finds what the earlier ones cached
             outputs.append(engine.generate(prompt, params))
@@ -432,25 +432,21 @@ def test_extend_graphs_hold_every_running_request_a_mixed_step_can_carry():
     assert extend_seqs(8, ()) == 8
 
 
-def test_engine_built_with_a_runner_factory_on_a_small_pool(artifact):
-    """build_engine + graph_runner_factory as `hgc serve` / `hgc run` use them on CUDA: 3 slots
-    and 1-page requests, fewer pages than the largest bucket has rows; same tokens as eager."""
-    from runtime.graphs.runner import graph_runner_factory
-    from runtime.assembly import EngineOptions, build_engine
+def test_engine_for_artifact_with_a_graph_runner_on_a_small_pool(artifact):
+    """engine_for_artifact with a started GraphRunner, as `hgc serve` / `hgc run` build it on CUDA:
+    3 slots and 1-page requests, fewer pages than the largest bucket has rows; same tokens as eager."""
+    from runtime.assembly import EngineOptions, engine_for_artifact
     from runtime.engine.engine import SamplingParams
 
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [20, 21, 22, 23]]
     options = EngineOptions(slots=3, page_size=16)
-    vocab = artifact.manifest["model"]["vocab_size"]
     outs = []
-    backends = lambda kv, st: artifact.backends(kv, st).for_program("main")  # noqa: E731
-    for factory in (None, graph_runner_factory(artifact, vocab, graphs=RerunGraphs())):
-        engine = build_engine(artifact.registry, artifact.bind, options, 15, backend_factory=backends,
-                              runner_factory=factory)
+    for graphs in (False, RerunGraphs()):
+        engine = engine_for_artifact(artifact, options, 15, graphs=graphs)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
         results = engine.run_until_done()
         outs.append([results[i].output_ids for i in ids])
-    assert engine.runner is not None and engine.kv_pool.num_pages == 3
+    assert isinstance(engine.runner, GraphRunner) and engine.kv_pool.num_pages == 3
     assert [str(k) for k in engine.runner.keys][:3] == ["decode[tokens=4, seqs=4]", "decode[tokens=2, seqs=2]",
                                                           "decode[tokens=1, seqs=1]"]
     assert engine.stats()["graph_replays"] > 0
