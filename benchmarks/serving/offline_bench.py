@@ -60,6 +60,7 @@ from serve_bench import DRY, GPU, WARM_UP, bench as serve_levels, level_requests
 from hgc.serve_command import int_at_least  # noqa: E402
 import torch  # noqa: E402
 from runtime.engine.engine import SamplingParams  # noqa: E402
+from runtime.graphs.runner import GraphRunner  # noqa: E402
 from testkit.helpers import ServerProcess  # noqa: E402
 
 GPU_DEFAULTS = dict(family="qwen3_next", size="bench", iters=GPU["requests_per_worker"],
@@ -256,7 +257,7 @@ def run_stages(args, rec: dict, save) -> None:
         eng = engine_for_artifact(art, options, size["max_model_len"], device=art.device,
                                   log=lambda line: print(f"  {line}", flush=True))
         state.update(engine=eng, vocab=int(art.manifest["model"]["vocab_size"]), device=str(art.device))
-        rec["engine"] = {"device": str(art.device), "graphs": eng.runner is not None, **size,
+        rec["engine"] = {"device": str(art.device), "graphs": isinstance(eng.runner, GraphRunner), **size,
                          "token_budget": args.token_budget, "prefix_cache": eng.prefix_cache is not None}
 
     def requests(concurrency: int) -> list[tuple[list[int], int]]:
@@ -283,7 +284,7 @@ def run_stages(args, rec: dict, save) -> None:
         if measure is not None:
             rec["serve_vs_run"] = measure
             rec["targets"] = {"serve_over_run": {"value": measure["ratio"], "goal": f">= {SERVE_VS_RUN_GOAL}",
-                                                 "met": measure["ratio"] >= SERVE_VS_RUN_GOAL}}
+                                                 "met": measure["ratio"] >= SERVE_VS_RUN_GOAL, "on_cpu": True}}
 
 
 def table(rec: dict) -> str:
