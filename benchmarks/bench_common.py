@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from runtime.cache.batch import SeqState, build_step, commit_step
 
 __all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
-           "synchronizer", "host_profile", "engine_script", "target_rows", "compiled_artifact", "release_config", "load_format", "host_speed_ms",
+           "synchronizer", "host_profile", "engine_script", "target_rows", "verdict", "compiled_artifact", "release_config", "load_format", "host_speed_ms",
            "launch_check_ms", "device_gaps", "replay_host_split"]
 
 
@@ -556,9 +556,18 @@ def load_format(args) -> str:
     return "dummy" if getattr(args, "config", None) else "auto"
 
 
+def verdict(met: bool | None, dry_run: bool, on_cpu: bool = False) -> str:
+    """A target's word. A dry run measures a tiny model on the CPU: a goal set for the GPU at bench
+    size is not judged there (only a target marked on_cpu, one the CPU itself is asked to meet)."""
+    if dry_run and not on_cpu:
+        return "not judged (a GPU goal; this is a dry run)"
+    return {True: "met", False: "MISSED", None: "not measured"}[met]
+
+
 def target_rows(rec: dict) -> list[str]:
-    """One line per checked target of rec["targets"] ({name: {value, goal, met}})."""
-    return [f"{name}: {t['value']:.3g} (goal {t['goal']}): {'met' if t['met'] else 'MISSED'}"
+    """One line per checked target of rec["targets"] ({name: {value, goal, met[, on_cpu]}})."""
+    dry = bool(rec.get("config", {}).get("dry_run"))
+    return [f"{name}: {t['value']:.3g} (goal {t['goal']}): {verdict(t['met'], dry, t.get('on_cpu', False))}"
             for name, t in rec.get("targets", {}).items()]
 
 

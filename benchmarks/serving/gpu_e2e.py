@@ -107,7 +107,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plots"))  # plot_e
 import torch  # noqa: E402
 
 from bench_common import (Stages, device_rates, run_guarded, compare, decode_batch, key_names, logit_drift,  # noqa: E402
-                          profile_call, prompts_for, synchronizer, time_ms, write_checkpoint_hd64)
+                          profile_call, prompts_for, synchronizer, time_ms, verdict, write_checkpoint_hd64)
 from hgc import main as hgc  # noqa: E402
 from plot_e2e import parse_step, step_name  # noqa: E402
 from testkit.graph_cases import greedy  # noqa: E402
@@ -859,9 +859,8 @@ def print_summary(doc: dict) -> None:
                   f"{rec['start']['capture_s']:.2f}, parity {rec['start']['parity_s']:.2f}); torch.compile warm-up "
                   + (f"{warm:.2f} s" if warm is not None else "-"))
         for target in rec.get("targets", []):
-            verdict = {True: "met", False: "MISSED", None: "not measured"}[target["met"]]
             value = f"{target['value']:.3f}" if target["value"] is not None else "-"
-            print(f"  target {target['target']} {target['limit']}: {value} {verdict}")
+            print(f"  target {target['target']} {target['limit']}: {value} {verdict(target['met'], doc['dry_run'])}")
 
 
 def main(argv=None) -> int:
