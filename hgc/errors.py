@@ -34,7 +34,7 @@ import textwrap
 import traceback
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_CODES", "UsageError",
-           "CommandParser", "HelpFormatter", "classify", "print_failure", "run_with_errors"]
+           "CommandParser", "HelpFormatter", "classify", "failure_message", "print_failure", "run_with_errors"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -124,6 +124,8 @@ def classify(error: BaseException) -> tuple[int, str]:
 
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED, ""
+    if isinstance(getattr(error, "exit_code", None), int):  # classified where it happened (an engine core's refusal)
+        return error.exit_code, getattr(error, "hint", None) or ""
     if isinstance(error, PassError) and not isinstance(error.cause, _bad_input_classes()):
         return EXIT_FAILED, "a pass failed on an input it accepted: run again with --debug for the traceback"
     hint = getattr(error, "hint", None)
@@ -138,7 +140,8 @@ def classify(error: BaseException) -> tuple[int, str]:
     return EXIT_FAILED, hint or "run again with --debug for the traceback"
 
 
-def _message(error: BaseException) -> str:
+def failure_message(error: BaseException) -> str:
+    """The one line `print_failure` prints of a failure, without the command."""
     from compiler.splitops.errors import CompileError
 
     if isinstance(error, KeyboardInterrupt):  # every writer removes its staging folder on the way out
@@ -168,7 +171,7 @@ def print_failure(command: str, error: BaseException, debug: bool = False, rank:
     if debug and not isinstance(error, KeyboardInterrupt):
         traceback.print_exception(error, file=sys.stderr)
     prefix = f"hgc {command}: "
-    message = _message(error)
+    message = failure_message(error)
     if message.startswith(prefix):  # raised with the command already named
         message = message[len(prefix):]
     print(prefix + ("" if rank is None else f"rank {rank}: ") + message, file=sys.stderr, flush=True)
