@@ -4,7 +4,10 @@
     python -m hgc serve artifacts/tiny --port 0             # the same, without the hgc entry point
 
 1. `add_serve_arguments(subparsers)` registers the command (hgc/__init__.py calls it);
-   `cmd_serve(args)` loads the model (runtime/assembly.py) and calls `serve`.
+   `cmd_serve(args)` starts the engine core, a process of its own that loads the model
+   (runtime/assembly.py) and steps it (runtime/core/; the same command with `--engine-core`),
+   and calls `serve` with its client. `--engine-in-process` and `--tp N` load the model in this
+   process (each rank) instead. A refusal of the core's is this process's one line and status.
 2. The socket is bound before the model loads (`bind_socket`: a port in use or an address this
    machine does not have is refused at once, exit 2, naming --host/--port; `--port 0` takes any
    free port). `serve(served, options, sock)` prints one "listening" line on stderr once uvicorn
