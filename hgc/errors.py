@@ -20,7 +20,8 @@ what it wanted.
    the line names the rank: `hgc COMMAND: rank N: <message>`.
 3. `classify(error)` is the one table from failure class to exit code and hint. A command raises
    its refusals (UsageError, CheckpointError, CompileError, LoadError, ...); it prints nothing on
-   failure itself.
+   failure itself. A failure classified in another process (`hgc serve`'s engine core: its
+   `failure_message` and code travel to the server) carries its `exit_code` and `hint`.
 
 What it does not do: validate anything (the commands and the modules they call do).
 """
