@@ -20,7 +20,8 @@ what it wanted.
    the line names the rank: `hgc COMMAND: rank N: <message>`.
 3. `classify(error)` is the one table from failure class to exit code and hint. A command raises
    its refusals (UsageError, CheckpointError, CompileError, LoadError, ...); it prints nothing on
-   failure itself.
+   failure itself. A failure classified in another process (`hgc serve`'s engine core: its
+   `failure_message` and code travel to the server) carries its `exit_code` and `hint`.
 
 What it does not do: validate anything (the commands and the modules they call do).
 """
@@ -34,7 +35,7 @@ import textwrap
 import traceback
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_CODES", "UsageError",
-           "CommandParser", "HelpFormatter", "classify", "print_failure", "run_with_errors"]
+           "CommandParser", "HelpFormatter", "classify", "failure_message", "print_failure", "run_with_errors"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -124,6 +125,8 @@ def classify(error: BaseException) -> tuple[int, str]:
 
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED, ""
+    if isinstance(getattr(error, "exit_code", None), int):  # classified where it happened (an engine core's refusal)
+        return error.exit_code, getattr(error, "hint", None) or ""
     if isinstance(error, PassError) and not isinstance(error.cause, _bad_input_classes()):
         return EXIT_FAILED, "a pass failed on an input it accepted: run again with --debug for the traceback"
     hint = getattr(error, "hint", None)
@@ -138,7 +141,8 @@ def classify(error: BaseException) -> tuple[int, str]:
     return EXIT_FAILED, hint or "run again with --debug for the traceback"
 
 
-def _message(error: BaseException) -> str:
+def failure_message(error: BaseException) -> str:
+    """The one line `print_failure` prints of a failure, without the command."""
     from compiler.splitops.errors import CompileError
 
     if isinstance(error, KeyboardInterrupt):  # every writer removes its staging folder on the way out
@@ -168,7 +172,7 @@ def print_failure(command: str, error: BaseException, debug: bool = False, rank:
     if debug and not isinstance(error, KeyboardInterrupt):
         traceback.print_exception(error, file=sys.stderr)
     prefix = f"hgc {command}: "
-    message = _message(error)
+    message = failure_message(error)
     if message.startswith(prefix):  # raised with the command already named
         message = message[len(prefix):]
     print(prefix + ("" if rank is None else f"rank {rank}: ") + message, file=sys.stderr, flush=True)

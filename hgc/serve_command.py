@@ -4,7 +4,10 @@
     python -m hgc serve artifacts/tiny --port 0             # the same, without the hgc entry point
 
 1. `add_serve_arguments(subparsers)` registers the command (hgc/__init__.py calls it);
-   `cmd_serve(args)` loads the model (runtime/assembly.py) and calls `serve`.
+   `cmd_serve(args)` starts the engine core, a process of its own that loads the model
+   (runtime/assembly.py) and steps it (runtime/core/; the same command with `--engine-core`),
+   and calls `serve` with its client. `--engine-in-process` and `--tp N` load the model in this
+   process (each rank) instead. A refusal of the core's is this process's one line and status.
 2. The socket is bound before the model loads (`bind_socket`: a port in use or an address this
    machine does not have is refused at once, exit 2, naming --host/--port; `--port 0` takes any
    free port). `serve(served, options, sock)` prints one "listening" line on stderr once uvicorn
@@ -33,6 +36,8 @@ import os
 import signal
 import socket
 import sys
+import tempfile
+import traceback
 from typing import NoReturn
 
 __all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "add_speculative_argument", "prefix_cache_options",
@@ -182,6 +187,12 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
     add_tp_arguments(p.add_argument_group("tensor parallel and weights"))
     g = p.add_argument_group("process")
     g.add_argument("--threads", type=int_at_least(1), default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="step the engine on a thread of the HTTP server's process, for comparison and debugging. "
+                        "Default: the engine core runs in a process of its own, so HTTP, tokenization and "
+                        "detokenization never take the interpreter from its steps; --tp N always runs in process "
+                        "(rank 0 serves HTTP beside its engine)")
+    g.add_argument("--engine-core", default=None, metavar="FOLDER", help=argparse.SUPPRESS)  # the core's own flag
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's and the server's log level")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -290,9 +301,13 @@ def cmd_serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.engine_core is not None:
+        return _serve_core(args)
     code, group = start_ranks(args, "serve")
     if code is not None:
         return code  # this process launched the ranks; they have ended
+    if group is None and not args.engine_in_process:
+        return _serve_split(args)
     try:
         return _serve_rank(args, group)
     finally:
@@ -301,10 +316,26 @@ def cmd_serve(args) -> int:
 
 
 def _serve_rank(args, group) -> int:
-    """`hgc serve` in one process: the only one (group None), rank 0 of a tensor-parallel launch
-    (which serves), or another rank (which follows rank 0's steps until rank 0 stops)."""
+    """`hgc serve` in one process: the only one (--engine-in-process), rank 0 of a tensor-parallel
+    launch (which serves), or another rank (which follows rank 0's steps until rank 0 stops)."""
     from runtime.dist.distributed import follow
-    from runtime.server.app import ServerOptions
+
+    rank = group.rank if group is not None else 0
+    sock = bind_socket(args.host, args.port) if rank == 0 else None  # refused before the model loads
+    served = _load(args, group)
+    if rank > 0:
+        follow(served.engine, group)  # until rank 0 sends STOP (it shuts down) or stops
+        return 0
+    code = serve(served, _server_options(args), sock, summary=_engine_summary(served), log_level=args.log_level,
+                 access_log=args.access_log)
+    if group is not None:
+        group.close()  # STOP to the other ranks: they end with this process, which ends at once below
+    _end_process(code)
+
+
+def _load(args, group):
+    """The ServedModel of the flags (runtime/assembly.load_served_model): in the engine core, or in
+    the one process (or each rank) that serves with its engine in process."""
     from runtime.assembly import EngineOptions, load_served_model
 
     rank, tp = (group.rank, group.world_size) if group is not None else (0, 1)
@@ -319,24 +350,70 @@ def _serve_rank(args, group) -> int:
         memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * (1 << 30)),
         prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share,
         speculative_tokens=args.speculative_tokens, **prefix_cache_options(args))
-    server_options = ServerOptions(max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
-                                   shutdown_timeout=args.shutdown_timeout,
-                                   max_body_bytes=int(args.max_body_mb * 1_000_000))
-    sock = bind_socket(args.host, args.port) if rank == 0 else None  # refused before the model loads
     log(f"loading {args.artifact} ...")
-    served = load_served_model(args.artifact, name=args.served_model_name, options=engine_options,
-                               tokenizer_dir=args.tokenizer, device=group.device if group is not None else args.device,
-                               graphs=not args.no_graphs, compiled=compiled_options(args), log=log,
-                               progress=getattr(args, "progress", None) if rank == 0 else None,
-                               rank=rank, tp=tp, load_format=args.load_format,
-                               tp_lead=group if rank == 0 else None)
-    if rank > 0:
-        follow(served.engine, group)  # until rank 0 sends STOP (it shuts down) or stops
-        return 0
-    code = serve(served, server_options, sock, log_level=args.log_level, access_log=args.access_log)
-    if group is not None:
-        group.close()  # STOP to the other ranks: they end with this process, which ends at once below
+    return load_served_model(args.artifact, name=args.served_model_name, options=engine_options,
+                             tokenizer_dir=args.tokenizer, device=group.device if group is not None else args.device,
+                             graphs=not args.no_graphs, compiled=compiled_options(args), log=log,
+                             progress=getattr(args, "progress", None) if rank == 0 else None,
+                             rank=rank, tp=tp, load_format=args.load_format,
+                             tp_lead=group if rank == 0 else None)
+
+
+def _server_options(args):
+    from runtime.server.app import ServerOptions
+
+    return ServerOptions(max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
+                         shutdown_timeout=args.shutdown_timeout, max_body_bytes=int(args.max_body_mb * 1_000_000))
+
+
+def _serve_split(args) -> int:
+    """`hgc serve`'s default: this process serves HTTP; the engine core, a process of its own, loads
+    the model and steps it (runtime/core/). A refusal of the core's (a bad artifact or budget) is
+    raised here as its own one line and exit status."""
+    from runtime.core.client import EngineCoreClient
+    from runtime.core.messages import served_from_wire
+
+    server_options = _server_options(args)  # its refusals before anything starts
+    sock = bind_socket(args.host, args.port)  # refused before the model loads
+    with tempfile.TemporaryDirectory(prefix="hgc-core-") as folder:  # the two IPC sockets
+        client = EngineCoreClient.launch([sys.executable, "-m", "hgc", *args.argv, "--engine-core"], folder)
+        try:
+            served, summary = served_from_wire(client.facts)
+            code = serve(served, server_options, sock, engine=client, summary=summary, log_level=args.log_level,
+                         access_log=args.access_log)
+        finally:
+            if client.process.poll() is None:  # `serve` never started the client: end the core here
+                client.process.kill()
     _end_process(code)
+
+
+def _serve_core(args) -> int:
+    """This process is a split `hgc serve`'s engine core (--engine-core FOLDER): load, say ready (or
+    refuse with the one line the server prints), then step until the server says stop or is gone."""
+    from hgc.errors import classify, failure_message
+    from runtime.core.process import CoreChannel, serve_engine
+    from runtime.core.messages import served_to_wire
+    from runtime.engine.grammar import Grammars
+
+    # The server decides when the core ends ("stop", or its own exit): a Ctrl-C or a SIGTERM sent
+    # to the process group must not kill the engine under requests the server is draining.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    channel = CoreChannel(args.engine_core)
+    try:
+        try:
+            served = _load(args, None)
+        except Exception as error:  # noqa: BLE001 - every refusal becomes the server's one line
+            if args.debug:
+                traceback.print_exception(error, file=sys.stderr)
+            code, hint = classify(error)
+            channel.refused(code, failure_message(error), hint)
+            return code
+        channel.ready(served_to_wire(served, _engine_summary(served)))
+        grammars = Grammars(served.tokenizer, served.vocab_size, [served.eos_token_id])
+        return serve_engine(channel, served.engine, compile_grammar=grammars.compile, counters=served.counters)
+    finally:
+        channel.close()
 
 
 def _end_process(code: int) -> NoReturn:
@@ -345,6 +422,13 @@ def _end_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _engine_summary(served) -> str:
+    """What the "listening" line says of the engine."""
+    engine = served.engine
+    return (f"max_model_len {served.max_model_len}, {engine.state_pool.num_slots} slots, "
+            f"{engine.kv_pool.num_pages} KV pages, {_prefix_cache_line(engine)}")
 
 
 def _prefix_cache_line(engine) -> str:
@@ -378,9 +462,13 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(served, options, sock: socket.socket, *, log_level: str = "info", access_log: bool = False) -> int:
+def serve(served, options, sock: socket.socket, *, summary: str, engine=None, log_level: str = "info",
+          access_log: bool = False) -> int:
     """Serve `served` (a ServedModel) on `sock` (from `bind_socket`) until a signal; 0 after a clean
-    shutdown, 1 if it never started."""
+    shutdown, 1 if it never started or its engine failed. `engine`: the engine core's client
+    (runtime/core/client.py), None to step served.engine in this process; a core that dies ends
+    the server (its requests fail first), with status 1. `summary`: the engine's part of the
+    "listening" line."""
     import uvicorn
 
     from runtime.server.app import ServerOptions, create_app
@@ -394,7 +482,7 @@ def serve(served, options, sock: socket.socket, *, log_level: str = "info", acce
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(log_level.upper())
-    app = create_app(served, options)
+    app = create_app(served, options, engine)
     state = app.state.hgc
 
     class _Server(uvicorn.Server):
@@ -414,9 +502,7 @@ def serve(served, options, sock: socket.socket, *, log_level: str = "info", acce
             await super().startup(sockets)
             if self.started:
                 bound_host, bound_port = sockets[0].getsockname()[:2]
-                print(f"hgc serve: {served.name} listening on http://{bound_host}:{bound_port} "
-                      f"(max_model_len {served.max_model_len}, {served.engine.state_pool.num_slots} slots, "
-                      f"{served.engine.kv_pool.num_pages} KV pages, {_prefix_cache_line(served.engine)})",
+                print(f"hgc serve: {served.name} listening on http://{bound_host}:{bound_port} ({summary})",
                       file=sys.stderr, flush=True)
 
     # uvicorn's own graceful wait starts once the app has drained (or cancelled) its requests: the
@@ -424,9 +510,14 @@ def serve(served, options, sock: socket.socket, *, log_level: str = "info", acce
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
                             timeout_graceful_shutdown=max(options.shutdown_timeout - options.abort_after, 1.0))
     server = _Server(config)
+    if engine is not None:
+        def core_died() -> None:  # on the client's receiving thread, once its open requests have failed
+            logger.error("hgc serve: %s: shutting down", engine.error)
+            state.request_shutdown(exit_server=lambda: setattr(server, "should_exit", True))
+        engine.on_death = core_died
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
-    return 0 if server.started else 1
+    return 0 if server.started and state.healthy else 1
 

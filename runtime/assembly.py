@@ -103,7 +103,7 @@ class EngineOptions:
 @dataclasses.dataclass
 class ServedModel:
     name: str  # what clients send as "model"
-    engine: Engine
+    engine: Engine | None  # None in the API server of a split `hgc serve`: the engine is the core process's
     vocab_size: int
     max_model_len: int  # prompt + max_tokens of one request, at most
     tokenizer: TextTokenizer | None = None

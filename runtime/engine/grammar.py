@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import torch
 
-__all__ = ["GrammarError", "GrammarUnavailable", "StructuredOutput", "Grammar", "Matcher", "new_bitmask",
+__all__ = ["GrammarError", "GrammarUnavailable", "StructuredOutput", "Grammars", "Grammar", "Matcher", "new_bitmask",
            "apply_bitmask", "verify_masks", "vocab_type"]
 
 
@@ -143,6 +144,23 @@ class StructuredOutput:
             return make()
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(f"{where}: xgrammar cannot compile it: {_reason(e)}") from None
+
+
+class Grammars:
+    """Grammars compiled where the sampling runs (the server's process, or the engine core's): the
+    StructuredOutput is made at the first structured request (xgrammar is imported then), and the
+    threads that compile share it and its cache."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self._args = (tokenizer, vocab_size, stop_token_ids)
+        self._structured: StructuredOutput | None = None
+        self._lock = threading.Lock()
+
+    def compile(self, response_format: dict) -> "Grammar":
+        with self._lock:
+            if self._structured is None:
+                self._structured = StructuredOutput(*self._args)
+            return self._structured.compile(response_format)
 
 
 class Grammar:

@@ -1,13 +1,16 @@
-"""The HTTP server: a FastAPI app over one EngineLoop, speaking the OpenAI completions API.
+"""The HTTP server: a FastAPI app over one engine (its core process or an EngineLoop), speaking OpenAI's API.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
 events), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 
 Lifecycle:
 
-1. `create_app(served, options)` makes the app and its one `ServerState` (`app.state.hgc`): the
-   EngineLoop over the served model's Engine, the open requests, the counters. Nothing global.
-2. Lifespan start: the EngineLoop's thread starts. The app never steps the engine itself.
+1. `create_app(served, options, engine)` makes the app and its one `ServerState` (`app.state.hgc`):
+   the engine it submits to, the open requests, the counters. Nothing global. The engine is the
+   engine core's client (runtime/core/client.py: the Engine steps in a process of its own, `hgc
+   serve`'s default) or, without one, an EngineLoop over the served model's Engine in this
+   process; both give the same handles.
+2. Lifespan start: the engine's receiving or stepping thread starts. The app never steps the engine itself.
 3. A request: its body is read up to `max_body_bytes` (413 past it, from Content-Length before
    a byte is read, or while it streams in), then parsed and validated (protocol.py; a 4xx with
    the OpenAI error body on any fault), each prompt resolved to token ids and checked against
@@ -43,7 +46,6 @@ import dataclasses
 import functools
 import logging
 import math
-import threading
 import time
 import uuid
 from typing import Callable
@@ -55,7 +57,7 @@ from starlette.requests import ClientDisconnect
 
 from runtime.engine.engine import SamplingParams
 from runtime.engine.loop import EngineLoop, EngineLoopError
-from runtime.engine.grammar import GrammarError, GrammarUnavailable
+from runtime.engine.grammar import GrammarError, GrammarUnavailable, Grammars
 from runtime.server.choices import Choice, close_all, merged
 from runtime.server.generation import Generation
 from runtime.server.logprobs import join
@@ -113,10 +115,15 @@ class ServerOptions:
 class ServerState:
     """Everything the routes share: the served model, its EngineLoop, open requests and counters."""
 
-    def __init__(self, served: ServedModel, options: ServerOptions):
+    def __init__(self, served: ServedModel, options: ServerOptions, engine=None):
         self.served = served
         self.options = options
-        self.engine_loop = EngineLoop(served.engine)
+        if engine is None:  # the engine in this process: stepped by an EngineLoop, grammars compiled here
+            self.engine_loop = EngineLoop(served.engine)
+            self._grammar = Grammars(served.tokenizer, served.vocab_size, [served.eos_token_id]).compile
+        else:  # the engine core's client (runtime/core/client.py): the core compiles them
+            self.engine_loop = engine
+            self._grammar = engine.grammar
         self.executor = concurrent.futures.ThreadPoolExecutor(options.workers, thread_name_prefix="hgc-server")
         # Request preparation (JSON, validation, tokenization) apart from the engine calls: a large
         # prompt being tokenized never holds up a submit, a cancel or /metrics.
@@ -131,8 +138,6 @@ class ServerState:
         self.created = now()
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._structured = None  # runtime/engine/grammar.py StructuredOutput, made at the first structured request
-        self._structured_lock = threading.Lock()
 
     @property
     def limit(self) -> int:
@@ -216,6 +221,8 @@ class ServerState:
             future.add_done_callback(lambda f: f.cancelled() or f.exception()
                                      or [self._cancel(request_id) for request_id in request_ids])
             raise
+        except (GrammarError, GrammarUnavailable) as e:  # compiled by the engine core, which refused it
+            raise _grammar_refusal(e) from None
         except ValueError as e:  # Engine.add_request's own checks (the app checks first; kept as a net)
             raise RequestError(str(e), param="prompt") from None
         except RuntimeError as e:
@@ -314,17 +321,9 @@ class ServerState:
             raise RequestError("structured output needs an end-of-sequence token to end a complete JSON, and this "
                                "model's tokenizer names none", param="response_format")
         try:
-            with self._structured_lock:  # the request threads share one compiler and its cache
-                if self._structured is None:
-                    from runtime.engine.grammar import StructuredOutput
-
-                    self._structured = StructuredOutput(tokenizer, self.served.vocab_size, [self.served.eos_token_id])
-            return self._structured.compile(req.response_format.to_json())
-        except GrammarError as e:
-            raise RequestError(str(e), param="response_format", code="invalid_response_format") from None
-        except GrammarUnavailable as e:  # this deployment's missing extra, not the client's mistake
-            raise RequestError(str(e), status=501, type="not_implemented_error", param="response_format",
-                               code="structured_output_unavailable") from None
+            return self._grammar(req.response_format.to_json())
+        except (GrammarError, GrammarUnavailable) as e:
+            raise _grammar_refusal(e) from None
 
     def sampling(self, req, prompt_len: int, max_tokens: int | None, default: int | None, prompt_param: str,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
@@ -369,6 +368,13 @@ class ServerState:
                 "finished": dict(self.finished), "errors": dict(self.errors), "prompt_tokens": self.prompt_tokens,
                 "ttft_sum": self.ttft[0], "ttft_count": self.ttft[1], "duration_sum": self.duration[0],
                 "duration_count": self.duration[1], "healthy": self.healthy, "draining": self.draining}
+
+
+def _grammar_refusal(error: GrammarError | GrammarUnavailable) -> RequestError:
+    if isinstance(error, GrammarUnavailable):  # this deployment's missing extra, not the client's mistake
+        return RequestError(str(error), status=501, type="not_implemented_error", param="response_format",
+                            code="structured_output_unavailable")
+    return RequestError(str(error), param="response_format", code="invalid_response_format")
 
 
 def _cached_tokens(choices: list[Choice]) -> int:
@@ -464,8 +470,10 @@ def _engine_error_body(error: BaseException) -> dict:
     return error_body(f"the engine failed: {error.__cause__ or error!r}", "server_error", None, "engine_error")
 
 
-def create_app(served: ServedModel, options: ServerOptions | None = None) -> FastAPI:
-    state = ServerState(served, options or ServerOptions())
+def create_app(served: ServedModel, options: ServerOptions | None = None, engine=None) -> FastAPI:
+    """engine: the engine core's client (runtime/core/client.EngineCoreClient) when the engine runs in a
+    process of its own; None: an EngineLoop over served.engine, in this process."""
+    state = ServerState(served, options or ServerOptions(), engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -3,6 +3,7 @@
     hgc/                 the command line, the roof: may import anything below
     runtime/             its rooms, each importing only the rooms below it:
         server/          the HTTP server
+        core/            the engine core's process, its messages, the server's client of it
         assembly.py      artifact -> memory plan -> pools -> backends -> runners -> engine
         dist/            tensor-parallel ranks
         engine/          requests, scheduling, sampling, the speculative round, the loop
@@ -35,7 +36,7 @@ PACKAGES = ("hgc", "compiler", "models", "runtime", "testkit")
 
 # The runtime's rooms, lowest first: each may import itself and the rooms before it.
 RUNTIME_ROOMS = ("step", "cache", "backends.kernels", "backends", "graphs", "artifact", "engine", "dist",
-                 "assembly", "server")
+                 "assembly", "core", "server")
 PRODUCT = {"splitops", "models", "compiler", *(f"runtime.{r}" for r in RUNTIME_ROOMS), "hgc"}
 
 # floor -> the floors it may import
