@@ -25,6 +25,7 @@ import random
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -36,12 +37,36 @@ WARM_UP = 0.3  # the share of the run before memory counts as warmed up
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident memory of process `pid` (Linux /proc)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+    """Resident memory of process `pid` and every process below it (Linux /proc): `hgc serve`'s
+    engine core is a child of the server process, and its memory is most of the server's."""
+    return sum(_own_rss(p) for p in [pid, *_descendants(pid)])
+
+
+def _own_rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:  # a child that ended between the listing and the read
+        return 0
     raise RuntimeError(f"process {pid}: no VmRSS in /proc/{pid}/status")
+
+
+def _descendants(pid: int) -> list[int]:
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ...
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def pool_counts(url: str) -> dict[str, float]:
