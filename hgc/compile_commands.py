@@ -53,13 +53,30 @@ def _route(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _config(args):
-    from compiler.passes.context import CompileConfig
+def _buckets(args) -> dict:
+    """CompileConfig's bucket fields: --bucket-costs chooses the extend buckets from measured costs
+    (compiler/bucket_choice.py), --decode-buckets / --extend-buckets set them, else the defaults."""
+    from compiler.bucket_choice import choose_extend_buckets, read_bucket_costs
     from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS
 
-    return CompileConfig(target=args.target, dtype=args.dtype,
-                         decode_batch_sizes=getattr(args, "decode_buckets", None) or DEFAULT_DECODE_BATCH_SIZES,
-                         extend_token_counts=getattr(args, "extend_buckets", None) or DEFAULT_EXTEND_TOKEN_COUNTS,
+    decode, extend = getattr(args, "decode_buckets", None), getattr(args, "extend_buckets", None)
+    costs_file = getattr(args, "bucket_costs", None)
+    fields = {"decode_batch_sizes": decode or DEFAULT_DECODE_BATCH_SIZES,
+              "extend_token_counts": extend or DEFAULT_EXTEND_TOKEN_COUNTS,
+              "buckets_chosen_by": "flags" if decode or extend else "defaults"}
+    if costs_file:
+        if extend:
+            raise UsageError("--bucket-costs chooses the extend buckets from the measured costs: drop --extend-buckets")
+        costs = read_bucket_costs(costs_file)
+        fields.update(extend_token_counts=choose_extend_buckets(costs), buckets_chosen_by="measured",
+                      bucket_costs=costs)
+    return fields
+
+
+def _config(args):
+    from compiler.passes.context import CompileConfig
+
+    return CompileConfig(target=args.target, dtype=args.dtype, **_buckets(args),
                          routes=tuple(args.route or ()), tp=args.tp, overlap=bool(args.overlap),
                          overlap_min_bytes=args.overlap_min_bytes, batch_invariant=bool(args.batch_invariant))
 
@@ -299,7 +316,8 @@ def cmd_inspect(args) -> int:
     bundles = bundle_rows(m)
     if args.json:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
-                          "routes": routes, "buckets": m["buckets"], "weights": m["weights"]["mode"],
+                          "routes": routes, "buckets": {**m["buckets"], "extend_rows": extend_rows(m["buckets"])},
+                          "weights": m["weights"]["mode"],
                           "backends": raw_routing["backends"], "layers": routing, "split": split,
                           "side_branches": branches,
                           "findings": [f.to_json() for f in findings], "bundles": bundles,
@@ -311,7 +329,7 @@ def cmd_inspect(args) -> int:
     if m["compile"].get("batch_invariant"):
         print("numerics: batch-invariant (hgc compile --batch-invariant: decode and verify rows computed as the "
               "request's own decode step would be)")
-    print(f"decode buckets {m['buckets']['decode_batch_sizes']}, extend buckets {m['buckets']['extend_token_counts']}\n")
+    print(bucket_line(m["buckets"]) + "\n")
     print(tabulate(routing, headers="keys", tablefmt="simple"))
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
@@ -386,6 +404,36 @@ def cmd_verify(args) -> int:
     print(f"hgc verify: {args.artifact}: {files} file(s) ({nbytes / 1e6:.1f} MB) match manifest.json, "
           f"manifest seal, programs and model facts check out{what}")
     return 0
+
+
+def extend_rows(buckets: dict) -> dict[str, int]:
+    """Request rows of each recorded extend bucket, by its token count, as a run captures them
+    (runtime/graphs/buckets.py: the largest decode bucket, at most the bucket's tokens)."""
+    from runtime.graphs.buckets import Buckets, extend_seqs
+
+    decode, extend = buckets["decode_batch_sizes"], buckets["extend_token_counts"]
+    table = Buckets(tuple(decode), tuple(extend), extend_seqs(max(decode, default=1), extend))
+    return {str(t): table.extend_rows(t) for t in table.extend}
+
+
+def bucket_line(buckets: dict) -> str:
+    """The capture buckets, extend ones as tokens x requests, and how they were chosen; where they
+    were chosen from measured costs, the cost of each measured extend bucket's step."""
+    from compiler.splitops.artifact import parse_bucket_costs
+
+    chosen = {"defaults": "the format's defaults, not measured",
+              "flags": "set by --decode-buckets / --extend-buckets, not measured",
+              None: "how they were chosen is not recorded (compiled before hgc recorded it), not measured"}
+    extend = " ".join(f"{t}x{rows}" for t, rows in extend_rows(buckets).items())
+    line = f"decode buckets {buckets['decode_batch_sizes']}, extend buckets (tokens x requests) {extend}: "
+    if buckets.get("chosen_by") != "measured":
+        return line + chosen.get(buckets.get("chosen_by"), str(buckets.get("chosen_by")))
+    costs = parse_bucket_costs(buckets.get("measured"), "manifest.json buckets.measured")
+    kept = set(buckets["extend_token_counts"])
+    steps = ", ".join(f"{t}{'' if t in kept else ' (not kept)'} {ms:.3g}" for t, ms in costs.extend_ms)
+    decode = ", ".join(f"{b} {ms:.3g}" for b, ms in costs.decode_ms)
+    return (line + f"chosen from step costs measured on {costs.device}\n  extend step ms by tokens: {steps}"
+            + (f"\n  decode step ms by requests: {decode}" if decode else ""))
 
 
 def bundle_rows(manifest: dict) -> list[dict]:
@@ -534,7 +582,12 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--decode-buckets", type=_ints, default=None, metavar="N,N,...",
                    help="decode batch sizes to capture, e.g. 1,2,4,8 (default: 1,2,4,...,256)")
     p.add_argument("--extend-buckets", type=_ints, default=None, metavar="N,N,...",
-                   help="extend token counts to capture, e.g. 256,512 (default: 256,512,...,4096)")
+                   help="extend token counts to capture, e.g. 32,256,512; a bucket of t tokens holds min(t, largest "
+                        "decode bucket) requests (default: 16,32,...,4096)")
+    p.add_argument("--bucket-costs", default=None, metavar="FILE",
+                   help="choose the extend buckets from step costs measured on the target (a file written by "
+                        "benchmarks/serving/bucket_costs.py): a bucket is kept where it saves a tenth over the next "
+                        "larger one; the costs are recorded and `hgc inspect` shows them")
     p.add_argument("--json", action="store_true", help="JSON on stdout (with --plan-only: the whole plan)")
     p.add_argument("--inductor", action=argparse.BooleanOptionalAction, default=None,
                    help="also build this machine's target bundle: the glue between op cores compiled by Inductor "

@@ -20,7 +20,8 @@ from typing import Optional
 import torch.fx
 
 from compiler.splitops import CapabilityTable, LayerRegistry, Mode
-from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS, SplitPlan
+from compiler.splitops.artifact import (BUCKET_CHOICES, DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS,
+                                        BucketCosts, SplitPlan)
 from compiler.lints.base import Finding
 from compiler.passes.routing import Route
 
@@ -35,6 +36,8 @@ class CompileConfig:
     dtype: str = "float32"  # the model dtype the graph is traced in (must match the eager baseline's)
     decode_batch_sizes: tuple[int, ...] = DEFAULT_DECODE_BATCH_SIZES
     extend_token_counts: tuple[int, ...] = DEFAULT_EXTEND_TOKEN_COUNTS
+    buckets_chosen_by: str = "defaults"  # how the buckets above were chosen (BUCKET_CHOICES), shown by `hgc inspect`
+    bucket_costs: Optional[BucketCosts] = None  # the measured costs they were chosen from ("measured" only)
     routes: tuple[Route, ...] = ()  # --route: nodes bound to a named backend (compiler/passes/routing.py)
     tp: int = 1  # --tp: tensor-parallel ranks; the programs are one rank's (compiler/passes/sharding.py)
     overlap: bool = False  # --overlap: shared experts out of the moe op, side-stream branches (compiler/passes/overlap.py)
@@ -49,6 +52,12 @@ class CompileConfig:
             values = getattr(self, field)
             if not values or any(int(v) < 1 for v in values) or list(values) != sorted(set(values)):
                 raise ValueError(f"compile config: {field} must be increasing positive integers, got {list(values)}")
+        if self.buckets_chosen_by not in BUCKET_CHOICES:
+            raise ValueError(f"compile config: buckets_chosen_by must be one of {BUCKET_CHOICES}, "
+                             f"not {self.buckets_chosen_by!r}")
+        if (self.bucket_costs is not None) != (self.buckets_chosen_by == "measured"):
+            raise ValueError("compile config: bucket_costs are recorded exactly when the buckets were chosen from them "
+                             "(buckets_chosen_by 'measured')")
         if int(self.tp) != self.tp or self.tp < 1:
             raise ValueError(f"compile config: --tp must be a positive integer, got {self.tp!r}")
         if self.overlap_min_bytes is not None and (not self.overlap or self.overlap_min_bytes < 0):

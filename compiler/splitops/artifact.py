@@ -56,7 +56,8 @@ from .sharding import ShardSpec
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "GRAPH", "DRAFT_GRAPH", "WEIGHTS", "WEIGHT_MAP", "ROUTING",
     "SPLIT", "LINTS", "DUMPS", "PROGRAM_FILES", "PROGRAM_INPUTS", "program_outputs", "DEFAULT_DECODE_BATCH_SIZES",
-    "DEFAULT_EXTEND_TOKEN_COUNTS", "CAPTURED", "EAGER", "ArtifactFormatError", "dump_json", "load_json",
+    "DEFAULT_EXTEND_TOKEN_COUNTS", "BUCKET_CHOICES", "BUCKET_COSTS_FORMAT", "BucketCosts", "bucket_costs_doc",
+    "parse_bucket_costs", "CAPTURED", "EAGER", "ArtifactFormatError", "dump_json", "load_json",
     "sha256_file", "safetensors_header", "SideBranch", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
     "apply_split_plan", "plan_node_names", "retarget_meta_devices", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
     "check_format", "piece_module_names", "RouteEntry", "RoutingTable", "routing_doc", "parse_routing_doc",
@@ -102,9 +103,18 @@ def program_outputs(program: str, programs) -> tuple[str, ...]:
 
 # Capture buckets recorded for the runtime's graph runner. Decode: padded request counts (powers of
 # two up to 256 cover serving batch sizes with at most 2x padding). Extend: padded token counts of
-# a chunked-prefill step (256 tokens to a 4096-token chunk).
+# an extend or mixed step, powers of two from 16 (a prefix-cache hit's suffix, a short prompt, a
+# chat turn: padded to 256 tokens they cost several decode steps) to a 4096-token chunk. A bucket of
+# t tokens holds min(t, largest decode bucket) requests (runtime/graphs/buckets.py), so the small
+# ones cap no larger step's requests.
 DEFAULT_DECODE_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DEFAULT_EXTEND_TOKEN_COUNTS: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+DEFAULT_EXTEND_TOKEN_COUNTS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# How an artifact's buckets were chosen, recorded as the manifest's buckets.chosen_by: the defaults
+# above, --decode-buckets / --extend-buckets, or from measured step costs (`hgc compile
+# --bucket-costs FILE`, a bucket-costs document; its costs are kept as buckets.measured). An
+# artifact compiled before the field has none.
+BUCKET_CHOICES: tuple[str, ...] = ("defaults", "flags", "measured")
+BUCKET_COSTS_FORMAT = "hgc-bucket-costs"
 
 CAPTURED = "captured"
 EAGER = "eager"
@@ -200,6 +210,51 @@ def check_format(doc, source: str) -> dict:
 
 def _header() -> dict:
     return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+
+
+# -- measured bucket costs -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketCosts:
+    """What one step of each captured bucket cost on a device: an extend step of one request filling
+    the bucket, and a decode step of the bucket's requests (milliseconds, medians)."""
+
+    device: str
+    extend_ms: tuple[tuple[int, float], ...]  # (tokens, ms), increasing tokens
+    decode_ms: tuple[tuple[int, float], ...] = ()  # (requests, ms)
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "extend_ms": {str(t): ms for t, ms in self.extend_ms},
+                "decode_ms": {str(b): ms for b, ms in self.decode_ms}}
+
+
+def bucket_costs_doc(costs: BucketCosts, **facts) -> dict:
+    """The document a measurement writes and `hgc compile --bucket-costs` reads; `facts` (model,
+    dtype, ...) are kept for people."""
+    return {"format": BUCKET_COSTS_FORMAT, **facts, **costs.to_json()}
+
+
+def parse_bucket_costs(doc, source: str) -> BucketCosts:
+    """A bucket-costs document (or the manifest's buckets.measured) back, naming the bad field."""
+    if not isinstance(doc, dict):
+        raise ArtifactFormatError(f"{source}: expected a JSON object")
+    if not isinstance(doc.get("device"), str):
+        raise ArtifactFormatError(f"{source}: field 'device' must be a string (the device measured)")
+
+    def table(field: str, required: bool) -> tuple[tuple[int, float], ...]:
+        raw = doc.get(field, None if required else {})
+        if not isinstance(raw, dict) or (required and not raw):
+            raise ArtifactFormatError(f"{source}: field {field!r} must be an object of bucket size -> milliseconds")
+        try:
+            rows = sorted((int(k), float(v)) for k, v in raw.items())
+        except (TypeError, ValueError):
+            raise ArtifactFormatError(f"{source}: field {field!r} must map integer sizes to milliseconds") from None
+        if any(size < 1 or not ms > 0 or math.isinf(ms) for size, ms in rows):
+            raise ArtifactFormatError(f"{source}: field {field!r} must hold sizes >= 1 and times > 0")
+        return tuple(rows)
+
+    return BucketCosts(doc["device"], table("extend_ms", True), table("decode_ms", False))
 
 
 # -- routing ---------------------------------------------------------------------------------------

@@ -2,13 +2,14 @@
 
 1. `CaptureKey(mode, tokens, seqs, rows)` names one captured shape: a decode bucket (one row per
    request), a target_verify bucket (speculative decoding: `verify_tokens` rows per request, and
-   `rows` logits rows) or an extend bucket (its token rows and a fixed number of request rows;
-   mixed steps use the extend graphs).
+   `rows` logits rows) or an extend bucket (its token rows and its request rows, `extend_rows`:
+   min(extend_max_seqs, tokens), since every request brings at least one token; mixed steps use
+   the extend graphs).
 2. `Buckets(decode, extend, extend_max_seqs, verify, verify_tokens, verify_logits_rows)`: `capture_keys()` in capture order (largest first,
    so smaller graphs reuse the pool's memory), `key_for(mode, tokens, seqs)` the smallest key that
    holds a step or None (an eager step), and the largest step the static buffers must hold.
 3. `buckets_for`: the artifact's recorded buckets clipped to the steps an engine can send;
-   `extend_seqs`: how many requests an extend graph holds.
+   `extend_seqs`: how many requests the largest extend graphs hold.
 4. `one_captured_piece` and `piecewise_plan_mode`: what the program's split plans (split.json) say
    about a mode's graphs: whole-step (its plan is one captured piece), or pieces with eager gaps,
    and whose plan's pieces those are.
@@ -48,7 +49,7 @@ class CaptureKey:
 class Buckets:
     decode: tuple[int, ...]  # padded request counts of the decode graphs
     extend: tuple[int, ...]  # padded token counts of the extend graphs
-    extend_max_seqs: int  # request rows of every extend graph
+    extend_max_seqs: int  # request rows of the extend graphs that hold that many tokens (extend_rows)
     verify: tuple[int, ...] = ()  # padded request counts of the target_verify graphs
     verify_tokens: int = 0  # tokens per request of a target_verify step (D + 1; 0: none)
     verify_logits_rows: int = 0  # logits rows per request of such a step (0: every token)
@@ -68,6 +69,15 @@ class Buckets:
     def max_seqs(self) -> int:
         return max(self.decode[-1] if self.decode else 1, self.extend_max_seqs, self.verify[-1] if self.verify else 1)
 
+    def extend_rows(self, tokens: int) -> int:
+        """Request rows of the extend bucket of `tokens` tokens: extend_max_seqs, but never more than
+        its tokens (each request brings one at least), so a 16-token bucket does not cap the
+        requests of the larger ones and holds no rows no step can fill."""
+        return max(1, min(self.extend_max_seqs, tokens))
+
+    def extend_key(self, tokens: int) -> CaptureKey:
+        return CaptureKey(Mode.EXTEND, tokens, self.extend_rows(tokens))
+
     def verify_key(self, bucket: int) -> CaptureKey:
         return CaptureKey(Mode.TARGET_VERIFY, bucket * self.verify_tokens, bucket, bucket * self.verify_logits_rows)
 
@@ -81,17 +91,14 @@ class Buckets:
             if bucket is None or num_tokens != num_seqs * self.verify_tokens:
                 return None
             return self.verify_key(bucket)
-        if num_seqs > self.extend_max_seqs:
-            return None
-        bucket = next((b for b in self.extend if b >= num_tokens), None)
-        return CaptureKey(Mode.EXTEND, bucket, self.extend_max_seqs) if bucket else None
+        bucket = next((b for b in self.extend if b >= num_tokens and self.extend_rows(b) >= num_seqs), None)
+        return self.extend_key(bucket) if bucket else None
 
     def capture_keys(self) -> list[CaptureKey]:
-        """Every key, in capture order (largest first); an extend bucket smaller than its request rows has none."""
+        """Every key, in capture order (largest first)."""
         keys = [CaptureKey(Mode.DECODE, b, b) for b in reversed(self.decode)]
         keys += [self.verify_key(b) for b in reversed(self.verify)]
-        keys += [CaptureKey(Mode.EXTEND, t, self.extend_max_seqs) for t in reversed(self.extend)
-                 if t >= self.extend_max_seqs]
+        keys += [self.extend_key(t) for t in reversed(self.extend)]
         return keys
 
 
@@ -113,12 +120,13 @@ def buckets_for(decode_sizes, extend_sizes, *, max_running: int, token_budget: i
 
 
 def extend_seqs(largest_decode: int, extend_buckets) -> int:
-    """Requests an extend graph holds: as many as the largest recorded decode bucket (under load
-    most prefill chunks ride in mixed steps beside every running decode, and a graph that holds
-    fewer leaves those steps eager), at most t for a bucket of t tokens (one token each). Taken
-    from the artifact's recorded buckets, not an engine's limits, so `hgc build` and every run
-    capture the same shapes and find the same kernels."""
-    return max(1, min([largest_decode, *extend_buckets]))
+    """Requests the largest extend graphs hold (`Buckets.extend_max_seqs`): as many as the largest
+    recorded decode bucket (under load most prefill chunks ride in mixed steps beside every running
+    decode, and a graph that holds fewer leaves those steps eager), and no more than the largest
+    extend bucket's tokens (one token each); each smaller bucket holds min(this, its tokens)
+    (`Buckets.extend_rows`). Taken from the artifact's recorded buckets, not an engine's limits, so
+    `hgc build` and every run capture the same shapes and find the same kernels."""
+    return max(1, min(largest_decode, max(extend_buckets, default=largest_decode)))
 
 
 def one_captured_piece(plan) -> bool:

@@ -80,7 +80,7 @@ def parity_items(runner, key: CaptureKey, vocab_size: int, generator: torch.Gene
         return [(SeqState(state_pool.alloc(), num_cached=c), tokens(new)) for c in lens]
     # 3 requests, not "as many as fit": the shapes start-up runs (and the kernels they build) stay
     # the same under any limits that leave 3 slots free, so a bundle built under other limits covers them
-    n = min(runner.extend_max_seqs - 1, 3, free) or 1
+    n = min(key.seqs - 1, 3, free) or 1
     budget = max(n, 3 * key.tokens // 4)
     lens = [max(1, budget >> (i + 1)) for i in range(n - 1)]
     lens.append(max(1, budget - sum(lens)))

@@ -428,7 +428,8 @@ def test_buckets_are_clipped_to_what_the_engine_can_send():
 def test_extend_graphs_hold_every_running_request_a_mixed_step_can_carry():
     from runtime.graphs.buckets import extend_seqs
     assert extend_seqs(64, (256, 512)) == 64, "64 decodes beside a prefill chunk still replay"
-    assert extend_seqs(300, (256, 512)) == 256, "a 256-token bucket holds at most 256 requests"
+    assert extend_seqs(300, (256, 512)) == 300, "the 512-token bucket holds 300 (the 256-token one 256: extend_rows)"
+    assert extend_seqs(600, (256, 512)) == 512, "a 512-token bucket holds at most 512 requests"
     assert extend_seqs(8, ()) == 8
 
 
