@@ -64,6 +64,8 @@ class Statistics:
         prefill_s: seconds of steps carrying prompt tokens. decode_s_per_token: seconds per
         decode step, i.e. the time between two tokens of one request (gpt-fast's figure at
         batch 1). decode_tokens_per_s: tokens produced by decode steps per decode second.
+        overlapped_steps / synchronous_steps: steps whose ids were read after the next step was
+        launched, and steps whose ids were read at once (how often the overlapped schedule applied).
         """
         t = self.totals
         decode_steps, decode_s = t["decode_steps"], t["decode_s"]
@@ -75,6 +77,8 @@ class Statistics:
             "decode_steps": decode_steps,
             "decode_s_per_token": decode_s / decode_steps if decode_steps else None,
             "decode_tokens_per_s": t["decode_sampled"] / decode_s if decode_s > 0 else None,
+            "overlapped_steps": t["overlapped_steps"],
+            "synchronous_steps": t["synchronous_steps"],
             **({"speculative": self.speculation()} if self.spec is not None else {}),
         }
 
@@ -111,8 +115,6 @@ class Statistics:
             "prefills_shared": t["prefills_shared"],
             "prefills_recomputed": t["prefills_recomputed"],
             "steps": t["steps"],
-            "overlapped_steps": t["overlapped_steps"],  # ids read after the next step was launched
-            "synchronous_steps": t["synchronous_steps"],  # ids read before the next step was laid out
             "last_step_s": last.seconds if last else None,
             "recent_steps": [dataclasses.asdict(r) for r in self.recent],  # JSON-ready for a server
             **self.timing(),
