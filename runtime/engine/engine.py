@@ -313,7 +313,7 @@ class Engine:
             return []
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        if plan.preempted and self._inflight is not None:  # rule 1: the victims leave with their tokens
+        if plan.preempted and self._inflight is not None:  # rule 2: the victims leave with their tokens
             self._read_inflight()
             plan = StepPlan([(req, n) for req, n in plan.prefill if self._is_live(req)],
                             [req for req in plan.decode if self._is_live(req)], plan.preempted)
@@ -388,7 +388,7 @@ class Engine:
 
     def _can_overlap(self, launch: "_Launch", items: list[tuple[Request, int]],
                      ready: list[tuple[Request, int]]) -> bool:
-        """Rule 2: every choice of the step can be made on the device and read later."""
+        """Rule 1: every choice of the step can be made on the device and read later."""
         return (self.overlap and not launch.plan.preempted
                 and all(req.params.prompt_logprobs is None for req, _ in items)
                 and all(Choices.choose_on_device(req) and not req.forks for req, _ in ready))
