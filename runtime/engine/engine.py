@@ -449,8 +449,8 @@ class Engine:
         source = {id(req): b for b, req in enumerate(launch.ready)}
         at, src, offset = [], [], 0
         for (req, n), (_, tokens) in zip(items, seq_items):
-            if tokens[-1] == PLACEHOLDER_TOKEN:  # only ever a decode's one token
-                at.append(offset)
+            if tokens[-1] == PLACEHOLDER_TOKEN:  # only ever a request's last token (a decode's one)
+                at.append(offset + n - 1)
                 src.append(source[id(req)])
             offset += n
         if not at:
