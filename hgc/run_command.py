@@ -19,7 +19,7 @@ import time
 
 from hgc.errors import UsageError
 from hgc.prompts import check_request_limits, check_vocab, parse_prompt_ids, print_outputs, timing_line
-from hgc.serve_command import (SEED_LIMIT, add_compiled_arguments, add_prefix_cache_arguments,
+from hgc.serve_command import (SEED_LIMIT, add_compiled_arguments, add_overlap_argument, add_prefix_cache_arguments,
                                 add_speculative_argument, add_tp_arguments, compiled_options, device_arg, device_problem,
                                 float_in, int_at_least, prefix_cache_options, start_ranks, token_ids)
 
@@ -38,7 +38,8 @@ def cmd_run(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop_ids)
     options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step,
-                            speculative_tokens=args.speculative_tokens, **prefix_cache_options(args))
+                            speculative_tokens=args.speculative_tokens, overlap=not args.no_overlap_schedule,
+                            **prefix_cache_options(args))
     # The limits first, from the documents alone: nothing is loaded, allocated or launched for a
     # request that cannot run.
     docs = read_artifact(args.artifact)
@@ -137,6 +138,7 @@ def add_run_arguments(subparsers) -> None:
     p.add_argument("--no-graphs", action="store_true", help="on cuda: run every step eagerly, capture nothing")
     p.add_argument("--json", action="store_true", help="outputs and per-phase timing as one JSON document")
     add_prefix_cache_arguments(p)  # the flags `hgc serve` has too
+    add_overlap_argument(p)
     add_speculative_argument(p)
     add_compiled_arguments(p)
     add_tp_arguments(p)

@@ -40,7 +40,8 @@ import tempfile
 import traceback
 from typing import NoReturn
 
-__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "add_speculative_argument", "prefix_cache_options",
+__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "add_overlap_argument", "add_speculative_argument",
+           "prefix_cache_options",
            "add_compiled_arguments", "compiled_options", "add_tp_arguments", "start_ranks", "cmd_serve", "serve",
            "bind_socket", "int_at_least", "host_arg", "SEED_LIMIT", "PORT_LIMIT", "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB"]
 
@@ -166,6 +167,7 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
                         "--kv-pages; default: no budget, sized by --slots and --kv-pages)")
     g.add_argument("--max-model-len", type=int_at_least(1), default=None,
                    help="prompt + output tokens of one request (default: min(4096, the model's positions))")
+    add_overlap_argument(g)
     g = p.add_argument_group("prefix cache")
     add_prefix_cache_arguments(g)
     g.add_argument("--prefix-snapshots", type=int_at_least(0), default=None,
@@ -209,6 +211,16 @@ def add_prefix_cache_arguments(group) -> None:
                        help="tokens between a request's snapshots at prefill chunk ends (default: "
                             "DEFAULT_SNAPSHOT_INTERVAL in runtime/cache/prefix_cache.py); prompt ends and branch points "
                             "are snapshotted regardless")
+
+
+def add_overlap_argument(group) -> None:
+    """The overlapped-schedule switch `hgc serve` and `hgc run` share."""
+    group.add_argument("--no-overlap-schedule", action="store_true",
+                       help="lay out each step only after the one before has ended and its tokens were read, "
+                            "for comparison and debugging. Default: the host schedules and launches step N+1 "
+                            "while the device runs step N, whose greedy tokens feed it on the device and are "
+                            "read one step late (steps with draws, grammars, penalties, log-probabilities, shared "
+                            "prefills, preemption or speculative decoding stay synchronous; --tp N turns it off)")
 
 
 def add_speculative_argument(group) -> None:
@@ -349,7 +361,8 @@ def _load(args, group):
         kv_pages=args.kv_pages, max_model_len=args.max_model_len,
         memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * (1 << 30)),
         prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share,
-        speculative_tokens=args.speculative_tokens, **prefix_cache_options(args))
+        speculative_tokens=args.speculative_tokens, overlap=not args.no_overlap_schedule,
+        **prefix_cache_options(args))
     log(f"loading {args.artifact} ...")
     return load_served_model(args.artifact, name=args.served_model_name, options=engine_options,
                              tokenizer_dir=args.tokenizer, device=group.device if group is not None else args.device,

@@ -10,7 +10,9 @@
    parity-checked, or an EagerRunner); the drafter (`_speculative_decoder`, the artifact's draft
    program, with `_draft_runner` beside a graph runner); the compiled pieces' check without a graph
    runner (`compiled_start_up_parity`); the prefix cache; on rank 0 of a tensor-parallel run, the
-   step sender (runtime/dist/distributed.lead); the Engine, everything handed to its constructor.
+   step sender (runtime/dist/distributed.lead), and the overlapped schedule turned off (said in the
+   log: the other ranks replay each step with its ids on the host); the Engine, everything handed
+   to its constructor.
 3. `build_engine(registry, bind, options, backend_factory=...)` does the same for an eager model
    (tests): pools, its backend, an EagerRunner over `bind(ops)`, the prefix cache.
 4. `load_served_model(artifact)` loads a compiled artifact (runtime/artifact/loader.py), builds its
@@ -80,6 +82,7 @@ class EngineOptions:
     snapshot_share: float = 0.1  # with a budget: the planner's share for the snapshot pool
     snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL  # tokens between chunk-end snapshots of a request
     speculative_tokens: int = 0  # D draft tokens verified per decoding request and step (0: no speculation)
+    overlap: bool = True  # lay out and launch a step while the one before runs (Engine's overlapped schedule)
 
     def __post_init__(self):
         for name in ("slots", "token_budget", "page_size", "snapshot_interval"):
@@ -180,7 +183,7 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
     log(memory)  # once the backends are bound: a refusal there stays the one line it is
     runner = EagerRunner(bind(ops), ops, kv_pool, device, options.token_budget)
     return _engine(runner, kv_pool, state_pool, options, max_model_len, device,
-                   prefix_cache=_prefix_cache(kv_pool, state_pool, snapshots, options))
+                   prefix_cache=_prefix_cache(kv_pool, state_pool, snapshots, options), overlap=options.overlap)
 
 
 def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",
@@ -235,9 +238,13 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
     kernel_watch = None
     if art.compiled is not None and torch.device(device).type == "cuda":  # the process's caches are the bundle's copy
         kernel_watch = art.compiled.serving_watch(log)
+    overlap = options.overlap
+    if overlap and broadcast is not None:
+        log("tensor parallel: the overlapped schedule is off (the other ranks run each step with its ids on the host)")
+        overlap = False
     return _engine(runner, kv_pool, state_pool, options, max_model_len, device,
                    prefix_cache=_prefix_cache(kv_pool, state_pool, snapshots, options), speculative=spec,
-                   prompts_apart=art.batch_invariant, broadcast=broadcast, kernel_watch=kernel_watch)
+                   prompts_apart=art.batch_invariant, broadcast=broadcast, kernel_watch=kernel_watch, overlap=overlap)
 
 
 def _check_device(art, device) -> None:

@@ -7,6 +7,7 @@ levels, on the same artifact):
     python3 benchmarks/serving/offline_bench.py --artifact /tmp/bench --out $OUT --concurrency 1,8,32,128
     python3 benchmarks/serving/offline_bench.py --out $OUT       # compiles qwen3_next bench bf16 itself
     python3 benchmarks/serving/offline_bench.py --dry-run --out /tmp/ob   # CPU: tiny, reference backend
+    python3 benchmarks/serving/offline_bench.py --artifact /tmp/bench --out $OUT/off --no-overlap-schedule
 
 1. artifact: --artifact, or `hgc init-model` and `hgc compile` (bench_common.compiled_artifact).
 2. engine: the engine `hgc serve` builds for serve_bench (runtime/assembly.engine_for_artifact:
@@ -18,7 +19,9 @@ levels, on the same artifact):
 5. closed_loop_cN, per --concurrency N: the level serve_bench sends at concurrency N (the same
    prompts), N in flight: when one finishes, the next is added before the next step.
    Per run: output tokens per second and steps per second over its wall time; the requests
-   finished and tokens generated, by this loop's count and by Engine.stats(). On cuda, the GPU
+   finished and tokens generated, by this loop's count and by Engine.stats(); the engine's
+   overlapped and synchronous steps (how often the overlapped schedule applied; none with
+   --no-overlap-schedule, which runs the same levels without it, to measure its gain). On cuda, the GPU
    busy fraction and the host time per step over a window of --profile-steps steps (torch.profiler,
    CUDA activity only) opened at the first step after a request has finished (the batch then holds
    decodes and new prompts alike): busy = the union of the window's kernel and copy intervals over
@@ -179,13 +182,16 @@ def run_requests(engine, requests: list[tuple[list[int], int]], in_flight: int |
             "engine_requests_finished": after["requests_finished"] - before["requests_finished"],
             "engine_tokens_generated": after["tokens_generated"] - before["tokens_generated"],
             "engine_steps": after["steps"] - before["steps"], "wall_s": wall,
+            "overlapped_steps": after["overlapped_steps"] - before["overlapped_steps"],
+            "synchronous_steps": after["synchronous_steps"] - before["synchronous_steps"],
             "output_tokens_per_s": (step_tokens - profiled["tokens"]) / timed_s,
             "steps_per_s": (steps - profiled["steps"]) / timed_s,
             "gpu_busy": profiled["gpu_busy"], "host_ms_per_step": profiled["host_ms_per_step"],
             "profiled_window": {k: profiled[k] for k in ("steps", "tokens", "wall_s")}}
 
 
-def hgc_run(art_dir: Path, device: str, prompts: list[list[int]], new_tokens: int, threads: int) -> dict:
+def hgc_run(art_dir: Path, device: str, prompts: list[list[int]], new_tokens: int, threads: int,
+            flags: tuple[str, ...] = ()) -> dict:
     """`hgc run --json` on these prompts in a process of its own, with `threads` torch CPU threads
     (OMP_NUM_THREADS: the command has no flag for them): output tokens per second over the
     seconds of its engine steps (prefill and decode), and the tokens it generated."""
@@ -193,7 +199,7 @@ def hgc_run(art_dir: Path, device: str, prompts: list[list[int]], new_tokens: in
                OMP_NUM_THREADS=str(threads))
     ids = ";".join(",".join(map(str, p)) for p in prompts)
     proc = subprocess.run([sys.executable, "-m", "hgc", "run", str(art_dir), "--prompt-ids", ids, "--max-new-tokens",
-                           str(new_tokens), "--device", device, "--json", "--quiet"],
+                           str(new_tokens), "--device", device, "--json", "--quiet", *flags],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"hgc run exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
@@ -204,12 +210,13 @@ def hgc_run(art_dir: Path, device: str, prompts: list[list[int]], new_tokens: in
             "output_tokens_per_s": tokens / seconds}
 
 
-def serve_vs_run(art_dir: Path, device: str, seed: int, threads: int) -> dict:
-    """Issue 53's CPU measure (step 6 of the module docstring), both commands with `threads` torch threads."""
+def serve_vs_run(art_dir: Path, device: str, seed: int, threads: int, flags: tuple[str, ...] = ()) -> dict:
+    """Issue 53's CPU measure (step 6 of the module docstring), both commands with `threads` torch
+    threads and the engine `flags` both take (--no-overlap-schedule)."""
     n, mix = SERVE_VS_RUN["requests"], ((SERVE_VS_RUN["prompt_tokens"], SERVE_VS_RUN["new_tokens"]),)
     size = sizing((n,), mix)
     server = ServerProcess([str(art_dir), "--device", device, "--slots", str(size["slots"]),
-                            "--max-model-len", str(size["max_model_len"]), "--threads", str(threads)])
+                            "--max-model-len", str(size["max_model_len"]), "--threads", str(threads), *flags])
     server.wait_ready(timeout=600)
     try:
         served = asyncio.run(serve_levels(server.url, None, (n,), mix, 1, seed))
@@ -220,7 +227,7 @@ def serve_vs_run(art_dir: Path, device: str, seed: int, threads: int) -> dict:
         raise RuntimeError(f"hgc serve: {level['errors']} of {level['requests']} requests failed, e.g. "
                            f"{next(r['error'] for r in level['records'] if 'error' in r)}")
     prompts = [p for p, _ in level_requests(mix, n, 1, int(served["model_card"]["vocab_size"]), seed)]
-    run = hgc_run(art_dir, device, prompts, SERVE_VS_RUN["new_tokens"], threads)
+    run = hgc_run(art_dir, device, prompts, SERVE_VS_RUN["new_tokens"], threads, flags)
     return {**SERVE_VS_RUN,
             "served": {k: level[k] for k in ("requests", "output_tokens", "wall_s", "output_tokens_per_s",
                                              "ttft_median_s", "itl_median_s")},
@@ -253,12 +260,13 @@ def run_stages(args, rec: dict, save) -> None:
         art = load_artifact(state["art_dir"], device=args.device, compiled=CompiledOptions(allow_builds=True))
         size = sizing(args.concurrency, args.mix)
         options = EngineOptions(slots=size["slots"], token_budget=args.token_budget,
-                                max_model_len=size["max_model_len"])
+                                max_model_len=size["max_model_len"], overlap=not args.no_overlap_schedule)
         eng = engine_for_artifact(art, options, size["max_model_len"], device=art.device,
                                   log=lambda line: print(f"  {line}", flush=True))
         state.update(engine=eng, vocab=int(art.manifest["model"]["vocab_size"]), device=str(art.device))
         rec["engine"] = {"device": str(art.device), "graphs": isinstance(eng.runner, GraphRunner), **size,
-                         "token_budget": args.token_budget, "prefix_cache": eng.prefix_cache is not None}
+                         "token_budget": args.token_budget, "prefix_cache": eng.prefix_cache is not None,
+                         "overlap": eng.overlap}
 
     def requests(concurrency: int) -> list[tuple[list[int], int]]:
         return level_requests(args.mix, concurrency, args.iters, state["vocab"], args.seed)
@@ -279,8 +287,9 @@ def run_stages(args, rec: dict, save) -> None:
         stages(f"closed_loop_c{c}", level, f"closed_loop_c{c}", c, c, needs=("engine",))
     state.pop("engine", None)  # its pools go before a server loads the artifact again
     if args.serve_vs_run:
+        flags = ("--no-overlap-schedule",) if args.no_overlap_schedule else ()
         measure = stages("serve_vs_run", serve_vs_run, state.get("art_dir"), state.get("device"), args.seed,
-                         args.threads, needs=("engine",))
+                         args.threads, flags, needs=("engine",))
         if measure is not None:
             rec["serve_vs_run"] = measure
             rec["targets"] = {"serve_over_run": {"value": measure["ratio"], "goal": f">= {SERVE_VS_RUN_GOAL}",
@@ -288,11 +297,14 @@ def run_stages(args, rec: dict, save) -> None:
 
 
 def table(rec: dict) -> str:
-    rows = ["| run | in flight | requests | out tok/s | steps/s | GPU busy | host ms/step |", "|" + "---|" * 7]
+    rows = ["| run | in flight | requests | out tok/s | steps/s | GPU busy | host ms/step | overlapped steps |",
+            "|" + "---|" * 8]
     for name, r in rec.get("runs", {}).items():
+        steps = r["overlapped_steps"] + r["synchronous_steps"]
         rows.append(f"| {name} | {r['in_flight'] or 'all'} | {r['finished']}/{r['requests']} | "
                     f"{fmt(r['output_tokens_per_s'])} | {fmt(r['steps_per_s'])} | "
-                    f"{fmt(r['gpu_busy'], '.0%', 'not measured')} | {fmt(r['host_ms_per_step'], '.2f', 'not measured')} |")
+                    f"{fmt(r['gpu_busy'], '.0%', 'not measured')} | "
+                    f"{fmt(r['host_ms_per_step'], '.2f', 'not measured')} | {r['overlapped_steps']}/{steps} |")
     m = rec.get("serve_vs_run")
     if m:
         rows.append(f"serve vs run, {m['requests']} x {m['prompt_tokens']}:{m['new_tokens']} streamed: hgc serve "
@@ -327,6 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--threads", type=int_at_least(1), default=1,
                        help="torch CPU threads of this process, the server and hgc run (tiny models on a shared CPU "
                             "only lose to more)")
+        p.add_argument("--no-overlap-schedule", action="store_true",
+                       help="the engine (and serve_vs_run's hgc serve and hgc run) without the overlapped schedule: "
+                            "each step laid out after the one before was read (hgc serve's flag), to measure its gain")
         p.add_argument("--serve-vs-run", action=argparse.BooleanOptionalAction, default=None,
                        help="issue 53's measure: hgc serve against hgc run (default: on in the dry run only)")
 

@@ -7,7 +7,9 @@
 
 A step's layout does not depend on its tokens' values, so a step may be built with placeholder
 tokens and get its real ids on the device just before it runs (`write_rows`): the draft's
-chained steps feed the previous step's argmax without reading it back (runtime/engine/speculative.py).
+chained steps feed the previous step's argmax without reading it back (runtime/engine/speculative.py),
+and the engine's overlapped steps feed each decoding request the token the step before chose on
+the device (`PLACEHOLDER_TOKEN` on the host, its real id written at its row: `RowsAt`).
 Its logits rows may come from the device the same way (the draft step after a verify step, whose
 row per request is the last kept position, known on the device before the host reads it).
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import typing
 
 import numpy as np
 import torch
@@ -28,7 +31,12 @@ from runtime.step.context import ExecContext
 from runtime.cache.kv_pool import KVPool
 from runtime.cache.state_pool import PADDING_SLOT
 
-__all__ = ["SeqState", "StepInputs", "build_step", "commit_step", "step_mode", "write_rows"]
+__all__ = ["SeqState", "StepInputs", "build_step", "commit_step", "step_mode", "write_rows", "RowsAt",
+           "PLACEHOLDER_TOKEN"]
+
+# A token whose id is only on the device yet (the engine's overlapped steps): never a real id, so
+# one that reached a model's embedding unreplaced fails there instead of feeding a wrong token.
+PLACEHOLDER_TOKEN = -1
 
 
 @dataclasses.dataclass
@@ -134,12 +142,24 @@ def commit_step(items: list[tuple[SeqState, list[int]]]) -> None:
         seq.num_cached += len(tokens)
 
 
-def write_rows(dst: torch.Tensor, rows: torch.Tensor | None, limit: int, what: str) -> None:
-    """Write device-resident values (token ids, logits row indices) over the first rows of a step's
-    tensor on the device, in place (a step built with placeholders there); later rows, padding
-    included, keep theirs. `limit`: how many rows are real; `what` names them in the error. None: nothing."""
+class RowsAt(typing.NamedTuple):
+    """Device-resident values for chosen rows of a step's tensor: values[i] goes to row index[i]."""
+    index: torch.Tensor  # [k] int64, on the device
+    values: torch.Tensor  # [k], on the device
+
+
+def write_rows(dst: torch.Tensor, rows: torch.Tensor | RowsAt | None, limit: int, what: str) -> None:
+    """Write device-resident values (token ids, logits row indices) over rows of a step's tensor on
+    the device, in place (a step built with placeholders there): a tensor over its first rows, or
+    `RowsAt` at the rows it names (which must be real: the host cannot check them without waiting
+    for the device); the other rows, padding included, keep theirs. `limit`: how many rows are
+    real; `what` names them in the error. None: nothing."""
     if rows is None:
         return
-    if rows.shape[0] > limit:
-        raise ValueError(f"{rows.shape[0]} {what} for a step of {limit}")
-    dst[: rows.shape[0]].copy_(rows)
+    count = rows.values.shape[0] if isinstance(rows, RowsAt) else rows.shape[0]
+    if count > limit:
+        raise ValueError(f"{count} {what} for a step of {limit}")
+    if isinstance(rows, RowsAt):
+        dst.index_copy_(0, rows.index, rows.values)
+    else:
+        dst[:count].copy_(rows)

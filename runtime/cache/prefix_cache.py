@@ -165,6 +165,15 @@ class PrefixCache:
             return False
         return pos in hold.points or pos - hold.snapshot_at >= self.config.snapshot_interval
 
+    def reads_output(self, hold: CacheHold, seq: SeqState, prompt_len: int) -> bool:
+        """Whether `after_step` would read the request's generated tokens now: a snapshot, or its
+        prompt's insertion, past its prompt (the engine then reads them from the device first)."""
+        pos = seq.num_cached
+        if self.snapshots.num_snapshots == 0 or pos <= prompt_len:
+            return False
+        inserts_past_prompt = not hold.prompt_inserted and pos - pos % self.page_size > prompt_len
+        return self._due(hold, pos, prompt_len) or inserts_past_prompt
+
     def after_step(self, entries) -> None:
         """entries: (hold, seq, prompt, output) of each request the step ran, after its commit.
 

@@ -6,8 +6,9 @@
    in one process does), then says `ready(facts)`, or `refused(...)` with the one-line error a
    failed load would print.
 2. `serve_engine(channel, engine, ...)` runs the loop: take every message waiting (requests added
-   as a group, which share their prefill; cancels; stats), step while there is work, send each
-   step's outputs (one message a step). It owns the engine: no lock, no other thread.
+   as a group, which share their prefill; cancels; stats), step while there is work (a step the
+   overlapped schedule left on the device included: `Engine.has_work`), send the outputs each
+   step read (one message a step). It owns the engine: no lock, no other thread.
 3. A step that raises is sent as "failed" and the loop returns 1 (the process exits with it); the
    server fails its open requests. The loop returns 0 after "stop" (every live request cancelled
    and its result sent first), and as soon as the server process is gone (its parent changed),

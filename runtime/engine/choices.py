@@ -4,6 +4,9 @@
 penalty or bias first samples, runtime/engine/penalties.py), and makes each kind of choice:
 
 - `draw`: a request's next token, argmax or its own draw, after its bias, penalties and grammar;
+- `argmax_on_device`: the next tokens of requests that `choose_on_device` (greedy, nothing
+  changing their logits, no log-probabilities), left on the device for the engine's next step
+  and copied to the host behind it (the overlapped schedule, runtime/engine/engine.py);
 - `score_prompts`: the log-probabilities of the prompt tokens a step's rows predict (echo);
 - `choose` / `take_drafts`: a speculative request's draft tokens (its grammar, then argmax or a
   draw kept as q for rejection sampling), or the drafter's argmax taken as they are;
@@ -28,6 +31,7 @@ from runtime.engine.logprobs import token_logprobs
 from runtime.engine.penalties import PenaltyTables
 from runtime.engine.request import Request
 from runtime.engine.sampling import filtered_distribution, sample_next
+from runtime.step.host_copy import HostCopy, to_device
 
 __all__ = ["Choices"]
 
@@ -63,20 +67,40 @@ class Choices:
             for req, entry in zip(owners, token_logprobs(logits[index], targets, ks)):
                 req.prompt_logprobs.append(entry)
 
+    @staticmethod
+    def choose_on_device(req: Request) -> bool:
+        """Whether the request's next token is the argmax of its raw logits row, with nothing read
+        on the host to choose it or to record after: greedy, no grammar, no penalties or bias, no
+        log-probabilities, of its output or of its prompt, and a token to choose at all."""
+        params = req.params
+        return (params.greedy and req.matcher is None and not params.changes_logits and params.logprobs is None
+                and params.prompt_logprobs is None and params.max_new_tokens > 0)
+
+    @staticmethod
+    def argmax_on_device(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, HostCopy]:
+        """The argmax of logits rows `rows` (requests that `choose_on_device`): (the ids [B] on the
+        device, their copy to the host, queued behind them). The ids are a tensor of their own, so
+        the next step may overwrite the logits (a full graph's static outputs)."""
+        if rows == list(range(logits.shape[0])):
+            ids = logits.argmax(-1)
+        else:
+            ids = logits.index_select(0, to_device(rows, logits.device)).argmax(-1)
+        return ids, HostCopy(ids)
+
     def draw(self, batch: list[tuple[Request, int]], logits: torch.Tensor) -> list[int]:
         """The next token of each (request, logits row): argmax or the request's own draw, from
         the logits after its bias and penalties; records the log-probabilities asked for."""
         if not batch:
             return []
         reqs = [req for req, _ in batch]
-        raw = logits[torch.tensor([row for _, row in batch], device=logits.device)]  # [B, V]
+        raw = logits[to_device([row for _, row in batch], logits.device)]  # [B, V]
         penalties = self._penalty_tables(reqs, raw.shape[1], raw.device)
         processed, slots = raw, None
         if penalties is not None:
             # Once the tables exist every request has a row (neutral without penalties): one batched op.
             for req in reqs:
                 penalties.load(req.seq.slot, req, req.params, req.prompt, req.output)
-            slots = torch.tensor([req.seq.slot for req in reqs], device=raw.device)
+            slots = to_device([req.seq.slot for req in reqs], raw.device)
             processed = penalties.apply(raw, slots)
         processed = self.constrain(reqs, raw, processed)
         drawn = [b for b, req in enumerate(reqs) if not req.params.greedy]

@@ -18,8 +18,9 @@ whose backend implements the protocol (runtime/backends/protocol.py). A step:
 4. `_sample`: each request whose pending tokens are all in the cache now samples its next token
    from its own logits row and its own generator, after its logit_bias and penalties
    (runtime/engine/penalties.py); requests sharing its prompt are forked from it first (below).
-5. `_retire`: requests that hit a stop token or max_new_tokens free their state slot and pages at
-   once. (`cancel` frees them immediately, between steps.)
+5. `_retire`: requests that hit a stop token or max_new_tokens free their state slot and pages,
+   at once unless a step still on the device runs them (below). `cancel` ends a request between
+   steps, the same way.
 
 A request's tokens are its prompt followed by what it generated; the cache holds the first
 `num_cached` of them. Prefill and decode are the same thing at different lengths: feed the tokens
@@ -57,9 +58,48 @@ decodes run as two forwards, the chunks first, as they do with speculative decod
 request's row then always goes through a decode step, whose rows are computed alike whatever
 shares them, and never through a mixed step's prefill attention.
 
+Overlap (`overlap=True`, the default; `--no-overlap-schedule` turns it off): while the device runs
+step N, the host schedules, lays out and launches step N+1; the only wait per step is for step N's
+chosen ids. When every choice of step N can be made on the device (`Choices.choose_on_device`:
+greedy, no grammar, penalties, bias or log-probabilities), its ids stay there: their copy to a
+pinned host buffer is queued with an event, each request gets a placeholder token
+(runtime/cache/batch.PLACEHOLDER_TOKEN) and `step()` returns without reading them. The next `step()`
+schedules step N+1 with the placeholders (a decode of one is built with it, and its id is written
+into that row on the device from step N's ids: `_placed_ids`, a `RowsAt`), launches its forward
+and its choices, and only then reads step N's ids (`_read_inflight`): they replace the
+placeholders, stop ids and max_new_tokens end requests, and step N's outputs are returned. So
+`step()` returns each step's tokens one call late, and `has_work()` stays true while a step is in
+flight: a call with nothing left to run reads it (the final drain). A request whose output is full
+with its last token on the device is not scheduled again (`Request.awaits_last_token`).
+
+The rules, kept simple rather than clever:
+
+1. A step is synchronous (its ids read at once, as without overlap) unless every request that
+   chooses in it chooses on the device, none is forked from it (n > 1), none scores its prompt
+   (prompt logprobs, echo), the schedule preempted no one, and the engine has neither speculative
+   decoding nor prompts_apart (their steps are always synchronous) nor tensor parallel (refused:
+   its ranks replay rank 0's steps with the ids on the host). Draws with a request's own
+   generator stay on the host, so their streams are exactly those without overlap.
+2. Before a synchronous step chooses, and before a schedule that preempted is launched, the step
+   in flight is read: grammars, penalties and preempted requests see every token on the host.
+3. Before the prefix cache takes a request's generated tokens (an output snapshot, or a prompt
+   insert past its prompt: `PrefixCache.reads_output`) while one is a placeholder, the step in
+   flight is read first. Prompt-only snapshots never wait: overlap stays on with the prefix cache.
+4. A request found finished when step N is read was already in step N+1: that output is dropped,
+   never emitted, and its slot, pages and prefix-cache hold are released only when step N+1 ends
+   (`_release`: a step's members keep them until its ids are read, so the device never writes a
+   slot or page that has a new owner). A request cancelled while a step runs it is finished at
+   once (its result is what was emitted; the token on the device is dropped) and its release
+   waits for that step the same way. Nothing is ever emitted past a stop id, max_new_tokens or a
+   cancel.
+
+`Engine.stats()` counts the overlapped and the synchronous steps (`overlapped_steps`,
+`synchronous_steps`), so a benchmark shows how often overlap applied.
+
 Timing: a step that carries prompt tokens (a prefill chunk, alone or mixed with decodes) counts as
-prefill time; a step of decodes only counts as decode time. The step time ends after sampling, which reads
-the logits on the host, so device work is included.
+prefill time; a step of decodes only counts as decode time. A step's time ends when its ids are on
+the host, so device work is included; with overlap, from the later of its start and the end of
+the step before (runtime/engine/statistics.py).
 
 Step 2 is the step runner's `execute` (runtime/graphs/step_runner.py): the engine holds one, an
 EagerRunner over a bound forward, or a GraphRunner (runtime/graphs/runner.py, started before the
@@ -89,11 +129,13 @@ applied to the logits, and draft tokens the matcher took ahead are rolled back b
 verified position by position.
 
 The engine does not capture graphs itself, and it runs on the caller's thread:
-runtime/engine/loop.py steps it on a background thread for the server.
+runtime/engine/loop.py steps it on a background thread for the server, runtime/core/process.py in
+the engine core's process; both step while `has_work()`, which counts the step in flight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Callable, Hashable
@@ -102,18 +144,19 @@ import torch
 
 from compiler.splitops import Mode
 from runtime.backends.protocol import check_backend
-from runtime.cache.batch import SeqState, commit_step
+from runtime.cache.batch import PLACEHOLDER_TOKEN, RowsAt, SeqState, commit_step
 from runtime.cache.kv_pool import KVPool
 from runtime.cache.prefix_cache import PrefixCache
 from runtime.cache.state_pool import StatePool
 from runtime.engine.choices import Choices
-from runtime.engine.request import Request, RequestResult, StepOutput, stop_reason
+from runtime.engine.request import Request, RequestResult, StepOutput, StepPlan, stop_reason
 from runtime.engine.sampling import SamplingParams, make_generator
 from runtime.engine.speculative import SpeculativeDecoder
 from runtime.engine.speculative_round import SpeculativeRound
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.statistics import Statistics, StepRecord
 from runtime.graphs.step_runner import StepRunner
+from runtime.step.host_copy import HostCopy, to_device
 
 __all__ = ["Engine", "RequestResult", "StepOutput", "StepRecord", "EngineStalled", "SamplingParams"]
 
@@ -129,7 +172,7 @@ class Engine:
                  max_running: int | None = None, max_seq_len: int | None = None, device: torch.device | str = "cpu",
                  recent_steps: int = 256, prefix_cache: PrefixCache | None = None,
                  speculative: SpeculativeDecoder | None = None, prompts_apart: bool = False,
-                 broadcast: Callable | None = None, kernel_watch=None):
+                 broadcast: Callable | None = None, kernel_watch=None, overlap: bool = True):
         """runner: the step runner of the main program (runtime/graphs/step_runner.py) over the
         engine's pools; its op table is the engine's (`ops`). A GraphRunner is started before, built
         with chunk_size=max_tokens_per_step.
@@ -142,7 +185,11 @@ class Engine:
         broadcast: tensor parallel, rank 0: called with each step's (seq_items, logits_rows) before it
         runs, to send it to the other ranks (runtime/dist/distributed.lead). None on one device.
         kernel_watch: with a compiled bundle on CUDA, names kernels built while serving
-        (runtime/artifact/bundle.ServingWatch); checked after every step."""
+        (runtime/artifact/bundle.ServingWatch); checked after every step.
+        overlap: the overlapped schedule ("Overlap" above; `hgc serve --no-overlap-schedule` turns it
+        off). It never applies with speculative decoding or prompts_apart (their steps are
+        synchronous), and tensor parallel refuses it (the other ranks replay rank 0's steps as
+        they are sent, ids included)."""
         check_backend(runner.ops.backend)  # the hooks are called below without guards
         if runner.kv_pool is not kv_pool:
             raise ValueError("Engine: the step runner must run over the engine's own KV pool")
@@ -154,6 +201,9 @@ class Engine:
                              "program through the engine's step runner")
         if max_tokens_per_step < 1:
             raise ValueError(f"Engine: max_tokens_per_step must be >= 1 (got {max_tokens_per_step})")
+        if overlap and broadcast is not None:
+            raise ValueError("Engine: overlap=True with tensor parallel (broadcast): its ranks run rank 0's steps with "
+                             "the ids on the host; pass overlap=False (--no-overlap-schedule)")
         self.runner, self.ops, self.spec = runner, runner.ops, speculative
         self.kv_pool, self.state_pool, self.prefix_cache = kv_pool, state_pool, prefix_cache
         self.device, self.prompts_apart = device, prompts_apart
@@ -173,6 +223,11 @@ class Engine:
         self._ids = itertools.count()
         self._live: dict[Hashable, Request] = {}
         self._results: dict[Hashable, RequestResult] = {}
+        self.overlap = overlap and speculative is None and not prompts_apart
+        self._launched: list[_Launch] = []  # steps queued on the device and not over yet, oldest first
+        self._inflight: _Launch | None = None  # the one whose chosen ids are still on the device
+        self._emitted: list[StepOutput] = []  # what the step() under way returns
+        self._last_end = 0.0  # when the last step ended (its ids read): the statistics' clock
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: Hashable = None,
@@ -215,7 +270,9 @@ class Engine:
         return request_id
 
     def cancel(self, request_id: Hashable) -> bool:
-        """End a queued or running request now, freeing its slot and pages. False if it is not live."""
+        """End a queued or running request now; False if it is not live. Its slot and pages are
+        freed at once, or, when a step still running on the device holds them, when that step
+        ends; a token of it still on the device is never emitted."""
         req = self._live.get(request_id)
         if req is None:
             return False
@@ -225,13 +282,22 @@ class Engine:
             self.scheduler.waiting.remove(req)
         else:
             self.scheduler.running.remove(req)
-            self.scheduler.release(req)
+            self._release(req)
         self._queue_forks(req)  # they prefill by themselves now
         self._finish(req, "cancelled")
         return True
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Requests queued or running, or a step whose chosen ids are still on the device."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._inflight)
+
+    def settle(self) -> list[StepOutput]:
+        """Read the step in flight, if any, launching nothing: its outputs (none for requests ended
+        since). Afterwards no step holds a slot or page, so a driver that stops stepping leaves the
+        pools as its requests leave them."""
+        if self._inflight is not None:
+            self._read_inflight()
+        return self._take_emitted()
 
     def pop_result(self, request_id: Hashable) -> RequestResult:
         """The result of a finished request (kept until popped)."""
@@ -240,53 +306,163 @@ class Engine:
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Run one step: schedule, run, sample, retire. Returns this step's new tokens."""
+        """Run one step: schedule, run, sample, retire. Returns the new tokens the engine read in
+        it: this step's, or with the overlapped schedule the step before's (and this one's when it
+        was synchronous); a call with nothing left to run reads the step still on the device."""
         if not self.has_work():
             return []
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        if plan.preempted and self._inflight is not None:  # rule 2: the victims leave with their tokens
+            self._read_inflight()
+            plan = StepPlan([(req, n) for req, n in plan.prefill if self._is_live(req)],
+                            [req for req in plan.decode if self._is_live(req)], plan.preempted)
         items = plan.items()
         if not items:
-            raise EngineStalled(f"Engine.step: nothing scheduled with {len(self.scheduler.waiting)} queued and "
-                                f"{len(self.scheduler.running)} running requests; {self.kv_pool.num_free} pages and "
-                                f"{self.state_pool.num_free} slots free")
+            if self._inflight is None:
+                raise EngineStalled(f"Engine.step: nothing scheduled with {len(self.scheduler.waiting)} queued and "
+                                    f"{len(self.scheduler.running)} running requests; {self.kv_pool.num_free} pages "
+                                    f"and {self.state_pool.num_free} slots free")
+            self._read_inflight()  # what is running waits for those ids (or finishes with them)
+            return self._take_emitted()
+        launch = _Launch(plan, start, {id(req): req for req, _ in items})
+        self._launched.append(launch)
         if self.spec is None and not self.prompts_apart:
-            mode, outputs, _ = self._forward_and_sample(items)  # prefill chunks and decodes in one forward
+            outputs = self._forward_and_sample(items, launch)  # prefill chunks and decodes in one forward
         else:  # prompt chunks alone first (the draft then runs over the same positions), then the decodes
-            mode, outputs = None, []
+            outputs = []
             if plan.prefill:
-                mode, outputs, _ = self._forward_and_sample(plan.prefill, drafts=self.spec is not None)
+                outputs = self._forward_and_sample(plan.prefill, launch, drafts=self.spec is not None)
             if plan.decode and self.spec is not None:  # every decoding request: drafts, one verify step
                 outputs += self.round.verify(plan.decode)
-                mode = mode or Mode.TARGET_VERIFY
+                launch.mode = launch.mode or Mode.TARGET_VERIFY
             elif plan.decode:  # prompts_apart: a decode step of their own
-                decode_mode, decoded, _ = self._forward_and_sample([(req, 1) for req in plan.decode])
-                outputs += decoded
-                mode = mode or decode_mode
-        self._retire([self._live[out.request_id] for out in outputs if out.finished])  # forks included
-        self.numbers.record(plan, mode, sum(out.token is not None for out in outputs), time.perf_counter() - start)
+                outputs += self._forward_and_sample([(req, 1) for req in plan.decode], launch)
+        if outputs is not None:  # synchronous: its ids are read
+            self._end(launch, outputs, overlapped=False)
         if self.kernel_watch is not None:
             self.kernel_watch.check()
-        return outputs
+        return self._take_emitted()
 
-    def _forward_and_sample(self, items: list[tuple[Request, int]], drafts: bool = False):
+    def _take_emitted(self) -> list[StepOutput]:
+        emitted, self._emitted = self._emitted, []
+        return emitted
+
+    def _is_live(self, req: Request) -> bool:
+        return self._live.get(req.request_id) is req
+
+    def _forward_and_sample(self, items: list[tuple[Request, int]], launch: "_Launch",
+                            drafts: bool = False) -> list[StepOutput] | None:
         """Steps 2-4 for these requests: one forward, prompt scores, samples; with `drafts`, the
-        drafter's pass over the same positions after. (mode, outputs, hidden states or None)."""
+        drafter's pass over the same positions after. The outputs, or None when the ids were left
+        on the device (the step is in flight: `_read_inflight` reads them)."""
         rows = [req.logits_rows(n) for req, n in items]
         mode, logits, hidden = self._run(items, rows)  # logits [sum(rows), V]
+        launch.mode = launch.mode or mode  # prompts_apart: the step's first forward names it
         if self.prefix_cache is not None:  # before sampling retires anyone: the slots hold the states
-            self.prefix_cache.after_step([(req.cache, req.seq, req.prompt, req.output) for req, _ in items
-                                          if req.cache is not None])
+            entries = [(req.cache, req.seq, req.prompt, req.output) for req, _ in items if req.cache is not None]
+            if self._inflight is not None and any(  # rule 3: the cache reads tokens still on the device
+                    output[-1:] == [PLACEHOLDER_TOKEN] and self.prefix_cache.reads_output(hold, seq, len(prompt))
+                    for hold, seq, prompt, output in entries):
+                self._read_inflight()
+            self.prefix_cache.after_step(entries)
         last_rows = list(itertools.accumulate(rows, initial=-1))[1:]  # each request's last logits row
         self.choices.score_prompts(items, rows, last_rows, logits)
+        ready = [(req, row) for (req, _), row in zip(items, last_rows) if req.num_pending == 0]
+        if self._can_overlap(launch, items, ready):
+            self._leave_on_device(launch, ready, logits)
+            if self._inflight is not None:
+                self._read_inflight()  # the step before: its ids were copied while this one was laid out
+            self._inflight = launch
+            return None
+        if self._inflight is not None:
+            self._read_inflight()
+            ready = [(req, row) for req, row in ready if self._is_live(req)]  # the step before ended some
         forked: list[tuple[Request, Request]] = []
-        outputs = self._sample(items, last_rows, logits, forked)  # for every request with nothing left pending
+        outputs = self._sample(ready, logits, forked)  # for every request with nothing left pending
         if drafts:
             self.round.after_prefill(items, forked, hidden)
-        return mode, outputs, hidden
+        return outputs
+
+    # -- the overlapped schedule ----------------------------------------------------------------
+
+    def _can_overlap(self, launch: "_Launch", items: list[tuple[Request, int]],
+                     ready: list[tuple[Request, int]]) -> bool:
+        """Rule 1: every choice of the step can be made on the device and read later."""
+        return (self.overlap and not launch.plan.preempted
+                and all(req.params.prompt_logprobs is None for req, _ in items)
+                and all(Choices.choose_on_device(req) and not req.forks for req, _ in ready))
+
+    def _leave_on_device(self, launch: "_Launch", ready: list[tuple[Request, int]], logits: torch.Tensor) -> None:
+        """The ready requests' next tokens chosen on the device and their copy to the host queued;
+        each request's output gets a placeholder for its token, replaced when it is read."""
+        launch.ids, launch.copy = self.choices.argmax_on_device(logits, [row for _, row in ready])
+        launch.ready = [req for req, _ in ready]
+        for req in launch.ready:
+            launch.at.append(len(req.output))
+            req.output.append(PLACEHOLDER_TOKEN)
+
+    def _read_inflight(self) -> None:
+        """Read the step in flight's ids (waiting for them alone) into its requests' outputs; stop
+        ids and max_new_tokens end requests here. A request cancelled since gets nothing; one that
+        ends drops the token the step after chose for it (a placeholder still)."""
+        launch, self._inflight = self._inflight, None
+        tokens = launch.copy.tolist()
+        now = time.perf_counter()
+        outputs = []
+        for req, at, token in zip(launch.ready, launch.at, tokens):
+            if not self._is_live(req):
+                continue
+            req.output[at] = token
+            if req.first_token_s is None:
+                req.first_token_s = now - req.arrival_s
+            req.stop_reason = stop_reason(req, token, at + 1)  # one that ends drops the next token (_finish)
+            outputs.append(StepOutput(req.request_id, token, req.stop_reason is not None))
+        self._end(launch, outputs, overlapped=True)
+
+    def _end(self, launch: "_Launch", outputs: list[StepOutput], overlapped: bool) -> None:
+        """A step is over (its ids read): the requests it finished retire, those held for it are
+        released, its numbers are recorded and its outputs go to the caller."""
+        self._launched.remove(launch)
+        self._retire([self._live[out.request_id] for out in outputs if out.finished])  # forks included
+        for req in launch.held:
+            self._release(req)
+        now = time.perf_counter()
+        seconds, self._last_end = now - max(launch.start, self._last_end), now
+        self.numbers.record(launch.plan, launch.mode, sum(out.token is not None for out in outputs), seconds,
+                            overlapped)
+        self._emitted += outputs
+
+    def _release(self, req: Request) -> None:
+        """Free the request's slot and pages, or, while a step that runs it is not over (the device
+        may still write them), hold them for that step's end."""
+        for launch in reversed(self._launched):
+            if launch.members.get(id(req)) is req:
+                launch.held.append(req)
+                return
+        self.scheduler.release(req)
+
+    def _placed_ids(self, items: list[tuple[Request, int]], seq_items) -> RowsAt | None:
+        """Where this step feeds a token the step in flight chose on the device (a decode whose
+        token is a placeholder): those rows and their ids, gathered on the device."""
+        launch = self._inflight
+        source = {id(req): b for b, req in enumerate(launch.ready)}
+        at, src, offset = [], [], 0
+        for (req, n), (_, tokens) in zip(items, seq_items):
+            if tokens[-1] == PLACEHOLDER_TOKEN:  # only ever a request's last token (a decode's one)
+                at.append(offset + n - 1)
+                src.append(source[id(req)])
+            offset += n
+        if not at:
+            return None
+        index = to_device(at + src, launch.ids.device).view(2, -1)
+        values = launch.ids if src == list(range(len(launch.ready))) else launch.ids.index_select(0, index[1])
+        return RowsAt(index[0], values)
+
+    # -- drivers --------------------------------------------------------------------------------
 
     def run_until_done(self) -> dict[Hashable, RequestResult]:
-        """Step until nothing is queued or running; return (and pop) every finished request's result."""
+        """Step until nothing is queued, running or in flight; return (and pop) every finished request's result."""
         while self.has_work():
             self.step()
         results, self._results = self._results, {}
@@ -302,34 +478,37 @@ class Engine:
     def _run(self, items: list[tuple[Request, int]], rows: list[int]) -> tuple[Mode, torch.Tensor, torch.Tensor | None]:
         """One forward over every scheduled token (prefill chunks and decodes together); `rows[b]`
         logits rows for request b (its last ones). (mode, logits, the hidden states of every token
-        where the program returns them, else None)."""
+        where the program returns them, else None). A decode of a token still on the device is
+        built with a placeholder and gets its id there (`_placed_ids`)."""
         seq_items = [(req.seq, req.next_tokens(n)) for req, n in items]
         logits_rows = rows if any(r > 1 for r in rows) else None
+        input_ids = self._placed_ids(items, seq_items) if self._inflight is not None else None
         if self.broadcast is not None:  # tensor parallel: the other ranks run the same step
             self.broadcast(seq_items, logits_rows)
-        return self.execute(seq_items, logits_rows)
+        return self.execute(seq_items, logits_rows, input_ids=input_ids)
 
-    def execute(self, seq_items, logits_rows: list[int] | None) -> tuple[Mode, torch.Tensor, torch.Tensor | None]:
-        """Run one step's forward: (request state, new token ids) per request. The other ranks of a
-        tensor-parallel run call this with the steps rank 0 broadcasts (runtime/dist/distributed.py)."""
-        mode, logits, hidden = self.runner.execute(seq_items, logits_rows)
+    def execute(self, seq_items, logits_rows: list[int] | None,
+                input_ids: RowsAt | None = None) -> tuple[Mode, torch.Tensor, torch.Tensor | None]:
+        """Run one step's forward: (request state, new token ids) per request; `input_ids` the ids of
+        its placeholder rows, on the device. The other ranks of a tensor-parallel run call this with
+        the steps rank 0 broadcasts (runtime/dist/distributed.py)."""
+        mode, logits, hidden = self.runner.execute(seq_items, logits_rows, input_ids)
         commit_step(seq_items)
         return mode, logits, hidden
 
-    def _sample(self, items: list[tuple[Request, int]], last_rows: list[int],
-                logits: torch.Tensor, forked: list | None = None) -> list[StepOutput]:
-        """logits [R, V] where the step ran; `last_rows[b]` is request b's row for its next token.
-        `forked` (if given) gets (child, parent) for each request forked from a parent's prefill.
-        The tokens are drawn on the device's rows by runtime/engine/choices.py (`Choices.draw`)."""
+    def _sample(self, ready: list[tuple[Request, int]], logits: torch.Tensor,
+                forked: list | None = None) -> list[StepOutput]:
+        """logits [R, V] where the step ran; `ready`: each request with nothing left pending and its
+        row for its next token. `forked` (if given) gets (child, parent) for each request forked
+        from a parent's prefill. The tokens are drawn on the device's rows by
+        runtime/engine/choices.py (`Choices.draw`), and read at once."""
         now = time.perf_counter()
-        ready = []  # (request, its logits row); a prompt chunk that is not the last is not ready
-        for (req, _), row in zip(items, last_rows):
-            if req.num_pending == 0:
-                ready.append((req, row))
-                children = self._fork(req)
-                ready += [(child, row) for child in children]
-                if forked is not None:
-                    forked += [(child, req) for child in children]
+        ready = list(ready)
+        for req, row in list(ready):
+            children = self._fork(req)
+            ready += [(child, row) for child in children]
+            if forked is not None:
+                forked += [(child, req) for child in children]
         drawing = [(req, row) for req, row in ready if req.params.max_new_tokens > 0]
         tokens = dict(zip((req.request_id for req, _ in drawing), self.choices.draw(drawing, logits)))
         outputs = []
@@ -386,10 +565,14 @@ class Engine:
         for req in finished:
             if req.seq is not None:  # a fork that only scored its prompt never held a slot
                 self.scheduler.running.remove(req)
-                self.scheduler.release(req)
+                self._release(req)
+            elif req in self.scheduler.waiting:  # preempted while its last token was on the device
+                self.scheduler.waiting.remove(req)
             self._finish(req, req.stop_reason)
 
     def _finish(self, req: Request, reason: str) -> None:
+        while req.output and req.output[-1] == PLACEHOLDER_TOKEN:  # tokens still on the device are dropped
+            req.output.pop()
         del self._live[req.request_id]
         self._results[req.request_id] = RequestResult(
             req.request_id, tuple(req.prompt), tuple(req.output), reason, req.first_token_s,
@@ -435,3 +618,19 @@ class Engine:
     def step_records(self) -> list[StepRecord]:
         """The most recent steps (up to `recent_steps` of them), oldest first."""
         return list(self.numbers.recent)
+
+
+@dataclasses.dataclass
+class _Launch:
+    """One step from its launch to its end (its chosen ids read): what it ran, and what waits for it."""
+    plan: StepPlan
+    start: float  # when the step() that launched it began
+    members: dict[int, Request]  # every request it runs, by id(): their slots and pages are in use until it ends
+    mode: Mode | None = None
+    held: list[Request] = dataclasses.field(default_factory=list)  # ended meanwhile: released at its end
+    # Overlapped: the requests whose next token it chose on the device (in row order), each one's
+    # output index of that token (a placeholder until read), the ids and their copy to the host.
+    ready: list[Request] = dataclasses.field(default_factory=list)
+    at: list[int] = dataclasses.field(default_factory=list)
+    ids: torch.Tensor | None = None
+    copy: HostCopy | None = None

@@ -122,9 +122,11 @@ class EngineLoop:
 
     1. `start()` starts the thread; it sleeps until a request is submitted.
     2. `submit(...)` queues a request under the lock and returns its RequestHandle.
-    3. The thread steps while there is work; after each step it hands new tokens and results to
-       the handles (non-blocking puts, under the lock, so a cancel never overtakes a token).
-    4. `stop()` ends the thread after its current step and cancels what is left.
+    3. The thread steps while there is work (`Engine.has_work`, a step still on the device
+       included); after each step it hands the tokens the step read and results to the handles
+       (non-blocking puts, under the lock, so a cancel never overtakes a token).
+    4. `stop()` ends the thread after its current step, cancels what is left and settles the
+       engine (a step the overlapped schedule left on the device is read, its outputs dropped).
 
     One lock guards the engine, and it is handed over fairly: a caller that wants it announces
     itself (`_locked()`), and before each step the thread lets in every caller announced by then,
@@ -179,6 +181,8 @@ class EngineLoop:
             for request_id in list(self._handles):
                 if self.engine.cancel(request_id):
                     self._handles.pop(request_id)._finish(self.engine.pop_result(request_id))
+            if self.error is None:  # the step still on the device ends: what it holds goes back to the pools
+                self.engine.settle()
 
     def __enter__(self) -> "EngineLoop":
         return self.start()

@@ -53,6 +53,9 @@ class Request:
     params: SamplingParams
     generator: torch.Generator | None
     arrival_s: float
+    # Its generated tokens; with the overlapped schedule the last one or two may be placeholders
+    # (runtime/cache/batch.PLACEHOLDER_TOKEN: chosen on the device, not read yet), replaced in place
+    # when the engine reads them (runtime/engine/engine.py).
     output: list[int] = dataclasses.field(default_factory=list)
     seq: SeqState | None = None  # None while queued (never admitted, or preempted)
     first_token_s: float | None = None
@@ -88,6 +91,12 @@ class Request:
     def decoding(self) -> bool:
         """One pending token, and it is the request's own last sample: a decode, not a prompt chunk."""
         return self.num_pending == 1 and self.num_cached > 0 and len(self.output) > 0
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """Its output is full, the last token still on the device: nothing more to feed, it finishes
+        when that token is read (the scheduler gives it no step meanwhile)."""
+        return 0 < self.params.max_new_tokens <= len(self.output)
 
     def next_tokens(self, n: int) -> list[int]:
         start = self.num_cached
@@ -131,10 +140,11 @@ class StepPlan:
         return self.prefill + [(req, 1) for req in self.decode]
 
 
-def stop_reason(req: Request, token: int) -> str | None:
-    """Why the request ends after emitting `token`: a stop token, or max_new_tokens reached; None: it goes on."""
+def stop_reason(req: Request, token: int, emitted: int | None = None) -> str | None:
+    """Why the request ends after emitting `token`, its `emitted`-th output token (default: the
+    last of its output): a stop token, or max_new_tokens reached; None: it goes on."""
     if token in req.params.stop_token_ids:
         return "stop"
-    if len(req.output) >= req.params.max_new_tokens:
+    if (len(req.output) if emitted is None else emitted) >= req.params.max_new_tokens:
         return "length"
     return None

@@ -3,7 +3,8 @@
 The scheduler holds the queue and the running set (the engine adds requests to the queue and
 retires them from the running set). `schedule()` makes a step's StepPlan under the token budget:
 
-1. `_grow_running`: running requests, oldest-admitted first, each get min(its pending tokens,
+1. `_grow_running`: running requests, oldest-admitted first (but one whose last token is still
+   on the device, `awaits_last_token`: it only waits to finish), each get min(its pending tokens,
    the budget left) tokens, as many as its pages allow (`fit`). A request short of pages takes
    them from the pool; if the pool is short, the prefix cache gives back pages no request uses
    (least recently used first), and if it is still short the request takes a shorter chunk. If not
@@ -63,6 +64,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:  # preemption only removes requests after i
             req = self.running[i]
             i += 1
+            if req.awaits_last_token:  # its last token is on the device: it only waits to finish
+                continue
             want = min(req.num_pending, budget)
             n = self.fit(req, want)
             while n == 0 and self.running[-1] is not req:

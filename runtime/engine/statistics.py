@@ -2,8 +2,14 @@
 
 `Statistics` holds the counters (`totals`, which the scheduler and the speculative round add to)
 and the most recent steps. A step that carries prompt tokens (a prefill chunk, alone or mixed with
-decodes) counts as prefill time; a step of decodes only counts as decode time. The step time ends
-after sampling, which reads the logits on the host, so device work is included.
+decodes) counts as prefill time; a step of decodes only counts as decode time. A step's time ends
+when its chosen ids are on the host, so device work is included. With the overlapped schedule
+(runtime/engine/engine.py) a step is laid out while the one before still runs, and the two share
+that time: a step's seconds run from the later of its own start and the moment the step before
+had its ids read, to the moment its own ids are read. So the steps' times add up to the engine's
+busy time, and a decode step's time is the time between two tokens of a request, as without
+overlap. `overlapped_steps` / `synchronous_steps` count the steps whose ids stayed on the device
+until the next step was launched, and those read at once (the engine's docstring says when).
 
 It does not time anything itself: the engine hands each step's seconds to `record`.
 """
@@ -38,13 +44,14 @@ class Statistics:
         self.recent: collections.deque[StepRecord] = collections.deque(maxlen=recent_steps)
         self.totals = collections.Counter()  # counts and seconds, see timing() / Engine.stats()
 
-    def record(self, plan: StepPlan, mode: Mode, sampled: int, seconds: float) -> None:
+    def record(self, plan: StepPlan, mode: Mode, sampled: int, seconds: float, overlapped: bool = False) -> None:
         prefill_tokens = sum(n for _, n in plan.prefill)
         record = StepRecord(mode, len(plan.prefill) + len(plan.decode), prefill_tokens, len(plan.decode),
                             sampled, seconds)
         self.recent.append(record)
         phase = "prefill" if plan.prefill else "decode"
         self.totals["steps"] += 1
+        self.totals["overlapped_steps" if overlapped else "synchronous_steps"] += 1
         self.totals[f"{phase}_steps"] += 1
         self.totals[f"{phase}_s"] += seconds
         self.totals["prefill_tokens"] += prefill_tokens
@@ -57,6 +64,8 @@ class Statistics:
         prefill_s: seconds of steps carrying prompt tokens. decode_s_per_token: seconds per
         decode step, i.e. the time between two tokens of one request (gpt-fast's figure at
         batch 1). decode_tokens_per_s: tokens produced by decode steps per decode second.
+        overlapped_steps / synchronous_steps: steps whose ids were read after the next step was
+        launched, and steps whose ids were read at once (how often the overlapped schedule applied).
         """
         t = self.totals
         decode_steps, decode_s = t["decode_steps"], t["decode_s"]
@@ -68,6 +77,8 @@ class Statistics:
             "decode_steps": decode_steps,
             "decode_s_per_token": decode_s / decode_steps if decode_steps else None,
             "decode_tokens_per_s": t["decode_sampled"] / decode_s if decode_s > 0 else None,
+            "overlapped_steps": t["overlapped_steps"],
+            "synchronous_steps": t["synchronous_steps"],
             **({"speculative": self.speculation()} if self.spec is not None else {}),
         }
 

@@ -63,7 +63,7 @@ import torch
 from compiler.splitops import Mode
 from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS,
                                         PROGRAM_INPUTS, piece_module_names)
-from runtime.cache.batch import SeqState, StepInputs, build_step, step_mode, write_rows
+from runtime.cache.batch import RowsAt, SeqState, StepInputs, build_step, step_mode, write_rows
 from runtime.backends.protocol import plan_eager_step
 from runtime.step.bound_ops import BoundOps
 from runtime.graphs.buckets import Buckets, CaptureKey, buckets_for, one_captured_piece, piecewise_plan_mode
@@ -183,7 +183,7 @@ class GraphRunner:
         """The smallest captured key that holds this step, or None (eager; always, before capture)."""
         return self.buckets.key_for(mode, num_tokens, num_seqs) if self.sealed else None
 
-    def _fill(self, step: StepInputs, key: Optional[CaptureKey], input_ids: Optional[torch.Tensor] = None,
+    def _fill(self, step: StepInputs, key: Optional[CaptureKey], input_ids: Optional[torch.Tensor | RowsAt] = None,
               logits_index: Optional[torch.Tensor] = None) -> tuple[tuple, ExecContext]:
         """The program's inputs (in its own order) and context for a host-built step: copied into the
         static buffers as views sized to the key (`StepStaging.stage`); then `input_ids` and
@@ -271,11 +271,13 @@ class GraphRunner:
             self.state.prologue = lambda: self.backend.stage_in_first_piece(ctx, key.seqs, plan_mode)
 
     @torch.no_grad()
-    def run_outputs(self, step: StepInputs, key: Optional[CaptureKey], input_ids: Optional[torch.Tensor] = None,
+    def run_outputs(self, step: StepInputs, key: Optional[CaptureKey],
+                    input_ids: Optional[torch.Tensor | RowsAt] = None,
                     logits_index: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """Run one built step; returns [logits of the real rows [R, V]] and, where the program
         returns them, the hidden states of the real tokens [T, D] after it. input_ids: int64 ids
-        on the device that replace the first rows' ids the step was built with (its placeholders);
+        on the device that replace the first rows' ids the step was built with (its placeholders),
+        or those of the rows a `RowsAt` names;
         logits_index likewise replaces its first logits rows.
 
         For a full graph they are views of the graph's static outputs: the next replay of that
@@ -302,10 +304,10 @@ class GraphRunner:
         """run_outputs' logits [R, V] alone."""
         return self.run_outputs(step, key)[0]
 
-    def execute(self, items: list[tuple[SeqState, list[int]]],
-                logits_rows: Optional[list[int]] = None) -> tuple[Mode, torch.Tensor, Optional[torch.Tensor]]:
+    def execute(self, items: list[tuple[SeqState, list[int]]], logits_rows: Optional[list[int]] = None,
+                input_ids: Optional[RowsAt] = None) -> tuple[Mode, torch.Tensor, Optional[torch.Tensor]]:
         """The engine's step (runtime/graphs/step_runner.StepRunner): build, dispatch and run."""
-        return run_step(self, items, logits_rows)
+        return run_step(self, items, logits_rows, input_ids)
 
     # -- capture ---------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from runtime.cache.batch import StepInputs
 from runtime.graphs.buckets import CaptureKey
 from runtime.graphs.cuda_graphs import CaptureError
 from runtime.step.context import ExecContext
+from runtime.step.host_copy import tensor_to_device
 
 __all__ = ["StepStaging", "step_on_device", "hidden_input_spec"]
 
@@ -161,16 +162,16 @@ def step_on_device(step: StepInputs, device,
                    names: tuple[str, ...] = ("input_ids", "positions", "logits_index")) -> tuple[tuple, ExecContext]:
     """An eager step's inputs named `names` (a program's PROGRAM_INPUTS: the draft's include its
     hidden states) and context on `device`: its own tensors, so it may be of any size (no graph
-    reads them)."""
+    reads them). Copied from pinned memory on CUDA: a pageable copy would wait for the queued steps."""
     ctx = step.ctx
-    moved = {name: getattr(ctx, name).to(device, non_blocking=True)
+    moved = {name: tensor_to_device(getattr(ctx, name), device)
              for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping")}
     tensors = {"input_ids": step.input_ids, "positions": step.positions, "logits_index": step.logits_index,
                "hidden": step.hidden}
     missing = [name for name in names if tensors.get(name) is None]
     if missing:
         raise ValueError(f"the step has no {missing[0]} (StepInputs.{missing[0]}), which the program takes")
-    inputs = tuple(tensors[name].to(device, non_blocking=True) for name in names)
+    inputs = tuple(tensor_to_device(tensors[name], device) for name in names)
     return inputs, dataclasses.replace(ctx, **moved)
 
 

@@ -154,6 +154,10 @@ def render_metrics(engine: dict, server: dict) -> str:
            ({"execution": "eager"}, eager)])
     m.add("engine_phase_steps_total", "counter", "Engine steps by phase (a step with prompt tokens is prefill).",
           [({"phase": "prefill"}, engine["prefill_steps"]), ({"phase": "decode"}, engine["decode_steps"])])
+    m.add("engine_schedule_steps_total", "counter",
+          "Engine steps by schedule: ids read after the next step was launched (overlapped) or at once.",
+          [({"schedule": "overlapped"}, engine["overlapped_steps"]),
+           ({"schedule": "synchronous"}, engine["synchronous_steps"])])
     m.add("engine_phase_seconds_total", "counter", "Seconds spent in engine steps, by phase.",
           [({"phase": "prefill"}, float(engine["prefill_s"])), ({"phase": "decode"}, float(engine["decode_s"]))])
     m.add("generation_tokens_total", "counter", "Tokens sampled by the engine.", engine["tokens_generated"])

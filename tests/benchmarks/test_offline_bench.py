@@ -21,7 +21,7 @@ def test_dry_run_reports_every_run_and_its_counts_add_up(tmp_path):
     closed = [f"closed_loop_c{c}" for c in DRY["concurrency"]]
     assert {name: s["status"] for name, s in rec["stages"].items()} == dict.fromkeys(
         ("artifact", "engine", "warm_up", "all_at_once", *closed, "serve_vs_run"), "ok")
-    assert rec["engine"]["slots"] == max(DRY["concurrency"]) and not rec["engine"]["graphs"]
+    assert rec["engine"]["slots"] == max(DRY["concurrency"]) and not rec["engine"]["graphs"] and rec["engine"]["overlap"]
     mix = DRY["mix"]
     for name, c in [("all_at_once", max(DRY["concurrency"])), *zip(closed, DRY["concurrency"])]:
         run = rec["runs"][name]
@@ -30,7 +30,10 @@ def test_dry_run_reports_every_run_and_its_counts_add_up(tmp_path):
         # greedy, no stop ids: every request generates exactly its max_tokens
         expected = sum(mix[i % len(mix)][1] for i in range(count))
         assert run["expected_output_tokens"] == run["output_tokens"] == run["step_tokens"] == expected, name
-        assert run["engine_tokens_generated"] == expected and run["steps"] == run["engine_steps"] > 0, name
+        assert run["engine_tokens_generated"] == expected and run["engine_steps"] > 0, name
+        # a greedy load overlaps its steps; the calls also read the last step in flight
+        assert run["overlapped_steps"] + run["synchronous_steps"] == run["engine_steps"], name
+        assert run["overlapped_steps"] > 0 and run["steps"] >= run["engine_steps"], name
         assert run["in_flight"] == (None if name == "all_at_once" else c)
         assert run["output_tokens_per_s"] > 0 and run["steps_per_s"] > 0
         # the CPU has no device apart from the host: neither is invented

@@ -60,3 +60,11 @@ def test_run_reuses_a_prefix_unless_told_not_to(artifact, capsys):
     assert (cached["timing"]["prefill_tokens"], plain["timing"]["prefill_tokens"]) == (48, 80)
     assert main(["run", str(artifact[1]), "--prompt-ids", prompt, "--snapshot-interval", "0"]) == 2
     assert "argument --snapshot-interval: must be at least 1" in capsys.readouterr().err
+
+
+def test_run_without_the_overlapped_schedule_gives_the_same_tokens(artifact, capsys):
+    args = ["run", str(artifact[1]), "--prompt-ids", "1,2,3,4,5,6,7,8,9;10,11;12", "--max-new-tokens", "7",
+            "--max-tokens-per-step", "4", "--json"]
+    overlapped, synchronous = run_json(capsys, *args), run_json(capsys, *args, "--no-overlap-schedule")
+    assert overlapped["outputs"] == synchronous["outputs"]
+    assert overlapped["timing"]["overlapped_steps"] > 0 and synchronous["timing"]["overlapped_steps"] == 0

@@ -195,6 +195,7 @@ def test_metrics_text_takes_graph_runner_counters_and_escapes_labels():
 
     engine = {"queue_depth": 1, "running": 2, "free_slots": 3, "total_slots": 5, "free_pages": 7, "total_pages": 9,
               "steps": 10, "graph_replays": 5, "piecewise_steps": 2, "prefill_steps": 4, "decode_steps": 6,
+              "overlapped_steps": 7, "synchronous_steps": 3,
               "prefill_s": 0.5, "decode_s": 0.25, "tokens_generated": 40, "prefill_tokens": 80, "preemptions": 0,
               "recent_steps": [{"sampled": 4, "seconds": 0.5}, {"sampled": 2, "seconds": 0.25}]}
     server = {"open_requests": 2, "requests": {"chat": 1}, "finished": {"stop": 3}, "errors": {400: 2},
@@ -203,6 +204,8 @@ def test_metrics_text_takes_graph_runner_counters_and_escapes_labels():
     families = {f.name: f for f in prom_parser.text_string_to_metric_families(render_metrics(engine, server))}
     steps = {s.labels["execution"]: s.value for s in families["hgc_engine_steps"].samples}
     assert steps == {"graph_replay": 5, "piecewise": 2, "eager": 3}
+    schedule = {s.labels["schedule"]: s.value for s in families["hgc_engine_schedule_steps"].samples}
+    assert schedule == {"overlapped": 7, "synchronous": 3}
     assert families["hgc_generation_tokens_per_second"].samples[0].value == 8.0
     assert families["hgc_request_errors"].samples[0].labels == {"status": "400"}
     m = MetricsText()

@@ -84,8 +84,8 @@ def test_prompts_apart_never_mixes_a_decode_row_into_a_prompt_forward():
     forwards = []
     execute = engine.execute
 
-    def recording(seq_items, logits_rows):
-        mode, logits, hidden = execute(seq_items, logits_rows)
+    def recording(seq_items, logits_rows, input_ids=None):
+        mode, logits, hidden = execute(seq_items, logits_rows, input_ids)
         forwards.append((mode, [len(tokens) for _, tokens in seq_items]))
         return mode, logits, hidden
     engine.execute = recording
@@ -129,6 +129,9 @@ def test_cancel_frees_everything_and_leaves_nothing_behind():
     assert not engine.cancel(running), "a finished request cannot be cancelled twice"
     assert engine.pop_result(running).finish_reason == "cancelled"
     assert engine.pop_result(queued).output_ids == ()
+    # The step still on the device keeps the slot and pages of the request it runs until it ends.
+    assert engine.step() == [], "a cancelled request's token still on the device is never emitted"
+    assert not engine.has_work()
     assert_all_free(engine)
     assert engine.generate(c, params).output_ids == alone(model, c, params)
 

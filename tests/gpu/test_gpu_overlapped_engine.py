@@ -1,0 +1,83 @@
+"""The overlapped engine loop on a CUDA GPU: the same tokens as synchronous steps, through CUDA graphs.
+
+Runs only on the GPU machine (`pytest -m gpu`); benchmarks/serving/offline_bench.py measures the gain
+(with and without --no-overlap-schedule). What the CPU tests cannot reach: the ids' copy into
+pinned memory behind a CUDA event (runtime/step/host_copy.HostCopy), the index tensors going over
+from pinned memory without blocking, and the ids written into a replayed graph's static input
+buffer on the device (whole-step decode graphs and piecewise extend graphs).
+
+float32 with full attention routed to torch_reference (FlashInfer has no float32 kernels), so greedy
+tokens are exact: a mixed load (lengths, limits, a stop id, a cancel, requests joining, a shared
+prefill) with overlap on and off gives the same tokens, every slot and page comes back, graphs are
+replayed, most steps overlap, and no step's ids are read before the next step was launched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hgc import main
+from runtime.artifact.loader import load_artifact
+from runtime.assembly import EngineOptions, engine_for_artifact
+from runtime.engine import choices as choices_module
+from runtime.engine.engine import SamplingParams
+from testkit.engine_loads import Job, drive
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    from testkit.helpers import tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("goverlap")
+    tiny_checkpoint("qwen3_next", root / "c", 1, head_dim=64)
+    assert main(["compile", str(root / "c"), "-o", str(root / "a"), "--target", "cuda", "--no-inductor",
+                 "--dtype", "float32", "--route=gqa_attention=torch_reference", "--no-dumps"]) == 0
+    return load_artifact(root / "a", "cuda")
+
+
+def jobs() -> list[Job]:
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate([1, 5, 17, 3, 9, 2, 12, 7, 30, 4])]
+    load = [Job(p, SamplingParams(max_new_tokens=n), at_step=s)
+            for p, n, s in zip(prompts, [9, 4, 14, 6, 11, 3, 8, 13, 5, 10], [0, 0, 1, 2, 2, 4, 6, 6, 9, 12])]
+    load[3].cancel_after = 2
+    load.append(Job(prompts[4], SamplingParams(max_new_tokens=7), at_step=5))
+    load.append(Job(prompts[4], SamplingParams(max_new_tokens=9), at_step=5, share_with=len(load) - 1))
+    return load
+
+
+def test_fp32_overlapped_steps_give_the_synchronous_tokens_through_cuda_graphs(artifact, monkeypatch):
+    runs, stats = {}, {}
+    for overlap in (False, True):
+        options = EngineOptions(slots=8, token_budget=32, page_size=16, overlap=overlap)
+        engine = engine_for_artifact(artifact, options, MAX_LEN, device="cuda")
+        runs[overlap], stats[overlap] = drive(engine, jobs()), engine.stats()
+    assert runs[True] == runs[False]
+    assert stats[True]["graph_replays"] > 0 and stats[True]["overlapped_steps"] > stats[True]["synchronous_steps"]
+
+    events = []
+
+    class WatchedCopy(choices_module.HostCopy):
+        def __init__(self, values):
+            super().__init__(values)
+            events.append("chosen")
+
+        def tolist(self):
+            events.append("read")
+            return super().tolist()
+
+    monkeypatch.setattr(choices_module, "HostCopy", WatchedCopy)
+    execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda *a, **k: events.append("launch") or execute(*a, **k))
+    assert drive(engine, jobs()) == runs[False]
+    # between a step's choice and its read, the next step was launched (but for the last read)
+    reads = [i for i, e in enumerate(events) if e == "read"]
+    chosen = [i for i, e in enumerate(events) if e == "chosen"]
+    assert len(reads) == len(chosen) > 0
+    for c, r in list(zip(chosen, reads))[:-1]:
+        assert "launch" in events[c:r], events
