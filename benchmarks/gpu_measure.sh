@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The open issues' GPU measurements, by stage, for one or two calls on the lent H200:
+#
+#   HGC_CALL_SECONDS=560 bash benchmarks/gpu_call.sh bash benchmarks/gpu_measure.sh short prefix multiturn
+#   HGC_CALL_SECONDS=560 bash benchmarks/gpu_call.sh bash benchmarks/gpu_measure.sh overlap_tests serve serve_sync
+#   HGC_CALL_SECONDS=560 bash benchmarks/gpu_call.sh bash benchmarks/gpu_measure.sh account
+#
+# (carry .whl and .jitcache_parts). Stages, each writing under $OUT/<stage>:
+#   short        benchmarks/serving/bucket_costs.py: each extend bucket's step against the batch-1 decode step
+#   prefix       benchmarks/serving/prefix_bench.py: hit, miss with and without the cache (issue 49)
+#   multiturn    benchmarks/serving/multiturn_bench.py: TTFT per turn, cache on and off; a 32-token prompt
+#   overlap_tests  the GPU test of the overlapped engine loop (CUDA graphs, overlap on and off)
+#   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
+#   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
+#   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
+# FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account. The
+# serving stages build bench qwen3_next once (hgc compile --target cuda: the compiled bundle unless
+# GLUE=traced) into /tmp, which a warm machine keeps between calls, or take ART; CONCURRENCY sets the
+# levels (default "1 32 128"). Bench-size models throughout.
+set -u
+: "${OUT:?OUT is the folder whose files come back}"
+W=/tmp/measure_work
+FAMILIES=${FAMILIES:-qwen3_next}
+hgc() { python3 -m hgc "$@"; }
+
+serving_artifact() {  # prints the artifact's folder (ART, if set and built); builds it unless a warm machine has it
+    [ -n "${ART:-}" ] && [ -f "$ART/manifest.json" ] && { echo "$ART"; return; }
+    local art=/tmp/serve_qwen3_next_${GLUE:-compiled}
+    if [ ! -f "$art/manifest.json" ]; then
+        hgc init-model --family qwen3_next --size bench --seed 0 -o /tmp/ckpt_qwen3_next --force >&2 || return 1
+        local glue=(); [ "${GLUE:-compiled}" = traced ] && glue=(--no-inductor)
+        /usr/bin/time -f "compile: %e s" python3 -m hgc compile /tmp/ckpt_qwen3_next --target cuda --dtype bfloat16 \
+            "${glue[@]}" -o "$art" >&2 || return 1
+    fi
+    echo "$art"
+}
+
+for stage in "$@"; do
+    echo "== $stage $(date +%T)"
+    case $stage in
+    short|prefix|multiturn)
+        script=$([ "$stage" = short ] && echo bucket_costs || echo "${stage}_bench")
+        for family in ${FAMILIES//,/ }; do
+            python3 "benchmarks/serving/$script.py" --out "$OUT/$stage/$family" --work "$W" --family "$family"
+        done ;;
+    overlap_tests)
+        python3 -m pytest -q -m gpu tests/gpu/test_gpu_overlapped_engine.py 2>&1 | tail -15 ;;
+    serve|serve_sync)
+        art=$(serving_artifact) || { echo "no artifact"; continue; }
+        extra=(--serve-args=--overlap-schedule); [ "$stage" = serve_sync ] && extra=(--serve-args=--no-overlap-schedule)
+        python3 benchmarks/serving/serve_bench.py --artifact "$art" --device cuda --concurrency ${CONCURRENCY:-1 32 128} --offline \
+            "${extra[@]}" --out "$OUT/$stage" ;;
+    account)
+        python3 benchmarks/kernels/step_account.py --out "$OUT/account" --work "$W" --family "$FAMILIES" ;;
+    *) echo "unknown stage $stage" ;;
+    esac
+done
+echo "== done $(date +%T)"
