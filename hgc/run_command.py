@@ -38,7 +38,7 @@ def cmd_run(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop_ids)
     options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step,
-                            speculative_tokens=args.speculative_tokens, overlap=not args.no_overlap_schedule,
+                            speculative_tokens=args.speculative_tokens, overlap=args.overlap_schedule,
                             **prefix_cache_options(args))
     # The limits first, from the documents alone: nothing is loaded, allocated or launched for a
     # request that cannot run.

@@ -215,12 +215,13 @@ def add_prefix_cache_arguments(group) -> None:
 
 def add_overlap_argument(group) -> None:
     """The overlapped-schedule switch `hgc serve` and `hgc run` share."""
-    group.add_argument("--no-overlap-schedule", action="store_true",
-                       help="lay out each step only after the one before has ended and its tokens were read, "
-                            "for comparison and debugging. Default: the host schedules and launches step N+1 "
-                            "while the device runs step N, whose greedy tokens feed it on the device and are "
-                            "read one step late (steps with draws, grammars, penalties, log-probabilities, shared "
-                            "prefills, preemption or speculative decoding stay synchronous; --tp N turns it off)")
+    group.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+                       help="the host schedules and launches step N+1 while the device runs step N, whose greedy "
+                            "tokens feed it on the device and are read one step late (steps with draws, grammars, "
+                            "penalties, log-probabilities, shared prefills, preemption or speculative decoding stay "
+                            "synchronous; --tp N turns it off). --no-overlap-schedule lays out each step only after "
+                            "the one before was read, for comparison and debugging. Default: on for --device cpu; "
+                            "opt-in on cuda until its GPU token-parity test passes (runtime/assembly.overlap_by_default)")
 
 
 def add_speculative_argument(group) -> None:
@@ -361,7 +362,7 @@ def _load(args, group):
         kv_pages=args.kv_pages, max_model_len=args.max_model_len,
         memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * (1 << 30)),
         prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share,
-        speculative_tokens=args.speculative_tokens, overlap=not args.no_overlap_schedule,
+        speculative_tokens=args.speculative_tokens, overlap=args.overlap_schedule,
         **prefix_cache_options(args))
     log(f"loading {args.artifact} ...")
     return load_served_model(args.artifact, name=args.served_model_name, options=engine_options,

@@ -7,6 +7,7 @@ levels, on the same artifact):
     python3 benchmarks/serving/offline_bench.py --artifact /tmp/bench --out $OUT --concurrency 1,8,32,128
     python3 benchmarks/serving/offline_bench.py --out $OUT       # compiles qwen3_next bench bf16 itself
     python3 benchmarks/serving/offline_bench.py --dry-run --out /tmp/ob   # CPU: tiny, reference backend
+    python3 benchmarks/serving/offline_bench.py --artifact /tmp/bench --out $OUT/on --overlap-schedule
     python3 benchmarks/serving/offline_bench.py --artifact /tmp/bench --out $OUT/off --no-overlap-schedule
 
 1. artifact: --artifact, or `hgc init-model` and `hgc compile` (bench_common.compiled_artifact).
@@ -21,7 +22,8 @@ levels, on the same artifact):
    Per run: output tokens per second and steps per second over its wall time; the requests
    finished and tokens generated, by this loop's count and by Engine.stats(); the engine's
    overlapped and synchronous steps (how often the overlapped schedule applied; none with
-   --no-overlap-schedule, which runs the same levels without it, to measure its gain). On cuda, the GPU
+   --no-overlap-schedule, which runs the same levels without it, to measure its gain; on cuda it
+   is opt-in, --overlap-schedule, as hgc serve's). On cuda, the GPU
    busy fraction and the host time per step over a window of --profile-steps steps (torch.profiler,
    CUDA activity only) opened at the first step after a request has finished (the batch then holds
    decodes and new prompts alike): busy = the union of the window's kernel and copy intervals over
@@ -212,7 +214,7 @@ def hgc_run(art_dir: Path, device: str, prompts: list[list[int]], new_tokens: in
 
 def serve_vs_run(art_dir: Path, device: str, seed: int, threads: int, flags: tuple[str, ...] = ()) -> dict:
     """Issue 53's CPU measure (step 6 of the module docstring), both commands with `threads` torch
-    threads and the engine `flags` both take (--no-overlap-schedule)."""
+    threads and the engine `flags` both take (--overlap-schedule or --no-overlap-schedule)."""
     n, mix = SERVE_VS_RUN["requests"], ((SERVE_VS_RUN["prompt_tokens"], SERVE_VS_RUN["new_tokens"]),)
     size = sizing((n,), mix)
     server = ServerProcess([str(art_dir), "--device", device, "--slots", str(size["slots"]),
@@ -260,7 +262,7 @@ def run_stages(args, rec: dict, save) -> None:
         art = load_artifact(state["art_dir"], device=args.device, compiled=CompiledOptions(allow_builds=True))
         size = sizing(args.concurrency, args.mix)
         options = EngineOptions(slots=size["slots"], token_budget=args.token_budget,
-                                max_model_len=size["max_model_len"], overlap=not args.no_overlap_schedule)
+                                max_model_len=size["max_model_len"], overlap=args.overlap_schedule)
         eng = engine_for_artifact(art, options, size["max_model_len"], device=art.device,
                                   log=lambda line: print(f"  {line}", flush=True))
         state.update(engine=eng, vocab=int(art.manifest["model"]["vocab_size"]), device=str(art.device))
@@ -287,7 +289,7 @@ def run_stages(args, rec: dict, save) -> None:
         stages(f"closed_loop_c{c}", level, f"closed_loop_c{c}", c, c, needs=("engine",))
     state.pop("engine", None)  # its pools go before a server loads the artifact again
     if args.serve_vs_run:
-        flags = ("--no-overlap-schedule",) if args.no_overlap_schedule else ()
+        flags = {None: (), True: ("--overlap-schedule",), False: ("--no-overlap-schedule",)}[args.overlap_schedule]
         measure = stages("serve_vs_run", serve_vs_run, state.get("art_dir"), state.get("device"), args.seed,
                          args.threads, flags, needs=("engine",))
         if measure is not None:
@@ -339,9 +341,10 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--threads", type=int_at_least(1), default=1,
                        help="torch CPU threads of this process, the server and hgc run (tiny models on a shared CPU "
                             "only lose to more)")
-        p.add_argument("--no-overlap-schedule", action="store_true",
-                       help="the engine (and serve_vs_run's hgc serve and hgc run) without the overlapped schedule: "
-                            "each step laid out after the one before was read (hgc serve's flag), to measure its gain")
+        p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+                       help="the engine (and serve_vs_run's hgc serve and hgc run) with or without the overlapped "
+                            "schedule (hgc serve's flag; default: hgc serve's, runtime/assembly.overlap_by_default), "
+                            "to measure its gain")
         p.add_argument("--serve-vs-run", action=argparse.BooleanOptionalAction, default=None,
                        help="issue 53's measure: hgc serve against hgc run (default: on in the dry run only)")
 

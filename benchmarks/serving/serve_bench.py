@@ -171,14 +171,14 @@ def table(levels: list[dict]) -> str:
 def offline(args, concurrency, mix, per_worker: int, out: Path) -> dict:
     """benchmarks/serving/offline_bench.py on the same artifact, levels and prompts, in a process of
     its own (started after the server has stopped, so the two never share the device): its
-    stages' status and its closed-loop runs by concurrency. A server run with --no-overlap-schedule
-    (in --serve-args) is compared with an engine without it too."""
+    stages' status and its closed-loop runs by concurrency. A server run with --overlap-schedule or
+    --no-overlap-schedule (in --serve-args) is compared with an engine run the same way."""
     script = ROOT / "benchmarks" / "serving" / "offline_bench.py"
     argv = [sys.executable, str(script), "--artifact", args.artifact, "--device", args.device, "--out", str(out),
             "--concurrency", ",".join(map(str, concurrency)), "--mix", ",".join(f"{p}:{o}" for p, o in mix),
             "--iters", str(per_worker), "--seed", str(args.seed), "--no-serve-vs-run",
             *(["--dry-run"] if args.dry_run else []),
-            *(["--no-overlap-schedule"] if "--no-overlap-schedule" in args.serve_args.split() else [])]
+            *[flag for flag in args.serve_args.split() if flag in ("--overlap-schedule", "--no-overlap-schedule")]]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     subprocess.run(argv, cwd=ROOT, env=env, check=True)
     rec = json.loads((out / "offline_bench.json").read_text())
