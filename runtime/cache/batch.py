@@ -25,6 +25,7 @@ import torch
 
 from compiler.splitops import Mode
 from runtime.step.context import ExecContext
+from runtime.step.host_copy import array_to_device
 from runtime.cache.kv_pool import KVPool
 from runtime.cache.state_pool import PADDING_SLOT
 
@@ -111,8 +112,8 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
     state_slots[:B] = [seq.slot for seq in seqs]
 
     def dev(a: np.ndarray, dtype=None) -> torch.Tensor:
-        t = torch.from_numpy(a if dtype is None else a.astype(dtype))
-        return t.to(device)
+        # queued from pinned memory on cuda: a pageable copy would wait for every queued kernel
+        return array_to_device(a if dtype is None else a.astype(dtype), device)
 
     ctx = ExecContext(
         mode=mode or step_mode(query_lens, cache_lens), query_lens=query_lens, cache_lens=cache_lens,

@@ -12,12 +12,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["to_device"]
+__all__ = ["to_device", "array_to_device"]
 
 
 def to_device(values, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """`values` (a list of numbers) as a tensor on `device`, the copy queued on the current stream."""
     host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def array_to_device(array, device) -> torch.Tensor:
+    """A numpy array as a tensor on `device` (the array itself on the CPU), the copy queued on the
+    current stream from a pinned copy of it: the array may be reused as soon as this returns."""
+    host = torch.from_numpy(array)
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
