@@ -12,7 +12,8 @@ stops, keeps its statistics and hands back its outputs, all for real. Only the f
 - `--forward free` (default): the program's forward is replaced by one that costs next to nothing
   (the next token is a fixed function of the fed one, as a one-hot logits row), so the step's own
   host work is all that is left to time and to profile;
-- `--forward real`: the artifact's forward runs and its time is taken out of each step's.
+- `--forward real`: the artifact's forward runs and its time is taken out of each step's (on cuda
+  up to its device work's end: the forward synchronises, so device time is not counted as host's).
 
 Either way a step's host time is its wall time minus the forward's, per step.
 
@@ -97,6 +98,8 @@ class TimedForward:
             out = torch.nn.functional.one_hot((input_ids[rows] * 7 + 3) % self.vocab, self.vocab).float()
         else:
             out = self.real(input_ids, positions, *rest)
+            if input_ids.is_cuda:  # its device time is the forward's too, not the host's
+                torch.cuda.synchronize(input_ids.device)
         self.seconds += time.perf_counter() - t0
         return out
 
