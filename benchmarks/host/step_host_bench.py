@@ -88,11 +88,11 @@ class TimedForward:
 
     def __init__(self, runner, vocab: int, free: bool):
         self.real, self.vocab, self.free = runner.forward, vocab, free
-        self.seconds = 0.0
+        self.seconds = self.cpu_seconds = 0.0  # wall, and this thread's CPU
         runner.forward = self
 
     def __call__(self, input_ids, positions, *rest):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if self.free:
             rows = rest[-1]
             out = torch.nn.functional.one_hot((input_ids[rows] * 7 + 3) % self.vocab, self.vocab).float()
@@ -101,32 +101,42 @@ class TimedForward:
             if input_ids.is_cuda:  # its device time is the forward's too, not the host's
                 torch.cuda.synchronize(input_ids.device)
         self.seconds += time.perf_counter() - t0
+        self.cpu_seconds += time.thread_time() - c0
         return out
 
 
-def timed_steps(engine, forward: TimedForward, steps: int, keep=None) -> list[float]:
-    """Host milliseconds of each of `steps` steps (wall minus forward); `keep(records)` filters by the step's record."""
-    host = []
-    for _ in range(steps):
-        before = forward.seconds
-        t0 = time.perf_counter()
-        engine.step()
-        wall = time.perf_counter() - t0
-        if keep is None or keep(engine.numbers.recent[-1]):
-            host.append((wall - (forward.seconds - before)) * 1e3)
-    return host
+def host_ms(fn, forward: TimedForward) -> tuple[float, float]:
+    """fn()'s milliseconds less the forward's inside it: (wall, this thread's CPU). The CPU time is
+    what a shared machine's other work does not inflate (torch runs on this thread: one thread is
+    set); the wall time also holds the host's waits for the device."""
+    t0, c0, f0, fc0 = time.perf_counter(), time.thread_time(), forward.seconds, forward.cpu_seconds
+    fn()
+    return ((time.perf_counter() - t0 - (forward.seconds - f0)) * 1e3,
+            (time.thread_time() - c0 - (forward.cpu_seconds - fc0)) * 1e3)
 
 
-def summary(host_ms: list[float]) -> dict:
-    """host_ms_best: the lowest median of BLOCKS runs of consecutive steps. A shared machine's load
-    comes and goes within a case; the quietest stretch's median is the steps' own cost, and the
-    figure the table compares."""
-    if not host_ms:
-        return {"steps": 0, "host_ms_best": None, "host_ms_median": None, "host_ms_mean": None}
-    size = -(-len(host_ms) // BLOCKS)
-    best = min(statistics.median(host_ms[i:i + size]) for i in range(0, len(host_ms), size))
-    return {"steps": len(host_ms), "host_ms_best": best, "host_ms_median": statistics.median(host_ms),
-            "host_ms_mean": statistics.fmean(host_ms)}
+def timed_steps(engine, forward: TimedForward, steps: int) -> list[tuple[float, float]]:
+    """(wall, CPU) host milliseconds of each of `steps` steps."""
+    return [host_ms(engine.step, forward) for _ in range(steps)]
+
+
+def _best(values: list[float]) -> float:
+    """The lowest median of BLOCKS runs of consecutive steps: a shared machine's load comes and
+    goes within a case, and the quietest stretch's median is the steps' own cost."""
+    size = -(-len(values) // BLOCKS)
+    return min(statistics.median(values[i:i + size]) for i in range(0, len(values), size))
+
+
+def summary(host: list[tuple[float, float]]) -> dict:
+    """host_ms_*: wall; host_cpu_ms_*: the thread's CPU time (the table compares both bests)."""
+    if not host:
+        return {"steps": 0, **{f"host{kind}_ms_{stat}": None for kind in ("", "_cpu")
+                               for stat in ("best", "median", "mean")}}
+    out = {"steps": len(host)}
+    for kind, values in (("", [w for w, _ in host]), ("_cpu", [c for _, c in host])):
+        out.update({f"host{kind}_ms_best": _best(values), f"host{kind}_ms_median": statistics.median(values),
+                    f"host{kind}_ms_mean": statistics.fmean(values)})
+    return out
 
 
 def decode_case(art, args, batch: int, vocab: int) -> dict:
@@ -180,10 +190,7 @@ def mixed_case(art, args, vocab: int) -> dict:
     records, host, all_host = [], [], []
     speed = host_speed_ms()
     for _ in range(args.steps):
-        before = forward.seconds
-        t0 = time.perf_counter()
-        step_and_refill()
-        ms = (time.perf_counter() - t0 - (forward.seconds - before)) * 1e3
+        ms = host_ms(step_and_refill, forward)
         rec = engine.numbers.recent[-1]
         all_host.append(ms)
         if rec.prefill_tokens and rec.decode_tokens:
@@ -197,7 +204,8 @@ def mixed_case(art, args, vocab: int) -> dict:
 
 
 def message_path(art_dir: Path, engine, steps: int) -> dict:
-    """Step 4 of the module docstring: microseconds per token of each part, over `steps` steps' outputs."""
+    """Step 4 of the module docstring: microseconds per token of each part, over `steps` steps'
+    outputs, in the CPU time of the thread that does the part."""
     from runtime.artifact.tokenizer import IncrementalDecoder, TextTokenizer
     from runtime.core import messages
     from runtime.core.client import EngineCoreClient
@@ -209,12 +217,12 @@ def message_path(art_dir: Path, engine, steps: int) -> dict:
     speed = host_speed_ms()
     tokens = sum(len(outs) for outs in step_outputs)
 
-    t0 = time.perf_counter()  # the core: _Core.step's work after engine.step()
+    t0 = time.thread_time()  # the core: _Core.step's work after engine.step()
     packed = []
     for outs in step_outputs:
         wire = [messages.output_to_wire(out, engine.cached_tokens(out.request_id), None) for out in outs]
         packed.append(messages.pack(["step", wire]))
-    core_s = time.perf_counter() - t0
+    core_s = time.thread_time() - t0
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -222,21 +230,21 @@ def message_path(art_dir: Path, engine, steps: int) -> dict:
     client = EngineCoreClient(None, None, None, None, {})  # its receiving side only: no process, no sockets
     for out in step_outputs[0]:
         client._handles[out.request_id] = RequestHandle(out.request_id, client, loop)
-    t0 = time.perf_counter()  # the server's receiving thread: unpack, hand over
+    t0 = time.thread_time()  # the server's receiving thread: unpack, hand over
     for data in packed:
         client._dispatch(messages.unpack(data))
-    client_s = time.perf_counter() - t0
+    client_s = time.thread_time() - t0
     loop.call_soon_threadsafe(loop.stop)
     thread.join()
 
     tokenizer = TextTokenizer.from_dir(art_dir)
     decoders = {out.request_id: IncrementalDecoder(tokenizer, [1, 2, 3]) for out in step_outputs[0]}
-    t0 = time.perf_counter()  # the server's event loop: text and SSE framing of each token
+    t0 = time.thread_time()  # the server's event loop: text and SSE framing of each token
     for outs in step_outputs:
         for out in outs:
             text = decoders[out.request_id].push(out.token)
             sse_event(chat_chunk("chatcmpl-0", "m", 0, 0, {"content": text}, [out.token], None))
-    server_s = time.perf_counter() - t0
+    server_s = time.thread_time() - t0
     bytes_per_token = sum(map(len, packed)) / tokens
     return {"tokens": tokens, "steps": steps, "bytes_per_token": bytes_per_token,
             "core_pack_us_per_token": 1e6 * core_s / tokens, "client_hand_over_us_per_token": 1e6 * client_s / tokens,
@@ -321,15 +329,16 @@ def _row(name: str, now: dict | None, before: dict | None, key: str = "host_ms_b
 
 def table(rec: dict) -> str:
     base = rec.get("baseline") or {}
-    rows = [f"code: {rec.get('code')}" + (f"; baseline: {base.get('code')}" if base else ""),
-            "| host ms per step (forward excluded; best block median) | baseline | now | baseline / now | at equal host speed |",
-            "|---|---|---|---|---|"]
-    for batch, case in rec.get("decode", {}).items():
-        rows.append(_row(f"decode, B = {batch}", case, base.get("decode", {}).get(batch)))
-    if rec.get("mixed"):
-        m = rec["mixed"]
-        rows.append(_row(f"mixed ({fmt(m['mean_prompt_tokens'], '.0f')} prompt + {fmt(m['mean_decodes'], '.0f')} "
-                         f"decode tokens)", m, base.get("mixed")))
+    rows = [f"code: {rec.get('code')}" + (f"; baseline: {base.get('code')}" if base else "")]
+    for key, what in (("host_ms_best", "wall"), ("host_cpu_ms_best", "the thread's CPU")):
+        rows += [f"| host ms per step, {what} (forward excluded; best block median) | baseline | now | "
+                 f"baseline / now | at equal host speed |", "|---|---|---|---|---|"]
+        for batch, case in rec.get("decode", {}).items():
+            rows.append(_row(f"decode, B = {batch}", case, base.get("decode", {}).get(batch), key))
+        if rec.get("mixed"):
+            m = rec["mixed"]
+            rows.append(_row(f"mixed ({fmt(m['mean_prompt_tokens'], '.0f')} prompt + {fmt(m['mean_decodes'], '.0f')} "
+                             f"decode tokens)", m, base.get("mixed"), key))
     msg, base_msg = rec.get("messages"), base.get("messages")
     if msg:
         rows += ["| message path, us per token | baseline | now | baseline / now | at equal host speed |",

@@ -17,7 +17,7 @@ def test_dry_run_measures_every_case_and_a_baseline(tmp_path):
         ("artifact", "decode_b1", "decode_b8", "mixed", "messages", "baseline"), "ok")
     for batch in ("1", "8"):
         case = rec["decode"][batch]
-        assert case["steps"] == 12 and 0 < case["host_ms_best"] <= case["host_ms_median"] < 1e3 and case["batch"] == int(batch)
+        assert case["steps"] == 12 and 0 < case["host_ms_best"] <= case["host_ms_median"] < 1e3 and 0 < case["host_cpu_ms_best"] < 1e3 and case["batch"] == int(batch)
         assert any(row["function"].endswith(":step") and row["calls_per_call"] == 1
                    for row in case["profile"]["top_cum"])
         assert len(case["profile"]["top_own"]) == 25
