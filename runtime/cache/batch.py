@@ -75,6 +75,7 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
     """
     assert items, "a step needs at least one request"
     ps = kv_pool.page_size
+    device = torch.device(device)
     seqs = [seq for seq, _ in items]
     query_lens = [len(tokens) for _, tokens in items]
     cache_lens = [seq.num_cached for seq in seqs]
@@ -86,8 +87,8 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
     B, T = len(items), sum(query_lens)
     T_pad = max(T, pad_tokens_to or 0)
     B_pad = max(B, pad_seqs_to or 0)
-    page_counts = np.fromiter(map(len, (seq.pages for seq in seqs)), np.int64, B)
-    P = max(max_pages or 0, int(page_counts.max()), 1)
+    page_lens = [len(seq.pages) for seq in seqs]
+    P = max(max_pages or 0, max(page_lens), 1)
 
     q_lens = np.asarray(query_lens, dtype=np.int64)
     cached = np.asarray(cache_lens, dtype=np.int64)
@@ -97,8 +98,8 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
     page_table = np.zeros((B_pad, P), dtype=np.int64)
     # Every request's pages in one flat array, scattered into the rows' first len(pages) columns
     # (row-major order of the mask is request order, then page order).
-    flat_pages = np.fromiter(itertools.chain.from_iterable(seq.pages for seq in seqs), np.int64, int(page_counts.sum()))
-    page_table[:B][np.arange(P) < page_counts[:, None]] = flat_pages
+    flat_pages = np.fromiter(itertools.chain.from_iterable(seq.pages for seq in seqs), np.int64, sum(page_lens))
+    page_table[:B][np.arange(P) < np.asarray(page_lens)[:, None]] = flat_pages
     row_req = np.repeat(np.arange(B), q_lens)
     positions = np.zeros(T_pad, dtype=np.int64)
     positions[:T] = np.arange(T) - starts[row_req] + cached[row_req]

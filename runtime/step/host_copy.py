@@ -23,10 +23,11 @@ def to_device(values, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def array_to_device(array, device) -> torch.Tensor:
-    """A numpy array as a tensor on `device` (the array itself on the CPU), the copy queued on the
-    current stream from a pinned copy of it: the array may be reused as soon as this returns."""
+def array_to_device(array, device: torch.device) -> torch.Tensor:
+    """A numpy array as a tensor on `device` (a torch.device: a caller moving many arrays resolves
+    it once), the array itself on the CPU; on cuda the copy is queued on the current stream from a
+    pinned copy of it, so the array may be reused as soon as this returns."""
     host = torch.from_numpy(array)
-    if torch.device(device).type != "cuda":
+    if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
