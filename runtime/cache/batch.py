@@ -28,6 +28,7 @@ import torch
 
 from compiler.splitops import Mode
 from runtime.step.context import ExecContext
+from runtime.step.host_copy import array_to_device
 from runtime.cache.kv_pool import KVPool
 from runtime.cache.state_pool import PADDING_SLOT
 
@@ -82,18 +83,20 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
     """
     assert items, "a step needs at least one request"
     ps = kv_pool.page_size
+    device = torch.device(device)
+    seqs = [seq for seq, _ in items]
     query_lens = [len(tokens) for _, tokens in items]
-    cache_lens = [seq.num_cached for seq, _ in items]
-    assert all(n > 0 for n in query_lens), "every request in a step adds at least one token"
-    for seq, tokens in items:
-        need = kv_pool.pages_for(seq.num_cached + len(tokens)) - len(seq.pages)
-        if need > 0:
-            seq.pages.extend(kv_pool.alloc(need))
+    cache_lens = [seq.num_cached for seq in seqs]
+    assert min(query_lens) > 0, "every request in a step adds at least one token"
+    for seq, n in zip(seqs, query_lens):
+        if seq.num_cached + n > len(seq.pages) * ps:  # the scheduler usually took them already
+            seq.pages.extend(kv_pool.alloc(kv_pool.pages_for(seq.num_cached + n) - len(seq.pages)))
 
     B, T = len(items), sum(query_lens)
     T_pad = max(T, pad_tokens_to or 0)
     B_pad = max(B, pad_seqs_to or 0)
-    P = max(max_pages or 0, max(len(seq.pages) for seq, _ in items), 1)
+    page_lens = [len(seq.pages) for seq in seqs]
+    P = max(max_pages or 0, max(page_lens), 1)
 
     q_lens = np.asarray(query_lens, dtype=np.int64)
     cached = np.asarray(cache_lens, dtype=np.int64)
@@ -101,8 +104,10 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
     np.cumsum(q_lens, out=starts[1:B + 1])
     starts[B + 1:] = T  # padded requests own no rows
     page_table = np.zeros((B_pad, P), dtype=np.int64)
-    for b, (seq, _) in enumerate(items):
-        page_table[b, : len(seq.pages)] = seq.pages
+    # Every request's pages in one flat array, scattered into the rows' first len(pages) columns
+    # (row-major order of the mask is request order, then page order).
+    flat_pages = np.fromiter(itertools.chain.from_iterable(seq.pages for seq in seqs), np.int64, sum(page_lens))
+    page_table[:B][np.arange(P) < np.asarray(page_lens)[:, None]] = flat_pages
     row_req = np.repeat(np.arange(B), q_lens)
     positions = np.zeros(T_pad, dtype=np.int64)
     positions[:T] = np.arange(T) - starts[row_req] + cached[row_req]
@@ -113,11 +118,11 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
     seq_lens = np.zeros(B_pad, dtype=np.int32)
     seq_lens[:B] = cached + q_lens
     state_slots = np.full(B_pad, PADDING_SLOT, dtype=np.int64)
-    state_slots[:B] = [seq.slot for seq, _ in items]
+    state_slots[:B] = [seq.slot for seq in seqs]
 
     def dev(a: np.ndarray, dtype=None) -> torch.Tensor:
-        t = torch.from_numpy(a if dtype is None else a.astype(dtype))
-        return t.to(device)
+        # queued from pinned memory on cuda: a pageable copy would wait for every queued kernel
+        return array_to_device(a if dtype is None else a.astype(dtype), device)
 
     ctx = ExecContext(
         mode=mode or step_mode(query_lens, cache_lens), query_lens=query_lens, cache_lens=cache_lens,

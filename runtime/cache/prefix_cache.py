@@ -182,9 +182,11 @@ class PrefixCache:
         if self.snapshots.num_snapshots == 0:
             return  # pages alone give no hit: nothing to cache
         pending: dict[int, int] = {}  # snapshot id -> slot, saved together below
+        page_size = self.page_size
         for hold, seq, prompt, output in entries:
             pos = seq.num_cached
-            if self._due(hold, pos, len(prompt)):
+            # `_due`'s first test inline: off a page boundary (most requests of a step) nothing is due
+            if pos % page_size == 0 and self._due(hold, pos, len(prompt)):
                 hold.snapshot_at = pos  # taken, or found already there, or no room: not tried again
                 self._snapshot(seq, (prompt + output)[:pos], pending)
             if not hold.prompt_inserted and pos >= len(prompt):

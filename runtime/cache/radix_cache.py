@@ -14,7 +14,8 @@ hybrid model the linear layers' state.
    can use those instead of its duplicates; for the rest it adopts the request's pages (one more
    reference each in the KV pool). An edge that the new prefix leaves in the middle is split.
 3. `set_snapshot(node, id)` attaches a snapshot; `evict_snapshot()` drops the least recently used
-   one (made or hit longest ago) when the snapshot pool is full.
+   one (made or hit longest ago) when the snapshot pool is full, from a heap of uses kept beside
+   the tree (a full pool evicts one in most steps: a walk of every node each time grew with the tree).
 4. `evict_pages(free_target)` removes least recently used leaves until the KV pool has that many
    free pages. A leaf is removed only if no request holds its pages (the tree's is the only
    reference): the pages a running request uses are never evicted. Leaves without a snapshot go
@@ -73,6 +74,11 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages the tree holds a reference to
         self.num_snapshots = 0
+        # (snapshot_use, end, tie, node) for every snapshot made or hit, oldest use first: the
+        # eviction order without walking the tree. An entry whose node has since lost its snapshot
+        # or been used again is stale and skipped (`evict_snapshot`).
+        self._snapshot_uses: list = []
+        self._tie = itertools.count()
         self.evicted_pages = 0  # given back to the KV pool under pressure, over the tree's life
 
     # -- lookup -----------------------------------------------------------------------------------
@@ -81,6 +87,8 @@ class RadixCache:
         """Whole pages of node's edge equal to tokens[pos:], not reaching past `limit` tokens."""
         ps, key = self.page_size, node.key
         n = min(len(key), (limit - pos) // ps * ps)
+        if key[:n] == tokens[pos:pos + n]:  # the usual case, compared in one go
+            return n // ps
         i = 0
         while i < n and key[i] == tokens[pos + i]:
             i += 1
@@ -110,6 +118,7 @@ class RadixCache:
         """A request took `match`: it and the path to it are the most recently used."""
         self._touch(match.node)
         match.node.snapshot_use = match.node.last_use
+        self._note_snapshot_use(match.node)
 
     def _touch(self, node: _Node) -> None:
         stamp = next(self._clock)
@@ -157,6 +166,20 @@ class RadixCache:
         node.snapshot = snapshot
         node.snapshot_use = next(self._clock)
         self.num_snapshots += 1
+        self._note_snapshot_use(node)
+
+    def _note_snapshot_use(self, node: _Node) -> None:
+        if node.snapshot is None:
+            return
+        heapq.heappush(self._snapshot_uses, (node.snapshot_use, node.end, next(self._tie), node))
+        if len(self._snapshot_uses) > 2 * self.num_snapshots + 64:  # drop the stale entries now and then
+            self._snapshot_uses = [e for e in self._snapshot_uses if self._current(e)]
+            heapq.heapify(self._snapshot_uses)
+
+    @staticmethod
+    def _current(entry) -> bool:
+        """Whether a snapshot-use entry still stands: its node holds a snapshot, last used then."""
+        return entry[3].snapshot is not None and entry[3].snapshot_use == entry[0]
 
     # -- eviction ---------------------------------------------------------------------------------
 
@@ -179,6 +202,7 @@ class RadixCache:
         if node.snapshot is not None:
             self.snapshots.free(node.snapshot)
             self.num_snapshots -= 1
+            node.snapshot = None  # its entries in the eviction order are stale now
         del node.parent.children[node.key[: self.page_size]]
 
     def evict_pages(self, free_target: int) -> None:
@@ -197,10 +221,11 @@ class RadixCache:
     def evict_snapshot(self) -> int | None:
         """Drop the least recently used snapshot (and its node, if that leaves a leaf nobody else
         holds); returns the freed id, None if the tree holds none."""
-        held = [n for n in self._nodes() if n.snapshot is not None]
-        if not held:
+        while self._snapshot_uses and not self._current(self._snapshot_uses[0]):
+            heapq.heappop(self._snapshot_uses)
+        if not self._snapshot_uses:
             return None
-        node = min(held, key=lambda n: (n.snapshot_use, n.end))
+        node = heapq.heappop(self._snapshot_uses)[3]  # the lowest (snapshot_use, end)
         freed, node.snapshot = node.snapshot, None
         self.snapshots.free(freed)
         self.num_snapshots -= 1
@@ -224,4 +249,5 @@ class RadixCache:
             if node.snapshot is not None:
                 self.snapshots.free(node.snapshot)
         self.root.children.clear()
+        self._snapshot_uses = []
         self.num_pages = self.num_snapshots = 0

@@ -5,15 +5,16 @@ had after the prefix's last token: the recurrent matrix and the convolution wind
 holds such states, one per snapshot id, in the state pool's layout:
 
 1. Built from the LayerRegistry: for every linear layer and every state entry, one tensor
-   [num_snapshots, *entry.shape] of the state pool's dtype. With no linear layers it holds
+   [num_snapshots, *entry.shape] of the state pool's dtype, grouped across layers as the state
+   pool's are (runtime/cache/state_pool.linear_state_buffers). With no linear layers it holds
    nothing, and any number of ids costs no memory.
 2. `alloc()` hands out an id, `free(id)` returns it; the radix cache (runtime/cache/radix_cache.py)
    keeps the ids its nodes hold.
 3. `save(state_pool, slots, ids)` copies the state of request slots into snapshots;
    `restore(state_pool, ids, slots)` copies snapshots into request slots. One indexed copy per
-   state tensor for all the pairs of a step, issued on the host side of a step (never inside a
-   captured graph), on the stream that runs the steps, so it is ordered after the step that wrote
-   the state and before the next one that reads it.
+   group (every layer's entries of one shape) for all the pairs of a step, issued on the host
+   side of a step (never inside a captured graph), on the stream that runs the steps, so it is
+   ordered after the step that wrote the state and before the next one that reads it.
 
 On rank 0 of a tensor-parallel run, `journal` records each save and restore for the other ranks
 to replay on their pools (runtime/dist/distributed.py); None elsewhere.
@@ -43,7 +44,8 @@ class SnapshotPool:
             raise ValueError(f"snapshot pool: the number of snapshots must be >= 0 (got {num_snapshots})")
         self.num_snapshots = num_snapshots
         self.device = torch.device(device)
-        self.buffers = linear_state_buffers(registry, num_snapshots, self.device)  # [num_snapshots, *shape] each
+        # [num_snapshots, *shape] each, views of the groups [layers, num_snapshots, *shape] (the state pool's)
+        self.buffers, self.groups = linear_state_buffers(registry, num_snapshots, self.device)
         self._free: list[int] = list(range(num_snapshots - 1, -1, -1))  # pop() hands out id 0 first
         self.journal: list | None = None
 
@@ -65,27 +67,26 @@ class SnapshotPool:
         """snapshot[snapshots[i]] = state of slot slots[i], in every linear layer."""
         if self.journal is not None:
             self.journal.append(("save", list(slots), list(snapshots)))
-        self._copy(state_pool.buffers, slots, self.buffers, snapshots)
+        self._copy(state_pool.groups, slots, self.groups, snapshots)
 
     def restore(self, state_pool: StatePool, snapshots: list[int], slots: list[int]) -> None:
         """state of slot slots[i] = snapshot[snapshots[i]], in every linear layer."""
         if self.journal is not None:
             self.journal.append(("restore", list(snapshots), list(slots)))
-        self._copy(self.buffers, snapshots, state_pool.buffers, slots)
+        self._copy(self.groups, snapshots, state_pool.groups, slots)
 
-    def _copy(self, src_buffers: dict, src: list[int], dst_buffers: dict, dst: list[int]) -> None:
-        """dst_buffers[layer][entry][dst[i]] = src_buffers[layer][entry][src[i]]: one indexed copy per tensor."""
-        assert len(src) == len(dst) and src_buffers.keys() == dst_buffers.keys(), (
-            "snapshot pool: built for another registry than the state pool")
+    def _copy(self, src_groups: list, src: list[int], dst_groups: list, dst: list[int]) -> None:
+        """Row dst[i] of every layer's entries = row src[i]: one indexed copy per group (`linear_state_buffers`)."""
+        assert len(src) == len(dst) and [(g.shape[0], g.shape[2:], g.dtype) for g in src_groups] == [
+            (g.shape[0], g.shape[2:], g.dtype) for g in dst_groups], "snapshot pool: built for another registry than the state pool"
         if not src:
             return
         # Queued from pinned memory, not a synchronous copy that would wait for every queued step
         # kernel (runtime/step/host_copy.py): the engine loop lays out the next step meanwhile.
         src_index = to_device(src, self.device)
         dst_index = to_device(dst, self.device)
-        for layer_id, entries in src_buffers.items():
-            for name, source in entries.items():
-                dst_buffers[layer_id][name].index_copy_(0, dst_index, source.index_select(0, src_index))
+        for source, target in zip(src_groups, dst_groups):  # [layers, rows, *shape] each
+            target.index_copy_(1, dst_index, source.index_select(1, src_index))
 
     def nbytes(self) -> int:
         return sum(t.nbytes for entries in self.buffers.values() for t in entries.values())

@@ -1,8 +1,11 @@
 """Slot-indexed state pool: recurrent and convolution states of the linear-attention layers.
 
 1. Built from the LayerRegistry: for every linear layer and every state entry of its spec, one
-   tensor [num_slots + 1, *entry.shape]. Slot 0 is the padding slot: padded rows of a captured
-   batch point at it, and it is never handed to a request.
+   tensor [num_slots + 1, *entry.shape] (`buffers`), a view of its group: the entries of one shape
+   and dtype across layers share one tensor [layers, num_slots + 1, *shape] (`groups`,
+   `linear_state_buffers`), so zeroing or copying a slot in every layer is one operation per
+   group. Slot 0 is the padding slot: padded rows of a captured batch point at it, and it is
+   never handed to a request.
 2. `alloc()` hands out a slot and zeroes it in every layer (a new request starts from the empty
    state; a reused slot must not leak its previous owner's state). `free(slot)` returns it.
 3. `copy_slot(src, dst)` copies one request's states to another's slot (a request forked from
@@ -37,14 +40,38 @@ class OutOfSlots(RuntimeError):
     pass
 
 
+# Bytes one layer's row of a grouped entry must be a multiple of: every layer's view in a group then
+# starts on the alignment a tensor of its own would have, which kernels specialise on.
+GROUP_ALIGN = 256
+
+
 def linear_state_buffers(registry: LayerRegistry, rows: int,
-                         device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
-    """layer id -> state entry name -> zeros [rows, *shape] for every linear layer (the snapshot pool's layout too)."""
-    return {
-        layer.layer_id: {name: torch.zeros((rows, *spec.shape), dtype=dtype_from_name(spec.dtype), device=device)
-                         for name, spec in layer.state.items()}
-        for layer in registry.linear_layers()
-    }
+                         device: torch.device) -> tuple[dict[int, dict[str, torch.Tensor]], list[torch.Tensor]]:
+    """(layer id -> state entry name -> zeros [rows, *shape] for every linear layer, the groups):
+    the state pool's layout, and the snapshot pool's.
+
+    The entries of one shape and dtype, across layers, are views of one tensor [layers, rows,
+    *shape], a group, when a row of one is a multiple of GROUP_ALIGN bytes (an entry that is not
+    is a group of its own, [1, rows, *shape]). A row moved, zeroed or copied in every layer is then
+    one operation per group, not one per layer and entry (a hybrid model has dozens of linear
+    layers). The groups depend on the registry alone, so two pools of one registry pair them."""
+    members: dict[tuple, list[tuple[int, str]]] = {}  # (shape, dtype) -> (layer id, entry) in layer order
+    for layer in registry.linear_layers():
+        for name, spec in layer.state.items():
+            members.setdefault((tuple(spec.shape), dtype_from_name(spec.dtype)), []).append((layer.layer_id, name))
+    buffers = {layer.layer_id: {} for layer in registry.linear_layers()}
+    groups = []
+    for (shape, dtype), owners in members.items():
+        row_bytes = torch.Size(shape).numel() * dtype.itemsize
+        stacks = [(owners, len(owners))] if row_bytes % GROUP_ALIGN == 0 else [([o], 1) for o in owners]
+        for owned, count in stacks:
+            group = torch.zeros((count, rows, *shape), dtype=dtype, device=device)
+            groups.append(group)
+            for i, (layer_id, name) in enumerate(owned):
+                buffers[layer_id][name] = group[i]
+    # entries in the registry's order within each layer, as callers iterate them
+    order = {layer.layer_id: list(layer.state) for layer in registry.linear_layers()}
+    return {layer_id: {name: entries[name] for name in order[layer_id]} for layer_id, entries in buffers.items()}, groups
 
 
 class StatePool:
@@ -59,7 +86,8 @@ class StatePool:
                              f"positive (speculative decoding) or both 0")
         self.num_slots = num_slots  # slots a request can hold; the padding slot comes on top
         self.device = torch.device(device)
-        self.buffers = linear_state_buffers(registry, num_slots + 1, self.device)  # [num_slots + 1, *shape] each
+        # [num_slots + 1, *shape] each, views of the groups [layers, num_slots + 1, *shape]
+        self.buffers, self.groups = linear_state_buffers(registry, num_slots + 1, self.device)
         self.draft_tokens, self.verify_rows = draft_tokens, verify_rows
         # [verify_rows, D, *shape] each: entry [b, i] is the state after token i of the verify step's request b
         self.verify_buffers = {
@@ -82,8 +110,8 @@ class StatePool:
     def zero_slot(self, slot: int) -> None:
         if self.journal is not None:
             self.journal.append(("zero_slot", slot))
-        # One multi-tensor launch for every layer's entries, not one zero_ each: a new request's
-        # slot is zeroed on the engine loop's thread, between steps.
+        # One multi-tensor launch over the groups, not one zero_ per layer and entry: a new
+        # request's slot is zeroed on the engine loop's thread, between steps.
         torch._foreach_zero_(self._slot_views(slot))
 
     def copy_slot(self, src: int, dst: int) -> None:
@@ -94,7 +122,8 @@ class StatePool:
         torch._foreach_copy_(self._slot_views(dst), self._slot_views(src))
 
     def _slot_views(self, slot: int) -> list[torch.Tensor]:
-        return [t[slot] for entries in self.buffers.values() for t in entries.values()]
+        """The slot's row in every layer: [layers, *shape] per group."""
+        return [group[:, slot] for group in self.groups]
 
     def free(self, slot: int) -> None:
         assert slot != PADDING_SLOT, "state pool: the padding slot is never handed out, so never freed"

@@ -5,8 +5,9 @@
    model's facts and its tokenizer as data. A core that refuses (a bad artifact, a budget too
    small) or dies first raises `CoreStartError` with the core's one-line error and exit code.
 2. `start()` starts the one receiving thread; it hands each step's outputs to the requests'
-   RequestHandles (runtime/engine/loop.py, the same handles an EngineLoop gives), replies to the
-   callers waiting for them, and looks at the core process every `DEATH_POLL_S`.
+   RequestHandles (runtime/engine/loop.py, the same handles an EngineLoop gives; `_hand_over`:
+   one wake-up of each asyncio loop a step, not one a token), replies to the callers waiting for
+   them, and looks at the core process every `DEATH_POLL_S`.
 3. `submit_group`, `cancel`, `stats`: as EngineLoop's. A submit waits for the core's reply (its
    refusal is raised here: ValueError, GrammarError, GrammarUnavailable); a cancel is sent and
    the core's "done" finishes the handle. `grammar(response_format)` is the GrammarSpec the core
@@ -33,6 +34,7 @@ from runtime.core.messages import (GrammarSpec, output_from_wire, pack, params_t
 from runtime.core.process import endpoints
 from runtime.engine.grammar import GrammarError, GrammarUnavailable
 from runtime.engine.loop import EngineLoopError, RequestHandle
+from runtime.engine.request import RequestResult, StepOutput
 from runtime.engine.sampling import SamplingParams
 
 __all__ = ["EngineCoreClient", "CoreStartError", "EngineCoreDied", "EngineCoreFault", "DEATH_POLL_S"]
@@ -69,6 +71,40 @@ class _Call:
         self.handles = list(handles)
         self.value = None
         self.error: BaseException | None = None
+
+
+def _hand_over(outputs: list[tuple[RequestHandle, StepOutput, int | None, RequestResult | None]]) -> None:
+    """A step's outputs to their handles: (handle, output, cached tokens, result of a finished request).
+
+    A handle read on an asyncio loop gets its items through that loop; waking a loop
+    (call_soon_threadsafe) costs a write to its self-pipe, so a step's items for one loop go over
+    in one call, in order, and that call puts them on the handles' queues there."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for handle, out, cached, result in outputs:
+        if handle.cached_tokens is None:
+            handle.cached_tokens = cached  # before its first token can be read
+        if handle._loop is None:  # a blocking reader: its queue takes puts from any thread
+            handle._output(out)
+            if result is not None:
+                handle._finish(result)
+        else:
+            if result is not None:
+                handle._result = result  # as _finish: the result is in before "done" can be read
+                handle._done.set()
+            by_loop.setdefault(handle._loop, []).append((handle, out, result))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_on_loop, items)
+        except RuntimeError:
+            pass  # that event loop is closed: nobody is listening any more
+
+
+def _put_on_loop(items: list) -> None:
+    """On a handle's own event loop: each item onto its handle's queue, as RequestHandle._put would."""
+    for handle, out, result in items:
+        handle._async_queue.put_nowait(("output", out))
+        if result is not None:
+            handle._async_queue.put_nowait(("done", result))
 
 
 class EngineCoreClient:
@@ -220,19 +256,13 @@ class EngineCoreClient:
     def _dispatch(self, message: list) -> None:
         kind = message[0]
         if kind == "step":
-            for wire in message[1]:
-                out, cached, result = output_from_wire(wire)
-                with self._lock:
-                    handle = self._handles.get(out.request_id)
+            outputs = [output_from_wire(wire) for wire in message[1]]
+            with self._lock:  # once a step, not once a token
+                handles = [self._handles.get(out.request_id) for out, _, _ in outputs]
+                for (out, _, _), handle in zip(outputs, handles):
                     if handle is not None and out.finished:
                         del self._handles[out.request_id]
-                if handle is None:
-                    continue
-                if handle.cached_tokens is None:
-                    handle.cached_tokens = cached
-                handle._output(out)
-                if result is not None:
-                    handle._finish(result)
+            _hand_over([(handle, *output) for handle, output in zip(handles, outputs) if handle is not None])
         elif kind == "done":
             with self._lock:
                 handle = self._handles.pop(message[1], None)

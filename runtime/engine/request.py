@@ -85,12 +85,13 @@ class Request:
 
     @property
     def num_pending(self) -> int:
-        return self.num_tokens - self.num_cached
+        # num_tokens - num_cached, spelled out: every step asks this of every request
+        return len(self.prompt) + len(self.output) - (0 if self.seq is None else self.seq.num_cached)
 
     @property
     def decoding(self) -> bool:
         """One pending token, and it is the request's own last sample: a decode, not a prompt chunk."""
-        return self.num_pending == 1 and self.num_cached > 0 and len(self.output) > 0
+        return self.num_pending == 1 and len(self.output) > 0 and self.seq.num_cached > 0  # pending 1 with output: seq set
 
     @property
     def awaits_last_token(self) -> bool:
@@ -99,8 +100,9 @@ class Request:
         return 0 < self.params.max_new_tokens <= len(self.output)
 
     def next_tokens(self, n: int) -> list[int]:
-        start = self.num_cached
-        tokens = (self.prompt + self.output)[start:start + n]
+        start, end, p = self.num_cached, self.num_cached + n, len(self.prompt)
+        # Slices of each list, not of their concatenation: a step must not copy a long request's history.
+        tokens = self.output[start - p:end - p] if start >= p else self.prompt[start:end] + self.output[:max(0, end - p)]
         assert len(tokens) == n, f"request {self.request_id}: asked {n} tokens, {self.num_pending} pending"
         return tokens
 

@@ -61,12 +61,26 @@ class Scheduler:
     def _grow_running(self, plan: StepPlan, budget: int) -> int:
         """Give running requests, oldest first, their next tokens; preempt the youngest when none fit."""
         i = 0
+        page_size = self.kv_pool.page_size
         while i < len(self.running) and budget > 0:  # preemption only removes requests after i
             req = self.running[i]
             i += 1
             if req.awaits_last_token:  # its last token is on the device: it only waits to finish
                 continue
-            want = min(req.num_pending, budget)
+            seq = req.seq
+            pending = len(req.prompt) + len(req.output) - seq.num_cached
+            if pending == 1:  # a decode (or a prompt's last token): most of a step's requests
+                decoding = seq.num_cached > 0 and len(req.output) > 0  # Request.decoding, inlined
+                if seq.num_cached + 1 + (self.lookahead if decoding else 0) <= len(seq.pages) * page_size:
+                    # It fits the pages it holds: `fit` gives it its token and takes no page (a
+                    # one-token chunk that finishes the request is never cut by the prefix cache).
+                    budget -= 1
+                    if decoding:
+                        plan.decode.append(req)
+                    else:
+                        plan.prefill.append((req, 1))
+                    continue
+            want = min(pending, budget)
             n = self.fit(req, want)
             while n == 0 and self.running[-1] is not req:
                 victim = self.running[-1]

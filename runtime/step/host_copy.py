@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["to_device", "tensor_to_device", "HostCopy"]
+__all__ = ["to_device", "tensor_to_device", "array_to_device", "HostCopy"]
 
 
 def to_device(values, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -29,6 +29,13 @@ def tensor_to_device(host: torch.Tensor, device) -> torch.Tensor:
     if torch.device(device).type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def array_to_device(array, device: torch.device) -> torch.Tensor:
+    """A numpy array as a tensor on `device` (a torch.device: a caller moving many arrays resolves
+    it once), the array itself on the CPU; on cuda the copy is queued on the current stream from a
+    pinned copy of it, so the array may be reused as soon as this returns."""
+    return tensor_to_device(torch.from_numpy(array), device)
 
 
 class HostCopy:

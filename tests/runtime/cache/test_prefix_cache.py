@@ -200,6 +200,31 @@ def test_a_full_snapshot_pool_drops_its_least_recently_used_snapshot_and_the_lea
     assert tree.kv_pool.num_free == tree.kv_pool.num_pages - 2
 
 
+def test_snapshot_eviction_follows_use_order_through_hits_splits_and_page_eviction():
+    """The eviction order the tree keeps beside its nodes picks what a walk of every node would:
+    the snapshot made or hit longest ago, after random inserts (edges split), hits, page evictions."""
+    import random
+
+    rng = random.Random(0)
+    tree = tree_over(num_pages=48, snapshots=6)
+    prompts = [[rng.randrange(3) for _ in range(rng.choice((4, 8, 12)))] for _ in range(40)]
+    for tokens in prompts:
+        if rng.random() < 0.4:
+            tree.use(tree.match(tokens + [0], len(tokens)))
+        if tree.snapshots.num_free == 0:
+            held = [n for n in tree._nodes() if n.snapshot is not None]
+            oldest = min(held, key=lambda n: (n.snapshot_use, n.end))
+            expected = oldest.snapshot
+            assert tree.evict_snapshot() == expected
+        tree.evict_pages(len(tokens) // PAGE)
+        pages = request_pages(tree, len(tokens))
+        end, tree_pages = tree.insert(tokens, pages)
+        if end.snapshot is None:
+            tree.set_snapshot(end, tree.snapshots.alloc())
+        tree.kv_pool.free(pages)
+    assert tree.num_snapshots == sum(n.snapshot is not None for n in tree._nodes())
+
+
 # -- exactness --------------------------------------------------------------------------------
 
 
