@@ -13,7 +13,8 @@
    the core's "done" finishes the handle. `grammar(response_format)` is the GrammarSpec the core
    compiles.
 4. A core that fails a step, or exits while serving, sets `error`: every open handle and waiting
-   caller gets an EngineLoopError, and `on_death` (the server's exit) is called once.
+   caller gets an EngineLoopError, and `on_death` (the server's exit) is called once. So does a
+   message the receiving thread cannot take (the core is killed then).
 5. `stop()` asks the core to cancel what is left and exit, waits for it, and closes the sockets.
 
 It does not format HTTP or text (runtime/server/ does).
@@ -235,6 +236,17 @@ class EngineCoreClient:
         return call.value
 
     def _receive(self) -> None:
+        """The receiving thread. A message it cannot take (a fault here or in the core) fails the
+        client like a dead core: a thread that ended quietly would leave every caller waiting."""
+        try:
+            self._take_messages()
+        except BaseException as error:  # noqa: B902 - every open request and the server must hear of it
+            if self.process.poll() is None:
+                self.process.kill()  # a core whose messages nobody reads serves nobody
+                self.process.wait(5)
+            self._fail(EngineCoreDied(f"engine core client: a message from the core could not be taken: {error!r}"))
+
+    def _take_messages(self) -> None:
         while True:
             if self._from_core.poll(int(DEATH_POLL_S * 1000)):
                 message = unpack(self._from_core.recv())
