@@ -25,8 +25,12 @@ def to_device(values, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
 
 
 def tensor_to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """A tensor on `device`, a host one's copy queued on the current stream (from pinned memory on CUDA)."""
-    if torch.device(device).type != "cuda" or host.device.type != "cpu":
+    """A tensor on `device`, a host one's copy queued on the current stream (from pinned memory on CUDA).
+    A torch.device is taken as it is: a step moves several tensors, and parsing it again each time
+    is a measurable share of a small step's host time (benchmarks/host/step_host_bench.py)."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
