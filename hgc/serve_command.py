@@ -43,9 +43,17 @@ from typing import NoReturn
 __all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "add_overlap_argument", "add_speculative_argument",
            "prefix_cache_options",
            "add_compiled_arguments", "compiled_options", "add_tp_arguments", "start_ranks", "cmd_serve", "serve",
-           "bind_socket", "int_at_least", "host_arg", "SEED_LIMIT", "PORT_LIMIT", "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB"]
+           "bind_socket", "int_at_least", "host_arg", "SEED_LIMIT", "PORT_LIMIT", "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB",
+           "DEFAULT_TOKEN_BUDGET"]
 
 DEFAULT_MAX_BODY_MB = 8.0  # a 100k-token prompt is about 0.6 MB of JSON token ids, or 0.4 MB of text
+# Tokens per step. Under load a larger step prefills more prompt per launch (an extend step's cost
+# grows far slower than its tokens: every expert's weights are read and the launches paid once a
+# step) and admits waiting requests sooner. Bench qwen3_next on one H200, 128 requests in flight,
+# serve_bench's mix, synchronous steps: 5.1k / 6.1k / 6.5k / 9.6k output tok/s at 512 / 1024 /
+# 2048 / 4096 (BENCHMARKS.md, "Serving"). A step's prompt tokens delay the decodes it carries by
+# their cost, which a smaller --token-budget trades back.
+DEFAULT_TOKEN_BUDGET = 4096
 
 
 # -- flag types: each value checked as argparse reads it, the flag named in the error -----------------
@@ -157,8 +165,9 @@ def add_serve_arguments(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--slots", type=int_at_least(1), default=64, help="state slots: requests holding state at once")
     g.add_argument("--max-running", type=int_at_least(1), default=None,
                    help="requests in one step (default: --slots)")
-    g.add_argument("--token-budget", type=int_at_least(1), default=512,
-                   help="tokens per step (prefill chunks and decodes)")
+    g.add_argument("--token-budget", type=int_at_least(1), default=DEFAULT_TOKEN_BUDGET,
+                   help="tokens per step (prefill chunks and decodes); larger steps serve more under load, smaller "
+                        "ones delay the decodes they carry less (default %(default)s)")
     g.add_argument("--page-size", type=int_at_least(1), default=16, help="tokens per KV page")
     g.add_argument("--kv-pages", type=int_at_least(1), default=None,
                    help="KV pages (default: every slot at --max-model-len)")
@@ -215,13 +224,12 @@ def add_prefix_cache_arguments(group) -> None:
 
 def add_overlap_argument(group) -> None:
     """The overlapped-schedule switch `hgc serve` and `hgc run` share."""
-    group.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+    group.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=True,
                        help="the host schedules and launches step N+1 while the device runs step N, whose greedy "
                             "tokens feed it on the device and are read one step late (steps with draws, grammars, "
                             "penalties, log-probabilities, shared prefills, preemption or speculative decoding stay "
                             "synchronous; --tp N turns it off). --no-overlap-schedule lays out each step only after "
-                            "the one before was read, for comparison and debugging. Default: on for --device cpu; "
-                            "opt-in on cuda until its GPU token-parity test passes (runtime/assembly.overlap_by_default)")
+                            "the one before was read, for comparison and debugging. Default: on")
 
 
 def add_speculative_argument(group) -> None:

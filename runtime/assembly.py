@@ -82,9 +82,10 @@ class EngineOptions:
     snapshot_share: float = 0.1  # with a budget: the planner's share for the snapshot pool
     snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL  # tokens between chunk-end snapshots of a request
     speculative_tokens: int = 0  # D draft tokens verified per decoding request and step (0: no speculation)
-    # Lay out and launch a step while the one before runs (Engine's overlapped schedule). None: on
-    # where its token parity is verified (`overlap_by_default`).
-    overlap: bool | None = None
+    # Lay out and launch a step while the one before runs (Engine's overlapped schedule); its greedy
+    # tokens are checked against synchronous steps on the CPU for every family
+    # (tests/runtime/engine/test_overlap.py) and through CUDA graphs (tests/gpu/test_gpu_overlapped_engine.py).
+    overlap: bool = True
 
     def __post_init__(self):
         for name in ("slots", "token_budget", "page_size", "snapshot_interval"):
@@ -171,14 +172,6 @@ def _engine(runner, kv_pool: KVPool, state_pool: StatePool, options: EngineOptio
                   max_running=options.max_running, max_seq_len=max_model_len, device=device, **parts)
 
 
-def overlap_by_default(device) -> bool:
-    """Whether the overlapped schedule is on when neither --overlap-schedule nor --no-overlap-schedule
-    is given: where its greedy tokens were checked against synchronous steps. On the CPU every
-    family's are (tests/runtime/engine/test_overlap.py); on CUDA it stays opt-in until
-    tests/gpu/test_gpu_overlapped_engine.py passes on the card (BENCHMARKS.md, "Serving")."""
-    return torch.device(device).type != "cuda"
-
-
 def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], options: EngineOptions,
                  max_model_len: int, *, backend_factory: Callable, weight_bytes: int = 0,
                  device: str | torch.device = "cpu", log: Callable[[str], None] = lambda line: None) -> Engine:
@@ -194,7 +187,7 @@ def build_engine(registry: LayerRegistry, bind: Callable[[BoundOps], Callable], 
     runner = EagerRunner(bind(ops), ops, kv_pool, device, options.token_budget)
     return _engine(runner, kv_pool, state_pool, options, max_model_len, device,
                    prefix_cache=_prefix_cache(kv_pool, state_pool, snapshots, options),
-                   overlap=overlap_by_default(device) if options.overlap is None else options.overlap)
+                   overlap=options.overlap)
 
 
 def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, device: str | torch.device = "cpu",
@@ -249,7 +242,7 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
     kernel_watch = None
     if art.compiled is not None and torch.device(device).type == "cuda":  # the process's caches are the bundle's copy
         kernel_watch = art.compiled.serving_watch(log)
-    overlap = overlap_by_default(device) if options.overlap is None else options.overlap
+    overlap = options.overlap
     if overlap and broadcast is not None:
         log("tensor parallel: the overlapped schedule is off (the other ranks run each step with its ids on the host)")
         overlap = False

@@ -22,8 +22,7 @@ levels, on the same artifact):
    Per run: output tokens per second and steps per second over its wall time; the requests
    finished and tokens generated, by this loop's count and by Engine.stats(); the engine's
    overlapped and synchronous steps (how often the overlapped schedule applied; none with
-   --no-overlap-schedule, which runs the same levels without it, to measure its gain; on cuda it
-   is opt-in, --overlap-schedule, as hgc serve's). On cuda, the GPU
+   --no-overlap-schedule, which runs the same levels without it, to measure its gain). On cuda, the GPU
    busy fraction and the host time per step over a window of --profile-steps steps (torch.profiler,
    CUDA activity only) opened at the first step after a request has finished (the batch then holds
    decodes and new prompts alike): busy = the union of the window's kernel and copy intervals over
@@ -62,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 # bench_common first: it sets the profiler's environment before torch is imported
 from bench_common import Stages, compiled_artifact, device_kernels, engine_script, fmt, target_rows  # noqa: E402
 from serve_bench import DRY, GPU, WARM_UP, bench as serve_levels, level_requests, parse_mix, sizing  # noqa: E402
-from hgc.serve_command import int_at_least  # noqa: E402
+from hgc.serve_command import DEFAULT_TOKEN_BUDGET, int_at_least  # noqa: E402
 import torch  # noqa: E402
 from runtime.engine.engine import SamplingParams  # noqa: E402
 from runtime.graphs.runner import GraphRunner  # noqa: E402
@@ -254,7 +253,7 @@ def run_stages(args, rec: dict, save) -> None:
     state: dict = {}
 
     def artifact():
-        state["art_dir"] = Path(args.artifact) if args.artifact else compiled_artifact(args)
+        state["art_dir"] = compiled_artifact(args)
 
     def engine():
         # The bundle's kernels were built for the start-up the compile ran; this engine's limits
@@ -289,7 +288,7 @@ def run_stages(args, rec: dict, save) -> None:
         stages(f"closed_loop_c{c}", level, f"closed_loop_c{c}", c, c, needs=("engine",))
     state.pop("engine", None)  # its pools go before a server loads the artifact again
     if args.serve_vs_run:
-        flags = {None: (), True: ("--overlap-schedule",), False: ("--no-overlap-schedule",)}[args.overlap_schedule]
+        flags = ("--overlap-schedule",) if args.overlap_schedule else ("--no-overlap-schedule",)
         measure = stages("serve_vs_run", serve_vs_run, state.get("art_dir"), state.get("device"), args.seed,
                          args.threads, flags, needs=("engine",))
         if measure is not None:
@@ -328,22 +327,22 @@ def concurrency_list(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> dict:
     def add_arguments(p):
-        p.add_argument("--artifact", default=None, help="a compiled artifact (default: compile --family --size)")
         p.add_argument("--device", default=None, help="the device to run the artifact on (default: the one it was compiled for)")
         p.add_argument("--concurrency", type=concurrency_list, default=None,
                        help=f"requests in flight per closed-loop run (default {GPU['concurrency']}, dry "
                             f"{DRY['concurrency']})")
         p.add_argument("--mix", type=parse_mix, default=None, help="prompt:output pairs, as serve_bench's --mix")
-        p.add_argument("--token-budget", type=int_at_least(1), default=512, help="tokens per engine step (hgc serve's default)")
+        p.add_argument("--token-budget", type=int_at_least(1), default=DEFAULT_TOKEN_BUDGET,
+                       help="tokens per engine step (default: hgc serve's)")
         p.add_argument("--seed", type=int, default=0, help="prompt seed, as serve_bench's --seed (same prompts)")
         p.add_argument("--profile-steps", type=int_at_least(0), default=None,
                        help="steps of each run under the profiler, for the GPU busy fraction (default 50 on cuda)")
         p.add_argument("--threads", type=int_at_least(1), default=1,
                        help="torch CPU threads of this process, the server and hgc run (tiny models on a shared CPU "
                             "only lose to more)")
-        p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+        p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=True,
                        help="the engine (and serve_vs_run's hgc serve and hgc run) with or without the overlapped "
-                            "schedule (hgc serve's flag; default: hgc serve's, runtime/assembly.overlap_by_default), "
+                            "schedule (hgc serve's flag and default), "
                             "to measure its gain")
         p.add_argument("--serve-vs-run", action=argparse.BooleanOptionalAction, default=None,
                        help="issue 53's measure: hgc serve against hgc run (default: on in the dry run only)")

@@ -58,8 +58,7 @@ decodes run as two forwards, the chunks first, as they do with speculative decod
 request's row then always goes through a decode step, whose rows are computed alike whatever
 shares them, and never through a mixed step's prefill attention.
 
-Overlap (`overlap=True`; `--overlap-schedule` / `--no-overlap-schedule`, whose default is
-runtime/assembly.overlap_by_default's): while the device runs
+Overlap (`overlap=True`, the default of `--overlap-schedule` / `--no-overlap-schedule`): while the device runs
 step N, the host schedules, lays out and launches step N+1; the only wait per step is for step N's
 chosen ids. When every choice of step N can be made on the device (`Choices.choose_on_device`:
 greedy, no grammar, penalties, bias or log-probabilities), its ids stay there: their copy to a

@@ -67,6 +67,12 @@ def run(artifact, load: list[Job], overlap: bool):
     return drive(engine, load), engine.stats(), engine
 
 
+def through_graphs(stats: dict) -> bool:
+    """Steps ran through captured graphs: whole-step replays, or piecewise steps (the reference
+    attention this float32 artifact routes to is not capturable, so its decodes are piecewise)."""
+    return stats["graph_replays"] + stats["piecewise_steps"] > 0
+
+
 def differing(a: dict, b: dict) -> int:
     """Tokens that differ between two runs of the same jobs (by position; a length difference counts)."""
     return sum(sum(x != y for x, y in zip(a[i][0], b[i][0])) + abs(len(a[i][0]) - len(b[i][0])) for i in a)
@@ -77,7 +83,7 @@ def test_fp32_steps_of_the_same_rows_give_identical_tokens_with_overlap(artifact
     load = [Job(p, SamplingParams(max_new_tokens=12)) for p in prompts]  # 26 prompt tokens: one step
     (off, _, _), (on, stats, _) = run(artifact, load, False), run(artifact, load, True)
     assert on == off, f"{differing(on, off)} tokens differ between steps of the same rows"
-    assert stats["graph_replays"] > 0 and stats["overlapped_steps"] > stats["synchronous_steps"], stats
+    assert through_graphs(stats) and stats["overlapped_steps"] > stats["synchronous_steps"], stats
 
 
 def test_fp32_a_mixed_load_ends_every_request_alike_through_cuda_graphs(artifact, monkeypatch):
@@ -89,7 +95,7 @@ def test_fp32_a_mixed_load_ends_every_request_alike_through_cuda_graphs(artifact
     assert {i: (len(t), r) for i, (t, r) in on.items()} == {i: (len(t), r) for i, (t, r) in off.items()}, (
         f"{differing(on, off)} tokens differ with overlap; {differing(shifted, off)} with overlap off and the "
         f"requests one step later")
-    assert stats["graph_replays"] > 0 and stats["overlapped_steps"] > stats["synchronous_steps"], stats
+    assert through_graphs(stats) and stats["overlapped_steps"] > stats["synchronous_steps"], stats
 
     events = []
 

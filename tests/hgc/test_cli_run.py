@@ -68,11 +68,5 @@ def test_run_without_the_overlapped_schedule_gives_the_same_tokens(artifact, cap
     overlapped, synchronous = run_json(capsys, *args), run_json(capsys, *args, "--no-overlap-schedule")
     assert overlapped["outputs"] == synchronous["outputs"]
     assert overlapped["timing"]["overlapped_steps"] > 0 and synchronous["timing"]["overlapped_steps"] == 0
-    # on the CPU the default is on (runtime/assembly.overlap_by_default); the flag asks for it outright
+    # the default is on (runtime/assembly.EngineOptions.overlap); the flag asks for it outright
     assert run_json(capsys, *args, "--overlap-schedule")["timing"]["overlapped_steps"] > 0
-
-
-def test_the_overlapped_schedule_is_on_by_default_only_where_its_tokens_are_checked():
-    from runtime.assembly import overlap_by_default
-
-    assert overlap_by_default("cpu") and not overlap_by_default("cuda") and not overlap_by_default("cuda:1")
