@@ -93,6 +93,27 @@ class RequestHandle:
                 return
             yield value
 
+    async def aoutput_batches(self):
+        """The outputs as lists: each list holds every output queued when it is taken (at least one).
+        A consumer that fell behind the engine (a busy server loop) takes the steps it missed at
+        once, so it frames one response chunk for them instead of one per token."""
+        if self._async_queue is None:
+            raise TypeError("this request was submitted without an asyncio loop: pass loop= to submit, or iterate")
+        queue = self._async_queue
+        while True:
+            batch, items = [], [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            for kind, value in items:
+                if kind == "output":
+                    batch.append(value)
+                    continue
+                if batch:  # what came before the end (or the failure) is yielded first
+                    yield batch
+                self._unpack(kind, value)  # raises on a failure
+                return
+            yield batch
+
     def __iter__(self):
         return (out.token for out in self.outputs() if out.token is not None)
 

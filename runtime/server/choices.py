@@ -83,6 +83,15 @@ class Choice:
 async def merged(choices: list[Choice]):
     """("delta", choice, Delta) and ("end", choice, None) from every choice as they come; an
     engine failure in any of them is raised here."""
+    if len(choices) == 1:  # the common case: no task and queue of its own per stream
+        choice, deltas = choices[0], choices[0].generation.deltas()
+        try:
+            async for delta in deltas:
+                yield "delta", choice, delta
+            yield "end", choice, None
+        finally:
+            await deltas.aclose()  # a client that left: the request is cancelled now, not when collected
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:

@@ -2,10 +2,12 @@
 
 1. The app submits the request to the EngineLoop and wraps the handle in a `Generation`.
 2. `async for delta in generation.deltas()` yields one `Delta(text, token_ids, logprobs,
-   offsets)` per engine token: the text the token adds (incremental decoding; empty without a
-   tokenizer, or while the text might be the start of a stop string and is held back), the
-   token's log-probability entry when the request asked for them, and where the token's text
-   starts in `generation.text`. The prompt's scores, when asked for, are `prompt_logprobs`
+   offsets)` per batch of engine tokens that reached the server together (one token while the
+   server keeps up; the steps it missed at once when its loop is busy, so a stream's chunks cost
+   the server and the client per batch, not per token): the text they add (incremental decoding;
+   empty without a tokenizer, or while the text might be the start of a stop string and is held
+   back), their log-probability entries when the request asked for them, and where each token's
+   text starts in `generation.text`. The prompt's scores, when asked for, are `prompt_logprobs`
    once the first delta comes (or the deltas end: a request that generates nothing).
 3. A stop string found in the text ends the request at once: the text is cut before it, the
    engine request is cancelled. A stop token (eos or a client's stop_token_ids) is kept in
@@ -95,33 +97,42 @@ class Generation:
     async def deltas(self):
         shown = 0  # characters of self.text already yielded
         try:
-            async for out in self.handle.aoutputs():
-                if out.prompt_logprobs is not None:
-                    self.prompt_logprobs = out.prompt_logprobs
-                token = out.token
-                if token is None:
-                    continue  # the end of a request that only scored its prompt
-                if self.first_token_s is None:
-                    self.first_token_s = time.perf_counter() - self.submitted_s
-                self.token_ids.append(token)
-                logprobs = [out.logprob] if out.logprob is not None else []
-                self.logprobs += logprobs
-                before = len(self.text)
-                self.offsets.append(before)
-                if self._decoder is not None and token not in self.hidden_token_ids:
-                    self.text += self._decoder.push(token)
-                if self.stop_strings:
-                    cut = self._find_stop(before)
-                    if cut is not None:
-                        self.text = self.text[:cut]
-                        self.offsets = [min(o, cut) for o in self.offsets]
-                        self._closed = True
-                        self._cancel(self.request_id)  # the engine would go on to max_tokens otherwise
-                        self._end("stop")
-                        yield Delta(self.text[shown:], [token], logprobs, [self.offsets[-1]])
-                        return
+            async for outs in self.handle.aoutput_batches():
+                delta = Delta("", [])
+                for out in outs:
+                    if out.prompt_logprobs is not None:
+                        self.prompt_logprobs = out.prompt_logprobs
+                    token = out.token
+                    if token is None:
+                        continue  # the end of a request that only scored its prompt
+                    if self.first_token_s is None:
+                        self.first_token_s = time.perf_counter() - self.submitted_s
+                    self.token_ids.append(token)
+                    logprobs = [out.logprob] if out.logprob is not None else []
+                    self.logprobs += logprobs
+                    before = len(self.text)
+                    self.offsets.append(before)
+                    delta.token_ids.append(token)
+                    delta.logprobs += logprobs
+                    delta.offsets.append(before)
+                    if self._decoder is not None and token not in self.hidden_token_ids:
+                        self.text += self._decoder.push(token)
+                    if self.stop_strings:
+                        cut = self._find_stop(before)
+                        if cut is not None:  # the tokens after this one in the batch are never shown
+                            self.text = self.text[:cut]
+                            self.offsets = [min(o, cut) for o in self.offsets]
+                            self._closed = True
+                            self._cancel(self.request_id)  # the engine would go on to max_tokens otherwise
+                            self._end("stop")
+                            delta.text, delta.offsets = self.text[shown:], [min(o, cut) for o in delta.offsets]
+                            yield delta
+                            return
+                if not delta.token_ids:
+                    continue
                 upto = len(self.text) - (self._held_back() if self.stop_strings else 0)
-                yield Delta(self.text[shown:upto], [token], logprobs, [before])
+                delta.text = self.text[shown:upto]
+                yield delta
                 shown = max(shown, upto)
         except EngineLoopError:
             self._closed = True  # the loop is gone, and every request with it
