@@ -1,6 +1,6 @@
-"""Serving benchmark: `hgc serve` under load at several concurrencies, through the OpenAI client.
+"""Serving benchmark: `hgc serve` under load at several concurrencies, over its OpenAI HTTP surface.
 
-On the GPU machine (the lead's command; carry the wheels of fastapi, uvicorn, openai and their
+On the GPU machine (the lead's command; carry the wheels of fastapi, uvicorn, httpx and their
 dependencies with hgc's):
 
     hgc init-model --family qwen3_next --size bench --seed 0 -o /tmp/ckpt
@@ -23,8 +23,12 @@ On a CPU, a few seconds (what tests/server/test_server.py runs):
 3. Each request streams (`stream: true`, usage included): its time to first token (TTFT: from
    sending to the first chunk that carries a token) and the gaps between its later tokens
    (inter-token latency, ITL) are recorded.
-4. Per level: TTFT and ITL median and p99 (ITL pooled over every token of every request, as
-   vLLM's benchmark pools it), output tokens per second and requests per second over the level's
+4. Per level (with the GPU's busy fraction over its steady part where `nvidia-smi` samples it,
+   `GpuBusy`): TTFT and ITL median and p99 (ITL pooled over every token of every request, as
+   vLLM's benchmark pools it: the tokens of one chunk after its first count as 0 s gaps, so where a
+   server sends several tokens per chunk the ITL median says little), TPOT median and p99 (per
+   request, the time from its first token to its last over the tokens after the first: the pace
+   of decoding whatever the chunking), tokens per chunk, output tokens per second and requests per second over the level's
    wall time, and the errors. The table is printed; --out writes serve_bench.json with the
    per-request records, the command line, the date and the server's /v1/models card.
 5. With --offline, once the server has stopped: benchmarks/serving/offline_bench.py in a process of
@@ -73,28 +77,41 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """Send one streamed completion; its TTFT, token times and token count (or its error)."""
+    """Send one streamed completion; its TTFT, token times and token count (or its error).
+
+    The stream is read as server-sent events with the standard library's JSON parser, as vLLM's
+    serving benchmark reads it, not through the OpenAI client: building that client's typed chunk
+    objects costs about 0.1 ms a chunk, so at several thousand chunks a second one client process
+    would be the limit being measured. (tests/server/ check the stream through the official client.)"""
     start = time.perf_counter()
-    times, tokens = [], 0
+    times, tokens, usage = [], 0, None
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
     try:
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
-        usage = None
-        async for chunk in stream:
-            usage = chunk.usage or usage
-            for choice in chunk.choices:
-                n = len(getattr(choice, "token_ids", None) or [])  # hgc's extension: the ids of the chunk
-                if n:
-                    times += [time.perf_counter()] * n
-                    tokens += n
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", ()):
+                    n = len(choice.get("token_ids") or ())  # hgc's extension: the ids of the chunk
+                    if n:
+                        times += [time.perf_counter()] * n
+                        tokens += n
     except Exception as e:  # noqa: BLE001 - counted per level, the run goes on
         return {"error": repr(e), "prompt_tokens": len(prompt), "max_tokens": max_tokens}
     end = time.perf_counter()
     return {"prompt_tokens": len(prompt), "max_tokens": max_tokens, "output_tokens": tokens,
-            "usage_completion_tokens": usage.completion_tokens if usage else None,
+            "usage_completion_tokens": usage["completion_tokens"] if usage else None,
             "ttft_s": times[0] - start if times else None, "latency_s": end - start,
-            "itl_s": [b - a for a, b in zip(times, times[1:])]}
+            "itl_s": [b - a for a, b in zip(times, times[1:])], "chunks": len(set(times)),
+            # time per output token after the first: the pace of decoding whatever the chunking
+            "tpot_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None}
 
 
 def parse_mix(text: str) -> tuple[tuple[int, int], ...]:
@@ -124,6 +141,43 @@ def sizing(concurrency, mix) -> dict:
     return {"slots": max(concurrency), "max_model_len": max(256, max(p + o for p, o in mix))}
 
 
+class GpuBusy:
+    """The GPU's busy fraction as `nvidia-smi` samples it (utilization.gpu: the share of each 100 ms
+    in which a kernel ran) while the levels run, read on a thread; none where there is no nvidia-smi
+    (the CPU) or it fails. `steady(start, end)`: the mean over a level's steady part, its first and
+    last tenth left out (the ramp up and the tail of its last requests)."""
+
+    def __init__(self):
+        import shutil
+        import threading
+
+        self.samples: list[tuple[float, float]] = []
+        self.process = None
+        if shutil.which("nvidia-smi") is None:
+            return
+        self.process = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                         "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], "-lms", "100"],
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                self.samples.append((time.perf_counter(), float(line.strip()) / 100))
+            except ValueError:
+                continue  # "[N/A]" or a header: not a sample
+
+    def steady(self, start: float, end: float) -> float | None:
+        lo, hi = start + (end - start) / 10, end - (end - start) / 10
+        values = [v for t, v in self.samples if lo <= t <= hi]
+        return sum(values) / len(values) if values else None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait()
+
+
 async def run_level(client, model: str, concurrency: int, requests: list[tuple[list[int], int]]) -> dict:
     queue = list(reversed(requests))
     records = []
@@ -135,16 +189,20 @@ async def run_level(client, model: str, concurrency: int, requests: list[tuple[l
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - start
+    end = time.perf_counter()
+    wall = end - start
     done = [r for r in records if "error" not in r]
     ttft = [r["ttft_s"] for r in done if r["ttft_s"] is not None]
     itl = [gap for r in done for gap in r["itl_s"]]
+    tpot = [r["tpot_s"] for r in done if r.get("tpot_s") is not None]
     out_tokens = sum(r["output_tokens"] for r in done)
     return {"concurrency": concurrency, "requests": len(records), "errors": len(records) - len(done),
-            "wall_s": wall, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
+            "start_s": start, "end_s": end, "wall_s": wall, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
             "requests_per_s": len(done) / wall,
             "ttft_median_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_median_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            "tpot_median_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+            "tokens_per_chunk": out_tokens / max(1, sum(r["chunks"] for r in done)),
             "records": records}
 
 
@@ -156,29 +214,45 @@ def table(levels: list[dict]) -> str:
     """The levels' table; with --offline, two more columns: the offline figure at the same number
     in flight and served over offline."""
     offline = any("served_over_offline" in lv for lv in levels)
-    head = ("| concurrency | requests | errors | TTFT median ms | TTFT p99 ms | ITL median ms | ITL p99 ms | out tok/s "
-            "| req/s |" + (" offline tok/s | served/offline |" if offline else ""))
-    rows = [head, "|" + "---|" * (11 if offline else 9)]
+    head = ("| concurrency | requests | errors | TTFT median ms | TTFT p99 ms | ITL median ms | ITL p99 ms "
+            "| TPOT median ms | TPOT p99 ms | tokens/chunk | out tok/s | req/s | GPU busy |"
+            + (" offline tok/s | served/offline |" if offline else ""))
+    rows = [head, "|" + "---|" * (15 if offline else 13)]
     for lv in levels:
         rows.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | {fmt_ms(lv['ttft_median_s'])} | "
                     f"{fmt_ms(lv['ttft_p99_s'])} | {fmt_ms(lv['itl_median_s'])} | {fmt_ms(lv['itl_p99_s'])} | "
-                    f"{lv['output_tokens_per_s']:.1f} | {lv['requests_per_s']:.2f} |"
+                    f"{fmt_ms(lv.get('tpot_median_s'))} | {fmt_ms(lv.get('tpot_p99_s'))} | "
+                    f"{fmt(lv.get('tokens_per_chunk'), '.2f', '-')} | "
+                    f"{lv['output_tokens_per_s']:.1f} | {lv['requests_per_s']:.2f} | "
+                    f"{'-' if lv.get('gpu_busy') is None else format(lv['gpu_busy'], '.0%')} |"
                     + (f" {fmt(lv['offline_output_tokens_per_s'], '.1f', '-')} | {fmt(lv['served_over_offline'], '.2f', '-')} |"
                        if offline else ""))
     return "\n".join(rows)
 
 
+def engine_flags(serve_args: str) -> list[str]:
+    """The flags of --serve-args that offline_bench.py takes too, so the engine alone runs as the
+    server's does: the overlapped schedule on or off, and the token budget per step."""
+    words, flags = serve_args.split(), []
+    for i, word in enumerate(words):
+        if word in ("--overlap-schedule", "--no-overlap-schedule") or word.startswith("--token-budget="):
+            flags.append(word)
+        elif word == "--token-budget" and i + 1 < len(words):
+            flags += [word, words[i + 1]]
+    return flags
+
+
 def offline(args, concurrency, mix, per_worker: int, out: Path) -> dict:
     """benchmarks/serving/offline_bench.py on the same artifact, levels and prompts, in a process of
     its own (started after the server has stopped, so the two never share the device): its
-    stages' status and its closed-loop runs by concurrency. A server run with --overlap-schedule or
-    --no-overlap-schedule (in --serve-args) is compared with an engine run the same way."""
+    stages' status and its closed-loop runs by concurrency. A server run with --overlap-schedule,
+    --no-overlap-schedule or --token-budget (in --serve-args) is compared with an engine run the same way."""
     script = ROOT / "benchmarks" / "serving" / "offline_bench.py"
     argv = [sys.executable, str(script), "--artifact", args.artifact, "--device", args.device, "--out", str(out),
             "--concurrency", ",".join(map(str, concurrency)), "--mix", ",".join(f"{p}:{o}" for p, o in mix),
             "--iters", str(per_worker), "--seed", str(args.seed), "--no-serve-vs-run",
             *(["--dry-run"] if args.dry_run else []),
-            *[flag for flag in args.serve_args.split() if flag in ("--overlap-schedule", "--no-overlap-schedule")]]
+            *engine_flags(args.serve_args)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     subprocess.run(argv, cwd=ROOT, env=env, check=True)
     rec = json.loads((out / "offline_bench.json").read_text())
@@ -197,30 +271,34 @@ def add_offline(levels: list[dict], report: dict) -> None:
 
 async def bench(url: str, model: str | None, concurrency, mix, requests_per_worker: int, seed: int) -> dict:
     import httpx
-    import openai
 
-    limit = max(concurrency) + 8  # connections: one per worker, without the client's default cap of 100
-    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600, http_client=http)
+    limit = max(concurrency) + 8  # connections: one per worker, without httpx's default cap of 100
+    client = httpx.AsyncClient(base_url=url, timeout=600,
+                               limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
     async with client:
-        card = (await client.models.list()).data[0]
-        model = model or card.id
-        extra = card.model_extra or {}
-        vocab = int(extra.get("vocab_size") or 1000)
+        models = await client.get("/v1/models")
+        models.raise_for_status()
+        card = models.json()["data"][0]
+        model = model or card["id"]
+        vocab = int(card.get("vocab_size") or 1000)
         longest = max(p + o for p, o in mix)
-        if extra.get("max_model_len") and longest > extra["max_model_len"]:
+        if card.get("max_model_len") and longest > card["max_model_len"]:
             raise SystemExit(f"serve_bench: the mix needs {longest} tokens per request; the server takes "
-                             f"{extra['max_model_len']} (--max-model-len)")
+                             f"{card['max_model_len']} (--max-model-len)")
         warm = await one_request(client, model, *WARM_UP)
         if "error" in warm:
             raise SystemExit(f"serve_bench: the warm-up request failed: {warm['error']}")
-        levels = []
-        for c in concurrency:
-            level = await run_level(client, model, c, level_requests(mix, c, requests_per_worker, vocab, seed))
-            print(f"concurrency {c}: {level['requests']} requests in {level['wall_s']:.1f} s, "
-                  f"{level['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
-            levels.append(level)
-    return {"model_card": card.model_dump(), "levels": levels}
+        levels, busy = [], GpuBusy()
+        try:
+            for c in concurrency:
+                level = await run_level(client, model, c, level_requests(mix, c, requests_per_worker, vocab, seed))
+                level["gpu_busy"] = busy.steady(level["start_s"], level["end_s"])
+                print(f"concurrency {c}: {level['requests']} requests in {level['wall_s']:.1f} s, "
+                      f"{level['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
+                levels.append(level)
+        finally:
+            busy.stop()
+    return {"model_card": card, "levels": levels}
 
 
 def main(argv: list[str] | None = None) -> int:
