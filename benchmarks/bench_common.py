@@ -488,8 +488,12 @@ def compiled_artifact(args) -> Path:
     the GPU, cpu in a dry run) unless an earlier run left it there. With `args.compiled_pieces`
     (--compiled-pieces), WORK/FAMILY-SIZE-art-compiled: the compile also builds the target bundle
     (Inductor-compiled pieces and every kernel, as `hgc compile --target cuda` does by default on a
-    GPU machine; --inductor on the CPU), which takes minutes; without it the traced glue runs."""
+    GPU machine; --inductor on the CPU), which takes minutes; without it the traced glue runs.
+    With `args.artifact` (--artifact), that folder as it is."""
     from hgc import main as hgc
+
+    if getattr(args, "artifact", None):
+        return Path(args.artifact)
 
     work = Path(args.work)
     pieces = bool(getattr(args, "compiled_pieces", False))
@@ -584,6 +588,8 @@ def engine_script(argv, doc: str, name: str, defaults: dict, add_arguments, benc
     p.add_argument("--size", default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--skip", default="", help="stages to skip, comma-separated")
+    p.add_argument("--artifact", default=None,
+                   help="an artifact compiled already (e.g. the one hgc serve runs) instead of compiling --family --size")
     p.add_argument("--compiled-pieces", action="store_true",
                    help="run the artifact with its target bundle (Inductor-compiled pieces, every kernel built ahead): "
                         "the compile builds it first, minutes on the GPU; default: the traced glue")

@@ -4,6 +4,7 @@
 #   HGC_CALL_SECONDS=560 bash benchmarks/gpu_call.sh bash benchmarks/gpu_measure.sh short prefix multiturn
 #   HGC_CALL_SECONDS=560 bash benchmarks/gpu_call.sh bash benchmarks/gpu_measure.sh overlap_tests serve serve_sync
 #   HGC_CALL_SECONDS=560 bash benchmarks/gpu_call.sh bash benchmarks/gpu_measure.sh account
+#   HGC_CALL_SECONDS=560 bash benchmarks/gpu_call.sh bash benchmarks/gpu_measure.sh overlap_tests mixed budgets
 #
 # (carry .whl and .jitcache_parts). Stages, each writing under $OUT/<stage>:
 #   short        benchmarks/serving/bucket_costs.py: each extend bucket's step against the batch-1 decode step
@@ -13,10 +14,15 @@
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
+#   mixed        bucket_costs.py on the serving artifact: extend buckets, and steps of 128 decodes and a prompt
+#                against their parts (what a token budget costs)
+#   budgets      offline_bench at 128 in flight with each token budget of BUDGETS (default "512 1024 2048 4096")
+#   prefix_compiled  prefix_bench.py on the serving artifact (the compiled bundle)
 # FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account. The
 # serving stages build bench qwen3_next once (hgc compile --target cuda: the compiled bundle unless
 # GLUE=traced) into /tmp, which a warm machine keeps between calls, or take ART; CONCURRENCY sets the
-# levels (default "1 32 128"). Bench-size models throughout.
+# levels (default "1 32 128") and SERVE_ARGS adds hgc serve flags (those offline_bench takes too
+# reach its engine: serve_bench.py engine_flags). Bench-size models throughout.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
 W=/tmp/measure_work
@@ -44,12 +50,25 @@ for stage in "$@"; do
             python3 "benchmarks/serving/$script.py" --out "$OUT/$stage/$family" --work "$W" --family "$family"
         done ;;
     overlap_tests)
-        python3 -m pytest -q -m gpu tests/gpu/test_gpu_overlapped_engine.py 2>&1 | tail -15 ;;
+        mkdir -p "$OUT/overlap_tests"  # the whole report kept: a failure's details, not only its summary
+        python3 -m pytest -q -m gpu tests/gpu/test_gpu_overlapped_engine.py > "$OUT/overlap_tests/pytest.log" 2>&1
+        tail -15 "$OUT/overlap_tests/pytest.log" ;;
     serve|serve_sync)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
-        extra=(--serve-args=--overlap-schedule); [ "$stage" = serve_sync ] && extra=(--serve-args=--no-overlap-schedule)
+        schedule=--overlap-schedule; [ "$stage" = serve_sync ] && schedule=--no-overlap-schedule
+        extra=("--serve-args=$schedule ${SERVE_ARGS:-}")
         python3 benchmarks/serving/serve_bench.py --artifact "$art" --device cuda --concurrency ${CONCURRENCY:-1 32 128} --offline \
             "${extra[@]}" --out "$OUT/$stage" ;;
+    mixed|prefix_compiled)
+        art=$(serving_artifact) || { echo "no artifact"; continue; }
+        script=$([ "$stage" = mixed ] && echo bucket_costs || echo prefix_bench)
+        python3 "benchmarks/serving/$script.py" --artifact "$art" --out "$OUT/$stage" --work "$W" ;;
+    budgets)
+        art=$(serving_artifact) || { echo "no artifact"; continue; }
+        for budget in ${BUDGETS:-512 1024 2048 4096}; do
+            python3 benchmarks/serving/offline_bench.py --artifact "$art" --device cuda --concurrency 128 \
+                --token-budget "$budget" --skip all_at_once --out "$OUT/budgets/$budget" 2>&1 | tail -4
+        done ;;
     account)
         python3 benchmarks/kernels/step_account.py --out "$OUT/account" --work "$W" --family "$FAMILIES" ;;
     *) echo "unknown stage $stage" ;;

@@ -293,7 +293,7 @@ def bench(args, rec: dict, save, argv: list[str]) -> None:
     rec.update(code=str(CODE), decode={}, mixed=None, messages=None)
     try:
         def artifact():
-            state["art_dir"] = Path(args.artifact) if args.artifact else compiled_artifact(args)
+            state["art_dir"] = compiled_artifact(args)
             state["art"] = load_artifact(state["art_dir"], device=args.device)
             state["vocab"] = int(state["art"].manifest["model"]["vocab_size"])
 
@@ -362,7 +362,6 @@ def batch_list(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> dict:
     def add_arguments(p):
-        p.add_argument("--artifact", default=None, help="a compiled artifact (default: compile --family --size)")
         p.add_argument("--device", default=None, help="the device to run the artifact on (default: its own)")
         p.add_argument("--batches", type=batch_list, default=(1, 32, 128), help="decoding requests per case")
         p.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding request")

@@ -11,7 +11,7 @@ On the GPU machine, one run:
 
 1. init_compile: `hgc init-model`, `hgc compile` with the default buckets (every candidate).
 2. engine: the engine `hgc serve` builds (runtime/assembly.engine_for_artifact: a started
-   GraphRunner) with two state slots and a step budget of --max-tokens: every extend bucket up to it
+   GraphRunner) with state slots for the mixed steps (the power of two above --mixed-decodes) and a step budget of --max-tokens: every extend bucket up to it
    is captured and parity-checked. The dry run uses testkit/graph_cases.RerunGraphs.
 3. extend: per captured extend bucket of T tokens, one fresh request of T tokens (the step a short
    prompt or a prefix hit's suffix of that length is): the median of --iters runs of the built step
@@ -19,6 +19,10 @@ On the GPU machine, one run:
    CUDA events (perf_counter on the CPU).
 4. decode: the batch-1 decode step the same way (a request with DECODE_HISTORY tokens), the unit the
    issue's goals are stated in.
+5. mixed: what a serving step under load is: --mixed-decodes requests decoding (DECODE_HISTORY tokens
+   each) and one fresh prompt filling each extend bucket from twice their count up, against the same
+   decodes alone and the same prompt alone (its own bucket), the sum of the parts beside the whole.
+   This is the table a token budget (`hgc serve --token-budget`) is chosen from.
 Writes OUT/bucket_costs.json (the costs document, compiler/splitops/artifact.py `bucket_costs_doc`)
 and OUT/bucket_costs_bench.json (every stage, the buckets the compile would keep), a table last.
 """
@@ -41,8 +45,8 @@ import torch  # noqa: E402
 
 from bench_common import Stages, compiled_artifact, decode_batch, engine_script, fmt, time_ms  # noqa: E402
 
-GPU_DEFAULTS = dict(family="qwen3_next", size="bench", iters=20, max_tokens=4096)
-DRY_DEFAULTS = dict(family="qwen3_next", size="tiny", iters=2, max_tokens=32)
+GPU_DEFAULTS = dict(family="qwen3_next", size="bench", iters=20, max_tokens=4096, mixed_decodes=128)
+DRY_DEFAULTS = dict(family="qwen3_next", size="tiny", iters=2, max_tokens=32, mixed_decodes=4)
 DECODE_HISTORY = 64  # tokens the decode step's request holds already
 
 
@@ -68,7 +72,11 @@ def bench(args, rec: dict, save) -> None:
         if args.dry_run:
             from testkit.graph_cases import RerunGraphs
             graphs = RerunGraphs()
-        eng = engine_for_artifact(art, EngineOptions(slots=2, token_budget=args.max_tokens, prefix_cache=False),
+        # slots for the mixed steps (their decodes and one prompt), a power of two as hgc serve's
+        # --slots usually is: the extend graphs then hold as many request rows as a server's
+        slots = 1 << (args.mixed_decodes + 1).bit_length()
+        eng = engine_for_artifact(art, EngineOptions(slots=slots, token_budget=args.max_tokens,
+                                                     prefix_cache=False),
                                   max(args.max_tokens, DECODE_HISTORY) + 1, device=device, graphs=graphs,
                                   log=lambda line: print(f"  {line}", flush=True))
         if eng.runner is None or not hasattr(eng.runner, "keys"):
@@ -83,17 +91,36 @@ def bench(args, rec: dict, save) -> None:
             raise RuntimeError(f"a step of {sum(len(t) for _, t in items)} tokens found no captured key")
         return time_ms(lambda: runner.run(step, key), device, iters=args.iters)
 
+    def prompt_ms(tokens: int, g: torch.Generator, decodes=()) -> float:
+        """One fresh prompt of `tokens` tokens in a step (beside `decodes`' items), timed; freed after."""
+        runner = state["engine"].runner
+        seq = SeqState(runner.state_pool.alloc())
+        try:
+            return timed([*decodes, (seq, torch.randint(1, state["vocab"], (tokens,), generator=g).tolist())])
+        finally:
+            runner.kv_pool.free(seq.pages)
+            runner.state_pool.free(seq.slot)
+
+    def extend_tokens() -> list[int]:
+        return sorted(k.tokens for k in state["engine"].runner.keys if k.mode == Mode.EXTEND)
+
     def extend():
-        runner, g = state["engine"].runner, torch.Generator().manual_seed(0)
-        costs = {}
-        for key in sorted((k for k in runner.keys if k.mode == Mode.EXTEND), key=lambda k: k.tokens):
-            seq = SeqState(runner.state_pool.alloc())
-            try:
-                costs[key.tokens] = timed([(seq, torch.randint(1, state["vocab"], (key.tokens,), generator=g).tolist())])
-            finally:
-                runner.kv_pool.free(seq.pages)
-                runner.state_pool.free(seq.slot)
-        state["extend_ms"] = costs
+        g = torch.Generator().manual_seed(0)
+        state["extend_ms"] = {tokens: prompt_ms(tokens, g) for tokens in extend_tokens()}
+
+    def mixed():
+        eng, g, n = state["engine"], torch.Generator().manual_seed(2), args.mixed_decodes
+        rows = []
+        with decode_batch(eng.runner, eng.runner.state_pool, n, state["vocab"], g, DECODE_HISTORY) as items:
+            decodes_ms = timed(items)
+            for bucket in (t for t in extend_tokens() if t >= 2 * n):
+                prompt = bucket - n
+                whole, alone = prompt_ms(prompt, g, items), prompt_ms(prompt, g)
+                rows.append({"decodes": n, "prompt_tokens": prompt, "step_tokens": bucket, "mixed_ms": whole,
+                             "decodes_alone_ms": decodes_ms, "prompt_alone_ms": alone,
+                             "mixed_over_parts": whole / (decodes_ms + alone),
+                             "prompt_tokens_per_ms": prompt / whole})
+        rec["mixed"] = rows
 
     def decode():
         eng, g = state["engine"], torch.Generator().manual_seed(1)
@@ -104,6 +131,7 @@ def bench(args, rec: dict, save) -> None:
     stages("engine", engine, needs=("init_compile",))
     stages("extend", extend, needs=("engine",))
     stages("decode", decode, needs=("engine",))
+    stages("mixed", mixed, needs=("engine",))
     if "extend_ms" in state:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         costs = BucketCosts(name, tuple(sorted(state["extend_ms"].items())),
@@ -125,12 +153,20 @@ def table(rec: dict) -> str:
                     f"{'yes' if int(tokens) in kept else 'no'}")
     if unit:
         rows.append(f"batch-1 decode step: {fmt(unit, '.3f')} ms")
+    if rec.get("mixed"):
+        rows.append(f"{'decodes':>8}{'prompt':>8}{'step ms':>10}{'decodes ms':>12}{'prompt ms':>11}{'whole/parts':>13}"
+                    f"{'prompt tok/ms':>15}")
+        rows += [f"{m['decodes']:>8}{m['prompt_tokens']:>8}{m['mixed_ms']:>10.3f}{m['decodes_alone_ms']:>12.3f}"
+                 f"{m['prompt_alone_ms']:>11.3f}{m['mixed_over_parts']:>13.2f}{m['prompt_tokens_per_ms']:>15.1f}"
+                 for m in rec["mixed"]]
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
     def add_arguments(p):
         p.add_argument("--max-tokens", type=int, default=None, help="the largest extend bucket measured")
+        p.add_argument("--mixed-decodes", type=int, default=None,
+                       help="requests decoding in the mixed steps (default 128 on the GPU)")
 
     return engine_script(argv, __doc__, "bucket_costs_bench", {"gpu": GPU_DEFAULTS, "dry": DRY_DEFAULTS},
                          add_arguments, bench, table, lambda a: f"{a.family} {a.size}: extend buckets up to "

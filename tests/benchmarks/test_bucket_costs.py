@@ -25,7 +25,10 @@ def test_measured_costs_choose_the_buckets_a_compile_records(tmp_path, tmp_path_
     ckpt, art = shared_artifact(tmp_path_factory, "qwen3_next")
     rec = main(["--dry-run", "--out", str(tmp_path), "--work", str(art.parent)])
     assert {name: s["status"] for name, s in rec["stages"].items()} == dict.fromkeys(
-        ("init_compile", "engine", "extend", "decode"), "ok")
+        ("init_compile", "engine", "extend", "decode", "mixed"), "ok")
+    # the mixed steps: their decodes and a prompt filling each bucket from twice their count, against the parts
+    assert [(m["decodes"], m["step_tokens"]) for m in rec["mixed"]] == [(4, 16), (4, 32)]
+    assert all(m["mixed_ms"] > 0 and m["decodes_alone_ms"] > 0 and m["prompt_alone_ms"] > 0 for m in rec["mixed"])
     costs = read_bucket_costs(tmp_path / "bucket_costs.json")
     assert [t for t, _ in costs.extend_ms] == [16, 32] and [b for b, _ in costs.decode_ms] == [1]
     assert costs.device == "cpu" and rec["kept"] == list(choose_extend_buckets(costs))
