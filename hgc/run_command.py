@@ -21,7 +21,7 @@ from hgc.errors import UsageError
 from hgc.prompts import check_request_limits, check_vocab, parse_prompt_ids, print_outputs, timing_line
 from hgc.serve_command import (SEED_LIMIT, add_compiled_arguments, add_overlap_argument, add_prefix_cache_arguments,
                                 add_speculative_argument, add_tp_arguments, compiled_options, device_arg, device_problem,
-                                float_in, int_at_least, prefix_cache_options, start_ranks, token_ids)
+                                float_in, int_at_least, prefix_cache_options, schedule_options, start_ranks, token_ids)
 
 __all__ = ["cmd_run", "add_run_arguments"]
 
@@ -38,7 +38,7 @@ def cmd_run(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop_ids)
     options = EngineOptions(slots=len(prompts), token_budget=args.max_tokens_per_step,
-                            speculative_tokens=args.speculative_tokens, overlap=args.overlap_schedule,
+                            speculative_tokens=args.speculative_tokens, **schedule_options(args),
                             **prefix_cache_options(args))
     # The limits first, from the documents alone: nothing is loaded, allocated or launched for a
     # request that cannot run.

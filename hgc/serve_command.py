@@ -40,7 +40,8 @@ import tempfile
 import traceback
 from typing import NoReturn
 
-__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "add_overlap_argument", "add_speculative_argument",
+__all__ = ["add_serve_arguments", "add_prefix_cache_arguments", "add_overlap_argument", "schedule_options",
+           "add_speculative_argument",
            "prefix_cache_options",
            "add_compiled_arguments", "compiled_options", "add_tp_arguments", "start_ranks", "cmd_serve", "serve",
            "bind_socket", "int_at_least", "host_arg", "SEED_LIMIT", "PORT_LIMIT", "float_in", "token_ids", "device_arg", "device_problem", "DEFAULT_MAX_BODY_MB",
@@ -223,13 +224,27 @@ def add_prefix_cache_arguments(group) -> None:
 
 
 def add_overlap_argument(group) -> None:
-    """The overlapped-schedule switch `hgc serve` and `hgc run` share."""
+    """The schedule's flags `hgc serve` and `hgc run` share: the overlapped schedule, decodes apart
+    (read with `schedule_options`)."""
     group.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=True,
                        help="the host schedules and launches step N+1 while the device runs step N, whose greedy "
                             "tokens feed it on the device and are read one step late (steps with draws, grammars, "
                             "penalties, log-probabilities, shared prefills, preemption or speculative decoding stay "
                             "synchronous; --tp N turns it off). --no-overlap-schedule lays out each step only after "
                             "the one before was read, for comparison and debugging. Default: on")
+    group.add_argument("--decodes-apart-from", type=int_at_least(0), default=None, metavar="N",
+                       help="a step with prompt chunks and at least N decodes runs the decodes as a forward of their "
+                            "own, through the decode graphs, instead of as one-token requests on the prompt's extend "
+                            "path (the linear layers' chunk kernels spend a chunk on each); 0: never (default: "
+                            "runtime/assembly.EngineOptions.decodes_apart_from, 16)")
+
+
+def schedule_options(args) -> dict:
+    """EngineOptions fields from the flags of `add_overlap_argument`."""
+    options = {"overlap": args.overlap_schedule}
+    if args.decodes_apart_from is not None:
+        options["decodes_apart_from"] = args.decodes_apart_from
+    return options
 
 
 def add_speculative_argument(group) -> None:
@@ -370,8 +385,7 @@ def _load(args, group):
         kv_pages=args.kv_pages, max_model_len=args.max_model_len,
         memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * (1 << 30)),
         prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share,
-        speculative_tokens=args.speculative_tokens, overlap=args.overlap_schedule,
-        **prefix_cache_options(args))
+        speculative_tokens=args.speculative_tokens, **schedule_options(args), **prefix_cache_options(args))
     log(f"loading {args.artifact} ...")
     return load_served_model(args.artifact, name=args.served_model_name, options=engine_options,
                              tokenizer_dir=args.tokenizer, device=group.device if group is not None else args.device,

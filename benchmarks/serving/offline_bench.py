@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 # bench_common first: it sets the profiler's environment before torch is imported
 from bench_common import Stages, compiled_artifact, device_kernels, engine_script, fmt, target_rows  # noqa: E402
 from serve_bench import DRY, GPU, WARM_UP, bench as serve_levels, level_requests, parse_mix, sizing  # noqa: E402
-from hgc.serve_command import DEFAULT_TOKEN_BUDGET, int_at_least  # noqa: E402
+from hgc.serve_command import DEFAULT_TOKEN_BUDGET, add_overlap_argument, int_at_least, schedule_options  # noqa: E402
 import torch  # noqa: E402
 from runtime.engine.engine import SamplingParams  # noqa: E402
 from runtime.graphs.runner import GraphRunner  # noqa: E402
@@ -261,13 +261,13 @@ def run_stages(args, rec: dict, save) -> None:
         art = load_artifact(state["art_dir"], device=args.device, compiled=CompiledOptions(allow_builds=True))
         size = sizing(args.concurrency, args.mix)
         options = EngineOptions(slots=size["slots"], token_budget=args.token_budget,
-                                max_model_len=size["max_model_len"], overlap=args.overlap_schedule)
+                                max_model_len=size["max_model_len"], **schedule_options(args))
         eng = engine_for_artifact(art, options, size["max_model_len"], device=art.device,
                                   log=lambda line: print(f"  {line}", flush=True))
         state.update(engine=eng, vocab=int(art.manifest["model"]["vocab_size"]), device=str(art.device))
         rec["engine"] = {"device": str(art.device), "graphs": isinstance(eng.runner, GraphRunner), **size,
                          "token_budget": args.token_budget, "prefix_cache": eng.prefix_cache is not None,
-                         "overlap": eng.overlap}
+                         "overlap": eng.overlap, "decodes_apart_from": eng.decodes_apart_from}
 
     def requests(concurrency: int) -> list[tuple[list[int], int]]:
         return level_requests(args.mix, concurrency, args.iters, state["vocab"], args.seed)
@@ -289,6 +289,8 @@ def run_stages(args, rec: dict, save) -> None:
     state.pop("engine", None)  # its pools go before a server loads the artifact again
     if args.serve_vs_run:
         flags = ("--overlap-schedule",) if args.overlap_schedule else ("--no-overlap-schedule",)
+        if args.decodes_apart_from is not None:
+            flags += ("--decodes-apart-from", str(args.decodes_apart_from))
         measure = stages("serve_vs_run", serve_vs_run, state.get("art_dir"), state.get("device"), args.seed,
                          args.threads, flags, needs=("engine",))
         if measure is not None:
@@ -340,10 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--threads", type=int_at_least(1), default=1,
                        help="torch CPU threads of this process, the server and hgc run (tiny models on a shared CPU "
                             "only lose to more)")
-        p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=True,
-                       help="the engine (and serve_vs_run's hgc serve and hgc run) with or without the overlapped "
-                            "schedule (hgc serve's flag and default), "
-                            "to measure its gain")
+        add_overlap_argument(p)  # hgc serve's schedule flags, for the engine and serve_vs_run's hgc serve and hgc run
         p.add_argument("--serve-vs-run", action=argparse.BooleanOptionalAction, default=None,
                        help="issue 53's measure: hgc serve against hgc run (default: on in the dry run only)")
 

@@ -230,14 +230,17 @@ def table(levels: list[dict]) -> str:
     return "\n".join(rows)
 
 
+VALUED_FLAGS = ("--token-budget", "--decodes-apart-from")
+
+
 def engine_flags(serve_args: str) -> list[str]:
     """The flags of --serve-args that offline_bench.py takes too, so the engine alone runs as the
-    server's does: the overlapped schedule on or off, and the token budget per step."""
+    server's does: the overlapped schedule on or off, decodes apart, the token budget per step."""
     words, flags = serve_args.split(), []
     for i, word in enumerate(words):
-        if word in ("--overlap-schedule", "--no-overlap-schedule") or word.startswith("--token-budget="):
+        if word in ("--overlap-schedule", "--no-overlap-schedule") or word.startswith(tuple(f + "=" for f in VALUED_FLAGS)):
             flags.append(word)
-        elif word == "--token-budget" and i + 1 < len(words):
+        elif word in VALUED_FLAGS and i + 1 < len(words):
             flags += [word, words[i + 1]]
     return flags
 

@@ -53,6 +53,15 @@ Scheduling policy (deterministic; nothing is random but the requests' own genera
   the oldest. With nothing running, the whole pool is free (or the cache's) and the queue's head is
   admitted. `step()` raises EngineStalled if a step with work to do schedules nothing.
 
+Decodes apart (`decodes_apart_from`, `hgc serve --decodes-apart-from`): a step with prompt chunks
+and at least that many decodes runs them as two forwards of one step, the chunks first, then the
+decodes through the decode graphs, their logits joined in the step's order; the rest of the step
+(choices, overlap, statistics) is the one step's. In a mixed forward every decode is a request of
+one token on the extend path: the linear layers' chunk kernels then spend a chunk on each. On one
+H200 (bench qwen3_next, compiled bundle) 128 decodes and a 128-token prompt took 21.2 ms as one
+mixed step against 3.4 + 3.6 ms apart, and 40.3 against 3.4 + 22.1 ms with a 3968-token prompt
+(benchmarks/serving/bucket_costs.py, "mixed").
+
 With `prompts_apart` (an artifact compiled with --batch-invariant), a step's prompt chunks and its
 decodes run as two forwards, the chunks first, as they do with speculative decoding: a decoding
 request's row then always goes through a decode step, whose rows are computed alike whatever
@@ -172,7 +181,8 @@ class Engine:
                  max_running: int | None = None, max_seq_len: int | None = None, device: torch.device | str = "cpu",
                  recent_steps: int = 256, prefix_cache: PrefixCache | None = None,
                  speculative: SpeculativeDecoder | None = None, prompts_apart: bool = False,
-                 broadcast: Callable | None = None, kernel_watch=None, overlap: bool = True):
+                 broadcast: Callable | None = None, kernel_watch=None, overlap: bool = True,
+                 decodes_apart_from: int = 0):
         """runner: the step runner of the main program (runtime/graphs/step_runner.py) over the
         engine's pools; its op table is the engine's (`ops`). A GraphRunner is started before, built
         with chunk_size=max_tokens_per_step.
@@ -189,7 +199,9 @@ class Engine:
         overlap: the overlapped schedule ("Overlap" above; `hgc serve --no-overlap-schedule` turns it
         off). It never applies with speculative decoding or prompts_apart (their steps are
         synchronous), and tensor parallel refuses it (the other ranks replay rank 0's steps as
-        they are sent, ids included)."""
+        they are sent, ids included).
+        decodes_apart_from: a step with prompt chunks and at least this many decodes runs them as
+        two forwards in one step ("Decodes apart" above); 0: never."""
         check_backend(runner.ops.backend)  # the hooks are called below without guards
         if runner.kv_pool is not kv_pool:
             raise ValueError("Engine: the step runner must run over the engine's own KV pool")
@@ -207,6 +219,9 @@ class Engine:
         self.runner, self.ops, self.spec = runner, runner.ops, speculative
         self.kv_pool, self.state_pool, self.prefix_cache = kv_pool, state_pool, prefix_cache
         self.device, self.prompts_apart = device, prompts_apart
+        if decodes_apart_from < 0:
+            raise ValueError(f"Engine: decodes_apart_from must be >= 0 (got {decodes_apart_from})")
+        self.decodes_apart_from = decodes_apart_from
         self.broadcast, self.kernel_watch = broadcast, kernel_watch
         self.max_tokens_per_step = max_tokens_per_step
         self.max_running = min(max_running or state_pool.num_slots, state_pool.num_slots,
@@ -327,8 +342,8 @@ class Engine:
             return self._take_emitted()
         launch = _Launch(plan, start, {id(req): req for req, _ in items})
         self._launched.append(launch)
-        if self.spec is None and not self.prompts_apart:
-            outputs = self._forward_and_sample(items, launch)  # prefill chunks and decodes in one forward
+        if self.spec is None and not self.prompts_apart:  # prefill chunks and decodes in one step
+            outputs = self._forward_and_sample(items, launch, apart=self._decodes_apart(plan))
         else:  # prompt chunks alone first (the draft then runs over the same positions), then the decodes
             outputs = []
             if plan.prefill:
@@ -351,13 +366,25 @@ class Engine:
     def _is_live(self, req: Request) -> bool:
         return self._live.get(req.request_id) is req
 
+    def _decodes_apart(self, plan: StepPlan) -> int:
+        """How many items (the prompt chunks, first in the plan's items) run before the decodes in a
+        forward of their own; 0: one forward for the step."""
+        apart = plan.prefill and self.decodes_apart_from and len(plan.decode) >= self.decodes_apart_from
+        return len(plan.prefill) if apart else 0
+
     def _forward_and_sample(self, items: list[tuple[Request, int]], launch: "_Launch",
-                            drafts: bool = False) -> list[StepOutput] | None:
-        """Steps 2-4 for these requests: one forward, prompt scores, samples; with `drafts`, the
-        drafter's pass over the same positions after. The outputs, or None when the ids were left
-        on the device (the step is in flight: `_read_inflight` reads them)."""
+                            drafts: bool = False, apart: int = 0) -> list[StepOutput] | None:
+        """Steps 2-4 for these requests: one forward (two with `apart`: items[:apart], then the
+        rest), prompt scores, samples; with `drafts`, the drafter's pass over the same positions
+        after. The outputs, or None when the ids were left on the device (the step is in flight:
+        `_read_inflight` reads them)."""
         rows = [req.logits_rows(n) for req, n in items]
-        mode, logits, hidden = self._run(items, rows)  # logits [sum(rows), V]
+        if apart:  # (no drafts here: speculative steps verify their decodes apart already)
+            mode, chunks_logits, _ = self._run(items[:apart], rows[:apart])
+            chunks_logits = chunks_logits.clone()  # a graph's outputs: the decodes' replay may reuse that memory
+            logits, hidden = torch.cat([chunks_logits, self._run(items[apart:], rows[apart:])[1]]), None
+        else:
+            mode, logits, hidden = self._run(items, rows)  # logits [sum(rows), V]
         launch.mode = launch.mode or mode  # prompts_apart: the step's first forward names it
         if self.prefix_cache is not None:  # before sampling retires anyone: the slots hold the states
             entries = [(req.cache, req.seq, req.prompt, req.output) for req, _ in items if req.cache is not None]

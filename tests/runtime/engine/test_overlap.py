@@ -257,3 +257,35 @@ def test_replayed_graph_steps_get_the_device_ids_written_into_their_static_input
     assert runs[True] == runs[False]
     assert stats[True]["graph_replays"] > 0 and stats[True]["piecewise_steps"] > 0
     assert stats[True]["overlapped_steps"] == stats[True]["steps"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decodes_apart_from_the_prompt_chunks_give_the_same_tokens(name):
+    """decodes_apart_from (runtime/engine/engine.py, "Decodes apart"): a step's prompt chunks and its
+    decodes as two forwards, with overlap on and off, give the tokens of one forward per step."""
+    model = build_model(name)
+    runs, forwards = {}, {}
+    for apart, overlap in ((0, True), (1, True), (1, False)):
+        engine = make_engine(model, num_slots=8, num_pages=256, page_size=4, max_tokens_per_step=12,
+                             overlap=overlap, decodes_apart_from=apart)
+        jobs = mixed_load(model, make_engine(model, num_slots=1, num_pages=64, page_size=4))
+        model.set_ops(engine.ops)
+        execute, calls = engine.runner.execute, []
+        engine.runner.execute = lambda *a, **k: calls.append(1) or execute(*a, **k)
+        runs[apart, overlap] = drive(engine, jobs)
+        forwards[apart, overlap] = (len(calls), engine.stats()["steps"])
+    assert runs[1, True] == runs[0, True] == runs[1, False]
+    assert forwards[0, True][0] == forwards[0, True][1], "one forward a step"
+    assert forwards[1, True][0] > forwards[1, True][1], "mixed steps ran their decodes apart"
+
+
+def test_decodes_apart_only_from_so_many_decodes():
+    from runtime.engine.request import StepPlan
+
+    engine = make_engine(build_model("toy"), decodes_apart_from=3)
+    chunk, decodes = [(object(), 5)], [object()] * 3
+    assert engine._decodes_apart(StepPlan(chunk, decodes, [])) == 1
+    assert engine._decodes_apart(StepPlan(chunk, decodes[:2], [])) == 0
+    assert engine._decodes_apart(StepPlan([], decodes, [])) == 0
+    with pytest.raises(ValueError, match="decodes_apart_from"):
+        make_engine(build_model("toy"), decodes_apart_from=-1)
