@@ -10,7 +10,7 @@
 #   short        benchmarks/serving/bucket_costs.py: each extend bucket's step against the batch-1 decode step
 #   prefix       benchmarks/serving/prefix_bench.py: hit, miss with and without the cache (issue 49)
 #   multiturn    benchmarks/serving/multiturn_bench.py: TTFT per turn, cache on and off; a 32-token prompt
-#   overlap_tests  the GPU test of the overlapped engine loop (CUDA graphs, overlap on and off)
+#   overlap_tests  the GPU tests of the overlapped engine loop and of decodes apart (CUDA graphs)
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
@@ -53,7 +53,8 @@ for stage in "$@"; do
         done ;;
     overlap_tests)
         mkdir -p "$OUT/overlap_tests"  # the whole report kept: a failure's details, not only its summary
-        python3 -m pytest -q -m gpu tests/gpu/test_gpu_overlapped_engine.py > "$OUT/overlap_tests/pytest.log" 2>&1
+        python3 -m pytest -q -m gpu tests/gpu/test_gpu_overlapped_engine.py tests/gpu/test_gpu_decodes_apart.py \
+            > "$OUT/overlap_tests/pytest.log" 2>&1
         tail -15 "$OUT/overlap_tests/pytest.log" ;;
     serve|serve_sync)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
