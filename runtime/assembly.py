@@ -252,9 +252,11 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
     if overlap and broadcast is not None:
         log("tensor parallel: the overlapped schedule is off (the other ranks run each step with its ids on the host)")
         overlap = False
+    if art.batch_invariant:  # a decoding request's row never goes through a mixed forward (Engine, "Decodes apart")
+        options = dataclasses.replace(options, decodes_apart_from=1)
     return _engine(runner, kv_pool, state_pool, options, max_model_len, device,
                    prefix_cache=_prefix_cache(kv_pool, state_pool, snapshots, options), speculative=spec,
-                   prompts_apart=art.batch_invariant, broadcast=broadcast, kernel_watch=kernel_watch, overlap=overlap)
+                   broadcast=broadcast, kernel_watch=kernel_watch, overlap=overlap)
 
 
 def _check_device(art, device) -> None:

@@ -62,10 +62,9 @@ H200 (bench qwen3_next, compiled bundle) 128 decodes and a 128-token prompt took
 mixed step against 3.4 + 3.6 ms apart, and 40.3 against 3.4 + 22.1 ms with a 3968-token prompt
 (benchmarks/serving/bucket_costs.py, "mixed").
 
-With `prompts_apart` (an artifact compiled with --batch-invariant), a step's prompt chunks and its
-decodes run as two forwards, the chunks first, as they do with speculative decoding: a decoding
-request's row then always goes through a decode step, whose rows are computed alike whatever
-shares them, and never through a mixed step's prefill attention.
+An artifact compiled with --batch-invariant runs with decodes apart from one decode
+(runtime/assembly.py): a decoding request's row then always goes through a decode forward, whose
+rows are computed alike whatever shares them, and never through a mixed step's prefill attention.
 
 Overlap (`overlap=True`, the default of `--overlap-schedule` / `--no-overlap-schedule`): while the device runs
 step N, the host schedules, lays out and launches step N+1; the only wait per step is for step N's
@@ -86,7 +85,7 @@ The rules, kept simple rather than clever:
 1. A step is synchronous (its ids read at once, as without overlap) unless every request that
    chooses in it chooses on the device, none is forked from it (n > 1), none scores its prompt
    (prompt logprobs, echo), the schedule preempted no one, and the engine has neither speculative
-   decoding nor prompts_apart (their steps are always synchronous) nor tensor parallel (refused:
+   decoding (its steps are always synchronous) nor tensor parallel (refused:
    its ranks replay rank 0's steps with the ids on the host). Draws with a request's own
    generator stay on the host, so their streams are exactly those without overlap.
 2. Before a synchronous step chooses, and before a schedule that preempted is launched, the step
@@ -180,7 +179,7 @@ class Engine:
     def __init__(self, runner: StepRunner, kv_pool: KVPool, state_pool: StatePool, *, max_tokens_per_step: int = 512,
                  max_running: int | None = None, max_seq_len: int | None = None, device: torch.device | str = "cpu",
                  recent_steps: int = 256, prefix_cache: PrefixCache | None = None,
-                 speculative: SpeculativeDecoder | None = None, prompts_apart: bool = False,
+                 speculative: SpeculativeDecoder | None = None,
                  broadcast: Callable | None = None, kernel_watch=None, overlap: bool = True,
                  decodes_apart_from: int = 0):
         """runner: the step runner of the main program (runtime/graphs/step_runner.py) over the
@@ -188,17 +187,12 @@ class Engine:
         with chunk_size=max_tokens_per_step.
         prefix_cache: a PrefixCache over the same pools (None: every request prefills its whole prompt).
         speculative: a SpeculativeDecoder over the same pools whose main steps are `runner`.
-        prompts_apart: prompt chunks and decodes of one step run as two forwards, the chunks first (as
-        with speculative decoding), so a decoding request's row goes through a decode step, never
-        a mixed one. An artifact compiled with --batch-invariant asks for it: its decode rows are
-        computed alike in every decode and verify step, and a mixed step's attention is not.
         broadcast: tensor parallel, rank 0: called with each step's (seq_items, logits_rows) before it
         runs, to send it to the other ranks (runtime/dist/distributed.lead). None on one device.
         kernel_watch: with a compiled bundle on CUDA, names kernels built while serving
         (runtime/artifact/bundle.ServingWatch); checked after every step.
         overlap: the overlapped schedule ("Overlap" above; `hgc serve --no-overlap-schedule` turns it
-        off). It never applies with speculative decoding or prompts_apart (their steps are
-        synchronous), and tensor parallel refuses it (the other ranks replay rank 0's steps as
+        off). It never applies with speculative decoding (its steps are synchronous), and tensor parallel refuses it (the other ranks replay rank 0's steps as
         they are sent, ids included).
         decodes_apart_from: a step with prompt chunks and at least this many decodes runs them as
         two forwards in one step ("Decodes apart" above); 0: never."""
@@ -218,7 +212,7 @@ class Engine:
                              "the ids on the host; pass overlap=False (--no-overlap-schedule)")
         self.runner, self.ops, self.spec = runner, runner.ops, speculative
         self.kv_pool, self.state_pool, self.prefix_cache = kv_pool, state_pool, prefix_cache
-        self.device, self.prompts_apart = device, prompts_apart
+        self.device = device
         if decodes_apart_from < 0:
             raise ValueError(f"Engine: decodes_apart_from must be >= 0 (got {decodes_apart_from})")
         self.decodes_apart_from = decodes_apart_from
@@ -238,7 +232,7 @@ class Engine:
         self._ids = itertools.count()
         self._live: dict[Hashable, Request] = {}
         self._results: dict[Hashable, RequestResult] = {}
-        self.overlap = overlap and speculative is None and not prompts_apart
+        self.overlap = overlap and speculative is None
         self._launched: list[_Launch] = []  # steps queued on the device and not over yet, oldest first
         self._inflight: _Launch | None = None  # the one whose chosen ids are still on the device
         self._emitted: list[StepOutput] = []  # what the step() under way returns
@@ -342,17 +336,15 @@ class Engine:
             return self._take_emitted()
         launch = _Launch(plan, start, {id(req): req for req, _ in items})
         self._launched.append(launch)
-        if self.spec is None and not self.prompts_apart:  # prefill chunks and decodes in one step
+        if self.spec is None:  # prefill chunks and decodes in one step (one forward, or two: decodes apart)
             outputs = self._forward_and_sample(items, launch, apart=self._decodes_apart(plan))
-        else:  # prompt chunks alone first (the draft then runs over the same positions), then the decodes
-            outputs = []
+        else:  # prompt chunks alone first (the draft then runs over the same positions), then drafts and
+            outputs = []  # one verify step for every decoding request
             if plan.prefill:
-                outputs = self._forward_and_sample(plan.prefill, launch, drafts=self.spec is not None)
-            if plan.decode and self.spec is not None:  # every decoding request: drafts, one verify step
+                outputs = self._forward_and_sample(plan.prefill, launch, drafts=True)
+            if plan.decode:
                 outputs += self.round.verify(plan.decode)
                 launch.mode = launch.mode or Mode.TARGET_VERIFY
-            elif plan.decode:  # prompts_apart: a decode step of their own
-                outputs += self._forward_and_sample([(req, 1) for req in plan.decode], launch)
         if outputs is not None:  # synchronous: its ids are read
             self._end(launch, outputs, overlapped=False)
         if self.kernel_watch is not None:
@@ -385,7 +377,7 @@ class Engine:
             logits, hidden = torch.cat([chunks_logits, self._run(items[apart:], rows[apart:])[1]]), None
         else:
             mode, logits, hidden = self._run(items, rows)  # logits [sum(rows), V]
-        launch.mode = launch.mode or mode  # prompts_apart: the step's first forward names it
+        launch.mode = launch.mode or mode  # speculative: the step's prompt forward names it
         if self.prefix_cache is not None:  # before sampling retires anyone: the slots hold the states
             entries = [(req.cache, req.seq, req.prompt, req.output) for req, _ in items if req.cache is not None]
             if self._inflight is not None and any(  # rule 3: the cache reads tokens still on the device

@@ -74,13 +74,13 @@ def test_greedy_tokens_do_not_depend_on_the_batch(name):
     assert_all_free(engine)
 
 
-def test_prompts_apart_never_mixes_a_decode_row_into_a_prompt_forward():
-    """prompts_apart (an artifact compiled with --batch-invariant): the staggered run above, where
+def test_decodes_apart_from_one_never_mixes_a_decode_row_into_a_prompt_forward():
+    """decodes_apart_from=1 (what an artifact compiled with --batch-invariant runs with): the staggered run above, where
     chunks and decodes share steps, runs them as two forwards, chunks first; no forward is mixed, a
     decoding request's row always goes through a decode forward, and the tokens are each request's own."""
     model = build_model("toy")
     requests = [(p, SamplingParams(max_new_tokens=4 + i)) for i, p in enumerate(prompts(8, LENGTHS, vocab_of(model)))]
-    engine = make_engine(model, num_slots=8, num_pages=128, page_size=4, max_tokens_per_step=24, prompts_apart=True)
+    engine = make_engine(model, num_slots=8, num_pages=128, page_size=4, max_tokens_per_step=24, decodes_apart_from=1)
     forwards = []
     execute = engine.execute
 
