@@ -185,6 +185,8 @@ def run_requests(engine, requests: list[tuple[list[int], int]], in_flight: int |
             "engine_steps": after["steps"] - before["steps"], "wall_s": wall,
             "overlapped_steps": after["overlapped_steps"] - before["overlapped_steps"],
             "synchronous_steps": after["synchronous_steps"] - before["synchronous_steps"],
+            # what kind of steps the load made: a step with prompt tokens counts as prefill
+            **{key: after[key] - before[key] for key in ("prefill_steps", "decode_steps", "prefill_tokens", "preemptions")},
             "output_tokens_per_s": (step_tokens - profiled["tokens"]) / timed_s,
             "steps_per_s": (steps - profiled["steps"]) / timed_s,
             "gpu_busy": profiled["gpu_busy"], "host_ms_per_step": profiled["host_ms_per_step"],

@@ -28,7 +28,8 @@ On a CPU, a few seconds (what tests/server/test_server.py runs):
    vLLM's benchmark pools it: the tokens of one chunk after its first count as 0 s gaps, so where a
    server sends several tokens per chunk the ITL median says little), TPOT median and p99 (per
    request, the time from its first token to its last over the tokens after the first: the pace
-   of decoding whatever the chunking), tokens per chunk, output tokens per second and requests per second over the level's
+   of decoding whatever the chunking), tokens per chunk, the server's step and preemption counters
+   over the level (/metrics), output tokens per second and requests per second over the level's
    wall time, and the errors. The table is printed; --out writes serve_bench.json with the
    per-request records, the command line, the date and the server's /v1/models card.
 5. With --offline, once the server has stopped: benchmarks/serving/offline_bench.py in a process of
@@ -139,6 +140,22 @@ def sizing(concurrency, mix) -> dict:
     """The engine's size for a run: a slot per worker of the highest concurrency, and room for the
     longest request of the mix (at least 256 tokens)."""
     return {"slots": max(concurrency), "max_model_len": max(256, max(p + o for p, o in mix))}
+
+
+COUNTERS = ("hgc_engine_phase_steps_total", "hgc_prefill_tokens_total", "hgc_preemptions_total",
+            "hgc_kernels_built_serving_total", "hgc_engine_schedule_steps_total")
+
+
+async def server_counters(client) -> dict[str, float]:
+    """The server's counters of COUNTERS from /metrics (Prometheus text), one key per labelled
+    sample: what kind of steps a level made, what it preempted, what it built while serving."""
+    response = await client.get("/metrics")
+    counts = {}
+    for line in response.text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith(COUNTERS):
+            counts[name] = float(value)
+    return counts
 
 
 class GpuBusy:
@@ -294,8 +311,11 @@ async def bench(url: str, model: str | None, concurrency, mix, requests_per_work
         levels, busy = [], GpuBusy()
         try:
             for c in concurrency:
+                before = await server_counters(client)
                 level = await run_level(client, model, c, level_requests(mix, c, requests_per_worker, vocab, seed))
                 level["gpu_busy"] = busy.steady(level["start_s"], level["end_s"])
+                after = await server_counters(client)
+                level["server_counters"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
                 print(f"concurrency {c}: {level['requests']} requests in {level['wall_s']:.1f} s, "
                       f"{level['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
                 levels.append(level)

@@ -831,4 +831,7 @@ def test_serve_bench_dry_run_reports_every_level(artifact, tmp_path):
         # (a server behind the engine sends several tokens in a chunk: ITL gaps of 0 s, TPOT still > 0)
         assert 0 < lv["ttft_median_s"] <= lv["ttft_p99_s"] and 0 <= lv["itl_median_s"] <= lv["itl_p99_s"]
         assert 0 < lv["tpot_median_s"] <= lv["tpot_p99_s"] and lv["tokens_per_chunk"] >= 1
+        steps = {k: v for k, v in lv["server_counters"].items() if k.startswith("hgc_engine_phase_steps_total")}
+        assert sum(steps.values()) > 0 and lv["server_counters"]["hgc_prefill_tokens_total"] >= sum(
+            r["prompt_tokens"] for r in lv["records"]) - 16 * len(lv["records"]), lv["server_counters"]
         assert lv["output_tokens"] == sum(r["max_tokens"] for r in lv["records"]) and lv["requests_per_s"] > 0
