@@ -231,7 +231,7 @@ def add_overlap_argument(group) -> None:
                             "tokens feed it on the device and are read one step late (steps with draws, grammars, "
                             "penalties, log-probabilities, shared prefills, preemption or speculative decoding stay "
                             "synchronous; --tp N turns it off). --no-overlap-schedule lays out each step only after "
-                            "the one before was read, for comparison and debugging. Default: on")
+                            "the one before was read, for comparison and debugging")
     group.add_argument("--decodes-apart-from", type=int_at_least(0), default=None, metavar="N",
                        help="a step with prompt chunks and at least N decodes runs the decodes as a forward of their "
                             "own, through the decode graphs, instead of as one-token requests on the prompt's extend "
