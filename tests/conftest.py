@@ -19,9 +19,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def pytest_configure(config):
     """Under `-n auto --dist loadscope` a module is one unit of work, and pytest-xdist hands the
     units out in the order of the collection instead of its own (most tests first), so that
-    pytest_collection_modifyitems decides it."""
+    pytest_collection_modifyitems decides it. Under Triton's interpreter, its patching of
+    triton.language at each launch walks a list of names made once (testkit/triton_interpreter.py)."""
     if getattr(config.option, "dist", None) == "loadscope" and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        from testkit.triton_interpreter import cache_builtin_names
+
+        cache_builtin_names()  # the interpreter's launches find triton.language's builtins by a list made once
 
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected the gpu tests
