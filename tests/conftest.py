@@ -11,9 +11,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Under pytest-xdist each worker process takes one core: intra-op threads of two workers on two
-# cores would only contend.
+# cores would only contend. So do the processes a test starts (`hgc` commands, benchmark dry runs,
+# lm-eval's harness) while the other worker runs: one intra-op thread each, unless a test says so.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
