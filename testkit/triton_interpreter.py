@@ -59,3 +59,48 @@ def interpreter_or_fresh_process(test_file: str):
         assert proc.returncode == 0, proc.stdout[-6000:]
 
     return in_process, test_in_a_fresh_interpreter_process
+
+
+def cache_builtin_names() -> bool:
+    """Triton's interpreter patches the builtins of `triton.language` (tl, tl.tensor, tl.math, tl.core)
+    at every launch and again at every call of one @jit function from another, and finds them each
+    time with `inspect.getmembers` (a sorted walk over every attribute): about a third of a kernel
+    test's time under the interpreter. The names of those builtins never change, so they are listed
+    once, here, and each patch looks up only those. A name is patched exactly where Triton's own
+    `_patch_builtin` would patch it (its current value is a builtin), in the same order, so the
+    kernels run as before. True when installed; a Triton without that function is left as it is."""
+    if not INTERPRETED:
+        return False
+    import inspect
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+
+    original = getattr(interpreter, "_patch_builtin", None)
+    if original is None or getattr(original, "names_cached", False):
+        return original is not None
+    try:
+        if list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
+            return False
+    except (TypeError, ValueError):
+        return False
+    is_builtin = tl.core.is_builtin
+    # listed now, before any launch has patched them
+    names = {id(pkg): (pkg, tuple(name for name, member in inspect.getmembers(pkg) if is_builtin(member)))
+             for pkg in (tl, tl.tensor, tl.math, tl.core, tl.core.tensor, tl.core.tensor_descriptor_base)}
+
+    def patch_builtin(pkg, builder, scope):
+        listed = names.get(id(pkg))
+        if listed is None or listed[0] is not pkg:
+            return original(pkg, builder, scope)
+        for name in listed[1]:
+            member = getattr(pkg, name)
+            if is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin.names_cached = True
+    interpreter._patch_builtin = patch_builtin
+    return True

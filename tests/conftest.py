@@ -11,17 +11,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Under pytest-xdist each worker process takes one core: intra-op threads of two workers on two
-# cores would only contend.
+# cores would only contend. So do the processes a test starts (`hgc` commands, benchmark dry runs,
+# lm-eval's harness) while the other worker runs: one intra-op thread each, unless a test says so.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
     """Under `-n auto --dist loadscope` a module is one unit of work, and pytest-xdist hands the
     units out in the order of the collection instead of its own (most tests first), so that
-    pytest_collection_modifyitems decides it."""
+    pytest_collection_modifyitems decides it. Under Triton's interpreter, its patching of
+    triton.language at each launch walks a list of names made once (testkit/triton_interpreter.py)."""
     if getattr(config.option, "dist", None) == "loadscope" and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        from testkit.triton_interpreter import cache_builtin_names
+
+        cache_builtin_names()  # the interpreter's launches find triton.language's builtins by a list made once
 
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected the gpu tests

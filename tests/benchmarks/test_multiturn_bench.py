@@ -11,14 +11,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow  # a compile, a graph start-up and a few short chats: under a minute on 2 cores
+pytestmark = pytest.mark.slow  # a graph start-up and a few short chats on the test run's shared compile
 
 
-def test_dry_run_measures_every_turn_with_the_cache_on_and_off(tmp_path):
+def test_dry_run_measures_every_turn_with_the_cache_on_and_off(tmp_path, tmp_path_factory):
     sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
     from multiturn_bench import main
 
-    rec = main(["--dry-run", "--out", str(tmp_path)])
+    from testkit.helpers import shared_artifact
+
+    # init_compile finds the test run's tiny qwen3_next there (its own names), compiled once for every module
+    work = shared_artifact(tmp_path_factory, "qwen3_next")[1].parent
+    rec = main(["--dry-run", "--out", str(tmp_path), "--work", str(work)])
     assert json.loads((tmp_path / "multiturn_bench.json").read_text())["cache_on"] == rec["cache_on"]
     assert {name: s["status"] for name, s in rec["stages"].items()} == dict.fromkeys(
         ("init_compile", "engine", "warm_up", "short_prompt", "cache_off", "cache_on"), "ok")

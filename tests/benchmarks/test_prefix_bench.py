@@ -11,14 +11,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow  # a compile and a graph start-up: about 20 s on 2 cores
+pytestmark = pytest.mark.slow  # a graph start-up on the test run's shared compile: a few seconds on 2 cores
 
 
-def test_dry_run_measures_hit_and_miss(tmp_path):
+def test_dry_run_measures_hit_and_miss(tmp_path, tmp_path_factory):
     sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
     from prefix_bench import main
 
-    rec = main(["--dry-run", "--out", str(tmp_path), "--iters", "1"])
+    from testkit.helpers import shared_artifact
+
+    # init_compile finds the test run's tiny qwen3_next there (its own names), compiled once for every module
+    work = shared_artifact(tmp_path_factory, "qwen3_next")[1].parent
+    rec = main(["--dry-run", "--out", str(tmp_path), "--work", str(work), "--iters", "1"])
     assert json.loads((tmp_path / "prefix_bench.json").read_text())["hit"] == rec["hit"]
     assert {name: s["status"] for name, s in rec["stages"].items()} == dict.fromkeys(
         ("init_compile", "engine", "warm_up", "miss_no_cache", "miss_cache", "hit", "snapshot_copy"), "ok")

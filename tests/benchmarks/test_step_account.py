@@ -110,9 +110,15 @@ def test_per_call_means_equal_calls_and_keeps_the_last_of_unequal_ones():
 
 
 @pytest.mark.slow
-def test_dry_run_gives_both_tables_for_qwen3_next_and_kimi_linear(tmp_path):
+def test_dry_run_gives_both_tables_for_qwen3_next_and_kimi_linear(tmp_path, tmp_path_factory):
+    from testkit.helpers import shared_artifact
+
+    # the load stage finds the test run's tiny artifacts there (their own names), compiled once for every module
+    for family in ("qwen3_next", "kimi_linear"):
+        work = shared_artifact(tmp_path_factory, family)[1].parent
     cmd = [sys.executable, "benchmarks/kernels/step_account.py", "--dry-run", "--out", str(tmp_path),
-           "--family", "qwen3_next,kimi_linear", "--batches", "1", "--extends", "16", "--replays", "1", "--iters", "1"]
+           "--work", str(work), "--family", "qwen3_next,kimi_linear", "--batches", "1", "--extends", "16",
+           "--replays", "1", "--iters", "1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "step_account.json").read_text())

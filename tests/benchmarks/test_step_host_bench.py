@@ -8,10 +8,14 @@ import json
 from benchmarks.host.step_host_bench import _drop_flag, main
 
 
-def test_dry_run_measures_every_case_and_a_baseline(tmp_path):
-    rec = main(["--dry-run", "--out", str(tmp_path), "--batches", "1,8", "--context", "40", "--steps", "12",
-                "--profile-steps", "3", "--mixed-in-flight", "8", "--mixed-prompt", "96", "--mixed-output", "6",
-                "--token-budget", "64", "--baseline-ref", "HEAD"])
+def test_dry_run_measures_every_case_and_a_baseline(tmp_path, tmp_path_factory):
+    from testkit.helpers import shared_artifact
+
+    # the artifact stage (and the baseline's) finds the test run's tiny qwen3_next there (its own names)
+    work = shared_artifact(tmp_path_factory, "qwen3_next")[1].parent
+    rec = main(["--dry-run", "--out", str(tmp_path), "--work", str(work), "--batches", "1,8", "--context", "40",
+                "--steps", "12", "--profile-steps", "3", "--mixed-in-flight", "8", "--mixed-prompt", "96",
+                "--mixed-output", "6", "--token-budget", "64", "--baseline-ref", "HEAD"])
     assert json.loads((tmp_path / "step_host_bench.json").read_text())["decode"] == rec["decode"]
     assert {name: s["status"] for name, s in rec["stages"].items()} == dict.fromkeys(
         ("artifact", "decode_b1", "decode_b8", "mixed", "messages", "baseline"), "ok")

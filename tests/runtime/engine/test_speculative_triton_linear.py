@@ -54,6 +54,13 @@ LINEAR_OPS = {"qwen3_next": ("gdn_core", "short_conv"), "qwen3_5": ("gdn_core", 
 PROMPTS = [[(3 * j) % 200 + 3 for j in range(17)], [11, 5, 9]]
 NEW_TOKENS = [5, 3]
 MAX_LEN = 48
+# The recurrent cores' extend steps (the prefills) on FakeFLA, the reference recurrence, as the
+# docstring says: the routing defaults would run them through our chunk kernels (chunk_impl=triton)
+# or the recurrent extend kernel (requests of up to 64 tokens) in the interpreter, three quarters of
+# the module's time, for steps it does not check. Decode and target_verify steps, what it checks,
+# run the same kernels either way. The extend kernels are checked against the reference in
+# tests/runtime/backends/test_triton_linear.py and test_triton_chunk.py.
+PREFILL_ON_FAKE_FLA = "chunk_impl=fla,short_extend_tokens=0"
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +74,8 @@ def registry():
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, registry):
     def compile_one(family, ckpt, out):  # `hgc compile --route OP=BACKEND` with the test's registry
-        routes = tuple(parse_route(f"{op}={INTERPRETED_TRITON_LINEAR}") for op in LINEAR_OPS[family])
+        routes = tuple(parse_route(f"{op}={INTERPRETED_TRITON_LINEAR}[{PREFILL_ON_FAKE_FLA}]")
+                       for op in LINEAR_OPS[family])
         compile_checkpoint(ckpt, out, CompileConfig(routes=routes), toolchain(registry), dumps=False)
 
     return artifacts_by_family(tmp_path_factory.mktemp("spec-tl"), compile_one)
