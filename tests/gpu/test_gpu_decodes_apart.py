@@ -18,11 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hgc import main
-from runtime.artifact.loader import load_artifact
 from runtime.assembly import EngineOptions, engine_for_artifact
 from runtime.engine.engine import SamplingParams
 from testkit.engine_loads import Job, drive
+from tests.gpu.test_gpu_overlapped_engine import float32_cuda_artifact
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -30,13 +29,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    from testkit.helpers import tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("gapart")
-    tiny_checkpoint("qwen3_next", root / "c", 1, head_dim=64)
-    assert main(["compile", str(root / "c"), "-o", str(root / "a"), "--target", "cuda", "--no-inductor",
-                 "--dtype", "float32", "--route=gqa_attention=torch_reference", "--no-dumps"]) == 0
-    return load_artifact(root / "a", "cuda")
+    return float32_cuda_artifact(tmp_path_factory.mktemp("gapart"))
 
 
 def load() -> list[Job]:

@@ -40,15 +40,20 @@ pytestmark = [pytest.mark.gpu,
 MAX_LEN = 96
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
+def float32_cuda_artifact(root):
+    """A tiny qwen3_next compiled for CUDA in float32, full attention on torch_reference (FlashInfer
+    has no float32 kernels), traced glue: the engine tests' artifact on the GPU, loaded."""
     from testkit.helpers import tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("goverlap")
     tiny_checkpoint("qwen3_next", root / "c", 1, head_dim=64)
     assert main(["compile", str(root / "c"), "-o", str(root / "a"), "--target", "cuda", "--no-inductor",
                  "--dtype", "float32", "--route=gqa_attention=torch_reference", "--no-dumps"]) == 0
     return load_artifact(root / "a", "cuda")
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return float32_cuda_artifact(tmp_path_factory.mktemp("goverlap"))
 
 
 def jobs() -> list[Job]:
