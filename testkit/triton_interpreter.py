@@ -64,7 +64,7 @@ def interpreter_or_fresh_process(test_file: str):
 def cache_builtin_names() -> bool:
     """Triton's interpreter patches the builtins of `triton.language` (tl, tl.tensor, tl.math, tl.core)
     at every launch and again at every call of one @jit function from another, and finds them each
-    time with `inspect.getmembers` (a sorted walk over every attribute): about a third of a kernel
+    time with `inspect.getmembers` (a sorted walk over every attribute): up to a fifth of a kernel
     test's time under the interpreter. The names of those builtins never change, so they are listed
     once, here, and each patch looks up only those. A name is patched exactly where Triton's own
     `_patch_builtin` would patch it (its current value is a builtin), in the same order, so the

@@ -45,7 +45,7 @@ from testkit.spec_checks import verify_against_decode
 from testkit.spec_drafters import DisagreeingDrafter, ForcedDrafts
 
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
-# the interpreter: about a minute in all on 2 cores; tiny models run fastest on one thread
+# the interpreter: about half a minute in all on 2 cores; tiny models run fastest on one thread
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 LINEAR_OPS = {"qwen3_next": ("gdn_core", "short_conv"), "qwen3_5": ("gdn_core", "short_conv"),
