@@ -87,9 +87,9 @@ class EngineOptions:
     # (tests/runtime/engine/test_overlap.py) and through CUDA graphs (tests/gpu/test_gpu_overlapped_engine.py).
     overlap: bool = True
     # A step with prompt chunks and at least this many decodes runs them as two forwards (Engine,
-    # "Decodes apart"); 0: never. Where one decode row on a mixed step's extend path costs more than
-    # a decode step's share: 128 of them cost about 0.14 ms each in a mixed step on one H200 (bench
-    # qwen3_next) against a decode step of 1.05 ms at 1 request and 3.4 ms at 128, even near 9.
+    # "Decodes apart"; docs/DESIGN.md has the measured costs); 0: never. On one H200 a decode row
+    # costs about 0.14 ms in a mixed step and a decode step 1.05 ms at 1 request: the two break
+    # even near 9 decodes, and 16 leaves a margin.
     decodes_apart_from: int = 16
 
     def __post_init__(self):

@@ -11,8 +11,8 @@ On the GPU machine, one run:
 
 1. init_compile: `hgc init-model`, `hgc compile` with the default buckets (every candidate).
 2. engine: the engine `hgc serve` builds (runtime/assembly.engine_for_artifact: a started
-   GraphRunner) with state slots for the mixed steps (the power of two above --mixed-decodes) and a step budget of --max-tokens: every extend bucket up to it
-   is captured and parity-checked. The dry run uses testkit/graph_cases.RerunGraphs.
+   GraphRunner) with state slots for the mixed steps (the power of two above --mixed-decodes) and
+   a step budget of --max-tokens: every extend bucket up to it is captured and parity-checked. The dry run uses testkit/graph_cases.RerunGraphs.
 3. extend: per captured extend bucket of T tokens, one fresh request of T tokens (the step a short
    prompt or a prefix hit's suffix of that length is): the median of --iters runs of the built step
    (copy into the static buffers, the backends' plans, the graphs and the eager gaps), timed between

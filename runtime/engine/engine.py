@@ -192,8 +192,8 @@ class Engine:
         kernel_watch: with a compiled bundle on CUDA, names kernels built while serving
         (runtime/artifact/bundle.ServingWatch); checked after every step.
         overlap: the overlapped schedule ("Overlap" above; `hgc serve --no-overlap-schedule` turns it
-        off). It never applies with speculative decoding (its steps are synchronous), and tensor parallel refuses it (the other ranks replay rank 0's steps as
-        they are sent, ids included).
+        off). It never applies with speculative decoding (its steps are synchronous), and tensor
+        parallel refuses it (the other ranks replay rank 0's steps as they are sent, ids included).
         decodes_apart_from: a step with prompt chunks and at least this many decodes runs them as
         two forwards in one step ("Decodes apart" above); 0: never."""
         check_backend(runner.ops.backend)  # the hooks are called below without guards
