@@ -18,8 +18,8 @@
 #                against their parts (what a token budget costs)
 #   budgets      offline_bench at 128 in flight with each token budget of BUDGETS (default "512 1024 2048 4096")
 #   prefix_compiled  prefix_bench.py on the serving artifact (the compiled bundle)
-#   apart        mixed steps in one forward (offline, --decodes-apart-from 0) against decodes apart (served
-#                and offline, the default)
+#   apart        offline_bench at CONCURRENCY with mixed steps in one forward (--decodes-apart-from 0): against
+#                the offline run of the serve stage (decodes apart, the default)
 # FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account. The
 # serving stages build bench qwen3_next once (hgc compile --target cuda: the compiled bundle unless
 # GLUE=traced) into /tmp, which a warm machine keeps between calls, or take ART; CONCURRENCY sets the
@@ -74,10 +74,8 @@ for stage in "$@"; do
         done ;;
     apart)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
-        python3 benchmarks/serving/offline_bench.py --artifact "$art" --device cuda --concurrency 128 --skip all_at_once \
-            --decodes-apart-from 0 --out "$OUT/apart_off" 2>&1 | tail -4
-        python3 benchmarks/serving/serve_bench.py --artifact "$art" --device cuda --concurrency ${CONCURRENCY:-128} \
-            --offline --out "$OUT/apart_on" ;;
+        python3 benchmarks/serving/offline_bench.py --artifact "$art" --device cuda --concurrency ${CONCURRENCY:-1 32 128} \
+            --skip all_at_once --decodes-apart-from 0 --out "$OUT/apart_off" 2>&1 | tail -6 ;;
     account)
         python3 benchmarks/kernels/step_account.py --out "$OUT/account" --work "$W" --family "$FAMILIES" ;;
     *) echo "unknown stage $stage" ;;

@@ -28,8 +28,10 @@ On a CPU, a few seconds (what tests/server/test_server.py runs):
    vLLM's benchmark pools it: the tokens of one chunk after its first count as 0 s gaps, so where a
    server sends several tokens per chunk the ITL median says little), TPOT median and p99 (per
    request, the time from its first token to its last over the tokens after the first: the pace
-   of decoding whatever the chunking), tokens per chunk, the server's step and preemption counters
-   over the level (/metrics), output tokens per second and requests per second over the level's
+   of decoding whatever the chunking), tokens per chunk, the server's step, preemption and CPU
+   counters over the level and its mean open, queued and running requests (/metrics, sampled
+   every 0.25 s), the benchmark's own CPU share (near 1 it sets the pace: each worker has a
+   client and connection of its own, see run_level), output tokens per second and requests per second over the level's
    wall time, and the errors. The table is printed; --out writes serve_bench.json with the
    per-request records, the command line, the date and the server's /v1/models card.
 5. With --offline, once the server has stopped: benchmarks/serving/offline_bench.py in a process of
@@ -142,8 +144,33 @@ def sizing(concurrency, mix) -> dict:
     return {"slots": max(concurrency), "max_model_len": max(256, max(p + o for p, o in mix))}
 
 
-COUNTERS = ("hgc_engine_phase_steps_total", "hgc_prefill_tokens_total", "hgc_preemptions_total",
-            "hgc_kernels_built_serving_total", "hgc_engine_schedule_steps_total")
+COUNTERS = ("hgc_engine_phase_steps_total", "hgc_engine_phase_seconds_total", "hgc_generation_tokens_total",
+            "hgc_prefill_tokens_total", "hgc_preemptions_total", "hgc_kernels_built_serving_total",
+            "hgc_engine_schedule_steps_total", "hgc_server_cpu_seconds_total", "hgc_engine_core_cpu_seconds_total")
+
+
+GAUGES = ("hgc_open_requests", "hgc_queue_depth", "hgc_running_requests")
+
+
+async def sample_gauges(client, samples: list, every_s: float = 0.25) -> None:
+    """Until cancelled: (time, {gauge: value}) of GAUGES every every_s, where a level's requests
+    are: open on the server, queued in the engine, or running. Requests the client counts in
+    flight and the server does not are still with the client or on their way."""
+    while True:
+        response = await client.get("/metrics")
+        values = {}
+        for line in response.text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name in GAUGES:
+                values[name[4:]] = float(value)
+        samples.append((time.perf_counter(), values))
+        await asyncio.sleep(every_s)
+
+
+def gauge_means(samples: list, start: float, end: float) -> dict[str, float]:
+    """Each gauge's mean over the samples taken between start and end."""
+    inside = [values for t, values in samples if start <= t <= end]
+    return {key: sum(v.get(key, 0.0) for v in inside) / len(inside) for key in inside[0]} if inside else {}
 
 
 async def server_counters(client) -> dict[str, float]:
@@ -195,19 +222,34 @@ class GpuBusy:
             self.process.wait()
 
 
-async def run_level(client, model: str, concurrency: int, requests: list[tuple[list[int], int]]) -> dict:
+async def run_level(url: str, model: str, concurrency: int, requests: list[tuple[list[int], int]]) -> dict:
+    """The closed loop of one level. Each worker has a client of its own with one connection:
+    httpx's pool looks at each of its connections for every request it sends and every response
+    it closes, so one pool of 128 connections spent most of a core there, a limit of the
+    benchmark, not of the server (it was seen making requests wait seconds to be sent)."""
+    import ssl
+
+    import httpx
+
     queue = list(reversed(requests))
     records = []
+    tls = ssl.create_default_context()  # once: each client would read the CA store again (about 20 ms)
+    clients = [httpx.AsyncClient(base_url=url, timeout=600, verify=tls,
+                                 limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+               for _ in range(concurrency)]
 
-    async def worker():
-        while queue:
-            prompt, max_tokens = queue.pop()
-            records.append(await one_request(client, model, prompt, max_tokens))
+    async def worker(client):
+        async with client:
+            while queue:
+                prompt, max_tokens = queue.pop()
+                records.append(await one_request(client, model, prompt, max_tokens))
 
+    cpu = time.process_time()
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(client) for client in clients))
     end = time.perf_counter()
     wall = end - start
+    cpu = time.process_time() - cpu
     done = [r for r in records if "error" not in r]
     ttft = [r["ttft_s"] for r in done if r["ttft_s"] is not None]
     itl = [gap for r in done for gap in r["itl_s"]]
@@ -216,11 +258,17 @@ async def run_level(client, model: str, concurrency: int, requests: list[tuple[l
     return {"concurrency": concurrency, "requests": len(records), "errors": len(records) - len(done),
             "start_s": start, "end_s": end, "wall_s": wall, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
             "requests_per_s": len(done) / wall,
+            # the benchmark's own process: near 1 it, not the server, sets the pace
+            "client_cpu_share": cpu / wall,
             "ttft_median_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_median_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
             "tpot_median_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
             "tokens_per_chunk": out_tokens / max(1, sum(r["chunks"] for r in done)),
             "records": records}
+
+
+def fmt_gauges(means: dict[str, float]) -> str:
+    return ", ".join(f"{key} {value:.1f}" for key, value in means.items()) or "-"
 
 
 def fmt_ms(seconds: float | None) -> str:
@@ -292,10 +340,7 @@ def add_offline(levels: list[dict], report: dict) -> None:
 async def bench(url: str, model: str | None, concurrency, mix, requests_per_worker: int, seed: int) -> dict:
     import httpx
 
-    limit = max(concurrency) + 8  # connections: one per worker, without httpx's default cap of 100
-    client = httpx.AsyncClient(base_url=url, timeout=600,
-                               limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit))
-    async with client:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:  # the model card and /metrics
         models = await client.get("/v1/models")
         models.raise_for_status()
         card = models.json()["data"][0]
@@ -311,13 +356,19 @@ async def bench(url: str, model: str | None, concurrency, mix, requests_per_work
         levels, busy = [], GpuBusy()
         try:
             for c in concurrency:
-                before = await server_counters(client)
-                level = await run_level(client, model, c, level_requests(mix, c, requests_per_worker, vocab, seed))
+                before, samples = await server_counters(client), []
+                sampler = asyncio.ensure_future(sample_gauges(client, samples))
+                try:
+                    level = await run_level(url, model, c, level_requests(mix, c, requests_per_worker, vocab, seed))
+                finally:
+                    sampler.cancel()
                 level["gpu_busy"] = busy.steady(level["start_s"], level["end_s"])
                 after = await server_counters(client)
                 level["server_counters"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+                level["server_gauges_mean"] = gauge_means(samples, level["start_s"], level["end_s"])
                 print(f"concurrency {c}: {level['requests']} requests in {level['wall_s']:.1f} s, "
-                      f"{level['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
+                      f"{level['output_tokens_per_s']:.1f} output tok/s; client CPU {level['client_cpu_share']:.0%}; "
+                      f"mean on the server: {fmt_gauges(level['server_gauges_mean'])}", file=sys.stderr)
                 levels.append(level)
         finally:
             busy.stop()

@@ -8,9 +8,11 @@
    RequestHandles (runtime/engine/loop.py, the same handles an EngineLoop gives; `_hand_over`:
    one wake-up of each asyncio loop a step, not one a token), replies to the callers waiting for
    them, and looks at the core process every `DEATH_POLL_S`.
-3. `submit_group`, `cancel`, `stats`: as EngineLoop's. A submit waits for the core's reply (its
-   refusal is raised here: ValueError, GrammarError, GrammarUnavailable); a cancel is sent and
-   the core's "done" finishes the handle. `grammar(response_format)` is the GrammarSpec the core
+3. `submit_group`, `asubmit_group`, `cancel`, `stats`: as EngineLoop's. A submit's handles come
+   with the core's reply (its refusal is raised: ValueError, GrammarError, GrammarUnavailable);
+   `asubmit_group`, the server's, is a future the receiving thread settles, so no thread waits on
+   a reply and every add that arrives during a step reaches the core before the next. A cancel
+   is sent and the core's "done" finishes the handle. `grammar(response_format)` is the GrammarSpec the core
    compiles.
 4. A core that fails a step, or exits while serving, sets `error`: every open handle and waiting
    caller gets an EngineLoopError, and `on_death` (the server's exit) is called once. So does a
@@ -65,13 +67,34 @@ _REFUSALS = {"value": ValueError, "grammar": GrammarError, "grammar_unavailable"
 
 
 class _Call:
-    """A caller waiting for the core's reply to its message."""
+    """A caller waiting for the core's reply to its message: a thread on `done`, or, where the call
+    came from an asyncio loop (`asubmit_group`), that loop on `future`."""
 
-    def __init__(self, handles: list[RequestHandle] = ()):
+    def __init__(self, handles: list[RequestHandle] = (), future: asyncio.Future | None = None):
         self.done = threading.Event()
         self.handles = list(handles)
         self.value = None
         self.error: BaseException | None = None
+        self.future = future
+
+    def settle(self) -> None:
+        """The reply (value or error) is in: wake whoever waits for it."""
+        if self.future is None:
+            self.done.set()
+            return
+        try:
+            self.future.get_loop().call_soon_threadsafe(_settle_future, self.future, self.value, self.error)
+        except RuntimeError:
+            pass  # that event loop is closed: nobody is waiting any more
+
+
+def _settle_future(future: asyncio.Future, value, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 def _hand_over(outputs: list[tuple[RequestHandle, StepOutput, int | None, RequestResult | None]]) -> None:
@@ -205,6 +228,21 @@ class EngineCoreClient:
         self._call(["add", None, list(prompt_ids), wire, list(request_ids)], handles)
         return handles
 
+    def asubmit_group(self, prompt_ids, params: list[SamplingParams], request_ids: list[Hashable],
+                      loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """submit_group for a caller on an asyncio loop: a future of the handles, settled by the receiving
+        thread when the core's reply comes. No thread waits for it: a server's adds are sent as they
+        arrive and the core takes all that came during a step before the next (a pool of threads each
+        blocked on its own reply would let in only as many adds a step as it has threads)."""
+        handles = [RequestHandle(request_id, self, loop) for request_id in request_ids]
+        future = loop.create_future()
+        wire = [params_to_wire(p) for p in params]
+        try:
+            self._start_call(["add", None, list(prompt_ids), wire, list(request_ids)], _Call(handles, future))
+        except RuntimeError as error:  # not running: the caller hears it where it awaits, as from submit_group
+            future.set_exception(error)
+        return future
+
     def cancel(self, request_id: Hashable) -> bool:
         with self._lock:
             live = request_id in self._handles
@@ -223,6 +261,14 @@ class EngineCoreClient:
 
     def _call(self, message: list, handles: list[RequestHandle] = ()):
         call = _Call(handles)
+        self._start_call(message, call)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def _start_call(self, message: list, call: _Call) -> None:
+        """Registers the call under a new id (message[1]) and sends the message."""
         with self._lock:
             if self._stopping or self.error is not None:
                 raise RuntimeError(f"the engine core is not running (error: {self.error!r})")
@@ -230,10 +276,6 @@ class EngineCoreClient:
             self._calls[call_id] = call
         message[1] = call_id
         self._send(message)
-        call.done.wait()
-        if call.error is not None:
-            raise call.error
-        return call.value
 
     def _receive(self) -> None:
         """The receiving thread. A message it cannot take (a fault here or in the core) fails the
@@ -287,10 +329,10 @@ class EngineCoreClient:
                     for handle in call.handles:  # before any output of theirs is read
                         self._handles[handle.request_id] = handle
             if kind == "reply":
-                call.value = message[2]
+                call.value = call.handles or message[2]  # an add's value: its handles
             else:
                 call.error = _REFUSALS[message[2]](message[3])
-            call.done.set()
+            call.settle()
         elif kind == "failed":
             self._fail(EngineCoreDied(f"the engine core failed: {message[1]}"))
         else:
@@ -308,6 +350,6 @@ class EngineCoreClient:
             handle._fail(error)
         for call in calls:
             call.error = RuntimeError(f"the engine core is not running (error: {error!r})")
-            call.done.set()
+            call.settle()
         if not self._stopping:
             self.on_death()

@@ -21,6 +21,7 @@ the artifact (hgc/serve_command.py does).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -102,6 +103,7 @@ class _Core:
             stats = self.engine.stats()
             if self.counters is not None:
                 stats.update(self.counters())
+            stats["core_cpu_s"] = time.process_time()  # this process's: the server's /metrics shows it
             self.channel.send(["reply", message[1], stats])
         elif kind == "stop":
             self.stopping = True

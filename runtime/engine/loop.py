@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import queue
 import threading
 from typing import Hashable
@@ -236,6 +237,12 @@ class EngineLoop:
                 self._handles[handle.request_id] = handle
             self._cond.notify_all()
         return handles
+
+    def asubmit_group(self, prompt_ids, params: list[SamplingParams | None], request_ids: list[Hashable],
+                      loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """submit_group for a caller on an asyncio loop: a future of the handles. The lock may wait a
+        step, so the submit runs on the loop's default executor, off the caller's loop."""
+        return loop.run_in_executor(None, functools.partial(self.submit_group, prompt_ids, params, request_ids, loop))
 
     def cancel(self, request_id: Hashable) -> bool:
         with self._locked():

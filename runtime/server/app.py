@@ -212,8 +212,7 @@ class ServerState:
         """One prompt's requests (its n choices), added together: the first prefills, the others share it."""
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         request_ids = [f"{prefix}-{uuid.uuid4().hex}" for _ in params]
-        future = self.loop.run_in_executor(self.executor, functools.partial(
-            self.engine_loop.submit_group, prompt_ids, params, request_ids, loop=self.loop))
+        future = self.engine_loop.asubmit_group(prompt_ids, params, request_ids, self.loop)
         try:
             handles = await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -367,7 +366,8 @@ class ServerState:
         return {"open_requests": len(self.generations), "requests": dict(self.requests),
                 "finished": dict(self.finished), "errors": dict(self.errors), "prompt_tokens": self.prompt_tokens,
                 "ttft_sum": self.ttft[0], "ttft_count": self.ttft[1], "duration_sum": self.duration[0],
-                "duration_count": self.duration[1], "healthy": self.healthy, "draining": self.draining}
+                "duration_count": self.duration[1], "healthy": self.healthy, "draining": self.draining,
+                "cpu_s": time.process_time()}
 
 
 def _grammar_refusal(error: GrammarError | GrammarUnavailable) -> RequestError:

@@ -184,6 +184,12 @@ def render_metrics(engine: dict, server: dict) -> str:
                   server["ttft_sum"], server["ttft_count"])
     m.add_summary("request_duration_seconds", "Seconds from submit to a request's end.",
                   server["duration_sum"], server["duration_count"])
+    m.add("server_cpu_seconds_total", "counter",
+          "CPU seconds of the API server's process (HTTP, text, SSE; the engine too with --engine-in-process).",
+          server.get("cpu_s"))
+    m.add("engine_core_cpu_seconds_total", "counter",
+          "CPU seconds of the engine core's process (None: the engine runs in the server's process).",
+          engine.get("core_cpu_s"))
     m.add("engine_healthy", "gauge", "1 while the engine loop runs without error.", server["healthy"])
     m.add("server_draining", "gauge", "1 once shutdown has begun (no new requests).", server["draining"])
     return m.text()
