@@ -74,7 +74,7 @@ for stage in "$@"; do
         done ;;
     apart)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
-        python3 benchmarks/serving/offline_bench.py --artifact "$art" --device cuda --concurrency ${CONCURRENCY:-1 32 128} \
+        python3 benchmarks/serving/offline_bench.py --artifact "$art" --device cuda --concurrency "${CONCURRENCY:-1 32 128}" \
             --skip all_at_once --decodes-apart-from 0 --out "$OUT/apart_off" 2>&1 | tail -6 ;;
     account)
         python3 benchmarks/kernels/step_account.py --out "$OUT/account" --work "$W" --family "$FAMILIES" ;;
