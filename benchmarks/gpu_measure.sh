@@ -18,6 +18,7 @@
 #                against their parts (what a token budget costs)
 #   budgets      offline_bench at 128 in flight with each token budget of BUDGETS (default "512 1024 2048 4096")
 #   prefix_compiled  prefix_bench.py on the serving artifact (the compiled bundle)
+#   multiturn_compiled  multiturn_bench.py on the serving artifact
 #   apart        offline_bench at CONCURRENCY with mixed steps in one forward (--decodes-apart-from 0): against
 #                the offline run of the serve stage (decodes apart, the default)
 # FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account. The
@@ -62,9 +63,9 @@ for stage in "$@"; do
         extra=("--serve-args=$schedule ${SERVE_ARGS:-}")
         python3 benchmarks/serving/serve_bench.py --artifact "$art" --device cuda --concurrency ${CONCURRENCY:-1 32 128} --offline \
             "${extra[@]}" --out "$OUT/$stage" ;;
-    mixed|prefix_compiled)
+    mixed|prefix_compiled|multiturn_compiled)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
-        script=$([ "$stage" = mixed ] && echo bucket_costs || echo prefix_bench)
+        case $stage in mixed) script=bucket_costs ;; prefix_compiled) script=prefix_bench ;; *) script=multiturn_bench ;; esac
         python3 "benchmarks/serving/$script.py" --artifact "$art" --out "$OUT/$stage" --work "$W" ;;
     budgets)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
