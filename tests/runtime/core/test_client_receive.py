@@ -46,3 +46,5 @@ def test_a_message_the_client_cannot_take_fails_every_request_and_the_server(tmp
     finally:
         if client.process.poll() is None:
             client.process.kill()
+        client.process.wait()
+        client.stop(timeout=10)  # sockets and context closed here, not by the garbage collector

@@ -58,8 +58,15 @@ def test_adds_reach_the_core_without_waiting_for_replies_and_each_caller_gets_it
         assert isinstance(answers[-1], ValueError) and "prompt too long" in str(answers[-1])
         assert set(client._handles) == {f"r{i}" for i in range(ADDS - 1)}  # registered before any output
     finally:
-        client.process.kill()
-        client.process.wait()
+        _close(client)
+
+
+def _close(client: EngineCoreClient) -> None:
+    """Kill the core, then close the client: its sockets and ZeroMQ context are closed here, not
+    left to the garbage collector (a context collected with a socket open blocks in term)."""
+    client.process.kill()
+    client.process.wait()
+    client.stop(timeout=10)
 
 
 def test_an_add_to_a_client_that_is_not_running_fails_where_it_is_awaited(tmp_path):
@@ -75,5 +82,8 @@ def test_an_add_to_a_client_that_is_not_running_fails_where_it_is_awaited(tmp_pa
             await asyncio.sleep(0.05)
         return await client.asubmit_group([1], [SamplingParams()], ["r0"], asyncio.get_running_loop())
 
-    with pytest.raises(RuntimeError, match="not running"):
-        asyncio.run(submit())
+    try:
+        with pytest.raises(RuntimeError, match="not running"):
+            asyncio.run(submit())
+    finally:
+        _close(client)
