@@ -35,11 +35,14 @@ has a floor of several milliseconds), so splits are kept to where they pay:
   split and every later one hits the whole shared part.
 - the end of its prompt (`snapshot_prompt_end`): the prompt's end itself when that is a page
   boundary (a chunk ends there: no split), which a longer prompt continuing this one (the next
-  turn of a chat) hits; otherwise, on a miss only, the last page boundary before the end (a
-  split), which an identical prompt hits. A request that hit the cache takes no such split: its
-  one step after the hit is the time to first token the cache is for. So an identical repeat of
-  a page-aligned prompt, or of a prompt that hit, finds its snapshot from the third request on
-  (the second snapshots the branch point).
+  turn of a chat) hits; otherwise, on a miss, the last page boundary before the end (a split),
+  which an identical prompt hits. A request that hit the cache takes that split only when at
+  least `hit_snapshot_tokens` tokens lie between its hit and the boundary: a short suffix after a
+  hit (the one step after it is the time to first token the cache is for) takes none, while the
+  next turn of a chat, whose prompt is the last turn's prompt, output and new words, does, so the
+  turn after it hits nearly all of its prompt instead of the first turn's snapshot again. So an
+  identical repeat of a page-aligned prompt, or of a prompt that hit, finds its snapshot from the
+  third request on (the second snapshots the branch point).
 - chunk ends, at least `snapshot_interval` tokens after its previous snapshot: long prompts
   then leave snapshots along the way that partial matches can use (with the default budget of
   512 tokens a step, the end of every fourth chunk).
@@ -79,11 +82,18 @@ DEFAULT_SNAPSHOT_INTERVAL = 2048
 class PrefixCacheConfig:
     snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL  # tokens between chunk-end snapshots of one request
     snapshot_prompt_end: bool = True
+    # A hit snapshots its prompt's last page boundary too (a split: one more step, of fewer than a
+    # page of tokens) when that many tokens or more lie between the hit and it; 0: never. A chat's
+    # turn (the last turn's output and the new words: hundreds of tokens) takes it, a short
+    # suffix after a shared prefix does not.
+    hit_snapshot_tokens: int = 128
     snapshot_output: bool = False
 
     def __post_init__(self):
         if self.snapshot_interval < 1:
             raise ValueError(f"--snapshot-interval must be at least 1 (got {self.snapshot_interval})")
+        if self.hit_snapshot_tokens < 0:
+            raise ValueError(f"hit_snapshot_tokens must be at least 0 (got {self.hit_snapshot_tokens})")
 
 
 @dataclasses.dataclass
@@ -94,6 +104,7 @@ class CacheHold:
     points: tuple[int, ...]  # snapshot points ahead of it where a chunk must end, ascending
     snapshot_at: int  # its last snapshot (or the hit it started from)
     prompt_inserted: bool = False  # the prompt's whole pages are in the tree
+    node: object = None  # the tree node of that snapshot (None: no snapshot yet)
 
     @property
     def tokens(self) -> int:
@@ -118,10 +129,13 @@ class PrefixCache:
         ps = self.page_size
         match = self.tree.match(tokens, len(tokens) - 1)  # the last token always runs
         points = {match.kv_tokens}  # the branch point (the hit itself when no KV lies beyond it)
-        if self.config.snapshot_prompt_end and (prompt_len % ps == 0 or match.tokens == 0):
-            points.add(prompt_len // ps * ps)
+        end = prompt_len // ps * ps
+        if self.config.snapshot_prompt_end and (prompt_len % ps == 0 or match.tokens == 0 or (
+                self.config.hit_snapshot_tokens and end - match.tokens >= self.config.hit_snapshot_tokens)):
+            points.add(end)
         self.kv_pool.share(match.pages)  # so that no eviction takes them before attach
-        return CacheHold(match, tuple(sorted(p for p in points if p > match.tokens)), match.tokens)
+        return CacheHold(match, tuple(sorted(p for p in points if p > match.tokens)), match.tokens,
+                         node=match.node if match.snapshot is not None else None)
 
     def drop(self, hold: CacheHold) -> None:
         self.kv_pool.free(hold.match.pages)
@@ -188,7 +202,7 @@ class PrefixCache:
             # `_due`'s first test inline: off a page boundary (most requests of a step) nothing is due
             if pos % page_size == 0 and self._due(hold, pos, len(prompt)):
                 hold.snapshot_at = pos  # taken, or found already there, or no room: not tried again
-                self._snapshot(seq, (prompt + output)[:pos], pending)
+                self._snapshot(hold, seq, (prompt + output)[:pos], pending)
             if not hold.prompt_inserted and pos >= len(prompt):
                 hold.prompt_inserted = True
                 whole = pos - pos % self.page_size
@@ -196,13 +210,17 @@ class PrefixCache:
                 self._use_tree_pages(seq, tree_pages)
         self.snapshots.save(self.state_pool, list(pending.values()), list(pending))
 
-    def _snapshot(self, seq: SeqState, tokens: list[int], pending: dict[int, int]) -> None:
-        """Insert tokens (the request's first seq.num_cached) with a snapshot of the request's slot."""
+    def _snapshot(self, hold: CacheHold, seq: SeqState, tokens: list[int], pending: dict[int, int]) -> None:
+        """Insert tokens (the request's first seq.num_cached) with a snapshot of the request's slot;
+        the request's snapshot before it (or the one it hit) is superseded (RadixCache.supersede)."""
+        if hold.node is not None:  # first, so that a full pool gives its room to this one
+            self.tree.supersede(hold.node)
         snapshot = self._free_snapshot(pending)
         if snapshot is None:
             return
         node, tree_pages = self.tree.insert(tokens, seq.pages)
         self._use_tree_pages(seq, tree_pages)
+        hold.node = node
         if node.snapshot is not None:  # another request stopped here first
             self.snapshots.free(snapshot)
             return

@@ -16,6 +16,8 @@ hybrid model the linear layers' state.
 3. `set_snapshot(node, id)` attaches a snapshot; `evict_snapshot()` drops the least recently used
    one (made or hit longest ago) when the snapshot pool is full, from a heap of uses kept beside
    the tree (a full pool evicts one in most steps: a walk of every node each time grew with the tree).
+   A snapshot a request continued from and then passed with a deeper one (`supersede`) goes
+   before all the others.
 4. `evict_pages(free_target)` removes least recently used leaves until the KV pool has that many
    free pages. A leaf is removed only if no request holds its pages (the tree's is the only
    reference): the pages a running request uses are never evicted. Leaves without a snapshot go
@@ -119,6 +121,15 @@ class RadixCache:
         self._touch(match.node)
         match.node.snapshot_use = match.node.last_use
         self._note_snapshot_use(match.node)
+
+    def supersede(self, node: _Node) -> None:
+        """A request that continued from node's snapshot has taken a deeper one on the same path:
+        node's goes first when the pool needs room (a chat's turn needs the state its last turn
+        ended with, not the one before), until a hit makes it recent again (`use`)."""
+        if node.snapshot is None:
+            return
+        node.snapshot_use = -next(self._clock)  # below every use: the most recently superseded first
+        self._note_snapshot_use(node)
 
     def _touch(self, node: _Node) -> None:
         stamp = next(self._clock)

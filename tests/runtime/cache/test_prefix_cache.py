@@ -34,14 +34,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cached_engine(model, *, cache: bool = True, slots: int = 6, pages: int = 128, snapshots: int = 32,
-                  interval: int = 8, **engine_kwargs) -> Engine:
+                  interval: int = 8, hit_snapshot_tokens: int = 128, **engine_kwargs) -> Engine:
     kv_pool, state_pool = make_pools(model, slots, pages, PAGE)
     ops = BoundOps(CPUReferenceBackend(kv_pool, state_pool))
     model.set_ops(ops)
     prefix_cache = None
     if cache:
         prefix_cache = PrefixCache(kv_pool, state_pool, SnapshotPool(model.layer_registry, snapshots),
-                                   PrefixCacheConfig(snapshot_interval=interval))
+                                   PrefixCacheConfig(snapshot_interval=interval,
+                                                     hit_snapshot_tokens=hit_snapshot_tokens))
     return eager_engine(model, ops, kv_pool, state_pool, prefix_cache=prefix_cache, **engine_kwargs)
 
 
@@ -304,6 +305,54 @@ def test_output_snapshots_let_the_next_turn_hit_past_the_prompt():
     # The first turn's 10 + 12 tokens ran through 21 (its last sample is not fed): snapshots every
     # 4 tokens of its output, the last at 20. Without output snapshots the hit would stop at 8.
     assert cached[1].cached_tokens == 20
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("name", ["toy", MODELS[-1]])
+def test_each_turn_of_a_chat_hits_the_turn_before_it(name):
+    """A chat's turn is the last turn's prompt, its output and new words. A hit with at least
+    hit_snapshot_tokens (here 2 pages) up to its prompt's last page boundary snapshots there, so
+    each turn hits the turn before's prompt (rounded down to a page). Without it (0) a turn
+    snapshots only where it leaves the pages of the turn before (its branch point), so it hits
+    the prompt of two turns before. Tokens equal the run without the cache."""
+    model = build_model(name)
+    vocab = vocab_of(model)
+
+    def chat(engine, seed=5, turns=4):
+        g = torch.Generator().manual_seed(seed)
+        prompt, results = random_ids(13, vocab, g), []
+        for _ in range(turns):
+            results.append(engine.generate(prompt, SamplingParams(max_new_tokens=5)))
+            prompt = prompt + list(results[-1].output_ids) + random_ids(7, vocab, g)
+        return results
+
+    plain = chat(cached_engine(model, cache=False, max_tokens_per_step=64))
+    lengths = [13 + 12 * t for t in range(4)]  # each turn adds 5 output and 7 new tokens
+    for hit_snapshot_tokens, want in ((2 * PAGE, [0] + [n // PAGE * PAGE for n in lengths[:-1]]),
+                                      (0, [0, 12, 12, 24])):
+        engine = cached_engine(model, interval=10_000, max_tokens_per_step=64, hit_snapshot_tokens=hit_snapshot_tokens)
+        results = chat(engine)
+        assert [r.output_ids for r in results] == [r.output_ids for r in plain]
+        assert [r.cached_tokens for r in results] == want, hit_snapshot_tokens
+        assert_all_free(engine)
+
+
+def test_chats_sharing_a_pool_of_one_snapshot_each_keep_the_turn_before():
+    """Four chats take turns together with room for four snapshots. A turn's snapshot supersedes
+    the one its chat hit (RadixCache.supersede), so a full pool gives up that one, not the
+    snapshot another chat has yet to hit: every turn after the first hits its chat's last prompt.
+    Without that (eviction by use alone), chats lose their snapshot to each other's turns."""
+    model = build_model("toy")
+    vocab = vocab_of(model)
+    engine = cached_engine(model, slots=4, pages=512, snapshots=4, interval=10_000, max_tokens_per_step=64,
+                           hit_snapshot_tokens=8 * PAGE)
+    g = torch.Generator().manual_seed(3)
+    prompts = [random_ids(40, vocab, g) for _ in range(4)]
+    for turn in range(4):
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+        results = engine.run_until_done()
+        assert [results[i].cached_tokens for i in ids] == [len(prompts[0]) - 48 if turn else 0] * 4, turn
+        prompts = [p + list(results[i].output_ids) + random_ids(40, vocab, g) for p, i in zip(prompts, ids)]
     assert_all_free(engine)
 
 
