@@ -25,7 +25,8 @@
 # serving stages build bench qwen3_next once (hgc compile --target cuda: the compiled bundle unless
 # GLUE=traced) into /tmp, which a warm machine keeps between calls, or take ART; CONCURRENCY sets the
 # levels (default "1 32 128") and SERVE_ARGS adds hgc serve flags (those offline_bench takes too
-# reach its engine: serve_bench.py engine_flags). Bench-size models throughout.
+# reach its engine: serve_bench.py engine_flags); ROUTE adds one `hgc compile --route` to that
+# artifact (built apart from the unrouted one). Bench-size models throughout.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
 W=/tmp/measure_work
@@ -34,12 +35,14 @@ hgc() { python3 -m hgc "$@"; }
 
 serving_artifact() {  # prints the artifact's folder (ART, if set and built); builds it unless a warm machine has it
     [ -n "${ART:-}" ] && [ -f "$ART/manifest.json" ] && { echo "$ART"; return; }
-    local art=/tmp/serve_qwen3_next_${GLUE:-compiled}
+    local art=/tmp/serve_qwen3_next_${GLUE:-compiled}${ROUTE:+_routed}
     if [ ! -f "$art/manifest.json" ]; then
-        hgc init-model --family qwen3_next --size bench --seed 0 -o /tmp/ckpt_qwen3_next --force >&2 || return 1
+        [ -f /tmp/ckpt_qwen3_next/config.json ] ||
+            hgc init-model --family qwen3_next --size bench --seed 0 -o /tmp/ckpt_qwen3_next --force >&2 || return 1
         local glue=(); [ "${GLUE:-compiled}" = traced ] && glue=(--no-inductor)
+        local route=(); [ -n "${ROUTE:-}" ] && route=(--route "$ROUTE")
         /usr/bin/time -f "compile: %e s" python3 -m hgc compile /tmp/ckpt_qwen3_next --target cuda --dtype bfloat16 \
-            "${glue[@]}" -o "$art" >&2 || return 1
+            "${glue[@]}" "${route[@]}" -o "$art" >&2 || return 1
     fi
     echo "$art"
 }
