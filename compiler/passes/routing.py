@@ -21,7 +21,9 @@ For each op node, in graph order:
 4. among those left, the highest priority wins; among equals, one that can capture every mode in
    which the op's policy allows capture, then declaration order;
 5. record the choice in node.meta["hgc.backend"] and one entry in ctx.routing[program]: backend,
-   kernel options (each declared option resolved, a route's choice or the default), and what chose it.
+   kernel options (each declared option resolved, a route's choice or the default), and what chose it;
+   a route's choice the backend scopes to other ops (`choice_ops`: FlashInfer's extend_impl=triton
+   on an MLA layer) fails the compile naming the layer and the choice.
 
 With --batch-invariant (CompileConfig.batch_invariant), step 3 keeps only backends that declare
 batch-invariant kernels (`BackendCapability.batch_invariant`), and step 5 sets the options that
@@ -190,6 +192,11 @@ def choose_backend(node, ctx) -> tuple[object, dict, str]:
         options = cap.resolve_options(given)
     except CapabilityError as e:
         raise RoutingError(f"routing: route {route}: {e}") from None
+    why = cap.choice_refusal(facts.op, options)  # a default serves every op: only a route's choice is refused
+    if why is not None:
+        layer_id, kind = node.meta["hgc.layer_id"], node.meta["hgc.kind"]
+        raise RoutingError(f"{_where(node, layer_id, kind)}: route {route} sends hgc.{facts.op} to {cap.name}, whose "
+                           f"{why}; fix: route this layer without that choice")
     return cap, options, f"route {route}" if route is not None else "priority"
 
 

@@ -33,8 +33,8 @@ from .ops import OP_SPECS
 from .policy import MODES, Mode
 from .registry import LayerKind
 
-__all__ = ["BackendCapability", "CapabilityTable", "CapabilityError", "ShapeLimit", "OpCapture", "DTYPES",
-           "instance_key"]
+__all__ = ["BackendCapability", "CapabilityTable", "CapabilityError", "ShapeLimit", "OpCapture", "ChoiceScope",
+           "DTYPES", "instance_key"]
 
 # The activation dtypes a compile can trace in (hgc compile --dtype): what `dtypes` may name.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -121,6 +121,42 @@ class OpCapture:
                    tuple((str(k), str(v)) for k, v in (obj.get("when") or {}).items()), str(obj.get("why", "")))
 
 
+@dataclasses.dataclass(frozen=True)
+class ChoiceScope:
+    """A kernel option's choice that serves only some of a backend's ops: routing refuses a node of
+    another op routed here with it (a default choice serves every op, so it is never scoped).
+
+    Example (FlashInfer's Triton extend kernel serves GQA layers, not MLA)::
+
+        ChoiceScope("extend_impl", "triton", frozenset({"gqa_attention"}))
+    """
+
+    option: str
+    choice: str
+    ops: frozenset[str]
+    why: str = ""  # shown in the refusal
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.ops) - set(OP_SPECS))
+        if unknown:
+            raise CapabilityError(f"choice scope {self.option}={self.choice}: ops outside the vocabulary {unknown}")
+
+    def refusal(self, op: str, options: Mapping[str, str]) -> Optional[str]:
+        """Why a node of `op` with these resolved options cannot take this choice, or None."""
+        if options.get(self.option) != self.choice or op in self.ops:
+            return None
+        why = f" ({self.why})" if self.why else ""
+        return (f"{self.option}={self.choice} serves {', '.join(f'hgc.{o}' for o in sorted(self.ops))} only, "
+                f"not hgc.{op}{why}")
+
+    def to_json(self) -> dict:
+        return {"option": self.option, "choice": self.choice, "ops": sorted(self.ops), "why": self.why}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "ChoiceScope":
+        return cls(str(obj["option"]), str(obj["choice"]), frozenset(obj["ops"]), str(obj.get("why", "")))
+
+
 def instance_key(backend: str, options: Mapping[str, str]) -> str:
     """The name of one backend instance: the backend, with its kernel options when it has any.
 
@@ -156,6 +192,8 @@ class BackendCapability:
     # Kernel alternatives, each an option with its choices, the first the default. Routing records
     # the resolved choice per node; `--route OP=BACKEND[option=choice]` picks another.
     options: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Choices of those options that serve only some of its ops (routing refuses them for the others).
+    choice_ops: tuple[ChoiceScope, ...] = ()
     # The kernel options under which every decode and verify row this backend computes is bit for bit
     # the same whatever else shares its step (batch size, rows per request, other requests' lengths):
     # `hgc compile --batch-invariant` sets them on every node routed here. (): always so; None: no
@@ -197,6 +235,14 @@ class BackendCapability:
         for option, choices in self.options:
             if not choices or len(set(choices)) != len(choices):
                 raise CapabilityError(f"backend {self.name!r}: option {option!r} needs distinct choices, got {choices}")
+        for scope in self.choice_ops:
+            values = dict(self.options).get(scope.option, ())
+            if scope.choice not in values[1:]:
+                raise CapabilityError(f"backend {self.name!r}: choice scope {scope.option}={scope.choice} names no "
+                                      f"choice of its options but their defaults (a default serves every op)")
+            if not set(scope.ops) <= set(self.ops):
+                raise CapabilityError(f"backend {self.name!r}: choice scope {scope.option}={scope.choice} names ops "
+                                      f"{sorted(set(scope.ops) - set(self.ops))} it does not declare")
         for option, choice in self.batch_invariant or ():
             if choice not in dict(self.options).get(option, ()):
                 raise CapabilityError(f"backend {self.name!r}: batch-invariant choice {option}={choice} is not one of "
@@ -255,6 +301,12 @@ class BackendCapability:
         resolved = {o: (options or {}).get(o, values[0]) for o, values in self.options}
         return any(extra.applies(op, mode, resolved) for extra in self.op_capture)
 
+    def choice_refusal(self, op: str, options: Optional[Mapping[str, str]] = None) -> Optional[str]:
+        """Why a node of `op` routed here cannot take these kernel `options` (a choice scoped to
+        other ops: `choice_ops`), or None."""
+        resolved = {o: (options or {}).get(o, values[0]) for o, values in self.options}
+        return next((why for scope in self.choice_ops if (why := scope.refusal(op, resolved)) is not None), None)
+
     def capturable_modes(self, op: str, options: Optional[Mapping[str, str]] = None) -> list[str]:
         """The modes `capturable` allows for `op` with `options`, in mode order (routing.json records them)."""
         return [m.value for m in MODES if self.capturable(op, m, options)]
@@ -284,6 +336,7 @@ class BackendCapability:
             "dtypes": None if self.dtypes is None else sorted(self.dtypes),
             "limits": [lim.to_json() for lim in self.limits],
             "options": {k: list(v) for k, v in self.options},
+            "choice_ops": [scope.to_json() for scope in self.choice_ops],
             "batch_invariant": None if self.batch_invariant is None else dict(self.batch_invariant),
             "batch_invariant_ops": None if self.batch_invariant_ops is None else sorted(self.batch_invariant_ops),
             "priority": self.priority,
@@ -301,6 +354,7 @@ class BackendCapability:
             dtypes=None if obj.get("dtypes") is None else frozenset(obj["dtypes"]),
             limits=tuple(ShapeLimit.from_json(lim) for lim in obj.get("limits", ())),
             options=tuple((k, tuple(v)) for k, v in (obj.get("options") or {}).items()),
+            choice_ops=tuple(ChoiceScope.from_json(scope) for scope in obj.get("choice_ops", ())),
             batch_invariant=(None if obj.get("batch_invariant") is None
                              else tuple((k, str(v)) for k, v in obj["batch_invariant"].items())),
             batch_invariant_ops=(None if obj.get("batch_invariant_ops") is None

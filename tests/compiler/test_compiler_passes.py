@@ -334,6 +334,35 @@ def test_split_makes_a_node_of_a_backend_that_cannot_capture_an_eager_gap():
     assert extend_gaps == [("gqa_attention",), ("lightning_core_1",)]
 
 
+def test_a_choice_scoped_to_some_ops_is_refused_on_a_node_of_another():
+    """`choice_ops`: a kernel option's choice that serves only some of a backend's ops (FlashInfer's
+    extend_impl=triton serves GQA layers). A route giving it to a node of another op fails the
+    compile naming the layer, the route and the choice; routed to the ops it serves, it is recorded."""
+    from compiler.splitops import ChoiceScope
+    scoped = BackendCapability("scoped", "cpu", ALL_OPS - COLLECTIVE_OPS, options=(("impl", ("plain", "tiled")),),
+                               choice_ops=(ChoiceScope("impl", "tiled", frozenset({"lightning_core"}),
+                                                       why="tiles of the linear kernel"),))
+    assert scoped.choice_refusal("gqa_attention", {"impl": "tiled"}) == (
+        "impl=tiled serves hgc.lightning_core only, not hgc.gqa_attention (tiles of the linear kernel)")
+    assert scoped.choice_refusal("lightning_core", {"impl": "tiled"}) is None
+    assert scoped.choice_refusal("gqa_attention", {}) is None  # the default serves every op
+    assert BackendCapability.from_json(scoped.to_json()) == scoped
+    table = CapabilityTable([CPU_ALL, scoped])
+    routed = _entries(_route_plan(["lightning_core=scoped[impl=tiled]"], table))
+    assert routed["lightning_core"]["options"] == {"impl": "tiled"}
+    with pytest.raises(PassError, match=r"node gqa_attention \(layer 1, kind full_gqa\): route layers=1:scoped\[impl=tiled\] "
+                                        r"sends hgc.gqa_attention to scoped, whose impl=tiled serves hgc.lightning_core "
+                                        r"only, not hgc.gqa_attention \(tiles of the linear kernel\); fix: route this "
+                                        r"layer without that choice"):
+        _route_plan(["layers=1:scoped[impl=tiled]"], table)
+    with pytest.raises(CapabilityError, match="names no choice of its options but their defaults"):
+        BackendCapability("x", "cpu", ALL_OPS, options=(("impl", ("plain", "tiled")),),
+                          choice_ops=(ChoiceScope("impl", "plain", frozenset({"gdn_core"})),))
+    with pytest.raises(CapabilityError, match=r"names ops \['gdn_core'\] it does not declare"):
+        BackendCapability("x", "cpu", FULL_OPS, options=(("impl", ("plain", "tiled")),),
+                          choice_ops=(ChoiceScope("impl", "tiled", frozenset({"gdn_core"})),))
+
+
 def test_capability_declarations_are_checked():
     with pytest.raises(CapabilityError, match="outside the vocabulary"):
         BackendCapability("x", "cpu", frozenset({"flash_attention"}))
