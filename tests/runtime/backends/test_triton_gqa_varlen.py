@@ -19,8 +19,8 @@ gathered from its pages, causal softmax, float64) by the relative error of the n
 4. what the arguments must be.
 
 On a machine without CUDA the kernel runs in Triton's interpreter, in float32 (bf16 dots are
-wrong in the interpreter); the gpu-marked test runs it compiled in bf16 at Qwen3-Next's head
-geometry (16 query heads, 2 kv heads, head dim 256). The interpreter must be switched on before
+wrong in the interpreter); the gpu-marked tests run it compiled in bf16 at Qwen3-Next's head
+geometry (16 query heads, 2 kv heads, head dim 256): against the reference, and check 3 there. The interpreter must be switched on before
 triton is first imported (testkit/triton_interpreter.py).
 """
 
@@ -147,24 +147,30 @@ def test_a_bucket_sized_grid_gives_the_eager_grid_bit_for_bit():
     assert torch.equal(*outs)
 
 
-@in_process
-def test_with_fixed_splits_an_extend_row_is_the_decode_rows_bits():
-    """Fixed splits walk fixed chunks in a fixed order with the same tile: a row of an extend step
-    comes out bit for bit as the decode step at its position gives it (the uniform kernel, n = 1)."""
-    step = make_step(REQUESTS, 8, 2, 16, 16, seqs=len(REQUESTS), rows=step_rows(REQUESTS), seed=4)
-    fixed = dict(fixed_splits=True, split_tokens=16, block_n=16)
-    out = torch.zeros(step.q.shape[:2] + (16,), device=DEVICE)
+def check_extend_rows_are_decode_rows(step: Step, fixed: dict, scale: float) -> None:
+    """Every real row of `step` through the varlen kernel, bit for bit the decode step (the uniform
+    kernel, n = 1) of that row at its position."""
+    out = torch.zeros(step.q.shape[:2] + (step.v_cache.shape[3],), dtype=step.q.dtype, device=DEVICE)
     triton_gqa_attention_varlen(step.q, step.k_cache, step.v_cache, step.page_table, step.seq_lens,
-                                step.query_start_loc, out, SCALE, **fixed)
+                                step.query_start_loc, out, scale, **fixed)
     row = 0
-    for b, (cached, new) in enumerate(REQUESTS):
+    for b, (cached, new) in enumerate(step.reqs):
         for r in range(new):
-            alone = torch.zeros(1, 8, 16, device=DEVICE)
+            alone = torch.zeros_like(out[:1])
             triton_gqa_attention(step.q[row:row + 1], step.k_cache, step.v_cache, step.page_table[b:b + 1],
-                                 torch.tensor([cached + r + 1], dtype=torch.int32, device=DEVICE), 1, alone, SCALE,
+                                 torch.tensor([cached + r + 1], dtype=torch.int32, device=DEVICE), 1, alone, scale,
                                  **fixed)
             assert torch.equal(alone[0], out[row]), (b, r)
             row += 1
+
+
+@in_process
+def test_with_fixed_splits_an_extend_row_is_the_decode_rows_bits():
+    """Fixed splits walk fixed chunks in a fixed order with the same tile: a row of an extend step
+    comes out bit for bit as the decode step at its position gives it (the uniform kernel, n = 1),
+    whatever row of a tile it sits at. Chunks of 16 keys, so the longest request crosses several."""
+    step = make_step(REQUESTS, 8, 2, 16, 16, seqs=len(REQUESTS), rows=step_rows(REQUESTS), seed=4)
+    check_extend_rows_are_decode_rows(step, dict(fixed_splits=True, split_tokens=16, block_n=16), SCALE)
 
 
 def test_the_arguments_are_checked():
@@ -195,3 +201,13 @@ def test_bf16_at_qwen3_next_heads_on_the_gpu(fixed):
     real = step.real_rows
     assert rel_err(out[:real], step.reference(256 ** -0.5)[:real]) < 1e-2
     assert torch.isfinite(out).all() and out[real:].eq(0).all()
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_bf16_extend_rows_with_fixed_splits_are_the_decode_rows_bits_on_the_gpu():
+    """On the device's tensor-core tiles, in bf16, with the real chunk of keys (SPLIT_TOKENS): the
+    rows of a prompt, a prefix hit's tail past the first chunks and a mixed step's decode row."""
+    reqs = [(0, 70), (600, 24), (300, 1)]
+    step = make_step(reqs, 16, 2, 256, 256, seqs=3, rows=95, page=16, dtype=torch.bfloat16, seed=6)
+    check_extend_rows_are_decode_rows(step, dict(fixed_splits=True), 256 ** -0.5)
