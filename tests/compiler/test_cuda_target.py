@@ -220,6 +220,8 @@ def test_hgc_backends_lists_each_kernel_option_with_its_choices_default_first(ca
     at = next(i for i, ln in enumerate(lines) if ln.startswith("triton_linear "))
     assert "short_extend_tokens=64|0|16|32|128" in lines[at]
     assert "chunk_impl=triton|fla" in lines[at + 1]
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("flashinfer "))
+    assert "extend_impl=ragged|paged|triton" in lines[at] and "(triton: gqa_attention only)" in lines[at + 1]
 
 
 
