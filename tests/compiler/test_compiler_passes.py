@@ -330,8 +330,9 @@ def test_split_makes_a_node_of_a_backend_that_cannot_capture_an_eager_gap():
     assert decode_gaps == [("lightning_core_1",)]  # layer 2 only: its neighbours stay captured
     assert [p.kind for p in plans[Mode.DECODE].pieces] == [CAPTURED, EAGER, CAPTURED]
     extend_gaps = [p.nodes for p in plans[Mode.EXTEND].pieces if p.kind == EAGER]
-    # extend: attention by its policy, layer 2's lightning by its backend (layer 0's is captured)
-    assert extend_gaps == [("gqa_attention",), ("lightning_core_1",)]
+    # extend: layer 2's lightning by its backend (layer 0's is captured); GQA attention's policy
+    # leaves extend to its backend, and this one captures every mode
+    assert extend_gaps == [("lightning_core_1",)]
 
 
 def test_a_choice_scoped_to_some_ops_is_refused_on_a_node_of_another():
@@ -403,14 +404,18 @@ def test_capability_refusals_name_what_the_backend_lacks():
 
 def test_the_reference_backends_declare_every_op_and_their_capture():
     """The CPU reference may sit in captured pieces (on the CPU a captured piece is rerun, nothing is
-    frozen), so CPU plans follow the op policies alone; the same math on cuda captures nothing and is
-    bound only by a route (never a silent slow fallback). The collectives are torch.distributed's:
-    gloo on the CPU, NCCL on cuda, both capturable."""
+    frozen), so CPU plans follow the op policies, but for GQA attention in extend and mixed steps,
+    which its policy leaves to the backend and the CPU keeps eager (the CPU plans as they were);
+    the same math on cuda captures nothing and is bound only by a route (never a silent slow
+    fallback). The collectives are torch.distributed's: gloo on the CPU, NCCL on cuda, both capturable."""
     from runtime.backends import discover
     table = discover().capability_table()
     cpu, cuda = table["cpu_reference"], table["torch_reference"]
     assert cpu.device == "cpu" and cpu.ops == ALL_OPS - COLLECTIVE_OPS and not cpu.explicit_only
-    assert set(cpu.modes_supported) == set(cpu.modes_capturable) == set(MODES)
+    assert set(cpu.modes_supported) == set(MODES)
+    for op in cpu.ops:
+        want = [m.value for m in MODES if op != "gqa_attention" or m in (Mode.DECODE, Mode.TARGET_VERIFY)]
+        assert cpu.capturable_modes(op) == want, op
     assert cuda.device == "cuda" and cuda.ops == ALL_OPS - COLLECTIVE_OPS and cuda.explicit_only
     assert not cuda.modes_capturable
     for name, device in (("gloo", "cpu"), ("nccl", "cuda")):
@@ -461,7 +466,8 @@ def test_split_records_the_piece_of_each_node():
 
 
 class _TwoOps(nn.Module):
-    """Two op cores back to back with nothing between them: their gaps must merge."""
+    """Two op cores back to back with nothing between them: their gaps must merge (MLA attention,
+    eager in extend by its policy; shapes do not matter to the trace)."""
 
     def __init__(self):
         super().__init__()
@@ -469,8 +475,9 @@ class _TwoOps(nn.Module):
 
     def forward(self, q, k, v):
         a, b = torch.empty_like(q), torch.empty_like(q)
-        TRACED_OPS.gqa_attention(q, k, v, a, 0, 1.0)
-        TRACED_OPS.gqa_attention(q, k, v, b, 1, 1.0)
+        latent = k[:, 0]
+        TRACED_OPS.mla_attention(q, v, latent, latent, a, 0, 1.0)
+        TRACED_OPS.mla_attention(q, v, latent, latent, b, 1, 1.0)
         return a + b
 
 
@@ -486,7 +493,7 @@ def test_split_merges_adjacent_eager_ops_into_one_gap():
     gm = _two_ops_gm()
     plan = plan_for_mode(gm, Mode.EXTEND)
     assert [p.kind for p in plan.pieces] == [CAPTURED, EAGER, CAPTURED]
-    assert plan.pieces[1].nodes == ("gqa_attention", "gqa_attention_1")
+    assert plan.pieces[1].nodes == ("mla_attention", "mla_attention_1")
 
 
 def test_apply_split_plan_keeps_graph_order_and_only_op_cores_in_gaps():
@@ -496,7 +503,7 @@ def test_apply_split_plan_keeps_graph_order_and_only_op_cores_in_gaps():
     subs = [n.target for n in split.graph.nodes if n.op == "call_module"]
     assert subs == ["submod_0", "submod_1", "submod_2"]
     gap_ops = [n for n in getattr(split, "submod_1").graph.nodes if n.op == "call_function"]
-    assert [str(n.target) for n in gap_ops] == ["hgc.gqa_attention.default"] * 2
+    assert [str(n.target) for n in gap_ops] == ["hgc.mla_attention.default"] * 2
     before = len(_op_nodes(gm))
     after = sum(len(_op_nodes(getattr(split, s))) for s in subs)
     assert before == after == 2

@@ -241,6 +241,50 @@ def test_chunk_impl_fla_makes_gdn_an_extend_gap_again(checkpoints, tmp_path, cap
     assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["gdn_core", "gqa_attention"]
 
 
+def test_the_triton_extend_route_makes_a_qwen3_next_extend_step_one_captured_piece(checkpoints, tmp_path, capsys):
+    """`--route gqa_attention=flashinfer[extend_impl=triton]`: GQA attention, whose policy leaves extend
+    and mixed steps to the routed backend, is captured there (FlashInfer's op capture under that
+    choice), so with the GDN cores and the conv on our kernels and the MoE captured, the extend and
+    mixed plans of both programs are one captured piece, as decode's. Without the route they are as
+    before (attention the one gap), and the capture warning names the route."""
+    route = "gqa_attention=flashinfer[extend_impl=triton]"
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16", "--route", route)
+    assert rc == 0, err[-3000:]
+    split = json.loads((art / "split.json").read_text())["programs"]
+    assert set(split) == {"main", "draft"}
+    for program, plans in split.items():
+        for mode in ("decode", "extend", "mixed", "target_verify"):
+            assert [p["kind"] for p in plans[mode]["pieces"]] == ["captured"], (program, mode)
+    gqa = [e for e in entries(art) if e["op"] == "gqa_attention"]
+    assert gqa and {e["options"]["extend_impl"] for e in gqa} == {"triton"}
+    assert all(e["backend_capturable"] == [m.value for m in MODES] and e["policy"]["extend"] == "capturable"
+               for e in gqa)
+    lints = json.loads((art / "lints.json").read_text())
+    assert lints["counts"]["error"] == 0 and not [f for f in lints["findings"] if f["rule"] == "backend-cannot-capture"]
+
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path / "default", capsys, "--dtype", "bfloat16")
+    assert rc == 0, err[-3000:]
+    assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["gqa_attention"] and gap_ops(art, "decode") == []
+    warned = [f for f in json.loads((art / "lints.json").read_text())["findings"]
+              if f["rule"] == "backend-cannot-capture"]
+    assert warned and {f["backend"] for f in warned} == {FULL.name}
+    assert all("cannot be captured in mode(s) extend, mixed" in f["message"] for f in warned)
+    assert all(f["fix"] == "route it with flashinfer[extend_impl=triton], which flashinfer can capture there"
+               for f in warned)
+
+
+@pytest.mark.parametrize("route", ["mla_attention=flashinfer[extend_impl=triton]",
+                                   "layers=2:flashinfer[extend_impl=triton]"])
+def test_an_mla_layer_routed_with_the_triton_extend_is_refused(checkpoints, tmp_path, capsys, route):
+    """The Triton extend kernel serves GQA layers: FlashInfer scopes extend_impl=triton to
+    gqa_attention, so a route giving it to an MLA layer fails the compile naming the layer and the
+    choice (a runtime given such an entry refuses it too: test_flashinfer_backend_cpu.py)."""
+    rc, art, err = compile_cuda(checkpoints, "kimi_linear", tmp_path, capsys, "--dtype", "bfloat16", "--route", route)
+    assert rc == 2 and not art.exists()
+    assert (f"node mla_attention (layer 2, kind full_mla): route {route} sends hgc.mla_attention to flashinfer, "
+            f"whose extend_impl=triton serves hgc.gqa_attention only, not hgc.mla_attention") in err, err
+
+
 # -- --batch-invariant ------------------------------------------------------------------------------
 
 
