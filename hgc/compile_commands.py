@@ -467,6 +467,16 @@ def capturable_column(row: dict) -> str:
     return text
 
 
+def dtypes_column(row: dict) -> str:
+    """The activation dtypes a backend runs, then each op that runs more under some options:
+    "bfloat16 float16; gqa_attention +float32 (decode_impl=triton, extend_impl=triton)"."""
+    text = " ".join(row["dtypes"]) if row["dtypes"] else "any"
+    for extra in row.get("option_dtypes") or ():
+        when = ", ".join(f"{k}={v}" for k, v in extra["when"].items())
+        text += f"; {extra['op']} " + " ".join(f"+{d}" for d in extra["dtypes"]) + f" ({when})"
+    return text
+
+
 def cmd_backends(args) -> int:
     """Every backend routing can choose: built-in, and installed under the entry-point group hgc.backends."""
     from runtime.backends import discover
@@ -476,7 +486,7 @@ def cmd_backends(args) -> int:
         print(json.dumps({"backends": rows}))
         return 0
     table = [(r["name"], r["device"], " ".join(r["ops"]), " ".join(r["modes_supported"]),
-              capturable_column(r), " ".join(r["dtypes"]) if r["dtypes"] else "any",
+              capturable_column(r), dtypes_column(r),
               r["priority"] if not r["explicit_only"] else f"{r['priority']} (only by --route)",
               options_column(r.get("options") or {}, r.get("choice_ops") or ()), invariant_column(r), r["source"])
              for r in rows]

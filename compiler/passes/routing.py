@@ -12,7 +12,8 @@ For each op node, in graph order:
 1. kind = registry[layer id].kind;
 2. a route that applies binds it: `layers=3,7:BACKEND` (a listed layer, an op the backend
    implements) before `OP=BACKEND`; the backend must run on the target and serve the node
-   (`capability.refusal`: op, kind, every mode, dtype, shapes), or the compile fails naming the
+   (`capability.refusal`: op, kind, every mode, dtype under the route's kernel options, shapes),
+   or the compile fails naming the
    layer, the backend and what it lacks;
 3. otherwise the candidates are the backends of the target that declare the op (and the kind,
    where they restrict kinds), minus those that only a route may bind (`explicit_only`); those
@@ -120,7 +121,7 @@ def _routed(node, route: Route, ctx, facts):
         raise RoutingError(f"{_where(node, layer_id, kind.value)}: route {route} names {cap.name}, which runs on "
                            f"{cap.device!r}, and the compile target is {target!r}; fix: route to a {target} backend "
                            f"or compile with --target {cap.device}")
-    why = cap.refusal(facts.op, kind, facts.dtype, facts.shapes)
+    why = cap.refusal(facts.op, kind, facts.dtype, facts.shapes, dict(route.options))
     if why is not None:
         raise RoutingError(f"{_where(node, layer_id, kind.value)}: route {route} sends hgc.{facts.op} ({facts.dtype}) "
                            f"to {cap.name}, which {why}; fix: route this layer to a backend that serves it "

@@ -109,7 +109,7 @@ def _refusal(entry: RouteEntry, facts, cls, device: torch.device) -> Optional[st
     if torch.device(cap.device).type != device.type:
         return f"{cap.name} runs on {cap.device}, this run is on {device}"
     kind = LayerKind(entry.kind) if entry.kind is not None else None
-    why = cap.refusal(facts.op, kind, facts.dtype, facts.shapes)
+    why = cap.refusal(facts.op, kind, facts.dtype, facts.shapes, entry.options)
     if why is not None:
         return f"{cap.name} {why}"
     try:

@@ -29,7 +29,9 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    with `extend_impl="triton"`: GQA groups then run the same Triton kernel for requests of
    different lengths (`triton_gqa_attention_varlen`), from the page table, `seq_lens` and
    `query_start_loc`, so an extend or mixed step plans nothing on the host either (a GQA-only
-   choice: the constructor refuses it for MLA layers, which that kernel does not serve).
+   choice: the constructor refuses it for MLA layers, which that kernel does not serve; an eager
+   target_verify step of unequal rows takes it too). With decode_impl="triton" as well no GQA
+   step reaches FlashInfer's kernels, so GQA layers may then be float32 (`option_dtypes`).
 3. `gqa_attention(ctx, ...)` / `mla_attention(ctx, ...)` store this step's rows into the
    layer's pages (a Triton kernel that skips rows whose slot is -1, so it is safe inside a
    graph where the number of real rows changes between replays), run the planned wrapper on
@@ -87,7 +89,7 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 import torch
 
-from compiler.splitops import BackendCapability, ChoiceScope, LayerKind, Mode, OpCapture, ShapeLimit
+from compiler.splitops import BackendCapability, ChoiceScope, LayerKind, Mode, OpCapture, OptionDtypes, ShapeLimit
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import next_pow2
 from runtime.backends.protocol import BackendHooks, BackendSetup
@@ -318,7 +320,8 @@ FLASHINFER_MLA_RANK, FLASHINFER_MLA_ROPE = 512, 64
 _MLA_WHY = (f"FlashInfer's MLA is checked at latent rank {FLASHINFER_MLA_RANK}, rope width {FLASHINFER_MLA_ROPE} "
             "only; other widths ran into an illegal memory access")
 # FlashInfer's kernels are instantiated for 16-bit activations: its JIT dtype table has no float32
-# (a float32 MLA plan died with a KeyError inside FlashInfer), so float32 routes elsewhere.
+# (a float32 MLA plan died with a KeyError inside FlashInfer), so float32 routes elsewhere, or, for
+# GQA layers, here with every step on the Triton kernels (decode_impl and extend_impl "triton").
 _FLASHINFER_DTYPES = frozenset({"bfloat16", "float16"})
 
 
@@ -440,6 +443,10 @@ class FlashInferAttentionBackend(BackendHooks):
         op_capture=(OpCapture("gqa_attention", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("extend_impl", "triton"),),
                               why="the Triton GQA kernel from the page table, seq_lens and query_start_loc"),),
         dtypes=_FLASHINFER_DTYPES,
+        # GQA layers whose every step runs a Triton kernel never reach FlashInfer's JIT: float32 too.
+        option_dtypes=(OptionDtypes("gqa_attention", frozenset({"float32"}),
+                                    when=(("decode_impl", "triton"), ("extend_impl", "triton")),
+                                    why="every GQA step on the Triton kernels, none on FlashInfer's"),),
         limits=(ShapeLimit("gqa_attention", "q", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY),
                 ShapeLimit("gqa_attention", "v", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY),
                 ShapeLimit("mla_attention", "q_latent", -1, frozenset({FLASHINFER_MLA_RANK}), why=_MLA_WHY),
@@ -667,7 +674,9 @@ class FlashInferAttentionBackend(BackendHooks):
     def _plan(self, ctx: ExecContext, bucket: Optional[int]) -> _StepPlan:
         mode = Mode(ctx.mode)
         per = self._rows_per_request(ctx)
-        varlen = not per and self._varlen(mode)
+        # extend_impl="triton": every step whose requests carry different rows (extend, mixed, and
+        # an eager target_verify step of unequal rows) runs the varlen kernel
+        varlen = not per and self.extend_impl == "triton"
         on_table = frozenset(g for g in self.groups if (per and self._table_kernel(g)) or (varlen and g.kind == "gqa"))
         if mode == Mode.DECODE:
             kind = "decode"

@@ -364,6 +364,33 @@ def test_a_choice_scoped_to_some_ops_is_refused_on_a_node_of_another():
                           choice_ops=(ChoiceScope("impl", "tiled", frozenset({"gdn_core"})),))
 
 
+def test_option_dtypes_let_a_backend_run_more_dtypes_under_some_kernel_options():
+    """`option_dtypes`: FlashInfer's GQA runs float32 where every step is on the Triton kernels. The
+    refusal reads the node's kernel options (a route's; unset ones their defaults) and, where it
+    refuses, says under which options the dtype would run; declarations are checked."""
+    from compiler.splitops import OptionDtypes
+    gqa = LayerKind.FULL_GQA
+    cap = BackendCapability("fi", "cuda", FULL_OPS, dtypes=frozenset({"bfloat16"}),
+                            options=(("extend", ("library", "ours")), ("decode", ("ours", "library"))),
+                            option_dtypes=(OptionDtypes("gqa_attention", frozenset({"float32"}),
+                                                        when=(("extend", "ours"), ("decode", "ours"))),))
+    assert cap.refusal("gqa_attention", gqa, "float32") == (
+        "runs dtypes ['bfloat16'], not float32 (hgc.gqa_attention runs float32 with extend=ours, decode=ours)")
+    assert cap.refusal("gqa_attention", gqa, "float32", options={"extend": "ours"}) is None
+    assert cap.refusal("gqa_attention", gqa, "float32", options={"extend": "ours", "decode": "library"}) is not None
+    assert cap.refusal("mla_attention", LayerKind.FULL_MLA, "float32", options={"extend": "ours"}) == (
+        "runs dtypes ['bfloat16'], not float32")
+    assert cap.refusal("gqa_attention", gqa, "float16", options={"extend": "ours"}) == "runs dtypes ['bfloat16'], not float16"
+    assert BackendCapability.from_json(cap.to_json()) == cap
+    with pytest.raises(CapabilityError, match="option dtypes of gqa_attention name extend=fast"):
+        BackendCapability("x", "cuda", FULL_OPS, options=(("extend", ("library", "ours")),),
+                          option_dtypes=(OptionDtypes("gqa_attention", frozenset({"float32"}), (("extend", "fast"),)),))
+    with pytest.raises(CapabilityError, match=r"option dtypes of 'gdn_core', an op it does not declare"):
+        BackendCapability("x", "cuda", FULL_OPS, option_dtypes=(OptionDtypes("gdn_core", frozenset({"float32"}), ()),))
+    with pytest.raises(CapabilityError, match=r"\['float64'\] are not among"):
+        OptionDtypes("gqa_attention", frozenset({"float64"}), ())
+
+
 def test_capability_declarations_are_checked():
     with pytest.raises(CapabilityError, match="outside the vocabulary"):
         BackendCapability("x", "cpu", frozenset({"flash_attention"}))

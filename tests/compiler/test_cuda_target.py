@@ -138,6 +138,24 @@ def test_float32_gqa_on_cuda_fails_the_compile_naming_layer_dtype_and_backends(c
     assert "--route gqa_attention=torch_reference" in err
 
 
+def test_float32_gqa_routes_to_flashinfer_with_every_step_on_the_triton_kernels(checkpoints, tmp_path, capsys):
+    """FlashInfer's kernels take no float32, the Triton GQA kernels do: routed with extend_impl=triton
+    (decode_impl=triton is the default), GQA layers run float32 on the FlashInfer backend, whose
+    extends are then captured too; with FlashInfer's decode kernel the route is refused, saying which
+    options would take float32."""
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "float32",
+                                "--route", "gqa_attention=flashinfer[extend_impl=triton]")
+    assert rc == 0, err[-3000:]
+    gqa = [e for e in entries(art) if e["op"] == "gqa_attention"]
+    assert gqa and {(e["backend"], e["dtype"]) for e in gqa} == {(FULL.name, "float32")}
+    assert gap_ops(art, "extend") == gap_ops(art, "mixed") == []
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path / "fi", capsys, "--dtype", "float32",
+                                "--route", "gqa_attention=flashinfer[extend_impl=triton,decode_impl=flashinfer]")
+    assert rc == 2 and not art.exists()
+    assert ("flashinfer, which runs dtypes ['bfloat16', 'float16'], not float32 (hgc.gqa_attention runs float32 "
+            "with decode_impl=triton, extend_impl=triton)") in err
+
+
 def test_a_head_dim_flashinfer_does_not_build_fails_the_compile(tmp_path, capsys):
     tiny_checkpoint("qwen3_next", tmp_path / "hd32", seed=3)  # tiny: head_dim 32
     rc, art, err = compile_cuda(tmp_path, "hd32", tmp_path, capsys, "--dtype", "bfloat16")

@@ -562,6 +562,13 @@ def test_triton_extend_plans_nothing_and_matches_the_reference(host_plans):
         for layer in GQA_LAYERS:
             assert pair.run(ctx, layer, ctx.num_tokens) < 1e-5
     assert modes == [Mode.EXTEND, Mode.MIXED, Mode.MIXED]
+    # an eager target_verify step of unequal rows (no graph replays one) takes the same kernel
+    items = [(seqs[0], [0] * 2), (seqs[1], [0] * 4)]
+    ctx = build_step(items, pair.ref_pool, mode=Mode.TARGET_VERIFY, pad_tokens_to=8, pad_seqs_to=3).ctx
+    pair.be.init_step_metadata(ctx)
+    assert pair.be._step.table.rows_per_req == 0
+    for layer in GQA_LAYERS:
+        assert pair.run(ctx, layer, ctx.num_tokens) < 1e-5
     assert host_plans == [] and _plans() == [] and not any(e[0] == "init" for e in _Fake.log)
     for name in ("k", "v"):
         assert torch.equal(pair.pool.layer(0)[name], pair.ref_pool.layer(0)[name])
@@ -658,6 +665,12 @@ def test_the_binder_refuses_a_recorded_choice_its_backend_scopes_to_other_ops():
     gqa = dataclasses.replace(entry, op="gqa_attention", kind="full_gqa")
     gqa_facts = CallFacts("gqa_attention", 0, "bfloat16", {"q": (None, 4, 64), "v": (None, 2, 64)}, {})
     assert _refusal(gqa, gqa_facts, FlashInferAttentionBackend, torch.device("cuda")) is None
+    # float32 GQA binds where every step is on the Triton kernels, as routing decided it (option_dtypes)
+    f32 = dataclasses.replace(gqa_facts, dtype="float32")
+    assert _refusal(gqa, f32, FlashInferAttentionBackend, torch.device("cuda")) is None
+    ragged = dataclasses.replace(gqa, options=cap.resolve_options({}))
+    assert "runs dtypes ['bfloat16', 'float16'], not float32" in _refusal(ragged, f32, FlashInferAttentionBackend,
+                                                                          torch.device("cuda"))
 
 
 def test_decode_impl_is_a_routing_choice_and_refuses_odd_head_dims(fake_fi):
