@@ -454,12 +454,26 @@ def bundle_rows(manifest: dict) -> list[dict]:
 
 
 def capturable_column(row: dict) -> str:
-    """The modes a backend may be captured in, then each op captured in more under some options:
-    "decode target_verify; gdn_core +extend +mixed (chunk_impl=triton)"."""
+    """The modes a backend may be captured in, then the ops captured in more under some options
+    (ops with the same modes and options on one entry): "decode target_verify; gdn_core +extend
+    +mixed (chunk_impl=triton)"."""
     text = " ".join(row["modes_capturable"]) or "-"
+    grouped: dict[tuple, list[str]] = {}
     for extra in row.get("op_capture") or ():
+        grouped.setdefault((tuple(extra["modes"]), tuple(extra["when"].items())), []).append(extra["op"])
+    for (modes, when), ops in grouped.items():
+        condition = ", ".join(f"{k}={v}" for k, v in when)
+        text += f"; {' '.join(ops)} " + " ".join(f"+{m}" for m in modes) + (f" ({condition})" if condition else "")
+    return text
+
+
+def dtypes_column(row: dict) -> str:
+    """The activation dtypes a backend runs, then each op that runs more under some options:
+    "bfloat16 float16; gqa_attention +float32 (decode_impl=triton, extend_impl=triton)"."""
+    text = " ".join(row["dtypes"]) if row["dtypes"] else "any"
+    for extra in row.get("option_dtypes") or ():
         when = ", ".join(f"{k}={v}" for k, v in extra["when"].items())
-        text += f"; {extra['op']} " + " ".join(f"+{m}" for m in extra["modes"]) + (f" ({when})" if when else "")
+        text += f"; {extra['op']} " + " ".join(f"+{d}" for d in extra["dtypes"]) + f" ({when})"
     return text
 
 
@@ -472,9 +486,9 @@ def cmd_backends(args) -> int:
         print(json.dumps({"backends": rows}))
         return 0
     table = [(r["name"], r["device"], " ".join(r["ops"]), " ".join(r["modes_supported"]),
-              capturable_column(r), " ".join(r["dtypes"]) if r["dtypes"] else "any",
+              capturable_column(r), dtypes_column(r),
               r["priority"] if not r["explicit_only"] else f"{r['priority']} (only by --route)",
-              options_column(r.get("options") or {}), invariant_column(r), r["source"])
+              options_column(r.get("options") or {}, r.get("choice_ops") or ()), invariant_column(r), r["source"])
              for r in rows]
     print(tabulate(table, headers=("backend", "device", "ops", "modes", "capturable", "dtypes", "priority",
                                    "options (default first)", "batch-invariant", "from"),
@@ -493,10 +507,15 @@ def invariant_column(row: dict) -> str:
     return text + (f"\n({' '.join(ops)} only)" if ops is not None else "")
 
 
-def options_column(options: dict) -> str:
+def options_column(options: dict, scopes=()) -> str:
     """A backend's kernel options as `--route OP=BACKEND[name=choice]` takes them, one a line:
-    name=a|b|c, the default (what routing records when the route names none) first."""
-    return "\n".join(f"{name}={'|'.join(map(str, choices))}" for name, choices in options.items()) or "-"
+    name=a|b|c, the default (what routing records when the route names none) first; a choice that
+    serves some ops only (`choice_ops`) on a line of its own: "(triton: gqa_attention only)"."""
+    lines = []
+    for name, choices in options.items():
+        lines.append(f"{name}={'|'.join(map(str, choices))}")
+        lines += [f"({s['choice']}: {' '.join(s['ops'])} only)" for s in scopes if s["option"] == name]
+    return "\n".join(lines) or "-"
 
 
 # -- argparse -------------------------------------------------------------------------------------

@@ -286,10 +286,15 @@ class BackendCannotCapture(LintRule):
             lost = [m.value for m in MODES if spec.capture(m) is Capture.CAPTURABLE
                     and not cap.capturable(spec.name, m, node.meta.get("hgc.backend_options"))]
             if lost:
+                # kernel options under which the same backend captures it there (an `op_capture` entry)
+                other = next((e for e in cap.op_capture if e.op == spec.name and e.when
+                              and {m.value for m in e.modes} >= set(lost)), None)
+                fix = (f"route it with {name}[{','.join(f'{k}={v}' for k, v in other.when)}], which {name} can "
+                       f"capture there" if other is not None else
+                       f"declare capture support in {name}'s capability, or add a backend that has it")
                 yield self.finding(
                     f"layer {node.meta['hgc.layer_id']}'s hgc.{spec.name} runs on {name}, which cannot be captured in "
-                    f"mode(s) {', '.join(lost)}; the split makes it an eager gap there",
-                    f"declare capture support in {name}'s capability, or add a backend that has it",
+                    f"mode(s) {', '.join(lost)}; the split makes it an eager gap there", fix,
                     program=ctx.program, node=node.name, layer_id=node.meta["hgc.layer_id"], backend=name)
 
 

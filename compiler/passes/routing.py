@@ -12,7 +12,8 @@ For each op node, in graph order:
 1. kind = registry[layer id].kind;
 2. a route that applies binds it: `layers=3,7:BACKEND` (a listed layer, an op the backend
    implements) before `OP=BACKEND`; the backend must run on the target and serve the node
-   (`capability.refusal`: op, kind, every mode, dtype, shapes), or the compile fails naming the
+   (`capability.refusal`: op, kind, every mode, dtype under the route's kernel options, shapes),
+   or the compile fails naming the
    layer, the backend and what it lacks;
 3. otherwise the candidates are the backends of the target that declare the op (and the kind,
    where they restrict kinds), minus those that only a route may bind (`explicit_only`); those
@@ -21,7 +22,9 @@ For each op node, in graph order:
 4. among those left, the highest priority wins; among equals, one that can capture every mode in
    which the op's policy allows capture, then declaration order;
 5. record the choice in node.meta["hgc.backend"] and one entry in ctx.routing[program]: backend,
-   kernel options (each declared option resolved, a route's choice or the default), and what chose it.
+   kernel options (each declared option resolved, a route's choice or the default), and what chose it;
+   a route's choice the backend scopes to other ops (`choice_ops`: FlashInfer's extend_impl=triton
+   on an MLA layer) fails the compile naming the layer and the choice.
 
 With --batch-invariant (CompileConfig.batch_invariant), step 3 keeps only backends that declare
 batch-invariant kernels (`BackendCapability.batch_invariant`), and step 5 sets the options that
@@ -118,7 +121,7 @@ def _routed(node, route: Route, ctx, facts):
         raise RoutingError(f"{_where(node, layer_id, kind.value)}: route {route} names {cap.name}, which runs on "
                            f"{cap.device!r}, and the compile target is {target!r}; fix: route to a {target} backend "
                            f"or compile with --target {cap.device}")
-    why = cap.refusal(facts.op, kind, facts.dtype, facts.shapes)
+    why = cap.refusal(facts.op, kind, facts.dtype, facts.shapes, dict(route.options))
     if why is not None:
         raise RoutingError(f"{_where(node, layer_id, kind.value)}: route {route} sends hgc.{facts.op} ({facts.dtype}) "
                            f"to {cap.name}, which {why}; fix: route this layer to a backend that serves it "
@@ -190,6 +193,11 @@ def choose_backend(node, ctx) -> tuple[object, dict, str]:
         options = cap.resolve_options(given)
     except CapabilityError as e:
         raise RoutingError(f"routing: route {route}: {e}") from None
+    why = cap.choice_refusal(facts.op, options)  # a default serves every op: only a route's choice is refused
+    if why is not None:
+        layer_id, kind = node.meta["hgc.layer_id"], node.meta["hgc.kind"]
+        raise RoutingError(f"{_where(node, layer_id, kind)}: route {route} sends hgc.{facts.op} to {cap.name}, whose "
+                           f"{why}; fix: route this layer without that choice")
     return cap, options, f"route {route}" if route is not None else "priority"
 
 

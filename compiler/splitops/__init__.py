@@ -13,7 +13,8 @@
     errors.py      CompileError, raised and caught by every layer above
 """
 
-from .capability import DTYPES, BackendCapability, CapabilityError, CapabilityTable, OpCapture, ShapeLimit, instance_key
+from .capability import (DTYPES, BackendCapability, CapabilityError, CapabilityTable, ChoiceScope, OpCapture,
+                         OptionDtypes, ShapeLimit, instance_key)
 from .errors import CompileError
 from .ops import (COLLECTIVE_OPS, OP_SPECS, OPS_BY_KIND, CallFacts, OpSpec, call_arguments, call_facts, is_hgc_op, is_op_node,
                   moe_shared_width, op_arguments, op_name_of, op_nodes, op_schemas, op_spec)
@@ -30,7 +31,8 @@ __all__ = [
     "FULL_KINDS", "LINEAR_KINDS", "LayerKind", "LayerRegistry", "LayerSpec", "RegistryError",
     "TensorSpec", "dtype_from_name",
     "TRACED_OPS", "TracedOps",
-    "DTYPES", "BackendCapability", "CapabilityError", "CapabilityTable", "OpCapture", "ShapeLimit", "instance_key",
+    "DTYPES", "BackendCapability", "CapabilityError", "CapabilityTable", "ChoiceScope", "OpCapture", "OptionDtypes",
+    "ShapeLimit", "instance_key",
     "CompileError",
     "REPLICATED", "ShardingError", "ShardSpec", "split_count",
 ]

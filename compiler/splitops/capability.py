@@ -33,8 +33,8 @@ from .ops import OP_SPECS
 from .policy import MODES, Mode
 from .registry import LayerKind
 
-__all__ = ["BackendCapability", "CapabilityTable", "CapabilityError", "ShapeLimit", "OpCapture", "DTYPES",
-           "instance_key"]
+__all__ = ["BackendCapability", "CapabilityTable", "CapabilityError", "ShapeLimit", "OpCapture", "ChoiceScope",
+           "OptionDtypes", "DTYPES", "instance_key"]
 
 # The activation dtypes a compile can trace in (hgc compile --dtype): what `dtypes` may name.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -121,6 +121,80 @@ class OpCapture:
                    tuple((str(k), str(v)) for k, v in (obj.get("when") or {}).items()), str(obj.get("why", "")))
 
 
+@dataclasses.dataclass(frozen=True)
+class ChoiceScope:
+    """A kernel option's choice that serves only some of a backend's ops: routing refuses a node of
+    another op routed here with it (a default choice serves every op, so it is never scoped).
+
+    Example (FlashInfer's Triton extend kernel serves GQA layers, not MLA)::
+
+        ChoiceScope("extend_impl", "triton", frozenset({"gqa_attention"}))
+    """
+
+    option: str
+    choice: str
+    ops: frozenset[str]
+    why: str = ""  # shown in the refusal
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.ops) - set(OP_SPECS))
+        if unknown:
+            raise CapabilityError(f"choice scope {self.option}={self.choice}: ops outside the vocabulary {unknown}")
+
+    def refusal(self, op: str, options: Mapping[str, str]) -> Optional[str]:
+        """Why a node of `op` with these resolved options cannot take this choice, or None."""
+        if options.get(self.option) != self.choice or op in self.ops:
+            return None
+        why = f" ({self.why})" if self.why else ""
+        return (f"{self.option}={self.choice} serves {', '.join(f'hgc.{o}' for o in sorted(self.ops))} only, "
+                f"not hgc.{op}{why}")
+
+    def to_json(self) -> dict:
+        return {"option": self.option, "choice": self.choice, "ops": sorted(self.ops), "why": self.why}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "ChoiceScope":
+        return cls(str(obj["option"]), str(obj["choice"]), frozenset(obj["ops"]), str(obj.get("why", "")))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionDtypes:
+    """Activation dtypes one op of a backend runs beyond its `dtypes`, where the node's kernel options
+    match `when` (every (option, choice) pair): kernels of its own there, not the library whose
+    dtypes `dtypes` lists.
+
+    Example (FlashInfer's GQA layers on the Triton kernels alone, float32 included)::
+
+        OptionDtypes("gqa_attention", frozenset({"float32"}), when=(("decode_impl", "triton"), ("extend_impl", "triton")))
+    """
+
+    op: str
+    dtypes: frozenset[str]
+    when: tuple[tuple[str, str], ...]
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        if self.op not in OP_SPECS:
+            raise CapabilityError(f"option dtypes of {self.op!r}: not an op of the vocabulary")
+        if not set(self.dtypes) <= set(DTYPES):
+            raise CapabilityError(f"option dtypes of {self.op}: {sorted(set(self.dtypes) - set(DTYPES))} are not "
+                                  f"among {list(DTYPES)}")
+
+    def applies(self, op: str, dtype: str, options: Mapping[str, str]) -> bool:
+        return op == self.op and dtype in self.dtypes and all(options.get(k) == v for k, v in self.when)
+
+    def condition(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.when)
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "dtypes": sorted(self.dtypes), "when": {k: v for k, v in self.when}, "why": self.why}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "OptionDtypes":
+        return cls(str(obj["op"]), frozenset(obj["dtypes"]),
+                   tuple((str(k), str(v)) for k, v in (obj.get("when") or {}).items()), str(obj.get("why", "")))
+
+
 def instance_key(backend: str, options: Mapping[str, str]) -> str:
     """The name of one backend instance: the backend, with its kernel options when it has any.
 
@@ -152,10 +226,14 @@ class BackendCapability:
     op_capture: tuple[OpCapture, ...] = ()
     kinds: Optional[frozenset[LayerKind]] = None  # layer kinds it serves; None: any kind the op serves
     dtypes: Optional[frozenset[str]] = None  # activation dtypes (the dtype of an op's `out`); None: any
+    # More dtypes for some ops under some kernel options (their own kernels): read through `refusal`.
+    option_dtypes: tuple[OptionDtypes, ...] = ()
     limits: tuple[ShapeLimit, ...] = ()  # shape limits of its kernels
     # Kernel alternatives, each an option with its choices, the first the default. Routing records
     # the resolved choice per node; `--route OP=BACKEND[option=choice]` picks another.
     options: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Choices of those options that serve only some of its ops (routing refuses them for the others).
+    choice_ops: tuple[ChoiceScope, ...] = ()
     # The kernel options under which every decode and verify row this backend computes is bit for bit
     # the same whatever else shares its step (batch size, rows per request, other requests' lengths):
     # `hgc compile --batch-invariant` sets them on every node routed here. (): always so; None: no
@@ -188,6 +266,14 @@ class BackendCapability:
                 if choice not in choices.get(option, ()):
                     raise CapabilityError(f"backend {self.name!r}: op capture of {extra.op} names {option}={choice}, "
                                           f"not one of its options' choices")
+        for extra in self.option_dtypes:
+            if extra.op not in self.ops:
+                raise CapabilityError(f"backend {self.name!r}: option dtypes of {extra.op!r}, an op it does not declare")
+            choices = dict(self.options)
+            for option, choice in extra.when:
+                if choice not in choices.get(option, ()):
+                    raise CapabilityError(f"backend {self.name!r}: option dtypes of {extra.op} name {option}={choice}, "
+                                          f"not one of its options' choices")
         if self.dtypes is not None and not set(self.dtypes) <= set(DTYPES):
             raise CapabilityError(f"backend {self.name!r}: dtypes {sorted(set(self.dtypes) - set(DTYPES))} are not "
                                   f"among {list(DTYPES)}")
@@ -197,6 +283,14 @@ class BackendCapability:
         for option, choices in self.options:
             if not choices or len(set(choices)) != len(choices):
                 raise CapabilityError(f"backend {self.name!r}: option {option!r} needs distinct choices, got {choices}")
+        for scope in self.choice_ops:
+            values = dict(self.options).get(scope.option, ())
+            if scope.choice not in values[1:]:
+                raise CapabilityError(f"backend {self.name!r}: choice scope {scope.option}={scope.choice} names no "
+                                      f"choice of its options but their defaults (a default serves every op)")
+            if not set(scope.ops) <= set(self.ops):
+                raise CapabilityError(f"backend {self.name!r}: choice scope {scope.option}={scope.choice} names ops "
+                                      f"{sorted(set(scope.ops) - set(self.ops))} it does not declare")
         for option, choice in self.batch_invariant or ():
             if choice not in dict(self.options).get(option, ()):
                 raise CapabilityError(f"backend {self.name!r}: batch-invariant choice {option}={choice} is not one of "
@@ -212,9 +306,11 @@ class BackendCapability:
         return self.kinds is None or kind is None or kind in self.kinds
 
     def refusal(self, op: str, kind: Optional[LayerKind], dtype: Optional[str],
-                shapes: Mapping[str, tuple] = {}) -> Optional[str]:  # noqa: B006 - read only
+                shapes: Mapping[str, tuple] = {}, options: Optional[Mapping[str, str]] = None  # noqa: B006 - read only
+                ) -> Optional[str]:
         """Why this backend cannot run a node of `op` for a layer of `kind` in `dtype` with these
-        argument shapes (name -> sizes, None for a dynamic size), in every mode; None when it can."""
+        argument shapes (name -> sizes, None for a dynamic size) and kernel `options` (unset ones:
+        their defaults), in every mode; None when it can."""
         if op not in self.ops:
             return f"does not implement hgc.{op} (it declares {sorted(self.ops)})"
         if not self.serves(op, kind):
@@ -223,7 +319,11 @@ class BackendCapability:
         if lacking:
             return f"does not run mode(s) {lacking}"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
-            return f"runs dtypes {sorted(self.dtypes)}, not {dtype}"
+            resolved = {o: (options or {}).get(o, values[0]) for o, values in self.options}
+            extra = [e for e in self.option_dtypes if e.op == op and dtype in e.dtypes]
+            if not any(e.applies(op, dtype, resolved) for e in extra):
+                elsewhere = "".join(f" (hgc.{op} runs {dtype} with {e.condition()})" for e in extra)
+                return f"runs dtypes {sorted(self.dtypes)}, not {dtype}{elsewhere}"
         for limit in self.limits:
             if limit.op != op or limit.arg not in shapes:
                 continue
@@ -255,6 +355,12 @@ class BackendCapability:
         resolved = {o: (options or {}).get(o, values[0]) for o, values in self.options}
         return any(extra.applies(op, mode, resolved) for extra in self.op_capture)
 
+    def choice_refusal(self, op: str, options: Optional[Mapping[str, str]] = None) -> Optional[str]:
+        """Why a node of `op` routed here cannot take these kernel `options` (a choice scoped to
+        other ops: `choice_ops`), or None."""
+        resolved = {o: (options or {}).get(o, values[0]) for o, values in self.options}
+        return next((why for scope in self.choice_ops if (why := scope.refusal(op, resolved)) is not None), None)
+
     def capturable_modes(self, op: str, options: Optional[Mapping[str, str]] = None) -> list[str]:
         """The modes `capturable` allows for `op` with `options`, in mode order (routing.json records them)."""
         return [m.value for m in MODES if self.capturable(op, m, options)]
@@ -282,8 +388,10 @@ class BackendCapability:
             "op_capture": [extra.to_json() for extra in self.op_capture],
             "kinds": None if self.kinds is None else sorted(k.value for k in self.kinds),
             "dtypes": None if self.dtypes is None else sorted(self.dtypes),
+            "option_dtypes": [extra.to_json() for extra in self.option_dtypes],
             "limits": [lim.to_json() for lim in self.limits],
             "options": {k: list(v) for k, v in self.options},
+            "choice_ops": [scope.to_json() for scope in self.choice_ops],
             "batch_invariant": None if self.batch_invariant is None else dict(self.batch_invariant),
             "batch_invariant_ops": None if self.batch_invariant_ops is None else sorted(self.batch_invariant_ops),
             "priority": self.priority,
@@ -299,8 +407,10 @@ class BackendCapability:
             op_capture=tuple(OpCapture.from_json(extra) for extra in obj.get("op_capture", ())),
             kinds=None if obj.get("kinds") is None else frozenset(LayerKind(k) for k in obj["kinds"]),
             dtypes=None if obj.get("dtypes") is None else frozenset(obj["dtypes"]),
+            option_dtypes=tuple(OptionDtypes.from_json(extra) for extra in obj.get("option_dtypes", ())),
             limits=tuple(ShapeLimit.from_json(lim) for lim in obj.get("limits", ())),
             options=tuple((k, tuple(v)) for k, v in (obj.get("options") or {}).items()),
+            choice_ops=tuple(ChoiceScope.from_json(scope) for scope in obj.get("choice_ops", ())),
             batch_invariant=(None if obj.get("batch_invariant") is None
                              else tuple((k, str(v)) for k, v in obj["batch_invariant"].items())),
             batch_invariant_ops=(None if obj.get("batch_invariant_ops") is None

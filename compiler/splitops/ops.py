@@ -67,6 +67,14 @@ _ALWAYS_CAPTURABLE = {m: _C for m in Mode}
 # capability's `capturable`): our chunk kernels can, FLA's (a Python entry that plans on the host)
 # cannot. KDA keeps the stateful policy: no backend runs its per-channel gates that way.
 _TABLE_DRIVEN_POLICY = _ALWAYS_CAPTURABLE
+# GQA attention: a kernel that addresses the paged cache from the step's page table, lengths and
+# query offsets (runtime/backends/kernels/gqa.py, varlen) runs an extend or mixed step as one fixed
+# grid per bucket, its per-step values read from static device buffers, so capture in every mode
+# is allowed and the routed backend decides: FlashInfer's prefill (planned on the host) cannot be
+# captured there, the Triton kernel can (its capability's `op_capture`, extend_impl=triton), the
+# CPU reference declares it eager there (the CPU plans stay as they were). MLA keeps the stateful
+# policy: no backend runs its extends from such a table yet.
+_GQA_POLICY = _ALWAYS_CAPTURABLE
 
 OP_SPECS: dict[str, OpSpec] = {}
 
@@ -83,7 +91,7 @@ def _declare(name: str, schema: str, kinds: set[LayerKind], stateful: bool, poli
 _declare(
     "gqa_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int layer_id, float scale) -> ()",
-    {LayerKind.FULL_GQA}, True, _STATEFUL_POLICY,
+    {LayerKind.FULL_GQA}, True, _GQA_POLICY,
     "Causal softmax attention over the layer's paged K/V. q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,Dv], "
     "out [T,Hq,Dv]. Writes this step's k/v into the cache first.",
     token_args=("q", "k", "v"),

@@ -15,7 +15,8 @@ Lifecycle:
    installed under the entry-point group `hgc.backends`). It refuses, naming the layer: a backend
    this runtime does not have; one whose declaration here does not serve the node (op, layer
    kind, modes, dtype, shapes: the same `capability.refusal` routing asked) or runs on another
-   device than the run's; options the declaration does not offer. Then each class builds its
+   device than the run's; options the declaration does not offer, or a choice it scopes to other
+   ops (`choice_ops`). Then each class builds its
    instance with `build(BackendSetup)`: the pools, the device, the node facts of its calls, the
    options. Nothing else is built.
 3. `Backends.for_program(program)`: a BackendSet over the instances owning a node of the program,
@@ -108,7 +109,7 @@ def _refusal(entry: RouteEntry, facts, cls, device: torch.device) -> Optional[st
     if torch.device(cap.device).type != device.type:
         return f"{cap.name} runs on {cap.device}, this run is on {device}"
     kind = LayerKind(entry.kind) if entry.kind is not None else None
-    why = cap.refusal(facts.op, kind, facts.dtype, facts.shapes)
+    why = cap.refusal(facts.op, kind, facts.dtype, facts.shapes, entry.options)
     if why is not None:
         return f"{cap.name} {why}"
     try:
@@ -117,7 +118,8 @@ def _refusal(entry: RouteEntry, facts, cls, device: torch.device) -> Optional[st
         return str(e)
     if resolved != entry.options:
         return f"{cap.name} declares options {sorted(resolved)}, routing.json recorded {sorted(entry.options)}"
-    return None
+    why = cap.choice_refusal(facts.op, resolved)
+    return f"{cap.name}'s {why}" if why is not None else None
 
 
 def build_backends(docs: ArtifactDocs, programs: dict, kv_pool, state_pool, device: torch.device | str,

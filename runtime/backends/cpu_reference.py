@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiler.splitops import COLLECTIVE_OPS, MODES, OP_SPECS, BackendCapability, Mode, moe_shared_width
+from compiler.splitops import COLLECTIVE_OPS, OP_SPECS, BackendCapability, Mode, OpCapture, moe_shared_width
 from compiler.splitops.shared_expert import shared_expert, swiglu_expert
 from runtime.backends.protocol import BackendHooks, BackendSetup, check_backend
 from runtime.step.context import ExecContext
@@ -104,13 +104,19 @@ class CPUReferenceBackend(BackendHooks):
     """
 
     name = "cpu_reference"
-    # Every op in every mode, any dtype. Capturable in every mode: on the CPU no CUDA graph freezes
-    # anything, and the graph runner's CPU stand-in reruns a captured piece's ops on each replay, so
-    # the CPU plans are those of the ops' policies alone and the runner's bookkeeping (whole-step
-    # and piecewise graphs) runs in CI on them. The same math on a GPU is torch_reference, which
-    # declares no capture (its host loops would be frozen into a CUDA graph).
+    # Every op in every mode, any dtype. Capturable in every mode but one op's two: on the CPU no
+    # CUDA graph freezes anything, and the graph runner's CPU stand-in reruns a captured piece's ops
+    # on each replay, so the CPU plans are those of the ops' policies and the runner's bookkeeping
+    # (whole-step and piecewise graphs) runs in CI on them. GQA attention's policy leaves extend
+    # and mixed steps to the routed backend (a GPU kernel from the page table captures them); here
+    # it stays an eager gap there, so the CPU plans, and every CPU artifact, are what they were.
+    # The same math on a GPU is torch_reference, which declares no capture (its host loops would
+    # be frozen into a CUDA graph).
+    _OPS = frozenset(OP_SPECS) - COLLECTIVE_OPS
     capability = BackendCapability(
-        name="cpu_reference", device="cpu", ops=frozenset(OP_SPECS) - COLLECTIVE_OPS, modes_capturable=frozenset(MODES),
+        name="cpu_reference", device="cpu", ops=_OPS, modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
+        op_capture=tuple(OpCapture(op, frozenset({Mode.EXTEND, Mode.MIXED}), why="the CPU stand-in reruns its ops")
+                         for op in sorted(_OPS - {"gqa_attention"})),
         doc="plain-torch reference of every op: the test oracle")
 
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, supported_ops=None):

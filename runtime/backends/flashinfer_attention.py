@@ -25,7 +25,13 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    MLA groups with `mla_impl="triton"` (triton_mla.py's page-table mode) straight from the step's
    `page_table` and `seq_lens`: no paged metadata is built and no wrapper is planned for them
    (paged metadata is built only when some other group of the step needs it). Extend and mixed
-   steps keep FlashInfer's prefill wrappers (and the Triton MLA kernel its row arrays).
+   steps keep FlashInfer's prefill wrappers (and the Triton MLA kernel its row arrays), except
+   with `extend_impl="triton"`: GQA groups then run the same Triton kernel for requests of
+   different lengths (`triton_gqa_attention_varlen`), from the page table, `seq_lens` and
+   `query_start_loc`, so an extend or mixed step plans nothing on the host either (a GQA-only
+   choice: the constructor refuses it for MLA layers, which that kernel does not serve; an eager
+   target_verify step of unequal rows takes it too). With decode_impl="triton" as well no GQA
+   step reaches FlashInfer's kernels, so GQA layers may then be float32 (`option_dtypes`).
 3. `gqa_attention(ctx, ...)` / `mla_attention(ctx, ...)` store this step's rows into the
    layer's pages (a Triton kernel that skips rows whose slot is -1, so it is safe inside a
    graph where the number of real rows changes between replays), run the planned wrapper on
@@ -44,6 +50,12 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    "triton"` on a GQA model) the hook plans nothing: it copies the step's page table and
    sequence lengths (already on the device: the graph runner's staging) into the static ones,
    device to device, next to the slot ids; padding requests (sequence length 0) see no key.
+   Extend and mixed steps, with `extend_impl="triton"`: the bucket is the extend key's request
+   rows S (its T token rows padded by the graph runner), and the hook copies the page table,
+   lengths and `query_start_loc` [S+1] the same way; padded requests own no rows, the rows past
+   the real ones get zeros, and the kernel's grid is the bucket's (its row blocks sized for T).
+   The capability declares that capture (`op_capture`, under extend_impl=triton), so the split
+   captures the op there and a whole extend step can be one graph.
 
 KV layout: the pool's "k" and "v" tensors [pages, page_size, Hkv, D] are FlashInfer's NHD tuple
 form as they are; the MLA "latent" entry [pages, page_size, R+P] is handed over as two strided
@@ -53,10 +65,13 @@ Splits of the keys (`kv_splits`, a routing option): "auto" lets the Triton kerne
 split count from the step's rows; "fixed" makes them split every row's keys at fixed positions
 (triton_split_kv.py), so a row's output depends only on its query, its keys and its position, not
 on what else shares its step. It covers the steps the Triton kernels serve: for GQA layers,
-decode and target_verify steps whose requests all carry the same n rows (`decode_impl="triton"`);
-for MLA layers every step (`mla_impl="triton"`: the Triton MLA kernel serves extend and mixed
-steps too). GQA extend and mixed steps, and target_verify steps of unequal rows, still run
-FlashInfer's prefill wrappers, which choose their own splits per batch. FlashInfer's decode and
+decode and target_verify steps whose requests all carry the same n rows (`decode_impl="triton"`),
+and extend and mixed steps with `extend_impl="triton"` (where an extend row gets the bits a
+decode step at its position gives it, the same tile, chunks and order: checked in Triton's
+interpreter, and by a gpu-marked test on the device); for MLA layers every
+step (`mla_impl="triton"`: the Triton MLA kernel serves extend and mixed steps too). Other GQA
+extend and mixed steps, and target_verify steps of unequal rows, still run FlashInfer's prefill
+wrappers, which choose their own splits per batch. FlashInfer's decode and
 MLA kernels do the same, so "fixed" needs every GQA group on decode_impl="triton" and every MLA
 group on mla_impl="triton".
 
@@ -74,7 +89,7 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 import torch
 
-from compiler.splitops import BackendCapability, LayerKind, Mode, ShapeLimit
+from compiler.splitops import BackendCapability, ChoiceScope, LayerKind, Mode, OpCapture, OptionDtypes, ShapeLimit
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import next_pow2
 from runtime.backends.protocol import BackendHooks, BackendSetup
@@ -91,6 +106,7 @@ __all__ = [
     "FlashInferAttentionBackend",
     "FLASHINFER_GQA_HEAD_DIMS",
     "KV_SPLITS",
+    "EXTEND_IMPLS",
     "full_layer_options",
     "FlashInferMissing",
     "PagedMetadata",
@@ -106,6 +122,11 @@ DECODE_IMPLS = ("triton", "flashinfer")
 # How the Triton attention kernels split a row's keys, the default first: "auto" by the step's rows,
 # "fixed" at fixed key positions (a row's result then independent of its step's batch).
 KV_SPLITS = ("auto", "fixed")
+# Extend and mixed kernels of GQA layers, the default first: FlashInfer's ragged prefill where every
+# request starts from an empty cache (its paged prefill otherwise), its paged prefill always, or the
+# Triton kernel from the page table (kernels/gqa.py, varlen), which plans nothing on the host and may
+# be captured. The default stays FlashInfer's until a whole-step measurement says otherwise.
+EXTEND_IMPLS = ("ragged", "paged", "triton")
 
 GPU_EXTRA_HINT = "install the gpu extra: pip install -e '.[gpu]' (flashinfer-python)"
 
@@ -299,7 +320,8 @@ FLASHINFER_MLA_RANK, FLASHINFER_MLA_ROPE = 512, 64
 _MLA_WHY = (f"FlashInfer's MLA is checked at latent rank {FLASHINFER_MLA_RANK}, rope width {FLASHINFER_MLA_ROPE} "
             "only; other widths ran into an illegal memory access")
 # FlashInfer's kernels are instantiated for 16-bit activations: its JIT dtype table has no float32
-# (a float32 MLA plan died with a KeyError inside FlashInfer), so float32 routes elsewhere.
+# (a float32 MLA plan died with a KeyError inside FlashInfer), so float32 routes elsewhere, or, for
+# GQA layers, here with every step on the Triton kernels (decode_impl and extend_impl "triton").
 _FLASHINFER_DTYPES = frozenset({"bfloat16", "float16"})
 
 
@@ -377,12 +399,15 @@ class _Planned:
 
 @dataclasses.dataclass
 class _StepTable:
-    """A table step's addressing, as the Triton kernels read it: B requests of n rows each."""
+    """A table step's addressing, as the Triton kernels read it: B requests of n rows each, or
+    (extend_impl="triton", extend and mixed steps) of the rows query_start_loc gives each."""
 
     page_table: torch.Tensor  # [B, width] int32 on the device (graph steps: the static copy)
     seq_lens: torch.Tensor  # [B] int32 on the device: cached + new tokens (padding requests: 0)
-    rows_per_req: int  # n
+    rows_per_req: int  # n; 0: requests of different lengths (query_start_loc)
     groups: frozenset  # the _Groups that run a Triton kernel from it
+    query_start_loc: Optional[torch.Tensor] = None  # [B+1] int32 on the device, when rows_per_req is 0
+    max_rows: int = 0  # when rows_per_req is 0: the most rows a request (or the padding) owns
 
 
 @dataclasses.dataclass
@@ -401,6 +426,11 @@ class _StepPlan:
 
 
 
+def _graph_mode(mode) -> Mode:
+    """The mode whose graphs a step of `mode` replays: a mixed step replays the extend keys'."""
+    return Mode.EXTEND if Mode(mode) == Mode.MIXED else Mode(mode)
+
+
 class FlashInferAttentionBackend(BackendHooks):
     """GQA and MLA full attention through FlashInfer's paged kernels (see the module docstring)."""
 
@@ -408,7 +438,15 @@ class FlashInferAttentionBackend(BackendHooks):
     capability = BackendCapability(
         name="flashinfer", device="cuda", ops=frozenset({"gqa_attention", "mla_attention"}),
         modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}), kinds=frozenset({LayerKind.FULL_GQA, LayerKind.FULL_MLA}),
+        # GQA extend and mixed steps on the Triton kernel read the step's page table, lengths and
+        # query offsets from the bucket's static buffers: nothing planned on the host, one grid per bucket.
+        op_capture=(OpCapture("gqa_attention", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("extend_impl", "triton"),),
+                              why="the Triton GQA kernel from the page table, seq_lens and query_start_loc"),),
         dtypes=_FLASHINFER_DTYPES,
+        # GQA layers whose every step runs a Triton kernel never reach FlashInfer's JIT: float32 too.
+        option_dtypes=(OptionDtypes("gqa_attention", frozenset({"float32"}),
+                                    when=(("decode_impl", "triton"), ("extend_impl", "triton")),
+                                    why="every GQA step on the Triton kernels, none on FlashInfer's"),),
         limits=(ShapeLimit("gqa_attention", "q", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY),
                 ShapeLimit("gqa_attention", "v", -1, frozenset(FLASHINFER_GQA_HEAD_DIMS), why=_HEAD_DIM_WHY),
                 ShapeLimit("mla_attention", "q_latent", -1, frozenset({FLASHINFER_MLA_RANK}), why=_MLA_WHY),
@@ -417,8 +455,9 @@ class FlashInferAttentionBackend(BackendHooks):
         # decode_impl: the default is the first choice; "triton" plans nothing on the host for
         # decode and target_verify steps (runtime/backends/kernels/gqa.py).
         # kv_splits: "fixed" makes the Triton kernels' results independent of the step's batch
-        # (module docstring, "Splits of the keys").
-        options=(("extend_impl", ("ragged", "paged")),
+        # (module docstring, "Splits of the keys"). extend_impl: "triton" runs GQA extend and mixed
+        # steps on the Triton kernel (EXTEND_IMPLS); MLA layers refuse it (choice_ops).
+        options=(("extend_impl", EXTEND_IMPLS),
                  ("decode_impl", DECODE_IMPLS),
                  ("decode_backend", ("fa2", "auto", "fa3")),
                  ("decode_tensor_cores", ("auto", "on", "off")),
@@ -430,8 +469,11 @@ class FlashInferAttentionBackend(BackendHooks):
         batch_invariant=(("decode_impl", "triton"), ("kv_splits", "fixed")),
         batch_invariant_ops=frozenset({"gqa_attention"}),
         priority=1,
-        doc="paged GQA / MLA attention through FlashInfer; decode and target_verify captured with "
-            "use_cuda_graph wrappers, extend and mixed steps eager")
+        choice_ops=(ChoiceScope("extend_impl", "triton", frozenset({"gqa_attention"}),
+                                why="the Triton kernel serves GQA layers; MLA extends are not served by it"),),
+        doc="paged GQA / MLA attention through FlashInfer; decode and target_verify captured (the Triton "
+            "kernel from the page table, or use_cuda_graph wrappers), extend and mixed steps eager, or "
+            "captured on the Triton kernel with extend_impl=triton (GQA)")
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "FlashInferAttentionBackend":
@@ -468,7 +510,9 @@ class FlashInferAttentionBackend(BackendHooks):
         mla_impl: "flashinfer" or "triton" (triton_mla.py; as a routing choice it is the
         `triton_mla` backend, which fixes it). extend_impl: "ragged" (a step where
         every request starts from an empty cache attends over this step's k/v, 1.5x faster at
-        2048 tokens) or "paged" (always the paged prefill). decode_impl: "flashinfer" or "triton"
+        2048 tokens), "paged" (always the paged prefill) or "triton" (GQA extend and mixed steps
+        through triton_gqa_attention_varlen from the page table: no host plan, capturable; GQA
+        layers only). decode_impl: "flashinfer" or "triton"
         (GQA layers of decode and uniform target_verify steps through triton_gqa.py, straight from
         the page table: nothing planned on the host). kv_splits: "auto" or "fixed", how the Triton
         kernels split a row's keys (module docstring, "Splits of the keys"); "fixed" needs
@@ -477,8 +521,8 @@ class FlashInferAttentionBackend(BackendHooks):
         self.flashinfer = self._kernel_library()
         if mla_impl not in ("flashinfer", "triton"):
             raise ValueError(f"mla_impl must be 'flashinfer' or 'triton', not {mla_impl!r}")
-        if extend_impl not in ("paged", "ragged"):
-            raise ValueError(f"extend_impl must be 'paged' or 'ragged', not {extend_impl!r}")
+        if extend_impl not in EXTEND_IMPLS:
+            raise ValueError(f"extend_impl must be one of {', '.join(map(repr, EXTEND_IMPLS))}, not {extend_impl!r}")
         if decode_impl not in DECODE_IMPLS:
             raise ValueError(f"decode_impl must be one of {', '.join(map(repr, DECODE_IMPLS))}, not {decode_impl!r}")
         if kv_splits not in KV_SPLITS:
@@ -506,12 +550,17 @@ class FlashInferAttentionBackend(BackendHooks):
             entries = kv_pool.buffers[layer_id]
             self.layers[layer_id] = self._group_of(layer_id, entries, q_heads, scales, mla_rope_dim, q_dtype)
         self.groups: tuple[_Group, ...] = tuple(dict.fromkeys(self.layers.values()))
-        if decode_impl == "triton":
+        for option, value in (("decode_impl", decode_impl), ("extend_impl", extend_impl)):
+            if value != "triton":
+                continue
             from runtime.backends.kernels.gqa import gqa_head_dim_refusal
             for layer_id, g in self.layers.items():
+                if g.kind == "mla" and option == "extend_impl":
+                    raise ValueError(f"layer {layer_id} ({option}='triton'): MLA extends are not served by the Triton "
+                                     f"GQA kernel; route MLA layers with extend_impl ragged or paged")
                 why = g.kind == "gqa" and (gqa_head_dim_refusal(g.head_dim) or gqa_head_dim_refusal(g.head_dim_v))
                 if why:
-                    raise ValueError(f"layer {layer_id} (decode_impl='triton'): {why}")
+                    raise ValueError(f"layer {layer_id} ({option}='triton'): {why}")
         if self.fixed_splits:
             self._check_fixed_splits()
         self._eager: dict[tuple[_Group, str], _Planned] = {}  # (group, kind) -> eager wrapper
@@ -625,7 +674,10 @@ class FlashInferAttentionBackend(BackendHooks):
     def _plan(self, ctx: ExecContext, bucket: Optional[int]) -> _StepPlan:
         mode = Mode(ctx.mode)
         per = self._rows_per_request(ctx)
-        on_table = frozenset(g for g in self.groups if per and self._table_kernel(g))
+        # extend_impl="triton": every step whose requests carry different rows (extend, mixed, and
+        # an eager target_verify step of unequal rows) runs the varlen kernel
+        varlen = not per and self.extend_impl == "triton"
+        on_table = frozenset(g for g in self.groups if (per and self._table_kernel(g)) or (varlen and g.kind == "gqa"))
         if mode == Mode.DECODE:
             kind = "decode"
         elif self.extend_impl == "ragged" and mode == Mode.EXTEND and not any(ctx.cache_lens):
@@ -660,6 +712,17 @@ class FlashInferAttentionBackend(BackendHooks):
         """Whether the group runs a Triton kernel from the page table in a table step."""
         return self.decode_impl == "triton" if g.kind == "gqa" else self.mla_impl == "triton"
 
+    def _varlen(self, mode: Mode) -> bool:
+        """Whether a step of `mode` runs the GQA groups on the Triton kernel for requests of
+        different lengths (extend_impl="triton": extend and mixed steps)."""
+        return self.extend_impl == "triton" and Mode(mode) in (Mode.EXTEND, Mode.MIXED)
+
+    def _captured(self, mode: Mode) -> bool:
+        """Whether this instance's steps of `mode` may be replayed from graphs: what its capability
+        declares (modes_capturable, or an op capture under its extend_impl)."""
+        options = {"extend_impl": self.extend_impl}
+        return any(self.capability.capturable(op, Mode(mode), options) for op in sorted(self.capability.ops))
+
     @staticmethod
     def _rows_per_request(ctx: ExecContext) -> int:
         """n for a table step (decode: 1; target_verify where every request has n rows), else 0."""
@@ -671,11 +734,15 @@ class FlashInferAttentionBackend(BackendHooks):
         return 0  # requests of different lengths: a prefill plan serves them
 
     def _table(self, ctx: ExecContext, bucket: Optional[int], per: int, groups: frozenset) -> _StepTable:
-        """The page table and sequence lengths the Triton kernels read: the step's own in an eager
-        step (its real requests), copies into static buffers (device to device) in a graph step."""
+        """The page table and sequence lengths (and, for requests of different lengths, the query
+        offsets) the Triton kernels read: the step's own in an eager step (its real requests),
+        copies into static buffers (device to device) in a graph step."""
         if bucket is None:
             reqs = ctx.num_real_seqs
-            return _StepTable(ctx.page_table[:reqs], ctx.seq_lens[:reqs], per, groups)
+            if per:
+                return _StepTable(ctx.page_table[:reqs], ctx.seq_lens[:reqs], per, groups)
+            return _StepTable(ctx.page_table[:reqs], ctx.seq_lens[:reqs], 0, groups,
+                              ctx.query_start_loc[: reqs + 1], max(ctx.query_lens))
         st, width = self._static, ctx.page_table.shape[1]
         if st["page_table"] is None:  # sized by the first graph step: the graph runner's are all max_pages wide
             st["page_table"] = torch.zeros(st["seq_lens"].shape[0], width, dtype=torch.int32, device=self.device)
@@ -685,7 +752,13 @@ class FlashInferAttentionBackend(BackendHooks):
                              f"{table.shape[1]} (captured graphs read its address): keep max_pages fixed")
         table[:bucket, :width].copy_(ctx.page_table, non_blocking=True)
         st["seq_lens"][:bucket].copy_(ctx.seq_lens, non_blocking=True)
-        return _StepTable(table[:bucket], st["seq_lens"][:bucket], per, groups)
+        if per:
+            return _StepTable(table[:bucket], st["seq_lens"][:bucket], per, groups)
+        # Requests of different lengths: the bucket's T rows are the most any request (or the
+        # padding) can own, so the kernel's grid is the bucket's whatever the step's lengths.
+        starts = st["query_start_loc"][: bucket + 1]
+        starts.copy_(ctx.query_start_loc, non_blocking=True)
+        return _StepTable(table[:bucket], st["seq_lens"][:bucket], 0, groups, starts, ctx.num_tokens)
 
     def _plan_group(self, planned: _Planned, g: _Group, kind: str, meta: PagedMetadata) -> None:
         ps = self.kv_pool.page_size
@@ -722,10 +795,11 @@ class FlashInferAttentionBackend(BackendHooks):
     # -- hooks -------------------------------------------------------------------------------
 
     def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
-        """Allocate the buffers every captured decode or target_verify graph reads, sized for the
-        largest bucket: n = max(max_seqs, max_tokens) rows (a verify bucket has several rows per
-        request). Real requests own distinct pages and the padding requests read page 0 for at
-        most n rows, so num_pages + n page indices always fit.
+        """Allocate the buffers every captured graph reads (decode and target_verify; extend and
+        mixed with extend_impl="triton"), sized for the largest bucket: n = max(max_seqs,
+        max_tokens) rows (a verify bucket has several rows per request). Real requests own
+        distinct pages and the padding requests read page 0 for at most n rows, so num_pages + n
+        page indices always fit.
         """
         i32 = dict(dtype=torch.int32, device=self.device)
         n = max(max_seqs, max_tokens)
@@ -740,6 +814,7 @@ class FlashInferAttentionBackend(BackendHooks):
             "row_req": torch.zeros(n, **i32),
             "row_pos": torch.zeros(n, **i32),
             "seq_lens": torch.zeros(n, **i32),  # table steps (decode_impl / mla_impl "triton")
+            "query_start_loc": torch.zeros(n + 1, **i32),  # extend and mixed steps (extend_impl "triton")
             "page_table": None,  # [n, width]: allocated by the first table step (its width)
         }
         self._graph.clear()  # wrappers made over older buffers would read stale addresses
@@ -749,9 +824,18 @@ class FlashInferAttentionBackend(BackendHooks):
         if self._static is None:
             raise RuntimeError(f"{self.name}: init_replay_state before init_capture_state")
         mode = Mode(ctx.mode)
-        if mode not in self.capability.modes_capturable:
+        if not self._captured(mode):
             raise ValueError(f"{self.name}: only decode and target_verify steps are captured (capability "
-                             f"modes_capturable), not a {mode.value!r} step; routing must keep it eager")
+                             f"modes_capturable; extend and mixed with extend_impl='triton', this instance's is "
+                             f"{self.extend_impl!r}), not a {mode.value!r} step; routing must keep it eager")
+        if self._varlen(mode):
+            if ctx.num_seqs != bucket or ctx.num_tokens > self._static["slots"].shape[0]:
+                raise ValueError(f"{self.name}: {mode.value} step of {ctx.num_seqs} requests and {ctx.num_tokens} "
+                                 f"rows replayed in bucket {bucket} (static buffers hold "
+                                 f"{self._static['slots'].shape[0]} rows); the graph runner pads an extend step to "
+                                 "its key's requests and rows")
+            self._step = self._plan(ctx, bucket)
+            return
         per = ctx.num_tokens // bucket if bucket else 0
         uniform = mode == Mode.DECODE and per == 1 or mode == Mode.TARGET_VERIFY and per >= 1 and all(
             n == per for n in ctx.query_lens)
@@ -765,11 +849,17 @@ class FlashInferAttentionBackend(BackendHooks):
 
     def replay_state_in_graph(self, mode: Mode) -> bool:
         """A whole-step graph records this backend's replay state where every group runs a Triton
-        kernel from the page table (decode_impl / mla_impl "triton"): _plan then only copies the
-        step's slots, page table and lengths into the static buffers on the device, and the rows
-        per request are fixed by the bucket. FlashInfer's own plan() works on the host: it stays
-        before every replay."""
-        return Mode(mode) in self.capability.modes_capturable and all(self._table_kernel(g) for g in self.groups)
+        kernel from the page table (decode_impl / mla_impl "triton"; in extend and mixed steps,
+        extend_impl "triton"): _plan then only copies the step's slots, page table and lengths (and
+        query offsets) into the static buffers on the device, and the rows per request, or the
+        most rows a request can own, are fixed by the bucket. FlashInfer's own plan() works on the
+        host: it stays before every replay."""
+        mode = Mode(mode)
+        if not self._captured(mode):
+            return False
+        if self._varlen(mode):
+            return all(g.kind == "gqa" for g in self.groups)
+        return all(self._table_kernel(g) for g in self.groups)
 
     def init_step_metadata(self, ctx: ExecContext) -> None:
         """Plan every head group for an eager step, once, before the step's first op."""
@@ -786,8 +876,10 @@ class FlashInferAttentionBackend(BackendHooks):
     def _step_for(self, ctx: ExecContext, layer_id: int, kind: str, scale: float) -> tuple[_Group, _StepPlan]:
         step = self._step
         planned_for_ctx = step is not None and (step.ctx is ctx or (
-            # A graph runner may capture with its own context object over the same step.
-            step.bucket is not None and ctx.num_seqs == step.bucket and ctx.mode == step.ctx.mode))
+            # A graph runner may capture with its own context object over the same step (and a
+            # mixed step replays an extend key's graph).
+            step.bucket is not None and ctx.num_seqs == step.bucket
+            and _graph_mode(ctx.mode) == _graph_mode(step.ctx.mode)))
         if not planned_for_ctx:
             raise RuntimeError(f"{self.name}: layer {layer_id} ran in a step that was not planned; call "
                                "init_step_metadata(ctx) (or init_replay_state(ctx, bucket) for a graph) first")
@@ -819,7 +911,12 @@ class FlashInferAttentionBackend(BackendHooks):
         store_kv_rows(step.slots, ctx.page_size, (k, kc), (v, vc))
         n = step.num_rows
         target = out[:n] if out.is_contiguous() else torch.empty_like(out[:n])
-        if step.table is not None and g in step.table.groups:
+        if step.table is not None and g in step.table.groups and not step.table.rows_per_req:
+            from runtime.backends.kernels.gqa import triton_gqa_attention_varlen
+            t = step.table
+            triton_gqa_attention_varlen(q[:n], kc, vc, t.page_table, t.seq_lens, t.query_start_loc, target, g.scale,
+                                        max_rows=t.max_rows, fixed_splits=self.fixed_splits)
+        elif step.table is not None and g in step.table.groups:
             from runtime.backends.kernels.gqa import triton_gqa_attention
             t = step.table
             triton_gqa_attention(q[:n], kc, vc, t.page_table, t.seq_lens, t.rows_per_req, target, g.scale,

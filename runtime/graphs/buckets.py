@@ -10,9 +10,10 @@
    holds a step or None (an eager step), and the largest step the static buffers must hold.
 3. `buckets_for`: the artifact's recorded buckets clipped to the steps an engine can send;
    `extend_seqs`: how many requests the largest extend graphs hold.
-4. `one_captured_piece` and `piecewise_plan_mode`: what the program's split plans (split.json) say
-   about a mode's graphs: whole-step (its plan is one captured piece), or pieces with eager gaps,
-   and whose plan's pieces those are.
+4. `one_captured_piece`, `whole_step_modes` and `piecewise_plan_mode`: what the program's split
+   plans (split.json) say about a mode's graphs: whole-step (its plan is one captured piece; for
+   extend keys, the extend and the mixed plan both, since mixed steps replay them), or pieces with
+   eager gaps, and whose plan's pieces those are.
 
 The artifact's default buckets are the format's (compiler/splitops/artifact.py). This module
 captures nothing (runtime/graphs/cuda_graphs.py) and pads nothing (runtime/graphs/staging.py).
@@ -26,12 +27,13 @@ from typing import Optional
 from compiler.splitops import Mode
 from compiler.splitops.artifact import CAPTURED
 
-__all__ = ["CaptureKey", "Buckets", "buckets_for", "extend_seqs", "one_captured_piece", "piecewise_plan_mode"]
+__all__ = ["CaptureKey", "Buckets", "buckets_for", "extend_seqs", "one_captured_piece", "whole_step_modes",
+           "piecewise_plan_mode"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CaptureKey:
-    mode: Mode  # DECODE or TARGET_VERIFY (full or piecewise), or EXTEND (piecewise; also serves MIXED steps)
+    mode: Mode  # DECODE, TARGET_VERIFY or EXTEND (full or piecewise; an EXTEND key also serves MIXED steps)
     tokens: int  # rows of the step, padding included
     seqs: int  # requests of the step, padding included
     rows: int = 0  # logits rows, padding included (0: one per request)
@@ -132,6 +134,17 @@ def extend_seqs(largest_decode: int, extend_buckets) -> int:
 def one_captured_piece(plan) -> bool:
     """Whether a split plan (split.json) is one captured piece: its mode's steps may be one whole-step graph."""
     return len(plan.pieces) == 1 and plan.pieces[0].kind == CAPTURED
+
+
+def whole_step_modes(plans) -> frozenset[Mode]:
+    """The capture-key modes whose steps may be one whole-step graph, from a program's split plans
+    (by mode): decode and target_verify where their plan is one captured piece; extend where the
+    extend plan and the mixed plan both are, since a mixed step replays an extend key's graph (a
+    mixed plan with a gap would leave that gap inside the graph)."""
+    whole = {m for m in (Mode.DECODE, Mode.TARGET_VERIFY) if m in plans and one_captured_piece(plans[m])}
+    if all(m in plans and one_captured_piece(plans[m]) for m in (Mode.EXTEND, Mode.MIXED)):
+        whole.add(Mode.EXTEND)
+    return frozenset(whole)
 
 
 def piecewise_plan_mode(plans, mode: Mode) -> Mode:

@@ -19,7 +19,10 @@ Lifecycle:
    captured piece, or piecewise graphs otherwise; the same for each target_verify bucket
    (speculative decoding: `verify_tokens` tokens per request, so a bucket of B requests is
    B * verify_tokens rows; whole-step graphs where split.json's target_verify plan is one captured
-   piece); then piecewise graphs for each extend token bucket, largest first. All graphs share one memory pool. Padded rows point at the reserved
+   piece); then each extend token bucket, largest first: one whole-step graph where split.json's
+   extend and mixed plans are both one captured piece (a GQA model routed to an attention kernel
+   that captures extend steps: `gqa_attention=flashinfer[extend_impl=triton]`), piecewise graphs
+   otherwise. Mixed steps replay the extend keys. All graphs share one memory pool. Padded rows point at the reserved
    state slot and write no KV. After `capture()` the runner is sealed: a capture at any later time
    is an error. Decode graphs are piecewise too when asked (`decode_graphs="piecewise"`: the
    extend plan's pieces, the baseline of the full graph).
@@ -66,7 +69,7 @@ from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DE
 from runtime.cache.batch import RowsAt, SeqState, StepInputs, build_step, step_mode, write_rows
 from runtime.backends.protocol import plan_eager_step
 from runtime.step.bound_ops import BoundOps
-from runtime.graphs.buckets import Buckets, CaptureKey, buckets_for, one_captured_piece, piecewise_plan_mode
+from runtime.graphs.buckets import Buckets, CaptureKey, buckets_for, piecewise_plan_mode, whole_step_modes
 from runtime.graphs.cuda_graphs import CaptureError, CapturedPiece, CaptureState, CudaGraphs
 from runtime.step.context import ExecContext
 from runtime.cache.kv_pool import KVPool
@@ -128,9 +131,10 @@ class GraphRunner:
         self.state = CaptureState(self.graphs)
         self.sealed = False
         self.counters = {"graph_replays": 0, "piecewise_steps": 0, "eager_steps": 0}
-        # Modes whose steps are one whole-step graph: every op of the mode's plan (split.json) captured.
-        self.full_modes = frozenset(m for m in (Mode.DECODE, Mode.TARGET_VERIFY)
-                                    if decode_graphs == "full" and one_captured_piece(program.plans[m]))
+        # Key modes whose steps are one whole-step graph: every op of the mode's plan (split.json)
+        # captured; for extend keys, of the mixed plan too (mixed steps replay them: buckets.py).
+        # Piecewise decode runs the extend plan's pieces, which then stay pieces too.
+        self.full_modes = whole_step_modes(program.plans) if decode_graphs == "full" else frozenset()
         self.keys: list[CaptureKey] = []
         self.chunk_size = chunk_size or self.max_tokens
         self.input_names = PROGRAM_INPUTS[program.name]
@@ -221,11 +225,12 @@ class GraphRunner:
     def _module(self, mode: Mode) -> torch.nn.Module:
         """The split module of a mode with its captured pieces wrapped (built once, reused).
 
-        A decode or target_verify plan that is one captured piece is captured whole (one graph
-        per bucket), so its module stays unwrapped: eager steps and the whole-step capture both
-        run it as is. Extend and mixed steps run the extend plan."""
-        if mode in self.full_modes:  # decode or target_verify captured whole
-            return self.program.module_for(mode)
+        A plan that is one captured piece is captured whole (one graph per bucket), so its module
+        stays unwrapped: eager steps and the whole-step capture both run it as is. Extend and
+        mixed steps run the extend plan."""
+        key_mode = Mode.EXTEND if mode == Mode.MIXED else mode
+        if key_mode in self.full_modes:  # captured whole
+            return self.program.module_for(key_mode)
         plan_mode = piecewise_plan_mode(self.program.plans, mode)
         if plan_mode not in self._modules:
             split = self.program.module_for(plan_mode)

@@ -7,6 +7,7 @@ hook (3), a forwarded hook with an argument a child does not take (4), a draft i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -20,7 +21,7 @@ from compiler.passes.manager import PassManager
 from compiler.passes.routing import RoutingPass, parse_route
 from compiler.passes.split import SplitPass
 from compiler.pipeline import make_context, plan
-from compiler.splitops import OP_SPECS, Mode
+from compiler.splitops import OP_SPECS, Capture, Mode
 from models.families import FAMILY_IDS
 from compiler.splitops.capability import BackendCapability, CapabilityTable
 from tests.compiler.test_compiler_toys import full_spec, lightning_spec, rule_ids, toy_plan, toy_traced
@@ -140,12 +141,16 @@ class _NoGraphBreakSplit(SplitPass):
         pass
 
 
-def test_stateful_op_captured():
+def test_stateful_op_captured(monkeypatch):
+    # The toys' attention is GQA, whose policy leaves extend to the routed backend; an op whose
+    # policy says eager there (MLA's and KDA's do) is what the rule guards: GQA with such a policy.
+    eager_extend = {**OP_SPECS["gqa_attention"].policy, Mode.EXTEND: Capture.EAGER, Mode.MIXED: Capture.EAGER}
+    monkeypatch.setitem(OP_SPECS, "gqa_attention", dataclasses.replace(OP_SPECS["gqa_attention"], policy=eager_extend))
     traced = toy_traced()
     ctx = make_context(traced, CompileConfig(), toolchain())
     PassManager([AnnotateOpsPass(), RoutingPass(), _NoGraphBreakSplit(), LintPass("lint_capture", CAPTURE_RULES)]).run(ctx)
     found = [f for f in ctx.findings if f.rule == "stateful-op-captured"]
-    # Lightning's policy allows extend capture (a table-driven core): attention's does not
+    # Lightning's policy allows extend capture (a table-driven core): this attention's does not
     assert {(f.node, f.layer_id) for f in found} == {("gqa_attention", 1)}
     assert any("mode extend" in f.message for f in found) and ctx.stopped_after == "lint_capture"
 

@@ -330,8 +330,65 @@ def test_split_makes_a_node_of_a_backend_that_cannot_capture_an_eager_gap():
     assert decode_gaps == [("lightning_core_1",)]  # layer 2 only: its neighbours stay captured
     assert [p.kind for p in plans[Mode.DECODE].pieces] == [CAPTURED, EAGER, CAPTURED]
     extend_gaps = [p.nodes for p in plans[Mode.EXTEND].pieces if p.kind == EAGER]
-    # extend: attention by its policy, layer 2's lightning by its backend (layer 0's is captured)
-    assert extend_gaps == [("gqa_attention",), ("lightning_core_1",)]
+    # extend: layer 2's lightning by its backend (layer 0's is captured); GQA attention's policy
+    # leaves extend to its backend, and this one captures every mode
+    assert extend_gaps == [("lightning_core_1",)]
+
+
+def test_a_choice_scoped_to_some_ops_is_refused_on_a_node_of_another():
+    """`choice_ops`: a kernel option's choice that serves only some of a backend's ops (FlashInfer's
+    extend_impl=triton serves GQA layers). A route giving it to a node of another op fails the
+    compile naming the layer, the route and the choice; routed to the ops it serves, it is recorded."""
+    from compiler.splitops import ChoiceScope
+    scoped = BackendCapability("scoped", "cpu", ALL_OPS - COLLECTIVE_OPS, options=(("impl", ("plain", "tiled")),),
+                               choice_ops=(ChoiceScope("impl", "tiled", frozenset({"lightning_core"}),
+                                                       why="tiles of the linear kernel"),))
+    assert scoped.choice_refusal("gqa_attention", {"impl": "tiled"}) == (
+        "impl=tiled serves hgc.lightning_core only, not hgc.gqa_attention (tiles of the linear kernel)")
+    assert scoped.choice_refusal("lightning_core", {"impl": "tiled"}) is None
+    assert scoped.choice_refusal("gqa_attention", {}) is None  # the default serves every op
+    assert BackendCapability.from_json(scoped.to_json()) == scoped
+    table = CapabilityTable([CPU_ALL, scoped])
+    routed = _entries(_route_plan(["lightning_core=scoped[impl=tiled]"], table))
+    assert routed["lightning_core"]["options"] == {"impl": "tiled"}
+    with pytest.raises(PassError, match=r"node gqa_attention \(layer 1, kind full_gqa\): route layers=1:scoped\[impl=tiled\] "
+                                        r"sends hgc.gqa_attention to scoped, whose impl=tiled serves hgc.lightning_core "
+                                        r"only, not hgc.gqa_attention \(tiles of the linear kernel\); fix: route this "
+                                        r"layer without that choice"):
+        _route_plan(["layers=1:scoped[impl=tiled]"], table)
+    with pytest.raises(CapabilityError, match="names no choice of its options but their defaults"):
+        BackendCapability("x", "cpu", ALL_OPS, options=(("impl", ("plain", "tiled")),),
+                          choice_ops=(ChoiceScope("impl", "plain", frozenset({"gdn_core"})),))
+    with pytest.raises(CapabilityError, match=r"names ops \['gdn_core'\] it does not declare"):
+        BackendCapability("x", "cpu", FULL_OPS, options=(("impl", ("plain", "tiled")),),
+                          choice_ops=(ChoiceScope("impl", "tiled", frozenset({"gdn_core"})),))
+
+
+def test_option_dtypes_let_a_backend_run_more_dtypes_under_some_kernel_options():
+    """`option_dtypes`: FlashInfer's GQA runs float32 where every step is on the Triton kernels. The
+    refusal reads the node's kernel options (a route's; unset ones their defaults) and, where it
+    refuses, says under which options the dtype would run; declarations are checked."""
+    from compiler.splitops import OptionDtypes
+    gqa = LayerKind.FULL_GQA
+    cap = BackendCapability("fi", "cuda", FULL_OPS, dtypes=frozenset({"bfloat16"}),
+                            options=(("extend", ("library", "ours")), ("decode", ("ours", "library"))),
+                            option_dtypes=(OptionDtypes("gqa_attention", frozenset({"float32"}),
+                                                        when=(("extend", "ours"), ("decode", "ours"))),))
+    assert cap.refusal("gqa_attention", gqa, "float32") == (
+        "runs dtypes ['bfloat16'], not float32 (hgc.gqa_attention runs float32 with extend=ours, decode=ours)")
+    assert cap.refusal("gqa_attention", gqa, "float32", options={"extend": "ours"}) is None
+    assert cap.refusal("gqa_attention", gqa, "float32", options={"extend": "ours", "decode": "library"}) is not None
+    assert cap.refusal("mla_attention", LayerKind.FULL_MLA, "float32", options={"extend": "ours"}) == (
+        "runs dtypes ['bfloat16'], not float32")
+    assert cap.refusal("gqa_attention", gqa, "float16", options={"extend": "ours"}) == "runs dtypes ['bfloat16'], not float16"
+    assert BackendCapability.from_json(cap.to_json()) == cap
+    with pytest.raises(CapabilityError, match="option dtypes of gqa_attention name extend=fast"):
+        BackendCapability("x", "cuda", FULL_OPS, options=(("extend", ("library", "ours")),),
+                          option_dtypes=(OptionDtypes("gqa_attention", frozenset({"float32"}), (("extend", "fast"),)),))
+    with pytest.raises(CapabilityError, match=r"option dtypes of 'gdn_core', an op it does not declare"):
+        BackendCapability("x", "cuda", FULL_OPS, option_dtypes=(OptionDtypes("gdn_core", frozenset({"float32"}), ()),))
+    with pytest.raises(CapabilityError, match=r"\['float64'\] are not among"):
+        OptionDtypes("gqa_attention", frozenset({"float64"}), ())
 
 
 def test_capability_declarations_are_checked():
@@ -374,14 +431,18 @@ def test_capability_refusals_name_what_the_backend_lacks():
 
 def test_the_reference_backends_declare_every_op_and_their_capture():
     """The CPU reference may sit in captured pieces (on the CPU a captured piece is rerun, nothing is
-    frozen), so CPU plans follow the op policies alone; the same math on cuda captures nothing and is
-    bound only by a route (never a silent slow fallback). The collectives are torch.distributed's:
-    gloo on the CPU, NCCL on cuda, both capturable."""
+    frozen), so CPU plans follow the op policies, but for GQA attention in extend and mixed steps,
+    which its policy leaves to the backend and the CPU keeps eager (the CPU plans as they were);
+    the same math on cuda captures nothing and is bound only by a route (never a silent slow
+    fallback). The collectives are torch.distributed's: gloo on the CPU, NCCL on cuda, both capturable."""
     from runtime.backends import discover
     table = discover().capability_table()
     cpu, cuda = table["cpu_reference"], table["torch_reference"]
     assert cpu.device == "cpu" and cpu.ops == ALL_OPS - COLLECTIVE_OPS and not cpu.explicit_only
-    assert set(cpu.modes_supported) == set(cpu.modes_capturable) == set(MODES)
+    assert set(cpu.modes_supported) == set(MODES)
+    for op in cpu.ops:
+        want = [m.value for m in MODES if op != "gqa_attention" or m in (Mode.DECODE, Mode.TARGET_VERIFY)]
+        assert cpu.capturable_modes(op) == want, op
     assert cuda.device == "cuda" and cuda.ops == ALL_OPS - COLLECTIVE_OPS and cuda.explicit_only
     assert not cuda.modes_capturable
     for name, device in (("gloo", "cpu"), ("nccl", "cuda")):
@@ -432,7 +493,8 @@ def test_split_records_the_piece_of_each_node():
 
 
 class _TwoOps(nn.Module):
-    """Two op cores back to back with nothing between them: their gaps must merge."""
+    """Two op cores back to back with nothing between them: their gaps must merge (MLA attention,
+    eager in extend by its policy; shapes do not matter to the trace)."""
 
     def __init__(self):
         super().__init__()
@@ -440,8 +502,9 @@ class _TwoOps(nn.Module):
 
     def forward(self, q, k, v):
         a, b = torch.empty_like(q), torch.empty_like(q)
-        TRACED_OPS.gqa_attention(q, k, v, a, 0, 1.0)
-        TRACED_OPS.gqa_attention(q, k, v, b, 1, 1.0)
+        latent = k[:, 0]
+        TRACED_OPS.mla_attention(q, v, latent, latent, a, 0, 1.0)
+        TRACED_OPS.mla_attention(q, v, latent, latent, b, 1, 1.0)
         return a + b
 
 
@@ -457,7 +520,7 @@ def test_split_merges_adjacent_eager_ops_into_one_gap():
     gm = _two_ops_gm()
     plan = plan_for_mode(gm, Mode.EXTEND)
     assert [p.kind for p in plan.pieces] == [CAPTURED, EAGER, CAPTURED]
-    assert plan.pieces[1].nodes == ("gqa_attention", "gqa_attention_1")
+    assert plan.pieces[1].nodes == ("mla_attention", "mla_attention_1")
 
 
 def test_apply_split_plan_keeps_graph_order_and_only_op_cores_in_gaps():
@@ -467,7 +530,7 @@ def test_apply_split_plan_keeps_graph_order_and_only_op_cores_in_gaps():
     subs = [n.target for n in split.graph.nodes if n.op == "call_module"]
     assert subs == ["submod_0", "submod_1", "submod_2"]
     gap_ops = [n for n in getattr(split, "submod_1").graph.nodes if n.op == "call_function"]
-    assert [str(n.target) for n in gap_ops] == ["hgc.gqa_attention.default"] * 2
+    assert [str(n.target) for n in gap_ops] == ["hgc.mla_attention.default"] * 2
     before = len(_op_nodes(gm))
     after = sum(len(_op_nodes(getattr(split, s))) for s in subs)
     assert before == after == 2

@@ -138,6 +138,24 @@ def test_float32_gqa_on_cuda_fails_the_compile_naming_layer_dtype_and_backends(c
     assert "--route gqa_attention=torch_reference" in err
 
 
+def test_float32_gqa_routes_to_flashinfer_with_every_step_on_the_triton_kernels(checkpoints, tmp_path, capsys):
+    """FlashInfer's kernels take no float32, the Triton GQA kernels do: routed with extend_impl=triton
+    (decode_impl=triton is the default), GQA layers run float32 on the FlashInfer backend, whose
+    extends are then captured too; with FlashInfer's decode kernel the route is refused, saying which
+    options would take float32."""
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "float32",
+                                "--route", "gqa_attention=flashinfer[extend_impl=triton]")
+    assert rc == 0, err[-3000:]
+    gqa = [e for e in entries(art) if e["op"] == "gqa_attention"]
+    assert gqa and {(e["backend"], e["dtype"]) for e in gqa} == {(FULL.name, "float32")}
+    assert gap_ops(art, "extend") == gap_ops(art, "mixed") == []
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path / "fi", capsys, "--dtype", "float32",
+                                "--route", "gqa_attention=flashinfer[extend_impl=triton,decode_impl=flashinfer]")
+    assert rc == 2 and not art.exists()
+    assert ("flashinfer, which runs dtypes ['bfloat16', 'float16'], not float32 (hgc.gqa_attention runs float32 "
+            "with decode_impl=triton, extend_impl=triton)") in err
+
+
 def test_a_head_dim_flashinfer_does_not_build_fails_the_compile(tmp_path, capsys):
     tiny_checkpoint("qwen3_next", tmp_path / "hd32", seed=3)  # tiny: head_dim 32
     rc, art, err = compile_cuda(tmp_path, "hd32", tmp_path, capsys, "--dtype", "bfloat16")
@@ -220,6 +238,8 @@ def test_hgc_backends_lists_each_kernel_option_with_its_choices_default_first(ca
     at = next(i for i, ln in enumerate(lines) if ln.startswith("triton_linear "))
     assert "short_extend_tokens=64|0|16|32|128" in lines[at]
     assert "chunk_impl=triton|fla" in lines[at + 1]
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("flashinfer "))
+    assert "extend_impl=ragged|paged|triton" in lines[at] and "(triton: gqa_attention only)" in lines[at + 1]
 
 
 
@@ -237,6 +257,50 @@ def test_chunk_impl_fla_makes_gdn_an_extend_gap_again(checkpoints, tmp_path, cap
                                 "--route", "gdn_core=triton_linear[chunk_impl=fla]")
     assert rc == 0, err[-3000:]
     assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["gdn_core", "gqa_attention"]
+
+
+def test_the_triton_extend_route_makes_a_qwen3_next_extend_step_one_captured_piece(checkpoints, tmp_path, capsys):
+    """`--route gqa_attention=flashinfer[extend_impl=triton]`: GQA attention, whose policy leaves extend
+    and mixed steps to the routed backend, is captured there (FlashInfer's op capture under that
+    choice), so with the GDN cores and the conv on our kernels and the MoE captured, the extend and
+    mixed plans of both programs are one captured piece, as decode's. Without the route they are as
+    before (attention the one gap), and the capture warning names the route."""
+    route = "gqa_attention=flashinfer[extend_impl=triton]"
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16", "--route", route)
+    assert rc == 0, err[-3000:]
+    split = json.loads((art / "split.json").read_text())["programs"]
+    assert set(split) == {"main", "draft"}
+    for program, plans in split.items():
+        for mode in ("decode", "extend", "mixed", "target_verify"):
+            assert [p["kind"] for p in plans[mode]["pieces"]] == ["captured"], (program, mode)
+    gqa = [e for e in entries(art) if e["op"] == "gqa_attention"]
+    assert gqa and {e["options"]["extend_impl"] for e in gqa} == {"triton"}
+    assert all(e["backend_capturable"] == [m.value for m in MODES] and e["policy"]["extend"] == "capturable"
+               for e in gqa)
+    lints = json.loads((art / "lints.json").read_text())
+    assert lints["counts"]["error"] == 0 and not [f for f in lints["findings"] if f["rule"] == "backend-cannot-capture"]
+
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path / "default", capsys, "--dtype", "bfloat16")
+    assert rc == 0, err[-3000:]
+    assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["gqa_attention"] and gap_ops(art, "decode") == []
+    warned = [f for f in json.loads((art / "lints.json").read_text())["findings"]
+              if f["rule"] == "backend-cannot-capture"]
+    assert warned and {f["backend"] for f in warned} == {FULL.name}
+    assert all("cannot be captured in mode(s) extend, mixed" in f["message"] for f in warned)
+    assert all(f["fix"] == "route it with flashinfer[extend_impl=triton], which flashinfer can capture there"
+               for f in warned)
+
+
+@pytest.mark.parametrize("route", ["mla_attention=flashinfer[extend_impl=triton]",
+                                   "layers=2:flashinfer[extend_impl=triton]"])
+def test_an_mla_layer_routed_with_the_triton_extend_is_refused(checkpoints, tmp_path, capsys, route):
+    """The Triton extend kernel serves GQA layers: FlashInfer scopes extend_impl=triton to
+    gqa_attention, so a route giving it to an MLA layer fails the compile naming the layer and the
+    choice (a runtime given such an entry refuses it too: test_flashinfer_backend_cpu.py)."""
+    rc, art, err = compile_cuda(checkpoints, "kimi_linear", tmp_path, capsys, "--dtype", "bfloat16", "--route", route)
+    assert rc == 2 and not art.exists()
+    assert (f"node mla_attention (layer 2, kind full_mla): route {route} sends hgc.mla_attention to flashinfer, "
+            f"whose extend_impl=triton serves hgc.gqa_attention only, not hgc.mla_attention") in err, err
 
 
 # -- --batch-invariant ------------------------------------------------------------------------------

@@ -6,7 +6,9 @@
    errors, scale checks, padding, graph buckets) through a stand-in `flashinfer` module whose
    wrappers keep the real 0.6 signatures and compute FlashInfer's documented semantics in torch
    (kv length = (pages-1)*page_size + last_page_len, causal mask aligned to the end of the
-   cache). Its outputs must equal the CPU reference backend's.
+   cache). Its outputs must equal the CPU reference backend's. With extend_impl="triton" the GQA
+   groups of extend and mixed steps run the Triton kernel for requests of different lengths (in
+   Triton's interpreter) with nothing planned, eagerly and from a graph bucket's static buffers.
 4. The Triton kernels (K/V store, MLA) in the Triton interpreter, in a subprocess so that
    TRITON_INTERPRET never leaks into this process (bf16 dots are wrong in the interpreter, so
    the MLA kernel runs on float32 here and on bf16 in the GPU tests).
@@ -26,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
+from compiler.splitops import MODES, LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
 from runtime.backends import flashinfer_attention as fia
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend, FlashInferMissing, build_paged_metadata
@@ -525,6 +527,150 @@ def test_triton_decode_graph_buckets_plan_nothing_on_the_host(host_plans, n):
                       max_pages=9).ctx
     with pytest.raises(ValueError, match="page table has 9 columns, the static one 8"):
         pair.be.init_replay_state(wide, 4)
+
+
+GQA_LAYERS = [0, 3]  # extend_impl="triton" serves GQA layers: the instance takes REGISTRY's GQA layers only
+
+
+def _gqa_steps(pool, seqs, **kw):
+    """Extend and mixed steps of three requests (slots 1-3, or `seqs`), as the backend sees them:
+    a fresh extend (5, 2, 7 tokens), a mixed step (a 3-token chunk, a decode row, a 6-token chunk),
+    a prefix hit's tail beside a decode row and a fresh 1-token request. The rows cross page
+    boundaries (pages of 4); the caches are committed after each step."""
+    fresh = SeqState(9)
+    steps = [[(0, 5), (1, 2), (2, 7)], [(0, 3), (1, 1), (2, 6)], [(0, 9), (1, 1), (3, 1)]]
+    everyone = list(seqs) + [fresh]
+    for items in steps:
+        step_items = [(everyone[i], [0] * n) for i, n in items]
+        yield build_step(step_items, pool, **kw).ctx
+        commit_step(step_items)
+
+
+def test_triton_extend_plans_nothing_and_matches_the_reference(host_plans):
+    """extend_impl="triton" (with decode_impl="triton"): extend and mixed steps run GQA groups on the
+    varlen Triton kernel from the page table, seq_lens and query_start_loc, in Triton's interpreter:
+    no paged metadata, no plan(), outputs equal to the reference's, padding rows zero, KV stored."""
+    pair = Pair(extend_impl="triton", decode_impl="triton", layers=GQA_LAYERS)
+    seqs = [SeqState(i + 1) for i in range(3)]
+    modes = []
+    for ctx in _gqa_steps(pair.ref_pool, seqs, pad_tokens_to=24, pad_seqs_to=4):
+        pair.be.init_step_metadata(ctx)
+        pair.be.init_chunk_metadata(ctx, 64)
+        modes.append(Mode(ctx.mode))
+        t = pair.be._step.table
+        assert t is not None and t.rows_per_req == 0 and t.max_rows == max(ctx.query_lens)
+        for layer in GQA_LAYERS:
+            assert pair.run(ctx, layer, ctx.num_tokens) < 1e-5
+    assert modes == [Mode.EXTEND, Mode.MIXED, Mode.MIXED]
+    # an eager target_verify step of unequal rows (no graph replays one) takes the same kernel
+    items = [(seqs[0], [0] * 2), (seqs[1], [0] * 4)]
+    ctx = build_step(items, pair.ref_pool, mode=Mode.TARGET_VERIFY, pad_tokens_to=8, pad_seqs_to=3).ctx
+    pair.be.init_step_metadata(ctx)
+    assert pair.be._step.table.rows_per_req == 0
+    for layer in GQA_LAYERS:
+        assert pair.run(ctx, layer, ctx.num_tokens) < 1e-5
+    assert host_plans == [] and _plans() == [] and not any(e[0] == "init" for e in _Fake.log)
+    for name in ("k", "v"):
+        assert torch.equal(pair.pool.layer(0)[name], pair.ref_pool.layer(0)[name])
+
+
+def test_triton_extend_graph_buckets_copy_the_step_and_equal_eager(host_plans):
+    """Graph buckets of extend and mixed steps (init_capture_state, then init_replay_state with the
+    bucket's request rows): the page table, lengths and query offsets are copied into the static
+    buffers (the kernel reads those addresses), the grid is the bucket's, nothing is planned on the
+    host; each real row equals the reference's and the same step run eagerly, padded rows (past
+    the real ones, and whole padded requests) are zero. A step too large for the buffers and a
+    decode-only instance are refused."""
+    pair = Pair(extend_impl="triton", decode_impl="triton", layers=GQA_LAYERS)
+    pair.be.init_capture_state(32, 8)
+    static = pair.be._static
+    seqs = [SeqState(i + 1) for i in range(3)]
+    gen = torch.Generator().manual_seed(3)
+    for ctx in _gqa_steps(pair.ref_pool, seqs, pad_tokens_to=24, pad_seqs_to=6, max_pages=8):
+        pair.be.init_replay_state(ctx, 6)
+        t = pair.be._step.table
+        assert pair.be._step.num_rows == 24 and t.max_rows == 24 and t.rows_per_req == 0
+        assert t.page_table.data_ptr() == static["page_table"].data_ptr()
+        assert t.query_start_loc.data_ptr() == static["query_start_loc"].data_ptr()
+        assert t.query_start_loc.tolist() == ctx.query_start_loc.tolist()
+        n = ctx.num_real_tokens
+        for layer in GQA_LAYERS:
+            q, k, v = (torch.randn(24, h, D, generator=gen) for h in (HQ, HKV, HKV))
+            q[n:] = k[n:] = v[n:] = float("nan")
+            graph, want = torch.full((24, HQ, D), float("nan")), torch.empty(24, HQ, D)
+            pair.ref.gqa_attention(ctx, q, k, v, want, layer, GQA_SCALE)
+            pair.be.gqa_attention(ctx, q, k, v, graph, layer, GQA_SCALE)
+            assert torch.isfinite(graph).all() and graph[n:].eq(0).all()
+            assert float((graph - want).norm() / want.norm()) < 1e-5
+            replay = pair.be._step
+            pair.be.init_step_metadata(ctx)  # the same step eagerly: its own tensors, its real rows
+            eager = torch.full((24, HQ, D), float("nan"))
+            pair.be.gqa_attention(ctx, q, k, v, eager, layer, GQA_SCALE)  # stores the same rows again
+            assert float((graph[:n] - eager[:n]).norm() / eager[:n].norm()) < 1e-5
+            pair.be._step = replay
+    assert host_plans == [] and _plans() == []
+    for name in ("k", "v"):
+        assert torch.equal(pair.pool.layer(0)[name], pair.ref_pool.layer(0)[name])
+    big = build_step([(SeqState(5), [0] * 40)], pair.ref_pool, pad_tokens_to=40, pad_seqs_to=1).ctx
+    with pytest.raises(ValueError, match=r"flashinfer: extend step of 1 requests and 40 rows replayed in bucket 1 \(static "
+                                        r"buffers hold 32 rows\)"):
+        pair.be.init_replay_state(big, 1)
+    ragged = Pair(decode_impl="triton", layers=GQA_LAYERS)
+    ragged.be.init_capture_state(32, 8)
+    with pytest.raises(ValueError, match="extend and mixed with extend_impl='triton', this instance's is 'ragged'"):
+        ragged.be.init_replay_state(build_step([(SeqState(6), [0] * 3)], ragged.ref_pool, pad_tokens_to=4,
+                                               pad_seqs_to=2).ctx, 2)
+
+
+def test_triton_extend_is_captured_and_its_replay_state_is_device_work(fake_fi):
+    """The declaration: GQA extend and mixed steps capturable with extend_impl=triton only (an op
+    capture), a choice MLA layers refuse (a choice scope; the constructor too, in one line naming
+    the layer and the option). Such an instance records its extend replay state in the graph."""
+    cap = FlashInferAttentionBackend.capability
+    assert cap.option_choices()["extend_impl"] == ("ragged", "paged", "triton")  # ragged: the default
+    assert cap.capturable_modes("gqa_attention", {"extend_impl": "triton"}) == ["decode", "extend", "mixed",
+                                                                                 "target_verify"]
+    assert cap.capturable_modes("gqa_attention") == cap.capturable_modes("mla_attention", {"extend_impl": "triton"}) \
+        == ["decode", "target_verify"]
+    assert "serves hgc.gqa_attention only, not hgc.mla_attention" in cap.choice_refusal("mla_attention",
+                                                                                          {"extend_impl": "triton"})
+    with pytest.raises(ValueError) as info:
+        Pair(extend_impl="triton")
+    assert str(info.value) == ("layer 2 (extend_impl='triton'): MLA extends are not served by the Triton GQA kernel; "
+                               "route MLA layers with extend_impl ragged or paged")
+    with pytest.raises(ValueError, match="extend_impl must be one of 'ragged', 'paged', 'triton', not 'fa3'"):
+        Pair(extend_impl="fa3", layers=GQA_LAYERS)
+    table = Pair(extend_impl="triton", decode_impl="triton", layers=GQA_LAYERS).be
+    assert [table.replay_state_in_graph(m) for m in MODES] == [True, True, True, True]
+    mixed = Pair(extend_impl="triton", layers=GQA_LAYERS).be  # FlashInfer's decode: planned on the host
+    assert [mixed.replay_state_in_graph(m) for m in MODES] == [False, True, True, False]
+    assert not any(Pair(decode_impl="triton", layers=GQA_LAYERS).be.replay_state_in_graph(m)
+                   for m in (Mode.EXTEND, Mode.MIXED))
+
+
+def test_the_binder_refuses_a_recorded_choice_its_backend_scopes_to_other_ops():
+    """A routing.json entry giving an MLA node extend_impl=triton (edited, or from a declaration that
+    did not scope it) is refused at start-up, as routing refuses the route."""
+    from compiler.splitops import CallFacts
+    from compiler.splitops.artifact import RouteEntry
+    from runtime.artifact.binding import _refusal
+
+    cap = FlashInferAttentionBackend.capability
+    options = cap.resolve_options({"extend_impl": "triton"})
+    facts = CallFacts("mla_attention", 2, "bfloat16", {"q_latent": (None, 4, 512), "q_rope": (None, 4, 64)}, {})
+    entry = RouteEntry("mla_attention", "mla_attention", 2, "full_mla", "flashinfer", options, "bfloat16", "priority")
+    assert _refusal(entry, facts, FlashInferAttentionBackend, torch.device("cuda")) == (
+        "flashinfer's extend_impl=triton serves hgc.gqa_attention only, not hgc.mla_attention (the Triton kernel "
+        "serves GQA layers; MLA extends are not served by it)")
+    gqa = dataclasses.replace(entry, op="gqa_attention", kind="full_gqa")
+    gqa_facts = CallFacts("gqa_attention", 0, "bfloat16", {"q": (None, 4, 64), "v": (None, 2, 64)}, {})
+    assert _refusal(gqa, gqa_facts, FlashInferAttentionBackend, torch.device("cuda")) is None
+    # float32 GQA binds where every step is on the Triton kernels, as routing decided it (option_dtypes)
+    f32 = dataclasses.replace(gqa_facts, dtype="float32")
+    assert _refusal(gqa, f32, FlashInferAttentionBackend, torch.device("cuda")) is None
+    ragged = dataclasses.replace(gqa, options=cap.resolve_options({}))
+    assert "runs dtypes ['bfloat16', 'float16'], not float32" in _refusal(ragged, f32, FlashInferAttentionBackend,
+                                                                          torch.device("cuda"))
 
 
 def test_decode_impl_is_a_routing_choice_and_refuses_odd_head_dims(fake_fi):

@@ -218,9 +218,10 @@ def test_softmax_routing_renormalised_weights_sum_to_scale():
 
 
 def test_every_op_has_a_policy_for_every_mode_and_stateful_ops_are_eager_in_extend():
-    """Attention (host-planned paged kernels) and KDA are eager in extend and mixed by their policy;
-    the table-driven recurrent cores and the conv may be captured there, where a backend can."""
-    table_driven = {"gdn_core", "lightning_core", "short_conv"}
+    """MLA attention (host-planned paged kernels) and KDA are eager in extend and mixed by their
+    policy; the table-driven recurrent cores, the conv and GQA attention (a kernel from the page
+    table runs its extends) may be captured there, where the routed backend can."""
+    table_driven = {"gdn_core", "lightning_core", "short_conv", "gqa_attention"}
     for spec in OP_SPECS.values():
         assert set(spec.policy) == set(Mode)
         if spec.stateful:

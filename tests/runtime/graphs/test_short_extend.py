@@ -1,16 +1,23 @@
 """Short extends on the CPU: small extend buckets with request rows of their own
 (runtime/graphs/buckets.py), a 32-token extend replayed in the 32-token bucket with the eager
 tokens (testkit/graph_cases.RerunGraphs standing in for CUDA graphs), `hgc inspect` showing the
-buckets and how they were chosen, and an artifact recorded with the earlier buckets still running."""
+buckets and how they were chosen, and an artifact recorded with the earlier buckets still running.
+
+Whole-step extend graphs: where an artifact's extend and mixed plans are one captured piece (a
+GPU's GQA attention routed to `flashinfer[extend_impl=triton]`; here the reference math declared
+for the cpu target as a GQA backend whose extends may be captured), each extend bucket is one
+graph and extend and mixed steps replay it, with the eager engine's tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import types
 
 import pytest
 
-from compiler.splitops import Mode
+from compiler.splitops import MODES, Mode
 from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS
 from hgc import main
 from runtime.artifact.loader import load_artifact
@@ -121,3 +128,135 @@ def test_inspect_shows_each_bucket_and_how_it_was_chosen(art_dir, tmp_path, caps
     assert main(["inspect", str(flagged)]) == 0
     assert ("extend buckets (tokens x requests) 8x8 64x64: set by --decode-buckets / --extend-buckets, not measured"
             in capsys.readouterr().out)
+
+
+# -- whole-step extend graphs ------------------------------------------------------------------
+
+
+def _plans(**gaps):
+    """Split plans by mode, one captured piece each, or captured / eager / captured for the modes named."""
+    from compiler.splitops.artifact import CAPTURED, EAGER, Piece, SplitPlan
+    whole = (Piece(0, CAPTURED, ("a", "op", "b")),)
+    gapped = (Piece(0, CAPTURED, ("a",)), Piece(1, EAGER, ("op",)), Piece(2, CAPTURED, ("b",)))
+    return {m: SplitPlan(m, gapped if gaps.get(m.value) else whole) for m in MODES}
+
+
+def test_extend_keys_are_whole_step_graphs_where_the_extend_and_mixed_plans_have_no_gap():
+    """The runner's decision, from split.json alone: extend keys are whole-step graphs when the
+    extend plan and the mixed plan (mixed steps replay the extend keys) are each one captured piece;
+    decode and target_verify by their own plans; none when decode graphs are asked piecewise."""
+    from runtime.graphs.buckets import whole_step_modes
+
+    assert whole_step_modes(_plans()) == {Mode.DECODE, Mode.TARGET_VERIFY, Mode.EXTEND}
+    assert whole_step_modes(_plans(extend=True, mixed=True)) == {Mode.DECODE, Mode.TARGET_VERIFY}
+    assert whole_step_modes(_plans(mixed=True)) == {Mode.DECODE, Mode.TARGET_VERIFY}, "a mixed gap keeps extend pieces"
+    assert whole_step_modes(_plans(decode=True)) == {Mode.TARGET_VERIFY, Mode.EXTEND}
+
+    program = types.SimpleNamespace(name="main", plans=_plans(), program=None)
+    for decode_graphs, want in (("full", {Mode.DECODE, Mode.TARGET_VERIFY, Mode.EXTEND}), ("piecewise", set())):
+        runner = GraphRunner(program, None, None, None, "cpu", decode_buckets=(1,), extend_buckets=(16,),
+                             max_pages_per_seq=4, extend_max_seqs=2, decode_graphs=decode_graphs, graphs=RerunGraphs())
+        assert runner.full_modes == want
+
+
+class CapturedGQAExtends(CPUReferenceBackend):
+    """The reference's GQA attention, declared for the cpu target under a name of its own as a
+    backend whose extend and mixed steps may be captured (as FlashInfer's is on a GPU with
+    extend_impl=triton): routed to it, a tiny qwen3_next's extend and mixed plans are one piece."""
+
+    name = "cpu_captured_gqa_extends"
+    capability = dataclasses.replace(CPUReferenceBackend.capability, name=name, ops=frozenset({"gqa_attention"}),
+                                     modes_capturable=frozenset(MODES), op_capture=(), priority=-1)
+
+
+@pytest.fixture(scope="module")
+def whole_extend_art(tmp_path_factory):
+    """The tiny qwen3_next compiled for the cpu with GQA attention routed to CapturedGQAExtends:
+    (artifact, the backend registry that has the class)."""
+    from compiler.passes.context import CompileConfig
+    from compiler.passes.routing import parse_route
+    from compiler.pipeline import compile_checkpoint
+    from hgc.wiring import toolchain
+    from runtime.backends import discover
+
+    registry = discover().with_classes(CapturedGQAExtends, source="tests/runtime/graphs/test_short_extend.py")
+    checkpoint = shared_artifact(tmp_path_factory, "qwen3_next")[0]
+    out = tmp_path_factory.mktemp("whole-extend") / "art"
+    routes = (parse_route(f"gqa_attention={CapturedGQAExtends.name}"),)
+    compile_checkpoint(checkpoint, out, CompileConfig(routes=routes), toolchain(registry), dumps=False)
+    return load_artifact(out), registry
+
+
+def _whole_extend_runner(art, registry, **kw):
+    kv, st = make_pools(art.registry, 512, 8, page_size=8)
+    ops = BoundOps(art.backends(kv, st, registry).for_program("main"))
+    runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(1, 2, 4), extend_buckets=(16, 32, 64),
+                         max_pages_per_seq=32, extend_max_seqs=4, graphs=RerunGraphs(), debug=True, **kw)
+    return runner, kv, st
+
+
+def test_short_extends_replay_one_whole_step_graph_with_the_eager_tokens(whole_extend_art):
+    """Capture, start-up parity, then prompts of 3 to 60 tokens, one and several at once: every
+    extend step replays its bucket's whole-step graph (no piecewise step), with the eager tokens."""
+    art, registry = whole_extend_art
+    for mode in (Mode.EXTEND, Mode.MIXED):
+        assert [p.kind for p in art.split_plans["main"][mode].pieces] == ["captured"]
+    runner, kv, st = _whole_extend_runner(art, registry)
+    assert runner.full_modes == {Mode.DECODE, Mode.TARGET_VERIFY, Mode.EXTEND}
+    batches = [[[(5 * i) % 90 + 1 for i in range(n)]] for n in (3, 16, 32, 60)]
+    batches.append([list(range(2, 12)), list(range(40, 47)), [9] * 13])  # three requests of 30 tokens
+    want = [greedy(runner, st, prompts, 4, eager=True)[0] for prompts in batches]
+    report = runner.start(vocab_size=art.manifest["model"]["vocab_size"])
+    assert max(report.values()) < 1e-4 and sum(k.mode == Mode.EXTEND for k in runner.keys) == 3
+    before = dict(runner.counters)
+    for prompts, tokens in zip(batches, want):
+        got, keys = greedy(runner, st, prompts, 4)
+        assert got == tokens and keys[0].mode == Mode.EXTEND and all(k is not None for k in keys)
+    assert runner.counters["piecewise_steps"] == before["piecewise_steps"]
+    assert runner.counters["graph_replays"] - before["graph_replays"] == 4 * len(batches)
+
+
+def test_mixed_steps_and_prefix_hits_replay_the_extend_graphs_in_the_engine(whole_extend_art):
+    """The engine on such a runner: chunked prompts beside running decodes (mixed steps) and
+    prompts whose system prefix the prefix cache holds (an extend step of the tail over cached
+    pages) replay whole-step extend graphs, with the eager engine's tokens."""
+    from runtime.cache.prefix_cache import PrefixCache
+    from runtime.cache.snapshot_pool import SnapshotPool
+    from runtime.engine.engine import Engine, SamplingParams
+    from runtime.graphs.step_runner import EagerRunner
+
+    art, registry = whole_extend_art
+    system = list(range(10, 37))  # 27 tokens: three pages of 8 and a part
+    prompts = [system + [40, 41], list(range(50, 90)), system + [7] * 5, [3, 4, 5], system]
+    params = SamplingParams(max_new_tokens=5)
+
+    def serve(graphs: bool):
+        runner, kv, st = _whole_extend_runner(art, registry)
+        runner.chunk_size = 32
+        if graphs:
+            runner.start(vocab_size=art.manifest["model"]["vocab_size"])
+        steps = runner if graphs else EagerRunner(art.bind(runner.ops), runner.ops, kv, "cpu", 32)
+        cache = PrefixCache(kv, st, SnapshotPool(art.registry, 8)) if graphs else None
+        engine = Engine(steps, kv, st, max_tokens_per_step=32, max_running=4, prefix_cache=cache)
+        modes, build = [], getattr(steps, "build", None)
+        if graphs:
+            def recording_build(*args, **kwargs):
+                step, key = build(*args, **kwargs)
+                modes.append((step.ctx.mode, key))
+                return step, key
+            steps.build = recording_build
+        ids = [engine.add_request(p, params) for p in prompts[:3]]  # together: chunks beside decodes
+        results = engine.run_until_done()
+        outputs = [results[i].output_ids for i in ids]
+        for prompt in prompts[3:]:  # one after another: the system prompt's pages are cached by now
+            got = engine.generate(prompt, params)
+            outputs.append(got.output_ids)
+            if graphs and prompt is system:
+                assert got.cached_tokens == 24
+        return outputs, modes, runner.counters
+
+    want, _, _ = serve(False)
+    got, modes, counters = serve(True)
+    assert got == want
+    assert any(m == Mode.MIXED and key is not None and key.mode == Mode.EXTEND for m, key in modes)
+    assert counters["piecewise_steps"] == 0 and counters["graph_replays"] >= len(modes) - counters["eager_steps"]
