@@ -11,6 +11,7 @@
 #   prefix       benchmarks/serving/prefix_bench.py: hit, miss with and without the cache (issue 49)
 #   multiturn    benchmarks/serving/multiturn_bench.py: TTFT per turn, cache on and off; a 32-token prompt
 #   overlap_tests  the GPU tests of the overlapped engine loop and of decodes apart (CUDA graphs)
+#   extend_tests   the GPU test of whole-step extend graphs (tests/gpu/test_gpu_extend_graphs.py)
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
@@ -60,6 +61,10 @@ for stage in "$@"; do
         python3 -m pytest -q -m gpu tests/gpu/test_gpu_overlapped_engine.py tests/gpu/test_gpu_decodes_apart.py \
             > "$OUT/overlap_tests/pytest.log" 2>&1
         tail -15 "$OUT/overlap_tests/pytest.log" ;;
+    extend_tests)
+        mkdir -p "$OUT/extend_tests"
+        python3 -m pytest -q -m gpu tests/gpu/test_gpu_extend_graphs.py > "$OUT/extend_tests/pytest.log" 2>&1
+        tail -15 "$OUT/extend_tests/pytest.log" ;;
     serve|serve_sync)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         schedule=--overlap-schedule; [ "$stage" = serve_sync ] && schedule=--no-overlap-schedule
