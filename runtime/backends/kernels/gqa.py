@@ -66,6 +66,45 @@ def gqa_head_dim_refusal(head_dim: int) -> str | None:
     return None
 
 
+@triton.jit
+def _attend_split(q, k_cache, v_cache, pages, part_o, part_lse, row, head, live, pos, kv_len, kvh, split,
+                  s_q_t, s_q_h, s_k_page, s_k_tok, s_k_head, s_v_page, s_v_tok, s_v_head,
+                  num_q_heads, page_size, scale_log2, num_splits,
+                  D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLIT_TOKENS: tl.constexpr, PRECISION: tl.constexpr):
+    """One program's tile of query rows (row, head; live where real) over its split of the first
+    kv_len keys of its request's pages, each row seeing keys 0..pos: the partial output and
+    log-sum-exp of that split (both kernels below). A row whose position is before a tile scores
+    it -inf: its max stays, alpha = exp2(0) = 1, its weights are 0 and add exact zeros, so tiles
+    past a row's position leave its sums bit for bit as a decode step at its position leaves them."""
+    width, rounds = split_chunks(kv_len, num_splits, SPLIT_TOKENS, BLOCK_N)
+    d = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    qt = tl.load(q + row[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :], mask=live[:, None], other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    for rnd in range(0, rounds):
+        start, end = round_keys(split, rnd, num_splits, width, kv_len)
+        for n0 in range(start, end, BLOCK_N):
+            n, nmask, page, off = paged_tile(pages, n0, end, page_size, BLOCK_N)
+            kt = tl.load(k_cache + page[:, None] * s_k_page + off[:, None] * s_k_tok + kvh * s_k_head + d[None, :],
+                         mask=nmask[:, None], other=0.0)
+            s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION)
+            sees = nmask[None, :] & (n[None, :] <= pos[:, None]) & live[:, None]
+            s = tl.where(sees, s * scale_log2, float("-inf"))  # a row before this tile: all -inf
+            m, alpha, w, l = softmax_step(m, l, s)
+            vt = tl.load(v_cache + page[:, None] * s_v_page + off[:, None] * s_v_tok + kvh * s_v_head + dv[None, :],
+                         mask=nmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(w.to(vt.dtype), vt, input_precision=PRECISION)
+
+    o, lse = split_result(acc, m, l)
+    idx = (row * num_q_heads + head) * num_splits + split
+    # A split that saw no key stores its -inf alone: the combine pass reads no output for it.
+    tl.store(part_o + idx[:, None] * DV + dv[None, :], o, mask=(live & (lse > float("-inf")))[:, None])
+    tl.store(part_lse + idx, lse, mask=live)
+
+
 # s_pt (the page table's width follows the longest request allowed) and num_splits (the
 # launch's rows) are never specialized: see triton_split_kv.MAX_SPLITS.
 @triton.jit(do_not_specialize=["s_pt", "num_splits"])
@@ -90,37 +129,11 @@ def _gqa_split_kernel(q, k_cache, v_cache, page_table, seq_lens, part_o, part_ls
     seq_len = tl.load(seq_lens + req)
     pos = seq_len - rows_per_req + r  # keys 0..pos; negative (padding): none
     kv_len = tl.maximum(seq_len, 0)  # the request's last row sees them all
-    width, rounds = split_chunks(kv_len, num_splits, SPLIT_TOKENS, BLOCK_N)
-
-    d = tl.arange(0, D)
-    dv = tl.arange(0, DV)
-    qt = tl.load(q + row[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :], mask=live[:, None], other=0.0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV], tl.float32)
-    pages = page_table + req * s_pt
     # The n rows share kv_len, their last row's: an earlier row walks tiles past its own position.
-    # It scores them -inf: its max stays, alpha = exp2(0) = 1, its weights are 0 and add exact
-    # zeros, so those tiles leave its sums bit for bit as a decode step at its position leaves them.
-    for rnd in range(0, rounds):
-        start, end = round_keys(split, rnd, num_splits, width, kv_len)
-        for n0 in range(start, end, BLOCK_N):
-            n, nmask, page, off = paged_tile(pages, n0, end, page_size, BLOCK_N)
-            kt = tl.load(k_cache + page[:, None] * s_k_page + off[:, None] * s_k_tok + kvh * s_k_head + d[None, :],
-                         mask=nmask[:, None], other=0.0)
-            s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION)
-            sees = nmask[None, :] & (n[None, :] <= pos[:, None]) & live[:, None]
-            s = tl.where(sees, s * scale_log2, float("-inf"))  # a row before this tile: all -inf
-            m, alpha, w, l = softmax_step(m, l, s)
-            vt = tl.load(v_cache + page[:, None] * s_v_page + off[:, None] * s_v_tok + kvh * s_v_head + dv[None, :],
-                         mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(w.to(vt.dtype), vt, input_precision=PRECISION)
-
-    o, lse = split_result(acc, m, l)
-    idx = (row * num_q_heads + head) * num_splits + split
-    # A split that saw no key stores its -inf alone: the combine pass reads no output for it.
-    tl.store(part_o + idx[:, None] * DV + dv[None, :], o, mask=(live & (lse > float("-inf")))[:, None])
-    tl.store(part_lse + idx, lse, mask=live)
+    _attend_split(q, k_cache, v_cache, page_table + req * s_pt, part_o, part_lse, row, head, live, pos, kv_len,
+                  kvh, split, s_q_t, s_q_h, s_k_page, s_k_tok, s_k_head, s_v_page, s_v_tok, s_v_head,
+                  num_q_heads, page_size, scale_log2, num_splits,
+                  D, DV, BLOCK_M, BLOCK_N, SPLIT_TOKENS, PRECISION)
 
 
 _GQA_SPLIT = Launcher(_gqa_split_kernel)  # eager gaps repeat its arguments (launch_cache.py)
@@ -210,34 +223,12 @@ def _gqa_varlen_kernel(q, k_cache, v_cache, page_table, seq_lens, query_start_lo
     # scores the keys past its own position -inf, adding exact zeros as in the uniform kernel.
     last_row = tl.minimum(((block + 1) * BLOCK_M - 1) // GROUP, n_rows - 1)
     kv_len = tl.maximum(seq_len - n_rows + last_row + 1, 0)
-    width, rounds = split_chunks(kv_len, num_splits, SPLIT_TOKENS, BLOCK_N)
-
-    d = tl.arange(0, D)
-    dv = tl.arange(0, DV)
-    qt = tl.load(q + row[:, None] * s_q_t + head[:, None] * s_q_h + d[None, :], mask=live[:, None], other=0.0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV], tl.float32)
     pages = page_table + tl.minimum(req, num_seqs - 1).to(tl.int64) * s_pt  # padding rows read no page
-    for rnd in range(0, rounds):
-        start, end = round_keys(split, rnd, num_splits, width, kv_len)
-        for n0 in range(start, end, BLOCK_N):
-            n, nmask, page, off = paged_tile(pages, n0, end, page_size, BLOCK_N)
-            kt = tl.load(k_cache + page[:, None] * s_k_page + off[:, None] * s_k_tok + kvh * s_k_head + d[None, :],
-                         mask=nmask[:, None], other=0.0)
-            s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION)
-            sees = nmask[None, :] & (n[None, :] <= pos[:, None]) & live[:, None]
-            s = tl.where(sees, s * scale_log2, float("-inf"))
-            m, alpha, w, l = softmax_step(m, l, s)
-            vt = tl.load(v_cache + page[:, None] * s_v_page + off[:, None] * s_v_tok + kvh * s_v_head + dv[None, :],
-                         mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(w.to(vt.dtype), vt, input_precision=PRECISION)
-
-    o, lse = split_result(acc, m, l)
-    idx = (row * num_q_heads + head) * num_splits + split
-    # A split that saw no key stores its -inf alone: the combine pass reads no output for it.
-    tl.store(part_o + idx[:, None] * DV + dv[None, :], o, mask=(live & (lse > float("-inf")))[:, None])
-    tl.store(part_lse + idx, lse, mask=live)
+    _attend_split(q, k_cache, v_cache, pages,
+                  part_o, part_lse, row, head, live, pos, kv_len, kvh, split,
+                  s_q_t, s_q_h, s_k_page, s_k_tok, s_k_head, s_v_page, s_v_tok, s_v_head,
+                  num_q_heads, page_size, scale_log2, num_splits,
+                  D, DV, BLOCK_M, BLOCK_N, SPLIT_TOKENS, PRECISION)
 
 
 _GQA_VARLEN = Launcher(_gqa_varlen_kernel)  # eager gaps repeat its arguments (launch_cache.py)
