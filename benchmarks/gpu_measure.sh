@@ -15,6 +15,8 @@
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
+#   account_serving  the same on the serving artifact (ROUTE applies), decode at BATCHES (default 1), extends
+#                at EXTENDS (default 16,32,128,512): where a short extend's step goes (issue 49)
 #   mixed        bucket_costs.py on the serving artifact: extend buckets, and steps of 128 decodes and a prompt
 #                against their parts (what a token budget costs)
 #   budgets      offline_bench at 128 in flight with each token budget of BUDGETS (default "512 1024 2048 4096")
@@ -87,6 +89,10 @@ for stage in "$@"; do
             --skip all_at_once --decodes-apart-from 0 --out "$OUT/apart_off" 2>&1 | tail -6 ;;
     account)
         python3 benchmarks/kernels/step_account.py --out "$OUT/account" --work "$W" --family "$FAMILIES" ;;
+    account_serving)
+        art=$(serving_artifact) || { echo "no artifact"; continue; }
+        python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving" --work "$W" --artifact "$art" \
+            --batches "${BATCHES:-1}" --extends "${EXTENDS:-16,32,128,512}" ;;
     *) echo "unknown stage $stage" ;;
     esac
 done
