@@ -15,6 +15,8 @@
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
+#   prompt_host  benchmarks/host/prompt_host_bench.py on the serving artifact: a short prompt's TTFT, the
+#                runner's part and the host's around it, with a profile (issue 49)
 #   account_serving  the same on the serving artifact (ROUTE applies), decode at BATCHES (default 1), extends
 #                at EXTENDS (default 16,32,128,512): where a short extend's step goes (issue 49)
 #   mixed        bucket_costs.py on the serving artifact: extend buckets, and steps of 128 decodes and a prompt
@@ -89,6 +91,9 @@ for stage in "$@"; do
             --skip all_at_once --decodes-apart-from 0 --out "$OUT/apart_off" 2>&1 | tail -6 ;;
     account)
         python3 benchmarks/kernels/step_account.py --out "$OUT/account" --work "$W" --family "$FAMILIES" ;;
+    prompt_host)
+        art=$(serving_artifact) || { echo "no artifact"; continue; }
+        python3 benchmarks/host/prompt_host_bench.py --out "$OUT/prompt_host" --artifact "$art" ;;
     account_serving)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving" --work "$W" --artifact "$art" \
