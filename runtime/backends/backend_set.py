@@ -104,11 +104,10 @@ class BackendSet(BackendHooks):
             member.init_replay_state(ctx, bucket)
 
     def _in_first_piece(self, mode: Mode, plan_mode: Mode) -> tuple[BackendHooks, ...]:
-        """Who a piecewise `mode` step's first captured piece stages: decode and target_verify steps
-        only (an extend step's replay state holds host-built tables); a member in a gap of the plan
-        stays on the host, since the gap's op reads the plan its init_replay_state keeps."""
-        if mode not in (Mode.DECODE, Mode.TARGET_VERIFY):
-            return ()
+        """Who a piecewise `mode` step's first captured piece stages: the members whose replay
+        state a graph may hold in `mode` (replay_state_in_graph: device work from the staged
+        buffers); a member in a gap of the plan stays on the host, since the gap's op reads the plan
+        its init_replay_state keeps."""
         found = self._first_piece.get((mode, plan_mode))
         if found is None:  # a member's answer is fixed when it is built: asked once per pair of modes
             gaps = self._gaps[plan_mode]

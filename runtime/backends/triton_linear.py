@@ -74,6 +74,7 @@ CPU tests must be able to switch Triton to its interpreter before the kernels ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import math
@@ -106,6 +107,10 @@ def _kernels():
 
 def _chunk_kernels():
     return importlib.import_module("runtime.backends.kernels.chunk")
+
+
+def _extend_tables():
+    return importlib.import_module("runtime.backends.kernels.extend_tables")
 
 
 def fla_ops(gdn_entry: str = "forward") -> types.SimpleNamespace:
@@ -200,7 +205,7 @@ class _ExtendPlan:
     """What every layer of one eager extend / mixed / ragged verify step shares, made once per step
     from the step's host lengths and copied to the device in one transfer."""
 
-    num_tokens: int  # real rows (the first rows of the step)
+    num_tokens: int | None  # real rows (the first rows of the step); None in a captured step's static plan
     slots: torch.Tensor  # [R] int64 on the pool's device: the R requests with tokens this step
     cu_seqlens: torch.Tensor  # [R+1] int64 on the device
     cu_seqlens_cpu: torch.Tensor  # [R+1] int64 on the host (FLA plans its chunks from it, no sync)
@@ -265,15 +270,7 @@ class _StaticExtendPlan:
 
     def __init__(self, max_tokens: int, max_seqs: int, device: torch.device):
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
-        device = torch.device(device)
-        size = self._size(max_tokens, max_seqs)
-        self.buf = torch.zeros(size, dtype=torch.int64, device=device)
-        # The tables are written into pinned host memory and sent in one asynchronous copy; the
-        # next step waits for that copy to leave the host block before writing it again (as
-        # runtime/graphs/staging.py does).
-        cuda = device.type == "cuda"
-        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
-        self._event = torch.cuda.Event() if cuda else None
+        self.buf = torch.zeros(self._size(max_tokens, max_seqs), dtype=torch.int64, device=torch.device(device))
 
     @staticmethod
     def _rows(tokens: int, seqs: int) -> tuple[int, int]:
@@ -281,6 +278,7 @@ class _StaticExtendPlan:
         return cdiv(tokens, FLA_CHUNK) + seqs, cdiv(tokens, _kernels().CONV_EXTEND_BLOCK_T) + seqs + 1
 
     @classmethod
+    @functools.lru_cache(maxsize=None)
     def _layout(cls, tokens: int, seqs: int) -> list[tuple[int, tuple[int, ...]]]:
         """(offset, shape) of chunk bounds, conv bounds, chunks and conv blocks; 16-byte aligned."""
         chunks, blocks = cls._rows(tokens, seqs)
@@ -296,39 +294,21 @@ class _StaticExtendPlan:
         return at + math.prod(shape)
 
     def fill(self, ctx: ExecContext, slots: torch.Tensor) -> _ExtendPlan:
-        """This step's tables (host numpy, one copy) and the plan of views the ops launch over.
-        slots: the backend's static slot ids, the step's already copied into the first B."""
+        """This step's tables (one launch on the device from the step's staged query offsets:
+        kernels/extend_tables.py, which says why) and the plan of views the ops launch over.
+        slots: the backend's static slot ids, the step's already copied into the first B. Reads
+        nothing on the host but the bucket's shape, so a whole-step graph records it."""
         T, B = ctx.num_tokens, ctx.num_seqs
         if T > self.max_tokens or B > self.max_seqs:
             raise RuntimeError(f"triton_linear: a captured extend step of {T} rows and {B} requests; the static "
                                f"plan holds {self.max_tokens} and {self.max_seqs}")
-        lens = np.zeros(B + 1, dtype=np.int64)
-        lens[:ctx.num_real_seqs] = ctx.query_lens
-        real = int(lens.sum())
-        bounds = np.zeros(B + 3, dtype=np.int64)
-        np.cumsum(lens, out=bounds[1:B + 2])
-        bounds[B + 2] = T
         layout = self._layout(T, B)
-        size = self._size(T, B)
-        if self._event is not None:
-            self._event.synchronize()  # the previous step's copy has left the host block
-        host = self.host[:size].numpy()
-        (cb, _), (vb, _), (ch, (n_chunks, _)), (bl, (n_blocks, _)) = layout
-        host[cb:cb + B + 2] = bounds[:B + 2]
-        host[vb:vb + B + 3] = bounds
-        for at, rows, table in ((ch, n_chunks, token_blocks(lens, FLA_CHUNK)),
-                                (bl, n_blocks, token_blocks(np.append(lens, np.int64(T - real)),
-                                                            _kernels().CONV_EXTEND_BLOCK_T))):
-            view = host[at:at + 2 * rows].reshape(rows, 2)
-            view[:] = (B, 0)  # the empty request: these rows' programs do nothing
-            view[:table.shape[0]] = table
-        self.buf[:size].copy_(self.host[:size], non_blocking=True)
-        if self._event is not None:
-            self._event.record()
+        _extend_tables().fill_extend_tables(ctx.query_start_loc, self.buf, T, B, layout, FLA_CHUNK,
+                                            _kernels().CONV_EXTEND_BLOCK_T)
         slots[B:B + 1].fill_(PADDING_SLOT)  # a larger bucket's step may have left a slot id here
         views = [self.buf[at:at + math.prod(shape)].view(shape) for at, shape in layout]
         chunk_bounds, conv_bounds, chunks, blocks = views
-        return _ExtendPlan(real, slots[:B + 1], chunk_bounds, None, chunks, conv_bounds, blocks, 0, captured=True)
+        return _ExtendPlan(None, slots[:B + 1], chunk_bounds, None, chunks, conv_bounds, blocks, 0, captured=True)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -488,8 +468,13 @@ class TritonLinearBackend(BackendHooks):
 
     def replay_state_in_graph(self, mode: Mode) -> bool:
         """Its replay state is one device copy of the step's slot ids (and, in target_verify, a row
-        layout the bucket fixes): a whole-step graph records it."""
-        return Mode(mode) in self.capability.modes_capturable
+        layout the bucket fixes; in extend and mixed, where ops of this instance are captured there,
+        one launch that makes the static tables from the staged query offsets): a whole-step graph,
+        or the first captured piece of a piecewise step, records it."""
+        mode = Mode(mode)
+        if mode in (Mode.EXTEND, Mode.MIXED):
+            return bool(self._captured_extend)
+        return mode in self.capability.modes_capturable
 
     def init_step_metadata(self, ctx: ExecContext) -> None:
         """An eager step: plan what every op call of the step reads (slot ids on the device, the
