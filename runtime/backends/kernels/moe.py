@@ -18,10 +18,10 @@ never concatenated or copied, and a model without a shared expert compiles that 
 One call, in order (T tokens, E routed experts, k = top_k, slots = k + n_shared per token, P =
 T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
 
-1. Router logits [T,E] float32: for T <= 16 `_logits_gemv_kernel` spreads the router over many
+1. Router logits [T,E] float32: for T <= 128 `_logits_gemv_kernel` spreads the router over many
    programs, and with a gated shared expert one more program puts the gate's logit x . g in
-   column E; small routers (E*D <= 64K) with T <= 64 are folded into step 2; otherwise
-   `_logits_kernel` (bf16 operands, float32 accumulation). Products of bf16 numbers are exact in
+   column E (`logits_kernel_for` says why); otherwise `_logits_kernel` (bf16 operands, float32
+   accumulation); asked for ("fused"), step 2 computes them itself. Products of bf16 numbers are exact in
    float32, so each is the reference's `x.float() @ W.float().T` up to summation order.
 2. `_route_kernel`, one program per token: softmax or sigmoid scores, + bias for selection only,
    grouped selection (groups ranked by the sum of their two best biased scores), top-k, weights
@@ -74,11 +74,7 @@ from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig
 __all__ = ["combine", "down_sorted", "down_token", "fused_moe", "gate_up_sorted", "gate_up_token", "max_sorted_rows",
            "route", "shared_chunks", "sort_tokens"]
 
-# Fold the router GEMV into the routing kernel when each program can afford to read the whole
-# router weight (from L2 after the first token) and there are enough tokens to fill the GPU with
-# such programs: up to 64K elements, 17 to 64 tokens (see `route`).
-FUSE_LOGITS_MAX_ELEMS = 64 * 1024
-FUSE_LOGITS_MAX_TOKENS = 64
+GEMV_LOGITS_MAX_TOKENS = 128  # logits_kernel_for says why
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,13 +629,18 @@ def _dot_fp32(*dtypes) -> bool:
 
 def logits_kernel_for(T: int, E: int, D: int) -> str:
     """The router logits kernel a step of T tokens launches by default (`route`'s logits_kernel)."""
-    # T <= 16: the many-program GEMV, whatever the router size. Folding the logits into the
+    # T <= 128: the many-program GEMV, whatever the router size. Folding the logits into the
     # routing kernel (one program per token) left a batch-1 step with one 8-warp program that
     # loads the whole router and then runs ~15 cross-warp reductions (seen on an H200: ~8 us
-    # of a 28 us step); split, the GEMV loads in parallel and the top-k runs in one warp.
-    if T <= 16:
+    # of a 28 us step); split, the GEMV loads in parallel and the top-k runs in one warp. Up to
+    # 128 tokens the GEMV and the routing kernel beat both the fused kernel and the tiled GEMM
+    # (bench qwen3_next's router on an H200, each captured alone: 5.5 against 7.0 and 10.7 us at 32
+    # tokens, 6.6 against 7.2 and 10.8 us at 128; benchmarks/probes/router_logits_probe.py).
+    if T <= GEMV_LOGITS_MAX_TOKENS:
         return "gemv"
-    return "fused" if next_pow2(E) * D <= FUSE_LOGITS_MAX_ELEMS and T <= FUSE_LOGITS_MAX_TOKENS else "dot"
+    # "fused" (the logits inside the routing kernel) is never the default since: route's callers
+    # may still ask for it (tests, benchmarks/kernels/gpu_moe.py).
+    return "dot"
 
 
 def align_block_p(num_pairs: int) -> int:

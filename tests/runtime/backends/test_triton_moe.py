@@ -339,20 +339,19 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     """E=8 experts, top-2 and one shared chunk (3 slots per token), D=64, no tuned table: the default
     config's token path to T=2 (2 columns) and T=4 (4), sorted tiles of BLOCK_M 16 from T=5 (a
     mean of T/4 pairs per expert: <= 10), 32 from 41, 64 from 97, 128 from 193; the router's GEMV
-    to T=16, fused into the route kernel to 64, a dot past it; the sort's wider scan past 256 pairs
-    (T=86). A count of each, the smallest, and nothing under the interpreter."""
+    to T=128, a dot past it; the sort's wider scan past 256 pairs (T=86). A count of each, the smallest, and nothing under the interpreter."""
     import runtime.backends.triton_moe as backend_module
     from runtime.backends.triton_moe import MoELayerShape
     layer = MoELayerShape.of(_moe_call())
     assert layer == MoELayerShape(experts=8, inter=32, hidden=64, top_k=2, slots=3, itemsize=2)
     backend = TritonMoEBackend(device="cpu", layers=(layer, layer))
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
-    assert backend.kernel_variant_tokens(256) == (1, 3, 5, 17, 41, 65, 86, 97, 193)
-    assert backend.kernel_variant_tokens(64) == (1, 3, 5, 17, 41)
+    assert backend.kernel_variant_tokens(256) == (1, 3, 5, 41, 86, 97, 129, 193)
+    assert backend.kernel_variant_tokens(64) == (1, 3, 5, 41)
     # a second layer shape adds its own first counts (no shared expert: 2 slots, wider scan at T=129)
     other = MoELayerShape.of(_moe_call(S=0))
     both = TritonMoEBackend(device="cpu", layers=(layer, other))
-    assert set(both.kernel_variant_tokens(256)) == {1, 3, 5, 17, 41, 65, 86, 97, 129, 193}
+    assert set(both.kernel_variant_tokens(256)) == {1, 3, 5, 41, 86, 97, 129, 193}
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: True)
     assert backend.kernel_variant_tokens(256) == ()
     assert TritonMoEBackend(device="cpu").kernel_variant_tokens(256) == (), "no layer shapes: nothing to name"
@@ -460,7 +459,7 @@ def test_fixed_tiles_give_a_token_the_same_bits_whatever_shares_its_step(monkeyp
     """gemm_tiles="fixed" (hgc compile --batch-invariant): one config and one router kernel for every
     token count, so token t's output in a step of 1 token equals its row in a step of 9 bit for bit,
     and both match the CPU oracle. The tuned choice would switch paths between these counts (token
-    path to T=4, sorted tiles past it; the router's GEMV to 16, a dot past 64), which is what made a
+    path to T=4, sorted tiles past it; the router's GEMV to 128, a dot past it), which is what made a
     decode row and a verify row of one token differ."""
     import runtime.backends.triton_moe as backend_module
     from runtime.backends.kernels.moe_config import FIXED_CONFIG, FIXED_LOGITS_KERNEL
