@@ -26,7 +26,8 @@
 #   multiturn_compiled  multiturn_bench.py on the serving artifact
 #   apart        offline_bench at CONCURRENCY with mixed steps in one forward (--decodes-apart-from 0): against
 #                the offline run of the serve stage (decodes apart, the default)
-# FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account. The
+# FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account; PIECES=1
+# builds the first two's artifacts with the compiled bundle (--compiled-pieces), once per family. The
 # serving stages build bench qwen3_next once (hgc compile --target cuda: the compiled bundle unless
 # GLUE=traced) into /tmp, which a warm machine keeps between calls, or take ART; CONCURRENCY sets the
 # levels (default "1 32 128") and SERVE_ARGS adds hgc serve flags (those offline_bench takes too
@@ -58,7 +59,8 @@ for stage in "$@"; do
     short|prefix|multiturn)
         script=$([ "$stage" = short ] && echo bucket_costs || echo "${stage}_bench")
         for family in ${FAMILIES//,/ }; do
-            python3 "benchmarks/serving/$script.py" --out "$OUT/$stage/$family" --work "$W" --family "$family"
+            python3 "benchmarks/serving/$script.py" --out "$OUT/$stage/$family" --work "$W" --family "$family" \
+                ${PIECES:+--compiled-pieces}
         done ;;
     overlap_tests)
         mkdir -p "$OUT/overlap_tests"  # the whole report kept: a failure's details, not only its summary
