@@ -14,8 +14,8 @@ For GDN (Qwen3-Next's 16 key / 32 value heads of 128) and Lightning (16 heads of
 
 Configs are named ChunkConfig overrides (`configs`): the default beside candidates for each kernel's
 tiles (the state kernel's Dv tile, warps and pipelining stages; the output kernel's Dv and key
-tiles and warps; the solve's warps) and float32 operands, so a run tells which to make the default
-per shape (chunk_config). Shapes: one request of 512, 2048 and 4096 tokens, 4 x 1024, 16 x 256.
+tiles and warps; the solve's warps, and T through the matrix workspace instead of registers) and
+float32 operands, so a run tells which to make the default per shape (chunk_config). Shapes: one request of 512, 2048 and 4096 tokens, 4 x 1024, 16 x 256.
 
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT   # on the GPU machine: every config, both families
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT --quick   # GDN, QUICK_CONFIGS, fewer reps: < 3 min
@@ -60,7 +60,7 @@ CHECK_LENS = [0, 1, 100, 64, 300, 1000]
 CHECK_TOL = 1e-2
 SHAPES = [(512, 1), (2048, 1), (4096, 1), (4096, 4), (4096, 16)]  # tokens x requests of equal length
 DRY_SHAPES = [(64, 1), (64, 4)]
-QUICK_CONFIGS = ["default", "state bv16", "state bv64 3 stages", "state 8 warps", "out bv128", "out bv128 kb128"]
+QUICK_CONFIGS = ["default", "solve scratch", "solve 8 warps", "state bv16", "state bv64 3 stages", "out bv128"]
 QUICK_REPS = 25  # triton.testing.do_bench's rep (ms of timing) per shape and config with --quick; else 100
 BUDGET_S, QUICK_BUDGET_S = 240.0, 120.0  # no new shape is timed past these seconds (the last shape's timings follow)
 
@@ -69,7 +69,8 @@ def configs(dry: bool) -> dict[str, dict]:
     """Named ChunkConfig overrides; the fields not named keep chunk_config's choice for the shape."""
     if dry:  # tiny dims (Dk = Dv = 16): the candidates' smallest tiles
         return {"default": {}, "f32-dots": {"low_precision_dots": False},
-                "tiles 16": {"block_v": 16, "out_block_v": 16, "out_key_block": 16, "state_stages": 2}}
+                "tiles 16": {"block_v": 16, "out_block_v": 16, "out_key_block": 16, "state_stages": 2},
+                "solve scratch": {"solve_in_registers": False}}
     return {
         "default": {},
         "f32 dots": {"low_precision_dots": False},
@@ -87,6 +88,7 @@ def configs(dry: bool) -> dict[str, dict]:
         "out bv128 kb128": {"out_block_v": 128, "out_key_block": 128, "out_warps": 8},
         "out 8 warps": {"out_warps": 8},
         # the solve: one program per (chunk, value head)
+        "solve scratch": {"solve_in_registers": False},
         "solve 2 warps": {"solve_warps": 2},
         "solve 8 warps": {"solve_warps": 8},
     }

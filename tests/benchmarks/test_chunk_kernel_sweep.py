@@ -17,7 +17,7 @@ SCRIPT = ROOT / "benchmarks" / "kernels" / "chunk_kernel_sweep.py"
 pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 
 
-DRY_CONFIGS = {"default", "f32-dots", "tiles 16"}
+DRY_CONFIGS = {"default", "f32-dots", "tiles 16", "solve scratch"}
 
 
 def sweep(tmp_path, *args) -> subprocess.CompletedProcess:

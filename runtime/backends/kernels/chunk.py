@@ -24,25 +24,33 @@ chunk at once: unrolling S_{i-1} inside the chunk gives (I + A) V' = diag(beta) 
 With g <= 0 (a decay) every exponent taken is <= 0 (i >= j; masked entries never reach exp), so
 nothing overflows whatever the chunk's total decay.
 
-The inverse. T = (I + A)^-1 is formed per chunk by blocks of SUB = 16 rows: the diagonal blocks
-T_ii = (I + A_ii)^-1 by plain forward substitution (15 row steps, the four blocks' chains side by
-side in one [4, 16, 16] tile), then block row by block row T_ij = -T_ii sum_{j<=c<i} A_ic T_cj on
-tensor cores (tl.dot); W = T R_w and U = T R_u are then two products over the whole chunk. Why not
-the nilpotent product (I - A)(I + A^2)(I + A^4)...: it is exact in exact arithmetic but unstable in
+The inverse. T = (I + A)^-1 is formed per chunk by blocks of SUB = 16 rows, in registers: the
+diagonal blocks' inverses D^-1 (D = I + the diagonal blocks A_ii) by plain forward substitution
+(15 row steps, the four blocks' chains side by side in one [4, 16, 16] tile), then, with L the
+blocks below the diagonal and N = D^-1 L (strictly lower by blocks: N^4 = 0 for four blocks),
+T = (I + N)^-1 D^-1 = (I - N)(I + N^2) D^-1, four [64, 64] products on tensor cores (tl.dot);
+W = T R_w and U = T R_u are then two products over the whole chunk. Why not the row-level
+nilpotent product (I - A)(I + A^2)(I + A^4)...: it is exact in exact arithmetic but unstable in
 floating point, since the powers of A grow like binomial coefficients when keys repeat (a chunk of
 identical keys with beta = 1 and no decay: A^k entries up to C(63, 31) ~ 1e18 for the 64-row chunk,
 then cancelled back to an inverse with entries 0 and -1), and tf32 tensor-core products keep 10
-mantissa bits. Forward substitution on a unit lower-triangular system is backward stable; doing it
-per 16-row block keeps its sequential part to 15 short steps and leaves the rest to matrix products.
+mantissa bits. Forward substitution on a unit lower-triangular system is backward stable, and it
+takes the diagonal blocks, where the growth would start; what is left is powers of N, D^-1 already
+applied, at most three of them (for those identical keys N's entries are 0 and 1 and N^2's at most
+2). The earlier form (`ChunkConfig.solve_in_registers=False`) did the same block algebra as block
+forward substitution, T_ij = -T_ii sum_{j<=c<i} A_ic T_cj block row by block row, through a
+scratch tile in memory: Triton cannot index a register tile by row or block, so A's rows and T's
+blocks went through memory and back (a barrier before each read), about ten dependent round trips
+a program; in registers the rows are picked out by masked sums and the blocks by the products'
+masks instead.
 
 Three kernels (a launch with the same arguments goes through a Launcher: no Triton binding):
 
-1. `_chunk_solve_kernel`, one program per (chunk, value head), the delta rule only: A, then T over
-   it in the chunk's tile of the matrix workspace (the blocks are read back after a barrier, as
-   other threads of the program wrote them), then W = T R_w and U = T R_u from T in registers, and
-   W [rows, Hv, Dk] and U [rows, Hv, Dv] into their workspace (memory below), indexed by the step's
-   row. Measured on an H200 (bf16, 32 GDN heads of 128, 2048 rows, W and U then float32): 0.114 ms,
-   against 0.171 with the diagonal blocks one after another and 0.180 for the earlier form that
+1. `_chunk_solve_kernel`, one program per (chunk, value head), the delta rule only: A, T over it
+   and W = T R_w, U = T R_u, all in registers, then W [rows, Hv, Dk] and U [rows, Hv, Dv] into
+   their workspace (memory below), indexed by the step's row. Measured on an H200 (bf16, 32 GDN
+   heads of 128, 2048 rows) with T through the scratch tile and W and U float32: 0.114 ms, against
+   0.171 with the diagonal blocks one after another and 0.180 for the form before that, which
    solved W and U block by block, reading the earlier blocks' rows back.
 2. `_chunk_state_kernel`, one program per (request, value head, Dv tile), the only sequential part:
    it walks the request's chunks in order with the state tile [Dk, BV] in float32 registers and,
@@ -66,8 +74,10 @@ scores, the state) spilled (255 registers and 224 spills on an H200 at Dk = Dv =
 does only those two, and the output products, most of a long prompt's work, run in parallel over
 chunks; the price is the chunk states' round trip through memory (written once, read once per
 output Dv tile). Kernel time of one GDN layer, one request of 2048 tokens, H200 (benchmarks/history/extend.md, "GDN
-extend steps on our chunk kernels"): 0.54 ms before the split, 0.45 after it, 0.29 now (16-bit
-products, a pipelined walk, the solve above), against 0.17 for FLA's kernels.
+extend steps on our chunk kernels"): 0.54 ms before the split, 0.45 after it, 0.29 with 16-bit
+products, a pipelined walk and the solve through its scratch tile (float32 W and U), against 0.17
+for FLA's kernels; benchmarks/kernels/chunk_kernel_sweep.py times the 16-bit workspaces and the
+solve in registers beside them.
 
 Memory. What goes through memory between the kernels: W and U (V' written over U), and the chunk
 states; all three in `chunk_workspace_dtype` of the inputs: bfloat16 for 16-bit inputs (FLA keeps
@@ -77,14 +87,10 @@ state kernel's loads of W and V' (once per Dv tile) and its V' stores, and the o
 - W [rows, Hv, Dk] and U [rows, Hv, Dv], the delta rule only (`chunk_workspace`): rows x Hv x
   (Dk + Dv) x 2 bytes for 16-bit inputs, 32 MiB for 2048 rows at Hv = 32, Dk = Dv = 128 (64 MiB in
   float32). V' [rows, Hv, Dv] is written over U, so it costs nothing more.
-- T [chunks, Hv, 64, 64] float32, the delta rule only (`chunk_matrix_workspace`): not an
-  intermediate between kernels but the solve's scratch, written and read back by the one program
-  that owns the tile (A's rows for the forward substitution, the blocks of T for the block
-  products: a register tile cannot be indexed by row or block), so it stays in L2 in practice. It
-  keeps float32 whatever the inputs, since each block of T is formed from the blocks before it: a
-  rounding there would compound through the block rows (16-bit inputs round T once, in registers,
-  for the final products: precision below). 16 MiB for 32 chunks at Hv = 32, never less than 16
-  chunks' worth.
+- T: nothing, since the solve keeps it in registers. The earlier form's scratch
+  (`chunk_matrix_workspace`, [chunks, Hv, 64, 64] float32, 16 MiB for 32 chunks at Hv = 32) is
+  allocated only for it, from the shared cache, so it never serves a captured step. It keeps
+  float32 whatever the inputs, since each block of T is formed from the blocks before it.
 - the chunk states [chunks, Hv, Dk, Dv] (`chunk_state_workspace`), with and without the delta rule:
   chunks x Hv x Dk x Dv x 2 bytes for 16-bit inputs (4 for float32 inputs), 32 MiB for one request
   of 2048 rows (32 chunks) at Hv = 32, Dk = Dv = 128, and never less than 16 chunks' worth (16 MiB
@@ -156,6 +162,10 @@ class ChunkConfig:
     # Key columns the output kernel takes at a time (its q, k and S_c blocks; a power of two >= 16):
     # fewer live registers than all of Dk, at the price of one more product per block
     out_key_block: int = 64
+    # The solve forms T = (I + A)^-1 in registers (module docstring, the inverse); False: through the
+    # shared matrix workspace, the earlier form, kept for timing beside it (not for captured steps:
+    # their workspaces hold no matrix)
+    solve_in_registers: bool = True
     # 16-bit inputs: the state and output kernels' products take 16-bit operands (module docstring,
     # precision); False keeps float32 operands as tf32. Float32 inputs ignore it.
     low_precision_dots: bool = True
@@ -218,9 +228,9 @@ def chunk_workspace(rows: int, heads: int, dk: int, dv: int, dtype: torch.dtype,
 
 
 def chunk_matrix_workspace(chunks: int, heads: int, block_t: int, device: torch.device) -> torch.Tensor:
-    """[chunks, heads, block_t, block_t] float32 view of the cached matrix workspace: the solve
-    kernel's scratch for A and then T = (I + A)^-1 of each chunk and value head, read back only by
-    the program that wrote it (float32 whatever the inputs: module docstring, memory). Cached and
+    """[chunks, heads, block_t, block_t] float32 view of the cached matrix workspace: the scratch of
+    the solve through memory (ChunkConfig.solve_in_registers=False) for A and then T = (I + A)^-1 of
+    each chunk and value head, read back only by the program that wrote it (float32 whatever the inputs: module docstring, memory). Cached and
     grown like `chunk_state_workspace`, by chunks (at least 16)."""
     key = (torch.device(device), heads, block_t)
     held = _MATRIX_WORKSPACES.get(key)
@@ -234,20 +244,19 @@ def chunk_matrix_workspace(chunks: int, heads: int, block_t: int, device: torch.
 class ChunkWorkspaces:
     """Workspaces owned by one caller instead of the shared cache: a captured step's kernels keep
     their addresses, so they must never be regrown under it (an eager step longer than every
-    bucket regrows the cache). W, U and T are None without the delta rule (V' is V there)."""
+    bucket regrows the cache). W and U are None without the delta rule (V' is V there); the solve
+    in registers needs no matrix workspace."""
 
     w: torch.Tensor | None  # [rows, Hv, Dk] in chunk_workspace_dtype
     u: torch.Tensor | None  # [rows, Hv, Dv] in chunk_workspace_dtype (V' over U)
-    t: torch.Tensor | None  # [chunks, Hv, BT, BT] float32
     cs: torch.Tensor  # [chunks, Hv, Dk, Dv] in chunk_workspace_dtype
 
     @classmethod
     def allocate(cls, rows: int, chunks: int, heads: int, dk: int, dv: int, dtype: torch.dtype, delta: bool,
-                 device: torch.device, block_t: int = CHUNK_T) -> "ChunkWorkspaces":
+                 device: torch.device) -> "ChunkWorkspaces":
         work = dict(dtype=chunk_workspace_dtype(dtype), device=device)
         return cls(torch.empty(rows, heads, dk, **work) if delta else None,
                    torch.empty(rows, heads, dv, **work) if delta else None,
-                   torch.empty(chunks, heads, block_t, block_t, dtype=torch.float32, device=device) if delta else None,
                    torch.empty(chunks, heads, dk, dv, **work))
 
     def fits(self, rows: int, chunks: int, delta: bool) -> bool:
@@ -311,6 +320,78 @@ def _diagonal_block_inverses(tile, BT: tl.constexpr, BS: tl.constexpr):
 
 
 @triton.jit
+def _unit_lower_inverse_in_scratch(a, tile, BT: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(I + a)^-1 of the strictly lower [BT, BT] tile a through `tile`, this program's [BT, BT]
+    row-major scratch in memory (the matrix workspace): a is stored, its diagonal blocks inverted
+    from rows read back, then block row by block row T_ij = -T_ii sum_{j<=c<i} A_ic T_cj from
+    blocks read back (the blocks are read after a barrier, as other threads of the program wrote
+    them). The earlier form, kept as a candidate (ChunkConfig.solve_in_registers=False)."""
+    offs_t = tl.arange(0, BT)
+    tl.store(tile + offs_t[:, None] * BT + offs_t[None, :], a)
+    tl.debug_barrier()  # the blocks below are read back by other threads of this program
+    # T over A: first every diagonal block T_ii = (I + A_ii)^-1, then block row by block row
+    # T_ij = -T_ii sum_{j<=c<i} A_ic T_cj. Block (i, j) is overwritten after its last read (j
+    # ascending); rows c < i hold T already (the barrier at the end of each block row).
+    offs_s = tl.arange(0, BS)
+    blk = tl.arange(0, BT // BS)
+    diagonal = ((blk[:, None, None] * BS + offs_s[None, :, None]) * BT + blk[:, None, None] * BS
+                + offs_s[None, None, :])
+    inverses = _diagonal_block_inverses(tile, BT=BT, BS=BS)
+    tl.debug_barrier()  # every thread's reads of the diagonal blocks of A are done
+    tl.store(tile + diagonal, inverses)
+    tl.debug_barrier()
+    block = offs_s[:, None] * BT + offs_s[None, :]
+    for i in tl.static_range(1, BT // BS):
+        t_ii = tl.load(tile + i * BS * BT + i * BS + block)
+        for j in tl.static_range(i):
+            acc = tl.zeros([BS, BS], dtype=tl.float32)
+            for c in tl.static_range(j, i):
+                acc += tl.dot(tl.load(tile + i * BS * BT + c * BS + block), tl.load(tile + c * BS * BT + j * BS + block),
+                              input_precision=DOT_PREC)
+            tl.store(tile + i * BS * BT + j * BS + block, -tl.dot(t_ii, acc, input_precision=DOT_PREC))
+        tl.debug_barrier()
+    return tl.load(tile + offs_t[:, None] * BT + offs_t[None, :])
+
+
+@triton.jit
+def _unit_lower_inverse_in_registers(a, BT: tl.constexpr, BS: tl.constexpr, SQUARINGS: tl.constexpr,
+                                     DOT_PREC: tl.constexpr):
+    """(I + a)^-1 of the strictly lower [BT, BT] tile a, in registers (no memory, no barrier).
+
+    With D = I + (a's diagonal [BS, BS] blocks) and L = a's blocks below them, I + a = D (I + N),
+    N = D^-1 L. D^-1: forward substitution on every diagonal block side by side in one [NB, BS, BS]
+    tile (_diagonal_block_inverses' steps, row r of a picked out by a masked sum instead of a load).
+    N is strictly lower by blocks, so N^NB = 0 and (I + N)^-1 = (I - N)(I + N^2)(I + N^4)..., one
+    factor per squaring (SQUARINGS = log2(NB) - 1). Stable where the row-level product is not
+    (module docstring, the inverse): its powers are of N, D^-1 already applied, at most NB - 1 of
+    them, not of A over BT rows."""
+    NB: tl.constexpr = BT // BS
+    offs_t = tl.arange(0, BT)
+    offs_s = tl.arange(0, BS)
+    blk = tl.arange(0, NB)
+    same = blk[:, None, None, None] == blk[None, None, :, None]  # [NB, 1, NB, 1]: a diagonal block
+    a_diag = tl.sum(tl.where(same, tl.reshape(a, [NB, BS, NB, BS]), 0.0), axis=2)  # [NB, BS, BS]: A_bb
+    inv = tl.where((offs_s[:, None] == offs_s[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BS, BS], tl.float32)
+    for r in tl.static_range(1, BS):
+        at_r = (offs_s == r)[None, :, None]
+        a_r = tl.sum(tl.where(at_r, a_diag, 0.0), axis=1)  # [NB, BS]: row r of every block
+        inv = tl.where(at_r, inv - tl.sum(a_r[:, :, None] * inv, axis=1)[:, None, :], inv)
+    d_inv = tl.reshape(tl.where(same, inv[:, :, None, :], 0.0), [BT, BT])  # block diagonal
+    if NB == 1:
+        t = d_inv
+    else:
+        below = offs_t[:, None] // BS > offs_t[None, :] // BS
+        nil = tl.dot(d_inv, tl.where(below, a, 0.0), input_precision=DOT_PREC)  # N = D^-1 L
+        eye = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0)
+        inv_n = eye - nil
+        for _ in tl.static_range(SQUARINGS):
+            nil = tl.dot(nil, nil, input_precision=DOT_PREC)
+            inv_n = tl.dot(inv_n, eye + nil, input_precision=DOT_PREC)
+        t = tl.dot(inv_n, d_inv, input_precision=DOT_PREC)
+    return t
+
+
+@triton.jit
 def _chunk_solve_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
     stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
@@ -319,9 +400,11 @@ def _chunk_solve_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
     BVF: tl.constexpr,  # next power of two >= DV (at least 16): all of Dv in one program
     BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
+    SCRATCH: tl.constexpr,  # T through the matrix workspace t (else in registers; t is then never read)
+    SQUARINGS: tl.constexpr,  # log2(BT // BS) - 1, at least 0
 ):
-    """W and U of one chunk and value head (module docstring): A, then T = (I + A)^-1 by blocks in
-    the chunk's [BT, BT] tile of the matrix workspace (t), then W = T R_w and U = T R_u."""
+    """W and U of one chunk and value head (module docstring): A, then T = (I + A)^-1 by blocks,
+    then W = T R_w and U = T R_u."""
     chunk = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     key_head = head // GROUP
@@ -348,31 +431,11 @@ def _chunk_solve_kernel(
     # A, strictly lower, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
     lower = offs_t[:, None] > offs_t[None, :]
     a = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gate[:, None] - gate[None, :], 0.0)), 0.0)
-    tile = t_ptr + chunk * stride_t_chunk + head * stride_t_head  # [BT, BT], row-major
-    tl.store(tile + offs_t[:, None] * BT + offs_t[None, :], a)
-    tl.debug_barrier()  # the blocks below are read back by other threads of this program
-    # T over A: first every diagonal block T_ii = (I + A_ii)^-1, then block row by block row
-    # T_ij = -T_ii sum_{j<=c<i} A_ic T_cj. Block (i, j) is overwritten after its last read (j
-    # ascending); rows c < i hold T already (the barrier at the end of each block row).
-    offs_s = tl.arange(0, BS)
-    blk = tl.arange(0, BT // BS)
-    diagonal = ((blk[:, None, None] * BS + offs_s[None, :, None]) * BT + blk[:, None, None] * BS
-                + offs_s[None, None, :])
-    inverses = _diagonal_block_inverses(tile, BT=BT, BS=BS)
-    tl.debug_barrier()  # every thread's reads of the diagonal blocks of A are done
-    tl.store(tile + diagonal, inverses)
-    tl.debug_barrier()
-    block = offs_s[:, None] * BT + offs_s[None, :]
-    for i in tl.static_range(1, BT // BS):
-        t_ii = tl.load(tile + i * BS * BT + i * BS + block)
-        for j in tl.static_range(i):
-            acc = tl.zeros([BS, BS], dtype=tl.float32)
-            for c in tl.static_range(j, i):
-                acc += tl.dot(tl.load(tile + i * BS * BT + c * BS + block), tl.load(tile + c * BS * BT + j * BS + block),
-                              input_precision=DOT_PREC)
-            tl.store(tile + i * BS * BT + j * BS + block, -tl.dot(t_ii, acc, input_precision=DOT_PREC))
-        tl.debug_barrier()
-    t = tl.load(tile + offs_t[:, None] * BT + offs_t[None, :])
+    if SCRATCH:
+        t = _unit_lower_inverse_in_scratch(a, t_ptr + chunk * stride_t_chunk + head * stride_t_head, BT=BT, BS=BS,
+                                           DOT_PREC=DOT_PREC)
+    else:
+        t = _unit_lower_inverse_in_registers(a, BT=BT, BS=BS, SQUARINGS=SQUARINGS, DOT_PREC=DOT_PREC)
     v = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
                 mask=m_t[:, None] & m_v[None, :], other=0.0)
     r_w = (beta * tl.exp(gate))[:, None] * k.to(tl.float32)
@@ -595,6 +658,9 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     lowp = cfg.low_precision_dots and v.dtype != torch.float32 and not triton_interpreted()
     work_dtype = chunk_workspace_dtype(v.dtype)
     if workspaces is not None:
+        if delta and not cfg.solve_in_registers:
+            raise ValueError(f"{op}: the solve through the shared matrix workspace (solve_in_registers=False) "
+                             f"takes no caller's workspaces")
         if not workspaces.fits(rows, num_chunks, delta) or workspaces.cs.dtype != work_dtype:
             held_rows = 0 if workspaces.u is None else workspaces.u.shape[0]
             raise ValueError(f"{op}: the caller's workspaces hold {held_rows} rows and "
@@ -605,15 +671,17 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
         cs = chunk_state_workspace(num_chunks, Hv, Dk, Dv, work_dtype, q.device)
     if delta:
         if workspaces is not None:
-            w, vp, t = workspaces.w[:rows], workspaces.u[:rows], workspaces.t[:num_chunks]
+            w, vp = workspaces.w[:rows], workspaces.u[:rows]
         else:
             w, vp = chunk_workspace(rows, Hv, Dk, Dv, work_dtype, q.device)
-            t = chunk_matrix_workspace(num_chunks, Hv, block_t, q.device)
+        # the solve in registers never reads t: any valid pointer will do
+        t = cs if cfg.solve_in_registers else chunk_matrix_workspace(num_chunks, Hv, block_t, q.device)
         _CHUNK_SOLVE[(num_chunks, Hv)](
             k, v, gate, beta, w, vp, t, bounds, chunks,
             sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1),
             t.stride(0), t.stride(1),
-            **common, BVF=max(SUB_T, next_pow2(Dv)), BS=SUB_T, LOWP=lowp, num_warps=cfg.solve_warps)
+            **common, BVF=max(SUB_T, next_pow2(Dv)), BS=SUB_T, LOWP=lowp, SCRATCH=not cfg.solve_in_registers,
+            SQUARINGS=max(0, (block_t // SUB_T).bit_length() - 2), num_warps=cfg.solve_warps)
     else:
         w, vp = k, v  # w is never read without the delta rule (any valid pointer will do); V' is V
     _CHUNK_STATE[(R, Hv, cdiv(Dv, cfg.block_v))](

@@ -20,6 +20,7 @@ which also runs the file in a fresh process where triton was imported compiled f
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -218,13 +219,19 @@ def test_chunk_extend_matches_the_recurrence(delta, gate_kind):
                k_scale=1.0 if delta else 0.3)
 
 
+SOLVES = pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "scratch"])
+
+
 @in_process
-def test_chunks_of_several_sub_blocks():
-    """Chunks of 32 rows (two 16-row diagonal blocks inverted side by side, then the block below the
-    diagonal from both), Dk = Dv = 32 split into two Dv tiles of 16 in the state and the output
+@SOLVES
+@pytest.mark.parametrize("block_t", [32, 64])
+def test_chunks_of_several_sub_blocks(block_t, in_registers):
+    """Chunks of 32 and 64 rows (two and four 16-row diagonal blocks inverted side by side, then the
+    blocks below the diagonal: in registers, where 64 rows take a squaring of N, and through the
+    matrix workspace), Dk = Dv = 32 split into two Dv tiles of 16 in the state and the output
     kernels, and the output kernel's keys in two blocks of 16; one key head per value head."""
-    check_case(LENS, 2, 2, 32, 32, True, GATE_PER_HEAD, torch.float32, 32, seed=4, tol=1e-4,
-               config=TC.ChunkConfig(16, 1, 1, 16, 1, out_key_block=16))
+    check_case(LENS + [150], 2, 2, 32, 32, True, GATE_PER_HEAD, torch.float32, block_t, seed=4, tol=1e-4,
+               config=TC.ChunkConfig(16, 1, 1, 16, 1, out_key_block=16, solve_in_registers=in_registers))
 
 
 @in_process
@@ -254,7 +261,7 @@ LENS_64 = [0, 1, 63, 64, 65, 300]  # around one chunk of 64 rows, and several
 @pytest.mark.parametrize("delta,gate_kind", [(True, GATE_PER_HEAD), (False, GATE_CONSTANT)], ids=["gdn", "lightning"])
 def test_bf16_inputs_keep_16_bit_workspaces_within_the_bound(delta, gate_kind):
     """16-bit inputs, chunks of 64 rows, through caller-owned workspaces: W, U (V') and the chunk
-    states are bfloat16 (the T scratch float32), and outputs and final states stay within the 1e-2
+    states are bfloat16, and outputs and final states stay within the 1e-2
     bound of the float32 recurrence from random states."""
     hk, hv, dk, dv = 1, 2, 16, 16
     x, state, slots = make_case(LENS_64, hk, hv, dk, dv, delta, gate_kind, torch.bfloat16, seed=13,
@@ -263,9 +270,9 @@ def test_bf16_inputs_keep_16_bit_workspaces_within_the_bound(delta, gate_kind):
     work = TC.ChunkWorkspaces.allocate(x["q"].shape[0], chunks.shape[0], hv, dk, dv, torch.bfloat16, delta, DEVICE)
     assert work.cs.dtype == torch.bfloat16
     if delta:
-        assert work.w.dtype == work.u.dtype == torch.bfloat16 and work.t.dtype == torch.float32
+        assert work.w.dtype == work.u.dtype == torch.bfloat16
     else:
-        assert work.w is None and work.u is None and work.t is None
+        assert work.w is None and work.u is None
     scale = dk ** -0.5
     want, want_pool = reference(x, LENS_64, state, slots, scale, gate_kind)
     dev = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
@@ -287,23 +294,33 @@ def test_bf16_inputs_keep_16_bit_workspaces_within_the_bound(delta, gate_kind):
     assert got[at:].eq(7.0).all(), "rows past bounds[R] must not be touched"
     mismatched = TC.ChunkWorkspaces.allocate(  # float32 workspaces for bf16 inputs: refused
         x["q"].shape[0], chunks.shape[0], hv, dk, dv, torch.float32, delta, DEVICE)
+    tables = (torch.tensor(slots, dtype=torch.int64, device=DEVICE), torch.from_numpy(cu).to(DEVICE),
+              torch.from_numpy(chunks).to(DEVICE))
     with pytest.raises(ValueError, match="in torch.float32; this step needs"):
-        TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool,
-                        torch.tensor(slots, dtype=torch.int64, device=DEVICE), torch.from_numpy(cu).to(DEVICE),
-                        torch.from_numpy(chunks).to(DEVICE), scale, gate_kind, workspaces=mismatched)
+        TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool, *tables, scale, gate_kind,
+                        workspaces=mismatched)
+    if delta:  # the solve through the shared matrix workspace is never handed a captured step's
+        scratch = dataclasses.replace(TC.chunk_config(1, hv, dv, torch.device(DEVICE)), solve_in_registers=False)
+        with pytest.raises(ValueError, match="takes no caller's workspaces"):
+            TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool, *tables, scale,
+                            gate_kind, config=scratch, workspaces=work)
 
 
 @in_process
-def test_repeated_keys_stay_accurate():
+@SOLVES
+@pytest.mark.parametrize("block_t", [32, 64])
+def test_repeated_keys_stay_accurate(block_t, in_registers):
     """Every row of a request has the same key, beta near 1, almost no decay: the chunk's A is close
     to the all-ones lower triangle, where an unstable inverse would blow up."""
-    lens = [40]
+    lens = [150]
     x, state, slots = make_case(lens, 1, 1, 16, 16, True, GATE_PER_HEAD, torch.float32, seed=7, extra_rows=0)
     x["k"][:] = x["k"][0]
     x["beta"][:] = 0.999
     x["gate"][:] = -1e-3
     want, want_pool = reference(x, lens, state, slots, 0.25, GATE_PER_HEAD)
-    got, got_pool = run_kernels(x, lens, state, slots, 0.25, GATE_PER_HEAD, 32, torch.float32)
+    got, got_pool = run_kernels(x, lens, state, slots, 0.25, GATE_PER_HEAD, block_t, torch.float32,
+                                dataclasses.replace(TC.chunk_config(1, 1, 16, torch.device(DEVICE)),
+                                                    solve_in_registers=in_registers))
     assert rel_err(got, want) < 1e-4 and rel_err(got_pool, want_pool) < 1e-4
 
 
