@@ -37,6 +37,7 @@ def test_dry_run_checks_then_times_each_config(tmp_path):
         assert (row["tokens"], row["requests"]) == (32, 2) and set(row["ours"]) == DRY_CONFIGS
         assert all(t["wall_ms"] > 0 for t in row["ours"].values())
         assert row["ours"]["tiles 16"]["config"]["block_v"] == 16
+        assert row["summary"]["best"] in DRY_CONFIGS and row["summary"]["default_ms"] > 0
 
 
 def test_unknown_config_names_are_refused(tmp_path):
