@@ -184,10 +184,16 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> Ch
     chunk's products: 3 stages for tiles of 32 columns (0.112 ms there against 0.133 with 2 and
     0.165 with 1), 2 for tiles of 64, where a third does not fit in shared memory beside the others
     (four requests of 512: 0.068 ms with 2, 0.119 with 3; benchmarks/kernels/chunk_kernel_sweep.py).
+    Those were measured with float32 W. A stage holds one chunk's k and W [64, Dk] and V' [64, BV]:
+    at Dk = 128 in 16 bits about 34 KiB for tiles of 16, 36 for 32, 40 for 64 (56 for 64 with float32
+    W), so two programs of 3 stages now fit an SM's 228 KiB in tiles of 16 or 32, and one in tiles of
+    64 (whose 256 programs for four requests then take two waves, the likely cost of the third stage
+    measured above); the sweep's candidates (tiles of 16 for one request, 3 stages in tiles of 64, 8
+    warps) time what the smaller stages change before the rule does.
 
     The output kernel's programs are independent (chunks x heads x Dv tiles, thousands for a long
     prompt): 64 columns in 4 warps (8 warps or 128 columns were slower, the same sweep). The solve
-    kernel: 4 warps (2 or 8 were slower)."""
+    kernel: 4 warps (2 or 8 were slower, with T through memory)."""
     block_v = min(64 if requests * heads * cdiv(dv, 64) >= num_sms(device) else 32, max(16, next_pow2(dv)))
     return ChunkConfig(block_v, 4, 4, min(64, max(16, next_pow2(dv))), 4, state_stages=3 if block_v <= 32 else 2)
 
