@@ -106,12 +106,12 @@ masked chunk is exactly the shorter one; only real rows are stored.
 Precision: every product accumulates in float32. For 16-bit inputs (the production case) the
 products take 16-bit operands, as FLA's kernels take theirs: the solve's K K^T (exact), and its
 W = T R_w and U = T R_u with T and the right-hand sides rounded to bfloat16 in registers (FLA keeps
-its A inverse in the input dtype); the walk's W S_c and (K * decay)^T V' and the output kernel's
-products with q and k as they are and the state, W and V' in bfloat16. The walk keeps its state in
+its A inverse in the input dtype); the walk's W S_c and K^T (decay * V') and the output kernel's
+products with q and k as they are and the state, W and V' (decayed, in the walk) in bfloat16. The walk keeps its state in
 float32 registers, so the rounding of S_c reaches each chunk's products once and never accumulates
 through the recurrence. W and U are stored rounded to bfloat16 and V' = U - W S_c formed in float32
-before it is rounded and stored: the state kernel's own product (K * decay)^T V' and the output
-kernel's take that same rounding, which the 16-bit products took before the storage was 16-bit too.
+before it is rounded and stored; the output kernel's product with V' took that rounding before the
+storage was 16-bit too, and the walk's own product rounds decay * V' from float32 registers.
 On an H200 (benchmarks/kernels/chunk_kernel_sweep.py, requests of 1 to 1000 rows at Dk = Dv = 128
 against the float32 recurrence), with W and U float32 and the solve's products tf32, the 16-bit
 products moved GDN's worst output error from 2.3e-3 to 2.9e-3 and its states' from 8.4e-4 to 1.9e-3
@@ -531,15 +531,17 @@ def _chunk_state_kernel(
                 # Over U: this program alone reads and writes these rows' columns of this head.
                 tl.store(vp_ptrs, v_new.to(vp_ptr.dtype.element_ty), mask=m_tv)
             k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
-                        other=0.0).to(tl.float32)
+                        other=0.0)
             gate = _chunk_gates(g_ptr, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
             total = tl.sum(tl.where(last, gate, 0.0), axis=0)  # the chunk's G_last (masked rows repeat it)
-            k_decayed = k * tl.exp(total - gate)[:, None]
+            # (K * decay)^T V' as K^T (decay * V'): the decay scales the [BT, BV] tile rather than
+            # the [BT, Dk] one, and k goes from memory to the product as it is
+            v_decayed = v_new * tl.exp(total - gate)[:, None]
             if LOWP:
-                s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed.to(cs_ptr.dtype.element_ty)),
-                                               v_new.to(cs_ptr.dtype.element_ty))
+                s = s * tl.exp(total) + tl.dot(tl.trans(k.to(cs_ptr.dtype.element_ty)),
+                                               v_decayed.to(cs_ptr.dtype.element_ty))
             else:
-                s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PREC)
+                s = s * tl.exp(total) + tl.dot(tl.trans(k.to(tl.float32)), v_decayed, input_precision=DOT_PREC)
         # Only this program owns this tile of this slot (requests have distinct slots).
         tl.store(s_ptrs, s, mask=m_own)
 
