@@ -398,6 +398,17 @@ def _unit_lower_inverse_in_registers(a, BT: tl.constexpr, BS: tl.constexpr, SQUA
 
 
 @triton.jit
+def _times_t(t, rhs, DOT_PREC: tl.constexpr, LOWP: tl.constexpr):
+    """T rhs for a float32 right-hand side [BT, D]: in T's 16 bits with LOWP (t already rounded),
+    else float32 operands at DOT_PREC."""
+    if LOWP:
+        prod = tl.dot(t, rhs.to(t.dtype))
+    else:
+        prod = tl.dot(t, rhs, input_precision=DOT_PREC)
+    return prod
+
+
+@triton.jit
 def _chunk_solve_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
     stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
@@ -442,20 +453,16 @@ def _chunk_solve_kernel(
                                            DOT_PREC=DOT_PREC)
     else:
         t = _unit_lower_inverse_in_registers(a, BT=BT, BS=BS, SQUARINGS=SQUARINGS, DOT_PREC=DOT_PREC)
-    v = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
-                mask=m_t[:, None] & m_v[None, :], other=0.0)
-    r_w = (beta * tl.exp(gate))[:, None] * k.to(tl.float32)
-    r_u = beta[:, None] * v.to(tl.float32)
     if LOWP:  # T and the right-hand sides in the workspace's 16 bits, as FLA's (module docstring, precision)
         t = t.to(w_ptr.dtype.element_ty)
-        w = tl.dot(t, r_w.to(w_ptr.dtype.element_ty))
-        u = tl.dot(t, r_u.to(w_ptr.dtype.element_ty))
-    else:
-        w = tl.dot(t, r_w, input_precision=DOT_PREC)
-        u = tl.dot(t, r_u, input_precision=DOT_PREC)
-    # Only the chunk's own rows: the rows after it belong to the next request.
+    # W, then U: one [BT, D] right-hand side live at a time. Only the chunk's own rows are stored:
+    # the rows after it belong to the next request.
+    w = _times_t(t, (beta * tl.exp(gate))[:, None] * k.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
     tl.store(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :],
              w.to(w_ptr.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+    v = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
+                mask=m_t[:, None] & m_v[None, :], other=0.0)
+    u = _times_t(t, beta[:, None] * v.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
     tl.store(u_ptr + rows[:, None] * stride_u_row + head * stride_u_head + offs_v[None, :],
              u.to(u_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
