@@ -15,7 +15,8 @@ For GDN (Qwen3-Next's 16 key / 32 value heads of 128) and Lightning (16 heads of
 Configs are named ChunkConfig overrides (`configs`): the default beside candidates for each kernel's
 tiles (the state kernel's Dv tile, warps and pipelining stages; the output kernel's Dv and key
 tiles and warps; the solve's warps, and T through the matrix workspace instead of registers) and
-float32 operands, so a run tells which to make the default per shape (chunk_config). Shapes: one request of 512, 2048 and 4096 tokens, 4 x 1024, 16 x 256.
+float32 operands, so a run tells which to make the default per shape (chunk_config). Shapes: one
+request of 512, 2048 and 4096 tokens, 4 x 1024, 16 x 256.
 
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT   # on the GPU machine: every config, both families
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT --quick   # GDN, QUICK_CONFIGS, fewer reps: < 3 min

@@ -107,11 +107,12 @@ Precision: every product accumulates in float32. For 16-bit inputs (the producti
 products take 16-bit operands, as FLA's kernels take theirs: the solve's K K^T (exact), and its
 W = T R_w and U = T R_u with T and the right-hand sides rounded to bfloat16 in registers (FLA keeps
 its A inverse in the input dtype); the walk's W S_c and K^T (decay * V') and the output kernel's
-products with q and k as they are and the state, W and V' (decayed, in the walk) in bfloat16. The walk keeps its state in
-float32 registers, so the rounding of S_c reaches each chunk's products once and never accumulates
-through the recurrence. W and U are stored rounded to bfloat16 and V' = U - W S_c formed in float32
-before it is rounded and stored; the output kernel's product with V' took that rounding before the
-storage was 16-bit too, and the walk's own product rounds decay * V' from float32 registers.
+products with q and k as they are and the state, W and V' (decayed, in the walk) in bfloat16. The
+walk keeps its state in float32 registers, so the rounding of S_c reaches each chunk's products
+once and never accumulates through the recurrence. W and U are stored rounded to bfloat16 and
+V' = U - W S_c formed in float32 before it is rounded and stored; the output kernel's product with
+V' took that rounding before the storage was 16-bit too, and the walk's own product rounds
+decay * V' from float32 registers.
 On an H200 (benchmarks/kernels/chunk_kernel_sweep.py, requests of 1 to 1000 rows at Dk = Dv = 128
 against the float32 recurrence), with W and U float32 and the solve's products tf32, the 16-bit
 products moved GDN's worst output error from 2.3e-3 to 2.9e-3 and its states' from 8.4e-4 to 1.9e-3
@@ -236,8 +237,9 @@ def chunk_workspace(rows: int, heads: int, dk: int, dv: int, dtype: torch.dtype,
 def chunk_matrix_workspace(chunks: int, heads: int, block_t: int, device: torch.device) -> torch.Tensor:
     """[chunks, heads, block_t, block_t] float32 view of the cached matrix workspace: the scratch of
     the solve through memory (ChunkConfig.solve_in_registers=False) for A and then T = (I + A)^-1 of
-    each chunk and value head, read back only by the program that wrote it (float32 whatever the inputs: module docstring, memory). Cached and
-    grown like `chunk_state_workspace`, by chunks (at least 16)."""
+    each chunk and value head, read back only by the program that wrote it (float32 whatever the
+    inputs: module docstring, memory). Cached and grown like `chunk_state_workspace`, by chunks (at
+    least 16)."""
     key = (torch.device(device), heads, block_t)
     held = _MATRIX_WORKSPACES.get(key)
     if held is None or held.shape[0] < chunks:
