@@ -62,7 +62,8 @@ CHECK_LENS = [0, 1, 100, 64, 300, 1000]
 CHECK_TOL = 1e-2
 SHAPES = [(512, 1), (2048, 1), (4096, 1), (4096, 4), (4096, 16)]  # tokens x requests of equal length
 DRY_SHAPES = [(64, 1), (64, 4)]
-QUICK_CONFIGS = ["default", "solve scratch", "solve 8 warps", "state bv16", "state bv64 3 stages", "out bv128"]
+QUICK_CONFIGS = ["default", "solve scratch", "solve 8 warps", "state bv16", "state bv64 3 stages",
+                 "out bv128 8 warps"]
 QUICK_REPS = 25  # triton.testing.do_bench's rep (ms of timing) per shape and config with --quick; else 100
 BUDGET_S, QUICK_BUDGET_S = 240.0, 120.0  # no new shape is timed past these seconds (the last shape's timings follow)
 
@@ -86,7 +87,8 @@ def configs(dry: bool) -> dict[str, dict]:
         "state 8 warps": {"num_warps": 8},
         # the output kernel: one program per (chunk, value head, Dv tile)
         "out bv32": {"out_block_v": 32},
-        "out bv128": {"out_block_v": 128, "out_warps": 8},
+        "out bv128": {"out_block_v": 128},
+        "out bv128 8 warps": {"out_block_v": 128, "out_warps": 8},
         "out bv128 kb128": {"out_block_v": 128, "out_key_block": 128, "out_warps": 8},
         "out 8 warps": {"out_warps": 8},
         # the solve: one program per (chunk, value head)
