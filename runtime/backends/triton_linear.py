@@ -680,7 +680,7 @@ class TritonLinearBackend(BackendHooks):
         held = self._graph_workspaces.get(key)
         if held is None:
             held = _chunk_kernels().ChunkWorkspaces.allocate(q.shape[0], chunks, Hv, Dk, Dv, v.dtype,
-                                                            beta is not None, v.device, block_t=FLA_CHUNK)
+                                                            beta is not None, v.device)
             self._graph_workspaces[key] = held
         return held
 

@@ -1,6 +1,6 @@
 """benchmarks/kernels/chunk_kernel_sweep.py --dry-run on the CPU (Triton's interpreter, tiny dims): each config
-is checked against the recurrence before it is timed, and unknown config names are refused. In a fresh process: the script sets TRITON_INTERPRET
-before triton is imported."""
+is checked against the recurrence before it is timed, unknown config names are refused, and --quick narrows the
+run to GDN. In a fresh process: the script sets TRITON_INTERPRET before triton is imported."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ SCRIPT = ROOT / "benchmarks" / "kernels" / "chunk_kernel_sweep.py"
 pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 
 
+DRY_CONFIGS = {"default", "f32-dots", "tiles 16", "solve scratch"}
+
+
 def sweep(tmp_path, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -28,13 +31,32 @@ def test_dry_run_checks_then_times_each_config(tmp_path):
     doc = json.loads((tmp_path / "chunk_kernel_sweep.json").read_text())
     for family in ("gdn", "lightning"):
         fam = doc["families"][family]
-        assert set(fam["checks"]) == {"default", "f32-dots"}
+        assert set(fam["checks"]) == DRY_CONFIGS
         assert all(c["ok"] and c["out_rel_err"] < 1e-2 for c in fam["checks"].values()), fam["checks"]
         (row,) = fam["timings"]
-        assert (row["tokens"], row["requests"]) == (32, 2) and set(row["ours"]) == {"default", "f32-dots"}
+        assert (row["tokens"], row["requests"]) == (32, 2) and set(row["ours"]) == DRY_CONFIGS
         assert all(t["wall_ms"] > 0 for t in row["ours"].values())
+        assert row["ours"]["tiles 16"]["config"]["block_v"] == 16
+        assert row["summary"]["best"] in DRY_CONFIGS and row["summary"]["default_ms"] > 0
 
 
 def test_unknown_config_names_are_refused(tmp_path):
     proc = sweep(tmp_path, "--configs", "default,fastest")
     assert proc.returncode == 2 and "--configs: unknown ['fastest']" in proc.stderr
+
+
+def test_quick_dry_run_takes_gdn_at_every_dry_shape(tmp_path):
+    proc = sweep(tmp_path, "--quick")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "chunk_kernel_sweep.json").read_text())
+    assert set(doc["families"]) == {"gdn"}
+    assert [(r["tokens"], r["requests"]) for r in doc["families"]["gdn"]["timings"]] == [(64, 1), (64, 4)]
+
+
+def test_the_gpu_run_names_its_quick_configs_and_the_target_shapes():
+    """Checked in a fresh process without running anything: the module imports triton compiled."""
+    code = ("import sys; sys.argv = ['x']; sys.path.insert(0, 'benchmarks/kernels'); import chunk_kernel_sweep as s; "
+            "assert set(s.QUICK_CONFIGS) <= set(s.configs(False)), s.QUICK_CONFIGS; "
+            "assert s.SHAPES == [(512, 1), (2048, 1), (4096, 1), (4096, 4), (4096, 16)], s.SHAPES")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

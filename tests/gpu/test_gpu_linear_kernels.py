@@ -515,7 +515,7 @@ def chunk_reference(op: str, x: dict, pool, slots) -> torch.Tensor:
     return out
 
 
-def run_chunk_extend(op: str, x: dict, pool, tables: dict, out: torch.Tensor) -> None:
+def run_chunk_extend(op: str, x: dict, pool, tables: dict, out: torch.Tensor, config=None) -> None:
     from runtime.backends.kernels import chunk as triton_chunk
     from runtime.backends.kernels.linear import GATE_CONSTANT, GATE_PER_HEAD
 
@@ -523,21 +523,29 @@ def run_chunk_extend(op: str, x: dict, pool, tables: dict, out: torch.Tensor) ->
     d = {n: t.to(DEV) for n, t in x.items()}
     triton_chunk.chunk_extend(d["q"], d["k"], d["v"], d["g"], d.get("beta"), out, pool.layer(0)["recurrent"],
                               tables["slots"], tables["bounds"], tables["chunks"], dk ** -0.5,
-                              GATE_CONSTANT if op == "lightning_core" else GATE_PER_HEAD)
+                              GATE_CONSTANT if op == "lightning_core" else GATE_PER_HEAD, config=config)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("op", ["gdn_core", "lightning_core"])
-def test_chunk_extend_kernels_match_reference_at_real_dims(op, dtype):
+@pytest.mark.parametrize("op,solve_in_registers", [("gdn_core", True), ("gdn_core", False), ("lightning_core", True)],
+                         ids=["gdn", "gdn-scratch-solve", "lightning"])
+def test_chunk_extend_kernels_match_reference_at_real_dims(op, solve_in_registers, dtype):
     """Requests of 0, 1, 100, 64, 300 and 1000 rows in one launch (chunks of 64, Dk = Dv = 128,
     Qwen3-Next's grouped heads for GDN): outputs and states against the recurrence, the padding
-    slot, free slots, the idle request's slot and the rows past the last request untouched."""
+    slot, free slots, the idle request's slot and the rows past the last request untouched. GDN's
+    solve both in registers (the default) and through the matrix workspace."""
+    import dataclasses
+
+    from runtime.backends.kernels import chunk as triton_chunk
+
     x, ref_pool, dev_pool, slots, tables = chunk_case(op, dtype, seed=81)
+    config = dataclasses.replace(triton_chunk.chunk_config(len(CHUNK_LENS), SPECS[op][2], SPECS[op][4],
+                                                           torch.device(DEV)), solve_in_registers=solve_in_registers)
     before = dev_pool.layer(0)["recurrent"].clone()
     out_ref = chunk_reference(op, x, ref_pool, slots)
     T, real = x["q"].shape[0], sum(CHUNK_LENS)
     out = torch.full((T, SPECS[op][2], SPECS[op][4]), 7.0, dtype=dtype, device=DEV)
-    run_chunk_extend(op, x, dev_pool, tables, out)
+    run_chunk_extend(op, x, dev_pool, tables, out, config)
     out = out.float().cpu()
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
     assert torch.isfinite(out).all() and out[real:].eq(7.0).all(), "rows past bounds[R] must not be written"

@@ -24,25 +24,34 @@ chunk at once: unrolling S_{i-1} inside the chunk gives (I + A) V' = diag(beta) 
 With g <= 0 (a decay) every exponent taken is <= 0 (i >= j; masked entries never reach exp), so
 nothing overflows whatever the chunk's total decay.
 
-The inverse. T = (I + A)^-1 is formed per chunk by blocks of SUB = 16 rows: the diagonal blocks
-T_ii = (I + A_ii)^-1 by plain forward substitution (15 row steps, the four blocks' chains side by
-side in one [4, 16, 16] tile), then block row by block row T_ij = -T_ii sum_{j<=c<i} A_ic T_cj on
-tensor cores (tl.dot); W = T R_w and U = T R_u are then two products over the whole chunk. Why not
-the nilpotent product (I - A)(I + A^2)(I + A^4)...: it is exact in exact arithmetic but unstable in
+The inverse. T = (I + A)^-1 is formed per chunk by blocks of SUB = 16 rows, in registers: the
+diagonal blocks' inverses D^-1 (D = I + the diagonal blocks A_ii) by plain forward substitution
+(15 row steps, the four blocks' chains side by side in one [4, 16, 16] tile), then, with L the
+blocks below the diagonal and N = D^-1 L (strictly lower by blocks: N^4 = 0 for four blocks),
+T = (I + N)^-1 D^-1 = (I - N)(I + N^2) D^-1, four [64, 64] products on tensor cores (tl.dot);
+W = T R_w and U = T R_u are then two products over the whole chunk. Why not the row-level
+nilpotent product (I - A)(I + A^2)(I + A^4)...: it is exact in exact arithmetic but unstable in
 floating point, since the powers of A grow like binomial coefficients when keys repeat (a chunk of
 identical keys with beta = 1 and no decay: A^k entries up to C(63, 31) ~ 1e18 for the 64-row chunk,
 then cancelled back to an inverse with entries 0 and -1), and tf32 tensor-core products keep 10
-mantissa bits. Forward substitution on a unit lower-triangular system is backward stable; doing it
-per 16-row block keeps its sequential part to 15 short steps and leaves the rest to matrix products.
+mantissa bits. Forward substitution on a unit lower-triangular system is backward stable, and it
+takes the diagonal blocks, where the growth would start; what is left is powers of N, D^-1 already
+applied, at most three of them (for those identical keys N's entries are 0 and 1 and N^2's at most
+2). The earlier form (`ChunkConfig.solve_in_registers=False`) did the same block algebra as block
+forward substitution, T_ij = -T_ii sum_{j<=c<i} A_ic T_cj block row by block row, through a
+scratch tile in memory: Triton cannot index a register tile by row or block, so A's rows and T's
+blocks went through memory and back (a barrier before each read), about ten dependent round trips
+a program; in registers the rows are picked out by masked sums and the blocks by the products'
+masks instead.
 
 Three kernels (a launch with the same arguments goes through a Launcher: no Triton binding):
 
-1. `_chunk_solve_kernel`, one program per (chunk, value head), the delta rule only: A, then T over
-   it in the chunk's tile of the matrix workspace (the blocks are read back after a barrier, as
-   other threads of the program wrote them), then W [rows, Hv, Dk] and U [rows, Hv, Dv] float32 into
-   the workspace, indexed by the step's row. Measured on an H200 (bf16, 32 GDN heads of 128, 2048
-   rows): 0.114 ms, against 0.171 with the diagonal blocks one after another and 0.180 for the
-   earlier form that solved W and U block by block, reading the earlier blocks' rows back.
+1. `_chunk_solve_kernel`, one program per (chunk, value head), the delta rule only: A, T over it
+   and W = T R_w, U = T R_u, all in registers, then W [rows, Hv, Dk] and U [rows, Hv, Dv] into
+   their workspace (memory below), indexed by the step's row. Measured on an H200 (bf16, 32 GDN
+   heads of 128, 2048 rows) with T through the scratch tile and W and U float32: 0.114 ms, against
+   0.171 with the diagonal blocks one after another and 0.180 for the form before that, which
+   solved W and U block by block, reading the earlier blocks' rows back.
 2. `_chunk_state_kernel`, one program per (request, value head, Dv tile), the only sequential part:
    it walks the request's chunks in order with the state tile [Dk, BV] in float32 registers and,
    per chunk, stores the state entering it (S_c, into the chunk-state workspace at the chunk's row
@@ -54,8 +63,9 @@ Three kernels (a launch with the same arguments goes through a Launcher: no Trit
    V' (V without the delta rule) as the state kernel left them. It takes the key dimension in
    blocks of 64, so q, k and S_c are never live whole.
 
-The cumulative gates are a masked sum over the chunk's gate row (cheap beside the chunk's
-products), recomputed in each kernel rather than stored.
+The cumulative gates are a scan over the chunk's gate row (tl.cumsum; cheap beside the chunk's
+products, and short on the state kernel's sequential walk), recomputed in each kernel rather than
+stored.
 
 Why the split. Before it, the state kernel also produced the outputs: every step of its walk
 computed the chunk's Q K^T and both output products besides the two the recurrence needs (W S_c
@@ -64,41 +74,56 @@ scores, the state) spilled (255 registers and 224 spills on an H200 at Dk = Dv =
 does only those two, and the output products, most of a long prompt's work, run in parallel over
 chunks; the price is the chunk states' round trip through memory (written once, read once per
 output Dv tile). Kernel time of one GDN layer, one request of 2048 tokens, H200 (benchmarks/history/extend.md, "GDN
-extend steps on our chunk kernels"): 0.54 ms before the split, 0.45 after it, 0.29 now (16-bit
-products, a pipelined walk, the solve above), against 0.17 for FLA's kernels.
+extend steps on our chunk kernels"): 0.54 ms before the split, 0.45 after it, 0.29 with 16-bit
+products, a pipelined walk and the solve through its scratch tile (float32 W and U), against 0.17
+for FLA's kernels; benchmarks/kernels/chunk_kernel_sweep.py times the 16-bit workspaces and the
+solve in registers beside them.
 
-Memory. The workspaces are cached per (device, Hv, Dk, Dv) (and the chunk states' dtype), shared by
-every layer of that shape, grown to a power of two and never shrunk (stable addresses for the
-Launcher):
-- W [rows, Hv, Dk] and U [rows, Hv, Dv] float32, the delta rule only (`chunk_workspace`): rows x Hv
-  x (Dk + Dv) x 4 bytes, 64 MiB for 2048 rows at Hv = 32, Dk = Dv = 128. V' [rows, Hv, Dv] is
-  written over U, so it costs nothing more.
-- T [chunks, Hv, 64, 64] float32, the delta rule only (`chunk_matrix_workspace`): 16 MiB for 32
-  chunks at Hv = 32, never less than 16 chunks' worth.
+Memory. What goes through memory between the kernels: W and U (V' written over U), and the chunk
+states; all three in `chunk_workspace_dtype` of the inputs: bfloat16 for 16-bit inputs (FLA keeps
+its w, u, v_new and h in the input dtype), float32 for float32 inputs. In 16 bits the launches
+move about half the bytes they did with float32 W and U: the solve's stores, and per chunk the
+state kernel's loads of W and V' (once per Dv tile) and its V' stores, and the output kernel's V'.
+- W [rows, Hv, Dk] and U [rows, Hv, Dv], the delta rule only (`chunk_workspace`): rows x Hv x
+  (Dk + Dv) x 2 bytes for 16-bit inputs, 32 MiB for 2048 rows at Hv = 32, Dk = Dv = 128 (64 MiB in
+  float32). V' [rows, Hv, Dv] is written over U, so it costs nothing more.
+- T: nothing, since the solve keeps it in registers. The earlier form's scratch
+  (`chunk_matrix_workspace`, [chunks, Hv, 64, 64] float32, 16 MiB for 32 chunks at Hv = 32) is
+  allocated only for it, from the shared cache, so it never serves a captured step. It keeps
+  float32 whatever the inputs, since each block of T is formed from the blocks before it.
 - the chunk states [chunks, Hv, Dk, Dv] (`chunk_state_workspace`), with and without the delta rule:
   chunks x Hv x Dk x Dv x 2 bytes for 16-bit inputs (4 for float32 inputs), 32 MiB for one request
   of 2048 rows (32 chunks) at Hv = 32, Dk = Dv = 128, and never less than 16 chunks' worth (16 MiB
   there). A step has at most rows / 64 + requests chunks.
+The shared workspaces are cached per (device, Hv, Dk, Dv, dtype), shared by every layer of that
+shape, grown to a power of two and never shrunk (stable addresses for the Launcher); a captured
+step's are the caller's own (`ChunkWorkspaces`), allocated once and never regrown.
 
 Rows past a request's last row in its last chunk load as zeros (k = v = beta = g = 0): their A
 rows and columns, W, U and V' rows are zero and their gates repeat the last real row's, so the
 masked chunk is exactly the shorter one; only real rows are stored.
 
-Precision: every product accumulates in float32. For 16-bit inputs (the production case) the walk's
-products (W S_c, (K * decay)^T V') and the output kernel's take 16-bit operands: q and k as they
-are, the state and V' rounded to the chunk states' dtype, as FLA's kernels take theirs; the walk
-keeps its state in float32 registers, so the rounding reaches each chunk's products once and never
-accumulates through the recurrence. The solve keeps float32 operands as tf32 (its keys' product
-K K^T takes them in 16 bits, which is exact). On an H200 (benchmarks/kernels/chunk_kernel_sweep.py, requests
-of 1 to 1000 rows at Dk = Dv = 128 against the float32 recurrence) the 16-bit products moved GDN's
-worst output error from 2.3e-3 to 2.9e-3 and its states' from 8.4e-4 to 1.9e-3 (Lightning's: 2.0e-3
-to 2.7e-3, 4.3e-4 to 1.5e-3), against 1.7e-3 to 3.2e-3 for FLA's; the tests' bound is 1e-2, and
-`ChunkConfig.low_precision_dots=False` keeps float32 operands. Float32 inputs take float32
-operands as tf32x3 (about float32 accuracy). Triton's interpreter takes float32 operands throughout
-(launch_math.triton_interpreted says why). The chunk states S_c are stored as bfloat16 for 16-bit
-inputs and float32 for float32 ones: the rounding reaches only the output term (Q * exp(G)) S_c,
-once; bfloat16 rather than float16 (for float16 inputs too) since a state sums many tokens and can
-pass float16's 65504, where bfloat16 has float32's range. V' stays float32 (it is U's storage).
+Precision: every product accumulates in float32. For 16-bit inputs (the production case) the
+products take 16-bit operands, as FLA's kernels take theirs: the solve's K K^T (exact), and its
+W = T R_w and U = T R_u with T and the right-hand sides rounded to bfloat16 in registers (FLA keeps
+its A inverse in the input dtype); the walk's W S_c and K^T (decay * V') and the output kernel's
+products with q and k as they are and the state, W and V' (decayed, in the walk) in bfloat16. The
+walk keeps its state in float32 registers, so the rounding of S_c reaches each chunk's products
+once and never accumulates through the recurrence. W and U are stored rounded to bfloat16 and
+V' = U - W S_c formed in float32 before it is rounded and stored; the output kernel's product with
+V' took that rounding before the storage was 16-bit too, and the walk's own product rounds
+decay * V' from float32 registers.
+On an H200 (benchmarks/kernels/chunk_kernel_sweep.py, requests of 1 to 1000 rows at Dk = Dv = 128
+against the float32 recurrence), with W and U float32 and the solve's products tf32, the 16-bit
+products moved GDN's worst output error from 2.3e-3 to 2.9e-3 and its states' from 8.4e-4 to 1.9e-3
+(Lightning's: 2.0e-3 to 2.7e-3, 4.3e-4 to 1.5e-3), against 1.7e-3 to 3.2e-3 for FLA's; the tests'
+bound is 1e-2, which the sweep checks again for every config before timing it, and
+`ChunkConfig.low_precision_dots=False` keeps float32 operands (tf32) over the 16-bit storage.
+Bfloat16 rather than float16 storage (for float16 inputs too) since a state sums many tokens and
+can pass float16's 65504 (and V' = U - W S_c with it), where bfloat16 has float32's range.
+Float32 inputs keep float32 workspaces and float32 operands as tf32x3 (about float32 accuracy).
+Triton's interpreter takes float32 operands throughout (launch_math.triton_interpreted says why),
+over the same 16-bit storage.
 
 Not here: per-channel gates (KDA), which keep FLA's chunk kernels; the choice of path (the
 backend's `chunk_impl` option, runtime/backends/triton_linear.py).
@@ -120,7 +145,7 @@ from runtime.backends.kernels.linear import GATE_PER_CHANNEL, OP_OF_GATE, _check
 from runtime.cache.state_pool import PADDING_SLOT
 
 __all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_config", "chunk_workspace",
-           "chunk_matrix_workspace", "chunk_state_dtype", "chunk_state_workspace", "chunk_extend"]
+           "chunk_matrix_workspace", "chunk_workspace_dtype", "chunk_state_workspace", "chunk_extend"]
 
 CHUNK_T = 64  # rows of a chunk by default: FLA's chunk length, so the backend's one table serves both
 SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's smallest tile)
@@ -135,6 +160,13 @@ class ChunkConfig:
     out_block_v: int = 64  # Dv columns of one output kernel program (a power of two >= 16)
     out_warps: int = 4  # of the output kernel
     state_stages: int = 1  # software-pipelining stages of the state kernel's chunk loop
+    # Key columns the output kernel takes at a time (its q, k and S_c blocks; a power of two >= 16):
+    # fewer live registers than all of Dk, at the price of one more product per block
+    out_key_block: int = 64
+    # The solve forms T = (I + A)^-1 in registers (module docstring, the inverse); False: through the
+    # shared matrix workspace, the earlier form, kept for timing beside it (not for captured steps:
+    # their workspaces hold no matrix)
+    solve_in_registers: bool = True
     # 16-bit inputs: the state and output kernels' products take 16-bit operands (module docstring,
     # precision); False keeps float32 operands as tf32. Float32 inputs ignore it.
     low_precision_dots: bool = True
@@ -153,47 +185,61 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> Ch
     chunk's products: 3 stages for tiles of 32 columns (0.112 ms there against 0.133 with 2 and
     0.165 with 1), 2 for tiles of 64, where a third does not fit in shared memory beside the others
     (four requests of 512: 0.068 ms with 2, 0.119 with 3; benchmarks/kernels/chunk_kernel_sweep.py).
+    Those were measured with float32 W. A stage holds one chunk's k and W [64, Dk] and V' [64, BV]:
+    at Dk = 128 in 16 bits about 34 KiB for tiles of 16, 36 for 32, 40 for 64 (56 for 64 with float32
+    W), so two programs of 3 stages now fit an SM's 228 KiB in tiles of 16 or 32, and one in tiles of
+    64 (whose 256 programs for four requests then take two waves, the likely cost of the third stage
+    measured above); the sweep's candidates (tiles of 16 for one request, 3 stages in tiles of 64, 8
+    warps) time what the smaller stages change before the rule does.
 
     The output kernel's programs are independent (chunks x heads x Dv tiles, thousands for a long
     prompt): 64 columns in 4 warps (8 warps or 128 columns were slower, the same sweep). The solve
-    kernel: 4 warps (2 or 8 were slower)."""
+    kernel: 4 warps (2 or 8 were slower, with T through memory)."""
     block_v = min(64 if requests * heads * cdiv(dv, 64) >= num_sms(device) else 32, max(16, next_pow2(dv)))
     return ChunkConfig(block_v, 4, 4, min(64, max(16, next_pow2(dv))), 4, state_stages=3 if block_v <= 32 else 2)
 
-
-# Key columns the output kernel takes at a time (its q, k and S_c blocks).
-_OUT_KEY_BLOCK = 64
 
 # Requests the state kernel sums at a time to find a request's first chunk (its row of the table).
 _REQUEST_BLOCK = 128
 
 
-# One set of workspaces per (device, Hv, Dk, Dv) (the chunk states' also per dtype), shared by every
-# layer of that shape: the launches of one layer complete before the next layer's on the same
-# stream. Each grows to a power of two of rows (chunks) and never shrinks, so steps of the same
-# bucket (and every layer of a step) get the same addresses, which the Launcher's cache keys on.
+# One set of workspaces per (device, Hv, Dk, Dv, dtype), shared by every layer of that shape: the
+# launches of one layer complete before the next layer's on the same stream. Each grows to a power
+# of two of rows (chunks) and never shrinks, so steps of the same bucket (and every layer of a step)
+# get the same addresses, which the Launcher's cache keys on.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _STATE_WORKSPACES: dict[tuple, torch.Tensor] = {}
 _MATRIX_WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 
-def chunk_workspace(rows: int, heads: int, dk: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W [rows, heads, dk], U [rows, heads, dv]) float32 views of the cached workspace: the solve
-    kernel writes both, the state kernel overwrites U with V' (module docstring, memory)."""
-    key = (torch.device(device), heads, dk, dv)
+def chunk_workspace_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of W, U (V') and the chunk states for inputs of `dtype`: float32 for float32, else
+    bfloat16 (module docstring, memory and precision: 16 bits halve the kernels' bytes; float16
+    could overflow where a state sums many tokens, bfloat16 has float32's range)."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def chunk_workspace(rows: int, heads: int, dk: int, dv: int, dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W [rows, heads, dk], U [rows, heads, dv]) views of the cached workspace in `dtype`
+    (chunk_workspace_dtype of the inputs'): the solve kernel writes both, the state kernel
+    overwrites U with V' (module docstring, memory)."""
+    key = (torch.device(device), heads, dk, dv, dtype)
     held = _WORKSPACES.get(key)
     if held is None or held[0].shape[0] < rows:
         cap = max(256, next_pow2(rows))
-        held = (torch.empty(cap, heads, dk, dtype=torch.float32, device=device),
-                torch.empty(cap, heads, dv, dtype=torch.float32, device=device))
+        held = (torch.empty(cap, heads, dk, dtype=dtype, device=device),
+                torch.empty(cap, heads, dv, dtype=dtype, device=device))
         _WORKSPACES[key] = held
     return held[0][:rows], held[1][:rows]
 
 
 def chunk_matrix_workspace(chunks: int, heads: int, block_t: int, device: torch.device) -> torch.Tensor:
-    """[chunks, heads, block_t, block_t] float32 view of the cached matrix workspace: the solve
-    kernel's A and then T = (I + A)^-1 of each chunk and value head. Cached and grown like
-    `chunk_state_workspace`, by chunks (at least 16)."""
+    """[chunks, heads, block_t, block_t] float32 view of the cached matrix workspace: the scratch of
+    the solve through memory (ChunkConfig.solve_in_registers=False) for A and then T = (I + A)^-1 of
+    each chunk and value head, read back only by the program that wrote it (float32 whatever the
+    inputs: module docstring, memory). Cached and grown like `chunk_state_workspace`, by chunks (at
+    least 16)."""
     key = (torch.device(device), heads, block_t)
     held = _MATRIX_WORKSPACES.get(key)
     if held is None or held.shape[0] < chunks:
@@ -206,37 +252,33 @@ def chunk_matrix_workspace(chunks: int, heads: int, block_t: int, device: torch.
 class ChunkWorkspaces:
     """Workspaces owned by one caller instead of the shared cache: a captured step's kernels keep
     their addresses, so they must never be regrown under it (an eager step longer than every
-    bucket regrows the cache). W and T are None without the delta rule."""
+    bucket regrows the cache). W and U are None without the delta rule (V' is V there); the solve
+    in registers needs no matrix workspace."""
 
-    w: torch.Tensor | None  # [rows, Hv, Dk] float32
-    u: torch.Tensor  # [rows, Hv, Dv] float32 (V' over U; without the delta rule unused)
-    t: torch.Tensor | None  # [chunks, Hv, BT, BT] float32
-    cs: torch.Tensor  # [chunks, Hv, Dk, Dv] in chunk_state_dtype
+    w: torch.Tensor | None  # [rows, Hv, Dk] in chunk_workspace_dtype
+    u: torch.Tensor | None  # [rows, Hv, Dv] in chunk_workspace_dtype (V' over U)
+    cs: torch.Tensor  # [chunks, Hv, Dk, Dv] in chunk_workspace_dtype
 
     @classmethod
     def allocate(cls, rows: int, chunks: int, heads: int, dk: int, dv: int, dtype: torch.dtype, delta: bool,
-                 device: torch.device, block_t: int = CHUNK_T) -> "ChunkWorkspaces":
-        f32 = dict(dtype=torch.float32, device=device)
-        return cls(torch.empty(rows, heads, dk, **f32) if delta else None,
-                   torch.empty(rows, heads, dv, **f32),
-                   torch.empty(chunks, heads, block_t, block_t, **f32) if delta else None,
-                   torch.empty(chunks, heads, dk, dv, dtype=chunk_state_dtype(dtype), device=device))
+                 device: torch.device) -> "ChunkWorkspaces":
+        work = dict(dtype=chunk_workspace_dtype(dtype), device=device)
+        return cls(torch.empty(rows, heads, dk, **work) if delta else None,
+                   torch.empty(rows, heads, dv, **work) if delta else None,
+                   torch.empty(chunks, heads, dk, dv, **work))
 
-    def fits(self, rows: int, chunks: int) -> bool:
-        return self.u.shape[0] >= rows and self.cs.shape[0] >= chunks
-
-
-def chunk_state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The chunk states' dtype for inputs of `dtype`: float32 for float32, else bfloat16 (module
-    docstring, precision: the rounding reaches only the outputs; float16 could overflow)."""
-    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+    def fits(self, rows: int, chunks: int, delta: bool) -> bool:
+        if delta and (self.u is None or self.u.shape[0] < rows):
+            return False
+        return self.cs.shape[0] >= chunks
 
 
 def chunk_state_workspace(chunks: int, heads: int, dk: int, dv: int, dtype: torch.dtype,
                           device: torch.device) -> torch.Tensor:
-    """[chunks, heads, dk, dv] view of the cached chunk-state workspace in `dtype`: row c holds the
-    state entering chunk c of the chunk table, as the state kernel left it for the output kernel.
-    Cached and grown like `chunk_workspace`, by chunks (at least 16)."""
+    """[chunks, heads, dk, dv] view of the cached chunk-state workspace in `dtype`
+    (chunk_workspace_dtype of the inputs'): row c holds the state entering chunk c of the chunk
+    table, as the state kernel left it for the output kernel. Cached and grown like
+    `chunk_workspace`, by chunks (at least 16)."""
     key = (torch.device(device), heads, dk, dv, dtype)
     held = _STATE_WORKSPACES.get(key)
     if held is None or held.shape[0] < chunks:
@@ -251,17 +293,18 @@ def chunk_state_workspace(chunks: int, heads: int, dk: int, dv: int, dtype: torc
 
 
 @triton.jit
-def _chunk_gates(g_ptr, rows, start, n, head, stride_g_row, stride_g_head, BT: tl.constexpr, GATE: tl.constexpr):
-    """Cumulative log-gates G at the chunk-local rows `rows` (float32, one per entry of rows): the
-    sum of the gates of the chunk's rows 0 .. rows[i]. Rows at or past n (the masked tail) hold the
-    last real row's G, so G at row BT-1 is always the chunk's total decay."""
+def _chunk_gates(g_ptr, start, n, head, stride_g_row, stride_g_head, BT: tl.constexpr, GATE: tl.constexpr):
+    """Cumulative log-gates G of the chunk's BT rows (float32): G_i is the sum of the gates of rows
+    0 .. i. Rows at or past n (the masked tail) hold the last real row's G, so G at row BT-1 is
+    always the chunk's total decay. A scan rather than a [BT, BT] masked sum: it sits on the state
+    kernel's sequential walk, once a chunk."""
+    offs = tl.arange(0, BT)
     if GATE == 2:  # GATE_CONSTANT: one log-decay per head
         g = tl.load(g_ptr + head * stride_g_head).to(tl.float32)
-        cum = (tl.minimum(rows, n - 1) + 1).to(tl.float32) * g
+        cum = (tl.minimum(offs, n - 1) + 1).to(tl.float32) * g
     else:
-        offs = tl.arange(0, BT)
         gates = tl.load(g_ptr + (start + offs) * stride_g_row + head * stride_g_head, mask=offs < n, other=0.0)
-        cum = tl.sum(tl.where(offs[None, :] <= rows[:, None], gates.to(tl.float32)[None, :], 0.0), axis=1)
+        cum = tl.cumsum(gates.to(tl.float32), axis=0)
     return cum
 
 
@@ -285,44 +328,13 @@ def _diagonal_block_inverses(tile, BT: tl.constexpr, BS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_solve_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
-    stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
-    stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row, stride_u_head,
-    stride_t_chunk, stride_t_head,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-    BVF: tl.constexpr,  # next power of two >= DV (at least 16): all of Dv in one program
-    BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
-):
-    """W and U of one chunk and value head (module docstring): A, then T = (I + A)^-1 by blocks in
-    the chunk's [BT, BT] tile of the matrix workspace (t), then W = T R_w and U = T R_u."""
-    chunk = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    key_head = head // GROUP
-    req = tl.load(chunks_ptr + 2 * chunk)
-    start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
-    n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
-    if n <= 0:  # a row of a captured step's table past the step's chunks (an empty request's)
-        return
+def _unit_lower_inverse_in_scratch(a, tile, BT: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(I + a)^-1 of the strictly lower [BT, BT] tile a through `tile`, this program's [BT, BT]
+    row-major scratch in memory (the matrix workspace): a is stored, its diagonal blocks inverted
+    from rows read back, then block row by block row T_ij = -T_ii sum_{j<=c<i} A_ic T_cj from
+    blocks read back (the blocks are read after a barrier, as other threads of the program wrote
+    them). The earlier form, kept as a candidate (ChunkConfig.solve_in_registers=False)."""
     offs_t = tl.arange(0, BT)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BVF)
-    m_t = offs_t < n
-    m_k = offs_k < DK
-    m_v = offs_v < DV
-    rows = start + offs_t
-    k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :],
-                mask=m_t[:, None] & m_k[None, :], other=0.0)
-    beta = tl.load(beta_ptr + rows * stride_b_row + head * stride_b_head, mask=m_t, other=0.0).to(tl.float32)
-    gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
-    if LOWP:  # 16-bit keys: their products are exact either way, the 16-bit tensor cores faster
-        kk = tl.dot(k, tl.trans(k))
-    else:
-        kk = tl.dot(k.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=DOT_PREC)
-    # A, strictly lower, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
-    lower = offs_t[:, None] > offs_t[None, :]
-    a = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gate[:, None] - gate[None, :], 0.0)), 0.0)
-    tile = t_ptr + chunk * stride_t_chunk + head * stride_t_head  # [BT, BT], row-major
     tl.store(tile + offs_t[:, None] * BT + offs_t[None, :], a)
     tl.debug_barrier()  # the blocks below are read back by other threads of this program
     # T over A: first every diagonal block T_ii = (I + A_ii)^-1, then block row by block row
@@ -346,16 +358,115 @@ def _chunk_solve_kernel(
                               input_precision=DOT_PREC)
             tl.store(tile + i * BS * BT + j * BS + block, -tl.dot(t_ii, acc, input_precision=DOT_PREC))
         tl.debug_barrier()
-    t = tl.load(tile + offs_t[:, None] * BT + offs_t[None, :])
+    return tl.load(tile + offs_t[:, None] * BT + offs_t[None, :])
+
+
+@triton.jit
+def _unit_lower_inverse_in_registers(a, BT: tl.constexpr, BS: tl.constexpr, SQUARINGS: tl.constexpr,
+                                     DOT_PREC: tl.constexpr):
+    """(I + a)^-1 of the strictly lower [BT, BT] tile a, in registers (no memory, no barrier).
+
+    With D = I + (a's diagonal [BS, BS] blocks) and L = a's blocks below them, I + a = D (I + N),
+    N = D^-1 L. D^-1: forward substitution on every diagonal block side by side in one [NB, BS, BS]
+    tile (_diagonal_block_inverses' steps, row r of a picked out by a masked sum instead of a load).
+    N is strictly lower by blocks, so N^NB = 0 and (I + N)^-1 = (I - N)(I + N^2)(I + N^4)..., one
+    factor per squaring (SQUARINGS = log2(NB) - 1). Stable where the row-level product is not
+    (module docstring, the inverse): its powers are of N, D^-1 already applied, at most NB - 1 of
+    them, not of A over BT rows."""
+    NB: tl.constexpr = BT // BS
+    offs_t = tl.arange(0, BT)
+    offs_s = tl.arange(0, BS)
+    blk = tl.arange(0, NB)
+    same = blk[:, None, None, None] == blk[None, None, :, None]  # [NB, 1, NB, 1]: a diagonal block
+    a_diag = tl.sum(tl.where(same, tl.reshape(a, [NB, BS, NB, BS]), 0.0), axis=2)  # [NB, BS, BS]: A_bb
+    inv = tl.where((offs_s[:, None] == offs_s[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BS, BS], tl.float32)
+    for r in tl.static_range(1, BS):
+        at_r = (offs_s == r)[None, :, None]
+        a_r = tl.sum(tl.where(at_r, a_diag, 0.0), axis=1)  # [NB, BS]: row r of every block
+        inv = tl.where(at_r, inv - tl.sum(a_r[:, :, None] * inv, axis=1)[:, None, :], inv)
+    d_inv = tl.reshape(tl.where(same, inv[:, :, None, :], 0.0), [BT, BT])  # block diagonal
+    if NB == 1:
+        t = d_inv
+    else:
+        below = offs_t[:, None] // BS > offs_t[None, :] // BS
+        nil = tl.dot(d_inv, tl.where(below, a, 0.0), input_precision=DOT_PREC)  # N = D^-1 L
+        eye = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0)
+        inv_n = eye - nil
+        for _ in tl.static_range(SQUARINGS):
+            nil = tl.dot(nil, nil, input_precision=DOT_PREC)
+            inv_n = tl.dot(inv_n, eye + nil, input_precision=DOT_PREC)
+        t = tl.dot(inv_n, d_inv, input_precision=DOT_PREC)
+    return t
+
+
+@triton.jit
+def _times_t(t, rhs, DOT_PREC: tl.constexpr, LOWP: tl.constexpr):
+    """T rhs for a float32 right-hand side [BT, D]: in T's 16 bits with LOWP (t already rounded),
+    else float32 operands at DOT_PREC."""
+    if LOWP:
+        prod = tl.dot(t, rhs.to(t.dtype))
+    else:
+        prod = tl.dot(t, rhs, input_precision=DOT_PREC)
+    return prod
+
+
+@triton.jit
+def _chunk_solve_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
+    stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
+    stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row, stride_u_head,
+    stride_t_chunk, stride_t_head,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+    BVF: tl.constexpr,  # next power of two >= DV (at least 16): all of Dv in one program
+    BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
+    SCRATCH: tl.constexpr,  # T through the matrix workspace t (else in registers; t is then never read)
+    SQUARINGS: tl.constexpr,  # log2(BT // BS) - 1, at least 0
+):
+    """W and U of one chunk and value head (module docstring): A, then T = (I + A)^-1 by blocks,
+    then W = T R_w and U = T R_u."""
+    chunk = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    key_head = head // GROUP
+    req = tl.load(chunks_ptr + 2 * chunk)
+    start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
+    n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
+    if n <= 0:  # a row of a captured step's table past the step's chunks (an empty request's)
+        return
+    offs_t = tl.arange(0, BT)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BVF)
+    m_t = offs_t < n
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    rows = start + offs_t
+    k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :],
+                mask=m_t[:, None] & m_k[None, :], other=0.0)
+    beta = tl.load(beta_ptr + rows * stride_b_row + head * stride_b_head, mask=m_t, other=0.0).to(tl.float32)
+    gate = _chunk_gates(g_ptr, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+    if LOWP:  # 16-bit keys: their products are exact either way, the 16-bit tensor cores faster
+        kk = tl.dot(k, tl.trans(k))
+    else:
+        kk = tl.dot(k.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=DOT_PREC)
+    # A, strictly lower, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
+    lower = offs_t[:, None] > offs_t[None, :]
+    a = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gate[:, None] - gate[None, :], 0.0)), 0.0)
+    if SCRATCH:
+        t = _unit_lower_inverse_in_scratch(a, t_ptr + chunk * stride_t_chunk + head * stride_t_head, BT=BT, BS=BS,
+                                           DOT_PREC=DOT_PREC)
+    else:
+        t = _unit_lower_inverse_in_registers(a, BT=BT, BS=BS, SQUARINGS=SQUARINGS, DOT_PREC=DOT_PREC)
+    if LOWP:  # T and the right-hand sides in the workspace's 16 bits, as FLA's (module docstring, precision)
+        t = t.to(w_ptr.dtype.element_ty)
+    # W, then U: one [BT, D] right-hand side live at a time. Only the chunk's own rows are stored:
+    # the rows after it belong to the next request.
+    w = _times_t(t, (beta * tl.exp(gate))[:, None] * k.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
+    tl.store(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :],
+             w.to(w_ptr.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
     v = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
                 mask=m_t[:, None] & m_v[None, :], other=0.0)
-    w = tl.dot(t, (beta * tl.exp(gate))[:, None] * k.to(tl.float32), input_precision=DOT_PREC)
-    u = tl.dot(t, beta[:, None] * v.to(tl.float32), input_precision=DOT_PREC)
-    # Only the chunk's own rows: the rows after it belong to the next request.
-    tl.store(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :], w,
-             mask=m_t[:, None] & m_k[None, :])
-    tl.store(u_ptr + rows[:, None] * stride_u_row + head * stride_u_head + offs_v[None, :], u,
-             mask=m_t[:, None] & m_v[None, :])
+    u = _times_t(t, beta[:, None] * v.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
+    tl.store(u_ptr + rows[:, None] * stride_u_row + head * stride_u_head + offs_v[None, :],
+             u.to(u_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -422,22 +533,24 @@ def _chunk_state_kernel(
             if DELTA:
                 w = tl.load(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :], mask=m_tk,
                             other=0.0)
-                if LOWP:  # 16-bit operands: the chunk states' dtype (module docstring, precision)
+                if LOWP:  # 16-bit operands: the workspaces' dtype (module docstring, precision)
                     v_new -= tl.dot(w.to(cs_ptr.dtype.element_ty), s.to(cs_ptr.dtype.element_ty))
                 else:
-                    v_new -= tl.dot(w, s, input_precision=DOT_PREC)
+                    v_new -= tl.dot(w.to(tl.float32), s, input_precision=DOT_PREC)
                 # Over U: this program alone reads and writes these rows' columns of this head.
-                tl.store(vp_ptrs, v_new, mask=m_tv)
+                tl.store(vp_ptrs, v_new.to(vp_ptr.dtype.element_ty), mask=m_tv)
             k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
-                        other=0.0).to(tl.float32)
-            gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+                        other=0.0)
+            gate = _chunk_gates(g_ptr, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
             total = tl.sum(tl.where(last, gate, 0.0), axis=0)  # the chunk's G_last (masked rows repeat it)
-            k_decayed = k * tl.exp(total - gate)[:, None]
+            # (K * decay)^T V' as K^T (decay * V'): the decay scales the [BT, BV] tile rather than
+            # the [BT, Dk] one, and k goes from memory to the product as it is
+            v_decayed = v_new * tl.exp(total - gate)[:, None]
             if LOWP:
-                s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed.to(cs_ptr.dtype.element_ty)),
-                                               v_new.to(cs_ptr.dtype.element_ty))
+                s = s * tl.exp(total) + tl.dot(tl.trans(k.to(cs_ptr.dtype.element_ty)),
+                                               v_decayed.to(cs_ptr.dtype.element_ty))
             else:
-                s = s * tl.exp(total) + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PREC)
+                s = s * tl.exp(total) + tl.dot(tl.trans(k.to(tl.float32)), v_decayed, input_precision=DOT_PREC)
         # Only this program owns this tile of this slot (requests have distinct slots).
         tl.store(s_ptrs, s, mask=m_own)
 
@@ -468,7 +581,7 @@ def _chunk_output_kernel(
     m_v = offs_v < DV
     m_tv = m_t[:, None] & m_v[None, :]
     rows = start + offs_t
-    gate = _chunk_gates(g_ptr, offs_t, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+    gate = _chunk_gates(g_ptr, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
     q_decay = tl.exp(gate)[:, None]
     cs_chunk = cs_ptr + chunk * stride_cs_chunk + head * stride_cs_head
     scores = tl.zeros([BT, BT], dtype=tl.float32)
@@ -494,11 +607,11 @@ def _chunk_output_kernel(
     causal = offs_t[:, None] >= offs_t[None, :]
     p = tl.where(causal, scores * tl.exp(tl.where(causal, gate[:, None] - gate[None, :], 0.0)), 0.0)
     v_new = tl.load(vp_ptr + rows[:, None] * stride_vp_row + head * stride_vp_head + offs_v[None, :], mask=m_tv,
-                    other=0.0).to(tl.float32)
-    if LOWP:
+                    other=0.0)
+    if LOWP:  # V' as stored (the workspaces' dtype; V without the delta rule, cast to it)
         o += tl.dot(p.to(cs_ptr.dtype.element_ty), v_new.to(cs_ptr.dtype.element_ty))
     else:
-        o += tl.dot(p, v_new, input_precision=DOT_PREC)
+        o += tl.dot(p, v_new.to(tl.float32), input_precision=DOT_PREC)
     # Only the chunk's own rows: the rows after it belong to the next request (or to no request).
     tl.store(out_ptr + rows[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :],
              (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
@@ -560,25 +673,32 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
                   DOT_PREC="tf32x3" if v.dtype == torch.float32 else "tf32")
     delta = beta is not None
     lowp = cfg.low_precision_dots and v.dtype != torch.float32 and not triton_interpreted()
+    work_dtype = chunk_workspace_dtype(v.dtype)
     if workspaces is not None:
-        if not workspaces.fits(rows, num_chunks) or (delta and workspaces.w is None):
-            raise ValueError(f"{op}: the caller's workspaces hold {workspaces.u.shape[0]} rows and "
-                             f"{workspaces.cs.shape[0]} chunks; this step needs {rows} and {num_chunks}"
-                             + (" with the delta rule's W and T" if delta else ""))
+        if delta and not cfg.solve_in_registers:
+            raise ValueError(f"{op}: the solve through the shared matrix workspace (solve_in_registers=False) "
+                             f"takes no caller's workspaces")
+        if not workspaces.fits(rows, num_chunks, delta) or workspaces.cs.dtype != work_dtype:
+            held_rows = 0 if workspaces.u is None else workspaces.u.shape[0]
+            raise ValueError(f"{op}: the caller's workspaces hold {held_rows} rows and "
+                             f"{workspaces.cs.shape[0]} chunks in {workspaces.cs.dtype}; this step needs {rows} and "
+                             f"{num_chunks} in {work_dtype}" + (" with the delta rule's W and T" if delta else ""))
         cs = workspaces.cs[:num_chunks]
     else:
-        cs = chunk_state_workspace(num_chunks, Hv, Dk, Dv, chunk_state_dtype(v.dtype), q.device)
+        cs = chunk_state_workspace(num_chunks, Hv, Dk, Dv, work_dtype, q.device)
     if delta:
         if workspaces is not None:
-            w, vp, t = workspaces.w[:rows], workspaces.u[:rows], workspaces.t[:num_chunks]
+            w, vp = workspaces.w[:rows], workspaces.u[:rows]
         else:
-            w, vp = chunk_workspace(rows, Hv, Dk, Dv, q.device)
-            t = chunk_matrix_workspace(num_chunks, Hv, block_t, q.device)
+            w, vp = chunk_workspace(rows, Hv, Dk, Dv, work_dtype, q.device)
+        # the solve in registers never reads t: any valid pointer will do
+        t = cs if cfg.solve_in_registers else chunk_matrix_workspace(num_chunks, Hv, block_t, q.device)
         _CHUNK_SOLVE[(num_chunks, Hv)](
             k, v, gate, beta, w, vp, t, bounds, chunks,
             sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1),
             t.stride(0), t.stride(1),
-            **common, BVF=max(SUB_T, next_pow2(Dv)), BS=SUB_T, LOWP=lowp, num_warps=cfg.solve_warps)
+            **common, BVF=max(SUB_T, next_pow2(Dv)), BS=SUB_T, LOWP=lowp, SCRATCH=not cfg.solve_in_registers,
+            SQUARINGS=max(0, (block_t // SUB_T).bit_length() - 2), num_warps=cfg.solve_warps)
     else:
         w, vp = k, v  # w is never read without the delta rule (any valid pointer will do); V' is V
     _CHUNK_STATE[(R, Hv, cdiv(Dv, cfg.block_v))](
@@ -590,4 +710,4 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     _CHUNK_OUTPUT[(num_chunks, Hv, cdiv(Dv, cfg.out_block_v))](
         q, k, vp, gate, cs, out, bounds, chunks,
         sq_r, sq_h, sk_r, sk_h, vp.stride(0), vp.stride(1), sg_r, sg_h, so_r, so_h, cs.stride(0), cs.stride(1),
-        float(scale), **common, KB=min(BK, _OUT_KEY_BLOCK), BV=cfg.out_block_v, LOWP=lowp, num_warps=cfg.out_warps)
+        float(scale), **common, KB=min(BK, cfg.out_key_block), BV=cfg.out_block_v, LOWP=lowp, num_warps=cfg.out_warps)

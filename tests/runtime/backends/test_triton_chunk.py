@@ -20,6 +20,7 @@ which also runs the file in a fresh process where triton was imported compiled f
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -218,13 +219,19 @@ def test_chunk_extend_matches_the_recurrence(delta, gate_kind):
                k_scale=1.0 if delta else 0.3)
 
 
+SOLVES = pytest.mark.parametrize("in_registers", [True, False], ids=["registers", "scratch"])
+
+
 @in_process
-def test_chunks_of_several_sub_blocks():
-    """Chunks of 32 rows (two 16-row diagonal blocks inverted side by side, then the block below the
-    diagonal from both), Dk = Dv = 32 split into two Dv tiles of 16 in the state and the output
-    kernels, one key head per value head."""
-    check_case(LENS, 2, 2, 32, 32, True, GATE_PER_HEAD, torch.float32, 32, seed=4, tol=1e-4,
-               config=TC.ChunkConfig(16, 1, 1, 16, 1))
+@SOLVES
+@pytest.mark.parametrize("block_t", [32, 64])
+def test_chunks_of_several_sub_blocks(block_t, in_registers):
+    """Chunks of 32 and 64 rows (two and four 16-row diagonal blocks inverted side by side, then the
+    blocks below the diagonal: in registers, where 64 rows take a squaring of N, and through the
+    matrix workspace), Dk = Dv = 32 split into two Dv tiles of 16 in the state and the output
+    kernels, and the output kernel's keys in two blocks of 16; one key head per value head."""
+    check_case(LENS + [150], 2, 2, 32, 32, True, GATE_PER_HEAD, torch.float32, block_t, seed=4, tol=1e-4,
+               config=TC.ChunkConfig(16, 1, 1, 16, 1, out_key_block=16, solve_in_registers=in_registers))
 
 
 @in_process
@@ -247,17 +254,73 @@ def test_bf16_inputs(delta, gate_kind):
                k_scale=1.0 if delta else 0.3)
 
 
+LENS_64 = [0, 1, 63, 64, 65, 300]  # around one chunk of 64 rows, and several
+
+
 @in_process
-def test_repeated_keys_stay_accurate():
+@pytest.mark.parametrize("delta,gate_kind", [(True, GATE_PER_HEAD), (False, GATE_CONSTANT)], ids=["gdn", "lightning"])
+def test_bf16_inputs_keep_16_bit_workspaces_within_the_bound(delta, gate_kind):
+    """16-bit inputs, chunks of 64 rows, through caller-owned workspaces: W, U (V') and the chunk
+    states are bfloat16, and outputs and final states stay within the 1e-2
+    bound of the float32 recurrence from random states."""
+    hk, hv, dk, dv = 1, 2, 16, 16
+    x, state, slots = make_case(LENS_64, hk, hv, dk, dv, delta, gate_kind, torch.bfloat16, seed=13,
+                                k_scale=1.0 if delta else 0.3)
+    chunks = token_blocks(np.asarray(LENS_64, dtype=np.int64), TC.CHUNK_T)
+    work = TC.ChunkWorkspaces.allocate(x["q"].shape[0], chunks.shape[0], hv, dk, dv, torch.bfloat16, delta, DEVICE)
+    assert work.cs.dtype == torch.bfloat16
+    if delta:
+        assert work.w.dtype == work.u.dtype == torch.bfloat16
+    else:
+        assert work.w is None and work.u is None
+    scale = dk ** -0.5
+    want, want_pool = reference(x, LENS_64, state, slots, scale, gate_kind)
+    dev = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    out = torch.full((x["q"].shape[0], hv, dv), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    pool = state.to(DEVICE)
+    cu = np.concatenate([[0], np.cumsum(LENS_64)]).astype(np.int64)
+    TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool,
+                    torch.tensor(slots, dtype=torch.int64, device=DEVICE), torch.from_numpy(cu).to(DEVICE),
+                    torch.from_numpy(chunks).to(DEVICE), scale, gate_kind, workspaces=work)
+    got, got_pool = out.cpu().float(), pool.cpu()
+    at = 0
+    for n, slot in zip(LENS_64, slots):
+        if n:
+            err = rel_err(got[at:at + n], want[at:at + n])
+            assert err < 1e-2, f"request of {n} rows: out rel err {err:.2e}"
+        s_err = rel_err(got_pool[slot], want_pool[slot])
+        assert s_err < 1e-2, f"request of {n} rows: state rel err {s_err:.2e}"
+        at += n
+    assert got[at:].eq(7.0).all(), "rows past bounds[R] must not be touched"
+    mismatched = TC.ChunkWorkspaces.allocate(  # float32 workspaces for bf16 inputs: refused
+        x["q"].shape[0], chunks.shape[0], hv, dk, dv, torch.float32, delta, DEVICE)
+    tables = (torch.tensor(slots, dtype=torch.int64, device=DEVICE), torch.from_numpy(cu).to(DEVICE),
+              torch.from_numpy(chunks).to(DEVICE))
+    with pytest.raises(ValueError, match="in torch.float32; this step needs"):
+        TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool, *tables, scale, gate_kind,
+                        workspaces=mismatched)
+    if delta:  # the solve through the shared matrix workspace is never handed a captured step's
+        scratch = dataclasses.replace(TC.chunk_config(1, hv, dv, torch.device(DEVICE)), solve_in_registers=False)
+        with pytest.raises(ValueError, match="takes no caller's workspaces"):
+            TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool, *tables, scale,
+                            gate_kind, config=scratch, workspaces=work)
+
+
+@in_process
+@SOLVES
+@pytest.mark.parametrize("block_t", [32, 64])
+def test_repeated_keys_stay_accurate(block_t, in_registers):
     """Every row of a request has the same key, beta near 1, almost no decay: the chunk's A is close
     to the all-ones lower triangle, where an unstable inverse would blow up."""
-    lens = [40]
+    lens = [150]
     x, state, slots = make_case(lens, 1, 1, 16, 16, True, GATE_PER_HEAD, torch.float32, seed=7, extra_rows=0)
     x["k"][:] = x["k"][0]
     x["beta"][:] = 0.999
     x["gate"][:] = -1e-3
     want, want_pool = reference(x, lens, state, slots, 0.25, GATE_PER_HEAD)
-    got, got_pool = run_kernels(x, lens, state, slots, 0.25, GATE_PER_HEAD, 32, torch.float32)
+    got, got_pool = run_kernels(x, lens, state, slots, 0.25, GATE_PER_HEAD, block_t, torch.float32,
+                                dataclasses.replace(TC.chunk_config(1, 1, 16, torch.device(DEVICE)),
+                                                    solve_in_registers=in_registers))
     assert rel_err(got, want) < 1e-4 and rel_err(got_pool, want_pool) < 1e-4
 
 
@@ -304,8 +367,8 @@ def states_entering_chunks(x, lens, state, slots, gate_kind, block_t):
                          ids=["gdn-f32", "lightning-f32", "gdn-bf16"])
 def test_the_workspaces_hold_the_states_entering_each_chunk_and_v_prime(delta, gate_kind, dtype):
     """What the state kernel leaves the output kernel: row c of the chunk-state workspace is the
-    recurrence's state entering chunk c of the table (float32 for float32 inputs, bfloat16 for
-    16-bit ones), and with the delta rule U's storage holds V', each row's corrected value."""
+    recurrence's state entering chunk c of the table, and with the delta rule U's storage holds V',
+    each row's corrected value (both float32 for float32 inputs, bfloat16 for 16-bit ones)."""
     block_t, hv, dk, dv = 16, 4, 16, 16
     x, state, slots = make_case(LENS, 2, hv, dk, dv, delta, gate_kind, dtype, seed=9, k_scale=1.0 if delta else 0.3)
     want_states, want_v_prime = states_entering_chunks(x, LENS, state, slots, gate_kind, block_t)
@@ -313,16 +376,18 @@ def test_the_workspaces_hold_the_states_entering_each_chunk_and_v_prime(delta, g
     device = torch.empty(0, device=DEVICE).device
     chunks = token_blocks(np.asarray(LENS, dtype=np.int64), block_t)
     assert want_states.shape[0] == chunks.shape[0]
-    states = TC.chunk_state_workspace(chunks.shape[0], hv, dk, dv, TC.chunk_state_dtype(dtype), device).cpu()
-    assert states.dtype == (torch.float32 if dtype == torch.float32 else torch.bfloat16)
-    # bf16 chunk states: a rounding of 2**-8 at most (the interpreter truncates: 2**-7)
+    work_dtype = TC.chunk_workspace_dtype(dtype)
+    assert work_dtype == (torch.float32 if dtype == torch.float32 else torch.bfloat16)
+    states = TC.chunk_state_workspace(chunks.shape[0], hv, dk, dv, work_dtype, device).cpu()
+    # bf16 workspaces: a rounding of 2**-8 at most (the interpreter truncates: 2**-7)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     for c, (req, start) in enumerate(chunks.tolist()):
         err = rel_err(states[c].float(), want_states[c])
         assert err < tol, f"chunk {c} (request {req}, row {start}): state rel err {err:.2e}"
     if delta:
-        _, v_prime = TC.chunk_workspace(sum(LENS), hv, dk, dv, device)
-        err = rel_err(v_prime.cpu(), want_v_prime)
+        _, v_prime = TC.chunk_workspace(sum(LENS), hv, dk, dv, work_dtype, device)
+        assert v_prime.dtype == work_dtype
+        err = rel_err(v_prime.cpu().float(), want_v_prime)
         assert err < tol, f"V' rel err {err:.2e}"
 
 
@@ -364,12 +429,15 @@ def test_the_chunk_table_is_the_one_fla_takes_and_the_kernels_find_each_chunk_fr
 
 
 def test_the_workspace_keeps_its_address_for_steps_that_fit():
-    w, u = TC.chunk_workspace(100, 3, 16, 8, torch.device("cpu"))
-    assert w.shape == (100, 3, 16) and u.shape == (100, 3, 8) and w.dtype == u.dtype == torch.float32
-    w2, u2 = TC.chunk_workspace(200, 3, 16, 8, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    w, u = TC.chunk_workspace(100, 3, 16, 8, torch.bfloat16, cpu)
+    assert w.shape == (100, 3, 16) and u.shape == (100, 3, 8) and w.dtype == u.dtype == torch.bfloat16
+    w2, u2 = TC.chunk_workspace(200, 3, 16, 8, torch.bfloat16, cpu)
     assert (w2.data_ptr(), u2.data_ptr()) == (w.data_ptr(), u.data_ptr())
-    w3, _ = TC.chunk_workspace(300, 3, 16, 8, torch.device("cpu"))
+    w3, _ = TC.chunk_workspace(300, 3, 16, 8, torch.bfloat16, cpu)
     assert w3.shape[0] == 300
+    # float32 inputs keep float32 W and U, in a workspace of their own
+    assert TC.chunk_workspace(100, 3, 16, 8, torch.float32, cpu)[0].dtype == torch.float32
 
 
 def test_the_chunk_state_workspace_keeps_its_address_for_steps_that_fit():
@@ -379,5 +447,5 @@ def test_the_chunk_state_workspace_keeps_its_address_for_steps_that_fit():
     assert TC.chunk_state_workspace(17, 3, 16, 8, torch.bfloat16, torch.device("cpu")).shape[0] == 17
     # float32 inputs keep float32 chunk states, in a workspace of their own
     assert TC.chunk_state_workspace(5, 3, 16, 8, torch.float32, torch.device("cpu")).dtype == torch.float32
-    assert [TC.chunk_state_dtype(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [
+    assert [TC.chunk_workspace_dtype(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [
         torch.float32, torch.bfloat16, torch.bfloat16]
