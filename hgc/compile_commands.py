@@ -314,9 +314,11 @@ def cmd_inspect(args) -> int:
     findings = [Finding.from_json(f) for f in docs.lints.get("findings", [])]
     m = docs.manifest
     bundles = bundle_rows(m)
+    graphs = extend_graph_rows(json.loads((docs.path / "split.json").read_text()), docs.split_plans, m["buckets"])
     if args.json:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
                           "routes": routes, "buckets": {**m["buckets"], "extend_rows": extend_rows(m["buckets"])},
+                          "extend_graphs": graphs,
                           "weights": m["weights"]["mode"],
                           "backends": raw_routing["backends"], "layers": routing, "split": split,
                           "side_branches": branches,
@@ -329,7 +331,10 @@ def cmd_inspect(args) -> int:
     if m["compile"].get("batch_invariant"):
         print("numerics: batch-invariant (hgc compile --batch-invariant: decode and verify rows computed as the "
               "request's own decode step would be)")
-    print(bucket_line(m["buckets"]) + "\n")
+    print(bucket_line(m["buckets"]))
+    for program in _programs_in_order(graphs):
+        print(extend_graph_line(program, graphs[program]))
+    print()
     print(tabulate(routing, headers="keys", tablefmt="simple"))
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
@@ -414,6 +419,30 @@ def extend_rows(buckets: dict) -> dict[str, int]:
     decode, extend = buckets["decode_batch_sizes"], buckets["extend_token_counts"]
     table = Buckets(tuple(decode), tuple(extend), extend_seqs(max(decode, default=1), extend))
     return {str(t): table.extend_rows(t) for t in table.extend}
+
+
+def extend_graph_rows(split_doc: dict, plans, buckets: dict) -> dict[str, list[dict]]:
+    """How each extend bucket is captured, per program: split.json's record (`extend_graphs`), or,
+    for an artifact written before it, the same rule over its plans and recorded buckets."""
+    from compiler.splitops.artifact import extend_graphs
+
+    recorded = split_doc.get("extend_graphs")
+    if recorded is not None:
+        return recorded
+    return {program: extend_graphs(by_mode, buckets["extend_token_counts"]) for program, by_mode in plans.items()}
+
+
+def extend_graph_line(program: str, rows: list[dict]) -> str:
+    """One program's extend buckets as whole-step graphs or pieces, runs of one kind together, and why."""
+    runs: list[tuple[str, list[int]]] = []
+    for row in rows:
+        if runs and runs[-1][0] == row["graph"]:
+            runs[-1][1].append(row["tokens"])
+        else:
+            runs.append((row["graph"], [row["tokens"]]))
+    kinds = ", ".join(f"{' '.join(map(str, tokens))} {'whole-step' if kind == 'whole' else 'pieces'}"
+                      for kind, tokens in runs)
+    return f"extend graphs ({program}): {kinds}: {rows[0]['why'] if rows else ''}"
 
 
 def bucket_line(buckets: dict) -> str:
