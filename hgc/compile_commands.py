@@ -485,14 +485,17 @@ def bundle_rows(manifest: dict) -> list[dict]:
 def capturable_column(row: dict) -> str:
     """The modes a backend may be captured in, then the ops captured in more under some options
     (ops with the same modes and options on one entry): "decode target_verify; gdn_core +extend
-    +mixed (chunk_impl=triton)"."""
+    +mixed (chunk_impl=triton)"; a capture bounded by an option says so: "(steps up to
+    whole_extend_tokens)"."""
     text = " ".join(row["modes_capturable"]) or "-"
     grouped: dict[tuple, list[str]] = {}
     for extra in row.get("op_capture") or ():
-        grouped.setdefault((tuple(extra["modes"]), tuple(extra["when"].items())), []).append(extra["op"])
-    for (modes, when), ops in grouped.items():
-        condition = ", ".join(f"{k}={v}" for k, v in when)
-        text += f"; {' '.join(ops)} " + " ".join(f"+{m}" for m in modes) + (f" ({condition})" if condition else "")
+        key = (tuple(extra["modes"]), tuple(extra["when"].items()), extra.get("up_to", ""))
+        grouped.setdefault(key, []).append(extra["op"])
+    for (modes, when, up_to), ops in grouped.items():
+        conditions = [f"{k}={v}" for k, v in when] + ([f"steps up to {up_to}"] if up_to else [])
+        text += f"; {' '.join(ops)} " + " ".join(f"+{m}" for m in modes) + (f" ({', '.join(conditions)})"
+                                                                          if conditions else "")
     return text
 
 

@@ -672,6 +672,9 @@ def test_the_eager_kernel_of_an_extend_step_is_its_graphs_for_every_step_size():
                 assert graph == (bucket <= limit), "whole exactly where the gap runs the capturable kernel"
         assert all(fia.varlen_extend(Mode.EXTEND, t, "triton", limit) for t in (1, 512, 4096))
     assert not fia.varlen_extend(Mode.TARGET_VERIFY, 8, "ragged", 512), "the bound is about extend and mixed steps"
+    from hgc.compile_commands import capturable_column
+    assert capturable_column(cap.to_json()).endswith(
+        "gqa_attention +extend +mixed (extend_impl=triton); gqa_attention +extend +mixed (steps up to whole_extend_tokens)")
     small = Buckets((1,), (16, 32, 64), 1)
     assert fia.varlen_extend(Mode.EXTEND, 40, "ragged", 48) != fia.varlen_extend(
         Mode.EXTEND, small.key_for(Mode.EXTEND, 40, 1).tokens, "ragged", 48)
