@@ -309,8 +309,8 @@ class BackendCannotCapture(LintRule):
         """A note, not a warning: the op is captured in the small steps' whole-step graphs (split.json's
         whole_up_to) and an eager gap in the pieces of larger ones, by a kernel option's choice."""
         resolved = cap.resolve_options(options or {})
-        set_by = ", ".join(dict.fromkeys(f"{e.up_to}={resolved[e.up_to]}" for e in cap.op_capture
-                                         if e.up_to and e.op == op))
+        named = list(dict.fromkeys(e.up_to for e in cap.op_capture if e.up_to and e.op == op))
+        set_by = ", ".join(f"{o}={resolved[o]}" for o in named)
         by_bound: dict[int, list[str]] = {}
         for mode, n in bounds.items():
             by_bound.setdefault(n, []).append(mode)
@@ -318,7 +318,7 @@ class BackendCannotCapture(LintRule):
         unbounded = next((e for e in cap.op_capture if e.op == op and e.when and not e.up_to
                           and {m.value for m in e.modes} >= set(bounds)), None)
         fix = (f"route it with {name}[{','.join(f'{k}={v}' for k, v in unbounded.when)}] for whole-step graphs at "
-               f"every size" if unbounded is not None else f"choose another {set_by.split('=')[0]}")
+               f"every size" if unbounded is not None else f"route it with another {' or '.join(named)} to move the bound")
         return Finding(self.id, INFO,
                        f"layer {node.meta['hgc.layer_id']}'s hgc.{op} runs on {name}, captured in {modes} ({set_by}): "
                        f"the extend buckets up to that are whole-step graphs, larger ones pieces with it in an eager gap",

@@ -217,7 +217,7 @@ def test_a_capture_bounded_by_tokens_is_a_note_and_its_bound_must_be_a_bucket():
     notes = [f for f in result.ctx.findings if f.rule == "backend-cannot-capture"]
     assert notes and {f.severity for f in notes} == {"info"} and not _errors(result)
     assert all("captured in extend and mixed steps of up to 512 tokens (whole_extend_tokens=512)" in f.message
-               for f in notes)
+               and f.fix == "route it with another whole_extend_tokens to move the bound" for f in notes)
     plans = result.ctx.split_plans["main"]
     assert plans[Mode.EXTEND].whole_up_to == plans[Mode.MIXED].whole_up_to == 512
     assert "bounded_cuda (whole_extend_tokens=512)" in plans[Mode.EXTEND].whole_why
