@@ -478,6 +478,19 @@ def host_profile(fn, iters: int = 20, top: int = 20, sync=None) -> dict:
             "top_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
 
 
+def capture_graph(fn) -> "torch.cuda.CUDAGraph":
+    """fn captured alone in a CUDA graph, run once outside the capture first (Triton compiles, the
+    allocator settles) and replayed once: timing its replays leaves Python launch time out."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
 def synchronizer(device: torch.device):
     """A no-argument function that waits for the device's queued work (nothing to wait for on the CPU)."""
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_common
 
-from bench_common import device_rates, fmt  # noqa: E402
+from bench_common import capture_graph, device_rates, fmt  # noqa: E402
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec  # noqa: E402
 from runtime.cache.batch import SeqState, build_step  # noqa: E402
 from runtime.cache.kv_pool import KVPool  # noqa: E402
@@ -324,17 +324,6 @@ def checks_section(quick: bool) -> None:
 # -- 4. decode timings ---------------------------------------------------------------------------
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    fn()  # warm-up outside the capture (Triton compiles, allocator settles)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
 def gathered(cfg: AttnConfig, pool: KVPool, ctx, B: int, L: int, layer: int = 0):
     """The cache as a user with a contiguous cache would hold it: [B, Hkv, L, D] (head-major)."""
     ps = pool.page_size
@@ -401,7 +390,7 @@ def _fi_decode(cfg, pool, ctx, x, B, nl, kw) -> dict:
     eager = bench_ms(call) / nl
     be.init_capture_state(B, B)
     be.init_replay_state(ctx, B)
-    g = capture(call)
+    g = capture_graph(call)
     plan_s = []
     for _ in range(5):
         torch.cuda.synchronize()
@@ -430,7 +419,7 @@ def _sdpa_decode(cfg, pool, ctx, x, B, L, nl) -> dict:
             F.scaled_dot_product_attention(q, k, v, scale=cfg.scale, enable_gqa=True)
     eager = bench_ms(fn) / nl
     try:
-        g = capture(fn)
+        g = capture_graph(fn)
         graph = bench_ms(g.replay) / nl
         del g
     except Exception as exc:  # noqa: BLE001 - report eager SDPA even when it cannot be captured

@@ -23,9 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
+from bench_common import capture_graph  # noqa: E402
 from runtime.backends.kernels.moe import logits_kernel_for, route, shared_chunks  # noqa: E402
 
 E, D, TOP_K, I_SHARED, I = 16, 2048, 4, 512, 512
@@ -39,13 +41,7 @@ def reference(x, w, gate):
 
 
 def graph_us(fn, iters: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
+    g = capture_graph(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):

@@ -338,8 +338,9 @@ SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 # Which chunk kernels run the extend steps of GDN and Lightning layers (past the short-extend
 # limit), the first the default: "triton", ours (runtime/backends/kernels/chunk.py: three launches a
 # layer through the Launcher, no gather or scatter); "fla", FLA's (whose Python launch path costs
-# about half a millisecond of host time a layer; its kernels alone are faster for one long request,
-# 0.17 against 0.29 ms a layer at 2048 tokens). Ours is the default: whole extend steps of bench qwen3_next
+# about half a millisecond of host time a layer; its kernels alone were faster for one long request,
+# 0.17 against 0.29 ms a layer at 2048 tokens, until ours stored their intermediates in 16 bits:
+# 0.155 against 0.174 since, chunk.py's docstring). Ours is the default: whole extend steps of bench qwen3_next
 # (9 GDN layers) were 1.07x to 2.61x faster with them than with FLA's at 512 and 2048 tokens over
 # 1, 4 and 16 requests, and of bench bailing_linear (6 Lightning layers) 1.0x to 1.83x (BENCHMARKS.md,
 # "GDN extend steps on our chunk kernels"). KDA's per-channel gates run FLA's whatever the choice,

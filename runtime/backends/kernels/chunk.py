@@ -76,8 +76,9 @@ chunks; the price is the chunk states' round trip through memory (written once, 
 output Dv tile). Kernel time of one GDN layer, one request of 2048 tokens, H200 (benchmarks/history/extend.md, "GDN
 extend steps on our chunk kernels"): 0.54 ms before the split, 0.45 after it, 0.29 with 16-bit
 products, a pipelined walk and the solve through its scratch tile (float32 W and U), against 0.17
-for FLA's kernels; benchmarks/kernels/chunk_kernel_sweep.py times the 16-bit workspaces and the
-solve in registers beside them.
+for FLA's kernels; 0.155 now (16-bit workspaces, the solve in registers) against FLA's 0.174 in the
+same run, and 0.295 against 0.320 at 4096 tokens (benchmarks/kernels/chunk_kernel_sweep.py --quick,
+benchmarks/history/prefix_cache.md, "Per-bucket extend graphs and 16-bit chunk workspaces").
 
 Memory. What goes through memory between the kernels: W and U (V' written over U), and the chunk
 states; all three in `chunk_workspace_dtype` of the inputs: bfloat16 for 16-bit inputs (FLA keeps
