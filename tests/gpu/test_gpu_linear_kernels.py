@@ -45,8 +45,9 @@ SPECS = {  # op -> (layer kind, Hk, Hv, Dk, Dv)
 }
 
 
-def registry_for(op: str) -> LayerRegistry:
-    kind, hk, hv, dk, dv = SPECS[op]
+def registry_for(op: str, dims: tuple[int, int, int, int] | None = None) -> LayerRegistry:
+    """dims: (Hk, Hv, Dk, Dv) in place of SPECS[op]'s."""
+    kind, hk, hv, dk, dv = SPECS[op][:1] + (dims or SPECS[op][1:])
     state = ({"conv": TensorSpec((CONV_C, CONV_K - 1), "float32")} if op == "short_conv"
              else {"recurrent": TensorSpec((hv, dk, dv), "float32")})
     return LayerRegistry([LayerSpec(0, kind, state=state)])
@@ -55,9 +56,9 @@ def registry_for(op: str) -> LayerRegistry:
 VERIFY = dict(draft_tokens=3, verify_rows=4)  # target_verify steps of up to 4 requests x 4 tokens
 
 
-def pools(op: str, num_slots: int, seed: int) -> tuple[StatePool, StatePool]:
+def pools(op: str, num_slots: int, seed: int, dims=None) -> tuple[StatePool, StatePool]:
     """Two pools with the same random states (and room for a target_verify step's intermediate states)."""
-    reg = registry_for(op)
+    reg = registry_for(op, dims)
     ref, dev = StatePool(reg, num_slots, **VERIFY), StatePool(reg, num_slots, DEV, **VERIFY)
     g = torch.Generator().manual_seed(seed)
     for name, t in ref.layer(0).items():
@@ -66,9 +67,8 @@ def pools(op: str, num_slots: int, seed: int) -> tuple[StatePool, StatePool]:
     return ref, dev
 
 
-def inputs(op: str, B: int, num_real: int, dtype, g: torch.Generator) -> dict[str, torch.Tensor]:
-    _, hk, hv, dk, dv = SPECS[op]
-    return random_inputs(op, B, num_real, (hk, hv, dk, dv), CONV_C, dtype, g, k_scale=0.1)
+def inputs(op: str, B: int, num_real: int, dtype, g: torch.Generator, dims=None) -> dict[str, torch.Tensor]:
+    return random_inputs(op, B, num_real, dims or SPECS[op][1:], CONV_C, dtype, g, k_scale=0.1)
 
 
 CONSTS = {
@@ -477,34 +477,35 @@ def test_extend_graph_capture_and_replay(op):
 CHUNK_LENS = [0, 1, 100, 64, 300, 1000]  # none, one row, partial, one whole chunk, several, many
 
 
-def chunk_case(op: str, dtype, seed: int):
-    """One chunk_extend launch's inputs at real dims: the requests of CHUNK_LENS one after another
-    then 5 NaN rows past bounds[R]; slots out of row order in a pool of random states; the tables."""
+def chunk_case(op: str, dtype, seed: int, dims=None, lens=CHUNK_LENS):
+    """One chunk_extend launch's inputs (at real dims, or `dims` (Hk, Hv, Dk, Dv)): the requests of
+    `lens` one after another then 5 NaN rows past bounds[R]; slots out of row order in a pool of
+    random states; the tables."""
     import numpy as np
     from runtime.backends.kernels.launch_math import token_blocks
 
-    T, R = sum(CHUNK_LENS) + 5, len(CHUNK_LENS)
+    T, R = sum(lens) + 5, len(lens)
     g = torch.Generator().manual_seed(seed)
-    x = inputs(op, T, sum(CHUNK_LENS), dtype, g)
+    x = inputs(op, T, sum(lens), dtype, g, dims)
     if op == "lightning_core":
         x["g"] = const("decay", "cpu", torch.float32)
     else:
         x["g"] = x["g"].float()  # the models pass float32 log-decays
-    ref_pool, dev_pool = pools(op, R + 3, seed=seed)
+    ref_pool, dev_pool = pools(op, R + 3, seed=seed, dims=dims)
     slots = (torch.randperm(R + 3, generator=g) + 1)[:R].tolist()
-    cu = np.concatenate([[0], np.cumsum(CHUNK_LENS)]).astype(np.int64)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     tables = dict(slots=torch.tensor(slots, device=DEV), bounds=torch.from_numpy(cu).to(DEV),
-                  chunks=torch.from_numpy(token_blocks(np.array(CHUNK_LENS), 64)).to(DEV))
+                  chunks=torch.from_numpy(token_blocks(np.array(lens), 64)).to(DEV))
     return x, ref_pool, dev_pool, slots, tables
 
 
-def chunk_reference(op: str, x: dict, pool, slots) -> torch.Tensor:
+def chunk_reference(op: str, x: dict, pool, slots, dims=None, lens=CHUNK_LENS) -> torch.Tensor:
     """gated_recurrence per request on the reference pool (in place); the outputs [rows, Hv, Dv]."""
     from runtime.backends.cpu_reference import gated_recurrence
 
-    _, hk, hv, dk, dv = SPECS[op]
-    out, at = torch.zeros(sum(CHUNK_LENS), hv, dv), 0
-    for n, slot in zip(CHUNK_LENS, slots):
+    hk, hv, dk, dv = dims or SPECS[op][1:]
+    out, at = torch.zeros(sum(lens), hv, dv), 0
+    for n, slot in zip(lens, slots):
         rows = slice(at, at + n)
         q, k = (x[name][rows].float().repeat_interleave(hv // hk, dim=1) for name in ("q", "k"))
         gate = x["g"].expand(n, hv) if op == "lightning_core" else x["g"][rows]
@@ -519,11 +520,42 @@ def run_chunk_extend(op: str, x: dict, pool, tables: dict, out: torch.Tensor, co
     from runtime.backends.kernels import chunk as triton_chunk
     from runtime.backends.kernels.linear import GATE_CONSTANT, GATE_PER_HEAD
 
-    dk = SPECS[op][3]
+    dk = x["q"].shape[-1]
     d = {n: t.to(DEV) for n, t in x.items()}
     triton_chunk.chunk_extend(d["q"], d["k"], d["v"], d["g"], d.get("beta"), out, pool.layer(0)["recurrent"],
                               tables["slots"], tables["bounds"], tables["chunks"], dk ** -0.5,
                               GATE_CONSTANT if op == "lightning_core" else GATE_PER_HEAD, config=config)
+
+
+def check_chunk_extend(op: str, dtype, solve_in_registers: bool, dims=None, lens=CHUNK_LENS) -> None:
+    """One chunk_extend launch against the recurrence: outputs and states per request, the padding
+    slot, free slots, an idle request's slot and the rows past the last request untouched."""
+    import dataclasses
+
+    from runtime.backends.kernels import chunk as triton_chunk
+
+    hk, hv, dk, dv = dims or SPECS[op][1:]
+    x, ref_pool, dev_pool, slots, tables = chunk_case(op, dtype, seed=81, dims=dims, lens=lens)
+    config = dataclasses.replace(triton_chunk.chunk_config(len(lens), hv, dv, torch.device(DEV)),
+                                 solve_in_registers=solve_in_registers)
+    before = dev_pool.layer(0)["recurrent"].clone()
+    out_ref = chunk_reference(op, x, ref_pool, slots, dims, lens)
+    T, real = x["q"].shape[0], sum(lens)
+    out = torch.full((T, hv, dv), 7.0, dtype=dtype, device=DEV)
+    run_chunk_extend(op, x, dev_pool, tables, out, config)
+    out = out.float().cpu()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+    assert torch.isfinite(out).all() and out[real:].eq(7.0).all(), "rows past bounds[R] must not be written"
+    at = 0
+    for n, slot in zip(lens, slots):
+        if n:
+            err = rel_err(out[at:at + n], out_ref[at:at + n])
+            assert err <= tol, f"{op} {dtype} {dims}: request of {n} rows, out rel err {err:.2e}"
+        s_err = rel_err(dev_pool.layer(0)["recurrent"][slot].cpu(), ref_pool.layer(0)["recurrent"][slot])
+        assert s_err <= tol, f"{op} {dtype} {dims}: request of {n} rows, state rel err {s_err:.2e}"
+        at += n
+    untouched = [s for s in range(len(slots) + 4) if s not in slots] + [slots[i] for i, n in enumerate(lens) if not n]
+    assert torch.equal(dev_pool.layer(0)["recurrent"][untouched], before[untouched])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
@@ -531,34 +563,18 @@ def run_chunk_extend(op: str, x: dict, pool, tables: dict, out: torch.Tensor, co
                          ids=["gdn", "gdn-scratch-solve", "lightning"])
 def test_chunk_extend_kernels_match_reference_at_real_dims(op, solve_in_registers, dtype):
     """Requests of 0, 1, 100, 64, 300 and 1000 rows in one launch (chunks of 64, Dk = Dv = 128,
-    Qwen3-Next's grouped heads for GDN): outputs and states against the recurrence, the padding
-    slot, free slots, the idle request's slot and the rows past the last request untouched. GDN's
-    solve both in registers (the default) and through the matrix workspace."""
-    import dataclasses
+    Qwen3-Next's grouped heads for GDN). GDN's solve both in registers (the default) and through
+    the matrix workspace."""
+    check_chunk_extend(op, dtype, solve_in_registers)
 
-    from runtime.backends.kernels import chunk as triton_chunk
 
-    x, ref_pool, dev_pool, slots, tables = chunk_case(op, dtype, seed=81)
-    config = dataclasses.replace(triton_chunk.chunk_config(len(CHUNK_LENS), SPECS[op][2], SPECS[op][4],
-                                                           torch.device(DEV)), solve_in_registers=solve_in_registers)
-    before = dev_pool.layer(0)["recurrent"].clone()
-    out_ref = chunk_reference(op, x, ref_pool, slots)
-    T, real = x["q"].shape[0], sum(CHUNK_LENS)
-    out = torch.full((T, SPECS[op][2], SPECS[op][4]), 7.0, dtype=dtype, device=DEV)
-    run_chunk_extend(op, x, dev_pool, tables, out, config)
-    out = out.float().cpu()
-    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
-    assert torch.isfinite(out).all() and out[real:].eq(7.0).all(), "rows past bounds[R] must not be written"
-    at = 0
-    for n, slot in zip(CHUNK_LENS, slots):
-        if n:
-            err = rel_err(out[at:at + n], out_ref[at:at + n])
-            assert err <= tol, f"{op} {dtype}: request of {n} rows, out rel err {err:.2e}"
-        s_err = rel_err(dev_pool.layer(0)["recurrent"][slot].cpu(), ref_pool.layer(0)["recurrent"][slot])
-        assert s_err <= tol, f"{op} {dtype}: request of {n} rows, state rel err {s_err:.2e}"
-        at += n
-    untouched = [s for s in range(len(slots) + 4) if s not in slots] + [slots[CHUNK_LENS.index(0)]]
-    assert torch.equal(dev_pool.layer(0)["recurrent"][untouched], before[untouched])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("solve_in_registers", [True, False], ids=["registers", "scratch"])
+@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (2, 4, 32, 32), (4, 8, 64, 64)], ids=["d16", "d32", "d64"])
+def test_chunk_extend_kernels_match_reference_at_small_head_dims(dims, solve_in_registers, dtype):
+    """The small models of the tests (head dims 16 to 64, grouped heads): three short requests in
+    one launch, as a prompt batch of the graph tests brings, then one of several chunks."""
+    check_chunk_extend("gdn_core", dtype, solve_in_registers, dims, lens=[10, 7, 13, 300])
 
 
 def test_chunk_extend_relaunches_through_the_launcher_cache():

@@ -150,6 +150,12 @@ __all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_config",
 
 CHUNK_T = 64  # rows of a chunk by default: FLA's chunk length, so the backend's one table serves both
 SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's smallest tile)
+# Key and value columns of the solve kernel's tiles, at least: with 16 (head dims of 16, the tests'
+# small models) and 16-bit products after the inverse in registers, an H200 gave wrong W and U
+# (relative error 1.09 against the recurrence) and, inside a model's step, an illegal memory access,
+# where 32 and the same product in float32 were exact; the masked extra columns cost nothing at real
+# head dims (128 and up). tests/gpu/test_gpu_linear_kernels.py, small_head_dims, checks both sizes.
+SOLVE_MIN_TILE = 32
 
 
 
@@ -698,7 +704,8 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
             k, v, gate, beta, w, vp, t, bounds, chunks,
             sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1),
             t.stride(0), t.stride(1),
-            **common, BVF=max(SUB_T, next_pow2(Dv)), BS=SUB_T, LOWP=lowp, SCRATCH=not cfg.solve_in_registers,
+            **{**common, "BK": max(SOLVE_MIN_TILE, BK)}, BVF=max(SOLVE_MIN_TILE, next_pow2(Dv)), BS=SUB_T,
+            LOWP=lowp, SCRATCH=not cfg.solve_in_registers,
             SQUARINGS=max(0, (block_t // SUB_T).bit_length() - 2), num_warps=cfg.solve_warps)
     else:
         w, vp = k, v  # w is never read without the delta rule (any valid pointer will do); V' is V
