@@ -466,7 +466,7 @@ def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenize
         WEIGHT_MAP: weights_doc(traced.tensors, traced.program_fqns),
         ROUTING: routing_doc(ctx.config.target, ctx.config.routes, ctx.capabilities,
                              {p: ctx.routing.get(p, []) for p in ctx.program_names}),
-        SPLIT: split_doc({p: ctx.split_plans[p] for p in ctx.program_names}),
+        SPLIT: split_doc({p: ctx.split_plans[p] for p in ctx.program_names}, ctx.config.extend_token_counts),
         LINTS: lints_doc(ctx),
     }
     if ctx.tp > 1:

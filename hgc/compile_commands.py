@@ -314,9 +314,11 @@ def cmd_inspect(args) -> int:
     findings = [Finding.from_json(f) for f in docs.lints.get("findings", [])]
     m = docs.manifest
     bundles = bundle_rows(m)
+    graphs = extend_graph_rows(json.loads((docs.path / "split.json").read_text()), docs.split_plans, m["buckets"])
     if args.json:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
                           "routes": routes, "buckets": {**m["buckets"], "extend_rows": extend_rows(m["buckets"])},
+                          "extend_graphs": graphs,
                           "weights": m["weights"]["mode"],
                           "backends": raw_routing["backends"], "layers": routing, "split": split,
                           "side_branches": branches,
@@ -329,7 +331,10 @@ def cmd_inspect(args) -> int:
     if m["compile"].get("batch_invariant"):
         print("numerics: batch-invariant (hgc compile --batch-invariant: decode and verify rows computed as the "
               "request's own decode step would be)")
-    print(bucket_line(m["buckets"]) + "\n")
+    print(bucket_line(m["buckets"]))
+    for program in _programs_in_order(graphs):
+        print(extend_graph_line(program, graphs[program]))
+    print()
     print(tabulate(routing, headers="keys", tablefmt="simple"))
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
@@ -416,6 +421,30 @@ def extend_rows(buckets: dict) -> dict[str, int]:
     return {str(t): table.extend_rows(t) for t in table.extend}
 
 
+def extend_graph_rows(split_doc: dict, plans, buckets: dict) -> dict[str, list[dict]]:
+    """How each extend bucket is captured, per program: split.json's record (`extend_graphs`), or,
+    for an artifact written before it, the same rule over its plans and recorded buckets."""
+    from compiler.splitops.artifact import extend_graphs
+
+    recorded = split_doc.get("extend_graphs")
+    if recorded is not None:
+        return recorded
+    return {program: extend_graphs(by_mode, buckets["extend_token_counts"]) for program, by_mode in plans.items()}
+
+
+def extend_graph_line(program: str, rows: list[dict]) -> str:
+    """One program's extend buckets as whole-step graphs or pieces, runs of one kind together, and why."""
+    runs: list[tuple[str, list[int]]] = []
+    for row in rows:
+        if runs and runs[-1][0] == row["graph"]:
+            runs[-1][1].append(row["tokens"])
+        else:
+            runs.append((row["graph"], [row["tokens"]]))
+    kinds = ", ".join(f"{' '.join(map(str, tokens))} {'whole-step' if kind == 'whole' else 'pieces'}"
+                      for kind, tokens in runs)
+    return f"extend graphs ({program}): {kinds}: {rows[0]['why'] if rows else ''}"
+
+
 def bucket_line(buckets: dict) -> str:
     """The capture buckets, extend ones as tokens x requests, and how they were chosen; where they
     were chosen from measured costs, the cost of each measured extend bucket's step."""
@@ -456,14 +485,17 @@ def bundle_rows(manifest: dict) -> list[dict]:
 def capturable_column(row: dict) -> str:
     """The modes a backend may be captured in, then the ops captured in more under some options
     (ops with the same modes and options on one entry): "decode target_verify; gdn_core +extend
-    +mixed (chunk_impl=triton)"."""
+    +mixed (chunk_impl=triton)"; a capture bounded by an option says so: "(steps up to
+    whole_extend_tokens)"."""
     text = " ".join(row["modes_capturable"]) or "-"
     grouped: dict[tuple, list[str]] = {}
     for extra in row.get("op_capture") or ():
-        grouped.setdefault((tuple(extra["modes"]), tuple(extra["when"].items())), []).append(extra["op"])
-    for (modes, when), ops in grouped.items():
-        condition = ", ".join(f"{k}={v}" for k, v in when)
-        text += f"; {' '.join(ops)} " + " ".join(f"+{m}" for m in modes) + (f" ({condition})" if condition else "")
+        key = (tuple(extra["modes"]), tuple(extra["when"].items()), extra.get("up_to", ""))
+        grouped.setdefault(key, []).append(extra["op"])
+    for (modes, when, up_to), ops in grouped.items():
+        conditions = [f"{k}={v}" for k, v in when] + ([f"steps up to {up_to}"] if up_to else [])
+        text += f"; {' '.join(ops)} " + " ".join(f"+{m}" for m in modes) + (f" ({', '.join(conditions)})"
+                                                                          if conditions else "")
     return text
 
 

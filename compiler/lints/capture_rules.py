@@ -22,7 +22,11 @@ at least one mode.
                                for another routing, or edited).
 - backend-cannot-capture (warning): on a capturing target, an op whose policy allows capture in a
                                mode is routed to a backend that cannot be captured in it (the split
-                               pass makes the node an eager gap there).
+                               pass makes the node an eager gap there); a note (info) where the backend
+                               captures it in steps of up to some tokens (whole-step graphs of the
+                               buckets up to that, an eager gap above).
+- whole-extend-bound-off-buckets: that bound is no extend bucket of the compile and some bucket is
+                               larger: a step under it would replay another kernel than its eager run.
 """
 
 from __future__ import annotations
@@ -30,12 +34,12 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from compiler.lints.base import ERROR, WARNING, LintRule
-from compiler.splitops import MODES, Capture, is_op_node, op_name_of, op_nodes, op_spec
-from compiler.splitops.artifact import CAPTURED
+from compiler.lints.base import ERROR, INFO, WARNING, Finding, LintRule
+from compiler.splitops import MODES, Capture, Mode, is_op_node, op_name_of, op_nodes, op_spec
+from compiler.splitops.artifact import CAPTURED, whole_bound_refusal
 
 __all__ = ["StatefulOpCaptured", "CapturedBeyondBackend", "StateMutationOutsideOps", "HostSyncCaptured",
-           "InputWithoutCheckpointTensor", "BackendCannotCapture", "CAPTURE_RULES", "host_sync_reason",
+           "InputWithoutCheckpointTensor", "BackendCannotCapture", "WholeExtendBoundOffBuckets", "CAPTURE_RULES", "host_sync_reason",
            "host_to_device_reason"]
 
 _aten = torch.ops.aten
@@ -283,8 +287,12 @@ class BackendCannotCapture(LintRule):
                 continue
             cap = ctx.capabilities[name]
             spec = op_spec(node.meta["hgc.op"])
-            lost = [m.value for m in MODES if spec.capture(m) is Capture.CAPTURABLE
-                    and not cap.capturable(spec.name, m, node.meta.get("hgc.backend_options"))]
+            options = node.meta.get("hgc.backend_options")
+            wanted = [m for m in MODES if spec.capture(m) is Capture.CAPTURABLE and not cap.capturable(spec.name, m, options)]
+            bounds = {m.value: n for m in wanted if (n := cap.capture_tokens(spec.name, m, options))}
+            lost = [m.value for m in wanted if m.value not in bounds]
+            if bounds:
+                yield self._bounded(node, spec.name, name, cap, options, bounds, ctx)
             if lost:
                 # kernel options under which the same backend captures it there (an `op_capture` entry)
                 other = next((e for e in cap.op_capture if e.op == spec.name and e.when
@@ -297,8 +305,41 @@ class BackendCannotCapture(LintRule):
                     f"mode(s) {', '.join(lost)}; the split makes it an eager gap there", fix,
                     program=ctx.program, node=node.name, layer_id=node.meta["hgc.layer_id"], backend=name)
 
+    def _bounded(self, node, op, name, cap, options, bounds, ctx) -> Finding:
+        """A note, not a warning: the op is captured in the small steps' whole-step graphs (split.json's
+        whole_up_to) and an eager gap in the pieces of larger ones, by a kernel option's choice."""
+        resolved = cap.resolve_options(options or {})
+        named = list(dict.fromkeys(e.up_to for e in cap.op_capture if e.up_to and e.op == op))
+        set_by = ", ".join(f"{o}={resolved[o]}" for o in named)
+        by_bound: dict[int, list[str]] = {}
+        for mode, n in bounds.items():
+            by_bound.setdefault(n, []).append(mode)
+        modes = ", ".join(f"{' and '.join(ms)} steps of up to {n} tokens" for n, ms in by_bound.items())
+        unbounded = next((e for e in cap.op_capture if e.op == op and e.when and not e.up_to
+                          and {m.value for m in e.modes} >= set(bounds)), None)
+        fix = (f"route it with {name}[{','.join(f'{k}={v}' for k, v in unbounded.when)}] for whole-step graphs at "
+               f"every size" if unbounded is not None else f"route it with another {' or '.join(named)} to move the bound")
+        return Finding(self.id, INFO,
+                       f"layer {node.meta['hgc.layer_id']}'s hgc.{op} runs on {name}, captured in {modes} ({set_by}): "
+                       f"the extend buckets up to that are whole-step graphs, larger ones pieces with it in an eager gap",
+                       fix, program=ctx.program, node=node.name, layer_id=node.meta["hgc.layer_id"], backend=name)
+
+
+class WholeExtendBoundOffBuckets(LintRule):
+    id = "whole-extend-bound-off-buckets"
+    severity = ERROR
+    doc = "a bound on the steps whose gaps whole-step graphs capture is one of the extend buckets, or above them"
+
+    def check(self, gm, ctx):
+        plans = ctx.split_plans.get(ctx.program)
+        why = plans and Mode.EXTEND in plans and whole_bound_refusal(plans, ctx.config.extend_token_counts)
+        if why:
+            yield self.finding(why, "set the kernel option that bounds it to one of the extend buckets (or 0: pieces "
+                                    "everywhere), or compile with --extend-buckets that hold it",
+                               program=ctx.program)
+
 
 CAPTURE_RULES: tuple[LintRule, ...] = (
     StatefulOpCaptured(), CapturedBeyondBackend(), StateMutationOutsideOps(), HostSyncCaptured(),
-    InputWithoutCheckpointTensor(), BackendCannotCapture(),
+    InputWithoutCheckpointTensor(), BackendCannotCapture(), WholeExtendBoundOffBuckets(),
 )

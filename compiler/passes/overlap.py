@@ -68,7 +68,7 @@ import torch.fx
 
 from compiler.passes.base import CompilePass, PassResult, PostconditionError, PreconditionError
 from compiler.splitops import MODES, call_arguments, is_op_node
-from compiler.splitops.artifact import CAPTURED, SideBranch, SplitPlan
+from compiler.splitops.artifact import CAPTURED, SideBranch
 
 __all__ = ["OverlapPass", "MIN_BRANCH_BYTES", "piece_graph", "find_branches", "node_bytes", "check_branch"]
 
@@ -290,7 +290,7 @@ class OverlapPass(CompilePass):
                     found[piece.nodes] = find_branches([by_name[n] for n in piece.nodes], self.min_bytes)
                 branches = found.get(piece.nodes, ()) if piece.kind == CAPTURED else ()
                 pieces.append(dataclasses.replace(piece, branches=branches))
-            plans[mode] = SplitPlan(mode, tuple(pieces))
+            plans[mode] = dataclasses.replace(plan, pieces=tuple(pieces))
         return PassResult(gm, modified=False)
 
     def ensures(self, gm, ctx) -> None:

@@ -284,6 +284,8 @@ class RoutingPass(CompilePass):
                 "chosen_by": chosen_by,
                 "policy": {m.value: policy[m].value for m in MODES},
                 "backend_capturable": cap.capturable_modes(node.meta["hgc.op"], options),
+                # modes captured only in steps of up to some tokens (whole-step graphs; a gap above)
+                "backend_capture_bounds": cap.capture_bounds(node.meta["hgc.op"], options),
                 "module": node.meta["hgc.module"],
             })
         ctx.routing[ctx.program] = entries

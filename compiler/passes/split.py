@@ -8,7 +8,12 @@ For each mode (decode, extend, mixed, target_verify):
    runtime reads the decision from split.json (it derives it nowhere else);
 2. walking the graph in order, maximal runs of split points become eager pieces (adjacent eager
    ops merge into one gap) and maximal runs of everything else become captured pieces;
-3. the plan (`SplitPlan`: ordered pieces, each "captured" or "eager" with its node names) goes to
+3. a plan with gaps records the most tokens of a step at which every gap op may still be captured
+   (`whole_up_to`: a backend that captures an op only in steps of up to some tokens, an `op_capture`
+   entry bounded by a kernel option, keeps the node a gap here and names the bound; 0: some gap op
+   is never captured), and what sets it: a step of at most that many tokens may be one whole-step
+   graph, gaps included (the graph runner's extend keys);
+4. the plan (`SplitPlan`: ordered pieces, each "captured" or "eager" with its node names) goes to
    ctx.split_plans[program][mode] and each node gets node.meta["hgc.piece"][mode] = piece index.
 
 Only op cores land in gaps: projections, norms, gates and the `out` allocations stay in the
@@ -35,7 +40,7 @@ from compiler.splitops import MODES, Capture, Mode, is_op_node, op_name_of, op_s
 from compiler.splitops.artifact import CAPTURED, EAGER, Piece, SplitPlan, plan_node_names
 from compiler.splitops.glue import GlueSplitError, glue_segments, segment_pieces
 
-__all__ = ["SplitPass", "plan_for_mode", "is_split_point"]
+__all__ = ["SplitPass", "plan_for_mode", "is_split_point", "gap_capture_tokens"]
 
 
 def is_split_point(node, mode: Mode, capabilities=None) -> bool:
@@ -49,6 +54,36 @@ def is_split_point(node, mode: Mode, capabilities=None) -> bool:
     if capabilities is None or backend is None:
         return False
     return not capabilities[backend].capturable(op_name_of(node.target), mode, node.meta.get("hgc.backend_options"))
+
+
+def gap_capture_tokens(node, mode: Mode, capabilities=None) -> tuple[int, str]:
+    """For a split point: the most tokens of a `mode` step in which its backend may still capture it
+    (a whole-step graph holds the gap too; 0: never), and what sets that, for split.json."""
+    op = op_name_of(node.target)
+    backend = node.meta.get("hgc.backend")
+    if op_spec(op).capture(mode) is Capture.EAGER:
+        return 0, f"hgc.{op} is eager in {mode.value} by its op policy"
+    if capabilities is None or backend is None:
+        return 0, f"hgc.{op} has no backend"
+    cap = capabilities[backend]
+    options = cap.resolve_options(node.meta.get("hgc.backend_options") or {})
+    tokens = cap.capture_tokens(op, mode, options) or 0
+    if not tokens:
+        return 0, f"hgc.{op} on {backend} cannot be captured in {mode.value}"
+    bound = ", ".join(dict.fromkeys(f"{e.up_to}={options[e.up_to]}" for e in cap.op_capture
+                                    if e.up_to and e.applies(op, mode, options)))
+    return tokens, f"hgc.{op} on {backend} ({bound})"
+
+
+def whole_bound(gm, pieces, mode: Mode, capabilities=None) -> tuple[int, str]:
+    """A plan's `whole_up_to` and `whole_why`: the smallest bound of its gap ops, and what sets it."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    found = [gap_capture_tokens(by_name[name], mode, capabilities) for p in pieces if p.kind == EAGER
+             for name in p.nodes]
+    if not found:
+        return 0, ""
+    limit = min(t for t, _ in found)
+    return limit, "; ".join(dict.fromkeys(why for t, why in found if t == limit))
 
 
 def plan_for_mode(gm, mode: Mode, capabilities=None) -> SplitPlan:
@@ -66,7 +101,7 @@ def plan_for_mode(gm, mode: Mode, capabilities=None) -> SplitPlan:
         run.append(node.name)
     if run:
         pieces.append(Piece(len(pieces), run_kind, tuple(run)))
-    return SplitPlan(mode, tuple(pieces))
+    return SplitPlan(mode, tuple(pieces), *whole_bound(gm, pieces, mode, capabilities))
 
 
 class SplitPass(CompilePass):

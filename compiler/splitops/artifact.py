@@ -57,7 +57,7 @@ __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "GRAPH", "DRAFT_GRAPH", "WEIGHTS", "WEIGHT_MAP", "ROUTING",
     "SPLIT", "LINTS", "DUMPS", "PROGRAM_FILES", "PROGRAM_INPUTS", "program_outputs", "DEFAULT_DECODE_BATCH_SIZES",
     "DEFAULT_EXTEND_TOKEN_COUNTS", "BUCKET_CHOICES", "BUCKET_COSTS_FORMAT", "BucketCosts", "bucket_costs_doc",
-    "parse_bucket_costs", "CAPTURED", "EAGER", "ArtifactFormatError", "dump_json", "load_json",
+    "parse_bucket_costs", "CAPTURED", "EAGER", "extend_graphs", "whole_bound_refusal", "ArtifactFormatError", "dump_json", "load_json",
     "sha256_file", "safetensors_header", "SideBranch", "Piece", "SplitPlan", "split_doc", "parse_split_doc",
     "apply_split_plan", "plan_node_names", "retarget_meta_devices", "TensorView", "ParamSource", "weights_doc", "parse_weights_doc",
     "check_format", "piece_module_names", "RouteEntry", "RoutingTable", "routing_doc", "parse_routing_doc",
@@ -452,6 +452,12 @@ class SplitPlan:
 
     mode: Mode
     pieces: tuple[Piece, ...]
+    # A plan with eager gaps: the most tokens of a step whose gap ops may all be captured too, so
+    # that the step may be one whole-step graph (every gap op's backend captures it in steps of up
+    # to that many tokens: BackendCapability.capture_tokens); 0: never. `whole_why` names the gap
+    # ops and the kernel options that set it. A plan without gaps is whole at any size.
+    whole_up_to: int = 0
+    whole_why: str = ""
 
     def piece_of(self) -> dict[str, int]:
         return {name: p.index for p in self.pieces for name in p.nodes}
@@ -466,8 +472,18 @@ class SplitPlan:
         """(piece index, branch) of every side-stream branch, in piece order."""
         return [(p.index, b) for p in self.pieces for b in p.branches]
 
+    def has_gaps(self) -> bool:
+        return any(p.kind == EAGER for p in self.pieces)
+
+    def whole_at(self, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens may run this plan as one whole-step graph."""
+        return not self.has_gaps() or tokens <= self.whole_up_to
+
     def to_json(self) -> dict:
-        return {"mode": self.mode.value, "pieces": [p.to_json() for p in self.pieces]}
+        doc = {"mode": self.mode.value, "pieces": [p.to_json() for p in self.pieces]}
+        if self.has_gaps():
+            doc.update(whole_up_to=self.whole_up_to, whole_why=self.whole_why)
+        return doc
 
     @classmethod
     def from_json(cls, obj: dict, source: str) -> "SplitPlan":
@@ -478,13 +494,55 @@ class SplitPlan:
         pieces = tuple(Piece.from_json(p, f"{source} mode {mode.value}") for p in obj.get("pieces", ()))
         if [p.index for p in pieces] != list(range(len(pieces))):
             raise ArtifactFormatError(f"{source}: mode {mode.value}: piece indices must be 0..{len(pieces) - 1} in order")
-        return cls(mode, pieces)
+        up_to = obj.get("whole_up_to", 0)  # recorded before the field: gaps were never captured
+        if not isinstance(up_to, int) or up_to < 0:
+            raise ArtifactFormatError(f"{source}: mode {mode.value}: whole_up_to must be a token count, not {up_to!r}")
+        return cls(mode, pieces, up_to, str(obj.get("whole_why", "")))
 
 
-def split_doc(plans: dict[str, dict[Mode, SplitPlan]]) -> dict:
-    """split.json: {"programs": {program: {mode: plan}}}."""
+def extend_graphs(plans: dict[Mode, SplitPlan], buckets) -> list[dict]:
+    """How each extend bucket of `buckets` is captured, from one program's plans (by mode): "whole"
+    (one graph of the whole step) where the extend plan and the mixed plan both allow it at the
+    bucket's tokens (mixed steps replay the extend keys' graphs), else "pieces" (captured pieces
+    around eager gaps); with why. The graph runner decides by the same `SplitPlan.whole_at`."""
+    rows = []
+    for tokens in sorted(buckets):
+        gapped = [plans[m] for m in (Mode.EXTEND, Mode.MIXED) if plans[m].has_gaps()]
+        whole = all(p.whole_at(tokens) for p in gapped)
+        if not gapped:
+            why = "the extend and mixed plans are one captured piece each"
+        else:
+            limit = min(p.whole_up_to for p in gapped)
+            why = next((p.whole_why for p in gapped if p.whole_up_to == limit), "")
+            why = (f"gaps captured up to {limit} tokens: {why}" if limit else f"gaps never captured: {why}")
+        rows.append({"tokens": int(tokens), "graph": "whole" if whole else "pieces", "why": why})
+    return rows
+
+
+def whole_bound_refusal(plans: dict[Mode, SplitPlan], buckets) -> str | None:
+    """Why one program's plans cannot serve these extend buckets, or None. A gap op captured only in
+    steps of up to N tokens runs, eagerly, a kernel chosen by the step's tokens (FlashInfer's
+    whole_extend_tokens); a step of at most N tokens must then go to a bucket of at most N, or its
+    eager run (start-up parity's reference) and its graph would take different kernels: N must be
+    a bucket, or at least the largest."""
+    gapped = [plans[m] for m in (Mode.EXTEND, Mode.MIXED) if plans[m].has_gaps() and plans[m].whole_up_to]
+    buckets = sorted(buckets)
+    for plan in gapped:
+        n = plan.whole_up_to
+        if buckets and n not in buckets and n < buckets[-1]:
+            return (f"the {plan.mode.value} plan's gaps are captured in steps of up to {n} tokens ({plan.whole_why}), "
+                    f"which is no extend bucket of {buckets}: a step of at most {n} tokens padded into a larger "
+                    f"bucket would replay another kernel than its eager run")
+    return None
+
+
+def split_doc(plans: dict[str, dict[Mode, SplitPlan]], extend_buckets=()) -> dict:
+    """split.json: {"programs": {program: {mode: plan}}, "extend_graphs": {program: rows}}, the rows
+    how each of the artifact's extend buckets is captured (`extend_graphs`, for people: a run
+    decides from the plans, for the buckets it captures)."""
     return {**_header(), "programs": {
-        program: {m.value: by_mode[m].to_json() for m in MODES if m in by_mode} for program, by_mode in plans.items()}}
+        program: {m.value: by_mode[m].to_json() for m in MODES if m in by_mode} for program, by_mode in plans.items()},
+        "extend_graphs": {program: extend_graphs(by_mode, extend_buckets) for program, by_mode in plans.items()}}
 
 
 def parse_split_doc(doc, source: str = SPLIT) -> dict[str, dict[Mode, SplitPlan]]:

@@ -97,12 +97,21 @@ class OpCapture:
     Example (GDN extend steps capturable on our chunk kernels, not on FLA's)::
 
         OpCapture("gdn_core", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("chunk_impl", "triton"),))
+
+    Example (GQA extend steps of up to `whole_extend_tokens` tokens capturable in whole-step graphs)::
+
+        OpCapture("gqa_attention", frozenset({Mode.EXTEND, Mode.MIXED}), up_to="whole_extend_tokens")
     """
 
     op: str
     modes: frozenset[Mode]
     when: tuple[tuple[str, str], ...] = ()
     why: str = ""  # what makes these modes capturable, shown by `hgc backends`
+    # A kernel option whose choice (a token count) bounds the steps captured: only a step of at most
+    # that many tokens may hold the op in a graph ("": any step). The split keeps such an op an eager
+    # gap (larger steps run it there) and records the bound, under which a whole-step graph may
+    # capture the gap too (SplitPlan.whole_up_to).
+    up_to: str = ""
 
     def __post_init__(self) -> None:
         if self.op not in OP_SPECS:
@@ -111,14 +120,19 @@ class OpCapture:
     def applies(self, op: str, mode: Mode, options: Mapping[str, str]) -> bool:
         return op == self.op and mode in self.modes and all(options.get(k) == v for k, v in self.when)
 
+    def tokens(self, options: Mapping[str, str]) -> Optional[int]:
+        """The most tokens of a step this entry captures under `options` (resolved); None: any."""
+        return int(options[self.up_to]) if self.up_to else None
+
     def to_json(self) -> dict:
         return {"op": self.op, "modes": [m.value for m in MODES if m in self.modes],
-                "when": {k: v for k, v in self.when}, "why": self.why}
+                "when": {k: v for k, v in self.when}, "why": self.why, "up_to": self.up_to}
 
     @classmethod
     def from_json(cls, obj: dict) -> "OpCapture":
         return cls(str(obj["op"]), frozenset(Mode(m) for m in obj["modes"]),
-                   tuple((str(k), str(v)) for k, v in (obj.get("when") or {}).items()), str(obj.get("why", "")))
+                   tuple((str(k), str(v)) for k, v in (obj.get("when") or {}).items()), str(obj.get("why", "")),
+                   str(obj.get("up_to", "")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +280,9 @@ class BackendCapability:
                 if choice not in choices.get(option, ()):
                     raise CapabilityError(f"backend {self.name!r}: op capture of {extra.op} names {option}={choice}, "
                                           f"not one of its options' choices")
+            if extra.up_to and not all(c.isdigit() for c in choices.get(extra.up_to, ("",))):
+                raise CapabilityError(f"backend {self.name!r}: op capture of {extra.op} is bounded by option "
+                                      f"{extra.up_to!r}, which must be one of its options with token counts for choices")
         for extra in self.option_dtypes:
             if extra.op not in self.ops:
                 raise CapabilityError(f"backend {self.name!r}: option dtypes of {extra.op!r}, an op it does not declare")
@@ -346,14 +363,20 @@ class BackendCapability:
 
     def capturable(self, op: str, mode: Mode, options: Optional[Mapping[str, str]] = None) -> bool:
         """Whether a node of `op` routed here with kernel `options` (unset ones: their defaults) may
-        sit in a CUDA graph in `mode`: the backend's modes, or an `op_capture` entry that applies."""
+        sit in a CUDA graph in `mode`, in steps of any size: the backend's modes, or an `op_capture`
+        entry that applies with no `up_to` bound (a bounded one leaves the node a gap: `capture_tokens`)."""
+        return self.capture_tokens(op, mode, options) is None
+
+    def capture_tokens(self, op: str, mode: Mode, options: Optional[Mapping[str, str]] = None) -> Optional[int]:
+        """The most tokens of a `mode` step in which a node of `op` routed here with kernel `options`
+        may sit in a CUDA graph: None, any step (`capturable`); else the largest bound of the
+        `op_capture` entries that apply with an `up_to` option (0: none applies, never captured)."""
         mode = Mode(mode)
         if mode in self.modes_capturable:
-            return True
-        if not self.op_capture:
-            return False
+            return None
         resolved = {o: (options or {}).get(o, values[0]) for o, values in self.options}
-        return any(extra.applies(op, mode, resolved) for extra in self.op_capture)
+        bounds = [extra.tokens(resolved) for extra in self.op_capture if extra.applies(op, mode, resolved)]
+        return None if None in bounds else max(bounds, default=0)
 
     def choice_refusal(self, op: str, options: Optional[Mapping[str, str]] = None) -> Optional[str]:
         """Why a node of `op` routed here cannot take these kernel `options` (a choice scoped to
@@ -364,6 +387,11 @@ class BackendCapability:
     def capturable_modes(self, op: str, options: Optional[Mapping[str, str]] = None) -> list[str]:
         """The modes `capturable` allows for `op` with `options`, in mode order (routing.json records them)."""
         return [m.value for m in MODES if self.capturable(op, m, options)]
+
+    def capture_bounds(self, op: str, options: Optional[Mapping[str, str]] = None) -> dict[str, int]:
+        """The modes in which `op` with `options` is captured only in steps of up to some tokens, with
+        that bound (`capture_tokens`; routing.json records them)."""
+        return {m.value: n for m in MODES if (n := self.capture_tokens(op, m, options))}
 
     def resolve_options(self, given: Mapping[str, str]) -> dict[str, str]:
         """Every declared option with its choice: `given` where set, else the default (first) choice."""

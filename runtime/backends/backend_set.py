@@ -56,11 +56,13 @@ class BackendSet(BackendHooks):
         # the members planned eagerly before a piecewise step of each mode (split.json's eager gaps)
         self._gaps = {mode: tuple(self.members[k] for k in gaps[mode]) if mode in gaps else self.children
                       for mode in Mode}
-        # Of those, per mode: (hooks run on the host before a whole-step replay, hooks the graph
-        # records). A member's answer is fixed when it is built, so a replay asks nobody.
-        self._whole_step = {mode: (tuple(m for m in members if not m.replay_state_in_graph(mode)),
-                                   tuple(m for m in members if m.replay_state_in_graph(mode)))
-                            for mode, members in self._replayed.items()}
+        # A whole-step graph of a mode holds every member's nodes (a small extend bucket's graph holds
+        # the plan's gaps too: SplitPlan.whole_up_to), so every member is replayed in it; per mode:
+        # (hooks run on the host before a whole-step replay, hooks the graph records). A member's
+        # answer is fixed when it is built, so a replay asks nobody.
+        self._whole_step = {mode: (tuple(m for m in self.children if not m.replay_state_in_graph(mode)),
+                                   tuple(m for m in self.children if m.replay_state_in_graph(mode)))
+                            for mode in Mode}
         self._first_piece: dict[tuple[Mode, Mode], tuple[BackendHooks, ...]] = {}  # _in_first_piece's answers
         self.name = f"backends({', '.join(self.members)})"
 
@@ -116,16 +118,16 @@ class BackendSet(BackendHooks):
         return found
 
     def replay_state_in_graph(self, mode: Mode) -> bool:
-        """Whether every member replayed in `mode` records its init_replay_state in a whole-step graph."""
+        """Whether every member records its init_replay_state in a whole-step graph of `mode`."""
         return not self._whole_step[Mode(mode)][0]
 
     def replay_state_on_host(self, ctx: ExecContext, bucket: int) -> None:
-        """Before a whole-step replay: each replayed member whose hook the graph does not hold."""
+        """Before a whole-step replay: each member whose hook the graph does not hold."""
         for member in self._whole_step[ctx.mode][0]:
             member.init_replay_state(ctx, bucket)
 
     def replay_state_captured(self, ctx: ExecContext, bucket: int) -> None:
-        """Inside a whole-step capture: each replayed member whose hook the graph holds."""
+        """Inside a whole-step capture: each member whose hook the graph holds."""
         for member in self._whole_step[ctx.mode][1]:
             member.init_replay_state(ctx, bucket)
 

@@ -26,7 +26,8 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    `page_table` and `seq_lens`: no paged metadata is built and no wrapper is planned for them
    (paged metadata is built only when some other group of the step needs it). Extend and mixed
    steps keep FlashInfer's prefill wrappers (and the Triton MLA kernel its row arrays), except
-   with `extend_impl="triton"`: GQA groups then run the same Triton kernel for requests of
+   with `extend_impl="triton"`, or in a step of at most `whole_extend_tokens` rows (the routing
+   default 512): GQA groups then run the same Triton kernel for requests of
    different lengths (`triton_gqa_attention_varlen`), from the page table, `seq_lens` and
    `query_start_loc`, so an extend or mixed step plans nothing on the host either (a GQA-only
    choice: the constructor refuses it for MLA layers, which that kernel does not serve; an eager
@@ -55,7 +56,12 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    lengths and `query_start_loc` [S+1] the same way; padded requests own no rows, the rows past
    the real ones get zeros, and the kernel's grid is the bucket's (its row blocks sized for T).
    The capability declares that capture (`op_capture`, under extend_impl=triton), so the split
-   captures the op there and a whole extend step can be one graph.
+   captures the op there and a whole extend step can be one graph. With another extend_impl the
+   extend and mixed steps of up to `whole_extend_tokens` rows (512 by default; `varlen_extend`)
+   run that kernel and are captured the same way, larger ones FlashInfer's prefill: the
+   capability declares the capture bounded by the option, the split keeps the op an eager gap and
+   records the bound, and the graph runner captures the buckets up to it whole (this hook then
+   runs for them) and the larger ones in pieces, the op in their gap.
 
 KV layout: the pool's "k" and "v" tensors [pages, page_size, Hkv, D] are FlashInfer's NHD tuple
 form as they are; the MLA "latent" entry [pages, page_size, R+P] is handed over as two strided
@@ -66,9 +72,10 @@ split count from the step's rows; "fixed" makes them split every row's keys at f
 (triton_split_kv.py), so a row's output depends only on its query, its keys and its position, not
 on what else shares its step. It covers the steps the Triton kernels serve: for GQA layers,
 decode and target_verify steps whose requests all carry the same n rows (`decode_impl="triton"`),
-and extend and mixed steps with `extend_impl="triton"` (where an extend row gets the bits a
-decode step at its position gives it, the same tile, chunks and order: checked in Triton's
-interpreter, and by a gpu-marked test on the device); for MLA layers every
+and extend and mixed steps on the varlen kernel (`extend_impl="triton"`, or up to
+`whole_extend_tokens` rows; there an extend row gets the bits a decode step at its position gives
+it, the same tile, chunks and order: checked in Triton's interpreter, and by a gpu-marked test on
+the device); for MLA layers every
 step (`mla_impl="triton"`: the Triton MLA kernel serves extend and mixed steps too). Other GQA
 extend and mixed steps, and target_verify steps of unequal rows, still run FlashInfer's prefill
 wrappers, which choose their own splits per batch. FlashInfer's decode and
@@ -107,6 +114,8 @@ __all__ = [
     "FLASHINFER_GQA_HEAD_DIMS",
     "KV_SPLITS",
     "EXTEND_IMPLS",
+    "WHOLE_EXTEND_TOKENS",
+    "varlen_extend",
     "full_layer_options",
     "FlashInferMissing",
     "PagedMetadata",
@@ -127,6 +136,15 @@ KV_SPLITS = ("auto", "fixed")
 # Triton kernel from the page table (kernels/gqa.py, varlen), which plans nothing on the host and may
 # be captured. The default stays FlashInfer's until a whole-step measurement says otherwise.
 EXTEND_IMPLS = ("ragged", "paged", "triton")
+# Extend and mixed steps of up to this many tokens run GQA groups on that Triton kernel whatever the
+# extend_impl, so their buckets may be whole-step graphs; larger ones run extend_impl's kernel in the
+# eager gap of pieces. The default first: on an H200 (qwen3_next, one request per step) whole-step
+# graphs were faster up to about 512 tokens and slower from 1024, where FlashInfer's prefill beats
+# the Triton kernel (docs/DESIGN.md, "Short extends get buckets of their own"). "0": never (pieces
+# everywhere). Each must be an extend bucket of the artifact, or above them all
+# (compiler/splitops/artifact.py `whole_bound_refusal`): the same steps then take the same kernel
+# eagerly and replayed.
+WHOLE_EXTEND_TOKENS = ("512", "0", "16", "32", "64", "128", "256", "1024", "2048", "4096")
 
 GPU_EXTRA_HINT = "install the gpu extra: pip install -e '.[gpu]' (flashinfer-python)"
 
@@ -426,6 +444,18 @@ class _StepPlan:
 
 
 
+def varlen_extend(mode, tokens: int, extend_impl: str, whole_extend_tokens: int) -> bool:
+    """Whether a step whose requests carry different rows runs the GQA groups on the Triton varlen
+    kernel: every such step with extend_impl="triton" (an eager target_verify step of unequal rows
+    too); otherwise an extend or mixed step of at most whole_extend_tokens `tokens`. `tokens` is the
+    step's rows (ExecContext.num_tokens): a graph step's are its bucket's, an eager step's its own,
+    and with the bound an extend bucket, a step goes to a bucket on the bound's side it lies on, so
+    an eager step and the graph its bucket replays run the same kernel."""
+    if extend_impl == "triton":
+        return True
+    return Mode(mode) in (Mode.EXTEND, Mode.MIXED) and tokens <= whole_extend_tokens
+
+
 def _graph_mode(mode) -> Mode:
     """The mode whose graphs a step of `mode` replays: a mixed step replays the extend keys'."""
     return Mode.EXTEND if Mode(mode) == Mode.MIXED else Mode(mode)
@@ -440,8 +470,13 @@ class FlashInferAttentionBackend(BackendHooks):
         modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}), kinds=frozenset({LayerKind.FULL_GQA, LayerKind.FULL_MLA}),
         # GQA extend and mixed steps on the Triton kernel read the step's page table, lengths and
         # query offsets from the bucket's static buffers: nothing planned on the host, one grid per bucket.
+        # Under whole_extend_tokens, only steps of up to that many tokens run that kernel: the split
+        # keeps the op a gap (larger steps run extend_impl's there) and whole-step graphs of the
+        # buckets up to it hold it.
         op_capture=(OpCapture("gqa_attention", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("extend_impl", "triton"),),
-                              why="the Triton GQA kernel from the page table, seq_lens and query_start_loc"),),
+                              why="the Triton GQA kernel from the page table, seq_lens and query_start_loc"),
+                    OpCapture("gqa_attention", frozenset({Mode.EXTEND, Mode.MIXED}), up_to="whole_extend_tokens",
+                              why="steps of up to whole_extend_tokens tokens on the Triton GQA kernel")),
         dtypes=_FLASHINFER_DTYPES,
         # GQA layers whose every step runs a Triton kernel never reach FlashInfer's JIT: float32 too.
         option_dtypes=(OptionDtypes("gqa_attention", frozenset({"float32"}),
@@ -457,13 +492,16 @@ class FlashInferAttentionBackend(BackendHooks):
         # kv_splits: "fixed" makes the Triton kernels' results independent of the step's batch
         # (module docstring, "Splits of the keys"). extend_impl: "triton" runs GQA extend and mixed
         # steps on the Triton kernel (EXTEND_IMPLS); MLA layers refuse it (choice_ops).
+        # whole_extend_tokens: GQA extend and mixed steps of up to that many tokens on it whatever
+        # extend_impl says (WHOLE_EXTEND_TOKENS).
         options=(("extend_impl", EXTEND_IMPLS),
                  ("decode_impl", DECODE_IMPLS),
                  ("decode_backend", ("fa2", "auto", "fa3")),
                  ("decode_tensor_cores", ("auto", "on", "off")),
                  ("prefill_backend", ("auto", "fa2", "fa3")),
                  ("mla_backend", ("auto", "fa2", "fa3")),
-                 ("kv_splits", KV_SPLITS)),
+                 ("kv_splits", KV_SPLITS),
+                 ("whole_extend_tokens", WHOLE_EXTEND_TOKENS)),
         # --batch-invariant: GQA on the Triton table kernel with fixed splits. MLA layers here run
         # FlashInfer's MLA kernel, which splits by the batch: routing sends them to triton_mla.
         batch_invariant=(("decode_impl", "triton"), ("kv_splits", "fixed")),
@@ -472,8 +510,9 @@ class FlashInferAttentionBackend(BackendHooks):
         choice_ops=(ChoiceScope("extend_impl", "triton", frozenset({"gqa_attention"}),
                                 why="the Triton kernel serves GQA layers; MLA extends are not served by it"),),
         doc="paged GQA / MLA attention through FlashInfer; decode and target_verify captured (the Triton "
-            "kernel from the page table, or use_cuda_graph wrappers), extend and mixed steps eager, or "
-            "captured on the Triton kernel with extend_impl=triton (GQA)")
+            "kernel from the page table, or use_cuda_graph wrappers); GQA extend and mixed steps of up to "
+            "whole_extend_tokens tokens captured on the Triton kernel, larger ones eager (every size captured "
+            "with extend_impl=triton); MLA extends eager")
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "FlashInferAttentionBackend":
@@ -485,6 +524,8 @@ class FlashInferAttentionBackend(BackendHooks):
         """Routing's recorded choices (capability.options) as constructor arguments."""
         kwargs = {k: options[k] for k in ("extend_impl", "decode_impl", "decode_backend", "prefill_backend",
                                           "mla_backend", "kv_splits") if k in options}
+        if "whole_extend_tokens" in options:
+            kwargs["whole_extend_tokens"] = int(options["whole_extend_tokens"])
         if "decode_tensor_cores" in options:
             kwargs["decode_tensor_cores"] = {"auto": None, "on": True, "off": False}[options["decode_tensor_cores"]]
         return kwargs
@@ -495,7 +536,7 @@ class FlashInferAttentionBackend(BackendHooks):
                  workspace_bytes: int = 256 * 1024 * 1024, decode_tensor_cores: Optional[bool] = None,
                  decode_backend: str = "fa2", prefill_backend: str = "auto", mla_backend: str = "auto",
                  mla_impl: str = "flashinfer", extend_impl: str = "ragged", decode_impl: str = DECODE_IMPLS[0],
-                 kv_splits: str = KV_SPLITS[0]):
+                 kv_splits: str = KV_SPLITS[0], whole_extend_tokens: int = 0):
         """q_heads: query heads of every full layer (one int, or per layer id). layers: the full
         layers this instance serves (default: every full layer of the pool). scales: softmax
         scale per layer (GQA default head_dim**-0.5; MLA layers need one: the scale depends on
@@ -517,6 +558,11 @@ class FlashInferAttentionBackend(BackendHooks):
         the page table: nothing planned on the host). kv_splits: "auto" or "fixed", how the Triton
         kernels split a row's keys (module docstring, "Splits of the keys"); "fixed" needs
         decode_impl="triton" for GQA layers and mla_impl="triton" for MLA layers.
+        whole_extend_tokens: GQA extend and mixed steps of up to that many tokens run the Triton
+        varlen kernel whatever extend_impl says (`varlen_extend`), and may be captured; 0: none.
+        Routing gives an artifact's instances the capability's default (WHOLE_EXTEND_TOKENS[0]);
+        an instance built by hand (kernel benchmarks, tests) runs extend_impl's kernel on every
+        extend unless told, so what it measures is the kernel it names.
         """
         self.flashinfer = self._kernel_library()
         if mla_impl not in ("flashinfer", "triton"):
@@ -538,6 +584,10 @@ class FlashInferAttentionBackend(BackendHooks):
         self.extend_impl = extend_impl
         self.decode_impl = decode_impl
         self.fixed_splits = kv_splits == "fixed"  # passed to every Triton attention kernel
+        if whole_extend_tokens < 0:
+            raise ValueError(f"whole_extend_tokens must be a token count, not {whole_extend_tokens!r}")
+        # MLA groups never take the varlen kernel: the bound is about GQA groups alone
+        self.whole_extend_tokens = whole_extend_tokens
         # One float workspace for every wrapper: their runs follow one another on one stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.layers: dict[int, _Group] = {}
@@ -674,9 +724,9 @@ class FlashInferAttentionBackend(BackendHooks):
     def _plan(self, ctx: ExecContext, bucket: Optional[int]) -> _StepPlan:
         mode = Mode(ctx.mode)
         per = self._rows_per_request(ctx)
-        # extend_impl="triton": every step whose requests carry different rows (extend, mixed, and
-        # an eager target_verify step of unequal rows) runs the varlen kernel
-        varlen = not per and self.extend_impl == "triton"
+        # requests of different rows on the varlen kernel: every such step with extend_impl="triton",
+        # else extend and mixed steps of up to whole_extend_tokens rows (varlen_extend)
+        varlen = not per and self._varlen(mode, ctx.num_tokens)
         on_table = frozenset(g for g in self.groups if (per and self._table_kernel(g)) or (varlen and g.kind == "gqa"))
         if mode == Mode.DECODE:
             kind = "decode"
@@ -712,16 +762,18 @@ class FlashInferAttentionBackend(BackendHooks):
         """Whether the group runs a Triton kernel from the page table in a table step."""
         return self.decode_impl == "triton" if g.kind == "gqa" else self.mla_impl == "triton"
 
-    def _varlen(self, mode: Mode) -> bool:
-        """Whether a step of `mode` runs the GQA groups on the Triton kernel for requests of
-        different lengths (extend_impl="triton": extend and mixed steps)."""
-        return self.extend_impl == "triton" and Mode(mode) in (Mode.EXTEND, Mode.MIXED)
+    def _varlen(self, mode: Mode, tokens: int) -> bool:
+        """Whether a step of `mode` and `tokens` rows whose requests carry different rows runs the GQA
+        groups on the Triton kernel for requests of different lengths (`varlen_extend`)."""
+        return varlen_extend(mode, tokens, self.extend_impl, self.whole_extend_tokens)
 
-    def _captured(self, mode: Mode) -> bool:
-        """Whether this instance's steps of `mode` may be replayed from graphs: what its capability
-        declares (modes_capturable, or an op capture under its extend_impl)."""
-        options = {"extend_impl": self.extend_impl}
-        return any(self.capability.capturable(op, Mode(mode), options) for op in sorted(self.capability.ops))
+    def _captured(self, mode: Mode, tokens: Optional[int] = None) -> bool:
+        """Whether this instance's steps of `mode` (of `tokens` rows, where given) may be replayed
+        from graphs: what its capability declares (modes_capturable, or an op capture under its
+        extend_impl, or up to its whole_extend_tokens)."""
+        options = {"extend_impl": self.extend_impl, "whole_extend_tokens": str(self.whole_extend_tokens)}
+        bounds = [self.capability.capture_tokens(op, Mode(mode), options) for op in sorted(self.capability.ops)]
+        return any(b is None or (b > 0 and (tokens is None or tokens <= b)) for b in bounds)
 
     @staticmethod
     def _rows_per_request(ctx: ExecContext) -> int:
@@ -824,11 +876,13 @@ class FlashInferAttentionBackend(BackendHooks):
         if self._static is None:
             raise RuntimeError(f"{self.name}: init_replay_state before init_capture_state")
         mode = Mode(ctx.mode)
-        if not self._captured(mode):
+        if not self._captured(mode, ctx.num_tokens):
             raise ValueError(f"{self.name}: only decode and target_verify steps are captured (capability "
                              f"modes_capturable; extend and mixed with extend_impl='triton', this instance's is "
-                             f"{self.extend_impl!r}), not a {mode.value!r} step; routing must keep it eager")
-        if self._varlen(mode):
+                             f"{self.extend_impl!r}, or of up to whole_extend_tokens={self.whole_extend_tokens} "
+                             f"tokens), not a {mode.value!r} step of {ctx.num_tokens} rows; routing must keep it "
+                             f"eager")
+        if self._varlen(mode, ctx.num_tokens) and mode in (Mode.EXTEND, Mode.MIXED):
             if ctx.num_seqs != bucket or ctx.num_tokens > self._static["slots"].shape[0]:
                 raise ValueError(f"{self.name}: {mode.value} step of {ctx.num_seqs} requests and {ctx.num_tokens} "
                                  f"rows replayed in bucket {bucket} (static buffers hold "
@@ -857,7 +911,7 @@ class FlashInferAttentionBackend(BackendHooks):
         mode = Mode(mode)
         if not self._captured(mode):
             return False
-        if self._varlen(mode):
+        if mode in (Mode.EXTEND, Mode.MIXED):  # a whole-step extend graph: of a size on the varlen kernel
             return all(g.kind == "gqa" for g in self.groups)
         return all(self._table_kernel(g) for g in self.groups)
 

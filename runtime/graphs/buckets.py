@@ -10,10 +10,11 @@
    holds a step or None (an eager step), and the largest step the static buffers must hold.
 3. `buckets_for`: the artifact's recorded buckets clipped to the steps an engine can send;
    `extend_seqs`: how many requests the largest extend graphs hold.
-4. `one_captured_piece`, `whole_step_modes` and `piecewise_plan_mode`: what the program's split
-   plans (split.json) say about a mode's graphs: whole-step (its plan is one captured piece; for
-   extend keys, the extend and the mixed plan both, since mixed steps replay them), or pieces with
-   eager gaps, and whose plan's pieces those are.
+4. `one_captured_piece`, `whole_step_modes`, `whole_step` and `piecewise_plan_mode`: what the
+   program's split plans (split.json) say about a mode's graphs, or one key's: whole-step (its plan
+   is one captured piece; for extend keys, the extend and the mixed plan both, since mixed steps
+   replay them, or both plans' gaps are captured at the key's tokens: `SplitPlan.whole_up_to`), or
+   pieces with eager gaps, and whose plan's pieces those are.
 
 The artifact's default buckets are the format's (compiler/splitops/artifact.py). This module
 captures nothing (runtime/graphs/cuda_graphs.py) and pads nothing (runtime/graphs/staging.py).
@@ -28,7 +29,7 @@ from compiler.splitops import Mode
 from compiler.splitops.artifact import CAPTURED
 
 __all__ = ["CaptureKey", "Buckets", "buckets_for", "extend_seqs", "one_captured_piece", "whole_step_modes",
-           "piecewise_plan_mode"]
+           "whole_step", "piecewise_plan_mode"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +138,25 @@ def one_captured_piece(plan) -> bool:
 
 
 def whole_step_modes(plans) -> frozenset[Mode]:
-    """The capture-key modes whose steps may be one whole-step graph, from a program's split plans
-    (by mode): decode and target_verify where their plan is one captured piece; extend where the
-    extend plan and the mixed plan both are, since a mixed step replays an extend key's graph (a
-    mixed plan with a gap would leave that gap inside the graph)."""
+    """The capture-key modes whose steps are one whole-step graph at every size, from a program's
+    split plans (by mode): decode and target_verify where their plan is one captured piece; extend
+    where the extend plan and the mixed plan both are, since a mixed step replays an extend key's
+    graph. Extend keys may also be whole up to some tokens only (`whole_step`)."""
     whole = {m for m in (Mode.DECODE, Mode.TARGET_VERIFY) if m in plans and one_captured_piece(plans[m])}
     if all(m in plans and one_captured_piece(plans[m]) for m in (Mode.EXTEND, Mode.MIXED)):
         whole.add(Mode.EXTEND)
     return frozenset(whole)
+
+
+def whole_step(plans, key: CaptureKey) -> bool:
+    """Whether a key's steps are one whole-step graph, from the program's split plans (by mode): a
+    decode or target_verify key where its mode's plan is one captured piece; an extend key where the
+    extend plan and the mixed plan (mixed steps replay it) both allow one at the key's tokens
+    (`SplitPlan.whole_at`: no gap, or gaps whose every op its backend captures in steps that large;
+    each bucket above pieces, its gaps eager)."""
+    if key.mode == Mode.EXTEND:
+        return all(m in plans and plans[m].whole_at(key.tokens) for m in (Mode.EXTEND, Mode.MIXED))
+    return key.mode in plans and one_captured_piece(plans[key.mode])
 
 
 def piecewise_plan_mode(plans, mode: Mode) -> Mode:

@@ -20,9 +20,11 @@ Lifecycle:
    (speculative decoding: `verify_tokens` tokens per request, so a bucket of B requests is
    B * verify_tokens rows; whole-step graphs where split.json's target_verify plan is one captured
    piece); then each extend token bucket, largest first: one whole-step graph where split.json's
-   extend and mixed plans are both one captured piece (a GQA model routed to an attention kernel
-   that captures extend steps: `gqa_attention=flashinfer[extend_impl=triton]`), piecewise graphs
-   otherwise. Mixed steps replay the extend keys. All graphs share one memory pool. Padded rows point at the reserved
+   extend and mixed plans both allow it at the bucket's tokens (`buckets.whole_step`: no gap, as
+   with `gqa_attention=flashinfer[extend_impl=triton]`, or gaps whose ops their backends capture in
+   steps that large, `SplitPlan.whole_up_to`: FlashInfer's GQA up to `whole_extend_tokens`, the
+   default; the graph then runs the pieces and the gap ops in order, and every backend is told
+   with init_replay_state), piecewise graphs otherwise. Mixed steps replay the extend keys. All graphs share one memory pool. Padded rows point at the reserved
    state slot and write no KV. After `capture()` the runner is sealed: a capture at any later time
    is an error. Decode graphs are piecewise too when asked (`decode_graphs="piecewise"`: the
    extend plan's pieces, the baseline of the full graph).
@@ -65,11 +67,11 @@ import torch
 
 from compiler.splitops import Mode
 from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS,
-                                        PROGRAM_INPUTS, piece_module_names)
+                                        PROGRAM_INPUTS, piece_module_names, whole_bound_refusal)
 from runtime.cache.batch import RowsAt, SeqState, StepInputs, build_step, step_mode, write_rows
 from runtime.backends.protocol import plan_eager_step
 from runtime.step.bound_ops import BoundOps
-from runtime.graphs.buckets import Buckets, CaptureKey, buckets_for, piecewise_plan_mode, whole_step_modes
+from runtime.graphs.buckets import Buckets, CaptureKey, buckets_for, piecewise_plan_mode, whole_step, whole_step_modes
 from runtime.graphs.cuda_graphs import CaptureError, CapturedPiece, CaptureState, CudaGraphs
 from runtime.step.context import ExecContext
 from runtime.cache.kv_pool import KVPool
@@ -131,10 +133,18 @@ class GraphRunner:
         self.state = CaptureState(self.graphs)
         self.sealed = False
         self.counters = {"graph_replays": 0, "piecewise_steps": 0, "eager_steps": 0}
-        # Key modes whose steps are one whole-step graph: every op of the mode's plan (split.json)
-        # captured; for extend keys, of the mixed plan too (mixed steps replay them: buckets.py).
-        # Piecewise decode runs the extend plan's pieces, which then stay pieces too.
+        # Key modes whose steps are one whole-step graph at every size: every op of the mode's plan
+        # (split.json) captured; for extend keys, of the mixed plan too (mixed steps replay them:
+        # buckets.py). Piecewise decode runs the extend plan's pieces, which then stay pieces too.
         self.full_modes = whole_step_modes(program.plans) if decode_graphs == "full" else frozenset()
+        # The keys captured whole: those modes' keys, and the extend keys small enough for the plans'
+        # gaps to be captured too (SplitPlan.whole_up_to); the larger ones are pieces.
+        refusal = whole_bound_refusal(program.plans, self.buckets.extend) if Mode.EXTEND in program.plans else None
+        if refusal:
+            raise CaptureError(f"{program.name} program: {refusal}; recompile with that bound among the extend "
+                               f"buckets (or above them), or run with extend buckets that hold it")
+        self.whole_keys = frozenset(k for k in self.buckets.capture_keys() if whole_step(program.plans, k)
+                                    ) if decode_graphs == "full" else frozenset()
         self.keys: list[CaptureKey] = []
         self.chunk_size = chunk_size or self.max_tokens
         self.input_names = PROGRAM_INPUTS[program.name]
@@ -181,7 +191,7 @@ class GraphRunner:
     # -- keys and padding ------------------------------------------------------------------
 
     def _is_full(self, key: Optional[CaptureKey]) -> bool:
-        return key is not None and key.mode in self.full_modes
+        return key in self.whole_keys
 
     def key_for(self, mode: Mode, num_tokens: int, num_seqs: int) -> Optional[CaptureKey]:
         """The smallest captured key that holds this step, or None (eager; always, before capture)."""
@@ -222,14 +232,16 @@ class GraphRunner:
 
     # -- running ---------------------------------------------------------------------------
 
-    def _module(self, mode: Mode) -> torch.nn.Module:
+    def _module(self, mode: Mode, whole: bool = False) -> torch.nn.Module:
         """The split module of a mode with its captured pieces wrapped (built once, reused).
 
         A plan that is one captured piece is captured whole (one graph per bucket), so its module
         stays unwrapped: eager steps and the whole-step capture both run it as is. Extend and
-        mixed steps run the extend plan."""
+        mixed steps run the extend plan. `whole`: for a whole-step graph of a key whose plan has
+        gaps (small extend buckets); the module may be the one whose pieces are wrapped for the
+        larger keys, whose wrappers then run their pieces as they are (no key is set for them)."""
         key_mode = Mode.EXTEND if mode == Mode.MIXED else mode
-        if key_mode in self.full_modes:  # captured whole
+        if whole or key_mode in self.full_modes:  # captured whole
             return self.program.module_for(key_mode)
         plan_mode = piecewise_plan_mode(self.program.plans, mode)
         if plan_mode not in self._modules:
@@ -365,11 +377,14 @@ class GraphRunner:
             # Holding them keeps their memory from being reused by a later capture in the pool.
             sink = OpTrace(key.tokens, copy=False, skip=lambda: self.state.silent)
             self.ops.observer = sink
-            self.state.key = key
             try:
                 if self._is_full(key):
-                    self.backend.init_replay_state(ctx, key.seqs)  # every member, for the warm-up
-                    module = self._module(key.mode)
+                    # every member, for the warm-up (in a set, also those whose ops sit in the plan's
+                    # gaps: a whole-step graph captures those too); no key for the pieces, which run
+                    # inside this graph as they are
+                    self.backend.replay_state_on_host(ctx, key.seqs)
+                    self.backend.replay_state_captured(ctx, key.seqs)
+                    module = self._module(key.mode, whole=True)
                     with self.ops.step(ctx):
                         self.state.silent = True
                         try:
@@ -381,6 +396,7 @@ class GraphRunner:
                                                                                                 key),
                             self.state.pool)
                 else:
+                    self.state.key = key
                     self.state.capturing = True  # before _plan: it leaves the first piece a prologue to record
                     self._plan(ctx, key)
                     with self.ops.step(ctx):

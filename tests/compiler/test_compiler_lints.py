@@ -23,7 +23,7 @@ from compiler.passes.split import SplitPass
 from compiler.pipeline import make_context, plan
 from compiler.splitops import OP_SPECS, Capture, Mode
 from models.families import FAMILY_IDS
-from compiler.splitops.capability import BackendCapability, CapabilityTable
+from compiler.splitops.capability import BackendCapability, CapabilityTable, OpCapture
 from tests.compiler.test_compiler_toys import full_spec, lightning_spec, rule_ids, toy_plan, toy_traced
 
 
@@ -195,6 +195,34 @@ def test_backend_cannot_capture_is_a_warning_on_capturing_targets():
     f = _one(result, "backend-cannot-capture")
     assert f.severity == "warning" and f.backend == "slow_cuda" and "decode" in f.message
     assert not _errors(result)
+
+
+def _bounded_cuda(choice: str) -> CapabilityTable:
+    """A cuda backend of every op that captures extend and mixed steps of up to `choice` tokens only
+    (an op capture bounded by a kernel option, as FlashInfer's GQA under whole_extend_tokens)."""
+    ops = frozenset(OP_SPECS)
+    bounded = BackendCapability(
+        "bounded_cuda", "cuda", ops, modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
+        op_capture=tuple(OpCapture(op, frozenset({Mode.EXTEND, Mode.MIXED}), up_to="whole_extend_tokens")
+                         for op in sorted(ops)),
+        options=(("whole_extend_tokens", (choice,)),))
+    return CapabilityTable([BackendCapability("cpu_reference", "cpu", ops), bounded])
+
+
+def test_a_capture_bounded_by_tokens_is_a_note_and_its_bound_must_be_a_bucket():
+    """Captured in extend steps of up to 512 tokens: a note (whole-step graphs up to there, gaps
+    above), the plans record the bound. 48, no default extend bucket: a 40-token step would run its
+    eager kernel in the 64-token bucket's pieces, and the compile stops."""
+    result = toy_plan(target="cuda", capabilities=_bounded_cuda("512"))
+    notes = [f for f in result.ctx.findings if f.rule == "backend-cannot-capture"]
+    assert notes and {f.severity for f in notes} == {"info"} and not _errors(result)
+    assert all("captured in extend and mixed steps of up to 512 tokens (whole_extend_tokens=512)" in f.message
+               and f.fix == "route it with another whole_extend_tokens to move the bound" for f in notes)
+    plans = result.ctx.split_plans["main"]
+    assert plans[Mode.EXTEND].whole_up_to == plans[Mode.MIXED].whole_up_to == 512
+    assert "bounded_cuda (whole_extend_tokens=512)" in plans[Mode.EXTEND].whole_why
+    f = _one(toy_plan(target="cuda", capabilities=_bounded_cuda("48")), "whole-extend-bound-off-buckets")
+    assert f.severity == "error" and "up to 48 tokens" in f.message and "no extend bucket of [16, 32, 64" in f.message
 
 
 class _CaptureAllSplit(SplitPass):

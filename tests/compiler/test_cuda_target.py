@@ -26,7 +26,7 @@ from hgc import main as hgc
 import torch
 
 from compiler.splitops import FULL_KINDS, LINEAR_KINDS, MODES, LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
-from compiler.splitops.artifact import EAGER
+from compiler.splitops.artifact import DEFAULT_EXTEND_TOKEN_COUNTS, EAGER
 from models.families import FAMILY_IDS
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
 from runtime.backends.protocol import BackendSetup
@@ -263,8 +263,11 @@ def test_the_triton_extend_route_makes_a_qwen3_next_extend_step_one_captured_pie
     """`--route gqa_attention=flashinfer[extend_impl=triton]`: GQA attention, whose policy leaves extend
     and mixed steps to the routed backend, is captured there (FlashInfer's op capture under that
     choice), so with the GDN cores and the conv on our kernels and the MoE captured, the extend and
-    mixed plans of both programs are one captured piece, as decode's. Without the route they are as
-    before (attention the one gap), and the capture warning names the route."""
+    mixed plans of both programs are one captured piece, as decode's. Without the route attention is
+    the one gap, captured by FlashInfer in steps of up to whole_extend_tokens (512 by default): split.json
+    records that bound and the buckets up to it as whole-step graphs, the larger as pieces, and the
+    lint says so in a note that names the route for every size. With whole_extend_tokens=0 the gap is
+    never captured: every bucket pieces, and the capture warning names the route."""
     route = "gqa_attention=flashinfer[extend_impl=triton]"
     rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16", "--route", route)
     assert rc == 0, err[-3000:]
@@ -283,9 +286,29 @@ def test_the_triton_extend_route_makes_a_qwen3_next_extend_step_one_captured_pie
     rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path / "default", capsys, "--dtype", "bfloat16")
     assert rc == 0, err[-3000:]
     assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["gqa_attention"] and gap_ops(art, "decode") == []
+    split = json.loads((art / "split.json").read_text())
+    for program in ("main", "draft"):
+        assert {split["programs"][program][m]["whole_up_to"] for m in ("extend", "mixed")} == {512}
+        assert [(r["tokens"], r["graph"]) for r in split["extend_graphs"][program]] == [
+            (t, "whole" if t <= 512 else "pieces") for t in DEFAULT_EXTEND_TOKEN_COUNTS]
+    gqa = [e for e in entries(art) if e["op"] == "gqa_attention"]
+    assert all(e["options"]["whole_extend_tokens"] == "512" and e["options"]["extend_impl"] == "ragged"
+               and e["backend_capture_bounds"] == {"extend": 512, "mixed": 512} for e in gqa)
+    noted = [f for f in json.loads((art / "lints.json").read_text())["findings"] if f["rule"] == "backend-cannot-capture"]
+    assert noted and {f["backend"] for f in noted} == {FULL.name} and {f["severity"] for f in noted} == {"info"}
+    assert all("captured in extend and mixed steps of up to 512 tokens (whole_extend_tokens=512)" in f["message"]
+               for f in noted)
+    assert all(f["fix"] == "route it with flashinfer[extend_impl=triton] for whole-step graphs at every size"
+               for f in noted)
+
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path / "pieces", capsys, "--dtype", "bfloat16",
+                                "--route", "gqa_attention=flashinfer[whole_extend_tokens=0]")
+    assert rc == 0, err[-3000:]
+    split = json.loads((art / "split.json").read_text())
+    assert {r["graph"] for r in split["extend_graphs"]["main"]} == {"pieces"}
     warned = [f for f in json.loads((art / "lints.json").read_text())["findings"]
               if f["rule"] == "backend-cannot-capture"]
-    assert warned and {f["backend"] for f in warned} == {FULL.name}
+    assert warned and {f["backend"] for f in warned} == {FULL.name} and {f["severity"] for f in warned} == {"warning"}
     assert all("cannot be captured in mode(s) extend, mixed" in f["message"] for f in warned)
     assert all(f["fix"] == "route it with flashinfer[extend_impl=triton], which flashinfer can capture there"
                for f in warned)

@@ -6,7 +6,8 @@ checkpoints and the timings. The backends are the ones the artifact's routing.js
 head counts of the artifact's graph. Two routings beyond the default: one GDN layer bound to a
 second linear-attention implementation (torch_reference: eager in every mode, so its nodes are
 gaps even in decode) must still pass start-up parity, run that layer and only that layer on it,
-and give the tokens of eager; and float32 Kimi-Linear, whose MLA routing sends to the Triton MLA
+and give the tokens of eager; the default's extend buckets whole-step graphs up to FlashInfer's
+whole_extend_tokens and pieces above it; and float32 Kimi-Linear, whose MLA routing sends to the Triton MLA
 kernel (FlashInfer has no float32), must run.
 """
 
@@ -49,11 +50,11 @@ def artifact(tmp_path_factory):
     return load_artifact(root / "a", "cuda")
 
 
-def make_runner(art, decode_graphs="full"):
+def make_runner(art, decode_graphs="full", extend_buckets=(64,), max_pages=8):
     kv, st = make_pools(art.registry, 128, 8, page_size=16, device="cuda", kv_dtype=torch.bfloat16)
     ops = BoundOps(art.backends(kv, st).for_program("main"))
-    runner = GraphRunner(art.runner(ops), ops, kv, st, "cuda", decode_buckets=(1, 2, 4), extend_buckets=(64,),
-                         max_pages_per_seq=8, extend_max_seqs=4, debug=True, decode_graphs=decode_graphs)
+    runner = GraphRunner(art.runner(ops), ops, kv, st, "cuda", decode_buckets=(1, 2, 4), extend_buckets=extend_buckets,
+                         max_pages_per_seq=max_pages, extend_max_seqs=4, debug=True, decode_graphs=decode_graphs)
     return runner, kv, st
 
 
@@ -70,10 +71,35 @@ def test_capture_parity_and_tokens_match_eager(artifact):
     assert set(report) == {str(k) for k in runner.keys} and max(report.values()) < 2e-2
     graph, keys = greedy(runner, st, prompts, 6)
     assert keys[0] is not None and keys[0].mode == Mode.EXTEND and keys[1].mode == Mode.DECODE
-    assert runner.counters["graph_replays"] >= 5 and runner.counters["piecewise_steps"] >= 1
+    # the 64-token extend bucket is one whole-step graph too: FlashInfer's GQA extends of up to
+    # whole_extend_tokens (512 by default) run the Triton varlen kernel, captured in it
+    assert runner.counters["graph_replays"] >= 6 and runner.counters["piecewise_steps"] == 0
     assert graph[0][:2] == eager[0][:2] and all(g[0] == e[0] for g, e in zip(graph, eager))
     with pytest.raises(CaptureError, match="capture after start-up"):
         runner.capture()
+
+
+def test_small_extend_buckets_are_whole_step_graphs_and_large_ones_pieces(artifact):
+    """The default cuda artifact (FlashInfer's whole_extend_tokens=512): extend buckets of up to 512
+    tokens are whole-step graphs with GQA on the Triton varlen kernel inside them, the 1024-token one
+    pieces with FlashInfer's prefill in the eager gaps; start-up parity passes for both kinds, short
+    prompts (one, and three at once) replay whole graphs, a 600-token prompt runs pieces, and every
+    first token is eager's (bf16: padded shapes may part later, never at once)."""
+    runner, kv, st = make_runner(artifact, extend_buckets=(16, 64, 512, 1024), max_pages=48)
+    assert sorted(k.tokens for k in runner.whole_keys if k.mode == Mode.EXTEND) == [16, 64, 512]
+    batches = [[[(7 * j) % 200 + 3 for j in range(12)]], [[(5 * j) % 150 + 2 for j in range(300)]],
+               [list(range(2, 12)), list(range(40, 47)), [9] * 13], [[(3 * j) % 190 + 4 for j in range(600)]]]
+    eager = [greedy(runner, st, prompts, 4)[0] for prompts in batches]
+    runner.capture()
+    report = check_parity(runner, vocab_size=256)
+    assert max(report.values()) < 2e-2, report
+    for prompts, want in zip(batches, eager):
+        before = dict(runner.counters)
+        got, keys = greedy(runner, st, prompts, 4)
+        whole = keys[0].tokens <= 512
+        assert keys[0].mode == Mode.EXTEND and (keys[0].tokens == 1024) == (not whole), keys
+        assert runner.counters["piecewise_steps"] - before["piecewise_steps"] == (0 if whole else 1), keys
+        assert all(g[0] == e[0] for g, e in zip(got, want)), (len(prompts[0]), got, want)
 
 
 def test_piecewise_decode_matches_eager(artifact):

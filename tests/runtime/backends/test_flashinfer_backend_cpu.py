@@ -648,6 +648,65 @@ def test_triton_extend_is_captured_and_its_replay_state_is_device_work(fake_fi):
                    for m in (Mode.EXTEND, Mode.MIXED))
 
 
+def test_the_eager_kernel_of_an_extend_step_is_its_graphs_for_every_step_size():
+    """whole_extend_tokens: the rule that picks the GQA kernel of an extend or mixed step (the Triton
+    varlen kernel up to the bound, extend_impl's above) gives an eager step of n tokens what the
+    graph of the bucket it goes to runs, for every n up to the largest default bucket and every
+    choice of the option; and a bucket is captured whole (its GQA gap in the graph) exactly where
+    that kernel is the varlen one. A bound that is no bucket breaks the agreement: refused."""
+    from compiler.splitops.artifact import (CAPTURED, DEFAULT_EXTEND_TOKEN_COUNTS, EAGER, Piece, SplitPlan,
+                                            whole_bound_refusal)
+    from runtime.graphs.buckets import Buckets
+
+    cap = FlashInferAttentionBackend.capability
+    buckets = Buckets((1,), DEFAULT_EXTEND_TOKEN_COUNTS, 1)
+    assert cap.option_choices()["whole_extend_tokens"][0] == "512"
+    for choice in fia.WHOLE_EXTEND_TOKENS:
+        limit = cap.capture_tokens("gqa_attention", Mode.EXTEND, {"whole_extend_tokens": choice})
+        assert limit == int(choice) and not cap.capturable("gqa_attention", Mode.EXTEND, {"whole_extend_tokens": choice})
+        for mode in (Mode.EXTEND, Mode.MIXED):
+            for n in range(1, DEFAULT_EXTEND_TOKEN_COUNTS[-1] + 1):
+                bucket = buckets.key_for(mode, n, 1).tokens
+                eager, graph = (fia.varlen_extend(mode, t, "ragged", limit) for t in (n, bucket))
+                assert eager == graph, (choice, mode, n, bucket)
+                assert graph == (bucket <= limit), "whole exactly where the gap runs the capturable kernel"
+        assert all(fia.varlen_extend(Mode.EXTEND, t, "triton", limit) for t in (1, 512, 4096))
+    assert not fia.varlen_extend(Mode.TARGET_VERIFY, 8, "ragged", 512), "the bound is about extend and mixed steps"
+    from hgc.compile_commands import capturable_column
+    assert capturable_column(cap.to_json()).endswith(
+        "gqa_attention +extend +mixed (extend_impl=triton); gqa_attention +extend +mixed (steps up to whole_extend_tokens)")
+    small = Buckets((1,), (16, 32, 64), 1)
+    assert fia.varlen_extend(Mode.EXTEND, 40, "ragged", 48) != fia.varlen_extend(
+        Mode.EXTEND, small.key_for(Mode.EXTEND, 40, 1).tokens, "ragged", 48)
+    gapped = (Piece(0, CAPTURED, ("a",)), Piece(1, EAGER, ("gqa",)))
+    plans = {m: SplitPlan(m, gapped, whole_up_to=48) for m in (Mode.EXTEND, Mode.MIXED)}
+    assert "no extend bucket of [16, 32, 64]" in whole_bound_refusal(plans, (16, 32, 64))
+    assert whole_bound_refusal(plans, (16, 48, 64)) is None and whole_bound_refusal(plans, (16, 32)) is None
+
+
+def test_whole_extend_tokens_runs_small_extends_on_the_varlen_kernel_and_captures_them(host_plans):
+    """whole_extend_tokens=16 beside FlashInfer's extend: an eager extend step of up to 16 rows takes
+    the varlen Triton kernel (no paged metadata, no plan), a larger one FlashInfer's prefill; a graph
+    bucket of 16 rows is captured (replay state copied to the static buffers, recorded in the graph),
+    one of 24 refused naming the bound."""
+    pair = Pair(decode_impl="triton", whole_extend_tokens=16, layers=GQA_LAYERS)
+    small = build_step([(SeqState(1), [0] * 5), (SeqState(2), [0] * 9)], pair.ref_pool).ctx
+    pair.be.init_step_metadata(small)
+    assert pair.be._step.table is not None and pair.be._step.table.rows_per_req == 0 and _plans() == []
+    large = build_step([(SeqState(3), [0] * 20)], pair.ref_pool).ctx
+    pair.be.init_step_metadata(large)
+    assert pair.be._step.table is None and _plans() == ["ragged"]
+    assert pair.be.replay_state_in_graph(Mode.EXTEND) and pair.be.replay_state_in_graph(Mode.MIXED)
+    pair.be.init_capture_state(32, 4)
+    bucket = build_step([(SeqState(4), [0] * 7)], pair.ref_pool, pad_tokens_to=16, pad_seqs_to=4).ctx
+    pair.be.init_replay_state(bucket, 4)
+    assert pair.be._step.table.page_table.data_ptr() == pair.be._static["page_table"].data_ptr()
+    over = build_step([(SeqState(5), [0] * 7)], pair.ref_pool, pad_tokens_to=24, pad_seqs_to=4).ctx
+    with pytest.raises(ValueError, match="of up to whole_extend_tokens=16 tokens"):
+        pair.be.init_replay_state(over, 4)
+    assert FlashInferAttentionBackend._kernel_options({"whole_extend_tokens": "512"}) == {"whole_extend_tokens": 512}
+
+
 def test_the_binder_refuses_a_recorded_choice_its_backend_scopes_to_other_ops():
     """A routing.json entry giving an MLA node extend_impl=triton (edited, or from a declaration that
     did not scope it) is refused at start-up, as routing refuses the route."""

@@ -17,7 +17,7 @@ import types
 
 import pytest
 
-from compiler.splitops import MODES, Mode
+from compiler.splitops import MODES, Mode, OpCapture
 from compiler.splitops.artifact import DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS
 from hgc import main
 from runtime.artifact.loader import load_artifact
@@ -26,7 +26,7 @@ from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.engine.engine import SamplingParams
 from runtime.engine.generate import make_pools
 from runtime.graphs.buckets import Buckets, extend_seqs
-from runtime.graphs.runner import CaptureKey, GraphRunner
+from runtime.graphs.runner import CaptureError, CaptureKey, GraphRunner
 from runtime.step.bound_ops import BoundOps
 from testkit.graph_cases import RerunGraphs, greedy
 from testkit.helpers import edit_manifest, shared_artifact
@@ -260,3 +260,134 @@ def test_mixed_steps_and_prefix_hits_replay_the_extend_graphs_in_the_engine(whol
     assert got == want
     assert any(m == Mode.MIXED and key is not None and key.mode == Mode.EXTEND for m, key in modes)
     assert counters["piecewise_steps"] == 0 and counters["graph_replays"] >= len(modes) - counters["eager_steps"]
+
+
+# -- whole-step graphs for the small extend buckets, pieces for the large ------------------------
+
+
+class GQAWholeUpTo(CPUReferenceBackend):
+    """The reference's GQA attention declared for the cpu target as FlashInfer's is on a GPU: its
+    extend and mixed steps captured in steps of up to `whole_extend_tokens` tokens (a gap above),
+    or at every size with extend_impl=triton. Routed to it, a tiny qwen3_next's extend and mixed
+    plans keep GQA a gap and record the bound."""
+
+    name = "cpu_gqa_whole_up_to"
+    capability = dataclasses.replace(
+        CPUReferenceBackend.capability, name=name, ops=frozenset({"gqa_attention"}), priority=-1,
+        op_capture=(OpCapture("gqa_attention", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("extend_impl", "triton"),)),
+                    OpCapture("gqa_attention", frozenset({Mode.EXTEND, Mode.MIXED}), up_to="whole_extend_tokens")),
+        options=(("extend_impl", ("ragged", "triton")), ("whole_extend_tokens", ("32", "0", "16", "48"))))
+
+
+@pytest.fixture(scope="module")
+def bounded_arts(tmp_path_factory):
+    """The tiny qwen3_next for the cpu with GQA on GQAWholeUpTo under three choices, extend buckets
+    16, 32 and 64: {choice: artifact folder}, and the backend registry that has the class."""
+    from runtime.backends import discover
+
+    registry = discover().with_classes(GQAWholeUpTo, source="tests/runtime/graphs/test_short_extend.py")
+    checkpoint = shared_artifact(tmp_path_factory, "qwen3_next")[0]
+    root = tmp_path_factory.mktemp("whole-up-to")
+    arts = {}
+    for choice in ("", "[whole_extend_tokens=0]", "[extend_impl=triton]"):
+        arts[choice] = root / f"art{len(arts)}"
+        _compile_routed(checkpoint, arts[choice], f"gqa_attention={GQAWholeUpTo.name}{choice}", registry, (16, 32, 64))
+    return arts, registry, checkpoint
+
+
+def _compile_routed(checkpoint, out, route, registry, extend_buckets):
+    from compiler.passes.context import CompileConfig
+    from compiler.passes.routing import parse_route
+    from compiler.pipeline import compile_checkpoint
+    from hgc.wiring import toolchain
+
+    config = CompileConfig(routes=(parse_route(route),), extend_token_counts=tuple(extend_buckets),
+                           buckets_chosen_by="flags")
+    return compile_checkpoint(checkpoint, out, config, toolchain(registry), dumps=False)
+
+
+def _whole_extend_tokens(runner) -> list[int]:
+    return sorted(k.tokens for k in runner.whole_keys if k.mode == Mode.EXTEND)
+
+
+def test_extend_buckets_up_to_the_backends_bound_are_whole_step_graphs_the_larger_pieces(bounded_arts):
+    """The per-bucket choice, from split.json: GQA stays a gap of the extend and mixed plans with its
+    bound recorded (whole_up_to 32 by the option's default); the runner captures the 16- and
+    32-token buckets whole and the 64-token one in pieces. whole_extend_tokens=0: pieces everywhere;
+    extend_impl=triton: no gap, every bucket whole. Decode and target_verify are whole in all three."""
+    arts, registry, _ = bounded_arts
+    want = {"": [16, 32], "[whole_extend_tokens=0]": [], "[extend_impl=triton]": [16, 32, 64]}
+    for choice, whole in want.items():
+        art = load_artifact(arts[choice])
+        plans = art.split_plans["main"]
+        for mode in (Mode.EXTEND, Mode.MIXED):
+            gaps = [p for p in plans[mode].pieces if p.kind == "eager"]
+            if choice == "[extend_impl=triton]":
+                assert not gaps
+            else:
+                assert gaps and plans[mode].whole_up_to == (32 if choice == "" else 0), (choice, mode)
+        runner, _, _ = _whole_extend_runner(art, registry)
+        assert _whole_extend_tokens(runner) == whole, choice
+        assert Mode.DECODE in {k.mode for k in runner.whole_keys} and Mode.TARGET_VERIFY in runner.full_modes
+        doc = json.loads((arts[choice] / "split.json").read_text())
+        assert [(r["tokens"], r["graph"]) for r in doc["extend_graphs"]["main"]] == [
+            (t, "whole" if t in whole else "pieces") for t in (16, 32, 64)]
+    assert plans[Mode.DECODE].whole_up_to == 0 and len(plans[Mode.DECODE].pieces) == 1
+
+
+def test_short_extends_replay_whole_graphs_and_long_ones_pieces_with_the_eager_tokens(bounded_arts):
+    """Start-up parity passes with whole and piecewise extend keys side by side; prompts of up to 32
+    tokens replay a whole-step graph, longer ones a piecewise step, all with the eager tokens."""
+    arts, registry, _ = bounded_arts
+    art = load_artifact(arts[""])
+    runner, kv, st = _whole_extend_runner(art, registry)
+    batches = [[[(5 * i) % 90 + 1 for i in range(n)]] for n in (3, 20, 32, 33, 60)]
+    batches.append([list(range(2, 12)), list(range(40, 47)), [9] * 13])  # three requests, 30 tokens
+    want = [greedy(runner, st, prompts, 3, eager=True)[0] for prompts in batches]
+    report = runner.start(vocab_size=art.manifest["model"]["vocab_size"])
+    assert max(report.values()) < 1e-4
+    for prompts, tokens in zip(batches, want):
+        before = dict(runner.counters)
+        got, keys = greedy(runner, st, prompts, 3)
+        assert got == tokens and keys[0].mode == Mode.EXTEND
+        whole_first = keys[0].tokens <= 32
+        assert runner.counters["piecewise_steps"] - before["piecewise_steps"] == (0 if whole_first else 1), keys
+        assert runner.counters["graph_replays"] - before["graph_replays"] == (3 if whole_first else 2), keys
+
+
+def test_inspect_and_routing_json_show_the_choice_per_bucket(bounded_arts, capsys):
+    arts, _, _ = bounded_arts
+    entries = json.loads((arts[""] / "routing.json").read_text())["programs"]["main"]
+    gqa = [e for e in entries if e["op"] == "gqa_attention"]
+    assert gqa and all(e["options"]["whole_extend_tokens"] == "32" for e in gqa)
+    assert all(e["backend_capture_bounds"] == {"extend": 32, "mixed": 32} for e in gqa)
+    assert main(["inspect", str(arts[""])]) == 0
+    out = capsys.readouterr().out
+    assert ("extend graphs (main): 16 32 whole-step, 64 pieces: gaps captured up to 32 tokens: "
+            f"hgc.gqa_attention on {GQAWholeUpTo.name} (whole_extend_tokens=32)") in out
+    assert main(["inspect", str(arts["[whole_extend_tokens=0]"])]) == 0
+    assert "extend graphs (main): 16 32 64 pieces: gaps never captured" in capsys.readouterr().out
+    assert main(["inspect", str(arts[""]), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["graph"] for r in doc["extend_graphs"]["main"]] == ["whole", "whole", "pieces"]
+
+
+def test_a_bound_that_is_no_extend_bucket_is_refused(bounded_arts, tmp_path):
+    """whole_extend_tokens=48 with buckets 16, 32, 64: a 40-token step would run eagerly on one
+    kernel and replay the 64-token bucket's pieces on another. The compile's lint refuses it, and a
+    runner over such plans too."""
+    from compiler.splitops.artifact import whole_bound_refusal
+
+    arts, registry, checkpoint = bounded_arts
+    with pytest.raises(Exception, match="whole-extend-bound-off-buckets"):
+        _compile_routed(checkpoint, tmp_path / "off", f"gqa_attention={GQAWholeUpTo.name}[whole_extend_tokens=48]",
+                        registry, (16, 32, 64))
+    plans = load_artifact(arts[""]).split_plans["main"]
+    assert whole_bound_refusal(plans, (16, 32, 64)) is None and whole_bound_refusal(plans, (16,)) is None
+    assert "no extend bucket of [16, 64]" in whole_bound_refusal(plans, (16, 64))
+    art = load_artifact(arts[""])
+    kv, st = make_pools(art.registry, 512, 8, page_size=8)
+    ops = BoundOps(art.backends(kv, st, registry).for_program("main"))
+    with pytest.raises(CaptureError, match="no extend bucket of"):
+        GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(1,), extend_buckets=(16, 64),
+                    max_pages_per_seq=32, extend_max_seqs=4, graphs=RerunGraphs())
