@@ -235,7 +235,8 @@ class FusedLinear(nn.Module):
     part `q_proj` of the module at `...attn.in_proj` is read and written as `...attn.q_proj.weight`
     (the parent's projection, as the release names it), a row-slice view of the stack, so
     checkpoints, the artifact's weight views and the sharding of each part (a rank's rows of every
-    part, cut or replicated part by part) are unchanged.
+    part, cut or replicated part by part) are unchanged. The module holding the stack may keep a
+    part's rows in an order of its own (`row_orders()`, module docstring): Qwen3-Next's GDN does.
 
     `bias`: True (every part has one), False, or the names of the parts that have one. Their biases
     are stacked the same way in one parameter; where only some parts have one, the GEMM runs
