@@ -405,7 +405,11 @@ def _in_op_layout(name: str, blocks: dict[str, nn.Module]) -> bool:
 
 
 def init_weights_(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Seeded random weights: N(0, std) matrices, norms at their identity, A_log-like set by families."""
+    """Seeded random weights: N(0, std) matrices, norms at their identity, A_log-like set by families.
+
+    The values drawn for a tensor whose rows the model holds in an order of its own are taken as
+    its checkpoint's rows, so a seed gives the checkpoint it gave before the model held them so
+    (seeded benchmark checkpoints keep their bytes, and their tokens)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -415,6 +419,10 @@ def init_weights_(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 p.copy_(torch.zeros_like(p) if getattr(_owner(model, name), "unit_offset", False) else torch.ones_like(p))
             else:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+        if isinstance(model, HybridLM):
+            held = model.checkpoint_tensors(held=True)
+            for name, rows in model.row_orders().items():
+                held[name].copy_(rows.to_held(held[name]))
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:
