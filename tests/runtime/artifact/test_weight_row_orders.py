@@ -53,7 +53,7 @@ class _RankFiles:
 
 def test_a_rank_holds_its_heads_rows_of_the_gdn_projections_in_held_order():
     fam = get_family("qwen3_next")
-    config = make_config("tiny")
+    config = {**make_config("tiny"), "linear_num_key_heads": 4, "linear_num_value_heads": 8}  # 2 key heads a rank
     text = fam.text_config(config)
     whole = fam.build(text)
     fam.init_weights(whole, 0)
@@ -68,6 +68,7 @@ def test_a_rank_holds_its_heads_rows_of_the_gdn_projections_in_held_order():
         source = traced.tensors[fqn]
         assert [v.rows is not None for v in source.views] == [True, True], source
         gdn = whole.get_submodule(fqn.removesuffix(".in_proj.weight"))
+        assert [v.rows.groups for v in source.views] == [gdn.k_heads // TP] * 2 and gdn.k_heads // TP > 1
         held = gdn.in_proj.weight.detach()
         for rank in range(TP):
             got = assemble(fqn, source, _RankFiles(stored, specs, rank), "cpu")
