@@ -285,8 +285,9 @@ def _resolve(model: nn.Module, fqn: str):
 def bind_weights(model: nn.Module, programs: dict[str, ExportedProgram]):
     """(model FQN -> ParamSource, program -> {program FQN: model FQN}, program -> uncovered FQNs)."""
     by_storage: dict[int, list[tuple[str, torch.Tensor]]] = defaultdict(list)
-    for name, t in model.checkpoint_tensors().items():
+    for name, t in model.checkpoint_tensors(held=True).items():
         by_storage[_storage_key(t)].append((name, t))
+    row_orders = model.row_orders()
     tensors: dict[str, ParamSource] = {}
     program_fqns: dict[str, dict[str, str]] = {}
     missing: dict[str, list[str]] = {}
@@ -299,7 +300,7 @@ def bind_weights(model: nn.Module, programs: dict[str, ExportedProgram]):
             model_fqn = fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn
             if model_fqn not in tensors:
                 t = _resolve(model, model_fqn)
-                source = _source_of(t, by_storage) if t is not None else None
+                source = _source_of(t, by_storage, row_orders) if t is not None else None
                 if source is None:
                     lacking.append(fqn)
                     continue
@@ -310,15 +311,16 @@ def bind_weights(model: nn.Module, programs: dict[str, ExportedProgram]):
     return tensors, program_fqns, missing
 
 
-def _source_of(t: torch.Tensor, by_storage) -> ParamSource | None:
-    """The checkpoint views that fill `t` exactly (one each per distinct region), or None if they do not."""
+def _source_of(t: torch.Tensor, by_storage, row_orders) -> ParamSource | None:
+    """The checkpoint views that fill `t` exactly (one each per distinct region, with the order the
+    model holds its rows in where that is not the checkpoint's), or None if they do not."""
     views, seen = [], set()
     for name, v in by_storage.get(_storage_key(t), []):
         geometry = (v.storage_offset() - t.storage_offset(), tuple(v.shape), tuple(v.stride()))
         if geometry in seen:
             continue  # a tied name for the same region: one source is enough
         seen.add(geometry)
-        views.append(TensorView(name, *geometry))
+        views.append(TensorView(name, *geometry, rows=row_orders.get(name)))
     covered = sum(v.numel for v in views)
     if not views or covered != t.numel():
         return None

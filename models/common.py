@@ -23,6 +23,12 @@ along one dimension (`fused_segments`, e.g. a conv over q | k | v channels), and
 computes from its config that a rank takes a slice of (`computed_tensors`). Everything else (which
 dimension is cut, where the all-reduces go) the pass derives; the embedding stays whole on every
 rank, lm_head is cut by vocabulary rows (its logits are gathered).
+
+Row orders. A module may hold a checkpoint tensor's rows in an order of its own (`row_orders()`:
+checkpoint name -> compiler/splitops/rows.GroupedRows; Qwen3-Next's GDN projections, stored per
+key head, held q | k | v | z | b | a). `checkpoint_tensors()` and `load_checkpoint_tensors()` map
+them, so every reader and writer of checkpoints sees the release's layout; the compiler records
+the orders beside the views of weights.json (compiler/frontend.py).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiler.splitops import TRACED_OPS, LayerRegistry, split_count
+from compiler.splitops import TRACED_OPS, GroupedRows, LayerRegistry, split_count
 
 __all__ = ["RMSNorm", "SwiGLU", "Router", "MoEBlock", "FusedLinear", "HybridLM", "apply_rotary", "rope_inv_freq",
            "EXPERT_STYLES", "CheckpointError", "init_weights_", "ceil_div", "lm_head_rows"]
@@ -229,7 +235,8 @@ class FusedLinear(nn.Module):
     part `q_proj` of the module at `...attn.in_proj` is read and written as `...attn.q_proj.weight`
     (the parent's projection, as the release names it), a row-slice view of the stack, so
     checkpoints, the artifact's weight views and the sharding of each part (a rank's rows of every
-    part, cut or replicated part by part) are unchanged.
+    part, cut or replicated part by part) are unchanged. The module holding the stack may keep a
+    part's rows in an order of its own (`row_orders()`, module docstring): Qwen3-Next's GDN does.
 
     `bias`: True (every part has one), False, or the names of the parts that have one. Their biases
     are stacked the same way in one parameter; where only some parts have one, the GEMM runs
@@ -320,8 +327,11 @@ class HybridLM(nn.Module):
         """Modules that hold weights in an op's layout and name them in checkpoints themselves."""
         return {name + ".": m for name, m in self.named_modules() if isinstance(m, (MoEBlock, FusedLinear))}
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor under its checkpoint name (views of the parameters, no copies)."""
+    def checkpoint_tensors(self, held: bool = False) -> dict[str, torch.Tensor]:
+        """Every tensor under its checkpoint name, in the checkpoint's layout: views of the
+        parameters, except a tensor whose rows the model holds in an order of its own
+        (`row_orders()`), given as a rearranged copy. `held`: every tensor a view of the
+        parameters, its rows as the model holds them (what the artifact's views describe)."""
         blocks = self._self_named_blocks()
         out: dict[str, torch.Tensor] = {}
         for name, t in self.state_dict(keep_vars=True).items():
@@ -329,23 +339,35 @@ class HybridLM(nn.Module):
                 out[name] = t.detach()
         for prefix, block in blocks.items():
             out.update({k: v.detach() for k, v in block.checkpoint_tensors(prefix).items()})
+        if not held:
+            out.update({name: rows.to_stored(out[name]) for name, rows in self.row_orders().items()})
         return out
 
     def checkpoint_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {k: (tuple(v.shape), v.dtype) for k, v in self.checkpoint_tensors().items()}
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.checkpoint_tensors(held=True).items()}
+
+    def _declared(self, method: str) -> dict:
+        """What modules declare with `method()` (keyed by names under the module), by checkpoint name."""
+        out = {}
+        for prefix, module in self.named_modules():
+            own = getattr(module, method, None)
+            if module is self or own is None:
+                continue
+            out.update({f"{prefix}.{name}": fact for name, fact in own().items()})
+        return out
 
     def fused_segments(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """Checkpoint name -> (dim, segment lengths) of every tensor that fuses several projections
         along one dimension (q | k | v rows, gate | up rows), in this model's shapes: a rank takes
         its part of each segment, not one contiguous block. Modules declare theirs with a
         `fused_segments()` method of their own, keyed by names under the module."""
-        out = {}
-        for prefix, module in self.named_modules():
-            own = getattr(module, "fused_segments", None)
-            if module is self or own is None:
-                continue
-            out.update({f"{prefix}.{name}": layout for name, layout in own().items()})
-        return out
+        return self._declared("fused_segments")
+
+    def row_orders(self) -> dict[str, GroupedRows]:
+        """Checkpoint name -> the order in which the model holds the tensor's rows, for every tensor
+        stored in another (module docstring), in this model's shapes. Modules declare theirs with a
+        `row_orders()` method of their own, keyed by names under the module."""
+        return self._declared("row_orders")
 
     def computed_tensors(self) -> dict[str, torch.Tensor]:
         """Checkpoint-named tensors the model computes from its config rather than reads, whole (for
@@ -353,7 +375,10 @@ class HybridLM(nn.Module):
         return {}
 
     def load_checkpoint_tensors(self, get, source: str = "checkpoint") -> None:
-        """Fill every parameter from `get(name) -> tensor` (KeyError if absent)."""
+        """Fill every parameter from `get(name) -> tensor` (KeyError if absent), in the checkpoint's
+        layout: rows the model holds in an order of its own are rearranged as they are read."""
+        orders = self.row_orders()
+
         def take(name, shape):
             try:
                 t = get(name)
@@ -361,7 +386,7 @@ class HybridLM(nn.Module):
                 raise CheckpointError(f"{source}: missing tensor {name!r}") from None
             if tuple(t.shape) != tuple(shape):
                 raise CheckpointError(f"{source}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
-            return t
+            return orders[name].to_held(t) if name in orders else t
 
         blocks = self._self_named_blocks()
         with torch.no_grad():
@@ -380,7 +405,11 @@ def _in_op_layout(name: str, blocks: dict[str, nn.Module]) -> bool:
 
 
 def init_weights_(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Seeded random weights: N(0, std) matrices, norms at their identity, A_log-like set by families."""
+    """Seeded random weights: N(0, std) matrices, norms at their identity, A_log-like set by families.
+
+    The values drawn for a tensor whose rows the model holds in an order of its own are taken as
+    its checkpoint's rows, so a seed gives the checkpoint it gave before the model held them so
+    (seeded benchmark checkpoints keep their bytes, and their tokens)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -390,6 +419,10 @@ def init_weights_(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 p.copy_(torch.zeros_like(p) if getattr(_owner(model, name), "unit_offset", False) else torch.ones_like(p))
             else:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+        if isinstance(model, HybridLM):
+            held = model.checkpoint_tensors(held=True)
+            for name, rows in model.row_orders().items():
+                held[name].copy_(rows.to_held(held[name]))
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

@@ -5,8 +5,9 @@ zero-centred RMSNorms (scale 1 + w). Mixers are
 
 - Gated DeltaNet (`linear_attn.*`, LayerKind.GDN): projections -> causal depthwise conv (op
   `short_conv`) -> l2-normalised q/k -> gated delta rule (op `gdn_core`) -> RMSNorm gated by
-  silu(z) -> out_proj. Qwen3-Next packs q|k|v|z and b|a per key-head group (`in_proj_qkvz`,
-  `in_proj_ba`); Qwen3.5 stores them as separate flat projections (its own module, same core).
+  silu(z) -> out_proj. Qwen3-Next's checkpoint packs q|k|v|z and b|a per key-head group
+  (`in_proj_qkvz`, `in_proj_ba`), which the model holds flat, q|k|v|z|b|a (`gdn_row_orders`);
+  Qwen3.5 stores them as separate flat projections (its own module, same core).
 - gated GQA (`self_attn.*`, LayerKind.FULL_GQA): q_proj yields query and an output gate per head,
   q_norm / k_norm per head, partial NeoX rotary, op `gqa_attention`, output * sigmoid(gate).
 
@@ -45,13 +46,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec, split_count
+from compiler.splitops import GroupedRows, LayerKind, LayerRegistry, LayerSpec, TensorSpec, split_count
 from models.common import (CheckpointError, FusedLinear, HybridLM, MoEBlock, RMSNorm, SwiGLU, apply_rotary,
                            init_weights_, lm_head_rows)
 from models.families import Family
 
 __all__ = ["QwenDims", "parse_dims", "shard_dims", "qwen_registry", "QwenHybridLM", "Qwen3NextForCausalLM",
-           "GatedDeltaNetBase", "Qwen3NextGDN", "QwenGatedAttention", "QwenSparseMoe", "QwenMTP",
+           "GatedDeltaNetBase", "Qwen3NextGDN", "gdn_row_orders", "QwenGatedAttention", "QwenSparseMoe", "QwenMTP",
            "GatedRMSNorm", "l2norm", "init_qwen_weights", "make_config", "FAMILY", "TENSOR_PREFIX_KEY"]
 
 # The flat text config of a VL checkpoint (models/qwen3_5.py) records where the text model's
@@ -378,23 +379,33 @@ class GatedDeltaNetBase(nn.Module):
         return self.out_proj(y.reshape(-1, self.v_heads * self.v_dim))
 
 
+def gdn_row_orders(k_heads: int, k_dim: int, v_heads: int, v_dim: int) -> dict[str, GroupedRows]:
+    """How Qwen3-Next stores its GDN projections' rows, per key head h (r = v_heads / k_heads value
+    heads each): in_proj_qkvz [q_h | k_h | v_h | z_h], in_proj_ba [b_h | a_h]. Held segment-major,
+    they are q | k | v | z and b | a, every piece in head order."""
+    r = v_heads // k_heads
+    return {"in_proj_qkvz.weight": GroupedRows(k_heads, (k_dim, k_dim, r * v_dim, r * v_dim)),
+            "in_proj_ba.weight": GroupedRows(k_heads, (r, r))}
+
+
 class Qwen3NextGDN(GatedDeltaNetBase):
-    """Qwen3-Next projections: per key head h, in_proj_qkvz rows are [q_h | k_h | v (r heads) | z (r heads)]
-    and in_proj_ba rows [b (r heads) | a (r heads)], r = Hv / Hk."""
+    """Qwen3-Next projections, one GEMM over rows held q | k | v | z | b | a (`gdn_row_orders`: the
+    checkpoint stores them per key head), so q | k | v is the conv's input as it comes out of the
+    GEMM and z, b, a are slices of it: no gather, no copy."""
 
     def __init__(self, d: QwenDims, layer_id: int):
         super().__init__(d, layer_id)
-        r = d.v_heads // d.k_heads
-        self.in_proj = FusedLinear(d.hidden, {"in_proj_qkvz": d.k_heads * (2 * d.k_dim + 2 * r * d.v_dim),
-                                              "in_proj_ba": 2 * d.v_heads})
+        self._row_orders = gdn_row_orders(d.k_heads, d.k_dim, d.v_heads, d.v_dim)
+        self.in_proj = FusedLinear(d.hidden, {"in_proj_qkvz": self._row_orders["in_proj_qkvz.weight"].rows,
+                                              "in_proj_ba": self._row_orders["in_proj_ba.weight"].rows})
+
+    def row_orders(self) -> dict[str, GroupedRows]:
+        return dict(self._row_orders)
 
     def project(self, x):
-        Hk, Dk, Dv, r = self.k_heads, self.k_dim, self.v_dim, self.v_heads // self.k_heads
-        qkvz, ba = self.in_proj(x)
-        q, k, v, z = qkvz.view(-1, Hk, 2 * Dk + 2 * r * Dv).split([Dk, Dk, r * Dv, r * Dv], dim=-1)
-        b, a = ba.view(-1, Hk, 2 * r).split([r, r], dim=-1)
-        qkv = torch.cat([q.reshape(-1, Hk * Dk), k.reshape(-1, Hk * Dk), v.reshape(-1, Hk * r * Dv)], dim=-1)
-        return qkv, z.reshape(-1, self.v_heads, Dv), b.reshape(-1, self.v_heads), a.reshape(-1, self.v_heads)
+        kd, vd = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        qkv, z, b, a = self.in_proj(x, (2 * kd + vd, vd, self.v_heads, self.v_heads))
+        return qkv, z.view(-1, self.v_heads, self.v_dim), b, a
 
 
 class QwenGatedAttention(nn.Module):

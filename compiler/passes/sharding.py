@@ -12,7 +12,9 @@ and rank shapes, and the fused layouts the model declares) and the graph:
    ranks each (KV heads when there are fewer than ranks: Qwen3-Next's 2 KV heads at --tp 4 give
    each head to 2 ranks, never a late failure); equal shapes are replicated. In a linear layer's
    [out, in] weight a cut of dim 0 is column-parallel (the output is this rank's heads or
-   channels, kept local), a cut of dim 1 row-parallel (the output is a partial sum).
+   channels, kept local), a cut of dim 1 row-parallel (the output is a partial sum). A tensor
+   whose rows the model holds in an order of its own (splitops/rows.py) must be cut into whole
+   groups, one block per rank, since each rank rearranges the rows it read.
 2. `hgc.all_reduce` after every partial sum: each `aten.linear` whose weight is row-parallel (a
    bias, if it has one, moves after the sum, added once), and each `hgc.moe` whose experts are
    cut. `hgc.all_gather` after a column-parallel linear whose output is a program output: the
@@ -96,6 +98,19 @@ def derive_spec(name: str, whole: tuple, rank: tuple, tp: int, whole_segments=No
     return ShardSpec(dim, tuple(segments))
 
 
+def _check_row_order(view, spec: ShardSpec, tp: int) -> None:
+    """A view whose rows the program holds in its own order (splitops/rows.py) is rearranged after a
+    rank reads its rows, with the rank's groups: that holds only when the rank's rows are one block
+    of whole groups (Qwen3-Next: its key heads, each with its q, k, v, z rows)."""
+    if view.rows is None or spec.dim != 0:
+        return
+    (length, parts), *more = spec.segments
+    if more or length // parts != view.rows.rows:
+        raise ShardingError(f"sharding: tensor {view.name!r} ({_layer_of(view.name)}rows held in the order "
+                            f"{view.rows}) is cut as {spec.describe(tp)}; a rank must read one block of whole "
+                            f"groups; fix the family's row_orders or fused_segments (models/)")
+
+
 def _fake(fn, *values):
     """Run `fn` on fake values (the graph's meta["val"]s) to get the meta value of a new node."""
     mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
@@ -164,6 +179,9 @@ class ShardingPass(CompilePass):
             ctx.shard_specs = {name: derive_spec(name, f.whole, f.rank, self.tp, f.whole_segments, f.rank_segments)
                                for name, f in ctx.shard_facts.items()}
         sources = ctx.weight_sources.get(ctx.program, {})
+        for source in sources.values():
+            for view in source.views:
+                _check_row_order(view, ctx.shard_specs[view.name], self.tp)
         specs_of = {node.name: [ctx.shard_specs[v.name] for v in sources[node.name].views]
                     for node in gm.graph.nodes if node.op == "placeholder" and node.name in sources}
         for node in gm.graph.nodes:

@@ -8,6 +8,7 @@
     capability.py  what a backend declares it can do, and the table routing reads
     artifact.py    the artifact format: file names, documents, split-plan re-application
     sharding.py    tensor parallelism: how a tensor is cut across ranks, the divisibility rule
+    rows.py        row orders: rows a checkpoint stores per group and a model holds per segment
     bundle.py      the target bundle format: compiled code for one device and torch build, and its target
     glue.py        where a program's glue is cut from its op cores (what Inductor compiles)
     errors.py      CompileError, raised and caught by every layer above
@@ -19,6 +20,7 @@ from .errors import CompileError
 from .ops import (COLLECTIVE_OPS, OP_SPECS, OPS_BY_KIND, CallFacts, OpSpec, call_arguments, call_facts, is_hgc_op, is_op_node,
                   moe_shared_width, op_arguments, op_name_of, op_nodes, op_schemas, op_spec)
 from .policy import MODES, Capture, Mode
+from .rows import GroupedRows
 from .sharding import REPLICATED, ShardingError, ShardSpec, split_count
 from .registry import (FULL_KINDS, LINEAR_KINDS, LayerKind, LayerRegistry, LayerSpec, RegistryError,
                        TensorSpec, dtype_from_name)
@@ -35,4 +37,5 @@ __all__ = [
     "ShapeLimit", "instance_key",
     "CompileError",
     "REPLICATED", "ShardingError", "ShardSpec", "split_count",
+    "GroupedRows",
 ]

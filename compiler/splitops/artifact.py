@@ -51,6 +51,7 @@ from torch.fx.passes.split_module import split_module
 
 from .capability import BackendCapability, CapabilityError, instance_key
 from .policy import MODES, Mode
+from .rows import GroupedRows
 from .sharding import ShardSpec
 
 __all__ = [
@@ -70,7 +71,9 @@ FORMAT_NAME = "hgc-artifact"
 # 3: manifest.json is sealed by its own hash; linked weight files record the SHA-256 of their data
 # 4: a captured piece of split.json may carry side-stream branches (the overlap pass): a runtime
 #    that ignored them would silently run a plan other than the one recorded
-FORMAT_VERSION = 4
+# 5: a view of weights.json may carry a row order (rows.GroupedRows; Qwen3-Next's GDN projections):
+#    a runtime that ignored it would load those rows in the checkpoint's order, silently wrong
+FORMAT_VERSION = 5
 
 MANIFEST = "manifest.json"
 GRAPH = "graph.pt2"
@@ -642,12 +645,15 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
 
 @dataclasses.dataclass(frozen=True)
 class TensorView:
-    """Checkpoint tensor `name` fills the view (offset, shape, stride) of a program parameter."""
+    """Checkpoint tensor `name` fills the view (offset, shape, stride) of a program parameter;
+    with `rows`, its rows rearranged first (rows.GroupedRows.to_held: the order the program holds
+    them in, for the rows this rank reads)."""
 
     name: str
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    rows: GroupedRows | None = None
 
     @property
     def numel(self) -> int:
@@ -659,15 +665,20 @@ class TensorView:
         return self.numel * getattr(torch, self.dtype).itemsize
 
     def to_json(self) -> list:
-        return [self.name, self.offset, list(self.shape), list(self.stride)]
+        plain = [self.name, self.offset, list(self.shape), list(self.stride)]
+        return plain if self.rows is None else plain + [self.rows.to_json()]
 
     @classmethod
     def from_json(cls, obj, source: str) -> "TensorView":
         try:
-            name, offset, shape, stride = obj
-            return cls(str(name), int(offset), tuple(int(s) for s in shape), tuple(int(s) for s in stride))
-        except (TypeError, ValueError) as e:
-            raise ArtifactFormatError(f"{source}: a view is [name, offset, shape, stride]: {e}") from None
+            name, offset, shape, stride, *rows = obj
+            if len(rows) > 1:
+                raise ValueError(f"{len(obj)} fields")
+            return cls(str(name), int(offset), tuple(int(s) for s in shape), tuple(int(s) for s in stride),
+                       GroupedRows.from_json(rows[0]) if rows else None)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactFormatError(f"{source}: a view is [name, offset, shape, stride] or [name, offset, shape, "
+                                      f"stride, {{groups, segments}}]: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -688,9 +699,10 @@ class ParamSource:
         return self.numel * getattr(torch, self.dtype).itemsize
 
     def is_whole(self) -> bool:
-        """One checkpoint tensor is the whole parameter (the common case: copy, no assembly)."""
+        """One checkpoint tensor is the whole parameter, rows in order (the common case: copy, no assembly)."""
         v = self.views
-        return len(v) == 1 and v[0].offset == 0 and v[0].shape == self.shape and v[0].stride == _contiguous(self.shape)
+        return (len(v) == 1 and v[0].offset == 0 and v[0].shape == self.shape and v[0].stride == _contiguous(self.shape)
+                and v[0].rows is None)
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

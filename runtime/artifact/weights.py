@@ -9,6 +9,11 @@ Tensor parallel: a rank of a --tp N artifact reads only its part of each tensor,
 rank reads the whole model; the views of weights.json are already the rank's (the programs are a
 rank's). Tensors the model computes from its config (computed.safetensors) are read the same way.
 
+Row orders: a view may say that the program holds the checkpoint tensor's rows in another order
+(compiler/splitops/rows.py: Qwen3-Next's GDN projections, stored per key head, held q | k | v | z |
+b | a). The files keep the checkpoint's order; `assemble` rearranges the rows this rank read, a
+rank's rows being whole groups (its key heads), so the order recorded is the rank's.
+
 `--load-format dummy`: every checkpoint tensor is random instead, N(0, 0.02) in float32 from a
 generator on the device seeded by the tensor's name, made whole and then cut like a file's tensor,
 so a rank of tp 2 holds exactly the values a tp 1 run holds (their tokens can be compared), and a
@@ -220,5 +225,10 @@ def assemble(fqn: str, source: ParamSource, files: WeightFiles, device: str) -> 
         t = files.get(v.name)
         if tuple(t.shape) != v.shape:
             raise LoadError(f"weights: {v.name} has shape {list(t.shape)}, its place in {fqn} is {list(v.shape)}")
+        if v.rows is not None:
+            if v.rows.rows != v.shape[0]:
+                raise LoadError(f"{WEIGHT_MAP}: {v.name} has {v.shape[0]} rows, its row order {v.rows} is for "
+                                f"{v.rows.rows}")
+            t = v.rows.to_held(t)  # the checkpoint's row order -> the program's (module docstring)
         out.as_strided(v.shape, v.stride, v.offset).copy_(t)
     return out

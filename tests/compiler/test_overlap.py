@@ -27,7 +27,8 @@ from compiler.passes.context import CompileConfig
 from compiler.passes.overlap import MIN_BRANCH_BYTES, check_branch, piece_graph
 from compiler.pipeline import compile_checkpoint, plan
 from compiler.splitops import MODES, Mode, call_arguments, op_name_of, op_nodes
-from compiler.splitops.artifact import SPLIT, ArtifactFormatError, dump_json, parse_split_doc, split_doc
+from compiler.splitops.artifact import (FORMAT_NAME, FORMAT_VERSION, SPLIT, ArtifactFormatError, dump_json, parse_split_doc,
+                                        split_doc)
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.cache.batch import SeqState
 from runtime.step.bound_ops import BoundOps
@@ -201,7 +202,7 @@ def test_split_json_refuses_a_branch_it_cannot_run():
     good = {"nodes": ["b"], "fork_after": "a", "join_before": "d", "anchor": "c", "side_bytes": 1, "main_bytes": 1}
 
     def parse(kind="captured", **branch):
-        doc = {"format": "hgc-artifact", "format_version": 4, "programs": {"main": {
+        doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "programs": {"main": {
             m.value: {"mode": m.value, "pieces": [{"index": 0, "kind": kind, "nodes": nodes,
                                                    "side_branches": [{**good, **branch}]}]} for m in MODES}}}
         return parse_split_doc(doc)

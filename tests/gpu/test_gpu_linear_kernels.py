@@ -308,6 +308,28 @@ def test_verify_launches_are_the_decode_launches_at_real_dims(op):
     assert torch.equal(verify_pool.layer(0)[entry][untouched], before[untouched]), "padding slot or a free slot written"
 
 
+def test_short_conv_verify_reads_a_column_slice_of_a_stacked_projection():
+    """The target_verify conv reading its input as the q|k|v columns of a wider projection output
+    (Qwen3-Next's and Qwen3.5's GDN, Kimi's KDA): the same bits as the same step on a contiguous
+    copy, outputs, kept histories and final histories alike."""
+    from runtime.backends.triton_linear import TritonLinearBackend
+
+    n, bucket, num_real, num_slots = VERIFY["draft_tokens"] + 1, VERIFY["verify_rows"], 3, 6
+    slots = [5, 2, 4, PADDING_SLOT]
+    x = inputs("short_conv", bucket * n, num_real * n, torch.bfloat16, torch.Generator().manual_seed(43))["x"].to(DEV)
+    results = []
+    for fed in (x, column_slice(x)):
+        _, pool = pools("short_conv", num_slots, seed=44)
+        backend = TritonLinearBackend(pool)
+        ctx = step_ctx(Mode.TARGET_VERIFY, [(s, 20 + 9 * i, n) for i, s in enumerate(slots[:num_real])], n, 1, DEV)
+        backend.init_step_metadata(ctx)
+        out = out_like("short_conv", bucket * n, torch.bfloat16, DEV)
+        call(backend, ctx, "short_conv", {"x": fed}, out)
+        results.append((out.cpu(), pool.layer(0)["conv"].cpu(), pool.verify_buffers[0]["conv"][:num_real].cpu()))
+    for name, contiguous, sliced in zip(("outputs", "histories", "kept histories"), *results):
+        assert torch.equal(contiguous, sliced), name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("channels", [CONV_C, 3 * 32 * 128], ids=["qwen3_next", "kimi_linear"])
 def test_conv_extend_kernel_at_real_dims(channels, dtype):

@@ -4,7 +4,8 @@
   (`hgc generate`), which a one-process compile of every family gives exactly
   (tests/compiler/test_compiler_families.py), so no one-process artifact is compiled here. The
   checkpoints are chosen to reach the cases sharding gets wrong: Qwen3-Next with one KV head
-  (held whole by both ranks), Qwen3.5 with its KV heads split, Kimi-Linear's MLA and KDA, Bailing
+  (held whole by both ranks) and two GDN key heads a rank (each rank rearranges the rows it reads
+  of the projections the checkpoint stores per key head), Qwen3.5 with its KV heads split, Kimi-Linear's MLA and KDA, Bailing
   with biases on its fused q|k|v and row-parallel projections (each added once, after the sum).
   Three run `hgc run --tp 2` (one under torchrun); Qwen3-Next is served (below).
 - Each rank reads its part of every tensor: the parts, put back together by their specs, are the
@@ -45,7 +46,8 @@ NEW_TOKENS = 6
 # program, so the checkpoints drop their MTP layers (which halves compile and start-up); the lint
 # test shards a draft program.
 FAMILIES = {
-    "qwen3_next": {"num_key_value_heads": 1, "num_nextn_predict_layers": 0},
+    "qwen3_next": {"num_key_value_heads": 1, "num_nextn_predict_layers": 0, "linear_num_key_heads": 4,
+                   "linear_num_value_heads": 8},
     "qwen3_5": {"mtp_num_hidden_layers": 0},
     "kimi_linear": {},
     "bailing_linear": {"use_bias": True, "use_qkv_bias": True, "num_nextn_predict_layers": 0},
