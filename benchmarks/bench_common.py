@@ -11,7 +11,8 @@
 - `decode_batch`: B requests with a history, and their next decode step's items.
 - `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU); `launch_check_ms`:
   the host cost of a small graph's replay, which says whether a profiler slowed the timings after it;
-  `profile_call` and its `device_gaps`: a call's kernels, host ops and the device's waits (profiler).
+  `profile_call` and its `device_gaps`: a call's kernels, host ops and the device's waits (profiler);
+  `request_timeline`: the same for one request to its first token, the host's share before the device starts.
 - `engine_script`: the main of a benchmark over one engine-level model (prefix_bench, spec_bench):
   the shared flags, GPU or dry-run defaults, OUT/NAME.json saved after every stage, a table last.
 
@@ -395,6 +396,47 @@ def profile_call(fn, device, iters: int = 5, top: int | None = 12) -> dict:
             "kernels_per_call": sum(r["calls"] for r in k_rows), "top_kernels": k_rows[:top],
             "top_host_ops": h_rows[:top], "kernel_sequence": [e.name[:60] for e in one_call],
             **device_gaps(one_call)}
+
+
+def request_timeline(setup, fn, device, iters: int = 5, top: int = 12) -> dict:
+    """Where one request's time to its first token goes on the device: `fn` (the request, on an
+    idle engine after `setup()`, which is not profiled) under the profiler, `iters` times. Per
+    call: the host time from fn's start to its first kernel (what the host does before the device
+    has work), the kernels' sum, the span from fn's start to the last kernel's end, the device's
+    idle time inside its kernels' span (`device_gaps`), and the costliest kernels. The profiler
+    widens host times (see `device_gaps`), so the split says where the time goes, not how long an
+    unprofiled request takes. CUDA only (None on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if device.type != "cuda":
+        return None
+    calls = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            setup()
+            torch.cuda.synchronize(device)
+            with record_function(f"request_{i}"):
+                fn()
+            torch.cuda.synchronize(device)
+    events = prof.events()
+    kernels = device_kernels(prof)
+    for i in range(iters):
+        mark = next(e for e in events if e.name == f"request_{i}")
+        start, end = mark.time_range.start, mark.time_range.end
+        mine = [k for k in kernels if start <= k.time_range.start <= end]
+        if not mine:
+            continue
+        calls.append({"host_before_first_kernel_ms": (mine[0].time_range.start - start) / 1e3,
+                      "kernel_ms": sum(k.time_range.end - k.time_range.start for k in mine) / 1e3,
+                      "span_ms": (mine[-1].time_range.end - start) / 1e3, "kernels": len(mine),
+                      "host_call_ms": (end - start) / 1e3, "mine": mine})
+    if not calls:
+        return {}
+    last = calls[-1]["mine"]
+    summary = {k: round(statistics.median(c[k] for c in calls), 4)
+               for k in ("host_before_first_kernel_ms", "kernel_ms", "span_ms", "kernels", "host_call_ms")}
+    rows = per_call_rows(((k.name, k.time_range.end - k.time_range.start) for c in calls for k in c["mine"]), len(calls))
+    return {**summary, "top_kernels": rows[:top], **device_gaps(last, top)}
 
 
 def device_kernels(prof) -> list:

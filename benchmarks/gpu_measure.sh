@@ -24,6 +24,8 @@
 #   budgets      offline_bench at 128 in flight with each token budget of BUDGETS (default "512 1024 2048 4096")
 #   prefix_compiled  prefix_bench.py on the serving artifact (the compiled bundle)
 #   multiturn_compiled  multiturn_bench.py on the serving artifact
+#   glue_source  the Inductor sources in the serving artifact's bundle of the kernels named in GLUE_KERNELS
+#                (space-separated), up to 4 files each, under $OUT/glue_source: what a glue kernel does
 #   apart        offline_bench at CONCURRENCY with mixed steps in one forward (--decodes-apart-from 0): against
 #                the offline run of the serve stage (decodes apart, the default)
 # FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account; PIECES=1
@@ -100,6 +102,15 @@ for stage in "$@"; do
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving" --work "$W" --artifact "$art" \
             --batches "${BATCHES:-1}" --extends "${EXTENDS:-16,32,128,512}" ;;
+    glue_source)
+        art=$(serving_artifact) || { echo "no artifact"; continue; }
+        mkdir -p "$OUT/glue_source"
+        for kernel in ${GLUE_KERNELS:-}; do
+            grep -rl --include='*.py' "def $kernel(" "$art" | head -4 | while read -r f; do
+                cp "$f" "$OUT/glue_source/${kernel}__$(basename "$f")"
+            done
+        done
+        ls -la "$OUT/glue_source" ;;
     *) echo "unknown stage $stage" ;;
     esac
 done

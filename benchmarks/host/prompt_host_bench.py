@@ -13,7 +13,9 @@ parity-checked, prefix cache off, as multiturn_bench.py's short prompt runs). Pe
    TTFT minus it is the engine's host work around the step (scheduling, layout, sampling, the token's
    copy back); step_account.py times the replay alone;
 3. profile: cProfile of --profile-iters more prompts, nothing synchronised but what the engine does
-   (bench_common.host_profile), the top functions by own and cumulative time in ms per prompt.
+   (bench_common.host_profile), the top functions by own and cumulative time in ms per prompt;
+4. timeline (CUDA): 5 more under the profiler (bench_common.request_timeline): the host's time before
+   the first kernel, the kernels, the device's idle gaps.
 
 Writes OUT/prompt_host_bench.json and prints one line per T.
 """
@@ -33,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from bench_common import compiled_artifact, host_profile, synchronizer  # noqa: E402
+from bench_common import compiled_artifact, host_profile, request_timeline, synchronizer  # noqa: E402
 
 
 class TimedRun:
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
         host = [a - b for a, b in zip(ttft, fwd)]
         row = {"ttft_ms_median": statistics.median(ttft), "ttft_ms_min": min(ttft),
                "run_ms_median": statistics.median(fwd), "host_ms_median": statistics.median(host),
-               "profile": host_profile(prompt, iters=args.profile_iters, top=30, sync=sync)}
+               "profile": host_profile(prompt, iters=args.profile_iters, top=30, sync=sync),
+               "timeline": request_timeline(lambda: None, prompt, torch.device(device))}
         rec["lengths"][str(T)] = row
         print(f"T={T}: TTFT median {row['ttft_ms_median']:.3f} ms (min {row['ttft_ms_min']:.3f}); "
               f"{row['run_ms_median']:.3f} ms in run_outputs; {row['host_ms_median']:.3f} ms around it", flush=True)

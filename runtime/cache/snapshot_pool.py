@@ -11,8 +11,9 @@ holds such states, one per snapshot id, in the state pool's layout:
 2. `alloc()` hands out an id, `free(id)` returns it; the radix cache (runtime/cache/radix_cache.py)
    keeps the ids its nodes hold.
 3. `save(state_pool, slots, ids)` copies the state of request slots into snapshots;
-   `restore(state_pool, ids, slots)` copies snapshots into request slots. One indexed copy per
-   group (every layer's entries of one shape) for all the pairs of a step, issued on the host
+   `restore(state_pool, ids, slots)` copies snapshots into request slots. One copy per group
+   (every layer's entries of one shape) for each pair, or one indexed copy per group for all the
+   pairs of a step when there are more than DIRECT_PAIRS, issued on the host
    side of a step (never inside a captured graph), on the stream that runs the steps, so it is
    ordered after the step that wrote the state and before the next one that reads it.
 
@@ -32,6 +33,10 @@ from runtime.cache.state_pool import StatePool, linear_state_buffers
 from runtime.step.host_copy import to_device
 
 __all__ = ["SnapshotPool", "OutOfSnapshots"]
+
+
+# Up to this many (source, destination) pairs are copied row by row; more go as one indexed copy per group.
+DIRECT_PAIRS = 2
 
 
 class OutOfSnapshots(RuntimeError):
@@ -80,6 +85,15 @@ class SnapshotPool:
         assert len(src) == len(dst) and [(g.shape[0], g.shape[2:], g.dtype) for g in src_groups] == [
             (g.shape[0], g.shape[2:], g.dtype) for g in dst_groups], "snapshot pool: built for another registry than the state pool"
         if not src:
+            return
+        if len(src) <= DIRECT_PAIRS:
+            # A hit restores one snapshot and a step saves one or two: a strided copy of row src[i]
+            # per group each is one kernel and no index upload, where the indexed copy below takes
+            # two index uploads and a gather into a temporary before its scatter, all ahead of the
+            # step that waits for them (a hit's time to first token).
+            for source, target in zip(src_groups, dst_groups):
+                for s, d in zip(src, dst):
+                    target[:, d].copy_(source[:, s])
             return
         # Queued from pinned memory, not a synchronous copy that would wait for every queued step
         # kernel (runtime/step/host_copy.py): the engine loop lays out the next step meanwhile.

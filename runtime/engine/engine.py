@@ -378,22 +378,29 @@ class Engine:
         else:
             mode, logits, hidden = self._run(items, rows)  # logits [sum(rows), V]
         launch.mode = launch.mode or mode  # speculative: the step's prompt forward names it
-        if self.prefix_cache is not None:  # before sampling retires anyone: the slots hold the states
+        entries = []
+        if self.prefix_cache is not None:
             entries = [(req.cache, req.seq, req.prompt, req.output) for req, _ in items if req.cache is not None]
             if self._inflight is not None and any(  # rule 3: the cache reads tokens still on the device
                     output[-1:] == [PLACEHOLDER_TOKEN] and self.prefix_cache.reads_output(hold, seq, len(prompt))
                     for hold, seq, prompt, output in entries):
                 self._read_inflight()
-            self.prefix_cache.after_step(entries)
         last_rows = list(itertools.accumulate(rows, initial=-1))[1:]  # each request's last logits row
         self.choices.score_prompts(items, rows, last_rows, logits)
         ready = [(req, row) for (req, _), row in zip(items, last_rows) if req.num_pending == 0]
         if self._can_overlap(launch, items, ready):
+            # The ids' choice and copy are queued before the cache's snapshot copies, so a request's
+            # first token waits for its step alone. The snapshots still precede the next step on the
+            # stream, and the placeholders appended here lie past the tokens the cache reads.
             self._leave_on_device(launch, ready, logits)
+            if entries:
+                self.prefix_cache.after_step(entries)
             if self._inflight is not None:
                 self._read_inflight()  # the step before: its ids were copied while this one was laid out
             self._inflight = launch
             return None
+        if entries:  # before sampling retires anyone: the slots hold the states
+            self.prefix_cache.after_step(entries)
         if self._inflight is not None:
             self._read_inflight()
             ready = [(req, row) for req, row in ready if self._is_live(req)]  # the step before ended some

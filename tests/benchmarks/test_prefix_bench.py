@@ -25,7 +25,7 @@ def test_dry_run_measures_hit_and_miss(tmp_path, tmp_path_factory):
     rec = main(["--dry-run", "--out", str(tmp_path), "--work", str(work), "--iters", "1"])
     assert json.loads((tmp_path / "prefix_bench.json").read_text())["hit"] == rec["hit"]
     assert {name: s["status"] for name, s in rec["stages"].items()} == dict.fromkeys(
-        ("init_compile", "engine", "warm_up", "miss_no_cache", "miss_cache", "hit", "snapshot_copy"), "ok")
+        ("init_compile", "engine", "warm_up", "miss_no_cache", "miss_cache", "hit", "hit_timeline", "snapshot_copy"), "ok")
     assert rec["engine"]["graphs"] and rec["graph_counters"]["piecewise_steps"] > 0
     prefix, suffix = rec["config"]["prefix"], rec["config"]["suffix"]
     assert (rec["miss_no_cache"]["cached_tokens"], rec["miss_no_cache"]["prefilled_tokens"]) == (0, prefix + suffix)

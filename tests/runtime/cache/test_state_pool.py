@@ -48,9 +48,9 @@ def test_grouped_states_equal_one_tensor_per_layer_and_entry(monkeypatch):
     assert all(torch.equal(grouped[k], alone[k]) for k in grouped)
 
 
-def test_a_save_is_one_indexed_copy_per_group_and_buffers_are_views_of_the_groups():
+def test_a_save_of_few_pairs_copies_rows_and_of_more_one_indexed_copy_per_group_and_buffers_are_views_of_the_groups():
     registry = build_model("qwen3_next").layer_registry
-    st, snaps = StatePool(registry, 4), SnapshotPool(registry, 2)
+    st, snaps = StatePool(registry, 4), SnapshotPool(registry, 3)
     entries = [t for e in st.buffers.values() for t in e.values()]
     assert len(st.groups) < len(entries)  # the tiny model's linear layers share shapes
     storages = {g.untyped_storage().data_ptr() for g in st.groups}
@@ -59,7 +59,21 @@ def test_a_save_is_one_indexed_copy_per_group_and_buffers_are_views_of_the_group
     assert all(t.data_ptr() % state_pool_module.GROUP_ALIGN == 0 for t in entries if st.groups[0].is_cuda)
     with CountCalls() as calls:
         snaps.save(st, [1, 2], [0, 1])
+    assert calls.names.count("index_copy_") == 0 and calls.names.count("copy_") == 2 * len(st.groups)
+    with CountCalls() as calls:
+        snaps.save(st, [1, 2, 3], [0, 1, 2])
     assert calls.names.count("index_copy_") == len(st.groups)
+
+
+@pytest.mark.parametrize("direct_pairs", [0, 8])
+def test_row_copies_and_indexed_copies_move_the_same_states(monkeypatch, direct_pairs):
+    from runtime.cache import snapshot_pool
+
+    registry = build_model("qwen3_next").layer_registry
+    expected = fill_and_move(registry)
+    monkeypatch.setattr(snapshot_pool, "DIRECT_PAIRS", direct_pairs)  # every copy one way, then the other
+    moved = fill_and_move(registry)
+    assert all(torch.equal(expected[k], moved[k]) for k in expected)
 
 
 def test_an_entry_whose_row_is_not_aligned_is_a_group_of_its_own(monkeypatch):
