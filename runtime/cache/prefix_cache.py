@@ -46,6 +46,11 @@ has a floor of several milliseconds), so splits are kept to where they pay:
 - chunk ends, at least `snapshot_interval` tokens after its previous snapshot: long prompts
   then leave snapshots along the way that partial matches can use (with the default budget of
   512 tokens a step, the end of every fourth chunk).
+- the end of its output (`snapshot_output_end`): the last page boundary its decode steps reach
+  if it runs to max_new_tokens (its last sampled token is never fed), at that decode step (no
+  split). The next turn of a chat is this prompt, this output and new words: it hits all but the
+  output's last partial page, so a turn prefills its new words alone, not the last turn's output
+  too. A request that stops early never reaches the point and takes nothing there.
 - with `snapshot_output`, the same cadence over its generated tokens, at decode steps that end on
   a page boundary (no split).
 
@@ -87,6 +92,7 @@ class PrefixCacheConfig:
     # turn (the last turn's output and the new words: hundreds of tokens) takes it, a short
     # suffix after a shared prefix does not.
     hit_snapshot_tokens: int = 128
+    snapshot_output_end: bool = True
     snapshot_output: bool = False
 
     def __post_init__(self):
@@ -124,8 +130,9 @@ class PrefixCache:
 
     # -- admission ------------------------------------------------------------------------------
 
-    def take(self, tokens: list[int], prompt_len: int) -> CacheHold:
-        """The longest reusable prefix of `tokens` and the snapshot points after it; holds its pages."""
+    def take(self, tokens: list[int], prompt_len: int, max_new_tokens: int = 0) -> CacheHold:
+        """The longest reusable prefix of `tokens` and the snapshot points after it; holds its pages.
+        max_new_tokens: the most the request generates (0: no point in its output)."""
         ps = self.page_size
         match = self.tree.match(tokens, len(tokens) - 1)  # the last token always runs
         points = {match.kv_tokens}  # the branch point (the hit itself when no KV lies beyond it)
@@ -133,6 +140,9 @@ class PrefixCache:
         if self.config.snapshot_prompt_end and (prompt_len % ps == 0 or match.tokens == 0 or (
                 self.config.hit_snapshot_tokens and end - match.tokens >= self.config.hit_snapshot_tokens)):
             points.add(end)
+        output_end = (prompt_len + max_new_tokens - 1) // ps * ps  # tokens fed once the last one is sampled
+        if self.config.snapshot_output_end and output_end > prompt_len:
+            points.add(output_end)
         self.kv_pool.share(match.pages)  # so that no eviction takes them before attach
         return CacheHold(match, tuple(sorted(p for p in points if p > match.tokens)), match.tokens,
                          node=match.node if match.snapshot is not None else None)
@@ -175,9 +185,11 @@ class PrefixCache:
     def _due(self, hold: CacheHold, pos: int, prompt_len: int) -> bool:
         if pos % self.page_size or pos <= hold.snapshot_at:
             return False
+        if pos in hold.points:
+            return True
         if pos > prompt_len and not self.config.snapshot_output:
             return False
-        return pos in hold.points or pos - hold.snapshot_at >= self.config.snapshot_interval
+        return pos - hold.snapshot_at >= self.config.snapshot_interval
 
     def reads_output(self, hold: CacheHold, seq: SeqState, prompt_len: int) -> bool:
         """Whether `after_step` would read the request's generated tokens now: a snapshot, or its

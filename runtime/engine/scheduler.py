@@ -105,7 +105,7 @@ class Scheduler:
             # A request scoring its prompt needs the logits of every prompt position, which a cached
             # prefix does not keep: it prefills the whole prompt.
             if self.prefix_cache is not None and req.params.prompt_logprobs is None:
-                hold = self.prefix_cache.take(req.prompt + req.output, len(req.prompt))
+                hold = self.prefix_cache.take(req.prompt + req.output, len(req.prompt), req.params.max_new_tokens)
             cached = 0 if hold is None else hold.tokens
             n = min(req.num_tokens - cached, budget)
             if hold is not None:

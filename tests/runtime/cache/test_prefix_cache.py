@@ -34,15 +34,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cached_engine(model, *, cache: bool = True, slots: int = 6, pages: int = 128, snapshots: int = 32,
-                  interval: int = 8, hit_snapshot_tokens: int = 128, **engine_kwargs) -> Engine:
+                  interval: int = 8, hit_snapshot_tokens: int = 128, output_end: bool = True, **engine_kwargs) -> Engine:
     kv_pool, state_pool = make_pools(model, slots, pages, PAGE)
     ops = BoundOps(CPUReferenceBackend(kv_pool, state_pool))
     model.set_ops(ops)
     prefix_cache = None
     if cache:
         prefix_cache = PrefixCache(kv_pool, state_pool, SnapshotPool(model.layer_registry, snapshots),
-                                   PrefixCacheConfig(snapshot_interval=interval,
-                                                     hit_snapshot_tokens=hit_snapshot_tokens))
+                                   PrefixCacheConfig(snapshot_interval=interval, hit_snapshot_tokens=hit_snapshot_tokens,
+                                                     snapshot_output_end=output_end))
     return eager_engine(model, ops, kv_pool, state_pool, prefix_cache=prefix_cache, **engine_kwargs)
 
 
@@ -310,11 +310,13 @@ def test_output_snapshots_let_the_next_turn_hit_past_the_prompt():
 
 @pytest.mark.parametrize("name", ["toy", MODELS[-1]])
 def test_each_turn_of_a_chat_hits_the_turn_before_it(name):
-    """A chat's turn is the last turn's prompt, its output and new words. A hit with at least
+    """A chat's turn is the last turn's prompt, its output and new words. With output-end snapshots
+    (the default) each turn hits the turn before's prompt and output, rounded down to a page: it
+    prefills its new words and at most a page of the output. Without them, a hit with at least
     hit_snapshot_tokens (here 2 pages) up to its prompt's last page boundary snapshots there, so
-    each turn hits the turn before's prompt (rounded down to a page). Without it (0) a turn
-    snapshots only where it leaves the pages of the turn before (its branch point), so it hits
-    the prompt of two turns before. Tokens equal the run without the cache."""
+    each turn hits the turn before's prompt (rounded down to a page); without that either (0) a
+    turn snapshots only where it leaves the pages of the turn before (its branch point), so it
+    hits the prompt of two turns before. Tokens equal the run without the cache."""
     model = build_model(name)
     vocab = vocab_of(model)
 
@@ -328,20 +330,24 @@ def test_each_turn_of_a_chat_hits_the_turn_before_it(name):
 
     plain = chat(cached_engine(model, cache=False, max_tokens_per_step=64))
     lengths = [13 + 12 * t for t in range(4)]  # each turn adds 5 output and 7 new tokens
-    for hit_snapshot_tokens, want in ((2 * PAGE, [0] + [n // PAGE * PAGE for n in lengths[:-1]]),
-                                      (0, [0, 12, 12, 24])):
-        engine = cached_engine(model, interval=10_000, max_tokens_per_step=64, hit_snapshot_tokens=hit_snapshot_tokens)
+    output_ends = [0] + [(n + 4) // PAGE * PAGE for n in lengths[:-1]]  # prompt + 5 - 1 tokens fed
+    for output_end, hit_snapshot_tokens, want in ((True, 2 * PAGE, output_ends), (True, 0, output_ends),
+                                                  (False, 2 * PAGE, [0] + [n // PAGE * PAGE for n in lengths[:-1]]),
+                                                  (False, 0, [0, 12, 12, 24])):
+        engine = cached_engine(model, interval=10_000, max_tokens_per_step=64, hit_snapshot_tokens=hit_snapshot_tokens,
+                               output_end=output_end)
         results = chat(engine)
         assert [r.output_ids for r in results] == [r.output_ids for r in plain]
-        assert [r.cached_tokens for r in results] == want, hit_snapshot_tokens
+        assert [r.cached_tokens for r in results] == want, (output_end, hit_snapshot_tokens)
         assert_all_free(engine)
 
 
 def test_chats_sharing_a_pool_of_one_snapshot_each_keep_the_turn_before():
     """Four chats take turns together with room for four snapshots. A turn's snapshot supersedes
     the one its chat hit (RadixCache.supersede), so a full pool gives up that one, not the
-    snapshot another chat has yet to hit: every turn after the first hits its chat's last prompt.
-    Without that (eviction by use alone), chats lose their snapshot to each other's turns."""
+    snapshot another chat has yet to hit: every turn after the first hits its chat's last prompt
+    and output (the output's end: 40 + 8 - 1 tokens fed, rounded down to 44). Without that
+    (eviction by use alone), chats lose their snapshot to each other's turns."""
     model = build_model("toy")
     vocab = vocab_of(model)
     engine = cached_engine(model, slots=4, pages=512, snapshots=4, interval=10_000, max_tokens_per_step=64,
@@ -351,7 +357,7 @@ def test_chats_sharing_a_pool_of_one_snapshot_each_keep_the_turn_before():
     for turn in range(4):
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
         results = engine.run_until_done()
-        assert [results[i].cached_tokens for i in ids] == [len(prompts[0]) - 48 if turn else 0] * 4, turn
+        assert [results[i].cached_tokens for i in ids] == [len(prompts[0]) - 44 if turn else 0] * 4, turn
         prompts = [p + list(results[i].output_ids) + random_ids(40, vocab, g) for p, i in zip(prompts, ids)]
     assert_all_free(engine)
 
@@ -365,7 +371,8 @@ def test_chunks_end_on_page_boundaries_and_snapshot_points():
     # 7-token budget: 0-4, 4-8, 8-12, ... each cut back to a page boundary; 20 is the prompt's last
     # boundary (snapshot point), 23 its end.
     assert chunks == [4, 4, 4, 4, 4, 3], chunks
-    assert engine.prefix_cache.tree.num_snapshots == 3  # at 8 and 16 (every 8 tokens) and at 20
+    # at 8 and 16 (every 8 tokens), at 20, and at 24, the output's end (23 + 2 - 1 tokens fed, rounded down)
+    assert engine.prefix_cache.tree.num_snapshots == 4
 
 
 # -- memory pressure --------------------------------------------------------------------------
