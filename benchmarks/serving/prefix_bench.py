@@ -156,7 +156,8 @@ def bench(args, rec: dict, save) -> None:
         # copies among them), the device's idle gaps; then cProfile of the same hits' host side.
         eng, reqs, pending = cache_on(True), state["requests"], []
 
-        def seed():
+        def seed():  # on an empty cache, as `hits` does: a small snapshot pool would evict the prefix's
+            cache_on(True)
             prefix = reqs.new_prefix()
             first_token(eng, reqs.prompt(prefix))
             first_token(eng, reqs.prompt(prefix))

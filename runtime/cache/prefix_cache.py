@@ -116,6 +116,11 @@ class CacheHold:
     def tokens(self) -> int:
         return self.match.tokens
 
+    @property
+    def restores(self) -> bool:
+        """Whether `attach` copies a snapshot into the request's slot (every state of it)."""
+        return self.match.snapshot is not None
+
 
 class PrefixCache:
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, snapshots: SnapshotPool,
@@ -157,7 +162,7 @@ class PrefixCache:
         match = hold.match
         seq.pages = list(match.pages)
         seq.num_cached = match.tokens
-        if match.snapshot is not None:
+        if hold.restores:
             self.snapshots.restore(self.state_pool, [match.snapshot], [seq.slot])
             self.tree.use(match)
             self.hits += 1

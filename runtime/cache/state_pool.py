@@ -100,11 +100,14 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> int:
+    def alloc(self, zero: bool = True) -> int:
+        """A free slot, zeroed (no state from its last owner) unless `zero` is False: for a caller
+        that overwrites every state of it before any step reads it (a prefix-cache hit's restore)."""
         if not self._free:
             raise OutOfSlots(f"state pool: all {self.num_slots} slots are in use")
         slot = self._free.pop()
-        self.zero_slot(slot)
+        if zero:
+            self.zero_slot(slot)
         return slot
 
     def zero_slot(self, slot: int) -> None:
