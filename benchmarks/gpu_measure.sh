@@ -12,6 +12,7 @@
 #   multiturn    benchmarks/serving/multiturn_bench.py: TTFT per turn, cache on and off; a 32-token prompt
 #   overlap_tests  the GPU tests of the overlapped engine loop and of decodes apart (CUDA graphs)
 #   extend_tests   the GPU test of whole-step extend graphs (tests/gpu/test_gpu_extend_graphs.py)
+#   gpu_tests    the GPU tests of the files in GPU_TESTS (space-separated), the whole report under $OUT/gpu_tests
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
@@ -73,6 +74,10 @@ for stage in "$@"; do
         mkdir -p "$OUT/extend_tests"
         python3 -m pytest -q -m gpu tests/gpu/test_gpu_extend_graphs.py > "$OUT/extend_tests/pytest.log" 2>&1
         tail -15 "$OUT/extend_tests/pytest.log" ;;
+    gpu_tests)
+        mkdir -p "$OUT/gpu_tests"
+        python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} > "$OUT/gpu_tests/pytest.log" 2>&1
+        tail -15 "$OUT/gpu_tests/pytest.log" ;;
     serve|serve_sync)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         schedule=--overlap-schedule; [ "$stage" = serve_sync ] && schedule=--no-overlap-schedule
