@@ -92,7 +92,7 @@ class PrefixCacheConfig:
     # turn (the last turn's output and the new words: hundreds of tokens) takes it, a short
     # suffix after a shared prefix does not.
     hit_snapshot_tokens: int = 128
-    snapshot_output_end: bool = True
+    snapshot_output_end: bool = True  # the last page boundary a request's output reaches (a chat's next turn)
     snapshot_output: bool = False
 
     def __post_init__(self):
@@ -115,11 +115,6 @@ class CacheHold:
     @property
     def tokens(self) -> int:
         return self.match.tokens
-
-    @property
-    def restores(self) -> bool:
-        """Whether `attach` copies a snapshot into the request's slot (every state of it)."""
-        return self.match.snapshot is not None
 
 
 class PrefixCache:
@@ -162,7 +157,7 @@ class PrefixCache:
         match = hold.match
         seq.pages = list(match.pages)
         seq.num_cached = match.tokens
-        if hold.restores:
+        if match.snapshot is not None:
             self.snapshots.restore(self.state_pool, [match.snapshot], [seq.slot])
             self.tree.use(match)
             self.hits += 1

@@ -100,15 +100,12 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self, zero: bool = True) -> int:
-        """A free slot, zeroed (no state from its last owner) unless `zero` is False: for a caller
-        that overwrites every state of it before any step reads it (a prefix-cache hit's restore)."""
+    def alloc(self) -> int:
+        """A free slot: zero, as every free slot is (`free` zeroes it), so a new request's first
+        step finds no state of its last owner and waits for no zeroing of its own."""
         if not self._free:
             raise OutOfSlots(f"state pool: all {self.num_slots} slots are in use")
-        slot = self._free.pop()
-        if zero:
-            self.zero_slot(slot)
-        return slot
+        return self._free.pop()
 
     def zero_slot(self, slot: int) -> None:
         if self.journal is not None:
@@ -129,8 +126,11 @@ class StatePool:
         return [group[:, slot] for group in self.groups]
 
     def free(self, slot: int) -> None:
+        """Give the slot back, zeroed: queued behind the steps that used it, off the path of the next
+        request's first step (whose time to first token would otherwise wait for it)."""
         assert slot != PADDING_SLOT, "state pool: the padding slot is never handed out, so never freed"
         assert 0 < slot <= self.num_slots and slot not in self._free, f"state pool: slot {slot} freed twice or unknown"
+        self.zero_slot(slot)
         self._free.append(slot)
 
     def layer(self, layer_id: int) -> dict[str, torch.Tensor]:

@@ -572,8 +572,8 @@ class Engine:
                 self.scheduler.waiting.appendleft(child)
                 self.numbers.totals["prefills_recomputed"] += 1
                 continue
-            child.seq = SeqState(self.state_pool.alloc(zero=False), self.kv_pool.alloc(pages), req.seq.num_cached)
-            self.state_pool.copy_slot(req.seq.slot, child.seq.slot)  # every state of the slot
+            child.seq = SeqState(self.state_pool.alloc(), self.kv_pool.alloc(pages), req.seq.num_cached)
+            self.state_pool.copy_slot(req.seq.slot, child.seq.slot)
             self.kv_pool.copy_pages(req.seq.pages, child.seq.pages)
             self.scheduler.running.append(child)
             self.numbers.totals["prefills_shared"] += 1

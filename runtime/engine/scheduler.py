@@ -116,8 +116,7 @@ class Scheduler:
                     self.prefix_cache.drop(hold)
                 return  # the head waits for pages; the queue waits behind it
             self.waiting.popleft()
-            # alloc zeroes the slot (no state from its last owner) unless a snapshot overwrites it all
-            req.seq = SeqState(self.state_pool.alloc(zero=hold is None or not hold.restores))
+            req.seq = SeqState(self.state_pool.alloc())  # a zero slot: no state from its last owner
             if hold is not None:
                 self.prefix_cache.attach(hold, req.seq, req.num_tokens)  # shared pages, the snapshot in its slot
             req.cache = hold
