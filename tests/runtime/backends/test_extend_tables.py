@@ -2,7 +2,8 @@
 
 For random request lengths, padded request counts and padded token counts, every table
 `fill_extend_tables` writes equals what the host path computes (launch_math.token_blocks over the
-same lengths, the empty request's rows after), and nothing outside the spans is written.
+same lengths and the padding rows as one more request, the empty request's rows after), and
+nothing outside the spans is written.
 """
 
 from __future__ import annotations
@@ -38,18 +39,20 @@ def expected(lens: list[int], T: int, B: int):
     np.cumsum(full, out=bounds[1:B + 2])
     bounds[B + 2] = T
     tables = []
-    for rows, blocks in ((cdiv(T, CHUNK) + B, token_blocks(full, CHUNK)),
-                         (cdiv(T, CONV) + B + 1, token_blocks(np.append(full, T - real), CONV))):
+    with_padding = np.append(full, T - real)  # request B+1: the padding rows
+    for rows, size in ((cdiv(T, CHUNK) + B, CHUNK), (cdiv(T, CONV) + B + 1, CONV)):
+        blocks = token_blocks(with_padding, size)
         t = np.tile(np.array([B, 0], dtype=np.int64), (rows, 1))
         t[:blocks.shape[0]] = blocks
         tables.append(t)
-    return [bounds[:B + 2], bounds, *tables]
+    return [bounds, *tables]
 
 
 @in_process
 @pytest.mark.parametrize("lens,T,B", [
     ([32], 32, 1), ([1], 16, 1), ([16], 16, 16), ([64, 1, 65], 256, 4), ([100, 3, 0][:2], 128, 8),
     ([7] * 5, 64, 64), ([300, 500, 1, 129], 1024, 256), ([], 16, 1),
+    ([1, 1], 128, 2), ([1] * 16, 16, 16), ([65], 4096, 1),  # the chunk table full to its last row
 ])
 def test_tables_match_the_host_path(lens, T, B):
     real = sum(lens)
