@@ -305,9 +305,9 @@ class _StaticExtendPlan:
             raise RuntimeError(f"triton_linear: a captured extend step of {T} rows and {B} requests; the static "
                                f"plan holds {self.max_tokens} and {self.max_seqs}")
         layout = self._layout(T, B)
-        _extend_tables().fill_extend_tables(ctx.query_start_loc, self.buf, T, B, layout, FLA_CHUNK,
+        # also the padding slot as request B's (a larger bucket's step may have left a slot id there)
+        _extend_tables().fill_extend_tables(ctx.query_start_loc, self.buf, slots, T, B, layout, FLA_CHUNK,
                                             _kernels().CONV_EXTEND_BLOCK_T)
-        slots[B:B + 1].fill_(PADDING_SLOT)  # a larger bucket's step may have left a slot id here
         bounds, chunks, blocks = [self.buf[at:at + math.prod(shape)].view(shape) for at, shape in layout]
         return _ExtendPlan(None, slots[:B + 1], bounds[:B + 2], None, chunks, bounds, blocks, 0, captured=True)
 

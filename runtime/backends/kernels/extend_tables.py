@@ -2,7 +2,9 @@
 
 What this module owns: `fill_extend_tables`, one launch that writes the tables the linear backend's
 captured extend and mixed steps read (runtime/backends/triton_linear.py, `_StaticExtendPlan`, which
-states their layout) from the step's `query_start_loc` [B+1] int32 on the device:
+states their layout) from the step's `query_start_loc` [B+1] int32 on the device, and the padding
+slot as the slot of request B (the always-empty one; a larger bucket's step may have left a real
+slot id there), which would otherwise take a fill launch of its own in every step:
 
 - bounds [B+3]: query_start_loc, then its last entry again (the always-empty request B), then T
   (request B+1 owns the padding rows);
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from runtime.backends.kernels.launch_math import cdiv, next_pow2
+from runtime.cache.state_pool import PADDING_SLOT
 
 __all__ = ["fill_extend_tables"]
 
@@ -53,8 +56,9 @@ def _block_rows(out_ptr, lens, rows, empty, j, SIZE: tl.constexpr, BR: tl.conste
 
 
 @triton.jit
-def _extend_tables_kernel(qsl_ptr, out_ptr, B, T, bounds_at, chunks_at, n_chunks, blocks_at, n_blocks,
-                          CHUNK: tl.constexpr, CONV: tl.constexpr, BR: tl.constexpr, ROWS_: tl.constexpr):
+def _extend_tables_kernel(qsl_ptr, out_ptr, slots_ptr, B, T, bounds_at, chunks_at, n_chunks, blocks_at, n_blocks,
+                          CHUNK: tl.constexpr, CONV: tl.constexpr, BR: tl.constexpr, ROWS_: tl.constexpr,
+                          PAD_SLOT: tl.constexpr):
     r = tl.arange(0, BR)
     starts = tl.load(qsl_ptr + tl.minimum(r, B), mask=r < B + 3, other=0)  # r >= B: the last offset
     real = tl.load(qsl_ptr + B)
@@ -62,22 +66,26 @@ def _extend_tables_kernel(qsl_ptr, out_ptr, B, T, bounds_at, chunks_at, n_chunks
     lens = tl.where(r < B, ends - starts, tl.where(r == B + 1, T - real, 0))  # request B+1: the padding rows
     if tl.program_id(0) == 0:
         tl.store(out_ptr + bounds_at + r, tl.where(r == B + 2, T, starts).to(tl.int64), mask=r < B + 3)
+        tl.store(slots_ptr + B + r, tl.full([BR], PAD_SLOT, tl.int64), mask=r < 1)
     j = tl.program_id(0) * ROWS_ + tl.arange(0, ROWS_)
     _block_rows(out_ptr + chunks_at, lens, n_chunks, B, j, CHUNK, BR)
     _block_rows(out_ptr + blocks_at, lens, n_blocks, B, j, CONV, BR)
 
 
-def fill_extend_tables(query_start_loc: torch.Tensor, out: torch.Tensor, tokens: int, seqs: int,
-                       spans: list[tuple[int, tuple[int, ...]]], chunk: int, conv_block: int) -> None:
+def fill_extend_tables(query_start_loc: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, tokens: int,
+                       seqs: int, spans: list[tuple[int, tuple[int, ...]]], chunk: int, conv_block: int) -> None:
     """Write a step's tables into `out` (int64, on the device) at `spans`: (offset, shape) of bounds
     [B+3], chunks [n_chunks, 2] and conv blocks [n_blocks, 2], as `_StaticExtendPlan._layout` places
-    them. query_start_loc [B+1] int32 on the same device (padded
+    them, and PADDING_SLOT into slots[B] (slots: int64, at least B+1, the step's ids in the first B).
+    query_start_loc [B+1] int32 on the same device (padded
     requests own no rows: their offsets repeat the last real one). No host read, no host copy."""
     B, T = seqs, tokens
     if query_start_loc.shape[0] != B + 1 or query_start_loc.dtype != torch.int32:
         raise ValueError(f"query_start_loc must be [{B + 1}] int32, got {tuple(query_start_loc.shape)} "
                          f"{query_start_loc.dtype}")
+    if slots.shape[0] <= B or slots.dtype != torch.int64:
+        raise ValueError(f"slots must be int64 with room for {B + 1} requests, got {tuple(slots.shape)} {slots.dtype}")
     (bd, _), (ch, (n_chunks, _)), (bl, (n_blocks, _)) = spans
     grid = (cdiv(max(n_chunks, n_blocks), ROWS),)
-    _extend_tables_kernel[grid](query_start_loc, out, B, T, bd, ch, n_chunks, bl, n_blocks,
-                                CHUNK=chunk, CONV=conv_block, BR=next_pow2(B + 3), ROWS_=ROWS)
+    _extend_tables_kernel[grid](query_start_loc, out, slots, B, T, bd, ch, n_chunks, bl, n_blocks,
+                                CHUNK=chunk, CONV=conv_block, BR=next_pow2(B + 3), ROWS_=ROWS, PAD_SLOT=PADDING_SLOT)
