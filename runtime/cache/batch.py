@@ -2,7 +2,10 @@
 
 1. Each request holds a `SeqState`: its state slot, its KV pages and how many tokens are cached.
 2. `build_step` grows each request's page list to fit the new tokens (pages come from the KV
-   pool), lays the tokens out request after request, and fills the context tensors.
+   pool, `take_pages`), lays the tokens out request after request and fills the context fields
+   (`lay_out`, into arrays of the step's own), and makes them tensors. A step replayed from a
+   captured graph is laid out by the same `lay_out` straight into the static buffers' host
+   block instead (runtime/graphs/staging.py, `StepStaging.lay_out`).
 3. After the model ran, `commit_step` advances each request's cached-token count.
 
 A step's layout does not depend on its tokens' values, so a step may be built with placeholder
@@ -13,8 +16,8 @@ the device (`PLACEHOLDER_TOKEN` on the host, its real id written at its row: `Ro
 Its logits rows may come from the device the same way (the draft step after a verify step, whose
 row per request is the last kept position, known on the device before the host reads it).
 
-Padding (`pad_tokens_to`, `pad_seqs_to`) is done here and only here: padded tokens get position
-0, slot_mapping -1 and no logits row; padded requests get the reserved state slot.
+Padding (`pad_tokens_to`, `pad_seqs_to`, or the shapes of the arrays laid out into) is done here
+and only here: `lay_out` states its rules.
 """
 
 from __future__ import annotations
