@@ -149,6 +149,7 @@ class StepStaging:
         return dev
 
     def _key_layout(self, key: CaptureKey) -> _KeyLayout:
+        """The key's views and copies (made once), or CaptureError for a key larger than the buffers."""
         layout = self._keys.get(key)
         if layout is None:
             T, B, R = key.tokens, key.seqs, key.logits_rows
@@ -224,8 +225,7 @@ class StepStaging:
             self._detach()  # laid out for another key: copied in as a host-built step
         ctx = step.ctx
         T, B, R = key.tokens, key.seqs, key.logits_rows
-        if T > self.max_tokens or B > self.max_seqs:
-            raise CaptureError(f"step does not fit {key}: the buffers hold {self.max_tokens} tokens, {self.max_seqs} requests")
+        self._key_layout(key)  # refuses a key the buffers do not hold
         pages = ctx.page_table.shape[1]
         if pages > self.max_pages:
             raise CaptureError(f"a request holds {pages} pages; the runner was built for {self.max_pages}")
