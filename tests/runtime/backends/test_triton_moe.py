@@ -359,7 +359,7 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     """E=8 experts, top-2 and one shared chunk (3 slots per token), D=64, no tuned table: the default
     config's token path to T=2 (2 columns) and T=4 (4), sorted tiles of BLOCK_M 16 from T=5 (a
     mean of T/4 pairs per expert: <= 10), 32 from 41, 64 from 97, 128 from 193; the router's GEMV
-    to T=128, a dot past it; the sort's wider scan past 256 pairs (T=86). A count of each, the smallest, and nothing under the interpreter."""
+    to T=128, a dot past it; the sort's wider block past 256 pairs (T=86). A count of each, the smallest, and nothing under the interpreter."""
     import runtime.backends.triton_moe as backend_module
     from runtime.backends.triton_moe import MoELayerShape
     layer = MoELayerShape.of(_moe_call())
@@ -368,7 +368,9 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
     assert backend.kernel_variant_tokens(256) == (1, 3, 5, 41, 86, 97, 129, 193)
     assert backend.kernel_variant_tokens(64) == (1, 3, 5, 41)
-    # a second layer shape adds its own first counts (no shared expert: 2 slots, wider scan at T=129)
+    # past 1024 pairs (T=342) the sort counts its blocks first: one more variant
+    assert backend.kernel_variant_tokens(512) == (1, 3, 5, 41, 86, 97, 129, 193, 342)
+    # a second layer shape adds its own first counts (no shared expert: 2 slots, wider block at T=129)
     other = MoELayerShape.of(_moe_call(S=0))
     both = TritonMoEBackend(device="cpu", layers=(layer, other))
     assert set(both.kernel_variant_tokens(256)) == {1, 3, 5, 41, 86, 97, 129, 193}
@@ -506,7 +508,7 @@ def test_fixed_tiles_give_a_token_the_same_bits_whatever_shares_its_step(monkeyp
     expected = torch.full((T, D), float("nan"))
     CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
     assert _rel(rows[T], expected) <= 1e-4
-    # one launch variant below the sort's wider scan: start-up builds a kernel set, not one per bucket
+    # one launch variant below the sort's wider block: start-up builds a kernel set, not one per bucket
     layer = MoELayerShape.of(_moe_call())
     fixed = TritonMoEBackend(device="cpu", layers=(layer,), gemm_tiles="fixed")
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
