@@ -61,11 +61,9 @@ def is_cuda() -> bool:
     return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
-def device_ms_by_kernel(fn, reps: int = 20) -> dict[str, float]:
-    """Milliseconds of GPU time per call of fn, by kernel name (the profiler's self device time),
-    largest first; {} off the GPU. One warm-up call first, outside the profile."""
-    if not is_cuda():
-        return {}
+def _device_events(fn, reps: int) -> list:
+    """The profiler's averaged device events (kernels, memsets, copies) of `reps` calls of fn, one
+    warm-up call first, outside the profile. CUDA only."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -73,11 +71,25 @@ def device_ms_by_kernel(fn, reps: int = 20) -> dict[str, float]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    return [e for e in prof.key_averages() if e.self_device_time_total > 0]
+
+
+def device_ms_by_kernel(fn, reps: int = 20) -> dict[str, float]:
+    """Milliseconds of GPU time per call of fn, by kernel name (the profiler's self device time),
+    largest first; {} off the GPU."""
+    if not is_cuda():
+        return {}
     split: dict[str, float] = {}
-    for e in prof.key_averages():
-        if e.self_device_time_total > 0:
-            split[e.key] = split.get(e.key, 0.0) + e.self_device_time_total / 1e3 / reps
+    for e in _device_events(fn, reps):
+        split[e.key] = split.get(e.key, 0.0) + e.self_device_time_total / 1e3 / reps
     return dict(sorted(split.items(), key=lambda kv: -kv[1]))
+
+
+def kernels_per_call(fn, reps: int = 10) -> float | None:
+    """Device kernels (and memsets, copies) one call of fn launches; None off the GPU."""
+    if not is_cuda():
+        return None
+    return sum(e.count for e in _device_events(fn, reps)) / reps
 
 
 def device_facts(dry: bool) -> dict:

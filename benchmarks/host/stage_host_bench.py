@@ -35,16 +35,10 @@ import time
 from pathlib import Path
 
 
-def _code_root(argv) -> Path:
-    """--code-root: the tree whose runtime/ is measured (a baseline's); default this checkout."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--code-root", default=None)
-    known, _ = pre.parse_known_args(argv)
-    return Path(known.code_root).resolve() if known.code_root else Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # code_root
+from code_root import CHECKOUT as HERE, code_root  # noqa: E402
 
-
-HERE = Path(__file__).resolve().parents[2]
-CODE = _code_root(sys.argv[1:])
+CODE = code_root(sys.argv[1:])
 sys.path.insert(0, str(CODE))  # the runtime measured: first on the path
 
 import torch

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench_common import device_facts, device_rates, is_cuda, rel_err  # noqa: E402
+from bench_common import device_facts, device_rates, kernels_per_call, rel_err  # noqa: E402
 from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference  # noqa: E402
 from runtime.backends.kernels.launch_math import cdiv, next_pow2  # noqa: E402
@@ -141,20 +141,6 @@ def combine_before(y, ids, out, sentinel):
 
 
 # -- checks and times -------------------------------------------------------------------------
-
-def kernels_per_call(fn, reps: int = 10) -> float | None:
-    """Device kernels (and memsets) one call of fn launches, from the profiler; None off the GPU."""
-    if not is_cuda():
-        return None
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if e.self_device_time_total > 0) / reps
-
 
 def layout_ok(sort, ids, experts, bm) -> bool:
     sorted_pairs, block_expert, total = (t.cpu() for t in sort)
