@@ -425,7 +425,8 @@ def request_timeline(setup, fn, device, iters: int = 5, top: int = 12) -> dict:
                 fn()
             torch.cuda.synchronize(device)
     events = prof.events()
-    kernels = device_kernels(prof)
+    # the marks' own ranges appear on the device's timeline too (user annotations): not kernels
+    kernels = [k for k in device_kernels(prof) if not k.name.startswith("request_")]
     for i in range(iters):
         mark = next(e for e in events if e.name == f"request_{i}")
         start, end = mark.time_range.start, mark.time_range.end
