@@ -147,3 +147,76 @@ def test_router_ids_match_the_reference_router():
     same = (ids.long().cpu() == rids).all(-1).float().mean().item()
     # Summation order differs (float32 either way): a near tie may flip on a rare token.
     assert same >= 0.99, f"only {same:.3f} of tokens routed identically"
+
+
+# The bench layer (bench qwen3_next's MoE: E 16 top-4, a gated shared expert as wide as a routed
+# one, so 5 slots and experts 0..16) at the token counts of a decode batch, a short and a long extend.
+BENCH_TOKENS = [32, 512, 4096]
+
+
+def _routed(E: int, top_k: int, T: int, seed: int, shared: str = "gated_S=I"):
+    """(x, layer, tail, ids, weights, experts) with the router's ids; the last 3 rows are padding."""
+    from runtime.backends.kernels.moe import route, shared_chunks
+    layer = _layer(E, seed=seed, shared=shared)
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    tail = (top_k, "softmax", True, 1.0, 1, 1)
+    n_shared = shared_chunks(SHARED[shared][0], I)
+    ids, weights = route(x, layer[0], None, *tail, n_real=T - 3, n_shared=n_shared, shared_gate=layer[6])
+    return x, layer, tail, ids, weights, E + n_shared
+
+
+@pytest.mark.parametrize("block_m", [16, 64, 128])
+@pytest.mark.parametrize("T", BENCH_TOKENS)
+@pytest.mark.parametrize("E,top_k", [(16, 4), (512, 10)])
+def test_sort_tokens_gives_the_stable_layout_bit_for_bit(E, top_k, T, block_m):
+    """One launch at 32 tokens (160 pairs), a count then a sort of 1024-pair blocks past that; the
+    layout is exactly the torch one: each expert's pairs in pair order, then the sentinel."""
+    from runtime.backends.kernels.moe import sort_tokens
+    from testkit.moe_checks import sorted_layout_reference
+    _, _, _, ids, _, experts = _routed(E, top_k, T, seed=T + block_m)
+    sorted_pairs, block_expert, total = sort_tokens(ids, experts, block_m)
+    rows, blocks = sorted_layout_reference(ids, experts, block_m)
+    total = int(total)
+    assert total == rows.numel()
+    assert torch.equal(sorted_pairs[:total].cpu(), rows)
+    assert torch.equal(block_expert[:total // block_m].cpu(), blocks)
+
+
+@pytest.mark.parametrize("T", BENCH_TOKENS)
+def test_combine_is_the_slot_order_sum_bit_for_bit(T):
+    from runtime.backends.kernels.moe import combine
+    from testkit.moe_checks import combine_reference
+    _, _, _, ids, _, experts = _routed(16, 4, T, seed=T)
+    y = torch.randn(ids.numel(), D, device=DEV).bfloat16()
+    y[ids.reshape(-1) == experts] = float("nan")  # padding slots' rows are never written, never read
+    out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    combine(y, ids, out, experts)
+    assert torch.equal(out, combine_reference(y, ids, experts, torch.bfloat16))
+
+
+@pytest.mark.parametrize("T", BENCH_TOKENS)
+def test_fused_moe_is_its_gemms_on_the_reference_layout_bit_for_bit(T):
+    """The op's output equals the unchanged expert GEMMs run on the torch layout and summed by the
+    torch combine, bit for bit (the bookkeeping changes no value), and the float32 oracle to 1e-2."""
+    from runtime.backends.kernels.moe import down_sorted, gate_up_sorted, max_sorted_rows
+    from runtime.backends.kernels.moe_config import default_config
+    from testkit.moe_checks import combine_reference, sorted_layout_reference
+    x, layer, tail, ids, weights, experts = _routed(16, 4, T, seed=7 * T)
+    config = default_config(T, 16, I, D, 4)
+    out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    fused_moe(x, *layer, out, *tail, config, n_real=T - 3)
+    bm = config.gate_up.BLOCK_M
+    rows, blocks = sorted_layout_reference(ids, experts, bm)
+    R = max_sorted_rows(ids.numel(), experts, bm)
+    sorted_pairs = torch.full((R,), ids.numel(), dtype=torch.int32)
+    sorted_pairs[:rows.numel()] = rows
+    block_expert = torch.zeros(R // bm, dtype=torch.int32)
+    block_expert[:blocks.numel()] = blocks
+    total = torch.tensor([rows.numel()], dtype=torch.int32)
+    sort = [t.to(DEV) for t in (sorted_pairs, block_expert, total)]
+    h = gate_up_sorted(x, layer[2], *sort, ids.shape[1], config.gate_up, shared_w13=layer[4])
+    y = down_sorted(h, layer[3], weights, *sort, config.down, shared_w2=layer[5])
+    assert torch.equal(out, combine_reference(y, ids, experts, torch.bfloat16))
+    assert (out[T - 3:] == 0).all()
+    ref = _reference(x[:T - 3], *layer, *tail)
+    assert _rel(out[:T - 3], ref) <= TOL

@@ -27,13 +27,17 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
    grouped selection (groups ranked by the sum of their two best biased scores), top-k, weights
    renormalised and scaled; then the shared chunks' ids and the gate g in the slots after the
    top-k. Rows at or past the real token count get the sentinel in every slot and weight 0, so
-   padding costs no expert work. In the sorted path it also counts pairs per expert (integer
-   atomics: the counts are exact whatever the order; the shared chunks' count is the real token
-   count, stored once).
-3. Sorted path (`BLOCK_M >= 16`): `_align_kernel`, one program per expert (the shared chunks
-   after the routed experts), lays its pairs out in pair order (stable, so the result is
-   deterministic) in a segment padded to BLOCK_M, with the sentinel pair id P in the padding, and
-   writes the expert of each block. Buffers have the static bound
+   padding costs no expert work.
+3. Sorted path (`BLOCK_M >= 16`): `_align_kernel` lays the pairs out expert by expert (the shared
+   chunks after the routed experts), each expert's in pair order (stable, so the result is
+   deterministic), in segments padded to BLOCK_M with the sentinel pair id P, and writes the
+   expert of each block. Its programs each place one block of pairs: a pair's row is its
+   expert's segment start + the expert's pairs in earlier blocks + its rank in its own block (a
+   sort of the block's expert-major keys); further programs pad the segments. Up to
+   ALIGN_BLOCK_P pairs one block holds them all and the kernel counts them itself (one launch
+   for a decode or short extend step); past that `_align_count_kernel` first counts each
+   block's pairs per expert, so no program scans more than its own block. Nothing is zeroed
+   before, and no atomics. Buffers have the static bound
    `P + min(E + n_shared, P) * (BLOCK_M - 1)` rows; blocks past the used total exit at once, and
    an expert with no pairs owns no block, so its weights are never read.
 4. `_gate_up_sorted_kernel`: grouped GEMM x[tokens] @ w13[e]^T (for a shared chunk, its rows of
@@ -42,7 +46,7 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
 5. `_down_sorted_kernel`: h @ w2[e]^T (for a shared chunk, its columns of shared_w2) times the
    pair's weight, stored per pair: y [P, D].
 6. `_combine_kernel`: out[t] = sum_j y[t*slots + j] in float32, in slot order (deterministic, no
-   atomics); rows of padding tokens come out zero.
+   atomics), one program per token and 2048 columns; rows of padding tokens come out zero.
 
 Token path (`BLOCK_M == 1`, chosen for tiny T such as batch-1 decode): no sorting. One GEMV program
 per (pair, column tile) computes h, then one program per (token, column tile) runs the down
@@ -136,16 +140,16 @@ def _logits_gemv_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, E, D, stride_xt, stride
 
 
 @triton.jit(do_not_specialize=["n_real"])
-def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weights_ptr, counts_ptr, nreal_ptr,
+def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weights_ptr, nreal_ptr,
                   n_real, routed_scale, D, stride_xt, stride_we, stride_lt,
                   E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                   G_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
                   FUSED_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
-                  RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr, COUNT: tl.constexpr,
+                  RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr,
                   N_SHARED: tl.constexpr, NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr,
                   GATE_IN_LOGITS: tl.constexpr, GATE_BLOCK_D: tl.constexpr):
-    """One token: ids [k + n_shared] int32 and weights float32 (and +1 per chosen expert in counts).
+    """One token: ids [k + n_shared] int32 and weights float32.
 
     Slots 0..k-1 are the routed top-k; slots k.. are the shared expert's chunks E..E+n_shared-1,
     weighted by sigmoid(x . shared_gate) (1 without a gate). Padding rows get the sentinel
@@ -246,9 +250,6 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weight
     k_mask = kk < TOP_K
     tl.store(ids_ptr + t * SLOTS + kk, sel_ids, mask=k_mask)
     tl.store(weights_ptr + t * SLOTS + kk, sel_w, mask=k_mask)
-    if COUNT:
-        tl.atomic_add(counts_ptr + sel_ids, tl.full((K_PAD,), 1, dtype=tl.int32),
-                      mask=k_mask & (sel_ids < E))
 
     if N_SHARED > 0:
         gate = tl.full((NS_PAD,), 1.0, dtype=tl.float32)
@@ -258,46 +259,91 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weight
         c_mask = c < N_SHARED
         tl.store(ids_ptr + t * SLOTS + TOP_K + c, tl.where(real, E + c, SENTINEL), mask=c_mask)
         tl.store(weights_ptr + t * SLOTS + TOP_K + c, tl.where(real, gate, 0.0), mask=c_mask)
-        if COUNT:
-            # Every real token takes every chunk: program 0 stores the count once (T atomics on one
-            # address would serialise).
-            rows = tl.minimum(n_real, tl.num_programs(0))
-            tl.store(counts_ptr + E + c, c * 0 + rows, mask=c_mask & ((c * 0 + t) == 0))
 
 
 @triton.jit(do_not_specialize=["P"])
-def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, P,
-                  E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Expert e's segment of the sorted layout: its pairs in pair order, then sentinels (P)."""
-    e = tl.program_id(0)
-    offs = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + offs, mask=offs < E, other=0)
+def _align_count_kernel(ids_ptr, block_counts_ptr, P, E: tl.constexpr, E_BINS: tl.constexpr,
+                        BLOCK_P: tl.constexpr):
+    """Pairs per expert in each block of BLOCK_P pairs: block_counts[b, e] (bins past E hold 0)."""
+    b = tl.program_id(0)
+    p = b * BLOCK_P + tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + p, mask=p < P, other=E)
+    tl.store(block_counts_ptr + b * E_BINS + tl.arange(0, E_BINS), tl.histogram(ids, E_BINS, mask=ids < E))
+
+
+@triton.jit
+def _align_counts(ids_ptr, block_counts_ptr, b, num_blocks, P, E: tl.constexpr, E_BINS: tl.constexpr,
+                  BLOCK_P: tl.constexpr, COUNTED: tl.constexpr, NB_STEP: tl.constexpr):
+    """(pairs of each expert, of each expert in the blocks before block b, of each expert in block b), [E_BINS].
+
+    COUNTED: summed from _align_count_kernel's rows; otherwise one block holds every pair and is
+    counted here."""
+    if COUNTED:
+        bins = tl.arange(0, E_BINS)
+        counts = tl.zeros((E_BINS,), dtype=tl.int32)
+        before = tl.zeros((E_BINS,), dtype=tl.int32)
+        mine = tl.zeros((E_BINS,), dtype=tl.int32)
+        for r0 in range(0, num_blocks, NB_STEP):
+            r = r0 + tl.arange(0, NB_STEP)[:, None]
+            rows = tl.load(block_counts_ptr + r * E_BINS + bins[None, :], mask=r < num_blocks, other=0)
+            counts += tl.sum(rows, axis=0)
+            before += tl.sum(tl.where(r < b, rows, 0), axis=0)
+            mine += tl.sum(tl.where(r == b, rows, 0), axis=0)
+    else:
+        p = tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=E)
+        counts = tl.histogram(ids, E_BINS, mask=ids < E)
+        before = counts * 0
+        mine = counts
+    return counts, before, mine
+
+
+@triton.jit(do_not_specialize=["P", "num_blocks"])
+def _align_kernel(ids_ptr, block_counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, num_blocks,
+                  E: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                  COUNTED: tl.constexpr, NB_STEP: tl.constexpr, E_CHUNK: tl.constexpr):
+    """The sorted layout (sort_tokens' contract). Programs below num_blocks place the pairs of one
+    block of BLOCK_P; each program past them pads the segments of E_CHUNK experts and names
+    their blocks' expert.
+
+    A pair's row is its expert's segment start + the expert's pairs in earlier blocks + its rank
+    among the expert's pairs in its own block; that rank comes from sorting the block's keys
+    expert * BLOCK_P + position, so within an expert the pairs keep pair order.
+    """
+    pid = tl.program_id(0)
+    b = tl.minimum(pid, num_blocks - 1)  # an expert program's counts need no block of its own
+    counts, before, mine = _align_counts(ids_ptr, block_counts_ptr, b, num_blocks, P, E, E_BINS, BLOCK_P,
+                                         COUNTED, NB_STEP)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     starts = tl.cumsum(padded, axis=0) - padded  # exclusive prefix: segment start of each expert
-    mine = offs == e
-    start = tl.sum(tl.where(mine, starts, 0), axis=0)
-    count = tl.sum(tl.where(mine, counts, 0), axis=0)
-    size = tl.sum(tl.where(mine, padded, 0), axis=0)
-    if e == 0:
-        tl.store(total_ptr, tl.sum(padded, axis=0))
-    if count > 0:
-        seen = count * 0  # an int32 tensor: the loop carries it
-        for p0 in range(0, P, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            ids = tl.load(ids_ptr + p, mask=p < P, other=E)
-            hit = ids == e
-            rank = seen + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-            tl.store(sorted_ptr + start + rank, p, mask=hit)
-            seen += tl.sum(hit.to(tl.int32), axis=0)
-        q = tl.arange(0, BLOCK_M)
-        tl.store(sorted_ptr + start + count + q, tl.full((BLOCK_M,), P, dtype=tl.int32),
-                 mask=q < size - count)
-        first_block = start // BLOCK_M
-        for b0 in range(0, size // BLOCK_M, BLOCK_B):
-            b = b0 + tl.arange(0, BLOCK_B)
-            tl.store(block_expert_ptr + first_block + b, tl.full((BLOCK_B,), e, dtype=tl.int32),
-                     mask=b < size // BLOCK_M)
+    if pid < num_blocks:
+        # Sorted position i of this block holds the pair of expert e at row base[e] + i.
+        base = starts + before - (tl.cumsum(mine, axis=0) - mine)
+        i = tl.arange(0, BLOCK_P)
+        p = pid * BLOCK_P + i
+        ids = tl.load(ids_ptr + p, mask=p < P, other=E)  # beyond P: the sentinel, sorted last
+        key = tl.sort(ids * BLOCK_P + i)
+        e = key // BLOCK_P
+        row = tl.gather(base, tl.minimum(e, E_BINS - 1), 0) + i
+        tl.store(sorted_ptr + row, pid * BLOCK_P + key % BLOCK_P, mask=e < E)
+    else:
+        chunk = pid - num_blocks
+        if chunk == 0:
+            tl.store(total_ptr, tl.sum(padded, axis=0))
+        ec = chunk * E_CHUNK + tl.arange(0, E_CHUNK)
+        live = ec < E
+        at = tl.minimum(ec, E_BINS - 1)
+        start = tl.gather(starts, at, 0)
+        count = tl.gather(counts, at, 0)
+        size = tl.where(live, tl.gather(padded, at, 0), 0)
+        # Padding rows after each segment's pairs: the sentinel pair id P.
+        q = tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ptr + start[:, None] + count[:, None] + q, tl.full((E_CHUNK, BLOCK_M), P, dtype=tl.int32),
+                 mask=q < (size - count)[:, None])
+        blocks = size // BLOCK_M
+        first = start // BLOCK_M
+        for j in range(0, tl.max(blocks, axis=0)):
+            tl.store(block_expert_ptr + first + j, ec, mask=j < blocks)
 
 
 @triton.jit
@@ -471,17 +517,29 @@ def _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stri
 
 
 @triton.jit(do_not_specialize=["SENTINEL"])
-def _combine_kernel(y_ptr, ids_ptr, out_ptr, SENTINEL, SLOTS, D, stride_yp, stride_ot, BLOCK_D: tl.constexpr):
-    """out[t] = sum over slots j (in order) of y[t*slots + j]; padding tokens (all slots SENTINEL) give 0."""
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, SENTINEL, D, stride_yp, stride_ot, SLOTS: tl.constexpr,
+                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    """out[t] = sum over slots j (in order) of y[t*slots + j]; padding tokens (all slots SENTINEL) give 0.
+
+    The slot loop is unrolled and a padding slot's row is masked, not branched around, so every
+    slot's loads are in flight at once; adding its 0 leaves the float32 sum's bits as they are.
+    """
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in range(SLOTS):
+    for j in tl.static_range(SLOTS):
         pair = t * SLOTS + j
-        if tl.load(ids_ptr + pair) < SENTINEL:  # padding slots own no y row (never written)
-            acc += tl.load(y_ptr + pair.to(tl.int64) * stride_yp + offs, mask=d_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+        live = (offs * 0 + tl.load(ids_ptr + pair)) < SENTINEL  # padding slots own no y row (never written)
+        row = y_ptr + pair.to(tl.int64) * stride_yp + offs
+        if EVEN_D:
+            acc += tl.load(row, mask=live, other=0.0).to(tl.float32)
+        else:
+            acc += tl.load(row, mask=live & d_mask, other=0.0).to(tl.float32)
+    if EVEN_D:
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -643,24 +701,32 @@ def logits_kernel_for(T: int, E: int, D: int) -> str:
     return "dot"
 
 
+ALIGN_BLOCK_P = 1024  # pairs one program of the sort places: a step of more is counted in blocks of it first
+
+
 def align_block_p(num_pairs: int) -> int:
-    """The pairs `_align_kernel` scans per loop step: a wider step once there are many."""
-    return 1024 if num_pairs > 256 else 256
+    """The pairs one `_align_kernel` program places (a power of two): up to ALIGN_BLOCK_P pairs one
+    program sorts them all (256 wide where they fit, a shorter sort), past it blocks of ALIGN_BLOCK_P
+    after `_align_count_kernel` has counted each block."""
+    return 256 if num_pairs <= 256 else ALIGN_BLOCK_P
 
 
 def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits_kernel: Optional[str] = None) -> tuple:
     """Everything an eager step of T tokens picks from T that makes Triton build another kernel: the
     logits kernel (`logits_kernel` where the caller fixes it), the GEMM configs (their tiles are
-    constexprs) and the sort's scan width. Two token counts with equal variants launch the same
+    constexprs) and the sort's width and whether it counts blocks first. Two token counts with equal variants launch the same
     kernels; the backend's `kernel_variant_tokens` runs one count of each at start-up, so a bundle
     holds them all."""
-    sort = align_block_p(T * slots) if config.path == "sorted" else None
+    sort = None
+    if config.path == "sorted":
+        block_p = align_block_p(T * slots)
+        sort = block_p, T * slots > block_p
     return logits_kernel or logits_kernel_for(T, E, D), config, sort
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
           scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
-          n_real: "int | torch.Tensor | None" = None, counts: Optional[torch.Tensor] = None,
+          n_real: "int | torch.Tensor | None" = None,
           logits_kernel: Optional[str] = None, n_shared: int = 0, shared_gate: Optional[torch.Tensor] = None,
           gate_in_logits: Optional[bool] = None):
     """Device-side router: (ids [T,k+n_shared] int32, weights [T,k+n_shared] float32).
@@ -669,8 +735,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
     E + c) with weight sigmoid(x . shared_gate), or 1 when shared_gate is None. Rows >= n_real
     get the sentinel id E + n_shared and weight 0 in every slot.
     n_real: host int, a one-element int32 device tensor (read by the kernel, so a captured graph
-    follows its value), or None for all rows. counts: int32 [E + n_shared] zeros to add the pairs
-    per expert to. logits_kernel: force 'fused", "gemv' or 'dot' (tests); by default chosen from
+    follows its value), or None for all rows. logits_kernel: force 'fused", "gemv' or 'dot' (tests); by default chosen from
     T, E and D. gate_in_logits: False makes the routing kernel compute the shared gate's logit even
     after the GEMV (benchmarks compare the two); by default the GEMV does.
     """
@@ -691,8 +756,6 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
         assert n_shared > 0, "moe: a shared gate without a shared expert"
         assert shared_gate.numel() == D and shared_gate.stride(-1) == 1, (
             f"moe: shared_gate {tuple(shared_gate.shape)} is not a contiguous [1, D={D}]")
-    if counts is not None:
-        assert counts.numel() == E + n_shared, f"moe: counts has {counts.numel()} bins, not E + n_shared = {E + n_shared}"
     dev = x.device
     ids = torch.empty(T, top_k + n_shared, dtype=torch.int32, device=dev)
     weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=dev)
@@ -732,7 +795,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
     _route_kernel[(T,)](
         x, router_weight, logits, router_bias if router_bias is not None else logits,
         shared_gate if shared_gate is not None else logits, ids, weights,
-        counts if counts is not None else ids, nreal_ptr, n_real_int, float(routed_scale), D,
+        nreal_ptr, n_real_int, float(routed_scale), D,
         x.stride(0), router_weight.stride(0), logits.stride(0),
         E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
         TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=g_pad, S_PAD=s_pad, E_PAD=e_pad,
@@ -742,7 +805,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
         SOFTMAX=scoring == "softmax", RENORM=bool(renormalize), NREAL_FROM_PTR=from_ptr,
         # Without the fused GEMV the kernel is a chain of small reductions over E: one warp keeps
         # them in shuffles (no shared memory, no barriers) up to 128 experts.
-        COUNT=counts is not None, num_warps=8 if fused else (1 if e_pad <= 128 else (2 if e_pad <= 512 else 4)),
+        num_warps=8 if fused else (1 if e_pad <= 128 else (2 if e_pad <= 512 else 4)),
         # The shared gate is one [D] dot per token: loaded in one step up to D = 2048 (two above), not
         # in a chain of small steps (unpipelined loads: each one a DRAM round trip at batch 1).
         N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=shared_gate is not None,
@@ -756,7 +819,7 @@ def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(rows, block_m) * block_m
 
 
-def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, counts: Optional[torch.Tensor] = None):
+def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Optional[int] = None):
     """Group the (token, slot) pairs of `ids` [T,k] by expert, each segment padded to block_m.
 
     num_experts: E, every id the GEMMs compute (routed experts and the shared expert's chunks);
@@ -764,7 +827,8 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, counts: Optio
     int32, total [1] int32) with R = max_sorted_rows(T*k, E, block_m). Entries [0, total) hold,
     expert by expert in id order, the pair ids t*k+j of that expert in increasing order, then the
     sentinel T*k up to the segment's padded end; entries at or past total are unspecified.
-    counts: int32 [E] pairs per expert if the router already counted them (else computed here).
+    block_p: the pairs one program places (a power of two; benchmarks compare widths), by default
+    align_block_p's. One launch where a block holds every pair; two past that (counts per block first).
     """
     P = ids.numel()
     E = num_experts
@@ -772,17 +836,22 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, counts: Optio
     R = max_sorted_rows(P, E, block_m)
     sorted_pairs = torch.empty(R, dtype=torch.int32, device=dev)
     block_expert = torch.empty(R // block_m, dtype=torch.int32, device=dev)
-    total = torch.zeros(1, dtype=torch.int32, device=dev)
     if P == 0:
-        return sorted_pairs, block_expert, total
-    if counts is None:
-        # Scatter-add into E+1 bins (the last catches padding ids): no host sync, unlike bincount.
-        counts = torch.zeros(E + 1, dtype=torch.int32, device=dev)
-        flat = ids.reshape(-1).long().clamp(max=E)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    _align_kernel[(E,)](ids, counts, sorted_pairs, block_expert, total, P, E=E, E_PAD=next_pow2(E),
-                        BLOCK_M=block_m, BLOCK_P=align_block_p(P),
-                        BLOCK_B=64, num_warps=4)
+        return sorted_pairs, block_expert, torch.zeros(1, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)  # the kernel writes it
+    block_p = block_p or align_block_p(P)
+    assert block_p & (block_p - 1) == 0 and (E + 1) * block_p < 2 ** 31, f"moe: sort width {block_p}"
+    num_blocks = cdiv(P, block_p)
+    e_bins = next_pow2(E)
+    counted = num_blocks > 1
+    block_counts = torch.empty(num_blocks, e_bins, dtype=torch.int32, device=dev) if counted else ids
+    if counted:
+        _align_count_kernel[(num_blocks,)](ids, block_counts, P, E=E, E_BINS=e_bins, BLOCK_P=block_p, num_warps=4)
+    # One program pads the segments of up to e_chunk experts: a [e_chunk, block_m] tile of at most 4K rows.
+    e_chunk = max(1, min(e_bins, 4096 // block_m))
+    _align_kernel[(num_blocks + cdiv(E, e_chunk),)](
+        ids, block_counts, sorted_pairs, block_expert, total, P, num_blocks, E=E, E_BINS=e_bins, BLOCK_M=block_m,
+        BLOCK_P=block_p, COUNTED=counted, NB_STEP=max(1, min(64, 4096 // e_bins)), E_CHUNK=e_chunk, num_warps=4)
     return sorted_pairs, block_expert, total
 
 
@@ -863,10 +932,13 @@ def combine(y, ids, out, sentinel: int) -> None:
     """
     T, slots = ids.shape
     D = out.shape[1]
-    block_d = min(1024, next_pow2(D))
+    # A row of up to 2048 columns per program, 16 bytes per thread and slot (8 bf16): full-width
+    # vector loads, and all slots' rows in flight before the first add.
+    block_d = min(2048, next_pow2(D))
+    per_thread = max(1, 16 // y.element_size())
     _combine_kernel[(T, cdiv(D, block_d))](
-        y, ids, out, sentinel, slots, D, y.stride(0), out.stride(0), BLOCK_D=block_d,
-        num_warps=4 if block_d <= 512 else 8)
+        y, ids, out, sentinel, D, y.stride(0), out.stride(0), SLOTS=slots, BLOCK_D=block_d,
+        EVEN_D=D % block_d == 0, num_warps=max(1, min(8, block_d // (32 * per_thread))))
 
 
 def gate_up_token(x, w13, ids, cfg: GemmConfig, h=None, shared_w13=None):
@@ -953,9 +1025,8 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
         return
     # The shared expert's chunks sort like experts E..E+n_shared-1 (after every routed expert).
     experts = E + n_shared
-    counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
-    ids, weights = route(*route_args, counts=counts, **shared)
-    sorted_pairs, block_expert, total = sort_tokens(ids, experts, config.gate_up.BLOCK_M, counts=counts)
+    ids, weights = route(*route_args, **shared)
+    sorted_pairs, block_expert, total = sort_tokens(ids, experts, config.gate_up.BLOCK_M)
     h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots, config.gate_up, shared_w13=shared_w13)
     y = down_sorted(h, w2, weights, sorted_pairs, block_expert, total, config.down, shared_w2=shared_w2)
     combine(y, ids, out, experts)

@@ -32,8 +32,9 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_av
 from runtime.backends.cpu_reference import CPUReferenceBackend, moe_reference, route_topk  # noqa: E402
 from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig, config_file_name, default_config  # noqa: E402
 from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
+from testkit.moe_checks import combine_reference, sorted_layout_reference  # noqa: E402
 from runtime.backends.kernels.moe import (  # noqa: E402
-    down_token, fused_moe, gate_up_token, route, shared_chunks, sort_tokens,
+    combine, down_token, fused_moe, gate_up_token, route, shared_chunks, sort_tokens,
 )
 
 DEV = torch.device("cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda")
@@ -156,9 +157,8 @@ def test_router_appends_the_shared_chunks_with_the_gate_weight():
     n_shared = shared_chunks(sw13.shape[0] // 2, I)
     assert n_shared == 2
     x = torch.randn(T, D, generator=g)
-    counts = torch.zeros(E + n_shared, dtype=torch.int32, device=DEV)
     ids, w = (t.cpu() for t in route(*_on(x, router, b), k, "sigmoid", True, 2.5, 4, 2, n_real=n_real,
-                                     counts=counts, n_shared=n_shared, shared_gate=gate.to(DEV)))
+                                     n_shared=n_shared, shared_gate=gate.to(DEV)))
     rids, rw = route_topk(x[:n_real], router, b, k, "sigmoid", True, 2.5, 4, 2)
     assert ids.shape == w.shape == (T, k + n_shared)
     assert torch.equal(ids[:n_real, :k].long(), rids) and torch.allclose(w[:n_real, :k], rw, rtol=1e-5, atol=1e-7)
@@ -167,9 +167,6 @@ def test_router_appends_the_shared_chunks_with_the_gate_weight():
     g_ref = torch.sigmoid(x[:n_real] @ gate[0])
     assert torch.allclose(w[:n_real, k:], g_ref[:, None].expand(n_real, n_shared), rtol=1e-5, atol=1e-7)
     assert (ids[n_real:] == E + n_shared).all() and (w[n_real:] == 0).all()
-    # Every real token takes every chunk once; the routed counts are exact.
-    expected = torch.bincount(rids.reshape(-1), minlength=E).tolist() + [n_real] * n_shared
-    assert counts.cpu().tolist() == expected
 
 
 def test_router_matches_route_topk_ids_and_weights():
@@ -227,34 +224,57 @@ def test_router_marks_rows_past_the_real_count_as_padding():
         assert (ids[:3] < 4).all()
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_sort_tokens_places_every_pair_once_and_pads_with_the_sentinel(block_m):
-    g = torch.Generator().manual_seed(block_m)
-    T, k, E = 37, 3, 8
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
-    ids[-4:] = E  # padding tokens: no expert
-    P = T * k
-    sorted_pairs, block_expert, total = (t.cpu() for t in sort_tokens(ids.to(DEV), E, block_m))
+def _routed_ids(g, T, k, E, padding_tokens=0, skewed=False):
+    """[T, k] distinct experts per token, the last `padding_tokens` rows the sentinel E. skewed:
+    expert 0 in every token and the others drawn from experts 1..min(E, 2k)-1 (ragged counts, and
+    experts with no pairs)."""
+    if skewed:
+        rest = [torch.randperm(min(E, 2 * k) - 1, generator=g)[:k - 1] + 1 for _ in range(T)]
+        ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), r]) for r in rest])
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids = ids.to(torch.int32)
+    if padding_tokens:
+        ids[-padding_tokens:] = E
+    return ids
+
+
+# (T, k, E, block_m, block_p): one block of every pair (one launch), and blocks counted first
+# (two launches), with P not a multiple of block_p, a block of one pair, and power-of-two E (the
+# sentinel past the last histogram bin) and odd E.
+SORT_CASES = [(37, 3, 8, 16, None), (1, 1, 4, 16, None), (90, 3, 9, 16, None), (300, 5, 17, 32, None),
+              (37, 3, 8, 16, 16), (200, 3, 9, 16, 32), (50, 4, 16, 128, 64), (33, 2, 8, 16, 1)]
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+@pytest.mark.parametrize("T,k,E,block_m,block_p", SORT_CASES)
+def test_sort_tokens_matches_the_stable_layout_in_torch(T, k, E, block_m, block_p, skewed):
+    g = torch.Generator().manual_seed(T * 131 + E)
+    ids = _routed_ids(g, T, k, E, padding_tokens=T // 9, skewed=skewed)
+    sorted_pairs, block_expert, total = (t.cpu() for t in sort_tokens(ids.to(DEV), E, block_m, block_p=block_p))
+    rows, blocks = sorted_layout_reference(ids, E, block_m)
     total = int(total)
-    flat = ids.reshape(-1)
-    counts = torch.bincount(flat[flat < E].long(), minlength=E)
-    assert total == int(sum(-(-int(c) // block_m) * block_m for c in counts))
-    assert total <= sorted_pairs.numel() and sorted_pairs.numel() % block_m == 0
-    used = sorted_pairs[:total]
-    real = used[used < P]
-    assert sorted(real.tolist()) == [p for p in range(P) if flat[p] < E], "every real pair exactly once"
-    assert ((used == P) | (used < P)).all(), "padding entries hold the sentinel T*k"
-    start = 0
-    for e in range(E):
-        size = -(-int(counts[e]) // block_m) * block_m
-        seg = used[start:start + size]
-        n = int(counts[e])
-        assert seg[:n].tolist() == sorted(seg[:n].tolist()), "pairs keep their order within an expert"
-        assert (flat[seg[:n].long()] == e).all() and (seg[n:] == P).all()
-        assert (block_expert[start // block_m:(start + size) // block_m] == e).all()
-        start += size
+    assert total == rows.numel() <= sorted_pairs.numel() and sorted_pairs.numel() % block_m == 0
+    assert torch.equal(sorted_pairs[:total], rows), "each expert's pairs in pair order, then the sentinel"
     # Only experts that received pairs own blocks, so only their weights are ever read.
-    assert set(block_expert[: total // block_m].tolist()) == set(flat[flat < E].tolist())
+    assert torch.equal(block_expert[:total // block_m], blocks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,slots,width", [(5, 3, 48), (3, 5, 2048), (2, 2, 2100), (1, 1, 16)])
+def test_combine_sums_live_slots_in_slot_order_bit_for_bit(T, slots, width, dtype):
+    """Rows of padding slots are never written (NaN here) and never read; padding tokens give 0;
+    columns past a multiple of the tile run masked (2100)."""
+    g = torch.Generator().manual_seed(T * slots)
+    sentinel = 6
+    ids = torch.randint(0, sentinel, (T, slots), generator=g, dtype=torch.int32)
+    ids[0, -1] = sentinel
+    ids[-1] = sentinel if T > 1 else ids[-1]
+    y = (torch.randn(T * slots, width, generator=g) * 10).to(dtype)
+    y[(ids.reshape(-1) == sentinel)] = float("nan")
+    out = torch.full((T, width), float("nan"), device=DEV)
+    combine(*_on(y, ids), out, sentinel)
+    assert torch.equal(out.cpu(), combine_reference(y, ids, sentinel))
 
 
 def test_sort_tokens_bound_is_static_and_holds_for_one_expert_or_all():
@@ -339,7 +359,7 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     """E=8 experts, top-2 and one shared chunk (3 slots per token), D=64, no tuned table: the default
     config's token path to T=2 (2 columns) and T=4 (4), sorted tiles of BLOCK_M 16 from T=5 (a
     mean of T/4 pairs per expert: <= 10), 32 from 41, 64 from 97, 128 from 193; the router's GEMV
-    to T=128, a dot past it; the sort's wider scan past 256 pairs (T=86). A count of each, the smallest, and nothing under the interpreter."""
+    to T=128, a dot past it; the sort's wider block past 256 pairs (T=86). A count of each, the smallest, and nothing under the interpreter."""
     import runtime.backends.triton_moe as backend_module
     from runtime.backends.triton_moe import MoELayerShape
     layer = MoELayerShape.of(_moe_call())
@@ -348,7 +368,9 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
     assert backend.kernel_variant_tokens(256) == (1, 3, 5, 41, 86, 97, 129, 193)
     assert backend.kernel_variant_tokens(64) == (1, 3, 5, 41)
-    # a second layer shape adds its own first counts (no shared expert: 2 slots, wider scan at T=129)
+    # past 1024 pairs (T=342) the sort counts its blocks first: one more variant
+    assert backend.kernel_variant_tokens(512) == (1, 3, 5, 41, 86, 97, 129, 193, 342)
+    # a second layer shape adds its own first counts (no shared expert: 2 slots, wider block at T=129)
     other = MoELayerShape.of(_moe_call(S=0))
     both = TritonMoEBackend(device="cpu", layers=(layer, other))
     assert set(both.kernel_variant_tokens(256)) == {1, 3, 5, 41, 86, 97, 129, 193}
@@ -486,7 +508,7 @@ def test_fixed_tiles_give_a_token_the_same_bits_whatever_shares_its_step(monkeyp
     expected = torch.full((T, D), float("nan"))
     CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
     assert _rel(rows[T], expected) <= 1e-4
-    # one launch variant below the sort's wider scan: start-up builds a kernel set, not one per bucket
+    # one launch variant below the sort's wider block: start-up builds a kernel set, not one per bucket
     layer = MoELayerShape.of(_moe_call())
     fixed = TritonMoEBackend(device="cpu", layers=(layer,), gemm_tiles="fixed")
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
