@@ -2,7 +2,10 @@
 
 1. Each request holds a `SeqState`: its state slot, its KV pages and how many tokens are cached.
 2. `build_step` grows each request's page list to fit the new tokens (pages come from the KV
-   pool), lays the tokens out request after request, and fills the context tensors.
+   pool, `take_pages`), lays the tokens out request after request and fills the context fields
+   (`lay_out`, into arrays of the step's own), and makes them tensors. A step replayed from a
+   captured graph is laid out by the same `lay_out` straight into the static buffers' host
+   block instead (runtime/graphs/staging.py, `StepStaging.lay_out`).
 3. After the model ran, `commit_step` advances each request's cached-token count.
 
 A step's layout does not depend on its tokens' values, so a step may be built with placeholder
@@ -13,8 +16,8 @@ the device (`PLACEHOLDER_TOKEN` on the host, its real id written at its row: `Ro
 Its logits rows may come from the device the same way (the draft step after a verify step, whose
 row per request is the last kept position, known on the device before the host reads it).
 
-Padding (`pad_tokens_to`, `pad_seqs_to`) is done here and only here: padded tokens get position
-0, slot_mapping -1 and no logits row; padded requests get the reserved state slot.
+Padding (`pad_tokens_to`, `pad_seqs_to`, or the shapes of the arrays laid out into) is done here
+and only here: `lay_out` states its rules.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from runtime.step.host_copy import array_to_device
 from runtime.cache.kv_pool import KVPool
 from runtime.cache.state_pool import PADDING_SLOT
 
-__all__ = ["SeqState", "StepInputs", "build_step", "commit_step", "step_mode", "write_rows", "RowsAt",
-           "PLACEHOLDER_TOKEN"]
+__all__ = ["SeqState", "StepInputs", "build_step", "lay_out", "step_lengths", "take_pages", "FIELD_DTYPES",
+           "PageTableTooNarrow", "commit_step", "step_mode", "write_rows", "RowsAt", "PLACEHOLDER_TOKEN"]
 
 # A token whose id is only on the device yet (the engine's overlapped steps): never a real id, so
 # one that reached a model's embedding unreplaced fails there instead of feeding a wrong token.
@@ -67,6 +70,112 @@ def step_mode(query_lens: list[int], cache_lens: list[int]) -> Mode:
     return Mode.MIXED
 
 
+def step_lengths(items: list[tuple[SeqState, list[int]]]) -> tuple[list[int], list[int]]:
+    """(new tokens, cached tokens) of each request of a step."""
+    return [len(tokens) for _, tokens in items], [seq.num_cached for seq, _ in items]
+
+
+def take_pages(items: list[tuple[SeqState, list[int]]], query_lens: list[int], kv_pool: KVPool) -> None:
+    """Grow each request's page list to hold its new tokens (the scheduler usually took them already)."""
+    ps = kv_pool.page_size
+    for (seq, _), n in zip(items, query_lens):
+        if seq.num_cached + n > len(seq.pages) * ps:
+            seq.pages.extend(kv_pool.alloc(kv_pool.pages_for(seq.num_cached + n) - len(seq.pages)))
+
+
+# Each field's dtype, as the step's tensors (and the static buffers) hold it.
+FIELD_DTYPES = {"input_ids": np.int64, "positions": np.int64, "slot_mapping": np.int64, "logits_index": np.int64,
+                "state_slots": np.int64, "query_start_loc": np.int32, "seq_lens": np.int32, "page_table": np.int32}
+
+
+class PageTableTooNarrow(ValueError):
+    """A request holds more pages than the page table it is laid out into has columns."""
+
+
+def lay_out(items: list[tuple[SeqState, list[int]]], query_lens: list[int], cache_lens: list[int],
+            page_size: int, out: dict[str, np.ndarray], logits_rows: list[int] | None = None) -> None:
+    """Write a step's layout into `out` (FIELD_DTYPES' arrays, their shapes the padded step's:
+    input_ids [T], positions [T], slot_mapping [T], logits_index [R], state_slots [B],
+    query_start_loc [B + 1], seq_lens [B], page_table [B, P]), every element of them, padding
+    included, so arrays reused from an earlier step keep nothing of it.
+
+    The layout rules, stated here alone: request after request, a request's tokens contiguous;
+    padded tokens get id 0, position 0 and slot_mapping -1; padded requests own no rows (their
+    query_start_loc repeats the real token count), length 0 and the reserved state slot; a
+    request's page_table row holds its pages, then 0; logits_index holds each request's logits
+    rows (`logits_rows`: how many of its last rows, default 1), then rows that read row 0.
+    Pages must have been taken (`take_pages`).
+    """
+    assert query_lens and min(query_lens) > 0, "a step needs at least one request, each adding a token"
+    ids, pos, slot_mapping, logits_index = out["input_ids"], out["positions"], out["slot_mapping"], out["logits_index"]
+    state_slots, starts, seq_lens, page_table = out["state_slots"], out["query_start_loc"], out["seq_lens"], out["page_table"]
+    B, T = len(items), sum(query_lens)
+    P = page_table.shape[1]
+    page_table.fill(0)
+    if B == 1:  # one request (an idle engine's prompt, or its one decode): scalars and slices
+        seq, tokens = items[0]
+        pages, cached = seq.pages, cache_lens[0]
+        if len(pages) > P:
+            raise PageTableTooNarrow(f"a request holds {len(pages)} pages; the page table has {P} columns")
+        page_table[0, :len(pages)] = pages
+        starts[0] = 0
+        starts[1:] = T
+        seq_lens[0] = cached + T
+        state_slots[0] = seq.slot
+        ids[:T] = tokens
+        if T == 1:
+            pos[0] = cached
+            slot_mapping[0] = pages[cached // page_size] * page_size + cached % page_size
+        else:
+            here = np.arange(cached, cached + T)
+            pos[:T] = here
+            slot_mapping[:T] = page_table[0, here // page_size].astype(np.int64) * page_size + here % page_size
+        ends = T
+    else:
+        page_lens = [len(seq.pages) for seq, _ in items]
+        if max(page_lens) > P:
+            raise PageTableTooNarrow(f"a request holds {max(page_lens)} pages; the page table has {P} columns")
+        # Every request's pages in one flat array, scattered into the rows' first len(pages) columns
+        # (row-major order of the mask is request order, then page order).
+        flat = np.fromiter(itertools.chain.from_iterable(seq.pages for seq, _ in items), np.int64, sum(page_lens))
+        page_table[:B][np.arange(P) < np.array(page_lens)[:, None]] = flat
+        q_lens = np.array(query_lens, dtype=np.int64)
+        cached = np.array(cache_lens, dtype=np.int64)
+        ends = q_lens.cumsum()
+        starts[0] = 0
+        starts[1:B + 1] = ends
+        starts[B + 1:] = T  # padded requests own no rows
+        seq_lens[:B] = cached + q_lens
+        state_slots[:B] = [seq.slot for seq, _ in items]
+        if T == B:  # one token per request (decode): row b is request b
+            pos[:B] = cached
+            slot_mapping[:B] = (page_table[np.arange(B), cached // page_size].astype(np.int64) * page_size
+                                + cached % page_size)
+            ids[:B] = [tokens[0] for _, tokens in items]
+        else:
+            row_req = np.repeat(np.arange(B), q_lens)
+            here = np.arange(T) + (cached - (ends - q_lens))[row_req]
+            pos[:T] = here
+            slot_mapping[:T] = page_table[row_req, here // page_size].astype(np.int64) * page_size + here % page_size
+            ids[:T] = np.fromiter(itertools.chain.from_iterable(tokens for _, tokens in items), np.int64, T)
+    pos[T:] = 0
+    slot_mapping[T:] = -1
+    ids[T:] = 0
+    seq_lens[B:] = 0
+    state_slots[B:] = PADDING_SLOT
+
+    if logits_rows is None:
+        R = B
+        logits_index[:B] = ends - 1
+    else:
+        rows = np.array(logits_rows, dtype=np.int64)
+        assert rows.shape == (B,) and (rows >= 1).all() and (rows <= np.array(query_lens)).all(), (logits_rows, query_lens)
+        R = int(rows.sum())
+        # row r of request b: ends[b] - rows[b] + r, for r < rows[b]
+        logits_index[:R] = np.repeat(ends - rows, rows) + np.arange(R) - np.repeat(rows.cumsum() - rows, rows)
+    logits_index[R:] = 0
+
+
 def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device="cpu",
                mode: Mode | None = None, pad_tokens_to: int | None = None,
                pad_seqs_to: int | None = None, max_pages: int | None = None,
@@ -77,69 +186,37 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
     predicts its next token). A request scoring its prompt asks for more; its rows stay in order,
     so each request's last logits row is still the one its next token is sampled from.
 
+    The step's own arrays, laid out by `lay_out` (which states the layout and padding rules), as
+    tensors on `device`. A replayed step is laid out straight into the static buffers' host block
+    instead (runtime/graphs/staging.py, `StepStaging.lay_out`).
+
     Every step of the engine passes through here on the host, so the layout is computed with
     whole-array numpy operations (one per field) rather than per-request torch calls: at 128
     decoding requests that is the difference between a fraction of a millisecond and several.
     """
     assert items, "a step needs at least one request"
-    ps = kv_pool.page_size
     device = torch.device(device)
-    seqs = [seq for seq, _ in items]
-    query_lens = [len(tokens) for _, tokens in items]
-    cache_lens = [seq.num_cached for seq in seqs]
-    assert min(query_lens) > 0, "every request in a step adds at least one token"
-    for seq, n in zip(seqs, query_lens):
-        if seq.num_cached + n > len(seq.pages) * ps:  # the scheduler usually took them already
-            seq.pages.extend(kv_pool.alloc(kv_pool.pages_for(seq.num_cached + n) - len(seq.pages)))
-
+    query_lens, cache_lens = step_lengths(items)
+    take_pages(items, query_lens, kv_pool)
     B, T = len(items), sum(query_lens)
     T_pad = max(T, pad_tokens_to or 0)
     B_pad = max(B, pad_seqs_to or 0)
-    page_lens = [len(seq.pages) for seq in seqs]
-    P = max(max_pages or 0, max(page_lens), 1)
-
-    q_lens = np.asarray(query_lens, dtype=np.int64)
-    cached = np.asarray(cache_lens, dtype=np.int64)
-    starts = np.zeros(B_pad + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=starts[1:B + 1])
-    starts[B + 1:] = T  # padded requests own no rows
-    page_table = np.zeros((B_pad, P), dtype=np.int64)
-    # Every request's pages in one flat array, scattered into the rows' first len(pages) columns
-    # (row-major order of the mask is request order, then page order).
-    flat_pages = np.fromiter(itertools.chain.from_iterable(seq.pages for seq in seqs), np.int64, sum(page_lens))
-    page_table[:B][np.arange(P) < np.asarray(page_lens)[:, None]] = flat_pages
-    row_req = np.repeat(np.arange(B), q_lens)
-    positions = np.zeros(T_pad, dtype=np.int64)
-    positions[:T] = np.arange(T) - starts[row_req] + cached[row_req]
-    slot_mapping = np.full(T_pad, -1, dtype=np.int64)
-    slot_mapping[:T] = page_table[row_req, positions[:T] // ps] * ps + positions[:T] % ps
-    input_ids = np.zeros(T_pad, dtype=np.int64)
-    input_ids[:T] = np.fromiter(itertools.chain.from_iterable(tokens for _, tokens in items), np.int64, T)
-    seq_lens = np.zeros(B_pad, dtype=np.int32)
-    seq_lens[:B] = cached + q_lens
-    state_slots = np.full(B_pad, PADDING_SLOT, dtype=np.int64)
-    state_slots[:B] = [seq.slot for seq in seqs]
-
-    def dev(a: np.ndarray, dtype=None) -> torch.Tensor:
-        # queued from pinned memory on cuda: a pageable copy would wait for every queued kernel
-        return array_to_device(a if dtype is None else a.astype(dtype), device)
-
+    P = max(max_pages or 0, max(len(seq.pages) for seq, _ in items), 1)
+    R = B if logits_rows is None else sum(logits_rows)
+    shapes = {"input_ids": (T_pad,), "positions": (T_pad,), "slot_mapping": (T_pad,), "logits_index": (R,),
+              "state_slots": (B_pad,), "query_start_loc": (B_pad + 1,), "seq_lens": (B_pad,), "page_table": (B_pad, P)}
+    out = {name: np.empty(shape, dtype=FIELD_DTYPES[name]) for name, shape in shapes.items()}
+    lay_out(items, query_lens, cache_lens, kv_pool.page_size, out, logits_rows)
+    # queued from pinned memory on cuda: a pageable copy would wait for every queued kernel
+    t = {name: array_to_device(a, device) for name, a in out.items()}
     ctx = ExecContext(
         mode=mode or step_mode(query_lens, cache_lens), query_lens=query_lens, cache_lens=cache_lens,
-        query_start_loc=dev(starts, np.int32), seq_lens=dev(seq_lens), state_slots=dev(state_slots),
-        page_table=dev(page_table, np.int32), slot_mapping=dev(slot_mapping), page_size=ps, num_tokens=T_pad,
+        query_start_loc=t["query_start_loc"], seq_lens=t["seq_lens"], state_slots=t["state_slots"],
+        page_table=t["page_table"], slot_mapping=t["slot_mapping"], page_size=kv_pool.page_size, num_tokens=T_pad,
         num_seqs=B_pad,
     )
     ctx.check()
-    ends = starts[1:B + 1]
-    if logits_rows is None:
-        logits_index = ends - 1
-    else:
-        rows = np.asarray(logits_rows, dtype=np.int64)
-        assert rows.shape == (B,) and (rows >= 1).all() and (rows <= q_lens).all(), (logits_rows, query_lens)
-        # row r of request b: ends[b] - rows[b] + r, for r < rows[b]
-        logits_index = np.repeat(ends - rows, rows) + np.arange(rows.sum()) - np.repeat(np.cumsum(rows) - rows, rows)
-    return StepInputs(dev(input_ids), dev(positions), dev(logits_index), ctx)
+    return StepInputs(t["input_ids"], t["positions"], t["logits_index"], ctx)
 
 
 def commit_step(items: list[tuple[SeqState, list[int]]]) -> None:

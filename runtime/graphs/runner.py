@@ -68,7 +68,7 @@ import torch
 from compiler.splitops import Mode
 from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS,
                                         PROGRAM_INPUTS, piece_module_names, whole_bound_refusal)
-from runtime.cache.batch import RowsAt, SeqState, StepInputs, build_step, step_mode, write_rows
+from runtime.cache.batch import RowsAt, SeqState, StepInputs, build_step, step_lengths, step_mode, write_rows
 from runtime.backends.protocol import plan_eager_step
 from runtime.step.bound_ops import BoundOps
 from runtime.graphs.buckets import Buckets, CaptureKey, buckets_for, piecewise_plan_mode, whole_step, whole_step_modes
@@ -206,6 +206,7 @@ class GraphRunner:
         An eager step (no key) reads no graph, so it needs no static address and may be larger
         than the buffers: its own tensors are moved to the device instead."""
         if key is None:
+            self.staging.release(step)  # moved as it is: out of the host block the next step reuses
             inputs, ctx = step_on_device(step, self.device, self.input_names)
             by_name = dict(zip(self.input_names, inputs))
         else:
@@ -217,18 +218,25 @@ class GraphRunner:
 
     def build(self, items: list[tuple[SeqState, list[int]]], mode: Optional[Mode] = None,
               logits_rows: Optional[list[int]] = None) -> tuple[StepInputs, Optional[CaptureKey]]:
-        """Lay a step out on the host, padded to the key that will run it.
+        """Lay a step out on the host, padded to the key that will run it: a step with a key straight
+        into the static buffers' host block (`StepStaging.lay_out`; the step's tensors are views of
+        it, valid until this runner lays out its next step or copies one in), an eager one in
+        tensors of its own (`build_step`).
 
         A step that asks for more logits rows of a request than its key was captured with (a
         prompt being scored) runs eagerly."""
-        mode = mode or step_mode([len(t) for _, t in items], [seq.num_cached for seq, _ in items])
-        key = self.key_for(mode, sum(len(t) for _, t in items), len(items))
-        per_seq = self.buckets.verify_logits_rows if mode == Mode.TARGET_VERIFY else 1
-        if logits_rows is not None and any(r != per_seq for r in logits_rows):
-            key = None
-        padding = {"pad_tokens_to": key.tokens, "pad_seqs_to": key.seqs} if key is not None else {}
-        return build_step(items, self.kv_pool, "cpu", mode=mode, max_pages=self.max_pages, logits_rows=logits_rows,
-                          **padding), key
+        query_lens, cache_lens = step_lengths(items)
+        mode = mode or step_mode(query_lens, cache_lens)
+        key = self.key_for(mode, sum(query_lens), len(items))
+        if key is not None and logits_rows is not None:
+            per_seq = self.buckets.verify_logits_rows if mode == Mode.TARGET_VERIFY else 1
+            if any(r != per_seq for r in logits_rows):
+                key = None
+        if key is None:
+            return build_step(items, self.kv_pool, "cpu", mode=mode, max_pages=self.max_pages,
+                              logits_rows=logits_rows), None
+        # laid out in the static buffers' host block: `run` only sends it over
+        return self.staging.lay_out(items, key, mode, query_lens, cache_lens, self.kv_pool, logits_rows), key
 
     # -- running ---------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
 """Static step staging: the device buffers every captured graph reads a step's inputs from.
 
 `StepStaging` holds them (two packed blocks, one per dtype, filled by one host-to-device copy
-each, and the draft program's hidden states); `stage` copies a step padded to its capture key in
-and refuses one that does not fit. `step_on_device` moves an eager step's own tensors instead (no
-graph reads them, so they may be of any size). The graph runner decides which of the two a step
+each, and the draft program's hidden states); `lay_out` writes a step straight into the host
+block's views for its capture key (the graph runner's steps) and `stage` sends it over, or copies
+a step built elsewhere (`build_step`'s own tensors) in and refuses one that does not fit.
+`step_on_device` moves an eager step's own tensors instead (no graph reads them, so they may be
+of any size). The graph runner decides which of the two a step
 gets. `hidden_input_spec` reads the width and dtype of the draft program's hidden-state input, the
 one input a step does not lay out itself; `StepStaging.with_random_hidden` makes it up for a step
 whose contents do not matter (a capture's, the start-up parity check's).
@@ -13,10 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import torch
 
-from runtime.cache.batch import StepInputs
+from compiler.splitops import Mode
+from runtime.cache.batch import FIELD_DTYPES, PageTableTooNarrow, SeqState, StepInputs, lay_out, take_pages
+from runtime.cache.kv_pool import KVPool
 from runtime.graphs.buckets import CaptureKey
 from runtime.graphs.cuda_graphs import CaptureError
 from runtime.step.context import ExecContext
@@ -36,8 +41,14 @@ class StepStaging:
     same blocks, which is safe because one step runs at a time and each fills all of its views.
 
     The host block is written again only once the previous copy has left it (an event on CUDA;
-    on the CPU the copy is synchronous). Rows a step does not fill are padding: build_step pads
-    every field but logits_index, whose spare rows read row 0, and page_table's spare columns.
+    on the CPU the copy is synchronous).
+
+    A step the graph runner builds for a key is laid out in the host block itself (`lay_out`:
+    no arrays of its own, no tensors made per field); its StepInputs' tensors are the block's
+    host views, valid while the block holds it. Laying another step out over a step still
+    referenced copies that one's fields out first (`_detach`), so it stays whole and is copied
+    in again when run (`fill`); the engine drops each step before it builds the next, so its
+    steps never pay that copy.
     """
 
     INT64 = ("input_ids", "positions", "slot_mapping", "logits_index", "state_slots")
@@ -61,6 +72,11 @@ class StepStaging:
         self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
         self._views: dict[tuple[int, int, int], tuple[dict, dict, dict]] = {}
         self.hidden = torch.zeros(max_tokens, hidden[0], dtype=hidden[1], device=device) if hidden else None
+        self._keys: dict[CaptureKey, _KeyLayout] = {}
+        # The step laid out in the host block (`lay_out`), weakly (once its caller drops it nothing
+        # need be kept), and its key.
+        self._resident: weakref.ref | None = None
+        self._resident_key: CaptureKey | None = None
 
     def shape(self, name: str, T: int, B: int, R: int | None = None) -> tuple[int, ...]:
         """The field's shape for T tokens, B requests and R logits rows (default B)."""
@@ -96,33 +112,120 @@ class StepStaging:
             self._views[(T, B, R)] = (host, dev, used)
         return self._views[(T, B, R)]
 
+    def _claim_host(self) -> None:
+        """Before the host block is written: the step laid out in it is copied out if still
+        referenced, and the previous step's copy has left it."""
+        if self._resident is not None:
+            self._detach()
+        if self._event is not None:
+            self._event.synchronize()
+
+    def _send(self, prefixes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each (device, host) pair of used block prefixes over, one copy per dtype (queued on CUDA)."""
+        for dev, host in prefixes:
+            dev.copy_(host, non_blocking=True)
+        if self._event is not None:
+            self._event.record(torch.cuda.current_stream(self._device_index))
+
+    def _prefixes(self, used: dict[torch.dtype, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.dev[dt][:n], self.host[dt][:n]) for dt, n in used.items()]
+
     def fill(self, T: int, B: int, sources: dict[str, torch.Tensor], R: int | None = None) -> dict[str, torch.Tensor]:
         """Copy a step's host tensors in and send them over; returns the device views."""
         host, dev, used = self.views(T, B, R)
-        if self._event is not None:
-            self._event.synchronize()  # the previous step's copy has left the host block
+        self._claim_host()
         for name, src in sources.items():
             a, h = src.numpy(), host[name]
-            if name == "page_table":  # as wide as the longest request: the columns after it are 0
+            # a host-built step's fields come as lay_out makes them for its own shape: its
+            # page_table as wide as its longest request, its logits_index a row per real logits
+            # row; the rest of the key's view is padded as lay_out pads it (0)
+            if name == "page_table":
                 h[:, : a.shape[1]] = a
                 h[:, a.shape[1]:] = 0
             else:
                 h[: a.shape[0]] = a
-                h[a.shape[0]:] = 0  # only logits_index comes short: its padded rows read row 0
-        for dt, n in used.items():
-            self.dev[dt][:n].copy_(self.host[dt][:n], non_blocking=True)
-        if self._event is not None:
-            self._event.record(torch.cuda.current_stream(self._device_index))
+                h[a.shape[0]:] = 0
+        self._send(self._prefixes(used))
         return dev
+
+    def _key_layout(self, key: CaptureKey) -> _KeyLayout:
+        """The key's views and copies (made once), or CaptureError for a key larger than the buffers."""
+        layout = self._keys.get(key)
+        if layout is None:
+            T, B, R = key.tokens, key.seqs, key.logits_rows
+            if T > self.max_tokens or B > self.max_seqs:
+                raise CaptureError(f"step does not fit {key}: the buffers hold {self.max_tokens} tokens, "
+                                   f"{self.max_seqs} requests")
+            host, dev, used = self.views(T, B, R)
+            layout = self._keys[key] = _KeyLayout(key, host, dev, self._prefixes(used), self.hidden)
+        return layout
+
+    def lay_out(self, items: list[tuple[SeqState, list[int]]], key: CaptureKey, mode: Mode,
+                query_lens: list[int], cache_lens: list[int], kv_pool: KVPool,
+                logits_rows: list[int] | None = None) -> StepInputs:
+        """A step padded to `key`, laid out straight into the host block's views for it
+        (runtime/cache/batch.py `lay_out`: the same values `build_step` gives, padding included).
+        Its StepInputs' tensors are those host views; `stage` then only sends them over.
+        query_lens / cache_lens: the requests' (`step_lengths`), which the caller had to choose the key."""
+        layout = self._key_layout(key)
+        T, B = sum(query_lens), len(items)
+        if T > key.tokens or B > key.seqs:
+            raise CaptureError(f"step of {T} tokens, {B} requests does not fit {key}")
+        take_pages(items, query_lens, kv_pool)
+        self._claim_host()
+        try:
+            lay_out(items, query_lens, cache_lens, kv_pool.page_size, layout.host, logits_rows)
+        except PageTableTooNarrow as e:
+            raise CaptureError(f"{e}; the runner was built for {self.max_pages}") from None
+        assert mode != Mode.DECODE or T == B, "a decode step has one token per request"
+        h = layout.host_t
+        ps = kv_pool.page_size
+        step = StepInputs(h["input_ids"], h["positions"],
+                          h["logits_index"] if logits_rows is None and B == key.logits_rows
+                          else h["logits_index"][: B if logits_rows is None else sum(logits_rows)],
+                          ExecContext(mode, query_lens, cache_lens, h["query_start_loc"], h["seq_lens"],
+                                      h["state_slots"], h["page_table"], h["slot_mapping"], ps, key.tokens, key.seqs))
+        self._resident, self._resident_key = weakref.ref(step), key
+        return step
+
+    def _detach(self) -> None:
+        """The step laid out in the host block gets copies of its fields (its StepInputs and context
+        changed in place, for whoever holds them), so a step laid out next may overwrite the block."""
+        step = self._resident()
+        self._resident = self._resident_key = None
+        if step is None:
+            return
+        step.input_ids, step.positions, step.logits_index = (
+            step.input_ids.clone(), step.positions.clone(), step.logits_index.clone())
+        ctx = step.ctx
+        for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping"):
+            setattr(ctx, name, getattr(ctx, name).clone())
+
+    def release(self, step: StepInputs) -> None:
+        """Copy the step's fields out of the host block if they are laid out there (a step about to be
+        moved as it is, not through `stage`)."""
+        if self._resident is not None and self._resident() is step:
+            self._detach()
 
     def stage(self, step: StepInputs, key: CaptureKey) -> tuple[dict[str, torch.Tensor], ExecContext]:
         """Copy a host-built step padded to `key` in: (its inputs as device views sized to the key, by
         input name, the hidden states included where the program takes them; the step's context on
         the static views). A step larger than the buffers or not padded to the key is refused."""
+        if self._resident is not None and self._resident() is step:
+            if self._resident_key == key:  # laid out in place (`lay_out`): send it as it is
+                layout, ctx = self._keys[key], step.ctx
+                self._send(layout.prefixes)
+                inputs = dict(layout.inputs)
+                if self.hidden is not None:
+                    self._stage_hidden(step, inputs["hidden"])
+                d = layout.dev  # a context of its own per run, as for a copied-in step
+                return inputs, ExecContext(ctx.mode, ctx.query_lens, ctx.cache_lens, d["query_start_loc"],
+                                           d["seq_lens"], d["state_slots"], d["page_table"], d["slot_mapping"],
+                                           ctx.page_size, key.tokens, key.seqs)
+            self._detach()  # laid out for another key: copied in as a host-built step
         ctx = step.ctx
         T, B, R = key.tokens, key.seqs, key.logits_rows
-        if T > self.max_tokens or B > self.max_seqs:
-            raise CaptureError(f"step does not fit {key}: the buffers hold {self.max_tokens} tokens, {self.max_seqs} requests")
+        self._key_layout(key)  # refuses a key the buffers do not hold
         pages = ctx.page_table.shape[1]
         if pages > self.max_pages:
             raise CaptureError(f"a request holds {pages} pages; the runner was built for {self.max_pages}")
@@ -140,13 +243,17 @@ class StepStaging:
             page_table=v["page_table"], slot_mapping=v["slot_mapping"], num_tokens=T, num_seqs=B)
         inputs = {name: v[name] for name in ("input_ids", "positions", "logits_index")}
         if self.hidden is not None:
-            if step.hidden is None:
-                raise CaptureError("the program takes hidden states: build the step with them (StepInputs.hidden)")
-            hidden = inputs["hidden"] = self.hidden[:T]
-            n = step.hidden.shape[0]
-            hidden[:n].copy_(step.hidden, non_blocking=True)
-            hidden[n:].zero_()  # padding rows: finite values a padded op may read
+            inputs["hidden"] = self.hidden[:T]
+            self._stage_hidden(step, inputs["hidden"])
         return inputs, static_ctx
+
+    @staticmethod
+    def _stage_hidden(step: StepInputs, hidden: torch.Tensor) -> None:
+        if step.hidden is None:
+            raise CaptureError("the program takes hidden states: build the step with them (StepInputs.hidden)")
+        n = step.hidden.shape[0]
+        hidden[:n].copy_(step.hidden, non_blocking=True)
+        hidden[n:].zero_()  # padding rows: finite values a padded op may read
 
     def with_random_hidden(self, step: StepInputs, generator: torch.Generator) -> StepInputs:
         """The step with random hidden states for its real tokens (zeros for padding rows), if the
@@ -156,6 +263,21 @@ class StepStaging:
         hidden = torch.zeros(step.ctx.num_tokens, self.hidden.shape[1], dtype=self.hidden.dtype)
         hidden[: step.ctx.num_real_tokens] = torch.randn(step.ctx.num_real_tokens, hidden.shape[1], generator=generator)
         return dataclasses.replace(step, hidden=hidden)
+
+
+class _KeyLayout:
+    """What a key's steps use at every step, resolved once: the host views (numpy, for `lay_out`,
+    and as tensors, a laid-out step's own), the device views, the used block prefixes (device,
+    host) `_send` copies and the program's inputs as device views."""
+
+    def __init__(self, key: CaptureKey, host: dict, dev: dict, prefixes: list, hidden: torch.Tensor | None):
+        for name, a in host.items():
+            assert a.dtype == FIELD_DTYPES[name], (name, a.dtype)
+        self.host, self.dev, self.prefixes = host, dev, prefixes
+        self.host_t = {name: torch.from_numpy(a) for name, a in host.items()}
+        self.inputs = {name: dev[name] for name in ("input_ids", "positions", "logits_index")}
+        if hidden is not None:
+            self.inputs["hidden"] = hidden[: key.tokens]
 
 
 def step_on_device(step: StepInputs, device,
