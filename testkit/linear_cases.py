@@ -3,18 +3,21 @@ gpu_linear_extend.py): ExecContexts without a KV pool (`decode_ctx`, `step_ctx`)
 inputs of one step for a linear op (padding rows NaN), `FakeFLA`, FLA's chunk interface over
 the reference recurrence for CPU runs of the extend path, `interpreted_triton_linear`, the
 triton_linear backend declared for the cpu device so routing can bind a CPU artifact's linear
-ops to it (its kernels then run in Triton's interpreter), and `check_conv_extend`, the extend
-conv kernel against the reference over the request lengths that matter to it."""
+ops to it (its kernels then run in Triton's interpreter), `check_conv_extend`, the extend
+conv kernel against the reference over the request lengths that matter to it, and
+`captured_chunk_tables`, the chunk kernels' tables of a step padded to a captured bucket."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
 from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence
+from runtime.backends.kernels.launch_math import cdiv, token_blocks
 from runtime.backends.protocol import plan_eager_step
 from runtime.backends.triton_linear import TritonLinearBackend
 from runtime.step.context import ExecContext
@@ -228,3 +231,24 @@ def conv_extend_ok(result: dict, out_tol: float, state_tol: float = 1e-6) -> boo
     return result["untouched_slots_kept"] and all(
         s["finite"] and s["padding_zero"] and s["out_rel_err"] <= out_tol and s["state_rel_err"] <= state_tol
         for s in result["steps"])
+
+
+def captured_chunk_tables(lens: list[int], slots: list[int], bucket: int, seqs: int, block_t: int,
+                          device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots, bounds, chunks) of chunk_extend for a step of `lens` padded to a captured bucket of
+    `bucket` rows and `seqs` requests, as the backend's static plan lays them out
+    (triton_linear._StaticExtendPlan): slots [seqs+1] (padding requests and the always-empty one on
+    the padding slot), bounds [seqs+3] (the last request owns the padding rows), chunks
+    [bucket / block_t + seqs, 2] (the padding rows' chunks after the real ones, then rows naming the
+    empty request seqs). Made on the host, apart from the device kernel that makes them in the
+    backend (kernels/extend_tables.py, which its own test checks against token_blocks)."""
+    full = np.zeros(seqs + 2, dtype=np.int64)
+    full[:len(lens)] = lens
+    full[seqs + 1] = bucket - sum(lens)
+    bounds = np.concatenate([[0], np.cumsum(full)]).astype(np.int64)
+    blocks = token_blocks(full, block_t)
+    chunks = np.tile(np.array([seqs, 0], dtype=np.int64), (cdiv(bucket, block_t) + seqs, 1))
+    chunks[:blocks.shape[0]] = blocks
+    slot_ids = list(slots) + [PADDING_SLOT] * (seqs + 1 - len(slots))
+    return (torch.tensor(slot_ids, dtype=torch.int64, device=device), torch.from_numpy(bounds).to(device),
+            torch.from_numpy(chunks).to(device))

@@ -209,8 +209,10 @@ class _ExtendPlan:
     slots: torch.Tensor  # [R] int64 on the pool's device: the R requests with tokens this step
     cu_seqlens: torch.Tensor  # [R+1] int64 on the device
     cu_seqlens_cpu: torch.Tensor  # [R+1] int64 on the host (FLA plans its chunks from it, no sync)
-    chunk_indices: torch.Tensor  # [chunks, 2] int64 on the device: (request, chunk) in FLA's layout
-    conv_bounds: torch.Tensor  # [R+2] int64 on the device: cu_seqlens, then num_rows (the padding rows)
+    # [chunks, 2] int64 on the device: (request, chunk) in FLA's layout; a captured step's lists the
+    # padding rows' chunks too, as request R (its bounds are padded_bounds)
+    chunk_indices: torch.Tensor
+    padded_bounds: torch.Tensor  # [R+2] int64 on the device: cu_seqlens, then num_rows (request R: the padding rows)
     conv_blocks: torch.Tensor  # [NB, 2] int64 on the device: (request, token block) of the extend conv
     longest: int  # the most tokens one request brings this step (which recurrent path it takes)
     # The static plan of a captured step (_StaticExtendPlan): tables padded to the bucket at fixed
@@ -257,16 +259,16 @@ class _StaticExtendPlan:
 
     - slots [B+1]: the backend's static slot ids (the step's, padding requests on the padding
       slot), then one more request that is always empty, on the padding slot;
-    - chunk bounds [B+2]: cu_seqlens of the B+1 requests (padding requests and the extra one
-      empty: their programs do nothing);
-    - chunks [T/64 + B, 2]: the real (request, chunk) rows, then rows naming the empty request
-      (their programs store nothing), the most a step of the bucket can have;
-    - conv bounds [B+3]: the chunk bounds, then T: request B+1 is the padding rows, which the
-      conv kernel writes as zeros; conv blocks [T/32 + B + 1, 2]: every request's blocks and the
-      padding rows', then rows naming the empty request.
+    - bounds [B+3]: cu_seqlens of the B+1 requests (padding requests and the extra one empty:
+      their programs do nothing), then T: request B+1 is the padding rows, which the chunk
+      kernels' output kernel and the conv kernel write as zeros (so no launch fills `out`);
+    - chunks [T/64 + B, 2]: every request's (request, chunk) rows and the padding rows', then rows
+      naming the empty request (their programs store nothing); T/64 + B is the most a step of the
+      bucket can have: B + 1 requests with rows, each a partial chunk at most beyond T/64 whole ones;
+    - conv blocks [T/32 + B + 1, 2]: the same in the conv's blocks of 32 rows.
 
-    Only real rows of the chunk kernels' `out` are written, so a captured step zeroes `out` first
-    (an eager one zeroes the padding rows after)."""
+    An eager step's chunk table is FLA's too, which knows no padding request: its padding rows
+    are zeroed after the chunk kernels."""
 
     def __init__(self, max_tokens: int, max_seqs: int, device: torch.device):
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
@@ -280,10 +282,10 @@ class _StaticExtendPlan:
     @classmethod
     @functools.lru_cache(maxsize=None)
     def _layout(cls, tokens: int, seqs: int) -> list[tuple[int, tuple[int, ...]]]:
-        """(offset, shape) of chunk bounds, conv bounds, chunks and conv blocks; 16-byte aligned."""
+        """(offset, shape) of bounds, chunks and conv blocks; 16-byte aligned."""
         chunks, blocks = cls._rows(tokens, seqs)
         spans, at = [], 0
-        for shape in ((seqs + 2,), (seqs + 3,), (chunks, 2), (blocks, 2)):
+        for shape in ((seqs + 3,), (chunks, 2), (blocks, 2)):
             spans.append((at, shape))
             at += math.prod(shape) + math.prod(shape) % 2
         return spans
@@ -303,12 +305,11 @@ class _StaticExtendPlan:
             raise RuntimeError(f"triton_linear: a captured extend step of {T} rows and {B} requests; the static "
                                f"plan holds {self.max_tokens} and {self.max_seqs}")
         layout = self._layout(T, B)
-        _extend_tables().fill_extend_tables(ctx.query_start_loc, self.buf, T, B, layout, FLA_CHUNK,
+        # also the padding slot as request B's (a larger bucket's step may have left a slot id there)
+        _extend_tables().fill_extend_tables(ctx.query_start_loc, self.buf, slots, T, B, layout, FLA_CHUNK,
                                             _kernels().CONV_EXTEND_BLOCK_T)
-        slots[B:B + 1].fill_(PADDING_SLOT)  # a larger bucket's step may have left a slot id here
-        views = [self.buf[at:at + math.prod(shape)].view(shape) for at, shape in layout]
-        chunk_bounds, conv_bounds, chunks, blocks = views
-        return _ExtendPlan(None, slots[:B + 1], chunk_bounds, None, chunks, conv_bounds, blocks, 0, captured=True)
+        bounds, chunks, blocks = [self.buf[at:at + math.prod(shape)].view(shape) for at, shape in layout]
+        return _ExtendPlan(None, slots[:B + 1], bounds[:B + 2], None, chunks, bounds, blocks, 0, captured=True)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -650,9 +651,10 @@ class TritonLinearBackend(BackendHooks):
             return False
         plan = self._extend_plan(self._step_plan(ctx), _kernels().OP_OF_GATE[gate_kind])
         if plan.captured:
-            out.zero_()  # the kernels write the real rows only, whose count the graph does not know
+            # the padding rows are the table's last request, written as zeros by the output kernel:
+            # the graph does not know the real row count, and zeroing all of `out` first cost a launch
             state = self._layer_state(layer_id, "recurrent")
-            _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, state, plan.slots, plan.cu_seqlens,
+            _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, state, plan.slots, plan.padded_bounds,
                                           plan.chunk_indices, scale, gate_kind, block_t=FLA_CHUNK,
                                           config=self._graph_chunk_config(v),
                                           workspaces=self._workspaces(q, v, beta, plan.chunk_indices.shape[0]))
@@ -715,7 +717,7 @@ class TritonLinearBackend(BackendHooks):
         """The Triton extend conv, one launch: every request's tokens, its new history, zero padding rows."""
         plan = self._extend_plan(self._step_plan(ctx), "short_conv")
         _kernels().short_conv_extend(x, weight, bias, out, self._layer_state(layer_id, "conv"), plan.slots,
-                                     plan.conv_bounds, plan.conv_blocks, silu,
+                                     plan.padded_bounds, plan.conv_blocks, silu,
                                      what=f"{self.name}: hgc.short_conv (layer {layer_id})")
 
     def _recurrent(self, ctx, op: str, layer_id: int, q, k, v, gate, beta, out, scale, gate_kind: int) -> bool:

@@ -599,6 +599,83 @@ def test_chunk_extend_kernels_match_reference_at_small_head_dims(dims, solve_in_
     check_chunk_extend("gdn_core", dtype, solve_in_registers, dims, lens=[10, 7, 13, 300])
 
 
+CAPTURED_CHUNK_BUCKET = (512, 4)  # rows and requests of the captured chunk step below
+CAPTURED_CHUNK_LENS = {  # real rows -> the requests' lengths replayed in it
+    0: [], 1: [1], 64: [64], 65: [40, 25], 512: [300, 100, 100, 12]}
+
+
+@pytest.mark.parametrize("op", ["gdn_core", "lightning_core"])
+def test_a_captured_chunk_step_writes_zeros_over_its_padding_rows(op):
+    """chunk_extend over tables padded to a bucket of 512 rows and 4 requests, the padding rows the
+    tables' last request (testkit.linear_cases.captured_chunk_tables), bf16 at bench dims, the
+    backend's graph tiles and workspaces. On a GPU the launches are captured once in a CUDA graph
+    from the step without real rows and replayed with 0, 1, 64, 65 and 512 real rows, the tables
+    and inputs refilled in place and the output filled with NaN before each replay: real rows as
+    the recurrence's, padding rows exactly zero, the states as the recurrence leaves them, the
+    padding slot and free slots untouched."""
+    from runtime.backends.kernels import chunk as triton_chunk
+    from runtime.backends.kernels.linear import GATE_CONSTANT, GATE_PER_HEAD
+    from testkit.linear_cases import captured_chunk_tables
+
+    T, B = CAPTURED_CHUNK_BUCKET
+    _, hk, hv, dk, dv = SPECS[op]
+    lightning = op == "lightning_core"
+    num_slots = 12
+    ref_pool, dev_pool = pools(op, num_slots, seed=83)
+    state, before = dev_pool.layer(0)["recurrent"], dev_pool.layer(0)["recurrent"].clone()
+    g = torch.Generator().manual_seed(84)
+
+    def step(lens: list[int], slots: list[int]) -> tuple[dict, tuple]:
+        x = inputs(op, T, sum(lens), torch.bfloat16, g)
+        x["g"] = const("decay", "cpu", torch.float32) if lightning else x["g"].float()
+        return x, captured_chunk_tables(lens, slots, T, B, 64, DEV)
+
+    static_x, static_tables = step([], [])
+    static_x = {n: t.to(DEV) for n, t in static_x.items()}
+    out = out_like(op, T, torch.bfloat16, DEV)
+    workspaces = triton_chunk.ChunkWorkspaces.allocate(T, static_tables[2].shape[0], hv, dk, dv, torch.bfloat16,
+                                                       not lightning, torch.device(DEV))
+
+    def launch() -> None:
+        x = static_x
+        triton_chunk.chunk_extend(x["q"], x["k"], x["v"], x["g"], x.get("beta"), out, state, *static_tables,
+                                  dk ** -0.5, GATE_CONSTANT if lightning else GATE_PER_HEAD,
+                                  config=triton_chunk.chunk_config(1, hv, dv, torch.device(DEV)), workspaces=workspaces)
+
+    replay = launch
+    if DEV == "cuda":
+        launch()  # warm-up outside the graph: compiles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch()
+        replay = graph.replay
+    touched, at = set(), 0
+    perm = (torch.randperm(num_slots, generator=g) + 1).tolist()
+    for real, lens in CAPTURED_CHUNK_LENS.items():
+        slots, at = perm[at:at + len(lens)], at + len(lens)
+        x, tables = step(lens, slots)
+        for n, t in x.items():
+            static_x[n].copy_(t)
+        for static, t in zip(static_tables, tables):
+            static.copy_(t)
+        out.fill_(float("nan"))
+        replay()
+        got = out.float().cpu()
+        assert torch.equal(got[real:], torch.zeros_like(got[real:])), f"{real} real rows: padding rows not zero"
+        if real:
+            want = chunk_reference(op, x, ref_pool, slots, lens=lens)
+            err = rel_err(got[:real], want)
+            assert err <= 1e-2, f"{op}, {real} real rows {lens}: out rel err {err:.2e}"
+        touched |= set(slots)
+        rows = sorted(touched)
+        s_err = rel_err(state[rows].cpu(), ref_pool.layer(0)["recurrent"][rows])
+        assert s_err <= 1e-2, f"{op}, {real} real rows: state rel err {s_err:.2e}"
+    untouched = [s for s in range(num_slots + 1) if s not in touched]
+    assert PADDING_SLOT in untouched
+    assert torch.equal(state[untouched], before[untouched]), "the padding slot or a free slot was written"
+
+
 def test_chunk_extend_relaunches_through_the_launcher_cache():
     """A second call with the same arguments (the same step on the same buffers and workspaces) takes
     the Launcher's compiled kernels, all three of them (solve, state, output)."""

@@ -102,7 +102,12 @@ step's are the caller's own (`ChunkWorkspaces`), allocated once and never regrow
 
 Rows past a request's last row in its last chunk load as zeros (k = v = beta = g = 0): their A
 rows and columns, W, U and V' rows are zero and their gates repeat the last real row's, so the
-masked chunk is exactly the shorter one; only real rows are stored.
+masked chunk is exactly the shorter one; only real rows are stored. A step may also hand the
+padding rows past its last request to the kernels as one more request (bounds [R+2]): the output
+kernel stores zeros over its chunks and the other two skip them, so a captured step, whose real row
+count only the device knows, gets every row of `out` written without a separate fill (an H200 spent
+about 97 us of a 4096-token bench qwen3_next step zeroing `out` before the kernels, and a launch a
+layer in every small one).
 
 Precision: every product accumulates in float32. For 16-bit inputs (the production case) the
 products take 16-bit operands, as FLA's kernels take theirs: the solve's K K^T (exact), and its
@@ -422,7 +427,7 @@ def _chunk_solve_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
     stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
     stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row, stride_u_head,
-    stride_t_chunk, stride_t_head,
+    stride_t_chunk, stride_t_head, num_seqs,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
     BVF: tl.constexpr,  # next power of two >= DV (at least 16): all of Dv in one program
     BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
@@ -430,14 +435,15 @@ def _chunk_solve_kernel(
     SQUARINGS: tl.constexpr,  # log2(BT // BS) - 1, at least 0
 ):
     """W and U of one chunk and value head (module docstring): A, then T = (I + A)^-1 by blocks,
-    then W = T R_w and U = T R_u."""
+    then W = T R_w and U = T R_u. Request num_seqs (the padding rows) has no W or U."""
     chunk = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     key_head = head // GROUP
     req = tl.load(chunks_ptr + 2 * chunk)
     start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
     n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
-    if n <= 0:  # a row of a captured step's table past the step's chunks (an empty request's)
+    # n <= 0: a row of a captured step's table past the step's chunks (an empty request's)
+    if (n <= 0) | (req == num_seqs):
         return
     offs_t = tl.arange(0, BT)
     offs_k = tl.arange(0, BK)
@@ -563,30 +569,17 @@ def _chunk_state_kernel(
 
 
 @triton.jit
-def _chunk_output_kernel(
-    q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
-    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
-    stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
-    scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
-    BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
-):
-    """One chunk's output rows for one value head and Dv tile, from the state entering the chunk (cs)
-    and V' (vp: V' over U with the delta rule, V without), the key dimension KB columns at a time."""
-    chunk = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    v_tile = tl.program_id(2)
+def _chunk_output(q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, start, n, chunk, head, offs_v, m_tv,
+                  stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
+                  stride_g_row, stride_g_head, stride_cs_chunk, stride_cs_head,
+                  GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
+                  BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr,
+                  LOWP: tl.constexpr):
+    """The chunk's unscaled outputs [BT, BV] float32 (rows at or past n are not meaningful)."""
     key_head = head // GROUP
-    req = tl.load(chunks_ptr + 2 * chunk)
-    start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
-    n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
-    if n <= 0:  # a row of a captured step's table past the step's chunks (an empty request's)
-        return
     offs_t = tl.arange(0, BT)
-    offs_v = v_tile * BV + tl.arange(0, BV)
     m_t = offs_t < n
     m_v = offs_v < DV
-    m_tv = m_t[:, None] & m_v[None, :]
     rows = start + offs_t
     gate = _chunk_gates(g_ptr, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
     q_decay = tl.exp(gate)[:, None]
@@ -619,9 +612,44 @@ def _chunk_output_kernel(
         o += tl.dot(p.to(cs_ptr.dtype.element_ty), v_new.to(cs_ptr.dtype.element_ty))
     else:
         o += tl.dot(p, v_new.to(tl.float32), input_precision=DOT_PREC)
-    # Only the chunk's own rows: the rows after it belong to the next request (or to no request).
-    tl.store(out_ptr + rows[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :],
-             (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
+    return o
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
+    stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
+    scale, num_seqs,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
+    BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
+):
+    """One chunk's output rows for one value head and Dv tile, from the state entering the chunk (cs)
+    and V' (vp: V' over U with the delta rule, V without), the key dimension KB columns at a time.
+    A chunk of request num_seqs (the padding rows) stores zeros and reads nothing."""
+    chunk = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    v_tile = tl.program_id(2)
+    req = tl.load(chunks_ptr + 2 * chunk)
+    start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
+    n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
+    if n <= 0:  # a row of a captured step's table past the step's chunks (an empty request's)
+        return
+    offs_t = tl.arange(0, BT)
+    offs_v = v_tile * BV + tl.arange(0, BV)
+    m_tv = (offs_t < n)[:, None] & (offs_v < DV)[None, :]
+    # Only the chunk's own rows: the rows after it belong to the next request (or to the padding).
+    o_ptrs = out_ptr + (start + offs_t)[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :]
+    if req == num_seqs:
+        # padding rows: their inputs may hold anything; they read nothing and come out zero
+        tl.store(o_ptrs, tl.zeros([BT, BV], dtype=out_ptr.dtype.element_ty), mask=m_tv)
+    else:
+        o = _chunk_output(q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, start, n, chunk, head, offs_v, m_tv,
+                          stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
+                          stride_g_row, stride_g_head, stride_cs_chunk, stride_cs_head,
+                          GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT, GATE=GATE, DOT_PREC=DOT_PREC,
+                          LOWP=LOWP)
+        tl.store(o_ptrs, (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -647,12 +675,18 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     lengths for this block_t (chunk j of request r starts at row bounds[r] + j * block_t). Rows from
     bounds[R] on are not touched. The host reads no device value: the tables are the step's plan.
 
+    Or bounds [R+2]: then request R, which has no slot, owns the padding rows bounds[R] ..
+    bounds[R+1]-1 (bounds[R+1] is the step's row count), the chunk table lists its chunks after the
+    real ones, and the output kernel stores zeros there (no solve, no state walk); every row of
+    `out` is then written, so a caller whose real row count lives on the device only (a captured
+    step) needs no fill of `out` before.
+
     Inside a captured graph the tables are static buffers padded to the bucket (the backend's
     static plan): slots and bounds for more requests than the step has, the extra ones empty
-    (bounds[r] == bounds[r+1]: their programs do nothing), and the chunk table's extra rows naming an
-    empty request (their programs store nothing); `workspaces` are then the caller's own, sized for
-    the largest bucket (ChunkWorkspaces). Requests on the padding slot read a zero state and write
-    none back."""
+    (bounds[r] == bounds[r+1]: their programs do nothing), the padding rows as request R, and the
+    chunk table's extra rows naming an empty request (their programs store nothing); `workspaces`
+    are then the caller's own, sized for the largest bucket (ChunkWorkspaces). Requests on the
+    padding slot read a zero state and write none back."""
     op = OP_OF_GATE[gate_kind]
     if gate_kind == GATE_PER_CHANNEL:
         raise ValueError(f"{op}: chunk_extend takes per-head or constant log-decays; per-channel gates (KDA) "
@@ -661,8 +695,8 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
         raise ValueError(f"{op}: block_t must be a power of two of at least {SUB_T}, got {block_t}")
     R = slots.shape[0]
     _check_rows(op, R, slots, q, k, v, gate, out, state, bounds, chunks)
-    assert tuple(bounds.shape) == (R + 1,), (
-        f"{op}: bounds must be [{R + 1}] for {R} requests, got {tuple(bounds.shape)}")
+    assert tuple(bounds.shape) in ((R + 1,), (R + 2,)), (
+        f"{op}: bounds must be [{R + 1}] for {R} requests, or [{R + 2}] with the padding rows, got {tuple(bounds.shape)}")
     assert chunks.dim() == 2 and chunks.shape[1] == 2 and chunks.dtype == torch.int64 and chunks.is_contiguous(), (
         f"{op}: chunks must be a contiguous [N, 2] int64 table (token_blocks), got {chunks.dtype} {tuple(chunks.shape)}")
     if q.dtype != k.dtype:
@@ -703,7 +737,7 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
         _CHUNK_SOLVE[(num_chunks, Hv)](
             k, v, gate, beta, w, vp, t, bounds, chunks,
             sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1),
-            t.stride(0), t.stride(1),
+            t.stride(0), t.stride(1), R,
             **{**common, "BK": max(SOLVE_MIN_TILE, BK)}, BVF=max(SOLVE_MIN_TILE, next_pow2(Dv)), BS=SUB_T,
             LOWP=lowp, SCRATCH=not cfg.solve_in_registers,
             SQUARINGS=max(0, (block_t // SUB_T).bit_length() - 2), num_warps=cfg.solve_warps)
@@ -718,4 +752,4 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     _CHUNK_OUTPUT[(num_chunks, Hv, cdiv(Dv, cfg.out_block_v))](
         q, k, vp, gate, cs, out, bounds, chunks,
         sq_r, sq_h, sk_r, sk_h, vp.stride(0), vp.stride(1), sg_r, sg_h, so_r, so_h, cs.stride(0), cs.stride(1),
-        float(scale), **common, KB=min(BK, cfg.out_key_block), BV=cfg.out_block_v, LOWP=lowp, num_warps=cfg.out_warps)
+        float(scale), R, **common, KB=min(BK, cfg.out_key_block), BV=cfg.out_block_v, LOWP=lowp, num_warps=cfg.out_warps)

@@ -2,7 +2,9 @@
 
 For random request lengths, padded request counts and padded token counts, every table
 `fill_extend_tables` writes equals what the host path computes (launch_math.token_blocks over the
-same lengths, the empty request's rows after), and nothing outside the spans is written.
+same lengths and the padding rows as one more request, the empty request's rows after), request
+B's slot is the padding slot whatever a larger bucket's step left there, and nothing outside the
+spans and that slot is written.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable here (it
 
 from runtime.backends.kernels.extend_tables import fill_extend_tables  # noqa: E402
 from runtime.backends.kernels.launch_math import cdiv, token_blocks  # noqa: E402
+from runtime.cache.state_pool import PADDING_SLOT  # noqa: E402
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
@@ -38,18 +41,20 @@ def expected(lens: list[int], T: int, B: int):
     np.cumsum(full, out=bounds[1:B + 2])
     bounds[B + 2] = T
     tables = []
-    for rows, blocks in ((cdiv(T, CHUNK) + B, token_blocks(full, CHUNK)),
-                         (cdiv(T, CONV) + B + 1, token_blocks(np.append(full, T - real), CONV))):
+    with_padding = np.append(full, T - real)  # request B+1: the padding rows
+    for rows, size in ((cdiv(T, CHUNK) + B, CHUNK), (cdiv(T, CONV) + B + 1, CONV)):
+        blocks = token_blocks(with_padding, size)
         t = np.tile(np.array([B, 0], dtype=np.int64), (rows, 1))
         t[:blocks.shape[0]] = blocks
         tables.append(t)
-    return [bounds[:B + 2], bounds, *tables]
+    return [bounds, *tables]
 
 
 @in_process
 @pytest.mark.parametrize("lens,T,B", [
     ([32], 32, 1), ([1], 16, 1), ([16], 16, 16), ([64, 1, 65], 256, 4), ([100, 3, 0][:2], 128, 8),
     ([7] * 5, 64, 64), ([300, 500, 1, 129], 1024, 256), ([], 16, 1),
+    ([1, 1], 128, 2), ([1] * 16, 16, 16), ([65], 4096, 1),  # the chunk table full to its last row
 ])
 def test_tables_match_the_host_path(lens, T, B):
     real = sum(lens)
@@ -57,16 +62,22 @@ def test_tables_match_the_host_path(lens, T, B):
     qsl[:len(lens) + 1] = np.concatenate([[0], np.cumsum(lens)]) if lens else [0]
     spans, size = layout(T, B)
     out = torch.full((size + 8,), -7, dtype=torch.int64, device=DEVICE)
-    fill_extend_tables(torch.from_numpy(qsl).to(DEVICE), out, T, B, spans, CHUNK, CONV)
+    slots = torch.arange(B + 3, dtype=torch.int64, device=DEVICE) + 100  # the step's ids, then a larger step's
+    fill_extend_tables(torch.from_numpy(qsl).to(DEVICE), out, slots, T, B, spans, CHUNK, CONV)
     got = out.cpu().numpy()
     for (at, shape), want in zip(spans, expected(lens, T, B)):
         np.testing.assert_array_equal(got[at:at + int(np.prod(shape))].reshape(shape), want)
     assert (got[size:] == -7).all(), "written past the tables"
+    want_slots = list(range(100, 100 + B)) + [PADDING_SLOT, 100 + B + 1, 100 + B + 2]
+    assert slots.tolist() == want_slots, "request B's slot is the padding slot, no other slot is written"
 
 
 @in_process
-def test_refuses_offsets_of_the_wrong_shape():
+def test_refuses_offsets_or_slots_of_the_wrong_shape():
     spans, size = layout(32, 2)
+    out, slots = torch.zeros(size, dtype=torch.int64, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="query_start_loc must be"):
-        fill_extend_tables(torch.zeros(4, dtype=torch.int32, device=DEVICE), torch.zeros(size, dtype=torch.int64,
-                           device=DEVICE), 32, 2, spans, CHUNK, CONV)
+        fill_extend_tables(torch.zeros(4, dtype=torch.int32, device=DEVICE), out, slots, 32, 2, spans, CHUNK, CONV)
+    with pytest.raises(ValueError, match="slots must be int64 with room for 3 requests"):
+        fill_extend_tables(torch.zeros(3, dtype=torch.int32, device=DEVICE), out, slots[:2], 32, 2, spans, CHUNK,
+                           CONV)

@@ -38,6 +38,7 @@ from runtime.backends.kernels.launch_cache import Launcher  # noqa: E402
 from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
 from runtime.backends.kernels.linear import GATE_CONSTANT, GATE_PER_CHANNEL, GATE_PER_HEAD  # noqa: E402
 from runtime.cache.state_pool import PADDING_SLOT  # noqa: E402
+from testkit.linear_cases import captured_chunk_tables  # noqa: E402
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
@@ -417,6 +418,56 @@ def test_a_repeated_step_launches_with_the_same_arguments(monkeypatch, delta, ga
     first, second = keys[:len(keys) // 2], keys[len(keys) // 2:]
     assert [name for name, _ in first] == (["solve", "state", "output"] if delta else ["state", "output"])
     assert first == second
+
+
+BUCKET, BUCKET_SEQS = 64, 2  # rows and requests of the captured-style steps below (chunks of 16)
+
+
+@in_process
+@pytest.mark.parametrize("lens", [[], [1], [16], [10, 7], [40, 24]],
+                         ids=["none", "one", "a_chunk", "a_chunk_and_one", "the_bucket"])
+@pytest.mark.parametrize("delta,gate_kind,dtype", [(True, GATE_PER_HEAD, torch.float32),
+                                                   (False, GATE_CONSTANT, torch.float32),
+                                                   (True, GATE_PER_HEAD, torch.bfloat16)],
+                         ids=["gdn", "lightning", "gdn_bf16"])
+def test_a_captured_step_writes_zeros_over_its_padding_rows(lens, delta, gate_kind, dtype):
+    """A captured-style step (tables padded to a bucket of 64 rows and 2 requests, the padding rows
+    the last request of the bounds and the chunk table) over an output full of NaN: real rows as
+    the recurrence's, every padding row exactly zero, whatever the real count (0, 1, a chunk, a
+    chunk and one, the whole bucket); the states as the recurrence leaves them, the padding slot
+    untouched. Inputs past the real rows are NaN, so a padding row computed from them would show."""
+    x, state, slots = make_case(lens, 2, 4, 16, 16, delta, gate_kind, dtype, seed=13, extra_rows=BUCKET - sum(lens),
+                                k_scale=1.0 if delta else 0.3)
+    scale = 16 ** -0.5
+    want, want_pool = reference(x, lens, state, slots, scale, gate_kind)
+    dev = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    out = torch.full((BUCKET, 4, 16), float("nan"), dtype=dtype, device=DEVICE)
+    pool = state.to(DEVICE)
+    tables = captured_chunk_tables(lens, slots, BUCKET, BUCKET_SEQS, 16, DEVICE)
+    workspaces = TC.ChunkWorkspaces.allocate(BUCKET, tables[2].shape[0], 4, 16, 16, dtype, delta, DEVICE)
+    TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool, *tables, scale, gate_kind,
+                    block_t=16, workspaces=workspaces)
+    got, got_pool = out.cpu(), pool.cpu()
+    real = sum(lens)
+    assert torch.equal(got[real:], torch.zeros_like(got[real:])), "padding rows must come out exactly zero"
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    if real:
+        assert rel_err(got[:real].float(), want) < tol
+        assert rel_err(got_pool[slots], want_pool[slots]) < tol
+    untouched = [s for s in range(NUM_SLOTS + 1) if s not in slots]
+    assert torch.equal(got_pool[untouched], state[untouched]), "the padding slot or a free slot was written"
+
+
+@in_process
+def test_the_padding_rows_need_their_own_request():
+    """bounds [R+2] name the padding rows; any other length is refused, naming both forms."""
+    x, state, slots = make_case([5], 1, 1, 16, 16, True, GATE_PER_HEAD, torch.float32, seed=14)
+    dev = {n: t.to(DEVICE) for n, t in x.items()}
+    out = torch.zeros(8, 1, 16, device=DEVICE)
+    with pytest.raises(AssertionError, match=r"bounds must be \[2\] for 1 requests, or \[3\] with the padding"):
+        TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, state.to(DEVICE),
+                        torch.tensor(slots, device=DEVICE), torch.tensor([0, 5, 8, 8], device=DEVICE),
+                        torch.tensor([[0, 0]], device=DEVICE), 0.25, GATE_PER_HEAD, block_t=16)
 
 
 def test_the_chunk_table_is_the_one_fla_takes_and_the_kernels_find_each_chunk_from_it():

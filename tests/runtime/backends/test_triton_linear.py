@@ -548,7 +548,7 @@ def test_an_op_in_an_eager_gap_beside_captured_ops_reads_the_eager_plan(chunk_im
 def test_static_plan_tables_are_padded_to_the_bucket():
     """The layout a captured step's launches keep: slots and bounds for B+1 requests (the last one
     empty, on the padding slot), chunk rows T/64 + B and conv-block rows T/32 + B + 1, the rows past
-    the step's own naming the empty request; the conv's padding rows are request B+1."""
+    the step's own naming the empty request; the padding rows are request B+1 of both tables."""
     _, dev_pool = make_pools(0)
     tri = TritonLinearBackend(dev_pool, chunk_impl="triton")
     tri.init_capture_state(max_tokens=256, max_seqs=8)
@@ -557,9 +557,10 @@ def test_static_plan_tables_are_padded_to_the_bucket():
     plan = tri._step.extend
     assert plan.captured and plan.slots.tolist() == [4, 7, PADDING_SLOT, PADDING_SLOT, PADDING_SLOT]
     assert plan.cu_seqlens.tolist() == [0, 70, 71, 71, 71, 71]
-    assert plan.conv_bounds.tolist() == [0, 70, 71, 71, 71, 71, 128]
+    assert plan.padded_bounds.tolist() == [0, 70, 71, 71, 71, 71, 128]
     chunks = plan.chunk_indices.tolist()
-    assert len(chunks) == 128 // 64 + 4 and chunks[:3] == [[0, 0], [0, 1], [1, 0]] and chunks[3:] == [[4, 0]] * 3
+    assert len(chunks) == 128 // 64 + 4
+    assert chunks[:4] == [[0, 0], [0, 1], [1, 0], [5, 0]] and chunks[4:] == [[4, 0]] * 2
     blocks = plan.conv_blocks.tolist()
     assert len(blocks) == 128 // 32 + 4 + 1
     assert blocks[:6] == [[0, 0], [0, 1], [0, 2], [1, 0], [5, 0], [5, 1]] and blocks[6:] == [[4, 0]] * 3
