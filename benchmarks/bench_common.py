@@ -85,6 +85,12 @@ def device_ms_by_kernel(fn, reps: int = 20) -> dict[str, float]:
     return dict(sorted(split.items(), key=lambda kv: -kv[1]))
 
 
+def kernels_per_call(fn, reps: int = 10) -> float | None:
+    """Device kernels (and memsets, copies) one call of fn launches; None off the GPU."""
+    if not is_cuda():
+        return None
+    return sum(e.count for e in _device_events(fn, reps)) / reps
+
 
 def device_facts(dry: bool) -> dict:
     """Versions, date and the card of a run (on the CPU: placeholders a dry run can use)."""
