@@ -90,7 +90,8 @@ def _programs_in_order(by_program: dict) -> list:
 
 def routing_rows(routing: dict) -> list[dict]:
     """One row per (program, layer): kind, ops, backend(s), what chose them (priority, or the --route,
-    whose text carries any kernel options it set), module. routing.json has every node's options."""
+    whose text carries any kernel options it set), the fused ops and the pattern each stands for
+    (gdn_fused=gdn; '-': none), module. routing.json has every node's options."""
     rows = []
     for program in _programs_in_order(routing):
         entries = routing[program]
@@ -103,6 +104,7 @@ def routing_rows(routing: dict) -> list[dict]:
                          "ops": " ".join(e["op"] for e in es),
                          "backend": " ".join(dict.fromkeys(e["backend"] for e in es)),
                          "chosen_by": " ".join(sorted({e.get("chosen_by", "priority") for e in es})),
+                         "fused": " ".join(f"{e['op']}={e['fused']}" for e in es if e.get("fused")) or "-",
                          "module": es[0]["module"].rsplit(".", 1)[-1]})
     return rows
 

@@ -302,6 +302,8 @@ def _replace(gm, ctx, pattern: FusionPattern, anchor, m: _Matcher, result, order
             graph.erase_node(node)
     annotate_node(fused, ctx)
     fused.meta["hgc.fused"] = pattern.name
+    if "hgc.shard" in anchor.meta:  # --tp: what a rank holds of the layer (the sharding pass's note)
+        fused.meta["hgc.shard"] = anchor.meta["hgc.shard"]
     return fused
 
 
