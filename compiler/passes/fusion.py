@@ -19,9 +19,11 @@ Matching, per anchor op node (gdn_core), on a program whose nodes the annotate p
 3. the matched nodes must be read only inside the region (its output aside): a value the rest of
    the program reads cannot vanish into a fused op.
 
-A region that differs in any node is left as it is. So is every region where no backend of the
-compile's target declares the fused op (the capability table routing reads), where a route keeps
-it (`--route gdn_fused=unfused`, `--route layers=3:unfused`, a layer route to a backend without
+A region that differs in any node is left as it is. So is every region whose anchor's backend
+(the one routing would choose for it on the compile's target, from the capability table) does not
+declare the fused op: a cuda compile keeps its GDN regions until triton_linear declares
+gdn_fused, and a plugin that runs gdn_core alone keeps its layers. So is a region a route keeps
+unfused (`--route gdn_fused=unfused`, `--route layers=3:unfused`, a layer route to a backend without
 the fused op, or a route naming one of the region's ops). Each anchor left unfused is recorded
 with the reason: `ctx.fusion[program]["unfused"]`, and the pass result's `report`.
 
@@ -43,7 +45,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compiler.passes.annotate import annotate_node
 from compiler.passes.base import CompilePass, PassResult, PostconditionError
-from compiler.splitops import TRACED_OPS, UNFUSED, call_arguments, op_name_of, op_nodes
+from compiler.splitops import TRACED_OPS, UNFUSED, call_arguments, call_facts, op_name_of, op_nodes
 from compiler.splitops.gdn_mixer import gated_rms_norm, gdn_mixer_region
 
 __all__ = ["FusionPass", "FusionPattern", "PATTERNS"]
@@ -325,15 +327,26 @@ def _kept_by_route(pattern: FusionPattern, layer_id, ctx) -> Optional[str]:
     return None
 
 
-def _served(pattern: FusionPattern, layer_id, ctx) -> Optional[str]:
-    """None when a backend of the target can run the fused op for this layer (by priority, or the
-    backend a route names for it), else why not."""
-    table, target = ctx.capabilities, ctx.config.target
+def _served(pattern: FusionPattern, anchor, ctx) -> Optional[str]:
+    """None when the fused op would run where the anchor would: a route names a backend for it,
+    or the backend routing would choose for the anchor (by priority, among those that serve its
+    node) declares the fused op too. A backend that runs the region's op and not the fused one
+    keeps its layers (fusing would take them from it)."""
+    table, target, layer_id = ctx.capabilities, ctx.config.target, anchor.meta.get("hgc.layer_id")
     named = [r.backend for r in ctx.config.routes if r.backend in table
              and (r.op == pattern.fused_op or (r.layers is not None and layer_id in r.layers))]
-    if named or table.candidates(pattern.fused_op, ctx.registry[layer_id].kind, target):
+    if named:
         return None
-    return f"no backend on {target!r} declares hgc.{pattern.fused_op}"
+    kind = ctx.registry[layer_id].kind
+    facts = call_facts(anchor)
+    serving = [c for c in table.candidates(pattern.anchor, kind, target)
+               if c.refusal(pattern.anchor, kind, facts.dtype, facts.shapes) is None]
+    if not serving:
+        return f"no backend on {target!r} serves {anchor.name} (routing will say why)"
+    if not serving[0].serves(pattern.fused_op, kind):
+        return (f"{serving[0].name}, the backend of {anchor.name} on {target!r}, does not declare "
+                f"hgc.{pattern.fused_op}")
+    return None
 
 
 class FusionPass(CompilePass):
@@ -346,7 +359,7 @@ class FusionPass(CompilePass):
         for pattern in PATTERNS.values():
             for anchor in [n for n in op_nodes(gm) if op_name_of(n.target) == pattern.anchor]:
                 layer_id = anchor.meta.get("hgc.layer_id")
-                reason = _kept_by_route(pattern, layer_id, ctx) or _served(pattern, layer_id, ctx)
+                reason = _kept_by_route(pattern, layer_id, ctx) or _served(pattern, anchor, ctx)
                 found = None
                 if reason is None:
                     found = _match(pattern, anchor)

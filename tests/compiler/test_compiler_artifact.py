@@ -68,7 +68,7 @@ def test_compile_writes_every_file_with_its_hash(artifact):
     assert manifest["format_version"] == FORMAT_VERSION and manifest["family"] == FAMILY
     assert set(manifest["versions"]) == {"hgc", "torch", "python"}
     for name in ("graph.pt2", "draft.pt2", "weights.safetensors", "weights.json", "routing.json", "split.json",
-                 "lints.json", "dumps/00_export.onnx", "dumps/05_lint_capture.svg", "dumps/draft/04_split.txt"):
+                 "lints.json", "dumps/00_export.onnx", "dumps/06_lint_capture.svg", "dumps/draft/05_split.txt"):
         assert manifest["files"][name] == sha256_file(artifact / name), name
     assert manifest["buckets"]["decode_batch_sizes"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert manifest["buckets"]["extend_token_counts"][-1] == 4096
