@@ -5,7 +5,9 @@ Contract shared by every op (the "with output" style):
 1. Tensors in, a preallocated `out` mutated in place, nothing returned. The layer id is an int
    argument: the runtime finds the layer's cache or state by it; the op never receives a cache.
 2. Only the recurrent or attention core is inside an attention op. Projections, norms, rotary
-   embeddings, gates and the l2 normalisation of q/k stay in the graph pieces around it.
+   embeddings, gates and the l2 normalisation of q/k stay in the graph pieces around it. A fused
+   op (`FUSED_OPS`) is the exception: no model calls it; the fusion pass (compiler/passes/fusion.py)
+   puts it in place of the region of ops and glue it stands for.
 3. Token-major, flattened layouts: T is the number of tokens in the step, across all requests.
    Which token belongs to which request, where its cache lives and what mode the step is in
    come from the runtime's per-step ExecContext, never from the op's arguments.
