@@ -193,8 +193,9 @@ def test_split_json_round_trips_and_a_compile_without_the_pass_has_none(qwen):
     assert manifests["on"]["compile"]["overlap"] is True and manifests["on"]["compile"]["overlap_min_bytes"] == 4096
     assert manifests["off"]["compile"]["overlap"] is False
     passes = {k: [p["name"] for p in m["passes"]] for k, m in manifests.items()}
-    assert passes["on"] == ["annotate", "lint_registry", "shared_expert", "routing", "split", "overlap", "lint_capture"]
-    assert passes["off"] == ["annotate", "lint_registry", "routing", "split", "lint_capture"]
+    assert passes["on"] == ["annotate", "lint_registry", "fusion", "shared_expert", "routing", "split", "overlap",
+                            "lint_capture"]
+    assert passes["off"] == ["annotate", "lint_registry", "fusion", "routing", "split", "lint_capture"]
 
 
 def test_split_json_refuses_a_branch_it_cannot_run():
