@@ -562,7 +562,8 @@ def _compile_flags(p) -> None:
                    help="bind every node of an op (gdn_core=cpu_reference) or of layers (layers=3,7:torch_reference) "
                         "to a backend, optionally with kernel options (gqa_attention=flashinfer[extend_impl=paged]); "
                         "repeatable; recorded in the manifest; `hgc backends` lists the backends and their kernel "
-                        "options (default: each node by priority)")
+                        "options (default: each node by priority); gdn_fused=unfused (or layers=3:unfused) keeps "
+                        "the GDN mixers the fusion pass would make one op")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the model is traced in; match `hgc generate --dtype`")
     p.add_argument("--timings", action="store_true", help="print the pass timing table on stderr (compile always does)")

@@ -73,8 +73,8 @@ class FusionPattern:
     fused_op: str
     ops: tuple[str, ...]  # the ops of the region (a route naming one keeps the region unfused)
     inputs: tuple[str, ...]  # the template's placeholders, in order: the region's inputs
-    template: Callable  # (graph, anchor node) -> (template graph, {template anchor, other op nodes}) or a reason
-    call: Callable  # (inputs by placeholder name, marks, matched) -> (fused op arguments, out's like-node)
+    template: Callable  # anchor node -> the traced statement of the region (fx.Graph), or why there is none
+    call: Callable  # (inputs by name, marks, matched op nodes by op) -> (fused op arguments, `out` None; out's like)
 
 
 # -- the GDN pattern -----------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def _match(pattern: FusionPattern, anchor: torch.fx.Node):
         return template
     m = _Matcher(template)
     if not m.pair(_op_node(template, pattern.anchor), anchor):
-        return f"the inputs of {anchor.name} are not those of the {pattern.name} region (compiler/splitops/gdn_mixer.py)"
+        return f"the inputs of {anchor.name} are not those of the {pattern.name} region"
     for op in pattern.ops:
         t = _op_node(template, op)
         if t in m.pairs:
