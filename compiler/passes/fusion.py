@@ -117,7 +117,8 @@ def _gdn_template_for(anchor: torch.fx.Node):
     if conv is None:
         return "gdn_core's v is not a slice of a short_conv's output"
     weight = call_arguments(conv)["weight"]
-    held = weight.args[0] if isinstance(weight, torch.fx.Node) and weight.op == "call_function" and weight.args else weight
+    squeezed = isinstance(weight, torch.fx.Node) and weight.op == "call_function" and weight.args
+    held = weight.args[0] if squeezed else weight  # the Conv1d's [C,1,K] the model squeezes
     x, w = _val(call_arguments(conv)["x"]), _val(held)
     if x is None or w is None:
         return "the short_conv's input or weight has no shape"
@@ -238,7 +239,8 @@ def _match(pattern: FusionPattern, anchor: torch.fx.Node):
     for t in template.nodes:
         if t.op == "call_function" and t not in m.pairs and any(a in m.pairs for a in t.all_input_nodes):
             if not m.forward(t):
-                return f"{anchor.name}'s region differs from the {pattern.name} pattern at {t.target} (template node {t.name})"
+                return (f"{anchor.name}'s region differs from the {pattern.name} pattern at {t.target} "
+                        f"(template node {t.name})")
     left = [t.name for t in template.nodes if t.op == "call_function" and t not in m.pairs]
     if left:
         return f"{anchor.name}'s region lacks what the {pattern.name} pattern computes at template nodes {left[:3]}"
@@ -368,7 +370,8 @@ class FusionPass(CompilePass):
                 if reason is None:
                     reason = _region_check(*found, order)
                 if reason is not None:
-                    unfused.append({"pattern": pattern.name, "node": anchor.name, "layer_id": layer_id, "reason": reason})
+                    unfused.append({"pattern": pattern.name, "node": anchor.name, "layer_id": layer_id,
+                                    "reason": reason})
                     continue
                 node = _replace(gm, ctx, pattern, anchor, *found, order)
                 fused.append({"pattern": pattern.name, "node": node.name, "layer_id": layer_id})
