@@ -322,7 +322,8 @@ def cmd_inspect(args) -> int:
                           "routes": routes, "buckets": {**m["buckets"], "extend_rows": extend_rows(m["buckets"])},
                           "extend_graphs": graphs,
                           "weights": m["weights"]["mode"],
-                          "backends": raw_routing["backends"], "layers": routing, "split": split,
+                          "backends": raw_routing["backends"], "layers": routing,
+                          "unfused": raw_routing.get("unfused", {}), "split": split,
                           "side_branches": branches,
                           "findings": [f.to_json() for f in findings], "bundles": bundles,
                           "sharding": None if docs.sharding is None else _sharding_json(docs.sharding)}))
@@ -338,6 +339,9 @@ def cmd_inspect(args) -> int:
         print(extend_graph_line(program, graphs[program]))
     print()
     print(tabulate(routing, headers="keys", tablefmt="simple"))
+    for program, entries in raw_routing.get("unfused", {}).items():
+        for e in entries:
+            print(f"{program} layer {e['layer_id']}: {e['pattern']} left unfused: {e['reason']}")
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
     print()

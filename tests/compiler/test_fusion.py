@@ -167,6 +167,7 @@ def test_routing_json_and_inspect_show_the_fused_op(tmp_path_factory, capsys):
     assert hgc(["inspect", str(art)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("main ")]
     assert sum("gdn_fused=gdn" in line for line in rows) == 3
+    assert "unfused" not in routing  # nothing left
 
 
 def _generate(art, prompts, new_tokens):
@@ -188,6 +189,8 @@ def test_the_fused_artifact_computes_what_the_unfused_one_does(tmp_path_factory,
     unfused = tmp_path_factory.mktemp(f"{family}_unfused") / "art"
     compile_checkpoint(ckpt, unfused, CompileConfig(routes=(parse_route("gdn_fused=unfused"),)), toolchain(),
                        dumps=False)
+    left = json.loads((unfused / "routing.json").read_text())["unfused"]["main"]
+    assert [(e["layer_id"], e["reason"]) for e in left] == [(i, "--route gdn_fused=unfused") for i in (0, 1, 2)]
     fused, unfused = load_artifact(fused), load_artifact(unfused)
     assert "gdn_fused" in {e.op for e in fused.docs.routing.entries("main")}
     assert "gdn_fused" not in {e.op for e in unfused.docs.routing.entries("main")}
