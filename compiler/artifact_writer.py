@@ -465,7 +465,8 @@ def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenize
     docs = {
         WEIGHT_MAP: weights_doc(traced.tensors, traced.program_fqns),
         ROUTING: routing_doc(ctx.config.target, ctx.config.routes, ctx.capabilities,
-                             {p: ctx.routing.get(p, []) for p in ctx.program_names}),
+                             {p: ctx.routing.get(p, []) for p in ctx.program_names},
+                             {p: ctx.fusion.get(p, {}).get("unfused", []) for p in ctx.program_names}),
         SPLIT: split_doc({p: ctx.split_plans[p] for p in ctx.program_names}, ctx.config.extend_token_counts),
         LINTS: lints_doc(ctx),
     }

@@ -33,6 +33,7 @@ from compiler.lints import BACKEND_RULES, CAPTURE_RULES, REGISTRY_RULES, sort_fi
 from compiler.passes.annotate import AnnotateOpsPass
 from compiler.passes.base import CompileError, CompilePass
 from compiler.passes.context import CompileConfig, CompileContext
+from compiler.passes.fusion import FusionPass
 from compiler.passes.instruments import DumpInstrument, ProgressInstrument, TimingInstrument
 from compiler.passes.lints import LintPass
 from compiler.passes.manager import PassManager
@@ -59,6 +60,8 @@ def build_passes(config: CompileConfig) -> list[CompilePass]:
         AnnotateOpsPass(),
         # -- the graphs against the LayerRegistry; errors stop here (routing needs known layers) --
         LintPass("lint_registry", REGISTRY_RULES),
+        # -- one op node for a region a backend of the target runs as one (--route OP=unfused keeps it)
+        FusionPass(),
         *unfuse,
         # -- binding: each op node to a backend of the target device ------------------------------
         RoutingPass(),

@@ -90,7 +90,8 @@ def _programs_in_order(by_program: dict) -> list:
 
 def routing_rows(routing: dict) -> list[dict]:
     """One row per (program, layer): kind, ops, backend(s), what chose them (priority, or the --route,
-    whose text carries any kernel options it set), module. routing.json has every node's options."""
+    whose text carries any kernel options it set), the fused ops and the pattern each stands for
+    (gdn_fused=gdn; '-': none), module. routing.json has every node's options."""
     rows = []
     for program in _programs_in_order(routing):
         entries = routing[program]
@@ -103,6 +104,7 @@ def routing_rows(routing: dict) -> list[dict]:
                          "ops": " ".join(e["op"] for e in es),
                          "backend": " ".join(dict.fromkeys(e["backend"] for e in es)),
                          "chosen_by": " ".join(sorted({e.get("chosen_by", "priority") for e in es})),
+                         "fused": " ".join(f"{e['op']}={e['fused']}" for e in es if e.get("fused")) or "-",
                          "module": es[0]["module"].rsplit(".", 1)[-1]})
     return rows
 
@@ -320,7 +322,8 @@ def cmd_inspect(args) -> int:
                           "routes": routes, "buckets": {**m["buckets"], "extend_rows": extend_rows(m["buckets"])},
                           "extend_graphs": graphs,
                           "weights": m["weights"]["mode"],
-                          "backends": raw_routing["backends"], "layers": routing, "split": split,
+                          "backends": raw_routing["backends"], "layers": routing,
+                          "unfused": raw_routing.get("unfused", {}), "split": split,
                           "side_branches": branches,
                           "findings": [f.to_json() for f in findings], "bundles": bundles,
                           "sharding": None if docs.sharding is None else _sharding_json(docs.sharding)}))
@@ -336,6 +339,9 @@ def cmd_inspect(args) -> int:
         print(extend_graph_line(program, graphs[program]))
     print()
     print(tabulate(routing, headers="keys", tablefmt="simple"))
+    for program, entries in raw_routing.get("unfused", {}).items():
+        for e in entries:
+            print(f"{program} layer {e['layer_id']}: {e['pattern']} left unfused: {e['reason']}")
     print()
     print(tabulate(split, headers="keys", tablefmt="simple"))
     print()
@@ -560,7 +566,8 @@ def _compile_flags(p) -> None:
                    help="bind every node of an op (gdn_core=cpu_reference) or of layers (layers=3,7:torch_reference) "
                         "to a backend, optionally with kernel options (gqa_attention=flashinfer[extend_impl=paged]); "
                         "repeatable; recorded in the manifest; `hgc backends` lists the backends and their kernel "
-                        "options (default: each node by priority)")
+                        "options (default: each node by priority); gdn_fused=unfused (or layers=3:unfused) keeps "
+                        "the GDN mixers the fusion pass would make one op")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the model is traced in; match `hgc generate --dtype`")
     p.add_argument("--timings", action="store_true", help="print the pass timing table on stderr (compile always does)")

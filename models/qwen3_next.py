@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compiler.splitops import GroupedRows, LayerKind, LayerRegistry, LayerSpec, TensorSpec, split_count
+from compiler.splitops.gdn_mixer import gated_rms_norm, gdn_mixer_region, l2norm
 from models.common import (CheckpointError, FusedLinear, HybridLM, MoEBlock, RMSNorm, SwiGLU, apply_rotary,
                            init_weights_, lm_head_rows)
 from models.families import Family
@@ -313,12 +314,6 @@ def qwen_registry(d: QwenDims, gdn_module: str) -> LayerRegistry:
 # Modules
 # ---------------------------------------------------------------------------------------------
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps) in float32, as transformers (and FLA) do: eps inside the root."""
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class GatedRMSNorm(nn.Module):
     """RMSNorm(x) * w * silu(gate), per value head. Plain weight (init 1), not zero-centred."""
 
@@ -328,12 +323,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # transformers casts back to the input dtype before the weight, then gates in float32.
-        y = self.weight * xf.to(dtype)
-        return (y * F.silu(gate.float())).to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNetBase(nn.Module):
@@ -364,18 +354,8 @@ class GatedDeltaNetBase(nn.Module):
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         qkv, z, b, a = self.project(x)  # x [T,D]
-        mixed = torch.empty_like(qkv)
-        ops.short_conv(qkv, self.conv1d.weight.squeeze(1), None, mixed, self.layer_id, True)
-        kd = self.k_heads * self.k_dim
-        q, k, v = mixed.split([kd, kd, self.v_heads * self.v_dim], dim=-1)
-        q = l2norm(q.reshape(-1, self.k_heads, self.k_dim))  # [T,Hk,Dk]
-        k = l2norm(k.reshape(-1, self.k_heads, self.k_dim))
-        v = v.reshape(-1, self.v_heads, self.v_dim)  # [T,Hv,Dv]
-        beta = b.sigmoid()  # [T,Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T,Hv] log-decay, float32
-        out = torch.empty_like(v)
-        ops.gdn_core(q, k, v, g, beta, out, self.layer_id, self.k_dim ** -0.5)
-        y = self.norm(out, z)  # [T,Hv,Dv]
+        y = gdn_mixer_region(ops, qkv, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm,
+                             self.layer_id, self.k_heads, self.k_dim, self.k_dim ** -0.5)  # [T,Hv,Dv]
         return self.out_proj(y.reshape(-1, self.v_heads * self.v_dim))
 
 

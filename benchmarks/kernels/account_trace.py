@@ -4,7 +4,7 @@ How kernels are attributed (by FX nodes of the program, not by kernel-name patte
 
 1. Every call_function node of the artifact's bound program gets a label (layer, what): the layer
    from the node's `nn_module_stack` ("model.layers.7..." -> 7; "-" outside the layers), and what it
-   is: the hgc op it calls (`moe`, `gdn_core`, ...), `gemm <module>` for a matmul (by the projection's
+   is: the hgc op it calls (`moe`, `gdn_core`, `gdn_fused`, ...), `gemm <module>` for a matmul (by the projection's
    module path, e.g. `gemm linear_attn.in_proj_qkvz`), `embedding`, else `glue`. With a target
    bundle, every node of a compiled glue segment, and the compiled call that runs it, takes the
    segment's label (the layer of its last node; `gemm (compiled glue)` for its matmuls and the
@@ -218,6 +218,15 @@ def op_cost(op: str, a: dict, facts: StepFacts) -> dict:
         weight_bytes = w.nbytes + (a["bias"].nbytes if a.get("bias") is not None else 0)
         return short_conv_cost(x.shape[0], x.shape[1], w.shape[-1], len(q_lens), facts.state_bytes[layer]["conv"],
                                weight_bytes, tokens_bytes)
+    if op == "gdn_fused":  # the conv and the core, their intermediates kept inside the op
+        qkv, z, w = a["qkv"], a["z"], a["conv_weight"]
+        v_heads, v_dim = z.shape[1], z.shape[2]
+        k_dim = (qkv.shape[1] - v_heads * v_dim) // (2 * int(a["k_heads"]))
+        fused_bytes = sum(a[name].nbytes for name in ("qkv", "z", "b", "a", "out", "A_log", "dt_bias", "norm_weight"))
+        state = sum(b for name, b in facts.state_bytes[layer].items() if name != "conv")
+        conv = short_conv_cost(qkv.shape[0], qkv.shape[1], w.shape[-1], len(q_lens), facts.state_bytes[layer]["conv"],
+                               w.nbytes, 0)
+        return add_costs(conv, linear_core_cost("gdn", q_lens, v_heads, k_dim, v_dim, state, fused_bytes))
     if op == "moe":
         x, w13 = a["x"], a["w13"]
         shared = a["shared_w2"].shape[-1] if a.get("shared_w2") is not None else 0

@@ -27,7 +27,7 @@ Per run, once: `rates`, the card's device-to-device copy rate and bf16 matmul ra
    against the floor (per op node the larger of its FLOP time and byte time, summed).
 
 Tables group ops by what they are across layers (`gemm linear_attn.in_proj_qkvz`, `moe`, `gdn_core`,
-`glue`...); the JSON (OUT/step_account.json) keeps every kernel in the order it ran with its label
+`gdn_fused` where the fusion pass made one GDN mixer op, `glue`...); the JSON (OUT/step_account.json) keeps every kernel in the order it ran with its label
 and time, and every op node's (layer, what) cost. A dry run's numbers (CPU: the profiler's CPU ops
 stand in for kernels) exercise the arithmetic and the attribution; they are not judged.
 """

@@ -56,6 +56,7 @@ class GraphView:
     lifted: set  # placeholder names that are parameters / buffers / constants
     plan: Optional[SplitPlan]  # the plan shown (None before the split pass)
     plans: dict  # every mode's plan for this program
+    fusion: dict = dataclasses.field(default_factory=dict)  # the fusion pass's record for this program
 
     @classmethod
     def of(cls, gm, ctx, title: str) -> "GraphView":
@@ -68,7 +69,7 @@ class GraphView:
         shown = next((plans[m] for m in MODES if m in plans and plans[m].counts()["eager"]), None)
         if shown is None and plans:
             shown = plans[next(m for m in MODES if m in plans)]
-        return cls(title, ctx.program, gm, lifted, shown, plans)
+        return cls(title, ctx.program, gm, lifted, shown, plans, dict(getattr(ctx, "fusion", {}).get(ctx.program, {})))
 
     def nodes(self) -> list[torch.fx.Node]:
         return list(self.gm.graph.nodes)

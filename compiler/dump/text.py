@@ -20,6 +20,12 @@ each forks and joins, and its nodes::
     # join 0: the main stream waits on the side stream here
     %add_tensor: float32[s72, 64] = aten.add.Tensor.Tensor(%to_18, %mul_tensor)
 
+After the fusion pass, the regions it fused (and those it left, with the reason) head the dump,
+and a fused node says which pattern it stands for::
+
+    # fused: gdn at layers 0, 1, 2
+    %gdn_fused: = hgc.gdn_fused(%getitem, %view, ..., %gdn_fused_out, 0, 2, 0.25, 1e-06)   # layer 0 gdn (fused gdn) -> cpu_reference
+
 A tensor-parallel program (`--tp N`) also shows what one rank holds (the sharding pass's notes)::
 
     %p_model_layers_0_mlp_w13: float32[8, 32, 64] = weight   # shard: dim 1 / 2 in 2 segments
@@ -66,11 +72,26 @@ def _facts(node, branch=None) -> str:
         shard = _shard(node)
         return f"   # {shard}" if shard else ""
     parts = [f"layer {node.meta.get('hgc.layer_id')}", str(node.meta.get("hgc.kind"))]
+    if node.meta.get("hgc.fused"):
+        parts.append(f"(fused {node.meta['hgc.fused']})")
     if "hgc.backend" in node.meta:
         parts.append(f"-> {node.meta['hgc.backend']}")
     if _shard(node):
         parts.append(f"({_shard(node)})")
     return "   # " + " ".join(parts)
+
+
+def _fusion_lines(record: dict) -> list[str]:
+    """What the fusion pass fused in this program, and each region it left, with the reason."""
+    lines = []
+    by_pattern: dict[str, list] = {}
+    for e in record.get("fused", []):
+        by_pattern.setdefault(e["pattern"], []).append(str(e["layer_id"]))
+    if by_pattern:
+        lines.append("# fused: " + " | ".join(f"{p} at layers {', '.join(ids)}" for p, ids in by_pattern.items()))
+    lines += [f"# left unfused: {e['pattern']} at {e['node']} (layer {e['layer_id']}): {e['reason']}"
+              for e in record.get("unfused", [])]
+    return lines
 
 
 def text_dump(view: GraphView) -> str:
@@ -82,6 +103,7 @@ def text_dump(view: GraphView) -> str:
                              + (f", {len(view.plans[m].side_branches())} side branches" if view.plans[m].side_branches()
                                 else "") + ")" for m in MODES if m in view.plans)
         lines.append(f"# plans: {summary}")
+    lines += _fusion_lines(view.fusion)
     piece_of = view.piece_of()
     forks, joins, side = _stream_marks(view)
     current = None

@@ -23,7 +23,7 @@ import torch.fx
 from compiler.passes.base import CompilePass, PassResult
 from compiler.splitops import call_arguments, op_name_of, op_nodes, op_spec
 
-__all__ = ["AnnotateOpsPass", "module_stack"]
+__all__ = ["AnnotateOpsPass", "annotate_node", "module_stack"]
 
 
 def module_stack(node: torch.fx.Node) -> list[list[str]]:
@@ -36,24 +36,29 @@ def module_stack(node: torch.fx.Node) -> list[list[str]]:
     return out
 
 
+def annotate_node(node: torch.fx.Node, ctx) -> None:
+    """The facts above on one op node (the fusion pass calls it for the nodes it makes)."""
+    op = op_name_of(node.target)
+    layer_id = call_arguments(node).get("layer_id")
+    layer_id = layer_id if isinstance(layer_id, int) and not isinstance(layer_id, bool) else None
+    spec = ctx.registry[layer_id] if layer_id is not None and layer_id in ctx.registry else None
+    stack = module_stack(node)
+    node.meta["hgc.op"] = op
+    node.meta["hgc.layer_id"] = layer_id
+    node.meta["hgc.kind"] = spec.kind.value if spec is not None else None
+    node.meta["hgc.draft"] = spec.draft if spec is not None else None
+    node.meta["hgc.stateful"] = op_spec(op).stateful
+    node.meta["hgc.modules"] = stack
+    node.meta["hgc.module"] = stack[-1][1] if stack else ""
+
+
 class AnnotateOpsPass(CompilePass):
     name = "annotate"
     version = 1
 
     def __call__(self, gm, ctx) -> PassResult:
         for node in op_nodes(gm):
-            op = op_name_of(node.target)
-            layer_id = call_arguments(node).get("layer_id")
-            layer_id = layer_id if isinstance(layer_id, int) and not isinstance(layer_id, bool) else None
-            spec = ctx.registry[layer_id] if layer_id is not None and layer_id in ctx.registry else None
-            stack = module_stack(node)
-            node.meta["hgc.op"] = op
-            node.meta["hgc.layer_id"] = layer_id
-            node.meta["hgc.kind"] = spec.kind.value if spec is not None else None
-            node.meta["hgc.draft"] = spec.draft if spec is not None else None
-            node.meta["hgc.stateful"] = op_spec(op).stateful
-            node.meta["hgc.modules"] = stack
-            node.meta["hgc.module"] = stack[-1][1] if stack else ""
+            annotate_node(node, ctx)
         return PassResult(gm, modified=False)
 
     def ensures(self, gm, ctx) -> None:

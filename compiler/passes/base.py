@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+from typing import Optional
 
 import torch.fx
 
@@ -54,6 +55,7 @@ class PassResult:
     graph_module: torch.fx.GraphModule
     modified: bool = False
     stop: bool = False  # end the pipeline after this pass (it found errors later passes cannot survive)
+    report: Optional[dict] = None  # what the pass did, where it says more than `modified` (the fusion pass's)
 
 
 class CompilePass:

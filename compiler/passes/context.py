@@ -7,7 +7,7 @@ the artifact writer. There is no global "current compile": whatever a pass needs
    kinds), `programs` (name -> GraphModule of each exported program) and `signatures`.
 2. The pipeline adds `capabilities` (the backends' capability table) and `backend_wrappers`, both
    from the Toolchain the command line hands it (compiler/toolchain.py).
-3. Passes add their results: `routing`, `split_plans`, `findings` (and, for --tp > 1, the
+3. Passes add their results: `fusion`, `routing`, `split_plans`, `findings` (and, for --tp > 1, the
    sharding pass's `shard_specs` and `sharding`); `program` says which program the current pass
    call is working on.
 """
@@ -105,6 +105,7 @@ class CompileContext:
     findings: list[Finding] = dataclasses.field(default_factory=list)
     shard_specs: dict = dataclasses.field(default_factory=dict)  # checkpoint name -> ShardSpec
     sharding: dict[str, list[dict]] = dataclasses.field(default_factory=dict)  # program -> collectives placed
+    fusion: dict[str, dict] = dataclasses.field(default_factory=dict)  # program -> {"fused": [...], "unfused": [...]}
     stopped_after: Optional[str] = None  # the pass that ended the pipeline early, if one did
 
     @property

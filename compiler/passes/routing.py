@@ -34,6 +34,9 @@ is an error.
 Route syntax (`parse_route`): `gdn_core=cpu_reference`, `layers=3,7:torch_reference`,
 `gqa_attention=flashinfer[extend_impl=paged]`. A route that matches no node, names an unknown
 backend or option, or whose backend implements none of a listed layer's ops is an error too.
+The backend name `unfused` (ops.UNFUSED) is no backend: `gdn_fused=unfused` or `layers=3:unfused`
+keeps a fused op's region as the model wrote it (the fusion pass reads it; routing skips it), and
+is refused for an op that stands for no region (`moe=unfused`).
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ import re
 from typing import Optional
 
 from compiler.passes.base import CompilePass, PassResult, PostconditionError, PreconditionError
-from compiler.splitops import (MODES, OP_SPECS, Capture, CapabilityError, CompileError, LayerKind, call_facts, op_nodes,
-                              op_spec)
+from compiler.splitops import (FUSED_OPS, MODES, OP_SPECS, UNFUSED, Capture, CapabilityError, CompileError, LayerKind,
+                              call_facts, op_nodes, op_spec)
 
 __all__ = ["RoutingPass", "RoutingError", "Route", "parse_route", "choose_backend"]
 
@@ -81,6 +84,11 @@ def parse_route(text: str) -> Route:
     op = match["op"]
     if op is not None and op not in OP_SPECS:
         raise RoutingError(f"--route {text!r}: hgc has no op {op!r} (ops: {', '.join(OP_SPECS)})")
+    if match["backend"] == UNFUSED and op is not None and op not in FUSED_OPS:
+        raise RoutingError(f"--route {text!r}: {UNFUSED!r} keeps a fused op's region unfused, and hgc.{op} is no fused "
+                           f"op (fused ops: {', '.join(FUSED_OPS)})")
+    if match["backend"] == UNFUSED and match["options"]:
+        raise RoutingError(f"--route {text!r}: {UNFUSED!r} is no backend and takes no kernel options")
     layers = None
     if match["layers"] is not None:
         layers = tuple(sorted({int(x) for x in match["layers"].replace(" ", "").split(",") if x}))
@@ -102,6 +110,7 @@ def _where(node, layer_id, kind) -> str:
 def _route_for(node, routes: tuple[Route, ...], table) -> Optional[Route]:
     """The route that binds this node: a layer route whose backend implements the op, else an op route."""
     op, layer_id = node.meta["hgc.op"], node.meta["hgc.layer_id"]
+    routes = tuple(r for r in routes if r.backend != UNFUSED)  # the fusion pass's word, not a binding
     by_layer = [r for r in routes if r.layers is not None and layer_id in r.layers and op in table[r.backend].ops]
     if len({r.backend for r in by_layer}) > 1:
         raise RoutingError(f"{_where(node, layer_id, node.meta['hgc.kind'])}: routes {', '.join(map(str, by_layer))} "
@@ -221,6 +230,8 @@ def _batch_invariant_options(node, cap, given: dict, route: Optional[Route]) -> 
 def _check_routes(ctx) -> None:
     """Routes naming unknown backends, or layers the registry lacks: refused before any node."""
     for route in ctx.config.routes:
+        if route.backend == UNFUSED:
+            continue
         if route.backend not in ctx.capabilities:
             raise RoutingError(f"routing: route {route} names backend {route.backend!r}, which this installation does "
                                f"not have (backends: {', '.join(ctx.capabilities.names())}); fix: install the package "
@@ -238,7 +249,7 @@ def _check_routes(ctx) -> None:
 def _check_routes_used(ctx) -> None:
     """After every program is routed: each route bound at least one node, each listed layer a node."""
     bound = [e for entries in ctx.routing.values() for e in entries]
-    for route in ctx.config.routes:
+    for route in (r for r in ctx.config.routes if r.backend != UNFUSED):
         mine = [e for e in bound if e["chosen_by"] == f"route {route}"]
         if route.op is not None and not mine:
             raise RoutingError(f"routing: route {route} matches no node (no program calls hgc.{route.op}, or a layer "
@@ -287,6 +298,8 @@ class RoutingPass(CompilePass):
                 # modes captured only in steps of up to some tokens (whole-step graphs; a gap above)
                 "backend_capture_bounds": cap.capture_bounds(node.meta["hgc.op"], options),
                 "module": node.meta["hgc.module"],
+                # the fusion pattern whose region this node stands for (compiler/passes/fusion.py)
+                **({"fused": node.meta["hgc.fused"]} if node.meta.get("hgc.fused") else {}),
             })
         ctx.routing[ctx.program] = entries
         if ctx.program == ctx.program_names[-1]:

@@ -2,6 +2,7 @@
 
     ops.py         one torch.library op per attention-like core, its capture policy, its arguments
     shared_expert.py  the MoE shared expert's math (the CPU reference's, and what --overlap traces into a graph)
+    gdn_mixer.py   the GDN mixer between its projections (the models', the fusion pass's, the gdn_fused op's)
     policy.py      forward modes and capture policies
     registry.py    the LayerRegistry: one entry per layer id, the single source of truth for kinds
     table.py       TRACED_OPS: the op table models are traced with
@@ -17,7 +18,7 @@
 from .capability import (DTYPES, BackendCapability, CapabilityError, CapabilityTable, ChoiceScope, OpCapture,
                          OptionDtypes, ShapeLimit, instance_key)
 from .errors import CompileError
-from .ops import (COLLECTIVE_OPS, OP_SPECS, OPS_BY_KIND, CallFacts, OpSpec, call_arguments, call_facts, is_hgc_op, is_op_node,
+from .ops import (COLLECTIVE_OPS, FUSED_OPS, OP_SPECS, UNFUSED, OPS_BY_KIND, CallFacts, OpSpec, call_arguments, call_facts, is_hgc_op, is_op_node,
                   moe_shared_width, op_arguments, op_name_of, op_nodes, op_schemas, op_spec)
 from .policy import MODES, Capture, Mode
 from .rows import GroupedRows
@@ -27,7 +28,7 @@ from .registry import (FULL_KINDS, LINEAR_KINDS, LayerKind, LayerRegistry, Layer
 from .table import TRACED_OPS, TracedOps
 
 __all__ = [
-    "COLLECTIVE_OPS", "OP_SPECS", "OPS_BY_KIND", "OpSpec", "is_hgc_op", "moe_shared_width", "op_name_of", "op_schemas", "op_spec",
+    "COLLECTIVE_OPS", "FUSED_OPS", "UNFUSED", "OP_SPECS", "OPS_BY_KIND", "OpSpec", "is_hgc_op", "moe_shared_width", "op_name_of", "op_schemas", "op_spec",
     "op_arguments", "call_arguments", "CallFacts", "call_facts", "is_op_node", "op_nodes",
     "MODES", "Capture", "Mode",
     "FULL_KINDS", "LINEAR_KINDS", "LayerKind", "LayerRegistry", "LayerSpec", "RegistryError",

@@ -312,12 +312,15 @@ class RoutingTable:
         return list(dict.fromkeys(e.backend for p in programs for e in self.entries(p)))
 
 
-def routing_doc(target: str, routes, capabilities, programs: dict[str, list[dict]]) -> dict:
-    """routing.json: the target, the routes asked for, the declarations of the backends used, the entries."""
+def routing_doc(target: str, routes, capabilities, programs: dict[str, list[dict]],
+                unfused: dict[str, list[dict]] | None = None) -> dict:
+    """routing.json: the target, the routes asked for, the declarations of the backends used, the
+    entries, and (where the fusion pass left any) each program's regions left unfused, with why."""
     used = list(dict.fromkeys(e["backend"] for entries in programs.values() for e in entries))
+    left = {program: entries for program, entries in (unfused or {}).items() if entries}
     return {**_header(), "target": target, "routes": [str(r) for r in routes],
             "backends": [{**capabilities[name].to_json(), "source": capabilities.sources[name]} for name in used],
-            "programs": programs}
+            "programs": programs, **({"unfused": left} if left else {})}
 
 
 def parse_routing_doc(doc, source: str = ROUTING) -> RoutingTable:

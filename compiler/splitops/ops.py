@@ -5,7 +5,9 @@ Contract shared by every op (the "with output" style):
 1. Tensors in, a preallocated `out` mutated in place, nothing returned. The layer id is an int
    argument: the runtime finds the layer's cache or state by it; the op never receives a cache.
 2. Only the recurrent or attention core is inside an attention op. Projections, norms, rotary
-   embeddings, gates and the l2 normalisation of q/k stay in the graph pieces around it.
+   embeddings, gates and the l2 normalisation of q/k stay in the graph pieces around it. A fused
+   op (`FUSED_OPS`) is the exception: no model calls it; the fusion pass (compiler/passes/fusion.py)
+   puts it in place of the region of ops and glue it stands for.
 3. Token-major, flattened layouts: T is the number of tokens in the step, across all requests.
    Which token belongs to which request, where its cache lives and what mode the step is in
    come from the runtime's per-step ExecContext, never from the op's arguments.
@@ -30,7 +32,7 @@ import torch
 from .policy import Capture, Mode
 from .registry import LayerKind
 
-__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "COLLECTIVE_OPS", "op_spec", "is_hgc_op", "op_name_of", "op_schemas",
+__all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "COLLECTIVE_OPS", "FUSED_OPS", "UNFUSED", "op_spec", "is_hgc_op", "op_name_of", "op_schemas",
            "moe_shared_width",
            "op_arguments", "call_arguments", "CallFacts", "call_facts", "is_op_node", "op_nodes"]
 
@@ -140,6 +142,19 @@ _declare(
     token_args=("x",),
 )
 _declare(
+    "gdn_fused",
+    "(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor conv_weight, Tensor A_log, Tensor dt_bias,"
+    " Tensor norm_weight, Tensor(a!) out, int layer_id, int k_heads, float scale, float eps) -> ()",
+    {LayerKind.GDN}, True, _TABLE_DRIVEN_POLICY,
+    "A whole GDN mixer between its projections: short_conv(qkv) with silu, q|k|v split, l2norm of "
+    "q and k per key head, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated "
+    "delta rule (gdn_core), then the gated RMSNorm RMSNorm(core) * norm_weight * silu(z) per value "
+    "head. qkv [T, 2*Hk*Dk + Hv*Dv] (q|k|v channels, the conv's input), z [T,Hv,Dv], b and a [T,Hv] "
+    "(any row stride: slices of one projection), conv_weight [C,K], A_log and dt_bias [Hv], "
+    "norm_weight [Dv], out [T,Hv,Dv]. Reads and writes the layer's 'conv' and 'recurrent' states.",
+    token_args=("qkv", "z", "b", "a"),
+)
+_declare(
     "moe",
     "(Tensor x, Tensor router_weight, Tensor? router_bias, Tensor w13, Tensor w2, Tensor? shared_w13,"
     " Tensor? shared_w2, Tensor? shared_gate, Tensor(a!) out, int layer_id, int top_k, str scoring,"
@@ -199,6 +214,14 @@ def moe_shared_width(shared_w13, shared_w2, shared_gate, hidden: int) -> int:
         raise ValueError(f"moe: shared_gate {list(shared_gate.shape)} is not [1, D={hidden}]")
     return S
 
+
+# Ops that stand for a region of other ops (compiler/passes/fusion.py puts them in a program): the
+# ops each replaces. `UNFUSED` is the backend name a --route gives one of them to keep its region
+# as it was (`--route gdn_fused=unfused`); an eager model, which always calls the region's ops,
+# runs them on the backend routing bound the fused node to (runtime/step/bound_ops.py).
+FUSED_OPS: dict[str, tuple[str, ...]] = {"gdn_fused": ("short_conv", "gdn_core")}
+UNFUSED = "unfused"
+assert set(FUSED_OPS) <= set(OP_SPECS) and all(set(ops) <= set(OP_SPECS) for ops in FUSED_OPS.values())
 
 _ARGUMENTS: dict[str, tuple[str, ...]] = {
     name: tuple(a.name for a in getattr(torch.ops.hgc, name).default._schema.arguments) for name in OP_SPECS

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from compiler.splitops import COLLECTIVE_OPS, OP_SPECS, BackendCapability, Mode, OpCapture, moe_shared_width
+from compiler.splitops.gdn_mixer import gated_rms_norm, gdn_mixer_region
 from compiler.splitops.shared_expert import shared_expert, swiglu_expert
 from runtime.backends.protocol import BackendHooks, BackendSetup, check_backend
 from runtime.step.context import ExecContext
@@ -95,6 +96,17 @@ def moe_reference(x, router_weight, router_bias, w13, w2, shared_w13, shared_w2,
     if shared_w13 is not None:
         out += shared_expert(x, shared_w13, shared_w2, shared_gate)
     return out
+
+
+class _WithStep:
+    """An op table over one backend's methods and one step's ExecContext (what a fused op's region calls)."""
+
+    def __init__(self, backend, ctx):
+        self.backend, self.ctx = backend, ctx
+
+    def __getattr__(self, op: str):
+        method = getattr(self.backend, op)
+        return lambda *args: method(self.ctx, *args)
 
 
 class CPUReferenceBackend(BackendHooks):
@@ -260,6 +272,15 @@ class CPUReferenceBackend(BackendHooks):
                 if verify is not None and t < n_all - 1:
                     verify[b, t].copy_(states[slot])
         self._zero_padding(ctx, out)
+
+    def gdn_fused(self, ctx, qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, layer_id, k_heads, scale,
+                  eps):
+        # The region's own statement over this backend's short_conv and gdn_core: in float32 the
+        # unfused program's values, states included, bit for bit.
+        k_dim = (qkv.shape[-1] - z.shape[-2] * z.shape[-1]) // (2 * k_heads)
+        y = gdn_mixer_region(_WithStep(self, ctx), qkv, z, b, a, conv_weight, A_log, dt_bias,
+                             lambda x, gate: gated_rms_norm(x, gate, norm_weight, eps), layer_id, k_heads, k_dim, scale)
+        out.copy_(y)
 
     # -- MoE ------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ an op reaches a backend:
   hooks reach every instance of the program;
 - an eager model: `ops.gdn_core(..., layer_id, ...)` calls, when the table was made with `routes`
   (`Backends.op_table`: (op, layer id) -> instance, from routing.json), the instance the layer's
-  entry names; without routes (the `hgc generate` baseline, tests) the one backend it was made over.
+  entry names (for an op a fused node stands for, compiler/splitops/ops.py FUSED_OPS, the instance
+  of the layer's fused node); without routes (the `hgc generate` baseline, tests) the one backend
+  it was made over.
 
 Every call records (layer id, backend) in `ops.executed` after the backend returned: what ran is
 reported from the calls themselves (`hgc run --json`'s executed_backends), not copied from
@@ -20,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Mapping
 
-from compiler.splitops import op_arguments, op_spec
+from compiler.splitops import FUSED_OPS, op_arguments, op_spec
 from runtime.step.context import ExecContext
 
 __all__ = ["BoundOps", "NoStepError", "backend_name"]
@@ -100,6 +102,11 @@ class BoundOps:
     def _routed(self, op: str) -> Callable:
         """An eager model's call of `op`: to the instance its layer's routing entry names."""
         calls = {layer: self.call_of(instance, op) for (o, layer), instance in self.routes.items() if o == op}
+        # A layer whose region the graph runs as one fused op: the model calls the region's ops,
+        # each on the instance routing bound the fused node to.
+        for (o, layer), instance in self.routes.items():
+            if op in FUSED_OPS.get(o, ()) and layer not in calls:
+                calls[layer] = self.call_of(instance, op)
         layer_at = op_arguments(op).index("layer_id")
 
         def call(*args):

@@ -23,6 +23,6 @@ def test_dry_run_reports_every_ops_glue_and_output_error(tmp_path, tmp_path_fact
     probe = rec["probe"]
     assert probe["key"] == "decode[tokens=4, seqs=4]" and probe["real_rows"] == 3 and probe["refused"] is None
     layers = {r["layer"] for r in probe["per_op"]}
-    assert layers == set(range(4)) and {r["op"] for r in probe["per_op"]} >= {"gdn_core", "short_conv", "gqa_attention"}
+    assert layers == set(range(4)) and {r["op"] for r in probe["per_op"]} >= {"gdn_fused", "gqa_attention"}
     # float32 on the reference: padding changes nothing a real row computes
     assert all(r["glue"] < 1e-6 and r["op_err"] < 1e-6 for r in probe["per_op"]) and probe["logits"] < 1e-6

@@ -68,11 +68,12 @@ def test_compile_writes_every_file_with_its_hash(artifact):
     assert manifest["format_version"] == FORMAT_VERSION and manifest["family"] == FAMILY
     assert set(manifest["versions"]) == {"hgc", "torch", "python"}
     for name in ("graph.pt2", "draft.pt2", "weights.safetensors", "weights.json", "routing.json", "split.json",
-                 "lints.json", "dumps/00_export.onnx", "dumps/05_lint_capture.svg", "dumps/draft/04_split.txt"):
+                 "lints.json", "dumps/00_export.onnx", "dumps/06_lint_capture.svg", "dumps/draft/05_split.txt"):
         assert manifest["files"][name] == sha256_file(artifact / name), name
     assert manifest["buckets"]["decode_batch_sizes"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert manifest["buckets"]["extend_token_counts"][-1] == 4096
-    assert [p["name"] for p in manifest["passes"]] == ["annotate", "lint_registry", "routing", "split", "lint_capture"]
+    assert [p["name"] for p in manifest["passes"]] == ["annotate", "lint_registry", "fusion", "routing", "split",
+                                                       "lint_capture"]
     assert manifest["registry"][-1]["draft"] is True and manifest["weights"]["mode"] == "copy"
     assert oct((artifact).stat().st_mode & 0o777) != oct(0o700)
 
@@ -117,7 +118,7 @@ def test_tokenizer_files_are_copied_and_listed(ckpt, tmp_path):
 
 def test_every_dump_passes_the_onnx_checker(artifact):
     paths = list((artifact / "dumps").rglob("*.onnx"))
-    assert len(paths) == 12  # 00..05 for main and draft
+    assert len(paths) == 14  # 00..06 for main and draft
     for path in paths:
         onnx.checker.check_model(onnx.load(str(path)))
 
@@ -164,7 +165,7 @@ def test_link_weights_refuses_a_changed_checkpoint(ckpt, tmp_path):
 def test_inspect_prints_routing_split_and_lints(artifact, capsys):
     assert main(["inspect", str(artifact)]) == 0
     out = capsys.readouterr().out
-    assert "cpu_reference" in out and "gdn_core" in out and "extend" in out and "no findings" in out
+    assert "cpu_reference" in out and "gdn_fused=gdn" in out and "extend" in out and "no findings" in out
     assert main(["inspect", str(artifact), "--json"]) == 0
     doc = _json_out(capsys)
     layers = [(r["program"], r["layer"], r["kind"]) for r in doc["layers"]]

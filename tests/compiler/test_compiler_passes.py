@@ -119,7 +119,7 @@ def test_timing_instrument_prints_one_table():
 def test_pipeline_passes_have_fingerprints():
     result = toy_plan()
     names = [f["name"] for f in result.fingerprints]
-    assert names == ["annotate", "lint_registry", "routing", "split", "lint_capture"]
+    assert names == ["annotate", "lint_registry", "fusion", "routing", "split", "lint_capture"]
     assert all(len(f["source_sha256"]) == 64 and "version" in f for f in result.fingerprints)
 
 
@@ -186,7 +186,7 @@ def test_routing_error_when_no_backend_on_the_device_runs_the_op():
     assert isinstance(info.value.cause, RoutingError)
     assert "pass routing failed" in msg and "node lightning_core (layer 0, kind lightning)" in msg
     assert "no backend on device 'cuda' implements hgc.lightning_core" in msg and "fix:" in msg
-    assert info.value.ran == ["annotate", "lint_registry"]
+    assert info.value.ran == ["annotate", "lint_registry", "fusion"]
 
 
 def test_routing_error_when_no_backend_supports_a_mode():
@@ -586,24 +586,24 @@ def test_dumps_per_pass_are_valid_onnx_with_layer_ids(tmp_path):
     run_passes(traced, CompileConfig(), toolchain(), dump_dir=tmp_path)
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert names[:3] == ["00_export.onnx", "00_export.svg", "00_export.txt"]
-    assert "04_split.onnx" in names and (tmp_path / "draft" / "04_split.onnx").is_file()
+    assert "05_split.onnx" in names and (tmp_path / "draft" / "05_split.onnx").is_file()
     for path in list(tmp_path.rglob("*.onnx")):
         onnx.checker.check_model(onnx.load(str(path)))
-    model = onnx.load(str(tmp_path / "03_routing.onnx"))
+    model = onnx.load(str(tmp_path / "04_routing.onnx"))
     ops = {n.name: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
            for n in model.graph.node if n.domain == "hgc"}
     assert ops["L0/lightning_core/lightning_core"]["layer_id"] == 0
     assert ops["L1/moe/moe"]["op"] == b"moe" and ops["L1/moe/moe"]["backend"] == b"cpu_reference"
-    split = onnx.load(str(tmp_path / "04_split.onnx"))
+    split = onnx.load(str(tmp_path / "05_split.onnx"))
     # extend: the attention core is the one gap (the lightning core is captured with its glue)
     assert [f.name for f in split.functions] == ["piece_0_captured", "piece_1_eager", "piece_2_captured"]
     gap = next(f for f in split.functions if f.name == "piece_1_eager")
     assert [(n.domain, n.op_type) for n in gap.node] == [("hgc", "gqa_attention")]
-    text = (tmp_path / "04_split.txt").read_text()
+    text = (tmp_path / "05_split.txt").read_text()
     assert "# ---- piece 1: eager (extend) ----" in text and "-> cpu_reference" in text
-    picture = (tmp_path / "04_split.svg").read_text()
+    picture = (tmp_path / "05_split.svg").read_text()
     assert picture.startswith("<svg") and "main program" in picture and "draft program" in picture
-    assert not (tmp_path / "draft" / "04_split.svg").exists()  # the draft sits beside the main program
+    assert not (tmp_path / "draft" / "05_split.svg").exists()  # the draft sits beside the main program
 
 
 def test_the_layer_picture_has_a_row_per_layer_and_brackets_each_captured_piece():

@@ -193,8 +193,9 @@ def test_split_json_round_trips_and_a_compile_without_the_pass_has_none(qwen):
     assert manifests["on"]["compile"]["overlap"] is True and manifests["on"]["compile"]["overlap_min_bytes"] == 4096
     assert manifests["off"]["compile"]["overlap"] is False
     passes = {k: [p["name"] for p in m["passes"]] for k, m in manifests.items()}
-    assert passes["on"] == ["annotate", "lint_registry", "shared_expert", "routing", "split", "overlap", "lint_capture"]
-    assert passes["off"] == ["annotate", "lint_registry", "routing", "split", "lint_capture"]
+    assert passes["on"] == ["annotate", "lint_registry", "fusion", "shared_expert", "routing", "split", "overlap",
+                            "lint_capture"]
+    assert passes["off"] == ["annotate", "lint_registry", "fusion", "routing", "split", "lint_capture"]
 
 
 def test_split_json_refuses_a_branch_it_cannot_run():
@@ -218,13 +219,13 @@ def test_split_json_refuses_a_branch_it_cannot_run():
 
 def test_the_dump_and_inspect_show_the_side_streams(qwen, capsys):
     qwen = qwen[0]
-    text = (qwen / "on" / "dumps" / "06_overlap.txt").read_text()
+    text = (qwen / "on" / "dumps" / "07_overlap.txt").read_text()
     assert "side branches)" in text.splitlines()[1]
     fork = text.index("# fork 0: the side stream waits on the main stream here")
     join = text.index("# join 0: the main stream waits on the side stream here")
     marked = [line for line in text[fork:join].splitlines() if line.endswith("# stream 1 (branch 0)")]
     assert marked and "aten.linear.default(" in marked[0] and "hgc.moe(" in text[fork:join]
-    assert "stream 1" not in (qwen / "on" / "dumps" / "04_routing.txt").read_text()
+    assert "stream 1" not in (qwen / "on" / "dumps" / "05_routing.txt").read_text()
 
     assert main(["inspect", str(qwen / "on")]) == 0
     out = capsys.readouterr().out

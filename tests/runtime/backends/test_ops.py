@@ -221,7 +221,7 @@ def test_every_op_has_a_policy_for_every_mode_and_stateful_ops_are_eager_in_exte
     """MLA attention (host-planned paged kernels) and KDA are eager in extend and mixed by their
     policy; the table-driven recurrent cores, the conv and GQA attention (a kernel from the page
     table runs its extends) may be captured there, where the routed backend can."""
-    table_driven = {"gdn_core", "lightning_core", "short_conv", "gqa_attention"}
+    table_driven = {"gdn_core", "lightning_core", "short_conv", "gdn_fused", "gqa_attention"}
     for spec in OP_SPECS.values():
         assert set(spec.policy) == set(Mode)
         if spec.stateful:
