@@ -140,6 +140,19 @@ _declare(
     token_args=("x",),
 )
 _declare(
+    "gdn_fused",
+    "(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor conv_weight, Tensor A_log, Tensor dt_bias,"
+    " Tensor norm_weight, Tensor(a!) out, int layer_id, int k_heads, float scale, float eps) -> ()",
+    {LayerKind.GDN}, True, _TABLE_DRIVEN_POLICY,
+    "A whole GDN mixer between its projections: short_conv(qkv) with silu, q|k|v split, l2norm of "
+    "q and k per key head, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated "
+    "delta rule (gdn_core), then the gated RMSNorm RMSNorm(core) * norm_weight * silu(z) per value "
+    "head. qkv [T, 2*Hk*Dk + Hv*Dv] (q|k|v channels, the conv's input), z [T,Hv,Dv], b and a [T,Hv] "
+    "(any row stride: slices of one projection), conv_weight [C,K], A_log and dt_bias [Hv], "
+    "norm_weight [Dv], out [T,Hv,Dv]. Reads and writes the layer's 'conv' and 'recurrent' states.",
+    token_args=("qkv", "z", "b", "a"),
+)
+_declare(
     "moe",
     "(Tensor x, Tensor router_weight, Tensor? router_bias, Tensor w13, Tensor w2, Tensor? shared_w13,"
     " Tensor? shared_w2, Tensor? shared_gate, Tensor(a!) out, int layer_id, int top_k, str scoring,"

@@ -248,6 +248,7 @@ class BackendHooks(abc.ABC):
     kda_core = _op_stub("kda_core")
     lightning_core = _op_stub("lightning_core")
     short_conv = _op_stub("short_conv")
+    gdn_fused = _op_stub("gdn_fused")
     moe = _op_stub("moe")
     all_reduce = _op_stub("all_reduce")
     all_gather = _op_stub("all_gather")
@@ -266,6 +267,8 @@ _PROTOCOL_ARGS: dict[str, tuple[str, ...]] = {
     "kda_core": ("ctx", "q", "k", "v", "g", "beta", "out", "layer_id", "scale"),
     "lightning_core": ("ctx", "q", "k", "v", "decay", "out", "layer_id", "scale"),
     "short_conv": ("ctx", "x", "weight", "bias", "out", "layer_id", "silu"),
+    "gdn_fused": ("ctx", "qkv", "z", "b", "a", "conv_weight", "A_log", "dt_bias", "norm_weight", "out", "layer_id",
+                  "k_heads", "scale", "eps"),
     "moe": ("ctx", "x", "router_weight", "router_bias", "w13", "w2", "shared_w13", "shared_w2", "shared_gate",
             "out", "layer_id", "top_k", "scoring", "renormalize", "routed_scale", "num_groups", "topk_groups"),
     "all_reduce": ("ctx", "out", "layer_id"),
