@@ -1,0 +1,211 @@
+"""The GDN region of one layer at decode, unfused (today) against hgc.gdn_fused (one launch): one
+command, checks first, JSON to --out.
+
+    python3 benchmarks/kernels/gdn_fused_bench.py --out $OUT              # GPU
+    python3 benchmarks/kernels/gdn_fused_bench.py --dry-run --out /tmp/g    # CPU: interpreter, tiny dims
+
+The region is what a Qwen3-Next / Qwen3.5 GDN layer runs between its projections, at the bench
+dims (testkit/gdn_cases.py BENCH_GDN: Hk 16, Hv 32, Dk = Dv = 128, K 4; bf16), at decode batch
+B = 1, 8, 128 (--batches), every row a request on its own slot, inputs as views of one projection
+row (strided qkv, z, b, a):
+
+- unfused: the short-conv decode kernel, the glue between it and the recurrence (split, l2norm of
+  q and k, beta, g) as one torch.compile'd function (Inductor with the bundle's settings: combo
+  kernels, as the compiled pieces run it), the recurrent decode kernel, the gated RMSNorm as a
+  second compiled function;
+- fused: runtime/backends/kernels/gdn_fused.py's decode kernel.
+
+For each B, first the check: both from copies of the same random non-zero pools, one step, the
+fused output and both states against the unfused ones by ||x - ref|| / ||ref|| (bf16: 1e-2,
+states 5e-3); a failed check stops that B's timing. Then per variant: device kernels of one call
+(torch.profiler, the launches), and the time of one call inside a CUDA graph of --calls calls,
+replayed --replays times (median over replays, divided by the calls), and the ratio unfused /
+fused. Everything in $OUT/gdn_fused_bench.json, a table last. The dry run walks the same code on
+the CPU with eager glue (no Inductor there) at tiny dims; its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench_common import device_facts, is_cuda, kernels_per_call, rel_err  # noqa: E402
+from models.qwen3_next import l2norm  # noqa: E402
+from runtime.backends.kernels import gdn_fused as GF  # noqa: E402
+from runtime.backends.kernels import linear as TL  # noqa: E402
+from testkit.gdn_cases import BENCH_GDN, GdnShape, gdn_inputs, gdn_params, gdn_pools  # noqa: E402
+
+DRY_SHAPE = GdnShape(2, 4, 16, 16)
+EPS = 1e-6
+# bf16: both variants round the same values, their float32 sums in other orders; Triton's
+# interpreter (the dry run) truncates where a GPU rounds to nearest, a few bf16 steps more
+BF16_STEPS = 4 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else 1
+OUT_TOL, STATE_TOL = 1e-2 * BF16_STEPS, 5e-3 * BF16_STEPS
+
+
+def qk_gates_glue(mixed, b, a, A_log, dt_bias, hk: int, dk: int, hv: int, dv: int):
+    """The model's glue between the conv and the recurrence (models/qwen3_next.py GatedDeltaNetBase.forward)."""
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = l2norm(q.reshape(-1, hk, dk))
+    k = l2norm(k.reshape(-1, hk, dk))
+    v = v.reshape(-1, hv, dv)
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return q, k, v, g, beta
+
+
+def gated_norm_glue(core, z, weight, eps: float):
+    """models/qwen3_next.py GatedRMSNorm.forward, as a function."""
+    dtype = core.dtype
+    xf = core.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(dtype)
+    return (y * F.silu(z.float())).to(dtype)
+
+
+class Region:
+    """One layer's GDN region at decode batch B over one pool: `unfused()` and `fused()` each run
+    one step (static inputs, static slots: what a captured decode step replays); the fused op
+    writes `out`, the unfused glue makes a new one."""
+
+    def __init__(self, s: GdnShape, pool, x: dict, p, slots: torch.Tensor, glue: tuple):
+        self.s, self.x, self.p, self.slots = s, x, p, slots
+        self.conv, self.state = pool.layer(0)["conv"], pool.layer(0)["recurrent"]
+        B = slots.shape[0]
+        self.out = torch.empty(B, s.hv, s.dv, dtype=x["qkv"].dtype, device=slots.device)
+        self.mixed = torch.empty(x["qkv"].shape, dtype=x["qkv"].dtype, device=slots.device)
+        self.core = torch.empty_like(self.out)
+        self.qk_gates, self.norm = glue
+
+    def unfused(self) -> None:
+        s, x, p = self.s, self.x, self.p
+        TL.short_conv_decode(x["qkv"], p.conv_weight, None, self.mixed, self.conv, self.slots, True)
+        q, k, v, g, beta = self.qk_gates(self.mixed, x["b"], x["a"], p.A_log, p.dt_bias, s.hk, s.dk, s.hv, s.dv)
+        TL.gdn_decode(q, k, v, g, beta, self.core, self.state, self.slots, s.scale)
+        self.out = self.norm(self.core, x["z"], p.norm_weight, EPS)  # feeds out_proj as it is: no copy
+
+    def fused(self) -> None:
+        s, x, p = self.s, self.x, self.p
+        GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight,
+                            self.out, self.conv, self.state, self.slots, s.hk, s.scale, EPS)
+
+
+def check(s: GdnShape, B: int, glue: tuple, device) -> dict:
+    """One step of each variant from copies of the same pools: output and state errors."""
+    _, pool_u, pool_f = gdn_pools({0: s}, B, device, seed=B, copies=3)
+    x = gdn_inputs(s, B, B, torch.bfloat16, torch.Generator().manual_seed(B + 1), device)
+    p = gdn_params(s, torch.bfloat16, seed=B + 2).to(device)
+    slots = torch.arange(1, B + 1, device=device)
+    u, f = Region(s, pool_u, x, p, slots, glue), Region(s, pool_f, x, p, slots, glue)
+    u.unfused()
+    f.fused()
+    errs = {"out": rel_err(f.out, u.out)}
+    for entry in ("conv", "recurrent"):
+        errs[entry] = rel_err(pool_f.layer(0)[entry][1:], pool_u.layer(0)[entry][1:])
+    ok = bool(torch.isfinite(f.out).all()) and errs["out"] <= OUT_TOL and max(errs["conv"], errs["recurrent"]) <= STATE_TOL
+    return {"rel_err": errs, "ok": ok}
+
+
+def time_call(fn, calls: int, replays: int, device) -> float:
+    """Microseconds of one fn() inside a CUDA graph of `calls` calls (median over replays); wall
+    time of one eager call on the CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def bench(s: GdnShape, B: int, glue: tuple, device, calls: int, replays: int) -> dict:
+    _, pool = gdn_pools({0: s}, B, device, seed=B)
+    x = gdn_inputs(s, B, B, torch.bfloat16, torch.Generator().manual_seed(B + 1), device)
+    p = gdn_params(s, torch.bfloat16, seed=B + 2).to(device)
+    region = Region(s, pool, x, p, torch.arange(1, B + 1, device=device), glue)
+    row = {}
+    for name in ("unfused", "fused"):
+        fn = getattr(region, name)
+        row[name] = {"us": time_call(fn, calls, replays, device), "kernels": kernels_per_call(fn)}
+    row["ratio"] = row["unfused"]["us"] / row["fused"]["us"]
+    return row
+
+
+def compiled_glue(dry: bool) -> tuple:
+    """The glue as the compiled pieces run it (Inductor with the bundle's cuda settings); eager in a dry run."""
+    if dry:
+        return qk_gates_glue, gated_norm_glue
+    from compiler.splitops.bundle import INDUCTOR_CONFIG
+    options = INDUCTOR_CONFIG["cuda"]
+    return (torch.compile(qk_gates_glue, dynamic=False, options=options),
+            torch.compile(gated_norm_glue, dynamic=False, options=options))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny dims, eager glue")
+    ap.add_argument("--batches", default=None, help="comma-separated decode batches (default 1,8,128; dry run 1,3)")
+    ap.add_argument("--calls", type=int, default=50, help="calls captured in one graph")
+    ap.add_argument("--replays", type=int, default=200)
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    if not dry and not is_cuda():
+        ap.error("needs a CUDA GPU (or --dry-run)")
+    device = torch.device("cpu" if dry else "cuda")
+    s = DRY_SHAPE if dry else BENCH_GDN
+    batches = [int(b) for b in (args.batches or ("1,3" if dry else "1,8,128")).split(",")]
+    glue = compiled_glue(dry)
+    doc = {"env": device_facts(dry), "shape": dataclasses.asdict(s), "calls_per_graph": args.calls, "replays": args.replays,
+           "batches": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for B in batches:
+        entry = {"check": check(s, B, glue, device)}
+        if entry["check"]["ok"]:
+            entry.update(bench(s, B, glue, device, args.calls, args.replays))
+        doc["batches"][str(B)] = entry
+        (args.out / "gdn_fused_bench.json").write_text(json.dumps(doc, indent=2))
+    print(f"{'B':>5} {'check':>6} {'out err':>9} {'unfused us':>11} {'kernels':>8} {'fused us':>9} {'kernels':>8} "
+          f"{'ratio':>6}")
+    for B, e in doc["batches"].items():
+        u, f = e.get("unfused", {}), e.get("fused", {})
+        print(f"{B:>5} {'ok' if e['check']['ok'] else 'FAIL':>6} {e['check']['rel_err']['out']:>9.2e} "
+              f"{u.get('us', float('nan')):>11.2f} {str(u.get('kernels')):>8} {f.get('us', float('nan')):>9.2f} "
+              f"{str(f.get('kernels')):>8} {e.get('ratio', float('nan')):>6.2f}")
+    return doc
+
+
+if __name__ == "__main__":
+    doc = main()
+    sys.exit(0 if all(e["check"]["ok"] for e in doc["batches"].values()) else 1)
