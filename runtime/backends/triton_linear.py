@@ -789,9 +789,9 @@ class TritonLinearBackend(BackendHooks):
         self.gdn_core(ctx, q, k, v, g, beta, core, layer_id, scale)
         if path == "verify":
             fused.gated_rmsnorm(core, z, norm_weight, out, eps, slots=self._step_slots(ctx), rows_per_slot=n)
-        else:  # the step's real row count: the second-to-last bound of the plan gdn_core ran on
+        else:  # padding rows: from the bounds of the plan gdn_core ran on
             plan = self._extend_plan(self._step_plan(ctx), "gdn_core")
-            fused.gated_rmsnorm(core, z, norm_weight, out, eps, real_rows=plan.padded_bounds[-2:])
+            fused.gated_rmsnorm(core, z, norm_weight, out, eps, bounds=plan.padded_bounds)
 
     def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
         """The decode conv, or over a target-verify step its histories kept as the recurrent cores keep states."""

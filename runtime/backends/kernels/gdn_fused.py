@@ -135,19 +135,20 @@ def _gdn_fused_decode_kernel(
         weight = tl.load(norm_w_ptr + offs_v, mask=m_v, other=0.0).to(tl.float32)
         for j in tl.static_range(GROUP):
             head = kh * GROUP + j
+            # the head's state, z and gates are loaded first: in flight while its v channels convolve
+            m_s = m_k[:, None] & m_v[None, :]
+            s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+            s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
+            g, beta = _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, True, stride_a_row, stride_a_head,
+                             stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
             yv, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, 2 * HK * DK + head * DV + offs_v,
                                m_v, stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP,
                                HAS_BIAS=False, SILU=True)
             v = yv.to(act).to(tl.float32)
-            g, beta = _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, True, stride_a_row, stride_a_head,
-                             stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
-            m_s = m_k[:, None] & m_v[None, :]
-            s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
-            s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
             s, o = scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
             # each stored element comes from the element loaded at the same address (linear.py)
             tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
-            z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
             y = _gated_norm(o.to(act).to(tl.float32), z.to(tl.float32), weight, m_v, eps, DV, act, ROUND_Y)
             tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v, y.to(act), mask=m_v)
     else:
@@ -185,16 +186,18 @@ def _qk_gates_kernel(
     tl.store(beta_ptr + row * stride_beta_row + heads, beta.to(act), mask=m_h)
 
 
-@triton.jit
+# real_at changes with the step's request count: not specialized (an index of 1 would be), so one
+# build serves every step
+@triton.jit(do_not_specialize=["real_at"])
 def _gated_rmsnorm_kernel(
-    core_ptr, z_ptr, norm_w_ptr, out_ptr, slots_ptr, real_rows_ptr,
+    core_ptr, z_ptr, norm_w_ptr, out_ptr, slots_ptr, bounds_ptr, real_at,
     stride_c_row, stride_c_head, stride_z_row, stride_z_head, stride_o_row, stride_o_head, eps,
     DV: tl.constexpr, BV: tl.constexpr, ROUND_Y: tl.constexpr,
     ROWS_PER_SLOT: tl.constexpr,  # > 0: row r is padding where slots[r // ROWS_PER_SLOT] is the padding slot
     PAD_SLOT: tl.constexpr,
 ):
     """One program per (row, value head): out = GatedRMSNorm(core, z). Padding rows (by slot, or
-    at or past real_rows[0] when ROWS_PER_SLOT is 0) read nothing and write zeros."""
+    at or past bounds[real_at] when ROWS_PER_SLOT is 0) read nothing and write zeros."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_v = tl.arange(0, BV)
@@ -204,7 +207,7 @@ def _gated_rmsnorm_kernel(
     if ROWS_PER_SLOT > 0:
         real = tl.load(slots_ptr + row // ROWS_PER_SLOT).to(tl.int64) != PAD_SLOT
     else:
-        real = row < tl.load(real_rows_ptr).to(tl.int64)
+        real = row < tl.load(bounds_ptr + real_at).to(tl.int64)
     if real:
         core = tl.load(core_ptr + row * stride_c_row + head * stride_c_head + offs_v, mask=m_v, other=0.0)
         z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
@@ -328,18 +331,21 @@ def qk_gates(mixed, b, a, A_log, dt_bias, d: GdnDims) -> tuple:
 
 
 def gated_rmsnorm(core, z, norm_weight, out, eps: float, *, slots=None, rows_per_slot: int = 0,
-                  real_rows=None) -> None:
+                  bounds=None) -> None:
     """out = GatedRMSNorm(core, z) over every row, in one launch; padding rows zero. Either
-    `slots` [B] with `rows_per_slot` n (row r belongs to request r // n), or `real_rows`, a
-    one-element int64 device tensor holding the step's real row count."""
+    `slots` [B] with `rows_per_slot` n (row r belongs to request r // n), or `bounds`, an extend
+    plan's padded bounds on the device (cu_seqlens, then the step's rows: the real rows end at its
+    second-to-last entry). The whole tensor is passed, not a view of that entry, so the pointer
+    keeps the plan's alignment whatever the request count (a new alignment is a new Triton build)."""
     T, Hv, Dv = out.shape
     assert core.shape == out.shape and core.stride(-1) == 1, f"gdn_fused: core {tuple(core.shape)}"
-    assert (slots is not None and rows_per_slot > 0) != (real_rows is not None), (
-        "gated_rmsnorm: padding rows come from slots (with rows_per_slot) or from real_rows, one of the two")
+    assert (slots is not None and rows_per_slot > 0) != (bounds is not None), (
+        "gated_rmsnorm: padding rows come from slots (with rows_per_slot) or from bounds, one of the two")
     if T == 0:
         return
-    marker = slots if slots is not None else real_rows
-    _GATED_RMSNORM[(T, Hv)](core, z, norm_weight, out, marker, marker,
+    marker = slots if slots is not None else bounds
+    real_at = 0 if bounds is None else bounds.shape[0] - 2
+    _GATED_RMSNORM[(T, Hv)](core, z, norm_weight, out, marker, marker, real_at,
                             core.stride(0), core.stride(1), z.stride(0), z.stride(1), out.stride(0), out.stride(1),
                             float(eps), DV=Dv, BV=next_pow2(Dv), ROUND_Y=_round_y(norm_weight, out),
                             ROWS_PER_SLOT=rows_per_slot, PAD_SLOT=PADDING_SLOT,

@@ -227,18 +227,25 @@ def test_short_extends_take_the_recurrent_extend_kernel():
 
 
 @in_process
-def test_non_decode_steps_launch_qk_gates_and_the_norm_once_each(monkeypatch):
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+def test_non_decode_steps_launch_qk_gates_and_the_norm_once_each(monkeypatch, replayed):
+    """And the norm's padding marker is always a 16-byte aligned tensor (the plan's bounds or the
+    step's slots, never a view into them), so Triton builds no new variant for another request count."""
     counts = {"_QK_GATES": 0, "_GATED_RMSNORM": 0}
+    markers = []
     for name in counts:
         launcher = getattr(GF, name)
         real = launcher.launch
 
-        def counted(*a, name=name, real=real):
+        def counted(grid, args, kwargs, name=name, real=real):
             counts[name] += 1
-            return real(*a)
+            if name == "_GATED_RMSNORM":
+                markers.append(args[4].data_ptr() % 16)
+            return real(grid, args, kwargs)
         monkeypatch.setattr(launcher, "launch", counted)
-    run_mode_steps(0, torch.float32, backend_kwargs=dict(chunk_impl="triton"))
+    run_mode_steps(0, torch.float32, backend_kwargs=dict(chunk_impl="triton"), replayed=replayed)
     assert counts == {"_QK_GATES": 4, "_GATED_RMSNORM": 4}  # every step but the decode one
+    assert markers == [0] * 4
 
 
 def test_capability_serves_gdn_fused_where_gdn_core_is_served():
