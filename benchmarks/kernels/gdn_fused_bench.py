@@ -13,7 +13,12 @@ row (strided qkv, z, b, a):
   q and k, beta, g) as one torch.compile'd function (Inductor with the bundle's settings: combo
   kernels, as the compiled pieces run it), the recurrent decode kernel, the gated RMSNorm as a
   second compiled function;
-- fused: runtime/backends/kernels/gdn_fused.py's decode kernel.
+- fused: runtime/backends/kernels/gdn_fused.py's decode kernel (one launch: one program per
+  request and key head);
+- fused_2: the two-launch split kept in this file only, to weigh the one launch's parallelism
+  against it: a prep kernel over (request, head of q, k or v) (conv step, l2norm of q and k, into
+  a contiguous scratch), then the recurrence and the gated norm over (request, value head): twice
+  the programs of the one-launch kernel at batch 1, and one launch more.
 
 For each B, first the check: both from copies of the same random non-zero pools, one step, the
 fused output and both states against the unfused ones by ||x - ref|| / ||ref|| (bf16: 1e-2,
@@ -45,11 +50,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from bench_common import device_facts, is_cuda, kernels_per_call, rel_err  # noqa: E402
 from models.qwen3_next import l2norm  # noqa: E402
 from runtime.backends.kernels import gdn_fused as GF  # noqa: E402
 from runtime.backends.kernels import linear as TL  # noqa: E402
+from runtime.backends.kernels.gdn_fused import _gated_norm, _gates, _l2norm  # noqa: E402
+from runtime.backends.kernels.launch_math import next_pow2  # noqa: E402
+from runtime.cache.state_pool import PADDING_SLOT  # noqa: E402
 from testkit.gdn_cases import BENCH_GDN, GdnShape, gdn_inputs, gdn_params, gdn_pools  # noqa: E402
 
 DRY_SHAPE = GdnShape(2, 4, 16, 16)
@@ -80,6 +90,90 @@ def gated_norm_glue(core, z, weight, eps: float):
     return (y * F.silu(z.float())).to(dtype)
 
 
+# -- the two-launch split (this file only) ------------------------------------------------------
+
+
+@triton.jit
+def _split_prep_kernel(qkv_ptr, conv_w_ptr, conv_ptr, slots_ptr, scratch_ptr,
+                       stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_m_row, l2_eps,
+                       HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       KW: tl.constexpr, KWP: tl.constexpr, PAD_SLOT: tl.constexpr):
+    """(request, head h of q | k | v): the conv step of its channels (it alone rolls their history),
+    q and k l2-normalised, into scratch [B, C] in the activation dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    act = scratch_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        if h < 2 * HK:
+            offs = h * DK + tl.arange(0, BK)
+            m = tl.arange(0, BK) < DK
+            y, _ = TL.conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs, m, stride_x_row,
+                                 stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
+            tl.store(scratch_ptr + row * stride_m_row + offs, _l2norm(y, m, act, l2_eps).to(act), mask=m)
+        else:
+            offs = 2 * HK * DK + (h - 2 * HK) * DV + tl.arange(0, BV)
+            m = tl.arange(0, BV) < DV
+            y, _ = TL.conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs, m, stride_x_row,
+                                 stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
+            tl.store(scratch_ptr + row * stride_m_row + offs, y.to(act), mask=m)
+
+
+@triton.jit
+def _split_core_kernel(scratch_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, state_ptr,
+                       slots_ptr, stride_m_row, stride_z_row, stride_z_head, stride_b_row, stride_b_head,
+                       stride_a_row, stride_a_head, stride_o_row, stride_o_head, stride_s_slot, stride_s_head,
+                       scale, eps, HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
+                       PAD_SLOT: tl.constexpr):
+    """(request, value head): gates, the recurrent step on the head's whole state, the gated norm."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    act = out_ptr.dtype.element_ty
+    o_ptrs = out_ptr + row * stride_o_row + head * stride_o_head + offs_v
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        m_s = m_k[:, None] & m_v[None, :]
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+        src = scratch_ptr + row * stride_m_row
+        kh = head // GROUP
+        q = tl.load(src + kh * DK + offs_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        k = tl.load(src + (HK + kh) * DK + offs_k, mask=m_k, other=0.0).to(tl.float32)
+        v = tl.load(src + 2 * HK * DK + head * DV + offs_v, mask=m_v, other=0.0).to(tl.float32)
+        g, beta = _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, True, stride_a_row, stride_a_head,
+                         stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+        s, o = TL.scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+        z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
+        y = _gated_norm(o.to(act).to(tl.float32), z.to(tl.float32), tl.load(norm_w_ptr + offs_v, mask=m_v,
+                        other=0.0).to(tl.float32), m_v, eps, DV, act, ROUND_Y)
+        tl.store(o_ptrs, y.to(act), mask=m_v)
+    else:
+        tl.store(o_ptrs, tl.zeros([BV], dtype=act), mask=m_v)
+
+
+def split_decode(x, p, out, conv_state, state, slots, s: GdnShape, scratch) -> None:
+    """The decode step in two launches (the kernels above)."""
+    B = slots.shape[0]
+    qkv, z, b, a = x["qkv"], x["z"], x["b"], x["a"]
+    BK, BV = next_pow2(s.dk), next_pow2(s.dv)
+    _split_prep_kernel[(B, 2 * s.hk + s.hv)](
+        qkv, p.conv_weight, conv_state, slots, scratch, qkv.stride(0), p.conv_weight.stride(0), conv_state.stride(0),
+        conv_state.stride(1), scratch.stride(0), GF.L2NORM_EPS, HK=s.hk, DK=s.dk, DV=s.dv, BK=BK, BV=BV,
+        KW=s.kernel_width, KWP=next_pow2(s.kernel_width), PAD_SLOT=PADDING_SLOT, num_warps=1)
+    _split_core_kernel[(B, s.hv)](
+        scratch, z, b, a, p.A_log, p.dt_bias, p.norm_weight, out, state, slots, scratch.stride(0), z.stride(0),
+        z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1), out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1), s.scale, EPS, HK=s.hk, GROUP=s.hv // s.hk, DK=s.dk, DV=s.dv, BK=BK, BV=BV,
+        ROUND_Y=torch.promote_types(p.norm_weight.dtype, out.dtype) == out.dtype,
+        SOFTPLUS_MAX=GF.SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=GF.decode_warps(s.dk, s.dv))
+
+
 class Region:
     """One layer's GDN region at decode batch B over one pool: `unfused()` and `fused()` each run
     one step (static inputs, static slots: what a captured decode step replays); the fused op
@@ -93,6 +187,7 @@ class Region:
         self.mixed = torch.empty(x["qkv"].shape, dtype=x["qkv"].dtype, device=slots.device)
         self.core = torch.empty_like(self.out)
         self.qk_gates, self.norm = glue
+        self.scratch = torch.empty_like(self.mixed)
 
     def unfused(self) -> None:
         s, x, p = self.s, self.x, self.p
@@ -101,26 +196,37 @@ class Region:
         TL.gdn_decode(q, k, v, g, beta, self.core, self.state, self.slots, s.scale)
         self.out = self.norm(self.core, x["z"], p.norm_weight, EPS)  # feeds out_proj as it is: no copy
 
+    def fused_2(self) -> None:
+        split_decode(self.x, self.p, self.out, self.conv, self.state, self.slots, self.s, self.scratch)
+
     def fused(self) -> None:
         s, x, p = self.s, self.x, self.p
         GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight,
                             self.out, self.conv, self.state, self.slots, s.hk, s.scale, EPS)
 
 
+FUSED = ("fused", "fused_2")
+
+
 def check(s: GdnShape, B: int, glue: tuple, device) -> dict:
-    """One step of each variant from copies of the same pools: output and state errors."""
-    _, pool_u, pool_f = gdn_pools({0: s}, B, device, seed=B, copies=3)
+    """One step of each variant from copies of the same pools: each fused variant's output and
+    states against the unfused ones."""
+    pools = gdn_pools({0: s}, B, device, seed=B, copies=2 + len(FUSED))[1:]
     x = gdn_inputs(s, B, B, torch.bfloat16, torch.Generator().manual_seed(B + 1), device)
     p = gdn_params(s, torch.bfloat16, seed=B + 2).to(device)
     slots = torch.arange(1, B + 1, device=device)
-    u, f = Region(s, pool_u, x, p, slots, glue), Region(s, pool_f, x, p, slots, glue)
-    u.unfused()
-    f.fused()
-    errs = {"out": rel_err(f.out, u.out)}
-    for entry in ("conv", "recurrent"):
-        errs[entry] = rel_err(pool_f.layer(0)[entry][1:], pool_u.layer(0)[entry][1:])
-    ok = bool(torch.isfinite(f.out).all()) and errs["out"] <= OUT_TOL and max(errs["conv"], errs["recurrent"]) <= STATE_TOL
-    return {"rel_err": errs, "ok": ok}
+    ref = Region(s, pools[0], x, p, slots, glue)
+    ref.unfused()
+    doc = {}
+    for name, pool in zip(FUSED, pools[1:]):
+        region = Region(s, pool, x, p, slots, glue)
+        getattr(region, name)()
+        errs = {"out": rel_err(region.out, ref.out)}
+        for entry in ("conv", "recurrent"):
+            errs[entry] = rel_err(pool.layer(0)[entry][1:], pools[0].layer(0)[entry][1:])
+        doc[name] = {"rel_err": errs, "ok": bool(torch.isfinite(region.out).all()) and errs["out"] <= OUT_TOL
+                     and max(errs["conv"], errs["recurrent"]) <= STATE_TOL}
+    return {"variants": doc, "ok": all(v["ok"] for v in doc.values())}
 
 
 def time_call(fn, calls: int, replays: int, device) -> float:
@@ -155,10 +261,11 @@ def bench(s: GdnShape, B: int, glue: tuple, device, calls: int, replays: int) ->
     p = gdn_params(s, torch.bfloat16, seed=B + 2).to(device)
     region = Region(s, pool, x, p, torch.arange(1, B + 1, device=device), glue)
     row = {}
-    for name in ("unfused", "fused"):
+    for name in ("unfused",) + FUSED:
         fn = getattr(region, name)
         row[name] = {"us": time_call(fn, calls, replays, device), "kernels": kernels_per_call(fn)}
-    row["ratio"] = row["unfused"]["us"] / row["fused"]["us"]
+    row["ratio"] = row["unfused"]["us"] / row["fused"]["us"]  # the op's kernel against today
+    row["ratio_2"] = row["unfused"]["us"] / row["fused_2"]["us"]
     return row
 
 
@@ -197,12 +304,14 @@ def main(argv=None) -> dict:
         doc["batches"][str(B)] = entry
         (args.out / "gdn_fused_bench.json").write_text(json.dumps(doc, indent=2))
     print(f"{'B':>5} {'check':>6} {'out err':>9} {'unfused us':>11} {'kernels':>8} {'fused us':>9} {'kernels':>8} "
-          f"{'ratio':>6}")
+          f"{'ratio':>6} {'fused_2 us':>11} {'ratio_2':>8}")
+    nan = float("nan")
     for B, e in doc["batches"].items():
-        u, f = e.get("unfused", {}), e.get("fused", {})
-        print(f"{B:>5} {'ok' if e['check']['ok'] else 'FAIL':>6} {e['check']['rel_err']['out']:>9.2e} "
-              f"{u.get('us', float('nan')):>11.2f} {str(u.get('kernels')):>8} {f.get('us', float('nan')):>9.2f} "
-              f"{str(f.get('kernels')):>8} {e.get('ratio', float('nan')):>6.2f}")
+        u, f, f2 = e.get("unfused", {}), e.get("fused", {}), e.get("fused_2", {})
+        err = e["check"]["variants"]["fused"]["rel_err"]["out"]
+        print(f"{B:>5} {'ok' if e['check']['ok'] else 'FAIL':>6} {err:>9.2e} {u.get('us', nan):>11.2f} "
+              f"{str(u.get('kernels')):>8} {f.get('us', nan):>9.2f} {str(f.get('kernels')):>8} "
+              f"{e.get('ratio', nan):>6.2f} {f2.get('us', nan):>11.2f} {e.get('ratio_2', nan):>8.2f}")
     return doc
 
 

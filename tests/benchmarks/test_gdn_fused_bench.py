@@ -1,6 +1,6 @@
 """benchmarks/kernels/gdn_fused_bench.py --dry-run on the CPU (Triton's interpreter, tiny dims, eager glue):
-every batch is checked (fused against unfused) before it is timed, and the JSON holds both variants and their
-ratio. In a fresh process: the script sets TRITON_INTERPRET before triton is imported."""
+every batch is checked (both fused variants against unfused) before it is timed, and the JSON holds every
+variant and the ratios. In a fresh process: the script sets TRITON_INTERPRET before triton is imported."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ def test_dry_run_checks_then_times_both_variants(tmp_path):
     assert doc["env"]["dry_run"] and set(doc["batches"]) == {"1", "3"}
     for row in doc["batches"].values():
         assert row["check"]["ok"], row["check"]
-        assert set(row["check"]["rel_err"]) == {"out", "conv", "recurrent"}
-        assert row["unfused"]["us"] > 0 and row["fused"]["us"] > 0 and row["ratio"] > 0
+        variants = row["check"]["variants"]
+        assert set(variants) == {"fused", "fused_2"}
+        assert all(set(v["rel_err"]) == {"out", "conv", "recurrent"} for v in variants.values())
+        assert all(row[name]["us"] > 0 for name in ("unfused", "fused", "fused_2"))
+        assert row["ratio"] > 0 and row["ratio_2"] > 0
         assert row["fused"]["kernels"] is None  # no profiler off the GPU
