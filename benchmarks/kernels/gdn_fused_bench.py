@@ -57,7 +57,7 @@ from bench_common import device_facts, is_cuda, kernels_per_call, rel_err  # noq
 from models.qwen3_next import l2norm  # noqa: E402
 from runtime.backends.kernels import gdn_fused as GF  # noqa: E402
 from runtime.backends.kernels import linear as TL  # noqa: E402
-from runtime.backends.kernels.gdn_fused import _gated_norm, _gates, _l2norm  # noqa: E402
+from runtime.backends.kernels.gdn_fused import gated_norm_head, gdn_gates, l2norm_head  # noqa: E402
 from runtime.backends.kernels.launch_math import next_pow2  # noqa: E402
 from runtime.cache.state_pool import PADDING_SLOT  # noqa: E402
 from testkit.gdn_cases import BENCH_GDN, GdnShape, gdn_inputs, gdn_params, gdn_pools  # noqa: E402
@@ -110,7 +110,7 @@ def _split_prep_kernel(qkv_ptr, conv_w_ptr, conv_ptr, slots_ptr, scratch_ptr,
             m = tl.arange(0, BK) < DK
             y, _ = TL.conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs, m, stride_x_row,
                                  stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
-            tl.store(scratch_ptr + row * stride_m_row + offs, _l2norm(y, m, act, l2_eps).to(act), mask=m)
+            tl.store(scratch_ptr + row * stride_m_row + offs, l2norm_head(y, m, act, l2_eps).to(act), mask=m)
         else:
             offs = 2 * HK * DK + (h - 2 * HK) * DV + tl.arange(0, BV)
             m = tl.arange(0, BV) < DV
@@ -145,12 +145,12 @@ def _split_core_kernel(scratch_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr,
         q = tl.load(src + kh * DK + offs_k, mask=m_k, other=0.0).to(tl.float32) * scale
         k = tl.load(src + (HK + kh) * DK + offs_k, mask=m_k, other=0.0).to(tl.float32)
         v = tl.load(src + 2 * HK * DK + head * DV + offs_v, mask=m_v, other=0.0).to(tl.float32)
-        g, beta = _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, True, stride_a_row, stride_a_head,
+        g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, True, stride_a_row, stride_a_head,
                          stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
         s, o = TL.scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
         z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
-        y = _gated_norm(o.to(act).to(tl.float32), z.to(tl.float32), tl.load(norm_w_ptr + offs_v, mask=m_v,
+        y = gated_norm_head(o.to(act).to(tl.float32), z.to(tl.float32), tl.load(norm_w_ptr + offs_v, mask=m_v,
                         other=0.0).to(tl.float32), m_v, eps, DV, act, ROUND_Y)
         tl.store(o_ptrs, y.to(act), mask=m_v)
     else:
@@ -170,7 +170,7 @@ def split_decode(x, p, out, conv_state, state, slots, s: GdnShape, scratch) -> N
         scratch, z, b, a, p.A_log, p.dt_bias, p.norm_weight, out, state, slots, scratch.stride(0), z.stride(0),
         z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), s.scale, EPS, HK=s.hk, GROUP=s.hv // s.hk, DK=s.dk, DV=s.dv, BK=BK, BV=BV,
-        ROUND_Y=torch.promote_types(p.norm_weight.dtype, out.dtype) == out.dtype,
+        ROUND_Y=GF.rounds_weighted_norm(p.norm_weight, out),
         SOFTPLUS_MAX=GF.SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=GF.decode_warps(s.dk, s.dv))
 
 
@@ -294,7 +294,8 @@ def main(argv=None) -> dict:
     s = DRY_SHAPE if dry else BENCH_GDN
     batches = [int(b) for b in (args.batches or ("1,3" if dry else "1,8,128")).split(",")]
     glue = compiled_glue(dry)
-    doc = {"env": device_facts(dry), "shape": dataclasses.asdict(s), "calls_per_graph": args.calls, "replays": args.replays,
+    doc = {"env": device_facts(dry), "shape": dataclasses.asdict(s), "calls_per_graph": args.calls,
+           "replays": args.replays,
            "batches": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     for B in batches:

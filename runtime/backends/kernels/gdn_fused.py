@@ -48,7 +48,8 @@ from runtime.backends.kernels.launch_math import next_pow2
 from runtime.backends.kernels.linear import conv_token, scalar_decay_step
 from runtime.cache.state_pool import PADDING_SLOT
 
-__all__ = ["L2NORM_EPS", "GdnDims", "gdn_dims", "gdn_fused_decode", "qk_gates", "gated_rmsnorm"]
+__all__ = ["L2NORM_EPS", "SOFTPLUS_THRESHOLD", "GdnDims", "gdn_dims", "gdn_fused_decode", "qk_gates", "gated_rmsnorm",
+           "decode_warps", "rounds_weighted_norm", "l2norm_head", "gdn_gates", "gated_norm_head"]
 
 # The l2norm's epsilon (inside the root), a constant of the op: the models' l2norm (FLA's and
 # transformers' too); the op's `eps` argument is the gated RMSNorm's.
@@ -63,7 +64,7 @@ SOFTPLUS_THRESHOLD = 20.0
 
 
 @triton.jit
-def _l2norm(y, mask, act_dtype: tl.constexpr, eps):
+def l2norm_head(y, mask, act_dtype: tl.constexpr, eps):
     """A head's conv output y [BK] (float32) as q or k reach the recurrence: rounded to A (the
     conv's output), l2-normalised in float32 (eps inside the root), rounded to A, back in float32."""
     x = tl.where(mask, y.to(act_dtype).to(tl.float32), 0.0)
@@ -72,7 +73,7 @@ def _l2norm(y, mask, act_dtype: tl.constexpr, eps):
 
 
 @triton.jit
-def _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, heads, mask, stride_a_row, stride_a_head,
+def gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, heads, mask, stride_a_row, stride_a_head,
            stride_b_row, stride_b_head, act_dtype: tl.constexpr, SOFTPLUS_MAX: tl.constexpr):
     """(g, beta) of value heads `heads` at row `row`, in float32: g = -exp(A_log) * softplus(a +
     dt_bias) computed in float32, beta = sigmoid(b) rounded to A."""
@@ -86,7 +87,7 @@ def _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, heads, mask, stride_a_row,
 
 
 @triton.jit
-def _gated_norm(core, z, weight, mask, eps, DV: tl.constexpr, act_dtype: tl.constexpr, ROUND_Y: tl.constexpr):
+def gated_norm_head(core, z, weight, mask, eps, DV: tl.constexpr, act_dtype: tl.constexpr, ROUND_Y: tl.constexpr):
     """GatedRMSNorm.forward of one value head: core [BV] (float32 of an A value), z and weight
     [BV] in float32 -> the output in float32 (the caller rounds it to A). ROUND_Y: weight * norm
     is rounded to A (torch's product of an A weight and the A norm); else it stays float32."""
@@ -130,8 +131,8 @@ def _gdn_fused_decode_kernel(
                            stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False,
                            SILU=True)
         # q carries the output scale, as the recurrent kernels' do
-        q = _l2norm(yq, m_k, act, l2_eps) * scale
-        k = _l2norm(yk, m_k, act, l2_eps)
+        q = l2norm_head(yq, m_k, act, l2_eps) * scale
+        k = l2norm_head(yk, m_k, act, l2_eps)
         weight = tl.load(norm_w_ptr + offs_v, mask=m_v, other=0.0).to(tl.float32)
         for j in tl.static_range(GROUP):
             head = kh * GROUP + j
@@ -140,7 +141,7 @@ def _gdn_fused_decode_kernel(
             s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
             s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
-            g, beta = _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, True, stride_a_row, stride_a_head,
+            g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, True, stride_a_row, stride_a_head,
                              stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
             yv, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, 2 * HK * DK + head * DV + offs_v,
                                m_v, stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP,
@@ -149,7 +150,7 @@ def _gdn_fused_decode_kernel(
             s, o = scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
             # each stored element comes from the element loaded at the same address (linear.py)
             tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
-            y = _gated_norm(o.to(act).to(tl.float32), z.to(tl.float32), weight, m_v, eps, DV, act, ROUND_Y)
+            y = gated_norm_head(o.to(act).to(tl.float32), z.to(tl.float32), weight, m_v, eps, DV, act, ROUND_Y)
             tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v, y.to(act), mask=m_v)
     else:
         # padding row: its inputs may hold anything; it reads nothing and writes zeros.
@@ -174,13 +175,13 @@ def _qk_gates_kernel(
     m_k = offs_k < DK
     act = q_ptr.dtype.element_ty
     src = mixed_ptr + row * stride_m_row + kh * DK + offs_k
-    q = _l2norm(tl.load(src, mask=m_k, other=0.0).to(tl.float32), m_k, act, l2_eps)
-    k = _l2norm(tl.load(src + HK * DK, mask=m_k, other=0.0).to(tl.float32), m_k, act, l2_eps)
+    q = l2norm_head(tl.load(src, mask=m_k, other=0.0).to(tl.float32), m_k, act, l2_eps)
+    k = l2norm_head(tl.load(src + HK * DK, mask=m_k, other=0.0).to(tl.float32), m_k, act, l2_eps)
     tl.store(q_ptr + row * stride_q_row + kh * DK + offs_k, q.to(act), mask=m_k)
     tl.store(k_ptr + row * stride_k_row + kh * DK + offs_k, k.to(act), mask=m_k)
     heads = kh * GROUP + tl.arange(0, BG)
     m_h = tl.arange(0, BG) < GROUP
-    g, beta = _gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, heads, m_h, stride_a_row, stride_a_head,
+    g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, heads, m_h, stride_a_row, stride_a_head,
                      stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
     tl.store(g_ptr + row * stride_g_row + heads, g, mask=m_h)
     tl.store(beta_ptr + row * stride_beta_row + heads, beta.to(act), mask=m_h)
@@ -212,7 +213,7 @@ def _gated_rmsnorm_kernel(
         core = tl.load(core_ptr + row * stride_c_row + head * stride_c_head + offs_v, mask=m_v, other=0.0)
         z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
         weight = tl.load(norm_w_ptr + offs_v, mask=m_v, other=0.0).to(tl.float32)
-        y = _gated_norm(core.to(tl.float32), z.to(tl.float32), weight, m_v, eps, DV, act, ROUND_Y)
+        y = gated_norm_head(core.to(tl.float32), z.to(tl.float32), weight, m_v, eps, DV, act, ROUND_Y)
         tl.store(o_ptrs, y.to(act), mask=m_v)
     else:
         tl.store(o_ptrs, tl.zeros([BV], dtype=act), mask=m_v)
@@ -250,7 +251,8 @@ def gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_head
     if Hk <= 0 or Dk <= 0 or 2 * Hk * Dk + Hv * Dv != C or Hv % Hk:
         problems.append(f"qkv width {C} is not 2 * {Hk} key heads * Dk + {Hv} * {Dv} with {Hv} value heads "
                         f"a multiple of {Hk}")
-    expected = {"z": (z, (rows, Hv, Dv)), "b": (b, (rows, Hv)), "a": (a, (rows, Hv)), "conv_weight": (conv_weight, (C, K)),
+    expected = {"z": (z, (rows, Hv, Dv)), "b": (b, (rows, Hv)), "a": (a, (rows, Hv)),
+                "conv_weight": (conv_weight, (C, K)),
                 "A_log": (A_log, (Hv,)), "dt_bias": (dt_bias, (Hv,)), "norm_weight": (norm_weight, (Dv,)),
                 "out": (out, (rows, Hv, Dv))}
     problems += [f"{name} {tuple(t.shape)}, expected {shape}" for name, (t, shape) in expected.items()
@@ -270,7 +272,7 @@ def gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_head
     return GdnDims(Hk, Hv, Dk, Dv, C, K)
 
 
-def _round_y(norm_weight: torch.Tensor, out: torch.Tensor) -> bool:
+def rounds_weighted_norm(norm_weight: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether torch rounds norm_weight * norm (the norm in out's dtype) to out's dtype."""
     return torch.promote_types(norm_weight.dtype, out.dtype) == out.dtype
 
@@ -305,7 +307,7 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
         out.stride(0), out.stride(1), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
         HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=next_pow2(d.dk), BV=next_pow2(d.dv),
-        KW=d.kernel_width, KWP=next_pow2(d.kernel_width), ROUND_Y=_round_y(norm_weight, out),
+        KW=d.kernel_width, KWP=next_pow2(d.kernel_width), ROUND_Y=rounds_weighted_norm(norm_weight, out),
         SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=decode_warps(d.dk, d.dv))
 
 
@@ -347,6 +349,6 @@ def gated_rmsnorm(core, z, norm_weight, out, eps: float, *, slots=None, rows_per
     real_at = 0 if bounds is None else bounds.shape[0] - 2
     _GATED_RMSNORM[(T, Hv)](core, z, norm_weight, out, marker, marker, real_at,
                             core.stride(0), core.stride(1), z.stride(0), z.stride(1), out.stride(0), out.stride(1),
-                            float(eps), DV=Dv, BV=next_pow2(Dv), ROUND_Y=_round_y(norm_weight, out),
+                            float(eps), DV=Dv, BV=next_pow2(Dv), ROUND_Y=rounds_weighted_norm(norm_weight, out),
                             ROWS_PER_SLOT=rows_per_slot, PAD_SLOT=PADDING_SLOT,
                             num_warps=max(1, min(4, next_pow2(Dv) // 128)))

@@ -10,7 +10,8 @@ recurrent states by ||x - ref|| / ||ref||; padding rows must come out zero and n
 change. (The interpreter truncates float32 to bfloat16 where torch rounds to nearest, so in bf16
 the kernels' own roundings of q, k, v, beta and the norm sit up to one bf16 step from the
 reference's, every one biased the same way: interpreted bf16 tolerances are a few bf16 steps,
-float32 ones the float32 noise of another order of sums.) The GPU versions at the bench dims are tests/gpu/test_gpu_gdn_fused.py.
+float32 ones the float32 noise of another order of sums.) The GPU versions at the bench dims are
+tests/gpu/test_gpu_gdn_fused.py.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Case:
         untouched = [s for s in range(NUM_SLOTS + 1) if s not in self.touched]
         assert PADDING_SLOT in untouched
         for name, t in self.dev_pool.layer(self.layer_id).items():
-            assert torch.equal(t.cpu()[untouched], self.before[name][untouched]), f"padding or free slot's {name} written"
+            assert torch.equal(t.cpu()[untouched], self.before[name][untouched]), f"a free slot's {name} written"
             assert not torch.equal(t.cpu()[sorted(self.touched)], self.before[name][sorted(self.touched)])
 
 
