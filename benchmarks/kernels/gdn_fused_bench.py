@@ -24,8 +24,8 @@ For each B, first the check: both from copies of the same random non-zero pools,
 fused output and both states against the unfused ones by ||x - ref|| / ||ref|| (bf16: 1e-2,
 states 5e-3); a failed check stops that B's timing. Then per variant: device kernels of one call
 (torch.profiler, the launches), and the time of one call inside a CUDA graph of --calls calls,
-replayed --replays times (median over replays, divided by the calls), and the ratio unfused /
-fused. Everything in $OUT/gdn_fused_bench.json, a table last. The dry run walks the same code on
+replayed --replays times (median over replays, divided by the calls), and the ratios unfused /
+fused; the one-launch kernel also at 4, 8 and 16 warps (`fused_by_warps`, us). Everything in $OUT/gdn_fused_bench.json, a table last. The dry run walks the same code on
 the CPU with eager glue (no Inductor there) at tiny dims; its times mean nothing.
 """
 
@@ -199,13 +199,14 @@ class Region:
     def fused_2(self) -> None:
         split_decode(self.x, self.p, self.out, self.conv, self.state, self.slots, self.s, self.scratch)
 
-    def fused(self) -> None:
+    def fused(self, num_warps: int | None = None) -> None:
         s, x, p = self.s, self.x, self.p
         GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight,
-                            self.out, self.conv, self.state, self.slots, s.hk, s.scale, EPS)
+                            self.out, self.conv, self.state, self.slots, s.hk, s.scale, EPS, num_warps=num_warps)
 
 
 FUSED = ("fused", "fused_2")
+WARPS = (4, 8, 16)
 
 
 def check(s: GdnShape, B: int, glue: tuple, device) -> dict:
@@ -266,6 +267,8 @@ def bench(s: GdnShape, B: int, glue: tuple, device, calls: int, replays: int) ->
         row[name] = {"us": time_call(fn, calls, replays, device), "kernels": kernels_per_call(fn)}
     row["ratio"] = row["unfused"]["us"] / row["fused"]["us"]  # the op's kernel against today
     row["ratio_2"] = row["unfused"]["us"] / row["fused_2"]["us"]
+    # the one-launch kernel's warps (default: GF.decode_warps): few programs at batch 1 may want more
+    row["fused_by_warps"] = {w: time_call(lambda w=w: region.fused(w), calls, replays, device) for w in WARPS}
     return row
 
 

@@ -283,10 +283,13 @@ def decode_warps(dk: int, dv: int) -> int:
 
 
 def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots,
-                     k_heads: int, scale: float, eps: float, what: str = "gdn_fused") -> None:
+                     k_heads: int, scale: float, eps: float, what: str = "gdn_fused",
+                     num_warps: int | None = None) -> None:
     """One decode step of a GDN mixer, one launch: row r is request r, on slot slots[r] (the
     padding slot: a zero row, nothing read or kept). conv_state [slots+1, C, K-1] and state
-    [slots+1, Hv, Dk, Dv] float32 are the layer's, updated in place."""
+    [slots+1, Hv, Dk, Dv] float32 are the layer's, updated in place. `num_warps` pins the
+    program's warps (benchmarks); None: decode_warps, the same at every batch, so a request's
+    reductions never depend on what shares its step."""
     d = gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
     B = qkv.shape[0]
     if slots.shape != (B,):
@@ -308,7 +311,8 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
         state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
         HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=next_pow2(d.dk), BV=next_pow2(d.dv),
         KW=d.kernel_width, KWP=next_pow2(d.kernel_width), ROUND_Y=rounds_weighted_norm(norm_weight, out),
-        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=decode_warps(d.dk, d.dv))
+        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT,
+        num_warps=num_warps or decode_warps(d.dk, d.dv))
 
 
 def qk_gates(mixed, b, a, A_log, dt_bias, d: GdnDims) -> tuple:
