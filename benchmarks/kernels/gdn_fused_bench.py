@@ -20,13 +20,14 @@ row (strided qkv, z, b, a):
   a contiguous scratch), then the recurrence and the gated norm over (request, value head): twice
   the programs of the one-launch kernel at batch 1, and one launch more.
 
-For each B, first the check: both from copies of the same random non-zero pools, one step, the
-fused output and both states against the unfused ones by ||x - ref|| / ||ref|| (bf16: 1e-2,
-states 5e-3); a failed check stops that B's timing. Then per variant: device kernels of one call
-(torch.profiler, the launches), and the time of one call inside a CUDA graph of --calls calls,
-replayed --replays times (median over replays, divided by the calls), and the ratios unfused /
-fused; the one-launch kernel also at 4, 8 and 16 warps (`fused_by_warps`, us). Everything in $OUT/gdn_fused_bench.json, a table last. The dry run walks the same code on
-the CPU with eager glue (no Inductor there) at tiny dims; its times mean nothing.
+For each B, first the check: every variant from copies of the same random non-zero pools, one
+step, each fused variant's output and both states against the unfused ones by ||x - ref|| / ||ref||
+(bf16: 1e-2, states 5e-3); a failed check stops that B's timing. Then per variant: device kernels
+of one call (torch.profiler, the launches), and the time of one call inside a CUDA graph of
+--calls calls, replayed --replays times (median over replays, divided by the calls), and the
+ratios unfused / fused; the one-launch kernel also at 4, 8 and 16 warps (`fused_by_warps`, us).
+Everything in $OUT/gdn_fused_bench.json, a table last. The dry run walks the same code on the CPU
+with eager glue (no Inductor there) at tiny dims; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -145,8 +146,8 @@ def _split_core_kernel(scratch_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr,
         q = tl.load(src + kh * DK + offs_k, mask=m_k, other=0.0).to(tl.float32) * scale
         k = tl.load(src + (HK + kh) * DK + offs_k, mask=m_k, other=0.0).to(tl.float32)
         v = tl.load(src + 2 * HK * DK + head * DV + offs_v, mask=m_v, other=0.0).to(tl.float32)
-        g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, True, stride_a_row, stride_a_head,
-                         stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+        g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
+                            stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
         s, o = TL.scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
         z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)

@@ -141,8 +141,8 @@ def _gdn_fused_decode_kernel(
             s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
             s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
-            g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, True, stride_a_row, stride_a_head,
-                             stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+            g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
+                                stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
             yv, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, 2 * HK * DK + head * DV + offs_v,
                                m_v, stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP,
                                HAS_BIAS=False, SILU=True)
