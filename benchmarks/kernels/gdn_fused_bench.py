@@ -25,7 +25,7 @@ step, each fused variant's output and both states against the unfused ones by ||
 (bf16: 1e-2, states 5e-3); a failed check stops that B's timing. Then per variant: device kernels
 of one call (torch.profiler, the launches), and the time of one call inside a CUDA graph of
 --calls calls, replayed --replays times (median over replays, divided by the calls), and the
-ratios unfused / fused; the one-launch kernel also at 4, 8 and 16 warps (`fused_by_warps`, us).
+ratios unfused / fused; the one-launch kernel also at 8 and 16 warps (`fused_by_warps`, us).
 Everything in $OUT/gdn_fused_bench.json, a table last. The dry run walks the same code on the CPU
 with eager glue (no Inductor there) at tiny dims; its times mean nothing.
 """
@@ -207,7 +207,7 @@ class Region:
 
 
 FUSED = ("fused", "fused_2")
-WARPS = (4, 8, 16)
+WARPS = (8, 16)  # 4 spill (GF.decode_warps)
 
 
 def check(s: GdnShape, B: int, glue: tuple, device) -> dict:

@@ -278,7 +278,9 @@ def rounds_weighted_norm(norm_weight: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 def decode_warps(dk: int, dv: int) -> int:
-    """Warps of a fused decode program: ~64 state floats a thread (8 warps at Dk = Dv = 128)."""
+    """Warps of a fused decode program: ~64 state floats a thread (8 warps at Dk = Dv = 128). Built
+    for sm_90 at those dims (Triton 3.9, bf16 and float32), 8 warps take 254 registers a thread
+    and spill nothing, 16 take 128 and spill a few bytes, 4 spill some 3.7 KB a thread."""
     return max(1, min(8, next_pow2(dk) * next_pow2(dv) // 2048))
 
 
