@@ -1,6 +1,9 @@
 """TritonLinearBackend: the linear-attention ops of every step mode on the GPU, in place on the state pool.
 
-It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core and hgc.short_conv in all four modes:
+It serves hgc.gdn_core, hgc.kda_core, hgc.lightning_core, hgc.short_conv and hgc.gdn_fused (a
+whole GDN mixer: one launch a decode step, runtime/backends/kernels/gdn_fused.py; in the other
+modes the conv and gdn_core paths below around its l2norm-and-gates and gated-norm kernels) in all
+four modes:
 
 - DECODE (one token per request, T == B rows): our Triton decode kernels (triton_linear.py), one
   launch per op, slot ids read on the device, no gather or scatter. Capturable.
@@ -107,6 +110,10 @@ def _kernels():
 
 def _chunk_kernels():
     return importlib.import_module("runtime.backends.kernels.chunk")
+
+
+def _fused_kernels():
+    return importlib.import_module("runtime.backends.kernels.gdn_fused")
 
 
 def _extend_tables():
@@ -354,7 +361,7 @@ DECODE_TILES = ("by_batch", "fixed")
 
 class TritonLinearBackend(BackendHooks):
     name = "triton_linear"
-    supported_ops = frozenset({"gdn_core", "kda_core", "lightning_core", "short_conv"})
+    supported_ops = frozenset({"gdn_core", "kda_core", "lightning_core", "short_conv", "gdn_fused"})
     # Every mode, so routing can bind these ops here on "cuda". Captured: decode (one decode-kernel
     # launch per op) and target_verify (one verify-kernel launch per op, shapes fixed per bucket);
     # extend and mixed steps of the ops our own kernels run (GDN and Lightning on our chunk
@@ -367,6 +374,8 @@ class TritonLinearBackend(BackendHooks):
         op_capture=(
             OpCapture("gdn_core", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("chunk_impl", "triton"),),
                       why="our chunk kernels over the bucket's static tables"),
+            OpCapture("gdn_fused", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("chunk_impl", "triton"),),
+                      why="the extend conv and our chunk kernels over the bucket's static tables"),
             OpCapture("lightning_core", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("chunk_impl", "triton"),),
                       why="our chunk kernels over the bucket's static tables"),
             OpCapture("short_conv", frozenset({Mode.EXTEND, Mode.MIXED}),
@@ -383,7 +392,8 @@ class TritonLinearBackend(BackendHooks):
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
                  ("decode_tiles", DECODE_TILES)),
         batch_invariant=(("decode_tiles", "fixed"),),
-        doc="Triton decode kernels (decode; target_verify: every request's tokens in one launch), Triton chunk kernels "
+        doc="Triton decode kernels (decode; target_verify: every request's tokens in one launch; the fused GDN "
+            "mixer one launch a decode step), Triton chunk kernels "
             "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "
             "chunk kernels for KDA, or with chunk_impl=fla), a Triton extend conv; "
             "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify, "
@@ -756,6 +766,32 @@ class TritonLinearBackend(BackendHooks):
         if not self._recurrent(ctx, "lightning_core", layer_id, q, k, v, decay, None, out, scale,
                                _kernels().GATE_CONSTANT):
             self._lightning_extend(ctx, q, k, v, decay, out, layer_id, scale)
+
+    def gdn_fused(self, ctx, qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, layer_id, k_heads, scale,
+                  eps):
+        """A whole GDN mixer (kernels/gdn_fused.py). Decode: one launch. Target-verify and extend
+        steps: the conv and the recurrent core as short_conv and gdn_core run them in this step
+        (verify kernels, extend conv, chunk kernels, FLA), with one launch for the l2norm and the
+        gates between them and one for the gated norm after."""
+        fused = _fused_kernels()
+        what = f"{self.name}: hgc.gdn_fused (layer {layer_id})"
+        path, n = self._route(ctx, "gdn_fused", layer_id, qkv.shape[0])
+        if path == "decode":
+            fused.gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out,
+                                   self._layer_state(layer_id, "conv"), self._layer_state(layer_id, "recurrent"),
+                                   self._step_slots(ctx), k_heads, scale, eps, what)
+            return
+        dims = fused.gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
+        mixed = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        self.short_conv(ctx, qkv, conv_weight, None, mixed, layer_id, True)
+        q, k, v, g, beta = fused.qk_gates(mixed, b, a, A_log, dt_bias, dims)
+        core = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        self.gdn_core(ctx, q, k, v, g, beta, core, layer_id, scale)
+        if path == "verify":
+            fused.gated_rmsnorm(core, z, norm_weight, out, eps, slots=self._step_slots(ctx), rows_per_slot=n)
+        else:  # padding rows: from the bounds of the plan gdn_core ran on
+            plan = self._extend_plan(self._step_plan(ctx), "gdn_core")
+            fused.gated_rmsnorm(core, z, norm_weight, out, eps, bounds=plan.padded_bounds)
 
     def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
         """The decode conv, or over a target-verify step its histories kept as the recurrent cores keep states."""

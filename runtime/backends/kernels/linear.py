@@ -198,6 +198,9 @@ def _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs
     k = k.to(tl.float32)
     v = tl.load(v_ptr + row * stride_v_row + head * stride_v_head + offs_v, mask=m_v, other=0.0)
     v = v.to(tl.float32)
+    beta = 0.0  # Lightning: no delta rule, never read
+    if DELTA:
+        beta = tl.load(beta_ptr + row * stride_b_row + head * stride_b_head).to(tl.float32)
     if GATE == 1:
         decay = tl.load(g_ptr + row * stride_g_row + head * stride_g_head + offs_k, mask=m_k, other=0.0)
         decay = tl.exp(decay.to(tl.float32))  # [BK]
@@ -205,17 +208,32 @@ def _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs
         s_decayed = s * decay[:, None]
         if DELTA:
             a = tl.sum(s * (k * decay)[:, None], axis=0)
+            u = beta * (v - a)
+        else:
+            u = v
+        qk = tl.sum(q * k, axis=0)
+        s_new = s_decayed + k[:, None] * u[None, :]
+        o = c + qk * u
     else:
         if GATE == 0:
             decay = tl.exp(tl.load(g_ptr + row * stride_g_row + head * stride_g_head).to(tl.float32))
         else:
             decay = tl.exp(tl.load(g_ptr + head * stride_g_head).to(tl.float32))  # constant per head
-        c = tl.sum(s * q[:, None], axis=0) * decay
-        s_decayed = s * decay
-        if DELTA:
-            a = tl.sum(s * k[:, None], axis=0) * decay
+        s_new, o = scalar_decay_step(s, q, k, v, decay, beta, DELTA=DELTA)
+    return s_new, o
+
+
+@triton.jit
+def scalar_decay_step(s, q, k, v, decay, beta, DELTA: tl.constexpr):
+    """One token through a [BK, BV] state tile under one decay for every key channel (GDN,
+    Lightning): (new tile, output [BV]). q (already times the output scale), k [BK], v [BV], decay
+    (exp of the log-decay) and beta (read only with DELTA) in float32. The one statement of that
+    update: the decode, extend and verify kernels reach it through _token_step, the fused GDN
+    kernel (gdn_fused.py) with the q, k, v it computed itself."""
+    c = tl.sum(s * q[:, None], axis=0) * decay
+    s_decayed = s * decay
     if DELTA:
-        beta = tl.load(beta_ptr + row * stride_b_row + head * stride_b_head).to(tl.float32)
+        a = tl.sum(s * k[:, None], axis=0) * decay
         u = beta * (v - a)
     else:
         u = v  # Lightning: no delta rule
@@ -373,7 +391,7 @@ def _short_conv_decode_kernel(
 
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
-        y, _ = _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+        y, _ = conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
                            stride_s_slot, stride_s_c, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
     else:
@@ -381,7 +399,7 @@ def _short_conv_decode_kernel(
 
 
 @triton.jit
-def _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+def conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
                 stride_s_slot, stride_s_c, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SILU: tl.constexpr):
     """One token (row `row` of x) through the conv of one slot's channels offs_c: (output [BC] in
@@ -420,7 +438,7 @@ def _short_conv_verify_kernel(
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PAD_SLOT: tl.constexpr,
 ):
     """A target-verify step of the decode conv: the request's N tokens in order, each through the
-    decode kernel's own step (_conv_token, which rolls the slot's history), and the history after
+    decode kernel's own step (conv_token, which rolls the slot's history), and the history after
     token t < N-1 also into the request's intermediate entry t. A request on the padding slot
     reads and keeps nothing and writes zero outputs."""
     seq = tl.program_id(0).to(tl.int64)
@@ -433,7 +451,7 @@ def _short_conv_verify_kernel(
         cols = tl.arange(0, KWP)
         i_ptrs = inter_ptr + seq * stride_i_row + offs_c[:, None] * stride_i_c + cols[None, :]
         for t in tl.static_range(N):
-            y, kept = _conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, first + t, offs_c, m_c, stride_x_row,
+            y, kept = conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, first + t, offs_c, m_c, stride_x_row,
                                   stride_w_c, stride_s_slot, stride_s_c, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
             tl.store(out_ptr + (first + t) * stride_o_row + offs_c, y.to(out_ptr.dtype.element_ty), mask=m_c)
             if t < N - 1:

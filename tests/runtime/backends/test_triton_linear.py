@@ -255,7 +255,7 @@ def test_backend_follows_the_protocol_and_declares_every_mode():
     _, dev_pool = make_pools(0)
     tri = TritonLinearBackend(dev_pool)
     check_backend(tri)
-    assert tri.supported_ops == {"gdn_core", "kda_core", "lightning_core", "short_conv"}
+    assert tri.supported_ops == {"gdn_core", "kda_core", "lightning_core", "short_conv", "gdn_fused"}
     cap = TritonLinearBackend.capability
     assert cap.ops == tri.supported_ops and cap.device == "cuda"
     assert cap.modes_supported == set(Mode)

@@ -1,0 +1,325 @@
+"""The GDN region of one layer at decode, unfused (today) against hgc.gdn_fused (one launch): one
+command, checks first, JSON to --out.
+
+    python3 benchmarks/kernels/gdn_fused_bench.py --out $OUT              # GPU
+    python3 benchmarks/kernels/gdn_fused_bench.py --dry-run --out /tmp/g    # CPU: interpreter, tiny dims
+
+The region is what a Qwen3-Next / Qwen3.5 GDN layer runs between its projections, at the bench
+dims (testkit/gdn_cases.py BENCH_GDN: Hk 16, Hv 32, Dk = Dv = 128, K 4; bf16), at decode batch
+B = 1, 8, 128 (--batches), every row a request on its own slot, inputs as views of one projection
+row (strided qkv, z, b, a):
+
+- unfused: the short-conv decode kernel, the glue between it and the recurrence (split, l2norm of
+  q and k, beta, g) as one torch.compile'd function (Inductor with the bundle's settings: combo
+  kernels, as the compiled pieces run it), the recurrent decode kernel, the gated RMSNorm as a
+  second compiled function;
+- fused: runtime/backends/kernels/gdn_fused.py's decode kernel (one launch: one program per
+  request and key head);
+- fused_2: the two-launch split kept in this file only, to weigh the one launch's parallelism
+  against it: a prep kernel over (request, head of q, k or v) (conv step, l2norm of q and k, into
+  a contiguous scratch), then the recurrence and the gated norm over (request, value head): twice
+  the programs of the one-launch kernel at batch 1, and one launch more.
+
+For each B, first the check: every variant from copies of the same random non-zero pools, one
+step, each fused variant's output and both states against the unfused ones by ||x - ref|| / ||ref||
+(bf16: 1e-2, states 5e-3); a failed check stops that B's timing. Then per variant: device kernels
+of one call (torch.profiler, the launches), and the time of one call inside a CUDA graph of
+--calls calls, replayed --replays times (median over replays, divided by the calls), and the
+ratios unfused / fused; the one-launch kernel also at 8 and 16 warps (`fused_by_warps`, us).
+Everything in $OUT/gdn_fused_bench.json, a table last. The dry run walks the same code on the CPU
+with eager glue (no Inductor there) at tiny dims; its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from bench_common import device_facts, is_cuda, kernels_per_call, rel_err  # noqa: E402
+from models.qwen3_next import l2norm  # noqa: E402
+from runtime.backends.kernels import gdn_fused as GF  # noqa: E402
+from runtime.backends.kernels import linear as TL  # noqa: E402
+from runtime.backends.kernels.gdn_fused import gated_norm_head, gdn_gates, l2norm_head  # noqa: E402
+from runtime.backends.kernels.launch_math import next_pow2  # noqa: E402
+from runtime.cache.state_pool import PADDING_SLOT  # noqa: E402
+from testkit.gdn_cases import BENCH_GDN, GdnShape, gdn_inputs, gdn_params, gdn_pools  # noqa: E402
+
+DRY_SHAPE = GdnShape(2, 4, 16, 16)
+EPS = 1e-6
+# bf16: both variants round the same values, their float32 sums in other orders; Triton's
+# interpreter (the dry run) truncates where a GPU rounds to nearest, a few bf16 steps more
+BF16_STEPS = 4 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else 1
+OUT_TOL, STATE_TOL = 1e-2 * BF16_STEPS, 5e-3 * BF16_STEPS
+
+
+def qk_gates_glue(mixed, b, a, A_log, dt_bias, hk: int, dk: int, hv: int, dv: int):
+    """The model's glue between the conv and the recurrence (models/qwen3_next.py GatedDeltaNetBase.forward)."""
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q = l2norm(q.reshape(-1, hk, dk))
+    k = l2norm(k.reshape(-1, hk, dk))
+    v = v.reshape(-1, hv, dv)
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return q, k, v, g, beta
+
+
+def gated_norm_glue(core, z, weight, eps: float):
+    """models/qwen3_next.py GatedRMSNorm.forward, as a function."""
+    dtype = core.dtype
+    xf = core.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(dtype)
+    return (y * F.silu(z.float())).to(dtype)
+
+
+# -- the two-launch split (this file only) ------------------------------------------------------
+
+
+@triton.jit
+def _split_prep_kernel(qkv_ptr, conv_w_ptr, conv_ptr, slots_ptr, scratch_ptr,
+                       stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_m_row, l2_eps,
+                       HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       KW: tl.constexpr, KWP: tl.constexpr, PAD_SLOT: tl.constexpr):
+    """(request, head h of q | k | v): the conv step of its channels (it alone rolls their history),
+    q and k l2-normalised, into scratch [B, C] in the activation dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    act = scratch_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        if h < 2 * HK:
+            offs = h * DK + tl.arange(0, BK)
+            m = tl.arange(0, BK) < DK
+            y, _ = TL.conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs, m, stride_x_row,
+                                 stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
+            tl.store(scratch_ptr + row * stride_m_row + offs, l2norm_head(y, m, act, l2_eps).to(act), mask=m)
+        else:
+            offs = 2 * HK * DK + (h - 2 * HK) * DV + tl.arange(0, BV)
+            m = tl.arange(0, BV) < DV
+            y, _ = TL.conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs, m, stride_x_row,
+                                 stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
+            tl.store(scratch_ptr + row * stride_m_row + offs, y.to(act), mask=m)
+
+
+@triton.jit
+def _split_core_kernel(scratch_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, state_ptr,
+                       slots_ptr, stride_m_row, stride_z_row, stride_z_head, stride_b_row, stride_b_head,
+                       stride_a_row, stride_a_head, stride_o_row, stride_o_head, stride_s_slot, stride_s_head,
+                       scale, eps, HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
+                       PAD_SLOT: tl.constexpr):
+    """(request, value head): gates, the recurrent step on the head's whole state, the gated norm."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    act = out_ptr.dtype.element_ty
+    o_ptrs = out_ptr + row * stride_o_row + head * stride_o_head + offs_v
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        m_s = m_k[:, None] & m_v[None, :]
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+        src = scratch_ptr + row * stride_m_row
+        kh = head // GROUP
+        q = tl.load(src + kh * DK + offs_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        k = tl.load(src + (HK + kh) * DK + offs_k, mask=m_k, other=0.0).to(tl.float32)
+        v = tl.load(src + 2 * HK * DK + head * DV + offs_v, mask=m_v, other=0.0).to(tl.float32)
+        g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
+                            stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+        s, o = TL.scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+        z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
+        y = gated_norm_head(o.to(act).to(tl.float32), z.to(tl.float32), tl.load(norm_w_ptr + offs_v, mask=m_v,
+                        other=0.0).to(tl.float32), m_v, eps, DV, act, ROUND_Y)
+        tl.store(o_ptrs, y.to(act), mask=m_v)
+    else:
+        tl.store(o_ptrs, tl.zeros([BV], dtype=act), mask=m_v)
+
+
+def split_decode(x, p, out, conv_state, state, slots, s: GdnShape, scratch) -> None:
+    """The decode step in two launches (the kernels above)."""
+    B = slots.shape[0]
+    qkv, z, b, a = x["qkv"], x["z"], x["b"], x["a"]
+    BK, BV = next_pow2(s.dk), next_pow2(s.dv)
+    _split_prep_kernel[(B, 2 * s.hk + s.hv)](
+        qkv, p.conv_weight, conv_state, slots, scratch, qkv.stride(0), p.conv_weight.stride(0), conv_state.stride(0),
+        conv_state.stride(1), scratch.stride(0), GF.L2NORM_EPS, HK=s.hk, DK=s.dk, DV=s.dv, BK=BK, BV=BV,
+        KW=s.kernel_width, KWP=next_pow2(s.kernel_width), PAD_SLOT=PADDING_SLOT, num_warps=1)
+    _split_core_kernel[(B, s.hv)](
+        scratch, z, b, a, p.A_log, p.dt_bias, p.norm_weight, out, state, slots, scratch.stride(0), z.stride(0),
+        z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1), out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1), s.scale, EPS, HK=s.hk, GROUP=s.hv // s.hk, DK=s.dk, DV=s.dv, BK=BK, BV=BV,
+        ROUND_Y=GF.rounds_weighted_norm(p.norm_weight, out),
+        SOFTPLUS_MAX=GF.SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=GF.decode_warps(s.dk, s.dv))
+
+
+class Region:
+    """One layer's GDN region at decode batch B over one pool: `unfused()` and `fused()` each run
+    one step (static inputs, static slots: what a captured decode step replays); the fused op
+    writes `out`, the unfused glue makes a new one."""
+
+    def __init__(self, s: GdnShape, pool, x: dict, p, slots: torch.Tensor, glue: tuple):
+        self.s, self.x, self.p, self.slots = s, x, p, slots
+        self.conv, self.state = pool.layer(0)["conv"], pool.layer(0)["recurrent"]
+        B = slots.shape[0]
+        self.out = torch.empty(B, s.hv, s.dv, dtype=x["qkv"].dtype, device=slots.device)
+        self.mixed = torch.empty(x["qkv"].shape, dtype=x["qkv"].dtype, device=slots.device)
+        self.core = torch.empty_like(self.out)
+        self.qk_gates, self.norm = glue
+        self.scratch = torch.empty_like(self.mixed)
+
+    def unfused(self) -> None:
+        s, x, p = self.s, self.x, self.p
+        TL.short_conv_decode(x["qkv"], p.conv_weight, None, self.mixed, self.conv, self.slots, True)
+        q, k, v, g, beta = self.qk_gates(self.mixed, x["b"], x["a"], p.A_log, p.dt_bias, s.hk, s.dk, s.hv, s.dv)
+        TL.gdn_decode(q, k, v, g, beta, self.core, self.state, self.slots, s.scale)
+        self.out = self.norm(self.core, x["z"], p.norm_weight, EPS)  # feeds out_proj as it is: no copy
+
+    def fused_2(self) -> None:
+        split_decode(self.x, self.p, self.out, self.conv, self.state, self.slots, self.s, self.scratch)
+
+    def fused(self, num_warps: int | None = None) -> None:
+        s, x, p = self.s, self.x, self.p
+        GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight,
+                            self.out, self.conv, self.state, self.slots, s.hk, s.scale, EPS, num_warps=num_warps)
+
+
+FUSED = ("fused", "fused_2")
+WARPS = (8, 16)  # 4 spill (GF.decode_warps)
+
+
+def check(s: GdnShape, B: int, glue: tuple, device) -> dict:
+    """One step of each variant from copies of the same pools: each fused variant's output and
+    states against the unfused ones."""
+    pools = gdn_pools({0: s}, B, device, seed=B, copies=2 + len(FUSED))[1:]
+    x = gdn_inputs(s, B, B, torch.bfloat16, torch.Generator().manual_seed(B + 1), device)
+    p = gdn_params(s, torch.bfloat16, seed=B + 2).to(device)
+    slots = torch.arange(1, B + 1, device=device)
+    ref = Region(s, pools[0], x, p, slots, glue)
+    ref.unfused()
+    doc = {}
+    for name, pool in zip(FUSED, pools[1:]):
+        region = Region(s, pool, x, p, slots, glue)
+        getattr(region, name)()
+        errs = {"out": rel_err(region.out, ref.out)}
+        for entry in ("conv", "recurrent"):
+            errs[entry] = rel_err(pool.layer(0)[entry][1:], pools[0].layer(0)[entry][1:])
+        doc[name] = {"rel_err": errs, "ok": bool(torch.isfinite(region.out).all()) and errs["out"] <= OUT_TOL
+                     and max(errs["conv"], errs["recurrent"]) <= STATE_TOL}
+    return {"variants": doc, "ok": all(v["ok"] for v in doc.values())}
+
+
+def time_call(fn, calls: int, replays: int, device) -> float:
+    """Microseconds of one fn() inside a CUDA graph of `calls` calls (median over replays); wall
+    time of one eager call on the CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def bench(s: GdnShape, B: int, glue: tuple, device, calls: int, replays: int) -> dict:
+    _, pool = gdn_pools({0: s}, B, device, seed=B)
+    x = gdn_inputs(s, B, B, torch.bfloat16, torch.Generator().manual_seed(B + 1), device)
+    p = gdn_params(s, torch.bfloat16, seed=B + 2).to(device)
+    region = Region(s, pool, x, p, torch.arange(1, B + 1, device=device), glue)
+    row = {}
+    for name in ("unfused",) + FUSED:
+        fn = getattr(region, name)
+        row[name] = {"us": time_call(fn, calls, replays, device), "kernels": kernels_per_call(fn)}
+    row["ratio"] = row["unfused"]["us"] / row["fused"]["us"]  # the op's kernel against today
+    row["ratio_2"] = row["unfused"]["us"] / row["fused_2"]["us"]
+    # the one-launch kernel's warps (default: GF.decode_warps): few programs at batch 1 may want more
+    row["fused_by_warps"] = {w: time_call(lambda w=w: region.fused(w), calls, replays, device) for w in WARPS}
+    return row
+
+
+def compiled_glue(dry: bool) -> tuple:
+    """The glue as the compiled pieces run it (Inductor with the bundle's cuda settings); eager in a dry run."""
+    if dry:
+        return qk_gates_glue, gated_norm_glue
+    from compiler.splitops.bundle import INDUCTOR_CONFIG
+    options = INDUCTOR_CONFIG["cuda"]
+    return (torch.compile(qk_gates_glue, dynamic=False, options=options),
+            torch.compile(gated_norm_glue, dynamic=False, options=options))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny dims, eager glue")
+    ap.add_argument("--batches", default=None, help="comma-separated decode batches (default 1,8,128; dry run 1,3)")
+    ap.add_argument("--calls", type=int, default=50, help="calls captured in one graph")
+    ap.add_argument("--replays", type=int, default=200)
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    if not dry and not is_cuda():
+        ap.error("needs a CUDA GPU (or --dry-run)")
+    device = torch.device("cpu" if dry else "cuda")
+    s = DRY_SHAPE if dry else BENCH_GDN
+    batches = [int(b) for b in (args.batches or ("1,3" if dry else "1,8,128")).split(",")]
+    glue = compiled_glue(dry)
+    doc = {"env": device_facts(dry), "shape": dataclasses.asdict(s), "calls_per_graph": args.calls,
+           "replays": args.replays,
+           "batches": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for B in batches:
+        entry = {"check": check(s, B, glue, device)}
+        if entry["check"]["ok"]:
+            entry.update(bench(s, B, glue, device, args.calls, args.replays))
+        doc["batches"][str(B)] = entry
+        (args.out / "gdn_fused_bench.json").write_text(json.dumps(doc, indent=2))
+    print(f"{'B':>5} {'check':>6} {'out err':>9} {'unfused us':>11} {'kernels':>8} {'fused us':>9} {'kernels':>8} "
+          f"{'ratio':>6} {'fused_2 us':>11} {'ratio_2':>8}")
+    nan = float("nan")
+    for B, e in doc["batches"].items():
+        u, f, f2 = e.get("unfused", {}), e.get("fused", {}), e.get("fused_2", {})
+        err = e["check"]["variants"]["fused"]["rel_err"]["out"]
+        print(f"{B:>5} {'ok' if e['check']['ok'] else 'FAIL':>6} {err:>9.2e} {u.get('us', nan):>11.2f} "
+              f"{str(u.get('kernels')):>8} {f.get('us', nan):>9.2f} {str(f.get('kernels')):>8} "
+              f"{e.get('ratio', nan):>6.2f} {f2.get('us', nan):>11.2f} {e.get('ratio_2', nan):>8.2f}")
+    return doc
+
+
+if __name__ == "__main__":
+    doc = main()
+    sys.exit(0 if all(e["check"]["ok"] for e in doc["batches"].values()) else 1)

@@ -1,0 +1,360 @@
+"""Triton kernels of hgc.gdn_fused: a whole GDN mixer between its projections.
+
+The op (compiler/splitops/ops.py) computes, cast for cast, what a Qwen3-Next / Qwen3.5 GDN layer
+computes between its projections with the unfused ops (A: the activation dtype, `out`'s):
+
+    mixed = short_conv(qkv) with silu                           A (float32 inside the conv)
+    q, k  = l2norm per key head, from mixed in float32          rounded to A
+    beta  = sigmoid(b)                                          A
+    g     = -exp(A_log) * softplus(a + dt_bias)                 float32
+    core  = gdn_core(q, k, v, g, beta)                          A
+    out   = RMSNorm(core) rounded to A, * norm_weight (rounded as torch promotes the two),
+            * silu(z) in float32, rounded to A                  (models' GatedRMSNorm.forward)
+
+Decode (one token per request) is one launch, `gdn_fused_decode`: one program per (request, key
+head) runs the conv's decode step for the channels of its key head (its q and k heads, and the v
+heads of the value heads that read that key head), the l2norm of q and k, then for each of those
+value heads the gates, the recurrent step on the head's whole [Dk, Dv] state and the gated norm
+over Dv, writing `out`. It is race-free because nothing is shared between programs: a key head's
+q, k and v channels belong to it alone (value head h reads key head h // (Hv / Hk)), so each
+channel's conv history and each value head's state is read and written by exactly one program,
+in program order (the conv step's own barrier orders its history's loads before its stores, as
+in the decode conv); every other tensor is only read, and each `out` row head written once.
+Holding all of Dv makes the norm a reduction in registers. The price is parallelism: at batch 1
+of Qwen3-Next's dims (Hk 16, Hv 32, Dk = Dv = 128) 16 programs, each through two 64 KiB states,
+against the recurrent decode kernel's 512 narrow programs; the decode step is launch-bound
+(benchmarks/kernels/gdn_fused_bench.py times both).
+
+Extend, mixed and target-verify steps keep the existing conv and recurrent paths (the backend
+routes them as it routes short_conv and gdn_core) around two kernels of this module:
+`qk_gates` (the l2norm of q and k and both gates, one launch over the step's rows) and
+`gated_rmsnorm` (one launch), so such a layer is the conv, these two, and the recurrent core's
+launches. Padding rows come out zero: a decode or verify row whose request sits on the padding
+slot, an extend row at or past the step's real row count (read on the device).
+
+The launchers read no device value and take grids from shapes only: every launch is capturable.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.backends.kernels.launch_cache import Launcher
+from runtime.backends.kernels.launch_math import next_pow2
+from runtime.backends.kernels.linear import conv_token, scalar_decay_step
+from runtime.cache.state_pool import PADDING_SLOT
+
+__all__ = ["L2NORM_EPS", "SOFTPLUS_THRESHOLD", "GdnDims", "gdn_dims", "gdn_fused_decode", "qk_gates", "gated_rmsnorm",
+           "decode_warps", "rounds_weighted_norm", "l2norm_head", "gdn_gates", "gated_norm_head"]
+
+# The l2norm's epsilon (inside the root), a constant of the op: the models' l2norm (FLA's and
+# transformers' too); the op's `eps` argument is the gated RMSNorm's.
+L2NORM_EPS = 1e-6
+# torch's softplus returns x itself above this (its default threshold, beta 1)
+SOFTPLUS_THRESHOLD = 20.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the pieces of the math, each once
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def l2norm_head(y, mask, act_dtype: tl.constexpr, eps):
+    """A head's conv output y [BK] (float32) as q or k reach the recurrence: rounded to A (the
+    conv's output), l2-normalised in float32 (eps inside the root), rounded to A, back in float32."""
+    x = tl.where(mask, y.to(act_dtype).to(tl.float32), 0.0)
+    x = x * tl.math.rsqrt(tl.sum(x * x, axis=0) + eps)
+    return x.to(act_dtype).to(tl.float32)
+
+
+@triton.jit
+def gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, heads, mask, stride_a_row, stride_a_head,
+           stride_b_row, stride_b_head, act_dtype: tl.constexpr, SOFTPLUS_MAX: tl.constexpr):
+    """(g, beta) of value heads `heads` at row `row`, in float32: g = -exp(A_log) * softplus(a +
+    dt_bias) computed in float32, beta = sigmoid(b) rounded to A."""
+    a = tl.load(a_ptr + row * stride_a_row + heads * stride_a_head, mask=mask, other=0.0).to(tl.float32)
+    x = a + tl.load(dt_bias_ptr + heads, mask=mask, other=0.0).to(tl.float32)
+    softplus = tl.where(x > SOFTPLUS_MAX, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_MAX))))
+    g = -tl.exp(tl.load(A_log_ptr + heads, mask=mask, other=0.0).to(tl.float32)) * softplus
+    b = tl.load(b_ptr + row * stride_b_row + heads * stride_b_head, mask=mask, other=0.0).to(tl.float32)
+    beta = tl.sigmoid(b).to(act_dtype).to(tl.float32)
+    return g, beta
+
+
+@triton.jit
+def gated_norm_head(core, z, weight, mask, eps, DV: tl.constexpr, act_dtype: tl.constexpr, ROUND_Y: tl.constexpr):
+    """GatedRMSNorm.forward of one value head: core [BV] (float32 of an A value), z and weight
+    [BV] in float32 -> the output in float32 (the caller rounds it to A). ROUND_Y: weight * norm
+    is rounded to A (torch's product of an A weight and the A norm); else it stays float32."""
+    x = tl.where(mask, core, 0.0)
+    normed = (x * tl.math.rsqrt(tl.sum(x * x, axis=0) / DV + eps)).to(act_dtype).to(tl.float32)
+    y = weight * normed
+    if ROUND_Y:
+        y = y.to(act_dtype).to(tl.float32)
+    return y * (z * tl.sigmoid(z))
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gdn_fused_decode_kernel(
+    qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr,
+    conv_ptr, state_ptr, slots_ptr,
+    stride_x_row, stride_z_row, stride_z_head, stride_b_row, stride_b_head, stride_a_row, stride_a_head,
+    stride_o_row, stride_o_head, stride_w_c, stride_c_slot, stride_c_c, stride_s_slot, stride_s_head,
+    scale, eps, l2_eps,
+    HK: tl.constexpr, GROUP: tl.constexpr,  # key heads; value heads per key head
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    KW: tl.constexpr, KWP: tl.constexpr,  # conv width and its next power of two
+    ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PAD_SLOT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # request == row in a decode step
+    kh = tl.program_id(1)  # key head: its q, k and the GROUP value heads that read it
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    act = out_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        yq, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, kh * DK + offs_k, m_k, stride_x_row,
+                           stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
+        yk, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, (HK + kh) * DK + offs_k, m_k,
+                           stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False,
+                           SILU=True)
+        # q carries the output scale, as the recurrent kernels' do
+        q = l2norm_head(yq, m_k, act, l2_eps) * scale
+        k = l2norm_head(yk, m_k, act, l2_eps)
+        weight = tl.load(norm_w_ptr + offs_v, mask=m_v, other=0.0).to(tl.float32)
+        for j in tl.static_range(GROUP):
+            head = kh * GROUP + j
+            # the head's state, z and gates are loaded first: in flight while its v channels convolve
+            m_s = m_k[:, None] & m_v[None, :]
+            s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+            s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
+            g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
+                                stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+            yv, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, 2 * HK * DK + head * DV + offs_v,
+                               m_v, stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP,
+                               HAS_BIAS=False, SILU=True)
+            v = yv.to(act).to(tl.float32)
+            s, o = scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
+            # each stored element comes from the element loaded at the same address (linear.py)
+            tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+            y = gated_norm_head(o.to(act).to(tl.float32), z.to(tl.float32), weight, m_v, eps, DV, act, ROUND_Y)
+            tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v, y.to(act), mask=m_v)
+    else:
+        # padding row: its inputs may hold anything; it reads nothing and writes zeros.
+        for j in tl.static_range(GROUP):
+            tl.store(out_ptr + row * stride_o_row + (kh * GROUP + j) * stride_o_head + offs_v,
+                     tl.zeros([BV], dtype=act), mask=m_v)
+
+
+@triton.jit
+def _qk_gates_kernel(
+    mixed_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, q_ptr, k_ptr, g_ptr, beta_ptr,
+    stride_m_row, stride_b_row, stride_b_head, stride_a_row, stride_a_head,
+    stride_q_row, stride_k_row, stride_g_row, stride_beta_row, l2_eps,
+    HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BG: tl.constexpr,
+    SOFTPLUS_MAX: tl.constexpr,
+):
+    """One program per (row, key head): its q and k heads l2-normalised, and the gates of the
+    GROUP value heads that read it. mixed [T, C] is the conv's output (q | k | v channels)."""
+    row = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1)
+    offs_k = tl.arange(0, BK)
+    m_k = offs_k < DK
+    act = q_ptr.dtype.element_ty
+    src = mixed_ptr + row * stride_m_row + kh * DK + offs_k
+    q = l2norm_head(tl.load(src, mask=m_k, other=0.0).to(tl.float32), m_k, act, l2_eps)
+    k = l2norm_head(tl.load(src + HK * DK, mask=m_k, other=0.0).to(tl.float32), m_k, act, l2_eps)
+    tl.store(q_ptr + row * stride_q_row + kh * DK + offs_k, q.to(act), mask=m_k)
+    tl.store(k_ptr + row * stride_k_row + kh * DK + offs_k, k.to(act), mask=m_k)
+    heads = kh * GROUP + tl.arange(0, BG)
+    m_h = tl.arange(0, BG) < GROUP
+    g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, heads, m_h, stride_a_row, stride_a_head,
+                     stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+    tl.store(g_ptr + row * stride_g_row + heads, g, mask=m_h)
+    tl.store(beta_ptr + row * stride_beta_row + heads, beta.to(act), mask=m_h)
+
+
+# real_at changes with the step's request count: not specialized (an index of 1 would be), so one
+# build serves every step
+@triton.jit(do_not_specialize=["real_at"])
+def _gated_rmsnorm_kernel(
+    core_ptr, z_ptr, norm_w_ptr, out_ptr, slots_ptr, bounds_ptr, real_at,
+    stride_c_row, stride_c_head, stride_z_row, stride_z_head, stride_o_row, stride_o_head, eps,
+    DV: tl.constexpr, BV: tl.constexpr, ROUND_Y: tl.constexpr,
+    ROWS_PER_SLOT: tl.constexpr,  # > 0: row r is padding where slots[r // ROWS_PER_SLOT] is the padding slot
+    PAD_SLOT: tl.constexpr,
+):
+    """One program per (row, value head): out = GatedRMSNorm(core, z). Padding rows (by slot, or
+    at or past bounds[real_at] when ROWS_PER_SLOT is 0) read nothing and write zeros."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_v = tl.arange(0, BV)
+    m_v = offs_v < DV
+    act = out_ptr.dtype.element_ty
+    o_ptrs = out_ptr + row * stride_o_row + head * stride_o_head + offs_v
+    if ROWS_PER_SLOT > 0:
+        real = tl.load(slots_ptr + row // ROWS_PER_SLOT).to(tl.int64) != PAD_SLOT
+    else:
+        real = row < tl.load(bounds_ptr + real_at).to(tl.int64)
+    if real:
+        core = tl.load(core_ptr + row * stride_c_row + head * stride_c_head + offs_v, mask=m_v, other=0.0)
+        z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
+        weight = tl.load(norm_w_ptr + offs_v, mask=m_v, other=0.0).to(tl.float32)
+        y = gated_norm_head(core.to(tl.float32), z.to(tl.float32), weight, m_v, eps, DV, act, ROUND_Y)
+        tl.store(o_ptrs, y.to(act), mask=m_v)
+    else:
+        tl.store(o_ptrs, tl.zeros([BV], dtype=act), mask=m_v)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers (host side: shape checks only, never a device read)
+# ---------------------------------------------------------------------------------------------
+
+# launched in the eager gaps of piecewise steps with the same arguments step after step (linear.py)
+_GDN_FUSED_DECODE = Launcher(_gdn_fused_decode_kernel)
+_QK_GATES = Launcher(_qk_gates_kernel)
+_GATED_RMSNORM = Launcher(_gated_rmsnorm_kernel)
+
+
+class GdnDims(NamedTuple):
+    """The dims of one gdn_fused call."""
+
+    hk: int  # key heads
+    hv: int  # value heads (a multiple of hk)
+    dk: int
+    dv: int
+    channels: int  # the conv's: 2 * hk * dk + hv * dv
+    kernel_width: int  # the conv's K
+
+
+def gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads: int, what: str) -> GdnDims:
+    """The call's dims from its shapes, every argument checked against them (`what` names the call)."""
+    rows, C = qkv.shape
+    Hv, Dv = out.shape[1], out.shape[2]
+    Hk = int(k_heads)
+    Dk = (C - Hv * Dv) // (2 * Hk) if Hk > 0 else 0
+    K = conv_weight.shape[1] if conv_weight.dim() == 2 else 0
+    problems = []
+    if Hk <= 0 or Dk <= 0 or 2 * Hk * Dk + Hv * Dv != C or Hv % Hk:
+        problems.append(f"qkv width {C} is not 2 * {Hk} key heads * Dk + {Hv} * {Dv} with {Hv} value heads "
+                        f"a multiple of {Hk}")
+    expected = {"z": (z, (rows, Hv, Dv)), "b": (b, (rows, Hv)), "a": (a, (rows, Hv)),
+                "conv_weight": (conv_weight, (C, K)),
+                "A_log": (A_log, (Hv,)), "dt_bias": (dt_bias, (Hv,)), "norm_weight": (norm_weight, (Dv,)),
+                "out": (out, (rows, Hv, Dv))}
+    problems += [f"{name} {tuple(t.shape)}, expected {shape}" for name, (t, shape) in expected.items()
+                 if tuple(t.shape) != shape]
+    if K < 2:
+        problems.append(f"conv width {K}: a width-1 conv keeps no state")
+    if qkv.dtype != out.dtype:
+        problems.append(f"qkv is {qkv.dtype} and out {out.dtype}: the op computes in one activation dtype")
+    for name, t in (("qkv", qkv), ("z", z), ("out", out), ("conv_weight", conv_weight)):
+        if t.stride(-1) != 1:
+            problems.append(f"{name} needs a unit-stride last dimension (strides {t.stride()})")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias), ("norm_weight", norm_weight)):
+        if not t.is_contiguous():
+            problems.append(f"{name} must be contiguous")
+    if problems:
+        raise ValueError(f"{what}: " + "; ".join(problems))
+    return GdnDims(Hk, Hv, Dk, Dv, C, K)
+
+
+def rounds_weighted_norm(norm_weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether torch rounds norm_weight * norm (the norm in out's dtype) to out's dtype."""
+    return torch.promote_types(norm_weight.dtype, out.dtype) == out.dtype
+
+
+def decode_warps(dk: int, dv: int) -> int:
+    """Warps of a fused decode program: ~64 state floats a thread (8 warps at Dk = Dv = 128). Built
+    for sm_90 at those dims (Triton 3.9, bf16 and float32), 8 warps take 254 registers a thread
+    and spill nothing, 16 take 128 and spill a few bytes, 4 spill some 3.7 KB a thread."""
+    return max(1, min(8, next_pow2(dk) * next_pow2(dv) // 2048))
+
+
+def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots,
+                     k_heads: int, scale: float, eps: float, what: str = "gdn_fused",
+                     num_warps: int | None = None) -> None:
+    """One decode step of a GDN mixer, one launch: row r is request r, on slot slots[r] (the
+    padding slot: a zero row, nothing read or kept). conv_state [slots+1, C, K-1] and state
+    [slots+1, Hv, Dk, Dv] float32 are the layer's, updated in place. `num_warps` pins the
+    program's warps (benchmarks); None: decode_warps, the same at every batch, so a request's
+    reductions never depend on what shares its step."""
+    d = gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
+    B = qkv.shape[0]
+    if slots.shape != (B,):
+        raise ValueError(f"{what}: {B} decode rows and state slots of shape {tuple(slots.shape)}")
+    if conv_state.shape[1:] != (d.channels, d.kernel_width - 1) or conv_state.stride(2) != 1:
+        raise ValueError(f"{what}: conv state {tuple(conv_state.shape)}, expected [slots+1, {d.channels}, "
+                         f"{d.kernel_width - 1}] with unit stride last")
+    if state.dtype != torch.float32 or state.shape[1:] != (d.hv, d.dk, d.dv) or state.stride(3) != 1 \
+            or state.stride(2) != d.dv:
+        raise ValueError(f"{what}: state {state.dtype} {tuple(state.shape)}, expected float32 [slots+1, {d.hv}, "
+                         f"{d.dk}, {d.dv}] with contiguous [Dk, Dv] states")
+    if B == 0:
+        return
+    grid = (B, d.hk)
+    _GDN_FUSED_DECODE[grid](
+        qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots,
+        qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+        out.stride(0), out.stride(1), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
+        state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
+        HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=next_pow2(d.dk), BV=next_pow2(d.dv),
+        KW=d.kernel_width, KWP=next_pow2(d.kernel_width), ROUND_Y=rounds_weighted_norm(norm_weight, out),
+        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT,
+        num_warps=num_warps or decode_warps(d.dk, d.dv))
+
+
+def qk_gates(mixed, b, a, A_log, dt_bias, d: GdnDims) -> tuple:
+    """(q, k [T, Hk, Dk] l2-normalised, v [T, Hv, Dv] a view of mixed, g [T, Hv] float32, beta
+    [T, Hv]) from the conv's output mixed [T, C] (contiguous), in one launch over every row."""
+    T = mixed.shape[0]
+    assert mixed.shape == (T, d.channels) and mixed.is_contiguous(), (
+        f"gdn_fused: the conv's output must be a contiguous [T, {d.channels}], got {tuple(mixed.shape)}")
+    q = torch.empty(T, d.hk, d.dk, dtype=mixed.dtype, device=mixed.device)
+    k = torch.empty_like(q)
+    g = torch.empty(T, d.hv, dtype=torch.float32, device=mixed.device)
+    beta = torch.empty(T, d.hv, dtype=mixed.dtype, device=mixed.device)
+    v = mixed[:, 2 * d.hk * d.dk:].view(T, d.hv, d.dv)
+    if T:
+        group = d.hv // d.hk
+        _QK_GATES[(T, d.hk)](mixed, b, a, A_log, dt_bias, q, k, g, beta,
+                            mixed.stride(0), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+                            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), L2NORM_EPS,
+                            HK=d.hk, GROUP=group, DK=d.dk, BK=next_pow2(d.dk), BG=next_pow2(group),
+                            SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, num_warps=1)
+    return q, k, v, g, beta
+
+
+def gated_rmsnorm(core, z, norm_weight, out, eps: float, *, slots=None, rows_per_slot: int = 0,
+                  bounds=None) -> None:
+    """out = GatedRMSNorm(core, z) over every row, in one launch; padding rows zero. Either
+    `slots` [B] with `rows_per_slot` n (row r belongs to request r // n), or `bounds`, an extend
+    plan's padded bounds on the device (cu_seqlens, then the step's rows: the real rows end at its
+    second-to-last entry). The whole tensor is passed, not a view of that entry, so the pointer
+    keeps the plan's alignment whatever the request count (a new alignment is a new Triton build)."""
+    T, Hv, Dv = out.shape
+    assert core.shape == out.shape and core.stride(-1) == 1, f"gdn_fused: core {tuple(core.shape)}"
+    assert (slots is not None and rows_per_slot > 0) != (bounds is not None), (
+        "gated_rmsnorm: padding rows come from slots (with rows_per_slot) or from bounds, one of the two")
+    if T == 0:
+        return
+    marker = slots if slots is not None else bounds
+    real_at = 0 if bounds is None else bounds.shape[0] - 2
+    _GATED_RMSNORM[(T, Hv)](core, z, norm_weight, out, marker, marker, real_at,
+                            core.stride(0), core.stride(1), z.stride(0), z.stride(1), out.stride(0), out.stride(1),
+                            float(eps), DV=Dv, BV=next_pow2(Dv), ROUND_Y=rounds_weighted_norm(norm_weight, out),
+                            ROWS_PER_SLOT=rows_per_slot, PAD_SLOT=PADDING_SLOT,
+                            num_warps=max(1, min(4, next_pow2(Dv) // 128)))

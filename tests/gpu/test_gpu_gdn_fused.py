@@ -1,0 +1,173 @@
+"""hgc.gdn_fused on a CUDA GPU at the bench dims (Hk 16, Hv 32, Dk = Dv = 128, K 4) against the
+unfused ops on the same device (testkit/gdn_cases.py `unfused_gdn`: triton_linear's short_conv and
+gdn_core with the model's torch glue between them), each on its own copy of the same random
+non-zero pools.
+
+Marked gpu (CI deselects them). bf16 and float32; decode at batch 1, 8 and 128 (padding rows
+pointing at the padding slot), extend steps of one 512-token request and of 4 x 100 tokens on our
+chunk kernels (and on FLA's where it is installed), a target-verify step of 4 requests x 4 tokens;
+outputs and the touched slots' conv and recurrent states by relative error of the norm, padding
+rows zero. The last test captures the fused decode path in a CUDA graph and replays it for steps
+of other slots and inputs against the same steps run eagerly.
+
+The kernels module is imported inside the tests, never at collection (tests/gpu/test_gpu_linear_kernels.py says why).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from compiler.splitops import Mode
+from runtime.cache.state_pool import PADDING_SLOT
+from testkit.gdn_cases import BENCH_GDN, fused_gdn, gdn_inputs, gdn_params, gdn_pools, unfused_gdn
+from testkit.linear_cases import decode_ctx, rel_err, step_ctx
+
+DEV = os.environ.get("HGC_GPU_TESTS_DEVICE", "cuda")  # cpu (with TRITON_INTERPRET=1): walks the test code
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+S = BENCH_GDN
+EPS = 1e-6
+NUM_SLOTS = 160
+VERIFY = dict(draft_tokens=3, verify_rows=8)
+# Both sides round the same values in the same dtype; they differ by the order of float32 sums
+# (l2norm, the norm, the recurrence's reductions), which flips a bf16 rounding here and there.
+# (Walked through the interpreter, which truncates where a GPU rounds to nearest: a few bf16 steps.)
+BF16_STEPS = 4 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else 1
+OUT_TOL = {torch.bfloat16: 1e-2 * BF16_STEPS, torch.float32: 1e-4}
+STATE_TOL = {torch.bfloat16: 5e-3 * BF16_STEPS, torch.float32: 1e-5}
+
+
+def backends(dtype, seed: int, **kwargs):
+    """Two triton_linear backends over two device pools with the same states, and the layer's weights."""
+    from runtime.backends.triton_linear import TritonLinearBackend
+
+    _, fused_pool, unfused_pool = gdn_pools({0: S}, NUM_SLOTS, DEV, seed, VERIFY, copies=3)
+    for pool in (fused_pool, unfused_pool):
+        for t in pool.layer(0).values():
+            t[1].zero_()  # slot 1: a request that starts from the empty state
+    return (TritonLinearBackend(fused_pool, **kwargs), TritonLinearBackend(unfused_pool, **kwargs),
+            gdn_params(S, dtype, seed + 1).to(DEV))
+
+
+def compare(fused, unfused, p, ctx, dtype, g, slots_used, what: str) -> None:
+    R, T = ctx.num_real_tokens, ctx.num_tokens
+    x = gdn_inputs(S, T, R, dtype, g, DEV)
+    outs = []
+    for backend, run in ((fused, fused_gdn), (unfused, unfused_gdn)):
+        out = torch.full((T, S.hv, S.dv), float("nan"), dtype=dtype, device=DEV)
+        run(backend, ctx, x, p, out, 0, S, EPS)
+        outs.append(out.float().cpu())
+    got, want = outs
+    assert torch.isfinite(got).all() and got[R:].eq(0).all(), f"{what}: rows unwritten or padding rows not zero"
+    err = rel_err(got[:R], want[:R])
+    assert err <= OUT_TOL[dtype], f"{what}: out rel err {err:.2e}"
+    rows = sorted(set(slots_used))
+    for entry in ("conv", "recurrent"):
+        s_err = rel_err(fused.state_pool.layer(0)[entry][rows], unfused.state_pool.layer(0)[entry][rows])
+        assert s_err <= STATE_TOL[dtype], f"{what}: {entry} state rel err {s_err:.2e}"
+
+
+def plan(backend, ctx) -> None:
+    from runtime.backends.protocol import plan_eager_step
+
+    plan_eager_step(backend, ctx, 8192)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("B", [1, 8, 128])
+def test_decode_matches_the_unfused_ops(B, dtype):
+    fused, unfused, p = backends(dtype, seed=B)
+    g = torch.Generator().manual_seed(100 + B)
+    num_real = max(1, B - B // 8)  # padding rows at the end, as the runtime pads to a bucket
+    slots = list(torch.randperm(NUM_SLOTS, generator=g)[:num_real].add(1).tolist()) + [PADDING_SLOT] * (B - num_real)
+    for step in range(2):
+        ctx = decode_ctx(slots, num_real, DEV)
+        for backend in (fused, unfused):
+            plan(backend, ctx)
+        compare(fused, unfused, p, ctx, dtype, g, slots[:num_real], f"decode B={B} {dtype} step {step}")
+
+
+EXTENDS = {
+    "one_512": [(Mode.EXTEND, [(1, 0, 512)], 0, 0), (Mode.DECODE, [(1, 512, 1)], 0, 0)],
+    "four_100": [(Mode.EXTEND, [(1, 0, 100), (5, 30, 100), (9, 7, 100), (12, 0, 100)], 16, 1),
+                 (Mode.MIXED, [(5, 130, 1), (9, 107, 60), (3, 0, 40)], 3, 1)],
+    "verify_4x4": [(Mode.TARGET_VERIFY, [(1, 10, 4), (5, 12, 4), (9, 3, 4), (12, 40, 4)], 4, 1)],
+}
+
+
+def _fla_available() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("chunk_impl", ["triton", "fla"])
+@pytest.mark.parametrize("steps", list(EXTENDS))
+def test_extend_mixed_verify_match_the_unfused_ops(steps, chunk_impl, dtype):
+    if chunk_impl == "fla" and not _fla_available():
+        pytest.skip("fla-core is not installed")
+    fused, unfused, p = backends(dtype, seed=7, chunk_impl=chunk_impl)
+    g = torch.Generator().manual_seed(8)
+    touched = set()
+    for mode, reqs, pad_t, pad_s in EXTENDS[steps]:
+        ctx = step_ctx(mode, reqs, pad_t, pad_s, DEV)
+        for backend in (fused, unfused):
+            plan(backend, ctx)
+        touched |= {slot for slot, _, n in reqs if n}
+        compare(fused, unfused, p, ctx, dtype, g, touched, f"{steps} {mode.value} {chunk_impl} {dtype}")
+    if steps == "verify_4x4":
+        for entry in ("conv", "recurrent"):
+            got = fused.state_pool.verify_buffers[0][entry][:4, :3]
+            want = unfused.state_pool.verify_buffers[0][entry][:4, :3]
+            assert rel_err(got, want) <= STATE_TOL[dtype], f"{entry} intermediate states"
+
+
+def test_decode_graph_capture_and_replay_matches_eager():
+    """The fused decode op captured once (from a padding-only step) and replayed for two steps of
+    other slots and inputs, against the same steps run eagerly on a copy of the pools."""
+    from runtime.backends.triton_linear import TritonLinearBackend
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    bucket, dtype = 8, torch.bfloat16
+    _, graph_pool, eager_pool = gdn_pools({0: S}, 20, DEV, seed=21, copies=3)
+    replayed, eager = TritonLinearBackend(graph_pool), TritonLinearBackend(eager_pool)
+    replayed.init_capture_state(max_tokens=bucket, max_seqs=bucket)
+    p = gdn_params(S, dtype, 22).to(DEV)
+    g = torch.Generator().manual_seed(23)
+    static = gdn_inputs(S, bucket, bucket, dtype, g, DEV)
+    out = torch.empty(bucket, S.hv, S.dv, dtype=dtype, device=DEV)
+    dummy = decode_ctx([PADDING_SLOT] * bucket, 0, DEV)
+    replayed.init_replay_state(dummy, bucket)
+    before = graph_pool.layer(0)["recurrent"].clone()
+    fused_gdn(replayed, dummy, static, p, out, 0, S, EPS)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_gdn(replayed, dummy, static, p, out, 0, S, EPS)
+    torch.cuda.synchronize()
+    assert torch.equal(graph_pool.layer(0)["recurrent"], before), "the padding-only step wrote a slot"
+    for step, (slots, num_real) in enumerate([([3, 9, 14, 2, 7, PADDING_SLOT, PADDING_SLOT, PADDING_SLOT], 5),
+                                              ([9, 4, 3, 11, 17, 6, 2, 1], 8)]):
+        ctx = decode_ctx(slots, num_real, DEV)
+        replayed.init_replay_state(ctx, bucket)
+        x = gdn_inputs(S, bucket, num_real, dtype, g, DEV)
+        for name in ("qkv", "z", "b", "a"):
+            static[name].copy_(x[name])
+        out.fill_(float("nan"))
+        graph.replay()
+        plan(eager, ctx)
+        want = torch.full_like(out, float("nan"))
+        fused_gdn(eager, ctx, x, p, want, 0, S, EPS)
+        torch.cuda.synchronize()
+        assert torch.equal(out[num_real:], torch.zeros_like(out[num_real:])), f"step {step}: padding rows"
+        assert torch.equal(out, want), f"step {step}: the replay differs from the eager run"
+        for entry in ("conv", "recurrent"):
+            assert torch.equal(graph_pool.layer(0)[entry], eager_pool.layer(0)[entry]), f"step {step}: {entry} states"

@@ -1,0 +1,277 @@
+"""hgc.gdn_fused on triton_linear (runtime/backends/kernels/gdn_fused.py) against the unfused ops.
+
+The reference is the model's own sequence (testkit/gdn_cases.py `unfused_gdn`: the CPU reference
+backend's short_conv and gdn_core, float32 inside, with the model's l2norm, gates and
+GatedRMSNorm between them) on a host copy of the same pools; the kernels run in Triton's
+interpreter on the CPU (testkit/triton_interpreter.py). Every check draws fresh random inputs as
+views of one wider projection row (strided qkv, z, b, a), poisons outputs and padding rows, starts
+from non-zero states, and compares the real rows' outputs and the touched slots' conv and
+recurrent states by ||x - ref|| / ||ref||; padding rows must come out zero and no other slot may
+change. (The interpreter truncates float32 to bfloat16 where torch rounds to nearest, so in bf16
+the kernels' own roundings of q, k, v, beta and the norm sit up to one bf16 step from the
+reference's, every one biased the same way: interpreted bf16 tolerances are a few bf16 steps,
+float32 ones the float32 noise of another order of sums.) The GPU versions at the bench dims are
+tests/gpu/test_gpu_gdn_fused.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# before triton: testkit/triton_interpreter.py says why
+from testkit.triton_interpreter import DEVICE, INTERPRETED, interpreter_or_fresh_process  # noqa: E402,F401
+
+triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
+
+from compiler.splitops import Mode, OpCapture  # noqa: E402
+from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
+from runtime.backends.kernels import gdn_fused as GF  # noqa: E402
+from runtime.backends.protocol import check_backend, plan_eager_step  # noqa: E402
+from runtime.backends.triton_linear import TritonLinearBackend  # noqa: E402
+from runtime.cache.state_pool import PADDING_SLOT  # noqa: E402
+from testkit.gdn_cases import (BENCH_GDN, GdnShape, fused_gdn, gdn_inputs, gdn_params, gdn_pools,  # noqa: E402
+                               unfused_gdn)
+from testkit.linear_cases import FakeFLA, decode_ctx, rel_err, step_ctx  # noqa: E402
+
+in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
+
+LAYERS = {
+    0: GdnShape(2, 4, 16, 16),  # two value heads per key head
+    1: GdnShape(2, 4, 12, 20),  # head dims that are no powers of two: masked tails
+    2: GdnShape(4, 4, 16, 16),  # one value head per key head
+}
+NUM_SLOTS = 10
+EPS = 1e-6
+VERIFY = dict(draft_tokens=3, verify_rows=4)
+# bf16 in the interpreter: each of the chain's roundings (conv output, q, k, beta, core, norm,
+# weight * norm, out) truncates there, a bias of half a bf16 step each against torch's rounding
+BF16_STEPS = 4 if INTERPRETED else 1
+OUT_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2 * BF16_STEPS}
+STATE_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3 * BF16_STEPS}
+
+
+class Case:
+    """One layer's reference and device pools and backends, stepped together."""
+
+    def __init__(self, layer_id: int, dtype, seed: int, backend_kwargs=None, norm_dtype=None, shape=None):
+        self.layer_id, self.dtype = layer_id, dtype
+        self.shape = shape or LAYERS[layer_id]
+        self.ref_pool, self.dev_pool = gdn_pools({layer_id: self.shape}, NUM_SLOTS, DEVICE, seed, VERIFY)
+        for pool in (self.ref_pool, self.dev_pool):
+            for t in pool.layer(layer_id).values():
+                t[4].zero_()  # slot 4: a request that starts from the empty state
+        self.before = {name: t.clone() for name, t in self.dev_pool.layer(layer_id).items()}
+        self.ref = CPUReferenceBackend(None, self.ref_pool)
+        self.tri = TritonLinearBackend(self.dev_pool, fla=FakeFLA(), **(backend_kwargs or {}))
+        self.params = gdn_params(self.shape, dtype, seed + 1, norm_dtype=norm_dtype)
+        self.g = torch.Generator().manual_seed(seed + 2)
+        self.touched: set[int] = set()
+
+    def step(self, ctx_ref, ctx_dev, slots_used, prepare=None) -> None:
+        """One step on both sides: outputs, padding rows, states."""
+        R, T = ctx_ref.num_real_tokens, ctx_ref.num_tokens
+        x = gdn_inputs(self.shape, T, R, self.dtype, self.g)
+        s = self.shape
+        out_ref = torch.full((T, s.hv, s.dv), float("nan"), dtype=self.dtype)
+        unfused_gdn(self.ref, ctx_ref, x, self.params, out_ref, self.layer_id, s, EPS)
+        if prepare is not None:
+            prepare(self.tri, ctx_dev)
+        out = torch.full((T, s.hv, s.dv), float("nan"), dtype=self.dtype, device=DEVICE)
+        fused_gdn(self.tri, ctx_dev, {k: v.to(DEVICE) for k, v in x.items()}, self.params.to(DEVICE), out,
+                  self.layer_id, s, EPS)
+        out = out.cpu()
+        what = f"layer {self.layer_id} {self.dtype} {ctx_ref.mode} {ctx_ref.query_lens}"
+        assert torch.isfinite(out).all(), f"{what}: rows left unwritten (NaN poison survived)"
+        real = real_rows(ctx_ref)
+        assert out[~real].eq(0).all(), f"{what}: padding rows must be zero"
+        err = rel_err(out[real], out_ref[real])
+        assert err <= OUT_TOL[self.dtype], f"{what}: out rel err {err:.2e}"
+        self.touched |= set(slots_used)
+        rows = sorted(self.touched)
+        for entry in ("conv", "recurrent"):
+            s_err = rel_err(self.dev_pool.layer(self.layer_id)[entry].cpu()[rows],
+                            self.ref_pool.layer(self.layer_id)[entry][rows])
+            assert s_err <= STATE_TOL[self.dtype], f"{what}: {entry} state rel err {s_err:.2e}"
+
+    def check_untouched(self) -> None:
+        untouched = [s for s in range(NUM_SLOTS + 1) if s not in self.touched]
+        assert PADDING_SLOT in untouched
+        for name, t in self.dev_pool.layer(self.layer_id).items():
+            assert torch.equal(t.cpu()[untouched], self.before[name][untouched]), f"a free slot's {name} written"
+            assert not torch.equal(t.cpu()[sorted(self.touched)], self.before[name][sorted(self.touched)])
+
+
+def real_rows(ctx) -> torch.Tensor:
+    """[T] bool: the rows of real requests' tokens (the step's first rows)."""
+    mask = torch.zeros(ctx.num_tokens, dtype=torch.bool)
+    mask[:ctx.num_real_tokens] = True
+    return mask
+
+
+# (rows, real requests, slots): slots out of row order, padding rows at the end
+DECODES = {1: ([5], 1), 3: ([7, 2, PADDING_SLOT], 2), 6: ([4, 9, 1, 6, PADDING_SLOT, PADDING_SLOT], 4)}
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("batch", list(DECODES))
+@pytest.mark.parametrize("layer_id", list(LAYERS))
+def test_decode_steps_match_the_unfused_ops(layer_id, batch, dtype):
+    slots, num_real = DECODES[batch]
+    case = Case(layer_id, dtype, seed=10 * layer_id + batch)
+    for _ in range(3):
+        case.step(decode_ctx(slots, num_real, "cpu"), decode_ctx(slots, num_real, DEVICE), slots[:num_real])
+    case.check_untouched()
+
+
+@in_process
+def test_decode_with_a_float32_norm_weight_keeps_the_product_in_float32():
+    """torch multiplies a float32 weight by the bf16 norm in float32 (no rounding to bf16 between)."""
+    case = Case(0, torch.bfloat16, seed=3, norm_dtype=torch.float32)
+    slots = [3, 8]
+    case.step(decode_ctx(slots, 2, "cpu"), decode_ctx(slots, 2, DEVICE), slots)
+
+
+@in_process
+def test_padding_row_between_real_rows():
+    """A padding row anywhere (not only at the end) is zero and keeps its inputs unread."""
+    case = Case(0, torch.float32, seed=5)
+    slots = [7, PADDING_SLOT, 2]
+    ctx = decode_ctx(slots, 3, DEVICE)
+    x = gdn_inputs(case.shape, 3, 3, torch.float32, case.g, DEVICE)
+    x["qkv"][1] = float("nan")
+    x["z"][1] = float("nan")
+    out = torch.full((3, case.shape.hv, case.shape.dv), float("nan"), device=DEVICE)
+    fused_gdn(case.tri, ctx, x, case.params.to(DEVICE), out, 0, case.shape, EPS)
+    assert out[1].eq(0).all() and torch.isfinite(out).all()
+
+
+@in_process
+def test_decode_at_the_bench_dims_in_bf16():
+    """One decode step at Qwen3-Next's dims (Hk 16, Hv 32, D 128, K 4), batch 1, bf16."""
+    case = Case(0, torch.bfloat16, seed=7, shape=BENCH_GDN)
+    case.step(decode_ctx([3], 1, "cpu"), decode_ctx([3], 1, DEVICE), [3])
+
+
+@in_process
+def test_the_decode_step_is_one_launch(monkeypatch):
+    launches = []
+    real = GF._GDN_FUSED_DECODE.launch
+    monkeypatch.setattr(GF._GDN_FUSED_DECODE, "launch", lambda *a: (launches.append(a[0]), real(*a))[1])
+    for name in ("_QK_GATES", "_GATED_RMSNORM"):
+        monkeypatch.setattr(getattr(GF, name), "launch", lambda *a: pytest.fail("a second kernel in a decode step"))
+    case = Case(0, torch.float32, seed=9)
+    slots = [5, 2]
+    case.step(decode_ctx(slots, 2, "cpu"), decode_ctx(slots, 2, DEVICE), slots)
+    assert launches == [(2, 2)]  # (requests, key heads)
+
+
+# Extend, mixed and target-verify steps: (mode, (slot, cached, new tokens) requests, padding rows,
+# padding requests). Slot 4 starts empty; step 2 continues its prompt beside a decode row and a
+# new request; the verify steps are uniform (the verify kernels) and ragged (the extend path).
+MODE_STEPS = [
+    (Mode.EXTEND, [(4, 0, 6), (7, 9, 5), (2, 3, 9)], 3, 1),
+    (Mode.MIXED, [(4, 6, 4), (7, 14, 1), (9, 0, 3)], 2, 1),
+    (Mode.TARGET_VERIFY, [(4, 10, 3), (7, 15, 3), (9, 3, 3)], 3, 1),
+    (Mode.TARGET_VERIFY, [(4, 13, 2), (2, 12, 3)], 0, 0),
+    (Mode.DECODE, [(2, 15, 1), (4, 15, 1)], 1, 1),
+]
+
+
+def run_mode_steps(layer_id: int, dtype, backend_kwargs=None, replayed=False, seed=0):
+    case = Case(layer_id, dtype, seed, backend_kwargs)
+    if replayed:
+        case.tri.init_capture_state(max_tokens=64, max_seqs=8)
+
+    def prepare(tri, ctx):
+        plan_eager_step(tri, ctx, 64)
+        if replayed and ctx.mode in (Mode.EXTEND, Mode.MIXED):
+            tri.init_replay_state(ctx, ctx.num_seqs)
+            assert tri._step.extend.captured
+
+    for mode, reqs, pad_t, pad_s in MODE_STEPS:
+        case.step(step_ctx(mode, reqs, pad_t, pad_s, "cpu"), step_ctx(mode, reqs, pad_t, pad_s, DEVICE),
+                  [slot for slot, _, n in reqs if n], prepare)
+        n = reqs[0][2]
+        if mode == Mode.TARGET_VERIFY and all(new == n for *_, new in reqs):
+            for entry in ("conv", "recurrent"):  # the states after each of the first n - 1 tokens
+                got = case.dev_pool.verify_buffers[layer_id][entry].cpu()[:len(reqs), :n - 1]
+                want = case.ref_pool.verify_buffers[layer_id][entry][:len(reqs), :n - 1]
+                assert rel_err(got, want) <= STATE_TOL[dtype] and want.abs().sum() > 0, f"{entry} intermediate states"
+    case.check_untouched()
+    return case
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layer_id", [0, 1])
+def test_extend_mixed_and_verify_steps_on_fla(layer_id, dtype):
+    case = run_mode_steps(layer_id, dtype)
+    assert case.tri._fla.calls, "the extend steps ran FLA's (stand-in) chunk kernels"
+
+
+@in_process
+def test_extend_steps_on_our_chunk_kernels():
+    run_mode_steps(0, torch.float32, backend_kwargs=dict(chunk_impl="triton"))
+
+
+@in_process
+def test_replayed_extend_steps_read_the_static_plan():
+    """A captured extend or mixed step: the padding rows come from the static plan's bounds."""
+    run_mode_steps(0, torch.float32, backend_kwargs=dict(chunk_impl="triton"), replayed=True)
+
+
+@in_process
+def test_short_extends_take_the_recurrent_extend_kernel():
+    run_mode_steps(2, torch.float32, backend_kwargs=dict(short_extend_tokens=16))
+
+
+@in_process
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+def test_non_decode_steps_launch_qk_gates_and_the_norm_once_each(monkeypatch, replayed):
+    """And the norm's padding marker is always a 16-byte aligned tensor (the plan's bounds or the
+    step's slots, never a view into them), so Triton builds no new variant for another request count."""
+    counts = {"_QK_GATES": 0, "_GATED_RMSNORM": 0}
+    markers = []
+    for name in counts:
+        launcher = getattr(GF, name)
+        real = launcher.launch
+
+        def counted(grid, args, kwargs, name=name, real=real):
+            counts[name] += 1
+            if name == "_GATED_RMSNORM":
+                markers.append(args[4].data_ptr() % 16)
+            return real(grid, args, kwargs)
+        monkeypatch.setattr(launcher, "launch", counted)
+    run_mode_steps(0, torch.float32, backend_kwargs=dict(chunk_impl="triton"), replayed=replayed)
+    assert counts == {"_QK_GATES": 4, "_GATED_RMSNORM": 4}  # every step but the decode one
+    assert markers == [0] * 4
+
+
+def test_capability_serves_gdn_fused_where_gdn_core_is_served():
+    cap = TritonLinearBackend.capability
+    assert "gdn_fused" in cap.ops
+    for mode in Mode:
+        for impl in ("triton", "fla"):
+            options = {"chunk_impl": impl}
+            assert cap.capturable("gdn_fused", mode, options) == cap.capturable("gdn_core", mode, options), (mode, impl)
+    assert any(isinstance(c, OpCapture) and c.op == "gdn_fused" for c in cap.op_capture)
+
+
+@in_process
+def test_backend_implements_the_op():
+    case = Case(0, torch.float32, seed=1)
+    check_backend(case.tri)
+
+
+@in_process
+def test_shapes_that_disagree_are_refused_naming_the_argument():
+    case = Case(0, torch.float32, seed=1)
+    s = case.shape
+    x = gdn_inputs(s, 1, 1, torch.float32, case.g, DEVICE)
+    out = torch.empty(1, s.hv, s.dv, device=DEVICE)
+    p = case.params.to(DEVICE)
+    p.norm_weight = p.norm_weight[:-1]
+    with pytest.raises(ValueError, match="norm_weight"):
+        fused_gdn(case.tri, decode_ctx([3], 1, DEVICE), x, p, out, 0, s, EPS)
