@@ -96,7 +96,7 @@ def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(checkpoints, family
             if e["backend"] == LINEAR.name:
                 assert LayerKind(e["kind"]) in LINEAR_KINDS
                 # extend and mixed too where our own kernels run (GDN and Lightning chunks, the conv)
-                table_driven = e["op"] in ("gdn_core", "lightning_core", "short_conv")
+                table_driven = e["op"] in ("gdn_core", "lightning_core", "short_conv", "gdn_fused")
                 assert e["backend_capturable"] == [m.value for m in MODES if table_driven
                                                    or m in (Mode.DECODE, Mode.TARGET_VERIFY)], e
             if e["backend"] == FULL.name:  # routing.json says which kernels run: the defaults, spelled out

@@ -104,18 +104,37 @@ def test_unfused_is_refused_for_an_op_that_stands_for_no_region():
         parse_route("moe=unfused")
 
 
-def test_a_cuda_compile_stays_unfused_until_its_linear_backend_declares_the_op(configs):
+def _fuse_on_cuda(configs, tools):
     from compiler.passes.annotate import AnnotateOpsPass
     from compiler.passes.fusion import FusionPass
     from compiler.passes.manager import PassManager
     from compiler.pipeline import make_context
 
     config = CompileConfig(target="cuda", dtype="bfloat16")
-    ctx = make_context(trace_checkpoint(configs / "qwen3_next", "bfloat16", toolchain().read_model), config,
-                       toolchain())
+    ctx = make_context(trace_checkpoint(configs / "qwen3_next", "bfloat16", tools.read_model), config, tools)
     PassManager([AnnotateOpsPass(), FusionPass()]).run(ctx)
-    unfused = ctx.fusion["main"]["unfused"]
-    assert [e["layer_id"] for e in unfused] == [0, 1, 2] and ctx.fusion["main"]["fused"] == []
+    return ctx.fusion["main"]
+
+
+def test_a_cuda_compile_fuses_every_gdn_layer_on_triton_linear(configs):
+    fusion = _fuse_on_cuda(configs, toolchain())
+    assert [e["layer_id"] for e in fusion["fused"]] == [0, 1, 2] and fusion["unfused"] == [], fusion
+
+
+def test_a_compile_stays_unfused_where_its_linear_backend_does_not_declare_the_op(configs):
+    import dataclasses
+
+    from compiler.splitops import CapabilityTable
+
+    tools = toolchain()
+    def without_op(c):  # the declaration as it was before the backend took the op on
+        return dataclasses.replace(c, ops=c.ops - {"gdn_fused"},
+                                   op_capture=tuple(x for x in c.op_capture if x.op != "gdn_fused"))
+
+    table = CapabilityTable([without_op(c) if c.name == "triton_linear" else c for c in tools.capabilities],
+                            tools.capabilities.sources)
+    unfused = _fuse_on_cuda(configs, tools.with_capabilities(table))["unfused"]
+    assert [e["layer_id"] for e in unfused] == [0, 1, 2]
     assert all(e["reason"] == f"triton_linear, the backend of {e['node']} on 'cuda', does not declare hgc.gdn_fused"
                for e in unfused), unfused
 
