@@ -21,8 +21,8 @@ Matching, per anchor op node (gdn_core), on a program whose nodes the annotate p
 
 A region that differs in any node is left as it is. So is every region whose anchor's backend
 (the one routing would choose for it on the compile's target, from the capability table) does not
-declare the fused op: a cuda compile keeps its GDN regions until triton_linear declares
-gdn_fused, and a plugin that runs gdn_core alone keeps its layers. So is a region a route keeps
+declare the fused op: a plugin that runs gdn_core alone keeps its layers (the CPU reference and
+triton_linear both declare gdn_fused). So is a region a route keeps
 unfused (`--route gdn_fused=unfused`, `--route layers=3:unfused`, a layer route to a backend without
 the fused op, or a route naming one of the region's ops). Each anchor left unfused is recorded
 with the reason: `ctx.fusion[program]["unfused"]`, and the pass result's `report`.

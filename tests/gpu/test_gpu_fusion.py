@@ -1,10 +1,7 @@
 """The fused GDN mixer on a CUDA GPU: a cuda compile of a tiny qwen3_next makes every GDN layer one
-hgc.gdn_fused node on triton_linear once that backend declares the op, its decode steps capture
-and pass start-up parity, and its logits agree with the unfused artifact's (`--route
-gdn_fused=unfused`) to bf16 rounding, first tokens equal.
-
-Runs only on the GPU machine (`pytest -m gpu`), and is skipped until triton_linear declares
-gdn_fused (until then a cuda compile keeps its GDN regions unfused: tests/compiler/test_fusion.py).
+hgc.gdn_fused node on triton_linear, its decode steps capture and pass start-up parity, and its
+logits agree with the unfused artifact's (`--route gdn_fused=unfused`) to bf16 rounding, first
+tokens equal. Runs only on the GPU machine (`pytest -m gpu`).
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ import torch
 
 from hgc import main
 from runtime.artifact.loader import load_artifact
-from runtime.backends.triton_linear import TritonLinearBackend
 from runtime.engine.generate import make_pools
 from runtime.graphs.runner import GraphRunner
 from runtime.graphs.startup_parity import check_parity
@@ -24,9 +20,7 @@ from runtime.step.bound_ops import BoundOps
 from testkit.graph_cases import greedy
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.skipif("gdn_fused" not in TritonLinearBackend.capability.ops,
-                                 reason="triton_linear does not declare hgc.gdn_fused yet")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(scope="module")
