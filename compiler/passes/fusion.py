@@ -21,8 +21,9 @@ Matching, per anchor op node (gdn_core), on a program whose nodes the annotate p
 
 A region that differs in any node is left as it is. So is every region whose anchor's backend
 (the one routing would choose for it on the compile's target, from the capability table) does not
-declare the fused op: a plugin that runs gdn_core alone keeps its layers (the CPU reference and
-triton_linear both declare gdn_fused). So is a region a route keeps
+declare the fused op, or declares it only where a route names it (`fused_on_route`: triton_linear,
+whose fused kernels do not yet win at every batch): a plugin that runs gdn_core alone keeps its
+layers too. So is a region a route keeps
 unfused (`--route gdn_fused=unfused`, `--route layers=3:unfused`, a layer route to a backend without
 the fused op, or a route naming one of the region's ops). Each anchor left unfused is recorded
 with the reason: `ctx.fusion[program]["unfused"]`, and the pass result's `report`.
@@ -348,6 +349,9 @@ def _served(pattern: FusionPattern, anchor, ctx) -> Optional[str]:
     if not serving[0].serves(pattern.fused_op, kind):
         return (f"{serving[0].name}, the backend of {anchor.name} on {target!r}, does not declare "
                 f"hgc.{pattern.fused_op}")
+    if pattern.fused_op in serving[0].fused_on_route:
+        return (f"{serving[0].name} runs hgc.{pattern.fused_op} only where a route names it "
+                f"(--route {pattern.fused_op}={serving[0].name})")
     return None
 
 

@@ -257,6 +257,10 @@ class BackendCapability:
     batch_invariant_ops: Optional[frozenset[str]] = None
     priority: int = 0  # among several backends that fit a node, the highest wins (then declaration order)
     explicit_only: bool = False  # never chosen by priority: only a --route naming it binds a node here
+    # Fused ops (ops.FUSED_OPS) the fusion pass puts in place of their region only when a route names
+    # this backend for them (`--route gdn_fused=NAME`): their kernels do not yet beat the unfused
+    # ops at every size, so the default program keeps the region.
+    fused_on_route: frozenset[str] = frozenset()
     doc: str = ""
 
     def __post_init__(self) -> None:
@@ -424,6 +428,7 @@ class BackendCapability:
             "batch_invariant_ops": None if self.batch_invariant_ops is None else sorted(self.batch_invariant_ops),
             "priority": self.priority,
             "explicit_only": self.explicit_only,
+            "fused_on_route": sorted(self.fused_on_route),
         }
 
     @classmethod
@@ -444,6 +449,7 @@ class BackendCapability:
             batch_invariant_ops=(None if obj.get("batch_invariant_ops") is None
                                  else frozenset(obj["batch_invariant_ops"])),
             priority=int(obj.get("priority", 0)), explicit_only=bool(obj.get("explicit_only", False)),
+            fused_on_route=frozenset(obj.get("fused_on_route", ())),
         )
 
 

@@ -392,6 +392,12 @@ class TritonLinearBackend(BackendHooks):
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
                  ("decode_tiles", DECODE_TILES)),
         batch_invariant=(("decode_tiles", "fixed"),),
+        # The fused GDN mixer only where `--route gdn_fused=triton_linear` asks: its one-launch decode
+        # kernel (one program per request and key head) lost to the unfused ops at batch 1 and 128 on
+        # an H200 (11.97 against 11.34 us and 285 against 187 us a layer; 1.25x faster at 8), and a
+        # two-launch split won at 1 and 8 (1.37x, 1.13x) but not at 128 (0.88x):
+        # benchmarks/kernels/gdn_fused_bench.py, benchmarks/history/linear_decode.md.
+        fused_on_route=frozenset({"gdn_fused"}),
         doc="Triton decode kernels (decode; target_verify: every request's tokens in one launch; the fused GDN "
             "mixer one launch a decode step), Triton chunk kernels "
             "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "

@@ -104,21 +104,25 @@ def test_unfused_is_refused_for_an_op_that_stands_for_no_region():
         parse_route("moe=unfused")
 
 
-def _fuse_on_cuda(configs, tools):
+def _fuse_on_cuda(configs, tools, *routes):
     from compiler.passes.annotate import AnnotateOpsPass
     from compiler.passes.fusion import FusionPass
     from compiler.passes.manager import PassManager
     from compiler.pipeline import make_context
 
-    config = CompileConfig(target="cuda", dtype="bfloat16")
+    config = CompileConfig(target="cuda", dtype="bfloat16", routes=tuple(parse_route(r) for r in routes))
     ctx = make_context(trace_checkpoint(configs / "qwen3_next", "bfloat16", tools.read_model), config, tools)
     PassManager([AnnotateOpsPass(), FusionPass()]).run(ctx)
     return ctx.fusion["main"]
 
 
-def test_a_cuda_compile_fuses_every_gdn_layer_on_triton_linear(configs):
-    fusion = _fuse_on_cuda(configs, toolchain())
-    assert [e["layer_id"] for e in fusion["fused"]] == [0, 1, 2] and fusion["unfused"] == [], fusion
+def test_a_cuda_compile_fuses_its_gdn_layers_only_where_a_route_names_triton_linear(configs):
+    kept = _fuse_on_cuda(configs, toolchain())
+    assert kept["fused"] == [] and [e["layer_id"] for e in kept["unfused"]] == [0, 1, 2]
+    assert all(e["reason"] == "triton_linear runs hgc.gdn_fused only where a route names it "
+               "(--route gdn_fused=triton_linear)" for e in kept["unfused"]), kept
+    fused = _fuse_on_cuda(configs, toolchain(), "gdn_fused=triton_linear")
+    assert [e["layer_id"] for e in fused["fused"]] == [0, 1, 2] and fused["unfused"] == [], fused
 
 
 def test_a_compile_stays_unfused_where_its_linear_backend_does_not_declare_the_op(configs):
@@ -128,7 +132,7 @@ def test_a_compile_stays_unfused_where_its_linear_backend_does_not_declare_the_o
 
     tools = toolchain()
     def without_op(c):  # the declaration as it was before the backend took the op on
-        return dataclasses.replace(c, ops=c.ops - {"gdn_fused"},
+        return dataclasses.replace(c, ops=c.ops - {"gdn_fused"}, fused_on_route=frozenset(),
                                    op_capture=tuple(x for x in c.op_capture if x.op != "gdn_fused"))
 
     table = CapabilityTable([without_op(c) if c.name == "triton_linear" else c for c in tools.capabilities],
