@@ -127,3 +127,19 @@ def greedy(runner, state_pool, prompts, n: int, *, eager: bool = False, sync=Non
             runner.kv_pool.free(s.pages)
             state_pool.free(s.slot)
     return outs, keys
+
+
+def write_tiny_qwen3_next_hd64(folder) -> None:
+    """A tiny qwen3_next checkpoint with head_dim 64 in `folder` (FlashInfer builds no prefill for
+    tiny's head dim 32), weights seeded 1: what the GPU graph tests compile for the cuda target."""
+    from models.checkpoint import write_checkpoint
+    from models.families import get_family
+    from models.loader import config_dtype
+
+    family = get_family("qwen3_next")
+    config = family.make_config("tiny")
+    config["head_dim"] = 64
+    text = family.text_config(config)
+    model = family.build(text)
+    family.init_weights(model, 1)
+    write_checkpoint(folder, config, model.to(config_dtype(text)).checkpoint_tensors())

@@ -17,7 +17,7 @@ from runtime.engine.generate import make_pools
 from runtime.graphs.runner import GraphRunner
 from runtime.graphs.startup_parity import check_parity
 from runtime.step.bound_ops import BoundOps
-from testkit.graph_cases import greedy
+from testkit.graph_cases import greedy, write_tiny_qwen3_next_hd64
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -26,18 +26,8 @@ pytestmark = [pytest.mark.gpu,
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     """(fused, unfused) bf16 cuda artifacts of one tiny qwen3_next (head_dim 64: FlashInfer builds no 32)."""
-    from models.checkpoint import write_checkpoint
-    from models.families import get_family
-    from models.loader import config_dtype
-
     root = tmp_path_factory.mktemp("gpu_fusion")
-    family = get_family("qwen3_next")
-    config = family.make_config("tiny")
-    config["head_dim"] = 64
-    text = family.text_config(config)
-    model = family.build(text)
-    family.init_weights(model, 1)
-    write_checkpoint(root / "c", config, model.to(config_dtype(text)).checkpoint_tensors())
+    write_tiny_qwen3_next_hd64(root / "c")
     flags = ["--target", "cuda", "--dtype", "bfloat16", "--no-dumps", "--no-inductor"]
     # triton_linear fuses only where a route asks (its capability's fused_on_route); the default keeps the region
     assert main(["compile", str(root / "c"), "-o", str(root / "fused"), *flags,

@@ -23,7 +23,7 @@ from runtime.engine.generate import make_pools
 from runtime.graphs.runner import CaptureError, GraphRunner
 from runtime.graphs.startup_parity import check_parity
 from runtime.artifact.loader import load_artifact
-from testkit.graph_cases import greedy
+from testkit.graph_cases import greedy, write_tiny_qwen3_next_hd64
 
 
 pytestmark = [pytest.mark.gpu,
@@ -32,19 +32,8 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    from models.checkpoint import write_checkpoint
-    from models.families import get_family
-    from models.loader import config_dtype
-
     root = tmp_path_factory.mktemp("gg")
-    # tiny with head_dim 64: FlashInfer 0.6.0 builds no prefill for tiny's head dim 32
-    family = get_family("qwen3_next")
-    config = family.make_config("tiny")
-    config["head_dim"] = 64
-    text = family.text_config(config)
-    model = family.build(text)
-    family.init_weights(model, 1)
-    write_checkpoint(root / "c", config, model.to(config_dtype(text)).checkpoint_tensors())
+    write_tiny_qwen3_next_hd64(root / "c")
     assert main(["compile", str(root / "c"), "-o", str(root / "a"), "--target", "cuda", "--no-inductor", "--dtype", "bfloat16",
                  "--no-dumps", "--no-inductor"]) == 0
     return load_artifact(root / "a", "cuda")
