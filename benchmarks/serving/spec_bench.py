@@ -118,6 +118,9 @@ def bench(args, rec: dict, save) -> None:
         raise SystemExit("--torch-sums: only with --batch-invariant (without it torch's sums run anyway)")
     rec["torch_sums"] = args.torch_sums
     rec["dtype"] = args.dtype or ("float32" if args.dry_run else "bfloat16")  # what the tolerances are for
+    # A dry run checks the bookkeeping, not the numbers: its step profiles take --iters calls (the GPU
+    # run keeps profile_call's own count)
+    profiled = {"iters": args.iters} if args.dry_run else {}
     state: dict = {}
 
     def init_compile():
@@ -178,7 +181,7 @@ def bench(args, rec: dict, save) -> None:
             row = out[str(B)]
             every = {}  # every kernel of each step: one outside a step's top 25 still counts in the difference
             for name, step, key in (("decode", decode, decode_key), ("verify", verify, verify_key)):
-                prof = profile_call(lambda step=step, key=key: runner.run(step, key), device, top=None)
+                prof = profile_call(lambda step=step, key=key: runner.run(step, key), device, top=None, **profiled)
                 every[name] = prof["top_kernels"]
                 row[f"{name}_profile"] = {**{k: prof[k] for k in ("kernel_ms", "kernels_per_call", "device_idle_ms")
                                              if k in prof}, "top_kernels": prof["top_kernels"][:25]}
@@ -348,7 +351,7 @@ def bench(args, rec: dict, save) -> None:
                 break
         else:
             raise RuntimeError(f"no decode step after {len(prompt) + 2} steps of a {len(prompt)}-token prompt")
-        prof = profile_call(eng.step, device, top=25)
+        prof = profile_call(eng.step, device, top=25, **profiled)
         # The host's share: which Python functions issue a step (a round's drafts, verify and reads).
         prof["host_functions"] = host_profile(eng.step, iters=10, top=25, sync=synchronizer(device))
         eng.run_until_done()

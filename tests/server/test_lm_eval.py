@@ -15,9 +15,9 @@ tokenizer the two would score different token sequences whatever the server did.
 
 from __future__ import annotations
 
-import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +26,9 @@ import pytest
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
-from testkit.helpers import ServerProcess  # noqa: E402
+from testkit.helpers import ServerProcess, shared_artifact  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a compile, a server and three harness runs: about a minute on 2 cores
+pytestmark = pytest.mark.slow  # a server and three harness runs: about a minute on 2 cores
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ("hgc_tiny_choice", "hgc_tiny_until")
@@ -48,16 +48,14 @@ def qwen_style_tokenizer(ckpt: Path) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(checkpoint, URL of `hgc serve` on its compiled artifact)."""
-    from hgc import main as hgc
-    from models.loader import init_checkpoint
-
-    work = tmp_path_factory.mktemp("lm_eval")
-    ckpt = init_checkpoint("qwen3_next", "tiny", 0, work / "ckpt", log=io.StringIO())
+    """(checkpoint, URL of `hgc serve`): the test run's shared tiny qwen3_next artifact, served with
+    --tokenizer from a copy of its checkpoint whose tokenizer adds no bos (the weights are the copy's)."""
+    shared_ckpt, artifact = shared_artifact(tmp_path_factory, "qwen3_next")
+    ckpt = tmp_path_factory.mktemp("lm_eval") / "ckpt"
+    shutil.copytree(shared_ckpt, ckpt)
     qwen_style_tokenizer(ckpt)
-    assert hgc(["compile", str(ckpt), "-o", str(work / MODEL), "--no-dumps"]) == 0
-    server = ServerProcess([str(work / MODEL), "--served-model-name", MODEL, "--max-model-len", "512",
-                            "--slots", "8"]).wait_ready()
+    server = ServerProcess([str(artifact), "--served-model-name", MODEL, "--tokenizer", str(ckpt), "--max-model-len",
+                            "512", "--slots", "8"]).wait_ready()
     try:
         yield ckpt, server.url
     finally:
