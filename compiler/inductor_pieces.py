@@ -39,7 +39,7 @@ from compiler.splitops.bundle import INDUCTOR_CONFIG, PIECES
 from compiler.splitops.errors import CompileError
 from compiler.splitops.glue import GlueSplitError, glue_segments, segment_module, segment_pieces, structure_key
 
-__all__ = ["PieceBuildError", "compile_glue", "compile_piece", "fake_inputs", "inductor_cache_files"]
+__all__ = ["PieceBuildError", "compile_glue", "compile_piece", "drop_metadata_asserts", "fake_inputs", "inductor_cache_files"]
 
 # Inductor's own indexes of what it compiled: the pieces carry those entries inside their .bin.
 _CACHE_INDEXES = ("fxgraph", "aotautograd", "locks")
@@ -95,12 +95,30 @@ def fake_inputs(module: torch.fx.GraphModule, device: torch.device) -> list[torc
     return fakes
 
 
+_METADATA_ASSERT = torch.ops.aten._assert_tensor_metadata.default
+
+
+def drop_metadata_asserts(graph: torch.fx.Graph) -> int:
+    """Erase export's dtype checks (aten._assert_tensor_metadata) from a piece's graph; how many.
+
+    They check what the trace already fixed, and they change what Inductor builds: its post-grad
+    pass turns `residual + mm(x, w)` into one addmm unless every reader of the sum is pointwise, and
+    an assert on the sum is a reader that is not. On cuda the addmm's out= form first copies the
+    residual into its output (one device copy, one more launch, per projection and step) where the
+    unfused add would have ridden in the next norm's kernel."""
+    asserts = [n for n in graph.nodes if n.op == "call_function" and n.target is _METADATA_ASSERT]
+    for node in asserts:
+        graph.erase_node(node)
+    return len(asserts)
+
+
 def compile_piece(module: torch.fx.GraphModule, device: torch.device):
     """Step 4 for one segment module (`segment_module`), retargeted to `device` in place: its
     CompiledArtifact, for every value of its symbolic sizes."""
     from torch._inductor import standalone_compile
 
     retarget_meta_devices(module.graph, device)
+    drop_metadata_asserts(module.graph)
     module.recompile()
     inputs = fake_inputs(module, device)
     with torch.no_grad():

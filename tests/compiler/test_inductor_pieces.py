@@ -459,3 +459,23 @@ def test_a_size_read_across_an_op_core_is_taken_from_a_tensor_input_and_compiles
             # elementwise tolerance fails on elements that cancel to near zero)
             err = float((g.double() - e.double()).norm() / e.double().norm().clamp_min(1e-30))
             assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+
+
+def test_export_dtype_asserts_are_dropped_from_a_piece_before_inductor():
+    """A residual add read by an export assert would be fused into addmm on cuda (one device copy a
+    projection); the piece's graph loses the asserts and keeps every other node."""
+    from compiler.inductor_pieces import drop_metadata_asserts
+
+    graph = torch.fx.Graph()
+    x, w, residual = (graph.placeholder(n) for n in ("x", "w", "residual"))
+    total = graph.call_function(torch.ops.aten.add.Tensor, (residual, graph.call_function(torch.ops.aten.mm.default, (x, w))))
+    graph.call_function(torch.ops.aten._assert_tensor_metadata.default, (total,), {"dtype": torch.float32})
+    graph.output(graph.call_function(torch.ops.aten.mul.Tensor, (total, 2.0)))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    args = (torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5))
+    expected = module(*args)
+    assert drop_metadata_asserts(module.graph) == 1
+    module.recompile()
+    assert [n.target for n in module.graph.nodes if n.op == "call_function"] == [
+        torch.ops.aten.mm.default, torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor]
+    torch.testing.assert_close(module(*args), expected, rtol=0, atol=0)
