@@ -8,7 +8,8 @@
 Writes `runtime/backends/kernels/moe_configs/E={E},I={I},device={device}.json` (read by TritonMoEBackend)
 and a copy as OUT/moe_configs/E{E}_I{I}_{device}.json (the GPU machine keeps nothing, and its file
 transfer refuses names with '=' or ','). Buckets the run does not tune keep what the file in the
-config folder had, so `--buckets` re-tunes some and leaves the others as they were. Back on the CPU machine, put the copies in place with
+config folder had, so `--buckets` re-tunes some and leaves the others as they were. Back on the
+CPU machine, put the copies in place with
 
     python3 benchmarks/kernels/tune_moe.py --install OUTDIR/moe_configs/*.json
 
@@ -23,8 +24,8 @@ Per bucket T (1, 2, 4, ..., 4096), with one fixed random routing:
    stage alone over its tiles; keep the best per stage (they share BLOCK_M only). Up to
    WIDE_MAX_T tokens and BLOCK_M WIDE_MAX_BM (few rows per expert: a GEMM that streams every
    expert's weights and wants many programs doing it) the search is wide, in two rounds: the
-   file's tiles for the bucket, the short list and a grid of BLOCK_N x BLOCK_K (4 warps, 4
-   stages), then warps x stages around the best tile of the first round.
+   file's tiles for the bucket, a grid of BLOCK_N x BLOCK_K (4 warps, 4 stages) and the short
+   list, then warps x stages around the best tile of the first round.
 3. The whole op, captured in a CUDA graph, for each path's winner and for `default_config`;
    the fastest is written (the default unless the fastest beats it by more than MIN_GAIN), with
    its time and the default's time beside it.
@@ -138,10 +139,12 @@ def _fits(cfg: GemmConfig, itemsize: int) -> bool:
 
 def wide_tiles(stage: str, bm: int, depth: int, itemsize: int) -> list[GemmConfig]:
     """First round of the wide search: BLOCK_N x BLOCK_K at 4 warps and 4 stages (3 at BLOCK_K 256),
-    BLOCK_K no deeper than the reduction (`depth`: D for gate_up, I for down)."""
+    BLOCK_K no deeper than the reduction (`depth`: D for gate_up, I for down). Deep and narrow
+    first (long loads, many programs: what a weight-streaming GEMM wants), so a search cut by
+    the budget has timed those."""
     out = []
-    for bn in WIDE_BLOCK_N[stage]:
-        for bk in WIDE_BLOCK_K:
+    for bk in sorted(WIDE_BLOCK_K, reverse=True):
+        for bn in WIDE_BLOCK_N[stage]:
             cfg = GemmConfig(bm, bn, bk, 1, 4, 3 if bk >= 256 else 4)
             if bk <= max(16, depth) and _fits(cfg, itemsize) and cfg not in out:
                 out.append(cfg)
@@ -293,8 +296,7 @@ def tune_bucket(bench: Bench, layer, T: int, E: int, top_k: int, log: list, dead
         y = torch.empty(T * slots, D, device=dev, dtype=bench.dtype)
         gu_tiles = [GemmConfig(bm, *t) for t in GATE_UP_TILES[bm]]
         dn_tiles = [GemmConfig(bm, *t) for t in DOWN_TILES[bm]]
-        if known is not None and known.gate_up.BLOCK_M == bm:
-            gu_tiles, dn_tiles = [known.gate_up] + gu_tiles, [known.down] + dn_tiles
+        gu_known, dn_known = ([known.gate_up], [known.down]) if known and known.gate_up.BLOCK_M == bm else ([], [])
         wide = T <= WIDE_MAX_T and bm <= WIDE_MAX_BM
 
         def gu_run(c):
@@ -311,19 +313,20 @@ def tune_bucket(bench: Bench, layer, T: int, E: int, top_k: int, log: list, dead
 
         label = f"sorted_bm{bm}"
         if wide:
-            gu_first = list(dict.fromkeys(gu_tiles + wide_tiles("gate_up", bm, D, itemsize)))
-            dn_first = list(dict.fromkeys(dn_tiles + wide_tiles("down", bm, I, itemsize)))
+            # The file's entry, then the grid, then the short list an earlier run chose that entry from.
+            gu_first = list(dict.fromkeys(gu_known + wide_tiles("gate_up", bm, D, itemsize) + gu_tiles))
+            dn_first = list(dict.fromkeys(dn_known + wide_tiles("down", bm, I, itemsize) + dn_tiles))
             gu, gu_ms = _wide_search(bench, f"gate_up_{label}", gu_first, gu_run, gu_check, share(), log, itemsize,
                                      limit)
             gu_run(gu)  # the checked winner's h feeds the down stage
             dn, dn_ms = _wide_search(bench, f"down_{label}", dn_first, dn_run, dn_check, share(), log, itemsize,
                                      limit)
         else:
-            gu, gu_ms = _search(bench, f"gate_up_{label}", list(dict.fromkeys(gu_tiles))[:limit], gu_run, gu_check,
-                                share(), log)
+            gu, gu_ms = _search(bench, f"gate_up_{label}", list(dict.fromkeys(gu_known + gu_tiles))[:limit], gu_run,
+                                gu_check, share(), log)
             gu_run(gu)
-            dn, dn_ms = _search(bench, f"down_{label}", list(dict.fromkeys(dn_tiles))[:limit], dn_run, dn_check,
-                                share(), log)
+            dn, dn_ms = _search(bench, f"down_{label}", list(dict.fromkeys(dn_known + dn_tiles))[:limit], dn_run,
+                                dn_check, share(), log)
         finalists[label] = MoEConfig(gu, dn)
         stages[label] = {"gate_up_us": gu_ms * 1e3, "down_us": dn_ms * 1e3}
 

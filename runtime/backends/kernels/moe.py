@@ -805,8 +805,9 @@ def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits
     """Everything an eager step of T tokens picks from T that makes Triton build another kernel: the
     logits kernel (`logits_kernel` where the caller fixes it), the GEMM configs (their tiles are
     constexprs), the sort's width and whether it counts blocks first, and whether the routing and
-    sort run as one launch (`fold` as `fused_moe` takes it). Two token counts with equal variants launch the same kernels; the backend's
-    `kernel_variant_tokens` runs one count of each at start-up, so a bundle holds them all."""
+    sort run as one launch (`fold` as `fused_moe` takes it). Two token counts with equal variants
+    launch the same kernels; the backend's `kernel_variant_tokens` runs one count of each at
+    start-up, so a bundle holds them all."""
     logits_kernel = logits_kernel or logits_kernel_for(T, E, D)
     sort = None
     if config.path == "sorted":
