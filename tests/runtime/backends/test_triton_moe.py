@@ -533,8 +533,8 @@ def test_fixed_tiles_give_a_token_the_same_bits_whatever_shares_its_step(monkeyp
     """gemm_tiles="fixed" (hgc compile --batch-invariant): one config and one router kernel for every
     token count, so token t's output in a step of 1 token equals its row in a step of 9 bit for bit,
     and both match the CPU oracle. The tuned choice would switch paths between these counts (token
-    path to T=4, sorted tiles past it; the router's GEMV to 128, a dot past it), which is what made a
-    decode row and a verify row of one token differ."""
+    path to T=4, sorted tiles past it; the router's GEMV to 128, a dot past it; routing and sort in
+    one launch to 64), which is what made a decode row and a verify row of one token differ."""
     import runtime.backends.triton_moe as backend_module
     from runtime.backends.kernels.moe_config import FIXED_CONFIG, FIXED_LOGITS_KERNEL
     from runtime.backends.triton_moe import MoELayerShape
@@ -546,16 +546,17 @@ def test_fixed_tiles_give_a_token_the_same_bits_whatever_shares_its_step(monkeyp
     tail = (0, 2, "sigmoid", True, 1.0, 4, 2)
     backend = TritonMoEBackend(device=DEV, gemm_tiles="fixed")
     assert backend.config_for(1, E, I, D, 2, DEV) == backend.config_for(512, E, I, D, 2, DEV) == FIXED_CONFIG
-    launched = []
-    real_route = backend_module._kernels().route
-    monkeypatch.setattr(backend_module._kernels(), "route",
-                        lambda *a, **k: launched.append(k.get("logits_kernel")) or real_route(*a, **k))
+    launched = []  # (logits kernel, routed and sorted in one launch) of each router launch
+    real_route = backend_module._kernels()._route
+    monkeypatch.setattr(backend_module._kernels(), "_route",
+                        lambda *a, **k: launched.append((a[10], k.get("sort_block_m") is not None))
+                        or real_route(*a, **k))
     rows = {}
     for n in (1, T):
         out = torch.full((n, D), float("nan"), device=DEV)
         backend.moe(None, *_on(x[:n], *op_args, out), *tail)
         rows[n] = out.cpu()
-    assert launched == [FIXED_LOGITS_KERNEL] * 2
+    assert launched == [(FIXED_LOGITS_KERNEL, False)] * 2, "fixed tiles never route and sort in one launch"
     assert torch.equal(rows[1][0], rows[T][0]), "token 0 alone and among 9 must give the same bits"
     expected = torch.full((T, D), float("nan"))
     CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
