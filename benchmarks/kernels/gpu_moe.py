@@ -59,8 +59,8 @@ from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E
 from runtime.backends.kernels.moe_config import CONFIG_DIR, device_name_of  # noqa: E402
 from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
 from runtime.backends.kernels.moe import (  # noqa: E402
-    combine, down_sorted, down_token, gate_up_sorted, gate_up_token, logits_kernel_for, route, shared_chunks,
-    sort_tokens,
+    combine, down_sorted, down_token, fused_moe, gate_up_sorted, gate_up_token, logits_kernel_for, route, route_sort,
+    route_sort_folds, shared_chunks, sort_tokens,
 )
 
 TOKENS_GPU = [1, 8, 32, 128, 512, 2048]
@@ -172,7 +172,9 @@ def baseline_stages_us(bench: Bench, x, layer, routing, config) -> dict:
     baselines of those changes: `route` with the shared gate's dot in the one-program routing
     kernel (the logits GEMV now computes it), where the GEMV runs; `down` of the token path with
     its reduction loop kept around a single tile (it now runs without the loop), where one tile
-    covers I."""
+    covers I; where a sorted step routes and sorts in one launch (`route_sort_folds`), the router
+    and the sort in their own launches (`route_then_sort`) and the whole op so
+    (`fused_route_then_sort`, against the row's `fused`)."""
     router, _, w13, w2, sw13, sw2, gate = layer
     T, D = x.shape
     E, I = w13.shape[0], w13.shape[1] // 2
@@ -187,6 +189,14 @@ def baseline_stages_us(bench: Bench, x, layer, routing, config) -> dict:
         y = torch.empty_like(x)
         out["down_with_loop"] = bench.graph_ms(
             lambda: down_token(h, w2, ids, weights, y, config.down, shared_w2=sw2, one_step=False))[0] * 1e3
+    slots = routing[0] + shared["n_shared"]
+    if config.path == "sorted" and route_sort_folds(T, E, slots, logits_kernel_for(T, E, D)):
+        bm = config.gate_up.BLOCK_M
+        out["route_then_sort"] = bench.graph_ms(
+            lambda: route_sort(x, router, None, *routing, bm, **shared, fold=False))[0] * 1e3
+        y = torch.empty_like(x)
+        out["fused_route_then_sort"] = bench.graph_ms(
+            lambda: fused_moe(x, *layer, y, *routing, config, fold=False))[0] * 1e3
     return out
 
 
@@ -204,6 +214,10 @@ def stage_times(bench: Bench, x, layer, routing, config) -> dict:
     ids, weights = route(x, router, None, *routing, **shared)
     out = torch.empty_like(x)
     times = {"route": bench.graph_ms(lambda: route(x, router, None, *routing, **shared))[0]}
+    if config.path == "sorted" and route_sort_folds(x.shape[0], E, slots, logits_kernel_for(x.shape[0], E, x.shape[1])):
+        # What the op launches for these two stages: one kernel after the GEMV.
+        times["route_sort"] = bench.graph_ms(
+            lambda: route_sort(x, router, None, *routing, config.gate_up.BLOCK_M, **shared))[0]
     if config.path == "token":
         h = gate_up_token(x, w13, ids, config.gate_up, shared_w13=sw13)
         times["gate_up"] = bench.graph_ms(lambda: gate_up_token(x, w13, ids, config.gate_up, h=h, shared_w13=sw13))[0]

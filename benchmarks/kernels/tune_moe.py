@@ -2,11 +2,14 @@
 
     python3 benchmarks/kernels/tune_moe.py --out $OUT                 # both bench layers, bf16
     python3 benchmarks/kernels/tune_moe.py --out $OUT --shapes e16 --budget-s 240
+    python3 benchmarks/kernels/tune_moe.py --out $OUT --shapes e16 --buckets 8,16,32,64,128 --budget-s 150
     python3 benchmarks/kernels/tune_moe.py --dry-run --out /tmp/moe   # interpreter, tiny dims, 2 buckets
 
 Writes `runtime/backends/kernels/moe_configs/E={E},I={I},device={device}.json` (read by TritonMoEBackend)
 and a copy as OUT/moe_configs/E{E}_I{I}_{device}.json (the GPU machine keeps nothing, and its file
-transfer refuses names with '=' or ','). Back on the CPU machine, put the copies in place with
+transfer refuses names with '=' or ','). Buckets the run does not tune keep what the file in the
+config folder had, so `--buckets` re-tunes some and leaves the others as they were. Back on the
+CPU machine, put the copies in place with
 
     python3 benchmarks/kernels/tune_moe.py --install OUTDIR/moe_configs/*.json
 
@@ -16,15 +19,27 @@ The layers are gpu_moe.py's (moe_layers.py), shared expert included (its chunks 
 takes, so they are part of the work being tuned); --no-shared tunes the routed experts alone.
 
 Per bucket T (1, 2, 4, ..., 4096), with one fixed random routing:
-1. Token path (T <= 8): each GEMV stage timed alone over a few (BLOCK_N, BLOCK_K, warps, stages).
+1. Token path (T <= 8): each GEMV stage timed alone over (BLOCK_N, BLOCK_K, warps).
 2. Sorted path: for each BLOCK_M that suits T*k / (experts hit), sort once, then time each GEMM
-   stage alone over a short list of tiles; keep the best per stage (they share BLOCK_M only).
+   stage alone over its tiles; keep the best per stage (they share BLOCK_M only). Up to
+   WIDE_MAX_T tokens and BLOCK_M WIDE_MAX_BM (few rows per expert: a GEMM that streams every
+   expert's weights and wants many programs doing it) the search is wide, in two rounds: the
+   file's tiles for the bucket, a grid of BLOCK_N x BLOCK_K (4 warps, 4 stages) and the short
+   list, then warps x stages around the best tile of the first round.
 3. The whole op, captured in a CUDA graph, for each path's winner and for `default_config`;
    the fastest is written (the default unless the fastest beats it by more than MIN_GAIN), with
    its time and the default's time beside it.
-Stage times are do_bench medians with L2 flushed before every run. A config that fails to compile
-or launch (too much shared memory) is skipped and counted. When the time budget runs out, the
-buckets left get `default_config`, marked as such in the file.
+Every stage candidate is first checked against the stage computed on the CPU in float32 from the
+same inputs (relative error of norms within the bench's tolerance); one that is wrong, or fails
+to compile or launch (too much shared memory), is skipped and logged in the file's meta.failures.
+Stage times are do_bench medians with L2 flushed before every run (in a step the weights come
+from DRAM too: its layers' experts do not fit in L2 together).
+
+The budget (--budget-s): each bucket gets an even share of what is left, and each stage search of
+a bucket an even share of the bucket's; a search stops timing candidates when its share is spent
+and keeps its best so far (the known tiles come first, so a cut search still has them).
+Compiling a candidate is most of its cost, and a config compiles once for every bucket that
+times it. Buckets left when the whole budget is spent get `default_config`, marked as such.
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ if "--dry-run" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
@@ -50,7 +66,8 @@ import triton  # noqa: E402
 
 from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
 from runtime.backends.kernels.moe_config import (  # noqa: E402
-    CONFIG_DIR, GemmConfig, MoEConfig, config_file_name, default_config, device_name_of, load_config_table,
+    CONFIG_DIR, GemmConfig, MoEConfig, config_file_name, default_config, device_name_of, fit_shared_memory,
+    load_config_table,
 )
 from runtime.backends.kernels.moe import (  # noqa: E402
     down_sorted, down_token, fused_moe, gate_up_sorted, gate_up_token, route, shared_chunks, sort_tokens,
@@ -64,9 +81,11 @@ TOKEN_PATH_MAX_T = 8
 # good tiles are narrow and deep (the whole reduction in one or two steps) with many programs.
 # BLOCK_K is capped at the reduction length (D for gate_up, I for down) when the list is used.
 TOKEN_GATE_UP_TILES = [(2, 2048, 4), (1, 2048, 4), (2, 2048, 8), (4, 2048, 8), (4, 1024, 4), (8, 1024, 8),
-                       (16, 512, 8)]
+                       (16, 512, 8), (4, 2048, 4), (8, 2048, 8), (1, 2048, 2), (2, 1024, 2), (4, 1024, 2),
+                       (8, 512, 4), (16, 256, 4), (2, 4096, 8)]
 TOKEN_DOWN_TILES = [(2, 512, 2), (1, 512, 2), (2, 512, 4), (4, 512, 4), (8, 512, 4), (4, 1024, 8), (8, 256, 4),
-                    (16, 256, 4), (16, 512, 8), (32, 256, 8)]
+                    (16, 256, 4), (16, 512, 8), (32, 256, 8), (1, 512, 1), (2, 512, 1), (4, 512, 2), (8, 512, 8),
+                    (16, 128, 4), (32, 128, 4)]
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per BLOCK_M for the sorted GEMMs. gate_up keeps
 # two accumulators (gate and up), so its N tiles stay narrower than down's.
 GATE_UP_TILES = {
@@ -83,7 +102,15 @@ DOWN_TILES = {
     64: [(64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (64, 128, 8, 4, 3)],
     128: [(128, 64, 8, 8, 4), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3), (64, 64, 8, 4, 4)],
 }
-DRY_LIMIT = 2  # tiles per stage in a dry run: the interpreter is slow and its timings mean nothing
+DRY_LIMIT = 2  # tiles per search round in a dry run: the interpreter is slow and its timings mean nothing
+
+# The wide search of the sorted GEMMs (buckets up to WIDE_MAX_T tokens, BLOCK_M up to WIDE_MAX_BM).
+WIDE_MAX_T = 128
+WIDE_MAX_BM = 64
+WIDE_BLOCK_N = {"gate_up": (16, 32, 64), "down": (16, 32, 64, 128, 256)}
+WIDE_BLOCK_K = (64, 128, 256)
+WIDE_WARPS = (2, 4, 8)
+WIDE_STAGES = (2, 3, 4, 5, 6)
 
 
 def block_m_candidates(T: int, top_k: int, E: int) -> list[int]:
@@ -105,11 +132,96 @@ def _token_tiles(tiles, depth: int) -> list:
     return out
 
 
-def _best(bench: Bench, label: str, candidates, run, log: list) -> tuple:
-    """Time run(cfg) for each candidate; return (best cfg, best ms). Failures are logged and skipped."""
-    best = (None, float("inf"))
-    for cfg in candidates:
+def _fits(cfg: GemmConfig, itemsize: int) -> bool:
+    """Whether a sorted GEMM config's pipeline fits shared memory as it is (fit_shared_memory's rule)."""
+    return fit_shared_memory(MoEConfig(cfg, cfg), itemsize).gate_up == cfg
+
+
+def wide_tiles(stage: str, bm: int, depth: int, itemsize: int) -> list[GemmConfig]:
+    """First round of the wide search: BLOCK_N x BLOCK_K at 4 warps and 4 stages (3 at BLOCK_K 256),
+    BLOCK_K no deeper than the reduction (`depth`: D for gate_up, I for down). Deep and narrow
+    first (long loads, many programs: what a weight-streaming GEMM wants), so a search cut by
+    the budget has timed those."""
+    out = []
+    for bk in sorted(WIDE_BLOCK_K, reverse=True):
+        for bn in WIDE_BLOCK_N[stage]:
+            cfg = GemmConfig(bm, bn, bk, 1, 4, 3 if bk >= 256 else 4)
+            if bk <= max(16, depth) and _fits(cfg, itemsize) and cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def wide_pipelines(best: GemmConfig, itemsize: int) -> list[GemmConfig]:
+    """Second round: the best tile of the first at every warps x stages that fits."""
+    out = []
+    for w in WIDE_WARPS:
+        for st in WIDE_STAGES:
+            cfg = dataclasses.replace(best, num_warps=w, num_stages=st)
+            if _fits(cfg, itemsize) and cfg not in out:
+                out.append(cfg)
+    return out
+
+
+class StageReference:
+    """One bucket's expert stages on the CPU in float32, per (token, slot) pair: h [P, I] and the
+    weighted expert outputs y [P, D] (rows of padding pairs 0), from the GPU's inputs upcast."""
+
+    def __init__(self, x, layer, ids, weights, n_shared: int, I: int):
+        _, _, w13, w2, sw13, sw2, _ = layer
+        E = w13.shape[0]
+        xs = x.float().cpu()
+        flat = ids.reshape(-1).long().cpu()
+        slots = ids.shape[1]
+        P = flat.numel()
+        self.h = torch.zeros(P, I)
+        self.y = torch.zeros(P, x.shape[1])
+        w = weights.reshape(-1).float().cpu()
+        for e in flat.unique().tolist():
+            if e >= E + n_shared:
+                continue  # padding pairs
+            if e < E:
+                gate, up, down = (w13[e, :I].float().cpu(), w13[e, I:].float().cpu(), w2[e].float().cpu())
+            else:  # a shared chunk: its channels of the shared expert, 0 past S
+                c, S = e - E, sw13.shape[0] // 2
+                lo, hi = c * I, min(S, (c + 1) * I)
+                gate, up = torch.zeros(I, x.shape[1]), torch.zeros(I, x.shape[1])
+                down = torch.zeros(x.shape[1], I)
+                gate[:hi - lo] = sw13[lo:hi].float().cpu()
+                up[:hi - lo] = sw13[S + lo:S + hi].float().cpu()
+                down[:, :hi - lo] = sw2[:, lo:hi].float().cpu()
+            pairs = (flat == e).nonzero().squeeze(1)
+            a = xs[pairs // slots]
+            h = torch.nn.functional.silu(a @ gate.T) * (a @ up.T)
+            self.h[pairs] = h
+            self.y[pairs] = (h @ down.T) * w[pairs, None]
+        self.P = P
+
+    def sorted_rows(self, sorted_pairs, total) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the sorted buffers that hold a pair, those pairs), on the CPU."""
+        pairs = sorted_pairs[:int(total)].long().cpu()
+        rows = (pairs < self.P).nonzero().squeeze(1)
+        return rows, pairs[rows]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float().cpu() - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _search(bench: Bench, label: str, candidates, run, check, deadline: float, log: list,
+            best=(None, float("inf"))) -> tuple:
+    """Check, then time run(cfg) for each candidate until `deadline`; return (best cfg, best ms),
+    starting from `best`. check(cfg) returns the relative error of the candidate's output against
+    the CPU reference (run(cfg) first); a wrong, failing or out-of-resources candidate is logged."""
+    for n, cfg in enumerate(candidates):
+        if time.time() > deadline and best[0] is not None:
+            log.append({"stage": label, "skipped": "budget spent", "left": len(candidates) - n})
+            break
         try:
+            run(cfg)
+            err = check()
+            if not err <= bench.tol:  # NaN fails too
+                log.append({"stage": label, "config": cfg.to_dict(), "error": f"wrong result: rel err {err:.3g}"})
+                continue
             ms = bench.time_ms(lambda: run(cfg), rep_ms=25)
         except Exception as exc:  # a tile that does not fit (shared memory, registers) is skipped
             log.append({"stage": label, "config": cfg.to_dict(), "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -121,10 +233,23 @@ def _best(bench: Bench, label: str, candidates, run, log: list) -> tuple:
     return best
 
 
-def tune_bucket(bench: Bench, layer, T: int, E: int, top_k: int, log: list) -> dict:
+def _wide_search(bench, label, first_round, run, check, deadline, log, itemsize, limit) -> tuple:
+    """Two rounds: `first_round`, then warps x stages around its best tile, within `deadline`."""
+    start = time.time()
+    # The first round may take up to half of the search's share: the second needs the rest.
+    half = start + (deadline - start) / 2
+    best = _search(bench, label, first_round[:limit], run, check, half, log)
+    around = [c for c in wide_pipelines(best[0], itemsize) if c != best[0]]
+    return _search(bench, label, around[:limit], run, check, deadline, log, best)
+
+
+def tune_bucket(bench: Bench, layer, T: int, E: int, top_k: int, log: list, deadline: float = float("inf"),
+                known: MoEConfig | None = None) -> dict:
+    """Tune one bucket within `deadline`; `known`: the config file's entry for it, tried first."""
     router, _, w13, w2, sw13, sw2, gate = layer
     D, I, dev = bench.D, bench.I, bench.device
     limit = DRY_LIMIT if bench.dry else None
+    itemsize = torch.empty((), dtype=bench.dtype).element_size()
     routing = (top_k, ROUTING["scoring"], ROUTING["renormalize"], ROUTING["routed_scale"],
                ROUTING["num_groups"], ROUTING["topk_groups"])
     # The shared expert's chunks are experts E.. that every token takes: tuned with them in.
@@ -132,36 +257,82 @@ def tune_bucket(bench: Bench, layer, T: int, E: int, top_k: int, log: list) -> d
     experts, slots = E + n_shared, top_k + n_shared
     x = torch.randn(T, D, device=dev).to(bench.dtype)
     ids, weights = route(x, router, None, *routing, n_shared=n_shared, shared_gate=gate)
+    ref = StageReference(x, layer, ids, weights, n_shared, I)
     out = torch.empty(T, D, device=dev, dtype=bench.dtype)
     finalists: dict[str, MoEConfig] = {}
     stages = {}
+    bms = block_m_candidates(T, top_k, E)
+    searches = 2 * (len(bms) + (T <= TOKEN_PATH_MAX_T))
+
+    def share() -> float:
+        """An even share of the bucket's time left for each search still to run."""
+        nonlocal searches
+        searches -= 1
+        return time.time() + max(0.0, deadline - time.time()) / (searches + 1)
 
     if T <= TOKEN_PATH_MAX_T:
         gu_tiles = _token_tiles(TOKEN_GATE_UP_TILES, D)[:limit]
         dn_tiles = _token_tiles(TOKEN_DOWN_TILES, I)[:limit]
-        h = gate_up_token(x, w13, ids, gu_tiles[0], shared_w13=sw13)
-        gu, gu_ms = _best(bench, "gate_up_token", gu_tiles,
-                          lambda c: gate_up_token(x, w13, ids, c, h=h, shared_w13=sw13), log)
-        dn, dn_ms = _best(bench, "down_token", dn_tiles,
-                          lambda c: down_token(h, w2, ids, weights, out, c, shared_w2=sw2), log)
+        if known is not None and known.path == "token":
+            gu_tiles = [known.gate_up] + [c for c in gu_tiles if c != known.gate_up]
+            dn_tiles = [known.down] + [c for c in dn_tiles if c != known.down]
+        h = torch.empty(T * slots, I, device=dev, dtype=torch.float32)
+        y_ref = ref.y.view(T, slots, D).sum(1)
+        gu, gu_ms = _search(bench, "gate_up_token", gu_tiles,
+                            lambda c: gate_up_token(x, w13, ids, c, h=h, shared_w13=sw13),
+                            lambda: _rel(h, ref.h), share(), log)
+        gate_up_token(x, w13, ids, gu, h=h, shared_w13=sw13)  # the checked winner's h feeds the down stage
+        dn, dn_ms = _search(bench, "down_token", dn_tiles,
+                            lambda c: down_token(h, w2, ids, weights, out, c, shared_w2=sw2),
+                            lambda: _rel(out, y_ref), share(), log)
         finalists["token"] = MoEConfig(gu, dn)
         stages["token"] = {"gate_up_us": gu_ms * 1e3, "down_us": dn_ms * 1e3}
 
-    for bm in block_m_candidates(T, top_k, E):
+    for bm in bms:
         sort = sort_tokens(ids, experts, bm)
+        rows, pairs = ref.sorted_rows(sort[0], sort[2])
         R = sort[0].shape[0]
         h = torch.empty(R, I, device=dev, dtype=bench.dtype)
         y = torch.empty(T * slots, D, device=dev, dtype=bench.dtype)
-        gu_tiles = [GemmConfig(bm, *t) for t in GATE_UP_TILES[bm]][:limit]
-        dn_tiles = [GemmConfig(bm, *t) for t in DOWN_TILES[bm]][:limit]
-        gu, gu_ms = _best(bench, f"gate_up_sorted_bm{bm}", gu_tiles,
-                          lambda c: gate_up_sorted(x, w13, *sort, slots, c, h=h, shared_w13=sw13), log)
-        dn, dn_ms = _best(bench, f"down_sorted_bm{bm}", dn_tiles,
-                          lambda c: down_sorted(h, w2, weights, *sort, c, y=y, shared_w2=sw2), log)
-        finalists[f"sorted_bm{bm}"] = MoEConfig(gu, dn)
-        stages[f"sorted_bm{bm}"] = {"gate_up_us": gu_ms * 1e3, "down_us": dn_ms * 1e3}
+        gu_tiles = [GemmConfig(bm, *t) for t in GATE_UP_TILES[bm]]
+        dn_tiles = [GemmConfig(bm, *t) for t in DOWN_TILES[bm]]
+        gu_known, dn_known = ([known.gate_up], [known.down]) if known and known.gate_up.BLOCK_M == bm else ([], [])
+        wide = T <= WIDE_MAX_T and bm <= WIDE_MAX_BM
+
+        def gu_run(c):
+            gate_up_sorted(x, w13, *sort, slots, c, h=h, shared_w13=sw13)
+
+        def dn_run(c):
+            down_sorted(h, w2, weights, *sort, c, y=y, shared_w2=sw2)
+
+        def gu_check():
+            return _rel(h.cpu()[rows], ref.h[pairs])
+
+        def dn_check():
+            return _rel(y.cpu()[pairs], ref.y[pairs])
+
+        label = f"sorted_bm{bm}"
+        if wide:
+            # The file's entry, then the grid, then the short list an earlier run chose that entry from.
+            gu_first = list(dict.fromkeys(gu_known + wide_tiles("gate_up", bm, D, itemsize) + gu_tiles))
+            dn_first = list(dict.fromkeys(dn_known + wide_tiles("down", bm, I, itemsize) + dn_tiles))
+            gu, gu_ms = _wide_search(bench, f"gate_up_{label}", gu_first, gu_run, gu_check, share(), log, itemsize,
+                                     limit)
+            gu_run(gu)  # the checked winner's h feeds the down stage
+            dn, dn_ms = _wide_search(bench, f"down_{label}", dn_first, dn_run, dn_check, share(), log, itemsize,
+                                     limit)
+        else:
+            gu, gu_ms = _search(bench, f"gate_up_{label}", list(dict.fromkeys(gu_known + gu_tiles))[:limit], gu_run,
+                                gu_check, share(), log)
+            gu_run(gu)
+            dn, dn_ms = _search(bench, f"down_{label}", list(dict.fromkeys(dn_known + dn_tiles))[:limit], dn_run,
+                                dn_check, share(), log)
+        finalists[label] = MoEConfig(gu, dn)
+        stages[label] = {"gate_up_us": gu_ms * 1e3, "down_us": dn_ms * 1e3}
 
     finalists["default"] = default_config(T, E, I, D, top_k)
+    if known is not None and known not in finalists.values():
+        finalists["file"] = known  # what the config file had for this bucket
     whole = {}
     for name, cfg in finalists.items():
         try:
@@ -189,17 +360,21 @@ def pick_winner(whole_us: dict) -> str:
     return best
 
 
-def tune_shape(bench: Bench, E: int, top_k: int, buckets: list[int], deadline: float, log: list) -> dict:
+def tune_shape(bench: Bench, E: int, top_k: int, buckets: list[int], deadline: float, log: list,
+               known: dict[int, MoEConfig] | None = None) -> dict:
+    """{bucket: entry} for `buckets`, each within an even share of the time left before `deadline`;
+    known: the config file's table, whose entry for a bucket is tried first."""
     layer = make_layer(bench, E, seed=1234 + E)
     table = {}
-    for T in buckets:
+    for n, T in enumerate(buckets):
         if time.time() > deadline:
             cfg = default_config(T, E, bench.I, bench.D, top_k).to_dict()
             cfg["source"] = "default (tuning budget ran out)"
             table[str(T)] = cfg
             continue
         t0 = time.time()
-        entry = tune_bucket(bench, layer, T, E, top_k, log)
+        bucket_deadline = t0 + (deadline - t0) / (len(buckets) - n)
+        entry = tune_bucket(bench, layer, T, E, top_k, log, bucket_deadline, (known or {}).get(T))
         entry["source"] = "tuned"
         table[str(T)] = entry
         print(f"[tune E={E} T={T}] {entry['winner']}: {entry['us']:.1f}us (default {entry['default_us']:.1f}us) "
@@ -222,17 +397,23 @@ def tune_all(base: Bench, shapes: dict, config_dir: Path, out_dir: Path, budget_
         shape_deadline = time.time() + (deadline - time.time()) / (len(shapes) - n)
         log: list = []
         bench = base.for_shape(shape)
-        table = tune_shape(bench, shape["E"], shape["top_k"], buckets, shape_deadline, log)
+        fname = config_file_name(shape["E"], bench.I, device)
+        before = _read_doc(Path(config_dir) / fname)
+        known = {int(t): MoEConfig.from_dict(v) for t, v in before["buckets"].items()} if before else None
+        table = tune_shape(bench, shape["E"], shape["top_k"], buckets, shape_deadline, log, known)
+        kept = {t: v for t, v in (before["buckets"] if before else {}).items() if t not in table}
         doc = {
             "meta": {"E": shape["E"], "I": bench.I, "D": bench.D, "S": bench.S, "top_k": shape["top_k"],
                      "dtype": str(bench.dtype),
                      "device": device, "torch": torch.__version__, "triton": triton.__version__,
                      "date": datetime.datetime.now().isoformat(timespec="seconds"),
                      "command": " ".join(sys.argv), "interpreter": bench.dry, "failures": log},
-            "buckets": table,
+            "buckets": dict(sorted({**kept, **table}.items(), key=lambda kv: int(kv[0]))),
         }
-        fname = config_file_name(shape["E"], bench.I, device)
         doc["meta"]["file_name"] = fname
+        if kept:  # buckets this run did not tune, as the file had them
+            doc["meta"]["kept_buckets"] = {"buckets": sorted(map(int, kept)), "date": before["meta"].get("date"),
+                                           "command": before["meta"].get("command")}
         text = json.dumps(doc, indent=1) + "\n"
         Path(config_dir).mkdir(parents=True, exist_ok=True)
         (Path(config_dir) / fname).write_text(text)
@@ -242,11 +423,21 @@ def tune_all(base: Bench, shapes: dict, config_dir: Path, out_dir: Path, budget_
         copy.parent.mkdir(parents=True, exist_ok=True)
         copy.write_text(text)
         written = [str(Path(config_dir) / fname), str(copy)]
-        print(f"tune: wrote {' and '.join(dict.fromkeys(written))} ({len(log)} configs failed)", flush=True)
-        summary[name] = {"files": written, "failures": len(log),
+        failed = sum("error" in f for f in log)
+        print(f"tune: wrote {' and '.join(dict.fromkeys(written))} ({failed} configs failed, "
+              f"{len(log) - failed} searches cut by the budget)", flush=True)
+        summary[name] = {"files": written, "failures": failed,
                          "buckets": {t: {"winner": v.get("winner", v.get("source")), "us": v.get("us"),
                                          "default_us": v.get("default_us")} for t, v in table.items()}}
     return summary
+
+
+def _read_doc(path: Path) -> dict | None:
+    """A config file's JSON, or None where there is none (refusing one the backend could not read)."""
+    if not path.is_file():
+        return None
+    load_config_table(path)
+    return json.loads(path.read_text())
 
 
 def safe_name(file_name: str) -> str:

@@ -150,7 +150,8 @@ class TritonMoEBackend(BackendHooks):
             for T in range(1, max_tokens + 1):
                 raw = self.config_for(T, layer.experts, layer.inter, layer.hidden, layer.top_k, self.device)
                 config = fitted.get(raw) or fitted.setdefault(raw, fit_shared_memory(raw, layer.itemsize))
-                variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config, self._logits_kernel)
+                variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config, self._logits_kernel,
+                                         self._fold)
                 first.setdefault((layer, variant), T)
         self._variant_tokens[max_tokens] = tuple(sorted(set(first.values())))
         return self._variant_tokens[max_tokens]
@@ -171,6 +172,13 @@ class TritonMoEBackend(BackendHooks):
     def _logits_kernel(self) -> Optional[str]:
         """The router logits kernel every step launches, or None: chosen per step from its token count."""
         return FIXED_LOGITS_KERNEL if self.fixed_tiles else None
+
+    @property
+    def _fold(self) -> Optional[bool]:
+        """Whether a sorted step routes and sorts in one launch, or None: chosen per step from its
+        token count. Never with fixed tiles: the one-program router reduces a token's scores in a
+        layout that depends on the step's token count, so their bits could differ with it."""
+        return False if self.fixed_tiles else None
 
     def config_for(self, T: int, E: int, I: int, D: int, top_k: int, device: torch.device) -> MoEConfig:
         if self.fixed_tiles:
@@ -202,4 +210,4 @@ class TritonMoEBackend(BackendHooks):
                                                        x.device), x.element_size())
         _kernels().fused_moe(x, router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate, out, top_k,
                              scoring, renormalize, routed_scale, num_groups, topk_groups, config, n_real=n_real,
-                             logits_kernel=self._logits_kernel)
+                             logits_kernel=self._logits_kernel, fold=self._fold)

@@ -182,6 +182,27 @@ def test_sort_tokens_gives_the_stable_layout_bit_for_bit(E, top_k, T, block_m):
     assert torch.equal(block_expert[:total // block_m].cpu(), blocks)
 
 
+@pytest.mark.parametrize("n_real", ["host", "device"])
+@pytest.mark.parametrize("T", [8, 32, 64, 65])
+def test_route_sort_in_one_launch_gives_the_router_and_sort_results(T, n_real):
+    """The bench layer's routing and sort in one launch (to 64 tokens) against the router's own
+    launch and the torch layout of its ids: the same ids and layout exactly, weights to float32
+    rounding (the one program sums a token's scores in another order); two launches at 65."""
+    from runtime.backends.kernels.moe import route_sort, route_sort_folds
+    from testkit.moe_checks import sorted_layout_reference
+    x, layer, tail, ids, weights, experts = _routed(16, 4, T, seed=3 * T)
+    count = T - 3 if n_real == "host" else torch.tensor([T - 3], dtype=torch.int32, device=DEV)
+    assert route_sort_folds(T, 16, 5, "gemv") == (T <= 64)
+    got = route_sort(x, layer[0], None, *tail, 16, n_real=count, n_shared=experts - 16, shared_gate=layer[6])
+    assert torch.equal(got[0], ids)
+    assert torch.allclose(got[1], weights, rtol=1e-6, atol=1e-7)
+    rows, blocks = sorted_layout_reference(ids, experts, 16)
+    total = int(got[4])
+    assert total == rows.numel()
+    assert torch.equal(got[2][:total].cpu(), rows)
+    assert torch.equal(got[3][:total // 16].cpu(), blocks)
+
+
 @pytest.mark.parametrize("T", BENCH_TOKENS)
 def test_combine_is_the_slot_order_sum_bit_for_bit(T):
     from runtime.backends.kernels.moe import combine
@@ -198,11 +219,14 @@ def test_combine_is_the_slot_order_sum_bit_for_bit(T):
 def test_fused_moe_is_its_gemms_on_the_reference_layout_bit_for_bit(T):
     """The op's output equals the unchanged expert GEMMs run on the torch layout and summed by the
     torch combine, bit for bit (the bookkeeping changes no value), and the float32 oracle to 1e-2."""
-    from runtime.backends.kernels.moe import down_sorted, gate_up_sorted, max_sorted_rows
+    from runtime.backends.kernels.moe import down_sorted, gate_up_sorted, max_sorted_rows, route_sort
     from runtime.backends.kernels.moe_config import default_config
     from testkit.moe_checks import combine_reference, sorted_layout_reference
-    x, layer, tail, ids, weights, experts = _routed(16, 4, T, seed=7 * T)
+    x, layer, tail, _, _, experts = _routed(16, 4, T, seed=7 * T)
     config = default_config(T, 16, I, D, 4)
+    # The router's results as the op computes them (in one launch with the sort up to 64 tokens).
+    ids, weights = route_sort(x, layer[0], None, *tail, config.gate_up.BLOCK_M, n_real=T - 3,
+                              n_shared=experts - 16, shared_gate=layer[6])[:2]
     out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
     fused_moe(x, *layer, out, *tail, config, n_real=T - 3)
     bm = config.gate_up.BLOCK_M

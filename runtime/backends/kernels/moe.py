@@ -40,6 +40,10 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
    before, and no atomics. Buffers have the static bound
    `P + min(E + n_shared, P) * (BLOCK_M - 1)` rows; blocks past the used total exit at once, and
    an expert with no pairs owns no block, so its weights are never read.
+   Steps 2 and 3 in one launch for a small step (`route_sort_folds`: up to 64 tokens, fewer past 64
+   experts, after the GEMV): `_route_sort_kernel`, one program, routes every token at
+   once (`_route_rows` over a [tokens, experts] tile, as `_route_kernel` runs it over one token)
+   and then lays out the pairs as `_align_kernel`'s one-block case does.
 4. `_gate_up_sorted_kernel`: grouped GEMM x[tokens] @ w13[e]^T (for a shared chunk, its rows of
    shared_w13), gate and up tiles side by side, SiLU(gate) * up fused, h [rows, I] stored in
    sorted row order.
@@ -76,7 +80,7 @@ from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpr
 from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig
 
 __all__ = ["combine", "down_sorted", "down_token", "fused_moe", "gate_up_sorted", "gate_up_token", "max_sorted_rows",
-           "route", "shared_chunks", "sort_tokens"]
+           "route", "route_sort", "route_sort_folds", "shared_chunks", "sort_tokens"]
 
 GEMV_LOGITS_MAX_TOKENS = 128  # logits_kernel_for says why
 
@@ -139,9 +143,9 @@ def _logits_gemv_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, E, D, stride_xt, stride
     tl.store(out_row + offs_e, acc, mask=e_mask)
 
 
-@triton.jit(do_not_specialize=["n_real"])
+@triton.jit(do_not_specialize=["T", "n_real"])
 def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weights_ptr, nreal_ptr,
-                  n_real, routed_scale, D, stride_xt, stride_we, stride_lt,
+                  T, n_real, routed_scale, D, stride_xt, stride_we, stride_lt,
                   E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                   G_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -149,30 +153,22 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weight
                   RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr,
                   N_SHARED: tl.constexpr, NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr,
                   GATE_IN_LOGITS: tl.constexpr, GATE_BLOCK_D: tl.constexpr):
-    """One token: ids [k + n_shared] int32 and weights float32.
+    """One token: ids [k + n_shared] int32 and weights float32 (`_route_rows` says what they hold).
 
-    Slots 0..k-1 are the routed top-k; slots k.. are the shared expert's chunks E..E+n_shared-1,
-    weighted by sigmoid(x . shared_gate) (1 without a gate). Padding rows get the sentinel
-    E + n_shared and weight 0 in every slot. GATE_IN_LOGITS: the logits kernel left x . shared_gate
-    in column E of the row.
+    Without GATE_IN_LOGITS the token's shared-gate logit x . shared_gate is computed here, and with
+    FUSED_LOGITS its router logits too (written to its logits row, then routed from there).
     """
     t = tl.program_id(0)
-    SLOTS: tl.constexpr = TOP_K + N_SHARED
-    SENTINEL: tl.constexpr = E + N_SHARED
     row = logits_ptr + t.to(tl.int64) * stride_lt
-    if N_SHARED > 0:
-        # The gate's logit first, so that its loads can overlap the selection below instead of following it.
-        gate_logit = 0.0
-        if SHARED_GATE:
-            if GATE_IN_LOGITS:
-                gate_logit = tl.load(row + E)
-            else:
-                acc_g = tl.zeros((GATE_BLOCK_D,), dtype=tl.float32)
-                for d0 in range(0, D, GATE_BLOCK_D):
-                    d = d0 + tl.arange(0, GATE_BLOCK_D)
-                    xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + d, mask=d < D, other=0.0).to(tl.float32)
-                    acc_g += xv * tl.load(sgate_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-                gate_logit = tl.sum(acc_g, axis=0)
+    # The gate's logit first, so that its loads can overlap the selection below instead of following it.
+    gate_logit = tl.zeros((1,), dtype=tl.float32)
+    if N_SHARED > 0 and SHARED_GATE and not GATE_IN_LOGITS:
+        acc_g = tl.zeros((GATE_BLOCK_D,), dtype=tl.float32)
+        for d0 in range(0, D, GATE_BLOCK_D):
+            d = d0 + tl.arange(0, GATE_BLOCK_D)
+            xv = tl.load(x_ptr + t.to(tl.int64) * stride_xt + d, mask=d < D, other=0.0).to(tl.float32)
+            acc_g += xv * tl.load(sgate_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        gate_logit += tl.sum(acc_g, axis=0)
     if FUSED_LOGITS:
         e1 = tl.arange(0, E_PAD)
         acc = tl.zeros((E_PAD,), dtype=tl.float32)
@@ -185,80 +181,108 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weight
         tl.store(row + e1, acc, mask=e1 < E)
         # The row is re-read below in the grouped [G,S] layout by other threads of this program.
         tl.debug_barrier()
+    _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, t, T, n_real, routed_scale, stride_lt,
+                gate_logit, E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, 1, HAS_BIAS,
+                SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, GATE_IN_LOGITS)
 
-    # Experts in a [group, member] layout; with one group it is [1, E].
-    g = tl.arange(0, G_PAD)[:, None]
-    s = tl.arange(0, S_PAD)[None, :]
-    valid = (g < NUM_GROUPS) & (s < GROUP_SIZE)
-    e2 = g * GROUP_SIZE + s  # expert id where valid
-    logit = tl.load(row + e2, mask=valid, other=0.0)
+
+@triton.jit
+def _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, t0, T, n_real, routed_scale, stride_lt,
+                gate_logit, E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                G_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr,
+                N_SHARED: tl.constexpr, NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr,
+                GATE_IN_LOGITS: tl.constexpr):
+    """Route tokens t0 .. t0 + BLOCK_T - 1 (those below T) from their logits rows, all at once.
+
+    Slots 0..k-1 are the routed top-k; slots k.. are the shared expert's chunks E..E+n_shared-1,
+    weighted by sigmoid(x . shared_gate) (1 without a gate). Padding rows (at or past n_real) get
+    the sentinel E + n_shared and weight 0 in every slot. The gate's logit: column E of the
+    logits row with GATE_IN_LOGITS, else `gate_logit` [BLOCK_T].
+    """
+    SLOTS: tl.constexpr = TOP_K + N_SHARED
+    SENTINEL: tl.constexpr = E + N_SHARED
+    t = t0 + tl.arange(0, BLOCK_T)  # [BT]
+    in_step = t < T
+    rows = logits_ptr + t.to(tl.int64) * stride_lt
+    if N_SHARED > 0 and SHARED_GATE and GATE_IN_LOGITS:
+        gate_logit = tl.load(rows + E, mask=in_step, other=0.0)
+
+    # Experts in a [token, group, member] layout; with one group it is [BT, 1, E].
+    g = tl.arange(0, G_PAD)[None, :, None]
+    s = tl.arange(0, S_PAD)[None, None, :]
+    valid = (g < NUM_GROUPS) & (s < GROUP_SIZE)  # [1, G, S]
+    e3 = g * GROUP_SIZE + s  # expert id where valid
+    logit = tl.load(rows[:, None, None] + e3, mask=valid & in_step[:, None, None], other=0.0)
     if SOFTMAX:
-        top = tl.max(tl.max(tl.where(valid, logit, float("-inf")), axis=1), axis=0)
-        p = tl.where(valid, tl.exp(logit - top), 0.0)
-        scores = p / tl.sum(tl.sum(p, axis=1), axis=0)
+        top = tl.max(tl.max(tl.where(valid, logit, float("-inf")), axis=2), axis=1)
+        p = tl.where(valid, tl.exp(logit - top[:, None, None]), 0.0)
+        scores = p / tl.sum(tl.sum(p, axis=2), axis=1)[:, None, None]
     else:
         scores = 1.0 / (1.0 + tl.exp(-logit))
     choice = scores
     if HAS_BIAS:
         # The bias steers selection only; weights below use the unbiased scores.
-        choice = choice + tl.load(bias_ptr + e2, mask=valid, other=0.0).to(tl.float32)
+        choice = choice + tl.load(bias_ptr + e3, mask=valid, other=0.0).to(tl.float32)
     choice = tl.where(valid, choice, float("-inf"))
 
     if NUM_GROUPS > 1:
         # Group score: the sum of the group's two best biased scores (one if groups have one member).
-        best1 = tl.max(choice, axis=1)  # [G]
-        arg1 = tl.min(tl.where(choice == best1[:, None], s, S_PAD), axis=1)
+        best1 = tl.max(choice, axis=2)  # [BT, G]
+        arg1 = tl.min(tl.where(choice == best1[:, :, None], s, S_PAD), axis=2)
         if GROUP_SIZE > 1:
-            best2 = tl.max(tl.where(s == arg1[:, None], float("-inf"), choice), axis=1)
+            best2 = tl.max(tl.where(s == arg1[:, :, None], float("-inf"), choice), axis=2)
             gscore = best1 + best2
         else:
             gscore = best1
-        gidx = tl.arange(0, G_PAD)
+        gidx = tl.arange(0, G_PAD)[None, :]
         gscore = tl.where(gidx < NUM_GROUPS, gscore, float("-inf"))
-        keep = gidx < 0
+        keep = tl.zeros((BLOCK_T, G_PAD), dtype=tl.int32) != 0
         for _ in tl.static_range(TOPK_GROUPS):
-            gbest = tl.max(gscore, axis=0)
-            gi = tl.min(tl.where(gscore == gbest, gidx, G_PAD), axis=0)
-            keep = keep | (gidx == gi)
-            gscore = tl.where(gidx == gi, float("-inf"), gscore)
-        choice = tl.where(keep[:, None], choice, float("-inf"))
+            gbest = tl.max(gscore, axis=1)
+            gi = tl.min(tl.where(gscore == gbest[:, None], gidx, G_PAD), axis=1)
+            keep = keep | (gidx == gi[:, None])
+            gscore = tl.where(gidx == gi[:, None], float("-inf"), gscore)
+        choice = tl.where(keep[:, :, None], choice, float("-inf"))
 
-    kk = tl.arange(0, K_PAD)
-    sel_ids = tl.full((K_PAD,), SENTINEL, dtype=tl.int32)
-    sel_w = tl.zeros((K_PAD,), dtype=tl.float32)
+    kk = tl.arange(0, K_PAD)[None, :]
+    sel_ids = tl.full((BLOCK_T, K_PAD), SENTINEL, dtype=tl.int32)
+    sel_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(tl.max(choice, axis=1), axis=0)
+        best = tl.max(tl.max(choice, axis=2), axis=1)
         # Lowest expert id among ties; clamp to the sentinel if nothing selectable is left.
-        idx = tl.min(tl.min(tl.where(valid & (choice == best), e2, SENTINEL), axis=1), axis=0)
-        hit = valid & (e2 == idx)
-        w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
-        sel_ids = tl.where(kk == j, idx, sel_ids)
-        sel_w = tl.where(kk == j, w, sel_w)
+        idx = tl.min(tl.min(tl.where(valid & (choice == best[:, None, None]), e3, SENTINEL), axis=2), axis=1)
+        hit = valid & (e3 == idx[:, None, None])
+        w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)
+        sel_ids = tl.where(kk == j, idx[:, None], sel_ids)
+        sel_w = tl.where(kk == j, w[:, None], sel_w)
         choice = tl.where(hit, float("-inf"), choice)
     if RENORM:
         if SOFTMAX:
-            sel_w = sel_w / tl.sum(sel_w, axis=0)
+            sel_w = sel_w / tl.sum(sel_w, axis=1)[:, None]
         else:
-            sel_w = sel_w / (tl.sum(sel_w, axis=0) + 1e-20)
+            sel_w = sel_w / (tl.sum(sel_w, axis=1)[:, None] + 1e-20)
     sel_w = sel_w * routed_scale
 
     if NREAL_FROM_PTR:
         n_real = tl.load(nreal_ptr)
-    real = t < n_real
+    real = (t < n_real)[:, None]
     sel_ids = tl.where(real, sel_ids, SENTINEL)
     sel_w = tl.where(real, sel_w, 0.0)
-    k_mask = kk < TOP_K
-    tl.store(ids_ptr + t * SLOTS + kk, sel_ids, mask=k_mask)
-    tl.store(weights_ptr + t * SLOTS + kk, sel_w, mask=k_mask)
+    pair = t[:, None] * SLOTS
+    k_mask = (kk < TOP_K) & in_step[:, None]
+    tl.store(ids_ptr + pair + kk, sel_ids, mask=k_mask)
+    tl.store(weights_ptr + pair + kk, sel_w, mask=k_mask)
 
     if N_SHARED > 0:
-        gate = tl.full((NS_PAD,), 1.0, dtype=tl.float32)
+        gate = tl.full((BLOCK_T, NS_PAD), 1.0, dtype=tl.float32)
         if SHARED_GATE:
-            gate = gate / (1.0 + tl.exp(-gate_logit))
-        c = tl.arange(0, NS_PAD)
-        c_mask = c < N_SHARED
-        tl.store(ids_ptr + t * SLOTS + TOP_K + c, tl.where(real, E + c, SENTINEL), mask=c_mask)
-        tl.store(weights_ptr + t * SLOTS + TOP_K + c, tl.where(real, gate, 0.0), mask=c_mask)
+            gate = gate / (1.0 + tl.exp(-gate_logit[:, None]))
+        c = tl.arange(0, NS_PAD)[None, :]
+        c_mask = (c < N_SHARED) & in_step[:, None]
+        tl.store(ids_ptr + pair + TOP_K + c, tl.where(real, E + c, SENTINEL), mask=c_mask)
+        tl.store(weights_ptr + pair + TOP_K + c, tl.where(real, gate, 0.0), mask=c_mask)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -303,13 +327,8 @@ def _align_kernel(ids_ptr, block_counts_ptr, sorted_ptr, block_expert_ptr, total
                   E: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
                   COUNTED: tl.constexpr, NB_STEP: tl.constexpr, E_CHUNK: tl.constexpr):
     """The sorted layout (sort_tokens' contract). Programs below num_blocks place the pairs of one
-    block of BLOCK_P; each program past them pads the segments of E_CHUNK experts and names
-    their blocks' expert.
-
-    A pair's row is its expert's segment start + the expert's pairs in earlier blocks + its rank
-    among the expert's pairs in its own block; that rank comes from sorting the block's keys
-    expert * BLOCK_P + position, so within an expert the pairs keep pair order.
-    """
+    block of BLOCK_P (`_place_pairs`); each program past them pads the segments of E_CHUNK experts
+    and names their blocks' expert (`_pad_segments`)."""
     pid = tl.program_id(0)
     b = tl.minimum(pid, num_blocks - 1)  # an expert program's counts need no block of its own
     counts, before, mine = _align_counts(ids_ptr, block_counts_ptr, b, num_blocks, P, E, E_BINS, BLOCK_P,
@@ -317,33 +336,83 @@ def _align_kernel(ids_ptr, block_counts_ptr, sorted_ptr, block_expert_ptr, total
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     starts = tl.cumsum(padded, axis=0) - padded  # exclusive prefix: segment start of each expert
     if pid < num_blocks:
-        # Sorted position i of this block holds the pair of expert e at row base[e] + i.
-        base = starts + before - (tl.cumsum(mine, axis=0) - mine)
-        i = tl.arange(0, BLOCK_P)
-        p = pid * BLOCK_P + i
-        ids = tl.load(ids_ptr + p, mask=p < P, other=E)  # beyond P: the sentinel, sorted last
-        key = tl.sort(ids * BLOCK_P + i)
-        e = key // BLOCK_P
-        row = tl.gather(base, tl.minimum(e, E_BINS - 1), 0) + i
-        tl.store(sorted_ptr + row, pid * BLOCK_P + key % BLOCK_P, mask=e < E)
+        _place_pairs(ids_ptr, sorted_ptr, pid, P, starts, before, mine, E, E_BINS, BLOCK_P)
     else:
         chunk = pid - num_blocks
         if chunk == 0:
             tl.store(total_ptr, tl.sum(padded, axis=0))
-        ec = chunk * E_CHUNK + tl.arange(0, E_CHUNK)
-        live = ec < E
-        at = tl.minimum(ec, E_BINS - 1)
-        start = tl.gather(starts, at, 0)
-        count = tl.gather(counts, at, 0)
-        size = tl.where(live, tl.gather(padded, at, 0), 0)
-        # Padding rows after each segment's pairs: the sentinel pair id P.
-        q = tl.arange(0, BLOCK_M)[None, :]
-        tl.store(sorted_ptr + start[:, None] + count[:, None] + q, tl.full((E_CHUNK, BLOCK_M), P, dtype=tl.int32),
-                 mask=q < (size - count)[:, None])
-        blocks = size // BLOCK_M
-        first = start // BLOCK_M
-        for j in range(0, tl.max(blocks, axis=0)):
-            tl.store(block_expert_ptr + first + j, ec, mask=j < blocks)
+        _pad_segments(sorted_ptr, block_expert_ptr, chunk, P, starts, counts, padded, E, E_BINS, BLOCK_M, E_CHUNK)
+
+
+@triton.jit
+def _place_pairs(ids_ptr, sorted_ptr, b, P, starts, before, mine, E: tl.constexpr, E_BINS: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """Write the pair ids of block b (pairs b*BLOCK_P ..) at their sorted rows.
+
+    A pair's row is its expert's segment start + the expert's pairs in earlier blocks + its rank
+    among the expert's pairs in its own block; that rank comes from sorting the block's keys
+    expert * BLOCK_P + position, so within an expert the pairs keep pair order.
+    """
+    # Sorted position i of this block holds the pair of expert e at row base[e] + i.
+    base = starts + before - (tl.cumsum(mine, axis=0) - mine)
+    i = tl.arange(0, BLOCK_P)
+    p = b * BLOCK_P + i
+    ids = tl.load(ids_ptr + p, mask=p < P, other=E)  # beyond P: the sentinel, sorted last
+    key = tl.sort(ids * BLOCK_P + i)
+    e = key // BLOCK_P
+    row = tl.gather(base, tl.minimum(e, E_BINS - 1), 0) + i
+    tl.store(sorted_ptr + row, b * BLOCK_P + key % BLOCK_P, mask=e < E)
+
+
+@triton.jit
+def _pad_segments(sorted_ptr, block_expert_ptr, chunk, P, starts, counts, padded, E: tl.constexpr,
+                  E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, E_CHUNK: tl.constexpr):
+    """For experts chunk*E_CHUNK ..: the sentinel pair id P in the rows after each segment's pairs,
+    and the expert of each of its blocks."""
+    ec = chunk * E_CHUNK + tl.arange(0, E_CHUNK)
+    live = ec < E
+    at = tl.minimum(ec, E_BINS - 1)
+    start = tl.gather(starts, at, 0)
+    count = tl.gather(counts, at, 0)
+    size = tl.where(live, tl.gather(padded, at, 0), 0)
+    q = tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ptr + start[:, None] + count[:, None] + q, tl.full((E_CHUNK, BLOCK_M), P, dtype=tl.int32),
+             mask=q < (size - count)[:, None])
+    blocks = size // BLOCK_M
+    first = start // BLOCK_M
+    for j in range(0, tl.max(blocks, axis=0)):
+        tl.store(block_expert_ptr + first + j, ec, mask=j < blocks)
+
+
+@triton.jit(do_not_specialize=["T", "n_real", "P"])
+def _route_sort_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                       T, n_real, P, routed_scale, stride_lt,
+                       E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                       NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                       G_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
+                       NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr, NS_PAD: tl.constexpr,
+                       SHARED_GATE: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_P: tl.constexpr, E_CHUNK: tl.constexpr):
+    """A small step's routing and sort in one program (`route_sort_folds`): `_route_rows` over all
+    T tokens, then `_align_kernel`'s layout of one block holding every pair. The shared gate's
+    logit comes in column E of the logits (the GEMV's)."""
+    _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, 0, T, n_real, routed_scale, stride_lt,
+                tl.zeros((BLOCK_T,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS,
+                G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE,
+                True)
+    # The ids are read back in pair order by other threads of this program: a CTA barrier orders
+    # this program's global stores before those loads.
+    tl.debug_barrier()
+    EXPERTS: tl.constexpr = E + N_SHARED  # the shared chunks sort as experts; ids past them are padding
+    counts, before, mine = _align_counts(ids_ptr, ids_ptr, 0, 1, P, EXPERTS, E_BINS, BLOCK_P, False, 1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    _place_pairs(ids_ptr, sorted_ptr, 0, P, starts, before, mine, EXPERTS, E_BINS, BLOCK_P)
+    tl.store(total_ptr, tl.sum(padded, axis=0))
+    for chunk in tl.static_range((EXPERTS + E_CHUNK - 1) // E_CHUNK):
+        _pad_segments(sorted_ptr, block_expert_ptr, chunk, P, starts, counts, padded, EXPERTS, E_BINS, BLOCK_M,
+                      E_CHUNK)
 
 
 @triton.jit
@@ -711,17 +780,41 @@ def align_block_p(num_pairs: int) -> int:
     return 256 if num_pairs <= 256 else ALIGN_BLOCK_P
 
 
-def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits_kernel: Optional[str] = None) -> tuple:
+# Routing and sort in one launch (`route_sort_folds`) up to this many tokens. Its one program routes
+# every token at once, where `_route_kernel` runs a program per token: ahead by the launch and its
+# gap (~2 us a layer in a replayed graph) while the tokens' [T, E] tile is small.
+ROUTE_SORT_MAX_TOKENS = 64
+ROUTE_TILE_MAX = 4096  # token rows x experts (powers of two) that one program routes at once
+
+
+def route_tile_rows(E: int) -> int:
+    """The token rows `_route_sort_kernel` routes at once for E experts, whatever the step's T (a
+    function of E only, so every count it serves launches one kernel variant)."""
+    return max(1, min(ROUTE_SORT_MAX_TOKENS, ROUTE_TILE_MAX // next_pow2(E)))
+
+
+def route_sort_folds(T: int, E: int, slots: int, logits_kernel: str) -> bool:
+    """Whether a sorted step of T tokens routes and sorts in one launch (`_route_sort_kernel`): its
+    tokens fit the one program's rows (`route_tile_rows`), its pairs one sort block (ALIGN_BLOCK_P),
+    and the GEMV computed the logits (with the shared gate's in column E)."""
+    return 0 < T <= route_tile_rows(E) and T * slots <= ALIGN_BLOCK_P and logits_kernel == "gemv"
+
+
+def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits_kernel: Optional[str] = None,
+                   fold: Optional[bool] = None) -> tuple:
     """Everything an eager step of T tokens picks from T that makes Triton build another kernel: the
     logits kernel (`logits_kernel` where the caller fixes it), the GEMM configs (their tiles are
-    constexprs) and the sort's width and whether it counts blocks first. Two token counts with equal variants launch the same
-    kernels; the backend's `kernel_variant_tokens` runs one count of each at start-up, so a bundle
-    holds them all."""
+    constexprs), the sort's width and whether it counts blocks first, and whether the routing and
+    sort run as one launch (`fold` as `fused_moe` takes it). Two token counts with equal variants
+    launch the same kernels; the backend's `kernel_variant_tokens` runs one count of each at
+    start-up, so a bundle holds them all."""
+    logits_kernel = logits_kernel or logits_kernel_for(T, E, D)
     sort = None
     if config.path == "sorted":
         block_p = align_block_p(T * slots)
-        sort = block_p, T * slots > block_p
-    return logits_kernel or logits_kernel_for(T, E, D), config, sort
+        folded = route_sort_folds(T, E, slots, logits_kernel) if fold is None else fold
+        sort = block_p, T * slots > block_p, folded
+    return logits_kernel, config, sort
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
@@ -739,6 +832,38 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
     T, E and D. gate_in_logits: False makes the routing kernel compute the shared gate's logit even
     after the GEMV (benchmarks compare the two); by default the GEMV does.
     """
+    return _route(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale, num_groups, topk_groups,
+                  n_real, logits_kernel, n_shared, shared_gate, gate_in_logits)[:2]
+
+
+def route_sort(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
+               scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
+               block_m: int, n_real: "int | torch.Tensor | None" = None, logits_kernel: Optional[str] = None,
+               n_shared: int = 0, shared_gate: Optional[torch.Tensor] = None, fold: Optional[bool] = None):
+    """`route`, then `sort_tokens` of its ids over E + n_shared experts at block_m: (ids, weights,
+    sorted_pairs, block_expert, total). fold: True routes and sorts in one launch (`route_sort_folds`
+    must allow it), False in two or three; by default `route_sort_folds` decides."""
+    T, E = x.shape[0], router_weight.shape[0]
+    slots = top_k + n_shared
+    logits_kernel = logits_kernel or logits_kernel_for(T, E, x.shape[1])
+    allowed = route_sort_folds(T, E, slots, logits_kernel)
+    if fold and not allowed:
+        raise ValueError(f"moe: a step of {T} tokens ({E} experts, {slots} slots, {logits_kernel} logits) "
+                         f"cannot route and sort in one launch")
+    fold = allowed if fold is None else fold
+    ids, weights, layout = _route(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale,
+                                  num_groups, topk_groups, n_real, logits_kernel, n_shared, shared_gate,
+                                  sort_block_m=block_m if fold else None)
+    if layout is None:
+        layout = sort_tokens(ids, E + n_shared, block_m)
+    return (ids, weights, *layout)
+
+
+def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize: bool, routed_scale: float,
+           num_groups: int, topk_groups: int, n_real, logits_kernel: Optional[str], n_shared: int, shared_gate,
+           gate_in_logits: Optional[bool] = None, sort_block_m: Optional[int] = None):
+    """`route`'s launches: (ids, weights, None); with sort_block_m, the routing kernel is
+    `_route_sort_kernel` and the third item is sort_tokens' (sorted_pairs, block_expert, total)."""
     T, D = x.shape
     E = router_weight.shape[0]
     if scoring not in ("softmax", "sigmoid"):
@@ -765,8 +890,15 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
         raise ValueError(f"moe: unknown logits kernel {logits_kernel!r}")
     gate_in_logits = shared_gate is not None and logits_kernel == "gemv" and gate_in_logits is not False
     logits = torch.empty(T, E + gate_in_logits, dtype=torch.float32, device=dev)
+    if sort_block_m is not None:
+        assert logits_kernel == "gemv" and (shared_gate is None or gate_in_logits), (
+            "moe: one-launch routing and sort reads the shared gate's logit from the GEMV's logits")
+        P = ids.numel()
+        layout = _sort_buffers(P, E + n_shared, sort_block_m, dev)
+        if T == 0:
+            return ids, weights, (layout[0], layout[1], torch.zeros(1, dtype=torch.int32, device=dev))
     if T == 0:
-        return ids, weights
+        return ids, weights, None
     e_pad = next_pow2(E)
     fused = logits_kernel == "fused"
     if fused:
@@ -792,10 +924,23 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
         nreal_ptr, n_real_int, from_ptr = ids, T if n_real is None else int(n_real), False
     g_pad = next_pow2(num_groups)
     s_pad = next_pow2(group_size)
+    if sort_block_m is not None:
+        sorted_pairs, block_expert, total = layout
+        e_bins = next_pow2(E + n_shared)
+        _route_sort_kernel[(1,)](
+            logits, router_bias if router_bias is not None else logits, ids, weights, nreal_ptr,
+            sorted_pairs, block_expert, total, T, n_real_int, P, float(routed_scale), logits.stride(0),
+            E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
+            TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=g_pad, S_PAD=s_pad, BLOCK_T=route_tile_rows(E),
+            HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORM=bool(renormalize),
+            NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)),
+            SHARED_GATE=shared_gate is not None, E_BINS=e_bins, BLOCK_M=sort_block_m, BLOCK_P=align_block_p(P),
+            E_CHUNK=_pad_chunk(e_bins, sort_block_m), num_warps=4)
+        return ids, weights, layout
     _route_kernel[(T,)](
         x, router_weight, logits, router_bias if router_bias is not None else logits,
         shared_gate if shared_gate is not None else logits, ids, weights,
-        nreal_ptr, n_real_int, float(routed_scale), D,
+        nreal_ptr, T, n_real_int, float(routed_scale), D,
         x.stride(0), router_weight.stride(0), logits.stride(0),
         E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
         TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=g_pad, S_PAD=s_pad, E_PAD=e_pad,
@@ -810,13 +955,24 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
         # in a chain of small steps (unpipelined loads: each one a DRAM round trip at batch 1).
         N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=shared_gate is not None,
         GATE_IN_LOGITS=gate_in_logits, GATE_BLOCK_D=min(2048, next_pow2(D)))
-    return ids, weights
+    return ids, weights, None
 
 
 def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static bound on the padded sorted rows: every hit expert wastes at most BLOCK_M-1 rows."""
     rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     return cdiv(rows, block_m) * block_m
+
+
+def _sort_buffers(num_pairs: int, num_experts: int, block_m: int, device) -> tuple:
+    """sort_tokens' outputs, unfilled: (sorted_pairs [R], block_expert [R / block_m], total [1]) int32."""
+    R = max_sorted_rows(num_pairs, num_experts, block_m)
+    return tuple(torch.empty(n, dtype=torch.int32, device=device) for n in (R, R // block_m, 1))
+
+
+def _pad_chunk(e_bins: int, block_m: int) -> int:
+    """Experts whose segments one `_pad_segments` call pads: a [chunk, block_m] tile of at most 4K rows."""
+    return max(1, min(e_bins, 4096 // block_m))
 
 
 def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Optional[int] = None):
@@ -833,12 +989,9 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     P = ids.numel()
     E = num_experts
     dev = ids.device
-    R = max_sorted_rows(P, E, block_m)
-    sorted_pairs = torch.empty(R, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(R // block_m, dtype=torch.int32, device=dev)
+    sorted_pairs, block_expert, total = _sort_buffers(P, E, block_m, dev)
     if P == 0:
         return sorted_pairs, block_expert, torch.zeros(1, dtype=torch.int32, device=dev)
-    total = torch.empty(1, dtype=torch.int32, device=dev)  # the kernel writes it
     block_p = block_p or align_block_p(P)
     assert block_p & (block_p - 1) == 0 and (E + 1) * block_p < 2 ** 31, f"moe: sort width {block_p}"
     num_blocks = cdiv(P, block_p)
@@ -847,8 +1000,7 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     block_counts = torch.empty(num_blocks, e_bins, dtype=torch.int32, device=dev) if counted else ids
     if counted:
         _align_count_kernel[(num_blocks,)](ids, block_counts, P, E=E, E_BINS=e_bins, BLOCK_P=block_p, num_warps=4)
-    # One program pads the segments of up to e_chunk experts: a [e_chunk, block_m] tile of at most 4K rows.
-    e_chunk = max(1, min(e_bins, 4096 // block_m))
+    e_chunk = _pad_chunk(e_bins, block_m)
     _align_kernel[(num_blocks + cdiv(E, e_chunk),)](
         ids, block_counts, sorted_pairs, block_expert, total, P, num_blocks, E=E, E_BINS=e_bins, BLOCK_M=block_m,
         BLOCK_P=block_p, COUNTED=counted, NB_STEP=max(1, min(64, 4096 // e_bins)), E_CHUNK=e_chunk, num_warps=4)
@@ -986,9 +1138,10 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
               shared_w2: Optional[torch.Tensor], shared_gate: Optional[torch.Tensor], out: torch.Tensor,
               top_k: int, scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
               config: MoEConfig, n_real: "int | torch.Tensor | None" = None,
-              logits_kernel: Optional[str] = None) -> None:
+              logits_kernel: Optional[str] = None, fold: Optional[bool] = None) -> None:
     """The moe op into `out` [T,D] (rows >= n_real zeroed): arguments and shapes as its schema.
-    logits_kernel: the router's logits kernel (`route`), by default chosen from T."""
+    logits_kernel: the router's logits kernel (`route`), by default chosen from T. fold: whether
+    a sorted step routes and sorts in one launch (`route_sort`), by default `route_sort_folds`'s answer."""
     T, D = x.shape
     E, two_i, D_w = w13.shape
     I = two_i // 2
@@ -1025,8 +1178,8 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
         return
     # The shared expert's chunks sort like experts E..E+n_shared-1 (after every routed expert).
     experts = E + n_shared
-    ids, weights = route(*route_args, **shared)
-    sorted_pairs, block_expert, total = sort_tokens(ids, experts, config.gate_up.BLOCK_M)
+    ids, weights, sorted_pairs, block_expert, total = route_sort(
+        *route_args[:-1], config.gate_up.BLOCK_M, n_real=n_real, **shared, fold=fold)
     h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots, config.gate_up, shared_w13=shared_w13)
     y = down_sorted(h, w2, weights, sorted_pairs, block_expert, total, config.down, shared_w2=shared_w2)
     combine(y, ids, out, experts)

@@ -34,7 +34,7 @@ from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig, config_fi
 from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
 from testkit.moe_checks import combine_reference, sorted_layout_reference  # noqa: E402
 from runtime.backends.kernels.moe import (  # noqa: E402
-    combine, down_token, fused_moe, gate_up_token, route, shared_chunks, sort_tokens,
+    combine, down_token, fused_moe, gate_up_token, route, route_sort, route_sort_folds, shared_chunks, sort_tokens,
 )
 
 DEV = torch.device("cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda")
@@ -224,6 +224,57 @@ def test_router_marks_rows_past_the_real_count_as_padding():
         assert (ids[:3] < 4).all()
 
 
+# (T, routing, shared, n_real): both sides of the one-launch limit at E=8 (route_tile_rows: 64
+# tokens), one token, and padding rows (a host count and a device count).
+ROUTE_SORT_CASES = [(1, "softmax", "none", None), (17, "sigmoid_bias_grouped", "gated_S=40", 13),
+                    (64, "softmax", "gated_S=I", "device 50"), (65, "softmax", "gated_S=I", "device 50"),
+                    (64, "sigmoid_bias_grouped", "ungated_S=2I", None)]
+
+
+@pytest.mark.parametrize("T,routing,shared,n_real", ROUTE_SORT_CASES)
+def test_route_sort_in_one_launch_gives_the_router_and_sort_results(T, routing, shared, n_real):
+    """route_sort's one launch (T <= 64 here) and its separate launches (always available): the
+    router's ids exactly and weights to float32 rounding, and the sorted layout of those ids exactly."""
+    g = torch.Generator().manual_seed(T + len(routing))
+    E, k, block_m = 8, 2, 16
+    scoring, bias, groups, topk_groups = ROUTINGS[routing](E)
+    router, b, _, _, sw13, _, gate = _layer(g, E, bias, shared)
+    n_shared = shared_chunks(0 if sw13 is None else sw13.shape[0] // 2, I)
+    x = torch.randn(T, D, generator=g)
+    if isinstance(n_real, str):
+        n_real = torch.tensor([int(n_real.split()[1])], dtype=torch.int32, device=DEV)
+    args = (*_on(x, router, b), k, scoring, True, 2.5, groups, topk_groups)
+    extra = dict(n_real=n_real, n_shared=n_shared, shared_gate=None if gate is None else gate.to(DEV))
+    folds = route_sort_folds(T, E, k + n_shared, "gemv")
+    assert folds == (T <= 64)
+    ids, w = (t.cpu() for t in route(*args, **extra))
+    for fold in ([True, False] if folds else [False]):
+        got = [t.cpu() for t in route_sort(*args, block_m, **extra, fold=fold)]
+        assert torch.equal(got[0], ids), f"fold={fold}: ids"
+        assert torch.allclose(got[1], w, rtol=1e-6, atol=1e-7), f"fold={fold}: weights"
+        rows, blocks = sorted_layout_reference(ids, E + n_shared, block_m)
+        total = int(got[4])
+        assert total == rows.numel() and torch.equal(got[2][:total], rows), f"fold={fold}: sorted rows"
+        assert torch.equal(got[3][:total // block_m], blocks), f"fold={fold}: block experts"
+    if not folds:
+        with pytest.raises(ValueError, match="one launch"):
+            route_sort(*args, block_m, **extra, fold=True)
+
+
+@pytest.mark.parametrize("T", [64, 65])
+def test_fused_moe_matches_reference_on_both_sides_of_the_one_launch_routing(T):
+    g = torch.Generator().manual_seed(T)
+    E, top_k = 8, 2
+    layer = _layer(g, E, True, "gated_S=40")
+    x = torch.randn(T, D, generator=g)
+    tail = (top_k, "sigmoid", True, 2.5, 4, 2)
+    ref = moe_reference(x, *layer, *tail)
+    out = torch.full((T, D), float("nan"), device=DEV)
+    fused_moe(*_on(x, *layer, out), *tail, SORTED, n_real=T - 3)
+    assert torch.isfinite(out).all() and (out[T - 3:] == 0).all()
+    assert _rel(out[:T - 3], ref[:T - 3]) <= 1e-4
+
+
 def _routed_ids(g, T, k, E, padding_tokens=0, skewed=False):
     """[T, k] distinct experts per token, the last `padding_tokens` rows the sentinel E. skewed:
     expert 0 in every token and the others drawn from experts 1..min(E, 2k)-1 (ragged counts, and
@@ -358,22 +409,23 @@ def _moe_call(E=8, I=32, D=64, top_k=2, S=32, dtype="bfloat16"):
 def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monkeypatch):
     """E=8 experts, top-2 and one shared chunk (3 slots per token), D=64, no tuned table: the default
     config's token path to T=2 (2 columns) and T=4 (4), sorted tiles of BLOCK_M 16 from T=5 (a
-    mean of T/4 pairs per expert: <= 10), 32 from 41, 64 from 97, 128 from 193; the router's GEMV
-    to T=128, a dot past it; the sort's wider block past 256 pairs (T=86). A count of each, the smallest, and nothing under the interpreter."""
+    mean of T/4 pairs per expert: <= 10), 32 from 41, 64 from 97, 128 from 193; routing and sort
+    in one launch to T=64, two from 65; the router's GEMV to T=128, a dot past it; the sort's wider
+    block past 256 pairs (T=86). A count of each, the smallest, and nothing under the interpreter."""
     import runtime.backends.triton_moe as backend_module
     from runtime.backends.triton_moe import MoELayerShape
     layer = MoELayerShape.of(_moe_call())
     assert layer == MoELayerShape(experts=8, inter=32, hidden=64, top_k=2, slots=3, itemsize=2)
     backend = TritonMoEBackend(device="cpu", layers=(layer, layer))
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
-    assert backend.kernel_variant_tokens(256) == (1, 3, 5, 41, 86, 97, 129, 193)
+    assert backend.kernel_variant_tokens(256) == (1, 3, 5, 41, 65, 86, 97, 129, 193)
     assert backend.kernel_variant_tokens(64) == (1, 3, 5, 41)
     # past 1024 pairs (T=342) the sort counts its blocks first: one more variant
-    assert backend.kernel_variant_tokens(512) == (1, 3, 5, 41, 86, 97, 129, 193, 342)
+    assert backend.kernel_variant_tokens(512) == (1, 3, 5, 41, 65, 86, 97, 129, 193, 342)
     # a second layer shape adds its own first counts (no shared expert: 2 slots, wider block at T=129)
     other = MoELayerShape.of(_moe_call(S=0))
     both = TritonMoEBackend(device="cpu", layers=(layer, other))
-    assert set(both.kernel_variant_tokens(256)) == {1, 3, 5, 41, 86, 97, 129, 193}
+    assert set(both.kernel_variant_tokens(256)) == {1, 3, 5, 41, 65, 86, 97, 129, 193}
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: True)
     assert backend.kernel_variant_tokens(256) == ()
     assert TritonMoEBackend(device="cpu").kernel_variant_tokens(256) == (), "no layer shapes: nothing to name"
@@ -481,8 +533,8 @@ def test_fixed_tiles_give_a_token_the_same_bits_whatever_shares_its_step(monkeyp
     """gemm_tiles="fixed" (hgc compile --batch-invariant): one config and one router kernel for every
     token count, so token t's output in a step of 1 token equals its row in a step of 9 bit for bit,
     and both match the CPU oracle. The tuned choice would switch paths between these counts (token
-    path to T=4, sorted tiles past it; the router's GEMV to 128, a dot past it), which is what made a
-    decode row and a verify row of one token differ."""
+    path to T=4, sorted tiles past it; the router's GEMV to 128, a dot past it; routing and sort in
+    one launch to 64), which is what made a decode row and a verify row of one token differ."""
     import runtime.backends.triton_moe as backend_module
     from runtime.backends.kernels.moe_config import FIXED_CONFIG, FIXED_LOGITS_KERNEL
     from runtime.backends.triton_moe import MoELayerShape
@@ -494,16 +546,17 @@ def test_fixed_tiles_give_a_token_the_same_bits_whatever_shares_its_step(monkeyp
     tail = (0, 2, "sigmoid", True, 1.0, 4, 2)
     backend = TritonMoEBackend(device=DEV, gemm_tiles="fixed")
     assert backend.config_for(1, E, I, D, 2, DEV) == backend.config_for(512, E, I, D, 2, DEV) == FIXED_CONFIG
-    launched = []
-    real_route = backend_module._kernels().route
-    monkeypatch.setattr(backend_module._kernels(), "route",
-                        lambda *a, **k: launched.append(k.get("logits_kernel")) or real_route(*a, **k))
+    launched = []  # (logits kernel, routed and sorted in one launch) of each router launch
+    real_route = backend_module._kernels()._route
+    monkeypatch.setattr(backend_module._kernels(), "_route",
+                        lambda *a, **k: launched.append((a[10], k.get("sort_block_m") is not None))
+                        or real_route(*a, **k))
     rows = {}
     for n in (1, T):
         out = torch.full((n, D), float("nan"), device=DEV)
         backend.moe(None, *_on(x[:n], *op_args, out), *tail)
         rows[n] = out.cpu()
-    assert launched == [FIXED_LOGITS_KERNEL] * 2
+    assert launched == [(FIXED_LOGITS_KERNEL, False)] * 2, "fixed tiles never route and sort in one launch"
     assert torch.equal(rows[1][0], rows[T][0]), "token 0 alone and among 9 must give the same bits"
     expected = torch.full((T, D), float("nan"))
     CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
