@@ -671,23 +671,24 @@ class TritonLinearBackend(BackendHooks):
             # the graph does not know the real row count, and zeroing all of `out` first cost a launch
             state = self._layer_state(layer_id, "recurrent")
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, state, plan.slots, plan.padded_bounds,
-                                          plan.chunk_indices, scale, gate_kind, block_t=FLA_CHUNK,
-                                          config=self._graph_chunk_config(v),
+                                          plan.chunk_indices, scale, gate_kind,
+                                          config=self._graph_chunk_config(v, q.shape[0]),
                                           workspaces=self._workspaces(q, v, beta, plan.chunk_indices.shape[0]))
             return True
         T = plan.num_tokens
         if T > 0:
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
-                                          plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind,
-                                          block_t=FLA_CHUNK)
+                                          plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind)
         if out.shape[0] > T:
             out[T:].zero_()
         return True
 
-    def _graph_chunk_config(self, v: torch.Tensor):
+    def _graph_chunk_config(self, v: torch.Tensor, rows: int):
         """Tiles of a captured step's chunk kernels: chosen for one request (the fewest programs in
-        flight), since the graph keeps them whatever the step's requests."""
-        return _chunk_kernels().chunk_config(1, v.shape[1], v.shape[2], v.device)
+        flight), since the graph keeps them whatever the step's requests, and for the bucket's rows
+        (a bucket of at most a chunk's rows has one chunk a request: chunk_config's short tiles)."""
+        chunks = _chunk_kernels()
+        return chunks.chunk_config(1, v.shape[1], v.shape[2], v.device, rows <= chunks.CHUNK_T)
 
     def _workspaces(self, q: torch.Tensor, v: torch.Tensor, beta, chunks: int) -> object:
         """This instance's chunk workspaces for captured steps, made once for the first captured
@@ -734,7 +735,17 @@ class TritonLinearBackend(BackendHooks):
         plan = self._extend_plan(self._step_plan(ctx), "short_conv")
         _kernels().short_conv_extend(x, weight, bias, out, self._layer_state(layer_id, "conv"), plan.slots,
                                      plan.padded_bounds, plan.conv_blocks, silu,
-                                     what=f"{self.name}: hgc.short_conv (layer {layer_id})")
+                                     what=f"{self.name}: hgc.short_conv (layer {layer_id})",
+                                     config=self._graph_conv_config(x) if plan.captured else None)
+
+    @staticmethod
+    def _graph_conv_config(x: torch.Tensor):
+        """The channel tile of a captured step's extend conv: chosen for one request of the bucket's
+        rows, as the chunk kernels' tiles are. The table's length counts every request row the
+        bucket could hold, most of them empty in a short step: a tile chosen from it gave a 32-row
+        bucket of 32 request rows the widest tile (32 programs of 256 channels at 8192 channels)."""
+        kernels = _kernels()
+        return kernels.conv_extend_config(cdiv(x.shape[0], kernels.CONV_EXTEND_BLOCK_T), x.shape[1], x.device)
 
     def _recurrent(self, ctx, op: str, layer_id: int, q, k, v, gate, beta, out, scale, gate_kind: int) -> bool:
         """A decode step (n == 1) or a target-verify step of n tokens per request, one launch either way
