@@ -611,7 +611,7 @@ SHORT_CHUNK_STEPS = {16: [4, 7], 32: [1, 20, 3], 64: [40, 10]}
 @pytest.mark.parametrize("rows", sorted(SHORT_CHUNK_STEPS))
 def test_short_steps_take_chunks_of_their_rows_at_real_dims(rows, op, dtype):
     """A step of 16, 32 or 64 rows: chunks of that many rows with the single-chunk tiles (Dv tiles
-    of 16 and 32, the solve's W and U columns split over programs), at bench dims."""
+    of 32, the solve's W and U columns split over two programs), at bench dims."""
     from runtime.backends.kernels import chunk as triton_chunk
 
     assert triton_chunk.chunk_length(sum(SHORT_CHUNK_STEPS[rows]) + 5) == rows

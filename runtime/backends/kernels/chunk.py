@@ -67,8 +67,9 @@ Chunk length: 64 rows (CHUNK_T, FLA's), or for a step of fewer rows those rounde
 two of at least 16 (`chunk_length`, the one rule of eager and captured steps): such a step has one
 chunk a request either way, and a 16- or 32-row chunk has one or two diagonal blocks (T = D^-1, or
 (I - N) D^-1 with no squaring) and a quarter or a sixteenth of the 64-row solve's products. Its
-launches are latency-bound, so `chunk_config` gives them the most programs in flight (narrow Dv
-tiles, the solve's W and U columns split over `ChunkConfig.solve_col_tiles` programs).
+launches are latency-bound, so `chunk_config` gives them more programs in flight (narrower output
+tiles, the solve's W and U columns split over `ChunkConfig.solve_col_tiles` programs), within what
+the empty programs of a captured bucket's grid cost.
 
 The cumulative gates are a scan over the chunk's gate row (tl.cumsum; cheap beside the chunk's
 products, and short on the state kernel's sequential walk), recomputed in each kernel rather than
@@ -235,15 +236,17 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device, singl
 
     A step of one chunk per request (a short prompt, a prefix-cache hit's suffix) is latency-bound,
     each kernel a few MB at 10-20x its copy-rate floor (an H200, bench qwen3_next, 32 rows of one
-    request: 10.4 us solve, 5.9 state, 5.0 output a GDN layer), so it takes the most programs in
-    flight: the narrowest Dv tiles (16 columns for the state kernel, 32 for the output kernel: its
-    tile also takes all of a chunk's q and k), one stage (no chunk loop to pipeline) and the solve's
-    columns split to about a program per SM. An estimate, for benchmarks/kernels/chunk_kernel_sweep.py's
-    short shapes to settle."""
+    request in 64-row chunks: 10.4 us solve, 5.9 state, 5.0 output a GDN layer). More programs in
+    flight shorten it only where they are not empty: a captured bucket's grid covers every request
+    row it could hold (a 32-row bucket: 33 request rows, one real in a prompt's step), and every
+    program of an empty row still loads the tables before it returns. So: the state kernel's
+    32-column tiles (what one request takes anyway), 32-column output tiles (twice the long steps'
+    programs, each with half their state product), one stage (no chunk loop to pipeline) and the
+    solve's W and U columns over two programs. An estimate, for benchmarks/kernels/chunk_kernel_sweep.py
+    --short to settle (it times the buckets' steps over their padded tables)."""
     if single_chunk:
-        col_tiles = max(1, min(num_sms(device) // max(1, requests * heads), next_pow2(dv) // SOLVE_MIN_TILE))
-        return ChunkConfig(16, 4, 4, min(32, max(16, next_pow2(dv))), 4, state_stages=1,
-                           solve_col_tiles=1 << (col_tiles.bit_length() - 1))  # a power of two
+        return ChunkConfig(min(32, max(16, next_pow2(dv))), 4, 4, min(32, max(16, next_pow2(dv))), 4,
+                           state_stages=1, solve_col_tiles=max(1, min(2, next_pow2(dv) // SOLVE_MIN_TILE)))
     block_v = min(64 if requests * heads * cdiv(dv, 64) >= num_sms(device) else 32, max(16, next_pow2(dv)))
     return ChunkConfig(block_v, 4, 4, min(64, max(16, next_pow2(dv))), 4, state_stages=3 if block_v <= 32 else 2)
 

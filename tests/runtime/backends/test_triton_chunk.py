@@ -547,7 +547,7 @@ def test_a_short_captured_step_runs_chunks_of_its_own_length(monkeypatch, bucket
     pool = state.to(DEVICE)
     tables = captured_chunk_tables(lens, slots, bucket, seqs, TC.CHUNK_T, DEVICE)
     config = TC.chunk_config(1, hv, dk, torch.device(DEVICE), True)
-    assert config.solve_col_tiles == 2 and config.block_v == 16 and config.out_block_v == 32
+    assert config.solve_col_tiles == 2 and config.block_v == 32 and config.out_block_v == 32
     workspaces = TC.ChunkWorkspaces.allocate(bucket, tables[2].shape[0], hv, dk, dk, dtype, delta, DEVICE)
     TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool, *tables, scale, gate_kind,
                     config=config, workspaces=workspaces)
