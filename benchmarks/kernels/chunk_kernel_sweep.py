@@ -265,10 +265,12 @@ def time_short(spec, T: int, R: int, device, override: dict, reps: int, bucket_s
 
 
 def conv_configs(dry: bool) -> dict[str, TL.ConvConfig | None]:
-    """The extend conv's candidates at short steps: None is the backend's choice for a captured step
-    (conv_extend_config for one request of the bucket's rows); "table" the choice from the padded
-    table's length, what captured steps took before."""
-    named = {"default": None, "table": "table"}
+    """The extend conv's candidates at short steps: "default" the backend's choice for a captured
+    step (conv_extend_config from the padded table's length, every request row the bucket could
+    hold); "one request" the choice for one request of the bucket's rows; then fixed tiles. The
+    table's empty rows are programs too (each loads the table and the bounds before it returns),
+    so a narrower tile multiplies them: the sweep weighs that against the real blocks' latency."""
+    named = {"default": "table", "one request": None}
     tiles = [(32, 1)] if dry else [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4),
                                    (256, 4), (256, 8)]
     named.update({f"c{bc} w{w}": TL.ConvConfig(bc, w) for bc, w in tiles})

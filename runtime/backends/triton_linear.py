@@ -735,17 +735,7 @@ class TritonLinearBackend(BackendHooks):
         plan = self._extend_plan(self._step_plan(ctx), "short_conv")
         _kernels().short_conv_extend(x, weight, bias, out, self._layer_state(layer_id, "conv"), plan.slots,
                                      plan.padded_bounds, plan.conv_blocks, silu,
-                                     what=f"{self.name}: hgc.short_conv (layer {layer_id})",
-                                     config=self._graph_conv_config(x) if plan.captured else None)
-
-    @staticmethod
-    def _graph_conv_config(x: torch.Tensor):
-        """The channel tile of a captured step's extend conv: chosen for one request of the bucket's
-        rows, as the chunk kernels' tiles are. The table's length counts every request row the
-        bucket could hold, most of them empty in a short step: a tile chosen from it gave a 32-row
-        bucket of 32 request rows the widest tile (32 programs of 256 channels at 8192 channels)."""
-        kernels = _kernels()
-        return kernels.conv_extend_config(cdiv(x.shape[0], kernels.CONV_EXTEND_BLOCK_T), x.shape[1], x.device)
+                                     what=f"{self.name}: hgc.short_conv (layer {layer_id})")
 
     def _recurrent(self, ctx, op: str, layer_id: int, q, k, v, gate, beta, out, scale, gate_kind: int) -> bool:
         """A decode step (n == 1) or a target-verify step of n tokens per request, one launch either way
