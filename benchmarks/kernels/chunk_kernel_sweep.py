@@ -18,9 +18,19 @@ tiles and warps; the solve's warps, and T through the matrix workspace instead o
 float32 operands, so a run tells which to make the default per shape (chunk_config). Shapes: one
 request of 512, 2048 and 4096 tokens, 4 x 1024, 16 x 256.
 
+`--short`: the steps of the short captured buckets instead (16, 32, 64 and 128 tokens of one
+request, 4 x 32), each timed as its graph runs it: the bucket's tables (the padding rows as one
+more request, the bucket's request rows, min(tokens, --bucket-seqs), most of them empty) and
+workspaces of its own; candidates are the chunk length (a "block_t" key; by default
+chunk.chunk_length of the tokens), the single-chunk tiles against the long steps' ("long tiles"),
+the solve's column split, Dv tiles and warps (SHORT_CONFIGS). Then the extend conv at the same
+steps (qwen3_next's 8192 channels, K 4; GDN only), over the bucket's conv-block table: its channel
+tiles and warps, each checked against a float32 torch conv first.
+
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT   # on the GPU machine: every config, both families
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT --quick   # GDN, QUICK_CONFIGS, fewer reps: < 3 min
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT --dry-run   # CPU, interpreter, tiny dims
+    python benchmarks/kernels/chunk_kernel_sweep.py --out OUT --short --families gdn   # short buckets, the conv
 
 Writes OUT/chunk_kernel_sweep.json and prints one line per (shape, config).
 """
@@ -51,17 +61,21 @@ from compiler.splitops import Mode  # noqa: E402
 from gpu_linear_extend import DRY, REAL, bench_ms, call, consts, make_inputs, out_for, registry  # noqa: E402
 from runtime.backends.kernels import chunk as TC  # noqa: E402
 from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
-from runtime.backends.kernels.launch_math import token_blocks  # noqa: E402
+from runtime.backends.kernels import linear as TL  # noqa: E402
+from runtime.backends.kernels.launch_math import cdiv, token_blocks  # noqa: E402
 from runtime.backends.protocol import plan_eager_step  # noqa: E402
 from runtime.backends.kernels.linear import GATE_CONSTANT, GATE_PER_HEAD  # noqa: E402
 from runtime.backends.triton_linear import TritonLinearBackend  # noqa: E402
-from runtime.cache.state_pool import StatePool  # noqa: E402
-from testkit.linear_cases import step_ctx  # noqa: E402
+from runtime.cache.state_pool import PADDING_SLOT, StatePool  # noqa: E402
+from testkit.linear_cases import captured_chunk_tables, step_ctx  # noqa: E402
 
 CHECK_LENS = [0, 1, 100, 64, 300, 1000]
 CHECK_TOL = 1e-2
 SHAPES = [(512, 1), (2048, 1), (4096, 1), (4096, 4), (4096, 16)]  # tokens x requests of equal length
 DRY_SHAPES = [(64, 1), (64, 4)]
+SHORT_SHAPES = [(16, 1), (32, 1), (64, 1), (128, 1), (128, 4)]  # --short: the short captured buckets' steps
+DRY_SHORT_SHAPES = [(16, 1), (32, 2)]
+BUCKET_SEQS = 32  # request rows of a short bucket's tables: Buckets.extend_rows(t) = min(t, extend_max_seqs)
 QUICK_CONFIGS = ["default", "solve scratch", "solve 8 warps", "state bv16", "state bv64 3 stages",
                  "out bv128 8 warps"]
 QUICK_REPS = 25  # triton.testing.do_bench's rep (ms of timing) per shape and config with --quick; else 100
@@ -98,12 +112,51 @@ def configs(dry: bool) -> dict[str, dict]:
     }
 
 
-def config_for(R: int, H: int, D: int, device, override: dict) -> TC.ChunkConfig:
-    return dataclasses.replace(TC.chunk_config(R, H, D, torch.device(device)), **override)
+def short_configs(dry: bool) -> dict[str, dict]:
+    """--short's candidates: named overrides of the single-chunk tiles, "block_t" the chunk length
+    (else chunk_length of the step's tokens), "long tiles" the long steps' tiles."""
+    if dry:
+        return {"default": {}, "chunk 64": {"block_t": 64}, "long tiles": {"long tiles": True, "block_t": 64},
+                "chunk 16": {"block_t": 16}, "out bv16": {"out_block_v": 16}}
+    return {
+        "default": {},
+        # what captured short steps ran before: 64-row chunks, the long steps' tiles
+        "before": {"block_t": 64, "long tiles": True},
+        "chunk 64": {"block_t": 64},
+        "chunk 32": {"block_t": 32},
+        "chunk 16": {"block_t": 16},
+        "long tiles": {"long tiles": True},
+        "solve 1 col": {"solve_col_tiles": 1},
+        "solve 2 cols": {"solve_col_tiles": 2},
+        "solve 4 cols": {"solve_col_tiles": 4},
+        "solve 2 warps": {"solve_warps": 2},
+        "solve 8 warps": {"solve_warps": 8},
+        "state bv16": {"block_v": 16},
+        "state bv64": {"block_v": 64},
+        "state 2 warps": {"num_warps": 2},
+        "state 8 warps": {"num_warps": 8},
+        "state 2 stages": {"state_stages": 2},
+        "out bv16": {"out_block_v": 16},
+        "out bv64": {"out_block_v": 64},
+        "narrow": {"block_v": 16, "out_block_v": 16, "solve_col_tiles": 4},
+        "out 2 warps": {"out_warps": 2},
+        "out 8 warps": {"out_warps": 8},
+        "out kb128": {"out_key_block": 128},
+        "all 2 warps": {"num_warps": 2, "solve_warps": 2, "out_warps": 2},
+    }
 
 
-def launch_case(spec, lens: list[int], device, seed: int):
-    """chunk_extend's arguments for requests of `lens` rows, random states in distinct slots."""
+def config_for(R: int, H: int, D: int, device, override: dict, rows: int | None = None) -> TC.ChunkConfig:
+    """chunk_config's tiles for R requests (single-chunk tiles where `rows` fit a chunk) with the
+    override's ChunkConfig fields."""
+    fields = {k: v for k, v in override.items() if k not in ("block_t", "long tiles")}
+    single = rows is not None and rows <= TC.CHUNK_T and not override.get("long tiles")
+    return dataclasses.replace(TC.chunk_config(R, H, D, torch.device(device), single), **fields)
+
+
+def launch_case(spec, lens: list[int], device, seed: int, block_t: int = TC.CHUNK_T):
+    """chunk_extend's arguments for requests of `lens` rows, random states in distinct slots; the
+    chunk table of `block_t`-row chunks."""
     op, _, hk, hv, dk, dv = spec
     T = sum(lens)
     g = torch.Generator().manual_seed(seed)
@@ -115,24 +168,26 @@ def launch_case(spec, lens: list[int], device, seed: int):
     slots = list(range(2, R + 2))
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     tables = dict(slots=torch.tensor(slots, device=device), bounds=torch.from_numpy(cu).to(device),
-                  chunks=torch.from_numpy(token_blocks(np.array(lens), TC.CHUNK_T)).to(device))
+                  chunks=torch.from_numpy(token_blocks(np.array(lens), block_t)).to(device))
     return x, states, slots, tables
 
 
-def run(spec, x: dict, state: torch.Tensor, tables: dict, out: torch.Tensor, cfg: TC.ChunkConfig) -> None:
+def run(spec, x: dict, state: torch.Tensor, tables: dict, out: torch.Tensor, cfg: TC.ChunkConfig,
+        block_t: int | None = None, workspaces=None) -> None:
     op, _, hk, hv, dk, dv = spec
     TC.chunk_extend(x["q"], x["k"], x["v"], x["g"], x.get("beta"), out, state, tables["slots"], tables["bounds"],
                     tables["chunks"], dk ** -0.5, GATE_CONSTANT if op == "lightning_core" else GATE_PER_HEAD,
-                    config=cfg)
+                    block_t=block_t or TC.CHUNK_T, config=cfg, workspaces=workspaces)
 
 
 @functools.lru_cache(maxsize=None)
-def check_case(spec, device):
-    """The check's launch (CHECK_LENS requests from random states) and its reference, once per family:
-    (lens, inputs, states, slots, tables, reference outputs [rows, Hv, Dv], reference states)."""
+def check_case(spec, device, block_t: int = TC.CHUNK_T):
+    """The check's launch (CHECK_LENS requests from random states) and its reference, once per family
+    and chunk length: (lens, inputs, states, slots, tables, reference outputs [rows, Hv, Dv],
+    reference states)."""
     op, _, hk, hv, dk, dv = spec
     lens = [min(n, 40) for n in CHECK_LENS] if device == "cpu" else CHECK_LENS
-    x, states, slots, tables = launch_case(spec, lens, device, seed=7)
+    x, states, slots, tables = launch_case(spec, lens, device, seed=7, block_t=block_t)
     ref_states = states.clone()
     ref_out = torch.zeros(sum(lens), hv, dv)
     at = 0
@@ -147,14 +202,17 @@ def check_case(spec, device):
     return lens, x, states, slots, tables, ref_out, ref_states
 
 
-def check(spec, device, override: dict) -> dict:
-    """One launch of CHECK_LENS requests against the recurrence, per request."""
+def check(spec, device, override: dict, rows: int | None = None) -> dict:
+    """One launch of CHECK_LENS requests against the recurrence, per request, in the override's
+    chunk length (--short: chunk_length of `rows` where it names none) and tiles (those of a step of
+    `rows` rows)."""
     op, _, hk, hv, dk, dv = spec
-    lens, x, states, slots, tables, ref_out, ref_states = check_case(spec, device)
+    block_t = override.get("block_t") or (TC.chunk_length(rows) if rows else TC.CHUNK_T)
+    lens, x, states, slots, tables, ref_out, ref_states = check_case(spec, device, block_t)
     dev_states = states.to(device, copy=True)  # the launch writes it; the cached case's stays as it was
     out = torch.zeros(sum(lens), hv, dv, dtype=torch.bfloat16, device=device)
     run(spec, {k: v.to(device) for k, v in x.items()}, dev_states, tables, out,
-        config_for(len(lens), hv, dv, device, override))
+        config_for(len(lens), hv, dv, device, override, rows), block_t)
     out, dev_states = out.float().cpu(), dev_states.cpu()
     worst_out = worst_state = 0.0
     at = 0
@@ -180,6 +238,117 @@ def time_ours(spec, T: int, R: int, device, override: dict, reps: int) -> dict:
     split = device_ms_by_kernel(fn)
     return {"wall_ms": bench_ms(fn, reps), "kernel_ms": sum(split.values()) if split else None, "kernels": split,
             "config": dataclasses.asdict(cfg)}
+
+
+def time_short(spec, T: int, R: int, device, override: dict, reps: int, bucket_seqs: int) -> dict:
+    """One step of R requests of T / R tokens as the captured bucket of T rows runs it: the padded
+    tables of min(T, bucket_seqs) request rows (captured_chunk_tables, in the chunk length's rows),
+    the tiles of one request (triton_linear._graph_chunk_config), workspaces of the step's own."""
+    op, _, hk, hv, dk, dv = spec
+    block_t = override.get("block_t") or TC.chunk_length(T)
+    seqs = max(R, min(T, bucket_seqs))
+    x, states, slots, _ = launch_case(spec, [T // R] * R, device, seed=T + R)
+    x = {k: v.to(device) for k, v in x.items()}
+    state = states.to(device)
+    slots_t, bounds, chunks = captured_chunk_tables([T // R] * R, slots, T, seqs, block_t, device)
+    tables = dict(slots=slots_t, bounds=bounds, chunks=chunks)
+    out = torch.empty(T, hv, dv, dtype=torch.bfloat16, device=device)
+    cfg = config_for(1, hv, dv, device, override, T)
+    work = TC.ChunkWorkspaces.allocate(T, chunks.shape[0], hv, dk, dv, torch.bfloat16, op != "lightning_core",
+                                       torch.device(device))
+    fn = lambda: run(spec, x, state, tables, out, cfg, block_t, work)  # noqa: E731
+    if device != "cpu":
+        fn()
+    split = device_ms_by_kernel(fn)
+    return {"wall_ms": bench_ms(fn, reps), "kernel_ms": sum(split.values()) if split else None, "kernels": split,
+            "config": dataclasses.asdict(cfg), "block_t": block_t, "bucket_seqs": seqs}
+
+
+def conv_configs(dry: bool) -> dict[str, TL.ConvConfig | None]:
+    """The extend conv's candidates at short steps: "default" the backend's choice for a captured
+    step (conv_extend_config from the padded table's length, every request row the bucket could
+    hold); "one request" the choice for one request of the bucket's rows; then fixed tiles. The
+    table's empty rows are programs too (each loads the table and the bounds before it returns),
+    so a narrower tile multiplies them: the sweep weighs that against the real blocks' latency."""
+    named = {"default": "table", "one request": None}
+    tiles = [(32, 1)] if dry else [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4),
+                                   (256, 4), (256, 8)]
+    named.update({f"c{bc} w{w}": TL.ConvConfig(bc, w) for bc, w in tiles})
+    return named
+
+
+def conv_reference(x, weight, bias, hist, lens) -> torch.Tensor:
+    """float32 causal depthwise conv with silu of each request's rows after its K-1 history columns."""
+    K = weight.shape[1]
+    out, at = [], 0
+    for r, n in enumerate(lens):
+        window = torch.cat([hist[r].float(), x[at:at + n].float().T], 1)  # [C, K-1+n]
+        y = torch.stack([(window[:, t:t + K] * weight.float()).sum(1) for t in range(n)], 0) + bias.float()
+        out.append(y * torch.sigmoid(y))
+        at += n
+    return torch.cat(out, 0)
+
+
+def conv_case(C: int, K: int, T: int, R: int, bucket_seqs: int, device):
+    """The extend conv's arguments for R requests of T / R tokens as the captured bucket of T rows
+    and B = max(R, min(T, bucket_seqs)) request rows runs them (triton_linear._StaticExtendPlan):
+    slots [B+1] (past the real ones the padding slot), bounds [B+3] (the padding requests and the
+    always-empty request B without rows, then request B+1 the padding rows: none, the T rows are
+    real), the block table of those requests, padded with rows naming request B to T/32 + B + 1."""
+    g = torch.Generator().manual_seed(T + R)
+    lens = [T // R] * R
+    seqs = max(R, min(T, bucket_seqs))
+    x = torch.randn(T, C, generator=g).bfloat16()
+    weight, bias = (torch.randn(C, K, generator=g) * 0.5).bfloat16(), torch.randn(C, generator=g).bfloat16()
+    state = torch.randn(R + 1, C, K - 1, generator=g)  # slot 0: the padding slot
+    full = np.zeros(seqs + 2, dtype=np.int64)
+    full[:R] = lens
+    blocks = token_blocks(full, TL.CONV_EXTEND_BLOCK_T)
+    table = np.tile(np.array([seqs, 0], dtype=np.int64), (cdiv(T, TL.CONV_EXTEND_BLOCK_T) + seqs + 1, 1))
+    table[:blocks.shape[0]] = blocks
+    slots = torch.tensor(list(range(1, R + 1)) + [PADDING_SLOT] * (seqs + 1 - R))
+    args = dict(x=x, weight=weight, bias=bias, state=state, slots=slots,
+                bounds=torch.from_numpy(np.concatenate([[0], np.cumsum(full)]).astype(np.int64)),
+                blocks=torch.from_numpy(table))
+    return lens, {k: v.to(device) for k, v in args.items()}
+
+
+def conv_run(args: dict, out: torch.Tensor, config) -> None:
+    TL.short_conv_extend(args["x"], args["weight"], args["bias"], out, args["state"], args["slots"], args["bounds"],
+                         args["blocks"], True, config=config)
+
+
+def conv_config_of(name, chosen, T: int, C: int, blocks: int, device):
+    if chosen is None:
+        return TL.conv_extend_config(cdiv(T, TL.CONV_EXTEND_BLOCK_T), C, torch.device(device))
+    if chosen == "table":
+        return TL.conv_extend_config(blocks, C, torch.device(device))
+    return chosen
+
+
+def sweep_conv(C: int, K: int, shapes, device, reps: int, bucket_seqs: int, dry: bool) -> dict:
+    """Each conv candidate checked on every short shape against conv_reference, then timed there."""
+    rows = {}
+    for T, R in shapes:
+        lens, args = conv_case(C, K, T, R, bucket_seqs, device)
+        want = conv_reference(args["x"].cpu(), args["weight"].cpu(), args["bias"].cpu(),
+                              args["state"].cpu()[1:R + 1], lens)
+        row = rows[f"{T}x{R}"] = {}
+        for name, chosen in conv_configs(dry).items():
+            cfg = conv_config_of(name, chosen, T, C, args["blocks"].shape[0], device)
+            fresh = dict(args, state=args["state"].clone())
+            out = torch.full((T, C), float("nan"), dtype=torch.bfloat16, device=device)
+            conv_run(fresh, out, cfg)
+            err = rel_err(out.float().cpu(), want)
+            entry = row[name] = {"config": dataclasses.asdict(cfg), "rel_err": err, "ok": err <= CHECK_TOL}
+            if entry["ok"]:
+                fn = lambda: conv_run(fresh, out, cfg)  # noqa: E731
+                split = device_ms_by_kernel(fn)
+                entry.update(wall_ms=bench_ms(fn, reps), kernel_ms=sum(split.values()) if split else None)
+            print(f"conv {T}x{R} {name} {cfg.block_c}/{cfg.num_warps}: err {err:.1e}"
+                  + (f", wall {entry['wall_ms']:.4f} ms" if entry["ok"] else " FAIL")
+                  + (f", kernel {entry['kernel_ms']:.4f} ms" if entry.get("kernel_ms") else ""), flush=True)
+    return rows
 
 
 def time_fla(spec, T: int, R: int, device, reps: int) -> dict:
@@ -227,6 +396,11 @@ def main() -> int:
     ap.add_argument("--configs", default=None, help="comma-separated config names to run (default: all)")
     ap.add_argument("--shapes", default=None, help="comma-separated TOKENSxREQUESTS (default: %s)"
                     % ",".join(f"{t}x{r}" for t, r in SHAPES))
+    ap.add_argument("--short", action="store_true",
+                    help="the short captured buckets' steps (SHORT_SHAPES, as their graphs run them) with "
+                         "SHORT_CONFIGS, then the extend conv's tiles at those steps")
+    ap.add_argument("--bucket-seqs", type=int, default=BUCKET_SEQS,
+                    help=f"--short: request rows of a bucket's tables, at most its tokens (default {BUCKET_SEQS})")
     ap.add_argument("--budget-s", type=float, default=None,
                     help=f"stop timing new shapes after this many seconds (default {BUDGET_S}, {QUICK_BUDGET_S} with "
                          f"--quick)")
@@ -245,31 +419,43 @@ def main() -> int:
         spec = specs[family]
         fam = result["families"][family] = {"checks": {}, "timings": []}
         passing = {}
-        wanted = configs(args.dry_run)
+        wanted = short_configs(args.dry_run) if args.short else configs(args.dry_run)
         if chosen:
             unknown = set(chosen.split(",")) - set(wanted)
             if unknown:
                 ap.error(f"--configs: unknown {sorted(unknown)}; known: {sorted(wanted)}")
             wanted = {name: wanted[name] for name in chosen.split(",")}
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")] if args.shapes \
+            else (DRY_SHORT_SHAPES if args.dry_run else SHORT_SHAPES) if args.short \
+            else DRY_SHAPES if args.dry_run else SHAPES
+        # --short: a config's chunk length and tiles follow the step's rows, so each is checked as
+        # every shape's step takes it (the same launch checked once)
         for name, override in wanted.items():
-            fam["checks"][name] = c = check(spec, device, override)
+            checked = {}
+            for rows in sorted({T for T, _ in shapes}) if args.short else [None]:
+                cfg = config_for(1, spec[3], spec[5], device, override, rows)
+                key = (override.get("block_t") or (TC.chunk_length(rows) if rows else TC.CHUNK_T), cfg)
+                if key not in checked:
+                    checked[key] = check(spec, device, override, rows)
+            c = fam["checks"][name] = {"out_rel_err": max(v["out_rel_err"] for v in checked.values()),
+                                       "state_rel_err": max(v["state_rel_err"] for v in checked.values()),
+                                       "ok": all(v["ok"] for v in checked.values())}
             print(f"{family} check {name}: out {c['out_rel_err']:.2e} state {c['state_rel_err']:.2e} "
                   f"{'ok' if c['ok'] else 'FAIL'}", flush=True)
             if c["ok"]:
                 passing[name] = override
-        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")] if args.shapes \
-            else DRY_SHAPES if args.dry_run else SHAPES
         for T, R in shapes:
             if time.time() - started > budget_s:
                 fam["timings"].append({"tokens": T, "requests": R, "skipped": "budget"})
                 continue
             row = {"tokens": T, "requests": R, "ours": {}}
-            if not args.dry_run:
+            if not args.dry_run and not args.short:
                 row["fla"] = time_fla(spec, T, R, device, reps)
                 print(f"{family} {T}x{R} FLA: wall {row['fla']['wall_ms']:.3f} kernels "
                       f"{row['fla']['kernel_ms']:.3f} ms", flush=True)
             for name, override in passing.items():
-                row["ours"][name] = t = time_ours(spec, T, R, device, override, reps)
+                row["ours"][name] = t = (time_short(spec, T, R, device, override, reps, args.bucket_seqs)
+                                         if args.short else time_ours(spec, T, R, device, override, reps))
                 parts = ", ".join(f"{k.split('_chunk_')[-1][:12]} {v:.3f}" for k, v in t["kernels"].items())
                 print(f"{family} {T}x{R} {name}: wall {t['wall_ms']:.3f} ms"
                       + (f", kernels {t['kernel_ms']:.3f} ({parts})" if t["kernels"] else ""), flush=True)
@@ -279,10 +465,15 @@ def main() -> int:
                       + (f", default {best['default_ms']:.3f}" if "default_ms" in best else "")
                       + (f", FLA {best['fla_ms']:.3f}" if "fla_ms" in best else ""), flush=True)
             fam["timings"].append(row)
+        if args.short and family == "gdn":
+            C, K = specs["conv"][3], specs["conv"][4]  # (op, kind, 0, C, K, 0)
+            result["conv"] = sweep_conv(C, K, shapes, device, reps, args.bucket_seqs, args.dry_run)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "chunk_kernel_sweep.json").write_text(json.dumps(result, indent=1))
     failed = [f"{f} {n}" for f, fam in result["families"].items() for n, c in fam["checks"].items() if not c["ok"]]
+    failed += [f"conv {shape} {n}" for shape, row in result.get("conv", {}).items() for n, c in row.items()
+               if not c["ok"]]
     if failed:
         print(f"checks failed: {', '.join(failed)}", flush=True)
     return 1 if failed else 0

@@ -671,23 +671,24 @@ class TritonLinearBackend(BackendHooks):
             # the graph does not know the real row count, and zeroing all of `out` first cost a launch
             state = self._layer_state(layer_id, "recurrent")
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, state, plan.slots, plan.padded_bounds,
-                                          plan.chunk_indices, scale, gate_kind, block_t=FLA_CHUNK,
-                                          config=self._graph_chunk_config(v),
+                                          plan.chunk_indices, scale, gate_kind,
+                                          config=self._graph_chunk_config(v, q.shape[0]),
                                           workspaces=self._workspaces(q, v, beta, plan.chunk_indices.shape[0]))
             return True
         T = plan.num_tokens
         if T > 0:
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
-                                          plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind,
-                                          block_t=FLA_CHUNK)
+                                          plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind)
         if out.shape[0] > T:
             out[T:].zero_()
         return True
 
-    def _graph_chunk_config(self, v: torch.Tensor):
+    def _graph_chunk_config(self, v: torch.Tensor, rows: int):
         """Tiles of a captured step's chunk kernels: chosen for one request (the fewest programs in
-        flight), since the graph keeps them whatever the step's requests."""
-        return _chunk_kernels().chunk_config(1, v.shape[1], v.shape[2], v.device)
+        flight), since the graph keeps them whatever the step's requests, and for the bucket's rows
+        (a bucket of at most a chunk's rows has one chunk a request: chunk_config's short tiles)."""
+        chunks = _chunk_kernels()
+        return chunks.chunk_config(1, v.shape[1], v.shape[2], v.device, rows <= chunks.CHUNK_T)
 
     def _workspaces(self, q: torch.Tensor, v: torch.Tensor, beta, chunks: int) -> object:
         """This instance's chunk workspaces for captured steps, made once for the first captured

@@ -60,3 +60,21 @@ def test_the_gpu_run_names_its_quick_configs_and_the_target_shapes():
             "assert s.SHAPES == [(512, 1), (2048, 1), (4096, 1), (4096, 4), (4096, 16)], s.SHAPES")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_short_dry_run_times_the_buckets_steps_and_the_conv(tmp_path):
+    """--short: each candidate checked at every shape's chunk length, then timed as the bucket's graph
+    runs the step (its chunk length by default: 16 rows for the 16-row bucket, 32 for 32); then the
+    extend conv's tiles, each checked against the float32 conv before it is timed."""
+    proc = sweep(tmp_path, "--short", "--families", "gdn")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "chunk_kernel_sweep.json").read_text())
+    fam = doc["families"]["gdn"]
+    assert all(c["ok"] for c in fam["checks"].values()), fam["checks"]
+    rows = {(r["tokens"], r["requests"]): r["ours"] for r in fam["timings"]}
+    assert set(rows) == {(16, 1), (32, 2)}
+    assert rows[(16, 1)]["default"]["block_t"] == 16 and rows[(32, 2)]["default"]["block_t"] == 32
+    assert rows[(32, 2)]["chunk 64"]["block_t"] == 64 and rows[(32, 2)]["default"]["bucket_seqs"] == 32
+    assert rows[(16, 1)]["default"]["config"]["solve_col_tiles"] >= 1
+    assert set(doc["conv"]) == {"16x1", "32x2"}
+    assert all(c["ok"] and c["wall_ms"] > 0 for row in doc["conv"].values() for c in row.values()), doc["conv"]

@@ -549,16 +549,18 @@ def run_chunk_extend(op: str, x: dict, pool, tables: dict, out: torch.Tensor, co
                               GATE_CONSTANT if op == "lightning_core" else GATE_PER_HEAD, config=config)
 
 
-def check_chunk_extend(op: str, dtype, solve_in_registers: bool, dims=None, lens=CHUNK_LENS) -> None:
+def check_chunk_extend(op: str, dtype, solve_in_registers: bool, dims=None, lens=CHUNK_LENS,
+                       single_chunk: bool = False) -> None:
     """One chunk_extend launch against the recurrence: outputs and states per request, the padding
-    slot, free slots, an idle request's slot and the rows past the last request untouched."""
+    slot, free slots, an idle request's slot and the rows past the last request untouched.
+    single_chunk: chunk_config's tiles of a step of at most 64 rows."""
     import dataclasses
 
     from runtime.backends.kernels import chunk as triton_chunk
 
     hk, hv, dk, dv = dims or SPECS[op][1:]
     x, ref_pool, dev_pool, slots, tables = chunk_case(op, dtype, seed=81, dims=dims, lens=lens)
-    config = dataclasses.replace(triton_chunk.chunk_config(len(lens), hv, dv, torch.device(DEV)),
+    config = dataclasses.replace(triton_chunk.chunk_config(len(lens), hv, dv, torch.device(DEV), single_chunk),
                                  solve_in_registers=solve_in_registers)
     before = dev_pool.layer(0)["recurrent"].clone()
     out_ref = chunk_reference(op, x, ref_pool, slots, dims, lens)
@@ -599,28 +601,59 @@ def test_chunk_extend_kernels_match_reference_at_small_head_dims(dims, solve_in_
     check_chunk_extend("gdn_core", dtype, solve_in_registers, dims, lens=[10, 7, 13, 300])
 
 
-CAPTURED_CHUNK_BUCKET = (512, 4)  # rows and requests of the captured chunk step below
-CAPTURED_CHUNK_LENS = {  # real rows -> the requests' lengths replayed in it
-    0: [], 1: [1], 64: [64], 65: [40, 25], 512: [300, 100, 100, 12]}
+# Steps of at most 64 rows (5 NaN rows past the requests included) chunk by their rows
+# (chunk.chunk_length): rows -> the requests' lengths
+SHORT_CHUNK_STEPS = {16: [4, 7], 32: [1, 20, 3], 64: [40, 10]}
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("op", ["gdn_core", "lightning_core"])
-def test_a_captured_chunk_step_writes_zeros_over_its_padding_rows(op):
-    """chunk_extend over tables padded to a bucket of 512 rows and 4 requests, the padding rows the
-    tables' last request (testkit.linear_cases.captured_chunk_tables), bf16 at bench dims, the
-    backend's graph tiles and workspaces. On a GPU the launches are captured once in a CUDA graph
-    from the step without real rows and replayed with 0, 1, 64, 65 and 512 real rows, the tables
-    and inputs refilled in place and the output filled with NaN before each replay: real rows as
-    the recurrence's, padding rows exactly zero, the states as the recurrence leaves them, the
-    padding slot and free slots untouched."""
+@pytest.mark.parametrize("rows", sorted(SHORT_CHUNK_STEPS))
+def test_short_steps_take_chunks_of_their_rows_at_real_dims(rows, op, dtype):
+    """A step of 16, 32 or 64 rows: chunks of that many rows with the single-chunk tiles (Dv tiles
+    of 32, the solve's W and U columns split over two programs), at bench dims."""
+    from runtime.backends.kernels import chunk as triton_chunk
+
+    assert triton_chunk.chunk_length(sum(SHORT_CHUNK_STEPS[rows]) + 5) == rows
+    check_chunk_extend(op, dtype, True, lens=SHORT_CHUNK_STEPS[rows], single_chunk=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("rows", [16, 32])
+@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (2, 4, 32, 32), (4, 8, 64, 64)], ids=["d16", "d32", "d64"])
+def test_short_chunks_at_small_head_dims(dims, rows, dtype):
+    """Chunks of 16 and 32 rows at the tests' small head dims, where 16-bit products with 16-wide
+    tiles went wrong before (chunk.SOLVE_MIN_TILE): the solve's [16, 16] and [32, 32] T products."""
+    check_chunk_extend("gdn_core", dtype, True, dims, lens=SHORT_CHUNK_STEPS[rows], single_chunk=True)
+
+
+# (rows, requests) of a captured chunk step -> real rows -> the requests' lengths replayed in it
+CAPTURED_CHUNK_BUCKETS = {
+    (512, 4): {0: [], 1: [1], 64: [64], 65: [40, 25], 512: [300, 100, 100, 12]},
+    (32, 32): {0: [], 1: [1], 20: [1, 16, 3], 32: [32], 31: [1] * 31},
+    (16, 16): {0: [], 16: [5, 11], 15: [15]},
+}
+
+
+@pytest.mark.parametrize("bucket", list(CAPTURED_CHUNK_BUCKETS), ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("op", ["gdn_core", "lightning_core"])
+def test_a_captured_chunk_step_writes_zeros_over_its_padding_rows(op, bucket):
+    """chunk_extend over tables padded to a bucket (512 rows and 4 requests; the short buckets of
+    32 and 16 rows, one request row a row, in chunks of their rows), the padding rows the tables'
+    last request (testkit.linear_cases.captured_chunk_tables, the backend's 64-row table), bf16 at
+    bench dims, the backend's graph tiles and workspaces. On a GPU the launches are captured once
+    in a CUDA graph from the step without real rows and replayed with steps of other real rows,
+    the tables and inputs refilled in place and the output filled with NaN before each replay: real
+    rows as the recurrence's, padding rows exactly zero, the states as the recurrence leaves them,
+    the padding slot and free slots untouched."""
     from runtime.backends.kernels import chunk as triton_chunk
     from runtime.backends.kernels.linear import GATE_CONSTANT, GATE_PER_HEAD
     from testkit.linear_cases import captured_chunk_tables
 
-    T, B = CAPTURED_CHUNK_BUCKET
+    T, B = bucket
     _, hk, hv, dk, dv = SPECS[op]
     lightning = op == "lightning_core"
-    num_slots = 12
+    num_slots = 12 + sum(len(lens) for lens in CAPTURED_CHUNK_BUCKETS[bucket].values())
     ref_pool, dev_pool = pools(op, num_slots, seed=83)
     state, before = dev_pool.layer(0)["recurrent"], dev_pool.layer(0)["recurrent"].clone()
     g = torch.Generator().manual_seed(84)
@@ -636,11 +669,14 @@ def test_a_captured_chunk_step_writes_zeros_over_its_padding_rows(op):
     workspaces = triton_chunk.ChunkWorkspaces.allocate(T, static_tables[2].shape[0], hv, dk, dv, torch.bfloat16,
                                                        not lightning, torch.device(DEV))
 
+    # the backend's graph tiles (triton_linear._graph_chunk_config): one request's, for the bucket's rows
+    config = triton_chunk.chunk_config(1, hv, dv, torch.device(DEV), T <= triton_chunk.CHUNK_T)
+
     def launch() -> None:
         x = static_x
         triton_chunk.chunk_extend(x["q"], x["k"], x["v"], x["g"], x.get("beta"), out, state, *static_tables,
                                   dk ** -0.5, GATE_CONSTANT if lightning else GATE_PER_HEAD,
-                                  config=triton_chunk.chunk_config(1, hv, dv, torch.device(DEV)), workspaces=workspaces)
+                                  config=config, workspaces=workspaces)
 
     replay = launch
     if DEV == "cuda":
@@ -652,7 +688,7 @@ def test_a_captured_chunk_step_writes_zeros_over_its_padding_rows(op):
         replay = graph.replay
     touched, at = set(), 0
     perm = (torch.randperm(num_slots, generator=g) + 1).tolist()
-    for real, lens in CAPTURED_CHUNK_LENS.items():
+    for real, lens in CAPTURED_CHUNK_BUCKETS[bucket].items():
         slots, at = perm[at:at + len(lens)], at + len(lens)
         x, tables = step(lens, slots)
         for n, t in x.items():

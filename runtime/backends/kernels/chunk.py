@@ -63,6 +63,14 @@ Three kernels (a launch with the same arguments goes through a Launcher: no Trit
    V' (V without the delta rule) as the state kernel left them. It takes the key dimension in
    blocks of 64, so q, k and S_c are never live whole.
 
+Chunk length: 64 rows (CHUNK_T, FLA's), or for a step of fewer rows those rounded up to a power of
+two of at least 16 (`chunk_length`, the one rule of eager and captured steps): such a step has one
+chunk a request either way, and a 16- or 32-row chunk has one or two diagonal blocks (T = D^-1, or
+(I - N) D^-1 with no squaring) and a quarter or a sixteenth of the 64-row solve's products. Its
+launches are latency-bound, so `chunk_config` gives them more programs in flight (narrower output
+tiles, the solve's W and U columns split over `ChunkConfig.solve_col_tiles` programs), within what
+the empty programs of a captured bucket's grid cost.
+
 The cumulative gates are a scan over the chunk's gate row (tl.cumsum; cheap beside the chunk's
 products, and short on the state kernel's sequential walk), recomputed in each kernel rather than
 stored.
@@ -150,7 +158,7 @@ from runtime.backends.kernels.sm_count import num_sms
 from runtime.backends.kernels.linear import GATE_PER_CHANNEL, OP_OF_GATE, _check_rows, _recurrent_args
 from runtime.cache.state_pool import PADDING_SLOT
 
-__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_config", "chunk_workspace",
+__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_length", "chunk_config", "chunk_workspace",
            "chunk_matrix_workspace", "chunk_workspace_dtype", "chunk_state_workspace", "chunk_extend"]
 
 CHUNK_T = 64  # rows of a chunk by default: FLA's chunk length, so the backend's one table serves both
@@ -162,6 +170,20 @@ SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's 
 # head dims (128 and up). tests/gpu/test_gpu_linear_kernels.py, small_head_dims, checks both sizes.
 SOLVE_MIN_TILE = 32
 
+
+def chunk_length(rows: int) -> int:
+    """Rows of a chunk for an extend step of `rows` rows (padding rows included: a captured step's
+    bucket): CHUNK_T, or the step's rows rounded up to a power of two (at least SUB_T) where fewer.
+
+    Why shorter: a step of at most CHUNK_T rows has one chunk per request whatever the length, and
+    the solve's work grows with the chunk's square (A, the diagonal blocks, T's products, W and U
+    over every row), so a 32-row step in a 64-row chunk did a whole 64-row solve for 32 real rows.
+    One rule of the step's rows alone, taken by the eager path and by a captured step alike, so an
+    eager step and the replay of its bucket (buckets of 16, 32, 64 and on) chunk, and round, alike.
+    A length under CHUNK_T is never less than the step's rows, so every request still has one
+    chunk: the table of CHUNK_T-row chunks (FLA's, the backend's one table, and the device-built
+    tables of a captured step) is this length's table too."""
+    return min(CHUNK_T, max(SUB_T, next_pow2(rows)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,11 +204,15 @@ class ChunkConfig:
     # 16-bit inputs: the state and output kernels' products take 16-bit operands (module docstring,
     # precision); False keeps float32 operands as tf32. Float32 inputs ignore it.
     low_precision_dots: bool = True
+    # Programs per (chunk, value head) of the solve, each forming the chunk's T and storing W and U
+    # for its own share of the key and value columns (at least SOLVE_MIN_TILE wide): more programs
+    # in flight where the step has few chunks, for T formed again in each (registers only).
+    solve_col_tiles: int = 1
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
-def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> ChunkConfig:
-    """Tiles per kernel.
+def chunk_config(requests: int, heads: int, dv: int, device: torch.device, single_chunk: bool = False) -> ChunkConfig:
+    """Tiles per kernel; `single_chunk`: a step of at most CHUNK_T rows, one chunk per request.
 
     The state kernel's programs each walk one request's chunks one after another, so its time is the
     longest request's chunks times one chunk's latency: narrower Dv tiles mean more programs in
@@ -206,7 +232,21 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device) -> Ch
 
     The output kernel's programs are independent (chunks x heads x Dv tiles, thousands for a long
     prompt): 64 columns in 4 warps (8 warps or 128 columns were slower, the same sweep). The solve
-    kernel: 4 warps (2 or 8 were slower, with T through memory)."""
+    kernel: 4 warps (2 or 8 were slower, with T through memory).
+
+    A step of one chunk per request (a short prompt, a prefix-cache hit's suffix) is latency-bound,
+    each kernel a few MB at 10-20x its copy-rate floor (an H200, bench qwen3_next, 32 rows of one
+    request in 64-row chunks: 10.4 us solve, 5.9 state, 5.0 output a GDN layer). More programs in
+    flight shorten it only where they are not empty: a captured bucket's grid covers every request
+    row it could hold (a 32-row bucket: 33 request rows, one real in a prompt's step), and every
+    program of an empty row still loads the tables before it returns. So: the state kernel's
+    32-column tiles (what one request takes anyway), 32-column output tiles (twice the long steps'
+    programs, each with half their state product), one stage (no chunk loop to pipeline) and the
+    solve's W and U columns over two programs. An estimate, for benchmarks/kernels/chunk_kernel_sweep.py
+    --short to settle (it times the buckets' steps over their padded tables)."""
+    if single_chunk:
+        return ChunkConfig(min(32, max(16, next_pow2(dv))), 4, 4, min(32, max(16, next_pow2(dv))), 4,
+                           state_stages=1, solve_col_tiles=max(1, min(2, next_pow2(dv) // SOLVE_MIN_TILE)))
     block_v = min(64 if requests * heads * cdiv(dv, 64) >= num_sms(device) else 32, max(16, next_pow2(dv)))
     return ChunkConfig(block_v, 4, 4, min(64, max(16, next_pow2(dv))), 4, state_stages=3 if block_v <= 32 else 2)
 
@@ -430,14 +470,18 @@ def _chunk_solve_kernel(
     stride_t_chunk, stride_t_head, num_seqs,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
     BVF: tl.constexpr,  # next power of two >= DV (at least 16): all of Dv in one program
+    BKW: tl.constexpr,  # key columns of W this program stores (BK: all of them)
+    BVW: tl.constexpr,  # value columns of U this program stores (BVF: all of them)
     BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
     SCRATCH: tl.constexpr,  # T through the matrix workspace t (else in registers; t is then never read)
     SQUARINGS: tl.constexpr,  # log2(BT // BS) - 1, at least 0
 ):
     """W and U of one chunk and value head (module docstring): A, then T = (I + A)^-1 by blocks,
-    then W = T R_w and U = T R_u. Request num_seqs (the padding rows) has no W or U."""
+    then W = T R_w and U = T R_u, in column tile program_id(2) of each (BKW and BVW columns: every
+    tile's program forms T). Request num_seqs (the padding rows) has no W or U."""
     chunk = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    col_tile = tl.program_id(2)
     key_head = head // GROUP
     req = tl.load(chunks_ptr + 2 * chunk)
     start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
@@ -447,10 +491,8 @@ def _chunk_solve_kernel(
         return
     offs_t = tl.arange(0, BT)
     offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BVF)
     m_t = offs_t < n
     m_k = offs_k < DK
-    m_v = offs_v < DV
     rows = start + offs_t
     k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :],
                 mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -472,9 +514,18 @@ def _chunk_solve_kernel(
         t = t.to(w_ptr.dtype.element_ty)
     # W, then U: one [BT, D] right-hand side live at a time. Only the chunk's own rows are stored:
     # the rows after it belong to the next request.
-    w = _times_t(t, (beta * tl.exp(gate))[:, None] * k.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
+    if BKW == BK:
+        k_cols = k
+    else:  # this tile's key columns, again from memory (the whole rows were loaded for A)
+        offs_k = col_tile * BKW + tl.arange(0, BKW)
+        m_k = offs_k < DK
+        k_cols = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :],
+                         mask=m_t[:, None] & m_k[None, :], other=0.0)
+    w = _times_t(t, (beta * tl.exp(gate))[:, None] * k_cols.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
     tl.store(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :],
              w.to(w_ptr.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+    offs_v = col_tile * BVW + tl.arange(0, BVW)
+    m_v = offs_v < DV
     v = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
                 mask=m_t[:, None] & m_v[None, :], other=0.0)
     u = _times_t(t, beta[:, None] * v.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
@@ -663,7 +714,7 @@ _CHUNK_OUTPUT = Launcher(_chunk_output_kernel)
 
 def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor | None,
                  out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor,
-                 chunks: torch.Tensor, scale: float, gate_kind: int, block_t: int = CHUNK_T,
+                 chunks: torch.Tensor, scale: float, gate_kind: int, block_t: int | None = None,
                  config: ChunkConfig | None = None, workspaces: ChunkWorkspaces | None = None) -> None:
     """The recurrent cores of an extend step by chunks, over the slot-indexed pool, in place.
 
@@ -672,8 +723,9 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     state [num_slots+1, Hv, Dk, Dv] float32; slots [R] int64, request r's state slot (no padding
     slot); bounds [R+1] int64, request r owns rows bounds[r] .. bounds[r+1]-1 (maybe none); chunks
     [N, 2] int64 on the device, (request, chunk j) rows: launch_math.token_blocks of the requests'
-    lengths for this block_t (chunk j of request r starts at row bounds[r] + j * block_t). Rows from
-    bounds[R] on are not touched. The host reads no device value: the tables are the step's plan.
+    lengths for this block_t (chunk j of request r starts at row bounds[r] + j * block_t); block_t
+    None: `chunk_length` of the step's rows (q.shape[0]), whose table is the one of CHUNK_T-row
+    chunks. Rows from bounds[R] on are not touched. The host reads no device value: the tables are the step's plan.
 
     Or bounds [R+2]: then request R, which has no slot, owns the padding rows bounds[R] ..
     bounds[R+1]-1 (bounds[R+1] is the step's row count), the chunk table lists its chunks after the
@@ -691,7 +743,7 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     if gate_kind == GATE_PER_CHANNEL:
         raise ValueError(f"{op}: chunk_extend takes per-head or constant log-decays; per-channel gates (KDA) "
                          f"run FLA's chunk kernels")
-    if block_t < SUB_T or block_t & (block_t - 1):
+    if block_t is not None and (block_t < SUB_T or block_t & (block_t - 1)):
         raise ValueError(f"{op}: block_t must be a power of two of at least {SUB_T}, got {block_t}")
     R = slots.shape[0]
     _check_rows(op, R, slots, q, k, v, gate, out, state, bounds, chunks)
@@ -708,7 +760,8 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
         return
     Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
     (sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, so_r, so_h, ss_slot, ss_head) = strides
-    cfg = config or chunk_config(R, Hv, Dv, q.device)
+    block_t = chunk_length(rows) if block_t is None else block_t
+    cfg = config or chunk_config(R, Hv, Dv, q.device, rows <= CHUNK_T)
     BK = max(SUB_T, next_pow2(Dk))
     common = dict(GROUP=consts["GROUP"], DK=Dk, DV=Dv, BK=BK, BT=block_t, GATE=gate_kind,
                   DOT_PREC="tf32x3" if v.dtype == torch.float32 else "tf32")
@@ -734,11 +787,16 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
             w, vp = chunk_workspace(rows, Hv, Dk, Dv, work_dtype, q.device)
         # the solve in registers never reads t: any valid pointer will do
         t = cs if cfg.solve_in_registers else chunk_matrix_workspace(num_chunks, Hv, block_t, q.device)
-        _CHUNK_SOLVE[(num_chunks, Hv)](
+        bk, bvf, tiles = max(SOLVE_MIN_TILE, BK), max(SOLVE_MIN_TILE, next_pow2(Dv)), cfg.solve_col_tiles
+        if tiles > 1 and not cfg.solve_in_registers:
+            raise ValueError(f"{op}: the solve through the matrix workspace takes one program a chunk and head "
+                             f"(solve_col_tiles={tiles}: each would write the same scratch)")
+        bkw, bvw = max(SOLVE_MIN_TILE, bk // tiles), max(SOLVE_MIN_TILE, bvf // tiles)
+        _CHUNK_SOLVE[(num_chunks, Hv, max(cdiv(bk, bkw), cdiv(bvf, bvw)))](
             k, v, gate, beta, w, vp, t, bounds, chunks,
             sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1),
             t.stride(0), t.stride(1), R,
-            **{**common, "BK": max(SOLVE_MIN_TILE, BK)}, BVF=max(SOLVE_MIN_TILE, next_pow2(Dv)), BS=SUB_T,
+            **{**common, "BK": bk}, BVF=bvf, BKW=bkw, BVW=bvw, BS=SUB_T,
             LOWP=lowp, SCRATCH=not cfg.solve_in_registers,
             SQUARINGS=max(0, (block_t // SUB_T).bit_length() - 2), num_warps=cfg.solve_warps)
     else:

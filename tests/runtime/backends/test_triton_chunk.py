@@ -500,3 +500,105 @@ def test_the_chunk_state_workspace_keeps_its_address_for_steps_that_fit():
     assert TC.chunk_state_workspace(5, 3, 16, 8, torch.float32, torch.device("cpu")).dtype == torch.float32
     assert [TC.chunk_workspace_dtype(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == [
         torch.float32, torch.bfloat16, torch.bfloat16]
+
+
+# -- short steps: their own chunk length ----------------------------------------------------------
+
+
+def test_a_short_step_chunks_by_its_rows_and_keeps_the_64_row_table():
+    """chunk_length: 16 rows at most for 16, 32 for 17 to 32, 64 from 33 on; a length under 64 is at
+    least the step's rows, so every request of the step has one chunk and the 64-row table (FLA's,
+    the backend's one table and the device-built one) is the table of that length too."""
+    assert [TC.chunk_length(n) for n in (1, 9, 16, 17, 32, 33, 64, 65, 4096)] == [16, 16, 16, 32, 32, 64, 64, 64, 64]
+    rng = np.random.default_rng(0)
+    for rows in (1, 5, 16, 17, 31, 32):
+        for _ in range(20):
+            cuts = np.sort(rng.integers(0, rows + 1, size=rng.integers(1, 5)))
+            lens = np.diff(np.concatenate([[0], cuts, [rows]])).astype(np.int64)
+            assert np.array_equal(token_blocks(lens, TC.CHUNK_T), token_blocks(lens, TC.chunk_length(rows)))
+
+
+SHORT_STEPS = [(16, [5, 11]), (16, [16]), (32, [1, 20, 3]), (32, [32]), (32, [])]
+
+
+@in_process
+@pytest.mark.parametrize("bucket,lens", SHORT_STEPS, ids=["16:5+11", "16:16", "32:1+20+3", "32:32", "32:none"])
+@pytest.mark.parametrize("delta,gate_kind,dtype", [(True, GATE_PER_HEAD, torch.float32),
+                                                   (False, GATE_CONSTANT, torch.float32),
+                                                   (True, GATE_PER_HEAD, torch.bfloat16)],
+                         ids=["gdn", "lightning", "gdn_bf16"])
+def test_a_short_captured_step_runs_chunks_of_its_own_length(monkeypatch, bucket, lens, delta, gate_kind, dtype):
+    """A captured-style step of a 16- or 32-row bucket and 4 request rows, over the backend's 64-row
+    table (captured_chunk_tables at CHUNK_T) with no block_t: the kernels take chunks of the bucket's
+    rows (chunk_length), the short tiles (chunk_config's single-chunk choice: the solve's W and U
+    columns split over two programs at Dk = Dv = 64) and give the recurrence's outputs and states;
+    padding rows exactly zero over an output full of NaN, the padding slot untouched."""
+    seqs, hv, dk = 4, 2, 64
+    block_ts = []
+    launch = TC._CHUNK_OUTPUT.launch
+    monkeypatch.setattr(TC._CHUNK_OUTPUT, "launch",
+                        lambda grid, args, kwargs: (block_ts.append(kwargs["BT"]), launch(grid, args, kwargs)))
+    x, state, slots = make_case(lens, 1, hv, dk, dk, delta, gate_kind, dtype, seed=21, extra_rows=bucket - sum(lens),
+                                k_scale=1.0 if delta else 0.3)
+    scale = dk ** -0.5
+    want, want_pool = reference(x, lens, state, slots, scale, gate_kind)
+    dev = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    out = torch.full((bucket, hv, dk), float("nan"), dtype=dtype, device=DEVICE)
+    pool = state.to(DEVICE)
+    tables = captured_chunk_tables(lens, slots, bucket, seqs, TC.CHUNK_T, DEVICE)
+    config = TC.chunk_config(1, hv, dk, torch.device(DEVICE), True)
+    assert config.solve_col_tiles == 2 and config.block_v == 32 and config.out_block_v == 32
+    workspaces = TC.ChunkWorkspaces.allocate(bucket, tables[2].shape[0], hv, dk, dk, dtype, delta, DEVICE)
+    TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool, *tables, scale, gate_kind,
+                    config=config, workspaces=workspaces)
+    assert block_ts == [bucket]
+    got, got_pool = out.cpu(), pool.cpu()
+    real = sum(lens)
+    assert torch.equal(got[real:], torch.zeros_like(got[real:])), "padding rows must come out exactly zero"
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    at = 0
+    for n, slot in zip(lens, slots):
+        if n:
+            err = rel_err(got[at:at + n].float(), want[at:at + n])
+            assert err < tol, f"request of {n} rows: out rel err {err:.2e}"
+        s_err = rel_err(got_pool[slot], want_pool[slot])
+        assert s_err < tol, f"request of {n} rows: state rel err {s_err:.2e}"
+        at += n
+    untouched = [s for s in range(NUM_SLOTS + 1) if s not in slots]
+    assert torch.equal(got_pool[untouched], state[untouched]), "the padding slot or a free slot was written"
+
+
+@in_process
+def test_an_eager_short_step_chunks_as_the_replay_of_its_bucket():
+    """The same requests eagerly (bounds of the real rows only, 20 rows) and in a 32-row bucket's
+    captured-style tables: both take chunks of 32 rows, so outputs and states agree to float32
+    rounding (the tiles differ: one request's for the bucket, three for the eager step)."""
+    lens, bucket = [1, 16, 3], 32
+    x, state, slots = make_case(lens, 1, 2, 32, 32, True, GATE_PER_HEAD, torch.float32, seed=22,
+                                extra_rows=bucket - sum(lens))
+    dev = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    real = sum(lens)
+    eager_out, eager_pool = torch.zeros(real, 2, 32, device=DEVICE), state.clone().to(DEVICE)
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)).to(DEVICE)
+    chunks = torch.from_numpy(token_blocks(np.asarray(lens, dtype=np.int64), TC.CHUNK_T)).to(DEVICE)
+    TC.chunk_extend(*(dev[n][:real] for n in ("q", "k", "v", "gate", "beta")), eager_out, eager_pool,
+                    torch.tensor(slots, device=DEVICE), cu, chunks, 0.25, GATE_PER_HEAD)
+    graph_out, graph_pool = torch.zeros(bucket, 2, 32, device=DEVICE), state.clone().to(DEVICE)
+    tables = captured_chunk_tables(lens, slots, bucket, 4, TC.CHUNK_T, DEVICE)
+    TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], graph_out, graph_pool, *tables, 0.25,
+                    GATE_PER_HEAD, config=TC.chunk_config(1, 2, 32, torch.device(DEVICE), True))
+    assert rel_err(graph_out[:real].cpu(), eager_out.cpu()) < 1e-6
+    assert rel_err(graph_pool.cpu(), eager_pool.cpu()) < 1e-6
+
+
+@in_process
+def test_a_split_solve_takes_no_matrix_workspace():
+    """solve_col_tiles > 1 forms T in every column program: through the shared scratch (one tile a
+    chunk and head) they would race, so that pairing is refused."""
+    x, state, slots = make_case([5], 1, 1, 64, 64, True, GATE_PER_HEAD, torch.float32, seed=23)
+    dev = {n: t.to(DEVICE) for n, t in x.items()}
+    config = TC.ChunkConfig(16, 4, 4, 32, 4, solve_in_registers=False, solve_col_tiles=2)
+    with pytest.raises(ValueError, match="solve_col_tiles=2"):
+        TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], torch.zeros(8, 1, 64, device=DEVICE),
+                        state.to(DEVICE), torch.tensor(slots, device=DEVICE), torch.tensor([0, 5], device=DEVICE),
+                        torch.tensor([[0, 0]], device=DEVICE), 0.25, GATE_PER_HEAD, config=config)

@@ -532,6 +532,30 @@ def test_replayed_extend_steps_read_the_static_plan(op, layer_id):
     assert fake.calls == []
 
 
+# Short buckets (32 rows, 4 requests; then 16 rows, 4 requests): chunks of the bucket's rows.
+REPLAYED_SHORT_STEPS = [
+    (Mode.EXTEND, [(4, 0, 20), (7, 9, 5)], 7, 2),
+    (Mode.MIXED, [(4, 20, 4), (7, 14, 1), (2, 0, 3)], 8, 1),
+]
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", REPLAYED_OPS, ids=[f"{op}-L{lid}" for op, lid in REPLAYED_OPS])
+def test_replayed_short_buckets_take_chunks_of_their_rows(monkeypatch, op, layer_id):
+    """Captured steps of 32- and 16-row buckets: the chunk kernels take chunks of 32 and 16 rows
+    (chunk_length of the bucket) over the static plan's 64-row table and give the reference's
+    outputs and states."""
+    from runtime.backends.kernels import chunk
+    block_ts = []
+    launch = chunk._CHUNK_OUTPUT.launch
+    monkeypatch.setattr(chunk._CHUNK_OUTPUT, "launch",
+                        lambda grid, args, kwargs: (block_ts.append(kwargs["BT"]), launch(grid, args, kwargs)))
+    fake = compare_mode_steps(op, layer_id, REPLAYED_SHORT_STEPS, seed=65 + layer_id,
+                              backend_kwargs={"chunk_impl": "triton"}, replayed=True)
+    assert fake.calls == []
+    assert block_ts == ([] if op == "short_conv" else [32, 16])
+
+
 @in_process
 @pytest.mark.parametrize("chunk_impl", ["triton", "fla"])
 def test_an_op_in_an_eager_gap_beside_captured_ops_reads_the_eager_plan(chunk_impl):
