@@ -431,8 +431,8 @@ class TritonLinearBackend(BackendHooks):
         None imports FLA lazily. `short_extend_tokens`: a step whose requests each bring at most
         this many tokens runs the recurrent cores through `triton_linear.recurrent_extend` (one
         launch a layer, tokens in order) instead of FLA's chunk kernels (several launches and their
-        Python a layer), and extend buckets of up to this many tokens may hold them; 0: never. An artifact sets it through the routing option of the same name
-        (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
+        Python a layer), and extend buckets of up to this many tokens may hold them; 0: never. An
+        artifact sets it through the routing option of the same name (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
         and Lightning layers, "fla" or "triton" (triton_chunk.chunk_extend); the routing option of the same name (CHUNK_IMPL_CHOICES), whose recorded choice
         build() passes. Built directly (tests, benchmarks), FLA's unless asked. `decode_tiles`: the
         routing option of the same name; "fixed" launches decode and verify steps with one tile at
