@@ -39,7 +39,6 @@ __all__ = ["OpSpec", "OP_SPECS", "OPS_BY_KIND", "COLLECTIVE_OPS", "FUSED_OPS", "
 _LIB = torch.library.Library("hgc", "FRAGMENT")  # noqa: the namespace our ops live in
 
 _C = Capture.CAPTURABLE
-_E = Capture.EAGER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,25 +57,24 @@ class OpSpec:
         return self.policy[Mode(mode)]
 
 
-# Attention and recurrent cores mutate per-request cache/state and their metadata depends on
-# variable sequence lengths: capturable only where every request adds a fixed number of tokens.
-_STATEFUL_POLICY = {Mode.DECODE: _C, Mode.TARGET_VERIFY: _C, Mode.EXTEND: _E, Mode.MIXED: _E}
 # Stateless device work with static shapes (no host sync, no data-dependent shapes).
 _ALWAYS_CAPTURABLE = {m: _C for m in Mode}
 # Recurrent cores whose extend work is a fixed set of launches over a per-step table (chunks,
 # cu_seqlens, slots) that can be padded to the bucket and read from static device buffers: capture
 # in every mode is allowed. Whether an extend step is captured is the routed backend's word (its
-# capability's `capturable`): our chunk kernels can, FLA's (a Python entry that plans on the host)
-# cannot. KDA keeps the stateful policy: no backend runs its per-channel gates that way.
+# capability's `capturable` / `capture_tokens`): our chunk kernels can, FLA's (a Python entry that
+# plans on the host) cannot, our short-extend kernel can in buckets of short requests (KDA's too).
 _TABLE_DRIVEN_POLICY = _ALWAYS_CAPTURABLE
 # GQA attention: a kernel that addresses the paged cache from the step's page table, lengths and
 # query offsets (runtime/backends/kernels/gqa.py, varlen) runs an extend or mixed step as one fixed
 # grid per bucket, its per-step values read from static device buffers, so capture in every mode
 # is allowed and the routed backend decides: FlashInfer's prefill (planned on the host) cannot be
 # captured there, the Triton kernel can (its capability's `op_capture`, extend_impl=triton), the
-# CPU reference declares it eager there (the CPU plans stay as they were). MLA keeps the stateful
-# policy: no backend runs its extends from such a table yet.
+# CPU reference declares it eager there (the CPU plans stay as they were). MLA attention the same:
+# the Triton MLA kernel reads a step's page table, lengths and query offsets too (kernels/mla.py),
+# FlashInfer's MLA plans on the host.
 _GQA_POLICY = _ALWAYS_CAPTURABLE
+_MLA_POLICY = _ALWAYS_CAPTURABLE
 
 OP_SPECS: dict[str, OpSpec] = {}
 
@@ -102,7 +100,7 @@ _declare(
     "mla_attention",
     "(Tensor q_latent, Tensor q_rope, Tensor kv_latent, Tensor k_rope, Tensor(a!) out, int layer_id,"
     " float scale) -> ()",
-    {LayerKind.FULL_MLA}, True, _STATEFUL_POLICY,
+    {LayerKind.FULL_MLA}, True, _MLA_POLICY,
     "Absorbed MLA: q_latent [T,H,R] (q_nope through W_UK), q_rope [T,H,P], kv_latent [T,R] (normed "
     "c_kv), k_rope [T,P]; the cache keeps [kv_latent | k_rope] per token. score = q_latent.c + "
     "q_rope.k_rope, out [T,H,R] = softmax(scale*score) @ c.",
@@ -120,7 +118,7 @@ _declare(
 _declare(
     "kda_core",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) out, int layer_id, float scale) -> ()",
-    {LayerKind.KDA}, True, _STATEFUL_POLICY,
+    {LayerKind.KDA}, True, _TABLE_DRIVEN_POLICY,
     "Kimi delta attention: the gated delta rule with a per-channel decay. q,k [T,H,Dk] "
     "(already l2-normalised), v [T,H,Dv], g [T,H,Dk] log-decay, beta [T,H]. State [H,Dk,Dv] float32.",
     token_args=("q", "k", "v", "g", "beta"),

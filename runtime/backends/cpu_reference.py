@@ -119,16 +119,17 @@ class CPUReferenceBackend(BackendHooks):
     # Every op in every mode, any dtype. Capturable in every mode but one op's two: on the CPU no
     # CUDA graph freezes anything, and the graph runner's CPU stand-in reruns a captured piece's ops
     # on each replay, so the CPU plans are those of the ops' policies and the runner's bookkeeping
-    # (whole-step and piecewise graphs) runs in CI on them. GQA attention's policy leaves extend
-    # and mixed steps to the routed backend (a GPU kernel from the page table captures them); here
-    # it stays an eager gap there, so the CPU plans, and every CPU artifact, are what they were.
+    # (whole-step and piecewise graphs) runs in CI on them. GQA and MLA attention's and KDA's
+    # policies leave extend and mixed steps to the routed backend (GPU kernels from the page table
+    # or the static tables capture them); here they stay eager gaps there, so the CPU plans, and
+    # every CPU artifact, are what they were.
     # The same math on a GPU is torch_reference, which declares no capture (its host loops would
     # be frozen into a CUDA graph).
     _OPS = frozenset(OP_SPECS) - COLLECTIVE_OPS
     capability = BackendCapability(
         name="cpu_reference", device="cpu", ops=_OPS, modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
         op_capture=tuple(OpCapture(op, frozenset({Mode.EXTEND, Mode.MIXED}), why="the CPU stand-in reruns its ops")
-                         for op in sorted(_OPS - {"gqa_attention"})),
+                         for op in sorted(_OPS - {"gqa_attention", "mla_attention", "kda_core"})),
         doc="plain-torch reference of every op: the test oracle")
 
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, supported_ops=None):

@@ -29,9 +29,12 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    with `extend_impl="triton"`, or in a step of at most `whole_extend_tokens` rows (the routing
    default 512): GQA groups then run the same Triton kernel for requests of
    different lengths (`triton_gqa_attention_varlen`), from the page table, `seq_lens` and
-   `query_start_loc`, so an extend or mixed step plans nothing on the host either (a GQA-only
-   choice: the constructor refuses it for MLA layers, which that kernel does not serve; an eager
-   target_verify step of unequal rows takes it too). With decode_impl="triton" as well no GQA
+   `query_start_loc`, so an extend or mixed step plans nothing on the host either (an eager
+   target_verify step of unequal rows takes it too). MLA groups take the Triton MLA kernel's form
+   for such steps (`triton_mla_attention_varlen`, from the same three) in the steps of up to
+   `whole_extend_tokens` rows, whatever mla_impl says; `extend_impl="triton"` (every size) is a
+   GQA-only choice: the constructor refuses it for MLA layers, whose long extends the MLA decode
+   kernel would serve slowly. With decode_impl="triton" as well no GQA
    step reaches FlashInfer's kernels, so GQA layers may then be float32 (`option_dtypes`).
 3. `gqa_attention(ctx, ...)` / `mla_attention(ctx, ...)` store this step's rows into the
    layer's pages (a Triton kernel that skips rows whose slot is -1, so it is safe inside a
@@ -61,7 +64,9 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    run that kernel and are captured the same way, larger ones FlashInfer's prefill: the
    capability declares the capture bounded by the option, the split keeps the op an eager gap and
    records the bound, and the graph runner captures the buckets up to it whole (this hook then
-   runs for them) and the larger ones in pieces, the op in their gap.
+   runs for them) and the larger ones in pieces, the op in their gap. MLA layers the same, on the
+   Triton MLA kernel's varlen form up to the bound, FlashInfer's MLA (or the Triton kernel's row
+   arrays, mla_impl="triton") above it.
 
 KV layout: the pool's "k" and "v" tensors [pages, page_size, Hkv, D] are FlashInfer's NHD tuple
 form as they are; the MLA "latent" entry [pages, page_size, R+P] is handed over as two strided
@@ -116,6 +121,7 @@ __all__ = [
     "EXTEND_IMPLS",
     "WHOLE_EXTEND_TOKENS",
     "varlen_extend",
+    "MLA_EXTEND_CAPTURE",
     "full_layer_options",
     "FlashInferMissing",
     "PagedMetadata",
@@ -445,15 +451,24 @@ class _StepPlan:
 
 
 def varlen_extend(mode, tokens: int, extend_impl: str, whole_extend_tokens: int) -> bool:
-    """Whether a step whose requests carry different rows runs the GQA groups on the Triton varlen
-    kernel: every such step with extend_impl="triton" (an eager target_verify step of unequal rows
-    too); otherwise an extend or mixed step of at most whole_extend_tokens `tokens`. `tokens` is the
+    """Whether a step whose requests carry different rows runs the Triton kernels' varlen forms
+    (GQA's, and MLA's: MLA layers never take extend_impl="triton"): every such step with
+    extend_impl="triton" (an eager target_verify step of unequal rows too); otherwise an extend or
+    mixed step of at most whole_extend_tokens `tokens`. `tokens` is the
     step's rows (ExecContext.num_tokens): a graph step's are its bucket's, an eager step's its own,
     and with the bound an extend bucket, a step goes to a bucket on the bound's side it lies on, so
     an eager step and the graph its bucket replays run the same kernel."""
     if extend_impl == "triton":
         return True
     return Mode(mode) in (Mode.EXTEND, Mode.MIXED) and tokens <= whole_extend_tokens
+
+
+# MLA extend and mixed steps of up to whole_extend_tokens tokens on the Triton MLA kernel's varlen
+# form (kernels/mla.py: page table, lengths, query offsets; nothing planned on the host), declared
+# by every backend that runs MLA layers on that kernel (this one and triton_mla).
+MLA_EXTEND_CAPTURE = OpCapture("mla_attention", frozenset({Mode.EXTEND, Mode.MIXED}), up_to="whole_extend_tokens",
+                               why="steps of up to whole_extend_tokens tokens on the Triton MLA kernel from the "
+                                   "page table, seq_lens and query_start_loc")
 
 
 def _graph_mode(mode) -> Mode:
@@ -476,7 +491,8 @@ class FlashInferAttentionBackend(BackendHooks):
         op_capture=(OpCapture("gqa_attention", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("extend_impl", "triton"),),
                               why="the Triton GQA kernel from the page table, seq_lens and query_start_loc"),
                     OpCapture("gqa_attention", frozenset({Mode.EXTEND, Mode.MIXED}), up_to="whole_extend_tokens",
-                              why="steps of up to whole_extend_tokens tokens on the Triton GQA kernel")),
+                              why="steps of up to whole_extend_tokens tokens on the Triton GQA kernel"),
+                    MLA_EXTEND_CAPTURE),
         dtypes=_FLASHINFER_DTYPES,
         # GQA layers whose every step runs a Triton kernel never reach FlashInfer's JIT: float32 too.
         option_dtypes=(OptionDtypes("gqa_attention", frozenset({"float32"}),
@@ -512,7 +528,8 @@ class FlashInferAttentionBackend(BackendHooks):
         doc="paged GQA / MLA attention through FlashInfer; decode and target_verify captured (the Triton "
             "kernel from the page table, or use_cuda_graph wrappers); GQA extend and mixed steps of up to "
             "whole_extend_tokens tokens captured on the Triton kernel, larger ones eager (every size captured "
-            "with extend_impl=triton); MLA extends eager")
+            "with extend_impl=triton); MLA extend and mixed steps of up to whole_extend_tokens tokens captured "
+            "on the Triton MLA kernel, larger ones eager")
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "FlashInferAttentionBackend":
@@ -558,8 +575,9 @@ class FlashInferAttentionBackend(BackendHooks):
         the page table: nothing planned on the host). kv_splits: "auto" or "fixed", how the Triton
         kernels split a row's keys (module docstring, "Splits of the keys"); "fixed" needs
         decode_impl="triton" for GQA layers and mla_impl="triton" for MLA layers.
-        whole_extend_tokens: GQA extend and mixed steps of up to that many tokens run the Triton
-        varlen kernel whatever extend_impl says (`varlen_extend`), and may be captured; 0: none.
+        whole_extend_tokens: extend and mixed steps of up to that many tokens run the Triton
+        kernels' varlen forms (GQA whatever extend_impl says, MLA whatever mla_impl says;
+        `varlen_extend`), and may be captured; 0: none.
         Routing gives an artifact's instances the capability's default (WHOLE_EXTEND_TOKENS[0]);
         an instance built by hand (kernel benchmarks, tests) runs extend_impl's kernel on every
         extend unless told, so what it measures is the kernel it names.
@@ -586,7 +604,6 @@ class FlashInferAttentionBackend(BackendHooks):
         self.fixed_splits = kv_splits == "fixed"  # passed to every Triton attention kernel
         if whole_extend_tokens < 0:
             raise ValueError(f"whole_extend_tokens must be a token count, not {whole_extend_tokens!r}")
-        # MLA groups never take the varlen kernel: the bound is about GQA groups alone
         self.whole_extend_tokens = whole_extend_tokens
         # One float workspace for every wrapper: their runs follow one another on one stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
@@ -724,10 +741,11 @@ class FlashInferAttentionBackend(BackendHooks):
     def _plan(self, ctx: ExecContext, bucket: Optional[int]) -> _StepPlan:
         mode = Mode(ctx.mode)
         per = self._rows_per_request(ctx)
-        # requests of different rows on the varlen kernel: every such step with extend_impl="triton",
-        # else extend and mixed steps of up to whole_extend_tokens rows (varlen_extend)
+        # requests of different rows on the varlen kernels: every such step with extend_impl="triton"
+        # (GQA groups alone: MLA layers refuse it), else extend and mixed steps of up to
+        # whole_extend_tokens rows (varlen_extend), GQA and MLA groups alike
         varlen = not per and self._varlen(mode, ctx.num_tokens)
-        on_table = frozenset(g for g in self.groups if (per and self._table_kernel(g)) or (varlen and g.kind == "gqa"))
+        on_table = frozenset(g for g in self.groups if (per and self._table_kernel(g)) or varlen)
         if mode == Mode.DECODE:
             kind = "decode"
         elif self.extend_impl == "ragged" and mode == Mode.EXTEND and not any(ctx.cache_lens):
@@ -911,8 +929,8 @@ class FlashInferAttentionBackend(BackendHooks):
         mode = Mode(mode)
         if not self._captured(mode):
             return False
-        if mode in (Mode.EXTEND, Mode.MIXED):  # a whole-step extend graph: of a size on the varlen kernel
-            return all(g.kind == "gqa" for g in self.groups)
+        if mode in (Mode.EXTEND, Mode.MIXED):  # a whole-step extend graph: of a size on the varlen kernels
+            return True
         return all(self._table_kernel(g) for g in self.groups)
 
     def init_step_metadata(self, ctx: ExecContext) -> None:
@@ -993,7 +1011,12 @@ class FlashInferAttentionBackend(BackendHooks):
         store_kv_rows(step.slots, ctx.page_size, (kv_latent, ckv), (k_rope, kpe))
         n = step.num_rows
         target = out[:n] if out.is_contiguous() else torch.empty_like(out[:n])
-        if step.table is not None and g in step.table.groups:
+        if step.table is not None and g in step.table.groups and not step.table.rows_per_req:
+            from runtime.backends.kernels.mla import triton_mla_attention_varlen
+            t = step.table
+            triton_mla_attention_varlen(q_latent[:n], q_rope[:n], ckv, kpe, t.page_table, t.seq_lens,
+                                        t.query_start_loc, target, g.scale, fixed_splits=self.fixed_splits)
+        elif step.table is not None and g in step.table.groups:
             from runtime.backends.kernels.mla import triton_mla_attention_paged
             t = step.table
             triton_mla_attention_paged(q_latent[:n], q_rope[:n], ckv, kpe, t.page_table, t.seq_lens, t.rows_per_req,

@@ -30,11 +30,15 @@ four modes:
   chunk table the step's plan made on the host. Ours and the extend conv are capturable (the
   capability's `op_capture`): a replayed step reads the tables from the static extend plan
   init_replay_state fills, padded to the bucket (_StaticExtendPlan); FLA's are not (its Python
-  plans on the host), so KDA and `chunk_impl=fla` stay eager gaps. With `short_extend_tokens` set,
-  a step of an op that is never captured in extend whose requests each
-  bring at most that many tokens (a prefix-cache hit's tail, a short chunk) runs the recurrent
-  cores through our short-extend kernel instead (triton_linear.recurrent_extend: one launch a
-  layer, each request's tokens in order). The short conv: our Triton
+  plans on the host), so KDA and `chunk_impl=fla` stay eager gaps of the larger steps. With
+  `short_extend_tokens` set, a step of such an op whose requests each bring at most that many
+  tokens (a prefix-cache hit's tail, a short prompt) runs the recurrent cores through our
+  short-extend kernel instead (triton_linear.recurrent_extend: one launch a layer, each request's
+  tokens in order, the padding rows zeroed by the same launch). That kernel reads the static
+  plan's tables too, so a bucket of at most short_extend_tokens rows, which holds no longer
+  request, may capture it: the capability declares that capture bounded by the option, the split
+  keeps the op a gap and records the bound, and the extend buckets up to it are whole-step
+  graphs (Kimi's KDA beside MLA's bounded capture). The short conv: our Triton
   extend kernel (triton_linear.short_conv_extend), one launch over every request's tokens, reading
   each request's history from its slot and writing the new one back. Padded rows of `out` are zeroed
   and the padding slot is neither read nor written.
@@ -274,6 +278,9 @@ class _StaticExtendPlan:
       bucket can have: B + 1 requests with rows, each a partial chunk at most beyond T/64 whole ones;
     - conv blocks [T/32 + B + 1, 2]: the same in the conv's blocks of 32 rows.
 
+    The short-extend kernel reads the slots and bounds alone: B + 1 requests and the padding rows
+    as one more, which it writes as zeros.
+
     An eager step's chunk table is FLA's too, which knows no padding request: its padding rows
     are zeroed after the chunk kernels."""
 
@@ -336,8 +343,10 @@ def _in_dtype_of(v: torch.Tensor, *tensors: torch.Tensor) -> tuple:
 # request, 1 to 16 requests; benchmarks/kernels/gpu_linear_extend.py, BENCHMARKS.md), FLA's Python entry
 # costing about 1 ms a layer against some 0.1 ms of kernels. Longer requests were not timed there,
 # and the recurrent kernel's time grows with a request's tokens one after another, so they keep
-# FLA's chunk kernels. "0": FLA always. It applies to the ops whose extend steps are never captured
-# (KDA, and GDN or Lightning with chunk_impl=fla): an op captured in extend runs the chunk kernels
+# FLA's chunk kernels. "0": FLA always. It applies to the ops whose extend steps are not captured at
+# every size (KDA, and GDN or Lightning with chunk_impl=fla), and bounds their capture: a bucket of
+# at most that many tokens runs the kernel in its graph as its eager step does, larger ones hold the
+# op in an eager gap. An op captured in extend at every size runs the chunk kernels
 # eagerly too, so an eager step computes what the replayed graph of the same step does (a recurrent
 # and a chunked kernel round differently, and a random-weight bench model carried that to 27% of its
 # logits, benchmarks/serving/gpu_e2e.py's graph-against-eager tokens: BENCHMARKS.md).
@@ -367,7 +376,7 @@ class TritonLinearBackend(BackendHooks):
     # extend and mixed steps of the ops our own kernels run (GDN and Lightning on our chunk
     # kernels, the short conv), whose tables a captured step reads from static buffers padded to
     # the bucket (_StaticExtendPlan). KDA, and chunk_impl=fla, call FLA's Python entry, which plans
-    # on the host: eager.
+    # on the host: eager, except in steps of up to short_extend_tokens tokens (our recurrent kernel).
     capability = BackendCapability(
         name="triton_linear", device="cuda", ops=supported_ops,
         modes_supported=frozenset(MODES), modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}),
@@ -380,6 +389,14 @@ class TritonLinearBackend(BackendHooks):
                       why="our chunk kernels over the bucket's static tables"),
             OpCapture("short_conv", frozenset({Mode.EXTEND, Mode.MIXED}),
                       why="our extend conv over the bucket's static tables"),
+            # The recurrent cores that no entry above captures (KDA, or chunk_impl=fla): a bucket of
+            # at most short_extend_tokens rows holds no longer request, so its steps, eager or
+            # replayed, run the short-extend kernel, which reads its requests, bounds and slots from
+            # the bucket's static tables; larger steps stay in the eager gap (FLA's chunk kernels).
+            *(OpCapture(op, frozenset({Mode.EXTEND, Mode.MIXED}), up_to="short_extend_tokens",
+                        why="steps of up to short_extend_tokens tokens on the recurrent extend kernel over the "
+                            "bucket's static tables")
+              for op in ("gdn_core", "kda_core", "lightning_core")),
         ),
         kinds=frozenset({LayerKind.GDN, LayerKind.KDA, LayerKind.LIGHTNING}),
         # short_extend_tokens, chunk_impl: the constructor's arguments of the same names, chosen at
@@ -403,18 +420,19 @@ class TritonLinearBackend(BackendHooks):
             "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "
             "chunk kernels for KDA, or with chunk_impl=fla), a Triton extend conv; "
             "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify, "
-            "and in extend and mixed where our own kernels run")
+            "and in extend and mixed where our own kernels run (KDA, and chunk_impl=fla, in steps of up to "
+            "short_extend_tokens tokens)")
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
                  short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0]):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
-        None imports FLA lazily. `short_extend_tokens`: an eager step whose requests each bring at
-        most this many tokens runs the recurrent cores through `triton_linear.recurrent_extend` (one
+        None imports FLA lazily. `short_extend_tokens`: a step whose requests each bring at most
+        this many tokens runs the recurrent cores through `triton_linear.recurrent_extend` (one
         launch a layer, tokens in order) instead of FLA's chunk kernels (several launches and their
-        Python a layer); 0: never. An artifact sets it through the routing option of the same name
-        (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
+        Python a layer), and extend buckets of up to this many tokens may hold them; 0: never. An
+        artifact sets it through the routing option of the same name (SHORT_EXTEND_CHOICES). `chunk_impl`: whose chunk kernels run the other extend steps of GDN
         and Lightning layers, "fla" or "triton" (triton_chunk.chunk_extend); the routing option of the same name (CHUNK_IMPL_CHOICES), whose recorded choice
         build() passes. Built directly (tests, benchmarks), FLA's unless asked. `decode_tiles`: the
         routing option of the same name; "fixed" launches decode and verify steps with one tile at
@@ -439,9 +457,12 @@ class TritonLinearBackend(BackendHooks):
         self._graph_workspaces: dict[tuple, object] = {}  # the chunk kernels' in captured steps (never regrown)
         self._step: _StepPlan | None = None
         options = {"short_extend_tokens": str(short_extend_tokens), "chunk_impl": chunk_impl}
-        # Ops whose extend and mixed steps this instance may run inside a captured graph.
+        # Ops whose extend and mixed steps this instance may run inside a captured graph, at any
+        # size, and those it may run there in steps of up to some tokens (the short-extend kernel).
         self._captured_extend = frozenset(op for op in self.supported_ops
                                           if self.capability.capturable(op, Mode.EXTEND, options))
+        self._bounded_extend = {op: n for op in sorted(self.supported_ops - self._captured_extend)
+                                if (n := self.capability.capture_tokens(op, Mode.EXTEND, options))}
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonLinearBackend":
@@ -463,7 +484,7 @@ class TritonLinearBackend(BackendHooks):
         """Allocate the static slot-id buffer that every captured decode / target-verify graph reads,
         and the static extend tables where extend steps are captured."""
         self._static_slots = torch.full((max_seqs + 1,), PADDING_SLOT, dtype=torch.int64, device=self.device)
-        if self._captured_extend:
+        if self._captured_extend or self._bounded_extend:
             self._static_extend = _StaticExtendPlan(max_tokens, max_seqs, self.device)
 
     def init_replay_state(self, ctx: ExecContext, bucket: int) -> None:
@@ -491,7 +512,7 @@ class TritonLinearBackend(BackendHooks):
         or the first captured piece of a piecewise step, records it."""
         mode = Mode(mode)
         if mode in (Mode.EXTEND, Mode.MIXED):
-            return bool(self._captured_extend)
+            return bool(self._captured_extend or self._bounded_extend)
         return mode in self.capability.modes_capturable
 
     def init_step_metadata(self, ctx: ExecContext) -> None:
@@ -556,10 +577,17 @@ class TritonLinearBackend(BackendHooks):
         return _ExtendPlan(T, slots, bounds_dev[:R + 1], cu, chunks_dev, bounds_dev, blocks_dev,
                            int(lens.max()) if R else 0)
 
+    def _in_graph(self, step: _StepPlan, op: str) -> bool:
+        """Whether `op` runs on the static extend plan in this replayed step: an op captured in
+        extend at any size, or one captured up to a bound in a step (its bucket) of at most that
+        many tokens; else it runs in an eager gap."""
+        return (step.extend is not None and step.extend.captured
+                and (op in self._captured_extend or step.ctx.num_tokens <= self._bounded_extend.get(op, 0)))
+
     def _extend_plan(self, step: _StepPlan, op: str) -> _ExtendPlan:
-        """The plan `op` reads: in a replayed step, an op that is not captured in extend runs in an
+        """The plan `op` reads: in a replayed step, an op the step's graph does not hold runs in an
         eager gap, on the eager plan (_route refused the step if there was none)."""
-        if step.replayed and op not in self._captured_extend:
+        if step.replayed and not self._in_graph(step, op):
             return step.eager_extend
         if step.extend is None:
             step.extend = self._make_extend_plan(step)  # a caller that skipped init_chunk_metadata (tests)
@@ -593,7 +621,7 @@ class TritonLinearBackend(BackendHooks):
                     f"{ctx.query_lens}); ragged verify steps only run eagerly")
             return "extend", 0
         if step.replayed:
-            captured = op in self._captured_extend and step.extend is not None and step.extend.captured
+            captured = self._in_graph(step, op)
             # an op the graphs cannot hold runs in an eager gap of a piecewise step, on the eager plan
             # made before the replay state; never inside a capture, and never without that plan
             in_gap = not captured and step.eager_extend is not None and not _capturing(self.device)
@@ -645,19 +673,21 @@ class TritonLinearBackend(BackendHooks):
             out[T:].zero_()
 
     def _short_extend(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
-        """The recurrent extend kernel over the step's real requests, where each brings at most
-        `short_extend_tokens` tokens (padding rows zeroed); False where the step is longer."""
+        """The recurrent extend kernel over the step's requests, where each brings at most
+        `short_extend_tokens` tokens; False where the step is longer. One launch either way: the
+        padding rows are the plan's last request, written as zeros by the kernel (in a captured
+        bucket the host does not know the real count), and a captured bucket's padding requests sit
+        on the padding slot. A captured bucket is at most short_extend_tokens rows (the capture's
+        bound), so it holds no longer request: the graph and the eager step of the same requests
+        run this kernel alike."""
         op = _kernels().OP_OF_GATE[gate_kind]
         if not self.short_extend_tokens or op in self._captured_extend:
             return False  # an op captured in extend takes its graph's kernels eagerly too (SHORT_EXTEND_CHOICES)
         plan = self._extend_plan(self._step_plan(ctx), op)
-        if not 0 < plan.longest <= self.short_extend_tokens:
+        if not plan.captured and not 0 < plan.longest <= self.short_extend_tokens:
             return False
-        T = plan.num_tokens
         _kernels().recurrent_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"), plan.slots,
-                                    plan.cu_seqlens, scale, gate_kind, self.recurrent_config)
-        if out.shape[0] > T:
-            out[T:].zero_()
+                                    plan.padded_bounds, scale, gate_kind, self.recurrent_config)
         return True
 
     def _triton_chunk(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:

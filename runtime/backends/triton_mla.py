@@ -12,18 +12,21 @@ the store of this step's rows, the static buffers of captured decode graphs and 
 that backend's, tested with it; FlashInfer itself is never imported (no FlashInfer wrapper serves
 an MLA layer under the Triton kernel). Decode steps read the page table and sequence lengths as
 they are (the kernel's page-table mode): nothing is planned on the host for them; extend and mixed
-steps build the paged metadata for the kernel's row arrays. Lifecycle:
-runtime/backends/flashinfer_attention.py.
+steps of up to `whole_extend_tokens` tokens read them with the step's query offsets (the kernel's
+varlen form: nothing planned either, so their buckets may be whole-step graphs), larger ones build
+the paged metadata for the kernel's row arrays. Lifecycle: runtime/backends/flashinfer_attention.py.
 
-Its one routing option, `kv_splits` ("auto", the default, or "fixed"), is that backend's: "fixed"
-splits every row's keys at fixed positions, so a row's output is the same bits in any step of any
-batch (decode, target_verify, extend and mixed: the Triton kernel serves them all here).
+Its routing options are that backend's: `kv_splits` ("auto", the default, or "fixed") splits every
+row's keys at fixed positions, so a row's output is the same bits in any step of any batch (decode,
+target_verify, extend and mixed: the Triton kernel serves them all here); `whole_extend_tokens`
+bounds the extend and mixed steps on the varlen form, which graphs may capture.
 """
 
 from __future__ import annotations
 
 from compiler.splitops import DTYPES, BackendCapability, LayerKind, Mode, ShapeLimit
-from runtime.backends.flashinfer_attention import KV_SPLITS, FlashInferAttentionBackend, full_layer_options
+from runtime.backends.flashinfer_attention import (KV_SPLITS, MLA_EXTEND_CAPTURE, WHOLE_EXTEND_TOKENS,
+                                                   FlashInferAttentionBackend, full_layer_options)
 from runtime.backends.protocol import BackendSetup
 
 __all__ = ["TritonMLABackend"]
@@ -35,13 +38,15 @@ class TritonMLABackend(FlashInferAttentionBackend):
     name = "triton_mla"
     capability = BackendCapability(
         name="triton_mla", device="cuda", ops=frozenset({"mla_attention"}), kinds=frozenset({LayerKind.FULL_MLA}),
-        modes_capturable=frozenset({Mode.DECODE}), dtypes=frozenset(DTYPES),
+        modes_capturable=frozenset({Mode.DECODE}), op_capture=(MLA_EXTEND_CAPTURE,), dtypes=frozenset(DTYPES),
         limits=(ShapeLimit("mla_attention", "q_latent", -1, power_of_two=True, why=_POW2_WHY),
                 ShapeLimit("mla_attention", "q_rope", -1, power_of_two=True, why=_POW2_WHY)),
-        options=(("kv_splits", KV_SPLITS),),  # the FlashInfer backend's option of that name
+        # the FlashInfer backend's options of those names
+        options=(("kv_splits", KV_SPLITS), ("whole_extend_tokens", WHOLE_EXTEND_TOKENS)),
         batch_invariant=(("kv_splits", "fixed"),),
         priority=0,
-        doc="MLA through the Triton split-KV kernel (triton_mla.py): every dtype; decode captured, extend eager")
+        doc="MLA through the Triton split-KV kernel (triton_mla.py): every dtype; decode captured, extend and "
+            "mixed steps of up to whole_extend_tokens tokens captured (its varlen form), larger ones eager")
 
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonMLABackend":

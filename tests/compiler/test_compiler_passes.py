@@ -431,8 +431,9 @@ def test_capability_refusals_name_what_the_backend_lacks():
 
 def test_the_reference_backends_declare_every_op_and_their_capture():
     """The CPU reference may sit in captured pieces (on the CPU a captured piece is rerun, nothing is
-    frozen), so CPU plans follow the op policies, but for GQA attention in extend and mixed steps,
-    which its policy leaves to the backend and the CPU keeps eager (the CPU plans as they were);
+    frozen), so CPU plans follow the op policies, but for GQA and MLA attention and KDA in extend
+    and mixed steps, which their policies leave to the backend and the CPU keeps eager (the CPU
+    plans as they were);
     the same math on cuda captures nothing and is bound only by a route (never a silent slow
     fallback). The collectives are torch.distributed's: gloo on the CPU, NCCL on cuda, both capturable."""
     from runtime.backends import discover
@@ -441,7 +442,8 @@ def test_the_reference_backends_declare_every_op_and_their_capture():
     assert cpu.device == "cpu" and cpu.ops == ALL_OPS - COLLECTIVE_OPS and not cpu.explicit_only
     assert set(cpu.modes_supported) == set(MODES)
     for op in cpu.ops:
-        want = [m.value for m in MODES if op != "gqa_attention" or m in (Mode.DECODE, Mode.TARGET_VERIFY)]
+        kept_eager = op in ("gqa_attention", "mla_attention", "kda_core")
+        want = [m.value for m in MODES if not kept_eager or m in (Mode.DECODE, Mode.TARGET_VERIFY)]
         assert cpu.capturable_modes(op) == want, op
     assert cuda.device == "cuda" and cuda.ops == ALL_OPS - COLLECTIVE_OPS and cuda.explicit_only
     assert not cuda.modes_capturable
@@ -493,8 +495,8 @@ def test_split_records_the_piece_of_each_node():
 
 
 class _TwoOps(nn.Module):
-    """Two op cores back to back with nothing between them: their gaps must merge (MLA attention,
-    eager in extend by its policy; shapes do not matter to the trace)."""
+    """Two op cores back to back with nothing between them: their gaps must merge (MLA attention on
+    the CPU reference, which keeps it eager in extend; shapes do not matter to the trace)."""
 
     def __init__(self):
         super().__init__()
@@ -513,19 +515,26 @@ def _two_ops_gm():
     dim = torch.export.Dim("T", min=1)
     ep = torch.export.export(_TwoOps(), (q, q.clone(), q.clone()), dynamic_shapes=({0: dim}, {0: dim}, {0: dim}),
                              strict=False)
+    for node in _op_nodes(ep.graph_module):
+        node.meta["hgc.backend"] = "cpu_reference"
     return ep.graph_module
+
+
+def _two_ops_extend_plan(gm) -> SplitPlan:
+    from runtime.backends import discover
+    return plan_for_mode(gm, Mode.EXTEND, discover().capability_table())
 
 
 def test_split_merges_adjacent_eager_ops_into_one_gap():
     gm = _two_ops_gm()
-    plan = plan_for_mode(gm, Mode.EXTEND)
+    plan = _two_ops_extend_plan(gm)
     assert [p.kind for p in plan.pieces] == [CAPTURED, EAGER, CAPTURED]
     assert plan.pieces[1].nodes == ("mla_attention", "mla_attention_1")
 
 
 def test_apply_split_plan_keeps_graph_order_and_only_op_cores_in_gaps():
     gm = _two_ops_gm()
-    plan = plan_for_mode(gm, Mode.EXTEND)
+    plan = _two_ops_extend_plan(gm)
     split = apply_split_plan(gm, plan)
     subs = [n.target for n in split.graph.nodes if n.op == "call_module"]
     assert subs == ["submod_0", "submod_1", "submod_2"]
@@ -539,7 +548,7 @@ def test_apply_split_plan_keeps_graph_order_and_only_op_cores_in_gaps():
 
 def test_apply_split_plan_refuses_a_plan_for_another_graph():
     gm = _two_ops_gm()
-    plan = plan_for_mode(gm, Mode.EXTEND)
+    plan = _two_ops_extend_plan(gm)
     stale = SplitPlan(plan.mode, plan.pieces[:-1])
     with pytest.raises(ArtifactFormatError, match="does not match the graph"):
         apply_split_plan(gm, stale)

@@ -77,6 +77,14 @@ def test_mla_extend_chunked_mixed_padded(impl, cfg):
 
 
 @pytest.mark.parametrize("impl", MLA_IMPLS)
+@pytest.mark.parametrize("cfg", MLA_CONFIGS, ids=lambda c: c.name)
+def test_mla_extend_on_the_varlen_kernel_under_whole_extend_tokens(impl, cfg):
+    """Every step of check_extend (up to 338 rows) under whole_extend_tokens=512: MLA groups run the
+    Triton MLA kernel's varlen form from the page table, lengths and query offsets, whatever mla_impl."""
+    _assert(check_extend(cfg, mla_impl=impl, whole_extend_tokens=512))
+
+
+@pytest.mark.parametrize("impl", MLA_IMPLS)
 def test_mla_graph_decode(impl):
     _assert(check_graph_decode(MLA_32, mla_impl=impl))
 

@@ -494,6 +494,77 @@ def test_extend_graph_capture_and_replay(op):
     assert torch.equal(dev_pool.layer(0)[entry][untouched], before[untouched]), "padding slot or a free slot written"
 
 
+SHORT_BUCKET = (64, 4)  # a bucket of at most short_extend_tokens rows: the recurrent kernel's graph
+SHORT_REPLAYED_STEPS = [  # replayed in it: slots 1 and 3 start empty; decode rows beside prompt chunks
+    (Mode.EXTEND, [(1, 0, 20), (2, 30, 17)]),
+    (Mode.MIXED, [(1, 20, 5), (2, 47, 1), (3, 0, 30), (4, 9, 1)]),
+    (Mode.EXTEND, [(3, 30, 64)]),
+]
+
+
+@pytest.mark.parametrize("op,chunk_impl", [("kda_core", "triton"), ("gdn_core", "fla")])
+def test_short_extend_graph_capture_and_replay(op, chunk_impl):
+    """The cores no chunk kernel of ours captures (KDA; GDN under chunk_impl=fla), captured in an
+    extend bucket of at most short_extend_tokens rows: the recurrent extend kernel over the static
+    plan, captured once from a placeholder step on the padding slot as a whole-step graph records it
+    (init_replay_state alone, no eager plan), then replayed for steps of other lengths, slots and
+    request counts: outputs and states against the reference, padding rows zero, the padding slot
+    and free slots untouched."""
+    from runtime.backends.triton_linear import TritonLinearBackend
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    T, B = SHORT_BUCKET
+    ref_pool, dev_pool = pools(op, 6, seed=43)
+    for pool in (ref_pool, dev_pool):
+        pool.layer(0)["recurrent"][[1, 3]] = 0  # new requests start from the empty state
+    before = dev_pool.layer(0)["recurrent"].clone()
+    tri = TritonLinearBackend(dev_pool, short_extend_tokens=T, chunk_impl=chunk_impl)
+    tri.init_capture_state(max_tokens=T, max_seqs=B)
+    g = torch.Generator().manual_seed(44)
+
+    def step_inputs(real: int) -> dict:
+        x = inputs(op, T, real, torch.bfloat16, g)
+        x["g"] = x["g"].float()  # the models pass float32 log-decays
+        return x
+
+    static = {n: t.to(DEV) for n, t in step_inputs(T).items()}
+    out = out_like(op, T, torch.bfloat16, DEV)
+    placeholder = step_ctx(Mode.EXTEND, [(PADDING_SLOT, 0, T // B)] * B, 0, 0, DEV)
+    tri.init_replay_state(placeholder, B)
+    call(tri, placeholder, op, static, out)  # warm-up outside the graph: compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tri.init_replay_state(placeholder, B)  # the tables made inside the graph, as a whole-step graph does
+        call(tri, placeholder, op, static, out)
+    torch.cuda.synchronize()
+    assert torch.equal(dev_pool.layer(0)["recurrent"], before), "the placeholder step wrote a slot"
+    ref = CPUReferenceBackend(None, ref_pool)
+    touched = set()
+    for mode, reqs in SHORT_REPLAYED_STEPS:
+        real = sum(n for *_, n in reqs)
+        ctx = step_ctx(mode, reqs, T - real, B - len(reqs), DEV)
+        placeholder.query_start_loc.copy_(ctx.query_start_loc)  # the staging the graph reads
+        placeholder.state_slots.copy_(ctx.state_slots)
+        x = step_inputs(real)
+        for n, t in x.items():
+            static[n].copy_(t)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        out_ref = out_like(op, T, torch.float32, "cpu")
+        call(ref, step_ctx(mode, reqs, T - real, B - len(reqs), "cpu"), op, x, out_ref)
+        got = out.float().cpu()
+        assert torch.isfinite(got).all() and got[real:].eq(0).all(), f"{mode.value}: unwritten or non-zero padding rows"
+        assert rel_err(got[:real], out_ref[:real]) <= 1e-2, f"{mode.value} {reqs}"
+        touched |= {slot for slot, *_ in reqs}
+        rows = sorted(touched)
+        assert rel_err(dev_pool.layer(0)["recurrent"][rows].cpu(), ref_pool.layer(0)["recurrent"][rows]) <= 1e-2
+    untouched = [s for s in range(7) if s not in touched]
+    assert torch.equal(dev_pool.layer(0)["recurrent"][untouched], before[untouched]), "padding slot or a free slot written"
+
+
 # -- our chunk kernels alone (triton_chunk.chunk_extend) ---------------------------------------------
 
 CHUNK_LENS = [0, 1, 100, 64, 300, 1000]  # none, one row, partial, one whole chunk, several, many

@@ -46,7 +46,10 @@ no other program can race it).
 The short-extend kernel has one program per (request, value head, Dv tile): the decode kernel's
 update (`_token_step`, shared) applied to the request's tokens in order, the tile loaded once and
 stored once. Its time grows with the longest request, so it serves steps of short requests only;
-long prefills take FLA's chunk kernels.
+long prefills take the chunk kernels. Given one more bound than requests, one more program row
+writes zeros over the padding rows past the last request, and a request on the padding slot
+touches no state: a captured bucket's launch reads its requests, bounds and slots from static
+tables and is correct for any real layout the bucket replays (runtime/backends/triton_linear.py).
 
 Not here: the recurrent cores' long extend/prefill (FLA's chunk kernels, called by the backend),
 l2-normalisation of q/k and the gate activations that produce g and beta (they stay in the
@@ -71,7 +74,7 @@ __all__ = [
     "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
     "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config", "fixed_conv_config",
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
-    "recurrent_verify", "short_conv_verify",
+    "recurrent_verify", "short_conv_verify", "extend_config",
     "CONV_EXTEND_BLOCK_T", "conv_extend_config", "short_conv_extend",
 ]
 
@@ -139,6 +142,15 @@ def _conv_tile(block_c: int, channels: int) -> ConvConfig:
 # heads of 128, the Qwen3-Next conv of 8192 channels) one request's tiles (Dv 8, 1 warp; 32
 # channels) took 1.9x and 1.5x the time of these at batch 32 and 3.4x and 2.0x at batch 256, while
 # these cost at most 0.2 us more than one request's tiles at batch 1.
+
+
+def extend_config(heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
+    """The short-extend kernel's tile: one request's decode tile (the most programs in flight; a
+    short prompt on an idle engine is the step whose latency this kernel is for), whatever the
+    step holds. One tile for every request count, since the tile sets the order a token's
+    reductions run in: a captured bucket (its padding requests launched too) and the eager step of
+    the same requests then compute the same bits."""
+    return recurrent_config(1, heads, dk, dv, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,19 +298,21 @@ def _recurrent_decode_kernel(
         tl.store(o_ptrs, tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _recurrent_extend_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
     stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
     stride_s_slot, stride_s_head,
-    scale,
+    scale, num_seqs,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, PAD_SLOT: tl.constexpr,
 ):
     """A few tokens per request: one program per (request, value head, Dv tile) loads the slot's
     tile once, runs the request's tokens bounds[r] .. bounds[r+1]-1 through it in order, writing
-    each token's output, and stores the tile once at the end."""
+    each token's output, and stores the tile once at the end. Request num_seqs (launched where
+    the bounds carry one more entry) is the padding rows, and a request on the padding slot (a
+    captured bucket's padding requests, a capture's placeholders) reads no state: both write zeros."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
@@ -309,18 +323,24 @@ def _recurrent_extend_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     bos = tl.load(bounds_ptr + seq).to(tl.int64)
     eos = tl.load(bounds_ptr + seq + 1).to(tl.int64)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
-    s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
-    for row in range(bos, eos):
-        s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
-                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-                           stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
-                           GROUP=GROUP, GATE=GATE, DELTA=DELTA)
-        tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v, o.to(out_ptr.dtype.element_ty),
-                 mask=m_v)
-    # Only this program touches this tile of this slot: the store after the loop races nothing.
-    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+    slot = tl.load(slots_ptr + seq, mask=seq < num_seqs, other=PAD_SLOT).to(tl.int64)
+    if slot != PAD_SLOT:
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+        for row in range(bos, eos):
+            s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
+                               stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row,
+                               stride_v_head, stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                               GROUP=GROUP, GATE=GATE, DELTA=DELTA)
+            tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v,
+                     o.to(out_ptr.dtype.element_ty), mask=m_v)
+        # Only this program touches this tile of this slot: the store after the loop races nothing.
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+    else:
+        # the padding rows (or a padding request's): their inputs may hold anything; zeros out
+        for row in range(bos, eos):
+            tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v,
+                     tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
@@ -567,6 +587,7 @@ def _short_conv_extend_kernel(
 _RECURRENT_DECODE = Launcher(_recurrent_decode_kernel)
 _SHORT_CONV_DECODE = Launcher(_short_conv_decode_kernel)
 _RECURRENT_VERIFY = Launcher(_recurrent_verify_kernel)
+_RECURRENT_EXTEND = Launcher(_recurrent_extend_kernel)  # a replayed step's eager gap repeats its arguments
 _SHORT_CONV_VERIFY = Launcher(_short_conv_verify_kernel)
 
 
@@ -641,25 +662,29 @@ def recurrent_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     """A few tokens of each of R requests through the recurrence, over the slot-indexed pool, in place.
 
     The rows of q, k, v, gate, beta and out are the step's tokens (as recurrent_decode's, with T
-    rows); request r owns rows bounds[r] .. bounds[r+1]-1 (bounds [R+1] int64 on the device, a
-    request may own none) and the state in slot slots[r] (slots [R], no padding slot). Rows from
-    bounds[R] on are not touched. Its cost grows with the longest request's tokens, one after
-    another: for short requests (a prefix cache hit's tail), where a chunked kernel's launches cost
-    more than its work."""
+    rows); request r owns rows bounds[r] .. bounds[r+1]-1 (a request may own none) and the state
+    in slot slots[r] (slots [R] int64; a request on the padding slot reads and writes no state and
+    gets zero outputs). bounds [R+1] int64 on the device: rows from bounds[R] on are not touched;
+    bounds [R+2]: rows bounds[R] .. bounds[R+1]-1 are padding and get zeros (a captured bucket's
+    padding rows, whose count only the device knows). Its cost grows with the longest request's
+    tokens, one after another: for short requests (a prefix cache hit's tail, a short prompt), where
+    a chunked kernel's launches cost more than its work. config: default `extend_config`."""
     op = OP_OF_GATE[gate_kind]
     R = slots.shape[0]
     _check_rows(op, R, slots, q, k, v, gate, out, state, bounds)
-    assert tuple(bounds.shape) == (R + 1,), f"{op}: bounds must be [{R + 1}] for {R} requests, got {tuple(bounds.shape)}"
+    assert bounds.dim() == 1 and bounds.shape[0] in (R + 1, R + 2), (
+        f"{op}: bounds must be [{R + 1}] or, with the padding rows, [{R + 2}] for {R} requests, got {tuple(bounds.shape)}")
     q, k, v, gate, strides, consts = _recurrent_args(op, q, k, v, gate, beta, out, state, gate_kind, q.shape[0])
-    if R == 0:
+    launched = bounds.shape[0] - 1  # the requests, and the padding rows as one more
+    if launched == 0:
         return
     Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
-    cfg = config or recurrent_config(R, Hv, Dk, Dv, q.device)
+    cfg = config or extend_config(Hv, Dk, Dv, q.device)
     assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
     b_t = beta if beta is not None else gate
-    grid = (R, Hv, cdiv(Dv, cfg.block_v))
-    _recurrent_extend_kernel[grid](q, k, v, gate, b_t, out, state, slots, bounds, *strides, float(scale),
-                                   **consts, BV=cfg.block_v, num_warps=cfg.num_warps)
+    grid = (launched, Hv, cdiv(Dv, cfg.block_v))
+    _RECURRENT_EXTEND[grid](q, k, v, gate, b_t, out, state, slots, bounds, *strides, float(scale), R,
+                            **consts, BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
 
 
 def recurrent_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,

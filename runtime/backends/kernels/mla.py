@@ -5,7 +5,7 @@ The fallback (and cross-check) for FlashInfer's `BatchMLAPagedAttentionWrapper`,
 cache keeps [c | k_rope] per token; score = q_latent.c + q_rope.k_rope; out = softmax(scale *
 score) @ c.
 
-Two ways to find a row's keys (a constexpr switch of the split pass):
+Three ways to find a row's keys (constexpr switches of the split pass):
 
 - row arrays (`triton_mla_attention`): FlashInfer's page lists per request (kv_indptr,
   kv_indices) and each row's request and position, built on the host for any step (extend and
@@ -14,7 +14,13 @@ Two ways to find a row's keys (a constexpr switch of the split pass):
   all have the same n rows reads the step's `page_table` [B, width] and `seq_lens` [B] as they
   are: row t is request t // n at position seq_lens - n + t % n. Nothing is built on the host, so
   a captured decode graph replays with no plan at all (runtime/backends/kernels/gqa.py does the
-  same for GQA).
+  same for GQA);
+- the page table with query offsets (`triton_mla_attention_varlen`): an extend or mixed step,
+  requests of different lengths, reads `query_start_loc` [B+1] besides: row t's request is the
+  one whose rows hold it (a binary search over the offsets, so no per-step constexpr), at position
+  seq_lens[b] - q_len_b + (t - query_start_loc[b]); rows from query_start_loc[B] on are padding,
+  see no key and get zeros. Nothing is built on the host either, so a captured extend bucket
+  replays it for any layout of its rows (gqa.py's varlen kernel is the GQA counterpart).
 
 1. Split pass, grid (rows, head blocks, splits): each program takes one query row, BLOCK_H heads
    and its split of the keys that row may see (causal: positions 0..its position; one contiguous
@@ -45,25 +51,42 @@ from runtime.backends.kernels.sm_count import num_sms
 from runtime.backends.kernels.split_kv import (LOG2E, combine_splits, num_splits_for, paged_tile, round_keys,
                                               softmax_step, split_chunks, split_layout, split_result)
 
-__all__ = ["triton_mla_attention", "triton_mla_attention_paged"]
+__all__ = ["triton_mla_attention", "triton_mla_attention_paged", "triton_mla_attention_varlen"]
 
 
 # s_pt (the page table's width follows the longest request allowed) and num_splits (the
 # launch's rows) are never specialized: see triton_split_kv.MAX_SPLITS.
-@triton.jit(do_not_specialize=["s_pt", "num_splits"])
+@triton.jit(do_not_specialize=["s_pt", "num_splits", "num_seqs"])
 def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_lens, part_o, part_lse,
                       s_ql_t, s_ql_h, s_qr_t, s_qr_h, s_c_page, s_c_tok, s_k_page, s_k_tok, s_pt,
-                      rows_per_req, num_heads, page_size, scale_log2, num_splits,
+                      rows_per_req, num_heads, page_size, scale_log2, num_splits, num_seqs,
                       R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
-                      FROM_TABLE: tl.constexpr):
+                      FROM_TABLE: tl.constexpr, VARLEN: tl.constexpr):
     # FROM_TABLE: `pages` is the page table [B, s_pt] and `seq_lens` gives each row its position
     # (kv_indptr, row_req, row_pos unused); else `pages` is kv_indices, found through the row arrays.
+    # VARLEN (with FROM_TABLE): `kv_indptr` is query_start_loc [num_seqs+1], which gives each row
+    # its request; else every request of the table has rows_per_req rows.
     # SPLIT_TOKENS: 0, the default shares; else fixed splits (triton_split_kv.split_chunks).
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
-    if FROM_TABLE:
+    if VARLEN:
+        # the request whose rows hold t: the first whose end lies past t (num_seqs: the padding rows)
+        lo = num_seqs * 0
+        hi = num_seqs + 0
+        while lo < hi:
+            mid = (lo + hi) // 2
+            past = tl.load(kv_indptr + mid + 1) <= t  # request mid ends at or before row t
+            lo = tl.where(past, mid + 1, lo)
+            hi = tl.where(past, hi, mid)
+        real = lo < num_seqs
+        first = tl.load(kv_indptr + lo)
+        n_rows = tl.load(kv_indptr + lo + 1, mask=real, other=0) - first
+        seq_len = tl.load(seq_lens + lo, mask=real, other=0)
+        kv_len = tl.where(real, seq_len - n_rows + (t - first) + 1, 0)  # padding rows: no key
+        page_row = pages + tl.minimum(lo, num_seqs - 1).to(tl.int64) * s_pt
+    elif FROM_TABLE:
         req = t // rows_per_req
         kv_len = tl.load(seq_lens + req) - rows_per_req + t % rows_per_req + 1
         page_row = pages + req * s_pt
@@ -128,6 +151,24 @@ def triton_mla_attention(q_latent, q_rope, ckv, kpe, kv_indptr, kv_indices, row_
             out, scale, block_h, block_n, num_splits, fixed_splits, split_tokens)
 
 
+def triton_mla_attention_varlen(q_latent, q_rope, ckv, kpe, page_table, seq_lens, query_start_loc, out, scale,
+                                block_h: int = 16, block_n: int = 32, num_splits: int | None = None,
+                                fixed_splits: bool = False, split_tokens: int | None = None) -> None:
+    """As triton_mla_attention, for an extend or mixed step from the page table [B, width],
+    seq_lens [B] (cached + new tokens) and query_start_loc [B+1] (request b: rows
+    query_start_loc[b] .. query_start_loc[b+1] - 1; a padded request owns none), int32 on the
+    device, read as they are. Rows from query_start_loc[B] to T - 1 are padding: zeros."""
+    B = page_table.shape[0]
+    if B == 0 or query_start_loc.shape[0] != B + 1 or seq_lens.shape[0] < B:
+        raise ValueError(f"triton MLA (varlen): {B} requests need {B + 1} query offsets and {B} sequence lengths, "
+                         f"got {query_start_loc.shape[0]} and {seq_lens.shape[0]}")
+    assert page_table.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
+    # row_req and row_pos are not read in this mode: seq_lens stands in for the pointers
+    _launch(q_latent, q_rope, ckv, kpe, page_table, query_start_loc, seq_lens, seq_lens, seq_lens,
+            page_table.stride(0), 1, True, out, scale, block_h, block_n, num_splits, fixed_splits, split_tokens,
+            varlen_seqs=B)
+
+
 def triton_mla_attention_paged(q_latent, q_rope, ckv, kpe, page_table, seq_lens, rows_per_req, out, scale,
                                block_h: int = 16, block_n: int = 32, num_splits: int | None = None,
                                fixed_splits: bool = False, split_tokens: int | None = None) -> None:
@@ -144,7 +185,10 @@ def triton_mla_attention_paged(q_latent, q_rope, ckv, kpe, page_table, seq_lens,
 
 
 def _launch(q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_lens, s_pt, rows_per_req,
-            from_table, out, scale, block_h, block_n, num_splits, fixed_splits, split_tokens) -> None:
+            from_table, out, scale, block_h, block_n, num_splits, fixed_splits, split_tokens,
+            varlen_seqs: int = 0) -> None:
+    """varlen_seqs: the requests of a page-table step whose rows query_start_loc (in kv_indptr's
+    place) gives; 0: every request has rows_per_req rows (or the row arrays' step)."""
     T, H, R = q_latent.shape
     P = q_rope.shape[-1]
     if T == 0:
@@ -163,7 +207,7 @@ def _launch(q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_
         q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_lens, part_o, part_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), s_pt,
-        rows_per_req, H, ckv.shape[1], scale * LOG2E, num_splits,
+        rows_per_req, H, ckv.shape[1], scale * LOG2E, num_splits, varlen_seqs,
         R=R, P=P, P_PAD=max(16, P), BLOCK_H=block_h, BLOCK_N=block_n, SPLIT_TOKENS=split_tokens,
-        PRECISION=precision, FROM_TABLE=from_table, num_warps=8, num_stages=2)
+        PRECISION=precision, FROM_TABLE=from_table, VARLEN=varlen_seqs > 0, num_warps=8, num_stages=2)
     combine_splits(part_o, part_lse, out, num_splits)

@@ -14,7 +14,8 @@ from hgc.wiring import toolchain
 from compiler.passes.context import CompileConfig
 from compiler.passes.routing import parse_route
 from compiler.pipeline import compile_checkpoint
-from compiler.splitops import COLLECTIVE_OPS, MODES, OP_SPECS, BackendCapability, LINEAR_KINDS, Mode, op_arguments
+from compiler.splitops import (COLLECTIVE_OPS, MODES, OP_SPECS, BackendCapability, LINEAR_KINDS, Mode, OpCapture,
+                               op_arguments)
 from runtime.backends import discover
 from runtime.backends.backend_set import BackendSet
 from runtime.backends.collectives import GlooCollectives
@@ -282,11 +283,14 @@ def test_supported_ops_come_from_the_capability_declaration():
 
 class SecondReference(CPUReferenceBackend):
     """A second CPU backend for the linear ops: the reference's math behind another name and instance,
-    recording the layers it ran. A route binds layers to it; nothing picks it by priority."""
+    recording the layers it ran. A route binds layers to it; nothing picks it by priority. Captured
+    where the reference is: every mode but KDA's extend and mixed steps."""
 
     name = "second_reference"
     capability = BackendCapability(name="second_reference", device="cpu", ops=LINEAR_OPS,
-                                   modes_capturable=frozenset(MODES), priority=-1,
+                                   modes_capturable=frozenset({Mode.DECODE, Mode.TARGET_VERIFY}), priority=-1,
+                                   op_capture=tuple(OpCapture(op, frozenset({Mode.EXTEND, Mode.MIXED}))
+                                                    for op in sorted(LINEAR_OPS - {"kda_core"})),
                                    doc="the reference's linear ops, as a second backend for routing tests")
     built: list = []
 
@@ -397,9 +401,9 @@ def test_every_linear_op_on_a_second_instance_is_bitwise_the_reference(checkpoin
 
 @pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
 def test_the_gaps_of_each_mode_come_from_split_json(checkpoints, family):
-    """A linear backend whose ops are captured in extend (Qwen3-Next's GDN and conv, under their
-    table-driven policy) is staged, not planned, before a piecewise extend step; one with an op in an
-    extend gap (Kimi's KDA, stateful) is planned too; attention is in the gaps of extend only."""
+    """A linear backend whose ops are captured in extend (Qwen3-Next's GDN and conv) is staged, not
+    planned, before a piecewise extend step; one with an op in an extend gap (Kimi's KDA, which this
+    backend does not capture there) is planned too; attention is in the gaps of extend only."""
     art = _linear_apart(checkpoints, family)
     kv, st = make_pools_for(art.registry)
     backends = art.backends(kv, st, REGISTRY).for_program("main")

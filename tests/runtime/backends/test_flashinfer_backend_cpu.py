@@ -674,7 +674,8 @@ def test_the_eager_kernel_of_an_extend_step_is_its_graphs_for_every_step_size():
     assert not fia.varlen_extend(Mode.TARGET_VERIFY, 8, "ragged", 512), "the bound is about extend and mixed steps"
     from hgc.compile_commands import capturable_column
     assert capturable_column(cap.to_json()).endswith(
-        "gqa_attention +extend +mixed (extend_impl=triton); gqa_attention +extend +mixed (steps up to whole_extend_tokens)")
+        "gqa_attention +extend +mixed (extend_impl=triton); gqa_attention mla_attention +extend +mixed "
+        "(steps up to whole_extend_tokens)")
     small = Buckets((1,), (16, 32, 64), 1)
     assert fia.varlen_extend(Mode.EXTEND, 40, "ragged", 48) != fia.varlen_extend(
         Mode.EXTEND, small.key_for(Mode.EXTEND, 40, 1).tokens, "ragged", 48)
@@ -705,6 +706,53 @@ def test_whole_extend_tokens_runs_small_extends_on_the_varlen_kernel_and_capture
     with pytest.raises(ValueError, match="of up to whole_extend_tokens=16 tokens"):
         pair.be.init_replay_state(over, 4)
     assert FlashInferAttentionBackend._kernel_options({"whole_extend_tokens": "512"}) == {"whole_extend_tokens": 512}
+
+
+def test_mla_extends_up_to_whole_extend_tokens_run_the_varlen_kernel_eagerly_and_in_graphs(host_plans):
+    """MLA layers under whole_extend_tokens=16 (FlashInfer's MLA above it): an eager extend or mixed
+    step of up to 16 rows runs the Triton MLA kernel's varlen form from the page table, lengths and
+    query offsets (no paged metadata, no plan), a larger one FlashInfer's MLA plan. A graph bucket
+    of 16 rows copies the step into the static buffers (device work: recorded in the graph); its
+    real rows equal the reference's and the same step's run eagerly, its padding rows are zero."""
+    pair = Pair(whole_extend_tokens=16, layers=[2])
+    for ctx, _ in zip(_schedule(pair.ref_pool), range(2)):  # 14 and 10 rows: extend, mixed
+        pair.be.init_step_metadata(ctx)
+        assert pair.be._step.table is not None and pair.be._step.table.rows_per_req == 0
+        assert pair.run(ctx, 2, ctx.num_tokens) < 1e-5
+    assert host_plans == [] and _plans() == []
+    large = build_step([(SeqState(4), [0] * 20)], pair.ref_pool).ctx
+    pair.be.init_step_metadata(large)
+    assert pair.be._step.table is None and _plans() == ["mla"]
+    host_plans.clear()
+    _Fake.log.clear()
+
+    pair = Pair(whole_extend_tokens=16, layers=[2])
+    assert pair.be.replay_state_in_graph(Mode.EXTEND) and pair.be.replay_state_in_graph(Mode.MIXED)
+    pair.be.init_capture_state(32, 8)
+    static, gen = pair.be._static, torch.Generator().manual_seed(4)
+    steps = _schedule(pair.ref_pool, [SeqState(i + 1) for i in range(3)], pad_tokens_to=16, pad_seqs_to=4,
+                      max_pages=8)
+    for _, ctx in zip(range(2), steps):
+        pair.be.init_replay_state(ctx, 4)
+        t = pair.be._step.table
+        assert t.rows_per_req == 0 and t.query_start_loc.data_ptr() == static["query_start_loc"].data_ptr()
+        assert t.page_table.data_ptr() == static["page_table"].data_ptr()
+        n = ctx.num_real_tokens
+        args = [torch.randn(16, *shape, generator=gen) for shape in ((HQ, R), (HQ, P), (R,), (P,))]
+        for a in args:
+            a[n:] = float("nan")
+        graph, want = torch.full((16, HQ, R), float("nan")), torch.empty(16, HQ, R)
+        pair.ref.mla_attention(ctx, *args, want, 2, MLA_SCALE)
+        pair.be.mla_attention(ctx, *args, graph, 2, MLA_SCALE)
+        assert torch.isfinite(graph).all() and graph[n:].eq(0).all()
+        assert float((graph[:n] - want[:n]).norm() / want[:n].norm()) < 1e-5
+        replay = pair.be._step
+        pair.be.init_step_metadata(ctx)  # the same step eagerly: its own tensors, its real rows
+        eager = torch.full((16, HQ, R), float("nan"))
+        pair.be.mla_attention(ctx, *args, eager, 2, MLA_SCALE)
+        assert float((graph[:n] - eager[:n]).norm() / eager[:n].norm()) < 1e-5
+        pair.be._step = replay
+    assert host_plans == [] and _plans() == []
 
 
 def test_the_binder_refuses_a_recorded_choice_its_backend_scopes_to_other_ops():

@@ -217,16 +217,15 @@ def test_softmax_routing_renormalised_weights_sum_to_scale():
     assert torch.allclose(w.sum(-1), torch.ones(5))
 
 
-def test_every_op_has_a_policy_for_every_mode_and_stateful_ops_are_eager_in_extend():
-    """MLA attention (host-planned paged kernels) and KDA are eager in extend and mixed by their
-    policy; the table-driven recurrent cores, the conv and GQA attention (a kernel from the page
-    table runs its extends) may be captured there, where the routed backend can."""
-    table_driven = {"gdn_core", "lightning_core", "short_conv", "gdn_fused", "gqa_attention"}
+def test_every_op_has_a_policy_for_every_mode_and_stateful_ops_leave_extend_to_their_backend():
+    """Every stateful op may be captured in extend and mixed steps where the routed backend can (a
+    kernel over the step's static tables or its page table: GQA and MLA attention up to
+    whole_extend_tokens, KDA up to short_extend_tokens, GDN and Lightning on our chunk kernels);
+    whether it is, is the backend's declaration, not the op's."""
     for spec in OP_SPECS.values():
         assert set(spec.policy) == set(Mode)
         if spec.stateful:
-            want = "capturable" if spec.name in table_driven else "eager"
-            assert spec.capture(Mode.EXTEND).value == spec.capture(Mode.MIXED).value == want, spec.name
+            assert spec.capture(Mode.EXTEND).value == spec.capture(Mode.MIXED).value == "capturable", spec.name
             assert spec.capture(Mode.DECODE).value == "capturable"
     assert all(c.value == "capturable" for c in OP_SPECS["moe"].policy.values())
 

@@ -48,7 +48,8 @@ from runtime.backends.kernels import gqa as triton_gqa, mla as triton_mla, split
 from runtime.backends import triton_mla as triton_mla_backend
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend  # noqa: E402
 from runtime.backends.kernels.gqa import triton_gqa_attention  # noqa: E402
-from runtime.backends.kernels.mla import triton_mla_attention, triton_mla_attention_paged  # noqa: E402
+from runtime.backends.kernels.mla import (triton_mla_attention, triton_mla_attention_paged,  # noqa: E402
+                                          triton_mla_attention_varlen)
 from runtime.backends.triton_mla import TritonMLABackend  # noqa: E402
 from runtime.backends.kernels.sm_count import CPU_STAND_IN_SMS  # noqa: E402
 from runtime.backends.kernels.split_kv import MAX_SPLITS, SPLIT_TOKENS, combine_splits, num_splits_for  # noqa: E402
@@ -213,6 +214,11 @@ def check_mla(case: Case, h: int, r: int, p: int, block_n: int = 32):
     def one(i):
         return qa[0][i:i + 1], qa[1][i:i + 1]
 
+    def ref(q, rows):
+        return torch.stack([_attend(torch.cat([q[0][t], q[1][t]], -1), paged.keys("latent", req, pos + 1)[:, None],
+                                    paged.keys("latent", req, pos + 1)[:, None, :r], MLA_SCALE)
+                            for t, (req, pos) in enumerate(rows)])
+
     alone = [from_table(one(i), [(A, pos + 1)], 1, **case.fixed)[0] for i, pos in enumerate(case.positions)]
     batch = []
     for i, pos in enumerate(case.positions):
@@ -226,12 +232,24 @@ def check_mla(case: Case, h: int, r: int, p: int, block_n: int = 32):
     rows = [(X, 0), (X, 1)] + [(A, pos) for pos in case.positions]
     extend_q = tuple(torch.cat(pair) for pair in zip(fresh(2), qa))
     extend = from_rows(extend_q, rows, **case.fixed)
-    _same_bits(case, alone, decode_of_three=batch, verify=list(verify[:N_VERIFY]), extend=list(extend[2:]))
 
-    def ref(q, rows):
-        return torch.stack([_attend(torch.cat([q[0][t], q[1][t]], -1), paged.keys("latent", req, pos + 1)[:, None],
-                                    paged.keys("latent", req, pos + 1)[:, None, :r], MLA_SCALE)
-                            for t, (req, pos) in enumerate(rows)])
+    def from_offsets(q, reqs, starts, **mode):  # rows past starts[-1]: padding
+        table, lens = paged.step(reqs)
+        out = out_for(q)
+        triton_mla_attention_varlen(*q, ckv, kpe, table, lens, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+                                    out, MLA_SCALE, block_n=block_n, **mode)
+        return out
+
+    # The same extend step from the page table and query offsets, as a captured bucket reads it:
+    # two padding rows after the step's, which see no key and come out zero.
+    varlen_q = tuple(torch.cat(pair) for pair in zip(extend_q, fresh(2)))
+    varlen_reqs, starts = [(X, 2), (A, case.positions[-1] + 1)], [0, 2, 2 + N_VERIFY]
+    varlen = from_offsets(varlen_q, varlen_reqs, starts, **case.fixed)
+    assert varlen[2 + N_VERIFY:].eq(0).all(), "padding rows past the query offsets must be zero"
+    _same_bits(case, alone, decode_of_three=batch, verify=list(verify[:N_VERIFY]), extend=list(extend[2:]),
+               varlen_extend=list(varlen[2:2 + N_VERIFY]))
+    assert torch.equal(varlen[:2], extend[:2]), "X's rows from the offsets and from the row arrays"
+    assert rel_err(from_offsets(varlen_q, varlen_reqs, starts)[:2 + N_VERIFY], ref(extend_q, rows)) < case.tol
 
     default = from_table(q, reqs, N_VERIFY)
     assert rel_err(verify, ref(q, _verify_rows(case))) < case.tol and rel_err(verify, default) < case.tol

@@ -23,6 +23,7 @@ here and `test_in_a_fresh_interpreter_process` runs this file in a new process i
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable here (it
 
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec  # noqa: E402
 from runtime.backends.kernels import linear as TL  # noqa: E402
-from runtime.backends.cpu_reference import CPUReferenceBackend  # noqa: E402
+from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence  # noqa: E402
 from runtime.backends.protocol import check_backend, plan_eager_step  # noqa: E402
 from runtime.backends.triton_linear import (FLANotInstalled, TritonLinearBackend,  # noqa: E402
                                                     WrongModeError)
@@ -568,6 +569,37 @@ def test_an_op_in_an_eager_gap_beside_captured_ops_reads_the_eager_plan(chunk_im
     assert [c[1] for c in fake.calls] == [[0, 70, 75], [0, 4, 5, 8]]
 
 
+# Two buckets of 16 rows (3 and 4 requests), then one of 32 rows whose 20-token request is past
+# the short-extend limit of 16, then a decode.
+SHORT_REPLAYED_STEPS = [
+    (Mode.EXTEND, [(4, 0, 6), (7, 9, 5)], 5, 1),
+    (Mode.MIXED, [(4, 6, 4), (7, 14, 1), (2, 0, 3)], 8, 1),
+    (Mode.EXTEND, [(4, 10, 20), (7, 15, 3)], 9, 0),
+    (Mode.DECODE, [(2, 3, 1), (4, 30, 1)], 1, 1),
+]
+BOUNDED_OPS = [("kda_core", 2, "triton"), ("gdn_core", 0, "fla"), ("lightning_core", 3, "fla")]
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id,chunk_impl", BOUNDED_OPS, ids=[o[0] for o in BOUNDED_OPS])
+def test_buckets_up_to_the_short_extend_limit_hold_the_other_cores_on_the_static_plan(monkeypatch, op, layer_id,
+                                                                                      chunk_impl):
+    """KDA (and GDN, Lightning under chunk_impl=fla) are captured in extend buckets of up to
+    short_extend_tokens rows: replayed there, they launch the recurrent kernel over the static plan
+    (bounds of the bucket's requests, the always-empty one and the padding rows) and match the
+    reference; a larger bucket holds them in an eager gap, on the eager plan (FLA's chunk call
+    for the 20-token request)."""
+    bounds = []
+    real = TL.recurrent_extend
+    monkeypatch.setattr(TL, "recurrent_extend", lambda *a, **k: (bounds.append(a[8].shape[0]), real(*a, **k)))
+    options = {"short_extend_tokens": 16, "chunk_impl": chunk_impl}
+    tri = TritonLinearBackend(make_pools(0)[1], **options)
+    assert tri._bounded_extend == {o: 16 for o, _, impl in BOUNDED_OPS if impl == chunk_impl or o == "kda_core"}
+    fake = compare_mode_steps(op, layer_id, SHORT_REPLAYED_STEPS, seed=75, backend_kwargs=options, replayed=True)
+    assert bounds == [3 + 3, 4 + 3], "the 16-row buckets: one launch each over the static bounds"
+    assert [c[1] for c in fake.calls] == [[0, 20, 23]]
+
+
 @in_process
 def test_static_plan_tables_are_padded_to_the_bucket():
     """The layout a captured step's launches keep: slots and bounds for B+1 requests (the last one
@@ -590,6 +622,72 @@ def test_static_plan_tables_are_padded_to_the_bucket():
     assert blocks[:6] == [[0, 0], [0, 1], [0, 2], [1, 0], [5, 0], [5, 1]] and blocks[6:] == [[4, 0]] * 3
     with pytest.raises(RuntimeError, match="static plan holds 256 and 8"):
         tri.init_replay_state(mode_step(Mode.EXTEND, [(4, 0, 300)]), bucket=1)
+
+
+# Steps of one 32-row bucket of 4 requests on the static plan: (query_start_loc, slots) of the real
+# requests. No real row, one request of one token, a few requests (a padded one among them), the
+# bucket full, and a capture's placeholders (rows owned by requests on the padding slot).
+SHORT_BUCKET = 32, 4
+SHORT_BUCKET_STEPS = {
+    "none": ([0, 0, 0, 0, 0], []),
+    "one": ([0, 1, 1, 1, 1], [6]),
+    "few": ([0, 5, 8, 17, 17], [6, 2, 9]),
+    "full": ([0, 8, 16, 24, 32], [6, 2, 9, 1]),
+    "placeholders": ([0, 8, 16, 24, 32], []),
+}
+
+
+@in_process
+@pytest.mark.parametrize("case", list(SHORT_BUCKET_STEPS))
+def test_the_recurrent_extend_kernel_over_a_bucket_static_plan(case):
+    """The short-extend kernel as a captured KDA bucket launches it: over the static plan's tables
+    (every request of the bucket, the always-empty one and the padding rows as one more), the
+    outputs poisoned with NaN. Real rows are the eager launch's bits (real requests and bounds
+    only) and the reference's; padding rows exactly zero; the real slots' states updated as the
+    reference updates them; the padding slot and the other slots untouched."""
+    from runtime.backends.triton_linear import _StaticExtendPlan
+
+    T, B = SHORT_BUCKET
+    starts, real_slots = SHORT_BUCKET_STEPS[case]
+    R, rows = len(real_slots), (starts[len(real_slots)] if real_slots else 0)
+    layer_id = 2
+    _, hk, hv, dk, dv = LAYERS[layer_id]
+    ref_pool, dev_pool = make_pools(11)
+    eager_pool = make_pools(11)[1]
+    x = {n: t.to(DEVICE) for n, t in step_inputs("kda_core", layer_id, T, T, torch.float32,
+                                                  torch.Generator().manual_seed(12)).items()}
+    scale = dk ** -0.5
+
+    static_slots = torch.full((B + 1,), PADDING_SLOT, dtype=torch.int64, device=DEVICE)
+    static_slots[:R] = torch.tensor(real_slots, dtype=torch.int64)
+    static_slots[B] = 3  # a larger bucket's step left a real slot there: the plan puts the padding slot back
+    ctx = types.SimpleNamespace(num_tokens=T, num_seqs=B,
+                                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE))
+    plan = _StaticExtendPlan(64, 8, torch.device(DEVICE)).fill(ctx, static_slots)
+    assert plan.slots.shape == (B + 1,) and plan.padded_bounds.shape == (B + 3,)
+    before = dev_pool.layer(layer_id)["recurrent"].clone()
+    out = torch.full((T, hv, dv), float("nan"), device=DEVICE)
+    TL.recurrent_extend(x["q"], x["k"], x["v"], x["g"], x["beta"], out, dev_pool.layer(layer_id)["recurrent"],
+                        plan.slots, plan.padded_bounds, scale, TL.GATE_PER_CHANNEL)
+    out = out.cpu()
+    assert out[rows:].eq(0).all(), f"{case}: padding rows must be exactly zero"
+
+    eager = torch.full((T, hv, dv), float("nan"), device=DEVICE)
+    bounds = torch.tensor(starts[:R + 1], dtype=torch.int64, device=DEVICE)
+    TL.recurrent_extend(x["q"], x["k"], x["v"], x["g"], x["beta"], eager, eager_pool.layer(layer_id)["recurrent"],
+                        static_slots[:R].clone(), bounds, scale, TL.GATE_PER_CHANNEL)
+    assert torch.equal(out[:rows], eager.cpu()[:rows]), f"{case}: real rows differ from the eager launch's"
+
+    state = ref_pool.layer(layer_id)["recurrent"]
+    for r, slot in enumerate(real_slots):
+        span = slice(starts[r], starts[r + 1])
+        want = gated_recurrence(*(x[n][span].cpu() for n in ("q", "k", "v", "g", "beta")), state[slot], scale)
+        assert rel_err(out[span], want) <= TOL[torch.float32], f"{case}: request {r} against the reference"
+    after = dev_pool.layer(layer_id)["recurrent"].cpu()
+    if real_slots:
+        assert rel_err(after[real_slots], state[real_slots]) <= STATE_TOL, f"{case}: states against the reference"
+    untouched = [s for s in range(NUM_SLOTS + 1) if s not in real_slots]
+    assert PADDING_SLOT in untouched and torch.equal(after[untouched], before.cpu()[untouched])
 
 
 @in_process
