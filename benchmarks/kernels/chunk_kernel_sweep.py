@@ -150,7 +150,7 @@ def config_for(R: int, H: int, D: int, device, override: dict, rows: int | None 
     """chunk_config's tiles for R requests (single-chunk tiles where `rows` fit a chunk) with the
     override's ChunkConfig fields."""
     fields = {k: v for k, v in override.items() if k not in ("block_t", "long tiles")}
-    single = rows is not None and rows <= TC.CHUNK_T and not override.get("long tiles")
+    single = rows is not None and TC.takes_short_tiles(rows) and not override.get("long tiles")
     return dataclasses.replace(TC.chunk_config(R, H, D, torch.device(device), single), **fields)
 
 

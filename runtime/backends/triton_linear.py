@@ -718,7 +718,7 @@ class TritonLinearBackend(BackendHooks):
         flight), since the graph keeps them whatever the step's requests, and for the bucket's rows
         (a bucket of at most a chunk's rows has one chunk a request: chunk_config's short tiles)."""
         chunks = _chunk_kernels()
-        return chunks.chunk_config(1, v.shape[1], v.shape[2], v.device, rows <= chunks.CHUNK_T)
+        return chunks.chunk_config(1, v.shape[1], v.shape[2], v.device, chunks.takes_short_tiles(rows))
 
     def _workspaces(self, q: torch.Tensor, v: torch.Tensor, beta, chunks: int) -> object:
         """This instance's chunk workspaces for captured steps, made once for the first captured

@@ -39,6 +39,10 @@ VERIFY = dict(draft_tokens=3, verify_rows=8)
 BF16_STEPS = 4 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else 1
 OUT_TOL = {torch.bfloat16: 1e-2 * BF16_STEPS, torch.float32: 1e-4}
 STATE_TOL = {torch.bfloat16: 5e-3 * BF16_STEPS, torch.float32: 1e-5}
+# FLA's chunk kernels take float32 products as tf32 (a 10-bit mantissa): inputs that differ in their
+# last bits (the l2norm's and the gates' float32 sums in another order) reach the state of four
+# 100-token requests 2.5e-5 apart on an H200, where our kernels keep float32 products (1e-5 holds).
+FLA_STATE_TOL_F32 = 1e-4
 
 
 def backends(dtype, seed: int, **kwargs):
@@ -53,7 +57,7 @@ def backends(dtype, seed: int, **kwargs):
             gdn_params(S, dtype, seed + 1).to(DEV))
 
 
-def compare(fused, unfused, p, ctx, dtype, g, slots_used, what: str) -> None:
+def compare(fused, unfused, p, ctx, dtype, g, slots_used, what: str, state_tol: float | None = None) -> None:
     R, T = ctx.num_real_tokens, ctx.num_tokens
     x = gdn_inputs(S, T, R, dtype, g, DEV)
     outs = []
@@ -68,7 +72,7 @@ def compare(fused, unfused, p, ctx, dtype, g, slots_used, what: str) -> None:
     rows = sorted(set(slots_used))
     for entry in ("conv", "recurrent"):
         s_err = rel_err(fused.state_pool.layer(0)[entry][rows], unfused.state_pool.layer(0)[entry][rows])
-        assert s_err <= STATE_TOL[dtype], f"{what}: {entry} state rel err {s_err:.2e}"
+        assert s_err <= (state_tol or STATE_TOL[dtype]), f"{what}: {entry} state rel err {s_err:.2e}"
 
 
 def plan(backend, ctx) -> None:
@@ -121,7 +125,9 @@ def test_extend_mixed_verify_match_the_unfused_ops(steps, chunk_impl, dtype):
         for backend in (fused, unfused):
             plan(backend, ctx)
         touched |= {slot for slot, _, n in reqs if n}
-        compare(fused, unfused, p, ctx, dtype, g, touched, f"{steps} {mode.value} {chunk_impl} {dtype}")
+        fla_f32 = chunk_impl == "fla" and dtype == torch.float32
+        compare(fused, unfused, p, ctx, dtype, g, touched, f"{steps} {mode.value} {chunk_impl} {dtype}",
+                FLA_STATE_TOL_F32 if fla_f32 else None)
     if steps == "verify_4x4":
         for entry in ("conv", "recurrent"):
             got = fused.state_pool.verify_buffers[0][entry][:4, :3]

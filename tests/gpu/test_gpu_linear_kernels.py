@@ -681,12 +681,15 @@ SHORT_CHUNK_STEPS = {16: [4, 7], 32: [1, 20, 3], 64: [40, 10]}
 @pytest.mark.parametrize("op", ["gdn_core", "lightning_core"])
 @pytest.mark.parametrize("rows", sorted(SHORT_CHUNK_STEPS))
 def test_short_steps_take_chunks_of_their_rows_at_real_dims(rows, op, dtype):
-    """A step of 16, 32 or 64 rows: chunks of that many rows with the single-chunk tiles (Dv tiles
-    of 32, the solve's W and U columns split over two programs), at bench dims."""
+    """A step of 16, 32 or 64 rows: chunks of that many rows with the tiles chunk_extend takes for
+    it (16 and 32: the single-chunk tiles, Dv tiles of 32 and the solve's W and U columns split over
+    two programs; 64: the long steps'), at bench dims."""
     from runtime.backends.kernels import chunk as triton_chunk
 
-    assert triton_chunk.chunk_length(sum(SHORT_CHUNK_STEPS[rows]) + 5) == rows
-    check_chunk_extend(op, dtype, True, lens=SHORT_CHUNK_STEPS[rows], single_chunk=True)
+    step_rows = sum(SHORT_CHUNK_STEPS[rows]) + 5
+    assert triton_chunk.chunk_length(step_rows) == rows
+    check_chunk_extend(op, dtype, True, lens=SHORT_CHUNK_STEPS[rows],
+                       single_chunk=triton_chunk.takes_short_tiles(step_rows))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])

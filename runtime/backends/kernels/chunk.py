@@ -158,7 +158,7 @@ from runtime.backends.kernels.sm_count import num_sms
 from runtime.backends.kernels.linear import GATE_PER_CHANNEL, OP_OF_GATE, _check_rows, _recurrent_args
 from runtime.cache.state_pool import PADDING_SLOT
 
-__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_length", "chunk_config", "chunk_workspace",
+__all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_length", "takes_short_tiles", "chunk_config", "chunk_workspace",
            "chunk_matrix_workspace", "chunk_workspace_dtype", "chunk_state_workspace", "chunk_extend"]
 
 CHUNK_T = 64  # rows of a chunk by default: FLA's chunk length, so the backend's one table serves both
@@ -169,6 +169,12 @@ SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's 
 # where 32 and the same product in float32 were exact; the masked extra columns cost nothing at real
 # head dims (128 and up). tests/gpu/test_gpu_linear_kernels.py, small_head_dims, checks both sizes.
 SOLVE_MIN_TILE = 32
+
+
+def takes_short_tiles(rows: int) -> bool:
+    """Whether a step of `rows` rows launches with chunk_config's single-chunk tiles: where its
+    chunks are shorter than CHUNK_T (chunk_config says why not at CHUNK_T)."""
+    return chunk_length(rows) < CHUNK_T
 
 
 def chunk_length(rows: int) -> int:
@@ -212,7 +218,8 @@ class ChunkConfig:
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
 def chunk_config(requests: int, heads: int, dv: int, device: torch.device, single_chunk: bool = False) -> ChunkConfig:
-    """Tiles per kernel; `single_chunk`: a step of at most CHUNK_T rows, one chunk per request.
+    """Tiles per kernel; `single_chunk`: a step whose chunks are shorter than CHUNK_T
+    (`takes_short_tiles`), one chunk per request.
 
     The state kernel's programs each walk one request's chunks one after another, so its time is the
     longest request's chunks times one chunk's latency: narrower Dv tiles mean more programs in
@@ -243,7 +250,10 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device, singl
     32-column tiles (what one request takes anyway), 32-column output tiles (twice the long steps'
     programs, each with half their state product), one stage (no chunk loop to pipeline) and the
     solve's W and U columns over two programs. An estimate, for benchmarks/kernels/chunk_kernel_sweep.py
-    --short to settle (it times the buckets' steps over their padded tables)."""
+    --short to settle (it times the buckets' steps over their padded tables). Not for 64-row chunks:
+    on an H200 these tiles gave a 40-row request of a 64-row bf16 step a relative error of 0.82
+    against the recurrence (GDN and Lightning; float32 and the 16- and 32-row chunks were right;
+    tests/gpu/test_gpu_linear_kernels.py), so such a step keeps the long steps' tiles."""
     if single_chunk:
         return ChunkConfig(min(32, max(16, next_pow2(dv))), 4, 4, min(32, max(16, next_pow2(dv))), 4,
                            state_stages=1, solve_col_tiles=max(1, min(2, next_pow2(dv) // SOLVE_MIN_TILE)))
@@ -761,7 +771,7 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
     (sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, so_r, so_h, ss_slot, ss_head) = strides
     block_t = chunk_length(rows) if block_t is None else block_t
-    cfg = config or chunk_config(R, Hv, Dv, q.device, rows <= CHUNK_T)
+    cfg = config or chunk_config(R, Hv, Dv, q.device, takes_short_tiles(rows))
     BK = max(SUB_T, next_pow2(Dk))
     common = dict(GROUP=consts["GROUP"], DK=Dk, DV=Dv, BK=BK, BT=block_t, GATE=gate_kind,
                   DOT_PREC="tf32x3" if v.dtype == torch.float32 else "tf32")
