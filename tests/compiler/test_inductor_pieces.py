@@ -462,8 +462,8 @@ def test_a_size_read_across_an_op_core_is_taken_from_a_tensor_input_and_compiles
 
 
 def test_export_dtype_asserts_are_dropped_from_a_piece_before_inductor():
-    """A residual add read by an export assert would be fused into addmm on cuda (one device copy a
-    projection); the piece's graph loses the asserts and keeps every other node."""
+    """The piece's graph loses export's dtype asserts (non-pointwise readers, which change what
+    Inductor fuses around them) and keeps every other node, computing the same values."""
     from compiler.inductor_pieces import drop_metadata_asserts
 
     graph = torch.fx.Graph()
