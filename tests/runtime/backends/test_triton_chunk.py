@@ -186,6 +186,18 @@ def run_kernels(x, lens, state, slots, scale, gate_kind, block_t, out_dtype, con
     return out.cpu(), pool.cpu()
 
 
+def check_requests(got, want, got_pool, want_pool, lens, slots, tol: float, state_tol: float) -> None:
+    """Each request's output rows and its slot's state against the reference's."""
+    at = 0
+    for n, slot in zip(lens, slots):
+        if n:
+            err = rel_err(got[at:at + n].float(), want[at:at + n])
+            assert err < tol, f"request of {n} rows: out rel err {err:.2e}"
+        s_err = rel_err(got_pool[slot], want_pool[slot])
+        assert s_err < state_tol, f"request of {n} rows: state rel err {s_err:.2e}"
+        at += n
+
+
 def check_case(lens, hk, hv, dk, dv, delta, gate_kind, dtype, block_t, seed, tol, config=None, k_scale=1.0):
     x, state, slots = make_case(lens, hk, hv, dk, dv, delta, gate_kind, dtype, seed, k_scale=k_scale)
     scale = dk ** -0.5
@@ -194,14 +206,7 @@ def check_case(lens, hk, hv, dk, dv, delta, gate_kind, dtype, block_t, seed, tol
     R = sum(lens)
     assert torch.isfinite(got).all(), "an output row was written from a masked (NaN) row"
     assert got[R:].eq(7.0).all(), "rows past bounds[R] must not be touched"
-    at = 0
-    for n, slot in zip(lens, slots):
-        if n:
-            err = rel_err(got[at:at + n].float(), want[at:at + n])
-            assert err < tol, f"request of {n} rows: out rel err {err:.2e}"
-        s_err = rel_err(got_pool[slot], want_pool[slot])
-        assert s_err < (1e-4 if dtype == torch.float32 else tol), f"request of {n} rows: state rel err {s_err:.2e}"
-        at += n
+    check_requests(got, want, got_pool, want_pool, lens, slots, tol, 1e-4 if dtype == torch.float32 else tol)
     zero_len = [slot for n, slot in zip(lens, slots) if n == 0]
     untouched = [s for s in range(NUM_SLOTS + 1) if s not in slots] + zero_len
     assert PADDING_SLOT in untouched
@@ -556,14 +561,7 @@ def test_a_short_captured_step_runs_chunks_of_its_own_length(monkeypatch, bucket
     real = sum(lens)
     assert torch.equal(got[real:], torch.zeros_like(got[real:])), "padding rows must come out exactly zero"
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    at = 0
-    for n, slot in zip(lens, slots):
-        if n:
-            err = rel_err(got[at:at + n].float(), want[at:at + n])
-            assert err < tol, f"request of {n} rows: out rel err {err:.2e}"
-        s_err = rel_err(got_pool[slot], want_pool[slot])
-        assert s_err < tol, f"request of {n} rows: state rel err {s_err:.2e}"
-        at += n
+    check_requests(got, want, got_pool, want_pool, lens, slots, tol, tol)
     untouched = [s for s in range(NUM_SLOTS + 1) if s not in slots]
     assert torch.equal(got_pool[untouched], state[untouched]), "the padding slot or a free slot was written"
 
