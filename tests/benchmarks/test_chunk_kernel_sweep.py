@@ -66,7 +66,7 @@ def test_short_dry_run_times_the_buckets_steps_and_the_conv(tmp_path):
     """--short: each candidate checked at every shape's chunk length, then timed as the bucket's graph
     runs the step (its chunk length by default: 16 rows for the 16-row bucket, 32 for 32); then the
     extend conv's tiles, each checked against the float32 conv before it is timed."""
-    proc = sweep(tmp_path, "--short", "--families", "gdn")
+    proc = sweep(tmp_path, "--short", "--families", "gdn", "--configs", "default,chunk 64")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((tmp_path / "chunk_kernel_sweep.json").read_text())
     fam = doc["families"]["gdn"]
