@@ -27,7 +27,7 @@ kernels_match_reference or gdn_fused or fusion or fused or short_extend_graph" >
         python3 -m pytest -q -m gpu tests/gpu/test_gpu_moe.py -k "route_sort or router_ids or sort_tokens or \
 fused_moe_is or captured_graph or matches_reference" > "$OUT/tests/moe.log" 2>&1
         tail -4 "$OUT/tests/moe.log"
-        python3 -m pytest -q -m gpu tests/gpu/test_gpu_kimi_extend_graphs.py tests/gpu/test_gpu_extend_graphs.py \
+        python3 -m pytest -q -m gpu tests/gpu/test_gpu_mla_extend_graphs.py tests/gpu/test_gpu_extend_graphs.py \
             > "$OUT/tests/graphs.log" 2>&1
         tail -4 "$OUT/tests/graphs.log"
         python3 -m pytest -q -m gpu tests/gpu/test_gpu_attention.py -k varlen > "$OUT/tests/attention.log" 2>&1

@@ -417,14 +417,15 @@ def cmd_verify(args) -> int:
     return 0
 
 
-def extend_rows(buckets: dict) -> dict[str, int]:
-    """Request rows of each recorded extend bucket, by its token count, as a run captures them
-    (runtime/graphs/buckets.py: the largest decode bucket, at most the bucket's tokens)."""
+def extend_rows(buckets: dict) -> dict[str, list[int]]:
+    """Request rows of each recorded extend bucket's keys, by its token count, as a run captures
+    them (runtime/graphs/buckets.py: the largest decode bucket, at most the bucket's tokens; and one
+    request beside that in the small buckets)."""
     from runtime.graphs.buckets import Buckets, extend_seqs
 
     decode, extend = buckets["decode_batch_sizes"], buckets["extend_token_counts"]
     table = Buckets(tuple(decode), tuple(extend), extend_seqs(max(decode, default=1), extend))
-    return {str(t): table.extend_rows(t) for t in table.extend}
+    return {str(t): list(table.extend_seq_rows(t)) for t in table.extend}
 
 
 def extend_graph_rows(split_doc: dict, plans, buckets: dict) -> dict[str, list[dict]]:
@@ -459,7 +460,7 @@ def bucket_line(buckets: dict) -> str:
     chosen = {"defaults": "the format's defaults, not measured",
               "flags": "set by --decode-buckets / --extend-buckets, not measured",
               None: "how they were chosen is not recorded (compiled before hgc recorded it), not measured"}
-    extend = " ".join(f"{t}x{rows}" for t, rows in extend_rows(buckets).items())
+    extend = " ".join(f"{t}x{','.join(map(str, rows))}" for t, rows in extend_rows(buckets).items())
     line = f"decode buckets {buckets['decode_batch_sizes']}, extend buckets (tokens x requests) {extend}: "
     if buckets.get("chosen_by") != "measured":
         return line + chosen.get(buckets.get("chosen_by"), str(buckets.get("chosen_by")))

@@ -102,7 +102,7 @@ def bench(args, rec: dict, save) -> None:
             runner.state_pool.free(seq.slot)
 
     def extend_tokens() -> list[int]:
-        return sorted(k.tokens for k in state["engine"].runner.keys if k.mode == Mode.EXTEND)
+        return sorted({k.tokens for k in state["engine"].runner.keys if k.mode == Mode.EXTEND})
 
     def extend():
         g = torch.Generator().manual_seed(0)

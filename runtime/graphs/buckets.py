@@ -4,10 +4,12 @@
    request), a target_verify bucket (speculative decoding: `verify_tokens` rows per request, and
    `rows` logits rows) or an extend bucket (its token rows and its request rows, `extend_rows`:
    min(extend_max_seqs, tokens), since every request brings at least one token; mixed steps use
-   the extend graphs).
-2. `Buckets(decode, extend, extend_max_seqs, verify, verify_tokens, verify_logits_rows)`: `capture_keys()` in capture order (largest first,
-   so smaller graphs reuse the pool's memory), `key_for(mode, tokens, seqs)` the smallest key that
-   holds a step or None (an eager step), and the largest step the static buffers must hold.
+   the extend graphs). A bucket of at most SOLO_EXTEND_TOKENS tokens has a second, one-request key
+   beside that one (`extend_seq_rows`): a fresh prompt or a prefix hit's suffix replays it.
+2. `Buckets(decode, extend, extend_max_seqs, verify, verify_tokens, verify_logits_rows)`:
+   `capture_keys()` in capture order (largest first, so smaller graphs reuse the pool's memory),
+   `key_for(mode, tokens, seqs)` the smallest key that holds a step (fewest tokens, then fewest
+   request rows) or None (an eager step), and the largest step the static buffers must hold.
 3. `buckets_for`: the artifact's recorded buckets clipped to the steps an engine can send;
    `extend_seqs`: how many requests the largest extend graphs hold.
 4. `one_captured_piece`, `whole_step_modes`, `whole_step` and `piecewise_plan_mode`: what the
@@ -28,8 +30,18 @@ from typing import Optional
 from compiler.splitops import Mode
 from compiler.splitops.artifact import CAPTURED
 
-__all__ = ["CaptureKey", "Buckets", "buckets_for", "extend_seqs", "one_captured_piece", "whole_step_modes",
+__all__ = ["SOLO_EXTEND_TOKENS", "CaptureKey", "Buckets", "buckets_for", "extend_seqs", "one_captured_piece", "whole_step_modes",
            "whole_step", "piecewise_plan_mode"]
+
+
+# Extend buckets of at most this many tokens are also captured for one request. The kernels of a
+# step size their grids by its key's request rows (the chunk kernels' and the short convolution's
+# programs run per request row), so a one-request step replayed in a bucket that holds one row per
+# token pays for every empty row: measured on an H200 (bench qwen3_next, a 32-token prompt in a key
+# of 32 request rows against one of 1), about 19 us a layer, 0.17 ms of a 1.5 ms step. One prompt
+# on an idle engine and a prefix hit's suffix are such steps, and short prompts run to 128 tokens;
+# above that the empty rows are a small share of the step and a key would only cost capture time.
+SOLO_EXTEND_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +90,11 @@ class Buckets:
         requests of the larger ones and holds no rows no step can fill."""
         return max(1, min(self.extend_max_seqs, tokens))
 
-    def extend_key(self, tokens: int) -> CaptureKey:
-        return CaptureKey(Mode.EXTEND, tokens, self.extend_rows(tokens))
+    def extend_seq_rows(self, tokens: int) -> tuple[int, ...]:
+        """Request rows of the extend keys of the bucket of `tokens` tokens, fewest first: its full
+        rows (`extend_rows`), and one row beside them for a bucket of at most SOLO_EXTEND_TOKENS."""
+        full = self.extend_rows(tokens)
+        return (1, full) if full > 1 and tokens <= SOLO_EXTEND_TOKENS else (full,)
 
     def verify_key(self, bucket: int) -> CaptureKey:
         return CaptureKey(Mode.TARGET_VERIFY, bucket * self.verify_tokens, bucket, bucket * self.verify_logits_rows)
@@ -94,14 +109,17 @@ class Buckets:
             if bucket is None or num_tokens != num_seqs * self.verify_tokens:
                 return None
             return self.verify_key(bucket)
-        bucket = next((b for b in self.extend if b >= num_tokens and self.extend_rows(b) >= num_seqs), None)
-        return self.extend_key(bucket) if bucket else None
+        for bucket in self.extend:
+            rows = next((r for r in self.extend_seq_rows(bucket) if r >= num_seqs), None)
+            if bucket >= num_tokens and rows:
+                return CaptureKey(Mode.EXTEND, bucket, rows)
+        return None
 
     def capture_keys(self) -> list[CaptureKey]:
         """Every key, in capture order (largest first)."""
         keys = [CaptureKey(Mode.DECODE, b, b) for b in reversed(self.decode)]
         keys += [self.verify_key(b) for b in reversed(self.verify)]
-        keys += [self.extend_key(t) for t in reversed(self.extend)]
+        keys += [CaptureKey(Mode.EXTEND, t, rows) for t in reversed(self.extend) for rows in reversed(self.extend_seq_rows(t))]
         return keys
 
 

@@ -49,6 +49,7 @@ def test_keys_pick_the_smallest_bucket_and_eager_above_the_largest(artifact):
     assert runner.key_for(Mode.DECODE, 3, 3) == CaptureKey(Mode.DECODE, 4, 4)
     assert runner.key_for(Mode.DECODE, 5, 5) is None
     assert runner.key_for(Mode.EXTEND, 40, 2) == CaptureKey(Mode.EXTEND, 64, 4)
+    assert runner.key_for(Mode.EXTEND, 40, 1) == CaptureKey(Mode.EXTEND, 64, 1), "one request: the bucket's one-row key"
     assert runner.key_for(Mode.MIXED, 20, 3) == CaptureKey(Mode.EXTEND, 32, 4)
     assert runner.key_for(Mode.EXTEND, 65, 1) is None
     assert runner.key_for(Mode.EXTEND, 20, 5) is None, "more requests than the extend graphs hold: eager"
@@ -169,7 +170,8 @@ def test_start_up_then_replayed_steps_give_the_eager_tokens(artifact):
     report = runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
     assert runner.sealed and runner.full_decode
     assert [str(k) for k in runner.keys] == [str(k) for k in runner.capture_keys()]
-    assert [k.tokens for k in runner.keys] == [4, 2, 1, 64, 32], "largest first, decode then extend"
+    assert [(k.tokens, k.seqs) for k in runner.keys] == [(4, 4), (2, 2), (1, 1), (64, 4), (64, 1), (32, 4), (32, 1)], \
+        "largest first, decode then extend"
     assert set(report) == {str(k) for k in runner.keys} and max(report.values()) < 1e-5
     assert (st.num_free, kv.num_free) == (free_slots, free_pages), "capture and parity hold nothing afterwards"
     before = dict(runner.counters)

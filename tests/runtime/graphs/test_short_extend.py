@@ -46,9 +46,12 @@ def test_each_extend_bucket_holds_at_most_its_tokens_in_requests():
     b = Buckets(DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS,
                 extend_seqs(DEFAULT_DECODE_BATCH_SIZES[-1], DEFAULT_EXTEND_TOKEN_COUNTS))
     assert [(k.tokens, k.seqs) for k in b.capture_keys() if k.mode == Mode.EXTEND] == [
-        (4096, 256), (2048, 256), (1024, 256), (512, 256), (256, 256), (128, 128), (64, 64), (32, 32), (16, 16)]
-    assert b.key_for(Mode.EXTEND, 32, 1) == CaptureKey(Mode.EXTEND, 32, 32), "a prefix hit's suffix: not 256"
-    assert b.key_for(Mode.EXTEND, 1, 1) == CaptureKey(Mode.EXTEND, 16, 16)
+        (4096, 256), (2048, 256), (1024, 256), (512, 256), (256, 256), (128, 128), (128, 1), (64, 64), (64, 1),
+        (32, 32), (32, 1), (16, 16), (16, 1)]
+    assert b.key_for(Mode.EXTEND, 32, 1) == CaptureKey(Mode.EXTEND, 32, 1), "a prefix hit's suffix: not 256, nor 32 rows"
+    assert b.key_for(Mode.EXTEND, 32, 2) == CaptureKey(Mode.EXTEND, 32, 32), "two requests: the bucket's full rows"
+    assert b.key_for(Mode.EXTEND, 1, 1) == CaptureKey(Mode.EXTEND, 16, 1)
+    assert b.key_for(Mode.EXTEND, 200, 1) == CaptureKey(Mode.EXTEND, 256, 256), "one request key up to 128 tokens only"
     assert b.key_for(Mode.MIXED, 200, 150) == CaptureKey(Mode.EXTEND, 256, 256), "150 decodes beside a 50-token chunk"
     assert b.key_for(Mode.MIXED, 600, 256) == CaptureKey(Mode.EXTEND, 1024, 256)
     assert b.key_for(Mode.MIXED, 600, 257) is None, "more requests than any extend graph holds: eager"
@@ -66,9 +69,10 @@ def test_a_32_token_extend_replays_the_32_token_bucket_with_the_eager_tokens(art
     want = [greedy(runner, st, [prompt], 5, eager=True)[0], greedy(runner, st, pair, 3, eager=True)[0]]
     runner.start(vocab_size=art.manifest["model"]["vocab_size"])
     assert [str(k) for k in runner.keys if k.mode == Mode.EXTEND] == [
-        "extend[tokens=256, seqs=24]", "extend[tokens=32, seqs=24]", "extend[tokens=16, seqs=16]"]
+        "extend[tokens=256, seqs=24]", "extend[tokens=32, seqs=24]", "extend[tokens=32, seqs=1]",
+        "extend[tokens=16, seqs=16]", "extend[tokens=16, seqs=1]"]
     tokens, keys = greedy(runner, st, [prompt], 5)
-    assert keys[0] == CaptureKey(Mode.EXTEND, 32, 24) and keys[1] == CaptureKey(Mode.DECODE, 1, 1)
+    assert keys[0] == CaptureKey(Mode.EXTEND, 32, 1) and keys[1] == CaptureKey(Mode.DECODE, 1, 1)
     assert tokens == want[0]
     tokens, keys = greedy(runner, st, pair, 3)
     assert keys[0] == CaptureKey(Mode.EXTEND, 16, 16) and tokens == want[1]
@@ -93,8 +97,9 @@ def test_the_engine_sends_a_32_token_prompt_to_the_32_token_bucket(art_dir):
     prompt = [(11 * i) % 150 + 2 for i in range(32)]
     _, _, want = _served(art_dir, prompt, False)
     engine, keys, got = _served(art_dir, prompt, RerunGraphs())
-    assert [(k.tokens, k.seqs) for k in engine.runner.keys if k.mode == Mode.EXTEND] == [(64, 64), (32, 32), (16, 16)]
-    assert keys[0] == CaptureKey(Mode.EXTEND, 32, 32)
+    assert [(k.tokens, k.seqs) for k in engine.runner.keys if k.mode == Mode.EXTEND] == [
+        (64, 64), (64, 1), (32, 32), (32, 1), (16, 16), (16, 1)]
+    assert keys[0] == CaptureKey(Mode.EXTEND, 32, 1)
     assert got == want
 
 
@@ -116,17 +121,17 @@ def test_an_artifact_recorded_with_the_earlier_buckets_loads_and_runs(art_dir, t
 def test_inspect_shows_each_bucket_and_how_it_was_chosen(art_dir, tmp_path, capsys):
     assert main(["inspect", str(art_dir)]) == 0
     out = capsys.readouterr().out
-    assert ("extend buckets (tokens x requests) 16x16 32x32 64x64 128x128 256x256 512x256 1024x256 2048x256 "
-            "4096x256: the format's defaults, not measured") in out
+    assert ("extend buckets (tokens x requests) 16x1,16 32x1,32 64x1,64 128x1,128 256x256 512x256 1024x256 "
+            "2048x256 4096x256: the format's defaults, not measured") in out
     assert main(["inspect", str(art_dir), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert doc["buckets"]["chosen_by"] == "defaults" and doc["buckets"]["extend_rows"]["32"] == 32
+    assert doc["buckets"]["chosen_by"] == "defaults" and doc["buckets"]["extend_rows"]["32"] == [1, 32]
     ckpt = art_dir.parent / "qwen3_next-tiny"
     flagged = tmp_path / "flagged"
     assert main(["compile", str(ckpt), "-o", str(flagged), "--no-dumps", "-q", "--extend-buckets", "8,64"]) == 0
     capsys.readouterr()
     assert main(["inspect", str(flagged)]) == 0
-    assert ("extend buckets (tokens x requests) 8x8 64x64: set by --decode-buckets / --extend-buckets, not measured"
+    assert ("extend buckets (tokens x requests) 8x1,8 64x1,64: set by --decode-buckets / --extend-buckets, not measured"
             in capsys.readouterr().out)
 
 
@@ -207,7 +212,7 @@ def test_short_extends_replay_one_whole_step_graph_with_the_eager_tokens(whole_e
     batches.append([list(range(2, 12)), list(range(40, 47)), [9] * 13])  # three requests of 30 tokens
     want = [greedy(runner, st, prompts, 4, eager=True)[0] for prompts in batches]
     report = runner.start(vocab_size=art.manifest["model"]["vocab_size"])
-    assert max(report.values()) < 1e-4 and sum(k.mode == Mode.EXTEND for k in runner.keys) == 3
+    assert max(report.values()) < 1e-4 and len({k.tokens for k in runner.keys if k.mode == Mode.EXTEND}) == 3
     before = dict(runner.counters)
     for prompts, tokens in zip(batches, want):
         got, keys = greedy(runner, st, prompts, 4)
@@ -307,7 +312,7 @@ def _compile_routed(checkpoint, out, route, registry, extend_buckets):
 
 
 def _whole_extend_tokens(runner) -> list[int]:
-    return sorted(k.tokens for k in runner.whole_keys if k.mode == Mode.EXTEND)
+    return sorted({k.tokens for k in runner.whole_keys if k.mode == Mode.EXTEND})
 
 
 def test_extend_buckets_up_to_the_backends_bound_are_whole_step_graphs_the_larger_pieces(bounded_arts):
