@@ -48,6 +48,10 @@ class SeqState:
     slot: int
     pages: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0
+    # (position, snapshot id): the request's next step also writes the linear state after its first
+    # `position` tokens, a point inside that step's chunk, into that snapshot (the prefix cache's
+    # in-step snapshot, runtime/cache/prefix_cache.py); None: none
+    snapshot: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -85,7 +89,8 @@ def take_pages(items: list[tuple[SeqState, list[int]]], query_lens: list[int], k
 
 # Each field's dtype, as the step's tensors (and the static buffers) hold it.
 FIELD_DTYPES = {"input_ids": np.int64, "positions": np.int64, "slot_mapping": np.int64, "logits_index": np.int64,
-                "state_slots": np.int64, "query_start_loc": np.int32, "seq_lens": np.int32, "page_table": np.int32}
+                "state_slots": np.int64, "snapshot_rows": np.int64, "snapshot_ids": np.int64,
+                "query_start_loc": np.int32, "seq_lens": np.int32, "page_table": np.int32}
 
 
 class PageTableTooNarrow(ValueError):
@@ -96,19 +101,22 @@ def lay_out(items: list[tuple[SeqState, list[int]]], query_lens: list[int], cach
             page_size: int, out: dict[str, np.ndarray], logits_rows: list[int] | None = None) -> None:
     """Write a step's layout into `out` (FIELD_DTYPES' arrays, their shapes the padded step's:
     input_ids [T], positions [T], slot_mapping [T], logits_index [R], state_slots [B],
-    query_start_loc [B + 1], seq_lens [B], page_table [B, P]), every element of them, padding
-    included, so arrays reused from an earlier step keep nothing of it.
+    snapshot_rows [B], snapshot_ids [B], query_start_loc [B + 1], seq_lens [B], page_table [B, P]),
+    every element of them, padding included, so arrays reused from an earlier step keep nothing of it.
 
     The layout rules, stated here alone: request after request, a request's tokens contiguous;
     padded tokens get id 0, position 0 and slot_mapping -1; padded requests own no rows (their
     query_start_loc repeats the real token count), length 0 and the reserved state slot; a
     request's page_table row holds its pages, then 0; logits_index holds each request's logits
-    rows (`logits_rows`: how many of its last rows, default 1), then rows that read row 0.
+    rows (`logits_rows`: how many of its last rows, default 1), then rows that read row 0; a
+    request with an in-step snapshot (`SeqState.snapshot`) has its row in the step (0 < row < its
+    tokens) in snapshot_rows and its id in snapshot_ids, any other request -1 and 0.
     Pages must have been taken (`take_pages`).
     """
     assert query_lens and min(query_lens) > 0, "a step needs at least one request, each adding a token"
     ids, pos, slot_mapping, logits_index = out["input_ids"], out["positions"], out["slot_mapping"], out["logits_index"]
     state_slots, starts, seq_lens, page_table = out["state_slots"], out["query_start_loc"], out["seq_lens"], out["page_table"]
+    snapshot_rows, snapshot_ids = out["snapshot_rows"], out["snapshot_ids"]
     B, T = len(items), sum(query_lens)
     P = page_table.shape[1]
     page_table.fill(0)
@@ -163,6 +171,13 @@ def lay_out(items: list[tuple[SeqState, list[int]]], query_lens: list[int], cach
     ids[T:] = 0
     seq_lens[B:] = 0
     state_slots[B:] = PADDING_SLOT
+    snapshot_rows.fill(-1)
+    snapshot_ids.fill(0)
+    if T > B:  # a step of one token per request has no row inside a request to snapshot at
+        for b in [b for b, (seq, _) in enumerate(items) if seq.snapshot is not None]:  # a few, if any
+            position, snapshot = items[b][0].snapshot
+            snapshot_rows[b], snapshot_ids[b] = position - cache_lens[b], snapshot
+            assert 0 < position - cache_lens[b] < query_lens[b], f"in-step snapshot at {position}, outside the step"
 
     if logits_rows is None:
         R = B
@@ -204,7 +219,8 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
     P = max(max_pages or 0, max(len(seq.pages) for seq, _ in items), 1)
     R = B if logits_rows is None else sum(logits_rows)
     shapes = {"input_ids": (T_pad,), "positions": (T_pad,), "slot_mapping": (T_pad,), "logits_index": (R,),
-              "state_slots": (B_pad,), "query_start_loc": (B_pad + 1,), "seq_lens": (B_pad,), "page_table": (B_pad, P)}
+              "state_slots": (B_pad,), "snapshot_rows": (B_pad,), "snapshot_ids": (B_pad,),
+              "query_start_loc": (B_pad + 1,), "seq_lens": (B_pad,), "page_table": (B_pad, P)}
     out = {name: np.empty(shape, dtype=FIELD_DTYPES[name]) for name, shape in shapes.items()}
     lay_out(items, query_lens, cache_lens, kv_pool.page_size, out, logits_rows)
     # queued from pinned memory on cuda: a pageable copy would wait for every queued kernel
@@ -213,7 +229,7 @@ def build_step(items: list[tuple[SeqState, list[int]]], kv_pool: KVPool, device=
         mode=mode or step_mode(query_lens, cache_lens), query_lens=query_lens, cache_lens=cache_lens,
         query_start_loc=t["query_start_loc"], seq_lens=t["seq_lens"], state_slots=t["state_slots"],
         page_table=t["page_table"], slot_mapping=t["slot_mapping"], page_size=kv_pool.page_size, num_tokens=T_pad,
-        num_seqs=B_pad,
+        num_seqs=B_pad, snapshot_rows=t["snapshot_rows"], snapshot_ids=t["snapshot_ids"],
     )
     ctx.check()
     return StepInputs(t["input_ids"], t["positions"], t["logits_index"], ctx)

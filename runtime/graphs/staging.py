@@ -29,11 +29,15 @@ from runtime.step.host_copy import tensor_to_device
 
 __all__ = ["StepStaging", "step_on_device", "hidden_input_spec"]
 
+# The ExecContext's tensors, a step's tables besides its inputs.
+CONTEXT_TABLES = ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping", "snapshot_rows",
+                  "snapshot_ids")
+
 
 class StepStaging:
     """The static step buffers: two device blocks (int64, int32), each filled by one host-to-device copy.
 
-    A replayed step's metadata is eight small tensors. Copied one by one from pageable host
+    A replayed step's metadata is ten small tensors. Copied one by one from pageable host
     memory, each copy is a synchronous driver call of its own; here they are laid out back to
     back in a host block (pinned on CUDA) and the block's used prefix goes over in one
     asynchronous copy per dtype. The layout is packed per step shape (T tokens, B requests), so
@@ -51,7 +55,7 @@ class StepStaging:
     steps never pay that copy.
     """
 
-    INT64 = ("input_ids", "positions", "slot_mapping", "logits_index", "state_slots")
+    INT64 = ("input_ids", "positions", "slot_mapping", "logits_index", "state_slots", "snapshot_rows", "snapshot_ids")
     INT32 = ("query_start_loc", "seq_lens", "page_table")
     PER_TOKEN = ("input_ids", "positions", "slot_mapping")
 
@@ -183,8 +187,8 @@ class StepStaging:
         step = StepInputs(h["input_ids"], h["positions"],
                           h["logits_index"] if logits_rows is None and B == key.logits_rows
                           else h["logits_index"][: B if logits_rows is None else sum(logits_rows)],
-                          ExecContext(mode, query_lens, cache_lens, h["query_start_loc"], h["seq_lens"],
-                                      h["state_slots"], h["page_table"], h["slot_mapping"], ps, key.tokens, key.seqs))
+                          ExecContext(mode, query_lens, cache_lens, page_size=ps, num_tokens=key.tokens,
+                                      num_seqs=key.seqs, **{name: h[name] for name in CONTEXT_TABLES}))
         self._resident, self._resident_key = weakref.ref(step), key
         return step
 
@@ -198,7 +202,7 @@ class StepStaging:
         step.input_ids, step.positions, step.logits_index = (
             step.input_ids.clone(), step.positions.clone(), step.logits_index.clone())
         ctx = step.ctx
-        for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping"):
+        for name in CONTEXT_TABLES:
             setattr(ctx, name, getattr(ctx, name).clone())
 
     def release(self, step: StepInputs) -> None:
@@ -219,9 +223,9 @@ class StepStaging:
                 if self.hidden is not None:
                     self._stage_hidden(step, inputs["hidden"])
                 d = layout.dev  # a context of its own per run, as for a copied-in step
-                return inputs, ExecContext(ctx.mode, ctx.query_lens, ctx.cache_lens, d["query_start_loc"],
-                                           d["seq_lens"], d["state_slots"], d["page_table"], d["slot_mapping"],
-                                           ctx.page_size, key.tokens, key.seqs)
+                return inputs, ExecContext(ctx.mode, ctx.query_lens, ctx.cache_lens, page_size=ctx.page_size,
+                                           num_tokens=key.tokens, num_seqs=key.seqs,
+                                           **{name: d[name] for name in CONTEXT_TABLES})
             self._detach()  # laid out for another key: copied in as a host-built step
         ctx = step.ctx
         T, B, R = key.tokens, key.seqs, key.logits_rows
@@ -229,18 +233,15 @@ class StepStaging:
         pages = ctx.page_table.shape[1]
         if pages > self.max_pages:
             raise CaptureError(f"a request holds {pages} pages; the runner was built for {self.max_pages}")
-        sources = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": ctx.slot_mapping,
-                   "logits_index": step.logits_index, "state_slots": ctx.state_slots,
-                   "query_start_loc": ctx.query_start_loc, "seq_lens": ctx.seq_lens, "page_table": ctx.page_table}
+        sources = {"input_ids": step.input_ids, "positions": step.positions, "logits_index": step.logits_index,
+                   **{name: getattr(ctx, name) for name in CONTEXT_TABLES}}
         for name, src in sources.items():
             rows = self.shape(name, T, B, R)[0]
             # build_step pads every field to the key; only logits_index has a row per real request
             if src.shape[0] > rows or (src.shape[0] != rows and name != "logits_index"):
                 raise CaptureError(f"step does not fit {key}: {name} has {src.shape[0]} rows for {rows}")
         v = self.fill(T, B, sources, R)
-        static_ctx = dataclasses.replace(
-            ctx, query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"], state_slots=v["state_slots"],
-            page_table=v["page_table"], slot_mapping=v["slot_mapping"], num_tokens=T, num_seqs=B)
+        static_ctx = dataclasses.replace(ctx, num_tokens=T, num_seqs=B, **{name: v[name] for name in CONTEXT_TABLES})
         inputs = {name: v[name] for name in ("input_ids", "positions", "logits_index")}
         if self.hidden is not None:
             inputs["hidden"] = self.hidden[:T]
@@ -286,8 +287,7 @@ def step_on_device(step: StepInputs, device,
     hidden states) and context on `device`: its own tensors, so it may be of any size (no graph
     reads them). Copied from pinned memory on CUDA: a pageable copy would wait for the queued steps."""
     ctx = step.ctx
-    moved = {name: tensor_to_device(getattr(ctx, name), device)
-             for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping")}
+    moved = {name: tensor_to_device(getattr(ctx, name), device) for name in CONTEXT_TABLES}
     tensors = {"input_ids": step.input_ids, "positions": step.positions, "logits_index": step.logits_index,
                "hidden": step.hidden}
     missing = [name for name in names if tensors.get(name) is None]

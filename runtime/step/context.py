@@ -12,6 +12,11 @@ Layout (B requests, T tokens, tokens of a request contiguous and in request orde
     state_slots     [B]   int64   slot of each request in the state pool (padding rows: the reserved slot)
     page_table      [B,P] int32   KV page ids of each request, in order (unused entries: 0)
     slot_mapping    [T]   int64   flat KV index page*page_size+offset of each token (padding: -1)
+    snapshot_rows   [B]   int64   in-step snapshot of each request: the state after its first r tokens
+    snapshot_ids    [B]   int64   of the step goes to snapshot snapshot_ids[b] (r = snapshot_rows[b],
+                                  0 < r < its tokens; -1 and 0: none). The prefix cache asks for them
+                                  only of backends that write them (`writes_step_snapshots`,
+                                  runtime/backends/protocol.py); None: a step made without them, none
 
 `query_lens` / `cache_lens` repeat the per-request lengths as host ints, so reference
 backends and planners never read them back from the device.
@@ -41,6 +46,8 @@ class ExecContext:
     page_size: int
     num_tokens: int  # rows of the step's tensors, padding included
     num_seqs: int  # requests in the step, padding included
+    snapshot_rows: torch.Tensor | None = None
+    snapshot_ids: torch.Tensor | None = None
 
     @property
     def num_real_seqs(self) -> int:
@@ -65,6 +72,7 @@ class ExecContext:
         assert self.num_real_seqs <= self.num_seqs
         assert self.slot_mapping.shape[0] == self.num_tokens, "slot_mapping needs one entry per row"
         assert self.state_slots.shape[0] == self.num_seqs and self.seq_lens.shape[0] == self.num_seqs
+        assert self.snapshot_rows is None or self.snapshot_rows.shape[0] == self.snapshot_ids.shape[0] == self.num_seqs
         if self.mode == Mode.DECODE:
             assert all(n == 1 for n in self.query_lens), "a decode step has one token per request"
 

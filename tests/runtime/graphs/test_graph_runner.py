@@ -103,7 +103,8 @@ def test_static_buffers_take_each_key_in_one_packed_copy_per_dtype(artifact):
     big = build_step([(s, [7] * 9) for s in seqs], kv, "cpu", pad_tokens_to=32, pad_seqs_to=4, max_pages=16)
     inputs, ctx = runner._fill(big, CaptureKey(Mode.EXTEND, 32, 4))
     _, dev, used = staging.views(32, 4)
-    assert used == {torch.int64: 3 * 32 + 2 * 4, torch.int32: 5 + 4 + 4 * 16}
+    # per token: ids, positions, slot mapping; per request: logits rows, state slots, snapshot rows and ids
+    assert used == {torch.int64: 3 * 32 + 4 * 4, torch.int32: 5 + 4 + 4 * 16}
     assert dev["positions"].data_ptr() == dev["input_ids"].data_ptr() + 32 * 8, "packed back to back"
     assert inputs[0].data_ptr() == dev["input_ids"].data_ptr() and ctx.page_table.data_ptr() == dev["page_table"].data_ptr()
     assert torch.equal(ctx.slot_mapping, big.ctx.slot_mapping) and torch.equal(ctx.page_table, big.ctx.page_table)

@@ -16,12 +16,11 @@ from runtime.cache.kv_pool import KVPool
 from runtime.cache.state_pool import PADDING_SLOT
 from runtime.graphs.buckets import CaptureKey
 from runtime.graphs.cuda_graphs import CaptureError
-from runtime.graphs.staging import StepStaging
+from runtime.graphs.staging import CONTEXT_TABLES, StepStaging
 from tests.compiler.test_compiler_toys import toy_traced
 
 MAX_TOKENS, MAX_SEQS, MAX_PAGES, PAGE = 64, 8, 12, 4
-FIELDS = ("input_ids", "positions", "slot_mapping", "logits_index", "state_slots", "query_start_loc", "seq_lens",
-          "page_table")
+FIELDS = ("input_ids", "positions", "slot_mapping", "logits_index") + CONTEXT_TABLES
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def junk(staging: StepStaging, seed: int) -> None:
 
 def requests(rng: random.Random, kind: str, B: int, pool: KVPool, verify_tokens: int = 3):
     """B requests of a step of `kind`, their pages taken from `pool` (some with fewer than they need:
-    the layout takes the rest)."""
+    the layout takes the rest); about half of those with several tokens carry an in-step snapshot."""
     items = []
     for _ in range(B):
         cached = 0 if kind == "extend" else rng.randint(1, MAX_PAGES * PAGE // 2)
@@ -48,7 +47,9 @@ def requests(rng: random.Random, kind: str, B: int, pool: KVPool, verify_tokens:
             n = 1
         need = pool.pages_for(cached + n)
         pages = pool.alloc(need - rng.randint(0, 1) if cached else rng.randint(0, need))
-        items.append((SeqState(rng.randint(0, 30), pages=pages, num_cached=cached), [rng.randint(1, 999) for _ in range(n)]))
+        snapshot = (cached + rng.randint(1, n - 1), rng.randint(0, 9)) if n > 1 and rng.random() < 0.5 else None
+        items.append((SeqState(rng.randint(0, 30), pages=pages, num_cached=cached, snapshot=snapshot),
+                      [rng.randint(1, 999) for _ in range(n)]))
     if kind == "mixed" and len({len(t) == 1 for _, t in items}) < 2:
         items[0] = (items[0][0], items[0][1] + [7])  # a chunk beside decodes
         items[-1] = (SeqState(items[-1][0].slot, pages=items[-1][0].pages, num_cached=max(1, items[-1][0].num_cached)),
@@ -83,7 +84,7 @@ def assert_same(ref, ref_step, ref_ctx, got, step, ctx, key: CaptureKey):
     for dt, n in used.items():
         assert torch.equal(got.host[dt][:n], ref.host[dt][:n]), dt
         assert torch.equal(got.dev[dt][:n], ref.dev[dt][:n]), dt
-    for name in ("query_start_loc", "seq_lens", "state_slots", "page_table", "slot_mapping"):
+    for name in CONTEXT_TABLES:
         assert torch.equal(getattr(ctx, name), getattr(ref_ctx, name)), name
         assert getattr(ctx, name).data_ptr() == getattr(ref_ctx, name).data_ptr() - ref.dev[getattr(ctx, name).dtype
                                                                                            ].data_ptr() + got.dev[getattr(ctx, name).dtype].data_ptr()
@@ -92,7 +93,7 @@ def assert_same(ref, ref_step, ref_ctx, got, step, ctx, key: CaptureKey):
     # the laid-out step's own (host) tensors: build_step's, the page table at the key's width
     for name in ("input_ids", "positions", "logits_index"):
         assert torch.equal(getattr(step, name), getattr(ref_step, name)), name
-    for name in ("query_start_loc", "seq_lens", "state_slots", "slot_mapping"):
+    for name in set(CONTEXT_TABLES) - {"page_table"}:
         a, b = getattr(step.ctx, name), getattr(ref_step.ctx, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     width = ref_step.ctx.page_table.shape[1]
@@ -179,7 +180,7 @@ def test_a_step_beyond_the_buffers_pages_is_refused(registry):
 def rules(items, pages_before, T_pad: int, B_pad: int, P: int, page_size: int, logits_rows=None) -> dict:
     """The layout rules of runtime/cache/batch.py's lay_out, request by request (the test's own
     statement of them): what every element of every field holds."""
-    ids, pos, slots, starts, lens, state, table, logits = [], [], [], [0], [], [], [], []
+    ids, pos, slots, starts, lens, state, table, logits, snapshots = [], [], [], [0], [], [], [], [], []
     for b, ((seq, tokens), pages) in enumerate(zip(items, pages_before)):
         first = len(ids)
         for i, token in enumerate(tokens):
@@ -190,6 +191,7 @@ def rules(items, pages_before, T_pad: int, B_pad: int, P: int, page_size: int, l
         starts.append(len(ids))
         lens.append(seq.num_cached + len(tokens))
         state.append(seq.slot)
+        snapshots.append((-1, 0) if seq.snapshot is None else (seq.snapshot[0] - seq.num_cached, seq.snapshot[1]))
         table.append(pages + [0] * (P - len(pages)))
         n = 1 if logits_rows is None else logits_rows[b]
         logits += list(range(first + len(tokens) - n, first + len(tokens)))
@@ -197,7 +199,9 @@ def rules(items, pages_before, T_pad: int, B_pad: int, P: int, page_size: int, l
     return {"input_ids": ids + [0] * (T_pad - T), "positions": pos + [0] * (T_pad - T),
             "slot_mapping": slots + [-1] * (T_pad - T), "query_start_loc": starts + [T] * (B_pad - B),
             "seq_lens": lens + [0] * (B_pad - B), "state_slots": state + [PADDING_SLOT] * (B_pad - B),
-            "page_table": table + [[0] * P] * (B_pad - B), "logits_index": logits}
+            "page_table": table + [[0] * P] * (B_pad - B), "logits_index": logits,
+            "snapshot_rows": [r for r, _ in snapshots] + [-1] * (B_pad - B),
+            "snapshot_ids": [i for _, i in snapshots] + [0] * (B_pad - B)}
 
 
 @pytest.mark.parametrize("seed", range(40))
