@@ -221,7 +221,7 @@ def engine_for_artifact(art, options: EngineOptions, max_model_len: int, *, devi
     with art.compiled.watch() if art.compiled is not None else contextlib.nullcontext():
         kv_pool, state_pool, snapshots, memory = _pools(art.registry, options, max_model_len, weight_bytes, device,
                                                         art.docs.tp)
-        ops, draft_ops = _bound_ops(art, kv_pool, state_pool, registry, backend_factory)
+        ops, draft_ops = _bound_ops(art, kv_pool, state_pool, snapshots, registry, backend_factory)
         log(memory)  # once the backends are bound: a refusal there stays the one line it is
         limits = _limits(options, state_pool, max_model_len)
         capture = _capture(graphs, device)
@@ -268,16 +268,17 @@ def _check_device(art, device) -> None:
                          f"--target {torch.device(device).type}")
 
 
-def _bound_ops(art, kv_pool: KVPool, state_pool: StatePool, registry,
+def _bound_ops(art, kv_pool: KVPool, state_pool: StatePool, snapshots: SnapshotPool | None, registry,
                backend_factory: Callable | None) -> tuple[BoundOps, BoundOps]:
     """The op tables of the main and the draft program: over the instances routing.json names, built
     once over the pools for both programs (runtime/artifact/binding.py), each program's own
     BackendSet, so each draft node is bound to the instance its entry names and the draft's per-step
-    hooks reach every instance owning a draft node; or both over a caller's one backend."""
+    hooks reach every instance owning a draft node; or both over a caller's one backend (made
+    without the snapshot pool: its steps write no snapshots, so the prefix cache ends chunks there)."""
     if backend_factory is not None:
         ops = BoundOps(backend_factory(kv_pool, state_pool))
         return ops, ops
-    backends = art.backends(kv_pool, state_pool, registry)
+    backends = art.backends(kv_pool, state_pool, registry, snapshots)
     ops = BoundOps(backends.for_program("main"))
     return ops, ops.sibling(backends.for_program("draft")) if "draft" in art.programs else ops
 

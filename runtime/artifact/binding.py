@@ -123,8 +123,9 @@ def _refusal(entry: RouteEntry, facts, cls, device: torch.device) -> Optional[st
 
 
 def build_backends(docs: ArtifactDocs, programs: dict, kv_pool, state_pool, device: torch.device | str,
-                   registry=None) -> Backends:
-    """Step 2-3 of the module docstring. `registry`: a BackendRegistry (default: runtime.backends.discover())."""
+                   registry=None, snapshots=None) -> Backends:
+    """Step 2-3 of the module docstring. `registry`: a BackendRegistry (default: runtime.backends.discover());
+    `snapshots`: the prefix cache's SnapshotPool (None: caching off), for the backends that write in-step snapshots."""
     from runtime.backends import discover
 
     registry = registry if registry is not None else discover()
@@ -168,7 +169,7 @@ def build_backends(docs: ArtifactDocs, programs: dict, kv_pool, state_pool, devi
     for key, facts in calls.items():
         entry = first[key]
         cls = registry.backend_class(entry.backend)
-        setup = BackendSetup(kv_pool, state_pool, device, tuple(facts), dict(entry.options))
+        setup = BackendSetup(kv_pool, state_pool, device, tuple(facts), dict(entry.options), snapshots)
         try:
             instances[key] = cls.build(setup)
         except (ValueError, TypeError, KeyError, ImportError, RuntimeError) as e:

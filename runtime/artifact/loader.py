@@ -172,9 +172,9 @@ class LoadedArtifact:
         """The backends routing.json names for a program, in order of first use."""
         return self.docs.routing.backend_names(program)
 
-    def backends(self, kv_pool, state_pool, registry=None) -> Backends:
+    def backends(self, kv_pool, state_pool, registry=None, snapshots=None) -> Backends:
         """The instances routing.json names, built over the pools (runtime/artifact/binding.py build_backends)."""
-        return build_backends(self.docs, self.programs, kv_pool, state_pool, self.device, registry)
+        return build_backends(self.docs, self.programs, kv_pool, state_pool, self.device, registry, snapshots)
 
     def runner(self, ops, program: str = "main", streams=None) -> ProgramRunner:
         """The program with every op node bound to the instance of `ops.backend` its routing entry names.

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from compiler.splitops import Mode
-from runtime.backends.protocol import BackendHooks, ProtocolError, check_backend, plan_eager_step
+from runtime.backends.protocol import LINEAR_STATE_OPS, BackendHooks, ProtocolError, check_backend, plan_eager_step
 from runtime.step.context import ExecContext
 
 __all__ = ["BackendSet"]
@@ -130,6 +130,12 @@ class BackendSet(BackendHooks):
         """Inside a whole-step capture: each member whose hook the graph holds."""
         for member in self._whole_step[ctx.mode][1]:
             member.init_replay_state(ctx, bucket)
+
+    def writes_step_snapshots(self, snapshots) -> bool:
+        """The program's steps write in-step snapshots only if every member that may run a linear
+        layer's state op does: a layer left out would keep a stale state in the snapshot."""
+        return all(member.writes_step_snapshots(snapshots) for member in self.children
+                   if member.supported_ops & LINEAR_STATE_OPS)
 
     def kernel_variant_tokens(self, max_tokens: int) -> tuple[int, ...]:
         """Every member's counts, each once: one step of a count serves every member that names it."""

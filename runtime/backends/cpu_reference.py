@@ -16,6 +16,12 @@ the linear ops run their D + 1 tokens one at a time, as D + 1 decode steps would
 state after each of the first D tokens into the state pool's intermediate entries of the
 request's row (`StatePool.verify_layer`); the state after the last one goes to its slot.
 
+A request with an in-step snapshot (ExecContext.snapshot_rows[b] = r) runs its rows in two spans,
+its first r and the rest, and between them the linear ops copy the state (the slot's, as a step
+ending there would leave it) into the snapshot pool at snapshot_ids[b]: the snapshot is what a
+step of its first r rows alone would leave, bit for bit, and the rest runs on from it as the next
+step would. The pool is the prefix cache's, given at construction (`writes_step_snapshots`).
+
 Rows past the step's real tokens (padding) are zeroed and touch no cache or state.
 """
 
@@ -30,6 +36,7 @@ from compiler.splitops.shared_expert import shared_expert, swiglu_expert
 from runtime.backends.protocol import BackendHooks, BackendSetup, check_backend
 from runtime.step.context import ExecContext
 from runtime.cache.kv_pool import KVPool, pages_for
+from runtime.cache.snapshot_pool import SnapshotPool
 from runtime.cache.state_pool import StatePool
 
 __all__ = ["CPUReferenceBackend", "gated_recurrence", "moe_reference", "route_topk"]
@@ -132,9 +139,12 @@ class CPUReferenceBackend(BackendHooks):
                          for op in sorted(_OPS - {"gqa_attention", "mla_attention", "kda_core"})),
         doc="plain-torch reference of every op: the test oracle")
 
-    def __init__(self, kv_pool: KVPool, state_pool: StatePool, supported_ops=None):
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool, supported_ops=None, *,
+                 snapshots: SnapshotPool | None = None):
+        """snapshots: the prefix cache's pool, which in-step snapshots are written to (None: caching off)."""
         self.kv_pool = kv_pool
         self.state_pool = state_pool
+        self.snapshots = snapshots
         if supported_ops is not None:
             self.supported_ops = frozenset(supported_ops)
         check_backend(self)
@@ -142,7 +152,11 @@ class CPUReferenceBackend(BackendHooks):
     @classmethod
     def build(cls, setup: BackendSetup) -> "CPUReferenceBackend":
         """Over the pools alone: every op reads its layer's cache or state by layer id."""
-        return cls(setup.kv_pool, setup.state_pool)
+        return cls(setup.kv_pool, setup.state_pool, snapshots=setup.snapshots)
+
+    def writes_step_snapshots(self, snapshots) -> bool:
+        """Into the pool it was built with (the module docstring says how)."""
+        return snapshots is not None and snapshots is self.snapshots
 
     # -- hooks: the reference plans nothing, and says why ----------------------------------
 
@@ -222,24 +236,47 @@ class CPUReferenceBackend(BackendHooks):
             return None
         return self.state_pool.verify_layer(layer_id, max(ctx.query_lens), ctx.num_real_seqs)[entry]
 
+    def _step_snapshots(self, ctx) -> dict[int, tuple[int, int]]:
+        """Request index -> (row r, snapshot id) of the step's in-step snapshots."""
+        if ctx.snapshot_rows is None:
+            return {}
+        rows = ctx.snapshot_rows[:ctx.num_real_seqs].tolist()
+        if max(rows) < 0:
+            return {}
+        assert self.snapshots is not None, "cpu_reference: a step asks for in-step snapshots; built without a pool"
+        return {b: (r, i) for b, (r, i) in enumerate(zip(rows, ctx.snapshot_ids[:len(rows)].tolist())) if r >= 0}
+
     @staticmethod
-    def _token_spans(start: int, n: int, verify) -> list[slice]:
-        """The rows of one request as the recurrence runs them: all at once, or one by one in verify."""
-        return [slice(start, start + n)] if verify is None else [slice(start + t, start + t + 1) for t in range(n)]
+    def _token_spans(start: int, n: int, verify, snapshot_row: int | None) -> list[slice]:
+        """The rows of one request as the recurrence runs them: all at once, in two spans split at
+        its in-step snapshot's row, or one by one in verify."""
+        if verify is not None:
+            return [slice(start + t, start + t + 1) for t in range(n)]
+        if snapshot_row is not None:
+            return [slice(start, start + snapshot_row), slice(start + snapshot_row, start + n)]
+        return [slice(start, start + n)]
+
+    def _keep_state(self, b: int, t: int, n: int, state, verify, snapshot, layer_id: int, entry: str) -> None:
+        """After span t of request b: the state after it into the verify entries or the in-step snapshot."""
+        if verify is not None and t < n - 1:
+            verify[b, t].copy_(state)
+        if snapshot is not None and t == 0:
+            self.snapshots.buffers[layer_id][entry][snapshot[1]].copy_(state)
 
     def _linear_core(self, ctx, layer_id, q, k, v, log_decay_rows, beta, out, scale):
         """Shared driver: per request, run the recurrence from its slot and write the slot back."""
         states = self.state_pool.layer(layer_id)["recurrent"]
         verify = self._verify_states(ctx, layer_id, "recurrent")
+        snapshots = self._step_snapshots(ctx)
         for b, start, n, _ in ctx.token_ranges():
             slot = int(ctx.state_slots[b])
             S = states[slot]
-            for t, rows in enumerate(self._token_spans(start, n, verify)):
+            snapshot = snapshots.get(b)
+            for t, rows in enumerate(self._token_spans(start, n, verify, None if snapshot is None else snapshot[0])):
                 result = gated_recurrence(q[rows], k[rows], v[rows], log_decay_rows(rows),
                                           None if beta is None else beta[rows], S, scale)
                 out[rows] = result.to(out.dtype)
-                if verify is not None and t < n - 1:
-                    verify[b, t].copy_(S)
+                self._keep_state(b, t, n, S, verify, snapshot, layer_id, "recurrent")
         self._zero_padding(ctx, out)
 
     def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
@@ -258,11 +295,13 @@ class CPUReferenceBackend(BackendHooks):
     def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
         states = self.state_pool.layer(layer_id)["conv"]  # [slots, C, K-1]
         verify = self._verify_states(ctx, layer_id, "conv")
+        snapshots = self._step_snapshots(ctx)
         K = weight.shape[-1]
         w = weight.float()
         for b, start, n_all, _ in ctx.token_ranges():
             slot = int(ctx.state_slots[b])
-            for t, rows in enumerate(self._token_spans(start, n_all, verify)):
+            snapshot = snapshots.get(b)
+            for t, rows in enumerate(self._token_spans(start, n_all, verify, None if snapshot is None else snapshot[0])):
                 n = rows.stop - rows.start
                 window = torch.cat([states[slot].float(), x[rows].float().t()], dim=1)  # [C, K-1+n]
                 y = sum(window[:, j:j + n] * w[:, j:j + 1] for j in range(K)).t()  # [n, C]
@@ -270,8 +309,7 @@ class CPUReferenceBackend(BackendHooks):
                     y = y + bias.float()
                 out[rows] = (F.silu(y) if silu else y).to(out.dtype)
                 states[slot].copy_(window[:, n:].to(states.dtype))
-                if verify is not None and t < n_all - 1:
-                    verify[b, t].copy_(states[slot])
+                self._keep_state(b, t, n_all, states[slot], verify, snapshot, layer_id, "conv")
         self._zero_padding(ctx, out)
 
     def gdn_fused(self, ctx, qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, layer_id, k_heads, scale,

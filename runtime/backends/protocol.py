@@ -43,14 +43,16 @@ from typing import ClassVar, Optional
 
 import torch
 
-from compiler.splitops import OP_SPECS, CallFacts, Mode
+from compiler.splitops import LINEAR_KINDS, OP_SPECS, CallFacts, Mode
 from runtime.step.context import ExecContext
 
-__all__ = ["plan_eager_step", "BackendHooks", "BackendSetup", "HOOK_NAMES", "OP_NAMES", "OpNotSupported",
-           "ProtocolError", "implements", "protocol_args", "check_backend"]
+__all__ = ["plan_eager_step", "BackendHooks", "BackendSetup", "HOOK_NAMES", "OP_NAMES", "LINEAR_STATE_OPS",
+           "OpNotSupported", "ProtocolError", "implements", "protocol_args", "check_backend"]
 
 HOOK_NAMES: tuple[str, ...] = ("init_capture_state", "init_replay_state", "init_step_metadata", "init_chunk_metadata")
 OP_NAMES: tuple[str, ...] = tuple(OP_SPECS)
+# The ops that read and write a linear layer's state (the recurrent matrix, the conv window).
+LINEAR_STATE_OPS = frozenset(name for name, spec in OP_SPECS.items() if spec.stateful and spec.kinds & LINEAR_KINDS)
 
 
 class OpNotSupported(NotImplementedError):
@@ -76,6 +78,7 @@ class BackendSetup:
     device: torch.device
     calls: tuple[CallFacts, ...]
     options: dict[str, str]  # the kernel options routing resolved (capability.options), by name
+    snapshots: object = None  # runtime.cache.snapshot_pool.SnapshotPool of the prefix cache (None: caching off)
 
     def layer_ids(self, *ops: str) -> list[int]:
         """The layer ids of the routed calls (of `ops` only, when given), sorted, each once."""
@@ -208,6 +211,16 @@ class BackendHooks(abc.ABC):
         device work alone (`replay_state_in_graph`) may be staged there: a gap's op runs on the
         host and reads what the hook planned on the host. The protocol stages nothing (a lone
         backend may own a gap's node): always correct."""
+
+    def writes_step_snapshots(self, snapshots) -> bool:
+        """Whether this backend's linear-state ops (LINEAR_STATE_OPS) write a step's in-step
+        snapshots into `snapshots` (the prefix cache's SnapshotPool): for each request b with
+        ExecContext.snapshot_rows[b] = r >= 0, the state after its first r tokens of the step, in
+        every entry of the layer, at id snapshot_ids[b], in the pool's layout (what `save` writes).
+        The prefix cache then snapshots at a point inside a chunk without ending the step there.
+        The protocol answers False: the cache ends a chunk at each snapshot point instead, which
+        is always correct. Only backends that may run those ops are asked (`BackendSet`)."""
+        return False
 
     def kernel_variant_tokens(self, max_tokens: int) -> tuple[int, ...]:
         """Token counts of eager extend steps that, run once each at start-up, launch every kernel

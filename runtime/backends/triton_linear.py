@@ -469,6 +469,13 @@ class TritonLinearBackend(BackendHooks):
         """Over the state pool: every kernel finds its layer's state by layer id and slot."""
         return cls(setup.state_pool, **cls.routed_options(setup.options))
 
+    def writes_step_snapshots(self, snapshots) -> bool:
+        """Not yet, with our kernels or FLA's: they return a request's state after its last token of
+        the step alone, so the prefix cache ends a chunk at each snapshot point. Writing the state
+        at a chunk break inside a request is the next phase (docs/DESIGN.md, "The prefix cache's
+        snapshots"), checked on a GPU."""
+        return False
+
     @staticmethod
     def routed_options(options: dict) -> dict:
         """The constructor's keyword arguments from routing's recorded kernel options (the split
