@@ -12,23 +12,36 @@ calls, in its step:
    request, sets its cached-token count and copies the snapshot into its slot, or `drop(hold)`
    lets go if the request cannot be admitted this step.
 2. Scheduling: `chunk(hold, start, n, total)` shortens a chunk so that it ends on a snapshot
-   point (below), and so that a chunk that does not finish the request's tokens ends on a page
-   boundary. The state of a linear layer exists only where a step stopped: the kernels return
-   the state after a request's last token of the step, never one in the middle. So the cache
-   snapshots only where a step ends, and the scheduler makes steps end where snapshots are wanted.
-3. After the forward: `after_step(entries)` snapshots each request that stopped on a page
-   boundary it should snapshot at, inserts its prefix into the tree and makes the request use
-   the tree's pages for it (a duplicate of pages the tree has is freed). Copies are issued on the
-   host side of the step, between the forward and the next step, never inside a captured graph.
-   A request whose prompt is all in the cache now also inserts the prompt's whole pages, without
-   a snapshot: a later request can then see where it parts from this one (its branch point).
+   point (below) that the step does not write itself, and so that a chunk that does not finish
+   the request's tokens ends on a page boundary. Where a step stops, a request's slot holds its
+   state after its last token of the step, which the cache copies into a snapshot (3). A point
+   inside a chunk the step writes itself when `in_step` (the engine sets it: every backend that
+   runs a linear layer's state op writes in-step snapshots, `writes_step_snapshots` in
+   runtime/backends/protocol.py): `before_step(entries)`, just before the forward, gives the
+   first point inside a request's chunk a snapshot id (evicting the least recently used
+   snapshot when none is free), and the step's linear ops write the state after that token
+   into it, in the snapshot pool's layout (`SeqState.snapshot`, laid out as the step's
+   ExecContext.snapshot_rows / snapshot_ids; the other ranks of a tensor-parallel run get them
+   with the step). A chunk still ends at a second point inside it. Without `in_step` (the Triton
+   and FLA kernels today: they give the state after a request's last token of the step alone) a
+   chunk ends at every point inside it, and the request takes one more step there.
+3. After the forward: `after_step(entries)` inserts the prefix of each in-step snapshot into the
+   tree with it (or frees its id where the tree has one there already), snapshots each request
+   that stopped on a page boundary it should snapshot at, inserts its prefix into the tree and
+   makes the request use the tree's pages for it (a duplicate of pages the tree has is freed).
+   Those copies are issued on the host side of the step, between the forward and the next step,
+   never inside a captured graph. A request whose prompt is all in the cache now also inserts the
+   prompt's whole pages, without a snapshot: a later request can then see where it parts from
+   this one (its branch point). A request released with an in-step id its step has not put in
+   the tree (`drop_step_snapshot`, from the scheduler's release) gives it back: no id leaks.
 4. Memory: `reclaim(free_target)` evicts unused cached prefixes when the KV pool runs short; a
    full snapshot pool drops its least recently used snapshot.
 
 Snapshot points of a request (positions, in tokens from its start, all page boundaries). Where
-one is not the end of a chunk anyway, the chunk is split there: the request takes one more step,
-of the tokens after the point. A step costs much more than its tokens on a GPU (an extend step
-has a floor of several milliseconds), so splits are kept to where they pay:
+one is not the end of a chunk anyway and the step does not write it (2), the chunk is split there:
+the request takes one more step, of the tokens after the point. A step costs much more than its
+tokens on a GPU (an extend step has a floor of several milliseconds), so splits are kept to where
+they pay:
 
 - the branch point: where its tokens leave the tree's KV pages, when no snapshot is there yet.
   The second request of a family that shares a prefix (a system prompt, a chat so far) pays one
@@ -126,6 +139,9 @@ class PrefixCache:
         self.config = config
         self.page_size = kv_pool.page_size
         self.tree = RadixCache(kv_pool, snapshots)
+        # Whether steps write the snapshots at points inside their chunks (`before_step`); the engine
+        # sets it from its backends' answer (`writes_step_snapshots`). False: a chunk ends at each point.
+        self.in_step = False
         self.lookups = self.hits = self.lookup_tokens = self.hit_tokens = self.snapshots_taken = 0
 
     # -- admission ------------------------------------------------------------------------------
@@ -168,17 +184,45 @@ class PrefixCache:
     # -- scheduling -----------------------------------------------------------------------------
 
     def chunk(self, hold: CacheHold, start: int, n: int, total: int) -> int:
-        """n, or fewer tokens so that the chunk from `start` ends on the next snapshot point or,
-        when it does not finish the request's `total` tokens, on a page boundary."""
+        """n, or fewer tokens so that the chunk from `start` ends on the next snapshot point (with
+        `in_step`, on the one after: the step writes the first itself) or, when it does not finish
+        the request's `total` tokens, on a page boundary."""
         end = start + n
-        for point in hold.points:
-            if start < point < end:
-                return point - start
+        inside = [point for point in hold.points if start < point < end]
+        written = 1 if self.in_step else 0  # points the step snapshots inside its chunk
+        if len(inside) > written:
+            return inside[written] - start
         if end < total:
             aligned = end - end % self.page_size
             if aligned > start:
                 return aligned - start
         return n
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def before_step(self, entries) -> None:
+        """With `in_step`, before the forward; entries: (hold, seq, n) of each request the step feeds
+        n > 1 tokens. A snapshot point inside its chunk (at most one: `chunk`) gets a snapshot id
+        now, which the step writes the state at that point into (`SeqState.snapshot`, laid out as
+        ExecContext.snapshot_rows / snapshot_ids); `after_step` puts it in the tree."""
+        if self.snapshots.num_snapshots == 0:
+            return
+        for hold, seq, n in entries:
+            start = seq.num_cached
+            point = next((p for p in hold.points if start < p < start + n), None)
+            if point is None:
+                continue
+            if hold.node is not None:  # first, so that a full pool gives its room to this one
+                self.tree.supersede(hold.node)
+            snapshot = self._free_snapshot({})
+            if snapshot is not None:
+                seq.snapshot = (point, snapshot)
+
+    def drop_step_snapshot(self, seq: SeqState) -> None:
+        """A request leaves with an in-step snapshot its step has not put in the tree: the id goes back."""
+        if seq.snapshot is not None:
+            self.snapshots.free(seq.snapshot[1])
+            seq.snapshot = None
 
     # -- after the forward ----------------------------------------------------------------------
 
@@ -203,13 +247,18 @@ class PrefixCache:
     def after_step(self, entries) -> None:
         """entries: (hold, seq, prompt, output) of each request the step ran, after its commit.
 
-        The state in a request's slot is now the state after its first seq.num_cached tokens.
+        The state in a request's slot is now the state after its first seq.num_cached tokens, and
+        the state at its in-step snapshot's point (`before_step`) is in that snapshot.
         """
         if self.snapshots.num_snapshots == 0:
             return  # pages alone give no hit: nothing to cache
         pending: dict[int, int] = {}  # snapshot id -> slot, saved together below
         page_size = self.page_size
         for hold, seq, prompt, output in entries:
+            if seq.snapshot is not None:  # written by the step
+                (at, snapshot), seq.snapshot = seq.snapshot, None
+                hold.snapshot_at = at
+                self._place(hold, seq, (prompt + output)[:at], snapshot)
             pos = seq.num_cached
             # `_due`'s first test inline: off a page boundary (most requests of a step) nothing is due
             if pos % page_size == 0 and self._due(hold, pos, len(prompt)):
@@ -228,17 +277,21 @@ class PrefixCache:
         if hold.node is not None:  # first, so that a full pool gives its room to this one
             self.tree.supersede(hold.node)
         snapshot = self._free_snapshot(pending)
-        if snapshot is None:
-            return
+        if snapshot is not None and self._place(hold, seq, tokens, snapshot):
+            pending[snapshot] = seq.slot
+
+    def _place(self, hold: CacheHold, seq: SeqState, tokens: list[int], snapshot: int) -> bool:
+        """Insert tokens (a prefix the request has run) with `snapshot`, the state after them: False
+        (and the id freed) when the tree's node there has one already."""
         node, tree_pages = self.tree.insert(tokens, seq.pages)
         self._use_tree_pages(seq, tree_pages)
         hold.node = node
         if node.snapshot is not None:  # another request stopped here first
             self.snapshots.free(snapshot)
-            return
+            return False
         self.tree.set_snapshot(node, snapshot)
-        pending[snapshot] = seq.slot
         self.snapshots_taken += 1
+        return True
 
     def _free_snapshot(self, pending: dict[int, int]) -> int | None:
         """A snapshot id, evicting the least recently used snapshot when none is free."""

@@ -16,6 +16,9 @@ holds such states, one per snapshot id, in the state pool's layout:
    pairs of a step when there are more than DIRECT_PAIRS, issued on the host
    side of a step (never inside a captured graph), on the stream that runs the steps, so it is
    ordered after the step that wrote the state and before the next one that reads it.
+4. A step may write a snapshot itself, at an id the prefix cache gave it: the backends that own
+   linear state and say so (`writes_step_snapshots`) are built with this pool and write the state
+   at a point inside a request's chunk into `buffers` (runtime/cache/prefix_cache.py, in-step).
 
 On rank 0 of a tensor-parallel run, `journal` records each save and restore for the other ranks
 to replay on their pools (runtime/dist/distributed.py); None elsewhere.

@@ -24,7 +24,8 @@ MASTER_PORT):
 3. Rank 0: `lead(group, pools...)`, while its engine is built: the pools journal every change to their data made outside a
    forward (slot zeroing and copies, page copies, prefix-cache snapshots), and before each
    forward the engine hands the step to `StepSender`, which sends the journal and the step
-   (each request's slot, pages, cached count, tokens; the logits rows) to every other rank.
+   (each request's slot, pages, cached count, in-step snapshot, tokens; the logits rows) to every
+   other rank, whose backends then write the same in-step snapshots into their own snapshot pools.
    Rank 0 alone samples, serves HTTP and prints.
 4. Other ranks: `follow(engine, group)`: receive a message, replay its journal on their pools,
    run `engine.execute` on the same step (the same forward, eager or graphs, so the collectives
@@ -86,6 +87,7 @@ _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _STOP, _STEP, _END = 0, 1, 2  # message kinds: the last one; a step; the end of one engine's steps
 _JOURNAL_CODES = {"zero_slot": 0, "copy_slot": 1, "copy_pages": 2, "save": 3, "restore": 4}
 _JOURNAL_NAMES = {code: name for name, code in _JOURNAL_CODES.items()}
+_NO_SNAPSHOT = (-1, 0)  # a request's in-step snapshot (position, id) in a step message, when it has none
 
 
 class PeerLost(RuntimeError):
@@ -244,7 +246,8 @@ def encode_step(journal: list, seq_items, logits_rows) -> np.ndarray:
         out += [_JOURNAL_CODES[name], len(flat), *flat]
     out.append(len(seq_items))
     for seq, tokens in seq_items:
-        out += [seq.slot, seq.num_cached, len(seq.pages), *seq.pages, len(tokens), *tokens]
+        out += [seq.slot, seq.num_cached, *(seq.snapshot or _NO_SNAPSHOT), len(seq.pages), *seq.pages, len(tokens),
+                *tokens]
     out += [0] if logits_rows is None else [1, *logits_rows]
     return np.asarray(out, dtype=np.int64)
 
@@ -274,10 +277,10 @@ def decode_step(message: np.ndarray):
     count, at = int(message[at]), at + 1
     seq_items = []
     for _ in range(count):
-        slot, cached, npages = (int(v) for v in message[at:at + 3])
-        pages, at = _take(message, at + 3, npages)
+        slot, cached, position, snapshot, npages = (int(v) for v in message[at:at + 5])
+        pages, at = _take(message, at + 5, npages)
         tokens, at = _take(message, at + 1, int(message[at]))
-        seq_items.append((SeqState(slot, pages, cached), tokens))
+        seq_items.append((SeqState(slot, pages, cached, None if position < 0 else (position, snapshot)), tokens))
     rows = None
     if int(message[at]):
         rows, at = _take(message, at + 1, count)

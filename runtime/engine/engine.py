@@ -8,10 +8,12 @@ whose backend implements the protocol (runtime/backends/protocol.py). A step:
    request still prefilling (`prefill`), one token for each request decoding (`decode`), new
    requests admitted from the queue. Pages for the chosen tokens are taken here. With a prefix
    cache, an admitted request starts after the longest prefix the cache holds for it (its pages
-   shared, its linear state copied from a snapshot), and chunks end where snapshots are due.
+   shared, its linear state copied from a snapshot), and chunks end where snapshots are due (or
+   pass them, where the step writes them itself: runtime/cache/prefix_cache.py, in-step).
 2. `_run`: lay the chosen tokens out as one batch (`build_step`), let the backend plan it
    (`init_step_metadata`, and `init_chunk_metadata` when prompt chunks are in it), run the forward.
-   Then, with a prefix cache, requests that stopped at a snapshot point are snapshotted.
+   Then, with a prefix cache, requests that stopped at a snapshot point are snapshotted, and the
+   snapshots the step wrote go into the tree.
 3. `_score_prompts`: requests that asked for their prompt's log-probabilities (echo) got logits
    rows for each prompt token of their chunk; those rows are scored on the device
    (runtime/engine/logprobs.py).
@@ -212,6 +214,8 @@ class Engine:
                              "the ids on the host; pass overlap=False (--no-overlap-schedule)")
         self.runner, self.ops, self.spec = runner, runner.ops, speculative
         self.kv_pool, self.state_pool, self.prefix_cache = kv_pool, state_pool, prefix_cache
+        if prefix_cache is not None:  # snapshots inside a chunk, where the backends write them in the step
+            prefix_cache.in_step = runner.ops.backend.writes_step_snapshots(prefix_cache.snapshots)
         self.device = device
         if decodes_apart_from < 0:
             raise ValueError(f"Engine: decodes_apart_from must be >= 0 (got {decodes_apart_from})")
@@ -505,7 +509,11 @@ class Engine:
         """One forward over every scheduled token (prefill chunks and decodes together); `rows[b]`
         logits rows for request b (its last ones). (mode, logits, the hidden states of every token
         where the program returns them, else None). A decode of a token still on the device is
-        built with a placeholder and gets its id there (`_placed_ids`)."""
+        built with a placeholder and gets its id there (`_placed_ids`). With in-step snapshots the
+        prefix cache first picks the ones this step writes (`PrefixCache.before_step`)."""
+        cache = self.prefix_cache
+        if cache is not None and cache.in_step:
+            cache.before_step([(req.cache, req.seq, n) for req, n in items if n > 1 and req.cache is not None])
         seq_items = [(req.seq, req.next_tokens(n)) for req, n in items]
         logits_rows = rows if any(r > 1 for r in rows) else None
         input_ids = self._placed_ids(items, seq_items) if self._inflight is not None else None

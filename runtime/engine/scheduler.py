@@ -166,7 +166,10 @@ class Scheduler:
             req.seq.pages.extend(self.kv_pool.alloc(need))
 
     def release(self, req: Request) -> None:
-        """Free the request's pages and slot (pages shared with the prefix cache stay there)."""
+        """Free the request's pages and slot (pages shared with the prefix cache stay there), and an
+        in-step snapshot id its step did not put in the tree."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_step_snapshot(req.seq)
         self.kv_pool.free(req.seq.pages)
         self.state_pool.free(req.seq.slot)
         req.seq = None

@@ -34,13 +34,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cached_engine(model, *, cache: bool = True, slots: int = 6, pages: int = 128, snapshots: int = 32,
-                  interval: int = 8, hit_snapshot_tokens: int = 128, output_end: bool = True, **engine_kwargs) -> Engine:
+                  interval: int = 8, hit_snapshot_tokens: int = 128, output_end: bool = True, in_step: bool = False,
+                  **engine_kwargs) -> Engine:
+    """in_step: the backend gets the snapshot pool, so steps write snapshots inside their chunks
+    (tests/runtime/cache/test_step_snapshots.py); else chunks end at snapshot points."""
     kv_pool, state_pool = make_pools(model, slots, pages, PAGE)
-    ops = BoundOps(CPUReferenceBackend(kv_pool, state_pool))
+    pool = SnapshotPool(model.layer_registry, snapshots)
+    ops = BoundOps(CPUReferenceBackend(kv_pool, state_pool, snapshots=pool if in_step else None))
     model.set_ops(ops)
     prefix_cache = None
     if cache:
-        prefix_cache = PrefixCache(kv_pool, state_pool, SnapshotPool(model.layer_registry, snapshots),
+        prefix_cache = PrefixCache(kv_pool, state_pool, pool,
                                    PrefixCacheConfig(snapshot_interval=interval, hit_snapshot_tokens=hit_snapshot_tokens,
                                                      snapshot_output_end=output_end))
     return eager_engine(model, ops, kv_pool, state_pool, prefix_cache=prefix_cache, **engine_kwargs)
@@ -72,13 +76,16 @@ def vocab_of(model) -> int:
 
 
 def check_references(engine: Engine) -> None:
-    """Each page is held exactly by the running requests whose page lists have it and the tree."""
+    """Each page is held exactly by the running requests whose page lists have it and the tree, and
+    each snapshot id the pool has handed out by the tree (between steps, no in-step id is left)."""
     kv = engine.kv_pool
     want = collections.Counter()
     for req in engine.scheduler.running:
         want.update(req.seq.pages)
-    if engine.prefix_cache is not None:
-        want.update(engine.prefix_cache.tree.held_pages())
+    cache = engine.prefix_cache
+    if cache is not None:
+        want.update(cache.tree.held_pages())
+        assert cache.snapshots.num_snapshots - cache.snapshots.num_free == cache.tree.num_snapshots
     assert [kv.holders(p) for p in range(kv.num_pages)] == [want[p] for p in range(kv.num_pages)]
     assert kv.num_free == sum(1 for p in range(kv.num_pages) if want[p] == 0)
 
@@ -378,19 +385,25 @@ def test_chunks_end_on_page_boundaries_and_snapshot_points():
 # -- memory pressure --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["toy", MODELS[-1]])
-def test_eviction_under_a_small_budget_keeps_requests_exact_and_frees_everything(name):
-    model = build_model(name)
+# 16 pages of 4 tokens: about three requests at once, and little room for the cache besides.
+SMALL = dict(slots=4, pages=16, interval=4, max_tokens_per_step=16)
+
+
+def requests_on_three_bases(model) -> list:
+    """Twelve requests whose prompts continue one of three bases, for SMALL's pools."""
     vocab = vocab_of(model)
     g = torch.Generator().manual_seed(11)
     bases = [random_ids(20, vocab, g) for _ in range(3)]
     prompts = [bases[i % 3][: 12 + 4 * (i % 2)] + random_ids(3 + i % 4, vocab, g) for i in range(12)]
-    requests = [(p, SamplingParams(max_new_tokens=6)) for p in prompts]
-    # 16 pages of 4 tokens: about three requests at once, and little room for the cache besides;
-    # 3 snapshots for prefixes of three bases.
-    small = dict(slots=4, pages=16, snapshots=3, interval=4, max_tokens_per_step=16)
-    want = run(cached_engine(model, cache=False, **small), requests, "staggered")
-    engine = cached_engine(model, **small)
+    return [(p, SamplingParams(max_new_tokens=6)) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["toy", MODELS[-1]])
+def test_eviction_under_a_small_budget_keeps_requests_exact_and_frees_everything(name):
+    model = build_model(name)
+    requests = requests_on_three_bases(model)
+    want = run(cached_engine(model, cache=False, **SMALL), requests, "staggered")
+    engine = cached_engine(model, snapshots=3, **SMALL)  # for prefixes of three bases
     assert run(engine, requests, "staggered") == want
     stats = engine.stats()
     assert stats["prefix_cache_hits"] > 0 and stats["prefix_cache_snapshots_taken"] > 3, stats

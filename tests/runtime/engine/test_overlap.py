@@ -92,20 +92,23 @@ def test_greedy_steps_all_overlap_when_prompt_chunks_share_them_with_decodes():
     assert any(r.prefill_tokens and r.decode_tokens for r in engine.step_records()), "no mixed step ran"
 
 
-def cached_engine(model, overlap: bool, snapshot_output: bool, **kw) -> Engine:
+def cached_engine(model, overlap: bool, snapshot_output: bool, in_step: bool = False, **kw) -> Engine:
+    """in_step: the backend writes snapshots inside chunks (tests/runtime/cache/test_step_snapshots.py)."""
     kv_pool, state_pool = make_pools(model, 6, 160, 4)
-    ops = BoundOps(CPUReferenceBackend(kv_pool, state_pool))
+    snapshots = SnapshotPool(model.layer_registry, 12)
+    ops = BoundOps(CPUReferenceBackend(kv_pool, state_pool, snapshots=snapshots if in_step else None))
     model.set_ops(ops)
-    cache = PrefixCache(kv_pool, state_pool, SnapshotPool(model.layer_registry, 12),
+    cache = PrefixCache(kv_pool, state_pool, snapshots,
                         PrefixCacheConfig(snapshot_interval=8, snapshot_output=snapshot_output))
     return eager_engine(model, ops, kv_pool, state_pool, prefix_cache=cache, overlap=overlap, **kw)
 
 
-@pytest.mark.parametrize("name", ["toy", "qwen3_next"])
+@pytest.mark.parametrize("name, in_step", [("toy", False), ("qwen3_next", False), ("toy", True)])
 @pytest.mark.parametrize("snapshot_output", [False, True])
-def test_the_prefix_cache_stays_on_and_gives_the_same_tokens(name, snapshot_output):
+def test_the_prefix_cache_stays_on_and_gives_the_same_tokens(name, snapshot_output, in_step):
     """Prompts sharing prefixes, repeated, with and without snapshots of output tokens (which need
-    the tokens on the host before the cache takes them: the step in flight is read first)."""
+    the tokens on the host before the cache takes them: the step in flight is read first), with
+    snapshots at chunk ends or written inside chunks by the step."""
     model = build_model(name)
     g = torch.Generator().manual_seed(2)
     base = torch.randint(2, vocab_of(model), (21,), generator=g).tolist()
@@ -113,7 +116,7 @@ def test_the_prefix_cache_stays_on_and_gives_the_same_tokens(name, snapshot_outp
     ps = [base + t for t in tails] + [base[:12], base + tails[1]]
     runs, stats = {}, {}
     for overlap in (False, True):
-        engine = cached_engine(model, overlap, snapshot_output, max_tokens_per_step=16)
+        engine = cached_engine(model, overlap, snapshot_output, in_step, max_tokens_per_step=16)
         jobs = [Job(p, SamplingParams(max_new_tokens=10 + i), at_step=3 * i) for i, p in enumerate(ps)]
         runs[overlap] = drive(engine, jobs)
         stats[overlap] = engine.stats()

@@ -386,10 +386,12 @@ def test_engine_on_a_started_runner_gives_the_eager_engine_tokens(artifact):
     assert stats["graph_replays"] + stats["piecewise_steps"] + stats["eager_steps"] >= stats["steps"]
 
 
-def test_prefix_cache_on_a_started_runner_gives_the_eager_engine_tokens(artifact):
+@pytest.mark.parametrize("in_step", [False, True])
+def test_prefix_cache_on_a_started_runner_gives_the_eager_engine_tokens(artifact, in_step):
     """Requests that reuse cached prefixes while steps replay graphs: the shared pages are page
-    ids in the static page table, the snapshots are copied outside the graphs; the tokens equal
-    those of the eager engine without a cache."""
+    ids in the static page table, the snapshots are copied outside the graphs, or, `in_step`, written
+    by the replayed step at the rows the static tables name (the first prompt's last page boundary,
+    16, inside its chunk); the tokens equal those of the eager engine without a cache."""
     from runtime.engine.engine import Engine, SamplingParams
     from runtime.cache.prefix_cache import PrefixCache
     from runtime.cache.snapshot_pool import SnapshotPool
@@ -400,15 +402,17 @@ def test_prefix_cache_on_a_started_runner_gives_the_eager_engine_tokens(artifact
 
     def serve(cached: bool):
         kv, st = make_pools(artifact.registry, 512, 8, page_size=8)
-        ops = BoundOps(CPUReferenceBackend(kv, st))
+        snapshots = SnapshotPool(artifact.registry, 8)
+        ops = BoundOps(CPUReferenceBackend(kv, st, snapshots=snapshots if in_step else None))
         runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(1,), extend_buckets=(32,),
                              max_pages_per_seq=16, extend_max_seqs=1, graphs=RerunGraphs() if cached else None)
         runner.chunk_size = 32
         if cached:
             runner.start(vocab_size=artifact.manifest["model"]["vocab_size"])
-        cache = PrefixCache(kv, st, SnapshotPool(artifact.registry, 8)) if cached else None
+        cache = PrefixCache(kv, st, snapshots) if cached else None
         steps = runner if cached else EagerRunner(artifact.bind(ops), ops, kv, "cpu", 32)
         engine = Engine(steps, kv, st, max_tokens_per_step=32, max_running=1, prefix_cache=cache)
+        assert cache is None or cache.in_step == in_step
         outputs = []
         for prompt in prompts:  # one after another, so each finds what the earlier ones cached
             outputs.append(engine.generate(prompt, params))
@@ -419,6 +423,7 @@ def test_prefix_cache_on_a_started_runner_gives_the_eager_engine_tokens(artifact
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert [r.cached_tokens for r in got] == [0, 16, 16, 16], "the system prompt's two whole pages"
     assert stats["graph_replays"] > 0 and stats["piecewise_steps"] > 0
+    assert stats["prefill_steps"] == 4 + (not in_step), "the first prompt's snapshot at 16 splits its chunk"
 
 
 def test_buckets_are_clipped_to_what_the_engine_can_send():
