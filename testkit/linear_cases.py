@@ -151,7 +151,9 @@ def interpreted_triton_linear(**options) -> type:
         @classmethod
         def build(cls, setup):
             # routing's recorded options, as the real build passes them, then the test's own
-            return cls(setup.state_pool, fla=FakeFLA(), **{**cls.routed_options(setup.options), **options})
+            return cls(setup.state_pool, fla=FakeFLA(), snapshots=setup.snapshots,
+                       routed_ops=frozenset(c.op for c in setup.calls),
+                       **{**cls.routed_options(setup.options), **options})
 
     return InterpretedTritonLinear
 

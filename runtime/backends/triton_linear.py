@@ -43,6 +43,12 @@ four modes:
   each request's history from its slot and writing the new one back. Padded rows of `out` are zeroed
   and the padding slot is neither read nor written.
 
+In-step snapshots (the prefix cache's, docs/DESIGN.md "The prefix cache's snapshots"): built
+with the cache's SnapshotPool, the chunk kernels and the extend conv also write a request's state
+after its snapshot row of the step into the pool, reading the step's snapshot tables from the
+plan (the staged ones in a replayed step). `writes_step_snapshots` says yes only where no extend
+step of this instance's ops reaches FLA's kernels, which cannot.
+
 Plan once per step, launch lean. Everything these paths derive from the step alone is made by
 the step's hooks and shared by every layer: slot ids on the device and the target-verify row
 layout (init_step_metadata / init_replay_state), and for a step on the extend path the kept
@@ -226,6 +232,10 @@ class _ExtendPlan:
     padded_bounds: torch.Tensor  # [R+2] int64 on the device: cu_seqlens, then num_rows (request R: the padding rows)
     conv_blocks: torch.Tensor  # [NB, 2] int64 on the device: (request, token block) of the extend conv
     longest: int  # the most tokens one request brings this step (which recurrent path it takes)
+    # In-step snapshots (ExecContext.snapshot_rows / snapshot_ids) of the plan's requests, on the
+    # device; None: the step has none to write (kernels.linear.StepSnapshots says how they are read)
+    snap_rows: torch.Tensor | None = None
+    snap_ids: torch.Tensor | None = None
     # The static plan of a captured step (_StaticExtendPlan): tables padded to the bucket at fixed
     # addresses, every launch's grid fixed by the bucket; num_tokens, cu_seqlens_cpu and longest
     # are then not the launches' to read.
@@ -323,7 +333,9 @@ class _StaticExtendPlan:
         _extend_tables().fill_extend_tables(ctx.query_start_loc, self.buf, slots, T, B, layout, FLA_CHUNK,
                                             _kernels().CONV_EXTEND_BLOCK_T)
         bounds, chunks, blocks = [self.buf[at:at + math.prod(shape)].view(shape) for at, shape in layout]
-        return _ExtendPlan(None, slots[:B + 1], bounds[:B + 2], None, chunks, bounds, blocks, 0, captured=True)
+        # the snapshot tables are the staged step's own (static per key); the extra request B has no rows
+        return _ExtendPlan(None, slots[:B + 1], bounds[:B + 2], None, chunks, bounds, blocks, 0,
+                           ctx.snapshot_rows, ctx.snapshot_ids, captured=True)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -424,7 +436,8 @@ class TritonLinearBackend(BackendHooks):
             "short_extend_tokens tokens)")
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
-                 short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0]):
+                 short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0],
+                 snapshots=None, routed_ops: frozenset[str] | None = None):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
@@ -437,7 +450,10 @@ class TritonLinearBackend(BackendHooks):
         build() passes. Built directly (tests, benchmarks), FLA's unless asked. `decode_tiles`: the
         routing option of the same name; "fixed" launches decode and verify steps with one tile at
         every request count (triton_linear.fixed_recurrent_config, fixed_conv_config; unless a
-        config is pinned)."""
+        config is pinned). `snapshots`: the prefix cache's SnapshotPool, which the chunk kernels and
+        the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
+        routing binds to this instance (None: any it supports), which say whether it may write them
+        (`writes_step_snapshots`)."""
         if decode_tiles not in DECODE_TILES:
             raise ValueError(f"{self.name}: decode_tiles must be one of {DECODE_TILES}, not {decode_tiles!r}")
         self.fixed_tiles = decode_tiles == "fixed"
@@ -449,6 +465,8 @@ class TritonLinearBackend(BackendHooks):
         self.conv_config = conv_config
         self.short_extend_tokens = short_extend_tokens
         self.chunk_impl = chunk_impl
+        self.snapshots = snapshots
+        self.routed_ops = self.supported_ops if routed_ops is None else frozenset(routed_ops)
         self._fla = fla
         self._fla_chunk_indices: frozenset[str] | None = None  # FLA entry points that take chunk_indices
         # [max_seqs + 1] int64: what captured kernels read (a captured extend step's B + 1 requests)
@@ -467,14 +485,17 @@ class TritonLinearBackend(BackendHooks):
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonLinearBackend":
         """Over the state pool: every kernel finds its layer's state by layer id and slot."""
-        return cls(setup.state_pool, **cls.routed_options(setup.options))
+        return cls(setup.state_pool, snapshots=setup.snapshots, routed_ops=frozenset(c.op for c in setup.calls),
+                   **cls.routed_options(setup.options))
 
     def writes_step_snapshots(self, snapshots) -> bool:
-        """Not yet, with our kernels or FLA's: they return a request's state after its last token of
-        the step alone, so the prefix cache ends a chunk at each snapshot point. Writing the state
-        at a chunk break inside a request is the next phase (docs/DESIGN.md, "The prefix cache's
-        snapshots"), checked on a GPU."""
-        return False
+        """Into the pool it was built with, where every extend step of its ops runs our kernels: the
+        chunk kernels (chunk_impl "triton") and the extend conv write the state after a request's
+        snapshot row on the way. FLA's chunk kernels return the state after a request's last token
+        alone, so with KDA routed here (FLA past the short-extend limit) or chunk_impl "fla" the
+        prefix cache ends a chunk at each snapshot point instead."""
+        return (snapshots is not None and snapshots is self.snapshots and self.chunk_impl == "triton"
+                and "kda_core" not in self.routed_ops)
 
     @staticmethod
     def routed_options(options: dict) -> dict:
@@ -581,8 +602,14 @@ class TritonLinearBackend(BackendHooks):
             [bounds, keep, chunks, blocks], self.device)
         slots = step.slots[:ctx.num_real_seqs]
         slots = slots if R == ctx.num_real_seqs else slots.index_select(0, keep_dev)
+        snap_rows = snap_ids = None
+        if self.snapshots is not None and ctx.snapshot_rows is not None:
+            snap_rows, snap_ids = (t[:ctx.num_real_seqs].to(self.device, non_blocking=True)
+                                   for t in (ctx.snapshot_rows, ctx.snapshot_ids))
+            if R != ctx.num_real_seqs:
+                snap_rows, snap_ids = snap_rows.index_select(0, keep_dev), snap_ids.index_select(0, keep_dev)
         return _ExtendPlan(T, slots, bounds_dev[:R + 1], cu, chunks_dev, bounds_dev, blocks_dev,
-                           int(lens.max()) if R else 0)
+                           int(lens.max()) if R else 0, snap_rows, snap_ids)
 
     def _in_graph(self, step: _StepPlan, op: str) -> bool:
         """Whether `op` runs on the static extend plan in this replayed step: an op captured in
@@ -710,12 +737,14 @@ class TritonLinearBackend(BackendHooks):
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, state, plan.slots, plan.padded_bounds,
                                           plan.chunk_indices, scale, gate_kind,
                                           config=self._graph_chunk_config(v, q.shape[0]),
-                                          workspaces=self._workspaces(q, v, beta, plan.chunk_indices.shape[0]))
+                                          workspaces=self._workspaces(q, v, beta, plan.chunk_indices.shape[0]),
+                                          snapshots=self._step_snapshots(plan, layer_id, "recurrent"))
             return True
         T = plan.num_tokens
         if T > 0:
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
-                                          plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind)
+                                          plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind,
+                                          snapshots=self._step_snapshots(plan, layer_id, "recurrent"))
         if out.shape[0] > T:
             out[T:].zero_()
         return True
@@ -772,7 +801,19 @@ class TritonLinearBackend(BackendHooks):
         plan = self._extend_plan(self._step_plan(ctx), "short_conv")
         _kernels().short_conv_extend(x, weight, bias, out, self._layer_state(layer_id, "conv"), plan.slots,
                                      plan.padded_bounds, plan.conv_blocks, silu,
-                                     what=f"{self.name}: hgc.short_conv (layer {layer_id})")
+                                     what=f"{self.name}: hgc.short_conv (layer {layer_id})",
+                                     snapshots=self._step_snapshots(plan, layer_id, "conv"))
+
+    def _step_snapshots(self, plan: _ExtendPlan, layer_id: int, entry: str):
+        """The plan's in-step snapshots of this layer's `entry` into the pool, or None (none to write)."""
+        if self.snapshots is None:
+            return None
+        if plan.snap_rows is None:
+            if plan.captured:  # the graph would keep the empty table and never write the snapshots asked later
+                raise RuntimeError(f"{self.name}: a captured extend step without snapshot tables, built with a "
+                                   f"snapshot pool (layer {layer_id}); the step's context must carry snapshot_rows")
+            return None
+        return _kernels().StepSnapshots(plan.snap_rows, plan.snap_ids, self.snapshots.buffers[layer_id][entry])
 
     def _recurrent(self, ctx, op: str, layer_id: int, q, k, v, gate, beta, out, scale, gate_kind: int) -> bool:
         """A decode step (n == 1) or a target-verify step of n tokens per request, one launch either way

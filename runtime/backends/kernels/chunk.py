@@ -58,6 +58,10 @@ Three kernels (a launch with the same arguments goes through a Launcher: no Trit
    of the chunk table), forms V' = U - W S_c (the delta rule; stored over U: the same rows, head and
    columns, which this program alone owns) and moves the state on, S_c+1 = exp(G_last) S_c +
    (K * exp(G_last - G))^T V'. The tile is loaded from the request's slot once and stored back once.
+   Where the step asks for an in-step snapshot after the request's first r rows (StepSnapshots),
+   the walk stops at the chunk holding row r and, beside that chunk's step, forms the state after
+   its first rows from the same S_c, V', K and G (the later rows masked: what the walk leaves on a
+   request of r rows) into the snapshot pool.
 3. `_chunk_output_kernel`, one program per (chunk, value head, Dv tile), all independent: the
    chunk's outputs O = scale ((Q * exp(G)) S_c + (causal(Q K^T) * exp(G_i - G_j)) V'), from S_c and
    V' (V without the delta rule) as the state kernel left them. It takes the key dimension in
@@ -155,7 +159,7 @@ import triton.language as tl
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
 from runtime.backends.kernels.sm_count import num_sms
-from runtime.backends.kernels.linear import GATE_PER_CHANNEL, OP_OF_GATE, _check_rows, _recurrent_args
+from runtime.backends.kernels.linear import GATE_PER_CHANNEL, OP_OF_GATE, StepSnapshots, _check_rows, _recurrent_args
 from runtime.cache.state_pool import PADDING_SLOT
 
 __all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_length", "takes_short_tiles", "chunk_config", "chunk_workspace",
@@ -558,10 +562,56 @@ def _first_chunk(bounds_ptr, req, BT: tl.constexpr, BR: tl.constexpr):
 
 
 @triton.jit
+def _chunk_advance(s, k, v_new, gate, total, cs_ptr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr):
+    """The state after a chunk's rows: exp(G_total) S + (K * exp(G_total - G))^T V', as K^T (decay * V'):
+    the decay scales the [BT, BV] tile rather than the [BT, Dk] one, and k goes from memory to the
+    product as it is. Rows whose V' is zero (masked) add nothing."""
+    v_decayed = v_new * tl.exp(total - gate)[:, None]
+    if LOWP:  # 16-bit operands: the workspaces' dtype (module docstring, precision)
+        return s * tl.exp(total) + tl.dot(tl.trans(k.to(cs_ptr.dtype.element_ty)),
+                                          v_decayed.to(cs_ptr.dtype.element_ty))
+    return s * tl.exp(total) + tl.dot(tl.trans(k.to(tl.float32)), v_decayed, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _chunk_walk_step(s, start, eos, chunk, head, offs_t, offs_k, offs_v, m_k, m_v, cs_tile,
+                     k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr,
+                     stride_k_row, stride_k_head, stride_g_row, stride_g_head, stride_w_row, stride_w_head,
+                     stride_vp_row, stride_vp_head, stride_cs_chunk,
+                     GROUP: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+                     DOT_PREC: tl.constexpr, LOWP: tl.constexpr):
+    """One chunk of the walk from state s (S_c): stores S_c, forms V' (stored over U with the delta
+    rule) and returns (S_c+1, k, V', G) of the chunk's rows, the last three for a snapshot inside it."""
+    tl.store(cs_tile + chunk * stride_cs_chunk, s.to(cs_ptr.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
+    n = tl.minimum(eos - start, BT)
+    m_t = offs_t < n
+    rows = start + offs_t
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    vp_ptrs = vp_ptr + rows[:, None] * stride_vp_row + head * stride_vp_head + offs_v[None, :]
+    v_new = tl.load(vp_ptrs, mask=m_tv, other=0.0).to(tl.float32)
+    if DELTA:
+        w = tl.load(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :], mask=m_tk,
+                    other=0.0)
+        if LOWP:
+            v_new -= tl.dot(w.to(cs_ptr.dtype.element_ty), s.to(cs_ptr.dtype.element_ty))
+        else:
+            v_new -= tl.dot(w.to(tl.float32), s, input_precision=DOT_PREC)
+        # Over U: this program alone reads and writes these rows' columns of this head.
+        tl.store(vp_ptrs, v_new.to(vp_ptr.dtype.element_ty), mask=m_tv)
+    k = tl.load(k_ptr + rows[:, None] * stride_k_row + (head // GROUP) * stride_k_head + offs_k[None, :], mask=m_tk,
+                other=0.0)
+    gate = _chunk_gates(g_ptr, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+    total = tl.sum(tl.where(offs_t == BT - 1, gate, 0.0), axis=0)  # the chunk's G_last (masked rows repeat it)
+    return _chunk_advance(s, k, v_new, gate, total, cs_ptr, DOT_PREC=DOT_PREC, LOWP=LOWP), k, v_new, gate
+
+
+@triton.jit
 def _chunk_state_kernel(
-    k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, state_ptr, slots_ptr, bounds_ptr,
+    k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, state_ptr, slots_ptr, bounds_ptr, snap_rows_ptr, snap_ids_ptr, snap_ptr,
     stride_k_row, stride_k_head, stride_g_row, stride_g_head, stride_w_row, stride_w_head,
     stride_vp_row, stride_vp_head, stride_cs_chunk, stride_cs_head, stride_s_slot, stride_s_head,
+    stride_snap_slot, stride_snap_head,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, DOT_PREC: tl.constexpr,
     LOWP: tl.constexpr, PAD_SLOT: tl.constexpr,
@@ -570,11 +620,17 @@ def _chunk_state_kernel(
     (to the chunk-state workspace cs, [chunks, Hv, Dk, Dv] contiguous in its last two dims), V' and
     the next state; the last state back to the slot. vp is U with the delta rule (V' is written over
     it) and V without (read only). A request on the padding slot (a graph capture's placeholder
-    requests) starts from a zero state and writes none back: the padding slot is never touched."""
+    requests) starts from a zero state and writes none back: the padding slot is never touched.
+
+    In-step snapshot: where snap_rows[req] = r >= 0, the state after the request's first r rows also
+    goes to snapshot snap_ids[req] of snap (the prefix cache's pool, the slot's layout). The walk
+    stops at the chunk holding row r, takes that chunk's step, forms the state after its first
+    j = r - (chunk start) rows from the same S_c, V', K and G (rows from j on masked out: the state
+    the walk would end with on a request of r rows), and walks on. The two walks are plain loops,
+    so the compiler pipelines each as it did the one."""
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
-    key_head = head // GROUP
     bos = tl.load(bounds_ptr + req).to(tl.int64)
     eos = tl.load(bounds_ptr + req + 1).to(tl.int64)
     if eos > bos:  # a request without rows keeps its state as it is (not even rewritten)
@@ -583,10 +639,10 @@ def _chunk_state_kernel(
         offs_v = v_tile * BV + tl.arange(0, BV)
         m_k = offs_k < DK
         m_v = offs_v < DV
-        last = offs_t == BT - 1
         slot = tl.load(slots_ptr + req).to(tl.int64)
         # slot ids are int64 and the pool can exceed 2**31 elements: offsets stay int64.
-        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        tile = head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        s_ptrs = state_ptr + slot * stride_s_slot + tile
         m_s = m_k[:, None] & m_v[None, :]
         # the padding slot's tile: neither read nor written (a [BK, BV] mask: the interpreter takes no
         # scalar in a mask)
@@ -594,37 +650,37 @@ def _chunk_state_kernel(
         s = tl.load(s_ptrs, mask=m_own, other=0.0)
         cs_tile = cs_ptr + head * stride_cs_head + offs_k[:, None] * DV + offs_v[None, :]
         first = _first_chunk(bounds_ptr, req, BT=BT, BR=BR)
-        for start in range(bos, eos, BT):
-            chunk = first + (start - bos) // BT
-            tl.store(cs_tile + chunk * stride_cs_chunk, s.to(cs_ptr.dtype.element_ty), mask=m_s)
-            n = tl.minimum(eos - start, BT)
-            m_t = offs_t < n
-            rows = start + offs_t
-            m_tk = m_t[:, None] & m_k[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
-            vp_ptrs = vp_ptr + rows[:, None] * stride_vp_row + head * stride_vp_head + offs_v[None, :]
-            v_new = tl.load(vp_ptrs, mask=m_tv, other=0.0).to(tl.float32)
-            if DELTA:
-                w = tl.load(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :], mask=m_tk,
-                            other=0.0)
-                if LOWP:  # 16-bit operands: the workspaces' dtype (module docstring, precision)
-                    v_new -= tl.dot(w.to(cs_ptr.dtype.element_ty), s.to(cs_ptr.dtype.element_ty))
-                else:
-                    v_new -= tl.dot(w.to(tl.float32), s, input_precision=DOT_PREC)
-                # Over U: this program alone reads and writes these rows' columns of this head.
-                tl.store(vp_ptrs, v_new.to(vp_ptr.dtype.element_ty), mask=m_tv)
-            k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :], mask=m_tk,
-                        other=0.0)
-            gate = _chunk_gates(g_ptr, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
-            total = tl.sum(tl.where(last, gate, 0.0), axis=0)  # the chunk's G_last (masked rows repeat it)
-            # (K * decay)^T V' as K^T (decay * V'): the decay scales the [BT, BV] tile rather than
-            # the [BT, Dk] one, and k goes from memory to the product as it is
-            v_decayed = v_new * tl.exp(total - gate)[:, None]
-            if LOWP:
-                s = s * tl.exp(total) + tl.dot(tl.trans(k.to(cs_ptr.dtype.element_ty)),
-                                               v_decayed.to(cs_ptr.dtype.element_ty))
-            else:
-                s = s * tl.exp(total) + tl.dot(tl.trans(k.to(tl.float32)), v_decayed, input_precision=DOT_PREC)
+        # Tables of requests with rows only: a captured step's extra request has none.
+        snap_row = tl.load(snap_rows_ptr + req).to(tl.int64)
+        snap_at = tl.where(snap_row >= 0, bos + snap_row, eos)  # eos: no snapshot in this step
+        mid = bos + (snap_at - bos) // BT * BT  # the start of the chunk holding the snapshot's row
+        for start in range(bos, tl.where(snap_at < eos, mid, eos), BT):
+            s, _k, _v, _g = _chunk_walk_step(
+                s, start, eos, first + (start - bos) // BT, head, offs_t, offs_k, offs_v, m_k, m_v, cs_tile,
+                k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, stride_k_row, stride_k_head, stride_g_row, stride_g_head,
+                stride_w_row, stride_w_head, stride_vp_row, stride_vp_head, stride_cs_chunk,
+                GROUP=GROUP, BT=BT, GATE=GATE, DELTA=DELTA, DOT_PREC=DOT_PREC, LOWP=LOWP)
+        if snap_at < eos:
+            before = s
+            s, k, v_new, gate = _chunk_walk_step(
+                s, mid, eos, first + (mid - bos) // BT, head, offs_t, offs_k, offs_v, m_k, m_v, cs_tile,
+                k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, stride_k_row, stride_k_head, stride_g_row, stride_g_head,
+                stride_w_row, stride_w_head, stride_vp_row, stride_vp_head, stride_cs_chunk,
+                GROUP=GROUP, BT=BT, GATE=GATE, DELTA=DELTA, DOT_PREC=DOT_PREC, LOWP=LOWP)
+            j = snap_at - mid  # rows of the chunk before the snapshot point; 0: the state entering it
+            upto = tl.sum(tl.where(offs_t == j - 1, gate, 0.0), axis=0)  # G_(j-1); 0 for j = 0
+            kept = tl.where((offs_t < j)[:, None], v_new, 0.0)
+            snap = _chunk_advance(before, k, kept, tl.where(offs_t < j, gate, upto), upto, cs_ptr,
+                                  DOT_PREC=DOT_PREC, LOWP=LOWP)
+            snap_id = tl.load(snap_ids_ptr + req).to(tl.int64)
+            tl.store(snap_ptr + snap_id * stride_snap_slot + head * stride_snap_head + offs_k[:, None] * DV
+                     + offs_v[None, :], snap.to(snap_ptr.dtype.element_ty), mask=m_s)
+            for start in range(mid + BT, eos, BT):
+                s, _k, _v, _g = _chunk_walk_step(
+                    s, start, eos, first + (start - bos) // BT, head, offs_t, offs_k, offs_v, m_k, m_v, cs_tile,
+                    k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, stride_k_row, stride_k_head, stride_g_row, stride_g_head,
+                    stride_w_row, stride_w_head, stride_vp_row, stride_vp_head, stride_cs_chunk,
+                    GROUP=GROUP, BT=BT, GATE=GATE, DELTA=DELTA, DOT_PREC=DOT_PREC, LOWP=LOWP)
         # Only this program owns this tile of this slot (requests have distinct slots).
         tl.store(s_ptrs, s, mask=m_own)
 
@@ -725,7 +781,8 @@ _CHUNK_OUTPUT = Launcher(_chunk_output_kernel)
 def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor | None,
                  out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor,
                  chunks: torch.Tensor, scale: float, gate_kind: int, block_t: int | None = None,
-                 config: ChunkConfig | None = None, workspaces: ChunkWorkspaces | None = None) -> None:
+                 config: ChunkConfig | None = None, workspaces: ChunkWorkspaces | None = None,
+                 snapshots: StepSnapshots | None = None) -> None:
     """The recurrent cores of an extend step by chunks, over the slot-indexed pool, in place.
 
     q, k [T, Hk, Dk]; v, out [T, Hv, Dv] (value head h reads key head h // (Hv // Hk)); gate [T, Hv]
@@ -748,7 +805,10 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     (bounds[r] == bounds[r+1]: their programs do nothing), the padding rows as request R, and the
     chunk table's extra rows naming an empty request (their programs store nothing); `workspaces`
     are then the caller's own, sized for the largest bucket (ChunkWorkspaces). Requests on the
-    padding slot read a zero state and write none back."""
+    padding slot read a zero state and write none back.
+
+    `snapshots`: the step's in-step snapshots (StepSnapshots; None: none), request r's state after
+    its first rows[r] rows of the step into snapshot ids[r] of the pool tensor."""
     op = OP_OF_GATE[gate_kind]
     if gate_kind == GATE_PER_CHANNEL:
         raise ValueError(f"{op}: chunk_extend takes per-head or constant log-decays; per-channel gates (KDA) "
@@ -811,10 +871,11 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
             SQUARINGS=max(0, (block_t // SUB_T).bit_length() - 2), num_warps=cfg.solve_warps)
     else:
         w, vp = k, v  # w is never read without the delta rule (any valid pointer will do); V' is V
+    snap_rows, snap_ids, snap = (snapshots or StepSnapshots.none(R, state)).checked(op, R, state)
     _CHUNK_STATE[(R, Hv, cdiv(Dv, cfg.block_v))](
-        k, gate, w, vp, cs, state, slots, bounds,
+        k, gate, w, vp, cs, state, slots, bounds, snap_rows, snap_ids, snap,
         sk_r, sk_h, sg_r, sg_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1), cs.stride(0), cs.stride(1),
-        ss_slot, ss_head,
+        ss_slot, ss_head, snap.stride(0), snap.stride(1),
         **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, LOWP=lowp, PAD_SLOT=PADDING_SLOT,
         num_warps=cfg.num_warps, num_stages=cfg.state_stages)
     _CHUNK_OUTPUT[(num_chunks, Hv, cdiv(Dv, cfg.out_block_v))](

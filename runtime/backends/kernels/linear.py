@@ -75,7 +75,7 @@ __all__ = [
     "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config", "fixed_conv_config",
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
     "recurrent_verify", "short_conv_verify", "extend_config",
-    "CONV_EXTEND_BLOCK_T", "conv_extend_config", "short_conv_extend",
+    "CONV_EXTEND_BLOCK_T", "conv_extend_config", "short_conv_extend", "StepSnapshots",
 ]
 
 # How the log-decay is given (a constexpr of the kernel).
@@ -95,6 +95,49 @@ class RecurrentConfig:
 class ConvConfig:
     block_c: int  # channels one program owns (a power of two)
     num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSnapshots:
+    """One layer entry's in-step snapshots of an extend step (the prefix cache's, docs/DESIGN.md
+    "The prefix cache's snapshots"): request r's state after its first rows[r] rows of the step
+    (rows[r] >= 0; -1: none) goes to pool[ids[r]]. rows, ids: int64 on the device, an entry per
+    request that has rows (a captured step's last, always empty request may have none); pool: the
+    snapshot pool's tensor of the layer's entry, laid out as the state pool's (same shape and strides
+    past the first dimension), so the kernels address a snapshot as they address a slot."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    pool: torch.Tensor
+
+    @staticmethod
+    def none(requests: int, state: torch.Tensor) -> "StepSnapshots":
+        """No snapshots: a table of -1 (kept alive and only grown: a captured launch may hold its
+        address) and the state itself as the pool, never written."""
+        held = _NO_SNAPSHOT_ROWS.get(state.device)
+        if held is None or held.shape[0] < requests:
+            held = torch.full((max(64, next_pow2(requests)),), -1, dtype=torch.int64, device=state.device)
+            _NO_SNAPSHOT_ROWS[state.device] = held
+            _RETIRED.append(held)
+        return StepSnapshots(held, held, state)
+
+    def checked(self, op: str, requests: int, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, ids, pool) for a launch over `requests` requests of `state`, or an error naming the op."""
+        rows, ids, pool = self.rows, self.ids, self.pool
+        assert rows.dtype == ids.dtype == torch.int64 and rows.dim() == ids.dim() == 1, (
+            f"{op}: snapshot rows and ids must be int64 vectors, got {rows.dtype} {tuple(rows.shape)}, "
+            f"{ids.dtype} {tuple(ids.shape)}")
+        assert ids.shape[0] >= min(rows.shape[0], requests - 1) and rows.shape[0] >= requests - 1, (
+            f"{op}: snapshot tables of {rows.shape[0]} / {ids.shape[0]} entries for {requests} requests")
+        assert pool.shape[1:] == state.shape[1:] and pool.stride()[1:] == state.stride()[1:] and (
+            pool.dtype == state.dtype and pool.device == state.device == rows.device == ids.device), (
+            f"{op}: the snapshot pool {pool.dtype} {tuple(pool.shape)} strides {pool.stride()} is not laid out as the "
+            f"state {state.dtype} {tuple(state.shape)} strides {state.stride()}")
+        return rows, ids, pool
+
+
+_NO_SNAPSHOT_ROWS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # every -1 table ever handed out (a captured launch may hold one)
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
@@ -504,11 +547,21 @@ def _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_
     return acc
 
 
+@triton.jit
+def _conv_history(x_rows, hist_ptrs, n, cols, offs_c, m_col, stride_x_row, KW: tl.constexpr):
+    """[BC, HP] float32: the last K-1 inputs after the request's first n tokens, column q being input
+    p = n - (K-1) + q: a token of x, or (fewer than K-1 tokens) old history column n + q."""
+    p = n - (KW - 1) + cols
+    new_x = tl.load(x_rows + p[None, :] * stride_x_row + offs_c[:, None], mask=m_col & (p >= 0)[None, :], other=0.0)
+    new_h = tl.load(hist_ptrs[:, None] + (KW - 1 + p)[None, :], mask=m_col & (p < 0)[None, :], other=0.0)
+    return new_x.to(tl.float32) + new_h.to(tl.float32)
+
+
 # num_seqs changes every step: not specialized, so one build serves every batch (the bundle holds it)
 @triton.jit(do_not_specialize=["num_seqs"])
 def _short_conv_extend_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr,
-    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c,
+    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr, snap_rows_ptr, snap_ids_ptr,
+    snap_ptr, stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_snap_slot,
     C, num_seqs,
     KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
     HP: tl.constexpr,  # next power of two >= K-1: the history's columns in registers
@@ -567,12 +620,16 @@ def _short_conv_extend_kernel(
         # history precedes one barrier and every store follows it, as in the decode conv.
         if (j == 0) & (slot != PAD_SLOT):
             cols = tl.arange(0, HP)
-            p = n - (KW - 1) + cols
             m_col = m_c[:, None] & (cols < KW - 1)[None, :]
-            new_x = tl.load(x_rows + p[None, :] * stride_x_row + offs_c[:, None], mask=m_col & (p >= 0)[None, :],
-                            other=0.0)
-            new_h = tl.load(hist_ptrs[:, None] + (KW - 1 + p)[None, :], mask=m_col & (p < 0)[None, :], other=0.0)
-            new_hist = new_x.to(tl.float32) + new_h.to(tl.float32)
+            new_hist = _conv_history(x_rows, hist_ptrs, n, cols, offs_c, m_col, stride_x_row, KW=KW)
+            # An in-step snapshot (the prefix cache's): the history after the request's first r
+            # tokens, read, like the new one, before the barrier.
+            snap_row = tl.load(snap_rows_ptr + seq).to(tl.int64)
+            if snap_row >= 0:
+                snap = _conv_history(x_rows, hist_ptrs, snap_row, cols, offs_c, m_col, stride_x_row, KW=KW)
+                snap_id = tl.load(snap_ids_ptr + seq).to(tl.int64)
+                tl.store(snap_ptr + snap_id * stride_snap_slot + offs_c[:, None] * stride_s_c + cols[None, :],
+                         snap.to(snap_ptr.dtype.element_ty), mask=m_col)
             tl.debug_barrier()
             tl.store(hist_ptrs[:, None] + cols[None, :], new_hist.to(state_ptr.dtype.element_ty), mask=m_col)
 
@@ -794,7 +851,8 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
 
 def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                       conv_state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, blocks: torch.Tensor,
-                      silu: bool, what: str = "short_conv", config: ConvConfig | None = None) -> None:
+                      silu: bool, what: str = "short_conv", config: ConvConfig | None = None,
+                      snapshots: StepSnapshots | None = None) -> None:
     """Causal depthwise conv over ragged requests, one launch: x, out [rows, C]; weight [C, K];
     bias [C] or None; conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rewritten in
     place for every request; slots [R] the requests' slots; bounds [R+2] int64 (cu_seqlens of the
@@ -803,7 +861,7 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     and, as request R, the padding rows. `what` names the caller (its layer) in errors.
 
     The host reads no device value: the table is planned once per step by the caller, and NB is
-    its length."""
+    its length. `snapshots`: the step's in-step snapshots of the history (StepSnapshots; None: none)."""
     rows, C = x.shape
     K = weight.shape[1] if weight.dim() == 2 else 0
     R = slots.shape[0]
@@ -833,9 +891,10 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return
     cfg = config or conv_extend_config(num_blocks, C, x.device)
     grid = (num_blocks, cdiv(C, cfg.block_c))
+    snap_rows, snap_ids, snap = (snapshots or StepSnapshots.none(R, conv_state)).checked(what, R, conv_state)
     _short_conv_extend_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks,
-        x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
+        x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks, snap_rows, snap_ids,
+        snap, x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), snap.stride(0),
         C, R,
         KW=K, HP=max(2, next_pow2(K - 1)), BT=CONV_EXTEND_BLOCK_T, BC=cfg.block_c,
         HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,

@@ -661,7 +661,7 @@ def test_the_recurrent_extend_kernel_over_a_bucket_static_plan(case):
     static_slots = torch.full((B + 1,), PADDING_SLOT, dtype=torch.int64, device=DEVICE)
     static_slots[:R] = torch.tensor(real_slots, dtype=torch.int64)
     static_slots[B] = 3  # a larger bucket's step left a real slot there: the plan puts the padding slot back
-    ctx = types.SimpleNamespace(num_tokens=T, num_seqs=B,
+    ctx = types.SimpleNamespace(num_tokens=T, num_seqs=B, snapshot_rows=None, snapshot_ids=None,
                                 query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE))
     plan = _StaticExtendPlan(64, 8, torch.device(DEVICE)).fill(ctx, static_slots)
     assert plan.slots.shape == (B + 1,) and plan.padded_bounds.shape == (B + 3,)
