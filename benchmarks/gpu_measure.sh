@@ -8,6 +8,8 @@
 #
 # (carry .whl and .jitcache_parts). Stages, each writing under $OUT/<stage>:
 #   short        benchmarks/serving/bucket_costs.py: each extend bucket's step against the batch-1 decode step
+#   build        the artifacts of FAMILIES (PIECES=1: compiled bundles) the next stages take, all at once
+#                (a compile in a process of its own per family: the bundle builds share the machine's cores)
 #   prefix       benchmarks/serving/prefix_bench.py: hit, miss with and without the cache (issue 49)
 #   multiturn    benchmarks/serving/multiturn_bench.py: TTFT per turn, cache on and off; a 32-token prompt
 #   overlap_tests  the GPU tests of the overlapped engine loop and of decodes apart (CUDA graphs)
@@ -65,6 +67,15 @@ for stage in "$@"; do
             python3 "benchmarks/serving/$script.py" --out "$OUT/$stage/$family" --work "$W" --family "$family" \
                 ${PIECES:+--compiled-pieces}
         done ;;
+    build)
+        mkdir -p "$OUT/build"
+        for family in ${FAMILIES//,/ }; do
+            python3 -c "import argparse, sys; sys.path.insert(0, 'benchmarks'); from bench_common import compiled_artifact
+print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='bench', dry_run=False,
+                                           compiled_pieces=bool('${PIECES:-}'))))" > "$OUT/build/$family.log" 2>&1 &
+        done
+        wait
+        tail -n 2 "$OUT"/build/*.log ;;
     overlap_tests)
         mkdir -p "$OUT/overlap_tests"  # the whole report kept: a failure's details, not only its summary
         python3 -m pytest -q -m gpu tests/gpu/test_gpu_overlapped_engine.py tests/gpu/test_gpu_decodes_apart.py \
