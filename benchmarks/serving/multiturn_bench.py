@@ -184,7 +184,8 @@ def bench(args, rec: dict, save) -> None:
         pairs = [(a, b) for on, off in zip(state["outputs_on"], state["outputs_off"]) for a, b in zip(on, off)]
         rec["same_outputs"] = sum(a == b for a, b in pairs) / len(pairs)
     if "cache" in state:
-        rec["prefix_cache"] = state["cache"].stats()
+        # in_step: the steps write the snapshots inside their chunks (docs/DESIGN.md, "The prefix cache's snapshots")
+        rec["prefix_cache"] = {**state["cache"].stats(), "in_step": state["cache"].in_step}
     targets(rec)
 
 

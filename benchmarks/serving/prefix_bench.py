@@ -121,7 +121,8 @@ def bench(args, rec: dict, save) -> None:
         rec["engine"] = {"device": str(device), "graphs": isinstance(eng.runner, GraphRunner), "token_budget": args.token_budget,
                          "page_size": args.page_size, "kv_pages": eng.kv_pool.num_pages,
                          "snapshots": eng.prefix_cache.snapshots.num_snapshots,
-                         "snapshot_interval": eng.prefix_cache.config.snapshot_interval}
+                         "snapshot_interval": eng.prefix_cache.config.snapshot_interval,
+                         "in_step": eng.prefix_cache.in_step}
 
     def counters() -> dict:
         eng = state["engine"]
