@@ -19,6 +19,7 @@ from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.cache.batch import SeqState
 from runtime.step.bound_ops import BoundOps
 from runtime.engine.generate import make_pools, run_step
+from testkit.traces import shared_traces
 
 
 class EagerRunner:
@@ -91,7 +92,8 @@ def shared_artifact(tmp_path_factory, family_name: str) -> tuple[Path, Path]:
         if not (art / "manifest.json").is_file():  # the writer renames a finished artifact into place
             assert main(["init-model", "--family", family_name, "--size", "tiny", "--seed", "0", "-o", str(ckpt),
                          "--force", "-q"]) == 0
-            assert main(["compile", str(ckpt), "-o", str(art), "--no-dumps", "--force", "-q"]) == 0
+            with shared_traces():  # its trace serves this process's other compiles of the config
+                assert main(["compile", str(ckpt), "-o", str(art), "--no-dumps", "--force", "-q"]) == 0
     return ckpt, art
 def artifacts_by_family(root: Path, compile_one):
     """get(family) -> the artifact of its tiny checkpoint (`hgc init-model`, seed 0) compiled by
@@ -106,7 +108,8 @@ def artifacts_by_family(root: Path, compile_one):
         if family not in made:
             ckpt, out = root / f"{family}-c", root / f"{family}-a"
             assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "0", "-o", str(ckpt)]) == 0
-            compile_one(family, ckpt, out)
+            with shared_traces():
+                compile_one(family, ckpt, out)
             made[family] = load_artifact(out)
         return made[family]
 

@@ -66,6 +66,17 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def shared_traces():
+    """Each checkpoint config traced once per process, every compile of the module (and of the
+    other modules that use it) on a copy (testkit/traces.py). Not for a module that patches model
+    code: the copies would be of the model as first traced."""
+    from testkit.traces import shared_traces as one_trace_per_config
+
+    with one_trace_per_config():
+        yield
+
+
 @pytest.fixture
 def batch_invariant_installed():
     """runtime/backends/batch_invariant_aten.install() for one test (imported here, not at the top: a

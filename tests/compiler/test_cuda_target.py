@@ -44,7 +44,7 @@ MLA_FAMILIES = tuple(f for f in FAMILY_IDS if f not in GQA_FAMILIES)
 # bailing_linear builds its MLA rotary width from head_dim * partial_rotary_factor (0.5)
 RELEASED_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 128}
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "shared_traces")
 
 
 def expected_backend(op: str, kind: str | None) -> str:

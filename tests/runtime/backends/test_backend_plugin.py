@@ -32,7 +32,7 @@ from hgc import main
 from compiler.splitops import Mode
 from compiler.splitops.artifact import EAGER
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "shared_traces")
 
 PACKAGE = "hgc_fast_gdn"
 BACKEND = "fast_gdn"

@@ -34,7 +34,7 @@ LINEAR_OPS = frozenset(name for name, spec in OP_SPECS.items() if spec.kinds & L
 FULL_OPS = frozenset(OP_SPECS) - LINEAR_OPS - COLLECTIVE_OPS
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "shared_traces")
 
 
 class Spy(BackendHooks):
