@@ -1,12 +1,13 @@
 """lm-evaluation-harness as the client: its `local-completions` model against `hgc serve` equals its `hf` model.
 
-The harness runs from its own command line (`python -m lm_eval run`), offline, on the two tasks
-defined in tests/lm_eval_tasks/ with their local data: a log-likelihood task (multiple choice:
-`echo`, `logprobs`, a list of prompts per request) and a generate_until task (greedy text up to
-stop strings). `local-completions` talks to a real `hgc serve` subprocess over HTTP, once sending
-token ids (tokenized_requests=True) and once text; `hf` runs transformers' model of the same
-checkpoint in float32. Every per-sample log-likelihood agrees within 1e-4 and every generated
-text is identical.
+The harness runs in a process of its own (testkit/lm_eval_runs.py: `simple_evaluate`, what
+`lm_eval run` calls, with its defaults), offline, on the two tasks defined in tests/lm_eval_tasks/
+with their local data: a log-likelihood task (multiple choice: `echo`, `logprobs`, a list of
+prompts per request) and a generate_until task (greedy text up to stop strings). `local-completions`
+talks to a real `hgc serve` subprocess over HTTP, once sending token ids (tokenized_requests=True)
+and once text; `hf` runs transformers' model of the same checkpoint in float32. The three runs
+share the process and its task index. Every per-sample log-likelihood agrees within 1e-4 and
+every generated text is identical.
 
 The checkpoint's tokenizer adds no bos token, as Qwen's does not: lm-eval's `hf` model encodes
 with the tokenizer's default and its API models without special tokens, so with a bos-adding
@@ -28,7 +29,7 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 from testkit.helpers import ServerProcess, shared_artifact  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a server and three harness runs: about a minute on 2 cores
+pytestmark = pytest.mark.slow  # a server and three harness runs in one process: about 40 s on 2 cores
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ("hgc_tiny_choice", "hgc_tiny_until")
@@ -62,28 +63,35 @@ def served(tmp_path_factory):
         assert server.stop() == 0, server.log()
 
 
-def run_harness(model: str, model_args: str, out: Path) -> dict[str, list[dict]]:
-    """`lm_eval run` from the repo root, offline; {task: its logged samples, by doc_id}."""
+def run_harness(runs: dict[str, tuple[str, str]], out: Path) -> dict[str, dict[str, list[dict]]]:
+    """lm-eval's runs {name: (model, model_args)} in one process from the repo root, offline;
+    {name: {task: its logged samples, by doc_id}}."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_DATASETS_CACHE=str(out / "datasets"), HF_HOME=str(out / "hf_home"), TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args,
-           "--tasks", *TASKS, "--include_path", "tests/lm_eval_tasks", "--output_path", str(out / "results"),
-           "--log_samples", "--batch_size", "2", "--device", "cpu"]
+               HF_DATASETS_CACHE=str(out / "datasets"), HF_HOME=str(out / "hf_home"), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    spec = {"tasks": TASKS, "include_path": "tests/lm_eval_tasks", "batch_size": 2, "runs": runs}
+    (out / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "testkit.lm_eval_runs", str(out / "spec.json"), str(out / "samples.json")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    samples = {}
-    for task in TASKS:
-        files = sorted((out / "results").rglob(f"samples_{task}_*.jsonl"))
-        assert files, f"no samples written for {task}: {proc.stderr[-3000:]}"
-        rows = [json.loads(line) for line in files[-1].read_text().splitlines()]
-        samples[task] = sorted(rows, key=lambda row: row["doc_id"])
+    samples = json.loads((out / "samples.json").read_text())
+    for name in runs:
+        for task in TASKS:
+            assert samples[name][task], f"no samples for {name} on {task}: {proc.stderr[-3000:]}"
     return samples
 
 
 @pytest.fixture(scope="module")
-def hf_samples(served, tmp_path_factory):
-    ckpt, _ = served
-    return run_harness("hf", f"pretrained={ckpt},dtype=float32", tmp_path_factory.mktemp("hf"))
+def harness_samples(served, tmp_path_factory):
+    """{"hf", "token-ids", "text": {task: samples}}: transformers' model of the checkpoint, and
+    local-completions against the server sending token ids, then text."""
+    ckpt, url = served
+    runs = {"hf": ("hf", f"pretrained={ckpt},dtype=float32")}
+    for name, tokenized in (("token-ids", True), ("text", False)):
+        runs[name] = ("local-completions",
+                      f"model={MODEL},base_url={url}/v1/completions,tokenizer={ckpt},tokenizer_backend=huggingface,"
+                      f"tokenized_requests={tokenized},max_length=512,num_concurrent=1,max_retries=1")
+    return run_harness(runs, tmp_path_factory.mktemp("lm_eval_runs"))
 
 
 def loglikelihoods(rows: list[dict]) -> list[list[float]]:
@@ -91,12 +99,9 @@ def loglikelihoods(rows: list[dict]) -> list[list[float]]:
     return [[float(resp[0]) for resp in row["filtered_resps"]] for row in rows]
 
 
-@pytest.mark.parametrize("tokenized", [True, False], ids=["token-ids", "text"])
-def test_local_completions_against_hgc_serve_equals_hf(served, hf_samples, tmp_path, tokenized):
-    ckpt, url = served
-    args = (f"model={MODEL},base_url={url}/v1/completions,tokenizer={ckpt},tokenizer_backend=huggingface,"
-            f"tokenized_requests={tokenized},max_length=512,num_concurrent=1,max_retries=1")
-    got = run_harness("local-completions", args, tmp_path)
+@pytest.mark.parametrize("requests", ["token-ids", "text"])
+def test_local_completions_against_hgc_serve_equals_hf(harness_samples, requests):
+    hf_samples, got = harness_samples["hf"], harness_samples[requests]
 
     choice_hf, choice_api = loglikelihoods(hf_samples["hgc_tiny_choice"]), loglikelihoods(got["hgc_tiny_choice"])
     assert len(choice_api) == len(choice_hf) == 6
