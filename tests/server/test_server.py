@@ -529,17 +529,6 @@ def test_an_engine_failure_fails_open_requests_and_turns_health_503(artifact):
         assert metrics(url)["hgc_engine_healthy"] == 0
 
 
-def test_cli_errors_exit_2_with_one_line(artifact, tmp_path, capsys):
-    from hgc import main
-
-    assert main(["serve", str(tmp_path / "missing")]) == 2
-    assert "not an artifact folder" in capsys.readouterr().err
-    assert main(["serve", str(artifact[0]), "--slots", "0"]) == 2
-    assert "argument --slots: must be at least 1" in capsys.readouterr().err
-    assert main(["serve", str(artifact[0]), "--tokenizer", str(tmp_path)]) == 2
-    assert "no tokenizer.json" in capsys.readouterr().err
-
-
 def test_memory_budget_sizes_the_kv_pool_with_the_planner(artifact):
     from runtime.artifact.loader import read_artifact
     from runtime.cache.memory_planner import MemoryPlanError, plan_memory
