@@ -158,6 +158,27 @@ def interpreted_triton_linear(**options) -> type:
     return InterpretedTritonLinear
 
 
+def interpreted_linear_registry(source: str):
+    """The backends of this runtime with `interpreted_triton_linear` beside them, its decode kernels
+    on one wide tile a row (the interpreter walks every program of a launch in Python)."""
+    from runtime.backends import discover
+    from runtime.backends.kernels.linear import ConvConfig, RecurrentConfig
+
+    wide = interpreted_triton_linear(recurrent_config=RecurrentConfig(32, 1), conv_config=ConvConfig(512, 4))
+    return discover().with_classes(wide, source=source)
+
+
+def compile_linear_routed(ckpt, out, ops, options: str, registry) -> None:
+    """`hgc compile --route OP=triton_linear_interpreted[OPTIONS]` for each of `ops`, with `registry`."""
+    from compiler.passes.context import CompileConfig
+    from compiler.passes.routing import parse_route
+    from compiler.pipeline import compile_checkpoint
+    from hgc.wiring import toolchain
+
+    routes = tuple(parse_route(f"{op}={INTERPRETED_TRITON_LINEAR}[{options}]") for op in ops)
+    compile_checkpoint(ckpt, out, CompileConfig(routes=routes), toolchain(registry), dumps=False)
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref|| in float64 on the host."""
     x, ref = x.double().cpu(), ref.double().cpu()

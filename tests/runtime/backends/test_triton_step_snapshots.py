@@ -86,7 +86,7 @@ def run_step(op: str, backend_of, replayed: bool = False):
     return out[:T].cpu(), state_pool, snapshots
 
 
-def triton(with_pool: bool):
+def triton_backend(with_pool: bool):
     return lambda kv, states, snapshots: TritonLinearBackend(states, chunk_impl="triton",
                                                              snapshots=snapshots if with_pool else None)
 
@@ -98,8 +98,8 @@ def triton(with_pool: bool):
 def test_the_backend_writes_what_the_cpu_reference_writes(op, replayed):
     cpu = lambda kv, states, snapshots: CPUReferenceBackend(kv, states, snapshots=snapshots)
     _, _, want = run_step(op, cpu)
-    out, states, got = run_step(op, triton(True), replayed)
-    plain_out, plain, untouched = run_step(op, triton(False), replayed)
+    out, states, got = run_step(op, triton_backend(True), replayed)
+    plain_out, plain, untouched = run_step(op, triton_backend(False), replayed)
     assert torch.equal(out, plain_out)
     entries = ("conv", "recurrent") if op == "gdn_fused" else ("conv",) if op == "short_conv" else ("recurrent",)
     for name in entries:

@@ -21,15 +21,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hgc.wiring import toolchain
-from compiler.passes.context import CompileConfig
-from compiler.passes.routing import parse_route
-from compiler.pipeline import compile_checkpoint
 from runtime.assembly import EngineOptions, engine_for_artifact
-from runtime.backends import discover
 from runtime.engine.engine import SamplingParams
 from testkit.helpers import artifacts_by_family
-from testkit.linear_cases import INTERPRETED_TRITON_LINEAR, interpreted_triton_linear
+from testkit.linear_cases import compile_linear_routed, interpreted_linear_registry
 
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -40,18 +35,13 @@ MAX_LEN = 96
 
 @pytest.fixture(scope="module")
 def registry():
-    from runtime.backends.kernels.linear import ConvConfig, RecurrentConfig
-
-    wide = interpreted_triton_linear(recurrent_config=RecurrentConfig(32, 1), conv_config=ConvConfig(512, 4))
-    return discover().with_classes(wide, source="tests/runtime/engine/test_prefix_cache_triton_linear.py")
+    return interpreted_linear_registry("tests/runtime/engine/test_prefix_cache_triton_linear.py")
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory, registry):
     def compile_one(family, ckpt, out):  # `hgc compile --route OP=BACKEND[chunk_impl=triton]` with the test's registry
-        routes = tuple(parse_route(f"{op}={INTERPRETED_TRITON_LINEAR}[chunk_impl=triton]")
-                       for op in ("gdn_core", "short_conv"))
-        compile_checkpoint(ckpt, out, CompileConfig(routes=routes), toolchain(registry), dumps=False)
+        compile_linear_routed(ckpt, out, ("gdn_core", "short_conv"), "chunk_impl=triton", registry)
 
     return artifacts_by_family(tmp_path_factory.mktemp("prefix-tl"), compile_one)("qwen3_next")
 

@@ -28,11 +28,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hgc.wiring import toolchain
-from compiler.passes.context import CompileConfig
-from compiler.passes.routing import parse_route
-from compiler.pipeline import compile_checkpoint
-from runtime.backends import discover
 from runtime.step.bound_ops import BoundOps
 from runtime.engine.engine import SamplingParams
 from runtime.graphs.runner import GraphRunner
@@ -40,7 +35,7 @@ from runtime.cache.kv_pool import KVPool
 from runtime.assembly import EngineOptions, engine_for_artifact
 from runtime.cache.state_pool import StatePool
 from testkit.helpers import artifacts_by_family
-from testkit.linear_cases import INTERPRETED_TRITON_LINEAR, interpreted_triton_linear
+from testkit.linear_cases import INTERPRETED_TRITON_LINEAR, compile_linear_routed, interpreted_linear_registry
 from testkit.spec_checks import verify_against_decode
 from testkit.spec_drafters import DisagreeingDrafter, ForcedDrafts
 
@@ -65,18 +60,13 @@ PREFILL_ON_FAKE_FLA = "chunk_impl=fla,short_extend_tokens=0"
 
 @pytest.fixture(scope="module")
 def registry():
-    from runtime.backends.kernels.linear import ConvConfig, RecurrentConfig
-
-    wide = interpreted_triton_linear(recurrent_config=RecurrentConfig(32, 1), conv_config=ConvConfig(512, 4))
-    return discover().with_classes(wide, source="tests/runtime/engine/test_speculative_triton_linear.py")
+    return interpreted_linear_registry("tests/runtime/engine/test_speculative_triton_linear.py")
 
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, registry):
     def compile_one(family, ckpt, out):  # `hgc compile --route OP=BACKEND` with the test's registry
-        routes = tuple(parse_route(f"{op}={INTERPRETED_TRITON_LINEAR}[{PREFILL_ON_FAKE_FLA}]")
-                       for op in LINEAR_OPS[family])
-        compile_checkpoint(ckpt, out, CompileConfig(routes=routes), toolchain(registry), dumps=False)
+        compile_linear_routed(ckpt, out, LINEAR_OPS[family], PREFILL_ON_FAKE_FLA, registry)
 
     return artifacts_by_family(tmp_path_factory.mktemp("spec-tl"), compile_one)
 
