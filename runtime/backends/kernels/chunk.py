@@ -641,8 +641,7 @@ def _chunk_state_kernel(
         m_v = offs_v < DV
         slot = tl.load(slots_ptr + req).to(tl.int64)
         # slot ids are int64 and the pool can exceed 2**31 elements: offsets stay int64.
-        tile = head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
-        s_ptrs = state_ptr + slot * stride_s_slot + tile
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
         m_s = m_k[:, None] & m_v[None, :]
         # the padding slot's tile: neither read nor written (a [BK, BV] mask: the interpreter takes no
         # scalar in a mask)

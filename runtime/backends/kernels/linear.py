@@ -127,7 +127,7 @@ class StepSnapshots:
         assert rows.dtype == ids.dtype == torch.int64 and rows.dim() == ids.dim() == 1, (
             f"{op}: snapshot rows and ids must be int64 vectors, got {rows.dtype} {tuple(rows.shape)}, "
             f"{ids.dtype} {tuple(ids.shape)}")
-        assert ids.shape[0] >= min(rows.shape[0], requests - 1) and rows.shape[0] >= requests - 1, (
+        assert min(rows.shape[0], ids.shape[0]) >= requests - 1, (
             f"{op}: snapshot tables of {rows.shape[0]} / {ids.shape[0]} entries for {requests} requests")
         assert pool.shape[1:] == state.shape[1:] and pool.stride()[1:] == state.stride()[1:] and (
             pool.dtype == state.dtype and pool.device == state.device == rows.device == ids.device), (
