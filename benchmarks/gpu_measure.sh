@@ -9,7 +9,8 @@
 # (carry .whl and .jitcache_parts). Stages, each writing under $OUT/<stage>:
 #   short        benchmarks/serving/bucket_costs.py: each extend bucket's step against the batch-1 decode step
 #   build        the artifacts of FAMILIES (PIECES=1: compiled bundles) the next stages take, all at once
-#                (a compile in a process of its own per family: the bundle builds share the machine's cores)
+#                (a compile in a process of its own per family, each with its own kernel-cache folder:
+#                the bundle builds run side by side and share the machine's cores)
 #   prefix       benchmarks/serving/prefix_bench.py: hit, miss with and without the cache (issue 49)
 #   multiturn    benchmarks/serving/multiturn_bench.py: TTFT per turn, cache on and off; a 32-token prompt
 #   overlap_tests  the GPU tests of the overlapped engine loop and of decodes apart (CUDA graphs)
@@ -69,8 +70,11 @@ for stage in "$@"; do
         done ;;
     build)
         mkdir -p "$OUT/build"
+        # Each family's build gets a kernel-cache folder of its own (XDG_CACHE_HOME: hgc/build_command.py
+        # build_root): one target's builds share one folder and take turns on it (build_lock), which
+        # made two families' builds run one after the other. The signing key stays where it is.
         for family in ${FAMILIES//,/ }; do
-            python3 -c "import argparse, sys; sys.path.insert(0, 'benchmarks'); from bench_common import compiled_artifact
+            XDG_CACHE_HOME=/tmp/build_cache_$family python3 -c "import argparse, sys; sys.path.insert(0, 'benchmarks'); from bench_common import compiled_artifact
 print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='bench', dry_run=False,
                                            compiled_pieces=bool('${PIECES:-}'))))" > "$OUT/build/$family.log" 2>&1 &
         done
