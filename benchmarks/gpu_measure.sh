@@ -9,8 +9,7 @@
 # (carry .whl and .jitcache_parts). Stages, each writing under $OUT/<stage>:
 #   short        benchmarks/serving/bucket_costs.py: each extend bucket's step against the batch-1 decode step
 #   build        the artifacts of FAMILIES (PIECES=1: compiled bundles) the next stages take, all at once
-#                (a compile in a process of its own per family, each with its own kernel-cache folder:
-#                the bundle builds run side by side and share the machine's cores)
+#                (a compile in a process of its own per family; their bundle builds take turns)
 #   prefix       benchmarks/serving/prefix_bench.py: hit, miss with and without the cache (issue 49)
 #   multiturn    benchmarks/serving/multiturn_bench.py: TTFT per turn, cache on and off; a 32-token prompt
 #   overlap_tests  the GPU tests of the overlapped engine loop and of decodes apart (CUDA graphs)
@@ -70,11 +69,12 @@ for stage in "$@"; do
         done ;;
     build)
         mkdir -p "$OUT/build"
-        # Each family's build gets a kernel-cache folder of its own (XDG_CACHE_HOME: hgc/build_command.py
-        # build_root): one target's builds share one folder and take turns on it (build_lock), which
-        # made two families' builds run one after the other. The signing key stays where it is.
+        # One target's builds share one kernel-cache folder and take turns on it (build_lock), so the GPU
+        # part of each build (capture, and the autotuning of FLA's and Inductor's kernels, whose choices
+        # the bundle keeps) runs alone: built side by side, kimi_linear's bundle gave a 2048-token miss
+        # 1.8x slower. One family's export and weights still overlap the other's build.
         for family in ${FAMILIES//,/ }; do
-            XDG_CACHE_HOME=/tmp/build_cache_$family python3 -c "import argparse, sys; sys.path.insert(0, 'benchmarks'); from bench_common import compiled_artifact
+            python3 -c "import argparse, sys; sys.path.insert(0, 'benchmarks'); from bench_common import compiled_artifact
 print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='bench', dry_run=False,
                                            compiled_pieces=bool('${PIECES:-}'))))" > "$OUT/build/$family.log" 2>&1 &
         done
