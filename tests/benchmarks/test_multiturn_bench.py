@@ -33,6 +33,11 @@ def test_dry_run_measures_every_turn_with_the_cache_on_and_off(tmp_path, tmp_pat
     assert all(t["cached_tokens"] == 0 and t["snapshot_bytes_in_use"] == 0 for t in off)
     assert on[0]["cached_tokens"] == 0 and on[-1]["cached_tokens"] > 0, "later turns reuse the conversation so far"
     assert all(0 <= t["hit_rate"] <= 1 and t["ttft_ms_p90"] >= t["ttft_ms_median"] > 0 for t in on + off)
+    passes = rec["config"]["passes"]
+    assert passes > 1 and rec["cache_on"]["passes"] == passes
+    assert all(len(t["pass_medians_ms"]) == passes and min(t["pass_medians_ms"]) > 0 for t in on + off), \
+        "each pass's median beside the pooled one"
+    assert all(min(t["pass_medians_ms"]) <= t["ttft_ms_p90"] for t in on + off)
     assert on[-1]["snapshot_bytes_in_use"] > 0
     assert rec["same_outputs"] == 1.0, "float32 on the CPU: the cache changes no token"
     short = rec["short_prompt"]
