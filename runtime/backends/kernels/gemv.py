@@ -77,9 +77,25 @@ class GemvConfig:
         return rows * self.BLOCK_N * self.BLOCK_K <= _FMA_ACC_PER_THREAD * 32 * self.num_warps
 
 
-# (N, K, M bucket) -> config, from a GPU run of benchmarks/kernels/gemv_bench.py (it prints these
-# entries). Empty until one is measured: every shape takes default_config.
-CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# (N, K, M bucket) -> config, from a GPU run of benchmarks/kernels/gemv_bench.py, which prints these
+# entries: the best config of each shape and bucket where it beat cuBLAS by 5% or more. bench
+# qwen3_next's projections on an H200, bf16, 2026-12-03 (benchmarks/results/gemv_bench_h200_2026-12-03.md):
+# the output projections (2048 x 4096) 1.58x / 1.10x cuBLAS at 1 / 2 rows (0.95x at 4 and 8: not
+# here), the GQA q|k|v (9216 x 2048) 1.14x at 1 row (1.02-1.03x past it: not here), the GDN input
+# projection (12352 x 2048) 1.12-1.21x and the logits head 1.06-1.08x at 1 to 8 rows.
+CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
+    (2048, 4096, 1): GemvConfig(BLOCK_N=2, BLOCK_K=4096, num_warps=4, num_stages=1, DOT=False),
+    (2048, 4096, 2): GemvConfig(BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1, DOT=False),
+    (9216, 2048, 1): GemvConfig(BLOCK_N=1, BLOCK_K=2048, num_warps=4, num_stages=1, DOT=False),
+    (12352, 2048, 1): GemvConfig(BLOCK_N=1, BLOCK_K=2048, num_warps=4, num_stages=1, DOT=False),
+    (12352, 2048, 2): GemvConfig(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, DOT=True),
+    (12352, 2048, 4): GemvConfig(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, DOT=True),
+    (12352, 2048, 8): GemvConfig(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, DOT=True),
+    (151936, 2048, 1): GemvConfig(BLOCK_N=1, BLOCK_K=2048, num_warps=4, num_stages=1, DOT=False),
+    (151936, 2048, 2): GemvConfig(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, DOT=True),
+    (151936, 2048, 4): GemvConfig(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, DOT=True),
+    (151936, 2048, 8): GemvConfig(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, DOT=True),
+}
 
 
 def row_bucket(M: int) -> int:
