@@ -41,8 +41,6 @@ if "--dry-run" in sys.argv:
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +52,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench_common import device_facts, is_cuda, kernels_per_call, rel_err  # noqa: E402
+from bench_common import device_facts, graph_call_us, is_cuda, kernels_per_call, rel_err  # noqa: E402
 from models.qwen3_next import l2norm  # noqa: E402
 from runtime.backends.kernels import gdn_fused as GF  # noqa: E402
 from runtime.backends.kernels import linear as TL  # noqa: E402
@@ -231,32 +229,6 @@ def check(s: GdnShape, B: int, glue: tuple, device) -> dict:
     return {"variants": doc, "ok": all(v["ok"] for v in doc.values())}
 
 
-def time_call(fn, calls: int, replays: int, device) -> float:
-    """Microseconds of one fn() inside a CUDA graph of `calls` calls (median over replays); wall
-    time of one eager call on the CPU."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
-
-
 def bench(s: GdnShape, B: int, glue: tuple, device, calls: int, replays: int) -> dict:
     _, pool = gdn_pools({0: s}, B, device, seed=B)
     x = gdn_inputs(s, B, B, torch.bfloat16, torch.Generator().manual_seed(B + 1), device)
@@ -265,11 +237,11 @@ def bench(s: GdnShape, B: int, glue: tuple, device, calls: int, replays: int) ->
     row = {}
     for name in ("unfused",) + FUSED:
         fn = getattr(region, name)
-        row[name] = {"us": time_call(fn, calls, replays, device), "kernels": kernels_per_call(fn)}
+        row[name] = {"us": graph_call_us(lambda _: fn(), calls, replays, device), "kernels": kernels_per_call(fn)}
     row["ratio"] = row["unfused"]["us"] / row["fused"]["us"]  # the op's kernel against today
     row["ratio_2"] = row["unfused"]["us"] / row["fused_2"]["us"]
     # the one-launch kernel's warps (default: GF.decode_warps): few programs at batch 1 may want more
-    row["fused_by_warps"] = {w: time_call(lambda w=w: region.fused(w), calls, replays, device) for w in WARPS}
+    row["fused_by_warps"] = {w: graph_call_us(lambda _, w=w: region.fused(w), calls, replays, device) for w in WARPS}
     return row
 
 

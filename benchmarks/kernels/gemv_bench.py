@@ -42,7 +42,6 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -53,7 +52,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench_common import device_facts, device_rates, fmt, is_cuda, kernels_per_call, rel_err  # noqa: E402
+from bench_common import device_facts, device_rates, fmt, graph_call_us, is_cuda, kernels_per_call, rel_err  # noqa: E402
 from runtime.backends.kernels import gemv as G  # noqa: E402
 from runtime.backends.kernels.launch_math import next_pow2  # noqa: E402
 
@@ -129,36 +128,6 @@ class Case:
         return rel_err(G.small_m_linear(self.x, self.weights[0], config=config), self.ref)
 
 
-def time_us(call, copies: int, calls: int, replays: int, device) -> float:
-    """us of one call(i) with i rotating over the weight copies: a CUDA graph of `calls` calls
-    (rounded up to a multiple of the copies), median over `replays` replays; on the CPU one eager
-    call's wall time."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        call(0)
-        return (time.perf_counter() - t0) * 1e6
-    calls = copies * max(1, math.ceil(calls / copies))
-    for i in range(copies):  # compiled, loaded and cuBLAS's workspace made before the capture
-        call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(calls):
-            call(j % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
-
-
 def check_all(shapes, rows, device, dtype, l2_bytes: int) -> list[dict]:
     """Step 1: the config each (shape, M) takes today against the float32 product."""
     out = []
@@ -188,9 +157,9 @@ def sweep(what: str, N: int, K: int, M: int, device, dtype, env: dict, copy_rate
         if not err <= TOL:
             failed.append({"config": describe(config), "rel_err": err})
             continue
-        us = time_us(lambda i, c=config: case.ours(c, i), copies, args.calls, args.replays, device)
+        us = graph_call_us(lambda i, c=config: case.ours(c, i), args.calls, args.replays, device, rotate=copies)
         tried.append({"config": describe(config), "params": dataclasses.asdict(config), "rel_err": err, "us": us})
-    torch_us = time_us(case.torch, copies, args.calls, args.replays, device)
+    torch_us = graph_call_us(case.torch, args.calls, args.replays, device, rotate=copies)
     row = {"what": what, "N": N, "K": K, "M": M, "bucket": rows, "weight_copies": copies, "bytes": case.bytes,
            "tried": tried, "failed": failed, "errors": errors, "torch_us": torch_us,
            "torch_kernels": kernels_per_call(case.torch)}
