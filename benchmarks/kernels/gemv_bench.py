@@ -2,11 +2,13 @@
 first, then a sweep of launch configs per shape, JSON and a markdown table to --out.
 
     python3 benchmarks/kernels/gemv_bench.py --out $OUT              # GPU: bench qwen3_next's shapes
+    python3 benchmarks/kernels/gemv_bench.py --out $OUT --families qwen3_next,kimi_linear,bailing_linear
     python3 benchmarks/kernels/gemv_bench.py --out /tmp/g --dry-run  # CPU: Triton's interpreter, tiny shapes
 
-Shapes: every distinct (N, K) of the projection weights of bench qwen3_next's meta model (nn.Linear
+Shapes: every distinct (N, K) of the projection weights of each --families' bench meta model (nn.Linear
 and FusedLinear modules, the layers and the MTP layer: models.loader.build_meta_model over the
-family's make_config("bench")), and the lm head 151936 x 2048; rows M = 1, 2, 4, 8 (--rows); bf16.
+family's make_config("bench")) and its logits head (vocabulary x hidden: 151936 x 2048 for
+qwen3_next); rows M = 1, 2, 4, 8 (--rows); bf16.
 
 1. Check: for every shape and M, the config the kernel would take today (gemv.config_for) against
    the float32 product x.float() @ w.float().T on fresh random inputs, by ||y - ref|| / ||ref||;
@@ -56,7 +58,6 @@ from bench_common import device_facts, device_rates, fmt, graph_call_us, is_cuda
 from runtime.backends.kernels import gemv as G  # noqa: E402
 from runtime.backends.kernels.launch_math import next_pow2  # noqa: E402
 
-LM_HEAD = (151936, 2048)  # bench qwen3_next's vocabulary x hidden
 ROWS = (1, 2, 4, 8)
 DRY_SHAPES = [("dry small", 48, 40), ("dry odd", 70, 33)]
 TOL = 1e-2
@@ -64,19 +65,23 @@ L2_TIMES = 4  # weight copies rotated per timing: their bytes together pass this
 WIN = 1.05  # torch us / ours a shape needs for a CONFIGS entry: a smaller lead is within one run's spread
 
 
-def bench_shapes() -> list[tuple[str, int, int]]:
-    """(modules, N, K) for every distinct projection weight of the bench meta model, and the lm head."""
+def bench_shapes(families: list[str]) -> list[tuple[str, int, int]]:
+    """(modules, N, K) for every distinct projection weight of each family's bench meta model (its
+    nn.Linear and FusedLinear modules) and its logits head (vocabulary x hidden), families named
+    before the modules ("qwen3_next: lm_head"); one row per (N, K) however many share it."""
     from models.common import FusedLinear
     from models.families import get_family
     from models.loader import build_meta_model
 
-    family = get_family("qwen3_next")
-    model = build_meta_model(family, family.text_config(family.make_config("bench")))
     found: dict[tuple[int, int], set[str]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Linear, FusedLinear)):
-            found.setdefault(tuple(module.weight.shape), set()).add(re.sub(r"\.\d+\.", ".*.", name))
-    found.setdefault(LM_HEAD, set()).add("lm_head")
+    for name in families:
+        family = get_family(name)
+        text = family.text_config(family.make_config("bench"))
+        model = build_meta_model(family, text)
+        for module_name, module in model.named_modules():
+            if isinstance(module, (torch.nn.Linear, FusedLinear)):
+                found.setdefault(tuple(module.weight.shape), set()).add(f"{name}: " + re.sub(r"\.\d+\.", ".*.", module_name))
+        found.setdefault((int(text["vocab_size"]), int(text["hidden_size"])), set()).add(f"{name}: lm_head")
     return [(", ".join(sorted(names)), n, k) for (n, k), names in sorted(found.items())]
 
 
@@ -215,6 +220,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated M (default 1,2,4,8)")
+    ap.add_argument("--families", default="qwen3_next",
+                    help="families whose bench projections are swept, comma-separated (default qwen3_next; "
+                         "kimi_linear, bailing_linear: the MLA families' shapes)")
     ap.add_argument("--calls", type=int, default=40, help="calls captured in one graph (rounded to the copies)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--time-budget-s", type=float, default=None,
@@ -228,7 +236,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16
     rows = [int(m) for m in args.rows.split(",")]
     env = device_facts(dry)
-    model_shapes = bench_shapes()
+    model_shapes = bench_shapes([f for f in args.families.split(",") if f])
     shapes = DRY_SHAPES if dry else model_shapes
     doc = {"env": env, "model_shapes": model_shapes, "shapes": shapes, "rows": rows, "tolerance": TOL, "win": WIN,
            "calls_per_graph": args.calls, "replays": args.replays}
