@@ -93,7 +93,10 @@ def candidates(N: int, K: int, rows: int, dry: bool) -> list[G.GemvConfig]:
         pool = [C(8, 16), C(4, 64), C(16, 16, 4, 2, True)]
     else:
         full = min(next_pow2(K), 4096)
+        # the narrow FMA tiles with a K loop (1-2 columns, 8 warps) keep N / BLOCK_N programs in flight at
+        # 4-8 rows, where a wide tile leaves a 2048-column projection too few (the output projection lost there)
         pool = [C(1, full), C(2, full), C(2, 1024), C(4, 2048), C(4, 1024, 8), C(8, 512),
+                C(1, 1024, 8), C(2, 512, 8), C(1, 512, 4),
                 C(16, 256, 4, 4, True), C(32, 256, 4, 4, True), C(16, 512, 4, 3, True), C(64, 128, 4, 4, True)]
     chosen = [G.default_config(N, K, rows)]
     for c in pool:
