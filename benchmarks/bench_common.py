@@ -549,32 +549,17 @@ def capture_graph(fn) -> "torch.cuda.CUDAGraph":
 def graph_call_us(call, calls: int, replays: int, device, rotate: int = 1) -> float:
     """Microseconds of one call(i) inside a CUDA graph of `calls` calls, i cycling over range(rotate)
     (a kernel benchmark's copies of its weights, rotated so the L2 holds none of them; `calls`
-    rounded up to a multiple of it): each call(i) run once before the capture (compiles, cuBLAS's
-    workspace), median over `replays` replays. On the CPU, one eager call's wall time."""
+    rounded up to a multiple of it): the graph's replays timed by `time_ms`, median over `replays`.
+    On the CPU, one eager call's wall time."""
     if device.type != "cuda":
         t0 = time.perf_counter()
         call(0)
         return (time.perf_counter() - t0) * 1e6
     calls = rotate * max(1, -(-calls // rotate))
-    for i in range(rotate):
-        call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(calls):
-            call(j % rotate)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
+    graph = capture_graph(lambda: [call(j % rotate) for j in range(calls)])  # run once, captured, replayed once
+    us = 1e3 * time_ms(graph.replay, device, replays, warmup=0) / calls
     del graph
-    return statistics.median(times)
+    return us
 
 
 def synchronizer(device: torch.device):
