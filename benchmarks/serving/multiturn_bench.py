@@ -26,7 +26,10 @@ On the GPU machine, one run:
    bytes in use after the turn. The cache is cleared before each run. Each is run --passes times
    (the same chats; the cache cleared before each pass) and a turn's median and p90 are taken over
    every pass's requests: one pass's median of 32 requests moved by a fifth between calls at turn 8
-   (`pass_medians_ms` keeps each pass's). Goal: turn N's median TTFT with the cache within 1.5x of
+   (`pass_medians_ms` keeps each pass's). Where a turn's time went (`turn_steps`, the last pass's):
+   each step that fed prompt tokens with its seconds, requests left waiting for admission, pages
+   the cache evicted; per pass, the prefill steps' seconds and the wall time until every request
+   had its first token (`pass_prefill_ms`, `pass_prefill_wall_ms`). Goal: turn N's median TTFT with the cache within 1.5x of
    turn 1's (TTFT flat as the conversation grows).
 Every stage is wrapped (bench_common.Stages); JSON to OUT/multiturn_bench.json after each stage,
 a table last. Goals are judged on the GPU only (bench_common.verdict).
@@ -42,6 +45,7 @@ if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
 
 import math  # noqa: E402
 import statistics  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -87,21 +91,49 @@ class Chats:
 
 def run_turns(engine: Engine, chats: Chats, output: int, snapshot_bytes) -> list[dict]:
     """Every turn of every conversation, a turn's requests added at once; one row per turn, with
-    each request's TTFT (`ttft_s`)."""
+    each request's TTFT (`ttft_s`) and the turn's steps (`turn_steps`)."""
     params = SamplingParams(max_new_tokens=output)
     history: list[list[int]] = [[] for _ in chats.user]
     rows = []
     for turn in range(chats.turns):
         prompts = [h + user[turn] for h, user in zip(history, chats.user)]
+        evicted = engine.prefix_cache.tree.evicted_pages if engine.prefix_cache is not None else 0
         ids = [engine.add_request(p, params) for p in prompts]
+        steps = turn_steps(engine)
         results = engine.run_until_done()
         done = [results[i] for i in ids]
         prompt_tokens, cached = sum(map(len, prompts)), sum(r.cached_tokens for r in done)
+        if engine.prefix_cache is not None:
+            steps["evicted_pages"] = engine.prefix_cache.tree.evicted_pages - evicted
         rows.append({"turn": turn + 1, "ttft_s": [r.first_token_s for r in done],
                      "prompt_tokens": prompt_tokens, "cached_tokens": cached, "hit_rate": cached / prompt_tokens,
-                     "snapshot_bytes_in_use": snapshot_bytes(), "outputs": [list(r.output_ids) for r in done]})
+                     "snapshot_bytes_in_use": snapshot_bytes(), "outputs": [list(r.output_ids) for r in done],
+                     "turn_steps": steps})
         history = [p + list(r.output_ids) for p, r in zip(prompts, done)]
     return rows
+
+
+def turn_steps(engine: Engine) -> dict:
+    """Steps the engine until it is idle and says where a turn's time went: each step that fed prompt
+    tokens (its prompt and decode tokens, its seconds as the engine records them), the requests
+    still waiting for admission after each step() call while any wait, and the prefill steps' sum
+    against the wall time until every request had its first token. What tells a turn that is slower per step from one with
+    more steps, one that queues for memory, or host time between steps."""
+    start, first = engine.numbers.totals["steps"], time.perf_counter()
+    waiting, prefill_wall = [], 0.0
+    while engine.has_work():
+        engine.step()
+        if engine.scheduler.waiting:
+            waiting.append(len(engine.scheduler.waiting))
+        if not prefill_wall and not engine.scheduler.waiting and \
+                all(r.first_token_s is not None for r in engine.scheduler.running):
+            prefill_wall = time.perf_counter() - first  # every request of the turn has its first token
+    taken = engine.numbers.totals["steps"] - start
+    records = engine.step_records()[-taken:] if taken else []
+    prefill = [r for r in records if r.prefill_tokens]
+    return {"steps": taken, "steps_kept": len(records), "waiting_after_step": waiting,
+            "prefill_steps": [[r.prefill_tokens, r.decode_tokens, round(1e3 * r.seconds, 3)] for r in prefill],
+            "prefill_ms": 1e3 * sum(r.seconds for r in prefill), "prefill_wall_ms": 1e3 * prefill_wall}
 
 
 def pooled_turn(rows: tuple[dict, ...]) -> dict:
@@ -110,7 +142,9 @@ def pooled_turn(rows: tuple[dict, ...]) -> dict:
     ttft = [t for r in rows for t in r["ttft_s"]]
     last = {k: v for k, v in rows[-1].items() if k not in ("ttft_s", "outputs")}
     return {**last, "ttft_ms_median": 1e3 * statistics.median(ttft), "ttft_ms_p90": 1e3 * p90(ttft),
-            "pass_medians_ms": [1e3 * statistics.median(r["ttft_s"]) for r in rows]}
+            "pass_medians_ms": [1e3 * statistics.median(r["ttft_s"]) for r in rows],
+            "pass_prefill_ms": [r["turn_steps"]["prefill_ms"] for r in rows],
+            "pass_prefill_wall_ms": [r["turn_steps"]["prefill_wall_ms"] for r in rows]}
 
 
 def bench(args, rec: dict, save) -> None:
@@ -217,7 +251,7 @@ def targets(rec: dict) -> None:
 
 def table(rec: dict) -> str:
     rows = [f"{'turn':>4}{'off p50 ms':>12}{'off p90 ms':>12}{'on p50 ms':>11}{'on p90 ms':>11}{'prompt':>9}"
-            f"{'hit rate':>10}{'snapshot MB':>13}"]
+            f"{'hit rate':>10}{'snapshot MB':>13}{'on prefill steps':>18}{'on steps ms':>13}{'on wall ms':>12}"]
     off, on = (rec.get(k, {}).get("turns") or [] for k in ("cache_off", "cache_on"))
     for i in range(max(len(off), len(on))):
         a, b = (off[i] if i < len(off) else {}), (on[i] if i < len(on) else {})
@@ -225,7 +259,10 @@ def table(rec: dict) -> str:
         rows.append(f"{row['turn']:>4}{fmt(a.get('ttft_ms_median'), '.2f'):>12}{fmt(a.get('ttft_ms_p90'), '.2f'):>12}"
                     f"{fmt(b.get('ttft_ms_median'), '.2f'):>11}{fmt(b.get('ttft_ms_p90'), '.2f'):>11}"
                     f"{row['prompt_tokens']:>9}{fmt(b.get('hit_rate'), '.1%'):>10}"
-                    f"{fmt(b.get('snapshot_bytes_in_use', 0) / 2**20 if b else None, '.2f'):>13}")
+                    f"{fmt(b.get('snapshot_bytes_in_use', 0) / 2**20 if b else None, '.2f'):>13}"
+                    f"{len(b['turn_steps']['prefill_steps']) if b else '-':>18}"
+                    f"{fmt(statistics.median(b['pass_prefill_ms']) if b else None, '.2f'):>13}"
+                    f"{fmt(statistics.median(b['pass_prefill_wall_ms']) if b else None, '.2f'):>12}")
     short = rec.get("short_prompt")
     if short:
         rows.append(f"short prompt ({short['tokens']} tokens, idle engine): TTFT {fmt(short['ttft_ms_median'], '.2f')} "
