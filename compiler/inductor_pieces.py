@@ -8,7 +8,11 @@ aten glue, functionalizes nothing of ours and never copies an op's `out`.
    Before anything compiles, `segment_pieces` checks that every mode's split plan holds each
    segment whole in one captured piece, where the runtime will install it.
 2. `segment_module` + `structure_key`: layers of one structure share one compiled piece (a
-   48-layer model needs a handful, not hundreds).
+   48-layer model needs a handful, not hundreds). With `small_m` (hgc/build_command.py decides),
+   the segment's plain projections become calls of the glue op `hgc_glue::small_m_linear` first
+   (compiler/splitops/glue_ops.py), so the key and the compiled code both hold them; Inductor
+   keeps the op as a call, which the runtime's CUDA kernel for it runs (a one-launch GEMV for few
+   rows, torch otherwise).
 3. `fake_inputs(module, device)`: the segment's inputs as fake tensors on the target device, every
    symbolic size (the token count T, the logits row count R) a fresh symbol of one ShapeEnv, hinted
    with the example size the program was traced with. One compile then covers every bucket.
@@ -38,6 +42,7 @@ from compiler.splitops.artifact import retarget_meta_devices
 from compiler.splitops.bundle import INDUCTOR_CONFIG, PIECES
 from compiler.splitops.errors import CompileError
 from compiler.splitops.glue import GlueSplitError, glue_segments, segment_module, segment_pieces, structure_key
+from compiler.splitops.glue_ops import use_small_m_linear
 
 __all__ = ["PieceBuildError", "compile_glue", "compile_piece", "drop_metadata_asserts", "fake_inputs", "inductor_cache_files"]
 
@@ -133,11 +138,13 @@ def _code_files(cache_dir: Path) -> set[Path]:
 
 
 def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device: str | torch.device, out_dir: Path,
-                 cache_dir: Path, log: Callable[[str], None] = lambda line: None) -> tuple[dict, dict]:
+                 cache_dir: Path, log: Callable[[str], None] = lambda line: None,
+                 small_m: bool = False) -> tuple[dict, dict]:
     """Steps 1-4 for every program; plans: program -> mode -> SplitPlan (split.json). Returns
     (programs: program -> segment records with the piece file running each, pieces: file ->
-    {structure, nodes, seconds, code_sha256}). Piece files are written under out_dir/pieces/;
-    Inductor's cache must point at cache_dir (cache_env)."""
+    {structure, nodes, seconds, code_sha256, small_m_linear}: the last, how many of the piece's
+    projections call the GEMV op, 0 without `small_m`). Piece files are written under
+    out_dir/pieces/; Inductor's cache must point at cache_dir (cache_env)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -160,6 +167,7 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device:
         if not segment.outputs:
             continue
         module = segment_module(gm, segment)
+        projections = use_small_m_linear(module) if small_m else 0
         key = structure_key(module)
         if key in by_key:
             record["piece"] = by_key[key]
@@ -182,9 +190,9 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device:
             code.update(path.name.encode() + b"\0" + path.read_bytes())
         by_key[key] = record["piece"] = name
         pieces[name] = {"structure": key, "nodes": len(segment.nodes), "seconds": round(seconds, 2),
-                        "code_sha256": code.hexdigest()}
-        log(f"piece {i}/{len(todo)} ({program}, {len(segment.nodes)} nodes from {segment.nodes[0]}): compiled in "
-            f"{seconds:.1f} s")
+                        "code_sha256": code.hexdigest(), "small_m_linear": projections}
+        log(f"piece {i}/{len(todo)} ({program}, {len(segment.nodes)} nodes from {segment.nodes[0]}"
+            + (f", {projections} GEMV projection(s)" if projections else "") + f"): compiled in {seconds:.1f} s")
     return records, pieces
 
 

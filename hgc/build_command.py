@@ -13,7 +13,8 @@ load. Building needs the target device, since kernels are built for the machine 
    next, because compiled kernels record the path they were compiled at; so builds of one target
    take turns (`build_lock`: a second one waits for the first and says so).
 2. The portable artifact is loaded (its own checks) and each program's glue is compiled
-   (compiler/inductor_pieces.py), one piece per distinct structure.
+   (compiler/inductor_pieces.py), one piece per distinct structure; on cuda, unless the artifact
+   is batch-invariant, its projections as calls of the GEMV op (`small_m_for`).
 3. Start-up runs as `hgc run` / `hgc serve` would, with the fresh pieces: on cuda every recorded
    bucket is captured and checked (which builds the FlashInfer modules and Triton kernels of the
    captured shapes and tunes FLA's kernels, into the caches of step 1), and the compiled pieces
@@ -47,7 +48,24 @@ import time
 from pathlib import Path
 
 __all__ = ["cmd_build", "build_bundle", "check_buildable", "build_on_ranks", "add_build_arguments", "build_root",
-           "build_lock"]
+           "build_lock", "small_m_for"]
+
+
+def small_m_for(docs, device: str) -> bool:
+    """Whether the glue's plain projections compile as calls of hgc_glue::small_m_linear, whose CUDA
+    kernel runs a decode step's few-row projections as one GEMV launch where that was measured
+    faster than cuBLAS (docs/DESIGN.md, "Decode's projections as one GEMV launch").
+
+    cuda only: the CPU has no such kernel, and the op there is F.linear behind one more call.
+    Not for a batch-invariant artifact: it promises a row the same bits whatever shares its step,
+    and the GEMV's config (hence its order of sums) follows the step's row bucket; such an
+    artifact's products go through aten's mm to the fixed-order kernel (runtime/backends/kernels/
+    matmul.py), which the op would step around."""
+    import torch
+
+    from runtime.artifact.loader import batch_invariant
+
+    return torch.device(device).type == "cuda" and not batch_invariant(docs)
 
 
 def build_root(key: str) -> Path:
@@ -160,11 +178,15 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
             pin_triton_ptxas(torch.device(device).type)  # the run does the same (runtime/artifact/bundle.py)
             art = load_artifact(artifact, dev, compiled=CompiledOptions(enabled=False), rank=rank, tp=tp,
                                 load_format=load_format)
+            small_m, on_cuda = small_m_for(docs, device), torch.device(device).type == "cuda"
+            log("glue projections: " + ("calls of hgc_glue::small_m_linear (one GEMV launch for a few rows)" if small_m
+                                        else f"aten's linear ({'batch-invariant' if on_cuda else device})"))
             records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
-                                           dev, out, caches["inductor"], log=log)
+                                           dev, out, caches["inductor"], log=log, small_m=small_m)
             files = {name: sha256_file(out / name) for name in pieces}
             sources = {p: docs.manifest["files"][PROGRAM_FILES[p]] for p in art.programs}
-            doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version())
+            doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version(),
+                             small_m=small_m)
             art.compiled = load_built(doc, out, caches)
             buckets = docs.manifest["buckets"]
             on_gpu = torch.device(device).type == "cuda"
@@ -191,7 +213,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
                                  f"of one artifact must run one program")
         files = {p.relative_to(staged).as_posix(): sha256_file(p) for p in sorted(staged.rglob("*")) if p.is_file()}
         doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version(),
-                         ranks=tp)
+                         ranks=tp, small_m=small_m)
         doc["parity"] = parity
         if by_rank:  # every rank's start-up compared its own pieces with its traced glue
             doc["parity_per_rank"] = [other["parity"] for other in by_rank]

@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 from tabulate import tabulate
 
@@ -315,7 +316,7 @@ def cmd_inspect(args) -> int:
     branches = side_branch_rows(docs.split_plans)
     findings = [Finding.from_json(f) for f in docs.lints.get("findings", [])]
     m = docs.manifest
-    bundles = bundle_rows(m)
+    bundles = bundle_rows(m, docs.path)
     graphs = extend_graph_rows(json.loads((docs.path / "split.json").read_text()), docs.split_plans, m["buckets"])
     if args.json:
         print(json.dumps({"family": m["family"], "versions": m["versions"], "compile": m["compile"],
@@ -472,8 +473,22 @@ def bucket_line(buckets: dict) -> str:
             + (f"\n  decode step ms by requests: {decode}" if decode else ""))
 
 
-def bundle_rows(manifest: dict) -> list[dict]:
-    """One row per target bundle of an artifact: what it was built for, and its files."""
+def gemv_projections(doc: dict) -> str:
+    """A bundle.json's projections per forward that call the GEMV op (compiler/splitops/glue_ops.py),
+    by program: every glue segment counted with its piece's count ("main 37, draft 4"); "off" for a
+    bundle built without it (cpu, batch-invariant), "-" for one built before it existed."""
+    if "small_m_linear" not in doc:
+        return "-"
+    if not doc["small_m_linear"]:
+        return "off"
+    pieces, programs = doc["pieces"], doc["programs"]
+    return ", ".join(f"{p} {sum(pieces[r['piece']].get('small_m_linear', 0) for r in programs[p] if r['piece'])}"
+                     for p in sorted(programs, key=lambda p: p != "main"))  # main first
+
+
+def bundle_rows(manifest: dict, root: Path | None = None) -> list[dict]:
+    """One row per target bundle of an artifact: what it was built for, and its files; with the
+    artifact's folder `root`, how many projections run through the GEMV op (its bundle.json)."""
     from compiler.splitops.bundle import KERNELS, PIECES, bundle_dir, describe_target, without_rank_dir
 
     rows = []
@@ -486,6 +501,8 @@ def bundle_rows(manifest: dict) -> list[dict]:
                      "ranks": len(ranks) or 1,
                      "pieces": sum(f.startswith(PIECES + "/") for f in files),
                      "kernel files": sum(f.startswith(KERNELS + "/") for f in files)})
+        if root is not None and entry.get("bundle"):
+            rows[-1]["GEMV projections"] = gemv_projections(json.loads((Path(root) / entry["bundle"]).read_text()))
     return rows
 
 

@@ -239,14 +239,17 @@ def executable_summary(files) -> str:
 
 
 def bundle_doc(key: str, facts: dict, programs: dict, programs_sha256: dict, pieces: dict, files: dict,
-               seconds: float, hgc: str, ranks: int = 1) -> dict:
+               seconds: float, hgc: str, ranks: int = 1, small_m: bool = False) -> dict:
     """bundle.json without its signature. programs: program -> segment records (glue.GlueSegment.to_json()
     plus the piece file that runs it, or None); programs_sha256: program -> SHA-256 of the .pt2 it was
-    built from; pieces: file -> {structure, code_sha256, nodes} (rank 0's, where there are ranks);
-    files: path inside the bundle -> SHA-256; ranks: the tensor-parallel ranks it holds pieces for."""
+    built from; pieces: file -> {structure, code_sha256, nodes, small_m_linear} (rank 0's, where there
+    are ranks); files: path inside the bundle -> SHA-256; ranks: the tensor-parallel ranks it holds
+    pieces for; small_m: whether the glue's projections were rewritten to the GEMV op
+    (compiler/splitops/glue_ops.py; each piece's `small_m_linear` says how many it calls)."""
     return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "target": key, "facts": facts,
             **({"ranks": ranks} if ranks > 1 else {}),
-            "inductor_config": dict(INDUCTOR_CONFIG[facts["device"]]), "programs": programs,
+            "inductor_config": dict(INDUCTOR_CONFIG[facts["device"]]), "small_m_linear": small_m,
+            "programs": programs,
             "programs_sha256": programs_sha256, "pieces": pieces, "files": files,
             "not_reproducible": not_reproducible(files),
             "build": {"seconds": round(seconds, 1), "hgc": hgc}}

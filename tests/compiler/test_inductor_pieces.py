@@ -139,6 +139,7 @@ def test_compile_builds_a_signed_bundle_listed_in_the_manifest(built):
     segments = doc["programs"]["main"]
     assert len(pieces) <= len(segments) and all(s["piece"] in doc["pieces"] for s in segments if s["outputs"])
     assert doc["facts"]["torch"] == torch.__version__ and doc["signature"]["hmac_sha256"]
+    assert doc["small_m_linear"] is False and all(p["small_m_linear"] == 0 for p in doc["pieces"].values())
     assert (built["home"] / "signing.key").stat().st_mode & 0o777 == 0o600
 
 
@@ -187,6 +188,7 @@ def test_inspect_lists_the_bundle(built, capsys):
     assert main(["inspect", str(built["art"]), "--json"]) == 0
     bundles = json.loads(capsys.readouterr().out)["bundles"]
     assert [b["bundle"] for b in bundles] == [f"{TARGETS}/{built['key']}"] and bundles[0]["pieces"] >= 1
+    assert bundles[0]["GEMV projections"] == "off", "a cpu bundle's projections stay aten's linear"
 
 
 @pytest.mark.parametrize("what", ["pieces/", "kernels/"])
@@ -479,3 +481,53 @@ def test_export_dtype_asserts_are_dropped_from_a_piece_before_inductor():
     assert [n.target for n in module.graph.nodes if n.op == "call_function"] == [
         torch.ops.aten.mm.default, torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor]
     torch.testing.assert_close(module(*args), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("small_m", [False, True])
+def test_compile_glue_records_the_projections_it_made_gemv_calls(tmp_path_factory, tmp_path, monkeypatch, small_m):
+    """compile_glue(small_m=True) rewrites each segment before its key is taken and it compiles
+    (Inductor stood in for: what is compiled is recorded), and each piece record says how many
+    projections call the GEMV op; per forward, every segment counted with its piece's count, that
+    is every projection of the traced glue (a qwen3_next program's are all plain). Without it, none."""
+    import compiler.inductor_pieces as inductor_pieces
+    from compiler.splitops.glue_ops import SMALL_M_LINEAR
+    from runtime.artifact.docs import read_artifact
+    from runtime.artifact.loader import load_programs
+
+    docs = read_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
+    programs = {p: ep.graph_module for p, ep in load_programs(docs).items()}
+    compiled = []
+
+    class Saved:
+        def save(self, path, format):
+            open(path, "wb").close()
+
+    def compile_piece(module, device):
+        compiled.append(sum(n.target is SMALL_M_LINEAR for n in module.graph.nodes))
+        return Saved()
+
+    monkeypatch.setattr(inductor_pieces, "compile_piece", compile_piece)
+    records, pieces = inductor_pieces.compile_glue(programs, docs.split_plans, "cpu", tmp_path, tmp_path / "cache",
+                                                   small_m=small_m)
+    assert sorted(p["small_m_linear"] for p in pieces.values()) == sorted(compiled)
+    for program, gm in programs.items():
+        linears = sum(n.target is torch.ops.aten.linear.default for n in gm.graph.nodes)
+        made = sum(pieces[r["piece"]]["small_m_linear"] for r in records[program] if r["piece"])
+        assert linears > 0 and made == (linears if small_m else 0), program
+        assert not any(n.target is SMALL_M_LINEAR for n in gm.graph.nodes), "the program itself stays traced glue"
+
+
+def test_inspect_counts_each_segment_with_its_pieces_gemv_projections():
+    """`hgc inspect`'s "GEMV projections": per program, every glue segment counted with its piece's
+    count (a structure shared by many layers counts once per layer); off, or unknown for a bundle
+    built before bundle.json said."""
+    from hgc.compile_commands import gemv_projections
+
+    doc = {"small_m_linear": True,
+           "pieces": {"pieces/a.bin": {"small_m_linear": 2}, "pieces/b.bin": {"small_m_linear": 1}},
+           "programs": {"draft": [{"piece": "pieces/b.bin"}],
+                        "main": [{"piece": "pieces/a.bin"}, {"piece": None}, {"piece": "pieces/a.bin"},
+                                 {"piece": "pieces/b.bin"}]}}  # bundle.json's keys are sorted
+    assert gemv_projections(doc) == "main 5, draft 1"
+    assert gemv_projections({**doc, "small_m_linear": False}) == "off"
+    assert gemv_projections({k: v for k, v in doc.items() if k != "small_m_linear"}) == "-"

@@ -101,6 +101,10 @@ def test_compile_with_inductor_builds_the_bundle_on_cuda(built):
               for e in p}
     assert {"triton", *(["flashinfer"] if "flashinfer" in routed else [])} <= caches, (caches, routed)
     assert doc["pieces"] and all(s["piece"] in doc["pieces"] for s in doc["programs"]["main"] if s["outputs"])
+    # a cuda bundle's projections call the GEMV op (compiler/splitops/glue_ops.py; tiny shapes are in no
+    # CONFIGS entry, so its kernel runs F.linear here: tests/gpu/test_gpu_glue_gemv.py runs the GEMV)
+    assert doc["small_m_linear"] is True and "glue projections: calls of hgc_glue::small_m_linear" in built["log"]
+    assert sum(doc["pieces"][s["piece"]]["small_m_linear"] for s in doc["programs"]["main"] if s["piece"]) > 0
     # the build's start-up captured and checked every bucket with the fresh pieces
     assert doc["parity"] and all(p["worst_op_rel_err"] <= p["rtol"] for p in doc["parity"])
 
