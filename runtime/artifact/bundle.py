@@ -23,9 +23,10 @@ bundle (compiler/splitops/bundle.py) is code, so it gets its own steps:
    the bytes copied, so what runs is what was checked (the artifact stays read-only).
 5. load: every piece with `CompiledArtifact.load`, Inductor's cache pointed at the copy, inside a
    `KernelWatch`: a kernel the bundle lacks would be built now, which is an error naming it unless
-   --allow-kernel-builds. On cuda the process's kernel caches stay pointed at the copy, and
-   `watch()` around capture and parity names any kernel built or tuned there
-   (runtime/assembly.py wraps start-up in it).
+   --allow-kernel-builds. The glue ops a piece may call are defined first (compiler/splitops/
+   glue_ops.py), and on cuda their kernels registered (runtime/backends/glue_kernels.py). On cuda
+   the process's kernel caches stay pointed at the copy, and `watch()` around capture and parity
+   names any kernel built or tuned there (runtime/assembly.py wraps start-up in it).
 
 What it does not do: replace the traced glue (runtime/artifact/compiled_glue.py), compare compiled with
 traced (runtime/graphs/compiled_parity.py), or build bundles (hgc/build_command.py).
@@ -48,6 +49,7 @@ from typing import Callable
 
 import torch
 
+from compiler.splitops import glue_ops  # noqa: F401 (defines the hgc_glue ops a piece may call)
 from compiler.splitops.artifact import PROGRAM_FILES, ArtifactFormatError
 from compiler.splitops.bundle import (BUNDLE, CACHE_ENV, CACHE_SETTINGS, INDUCTOR_CONFIG, KERNELS, bundle_dir,
                                       cache_env, describe_target, executable_summary, facts_differences,
@@ -384,6 +386,9 @@ def _load_pieces(base: Path, doc: dict, rank: int = 0, programs: tuple[str, ...]
     `programs`: only the pieces their glue segments name (default: all)."""
     from torch._inductor import CompiledArtifact, config
 
+    if doc["facts"]["device"] == "cuda":  # a cuda build's projections call hgc_glue::small_m_linear
+        from runtime.backends import glue_kernels
+        glue_kernels.register()
     pieces = {}
     names = doc["pieces"] if programs is None else {r["piece"] for p in programs for r in doc["programs"].get(p, [])
                                                     if r["piece"] is not None}  # None: a segment left traced
