@@ -40,7 +40,7 @@
 # artifact (built apart from the unrouted one). Bench-size models throughout.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
-W=/tmp/measure_work
+W=${W:-/tmp/measure_work}  # the work folder of the build stage and the benchmarks (a caller may name its own)
 FAMILIES=${FAMILIES:-qwen3_next}
 hgc() { python3 -m hgc "$@"; }
 

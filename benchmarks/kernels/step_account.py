@@ -5,6 +5,12 @@ On the GPU machine (benchmarks/gpu_call.sh installs the wheels), one call for tw
     python3 benchmarks/kernels/step_account.py --out $OUT --family qwen3_next,kimi_linear
     python3 benchmarks/kernels/step_account.py --out $OUT --artifact ART   # a compiled artifact, its bundle
     python3 benchmarks/kernels/step_account.py --dry-run --out /tmp/acct   # CPU, tiny: the script's own test
+    python3 benchmarks/kernels/step_account.py --out $OUT --compiled-pieces --batches 1 --torch-projections
+
+--torch-projections: the same bundle with its projections on torch (runtime/backends/glue_kernels.py
+`torch_only()` around the load, the captures and the steps): the A/B of the one-launch GEMV a cuda
+bundle's glue calls for a decode step's few rows (docs/DESIGN.md, "Decode's projections as one GEMV
+launch"). The traced glue never calls it, so the flag changes nothing without --compiled-pieces.
 
 Per run, once: `rates`, the card's device-to-device copy rate and bf16 matmul rate in this run
 (bench_common.device_rates: a 1 GiB copy_ and an 8192^3 GEMM). Per family:
@@ -41,6 +47,7 @@ if "--dry-run" in sys.argv and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -271,6 +278,7 @@ def tables(doc: dict) -> str:
     rates = doc.get("rates") or {}
     out = [f"## step account ({doc['env'].get('device')}; copy {fmt(rates.get('copy_bytes_per_s', 0) / 1e9, '.0f')} "
            f"GB/s, matmul {fmt(rates.get('matmul_flops_per_s', 0) / 1e12, '.0f')} TFLOP/s"
+           f"{'; projections on torch (--torch-projections)' if doc['config'].get('torch_projections') else ''}"
            f"{'; dry run: CPU ops stand in for kernels, numbers not judged' if dry else ''})", ""]
     for family, rec in doc["families"].items():
         for B, r in rec.get("decode", {}).items():
@@ -300,7 +308,8 @@ def run_family(family: str, args, doc: dict, save) -> None:
         art_dir = Path(args.artifact) if args.artifact else compiled_artifact(fam_args)
         art, runner, kv, st = build_runner(art_dir, args, dev)
         ctx.update(art=art, runner=runner, kv=kv, st=st, vocab=int(art.manifest["model"]["vocab_size"]))
-        rec.update(artifact=str(art_dir), compiled_bundle=art.compiled is not None, keys=[str(k) for k in runner.keys])
+        rec.update(artifact=str(art_dir), compiled_bundle=art.compiled is not None, keys=[str(k) for k in runner.keys],
+                   gemv_projections=art.compiled.doc.get("small_m_linear") if art.compiled else None)
     stage("load", load)
     g = torch.Generator().manual_seed(0)
 
@@ -354,6 +363,9 @@ def main(argv=None) -> int:
                    help="compile with the target bundle (Inductor-compiled glue, every kernel built ahead; minutes on "
                         "the GPU); default: the traced glue")
     p.add_argument("--route", action="append", default=[], help="passed to hgc compile --route (repeatable)")
+    p.add_argument("--torch-projections", action="store_true",
+                   help="the compiled glue's projections on torch's F.linear instead of the one-launch GEMV (the A/B "
+                        "of runtime/backends/glue_kernels.py; with --compiled-pieces or a bundled --artifact)")
     p.add_argument("--skip", default="", help="stages to skip, comma-separated (load, decode_bB, extend_tT)")
     args = p.parse_args(argv)
     for key, value in (DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS).items():
@@ -386,9 +398,13 @@ def main(argv=None) -> int:
     Stages(doc["stages"], save=save)("rates", lambda: doc.__setitem__("rates", device_rates()))
     if "rates" not in doc:
         raise SystemExit("could not measure the card's rates: every floor needs them (see the traceback above)")
-    for family in families:
-        run_guarded(family, doc["families"].setdefault(family, {"stages": {}}),
-                    lambda family=family: run_family(family, args, doc, save))
+    from runtime.backends import glue_kernels
+
+    # The op's kernel chooses when a piece runs or is captured: the switch holds over every capture and step.
+    with glue_kernels.torch_only() if args.torch_projections else contextlib.nullcontext():
+        for family in families:
+            run_guarded(family, doc["families"].setdefault(family, {"stages": {}}),
+                        lambda family=family: run_family(family, args, doc, save))
     save()
     text = tables(doc)
     (out / "step_account.md").write_text(text + "\n")
