@@ -217,12 +217,16 @@ CONV_EXTEND_BLOCK_T = 32
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
 def conv_extend_config(num_blocks: int, channels: int, device: torch.device) -> ConvConfig:
-    """Channel tile of the extend conv: the widest that still gives about two programs per SM
-    (a long prompt: 256 channels, 8 warps; a few short requests: narrower tiles, more programs),
-    with ~32 elements of the [CONV_EXTEND_BLOCK_T, block_c] tile per thread."""
+    """Channel tile of the extend conv: the widest up to 128 that still gives about two programs per
+    SM (a long prompt: 128 channels, 4 warps; a few short requests: narrower tiles, more programs),
+    with ~32 elements of the [CONV_EXTEND_BLOCK_T, block_c] tile per thread.
+
+    128 and not 256: on the H200 at bench qwen3_next's 8192 channels, 128 channels / 4 warps took 0.117
+    ms at 4096 tokens and 0.073 ms at 2048 against 0.136 and 0.083 for 256 / 8 (the best of the sweep's
+    tiles, 0.115 and 0.071, within 3%; benchmarks/results/conv_extend_tiles_h200_2026-12-04.log)."""
     target = 2 * num_sms(device)
     block_c = 32
-    for bc in (256, 128, 64, 32):
+    for bc in (128, 64, 32):
         if num_blocks * cdiv(channels, bc) >= target:
             block_c = bc
             break
