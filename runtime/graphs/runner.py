@@ -81,7 +81,7 @@ from runtime.graphs.staging import StepStaging, hidden_input_spec, step_on_devic
 from runtime.graphs.startup_parity import ParityRecord, check_parity
 from runtime.graphs.step_runner import run_step
 
-__all__ = ["GraphRunner", "ParityError",
+__all__ = ["GraphRunner", "ParityError", "KERNEL_VARIANT_TOKENS", "KERNEL_VARIANT_REQUEST_TOKENS",
            # the roles' own names, as the runner's users know them
            "CaptureKey", "buckets_for", "CaptureError", "CudaGraphs", "CapturedPiece", "StepStaging", "step_on_device"]
 
@@ -426,9 +426,11 @@ class GraphRunner:
         (its largest extend bucket) is no bound on a run's. The steps must be the same in the build
         and in a run under other limits (a kernel may also choose by its requests' lengths and
         count), so a step of T tokens has ceil(T / KERNEL_VARIANT_REQUEST_TOKENS) requests sharing
-        them evenly; shorter pieces only where a request or the budget holds less (then the run's
-        start-up names what it builds)."""
-        per_request = min(self.max_pages * self.kv_pool.page_size, self.chunk_size, KERNEL_VARIANT_REQUEST_TOKENS)
+        them evenly; more only where the budget holds less (then the run's start-up names what it
+        builds). Not fewer tokens where a run's requests are shorter (`hgc run` sizes max_seq_len to
+        its prompts): the kernels pick by the step's padded shape, tokens and requests, and a
+        dummy request longer than a request may be is cut to that length, the rest padding rows."""
+        per_request = min(self.chunk_size, KERNEL_VARIANT_REQUEST_TOKENS)
         t0 = time.perf_counter()
         counts = self.backend.kernel_variant_tokens(max(self.chunk_size, KERNEL_VARIANT_TOKENS))
         for tokens in counts:

@@ -15,7 +15,7 @@ from runtime.cache.batch import SeqState, commit_step
 from runtime.step.bound_ops import BoundOps
 from runtime.engine.generate import make_pools
 from runtime.cache.state_pool import PADDING_SLOT
-from runtime.graphs.runner import KERNEL_VARIANT_TOKENS, CaptureError, CaptureKey, GraphRunner, ParityError
+from runtime.graphs.runner import KERNEL_VARIANT_REQUEST_TOKENS, KERNEL_VARIANT_TOKENS, CaptureError, CaptureKey, GraphRunner, ParityError
 from runtime.graphs.parity import CacheWatch, OpRecord, first_difference, rel_err
 from runtime.graphs.startup_parity import check_parity, parity_items, release_items
 from runtime.graphs.step_runner import EagerRunner
@@ -460,6 +460,27 @@ def test_engine_for_artifact_with_a_graph_runner_on_a_small_pool(artifact):
                                                           "decode[tokens=1, seqs=1]"]
     assert engine.stats()["graph_replays"] > 0
     assert outs[0] == outs[1]
+
+
+def test_a_run_with_short_requests_lays_the_kernel_variant_steps_out_as_a_build(artifact):
+    """`hgc run` sizes max_seq_len to its prompts (here 15 tokens: one page); the build's start-up has a
+    long one. Their eager kernel-variant steps must still be the same shapes, or the run launches
+    kernel variants (a conv tile chosen by the request count) that the bundle lacks."""
+    from runtime.assembly import EngineOptions, engine_for_artifact
+
+    steps = {}
+    for max_len in (15, 2048):
+        made = []
+
+        def factory(kv, st):
+            made.append(VariantBackend(kv, st, counts=(3, 200)))
+            return made[-1]
+
+        engine_for_artifact(artifact, EngineOptions(slots=3, page_size=16, token_budget=256), max_len,
+                            graphs=RerunGraphs(), backend_factory=factory)
+        steps[max_len] = [s[:3] for s in made[0].eager_steps if s[0] == Mode.EXTEND and s[1] in (3, 200)]
+    # 200 tokens in ceil(200 / KERNEL_VARIANT_REQUEST_TOKENS) requests either way (16-token requests before)
+    assert steps[15] == steps[2048] == [(Mode.EXTEND, 3, 1), (Mode.EXTEND, 200, -(-200 // KERNEL_VARIANT_REQUEST_TOKENS))]
 
 
 def test_triton_linear_backend_under_the_runner(artifact, tmp_path, tmp_path_factory):
