@@ -34,6 +34,19 @@ CONTEXT_TABLES = ("query_start_loc", "seq_lens", "state_slots", "page_table", "s
                   "snapshot_ids")
 
 
+# Every field of a block starts on a multiple of FIELD_ALIGN bytes, as a tensor of its own would: Triton
+# specialises a kernel on whether each pointer it takes is 16-byte aligned, so a table at an odd
+# 8-byte offset (a one-request key's snapshot ids, say) would launch another build of the kernel than
+# the same table elsewhere does, one that a bundle built without that layout lacks.
+FIELD_ALIGN = 16
+_ALIGN_ELEMS = FIELD_ALIGN // 4  # elements of the narrowest field type (int32); a multiple for int64 too
+
+
+def _field_elems(n: int) -> int:
+    """Elements a field of n takes in its block, padding to the next field included."""
+    return -(-n // _ALIGN_ELEMS) * _ALIGN_ELEMS
+
+
 class StepStaging:
     """The static step buffers: two device blocks (int64, int32), each filled by one host-to-device copy.
 
@@ -96,7 +109,7 @@ class StepStaging:
 
     def _size(self, names, T: int, B: int) -> int:
         # logits rows are at most T (one per token: a target_verify step checks every token)
-        return sum(math.prod(self.shape(n, T, B, max(T, B))) for n in names)
+        return sum(_field_elems(math.prod(self.shape(n, T, B, max(T, B)))) for n in names)
 
     def views(self, T: int, B: int, R: int | None = None) -> tuple[dict, dict, dict]:
         """(host numpy views, device views, used length per dtype) of the layout for T tokens, B
@@ -111,7 +124,7 @@ class StepStaging:
                     n = math.prod(shape)
                     host[name] = self.host[dt][at: at + n].view(shape).numpy()
                     dev[name] = self.dev[dt][at: at + n].view(shape)
-                    at += n
+                    at += _field_elems(n)
                 used[dt] = at
             self._views[(T, B, R)] = (host, dev, used)
         return self._views[(T, B, R)]

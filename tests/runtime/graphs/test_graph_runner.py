@@ -15,7 +15,8 @@ from runtime.cache.batch import SeqState, commit_step
 from runtime.step.bound_ops import BoundOps
 from runtime.engine.generate import make_pools
 from runtime.cache.state_pool import PADDING_SLOT
-from runtime.graphs.runner import KERNEL_VARIANT_REQUEST_TOKENS, KERNEL_VARIANT_TOKENS, CaptureError, CaptureKey, GraphRunner, ParityError
+from runtime.graphs.runner import (KERNEL_VARIANT_REQUEST_TOKENS, KERNEL_VARIANT_TOKENS, CaptureError, CaptureKey,
+                                   GraphRunner, ParityError)
 from runtime.graphs.parity import CacheWatch, OpRecord, first_difference, rel_err
 from runtime.graphs.startup_parity import check_parity, parity_items, release_items
 from runtime.graphs.step_runner import EagerRunner
@@ -93,8 +94,8 @@ def test_padded_static_step_gives_the_unpadded_tokens(artifact):
 
 
 def test_static_buffers_take_each_key_in_one_packed_copy_per_dtype(artifact):
-    """Each key's fields lie back to back in the blocks, a smaller key after a larger one leaves
-    no stale row in what it reads, and a step not padded to its key is refused."""
+    """Each key's fields lie back to back in the blocks (each starting 16-byte aligned), a smaller key
+    after a larger one leaves no stale row in what it reads, and a step not padded to its key is refused."""
     from runtime.cache.batch import build_step
 
     runner, kv, st = make_runner(artifact)
@@ -103,8 +104,9 @@ def test_static_buffers_take_each_key_in_one_packed_copy_per_dtype(artifact):
     big = build_step([(s, [7] * 9) for s in seqs], kv, "cpu", pad_tokens_to=32, pad_seqs_to=4, max_pages=16)
     inputs, ctx = runner._fill(big, CaptureKey(Mode.EXTEND, 32, 4))
     _, dev, used = staging.views(32, 4)
-    # per token: ids, positions, slot mapping; per request: logits rows, state slots, snapshot rows and ids
-    assert used == {torch.int64: 3 * 32 + 4 * 4, torch.int32: 5 + 4 + 4 * 16}
+    # per token: ids, positions, slot mapping; per request: logits rows, state slots, snapshot rows and ids;
+    # query_start_loc's 5 rows padded to 8 so seq_lens starts 16-byte aligned
+    assert used == {torch.int64: 3 * 32 + 4 * 4, torch.int32: 8 + 4 + 4 * 16}
     assert dev["positions"].data_ptr() == dev["input_ids"].data_ptr() + 32 * 8, "packed back to back"
     assert inputs[0].data_ptr() == dev["input_ids"].data_ptr() and ctx.page_table.data_ptr() == dev["page_table"].data_ptr()
     assert torch.equal(ctx.slot_mapping, big.ctx.slot_mapping) and torch.equal(ctx.page_table, big.ctx.page_table)
