@@ -28,7 +28,7 @@
 #   prefix_compiled  prefix_bench.py on the serving artifact (the compiled bundle)
 #   multiturn_compiled  multiturn_bench.py on the serving artifact
 #   glue_source  the Inductor sources in the serving artifact's bundle of the kernels named in GLUE_KERNELS
-#                (space-separated), up to 4 files each, under $OUT/glue_source: what a glue kernel does
+#                (space-separated), up to 4 files each, in one file $OUT/glue_source/glue_source.txt: what a glue kernel does
 #   apart        offline_bench at CONCURRENCY with mixed steps in one forward (--decodes-apart-from 0): against
 #                the offline run of the serve stage (decodes apart, the default)
 # FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account; PIECES=1
@@ -123,14 +123,16 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving" --work "$W" --artifact "$art" \
             --batches "${BATCHES:-1}" --extends "${EXTENDS:-16,32,128,512}" ;;
     glue_source)
+        # one file: a call brings back only so many files, and a piece's wrapper holds many kernels
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         mkdir -p "$OUT/glue_source"
         for kernel in ${GLUE_KERNELS:-}; do
             grep -rl --include='*.py' "def $kernel(" "$art" | head -4 | while read -r f; do
-                cp "$f" "$OUT/glue_source/${kernel}__$(basename "$f")"
+                printf '\n##### %s in %s\n' "$kernel" "${f#"$art"/}"
+                cat "$f"
             done
-        done
-        ls -la "$OUT/glue_source" ;;
+        done > "$OUT/glue_source/glue_source.txt"
+        grep -c '^##### ' "$OUT/glue_source/glue_source.txt" ;;
     *) echo "unknown stage $stage" ;;
     esac
 done
