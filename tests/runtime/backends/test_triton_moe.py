@@ -436,8 +436,8 @@ def test_importing_the_backend_needs_no_triton():
     import sys
     code = "import sys, runtime.backends.triton_moe as m; m.TritonMoEBackend.capability; print('triton' in sys.modules)"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env)
+    from testkit.helpers import ROOT  # the repository root: its packages import from there without an install
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
 
