@@ -15,10 +15,10 @@ row (strided qkv, z, b, a):
   second compiled function;
 - fused: runtime/backends/kernels/gdn_fused.py's decode kernel (one launch: one program per
   request and key head);
-- fused_2: the two-launch split kept in this file only, to weigh the one launch's parallelism
-  against it: a prep kernel over (request, head of q, k or v) (conv step, l2norm of q and k, into
-  a contiguous scratch), then the recurrence and the gated norm over (request, value head): twice
-  the programs of the one-launch kernel at batch 1, and one launch more.
+- fused_2: the same op's two-launch split (`launches=2`; the op takes it up to
+  SPLIT_DECODE_MAX_ROWS requests): the conv step and the l2norm of q and k per (request, head of q,
+  k or v) into a [B, C] buffer, then the recurrence and the gated norm per (request, value head):
+  twice the programs of the one-launch kernel at batch 1, and one launch more.
 
 For each B, first the check: every variant from copies of the same random non-zero pools, one
 step, each fused variant's output and both states against the unfused ones by ||x - ref|| / ||ref||
@@ -49,16 +49,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from bench_common import device_facts, graph_call_us, is_cuda, kernels_per_call, rel_err  # noqa: E402
 from models.qwen3_next import l2norm  # noqa: E402
 from runtime.backends.kernels import gdn_fused as GF  # noqa: E402
 from runtime.backends.kernels import linear as TL  # noqa: E402
-from runtime.backends.kernels.gdn_fused import gated_norm_head, gdn_gates, l2norm_head  # noqa: E402
-from runtime.backends.kernels.launch_math import next_pow2  # noqa: E402
-from runtime.cache.state_pool import PADDING_SLOT  # noqa: E402
 from testkit.gdn_cases import BENCH_GDN, GdnShape, gdn_inputs, gdn_params, gdn_pools  # noqa: E402
 
 DRY_SHAPE = GdnShape(2, 4, 16, 16)
@@ -89,90 +84,6 @@ def gated_norm_glue(core, z, weight, eps: float):
     return (y * F.silu(z.float())).to(dtype)
 
 
-# -- the two-launch split (this file only) ------------------------------------------------------
-
-
-@triton.jit
-def _split_prep_kernel(qkv_ptr, conv_w_ptr, conv_ptr, slots_ptr, scratch_ptr,
-                       stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_m_row, l2_eps,
-                       HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       KW: tl.constexpr, KWP: tl.constexpr, PAD_SLOT: tl.constexpr):
-    """(request, head h of q | k | v): the conv step of its channels (it alone rolls their history),
-    q and k l2-normalised, into scratch [B, C] in the activation dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    act = scratch_ptr.dtype.element_ty
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    if slot != PAD_SLOT:
-        if h < 2 * HK:
-            offs = h * DK + tl.arange(0, BK)
-            m = tl.arange(0, BK) < DK
-            y, _ = TL.conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs, m, stride_x_row,
-                                 stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
-            tl.store(scratch_ptr + row * stride_m_row + offs, l2norm_head(y, m, act, l2_eps).to(act), mask=m)
-        else:
-            offs = 2 * HK * DK + (h - 2 * HK) * DV + tl.arange(0, BV)
-            m = tl.arange(0, BV) < DV
-            y, _ = TL.conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs, m, stride_x_row,
-                                 stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
-            tl.store(scratch_ptr + row * stride_m_row + offs, y.to(act), mask=m)
-
-
-@triton.jit
-def _split_core_kernel(scratch_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, state_ptr,
-                       slots_ptr, stride_m_row, stride_z_row, stride_z_head, stride_b_row, stride_b_head,
-                       stride_a_row, stride_a_head, stride_o_row, stride_o_head, stride_s_slot, stride_s_head,
-                       scale, eps, HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
-                       PAD_SLOT: tl.constexpr):
-    """(request, value head): gates, the recurrent step on the head's whole state, the gated norm."""
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
-    m_k = offs_k < DK
-    m_v = offs_v < DV
-    act = out_ptr.dtype.element_ty
-    o_ptrs = out_ptr + row * stride_o_row + head * stride_o_head + offs_v
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    if slot != PAD_SLOT:
-        m_s = m_k[:, None] & m_v[None, :]
-        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
-        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
-        src = scratch_ptr + row * stride_m_row
-        kh = head // GROUP
-        q = tl.load(src + kh * DK + offs_k, mask=m_k, other=0.0).to(tl.float32) * scale
-        k = tl.load(src + (HK + kh) * DK + offs_k, mask=m_k, other=0.0).to(tl.float32)
-        v = tl.load(src + 2 * HK * DK + head * DV + offs_v, mask=m_v, other=0.0).to(tl.float32)
-        g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
-                            stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
-        s, o = TL.scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
-        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
-        z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
-        y = gated_norm_head(o.to(act).to(tl.float32), z.to(tl.float32), tl.load(norm_w_ptr + offs_v, mask=m_v,
-                        other=0.0).to(tl.float32), m_v, eps, DV, act, ROUND_Y)
-        tl.store(o_ptrs, y.to(act), mask=m_v)
-    else:
-        tl.store(o_ptrs, tl.zeros([BV], dtype=act), mask=m_v)
-
-
-def split_decode(x, p, out, conv_state, state, slots, s: GdnShape, scratch) -> None:
-    """The decode step in two launches (the kernels above)."""
-    B = slots.shape[0]
-    qkv, z, b, a = x["qkv"], x["z"], x["b"], x["a"]
-    BK, BV = next_pow2(s.dk), next_pow2(s.dv)
-    _split_prep_kernel[(B, 2 * s.hk + s.hv)](
-        qkv, p.conv_weight, conv_state, slots, scratch, qkv.stride(0), p.conv_weight.stride(0), conv_state.stride(0),
-        conv_state.stride(1), scratch.stride(0), GF.L2NORM_EPS, HK=s.hk, DK=s.dk, DV=s.dv, BK=BK, BV=BV,
-        KW=s.kernel_width, KWP=next_pow2(s.kernel_width), PAD_SLOT=PADDING_SLOT, num_warps=1)
-    _split_core_kernel[(B, s.hv)](
-        scratch, z, b, a, p.A_log, p.dt_bias, p.norm_weight, out, state, slots, scratch.stride(0), z.stride(0),
-        z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1), out.stride(0), out.stride(1),
-        state.stride(0), state.stride(1), s.scale, EPS, HK=s.hk, GROUP=s.hv // s.hk, DK=s.dk, DV=s.dv, BK=BK, BV=BV,
-        ROUND_Y=GF.rounds_weighted_norm(p.norm_weight, out),
-        SOFTPLUS_MAX=GF.SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=GF.decode_warps(s.dk, s.dv))
-
-
 class Region:
     """One layer's GDN region at decode batch B over one pool: `unfused()` and `fused()` each run
     one step (static inputs, static slots: what a captured decode step replays); the fused op
@@ -186,7 +97,6 @@ class Region:
         self.mixed = torch.empty(x["qkv"].shape, dtype=x["qkv"].dtype, device=slots.device)
         self.core = torch.empty_like(self.out)
         self.qk_gates, self.norm = glue
-        self.scratch = torch.empty_like(self.mixed)
 
     def unfused(self) -> None:
         s, x, p = self.s, self.x, self.p
@@ -196,12 +106,13 @@ class Region:
         self.out = self.norm(self.core, x["z"], p.norm_weight, EPS)  # feeds out_proj as it is: no copy
 
     def fused_2(self) -> None:
-        split_decode(self.x, self.p, self.out, self.conv, self.state, self.slots, self.s, self.scratch)
+        self.fused(launches=2)
 
-    def fused(self, num_warps: int | None = None) -> None:
+    def fused(self, num_warps: int | None = None, launches: int = 1) -> None:
         s, x, p = self.s, self.x, self.p
         GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight,
-                            self.out, self.conv, self.state, self.slots, s.hk, s.scale, EPS, num_warps=num_warps)
+                            self.out, self.conv, self.state, self.slots, s.hk, s.scale, EPS, num_warps=num_warps,
+                            launches=launches)
 
 
 FUSED = ("fused", "fused_2")

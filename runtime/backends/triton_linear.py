@@ -425,10 +425,12 @@ class TritonLinearBackend(BackendHooks):
         # kernel (one program per request and key head) lost to the unfused ops at batch 1 and 128 on
         # an H200 (11.97 against 11.34 us and 285 against 187 us a layer; 1.25x faster at 8), and a
         # two-launch split won at 1 and 8 (1.37x, 1.13x) but not at 128 (0.88x):
-        # benchmarks/kernels/gdn_fused_bench.py, benchmarks/history/linear_decode.md.
+        # benchmarks/kernels/gdn_fused_bench.py, benchmarks/history/linear_decode.md. The op's decode
+        # takes the split up to kernels/gdn_fused.py SPLIT_DECODE_MAX_ROWS; a whole-step measure decides
+        # whether the route becomes the default.
         fused_on_route=frozenset({"gdn_fused"}),
         doc="Triton decode kernels (decode; target_verify: every request's tokens in one launch; the fused GDN "
-            "mixer one launch a decode step), Triton chunk kernels "
+            "mixer one or two launches a decode step), Triton chunk kernels "
             "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "
             "chunk kernels for KDA, or with chunk_impl=fla), a Triton extend conv; "
             "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify, "
@@ -854,7 +856,8 @@ class TritonLinearBackend(BackendHooks):
 
     def gdn_fused(self, ctx, qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, layer_id, k_heads, scale,
                   eps):
-        """A whole GDN mixer (kernels/gdn_fused.py). Decode: one launch. Target-verify and extend
+        """A whole GDN mixer (kernels/gdn_fused.py). Decode: one launch (two for a step of few
+        requests, kernels/gdn_fused.py SPLIT_DECODE_MAX_ROWS). Target-verify and extend
         steps: the conv and the recurrent core as short_conv and gdn_core run them in this step
         (verify kernels, extend conv, chunk kernels, FLA), with one launch for the l2norm and the
         gates between them and one for the gated norm after."""
@@ -862,9 +865,11 @@ class TritonLinearBackend(BackendHooks):
         what = f"{self.name}: hgc.gdn_fused (layer {layer_id})"
         path, n = self._route(ctx, "gdn_fused", layer_id, qkv.shape[0])
         if path == "decode":
+            # fixed tiles (batch-invariant): one kernel at every batch, as for the other decode kernels
             fused.gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out,
                                    self._layer_state(layer_id, "conv"), self._layer_state(layer_id, "recurrent"),
-                                   self._step_slots(ctx), k_heads, scale, eps, what)
+                                   self._step_slots(ctx), k_heads, scale, eps, what,
+                                   launches=1 if self.fixed_tiles else None)
             return
         dims = fused.gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
         mixed = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)

@@ -4,7 +4,7 @@ gdn_core with the model's torch glue between them), each on its own copy of the 
 non-zero pools.
 
 Marked gpu (CI deselects them). bf16 and float32; decode at batch 1, 8 and 128 (padding rows
-pointing at the padding slot), extend steps of one 512-token request and of 4 x 100 tokens on our
+pointing at the padding slot), each on the op's choice of launches and on the two-launch split, extend steps of one 512-token request and of 4 x 100 tokens on our
 chunk kernels (and on FLA's where it is installed), a target-verify step of 4 requests x 4 tokens;
 outputs and the touched slots' conv and recurrent states by relative error of the norm, padding
 rows zero. The last test captures the fused decode path in a CUDA graph and replays it for steps
@@ -81,9 +81,15 @@ def plan(backend, ctx) -> None:
     plan_eager_step(backend, ctx, 8192)
 
 
+@pytest.mark.parametrize("split_all", [False, True], ids=["own_choice", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("B", [1, 8, 128])
-def test_decode_matches_the_unfused_ops(B, dtype):
+def test_decode_matches_the_unfused_ops(B, dtype, split_all, monkeypatch):
+    """The op's choice of launches at each batch (the split up to SPLIT_DECODE_MAX_ROWS), and the
+    two-launch split at every batch."""
+    from runtime.backends.kernels import gdn_fused as GF
+    if split_all:
+        monkeypatch.setattr(GF, "SPLIT_DECODE_MAX_ROWS", B)
     fused, unfused, p = backends(dtype, seed=B)
     g = torch.Generator().manual_seed(100 + B)
     num_real = max(1, B - B // 8)  # padding rows at the end, as the runtime pads to a bucket

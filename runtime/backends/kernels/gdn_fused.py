@@ -23,7 +23,10 @@ in the decode conv); every other tensor is only read, and each `out` row head wr
 Holding all of Dv makes the norm a reduction in registers. The price is parallelism: at batch 1
 of Qwen3-Next's dims (Hk 16, Hv 32, Dk = Dv = 128) 16 programs, each through two 64 KiB states,
 against the recurrent decode kernel's 512 narrow programs; the decode step is launch-bound
-(benchmarks/kernels/gdn_fused_bench.py times both).
+(benchmarks/kernels/gdn_fused_bench.py times both). So a step of few requests (at most
+SPLIT_DECODE_MAX_ROWS) takes two launches instead: the conv step and the l2norm per (request,
+q | k | v head) into a [B, C] buffer, then the gates, the recurrence and the gated norm per
+(request, value head); the same values in the same order, more programs.
 
 Extend, mixed and target-verify steps keep the existing conv and recurrent paths (the backend
 routes them as it routes short_conv and gdn_core) around two kernels of this module:
@@ -48,7 +51,8 @@ from runtime.backends.kernels.launch_math import next_pow2
 from runtime.backends.kernels.linear import conv_token, scalar_decay_step
 from runtime.cache.state_pool import PADDING_SLOT
 
-__all__ = ["L2NORM_EPS", "SOFTPLUS_THRESHOLD", "GdnDims", "gdn_dims", "gdn_fused_decode", "qk_gates", "gated_rmsnorm",
+__all__ = ["L2NORM_EPS", "SOFTPLUS_THRESHOLD", "SPLIT_DECODE_MAX_ROWS", "GdnDims", "gdn_dims", "decode_launches",
+           "gdn_fused_decode", "qk_gates", "gated_rmsnorm",
            "decode_warps", "rounds_weighted_norm", "l2norm_head", "gdn_gates", "gated_norm_head"]
 
 # The l2norm's epsilon (inside the root), a constant of the op: the models' l2norm (FLA's and
@@ -160,6 +164,73 @@ def _gdn_fused_decode_kernel(
 
 
 @triton.jit
+def _split_prep_kernel(qkv_ptr, conv_w_ptr, conv_ptr, slots_ptr, mixed_ptr,
+                       stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_m_row, l2_eps,
+                       HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       KW: tl.constexpr, KWP: tl.constexpr, PAD_SLOT: tl.constexpr):
+    """The split decode's first launch, one program per (request, head h of q | k | v): the conv step
+    of the head's channels (it alone rolls their history), q and k l2-normalised, into mixed [B, C]
+    in the activation dtype. A padding row's program does nothing (the second launch zeroes its out)."""
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    act = mixed_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        if h < 2 * HK:
+            offs = h * DK + tl.arange(0, BK)
+            m = tl.arange(0, BK) < DK
+            y, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs, m, stride_x_row,
+                              stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
+            tl.store(mixed_ptr + row * stride_m_row + offs, l2norm_head(y, m, act, l2_eps).to(act), mask=m)
+        else:
+            offs = 2 * HK * DK + (h - 2 * HK) * DV + tl.arange(0, BV)
+            m = tl.arange(0, BV) < DV
+            y, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs, m, stride_x_row,
+                              stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
+            tl.store(mixed_ptr + row * stride_m_row + offs, y.to(act), mask=m)
+
+
+@triton.jit
+def _split_core_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, state_ptr,
+                       slots_ptr, stride_m_row, stride_z_row, stride_z_head, stride_b_row, stride_b_head,
+                       stride_a_row, stride_a_head, stride_o_row, stride_o_head, stride_s_slot, stride_s_head,
+                       scale, eps, HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
+                       PAD_SLOT: tl.constexpr):
+    """The split decode's second launch, one program per (request, value head): the gates, the
+    recurrent step on the head's whole state and the gated norm, from the first launch's q, k, v
+    (rounded to A there as the one-launch kernel rounds them in registers: the same values)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    m_k = offs_k < DK
+    m_v = offs_v < DV
+    act = out_ptr.dtype.element_ty
+    o_ptrs = out_ptr + row * stride_o_row + head * stride_o_head + offs_v
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        m_s = m_k[:, None] & m_v[None, :]
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+        src = mixed_ptr + row * stride_m_row
+        kh = head // GROUP
+        q = tl.load(src + kh * DK + offs_k, mask=m_k, other=0.0).to(tl.float32) * scale
+        k = tl.load(src + (HK + kh) * DK + offs_k, mask=m_k, other=0.0).to(tl.float32)
+        v = tl.load(src + 2 * HK * DK + head * DV + offs_v, mask=m_v, other=0.0).to(tl.float32)
+        g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
+                            stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+        s, o = scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+        z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
+        weight = tl.load(norm_w_ptr + offs_v, mask=m_v, other=0.0).to(tl.float32)
+        y = gated_norm_head(o.to(act).to(tl.float32), z.to(tl.float32), weight, m_v, eps, DV, act, ROUND_Y)
+        tl.store(o_ptrs, y.to(act), mask=m_v)
+    else:
+        tl.store(o_ptrs, tl.zeros([BV], dtype=act), mask=m_v)
+
+
+@triton.jit
 def _qk_gates_kernel(
     mixed_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, q_ptr, k_ptr, g_ptr, beta_ptr,
     stride_m_row, stride_b_row, stride_b_head, stride_a_row, stride_a_head,
@@ -225,6 +296,8 @@ def _gated_rmsnorm_kernel(
 
 # launched in the eager gaps of piecewise steps with the same arguments step after step (linear.py)
 _GDN_FUSED_DECODE = Launcher(_gdn_fused_decode_kernel)
+_SPLIT_PREP = Launcher(_split_prep_kernel)
+_SPLIT_CORE = Launcher(_split_core_kernel)
 _QK_GATES = Launcher(_qk_gates_kernel)
 _GATED_RMSNORM = Launcher(_gated_rmsnorm_kernel)
 
@@ -284,14 +357,32 @@ def decode_warps(dk: int, dv: int) -> int:
     return max(1, min(8, next_pow2(dk) * next_pow2(dv) // 2048))
 
 
+# Decode steps of at most this many requests take the two-launch split (`gdn_fused_decode`), larger
+# ones the one launch. On the H200 at bench qwen3_next's dims, us a layer (benchmarks/kernels/
+# gdn_fused_bench.py, benchmarks/history/linear_decode.md "The fused GDN mixer"): batch 1, split 8.27
+# against one launch 11.97 (unfused 11.34); batch 8, 16.20 against 14.60. Counts between are unmeasured.
+SPLIT_DECODE_MAX_ROWS = 1
+
+
+def decode_launches(rows: int) -> int:
+    """Launches of a decode step of `rows` requests (SPLIT_DECODE_MAX_ROWS)."""
+    return 2 if rows <= SPLIT_DECODE_MAX_ROWS else 1
+
+
 def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots,
                      k_heads: int, scale: float, eps: float, what: str = "gdn_fused",
-                     num_warps: int | None = None) -> None:
-    """One decode step of a GDN mixer, one launch: row r is request r, on slot slots[r] (the
-    padding slot: a zero row, nothing read or kept). conv_state [slots+1, C, K-1] and state
-    [slots+1, Hv, Dk, Dv] float32 are the layer's, updated in place. `num_warps` pins the
-    program's warps (benchmarks); None: decode_warps, the same at every batch, so a request's
-    reductions never depend on what shares its step."""
+                     num_warps: int | None = None, launches: int | None = None) -> None:
+    """One decode step of a GDN mixer: row r is request r, on slot slots[r] (the padding slot: a zero
+    row, nothing read or kept). conv_state [slots+1, C, K-1] and state [slots+1, Hv, Dk, Dv] float32
+    are the layer's, updated in place.
+
+    launches: 1, one program per (request, key head) through everything; 2, the split: the conv and
+    the l2norm per (request, q | k | v head) into a [B, C] buffer, then the gates, recurrence and
+    gated norm per (request, value head), more programs where requests are few. None:
+    `decode_launches`. Both compute the same values in the same order, so a request's output does
+    not depend on which one ran. `num_warps` pins the recurrence's warps (benchmarks); None:
+    decode_warps, the same at every batch, so a request's reductions never depend on what shares
+    its step."""
     d = gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
     B = qkv.shape[0]
     if slots.shape != (B,):
@@ -303,18 +394,34 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
             or state.stride(2) != d.dv:
         raise ValueError(f"{what}: state {state.dtype} {tuple(state.shape)}, expected float32 [slots+1, {d.hv}, "
                          f"{d.dk}, {d.dv}] with contiguous [Dk, Dv] states")
+    launches = decode_launches(B) if launches is None else launches
+    if launches not in (1, 2):
+        raise ValueError(f"{what}: launches {launches}: 1 or 2")
     if B == 0:
         return
-    grid = (B, d.hk)
-    _GDN_FUSED_DECODE[grid](
+    BK, BV, KWP = next_pow2(d.dk), next_pow2(d.dv), next_pow2(d.kernel_width)
+    round_y = rounds_weighted_norm(norm_weight, out)
+    warps = num_warps or decode_warps(d.dk, d.dv)
+    if launches == 2:
+        mixed = torch.empty((B, d.channels), dtype=qkv.dtype, device=qkv.device)
+        _SPLIT_PREP[(B, 2 * d.hk + d.hv)](
+            qkv, conv_weight, conv_state, slots, mixed, qkv.stride(0), conv_weight.stride(0), conv_state.stride(0),
+            conv_state.stride(1), mixed.stride(0), L2NORM_EPS, HK=d.hk, DK=d.dk, DV=d.dv, BK=BK, BV=BV,
+            KW=d.kernel_width, KWP=KWP, PAD_SLOT=PADDING_SLOT, num_warps=1)
+        _SPLIT_CORE[(B, d.hv)](
+            mixed, z, b, a, A_log, dt_bias, norm_weight, out, state, slots, mixed.stride(0), z.stride(0),
+            z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1), out.stride(0), out.stride(1),
+            state.stride(0), state.stride(1), float(scale), float(eps), HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk,
+            DV=d.dv, BK=BK, BV=BV, ROUND_Y=round_y, SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT,
+            num_warps=warps)
+        return
+    _GDN_FUSED_DECODE[(B, d.hk)](
         qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots,
         qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
         out.stride(0), out.stride(1), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
-        HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=next_pow2(d.dk), BV=next_pow2(d.dv),
-        KW=d.kernel_width, KWP=next_pow2(d.kernel_width), ROUND_Y=rounds_weighted_norm(norm_weight, out),
-        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT,
-        num_warps=num_warps or decode_warps(d.dk, d.dv))
+        HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=BK, BV=BV, KW=d.kernel_width, KWP=KWP, ROUND_Y=round_y,
+        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=warps)
 
 
 def qk_gates(mixed, b, a, A_log, dt_bias, d: GdnDims) -> tuple:

@@ -114,10 +114,13 @@ DECODES = {1: ([5], 1), 3: ([7, 2, PADDING_SLOT], 2), 6: ([4, 9, 1, 6, PADDING_S
 
 
 @in_process
+@pytest.mark.parametrize("split_up_to", [GF.SPLIT_DECODE_MAX_ROWS, 8], ids=["split_default", "split_all"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("batch", list(DECODES))
 @pytest.mark.parametrize("layer_id", list(LAYERS))
-def test_decode_steps_match_the_unfused_ops(layer_id, batch, dtype):
+def test_decode_steps_match_the_unfused_ops(layer_id, batch, dtype, split_up_to, monkeypatch):
+    """Each batch on the op's own choice of launches, and on the two-launch split at every batch."""
+    monkeypatch.setattr(GF, "SPLIT_DECODE_MAX_ROWS", split_up_to)
     slots, num_real = DECODES[batch]
     case = Case(layer_id, dtype, seed=10 * layer_id + batch)
     for _ in range(3):
@@ -154,17 +157,39 @@ def test_decode_at_the_bench_dims_in_bf16():
     case.step(decode_ctx([3], 1, "cpu"), decode_ctx([3], 1, DEVICE), [3])
 
 
-@in_process
-def test_the_decode_step_is_one_launch(monkeypatch):
-    launches = []
-    real = GF._GDN_FUSED_DECODE.launch
-    monkeypatch.setattr(GF._GDN_FUSED_DECODE, "launch", lambda *a: (launches.append(a[0]), real(*a))[1])
+def _count_launches(monkeypatch) -> dict:
+    """Launches per decode kernel of the op from here on; the other kernels fail the test."""
+    counts = {"one": [], "prep": [], "core": []}
+    for name, launcher in (("one", GF._GDN_FUSED_DECODE), ("prep", GF._SPLIT_PREP), ("core", GF._SPLIT_CORE)):
+        real = launcher.launch
+        monkeypatch.setattr(launcher, "launch", lambda *a, _n=name, _r=real: (counts[_n].append(a[0]), _r(*a))[1])
     for name in ("_QK_GATES", "_GATED_RMSNORM"):
-        monkeypatch.setattr(getattr(GF, name), "launch", lambda *a: pytest.fail("a second kernel in a decode step"))
+        monkeypatch.setattr(getattr(GF, name), "launch", lambda *a: pytest.fail("a non-decode kernel in a decode step"))
+    return counts
+
+
+@in_process
+@pytest.mark.parametrize("decode_tiles", ["by_batch", "fixed"])
+def test_one_request_takes_the_split_unless_tiles_are_fixed(monkeypatch, decode_tiles):
+    """Batch 1 (SPLIT_DECODE_MAX_ROWS): the split's two launches, (request, q|k|v head) then (request,
+    value head); with fixed tiles (batch-invariant) the one launch, as at every batch."""
+    assert GF.SPLIT_DECODE_MAX_ROWS >= 1
+    counts = _count_launches(monkeypatch)
+    case = Case(0, torch.float32, seed=11, backend_kwargs={"decode_tiles": decode_tiles})
+    case.step(decode_ctx([6], 1, "cpu"), decode_ctx([6], 1, DEVICE), [6])
+    s = case.shape
+    want = ({"one": [], "prep": [(1, 2 * s.hk + s.hv)], "core": [(1, s.hv)]} if decode_tiles == "by_batch"
+            else {"one": [(1, s.hk)], "prep": [], "core": []})
+    assert counts == want
+
+
+@in_process
+def test_two_requests_take_the_one_launch(monkeypatch):
+    counts = _count_launches(monkeypatch)
     case = Case(0, torch.float32, seed=9)
     slots = [5, 2]
     case.step(decode_ctx(slots, 2, "cpu"), decode_ctx(slots, 2, DEVICE), slots)
-    assert launches == [(2, 2)]  # (requests, key heads)
+    assert counts == {"one": [(2, 2)], "prep": [], "core": []}  # (requests, key heads)
 
 
 # Extend, mixed and target-verify steps: (mode, (slot, cached, new tokens) requests, padding rows,
