@@ -119,18 +119,20 @@ def drop_metadata_asserts(graph: torch.fx.Graph) -> int:
     return len(asserts)
 
 
-def compile_piece(module: torch.fx.GraphModule, device: torch.device):
+def compile_piece(module: torch.fx.GraphModule, device: torch.device, config_patches: dict | None = None):
     """Step 4 for one segment module (`segment_module`), retargeted to `device` in place: its
-    CompiledArtifact, for every value of its symbolic sizes."""
+    CompiledArtifact, for every value of its symbolic sizes. config_patches: Inductor settings in
+    place of INDUCTOR_CONFIG's for the device (benchmarks/kernels/glue_config_bench.py weighs them;
+    a bundle is always built and loaded with INDUCTOR_CONFIG's)."""
     from torch._inductor import standalone_compile
 
     retarget_meta_devices(module.graph, device)
     drop_metadata_asserts(module.graph)
     module.recompile()
     inputs = fake_inputs(module, device)
+    patches = dict(INDUCTOR_CONFIG[device.type] if config_patches is None else config_patches)
     with torch.no_grad():
-        return standalone_compile(module, inputs, dynamic_shapes="from_graph",
-                                  options={"config_patches": dict(INDUCTOR_CONFIG[device.type])})
+        return standalone_compile(module, inputs, dynamic_shapes="from_graph", options={"config_patches": patches})
 
 
 def _code_files(cache_dir: Path) -> set[Path]:
