@@ -29,6 +29,8 @@
 #   multiturn_compiled  multiturn_bench.py on the serving artifact
 #   glue_source  the Inductor sources in the serving artifact's bundle of the kernels named in GLUE_KERNELS
 #                (space-separated), up to 4 files each, in one file $OUT/glue_source/glue_source.txt: what a glue kernel does
+#   glue_config  benchmarks/kernels/glue_config_bench.py: each glue piece of bench qwen3_next under the
+#                bundle's Inductor settings and its variants, at 1 / 32 / 512 / 4096 tokens (issue 51)
 #   apart        offline_bench at CONCURRENCY with mixed steps in one forward (--decodes-apart-from 0): against
 #                the offline run of the serve stage (decodes apart, the default)
 # FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account; PIECES=1
@@ -133,6 +135,8 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
             done
         done > "$OUT/glue_source/glue_source.txt"
         grep -c '^##### ' "$OUT/glue_source/glue_source.txt" ;;
+    glue_config)
+        python3 benchmarks/kernels/glue_config_bench.py --out "$OUT/glue_config" --work "$W" ;;
     *) echo "unknown stage $stage" ;;
     esac
 done
