@@ -168,15 +168,16 @@ def interpreted_linear_registry(source: str):
     return discover().with_classes(wide, source=source)
 
 
-def compile_linear_routed(ckpt, out, ops, options: str, registry) -> None:
-    """`hgc compile --route OP=triton_linear_interpreted[OPTIONS]` for each of `ops`, with `registry`."""
+def compile_linear_routed(ckpt, out, ops, options: str, registry, **config) -> None:
+    """`hgc compile --route OP=triton_linear_interpreted[OPTIONS]` for each of `ops`, with `registry`;
+    `config`: other CompileConfig fields (the buckets, say)."""
     from compiler.passes.context import CompileConfig
     from compiler.passes.routing import parse_route
     from compiler.pipeline import compile_checkpoint
     from hgc.wiring import toolchain
 
     routes = tuple(parse_route(f"{op}={INTERPRETED_TRITON_LINEAR}[{options}]") for op in ops)
-    compile_checkpoint(ckpt, out, CompileConfig(routes=routes), toolchain(registry), dumps=False)
+    compile_checkpoint(ckpt, out, CompileConfig(routes=routes, **config), toolchain(registry), dumps=False)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
