@@ -12,7 +12,7 @@ prompt sizes alike, before the bundle's settings change:
 
 1. the artifact (bench_common.compiled_artifact: `hgc compile`, traced glue) of --family/--size,
    loaded on random weights; its main program's glue segments as `hgc build` cuts them
-   (compiler/splitops/glue.py), with the same rewrite of projections on cuda (glue_ops), one per
+   (compiler/splitops/glue.py), with the build's rewrite of projections (`small_m_for`), one per
    distinct structure (--max-segments of them, largest first);
 2. per variant (`VARIANTS`: bundle = INDUCTOR_CONFIG; no_combo = combo kernels off; per_block = a
    block size per combo sub-kernel), each piece compiled as the build compiles it
@@ -128,7 +128,8 @@ def run(args) -> dict:
         missing = [k for k in patch if k not in known]
         doc["variants"][name] = {"patch": patch, "skipped": f"this torch has no {missing}" if missing else None}
     generator = torch.Generator().manual_seed(0)
-    for entry in pieces(gm, small_m=device.type == "cuda", limit=args.max_segments):
+    from hgc.build_command import small_m_for
+    for entry in pieces(gm, small_m=small_m_for(art.docs, device.type), limit=args.max_segments):
         module = entry.pop("module")
         # as compile_piece prepares it: on the device, without export's dtype asserts (the eager reference)
         retarget_meta_devices(module.graph, device)

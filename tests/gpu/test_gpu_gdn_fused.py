@@ -89,6 +89,8 @@ def test_decode_matches_the_unfused_ops(B, dtype, split_all, monkeypatch):
     two-launch split at every batch."""
     from runtime.backends.kernels import gdn_fused as GF
     if split_all:
+        if B <= GF.SPLIT_DECODE_MAX_ROWS:
+            pytest.skip("the op's own choice at this batch is the split")
         monkeypatch.setattr(GF, "SPLIT_DECODE_MAX_ROWS", B)
     fused, unfused, p = backends(dtype, seed=B)
     g = torch.Generator().manual_seed(100 + B)

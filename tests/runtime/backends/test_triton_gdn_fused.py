@@ -120,6 +120,8 @@ DECODES = {1: ([5], 1), 3: ([7, 2, PADDING_SLOT], 2), 6: ([4, 9, 1, 6, PADDING_S
 @pytest.mark.parametrize("layer_id", list(LAYERS))
 def test_decode_steps_match_the_unfused_ops(layer_id, batch, dtype, split_up_to, monkeypatch):
     """Each batch on the op's own choice of launches, and on the two-launch split at every batch."""
+    if split_up_to != GF.SPLIT_DECODE_MAX_ROWS and batch <= GF.SPLIT_DECODE_MAX_ROWS:
+        pytest.skip("the op's own choice at this batch is the split")
     monkeypatch.setattr(GF, "SPLIT_DECODE_MAX_ROWS", split_up_to)
     slots, num_real = DECODES[batch]
     case = Case(layer_id, dtype, seed=10 * layer_id + batch)
