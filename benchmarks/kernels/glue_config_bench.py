@@ -73,7 +73,7 @@ def pieces(gm: torch.fx.GraphModule, small_m: bool, limit: int) -> list[dict]:
 
 
 def concrete_inputs(module: torch.fx.GraphModule, T: int, device, generator) -> list[torch.Tensor]:
-    """Random inputs of the module's placeholders with every symbolic size set to T."""
+    """Random inputs of the module's placeholders, laid out as their strides say, every symbolic size set to T."""
     def size(v):
         return v if isinstance(v, int) else int(v.node.expr.xreplace({s: T for s in v.node.expr.free_symbols}))
 
@@ -89,7 +89,10 @@ def concrete_inputs(module: torch.fx.GraphModule, T: int, device, generator) -> 
             t = (0.1 * torch.randn(shape, generator=generator)).to(val.dtype)
         else:
             t = torch.zeros(shape, dtype=val.dtype)
-        out.append(t.to(device))
+        # with the placeholder's strides: a compiled piece checks them (a slice of a wider tensor,
+        # such as q out of the projection's output, is not contiguous)
+        strided = torch.empty_strided(shape, [size(s) for s in val.stride()], dtype=val.dtype, device=device)
+        out.append(strided.copy_(t))
     return out
 
 
