@@ -3,6 +3,7 @@
     python3 benchmarks/kernels/tune_moe.py --out $OUT                 # both bench layers, bf16
     python3 benchmarks/kernels/tune_moe.py --out $OUT --shapes e16 --budget-s 240
     python3 benchmarks/kernels/tune_moe.py --out $OUT --shapes e16 --buckets 8,16,32,64,128 --budget-s 150
+    python3 benchmarks/kernels/tune_moe.py --out $OUT --shapes e16 --buckets 512,4096 --wide-to 4096 --budget-s 240
     python3 benchmarks/kernels/tune_moe.py --dry-run --out /tmp/moe   # interpreter, tiny dims, 2 buckets
 
 Writes `runtime/backends/kernels/moe_configs/E={E},I={I},device={device}.json` (read by TritonMoEBackend)
@@ -104,10 +105,12 @@ DOWN_TILES = {
 }
 DRY_LIMIT = 2  # tiles per search round in a dry run: the interpreter is slow and its timings mean nothing
 
-# The wide search of the sorted GEMMs (buckets up to WIDE_MAX_T tokens, BLOCK_M up to WIDE_MAX_BM).
+# The wide search of the sorted GEMMs (buckets up to WIDE_MAX_T tokens, BLOCK_M up to WIDE_MAX_BM; with
+# --wide-to T every bucket up to T and every BLOCK_M: a prompt-sized bucket, hundreds of rows per
+# expert, whose grid of 128-row tiles is about one wave on the card and whose short list is four tiles).
 WIDE_MAX_T = 128
 WIDE_MAX_BM = 64
-WIDE_BLOCK_N = {"gate_up": (16, 32, 64), "down": (16, 32, 64, 128, 256)}
+WIDE_BLOCK_N = {"gate_up": (16, 32, 64, 128), "down": (16, 32, 64, 128, 256)}
 WIDE_BLOCK_K = (64, 128, 256)
 WIDE_WARPS = (2, 4, 8)
 WIDE_STAGES = (2, 3, 4, 5, 6)
@@ -244,8 +247,9 @@ def _wide_search(bench, label, first_round, run, check, deadline, log, itemsize,
 
 
 def tune_bucket(bench: Bench, layer, T: int, E: int, top_k: int, log: list, deadline: float = float("inf"),
-                known: MoEConfig | None = None) -> dict:
-    """Tune one bucket within `deadline`; `known`: the config file's entry for it, tried first."""
+                known: MoEConfig | None = None, wide_to: int = 0) -> dict:
+    """Tune one bucket within `deadline`; `known`: the config file's entry for it, tried first; the wide
+    search for every BLOCK_M where T <= wide_to."""
     router, _, w13, w2, sw13, sw2, gate = layer
     D, I, dev = bench.D, bench.I, bench.device
     limit = DRY_LIMIT if bench.dry else None
@@ -297,7 +301,7 @@ def tune_bucket(bench: Bench, layer, T: int, E: int, top_k: int, log: list, dead
         gu_tiles = [GemmConfig(bm, *t) for t in GATE_UP_TILES[bm]]
         dn_tiles = [GemmConfig(bm, *t) for t in DOWN_TILES[bm]]
         gu_known, dn_known = ([known.gate_up], [known.down]) if known and known.gate_up.BLOCK_M == bm else ([], [])
-        wide = T <= WIDE_MAX_T and bm <= WIDE_MAX_BM
+        wide = T <= WIDE_MAX_T and bm <= WIDE_MAX_BM or T <= wide_to
 
         def gu_run(c):
             gate_up_sorted(x, w13, *sort, slots, c, h=h, shared_w13=sw13)
@@ -361,7 +365,7 @@ def pick_winner(whole_us: dict) -> str:
 
 
 def tune_shape(bench: Bench, E: int, top_k: int, buckets: list[int], deadline: float, log: list,
-               known: dict[int, MoEConfig] | None = None) -> dict:
+               known: dict[int, MoEConfig] | None = None, wide_to: int = 0) -> dict:
     """{bucket: entry} for `buckets`, each within an even share of the time left before `deadline`;
     known: the config file's table, whose entry for a bucket is tried first."""
     layer = make_layer(bench, E, seed=1234 + E)
@@ -374,7 +378,7 @@ def tune_shape(bench: Bench, E: int, top_k: int, buckets: list[int], deadline: f
             continue
         t0 = time.time()
         bucket_deadline = t0 + (deadline - t0) / (len(buckets) - n)
-        entry = tune_bucket(bench, layer, T, E, top_k, log, bucket_deadline, (known or {}).get(T))
+        entry = tune_bucket(bench, layer, T, E, top_k, log, bucket_deadline, (known or {}).get(T), wide_to)
         entry["source"] = "tuned"
         table[str(T)] = entry
         print(f"[tune E={E} T={T}] {entry['winner']}: {entry['us']:.1f}us (default {entry['default_us']:.1f}us) "
@@ -386,7 +390,7 @@ def tune_shape(bench: Bench, E: int, top_k: int, buckets: list[int], deadline: f
 
 
 def tune_all(base: Bench, shapes: dict, config_dir: Path, out_dir: Path, budget_s: float,
-             buckets: list[int] | None = None) -> dict:
+             buckets: list[int] | None = None, wide_to: int = 0) -> dict:
     """Tune every shape, write one JSON per shape into config_dir and out_dir/moe_configs; return a summary."""
     buckets = buckets or (BUCKETS_DRY if base.dry else BUCKETS_GPU)
     device = device_name_of(base.device)
@@ -400,7 +404,7 @@ def tune_all(base: Bench, shapes: dict, config_dir: Path, out_dir: Path, budget_
         fname = config_file_name(shape["E"], bench.I, device)
         before = _read_doc(Path(config_dir) / fname)
         known = {int(t): MoEConfig.from_dict(v) for t, v in before["buckets"].items()} if before else None
-        table = tune_shape(bench, shape["E"], shape["top_k"], buckets, shape_deadline, log, known)
+        table = tune_shape(bench, shape["E"], shape["top_k"], buckets, shape_deadline, log, known, wide_to)
         kept = {t: v for t, v in (before["buckets"] if before else {}).items() if t not in table}
         doc = {
             "meta": {"E": shape["E"], "I": bench.I, "D": bench.D, "S": bench.S, "top_k": shape["top_k"],
@@ -493,6 +497,9 @@ def main(argv=None) -> int:
     parser.add_argument("--config-dir", type=Path, default=None,
                         help="where the backend reads configs (default: the repo's; a dry run: OUT/moe_configs)")
     parser.add_argument("--no-shared", action="store_true", help="tune layers without the shared expert")
+    parser.add_argument("--wide-to", type=int, default=0, metavar="T",
+                        help=f"the wide search for buckets up to T tokens at every BLOCK_M (default: up to "
+                             f"{WIDE_MAX_T} tokens, BLOCK_M up to {WIDE_MAX_BM})")
     args = parser.parse_args(argv)
     if args.reselect:
         reselect(args.reselect)
@@ -509,7 +516,7 @@ def main(argv=None) -> int:
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
     config_dir = args.config_dir or (args.out / "moe_configs" if bench.dry else CONFIG_DIR)
     t0 = time.time()
-    summary = tune_all(bench, shapes, config_dir, args.out, args.budget_s, buckets)
+    summary = tune_all(bench, shapes, config_dir, args.out, args.budget_s, buckets, args.wide_to)
     (args.out).mkdir(parents=True, exist_ok=True)
     (args.out / "tune_moe.json").write_text(json.dumps(summary, indent=1))
     print(f"tune: done in {time.time() - t0:.0f}s")

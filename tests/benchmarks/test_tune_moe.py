@@ -42,8 +42,9 @@ def test_reselect_puts_the_default_back_where_the_tuned_gain_is_noise(tmp_path, 
 
 def test_the_wide_search_fits_shared_memory_and_keeps_blocks_within_the_reduction():
     from tune_moe import WIDE_BLOCK_N, _fits, wide_pipelines, wide_tiles
-    for stage, depth in (("gate_up", 2048), ("down", 512), ("down", 64)):
-        tiles = wide_tiles(stage, 16, depth, 2)
+    for stage, depth, bm in (("gate_up", 2048, 16), ("down", 512, 16), ("down", 64, 16), ("gate_up", 2048, 128),
+                             ("down", 512, 128)):
+        tiles = wide_tiles(stage, bm, depth, 2)
         assert tiles and len(set(tiles)) == len(tiles)
         assert {c.BLOCK_N for c in tiles} <= set(WIDE_BLOCK_N[stage]) and all(c.BLOCK_K <= depth for c in tiles)
         around = wide_pipelines(tiles[-1], 2)
@@ -87,7 +88,7 @@ def test_a_run_over_some_buckets_keeps_the_files_other_buckets(tmp_path, monkeyp
     new = default_config(64, E, bench.I, bench.D, k)
     seen = {}
 
-    def tuned(bench, E, top_k, buckets, deadline, log, known):
+    def tuned(bench, E, top_k, buckets, deadline, log, known, wide_to):
         seen.update(known)
         return {str(t): {**new.to_dict(), "source": "tuned"} for t in buckets}
 
