@@ -1,4 +1,4 @@
-"""benchmarks/kernels/glue_config_bench.py --dry-run on the CPU (tiny qwen3_next, C++ glue): the largest
+"""benchmarks/kernels/glue_config_bench.py --dry-run on the CPU (tiny qwen3_next, C++ glue): every distinct
 glue piece compiled under two setting variants, each checked against the traced segment run eagerly
 before it is timed, at two token counts."""
 
@@ -15,17 +15,20 @@ SCRIPT = ROOT / "benchmarks" / "kernels" / "glue_config_bench.py"
 
 def test_dry_run_checks_each_variant_then_times_it(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path / "out"),
-                           "--work", str(tmp_path / "work"), "--max-segments", "1", "--tokens", "1,5",
+                           "--work", str(tmp_path / "work"), "--tokens", "1,5",
                            "--variants", "bundle,no_combo"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((tmp_path / "out" / "glue_config_bench.json").read_text())
     assert set(doc["variants"]) == {"bundle", "no_combo"} and doc["variants"]["no_combo"]["patch"] == {
         "combo_kernels": False}
-    (piece,) = doc["pieces"]
-    assert piece["segments"] >= 1 and set(piece["tokens"]) == {"1", "5"}
-    for cell in piece["tokens"].values():
-        for name in ("bundle", "no_combo"):
-            assert cell[name]["ok"] and cell[name]["rel_err"] < 1e-4 and cell[name]["us"] > 0, cell
+    # every distinct piece: some take a slice of a wider tensor (q out of the projection's output),
+    # whose strides the compiled piece checks
+    assert len(doc["pieces"]) >= 5
+    for piece in doc["pieces"]:
+        assert piece["segments"] >= 1 and set(piece["tokens"]) == {"1", "5"}
+        for cell in piece["tokens"].values():
+            for name in ("bundle", "no_combo"):
+                assert cell[name]["ok"] and cell[name]["rel_err"] < 1e-4 and cell[name]["us"] > 0, cell
     assert set(doc["step_us"]) == {"1", "5"} and all(v > 0 for row in doc["step_us"].values() for v in row.values())
     assert "| tokens | bundle | no_combo |" in proc.stdout
 
