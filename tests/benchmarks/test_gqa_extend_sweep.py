@@ -1,0 +1,24 @@
+"""benchmarks/kernels/gqa_extend_sweep.py --dry-run on the CPU (Triton's interpreter, tiny dims): each split
+count and key tile of the varlen GQA kernel checked against the causal reference before it is timed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "kernels" / "gqa_extend_sweep.py"
+
+
+def test_dry_run_checks_every_variant_then_times_it(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--replays", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "gqa_extend_sweep.json").read_text())
+    assert [r["requests"] for r in doc["rows"]] == [[24], [8, 8]]
+    for row in doc["rows"]:
+        assert len(row["variants"]) == 6 and "splits=auto block_n=32" in row["variants"]
+        for name, cell in row["variants"].items():
+            assert cell["ok"] and cell["rel_err"] < 1e-4 and cell["us"] > 0, (name, cell)
