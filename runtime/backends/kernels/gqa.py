@@ -276,7 +276,12 @@ def triton_gqa_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     block_m = _MAX_BLOCK_M
     row_blocks = cdiv(max_rows * group, block_m)
     if num_splits is None:  # by the blocks the step's rows fill, not the grid's idle ones
-        num_splits = num_splits_for(1, Hkv * cdiv(T * group, block_m), num_sms(q.device))
+        # One wave, not decode's two: a prompt's row blocks already fill much of the card, and each
+        # split more writes float32 partial rows the combine pass reads back. On an H200 (bench
+        # qwen3_next's layer, 16 / 2 heads of 256) one wave's count was the fastest of 1-8 splits, or
+        # within 3% of it, at 128, 256 and 512 tokens and 4 x 128: 1.13x to 1.28x the two waves'
+        # (benchmarks/kernels/gqa_extend_sweep.py, history/linear_extend.md).
+        num_splits = num_splits_for(1, Hkv * cdiv(T * group, block_m), num_sms(q.device), waves=1)
     part_o = torch.empty(T * Hq * num_splits, DV, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(T * Hq * num_splits, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only applies to float32 operands

@@ -9,7 +9,7 @@ combine pass.
 Two ways to cut a row's keys into splits (`split_chunks`, `split_layout`):
 
 - the default: `num_splits` follows the launch's rows (num_splits_for: about two waves of
-  programs) and each split takes one contiguous share of ceil(kv_len / num_splits) keys, rounded
+  programs; one for the GQA varlen kernel's prompt-sized steps) and each split takes one contiguous share of ceil(kv_len / num_splits) keys, rounded
   up to the key tile. Fastest, but the same row at the same position is summed in another order
   in a step of another batch size, and (GQA) in a verify step, whose shares follow the request's
   last row.
@@ -144,9 +144,9 @@ def _combine_kernel(part_o, part_lse, out, s_o_t, s_o_h, num_heads, num_splits,
 _COMBINE = Launcher(_combine_kernel)  # eager gaps repeat its arguments (launch_cache.py)
 
 
-def num_splits_for(rows: int, head_blocks: int, num_sms: int) -> int:
-    """Splits per (row, head block): enough programs for about two waves, a power of two <= 32."""
-    want = max(1, -(-2 * num_sms // max(rows * head_blocks, 1)))
+def num_splits_for(rows: int, head_blocks: int, num_sms: int, waves: int = 2) -> int:
+    """Splits per (row, head block): enough programs for about `waves` waves, a power of two <= 32."""
+    want = max(1, -(-waves * num_sms // max(rows * head_blocks, 1)))
     splits = 1
     while splits < want and splits < MAX_SPLITS:
         splits *= 2
