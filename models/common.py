@@ -84,10 +84,13 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, thet
     if interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    else:
-        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+        return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+    x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
+    # One cat of the two rotated halves (each cast on its own: the same bits) and the rest, not a cat
+    # of a cat: Inductor computes a single cat of pointwise inputs in the kernel that writes it, where
+    # the nested one had it keep the rotated channels (in float32) in buffers of their own, and a
+    # second kernel combine and cast them (a GQA layer's glue, benchmarks/history/linear_extend.md).
+    return torch.cat(((x1 * cos - x2 * sin).to(x.dtype), (x2 * cos + x1 * sin).to(x.dtype), rest), dim=-1)
 
 
 class SwiGLU(nn.Module):
