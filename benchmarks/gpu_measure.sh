@@ -33,6 +33,9 @@
 #                bundle's Inductor settings and its variants, at 1 / 32 / 512 / 4096 tokens (issue 51)
 #   apart        offline_bench at CONCURRENCY with mixed steps in one forward (--decodes-apart-from 0): against
 #                the offline run of the serve stage (decodes apart, the default)
+#   e2e_compiled benchmarks/serving/gpu_e2e.py --compiled-glue on FAMILIES: extends at EXTENDS (default
+#                512,2048,4096) over 1, 4 and 16 requests, ours (piecewise graphs) against transformers' prefill
+#                in the same run (issue 51); about 5 minutes for qwen3_next
 # FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account; PIECES=1
 # builds the first two's artifacts with the compiled bundle (--compiled-pieces), once per family. The
 # serving stages build bench qwen3_next once (hgc compile --target cuda: the compiled bundle unless
@@ -137,6 +140,10 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         grep -c '^##### ' "$OUT/glue_source/glue_source.txt" ;;
     glue_config)
         python3 benchmarks/kernels/glue_config_bench.py --out "$OUT/glue_config" --work "$W" ;;
+    e2e_compiled)
+        python3 benchmarks/serving/gpu_e2e.py --out "$OUT/e2e_compiled" --families "$FAMILIES" --compiled-glue \
+            --keep-caches --batches 1 --iters 15 --extends "${EXTENDS:-512,2048,4096}" \
+            --skip tokens,decode,piecewise_decode,profile,floor,torch_compile,hf_eager,hf_static,mixed ;;
     *) echo "unknown stage $stage" ;;
     esac
 done
