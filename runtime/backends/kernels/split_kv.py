@@ -9,8 +9,8 @@ combine pass.
 Two ways to cut a row's keys into splits (`split_chunks`, `split_layout`):
 
 - the default: `num_splits` follows the launch's rows (num_splits_for: about two waves of
-  programs; one for the GQA varlen kernel's prompt-sized steps) and each split takes one contiguous share of ceil(kv_len / num_splits) keys, rounded
-  up to the key tile. Fastest, but the same row at the same position is summed in another order
+  programs; one for the GQA varlen kernel's prompt-sized steps) and each split takes one
+  contiguous share of ceil(kv_len / num_splits) keys, rounded up to the key tile. Fastest, but the same row at the same position is summed in another order
   in a step of another batch size, and (GQA) in a verify step, whose shares follow the request's
   last row.
 - fixed splits (`fixed_splits=True` of the kernels): a row's result depends only on its query,

@@ -256,6 +256,9 @@ def check_mla(case: Case, h: int, r: int, p: int, block_n: int = 32):
     assert rel_err(extend, ref(extend_q, rows)) < case.tol
     # The default mode's split count follows the step's rows (on 132 SMs: 32 up to 16 rows, then 16)
     assert num_splits_for(17, 1, CPU_STAND_IN_SMS) == 16
+    # ... and the varlen kernel's prompt-sized steps aim at one wave (a 512-token request of bench
+    # qwen3_next's layer: 2 kv heads x 64 row blocks)
+    assert num_splits_for(1, 128, CPU_STAND_IN_SMS) == 4 and num_splits_for(1, 128, CPU_STAND_IN_SMS, waves=1) == 2
     return alone[0], from_table(one(0), [(A, case.positions[0] + 1)], 1, num_splits=16)[0]
 
 
