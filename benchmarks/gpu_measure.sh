@@ -21,7 +21,8 @@
 #   prompt_host  benchmarks/host/prompt_host_bench.py on the serving artifact: a short prompt's TTFT, the
 #                runner's part and the host's around it, with a profile (issue 49)
 #   account_serving  the same on the serving artifact (ROUTE applies), decode at BATCHES (default 1), extends
-#                at EXTENDS (default 16,32,128,512): where a short extend's step goes (issue 49)
+#                at EXTENDS (default 16,32,128,512): where a short extend's step goes (issue 49); EXTEND_SEQS=N
+#                lays the extend buckets out for N requests (a served artifact's: 256) instead of one
 #   mixed        bucket_costs.py on the serving artifact: extend buckets, and steps of 128 decodes and a prompt
 #                against their parts (what a token budget costs)
 #   budgets      offline_bench at 128 in flight with each token budget of BUDGETS (default "512 1024 2048 4096")
@@ -126,7 +127,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
     account_serving)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving" --work "$W" --artifact "$art" \
-            --batches "${BATCHES:-1}" --extends "${EXTENDS:-16,32,128,512}" ;;
+            --batches "${BATCHES:-1}" --extends "${EXTENDS:-16,32,128,512}" --extend-seqs "${EXTEND_SEQS:-1}" ;;
     glue_source)
         # one file: a call brings back only so many files, and a piece's wrapper holds many kernels
         art=$(serving_artifact) || { echo "no artifact"; continue; }

@@ -30,7 +30,9 @@ Per run, once: `rates`, the card's device-to-device copy rate and bf16 matmul ra
    of the copy rate, and the sum of kernel times against the floor (all bytes at the copy rate).
 3. extend (issue 51), per T: one request's T-token prefill, run as the engine runs it (piecewise
    graphs); per op its FLOPs and bytes, time, share of the matrix and copy rates, and the sum
-   against the floor (per op node the larger of its FLOP time and byte time, summed).
+   against the floor (per op node the larger of its FLOP time and byte time, summed). Its bucket
+   is laid out for one request, or for --extend-seqs N of them (a served artifact's extend buckets
+   hold 256): the same step, with the grids a kernel sizes by the bucket's request rows.
 
 Tables group ops by what they are across layers (`gemm linear_attn.in_proj_qkvz`, `moe`, `gdn_core`,
 `gdn_fused` where the fusion pass made one GDN mixer op, `glue`...); the JSON (OUT/step_account.json) keeps every kernel in the order it ran with its label
@@ -83,7 +85,7 @@ def build_runner(art_dir: Path, args, dev: torch.device):
 
     art = load_artifact(art_dir, dev, programs=("main",))
     max_len = -(-max(max(args.extend_list), HISTORY + 1) // PAGE) * PAGE
-    kv, st = make_pools(art.registry, max_len, max(args.batch_list), page_size=PAGE, device=dev,
+    kv, st = make_pools(art.registry, max_len, max(*args.batch_list, args.extend_seqs), page_size=PAGE, device=dev,
                         kv_dtype=torch.bfloat16 if dev.type == "cuda" else None)
     ops = art.backends(kv, st).op_table("main")
     graphs = None
@@ -91,7 +93,8 @@ def build_runner(art_dir: Path, args, dev: torch.device):
         from testkit.graph_cases import RerunGraphs  # reruns the ops where CUDA graphs would replay
         graphs = RerunGraphs()
     runner = GraphRunner(art.runner(ops), ops, kv, st, dev, decode_buckets=tuple(args.batch_list),
-                         extend_buckets=tuple(args.extend_list), max_pages_per_seq=max_len // PAGE, extend_max_seqs=1,
+                         extend_buckets=tuple(args.extend_list), max_pages_per_seq=max_len // PAGE,
+                         extend_max_seqs=args.extend_seqs,
                          graphs=graphs)
     runner.capture()
     return art, runner, kv, st
@@ -354,6 +357,9 @@ def main(argv=None) -> int:
     p.add_argument("--size", help=f"default {GPU_DEFAULTS['size']} ({DRY_DEFAULTS['size']} with --dry-run)")
     p.add_argument("--batches", help="decode batch sizes (default 1,128)")
     p.add_argument("--extends", help="extend token counts, one request each (default 512,2048,4096)")
+    p.add_argument("--extend-seqs", type=int, default=1,
+                   help="request rows of the extend buckets (default 1; a served artifact's hold 256): the same "
+                        "one-request step replayed in a bucket laid out for that many requests")
     p.add_argument("--iters", type=int, help="timed steps per step time (median)")
     p.add_argument("--replays", type=int, help="profiled calls per step (each kernel's mean over them)")
     p.add_argument("--artifact", default=None,
