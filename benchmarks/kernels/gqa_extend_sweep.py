@@ -8,7 +8,10 @@ a 512-token step spent 0.17 ms in three GQA layers (6% of the matrix rate; histo
 The kernel splits each row block's keys over `num_splits_for` programs, chosen for decode, where
 few rows must fill the card; a prompt's rows fill it already, and every split writes float32
 partial rows that the combine pass reads back. This weighs, per step shape, the split count (the
-default's choice, 1, 2, 4, 8) and the key tile (16, 32, 64 keys):
+default's choice, 1, 2, 4, 8) and the key tile (16, 32, 64 keys), and the grid: one program per
+request and row block of the longest request (the default; a bucket laid out for 256 requests
+launches them for every request row) against one per row block the step's rows can fill
+(`flat_grid`):
 
 1. each variant's output first checked against a float32 CPU reference of causal attention over
    the request's keys (relative error of the norm, within CHECK_TOL), on fresh random inputs, a
@@ -16,7 +19,9 @@ default's choice, 1, 2, 4, 8) and the key tile (16, 32, 64 keys):
 2. then one call (the kernel and its combine pass) timed inside a CUDA graph (bench_common.graph_call_us).
 
 Shapes: bench qwen3_next's GQA layer (16 query heads, 2 kv heads, head dim 256, pages of 16), one
-request of 128, 256 and 512 new tokens from an empty cache, and 4 x 128. Writes OUT/gqa_extend_sweep.json.
+request of 128, 256 and 512 new tokens from an empty cache, and 4 x 128, each alone (every split and
+tile, both grids at the default's); then 512 tokens in buckets laid out for 33 and 256 requests
+and 4 x 128 in one for 256 (the default's split and tile, both grids). Writes OUT/gqa_extend_sweep.json.
 """
 
 from __future__ import annotations
@@ -45,25 +50,27 @@ BLOCK_N = (16, 32, 64)
 DRY_SPLITS, DRY_BLOCK_N = ("auto", 1, 4), (16, 32)  # the interpreter is slow: enough to walk every path
 
 
-def make_step(reqs: list[int], hq: int, hkv: int, d: int, page: int, dtype, device, gen) -> dict:
-    """Fresh prompts of reqs[b] tokens each (the cache already holds this step's keys), pages out of order."""
+def make_step(reqs: list[int], hq: int, hkv: int, d: int, page: int, dtype, device, gen, seqs: int = 0) -> dict:
+    """Fresh prompts of reqs[b] tokens each (the cache already holds this step's keys), pages out of
+    order; laid out for `seqs` requests as a captured bucket is (the ones past reqs own no rows)."""
     width = max(-(-n // page) for n in reqs)
     num_pages = len(reqs) * width
     order = torch.randperm(num_pages, generator=gen)
-    table = torch.zeros(len(reqs), width, dtype=torch.int32)
+    seqs = max(seqs, len(reqs))
+    table = torch.zeros(seqs, width, dtype=torch.int32)
     for b, n in enumerate(reqs):
         table[b, :-(-n // page)] = order[b * width:b * width + -(-n // page)].to(torch.int32)
     starts = [0]
     for n in reqs:
         starts.append(starts[-1] + n)
+    starts += [starts[-1]] * (seqs - len(reqs))
     q = torch.randn(starts[-1], hq, d, generator=gen).to(dtype)
     kc = torch.randn(num_pages, page, hkv, d, generator=gen).to(dtype)
     vc = torch.randn(num_pages, page, hkv, d, generator=gen).to(dtype)
-    return {"q": q, "k": kc, "v": vc, "table": table, "lens": torch.tensor(reqs, dtype=torch.int32),
-            "starts": torch.tensor(starts, dtype=torch.int32), "reqs": reqs, "page": page,
-            "dev": {k: v.to(device) for k, v in dict(q=q, k=kc, v=vc, table=table,
-                                                       lens=torch.tensor(reqs, dtype=torch.int32),
-                                                       starts=torch.tensor(starts, dtype=torch.int32)).items()}}
+    lens = torch.tensor(reqs + [0] * (seqs - len(reqs)), dtype=torch.int32)
+    starts = torch.tensor(starts, dtype=torch.int32)
+    return {"q": q, "k": kc, "v": vc, "table": table, "starts": starts, "reqs": reqs, "page": page,
+            "dev": {k: v.to(device) for k, v in dict(q=q, k=kc, v=vc, table=table, lens=lens, starts=starts).items()}}
 
 
 def reference(step: dict, scale: float) -> torch.Tensor:
@@ -87,38 +94,43 @@ def run(args) -> dict:
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     hq, hkv, d, page = (4, 1, 16, 4) if args.dry_run else (16, 2, 256, 16)
-    shapes = [[24], [8, 8]] if args.dry_run else [[128], [256], [512], [128] * 4]
+    # (new tokens of each request, request rows of the layout): a step alone, then in a bucket laid out
+    # for more requests than it has (the served artifact's extend buckets hold 256)
+    shapes = ([([24], 1), ([8, 8], 2), ([24], 6)] if args.dry_run else
+              [([128], 1), ([256], 1), ([512], 1), ([128] * 4, 4), ([512], 33), ([512], 256), ([128] * 4, 256)])
     scale = d ** -0.5
     gen = torch.Generator().manual_seed(0)
     doc = {"env": device_facts(args.dry_run), "layer": dict(hq=hq, hkv=hkv, d=d, page=page, dtype=str(dtype)),
            "rows": []}
-    for reqs in shapes:
-        step = make_step(reqs, hq, hkv, d, page, dtype, device, gen)
+    for reqs, seqs in shapes:
+        step = make_step(reqs, hq, hkv, d, page, dtype, device, gen, seqs)
         ref = reference(step, scale)
         t = step["dev"]
         out = torch.empty(t["q"].shape[0], hq, d, dtype=dtype, device=device)
-        row = {"requests": reqs, "variants": {}}
-        for splits in DRY_SPLITS if args.dry_run else SPLITS:
-            for block_n in DRY_BLOCK_N if args.dry_run else BLOCK_N:
-                kw = dict(num_splits=None if splits == "auto" else splits, block_n=block_n)
+        row = {"requests": reqs, "seqs": seqs, "variants": {}}
+        alone = seqs == len(reqs)  # the split and tile sweep for steps alone; the default's grids everywhere
+        variants = [(splits, block_n, False) for splits in (DRY_SPLITS if args.dry_run else SPLITS)
+                    for block_n in (DRY_BLOCK_N if args.dry_run else BLOCK_N)] if alone else [("auto", 32, False)]
+        for splits, block_n, flat in variants + [("auto", 32, True)]:
+            kw = dict(num_splits=None if splits == "auto" else splits, block_n=block_n, flat_grid=flat)
 
-                def call(_=None, kw=kw):
-                    triton_gqa_attention_varlen(t["q"], t["k"], t["v"], t["table"], t["lens"], t["starts"], out,
-                                                scale, **kw)
-                out.fill_(float("nan"))
-                call()
-                err = rel_err(out, ref)
-                cell = {"rel_err": err, "ok": err <= CHECK_TOL[dtype]}
-                if cell["ok"]:
-                    cell["us"] = graph_call_us(call, args.calls, args.replays, device)
-                row["variants"][f"splits={splits} block_n={block_n}"] = cell
+            def call(_=None, kw=kw):
+                triton_gqa_attention_varlen(t["q"], t["k"], t["v"], t["table"], t["lens"], t["starts"], out,
+                                            scale, **kw)
+            out.fill_(float("nan"))
+            call()
+            err = rel_err(out, ref)
+            cell = {"rel_err": err, "ok": err <= CHECK_TOL[dtype]}
+            if cell["ok"]:
+                cell["us"] = graph_call_us(call, args.calls, args.replays, device)
+            row["variants"][f"{'flat ' if flat else ''}splits={splits} block_n={block_n}"] = cell
         doc["rows"].append(row)
         timed = {k: v["us"] for k, v in row["variants"].items() if "us" in v}
         best = min(timed, key=timed.get) if timed else None
-        default = row["variants"]["splits=auto block_n=32"]
-        print(f"{'x'.join(map(str, reqs))} tokens: default {default.get('us', float('nan')):.1f} us; best {best} "
-              f"{timed.get(best, float('nan')):.1f} us; failed {[k for k, v in row['variants'].items() if not v['ok']]}",
-              flush=True)
+        default, flat = row["variants"]["splits=auto block_n=32"], row["variants"]["flat splits=auto block_n=32"]
+        print(f"{'x'.join(map(str, reqs))} tokens in {seqs} request rows: default {default.get('us', float('nan')):.1f} "
+              f"us, flat grid {flat.get('us', float('nan')):.1f} us; best {best} {timed.get(best, float('nan')):.1f} us; "
+              f"failed {[k for k, v in row['variants'].items() if not v['ok']]}", flush=True)
     return doc
 
 

@@ -1,5 +1,6 @@
 """benchmarks/kernels/gqa_extend_sweep.py --dry-run on the CPU (Triton's interpreter, tiny dims): each split
-count and key tile of the varlen GQA kernel checked against the causal reference before it is timed."""
+count and key tile of the varlen GQA kernel, and both its grids, checked against the causal reference
+before it is timed, alone and in a bucket laid out for more requests."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ def test_dry_run_checks_every_variant_then_times_it(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((tmp_path / "gqa_extend_sweep.json").read_text())
-    assert [r["requests"] for r in doc["rows"]] == [[24], [8, 8]]
+    assert [(r["requests"], r["seqs"]) for r in doc["rows"]] == [([24], 1), ([8, 8], 2), ([24], 6)]
     for row in doc["rows"]:
-        assert len(row["variants"]) == 6 and "splits=auto block_n=32" in row["variants"]
+        # every split and tile of a step alone; in a bucket of more request rows, the default's two grids
+        names = {"splits=auto block_n=32", "flat splits=auto block_n=32"}
+        assert len(row["variants"]) == (7 if row["seqs"] == len(row["requests"]) else 2) and names <= set(row["variants"])
         for name, cell in row["variants"].items():
             assert cell["ok"] and cell["rel_err"] < 1e-4 and cell["us"] > 0, (name, cell)

@@ -199,10 +199,27 @@ def _gqa_varlen_kernel(q, k_cache, v_cache, page_table, seq_lens, query_start_lo
                        s_q_t, s_q_h, s_k_page, s_k_tok, s_k_head, s_v_page, s_v_tok, s_v_head, s_pt,
                        num_seqs, num_rows, row_blocks, num_q_heads, page_size, scale_log2, num_splits,
                        GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr, PRECISION: tl.constexpr):
-    req = tl.program_id(0)
-    kvh = tl.program_id(1) // row_blocks
-    block = tl.program_id(1) % row_blocks
+                       BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
+                       FLAT: tl.constexpr):
+    if FLAT:
+        # Program p of the step's row blocks (`flat_grid`): request b owns programs F(b) ..
+        # F(b+1) - 1, F(b) = b + query_start_loc[b] * GROUP // BLOCK_M (at least the blocks its rows
+        # fill), found by a binary search over the offsets (F grows with b).
+        flat = tl.program_id(0)
+        lo = num_seqs * 0  # an int32 like hi: the loop carries both
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            start = mid + tl.load(query_start_loc + mid) * GROUP // BLOCK_M
+            lo = tl.where(start <= flat, mid, lo)
+            hi = tl.where(start <= flat, hi, mid - 1)
+        req = lo
+        block = flat - (req + tl.load(query_start_loc + req) * GROUP // BLOCK_M)
+        kvh = tl.program_id(1)
+    else:
+        req = tl.program_id(0)
+        kvh = tl.program_id(1) // row_blocks
+        block = tl.program_id(1) % row_blocks
     split = tl.program_id(2)
     # Request num_seqs is the padding rows past query_start_loc[num_seqs]: no key, zero output.
     real = req < num_seqs
@@ -238,7 +255,8 @@ def triton_gqa_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 page_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                                 out: torch.Tensor, scale: float, max_rows: int | None = None,
                                 num_splits: int | None = None, block_n: int | None = None,
-                                fixed_splits: bool = False, split_tokens: int | None = None) -> None:
+                                fixed_splits: bool = False, split_tokens: int | None = None,
+                                flat_grid: bool = False) -> None:
     """Requests of different lengths (the module docstring): q [T, Hq, D]; k_cache, v_cache as for
     triton_gqa_attention; page_table [B, width], seq_lens [B] and query_start_loc [B+1] int32 on q's
     device (request b: rows query_start_loc[b] .. query_start_loc[b+1] - 1, cached + new tokens
@@ -247,7 +265,12 @@ def triton_gqa_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     max_rows: at least the rows of every request and the padding rows (default T): it sizes the
     grid, so a captured bucket passes its token count and an eager step its longest request.
-    num_splits, fixed_splits, split_tokens, block_n: as for triton_gqa_attention."""
+    num_splits, fixed_splits, split_tokens, block_n: as for triton_gqa_attention.
+    flat_grid: one program per row block the step's rows can fill (B + 1 + T * group // 64 of them,
+    each finding its request by a binary search over the offsets) in place of every request's
+    blocks of the longest one ((B + 1) * max_rows * group / 64): the same programs do the work, bit
+    for bit, and a bucket laid out for many requests launches few empty ones. Not the default: it
+    is weighed in benchmarks/kernels/gqa_extend_sweep.py first."""
     T, Hq, D = q.shape
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
     if T == 0:
@@ -285,11 +308,12 @@ def triton_gqa_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     part_o = torch.empty(T * Hq * num_splits, DV, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(T * Hq * num_splits, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only applies to float32 operands
-    _GQA_VARLEN[(B + 1, Hkv * row_blocks, num_splits)](
+    grid = (B + 1 + T * group // block_m, Hkv, num_splits) if flat_grid else (B + 1, Hkv * row_blocks, num_splits)
+    _GQA_VARLEN[grid](
         q, k_cache, v_cache, page_table, seq_lens, query_start_loc, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         B, T, row_blocks, Hq, k_cache.shape[1], scale * LOG2E, num_splits,
         GROUP=group, D=D, DV=DV, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_TOKENS=split_tokens,
-        PRECISION=precision, num_warps=4, num_stages=2)
+        PRECISION=precision, FLAT=flat_grid, num_warps=4, num_stages=2)
     combine_splits(part_o, part_lse, out, num_splits)

@@ -147,6 +147,28 @@ def test_a_bucket_sized_grid_gives_the_eager_grid_bit_for_bit():
     assert torch.equal(*outs)
 
 
+@in_process
+@pytest.mark.parametrize("splits", [dict(num_splits=2), dict(fixed_splits=True, split_tokens=16)], ids=["2", "fixed"])
+@pytest.mark.parametrize("group", [4, 20])
+def test_a_flat_grid_gives_the_request_grid_bit_for_bit(splits, group):
+    """flat_grid: one program per row block the step's rows can fill, each finding its request by a
+    binary search over the offsets. In a bucket laid out for more requests than the step has (empty
+    requests, then the padding rows) and with a request of one row, its output is the request
+    grid's, bit for bit, and the reference's."""
+    reqs = REQUESTS + [(0, 0), (0, 0), (3, 0)]  # three empty requests (one with cached tokens), as a bucket pads
+    hq = 2 * group
+    step = make_step(reqs, hq, 2, 16, 16, seqs=len(reqs) + 1, rows=step_rows(reqs) + 5, seed=6)
+    outs = []
+    for flat in (False, True):
+        out = torch.full(step.q.shape[:2] + (16,), float("nan"), device=DEVICE)
+        triton_gqa_attention_varlen(step.q, step.k_cache, step.v_cache, step.page_table, step.seq_lens,
+                                    step.query_start_loc, out, SCALE, block_n=16, flat_grid=flat, **splits)
+        outs.append(out)
+    assert torch.equal(*outs)
+    real = step.real_rows
+    assert rel_err(outs[1][:real], step.reference(SCALE)[:real]) < 1e-5 and outs[1][real:].eq(0).all()
+
+
 def check_extend_rows_are_decode_rows(step: Step, fixed: dict, scale: float) -> None:
     """Every real row of `step` through the varlen kernel, bit for bit the decode step (the uniform
     kernel, n = 1) of that row at its position."""
