@@ -22,6 +22,6 @@ def test_dry_run_checks_every_variant_then_times_it(tmp_path):
     for row in doc["rows"]:
         # every split and tile of a step alone; in a bucket of more request rows, the default's two grids
         names = {"splits=auto block_n=32", "flat splits=auto block_n=32"}
-        assert len(row["variants"]) == (7 if row["seqs"] == len(row["requests"]) else 2) and names <= set(row["variants"])
+        assert len(row["variants"]) == (3 if row["seqs"] == len(row["requests"]) else 2) and names <= set(row["variants"])
         for name, cell in row["variants"].items():
             assert cell["ok"] and cell["rel_err"] < 1e-4 and cell["us"] > 0, (name, cell)

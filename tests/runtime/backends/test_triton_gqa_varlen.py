@@ -148,9 +148,9 @@ def test_a_bucket_sized_grid_gives_the_eager_grid_bit_for_bit():
 
 
 @in_process
-@pytest.mark.parametrize("splits", [dict(num_splits=2), dict(fixed_splits=True, split_tokens=16)], ids=["2", "fixed"])
-@pytest.mark.parametrize("group", [4, 20])
-def test_a_flat_grid_gives_the_request_grid_bit_for_bit(splits, group):
+@pytest.mark.parametrize("group, splits", [(4, dict(num_splits=2)), (20, dict(fixed_splits=True, split_tokens=16))],
+                         ids=["group4-2", "group20-fixed"])
+def test_a_flat_grid_gives_the_request_grid_bit_for_bit(group, splits):
     """flat_grid: one program per row block the step's rows can fill, each finding its request by a
     binary search over the offsets. In a bucket laid out for more requests than the step has (empty
     requests, then the padding rows) and with a request of one row, its output is the request
