@@ -8,7 +8,7 @@ a 512-token step spent 0.17 ms in three GQA layers (6% of the matrix rate; histo
 The kernel splits each row block's keys over `num_splits_for` programs, chosen for decode, where
 few rows must fill the card; a prompt's rows fill it already, and every split writes float32
 partial rows that the combine pass reads back. This weighs, per step shape, the split count (the
-default's choice, 1, 2, 4, 8) and the key tile (16, 32, 64 keys), and the grid: one program per
+default's choice, 1, 2, 4, 8, 16) and the key tile (16, 32, 64 keys), and the grid: one program per
 request and row block of the longest request (the default; a bucket laid out for 256 requests
 launches them for every request row) against one per row block the step's rows can fill
 (`flat_grid`):
@@ -45,7 +45,7 @@ from bench_common import device_facts, graph_call_us, rel_err  # noqa: E402
 from runtime.backends.kernels.gqa import triton_gqa_attention_varlen  # noqa: E402
 
 CHECK_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
-SPLITS = ("auto", 1, 2, 4, 8)
+SPLITS = ("auto", 1, 2, 4, 8, 16)  # 16: the two-wave count at 128 tokens, the default before one wave
 BLOCK_N = (16, 32, 64)
 DRY_SPLITS, DRY_BLOCK_N = ("auto", 4), (32,)  # the interpreter is slow: enough to walk every path
 

@@ -32,7 +32,8 @@ Per run, once: `rates`, the card's device-to-device copy rate and bf16 matmul ra
    graphs); per op its FLOPs and bytes, time, share of the matrix and copy rates, and the sum
    against the floor (per op node the larger of its FLOP time and byte time, summed). Its bucket
    is laid out for one request, or for --extend-seqs N of them (a served artifact's extend buckets
-   hold 256): the same step, with the grids a kernel sizes by the bucket's request rows.
+   hold 256; the short ones, up to 128 tokens, keep a one-request key beside, and a one-request
+   step takes it): the same step, with the grids a kernel sizes by the bucket's request rows.
 
 Tables group ops by what they are across layers (`gemm linear_attn.in_proj_qkvz`, `moe`, `gdn_core`,
 `gdn_fused` where the fusion pass made one GDN mixer op, `glue`...); the JSON (OUT/step_account.json) keeps every kernel in the order it ran with its label
@@ -359,7 +360,8 @@ def main(argv=None) -> int:
     p.add_argument("--extends", help="extend token counts, one request each (default 512,2048,4096)")
     p.add_argument("--extend-seqs", type=int, default=1,
                    help="request rows of the extend buckets (default 1; a served artifact's hold 256): the same "
-                        "one-request step replayed in a bucket laid out for that many requests")
+                        "one-request step replayed in a bucket laid out for that many requests (above 128 tokens: "
+                        "the short buckets keep a one-request key)")
     p.add_argument("--iters", type=int, help="timed steps per step time (median)")
     p.add_argument("--replays", type=int, help="profiled calls per step (each kernel's mean over them)")
     p.add_argument("--artifact", default=None,

@@ -1,10 +1,12 @@
 """A GQA layer's q / k norms and partial rotary, compiled by Inductor, with the NeoX rotation written two ways.
 
-The glue of a GQA layer at 4096 tokens took 0.27 ms (bench qwen3_next, H200), 0.17 ms of it in two
-combo kernels: the rotary kept the rotated channels' float32 products in buffers of their own and a
-second kernel combined and cast them (benchmarks/history/linear_extend.md). `models.common.
-apply_rotary` now writes one cat of the two rotated halves and the rest; the nested form (a cat of
-the rotated halves, cast, then a cat with the rest) is kept here as `nested_rotary`. Per form:
+The glue of a GQA layer at 4096 tokens took 0.27 ms (bench qwen3_next, H200). Its q / k norms and
+rotary ran as two combo kernels (86 and 24 us a layer; step_account_flat_gdn_rows_h200_2026-12-03):
+the first wrote the rotated channels' float32 products to buffers of their own, the second
+combined and cast them (benchmarks/history/linear_extend.md; the output gate's kernel, 81 us, is
+apart). `models.common.apply_rotary` now writes one cat of the two rotated halves and the rest;
+the nested form (a cat of the rotated halves, cast, then a cat with the rest) is kept here as
+`nested_rotary`. Per form:
 
 1. the function the layer runs between its projection and the attention op (q and k views of the
    projection's output, per-head RMSNorm with the unit offset, rotary of the first quarter of the
