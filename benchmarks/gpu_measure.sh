@@ -22,7 +22,8 @@
 #                runner's part and the host's around it, with a profile (issue 49)
 #   account_serving  the same on the serving artifact (ROUTE applies), decode at BATCHES (default 1), extends
 #                at EXTENDS (default 16,32,128,512): where a short extend's step goes (issue 49); EXTEND_SEQS=N
-#                lays the extend buckets out for N requests (a served artifact's: 256) instead of one
+#                lays the extend buckets out for N requests (a served artifact's: 256) instead of one;
+#                ACCOUNT_ARGS adds step_account.py flags (--timeline: the device's idle spans in each step)
 #   mixed        bucket_costs.py on the serving artifact: extend buckets, and steps of 128 decodes and a prompt
 #                against their parts (what a token budget costs)
 #   budgets      offline_bench at 128 in flight with each token budget of BUDGETS (default "512 1024 2048 4096")
@@ -43,7 +44,9 @@
 # GLUE=traced) into /tmp, which a warm machine keeps between calls, or take ART; CONCURRENCY sets the
 # levels (default "1 32 128") and SERVE_ARGS adds hgc serve flags (those offline_bench takes too
 # reach its engine: serve_bench.py engine_flags); ROUTE adds one `hgc compile --route` to that
-# artifact (built apart from the unrouted one). Bench-size models throughout.
+# artifact (built apart from the unrouted one); COMPILE_ARGS adds hgc compile flags to it (fewer buckets
+# build faster: --decode-buckets 1 --extend-buckets 2048,4096 for an account of those steps alone).
+# Bench-size models throughout.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
 W=${W:-/tmp/measure_work}  # the work folder of the build stage and the benchmarks (a caller may name its own)
@@ -59,7 +62,7 @@ serving_artifact() {  # prints the artifact's folder (ART, if set and built); bu
         local glue=(); [ "${GLUE:-compiled}" = traced ] && glue=(--no-inductor)
         local route=(); [ -n "${ROUTE:-}" ] && route=(--route "$ROUTE")
         /usr/bin/time -f "compile: %e s" python3 -m hgc compile /tmp/ckpt_qwen3_next --target cuda --dtype bfloat16 \
-            "${glue[@]}" "${route[@]}" -o "$art" >&2 || return 1
+            "${glue[@]}" "${route[@]}" ${COMPILE_ARGS:-} -o "$art" >&2 || return 1
     fi
     echo "$art"
 }
@@ -127,7 +130,8 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
     account_serving)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving" --work "$W" --artifact "$art" \
-            --batches "${BATCHES:-1}" --extends "${EXTENDS:-16,32,128,512}" --extend-seqs "${EXTEND_SEQS:-1}" ;;
+            --batches "${BATCHES:-1}" --extends "${EXTENDS:-16,32,128,512}" --extend-seqs "${EXTEND_SEQS:-1}" \
+            ${ACCOUNT_ARGS:-} ;;
     glue_source)
         # one file: a call brings back only so many files, and a piece's wrapper holds many kernels
         art=$(serving_artifact) || { echo "no artifact"; continue; }

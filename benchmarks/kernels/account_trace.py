@@ -47,7 +47,7 @@ from compiler.splitops.artifact import piece_module_names
 from compiler.splitops.glue import segment_pieces
 
 __all__ = ["StepFacts", "node_labels", "labelled", "profile_kernels", "split_compiled", "per_call", "align",
-           "UNMATCHED", "LABEL"]
+           "timeline", "UNMATCHED", "LABEL"]
 
 LABEL = "acct|"
 CALL = "acct-call|"
@@ -376,3 +376,118 @@ def align(timed: list[dict], eager: list[dict]) -> dict:
             "eager_labelled": {via: sum(k.get("via") == via for k in eager) for via in {k.get("via") for k in eager}},
             "matched_by_name": matched,
             "matched_by_position": by_position, "unmatched": len(timed) - matched - by_position}
+
+
+
+TIMELINE_GAP_US = 5.0  # device idle spans at least this long are listed one by one
+TIMELINE_GAPS = 12     # the longest ones
+TIMELINE_REPS = 5
+
+
+def _sync_sites(fn) -> list[str]:
+    """Where fn() synchronises the host with the device: torch's sync debug mode warns at every
+    synchronising call (a .item(), a copy from pageable memory, ...); each site once, with its count."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    sites: dict = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            site = f"{w.filename}:{w.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    return [f"{site} (x{n})" for site, n in sites.items()]
+
+
+def timeline(fn, cuda: bool, trace_path=None, phases=None) -> dict:
+    """Where one call's wall time goes that its kernels' times do not account for.
+
+    - host against device: per call (median of TIMELINE_REPS), the host's time until fn returns and the
+      device's time from an event before it to one after it; a device time close to the host's
+      says the device waited on the host;
+    - phases: {name: callable} timed alone on the host the same way (the runner's staging, its plan);
+    - syncs: the lines where fn() synchronised the host with the device (torch's sync debug mode);
+    - under torch.profiler (the last of three calls, the first two warming CUPTI up): the device's
+      busy time (the union of its kernels and copies), its idle time before the first kernel,
+      between kernels and after the last, the longest idle spans with the kernels on either side and
+      the host ops during them; and the Chrome trace at trace_path (gzip if it ends in .gz).
+    CPU: an empty record."""
+    import statistics
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if not cuda:
+        fn()
+        return {}
+    host, device_ms = [], []
+    for _ in range(TIMELINE_REPS):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e6)
+        b.record()
+        b.synchronize()
+        device_ms.append(a.elapsed_time(b))
+    phase_us = {}
+    for name, phase in (phases or {}).items():
+        runs = []
+        for _ in range(TIMELINE_REPS):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            phase()
+            runs.append((time.perf_counter() - t0) * 1e6)
+        phase_us[name] = statistics.median(runs)
+    torch.cuda.synchronize()
+    syncs = _sync_sites(fn)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(3):
+            with record_function(f"{CALL}{i}"):
+                fn()
+                torch.cuda.synchronize()
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
+    events = prof.events()
+    call = max((e for e in events if e.device_type == DeviceType.CPU and e.name.startswith(CALL)),
+               key=lambda e: e.time_range.start)
+    t0, t1 = call.time_range.start, call.time_range.end
+    device = sorted((e for e in events if e.device_type == DeviceType.CUDA
+                     and not getattr(e, "is_user_annotation", False) and not e.name.startswith((LABEL, CALL))
+                     and t0 <= e.time_range.start <= t1), key=lambda e: e.time_range.start)
+    host_ops = [e for e in events if e.device_type == DeviceType.CPU and not e.name.startswith(CALL)
+                and t0 <= e.time_range.start <= t1]
+    busy, gaps, end, before = 0.0, [], t0, None
+    for e in device:
+        a, b = e.time_range.start, e.time_range.end
+        if a > end:
+            gaps.append((a - end, end, before, e.name))
+        busy += max(0.0, b - max(a, end))
+        if b > end:
+            end, before = b, e.name
+    if t1 > end:
+        gaps.append((t1 - end, end, before, None))
+
+    def during(a, b):
+        inside = [h for h in host_ops if h.time_range.start < b and h.time_range.end > a and not h.cpu_children]
+        names: dict = {}
+        for h in inside:
+            names[h.name] = names.get(h.name, 0.0) + min(b, h.time_range.end) - max(a, h.time_range.start)
+        return {k[:80]: round(v, 1) for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:5]}
+
+    listed = sorted((g for g in gaps if g[0] >= TIMELINE_GAP_US), key=lambda g: -g[0])[:TIMELINE_GAPS]
+    return {"host_call_us": statistics.median(host), "device_call_us": statistics.median(device_ms) * 1e3,
+            "phases_us": phase_us, "syncs": syncs,
+            "profiled_wall_us": t1 - t0, "device_busy_us": busy, "device_idle_us": (t1 - t0) - busy,
+            "idle_before_first_us": (device[0].time_range.start - t0) if device else t1 - t0,
+            "idle_after_last_us": t1 - end, "device_events": len(device),
+            "gaps_at_least_us": TIMELINE_GAP_US, "gaps_count": sum(g[0] >= TIMELINE_GAP_US for g in gaps),
+            "gaps_sum_us": sum(g[0] for g in gaps if g[0] >= TIMELINE_GAP_US),
+            "longest_gaps": [{"us": round(g[0], 1), "at_us": round(g[1] - t0, 1), "after": (g[2] or "")[:60],
+                              "before": (g[3] or "")[:60], "host": during(g[1], g[1] + g[0])} for g in listed]}

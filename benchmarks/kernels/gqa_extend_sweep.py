@@ -21,7 +21,10 @@ launches them for every request row) against one per row block the step's rows c
 Shapes: bench qwen3_next's GQA layer (16 query heads, 2 kv heads, head dim 256, pages of 16), one
 request of 128, 256 and 512 new tokens from an empty cache, and 4 x 128, each alone (every split and
 tile, both grids at the default's); then 512 tokens in buckets laid out for 33 and 256 requests
-and 4 x 128 in one for 256 (the default's split and tile, both grids). Writes OUT/gqa_extend_sweep.json.
+and 4 x 128 in one for 256 (the default's split and tile, both grids). `--long` times instead the
+steps past `whole_extend_tokens` (2048 and 4096 tokens of one request, 4 x 1024; each key tile, both
+grids), which run FlashInfer's prefill kernel in an eager gap today: whether this kernel could take
+them inside the step's graph. Writes OUT/gqa_extend_sweep.json.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ def run(args) -> dict:
     # for more requests than it has (the served artifact's extend buckets hold 256)
     shapes = ([([24], 1), ([8, 8], 2), ([24], 6)] if args.dry_run else
               [([128], 1), ([256], 1), ([512], 1), ([128] * 4, 4), ([512], 33), ([512], 256), ([128] * 4, 256)])
+    if args.long:  # the steps past whole_extend_tokens, where FlashInfer's prefill runs eagerly today
+        shapes = [([48], 1), ([16] * 3, 3)] if args.dry_run else [([2048], 1), ([4096], 1), ([1024] * 4, 4)]
     scale = d ** -0.5
     gen = torch.Generator().manual_seed(0)
     doc = {"env": device_facts(args.dry_run), "layer": dict(hq=hq, hkv=hkv, d=d, page=page, dtype=str(dtype)),
@@ -111,6 +116,8 @@ def run(args) -> dict:
         alone = seqs == len(reqs)  # the split and tile sweep for steps alone; the default's grids everywhere
         variants = [(splits, block_n, False) for splits in (DRY_SPLITS if args.dry_run else SPLITS)
                     for block_n in (DRY_BLOCK_N if args.dry_run else BLOCK_N)] if alone else [("auto", 32, False)]
+        if args.long:  # one split fills the card at these sizes: the key tiles only
+            variants = [("auto", block_n, False) for block_n in (DRY_BLOCK_N if args.dry_run else BLOCK_N)]
         for splits, block_n, flat in variants + [("auto", 32, True)]:
             kw = dict(num_splits=None if splits == "auto" else splits, block_n=block_n, flat_grid=flat)
 
@@ -138,6 +145,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--dry-run", action="store_true", help="CPU: Triton's interpreter, tiny dims; times mean nothing")
+    ap.add_argument("--long", action="store_true",
+                    help="instead: 2048 and 4096 tokens of one request and 4 x 1024 (every key tile, both grids)")
     ap.add_argument("--calls", type=int, default=20, help="calls captured in one graph")
     ap.add_argument("--replays", type=int, default=30)
     args = ap.parse_args(argv)

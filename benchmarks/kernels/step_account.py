@@ -65,7 +65,7 @@ from bench_common import (Stages, compiled_artifact, decode_batch, device_facts,
                           is_cuda, run_guarded, time_ms, verdict)
 from account_cost import KEYS, cost  # noqa: E402
 from account_trace import (StepFacts, UNMATCHED, align, labelled, node_labels, per_call,  # noqa: E402
-                           profile_kernels, split_compiled)
+                           profile_kernels, split_compiled, timeline)
 
 PAGE = 16
 HISTORY = 64  # tokens each decode request holds before the accounted step (as startup_bench and gpu_e2e)
@@ -143,8 +143,16 @@ def account_step(runner, kv, st, step, key, args, dev) -> dict:
         timed, averaged = per_call(profile_kernels(lambda: runner.run(step, None), cuda, args.replays))
         timed_as = "eager (the profiler reported no kernels inside the graph replay)"
     match = align(timed, eager)
-    return {"key": str(key), "timed_as": timed_as, "kernel_times": averaged, "step_ms": step_ms, "match": match,
-            "kernels": timed, "costs": [{"layer": layer, "what": what, **c} for (layer, what), c in costs.items()]}
+    rec = {"key": str(key), "timed_as": timed_as, "kernel_times": averaged, "step_ms": step_ms, "match": match,
+           "kernels": timed, "costs": [{"layer": layer, "what": what, **c} for (layer, what), c in costs.items()]}
+    if args.timeline:
+        name = f"timeline_{step.ctx.mode.value}_{step.ctx.num_tokens}.json.gz"
+        filled = {}
+        phases = {"fill": lambda: filled.update(ctx=runner._fill(step, key)[1]),
+                  "plan": lambda: runner._plan(filled["ctx"], key)}  # the fill's ctx, as run_outputs plans it
+        rec["timeline"] = timeline(lambda: runner.run(step, key), cuda, Path(args.out) / name if cuda else None,
+                                   phases)
+    return rec
 
 
 # -- the account ---------------------------------------------------------------------------------
@@ -299,6 +307,21 @@ def tables(doc: dict) -> str:
 # -- the script ----------------------------------------------------------------------------------
 
 
+def timeline_text(tl: dict) -> str:
+    """A step's timeline (account_trace.timeline) in a few lines for the log."""
+    if not tl:
+        return ""
+    lines = [f"    host {tl['host_call_us']:.0f} us to return, device {tl['device_call_us']:.0f} us; host phases "
+             f"{ {k: round(v) for k, v in tl['phases_us'].items()} }; syncs {tl['syncs']}",
+             f"    profiled: wall {tl['profiled_wall_us']:.0f} us, device busy {tl['device_busy_us']:.0f}, idle "
+             f"{tl['device_idle_us']:.0f} (before the first kernel {tl['idle_before_first_us']:.0f}, after the last "
+             f"{tl['idle_after_last_us']:.0f}, {tl['gaps_count']} gaps of {tl['gaps_at_least_us']:.0f} us or more: "
+             f"{tl['gaps_sum_us']:.0f})"]
+    lines += [f"      gap {g['us']:.0f} us at {g['at_us']:.0f}: after {g['after']!r}, before {g['before']!r}; host "
+              f"{g['host']}" for g in tl["longest_gaps"][:6]]
+    return "\n".join(lines)
+
+
 def run_family(family: str, args, doc: dict, save) -> None:
     from runtime.cache.batch import SeqState
 
@@ -327,6 +350,8 @@ def run_family(family: str, args, doc: dict, save) -> None:
         s = r["summary"]
         print(f"  decode B={B}: {r['kernels_per_step']} kernels, {s['kernel_ms']:.3f} ms of kernels against a "
               f"{s['floor_ms']:.3f} ms floor; step {r['step_ms']:.3f} ms; {r['match']}", flush=True)
+        if r.get("timeline"):
+            print(timeline_text(r["timeline"]), flush=True)
 
     def extend(T):
         runner, st = ctx["runner"], ctx["st"]
@@ -342,6 +367,8 @@ def run_family(family: str, args, doc: dict, save) -> None:
         s = r["summary"]
         print(f"  extend T={T}: {r['kernels_per_step']} kernels, {s['kernel_ms']:.3f} ms of kernels against a "
               f"{s['floor_ms']:.3f} ms floor; step {r['step_ms']:.3f} ms; {r['match']}", flush=True)
+        if r.get("timeline"):
+            print(timeline_text(r["timeline"]), flush=True)
 
     for B in args.batch_list:
         stage(f"decode_b{B}", decode, B, needs=["load"])
@@ -374,6 +401,9 @@ def main(argv=None) -> int:
     p.add_argument("--torch-projections", action="store_true",
                    help="the compiled glue's projections on torch's F.linear instead of the one-launch GEMV (the A/B "
                         "of runtime/backends/glue_kernels.py; with --compiled-pieces or a bundled --artifact)")
+    p.add_argument("--timeline", action="store_true",
+                   help="also one profiled run of each step with the host: the device's idle spans, the longest "
+                        "listed with the host ops during them, and a Chrome trace per step (OUT/timeline_*.json.gz)")
     p.add_argument("--skip", default="", help="stages to skip, comma-separated (load, decode_bB, extend_tT)")
     args = p.parse_args(argv)
     for key, value in (DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS).items():
