@@ -1,0 +1,24 @@
+"""benchmarks/probes/grouped_mm_probe.py --dry-run on the CPU (Triton's interpreter, tiny dims): the fused
+MoE's expert GEMMs and the grouped-GEMM path on the same sorted layout, both checked against the float32
+reference, then timed piece by piece."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "probes" / "grouped_mm_probe.py"
+
+
+def test_dry_run_checks_both_paths_then_times_every_piece(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--tokens", "64"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads((tmp_path / "grouped_mm_probe.json").read_text())["rows"]
+    assert row["checks"]["ok"] and row["checks"]["grouped_vs_ours"] < 3e-2, row["checks"]
+    assert row["sorted_rows"] % row["BLOCK_M"] == 0 and row["sorted_rows"] >= row["pairs"]
+    assert set(row["us"]) == {"ours_gate_up", "ours_down", "gather", "grouped_gate_up", "act", "grouped_down",
+                              "scatter", "ours_all", "grouped_all"} and all(v > 0 for v in row["us"].values())
