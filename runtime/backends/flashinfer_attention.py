@@ -106,6 +106,7 @@ from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import next_pow2
 from runtime.backends.protocol import BackendHooks, BackendSetup
 from runtime.step.context import ExecContext
+from runtime.step.host_copy import array_to_device
 from runtime.cache.kv_pool import KVPool
 
 try:  # Triton ships with Linux torch installs; only the GPU paths launch its kernels.
@@ -224,7 +225,7 @@ def build_paged_metadata(ctx: ExecContext, pad_reqs_to: Optional[int] = None,
     # Flat position of every (request, page) pair in the [B, width] page table: one gather on
     # the device instead of a host loop or a boolean mask (which would synchronise).
     flat = np.arange(total, dtype=np.int64) + np.repeat(np.arange(num_real) * width - kv_indptr[:-1], n_pages)
-    flat_dev = torch.from_numpy(flat).to(ctx.page_table.device, non_blocking=True)
+    flat_dev = array_to_device(flat, ctx.page_table.device)
     kv_indices = ctx.page_table.reshape(-1).index_select(0, flat_dev).to(torch.int32)  # [] indexing: ms on CPU
 
     qo_indptr = np.zeros(num_real + 1, dtype=np.int64)
@@ -250,10 +251,18 @@ def build_paged_metadata(ctx: ExecContext, pad_reqs_to: Optional[int] = None,
         row_pos = np.concatenate([row_pos, np.tile(np.arange(per), n_pad)])
         num_real, rows = pad_reqs_to, rows + n_pad * per
 
-    i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+    # Pinned on cuda: FlashInfer's plan() copies them to the device with non_blocking=True, and a copy
+    # from pageable memory waits for the stream first, which a plan made after the step's first
+    # piece launched (GraphRunner._plan) would spend waiting for that piece.
+    pinned = ctx.page_table.device.type == "cuda"
+    i32 = lambda a: _pinned_if(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)), pinned)
     return PagedMetadata(num_reqs=num_real, num_rows=rows, qo_indptr=i32(qo_indptr), kv_indptr=i32(kv_indptr),
                          kv_lens=i32(kv_lens), kv_last_page_len=i32(last), kv_indices=kv_indices,
                          row_req=i32(row_req), row_pos=i32(row_pos), all_fresh=all_fresh)
+
+
+def _pinned_if(host: torch.Tensor, pinned: bool) -> torch.Tensor:
+    return host.pin_memory() if pinned else host
 
 
 # -- storing this step's rows ----------------------------------------------------------------
@@ -842,9 +851,12 @@ class FlashInferAttentionBackend(BackendHooks):
             planned.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, g.num_q_heads, g.num_kv_heads,
                          g.head_dim, ps, q_data_type=g.q_dtype, kv_data_type=g.kv_dtype, sm_scale=g.scale)
         elif kind == "prefill":
+            # seq_lens: the cached + new tokens it would otherwise derive from the indptr into a
+            # pageable tensor and copy from there (a copy that waits for the stream first); the same
+            # values, from the pinned metadata (its other readers are FlashInfer's cuDNN backend alone).
             planned.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, g.num_q_heads,
                          g.num_kv_heads, g.head_dim, ps, head_dim_vo=g.head_dim_v, causal=True, sm_scale=g.scale,
-                         q_data_type=g.q_dtype, kv_data_type=g.kv_dtype)
+                         q_data_type=g.q_dtype, kv_data_type=g.kv_dtype, seq_lens=meta.kv_lens)
         else:  # ragged: this step's k/v are the whole cache of every request
             planned.plan(meta.qo_indptr, meta.qo_indptr, g.num_q_heads, g.num_kv_heads, g.head_dim,
                          head_dim_vo=g.head_dim_v, causal=True, sm_scale=g.scale, q_data_type=g.q_dtype,

@@ -39,7 +39,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import inspect
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 
@@ -188,7 +188,8 @@ class BackendHooks(abc.ABC):
             self.init_replay_state(ctx, bucket)
 
     def plan_piecewise_step(self, ctx: ExecContext, bucket: int, chunk_size: int,
-                            plan_mode: Mode | None = None, first_piece_stages: bool = False) -> None:
+                            plan_mode: Mode | None = None, first_piece_stages: bool = False,
+                            defer_gaps: Callable[[Callable[[], None]], None] | None = None) -> None:
         """Before a piecewise step (captured pieces around eager gaps): the gaps' plan
         (`plan_eager_step`), then `init_replay_state` for the pieces. Not a hook of its own: a
         backend set sends the first to the members with a node in an eager gap of the step's mode
@@ -200,7 +201,11 @@ class BackendHooks(abc.ABC):
         whose split plan the step runs, where it is not the step's own (a decode step through the
         extend plan's pieces: the graph runner's piecewise decode). `first_piece_stages`: the
         step's first captured piece records `stage_in_first_piece` (below), so what that stages is
-        not staged again here; a lone backend stages nothing there and plans everything here."""
+        not staged again here; a lone backend stages nothing there and plans everything here.
+        `defer_gaps`: where the step opens with a captured piece, the runner's way to run host work
+        after that piece's launch (the device busy meanwhile) and before the first gap; a backend
+        set hands it the plans of its members that own nodes in the gaps alone (FlashInfer's
+        prefill plan in a long extend step). A lone backend owns the pieces' nodes too and plans now."""
         plan_eager_step(self, ctx, chunk_size)
         self.init_replay_state(ctx, bucket)
 

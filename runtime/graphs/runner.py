@@ -289,9 +289,16 @@ class GraphRunner:
         # stages what it may (stage_in_first_piece, recorded at capture): host time before the
         # step's first launch, while the device waits, is what a piecewise step pays over a
         # whole-step graph.
+        # A replayed step that opens with a captured piece launches it before the plans only the
+        # gaps read (CaptureState.after_first_piece): at 4096 tokens FlashInfer's prefill plan took
+        # about 0.5 ms of host time before the first launch, the device idle
+        # (benchmarks/history/linear_extend.md, "Where a long extend step waits on the host").
         plan_mode = piecewise_plan_mode(self.program.plans, key.mode)
         staged = self.program.plans[plan_mode].pieces[0].kind == CAPTURED
-        self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size, plan_mode, first_piece_stages=staged)
+        deferred: list = []
+        self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size, plan_mode, first_piece_stages=staged,
+                                         defer_gaps=deferred.append if staged and not self.state.capturing else None)
+        self.state.after_first_piece = (lambda: [plan() for plan in deferred]) if deferred else None
         if staged and self.state.capturing:
             self.state.prologue = lambda: self.backend.stage_in_first_piece(ctx, key.seqs, plan_mode)
 
@@ -320,8 +327,10 @@ class GraphRunner:
         try:
             with self.ops.step(ctx):
                 outputs = self._call(self._module(ctx.mode), inputs)
+            if self.state.after_first_piece is not None:  # a plan no gap of the step was there to read
+                raise CaptureError(f"{key}: the plans deferred to the first captured piece never ran")
         finally:
-            self.state.key = None
+            self.state.key, self.state.after_first_piece = None, None
         self.counters["piecewise_steps" if key else "eager_steps"] += 1
         return [out[:n] for out, n in zip(outputs, real)]
 

@@ -132,6 +132,24 @@ def test_a_piecewise_step_plans_eagerly_only_the_members_in_its_gaps():
         BackendSet({"attn": attn}, {}, {Mode.EXTEND: ("moe",)})
 
 
+def test_a_piecewise_step_hands_the_plans_of_gap_only_members_to_defer_gaps():
+    """defer_gaps (the runner's, where the step opens with a captured piece): a member whose nodes are
+    all in the gaps plans when the callable it got is called, after the first piece's launch; a
+    member on both sides plans now (its init_replay_state keeps the eager plan made first), and the
+    captured members stage as before."""
+    attn, linear, mixed = Spy(FULL_OPS - {"moe"}), Spy(LINEAR_OPS), Spy({"moe"})
+    backends = BackendSet({"attn": attn, "linear": linear, "mixed": mixed},
+                          {Mode.EXTEND: ("linear", "mixed")}, {Mode.EXTEND: ("attn", "mixed")})
+    ctx = types.SimpleNamespace(mode=Mode.EXTEND)
+    deferred = []
+    backends.plan_piecewise_step(ctx, 4, 512, defer_gaps=deferred.append)
+    assert attn.calls == [] and len(deferred) == 1
+    assert linear.calls == [("init_replay_state", ctx, 4)]
+    assert mixed.calls == [("init_step_metadata", ctx), ("init_chunk_metadata", ctx, 512), ("init_replay_state", ctx, 4)]
+    deferred[0]()
+    assert attn.calls == [("init_step_metadata", ctx), ("init_chunk_metadata", ctx, 512)]
+
+
 def test_a_decode_step_through_the_extend_pieces_is_planned_as_the_extend_plan_places_its_members():
     """Piecewise decode (a decode step run through the extend plan's pieces and gaps): attention, in
     the gaps there, plans the step eagerly instead of staging it for a graph that does not hold it;

@@ -587,3 +587,35 @@ def test_glue_drift_that_grows_layer_by_layer_passes_and_a_jump_is_named():
                                          "0.025 carried from earlier layers)")
     forced._read = ([0.012, 0.025, 0.03], [0.0, 0.021, 0.0])  # an op on the same inputs: held to rtol itself
     assert forced.first_beyond(rtol) == "layer 1 (gdn_core, rel err 0.021 on the same inputs)"
+
+
+def test_the_first_captured_piece_runs_the_deferred_plans_right_after_its_launch_once():
+    """CaptureState.after_first_piece (GraphRunner._plan leaves there the plans only the eager gaps
+    read): the step's first captured piece launches, then runs it, once; no other piece runs it, and
+    a capture leaves it alone."""
+    from runtime.graphs.cuda_graphs import CapturedPiece, CaptureState
+
+    log = []
+
+    class Piece(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def forward(self, x):
+            log.append(self.name)
+            return x + 1
+
+    state = CaptureState(RerunGraphs())
+    first, later = (CapturedPiece(Piece(name), i, state, first=i == 0) for i, name in enumerate(("first", "later")))
+    x = torch.zeros(2)
+    state.key, state.capturing = CaptureKey(Mode.EXTEND, 32, 1), True
+    first(x), later(x)
+    state.capturing = False
+    log.clear()
+    state.after_first_piece = lambda: log.append("plan")
+    first(x), later(x)
+    assert log == ["first", "plan", "later"] and state.after_first_piece is None
+    state.after_first_piece = lambda: log.append("plan again")
+    later(x)
+    assert log[-1] == "later" and state.after_first_piece is not None
