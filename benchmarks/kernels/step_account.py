@@ -152,6 +152,15 @@ def account_step(runner, kv, st, step, key, args, dev) -> dict:
                   "plan": lambda: runner._plan(filled["ctx"], key)}  # the fill's ctx, as run_outputs plans it
         rec["timeline"] = timeline(lambda: runner.run(step, key), cuda, Path(args.out) / name if cuda else None,
                                    phases)
+        if cuda:  # the step with the gaps' plans after (the default) and before the first launch, alternated
+            times: dict = {True: [], False: []}
+            try:
+                for defer in (True, False, True, False):
+                    runner.defer_gap_plans = defer
+                    times[defer].append(time_ms(lambda: runner.run(step, key), dev, args.iters))
+            finally:
+                runner.defer_gap_plans = True
+            rec["timeline"].update(step_ms_gap_plans_deferred=times[True], step_ms_gap_plans_first=times[False])
     return rec
 
 
@@ -311,7 +320,9 @@ def timeline_text(tl: dict) -> str:
     """A step's timeline (account_trace.timeline) in a few lines for the log."""
     if not tl:
         return ""
-    lines = [f"    host {tl['host_call_us']:.0f} us to return, device {tl['device_call_us']:.0f} us; host phases "
+    lines = [f"    step ms, the gaps' plans after the first launch {tl['step_ms_gap_plans_deferred']}, before it "
+             f"{tl['step_ms_gap_plans_first']}",
+             f"    host {tl['host_call_us']:.0f} us to return, device {tl['device_call_us']:.0f} us; host phases "
              f"{ {k: round(v) for k, v in tl['phases_us'].items()} }; syncs {tl['syncs']}",
              f"    profiled: wall {tl['profiled_wall_us']:.0f} us, device busy {tl['device_busy_us']:.0f}, idle "
              f"{tl['device_idle_us']:.0f} (before the first kernel {tl['idle_before_first_us']:.0f}, after the last "

@@ -147,6 +147,9 @@ class GraphRunner:
                                     ) if decode_graphs == "full" else frozenset()
         self.keys: list[CaptureKey] = []
         self.chunk_size = chunk_size or self.max_tokens
+        # Plans only the eager gaps read wait for the first captured piece's launch (_plan); False
+        # makes them precede it, as before (step_account.py --timeline times both).
+        self.defer_gap_plans = True
         self.input_names = PROGRAM_INPUTS[program.name]
         # Static buffers: the only tensors a captured graph reads besides weights, caches and its pool
         # (the draft program's hidden states among them).
@@ -297,7 +300,7 @@ class GraphRunner:
         staged = self.program.plans[plan_mode].pieces[0].kind == CAPTURED
         deferred: list = []
         self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size, plan_mode, first_piece_stages=staged,
-                                         defer_gaps=deferred.append if staged and not self.state.capturing else None)
+                                         defer_gaps=deferred.append if staged and self.defer_gap_plans and not self.state.capturing else None)
         self.state.after_first_piece = (lambda: [plan() for plan in deferred]) if deferred else None
         if staged and self.state.capturing:
             self.state.prologue = lambda: self.backend.stage_in_first_piece(ctx, key.seqs, plan_mode)
