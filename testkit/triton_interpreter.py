@@ -178,3 +178,34 @@ def skip_discarded_overflow_checks() -> bool:
         return False
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return True
+
+
+def row_independent_dots() -> bool:
+    """The interpreter's `tl.dot` is numpy's matmul of the two tiles, in float32 for a float32
+    accumulator: OpenBLAS's sgemm, whose result for a row can depend on where the row sits in the
+    tile (seen with numpy 2.4's OpenBLAS 0.3.31 on an AMD EPYC, AVX2: a permutation of the rows gave
+    other bits), while the kernels' batch-invariance tests (a row's bits whatever the rows beside
+    it) hold on the GPU, whose dot gives every row of a tile the same reduction. Here such a dot
+    multiplies and sums in float64 (float32 products are exact there) and rounds once to float32:
+    the same rounded value for a row wherever it sits, but where two summation orders straddle a
+    float32 rounding boundary (a chance of about K * 2^-29 per element for K terms). Integer and
+    fp8 dots are Triton's as before. True when installed."""
+    interpreter = _interpreter()
+    builder = getattr(interpreter, "InterpreterBuilder", None) if interpreter is not None else None
+    original = getattr(builder, "create_dot", None)
+    if original is None:
+        return False
+    if getattr(original, "testkit_wrapper", False):
+        return True
+    import numpy as np
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        floats = (np.float16, np.float32)
+        if d.data.dtype != np.float32 or a.data.dtype not in floats or b.data.dtype not in floats:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    create_dot.testkit_wrapper = True
+    builder.create_dot = create_dot
+    return True
