@@ -100,6 +100,7 @@ from compiler.splitops import MODES, BackendCapability, LayerKind, Mode, OpCaptu
 from runtime.backends.kernels.launch_math import cdiv, token_blocks
 from runtime.backends.protocol import BackendHooks, BackendSetup
 from runtime.step.context import ExecContext
+from runtime.step.host_copy import tensor_to_device
 from runtime.cache.state_pool import PADDING_SLOT, StatePool
 
 __all__ = ["TritonLinearBackend", "WrongModeError", "FLANotInstalled", "fla_ops"]
@@ -268,7 +269,7 @@ def _to_device_at_once(parts: list[torch.Tensor], device: torch.device) -> list[
         if at % 2:
             flat.append(torch.zeros(1, dtype=torch.int64))
             at += 1
-    buf = torch.cat(flat).to(device, non_blocking=True)
+    buf = tensor_to_device(torch.cat(flat), device)  # from pinned memory: a pageable copy waits for the stream
     return [buf[a:a + math.prod(shape)].view(shape) for a, shape in spans]
 
 

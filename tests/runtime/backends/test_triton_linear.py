@@ -838,8 +838,10 @@ def test_conv_extend_is_one_launch_and_refuses_what_it_cannot_run_naming_the_lay
 
 # -- host work per layer ---------------------------------------------------------------------------
 
+# and the host-to-device helpers the backend copies its plan with (runtime/step/host_copy.py)
 BACKEND_FILES = {str(Path(TL.__file__).resolve()),
-                 str(Path(sys.modules[TritonLinearBackend.__module__].__file__).resolve())}
+                 str(Path(sys.modules[TritonLinearBackend.__module__].__file__).resolve()),
+                 str(Path(sys.modules["runtime.step.host_copy"].__file__).resolve())}
 
 
 class HostWork:
