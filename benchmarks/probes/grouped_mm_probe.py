@@ -48,7 +48,8 @@ import torch.nn.functional as F  # noqa: E402
 from bench_common import device_facts, device_rates, rel_err  # noqa: E402
 from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference  # noqa: E402
-from runtime.backends.kernels.moe import combine, down_sorted, gate_up_sorted, route, shared_chunks, sort_tokens  # noqa: E402
+from runtime.backends.kernels.moe import (combine, down_sorted, gate_up_sorted, route, shared_chunks,  # noqa: E402
+                                          sort_tokens)
 from runtime.backends.kernels.moe_config import default_config  # noqa: E402
 
 TOKENS_GPU = [512, 2048, 4096]

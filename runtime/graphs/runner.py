@@ -299,8 +299,9 @@ class GraphRunner:
         plan_mode = piecewise_plan_mode(self.program.plans, key.mode)
         staged = self.program.plans[plan_mode].pieces[0].kind == CAPTURED
         deferred: list = []
+        defer = staged and self.defer_gap_plans and not self.state.capturing
         self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size, plan_mode, first_piece_stages=staged,
-                                         defer_gaps=deferred.append if staged and self.defer_gap_plans and not self.state.capturing else None)
+                                         defer_gaps=deferred.append if defer else None)
         self.state.after_first_piece = (lambda: [plan() for plan in deferred]) if deferred else None
         if staged and self.state.capturing:
             self.state.prologue = lambda: self.backend.stage_in_first_piece(ctx, key.seqs, plan_mode)

@@ -14,7 +14,7 @@ SCRIPT = ROOT / "benchmarks" / "probes" / "grouped_mm_probe.py"
 
 
 def test_dry_run_checks_both_paths_then_times_every_piece(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--tokens", "64"],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--tokens", "16"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = json.loads((tmp_path / "grouped_mm_probe.json").read_text())["rows"]
