@@ -35,6 +35,12 @@ Per run, once: `rates`, the card's device-to-device copy rate and bf16 matmul ra
    hold 256; the short ones, up to 128 tokens, keep a one-request key beside, and a one-request
    step takes it): the same step, with the grids a kernel sizes by the bucket's request rows.
 
+--timeline: per step also where its time beyond its kernels goes (account_trace.timeline: the host's
+time until `run` returns against the device's, the runner's staging and plan alone, synchronising
+lines, the device's idle spans with the host ops during them, a Chrome trace per step in OUT), and
+the step timed with a piecewise step's gap-only plans after its first launch (the default) and
+before it (`GraphRunner.defer_gap_plans`), alternated.
+
 Tables group ops by what they are across layers (`gemm linear_attn.in_proj_qkvz`, `moe`, `gdn_core`,
 `gdn_fused` where the fusion pass made one GDN mixer op, `glue`...); the JSON (OUT/step_account.json) keeps every kernel in the order it ran with its label
 and time, and every op node's (layer, what) cost. A dry run's numbers (CPU: the profiler's CPU ops
