@@ -34,6 +34,7 @@ import operator
 import re
 import statistics
 import types
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -384,23 +385,35 @@ TIMELINE_GAPS = 12     # the longest ones
 TIMELINE_REPS = 5
 
 
+# Where a synchronising call is reported: the innermost frame of the project's own code under it
+# (a warning's own location is the torch function that synchronised, which says nothing).
+PROJECT_DIRS = tuple(str(Path(__file__).resolve().parents[2] / d) for d in ("runtime", "compiler", "models"))
+
+
 def _sync_sites(fn) -> list[str]:
     """Where fn() synchronises the host with the device: torch's sync debug mode warns at every
-    synchronising call (a .item(), a copy from pageable memory, ...); each site once, with its count."""
+    synchronising call (a .item(), a copy from pageable memory, ...); each site (the innermost
+    frame of runtime/, compiler/ or models/ under it) once, with its count."""
+    import traceback
     import warnings
 
-    with warnings.catch_warnings(record=True) as caught:
+    sites: dict = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(PROJECT_DIRS)]
+        site = f"{ours[-1].filename}:{ours[-1].lineno}" if ours else f"{filename}:{lineno}"
+        sites[site] = sites.get(site, 0) + 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    sites: dict = {}
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            site = f"{w.filename}:{w.lineno}"
-            sites[site] = sites.get(site, 0) + 1
     return [f"{site} (x{n})" for site, n in sites.items()]
 
 

@@ -140,3 +140,31 @@ def test_dry_run_gives_both_tables_for_qwen3_next_and_kimi_linear(tmp_path, tmp_
     text = (tmp_path / "step_account.md").read_text()
     assert text.count("decode B=1") == 2 and text.count("extend 16 tokens") == 2
     assert "not judged" in text
+
+
+
+def test_a_synchronising_call_is_reported_at_the_project_line_under_it(monkeypatch):
+    """timeline's sync sites: the innermost frame of runtime/ (or compiler/, models/) under torch's
+    warning, counted per site; a warning with no project frame under it keeps its own location; other
+    warnings are no sync sites. The CPU build has no sync debug mode: stand-ins warn as torch's does."""
+    import warnings
+
+    import account_trace
+    from runtime.step import host_copy
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: warnings.warn("called a synchronizing CUDA operation"))
+    copy = host_copy.HostCopy(torch.arange(3))
+
+    def step():
+        copy.tolist()  # runtime/step/host_copy.py reads the host copy: the site to name
+        copy.tolist()
+        warnings.warn("called a synchronizing CUDA operation")  # no project frame under it
+        warnings.warn("something else")
+
+    sites = account_trace._sync_sites(step)
+    assert modes == ["warn", 0]
+    assert len(sites) == 2, sites
+    assert "runtime/step/host_copy.py:" in sites[0] and sites[0].endswith("(x2)"), sites
+    assert "tests/benchmarks/test_step_account.py:" in sites[1] and sites[1].endswith("(x1)"), sites
