@@ -4,7 +4,8 @@ inputs of one step for a linear op (padding rows NaN), `FakeFLA`, FLA's chunk in
 the reference recurrence for CPU runs of the extend path, `interpreted_triton_linear`, the
 triton_linear backend declared for the cpu device so routing can bind a CPU artifact's linear
 ops to it (its kernels then run in Triton's interpreter), `check_conv_extend`, the extend
-conv kernel against the reference over the request lengths that matter to it, and
+conv kernel against the reference over the request lengths that matter to it,
+`conv_extend_launch`, one launch of it in a given layout (tile or row streaming), and
 `captured_chunk_tables`, the chunk kernels' tables of a step padded to a captured bucket."""
 
 from __future__ import annotations
@@ -205,10 +206,11 @@ def column_slice(t: torch.Tensor, extra: int = 24) -> torch.Tensor:
 
 
 def check_conv_extend(channels: int, K: int, dtype, device, many: int, seed: int, bias=True, silu=True,
-                      sliced: bool = False) -> dict:
+                      sliced: bool = False, rows: bool = False) -> dict:
     """The short conv's extend path of TritonLinearBackend against CPUReferenceBackend (float32 math
     on the same rounded inputs) over `conv_extend_steps`, from random non-zero histories; inputs'
-    padding rows NaN, outputs poisoned; `sliced`: the device input is a `column_slice`. Per step:
+    padding rows NaN, outputs poisoned; `sliced`: the device input is a `column_slice`; `rows`: the
+    row-streaming kernel (the backend's conv_extend_rows) in place of the tile one. Per step:
     relative errors of the norm of the real rows and of
     the touched slots' states, whether every real row is finite and every padding row zero; and
     whether the padding slot, the free slots and the token-less request's slot kept every bit."""
@@ -226,7 +228,8 @@ def check_conv_extend(channels: int, K: int, dtype, device, many: int, seed: int
     b = torch.randn(channels, generator=g).to(dtype) if bias else None
     w_dev, b_dev = w.to(device), None if b is None else b.to(device)
     ref, tri = CPUReferenceBackend(None, ref_pool), TritonLinearBackend(dev_pool)
-    rows, touched = [], set()
+    tri.conv_extend_rows = rows
+    steps, touched = [], set()
     for mode, reqs, pad_t, pad_s in conv_extend_steps(K, many):
         ctx = step_ctx(mode, reqs, pad_t, pad_s, device)
         plan_eager_step(tri, ctx, 2048)
@@ -240,14 +243,43 @@ def check_conv_extend(channels: int, K: int, dtype, device, many: int, seed: int
         out = out.cpu()
         touched |= {slot for slot, _, n in reqs if n > 0}
         t = sorted(touched)
-        rows.append({"mode": mode.value, "lengths": [n for *_, n in reqs], "out_rel_err": rel_err(out[:R], out_ref[:R]),
-                     "state_rel_err": rel_err(dev_pool.layer(0)["conv"].cpu()[t], ref_state[t]),
-                     "finite": bool(torch.isfinite(out[:R]).all()), "padding_zero": bool(out[R:].eq(0).all())})
+        steps.append({"mode": mode.value, "lengths": [n for *_, n in reqs],
+                      "out_rel_err": rel_err(out[:R], out_ref[:R]),
+                      "state_rel_err": rel_err(dev_pool.layer(0)["conv"].cpu()[t], ref_state[t]),
+                      "finite": bool(torch.isfinite(out[:R]).all()), "padding_zero": bool(out[R:].eq(0).all())})
     untouched = [s for s in range(num_slots + 1) if s not in touched]
     assert PADDING_SLOT in untouched and 6 in untouched
     kept = bool(torch.equal(dev_pool.layer(0)["conv"].cpu()[untouched], before[untouched]))
-    return {"channels": channels, "K": K, "dtype": str(dtype).removeprefix("torch."), "steps": rows,
+    return {"channels": channels, "K": K, "dtype": str(dtype).removeprefix("torch."), "rows": rows, "steps": steps,
             "untouched_slots_kept": kept}
+
+
+def conv_extend_launch(config, K: int, channels: int, device, sliced: bool = False, seed: int = 0):
+    """One short_conv_extend launch with `config` (a ConvConfig: tile or row streaming) over requests
+    of 0, 1, 2 (fewer than K-1), 70 (three token blocks) and 33 tokens, 5 padding rows (NaN inputs)
+    and table rows past their request's blocks (the padding rows again, the empty request, a fourth
+    block of 70 tokens), from random histories; float32, bias and silu; in-step snapshots after rows
+    1 and 40. `sliced`: x is a `column_slice`. Returns (outputs, histories, snapshot pool) on the host."""
+    from runtime.backends.kernels.linear import CONV_EXTEND_BLOCK_T, StepSnapshots, short_conv_extend
+
+    g = torch.Generator().manual_seed(seed)
+    lens, pad = [0, 1, 2, 70, 33], 5
+    R, rows = len(lens), sum(lens) + pad
+    x = torch.randn(rows, channels, generator=g)
+    x[sum(lens):] = float("nan")
+    w, b = torch.randn(channels, K, generator=g), torch.randn(channels, generator=g)
+    state = torch.randn(R + 2, channels, K - 1, generator=g).to(device)
+    bounds = torch.tensor(np.concatenate([[0], np.cumsum(lens), [rows]]), dtype=torch.int64)
+    blocks = torch.from_numpy(token_blocks(np.asarray(lens + [pad]), CONV_EXTEND_BLOCK_T))
+    blocks = torch.cat([blocks, torch.tensor([[R, 0], [0, 0], [3, 3]])])
+    pool = torch.zeros(R + 1, channels, K - 1, device=device)
+    snaps = StepSnapshots(torch.tensor([-1, 1, -1, 40, -1], device=device),
+                          torch.tensor([0, 1, 0, 2, 0], device=device), pool)
+    out = torch.full((rows, channels), float("nan"), device=device)
+    x = column_slice(x.to(device)) if sliced else x.to(device)
+    short_conv_extend(x, w.to(device), b.to(device), out, state, torch.tensor([2, 5, 1, 4, 3], device=device),
+                      bounds.to(device), blocks.to(device), True, config=config, snapshots=snaps)
+    return out.cpu(), state.cpu(), pool.cpu()
 
 
 def conv_extend_ok(result: dict, out_tol: float, state_tol: float = 1e-6) -> bool:

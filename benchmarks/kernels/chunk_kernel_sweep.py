@@ -25,12 +25,16 @@ workspaces of its own; candidates are the chunk length (a "block_t" key; by defa
 chunk.chunk_length of the tokens), the single-chunk tiles against the long steps' ("long tiles"),
 the solve's column split, Dv tiles and warps (SHORT_CONFIGS). Then the extend conv at the same
 steps (qwen3_next's 8192 channels, K 4; GDN only), over the bucket's conv-block table: its channel
-tiles and warps, each checked against a float32 torch conv first.
+tiles and warps in both layouts (the [token block, channels] tile; row streaming, "rows ..."),
+each checked against a float32 torch conv first, beside a plain device copy of the same bytes (the
+copy-rate reference; every line gives its GB/s of x read and out written).
 
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT   # on the GPU machine: every config, both families
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT --quick   # GDN, QUICK_CONFIGS, fewer reps: < 3 min
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT --dry-run   # CPU, interpreter, tiny dims
     python benchmarks/kernels/chunk_kernel_sweep.py --out OUT --short --families gdn   # short buckets, the conv
+    # the conv at long prompts (the chunk kernels' default config alone at those steps):
+    python benchmarks/kernels/chunk_kernel_sweep.py --out OUT --short --families gdn --configs default --shapes 4096x1
 
 Writes OUT/chunk_kernel_sweep.json and prints one line per (shape, config).
 """
@@ -264,16 +268,20 @@ def time_short(spec, T: int, R: int, device, override: dict, reps: int, bucket_s
             "config": dataclasses.asdict(cfg), "block_t": block_t, "bucket_seqs": seqs}
 
 
-def conv_configs(dry: bool) -> dict[str, TL.ConvConfig | None]:
+def conv_configs(dry: bool) -> dict[str, TL.ConvConfig | str | None]:
     """The extend conv's candidates at short steps: "default" the backend's choice for a captured
     step (conv_extend_config from the padded table's length, every request row the bucket could
     hold); "one request" the choice for one request of the bucket's rows; then fixed tiles. The
     table's empty rows are programs too (each loads the table and the bounds before it returns),
-    so a narrower tile multiplies them: the sweep weighs that against the real blocks' latency."""
-    named = {"default": "table", "one request": None}
+    so a narrower tile multiplies them: the sweep weighs that against the real blocks' latency.
+    "rows ...": the row-streaming layout (ConvConfig.rows; x read once, 8 channels a thread),
+    "rows default" conv_extend_rows_config, the backend's choice."""
+    named = {"default": "table", "one request": None, "rows default": "rows"}
     tiles = [(32, 1)] if dry else [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4),
                                    (256, 4), (256, 8)]
     named.update({f"c{bc} w{w}": TL.ConvConfig(bc, w) for bc, w in tiles})
+    rows = [(256, 1)] if dry else [(256, 1), (512, 2), (1024, 4)]
+    named.update({f"rows c{bc} w{w}": TL.ConvConfig(bc, w, rows=True) for bc, w in rows})
     return named
 
 
@@ -323,17 +331,41 @@ def conv_config_of(name, chosen, T: int, C: int, blocks: int, device):
         return TL.conv_extend_config(cdiv(T, TL.CONV_EXTEND_BLOCK_T), C, torch.device(device))
     if chosen == "table":
         return TL.conv_extend_config(blocks, C, torch.device(device))
+    if chosen == "rows":
+        return TL.conv_extend_rows_config(C)
     return chosen
 
 
+COPY_REFERENCE = "copy (copy-rate reference)"  # not a conv: out.copy_(x), the same bytes moved
+
+
+def conv_rate(entry: dict, moved: int) -> str:
+    """', GB/s' of an entry's bytes read and written over its kernel time (its wall time off the GPU)."""
+    ms = entry.get("kernel_ms") or entry["wall_ms"]
+    entry["gb_s"] = moved / ms / 1e6
+    return f", {entry['gb_s']:.0f} GB/s"
+
+
 def sweep_conv(C: int, K: int, shapes, device, reps: int, bucket_seqs: int, dry: bool) -> dict:
-    """Each conv candidate checked on every short shape against conv_reference, then timed there."""
+    """Each conv candidate checked on every short shape against conv_reference, then timed there;
+    beside them a plain device copy of x into a [T, C] tensor (COPY_REFERENCE): the rate the conv's
+    floor (read x once, write out once) is bound by."""
     rows = {}
     for T, R in shapes:
         lens, args = conv_case(C, K, T, R, bucket_seqs, device)
         want = conv_reference(args["x"].cpu(), args["weight"].cpu(), args["bias"].cpu(),
                               args["state"].cpu()[1:R + 1], lens)
         row = rows[f"{T}x{R}"] = {}
+        moved = 2 * args["x"].numel() * args["x"].element_size()  # x read once, out written once
+        copy_out = torch.empty_like(args["x"])
+        fn = lambda: copy_out.copy_(args["x"])  # noqa: E731
+        fn()
+        split = device_ms_by_kernel(fn)
+        entry = row[COPY_REFERENCE] = {"ok": True, "bytes": moved, "wall_ms": bench_ms(fn, reps),
+                                       "kernel_ms": sum(split.values()) if split else None}
+        print(f"conv {T}x{R} {COPY_REFERENCE}: wall {entry['wall_ms']:.4f} ms"
+              + (f", kernel {entry['kernel_ms']:.4f} ms" if entry.get("kernel_ms") else "")
+              + conv_rate(entry, moved), flush=True)
         for name, chosen in conv_configs(dry).items():
             cfg = conv_config_of(name, chosen, T, C, args["blocks"].shape[0], device)
             fresh = dict(args, state=args["state"].clone())
@@ -345,9 +377,10 @@ def sweep_conv(C: int, K: int, shapes, device, reps: int, bucket_seqs: int, dry:
                 fn = lambda: conv_run(fresh, out, cfg)  # noqa: E731
                 split = device_ms_by_kernel(fn)
                 entry.update(wall_ms=bench_ms(fn, reps), kernel_ms=sum(split.values()) if split else None)
-            print(f"conv {T}x{R} {name} {cfg.block_c}/{cfg.num_warps}: err {err:.1e}"
+            print(f"conv {T}x{R} {name} {cfg.block_c}/{cfg.num_warps}{' rows' if cfg.rows else ''}: err {err:.1e}"
                   + (f", wall {entry['wall_ms']:.4f} ms" if entry["ok"] else " FAIL")
-                  + (f", kernel {entry['kernel_ms']:.4f} ms" if entry.get("kernel_ms") else ""), flush=True)
+                  + (f", kernel {entry['kernel_ms']:.4f} ms" if entry.get("kernel_ms") else "")
+                  + (conv_rate(entry, moved) if entry["ok"] else ""), flush=True)
     return rows
 
 

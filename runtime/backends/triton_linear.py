@@ -438,6 +438,12 @@ class TritonLinearBackend(BackendHooks):
             "and in extend and mixed where our own kernels run (KDA, and chunk_impl=fla, in steps of up to "
             "short_extend_tokens tokens)")
 
+    # The extend conv's layout: None row streaming (conv_extend_rows_config) for steps of at least
+    # CONV_EXTEND_ROWS_MIN_TOKENS rows and kernel widths up to CONV_EXTEND_ROWS_MAX_K (every released
+    # model's: 4), else the tile kernel (conv_extend_config); True / False one layout at every step
+    # (tests and benchmarks; True still leaves wider kernels to the tile). kernels/linear.py says why.
+    conv_extend_rows: bool | None = None
+
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
                  short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0],
                  snapshots=None, routed_ops: frozenset[str] | None = None):
@@ -802,10 +808,15 @@ class TritonLinearBackend(BackendHooks):
     def _conv_extend(self, ctx, x, weight, bias, out, layer_id, silu):
         """The Triton extend conv, one launch: every request's tokens, its new history, zero padding rows."""
         plan = self._extend_plan(self._step_plan(ctx), "short_conv")
-        _kernels().short_conv_extend(x, weight, bias, out, self._layer_state(layer_id, "conv"), plan.slots,
-                                     plan.padded_bounds, plan.conv_blocks, silu,
-                                     what=f"{self.name}: hgc.short_conv (layer {layer_id})",
-                                     snapshots=self._step_snapshots(plan, layer_id, "conv"))
+        kernels = _kernels()
+        long_step = x.shape[0] >= kernels.CONV_EXTEND_ROWS_MIN_TOKENS  # padded rows: one choice per bucket
+        rows = (long_step if self.conv_extend_rows is None else self.conv_extend_rows) and \
+            weight.shape[-1] <= kernels.CONV_EXTEND_ROWS_MAX_K
+        config = kernels.conv_extend_rows_config(x.shape[1]) if rows else None
+        kernels.short_conv_extend(x, weight, bias, out, self._layer_state(layer_id, "conv"), plan.slots,
+                                  plan.padded_bounds, plan.conv_blocks, silu,
+                                  what=f"{self.name}: hgc.short_conv (layer {layer_id})", config=config,
+                                  snapshots=self._step_snapshots(plan, layer_id, "conv"))
 
     def _step_snapshots(self, plan: _ExtendPlan, layer_id: int, entry: str):
         """The plan's in-step snapshots of this layer's `entry` into the pool, or None (none to write)."""

@@ -65,7 +65,8 @@ def test_the_gpu_run_names_its_quick_configs_and_the_target_shapes():
 def test_short_dry_run_times_the_buckets_steps_and_the_conv(tmp_path):
     """--short: each candidate checked at every shape's chunk length, then timed as the bucket's graph
     runs the step (its chunk length by default: 16 rows for the 16-row bucket, 32 for 32); then the
-    extend conv's tiles, each checked against the float32 conv before it is timed."""
+    extend conv's tiles in both layouts, each checked against the float32 conv before it is timed,
+    beside a plain copy of the same bytes."""
     proc = sweep(tmp_path, "--short", "--families", "gdn", "--configs", "default,chunk 64")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((tmp_path / "chunk_kernel_sweep.json").read_text())
@@ -78,3 +79,9 @@ def test_short_dry_run_times_the_buckets_steps_and_the_conv(tmp_path):
     assert rows[(16, 1)]["default"]["config"]["solve_col_tiles"] >= 1
     assert set(doc["conv"]) == {"16x1", "32x2"}
     assert all(c["ok"] and c["wall_ms"] > 0 for row in doc["conv"].values() for c in row.values()), doc["conv"]
+    for shape, row in doc["conv"].items():
+        assert {"default", "rows default", "rows c256 w1", "copy (copy-rate reference)"} <= set(row)
+        assert row["rows default"]["config"] == {"block_c": 32, "num_warps": 1, "rows": True}  # 24 channels
+        assert not row["default"]["config"]["rows"] and row["rows default"]["rel_err"] < 1e-2
+        tokens = int(shape.split("x")[0])
+        assert row["copy (copy-rate reference)"]["bytes"] == 2 * tokens * 24 * 2  # bf16 x read, out written

@@ -8,7 +8,8 @@ in a CUDA graph and replays it for new slots and inputs through the protocol hoo
 target_verify step against the decode steps of the same tokens (outputs, the intermediate
 states speculative decoding keeps, final states). The extend conv kernel is checked on its own at
 the bench models' widths (Qwen3-Next 8192, Kimi-Linear 3 x 4096 channels, K 4) over requests of 1,
-K-2, K-1, K and 1000 tokens. The last test runs extend, mixed and target-verify steps (FLA's chunk
+K-2, K-1, K and 1000 tokens, in both layouts (tile, row streaming), and row streaming against the
+tile bit for bit. The last test runs extend, mixed and target-verify steps (FLA's chunk
 kernels, the extend conv, the verify kernels) through a chain of steps on one pool, outputs and
 states against the reference; another captures an extend step of our chunk kernels and the extend
 conv in a CUDA graph and replays it for steps of other lengths.
@@ -27,8 +28,8 @@ import torch
 from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, Mode, TensorSpec
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.cache.state_pool import PADDING_SLOT, StatePool
-from testkit.linear_cases import (check_conv_extend, column_slice, conv_extend_ok, decode_ctx, random_inputs, rel_err,
-                                step_ctx)
+from testkit.linear_cases import (check_conv_extend, column_slice, conv_extend_launch, conv_extend_ok, decode_ctx,
+                                random_inputs, rel_err, step_ctx)
 
 # HGC_GPU_TESTS_DEVICE=cpu (with TRITON_INTERPRET=1) walks these tests through the interpreter on a
 # CPU, to check the test code itself without a GPU: `-k "not 64 and not graph"` keeps it short.
@@ -167,8 +168,14 @@ def test_short_conv_decode_reads_a_column_slice_of_a_stacked_projection(B):
     assert rel_err(dev_pool.layer(0)["conv"][touched].cpu(), ref_pool.layer(0)["conv"][touched]) <= 1e-4
 
 
-def test_conv_extend_kernel_reads_a_column_slice_of_a_stacked_projection():
-    result = check_conv_extend(3 * 32 * 128, CONV_K, torch.bfloat16, DEV, many=300, seed=5, sliced=True)
+# The extend conv's two layouts (kernels/linear.py ConvConfig.rows): the [token block, channels]
+# tile, and row streaming (the backend's conv_extend_rows; conv_extend_rows_config's tile).
+CONV_LAYOUTS = pytest.mark.parametrize("rows", [False, True], ids=["tile", "rows"])
+
+
+@CONV_LAYOUTS
+def test_conv_extend_kernel_reads_a_column_slice_of_a_stacked_projection(rows):
+    result = check_conv_extend(3 * 32 * 128, CONV_K, torch.bfloat16, DEV, many=300, seed=5, sliced=True, rows=rows)
     assert conv_extend_ok(result, out_tol=1e-2), result
 
 
@@ -330,16 +337,31 @@ def test_short_conv_verify_reads_a_column_slice_of_a_stacked_projection():
         assert torch.equal(contiguous, sliced), name
 
 
+@CONV_LAYOUTS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("channels", [CONV_C, 3 * 32 * 128], ids=["qwen3_next", "kimi_linear"])
-def test_conv_extend_kernel_at_real_dims(channels, dtype):
+def test_conv_extend_kernel_at_real_dims(channels, dtype, rows):
     """The Triton extend conv against the reference: requests of 1, 2, 3, 4 and 1000 tokens (and one
     of none) in one step, then fewer than K-1 tokens on the same slots; padding rows zero, the
     padding slot, free slots and the token-less request's slot bit for bit as before."""
     if dtype == torch.float32 and channels != CONV_C:
         pytest.skip("float32 inputs are checked at Qwen3-Next's width only")
-    result = check_conv_extend(channels, CONV_K, dtype, DEV, many=1000, seed=channels)
+    result = check_conv_extend(channels, CONV_K, dtype, DEV, many=1000, seed=channels, rows=rows)
     assert conv_extend_ok(result, out_tol=1e-2 if dtype == torch.bfloat16 else 1e-6), result
+
+
+def test_conv_extend_rows_equal_the_tile_bit_for_bit_at_real_dims():
+    """Row streaming adds the taps in the tile kernel's order in float32 (and the compiler contracts
+    them alike): outputs, new histories and snapshots as the tile kernel's, bit for bit, at C 8192,
+    K 4, for the row-streaming tiles of 1024 (conv_extend_rows_config's), 512 and 256 channels."""
+    from runtime.backends.kernels import linear as TL
+
+    want = conv_extend_launch(TL.ConvConfig(128, 4), CONV_K, CONV_C, DEV)
+    for config in (TL.ConvConfig(1024, 4, rows=True), TL.ConvConfig(512, 2, rows=True),
+                   TL.ConvConfig(256, 1, rows=True)):
+        got = conv_extend_launch(config, CONV_K, CONV_C, DEV)
+        for name, a, b in zip(("outputs", "histories", "snapshots"), got, want):
+            assert torch.equal(a, b), (config, name, rel_err(a, b))
 
 
 # -- extend / mixed / target-verify (FLA chunk kernels, the extend conv, the verify kernels) ----

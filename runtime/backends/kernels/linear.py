@@ -40,8 +40,10 @@ step's token blocks are a table the caller plans once per step and shares across
 row names a request and a block of CONV_EXTEND_BLOCK_T of its tokens; one last pseudo-request
 holds the padding rows, whose programs write zeros. A program convolves its tokens with the K-1 inputs
 before them, taken from x or, for a request's first K-1 tokens, from the slot's history; the
-program of a request's first block also writes the slot's new history (see the kernel for why
-no other program can race it).
+program of a request's first block also writes the slot's new history (see _conv_new_history for
+why no other program can race it). Two layouts of a program's work, chosen by ConvConfig.rows: a
+[block, channels] tile, one shifted load of x per tap; or row streaming, a wider channel tile
+walked one token row at a time with the K-1 earlier inputs in registers (x read once; K <= 4).
 
 The short-extend kernel has one program per (request, value head, Dv tile): the decode kernel's
 update (`_token_step`, shared) applied to the request's tokens in order, the tile loaded once and
@@ -75,7 +77,7 @@ __all__ = [
     "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config", "fixed_conv_config",
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
     "recurrent_verify", "short_conv_verify", "extend_config",
-    "CONV_EXTEND_BLOCK_T", "conv_extend_config", "short_conv_extend", "StepSnapshots",
+    "CONV_EXTEND_BLOCK_T", "conv_extend_config", "conv_extend_rows_config", "short_conv_extend", "StepSnapshots",
 ]
 
 # How the log-decay is given (a constexpr of the kernel).
@@ -95,6 +97,9 @@ class RecurrentConfig:
 class ConvConfig:
     block_c: int  # channels one program owns (a power of two)
     num_warps: int
+    # The extend conv's layout: False the [token block, block_c] tile, True row streaming (one
+    # row of block_c channels at a time, the window in registers; K <= 4). The decode conv has one.
+    rows: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +237,29 @@ def conv_extend_config(num_blocks: int, channels: int, device: torch.device) -> 
             break
     block_c = min(block_c, max(32, next_pow2(channels)))
     return ConvConfig(block_c, max(1, min(8, CONV_EXTEND_BLOCK_T * block_c // 1024)))
+
+
+# The row-streaming extend conv keeps at most three earlier inputs of a channel in registers.
+CONV_EXTEND_ROWS_MAX_K = 4
+# Steps of at least this many rows take it (triton_linear's default). Each program walks its 32
+# rows in turn, four loads ahead, so a short step's few programs wait on memory where the tile
+# kernel's many do not: in bench qwen3_next's one-request steps on the H200 (8192 channels) rows
+# took 26 us at 512 tokens against the tile's 15, and 70 against 85 at 4096 (steps between
+# unmeasured; the kernel alone at 2048: 53 against 73 us).
+CONV_EXTEND_ROWS_MIN_TOKENS = 2048
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of its argument, on every launch path
+def conv_extend_rows_config(channels: int) -> ConvConfig:
+    """Channel tile of the row-streaming extend conv: 8 channels a thread (16 bytes of a bf16 row,
+    one vector load), 1024 channels on 4 warps, whatever the step's length; a layer narrower than
+    that a tile of its own width (next power of two, at least 32), a warp per 256 channels.
+
+    1024 / 4 and not more programs of narrower tiles: on the H200 at bench qwen3_next's 8192
+    channels it took 0.017 / 0.061 ms at 512 / 4096 tokens against 0.020 / 0.067 for 512 / 2 and
+    0.025 / 0.070 for 256 / 1 (chunk_kernel_sweep.py --short; benchmarks/history/linear_extend.md)."""
+    block_c = min(1024, max(32, next_pow2(channels)))
+    return ConvConfig(block_c, max(1, block_c // 256), rows=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,6 +589,34 @@ def _conv_history(x_rows, hist_ptrs, n, cols, offs_c, m_col, stride_x_row, KW: t
     return new_x.to(tl.float32) + new_h.to(tl.float32)
 
 
+@triton.jit
+def _conv_new_history(x_rows, hist_ptrs, snap_rows_ptr, snap_ids_ptr, snap_ptr, seq, n, offs_c, m_c, stride_x_row,
+                      stride_s_c, stride_snap_slot, KW: tl.constexpr, HP: tl.constexpr):
+    """The slot's new history, written by the program of a request's first token block, and the
+    request's in-step snapshot if it has one.
+
+    The new history is the last K-1 inputs of the window [old history | the request's tokens],
+    column q being input p = n - (K-1) + q: a token of x, or (fewer than K-1 new tokens) old
+    history column n + q. The race: the slot's history is read by the taps of the request's
+    outputs and rewritten here. Only this request's first block reads it (a block j > 0 starts at
+    token j*BT >= K-1, all of whose taps are in x), and that block's program is the one that
+    writes it, for its own channels only; requests have distinct slots. Within the program every
+    load of the history precedes one barrier and every store follows it, as in the decode conv."""
+    cols = tl.arange(0, HP)
+    m_col = m_c[:, None] & (cols < KW - 1)[None, :]
+    new_hist = _conv_history(x_rows, hist_ptrs, n, cols, offs_c, m_col, stride_x_row, KW=KW)
+    # An in-step snapshot (the prefix cache's): the history after the request's first r tokens,
+    # read, like the new one, before the barrier.
+    snap_row = tl.load(snap_rows_ptr + seq).to(tl.int64)
+    if snap_row >= 0:
+        snap = _conv_history(x_rows, hist_ptrs, snap_row, cols, offs_c, m_col, stride_x_row, KW=KW)
+        snap_id = tl.load(snap_ids_ptr + seq).to(tl.int64)
+        tl.store(snap_ptr + snap_id * stride_snap_slot + offs_c[:, None] * stride_s_c + cols[None, :],
+                 snap.to(snap_ptr.dtype.element_ty), mask=m_col)
+    tl.debug_barrier()
+    tl.store(hist_ptrs[:, None] + cols[None, :], new_hist.to(hist_ptrs.dtype.element_ty), mask=m_col)
+
+
 # num_seqs changes every step: not specialized, so one build serves every batch (the bundle holds it)
 @triton.jit(do_not_specialize=["num_seqs"])
 def _short_conv_extend_kernel(
@@ -613,29 +669,122 @@ def _short_conv_extend_kernel(
         if SILU:
             acc = acc * tl.sigmoid(acc)
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_out)
-
-        # The new history: the last K-1 inputs of the window [old history | the request's tokens],
-        # column q being input p = n - (K-1) + q: a token of x, or (fewer than K-1 new tokens)
-        # old history column n + q.
-        # The race: the slot's history is read by the taps above and rewritten here. Only this
-        # request's first block reads it (a block j > 0 starts at token j*BT >= K-1, all of whose
-        # taps are in x), and that block's program is the one that writes it, for its own
-        # channels only; requests have distinct slots. Within the program every load of the
-        # history precedes one barrier and every store follows it, as in the decode conv.
+        # The race on the slot's history: see _conv_new_history.
         if (j == 0) & (slot != PAD_SLOT):
-            cols = tl.arange(0, HP)
-            m_col = m_c[:, None] & (cols < KW - 1)[None, :]
-            new_hist = _conv_history(x_rows, hist_ptrs, n, cols, offs_c, m_col, stride_x_row, KW=KW)
-            # An in-step snapshot (the prefix cache's): the history after the request's first r
-            # tokens, read, like the new one, before the barrier.
-            snap_row = tl.load(snap_rows_ptr + seq).to(tl.int64)
-            if snap_row >= 0:
-                snap = _conv_history(x_rows, hist_ptrs, snap_row, cols, offs_c, m_col, stride_x_row, KW=KW)
-                snap_id = tl.load(snap_ids_ptr + seq).to(tl.int64)
-                tl.store(snap_ptr + snap_id * stride_snap_slot + offs_c[:, None] * stride_s_c + cols[None, :],
-                         snap.to(snap_ptr.dtype.element_ty), mask=m_col)
-            tl.debug_barrier()
-            tl.store(hist_ptrs[:, None] + cols[None, :], new_hist.to(state_ptr.dtype.element_ty), mask=m_col)
+            _conv_new_history(x_rows, hist_ptrs, snap_rows_ptr, snap_ids_ptr, snap_ptr, seq, n, offs_c, m_c,
+                              stride_x_row, stride_s_c, stride_snap_slot, KW=KW, HP=HP)
+
+
+@triton.jit
+def _rows_input(x_rows, hist_ptrs, p, offs_c, m_c, stride_x_row, KW: tl.constexpr, BC: tl.constexpr,
+                LIVE: tl.constexpr):
+    """[BC] float32: input p ([BC], one value) of the request (row p of x_rows, or p < 0 history
+    column K-1+p), as _conv_window reads it; zeros where not LIVE (a register K never uses)."""
+    v = tl.zeros([BC], dtype=tl.float32)
+    if LIVE:  # exactly one of the two masked loads is live
+        v = tl.load(x_rows + p * stride_x_row + offs_c, mask=m_c & (p >= 0), other=0.0).to(tl.float32)
+        v += tl.load(hist_ptrs + (KW - 1 + p), mask=m_c & (p < 0), other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _rows_weight(w_ptr, offs_c, m_c, stride_w_c, k: tl.constexpr, BC: tl.constexpr, LIVE: tl.constexpr):
+    """[BC] float32: tap k of the channels' weights; zeros where not LIVE."""
+    w = tl.zeros([BC], dtype=tl.float32)
+    if LIVE:
+        w = tl.load(w_ptr + offs_c * stride_w_c + k, mask=m_c, other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _short_conv_extend_rows_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr, snap_rows_ptr, snap_ids_ptr,
+    snap_ptr, stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_snap_slot,
+    C, num_seqs,
+    KW: tl.constexpr,  # kernel width K, 2 to 4: the K-1 earlier inputs live in p1, p2, p3
+    HP: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,  # channels of the program: 8 a thread, one 16-byte load of a bf16 row
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    PAD_SLOT: tl.constexpr,
+):
+    """The extend conv streamed by rows: the tile kernel's table, grid and results, but a program
+    walks its block's BT tokens one row of BC channels at a time, each row of x loaded once (the
+    tile kernel loads each K times, once per shifted tap) and the window's K-1 earlier inputs
+    carried in registers from row to row. The loop is unrolled, and each row is loaded four rows
+    ahead of its use (q0..q3, BT >= 4). Taps are added oldest first in float32, as in
+    _conv_window: the same bits."""
+    blk = tl.program_id(0)
+    c_tile = tl.program_id(1)
+    seq = tl.load(blocks_ptr + 2 * blk)
+    j = tl.load(blocks_ptr + 2 * blk + 1)
+    bos = tl.load(bounds_ptr + seq).to(tl.int64)
+    n = tl.load(bounds_ptr + seq + 1).to(tl.int64) - bos
+    if j * BT >= n:  # a row of a captured step's table past the step's blocks
+        return
+    t0 = j * BT  # the block's first token within the request
+    offs_c = c_tile * BC + tl.arange(0, BC)
+    m_c = offs_c < C
+    o_rows = out_ptr + (bos + t0) * stride_o_row + offs_c
+    # t0 as a [BC] vector: the interpreter takes no scalar in a mask, and a splat keeps the row
+    # masks constant across a thread's channels (16-byte loads)
+    t_c = tl.zeros([BC], dtype=tl.int64) + t0
+
+    if seq == num_seqs:  # padding rows: read nothing, come out zero
+        for t in tl.static_range(BT):
+            tl.store(o_rows + t * stride_o_row, tl.zeros([BC], dtype=out_ptr.dtype.element_ty),
+                     mask=m_c & (t_c + t < n))
+    else:
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        hist_ptrs = state_ptr + slot * stride_s_slot + offs_c * stride_s_c
+        x_rows = x_ptr + bos * stride_x_row
+        # p_a: input t - a of the row t about to be computed, u_a its tap (K-1-a); u0 the row's own.
+        # Before the block: from x, or for the first block (BT >= K-1) all from the history.
+        p1 = _rows_input(x_rows, hist_ptrs, t_c - 1, offs_c, m_c, stride_x_row, KW=KW, BC=BC, LIVE=True)
+        p2 = _rows_input(x_rows, hist_ptrs, t_c - 2, offs_c, m_c, stride_x_row, KW=KW, BC=BC, LIVE=KW >= 3)
+        p3 = _rows_input(x_rows, hist_ptrs, t_c - 3, offs_c, m_c, stride_x_row, KW=KW, BC=BC, LIVE=KW >= 4)
+        u0 = _rows_weight(w_ptr, offs_c, m_c, stride_w_c, KW - 1, BC=BC, LIVE=True)
+        u1 = _rows_weight(w_ptr, offs_c, m_c, stride_w_c, KW - 2, BC=BC, LIVE=True)
+        u2 = _rows_weight(w_ptr, offs_c, m_c, stride_w_c, KW - 3, BC=BC, LIVE=KW >= 3)
+        u3 = _rows_weight(w_ptr, offs_c, m_c, stride_w_c, KW - 4, BC=BC, LIVE=KW >= 4)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)
+        # Rows are loaded four ahead of their use (q0 the row about to be computed): the
+        # compiler cannot move a load of x above the store of an earlier output row (out may alias
+        # x for all it knows), so a load issued just before its use would wait a whole memory
+        # latency per row. Rows past the request's tokens: not read, not stored.
+        q0 = tl.load(x_rows + t0 * stride_x_row + offs_c, mask=m_c & (t_c < n), other=0.0)
+        q1 = tl.load(x_rows + (t0 + 1) * stride_x_row + offs_c, mask=m_c & (t_c + 1 < n), other=0.0)
+        q2 = tl.load(x_rows + (t0 + 2) * stride_x_row + offs_c, mask=m_c & (t_c + 2 < n), other=0.0)
+        q3 = tl.load(x_rows + (t0 + 3) * stride_x_row + offs_c, mask=m_c & (t_c + 3 < n), other=0.0)
+        for t in tl.static_range(BT):
+            m_row = m_c & (t_c + t < n)
+            x = q0.to(tl.float32)
+            q0 = q1
+            q1 = q2
+            q2 = q3
+            if t + 4 < BT:
+                q3 = tl.load(x_rows + (t0 + t + 4) * stride_x_row + offs_c, mask=m_c & (t_c + (t + 4) < n),
+                             other=0.0)
+            acc = tl.zeros([BC], dtype=tl.float32)
+            if KW >= 4:
+                acc += p3 * u3
+            if KW >= 3:
+                acc += p2 * u2
+            acc += p1 * u1
+            acc += x * u0
+            if HAS_BIAS:
+                acc += bias
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            tl.store(o_rows + t * stride_o_row, acc.to(out_ptr.dtype.element_ty), mask=m_row)
+            p3 = p2
+            p2 = p1
+            p1 = x
+        if (j == 0) & (slot != PAD_SLOT):
+            _conv_new_history(x_rows, hist_ptrs, snap_rows_ptr, snap_ids_ptr, snap_ptr, seq, n, offs_c, m_c,
+                              stride_x_row, stride_s_c, stride_snap_slot, KW=KW, HP=HP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -841,6 +990,7 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
         return
     cfg = config or conv_config(B, C, x.device)
     assert cfg.block_c >= 32 * cfg.num_warps, f"short_conv: {cfg} leaves threads idle"
+    assert not cfg.rows, f"short_conv: {cfg} is a row-streaming tile, a layout of the extend conv only"
     grid = (B, cdiv(C, cfg.block_c))
     common = (x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1))
     consts = dict(KW=K, KWP=next_pow2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu),
@@ -865,7 +1015,9 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     and, as request R, the padding rows. `what` names the caller (its layer) in errors.
 
     The host reads no device value: the table is planned once per step by the caller, and NB is
-    its length. `snapshots`: the step's in-step snapshots of the history (StepSnapshots; None: none)."""
+    its length. `snapshots`: the step's in-step snapshots of the history (StepSnapshots; None: none).
+    `config`: the channel tile and layout (None: conv_extend_config's tile); a row-streaming one
+    (ConvConfig.rows, conv_extend_rows_config) takes kernel widths up to CONV_EXTEND_ROWS_MAX_K."""
     rows, C = x.shape
     K = weight.shape[1] if weight.dim() == 2 else 0
     R = slots.shape[0]
@@ -875,6 +1027,9 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if not 2 <= K <= CONV_EXTEND_BLOCK_T + 1:
         raise ValueError(f"{what}: kernel width {K} is not supported by the extend conv (2 to "
                          f"{CONV_EXTEND_BLOCK_T + 1}: the first token block must hold the K-1 inputs of the history)")
+    if config is not None and config.rows and K > CONV_EXTEND_ROWS_MAX_K:
+        raise ValueError(f"{what}: kernel width {K} is not supported by the row-streaming extend conv (at most "
+                         f"{CONV_EXTEND_ROWS_MAX_K}); the tile layout (ConvConfig.rows False) takes it")
     if conv_state.shape[1:] != (C, K - 1) or conv_state.stride(2) != 1:
         raise ValueError(f"{what}: conv state must be [slots+1, {C}, {K - 1}] with unit stride last, got "
                          f"{tuple(conv_state.shape)} strides {conv_state.stride()}")
@@ -896,7 +1051,8 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     cfg = config or conv_extend_config(num_blocks, C, x.device)
     grid = (num_blocks, cdiv(C, cfg.block_c))
     snap_rows, snap_ids, snap = (snapshots or StepSnapshots.none(R, conv_state)).checked(what, R, conv_state)
-    _short_conv_extend_kernel[grid](
+    kernel = _short_conv_extend_rows_kernel if cfg.rows else _short_conv_extend_kernel
+    kernel[grid](
         x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks, snap_rows, snap_ids,
         snap, x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), snap.stride(0),
         C, R,

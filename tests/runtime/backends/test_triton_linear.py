@@ -44,7 +44,8 @@ from runtime.backends.triton_linear import (FLANotInstalled, TritonLinearBackend
 from runtime.cache.batch import SeqState, build_step  # noqa: E402
 from runtime.cache.kv_pool import KVPool  # noqa: E402
 from runtime.cache.state_pool import PADDING_SLOT, StatePool  # noqa: E402
-from testkit.linear_cases import FakeFLA, check_conv_extend, conv_extend_ok, random_inputs, rel_err  # noqa: E402
+from testkit.linear_cases import (FakeFLA, check_conv_extend, conv_extend_launch, conv_extend_ok,  # noqa: E402
+                                  random_inputs, rel_err)
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
@@ -328,9 +329,10 @@ MODE_STEPS = [
 
 
 def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=0, silu=True, conv_bias=True,
-                       qk_dtype=None, backend_kwargs=None, replayed=False):
+                       qk_dtype=None, backend_kwargs=None, replayed=False, conv_extend_rows=False):
     """replayed: extend and mixed steps run as a captured graph's would, over the static plan
-    init_replay_state fills (each step's padding is its bucket)."""
+    init_replay_state fills (each step's padding is its bucket); conv_extend_rows: the backend's
+    extend conv streams rows (TritonLinearBackend.conv_extend_rows)."""
     ref_pool, dev_pool = make_pools(seed)
     for pool in (ref_pool, dev_pool):
         for t in pool.buffers[layer_id].values():
@@ -338,6 +340,7 @@ def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=
     ref = CPUReferenceBackend(KVPool(REGISTRY, 4, 16), ref_pool)
     fake = FakeFLA()
     tri = TritonLinearBackend(dev_pool, fla=fake, **(backend_kwargs or {}))
+    tri.conv_extend_rows = conv_extend_rows
     entry = "conv" if op == "short_conv" else "recurrent"
     before = dev_pool.layer(layer_id)[entry].clone()
     g = torch.Generator().manual_seed(seed + 1)
@@ -726,15 +729,33 @@ def test_chunk_impl_is_a_routing_option_kda_keeps_fla():
     assert [c[1] for c in fake.calls] == [[0, 70, 75]]
 
 
+# The extend conv's two layouts (ConvConfig.rows): the [token block, channels] tile and row streaming.
+CONV_LAYOUTS = pytest.mark.parametrize("rows", [False, True], ids=["tile", "rows"])
+
+
 @in_process
+@CONV_LAYOUTS
 @pytest.mark.parametrize("conv_bias,silu", [(False, False), (True, False)])
-def test_conv_extend_without_bias_or_silu(conv_bias, silu):
-    compare_mode_steps("short_conv", 1, MODE_STEPS[:2], seed=41, conv_bias=conv_bias, silu=silu)
+def test_conv_extend_without_bias_or_silu(conv_bias, silu, rows):
+    compare_mode_steps("short_conv", 1, MODE_STEPS[:2], seed=41, conv_bias=conv_bias, silu=silu,
+                       conv_extend_rows=rows)
 
 
 @in_process
-def test_conv_extend_in_bf16():
-    compare_mode_steps("short_conv", 0, MODE_STEPS[:2], dtype=torch.bfloat16, seed=42)
+@CONV_LAYOUTS
+def test_conv_extend_in_bf16(rows):
+    compare_mode_steps("short_conv", 0, MODE_STEPS[:2], dtype=torch.bfloat16, seed=42, conv_extend_rows=rows)
+
+
+@in_process
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+def test_conv_extend_rows_over_extend_mixed_and_verify_steps(replayed):
+    """The row-streaming extend conv through the backend's step chain (eager: extend, mixed, the
+    ragged verify step on the extend path; replayed: the static plan's padded table, whose rows past
+    a step's blocks return), against the reference; padding rows zero, free slots untouched."""
+    steps = REPLAYED_STEPS if replayed else MODE_STEPS
+    compare_mode_steps("short_conv", 0, steps, seed=43, backend_kwargs={"chunk_impl": "triton"}, replayed=replayed,
+                       conv_extend_rows=True)
 
 
 @in_process
@@ -791,17 +812,84 @@ def test_replayed_verify_step_reads_the_static_slots():
 
 # -- the extend conv kernel ---------------------------------------------------------------------
 
+CONV_KERNEL_CASES = {  # id: (K, dtype, bias, silu, sliced, row streaming)
+    "K4-f32": (4, torch.float32, True, True, False, False),
+    "K4-bf16": (4, torch.bfloat16, True, True, False, False),
+    "K4-f32-sliced": (4, torch.float32, True, True, True, False),
+    "K6-f32-plain": (6, torch.float32, False, False, False, False),
+    "K6-bf16-nobias": (6, torch.bfloat16, False, True, False, False),
+    "rows-K4-f32": (4, torch.float32, True, True, False, True),
+    "rows-K4-bf16": (4, torch.bfloat16, True, True, False, True),
+    "rows-K4-f32-sliced": (4, torch.float32, True, True, True, True),
+    "rows-K3-f32-plain": (3, torch.float32, False, False, False, True),
+    "rows-K2-bf16-nobias": (2, torch.bfloat16, False, True, False, True),
+}
+
+
 @in_process
-@pytest.mark.parametrize("K,dtype,bias,silu", [(4, torch.float32, True, True), (4, torch.bfloat16, True, True),
-                                               (6, torch.float32, False, False), (6, torch.bfloat16, False, True)],
-                         ids=["K4-f32", "K4-bf16", "K6-f32-plain", "K6-bf16-nobias"])
-def test_conv_extend_kernel_matches_reference(K, dtype, bias, silu):
+@pytest.mark.parametrize("K,dtype,bias,silu,sliced,rows", CONV_KERNEL_CASES.values(), ids=CONV_KERNEL_CASES.keys())
+def test_conv_extend_kernel_matches_reference(K, dtype, bias, silu, sliced, rows):
     """The Triton extend conv against the reference's short convolution: requests of 1, K-2, K-1, K
     and three token blocks' worth of tokens in one step, then fewer than K-1 tokens on the same slots;
-    40 channels (two tiles, the second masked). States are float32 copies of the inputs on both sides."""
+    40 channels (the tile kernel: two tiles, the second masked; row streaming: one tile of 64, masked).
+    States are float32 copies of the inputs on both sides. `sliced`: x a column slice of a wider tensor."""
     many = 2 * TL.CONV_EXTEND_BLOCK_T + 5
-    result = check_conv_extend(40, K, dtype, DEVICE, many, seed=60 + K, bias=bias, silu=silu)
+    result = check_conv_extend(40, K, dtype, DEVICE, many, seed=60 + K, bias=bias, silu=silu, sliced=sliced,
+                               rows=rows)
     assert conv_extend_ok(result, out_tol=1e-6 if dtype == torch.float32 else 1e-2), result
+
+
+@in_process
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_conv_extend_rows_equal_the_tile_bit_for_bit(K):
+    """Row streaming adds the taps in the tile kernel's order in float32: outputs, new histories and
+    snapshots equal the tile kernel's bit for bit, whatever the channel tile (two tiles of 32, one
+    of 256 mostly masked, conv_extend_rows_config's), for a column-sliced x too."""
+    want = conv_extend_launch(TL.ConvConfig(32, 1), K, 40, DEVICE)
+    assert torch.isfinite(want[0]).all() and want[2][1:].abs().sum() > 0
+    for config, sliced in ((TL.ConvConfig(32, 1, rows=True), False), (TL.ConvConfig(256, 1, rows=True), True),
+                           (TL.conv_extend_rows_config(40), False)):
+        got = conv_extend_launch(config, K, 40, DEVICE, sliced=sliced)
+        for name, a, b in zip(("outputs", "histories", "snapshots"), got, want):
+            assert torch.equal(a, b), (config, sliced, name)
+
+
+@in_process
+def test_conv_extend_rows_write_snapshots_as_a_launch_of_the_prefix_alone(monkeypatch):
+    """testkit's snapshot check of the extend conv (tests/runtime/backends/test_triton_step_snapshots.py)
+    with the row-streaming kernel as the launcher's choice."""
+    from testkit.snapshot_cases import check_conv_snapshots
+
+    monkeypatch.setattr(TL, "conv_extend_config", lambda blocks, channels, device: TL.conv_extend_rows_config(channels))
+    got = check_conv_snapshots(24, 4, torch.float32, DEVICE)
+    assert got == {"outputs_same": True, "slots_same": True, "snapshots_exact": True, "unasked_ids_zero": True}
+
+
+@in_process
+def test_conv_extend_rows_refuse_a_kernel_wider_than_4_the_tile_takes_it():
+    """Row streaming keeps K-1 <= 3 earlier inputs in registers: K 5 is refused in one line naming
+    the width and the layer; the tile kernel runs it (ones in, sums of up to 5 ones out)."""
+    with pytest.raises(ValueError, match=r"^layer 3: kernel width 5 is not supported by the row-streaming") as err:
+        TL.short_conv_extend(torch.zeros(4, 8), torch.zeros(8, 5), None, torch.zeros(4, 8), torch.zeros(2, 8, 4),
+                             torch.tensor([1]), torch.tensor([0, 4, 4]), torch.tensor([[0, 0]]), True,
+                             what="layer 3", config=TL.ConvConfig(32, 1, rows=True))
+    assert "\n" not in str(err.value)
+    out = torch.full((4, 8), float("nan"), device=DEVICE)
+    TL.short_conv_extend(torch.ones(4, 8, device=DEVICE), torch.ones(8, 5, device=DEVICE), None, out,
+                         torch.zeros(2, 8, 4, device=DEVICE), torch.tensor([1], device=DEVICE),
+                         torch.tensor([0, 4, 4], device=DEVICE), torch.tensor([[0, 0]], device=DEVICE), False,
+                         config=TL.ConvConfig(32, 1))
+    assert out[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_row_streaming_tiles_are_1024_channels_or_the_layers_width():
+    """8 channels a thread, a warp per 256 channels; a layer narrower than 1024 its own width."""
+    cpu = torch.device("cpu")
+    assert TL.conv_extend_rows_config(8192) == TL.ConvConfig(1024, 4, rows=True)
+    assert TL.conv_extend_rows_config(300) == TL.ConvConfig(512, 2, rows=True)  # next_pow2(300) = 512
+    assert TL.conv_extend_rows_config(24) == TL.ConvConfig(32, 1, rows=True)  # a tiny layer: its own width
+    assert TL.conv_extend_config(129, 8192, cpu) == TL.ConvConfig(128, 4)  # the launcher's own default: the tile
+    assert TritonLinearBackend.conv_extend_rows is None  # the backend's: by the step's length
 
 
 class CountingKernel:
@@ -815,15 +903,20 @@ class CountingKernel:
         return self.kernel[grid]
 
 
-@in_process
-def test_conv_extend_is_one_launch_and_refuses_what_it_cannot_run_naming_the_layer(monkeypatch):
-    launches = CountingKernel(TL._short_conv_extend_kernel)
-    monkeypatch.setattr(TL, "_short_conv_extend_kernel", launches)
+def _conv_extend_step():
+    """(backend, ctx, inputs) of a planned 44-row extend step: requests of 40 and 1 new tokens, 3 padding rows."""
     _, dev_pool = make_pools(0)
     tri = TritonLinearBackend(dev_pool)
     ctx = mode_step(Mode.EXTEND, [(3, 0, 40), (5, 2, 1)], pad_tokens=3, pad_seqs=1)
     plan_eager_step(tri, ctx, 64)
-    x = step_inputs("short_conv", 1, 44, 41, torch.float32, torch.Generator().manual_seed(0))
+    return tri, ctx, step_inputs("short_conv", 1, 44, 41, torch.float32, torch.Generator().manual_seed(0))
+
+
+@in_process
+def test_conv_extend_is_one_launch_and_refuses_what_it_cannot_run_naming_the_layer(monkeypatch):
+    launches = CountingKernel(TL._short_conv_extend_kernel)  # the backend's layout for a short step
+    monkeypatch.setattr(TL, "_short_conv_extend_kernel", launches)
+    tri, ctx, x = _conv_extend_step()
     run_op(tri, ctx, "short_conv", 1, x, torch.float32, DEVICE)
     # (2 blocks of request 0, 1 of request 1, 1 of padding rows) x one tile of 24 channels
     assert launches.grids == [(4, 1)]
@@ -834,6 +927,20 @@ def test_conv_extend_is_one_launch_and_refuses_what_it_cannot_run_naming_the_lay
         tri.short_conv(ctx, x["x"][:40].to(DEVICE), CONV_WEIGHT.to(DEVICE), None, torch.empty(40, C, device=DEVICE),
                        2, True)
     assert len(launches.grids) == 1
+
+
+@in_process
+def test_a_step_of_conv_extend_rows_min_tokens_rows_takes_the_row_streaming_conv(monkeypatch):
+    """The backend's default layout by the step's padded rows: the same 44-row step as above takes the
+    row-streaming kernel once the bound is 44 (CONV_EXTEND_ROWS_MIN_TOKENS), the tile below it."""
+    rows, tile = CountingKernel(TL._short_conv_extend_rows_kernel), CountingKernel(TL._short_conv_extend_kernel)
+    monkeypatch.setattr(TL, "_short_conv_extend_rows_kernel", rows)
+    monkeypatch.setattr(TL, "_short_conv_extend_kernel", tile)
+    tri, ctx, x = _conv_extend_step()
+    for bound in (45, 44):
+        monkeypatch.setattr(TL, "CONV_EXTEND_ROWS_MIN_TOKENS", bound)
+        run_op(tri, ctx, "short_conv", 1, x, torch.float32, DEVICE)
+    assert tile.grids == [(4, 1)] and rows.grids == [(4, 1)]
 
 
 # -- host work per layer ---------------------------------------------------------------------------
