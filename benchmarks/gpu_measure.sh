@@ -23,7 +23,8 @@
 #   account_serving  the same on the serving artifact (ROUTE applies), decode at BATCHES (default 1), extends
 #                at EXTENDS (default 16,32,128,512): where a short extend's step goes (issue 49); EXTEND_SEQS=N
 #                lays the extend buckets out for N requests (a served artifact's: 256) instead of one;
-#                ACCOUNT_ARGS adds step_account.py flags (--timeline: the device's idle spans in each step)
+#                ACCOUNT_ARGS adds step_account.py flags (--timeline: the device's idle spans in each step);
+#                with ROUTE the account goes to $OUT/account_serving_routed
 #   mixed        bucket_costs.py on the serving artifact: extend buckets, and steps of 128 decodes and a prompt
 #                against their parts (what a token budget costs)
 #   budgets      offline_bench at 128 in flight with each token budget of BUDGETS (default "512 1024 2048 4096")
@@ -129,7 +130,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/host/prompt_host_bench.py --out "$OUT/prompt_host" --artifact "$art" ;;
     account_serving)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
-        python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving" --work "$W" --artifact "$art" \
+        python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving${ROUTE:+_routed}" --work "$W" --artifact "$art" \
             --batches "${BATCHES:-1}" --extends "${EXTENDS:-16,32,128,512}" --extend-seqs "${EXTEND_SEQS:-1}" \
             ${ACCOUNT_ARGS:-} ;;
     glue_source)

@@ -15,7 +15,7 @@ from models.qwen3_next import GatedRMSNorm, l2norm
 from runtime.cache.state_pool import StatePool
 
 __all__ = ["GdnShape", "BENCH_GDN", "gdn_registry", "gdn_pools", "GdnParams", "gdn_params", "gdn_inputs",
-           "unfused_gdn", "fused_gdn"]
+           "unfused_gdn", "fused_gdn", "DECODE_PATHS", "take_decode_path"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,24 @@ class GdnShape:
 
 
 BENCH_GDN = GdnShape(16, 32, 128, 128, 4)  # Qwen3-Next / Qwen3.5 at one rank: the decode bench's dims
+
+# The op's decode paths (runtime/backends/kernels/gdn_fused.py decode_launches), each by its
+# launches and the (SPLIT_DECODE_MAX_ROWS, ONE_LAUNCH_MAX_ROWS) that give it at every batch.
+DECODE_PATHS = {"split": (2, (1 << 20, 1 << 20)), "one": (1, (0, 1 << 20)), "four": (4, (0, 0))}
+
+
+def take_decode_path(monkeypatch, path: str, batch: int) -> None:
+    """Make a decode step of `batch` requests take `path` of DECODE_PATHS; skips the test where the
+    op's own choice at that batch is already that path (its own-choice case runs it)."""
+    import pytest
+
+    from runtime.backends.kernels import gdn_fused as GF
+
+    launches, (split, one) = DECODE_PATHS[path]
+    if GF.decode_launches(batch) == launches:
+        pytest.skip(f"the op's own choice at batch {batch} is the {path} path")
+    monkeypatch.setattr(GF, "SPLIT_DECODE_MAX_ROWS", split)
+    monkeypatch.setattr(GF, "ONE_LAUNCH_MAX_ROWS", one)
 
 
 def gdn_registry(layers: dict[int, GdnShape]) -> LayerRegistry:

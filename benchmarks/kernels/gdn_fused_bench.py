@@ -6,7 +6,7 @@ command, checks first, JSON to --out.
 
 The region is what a Qwen3-Next / Qwen3.5 GDN layer runs between its projections, at the bench
 dims (testkit/gdn_cases.py BENCH_GDN: Hk 16, Hv 32, Dk = Dv = 128, K 4; bf16), at decode batch
-B = 1, 8, 128 (--batches), every row a request on its own slot, inputs as views of one projection
+B = 1, 8, 16, 32, 64, 128 (--batches), every row a request on its own slot, inputs as views of one projection
 row (strided qkv, z, b, a):
 
 - unfused: the short-conv decode kernel, the glue between it and the recurrence (split, l2norm of
@@ -18,7 +18,10 @@ row (strided qkv, z, b, a):
 - fused_2: the same op's two-launch split (`launches=2`; the op takes it up to
   SPLIT_DECODE_MAX_ROWS requests): the conv step and the l2norm of q and k per (request, head of q,
   k or v) into a [B, C] buffer, then the recurrence and the gated norm per (request, value head):
-  twice the programs of the one-launch kernel at batch 1, and one launch more.
+  twice the programs of the one-launch kernel at batch 1, and one launch more;
+- fused_4: the op's four launches of the unfused kernels (`launches=4`; taken past
+  ONE_LAUNCH_MAX_ROWS requests): the decode conv, the op's l2norm-and-gates kernel, the recurrent
+  decode kernel, the op's gated-norm kernel.
 
 For each B, first the check: every variant from copies of the same random non-zero pools, one
 step, each fused variant's output and both states against the unfused ones by ||x - ref|| / ||ref||
@@ -108,6 +111,9 @@ class Region:
     def fused_2(self) -> None:
         self.fused(launches=2)
 
+    def fused_4(self) -> None:
+        self.fused(launches=4)
+
     def fused(self, num_warps: int | None = None, launches: int = 1) -> None:
         s, x, p = self.s, self.x, self.p
         GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight,
@@ -115,7 +121,7 @@ class Region:
                             launches=launches)
 
 
-FUSED = ("fused", "fused_2")
+FUSED = ("fused", "fused_2", "fused_4")
 WARPS = (8, 16)  # 4 spill (GF.decode_warps)
 
 
@@ -151,6 +157,7 @@ def bench(s: GdnShape, B: int, glue: tuple, device, calls: int, replays: int) ->
         row[name] = {"us": graph_call_us(lambda _: fn(), calls, replays, device), "kernels": kernels_per_call(fn)}
     row["ratio"] = row["unfused"]["us"] / row["fused"]["us"]  # the op's kernel against today
     row["ratio_2"] = row["unfused"]["us"] / row["fused_2"]["us"]
+    row["ratio_4"] = row["unfused"]["us"] / row["fused_4"]["us"]
     # the one-launch kernel's warps (default: GF.decode_warps): few programs at batch 1 may want more
     row["fused_by_warps"] = {w: graph_call_us(lambda _, w=w: region.fused(w), calls, replays, device) for w in WARPS}
     return row
@@ -170,7 +177,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny dims, eager glue")
-    ap.add_argument("--batches", default=None, help="comma-separated decode batches (default 1,8,128; dry run 1,3)")
+    ap.add_argument("--batches", default=None, help="comma-separated decode batches (default 1,8,16,32,64,128; dry run 1,3)")
     ap.add_argument("--calls", type=int, default=50, help="calls captured in one graph")
     ap.add_argument("--replays", type=int, default=200)
     args = ap.parse_args(argv)
@@ -179,7 +186,7 @@ def main(argv=None) -> dict:
         ap.error("needs a CUDA GPU (or --dry-run)")
     device = torch.device("cpu" if dry else "cuda")
     s = DRY_SHAPE if dry else BENCH_GDN
-    batches = [int(b) for b in (args.batches or ("1,3" if dry else "1,8,128")).split(",")]
+    batches = [int(b) for b in (args.batches or ("1,3" if dry else "1,8,16,32,64,128")).split(",")]
     glue = compiled_glue(dry)
     doc = {"env": device_facts(dry), "shape": dataclasses.asdict(s), "calls_per_graph": args.calls,
            "replays": args.replays,
@@ -192,14 +199,15 @@ def main(argv=None) -> dict:
         doc["batches"][str(B)] = entry
         (args.out / "gdn_fused_bench.json").write_text(json.dumps(doc, indent=2))
     print(f"{'B':>5} {'check':>6} {'out err':>9} {'unfused us':>11} {'kernels':>8} {'fused us':>9} {'kernels':>8} "
-          f"{'ratio':>6} {'fused_2 us':>11} {'ratio_2':>8}")
+          f"{'ratio':>6} {'fused_2 us':>11} {'ratio_2':>8} {'fused_4 us':>11} {'ratio_4':>8}")
     nan = float("nan")
     for B, e in doc["batches"].items():
-        u, f, f2 = e.get("unfused", {}), e.get("fused", {}), e.get("fused_2", {})
+        u, f, f2, f4 = e.get("unfused", {}), e.get("fused", {}), e.get("fused_2", {}), e.get("fused_4", {})
         err = e["check"]["variants"]["fused"]["rel_err"]["out"]
         print(f"{B:>5} {'ok' if e['check']['ok'] else 'FAIL':>6} {err:>9.2e} {u.get('us', nan):>11.2f} "
               f"{str(u.get('kernels')):>8} {f.get('us', nan):>9.2f} {str(f.get('kernels')):>8} "
-              f"{e.get('ratio', nan):>6.2f} {f2.get('us', nan):>11.2f} {e.get('ratio_2', nan):>8.2f}")
+              f"{e.get('ratio', nan):>6.2f} {f2.get('us', nan):>11.2f} {e.get('ratio_2', nan):>8.2f} "
+              f"{f4.get('us', nan):>11.2f} {e.get('ratio_4', nan):>8.2f}")
     return doc
 
 

@@ -21,8 +21,8 @@ Matching, per anchor op node (gdn_core), on a program whose nodes the annotate p
 
 A region that differs in any node is left as it is. So is every region whose anchor's backend
 (the one routing would choose for it on the compile's target, from the capability table) does not
-declare the fused op, or declares it only where a route names it (`fused_on_route`: triton_linear,
-whose fused kernels do not yet win at every batch): a plugin that runs gdn_core alone keeps its
+declare the fused op, or declares it only where a route names it (`fused_on_route`: a backend
+whose fused kernel does not win at every step yet): a plugin that runs gdn_core alone keeps its
 layers too. So is a region a route keeps
 unfused (`--route gdn_fused=unfused`, `--route layers=3:unfused`, a layer route to a backend without
 the fused op, or a route naming one of the region's ops). Each anchor left unfused is recorded

@@ -258,8 +258,8 @@ class BackendCapability:
     priority: int = 0  # among several backends that fit a node, the highest wins (then declaration order)
     explicit_only: bool = False  # never chosen by priority: only a --route naming it binds a node here
     # Fused ops (ops.FUSED_OPS) the fusion pass puts in place of their region only when a route names
-    # this backend for them (`--route gdn_fused=NAME`): their kernels do not yet beat the unfused
-    # ops at every size, so the default program keeps the region.
+    # this backend for them (`--route gdn_fused=NAME`): for a backend whose fused kernels do not beat
+    # the unfused ops at every size, so that the default program keeps the region.
     fused_on_route: frozenset[str] = frozenset()
     doc: str = ""
 

@@ -422,16 +422,13 @@ class TritonLinearBackend(BackendHooks):
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
                  ("decode_tiles", DECODE_TILES)),
         batch_invariant=(("decode_tiles", "fixed"),),
-        # The fused GDN mixer only where `--route gdn_fused=triton_linear` asks: its one-launch decode
-        # kernel (one program per request and key head) lost to the unfused ops at batch 1 and 128 on
-        # an H200 (11.97 against 11.34 us and 285 against 187 us a layer; 1.25x faster at 8), and a
-        # two-launch split won at 1 and 8 (1.37x, 1.13x) but not at 128 (0.88x):
-        # benchmarks/kernels/gdn_fused_bench.py, benchmarks/history/linear_decode.md. The op's decode
-        # takes the split up to kernels/gdn_fused.py SPLIT_DECODE_MAX_ROWS; a whole-step measure decides
-        # whether the route becomes the default.
-        fused_on_route=frozenset({"gdn_fused"}),
+        # The fused GDN mixer is this backend's by default (no fused_on_route): with its decode on the
+        # split at one request and the unfused kernels past it (kernels/gdn_fused.py decode_launches),
+        # bench qwen3_next's whole steps on an H200, fused against unfused in one call: decode B=1
+        # 0.829 / 0.863 ms (145 / 181 kernels), B=128 3.103 / 3.127 ms, extend 512 3.052 / 3.119 ms,
+        # 4096 14.63 / 15.15 ms (benchmarks/history/linear_decode.md, "The fused GDN mixer in whole steps").
         doc="Triton decode kernels (decode; target_verify: every request's tokens in one launch; the fused GDN "
-            "mixer one or two launches a decode step), Triton chunk kernels "
+            "mixer two or four launches a decode step, one under fixed tiles), Triton chunk kernels "
             "for GDN and Lightning extend/mixed (a Triton recurrent kernel where every request is short; FLA's "
             "chunk kernels for KDA, or with chunk_impl=fla), a Triton extend conv; "
             "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify, "
@@ -868,8 +865,9 @@ class TritonLinearBackend(BackendHooks):
 
     def gdn_fused(self, ctx, qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, layer_id, k_heads, scale,
                   eps):
-        """A whole GDN mixer (kernels/gdn_fused.py). Decode: one launch (two for a step of few
-        requests, kernels/gdn_fused.py SPLIT_DECODE_MAX_ROWS). Target-verify and extend
+        """A whole GDN mixer (kernels/gdn_fused.py). Decode: two launches for one request, the
+        unfused kernels' four for more (kernels/gdn_fused.py decode_launches), one launch under
+        fixed decode tiles. Target-verify and extend
         steps: the conv and the recurrent core as short_conv and gdn_core run them in this step
         (verify kernels, extend conv, chunk kernels, FLA), with one launch for the l2norm and the
         gates between them and one for the gated norm after."""

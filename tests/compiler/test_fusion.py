@@ -116,12 +116,27 @@ def _fuse_on_cuda(configs, tools, *routes):
     return ctx.fusion["main"]
 
 
-def test_a_cuda_compile_fuses_its_gdn_layers_only_where_a_route_names_triton_linear(configs):
-    kept = _fuse_on_cuda(configs, toolchain())
+def test_a_cuda_compile_fuses_its_gdn_layers_on_triton_linear_unless_a_route_keeps_them(configs):
+    fused = _fuse_on_cuda(configs, toolchain())
+    assert [e["layer_id"] for e in fused["fused"]] == [0, 1, 2] and fused["unfused"] == [], fused
+    kept = _fuse_on_cuda(configs, toolchain(), "gdn_fused=unfused")
+    assert kept["fused"] == [] and [e["layer_id"] for e in kept["unfused"]] == [0, 1, 2], kept
+
+
+def test_a_backend_that_fuses_only_on_a_route_keeps_the_regions_without_one(configs):
+    import dataclasses
+
+    from compiler.splitops import CapabilityTable
+
+    tools = toolchain()
+    table = CapabilityTable([dataclasses.replace(c, fused_on_route=frozenset({"gdn_fused"}))
+                             if c.name == "triton_linear" else c for c in tools.capabilities],
+                            tools.capabilities.sources)
+    kept = _fuse_on_cuda(configs, tools.with_capabilities(table))
     assert kept["fused"] == [] and [e["layer_id"] for e in kept["unfused"]] == [0, 1, 2]
     assert all(e["reason"] == "triton_linear runs hgc.gdn_fused only where a route names it "
                "(--route gdn_fused=triton_linear)" for e in kept["unfused"]), kept
-    fused = _fuse_on_cuda(configs, toolchain(), "gdn_fused=triton_linear")
+    fused = _fuse_on_cuda(configs, tools.with_capabilities(table), "gdn_fused=triton_linear")
     assert [e["layer_id"] for e in fused["fused"]] == [0, 1, 2] and fused["unfused"] == [], fused
 
 

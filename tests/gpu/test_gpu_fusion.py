@@ -1,7 +1,7 @@
-"""The fused GDN mixer on a CUDA GPU: a cuda compile of a tiny qwen3_next with `--route
-gdn_fused=triton_linear` makes every GDN layer one hgc.gdn_fused node on triton_linear, its decode
-steps capture and pass start-up parity, and its logits agree with the default (unfused) compile's
-to bf16 rounding, first tokens equal. Runs only on the GPU machine (`pytest -m gpu`).
+"""The fused GDN mixer on a CUDA GPU: a cuda compile of a tiny qwen3_next (the default) makes every
+GDN layer one hgc.gdn_fused node on triton_linear, its decode steps capture and pass start-up
+parity, and its logits agree with an unfused compile's (`--route gdn_fused=unfused`) to bf16
+rounding, first tokens equal. Runs only on the GPU machine (`pytest -m gpu`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ def artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_fusion")
     write_tiny_qwen3_next_hd64(root / "c")
     flags = ["--target", "cuda", "--dtype", "bfloat16", "--no-dumps", "--no-inductor"]
-    # triton_linear fuses only where a route asks (its capability's fused_on_route); the default keeps the region
-    assert main(["compile", str(root / "c"), "-o", str(root / "fused"), *flags,
-                 "--route", "gdn_fused=triton_linear"]) == 0
-    assert main(["compile", str(root / "c"), "-o", str(root / "unfused"), *flags]) == 0
+    # triton_linear fuses by default; the route keeps the regions
+    assert main(["compile", str(root / "c"), "-o", str(root / "fused"), *flags]) == 0
+    assert main(["compile", str(root / "c"), "-o", str(root / "unfused"), *flags, "--route", "gdn_fused=unfused"]) == 0
     return root / "fused", root / "unfused"
 
 

@@ -22,7 +22,8 @@ import torch
 
 from compiler.splitops import Mode
 from runtime.cache.state_pool import PADDING_SLOT
-from testkit.gdn_cases import BENCH_GDN, fused_gdn, gdn_inputs, gdn_params, gdn_pools, unfused_gdn
+from testkit.gdn_cases import (BENCH_GDN, DECODE_PATHS, fused_gdn, gdn_inputs, gdn_params, gdn_pools,
+                               take_decode_path, unfused_gdn)
 from testkit.linear_cases import decode_ctx, rel_err, step_ctx
 
 DEV = os.environ.get("HGC_GPU_TESTS_DEVICE", "cuda")  # cpu (with TRITON_INTERPRET=1): walks the test code
@@ -81,17 +82,14 @@ def plan(backend, ctx) -> None:
     plan_eager_step(backend, ctx, 8192)
 
 
-@pytest.mark.parametrize("split_all", [False, True], ids=["own_choice", "split"])
+@pytest.mark.parametrize("path", ["own_choice", *DECODE_PATHS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("B", [1, 8, 128])
-def test_decode_matches_the_unfused_ops(B, dtype, split_all, monkeypatch):
-    """The op's choice of launches at each batch (the split up to SPLIT_DECODE_MAX_ROWS), and the
-    two-launch split at every batch."""
-    from runtime.backends.kernels import gdn_fused as GF
-    if split_all:
-        if B <= GF.SPLIT_DECODE_MAX_ROWS:
-            pytest.skip("the op's own choice at this batch is the split")
-        monkeypatch.setattr(GF, "SPLIT_DECODE_MAX_ROWS", B)
+def test_decode_matches_the_unfused_ops(B, dtype, path, monkeypatch):
+    """The op's choice of launches at each batch (kernels/gdn_fused.py decode_launches), and each of
+    its paths at every batch: the two-launch split, the one launch, the unfused kernels."""
+    if path != "own_choice":
+        take_decode_path(monkeypatch, path, B)
     fused, unfused, p = backends(dtype, seed=B)
     g = torch.Generator().manual_seed(100 + B)
     num_real = max(1, B - B // 8)  # padding rows at the end, as the runtime pads to a bucket

@@ -26,7 +26,10 @@ against the recurrent decode kernel's 512 narrow programs; the decode step is la
 (benchmarks/kernels/gdn_fused_bench.py times both). So a step of few requests (at most
 SPLIT_DECODE_MAX_ROWS) takes two launches instead: the conv step and the l2norm per (request,
 q | k | v head) into a [B, C] buffer, then the gates, the recurrence and the gated norm per
-(request, value head); the same values in the same order, more programs.
+(request, value head); the same values in the same order, more programs. A step of more requests
+(more than ONE_LAUNCH_MAX_ROWS) takes the unfused kernels, four launches: there the recurrent
+decode kernel's narrow tiles fill the card and the one launch's wide programs do not. The one
+launch is the op's kernel at every batch under fixed (batch-invariant) decode tiles.
 
 Extend, mixed and target-verify steps keep the existing conv and recurrent paths (the backend
 routes them as it routes short_conv and gdn_core) around two kernels of this module:
@@ -48,10 +51,10 @@ import triton.language as tl
 
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import next_pow2
-from runtime.backends.kernels.linear import conv_token, scalar_decay_step
+from runtime.backends.kernels.linear import conv_token, gdn_decode, scalar_decay_step, short_conv_decode
 from runtime.cache.state_pool import PADDING_SLOT
 
-__all__ = ["L2NORM_EPS", "SOFTPLUS_THRESHOLD", "SPLIT_DECODE_MAX_ROWS", "GdnDims", "gdn_dims", "decode_launches",
+__all__ = ["L2NORM_EPS", "SOFTPLUS_THRESHOLD", "SPLIT_DECODE_MAX_ROWS", "ONE_LAUNCH_MAX_ROWS", "GdnDims", "gdn_dims", "decode_launches",
            "gdn_fused_decode", "qk_gates", "gated_rmsnorm",
            "decode_warps", "rounds_weighted_norm", "l2norm_head", "gdn_gates", "gated_norm_head"]
 
@@ -357,16 +360,24 @@ def decode_warps(dk: int, dv: int) -> int:
     return max(1, min(8, next_pow2(dk) * next_pow2(dv) // 2048))
 
 
-# Decode steps of at most this many requests take the two-launch split (`gdn_fused_decode`), larger
-# ones the one launch. On the H200 at bench qwen3_next's dims, us a layer (benchmarks/kernels/
-# gdn_fused_bench.py, benchmarks/history/linear_decode.md "The fused GDN mixer"): batch 1, split 8.27
-# against one launch 11.97 (unfused 11.34); batch 8, 16.20 against 14.60. Counts between are unmeasured.
+# Decode steps of at most this many requests take the two-launch split (`gdn_fused_decode`), those
+# up to ONE_LAUNCH_MAX_ROWS the one launch, larger ones the four launches of the unfused kernels. On
+# the H200 at bench qwen3_next's dims, us a layer (benchmarks/kernels/gdn_fused_bench.py,
+# benchmarks/history/linear_decode.md "The fused GDN mixer", 2026-12-04), split / one launch / four
+# launches / the unfused region (its glue compiled): batch 1, 8.17 / 12.05 / 8.59 / 11.27; batch 8,
+# 15.94 / 14.35 / 14.04 / 15.79; batch 16, 27.97 / 27.81 / 21.02 / 21.60; batch 128, 212.4 / 286.4 /
+# 182.9 / 185.6. Past one request the one launch never won: its program per (request, key head)
+# walks two 64 KiB states where the recurrent decode kernel's narrow tiles spread them over the card.
+# It stays the op's kernel under fixed decode tiles (batch-invariant: one kernel at every batch).
 SPLIT_DECODE_MAX_ROWS = 1
+ONE_LAUNCH_MAX_ROWS = 1
 
 
 def decode_launches(rows: int) -> int:
-    """Launches of a decode step of `rows` requests (SPLIT_DECODE_MAX_ROWS)."""
-    return 2 if rows <= SPLIT_DECODE_MAX_ROWS else 1
+    """Launches of a decode step of `rows` requests (SPLIT_DECODE_MAX_ROWS, ONE_LAUNCH_MAX_ROWS)."""
+    if rows <= SPLIT_DECODE_MAX_ROWS:
+        return 2
+    return 1 if rows <= ONE_LAUNCH_MAX_ROWS else 4
 
 
 def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots,
@@ -378,9 +389,11 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
 
     launches: 1, one program per (request, key head) through everything; 2, the split: the conv and
     the l2norm per (request, q | k | v head) into a [B, C] buffer, then the gates, recurrence and
-    gated norm per (request, value head), more programs where requests are few. None:
-    `decode_launches`. Both compute the same values in the same order, so a request's output does
-    not depend on which one ran. `num_warps` pins the recurrence's warps (benchmarks); None:
+    gated norm per (request, value head), more programs where requests are few; 4, the unfused
+    kernels (the decode conv, `qk_gates`, the recurrent decode kernel with its tiles for B rows,
+    `gated_rmsnorm`), for many requests. None: `decode_launches`. 1 and 2 compute the same values
+    in the same order, so a request's output does not depend on which one ran; 4 rounds q, k and
+    the core output to the activation dtype between its launches, as the unfused ops do. `num_warps` pins the recurrence's warps (benchmarks); None:
     decode_warps, the same at every batch, so a request's reductions never depend on what shares
     its step."""
     d = gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
@@ -395,9 +408,17 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
         raise ValueError(f"{what}: state {state.dtype} {tuple(state.shape)}, expected float32 [slots+1, {d.hv}, "
                          f"{d.dk}, {d.dv}] with contiguous [Dk, Dv] states")
     launches = decode_launches(B) if launches is None else launches
-    if launches not in (1, 2):
-        raise ValueError(f"{what}: launches {launches}: 1 or 2")
+    if launches not in (1, 2, 4):
+        raise ValueError(f"{what}: launches {launches}: 1, 2 or 4")
     if B == 0:
+        return
+    if launches == 4:
+        mixed = torch.empty((B, d.channels), dtype=qkv.dtype, device=qkv.device)
+        short_conv_decode(qkv, conv_weight, None, mixed, conv_state, slots, True)
+        q, k, v, g, beta = qk_gates(mixed, b, a, A_log, dt_bias, d)
+        core = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        gdn_decode(q, k, v, g, beta, core, state, slots, scale)
+        gated_rmsnorm(core, z, norm_weight, out, eps, slots=slots, rows_per_slot=1)
         return
     BK, BV, KWP = next_pow2(d.dk), next_pow2(d.dv), next_pow2(d.kernel_width)
     round_y = rounds_weighted_norm(norm_weight, out)

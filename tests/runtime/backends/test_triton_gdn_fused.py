@@ -30,8 +30,8 @@ from runtime.backends.kernels import gdn_fused as GF  # noqa: E402
 from runtime.backends.protocol import check_backend, plan_eager_step  # noqa: E402
 from runtime.backends.triton_linear import TritonLinearBackend  # noqa: E402
 from runtime.cache.state_pool import PADDING_SLOT  # noqa: E402
-from testkit.gdn_cases import (BENCH_GDN, GdnShape, fused_gdn, gdn_inputs, gdn_params, gdn_pools,  # noqa: E402
-                               unfused_gdn)
+from testkit.gdn_cases import (BENCH_GDN, DECODE_PATHS, GdnShape, fused_gdn, gdn_inputs, gdn_params,  # noqa: E402
+                               gdn_pools, take_decode_path, unfused_gdn)
 from testkit.linear_cases import FakeFLA, decode_ctx, rel_err, step_ctx  # noqa: E402
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
@@ -114,15 +114,17 @@ DECODES = {1: ([5], 1), 3: ([7, 2, PADDING_SLOT], 2), 6: ([4, 9, 1, 6, PADDING_S
 
 
 @in_process
-@pytest.mark.parametrize("split_up_to", [GF.SPLIT_DECODE_MAX_ROWS, 8], ids=["split_default", "split_all"])
+@pytest.mark.parametrize("choice", ["own", *DECODE_PATHS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("batch", list(DECODES))
 @pytest.mark.parametrize("layer_id", list(LAYERS))
-def test_decode_steps_match_the_unfused_ops(layer_id, batch, dtype, split_up_to, monkeypatch):
-    """Each batch on the op's own choice of launches, and on the two-launch split at every batch."""
-    if split_up_to != GF.SPLIT_DECODE_MAX_ROWS and batch <= GF.SPLIT_DECODE_MAX_ROWS:
-        pytest.skip("the op's own choice at this batch is the split")
-    monkeypatch.setattr(GF, "SPLIT_DECODE_MAX_ROWS", split_up_to)
+def test_decode_steps_match_the_unfused_ops(layer_id, batch, dtype, choice, monkeypatch):
+    """Each batch on the op's own choice of launches, and on each of its paths: the two-launch
+    split, the one launch, the four launches of the unfused kernels."""
+    if choice != "own":
+        if dtype == torch.bfloat16:
+            pytest.skip("each path in float32; bf16 on the op's own choice")
+        take_decode_path(monkeypatch, choice, batch)
     slots, num_real = DECODES[batch]
     case = Case(layer_id, dtype, seed=10 * layer_id + batch)
     for _ in range(3):
@@ -159,14 +161,19 @@ def test_decode_at_the_bench_dims_in_bf16():
     case.step(decode_ctx([3], 1, "cpu"), decode_ctx([3], 1, DEVICE), [3])
 
 
-def _count_launches(monkeypatch) -> dict:
-    """Launches per decode kernel of the op from here on; the other kernels fail the test."""
-    counts = {"one": [], "prep": [], "core": []}
-    for name, launcher in (("one", GF._GDN_FUSED_DECODE), ("prep", GF._SPLIT_PREP), ("core", GF._SPLIT_CORE)):
+def _count_launches(monkeypatch, unfused_ok: bool = False) -> dict:
+    """Launches per decode kernel of the op from here on; the l2norm-and-gates and norm kernels
+    (the four-launch path's) fail the test unless `unfused_ok`."""
+    counts = {"one": [], "prep": [], "core": [], "gates": [], "norm": []}
+    launchers = [("one", GF._GDN_FUSED_DECODE), ("prep", GF._SPLIT_PREP), ("core", GF._SPLIT_CORE)]
+    if unfused_ok:
+        launchers += [("gates", GF._QK_GATES), ("norm", GF._GATED_RMSNORM)]
+    else:
+        for name in ("_QK_GATES", "_GATED_RMSNORM"):
+            monkeypatch.setattr(getattr(GF, name), "launch", lambda *a: pytest.fail("a non-decode kernel in a decode step"))
+    for name, launcher in launchers:
         real = launcher.launch
         monkeypatch.setattr(launcher, "launch", lambda *a, _n=name, _r=real: (counts[_n].append(a[0]), _r(*a))[1])
-    for name in ("_QK_GATES", "_GATED_RMSNORM"):
-        monkeypatch.setattr(getattr(GF, name), "launch", lambda *a: pytest.fail("a non-decode kernel in a decode step"))
     return counts
 
 
@@ -182,16 +189,33 @@ def test_one_request_takes_the_split_unless_tiles_are_fixed(monkeypatch, decode_
     s = case.shape
     want = ({"one": [], "prep": [(1, 2 * s.hk + s.hv)], "core": [(1, s.hv)]} if decode_tiles == "by_batch"
             else {"one": [(1, s.hk)], "prep": [], "core": []})
-    assert counts == want
+    assert counts == {**want, "gates": [], "norm": []}
 
 
 @in_process
-def test_two_requests_take_the_one_launch(monkeypatch):
+def test_two_requests_up_to_the_one_launch_bound_take_it(monkeypatch):
+    monkeypatch.setattr(GF, "ONE_LAUNCH_MAX_ROWS", 2)
     counts = _count_launches(monkeypatch)
     case = Case(0, torch.float32, seed=9)
     slots = [5, 2]
     case.step(decode_ctx(slots, 2, "cpu"), decode_ctx(slots, 2, DEVICE), slots)
-    assert counts == {"one": [(2, 2)], "prep": [], "core": []}  # (requests, key heads)
+    assert counts == {"one": [(2, 2)], "prep": [], "core": [], "gates": [], "norm": []}  # (requests, key heads)
+
+
+@in_process
+@pytest.mark.parametrize("decode_tiles", ["by_batch", "fixed"])
+def test_many_requests_take_the_unfused_kernels_unless_tiles_are_fixed(monkeypatch, decode_tiles):
+    """Past ONE_LAUNCH_MAX_ROWS requests: the decode conv, the l2norm and gates over every row, the
+    recurrent decode kernel, the gated norm over every (row, value head); with fixed tiles the one launch."""
+    monkeypatch.setattr(GF, "ONE_LAUNCH_MAX_ROWS", 2)
+    counts = _count_launches(monkeypatch, unfused_ok=True)
+    case = Case(0, torch.float32, seed=13, backend_kwargs={"decode_tiles": decode_tiles})
+    slots = [5, 2, PADDING_SLOT]
+    case.step(decode_ctx(slots, 2, "cpu"), decode_ctx(slots, 2, DEVICE), slots[:2])
+    s = case.shape
+    want = ({"one": [], "prep": [], "core": [], "gates": [(3, s.hk)], "norm": [(3, s.hv)]}
+            if decode_tiles == "by_batch" else {"one": [(3, s.hk)], "prep": [], "core": [], "gates": [], "norm": []})
+    assert counts == want
 
 
 # Extend, mixed and target-verify steps: (mode, (slot, cached, new tokens) requests, padding rows,
@@ -256,7 +280,7 @@ def test_short_extends_take_the_recurrent_extend_kernel():
 
 @in_process
 @pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
-def test_non_decode_steps_launch_qk_gates_and_the_norm_once_each(monkeypatch, replayed):
+def test_steps_launch_qk_gates_and_the_norm_once_each(monkeypatch, replayed):
     """And the norm's padding marker is always a 16-byte aligned tensor (the plan's bounds or the
     step's slots, never a view into them), so Triton builds no new variant for another request count."""
     counts = {"_QK_GATES": 0, "_GATED_RMSNORM": 0}
@@ -272,8 +296,9 @@ def test_non_decode_steps_launch_qk_gates_and_the_norm_once_each(monkeypatch, re
             return real(grid, args, kwargs)
         monkeypatch.setattr(launcher, "launch", counted)
     run_mode_steps(0, torch.float32, backend_kwargs=dict(chunk_impl="triton"), replayed=replayed)
-    assert counts == {"_QK_GATES": 4, "_GATED_RMSNORM": 4}  # every step but the decode one
-    assert markers == [0] * 4
+    # every step: the decode one's requests are more than ONE_LAUNCH_MAX_ROWS (the unfused kernels)
+    assert counts == {"_QK_GATES": 5, "_GATED_RMSNORM": 5}
+    assert markers == [0] * 5
 
 
 def test_capability_serves_gdn_fused_where_gdn_core_is_served():
