@@ -177,7 +177,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny dims, eager glue")
-    ap.add_argument("--batches", default=None, help="comma-separated decode batches (default 1,8,16,32,64,128; dry run 1,3)")
+    ap.add_argument("--batches", default=None,
+                    help="comma-separated decode batches (default 1,8,16,32,64,128; dry run 1,3)")
     ap.add_argument("--calls", type=int, default=50, help="calls captured in one graph")
     ap.add_argument("--replays", type=int, default=200)
     args = ap.parse_args(argv)

@@ -54,8 +54,8 @@ from runtime.backends.kernels.launch_math import next_pow2
 from runtime.backends.kernels.linear import conv_token, gdn_decode, scalar_decay_step, short_conv_decode
 from runtime.cache.state_pool import PADDING_SLOT
 
-__all__ = ["L2NORM_EPS", "SOFTPLUS_THRESHOLD", "SPLIT_DECODE_MAX_ROWS", "ONE_LAUNCH_MAX_ROWS", "GdnDims", "gdn_dims", "decode_launches",
-           "gdn_fused_decode", "qk_gates", "gated_rmsnorm",
+__all__ = ["L2NORM_EPS", "SOFTPLUS_THRESHOLD", "SPLIT_DECODE_MAX_ROWS", "ONE_LAUNCH_MAX_ROWS", "GdnDims", "gdn_dims",
+           "decode_launches", "gdn_fused_decode", "qk_gates", "gated_rmsnorm",
            "decode_warps", "rounds_weighted_norm", "l2norm_head", "gdn_gates", "gated_norm_head"]
 
 # The l2norm's epsilon (inside the root), a constant of the op: the models' l2norm (FLA's and
@@ -393,9 +393,9 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     kernels (the decode conv, `qk_gates`, the recurrent decode kernel with its tiles for B rows,
     `gated_rmsnorm`), for many requests. None: `decode_launches`. 1 and 2 compute the same values
     in the same order, so a request's output does not depend on which one ran; 4 rounds q, k and
-    the core output to the activation dtype between its launches, as the unfused ops do. `num_warps` pins the recurrence's warps (benchmarks); None:
-    decode_warps, the same at every batch, so a request's reductions never depend on what shares
-    its step."""
+    the core output to the activation dtype between its launches, as the unfused ops do.
+    `num_warps` pins the recurrence's warps of 1 and 2 (benchmarks); None: decode_warps, the same
+    at every batch, so a request's reductions never depend on what shares its step."""
     d = gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
     B = qkv.shape[0]
     if slots.shape != (B,):

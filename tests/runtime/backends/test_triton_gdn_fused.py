@@ -170,7 +170,8 @@ def _count_launches(monkeypatch, unfused_ok: bool = False) -> dict:
         launchers += [("gates", GF._QK_GATES), ("norm", GF._GATED_RMSNORM)]
     else:
         for name in ("_QK_GATES", "_GATED_RMSNORM"):
-            monkeypatch.setattr(getattr(GF, name), "launch", lambda *a: pytest.fail("a non-decode kernel in a decode step"))
+            monkeypatch.setattr(getattr(GF, name), "launch",
+                                lambda *a: pytest.fail("a non-decode kernel in a decode step"))
     for name, launcher in launchers:
         real = launcher.launch
         monkeypatch.setattr(launcher, "launch", lambda *a, _n=name, _r=real: (counts[_n].append(a[0]), _r(*a))[1])
