@@ -19,9 +19,9 @@ row (strided qkv, z, b, a):
   SPLIT_DECODE_MAX_ROWS requests): the conv step and the l2norm of q and k per (request, head of q,
   k or v) into a [B, C] buffer, then the recurrence and the gated norm per (request, value head):
   twice the programs of the one-launch kernel at batch 1, and one launch more;
-- fused_4: the op's four launches of the unfused kernels (`launches=4`; taken past
-  ONE_LAUNCH_MAX_ROWS requests): the decode conv, the op's l2norm-and-gates kernel, the recurrent
-  decode kernel, the op's gated-norm kernel.
+- fused_4: the op past ONE_LAUNCH_MAX_ROWS requests, as triton_linear runs it: four launches, the
+  decode conv, the op's l2norm-and-gates kernel, the recurrent decode kernel, the op's gated-norm
+  kernel.
 
 For each B, first the check: every variant from copies of the same random non-zero pools, one
 step, each fused variant's output and both states against the unfused ones by ||x - ref|| / ||ref||
@@ -96,28 +96,39 @@ class Region:
         self.s, self.x, self.p, self.slots = s, x, p, slots
         self.conv, self.state = pool.layer(0)["conv"], pool.layer(0)["recurrent"]
         B = slots.shape[0]
-        self.out = torch.empty(B, s.hv, s.dv, dtype=x["qkv"].dtype, device=slots.device)
+        self.out = self.out_buf = torch.empty(B, s.hv, s.dv, dtype=x["qkv"].dtype, device=slots.device)
         self.mixed = torch.empty(x["qkv"].shape, dtype=x["qkv"].dtype, device=slots.device)
         self.core = torch.empty_like(self.out)
         self.qk_gates, self.norm = glue
 
-    def unfused(self) -> None:
+    def unfused(self, op_glue: bool = False) -> None:
+        """op_glue: the op's own l2norm-and-gates and gated-norm kernels in place of the compiled glue."""
         s, x, p = self.s, self.x, self.p
         TL.short_conv_decode(x["qkv"], p.conv_weight, None, self.mixed, self.conv, self.slots, True)
-        q, k, v, g, beta = self.qk_gates(self.mixed, x["b"], x["a"], p.A_log, p.dt_bias, s.hk, s.dk, s.hv, s.dv)
+        if op_glue:
+            dims = GF.GdnDims(s.hk, s.hv, s.dk, s.dv, s.channels, s.kernel_width)
+            q, k, v, g, beta = GF.qk_gates(self.mixed, x["b"], x["a"], p.A_log, p.dt_bias, dims)
+        else:
+            q, k, v, g, beta = self.qk_gates(self.mixed, x["b"], x["a"], p.A_log, p.dt_bias, s.hk, s.dk, s.hv, s.dv)
         TL.gdn_decode(q, k, v, g, beta, self.core, self.state, self.slots, s.scale)
-        self.out = self.norm(self.core, x["z"], p.norm_weight, EPS)  # feeds out_proj as it is: no copy
+        if op_glue:
+            GF.gated_rmsnorm(self.core, x["z"], p.norm_weight, self.out_buf, EPS, slots=self.slots, rows_per_slot=1)
+            self.out = self.out_buf
+        else:
+            self.out = self.norm(self.core, x["z"], p.norm_weight, EPS)  # feeds out_proj as it is: no copy
 
     def fused_2(self) -> None:
         self.fused(launches=2)
 
     def fused_4(self) -> None:
-        self.fused(launches=4)
+        """The op past ONE_LAUNCH_MAX_ROWS requests, as triton_linear runs it: the unfused kernels with
+        the op's own two glue kernels."""
+        self.unfused(op_glue=True)
 
     def fused(self, num_warps: int | None = None, launches: int = 1) -> None:
         s, x, p = self.s, self.x, self.p
         GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight,
-                            self.out, self.conv, self.state, self.slots, s.hk, s.scale, EPS, num_warps=num_warps,
+                            self.out_buf, self.conv, self.state, self.slots, s.hk, s.scale, EPS, num_warps=num_warps,
                             launches=launches)
 
 

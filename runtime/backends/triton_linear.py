@@ -867,15 +867,16 @@ class TritonLinearBackend(BackendHooks):
                   eps):
         """A whole GDN mixer (kernels/gdn_fused.py). Decode: two launches for one request, the
         unfused kernels' four for more (kernels/gdn_fused.py decode_launches), one launch under
-        fixed decode tiles. Target-verify and extend
+        fixed decode tiles. Decode steps of many requests, target-verify and extend
         steps: the conv and the recurrent core as short_conv and gdn_core run them in this step
         (verify kernels, extend conv, chunk kernels, FLA), with one launch for the l2norm and the
         gates between them and one for the gated norm after."""
         fused = _fused_kernels()
         what = f"{self.name}: hgc.gdn_fused (layer {layer_id})"
         path, n = self._route(ctx, "gdn_fused", layer_id, qkv.shape[0])
-        if path == "decode":
-            # fixed tiles (batch-invariant): one kernel at every batch, as for the other decode kernels
+        # fixed tiles (batch-invariant): one kernel at every batch, as for the other decode kernels;
+        # else a decode of many requests takes the unfused kernels below, as a verify step does
+        if path == "decode" and (self.fixed_tiles or fused.decode_launches(qkv.shape[0]) != 4):
             fused.gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out,
                                    self._layer_state(layer_id, "conv"), self._layer_state(layer_id, "recurrent"),
                                    self._step_slots(ctx), k_heads, scale, eps, what,
@@ -887,7 +888,7 @@ class TritonLinearBackend(BackendHooks):
         q, k, v, g, beta = fused.qk_gates(mixed, b, a, A_log, dt_bias, dims)
         core = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         self.gdn_core(ctx, q, k, v, g, beta, core, layer_id, scale)
-        if path == "verify":
+        if path != "extend":  # decode (n 1) or verify
             fused.gated_rmsnorm(core, z, norm_weight, out, eps, slots=self._step_slots(ctx), rows_per_slot=n)
         else:  # padding rows: from the bounds of the plan gdn_core ran on
             plan = self._extend_plan(self._step_plan(ctx), "gdn_core")

@@ -27,7 +27,7 @@ against the recurrent decode kernel's 512 narrow programs; the decode step is la
 SPLIT_DECODE_MAX_ROWS) takes two launches instead: the conv step and the l2norm per (request,
 q | k | v head) into a [B, C] buffer, then the gates, the recurrence and the gated norm per
 (request, value head); the same values in the same order, more programs. A step of more requests
-(more than ONE_LAUNCH_MAX_ROWS) takes the unfused kernels, four launches: there the recurrent
+(more than ONE_LAUNCH_MAX_ROWS) takes the unfused kernels, four launches the caller runs: there the recurrent
 decode kernel's narrow tiles fill the card and the one launch's wide programs do not. The one
 launch is the op's kernel at every batch under fixed (batch-invariant) decode tiles.
 
@@ -51,7 +51,7 @@ import triton.language as tl
 
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import next_pow2
-from runtime.backends.kernels.linear import conv_token, gdn_decode, scalar_decay_step, short_conv_decode
+from runtime.backends.kernels.linear import conv_token, scalar_decay_step
 from runtime.cache.state_pool import PADDING_SLOT
 
 __all__ = ["L2NORM_EPS", "SOFTPLUS_THRESHOLD", "SPLIT_DECODE_MAX_ROWS", "ONE_LAUNCH_MAX_ROWS", "GdnDims", "gdn_dims",
@@ -374,7 +374,9 @@ ONE_LAUNCH_MAX_ROWS = 1
 
 
 def decode_launches(rows: int) -> int:
-    """Launches of a decode step of `rows` requests (SPLIT_DECODE_MAX_ROWS, ONE_LAUNCH_MAX_ROWS)."""
+    """Launches of a decode step of `rows` requests (SPLIT_DECODE_MAX_ROWS, ONE_LAUNCH_MAX_ROWS): 2
+    and 1 are `gdn_fused_decode`'s, 4 the unfused kernels the caller runs (triton_linear runs them
+    as it runs a verify step's: its short_conv and gdn_core, `qk_gates`, `gated_rmsnorm`)."""
     if rows <= SPLIT_DECODE_MAX_ROWS:
         return 2
     return 1 if rows <= ONE_LAUNCH_MAX_ROWS else 4
@@ -389,13 +391,11 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
 
     launches: 1, one program per (request, key head) through everything; 2, the split: the conv and
     the l2norm per (request, q | k | v head) into a [B, C] buffer, then the gates, recurrence and
-    gated norm per (request, value head), more programs where requests are few; 4, the unfused
-    kernels (the decode conv, `qk_gates`, the recurrent decode kernel with its tiles for B rows,
-    `gated_rmsnorm`), for many requests. None: `decode_launches`. 1 and 2 compute the same values
-    in the same order, so a request's output does not depend on which one ran; 4 rounds q, k and
-    the core output to the activation dtype between its launches, as the unfused ops do.
-    `num_warps` pins the recurrence's warps of 1 and 2 (benchmarks); None: decode_warps, the same
-    at every batch, so a request's reductions never depend on what shares its step."""
+    gated norm per (request, value head), more programs where requests are few. None:
+    `decode_launches`, which is neither for many requests: the caller runs the unfused kernels
+    there. Both compute the same values in the same order, so a request's output does not depend
+    on which one ran. `num_warps` pins the recurrence's warps (benchmarks); None: decode_warps, the
+    same at every batch, so a request's reductions never depend on what shares its step."""
     d = gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
     B = qkv.shape[0]
     if slots.shape != (B,):
@@ -408,17 +408,10 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
         raise ValueError(f"{what}: state {state.dtype} {tuple(state.shape)}, expected float32 [slots+1, {d.hv}, "
                          f"{d.dk}, {d.dv}] with contiguous [Dk, Dv] states")
     launches = decode_launches(B) if launches is None else launches
-    if launches not in (1, 2, 4):
-        raise ValueError(f"{what}: launches {launches}: 1, 2 or 4")
+    if launches not in (1, 2):
+        raise ValueError(f"{what}: launches {launches}: 1 or 2 (a step of {B} requests takes the unfused "
+                         f"kernels, which the caller runs)")
     if B == 0:
-        return
-    if launches == 4:
-        mixed = torch.empty((B, d.channels), dtype=qkv.dtype, device=qkv.device)
-        short_conv_decode(qkv, conv_weight, None, mixed, conv_state, slots, True)
-        q, k, v, g, beta = qk_gates(mixed, b, a, A_log, dt_bias, d)
-        core = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        gdn_decode(q, k, v, g, beta, core, state, slots, scale)
-        gated_rmsnorm(core, z, norm_weight, out, eps, slots=slots, rows_per_slot=1)
         return
     BK, BV, KWP = next_pow2(d.dk), next_pow2(d.dv), next_pow2(d.kernel_width)
     round_y = rounds_weighted_norm(norm_weight, out)
