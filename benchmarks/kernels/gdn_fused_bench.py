@@ -15,10 +15,14 @@ row (strided qkv, z, b, a):
   second compiled function;
 - fused: runtime/backends/kernels/gdn_fused.py's decode kernel (one launch: one program per
   request and key head);
-- fused_2: the same op's two-launch split (`launches=2`; the op takes it up to
-  SPLIT_DECODE_MAX_ROWS requests): the conv step and the l2norm of q and k per (request, head of q,
-  k or v) into a [B, C] buffer, then the recurrence and the gated norm per (request, value head):
-  twice the programs of the one-launch kernel at batch 1, and one launch more;
+- fused_2: the same op's two-launch split (`launches=2`, `v_blocks=1`; the op takes the split up
+  to SPLIT_DECODE_MAX_ROWS requests): the conv step and the l2norm of q and k per (request, head of
+  q, k or v) into a [B, C] buffer, then the recurrence and the gated norm per (request, value
+  head): twice the programs of the one-launch kernel at batch 1, and one launch more;
+- fused_2v: the split with the op's default value blocks (GF.default_v_blocks for the card's SMs,
+  recorded as `v_blocks`: 4 at batch 1 of these dims, 1 from batch 8 on, where it is fused_2): each
+  head's state over that many programs of Dv / v_blocks columns, the last of a head's blocks
+  computing its gated norm;
 - fused_4: the op past ONE_LAUNCH_MAX_ROWS requests, as triton_linear runs it: four launches, the
   decode conv, the op's l2norm-and-gates kernel, the recurrent decode kernel, the op's gated-norm
   kernel.
@@ -57,9 +61,10 @@ from bench_common import device_facts, graph_call_us, is_cuda, kernels_per_call,
 from models.qwen3_next import l2norm  # noqa: E402
 from runtime.backends.kernels import gdn_fused as GF  # noqa: E402
 from runtime.backends.kernels import linear as TL  # noqa: E402
+from runtime.backends.kernels.sm_count import num_sms  # noqa: E402
 from testkit.gdn_cases import BENCH_GDN, GdnShape, gdn_inputs, gdn_params, gdn_pools  # noqa: E402
 
-DRY_SHAPE = GdnShape(2, 4, 16, 16)
+DRY_SHAPE = GdnShape(2, 4, 16, 64)  # Dv 64: the default value blocks split it (2 blocks of 32 columns)
 EPS = 1e-6
 # bf16: both variants round the same values, their float32 sums in other orders; Triton's
 # interpreter (the dry run) truncates where a GPU rounds to nearest, a few bf16 steps more
@@ -118,21 +123,29 @@ class Region:
             self.out = self.norm(self.core, x["z"], p.norm_weight, EPS)  # feeds out_proj as it is: no copy
 
     def fused_2(self) -> None:
-        self.fused(launches=2)
+        self.fused(launches=2, v_blocks=1)
+
+    def fused_2v(self) -> None:
+        self.fused(launches=2)  # the default value blocks (v_blocks_of)
 
     def fused_4(self) -> None:
         """The op past ONE_LAUNCH_MAX_ROWS requests, as triton_linear runs it: the unfused kernels with
         the op's own two glue kernels."""
         self.unfused(op_glue=True)
 
-    def fused(self, num_warps: int | None = None, launches: int = 1) -> None:
+    def fused(self, num_warps: int | None = None, launches: int = 1, v_blocks: int | None = None) -> None:
         s, x, p = self.s, self.x, self.p
         GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight,
                             self.out_buf, self.conv, self.state, self.slots, s.hk, s.scale, EPS, num_warps=num_warps,
-                            launches=launches)
+                            launches=launches, v_blocks=v_blocks)
 
 
-FUSED = ("fused", "fused_2", "fused_4")
+FUSED = ("fused", "fused_2", "fused_2v", "fused_4")
+
+
+def v_blocks_of(s: GdnShape, B: int, device) -> int:
+    """The value blocks fused_2v takes at batch B: the op's default on this device."""
+    return GF.default_v_blocks(B, s.hv, s.dv, num_sms(device))
 WARPS = (8, 16)  # 4 spill (GF.decode_warps)
 
 
@@ -154,7 +167,7 @@ def check(s: GdnShape, B: int, glue: tuple, device) -> dict:
             errs[entry] = rel_err(pool.layer(0)[entry][1:], pools[0].layer(0)[entry][1:])
         doc[name] = {"rel_err": errs, "ok": bool(torch.isfinite(region.out).all()) and errs["out"] <= OUT_TOL
                      and max(errs["conv"], errs["recurrent"]) <= STATE_TOL}
-    return {"variants": doc, "ok": all(v["ok"] for v in doc.values())}
+    return {"variants": doc, "ok": all(v["ok"] for v in doc.values()), "v_blocks": v_blocks_of(s, B, device)}
 
 
 def bench(s: GdnShape, B: int, glue: tuple, device, calls: int, replays: int) -> dict:
@@ -168,6 +181,8 @@ def bench(s: GdnShape, B: int, glue: tuple, device, calls: int, replays: int) ->
         row[name] = {"us": graph_call_us(lambda _: fn(), calls, replays, device), "kernels": kernels_per_call(fn)}
     row["ratio"] = row["unfused"]["us"] / row["fused"]["us"]  # the op's kernel against today
     row["ratio_2"] = row["unfused"]["us"] / row["fused_2"]["us"]
+    row["ratio_2v"] = row["unfused"]["us"] / row["fused_2v"]["us"]
+    row["fused_2v"]["v_blocks"] = v_blocks_of(s, B, device)
     row["ratio_4"] = row["unfused"]["us"] / row["fused_4"]["us"]
     # the one-launch kernel's warps (default: GF.decode_warps): few programs at batch 1 may want more
     row["fused_by_warps"] = {w: graph_call_us(lambda _, w=w: region.fused(w), calls, replays, device) for w in WARPS}
@@ -211,14 +226,17 @@ def main(argv=None) -> dict:
         doc["batches"][str(B)] = entry
         (args.out / "gdn_fused_bench.json").write_text(json.dumps(doc, indent=2))
     print(f"{'B':>5} {'check':>6} {'out err':>9} {'unfused us':>11} {'kernels':>8} {'fused us':>9} {'kernels':>8} "
-          f"{'ratio':>6} {'fused_2 us':>11} {'ratio_2':>8} {'fused_4 us':>11} {'ratio_4':>8}")
+          f"{'ratio':>6} {'fused_2 us':>11} {'ratio_2':>8} {'fused_2v us':>12} {'v_blocks':>9} {'ratio_2v':>9} "
+          f"{'fused_4 us':>11} {'ratio_4':>8}")
     nan = float("nan")
     for B, e in doc["batches"].items():
         u, f, f2, f4 = e.get("unfused", {}), e.get("fused", {}), e.get("fused_2", {}), e.get("fused_4", {})
+        f2v = e.get("fused_2v", {})
         err = e["check"]["variants"]["fused"]["rel_err"]["out"]
         print(f"{B:>5} {'ok' if e['check']['ok'] else 'FAIL':>6} {err:>9.2e} {u.get('us', nan):>11.2f} "
               f"{str(u.get('kernels')):>8} {f.get('us', nan):>9.2f} {str(f.get('kernels')):>8} "
               f"{e.get('ratio', nan):>6.2f} {f2.get('us', nan):>11.2f} {e.get('ratio_2', nan):>8.2f} "
+              f"{f2v.get('us', nan):>12.2f} {e['check']['v_blocks']:>9} {e.get('ratio_2v', nan):>9.2f} "
               f"{f4.get('us', nan):>11.2f} {e.get('ratio_4', nan):>8.2f}")
     return doc
 

@@ -61,7 +61,7 @@ class Case:
         for pool in (self.ref_pool, self.dev_pool):
             for t in pool.layer(layer_id).values():
                 t[4].zero_()  # slot 4: a request that starts from the empty state
-        self.before = {name: t.clone() for name, t in self.dev_pool.layer(layer_id).items()}
+        self.before = {name: t.cpu().clone() for name, t in self.dev_pool.layer(layer_id).items()}
         self.ref = CPUReferenceBackend(None, self.ref_pool)
         self.tri = TritonLinearBackend(self.dev_pool, fla=FakeFLA(), **(backend_kwargs or {}))
         self.params = gdn_params(self.shape, dtype, seed + 1, norm_dtype=norm_dtype)
@@ -161,6 +161,109 @@ def test_decode_at_the_bench_dims_in_bf16():
     case.step(decode_ctx([3], 1, "cpu"), decode_ctx([3], 1, DEVICE), [3])
 
 
+# The split's value blocks: each (request, value head) over v_blocks programs of Dv / v_blocks
+# columns, the last to finish normalising the head (None: the op's default, 1 at these Dv)
+V_BLOCKS = [1, 2, 4, None]
+
+
+def _split_with_v_blocks(monkeypatch, v_blocks) -> list:
+    """Every decode step from here on takes the two-launch split with `v_blocks`; returns the core
+    launches' grids."""
+    monkeypatch.setattr(GF, "SPLIT_DECODE_MAX_ROWS", 1 << 20)
+    real = GF.gdn_fused_decode
+    monkeypatch.setattr(GF, "gdn_fused_decode", lambda *a, **kw: real(*a, **kw, v_blocks=v_blocks))
+    grids = []
+    launch = GF._SPLIT_CORE.launch
+    monkeypatch.setattr(GF._SPLIT_CORE, "launch", lambda *a: (grids.append(a[0]), launch(*a))[1])
+    return grids
+
+
+def _counters_zero() -> bool:
+    return all(not scratch.arrived.any() for scratch in GF._SPLIT_SCRATCH.values())
+
+
+@in_process
+@pytest.mark.parametrize("v_blocks", V_BLOCKS, ids=lambda n: f"v{n}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layer_id", [0, 1])
+def test_split_decode_over_value_blocks_matches_the_unfused_ops(layer_id, dtype, v_blocks, monkeypatch):
+    """Outputs and states against the reference, padding rows zero, over consecutive steps (each
+    launch finds the counters its predecessor left at zero); Dv 20 in blocks of 10 and 5 columns."""
+    grids = _split_with_v_blocks(monkeypatch, v_blocks)
+    s = LAYERS[layer_id]
+    case = Case(layer_id, dtype, seed=40 + layer_id)
+    for slots, num_real in (DECODES[3], DECODES[6], DECODES[3]):
+        case.step(decode_ctx(slots, num_real, "cpu"), decode_ctx(slots, num_real, DEVICE), slots[:num_real])
+        assert _counters_zero(), "a launch left a counter non-zero"
+    case.check_untouched()
+    blocks = v_blocks or GF.default_v_blocks(3, s.hv, s.dv, 132)
+    assert [g[2] if len(g) == 3 else 1 for g in grids] == [blocks] * 3
+
+
+@in_process
+@pytest.mark.parametrize("v_blocks", [2, None], ids=lambda n: f"v{n}")
+def test_split_decode_by_default_splits_wide_heads(v_blocks, monkeypatch):
+    """Dv 64 at three requests: by default 2 blocks of 32 columns (24 programs, fewer than the SMs)."""
+    grids = _split_with_v_blocks(monkeypatch, v_blocks)
+    case = Case(0, torch.float32, seed=47, shape=GdnShape(2, 4, 16, 64))
+    for _ in range(2):
+        slots, num_real = DECODES[3]
+        case.step(decode_ctx(slots, num_real, "cpu"), decode_ctx(slots, num_real, DEVICE), slots[:num_real])
+    assert grids == [(3, 4, 2)] * 2 and _counters_zero()
+
+
+@in_process
+def test_split_value_blocks_padding_row_between_real_rows(monkeypatch):
+    """A padding row's blocks write zeros, read nothing and count nothing in."""
+    _split_with_v_blocks(monkeypatch, 4)
+    case = Case(0, torch.float32, seed=5)
+    x = gdn_inputs(case.shape, 3, 3, torch.float32, case.g, DEVICE)
+    x["qkv"][1] = float("nan")
+    x["z"][1] = float("nan")
+    out = torch.full((3, case.shape.hv, case.shape.dv), float("nan"), device=DEVICE)
+    fused_gdn(case.tri, decode_ctx([7, PADDING_SLOT, 2], 3, DEVICE), x, case.params.to(DEVICE), out, 0, case.shape, EPS)
+    assert out[1].eq(0).all() and torch.isfinite(out).all() and _counters_zero()
+
+
+def test_default_v_blocks_fill_the_sms_with_blocks_of_at_least_32_columns():
+    assert GF.default_v_blocks(1, 32, 128, 132) == 4  # bench qwen3_next at batch 1: 128 programs, the most
+    assert GF.default_v_blocks(2, 32, 128, 132) == 4  # 64 whole heads: the fewest blocks past 132 programs
+    assert GF.default_v_blocks(3, 32, 128, 132) == 2
+    assert GF.default_v_blocks(8, 32, 128, 132) == 1
+    assert GF.default_v_blocks(1, 4, 96, 132) == 2  # 48 columns; 24 would be too narrow
+    assert GF.default_v_blocks(1, 4, 20, 132) == 1
+
+
+@in_process
+@pytest.mark.parametrize("v_blocks, launches", [(3, 2), (0, 2), (2, 1)])
+def test_value_blocks_that_do_not_divide_dv_or_without_the_split_are_refused(v_blocks, launches):
+    case = Case(0, torch.float32, seed=1)
+    s, p = case.shape, case.params.to(DEVICE)
+    x = gdn_inputs(s, 1, 1, torch.float32, case.g, DEVICE)
+    layer = case.dev_pool.layer(0)
+    with pytest.raises(ValueError, match=f"v_blocks {v_blocks}: .*divides Dv {s.dv}"):
+        GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight,
+                            torch.empty(1, s.hv, s.dv, device=DEVICE), layer["conv"], layer["recurrent"],
+                            torch.tensor([3], device=DEVICE), s.hk, s.scale, EPS, launches=launches, v_blocks=v_blocks)
+
+
+def test_split_scratch_is_allocated_zeroed_grown_and_never_grown_under_capture(monkeypatch):
+    monkeypatch.setattr(GF, "_SPLIT_SCRATCH", {})
+    monkeypatch.setattr(GF, "_RETIRED_SCRATCH", [])
+    first = GF.split_scratch(DEVICE, 8, 16)
+    assert first.arrived.shape == (8,) and first.arrived.dtype == torch.int32 and not first.arrived.any()
+    assert first.o_ws.shape == (8 * 16,) and first.o_ws.dtype == torch.float32
+    assert GF.split_scratch(DEVICE, 4, 16) is first  # room enough: the same buffers
+    monkeypatch.setattr(GF, "_capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match=r"hold 8 pairs, 128 workspace floats; this step needs 16 .* 16 columns"):
+        GF.split_scratch(DEVICE, 16, 16)
+    assert GF.split_scratch(DEVICE, 8, 16) is first  # no growth: fine under capture
+    monkeypatch.setattr(GF, "_capturing", lambda device: False)
+    grown = GF.split_scratch(DEVICE, 16, 16)
+    assert grown.arrived.shape == (16,) and grown.o_ws.shape == (256,)
+    assert GF._RETIRED_SCRATCH == [first]  # a graph captured over it keeps its memory
+
+
 def _count_launches(monkeypatch, unfused_ok: bool = False) -> dict:
     """Launches per decode kernel of the op from here on; the l2norm-and-gates and norm kernels
     (the four-launch path's) fail the test unless `unfused_ok`."""
@@ -207,14 +310,15 @@ def test_two_requests_up_to_the_one_launch_bound_take_it(monkeypatch):
 @pytest.mark.parametrize("decode_tiles", ["by_batch", "fixed"])
 def test_many_requests_take_the_unfused_kernels_unless_tiles_are_fixed(monkeypatch, decode_tiles):
     """Past ONE_LAUNCH_MAX_ROWS requests: the decode conv, the l2norm and gates over every row, the
-    recurrent decode kernel, the gated norm over every (row, value head); with fixed tiles the one launch."""
+    recurrent decode kernel, the gated norm over every (rows, value head); with fixed tiles the one launch."""
     monkeypatch.setattr(GF, "ONE_LAUNCH_MAX_ROWS", 2)
     counts = _count_launches(monkeypatch, unfused_ok=True)
     case = Case(0, torch.float32, seed=13, backend_kwargs={"decode_tiles": decode_tiles})
     slots = [5, 2, PADDING_SLOT]
     case.step(decode_ctx(slots, 2, "cpu"), decode_ctx(slots, 2, DEVICE), slots[:2])
     s = case.shape
-    want = ({"one": [], "prep": [], "core": [], "gates": [(3, s.hk)], "norm": [(3, s.hv)]}
+    blocks = -(-3 // GF.BLOCK_ROWS)  # the rows' blocks: programs take BLOCK_ROWS rows
+    want = ({"one": [], "prep": [], "core": [], "gates": [(blocks, s.hk)], "norm": [(blocks, s.hv)]}
             if decode_tiles == "by_batch" else {"one": [(3, s.hk)], "prep": [], "core": [], "gates": [], "norm": []})
     assert counts == want
 
@@ -300,6 +404,43 @@ def test_steps_launch_qk_gates_and_the_norm_once_each(monkeypatch, replayed):
     # every step: the decode one's requests are more than ONE_LAUNCH_MAX_ROWS (the unfused kernels)
     assert counts == {"_QK_GATES": 5, "_GATED_RMSNORM": 5}
     assert markers == [0] * 5
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_rows", [1, 4, GF.BLOCK_ROWS])
+def test_row_block_kernels_match_the_torch_ops_over_partial_blocks_and_padding(dtype, block_rows):
+    """qk_gates and gated_rmsnorm over 37 rows (a partial last block at every block size): each row's
+    heads as the mixer's torch ops compute them; rows at or past the plan's real count (bounds) and
+    rows of the padding slot come out zero."""
+    from compiler.splitops.gdn_mixer import gated_rms_norm, l2norm
+    s = LAYERS[0]
+    T, real = 37, 30
+    g = torch.Generator().manual_seed(5)
+    dims = GF.GdnDims(s.hk, s.hv, s.dk, s.dv, 2 * s.hk * s.dk + s.hv * s.dv, 4)
+    mixed = torch.randn(T, dims.channels, generator=g).to(dtype)
+    b, a = torch.randn(T, s.hv, generator=g).to(dtype), torch.randn(T, s.hv, generator=g).to(dtype)
+    A_log, dt_bias = torch.randn(s.hv, generator=g), torch.randn(s.hv, generator=g)
+    on = [t.to(DEVICE) for t in (mixed, b, a, A_log, dt_bias)]
+    q, k, v, gate, beta = (t.cpu() for t in GF.qk_gates(*on, dims, block_rows=block_rows))
+    kd = s.hk * s.dk
+    tol = OUT_TOL[dtype]
+    assert rel_err(q.float(), l2norm(mixed[:, :kd].reshape(T, s.hk, s.dk)).float()) < tol
+    assert rel_err(k.float(), l2norm(mixed[:, kd:2 * kd].reshape(T, s.hk, s.dk)).float()) < tol
+    assert rel_err(gate, -A_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)) < 1e-5
+    assert rel_err(beta.float(), b.sigmoid().float()) < tol
+    core, z = torch.randn(T, s.hv, s.dv, generator=g).to(dtype), torch.randn(T, s.hv, s.dv, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(s.dv, generator=g)).to(dtype)
+    want = gated_rms_norm(core, z, weight, EPS)
+    bounds = torch.tensor([0, real, T], dtype=torch.int32)  # one request of `real` rows, then the step's rows
+    slots = torch.tensor([3] * 6 + [PADDING_SLOT] + [1] * 6, dtype=torch.int32)  # rows_per_slot 3: rows 18..20 pad
+    for marker, kept in ((dict(bounds=bounds.to(DEVICE)), torch.arange(T) < real),
+                         (dict(slots=slots.to(DEVICE), rows_per_slot=3), torch.arange(T) // 3 != 6)):
+        out = torch.full((T, s.hv, s.dv), 7.0, dtype=dtype, device=DEVICE)
+        GF.gated_rmsnorm(core.to(DEVICE), z.to(DEVICE), weight.to(DEVICE), out, EPS, block_rows=block_rows, **marker)
+        out = out.cpu()
+        assert rel_err(out[kept].float(), want[kept].float()) < tol
+        assert not out[~kept].any()
 
 
 def test_capability_serves_gdn_fused_where_gdn_core_is_served():
