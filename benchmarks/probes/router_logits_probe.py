@@ -9,6 +9,9 @@ expert with its gate; bf16) for each --tokens count, each call captured alone in
 replayed (so launch time is not timed), after checking its ids and weights against a float32 torch
 reference on fresh random inputs.
 
+Past the GEMV's bound (128 tokens) the router GEMM ("dot") is timed at each tile of DOT_TILES, the
+default `moe.LOGITS_DOT_TILE` first.
+
     bash benchmarks/gpu_call.sh python3 benchmarks/probes/router_logits_probe.py --out $OUT
 
 Writes OUT/router_logits_probe.json and prints one line per (tokens, kernel).
@@ -28,9 +31,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from bench_common import capture_graph  # noqa: E402
+from runtime.backends.kernels import moe  # noqa: E402
 from runtime.backends.kernels.moe import logits_kernel_for, route, shared_chunks  # noqa: E402
 
 E, D, TOP_K, I_SHARED, I = 16, 2048, 4, 512, 512
+# The router GEMM's tiles timed past the GEMV's bound ("dot"): (BLOCK_M, BLOCK_K, num_warps, num_stages),
+# the default moe.LOGITS_DOT_TILE first
+DOT_TILES = [moe.LOGITS_DOT_TILE, (16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 256, 8, 3)]
 
 
 def reference(x, w, gate):
@@ -65,9 +72,12 @@ def main(argv=None) -> int:
     for T in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
         want_ids, want_w, want_gate = reference(x, w, gate)
-        for kernel in ("gemv", "fused", "dot"):
-            call = lambda: route(x, w, None, TOP_K, "softmax", True, 1.0, 1, 1, n_shared=n_shared, shared_gate=gate,
-                                 logits_kernel=kernel)
+        dots = [("dot", tile) for tile in (DOT_TILES if T > moe.GEMV_LOGITS_MAX_TOKENS else DOT_TILES[:1])]
+        for kernel, tile in [("gemv", None), ("fused", None), *dots]:
+            def call(kernel=kernel, tile=tile):
+                moe.LOGITS_DOT_TILE = tile or DOT_TILES[0]  # read at launch: a captured graph keeps its tile
+                return route(x, w, None, TOP_K, "softmax", True, 1.0, 1, 1, n_shared=n_shared, shared_gate=gate,
+                             logits_kernel=kernel)
             ids, weights = call()
             ok_ids = torch.equal(ids[:, :TOP_K].long().sort(dim=-1).values, want_ids)
             got_w = weights[:, :TOP_K].sort(dim=-1, descending=True).values
@@ -75,11 +85,17 @@ def main(argv=None) -> int:
             gate_err = float((weights[:, TOP_K] - want_gate[:, 0]).norm() / want_gate.norm())
             row = {"tokens": T, "kernel": kernel, "default": logits_kernel_for(T, E, D) == kernel, "ids_equal": ok_ids,
                    "weights_rel_err": err, "shared_gate_rel_err": gate_err}
+            name = kernel
+            if tile:
+                row["dot_tile"] = list(tile)
+                row["default"] = row["default"] and tile == DOT_TILES[0]
+                name = f"dot {tile}"
             if ok_ids and err < 1e-2 and gate_err < 1e-2:
                 row["us"] = graph_us(call)
             rows.append(row)
-            print(f"T={T:4d} {kernel:6s}{' (default)' if row['default'] else '          '} ids equal {ok_ids}, "
+            print(f"T={T:4d} {name:22s}{' (default)' if row['default'] else '          '} ids equal {ok_ids}, "
                   f"weights {err:.1e}, gate {gate_err:.1e}: {row.get('us', float('nan')):.2f} us", flush=True)
+    moe.LOGITS_DOT_TILE = DOT_TILES[0]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "router_logits_probe.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},

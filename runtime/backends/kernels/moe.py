@@ -83,6 +83,12 @@ __all__ = ["combine", "down_sorted", "down_token", "fused_moe", "gate_up_sorted"
            "route", "route_sort", "route_sort_folds", "shared_chunks", "sort_tokens"]
 
 GEMV_LOGITS_MAX_TOKENS = 128  # logits_kernel_for says why
+# The router GEMM's tile past it, (BLOCK_M, BLOCK_K, num_warps, num_stages): with 16 to 64 experts the
+# grid is T / BLOCK_M programs, each walking D in BLOCK_K steps. Bench qwen3_next's router on an H200
+# (benchmarks/probes/router_logits_probe.py, the GEMM and the routing kernel, us): at 512 tokens
+# 11.1 here against 9.8 for the best of five other tiles (16, 256, 4, 3); at 4096 this tile was the
+# best (15.0 against 15.1-16.2). One tile for every count: a second would save ~1 us a layer at 512.
+LOGITS_DOT_TILE = (64, 64, 4, 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -913,10 +919,11 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
             BLOCK_E=block_e, BLOCK_D=min(2048, next_pow2(D)), HAS_GATE=gate_in_logits, num_warps=4)
     else:
         bn = min(64, max(16, next_pow2(E)))
-        _logits_kernel[(cdiv(T, 64), cdiv(E, bn))](
+        bm, bk, warps, stages = LOGITS_DOT_TILE
+        _logits_kernel[(cdiv(T, bm), cdiv(E, bn))](
             x, router_weight, logits, T, E, D, x.stride(0), router_weight.stride(0),
-            BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64, DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype),
-            num_warps=4, num_stages=4)
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype),
+            num_warps=warps, num_stages=stages)
     if isinstance(n_real, torch.Tensor):
         assert n_real.device == dev and n_real.numel() >= 1, "moe: n_real must be a one-element tensor on x's device"
         nreal_ptr, n_real_int, from_ptr = n_real, T, True

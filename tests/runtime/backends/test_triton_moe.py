@@ -358,7 +358,8 @@ def _ctx(query_lens, num_tokens):
     qsl = torch.zeros(len(query_lens) + 2, dtype=torch.int32)
     qsl[1:len(query_lens) + 1] = torch.tensor(query_lens).cumsum(0)
     qsl[len(query_lens) + 1:] = sum(query_lens)  # a padded request owns no rows
-    return types.SimpleNamespace(num_real_tokens=sum(query_lens), num_tokens=num_tokens, query_start_loc=qsl,
+    # on the kernels' device: a replayed step's kernels read the real count there
+    return types.SimpleNamespace(num_real_tokens=sum(query_lens), num_tokens=num_tokens, query_start_loc=qsl.to(DEV),
                                  num_seqs=len(query_lens) + 1)
 
 
