@@ -14,7 +14,13 @@
 #   multiturn    benchmarks/serving/multiturn_bench.py: TTFT per turn, cache on and off; a 32-token prompt
 #   overlap_tests  the GPU tests of the overlapped engine loop and of decodes apart (CUDA graphs)
 #   extend_tests   the GPU test of whole-step extend graphs (tests/gpu/test_gpu_extend_graphs.py)
-#   gpu_tests    the GPU tests of the files in GPU_TESTS (space-separated), the whole report under $OUT/gpu_tests
+#   gpu_tests    the GPU tests of the files in GPU_TESTS (space-separated, -k GPU_TESTS_K if set), the whole
+#                report under $OUT/gpu_tests
+#   kernel_tests the CPU test modules of KERNEL_TESTS (space-separated, -k KERNEL_TESTS_K if set) run on the GPU:
+#                with CUDA present their Triton kernels run compiled there, against the same references
+#   kernels      the kernel benchmarks of the fused GDN op and the router, each checked before it is timed:
+#                gdn_row_kernels_bench.py (extend rows), gdn_fused_bench.py (decode at 1 / 8 / 128 requests),
+#                router_logits_probe.py (the router's launches at 1 / 8 / 128 / 512 / 4096 tokens)
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
@@ -101,8 +107,18 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         tail -15 "$OUT/extend_tests/pytest.log" ;;
     gpu_tests)
         mkdir -p "$OUT/gpu_tests"
-        python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} > "$OUT/gpu_tests/pytest.log" 2>&1
+        python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu} ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
+            > "$OUT/gpu_tests/pytest.log" 2>&1
         tail -15 "$OUT/gpu_tests/pytest.log" ;;
+    kernel_tests)
+        mkdir -p "$OUT/kernel_tests"
+        python3 -m pytest -q ${KERNEL_TESTS:?KERNEL_TESTS names the test files} ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} \
+            > "$OUT/kernel_tests/pytest.log" 2>&1
+        tail -15 "$OUT/kernel_tests/pytest.log" ;;
+    kernels)
+        python3 benchmarks/kernels/gdn_row_kernels_bench.py --out "$OUT/kernels" 2>&1 | tail -12
+        python3 benchmarks/kernels/gdn_fused_bench.py --out "$OUT/kernels" --batches 1,8,128 2>&1 | tail -12
+        python3 benchmarks/probes/router_logits_probe.py --out "$OUT/kernels" --tokens 1,8,128,512,4096 2>&1 ;;
     serve|serve_sync)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         schedule=--overlap-schedule; [ "$stage" = serve_sync ] && schedule=--no-overlap-schedule
