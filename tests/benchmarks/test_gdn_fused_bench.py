@@ -31,6 +31,6 @@ def test_dry_run_checks_then_times_every_variant(tmp_path):
         assert all(row[name]["us"] > 0 for name in ("unfused", "fused", "fused_2", "fused_2v", "fused_4"))
         assert row["ratio"] > 0 and row["ratio_2"] > 0 and row["ratio_2v"] > 0 and row["ratio_4"] > 0
         # the dry run's Dv 64 in the default value blocks (the interpreter's stand-in SM count): two of 32 columns
-        assert row["check"]["v_blocks"] == row["fused_2v"]["v_blocks"] == 2
+        assert row["check"]["v_blocks"] == 2
         assert set(row["fused_by_warps"]) == {"8", "16"} and all(t > 0 for t in row["fused_by_warps"].values())
         assert row["fused"]["kernels"] is None  # no profiler off the GPU
