@@ -15,7 +15,8 @@ Both caches can live in the checkout instead of the home folder, so they travel:
 
 and the next call names `.jitcache_parts` in its `carry`, beside `.whl`. The parts travel
 compressed (Triton's cache compresses about 6 to 1), since what travels with a call is limited
-to 64 MiB, the wheels take 12 of it and the checkout itself about 13 (hence --max-mib 36).
+to 64 MiB, the wheels take 16 of it (the server's included) and the checkout itself about 21
+(hence --max-mib 26; a checkout that grows needs a smaller bound).
 
 What is packed: FlashInfer's built modules (`cached_ops/**.so`; not its object files or
 generated sources) and Triton's cache, newest first, until the compressed parts reach --max-mib.
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     pk = sub.add_parser("pack", help="on the GPU machine: the cache into parts under --out")
     pk.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    pk.add_argument("--max-mib", type=int, default=36, help="most MiB of compressed parts (newest units first)")
+    pk.add_argument("--max-mib", type=int, default=26, help="most MiB of compressed parts (newest units first)")
     up = sub.add_parser("unpack", help="parts (carried in, or a call's returned files) into .jitcache")
     up.add_argument("src", type=Path)
     st = sub.add_parser("stash", help="here: a call's returned parts into .jitcache_parts, for the next carry")
