@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.artifact.loader import load_artifact
 from runtime.assembly import EngineOptions, engine_for_artifact
 from testkit.graph_cases import RerunGraphs
-from testkit.helpers import artifacts_by_family
+from testkit.helpers import tiny_checkpoint
 from testkit.linear_cases import compile_linear_routed, interpreted_linear_registry
 
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
@@ -35,12 +36,16 @@ def registry():
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory, registry):
-    def compile_one(family, ckpt, out):  # chunk_impl=triton: the kernels that write in-step snapshots
-        # few buckets (the interpreter walks every program of a launch), one with a one-request key
-        compile_linear_routed(ckpt, out, ("gdn_core", "short_conv"), "chunk_impl=triton", registry,
-                              decode_batch_sizes=(1, 2, 4), extend_token_counts=(16, 64))
-
-    return artifacts_by_family(tmp_path_factory.mktemp("specializations"), compile_one)("qwen3_next")
+    # One GDN layer and one full-attention layer: every GDN layer launches the same kernels with
+    # arguments of the same kinds, and tiny's three made the interpreter walk each extend's chunk
+    # kernels three times (most of the module's time). Few buckets (the interpreter walks every
+    # program of a launch), one with a one-request key; chunk_impl=triton: the kernels that write
+    # in-step snapshots.
+    root = tmp_path_factory.mktemp("specializations")
+    ckpt = tiny_checkpoint("qwen3_next", root / "ckpt", seed=0, num_hidden_layers=2, full_attention_interval=2)
+    compile_linear_routed(ckpt, root / "art", ("gdn_core", "short_conv"), "chunk_impl=triton", registry,
+                          decode_batch_sizes=(1, 2, 4), extend_token_counts=(16, 64))
+    return load_artifact(root / "art")
 
 
 def _spec(value):
