@@ -17,7 +17,8 @@ aten glue, functionalizes nothing of ours and never copies an op's `out`.
    symbolic size (the token count T, the logits row count R) a fresh symbol of one ShapeEnv, hinted
    with the example size the program was traced with. One compile then covers every bucket.
 4. `torch._inductor.standalone_compile(module, inputs, dynamic_shapes="from_graph")` (torch 2.8 and
-   later; `options={"config_patches": ...}` carries `INDUCTOR_CONFIG`), then
+   later; `options={"config_patches": ...}` carries splitops.bundle.inductor_config's settings, with
+   Inductor's PDL setting for a --pdl build), then
    `CompiledArtifact.save(format="binary")` into `pieces/<key>.bin`.
 5. `inductor_cache_files(cache_dir)`: what Inductor built into the build's cache folder and the
    pieces load at run time (C++ kernels on cpu; Triton kernel sources and tuning choices on cuda),
@@ -39,7 +40,7 @@ import torch
 import torch.fx
 
 from compiler.splitops.artifact import retarget_meta_devices
-from compiler.splitops.bundle import INDUCTOR_CONFIG, PIECES
+from compiler.splitops.bundle import PIECES, inductor_config
 from compiler.splitops.errors import CompileError
 from compiler.splitops.glue import GlueSplitError, glue_segments, segment_module, segment_pieces, structure_key
 from compiler.splitops.glue_ops import use_small_m_linear
@@ -121,16 +122,16 @@ def drop_metadata_asserts(graph: torch.fx.Graph) -> int:
 
 def compile_piece(module: torch.fx.GraphModule, device: torch.device, config_patches: dict | None = None):
     """Step 4 for one segment module (`segment_module`), retargeted to `device` in place: its
-    CompiledArtifact, for every value of its symbolic sizes. config_patches: Inductor settings in
-    place of INDUCTOR_CONFIG's for the device (benchmarks/kernels/glue_config_bench.py weighs them;
-    a bundle is always built and loaded with INDUCTOR_CONFIG's)."""
+    CompiledArtifact, for every value of its symbolic sizes. config_patches: the Inductor settings
+    (default: `inductor_config`'s for the device without PDL; benchmarks/kernels/glue_config_bench.py
+    weighs others; a bundle is always built and loaded with `inductor_config`'s)."""
     from torch._inductor import standalone_compile
 
     retarget_meta_devices(module.graph, device)
     drop_metadata_asserts(module.graph)
     module.recompile()
     inputs = fake_inputs(module, device)
-    patches = dict(INDUCTOR_CONFIG[device.type] if config_patches is None else config_patches)
+    patches = dict(inductor_config(device.type) if config_patches is None else config_patches)
     with torch.no_grad():
         return standalone_compile(module, inputs, dynamic_shapes="from_graph", options={"config_patches": patches})
 
@@ -141,16 +142,18 @@ def _code_files(cache_dir: Path) -> set[Path]:
 
 def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device: str | torch.device, out_dir: Path,
                  cache_dir: Path, log: Callable[[str], None] = lambda line: None,
-                 small_m: bool = False) -> tuple[dict, dict]:
+                 small_m: bool = False, pdl: bool = False) -> tuple[dict, dict]:
     """Steps 1-4 for every program; plans: program -> mode -> SplitPlan (split.json). Returns
     (programs: program -> segment records with the piece file running each, pieces: file ->
     {structure, nodes, seconds, code_sha256, small_m_linear}: the last, how many of the piece's
-    projections call the GEMV op, 0 without `small_m`). Piece files are written under
+    projections call the GEMV op, 0 without `small_m`). `pdl`: the pieces' Triton kernels launch with
+    programmatic dependent launch (`inductor_config`). Piece files are written under
     out_dir/pieces/; Inductor's cache must point at cache_dir (cache_env)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     (out_dir / PIECES).mkdir(parents=True, exist_ok=True)
+    settings = inductor_config(device.type, pdl)
     by_key: dict[str, str] = {}
     pieces: dict[str, dict] = {}
     records: dict[str, list[dict]] = {}
@@ -180,7 +183,7 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device:
         start = time.perf_counter()
         before = _code_files(cache_dir)
         try:
-            compile_piece(module, device).save(path=str(out_dir / name), format="binary")
+            compile_piece(module, device, settings).save(path=str(out_dir / name), format="binary")
         except Exception as e:  # Inductor's errors are of many kinds; name the segment either way
             raise PieceBuildError(f"inductor: {program} program, glue from node {segment.nodes[0]} to "
                                   f"{segment.nodes[-1]} ({len(segment.nodes)} nodes) failed to compile: "

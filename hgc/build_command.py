@@ -14,7 +14,9 @@ load. Building needs the target device, since kernels are built for the machine 
    take turns (`build_lock`: a second one waits for the first and says so).
 2. The portable artifact is loaded (its own checks) and each program's glue is compiled
    (compiler/inductor_pieces.py), one piece per distinct structure; on cuda, unless the artifact
-   is batch-invariant, its projections as calls of the GEMV op (`small_m_for`).
+   is batch-invariant, its projections as calls of the GEMV op (`small_m_for`); with --pdl (cuda,
+   off by default) every kernel that can launches with programmatic dependent launch: Inductor's
+   and the backends' (docs/DESIGN.md, "Programmatic dependent launch").
 3. Start-up runs as `hgc run` / `hgc serve` would, with the fresh pieces: on cuda every recorded
    bucket is captured and checked (which builds the FlashInfer modules and Triton kernels of the
    captured shapes and tunes FLA's kernels, into the caches of step 1), and the compiled pieces
@@ -48,7 +50,7 @@ import time
 from pathlib import Path
 
 __all__ = ["cmd_build", "build_bundle", "check_buildable", "build_on_ranks", "add_build_arguments", "build_root",
-           "build_lock", "small_m_for"]
+           "build_lock", "small_m_for", "pdl_refusal"]
 
 
 def small_m_for(docs, device: str) -> bool:
@@ -66,6 +68,26 @@ def small_m_for(docs, device: str) -> bool:
     from runtime.artifact.loader import batch_invariant
 
     return torch.device(device).type == "cuda" and not batch_invariant(docs)
+
+
+def pdl_refusal(device: str) -> str | None:
+    """Why a bundle for `device` cannot be built with --pdl (programmatic dependent launch), or None.
+    A CUDA launch attribute of Hopper and later (runtime/backends/kernels/pdl.py MIN_CAPABILITY);
+    asked of the GPU here only where there is one (a compile for another machine's GPU is refused
+    for its own reasons)."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return f"programmatic dependent launch is a CUDA launch attribute; a {kind} bundle launches no kernel with it"
+    if torch.cuda.is_available():
+        from runtime.backends.kernels.pdl import MIN_CAPABILITY
+
+        major, minor = torch.cuda.get_device_capability()
+        if major < MIN_CAPABILITY:
+            return (f"this GPU is sm{major}{minor}; programmatic dependent launch needs compute capability "
+                    f"{MIN_CAPABILITY} or more")
+    return None
 
 
 def build_root(key: str) -> Path:
@@ -120,10 +142,11 @@ def build_lock(work: Path, log=lambda line: None):
 
 
 def build_bundle(artifact, device: str, *, force: bool = False, slots: int | None = None,
-                 max_model_len: int | None = None, log=lambda line: None, group=None) -> dict | None:
+                 max_model_len: int | None = None, log=lambda line: None, group=None, pdl: bool = False) -> dict | None:
     """Steps 1-5 of the module docstring; returns the bundle's document (signed). A tensor-parallel
     artifact is built by its ranks together (`group`: this process's runtime.dist.distributed.RankGroup;
-    "Ranks" in the module docstring): rank 0 returns the document, the others None."""
+    "Ranks" in the module docstring): rank 0 returns the document, the others None. pdl: launch the
+    kernels with programmatic dependent launch (cuda only; `pdl_refusal` says why not)."""
     import torch
 
     from compiler.artifact_writer import add_bundle, hgc_version
@@ -143,6 +166,8 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
         raise ValueError(f"{artifact}: compiled for --tp {docs.tp}; its bundle is built by {docs.tp} ranks together, "
                          f"which `hgc build` launches")
     check_buildable(docs, device)
+    if pdl and (why := pdl_refusal(device)) is not None:
+        raise ValueError(f"--pdl: {why}")
     facts = target_facts(device)
     key = target_key(facts)
     if (artifact / bundle_dir(key)).exists() and not force:
@@ -181,12 +206,15 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
             small_m, on_cuda = small_m_for(docs, device), torch.device(device).type == "cuda"
             log("glue projections: " + ("calls of hgc_glue::small_m_linear (one GEMV launch for a few rows)" if small_m
                                         else f"aten's linear ({'batch-invariant' if on_cuda else device})"))
+            if pdl:
+                log("programmatic dependent launch: on (Inductor's kernels and the backends' decode kernels)")
             records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
-                                           dev, out, caches["inductor"], log=log, small_m=small_m)
+                                           dev, out, caches["inductor"], log=log, small_m=small_m, pdl=pdl)
             files = {name: sha256_file(out / name) for name in pieces}
             sources = {p: docs.manifest["files"][PROGRAM_FILES[p]] for p in art.programs}
+            # load_built switches PDL as the document says, before the start-up below captures
             doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version(),
-                             small_m=small_m)
+                             small_m=small_m, pdl=pdl)
             art.compiled = load_built(doc, out, caches)
             buckets = docs.manifest["buckets"]
             on_gpu = torch.device(device).type == "cuda"
@@ -213,7 +241,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
                                  f"of one artifact must run one program")
         files = {p.relative_to(staged).as_posix(): sha256_file(p) for p in sorted(staged.rglob("*")) if p.is_file()}
         doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version(),
-                         ranks=tp, small_m=small_m)
+                         ranks=tp, small_m=small_m, pdl=pdl)
         doc["parity"] = parity
         if by_rank:  # every rank's start-up compared its own pieces with its traced glue
             doc["parity_per_rank"] = [other["parity"] for other in by_rank]
@@ -247,13 +275,13 @@ def check_buildable(docs, device: str) -> None:
                          f"--device {torch.device(target).type}")
 
 
-def build_on_ranks(artifact, device: str, tp: int, force: bool = False) -> int:
+def build_on_ranks(artifact, device: str, tp: int, force: bool = False, pdl: bool = False) -> int:
     """`hgc build` of a tensor-parallel artifact from a process that is not one of its ranks: launch
     them (runtime/dist/launcher.py), each running this command; their exit status."""
     from runtime.dist.launcher import launch
 
     argv = [sys.executable, "-m", "hgc", "build", str(artifact), "--device", device,
-            *(["--force"] if force else [])]
+            *(["--force"] if force else []), *(["--pdl"] if pdl else [])]
     return launch(tp, argv, "hgc build")
 
 
@@ -262,21 +290,24 @@ def cmd_build(args) -> int:
     tensor-parallel artifact: this process launches its ranks (or is one of them)."""
     import torch
 
+    from hgc.errors import UsageError
     from runtime.dist.distributed import join, launched_rank
     from runtime.artifact.loader import read_artifact
 
     log = lambda line: print(f"hgc build: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.pdl and (why := pdl_refusal(args.device)) is not None:
+        raise UsageError(f"--pdl: {why}")  # before anything is read: a flag the device cannot take
     docs = read_artifact(args.artifact, verify_hashes=False)  # the build's own read checks the hashes
     tp, group = docs.tp, None
     if tp > 1:
         if not launched_rank():
             check_buildable(docs, args.device)  # one line here, not one per rank
-            return build_on_ranks(args.artifact, args.device, tp, force=args.force)
+            return build_on_ranks(args.artifact, args.device, tp, force=args.force, pdl=args.pdl)
         group = join(tp, torch.device(args.device).type, label="hgc build")
         args.rank = group.rank
     try:
         build_bundle(args.artifact, args.device, force=args.force, slots=args.slots,
-                     max_model_len=args.max_model_len, log=log, group=group)
+                     max_model_len=args.max_model_len, log=log, group=group, pdl=args.pdl)
         if group is not None and not group.leader:
             group.wait_for_stop()  # rank 0 is writing the bundle; it sends STOP when it is done
     finally:
@@ -297,6 +328,11 @@ def add_build_arguments(subparsers) -> None:
     p.add_argument("--device", required=True, choices=("cpu", "cuda"), help="the device the bundle is built for "
                                                                             "(this machine's)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle of this target")
+    p.add_argument("--pdl", action="store_true",
+                   help="cuda, compute capability 9 or more: launch the decode step's Triton kernels (ours and "
+                        "Inductor's) with programmatic dependent launch, each starting while the one before it "
+                        "drains. Off by default: not yet measured faster (docs/DESIGN.md, \"Programmatic dependent "
+                        "launch\")")
     p.add_argument("--slots", type=int, default=None,
                    help="cuda: state slots of the start-up run (default: the largest decode bucket, so every bucket "
                         "is captured)")

@@ -8,7 +8,7 @@ hgc/errors.py prints it as one line and picks the exit code. Tables go to stdout
 
     hgc lint CKPT [--json]                      trace config.json on the meta device, run the passes, list findings
     hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only, --inductor,
-                                                --tp N, --no-weights)
+                                                --pdl, --tp N, --no-weights)
     hgc inspect ARTIFACT [--json]               routing table, split plans, sharding, bundles, lints of an artifact
     hgc verify ARTIFACT [--full]                re-hash every file (with --full, linked checkpoint data too)
     hgc backends [--json]                       every backend routing can choose, and where it came from
@@ -219,6 +219,8 @@ def cmd_compile(args) -> int:
     inductor = _inductor_wanted(args)
     if isinstance(inductor, Exception):
         raise UsageError(str(inductor))
+    if args.pdl and (why := _pdl_refusal(args, inductor)) is not None:
+        raise UsageError(f"--pdl: {why}")
     tools = toolchain()
     if args.plan_only:
         result = plan(args.checkpoint, _config(args), tools, progress=args.progress)
@@ -249,14 +251,14 @@ def cmd_compile(args) -> int:
     if inductor and args.tp > 1:  # the ranks build it together, each in a process of its own
         from hgc.build_command import build_on_ranks
         device = args.target.split(":")[0]
-        code = build_on_ranks(args.output, device, args.tp, force=True)
+        code = build_on_ranks(args.output, device, args.tp, force=True, pdl=args.pdl)
         if code != 0:
             raise RuntimeError(f"{args.output}: the artifact is written, but building its bundle on {args.tp} ranks "
                                f"failed (exit status {code}, the ranks' errors above); rebuild it with `hgc build "
-                               f"{args.output} --device {device} --force`")
+                               f"{args.output} --device {device} --force{' --pdl' if args.pdl else ''}`")
     elif inductor:
         from hgc.build_command import build_bundle
-        build_bundle(args.output, args.target, force=True,
+        build_bundle(args.output, args.target, force=True, pdl=args.pdl,
                      log=lambda line: print(f"hgc compile: {line}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps({"artifact": str(args.output), "family": result.traced.family.name, "counts": counts}))
@@ -294,6 +296,21 @@ def _inductor_wanted(args):
     if args.inductor is None:  # the default
         return args.target.split(":")[0] == "cuda" and not problems
     return ValueError(f"--inductor: {problems[0]}") if problems else True
+
+
+def _pdl_refusal(args, inductor: bool) -> str | None:
+    """Why `hgc compile --pdl` cannot do what it asks (None: it can): --pdl is a decision of the
+    target bundle (hgc/build_command.py `pdl_refusal`), so the compile must build one."""
+    from hgc.build_command import pdl_refusal
+
+    why = pdl_refusal(args.target.split(":")[0])
+    if why is not None:
+        return why
+    if not inductor:
+        problems = [] if args.inductor is False or args.plan_only else _bundle_problems(args)
+        return ("it is a choice of the target bundle, and this compile builds none ("
+                + (problems[0] if problems else "--no-inductor or --plan-only") + ")")
+    return None
 
 
 def _no_bundle_note(args) -> str | None:
@@ -486,9 +503,18 @@ def gemv_projections(doc: dict) -> str:
                      for p in sorted(programs, key=lambda p: p != "main"))  # main first
 
 
+def pdl_column(doc: dict) -> str:
+    """Whether a bundle.json's kernels launch with programmatic dependent launch (`hgc build --pdl`):
+    "on" or "off" (a bundle built before the field existed: off)."""
+    from compiler.splitops.bundle import bundle_pdl
+
+    return "on" if bundle_pdl(doc) else "off"
+
+
 def bundle_rows(manifest: dict, root: Path | None = None) -> list[dict]:
     """One row per target bundle of an artifact: what it was built for, and its files; with the
-    artifact's folder `root`, how many projections run through the GEMV op (its bundle.json)."""
+    artifact's folder `root`, how many projections run through the GEMV op and whether its kernels
+    launch with PDL (its bundle.json)."""
     from compiler.splitops.bundle import KERNELS, PIECES, bundle_dir, describe_target, without_rank_dir
 
     rows = []
@@ -502,7 +528,9 @@ def bundle_rows(manifest: dict, root: Path | None = None) -> list[dict]:
                      "pieces": sum(f.startswith(PIECES + "/") for f in files),
                      "kernel files": sum(f.startswith(KERNELS + "/") for f in files)})
         if root is not None and entry.get("bundle"):
-            rows[-1]["GEMV projections"] = gemv_projections(json.loads((Path(root) / entry["bundle"]).read_text()))
+            doc = json.loads((Path(root) / entry["bundle"]).read_text())
+            rows[-1]["GEMV projections"] = gemv_projections(doc)
+            rows[-1]["PDL"] = pdl_column(doc)
     return rows
 
 
@@ -672,6 +700,9 @@ def add_arguments(subparsers) -> None:
                         "--overlap yet), off elsewhere; --no-inductor turns it off. With --tp N the N ranks build "
                         "it, each for its own device. --inductor where it cannot be built is an error (without a "
                         "CUDA device: run `hgc build ARTIFACT --device cuda` on the GPU machine)")
+    p.add_argument("--pdl", action="store_true",
+                   help="build the target bundle with programmatic dependent launch (`hgc build --pdl`: cuda, "
+                        "compute capability 9 or more; off by default)")
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)
 

@@ -24,8 +24,10 @@ bundle.json, whose HMAC signature (runtime/artifact/signing.py) says which insta
    what differs between a bundle and this installation.
 2. `bundle_doc(...)` builds bundle.json; `signed_payload(doc)` is the bytes the signature covers
    (the document without its signature); `parse_bundle_doc` reads it back, naming any bad field.
-3. `INDUCTOR_CONFIG`: the Inductor settings pieces are built and loaded with, per device type.
-   Kernel file names are keyed by the compile command, so both sides must use the same settings.
+3. `inductor_config(device_type, pdl)`: the Inductor settings pieces are built and loaded with
+   (`INDUCTOR_CONFIG` per device type, and Inductor's PDL setting for a bundle built with --pdl).
+   Kernel file names are keyed by the compile command, so both sides must use the same settings:
+   bundle.json records them and whether the bundle was built with --pdl (`bundle_pdl` reads it).
 
 What it does not do: compile (compiler/inductor_pieces.py), sign or check (runtime/artifact/signing.py,
 runtime/artifact/bundle.py), or write the artifact (compiler/artifact_writer.py).
@@ -43,8 +45,8 @@ import torch
 
 from .artifact import FORMAT_NAME, FORMAT_VERSION, ArtifactFormatError, check_format, dump_json
 
-__all__ = ["TARGETS", "BUNDLE", "PIECES", "KERNELS", "INDUCTOR_CONFIG", "CACHE_ENV", "CACHE_SETTINGS", "cache_env",
-           "pin_triton_ptxas",
+__all__ = ["TARGETS", "BUNDLE", "PIECES", "KERNELS", "INDUCTOR_CONFIG", "INDUCTOR_PDL", "CACHE_ENV", "CACHE_SETTINGS",
+           "cache_env", "inductor_config", "inductor_has_pdl", "bundle_pdl", "pin_triton_ptxas",
            "NOT_REPRODUCIBLE", "not_reproducible", "target_facts", "target_key", "describe_target",
            "facts_differences", "bundle_doc", "signed_payload", "parse_bundle_doc", "bundle_dir", "executable_summary",
            "rank_dir", "without_rank_dir"]
@@ -76,6 +78,33 @@ KERNELS = "kernels"
 INDUCTOR_CONFIG = {"cpu": {"cpp_cache_precompile_headers": False, "cpp_wrapper": True, "compile_threads": 1},
                    "cuda": {"cpp_cache_precompile_headers": False, "use_static_cuda_launcher": False,
                             "combo_kernels": True}}
+# A cuda bundle built with --pdl: Inductor's Triton kernels launched with programmatic dependent
+# launch, as the backends' kernels are then (runtime/backends/kernels/pdl.py). Inductor places their
+# waits itself. Present in torch 2.11 and 2.13; an Inductor without it builds the pieces without it,
+# and bundle.json's inductor_config says so.
+INDUCTOR_PDL = "triton.enable_pdl"
+
+
+def inductor_has_pdl() -> bool:
+    """Whether this torch's Inductor has the PDL setting (INDUCTOR_PDL)."""
+    from torch._inductor import config
+
+    return hasattr(config.triton, INDUCTOR_PDL.split(".", 1)[1])
+
+
+def inductor_config(device_type: str, pdl: bool = False) -> dict:
+    """The Inductor settings a bundle's pieces are built and loaded with: the device type's
+    INDUCTOR_CONFIG, with INDUCTOR_PDL on for a cuda bundle built with --pdl (where Inductor has it)."""
+    settings = dict(INDUCTOR_CONFIG[device_type])
+    if pdl and device_type == "cuda" and inductor_has_pdl():
+        settings[INDUCTOR_PDL] = True
+    return settings
+
+
+def bundle_pdl(doc: dict) -> bool:
+    """Whether a bundle.json says its kernels launch with PDL (`hgc build --pdl`); a bundle built
+    before the field existed did not."""
+    return bool(doc.get("pdl", False))
 
 # kernels/<cache>/ in a bundle <-> the environment variable that points its library at that cache.
 # The build empties and fills these folders; a run points them at its checked copy of the bundle's.
@@ -239,16 +268,18 @@ def executable_summary(files) -> str:
 
 
 def bundle_doc(key: str, facts: dict, programs: dict, programs_sha256: dict, pieces: dict, files: dict,
-               seconds: float, hgc: str, ranks: int = 1, small_m: bool = False) -> dict:
+               seconds: float, hgc: str, ranks: int = 1, small_m: bool = False, pdl: bool = False) -> dict:
     """bundle.json without its signature. programs: program -> segment records (glue.GlueSegment.to_json()
     plus the piece file that runs it, or None); programs_sha256: program -> SHA-256 of the .pt2 it was
     built from; pieces: file -> {structure, code_sha256, nodes, small_m_linear} (rank 0's, where there
     are ranks); files: path inside the bundle -> SHA-256; ranks: the tensor-parallel ranks it holds
     pieces for; small_m: whether the glue's projections were rewritten to the GEMV op
-    (compiler/splitops/glue_ops.py; each piece's `small_m_linear` says how many it calls)."""
+    (compiler/splitops/glue_ops.py; each piece's `small_m_linear` says how many it calls); pdl:
+    whether the kernels launch with programmatic dependent launch (`hgc build --pdl`: the pieces
+    built with `inductor_config`'s PDL setting, the backends' kernels switched on at load)."""
     return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "target": key, "facts": facts,
             **({"ranks": ranks} if ranks > 1 else {}),
-            "inductor_config": dict(INDUCTOR_CONFIG[facts["device"]]), "small_m_linear": small_m,
+            "inductor_config": inductor_config(facts["device"], pdl), "small_m_linear": small_m, "pdl": pdl,
             "programs": programs,
             "programs_sha256": programs_sha256, "pieces": pieces, "files": files,
             "not_reproducible": not_reproducible(files),
@@ -273,6 +304,8 @@ def parse_bundle_doc(doc, source: str) -> dict:
             if r.get("piece") is not None and r["piece"] not in doc["pieces"]:
                 raise ArtifactFormatError(f"{source}: programs.{program} segment {r.get('index')} names piece "
                                           f"{r['piece']!r}, which 'pieces' does not list")
+    if not isinstance(doc.get("pdl", False), bool):
+        raise ArtifactFormatError(f"{source}: field 'pdl' must be true or false, not {doc['pdl']!r}")
     ranks = doc.get("ranks", 1)
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ArtifactFormatError(f"{source}: field 'ranks' must be a positive integer, not {ranks!r}")

@@ -21,12 +21,14 @@ bundle (compiler/splitops/bundle.py) is code, so it gets its own steps:
    how to rebuild them here.
 4. materialize: the kernel caches are copied into a private folder, each file's SHA-256 checked on
    the bytes copied, so what runs is what was checked (the artifact stays read-only).
-5. load: every piece with `CompiledArtifact.load`, Inductor's cache pointed at the copy, inside a
-   `KernelWatch`: a kernel the bundle lacks would be built now, which is an error naming it unless
-   --allow-kernel-builds. The glue ops a piece may call are defined first (compiler/splitops/
-   glue_ops.py), and on cuda their kernels registered (runtime/backends/glue_kernels.py). On cuda
-   the process's kernel caches stay pointed at the copy, and `watch()` around capture and parity
-   names any kernel built or tuned there (runtime/assembly.py wraps start-up in it).
+5. load: every piece with `CompiledArtifact.load` under the Inductor settings bundle.json says it
+   was built with, Inductor's cache pointed at the copy, inside a `KernelWatch`: a kernel the bundle
+   lacks would be built now, which is an error naming it unless --allow-kernel-builds. The glue ops
+   a piece may call are defined first (compiler/splitops/glue_ops.py), and on cuda their kernels
+   registered (runtime/backends/glue_kernels.py) and programmatic dependent launch switched as the
+   bundle says (runtime/backends/kernels/pdl.py). On cuda the process's kernel caches stay pointed
+   at the copy, and `watch()` around capture and parity names any kernel built or tuned there
+   (runtime/assembly.py wraps start-up in it).
 
 What it does not do: replace the traced glue (runtime/artifact/compiled_glue.py), compare compiled with
 traced (runtime/graphs/compiled_parity.py), or build bundles (hgc/build_command.py).
@@ -51,8 +53,8 @@ import torch
 
 from compiler.splitops import glue_ops  # noqa: F401 (defines the hgc_glue ops a piece may call)
 from compiler.splitops.artifact import PROGRAM_FILES, ArtifactFormatError
-from compiler.splitops.bundle import (BUNDLE, CACHE_ENV, CACHE_SETTINGS, INDUCTOR_CONFIG, KERNELS, bundle_dir,
-                                      cache_env, describe_target, executable_summary, facts_differences,
+from compiler.splitops.bundle import (BUNDLE, CACHE_ENV, CACHE_SETTINGS, KERNELS, bundle_dir, bundle_pdl, cache_env,
+                                      describe_target, executable_summary, facts_differences, inductor_config,
                                       parse_bundle_doc, pin_triton_ptxas, rank_dir, signed_payload,
                                       target_facts, target_key)
 from runtime.artifact.docs import ArtifactDocs, LoadError, check_hash
@@ -301,9 +303,10 @@ def _check(docs: ArtifactDocs, key: str, doc: dict, here: dict, device: torch.de
     if differences:
         raise BundleError(f"{docs.path}: bundle {key} was built for {describe_target(doc['facts'])}; this installation "
                           f"is {describe_target(here)} ({'; '.join(differences[:3])}): rebuild it here with {rebuild}")
-    if doc["inductor_config"] != INDUCTOR_CONFIG[device.type]:
+    settings = inductor_config(device.type, bundle_pdl(doc))  # what its pieces load with
+    if doc["inductor_config"] != settings:
         raise BundleError(f"{docs.path}: bundle {key} was built with Inductor settings {doc['inductor_config']}, this "
-                          f"runtime loads with {INDUCTOR_CONFIG[device.type]}: rebuild it with {rebuild}")
+                          f"runtime loads with {settings}: rebuild it with {rebuild}")
     files = docs.manifest["files"]
     for program, sha in (doc.get("programs_sha256") or {}).items():
         if files.get(PROGRAM_FILES.get(program, "")) != sha:
@@ -386,9 +389,9 @@ def _load_pieces(base: Path, doc: dict, rank: int = 0, programs: tuple[str, ...]
     `programs`: only the pieces their glue segments name (default: all)."""
     from torch._inductor import CompiledArtifact, config
 
-    if doc["facts"]["device"] == "cuda":  # a cuda build's projections call hgc_glue::small_m_linear
-        from runtime.backends import glue_kernels
-        glue_kernels.register()
+    device = doc["facts"]["device"]
+    if device == "cuda":
+        _cuda_kernels_for(doc)
     pieces = {}
     names = doc["pieces"] if programs is None else {r["piece"] for p in programs for r in doc["programs"].get(p, [])
                                                     if r["piece"] is not None}  # None: a segment left traced
@@ -396,9 +399,21 @@ def _load_pieces(base: Path, doc: dict, rank: int = 0, programs: tuple[str, ...]
         rel = rank_dir(doc, rank) + name
         path = base / rel
         check_hash(path, doc["files"][rel], f"{bundle_dir(doc['target'])}/{rel}", path.read_bytes())
-        with config.patch(dict(INDUCTOR_CONFIG[doc["facts"]["device"]])):
+        with config.patch(inductor_config(device, bundle_pdl(doc))):  # the settings it was built with
             pieces[name] = CompiledArtifact.load(path=str(path), format="binary")
     return pieces
+
+
+def _cuda_kernels_for(doc: dict) -> None:
+    """What a cuda bundle's pieces and start-up launch: the GEMV op's kernel registered (its
+    projections call hgc_glue::small_m_linear), and programmatic dependent launch on or off as the
+    bundle was built (`hgc build --pdl`), before any capture: the build's start-up and every run
+    then launch, and the bundle holds, the same kernels (launch_pdl is part of a Triton kernel's key)."""
+    from runtime.backends import glue_kernels
+    from runtime.backends.kernels import pdl
+
+    glue_kernels.register()
+    pdl.enable(bundle_pdl(doc))
 
 
 def load_built(doc: dict, root: Path, caches: dict[str, Path], rank: int = 0) -> CompiledBundle:

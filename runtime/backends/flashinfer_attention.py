@@ -112,6 +112,8 @@ from runtime.cache.kv_pool import KVPool
 try:  # Triton ships with Linux torch installs; only the GPU paths launch its kernels.
     import triton
     import triton.language as tl
+
+    from runtime.backends.kernels.pdl import launch_args, pdl_wait
 except ImportError:  # pragma: no cover - metadata building still works without it
     triton = None
 
@@ -274,8 +276,10 @@ if triton is not None:
                            a_src, a_src_stride, a_dst, a_page_stride, a_tok_stride,
                            b_src, b_src_stride, b_dst, b_page_stride, b_tok_stride,
                            A_WIDTH: tl.constexpr, A_BLOCK: tl.constexpr,
-                           B_WIDTH: tl.constexpr, B_BLOCK: tl.constexpr):
+                           B_WIDTH: tl.constexpr, B_BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
         # One program per token row; a row whose slot is negative (padding) writes nothing.
+        # USE_GDC: launched with PDL (runtime/backends/kernels/pdl.py); rows and slots are the step's: it waits first.
+        pdl_wait(USE_GDC)
         row = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + row).to(tl.int64)
         # A padding row gets an empty column range instead of a branch: no load, no store.
@@ -333,7 +337,7 @@ def store_kv_rows(slot_mapping: torch.Tensor, page_size: int,
         consts[f"{name}_BLOCK"] = min(next_pow2(width), 2048)
     if T == 0:
         return
-    _STORE_ROWS[(T,)](slot_mapping, page_size, *args, **consts)
+    _STORE_ROWS[(T,)](slot_mapping, page_size, *args, **consts, **launch_args(slot_mapping.device))
 
 
 # -- the backend -----------------------------------------------------------------------------

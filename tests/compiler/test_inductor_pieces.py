@@ -189,6 +189,7 @@ def test_inspect_lists_the_bundle(built, capsys):
     bundles = json.loads(capsys.readouterr().out)["bundles"]
     assert [b["bundle"] for b in bundles] == [f"{TARGETS}/{built['key']}"] and bundles[0]["pieces"] >= 1
     assert bundles[0]["GEMV projections"] == "off", "a cpu bundle's projections stay aten's linear"
+    assert bundles[0]["PDL"] == "off", "a cpu bundle launches nothing with programmatic dependent launch"
 
 
 @pytest.mark.parametrize("what", ["pieces/", "kernels/"])
@@ -502,7 +503,7 @@ def test_compile_glue_records_the_projections_it_made_gemv_calls(tmp_path_factor
         def save(self, path, format):
             open(path, "wb").close()
 
-    def compile_piece(module, device):
+    def compile_piece(module, device, config_patches=None):
         compiled.append(sum(n.target is SMALL_M_LINEAR for n in module.graph.nodes))
         return Saved()
 

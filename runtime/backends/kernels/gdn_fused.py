@@ -57,6 +57,7 @@ import triton.language as tl
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import next_pow2
 from runtime.backends.kernels.linear import conv_token, scalar_decay_step
+from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
 from runtime.cache.state_pool import PADDING_SLOT
 
@@ -131,8 +132,9 @@ def _gdn_fused_decode_kernel(
     HK: tl.constexpr, GROUP: tl.constexpr,  # key heads; value heads per key head
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     KW: tl.constexpr, KWP: tl.constexpr,  # conv width and its next power of two
-    ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PAD_SLOT: tl.constexpr,
+    ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PAD_SLOT: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    pdl_wait(USE_GDC)  # launched with PDL: the slots, inputs and states are the step's (pdl.py)
     row = tl.program_id(0).to(tl.int64)  # request == row in a decode step
     kh = tl.program_id(1)  # key head: its q, k and the GROUP value heads that read it
     offs_k = tl.arange(0, BK)
@@ -180,10 +182,11 @@ def _gdn_fused_decode_kernel(
 def _split_prep_kernel(qkv_ptr, conv_w_ptr, conv_ptr, slots_ptr, mixed_ptr,
                        stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_m_row, l2_eps,
                        HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       KW: tl.constexpr, KWP: tl.constexpr, PAD_SLOT: tl.constexpr):
+                       KW: tl.constexpr, KWP: tl.constexpr, PAD_SLOT: tl.constexpr, USE_GDC: tl.constexpr):
     """The split decode's first launch, one program per (request, head h of q | k | v): the conv step
     of the head's channels (it alone rolls their history), q and k l2-normalised, into mixed [B, C]
     in the activation dtype. A padding row's program does nothing (the second launch zeroes its out)."""
+    pdl_wait(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     act = mixed_ptr.dtype.element_ty
@@ -240,14 +243,17 @@ def _split_core_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, n
                        DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        NVB: tl.constexpr,  # value blocks a head's state is split into (1: the whole head)
                        BVB: tl.constexpr, BVP: tl.constexpr,  # a block's columns (DV / NVB), their next power of two
-                       ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PAD_SLOT: tl.constexpr):
+                       ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, PAD_SLOT: tl.constexpr,
+                       USE_GDC: tl.constexpr):
     """The split decode's second launch, one program per (request, value head, value block): the
     gates, the recurrent step on the block's BVB columns of the head's state and the gated norm,
     from the first launch's q, k, v (rounded to A there as the one-launch kernel rounds them in
     registers: the same values). The delta rule's columns are independent (scalar_decay_step
     reduces over the key channels only), so a block computes its columns' state and output
     exactly as the whole head would. With NVB 1 the program holds all of Dv and normalises in
-    registers; else the last of the head's blocks to finish does (last_block_gated_norm)."""
+    registers; else the last of the head's blocks to finish does (last_block_gated_norm). With PDL
+    the wait comes first: the counters and workspace are shared with the previous layer's launch."""
+    pdl_wait(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.program_id(2) * BVB + tl.arange(0, BVP)  # the grid has no third axis when NVB is 1: block 0
@@ -290,12 +296,13 @@ def _qk_gates_kernel(
     stride_m_row, stride_b_row, stride_b_head, stride_a_row, stride_a_head,
     stride_q_row, stride_k_row, stride_g_row, stride_beta_row, l2_eps,
     HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BG: tl.constexpr,
-    BR: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
+    BR: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """One program per (BR rows, key head): those rows' q and k heads l2-normalised, and the gates
     of the GROUP value heads that read the key head. mixed [T, C] is the conv's output (q | k | v
     channels). A block of rows, not one: a program of one 128-wide head is too little work to
     hide its own start (a 4096-row step is 65,536 such programs)."""
+    pdl_wait(USE_GDC)
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     kh = tl.program_id(1)
     offs_k = tl.arange(0, BK)
@@ -323,11 +330,12 @@ def _gated_rmsnorm_kernel(
     stride_c_row, stride_c_head, stride_z_row, stride_z_head, stride_o_row, stride_o_head, eps,
     DV: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, ROUND_Y: tl.constexpr,
     ROWS_PER_SLOT: tl.constexpr,  # > 0: row r is padding where slots[r // ROWS_PER_SLOT] is the padding slot
-    PAD_SLOT: tl.constexpr,
+    PAD_SLOT: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """One program per (BR rows, value head): out = GatedRMSNorm(core, z), each row's head
     normalised alone. Padding rows (by slot, or at or past bounds[real_at] when ROWS_PER_SLOT is
     0) read nothing and write zeros. Rows in blocks for the reason `_qk_gates_kernel` gives."""
+    pdl_wait(USE_GDC)
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     head = tl.program_id(1)
     offs_v = tl.arange(0, BV)
@@ -550,7 +558,7 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
         _SPLIT_PREP[(B, 2 * d.hk + d.hv)](
             qkv, conv_weight, conv_state, slots, mixed, qkv.stride(0), conv_weight.stride(0), conv_state.stride(0),
             conv_state.stride(1), mixed.stride(0), L2NORM_EPS, HK=d.hk, DK=d.dk, DV=d.dv, BK=BK, BV=BV,
-            KW=d.kernel_width, KWP=KWP, PAD_SLOT=PADDING_SLOT, num_warps=1)
+            KW=d.kernel_width, KWP=KWP, PAD_SLOT=PADDING_SLOT, num_warps=1, **launch_args(qkv.device))
         _split_core(mixed, z, b, a, A_log, dt_bias, norm_weight, out, state, slots, d, scale, eps, round_y,
                     num_warps, v_blocks, what)
         return
@@ -560,7 +568,7 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
         out.stride(0), out.stride(1), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
         HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=BK, BV=BV, KW=d.kernel_width, KWP=KWP, ROUND_Y=round_y,
-        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=warps)
+        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=warps, **launch_args(qkv.device))
 
 
 def _split_core(mixed, z, b, a, A_log, dt_bias, norm_weight, out, state, slots, d: GdnDims, scale, eps,
@@ -580,7 +588,7 @@ def _split_core(mixed, z, b, a, A_log, dt_bias, norm_weight, out, state, slots, 
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), float(scale), float(eps),
         HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=next_pow2(d.dk), BV=next_pow2(d.dv), NVB=nvb,
         BVB=block, BVP=next_pow2(block), ROUND_Y=round_y, SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT,
-        num_warps=num_warps or decode_warps(d.dk, block))
+        num_warps=num_warps or decode_warps(d.dk, block), **launch_args(mixed.device))
 
 
 # Rows a program of `qk_gates` and `gated_rmsnorm` takes: a [16, 128] tile over 4 warps keeps 16
@@ -615,7 +623,7 @@ def qk_gates(mixed, b, a, A_log, dt_bias, d: GdnDims, block_rows: int = BLOCK_RO
             mixed.stride(0), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), L2NORM_EPS,
             HK=d.hk, GROUP=group, DK=d.dk, BK=next_pow2(d.dk), BG=next_pow2(group), BR=block_rows,
-            SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, num_warps=_row_warps(block_rows, d.dk))
+            SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, num_warps=_row_warps(block_rows, d.dk), **launch_args(mixed.device))
     return q, k, v, g, beta
 
 
@@ -639,4 +647,5 @@ def gated_rmsnorm(core, z, norm_weight, out, eps: float, *, slots=None, rows_per
         core, z, norm_weight, out, marker, marker, real_at, T,
         core.stride(0), core.stride(1), z.stride(0), z.stride(1), out.stride(0), out.stride(1),
         float(eps), DV=Dv, BV=next_pow2(Dv), BR=block_rows, ROUND_Y=rounds_weighted_norm(norm_weight, out),
-        ROWS_PER_SLOT=rows_per_slot, PAD_SLOT=PADDING_SLOT, num_warps=_row_warps(block_rows, Dv))
+        ROWS_PER_SLOT=rows_per_slot, PAD_SLOT=PADDING_SLOT, num_warps=_row_warps(block_rows, Dv),
+        **launch_args(out.device))

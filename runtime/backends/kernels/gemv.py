@@ -41,6 +41,7 @@ import triton.language as tl
 
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
+from runtime.backends.kernels.pdl import launch_args, pdl_wait
 
 __all__ = ["CONFIGS", "GemvConfig", "MAX_ROWS", "config_for", "default_config", "row_bucket", "small_m_linear"]
 
@@ -166,9 +167,10 @@ def _fma_sum(prod, ROWS: tl.constexpr):
 def _gemv_kernel(x, w, out, M, N, K, s_xm, s_wn, s_om,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                  MASK_N: tl.constexpr, MASK_K: tl.constexpr, ONE_STEP: tl.constexpr, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
     """out[:M, cols] = x[:M] @ w[cols]^T for this program's BLOCK_N columns; ROWS >= M rows in the tile.
-    MASK_N / MASK_K: N or K does not fill its last tile."""
+    MASK_N / MASK_K: N or K does not fill its last tile. USE_GDC: launched with PDL (pdl.py): the
+    one-step FMA path reads its weight tile before the wait, the others wait before their loop."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rm = tl.arange(0, ROWS)
@@ -177,6 +179,7 @@ def _gemv_kernel(x, w, out, M, N, K, s_xm, s_wn, s_om,
     w_ptrs = w + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]  # [BN, BK]; 64-bit: weights past 2**31 elements
     x_ptrs = x + rm.to(tl.int64)[:, None] * s_xm + rk[None, :]  # [ROWS, BK]
     if DOT:
+        pdl_wait(USE_GDC)
         acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # from 0, BLOCK_K at a time: one order, every call
             k_ok = rk < K - k0
@@ -194,9 +197,12 @@ def _gemv_kernel(x, w, out, M, N, K, s_xm, s_wn, s_om,
         if ONE_STEP:  # K <= BLOCK_K: straight-line code, every load issued before the first product
             k_ok = rk < K
             wt = _load_tile(w_ptrs, n_ok, k_ok, MASK_N, MASK_K, "evict_first")
+            # the weight streams in while the previous kernel drains; x is that kernel's output
+            pdl_wait(USE_GDC)
             xt = _load_tile(x_ptrs, m_ok, k_ok, True, MASK_K, "evict_last")
             total = _fma_sum(_fma_products(wt, xt, ROWS), ROWS)
         else:
+            pdl_wait(USE_GDC)
             if ROWS == 1:
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             else:
@@ -269,5 +275,5 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Te
         x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         ROWS=rows, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, DOT=cfg.DOT, MASK_N=N % cfg.BLOCK_N != 0,
         MASK_K=K % cfg.BLOCK_K != 0, ONE_STEP=K <= cfg.BLOCK_K, UPCAST=upcast, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(x.device))
     return out

@@ -50,6 +50,7 @@ import triton.language as tl
 
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2
+from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
 from runtime.backends.kernels.split_kv import (LOG2E, combine_splits, num_splits_for, paged_tile, round_keys,
                                               softmax_step, split_chunks, split_layout, split_result)
@@ -113,8 +114,10 @@ def _gqa_split_kernel(q, k_cache, v_cache, page_table, seq_lens, part_o, part_ls
                       rows_per_req, num_q_heads, page_size, scale_log2, num_splits,
                       GROUP: tl.constexpr, ROW_BLOCKS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
     # SPLIT_TOKENS: 0, the default shares; else fixed splits (triton_split_kv.split_chunks).
+    # USE_GDC: launched with PDL (pdl.py); the query, the cache and the tables are the step's: it waits first.
+    pdl_wait(USE_GDC)
     req = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1) // ROW_BLOCKS
     block = tl.program_id(1) % ROW_BLOCKS
@@ -188,7 +191,7 @@ def triton_gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         rows_per_req, Hq, k_cache.shape[1], scale * LOG2E, num_splits,
         GROUP=group, ROW_BLOCKS=row_blocks, D=D, DV=DV, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT_TOKENS=split_tokens, PRECISION=precision, num_warps=4, num_stages=2)
+        SPLIT_TOKENS=split_tokens, PRECISION=precision, num_warps=4, num_stages=2, **launch_args(q.device))
     combine_splits(part_o, part_lse, out, num_splits)
 
 

@@ -69,6 +69,7 @@ import triton.language as tl
 
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2
+from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
 from runtime.cache.state_pool import PADDING_SLOT
 
@@ -342,7 +343,9 @@ def _recurrent_decode_kernel(
     GATE: tl.constexpr,  # GATE_PER_HEAD / GATE_PER_CHANNEL / GATE_CONSTANT
     DELTA: tl.constexpr,  # delta rule with beta (GDN, KDA) or plain outer product (Lightning)
     PAD_SLOT: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with PDL (pdl.py): everything it reads is the step's, so it waits first
 ):
+    pdl_wait(USE_GDC)
     row = tl.program_id(0).to(tl.int64)  # request == row in a decode step
     head = tl.program_id(1)  # value head
     v_tile = tl.program_id(2)
@@ -477,7 +480,9 @@ def _short_conv_decode_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     PAD_SLOT: tl.constexpr,
+    USE_GDC: tl.constexpr,  # launched with PDL (pdl.py): it waits first
 ):
+    pdl_wait(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     c_tile = tl.program_id(1)
     offs_c = c_tile * BC + tl.arange(0, BC)
@@ -863,7 +868,7 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     b_t = beta if beta is not None else gate  # never read without DELTA; any valid pointer will do
     grid = (B, Hv, cdiv(Dv, cfg.block_v))
     _RECURRENT_DECODE[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), **consts,
-                            BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
+                            BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps, **launch_args(q.device))
 
 
 def recurrent_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
@@ -997,7 +1002,8 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
                   PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
     b_t = bias if bias is not None else weight  # never read without HAS_BIAS
     if inter is None:
-        _SHORT_CONV_DECODE[grid](x, weight, b_t, out, conv_state, slots, *common, C, **consts)
+        _SHORT_CONV_DECODE[grid](x, weight, b_t, out, conv_state, slots, *common, C, **consts,
+                                 **launch_args(x.device))
     else:
         _SHORT_CONV_VERIFY[grid](x, weight, b_t, out, conv_state, slots, inter, *common,
                                  inter.stride(0), inter.stride(1), inter.stride(2), C, N=n, **consts)

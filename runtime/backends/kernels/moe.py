@@ -78,6 +78,7 @@ import triton.language as tl
 from compiler.splitops import moe_shared_width
 from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
 from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig
+from runtime.backends.kernels.pdl import launch_args, pdl_wait
 
 __all__ = ["combine", "down_sorted", "down_token", "fused_moe", "gate_up_sorted", "gate_up_token", "max_sorted_rows",
            "route", "route_sort", "route_sort_folds", "shared_chunks", "sort_tokens"]
@@ -98,8 +99,9 @@ LOGITS_DOT_TILE = (64, 64, 4, 4)
 @triton.jit(do_not_specialize=["T"])
 def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
+                   DOT_FP32: tl.constexpr, USE_GDC: tl.constexpr):
     """logits [T,E] float32 = x [T,D] @ w [E,D]^T."""
+    pdl_wait(USE_GDC)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -117,12 +119,14 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
 
 @triton.jit
 def _logits_gemv_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, E, D, stride_xt, stride_we, stride_ot,
-                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
+                        ONE_STEP: tl.constexpr, USE_GDC: tl.constexpr):
     """logits [T,E] float32 for few tokens: one program per (token, BLOCK_E experts), many in flight.
 
     HAS_GATE: the last program of each token computes the shared expert's gate logit x . gate into
     column E, so the one-program routing kernel reads it from L2 instead of waiting on its own
-    D-long dot from DRAM.
+    D-long dot from DRAM. ONE_STEP: D <= BLOCK_D. USE_GDC: launched with PDL (pdl.py); where D fits
+    one step, the program's router rows are read before the wait, while the previous kernel drains.
     """
     t = tl.program_id(0)
     blk = tl.program_id(1)
@@ -130,6 +134,7 @@ def _logits_gemv_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, E, D, stride_xt, stride
     x_row = x_ptr + t.to(tl.int64) * stride_xt
     out_row = out_ptr + t.to(tl.int64) * stride_ot
     if HAS_GATE and blk == tl.num_programs(1) - 1:
+        pdl_wait(USE_GDC)
         acc_g = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + offs_d
@@ -140,12 +145,20 @@ def _logits_gemv_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, E, D, stride_xt, stride
     offs_e = blk * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = offs_e < E
     acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + offs_d
-        xv = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
-        wv = tl.load(w_ptr + offs_e[:, None] * stride_we + d[None, :],
-                     mask=e_mask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    if USE_GDC and ONE_STEP:  # the loop below with its one step, the weight load ahead of the wait
+        wv = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_d[None, :],
+                     mask=e_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+        pdl_wait(USE_GDC)
+        xv = tl.load(x_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
         acc += tl.sum(wv * xv[None, :], axis=1)
+    else:
+        pdl_wait(USE_GDC)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + offs_d
+            xv = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + offs_e[:, None] * stride_we + d[None, :],
+                         mask=e_mask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+            acc += tl.sum(wv * xv[None, :], axis=1)
     tl.store(out_row + offs_e, acc, mask=e_mask)
 
 
@@ -158,12 +171,13 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weight
                   FUSED_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
                   RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr,
                   N_SHARED: tl.constexpr, NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr,
-                  GATE_IN_LOGITS: tl.constexpr, GATE_BLOCK_D: tl.constexpr):
+                  GATE_IN_LOGITS: tl.constexpr, GATE_BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
     """One token: ids [k + n_shared] int32 and weights float32 (`_route_rows` says what they hold).
 
     Without GATE_IN_LOGITS the token's shared-gate logit x . shared_gate is computed here, and with
     FUSED_LOGITS its router logits too (written to its logits row, then routed from there).
     """
+    pdl_wait(USE_GDC)
     t = tl.program_id(0)
     row = logits_ptr + t.to(tl.int64) * stride_lt
     # The gate's logit first, so that its loads can overlap the selection below instead of following it.
@@ -293,8 +307,9 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, t0, T, n_
 
 @triton.jit(do_not_specialize=["P"])
 def _align_count_kernel(ids_ptr, block_counts_ptr, P, E: tl.constexpr, E_BINS: tl.constexpr,
-                        BLOCK_P: tl.constexpr):
+                        BLOCK_P: tl.constexpr, USE_GDC: tl.constexpr):
     """Pairs per expert in each block of BLOCK_P pairs: block_counts[b, e] (bins past E hold 0)."""
+    pdl_wait(USE_GDC)
     b = tl.program_id(0)
     p = b * BLOCK_P + tl.arange(0, BLOCK_P)
     ids = tl.load(ids_ptr + p, mask=p < P, other=E)
@@ -331,10 +346,11 @@ def _align_counts(ids_ptr, block_counts_ptr, b, num_blocks, P, E: tl.constexpr, 
 @triton.jit(do_not_specialize=["P", "num_blocks"])
 def _align_kernel(ids_ptr, block_counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, num_blocks,
                   E: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                  COUNTED: tl.constexpr, NB_STEP: tl.constexpr, E_CHUNK: tl.constexpr):
+                  COUNTED: tl.constexpr, NB_STEP: tl.constexpr, E_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
     """The sorted layout (sort_tokens' contract). Programs below num_blocks place the pairs of one
     block of BLOCK_P (`_place_pairs`); each program past them pads the segments of E_CHUNK experts
     and names their blocks' expert (`_pad_segments`)."""
+    pdl_wait(USE_GDC)
     pid = tl.program_id(0)
     b = tl.minimum(pid, num_blocks - 1)  # an expert program's counts need no block of its own
     counts, before, mine = _align_counts(ids_ptr, block_counts_ptr, b, num_blocks, P, E, E_BINS, BLOCK_P,
@@ -399,10 +415,11 @@ def _route_sort_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, so
                        HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
                        NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr, NS_PAD: tl.constexpr,
                        SHARED_GATE: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_P: tl.constexpr, E_CHUNK: tl.constexpr):
+                       BLOCK_P: tl.constexpr, E_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
     """A small step's routing and sort in one program (`route_sort_folds`): `_route_rows` over all
     T tokens, then `_align_kernel`'s layout of one block holding every pair. The shared gate's
     logit comes in column E of the logits (the GEMV's)."""
+    pdl_wait(USE_GDC)
     _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, 0, T, n_real, routed_scale, stride_lt,
                 tl.zeros((BLOCK_T,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS,
                 G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE,
@@ -471,12 +488,14 @@ def _gate_up_sorted_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, sorted_ptr, block_ex
                            num_pid_m, P, SLOTS, E, I, S, D, stride_xt, stride_we, stride_wn, stride_swn, stride_hm,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr,
-                           EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_SHARED: tl.constexpr):
+                           EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_SHARED: tl.constexpr,
+                           USE_GDC: tl.constexpr):
     """h[rows, cols] = silu(x[tok] @ w13[e, cols]^T) * (x[tok] @ w13[e, I + cols]^T) for one row block.
 
     A block of expert e >= E is chunk c = e - E of the shared expert: its columns c*I + cols of
     sw13's gate rows (and S rows below, its up rows); columns past S are masked, so they hold 0.
     """
+    pdl_wait(USE_GDC)  # before the early return: every program waits
     pid = tl.program_id(0)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -550,12 +569,14 @@ def _down_sorted_kernel(h_ptr, w2_ptr, sw2_ptr, y_ptr, weights_ptr, sorted_ptr, 
                         num_pid_m, P, E, D, I, S, stride_hm, stride_we, stride_wn, stride_swn, stride_yp,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr,
-                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_SHARED: tl.constexpr):
+                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        USE_GDC: tl.constexpr):
     """y[pair, cols] = weight[pair] * (h[row] @ w2[e, cols]^T) for one row block.
 
     A block of expert e >= E is chunk c = e - E of the shared expert: sw2's columns c*I.. (at
     most S - c*I of them) against the chunk's h columns.
     """
+    pdl_wait(USE_GDC)  # before the early return: every program waits
     pid = tl.program_id(0)
     pid_m, pid_n = _grouped_pid(pid, num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -593,12 +614,13 @@ def _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stri
 
 @triton.jit(do_not_specialize=["SENTINEL"])
 def _combine_kernel(y_ptr, ids_ptr, out_ptr, SENTINEL, D, stride_yp, stride_ot, SLOTS: tl.constexpr,
-                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, USE_GDC: tl.constexpr):
     """out[t] = sum over slots j (in order) of y[t*slots + j]; padding tokens (all slots SENTINEL) give 0.
 
     The slot loop is unrolled and a padding slot's row is masked, not branched around, so every
     slot's loads are in flight at once; adding its 0 leaves the float32 sum's bits as they are.
     """
+    pdl_wait(USE_GDC)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs < D
@@ -644,13 +666,15 @@ def _gate_up_row(x_ptrs, g_ptrs, up, n_mask, D, BLOCK_N: tl.constexpr, BLOCK_K: 
 def _gate_up_token_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, ids_ptr, E, SLOTS, D, I, S,
                           stride_xt, stride_we, stride_wn, stride_swn,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          N_SHARED: tl.constexpr):
+                          N_SHARED: tl.constexpr, USE_GDC: tl.constexpr):
     """GEMV for one pair: h[pair, cols] float32. Padding pairs (the sentinel E + n_shared) write zeros
     and read no weight; a pair of expert e >= E is chunk e - E of the shared expert.
 
     Loads that feed no dot are not software-pipelined, so a program should finish in one or two
     steps: the token configs use narrow column tiles (2-8) and BLOCK_K up to D, many programs.
+    Which weights a pair reads comes from the routing kernel's ids: with PDL it reads none before the wait.
     """
+    pdl_wait(USE_GDC)
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -712,13 +736,15 @@ def _down_row(h_ptrs, w_ptrs, live, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
 def _down_token_kernel(h_ptr, w2_ptr, sw2_ptr, ids_ptr, weights_ptr, out_ptr, E, D, I, S,
                        stride_we, stride_wn, stride_swn, stride_ot,
                        TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EVEN_K: tl.constexpr, EVEN_K_SHARED: tl.constexpr, ONE_STEP: tl.constexpr):
+                       EVEN_K: tl.constexpr, EVEN_K_SHARED: tl.constexpr, ONE_STEP: tl.constexpr,
+                       USE_GDC: tl.constexpr):
     """out[t, cols] = sum over slots j (in order) of weight_j * (h[t*slots+j] @ w2[e_j, cols]^T).
 
     Slots 0..k-1 are routed experts, slots k + c the shared expert's chunk c (columns c*I.. of
     sw2). The slot loops are unrolled and padding slots are masked, not branched around, so the
     tiles of all slots can be in flight at once (a branch per slot serialised them: k DRAM round trips).
     """
+    pdl_wait(USE_GDC)
     t = tl.program_id(0)
     SLOTS: tl.constexpr = TOP_K + N_SHARED
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -912,18 +938,19 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
     elif logits_kernel == "gemv":
         # Few tokens: spread the router over many programs, each loading its rows (1 expert, or 4
         # past 64 experts) of up to 2048 columns in one step.
-        block_e = 1 if E <= 64 else 4
+        block_e, block_d = 1 if E <= 64 else 4, min(2048, next_pow2(D))
         _logits_gemv_kernel[(T, cdiv(E, block_e) + gate_in_logits)](
             x, router_weight, shared_gate if gate_in_logits else router_weight, logits, E, D, x.stride(0),
             router_weight.stride(0), logits.stride(0),
-            BLOCK_E=block_e, BLOCK_D=min(2048, next_pow2(D)), HAS_GATE=gate_in_logits, num_warps=4)
+            BLOCK_E=block_e, BLOCK_D=block_d, HAS_GATE=gate_in_logits, ONE_STEP=D <= block_d, num_warps=4,
+            **launch_args(dev))
     else:
         bn = min(64, max(16, next_pow2(E)))
         bm, bk, warps, stages = LOGITS_DOT_TILE
         _logits_kernel[(cdiv(T, bm), cdiv(E, bn))](
             x, router_weight, logits, T, E, D, x.stride(0), router_weight.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype),
-            num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages, **launch_args(dev))
     if isinstance(n_real, torch.Tensor):
         assert n_real.device == dev and n_real.numel() >= 1, "moe: n_real must be a one-element tensor on x's device"
         nreal_ptr, n_real_int, from_ptr = n_real, T, True
@@ -942,7 +969,7 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
             HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORM=bool(renormalize),
             NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)),
             SHARED_GATE=shared_gate is not None, E_BINS=e_bins, BLOCK_M=sort_block_m, BLOCK_P=align_block_p(P),
-            E_CHUNK=_pad_chunk(e_bins, sort_block_m), num_warps=4)
+            E_CHUNK=_pad_chunk(e_bins, sort_block_m), num_warps=4, **launch_args(dev))
         return ids, weights, layout
     _route_kernel[(T,)](
         x, router_weight, logits, router_bias if router_bias is not None else logits,
@@ -961,7 +988,7 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
         # The shared gate is one [D] dot per token: loaded in one step up to D = 2048 (two above), not
         # in a chain of small steps (unpipelined loads: each one a DRAM round trip at batch 1).
         N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=shared_gate is not None,
-        GATE_IN_LOGITS=gate_in_logits, GATE_BLOCK_D=min(2048, next_pow2(D)))
+        GATE_IN_LOGITS=gate_in_logits, GATE_BLOCK_D=min(2048, next_pow2(D)), **launch_args(dev))
     return ids, weights, None
 
 
@@ -1006,11 +1033,13 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     counted = num_blocks > 1
     block_counts = torch.empty(num_blocks, e_bins, dtype=torch.int32, device=dev) if counted else ids
     if counted:
-        _align_count_kernel[(num_blocks,)](ids, block_counts, P, E=E, E_BINS=e_bins, BLOCK_P=block_p, num_warps=4)
+        _align_count_kernel[(num_blocks,)](ids, block_counts, P, E=E, E_BINS=e_bins, BLOCK_P=block_p, num_warps=4,
+                                           **launch_args(dev))
     e_chunk = _pad_chunk(e_bins, block_m)
     _align_kernel[(num_blocks + cdiv(E, e_chunk),)](
         ids, block_counts, sorted_pairs, block_expert, total, P, num_blocks, E=E, E_BINS=e_bins, BLOCK_M=block_m,
-        BLOCK_P=block_p, COUNTED=counted, NB_STEP=max(1, min(64, 4096 // e_bins)), E_CHUNK=e_chunk, num_warps=4)
+        BLOCK_P=block_p, COUNTED=counted, NB_STEP=max(1, min(64, 4096 // e_bins)), E_CHUNK=e_chunk, num_warps=4,
+        **launch_args(dev))
     return sorted_pairs, block_expert, total
 
 
@@ -1056,7 +1085,7 @@ def gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots: int, cfg: G
         x.stride(0), w13.stride(0), w13.stride(1), stride_swn, h.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(x.dtype),
         EVEN_K=D % cfg.BLOCK_K == 0, EVEN_N=even_n, HAS_SHARED=S > 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(x.device))
     return h
 
 
@@ -1080,7 +1109,7 @@ def down_sorted(h, w2, weights, sorted_pairs, block_expert, total, cfg: GemmConf
         h.stride(0), w2.stride(0), w2.stride(1), stride_swn, y.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(h.dtype),
         EVEN_K=even_k, EVEN_N=D % cfg.BLOCK_N == 0, HAS_SHARED=S > 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(h.device))
     return y
 
 
@@ -1097,7 +1126,7 @@ def combine(y, ids, out, sentinel: int) -> None:
     per_thread = max(1, 16 // y.element_size())
     _combine_kernel[(T, cdiv(D, block_d))](
         y, ids, out, sentinel, D, y.stride(0), out.stride(0), SLOTS=slots, BLOCK_D=block_d,
-        EVEN_D=D % block_d == 0, num_warps=max(1, min(8, block_d // (32 * per_thread))))
+        EVEN_D=D % block_d == 0, num_warps=max(1, min(8, block_d // (32 * per_thread))), **launch_args(out.device))
 
 
 def gate_up_token(x, w13, ids, cfg: GemmConfig, h=None, shared_w13=None):
@@ -1116,7 +1145,7 @@ def gate_up_token(x, w13, ids, cfg: GemmConfig, h=None, shared_w13=None):
     _gate_up_token_kernel[(T * slots, cdiv(I, cfg.BLOCK_N))](
         x, w13, sw13, h, ids, E, slots, D, I, S, x.stride(0), w13.stride(0), w13.stride(1), stride_swn,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=D % cfg.BLOCK_K == 0, N_SHARED=shared_chunks(S, I),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(x.device))
     return h
 
 
@@ -1137,7 +1166,7 @@ def down_token(h, w2, ids, weights, out, cfg: GemmConfig, shared_w2=None, one_st
         h, w2, sw2, ids, weights, out, E, D, I, S, w2.stride(0), w2.stride(1), stride_swn, out.stride(0),
         TOP_K=slots - n_shared, N_SHARED=n_shared, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         EVEN_K=even_k, EVEN_K_SHARED=even_k and S % I == 0, ONE_STEP=I <= cfg.BLOCK_K and one_step is not False,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(out.device))
 
 
 def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor],

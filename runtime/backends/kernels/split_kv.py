@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from runtime.backends.kernels.launch_cache import Launcher
+from runtime.backends.kernels.pdl import launch_args, pdl_wait
 
 __all__ = ["LOG2E", "MAX_SPLITS", "SPLIT_TOKENS", "combine_splits", "num_splits_for", "paged_tile", "round_keys",
            "softmax_step", "split_chunks", "split_layout", "split_result"]
@@ -121,7 +122,8 @@ def paged_tile(page_row, n0, end, page_size, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_o, part_lse, out, s_o_t, s_o_h, num_heads, num_splits,
-                    R: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                    R: tl.constexpr, MAX_SPLITS: tl.constexpr, USE_GDC: tl.constexpr):
+    pdl_wait(USE_GDC)  # launched with PDL (pdl.py): the partials are the split pass's
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, MAX_SPLITS)
@@ -181,4 +183,4 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
     assert out.stride(-1) == 1
     assert 1 <= num_splits <= MAX_SPLITS, f"split-KV attention: {num_splits} splits (1 to {MAX_SPLITS})"
     _COMBINE[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, num_splits,
-                            R=DV, MAX_SPLITS=MAX_SPLITS, num_warps=4)
+                            R=DV, MAX_SPLITS=MAX_SPLITS, num_warps=4, **launch_args(out.device))

@@ -1,0 +1,541 @@
+"""Programmatic dependent launch (runtime/backends/kernels/pdl.py) without a GPU.
+
+1. Every decode kernel that takes PDL, compiled for sm90 with USE_GDC True and launch_pdl: its PTX
+   holds `griddepcontrol.wait` and `griddepcontrol.launch_dependents`, no path from its entry
+   writes before a wait, and none reads before one except in the kernels that may stream weights
+   ahead of it (the one-step GEMV must: its weight load comes first, x after the wait). With USE_GDC
+   False the kernel's Triton IR holds neither operation (the PTX instructions are made from them
+   only), so no instruction of either kind can appear. The signatures come from the real launch
+   sites: each is run once under Triton's interpreter with the kernel's run recorded, not executed,
+   at bench qwen3_next's dims (hidden 2048, attention head dim 256, GDN heads 16 / 32 of 128, 16
+   experts of 512 and a gated shared expert). The compiles run in two processes of their own outside
+   the interpreter (TRITON_INTERPRET is read when triton is imported): Triton needs no GPU to emit
+   PTX, and the last stage, ptxas's cubin, is left out (it checks nothing asked here).
+2. `launch_options` / `launch_args`: nothing on the CPU, under the interpreter or with the switch off.
+3. The build decision: `--pdl` for a cpu bundle is a one-line refusal, nothing written; bundle.json's
+   `pdl` and Inductor settings follow the flag (at the function level: a cuda build needs a GPU).
+
+tests/gpu/test_gpu_pdl.py checks on a GPU that a captured chain gives the same bits with PDL on and off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hgc import main
+from hgc.errors import EXIT_BAD_INPUT
+
+ROOT = Path(__file__).resolve().parents[3]
+D, I, E, TOP_K = 2048, 512, 16, 4  # bench qwen3_next's MoE: hidden, expert width, experts, top-k
+HQ, HKV, HEAD = 16, 2, 256  # its attention
+HK, HV, DK, DV, KW = 16, 32, 128, 128, 4  # its GDN layers
+PAGE = 16
+
+# Kernels whose programs may read weights before the wait (pdl.py's rule): the GEMVs.
+PREFETCH = {"gemv one step", "moe._logits_gemv_kernel"}
+WRITES = ("st.global", "atom.", "red.", "cp.reduce.async", "st.async")
+READS = ("ld.global", "cp.async")
+WAIT, LAUNCH = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+IR_OPS = ("tt.grid_dependency_wait", "tt.grid_dependency_launch_dependents")  # what Triton's IR calls them
+
+
+# -- the launches, recorded under the interpreter -----------------------------------------------------
+
+
+@dataclasses.dataclass
+class Launch:
+    """One launch as its kernel's compile needs it: the kernel (module, name), every argument by
+    parameter name ('*bf16' for a tensor, else the value) and the launch options."""
+
+    module: str
+    name: str
+    args: dict
+    options: dict
+
+
+_POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+            torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8"}
+
+
+def _arg(value):
+    return _POINTER[value.dtype] if isinstance(value, torch.Tensor) else value
+
+
+def record(launch_all) -> list[Launch]:
+    """The launches `launch_all()` makes, in order, with the arguments a GPU's launch passes; none runs
+    (their inputs are never read). The launch sites that take float32 dots under the interpreter
+    (launch_math.triton_interpreted says why) are told they run compiled: their bf16 variants are
+    what a GPU compiles."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from runtime.backends.kernels import gemv, moe
+
+    seen: list[Launch] = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        names = self.arg_names
+        params = {n: _arg(v) for n, v in zip(names, args)}
+        params.update({k: _arg(v) for k, v in kwargs.items() if k in names})
+        options = {k: v for k, v in kwargs.items() if k not in names}
+        seen.append(Launch(self.fn.__module__, self.fn.__name__, params, options))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(InterpretedFunction, "run", run)
+        for module in (gemv, moe):
+            mp.setattr(module, "triton_interpreted", lambda: False)
+        launch_all()
+    return seen
+
+
+def _bf16(*shape):
+    return torch.empty(*shape, dtype=torch.bfloat16)
+
+
+def _f32(*shape):
+    return torch.empty(*shape, dtype=torch.float32)
+
+
+def gemv_launches() -> dict[str, Launch]:
+    """The GEMV's three paths at bench qwen3_next's projections (gemv.py CONFIGS): one row of the GDN
+    input projection (FMA in one step), two rows of it (DOT) and two of the output projection (FMA
+    over K in steps)."""
+    from runtime.backends.kernels.gemv import small_m_linear
+
+    cases = {"gemv one step": (1, 12352, 2048), "gemv dot": (2, 12352, 2048), "gemv fma loop": (2, 2048, 4096)}
+    out = {}
+    for case, (m, n, k) in cases.items():
+        (out[case],) = record(lambda: small_m_linear(_bf16(m, k), _bf16(n, k)))
+    return out
+
+
+def moe_launches() -> list[Launch]:
+    """A decode step's MoE launches at batch 1 (the token path), 32 (routing and sort in one launch),
+    128 (routing, then the sort) and 256 (the tiled router GEMM, the sort counted in blocks first)."""
+    from runtime.backends.kernels.moe import fused_moe
+    from runtime.backends.kernels.moe_config import default_config
+
+    router, w13, w2 = _bf16(E, D), _bf16(E, 2 * I, D), _bf16(E, D, I)
+    shared = (_bf16(2 * I, D), _bf16(D, I), _bf16(1, D))  # a gated shared expert as wide as a routed one
+
+    def step(T: int):
+        fused_moe(_bf16(T, D), router, None, w13, w2, *shared, _bf16(T, D), TOP_K, "softmax", True, 1.0, 1, 1,
+                  default_config(T, E, I, D, TOP_K))
+
+    return record(lambda: [step(T) for T in (1, 32, 128, 256)])
+
+
+def gdn_launches() -> list[Launch]:
+    """A GDN layer's decode launches: the split (batch 1), the one launch, and the four launches of
+    the unfused kernels (a decode step of 8)."""
+    from runtime.backends.kernels import gdn_fused as GF
+    from runtime.backends.kernels import linear as L
+
+    C = 2 * HK * DK + HV * DV
+    conv_w, A_log, dt_bias, norm_w = _bf16(C, KW), _f32(HV), _f32(HV), _bf16(DV)
+    conv_state, state = _f32(4, C, KW - 1), _f32(4, HV, DK, DV)
+
+    def fused(B: int, launches: int):
+        GF.gdn_fused_decode(_bf16(B, C), _bf16(B, HV, DV), _bf16(B, HV), _bf16(B, HV), conv_w, A_log, dt_bias,
+                            norm_w, _bf16(B, HV, DV), conv_state, state, torch.zeros(B, dtype=torch.int64), HK,
+                            DK ** -0.5, 1e-6, launches=launches)
+
+    def unfused(B: int):
+        slots = torch.zeros(B, dtype=torch.int64)
+        mixed = _bf16(B, C)
+        L.short_conv_decode(_bf16(B, C), conv_w, None, mixed, conv_state, slots, True)
+        dims = GF.GdnDims(HK, HV, DK, DV, C, KW)
+        q, k, v, g, beta = GF.qk_gates(mixed, _bf16(B, HV), _bf16(B, HV), A_log, dt_bias, dims)
+        core = _bf16(B, HV, DV)
+        L.gdn_decode(q, k, v, g, beta, core, state, slots, DK ** -0.5)
+        GF.gated_rmsnorm(core, _bf16(B, HV, DV), norm_w, _bf16(B, HV, DV), 1e-6, slots=slots, rows_per_slot=1)
+
+    return record(lambda: (fused(1, 2), fused(1, 1), unfused(8)))
+
+
+def attention_launches() -> list[Launch]:
+    """A GQA layer's decode launches at batch 1: the K/V rows stored, the split pass and its combine."""
+    from runtime.backends.flashinfer_attention import store_kv_rows
+    from runtime.backends.kernels.gqa import triton_gqa_attention
+
+    k_cache, v_cache = _bf16(64, PAGE, HKV, HEAD), _bf16(64, PAGE, HKV, HEAD)
+
+    def step():
+        store_kv_rows(torch.zeros(1, dtype=torch.int64), PAGE, (_bf16(1, HKV, HEAD), k_cache),
+                      (_bf16(1, HKV, HEAD), v_cache))
+        triton_gqa_attention(_bf16(1, HQ, HEAD), k_cache, v_cache, torch.zeros(1, 32, dtype=torch.int32),
+                             torch.full((1,), 300, dtype=torch.int32), 1, _bf16(1, HQ, HEAD), HEAD ** -0.5)
+
+    return record(step)
+
+
+def label(launch: Launch) -> str:
+    """A kernel's name in these tests: its module's last name and its own (two modules have a _combine_kernel)."""
+    return f"{launch.module.rsplit('.', 1)[-1]}.{launch.name}"
+
+
+# The kernels that take PDL (each launched with USE_GDC), by label.
+KERNELS = {"gemv one step", "gemv dot", "gemv fma loop",
+           *(f"moe.{k}" for k in ("_logits_gemv_kernel", "_logits_kernel", "_route_kernel", "_route_sort_kernel",
+                                  "_align_count_kernel", "_align_kernel", "_gate_up_sorted_kernel",
+                                  "_down_sorted_kernel", "_combine_kernel", "_gate_up_token_kernel",
+                                  "_down_token_kernel")),
+           *(f"gdn_fused.{k}" for k in ("_split_prep_kernel", "_split_core_kernel", "_gdn_fused_decode_kernel",
+                                        "_qk_gates_kernel", "_gated_rmsnorm_kernel")),
+           "linear._recurrent_decode_kernel", "linear._short_conv_decode_kernel",
+           "gqa._gqa_split_kernel", "split_kv._combine_kernel", "flashinfer_attention._store_rows_kernel"}
+
+
+@pytest.fixture(scope="module")
+def launches() -> dict[str, Launch]:
+    """One recorded launch of each kernel (its first), by label."""
+    pytest.importorskip("triton")
+    by_label = dict(gemv_launches())
+    for launch in moe_launches() + gdn_launches() + attention_launches():
+        by_label.setdefault(label(launch), launch)
+    return by_label
+
+
+# -- compiled for sm90, in a process outside the interpreter -------------------------------------------
+
+
+def _signature(kernel, args: dict) -> tuple[dict, dict]:
+    """(signature, constexprs) of an ASTSource from a launch's arguments by parameter name."""
+    signature, constexprs = {}, {}
+    for p in kernel.params:
+        value = args[p.name]
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", value
+        elif isinstance(value, str):  # a tensor's pointer type
+            signature[p.name] = value
+        elif isinstance(value, bool):
+            signature[p.name] = "i1"
+        elif isinstance(value, float):
+            signature[p.name] = "fp32"
+        else:
+            signature[p.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    return signature, constexprs
+
+
+def compile_ptx(specs: dict) -> dict:
+    """label -> {"on": the PTX with USE_GDC and launch_pdl, "off": the Triton IR without}, for sm90.
+    Outside the interpreter only (`_compile_main`)."""
+    import importlib
+
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler.compiler import make_backend
+
+    CUDABackend.make_cubin = lambda self, src, metadata, options, arch: b""  # ptxas: not needed for the PTX
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    out = {}
+    for name, spec in specs.items():
+        kernel = getattr(importlib.import_module(spec["module"]), spec["name"])
+        options = {k: v for k, v in spec["options"].items() if k != "launch_pdl"}
+        src = triton.compiler.ASTSource(kernel, *_signature(kernel, {**spec["args"], "USE_GDC": True}))
+        on = triton.compile(src, target=target, options={**options, "launch_pdl": True}).asm["ptx"]
+        # USE_GDC False: the IR straight from the kernel's source, before any pass
+        src = triton.compiler.ASTSource(kernel, *_signature(kernel, {**spec["args"], "USE_GDC": False}))
+        parsed = backend.parse_options(options)
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        off = src.make_ir(target, parsed, backend.get_codegen_implementation(parsed), backend.get_module_map(), context)
+        out[name] = {"on": on, "off": str(off)}
+    return out
+
+
+def _compile_main(spec_path: str, out_path: str) -> None:
+    Path(out_path).write_text(json.dumps(compile_ptx(json.loads(Path(spec_path).read_text()))))
+
+
+@pytest.fixture(scope="module")
+def ptx(launches, tmp_path_factory) -> dict:
+    """compile_ptx of every kernel, in two processes (half the kernels each) at once."""
+    work = tmp_path_factory.mktemp("pdl_ptx")
+    names = sorted(KERNELS)
+    # a cache of its own: the compiles must not land in (or come from) the suite's Triton cache
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(work / "cache"), PYTHONPATH=str(ROOT))
+    procs = []
+    for half in range(2):
+        specs, result, log = work / f"specs{half}.json", work / f"ptx{half}.json", work / f"log{half}.txt"
+        specs.write_text(json.dumps({name: dataclasses.asdict(launches[name]) for name in names[half::2]}))
+        script = (f"from tests.runtime.backends.test_pdl import _compile_main; "
+                  f"_compile_main({str(specs)!r}, {str(result)!r})")
+        with open(log, "w") as sink:
+            procs.append((subprocess.Popen([sys.executable, "-c", script], env=env, cwd=ROOT, stdout=sink,
+                                           stderr=subprocess.STDOUT), result, log))
+    out = {}
+    for proc, result, log in procs:
+        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+        out.update(json.loads(result.read_text()))
+    return out
+
+
+_GUARD = re.compile(r"^(@!?%\w+)\s+")  # an instruction's guard predicate: `@%p1 ld.global...`
+_LABEL = re.compile(r"^(\$[\w$]+):")
+
+
+@dataclasses.dataclass
+class Block:
+    """A basic block of a PTX function: its instructions (guards dropped) and the labels it may go to."""
+
+    label: str | None
+    lines: list[str] = dataclasses.field(default_factory=list)
+    targets: list[str] = dataclasses.field(default_factory=list)
+    falls_through: bool = True
+
+
+def blocks(ptx: str) -> list[Block]:
+    """The PTX's basic blocks in text order: one starts at each label and after each branch or return."""
+    found = [Block(None)]
+    for raw in ptx.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("//"):
+            continue
+        label = _LABEL.match(line)
+        if label:
+            found.append(Block(label.group(1)))
+            continue
+        guard = _GUARD.match(line)
+        instruction = line[guard.end():] if guard else line
+        block = found[-1]
+        block.lines.append(instruction)
+        if instruction.startswith(("bra", "ret", "exit")):
+            if instruction.startswith("bra"):
+                block.targets.append(instruction.split()[-1].rstrip(";"))
+            block.falls_through = guard is not None  # a guarded branch may not be taken
+            found.append(Block(None))
+    return found
+
+
+def accesses(ptx: str) -> list[tuple[str, bool]]:
+    """Every global memory access of the kernel, with whether every path from its entry to it passes a
+    griddepcontrol.wait (a must-analysis over the basic blocks: a wait on one branch only does not count)."""
+    found = blocks(ptx)
+    preds: dict[int, list[int]] = {i: [] for i in range(len(found))}
+    at = {b.label: i for i, b in enumerate(found) if b.label}
+    for i, b in enumerate(found):
+        for target in b.targets:
+            preds[at[target]].append(i)
+        if b.falls_through and i + 1 < len(found):
+            preds[i + 1].append(i)
+    waits = [any(line.startswith(WAIT) for line in b.lines) for b in found]
+    waited_out = [True] * len(found)  # the must-analysis starts from "waited" and only takes it away
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(found)):
+            waited_in = False if i == 0 else all(waited_out[p] for p in preds[i])
+            out = waited_in or waits[i]
+            if out != waited_out[i]:
+                waited_out[i], changed = out, True
+    result = []
+    for i, b in enumerate(found):
+        waited = False if i == 0 else all(waited_out[p] for p in preds[i])
+        for line in b.lines:
+            waited = waited or line.startswith(WAIT)
+            if line.startswith(READS + WRITES):
+                result.append((line, waited))
+    return result
+
+
+def test_every_decode_kernel_was_launched_as_a_gpu_launches_it(launches):
+    assert KERNELS <= set(launches), sorted(KERNELS - set(launches))
+    for name in KERNELS:
+        assert launches[name].args["USE_GDC"] is False, f"{name}: PDL is off on the CPU"
+    assert launches["gemv dot"].args["UPCAST"] is False and launches["gemv dot"].args["PRECISION"] == "tf32"
+    assert launches["moe._down_sorted_kernel"].args["DOT_FP32"] is False, "bf16 tensor-core dots, as on the GPU"
+
+
+def problems_of(name: str, compiled: dict) -> list[str]:
+    """What breaks pdl.py's rule in one kernel's compiles (compile_ptx's "on" and "off")."""
+    on, off = compiled["on"], compiled["off"]
+    found = []
+    if WAIT not in on or LAUNCH not in on:
+        found.append("no griddepcontrol with USE_GDC")
+    if "tt.func" not in off or any(op in off for op in IR_OPS):
+        found.append("grid dependency operations without USE_GDC")
+    early = [line for line, waited in accesses(on) if not waited]
+    writes = [line for line in early if line.startswith(WRITES)]
+    if writes:
+        found.append(f"writes a path reaches before any wait: {writes[:2]}")
+    reads = [line for line in early if line.startswith(READS)]
+    if reads and name not in PREFETCH:
+        found.append(f"reads a path reaches before any wait: {reads[:2]}")
+    return [f"{name}: {problem}" for problem in found]
+
+
+def test_every_pdl_kernel_waits_before_it_touches_the_step(ptx):
+    """One test over every kernel: their compiles are one fixture, made once whichever worker runs it."""
+    assert set(ptx) == KERNELS
+    problems = [problem for name in sorted(ptx) for problem in problems_of(name, ptx[name])]
+    assert not problems, "\n".join(problems)
+    # the one-step GEMV streams its weight tile before the wait, and reads x after it
+    reads = [waited for line, waited in accesses(ptx["gemv one step"]["on"]) if line.startswith("ld.global")]
+    assert False in reads and True in reads, "gemv one step: the weight before the wait, x after it"
+
+
+def test_the_access_check_follows_branches():
+    """A wait on one branch does not cover the access after the branches meet."""
+    ptx = """
+        ld.param.b64 %rd1, [k_param_0];
+        @%p1 bra $L__BB0_2;
+        griddepcontrol.wait ;
+    $L__BB0_2:
+        @%p2 st.global.b32 [ %rd1 + 0 ], { %r1 };
+        griddepcontrol.wait ;
+        ld.global.b32 { %r2 }, [ %rd1 + 0 ];
+        ret;
+    """
+    assert accesses(ptx) == [("st.global.b32 [ %rd1 + 0 ], { %r1 };", False),
+                             ("ld.global.b32 { %r2 }, [ %rd1 + 0 ];", True)]
+
+
+# -- the switch -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pdl_switch():
+    pytest.importorskip("triton")
+    from runtime.backends.kernels import pdl
+
+    before = pdl.enabled()
+    yield pdl
+    pdl.enable(before)
+
+
+def test_launch_options_are_empty_unless_a_hopper_gpu_runs_compiled_kernels(pdl_switch, monkeypatch):
+    pdl = pdl_switch
+    assert not pdl.enabled(), "off by default"
+    assert pdl.launch_options("cpu") == {} and pdl.launch_args("cpu") == {"USE_GDC": False}
+    pdl.enable(True)
+    assert pdl.launch_options("cpu") == {}, "the CPU launches nothing with PDL"
+    monkeypatch.setitem(pdl._capable, 0, True)  # as a Hopper GPU at index 0 would answer
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl.launch_options("cuda:0") == {}, "the interpreter launches nothing with PDL"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert pdl.launch_options("cuda:0") == {"launch_pdl": True}
+    assert pdl.launch_args("cuda:0") == {"USE_GDC": True, "launch_pdl": True}
+    monkeypatch.setitem(pdl._capable, 0, False)  # an Ampere GPU
+    assert pdl.launch_options("cuda:0") == {}
+    pdl.enable(False)
+    monkeypatch.setitem(pdl._capable, 0, True)
+    assert pdl.launch_options("cuda:0") == {} and pdl.launch_args("cuda:0") == {"USE_GDC": False}
+
+
+def test_the_launch_cache_passes_the_pdl_option_through_and_keys_on_it():
+    """launch_cache.Launcher: launch_pdl reaches Triton's path unchanged and makes another key; a
+    repeated launch runs the compiled kernel (launch_pdl is in its metadata) with USE_GDC in order."""
+    import inspect
+    import types
+
+    from runtime.backends.kernels.launch_cache import Launcher
+
+    slow, fast = [], []
+    compiled = types.SimpleNamespace(function="f", packed_metadata="m", run=lambda *a: fast.append(a[9:]))
+
+    class Kernel:
+        params = [types.SimpleNamespace(name=n, default=inspect.Parameter.empty) for n in ("x", "USE_GDC")]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: slow.append(kwargs) or compiled
+
+    class Here(Launcher):
+        _device = staticmethod(lambda: 0)
+        _stream = staticmethod(lambda device: "stream")
+
+    launch, x = Here(Kernel()), torch.zeros(4)
+    launch._hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    for _ in range(2):
+        launch[(1,)](x, USE_GDC=True, launch_pdl=True)
+        launch[(1,)](x, USE_GDC=False)
+    assert slow == [{"USE_GDC": True, "launch_pdl": True}, {"USE_GDC": False}] and launch.misses == 2
+    assert launch.hits == 2 and fast == [(x, True), (x, False)]
+
+
+# -- the build decision ---------------------------------------------------------------------------------
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("argv", [["build", "{w}/art", "--device", "cpu", "--pdl"],
+                                  ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--pdl"],
+                                  ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--inductor", "--pdl"]])
+def test_pdl_for_a_cpu_bundle_is_one_line_and_writes_nothing(tmp_path, capsys, argv):
+    (tmp_path / "ckpt").mkdir()
+    before = tree(tmp_path)
+    assert main([a.replace("{w}", str(tmp_path)) for a in argv]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"hgc {argv[0]}: --pdl: programmatic dependent launch is a CUDA launch attribute"), err
+    assert "cpu bundle" in err[0] and len(err) <= 3 and "Traceback" not in "\n".join(err)
+    assert tree(tmp_path) == before
+
+
+def test_a_cuda_compile_that_builds_no_bundle_refuses_pdl(tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()
+    argv = ["compile", str(tmp_path / "ckpt"), "-o", str(tmp_path / "new"), "--target", "cuda", "--no-inductor",
+            "--pdl"]
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("hgc compile: --pdl: it is a choice of the target bundle, and this compile builds none")
+    assert not (tmp_path / "new").exists()
+
+
+def test_bundle_json_and_the_inductor_settings_follow_the_flag():
+    from compiler.splitops.bundle import (INDUCTOR_CONFIG, INDUCTOR_PDL, bundle_doc, bundle_pdl, inductor_config,
+                                          inductor_has_pdl, parse_bundle_doc)
+    from compiler.splitops.artifact import ArtifactFormatError
+    from hgc.compile_commands import pdl_column
+
+    assert inductor_has_pdl(), "the torch of this machine has Inductor's PDL setting"
+    assert inductor_config("cuda") == INDUCTOR_CONFIG["cuda"] and inductor_config("cpu", True) == INDUCTOR_CONFIG["cpu"]
+    assert inductor_config("cuda", True) == {**INDUCTOR_CONFIG["cuda"], INDUCTOR_PDL: True}
+    facts = {"device": "cuda", "torch": torch.__version__}
+    docs = {pdl: bundle_doc("sm90-x", facts, {}, {}, {}, {}, 1.0, "0", pdl=pdl) for pdl in (False, True)}
+    for pdl, doc in docs.items():
+        assert doc["pdl"] is pdl and bundle_pdl(doc) is pdl and pdl_column(doc) == ("on" if pdl else "off")
+        assert doc["inductor_config"] == inductor_config("cuda", pdl)
+        parse_bundle_doc(doc, "bundle.json")
+    older = {k: v for k, v in docs[False].items() if k != "pdl"}
+    assert bundle_pdl(older) is False and pdl_column(older) == "off", "a bundle from before the field: no PDL"
+    with pytest.raises(ArtifactFormatError, match="field 'pdl' must be true or false"):
+        parse_bundle_doc({**docs[True], "pdl": "yes"}, "bundle.json")
+
+
+def test_the_loader_switches_pdl_as_a_cuda_bundle_says_and_loads_with_its_settings(pdl_switch, monkeypatch,
+                                                                                      tmp_path):
+    """runtime/artifact/bundle.py: a cuda bundle built with --pdl turns the switch on before its
+    pieces load (and start-up captures), one without turns it off; its pieces load with the Inductor
+    settings bundle.json says they were built with."""
+    from torch._inductor import config
+
+    from compiler.splitops.bundle import INDUCTOR_PDL, bundle_doc
+    from runtime.artifact import bundle as loader
+    from runtime.backends import glue_kernels
+
+    monkeypatch.setattr(glue_kernels, "register", lambda: None)  # no CUDA op library on this machine
+    seen = []
+    monkeypatch.setattr(loader, "check_hash", lambda *a: None)
+    monkeypatch.setattr("torch._inductor.CompiledArtifact.load",
+                        lambda path, format: seen.append((pdl_switch.enabled(), getattr(config.triton, "enable_pdl"))))
+    (tmp_path / "pieces").mkdir()
+    (tmp_path / "pieces" / "a.bin").write_bytes(b"")
+    for pdl in (True, False):
+        doc = bundle_doc("sm90-x", {"device": "cuda"}, {"main": [{"piece": "pieces/a.bin"}]}, {}, {"pieces/a.bin": {}},
+                         {"pieces/a.bin": "0"}, 1.0, "0", pdl=pdl)
+        assert list(loader._load_pieces(tmp_path, doc)) == ["pieces/a.bin"]
+        assert seen[-1] == (pdl, pdl), f"pdl={pdl}: switch and Inductor's {INDUCTOR_PDL} as the bundle says"
