@@ -52,7 +52,10 @@
 # levels (default "1 32 128") and SERVE_ARGS adds hgc serve flags (those offline_bench takes too
 # reach its engine: serve_bench.py engine_flags); ROUTE adds one `hgc compile --route` to that
 # artifact (built apart from the unrouted one); COMPILE_ARGS adds hgc compile flags to it (fewer buckets
-# build faster: --decode-buckets 1 --extend-buckets 2048,4096 for an account of those steps alone).
+# build faster: --decode-buckets 1 --extend-buckets 2048,4096 for an account of those steps alone); TAG
+# names an artifact built with other COMPILE_ARGS apart, and its account folder (an A/B in one call:
+#   COMPILE_ARGS="$B" bash benchmarks/gpu_measure.sh account_serving
+#   TAG=pdl COMPILE_ARGS="--pdl $B" bash benchmarks/gpu_measure.sh account_serving).
 # Bench-size models throughout.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
@@ -62,7 +65,7 @@ hgc() { python3 -m hgc "$@"; }
 
 serving_artifact() {  # prints the artifact's folder (ART, if set and built); builds it unless a warm machine has it
     [ -n "${ART:-}" ] && [ -f "$ART/manifest.json" ] && { echo "$ART"; return; }
-    local art=/tmp/serve_qwen3_next_${GLUE:-compiled}${ROUTE:+_routed}
+    local art=/tmp/serve_qwen3_next_${GLUE:-compiled}${ROUTE:+_routed}${TAG:+_$TAG}
     if [ ! -f "$art/manifest.json" ]; then
         [ -f /tmp/ckpt_qwen3_next/config.json ] ||
             hgc init-model --family qwen3_next --size bench --seed 0 -o /tmp/ckpt_qwen3_next --force >&2 || return 1
@@ -146,7 +149,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/host/prompt_host_bench.py --out "$OUT/prompt_host" --artifact "$art" ;;
     account_serving)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
-        python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving${ROUTE:+_routed}" --work "$W" --artifact "$art" \
+        python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving${ROUTE:+_routed}${TAG:+_$TAG}" --work "$W" --artifact "$art" \
             --batches "${BATCHES:-1}" --extends "${EXTENDS:-16,32,128,512}" --extend-seqs "${EXTEND_SEQS:-1}" \
             ${ACCOUNT_ARGS:-} ;;
     glue_source)
