@@ -455,7 +455,7 @@ class _StepPlan:
     bucket: Optional[int]  # the captured bucket this plan serves; None: an eager step
     num_rows: int  # query rows the kernels read (a graph step's padding requests included)
     slots: torch.Tensor  # [rows] slot ids the store kernel reads: ctx.slot_mapping, or the static copy
-    pad_rows: Optional[torch.Tensor]  # graph steps: [rows, 1, 1] bool, True on padding rows (static)
+    pad_rows: Optional[torch.Tensor]  # graph steps with padding rows: [rows, 1, 1] bool, True on those (static)
     wrappers: dict  # _Group -> flashinfer wrapper (groups on a Triton kernel: absent)
     triton_meta: Optional[tuple] = None  # (kv_indptr, kv_indices, row_req, row_pos) on the device
     table: Optional[_StepTable] = None  # decode / uniform target_verify steps with Triton groups
@@ -784,8 +784,10 @@ class FlashInferAttentionBackend(BackendHooks):
             num_rows = ctx.num_tokens  # init_replay_state checked: bucket * n
             slots = self._static["slots"][:ctx.num_tokens]
             slots.copy_(ctx.slot_mapping, non_blocking=True)
-            pad_rows = self._static["pad_rows"][:ctx.num_tokens]
-            torch.lt(slots.view(-1, 1, 1), 0, out=pad_rows)  # once per step, not once per layer
+            pad_rows = None
+            if not (per and bucket == 1):  # a one-request table step's rows are all its request's: nothing to mask
+                pad_rows = self._static["pad_rows"][:ctx.num_tokens]
+                torch.lt(slots.view(-1, 1, 1), 0, out=pad_rows)  # once per step, not once per layer
         table = self._table(ctx, bucket, per, on_table) if on_table else None
         return _StepPlan(ctx, meta, kind, bucket, num_rows, slots, pad_rows, wrappers, triton_meta, table)
 
@@ -985,8 +987,11 @@ class FlashInferAttentionBackend(BackendHooks):
     @staticmethod
     def _zero_padding(step: _StepPlan, out: torch.Tensor) -> None:
         if step.bucket is not None:
-            # The real row count changes between replays: mask on the device (rows with slot -1).
-            out.masked_fill_(step.pad_rows, 0)
+            # The real row count changes between replays: mask on the device (rows with slot -1);
+            # a graph whose rows are all one request's (pad_rows None) records no mask: at batch 1
+            # that is one kernel fewer per attention layer.
+            if step.pad_rows is not None:
+                out.masked_fill_(step.pad_rows, 0)
         elif step.num_rows < out.shape[0]:
             out[step.num_rows:].zero_()
 

@@ -529,6 +529,41 @@ def test_triton_decode_graph_buckets_plan_nothing_on_the_host(host_plans, n):
         pair.be.init_replay_state(wide, 4)
 
 
+@pytest.mark.parametrize("n", [1, 3], ids=["decode", "verify"])
+def test_a_one_request_graph_bucket_records_no_padding_mask(host_plans, n):
+    """A graph bucket of one request on the Triton table kernels: its rows are all that request's
+    (a decode row, or a verify step's n), so the step plans no padding mask and the ops launch no
+    masked_fill (in a batch-1 decode graph: one kernel fewer per attention layer). A bucket of two
+    holding the same one request still masks, and its padding rows come out zero."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    pair, seqs = _prefilled_pair(decode_impl="triton", mla_impl="triton")
+    pair.be.init_capture_state(2 * n, 2)
+    mode = Mode.DECODE if n == 1 else Mode.TARGET_VERIFY
+    for bucket in (1, 2):
+        items = [(seqs[0], [0] * n)]
+        ctx = build_step(items, pair.ref_pool, mode=mode, pad_tokens_to=bucket * n, pad_seqs_to=bucket,
+                         max_pages=8).ctx
+        pair.be.init_replay_state(ctx, bucket)
+        assert (pair.be._step.pad_rows is None) == (bucket == 1)
+        ops = Ops()
+        for layer in (0, 2, 3):
+            with ops:
+                err = pair.run(ctx, layer, bucket * n)  # padding rows (bucket 2) checked zero there
+            assert err < 1e-5
+        assert ("masked_fill_" in ops.seen) == (bucket == 2), sorted(ops.seen)
+        commit_step(items)
+
+
 GQA_LAYERS = [0, 3]  # extend_impl="triton" serves GQA layers: the instance takes REGISTRY's GQA layers only
 
 
