@@ -12,7 +12,9 @@ aten glue, functionalizes nothing of ours and never copies an op's `out`.
    the segment's plain projections become calls of the glue op `hgc_glue::small_m_linear` first
    (compiler/splitops/glue_ops.py), so the key and the compiled code both hold them; Inductor
    keeps the op as a call, which the runtime's CUDA kernel for it runs (a one-launch GEMV for few
-   rows, torch otherwise).
+   rows, torch otherwise). With `norm_linear` as well (`hgc build --norm-linear`), each layer's input
+   RMSNorm, with the residual add before it, and the projection reading it become one call of
+   `hgc_glue::add_rms_norm_linear` (`use_norm_linear`): a GEMV with the norm in its prologue.
 3. `fake_inputs(module, device)`: the segment's inputs as fake tensors on the target device, every
    symbolic size (the token count T, the logits row count R) a fresh symbol of one ShapeEnv, hinted
    with the example size the program was traced with. One compile then covers every bucket.
@@ -43,7 +45,7 @@ from compiler.splitops.artifact import retarget_meta_devices
 from compiler.splitops.bundle import PIECES, inductor_config
 from compiler.splitops.errors import CompileError
 from compiler.splitops.glue import GlueSplitError, glue_segments, segment_module, segment_pieces, structure_key
-from compiler.splitops.glue_ops import use_small_m_linear
+from compiler.splitops.glue_ops import use_norm_linear, use_small_m_linear
 
 __all__ = ["PieceBuildError", "compile_glue", "compile_piece", "drop_metadata_asserts", "fake_inputs", "inductor_cache_files"]
 
@@ -142,13 +144,16 @@ def _code_files(cache_dir: Path) -> set[Path]:
 
 def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device: str | torch.device, out_dir: Path,
                  cache_dir: Path, log: Callable[[str], None] = lambda line: None,
-                 small_m: bool = False, pdl: bool = False) -> tuple[dict, dict]:
+                 small_m: bool = False, pdl: bool = False, norm_linear: bool = False) -> tuple[dict, dict]:
     """Steps 1-4 for every program; plans: program -> mode -> SplitPlan (split.json). Returns
     (programs: program -> segment records with the piece file running each, pieces: file ->
-    {structure, nodes, seconds, code_sha256, small_m_linear}: the last, how many of the piece's
-    projections call the GEMV op, 0 without `small_m`). `pdl`: the pieces' Triton kernels launch with
-    programmatic dependent launch (`inductor_config`). Piece files are written under
-    out_dir/pieces/; Inductor's cache must point at cache_dir (cache_env)."""
+    {structure, nodes, seconds, code_sha256, small_m_linear, norm_linear}: small_m_linear, how many
+    of the piece's projections call a GEMV op, 0 without `small_m`; norm_linear, how many of those
+    carry their input norm, 0 without `norm_linear`, which needs `small_m`). `pdl`: the pieces'
+    Triton kernels launch with programmatic dependent launch (`inductor_config`). Piece files are
+    written under out_dir/pieces/; Inductor's cache must point at cache_dir (cache_env)."""
+    if norm_linear and not small_m:
+        raise ValueError("compile_glue: norm_linear folds norms into the GEMV op's projections; it needs small_m")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -173,6 +178,7 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device:
             continue
         module = segment_module(gm, segment)
         projections = use_small_m_linear(module) if small_m else 0
+        norms = use_norm_linear(module) if norm_linear else 0
         key = structure_key(module)
         if key in by_key:
             record["piece"] = by_key[key]
@@ -195,9 +201,10 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device:
             code.update(path.name.encode() + b"\0" + path.read_bytes())
         by_key[key] = record["piece"] = name
         pieces[name] = {"structure": key, "nodes": len(segment.nodes), "seconds": round(seconds, 2),
-                        "code_sha256": code.hexdigest(), "small_m_linear": projections}
+                        "code_sha256": code.hexdigest(), "small_m_linear": projections, "norm_linear": norms}
         log(f"piece {i}/{len(todo)} ({program}, {len(segment.nodes)} nodes from {segment.nodes[0]}"
-            + (f", {projections} GEMV projection(s)" if projections else "") + f"): compiled in {seconds:.1f} s")
+            + (f", {projections} GEMV projection(s)" if projections else "")
+            + (f", {norms} with their input norm" if norms else "") + f"): compiled in {seconds:.1f} s")
     return records, pieces
 
 

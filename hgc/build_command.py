@@ -16,7 +16,9 @@ load. Building needs the target device, since kernels are built for the machine 
    (compiler/inductor_pieces.py), one piece per distinct structure; on cuda, unless the artifact
    is batch-invariant, its projections as calls of the GEMV op (`small_m_for`); with --pdl (cuda,
    off by default) every kernel that can launches with programmatic dependent launch: Inductor's
-   and the backends' (docs/DESIGN.md, "Programmatic dependent launch").
+   and the backends' (docs/DESIGN.md, "Programmatic dependent launch"); with --norm-linear (cuda,
+   with the GEMV op; off by default) each layer's input norm and the residual add before it fold
+   into the projection's GEMV (docs/DESIGN.md, "Input norms folded into the GEMV").
 3. Start-up runs as `hgc run` / `hgc serve` would, with the fresh pieces: on cuda every recorded
    bucket is captured and checked (which builds the FlashInfer modules and Triton kernels of the
    captured shapes and tunes FLA's kernels, into the caches of step 1), and the compiled pieces
@@ -50,7 +52,7 @@ import time
 from pathlib import Path
 
 __all__ = ["cmd_build", "build_bundle", "check_buildable", "build_on_ranks", "add_build_arguments", "build_root",
-           "build_lock", "small_m_for", "pdl_refusal"]
+           "build_lock", "small_m_for", "pdl_refusal", "norm_linear_refusal"]
 
 
 def small_m_for(docs, device: str) -> bool:
@@ -87,6 +89,22 @@ def pdl_refusal(device: str) -> str | None:
         if major < MIN_CAPABILITY:
             return (f"this GPU is sm{major}{minor}; programmatic dependent launch needs compute capability "
                     f"{MIN_CAPABILITY} or more")
+    return None
+
+
+def norm_linear_refusal(device: str, batch_invariant: bool = False) -> str | None:
+    """Why a bundle for `device` cannot be built with --norm-linear (each input RMSNorm folded into
+    the GEMV op call of the projection that reads it), or None. It rewrites the GEMV op's calls, so
+    it goes where the op does (`small_m_for`): cuda, not a batch-invariant artifact."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return (f"the input norms fold into the projections' GEMV, a CUDA kernel; a {kind} bundle's projections "
+                f"stay aten's linear")
+    if batch_invariant:
+        return ("the artifact is batch-invariant: its projections stay aten's linear (a fixed order of sums), so there "
+                "is no GEMV to fold a norm into")
     return None
 
 
@@ -142,11 +160,13 @@ def build_lock(work: Path, log=lambda line: None):
 
 
 def build_bundle(artifact, device: str, *, force: bool = False, slots: int | None = None,
-                 max_model_len: int | None = None, log=lambda line: None, group=None, pdl: bool = False) -> dict | None:
+                 max_model_len: int | None = None, log=lambda line: None, group=None, pdl: bool = False,
+                 norm_linear: bool = False) -> dict | None:
     """Steps 1-5 of the module docstring; returns the bundle's document (signed). A tensor-parallel
     artifact is built by its ranks together (`group`: this process's runtime.dist.distributed.RankGroup;
     "Ranks" in the module docstring): rank 0 returns the document, the others None. pdl: launch the
-    kernels with programmatic dependent launch (cuda only; `pdl_refusal` says why not)."""
+    kernels with programmatic dependent launch (cuda only; `pdl_refusal` says why not). norm_linear:
+    fold each input norm into its projection's GEMV (`norm_linear_refusal` says where not)."""
     import torch
 
     from compiler.artifact_writer import add_bundle, hgc_version
@@ -155,7 +175,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     from compiler.splitops.bundle import (BUNDLE, CACHE_ENV, bundle_dir, bundle_doc, cache_env, pin_triton_ptxas,
                                           signed_payload, target_facts, target_key)
     from runtime.artifact.bundle import CompiledOptions, load_built
-    from runtime.artifact.loader import load_artifact, read_artifact
+    from runtime.artifact.loader import batch_invariant, load_artifact, read_artifact
     from runtime.assembly import EngineOptions, engine_for_artifact
     from runtime.artifact.signing import sign, signing_key
 
@@ -168,6 +188,8 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     check_buildable(docs, device)
     if pdl and (why := pdl_refusal(device)) is not None:
         raise ValueError(f"--pdl: {why}")
+    if norm_linear and (why := norm_linear_refusal(device, batch_invariant(docs))) is not None:
+        raise ValueError(f"--norm-linear: {why}")
     facts = target_facts(device)
     key = target_key(facts)
     if (artifact / bundle_dir(key)).exists() and not force:
@@ -208,13 +230,16 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
                                         else f"aten's linear ({'batch-invariant' if on_cuda else device})"))
             if pdl:
                 log("programmatic dependent launch: on (Inductor's kernels and the backends' decode kernels)")
+            if norm_linear:
+                log("input norms: folded into their projections (hgc_glue::add_rms_norm_linear)")
             records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
-                                           dev, out, caches["inductor"], log=log, small_m=small_m, pdl=pdl)
+                                           dev, out, caches["inductor"], log=log, small_m=small_m, pdl=pdl,
+                                           norm_linear=norm_linear)
             files = {name: sha256_file(out / name) for name in pieces}
             sources = {p: docs.manifest["files"][PROGRAM_FILES[p]] for p in art.programs}
             # load_built switches PDL as the document says, before the start-up below captures
             doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version(),
-                             small_m=small_m, pdl=pdl)
+                             small_m=small_m, pdl=pdl, norm_linear=norm_linear)
             art.compiled = load_built(doc, out, caches)
             buckets = docs.manifest["buckets"]
             on_gpu = torch.device(device).type == "cuda"
@@ -241,7 +266,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
                                  f"of one artifact must run one program")
         files = {p.relative_to(staged).as_posix(): sha256_file(p) for p in sorted(staged.rglob("*")) if p.is_file()}
         doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version(),
-                         ranks=tp, small_m=small_m, pdl=pdl)
+                         ranks=tp, small_m=small_m, pdl=pdl, norm_linear=norm_linear)
         doc["parity"] = parity
         if by_rank:  # every rank's start-up compared its own pieces with its traced glue
             doc["parity_per_rank"] = [other["parity"] for other in by_rank]
@@ -275,13 +300,14 @@ def check_buildable(docs, device: str) -> None:
                          f"--device {torch.device(target).type}")
 
 
-def build_on_ranks(artifact, device: str, tp: int, force: bool = False, pdl: bool = False) -> int:
+def build_on_ranks(artifact, device: str, tp: int, force: bool = False, pdl: bool = False,
+                   norm_linear: bool = False) -> int:
     """`hgc build` of a tensor-parallel artifact from a process that is not one of its ranks: launch
     them (runtime/dist/launcher.py), each running this command; their exit status."""
     from runtime.dist.launcher import launch
 
     argv = [sys.executable, "-m", "hgc", "build", str(artifact), "--device", device,
-            *(["--force"] if force else []), *(["--pdl"] if pdl else [])]
+            *(["--force"] if force else []), *(["--pdl"] if pdl else []), *(["--norm-linear"] if norm_linear else [])]
     return launch(tp, argv, "hgc build")
 
 
@@ -297,17 +323,21 @@ def cmd_build(args) -> int:
     log = lambda line: print(f"hgc build: {line}", file=sys.stderr, flush=True)  # noqa: E731
     if args.pdl and (why := pdl_refusal(args.device)) is not None:
         raise UsageError(f"--pdl: {why}")  # before anything is read: a flag the device cannot take
+    if args.norm_linear and (why := norm_linear_refusal(args.device)) is not None:
+        raise UsageError(f"--norm-linear: {why}")
     docs = read_artifact(args.artifact, verify_hashes=False)  # the build's own read checks the hashes
     tp, group = docs.tp, None
     if tp > 1:
         if not launched_rank():
             check_buildable(docs, args.device)  # one line here, not one per rank
-            return build_on_ranks(args.artifact, args.device, tp, force=args.force, pdl=args.pdl)
+            return build_on_ranks(args.artifact, args.device, tp, force=args.force, pdl=args.pdl,
+                                  norm_linear=args.norm_linear)
         group = join(tp, torch.device(args.device).type, label="hgc build")
         args.rank = group.rank
     try:
         build_bundle(args.artifact, args.device, force=args.force, slots=args.slots,
-                     max_model_len=args.max_model_len, log=log, group=group, pdl=args.pdl)
+                     max_model_len=args.max_model_len, log=log, group=group, pdl=args.pdl,
+                     norm_linear=args.norm_linear)
         if group is not None and not group.leader:
             group.wait_for_stop()  # rank 0 is writing the bundle; it sends STOP when it is done
     finally:
@@ -333,6 +363,11 @@ def add_build_arguments(subparsers) -> None:
                         "Inductor's) with programmatic dependent launch, each starting while the one before it "
                         "drains. Off by default: not yet measured faster (docs/DESIGN.md, \"Programmatic dependent "
                         "launch\")")
+    p.add_argument("--norm-linear", action="store_true",
+                   help="cuda, with the GEMV projections (not a batch-invariant artifact): fold each layer's input "
+                        "RMSNorm, and the residual add before it, into the GEMV of the projection that reads it, one "
+                        "launch fewer per layer at decode. Off by default: not yet measured faster (docs/DESIGN.md, "
+                        "\"Input norms folded into the GEMV\")")
     p.add_argument("--slots", type=int, default=None,
                    help="cuda: state slots of the start-up run (default: the largest decode bucket, so every bucket "
                         "is captured)")

@@ -8,7 +8,7 @@ hgc/errors.py prints it as one line and picks the exit code. Tables go to stdout
 
     hgc lint CKPT [--json]                      trace config.json on the meta device, run the passes, list findings
     hgc compile CKPT -o artifacts/NAME          write an artifact (--force, --link-weights, --plan-only, --inductor,
-                                                --pdl, --tp N, --no-weights)
+                                                --pdl, --norm-linear, --tp N, --no-weights)
     hgc inspect ARTIFACT [--json]               routing table, split plans, sharding, bundles, lints of an artifact
     hgc verify ARTIFACT [--full]                re-hash every file (with --full, linked checkpoint data too)
     hgc backends [--json]                       every backend routing can choose, and where it came from
@@ -221,6 +221,8 @@ def cmd_compile(args) -> int:
         raise UsageError(str(inductor))
     if args.pdl and (why := _pdl_refusal(args, inductor)) is not None:
         raise UsageError(f"--pdl: {why}")
+    if args.norm_linear and (why := _norm_linear_refusal(args, inductor)) is not None:
+        raise UsageError(f"--norm-linear: {why}")
     tools = toolchain()
     if args.plan_only:
         result = plan(args.checkpoint, _config(args), tools, progress=args.progress)
@@ -251,14 +253,15 @@ def cmd_compile(args) -> int:
     if inductor and args.tp > 1:  # the ranks build it together, each in a process of its own
         from hgc.build_command import build_on_ranks
         device = args.target.split(":")[0]
-        code = build_on_ranks(args.output, device, args.tp, force=True, pdl=args.pdl)
+        code = build_on_ranks(args.output, device, args.tp, force=True, pdl=args.pdl, norm_linear=args.norm_linear)
         if code != 0:
+            flags = (" --pdl" if args.pdl else "") + (" --norm-linear" if args.norm_linear else "")
             raise RuntimeError(f"{args.output}: the artifact is written, but building its bundle on {args.tp} ranks "
                                f"failed (exit status {code}, the ranks' errors above); rebuild it with `hgc build "
-                               f"{args.output} --device {device} --force{' --pdl' if args.pdl else ''}`")
+                               f"{args.output} --device {device} --force{flags}`")
     elif inductor:
         from hgc.build_command import build_bundle
-        build_bundle(args.output, args.target, force=True, pdl=args.pdl,
+        build_bundle(args.output, args.target, force=True, pdl=args.pdl, norm_linear=args.norm_linear,
                      log=lambda line: print(f"hgc compile: {line}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps({"artifact": str(args.output), "family": result.traced.family.name, "counts": counts}))
@@ -298,19 +301,32 @@ def _inductor_wanted(args):
     return ValueError(f"--inductor: {problems[0]}") if problems else True
 
 
+def _no_bundle_refusal(args, inductor: bool) -> str | None:
+    """Why a flag that decides something of the target bundle (--pdl, --norm-linear) has nothing to
+    decide: this compile builds no bundle (None: it builds one)."""
+    if inductor:
+        return None
+    problems = [] if args.inductor is False or args.plan_only else _bundle_problems(args)
+    return ("it is a choice of the target bundle, and this compile builds none ("
+            + (problems[0] if problems else "--no-inductor or --plan-only") + ")")
+
+
 def _pdl_refusal(args, inductor: bool) -> str | None:
     """Why `hgc compile --pdl` cannot do what it asks (None: it can): --pdl is a decision of the
     target bundle (hgc/build_command.py `pdl_refusal`), so the compile must build one."""
     from hgc.build_command import pdl_refusal
 
-    why = pdl_refusal(args.target.split(":")[0])
-    if why is not None:
-        return why
-    if not inductor:
-        problems = [] if args.inductor is False or args.plan_only else _bundle_problems(args)
-        return ("it is a choice of the target bundle, and this compile builds none ("
-                + (problems[0] if problems else "--no-inductor or --plan-only") + ")")
-    return None
+    return pdl_refusal(args.target.split(":")[0]) or _no_bundle_refusal(args, inductor)
+
+
+def _norm_linear_refusal(args, inductor: bool) -> str | None:
+    """Why `hgc compile --norm-linear` cannot do what it asks (None: it can): a decision of the target
+    bundle (hgc/build_command.py `norm_linear_refusal`), so the compile must build one, and of its
+    GEMV projections, which a batch-invariant artifact has none of."""
+    from hgc.build_command import norm_linear_refusal
+
+    why = norm_linear_refusal(args.target.split(":")[0], batch_invariant=bool(args.batch_invariant))
+    return why or _no_bundle_refusal(args, inductor)
 
 
 def _no_bundle_note(args) -> str | None:
@@ -496,10 +512,23 @@ def gemv_projections(doc: dict) -> str:
     bundle built without it (cpu, batch-invariant), "-" for one built before it existed."""
     if "small_m_linear" not in doc:
         return "-"
-    if not doc["small_m_linear"]:
-        return "off"
+    return _per_forward(doc, "small_m_linear") if doc["small_m_linear"] else "off"
+
+
+def folded_norms(doc: dict) -> str:
+    """A bundle.json's input norms per forward folded into the projection that reads them (`hgc build
+    --norm-linear`: calls of hgc_glue::add_rms_norm_linear or rms_norm_linear), by program as
+    `gemv_projections` counts; "off" for a bundle built without it (one from before the field too)."""
+    from compiler.splitops.bundle import bundle_norm_linear
+
+    return _per_forward(doc, "norm_linear") if bundle_norm_linear(doc) else "off"
+
+
+def _per_forward(doc: dict, count: str) -> str:
+    """A piece count of bundle.json per program ("main 37, draft 4"): every glue segment counted with
+    its piece's count, so a structure shared by many layers counts once per layer."""
     pieces, programs = doc["pieces"], doc["programs"]
-    return ", ".join(f"{p} {sum(pieces[r['piece']].get('small_m_linear', 0) for r in programs[p] if r['piece'])}"
+    return ", ".join(f"{p} {sum(pieces[r['piece']].get(count, 0) for r in programs[p] if r['piece'])}"
                      for p in sorted(programs, key=lambda p: p != "main"))  # main first
 
 
@@ -513,8 +542,8 @@ def pdl_column(doc: dict) -> str:
 
 def bundle_rows(manifest: dict, root: Path | None = None) -> list[dict]:
     """One row per target bundle of an artifact: what it was built for, and its files; with the
-    artifact's folder `root`, how many projections run through the GEMV op and whether its kernels
-    launch with PDL (its bundle.json)."""
+    artifact's folder `root`, how many projections run through the GEMV op, how many input norms are
+    folded into them and whether its kernels launch with PDL (its bundle.json)."""
     from compiler.splitops.bundle import KERNELS, PIECES, bundle_dir, describe_target, without_rank_dir
 
     rows = []
@@ -530,6 +559,7 @@ def bundle_rows(manifest: dict, root: Path | None = None) -> list[dict]:
         if root is not None and entry.get("bundle"):
             doc = json.loads((Path(root) / entry["bundle"]).read_text())
             rows[-1]["GEMV projections"] = gemv_projections(doc)
+            rows[-1]["folded norms"] = folded_norms(doc)
             rows[-1]["PDL"] = pdl_column(doc)
     return rows
 
@@ -703,6 +733,10 @@ def add_arguments(subparsers) -> None:
     p.add_argument("--pdl", action="store_true",
                    help="build the target bundle with programmatic dependent launch (`hgc build --pdl`: cuda, "
                         "compute capability 9 or more; off by default)")
+    p.add_argument("--norm-linear", action="store_true",
+                   help="build the target bundle with each layer's input RMSNorm (and the residual add before it) "
+                        "folded into the GEMV of the projection that reads it (`hgc build --norm-linear`: cuda, not "
+                        "with --batch-invariant; off by default)")
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)
 

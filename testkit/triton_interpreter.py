@@ -16,6 +16,7 @@ A kernel test module imports this before triton, then:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -209,3 +210,32 @@ def row_independent_dots() -> bool:
     create_dot.testkit_wrapper = True
     builder.create_dot = create_dot
     return True
+
+
+@contextlib.contextmanager
+def nearest_even_bf16_casts():
+    """Inside the block the interpreter casts float32 to bfloat16 as a GPU does, to nearest even;
+    its own cast truncates (seen with triton 3.9), so a kernel's bf16 values differ from torch's
+    in the last bit wherever torch rounds up. With it a kernel that rounds where torch rounds gives
+    torch's bits. Nothing changes where the kernels are not interpreted."""
+    interpreter = _interpreter()
+    builder = getattr(interpreter, "InterpreterBuilder", None) if interpreter is not None else None
+    original = getattr(builder, "cast_impl", None)
+    if original is None:
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return original(self, src, dst_type)
+        data = np.asarray(src.data, dtype=np.float32)
+        bits = torch.from_numpy(data.copy()).bfloat16().view(torch.int16).numpy().view(np.uint16)
+        return interpreter.TensorHandle(bits.reshape(data.shape), dst_type.scalar)
+
+    builder.cast_impl = cast_impl
+    try:
+        yield
+    finally:
+        builder.cast_impl = original

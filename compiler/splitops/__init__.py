@@ -12,7 +12,8 @@
     rows.py        row orders: rows a checkpoint stores per group and a model holds per segment
     bundle.py      the target bundle format: compiled code for one device and torch build, and its target
     glue.py        where a program's glue is cut from its op cores (what Inductor compiles)
-    glue_ops.py    ops of the compiled glue (hgc_glue::small_m_linear), not op cores; imported where pieces load
+    glue_ops.py    ops of the compiled glue (hgc_glue::small_m_linear, the input norm folded into a projection),
+                   not op cores; imported where pieces load
     errors.py      CompileError, raised and caught by every layer above
 """
 

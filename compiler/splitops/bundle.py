@@ -28,6 +28,8 @@ bundle.json, whose HMAC signature (runtime/artifact/signing.py) says which insta
    (`INDUCTOR_CONFIG` per device type, and Inductor's PDL setting for a bundle built with --pdl).
    Kernel file names are keyed by the compile command, so both sides must use the same settings:
    bundle.json records them and whether the bundle was built with --pdl (`bundle_pdl` reads it).
+4. `bundle_norm_linear(doc)`: whether the bundle was built with --norm-linear (its pieces call
+   hgc_glue::add_rms_norm_linear for the input norms; each piece's `norm_linear` says how many).
 
 What it does not do: compile (compiler/inductor_pieces.py), sign or check (runtime/artifact/signing.py,
 runtime/artifact/bundle.py), or write the artifact (compiler/artifact_writer.py).
@@ -46,7 +48,7 @@ import torch
 from .artifact import FORMAT_NAME, FORMAT_VERSION, ArtifactFormatError, check_format, dump_json
 
 __all__ = ["TARGETS", "BUNDLE", "PIECES", "KERNELS", "INDUCTOR_CONFIG", "INDUCTOR_PDL", "CACHE_ENV", "CACHE_SETTINGS",
-           "cache_env", "inductor_config", "inductor_has_pdl", "bundle_pdl", "pin_triton_ptxas",
+           "cache_env", "inductor_config", "inductor_has_pdl", "bundle_pdl", "bundle_norm_linear", "pin_triton_ptxas",
            "NOT_REPRODUCIBLE", "not_reproducible", "target_facts", "target_key", "describe_target",
            "facts_differences", "bundle_doc", "signed_payload", "parse_bundle_doc", "bundle_dir", "executable_summary",
            "rank_dir", "without_rank_dir"]
@@ -105,6 +107,12 @@ def bundle_pdl(doc: dict) -> bool:
     """Whether a bundle.json says its kernels launch with PDL (`hgc build --pdl`); a bundle built
     before the field existed did not."""
     return bool(doc.get("pdl", False))
+
+
+def bundle_norm_linear(doc: dict) -> bool:
+    """Whether a bundle.json says its input norms were folded into their projections (`hgc build
+    --norm-linear`); a bundle built before the field existed did not fold them."""
+    return bool(doc.get("norm_linear", False))
 
 # kernels/<cache>/ in a bundle <-> the environment variable that points its library at that cache.
 # The build empties and fills these folders; a run points them at its checked copy of the bundle's.
@@ -268,18 +276,22 @@ def executable_summary(files) -> str:
 
 
 def bundle_doc(key: str, facts: dict, programs: dict, programs_sha256: dict, pieces: dict, files: dict,
-               seconds: float, hgc: str, ranks: int = 1, small_m: bool = False, pdl: bool = False) -> dict:
+               seconds: float, hgc: str, ranks: int = 1, small_m: bool = False, pdl: bool = False,
+               norm_linear: bool = False) -> dict:
     """bundle.json without its signature. programs: program -> segment records (glue.GlueSegment.to_json()
     plus the piece file that runs it, or None); programs_sha256: program -> SHA-256 of the .pt2 it was
-    built from; pieces: file -> {structure, code_sha256, nodes, small_m_linear} (rank 0's, where there
+    built from; pieces: file -> {structure, code_sha256, nodes, small_m_linear, norm_linear} (rank 0's, where there
     are ranks); files: path inside the bundle -> SHA-256; ranks: the tensor-parallel ranks it holds
     pieces for; small_m: whether the glue's projections were rewritten to the GEMV op
     (compiler/splitops/glue_ops.py; each piece's `small_m_linear` says how many it calls); pdl:
     whether the kernels launch with programmatic dependent launch (`hgc build --pdl`: the pieces
-    built with `inductor_config`'s PDL setting, the backends' kernels switched on at load)."""
+    built with `inductor_config`'s PDL setting, the backends' kernels switched on at load); norm_linear:
+    whether the input norms were folded into their projections (`hgc build --norm-linear`; each
+    piece's `norm_linear` says how many)."""
     return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "target": key, "facts": facts,
             **({"ranks": ranks} if ranks > 1 else {}),
             "inductor_config": inductor_config(facts["device"], pdl), "small_m_linear": small_m, "pdl": pdl,
+            "norm_linear": norm_linear,
             "programs": programs,
             "programs_sha256": programs_sha256, "pieces": pieces, "files": files,
             "not_reproducible": not_reproducible(files),
@@ -304,8 +316,9 @@ def parse_bundle_doc(doc, source: str) -> dict:
             if r.get("piece") is not None and r["piece"] not in doc["pieces"]:
                 raise ArtifactFormatError(f"{source}: programs.{program} segment {r.get('index')} names piece "
                                           f"{r['piece']!r}, which 'pieces' does not list")
-    if not isinstance(doc.get("pdl", False), bool):
-        raise ArtifactFormatError(f"{source}: field 'pdl' must be true or false, not {doc['pdl']!r}")
+    for flag in ("pdl", "norm_linear"):
+        if not isinstance(doc.get(flag, False), bool):
+            raise ArtifactFormatError(f"{source}: field {flag!r} must be true or false, not {doc[flag]!r}")
     ranks = doc.get("ranks", 1)
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise ArtifactFormatError(f"{source}: field 'ranks' must be a positive integer, not {ranks!r}")

@@ -19,17 +19,38 @@ glue cut (compiler/splitops/glue.py) look at the `hgc` namespace only, so a glue
    than cuBLAS, `F.linear` for everything else. Chosen per call, from the call's shapes: one
    compiled piece serves every bucket.
 
+`add_rms_norm_linear(a, b, norm_weight, weight, eps, unit_offset) -> (out, summed)` and
+`rms_norm_linear(x, norm_weight, weight, eps, unit_offset) -> out`: a layer's input RMSNorm
+(models/common.py `RMSNorm`), with the residual add before it in the first, and the projection that
+reads the normed row, as one op. summed = a + b in the activation dtype (the residual stream the
+glue carries on); out = linear(RMSNorm(summed or x), weight), the normed row rounded to the
+activation dtype before the product, as the glue rounds it.
+1. Defined here, as small_m_linear is: their CompositeExplicitAutograd kernels are the traced
+   glue's own ops (`rms_norm_rows`, then F.linear), so on the CPU a rewritten segment gives the
+   bits it gave before; fake kernels give the shapes.
+2. `use_norm_linear(gm)`: the rewrite compile_glue runs after `use_small_m_linear` where
+   hgc/build_command.py asks for it (`hgc build --norm-linear`; docs/DESIGN.md, "Input norms
+   folded into the GEMV (`--norm-linear`)").
+3. The runtime registers their CUDA kernels beside small_m_linear's (runtime/backends/glue_kernels.py):
+   a GEMV with the norm in its prologue where small_m_linear would take the GEMV, else one row
+   kernel for the add and the norm, then F.linear.
+
 What it does not do: decide which device runs the GEMV (the kernel registration does), or touch an
 op core's arguments.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
+from typing import Optional
+
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-__all__ = ["NAMESPACE", "SMALL_M_LINEAR", "use_small_m_linear"]
+__all__ = ["NAMESPACE", "SMALL_M_LINEAR", "ADD_RMS_NORM_LINEAR", "RMS_NORM_LINEAR", "rms_norm_rows",
+           "use_small_m_linear", "use_norm_linear"]
 
 NAMESPACE = "hgc_glue"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: kept for the process: dropping it undefines the op
@@ -86,5 +107,259 @@ def use_small_m_linear(gm: torch.fx.GraphModule) -> int:
         gm.graph.erase_node(node)
         count += 1
     if count:
+        gm.recompile()
+    return count
+
+
+# -- a layer's input norm folded into the projection that reads it ----------------------------------
+
+_LIB.define("add_rms_norm_linear(Tensor a, Tensor b, Tensor norm_weight, Tensor weight, float eps, bool unit_offset)"
+            " -> (Tensor, Tensor)")
+_LIB.define("rms_norm_linear(Tensor x, Tensor norm_weight, Tensor weight, float eps, bool unit_offset) -> Tensor")
+
+
+def rms_norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """models/common.py RMSNorm.forward, op for op as the glue traces it: x's rows normalised in
+    float32, scaled by (w + 1) or w in float32, rounded to x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = norm_weight.float()
+    return (xf * (w + 1.0) if unit_offset else xf * w).to(x.dtype)
+
+
+def _add_norm_reference(a, b, norm_weight, weight, eps: float, unit_offset: bool):
+    summed = a + b
+    return F.linear(rms_norm_rows(summed, norm_weight, eps, unit_offset), weight), summed
+
+
+def _norm_reference(x, norm_weight, weight, eps: float, unit_offset: bool):
+    return F.linear(rms_norm_rows(x, norm_weight, eps, unit_offset), weight)
+
+
+def _add_norm_fake(a, b, norm_weight, weight, eps: float, unit_offset: bool):
+    return a.new_empty([*a.shape[:-1], weight.shape[0]]), torch.empty_like(a, memory_format=torch.contiguous_format)
+
+
+def _norm_fake(x, norm_weight, weight, eps: float, unit_offset: bool):
+    return x.new_empty([*x.shape[:-1], weight.shape[0]])
+
+
+_LIB.impl("add_rms_norm_linear", _add_norm_reference, "CompositeExplicitAutograd")
+_LIB.impl("rms_norm_linear", _norm_reference, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::add_rms_norm_linear", _add_norm_fake, lib=_LIB)
+torch.library.register_fake(f"{NAMESPACE}::rms_norm_linear", _norm_fake, lib=_LIB)
+
+ADD_RMS_NORM_LINEAR = torch.ops.hgc_glue.add_rms_norm_linear.default
+RMS_NORM_LINEAR = torch.ops.hgc_glue.rms_norm_linear.default
+
+_aten = torch.ops.aten
+_ASSERT = _aten._assert_tensor_metadata.default  # export's dtype checks: readers that compute nothing
+
+
+@dataclasses.dataclass
+class _InputNorm:
+    """An RMSNorm whose normed row only a projection reads, as the rewrite found it: `row` is the
+    norm's input, `to_float` its cast to float32, `nodes` the norm's own nodes (the projection and
+    the cast back to the activation dtype first, to_float last: the order they are erased in)."""
+
+    projection: torch.fx.Node
+    row: torch.fx.Node
+    to_float: torch.fx.Node
+    nodes: list[torch.fx.Node]
+    norm_weight: torch.fx.Node
+    weight: torch.fx.Node
+    eps: float
+    unit_offset: bool
+
+
+def _call(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _val(node) -> Optional[torch.Tensor]:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [u for u in node.users if u.target is not _ASSERT]
+
+
+def _read_only_by(node, reader: torch.fx.Node) -> bool:
+    return _readers(node) == [reader]
+
+
+def _same_sizes(x, y) -> bool:
+    """Whether two shapes are equal as traced, symbolic sizes included, without adding a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(x) == len(y) and all(statically_known_true(p == q) for p, q in zip(x, y))
+
+
+def _cast_to(node) -> Optional[torch.dtype]:
+    """The dtype a plain cast converts to (`aten.to.dtype`, or `_to_copy` with a dtype only), else None."""
+    if _call(node, _aten.to.dtype):
+        plain = len(node.args) == 2 and not any(node.kwargs.values())  # no copy, non_blocking or memory format
+        return node.args[1] if plain else None
+    if _call(node, _aten._to_copy.default) and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
+        return node.kwargs["dtype"]
+    return None
+
+
+def _projection_of(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(input row, weight) of a plain projection (`_plain_projection`) or a call of small_m_linear
+    (which use_small_m_linear made of one), else None."""
+    if _plain_projection(node):
+        return node.args[0], node.args[1]
+    if _call(node, SMALL_M_LINEAR) and node.args[1].op == "placeholder":
+        return node.args[0], node.args[1]
+    return None
+
+
+def _scale_of(node) -> Optional[tuple[torch.fx.Node, bool, list[torch.fx.Node]]]:
+    """(norm weight, unit_offset, its nodes) where node is the norm's float32 scale: `to(w, float32)`
+    or `add(to(w, float32), 1.0)` of a placeholder w; else None."""
+    unit_offset = _call(node, _aten.add.Tensor) and len(node.args) == 2 and not node.kwargs and node.args[1] == 1.0
+    cast = node.args[0] if unit_offset else node
+    if _cast_to(cast) != torch.float32 or not isinstance(cast.args[0], torch.fx.Node) or \
+            cast.args[0].op != "placeholder":
+        return None
+    if unit_offset and not _read_only_by(cast, node):
+        return None
+    return cast.args[0], unit_offset, [node, cast] if unit_offset else [cast]
+
+
+def _normalized_of(node) -> Optional[tuple[torch.fx.Node, float, list[torch.fx.Node]]]:
+    """(the float32 row x, eps, the nodes) where node is `mul(x, rsqrt(add(mean(pow(x, 2), [-1],
+    True), eps)))`, its factors in either order; else None."""
+    if not _call(node, _aten.mul.Tensor) or len(node.args) != 2:
+        return None
+    for x, rsqrt in (node.args, node.args[::-1]):
+        if not _call(rsqrt, _aten.rsqrt.default) or not _read_only_by(rsqrt, node):
+            continue
+        plus = rsqrt.args[0]
+        if not _call(plus, _aten.add.Tensor) or plus.kwargs or not isinstance(plus.args[1], (int, float)):
+            continue
+        mean = plus.args[0]
+        if not _call(mean, _aten.mean.dim) or mean.kwargs or list(mean.args[1:]) not in ([[-1], True], [[1], True]):
+            continue
+        square = mean.args[0]
+        if not _call(square, _aten.pow.Tensor_Scalar) or square.args[1] != 2 or square.args[0] is not x:
+            continue
+        if not (_read_only_by(plus, rsqrt) and _read_only_by(mean, plus) and _read_only_by(square, mean)):
+            continue
+        return x, float(plus.args[1]), [node, rsqrt, plus, mean, square]
+    return None
+
+
+def _input_norm(projection: torch.fx.Node) -> Optional[_InputNorm]:
+    """The RMSNorm (models/common.py) whose normed row only this projection reads, else None:
+    `y = to(mul(normalized, scale), A)` with A the row's dtype, normalized and scale as
+    `_normalized_of` and `_scale_of` say, the float32 row `to(row, float32)` of a 2-D row of A."""
+    found = _projection_of(projection)
+    if found is None:
+        return None
+    y, weight = found
+    row_value = _val(y)
+    if row_value is None or _cast_to(y) != row_value.dtype or not _read_only_by(y, projection):
+        return None
+    product = y.args[0]
+    if not _call(product, _aten.mul.Tensor) or len(product.args) != 2 or not _read_only_by(product, y):
+        return None
+    for normalized, scale in (product.args, product.args[::-1]):
+        norm, scaled = _normalized_of(normalized), _scale_of(scale)
+        if norm is None or scaled is None or not _read_only_by(normalized, product) or \
+                not _read_only_by(scale, product):
+            continue
+        to_float, eps, norm_nodes = norm
+        norm_weight, unit_offset, scale_nodes = scaled
+        row = to_float.args[0] if _cast_to(to_float) == torch.float32 else None
+        value, w = _val(row), _val(norm_weight)
+        if value is None or w is None or value.dtype != row_value.dtype or value.dim() != 2 or \
+                not _same_sizes(w.shape, value.shape[1:]):
+            continue
+        # the float32 row has readers of its own only where the cast is no cast (a float32 row): the
+        # residual stream, read as the row itself
+        if value.dtype != torch.float32 and set(_readers(to_float)) != {norm_nodes[0], norm_nodes[-1]}:
+            continue
+        return _InputNorm(projection, row, to_float, [projection, y, product, *scale_nodes, *norm_nodes, to_float],
+                          norm_weight, weight, eps, unit_offset)
+    return None
+
+
+def _residual_sum(row: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(a, b) where row is `add(a, b)` of two tensors of its own shape and dtype, else None."""
+    if not _call(row, _aten.add.Tensor) or len(row.args) != 2 or row.kwargs:
+        return None
+    a, b = row.args
+    value, va, vb = _val(row), _val(a), _val(b)
+    same = all(v is not None and v.dtype == value.dtype and _same_sizes(v.shape, value.shape) for v in (va, vb))
+    return (a, b) if same else None
+
+
+def _erase(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
+    """Erase `nodes`, readers first, each with export's dtype checks of it."""
+    for node in nodes:
+        for check in [u for u in node.users if u.target is _ASSERT]:
+            graph.erase_node(check)
+        graph.erase_node(node)
+
+
+def _fold(graph: torch.fx.Graph, norm: _InputNorm) -> None:
+    """Replace the norm and its projection with one op call: add_rms_norm_linear where the row is a
+    residual sum (the op's summed takes the sum's place for its other readers), else rms_norm_linear."""
+    args = (norm.norm_weight, norm.weight, norm.eps, norm.unit_offset)
+    summands = _residual_sum(norm.row)
+    if summands is not None:
+        with graph.inserting_after(norm.row):  # before any other reader of the sum
+            call = graph.call_function(ADD_RMS_NORM_LINEAR, (*summands, *args))
+        with graph.inserting_after(call):
+            summed = graph.call_function(operator.getitem, (call, 1))
+        with graph.inserting_after(call):
+            out = graph.call_function(operator.getitem, (call, 0))
+        call.meta = {**norm.projection.meta, "val": (_val(norm.projection), _val(norm.row))}
+        out.meta, summed.meta = dict(norm.projection.meta), dict(norm.row.meta)
+        row = summed
+    else:
+        with graph.inserting_before(norm.projection):
+            out = call = graph.call_function(RMS_NORM_LINEAR, (norm.row, *args))
+        call.meta = dict(norm.projection.meta)
+        row = norm.row
+    norm.projection.replace_all_uses_with(out)
+    for reader in _readers(norm.to_float):  # a float32 row's own readers (`_input_norm`) read the row
+        if reader not in norm.nodes:
+            reader.replace_input_with(norm.to_float, row)
+    _erase(graph, norm.nodes)
+    if summands is not None:
+        norm.row.replace_all_uses_with(summed)
+        _erase(graph, [norm.row])
+
+
+def use_norm_linear(gm: torch.fx.GraphModule) -> int:
+    """Step 2: each RMSNorm (models/common.py) whose normed row only a projection reads, and the
+    residual add before it, becomes one call of add_rms_norm_linear (rms_norm_linear where the
+    norm's input is not such a sum: the embedding's output); how many. The projection is a plain
+    one (`_plain_projection`) or a call of small_m_linear (the rewrite runs after
+    use_small_m_linear), the norm's weight a graph input. Anything else stays as it was: a norm
+    whose row another node reads too (the post-attention norm that feeds the MoE op, a dense MLP's
+    two projections), the final norm (the logits' rows are indexed first), a norm of another form
+    (Kimi's KimiRMSNorm scales after rounding).
+
+    The traced form, node by node: `h = add(a, b)`, `x = to(h, float32)`, `mul(x, rsqrt(add(mean(
+    pow(x, 2), [-1], True), eps)))` times `to(w, float32)` (or `add(to(w, float32), 1.0)` with a unit
+    offset), `to(.., A)` with A h's dtype, then the projection. In a float32 program `x` is h itself
+    (the cast is none), and the residual stream is read from it. Export's dtype checks
+    (`_assert_tensor_metadata`) of the norm's nodes are erased with them."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node._erased:  # a node of a norm folded before
+            continue
+        norm = _input_norm(node)
+        if norm is None:
+            continue
+        _fold(gm.graph, norm)
+        count += 1
+    if count:
+        gm.graph.lint()
         gm.recompile()
     return count

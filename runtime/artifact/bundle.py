@@ -405,8 +405,9 @@ def _load_pieces(base: Path, doc: dict, rank: int = 0, programs: tuple[str, ...]
 
 
 def _cuda_kernels_for(doc: dict) -> None:
-    """What a cuda bundle's pieces and start-up launch: the GEMV op's kernel registered (its
-    projections call hgc_glue::small_m_linear), and programmatic dependent launch on or off as the
+    """What a cuda bundle's pieces and start-up launch: the glue ops' kernels registered (its
+    projections call hgc_glue::small_m_linear, and with --norm-linear its input norms
+    add_rms_norm_linear or rms_norm_linear), and programmatic dependent launch on or off as the
     bundle was built (`hgc build --pdl`), before any capture: the build's start-up and every run
     then launch, and the bundle holds, the same kernels (launch_pdl is part of a Triton kernel's key)."""
     from runtime.backends import glue_kernels

@@ -1,20 +1,26 @@
-"""The CUDA kernel of the compiled glue's projection op, `hgc_glue::small_m_linear` (compiler/splitops/glue_ops.py).
+"""The CUDA kernels of the compiled glue's projection ops (compiler/splitops/glue_ops.py).
 
 A cuda bundle built without --batch-invariant compiles each plain projection of the glue as a call
-of that op (hgc/build_command.py `small_m_for`); Inductor leaves the call in the piece, and this
-module says what it runs:
+of `hgc_glue::small_m_linear` (hgc/build_command.py `small_m_for`), and with --norm-linear a layer's
+input norm with its projection as a call of `hgc_glue::add_rms_norm_linear` or `rms_norm_linear`;
+Inductor leaves the calls in the piece, and this module says what they run:
 
-1. `register()` installs `project` as the op's CUDA kernel, for the process (runtime/artifact/bundle.py
-   calls it before it loads a cuda bundle's pieces). A second call does nothing.
+1. `register()` installs `project` as small_m_linear's CUDA kernel and `add_norm_project` /
+   `norm_project` as the norm ops', for the process (runtime/artifact/bundle.py calls it before it
+   loads a cuda bundle's pieces). A second call does nothing.
 2. `project(x, weight)`, per call: x [M, K] with M <= MAX_ROWS, in bf16, whose (N, K, row bucket)
    CONFIGS lists (runtime/backends/kernels/gemv.py: the shapes where the one-launch GEMV beat cuBLAS
    by 5% or more on an H200), both with a contiguous last dimension -> `small_m_linear`, one launch;
    anything else (a prompt's many rows, a shape or dtype not measured) -> F.linear, what the traced
    glue runs. The choice is made when the call runs, so inside a CUDA graph it is the one made at
    capture: a decode bucket's step replays its GEMVs.
-3. `torch_only()`: while it is open, `project` takes F.linear always (an A/B of the same bundle:
-   benchmarks/kernels/step_account.py --torch-projections). It acts on what runs or is captured
-   inside it, not on graphs captured before.
+3. `add_norm_project(a, b, norm_weight, weight, eps, unit_offset)` and `norm_project(x, ...)`, per
+   call: where `project` would take the GEMV for the normed row (`takes_norm_gemv`: the same test
+   on a), the GEMV with the norm in its prologue (runtime/backends/kernels/norm_gemv.py), one
+   launch; anything else -> norm_gemv's row kernel (the add and the norm, one launch), then F.linear.
+4. `torch_only()`: while it is open, `project` takes F.linear always and the norm ops their row
+   kernel and F.linear (an A/B of the same bundle: benchmarks/kernels/step_account.py
+   --torch-projections). It acts on what runs or is captured inside it, not on graphs captured before.
 
 Only bf16: CONFIGS were timed in bf16 (gemv.py), and a float32 product reads twice the bytes, for
 which nobody measured the kernel against cuBLAS. The GEMV's bits follow the row bucket (its config),
@@ -33,7 +39,8 @@ import torch.nn.functional as F
 
 from compiler.splitops import glue_ops
 
-__all__ = ["project", "register", "registered", "takes_gemv", "torch_only"]
+__all__ = ["add_norm_project", "norm_project", "project", "register", "registered", "takes_gemv", "takes_norm_gemv",
+           "torch_only"]
 
 _LIB: Optional[torch.library.Library] = None  # kept here: dropping the Library unregisters the kernel
 _torch_only = False  # torch_only() sets it: an A/B switch, read at each call
@@ -44,6 +51,12 @@ MEASURED_DTYPE = torch.bfloat16  # the dtype CONFIGS were timed in
 def _gemv():
     """runtime/backends/kernels/gemv.py, on first use (it imports triton; a CPU-only install never calls)."""
     return importlib.import_module("runtime.backends.kernels.gemv")
+
+
+@functools.cache
+def _norm_gemv():
+    """runtime/backends/kernels/norm_gemv.py, on first use (as `_gemv`)."""
+    return importlib.import_module("runtime.backends.kernels.norm_gemv")
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -66,14 +79,55 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def takes_norm_gemv(a: torch.Tensor, b: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                    weight: torch.Tensor) -> bool:
+    """Step 3's choice: whether the norm ops run this call as the GEMV with the norm in its prologue:
+    where `project` would take the GEMV for the normed row (a's shape, dtype and strides), b (when
+    given) like a, the norm weight one contiguous float row."""
+    if not takes_gemv(a, weight):
+        return False
+    if b is not None and (b.shape != a.shape or b.dtype != a.dtype or b.stride(1) != 1):
+        return False
+    return norm_weight.dim() == 1 and norm_weight.is_floating_point() and norm_weight.stride(0) == 1
+
+
+def _norm_rows_then_linear(a, b, norm_weight, weight, eps: float, unit_offset: bool):
+    """Step 3's other path: the row kernel on [rows, K] views (any leading dims), then F.linear;
+    (out, summed or None)."""
+    K = a.shape[-1]
+    flat = [t.reshape(-1, K) if t is not None else None for t in (a, b)]
+    flat = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in flat]
+    normed, summed = _norm_gemv().add_rms_norm_rows(*flat, norm_weight.contiguous(), eps, unit_offset)
+    out = F.linear(normed.view(a.shape), weight)
+    return out, summed.view(a.shape) if summed is not None else None
+
+
+def add_norm_project(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                     eps: float, unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_linear: (linear(RMSNorm(a + b), weight), a + b), contiguous: step 3."""
+    if takes_norm_gemv(a, b, norm_weight, weight):
+        return _norm_gemv().add_rms_norm_gemv(a, b, norm_weight, weight, eps, unit_offset)
+    return _norm_rows_then_linear(a, b, norm_weight, weight, eps, unit_offset)
+
+
+def norm_project(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool) -> torch.Tensor:
+    """rms_norm_linear: linear(RMSNorm(x), weight), contiguous: step 3 without the add."""
+    if takes_norm_gemv(x, None, norm_weight, weight):
+        return _norm_gemv().add_rms_norm_gemv(x, None, norm_weight, weight, eps, unit_offset)[0]
+    return _norm_rows_then_linear(x, None, norm_weight, weight, eps, unit_offset)[0]
+
+
 def register() -> None:
-    """Step 1: `project` as hgc_glue::small_m_linear's CUDA kernel (the CompositeExplicitAutograd
-    F.linear of glue_ops still serves every other device)."""
+    """Step 1: the ops' CUDA kernels (the CompositeExplicitAutograd references of glue_ops still
+    serve every other device)."""
     global _LIB
     if _LIB is not None:
         return
     lib = torch.library.Library(glue_ops.NAMESPACE, "IMPL")
     lib.impl("small_m_linear", project, "CUDA")
+    lib.impl("add_rms_norm_linear", add_norm_project, "CUDA")
+    lib.impl("rms_norm_linear", norm_project, "CUDA")
     _LIB = lib
 
 
@@ -83,7 +137,7 @@ def registered() -> bool:
 
 @contextlib.contextmanager
 def torch_only():
-    """Step 3: F.linear for every call made inside the block."""
+    """Step 4: F.linear for every projection made inside the block."""
     global _torch_only
     before, _torch_only = _torch_only, True
     try:

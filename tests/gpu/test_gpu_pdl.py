@@ -11,8 +11,8 @@ for bit. The kernels are also checked to have been compiled with launch_pdl on t
 
 Families: the GEMV (one, two and four rows: its one-step, DOT and looped paths), the MoE (the token
 path at batch 1, the sorted path at 32 and 256 tokens), the GDN decode (the split at batch 1, the
-one launch, the four unfused launches at batch 8), and GQA attention (the K/V store, the split pass
-and its combine) at batch 1 and 8.
+one launch, the four unfused launches at batch 8), GQA attention (the K/V store, the split pass
+and its combine) and MLA attention (the split pass from the page table and the combine) at batch 1 and 8.
 
 Runs only on the GPU machine (`pytest -m gpu`); skipped below compute capability 9.
 """
@@ -227,3 +227,34 @@ def test_gqa_chain(pdl, B):
         return run, {**outs, **{f"{side}_cache{i}": c for i, pair in enumerate(caches) for side, c in zip("kv", pair)}}
 
     same_bits(pdl, make, [_store_rows_kernel, gqa._gqa_split_kernel, split_kv._combine_kernel])
+
+
+# -- MLA attention -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B", [1, 8])
+def test_mla_chain(pdl, B):
+    """Two MLA layers' decode from the page table (kimi_linear's and bailing_linear's full layers: a
+    latent of 512, a rope part of 64): each attends over 300 cached latents; the second layer's
+    latent query is the first's output."""
+    from runtime.backends.kernels import mla, split_kv
+
+    R, P, pages_per_req, seq_len = 512, 64, 32, 300
+
+    def make(seed):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        caches = [randn(g, B * pages_per_req, PAGE, R + P) for _ in range(2)]
+        table = torch.arange(B * pages_per_req, dtype=torch.int32, device=DEV).view(B, pages_per_req)
+        lens = torch.full((B,), seq_len, dtype=torch.int32, device=DEV)
+        q_lat, q_rope = randn(g, B, HQ, R), randn(g, B, HQ, P)
+        outs = {f"out{i}": torch.empty(B, HQ, R, dtype=torch.bfloat16, device=DEV) for i in range(2)}
+
+        def run():
+            q = q_lat
+            for i, cache in enumerate(caches):
+                mla.triton_mla_attention_paged(q, q_rope, cache[..., :R], cache[..., R:], table, lens, 1,
+                                               outs[f"out{i}"], (R + P) ** -0.5)
+                q = outs[f"out{i}"]
+        return run, outs
+
+    same_bits(pdl, make, [mla._mla_split_kernel, split_kv._combine_kernel])

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv
+from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
 from runtime.backends.kernels.split_kv import (LOG2E, combine_splits, num_splits_for, paged_tile, round_keys,
                                               softmax_step, split_chunks, split_layout, split_result)
@@ -62,12 +63,14 @@ def _mla_split_kernel(q_lat, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_po
                       rows_per_req, num_heads, page_size, scale_log2, num_splits, num_seqs,
                       R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr, PRECISION: tl.constexpr,
-                      FROM_TABLE: tl.constexpr, VARLEN: tl.constexpr):
+                      FROM_TABLE: tl.constexpr, VARLEN: tl.constexpr, USE_GDC: tl.constexpr):
     # FROM_TABLE: `pages` is the page table [B, s_pt] and `seq_lens` gives each row its position
     # (kv_indptr, row_req, row_pos unused); else `pages` is kv_indices, found through the row arrays.
     # VARLEN (with FROM_TABLE): `kv_indptr` is query_start_loc [num_seqs+1], which gives each row
     # its request; else every request of the table has rows_per_req rows.
     # SPLIT_TOKENS: 0, the default shares; else fixed splits (triton_split_kv.split_chunks).
+    # USE_GDC: launched with PDL (pdl.py); the query, the cache and the tables are the step's: it waits first.
+    pdl_wait(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -209,5 +212,6 @@ def _launch(q_latent, q_rope, ckv, kpe, pages, kv_indptr, row_req, row_pos, seq_
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), s_pt,
         rows_per_req, H, ckv.shape[1], scale * LOG2E, num_splits, varlen_seqs,
         R=R, P=P, P_PAD=max(16, P), BLOCK_H=block_h, BLOCK_N=block_n, SPLIT_TOKENS=split_tokens,
-        PRECISION=precision, FROM_TABLE=from_table, VARLEN=varlen_seqs > 0, num_warps=8, num_stages=2)
+        PRECISION=precision, FROM_TABLE=from_table, VARLEN=varlen_seqs > 0, num_warps=8, num_stages=2,
+        **launch_args(q_latent.device))
     combine_splits(part_o, part_lse, out, num_splits)

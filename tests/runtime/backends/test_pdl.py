@@ -3,7 +3,8 @@
 1. Every decode kernel that takes PDL, compiled for sm90 with USE_GDC True and launch_pdl: its PTX
    holds `griddepcontrol.wait` and `griddepcontrol.launch_dependents`, no path from its entry
    writes before a wait, and none reads before one except in the kernels that may stream weights
-   ahead of it (the one-step GEMV must: its weight load comes first, x after the wait). With USE_GDC
+   ahead of it (the one-step GEMVs must, the plain one and the one with the input norm in its
+   prologue: their weight loads come first, the rows after the wait). With USE_GDC
    False the kernel's Triton IR holds neither operation (the PTX instructions are made from them
    only), so no instruction of either kind can appear. The signatures come from the real launch
    sites: each is run once under Triton's interpreter with the kernel's run recorded, not executed,
@@ -41,7 +42,7 @@ HK, HV, DK, DV, KW = 16, 32, 128, 128, 4  # its GDN layers
 PAGE = 16
 
 # Kernels whose programs may read weights before the wait (pdl.py's rule): the GEMVs.
-PREFETCH = {"gemv one step", "moe._logits_gemv_kernel"}
+PREFETCH = {"gemv one step", "norm gemv one step", "moe._logits_gemv_kernel"}
 WRITES = ("st.global", "atom.", "red.", "cp.reduce.async", "st.async")
 READS = ("ld.global", "cp.async")
 WAIT, LAUNCH = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
@@ -77,7 +78,7 @@ def record(launch_all) -> list[Launch]:
     what a GPU compiles."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from runtime.backends.kernels import gemv, moe
+    from runtime.backends.kernels import gemv, moe, norm_gemv
 
     seen: list[Launch] = []
 
@@ -90,7 +91,7 @@ def record(launch_all) -> list[Launch]:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(InterpretedFunction, "run", run)
-        for module in (gemv, moe):
+        for module in (gemv, moe, norm_gemv):
             mp.setattr(module, "triton_interpreted", lambda: False)
         launch_all()
     return seen
@@ -114,6 +115,22 @@ def gemv_launches() -> dict[str, Launch]:
     out = {}
     for case, (m, n, k) in cases.items():
         (out[case],) = record(lambda: small_m_linear(_bf16(m, k), _bf16(n, k)))
+    return out
+
+
+def norm_gemv_launches() -> dict[str, Launch]:
+    """The input norm folded into its projection (norm_gemv.py): the GEMV's three paths as
+    `gemv_launches` takes them (the one-row and two-row GDN input projection; an FMA loop over K 4096),
+    and the row kernel reading a row of 2048 once and one of 16384 in steps."""
+    from runtime.backends.kernels.norm_gemv import ROW_BLOCK_MAX, add_rms_norm_gemv, add_rms_norm_rows
+
+    gemvs = {"norm gemv one step": (1, 12352, 2048), "norm gemv dot": (2, 12352, 2048),
+             "norm gemv fma loop": (2, 2048, 4096)}
+    out = {}
+    for case, (m, n, k) in gemvs.items():
+        (out[case],) = record(lambda: add_rms_norm_gemv(_bf16(m, k), _bf16(m, k), _bf16(k), _bf16(n, k), 1e-6, True))
+    for case, k in {"norm rows": D, "norm rows loop": 2 * ROW_BLOCK_MAX}.items():
+        (out[case],) = record(lambda: add_rms_norm_rows(_bf16(64, k), _bf16(64, k), _bf16(k), 1e-6, True))
     return out
 
 
@@ -177,6 +194,22 @@ def attention_launches() -> list[Launch]:
     return record(step)
 
 
+def mla_launches() -> list[Launch]:
+    """An MLA layer's decode launch at batch 1 from the page table (kimi_linear's and bailing_linear's
+    full layers: a latent of 512 and a rope part of 64); its combine is split_kv's, as GQA's."""
+    from runtime.backends.kernels.mla import triton_mla_attention_paged
+
+    R, P, H = 512, 64, 16
+    cache = _bf16(64, PAGE, R + P)
+
+    def step():
+        triton_mla_attention_paged(_bf16(1, H, R), _bf16(1, H, P), cache[..., :R], cache[..., R:],
+                                   torch.zeros(1, 32, dtype=torch.int32), torch.full((1,), 300, dtype=torch.int32), 1,
+                                   _bf16(1, H, R), (R + P) ** -0.5)
+
+    return record(step)
+
+
 def label(launch: Launch) -> str:
     """A kernel's name in these tests: its module's last name and its own (two modules have a _combine_kernel)."""
     return f"{launch.module.rsplit('.', 1)[-1]}.{launch.name}"
@@ -184,6 +217,7 @@ def label(launch: Launch) -> str:
 
 # The kernels that take PDL (each launched with USE_GDC), by label.
 KERNELS = {"gemv one step", "gemv dot", "gemv fma loop",
+           "norm gemv one step", "norm gemv dot", "norm gemv fma loop", "norm rows", "norm rows loop",
            *(f"moe.{k}" for k in ("_logits_gemv_kernel", "_logits_kernel", "_route_kernel", "_route_sort_kernel",
                                   "_align_count_kernel", "_align_kernel", "_gate_up_sorted_kernel",
                                   "_down_sorted_kernel", "_combine_kernel", "_gate_up_token_kernel",
@@ -191,15 +225,16 @@ KERNELS = {"gemv one step", "gemv dot", "gemv fma loop",
            *(f"gdn_fused.{k}" for k in ("_split_prep_kernel", "_split_core_kernel", "_gdn_fused_decode_kernel",
                                         "_qk_gates_kernel", "_gated_rmsnorm_kernel")),
            "linear._recurrent_decode_kernel", "linear._short_conv_decode_kernel",
-           "gqa._gqa_split_kernel", "split_kv._combine_kernel", "flashinfer_attention._store_rows_kernel"}
+           "gqa._gqa_split_kernel", "split_kv._combine_kernel", "flashinfer_attention._store_rows_kernel",
+           "mla._mla_split_kernel"}
 
 
 @pytest.fixture(scope="module")
 def launches() -> dict[str, Launch]:
     """One recorded launch of each kernel (its first), by label."""
     pytest.importorskip("triton")
-    by_label = dict(gemv_launches())
-    for launch in moe_launches() + gdn_launches() + attention_launches():
+    by_label = {**gemv_launches(), **norm_gemv_launches()}
+    for launch in moe_launches() + gdn_launches() + attention_launches() + mla_launches():
         by_label.setdefault(label(launch), launch)
     return by_label
 
@@ -355,7 +390,9 @@ def test_every_decode_kernel_was_launched_as_a_gpu_launches_it(launches):
     assert KERNELS <= set(launches), sorted(KERNELS - set(launches))
     for name in KERNELS:
         assert launches[name].args["USE_GDC"] is False, f"{name}: PDL is off on the CPU"
-    assert launches["gemv dot"].args["UPCAST"] is False and launches["gemv dot"].args["PRECISION"] == "tf32"
+    for dot in ("gemv dot", "norm gemv dot"):
+        assert launches[dot].args["UPCAST"] is False and launches[dot].args["PRECISION"] == "tf32"
+    assert launches["norm rows loop"].args["ONE_STEP"] is False and launches["norm rows"].args["ONE_STEP"] is True
     assert launches["moe._down_sorted_kernel"].args["DOT_FP32"] is False, "bf16 tensor-core dots, as on the GPU"
 
 
@@ -382,9 +419,10 @@ def test_every_pdl_kernel_waits_before_it_touches_the_step(ptx):
     assert set(ptx) == KERNELS
     problems = [problem for name in sorted(ptx) for problem in problems_of(name, ptx[name])]
     assert not problems, "\n".join(problems)
-    # the one-step GEMV streams its weight tile before the wait, and reads x after it
-    reads = [waited for line, waited in accesses(ptx["gemv one step"]["on"]) if line.startswith("ld.global")]
-    assert False in reads and True in reads, "gemv one step: the weight before the wait, x after it"
+    # the one-step GEMVs stream their weight tiles before the wait, and read the rows after it
+    for name in ("gemv one step", "norm gemv one step"):
+        reads = [waited for line, waited in accesses(ptx[name]["on"]) if line.startswith("ld.global")]
+        assert False in reads and True in reads, f"{name}: the weights before the wait, the rows after it"
 
 
 def test_the_access_check_follows_branches():

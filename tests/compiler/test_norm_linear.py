@@ -1,0 +1,490 @@
+"""A layer's input RMSNorm folded into its projection (`hgc build --norm-linear`), on the CPU.
+
+1. The rewrite (compiler/splitops/glue_ops.py `use_norm_linear`) on real traced glue: each tiny
+   family compiled for the CPU in bfloat16 (qwen3_next also in float32, where the casts to float32
+   are no casts and the residual stream is read from one). It folds every input norm that feeds a
+   projection (qwen3_next's unit-offset norms, bailing_linear's plain ones and its MLA q_a norm)
+   and leaves the post-attention norms (they feed the MoE op core), the final norm and Kimi's norms
+   (another form). Every rewritten segment of the four families' programs gives the bits the
+   original gives on random inputs: the ops' CPU kernels are the traced glue's own ops, so the
+   rewrite changes no token on the CPU.
+2. The kernels (runtime/backends/kernels/norm_gemv.py) in Triton's interpreter against the CPU
+   reference at bench qwen3_next's dims: K = 2048, the GDN input projection (N = 12352) and GQA's
+   q|k|v (N = 9216) with the launch config of the full N (gemv.config_for), but the weight sliced to
+   its first 72 columns (the interpreter takes about 10 ms per program of the one-row config, one
+   column each: the full N would take minutes), bf16 and float32, M = 1, 2 and 5: the relative error
+   of the norm of the difference, and summed bit for bit (the interpreter's casts to bf16 made to
+   round as a GPU's do: testkit `nearest_even_bf16_casts`). Which calls take the GEMV
+   (runtime/backends/glue_kernels.py).
+3. A CPU Inductor piece holding the op gives the uncompiled piece's values.
+4. The build decision: a cpu bundle is refused in one line, nothing written; bundle.json's field;
+   `hgc inspect`'s column; compile_glue's counts.
+
+tests/runtime/backends/test_pdl.py compiles the kernels for sm90 and checks their waits;
+tests/gpu/test_gpu_norm_linear.py runs them on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import operator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.export import Dim
+
+# before triton: testkit/triton_interpreter.py says why
+from testkit.triton_interpreter import DEVICE, interpreter_or_fresh_process, nearest_even_bf16_casts  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
+
+from compiler.splitops import is_hgc_op  # noqa: E402
+from compiler.splitops.artifact import retarget_meta_devices  # noqa: E402
+from compiler.splitops.glue import glue_segments, segment_module  # noqa: E402
+from compiler.splitops.glue_ops import (ADD_RMS_NORM_LINEAR, RMS_NORM_LINEAR, SMALL_M_LINEAR,  # noqa: E402
+                                        rms_norm_rows, use_norm_linear, use_small_m_linear)
+from hgc import main  # noqa: E402
+from hgc.errors import EXIT_BAD_INPUT  # noqa: E402
+from models.common import RMSNorm  # noqa: E402
+from runtime.backends import glue_kernels  # noqa: E402
+from runtime.backends.kernels import gemv as G  # noqa: E402
+from runtime.backends.kernels import norm_gemv as NG  # noqa: E402
+from testkit.helpers import shared_artifact, tiny_checkpoint  # noqa: E402
+from testkit.linear_cases import rel_err  # noqa: E402
+
+in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
+
+FAMILIES = ("qwen3_next", "qwen3_5", "kimi_linear", "bailing_linear")
+NORM_OPS = (ADD_RMS_NORM_LINEAR, RMS_NORM_LINEAR)
+ALLOCATIONS = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format,
+               torch.ops.aten.new_empty.default)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+# -- 1. the rewrite on traced glue ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """get(family, dtype) -> {program: GraphModule} of the tiny checkpoint compiled for the CPU in
+    that dtype (float32: the suite's shared artifact), each compiled once for the module."""
+    from runtime.artifact.docs import read_artifact
+    from runtime.artifact.loader import load_programs
+    from testkit.traces import shared_traces
+
+    made: dict = {}
+
+    def get(family: str, dtype: str = "bfloat16") -> dict[str, torch.fx.GraphModule]:
+        if (family, dtype) not in made:
+            if dtype == "float32":
+                art = shared_artifact(tmp_path_factory, family)[1]
+            else:
+                root = tmp_path_factory.mktemp(f"norm-{family}-{dtype}")
+                tiny_checkpoint(family, root / "ckpt", seed=3)
+                err = io.StringIO()
+                with shared_traces(), contextlib.redirect_stderr(err):
+                    assert main(["compile", str(root / "ckpt"), "-o", str(root / "art"), "--target", "cpu",
+                                 "--dtype", dtype, "--no-dumps", "--quiet"]) == 0, err.getvalue()[-3000:]
+                art = root / "art"
+            made[family, dtype] = {p: ep.graph_module for p, ep in load_programs(read_artifact(art)).items()}
+        return made[family, dtype]
+
+    return get
+
+
+def segment_modules(gm: torch.fx.GraphModule):
+    """(segment, its module) for every glue segment with outputs, retargeted to the CPU."""
+    for segment in glue_segments(gm):
+        if segment.outputs:
+            module = segment_module(gm, segment)
+            retarget_meta_devices(module.graph, torch.device("cpu"))
+            module.recompile()
+            yield segment, module
+
+
+def rewritten(module: torch.fx.GraphModule) -> int:
+    """The build's order: projections made GEMV calls, then the norms folded into them; how many folded."""
+    use_small_m_linear(module)
+    return use_norm_linear(module)
+
+
+def norm_weights(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Each norm weight a program's glue reads -> "folded" (an input of a norm op after the rewrite)
+    or "left" (still read by aten): the rewrite run on every segment."""
+    found = {}
+    for segment, module in segment_modules(gm):
+        rewritten(module)
+        names = dict(zip([n for n in module.graph.nodes if n.op == "placeholder"], segment.inputs))
+        for node, name in names.items():
+            if name.endswith("norm_weight"):
+                folded = any(u.target in NORM_OPS and u.args[-4] is node for u in node.users)
+                found[name] = "folded" if folded else "left"
+    return found
+
+
+def layer_norms(found: dict, kind: str) -> dict[str, str]:
+    return {name: how for name, how in found.items() if f"_{kind}_weight" in name}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_qwen3_next_folds_each_input_norm_and_leaves_the_post_attention_norms(programs, dtype):
+    """Every layer's input norm (the first of them on the embedding's output, the draft's on its fc
+    output: no add) folds; every post-attention norm feeds the MoE op and the final norms index
+    their rows first: left. In float32 too, where the residual stream is read from the norm's cast."""
+    main_program, draft = programs("qwen3_next", dtype)["main"], programs("qwen3_next", dtype)["draft"]
+    found = norm_weights(main_program)
+    inputs = layer_norms(found, "input_layernorm")
+    assert len(inputs) == 4 and set(inputs.values()) == {"folded"}, inputs
+    post = layer_norms(found, "post_attention_layernorm")
+    assert len(post) == 4 and set(post.values()) == {"left"}, post
+    assert found["p_model_norm_weight"] == "left"
+    assert {k: v for k, v in norm_weights(draft).items() if v == "folded"} == {
+        "p_lm_mtp_layers_0_input_layernorm_weight": "folded"}
+
+
+def test_the_sum_and_the_embedding_take_their_two_forms(programs):
+    """A layer past the first: add_rms_norm_linear of the residual sum, whose `summed` the segment
+    returns as the residual stream; the first layer: rms_norm_linear of the embedding's output."""
+    gm = programs("qwen3_next")["main"]
+    (_, first), _, (second, layer1) = list(segment_modules(gm))[:3]  # layer 0's input; layer 1's input
+    assert rewritten(first) == 1 and rewritten(layer1) == 1
+    (call,) = [n for n in first.graph.nodes if n.target in NORM_OPS]
+    assert call.target is RMS_NORM_LINEAR and call.args[0].target is torch.ops.aten.embedding.default
+    assert call.args[-2:] == (1e-6, True), "qwen3_next's norms: eps 1e-6, unit offset"
+    (call,) = [n for n in layer1.graph.nodes if n.target in NORM_OPS]
+    assert call.target is ADD_RMS_NORM_LINEAR and second.outputs[0].startswith("add")
+    summed = next(u for u in call.users if u.target is operator.getitem and u.args[1] == 1)
+    assert layer1.graph.output_node().args[0][0] is summed, "the residual stream the segment returns"
+    assert not any(n.target is SMALL_M_LINEAR and n.args[1] is call.args[3] for n in layer1.graph.nodes)
+    assert use_norm_linear(layer1) == 0, "a second run finds nothing more"
+    assert not is_hgc_op(ADD_RMS_NORM_LINEAR) and not is_hgc_op(RMS_NORM_LINEAR), "glue, not op cores"
+
+
+def test_bailing_linear_folds_its_plain_norms_and_kimi_linear_none(programs):
+    """bailing_linear's norms are plain weight (no unit offset): every input norm folds, and the MLA
+    layer's q_a norm before its q_b projection; Kimi's KimiRMSNorm rounds before it scales (another
+    form): nothing folds, every segment stays as it was."""
+    found = norm_weights(programs("bailing_linear")["main"])
+    assert set(layer_norms(found, "input_layernorm").values()) == {"folded"}
+    assert len(layer_norms(found, "input_layernorm")) == 4
+    assert set(layer_norms(found, "post_attention_layernorm").values()) == {"left"}
+    assert set(layer_norms(found, "q_a_layernorm").values()) == {"folded"}
+    calls = [n for _, m in segment_modules(programs("bailing_linear")["main"]) if rewritten(m)
+             for n in m.graph.nodes if n.target in NORM_OPS]
+    assert calls and all(n.args[-1] is False for n in calls), "plain weights: no unit offset"
+    kimi = programs("kimi_linear")["main"]
+    assert sum(rewritten(m) for _, m in segment_modules(kimi)) == 0
+
+
+def random_inputs(module: torch.fx.GraphModule, rows: int, seed: int) -> list[torch.Tensor]:
+    """Every placeholder's value with each symbolic size `rows`: floats normal, integers (ids,
+    positions, row indices) below `rows`."""
+    g = torch.Generator().manual_seed(seed)
+
+    def size(s):
+        return s if isinstance(s, int) else int(s.node.expr.xreplace({x: rows for x in s.node.expr.free_symbols}))
+
+    values = []
+    for node in module.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta["val"]
+            shape = [size(s) for s in val.shape]
+            if val.dtype.is_floating_point:
+                values.append(torch.randn(shape, generator=g).to(val.dtype))
+            else:
+                values.append(torch.randint(0, rows, shape, generator=g).to(val.dtype))
+    return values
+
+
+@pytest.mark.parametrize("family,dtype", [(f, "bfloat16") for f in FAMILIES] + [("qwen3_next", "float32")])
+def test_every_rewritten_segment_gives_the_bits_it_gave(programs, family, dtype):
+    """Every glue segment of every program, rewritten as the build does, against itself unrewritten
+    on the same random inputs at a token count it was not traced with: every output the same bits
+    (the allocations a segment hands its op cores hold nothing to compare)."""
+    folded = 0
+    for program, gm in programs(family, dtype).items():
+        for segment, reference in segment_modules(gm):
+            module = segment_module(gm, segment)
+            retarget_meta_devices(module.graph, torch.device("cpu"))
+            if not rewritten(module):
+                continue
+            folded += 1
+            given = random_inputs(reference, rows=3, seed=segment.index)
+            outputs = reference.graph.output_node().args[0]
+            for node, got, want in zip(outputs, module(*given), reference(*given)):
+                if isinstance(want, torch.Tensor) and node.target not in ALLOCATIONS:
+                    assert torch.equal(got, want), f"{family} {program} segment {segment.index}: {node.name}"
+    assert folded or family == "kimi_linear"
+
+
+def test_the_reference_is_the_models_rmsnorm():
+    """rms_norm_rows (the ops' CPU kernels) and models/common.py RMSNorm: the same bits."""
+    for unit_offset in (True, False):
+        norm = RMSNorm(64, eps=1e-6, unit_offset=unit_offset).to(torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.normal_(0, 0.3)
+        x = torch.randn(5, 64).bfloat16()
+        assert torch.equal(rms_norm_rows(x, norm.weight, 1e-6, unit_offset), norm(x))
+
+
+# -- 2. the kernels, in the interpreter -----------------------------------------------------------------
+
+K_BENCH, COLUMNS = 2048, 72  # bench qwen3_next's hidden size; the columns of the weight computed here
+PROJECTIONS = {"gdn_in_proj": 12352, "gqa_qkv": 9216}  # N of the two input projections
+
+
+def operands(M: int, N: int, K: int, dtype: torch.dtype, seed: int, add: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=g).to(dtype)
+    b = torch.randn(M, K, generator=g).to(dtype) if add else None
+    norm_weight = (torch.randn(K, generator=g) * 0.2).to(dtype)
+    weight = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+    return [t.to(DEVICE) if t is not None else None for t in (a, b, norm_weight, weight)]
+
+
+def reference(a, b, norm_weight, weight, unit_offset: bool):
+    """(out, summed) as the traced glue computes them on the CPU."""
+    a, b, norm_weight, weight = [t.cpu() if t is not None else None for t in (a, b, norm_weight, weight)]
+    summed = a + b if b is not None else a
+    return F.linear(rms_norm_rows(summed, norm_weight, 1e-6, unit_offset), weight), summed
+
+
+@in_process
+@pytest.mark.parametrize("M", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("projection", sorted(PROJECTIONS))
+def test_the_norm_gemv_at_bench_dims(projection, dtype, M):
+    """The GEMV with the norm in its prologue, in the config of the full projection (gemv.config_for:
+    one-step FMA at one row, DOT or a two-row FMA past it) on its first columns."""
+    config = G.config_for(PROJECTIONS[projection], K_BENCH, M)
+    a, b, norm_weight, weight = operands(M, COLUMNS, K_BENCH, dtype, seed=M + len(projection))
+    with nearest_even_bf16_casts():
+        out, summed = NG.add_rms_norm_gemv(a, b, norm_weight, weight, 1e-6, True, config=config)
+    want, want_summed = reference(a, b, norm_weight, weight, True)
+    assert out.shape == (M, COLUMNS) and out.dtype == dtype
+    err = rel_err(out, want)
+    assert err <= TOL[dtype], f"{projection} M={M} {dtype} {config}: rel err {err:.2e}"
+    assert torch.equal(summed.cpu(), want_summed)
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", ["no add", "plain weight", "fma over K in steps", "masked K"])
+def test_the_norm_gemv_other_forms(dtype, case):
+    """Without b (rms_norm_linear: no summed), a plain norm weight, the FMA path over K in steps (a
+    first pass for the statistics), and a K that fills no tile."""
+    M, K = 2, {"masked K": 200}.get(case, K_BENCH)
+    config = {"fma over K in steps": G.GemvConfig(BLOCK_N=4, BLOCK_K=512),
+              "masked K": G.GemvConfig(BLOCK_N=8, BLOCK_K=64)}.get(case, G.config_for(12352, K, M))
+    unit_offset = case != "plain weight"
+    a, b, norm_weight, weight = operands(M, 37, K, dtype, seed=11, add=case != "no add")
+    with nearest_even_bf16_casts():
+        out, summed = NG.add_rms_norm_gemv(a, b, norm_weight, weight, 1e-6, unit_offset, config=config)
+    want, want_summed = reference(a, b, norm_weight, weight, unit_offset)
+    assert rel_err(out, want) <= TOL[dtype], case
+    assert summed is None if b is None else torch.equal(summed.cpu(), want_summed)
+
+
+@in_process
+@pytest.mark.parametrize("M", [1, 2, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_row_kernel_at_bench_dims(dtype, M):
+    """summed and the normed row for any number of rows (40: past the GEMV's), the row read once."""
+    a, b, norm_weight, _ = operands(M, 1, K_BENCH, dtype, seed=20 + M)
+    with nearest_even_bf16_casts():
+        normed, summed = NG.add_rms_norm_rows(a, b, norm_weight, 1e-6, True)
+    want_summed = a.cpu() + b.cpu()
+    assert torch.equal(summed.cpu(), want_summed)
+    err = rel_err(normed, rms_norm_rows(want_summed, norm_weight.cpu(), 1e-6, True))
+    assert err <= TOL[dtype] / 10, f"M={M} {dtype}: rel err {err:.2e}"
+
+
+@in_process
+@pytest.mark.parametrize("add", [True, False], ids=["add", "no add"])
+def test_the_row_kernel_over_k_in_steps(monkeypatch, add):
+    """A row wider than the kernel's widest tile: statistics first, then the normed row tile by tile."""
+    monkeypatch.setattr(NG, "ROW_BLOCK_MAX", 512)
+    a, b, norm_weight, _ = operands(3, 1, K_BENCH + 40, torch.bfloat16, seed=5, add=add)
+    with nearest_even_bf16_casts():
+        normed, summed = NG.add_rms_norm_rows(a, b, norm_weight, 1e-6, False)
+    want_summed = a.cpu() + b.cpu() if add else a.cpu()
+    assert summed is None if not add else torch.equal(summed.cpu(), want_summed)
+    assert rel_err(normed, rms_norm_rows(want_summed, norm_weight.cpu(), 1e-6, False)) <= 1e-3
+
+
+N, K = 24, 32  # a shape of our own, put into CONFIGS for 1 and 2 rows
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """CONFIGS with (N, K) at buckets 1 and 2, and the paths norm ops' calls take."""
+    monkeypatch.setitem(G.CONFIGS, (N, K, 1), G.GemvConfig(BLOCK_N=4, BLOCK_K=32))
+    monkeypatch.setitem(G.CONFIGS, (N, K, 2), G.GemvConfig(BLOCK_N=8, BLOCK_K=16))
+    paths = []
+    for name in ("add_rms_norm_gemv", "add_rms_norm_rows"):
+        real = getattr(NG, name)
+        monkeypatch.setattr(NG, name, lambda *args, real=real, name=name, **kw: paths.append(name) or real(*args, **kw))
+    return paths
+
+
+@in_process
+@pytest.mark.parametrize("case", ["measured", "bucket not measured", "past MAX_ROWS", "float32", "strided b",
+                                  "torch_only"])
+def test_which_calls_take_the_norm_gemv(measured, case):
+    """The norm ops' CUDA kernels, called directly (the dispatcher sends CPU tensors to the reference):
+    the GEMV where small_m_linear would take it, the row kernel and F.linear for every other call."""
+    M = {"bucket not measured": 3, "past MAX_ROWS": G.MAX_ROWS + 1}.get(case, 1)
+    a, b, norm_weight, weight = operands(M, N, K, torch.float32 if case == "float32" else torch.bfloat16, seed=1)
+    if case == "strided b":
+        b = torch.cat([b, b], dim=1)[:, ::2]
+    with glue_kernels.torch_only() if case == "torch_only" else contextlib.nullcontext(), nearest_even_bf16_casts():
+        out, summed = glue_kernels.add_norm_project(a, b, norm_weight, weight, 1e-6, True)
+        alone = glue_kernels.norm_project(a, norm_weight, weight, 1e-6, True)
+    gemv, rows = "add_rms_norm_gemv", "add_rms_norm_rows"
+    assert measured == ({"measured": [gemv, gemv], "strided b": [rows, gemv]}.get(case) or [rows, rows]), case
+    want, want_summed = reference(a, b, norm_weight, weight, True)
+    assert rel_err(out, want) <= 1e-2 and torch.equal(summed.cpu(), want_summed)
+    assert rel_err(alone, reference(a, None, norm_weight, weight, True)[0]) <= 1e-2
+    assert out.is_contiguous() and summed.is_contiguous()
+
+
+def test_register_installs_the_norm_ops_cuda_kernels():
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    glue_kernels.register()
+    assert all(has(f"hgc_glue::{op}", "CUDA") for op in ("small_m_linear", "add_rms_norm_linear", "rms_norm_linear"))
+    a, b, w, nw = torch.randn(2, 8), torch.randn(2, 8), torch.randn(3, 8), torch.randn(8)
+    out, summed = ADD_RMS_NORM_LINEAR(a, b, nw, w, 1e-6, False)  # the CPU keeps the reference
+    torch.testing.assert_close(out, F.linear(rms_norm_rows(a + b, nw, 1e-6, False), w), rtol=0, atol=0)
+
+
+# -- 3. a CPU Inductor piece holding the op -------------------------------------------------------------
+
+
+class Layer(torch.nn.Module):
+    """A layer's start as the families trace it: the residual sum, its input norm, a projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = RMSNorm(32, eps=1e-6, unit_offset=True)
+        self.proj = torch.nn.Linear(32, 48, bias=False)
+        with torch.no_grad():
+            self.norm.weight.normal_(0, 0.3)
+
+    def forward(self, residual, update):  # [T, 32] each
+        h = residual + update
+        return h, torch.sigmoid(self.proj(self.norm(h)))
+
+
+@pytest.mark.slow  # one Inductor C++ compile: about 10 s on 2 cores
+def test_a_piece_with_the_op_compiles_with_inductor_and_gives_the_uncompiled_values(tmp_path, one_thread):
+    from compiler.inductor_pieces import compile_piece
+    from compiler.splitops.bundle import cache_env
+
+    torch.manual_seed(0)
+    model = Layer()
+    T = Dim("T", min=1, max=64)
+    example = (torch.randn(5, 32), torch.randn(5, 32))
+    gm = torch.export.export(model, example, dynamic_shapes=({0: T}, {0: T})).graph_module
+    (segment,) = glue_segments(gm)
+    reference_module, module = segment_module(gm, segment), segment_module(gm, segment)
+    assert rewritten(module) == 1
+    with cache_env({"inductor": tmp_path / "inductor"}):
+        piece = compile_piece(module, torch.device("cpu"))
+    params = {"p_norm_weight": model.norm.weight.detach(), "p_proj_weight": model.proj.weight.detach()}
+    for rows in (1, 7):  # neither is the traced count (5)
+        given = {**params, "residual": torch.randn(rows, 32), "update": torch.randn(rows, 32)}
+        inputs = [given[name] for name in segment.inputs]
+        got, want = piece(*inputs), reference_module(*inputs)
+        assert len(got) == len(want) == 2
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+# -- 4. the build decision ------------------------------------------------------------------------------
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("argv", [["build", "{w}/art", "--device", "cpu", "--norm-linear"],
+                                  ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--norm-linear"],
+                                  ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--inductor",
+                                   "--norm-linear"]])
+def test_norm_linear_for_a_cpu_bundle_is_one_line_and_writes_nothing(tmp_path, capsys, argv):
+    (tmp_path / "ckpt").mkdir()
+    before = tree(tmp_path)
+    assert main([a.replace("{w}", str(tmp_path)) for a in argv]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"hgc {argv[0]}: --norm-linear: the input norms fold into the projections' GEMV"), err
+    assert "cpu bundle" in err[0] and len(err) <= 3 and "Traceback" not in "\n".join(err)
+    assert tree(tmp_path) == before
+
+
+def test_norm_linear_needs_the_gemv_projections():
+    """Refused where the GEMV op is not used: a batch-invariant artifact, a compile that builds no bundle."""
+    import argparse
+
+    from hgc.build_command import norm_linear_refusal
+    from hgc.compile_commands import _norm_linear_refusal
+
+    assert norm_linear_refusal("cuda") is None
+    assert "batch-invariant" in norm_linear_refusal("cuda", batch_invariant=True)
+    args = argparse.Namespace(target="cuda", batch_invariant=False, inductor=False, plan_only=False)
+    assert "this compile builds none (--no-inductor" in _norm_linear_refusal(args, inductor=False)
+
+
+def test_bundle_json_records_the_flag_and_inspect_counts_the_folded_norms():
+    from compiler.splitops.artifact import ArtifactFormatError
+    from compiler.splitops.bundle import bundle_doc, bundle_norm_linear, parse_bundle_doc
+    from hgc.compile_commands import folded_norms
+
+    facts = {"device": "cuda", "torch": torch.__version__}
+    a, b = {"piece": "pieces/a.bin"}, {"piece": "pieces/b.bin"}
+    programs = {"draft": [b], "main": [a, {"piece": None}, a, b]}  # a segment left traced names no piece
+    pieces = {"pieces/a.bin": {"small_m_linear": 3, "norm_linear": 2},
+              "pieces/b.bin": {"small_m_linear": 1, "norm_linear": 1}}
+    files = {name: "0" for name in pieces}
+    for on in (False, True):
+        doc = bundle_doc("sm90-x", facts, programs, {}, pieces, files, 1.0, "0", small_m=True, norm_linear=on)
+        assert doc["norm_linear"] is on and bundle_norm_linear(doc) is on
+        assert folded_norms(doc) == ("main 5, draft 1" if on else "off")
+        parse_bundle_doc(doc, "bundle.json")
+    older = {k: v for k, v in doc.items() if k != "norm_linear"}
+    assert bundle_norm_linear(older) is False and folded_norms(older) == "off", "a bundle from before the field"
+    with pytest.raises(ArtifactFormatError, match="field 'norm_linear' must be true or false"):
+        parse_bundle_doc({**doc, "norm_linear": 1}, "bundle.json")
+
+
+def test_compile_glue_counts_the_folded_norms_per_piece(tmp_path_factory, tmp_path, monkeypatch):
+    """compile_glue(small_m=True, norm_linear=True) folds before the key is taken and it compiles
+    (Inductor stood in for); per forward, qwen3_next's four input norms and the draft's one. Without
+    the GEMV op it refuses."""
+    import compiler.inductor_pieces as inductor_pieces
+    from runtime.artifact.docs import read_artifact
+    from runtime.artifact.loader import load_programs
+
+    docs = read_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
+    gms = {p: ep.graph_module for p, ep in load_programs(docs).items()}
+    compiled = []
+
+    class Saved:
+        def save(self, path, format):
+            open(path, "wb").close()
+
+    def compile_piece(module, device, config_patches=None):
+        compiled.append(sum(n.target in NORM_OPS for n in module.graph.nodes))
+        return Saved()
+
+    monkeypatch.setattr(inductor_pieces, "compile_piece", compile_piece)
+    records, pieces = inductor_pieces.compile_glue(gms, docs.split_plans, "cpu", tmp_path, tmp_path / "cache",
+                                                   small_m=True, norm_linear=True)
+    assert sorted(p["norm_linear"] for p in pieces.values()) == sorted(compiled)
+    per_forward = {p: sum(pieces[r["piece"]]["norm_linear"] for r in records[p] if r["piece"]) for p in gms}
+    assert per_forward == {"main": 4, "draft": 1}
+    with pytest.raises(ValueError, match="needs small_m"):
+        inductor_pieces.compile_glue(gms, docs.split_plans, "cpu", tmp_path, tmp_path / "cache", norm_linear=True)
