@@ -95,10 +95,11 @@ def shared_artifact(tmp_path_factory, family_name: str) -> tuple[Path, Path]:
             with shared_traces():  # its trace serves this process's other compiles of the config
                 assert main(["compile", str(ckpt), "-o", str(art), "--no-dumps", "--force", "-q"]) == 0
     return ckpt, art
-def artifacts_by_family(root: Path, compile_one):
+def artifacts_by_family(root: Path, compile_one, overrides: dict | None = None):
     """get(family) -> the artifact of its tiny checkpoint (`hgc init-model`, seed 0) compiled by
     compile_one(family, checkpoint_dir, out_dir), made and loaded once per family (for a
-    module-scoped fixture: only the families a module's tests ask for are compiled)."""
+    module-scoped fixture: only the families a module's tests ask for are compiled). overrides:
+    family -> config.json fields of its checkpoint (`tiny_checkpoint`'s), e.g. fewer layers."""
     from hgc import main
     from runtime.artifact.loader import load_artifact
 
@@ -107,7 +108,10 @@ def artifacts_by_family(root: Path, compile_one):
     def get(family: str):
         if family not in made:
             ckpt, out = root / f"{family}-c", root / f"{family}-a"
-            assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "0", "-o", str(ckpt)]) == 0
+            if overrides and family in overrides:
+                tiny_checkpoint(family, ckpt, seed=0, **overrides[family])
+            else:
+                assert main(["init-model", "--family", family, "--size", "tiny", "--seed", "0", "-o", str(ckpt)]) == 0
             with shared_traces():
                 compile_one(family, ckpt, out)
             made[family] = load_artifact(out)
