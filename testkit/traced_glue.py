@@ -27,3 +27,23 @@ def traced_glue(gm: torch.fx.GraphModule, program: str, device: str = "cpu") -> 
     glue = CompiledGlue(program, records, pieces, "traced")
     glue.check(gm)
     return glue
+
+
+def stand_in_inductor(monkeypatch, count) -> list:
+    """compiler/inductor_pieces.compile_piece stood in for (a test of what compile_glue hands Inductor,
+    without its C++ or Triton builds): each piece is saved as an empty file, and `count(module)` of
+    every segment module it was handed goes into the list returned, in compile order."""
+    import compiler.inductor_pieces as inductor_pieces
+
+    compiled: list = []
+
+    class Saved:
+        def save(self, path, format):
+            open(path, "wb").close()
+
+    def compile_piece(module, device, config_patches=None):
+        compiled.append(count(module))
+        return Saved()
+
+    monkeypatch.setattr(inductor_pieces, "compile_piece", compile_piece)
+    return compiled

@@ -32,6 +32,7 @@ from runtime.artifact.loader import LoadError, load_artifact
 from runtime.graphs.parity import PARITY_RTOL, ParityError
 from runtime.artifact.signing import sign, signing_key
 from testkit.helpers import ROOT, shared_artifact, tiny_checkpoint
+from testkit.traced_glue import stand_in_inductor
 
 pytestmark = pytest.mark.slow  # an Inductor build (C++ compiles) and two `hgc run` processes: about 90 s on 2 cores
 
@@ -498,17 +499,7 @@ def test_compile_glue_records_the_projections_it_made_gemv_calls(tmp_path_factor
 
     docs = read_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
     programs = {p: ep.graph_module for p, ep in load_programs(docs).items()}
-    compiled = []
-
-    class Saved:
-        def save(self, path, format):
-            open(path, "wb").close()
-
-    def compile_piece(module, device, config_patches=None):
-        compiled.append(sum(n.target is SMALL_M_LINEAR for n in module.graph.nodes))
-        return Saved()
-
-    monkeypatch.setattr(inductor_pieces, "compile_piece", compile_piece)
+    compiled = stand_in_inductor(monkeypatch, lambda module: sum(n.target is SMALL_M_LINEAR for n in module.graph.nodes))
     records, pieces = inductor_pieces.compile_glue(programs, docs.split_plans, "cpu", tmp_path, tmp_path / "cache",
                                                    small_m=small_m)
     assert sorted(p["small_m_linear"] for p in pieces.values()) == sorted(compiled)

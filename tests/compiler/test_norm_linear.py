@@ -54,6 +54,7 @@ from runtime.backends.kernels import gemv as G  # noqa: E402
 from runtime.backends.kernels import norm_gemv as NG  # noqa: E402
 from testkit.helpers import shared_artifact, tiny_checkpoint  # noqa: E402
 from testkit.linear_cases import rel_err  # noqa: E402
+from testkit.traced_glue import stand_in_inductor  # noqa: E402
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
@@ -470,17 +471,7 @@ def test_compile_glue_counts_the_folded_norms_per_piece(tmp_path_factory, tmp_pa
 
     docs = read_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
     gms = {p: ep.graph_module for p, ep in load_programs(docs).items()}
-    compiled = []
-
-    class Saved:
-        def save(self, path, format):
-            open(path, "wb").close()
-
-    def compile_piece(module, device, config_patches=None):
-        compiled.append(sum(n.target in NORM_OPS for n in module.graph.nodes))
-        return Saved()
-
-    monkeypatch.setattr(inductor_pieces, "compile_piece", compile_piece)
+    compiled = stand_in_inductor(monkeypatch, lambda module: sum(n.target in NORM_OPS for n in module.graph.nodes))
     records, pieces = inductor_pieces.compile_glue(gms, docs.split_plans, "cpu", tmp_path, tmp_path / "cache",
                                                    small_m=True, norm_linear=True)
     assert sorted(p["norm_linear"] for p in pieces.values()) == sorted(compiled)
