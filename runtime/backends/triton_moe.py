@@ -57,6 +57,9 @@ class CaptureError(RuntimeError):
 
 # The gemm_tiles routing option's choices, the default first (the capability's comment says what each does).
 GEMM_TILES = ("tuned", "fixed")
+# The router option's choices, the default first: the router's GEMV then a routing kernel (two
+# launches), or the GEMV's last program routing (one launch, kernels/moe.py `router_folds`).
+ROUTERS = ("two_launches", "one_launch")
 
 
 class TritonMoEBackend(BackendHooks):
@@ -90,20 +93,26 @@ class TritonMoEBackend(BackendHooks):
         # gemm_tiles: "tuned" picks tiles and the router's logits kernel by the step's token count
         # (moe_configs/); "fixed" uses one of each for every count (moe_config.FIXED_CONFIG), so a
         # token's result does not depend on what shares its step.
-        options=(("gemm_tiles", GEMM_TILES),),
+        # router: "one_launch" has the router's GEMV route (and sort) the step in its last program
+        # to finish where the step's tokens fit one routing tile, saving a launch a layer.
+        options=(("gemm_tiles", GEMM_TILES), ("router", ROUTERS)),
         batch_invariant=(("gemm_tiles", "fixed"),),
         doc="Fused Triton MoE: device-side top-k routing, static-shape token sorting, grouped expert "
             "GEMMs (the shared expert as extra experts) with SiLU-and-mul and weighted combine; no host "
             "sync, capturable in every mode")
 
     def __init__(self, config_dir: "str | os.PathLike | None" = None, device: "str | torch.device" = "cuda",
-                 layers: tuple[MoELayerShape, ...] = (), gemm_tiles: str = GEMM_TILES[0]):
+                 layers: tuple[MoELayerShape, ...] = (), gemm_tiles: str = GEMM_TILES[0], router: str = ROUTERS[0]):
         """layers: the shapes of the moe calls this instance serves (`build` reads them off the
         graph); `kernel_variant_tokens` needs them, nothing else does. gemm_tiles: the capability's
-        option ("fixed": FIXED_CONFIG and the GEMV router for every token count; config_dir unused)."""
+        option ("fixed": FIXED_CONFIG and the GEMV router for every token count; config_dir unused).
+        router: the capability's option (fixed tiles never fold the sort, so never take one launch)."""
         if gemm_tiles not in GEMM_TILES:
             raise ValueError(f"{self.name}: gemm_tiles must be one of {GEMM_TILES}, not {gemm_tiles!r}")
+        if router not in ROUTERS:
+            raise ValueError(f"{self.name}: router must be one of {ROUTERS}, not {router!r}")
         self.fixed_tiles = gemm_tiles == "fixed"
+        self.one_launch_router = router == "one_launch"
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
         self.device = torch.device(device)
         self.layers = tuple(dict.fromkeys(layers))
@@ -115,7 +124,8 @@ class TritonMoEBackend(BackendHooks):
     def build(cls, setup: BackendSetup) -> "TritonMoEBackend":
         """The tuned configs of runtime/backends/kernels/moe_configs/, launches on the pools' device."""
         return cls(device=setup.device, layers=tuple(MoELayerShape.of(c) for c in setup.calls if c.op == "moe"),
-                   gemm_tiles=setup.options.get("gemm_tiles", GEMM_TILES[0]))
+                   gemm_tiles=setup.options.get("gemm_tiles", GEMM_TILES[0]),
+                   router=setup.options.get("router", ROUTERS[0]))
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -151,7 +161,7 @@ class TritonMoEBackend(BackendHooks):
                 raw = self.config_for(T, layer.experts, layer.inter, layer.hidden, layer.top_k, self.device)
                 config = fitted.get(raw) or fitted.setdefault(raw, fit_shared_memory(raw, layer.itemsize))
                 variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config, self._logits_kernel,
-                                         self._fold)
+                                         self._fold, self.one_launch_router)
                 first.setdefault((layer, variant), T)
         self._variant_tokens[max_tokens] = tuple(sorted(set(first.values())))
         return self._variant_tokens[max_tokens]
@@ -210,4 +220,5 @@ class TritonMoEBackend(BackendHooks):
                                                        x.device), x.element_size())
         _kernels().fused_moe(x, router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate, out, top_k,
                              scoring, renormalize, routed_scale, num_groups, topk_groups, config, n_real=n_real,
-                             logits_kernel=self._logits_kernel, fold=self._fold)
+                             logits_kernel=self._logits_kernel, fold=self._fold,
+                             one_launch_router=self.one_launch_router)

@@ -122,6 +122,41 @@ def test_captured_graph_replays_bit_for_bit_and_follows_the_real_token_count():
     assert _rel(out[:5], _reference(x2[:5], *layer, *tail)) <= TOL
 
 
+@pytest.mark.parametrize("T", [1, 32])
+def test_the_one_launch_router_replays_with_fresh_inputs_as_the_eager_two_launches(T):
+    """router="one_launch" captured at bench qwen3_next's MoE (16 experts of 512, top-4, a gated
+    shared expert): each of three replays, on fresh random inputs copied into the captured buffer,
+    gives the eager two-launch router's ids (the last program to finish routed that replay: its
+    counter was back at zero) and the CPU oracle's output. T=1: the token path; 32: it sorts too."""
+    from runtime.backends.kernels.arrivals import arrival_counters
+    from runtime.backends.kernels.moe import route
+
+    E, top_k = 16, 4
+    layer = _layer(E, seed=17, shared="gated_S=I")
+    tail = (top_k, "softmax", True, 1.0, 1, 1)
+    one, two = TritonMoEBackend(router="one_launch"), TritonMoEBackend()
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    one.moe(None, x, *layer, out, 0, *tail)  # compiles, and allocates the counters, before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        one.moe(None, x, *layer, out, 0, *tail)
+    for round_ in range(3):
+        fresh = torch.randn(T, D, device=DEV).bfloat16()
+        x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = torch.empty_like(out)
+        two.moe(None, fresh, *layer, eager, 0, *tail)
+        assert _rel(out, eager) <= 1e-3, f"replay {round_}: {_rel(out, eager):.2e} from the two-launch router"
+        assert _rel(out, _reference(fresh, *layer, *tail)) <= TOL
+        ids, _ = route(fresh, layer[0], None, top_k, "softmax", True, 1.0, 1, 1, n_shared=1, shared_gate=layer[6])
+        ids_one, _ = route(fresh, layer[0], None, top_k, "softmax", True, 1.0, 1, 1, n_shared=1,
+                           shared_gate=layer[6], one_launch=True)
+        assert torch.equal(ids_one, ids)
+        assert int(arrival_counters(DEV, 1, "test")[0]) == 0
+
+
 def test_capture_without_replay_state_is_refused():
     from runtime.backends.triton_moe import CaptureError
     layer = _layer(16, seed=6)

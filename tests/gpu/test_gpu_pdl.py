@@ -10,9 +10,10 @@ twice (states carried from one replay to the next) and every output and state mu
 for bit. The kernels are also checked to have been compiled with launch_pdl on the PDL side.
 
 Families: the GEMV (one, two and four rows: its one-step, DOT and looped paths), the MoE (the token
-path at batch 1, the sorted path at 32 and 256 tokens), the GDN decode (the split at batch 1, the
-one launch, the four unfused launches at batch 8), GQA attention (the K/V store, the split pass
-and its combine) and MLA attention (the split pass from the page table and the combine) at batch 1 and 8.
+path at batch 1, the sorted path at 32 and 256 tokens, the one-launch router at 1 and 32), the GDN
+decode (the split at batch 1, the one launch, the four unfused launches at batch 8), GQA attention
+(the K/V store, the split pass and its combine) and MLA attention (the split pass from the page
+table and the combine) at batch 1 and 8.
 
 Runs only on the GPU machine (`pytest -m gpu`); skipped below compute capability 9.
 """
@@ -113,9 +114,10 @@ def test_gemv_chain(pdl, rows):
 # -- the MoE -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("T", [1, 32, 256])
-def test_moe_chain(pdl, T):
-    """Three MoE layers, each reading the one before's output: routing, expert GEMMs and combine."""
+@pytest.mark.parametrize("T,one_launch", [(1, False), (32, False), (256, False), (1, True), (32, True)])
+def test_moe_chain(pdl, T, one_launch):
+    """Three MoE layers, each reading the one before's output: routing, expert GEMMs and combine;
+    one_launch: the router in one launch (its last program routes, and at 32 sorts)."""
     from runtime.backends.kernels import moe
     from runtime.backends.kernels.moe_config import default_config, fit_shared_memory
 
@@ -132,7 +134,8 @@ def test_moe_chain(pdl, T):
         def run():
             h = x
             for i, layer in enumerate(layers):
-                moe.fused_moe(h, *layer, outs[f"out{i}"], TOP_K, "softmax", True, 1.0, 1, 1, config)
+                moe.fused_moe(h, *layer, outs[f"out{i}"], TOP_K, "softmax", True, 1.0, 1, 1, config,
+                              one_launch_router=one_launch)
                 h = outs[f"out{i}"]
         return run, outs
 
@@ -141,6 +144,8 @@ def test_moe_chain(pdl, T):
                     moe._down_sorted_kernel, moe._combine_kernel],
                256: [moe._logits_kernel, moe._route_kernel, moe._align_count_kernel, moe._align_kernel,
                      moe._gate_up_sorted_kernel, moe._down_sorted_kernel, moe._combine_kernel]}[T]
+    if one_launch:
+        kernels = [moe._router_kernel] + kernels[2:]
     same_bits(pdl, make, kernels)
 
 

@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.backends.kernels.arrivals import last_to_arrive
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import next_pow2
 from runtime.backends.kernels.linear import conv_token, scalar_decay_step
@@ -220,13 +221,10 @@ def last_block_gated_norm(o, cols, m_c, o_ws_ptr, arrived_ptr, z_ptr, norm_w_ptr
     at = row * HV + head
     ws = o_ws_ptr + at * DV
     tl.store(ws + cols, o.to(act).to(tl.float32), mask=m_c)
-    # every thread's stores are done before the one thread that does the atomic releases them
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrived_ptr + at, 1, sem="acq_rel", scope="gpu")
-    if arrived == NVB - 1:
+    if last_to_arrive(arrived_ptr + at, NVB):
         offs_v = tl.arange(0, BV)
         m_v = offs_v < DV
-        # from L2 (.cg): this SM's L1 holds no line of the other blocks' stores, never a stale one
+        # from L2 (.cg): arrivals.py says why
         core = tl.load(ws + offs_v, mask=m_v, other=0.0, cache_modifier=".cg")
         z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
         weight = tl.load(norm_w_ptr + offs_v, mask=m_v, other=0.0).to(tl.float32)

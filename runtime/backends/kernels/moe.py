@@ -44,6 +44,11 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
    experts, after the GEMV): `_route_sort_kernel`, one program, routes every token at
    once (`_route_rows` over a [tokens, experts] tile, as `_route_kernel` runs it over one token)
    and then lays out the pairs as `_align_kernel`'s one-block case does.
+   Steps 1 to 3 in one launch where asked (`one_launch_router`, the backend's router option) and the
+   step folds (`router_folds`: the GEMV's logits, tokens that fit one routing tile): `_router_kernel`
+   runs step 1's GEMV programs, and the last of them to finish (runtime/backends/kernels/arrivals.py)
+   routes every token, and sorts where `route_sort_folds` allows, then zeroes its counter. A
+   batch-1 layer's router is then one launch where it was two.
 4. `_gate_up_sorted_kernel`: grouped GEMM x[tokens] @ w13[e]^T (for a shared chunk, its rows of
    shared_w13), gate and up tiles side by side, SiLU(gate) * up fused, h [rows, I] stored in
    sorted row order.
@@ -76,12 +81,13 @@ import triton
 import triton.language as tl
 
 from compiler.splitops import moe_shared_width
+from runtime.backends.kernels.arrivals import arrival_counters, last_to_arrive
 from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
 from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 
 __all__ = ["combine", "down_sorted", "down_token", "fused_moe", "gate_up_sorted", "gate_up_token", "max_sorted_rows",
-           "route", "route_sort", "route_sort_folds", "shared_chunks", "sort_tokens"]
+           "route", "route_sort", "route_sort_folds", "router_folds", "shared_chunks", "sort_tokens"]
 
 GEMV_LOGITS_MAX_TOKENS = 128  # logits_kernel_for says why
 # The router GEMM's tile past it, (BLOCK_M, BLOCK_K, num_warps, num_stages): with 16 to 64 experts the
@@ -118,22 +124,18 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
 
 
 @triton.jit
-def _logits_gemv_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, E, D, stride_xt, stride_we, stride_ot,
-                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-                        ONE_STEP: tl.constexpr, USE_GDC: tl.constexpr):
-    """logits [T,E] float32 for few tokens: one program per (token, BLOCK_E experts), many in flight.
-
-    HAS_GATE: the last program of each token computes the shared expert's gate logit x . gate into
-    column E, so the one-program routing kernel reads it from L2 instead of waiting on its own
-    D-long dot from DRAM. ONE_STEP: D <= BLOCK_D. USE_GDC: launched with PDL (pdl.py); where D fits
-    one step, the program's router rows are read before the wait, while the previous kernel drains.
-    """
-    t = tl.program_id(0)
-    blk = tl.program_id(1)
+def _logits_program(x_ptr, w_ptr, gate_ptr, out_ptr, t, blk, gate_blk, E, D, stride_xt, stride_we, stride_ot,
+                    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr, ONE_STEP: tl.constexpr,
+                    USE_GDC: tl.constexpr):
+    """Program (t, blk) of the router's GEMV: token t's logits of experts blk*BLOCK_E.., or, where
+    HAS_GATE and blk == gate_blk, the shared expert's gate logit x . gate into column E (so the
+    routing reads it from L2 instead of waiting on its own D-long dot from DRAM). ONE_STEP: D <=
+    BLOCK_D. USE_GDC: launched with PDL (pdl.py); where D fits one step, the program's router rows
+    are read before the wait, while the previous kernel drains."""
     offs_d = tl.arange(0, BLOCK_D)
     x_row = x_ptr + t.to(tl.int64) * stride_xt
     out_row = out_ptr + t.to(tl.int64) * stride_ot
-    if HAS_GATE and blk == tl.num_programs(1) - 1:
+    if HAS_GATE and blk == gate_blk:
         pdl_wait(USE_GDC)
         acc_g = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
@@ -141,25 +143,35 @@ def _logits_gemv_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, E, D, stride_xt, stride
             xv = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
             acc_g += xv * tl.load(gate_ptr + d, mask=d < D, other=0.0).to(tl.float32)
         tl.store(out_row + E, tl.sum(acc_g, axis=0))
-        return
-    offs_e = blk * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_mask = offs_e < E
-    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    if USE_GDC and ONE_STEP:  # the loop below with its one step, the weight load ahead of the wait
-        wv = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_d[None, :],
-                     mask=e_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-        pdl_wait(USE_GDC)
-        xv = tl.load(x_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        acc += tl.sum(wv * xv[None, :], axis=1)
     else:
-        pdl_wait(USE_GDC)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + offs_d
-            xv = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
-            wv = tl.load(w_ptr + offs_e[:, None] * stride_we + d[None, :],
-                         mask=e_mask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        offs_e = blk * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_mask = offs_e < E
+        acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+        if USE_GDC and ONE_STEP:  # the loop below with its one step, the weight load ahead of the wait
+            wv = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_d[None, :],
+                         mask=e_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+            pdl_wait(USE_GDC)
+            xv = tl.load(x_row + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
             acc += tl.sum(wv * xv[None, :], axis=1)
-    tl.store(out_row + offs_e, acc, mask=e_mask)
+        else:
+            pdl_wait(USE_GDC)
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + offs_d
+                xv = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+                wv = tl.load(w_ptr + offs_e[:, None] * stride_we + d[None, :],
+                             mask=e_mask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+                acc += tl.sum(wv * xv[None, :], axis=1)
+        tl.store(out_row + offs_e, acc, mask=e_mask)
+
+
+@triton.jit
+def _logits_gemv_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, E, D, stride_xt, stride_we, stride_ot,
+                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
+                        ONE_STEP: tl.constexpr, USE_GDC: tl.constexpr):
+    """logits [T,E] float32 for few tokens: one program per (token, BLOCK_E experts), many in flight;
+    with HAS_GATE the last program of each token computes the shared gate's logit (`_logits_program`)."""
+    _logits_program(x_ptr, w_ptr, gate_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1) - 1,
+                    E, D, stride_xt, stride_we, stride_ot, BLOCK_E, BLOCK_D, HAS_GATE, ONE_STEP, USE_GDC)
 
 
 @triton.jit(do_not_specialize=["T", "n_real"])
@@ -203,7 +215,17 @@ def _route_kernel(x_ptr, w_ptr, logits_ptr, bias_ptr, sgate_ptr, ids_ptr, weight
         tl.debug_barrier()
     _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, t, T, n_real, routed_scale, stride_lt,
                 gate_logit, E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, 1, HAS_BIAS,
-                SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, GATE_IN_LOGITS)
+                SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, GATE_IN_LOGITS, False)
+
+
+@triton.jit
+def _load_logits(ptrs, mask, CG: tl.constexpr):
+    """Logits (0 where masked); CG: from L2, as a last-to-arrive program reads them (arrivals.py)."""
+    if CG:
+        v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v
 
 
 @triton.jit
@@ -213,13 +235,14 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, t0, T, n_
                 G_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr,
                 N_SHARED: tl.constexpr, NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr,
-                GATE_IN_LOGITS: tl.constexpr):
+                GATE_IN_LOGITS: tl.constexpr, CG: tl.constexpr):
     """Route tokens t0 .. t0 + BLOCK_T - 1 (those below T) from their logits rows, all at once.
 
     Slots 0..k-1 are the routed top-k; slots k.. are the shared expert's chunks E..E+n_shared-1,
     weighted by sigmoid(x . shared_gate) (1 without a gate). Padding rows (at or past n_real) get
     the sentinel E + n_shared and weight 0 in every slot. The gate's logit: column E of the
-    logits row with GATE_IN_LOGITS, else `gate_logit` [BLOCK_T].
+    logits row with GATE_IN_LOGITS, else `gate_logit` [BLOCK_T]. CG: the logits are other
+    programs' stores of this launch, read from L2 (arrivals.py).
     """
     SLOTS: tl.constexpr = TOP_K + N_SHARED
     SENTINEL: tl.constexpr = E + N_SHARED
@@ -227,14 +250,14 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, t0, T, n_
     in_step = t < T
     rows = logits_ptr + t.to(tl.int64) * stride_lt
     if N_SHARED > 0 and SHARED_GATE and GATE_IN_LOGITS:
-        gate_logit = tl.load(rows + E, mask=in_step, other=0.0)
+        gate_logit = _load_logits(rows + E, in_step, CG)
 
     # Experts in a [token, group, member] layout; with one group it is [BT, 1, E].
     g = tl.arange(0, G_PAD)[None, :, None]
     s = tl.arange(0, S_PAD)[None, None, :]
     valid = (g < NUM_GROUPS) & (s < GROUP_SIZE)  # [1, G, S]
     e3 = g * GROUP_SIZE + s  # expert id where valid
-    logit = tl.load(rows[:, None, None] + e3, mask=valid & in_step[:, None, None], other=0.0)
+    logit = _load_logits(rows[:, None, None] + e3, valid & in_step[:, None, None], CG)
     if SOFTMAX:
         top = tl.max(tl.max(tl.where(valid, logit, float("-inf")), axis=2), axis=1)
         p = tl.where(valid, tl.exp(logit - top[:, None, None]), 0.0)
@@ -406,24 +429,23 @@ def _pad_segments(sorted_ptr, block_expert_ptr, chunk, P, starts, counts, padded
         tl.store(block_expert_ptr + first + j, ec, mask=j < blocks)
 
 
-@triton.jit(do_not_specialize=["T", "n_real", "P"])
-def _route_sort_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-                       T, n_real, P, routed_scale, stride_lt,
-                       E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                       NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                       G_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
-                       NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr, NS_PAD: tl.constexpr,
-                       SHARED_GATE: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_P: tl.constexpr, E_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
-    """A small step's routing and sort in one program (`route_sort_folds`): `_route_rows` over all
-    T tokens, then `_align_kernel`'s layout of one block holding every pair. The shared gate's
-    logit comes in column E of the logits (the GEMV's)."""
-    pdl_wait(USE_GDC)
+@triton.jit
+def _route_sort_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                     T, n_real, P, routed_scale, stride_lt,
+                     E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                     NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                     G_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
+                     NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr, NS_PAD: tl.constexpr,
+                     SHARED_GATE: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_P: tl.constexpr, E_CHUNK: tl.constexpr, CG: tl.constexpr):
+    """A small step's routing and sort in one program: `_route_rows` over all T tokens, then
+    `_align_kernel`'s layout of one block holding every pair. The shared gate's logit comes in
+    column E of the logits (the GEMV's). CG as `_route_rows` takes it."""
     _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, 0, T, n_real, routed_scale, stride_lt,
                 tl.zeros((BLOCK_T,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS,
                 G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE,
-                True)
+                True, CG)
     # The ids are read back in pair order by other threads of this program: a CTA barrier orders
     # this program's global stores before those loads.
     tl.debug_barrier()
@@ -436,6 +458,56 @@ def _route_sort_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, so
     for chunk in tl.static_range((EXPERTS + E_CHUNK - 1) // E_CHUNK):
         _pad_segments(sorted_ptr, block_expert_ptr, chunk, P, starts, counts, padded, EXPERTS, E_BINS, BLOCK_M,
                       E_CHUNK)
+
+
+@triton.jit(do_not_specialize=["T", "n_real", "P"])
+def _route_sort_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                       T, n_real, P, routed_scale, stride_lt,
+                       E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                       NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                       G_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
+                       NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr, NS_PAD: tl.constexpr,
+                       SHARED_GATE: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_P: tl.constexpr, E_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
+    """A small step's routing and sort in one launch (`route_sort_folds`), after the GEMV: `_route_sort_rows`."""
+    pdl_wait(USE_GDC)
+    _route_sort_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+                     T, n_real, P, routed_scale, stride_lt, E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS,
+                     G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD,
+                     SHARED_GATE, E_BINS, BLOCK_M, BLOCK_P, E_CHUNK, False)
+
+
+@triton.jit(do_not_specialize=["T", "n_real", "P"])
+def _router_kernel(x_ptr, w_ptr, gate_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sorted_ptr,
+                   block_expert_ptr, total_ptr, arrived_ptr, T, n_real, P, routed_scale, D,
+                   stride_xt, stride_we, stride_lt,
+                   E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                   NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                   G_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
+                   NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr, NS_PAD: tl.constexpr,
+                   SHARED_GATE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, ONE_STEP: tl.constexpr,
+                   SORT: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                   E_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
+    """The router in one launch (`router_folds`): `_logits_gemv_kernel`'s programs, and the last of
+    them to finish (arrivals.py) routes every token (`_route_rows`), with SORT also laying out the
+    sorted pairs (`_route_sort_rows`), then zeroes the counter. The shared gate's logit goes in
+    column E (SHARED_GATE: the last program of each token)."""
+    _logits_program(x_ptr, w_ptr, gate_ptr, logits_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1) - 1,
+                    E, D, stride_xt, stride_we, stride_lt, BLOCK_E, BLOCK_D, SHARED_GATE, ONE_STEP, USE_GDC)
+    if last_to_arrive(arrived_ptr, T * tl.num_programs(1)):
+        if SORT:
+            _route_sort_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sorted_ptr, block_expert_ptr,
+                             total_ptr, T, n_real, P, routed_scale, stride_lt, E, TOP_K, K_PAD, NUM_GROUPS,
+                             GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM,
+                             NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, E_BINS, BLOCK_M, BLOCK_P, E_CHUNK, True)
+        else:
+            _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, 0, T, n_real, routed_scale, stride_lt,
+                        tl.zeros((BLOCK_T,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE,
+                        TOPK_GROUPS, G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED,
+                        NS_PAD, SHARED_GATE, True, True)
+        tl.store(arrived_ptr, 0)
 
 
 @triton.jit
@@ -829,31 +901,52 @@ def route_sort_folds(T: int, E: int, slots: int, logits_kernel: str) -> bool:
     """Whether a sorted step of T tokens routes and sorts in one launch (`_route_sort_kernel`): its
     tokens fit the one program's rows (`route_tile_rows`), its pairs one sort block (ALIGN_BLOCK_P),
     and the GEMV computed the logits (with the shared gate's in column E)."""
-    return 0 < T <= route_tile_rows(E) and T * slots <= ALIGN_BLOCK_P and logits_kernel == "gemv"
+    return router_folds(T, E, logits_kernel) and T * slots <= ALIGN_BLOCK_P
+
+
+def router_folds(T: int, E: int, logits_kernel: str) -> bool:
+    """Whether the router's GEMV can route a step of T tokens in its last program to finish
+    (`_router_kernel`, one launch for the whole router): the GEMV computes the logits and the
+    tokens fit one routing tile (`route_tile_rows`). A sorted step folds its sort in too, so it
+    also needs `route_sort_folds`."""
+    return 0 < T <= route_tile_rows(E) and logits_kernel == "gemv"
+
+
+def _one_launch_router(T: int, E: int, slots: int, logits_kernel: str, path: str, fold: Optional[bool],
+                       asked: bool) -> bool:
+    """Whether `fused_moe` runs the router as one launch: asked for, and the step folds (a token
+    step by `router_folds`; a sorted one by `route_sort_folds`, unless `fold` is False)."""
+    if not asked:
+        return False
+    if path == "token":
+        return router_folds(T, E, logits_kernel)
+    return fold is not False and route_sort_folds(T, E, slots, logits_kernel)
 
 
 def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits_kernel: Optional[str] = None,
-                   fold: Optional[bool] = None) -> tuple:
+                   fold: Optional[bool] = None, one_launch_router: bool = False) -> tuple:
     """Everything an eager step of T tokens picks from T that makes Triton build another kernel: the
     logits kernel (`logits_kernel` where the caller fixes it), the GEMM configs (their tiles are
-    constexprs), the sort's width and whether it counts blocks first, and whether the routing and
-    sort run as one launch (`fold` as `fused_moe` takes it). Two token counts with equal variants
-    launch the same kernels; the backend's `kernel_variant_tokens` runs one count of each at
-    start-up, so a bundle holds them all."""
+    constexprs), the sort's width and whether it counts blocks first, whether the routing and
+    sort run as one launch (`fold` as `fused_moe` takes it), and whether the router is one launch
+    (`one_launch_router` as `fused_moe` takes it). Two token counts with equal variants launch the
+    same kernels; the backend's `kernel_variant_tokens` runs one count of each at start-up, so a
+    bundle holds them all."""
     logits_kernel = logits_kernel or logits_kernel_for(T, E, D)
     sort = None
     if config.path == "sorted":
         block_p = align_block_p(T * slots)
         folded = route_sort_folds(T, E, slots, logits_kernel) if fold is None else fold
         sort = block_p, T * slots > block_p, folded
-    return logits_kernel, config, sort
+    one_launch = _one_launch_router(T, E, slots, logits_kernel, config.path, fold, one_launch_router)
+    return logits_kernel, config, sort, one_launch
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
           scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
           n_real: "int | torch.Tensor | None" = None,
           logits_kernel: Optional[str] = None, n_shared: int = 0, shared_gate: Optional[torch.Tensor] = None,
-          gate_in_logits: Optional[bool] = None):
+          gate_in_logits: Optional[bool] = None, one_launch: bool = False):
     """Device-side router: (ids [T,k+n_shared] int32, weights [T,k+n_shared] float32).
 
     Slots 0..k-1 hold the routed top-k; slots k+c hold chunk c of the shared expert (expert id
@@ -862,30 +955,33 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
     n_real: host int, a one-element int32 device tensor (read by the kernel, so a captured graph
     follows its value), or None for all rows. logits_kernel: force 'fused", "gemv' or 'dot' (tests); by default chosen from
     T, E and D. gate_in_logits: False makes the routing kernel compute the shared gate's logit even
-    after the GEMV (benchmarks compare the two); by default the GEMV does.
+    after the GEMV (benchmarks compare the two); by default the GEMV does. one_launch: the GEMV's
+    last program routes (`router_folds` must allow it), one launch instead of two.
     """
     return _route(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale, num_groups, topk_groups,
-                  n_real, logits_kernel, n_shared, shared_gate, gate_in_logits)[:2]
+                  n_real, logits_kernel, n_shared, shared_gate, gate_in_logits, one_launch=one_launch)[:2]
 
 
 def route_sort(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
                scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
                block_m: int, n_real: "int | torch.Tensor | None" = None, logits_kernel: Optional[str] = None,
-               n_shared: int = 0, shared_gate: Optional[torch.Tensor] = None, fold: Optional[bool] = None):
+               n_shared: int = 0, shared_gate: Optional[torch.Tensor] = None, fold: Optional[bool] = None,
+               one_launch: bool = False):
     """`route`, then `sort_tokens` of its ids over E + n_shared experts at block_m: (ids, weights,
     sorted_pairs, block_expert, total). fold: True routes and sorts in one launch (`route_sort_folds`
-    must allow it), False in two or three; by default `route_sort_folds` decides."""
+    must allow it), False in two or three; by default `route_sort_folds` decides. one_launch: the
+    GEMV's last program also routes and sorts (the fold, in the GEMV's launch)."""
     T, E = x.shape[0], router_weight.shape[0]
     slots = top_k + n_shared
     logits_kernel = logits_kernel or logits_kernel_for(T, E, x.shape[1])
     allowed = route_sort_folds(T, E, slots, logits_kernel)
-    if fold and not allowed:
+    if (fold or one_launch) and not allowed or one_launch and fold is False:
         raise ValueError(f"moe: a step of {T} tokens ({E} experts, {slots} slots, {logits_kernel} logits) "
-                         f"cannot route and sort in one launch")
+                         f"cannot route and sort in one launch" + (" (fold=False)" if fold is False else ""))
     fold = allowed if fold is None else fold
     ids, weights, layout = _route(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale,
                                   num_groups, topk_groups, n_real, logits_kernel, n_shared, shared_gate,
-                                  sort_block_m=block_m if fold else None)
+                                  sort_block_m=block_m if fold else None, one_launch=one_launch)
     if layout is None:
         layout = sort_tokens(ids, E + n_shared, block_m)
     return (ids, weights, *layout)
@@ -893,9 +989,10 @@ def route_sort(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Option
 
 def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize: bool, routed_scale: float,
            num_groups: int, topk_groups: int, n_real, logits_kernel: Optional[str], n_shared: int, shared_gate,
-           gate_in_logits: Optional[bool] = None, sort_block_m: Optional[int] = None):
+           gate_in_logits: Optional[bool] = None, sort_block_m: Optional[int] = None, one_launch: bool = False):
     """`route`'s launches: (ids, weights, None); with sort_block_m, the routing kernel is
-    `_route_sort_kernel` and the third item is sort_tokens' (sorted_pairs, block_expert, total)."""
+    `_route_sort_kernel` and the third item is sort_tokens' (sorted_pairs, block_expert, total).
+    one_launch: `_router_kernel` instead of the GEMV and the routing kernel (it sorts with sort_block_m)."""
     T, D = x.shape
     E = router_weight.shape[0]
     if scoring not in ("softmax", "sigmoid"):
@@ -921,6 +1018,10 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
     if logits_kernel not in ("fused", "gemv", "dot"):
         raise ValueError(f"moe: unknown logits kernel {logits_kernel!r}")
     gate_in_logits = shared_gate is not None and logits_kernel == "gemv" and gate_in_logits is not False
+    if one_launch and (not router_folds(T, E, logits_kernel) or (shared_gate is not None and not gate_in_logits)):
+        raise ValueError(f"moe: a step of {T} tokens ({E} experts, {logits_kernel} logits"
+                         + (", the shared gate's logit outside the GEMV" if shared_gate is not None else "")
+                         + ") cannot run its router in one launch (router_folds)")
     logits = torch.empty(T, E + gate_in_logits, dtype=torch.float32, device=dev)
     if sort_block_m is not None:
         assert logits_kernel == "gemv" and (shared_gate is None or gate_in_logits), (
@@ -933,12 +1034,10 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
         return ids, weights, None
     e_pad = next_pow2(E)
     fused = logits_kernel == "fused"
-    if fused:
-        pass  # the route kernel computes the logits itself
+    if fused or one_launch:
+        pass  # the route kernel, or the router kernel, computes the logits itself
     elif logits_kernel == "gemv":
-        # Few tokens: spread the router over many programs, each loading its rows (1 expert, or 4
-        # past 64 experts) of up to 2048 columns in one step.
-        block_e, block_d = 1 if E <= 64 else 4, min(2048, next_pow2(D))
+        block_e, block_d = _gemv_blocks(E, D)
         _logits_gemv_kernel[(T, cdiv(E, block_e) + gate_in_logits)](
             x, router_weight, shared_gate if gate_in_logits else router_weight, logits, E, D, x.stride(0),
             router_weight.stride(0), logits.stride(0),
@@ -958,6 +1057,11 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
         nreal_ptr, n_real_int, from_ptr = ids, T if n_real is None else int(n_real), False
     g_pad = next_pow2(num_groups)
     s_pad = next_pow2(group_size)
+    if one_launch:
+        _launch_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int,
+                       from_ptr, top_k, scoring, renormalize, routed_scale, num_groups, topk_groups, n_shared,
+                       sort_block_m, layout if sort_block_m is not None else None)
+        return ids, weights, layout if sort_block_m is not None else None
     if sort_block_m is not None:
         sorted_pairs, block_expert, total = layout
         e_bins = next_pow2(E + n_shared)
@@ -990,6 +1094,50 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
         N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=shared_gate is not None,
         GATE_IN_LOGITS=gate_in_logits, GATE_BLOCK_D=min(2048, next_pow2(D)), **launch_args(dev))
     return ids, weights, None
+
+
+def _gemv_blocks(E: int, D: int) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK_D) of the router's GEMV programs: few tokens spread the router over many
+    programs, each loading its rows (1 expert, or 4 past 64 experts) of up to 2048 columns in one step."""
+    return 1 if E <= 64 else 4, min(2048, next_pow2(D))
+
+
+def _router_warps(E: int, sort: bool) -> int:
+    """Warps of `_router_kernel`'s programs. Its routing tail is a chain of small reductions over
+    E: one warp keeps them in shuffles, as `_route_kernel` runs them (no shared memory, no
+    barriers), where one warp also holds a GEMV program's one-expert row (BLOCK_E 1, up to 64
+    experts). Four where it sorts (as `_route_sort_kernel`) or takes 4 experts a program."""
+    return 4 if sort or _gemv_blocks(E, 1)[0] > 1 else 1
+
+
+def _launch_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int: int,
+                   from_ptr: bool, top_k: int, scoring: str, renormalize: bool, routed_scale: float, num_groups: int,
+                   topk_groups: int, n_shared: int, sort_block_m: Optional[int], layout) -> None:
+    """`_router_kernel`: the GEMV's programs, the last of them routing (and, with sort_block_m,
+    sorting into `layout`'s buffers) every token."""
+    T, D = x.shape
+    E = router_weight.shape[0]
+    dev = x.device
+    block_e, block_d = _gemv_blocks(E, D)
+    gate = shared_gate is not None
+    sort = sort_block_m is not None
+    e_bins = next_pow2(E + n_shared)
+    sorted_pairs, block_expert, total = layout if sort else (ids, ids, ids)  # never touched without SORT
+    arrived = arrival_counters(dev, 1, "moe router")
+    group_size = E // num_groups
+    _router_kernel[(T, cdiv(E, block_e) + gate)](
+        x, router_weight, shared_gate if gate else router_weight, logits,
+        router_bias if router_bias is not None else logits, ids, weights, nreal_ptr, sorted_pairs, block_expert,
+        total, arrived, T, n_real_int, ids.numel(), float(routed_scale), D, x.stride(0), router_weight.stride(0),
+        logits.stride(0),
+        E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
+        TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=next_pow2(num_groups), S_PAD=next_pow2(group_size),
+        BLOCK_T=route_tile_rows(E), HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax",
+        RENORM=bool(renormalize), NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)),
+        SHARED_GATE=gate, BLOCK_E=block_e, BLOCK_D=block_d, ONE_STEP=D <= block_d, SORT=sort, E_BINS=e_bins,
+        BLOCK_M=sort_block_m if sort else 16, BLOCK_P=align_block_p(ids.numel()),
+        E_CHUNK=_pad_chunk(e_bins, sort_block_m if sort else 16), num_warps=_router_warps(E, sort),
+        **launch_args(dev))
 
 
 def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -1174,10 +1322,12 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
               shared_w2: Optional[torch.Tensor], shared_gate: Optional[torch.Tensor], out: torch.Tensor,
               top_k: int, scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
               config: MoEConfig, n_real: "int | torch.Tensor | None" = None,
-              logits_kernel: Optional[str] = None, fold: Optional[bool] = None) -> None:
+              logits_kernel: Optional[str] = None, fold: Optional[bool] = None,
+              one_launch_router: bool = False) -> None:
     """The moe op into `out` [T,D] (rows >= n_real zeroed): arguments and shapes as its schema.
     logits_kernel: the router's logits kernel (`route`), by default chosen from T. fold: whether
-    a sorted step routes and sorts in one launch (`route_sort`), by default `route_sort_folds`'s answer."""
+    a sorted step routes and sorts in one launch (`route_sort`), by default `route_sort_folds`'s answer.
+    one_launch_router: the router's GEMV also routes (and sorts) where the step folds (`router_folds`)."""
     T, D = x.shape
     E, two_i, D_w = w13.shape
     I = two_i // 2
@@ -1207,15 +1357,17 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
     route_args = (x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale, num_groups,
                   topk_groups, n_real)
     shared = dict(n_shared=n_shared, shared_gate=shared_gate, logits_kernel=logits_kernel)
+    one_launch = _one_launch_router(T, E, slots, logits_kernel or logits_kernel_for(T, E, D), config.path, fold,
+                                    one_launch_router)
     if config.path == "token":
-        ids, weights = route(*route_args, **shared)
+        ids, weights = route(*route_args, **shared, one_launch=one_launch)
         h = gate_up_token(x, w13, ids, config.gate_up, shared_w13=shared_w13)
         down_token(h, w2, ids, weights, out, config.down, shared_w2=shared_w2)
         return
     # The shared expert's chunks sort like experts E..E+n_shared-1 (after every routed expert).
     experts = E + n_shared
     ids, weights, sorted_pairs, block_expert, total = route_sort(
-        *route_args[:-1], config.gate_up.BLOCK_M, n_real=n_real, **shared, fold=fold)
+        *route_args[:-1], config.gate_up.BLOCK_M, n_real=n_real, **shared, fold=fold, one_launch=one_launch)
     h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots, config.gate_up, shared_w13=shared_w13)
     y = down_sorted(h, w2, weights, sorted_pairs, block_expert, total, config.down, shared_w2=shared_w2)
     combine(y, ids, out, experts)

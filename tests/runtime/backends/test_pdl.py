@@ -42,7 +42,8 @@ HK, HV, DK, DV, KW = 16, 32, 128, 128, 4  # its GDN layers
 PAGE = 16
 
 # Kernels whose programs may read weights before the wait (pdl.py's rule): the GEMVs.
-PREFETCH = {"gemv one step", "norm gemv one step", "moe._logits_gemv_kernel"}
+PREFETCH = {"gemv one step", "norm gemv one step", "moe._logits_gemv_kernel", "moe router one launch",
+            "moe router one launch sorted"}
 WRITES = ("st.global", "atom.", "red.", "cp.reduce.async", "st.async")
 READS = ("ld.global", "cp.async")
 WAIT, LAUNCH = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
@@ -150,6 +151,18 @@ def moe_launches() -> list[Launch]:
     return record(lambda: [step(T) for T in (1, 32, 128, 256)])
 
 
+def router_launches() -> dict[str, Launch]:
+    """The one-launch router (the GEMV's last program routes) at batch 1 (the token path) and 32
+    (it sorts too)."""
+    from runtime.backends.kernels.moe import route, route_sort
+
+    router, gate = _bf16(E, D), _bf16(1, D)
+    args = (router, None, TOP_K, "softmax", True, 1.0, 1, 1)
+    (token,) = record(lambda: route(_bf16(1, D), *args, n_shared=1, shared_gate=gate, one_launch=True))
+    (sort,) = record(lambda: route_sort(_bf16(32, D), *args, 16, n_shared=1, shared_gate=gate, one_launch=True))
+    return {"moe router one launch": token, "moe router one launch sorted": sort}
+
+
 def gdn_launches() -> list[Launch]:
     """A GDN layer's decode launches: the split (batch 1), the one launch, and the four launches of
     the unfused kernels (a decode step of 8)."""
@@ -216,7 +229,7 @@ def label(launch: Launch) -> str:
 
 
 # The kernels that take PDL (each launched with USE_GDC), by label.
-KERNELS = {"gemv one step", "gemv dot", "gemv fma loop",
+KERNELS = {"gemv one step", "gemv dot", "gemv fma loop", "moe router one launch", "moe router one launch sorted",
            "norm gemv one step", "norm gemv dot", "norm gemv fma loop", "norm rows", "norm rows loop",
            *(f"moe.{k}" for k in ("_logits_gemv_kernel", "_logits_kernel", "_route_kernel", "_route_sort_kernel",
                                   "_align_count_kernel", "_align_kernel", "_gate_up_sorted_kernel",
@@ -233,7 +246,7 @@ KERNELS = {"gemv one step", "gemv dot", "gemv fma loop",
 def launches() -> dict[str, Launch]:
     """One recorded launch of each kernel (its first), by label."""
     pytest.importorskip("triton")
-    by_label = {**gemv_launches(), **norm_gemv_launches()}
+    by_label = {**gemv_launches(), **norm_gemv_launches(), **router_launches()}
     for launch in moe_launches() + gdn_launches() + attention_launches() + mla_launches():
         by_label.setdefault(label(launch), launch)
     return by_label

@@ -261,6 +261,75 @@ def test_route_sort_in_one_launch_gives_the_router_and_sort_results(T, routing, 
             route_sort(*args, block_m, **extra, fold=True)
 
 
+@pytest.mark.parametrize("T,E", [(1, 8), (3, 72), (19, 40)])
+def test_the_one_launch_router_routes_as_its_two_launches_do(T, E):
+    """route(one_launch=True): the GEMV's programs write the logits and the last to finish routes every
+    token. The two-launch router's ids exactly and weights to float32 rounding, with and without a
+    gated shared expert (its logit in column E), one expert a program and four (E=72), and the
+    shared counter back at zero after each launch (a replay starts from it)."""
+    from runtime.backends.kernels.arrivals import arrival_counters
+
+    g = torch.Generator().manual_seed(T + E)
+    Dr = 80
+    x, router, gate = torch.randn(T, Dr, generator=g), torch.randn(E, Dr, generator=g), torch.randn(1, Dr, generator=g)
+    bias = torch.randn(E, generator=g) * 0.1
+    routing = ("sigmoid", True, 2.5, 4, 2) if E == 8 else ("softmax", True, 1.0, 1, 1)
+    for shared in ({}, {"n_shared": 1, "shared_gate": gate.to(DEV)}):
+        args = (*_on(x, router, bias if E == 8 else None), 2, *routing)
+        ids, w = (t.cpu() for t in route(*args, **shared))
+        got_ids, got_w = (t.cpu() for t in route(*args, **shared, one_launch=True))
+        assert torch.equal(got_ids, ids)
+        assert torch.allclose(got_w, w, rtol=1e-6, atol=1e-7)
+        assert int(arrival_counters(DEV, 1, "test")[0]) == 0
+
+
+@pytest.mark.parametrize("T,routing,shared,n_real", ROUTE_SORT_CASES[:3])
+def test_the_one_launch_router_sorts_as_the_folded_routing_does(T, routing, shared, n_real):
+    """route_sort(one_launch=True): the router's last program routes and sorts, the layout of the
+    one-program routing and sort (the same code after the same logits) exactly; refused with a
+    one-line error where the step does not fold."""
+    g = torch.Generator().manual_seed(T + 3)
+    E, k, block_m = 8, 2, 16
+    scoring, bias, groups, topk_groups = ROUTINGS[routing](E)
+    router, b, _, _, sw13, _, gate = _layer(g, E, bias, shared)
+    n_shared = shared_chunks(0 if sw13 is None else sw13.shape[0] // 2, I)
+    x = torch.randn(T, D, generator=g)
+    if isinstance(n_real, str):
+        n_real = torch.tensor([int(n_real.split()[1])], dtype=torch.int32, device=DEV)
+    args = (*_on(x, router, b), k, scoring, True, 2.5, groups, topk_groups, block_m)
+    extra = dict(n_real=n_real, n_shared=n_shared, shared_gate=None if gate is None else gate.to(DEV))
+    folded = [t.cpu() for t in route_sort(*args, **extra, fold=True)]
+    one = [t.cpu() for t in route_sort(*args, **extra, one_launch=True)]
+    total = int(folded[4])
+    assert int(one[4]) == total and torch.equal(one[0], folded[0])
+    assert torch.allclose(one[1], folded[1], rtol=1e-6, atol=1e-7)
+    assert torch.equal(one[2][:total], folded[2][:total]) and torch.equal(one[3][:total // block_m],
+                                                                          folded[3][:total // block_m])
+    with pytest.raises(ValueError, match="one launch"):
+        route_sort(*args, **extra, fold=False, one_launch=True)
+    wide = torch.randn(65, D, generator=g).to(DEV)
+    with pytest.raises(ValueError, match="one launch"):
+        route(wide, *args[1:-1], one_launch=True)
+
+
+@pytest.mark.parametrize("T,config", [(1, "token"), (3, "token"), (17, "sorted"), (65, "sorted")])
+def test_fused_moe_with_the_one_launch_router_matches_reference(T, config):
+    """fused_moe(one_launch_router=True) on the token path and the sorted one, on both sides of the
+    64 tokens one routing tile holds at E=8 (past it the router keeps its two launches)."""
+    g = torch.Generator().manual_seed(T + 40)
+    E, top_k = 8, 2
+    layer = _layer(g, E, True, "gated_S=40")
+    x = torch.randn(T, D, generator=g)
+    tail = (top_k, "sigmoid", True, 2.5, 4, 2)
+    ref = moe_reference(x, *layer, *tail)
+    out = torch.full((T, D), float("nan"), device=DEV)
+    n_real = max(1, T - 2)
+    fused_moe(*_on(x, *layer, out), *tail, TOKEN if config == "token" else SORTED, n_real=n_real,
+              one_launch_router=True)
+    assert torch.isfinite(out).all() and (out[n_real:] == 0).all()
+    assert _rel(out[:n_real], ref[:n_real]) <= 1e-4
+
+
 @pytest.mark.parametrize("T", [64, 65])
 def test_fused_moe_matches_reference_on_both_sides_of_the_one_launch_routing(T):
     g = torch.Generator().manual_seed(T)
@@ -427,9 +496,38 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     other = MoELayerShape.of(_moe_call(S=0))
     both = TritonMoEBackend(device="cpu", layers=(layer, other))
     assert set(both.kernel_variant_tokens(256)) == {1, 3, 5, 41, 65, 86, 97, 129, 193}
+    # the one-launch router folds where the routing and sort fold (to T=64): no count of its own
+    one = TritonMoEBackend(device="cpu", layers=(layer,), router="one_launch")
+    assert one.kernel_variant_tokens(256) == (1, 3, 5, 41, 65, 86, 97, 129, 193)
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: True)
     assert backend.kernel_variant_tokens(256) == ()
     assert TritonMoEBackend(device="cpu").kernel_variant_tokens(256) == (), "no layer shapes: nothing to name"
+
+
+def test_the_router_option_runs_the_router_in_one_launch_where_the_step_folds(monkeypatch):
+    """router="one_launch" (--route 'moe=triton_moe[router=one_launch]'): the backend's steps launch
+    the router kernel where the step folds and match the CPU oracle; a bad choice is a one-line error."""
+    import runtime.backends.triton_moe as backend_module
+
+    g = torch.Generator().manual_seed(23)
+    E = 8
+    op_args = _layer(g, E, True, "gated_S=40")
+    tail = (0, 2, "sigmoid", True, 1.0, 4, 2)
+    kernels = backend_module._kernels()
+    asked = []
+    real_route = kernels._route
+    monkeypatch.setattr(kernels, "_route", lambda *a, **k: asked.append(k.get("one_launch")) or real_route(*a, **k))
+    backend = TritonMoEBackend(device=DEV, router="one_launch")
+    for T in (1, 9, 70):
+        x = torch.randn(T, D, generator=g)
+        out = torch.full((T, D), float("nan"), device=DEV)
+        backend.moe(None, *_on(x, *op_args, out), *tail)
+        expected = torch.full((T, D), float("nan"))
+        CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
+        assert _rel(out, expected) <= 1e-4
+    assert asked == [True, True, False], "one launch to 64 tokens (a routing tile at 8 experts), two past it"
+    with pytest.raises(ValueError, match="router must be one of"):
+        TritonMoEBackend(device="cpu", router="fused")
 
 
 def test_importing_the_backend_needs_no_triton():
