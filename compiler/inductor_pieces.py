@@ -14,7 +14,9 @@ aten glue, functionalizes nothing of ours and never copies an op's `out`.
    keeps the op as a call, which the runtime's CUDA kernel for it runs (a one-launch GEMV for few
    rows, torch otherwise). With `norm_linear` as well (`hgc build --norm-linear`), each layer's input
    RMSNorm, with the residual add before it, and the projection reading it become one call of
-   `hgc_glue::add_rms_norm_linear` (`use_norm_linear`): a GEMV with the norm in its prologue.
+   `hgc_glue::add_rms_norm_linear` (a GEMV with the norm in its prologue), and its output
+   projection with the residual add and the post-attention RMSNorm after it one call of
+   `hgc_glue::linear_add_rms_norm` (the add and the norm in the GEMV's epilogue): `use_norm_linear`.
 3. `fake_inputs(module, device)`: the segment's inputs as fake tensors on the target device, every
    symbolic size (the token count T, the logits row count R) a fresh symbol of one ShapeEnv, hinted
    with the example size the program was traced with. One compile then covers every bucket.

@@ -17,8 +17,8 @@ load. Building needs the target device, since kernels are built for the machine 
    is batch-invariant, its projections as calls of the GEMV op (`small_m_for`); with --pdl (cuda,
    off by default) every kernel that can launches with programmatic dependent launch: Inductor's
    and the backends' (docs/DESIGN.md, "Programmatic dependent launch"); with --norm-linear (cuda,
-   with the GEMV op; off by default) each layer's input norm and the residual add before it fold
-   into the projection's GEMV (docs/DESIGN.md, "Input norms folded into the GEMV").
+   with the GEMV op; off by default) each layer's norms and the residual adds beside them fold
+   into the projections' GEMVs (docs/DESIGN.md, "Norms folded into the GEMVs").
 3. Start-up runs as `hgc run` / `hgc serve` would, with the fresh pieces: on cuda every recorded
    bucket is captured and checked (which builds the FlashInfer modules and Triton kernels of the
    captured shapes and tunes FLA's kernels, into the caches of step 1), and the compiled pieces
@@ -94,13 +94,14 @@ def pdl_refusal(device: str) -> str | None:
 
 def norm_linear_refusal(device: str, batch_invariant: bool = False) -> str | None:
     """Why a bundle for `device` cannot be built with --norm-linear (each input RMSNorm folded into
-    the GEMV op call of the projection that reads it), or None. It rewrites the GEMV op's calls, so
+    the GEMV op call of the projection that reads it, each post-attention one into the output
+    projection's before it), or None. It rewrites the GEMV op's calls, so
     it goes where the op does (`small_m_for`): cuda, not a batch-invariant artifact."""
     import torch
 
     kind = torch.device(device).type
     if kind != "cuda":
-        return (f"the input norms fold into the projections' GEMV, a CUDA kernel; a {kind} bundle's projections "
+        return (f"the norms fold into the projections' GEMV, a CUDA kernel; a {kind} bundle's projections "
                 f"stay aten's linear")
     if batch_invariant:
         return ("the artifact is batch-invariant: its projections stay aten's linear (a fixed order of sums), so there "
@@ -231,7 +232,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
             if pdl:
                 log("programmatic dependent launch: on (Inductor's kernels and the backends' decode kernels)")
             if norm_linear:
-                log("input norms: folded into their projections (hgc_glue::add_rms_norm_linear)")
+                log("norms: folded into the GEMVs beside them (hgc_glue::add_rms_norm_linear, linear_add_rms_norm)")
             records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
                                            dev, out, caches["inductor"], log=log, small_m=small_m, pdl=pdl,
                                            norm_linear=norm_linear)
@@ -365,9 +366,10 @@ def add_build_arguments(subparsers) -> None:
                         "launch\")")
     p.add_argument("--norm-linear", action="store_true",
                    help="cuda, with the GEMV projections (not a batch-invariant artifact): fold each layer's input "
-                        "RMSNorm, and the residual add before it, into the GEMV of the projection that reads it, one "
-                        "launch fewer per layer at decode. Off by default: not yet measured faster (docs/DESIGN.md, "
-                        "\"Input norms folded into the GEMV\")")
+                        "RMSNorm, and the residual add before it, into the GEMV of the projection that reads it, "
+                        "and its post-attention RMSNorm, with the residual add, into the GEMV of the output "
+                        "projection before it: two launches fewer per layer at decode. Off by default: not yet "
+                        "measured faster (docs/DESIGN.md, \"Norms folded into the GEMVs\")")
     p.add_argument("--slots", type=int, default=None,
                    help="cuda: state slots of the start-up run (default: the largest decode bucket, so every bucket "
                         "is captured)")

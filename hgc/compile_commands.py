@@ -516,8 +516,8 @@ def gemv_projections(doc: dict) -> str:
 
 
 def folded_norms(doc: dict) -> str:
-    """A bundle.json's input norms per forward folded into the projection that reads them (`hgc build
-    --norm-linear`: calls of hgc_glue::add_rms_norm_linear or rms_norm_linear), by program as
+    """A bundle.json's norms per forward folded into the GEMVs beside them (`hgc build --norm-linear`:
+    calls of hgc_glue::add_rms_norm_linear, rms_norm_linear or linear_add_rms_norm), by program as
     `gemv_projections` counts; "off" for a bundle built without it (one from before the field too)."""
     from compiler.splitops.bundle import bundle_norm_linear
 
@@ -734,8 +734,8 @@ def add_arguments(subparsers) -> None:
                    help="build the target bundle with programmatic dependent launch (`hgc build --pdl`: cuda, "
                         "compute capability 9 or more; off by default)")
     p.add_argument("--norm-linear", action="store_true",
-                   help="build the target bundle with each layer's input RMSNorm (and the residual add before it) "
-                        "folded into the GEMV of the projection that reads it (`hgc build --norm-linear`: cuda, not "
+                   help="build the target bundle with each layer's RMSNorms (and the residual adds beside them) "
+                        "folded into the GEMVs of the projections beside them (`hgc build --norm-linear`: cuda, not "
                         "with --batch-invariant; off by default)")
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)

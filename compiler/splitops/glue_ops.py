@@ -29,11 +29,18 @@ activation dtype before the product, as the glue rounds it.
    glue's own ops (`rms_norm_rows`, then F.linear), so on the CPU a rewritten segment gives the
    bits it gave before; fake kernels give the shapes.
 2. `use_norm_linear(gm)`: the rewrite compile_glue runs after `use_small_m_linear` where
-   hgc/build_command.py asks for it (`hgc build --norm-linear`; docs/DESIGN.md, "Input norms
-   folded into the GEMV (`--norm-linear`)").
+   hgc/build_command.py asks for it (`hgc build --norm-linear`; docs/DESIGN.md, "Norms folded into
+   the GEMVs (`--norm-linear`)").
 3. The runtime registers their CUDA kernels beside small_m_linear's (runtime/backends/glue_kernels.py):
    a GEMV with the norm in its prologue where small_m_linear would take the GEMV, else one row
    kernel for the add and the norm, then F.linear.
+
+`linear_add_rms_norm(x, weight, residual, norm_weight, eps, unit_offset) -> (normed, summed)`: a
+layer's output projection, the residual add after it and the RMSNorm of the sum (the norm that
+feeds the MoE op) as one op: summed = residual + linear(x, weight) in the activation dtype, normed =
+RMSNorm(summed). Defined as the two above are; `use_norm_linear` folds them too (its step 2), and
+the runtime runs the GEMV with the add and the norm in its epilogue where small_m_linear would take
+the GEMV (the last of its programs to finish normalises the row), else F.linear and the row kernel.
 
 What it does not do: decide which device runs the GEMV (the kernel registration does), or touch an
 op core's arguments.
@@ -49,7 +56,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-__all__ = ["NAMESPACE", "SMALL_M_LINEAR", "ADD_RMS_NORM_LINEAR", "RMS_NORM_LINEAR", "rms_norm_rows",
+__all__ = ["NAMESPACE", "SMALL_M_LINEAR", "ADD_RMS_NORM_LINEAR", "RMS_NORM_LINEAR", "LINEAR_ADD_RMS_NORM",
+           "rms_norm_rows",
            "use_small_m_linear", "use_norm_linear"]
 
 NAMESPACE = "hgc_glue"
@@ -152,24 +160,53 @@ torch.library.register_fake(f"{NAMESPACE}::rms_norm_linear", _norm_fake, lib=_LI
 ADD_RMS_NORM_LINEAR = torch.ops.hgc_glue.add_rms_norm_linear.default
 RMS_NORM_LINEAR = torch.ops.hgc_glue.rms_norm_linear.default
 
+# -- a post-attention norm folded into the output projection before it --------------------------------
+
+_LIB.define("linear_add_rms_norm(Tensor x, Tensor weight, Tensor residual, Tensor norm_weight, float eps, "
+            "bool unit_offset) -> (Tensor, Tensor)")
+
+
+def _linear_norm_reference(x, weight, residual, norm_weight, eps: float, unit_offset: bool):
+    summed = residual + F.linear(x, weight)
+    return rms_norm_rows(summed, norm_weight, eps, unit_offset), summed
+
+
+def _linear_norm_fake(x, weight, residual, norm_weight, eps: float, unit_offset: bool):
+    like = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    return like, torch.empty_like(like)
+
+
+_LIB.impl("linear_add_rms_norm", _linear_norm_reference, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::linear_add_rms_norm", _linear_norm_fake, lib=_LIB)
+
+LINEAR_ADD_RMS_NORM = torch.ops.hgc_glue.linear_add_rms_norm.default
+
 _aten = torch.ops.aten
 _ASSERT = _aten._assert_tensor_metadata.default  # export's dtype checks: readers that compute nothing
 
 
 @dataclasses.dataclass
-class _InputNorm:
-    """An RMSNorm whose normed row only a projection reads, as the rewrite found it: `row` is the
-    norm's input, `to_float` its cast to float32, `nodes` the norm's own nodes (the projection and
-    the cast back to the activation dtype first, to_float last: the order they are erased in)."""
+class _Norm:
+    """An RMSNorm as the rewrite found it: `out` its normed row (the cast back to the activation
+    dtype), `row` its input, `to_float` the input's cast to float32, `nodes` its own nodes (`out`
+    first, to_float last: readers before what they read, the order they are erased in)."""
 
-    projection: torch.fx.Node
+    out: torch.fx.Node
     row: torch.fx.Node
     to_float: torch.fx.Node
     nodes: list[torch.fx.Node]
     norm_weight: torch.fx.Node
-    weight: torch.fx.Node
     eps: float
     unit_offset: bool
+
+
+@dataclasses.dataclass
+class _InputNorm:
+    """An RMSNorm whose normed row only a projection reads (`weight` its weight)."""
+
+    projection: torch.fx.Node
+    norm: _Norm
+    weight: torch.fx.Node
 
 
 def _call(node, target) -> bool:
@@ -252,16 +289,12 @@ def _normalized_of(node) -> Optional[tuple[torch.fx.Node, float, list[torch.fx.N
     return None
 
 
-def _input_norm(projection: torch.fx.Node) -> Optional[_InputNorm]:
-    """The RMSNorm (models/common.py) whose normed row only this projection reads, else None:
-    `y = to(mul(normalized, scale), A)` with A the row's dtype, normalized and scale as
-    `_normalized_of` and `_scale_of` say, the float32 row `to(row, float32)` of a 2-D row of A."""
-    found = _projection_of(projection)
-    if found is None:
-        return None
-    y, weight = found
+def _rms_norm_of(y) -> Optional[_Norm]:
+    """The RMSNorm (models/common.py) whose normed row y is, else None: `y = to(mul(normalized,
+    scale), A)` with A the row's dtype, normalized and scale as `_normalized_of` and `_scale_of` say,
+    the float32 row `to(row, float32)` of a 2-D row of A."""
     row_value = _val(y)
-    if row_value is None or _cast_to(y) != row_value.dtype or not _read_only_by(y, projection):
+    if row_value is None or _cast_to(y) != row_value.dtype:
         return None
     product = y.args[0]
     if not _call(product, _aten.mul.Tensor) or len(product.args) != 2 or not _read_only_by(product, y):
@@ -282,9 +315,21 @@ def _input_norm(projection: torch.fx.Node) -> Optional[_InputNorm]:
         # residual stream, read as the row itself
         if value.dtype != torch.float32 and set(_readers(to_float)) != {norm_nodes[0], norm_nodes[-1]}:
             continue
-        return _InputNorm(projection, row, to_float, [projection, y, product, *scale_nodes, *norm_nodes, to_float],
-                          norm_weight, weight, eps, unit_offset)
+        return _Norm(y, row, to_float, [y, product, *scale_nodes, *norm_nodes, to_float], norm_weight, eps,
+                     unit_offset)
     return None
+
+
+def _input_norm(projection: torch.fx.Node) -> Optional[_InputNorm]:
+    """The RMSNorm whose normed row only this projection reads, else None."""
+    found = _projection_of(projection)
+    if found is None:
+        return None
+    y, weight = found
+    if not _read_only_by(y, projection):
+        return None
+    norm = _rms_norm_of(y)
+    return None if norm is None else _InputNorm(projection, norm, weight)
 
 
 def _residual_sum(row: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
@@ -305,45 +350,99 @@ def _erase(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
         graph.erase_node(node)
 
 
-def _fold(graph: torch.fx.Graph, norm: _InputNorm) -> None:
+def _reroute_float_readers(norm: _Norm, row: torch.fx.Node) -> None:
+    """A float32 row's own readers (`_rms_norm_of`) read `row` instead of the norm's cast."""
+    for reader in _readers(norm.to_float):
+        if reader not in norm.nodes:
+            reader.replace_input_with(norm.to_float, row)
+
+
+def _results(graph: torch.fx.Graph, call: torch.fx.Node, first: torch.fx.Node,
+             second: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """getitem nodes of a two-result call, right after it, each with the meta of the node whose place
+    it takes (`first`, `second`); the call's value is the pair."""
+    with graph.inserting_after(call):
+        two = graph.call_function(operator.getitem, (call, 1))
+    with graph.inserting_after(call):
+        one = graph.call_function(operator.getitem, (call, 0))
+    call.meta = {**first.meta, "val": (_val(first), _val(second))}
+    one.meta, two.meta = dict(first.meta), dict(second.meta)
+    return one, two
+
+
+def _fold(graph: torch.fx.Graph, found: _InputNorm) -> None:
     """Replace the norm and its projection with one op call: add_rms_norm_linear where the row is a
     residual sum (the op's summed takes the sum's place for its other readers), else rms_norm_linear."""
-    args = (norm.norm_weight, norm.weight, norm.eps, norm.unit_offset)
+    norm = found.norm
+    args = (norm.norm_weight, found.weight, norm.eps, norm.unit_offset)
     summands = _residual_sum(norm.row)
     if summands is not None:
         with graph.inserting_after(norm.row):  # before any other reader of the sum
             call = graph.call_function(ADD_RMS_NORM_LINEAR, (*summands, *args))
-        with graph.inserting_after(call):
-            summed = graph.call_function(operator.getitem, (call, 1))
-        with graph.inserting_after(call):
-            out = graph.call_function(operator.getitem, (call, 0))
-        call.meta = {**norm.projection.meta, "val": (_val(norm.projection), _val(norm.row))}
-        out.meta, summed.meta = dict(norm.projection.meta), dict(norm.row.meta)
+        out, summed = _results(graph, call, found.projection, norm.row)
         row = summed
     else:
-        with graph.inserting_before(norm.projection):
+        with graph.inserting_before(found.projection):
             out = call = graph.call_function(RMS_NORM_LINEAR, (norm.row, *args))
-        call.meta = dict(norm.projection.meta)
+        call.meta = dict(found.projection.meta)
         row = norm.row
-    norm.projection.replace_all_uses_with(out)
-    for reader in _readers(norm.to_float):  # a float32 row's own readers (`_input_norm`) read the row
-        if reader not in norm.nodes:
-            reader.replace_input_with(norm.to_float, row)
-    _erase(graph, norm.nodes)
+    found.projection.replace_all_uses_with(out)
+    _reroute_float_readers(norm, row)
+    _erase(graph, [found.projection, *norm.nodes])
     if summands is not None:
         norm.row.replace_all_uses_with(summed)
         _erase(graph, [norm.row])
 
 
+def _output_norm(y: torch.fx.Node) -> Optional[tuple[_Norm, torch.fx.Node, torch.fx.Node, torch.fx.Node]]:
+    """(the norm, the projection, the residual, (x, w)) where y is an RMSNorm's normed row whose input
+    is a residual sum with a projection that only the sum reads: `add(residual, linear(x, w))` in
+    either order (the projection as `_projection_of` takes it); else None."""
+    norm = _rms_norm_of(y)
+    if norm is None:
+        return None
+    summands = _residual_sum(norm.row)
+    if summands is None:
+        return None
+    for projection, residual in (summands, summands[::-1]):
+        found = _projection_of(projection) if isinstance(projection, torch.fx.Node) else None
+        if found is not None and _read_only_by(projection, norm.row) and projection is not residual:
+            return norm, projection, residual, found
+    return None
+
+
+def _fold_output(graph: torch.fx.Graph, norm: _Norm, projection: torch.fx.Node, residual: torch.fx.Node,
+                 found: tuple[torch.fx.Node, torch.fx.Node]) -> None:
+    """Replace the projection, the residual add and the norm with one call of linear_add_rms_norm:
+    its normed row takes the norm's place, its summed the sum's."""
+    x, weight = found
+    with graph.inserting_before(norm.row):  # the projection's operands and the residual are defined by then
+        call = graph.call_function(LINEAR_ADD_RMS_NORM, (x, weight, residual, norm.norm_weight, norm.eps,
+                                                         norm.unit_offset))
+    out, summed = _results(graph, call, norm.out, norm.row)
+    norm.out.replace_all_uses_with(out)
+    _reroute_float_readers(norm, summed)
+    _erase(graph, norm.nodes)
+    norm.row.replace_all_uses_with(summed)
+    _erase(graph, [norm.row, projection])
+
+
 def use_norm_linear(gm: torch.fx.GraphModule) -> int:
-    """Step 2: each RMSNorm (models/common.py) whose normed row only a projection reads, and the
-    residual add before it, becomes one call of add_rms_norm_linear (rms_norm_linear where the
-    norm's input is not such a sum: the embedding's output); how many. The projection is a plain
-    one (`_plain_projection`) or a call of small_m_linear (the rewrite runs after
-    use_small_m_linear), the norm's weight a graph input. Anything else stays as it was: a norm
-    whose row another node reads too (the post-attention norm that feeds the MoE op, a dense MLP's
-    two projections), the final norm (the logits' rows are indexed first), a norm of another form
-    (Kimi's KimiRMSNorm scales after rounding).
+    """Step 2: RMSNorms (models/common.py) folded into the GEMVs beside them; how many, of both kinds.
+
+    1. Input norms: each norm whose normed row only a projection reads, and the residual add before
+       it, becomes one call of add_rms_norm_linear (rms_norm_linear where the norm's input is not
+       such a sum: the embedding's output).
+    2. Output norms, among the norms left: each norm whose input is a residual sum with a
+       projection that only the sum reads (a layer's output projection, then the post-attention
+       norm that feeds the MoE op), with the projection and the add, becomes one call of
+       linear_add_rms_norm.
+
+    A projection is a plain one (`_plain_projection`) or a call of small_m_linear (the rewrite runs
+    after use_small_m_linear), the norm's weight a graph input. Anything else stays as it was: a
+    norm between two other ops (the final norm: the logits' rows are indexed first, and its input
+    is the MoE op's output), a projection another node reads too, a norm of another form (Kimi's
+    KimiRMSNorm scales after rounding).
 
     The traced form, node by node: `h = add(a, b)`, `x = to(h, float32)`, `mul(x, rsqrt(add(mean(
     pow(x, 2), [-1], True), eps)))` times `to(w, float32)` (or `add(to(w, float32), 1.0)` with a unit
@@ -354,10 +453,18 @@ def use_norm_linear(gm: torch.fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node._erased:  # a node of a norm folded before
             continue
-        norm = _input_norm(node)
-        if norm is None:
+        found = _input_norm(node)
+        if found is None:
             continue
-        _fold(gm.graph, norm)
+        _fold(gm.graph, found)
+        count += 1
+    for node in list(gm.graph.nodes):
+        if node._erased:
+            continue
+        output = _output_norm(node)
+        if output is None:
+            continue
+        _fold_output(gm.graph, *output)
         count += 1
     if count:
         gm.graph.lint()

@@ -2,8 +2,10 @@
 
 A cuda bundle built without --batch-invariant compiles each plain projection of the glue as a call
 of `hgc_glue::small_m_linear` (hgc/build_command.py `small_m_for`), and with --norm-linear a layer's
-input norm with its projection as a call of `hgc_glue::add_rms_norm_linear` or `rms_norm_linear`;
-Inductor leaves the calls in the piece, and this module says what they run:
+input norm with its projection as a call of `hgc_glue::add_rms_norm_linear` or `rms_norm_linear`,
+and its output projection with the residual add and the post-attention norm after it as a call of
+`hgc_glue::linear_add_rms_norm`; Inductor leaves the calls in the piece, and this module says what
+they run:
 
 1. `register()` installs `project` as small_m_linear's CUDA kernel and `add_norm_project` /
    `norm_project` as the norm ops', for the process (runtime/artifact/bundle.py calls it before it
@@ -18,6 +20,10 @@ Inductor leaves the calls in the piece, and this module says what they run:
    call: where `project` would take the GEMV for the normed row (`takes_norm_gemv`: the same test
    on a), the GEMV with the norm in its prologue (runtime/backends/kernels/norm_gemv.py), one
    launch; anything else -> norm_gemv's row kernel (the add and the norm, one launch), then F.linear.
+   `linear_add_norm(x, weight, residual, norm_weight, eps, unit_offset)`, per call: where `project`
+   would take the GEMV for x (`takes_gemv_norm`), the GEMV with the add in its epilogue and the norm
+   in its last program (norm_gemv.py `gemv_add_rms_norm`), one launch; anything else -> F.linear,
+   then the row kernel.
 4. `torch_only()`: while it is open, `project` takes F.linear always and the norm ops their row
    kernel and F.linear (an A/B of the same bundle: benchmarks/kernels/step_account.py
    --torch-projections). It acts on what runs or is captured inside it, not on graphs captured before.
@@ -39,8 +45,8 @@ import torch.nn.functional as F
 
 from compiler.splitops import glue_ops
 
-__all__ = ["add_norm_project", "norm_project", "project", "register", "registered", "takes_gemv", "takes_norm_gemv",
-           "torch_only"]
+__all__ = ["add_norm_project", "linear_add_norm", "norm_project", "project", "register", "registered", "takes_gemv",
+           "takes_gemv_norm", "takes_norm_gemv", "torch_only"]
 
 _LIB: Optional[torch.library.Library] = None  # kept here: dropping the Library unregisters the kernel
 _torch_only = False  # torch_only() sets it: an A/B switch, read at each call
@@ -91,15 +97,19 @@ def takes_norm_gemv(a: torch.Tensor, b: Optional[torch.Tensor], norm_weight: tor
     return norm_weight.dim() == 1 and norm_weight.is_floating_point() and norm_weight.stride(0) == 1
 
 
-def _norm_rows_then_linear(a, b, norm_weight, weight, eps: float, unit_offset: bool):
-    """Step 3's other path: the row kernel on [rows, K] views (any leading dims), then F.linear;
-    (out, summed or None)."""
+def _norm_rows(a, b, norm_weight, eps: float, unit_offset: bool):
+    """The row kernel on [rows, K] views (any leading dims): (normed, summed or None) of a's shape."""
     K = a.shape[-1]
     flat = [t.reshape(-1, K) if t is not None else None for t in (a, b)]
     flat = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in flat]
     normed, summed = _norm_gemv().add_rms_norm_rows(*flat, norm_weight.contiguous(), eps, unit_offset)
-    out = F.linear(normed.view(a.shape), weight)
-    return out, summed.view(a.shape) if summed is not None else None
+    return normed.view(a.shape), summed.view(a.shape) if summed is not None else None
+
+
+def _norm_rows_then_linear(a, b, norm_weight, weight, eps: float, unit_offset: bool):
+    """Step 3's other path: the row kernel, then F.linear; (out, summed or None)."""
+    normed, summed = _norm_rows(a, b, norm_weight, eps, unit_offset)
+    return F.linear(normed, weight), summed
 
 
 def add_norm_project(a: torch.Tensor, b: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -118,6 +128,27 @@ def norm_project(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tenso
     return _norm_rows_then_linear(x, None, norm_weight, weight, eps, unit_offset)[0]
 
 
+def takes_gemv_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Step 3's choice for linear_add_rms_norm: the GEMV with the add and the norm in its epilogue
+    where `project` would take the GEMV, the residual [M, N] like the product, the norm weight one
+    contiguous float row."""
+    if not takes_gemv(x, weight):
+        return False
+    if residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype or residual.stride(1) != 1:
+        return False
+    return norm_weight.dim() == 1 and norm_weight.is_floating_point() and norm_weight.stride(0) == 1
+
+
+def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_add_rms_norm: (RMSNorm(residual + linear(x, weight)), residual + linear(x, weight)),
+    contiguous: step 3 with the norm after the projection (the GEMV's epilogue, else F.linear then
+    the row kernel for the add and the norm)."""
+    if takes_gemv_norm(x, weight, residual, norm_weight):
+        return _norm_gemv().gemv_add_rms_norm(x, weight, residual, norm_weight, eps, unit_offset)
+    return _norm_rows(residual, F.linear(x, weight), norm_weight, eps, unit_offset)
+
+
 def register() -> None:
     """Step 1: the ops' CUDA kernels (the CompositeExplicitAutograd references of glue_ops still
     serve every other device)."""
@@ -128,6 +159,7 @@ def register() -> None:
     lib.impl("small_m_linear", project, "CUDA")
     lib.impl("add_rms_norm_linear", add_norm_project, "CUDA")
     lib.impl("rms_norm_linear", norm_project, "CUDA")
+    lib.impl("linear_add_rms_norm", linear_add_norm, "CUDA")
     _LIB = lib
 
 

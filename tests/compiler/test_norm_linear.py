@@ -44,8 +44,8 @@ triton = pytest.importorskip("triton", reason="triton is not importable here (it
 from compiler.splitops import is_hgc_op  # noqa: E402
 from compiler.splitops.artifact import retarget_meta_devices  # noqa: E402
 from compiler.splitops.glue import glue_segments, segment_module  # noqa: E402
-from compiler.splitops.glue_ops import (ADD_RMS_NORM_LINEAR, RMS_NORM_LINEAR, SMALL_M_LINEAR,  # noqa: E402
-                                        rms_norm_rows, use_norm_linear, use_small_m_linear)
+from compiler.splitops.glue_ops import (ADD_RMS_NORM_LINEAR, LINEAR_ADD_RMS_NORM, RMS_NORM_LINEAR,  # noqa: E402
+                                        SMALL_M_LINEAR, rms_norm_rows, use_norm_linear, use_small_m_linear)
 from hgc import main  # noqa: E402
 from hgc.errors import EXIT_BAD_INPUT  # noqa: E402
 from models.common import RMSNorm  # noqa: E402
@@ -59,7 +59,7 @@ from testkit.traced_glue import stand_in_inductor  # noqa: E402
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
 FAMILIES = ("qwen3_next", "qwen3_5", "kimi_linear", "bailing_linear")
-NORM_OPS = (ADD_RMS_NORM_LINEAR, RMS_NORM_LINEAR)
+NORM_OPS = (ADD_RMS_NORM_LINEAR, RMS_NORM_LINEAR, LINEAR_ADD_RMS_NORM)
 ALLOCATIONS = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format,
                torch.ops.aten.new_empty.default)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -121,9 +121,14 @@ def norm_weights(gm: torch.fx.GraphModule) -> dict[str, str]:
         names = dict(zip([n for n in module.graph.nodes if n.op == "placeholder"], segment.inputs))
         for node, name in names.items():
             if name.endswith("norm_weight"):
-                folded = any(u.target in NORM_OPS and u.args[-4] is node for u in node.users)
+                folded = any(u.target in NORM_OPS and norm_weight_of(u) is node for u in node.users)
                 found[name] = "folded" if folded else "left"
     return found
+
+
+def norm_weight_of(call: torch.fx.Node) -> torch.fx.Node:
+    """The norm weight argument of a call of one of NORM_OPS."""
+    return call.args[3] if call.target is LINEAR_ADD_RMS_NORM else call.args[-4]
 
 
 def layer_norms(found: dict, kind: str) -> dict[str, str]:
@@ -131,19 +136,22 @@ def layer_norms(found: dict, kind: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_qwen3_next_folds_each_input_norm_and_leaves_the_post_attention_norms(programs, dtype):
+def test_qwen3_next_folds_its_input_and_post_attention_norms(programs, dtype):
     """Every layer's input norm (the first of them on the embedding's output, the draft's on its fc
-    output: no add) folds; every post-attention norm feeds the MoE op and the final norms index
-    their rows first: left. In float32 too, where the residual stream is read from the norm's cast."""
+    output: no add) folds into the projection after it; every post-attention norm (it feeds the MoE
+    op) into the output projection before it; the final norms (their input is the MoE op's output,
+    and the logits' rows are indexed first): left. In float32 too, where the residual stream is read
+    from the norm's cast."""
     main_program, draft = programs("qwen3_next", dtype)["main"], programs("qwen3_next", dtype)["draft"]
     found = norm_weights(main_program)
     inputs = layer_norms(found, "input_layernorm")
     assert len(inputs) == 4 and set(inputs.values()) == {"folded"}, inputs
     post = layer_norms(found, "post_attention_layernorm")
-    assert len(post) == 4 and set(post.values()) == {"left"}, post
+    assert len(post) == 4 and set(post.values()) == {"folded"}, post
     assert found["p_model_norm_weight"] == "left"
     assert {k: v for k, v in norm_weights(draft).items() if v == "folded"} == {
-        "p_lm_mtp_layers_0_input_layernorm_weight": "folded"}
+        "p_lm_mtp_layers_0_input_layernorm_weight": "folded",
+        "p_lm_mtp_layers_0_post_attention_layernorm_weight": "folded"}
 
 
 def test_the_sum_and_the_embedding_take_their_two_forms(programs):
@@ -164,6 +172,27 @@ def test_the_sum_and_the_embedding_take_their_two_forms(programs):
     assert not is_hgc_op(ADD_RMS_NORM_LINEAR) and not is_hgc_op(RMS_NORM_LINEAR), "glue, not op cores"
 
 
+def test_the_post_attention_norm_folds_with_the_output_projection(programs):
+    """Layer 0's segment between its mixer op and its MoE op: the output projection, the residual add
+    and the post-attention norm become one linear_add_rms_norm, whose normed row the segment returns
+    for the MoE op and whose summed it returns as the residual stream; no projection, add or norm is
+    left, and a second run finds nothing more."""
+    gm = programs("qwen3_next")["main"]
+    segment, module = list(segment_modules(gm))[1]
+    assert rewritten(module) == 1
+    (call,) = [n for n in module.graph.nodes if n.target in NORM_OPS]
+    assert call.target is LINEAR_ADD_RMS_NORM and call.args[-2:] == (1e-6, True)
+    x, weight, residual = call.args[:3]
+    assert all(n.op == "placeholder" for n in (weight, residual)), "the weight and the residual come from outside"
+    outputs = module.graph.output_node().args[0]
+    readers = {u.args[1]: u for u in call.users if u.target is operator.getitem}
+    assert set(readers) == {0, 1} and readers[0] in outputs and readers[1] in outputs
+    left = {n.target for n in module.graph.nodes}
+    assert not left & {SMALL_M_LINEAR, torch.ops.aten.add.Tensor, torch.ops.aten.rsqrt.default}, left
+    assert use_norm_linear(module) == 0, "a second run finds nothing more"
+    assert not is_hgc_op(LINEAR_ADD_RMS_NORM), "glue, not an op core"
+
+
 def test_bailing_linear_folds_its_plain_norms_and_kimi_linear_none(programs):
     """bailing_linear's norms are plain weight (no unit offset): every input norm folds, and the MLA
     layer's q_a norm before its q_b projection; Kimi's KimiRMSNorm rounds before it scales (another
@@ -171,7 +200,7 @@ def test_bailing_linear_folds_its_plain_norms_and_kimi_linear_none(programs):
     found = norm_weights(programs("bailing_linear")["main"])
     assert set(layer_norms(found, "input_layernorm").values()) == {"folded"}
     assert len(layer_norms(found, "input_layernorm")) == 4
-    assert set(layer_norms(found, "post_attention_layernorm").values()) == {"left"}
+    assert set(layer_norms(found, "post_attention_layernorm").values()) == {"folded"}
     assert set(layer_norms(found, "q_a_layernorm").values()) == {"folded"}
     calls = [n for _, m in segment_modules(programs("bailing_linear")["main"]) if rewritten(m)
              for n in m.graph.nodes if n.target in NORM_OPS]
@@ -316,6 +345,48 @@ def test_the_row_kernel_over_k_in_steps(monkeypatch, add):
     assert rel_err(normed, rms_norm_rows(want_summed, norm_weight.cpu(), 1e-6, False)) <= 1e-3
 
 
+@in_process
+@pytest.mark.parametrize("M", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_gemv_with_the_norm_in_its_epilogue_at_bench_dims(dtype, M):
+    """gemv_add_rms_norm in the config of bench qwen3_next's output projection (N 2048, K 4096:
+    one-step FMA at one row, an FMA loop at two, DOT at five) on the first 72 columns: summed and the
+    normed row against the CPU reference (relative error of the norm), and the shared counter back
+    at zero (the last program to finish normalised the rows)."""
+    from runtime.backends.kernels.arrivals import arrival_counters
+
+    K = 2 * K_BENCH
+    config = G.config_for(K_BENCH, K, M)
+    g = torch.Generator().manual_seed(30 + M)
+    x, residual = torch.randn(M, K, generator=g).to(dtype), torch.randn(M, COLUMNS, generator=g).to(dtype)
+    norm_weight = (torch.randn(COLUMNS, generator=g) * 0.2).to(dtype)
+    weight = (torch.randn(COLUMNS, K, generator=g) * K ** -0.5).to(dtype)
+    with nearest_even_bf16_casts():
+        normed, summed = NG.gemv_add_rms_norm(*(t.to(DEVICE) for t in (x, weight, residual, norm_weight)), 1e-6,
+                                              True, config=config)
+    want_summed = residual + F.linear(x, weight)
+    assert normed.shape == summed.shape == (M, COLUMNS) and normed.dtype == dtype
+    assert rel_err(summed, want_summed) <= TOL[dtype] / 2, f"M={M} {dtype} {config}"
+    err = rel_err(normed, rms_norm_rows(want_summed, norm_weight, 1e-6, True))
+    assert err <= TOL[dtype], f"M={M} {dtype} {config}: rel err {err:.2e}"
+    assert int(arrival_counters(DEVICE, 1, "test")[0]) == 0
+
+
+@in_process
+def test_the_epilogue_reads_a_wide_row_in_steps():
+    """A row wider than the last program's tile (a plain norm weight): the statistics over every step,
+    then the normed row step by step."""
+    M, N, K = 2, NG.EPILOGUE_BLOCK + 40, 64
+    g = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * K ** -0.5
+    residual, norm_weight = torch.randn(M, N, generator=g), torch.randn(N, generator=g) * 0.2
+    normed, summed = NG.gemv_add_rms_norm(*(t.to(DEVICE) for t in (x, weight, residual, norm_weight)), 1e-6, False,
+                                          config=G.GemvConfig(BLOCK_N=512, BLOCK_K=64))
+    want_summed = residual + F.linear(x, weight)
+    assert rel_err(summed, want_summed) <= 1e-5
+    assert rel_err(normed, rms_norm_rows(want_summed, norm_weight, 1e-6, False)) <= 1e-5
+
+
 N, K = 24, 32  # a shape of our own, put into CONFIGS for 1 and 2 rows
 
 
@@ -325,7 +396,7 @@ def measured(monkeypatch):
     monkeypatch.setitem(G.CONFIGS, (N, K, 1), G.GemvConfig(BLOCK_N=4, BLOCK_K=32))
     monkeypatch.setitem(G.CONFIGS, (N, K, 2), G.GemvConfig(BLOCK_N=8, BLOCK_K=16))
     paths = []
-    for name in ("add_rms_norm_gemv", "add_rms_norm_rows"):
+    for name in ("add_rms_norm_gemv", "add_rms_norm_rows", "gemv_add_rms_norm"):
         real = getattr(NG, name)
         monkeypatch.setattr(NG, name, lambda *args, real=real, name=name, **kw: paths.append(name) or real(*args, **kw))
     return paths
@@ -352,10 +423,35 @@ def test_which_calls_take_the_norm_gemv(measured, case):
     assert out.is_contiguous() and summed.is_contiguous()
 
 
+@in_process
+@pytest.mark.parametrize("case", ["measured", "bucket not measured", "past MAX_ROWS", "float32", "strided residual",
+                                  "torch_only"])
+def test_which_calls_take_the_gemv_with_the_norm_in_its_epilogue(measured, case):
+    """linear_add_rms_norm's CUDA kernel, called directly: the GEMV with the add and the norm in its
+    epilogue where small_m_linear would take the GEMV (and the residual is a row-major [M, N]);
+    F.linear and the row kernel for every other call."""
+    M = {"bucket not measured": 3, "past MAX_ROWS": G.MAX_ROWS + 1}.get(case, 1)
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    g = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(M, K, generator=g).to(dtype), (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+    residual, norm_weight = torch.randn(M, N, generator=g).to(dtype), (torch.randn(N, generator=g) * 0.2).to(dtype)
+    if case == "strided residual":
+        residual = torch.cat([residual, residual], dim=1)[:, ::2]
+    with glue_kernels.torch_only() if case == "torch_only" else contextlib.nullcontext(), nearest_even_bf16_casts():
+        normed, summed = glue_kernels.linear_add_norm(*(t.to(DEVICE) for t in (x, weight, residual, norm_weight)),
+                                                      1e-6, True)
+    assert measured == (["gemv_add_rms_norm"] if case == "measured" else ["add_rms_norm_rows"]), case
+    want_summed = residual + F.linear(x, weight)
+    assert rel_err(summed, want_summed) <= 1e-2
+    assert rel_err(normed, rms_norm_rows(want_summed, norm_weight, 1e-6, True)) <= 1e-2
+    assert normed.is_contiguous() and summed.is_contiguous()
+
+
 def test_register_installs_the_norm_ops_cuda_kernels():
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     glue_kernels.register()
-    assert all(has(f"hgc_glue::{op}", "CUDA") for op in ("small_m_linear", "add_rms_norm_linear", "rms_norm_linear"))
+    assert all(has(f"hgc_glue::{op}", "CUDA") for op in ("small_m_linear", "add_rms_norm_linear", "rms_norm_linear",
+                                                        "linear_add_rms_norm"))
     a, b, w, nw = torch.randn(2, 8), torch.randn(2, 8), torch.randn(3, 8), torch.randn(8)
     out, summed = ADD_RMS_NORM_LINEAR(a, b, nw, w, 1e-6, False)  # the CPU keeps the reference
     torch.testing.assert_close(out, F.linear(rms_norm_rows(a + b, nw, 1e-6, False), w), rtol=0, atol=0)
@@ -421,7 +517,7 @@ def test_norm_linear_for_a_cpu_bundle_is_one_line_and_writes_nothing(tmp_path, c
     before = tree(tmp_path)
     assert main([a.replace("{w}", str(tmp_path)) for a in argv]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[0].startswith(f"hgc {argv[0]}: --norm-linear: the input norms fold into the projections' GEMV"), err
+    assert err[0].startswith(f"hgc {argv[0]}: --norm-linear: the norms fold into the projections' GEMV"), err
     assert "cpu bundle" in err[0] and len(err) <= 3 and "Traceback" not in "\n".join(err)
     assert tree(tmp_path) == before
 
@@ -463,8 +559,8 @@ def test_bundle_json_records_the_flag_and_inspect_counts_the_folded_norms():
 
 def test_compile_glue_counts_the_folded_norms_per_piece(tmp_path_factory, tmp_path, monkeypatch):
     """compile_glue(small_m=True, norm_linear=True) folds before the key is taken and it compiles
-    (Inductor stood in for); per forward, qwen3_next's four input norms and the draft's one. Without
-    the GEMV op it refuses."""
+    (Inductor stood in for); per forward, qwen3_next's four input and four post-attention norms and
+    the draft's one of each. Without the GEMV op it refuses."""
     import compiler.inductor_pieces as inductor_pieces
     from runtime.artifact.docs import read_artifact
     from runtime.artifact.loader import load_programs
@@ -476,6 +572,6 @@ def test_compile_glue_counts_the_folded_norms_per_piece(tmp_path_factory, tmp_pa
                                                    small_m=True, norm_linear=True)
     assert sorted(p["norm_linear"] for p in pieces.values()) == sorted(compiled)
     per_forward = {p: sum(pieces[r["piece"]]["norm_linear"] for r in records[p] if r["piece"]) for p in gms}
-    assert per_forward == {"main": 4, "draft": 1}
+    assert per_forward == {"main": 8, "draft": 2}
     with pytest.raises(ValueError, match="needs small_m"):
         inductor_pieces.compile_glue(gms, docs.split_plans, "cpu", tmp_path, tmp_path / "cache", norm_linear=True)

@@ -1,4 +1,4 @@
-"""The input norm folded into its projection on a CUDA GPU (runtime/backends/glue_kernels.py, norm_gemv.py).
+"""The norms folded into the GEMVs on a CUDA GPU (runtime/backends/glue_kernels.py, norm_gemv.py).
 
 The registered CUDA kernels of hgc_glue::add_rms_norm_linear and rms_norm_linear, at bench
 qwen3_next's input projections (K = 2048: the GDN input projection, N = 12352, at 1 to 8 rows and
@@ -9,6 +9,12 @@ inputs: the relative error of the norm of the difference under bf16's parity tol
 bit for bit (both round the float32 sum once). A captured CUDA graph of each path replays the bits
 of its eager run, with programmatic dependent launch off and on.
 
+hgc_glue::linear_add_rms_norm at bench qwen3_next's output projection (N 2048, K 4096, 1 to 8 rows)
+runs the GEMV with the add in its epilogue and the norm in its last program: summed and the normed
+row against the float32 product rounded to bf16, the add, and rms_norm_rows; a captured graph
+replayed on fresh inputs three times gives each replay's eager bits (the last program to finish
+normalised each replay's rows: the counter was back at zero).
+
 Runs only on the GPU machine (`pytest -m gpu`).
 """
 
@@ -17,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiler.splitops.glue_ops import ADD_RMS_NORM_LINEAR, RMS_NORM_LINEAR, rms_norm_rows
+from compiler.splitops.glue_ops import ADD_RMS_NORM_LINEAR, LINEAR_ADD_RMS_NORM, RMS_NORM_LINEAR, rms_norm_rows
 from runtime.graphs.parity import PARITY_RTOL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -121,3 +127,59 @@ def test_a_captured_call_replays_its_eager_bits_with_pdl_off_and_on(paths, pdl_s
     for off, on in zip(*results):
         torch.testing.assert_close(on, off, rtol=0, atol=0)
     assert set(paths) == {"gemv" if M == 1 else "rows"}
+
+
+@pytest.mark.parametrize("M", [1, 2, 4, 8])
+def test_the_output_projection_runs_the_gemv_with_the_norm_in_its_epilogue(monkeypatch, M):
+    from runtime.backends import glue_kernels
+    from runtime.backends.kernels import norm_gemv
+
+    glue_kernels.register()
+    taken = []
+    real = norm_gemv.gemv_add_rms_norm
+    monkeypatch.setattr(norm_gemv, "gemv_add_rms_norm", lambda *a, **kw: taken.append(M) or real(*a, **kw))
+    N, KO = 2048, 4096
+    g = torch.Generator(device="cuda").manual_seed(40 + M)
+    x = torch.randn(M, KO, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(N, KO, device="cuda", generator=g) * KO ** -0.5).bfloat16()
+    residual = torch.randn(M, N, device="cuda", generator=g).bfloat16()
+    norm_weight = (torch.randn(N, device="cuda", generator=g) * 0.2).bfloat16()
+    normed, summed = LINEAR_ADD_RMS_NORM(x, weight, residual, norm_weight, 1e-6, True)
+    assert taken == [M] and normed.shape == summed.shape == (M, N) and normed.is_contiguous()
+    want_summed = residual + (x.float() @ weight.float().T).bfloat16()
+    assert rel_err(summed, want_summed) < RTOL
+    assert rel_err(normed, rms_norm_rows(want_summed, norm_weight, 1e-6, True)) < RTOL
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_the_epilogue_replays_fresh_inputs_as_its_eager_calls(pdl_switch, M):
+    from runtime.backends import glue_kernels
+    from runtime.backends.kernels.arrivals import arrival_counters
+
+    glue_kernels.register()
+    N, KO = 2048, 4096
+
+    def fresh(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return (torch.randn(M, KO, device="cuda", generator=g).bfloat16(),
+                (torch.randn(N, KO, device="cuda", generator=g) * KO ** -0.5).bfloat16(),
+                torch.randn(M, N, device="cuda", generator=g).bfloat16(),
+                (torch.randn(N, device="cuda", generator=g) * 0.2).bfloat16())
+
+    for on in (False, True):
+        pdl_switch.enable(on)
+        static = fresh(0)
+        LINEAR_ADD_RMS_NORM(*static, 1e-6, True)  # compiles and allocates the counters outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = LINEAR_ADD_RMS_NORM(*static, 1e-6, True)
+        for seed in (1, 2, 3):
+            given = fresh(seed)
+            for dst, src in zip(static, given):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            for got, want in zip(captured, LINEAR_ADD_RMS_NORM(*given, 1e-6, True)):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert int(arrival_counters("cuda", 1, "test")[0]) == 0

@@ -163,18 +163,14 @@ def _fma_sum(prod, ROWS: tl.constexpr):
     return total
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(x, w, out, M, N, K, s_xm, s_wn, s_om,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                 MASK_N: tl.constexpr, MASK_K: tl.constexpr, ONE_STEP: tl.constexpr, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
-    """out[:M, cols] = x[:M] @ w[cols]^T for this program's BLOCK_N columns; ROWS >= M rows in the tile.
-    MASK_N / MASK_K: N or K does not fill its last tile. USE_GDC: launched with PDL (pdl.py): the
-    one-step FMA path reads its weight tile before the wait, the others wait before their loop."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    rm = tl.arange(0, ROWS)
-    m_ok = rm < M
+@triton.jit
+def gemv_sums(x, w, M, N, K, s_xm, s_wn, rn, n_ok, rm, m_ok,
+              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+              MASK_N: tl.constexpr, MASK_K: tl.constexpr, ONE_STEP: tl.constexpr, UPCAST: tl.constexpr,
+              PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
+    """The float32 sums x[rows] @ w[cols]^T of one program's columns rn (rows rm): [BLOCK_N, ROWS]
+    where DOT, else [ROWS, BLOCK_N] (`store_sums` stores either). With USE_GDC the one-step FMA path
+    reads its weight tile before the PDL wait, the others wait before their loop."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]  # [BN, BK]; 64-bit: weights past 2**31 elements
     x_ptrs = x + rm.to(tl.int64)[:, None] * s_xm + rk[None, :]  # [ROWS, BK]
@@ -191,8 +187,7 @@ def _gemv_kernel(x, w, out, M, N, K, s_xm, s_wn, s_om,
             acc = tl.dot(wt, tl.trans(xt), acc, input_precision=PRECISION)  # [BN, ROWS]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        o_ptrs = out + rm.to(tl.int64)[None, :] * s_om + rn[:, None]
-        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+        total = acc
     else:
         if ONE_STEP:  # K <= BLOCK_K: straight-line code, every load issued before the first product
             k_ok = rk < K
@@ -215,11 +210,51 @@ def _gemv_kernel(x, w, out, M, N, K, s_xm, s_wn, s_om,
                 w_ptrs += BLOCK_K
                 x_ptrs += BLOCK_K
             total = _fma_sum(acc, ROWS)  # over BLOCK_K once, after the loop
+    return total
+
+
+@triton.jit
+def store_sums(out, s_om, sums, rn, n_ok, rm, m_ok, DOT: tl.constexpr):
+    """`gemv_sums`' result rounded to out's dtype at out[rm, rn] (any row stride)."""
+    if DOT:
+        o_ptrs = out + rm.to(tl.int64)[None, :] * s_om + rn[:, None]
+        tl.store(o_ptrs, sums.to(out.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    else:
         o_ptrs = out + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
-        tl.store(o_ptrs, total.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(o_ptrs, sums.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(x, w, out, M, N, K, s_xm, s_wn, s_om,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                 MASK_N: tl.constexpr, MASK_K: tl.constexpr, ONE_STEP: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr, USE_GDC: tl.constexpr):
+    """out[:M, cols] = x[:M] @ w[cols]^T for this program's BLOCK_N columns; ROWS >= M rows in the tile.
+    MASK_N / MASK_K: N or K does not fill its last tile. USE_GDC: launched with PDL (pdl.py), as
+    `gemv_sums` waits."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rm = tl.arange(0, ROWS)
+    m_ok = rm < M
+    sums = gemv_sums(x, w, M, N, K, s_xm, s_wn, rn, n_ok, rm, m_ok, ROWS, BLOCK_N, BLOCK_K, DOT, MASK_N, MASK_K,
+                     ONE_STEP, UPCAST, PRECISION, USE_GDC)
+    store_sums(out, s_om, sums, rn, n_ok, rm, m_ok, DOT)
 
 
 _GEMV = Launcher(_gemv_kernel)  # decode's eager gaps repeat its arguments (launch_cache.py)
+
+
+def launch_constants(cfg: GemvConfig, M: int, N: int, K: int, dtype: torch.dtype) -> dict:
+    """The constexprs and launch options of a GEMV call of M rows (`gemv_sums`' tile, masks, the
+    interpreter's upcast and the dots' precision, the config's warps and stages): the plain GEMV's
+    launches and norm_gemv.py's take the same."""
+    upcast = triton_interpreted() and dtype != torch.float32
+    # float32: no TF32 (torch's default for matmuls, allow_tf32 False); 16-bit operands ignore it.
+    precision = "ieee" if dtype == torch.float32 or upcast else "tf32"
+    return dict(ROWS=max(row_bucket(M), DOT_ROWS) if cfg.DOT else row_bucket(M), BLOCK_N=cfg.BLOCK_N,
+                BLOCK_K=cfg.BLOCK_K, DOT=cfg.DOT, MASK_N=N % cfg.BLOCK_N != 0, MASK_K=K % cfg.BLOCK_K != 0,
+                ONE_STEP=K <= cfg.BLOCK_K, UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor]) -> None:
@@ -267,13 +302,6 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Te
     if K == 0:  # no product: the kernel's K loop would not run either
         return out.zero_()
     cfg = config or config_for(N, K, M)
-    rows = max(row_bucket(M), DOT_ROWS) if cfg.DOT else row_bucket(M)
-    upcast = triton_interpreted() and x.dtype != torch.float32
-    # float32: no TF32 (torch's default for matmuls, allow_tf32 False); 16-bit operands ignore it.
-    precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
-    _GEMV[(cdiv(N, cfg.BLOCK_N),)](
-        x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-        ROWS=rows, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, DOT=cfg.DOT, MASK_N=N % cfg.BLOCK_N != 0,
-        MASK_K=K % cfg.BLOCK_K != 0, ONE_STEP=K <= cfg.BLOCK_K, UPCAST=upcast, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(x.device))
+    _GEMV[(cdiv(N, cfg.BLOCK_N),)](x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+                                   **launch_constants(cfg, M, N, K, x.dtype), **launch_args(x.device))
     return out

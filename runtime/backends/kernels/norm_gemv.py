@@ -1,11 +1,12 @@
-"""A layer's input RMSNorm (with the residual add before it) and the projection that reads it.
+"""A layer's RMSNorms (with the residual adds beside them) and the projections beside them.
 
-The CUDA side of hgc_glue::add_rms_norm_linear and rms_norm_linear (compiler/splitops/glue_ops.py;
-runtime/backends/glue_kernels.py picks per call). The glue computes, for rows a and b [M, K] of
-the activation dtype A: summed = a + b in A (the residual stream, which it carries on); the
-RMSNorm of summed (models/common.py): its float32 rows times rsqrt(mean of their squares + eps),
-times (w + 1) or w in float32, rounded to A; then the projection of that row. Without b the
-norm's input is a itself (the embedding's output) and there is no summed.
+The CUDA side of hgc_glue::add_rms_norm_linear, rms_norm_linear and linear_add_rms_norm
+(compiler/splitops/glue_ops.py; runtime/backends/glue_kernels.py picks per call). For an input
+norm the glue computes, for rows a and b [M, K] of the activation dtype A: summed = a + b in A (the
+residual stream, which it carries on); the RMSNorm of summed (models/common.py): its float32 rows
+times rsqrt(mean of their squares + eps), times (w + 1) or w in float32, rounded to A; then the
+projection of that row. Without b the norm's input is a itself (the embedding's output) and there
+is no summed. For a post-attention norm the projection comes first and its rounded output is b.
 
 1. `add_rms_norm_gemv`: M <= gemv.MAX_ROWS rows in one launch, with the config of gemv.py's
    plain GEMV of the same shape (`gemv.config_for`; FMA or DOT as that config says). One program
@@ -23,6 +24,15 @@ norm's input is a itself (the embedding's output) and there is no summed.
    one launch (the traced glue's Inductor kernel was one launch too: an extend step of thousands of
    rows must not pay a chain of eager ops); the caller then runs F.linear on the normed rows.
 
+3. `gemv_add_rms_norm` (linear_add_rms_norm: a layer's output projection, then the residual add
+   and the post-attention norm): M <= gemv.MAX_ROWS rows in one launch with the plain GEMV's config
+   and code (`gemv.gemv_sums`). Each program rounds its columns of the product to A, adds the
+   residual's (rounded to A, as torch adds two tensors of A) and stores them in summed, then
+   counts itself in (runtime/backends/kernels/arrivals.py); the last to finish reads the rows of
+   summed back from L2 and normalises them into normed, in one order of sums whatever order the
+   programs finished in, and zeroes the counter. The price of the launch it saves: an atomic per
+   program, and the last program's pass over the rows after the slowest program.
+
 CPU reference: glue_ops' CompositeExplicitAutograd kernels, the traced glue's own ops.
 Not done here: choosing the path (glue_kernels.py), other norms (Kimi's KimiRMSNorm rounds before
 it scales: the rewrite leaves it), bias.
@@ -36,16 +46,20 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.backends.kernels.gemv import (DOT_ROWS, MAX_ROWS, GemvConfig, _fma_products, _fma_sum, _load_tile,
-                                           config_for, row_bucket)
+from runtime.backends.kernels.arrivals import arrival_counters, last_to_arrive
+from runtime.backends.kernels.gemv import (MAX_ROWS, GemvConfig, _fma_products, _fma_sum, _load_tile, config_for,
+                                           gemv_sums, launch_constants)
 from runtime.backends.kernels.launch_cache import Launcher
-from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
+from runtime.backends.kernels.launch_math import cdiv, next_pow2
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 
-__all__ = ["add_rms_norm_gemv", "add_rms_norm_rows", "ROW_BLOCK_MAX"]
+__all__ = ["add_rms_norm_gemv", "add_rms_norm_rows", "gemv_add_rms_norm", "ROW_BLOCK_MAX", "EPILOGUE_BLOCK"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ROW_BLOCK_MAX = 8192  # the row kernel's widest tile: a row of K up to it is read once, wider ones in steps
+# The elements (rows x columns) the epilogue's last program reads at a time: one row of bench's
+# hidden size in one step, more rows in narrower steps (the tile stays in registers).
+EPILOGUE_BLOCK = 2048
 
 
 @triton.jit
@@ -208,8 +222,51 @@ def _add_rms_norm_rows_kernel(a, b, nw, summed, normed, K, s_am, s_bm, s_sm, s_n
             tl.store(n_ptrs + k0, xn, mask=k_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _gemv_add_norm_kernel(x, w, res, nw, normed, summed, arrived, M, N, K, s_xm, s_wn, s_rm, s_nm, s_sm, eps,
+                          UNIT_OFFSET: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, DOT: tl.constexpr, MASK_N: tl.constexpr, MASK_K: tl.constexpr,
+                          ONE_STEP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                          NORM_BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    """Step 3 of the module docstring: summed[:M, cols] = res + x @ w[cols]^T for this program's
+    BLOCK_N columns (the GEMV's sums rounded to A, then the add rounded to A); the last program to
+    finish (arrivals.py) normalises the M rows of summed into normed, NORM_BLOCK columns at a time,
+    and zeroes the counter. USE_GDC: launched with PDL (pdl.py), the GEMV waiting as gemv.py's does."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rm = tl.arange(0, ROWS)
+    m_ok = rm < M
+    sums = gemv_sums(x, w, M, N, K, s_xm, s_wn, rn, n_ok, rm, m_ok, ROWS, BLOCK_N, BLOCK_K, DOT, MASK_N, MASK_K,
+                     ONE_STEP, UPCAST, PRECISION, USE_GDC)
+    if DOT:
+        sums = tl.trans(sums)  # [ROWS, BN]
+    act = summed.dtype.element_ty
+    rows = rm.to(tl.int64)[:, None]
+    tile = m_ok[:, None] & n_ok[None, :]
+    r = tl.load(res + rows * s_rm + rn[None, :], mask=tile, other=0.0)
+    s = (r.to(tl.float32) + sums.to(act).to(tl.float32)).to(act)  # the projection in A, then the add in A
+    tl.store(summed + rows * s_sm + rn[None, :], s, mask=tile)
+    if last_to_arrive(arrived, tl.num_programs(0)):
+        cols = tl.arange(0, NORM_BLOCK)
+        squares = tl.zeros([ROWS], dtype=tl.float32)
+        for n0 in range(0, N, NORM_BLOCK):
+            ok = m_ok[:, None] & (cols[None, :] < N - n0)
+            # from L2 (.cg): arrivals.py says why
+            row = tl.load(summed + rows * s_sm + n0 + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            squares += _squares(row)
+        inv_rms = _inv_rms(squares, N, eps)
+        for n0 in range(0, N, NORM_BLOCK):
+            n_in = cols < N - n0
+            ok = m_ok[:, None] & n_in[None, :]
+            row = tl.load(summed + rows * s_sm + n0 + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            wn = tl.load(nw + n0 + cols, mask=n_in, other=0.0).to(tl.float32)
+            tl.store(normed + rows * s_nm + n0 + cols[None, :], _normed_rows(row, inv_rms, wn, UNIT_OFFSET), mask=ok)
+        tl.store(arrived, 0)
+
+
 _NORM_GEMV = Launcher(_norm_gemv_kernel)  # decode's eager gaps repeat its arguments (launch_cache.py)
 _ROWS = Launcher(_add_rms_norm_rows_kernel)
+_GEMV_NORM = Launcher(_gemv_add_norm_kernel)
 
 
 def _check(a: torch.Tensor, b: Optional[torch.Tensor], norm_weight: torch.Tensor,
@@ -255,18 +312,12 @@ def add_rms_norm_gemv(a: torch.Tensor, b: Optional[torch.Tensor], norm_weight: t
     if M == 0:
         return out, summed
     cfg = config or config_for(N, K, M)
-    rows = max(row_bucket(M), DOT_ROWS) if cfg.DOT else row_bucket(M)
-    upcast = triton_interpreted() and a.dtype != torch.float32
-    precision = "ieee" if a.dtype == torch.float32 or upcast else "tf32"  # as gemv.small_m_linear says
     other = b if b is not None else a  # never read without b (HAS_B False), nor is summed's stand-in written
     into = summed if summed is not None else out
     _NORM_GEMV[(cdiv(N, cfg.BLOCK_N),)](
         a, other, norm_weight, weight, out, into, M, N, K, a.stride(0), other.stride(0), weight.stride(0),
-        out.stride(0), into.stride(0), float(eps),
-        HAS_B=b is not None, UNIT_OFFSET=bool(unit_offset), ROWS=rows, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        DOT=cfg.DOT, MASK_N=N % cfg.BLOCK_N != 0, MASK_K=K % cfg.BLOCK_K != 0, ONE_STEP=K <= cfg.BLOCK_K,
-        UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_args(a.device))
+        out.stride(0), into.stride(0), float(eps), HAS_B=b is not None, UNIT_OFFSET=bool(unit_offset),
+        **launch_constants(cfg, M, N, K, a.dtype), **launch_args(a.device))
     return out, summed
 
 
@@ -286,4 +337,37 @@ def add_rms_norm_rows(a: torch.Tensor, b: Optional[torch.Tensor], norm_weight: t
                 normed.stride(0), float(eps), HAS_B=b is not None, UNIT_OFFSET=bool(unit_offset), BLOCK_K=block,
                 ONE_STEP=K <= block, MASK_K=K % block != 0, num_warps=4 if block <= 2048 else 8,
                 **launch_args(a.device))
+    return normed, summed
+
+
+def gemv_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                      eps: float, unit_offset: bool, *,
+                      config: Optional[GemvConfig] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed [M, N], summed [M, N]) in A: step 3 of the module docstring, summed = residual + x @
+    weight^T, normed = RMSNorm(summed). M <= MAX_ROWS; x and residual any row stride with a
+    contiguous last dimension, weight row-major. `config` overrides gemv.config_for (the tests)."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or \
+            tuple(residual.shape) != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"gemv_add_rms_norm: x must be [M, K], weight [N, K] and residual [M, N], got x "
+                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}, residual {tuple(residual.shape)}")
+    _check(residual, None, norm_weight, None, "gemv_add_rms_norm")  # the norm's row: the residual's
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > MAX_ROWS or x.dtype != residual.dtype or weight.dtype != x.dtype or weight.device != x.device or \
+            residual.device != x.device or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv_add_rms_norm: x {tuple(x.shape)} {x.dtype} on {x.device} (strides {x.stride()}), "
+                         f"weight {weight.dtype}, residual {residual.dtype}: at most {MAX_ROWS} rows, one dtype, "
+                         "one device, contiguous last dimensions")
+    normed = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    summed = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return normed, summed
+    cfg = config or config_for(N, K, M)
+    constants = launch_constants(cfg, M, N, K, x.dtype)
+    arrived = arrival_counters(x.device, 1, "gemv_add_rms_norm")
+    _GEMV_NORM[(cdiv(N, cfg.BLOCK_N),)](
+        x, weight, residual, norm_weight, normed, summed, arrived, M, N, K, x.stride(0), weight.stride(0),
+        residual.stride(0), normed.stride(0), summed.stride(0), float(eps), UNIT_OFFSET=bool(unit_offset),
+        NORM_BLOCK=min(next_pow2(N), max(128, EPILOGUE_BLOCK // constants["ROWS"])), **constants,
+        **launch_args(x.device))
     return normed, summed

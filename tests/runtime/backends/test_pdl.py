@@ -42,8 +42,8 @@ HK, HV, DK, DV, KW = 16, 32, 128, 128, 4  # its GDN layers
 PAGE = 16
 
 # Kernels whose programs may read weights before the wait (pdl.py's rule): the GEMVs.
-PREFETCH = {"gemv one step", "norm gemv one step", "moe._logits_gemv_kernel", "moe router one launch",
-            "moe router one launch sorted"}
+PREFETCH = {"gemv one step", "norm gemv one step", "norm epilogue one step", "moe._logits_gemv_kernel",
+            "moe router one launch", "moe router one launch sorted"}
 WRITES = ("st.global", "atom.", "red.", "cp.reduce.async", "st.async")
 READS = ("ld.global", "cp.async")
 WAIT, LAUNCH = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
@@ -79,7 +79,7 @@ def record(launch_all) -> list[Launch]:
     what a GPU compiles."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from runtime.backends.kernels import gemv, moe, norm_gemv
+    from runtime.backends.kernels import gemv, moe
 
     seen: list[Launch] = []
 
@@ -92,7 +92,7 @@ def record(launch_all) -> list[Launch]:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(InterpretedFunction, "run", run)
-        for module in (gemv, moe, norm_gemv):
+        for module in (gemv, moe):  # norm_gemv.py's launches take gemv.py's `launch_constants`
             mp.setattr(module, "triton_interpreted", lambda: False)
         launch_all()
     return seen
@@ -120,10 +120,13 @@ def gemv_launches() -> dict[str, Launch]:
 
 
 def norm_gemv_launches() -> dict[str, Launch]:
-    """The input norm folded into its projection (norm_gemv.py): the GEMV's three paths as
-    `gemv_launches` takes them (the one-row and two-row GDN input projection; an FMA loop over K 4096),
-    and the row kernel reading a row of 2048 once and one of 16384 in steps."""
-    from runtime.backends.kernels.norm_gemv import ROW_BLOCK_MAX, add_rms_norm_gemv, add_rms_norm_rows
+    """The norms folded into the GEMVs (norm_gemv.py): the input norm in the prologue on the GEMV's
+    three paths as `gemv_launches` takes them (the one-row and two-row GDN input projection; an FMA
+    loop over K 4096), the row kernel reading a row of 2048 once and one of 16384 in steps, and the
+    post-attention norm in the output projection's epilogue (2048 x 4096) at one row (one-step
+    FMA), two (FMA loop) and five (DOT)."""
+    from runtime.backends.kernels.norm_gemv import (ROW_BLOCK_MAX, add_rms_norm_gemv, add_rms_norm_rows,
+                                                    gemv_add_rms_norm)
 
     gemvs = {"norm gemv one step": (1, 12352, 2048), "norm gemv dot": (2, 12352, 2048),
              "norm gemv fma loop": (2, 2048, 4096)}
@@ -132,6 +135,9 @@ def norm_gemv_launches() -> dict[str, Launch]:
         (out[case],) = record(lambda: add_rms_norm_gemv(_bf16(m, k), _bf16(m, k), _bf16(k), _bf16(n, k), 1e-6, True))
     for case, k in {"norm rows": D, "norm rows loop": 2 * ROW_BLOCK_MAX}.items():
         (out[case],) = record(lambda: add_rms_norm_rows(_bf16(64, k), _bf16(64, k), _bf16(k), 1e-6, True))
+    for case, m in {"norm epilogue one step": 1, "norm epilogue fma loop": 2, "norm epilogue dot": 5}.items():
+        (out[case],) = record(lambda: gemv_add_rms_norm(_bf16(m, 2 * D), _bf16(D, 2 * D), _bf16(m, D), _bf16(D), 1e-6,
+                                                        True))
     return out
 
 
@@ -231,6 +237,7 @@ def label(launch: Launch) -> str:
 # The kernels that take PDL (each launched with USE_GDC), by label.
 KERNELS = {"gemv one step", "gemv dot", "gemv fma loop", "moe router one launch", "moe router one launch sorted",
            "norm gemv one step", "norm gemv dot", "norm gemv fma loop", "norm rows", "norm rows loop",
+           "norm epilogue one step", "norm epilogue fma loop", "norm epilogue dot",
            *(f"moe.{k}" for k in ("_logits_gemv_kernel", "_logits_kernel", "_route_kernel", "_route_sort_kernel",
                                   "_align_count_kernel", "_align_kernel", "_gate_up_sorted_kernel",
                                   "_down_sorted_kernel", "_combine_kernel", "_gate_up_token_kernel",

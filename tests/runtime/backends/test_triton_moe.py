@@ -231,20 +231,27 @@ ROUTE_SORT_CASES = [(1, "softmax", "none", None), (17, "sigmoid_bias_grouped", "
                     (64, "sigmoid_bias_grouped", "ungated_S=2I", None)]
 
 
+def _route_sort_case(T: int, routing: str, shared: str, n_real, seed: int) -> tuple:
+    """(route's arguments at E=8, top-2, the keyword arguments: n_real, n_shared, shared_gate) of a
+    ROUTE_SORT_CASES row; n_real "device N" is a one-element device tensor."""
+    g = torch.Generator().manual_seed(seed)
+    scoring, bias, groups, topk_groups = ROUTINGS[routing](8)
+    router, b, _, _, sw13, _, gate = _layer(g, 8, bias, shared)
+    x = torch.randn(T, D, generator=g)
+    if isinstance(n_real, str):
+        n_real = torch.tensor([int(n_real.split()[1])], dtype=torch.int32, device=DEV)
+    n_shared = shared_chunks(0 if sw13 is None else sw13.shape[0] // 2, I)
+    extra = dict(n_real=n_real, n_shared=n_shared, shared_gate=None if gate is None else gate.to(DEV))
+    return (*_on(x, router, b), 2, scoring, True, 2.5, groups, topk_groups), extra
+
+
 @pytest.mark.parametrize("T,routing,shared,n_real", ROUTE_SORT_CASES)
 def test_route_sort_in_one_launch_gives_the_router_and_sort_results(T, routing, shared, n_real):
     """route_sort's one launch (T <= 64 here) and its separate launches (always available): the
     router's ids exactly and weights to float32 rounding, and the sorted layout of those ids exactly."""
-    g = torch.Generator().manual_seed(T + len(routing))
     E, k, block_m = 8, 2, 16
-    scoring, bias, groups, topk_groups = ROUTINGS[routing](E)
-    router, b, _, _, sw13, _, gate = _layer(g, E, bias, shared)
-    n_shared = shared_chunks(0 if sw13 is None else sw13.shape[0] // 2, I)
-    x = torch.randn(T, D, generator=g)
-    if isinstance(n_real, str):
-        n_real = torch.tensor([int(n_real.split()[1])], dtype=torch.int32, device=DEV)
-    args = (*_on(x, router, b), k, scoring, True, 2.5, groups, topk_groups)
-    extra = dict(n_real=n_real, n_shared=n_shared, shared_gate=None if gate is None else gate.to(DEV))
+    args, extra = _route_sort_case(T, routing, shared, n_real, seed=T + len(routing))
+    n_shared = extra["n_shared"]
     folds = route_sort_folds(T, E, k + n_shared, "gemv")
     assert folds == (T <= 64)
     ids, w = (t.cpu() for t in route(*args, **extra))
@@ -288,16 +295,9 @@ def test_the_one_launch_router_sorts_as_the_folded_routing_does(T, routing, shar
     """route_sort(one_launch=True): the router's last program routes and sorts, the layout of the
     one-program routing and sort (the same code after the same logits) exactly; refused with a
     one-line error where the step does not fold."""
-    g = torch.Generator().manual_seed(T + 3)
-    E, k, block_m = 8, 2, 16
-    scoring, bias, groups, topk_groups = ROUTINGS[routing](E)
-    router, b, _, _, sw13, _, gate = _layer(g, E, bias, shared)
-    n_shared = shared_chunks(0 if sw13 is None else sw13.shape[0] // 2, I)
-    x = torch.randn(T, D, generator=g)
-    if isinstance(n_real, str):
-        n_real = torch.tensor([int(n_real.split()[1])], dtype=torch.int32, device=DEV)
-    args = (*_on(x, router, b), k, scoring, True, 2.5, groups, topk_groups, block_m)
-    extra = dict(n_real=n_real, n_shared=n_shared, shared_gate=None if gate is None else gate.to(DEV))
+    block_m = 16
+    args, extra = _route_sort_case(T, routing, shared, n_real, seed=T + 3)
+    args = (*args, block_m)
     folded = [t.cpu() for t in route_sort(*args, **extra, fold=True)]
     one = [t.cpu() for t in route_sort(*args, **extra, one_launch=True)]
     total = int(folded[4])
@@ -307,41 +307,29 @@ def test_the_one_launch_router_sorts_as_the_folded_routing_does(T, routing, shar
                                                                           folded[3][:total // block_m])
     with pytest.raises(ValueError, match="one launch"):
         route_sort(*args, **extra, fold=False, one_launch=True)
-    wide = torch.randn(65, D, generator=g).to(DEV)
+    wide = torch.randn(65, D).to(DEV)
     with pytest.raises(ValueError, match="one launch"):
         route(wide, *args[1:-1], one_launch=True)
 
 
-@pytest.mark.parametrize("T,config", [(1, "token"), (3, "token"), (17, "sorted"), (65, "sorted")])
-def test_fused_moe_with_the_one_launch_router_matches_reference(T, config):
-    """fused_moe(one_launch_router=True) on the token path and the sorted one, on both sides of the
-    64 tokens one routing tile holds at E=8 (past it the router keeps its two launches)."""
-    g = torch.Generator().manual_seed(T + 40)
+@pytest.mark.parametrize("T,config,one_launch", [(64, "sorted", False), (65, "sorted", False), (1, "token", True),
+                                                 (3, "token", True), (17, "sorted", True), (65, "sorted", True)])
+def test_fused_moe_matches_reference_on_both_sides_of_the_one_launch_routing(T, config, one_launch):
+    """Both sides of the 64 tokens one routing tile holds at E=8, the routing and sort in one launch
+    or two; one_launch_router: in the GEMV's launch, on the token path and the sorted one (past the
+    tile the router keeps its two launches)."""
+    g = torch.Generator().manual_seed(T + 40 * one_launch)
     E, top_k = 8, 2
     layer = _layer(g, E, True, "gated_S=40")
     x = torch.randn(T, D, generator=g)
     tail = (top_k, "sigmoid", True, 2.5, 4, 2)
     ref = moe_reference(x, *layer, *tail)
     out = torch.full((T, D), float("nan"), device=DEV)
-    n_real = max(1, T - 2)
+    n_real = max(1, T - 3)
     fused_moe(*_on(x, *layer, out), *tail, TOKEN if config == "token" else SORTED, n_real=n_real,
-              one_launch_router=True)
+              one_launch_router=one_launch)
     assert torch.isfinite(out).all() and (out[n_real:] == 0).all()
     assert _rel(out[:n_real], ref[:n_real]) <= 1e-4
-
-
-@pytest.mark.parametrize("T", [64, 65])
-def test_fused_moe_matches_reference_on_both_sides_of_the_one_launch_routing(T):
-    g = torch.Generator().manual_seed(T)
-    E, top_k = 8, 2
-    layer = _layer(g, E, True, "gated_S=40")
-    x = torch.randn(T, D, generator=g)
-    tail = (top_k, "sigmoid", True, 2.5, 4, 2)
-    ref = moe_reference(x, *layer, *tail)
-    out = torch.full((T, D), float("nan"), device=DEV)
-    fused_moe(*_on(x, *layer, out), *tail, SORTED, n_real=T - 3)
-    assert torch.isfinite(out).all() and (out[T - 3:] == 0).all()
-    assert _rel(out[:T - 3], ref[:T - 3]) <= 1e-4
 
 
 def _routed_ids(g, T, k, E, padding_tokens=0, skewed=False):
