@@ -379,6 +379,10 @@ SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 CHUNK_IMPL_CHOICES = ("triton", "fla")
 # decode_tiles: the decode and verify kernels' tiles "by_batch" (the default) or "fixed" (the capability's comment).
 DECODE_TILES = ("by_batch", "fixed")
+# split_decode: the fused GDN mixer's split decode (one request) in "two_launches" (the default) or
+# "one_launch" (kernels/gdn_fused.py `_split_one_kernel`: the second launch's programs do the first's
+# conv and l2norm for what they read).
+SPLIT_DECODE = ("two_launches", "one_launch")
 
 
 class TritonLinearBackend(BackendHooks):
@@ -419,8 +423,9 @@ class TritonLinearBackend(BackendHooks):
         # count (more, narrower programs for few requests); "fixed" takes one tile for every count
         # (triton_linear.fixed_recurrent_config), so a request's state and output reduce in one order
         # whatever shares its step.
+        # split_decode: the fused mixer's one-request decode in two launches or one (SPLIT_DECODE).
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
-                 ("decode_tiles", DECODE_TILES)),
+                 ("decode_tiles", DECODE_TILES), ("split_decode", SPLIT_DECODE)),
         batch_invariant=(("decode_tiles", "fixed"),),
         # The fused GDN mixer is this backend's by default (no fused_on_route): with its decode on the
         # split at one request and the unfused kernels past it (kernels/gdn_fused.py decode_launches),
@@ -443,7 +448,7 @@ class TritonLinearBackend(BackendHooks):
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
                  short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0],
-                 snapshots=None, routed_ops: frozenset[str] | None = None):
+                 snapshots=None, routed_ops: frozenset[str] | None = None, split_decode: str = SPLIT_DECODE[0]):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
@@ -459,7 +464,10 @@ class TritonLinearBackend(BackendHooks):
         config is pinned). `snapshots`: the prefix cache's SnapshotPool, which the chunk kernels and
         the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
         routing binds to this instance (None: any it supports), which say whether it may write them
-        (`writes_step_snapshots`)."""
+        (`writes_step_snapshots`). `split_decode`: the routing option of the same name."""
+        if split_decode not in SPLIT_DECODE:
+            raise ValueError(f"{self.name}: split_decode must be one of {SPLIT_DECODE}, not {split_decode!r}")
+        self.merged_split = split_decode == "one_launch"
         if decode_tiles not in DECODE_TILES:
             raise ValueError(f"{self.name}: decode_tiles must be one of {DECODE_TILES}, not {decode_tiles!r}")
         self.fixed_tiles = decode_tiles == "fixed"
@@ -510,7 +518,8 @@ class TritonLinearBackend(BackendHooks):
         none: the declared default."""
         return {"short_extend_tokens": int(options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])),
                 "chunk_impl": options.get("chunk_impl", CHUNK_IMPL_CHOICES[0]),
-                "decode_tiles": options.get("decode_tiles", DECODE_TILES[0])}
+                "decode_tiles": options.get("decode_tiles", DECODE_TILES[0]),
+                "split_decode": options.get("split_decode", SPLIT_DECODE[0])}
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -877,10 +886,11 @@ class TritonLinearBackend(BackendHooks):
         # fixed tiles (batch-invariant): one kernel at every batch, as for the other decode kernels;
         # else a decode of many requests takes the unfused kernels below, as a verify step does
         if path == "decode" and (self.fixed_tiles or fused.decode_launches(qkv.shape[0]) != 4):
+            launches = 1 if self.fixed_tiles else fused.decode_launches(qkv.shape[0])
             fused.gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out,
                                    self._layer_state(layer_id, "conv"), self._layer_state(layer_id, "recurrent"),
-                                   self._step_slots(ctx), k_heads, scale, eps, what,
-                                   launches=1 if self.fixed_tiles else None)
+                                   self._step_slots(ctx), k_heads, scale, eps, what, launches=launches,
+                                   merged_split=self.merged_split and launches == 2)
             return
         dims = fused.gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
         mixed = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)

@@ -183,3 +183,59 @@ def test_decode_graph_capture_and_replay_matches_eager():
         assert torch.equal(out, want), f"step {step}: the replay differs from the eager run"
         for entry in ("conv", "recurrent"):
             assert torch.equal(graph_pool.layer(0)[entry], eager_pool.layer(0)[entry]), f"step {step}: {entry} states"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_the_split_in_one_launch_matches_the_unfused_ops(dtype):
+    """split_decode="one_launch" at batch 1 over three steps (each step's conv reads the history the
+    last program of each key head rolled in the step before), against the unfused ops."""
+    fused, unfused, p = backends(dtype, seed=31, split_decode="one_launch")
+    g = torch.Generator().manual_seed(32)
+    for step, slot in enumerate((5, 5, 9)):
+        ctx = decode_ctx([slot], 1, DEV)
+        for backend in (fused, unfused):
+            plan(backend, ctx)
+        compare(fused, unfused, p, ctx, dtype, g, [5, 9][: 1 + (step == 2)], f"one-launch split {dtype} step {step}")
+
+
+def test_the_split_in_one_launch_replays_fresh_steps_as_its_eager_runs():
+    """Captured at bucket 1 and replayed for three steps of other slots and inputs: each replay the
+    eager run's output and states bit for bit (the same kernel: its counters were back at zero)."""
+    from runtime.backends.kernels.arrivals import arrival_counters
+    from runtime.backends.triton_linear import TritonLinearBackend
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    dtype = torch.bfloat16
+    _, graph_pool, eager_pool = gdn_pools({0: S}, 20, DEV, seed=33, copies=3)
+    replayed = TritonLinearBackend(graph_pool, split_decode="one_launch")
+    eager = TritonLinearBackend(eager_pool, split_decode="one_launch")
+    replayed.init_capture_state(max_tokens=1, max_seqs=1)
+    p = gdn_params(S, dtype, 34).to(DEV)
+    g = torch.Generator().manual_seed(35)
+    static = gdn_inputs(S, 1, 1, dtype, g, DEV)
+    out = torch.empty(1, S.hv, S.dv, dtype=dtype, device=DEV)
+    first = decode_ctx([7], 1, DEV)
+    replayed.init_replay_state(first, 1)
+    plan(eager, first)
+    fused_gdn(replayed, first, static, p, out, 0, S, EPS)  # compiles and allocates outside the capture
+    fused_gdn(eager, first, static, p, torch.empty_like(out), 0, S, EPS)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_gdn(replayed, first, static, p, out, 0, S, EPS)
+    for step, slot in enumerate((7, 12, 7)):
+        ctx = decode_ctx([slot], 1, DEV)
+        replayed.init_replay_state(ctx, 1)
+        x = gdn_inputs(S, 1, 1, dtype, g, DEV)
+        for name in ("qkv", "z", "b", "a"):
+            static[name].copy_(x[name])
+        graph.replay()
+        plan(eager, ctx)
+        want = torch.full_like(out, float("nan"))
+        fused_gdn(eager, ctx, x, p, want, 0, S, EPS)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"step {step}: the replay differs from the eager run"
+        for entry in ("conv", "recurrent"):
+            assert torch.equal(graph_pool.layer(0)[entry], eager_pool.layer(0)[entry]), f"step {step}: {entry}"
+        assert not arrival_counters(DEV, 1, "test").any()

@@ -11,7 +11,8 @@ for bit. The kernels are also checked to have been compiled with launch_pdl on t
 
 Families: the GEMV (one, two and four rows: its one-step, DOT and looped paths), the MoE (the token
 path at batch 1, the sorted path at 32 and 256 tokens, the one-launch router at 1 and 32), the GDN
-decode (the split at batch 1, the one launch, the four unfused launches at batch 8), GQA attention
+decode (the split at batch 1 in two launches and in one, the one launch, the four unfused launches
+at batch 8), GQA attention
 (the K/V store, the split pass and its combine) and MLA attention (the split pass from the page
 table and the combine) at batch 1 and 8.
 
@@ -152,7 +153,7 @@ def test_moe_chain(pdl, T, one_launch):
 # -- the GDN decode ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path,B", [("split", 1), ("one", 1), ("four", 8)])
+@pytest.mark.parametrize("path,B", [("split", 1), ("split_one", 1), ("one", 1), ("four", 8)])
 def test_gdn_decode_chain(pdl, path, B):
     """Two GDN layers' decode, the second reading the first's output (a slice of it as its qkv), each
     on its own conv and recurrent states, every request on a slot of its own."""
@@ -171,7 +172,8 @@ def test_gdn_decode_chain(pdl, path, B):
     def decode(p, qkv, z, b, a, out, slots):
         if path != "four":
             GF.gdn_fused_decode(qkv, z, b, a, p["conv_w"], p["A_log"], p["dt_bias"], p["norm_w"], out, p["conv"],
-                                p["state"], slots, HK, DK ** -0.5, 1e-6, launches=1 if path == "one" else 2)
+                                p["state"], slots, HK, DK ** -0.5, 1e-6, launches=1 if path == "one" else 2,
+                                merged_split=path == "split_one")
             return
         mixed = torch.empty(qkv.shape, dtype=qkv.dtype, device=DEV)  # contiguous, as qk_gates takes it
         L.short_conv_decode(qkv, p["conv_w"], None, mixed, p["conv"], slots, True)
@@ -194,7 +196,8 @@ def test_gdn_decode_chain(pdl, path, B):
                 x = torch.cat([outs[f"out{i}"].reshape(B, -1)] * 3, dim=1)[:, :C]  # a torch kernel between
         return run, {**outs, **{f"{k}{i}": p[k] for i, p in enumerate(layers) for k in ("conv", "state")}}
 
-    kernels = {"split": [GF._split_prep_kernel, GF._split_core_kernel], "one": [GF._gdn_fused_decode_kernel],
+    kernels = {"split": [GF._split_prep_kernel, GF._split_core_kernel], "split_one": [GF._split_one_kernel],
+               "one": [GF._gdn_fused_decode_kernel],
                "four": [L._short_conv_decode_kernel, GF._qk_gates_kernel, L._recurrent_decode_kernel,
                         GF._gated_rmsnorm_kernel]}[path]
     same_bits(pdl, make, kernels)

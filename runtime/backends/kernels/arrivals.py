@@ -21,8 +21,10 @@ waits on another, so nothing depends on which programs are resident at once.
    one would be the graph's, and its zeroing a node replayed over live counters. A grown-out
    buffer stays referenced: a graph captured over it replays into memory nothing else was handed.
 
-runtime/backends/kernels/gdn_fused.py's split decode counts its value blocks in the same way on
-counters of its own (they sit beside the workspace the blocks park their outputs in).
+Users: the MoE router's one launch (moe.py), the post-attention norm in the output projection's
+GEMV (norm_gemv.py), the GDN split in one launch (gdn_fused.py: a key head's conv history rolled
+by its last program). gdn_fused.py's split decode also counts its value blocks in the same way
+on counters of its own (they sit beside the workspace the blocks park their outputs in).
 """
 
 from __future__ import annotations

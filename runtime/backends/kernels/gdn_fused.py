@@ -30,7 +30,12 @@ value block): a head's Dv columns are independent in the delta rule, so its stat
 blocks of columns over programs enough to fill the card (default_v_blocks). The gated norm needs
 the head's whole row: each block parks its outputs in a workspace and counts itself in on a
 per-(request, head) counter, and the last to arrive normalises the row (last_block_gated_norm), in
-one order whatever the arrival order. The same math, more programs. A step of more requests
+one order whatever the arrival order. The same math, more programs. The split can also run as one
+launch (`merged_split`, triton_linear's split_decode option "one_launch"): `_split_one_kernel`'s
+programs are the second launch's, each computing the conv and l2norm of what it reads (its v
+columns, its key head's q and k) from the history it finds; a v column is one program's, which
+rolls its history, and a key head's q and k channels roll once, stored by the last of the head's
+programs to finish reading them (a per-(request, key head) counter, arrivals.py). A step of more requests
 (more than ONE_LAUNCH_MAX_ROWS) takes the unfused kernels, four launches the caller runs: there the recurrent
 decode kernel's narrow tiles fill the card and the one launch's wide programs do not. The one
 launch is the op's kernel at every batch under fixed (batch-invariant) decode tiles.
@@ -54,10 +59,10 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.backends.kernels.arrivals import last_to_arrive
+from runtime.backends.kernels.arrivals import arrival_counters, last_to_arrive
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import next_pow2
-from runtime.backends.kernels.linear import conv_token, scalar_decay_step
+from runtime.backends.kernels.linear import conv_rolled, conv_token, scalar_decay_step, store_history
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
 from runtime.cache.state_pool import PADDING_SLOT
@@ -234,6 +239,29 @@ def last_block_gated_norm(o, cols, m_c, o_ws_ptr, arrived_ptr, z_ptr, norm_w_ptr
 
 
 @triton.jit
+def value_block_step(s, s_ptrs, m_s, q, k, v, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr, state_ptr,
+                     o_row_ptr, o_ws_ptr, arrived_ptr, row, head, cols, m_c, stride_a_row, stride_a_head,
+                     stride_b_row, stride_b_head, stride_z_row, stride_z_head, eps, HK: tl.constexpr,
+                     GROUP: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr,
+                     ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, act: tl.constexpr):
+    """A split program's work once it holds q, k (q with the output scale) and its block's v and
+    state s: the gates, the recurrent step, the state stored, and the gated norm (the program's own
+    where NVB is 1, else the head's last block's, last_block_gated_norm)."""
+    g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
+                        stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+    s, o = scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+    if NVB == 1:
+        z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + cols, mask=m_c, other=0.0)
+        weight = tl.load(norm_w_ptr + cols, mask=m_c, other=0.0).to(tl.float32)
+        y = gated_norm_head(o.to(act).to(tl.float32), z.to(tl.float32), weight, m_c, eps, DV, act, ROUND_Y)
+        tl.store(o_row_ptr + cols, y.to(act), mask=m_c)
+    else:
+        last_block_gated_norm(o, cols, m_c, o_ws_ptr, arrived_ptr, z_ptr, norm_w_ptr, o_row_ptr, row, head,
+                              stride_z_row, stride_z_head, eps, HK * GROUP, DV, BV, NVB, ROUND_Y, act)
+
+
+@triton.jit
 def _split_core_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, state_ptr,
                        slots_ptr, o_ws_ptr, arrived_ptr, stride_m_row, stride_z_row, stride_z_head, stride_b_row,
                        stride_b_head, stride_a_row, stride_a_head, stride_o_row, stride_o_head, stride_s_slot,
@@ -270,20 +298,70 @@ def _split_core_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, n
         q = tl.load(src + kh * DK + offs_k, mask=m_k, other=0.0).to(tl.float32) * scale
         k = tl.load(src + (HK + kh) * DK + offs_k, mask=m_k, other=0.0).to(tl.float32)
         v = tl.load(src + 2 * HK * DK + head * DV + cols, mask=m_c, other=0.0).to(tl.float32)
-        g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
-                            stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
-        s, o = scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
-        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
-        if NVB == 1:
-            z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + cols, mask=m_c, other=0.0)
-            weight = tl.load(norm_w_ptr + cols, mask=m_c, other=0.0).to(tl.float32)
-            y = gated_norm_head(o.to(act).to(tl.float32), z.to(tl.float32), weight, m_c, eps, DV, act, ROUND_Y)
-            tl.store(o_row_ptr + cols, y.to(act), mask=m_c)
-        else:
-            last_block_gated_norm(o, cols, m_c, o_ws_ptr, arrived_ptr, z_ptr, norm_w_ptr, o_row_ptr, row, head,
-                                  stride_z_row, stride_z_head, eps, HK * GROUP, DV, BV, NVB, ROUND_Y, act)
+        value_block_step(s, s_ptrs, m_s, q, k, v, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr, state_ptr,
+                         o_row_ptr, o_ws_ptr, arrived_ptr, row, head, cols, m_c, stride_a_row, stride_a_head,
+                         stride_b_row, stride_b_head, stride_z_row, stride_z_head, eps, HK, GROUP, DV, BV, NVB,
+                         ROUND_Y, SOFTPLUS_MAX, act)
     else:
         # padding row: every block zeroes its columns and none counts in, so its counter stays zero
+        tl.store(o_row_ptr + cols, tl.zeros([BVP], dtype=act), mask=m_c)
+
+
+@triton.jit
+def _split_one_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, conv_ptr,
+                      state_ptr, slots_ptr, o_ws_ptr, arrived_ptr, conv_arrived_ptr,
+                      stride_x_row, stride_z_row, stride_z_head, stride_b_row, stride_b_head, stride_a_row,
+                      stride_a_head, stride_o_row, stride_o_head, stride_w_c, stride_c_slot, stride_c_c,
+                      stride_s_slot, stride_s_head, scale, eps, l2_eps,
+                      HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, NVB: tl.constexpr, BVB: tl.constexpr,
+                      BVP: tl.constexpr, ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
+                      PAD_SLOT: tl.constexpr, USE_GDC: tl.constexpr):
+    """The split in one launch, one program per (request, value head, value block), the second
+    launch's programs doing the first's work for what they read: the conv step of their v columns
+    and of their key head's q and k channels, the l2norm of q and k (each program of a key head
+    computes the same values from the same history), then the gates, the recurrence and the gated
+    norm as `_split_core_kernel` does. Each v column belongs to one program, which rolls its history
+    itself; a key head's q and k channels are read by its GROUP * NVB programs, so the last of them
+    to finish reading counts in last (a per-(request, key head) counter, arrivals.py) and stores
+    their rolled history, which it holds like every other. The values are the split's, the same
+    rounding at the same places."""
+    pdl_wait(USE_GDC)
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.program_id(2) * BVB + tl.arange(0, BVP)
+    offs_k = tl.arange(0, BK)
+    m_k = offs_k < DK
+    m_c = tl.arange(0, BVP) < BVB
+    act = out_ptr.dtype.element_ty
+    o_row_ptr = out_ptr + row * stride_o_row + head * stride_o_head
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot != PAD_SLOT:
+        kh = head // GROUP
+        m_s = m_k[:, None] & m_c[None, :]
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + cols[None, :]
+        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+        yq, hq = conv_rolled(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, kh * DK + offs_k, m_k,
+                             stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW, KWP, False, True)
+        yk, hk = conv_rolled(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, (HK + kh) * DK + offs_k, m_k,
+                             stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW, KWP, False, True)
+        v_ch = 2 * HK * DK + head * DV + cols
+        yv = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, v_ch, m_c, stride_x_row, stride_w_c,
+                        stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)[0]
+        # q and k as the first launch stores them (rounded to A), q with the output scale
+        q = l2norm_head(yq, m_k, act, l2_eps) * scale
+        k = l2norm_head(yk, m_k, act, l2_eps)
+        v = yv.to(act).to(tl.float32)
+        if last_to_arrive(conv_arrived_ptr + row * HK + kh, GROUP * NVB):
+            store_history(conv_ptr, slot, kh * DK + offs_k, m_k, hq, stride_c_slot, stride_c_c, KW, KWP)
+            store_history(conv_ptr, slot, (HK + kh) * DK + offs_k, m_k, hk, stride_c_slot, stride_c_c, KW, KWP)
+            tl.store(conv_arrived_ptr + row * HK + kh, 0)
+        value_block_step(s, s_ptrs, m_s, q, k, v, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr, state_ptr,
+                         o_row_ptr, o_ws_ptr, arrived_ptr, row, head, cols, m_c, stride_a_row, stride_a_head,
+                         stride_b_row, stride_b_head, stride_z_row, stride_z_head, eps, HK, GROUP, DV, BV, NVB,
+                         ROUND_Y, SOFTPLUS_MAX, act)
+    else:
+        # padding row: every program zeroes its columns and none counts in, so its counters stay zero
         tl.store(o_row_ptr + cols, tl.zeros([BVP], dtype=act), mask=m_c)
 
 
@@ -362,6 +440,7 @@ def _gated_rmsnorm_kernel(
 _GDN_FUSED_DECODE = Launcher(_gdn_fused_decode_kernel)
 _SPLIT_PREP = Launcher(_split_prep_kernel)
 _SPLIT_CORE = Launcher(_split_core_kernel)
+_SPLIT_ONE = Launcher(_split_one_kernel)
 _QK_GATES = Launcher(_qk_gates_kernel)
 _GATED_RMSNORM = Launcher(_gated_rmsnorm_kernel)
 
@@ -508,7 +587,7 @@ def decode_launches(rows: int) -> int:
 def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots,
                      k_heads: int, scale: float, eps: float, what: str = "gdn_fused",
                      num_warps: int | None = None, launches: int | None = None,
-                     v_blocks: int | None = None) -> None:
+                     v_blocks: int | None = None, merged_split: bool = False) -> None:
     """One decode step of a GDN mixer: row r is request r, on slot slots[r] (the padding slot: a zero
     row, nothing read or kept). conv_state [slots+1, C, K-1] and state [slots+1, Hv, Dk, Dv] float32
     are the layer's, updated in place.
@@ -527,7 +606,10 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     whole row, in one order whatever order they finish in. 1: one program holds the whole head and
     normalises it itself (no counter), the one launch's tiles and so its order of sums. None:
     default_v_blocks for the device's SMs. Narrower blocks compute each column as the whole head
-    does, their key sums maybe in another order (another tile's layout): float32 noise."""
+    does, their key sums maybe in another order (another tile's layout): float32 noise.
+
+    merged_split (the split only): its two launches as one (`_split_one_kernel`: each program of the
+    second does the first's conv and l2norm for what it reads), the same values."""
     d = gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
     B = qkv.shape[0]
     if slots.shape != (B,):
@@ -543,6 +625,8 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     if launches not in (1, 2):
         raise ValueError(f"{what}: launches {launches}: 1 or 2 (a step of {B} requests takes the unfused "
                          f"kernels, which the caller runs)")
+    if merged_split and launches != 2:
+        raise ValueError(f"{what}: merged_split merges the split's two launches; this call takes {launches}")
     if v_blocks is not None and (launches != 2 or v_blocks < 1 or d.dv % v_blocks):
         raise ValueError(f"{what}: v_blocks {v_blocks}: the two-launch split's value blocks, a count that "
                          f"divides Dv {d.dv} (this call takes {launches} launch(es))")
@@ -551,6 +635,10 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     BK, BV, KWP = next_pow2(d.dk), next_pow2(d.dv), next_pow2(d.kernel_width)
     round_y = rounds_weighted_norm(norm_weight, out)
     warps = num_warps or decode_warps(d.dk, d.dv)
+    if launches == 2 and merged_split:
+        _split_one(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots, d, scale,
+                   eps, round_y, num_warps, v_blocks, what)
+        return
     if launches == 2:
         mixed = torch.empty((B, d.channels), dtype=qkv.dtype, device=qkv.device)
         _SPLIT_PREP[(B, 2 * d.hk + d.hv)](
@@ -569,17 +657,41 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
         SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=warps, **launch_args(qkv.device))
 
 
+def _value_blocks(B: int, d: GdnDims, slots, out, v_blocks: int | None, what: str) -> tuple:
+    """(value blocks, grid, SplitScratch) of a split's second launch (or its merged launch):
+    (request, value head) programs, or (request, value head, value block) ones meeting in the
+    device's SplitScratch."""
+    nvb = default_v_blocks(B, d.hv, d.dv, num_sms(out.device)) if v_blocks is None else v_blocks
+    if nvb == 1:
+        return nvb, (B, d.hv), SplitScratch(slots, out)  # not read: the program normalises its own head
+    return nvb, (B, d.hv, nvb), split_scratch(out.device, B * d.hv, d.dv, what)
+
+
+def _split_one(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots, d: GdnDims,
+               scale, eps, round_y: bool, num_warps: int | None, v_blocks: int | None, what: str) -> None:
+    """The split as one launch (`_split_one_kernel`), its key heads' conv counters on the device's
+    shared arrival counters (arrivals.py)."""
+    B = qkv.shape[0]
+    nvb, grid, scratch = _value_blocks(B, d, slots, out, v_blocks, what)
+    block = d.dv // nvb
+    conv_arrived = arrival_counters(qkv.device, B * d.hk, what)
+    _SPLIT_ONE[grid](
+        qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots, scratch.o_ws,
+        scratch.arrived, conv_arrived, qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1),
+        a.stride(0), a.stride(1), out.stride(0), out.stride(1), conv_weight.stride(0), conv_state.stride(0),
+        conv_state.stride(1), state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
+        HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=next_pow2(d.dk), BV=next_pow2(d.dv), KW=d.kernel_width,
+        KWP=next_pow2(d.kernel_width), NVB=nvb, BVB=block, BVP=next_pow2(block), ROUND_Y=round_y,
+        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=num_warps or decode_warps(d.dk, block),
+        **launch_args(qkv.device))
+
+
 def _split_core(mixed, z, b, a, A_log, dt_bias, norm_weight, out, state, slots, d: GdnDims, scale, eps,
                 round_y: bool, num_warps: int | None, v_blocks: int | None, what: str) -> None:
-    """The split's second launch: (request, value head) programs, or (request, value head, value
-    block) ones meeting in the device's SplitScratch."""
+    """The split's second launch over the first's q, k, v in `mixed` (`_value_blocks`' programs)."""
     B = mixed.shape[0]
-    nvb = default_v_blocks(B, d.hv, d.dv, num_sms(mixed.device)) if v_blocks is None else v_blocks
+    nvb, grid, scratch = _value_blocks(B, d, slots, out, v_blocks, what)
     block = d.dv // nvb
-    if nvb == 1:
-        grid, scratch = (B, d.hv), SplitScratch(slots, out)  # not read: the program normalises its own head
-    else:
-        grid, scratch = (B, d.hv, nvb), split_scratch(mixed.device, B * d.hv, d.dv, what)
     _SPLIT_CORE[grid](
         mixed, z, b, a, A_log, dt_bias, norm_weight, out, state, slots, scratch.o_ws, scratch.arrived,
         mixed.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),

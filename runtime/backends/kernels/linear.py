@@ -504,6 +504,30 @@ def conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride
                 SILU: tl.constexpr):
     """One token (row `row` of x) through the conv of one slot's channels offs_c: (output [BC] in
     float32, the rolled history [BC, KWP] in float32), the history stored back into the slot."""
+    y, new_hist = conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+                              stride_s_slot, stride_s_c, KW, KWP, HAS_BIAS, SILU)
+    # No thread may overwrite a column another thread has yet to read (the compiler may give loads
+    # and stores different thread layouts).
+    tl.debug_barrier()
+    store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_s_c, KW, KWP)
+    return y, new_hist
+
+
+@triton.jit
+def store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_s_c, KW: tl.constexpr,
+                  KWP: tl.constexpr):
+    """A rolled history [BC, KWP] (`conv_rolled`'s) stored into the slot's channels offs_c."""
+    cols = tl.arange(0, KWP)
+    s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :]
+    tl.store(s_ptrs, new_hist.to(state_ptr.dtype.element_ty), mask=m_c[:, None] & (cols[None, :] < KW - 1))
+
+
+@triton.jit
+def conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+                stride_s_slot, stride_s_c, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SILU: tl.constexpr):
+    """`conv_token` without the store: (output [BC] in float32, the rolled history [BC, KWP] in
+    float32), the slot's history only read (the caller stores it, or has another program do so)."""
     cols = tl.arange(0, KWP)
     # [BC, KWP] pointers to the slot's history; columns 0..K-2 exist
     s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :]
@@ -518,13 +542,9 @@ def conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride
         y += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)
     if SILU:
         y = y * tl.sigmoid(y)
-    # The rolled history: column j takes column j+1, the last one the new input. Read the
-    # shifted columns now, then a barrier: no thread may overwrite a column another thread
-    # has yet to read (the compiler may give loads and stores different thread layouts).
+    # The rolled history: column j takes column j+1, the last one the new input.
     shifted = tl.load(s_ptrs + 1, mask=m_c[:, None] & (cols[None, :] < KW - 2), other=0.0).to(tl.float32)
     new_hist = tl.where(cols[None, :] == KW - 2, x[:, None], shifted)
-    tl.debug_barrier()
-    tl.store(s_ptrs, new_hist.to(state_ptr.dtype.element_ty), mask=m_hist)
     return y, new_hist
 
 

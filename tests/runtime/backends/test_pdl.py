@@ -170,8 +170,8 @@ def router_launches() -> dict[str, Launch]:
 
 
 def gdn_launches() -> list[Launch]:
-    """A GDN layer's decode launches: the split (batch 1), the one launch, and the four launches of
-    the unfused kernels (a decode step of 8)."""
+    """A GDN layer's decode launches: the split (batch 1) in two launches and in one, the one launch,
+    and the four launches of the unfused kernels (a decode step of 8)."""
     from runtime.backends.kernels import gdn_fused as GF
     from runtime.backends.kernels import linear as L
 
@@ -179,10 +179,10 @@ def gdn_launches() -> list[Launch]:
     conv_w, A_log, dt_bias, norm_w = _bf16(C, KW), _f32(HV), _f32(HV), _bf16(DV)
     conv_state, state = _f32(4, C, KW - 1), _f32(4, HV, DK, DV)
 
-    def fused(B: int, launches: int):
+    def fused(B: int, launches: int, merged: bool = False):
         GF.gdn_fused_decode(_bf16(B, C), _bf16(B, HV, DV), _bf16(B, HV), _bf16(B, HV), conv_w, A_log, dt_bias,
                             norm_w, _bf16(B, HV, DV), conv_state, state, torch.zeros(B, dtype=torch.int64), HK,
-                            DK ** -0.5, 1e-6, launches=launches)
+                            DK ** -0.5, 1e-6, launches=launches, merged_split=merged)
 
     def unfused(B: int):
         slots = torch.zeros(B, dtype=torch.int64)
@@ -194,7 +194,7 @@ def gdn_launches() -> list[Launch]:
         L.gdn_decode(q, k, v, g, beta, core, state, slots, DK ** -0.5)
         GF.gated_rmsnorm(core, _bf16(B, HV, DV), norm_w, _bf16(B, HV, DV), 1e-6, slots=slots, rows_per_slot=1)
 
-    return record(lambda: (fused(1, 2), fused(1, 1), unfused(8)))
+    return record(lambda: (fused(1, 2), fused(1, 2, merged=True), fused(1, 1), unfused(8)))
 
 
 def attention_launches() -> list[Launch]:
@@ -242,7 +242,8 @@ KERNELS = {"gemv one step", "gemv dot", "gemv fma loop", "moe router one launch"
                                   "_align_count_kernel", "_align_kernel", "_gate_up_sorted_kernel",
                                   "_down_sorted_kernel", "_combine_kernel", "_gate_up_token_kernel",
                                   "_down_token_kernel")),
-           *(f"gdn_fused.{k}" for k in ("_split_prep_kernel", "_split_core_kernel", "_gdn_fused_decode_kernel",
+           *(f"gdn_fused.{k}" for k in ("_split_prep_kernel", "_split_core_kernel", "_split_one_kernel",
+                                        "_gdn_fused_decode_kernel",
                                         "_qk_gates_kernel", "_gated_rmsnorm_kernel")),
            "linear._recurrent_decode_kernel", "linear._short_conv_decode_kernel",
            "gqa._gqa_split_kernel", "split_kv._combine_kernel", "flashinfer_attention._store_rows_kernel",

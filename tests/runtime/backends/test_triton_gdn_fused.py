@@ -225,6 +225,65 @@ def test_split_value_blocks_padding_row_between_real_rows(monkeypatch):
     assert out[1].eq(0).all() and torch.isfinite(out).all() and _counters_zero()
 
 
+def _conv_counters_zero() -> bool:
+    from runtime.backends.kernels.arrivals import arrival_counters
+
+    return not arrival_counters(DEVICE, 1, "test").any()
+
+
+@in_process
+@pytest.mark.parametrize("v_blocks", [1, 2, None], ids=lambda n: f"v{n}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layer_id", list(LAYERS))
+def test_the_split_in_one_launch_matches_the_unfused_ops(layer_id, dtype, v_blocks, monkeypatch):
+    """split_decode="one_launch": each program of the second launch does the first's conv and
+    l2norm for what it reads, the last of a key head's programs rolling its q and k history. Outputs
+    and both states against the reference over consecutive steps (each step's conv reads the
+    history the one before rolled), padding rows zero, no other slot written, every counter back at
+    zero; one kernel launched a step, none of the split's two. One value head a key head (layer 2)
+    and two, whole heads and blocks."""
+    grids = _split_with_v_blocks(monkeypatch, v_blocks)
+    counts = _count_launches(monkeypatch)
+    one = []
+    launch = GF._SPLIT_ONE.launch
+    monkeypatch.setattr(GF._SPLIT_ONE, "launch", lambda *a: (one.append(a[0]), launch(*a))[1])
+    case = Case(layer_id, dtype, seed=60 + layer_id, backend_kwargs={"split_decode": "one_launch"})
+    steps = (DECODES[3], DECODES[6], DECODES[3], DECODES[1])
+    for slots, num_real in steps:
+        case.step(decode_ctx(slots, num_real, "cpu"), decode_ctx(slots, num_real, DEVICE), slots[:num_real])
+        assert _counters_zero() and _conv_counters_zero(), "a launch left a counter non-zero"
+    case.check_untouched()
+    assert counts["prep"] == counts["core"] == grids == [] and len(one) == len(steps)
+
+
+@in_process
+@pytest.mark.parametrize("v_blocks", [1, 4])
+def test_the_split_in_one_launch_gives_the_splits_bits(v_blocks):
+    """The same step through the split's two launches and its one launch, on copies of the same
+    states: the output and both states the same bits (the same rounding at the same places)."""
+    case = Case(0, torch.float32, seed=71)
+    s, p = case.shape, case.params.to(DEVICE)
+    x = gdn_inputs(s, 3, 3, torch.float32, case.g, DEVICE)
+    slots = torch.tensor([7, PADDING_SLOT, 2], device=DEVICE)
+    layer = case.dev_pool.layer(0)
+    results = []
+    for merged in (False, True):
+        conv, state = layer["conv"].clone(), layer["recurrent"].clone()
+        out = torch.full((3, s.hv, s.dv), float("nan"), device=DEVICE)
+        GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight, out,
+                            conv, state, slots, s.hk, s.scale, EPS, launches=2, v_blocks=v_blocks,
+                            merged_split=merged)
+        results.append((out.cpu(), conv.cpu(), state.cpu()))
+    for name, split, merged in zip(("out", "conv", "state"), *results):
+        assert torch.equal(merged, split), name
+    assert results[0][0][1].eq(0).all(), "the padding row"
+    with pytest.raises(ValueError, match="merged_split merges the split's two launches; this call takes 1"):
+        GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight, out,
+                            conv, state, slots, s.hk, s.scale, EPS, launches=1, merged_split=True)
+    with pytest.raises(ValueError, match="split_decode must be one of"):
+        Case(0, torch.float32, seed=1, backend_kwargs={"split_decode": "fused"})
+
+
 def test_default_v_blocks_fill_the_sms_with_blocks_of_at_least_32_columns():
     assert GF.default_v_blocks(1, 32, 128, 132) == 4  # bench qwen3_next at batch 1: 128 programs, the most
     assert GF.default_v_blocks(2, 32, 128, 132) == 4  # 64 whole heads: the fewest blocks past 132 programs
