@@ -55,7 +55,9 @@
 # build faster: --decode-buckets 1 --extend-buckets 2048,4096 for an account of those steps alone); TAG
 # names an artifact built with other COMPILE_ARGS apart, and its account folder (an A/B in one call:
 #   COMPILE_ARGS="$B" bash benchmarks/gpu_measure.sh account_serving
-#   TAG=pdl COMPILE_ARGS="--pdl $B" bash benchmarks/gpu_measure.sh account_serving).
+#   TAG=pdl COMPILE_ARGS="--pdl $B" bash benchmarks/gpu_measure.sh account_serving; the launch folds of
+#   issue 50, each off by default: TAG=folds COMPILE_ARGS="--norm-linear --route moe=triton_moe[router=one_launch]
+#   --route gdn_fused=triton_linear[split_decode=one_launch] $B").
 # Bench-size models throughout.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"

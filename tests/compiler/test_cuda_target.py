@@ -431,3 +431,26 @@ def test_batch_invariant_choices_must_be_options_the_backend_offers():
         dataclasses.replace(cap, batch_invariant_ops=frozenset({"short_conv"}))
     none = dataclasses.replace(cap, batch_invariant=None)
     assert BackendCapability.from_json(none.to_json()).batch_invariant is None
+
+
+def test_the_one_launch_router_and_gdn_split_are_routing_options_built_from_routing_json(checkpoints, tmp_path,
+                                                                                         capsys):
+    """`router=one_launch` (triton_moe) and `split_decode=one_launch` (triton_linear's fused GDN mixer)
+    are chosen at compile time and recorded per node; the binder's instances run with them."""
+    from runtime.backends.triton_moe import TritonMoEBackend
+
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16",
+                                "--route", "moe=triton_moe[router=one_launch]",
+                                "--route", "gdn_fused=triton_linear[split_decode=one_launch]")
+    assert rc == 0, err[-3000:]
+    options = {}
+    for e in entries(art):
+        options.setdefault(e["op"], set()).add((e["options"].get("router"), e["options"].get("split_decode")))
+    assert options["moe"] == {("one_launch", None)} and options["gdn_fused"] == {(None, "one_launch")}
+    pool = StatePool(LayerRegistry([LayerSpec(0, LayerKind.GDN, state={"x": TensorSpec((2, 4), "float32")})]), 2,
+                     torch.device("cpu"))
+    assert TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {"split_decode": "one_launch"})
+                                     ).merged_split
+    assert not TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {})).merged_split
+    assert TritonMoEBackend.build(BackendSetup(None, pool, pool.device, (), {"router": "one_launch"})).one_launch_router
+    assert not TritonMoEBackend.build(BackendSetup(None, pool, pool.device, (), {})).one_launch_router
