@@ -10,7 +10,9 @@ replayed (so launch time is not timed), after checking its ids and weights again
 reference on fresh random inputs.
 
 Past the GEMV's bound (128 tokens) the router GEMM ("dot") is timed at each tile of DOT_TILES, the
-default `moe.LOGITS_DOT_TILE` first.
+default `moe.LOGITS_DOT_TILE` first. Where the step fits one routing tile (`moe.router_folds`),
+"gemv_one_launch" times the GEMV whose last program routes (`route(..., one_launch=True)`, the
+backend's router option "one_launch") against "gemv", the GEMV then the routing kernel.
 
     bash benchmarks/gpu_call.sh python3 benchmarks/probes/router_logits_probe.py --out $OUT
 
@@ -61,7 +63,7 @@ def graph_us(fn, iters: int = 200) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--tokens", default="8,16,24,32,48,64,96,128")
+    p.add_argument("--tokens", default="1,8,16,24,32,48,64,96,128")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -73,11 +75,13 @@ def main(argv=None) -> int:
         x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
         want_ids, want_w, want_gate = reference(x, w, gate)
         dots = [("dot", tile) for tile in (DOT_TILES if T > moe.GEMV_LOGITS_MAX_TOKENS else DOT_TILES[:1])]
-        for kernel, tile in [("gemv", None), ("fused", None), *dots]:
+        one = [("gemv_one_launch", None)] if moe.router_folds(T, E, "gemv") else []
+        for kernel, tile in [("gemv", None), *one, ("fused", None), *dots]:
             def call(kernel=kernel, tile=tile):
                 moe.LOGITS_DOT_TILE = tile or DOT_TILES[0]  # read at launch: a captured graph keeps its tile
                 return route(x, w, None, TOP_K, "softmax", True, 1.0, 1, 1, n_shared=n_shared, shared_gate=gate,
-                             logits_kernel=kernel)
+                             logits_kernel=kernel.removesuffix("_one_launch"),
+                             one_launch=kernel.endswith("_one_launch"))
             ids, weights = call()
             ok_ids = torch.equal(ids[:, :TOP_K].long().sort(dim=-1).values, want_ids)
             got_w = weights[:, :TOP_K].sort(dim=-1, descending=True).values
