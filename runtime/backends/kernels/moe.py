@@ -491,9 +491,10 @@ def _router_kernel(x_ptr, w_ptr, gate_ptr, logits_ptr, bias_ptr, ids_ptr, weight
                    SORT: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
                    E_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
     """The router in one launch (`router_folds`): `_logits_gemv_kernel`'s programs, and the last of
-    them to finish (arrivals.py) routes every token (`_route_rows`), with SORT also laying out the
-    sorted pairs (`_route_sort_rows`), then zeroes the counter. The shared gate's logit goes in
-    column E (SHARED_GATE: the last program of each token)."""
+    them to finish (arrivals.py) routes every token, then zeroes the counter: with SORT all at once
+    and lays out the sorted pairs (`_route_sort_rows`, BLOCK_T rows), else BLOCK_T tokens at a time
+    (`_route_rows`; 1: the routing kernel's tile, its bits). The shared gate's logit goes in column
+    E (SHARED_GATE: the last program of each token)."""
     _logits_program(x_ptr, w_ptr, gate_ptr, logits_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1) - 1,
                     E, D, stride_xt, stride_we, stride_lt, BLOCK_E, BLOCK_D, SHARED_GATE, ONE_STEP, USE_GDC)
     if last_to_arrive(arrived_ptr, T * tl.num_programs(1)):
@@ -503,10 +504,11 @@ def _router_kernel(x_ptr, w_ptr, gate_ptr, logits_ptr, bias_ptr, ids_ptr, weight
                              GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM,
                              NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, E_BINS, BLOCK_M, BLOCK_P, E_CHUNK, True)
         else:
-            _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, 0, T, n_real, routed_scale, stride_lt,
-                        tl.zeros((BLOCK_T,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE,
-                        TOPK_GROUPS, G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED,
-                        NS_PAD, SHARED_GATE, True, True)
+            for t0 in range(0, T, BLOCK_T):
+                _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, t0, T, n_real, routed_scale,
+                            stride_lt, tl.zeros((BLOCK_T,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS,
+                            GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR,
+                            N_SHARED, NS_PAD, SHARED_GATE, True, True)
         tl.store(arrived_ptr, 0)
 
 
@@ -1132,7 +1134,7 @@ def _launch_router(x, router_weight, router_bias, shared_gate, logits, ids, weig
         logits.stride(0),
         E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
         TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=next_pow2(num_groups), S_PAD=next_pow2(group_size),
-        BLOCK_T=route_tile_rows(E), HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax",
+        BLOCK_T=route_tile_rows(E) if sort else 1, HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax",
         RENORM=bool(renormalize), NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)),
         SHARED_GATE=gate, BLOCK_E=block_e, BLOCK_D=block_d, ONE_STEP=D <= block_d, SORT=sort, E_BINS=e_bins,
         BLOCK_M=sort_block_m if sort else 16, BLOCK_P=align_block_p(ids.numel()),
