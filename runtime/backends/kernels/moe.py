@@ -977,7 +977,7 @@ def route_sort(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Option
     slots = top_k + n_shared
     logits_kernel = logits_kernel or logits_kernel_for(T, E, x.shape[1])
     allowed = route_sort_folds(T, E, slots, logits_kernel)
-    if (fold or one_launch) and not allowed or one_launch and fold is False:
+    if ((fold or one_launch) and not allowed) or (one_launch and fold is False):
         raise ValueError(f"moe: a step of {T} tokens ({E} experts, {slots} slots, {logits_kernel} logits) "
                          f"cannot route and sort in one launch" + (" (fold=False)" if fold is False else ""))
     fold = allowed if fold is None else fold
