@@ -93,8 +93,9 @@ class TritonMoEBackend(BackendHooks):
         # gemm_tiles: "tuned" picks tiles and the router's logits kernel by the step's token count
         # (moe_configs/); "fixed" uses one of each for every count (moe_config.FIXED_CONFIG), so a
         # token's result does not depend on what shares its step.
-        # router: "one_launch" has the router's GEMV route (and sort) the step in its last program
-        # to finish where the step's tokens fit one routing tile, saving a launch a layer.
+        # router: "one_launch" runs the logits and the routing as one launch where the step folds
+        # (kernels/moe.py router_folds: the GEMV's last program routes, and sorts, a step of tokens
+        # that fit one routing tile; the GEMM's programs route their own rows up to 64 experts).
         options=(("gemm_tiles", GEMM_TILES), ("router", ROUTERS)),
         batch_invariant=(("gemm_tiles", "fixed"),),
         doc="Fused Triton MoE: device-side top-k routing, static-shape token sorting, grouped expert "

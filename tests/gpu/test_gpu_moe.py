@@ -122,12 +122,13 @@ def test_captured_graph_replays_bit_for_bit_and_follows_the_real_token_count():
     assert _rel(out[:5], _reference(x2[:5], *layer, *tail)) <= TOL
 
 
-@pytest.mark.parametrize("T", [1, 32])
+@pytest.mark.parametrize("T", [1, 32, 256])
 def test_the_one_launch_router_replays_with_fresh_inputs_as_the_eager_two_launches(T):
     """router="one_launch" captured at bench qwen3_next's MoE (16 experts of 512, top-4, a gated
     shared expert): each of three replays, on fresh random inputs copied into the captured buffer,
     gives the eager two-launch router's ids (the last program to finish routed that replay: its
-    counter was back at zero) and the CPU oracle's output. T=1: the token path; 32: it sorts too."""
+    counter was back at zero) and the CPU oracle's output. T=1: the token path; 32: it sorts too;
+    256: the GEMM's programs route their own rows."""
     from runtime.backends.kernels.arrivals import arrival_counters
     from runtime.backends.kernels.moe import route
 

@@ -10,7 +10,7 @@ twice (states carried from one replay to the next) and every output and state mu
 for bit. The kernels are also checked to have been compiled with launch_pdl on the PDL side.
 
 Families: the GEMV (one, two and four rows: its one-step, DOT and looped paths), the MoE (the token
-path at batch 1, the sorted path at 32 and 256 tokens, the one-launch router at 1 and 32), the GDN
+path at batch 1, the sorted path at 32 and 256 tokens, the one-launch router at each), the GDN
 decode (the split at batch 1 in two launches and in one, the one launch, the four unfused launches
 at batch 8), GQA attention
 (the K/V store, the split pass and its combine) and MLA attention (the split pass from the page
@@ -115,7 +115,7 @@ def test_gemv_chain(pdl, rows):
 # -- the MoE -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("T,one_launch", [(1, False), (32, False), (256, False), (1, True), (32, True)])
+@pytest.mark.parametrize("T,one_launch", [(1, False), (32, False), (256, False), (1, True), (32, True), (256, True)])
 def test_moe_chain(pdl, T, one_launch):
     """Three MoE layers, each reading the one before's output: routing, expert GEMMs and combine;
     one_launch: the router in one launch (its last program routes, and at 32 sorts)."""
@@ -146,7 +146,7 @@ def test_moe_chain(pdl, T, one_launch):
                256: [moe._logits_kernel, moe._route_kernel, moe._align_count_kernel, moe._align_kernel,
                      moe._gate_up_sorted_kernel, moe._down_sorted_kernel, moe._combine_kernel]}[T]
     if one_launch:
-        kernels = [moe._router_kernel] + kernels[2:]
+        kernels = [moe._router_kernel if T < 256 else moe._logits_route_kernel] + kernels[2:]
     same_bits(pdl, make, kernels)
 
 

@@ -44,11 +44,12 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
    experts, after the GEMV): `_route_sort_kernel`, one program, routes every token at
    once (`_route_rows` over a [tokens, experts] tile, as `_route_kernel` runs it over one token)
    and then lays out the pairs as `_align_kernel`'s one-block case does.
-   Steps 1 to 3 in one launch where asked (`one_launch_router`, the backend's router option) and the
-   step folds (`router_folds`: the GEMV's logits, tokens that fit one routing tile): `_router_kernel`
+   The router in one launch where asked (`one_launch_router`, the backend's router option) and the
+   step folds (`router_folds`): after the GEMV (tokens that fit one routing tile), `_router_kernel`
    runs step 1's GEMV programs, and the last of them to finish (runtime/backends/kernels/arrivals.py)
-   routes every token, and sorts where `route_sort_folds` allows, then zeroes its counter. A
-   batch-1 layer's router is then one launch where it was two.
+   routes every token, and sorts where `route_sort_folds` allows, then zeroes its counter; after the
+   GEMM (up to 64 experts: one tile holds a token's row), `_logits_route_kernel`'s programs each
+   route their own rows. A layer's router is then one launch where it was two.
 4. `_gate_up_sorted_kernel`: grouped GEMM x[tokens] @ w13[e]^T (for a shared chunk, its rows of
    shared_w13), gate and up tiles side by side, SiLU(gate) * up fused, h [rows, I] stored in
    sorted row order.
@@ -108,8 +109,14 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
                    DOT_FP32: tl.constexpr, USE_GDC: tl.constexpr):
     """logits [T,E] float32 = x [T,D] @ w [E,D]^T."""
     pdl_wait(USE_GDC)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    _logits_tile(x_ptr, w_ptr, out_ptr, tl.program_id(0), tl.program_id(1), T, E, D, stride_xt, stride_we, BLOCK_M,
+                 BLOCK_N, BLOCK_K, DOT_FP32)
+
+
+@triton.jit
+def _logits_tile(x_ptr, w_ptr, out_ptr, pid_m, pid_n, T, E, D, stride_xt, stride_we, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Rows pid_m*BLOCK_M.. and experts pid_n*BLOCK_N.. of the router's logits, stored in out [T, E]."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -121,6 +128,42 @@ def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, D, stride_xt, stride_we,
     acc = _dot_block(a_ptrs, b_ptrs, m_mask, n_mask, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, False, False)
     tl.store(out_ptr + offs_m[:, None] * E + offs_n[None, :], acc,
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "n_real"])
+def _logits_route_kernel(x_ptr, w_ptr, sgate_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, T, n_real,
+                         routed_scale, D, stride_xt, stride_we,
+                         E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                         NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                         G_PAD: tl.constexpr, S_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
+                         RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr,
+                         NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                         USE_GDC: tl.constexpr):
+    """The router GEMM with the routing in its epilogue (`router_folds`, the "dot" logits): one
+    program holds BLOCK_M tokens' whole rows of logits (every expert in one BLOCK_N tile), so it
+    routes them itself (`_route_rows` over its rows), the shared gate's logit x . gate summed here
+    BLOCK_K columns at a time. Nothing is shared between programs."""
+    pdl_wait(USE_GDC)
+    pid_m = tl.program_id(0)
+    _logits_tile(x_ptr, w_ptr, logits_ptr, pid_m, 0, T, E, D, stride_xt, stride_we, BLOCK_M, BLOCK_N, BLOCK_K,
+                 DOT_FP32)
+    gate_logit = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if N_SHARED > 0 and SHARED_GATE:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + offs_k
+            xv = tl.load(x_ptr + offs_m[:, None] * stride_xt + k[None, :],
+                         mask=(offs_m[:, None] < T) & (k[None, :] < D), other=0.0).to(tl.float32)
+            acc_g += xv * tl.load(sgate_ptr + k, mask=k < D, other=0.0).to(tl.float32)[None, :]
+        gate_logit += tl.sum(acc_g, axis=1)
+    # the rows are read back by other threads of this program: a CTA barrier orders the stores first
+    tl.debug_barrier()
+    _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, pid_m * BLOCK_M, T, n_real, routed_scale, E,
+                gate_logit, E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, BLOCK_M, HAS_BIAS,
+                SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, False, False)
 
 
 @triton.jit
@@ -903,26 +946,35 @@ def route_sort_folds(T: int, E: int, slots: int, logits_kernel: str) -> bool:
     """Whether a sorted step of T tokens routes and sorts in one launch (`_route_sort_kernel`): its
     tokens fit the one program's rows (`route_tile_rows`), its pairs one sort block (ALIGN_BLOCK_P),
     and the GEMV computed the logits (with the shared gate's in column E)."""
-    return router_folds(T, E, logits_kernel) and T * slots <= ALIGN_BLOCK_P
+    return 0 < T <= route_tile_rows(E) and T * slots <= ALIGN_BLOCK_P and logits_kernel == "gemv"
+
+
+# The router GEMM routes in its epilogue up to this many experts: one BLOCK_N tile of the "dot"
+# logits (`_route` takes min(64, ...) columns a program) holds a token's whole row.
+DOT_ROUTE_MAX_EXPERTS = 64
 
 
 def router_folds(T: int, E: int, logits_kernel: str) -> bool:
-    """Whether the router's GEMV can route a step of T tokens in its last program to finish
-    (`_router_kernel`, one launch for the whole router): the GEMV computes the logits and the
-    tokens fit one routing tile (`route_tile_rows`). A sorted step folds its sort in too, so it
-    also needs `route_sort_folds`."""
-    return 0 < T <= route_tile_rows(E) and logits_kernel == "gemv"
+    """Whether a step of T tokens can run its router (logits and routing) in one launch: after the
+    GEMV ("gemv" logits), whose last program to finish routes every token (`_router_kernel`), where
+    the tokens fit one routing tile (`route_tile_rows`); after the GEMM ("dot" logits), whose
+    programs each route their own rows (`_logits_route_kernel`), where one tile holds every expert
+    (DOT_ROUTE_MAX_EXPERTS). A sorted step on the GEMV folds its sort in too, so it also needs
+    `route_sort_folds`."""
+    if logits_kernel == "gemv":
+        return 0 < T <= route_tile_rows(E)
+    return logits_kernel == "dot" and T > 0 and E <= DOT_ROUTE_MAX_EXPERTS
 
 
 def _one_launch_router(T: int, E: int, slots: int, logits_kernel: str, path: str, fold: Optional[bool],
                        asked: bool) -> bool:
-    """Whether `fused_moe` runs the router as one launch: asked for, and the step folds (a token
-    step by `router_folds`; a sorted one by `route_sort_folds`, unless `fold` is False)."""
+    """Whether `fused_moe` runs the router as one launch: asked for, and the step folds
+    (`router_folds`; a sorted step on the GEMV by `route_sort_folds`, unless `fold` is False)."""
     if not asked:
         return False
-    if path == "token":
-        return router_folds(T, E, logits_kernel)
-    return fold is not False and route_sort_folds(T, E, slots, logits_kernel)
+    if path == "sorted" and logits_kernel == "gemv":
+        return fold is not False and route_sort_folds(T, E, slots, logits_kernel)
+    return router_folds(T, E, logits_kernel)
 
 
 def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits_kernel: Optional[str] = None,
@@ -977,7 +1029,9 @@ def route_sort(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Option
     slots = top_k + n_shared
     logits_kernel = logits_kernel or logits_kernel_for(T, E, x.shape[1])
     allowed = route_sort_folds(T, E, slots, logits_kernel)
-    if ((fold or one_launch) and not allowed) or (one_launch and fold is False):
+    # one launch on the GEMV routes and sorts in it (the fold); on the GEMM the sort stays apart
+    on_gemv = one_launch and logits_kernel == "gemv"
+    if ((fold or on_gemv) and not allowed) or (on_gemv and fold is False):
         raise ValueError(f"moe: a step of {T} tokens ({E} experts, {slots} slots, {logits_kernel} logits) "
                          f"cannot route and sort in one launch" + (" (fold=False)" if fold is False else ""))
     fold = allowed if fold is None else fold
@@ -1020,7 +1074,8 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
     if logits_kernel not in ("fused", "gemv", "dot"):
         raise ValueError(f"moe: unknown logits kernel {logits_kernel!r}")
     gate_in_logits = shared_gate is not None and logits_kernel == "gemv" and gate_in_logits is not False
-    if one_launch and (not router_folds(T, E, logits_kernel) or (shared_gate is not None and not gate_in_logits)):
+    gate_apart = logits_kernel == "gemv" and shared_gate is not None and not gate_in_logits
+    if one_launch and (not router_folds(T, E, logits_kernel) or gate_apart):
         raise ValueError(f"moe: a step of {T} tokens ({E} experts, {logits_kernel} logits"
                          + (", the shared gate's logit outside the GEMV" if shared_gate is not None else "")
                          + ") cannot run its router in one launch (router_folds)")
@@ -1046,7 +1101,7 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
             BLOCK_E=block_e, BLOCK_D=block_d, HAS_GATE=gate_in_logits, ONE_STEP=D <= block_d, num_warps=4,
             **launch_args(dev))
     else:
-        bn = min(64, max(16, next_pow2(E)))
+        bn = _dot_columns(E)
         bm, bk, warps, stages = LOGITS_DOT_TILE
         _logits_kernel[(cdiv(T, bm), cdiv(E, bn))](
             x, router_weight, logits, T, E, D, x.stride(0), router_weight.stride(0),
@@ -1059,6 +1114,20 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
         nreal_ptr, n_real_int, from_ptr = ids, T if n_real is None else int(n_real), False
     g_pad = next_pow2(num_groups)
     s_pad = next_pow2(group_size)
+    if one_launch and logits_kernel == "dot":
+        bm, bk, warps, stages = LOGITS_DOT_TILE
+        _logits_route_kernel[(cdiv(T, bm),)](
+            x, router_weight, shared_gate if shared_gate is not None else router_weight, logits,
+            router_bias if router_bias is not None else logits, ids, weights, nreal_ptr, T, n_real_int,
+            float(routed_scale), D, x.stride(0), router_weight.stride(0),
+            E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
+            TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=g_pad, S_PAD=s_pad,
+            HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORM=bool(renormalize),
+            NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)),
+            SHARED_GATE=shared_gate is not None, BLOCK_M=bm, BLOCK_N=_dot_columns(E), BLOCK_K=bk,
+            DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype), num_warps=warps, num_stages=stages,
+            **launch_args(dev))
+        return ids, weights, None
     if one_launch:
         _launch_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int,
                        from_ptr, top_k, scoring, renormalize, routed_scale, num_groups, topk_groups, n_shared,
@@ -1096,6 +1165,11 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
         N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=shared_gate is not None,
         GATE_IN_LOGITS=gate_in_logits, GATE_BLOCK_D=min(2048, next_pow2(D)), **launch_args(dev))
     return ids, weights, None
+
+
+def _dot_columns(E: int) -> int:
+    """BLOCK_N of the router GEMM: the experts a program takes (all of them up to 64)."""
+    return min(DOT_ROUTE_MAX_EXPERTS, max(16, next_pow2(E)))
 
 
 def _gemv_blocks(E: int, D: int) -> tuple[int, int]:

@@ -158,15 +158,16 @@ def moe_launches() -> list[Launch]:
 
 
 def router_launches() -> dict[str, Launch]:
-    """The one-launch router (the GEMV's last program routes) at batch 1 (the token path) and 32
-    (it sorts too)."""
+    """The one-launch router at batch 1 (the GEMV's last program routes: the token path), 32 (it sorts
+    too) and 256 (the GEMM's programs route their rows)."""
     from runtime.backends.kernels.moe import route, route_sort
 
     router, gate = _bf16(E, D), _bf16(1, D)
     args = (router, None, TOP_K, "softmax", True, 1.0, 1, 1)
     (token,) = record(lambda: route(_bf16(1, D), *args, n_shared=1, shared_gate=gate, one_launch=True))
     (sort,) = record(lambda: route_sort(_bf16(32, D), *args, 16, n_shared=1, shared_gate=gate, one_launch=True))
-    return {"moe router one launch": token, "moe router one launch sorted": sort}
+    (dot,) = record(lambda: route(_bf16(256, D), *args, n_shared=1, shared_gate=gate, one_launch=True))
+    return {"moe router one launch": token, "moe router one launch sorted": sort, "moe router one launch dot": dot}
 
 
 def gdn_launches() -> list[Launch]:
@@ -236,6 +237,7 @@ def label(launch: Launch) -> str:
 
 # The kernels that take PDL (each launched with USE_GDC), by label.
 KERNELS = {"gemv one step", "gemv dot", "gemv fma loop", "moe router one launch", "moe router one launch sorted",
+           "moe router one launch dot",
            "norm gemv one step", "norm gemv dot", "norm gemv fma loop", "norm rows", "norm rows loop",
            "norm epilogue one step", "norm epilogue fma loop", "norm epilogue dot",
            *(f"moe.{k}" for k in ("_logits_gemv_kernel", "_logits_kernel", "_route_kernel", "_route_sort_kernel",

@@ -268,12 +268,14 @@ def test_route_sort_in_one_launch_gives_the_router_and_sort_results(T, routing, 
             route_sort(*args, block_m, **extra, fold=True)
 
 
-@pytest.mark.parametrize("T,E", [(1, 8), (3, 72), (19, 40)])
-def test_the_one_launch_router_routes_as_its_two_launches_do(T, E):
-    """route(one_launch=True): the GEMV's programs write the logits and the last to finish routes every
-    token. The two-launch router's ids exactly and weights to float32 rounding, with and without a
-    gated shared expert (its logit in column E), one expert a program and four (E=72), and the
-    shared counter back at zero after each launch (a replay starts from it)."""
+@pytest.mark.parametrize("T,E,logits", [(1, 8, "gemv"), (3, 72, "gemv"), (19, 40, "gemv"), (70, 16, "dot"),
+                                        (130, 40, "dot")])
+def test_the_one_launch_router_routes_as_its_two_launches_do(T, E, logits):
+    """route(one_launch=True): after the GEMV, its programs write the logits and the last to finish
+    routes every token; after the GEMM, each program routes its own rows. The two-launch router's
+    ids exactly and weights to float32 rounding (the GEMM sums the shared gate's logit in other
+    steps), with and without a gated shared expert, one expert a GEMV program and four (E=72), and
+    the shared counter back at zero after each launch (a replay starts from it)."""
     from runtime.backends.kernels.arrivals import arrival_counters
 
     g = torch.Generator().manual_seed(T + E)
@@ -283,8 +285,8 @@ def test_the_one_launch_router_routes_as_its_two_launches_do(T, E):
     routing = ("sigmoid", True, 2.5, 4, 2) if E == 8 else ("softmax", True, 1.0, 1, 1)
     for shared in ({}, {"n_shared": 1, "shared_gate": gate.to(DEV)}):
         args = (*_on(x, router, bias if E == 8 else None), 2, *routing)
-        ids, w = (t.cpu() for t in route(*args, **shared))
-        got_ids, got_w = (t.cpu() for t in route(*args, **shared, one_launch=True))
+        ids, w = (t.cpu() for t in route(*args, **shared, logits_kernel=logits))
+        got_ids, got_w = (t.cpu() for t in route(*args, **shared, logits_kernel=logits, one_launch=True))
         assert torch.equal(got_ids, ids)
         assert torch.allclose(got_w, w, rtol=1e-6, atol=1e-7)
         assert int(arrival_counters(DEV, 1, "test")[0]) == 0
@@ -310,6 +312,9 @@ def test_the_one_launch_router_sorts_as_the_folded_routing_does(T, routing, shar
     wide = torch.randn(65, D).to(DEV)
     with pytest.raises(ValueError, match="one launch"):
         route(wide, *args[1:-1], one_launch=True)
+    many = torch.randn(72, D).to(DEV)  # past one GEMM tile of experts
+    with pytest.raises(ValueError, match="one launch"):
+        route(wide, many, None, 2, "softmax", True, 1.0, 1, 1, logits_kernel="dot", one_launch=True)
 
 
 @pytest.mark.parametrize("T,config,one_launch", [(64, "sorted", False), (65, "sorted", False), (3, "token", True),
@@ -506,14 +511,15 @@ def test_the_router_option_runs_the_router_in_one_launch_where_the_step_folds(mo
     real_route = kernels._route
     monkeypatch.setattr(kernels, "_route", lambda *a, **k: asked.append(k.get("one_launch")) or real_route(*a, **k))
     backend = TritonMoEBackend(device=DEV, router="one_launch")
-    for T in (1, 9, 70):
+    for T in (1, 9, 70, 130):
         x = torch.randn(T, D, generator=g)
         out = torch.full((T, D), float("nan"), device=DEV)
         backend.moe(None, *_on(x, *op_args, out), *tail)
         expected = torch.full((T, D), float("nan"))
         CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
         assert _rel(out, expected) <= 1e-4
-    assert asked == [True, True, False], "one launch to 64 tokens (a routing tile at 8 experts), two past it"
+    assert asked == [True, True, False, True], ("one launch to 64 tokens (a routing tile at 8 experts) after the "
+                                                "GEMV, two past it; one again after the GEMM (past 128)")
     with pytest.raises(ValueError, match="router must be one of"):
         TritonMoEBackend(device="cpu", router="fused")
 
