@@ -18,9 +18,11 @@
 #                report under $OUT/gpu_tests
 #   kernel_tests the CPU test modules of KERNEL_TESTS (space-separated, -k KERNEL_TESTS_K if set) run on the GPU:
 #                with CUDA present their Triton kernels run compiled there, against the same references
-#   kernels      the kernel benchmarks of the fused GDN op and the router, each checked before it is timed:
-#                gdn_row_kernels_bench.py (extend rows), gdn_fused_bench.py (decode at 1 / 8 / 128 requests),
-#                router_logits_probe.py (the router's launches at 1 / 8 / 128 / 512 / 4096 tokens)
+#   kernels      the kernel benchmarks of the decode folds, each checked before it is timed: norm_gemv_bench.py
+#                (the norms in the GEMVs against the two launches each replaces), gdn_row_kernels_bench.py
+#                (extend rows), gdn_fused_bench.py (decode at 1 / 8 / 128 requests, the split in one launch
+#                too), router_logits_probe.py (the router's launches at 1 / 8 / 128 / 512 / 4096 tokens, the
+#                one-launch router too)
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
@@ -121,6 +123,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
             > "$OUT/kernel_tests/pytest.log" 2>&1
         tail -15 "$OUT/kernel_tests/pytest.log" ;;
     kernels)
+        python3 benchmarks/kernels/norm_gemv_bench.py --out "$OUT/kernels" 2>&1 | tail -14
         python3 benchmarks/kernels/gdn_row_kernels_bench.py --out "$OUT/kernels" 2>&1 | tail -12
         python3 benchmarks/kernels/gdn_fused_bench.py --out "$OUT/kernels" --batches 1,8,128 2>&1 | tail -12
         python3 benchmarks/probes/router_logits_probe.py --out "$OUT/kernels" --tokens 1,8,128,512,4096 2>&1 ;;
