@@ -369,7 +369,7 @@ def test_the_gemv_with_the_norm_in_its_epilogue_at_bench_dims(dtype, M):
     assert rel_err(summed, want_summed) <= TOL[dtype] / 2, f"M={M} {dtype} {config}"
     err = rel_err(normed, rms_norm_rows(want_summed, norm_weight, 1e-6, True))
     assert err <= TOL[dtype], f"M={M} {dtype} {config}: rel err {err:.2e}"
-    assert int(arrival_counters(DEVICE, 1, "test")[0]) == 0
+    assert int(arrival_counters(DEVICE, 1, "gemv_add_rms_norm")[0]) == 0
 
 
 @in_process

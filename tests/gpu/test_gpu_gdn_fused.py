@@ -238,4 +238,4 @@ def test_the_split_in_one_launch_replays_fresh_steps_as_its_eager_runs():
         assert torch.equal(out, want), f"step {step}: the replay differs from the eager run"
         for entry in ("conv", "recurrent"):
             assert torch.equal(graph_pool.layer(0)[entry], eager_pool.layer(0)[entry]), f"step {step}: {entry}"
-        assert not arrival_counters(DEV, 1, "test").any()
+        assert not arrival_counters(DEV, 1, "gdn_fused split").any()

@@ -155,7 +155,7 @@ def test_the_one_launch_router_replays_with_fresh_inputs_as_the_eager_two_launch
         ids_one, _ = route(fresh, layer[0], None, top_k, "softmax", True, 1.0, 1, 1, n_shared=1,
                            shared_gate=layer[6], one_launch=True)
         assert torch.equal(ids_one, ids)
-        assert int(arrival_counters(DEV, 1, "test")[0]) == 0
+        assert int(arrival_counters(DEV, 1, "moe router")[0]) == 0
 
 
 def test_capture_without_replay_state_is_refused():

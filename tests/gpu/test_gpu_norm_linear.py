@@ -182,4 +182,4 @@ def test_the_epilogue_replays_fresh_inputs_as_its_eager_calls(pdl_switch, M):
             torch.cuda.synchronize()
             for got, want in zip(captured, LINEAR_ADD_RMS_NORM(*given, 1e-6, True)):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
-            assert int(arrival_counters("cuda", 1, "test")[0]) == 0
+            assert int(arrival_counters("cuda", 1, "gemv_add_rms_norm")[0]) == 0

@@ -14,16 +14,18 @@ waits on another, so nothing depends on which programs are resident at once.
    `expected`-th. That program reads the others' stores from L2 (`cache_modifier=".cg"`: its SM's
    L1 holds no line of them, so never a stale one) and zeroes the counter when done (a CUDA
    graph's replay starts where the last one left).
-2. `arrival_counters(device, count, what)`: the device's zeroed int32 counters, at least `count`
-   of them, shared by every launch that counts on them. Sharing is safe because launches on one
-   stream run in order (with PDL, each waits for the one before: pdl.py) and each leaves every
-   counter it touched at zero. They grow only outside a CUDA graph capture: an allocation inside
-   one would be the graph's, and its zeroing a node replayed over live counters. A grown-out
-   buffer stays referenced: a graph captured over it replays into memory nothing else was handed.
+2. `arrival_counters(device, count, user)`: a user's zeroed int32 counters on the device, at least
+   `count` of them, shared by every launch of that user (a kernel family: USERS). Sharing is safe
+   because one user's launches run in stream order (with PDL, each waits for the one before:
+   pdl.py) and each leaves every counter it touched at zero; each user has counters of its own, so
+   launches of two users on two streams at once (a side stream of `hgc compile --overlap`) never
+   meet on one. They grow only outside a CUDA graph capture: an allocation inside one would be the
+   graph's, and its zeroing a node replayed over live counters. A grown-out buffer stays
+   referenced: a graph captured over it replays into memory nothing else was handed.
 
-Users: the MoE router's one launch (moe.py), the post-attention norm in the output projection's
-GEMV (norm_gemv.py), the GDN split in one launch (gdn_fused.py: a key head's conv history rolled
-by its last program). gdn_fused.py's split decode also counts its value blocks in the same way
+Users (USERS): the MoE router's one launch (moe.py), the post-attention norm in the output
+projection's GEMV (norm_gemv.py), the GDN split in one launch (gdn_fused.py: a key head's conv
+history rolled by its last program). gdn_fused.py's split decode also counts its value blocks in the same way
 on counters of its own (they sit beside the workspace the blocks park their outputs in).
 """
 
@@ -33,7 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["arrival_counters", "last_to_arrive"]
+__all__ = ["USERS", "arrival_counters", "last_to_arrive"]
+
+# The kernel families that count on these counters, each on its own.
+USERS = ("moe router", "gemv_add_rms_norm", "gdn_fused split")
 
 
 @triton.jit
@@ -44,22 +49,24 @@ def last_to_arrive(counter_ptr, expected):
     return arrived == expected - 1
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 
 
-def arrival_counters(device, count: int, what: str) -> torch.Tensor:
-    """The device's shared counters (int32, zero between launches), at least `count` of them."""
+def arrival_counters(device, count: int, user: str) -> torch.Tensor:
+    """`user`'s counters on `device` (int32, zero between launches), at least `count` of them."""
+    if user not in USERS:
+        raise ValueError(f"arrival counters: unknown user {user!r} (users: {', '.join(USERS)})")
     device = torch.device(device)
-    have = _COUNTERS.get(device)
+    have = _COUNTERS.get((device, user))
     if have is not None and have.numel() >= count:
         return have
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         held = 0 if have is None else have.numel()
-        raise RuntimeError(f"{what}: the arrival counters on {device} hold {held}; this launch needs {count}. "
+        raise RuntimeError(f"{user}: its arrival counters on {device} hold {held}; this launch needs {count}. "
                            "They grow only outside a CUDA graph capture: run a step of this size before capturing")
     if have is not None:
         _RETIRED.append(have)
     fresh = torch.zeros(max(count, 64 if have is None else 2 * have.numel()), dtype=torch.int32, device=device)
-    _COUNTERS[device] = fresh
+    _COUNTERS[(device, user)] = fresh
     return fresh

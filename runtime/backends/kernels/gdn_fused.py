@@ -674,7 +674,7 @@ def _split_one(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv
     B = qkv.shape[0]
     nvb, grid, scratch = _value_blocks(B, d, slots, out, v_blocks, what)
     block = d.dv // nvb
-    conv_arrived = arrival_counters(qkv.device, B * d.hk, what)
+    conv_arrived = arrival_counters(qkv.device, B * d.hk, "gdn_fused split")
     _SPLIT_ONE[grid](
         qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots, scratch.o_ws,
         scratch.arrived, conv_arrived, qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1),

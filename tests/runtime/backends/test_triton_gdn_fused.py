@@ -228,7 +228,7 @@ def test_split_value_blocks_padding_row_between_real_rows(monkeypatch):
 def _conv_counters_zero() -> bool:
     from runtime.backends.kernels.arrivals import arrival_counters
 
-    return not arrival_counters(DEVICE, 1, "test").any()
+    return not arrival_counters(DEVICE, 1, "gdn_fused split").any()
 
 
 # (layer, dtype, value blocks): two value heads a key head in blocks and whole, masked head dims,

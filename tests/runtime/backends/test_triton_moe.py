@@ -289,7 +289,7 @@ def test_the_one_launch_router_routes_as_its_two_launches_do(T, E, logits):
         got_ids, got_w = (t.cpu() for t in route(*args, **shared, logits_kernel=logits, one_launch=True))
         assert torch.equal(got_ids, ids)
         assert torch.allclose(got_w, w, rtol=1e-6, atol=1e-7)
-        assert int(arrival_counters(DEV, 1, "test")[0]) == 0
+        assert int(arrival_counters(DEV, 1, "moe router")[0]) == 0
 
 
 @pytest.mark.parametrize("T,routing,shared,n_real", ROUTE_SORT_CASES[:3])
