@@ -7,8 +7,8 @@ and its output projection with the residual add and the post-attention norm afte
 `hgc_glue::linear_add_rms_norm`; Inductor leaves the calls in the piece, and this module says what
 they run:
 
-1. `register()` installs `project` as small_m_linear's CUDA kernel and `add_norm_project` /
-   `norm_project` as the norm ops', for the process (runtime/artifact/bundle.py calls it before it
+1. `register()` installs `project` as small_m_linear's CUDA kernel and `add_norm_project`,
+   `norm_project` and `linear_add_norm` as the norm ops', for the process (runtime/artifact/bundle.py calls it before it
    loads a cuda bundle's pieces). A second call does nothing.
 2. `project(x, weight)`, per call: x [M, K] with M <= MAX_ROWS, in bf16, whose (N, K, row bucket)
    CONFIGS lists (runtime/backends/kernels/gemv.py: the shapes where the one-launch GEMV beat cuBLAS
@@ -94,6 +94,11 @@ def takes_norm_gemv(a: torch.Tensor, b: Optional[torch.Tensor], norm_weight: tor
         return False
     if b is not None and (b.shape != a.shape or b.dtype != a.dtype or b.stride(1) != 1):
         return False
+    return _norm_weight_row(norm_weight)
+
+
+def _norm_weight_row(norm_weight: torch.Tensor) -> bool:
+    """Whether a norm weight is what the norm GEMV kernels read: one contiguous float row."""
     return norm_weight.dim() == 1 and norm_weight.is_floating_point() and norm_weight.stride(0) == 1
 
 
@@ -128,7 +133,8 @@ def norm_project(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tenso
     return _norm_rows_then_linear(x, None, norm_weight, weight, eps, unit_offset)[0]
 
 
-def takes_gemv_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+def takes_gemv_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                    norm_weight: torch.Tensor) -> bool:
     """Step 3's choice for linear_add_rms_norm: the GEMV with the add and the norm in its epilogue
     where `project` would take the GEMV, the residual [M, N] like the product, the norm weight one
     contiguous float row."""
@@ -136,7 +142,7 @@ def takes_gemv_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
         return False
     if residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype or residual.stride(1) != 1:
         return False
-    return norm_weight.dim() == 1 and norm_weight.is_floating_point() and norm_weight.stride(0) == 1
+    return _norm_weight_row(norm_weight)
 
 
 def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,

@@ -885,8 +885,8 @@ class TritonLinearBackend(BackendHooks):
         path, n = self._route(ctx, "gdn_fused", layer_id, qkv.shape[0])
         # fixed tiles (batch-invariant): one kernel at every batch, as for the other decode kernels;
         # else a decode of many requests takes the unfused kernels below, as a verify step does
-        if path == "decode" and (self.fixed_tiles or fused.decode_launches(qkv.shape[0]) != 4):
-            launches = 1 if self.fixed_tiles else fused.decode_launches(qkv.shape[0])
+        launches = 1 if self.fixed_tiles else fused.decode_launches(qkv.shape[0])
+        if path == "decode" and launches != 4:
             fused.gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out,
                                    self._layer_state(layer_id, "conv"), self._layer_state(layer_id, "recurrent"),
                                    self._step_slots(ctx), k_heads, scale, eps, what, launches=launches,

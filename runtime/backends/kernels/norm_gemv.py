@@ -23,7 +23,6 @@ is no summed. For a post-attention norm the projection comes first and its round
 2. `add_rms_norm_rows`: summed and the normed row for any number of rows, one program per row in
    one launch (the traced glue's Inductor kernel was one launch too: an extend step of thousands of
    rows must not pay a chain of eager ops); the caller then runs F.linear on the normed rows.
-
 3. `gemv_add_rms_norm` (linear_add_rms_norm: a layer's output projection, then the residual add
    and the post-attention norm): M <= gemv.MAX_ROWS rows in one launch with the plain GEMV's config
    and code (`gemv.gemv_sums`). Each program rounds its columns of the product to A, adds the

@@ -3,8 +3,9 @@
 1. Every decode kernel that takes PDL, compiled for sm90 with USE_GDC True and launch_pdl: its PTX
    holds `griddepcontrol.wait` and `griddepcontrol.launch_dependents`, no path from its entry
    writes before a wait, and none reads before one except in the kernels that may stream weights
-   ahead of it (the one-step GEMVs must, the plain one and the one with the input norm in its
-   prologue: their weight loads come first, the rows after the wait). With USE_GDC
+   ahead of it (PREFETCH: the one-step GEMVs, the plain one and the two with a norm folded in, and
+   the router's GEMV in its two launches and in one: their weight loads come first, the rows after
+   the wait). With USE_GDC
    False the kernel's Triton IR holds neither operation (the PTX instructions are made from them
    only), so no instruction of either kind can appear. The signatures come from the real launch
    sites: each is run once under Triton's interpreter with the kernel's run recorded, not executed,
