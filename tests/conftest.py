@@ -2,6 +2,7 @@
 
 import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,13 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The suite starts about 150 Python processes (`hgc` commands, servers, rank processes, benchmark dry
+# runs), each importing most of the repo. Where the environment sets PYTHONDONTWRITEBYTECODE, every
+# one of them compiled those sources again (about 25 s of the suite's CPU time on 2 cores); the
+# suite's processes write and share the bytecode as an installed copy has it (__pycache__ is ignored).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # Tracing, export and compiling allocate objects by the million (FX nodes, fake tensors, sympy
 # expressions): at CPython's default thresholds (700, 10, 10) the cyclic collector ran about 10,500

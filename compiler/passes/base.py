@@ -21,6 +21,7 @@ Errors a user can act on are `CompileError`s whose message names pass, node, lay
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 from typing import Optional
@@ -29,7 +30,15 @@ import torch.fx
 
 from compiler.splitops.errors import CompileError
 
-__all__ = ["PassResult", "CompilePass", "CompileError", "PassError", "PreconditionError", "PostconditionError"]
+__all__ = ["PassResult", "CompilePass", "CompileError", "PassError", "PreconditionError", "PostconditionError",
+           "class_source"]
+
+
+@functools.cache
+def class_source(cls: type) -> str:
+    """A class's source, which a pass's fingerprint digests. Read once a process: inspect finds a
+    class's source by parsing its whole module, and every compile fingerprints every pass."""
+    return inspect.getsource(cls)
 
 
 class PreconditionError(CompileError):
@@ -78,6 +87,5 @@ class CompilePass:
         return {}
 
     def fingerprint(self) -> dict:
-        source = inspect.getsource(type(self))
         return {"name": self.name, "version": self.version, "config": self.config(),
-                "source_sha256": hashlib.sha256(source.encode()).hexdigest()}
+                "source_sha256": hashlib.sha256(class_source(type(self)).encode()).hexdigest()}

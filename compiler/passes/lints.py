@@ -17,11 +17,10 @@ Rules are data-producing functions (compiler/lints/); this pass only runs them.
 from __future__ import annotations
 
 import hashlib
-import inspect
 from typing import Sequence
 
 from compiler.lints.base import LintRule, has_errors
-from compiler.passes.base import CompilePass, PassResult
+from compiler.passes.base import CompilePass, PassResult, class_source
 
 __all__ = ["LintPass"]
 
@@ -41,7 +40,7 @@ class LintPass(CompilePass):
 
     def fingerprint(self) -> dict:
         fp = super().fingerprint()
-        sources = "".join(inspect.getsource(type(r)) for r in self.rules)
+        sources = "".join(class_source(type(r)) for r in self.rules)
         fp["rules_sha256"] = hashlib.sha256(sources.encode()).hexdigest()
         return fp
 

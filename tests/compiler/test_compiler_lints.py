@@ -26,6 +26,8 @@ from models.families import FAMILY_IDS
 from compiler.splitops.capability import BackendCapability, CapabilityTable, OpCapture
 from tests.compiler.test_compiler_toys import full_spec, lightning_spec, rule_ids, toy_plan, toy_traced
 
+pytestmark = pytest.mark.usefixtures("shared_traces")  # the tiny configs traced once, compiles on copies
+
 
 def _errors(result):
     return {f.rule for f in result.ctx.findings if f.severity == "error"}

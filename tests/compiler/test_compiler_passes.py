@@ -25,6 +25,8 @@ from compiler.splitops.artifact import (CAPTURED, EAGER, ArtifactFormatError, Pi
 from compiler.splitops.capability import BackendCapability, CapabilityError, CapabilityTable, ShapeLimit
 from tests.compiler.test_compiler_toys import H, HD, toy_plan, toy_traced
 
+pytestmark = pytest.mark.usefixtures("shared_traces")  # the tiny configs traced once, compiles on copies
+
 ALL_OPS = frozenset(OP_SPECS)
 LINEAR_OPS = frozenset({"gdn_core", "kda_core", "lightning_core", "short_conv"})
 FULL_OPS = frozenset({"gqa_attention", "mla_attention"})

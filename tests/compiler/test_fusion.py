@@ -24,7 +24,7 @@ from runtime.engine.generate import greedy_generate, make_pools
 from runtime.step.bound_ops import BoundOps
 from testkit.helpers import shared_artifact
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "shared_traces")
 
 QWEN = ("qwen3_next", "qwen3_5")
 REGION_OPS = {"short_conv", "gdn_core"}
@@ -107,11 +107,13 @@ def test_unfused_is_refused_for_an_op_that_stands_for_no_region():
 def _fuse_on_cuda(configs, tools, *routes):
     from compiler.passes.annotate import AnnotateOpsPass
     from compiler.passes.fusion import FusionPass
+    from compiler import pipeline
     from compiler.passes.manager import PassManager
     from compiler.pipeline import make_context
 
     config = CompileConfig(target="cuda", dtype="bfloat16", routes=tuple(parse_route(r) for r in routes))
-    ctx = make_context(trace_checkpoint(configs / "qwen3_next", "bfloat16", tools.read_model), config, tools)
+    traced = pipeline.trace_checkpoint(configs / "qwen3_next", "bfloat16", tools.read_model)  # the shared trace's copy
+    ctx = make_context(traced, config, tools)
     PassManager([AnnotateOpsPass(), FusionPass()]).run(ctx)
     return ctx.fusion["main"]
 
@@ -183,9 +185,13 @@ def _variant(change):
 
 @pytest.mark.parametrize("change", ["norm", "gate"])
 def test_a_region_that_differs_is_left_unfused_and_named(configs, monkeypatch, change):
+    import compiler.frontend
+    import compiler.pipeline
     import models.qwen3_next
 
     monkeypatch.setattr(models.qwen3_next, "gdn_mixer_region", _variant(change))
+    # a trace of the changed model: the module's shared traces are of the model as written
+    monkeypatch.setattr(compiler.pipeline, "trace_checkpoint", compiler.frontend.trace_checkpoint)
     ctx = _plan(configs / "qwen3_next")
     assert ctx.fusion["main"]["fused"] == []
     unfused = ctx.fusion["main"]["unfused"]

@@ -25,6 +25,8 @@ from runtime.artifact.loader import LoadError, load_artifact
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
 from testkit.helpers import edit_routing, shared_artifact
 
+pytestmark = pytest.mark.usefixtures("shared_traces")  # the tiny configs traced once, compiles on copies
+
 FULL_DEFAULTS = FlashInferAttentionBackend.capability.resolve_options({})
 
 
