@@ -105,9 +105,9 @@ def test_unfused_is_refused_for_an_op_that_stands_for_no_region():
 
 
 def _fuse_on_cuda(configs, tools, *routes):
+    from compiler import pipeline
     from compiler.passes.annotate import AnnotateOpsPass
     from compiler.passes.fusion import FusionPass
-    from compiler import pipeline
     from compiler.passes.manager import PassManager
     from compiler.pipeline import make_context
 
