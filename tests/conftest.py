@@ -43,12 +43,13 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         from testkit.triton_interpreter import (cache_builtin_names, cache_np_dtypes, row_independent_dots,
-                                                skip_discarded_overflow_checks)
+                                                skip_discarded_overflow_checks, vectorized_xor_reductions)
 
         cache_builtin_names()  # the interpreter's launches find triton.language's builtins by a list made once
         cache_np_dtypes()  # and the numpy dtype of a Triton dtype by its name, once
         row_independent_dots()  # a dot gives a row the same bits wherever it sits in the tile, as on a GPU
         skip_discarded_overflow_checks()  # no integer overflow check a non-debug build would drop anyway
+        vectorized_xor_reductions()  # tl.sort's XOR reductions in numpy, not element by element
 
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected the gpu tests
