@@ -91,6 +91,25 @@ def _wrap(name: str, make) -> bool:
     return True
 
 
+def _wrap_method(owner_name: str, name: str, make) -> bool:
+    """_wrap for a method: make(Triton's method) in place of triton.runtime.interpreter.<owner_name>.<name>,
+    once per process. True when the wrapper is in place; False where the kernels are not interpreted,
+    Triton has no such method, or make returns None."""
+    interpreter = _interpreter()
+    owner = getattr(interpreter, owner_name, None) if interpreter is not None else None
+    original = getattr(owner, name, None)
+    if original is None:
+        return False
+    if getattr(original, "testkit_wrapper", False):
+        return True
+    wrapper = make(original)
+    if wrapper is None:
+        return False
+    wrapper.testkit_wrapper = True
+    setattr(owner, name, wrapper)
+    return True
+
+
 def cache_builtin_names() -> bool:
     """Triton's interpreter patches the builtins of `triton.language` (tl, tl.tensor, tl.math, tl.core)
     at every launch and again at every call of one @jit function from another, and finds them each
@@ -191,14 +210,13 @@ def row_independent_dots() -> bool:
     the same rounded value for a row wherever it sits, but where two summation orders straddle a
     float32 rounding boundary (a chance of about K * 2^-29 per element for K terms). Integer and
     fp8 dots are Triton's as before. True when installed."""
-    interpreter = _interpreter()
-    builder = getattr(interpreter, "InterpreterBuilder", None) if interpreter is not None else None
-    original = getattr(builder, "create_dot", None)
-    if original is None:
-        return False
-    if getattr(original, "testkit_wrapper", False):
-        return True
+    return _wrap_method("InterpreterBuilder", "create_dot", _float64_dot)
+
+
+def _float64_dot(original):
     import numpy as np
+
+    interpreter = _interpreter()
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         floats = (np.float16, np.float32)
@@ -207,9 +225,7 @@ def row_independent_dots() -> bool:
         product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
         return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
-    create_dot.testkit_wrapper = True
-    builder.create_dot = create_dot
-    return True
+    return create_dot
 
 
 def vectorized_xor_reductions() -> bool:
@@ -218,20 +234,18 @@ def vectorized_xor_reductions() -> bool:
     0-d tensors: `tl.sort`'s bitonic network reduces with `_xor_combine` at every stage, so a kernel
     that sorts (the MoE's routing sort) spent about a third of its test time there. An XOR of
     integers is exact in any order: here it is numpy's `bitwise_xor.reduce` over the same axis, the
-    same values, the same dtype. Every other reduction is Triton's as before. True when installed."""
-    interpreter = _interpreter()
-    reduce_ops = getattr(interpreter, "ReduceOps", None) if interpreter is not None else None
-    original = getattr(reduce_ops, "apply_impl", None)
-    if original is None:
-        return False
-    if getattr(original, "testkit_wrapper", False):
-        return True
+    same values, the same dtype. Every other reduction is Triton's as before. True when installed;
+    the wrapper keeps Triton's method as `.original` (the test compares the two)."""
+    return _wrap_method("ReduceOps", "apply_impl", _numpy_xor_reduce)
+
+
+def _numpy_xor_reduce(original):
     import numpy as np
     import triton.language as tl
 
     xor = getattr(tl.standard, "_xor_combine", None)
     if xor is None:
-        return False
+        return None
 
     def apply_impl(self, input):
         value = input[0]
@@ -240,10 +254,8 @@ def vectorized_xor_reductions() -> bool:
         data = np.bitwise_xor.reduce(value.handle.data, axis=self.axis, keepdims=self.keep_dims)
         return self.to_tensor(data, value.dtype)
 
-    apply_impl.testkit_wrapper = True
-    apply_impl.original = original  # Triton's, for the test that compares the two
-    reduce_ops.apply_impl = apply_impl
-    return True
+    apply_impl.original = original
+    return apply_impl
 
 
 @contextlib.contextmanager
