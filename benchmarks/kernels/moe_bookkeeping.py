@@ -14,7 +14,8 @@ For each T, first the checks (exact: the layout and the sums have one right answ
 Then times (each alone in a CUDA graph, median us, moe_layers.Bench):
 - sort: the new sort_tokens (one launch up to 1024 pairs, a count and a sort past that), at its
   default width and at block_p 256, 512, 2048 (past 1024 pairs: which width places 20K pairs
-  fastest); sort_before: the kernel before (one program per expert scanning every pair) with its
+  fastest); sort_counted_ranks: the same with each block's ranks counted instead of sorted
+  (sort_ranks="counted"); sort_before: the kernel before (one program per expert scanning every pair) with its
   counts already made (the op before had the router's atomics make them after a zero fill);
   sort_before_counting: that plus the zero fill and a scatter_add counting (sort_tokens before,
   called without counts);
@@ -193,6 +194,7 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
     ref = moe_reference(x.float().cpu(), *(None if t is None else t.float().cpu() for t in layer), *routing)
     checks = {
         "sort_layout": layout_ok(sort, ids, experts, bm),
+        "sort_layout_counted_ranks": layout_ok(sort_tokens(ids, experts, bm, count_ranks=True), ids, experts, bm),
         "sort_layout_widths": all(layout_ok(sort_tokens(ids, experts, bm, block_p=w), ids, experts, bm)
                                   for w in SORT_WIDTHS),
         "sort_before_layout": layout_ok(sort_before(ids, experts, bm, counts), ids, experts, bm),
@@ -208,6 +210,7 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
 
     out = torch.empty_like(out_new)
     times = {"sort": us(lambda: sort_tokens(ids, experts, bm)),
+             "sort_counted_ranks": us(lambda: sort_tokens(ids, experts, bm, count_ranks=True)),
              **{f"sort_block_p{w}": us(lambda w=w: sort_tokens(ids, experts, bm, block_p=w)) for w in SORT_WIDTHS},
              "sort_before": us(lambda: sort_before(ids, experts, bm, counts)),
              "sort_before_counting": us(lambda: sort_before(ids, experts, bm, count_before(ids, experts))),

@@ -58,8 +58,13 @@ class CaptureError(RuntimeError):
 # The gemm_tiles routing option's choices, the default first (the capability's comment says what each does).
 GEMM_TILES = ("tuned", "fixed")
 # The router option's choices, the default first: the router's GEMV then a routing kernel (two
-# launches), or the GEMV's last program routing (one launch, kernels/moe.py `router_folds`).
-ROUTERS = ("two_launches", "one_launch")
+# launches); the GEMV's last program routing (one launch, kernels/moe.py `router_folds`); or, past
+# the GEMV's bound, the router GEMM in slices of D with the last slice routing (one launch,
+# kernels/moe.py `_split_router_kernel`; shorter steps as the default).
+ROUTERS = ("two_launches", "one_launch", "split")
+# The sort_ranks option's choices, the default first: how the sort ranks each block's pairs
+# (kernels/moe.py `_place_pairs`): a sort of their keys, or a running count (up to 64 expert bins).
+SORT_RANKS = ("sorted", "counted")
 
 
 class TritonMoEBackend(BackendHooks):
@@ -95,25 +100,40 @@ class TritonMoEBackend(BackendHooks):
         # token's result does not depend on what shares its step.
         # router: "one_launch" runs the logits and the routing as one launch where the step folds
         # (kernels/moe.py router_folds: the GEMV's last program routes, and sorts, a step of tokens
-        # that fit one routing tile; the GEMM's programs route their own rows up to 64 experts).
-        options=(("gemm_tiles", GEMM_TILES), ("router", ROUTERS)),
+        # that fit one routing tile; the GEMM's programs route their own rows up to 64 experts);
+        # "split" runs a step past 128 tokens as the GEMM in slices of D, the last slice of each row
+        # block routing it (one launch; under 64 experts).
+        # sort_ranks: "counted" ranks each block's pairs by a running count, not a sort (the same
+        # layout; up to 64 experts with the shared expert's chunks).
+        options=(("gemm_tiles", GEMM_TILES), ("router", ROUTERS), ("sort_ranks", SORT_RANKS)),
         batch_invariant=(("gemm_tiles", "fixed"),),
         doc="Fused Triton MoE: device-side top-k routing, static-shape token sorting, grouped expert "
             "GEMMs (the shared expert as extra experts) with SiLU-and-mul and weighted combine; no host "
             "sync, capturable in every mode")
 
     def __init__(self, config_dir: "str | os.PathLike | None" = None, device: "str | torch.device" = "cuda",
-                 layers: tuple[MoELayerShape, ...] = (), gemm_tiles: str = GEMM_TILES[0], router: str = ROUTERS[0]):
+                 layers: tuple[MoELayerShape, ...] = (), gemm_tiles: str = GEMM_TILES[0], router: str = ROUTERS[0],
+                 sort_ranks: str = SORT_RANKS[0]):
         """layers: the shapes of the moe calls this instance serves (`build` reads them off the
         graph); `kernel_variant_tokens` needs them, nothing else does. gemm_tiles: the capability's
         option ("fixed": FIXED_CONFIG and the GEMV router for every token count; config_dir unused).
-        router: the capability's option (fixed tiles never fold the sort, so never take one launch)."""
+        router, sort_ranks: the capability's options (fixed tiles never fold the sort, so never take
+        one launch, and keep the GEMV router at every count)."""
         if gemm_tiles not in GEMM_TILES:
             raise ValueError(f"{self.name}: gemm_tiles must be one of {GEMM_TILES}, not {gemm_tiles!r}")
         if router not in ROUTERS:
             raise ValueError(f"{self.name}: router must be one of {ROUTERS}, not {router!r}")
+        if sort_ranks not in SORT_RANKS:
+            raise ValueError(f"{self.name}: sort_ranks must be one of {SORT_RANKS}, not {sort_ranks!r}")
+        counted = sort_ranks == "counted"
+        wide = [layer for layer in layers if counted and layer.experts + layer.slots - layer.top_k > 64]
+        if wide:
+            raise ValueError(f"{self.name}: sort_ranks=counted takes at most 64 experts with the shared expert's "
+                             f"chunks; a moe call has {wide[0].experts + wide[0].slots - wide[0].top_k}")
         self.fixed_tiles = gemm_tiles == "fixed"
         self.one_launch_router = router == "one_launch"
+        self.split_router = router == "split"
+        self.count_ranks = counted
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
         self.device = torch.device(device)
         self.layers = tuple(dict.fromkeys(layers))
@@ -126,12 +146,19 @@ class TritonMoEBackend(BackendHooks):
         """The tuned configs of runtime/backends/kernels/moe_configs/, launches on the pools' device."""
         return cls(device=setup.device, layers=tuple(MoELayerShape.of(c) for c in setup.calls if c.op == "moe"),
                    gemm_tiles=setup.options.get("gemm_tiles", GEMM_TILES[0]),
-                   router=setup.options.get("router", ROUTERS[0]))
+                   router=setup.options.get("router", ROUTERS[0]),
+                   sort_ranks=setup.options.get("sort_ranks", SORT_RANKS[0]))
 
     # -- hooks --------------------------------------------------------------------------------
 
     def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
-        """Nothing to allocate: captured graphs read the real token count from the step buffers."""
+        """With the split router, its arrival counters, one per row block of the largest step (a
+        capture cannot grow them: arrivals.py); captured graphs read the real token count from the
+        step buffers."""
+        if self.split_router and self.layers and self.device.type == "cuda" and not triton_interpreted():
+            kernels = _kernels()
+            blocks = max(kernels.split_router_shape(max_tokens, layer.hidden)[0] for layer in self.layers)
+            kernels.arrival_counters(self.device, blocks, "moe router")
 
     def init_replay_state(self, ctx, bucket: int) -> None:
         """The real token count of this step and of every replay of its graph: a view of the step's
@@ -161,8 +188,9 @@ class TritonMoEBackend(BackendHooks):
             for T in range(1, max_tokens + 1):
                 raw = self.config_for(T, layer.experts, layer.inter, layer.hidden, layer.top_k, self.device)
                 config = fitted.get(raw) or fitted.setdefault(raw, fit_shared_memory(raw, layer.itemsize))
-                variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config, self._logits_kernel,
-                                         self._fold, self.one_launch_router)
+                variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config,
+                                         self._logits_kernel_at(T, layer.experts, layer.hidden), self._fold,
+                                         self.one_launch_router)
                 first.setdefault((layer, variant), T)
         self._variant_tokens[max_tokens] = tuple(sorted(set(first.values())))
         return self._variant_tokens[max_tokens]
@@ -179,10 +207,11 @@ class TritonMoEBackend(BackendHooks):
     def config_path(self, E: int, I: int, device_name: str) -> Path:
         return self.config_dir / config_file_name(E, I, device_name)
 
-    @property
-    def _logits_kernel(self) -> Optional[str]:
-        """The router logits kernel every step launches, or None: chosen per step from its token count."""
-        return FIXED_LOGITS_KERNEL if self.fixed_tiles else None
+    def _logits_kernel_at(self, T: int, E: int, D: int) -> str:
+        """The router logits kernel a step of T tokens launches (fixed tiles: one for every count)."""
+        if self.fixed_tiles:
+            return FIXED_LOGITS_KERNEL
+        return _kernels().logits_kernel_for(T, E, D, split=self.split_router)
 
     @property
     def _fold(self) -> Optional[bool]:
@@ -221,5 +250,5 @@ class TritonMoEBackend(BackendHooks):
                                                        x.device), x.element_size())
         _kernels().fused_moe(x, router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate, out, top_k,
                              scoring, renormalize, routed_scale, num_groups, topk_groups, config, n_real=n_real,
-                             logits_kernel=self._logits_kernel, fold=self._fold,
-                             one_launch_router=self.one_launch_router)
+                             logits_kernel=self._logits_kernel_at(x.shape[0], w13.shape[0], x.shape[1]),
+                             fold=self._fold, one_launch_router=self.one_launch_router, count_ranks=self.count_ranks)

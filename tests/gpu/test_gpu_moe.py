@@ -158,6 +158,47 @@ def test_the_one_launch_router_replays_with_fresh_inputs_as_the_eager_two_launch
         assert int(arrival_counters(DEV, 1, "moe router")[0]) == 0
 
 
+@pytest.mark.parametrize("T", [256, 4096])
+def test_the_split_router_and_counted_ranks_replay_as_the_defaults_route(T):
+    """router="split" and sort_ranks="counted" captured at bench qwen3_next's MoE (16 experts of 512,
+    top-4, a gated shared expert): on fresh random inputs each replay gives the default backend's
+    output to float32 rounding of the router's sums and the CPU oracle's to TOL; the split router's
+    ids are the GEMM's and the routing kernel's, and every counter is back at zero."""
+    from runtime.backends.kernels.arrivals import arrival_counters
+    from runtime.backends.kernels.moe import route, sort_tokens, split_router_shape
+
+    E, top_k = 16, 4
+    layer = _layer(E, seed=19, shared="gated_S=I")
+    tail = (top_k, "softmax", True, 1.0, 1, 1)
+    new, default = TritonMoEBackend(router="split", sort_ranks="counted"), TritonMoEBackend()
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    new.moe(None, x, *layer, out, 0, *tail)  # compiles, and allocates the counters, before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        new.moe(None, x, *layer, out, 0, *tail)
+    blocks = split_router_shape(T, D)[0]
+    for round_ in range(3):
+        fresh = torch.randn(T, D, device=DEV).bfloat16()
+        x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = torch.empty_like(out)
+        default.moe(None, fresh, *layer, eager, 0, *tail)
+        assert _rel(out, eager) <= 1e-3, f"replay {round_}: {_rel(out, eager):.2e} from the default backend"
+        assert _rel(out, _reference(fresh, *layer, *tail)) <= TOL
+        args = (fresh, layer[0], None, *tail)
+        ids, _ = route(*args, n_shared=1, shared_gate=layer[6], logits_kernel="dot")
+        ids_split, _ = route(*args, n_shared=1, shared_gate=layer[6], logits_kernel="split")
+        same = (ids_split == ids).all(-1).float().mean().item()
+        assert same >= 0.999, f"only {same:.4f} of tokens routed as the GEMM's logits route them (near ties)"
+        assert not arrival_counters(DEV, blocks, "moe router")[:blocks].any()
+        for block_m in (16, 64):
+            counted, sorted_ = (sort_tokens(ids, E + 1, block_m, count_ranks=c) for c in (True, False))
+            total = int(sorted_[2])
+            assert int(counted[2]) == total and torch.equal(counted[0][:total], sorted_[0][:total])
+
+
 def test_capture_without_replay_state_is_refused():
     from runtime.backends.triton_moe import CaptureError
     layer = _layer(16, seed=6)

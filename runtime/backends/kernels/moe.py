@@ -21,7 +21,10 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
 1. Router logits [T,E] float32: for T <= 128 `_logits_gemv_kernel` spreads the router over many
    programs, and with a gated shared expert one more program puts the gate's logit x . g in
    column E (`logits_kernel_for` says why); otherwise `_logits_kernel` (bf16 operands, float32
-   accumulation); asked for ("fused"), step 2 computes them itself. Products of bf16 numbers are exact in
+   accumulation), or, asked for ("split", the backend's router option "split"; under 64 experts),
+   `_split_router_kernel`: the GEMM in slices of D, and the last slice of each row block to finish
+   sums them and routes its rows, steps 1 and 2 in one launch; asked for ("fused"), step 2
+   computes them itself. Products of bf16 numbers are exact in
    float32, so each is the reference's `x.float() @ W.float().T` up to summation order.
 2. `_route_kernel`, one program per token: softmax or sigmoid scores, + bias for selection only,
    grouped selection (groups ranked by the sum of their two best biased scores), top-k, weights
@@ -33,7 +36,8 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
    deterministic), in segments padded to BLOCK_M with the sentinel pair id P, and writes the
    expert of each block. Its programs each place one block of pairs: a pair's row is its
    expert's segment start + the expert's pairs in earlier blocks + its rank in its own block (a
-   sort of the block's expert-major keys); further programs pad the segments. Up to
+   sort of the block's expert-major keys, or with count_ranks a running count down a one-hot of
+   the block's experts); further programs pad the segments. Up to
    ALIGN_BLOCK_P pairs one block holds them all and the kernel counts them itself (one launch
    for a decode or short extend step); past that `_align_count_kernel` first counts each
    block's pairs per expert, so no program scans more than its own block. Nothing is zeroed
@@ -97,6 +101,11 @@ GEMV_LOGITS_MAX_TOKENS = 128  # logits_kernel_for says why
 # 11.1 here against 9.8 for the best of five other tiles (16, 256, 4, 3); at 4096 this tile was the
 # best (15.0 against 15.1-16.2). One tile for every count: a second would save ~1 us a layer at 512.
 LOGITS_DOT_TILE = (64, 64, 4, 4)
+# The split router's tile and its slices of D ("split" logits, `_split_router_kernel`): D = 2048 in 8
+# slices of 256 columns, 4 steps of 64 each, 8 programs a 64-token row block.
+LOGITS_SPLIT_TILE = (64, 64, 4, 3)
+LOGITS_SPLIT = 8
+LOGITS_KERNELS = ("fused", "gemv", "dot", "split")  # `route`'s logits_kernel choices
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,6 +173,68 @@ def _logits_route_kernel(x_ptr, w_ptr, sgate_ptr, logits_ptr, bias_ptr, ids_ptr,
     _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, pid_m * BLOCK_M, T, n_real, routed_scale, E,
                 gate_logit, E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, BLOCK_M, HAS_BIAS,
                 SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, False, False)
+
+
+@triton.jit(do_not_specialize=["T", "n_real"])
+def _split_router_kernel(x_ptr, w_ptr, sgate_ptr, part_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr,
+                         arrived_ptr, T, n_real, routed_scale, D, stride_xt, stride_we, stride_lt,
+                         E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                         NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                         G_PAD: tl.constexpr, S_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
+                         RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr,
+                         NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, K_SLICE: tl.constexpr,
+                         DOT_FP32: tl.constexpr, USE_GDC: tl.constexpr):
+    """The router of a long step in one launch ("split" logits): program (m, s) multiplies BLOCK_M
+    tokens by slice s of D (K_SLICE columns, the shared gate's row as column E of the tile) and
+    stores that partial [BLOCK_M, BLOCK_N] tile; the last of row block m's SPLIT programs to
+    finish (arrivals.py) sums the partials in slice order, stores the logits (the gate's in
+    column E) and routes the rows (`_route_rows`), then zeroes its counter.
+
+    Why: one program walking D = 2048 in 32 dependent steps took ~8.5 us at any token count (bench
+    qwen3_next on an H200), and the routing kernel ~5 more; slices put SPLIT times the programs in
+    flight, each a few steps long. The sum runs in slice order whichever program finishes last,
+    and SPLIT and the tile depend on D only, so a token's logits have the same bits at every step
+    size this kernel serves."""
+    pdl_wait(USE_GDC)
+    pid_m = tl.program_id(0)
+    s = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_SLICE, BLOCK_K):
+        k = s * K_SLICE + k0 + offs_k
+        k_mask = k < D
+        a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xt + k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptr + offs_n[None, :] * stride_we + k[:, None], mask=(offs_n < E)[None, :] & k_mask[:, None],
+                    other=0.0)
+        if N_SHARED > 0 and SHARED_GATE:  # the gate's row in column E (the loads above hold 0 there)
+            b += tl.load(sgate_ptr + k[:, None] + offs_n[None, :] * 0, mask=(offs_n == E)[None, :] & k_mask[:, None],
+                         other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tile = (offs_m[:, None] + s * T).to(tl.int64) * BLOCK_N + offs_n[None, :]
+    tl.store(part_ptr + tile, acc, mask=m_mask[:, None])
+    if last_to_arrive(arrived_ptr + pid_m, SPLIT):
+        logits = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(SPLIT):
+            tile = (offs_m[:, None] + j * T).to(tl.int64) * BLOCK_N + offs_n[None, :]
+            logits += tl.load(part_ptr + tile, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
+        COLS: tl.constexpr = E + (1 if N_SHARED > 0 and SHARED_GATE else 0)
+        tl.store(logits_ptr + offs_m[:, None].to(tl.int64) * stride_lt + offs_n[None, :], logits,
+                 mask=m_mask[:, None] & (offs_n < COLS)[None, :])
+        # the rows are read back by other threads of this program: a CTA barrier orders the stores first
+        tl.debug_barrier()
+        _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, pid_m * BLOCK_M, T, n_real, routed_scale,
+                    stride_lt, tl.zeros((BLOCK_M,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE,
+                    TOPK_GROUPS, G_PAD, S_PAD, BLOCK_M, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD,
+                    SHARED_GATE, True, False)
+        tl.store(arrived_ptr + pid_m, 0)
 
 
 @triton.jit
@@ -412,10 +483,11 @@ def _align_counts(ids_ptr, block_counts_ptr, b, num_blocks, P, E: tl.constexpr, 
 @triton.jit(do_not_specialize=["P", "num_blocks"])
 def _align_kernel(ids_ptr, block_counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, num_blocks,
                   E: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                  COUNTED: tl.constexpr, NB_STEP: tl.constexpr, E_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
+                  COUNTED: tl.constexpr, NB_STEP: tl.constexpr, E_CHUNK: tl.constexpr, COUNT_RANKS: tl.constexpr,
+                  USE_GDC: tl.constexpr):
     """The sorted layout (sort_tokens' contract). Programs below num_blocks place the pairs of one
-    block of BLOCK_P (`_place_pairs`); each program past them pads the segments of E_CHUNK experts
-    and names their blocks' expert (`_pad_segments`)."""
+    block of BLOCK_P (`_place_pairs`, ranks counted with COUNT_RANKS, else sorted); each program
+    past them pads the segments of E_CHUNK experts and names their blocks' expert (`_pad_segments`)."""
     pdl_wait(USE_GDC)
     pid = tl.program_id(0)
     b = tl.minimum(pid, num_blocks - 1)  # an expert program's counts need no block of its own
@@ -424,7 +496,7 @@ def _align_kernel(ids_ptr, block_counts_ptr, sorted_ptr, block_expert_ptr, total
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     starts = tl.cumsum(padded, axis=0) - padded  # exclusive prefix: segment start of each expert
     if pid < num_blocks:
-        _place_pairs(ids_ptr, sorted_ptr, pid, P, starts, before, mine, E, E_BINS, BLOCK_P)
+        _place_pairs(ids_ptr, sorted_ptr, pid, P, starts, before, mine, E, E_BINS, BLOCK_P, COUNT_RANKS)
     else:
         chunk = pid - num_blocks
         if chunk == 0:
@@ -432,24 +504,46 @@ def _align_kernel(ids_ptr, block_counts_ptr, sorted_ptr, block_expert_ptr, total
         _pad_segments(sorted_ptr, block_expert_ptr, chunk, P, starts, counts, padded, E, E_BINS, BLOCK_M, E_CHUNK)
 
 
+# `_place_pairs` ranks pairs by counting up to this many expert bins (E_BINS), by sorting past it
+# (`rank_by_count`).
+RANK_BY_COUNT_MAX_BINS = tl.constexpr(64)
+RANK_CHUNK_CELLS = tl.constexpr(8192)  # pairs x bins that one counting step holds ([chunk, E_BINS] int32)
+
+
 @triton.jit
 def _place_pairs(ids_ptr, sorted_ptr, b, P, starts, before, mine, E: tl.constexpr, E_BINS: tl.constexpr,
-                 BLOCK_P: tl.constexpr):
+                 BLOCK_P: tl.constexpr, COUNT: tl.constexpr):
     """Write the pair ids of block b (pairs b*BLOCK_P ..) at their sorted rows.
 
     A pair's row is its expert's segment start + the expert's pairs in earlier blocks + its rank
-    among the expert's pairs in its own block; that rank comes from sorting the block's keys
-    expert * BLOCK_P + position, so within an expert the pairs keep pair order.
+    among the expert's pairs of its own block, so within an expert the pairs keep pair order.
+    COUNT (`rank_by_count`: up to RANK_BY_COUNT_MAX_BINS bins): the rank is counted, a running
+    sum down a [pairs, bins] one-hot, a chunk of pairs at a time; else the block's keys
+    expert * BLOCK_P + position are sorted (a one-hot that wide would not fit). The sort's ~55
+    exchange stages over 1024 keys are a chain of shared-memory round trips whatever the expert count.
     """
-    # Sorted position i of this block holds the pair of expert e at row base[e] + i.
-    base = starts + before - (tl.cumsum(mine, axis=0) - mine)
-    i = tl.arange(0, BLOCK_P)
-    p = b * BLOCK_P + i
-    ids = tl.load(ids_ptr + p, mask=p < P, other=E)  # beyond P: the sentinel, sorted last
-    key = tl.sort(ids * BLOCK_P + i)
-    e = key // BLOCK_P
-    row = tl.gather(base, tl.minimum(e, E_BINS - 1), 0) + i
-    tl.store(sorted_ptr + row, b * BLOCK_P + key % BLOCK_P, mask=e < E)
+    if COUNT:
+        CHUNK: tl.constexpr = BLOCK_P if BLOCK_P * E_BINS <= RANK_CHUNK_CELLS else RANK_CHUNK_CELLS // E_BINS
+        bins = tl.arange(0, E_BINS)
+        seen = starts + before  # [E_BINS]: the row of each expert's next pair
+        for c0 in tl.static_range(0, BLOCK_P, CHUNK):
+            p = b * BLOCK_P + c0 + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + p, mask=p < P, other=E)  # beyond P: the sentinel, placed nowhere
+            hot = (ids[:, None] == bins[None, :]).to(tl.int32)  # [CHUNK, E_BINS]
+            upto = tl.cumsum(hot, axis=0)  # pairs of each expert in this chunk up to and including each pair
+            row = tl.sum(hot * (seen[None, :] + upto - 1), axis=1)
+            tl.store(sorted_ptr + row, p, mask=ids < E)
+            seen += tl.sum(hot, axis=0)
+    else:
+        # Sorted position i of this block holds the pair of expert e at row base[e] + i.
+        base = starts + before - (tl.cumsum(mine, axis=0) - mine)
+        i = tl.arange(0, BLOCK_P)
+        p = b * BLOCK_P + i
+        ids = tl.load(ids_ptr + p, mask=p < P, other=E)  # beyond P: the sentinel, sorted last
+        key = tl.sort(ids * BLOCK_P + i)
+        e = key // BLOCK_P
+        row = tl.gather(base, tl.minimum(e, E_BINS - 1), 0) + i
+        tl.store(sorted_ptr + row, b * BLOCK_P + key % BLOCK_P, mask=e < E)
 
 
 @triton.jit
@@ -481,10 +575,10 @@ def _route_sort_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sort
                      HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
                      NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr, NS_PAD: tl.constexpr,
                      SHARED_GATE: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_P: tl.constexpr, E_CHUNK: tl.constexpr, CG: tl.constexpr):
+                     BLOCK_P: tl.constexpr, E_CHUNK: tl.constexpr, COUNT_RANKS: tl.constexpr, CG: tl.constexpr):
     """A small step's routing and sort in one program: `_route_rows` over all T tokens, then
-    `_align_kernel`'s layout of one block holding every pair. The shared gate's logit comes in
-    column E of the logits (the GEMV's). CG as `_route_rows` takes it."""
+    `_align_kernel`'s layout of one block holding every pair (COUNT_RANKS as it takes it). The
+    shared gate's logit comes in column E of the logits (the GEMV's). CG as `_route_rows` takes it."""
     _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, 0, T, n_real, routed_scale, stride_lt,
                 tl.zeros((BLOCK_T,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS,
                 G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE,
@@ -496,7 +590,7 @@ def _route_sort_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sort
     counts, before, mine = _align_counts(ids_ptr, ids_ptr, 0, 1, P, EXPERTS, E_BINS, BLOCK_P, False, 1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     starts = tl.cumsum(padded, axis=0) - padded
-    _place_pairs(ids_ptr, sorted_ptr, 0, P, starts, before, mine, EXPERTS, E_BINS, BLOCK_P)
+    _place_pairs(ids_ptr, sorted_ptr, 0, P, starts, before, mine, EXPERTS, E_BINS, BLOCK_P, COUNT_RANKS)
     tl.store(total_ptr, tl.sum(padded, axis=0))
     for chunk in tl.static_range((EXPERTS + E_CHUNK - 1) // E_CHUNK):
         _pad_segments(sorted_ptr, block_expert_ptr, chunk, P, starts, counts, padded, EXPERTS, E_BINS, BLOCK_M,
@@ -512,13 +606,14 @@ def _route_sort_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, so
                        HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
                        NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr, NS_PAD: tl.constexpr,
                        SHARED_GATE: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_P: tl.constexpr, E_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
+                       BLOCK_P: tl.constexpr, E_CHUNK: tl.constexpr, COUNT_RANKS: tl.constexpr,
+                       USE_GDC: tl.constexpr):
     """A small step's routing and sort in one launch (`route_sort_folds`), after the GEMV: `_route_sort_rows`."""
     pdl_wait(USE_GDC)
     _route_sort_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                      T, n_real, P, routed_scale, stride_lt, E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS,
                      G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD,
-                     SHARED_GATE, E_BINS, BLOCK_M, BLOCK_P, E_CHUNK, False)
+                     SHARED_GATE, E_BINS, BLOCK_M, BLOCK_P, E_CHUNK, COUNT_RANKS, False)
 
 
 @triton.jit(do_not_specialize=["T", "n_real", "P"])
@@ -532,7 +627,7 @@ def _router_kernel(x_ptr, w_ptr, gate_ptr, logits_ptr, bias_ptr, ids_ptr, weight
                    NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr, NS_PAD: tl.constexpr,
                    SHARED_GATE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, ONE_STEP: tl.constexpr,
                    SORT: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                   E_CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
+                   E_CHUNK: tl.constexpr, COUNT_RANKS: tl.constexpr, USE_GDC: tl.constexpr):
     """The router in one launch (`router_folds`): `_logits_gemv_kernel`'s programs, and the last of
     them to finish (arrivals.py) routes every token, then zeroes the counter: with SORT all at once
     and lays out the sorted pairs (`_route_sort_rows`, BLOCK_T rows), else BLOCK_T tokens at a time
@@ -545,7 +640,8 @@ def _router_kernel(x_ptr, w_ptr, gate_ptr, logits_ptr, bias_ptr, ids_ptr, weight
             _route_sort_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sorted_ptr, block_expert_ptr,
                              total_ptr, T, n_real, P, routed_scale, stride_lt, E, TOP_K, K_PAD, NUM_GROUPS,
                              GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM,
-                             NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, E_BINS, BLOCK_M, BLOCK_P, E_CHUNK, True)
+                             NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, E_BINS, BLOCK_M, BLOCK_P, E_CHUNK,
+                             COUNT_RANKS, True)
         else:
             for t0 in range(0, T, BLOCK_T):
                 _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, t0, T, n_real, routed_scale,
@@ -903,7 +999,7 @@ def _dot_fp32(*dtypes) -> bool:
     return not (all(d == first for d in dtypes) and first in (torch.bfloat16, torch.float16))
 
 
-def logits_kernel_for(T: int, E: int, D: int) -> str:
+def logits_kernel_for(T: int, E: int, D: int, split: bool = False) -> str:
     """The router logits kernel a step of T tokens launches by default (`route`'s logits_kernel)."""
     # T <= 128: the many-program GEMV, whatever the router size. Folding the logits into the
     # routing kernel (one program per token) left a batch-1 step with one 8-warp program that
@@ -914,9 +1010,12 @@ def logits_kernel_for(T: int, E: int, D: int) -> str:
     # tokens, 6.6 against 7.2 and 10.8 us at 128; benchmarks/probes/router_logits_probe.py).
     if T <= GEMV_LOGITS_MAX_TOKENS:
         return "gemv"
-    # "fused" (the logits inside the routing kernel) is never the default since: route's callers
-    # may still ask for it (tests, benchmarks/kernels/gpu_moe.py).
-    return "dot"
+    # Past it the GEMM, then the routing kernel; with `split` (the backend's router option "split")
+    # the GEMM in slices of D with the routing in the last slice's program, one launch
+    # (`_split_router_kernel` says why), where one tile holds a token's row of logits and the gate's.
+    # "fused" (the logits inside the routing kernel) is never the default: route's callers may
+    # still ask for it (tests, benchmarks/kernels/gpu_moe.py).
+    return "split" if split and E < DOT_ROUTE_MAX_EXPERTS else "dot"
 
 
 ALIGN_BLOCK_P = 1024  # pairs one program of the sort places: a step of more is counted in blocks of it first
@@ -1007,7 +1106,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[to
     E + c) with weight sigmoid(x . shared_gate), or 1 when shared_gate is None. Rows >= n_real
     get the sentinel id E + n_shared and weight 0 in every slot.
     n_real: host int, a one-element int32 device tensor (read by the kernel, so a captured graph
-    follows its value), or None for all rows. logits_kernel: force 'fused", "gemv' or 'dot' (tests); by default chosen from
+    follows its value), or None for all rows. logits_kernel: force one of LOGITS_KERNELS (tests); by default chosen from
     T, E and D. gate_in_logits: False makes the routing kernel compute the shared gate's logit even
     after the GEMV (benchmarks compare the two); by default the GEMV does. one_launch: the GEMV's
     last program routes (`router_folds` must allow it), one launch instead of two.
@@ -1020,11 +1119,12 @@ def route_sort(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Option
                scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
                block_m: int, n_real: "int | torch.Tensor | None" = None, logits_kernel: Optional[str] = None,
                n_shared: int = 0, shared_gate: Optional[torch.Tensor] = None, fold: Optional[bool] = None,
-               one_launch: bool = False):
+               one_launch: bool = False, count_ranks: bool = False):
     """`route`, then `sort_tokens` of its ids over E + n_shared experts at block_m: (ids, weights,
     sorted_pairs, block_expert, total). fold: True routes and sorts in one launch (`route_sort_folds`
     must allow it), False in two or three; by default `route_sort_folds` decides. one_launch: the
-    GEMV's last program also routes and sorts (the fold, in the GEMV's launch)."""
+    GEMV's last program also routes and sorts (the fold, in the GEMV's launch). count_ranks: the
+    sort counts each block's ranks instead of sorting them (sort_tokens; the same layout)."""
     T, E = x.shape[0], router_weight.shape[0]
     slots = top_k + n_shared
     logits_kernel = logits_kernel or logits_kernel_for(T, E, x.shape[1])
@@ -1035,19 +1135,25 @@ def route_sort(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Option
         raise ValueError(f"moe: a step of {T} tokens ({E} experts, {slots} slots, {logits_kernel} logits) "
                          f"cannot route and sort in one launch" + (" (fold=False)" if fold is False else ""))
     fold = allowed if fold is None else fold
+    if count_ranks and not rank_by_count(next_pow2(E + n_shared)):
+        raise ValueError(f"moe: {E + n_shared} experts are too many to count ranks (at most "
+                         f"{RANK_BY_COUNT_MAX_BINS.value} bins)")
     ids, weights, layout = _route(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale,
                                   num_groups, topk_groups, n_real, logits_kernel, n_shared, shared_gate,
-                                  sort_block_m=block_m if fold else None, one_launch=one_launch)
+                                  sort_block_m=block_m if fold else None, one_launch=one_launch,
+                                  count_ranks=count_ranks)
     if layout is None:
-        layout = sort_tokens(ids, E + n_shared, block_m)
+        layout = sort_tokens(ids, E + n_shared, block_m, count_ranks=count_ranks)
     return (ids, weights, *layout)
 
 
 def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize: bool, routed_scale: float,
            num_groups: int, topk_groups: int, n_real, logits_kernel: Optional[str], n_shared: int, shared_gate,
-           gate_in_logits: Optional[bool] = None, sort_block_m: Optional[int] = None, one_launch: bool = False):
+           gate_in_logits: Optional[bool] = None, sort_block_m: Optional[int] = None, one_launch: bool = False,
+           count_ranks: bool = False):
     """`route`'s launches: (ids, weights, None); with sort_block_m, the routing kernel is
-    `_route_sort_kernel` and the third item is sort_tokens' (sorted_pairs, block_expert, total).
+    `_route_sort_kernel` and the third item is sort_tokens' (sorted_pairs, block_expert, total),
+    each block's ranks counted with count_ranks (else sorted).
     one_launch: `_router_kernel` instead of the GEMV and the routing kernel (it sorts with sort_block_m)."""
     T, D = x.shape
     E = router_weight.shape[0]
@@ -1071,9 +1177,15 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
     weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=dev)
     if logits_kernel is None:
         logits_kernel = logits_kernel_for(T, E, D)
-    if logits_kernel not in ("fused", "gemv", "dot"):
+    if logits_kernel not in LOGITS_KERNELS:
         raise ValueError(f"moe: unknown logits kernel {logits_kernel!r}")
-    gate_in_logits = shared_gate is not None and logits_kernel == "gemv" and gate_in_logits is not False
+    # The GEMV and the split GEMM put the shared gate's logit in column E ("split" always; the
+    # GEMV unless gate_in_logits is False).
+    gate_in_logits = shared_gate is not None and (
+        logits_kernel == "split" or (logits_kernel == "gemv" and gate_in_logits is not False))
+    if logits_kernel == "split" and E >= DOT_ROUTE_MAX_EXPERTS:
+        raise ValueError(f"moe: the split router holds a token's {E} logits and the gate's in one tile of at most "
+                         f"{DOT_ROUTE_MAX_EXPERTS} columns; use the 'dot' logits kernel")
     gate_apart = logits_kernel == "gemv" and shared_gate is not None and not gate_in_logits
     if one_launch and (not router_folds(T, E, logits_kernel) or gate_apart):
         raise ValueError(f"moe: a step of {T} tokens ({E} experts, {logits_kernel} logits"
@@ -1091,7 +1203,7 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
         return ids, weights, None
     e_pad = next_pow2(E)
     fused = logits_kernel == "fused"
-    if fused or one_launch:
+    if fused or one_launch or logits_kernel == "split":
         pass  # the route kernel, or the router kernel, computes the logits itself
     elif logits_kernel == "gemv":
         block_e, block_d = _gemv_blocks(E, D)
@@ -1114,6 +1226,10 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
         nreal_ptr, n_real_int, from_ptr = ids, T if n_real is None else int(n_real), False
     g_pad = next_pow2(num_groups)
     s_pad = next_pow2(group_size)
+    if logits_kernel == "split":
+        _launch_split_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int,
+                             from_ptr, top_k, scoring, renormalize, routed_scale, num_groups, topk_groups, n_shared)
+        return ids, weights, None
     if one_launch and logits_kernel == "dot":
         bm, bk, warps, stages = LOGITS_DOT_TILE
         _logits_route_kernel[(cdiv(T, bm),)](
@@ -1131,7 +1247,7 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
     if one_launch:
         _launch_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int,
                        from_ptr, top_k, scoring, renormalize, routed_scale, num_groups, topk_groups, n_shared,
-                       sort_block_m, layout if sort_block_m is not None else None)
+                       sort_block_m, layout if sort_block_m is not None else None, count_ranks)
         return ids, weights, layout if sort_block_m is not None else None
     if sort_block_m is not None:
         sorted_pairs, block_expert, total = layout
@@ -1144,7 +1260,7 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
             HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORM=bool(renormalize),
             NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)),
             SHARED_GATE=shared_gate is not None, E_BINS=e_bins, BLOCK_M=sort_block_m, BLOCK_P=align_block_p(P),
-            E_CHUNK=_pad_chunk(e_bins, sort_block_m), num_warps=4, **launch_args(dev))
+            E_CHUNK=_pad_chunk(e_bins, sort_block_m), COUNT_RANKS=count_ranks, num_warps=4, **launch_args(dev))
         return ids, weights, layout
     _route_kernel[(T,)](
         x, router_weight, logits, router_bias if router_bias is not None else logits,
@@ -1188,7 +1304,7 @@ def _router_warps(E: int, sort: bool) -> int:
 
 def _launch_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int: int,
                    from_ptr: bool, top_k: int, scoring: str, renormalize: bool, routed_scale: float, num_groups: int,
-                   topk_groups: int, n_shared: int, sort_block_m: Optional[int], layout) -> None:
+                   topk_groups: int, n_shared: int, sort_block_m: Optional[int], layout, count_ranks: bool) -> None:
     """`_router_kernel`: the GEMV's programs, the last of them routing (and, with sort_block_m,
     sorting into `layout`'s buffers) every token."""
     T, D = x.shape
@@ -1212,8 +1328,42 @@ def _launch_router(x, router_weight, router_bias, shared_gate, logits, ids, weig
         RENORM=bool(renormalize), NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)),
         SHARED_GATE=gate, BLOCK_E=block_e, BLOCK_D=block_d, ONE_STEP=D <= block_d, SORT=sort, E_BINS=e_bins,
         BLOCK_M=sort_block_m if sort else 16, BLOCK_P=align_block_p(ids.numel()),
-        E_CHUNK=_pad_chunk(e_bins, sort_block_m if sort else 16), num_warps=_router_warps(E, sort),
+        E_CHUNK=_pad_chunk(e_bins, sort_block_m if sort else 16), COUNT_RANKS=count_ranks,
+        num_warps=_router_warps(E, sort),
         **launch_args(dev))
+
+
+def split_router_shape(T: int, D: int) -> tuple[int, int, int]:
+    """(row blocks, slices of D, columns of a slice) of `_split_router_kernel` for T tokens: the
+    slices are a function of D alone (their sum order is the logits' bits)."""
+    bm, bk = LOGITS_SPLIT_TILE[:2]
+    k_slice = max(bk, cdiv(cdiv(D, LOGITS_SPLIT), bk) * bk)
+    return cdiv(T, bm), cdiv(D, k_slice), k_slice
+
+
+def _launch_split_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int: int,
+                         from_ptr: bool, top_k: int, scoring: str, renormalize: bool, routed_scale: float,
+                         num_groups: int, topk_groups: int, n_shared: int) -> None:
+    """`_split_router_kernel`: the router GEMM in slices of D, the last slice of each row block routing it."""
+    T, D = x.shape
+    E = router_weight.shape[0]
+    gate = shared_gate is not None
+    bm, bk, warps, stages = LOGITS_SPLIT_TILE
+    blocks, split, k_slice = split_router_shape(T, D)
+    block_n = max(16, next_pow2(E + gate))
+    partials = torch.empty(split, T, block_n, dtype=torch.float32, device=x.device)
+    group_size = E // num_groups
+    _split_router_kernel[(blocks, split)](
+        x, router_weight, shared_gate if gate else router_weight, partials, logits,
+        router_bias if router_bias is not None else logits, ids, weights, nreal_ptr,
+        arrival_counters(x.device, blocks, "moe router"), T, n_real_int, float(routed_scale), D, x.stride(0),
+        router_weight.stride(0), logits.stride(0),
+        E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
+        TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=next_pow2(num_groups), S_PAD=next_pow2(group_size),
+        HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORM=bool(renormalize),
+        NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=gate,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split, K_SLICE=k_slice,
+        DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype), num_warps=warps, num_stages=stages, **launch_args(x.device))
 
 
 def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -1233,7 +1383,13 @@ def _pad_chunk(e_bins: int, block_m: int) -> int:
     return max(1, min(e_bins, 4096 // block_m))
 
 
-def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Optional[int] = None):
+def rank_by_count(e_bins: int) -> bool:
+    """Whether `_place_pairs` can count the pairs' ranks (a one-hot of e_bins expert bins fits)."""
+    return e_bins <= RANK_BY_COUNT_MAX_BINS.value
+
+
+def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Optional[int] = None,
+                count_ranks: bool = False):
     """Group the (token, slot) pairs of `ids` [T,k] by expert, each segment padded to block_m.
 
     num_experts: E, every id the GEMMs compute (routed experts and the shared expert's chunks);
@@ -1243,6 +1399,8 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     sentinel T*k up to the segment's padded end; entries at or past total are unspecified.
     block_p: the pairs one program places (a power of two; benchmarks compare widths), by default
     align_block_p's. One launch where a block holds every pair; two past that (counts per block first).
+    count_ranks: each block's ranks counted instead of sorted (`_place_pairs`; the same layout;
+    `rank_by_count` says where a count fits).
     """
     P = ids.numel()
     E = num_experts
@@ -1254,6 +1412,9 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     assert block_p & (block_p - 1) == 0 and (E + 1) * block_p < 2 ** 31, f"moe: sort width {block_p}"
     num_blocks = cdiv(P, block_p)
     e_bins = next_pow2(E)
+    if count_ranks and not rank_by_count(e_bins):
+        raise ValueError(f"moe: {E} experts are too many to count ranks ({e_bins} bins, at most "
+                         f"{RANK_BY_COUNT_MAX_BINS.value})")
     counted = num_blocks > 1
     block_counts = torch.empty(num_blocks, e_bins, dtype=torch.int32, device=dev) if counted else ids
     if counted:
@@ -1262,7 +1423,8 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     e_chunk = _pad_chunk(e_bins, block_m)
     _align_kernel[(num_blocks + cdiv(E, e_chunk),)](
         ids, block_counts, sorted_pairs, block_expert, total, P, num_blocks, E=E, E_BINS=e_bins, BLOCK_M=block_m,
-        BLOCK_P=block_p, COUNTED=counted, NB_STEP=max(1, min(64, 4096 // e_bins)), E_CHUNK=e_chunk, num_warps=4,
+        BLOCK_P=block_p, COUNTED=counted, NB_STEP=max(1, min(64, 4096 // e_bins)), E_CHUNK=e_chunk,
+        COUNT_RANKS=count_ranks, num_warps=4,
         **launch_args(dev))
     return sorted_pairs, block_expert, total
 
@@ -1399,11 +1561,12 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
               top_k: int, scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
               config: MoEConfig, n_real: "int | torch.Tensor | None" = None,
               logits_kernel: Optional[str] = None, fold: Optional[bool] = None,
-              one_launch_router: bool = False) -> None:
+              one_launch_router: bool = False, count_ranks: bool = False) -> None:
     """The moe op into `out` [T,D] (rows >= n_real zeroed): arguments and shapes as its schema.
     logits_kernel: the router's logits kernel (`route`), by default chosen from T. fold: whether
     a sorted step routes and sorts in one launch (`route_sort`), by default `route_sort_folds`'s answer.
-    one_launch_router: the router's GEMV also routes (and sorts) where the step folds (`router_folds`)."""
+    one_launch_router: the router's GEMV also routes (and sorts) where the step folds (`router_folds`).
+    count_ranks: the sort counts each block's ranks instead of sorting them (`route_sort`)."""
     T, D = x.shape
     E, two_i, D_w = w13.shape
     I = two_i // 2
@@ -1443,7 +1606,8 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
     # The shared expert's chunks sort like experts E..E+n_shared-1 (after every routed expert).
     experts = E + n_shared
     ids, weights, sorted_pairs, block_expert, total = route_sort(
-        *route_args[:-1], config.gate_up.BLOCK_M, n_real=n_real, **shared, fold=fold, one_launch=one_launch)
+        *route_args[:-1], config.gate_up.BLOCK_M, n_real=n_real, **shared, fold=fold, one_launch=one_launch,
+        count_ranks=count_ranks)
     h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots, config.gate_up, shared_w13=shared_w13)
     y = down_sorted(h, w2, weights, sorted_pairs, block_expert, total, config.down, shared_w2=shared_w2)
     combine(y, ids, out, experts)

@@ -160,7 +160,7 @@ def moe_launches() -> list[Launch]:
 
 def router_launches() -> dict[str, Launch]:
     """The one-launch router at batch 1 (the GEMV's last program routes: the token path), 32 (it sorts
-    too) and 256 (the GEMM's programs route their rows)."""
+    too) and 256 (the GEMM's programs route their rows), and the split router at 256 (router=split)."""
     from runtime.backends.kernels.moe import route, route_sort
 
     router, gate = _bf16(E, D), _bf16(1, D)
@@ -168,7 +168,9 @@ def router_launches() -> dict[str, Launch]:
     (token,) = record(lambda: route(_bf16(1, D), *args, n_shared=1, shared_gate=gate, one_launch=True))
     (sort,) = record(lambda: route_sort(_bf16(32, D), *args, 16, n_shared=1, shared_gate=gate, one_launch=True))
     (dot,) = record(lambda: route(_bf16(256, D), *args, n_shared=1, shared_gate=gate, one_launch=True))
-    return {"moe router one launch": token, "moe router one launch sorted": sort, "moe router one launch dot": dot}
+    (split,) = record(lambda: route(_bf16(256, D), *args, n_shared=1, shared_gate=gate, logits_kernel="split"))
+    return {"moe router one launch": token, "moe router one launch sorted": sort, "moe router one launch dot": dot,
+            "moe router split": split}
 
 
 def gdn_launches() -> list[Launch]:
@@ -238,7 +240,7 @@ def label(launch: Launch) -> str:
 
 # The kernels that take PDL (each launched with USE_GDC), by label.
 KERNELS = {"gemv one step", "gemv dot", "gemv fma loop", "moe router one launch", "moe router one launch sorted",
-           "moe router one launch dot",
+           "moe router one launch dot", "moe router split",
            "norm gemv one step", "norm gemv dot", "norm gemv fma loop", "norm rows", "norm rows loop",
            "norm epilogue one step", "norm epilogue fma loop", "norm epilogue dot",
            *(f"moe.{k}" for k in ("_logits_gemv_kernel", "_logits_kernel", "_route_kernel", "_route_sort_kernel",

@@ -197,7 +197,7 @@ def test_router_picks_like_route_topk_at_512_experts_and_breaks_ties_by_lowest_i
         assert torch.allclose(w.cpu(), torch.full((T, k), 1.0 / k)), (E, scoring)
 
 
-@pytest.mark.parametrize("logits_kernel,E", [("fused", 40), ("gemv", 40), ("gemv", 72), ("dot", 40)])
+@pytest.mark.parametrize("logits_kernel,E", [("fused", 40), ("gemv", 40), ("gemv", 72), ("dot", 40), ("split", 40)])
 def test_every_router_logits_kernel_matches_route_topk(logits_kernel, E):
     """Each logits kernel, with and without a gated shared expert (whose logit the GEMV computes in
     a program of its own, the others in the routing kernel): the reference's ids and weights."""
@@ -292,6 +292,37 @@ def test_the_one_launch_router_routes_as_its_two_launches_do(T, E, logits):
         assert int(arrival_counters(DEV, 1, "moe router")[0]) == 0
 
 
+@pytest.mark.parametrize("E,routing", [(40, ("softmax", True, 1.0, 1, 1)), (8, ("sigmoid", True, 2.5, 4, 2))])
+def test_the_split_router_routes_as_the_gemm_and_the_routing_kernel_do(E, routing):
+    """The split router (slices of D, the last slice of a row block routing it): the ids of the
+    GEMM and the routing kernel exactly and their weights to float32 rounding (the gate's: its
+    logit summed in another order), over three row
+    blocks with padding rows (a device count), with and without a gated shared expert; a token's
+    weights the same bits at two step sizes; every counter back at zero after the launch."""
+    from runtime.backends.kernels.arrivals import arrival_counters
+    from runtime.backends.kernels.moe import split_router_shape
+
+    g = torch.Generator().manual_seed(E)
+    T, Dr = 150, 200  # three row blocks (the last short), D in four slices of 64 (the last short)
+    assert split_router_shape(T, Dr) == (3, 4, 64)
+    x, router, gate = torch.randn(T, Dr, generator=g), torch.randn(E, Dr, generator=g), torch.randn(1, Dr, generator=g)
+    bias = torch.randn(E, generator=g) * 0.1
+    n_real = torch.tensor([141], dtype=torch.int32, device=DEV)
+    for shared in ({}, {"n_shared": 1, "shared_gate": gate.to(DEV)}):
+        args = (*_on(x, router, bias if E == 8 else None), 2, *routing)
+        ids, w = (t.cpu() for t in route(*args, **shared, n_real=n_real, logits_kernel="dot"))
+        got_ids, got_w = (t.cpu() for t in route(*args, **shared, n_real=n_real, logits_kernel="split"))
+        assert torch.equal(got_ids, ids)
+        assert torch.allclose(got_w[:, :2], w[:, :2], rtol=1e-6, atol=1e-7)
+        assert torch.allclose(got_w[:, 2:], w[:, 2:], rtol=1e-5, atol=1e-6)  # the gate's logit: a sum of 200
+        assert (got_ids[141:] == E + len(shared) // 2).all() and (got_w[141:] == 0).all()
+        assert not arrival_counters(DEV, 3, "moe router")[:3].any()
+        fewer_ids, fewer_w = (t.cpu() for t in route(args[0][:70], *args[1:], **shared, logits_kernel="split"))
+        assert torch.equal(fewer_ids, got_ids[:70]) and torch.equal(fewer_w, got_w[:70])
+    with pytest.raises(ValueError, match="split router"):
+        route(x.to(DEV), torch.randn(64, Dr).to(DEV), None, 2, "softmax", True, 1.0, 1, 1, logits_kernel="split")
+
+
 @pytest.mark.parametrize("T,routing,shared,n_real", ROUTE_SORT_CASES[:3])
 def test_the_one_launch_router_sorts_as_the_folded_routing_does(T, routing, shared, n_real):
     """route_sort(one_launch=True): the router's last program routes and sorts, the layout of the
@@ -354,23 +385,35 @@ def _routed_ids(g, T, k, E, padding_tokens=0, skewed=False):
 
 # (T, k, E, block_m, block_p): one block of every pair (one launch), and blocks counted first
 # (two launches), with P not a multiple of block_p, a block of one pair, and power-of-two E (the
-# sentinel past the last histogram bin) and odd E.
+# sentinel past the last histogram bin) and odd E; ranks counted in chunks (E = 17: 256 pairs a
+# chunk; E = 64, the widest count: 128) and sorted (E = 100, past RANK_BY_COUNT_MAX_BINS).
 SORT_CASES = [(37, 3, 8, 16, None), (1, 1, 4, 16, None), (90, 3, 9, 16, None), (300, 5, 17, 32, None),
-              (37, 3, 8, 16, 16), (200, 3, 9, 16, 32), (50, 4, 16, 128, 64), (33, 2, 8, 16, 1)]
+              (37, 3, 8, 16, 16), (200, 3, 9, 16, 32), (50, 4, 16, 128, 64), (33, 2, 8, 16, 1),
+              (200, 6, 64, 16, None), (60, 6, 100, 16, None)]
 
 
 @pytest.mark.parametrize("skewed", [False, True])
 @pytest.mark.parametrize("T,k,E,block_m,block_p", SORT_CASES)
 def test_sort_tokens_matches_the_stable_layout_in_torch(T, k, E, block_m, block_p, skewed):
+    """Ranks counted (the default up to 64 bins) and sorted: the same layout."""
+    from runtime.backends.kernels.moe import rank_by_count
+
     g = torch.Generator().manual_seed(T * 131 + E)
     ids = _routed_ids(g, T, k, E, padding_tokens=T // 9, skewed=skewed)
-    sorted_pairs, block_expert, total = (t.cpu() for t in sort_tokens(ids.to(DEV), E, block_m, block_p=block_p))
     rows, blocks = sorted_layout_reference(ids, E, block_m)
-    total = int(total)
-    assert total == rows.numel() <= sorted_pairs.numel() and sorted_pairs.numel() % block_m == 0
-    assert torch.equal(sorted_pairs[:total], rows), "each expert's pairs in pair order, then the sentinel"
-    # Only experts that received pairs own blocks, so only their weights are ever read.
-    assert torch.equal(block_expert[:total // block_m], blocks)
+    counts = [True, False] if rank_by_count(1 << (E - 1).bit_length()) else [False]
+    for count_ranks in counts:
+        sorted_pairs, block_expert, total = (t.cpu() for t in sort_tokens(ids.to(DEV), E, block_m, block_p=block_p,
+                                                                          count_ranks=count_ranks))
+        total = int(total)
+        assert total == rows.numel() <= sorted_pairs.numel() and sorted_pairs.numel() % block_m == 0
+        assert torch.equal(sorted_pairs[:total], rows), f"count_ranks={count_ranks}: each expert's pairs in pair " \
+                                                        "order, then the sentinel"
+        # Only experts that received pairs own blocks, so only their weights are ever read.
+        assert torch.equal(block_expert[:total // block_m], blocks)
+    if counts == [False]:
+        with pytest.raises(ValueError, match="too many to count ranks"):
+            sort_tokens(ids.to(DEV), E, block_m, count_ranks=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -522,6 +565,49 @@ def test_the_router_option_runs_the_router_in_one_launch_where_the_step_folds(mo
                                                 "GEMV, two past it; one again after the GEMM (past 128)")
     with pytest.raises(ValueError, match="router must be one of"):
         TritonMoEBackend(device="cpu", router="fused")
+
+
+def test_the_split_router_and_counted_ranks_options_serve_as_the_defaults(monkeypatch):
+    """router="split" (past 128 tokens the router GEMM in slices, the last slice routing) and
+    sort_ranks="counted" (each block's ranks counted, not sorted): the CPU oracle's output, the
+    default backend's to float32 rounding of the router's sums, at a step the GEMV routes (one
+    launch sorting, T 9), one it routes then sorts (70) and one past 128 tokens (130); the
+    backend asks for what its options say; bad choices are one-line errors."""
+    import runtime.backends.triton_moe as backend_module
+
+    g = torch.Generator().manual_seed(29)
+    E = 8
+    op_args = _layer(g, E, True, "gated_S=40")
+    tail = (0, 2, "sigmoid", True, 1.0, 4, 2)
+    kernels = backend_module._kernels()
+    asked = []
+    real_route = kernels._route
+    monkeypatch.setattr(kernels, "_route", lambda *a, **k: asked.append((a[10], k.get("count_ranks"))) or
+                        real_route(*a, **k))
+    backend, default = TritonMoEBackend(device=DEV, router="split", sort_ranks="counted"), TritonMoEBackend(device=DEV)
+    for T in (9, 70, 130):
+        x = torch.randn(T, D, generator=g)
+        out, plain = (torch.full((T, D), float("nan"), device=DEV) for _ in range(2))
+        backend.moe(None, *_on(x, *op_args, out), *tail)
+        default.moe(None, *_on(x, *op_args, plain), *tail)
+        expected = torch.full((T, D), float("nan"))
+        CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
+        assert _rel(out, expected) <= 1e-4 and _rel(out, plain) <= 1e-5
+    assert asked == [("gemv", True), ("gemv", False), ("gemv", True), ("gemv", False), ("split", True), ("dot", False)]
+    with pytest.raises(ValueError, match="sort_ranks must be one of"):
+        TritonMoEBackend(device="cpu", sort_ranks="bitonic")
+
+
+def test_counted_ranks_refuse_more_than_64_experts():
+    from runtime.backends.kernels.moe import route_sort
+    from runtime.backends.triton_moe import MoELayerShape
+
+    wide = MoELayerShape(experts=64, inter=I, hidden=D, top_k=2, slots=3, itemsize=2)
+    with pytest.raises(ValueError, match="at most 64 experts"):
+        TritonMoEBackend(device="cpu", layers=(wide,), sort_ranks="counted")
+    x, router = _on(torch.randn(80, D), torch.randn(72, D))
+    with pytest.raises(ValueError, match="too many to count ranks"):
+        route_sort(x, router, None, 2, "softmax", True, 1.0, 1, 1, 16, count_ranks=True)
 
 
 def test_importing_the_backend_needs_no_triton():
