@@ -122,6 +122,30 @@ def test_captured_graph_replays_bit_for_bit_and_follows_the_real_token_count():
     assert _rel(out[:5], _reference(x2[:5], *layer, *tail)) <= TOL
 
 
+def _replays(backend, layer, tail, T: int):
+    """`backend`'s moe captured on T bf16 rows, then three replays on fresh random inputs copied into
+    the captured buffer: each replay's output is checked against the default backend's eager one
+    (1e-3: the routers' float32 sums may differ in order) and the CPU oracle's (TOL), then its
+    inputs are yielded for the caller's own checks."""
+    default = TritonMoEBackend()
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    backend.moe(None, x, *layer, out, 0, *tail)  # compiles, and allocates the counters, before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.moe(None, x, *layer, out, 0, *tail)
+    for round_ in range(3):
+        fresh = torch.randn(T, D, device=DEV).bfloat16()
+        x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = torch.empty_like(out)
+        default.moe(None, fresh, *layer, eager, 0, *tail)
+        assert _rel(out, eager) <= 1e-3, f"replay {round_}: {_rel(out, eager):.2e} from the default backend"
+        assert _rel(out, _reference(fresh, *layer, *tail)) <= TOL
+        yield fresh
+
+
 @pytest.mark.parametrize("T", [1, 32, 256])
 def test_the_one_launch_router_replays_with_fresh_inputs_as_the_eager_two_launches(T):
     """router="one_launch" captured at bench qwen3_next's MoE (16 experts of 512, top-4, a gated
@@ -135,22 +159,7 @@ def test_the_one_launch_router_replays_with_fresh_inputs_as_the_eager_two_launch
     E, top_k = 16, 4
     layer = _layer(E, seed=17, shared="gated_S=I")
     tail = (top_k, "softmax", True, 1.0, 1, 1)
-    one, two = TritonMoEBackend(router="one_launch"), TritonMoEBackend()
-    x = torch.randn(T, D, device=DEV).bfloat16()
-    out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
-    one.moe(None, x, *layer, out, 0, *tail)  # compiles, and allocates the counters, before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        one.moe(None, x, *layer, out, 0, *tail)
-    for round_ in range(3):
-        fresh = torch.randn(T, D, device=DEV).bfloat16()
-        x.copy_(fresh)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = torch.empty_like(out)
-        two.moe(None, fresh, *layer, eager, 0, *tail)
-        assert _rel(out, eager) <= 1e-3, f"replay {round_}: {_rel(out, eager):.2e} from the two-launch router"
-        assert _rel(out, _reference(fresh, *layer, *tail)) <= TOL
+    for fresh in _replays(TritonMoEBackend(router="one_launch"), layer, tail, T):
         ids, _ = route(fresh, layer[0], None, top_k, "softmax", True, 1.0, 1, 1, n_shared=1, shared_gate=layer[6])
         ids_one, _ = route(fresh, layer[0], None, top_k, "softmax", True, 1.0, 1, 1, n_shared=1,
                            shared_gate=layer[6], one_launch=True)
@@ -170,23 +179,8 @@ def test_the_split_router_and_counted_ranks_replay_as_the_defaults_route(T):
     E, top_k = 16, 4
     layer = _layer(E, seed=19, shared="gated_S=I")
     tail = (top_k, "softmax", True, 1.0, 1, 1)
-    new, default = TritonMoEBackend(router="split", sort_ranks="counted"), TritonMoEBackend()
-    x = torch.randn(T, D, device=DEV).bfloat16()
-    out = torch.full((T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
-    new.moe(None, x, *layer, out, 0, *tail)  # compiles, and allocates the counters, before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        new.moe(None, x, *layer, out, 0, *tail)
     blocks = split_router_shape(T, D)[0]
-    for round_ in range(3):
-        fresh = torch.randn(T, D, device=DEV).bfloat16()
-        x.copy_(fresh)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = torch.empty_like(out)
-        default.moe(None, fresh, *layer, eager, 0, *tail)
-        assert _rel(out, eager) <= 1e-3, f"replay {round_}: {_rel(out, eager):.2e} from the default backend"
-        assert _rel(out, _reference(fresh, *layer, *tail)) <= TOL
+    for fresh in _replays(TritonMoEBackend(router="split", sort_ranks="counted"), layer, tail, T):
         args = (fresh, layer[0], None, *tail)
         ids, _ = route(*args, n_shared=1, shared_gate=layer[6], logits_kernel="dot")
         ids_split, _ = route(*args, n_shared=1, shared_gate=layer[6], logits_kernel="split")

@@ -540,26 +540,43 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     assert TritonMoEBackend(device="cpu").kernel_variant_tokens(256) == (), "no layer shapes: nothing to name"
 
 
+BACKEND_TAIL = (0, 2, "sigmoid", True, 1.0, 4, 2)  # layer id, top-2, grouped sigmoid routing with a bias
+
+
+def _backend_layer():
+    """The backend tests' layer: 8 experts with a router bias and a gated shared expert of 40 channels."""
+    return _layer(torch.Generator().manual_seed(5), 8, True, "gated_S=40")
+
+
+def _spy_on_route(monkeypatch, what) -> list:
+    """The list that what(args, kwargs) of each `_route` call (the kernels module's) is appended to."""
+    import runtime.backends.triton_moe as backend_module
+
+    kernels = backend_module._kernels()
+    asked, real_route = [], kernels._route
+    monkeypatch.setattr(kernels, "_route", lambda *a, **k: asked.append(what(a, k)) or real_route(*a, **k))
+    return asked
+
+
+def _backend_steps(backend, counts, seed: int):
+    """(T, x, backend's output, the CPU oracle's) for a step of each token count on `_backend_layer`."""
+    g = torch.Generator().manual_seed(seed)
+    op_args = _backend_layer()
+    for T in counts:
+        x = torch.randn(T, D, generator=g)
+        out = torch.full((T, D), float("nan"), device=DEV)
+        backend.moe(None, *_on(x, *op_args, out), *BACKEND_TAIL)
+        expected = torch.full((T, D), float("nan"))
+        CPUReferenceBackend.moe(None, None, x, *op_args, expected, *BACKEND_TAIL)
+        yield T, x, out, expected
+
+
 def test_the_router_option_runs_the_router_in_one_launch_where_the_step_folds(monkeypatch):
     """router="one_launch" (--route 'moe=triton_moe[router=one_launch]'): the backend's steps launch
     the router kernel where the step folds and match the CPU oracle; a bad choice is a one-line error."""
-    import runtime.backends.triton_moe as backend_module
-
-    g = torch.Generator().manual_seed(23)
-    E = 8
-    op_args = _layer(g, E, True, "gated_S=40")
-    tail = (0, 2, "sigmoid", True, 1.0, 4, 2)
-    kernels = backend_module._kernels()
-    asked = []
-    real_route = kernels._route
-    monkeypatch.setattr(kernels, "_route", lambda *a, **k: asked.append(k.get("one_launch")) or real_route(*a, **k))
+    asked = _spy_on_route(monkeypatch, lambda a, k: k.get("one_launch"))
     backend = TritonMoEBackend(device=DEV, router="one_launch")
-    for T in (1, 9, 70, 130):
-        x = torch.randn(T, D, generator=g)
-        out = torch.full((T, D), float("nan"), device=DEV)
-        backend.moe(None, *_on(x, *op_args, out), *tail)
-        expected = torch.full((T, D), float("nan"))
-        CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
+    for T, x, out, expected in _backend_steps(backend, (1, 9, 70, 130), seed=23):
         assert _rel(out, expected) <= 1e-4
     assert asked == [True, True, False, True], ("one launch to 64 tokens (a routing tile at 8 experts) after the "
                                                 "GEMV, two past it; one again after the GEMM (past 128)")
@@ -573,25 +590,11 @@ def test_the_split_router_and_counted_ranks_options_serve_as_the_defaults(monkey
     default backend's to float32 rounding of the router's sums, at a step the GEMV routes (one
     launch sorting, T 9), one it routes then sorts (70) and one past 128 tokens (130); the
     backend asks for what its options say; bad choices are one-line errors."""
-    import runtime.backends.triton_moe as backend_module
-
-    g = torch.Generator().manual_seed(29)
-    E = 8
-    op_args = _layer(g, E, True, "gated_S=40")
-    tail = (0, 2, "sigmoid", True, 1.0, 4, 2)
-    kernels = backend_module._kernels()
-    asked = []
-    real_route = kernels._route
-    monkeypatch.setattr(kernels, "_route", lambda *a, **k: asked.append((a[10], k.get("count_ranks"))) or
-                        real_route(*a, **k))
+    asked = _spy_on_route(monkeypatch, lambda a, k: (a[10], k.get("count_ranks")))  # a[10]: the logits kernel
     backend, default = TritonMoEBackend(device=DEV, router="split", sort_ranks="counted"), TritonMoEBackend(device=DEV)
-    for T in (9, 70, 130):
-        x = torch.randn(T, D, generator=g)
-        out, plain = (torch.full((T, D), float("nan"), device=DEV) for _ in range(2))
-        backend.moe(None, *_on(x, *op_args, out), *tail)
-        default.moe(None, *_on(x, *op_args, plain), *tail)
-        expected = torch.full((T, D), float("nan"))
-        CPUReferenceBackend.moe(None, None, x, *op_args, expected, *tail)
+    for T, x, out, expected in _backend_steps(backend, (9, 70, 130), seed=29):
+        plain = torch.full((T, D), float("nan"), device=DEV)
+        default.moe(None, *_on(x, *_backend_layer(), plain), *BACKEND_TAIL)
         assert _rel(out, expected) <= 1e-4 and _rel(out, plain) <= 1e-5
     assert asked == [("gemv", True), ("gemv", False), ("gemv", True), ("gemv", False), ("split", True), ("dot", False)]
     with pytest.raises(ValueError, match="sort_ranks must be one of"):
