@@ -23,9 +23,9 @@
 #                (extend rows), gdn_fused_bench.py (decode at 1 / 8 / 128 requests, the split in one launch
 #                too), router_logits_probe.py (the router's launches at 1 / 8 / 128 / 512 / 4096 tokens, the
 #                one-launch router too)
-#   moe_router   the MoE's router and sort past the decode GEMV: router_logits_probe.py at 1 / 128 / 512 / 2048
-#                / 4096 tokens (the split router against the GEMM and the routing kernel) and moe_bookkeeping.py
-#                (the sort with counted ranks against sorted ones), each checked before it is timed
+#   moe_router   the MoE's router and sort: router_logits_probe.py at 1 / 128 / 512 / 2048 / 4096 tokens (the
+#                split router against the GEMM and the routing kernel, and the GEMV) and moe_bookkeeping.py at
+#                32 / 128 / 512 / 4096 (the sort with counted ranks against sorted ones), each checked first
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
@@ -132,7 +132,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/probes/router_logits_probe.py --out "$OUT/kernels" --tokens 1,8,128,512,4096 2>&1 ;;
     moe_router)
         python3 benchmarks/probes/router_logits_probe.py --out "$OUT/moe_router" --tokens 1,128,512,2048,4096 2>&1
-        python3 benchmarks/kernels/moe_bookkeeping.py --out "$OUT/moe_router" 2>&1 | tail -8 ;;
+        python3 benchmarks/kernels/moe_bookkeeping.py --out "$OUT/moe_router" --tokens 32,128,512,4096 2>&1 | tail -9 ;;
     serve|serve_sync)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         schedule=--overlap-schedule; [ "$stage" = serve_sync ] && schedule=--no-overlap-schedule

@@ -12,9 +12,10 @@ reference on fresh random inputs.
 Past the GEMV's bound (128 tokens) the router GEMM ("dot") is timed at each tile of DOT_TILES, the
 default `moe.LOGITS_DOT_TILE` first. Where the step fits one routing tile (`moe.router_folds`),
 "gemv_one_launch" times the GEMV whose last program routes (`route(..., one_launch=True)`, the
-backend's router option "one_launch") against "gemv", the GEMV then the routing kernel. Past the
-GEMV's bound "split" times the split router (the GEMM in slices of D, the last slice of each row
-block routing it: one launch, the default there) against the GEMM and the routing kernel ("dot").
+backend's router option "one_launch") against "gemv", the GEMV then the routing kernel. "split"
+times the split router (the GEMM in slices of D, the last slice of each row block routing it: one
+launch; the router option "split" takes it past the GEMV's bound) at every count, against the
+GEMM and the routing kernel ("dot") and the GEMV.
 
     bash benchmarks/gpu_call.sh python3 benchmarks/probes/router_logits_probe.py --out $OUT
 
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         want_ids, want_w, want_gate = reference(x, w, gate)
         dots = [("dot", tile) for tile in (DOT_TILES if T > moe.GEMV_LOGITS_MAX_TOKENS else DOT_TILES[:1])]
         one = [("gemv_one_launch", None)] if moe.router_folds(T, E, "gemv") else []
-        split = [("split", None)] if T > moe.GEMV_LOGITS_MAX_TOKENS else []
+        split = [("split", None)]  # at every count: where it would beat the GEMV is one of its questions
         for kernel, tile in [("gemv", None), *one, ("fused", None), *split, *dots]:
             def call(kernel=kernel, tile=tile):
                 moe.LOGITS_DOT_TILE = tile or DOT_TILES[0]  # read at launch: a captured graph keeps its tile
