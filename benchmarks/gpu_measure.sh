@@ -62,7 +62,8 @@
 #   COMPILE_ARGS="$B" bash benchmarks/gpu_measure.sh account_serving
 #   TAG=pdl COMPILE_ARGS="--pdl $B" bash benchmarks/gpu_measure.sh account_serving; the launch folds of
 #   issue 50, each off by default: TAG=folds COMPILE_ARGS="--norm-linear --route moe=triton_moe[router=one_launch]
-#   --route gdn_fused=triton_linear[split_decode=one_launch] $B").
+#   --route gdn_fused=triton_linear[split_decode=one_launch] $B"; the MoE options of issue 51, off by default:
+#   TAG=moe COMPILE_ARGS="--route moe=triton_moe[router=split,sort_ranks=counted] $B").
 # Bench-size models throughout.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"

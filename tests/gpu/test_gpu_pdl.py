@@ -115,10 +115,13 @@ def test_gemv_chain(pdl, rows):
 # -- the MoE -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("T,one_launch", [(1, False), (32, False), (256, False), (1, True), (32, True), (256, True)])
-def test_moe_chain(pdl, T, one_launch):
+@pytest.mark.parametrize("T,router", [(1, "two_launches"), (32, "two_launches"), (256, "two_launches"),
+                                      (1, "one_launch"), (32, "one_launch"), (256, "one_launch"),
+                                      (32, "counted"), (256, "split_counted")])
+def test_moe_chain(pdl, T, router):
     """Three MoE layers, each reading the one before's output: routing, expert GEMMs and combine;
-    one_launch: the router in one launch (its last program routes, and at 32 sorts)."""
+    one_launch: the router in one launch (its last program routes, and at 32 sorts); counted: the
+    sort's ranks counted (sort_ranks=counted), with split past 128 tokens the split router too."""
     from runtime.backends.kernels import moe
     from runtime.backends.kernels.moe_config import default_config, fit_shared_memory
 
@@ -136,7 +139,9 @@ def test_moe_chain(pdl, T, one_launch):
             h = x
             for i, layer in enumerate(layers):
                 moe.fused_moe(h, *layer, outs[f"out{i}"], TOP_K, "softmax", True, 1.0, 1, 1, config,
-                              one_launch_router=one_launch)
+                              one_launch_router=router == "one_launch",
+                              logits_kernel="split" if router == "split_counted" else None,
+                              count_ranks=router.endswith("counted"))
                 h = outs[f"out{i}"]
         return run, outs
 
@@ -145,8 +150,10 @@ def test_moe_chain(pdl, T, one_launch):
                     moe._down_sorted_kernel, moe._combine_kernel],
                256: [moe._logits_kernel, moe._route_kernel, moe._align_count_kernel, moe._align_kernel,
                      moe._gate_up_sorted_kernel, moe._down_sorted_kernel, moe._combine_kernel]}[T]
-    if one_launch:
+    if router == "one_launch":
         kernels = [moe._router_kernel if T < 256 else moe._logits_route_kernel] + kernels[2:]
+    if router == "split_counted":
+        kernels = [moe._split_router_kernel] + kernels[2:]
     same_bits(pdl, make, kernels)
 
 
