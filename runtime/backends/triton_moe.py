@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 
 from compiler.splitops import MODES, BackendCapability, Mode
-from runtime.backends.kernels.moe_config import (CONFIG_DIR, FIXED_CONFIG, FIXED_LOGITS_KERNEL, MoEConfig, config_file_name,
-                                         default_config, device_name_of, fit_shared_memory, load_config_table,
-                                         pick_bucket)
+from runtime.backends.kernels.moe_config import (CONFIG_DIR, FIXED_CONFIG, FIXED_LOGITS_KERNEL, MoEConfig,
+                                                 check_count_ranks, config_file_name, default_config, device_name_of,
+                                                 fit_shared_memory, load_config_table, pick_bucket)
 from runtime.backends.kernels.launch_math import cdiv, triton_interpreted
 from runtime.backends.protocol import BackendHooks, BackendSetup
 
@@ -126,10 +126,8 @@ class TritonMoEBackend(BackendHooks):
         if sort_ranks not in SORT_RANKS:
             raise ValueError(f"{self.name}: sort_ranks must be one of {SORT_RANKS}, not {sort_ranks!r}")
         counted = sort_ranks == "counted"
-        wide = [layer for layer in layers if counted and layer.experts + layer.slots - layer.top_k > 64]
-        if wide:
-            raise ValueError(f"{self.name}: sort_ranks=counted takes at most 64 experts with the shared expert's "
-                             f"chunks; a moe call has {wide[0].experts + wide[0].slots - wide[0].top_k}")
+        for layer in layers if counted else ():
+            check_count_ranks(layer.experts + layer.slots - layer.top_k)  # routed experts and shared chunks
         self.fixed_tiles = gemm_tiles == "fixed"
         self.one_launch_router = router == "one_launch"
         self.split_router = router == "split"

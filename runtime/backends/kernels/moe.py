@@ -88,7 +88,7 @@ import triton.language as tl
 from compiler.splitops import moe_shared_width
 from runtime.backends.kernels.arrivals import arrival_counters, last_to_arrive
 from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
-from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig
+from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig, check_count_ranks
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 
 __all__ = ["combine", "down_sorted", "down_token", "fused_moe", "gate_up_sorted", "gate_up_token", "max_sorted_rows",
@@ -504,9 +504,6 @@ def _align_kernel(ids_ptr, block_counts_ptr, sorted_ptr, block_expert_ptr, total
         _pad_segments(sorted_ptr, block_expert_ptr, chunk, P, starts, counts, padded, E, E_BINS, BLOCK_M, E_CHUNK)
 
 
-# `_place_pairs` ranks pairs by counting up to this many expert bins (E_BINS), by sorting past it
-# (`rank_by_count`).
-RANK_BY_COUNT_MAX_BINS = tl.constexpr(64)
 RANK_CHUNK_CELLS = tl.constexpr(8192)  # pairs x bins that one counting step holds ([chunk, E_BINS] int32)
 
 
@@ -517,7 +514,7 @@ def _place_pairs(ids_ptr, sorted_ptr, b, P, starts, before, mine, E: tl.constexp
 
     A pair's row is its expert's segment start + the expert's pairs in earlier blocks + its rank
     among the expert's pairs of its own block, so within an expert the pairs keep pair order.
-    COUNT (`rank_by_count`: up to RANK_BY_COUNT_MAX_BINS bins): the rank is counted, a running
+    COUNT (moe_config.COUNT_RANKS_MAX_EXPERTS bins at most): the rank is counted, a running
     sum down a [pairs, bins] one-hot, a chunk of pairs at a time; else the block's keys
     expert * BLOCK_P + position are sorted (a one-hot that wide would not fit). The sort's ~55
     exchange stages over 1024 keys are a chain of shared-memory round trips whatever the expert count.
@@ -1135,9 +1132,8 @@ def route_sort(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Option
         raise ValueError(f"moe: a step of {T} tokens ({E} experts, {slots} slots, {logits_kernel} logits) "
                          f"cannot route and sort in one launch" + (" (fold=False)" if fold is False else ""))
     fold = allowed if fold is None else fold
-    if count_ranks and not rank_by_count(next_pow2(E + n_shared)):
-        raise ValueError(f"moe: {E + n_shared} experts are too many to count ranks (at most "
-                         f"{RANK_BY_COUNT_MAX_BINS.value} bins)")
+    if count_ranks:
+        check_count_ranks(E + n_shared)
     ids, weights, layout = _route(x, router_weight, router_bias, top_k, scoring, renormalize, routed_scale,
                                   num_groups, topk_groups, n_real, logits_kernel, n_shared, shared_gate,
                                   sort_block_m=block_m if fold else None, one_launch=one_launch,
@@ -1383,11 +1379,6 @@ def _pad_chunk(e_bins: int, block_m: int) -> int:
     return max(1, min(e_bins, 4096 // block_m))
 
 
-def rank_by_count(e_bins: int) -> bool:
-    """Whether `_place_pairs` can count the pairs' ranks (a one-hot of e_bins expert bins fits)."""
-    return e_bins <= RANK_BY_COUNT_MAX_BINS.value
-
-
 def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Optional[int] = None,
                 count_ranks: bool = False):
     """Group the (token, slot) pairs of `ids` [T,k] by expert, each segment padded to block_m.
@@ -1400,7 +1391,7 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     block_p: the pairs one program places (a power of two; benchmarks compare widths), by default
     align_block_p's. One launch where a block holds every pair; two past that (counts per block first).
     count_ranks: each block's ranks counted instead of sorted (`_place_pairs`; the same layout;
-    `rank_by_count` says where a count fits).
+    moe_config.check_count_ranks says where a count fits).
     """
     P = ids.numel()
     E = num_experts
@@ -1412,9 +1403,8 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     assert block_p & (block_p - 1) == 0 and (E + 1) * block_p < 2 ** 31, f"moe: sort width {block_p}"
     num_blocks = cdiv(P, block_p)
     e_bins = next_pow2(E)
-    if count_ranks and not rank_by_count(e_bins):
-        raise ValueError(f"moe: {E} experts are too many to count ranks ({e_bins} bins, at most "
-                         f"{RANK_BY_COUNT_MAX_BINS.value})")
+    if count_ranks:
+        check_count_ranks(E)
     counted = num_blocks > 1
     block_counts = torch.empty(num_blocks, e_bins, dtype=torch.int32, device=dev) if counted else ids
     if counted:

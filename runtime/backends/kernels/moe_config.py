@@ -122,6 +122,18 @@ FIXED_CONFIG = _FEW_PAIRS
 # ... and one router logits kernel: the GEMV reduces each token's row in one program whatever T is.
 FIXED_LOGITS_KERNEL = "gemv"
 
+# The sort ranks a block's pairs by a running count (sort_ranks="counted") up to this many experts,
+# the shared expert's chunks among them: a [pairs, experts] one-hot wider than 64 bins would not fit
+# the registers of a 256-pair step (kernels/moe.py `_place_pairs`).
+COUNT_RANKS_MAX_EXPERTS = 64
+
+
+def check_count_ranks(experts: int) -> None:
+    """A one-line error where a sort of `experts` (routed and shared chunks) cannot count its ranks."""
+    if experts > COUNT_RANKS_MAX_EXPERTS:
+        raise ValueError(f"moe: {experts} experts are too many to count ranks (sort_ranks=counted takes at most "
+                         f"{COUNT_RANKS_MAX_EXPERTS}, the shared expert's chunks among them)")
+
 
 # Shared memory one block may take on Hopper: 232,448 bytes (227 KiB), less a little for Triton's own.
 SHARED_MEMORY_BUDGET = 224 * 1024

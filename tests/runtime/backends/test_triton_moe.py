@@ -387,7 +387,7 @@ def _routed_ids(g, T, k, E, padding_tokens=0, skewed=False):
 # (T, k, E, block_m, block_p): one block of every pair (one launch), and blocks counted first
 # (two launches), with P not a multiple of block_p, a block of one pair, and power-of-two E (the
 # sentinel past the last histogram bin) and odd E; ranks counted in chunks (E = 17: 256 pairs a
-# chunk; E = 64, the widest count: 128) and sorted (E = 100, past RANK_BY_COUNT_MAX_BINS).
+# chunk; E = 64, the widest count: 128) and sorted (E = 100, past COUNT_RANKS_MAX_EXPERTS).
 SORT_CASES = [(37, 3, 8, 16, None), (1, 1, 4, 16, None), (90, 3, 9, 16, None), (300, 5, 17, 32, None),
               (37, 3, 8, 16, 16), (200, 3, 9, 16, 32), (50, 4, 16, 128, 64), (33, 2, 8, 16, 1),
               (200, 6, 64, 16, None), (60, 6, 100, 16, None)]
@@ -397,12 +397,12 @@ SORT_CASES = [(37, 3, 8, 16, None), (1, 1, 4, 16, None), (90, 3, 9, 16, None), (
 @pytest.mark.parametrize("T,k,E,block_m,block_p", SORT_CASES)
 def test_sort_tokens_matches_the_stable_layout_in_torch(T, k, E, block_m, block_p, skewed):
     """Ranks counted (the default up to 64 bins) and sorted: the same layout."""
-    from runtime.backends.kernels.moe import rank_by_count
+    from runtime.backends.kernels.moe_config import COUNT_RANKS_MAX_EXPERTS
 
     g = torch.Generator().manual_seed(T * 131 + E)
     ids = _routed_ids(g, T, k, E, padding_tokens=T // 9, skewed=skewed)
     rows, blocks = sorted_layout_reference(ids, E, block_m)
-    counts = [True, False] if rank_by_count(1 << (E - 1).bit_length()) else [False]
+    counts = [True, False] if E <= COUNT_RANKS_MAX_EXPERTS else [False]
     for count_ranks in counts:
         sorted_pairs, block_expert, total = (t.cpu() for t in sort_tokens(ids.to(DEV), E, block_m, block_p=block_p,
                                                                           count_ranks=count_ranks))
@@ -604,7 +604,7 @@ def test_counted_ranks_refuse_more_than_64_experts():
     from runtime.backends.triton_moe import MoELayerShape
 
     wide = MoELayerShape(experts=64, inter=I, hidden=D, top_k=2, slots=3, itemsize=2)
-    with pytest.raises(ValueError, match="at most 64 experts"):
+    with pytest.raises(ValueError, match="too many to count ranks"):
         TritonMoEBackend(device="cpu", layers=(wide,), sort_ranks="counted")
     x, router = _on(torch.randn(80, D), torch.randn(72, D))
     with pytest.raises(ValueError, match="too many to count ranks"):
