@@ -23,6 +23,8 @@
 #                (extend rows), gdn_fused_bench.py (decode at 1 / 8 / 128 requests, the split in one launch
 #                too), router_logits_probe.py (the router's launches at 1 / 8 / 128 / 512 / 4096 tokens, the
 #                one-launch router too)
+#   norm_sweep   norm_gemv_bench.py --sweep --rows 1: the batch-1 fused norms at tiles of their own (1 to 16
+#                columns, 4 or 8 warps), each checked first, against the unfused pair (issue 50)
 #   moe_router   the MoE's router and sort: router_logits_probe.py at 1 / 128 / 512 / 2048 / 4096 tokens (the
 #                split router against the GEMM and the routing kernel, and the GEMV) and moe_bookkeeping.py at
 #                32 / 128 / 512 / 4096 (the sort with counted ranks against sorted ones), each checked first
@@ -131,6 +133,8 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/kernels/gdn_row_kernels_bench.py --out "$OUT/kernels" 2>&1 | tail -12
         python3 benchmarks/kernels/gdn_fused_bench.py --out "$OUT/kernels" --batches 1,8,128 2>&1 | tail -12
         python3 benchmarks/probes/router_logits_probe.py --out "$OUT/kernels" --tokens 1,8,128,512,4096 2>&1 ;;
+    norm_sweep)
+        python3 benchmarks/kernels/norm_gemv_bench.py --out "$OUT/norm_sweep" --sweep --rows 1 2>&1 | tail -14 ;;
     moe_router)
         python3 benchmarks/probes/router_logits_probe.py --out "$OUT/moe_router" --tokens 1,128,512,2048,4096 2>&1
         python3 benchmarks/kernels/moe_bookkeeping.py --out "$OUT/moe_router" --tokens 32,128,512,4096 2>&1 | tail -9 ;;

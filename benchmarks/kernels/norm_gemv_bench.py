@@ -20,6 +20,11 @@ shape (gemv.config_for), as the glue kernels take it:
 2. Time: one call inside a CUDA graph of --calls calls over copies of the weight that together pass
    4x the L2 (none is cached), --replays replays, median divided by the calls (bench_common
    `graph_call_us`); kernels per call (torch.profiler). unfused us / fused us is the ratio.
+3. --sweep: the fused kernel again at each config of `candidates` (its own tile, not the plain
+   GEMV's: a fused program reads the rows and the norm weight besides its weight tile and reduces
+   the row itself, so fewer, wider programs may pay where the plain GEMV's narrow ones won), each
+   checked before it is timed; the best and unfused us / best us per case. The entries a table of
+   fused configs would take are printed last.
 
 OUT/norm_gemv_bench.json after every case, a table last. The dry run walks the same flow in Triton's
 interpreter at tiny shapes: its times are one eager call's wall time and mean nothing.
@@ -49,6 +54,7 @@ from bench_common import device_facts, fmt, graph_call_us, is_cuda, kernels_per_
 from compiler.splitops.glue_ops import rms_norm_rows  # noqa: E402
 from runtime.backends.kernels import gemv as G  # noqa: E402
 from runtime.backends.kernels import norm_gemv as NG  # noqa: E402
+from runtime.backends.kernels.launch_math import next_pow2  # noqa: E402
 
 # (case, N, K): bench qwen3_next's projections beside its norms; the dry run's are tiny
 SHAPES = [("input norm: GDN in_proj", 12352, 2048), ("input norm: GQA qkv", 9216, 2048),
@@ -84,10 +90,11 @@ class Case:
         copies = 1 if device.type == "cpu" else max(1, math.ceil(L2_TIMES * l2_bytes / (N * K * 2)))
         self.weights = [w] + [w.clone() for _ in range(copies - 1)]
 
-    def fused(self, i: int = 0):
+    def fused(self, i: int = 0, config=None):
+        config = config or self.config
         if self.post:
-            return NG.gemv_add_rms_norm(self.x, self.weights[i], self.b, self.norm_w, EPS, True, config=self.config)
-        return NG.add_rms_norm_gemv(self.x, self.b, self.norm_w, self.weights[i], EPS, True, config=self.config)
+            return NG.gemv_add_rms_norm(self.x, self.weights[i], self.b, self.norm_w, EPS, True, config=config)
+        return NG.add_rms_norm_gemv(self.x, self.b, self.norm_w, self.weights[i], EPS, True, config=config)
 
     def unfused(self, i: int = 0):
         if self.post:
@@ -102,7 +109,41 @@ class Case:
         return {**errs, "ok": all(e <= TOL for e in errs.values())}
 
 
-def run_case(case: Case, device, calls: int, replays: int) -> dict:
+def candidates(K: int, M: int) -> list[G.GemvConfig]:
+    """The fused kernel's configs a sweep times at rows M: up to 2 rows the one-step FMA tile over the
+    whole K (K <= 4096) at 1 to 16 columns and 4 or 8 warps, where its float32 products stay in the
+    registers (GemvConfig.fma_fits); from 4 rows DOT tiles of 16 to 64 columns, 64 to 256 of K."""
+    rows = G.row_bucket(M)
+    if rows <= 2:
+        block_k = next_pow2(K)
+        if block_k > 4096:
+            return []
+        out = [G.GemvConfig(BLOCK_N=n, BLOCK_K=block_k, num_warps=w) for n in (1, 2, 4, 8, 16) for w in (4, 8)]
+        return [c for c in out if c.fma_fits(rows)]
+    return [G.GemvConfig(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=4, DOT=True)
+            for n in (16, 32, 64) for k in (64, 128, 256) if k <= max(16, next_pow2(K))]
+
+
+def sweep_case(case: Case, device, calls: int, replays: int, unfused_us: float | None) -> dict:
+    """Step 3: the fused kernel at each candidate config, checked, then timed (on the CPU the first
+    and the last candidate: the interpreter's times mean nothing, the flow is what a dry run walks)."""
+    rotate = len(case.weights)
+    configs = candidates(case.K, case.M)
+    if device.type == "cpu":
+        configs = configs[:1] + configs[-1:]
+    runs = []
+    for cfg in configs:
+        run = {"config": repr(cfg), "check": case.check(lambda: case.fused(0, cfg))}
+        if run["check"]["ok"]:
+            run["us"] = graph_call_us(lambda i: case.fused(i, cfg), calls, replays, device, rotate=rotate)
+        runs.append(run)
+    timed = [r for r in runs if "us" in r]
+    best = min(timed, key=lambda r: r["us"]) if timed else None
+    return {"runs": runs, "best": best,
+            "ratio": unfused_us / best["us"] if best and unfused_us else None}
+
+
+def run_case(case: Case, device, calls: int, replays: int, sweep: bool = False) -> dict:
     row = {"case": case.what, "N": case.N, "K": case.K, "M": case.M, "config": repr(case.config),
            "check": {"fused": case.check(case.fused), "unfused": case.check(case.unfused)}}
     if not all(c["ok"] for c in row["check"].values()):
@@ -112,6 +153,8 @@ def run_case(case: Case, device, calls: int, replays: int) -> dict:
         fn = getattr(case, name)
         row[name] = {"us": graph_call_us(fn, calls, replays, device, rotate=rotate), "kernels": kernels_per_call(fn)}
     row["ratio"] = row["unfused"]["us"] / row["fused"]["us"]
+    if sweep:
+        row["sweep"] = sweep_case(case, device, calls, replays, row["unfused"]["us"])
     return row
 
 
@@ -122,6 +165,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", default=None, help="comma-separated M (default 1,2,4,8; dry run 1,3)")
     ap.add_argument("--calls", type=int, default=48, help="calls captured in one graph")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true", help="also time the fused kernel at each candidate config")
     args = ap.parse_args(argv)
     dry = args.dry_run
     if not dry and not is_cuda():
@@ -134,7 +178,7 @@ def main(argv=None) -> dict:
     for seed, (what, N, K) in enumerate(DRY_SHAPES if dry else SHAPES):
         for M in rows:
             case = Case(what, N, K, M, device, env["l2_bytes"], seed=100 * seed + M)
-            doc["results"].append(run_case(case, device, args.calls, args.replays))
+            doc["results"].append(run_case(case, device, args.calls, args.replays, args.sweep))
             (args.out / "norm_gemv_bench.json").write_text(json.dumps(doc, indent=2))
     print(f"{'case':30s} {'N':>6} {'K':>5} {'M':>2} {'check':>6} {'fused us':>9} {'kernels':>8} {'unfused us':>11} "
           f"{'kernels':>8} {'ratio':>6}")
@@ -144,7 +188,27 @@ def main(argv=None) -> dict:
         print(f"{r['case']:30s} {r['N']:>6} {r['K']:>5} {r['M']:>2} {'ok' if ok else 'FAIL':>6} "
               f"{fmt(f.get('us'), '.2f'):>9} {fmt(f.get('kernels'), '.0f'):>8} {fmt(u.get('us'), '.2f'):>11} "
               f"{fmt(u.get('kernels'), '.0f'):>8} {fmt(r.get('ratio'), '.2f'):>6}")
+    if args.sweep:
+        print_sweep(doc["results"])
     return doc
+
+
+def print_sweep(results: list[dict]) -> None:
+    """Per case the sweep's best config against the unfused pair, then the entries a table of fused
+    configs keyed like gemv.CONFIGS, (N, K, M bucket), would take: where the best beat the unfused pair."""
+    print(f"\n{'case':30s} {'N':>6} {'K':>5} {'M':>2} {'configs':>7} {'best us':>8} {'unfused/best':>12}  best config")
+    entries = []
+    for r in results:
+        sw = r.get("sweep")
+        if not sw:
+            continue
+        best = sw["best"] or {}
+        print(f"{r['case']:30s} {r['N']:>6} {r['K']:>5} {r['M']:>2} {len(sw['runs']):>7} "
+              f"{fmt(best.get('us'), '.2f'):>8} {fmt(sw['ratio'], '.2f'):>12}  {best.get('config', 'n/a')}")
+        if sw["ratio"] and sw["ratio"] > 1:
+            entries.append(f"    ({r['N']}, {r['K']}, {G.row_bucket(r['M'])}): {best['config']},  # {r['case']}")
+    print("fused configs that beat the unfused pair:" if entries else "no fused config beat the unfused pair")
+    print("\n".join(entries))
 
 
 if __name__ == "__main__":

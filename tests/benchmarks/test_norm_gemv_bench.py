@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="triton is not importable here (it ships Li
 
 
 def test_dry_run_checks_then_times_both_folds(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--rows", "1,3"],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--rows", "1,3", "--sweep"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((tmp_path / "norm_gemv_bench.json").read_text())
@@ -33,3 +33,10 @@ def test_dry_run_checks_then_times_both_folds(tmp_path):
             assert r[name]["us"] > 0 and r[name]["kernels"] is None  # no profiler off the GPU
         assert r["ratio"] > 0
     assert "post-attention norm: o_proj" in proc.stdout and "ratio" in proc.stdout
+    for r in doc["results"]:
+        runs = r["sweep"]["runs"]
+        assert len(runs) == 2 and all(run["check"]["ok"] and run["us"] > 0 for run in runs), runs
+        # one step of FMA at 1 row, DOT tiles from 4 rows (3 rows' bucket)
+        assert all(("DOT=True" in run["config"]) == (r["M"] > 2) for run in runs), runs
+        assert r["sweep"]["best"] in runs and r["sweep"]["ratio"] > 0
+    assert "unfused/best" in proc.stdout
