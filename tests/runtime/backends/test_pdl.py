@@ -8,7 +8,8 @@
    the wait). With USE_GDC
    False the kernel's Triton IR holds neither operation (the PTX instructions are made from them
    only), so no instruction of either kind can appear. The signatures come from the real launch
-   sites: each is run once under Triton's interpreter with the kernel's run recorded, not executed,
+   sites (testkit/sm90.py: each is run once under Triton's interpreter with the kernel's run
+   recorded, not executed, and compiled with the specialisation a GPU launch gives its arguments)
    at bench qwen3_next's dims (hidden 2048, attention head dim 256, GDN heads 16 / 32 of 128, 16
    experts of 512 and a gated shared expert). The compiles run in two processes of their own outside
    the interpreter (TRITON_INTERPRET is read when triton is imported): Triton needs no GPU to emit
@@ -35,6 +36,7 @@ import torch
 
 from hgc import main
 from hgc.errors import EXIT_BAD_INPUT
+from testkit.sm90 import Launch, compile_sm90, record, specialisation
 
 ROOT = Path(__file__).resolve().parents[3]
 D, I, E, TOP_K = 2048, 512, 16, 4  # bench qwen3_next's MoE: hidden, expert width, experts, top-k
@@ -51,52 +53,7 @@ WAIT, LAUNCH = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
 IR_OPS = ("tt.grid_dependency_wait", "tt.grid_dependency_launch_dependents")  # what Triton's IR calls them
 
 
-# -- the launches, recorded under the interpreter -----------------------------------------------------
-
-
-@dataclasses.dataclass
-class Launch:
-    """One launch as its kernel's compile needs it: the kernel (module, name), every argument by
-    parameter name ('*bf16' for a tensor, else the value) and the launch options."""
-
-    module: str
-    name: str
-    args: dict
-    options: dict
-
-
-_POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-            torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8"}
-
-
-def _arg(value):
-    return _POINTER[value.dtype] if isinstance(value, torch.Tensor) else value
-
-
-def record(launch_all) -> list[Launch]:
-    """The launches `launch_all()` makes, in order, with the arguments a GPU's launch passes; none runs
-    (their inputs are never read). The launch sites that take float32 dots under the interpreter
-    (launch_math.triton_interpreted says why) are told they run compiled: their bf16 variants are
-    what a GPU compiles."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from runtime.backends.kernels import gemv, moe
-
-    seen: list[Launch] = []
-
-    def run(self, *args, grid, warmup, **kwargs):
-        names = self.arg_names
-        params = {n: _arg(v) for n, v in zip(names, args)}
-        params.update({k: _arg(v) for k, v in kwargs.items() if k in names})
-        options = {k: v for k, v in kwargs.items() if k not in names}
-        seen.append(Launch(self.fn.__module__, self.fn.__name__, params, options))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(InterpretedFunction, "run", run)
-        for module in (gemv, moe):  # norm_gemv.py's launches take gemv.py's `launch_constants`
-            mp.setattr(module, "triton_interpreted", lambda: False)
-        launch_all()
-    return seen
+# -- the launches, recorded under the interpreter (testkit/sm90.py) -----------------------------------------
 
 
 def _bf16(*shape):
@@ -268,24 +225,6 @@ def launches() -> dict[str, Launch]:
 # -- compiled for sm90, in a process outside the interpreter -------------------------------------------
 
 
-def _signature(kernel, args: dict) -> tuple[dict, dict]:
-    """(signature, constexprs) of an ASTSource from a launch's arguments by parameter name."""
-    signature, constexprs = {}, {}
-    for p in kernel.params:
-        value = args[p.name]
-        if p.is_constexpr:
-            signature[p.name], constexprs[p.name] = "constexpr", value
-        elif isinstance(value, str):  # a tensor's pointer type
-            signature[p.name] = value
-        elif isinstance(value, bool):
-            signature[p.name] = "i1"
-        elif isinstance(value, float):
-            signature[p.name] = "fp32"
-        else:
-            signature[p.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-    return signature, constexprs
-
-
 def compile_ptx(specs: dict) -> dict:
     """label -> {"on": the PTX with USE_GDC and launch_pdl, "off": the Triton IR without}, for sm90.
     Outside the interpreter only (`_compile_main`)."""
@@ -294,21 +233,19 @@ def compile_ptx(specs: dict) -> dict:
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler.compiler import make_backend
 
-    CUDABackend.make_cubin = lambda self, src, metadata, options, arch: b""  # ptxas: not needed for the PTX
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     out = {}
     for name, spec in specs.items():
-        kernel = getattr(importlib.import_module(spec["module"]), spec["name"])
-        options = {k: v for k, v in spec["options"].items() if k != "launch_pdl"}
-        src = triton.compiler.ASTSource(kernel, *_signature(kernel, {**spec["args"], "USE_GDC": True}))
-        on = triton.compile(src, target=target, options={**options, "launch_pdl": True}).asm["ptx"]
+        launch = Launch(**spec)
+        launch.options = {**launch.options, "launch_pdl": True}
+        on = compile_sm90(launch, cubin=False, USE_GDC=True).asm["ptx"]
         # USE_GDC False: the IR straight from the kernel's source, before any pass
-        src = triton.compiler.ASTSource(kernel, *_signature(kernel, {**spec["args"], "USE_GDC": False}))
-        parsed = backend.parse_options(options)
+        kernel = getattr(importlib.import_module(launch.module), launch.name)
+        src = triton.compiler.ASTSource(kernel, *specialisation(kernel, {**launch.args, "USE_GDC": False}))
+        parsed = backend.parse_options({k: v for k, v in spec["options"].items() if k != "launch_pdl"})
         context = ir.context()
         ir.load_dialects(context)
         backend.load_dialects(context)
