@@ -65,6 +65,11 @@ ROUTERS = ("two_launches", "one_launch", "split")
 # The sort_ranks option's choices, the default first: how the sort ranks each block's pairs
 # (kernels/moe.py `_place_pairs`): a sort of their keys, or a running count (up to 64 expert bins).
 SORT_RANKS = ("sorted", "counted")
+# The down option's choices, the default first: a sorted step's down projections as the sorted
+# kernel and the combine, or from kernels/moe.py SPLIT_DOWN_MIN_TOKENS tokens as the split down
+# (`down_split`: torch's grouped GEMM over the routed rows, the shared expert as one dense GEMM,
+# the combine through the sort's inverse map).
+DOWNS = ("sorted", "split")
 
 
 class TritonMoEBackend(BackendHooks):
@@ -105,7 +110,9 @@ class TritonMoEBackend(BackendHooks):
         # block routing it (one launch; under 64 experts).
         # sort_ranks: "counted" ranks each block's pairs by a running count, not a sort (the same
         # layout; up to 64 experts with the shared expert's chunks).
-        options=(("gemm_tiles", GEMM_TILES), ("router", ROUTERS), ("sort_ranks", SORT_RANKS)),
+        # down: "split" runs a step of 2048 tokens or more (bf16 on a GPU) through torch's grouped
+        # GEMM for the routed experts and one dense GEMM for the shared expert.
+        options=(("gemm_tiles", GEMM_TILES), ("router", ROUTERS), ("sort_ranks", SORT_RANKS), ("down", DOWNS)),
         batch_invariant=(("gemm_tiles", "fixed"),),
         doc="Fused Triton MoE: device-side top-k routing, static-shape token sorting, grouped expert "
             "GEMMs (the shared expert as extra experts) with SiLU-and-mul and weighted combine; no host "
@@ -113,18 +120,21 @@ class TritonMoEBackend(BackendHooks):
 
     def __init__(self, config_dir: "str | os.PathLike | None" = None, device: "str | torch.device" = "cuda",
                  layers: tuple[MoELayerShape, ...] = (), gemm_tiles: str = GEMM_TILES[0], router: str = ROUTERS[0],
-                 sort_ranks: str = SORT_RANKS[0]):
+                 sort_ranks: str = SORT_RANKS[0], down: str = DOWNS[0]):
         """layers: the shapes of the moe calls this instance serves (`build` reads them off the
         graph); `kernel_variant_tokens` needs them, nothing else does. gemm_tiles: the capability's
         option ("fixed": FIXED_CONFIG and the GEMV router for every token count; config_dir unused).
-        router, sort_ranks: the capability's options (fixed tiles never fold the sort, so never take
-        one launch, and keep the GEMV router at every count)."""
+        router, sort_ranks, down: the capability's options (fixed tiles never fold the sort, so never
+        take one launch, keep the GEMV router at every count, and never split the down: a token's
+        bits would change with the step's size)."""
         if gemm_tiles not in GEMM_TILES:
             raise ValueError(f"{self.name}: gemm_tiles must be one of {GEMM_TILES}, not {gemm_tiles!r}")
         if router not in ROUTERS:
             raise ValueError(f"{self.name}: router must be one of {ROUTERS}, not {router!r}")
         if sort_ranks not in SORT_RANKS:
             raise ValueError(f"{self.name}: sort_ranks must be one of {SORT_RANKS}, not {sort_ranks!r}")
+        if down not in DOWNS:
+            raise ValueError(f"{self.name}: down must be one of {DOWNS}, not {down!r}")
         counted = sort_ranks == "counted"
         for layer in layers if counted else ():
             check_count_ranks(layer.experts + layer.slots - layer.top_k)  # routed experts and shared chunks
@@ -132,6 +142,7 @@ class TritonMoEBackend(BackendHooks):
         self.one_launch_router = router == "one_launch"
         self.split_router = router == "split"
         self.count_ranks = counted
+        self.split_down = down == "split" and gemm_tiles != "fixed"
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
         self.device = torch.device(device)
         self.layers = tuple(dict.fromkeys(layers))
@@ -145,7 +156,8 @@ class TritonMoEBackend(BackendHooks):
         return cls(device=setup.device, layers=tuple(MoELayerShape.of(c) for c in setup.calls if c.op == "moe"),
                    gemm_tiles=setup.options.get("gemm_tiles", GEMM_TILES[0]),
                    router=setup.options.get("router", ROUTERS[0]),
-                   sort_ranks=setup.options.get("sort_ranks", SORT_RANKS[0]))
+                   sort_ranks=setup.options.get("sort_ranks", SORT_RANKS[0]),
+                   down=setup.options.get("down", DOWNS[0]))
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -249,4 +261,6 @@ class TritonMoEBackend(BackendHooks):
         _kernels().fused_moe(x, router_weight, router_bias, w13, w2, shared_w13, shared_w2, shared_gate, out, top_k,
                              scoring, renormalize, routed_scale, num_groups, topk_groups, config, n_real=n_real,
                              logits_kernel=self._logits_kernel_at(x.shape[0], w13.shape[0], x.shape[1]),
-                             fold=self._fold, one_launch_router=self.one_launch_router, count_ranks=self.count_ranks)
+                             fold=self._fold, one_launch_router=self.one_launch_router, count_ranks=self.count_ranks,
+                             split_down=self.split_down and config.path == "sorted"
+                             and _kernels().splits_down(x.shape[0], x.dtype, x.device))

@@ -195,6 +195,30 @@ def test_the_split_router_and_counted_ranks_replay_as_the_defaults_route(T):
             assert int(counted[2]) == total and torch.equal(counted[0][:total], sorted_[0][:total])
 
 
+@pytest.mark.parametrize("shared", ["gated_S=I", "gated_S=640"])
+@pytest.mark.parametrize("T", [2048, 4096])
+def test_the_split_down_replays_as_its_eager_step_and_the_oracle(T, shared, monkeypatch):
+    """down="split" captured at bench qwen3_next's MoE (16 experts of 512, top-4) with a shared
+    expert of one chunk and of two (the last masked): torch's grouped GEMM and the dense shared GEMM
+    inside the graph, each replay on fresh inputs against the eager split step (1e-3) and the CPU
+    oracle (TOL); the eager split against the sorted down (TOL); every step took the split down."""
+    from runtime.backends.kernels import moe as kernels
+
+    splits, real = [], kernels.down_split
+    monkeypatch.setattr(kernels, "down_split", lambda *a, **k: splits.append(T) or real(*a, **k))
+    E, top_k = 16, 4
+    layer = _layer(E, seed=23, shared=shared)
+    tail = (top_k, "softmax", True, 1.0, 1, 1)
+    split = TritonMoEBackend(down="split")
+    for fresh in _replays(TritonMoEBackend(down="split"), layer, tail, T, eager_backend=split):
+        outs = [torch.empty(T, D, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+        split.moe(None, fresh, *layer, outs[0], 0, *tail)
+        TritonMoEBackend().moe(None, fresh, *layer, outs[1], 0, *tail)
+        assert _rel(outs[0], outs[1]) <= TOL
+    # the warm-up and the capture, then two eager split steps a replay (the replays call no Python)
+    assert len(splits) == 2 + 3 * 2, splits
+
+
 def test_capture_without_replay_state_is_refused():
     from runtime.backends.triton_moe import CaptureError
     layer = _layer(16, seed=6)

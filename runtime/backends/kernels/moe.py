@@ -61,6 +61,12 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
    pair's weight, stored per pair: y [P, D].
 6. `_combine_kernel`: out[t] = sum_j y[t*slots + j] in float32, in slot order (deterministic, no
    atomics), one program per token and 2048 columns; rows of padding tokens come out zero.
+   Steps 5 and 6 as the split down where asked (`split_down`, the backend's down option, from
+   SPLIT_DOWN_MIN_TOKENS tokens): step 4 writes the shared chunks' rows by token into h_shared
+   [T, S] instead; `down_split` runs torch's grouped GEMM over the routed experts' segments
+   (offsets `routed_ends`, w2 seen as [E, I, D], no copy) and one dense GEMM of h_shared with
+   shared_w2; `_combine_split_kernel` sums each token's routed rows through the sort's inverse map
+   (`inverse_rows`) times their weights, then its shared row times the gate.
 
 Token path (`BLOCK_M == 1`, chosen for tiny T such as batch-1 decode): no sorting. One GEMV program
 per (pair, column tile) computes h, then one program per (token, column tile) runs the down
@@ -82,6 +88,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -694,16 +701,18 @@ def _gate_up_block(a_ptrs, g_ptrs, up, valid, n_mask, D,
 
 
 @triton.jit(do_not_specialize=["num_pid_m", "P"])
-def _gate_up_sorted_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+def _gate_up_sorted_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, hs_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                            num_pid_m, P, SLOTS, E, I, S, D, stride_xt, stride_we, stride_wn, stride_swn, stride_hm,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           stride_hs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr,
                            EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_SHARED: tl.constexpr,
-                           USE_GDC: tl.constexpr):
+                           SHARED_TOKENS: tl.constexpr, USE_GDC: tl.constexpr):
     """h[rows, cols] = silu(x[tok] @ w13[e, cols]^T) * (x[tok] @ w13[e, I + cols]^T) for one row block.
 
     A block of expert e >= E is chunk c = e - E of the shared expert: its columns c*I + cols of
     sw13's gate rows (and S rows below, its up rows); columns past S are masked, so they hold 0.
+    SHARED_TOKENS (the split down, `down_split`): a shared block's rows go to hs[tok, c*I + cols]
+    instead, token by token (its real pairs only, columns below S), and its rows of h are not written.
     """
     pdl_wait(USE_GDC)  # before the early return: every program waits
     pid = tl.program_id(0)
@@ -737,7 +746,15 @@ def _gate_up_sorted_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, sorted_ptr, block_ex
             w_mask = offs_n < S - c * I
     g_ptrs = w_base + offs_n[None, :] * stride_n + offs_k[:, None]  # [BK,BN] gate rows
     h = _gate_up_block(a_ptrs, g_ptrs, up, valid, w_mask, D, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, EVEN_K, EVEN_N)
-    _store_h(h_ptr, h, rows, offs_n, n_mask, stride_hm)
+    if SHARED_TOKENS:
+        if e >= E:
+            c = (e - E).to(tl.int32)
+            tl.store(hs_ptr + tok[:, None] * stride_hs + c * I + offs_n[None, :], h.to(hs_ptr.dtype.element_ty),
+                     mask=valid[:, None] & w_mask[None, :])
+        else:
+            _store_h(h_ptr, h, rows, offs_n, n_mask, stride_hm)
+    else:
+        _store_h(h_ptr, h, rows, offs_n, n_mask, stride_hm)
 
 
 @triton.jit
@@ -843,6 +860,40 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, SENTINEL, D, stride_yp, stride_ot, 
             acc += tl.load(row, mask=live, other=0.0).to(tl.float32)
         else:
             acc += tl.load(row, mask=live & d_mask, other=0.0).to(tl.float32)
+    if EVEN_D:
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit(do_not_specialize=["SENTINEL"])
+def _combine_split_kernel(yr_ptr, inv_ptr, ys_ptr, ids_ptr, weights_ptr, out_ptr, SENTINEL, E, D, stride_yr, stride_ys,
+                          stride_ot, SLOTS: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                          BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, USE_GDC: tl.constexpr):
+    """The split down's combine (`down_split`): out[t] = sum over routed slots j (in order) of
+    weight[pair] * yr[inv[pair]] (the grouped GEMM's row of the pair, in sorted order), then
+    weight of the first shared slot * ys[t] (the shared expert's dense GEMM, token order), in
+    float32. A slot routed to no expert (padding) reads nothing, as in `_combine_kernel`."""
+    pdl_wait(USE_GDC)
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * SLOTS + j
+        live = (offs * 0 + tl.load(ids_ptr + pair)) < E
+        if not EVEN_D:
+            live = live & d_mask
+        row = tl.load(inv_ptr + pair)
+        w = tl.load(weights_ptr + pair).to(tl.float32)
+        acc += tl.load(yr_ptr + row * stride_yr + offs, mask=live, other=0.0).to(tl.float32) * w
+    if HAS_SHARED:
+        pair = t * SLOTS + TOP_K
+        live = (offs * 0 + tl.load(ids_ptr + pair)) < SENTINEL
+        if not EVEN_D:
+            live = live & d_mask
+        w = tl.load(weights_ptr + pair).to(tl.float32)
+        acc += tl.load(ys_ptr + t.to(tl.int64) * stride_ys + offs, mask=live, other=0.0).to(tl.float32) * w
     if EVEN_D:
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty))
     else:
@@ -1439,11 +1490,13 @@ def _shared_operand(shared: Optional[torch.Tensor], routed: torch.Tensor) -> tup
     return (routed, 0) if shared is None else (shared, shared.stride(0))
 
 
-def gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots: int, cfg: GemmConfig, h=None, shared_w13=None):
+def gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots: int, cfg: GemmConfig, h=None, shared_w13=None,
+                   h_shared=None):
     """h [R, I] in x's dtype, rows in sorted order (padding rows hold zeros).
 
     slots: pairs per token (top_k + the shared expert's chunks). Blocks of expert ids >= E read
-    shared_w13 [2S, D].
+    shared_w13 [2S, D]. h_shared [T, S] (the split down): the shared expert's rows go there by
+    token instead (a padding token's row is not written), and h's shared rows are left unwritten.
     """
     _check_stage(cfg, "sorted")
     R, D = sorted_pairs.shape[0], x.shape[1]
@@ -1456,11 +1509,16 @@ def gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots: int, cfg: G
         h = torch.empty(R, I, dtype=x.dtype, device=x.device)
     # One loop serves routed and shared blocks, so it may skip the column mask only if both tile evenly.
     even_n = I % cfg.BLOCK_N == 0 and (S == 0 or S % I == 0)
+    tokens = h_shared is not None
+    assert not tokens or (S > 0 and tuple(h_shared.shape) == (x.shape[0], S) and h_shared.stride(1) == 1), (
+        f"moe: h_shared must be [T, S] = [{x.shape[0]}, {S}] with a shared expert, got "
+        f"{None if h_shared is None else tuple(h_shared.shape)}")
     _gate_up_sorted_kernel[(R // bm * cdiv(I, cfg.BLOCK_N),)](
-        x, w13, sw13, h, sorted_pairs, block_expert, total, R // bm, x.shape[0] * slots, slots, E, I, S, D,
-        x.stride(0), w13.stride(0), w13.stride(1), stride_swn, h.stride(0),
+        x, w13, sw13, h, h_shared if tokens else h, sorted_pairs, block_expert, total, R // bm, x.shape[0] * slots,
+        slots, E, I, S, D, x.stride(0), w13.stride(0), w13.stride(1), stride_swn, h.stride(0),
+        h_shared.stride(0) if tokens else 0,
         BLOCK_M=bm, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, DOT_FP32=_dot_fp32(x.dtype),
-        EVEN_K=D % cfg.BLOCK_K == 0, EVEN_N=even_n, HAS_SHARED=S > 0,
+        EVEN_K=D % cfg.BLOCK_K == 0, EVEN_N=even_n, HAS_SHARED=S > 0, SHARED_TOKENS=tokens,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(x.device))
     return h
 
@@ -1487,6 +1545,65 @@ def down_sorted(h, w2, weights, sorted_pairs, block_expert, total, cfg: GemmConf
         EVEN_K=even_k, EVEN_N=D % cfg.BLOCK_N == 0, HAS_SHARED=S > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(h.device))
     return y
+
+
+def routed_ends(block_expert: torch.Tensor, total: torch.Tensor, block_m: int, experts: int) -> torch.Tensor:
+    """int32 [experts]: the end row of each expert's padded segment of the sorted layout (an expert
+    with no rows ends where the one before does): the offsets of a grouped GEMM over the layout.
+    On the device, nothing read back (a captured step's way): blocks at or past `total` (a [1]
+    tensor), and ids outside the experts, are counted in a bin of their own and left out."""
+    blocks = torch.arange(block_expert.numel(), device=block_expert.device)
+    ids = block_expert.long()
+    bins = torch.where((blocks < total // block_m) & (ids >= 0) & (ids < experts), ids, experts)
+    counts = torch.zeros(experts + 1, dtype=torch.long, device=block_expert.device)
+    counts.scatter_add_(0, bins, torch.ones_like(bins))
+    return (counts[:experts].cumsum(0) * block_m).to(torch.int32)
+
+
+def inverse_rows(sorted_pairs: torch.Tensor, total: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """int64 [num_pairs + 1]: each pair's row in the sorted layout, on the device (entry num_pairs
+    takes the padding rows' writes; a pair routed to no expert keeps an unspecified entry)."""
+    rows = torch.arange(sorted_pairs.numel(), device=sorted_pairs.device)
+    pairs = sorted_pairs.long()
+    pairs = torch.where((rows < total) & (pairs >= 0) & (pairs < num_pairs), pairs, num_pairs)
+    return torch.empty(num_pairs + 1, dtype=torch.long, device=sorted_pairs.device).scatter_(0, pairs, rows)
+
+
+# The split down (`--route 'moe=triton_moe[down=split]'`) from this many tokens: where torch's
+# grouped GEMM (CUTLASS on sm90) beat the sorted down kernel on the H200 (97.5 against 125.7 us at
+# 4096 tokens, 58.9 against 71.0 at 2048; slower at 512: grouped_mm_probe_h200_2026-12-04.json).
+SPLIT_DOWN_MIN_TOKENS = 2048
+
+
+def splits_down(T: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a sorted step of T tokens takes the split down where it is asked for: from
+    SPLIT_DOWN_MIN_TOKENS, and on a GPU in bf16 only (torch's grouped GEMM takes no other dtype there)."""
+    return T >= SPLIT_DOWN_MIN_TOKENS and (device.type != "cuda" or dtype == torch.bfloat16)
+
+
+def down_split(h, h_shared, w2, shared_w2, sorted_pairs, block_expert, total, block_m: int, num_pairs: int):
+    """The down projections of the split down: (y_routed [R, D] in sorted order, one grouped GEMM
+    over the routed experts' segments with w2 [E, D, I] as it is, seen as [E, I, D]; the rows past
+    the last routed segment are not written), (y_shared [T, D] or None: h_shared @ shared_w2^T, one
+    dense GEMM in token order), and the inverse map of the layout (`inverse_rows`)."""
+    E = w2.shape[0]
+    y_routed = torch._grouped_mm(h, w2.transpose(1, 2), offs=routed_ends(block_expert, total, block_m, E))
+    y_shared = F.linear(h_shared, shared_w2) if h_shared is not None else None
+    return y_routed, y_shared, inverse_rows(sorted_pairs, total, num_pairs)
+
+
+def combine_split(y_routed, inverse, y_shared, ids, weights, out, top_k: int, num_experts: int, sentinel: int) -> None:
+    """out [T, D]: the split down's combine (`_combine_split_kernel`); num_experts the routed ones."""
+    T, slots = ids.shape
+    D = out.shape[1]
+    block_d = min(2048, next_pow2(D))
+    per_thread = max(1, 16 // y_routed.element_size())
+    shared = y_shared is not None
+    _combine_split_kernel[(T, cdiv(D, block_d))](
+        y_routed, inverse, y_shared if shared else y_routed, ids, weights, out, sentinel, num_experts, D,
+        y_routed.stride(0), y_shared.stride(0) if shared else 0, out.stride(0), SLOTS=slots, TOP_K=top_k,
+        HAS_SHARED=shared, BLOCK_D=block_d, EVEN_D=D % block_d == 0,
+        num_warps=max(1, min(8, block_d // (32 * per_thread))), **launch_args(out.device))
 
 
 def combine(y, ids, out, sentinel: int) -> None:
@@ -1551,12 +1668,14 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
               top_k: int, scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
               config: MoEConfig, n_real: "int | torch.Tensor | None" = None,
               logits_kernel: Optional[str] = None, fold: Optional[bool] = None,
-              one_launch_router: bool = False, count_ranks: bool = False) -> None:
+              one_launch_router: bool = False, count_ranks: bool = False, split_down: bool = False) -> None:
     """The moe op into `out` [T,D] (rows >= n_real zeroed): arguments and shapes as its schema.
     logits_kernel: the router's logits kernel (`route`), by default chosen from T. fold: whether
     a sorted step routes and sorts in one launch (`route_sort`), by default `route_sort_folds`'s answer.
     one_launch_router: the router's GEMV also routes (and sorts) where the step folds (`router_folds`).
-    count_ranks: the sort counts each block's ranks instead of sorting them (`route_sort`)."""
+    count_ranks: the sort counts each block's ranks instead of sorting them (`route_sort`).
+    split_down: a sorted step's down projections as `down_split` and `combine_split` (the shared
+    expert's gate-up rows by token); the caller asks where `splits_down` says."""
     T, D = x.shape
     E, two_i, D_w = w13.shape
     I = two_i // 2
@@ -1598,6 +1717,14 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
     ids, weights, sorted_pairs, block_expert, total = route_sort(
         *route_args[:-1], config.gate_up.BLOCK_M, n_real=n_real, **shared, fold=fold, one_launch=one_launch,
         count_ranks=count_ranks)
+    if split_down:
+        h_shared = torch.empty(T, S, dtype=x.dtype, device=x.device) if S else None
+        h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots, config.gate_up, shared_w13=shared_w13,
+                           h_shared=h_shared)
+        y_routed, y_shared, inverse = down_split(h, h_shared, w2, shared_w2, sorted_pairs, block_expert, total,
+                                                 config.gate_up.BLOCK_M, T * slots)
+        combine_split(y_routed, inverse, y_shared, ids, weights, out, top_k, E, experts)
+        return
     h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots, config.gate_up, shared_w13=shared_w13)
     y = down_sorted(h, w2, weights, sorted_pairs, block_expert, total, config.down, shared_w2=shared_w2)
     combine(y, ids, out, experts)

@@ -101,18 +101,19 @@ def norm_gemv_launches() -> dict[str, Launch]:
 
 def moe_launches() -> list[Launch]:
     """A decode step's MoE launches at batch 1 (the token path), 32 (routing and sort in one launch),
-    128 (routing, then the sort) and 256 (the tiled router GEMM, the sort counted in blocks first)."""
+    128 (routing, then the sort) and 256 (the tiled router GEMM, the sort counted in blocks first),
+    and a split down's combine (down=split; its GEMMs are torch's)."""
     from runtime.backends.kernels.moe import fused_moe
     from runtime.backends.kernels.moe_config import default_config
 
     router, w13, w2 = _bf16(E, D), _bf16(E, 2 * I, D), _bf16(E, D, I)
     shared = (_bf16(2 * I, D), _bf16(D, I), _bf16(1, D))  # a gated shared expert as wide as a routed one
 
-    def step(T: int):
+    def step(T: int, split_down: bool = False):
         fused_moe(_bf16(T, D), router, None, w13, w2, *shared, _bf16(T, D), TOP_K, "softmax", True, 1.0, 1, 1,
-                  default_config(T, E, I, D, TOP_K))
+                  default_config(T, E, I, D, TOP_K), split_down=split_down)
 
-    return record(lambda: [step(T) for T in (1, 32, 128, 256)])
+    return record(lambda: [step(T) for T in (1, 32, 128, 256)] + [step(32, split_down=True)])
 
 
 def router_launches() -> dict[str, Launch]:
@@ -197,12 +198,14 @@ def label(launch: Launch) -> str:
 
 # The kernels that take PDL (each launched with USE_GDC), by label.
 KERNELS = {"gemv one step", "gemv dot", "gemv fma loop", "moe router one launch", "moe router one launch sorted",
+           "moe gate-up shared by token",
            "moe router one launch dot", "moe router split",
            "norm gemv one step", "norm gemv dot", "norm gemv fma loop", "norm rows", "norm rows loop",
            "norm epilogue one step", "norm epilogue fma loop", "norm epilogue dot",
            *(f"moe.{k}" for k in ("_logits_gemv_kernel", "_logits_kernel", "_route_kernel", "_route_sort_kernel",
                                   "_align_count_kernel", "_align_kernel", "_gate_up_sorted_kernel",
-                                  "_down_sorted_kernel", "_combine_kernel", "_gate_up_token_kernel",
+                                  "_down_sorted_kernel", "_combine_kernel", "_combine_split_kernel",
+                                  "_gate_up_token_kernel",
                                   "_down_token_kernel")),
            *(f"gdn_fused.{k}" for k in ("_split_prep_kernel", "_split_core_kernel", "_split_one_kernel",
                                         "_gdn_fused_decode_kernel",
@@ -214,11 +217,14 @@ KERNELS = {"gemv one step", "gemv dot", "gemv fma loop", "moe router one launch"
 
 @pytest.fixture(scope="module")
 def launches() -> dict[str, Launch]:
-    """One recorded launch of each kernel (its first), by label."""
+    """One recorded launch of each kernel (its first), by label; the split down's gate-up (its shared
+    rows stored by token) under a label of its own."""
     pytest.importorskip("triton")
     by_label = {**gemv_launches(), **norm_gemv_launches(), **router_launches()}
     for launch in moe_launches() + gdn_launches() + attention_launches() + mla_launches():
         by_label.setdefault(label(launch), launch)
+        if launch.args.get("SHARED_TOKENS"):
+            by_label.setdefault("moe gate-up shared by token", launch)
     return by_label
 
 

@@ -125,6 +125,47 @@ def test_fused_moe_with_a_shared_expert_matches_reference(T, shared, dtype):
         assert err <= TOLERANCE[dtype], f"{config.path}: rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("shared", sorted(SHARED))
+def test_the_split_down_gives_the_sorted_downs_output(shared, monkeypatch):
+    """fused_moe(split_down=True): the routed experts' down projections as one grouped GEMM over the
+    sorted rows, the shared expert's gate-up rows by token and its down as one dense GEMM, the
+    combine through the sort's inverse map; padding tokens (n_real) zero. Against the sorted down
+    and the CPU oracle, float32, with and without a shared expert (one chunk, two, a masked tail)."""
+    g = torch.Generator().manual_seed(77 + len(shared))
+    E, top_k, T, n_real = 8, 2, 21, 17
+    layer = _layer(g, E, True, shared)
+    x = torch.randn(T, D, generator=g)
+    tail = (top_k, "sigmoid", True, 2.5, 4, 2)
+    ref = moe_reference(x[:n_real], *layer, *tail)
+    from runtime.backends.kernels import moe as kernels
+
+    downs = []  # which down each call took
+    for name in ("down_split", "down_sorted"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: downs.append(_name) or _real(*a, **k))
+    outs = {}
+    for split in (False, True):
+        out = torch.full((T, D), float("nan"), device=DEV)
+        fused_moe(*_on(x, *layer, out), *tail, SORTED, n_real=n_real, split_down=split)
+        outs[split] = out.cpu()
+        assert (outs[split][n_real:] == 0).all(), f"split {split}: padding rows must be zero"
+        assert _rel(outs[split][:n_real], ref) <= 1e-4, f"split {split}: rel err {_rel(outs[split][:n_real], ref):.2e}"
+    assert _rel(outs[True], outs[False]) <= 1e-5
+    assert downs == ["down_sorted", "down_split"]
+
+
+def test_the_split_downs_layout_maps_are_made_on_the_device_from_the_sort():
+    """routed_ends: each expert's segment end (blocks past total and foreign ids left out);
+    inverse_rows: each pair's sorted row, the padding rows' writes in the last entry."""
+    from runtime.backends.kernels.moe import inverse_rows, routed_ends
+
+    block_expert = torch.tensor([0, 0, 2, 3, 3, 1, 7], dtype=torch.int32)  # blocks 5, 6 past total
+    assert routed_ends(block_expert, torch.tensor([5 * 4]), 4, 4).tolist() == [8, 8, 12, 20]
+    sorted_pairs = torch.tensor([3, 0, 5, 5, 1, 2, 4, 5, 9, 9], dtype=torch.int32)  # pair 5: padding
+    inv = inverse_rows(sorted_pairs, torch.tensor([8]), 5)
+    assert inv[:5].tolist() == [1, 4, 5, 0, 6]
+
+
 @pytest.mark.parametrize("inter,shared_width", [(16, 16), (24, 40)], ids=["whole_tile", "masked_tail"])
 def test_the_token_down_projection_without_its_loop_sums_as_the_loop_does(inter, shared_width):
     """A reduction of one tile runs as straight-line code: the same float32 sums as the one-trip
@@ -597,6 +638,30 @@ def test_the_split_router_and_counted_ranks_options_serve_as_the_defaults(monkey
     assert asked == [("gemv", True), ("gemv", True), ("split", True)]
     with pytest.raises(ValueError, match="sort_ranks must be one of"):
         TritonMoEBackend(device="cpu", sort_ranks="bitonic")
+
+
+def test_the_down_option_splits_the_down_of_long_sorted_steps(monkeypatch):
+    """down="split" (--route 'moe=triton_moe[down=split]'): sorted steps from SPLIT_DOWN_MIN_TOKENS
+    (lowered here to 64: the interpreter would take minutes at 2048) take the split down and match
+    the CPU oracle; shorter ones and fixed tiles keep the sorted down; on a GPU only bf16 splits;
+    a bad choice is a one-line error."""
+    import runtime.backends.triton_moe as backend_module
+
+    kernels = backend_module._kernels()
+    monkeypatch.setattr(kernels, "SPLIT_DOWN_MIN_TOKENS", 64)
+    splits, real = [], kernels.down_split
+    monkeypatch.setattr(kernels, "down_split", lambda *a, **k: splits.append(a[0].shape[0]) or real(*a, **k))
+    for T, out, expected in _backend_steps(TritonMoEBackend(device=DEV, down="split"), (9, 70), seed=31):
+        assert _rel(out, expected) <= 1e-4, T
+    assert len(splits) == 1, "70 tokens split (the h of its sorted rows), 9 do not"
+    for T, out, expected in _backend_steps(TritonMoEBackend(device=DEV, down="split", gemm_tiles="fixed"), (70,), 37):
+        assert _rel(out, expected) <= 1e-4
+    assert len(splits) == 1, "fixed tiles never split: a token's bits would change with the step's size"
+    cuda = torch.device("cuda")  # the rule alone: nothing runs there
+    assert kernels.splits_down(64, torch.bfloat16, cuda) and not kernels.splits_down(64, torch.float32, cuda)
+    assert not kernels.splits_down(63, torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match="down must be one of"):
+        TritonMoEBackend(device="cpu", down="grouped")
 
 
 def test_counted_ranks_refuse_more_than_64_experts():
