@@ -16,18 +16,11 @@ expert GEMMs themselves, and what the data movement it needs around them costs:
 Both run on `sort_tokens`'s layout at the op's BLOCK_M (experts 0..15 and the shared expert as
 expert 16, each segment padded to BLOCK_M: the group offsets are the segments' ends).
 
-And the down GEMM alone, as the fused MoE could take it with no stacked weights and no scatter
-("split down"): the routed experts' rows through one grouped GEMM against w2 as it is (the [E, D,
-I] tensor seen as [E, I, D]; the offsets of the routed segments, from the layout on the device),
-the shared expert's rows, one per token in token order, through one dense GEMM, and a combine that
-reads each routed pair's row through an inverse map of the sort (made on the device) with its
-routing weight, plus the token's shared row. Here the combine is torch's (a gather, the weights,
-a sum: an upper bound for one fused kernel), and the shared segment's first row is read from the
-layout on the host, which a step could not do: a layout that put the shared rows first, as many
-as the step's tokens, would make it known. Against ours: `down_sorted` and `combine`. First the
-checks: both paths' combined output against `moe_reference` (float32, CPU, relative error of the
-norm) and against each other; then each piece alone in a CUDA graph (median us), the GEMMs'
-TFLOP/s, the sums.
+And the split down (`--route 'moe=triton_moe[down=split]'`, kernels/moe.py `down_split`) as the
+fused MoE runs it: the gate-up kernel with the shared expert's rows by token, torch's grouped GEMM
+over the routed experts' rows with w2 as it is, the shared expert's dense GEMM, and the combine
+through the sort's inverse map; checked like the others, timed piece by piece and whole against
+the sorted down and the combine.
 
     bash benchmarks/gpu_call.sh python3 benchmarks/probes/grouped_mm_probe.py --out $OUT
     python3 benchmarks/probes/grouped_mm_probe.py --dry-run --out /tmp/gmm   # CPU: interpreter, tiny dims
@@ -58,38 +51,12 @@ import torch.nn.functional as F  # noqa: E402
 from bench_common import device_facts, device_rates, rel_err  # noqa: E402
 from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference  # noqa: E402
-from runtime.backends.kernels.moe import (combine, down_sorted, gate_up_sorted, route, shared_chunks,  # noqa: E402
-                                          sort_tokens)
+from runtime.backends.kernels.moe import (combine, combine_split, down_sorted, down_split,  # noqa: E402
+                                          gate_up_sorted, route, routed_ends, shared_chunks, sort_tokens)
 from runtime.backends.kernels.moe_config import default_config  # noqa: E402
 
 TOKENS_GPU = [512, 2048, 4096]
 TOKENS_DRY = [64, 300]
-
-
-def group_offsets(block_expert: torch.Tensor, total: int, block_m: int, experts: int) -> torch.Tensor:
-    """int32 [experts]: the end row of each expert's padded segment (an expert with no rows ends where
-    the one before does), from the layout's block -> expert table."""
-    blocks = block_expert[: total // block_m].long()
-    return (torch.bincount(blocks, minlength=experts).cumsum(0) * block_m).to(torch.int32)
-
-
-def group_ends(block_expert: torch.Tensor, total: torch.Tensor, block_m: int, experts: int) -> torch.Tensor:
-    """`group_offsets` on the device, nothing read back (a captured step's way): the blocks past
-    `total` (a [1] tensor) counted in a bin of their own, left out."""
-    blocks = block_expert.numel()
-    live = torch.arange(blocks, device=block_expert.device) < total // block_m
-    bins = torch.where(live, block_expert.long(), experts)
-    counts = torch.zeros(experts + 1, dtype=torch.long, device=block_expert.device)
-    counts.scatter_add_(0, bins, torch.ones_like(bins))
-    return (counts[:experts].cumsum(0) * block_m).to(torch.int32)
-
-
-def inverse_rows(sorted_pairs: torch.Tensor, total: torch.Tensor, P: int, out: torch.Tensor) -> torch.Tensor:
-    """out [P + 1] int64: each pair's row in the sorted layout (entry P takes the padding rows'
-    writes), on the device."""
-    rows = torch.arange(sorted_pairs.numel(), device=sorted_pairs.device)
-    pairs = torch.where((rows < total) & (sorted_pairs < P), sorted_pairs.long(), P)
-    return out.scatter_(0, pairs, rows)
 
 
 def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -> dict:
@@ -115,7 +82,7 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
     # seen as [G, K, N] (column-major per group: no copy of the weights at run time).
     w13_all = torch.cat([w13, sw13[None]]).transpose(1, 2)   # [G, D, 2I]
     w2_all = torch.cat([w2, sw2[None]]).transpose(1, 2)      # [G, I, D]
-    offs = group_offsets(block_expert, total, bm, experts)
+    offs = routed_ends(block_expert, total_t, bm, experts)  # every expert's, the shared one's last
     live = torch.arange(R, device=dev) < total  # entries past total are unspecified
     pairs = torch.where(live, sorted_pairs.long(), P)
     valid = pairs < P
@@ -147,27 +114,21 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
         scatter(gemm2(act(gemm1())))
         combine(y_pairs[:P], ids, out, experts)
 
-    # The split down (module docstring): what it needs from the layout, made on the device.
-    routed_ends = group_ends(block_expert, total_t, bm, experts)[:E]
-    w2_t = w2.transpose(1, 2)  # [E, I, D], a view
-    first_shared = int(routed_ends[-1])  # host-known only here (module docstring)
-    inverse = torch.empty(P + 1, dtype=torch.long, device=dev)
+    # The split down (module docstring), as fused_moe runs it.
+    h_shared = torch.empty(T, bench.S, device=dev, dtype=dt)
 
-    def split_map():
-        routed_ends.copy_(group_ends(block_expert, total_t, bm, experts)[:E])
-        inverse_rows(sorted_pairs, total_t, P, inverse)
+    def split_gate_up():
+        return gate_up_sorted(x, w13, sorted_pairs, block_expert, total_t, slots, config.gate_up, shared_w13=sw13,
+                              h_shared=h_shared)
 
-    def split_gemms(h):
-        return torch._grouped_mm(h, w2_t, offs=routed_ends), F.linear(h[first_shared:first_shared + T], sw2)
+    def split_down(h):
+        return down_split(h, h_shared, w2, sw2, sorted_pairs, block_expert, total_t, bm, P)
 
     def split_combine(ys, out):
-        y_routed, y_shared = ys
-        rows = inverse[:P].view(T, slots)[:, :top_k].reshape(-1)
-        picked = y_routed.index_select(0, rows).view(T, top_k, D).float()
-        routed = (picked * weights.view(T, slots)[:, :top_k, None].float()).sum(1)
-        # the shared gate's weight sits in the shared slot, as the down kernel applies it
-        shared = y_shared.float() * weights.view(T, slots)[:, top_k:top_k + 1].float()
-        out.copy_((routed + shared).to(out.dtype))
+        combine_split(*ys, ids, weights, out, top_k, E, experts)
+
+    def split_all(out):
+        split_combine(split_down(split_gate_up()), out)
 
     def ours_all(out):
         h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total_t, slots, config.gate_up, shared_w13=sw13)
@@ -181,14 +142,13 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
     ours_all(out_ours)
     grouped_all(out_grouped)
     h_ours = gate_up_sorted(x, w13, sorted_pairs, block_expert, total_t, slots, config.gate_up, shared_w13=sw13)
-    split_map()
-    split_combine(split_gemms(h_ours), out_split)
+    split_all(out_split)
     bench.sync()
     ref = moe_reference(x.float().cpu(), *(None if t is None else t.float().cpu() for t in layer), *routing)
     checks = {"ours_rel_err": rel_err(out_ours, ref), "grouped_rel_err": rel_err(out_grouped, ref),
-              "split_down_rel_err": rel_err(out_split, ref), "grouped_vs_ours": rel_err(out_grouped, out_ours),
-              "split_down_vs_ours": rel_err(out_split, out_ours)}
-    checks["ok"] = max(checks["ours_rel_err"], checks["grouped_rel_err"], checks["split_down_rel_err"]) <= bench.tol
+              "split_rel_err": rel_err(out_split, ref), "grouped_vs_ours": rel_err(out_grouped, out_ours),
+              "split_vs_ours": rel_err(out_split, out_ours)}
+    checks["ok"] = max(checks["ours_rel_err"], checks["grouped_rel_err"], checks["split_rel_err"]) <= bench.tol
 
     def us(fn):
         return bench.graph_ms(fn)[0] * 1e3
@@ -197,7 +157,8 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
     h13 = gemm1()
     h = act(h13)
     y = gemm2(h)
-    y_split = split_gemms(h_ours)
+    h_split = split_gate_up()
+    y_split = split_down(h_split)
     out = torch.empty_like(out_ours)
     times = {
         "ours_gate_up": us(lambda: gate_up_sorted(x, w13, sorted_pairs, block_expert, total_t, slots,
@@ -209,9 +170,10 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
         "ours_all": us(lambda: ours_all(out)), "grouped_all": us(lambda: grouped_all(out)),
         "ours_down_combine": us(lambda: combine(down_sorted(h_ours, w2, weights, sorted_pairs, block_expert, total_t,
                                                             config.down, shared_w2=sw2), ids, out, experts)),
-        "split_map": us(split_map), "split_gemms": us(lambda: split_gemms(h_ours)),
+        "split_gate_up": us(split_gate_up), "split_down": us(lambda: split_down(h_split)),
         "split_combine": us(lambda: split_combine(y_split, out)),
-        "split_down_all": us(lambda: (split_map(), split_combine(split_gemms(h_ours), out))),
+        "split_down_combine": us(lambda: split_combine(split_down(h_split), out)),
+        "split_all": us(lambda: split_all(out)),
     }
     flops_gate_up = 2 * total * D * 2 * I  # padded rows: both paths compute them
     flops_down = 2 * total * I * D

@@ -1592,8 +1592,9 @@ def down_split(h, h_shared, w2, shared_w2, sorted_pairs, block_expert, total, bl
     return y_routed, y_shared, inverse_rows(sorted_pairs, total, num_pairs)
 
 
-def combine_split(y_routed, inverse, y_shared, ids, weights, out, top_k: int, num_experts: int, sentinel: int) -> None:
-    """out [T, D]: the split down's combine (`_combine_split_kernel`); num_experts the routed ones."""
+def combine_split(y_routed, y_shared, inverse, ids, weights, out, top_k: int, num_experts: int, sentinel: int) -> None:
+    """out [T, D]: the split down's combine (`_combine_split_kernel`) of what `down_split` returned;
+    num_experts the routed ones."""
     T, slots = ids.shape
     D = out.shape[1]
     block_d = min(2048, next_pow2(D))
@@ -1721,9 +1722,9 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
         h_shared = torch.empty(T, S, dtype=x.dtype, device=x.device) if S else None
         h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots, config.gate_up, shared_w13=shared_w13,
                            h_shared=h_shared)
-        y_routed, y_shared, inverse = down_split(h, h_shared, w2, shared_w2, sorted_pairs, block_expert, total,
-                                                 config.gate_up.BLOCK_M, T * slots)
-        combine_split(y_routed, inverse, y_shared, ids, weights, out, top_k, E, experts)
+        ys = down_split(h, h_shared, w2, shared_w2, sorted_pairs, block_expert, total, config.gate_up.BLOCK_M,
+                        T * slots)
+        combine_split(*ys, ids, weights, out, top_k, E, experts)
         return
     h = gate_up_sorted(x, w13, sorted_pairs, block_expert, total, slots, config.gate_up, shared_w13=shared_w13)
     y = down_sorted(h, w2, weights, sorted_pairs, block_expert, total, config.down, shared_w2=shared_w2)

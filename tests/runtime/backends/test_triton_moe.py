@@ -142,7 +142,7 @@ def test_the_split_down_gives_the_sorted_downs_output(shared, monkeypatch):
     downs = []  # which down each call took
     for name in ("down_split", "down_sorted"):
         real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: downs.append(_name) or _real(*a, **k))
+        monkeypatch.setattr(kernels, name, lambda *a, _f=real, _name=name, **k: downs.append(_name) or _f(*a, **k))
     outs = {}
     for split in (False, True):
         out = torch.full((T, D), float("nan"), device=DEV)
