@@ -38,7 +38,11 @@ class MoELayerShape:
     hidden: int  # D
     top_k: int
     slots: int  # pairs per token: top_k + the shared expert's chunks of width I
-    itemsize: int  # bytes per activation element (shared-memory fit of the GEMM tiles)
+    dtype: str  # the activations' and weights' (torch's name): which downs split, the tiles' shared-memory fit
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
     @classmethod
     def of(cls, call) -> "MoELayerShape":
@@ -47,8 +51,7 @@ class MoELayerShape:
         shared = call.shapes.get("shared_w13")
         S = shared[0] // 2 if shared else 0
         top_k = int(call.scalars["top_k"])
-        itemsize = getattr(torch, call.dtype).itemsize  # `out`'s dtype, which x and the weights share
-        return cls(E, two_i // 2, D, top_k, top_k + cdiv(S, two_i // 2), itemsize)
+        return cls(E, two_i // 2, D, top_k, top_k + cdiv(S, two_i // 2), call.dtype)  # `out`'s, the weights' too
 
 
 class CaptureError(RuntimeError):
@@ -197,10 +200,10 @@ class TritonMoEBackend(BackendHooks):
             fitted: dict[MoEConfig, MoEConfig] = {}
             for T in range(1, max_tokens + 1):
                 raw = self.config_for(T, layer.experts, layer.inter, layer.hidden, layer.top_k, self.device)
-                config = fitted.get(raw) or fitted.setdefault(raw, fit_shared_memory(raw, layer.itemsize))
+                config = fitted.get(raw) or fitted.setdefault(raw, fit_shared_memory(raw, layer.torch_dtype.itemsize))
                 variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config,
                                          self._logits_kernel_at(T, layer.experts, layer.hidden), self._fold,
-                                         self.one_launch_router)
+                                         self.one_launch_router, self._splits_down(T, layer.torch_dtype))
                 first.setdefault((layer, variant), T)
         self._variant_tokens[max_tokens] = tuple(sorted(set(first.values())))
         return self._variant_tokens[max_tokens]
@@ -222,6 +225,10 @@ class TritonMoEBackend(BackendHooks):
         if self.fixed_tiles:
             return FIXED_LOGITS_KERNEL
         return _kernels().logits_kernel_for(T, E, D, split=self.split_router)
+
+    def _splits_down(self, T: int, dtype: torch.dtype) -> bool:
+        """Whether a sorted step of T tokens takes the split down (the down option and its rule)."""
+        return self.split_down and _kernels().splits_down(T, dtype, self.device)
 
     @property
     def _fold(self) -> Optional[bool]:
@@ -262,5 +269,4 @@ class TritonMoEBackend(BackendHooks):
                              scoring, renormalize, routed_scale, num_groups, topk_groups, config, n_real=n_real,
                              logits_kernel=self._logits_kernel_at(x.shape[0], w13.shape[0], x.shape[1]),
                              fold=self._fold, one_launch_router=self.one_launch_router, count_ranks=self.count_ranks,
-                             split_down=self.split_down and config.path == "sorted"
-                             and _kernels().splits_down(x.shape[0], x.dtype, x.device))
+                             split_down=config.path == "sorted" and self._splits_down(x.shape[0], x.dtype))

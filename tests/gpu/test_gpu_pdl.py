@@ -117,11 +117,12 @@ def test_gemv_chain(pdl, rows):
 
 @pytest.mark.parametrize("T,router", [(1, "two_launches"), (32, "two_launches"), (256, "two_launches"),
                                       (1, "one_launch"), (32, "one_launch"), (256, "one_launch"),
-                                      (32, "counted"), (256, "split_counted")])
+                                      (32, "counted"), (256, "split_counted"), (256, "split_down")])
 def test_moe_chain(pdl, T, router):
     """Three MoE layers, each reading the one before's output: routing, expert GEMMs and combine;
     one_launch: the router in one launch (its last program routes, and at 32 sorts); counted: the
-    sort's ranks counted (sort_ranks=counted), with split past 128 tokens the split router too."""
+    sort's ranks counted (sort_ranks=counted), with split past 128 tokens the split router too;
+    split_down: the down as torch's GEMMs between our launches, and the split combine (down=split)."""
     from runtime.backends.kernels import moe
     from runtime.backends.kernels.moe_config import default_config, fit_shared_memory
 
@@ -141,7 +142,7 @@ def test_moe_chain(pdl, T, router):
                 moe.fused_moe(h, *layer, outs[f"out{i}"], TOP_K, "softmax", True, 1.0, 1, 1, config,
                               one_launch_router=router == "one_launch",
                               logits_kernel="split" if router == "split_counted" else None,
-                              count_ranks=router.endswith("counted"))
+                              count_ranks=router.endswith("counted"), split_down=router == "split_down")
                 h = outs[f"out{i}"]
         return run, outs
 
@@ -154,6 +155,8 @@ def test_moe_chain(pdl, T, router):
         kernels = [moe._router_kernel if T < 256 else moe._logits_route_kernel] + kernels[2:]
     if router == "split_counted":
         kernels = [moe._split_router_kernel] + kernels[2:]
+    if router == "split_down":
+        kernels = kernels[:-2] + [moe._combine_split_kernel]
     same_bits(pdl, make, kernels)
 
 

@@ -1125,14 +1125,15 @@ def _one_launch_router(T: int, E: int, slots: int, logits_kernel: str, path: str
 
 
 def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits_kernel: Optional[str] = None,
-                   fold: Optional[bool] = None, one_launch_router: bool = False) -> tuple:
+                   fold: Optional[bool] = None, one_launch_router: bool = False, split_down: bool = False) -> tuple:
     """Everything an eager step of T tokens picks from T that makes Triton build another kernel: the
     logits kernel (`logits_kernel` where the caller fixes it), the GEMM configs (their tiles are
     constexprs), the sort's width and whether it counts blocks first, whether the routing and
-    sort run as one launch (`fold` as `fused_moe` takes it), and whether the router is one launch
-    (`one_launch_router` as `fused_moe` takes it). Two token counts with equal variants launch the
-    same kernels; the backend's `kernel_variant_tokens` runs one count of each at start-up, so a
-    bundle holds them all."""
+    sort run as one launch (`fold` as `fused_moe` takes it), whether the router is one launch
+    (`one_launch_router` as `fused_moe` takes it), and whether a sorted step splits its down
+    (`split_down`: the gate-up's other variant and the split combine). Two token counts with equal
+    variants launch the same kernels; the backend's `kernel_variant_tokens` runs one count of each at
+    start-up, so a bundle holds them all."""
     logits_kernel = logits_kernel or logits_kernel_for(T, E, D)
     sort = None
     if config.path == "sorted":
@@ -1140,7 +1141,7 @@ def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits
         folded = route_sort_folds(T, E, slots, logits_kernel) if fold is None else fold
         sort = block_p, T * slots > block_p, folded
     one_launch = _one_launch_router(T, E, slots, logits_kernel, config.path, fold, one_launch_router)
-    return logits_kernel, config, sort, one_launch
+    return logits_kernel, config, sort, one_launch, split_down and config.path == "sorted"
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,

@@ -559,11 +559,12 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     config's token path to T=2 (2 columns) and T=4 (4), sorted tiles of BLOCK_M 16 from T=5 (a
     mean of T/4 pairs per expert: <= 10), 32 from 41, 64 from 97, 128 from 193; routing and sort
     in one launch to T=64, two from 65; the router's GEMV to T=128, a dot past it; the sort's wider
-    block past 256 pairs (T=86). A count of each, the smallest, and nothing under the interpreter."""
+    block past 256 pairs (T=86); with down=split, its first count. A count of each, the smallest, and
+    nothing under the interpreter."""
     import runtime.backends.triton_moe as backend_module
     from runtime.backends.triton_moe import MoELayerShape
     layer = MoELayerShape.of(_moe_call())
-    assert layer == MoELayerShape(experts=8, inter=32, hidden=64, top_k=2, slots=3, itemsize=2)
+    assert layer == MoELayerShape(experts=8, inter=32, hidden=64, top_k=2, slots=3, dtype="bfloat16")
     backend = TritonMoEBackend(device="cpu", layers=(layer, layer))
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
     assert backend.kernel_variant_tokens(256) == (1, 3, 5, 41, 65, 86, 97, 129, 193)
@@ -577,6 +578,10 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     # the one-launch router folds where the routing and sort fold (to T=64): no count of its own
     one = TritonMoEBackend(device="cpu", layers=(layer,), router="one_launch")
     assert one.kernel_variant_tokens(256) == (1, 3, 5, 41, 65, 86, 97, 129, 193)
+    # the split down adds its first count (SPLIT_DOWN_MIN_TOKENS, lowered here to 100)
+    monkeypatch.setattr(backend_module._kernels(), "SPLIT_DOWN_MIN_TOKENS", 100)
+    split = TritonMoEBackend(device="cpu", layers=(layer,), down="split")
+    assert split.kernel_variant_tokens(256) == (1, 3, 5, 41, 65, 86, 97, 100, 129, 193)
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: True)
     assert backend.kernel_variant_tokens(256) == ()
     assert TritonMoEBackend(device="cpu").kernel_variant_tokens(256) == (), "no layer shapes: nothing to name"
@@ -668,7 +673,7 @@ def test_counted_ranks_refuse_more_than_64_experts():
     from runtime.backends.kernels.moe import route_sort
     from runtime.backends.triton_moe import MoELayerShape
 
-    wide = MoELayerShape(experts=64, inter=I, hidden=D, top_k=2, slots=3, itemsize=2)
+    wide = MoELayerShape(experts=64, inter=I, hidden=D, top_k=2, slots=3, dtype="bfloat16")
     with pytest.raises(ValueError, match="too many to count ranks"):
         TritonMoEBackend(device="cpu", layers=(wide,), sort_ranks="counted")
     x, router = _on(torch.randn(80, D), torch.randn(72, D))
