@@ -125,18 +125,20 @@ def test_fused_moe_with_a_shared_expert_matches_reference(T, shared, dtype):
         assert err <= TOLERANCE[dtype], f"{config.path}: rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shared", sorted(SHARED))
-def test_the_split_down_gives_the_sorted_downs_output(shared, monkeypatch):
+def test_the_split_down_gives_the_sorted_downs_output(shared, dtype, monkeypatch):
     """fused_moe(split_down=True): the routed experts' down projections as one grouped GEMM over the
     sorted rows, the shared expert's gate-up rows by token and its down as one dense GEMM, the
     combine through the sort's inverse map; padding tokens (n_real) zero. Against the sorted down
-    and the CPU oracle, float32, with and without a shared expert (one chunk, two, a masked tail)."""
+    and the CPU oracle, with and without a shared expert (one chunk, two, a masked tail); bf16 (what
+    a GPU splits) rounds the grouped GEMM's rows where the sorted down rounds weighted ones."""
     g = torch.Generator().manual_seed(77 + len(shared))
     E, top_k, T, n_real = 8, 2, 21, 17
-    layer = _layer(g, E, True, shared)
-    x = torch.randn(T, D, generator=g)
+    layer = [t if t is None else t.to(dtype) for t in _layer(g, E, True, shared)]
+    x = torch.randn(T, D, generator=g).to(dtype)
     tail = (top_k, "sigmoid", True, 2.5, 4, 2)
-    ref = moe_reference(x[:n_real], *layer, *tail)
+    ref = moe_reference(*[t if t is None else t.float() for t in (x[:n_real], *layer)], *tail)
     from runtime.backends.kernels import moe as kernels
 
     downs = []  # which down each call took
@@ -145,12 +147,14 @@ def test_the_split_down_gives_the_sorted_downs_output(shared, monkeypatch):
         monkeypatch.setattr(kernels, name, lambda *a, _f=real, _name=name, **k: downs.append(_name) or _f(*a, **k))
     outs = {}
     for split in (False, True):
-        out = torch.full((T, D), float("nan"), device=DEV)
+        out = torch.full((T, D), float("nan"), device=DEV, dtype=dtype)
         fused_moe(*_on(x, *layer, out), *tail, SORTED, n_real=n_real, split_down=split)
         outs[split] = out.cpu()
+        err = _rel(outs[split][:n_real], ref)
         assert (outs[split][n_real:] == 0).all(), f"split {split}: padding rows must be zero"
-        assert _rel(outs[split][:n_real], ref) <= 1e-4, f"split {split}: rel err {_rel(outs[split][:n_real], ref):.2e}"
-    assert _rel(outs[True], outs[False]) <= 1e-5
+        assert err <= TOLERANCE[dtype], f"split {split}: rel err {err:.2e}"
+    # float32: the same sums to rounding; bf16: each rounds its own intermediates (about 4e-3 apart)
+    assert _rel(outs[True], outs[False]) <= (1e-5 if dtype == torch.float32 else TOLERANCE[dtype])
     assert downs == ["down_sorted", "down_split"]
 
 
