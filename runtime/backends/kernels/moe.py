@@ -839,6 +839,16 @@ def _store_weighted_y(y_ptr, acc, weights_ptr, pair, valid, offs_n, n_mask, stri
              mask=valid[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _store_out_row(out_ptr, t, stride_ot, offs, acc, d_mask, EVEN_D: tl.constexpr):
+    """A combine's float32 sums for token t's columns offs, rounded to out's dtype (masked only where
+    D does not fill the tile)."""
+    if EVEN_D:
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
 @triton.jit(do_not_specialize=["SENTINEL"])
 def _combine_kernel(y_ptr, ids_ptr, out_ptr, SENTINEL, D, stride_yp, stride_ot, SLOTS: tl.constexpr,
                     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, USE_GDC: tl.constexpr):
@@ -860,10 +870,7 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, SENTINEL, D, stride_yp, stride_ot, 
             acc += tl.load(row, mask=live, other=0.0).to(tl.float32)
         else:
             acc += tl.load(row, mask=live & d_mask, other=0.0).to(tl.float32)
-    if EVEN_D:
-        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty))
-    else:
-        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+    _store_out_row(out_ptr, t, stride_ot, offs, acc, d_mask, EVEN_D)
 
 
 @triton.jit(do_not_specialize=["SENTINEL"])
@@ -894,10 +901,7 @@ def _combine_split_kernel(yr_ptr, inv_ptr, ys_ptr, ids_ptr, weights_ptr, out_ptr
             live = live & d_mask
         w = tl.load(weights_ptr + pair).to(tl.float32)
         acc += tl.load(ys_ptr + t.to(tl.int64) * stride_ys + offs, mask=live, other=0.0).to(tl.float32) * w
-    if EVEN_D:
-        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty))
-    else:
-        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+    _store_out_row(out_ptr, t, stride_ot, offs, acc, d_mask, EVEN_D)
 
 
 @triton.jit
