@@ -32,9 +32,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import pkgutil
 import re
 import subprocess
-import sys
 from typing import Callable
 
 import torch
@@ -86,9 +86,11 @@ def record(launch_all: Callable[[], object]) -> list[Launch]:
         shape = grid(params) if callable(grid) else grid
         seen.append(Launch(self.fn.__module__, self.fn.__name__, params, options, [int(g) for g in shape]))
 
-    import runtime.backends.kernels  # noqa: F401  (the package whose modules are told they run compiled)
-    modules = [m for name, m in list(sys.modules.items())
-               if name.startswith("runtime.backends.kernels.") and hasattr(m, "triton_interpreted")]
+    import runtime.backends.kernels as package  # every module of it imported first: a launch site that
+    # imports one on its first call must find it told already
+    modules = [importlib.import_module(f"{package.__name__}.{info.name}")
+               for info in pkgutil.iter_modules(package.__path__)]
+    modules = [m for m in modules if hasattr(m, "triton_interpreted")]
     saved = [(m, m.triton_interpreted) for m in modules]
     real_run = InterpretedFunction.run
     InterpretedFunction.run = run
