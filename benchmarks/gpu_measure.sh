@@ -25,7 +25,7 @@
 #                one-launch router too)
 #   norm_sweep   norm_gemv_bench.py --sweep --rows 1: the batch-1 fused norms at tiles of their own (1 to 16
 #                columns, 4 or 8 warps), each checked first, against the unfused pair (issue 50)
-#   grouped      benchmarks/probes/grouped_mm_probe.py at 512 / 2048 / 4096 tokens: the split down (down=split)
+#   grouped      benchmarks/probes/grouped_mm_probe.py at 512 / 1024 / 2048 / 4096 tokens: the split down (down=split)
 #                and the stacked grouped path against the sorted kernels, each checked first (issue 51)
 #   moe_router   the MoE's router and sort: router_logits_probe.py at 1 / 128 / 512 / 2048 / 4096 tokens (the
 #                split router against the GEMM and the routing kernel, and the GEMV) and moe_bookkeeping.py at
@@ -139,7 +139,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
     norm_sweep)
         python3 benchmarks/kernels/norm_gemv_bench.py --out "$OUT/norm_sweep" --sweep --rows 1 2>&1 | tail -14 ;;
     grouped)
-        python3 benchmarks/probes/grouped_mm_probe.py --out "$OUT/grouped" 2>&1 | tail -12 ;;
+        python3 benchmarks/probes/grouped_mm_probe.py --out "$OUT/grouped" 2>&1 | tail -13 ;;
     moe_router)
         python3 benchmarks/probes/router_logits_probe.py --out "$OUT/moe_router" --tokens 1,128,512,2048,4096 2>&1
         python3 benchmarks/kernels/moe_bookkeeping.py --out "$OUT/moe_router" --tokens 32,128,512,4096 2>&1 | tail -9 ;;

@@ -55,7 +55,7 @@ from runtime.backends.kernels.moe import (combine, combine_split, down_sorted, d
                                           gate_up_sorted, route, routed_ends, shared_chunks, sort_tokens)
 from runtime.backends.kernels.moe_config import default_config  # noqa: E402
 
-TOKENS_GPU = [512, 2048, 4096]
+TOKENS_GPU = [512, 1024, 2048, 4096]  # 1024: between the last count the library lost at and the first it won
 TOKENS_DRY = [64, 300]
 
 
