@@ -133,6 +133,8 @@ def test_the_split_down_gives_the_sorted_downs_output(shared, dtype, monkeypatch
     combine through the sort's inverse map; padding tokens (n_real) zero. Against the sorted down
     and the CPU oracle, with and without a shared expert (one chunk, two, a masked tail); bf16 (what
     a GPU splits) rounds the grouped GEMM's rows where the sorted down rounds weighted ones."""
+    if DEV.type == "cuda" and dtype == torch.float32:
+        pytest.skip("torch's grouped GEMM takes bf16 on a GPU (splits_down never asks for float32 there)")
     g = torch.Generator().manual_seed(77 + len(shared))
     E, top_k, T, n_real = 8, 2, 21, 17
     layer = [t if t is None else t.to(dtype) for t in _layer(g, E, True, shared)]
@@ -656,6 +658,8 @@ def test_the_down_option_splits_the_down_of_long_sorted_steps(monkeypatch):
     a bad choice is a one-line error."""
     import runtime.backends.triton_moe as backend_module
 
+    if DEV.type == "cuda":  # these float32 steps would not split there: tests/gpu/test_gpu_moe.py runs bf16
+        pytest.skip("the backend's float32 steps split only under the interpreter")
     kernels = backend_module._kernels()
     monkeypatch.setattr(kernels, "SPLIT_DOWN_MIN_TOKENS", 64)
     splits, real = [], kernels.down_split
