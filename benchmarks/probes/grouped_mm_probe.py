@@ -52,7 +52,7 @@ from bench_common import device_facts, device_rates, rel_err  # noqa: E402
 from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference  # noqa: E402
 from runtime.backends.kernels.moe import (combine, combine_split, down_sorted, down_split,  # noqa: E402
-                                          gate_up_sorted, route, routed_ends, shared_chunks, sort_tokens)
+                                          gate_up_sorted, route, shared_chunks, sort_tokens, split_maps)
 from runtime.backends.kernels.moe_config import default_config  # noqa: E402
 
 TOKENS_GPU = [512, 1024, 2048, 4096]  # 1024: between the last count the library lost at and the first it won
@@ -82,7 +82,7 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
     # seen as [G, K, N] (column-major per group: no copy of the weights at run time).
     w13_all = torch.cat([w13, sw13[None]]).transpose(1, 2)   # [G, D, 2I]
     w2_all = torch.cat([w2, sw2[None]]).transpose(1, 2)      # [G, I, D]
-    offs = routed_ends(block_expert, total_t, bm, experts)  # every expert's, the shared one's last
+    offs = split_maps(sorted_pairs, block_expert, total_t, bm, experts, T * slots)[0]  # the shared one last
     live = torch.arange(R, device=dev) < total  # entries past total are unspecified
     pairs = torch.where(live, sorted_pairs.long(), P)
     valid = pairs < P

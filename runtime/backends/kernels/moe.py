@@ -64,9 +64,10 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
    Steps 5 and 6 as the split down where asked (`split_down`, the backend's down option, from
    SPLIT_DOWN_MIN_TOKENS tokens): step 4 writes the shared chunks' rows by token into h_shared
    [T, S] instead; `down_split` runs torch's grouped GEMM over the routed experts' segments
-   (offsets `routed_ends`, w2 seen as [E, I, D], no copy) and one dense GEMM of h_shared with
-   shared_w2; `_combine_split_kernel` sums each token's routed rows through the sort's inverse map
-   (`inverse_rows`) times their weights, then its shared row times the gate.
+   (w2 seen as [E, I, D], no copy) and one dense GEMM of h_shared with shared_w2;
+   `_split_maps_kernel` makes the GEMM's offsets and the sort's inverse map from the sort in one
+   launch; `_combine_split_kernel` sums each token's routed rows through that map times their
+   weights, then its shared row times the gate.
 
 Token path (`BLOCK_M == 1`, chosen for tiny T such as batch-1 decode): no sorting. One GEMV program
 per (pair, column tile) computes h, then one program per (token, column tile) runs the down
@@ -873,6 +874,36 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, SENTINEL, D, stride_yp, stride_ot, 
     _store_out_row(out_ptr, t, stride_ot, offs, acc, d_mask, EVEN_D)
 
 
+MAPS_BLOCK = 1024  # sorted rows (or blocks) `_split_maps_kernel` takes at a time
+
+
+@triton.jit(do_not_specialize=["R", "num_blocks", "P"])
+def _split_maps_kernel(sorted_ptr, block_expert_ptr, total_ptr, ends_ptr, inv_ptr, R, num_blocks, P,
+                       E: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_GDC: tl.constexpr):
+    """The split down's maps of the sorted layout (`split_maps`), made from the sort on the device.
+    Each program but the last writes inv[pair] = row for BLOCK sorted rows (rows below total holding
+    a pair below P: padding rows write nothing); the last one counts the blocks below total of each
+    of the E experts and writes each segment's end row (an expert without rows ends where the one
+    before does): the grouped GEMM's offsets. One launch where torch's ops took about fourteen."""
+    pdl_wait(USE_GDC)
+    pid = tl.program_id(0)
+    total = tl.load(total_ptr)
+    if pid < tl.num_programs(0) - 1:
+        rows = pid * BLOCK + tl.arange(0, BLOCK)
+        pairs = tl.load(sorted_ptr + rows, mask=rows < R, other=P)
+        tl.store(inv_ptr + pairs, rows, mask=(rows < total) & (pairs >= 0) & (pairs < P))
+    else:
+        counts = tl.zeros((E_BINS,), dtype=tl.int32)
+        for b0 in range(0, num_blocks, BLOCK):
+            b = b0 + tl.arange(0, BLOCK)
+            ids = tl.load(block_expert_ptr + b, mask=b < num_blocks, other=E)
+            live = (b < total // BLOCK_M) & (ids >= 0) & (ids < E)
+            counts += tl.histogram(tl.where(live, ids, 0), E_BINS, mask=live)
+        e = tl.arange(0, E_BINS)
+        tl.store(ends_ptr + e, tl.cumsum(counts, axis=0) * BLOCK_M, mask=e < E)
+
+
 @triton.jit(do_not_specialize=["SENTINEL"])
 def _combine_split_kernel(yr_ptr, inv_ptr, ys_ptr, ids_ptr, weights_ptr, out_ptr, SENTINEL, E, D, stride_yr, stride_ys,
                           stride_ot, SLOTS: tl.constexpr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
@@ -891,7 +922,7 @@ def _combine_split_kernel(yr_ptr, inv_ptr, ys_ptr, ids_ptr, weights_ptr, out_ptr
         live = (offs * 0 + tl.load(ids_ptr + pair)) < E
         if not EVEN_D:
             live = live & d_mask
-        row = tl.load(inv_ptr + pair)
+        row = tl.load(inv_ptr + pair).to(tl.int64)
         w = tl.load(weights_ptr + pair).to(tl.float32)
         acc += tl.load(yr_ptr + row * stride_yr + offs, mask=live, other=0.0).to(tl.float32) * w
     if HAS_SHARED:
@@ -1552,26 +1583,20 @@ def down_sorted(h, w2, weights, sorted_pairs, block_expert, total, cfg: GemmConf
     return y
 
 
-def routed_ends(block_expert: torch.Tensor, total: torch.Tensor, block_m: int, experts: int) -> torch.Tensor:
-    """int32 [experts]: the end row of each expert's padded segment of the sorted layout (an expert
-    with no rows ends where the one before does): the offsets of a grouped GEMM over the layout.
-    On the device, nothing read back (a captured step's way): blocks at or past `total` (a [1]
-    tensor), and ids outside the experts, are counted in a bin of their own and left out."""
-    blocks = torch.arange(block_expert.numel(), device=block_expert.device)
-    ids = block_expert.long()
-    bins = torch.where((blocks < total // block_m) & (ids >= 0) & (ids < experts), ids, experts)
-    counts = torch.zeros(experts + 1, dtype=torch.long, device=block_expert.device)
-    counts.scatter_add_(0, bins, torch.ones_like(bins))
-    return (counts[:experts].cumsum(0) * block_m).to(torch.int32)
-
-
-def inverse_rows(sorted_pairs: torch.Tensor, total: torch.Tensor, num_pairs: int) -> torch.Tensor:
-    """int64 [num_pairs + 1]: each pair's row in the sorted layout, on the device (entry num_pairs
-    takes the padding rows' writes; a pair routed to no expert keeps an unspecified entry)."""
-    rows = torch.arange(sorted_pairs.numel(), device=sorted_pairs.device)
-    pairs = sorted_pairs.long()
-    pairs = torch.where((rows < total) & (pairs >= 0) & (pairs < num_pairs), pairs, num_pairs)
-    return torch.empty(num_pairs + 1, dtype=torch.long, device=sorted_pairs.device).scatter_(0, pairs, rows)
+def split_maps(sorted_pairs: torch.Tensor, block_expert: torch.Tensor, total: torch.Tensor, block_m: int,
+               experts: int, num_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ends int32 [experts]: the end row of each expert's padded segment of the sorted layout, the
+    offsets of a grouped GEMM over it; inverse int32 [num_pairs]: each pair's sorted row, unspecified
+    for a pair routed to no expert), in one launch of `_split_maps_kernel` on the device: nothing is
+    read back, so a captured step makes them too. Blocks at or past `total` (a [1] tensor) and ids
+    outside the experts are left out of the ends."""
+    ends = torch.empty(experts, dtype=torch.int32, device=sorted_pairs.device)
+    inverse = torch.empty(num_pairs, dtype=torch.int32, device=sorted_pairs.device)
+    R = sorted_pairs.numel()
+    _split_maps_kernel[(cdiv(R, MAPS_BLOCK) + 1,)](
+        sorted_pairs, block_expert, total, ends, inverse, R, block_expert.numel(), num_pairs,
+        E=experts, E_BINS=next_pow2(experts), BLOCK_M=block_m, BLOCK=MAPS_BLOCK, **launch_args(sorted_pairs.device))
+    return ends, inverse
 
 
 # The split down (`--route 'moe=triton_moe[down=split]'`) from this many tokens: where torch's
@@ -1590,11 +1615,11 @@ def down_split(h, h_shared, w2, shared_w2, sorted_pairs, block_expert, total, bl
     """The down projections of the split down: (y_routed [R, D] in sorted order, one grouped GEMM
     over the routed experts' segments with w2 [E, D, I] as it is, seen as [E, I, D]; the rows past
     the last routed segment are not written), (y_shared [T, D] or None: h_shared @ shared_w2^T, one
-    dense GEMM in token order), and the inverse map of the layout (`inverse_rows`)."""
-    E = w2.shape[0]
-    y_routed = torch._grouped_mm(h, w2.transpose(1, 2), offs=routed_ends(block_expert, total, block_m, E))
+    dense GEMM in token order), and the inverse map of the layout (`split_maps`)."""
+    ends, inverse = split_maps(sorted_pairs, block_expert, total, block_m, w2.shape[0], num_pairs)
+    y_routed = torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)
     y_shared = F.linear(h_shared, shared_w2) if h_shared is not None else None
-    return y_routed, y_shared, inverse_rows(sorted_pairs, total, num_pairs)
+    return y_routed, y_shared, inverse
 
 
 def combine_split(y_routed, y_shared, inverse, ids, weights, out, top_k: int, num_experts: int, sentinel: int) -> None:

@@ -160,16 +160,21 @@ def test_the_split_down_gives_the_sorted_downs_output(shared, dtype, monkeypatch
     assert downs == ["down_sorted", "down_split"]
 
 
-def test_the_split_downs_layout_maps_are_made_on_the_device_from_the_sort():
-    """routed_ends: each expert's segment end (blocks past total and foreign ids left out);
-    inverse_rows: each pair's sorted row, the padding rows' writes in the last entry."""
-    from runtime.backends.kernels.moe import inverse_rows, routed_ends
+def test_the_split_downs_layout_maps_are_made_on_the_device_from_the_sort(monkeypatch):
+    """split_maps: each expert's segment end (blocks past total and foreign ids left out; an expert
+    without rows ends where the one before does) and each pair's sorted row (padding rows and rows
+    past total write nothing), with rows and blocks in several passes of the kernel."""
+    from runtime.backends.kernels import moe
 
+    monkeypatch.setattr(moe, "MAPS_BLOCK", 4)  # 10 rows: three row programs; 7 blocks: two passes
     block_expert = torch.tensor([0, 0, 2, 3, 3, 1, 7], dtype=torch.int32)  # blocks 5, 6 past total
-    assert routed_ends(block_expert, torch.tensor([5 * 4]), 4, 4).tolist() == [8, 8, 12, 20]
     sorted_pairs = torch.tensor([3, 0, 5, 5, 1, 2, 4, 5, 9, 9], dtype=torch.int32)  # pair 5: padding
-    inv = inverse_rows(sorted_pairs, torch.tensor([8]), 5)
-    assert inv[:5].tolist() == [1, 4, 5, 0, 6]
+    ends, inv = moe.split_maps(sorted_pairs, block_expert, torch.tensor([5 * 4], dtype=torch.int32), 4, 4, 5)
+    assert ends.tolist() == [8, 8, 12, 20]
+    assert inv.tolist() == [1, 4, 5, 0, 6]
+    ends, inv = moe.split_maps(sorted_pairs, block_expert, torch.tensor([4], dtype=torch.int32), 4, 4, 5)
+    assert ends.tolist() == [4, 4, 4, 4]
+    assert inv[[0, 3]].tolist() == [1, 0]  # pairs 1, 2 and 4 sit past total: their entries unspecified
 
 
 @pytest.mark.parametrize("inter,shared_width", [(16, 16), (24, 40)], ids=["whole_tile", "masked_tail"])
