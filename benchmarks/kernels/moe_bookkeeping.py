@@ -51,13 +51,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench_common import device_facts, device_rates, kernels_per_call, rel_err  # noqa: E402
-from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
+from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer, runtime_config  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference  # noqa: E402
 from runtime.backends.kernels.launch_math import cdiv, next_pow2  # noqa: E402
 from runtime.backends.kernels.moe import (  # noqa: E402
     combine, down_sorted, fused_moe, gate_up_sorted, max_sorted_rows, route, shared_chunks, sort_tokens,
 )
-from runtime.backends.kernels.moe_config import default_config  # noqa: E402
 from testkit.moe_checks import combine_reference, sorted_layout_reference  # noqa: E402
 
 TOKENS_GPU = [32, 512, 4096]
@@ -157,7 +156,7 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
     experts, slots = E + n_shared, top_k + n_shared
     routing = (top_k, ROUTING["scoring"], ROUTING["renormalize"], ROUTING["routed_scale"],
                ROUTING["num_groups"], ROUTING["topk_groups"])
-    config = default_config(T, E, I, D, top_k)
+    config, config_source = runtime_config(bench, T, E, top_k)
     bm = config.gate_up.BLOCK_M
     assert config.path == "sorted", f"T={T}: the token path has no sort or combine"
     x = torch.randn(T, D, device=bench.device).to(bench.dtype)
@@ -220,13 +219,13 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
     live = int((ids < experts).sum())
     combine_bytes = (live + T) * D * y.element_size() + ids.numel() * 4
     row = {"T": T, "E": E, "top_k": top_k, "D": D, "I": I, "S": bench.S, "pairs": ids.numel(), "BLOCK_M": bm,
-           "checks": checks, "us": times, "combine_bytes": combine_bytes,
+           "config_source": config_source, "checks": checks, "us": times, "combine_bytes": combine_bytes,
            "combine_GBps": combine_bytes / times["combine"] / 1e3,
            "combine_before_GBps": combine_bytes / times["combine_before"] / 1e3,
            "combine_copy_floor_us": combine_bytes / rates["copy_bytes_per_s"] * 1e6,
            "kernels_per_call": kernels_per_call(lambda: fused(out)),
            "kernels_per_call_before": kernels_per_call(lambda: fused_before(out))}
-    print(f"[T={T}] checks {checks}", flush=True)
+    print(f"[T={T}, {config_source} tiles] checks {checks}", flush=True)
     print("    us: " + " ".join(f"{k}={v:.1f}" for k, v in times.items())
           + f"; combine {row['combine_GBps']:.0f} GB/s (before {row['combine_before_GBps']:.0f}),"
           f" copy floor {row['combine_copy_floor_us']:.1f} us; kernels per call {row['kernels_per_call']}"

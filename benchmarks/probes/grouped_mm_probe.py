@@ -14,7 +14,8 @@ expert GEMMs themselves, and what the data movement it needs around them costs:
   the down rows, the routing weight and a scatter of each row to its pair.
 
 Both run on `sort_tokens`'s layout at the op's BLOCK_M (experts 0..15 and the shared expert as
-expert 16, each segment padded to BLOCK_M: the group offsets are the segments' ends).
+expert 16, each segment padded to BLOCK_M: the group offsets are the segments' ends), ours at the
+tiles the runtime takes on the card (moe_layers.runtime_config: its tuned table where it has one).
 
 And the split down (`--route 'moe=triton_moe[down=split]'`, kernels/moe.py `down_split`) as the
 fused MoE runs it: the gate-up kernel with the shared expert's rows by token, torch's grouped GEMM
@@ -49,11 +50,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench_common import device_facts, device_rates, rel_err  # noqa: E402
-from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
+from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer, runtime_config  # noqa: E402
 from runtime.backends.cpu_reference import moe_reference  # noqa: E402
 from runtime.backends.kernels.moe import (combine, combine_split, down_sorted, down_split,  # noqa: E402
                                           gate_up_sorted, route, shared_chunks, sort_tokens, split_maps)
-from runtime.backends.kernels.moe_config import default_config  # noqa: E402
 
 TOKENS_GPU = [512, 1024, 2048, 4096]  # 1024: between the last count the library lost at and the first it won
 TOKENS_DRY = [64, 300]
@@ -67,7 +67,7 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
     experts, slots = E + n_shared, top_k + n_shared
     routing = (top_k, ROUTING["scoring"], ROUTING["renormalize"], ROUTING["routed_scale"],
                ROUTING["num_groups"], ROUTING["topk_groups"])
-    config = default_config(T, E, I, D, top_k)
+    config, config_source = runtime_config(bench, T, E, top_k)
     assert config.path == "sorted", f"T={T}: the token path has no sorted layout"
     bm = config.gate_up.BLOCK_M
     dev, dt = bench.device, bench.dtype
@@ -181,10 +181,11 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
         ("ours_gate_up", flops_gate_up), ("grouped_gate_up", flops_gate_up),
         ("ours_down", flops_down), ("grouped_down", flops_down))}
     matmul = rates["matmul_flops_per_s"] / 1e12
-    row = {"T": T, "pairs": P, "sorted_rows": total, "BLOCK_M": bm, "checks": checks, "us": times,
+    row = {"T": T, "pairs": P, "sorted_rows": total, "BLOCK_M": bm, "config": config.to_dict(),
+           "config_source": config_source, "checks": checks, "us": times,
            "tflops": tflops, "matmul_tflops": matmul,
            "share_of_matmul_rate": {k: v / matmul for k, v in tflops.items()}}
-    print(f"[T={T}, rows {total}] checks {checks}", flush=True)
+    print(f"[T={T}, rows {total}, {config_source} tiles] checks {checks}", flush=True)
     print("    us: " + " ".join(f"{k}={v:.1f}" for k, v in times.items()), flush=True)
     print("    TFLOP/s: " + " ".join(f"{k}={v:.0f} ({v / matmul:.0%})" for k, v in tflops.items()), flush=True)
     return row
