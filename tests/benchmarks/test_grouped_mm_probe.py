@@ -22,6 +22,8 @@ def test_dry_run_checks_both_paths_then_times_every_piece(tmp_path):
     checks = row["checks"]
     assert checks["ok"] and checks["grouped_vs_ours"] < 3e-2 and checks["split_vs_ours"] < 3e-2, checks
     assert row["sorted_rows"] % row["BLOCK_M"] == 0 and row["sorted_rows"] >= row["pairs"]
+    # ours at the runtime's tiles: no tuned table for the CPU, so default_config's, as fused_moe takes them
+    assert row["config_source"] == "default" and row["config"]["gate_up"]["BLOCK_M"] == row["BLOCK_M"]
     assert set(row["us"]) == {"ours_gate_up", "ours_down", "gather", "grouped_gate_up", "act", "grouped_down",
                               "scatter", "ours_all", "grouped_all", "ours_down_combine", "split_gate_up", "split_down",
                               "split_combine", "split_down_combine", "split_all"}
