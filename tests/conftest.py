@@ -2,7 +2,10 @@
 
 import gc
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,19 +40,22 @@ gc.set_threshold(10_000, 10, 10)
 def pytest_configure(config):
     """Under `-n auto --dist loadscope` a module is one unit of work, and pytest-xdist hands the
     units out in the order of the collection instead of its own (most tests first), so that
-    pytest_collection_modifyitems decides it. Under Triton's interpreter, its patching of
-    triton.language at each launch walks a list of names made once (testkit/triton_interpreter.py)."""
+    pytest_collection_modifyitems decides it. Under Triton's interpreter, the interpreter runs with
+    the suite's patches of it (testkit/triton_interpreter.py: the same results, in less time).
+    Inductor's C++ compiles go through the run's compile cache (testkit/cxx_cache.py), made here by
+    the process that starts the run (xdist's workers, and every process a test starts, inherit it)."""
+    from testkit import cxx_cache
+
+    if not hasattr(config, "workerinput") and cxx_cache.CACHE_DIR not in os.environ:
+        folder = Path(tempfile.mkdtemp(prefix="hgc-test-cxx-"))
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))  # nothing outlives the run
+        cxx_cache.install(folder)
     if getattr(config.option, "dist", None) == "loadscope" and hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        from testkit.triton_interpreter import (cache_builtin_names, cache_np_dtypes, row_independent_dots,
-                                                skip_discarded_overflow_checks, vectorized_xor_reductions)
+        from testkit.triton_interpreter import install_interpreter_patches
 
-        cache_builtin_names()  # the interpreter's launches find triton.language's builtins by a list made once
-        cache_np_dtypes()  # and the numpy dtype of a Triton dtype by its name, once
-        row_independent_dots()  # a dot gives a row the same bits wherever it sits in the tile, as on a GPU
-        skip_discarded_overflow_checks()  # no integer overflow check a non-debug build would drop anyway
-        vectorized_xor_reductions()  # tl.sort's XOR reductions in numpy, not element by element
+        install_interpreter_patches()
 
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected the gpu tests
