@@ -51,6 +51,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from runtime.cache.batch import SeqState, build_step, commit_step
 
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    # A dry run's kernels under Triton's interpreter: patched as in the test suite's processes, so they
+    # compute what the kernel tests check, in about half the time (testkit/triton_interpreter.py). A
+    # machine without pytest (which testkit's module imports) runs the interpreter as Triton ships it.
+    try:
+        from testkit.triton_interpreter import install_interpreter_patches
+    except ImportError:
+        pass
+    else:
+        install_interpreter_patches()
+
 __all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
            "synchronizer", "host_profile", "engine_script", "target_rows", "verdict", "compiled_artifact", "release_config", "load_format", "host_speed_ms",
            "launch_check_ms", "device_gaps", "replay_host_split"]

@@ -110,6 +110,22 @@ def _wrap_method(owner_name: str, name: str, make) -> bool:
     return True
 
 
+def install_interpreter_patches() -> None:
+    """Every patch of Triton's interpreter below, in this process (each once; where the kernels are
+    not interpreted each leaves Triton as it is): tests/conftest.py for the suite's processes, and
+    benchmarks/bench_common.py for a benchmark's dry run, whose kernels took twice their time under
+    the interpreter as Triton ships it."""
+    cache_builtin_names()  # the interpreter's launches find triton.language's builtins by a list made once
+    cache_np_dtypes()  # and the numpy dtype of a Triton dtype by its name, once
+    row_independent_dots()  # a dot gives a row the same bits wherever it sits in the tile, as on a GPU
+    skip_discarded_overflow_checks()  # no integer overflow check a non-debug build would drop anyway
+    vectorized_xor_reductions()  # tl.sort's XOR reductions in numpy, not element by element
+    shared_block_shapes()  # a block shape's parts made once per shape, not at every op
+    no_broadcast_between_equal_shapes()  # two blocks of one shape need no broadcast
+    computation_types_once()  # a binary op's promoted dtype kept per pair of dtypes
+    languages_by_identity()  # a kernel's names for triton.language found by identity
+
+
 def cache_builtin_names() -> bool:
     """Triton's interpreter patches the builtins of `triton.language` (tl, tl.tensor, tl.math, tl.core)
     at every launch and again at every call of one @jit function from another, and finds them each
@@ -256,6 +272,180 @@ def _numpy_xor_reduce(original):
 
     apply_impl.original = original
     return apply_impl
+
+
+def shared_block_shapes() -> bool:
+    """Every tl op under the interpreter makes a block type for its result and a tensor of it, and
+    each made its shape anew: a triton `tuple` of the dims with a type per dim, checked for powers of
+    two and named (block_type), then a tuple of constexprs and their product (tensor): about a fifth
+    of a kernel test's time. A kernel has a few shapes, so those parts are made once per shape (of
+    ints) and shared by the types and tensors of that shape; the first block type of a shape is made
+    by Triton's own constructor (its checks and errors included) and a shape that is not all ints
+    always is. Nothing changes them after construction (a kernel gets new tensors from each op), so
+    every type and tensor holds what it held. True when installed."""
+    interpreter = _interpreter()
+    if interpreter is None:
+        return False
+    import builtins
+    import math
+
+    import triton.language.core as core
+
+    block_type, tensor = core.block_type, core.tensor
+    if getattr(block_type.__init__, "testkit_wrapper", False):
+        return True
+    try:
+        probe = block_type(core.float32, [2, 4])
+        made = core.tensor(None, probe)
+    except Exception:
+        return False
+    if not (isinstance(probe.shape, core.tuple) and isinstance(made.shape, core.tuple)
+            and probe.name == f"<{probe.shape}, {core.float32}>" and made.numel == 8):
+        return False  # a Triton whose types are built otherwise: left as it is
+    original_block_type_init = block_type.__init__
+    by_dims: dict = {}  # dims (ints) -> (the block type's shape, numel, shape text)
+    for_tensors: dict = {id(()): ((), core.constexpr(1), core.tuple([]))}  # id(shared shape) -> its tensor parts
+
+    def dims_of(shape):
+        values = shape.values if type(shape) is core.tuple else shape
+        if type(values) is not list and type(values) is not builtins.tuple:
+            return None
+        dims = builtins.tuple(v.value if type(v) is core.constexpr else v for v in values)
+        return dims if dims and all(type(d) is int for d in dims) else None
+
+    def block_type_init(self, element_ty, shape):
+        dims = dims_of(shape)
+        found = by_dims.get(dims) if dims is not None else None
+        if found is None:
+            original_block_type_init(self, element_ty, shape)
+            if dims is not None:
+                by_dims[dims] = (self.shape, self.numel, str(self.shape))
+                for_tensors[id(self.shape)] = (self.shape, core.constexpr(math.prod(dims)),
+                                               core.tuple([core.constexpr(d) for d in dims]))
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, text = found
+        self.name = f"<{text}, {element_ty}>"
+
+    def tensor_init(self, handle, type):
+        self.handle = handle
+        shape = type.shape if type.is_block() else ()
+        found = for_tensors.get(id(shape))
+        if found is not None and found[0] is shape:
+            _, self.numel, self.shape = found
+        else:
+            self.numel = core.constexpr(math.prod(shape))
+            self.shape = core.tuple([core.constexpr(s) for s in shape])
+        self.type = type
+        self.dtype = type.scalar
+
+    block_type_init.testkit_wrapper = tensor_init.testkit_wrapper = True
+    block_type.__init__, tensor.__init__ = block_type_init, tensor_init
+    return True
+
+
+def no_broadcast_between_equal_shapes() -> bool:
+    """Each binary op of two blocks asks `broadcast_impl_value` for their common shape, which compares
+    the dims one by one and each shape with the result through triton's tuple equality: where both
+    blocks have the same dims it returns them as they are, which is what this asks first. True when
+    installed."""
+    interpreter = _interpreter()
+    semantic = getattr(interpreter, "TritonSemantic", None) if interpreter is not None else None
+    original = getattr(semantic, "broadcast_impl_value", None)
+    if original is None:
+        return False
+    if getattr(original, "testkit_wrapper", False):
+        return True
+    import triton.language.core as core
+
+    def broadcast_impl_value(self, lhs, rhs):
+        a, b = lhs.type, rhs.type
+        if type(a) is core.block_type and type(b) is core.block_type and (
+                a.shape is b.shape or a.shape.values == b.shape.values):
+            return lhs, rhs
+        return original(self, lhs, rhs)
+
+    broadcast_impl_value.testkit_wrapper = True
+    semantic.broadcast_impl_value = broadcast_impl_value
+    return True
+
+
+def computation_types_once() -> bool:
+    """Each binary op of two values asks `computation_type_impl` for the dtype both are cast to,
+    a walk of promotion rules over the two scalar dtypes, whether each is a Python scalar and
+    whether the op divides: a function of those five alone (an error raised for a pair is raised
+    again). Here each answer is kept after its first time. True when installed."""
+    interpreter = _interpreter()
+    semantic = getattr(interpreter, "TritonSemantic", None) if interpreter is not None else None
+    original = getattr(semantic, "computation_type_impl", None)
+    if original is None:
+        return False
+    if getattr(original, "testkit_wrapper", False):
+        return True
+    import triton.language as tl
+
+    answers: dict = {}
+
+    def computation_type_impl(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod):
+        if type(a_ty) is not tl.dtype or type(b_ty) is not tl.dtype:  # pointer and block types: Triton's
+            return original(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
+        key = (a_ty.name, bool(a_is_scalar), b_ty.name, bool(b_is_scalar), bool(div_or_mod))
+        found = answers.get(key)
+        if found is None:
+            found = answers[key] = original(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
+        return found
+
+    computation_type_impl.testkit_wrapper = True
+    semantic.computation_type_impl = computation_type_impl
+    return True
+
+
+# triton/runtime/interpreter.py's _patch_lang as `languages_by_identity` was written against (sha256 of
+# its source): another Triton's is left as it is.
+_PATCH_LANG_SHA256 = "e5beeba74ada48294c1d0dbee3e55a5ac185992e2197b7ee706f3f061d880989"
+
+
+def languages_by_identity() -> bool:
+    """At every launch and every call of one @jit function from another, the interpreter's
+    `_patch_lang` finds the names a kernel's module gives triton.language by walking the module's
+    globals with `inspect.ismodule` and a list comparison (`value in [tl, tl.core]`, which for a
+    module is identity): about a twentieth of a kernel test's time. Here the same walk asks
+    `is tl or is tl.core`, the same modules in the same order, and the rest of the function is
+    Triton's, step for step. True when installed."""
+    import hashlib
+    import inspect
+
+    interpreter = _interpreter()
+    original = getattr(interpreter, "_patch_lang", None) if interpreter is not None else None
+    if original is None:
+        return False
+    if getattr(original, "testkit_wrapper", False):
+        return True
+    try:
+        if hashlib.sha256(inspect.getsource(original).encode()).hexdigest() != _PATCH_LANG_SHA256:
+            return False
+    except (OSError, TypeError):
+        return False
+    tl = interpreter.tl
+
+    def patch_lang(fn):
+        scope = interpreter._LangPatchScope()
+        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        assert len(langs) >= 1, "triton.language must be visible from within jit'd function"
+        builder, patch_builtin = interpreter.interpreter_builder, interpreter._patch_builtin
+        for lang in langs:
+            patch_builtin(lang, builder, scope)
+            patch_builtin(lang.tensor, builder, scope)
+            if lang == tl:
+                patch_builtin(lang.math, builder, scope)
+            interpreter._patch_lang_tensor(lang.tensor, scope)
+            interpreter._patch_lang_core(lang, scope)
+        patch_builtin(tl.core.tensor_descriptor_base, builder, scope)
+        return scope
+
+    patch_lang.testkit_wrapper = True
+    interpreter._patch_lang = patch_lang
+    return True
 
 
 @contextlib.contextmanager
