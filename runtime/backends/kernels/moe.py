@@ -1600,8 +1600,10 @@ def split_maps(sorted_pairs: torch.Tensor, block_expert: torch.Tensor, total: to
 
 
 # The split down (`--route 'moe=triton_moe[down=split]'`) from this many tokens: where torch's
-# grouped GEMM (CUTLASS on sm90) beat the sorted down kernel on the H200 (97.5 against 125.7 us at
-# 4096 tokens, 58.9 against 71.0 at 2048; slower at 512: grouped_mm_probe_h200_2026-12-04.json).
+# grouped GEMM (CUTLASS on sm90) beat the sorted down kernel at default_config's tiles on the H200
+# (97.5 against 125.7 us at 4096 tokens, 58.9 against 71.0 at 2048; grouped_mm_probe_h200_2026-12-04.json).
+# The tuned table's down took 88.0 us at 4096 there, and on an H100 the whole split lost at every
+# count (DESIGN, "Fusion passes"): the option stays off by default.
 SPLIT_DOWN_MIN_TOKENS = 2048
 
 
