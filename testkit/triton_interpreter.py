@@ -349,25 +349,18 @@ def no_broadcast_between_equal_shapes() -> bool:
     the dims one by one and each shape with the result through triton's tuple equality: where both
     blocks have the same dims it returns them as they are, which is what this asks first. True when
     installed."""
-    interpreter = _interpreter()
-    semantic = getattr(interpreter, "TritonSemantic", None) if interpreter is not None else None
-    original = getattr(semantic, "broadcast_impl_value", None)
-    if original is None:
-        return False
-    if getattr(original, "testkit_wrapper", False):
-        return True
     import triton.language.core as core
 
-    def broadcast_impl_value(self, lhs, rhs):
-        a, b = lhs.type, rhs.type
-        if type(a) is core.block_type and type(b) is core.block_type and (
-                a.shape is b.shape or a.shape.values == b.shape.values):
-            return lhs, rhs
-        return original(self, lhs, rhs)
+    def make(original):
+        def broadcast_impl_value(self, lhs, rhs):
+            a, b = lhs.type, rhs.type
+            if type(a) is core.block_type and type(b) is core.block_type and (
+                    a.shape is b.shape or a.shape.values == b.shape.values):
+                return lhs, rhs
+            return original(self, lhs, rhs)
+        return broadcast_impl_value
 
-    broadcast_impl_value.testkit_wrapper = True
-    semantic.broadcast_impl_value = broadcast_impl_value
-    return True
+    return _wrap_method("TritonSemantic", "broadcast_impl_value", make)
 
 
 def computation_types_once() -> bool:
@@ -375,29 +368,22 @@ def computation_types_once() -> bool:
     a walk of promotion rules over the two scalar dtypes, whether each is a Python scalar and
     whether the op divides: a function of those five alone (an error raised for a pair is raised
     again). Here each answer is kept after its first time. True when installed."""
-    interpreter = _interpreter()
-    semantic = getattr(interpreter, "TritonSemantic", None) if interpreter is not None else None
-    original = getattr(semantic, "computation_type_impl", None)
-    if original is None:
-        return False
-    if getattr(original, "testkit_wrapper", False):
-        return True
     import triton.language as tl
 
-    answers: dict = {}
+    def make(original):
+        answers: dict = {}
 
-    def computation_type_impl(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod):
-        if type(a_ty) is not tl.dtype or type(b_ty) is not tl.dtype:  # pointer and block types: Triton's
-            return original(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
-        key = (a_ty.name, bool(a_is_scalar), b_ty.name, bool(b_is_scalar), bool(div_or_mod))
-        found = answers.get(key)
-        if found is None:
-            found = answers[key] = original(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
-        return found
+        def computation_type_impl(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod):
+            if type(a_ty) is not tl.dtype or type(b_ty) is not tl.dtype:  # pointer and block types: Triton's
+                return original(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
+            key = (a_ty.name, bool(a_is_scalar), b_ty.name, bool(b_is_scalar), bool(div_or_mod))
+            found = answers.get(key)
+            if found is None:
+                found = answers[key] = original(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
+            return found
+        return computation_type_impl
 
-    computation_type_impl.testkit_wrapper = True
-    semantic.computation_type_impl = computation_type_impl
-    return True
+    return _wrap_method("TritonSemantic", "computation_type_impl", make)
 
 
 # triton/runtime/interpreter.py's _patch_lang as `languages_by_identity` was written against (sha256 of
@@ -415,37 +401,31 @@ def languages_by_identity() -> bool:
     import hashlib
     import inspect
 
-    interpreter = _interpreter()
-    original = getattr(interpreter, "_patch_lang", None) if interpreter is not None else None
-    if original is None:
-        return False
-    if getattr(original, "testkit_wrapper", False):
-        return True
-    try:
-        if hashlib.sha256(inspect.getsource(original).encode()).hexdigest() != _PATCH_LANG_SHA256:
-            return False
-    except (OSError, TypeError):
-        return False
-    tl = interpreter.tl
+    def make(interpreter, original):
+        try:
+            if hashlib.sha256(inspect.getsource(original).encode()).hexdigest() != _PATCH_LANG_SHA256:
+                return None
+        except (OSError, TypeError):
+            return None
+        tl = interpreter.tl
 
-    def patch_lang(fn):
-        scope = interpreter._LangPatchScope()
-        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
-        assert len(langs) >= 1, "triton.language must be visible from within jit'd function"
-        builder, patch_builtin = interpreter.interpreter_builder, interpreter._patch_builtin
-        for lang in langs:
-            patch_builtin(lang, builder, scope)
-            patch_builtin(lang.tensor, builder, scope)
-            if lang == tl:
-                patch_builtin(lang.math, builder, scope)
-            interpreter._patch_lang_tensor(lang.tensor, scope)
-            interpreter._patch_lang_core(lang, scope)
-        patch_builtin(tl.core.tensor_descriptor_base, builder, scope)
-        return scope
+        def patch_lang(fn):
+            scope = interpreter._LangPatchScope()
+            langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+            assert len(langs) >= 1, "triton.language must be visible from within jit'd function"
+            builder, patch_builtin = interpreter.interpreter_builder, interpreter._patch_builtin
+            for lang in langs:
+                patch_builtin(lang, builder, scope)
+                patch_builtin(lang.tensor, builder, scope)
+                if lang == tl:
+                    patch_builtin(lang.math, builder, scope)
+                interpreter._patch_lang_tensor(lang.tensor, scope)
+                interpreter._patch_lang_core(lang, scope)
+            patch_builtin(tl.core.tensor_descriptor_base, builder, scope)
+            return scope
+        return patch_lang
 
-    patch_lang.testkit_wrapper = True
-    interpreter._patch_lang = patch_lang
-    return True
+    return _wrap("_patch_lang", make)
 
 
 @contextlib.contextmanager
