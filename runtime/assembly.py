@@ -292,6 +292,14 @@ def _capture(graphs, device):
     return graphs
 
 
+def _may_tune(art) -> bool:
+    """Whether this start-up is a build's (`load_built`): its compiled pieces' kernels choose their
+    launch configurations at their first launch and the bundle keeps the choices; a run loads them
+    and runs no tuning step, so it launches nothing the build did not (GraphRunner's `tuning_step`
+    says why the first launch matters)."""
+    return art.compiled is not None and art.compiled.building
+
+
 def _graph_runner(art, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, limits: dict, draft_tokens: int,
                   capture, log: Callable[[str], None], progress) -> GraphRunner:
     """The main program's GraphRunner, started: the artifact's recorded buckets (manifest "buckets")
@@ -317,7 +325,8 @@ def _graph_runner(art, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, li
                          max_pages_per_seq=kv_pool.pages_for(limits["max_seq_len"] + draft_tokens),
                          extend_max_seqs=extend_seqs(max(recorded["decode_batch_sizes"], default=1), extend),
                          chunk_size=limits["token_budget"],
-                         graphs=capture, verify_buckets=verify, verify_tokens=draft_tokens + 1)
+                         graphs=capture, verify_buckets=verify, verify_tokens=draft_tokens + 1,
+                         tuning_step=_may_tune(art))
     runner.start(_vocab_size(art), log=log, progress=progress)
     if art.compiled is not None:
         art.compiled.parity = list(runner.parity.compiled.values())
@@ -352,7 +361,7 @@ def _draft_runner(art, draft_ops: BoundOps, main: GraphRunner, kv_pool: KVPool, 
                         max_pages_per_seq=main.max_pages, extend_max_seqs=main.extend_max_seqs,
                         chunk_size=main.chunk_size, graphs=main.graphs,
                         verify_buckets=main.verify_buckets, verify_tokens=draft_tokens + 1,
-                        verify_logits_rows=1)
+                        verify_logits_rows=1, tuning_step=main.tuning_step)
     if steps.max_tokens > main.max_tokens or steps.max_seqs > main.max_seqs:
         raise ValueError(f"the draft's graph buckets ({steps.max_tokens} tokens, {steps.max_seqs} requests) "
                          f"exceed the main runner's static buffers ({main.max_tokens}, {main.max_seqs})")

@@ -236,6 +236,9 @@ class CompiledBundle:
     load_phases: dict = dataclasses.field(default_factory=dict)  # seconds per step of open_bundle
     watches: list = dataclasses.field(default_factory=list)
     parity: list = dataclasses.field(default_factory=list)  # start-up reports: compiled against traced glue
+    # A build's own start-up (load_built): its kernels choose their launch configurations now, for
+    # the bundle; a run loads those choices (GraphRunner's `tuning_step`)
+    building: bool = False
 
     def glue(self, program: str):
         from runtime.artifact.compiled_glue import CompiledGlue
@@ -421,7 +424,8 @@ def load_built(doc: dict, root: Path, caches: dict[str, Path], rank: int = 0) ->
     """A bundle built in this process and not yet in an artifact (`hgc build` runs it once before
     bundling the kernels its start-up builds): its pieces (rank `rank`'s) from `root`, Inductor's
     cache at the build's own folder, builds allowed (building is the point)."""
-    bundle = CompiledBundle(doc["target"], doc["facts"], doc, {}, caches, CompiledOptions(allow_builds=True), "")
+    bundle = CompiledBundle(doc["target"], doc["facts"], doc, {}, caches, CompiledOptions(allow_builds=True), "",
+                            building=True)
     with cache_env({"inductor": caches["inductor"]}), bundle.watch():
         bundle.pieces = _load_pieces(root, doc, rank)
     return bundle

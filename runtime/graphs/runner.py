@@ -14,8 +14,9 @@ Lifecycle:
    rows and every ExecContext tensor; `StepStaging`). Each step that replays graphs has its
    host-built tensors copied into them in place (one copy per dtype, never reassigned), so every
    captured kernel reads the same addresses; an eager step uses its own tensors and may be of any size.
-2. `capture()` (start-up only): `backend.init_capture_state`, then for each decode bucket,
-   largest first, one graph of the whole step when the artifact's decode plan (split.json) is one
+2. `capture()` (start-up only): `backend.init_capture_state`, then (`tuning_step`, a build's
+   start-up) the largest extend bucket's step eagerly, where Inductor's kernels then time their
+   candidate launch configurations, then for each decode bucket, largest first, one graph of the whole step when the artifact's decode plan (split.json) is one
    captured piece, or piecewise graphs otherwise; the same for each target_verify bucket
    (speculative decoding: `verify_tokens` tokens per request, so a bucket of B requests is
    B * verify_tokens rows; whole-step graphs where split.json's target_verify plan is one captured
@@ -100,7 +101,8 @@ class GraphRunner:
                  decode_buckets=DEFAULT_DECODE_BATCH_SIZES, extend_buckets=DEFAULT_EXTEND_TOKEN_COUNTS,
                  max_pages_per_seq: int, extend_max_seqs: int = 16, chunk_size: Optional[int] = None,
                  decode_graphs: str = "full", debug: bool = False, graphs=None,
-                 verify_buckets=(), verify_tokens: int = 0, verify_logits_rows: Optional[int] = None):
+                 verify_buckets=(), verify_tokens: int = 0, verify_logits_rows: Optional[int] = None,
+                 tuning_step: bool = False):
         """program: a loaded ProgramRunner (runtime/artifact/loader.py): `name`, `module_for(mode)`, `weights`, `plans`.
 
         kv_pool / state_pool: the caches the ops read and write (the parity check saves and
@@ -116,6 +118,10 @@ class GraphRunner:
         rows per request in such a step (the main program: every token, the default; the draft:
         1, the last accepted position). The state pool's intermediate states must hold the
         largest verify bucket (`StatePool.verify_rows`).
+        tuning_step: `capture()` first runs the largest extend bucket's step eagerly, so that the
+        kernels which choose a launch configuration by timing candidates at their first launch
+        choose it there (`_tuning_step`); for a start-up that may tune (a build), not one that loads
+        the choices.
         """
         if decode_graphs not in ("full", "piecewise"):
             raise ValueError(f"decode_graphs must be 'full' or 'piecewise', not {decode_graphs!r}")
@@ -160,6 +166,8 @@ class GraphRunner:
         self.op_outs: dict[CaptureKey, list[OpRecord]] = {}  # each op's `out` in the key's graphs
         self.parity = ParityRecord()  # what start-up parity found (runtime/graphs/startup_parity.py)
         self.variant_steps: tuple[tuple[int, ...], float] = ((), 0.0)  # (token counts, seconds): capture's last
+        self.tuning_step = tuning_step
+        self.tuned_on: Optional[CaptureKey] = None  # the key whose step ran first (`_tuning_step`), if one did
 
     # -- what the buckets and the backend say (derived, not kept) ---------------------------
 
@@ -392,6 +400,8 @@ class GraphRunner:
             self.backend.init_capture_state(self.max_tokens, self.max_seqs)
         self.state.pool = pool if pool is not None else self.graphs.new_pool()
         keys = self.capture_keys()
+        if self.tuning_step:
+            self._tuning_step(keys)
         for key in progress(keys, desc="capture CUDA graphs (and build kernels)", unit="graph") if progress else keys:
             inputs, ctx = self._fill(self._dummy_step(key), key)
             # Every op's `out` as the graph leaves it: the parity check compares them layer by layer.
@@ -447,12 +457,36 @@ class GraphRunner:
         t0 = time.perf_counter()
         counts = self.backend.kernel_variant_tokens(max(self.chunk_size, KERNEL_VARIANT_TOKENS))
         for tokens in counts:
-            step = self._dummy_step(CaptureKey(Mode.EXTEND, tokens, -(-tokens // per_request)))
-            inputs, ctx = self._fill(step, None)
-            self._plan(ctx, None)
-            with self.ops.step(ctx):
-                self._call(self._module(Mode.EXTEND), inputs)
+            self._eager_dummy_step(CaptureKey(Mode.EXTEND, tokens, -(-tokens // per_request)))
         self.variant_steps = (counts, time.perf_counter() - t0)
+
+    def _tuning_step(self, keys: list[CaptureKey]) -> None:
+        """The largest extend key's step, eagerly, before any capture (`tuning_step`).
+
+        Why: Inductor's Triton kernels choose their launch configuration (block sizes, warps) by
+        timing each candidate at their first launch, with that launch's sizes, and keep the choice
+        for every size after it, since a compiled piece serves every token count; the build writes
+        the choice into the bundle and a run loads it. Captures run the largest decode bucket first,
+        where a glue kernel takes 1 to 4 us of device time, less than the autotuner's own Python
+        launch of each timed call, so the timings measure the launches and the pick is almost at
+        random; a choice that costs nothing there can take twice the time of another on a long
+        prompt: the same glue kernels of bench qwen3_next's GQA layers took 48.5 or 85.8
+        and 41.2 or 80.6 us at 4096 tokens (6.6 or 11.3, 6.0 or 10.9 at 512) in builds of the same
+        code (H200 step accounts of 2026-12-02 to 12-05, benchmarks/results/), and the choice that
+        won at 4096 won at 128 too. A long step is where the candidates differ most, and where a
+        wrong choice costs the most time. Kernels that only decode steps launch still tune on the
+        largest decode bucket."""
+        extend = [k for k in keys if k.mode == Mode.EXTEND]
+        if extend:
+            self.tuned_on = max(extend, key=lambda k: (k.tokens, k.seqs))
+            self._eager_dummy_step(self.tuned_on)
+
+    def _eager_dummy_step(self, key: CaptureKey) -> None:
+        """An eager step of `key`'s shape (`_dummy_step`: the padding slot, no KV written)."""
+        inputs, ctx = self._fill(self._dummy_step(key), None)
+        self._plan(ctx, None)
+        with self.ops.step(ctx):
+            self._call(self._module(key.mode), inputs)
 
     def _whole_step(self, module, inputs, ctx: ExecContext, key: CaptureKey) -> list:
         """What a whole-step graph records: the backends' replay state where the graph holds it
@@ -468,6 +502,9 @@ class GraphRunner:
         t0 = time.perf_counter()
         self.capture(progress=progress)
         log(f"captured {len(self.keys)} graphs ({', '.join(map(str, self.keys))}) in {time.perf_counter() - t0:.1f} s")
+        if self.tuned_on is not None:
+            log(f"tuning step: {self.tuned_on} ran first, eagerly: kernels that time their launch configurations "
+                f"at first launch chose them there")
         counts, seconds = self.variant_steps
         if counts:
             log(f"kernel variants: eager steps of {', '.join(map(str, counts))} tokens in {seconds:.2f} s")

@@ -59,7 +59,7 @@ def built(request, tmp_path_factory):
                "--decode-buckets", "1,2,4", "--extend-buckets", extends, "--no-dumps", caches=root / "build-caches",
                home=root / "home")
     return {"root": root, "art": root / "a", "home": root / "home", "family": family, "dtype": dtype,
-            "log": proc.stderr}
+            "extends": extends, "log": proc.stderr}
 
 
 def run_json(built, name: str, *flags) -> dict:
@@ -111,8 +111,10 @@ def test_compile_with_inductor_builds_the_bundle_on_cuda(built):
     # CONFIGS entry, so its kernel runs F.linear here: tests/gpu/test_gpu_glue_gemv.py runs the GEMV)
     assert doc["small_m_linear"] is True and "glue projections: calls of hgc_glue::small_m_linear" in built["log"]
     assert sum(doc["pieces"][s["piece"]]["small_m_linear"] for s in doc["programs"]["main"] if s["piece"]) > 0
-    # the build's start-up captured and checked every bucket with the fresh pieces
+    # the build's start-up captured and checked every bucket with the fresh pieces, after a step of
+    # the largest extend bucket on which Inductor's kernels chose their launch configurations
     assert doc["parity"] and all(p["worst_op_rel_err"] <= p["rtol"] for p in doc["parity"])
+    assert f"tuning step: extend[tokens={max(int(t) for t in built['extends'].split(','))}" in built["log"]
 
 
 def test_a_run_from_empty_caches_compiles_nothing_and_matches_the_traced_glue(built, runs):

@@ -225,6 +225,36 @@ def test_capture_runs_one_eager_step_of_each_kernel_variant_count(artifact):
     assert runner.variant_steps[0] == (3, 40)
 
 
+@pytest.mark.parametrize("tuning", [True, False])
+def test_a_tuning_step_runs_the_largest_extend_bucket_eagerly_before_any_capture(artifact, tuning):
+    """With tuning_step (a build's start-up) the first forward of capture() is the largest extend
+    key's step, eagerly, so kernels that time their candidates at first launch time them there; on
+    the padding slot: no slot, page or counter of serving changes. Without it the largest decode
+    bucket's capture comes first and no extra step runs."""
+    kv, st = make_pools(artifact.registry, 128, 8, page_size=8)
+    ops = BoundOps(CPUReferenceBackend(kv, st))
+    runner = GraphRunner(artifact.runner(ops), ops, kv, st, "cpu", decode_buckets=(1, 2), extend_buckets=(16, 32),
+                         max_pages_per_seq=4, extend_max_seqs=4, graphs=RerunGraphs(), tuning_step=tuning)
+    forwards = []  # (tokens, whether inside a capture) of each forward, in order
+    call = runner._call
+
+    def recording_call(module, inputs):
+        ids = dict(zip(runner.input_names, inputs))["input_ids"]
+        forwards.append((ids.shape[0], runner.graphs.inside))
+        return call(module, inputs)
+
+    runner._call = recording_call
+    free = (st.num_free, kv.num_free)
+    runner.capture()
+    if tuning:
+        extend_keys = [k for k in runner.keys if k.mode == Mode.EXTEND]
+        assert runner.tuned_on == max(extend_keys, key=lambda k: (k.tokens, k.seqs)) and runner.tuned_on.tokens == 32
+        assert forwards[0] == (32, False)
+    else:
+        assert runner.tuned_on is None and forwards[0][0] == 2
+    assert (st.num_free, kv.num_free) == free and runner.counters["eager_steps"] == 0
+
+
 def test_piecewise_decode_runs_the_extend_pieces_and_gives_the_eager_tokens(artifact):
     runner, kv, st = make_runner(artifact, decode=(2, 4), extend=(32,), graphs=RerunGraphs(),
                                  decode_graphs="piecewise")
