@@ -18,6 +18,10 @@ the nested form (a cat of the rotated halves, cast, then a cat with the rest) is
     bash benchmarks/gpu_call.sh python3 benchmarks/probes/rotary_glue_probe.py --out $OUT
     python3 benchmarks/probes/rotary_glue_probe.py --dry-run --out /tmp/rot   # CPU: C++ kernels, tiny
 
+A third form, `kernel`, is runtime/backends/kernels/norm_rope.py's `qk_norm_rope`: q and k in one
+launch that reads each row once, with the layer's inv_freq made once outside the timed call (a
+constant of the layer); checked and timed the same way, not compiled (the dry run interprets it).
+
 Shapes: bench qwen3_next's GQA layer (16 query heads with their gates, 2 kv heads, head dim 256,
 rotary dim 64, theta 1e7), bf16. Writes OUT/rotary_glue_probe.json.
 """
@@ -26,8 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+if "--dry-run" in sys.argv:  # the kernel form in Triton's interpreter, chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -37,6 +45,7 @@ import torch  # noqa: E402
 
 from bench_common import device_facts, graph_call_us, kernels_per_call, rel_err  # noqa: E402
 from models.common import apply_rotary, rope_inv_freq  # noqa: E402
+from runtime.backends.kernels.norm_rope import qk_norm_rope  # noqa: E402
 
 CHECK_TOL = 1e-2  # bf16 outputs against float64
 
@@ -67,6 +76,19 @@ def layer_glue(rotary, dims):
     return glue
 
 
+def kernel_glue(dims, device):
+    """The same q and k through qk_norm_rope: one launch (the gate is the view beside q)."""
+    H, Hkv, hd, rd, theta, eps = dims
+    inv_freq = rope_inv_freq(rd, theta, device)
+
+    def glue(qkv, wq, wk, positions):
+        q, k = qkv[:, :H * 2 * hd], qkv[:, H * 2 * hd:H * 2 * hd + Hkv * hd]
+        q, gate = q.view(-1, H, 2 * hd).split([hd, hd], dim=-1)
+        q, k = qk_norm_rope(q, k.view(-1, Hkv, hd), wq, wk, positions, inv_freq, eps, unit_offset=True)
+        return q, k, gate
+    return glue
+
+
 def reference(qkv, wq, wk, positions, dims):
     """The same math in float64 on the CPU."""
     H, Hkv, hd, rd, theta, eps = dims
@@ -92,7 +114,8 @@ def run(args) -> dict:
     g = torch.Generator().manual_seed(0)
     doc = {"env": device_facts(args.dry_run), "dims": dict(zip(("H", "Hkv", "hd", "rotary", "theta", "eps"), dims)),
            "rows": []}
-    forms = {"nested": nested_rotary, "one_cat": apply_rotary}
+    compiled = {"nested": nested_rotary, "one_cat": apply_rotary}
+    forms = [*compiled, "kernel"]
     for T in tokens:
         qkv = torch.randn(T, width, generator=g).to(torch.bfloat16).to(device)
         wq, wk = (0.1 * torch.randn(hd, generator=g)).to(torch.bfloat16).to(device), \
@@ -100,9 +123,10 @@ def run(args) -> dict:
         positions = torch.randint(0, 8192, (T,), generator=g).to(device)
         want_q, want_k = reference(qkv, wq, wk, positions, dims)
         row = {"tokens": T}
-        for name, rotary in forms.items():
+        for name in forms:
             torch._dynamo.reset()
-            fn = torch.compile(layer_glue(rotary, dims), dynamic=False)
+            fn = torch.compile(layer_glue(compiled[name], dims), dynamic=False) if name in compiled else \
+                kernel_glue(dims, device)
             with torch.no_grad():
                 q, k, _ = fn(qkv, wq, wk, positions)
                 err = max(rel_err(q, want_q), rel_err(k, want_k))
