@@ -18,7 +18,9 @@ load. Building needs the target device, since kernels are built for the machine 
    off by default) every kernel that can launches with programmatic dependent launch: Inductor's
    and the backends' (docs/DESIGN.md, "Programmatic dependent launch"); with --norm-linear (cuda,
    with the GEMV op; off by default) each layer's norms and the residual adds beside them fold
-   into the projections' GEMVs (docs/DESIGN.md, "Norms folded into the GEMVs").
+   into the projections' GEMVs (docs/DESIGN.md, "Norms folded into the GEMVs"); with --norm-rope
+   (cuda; off by default) a GQA layer's q / k norms and rotary run as one kernel (docs/DESIGN.md,
+   "A GQA layer's q / k norms and rotary as one kernel"). Those three are `BundleChoices`.
 3. Start-up runs as `hgc run` / `hgc serve` would, with the fresh pieces: on cuda every recorded
    bucket is captured and checked (which builds the FlashInfer modules and Triton kernels of the
    captured shapes and tunes FLA's kernels, into the caches of step 1), and the compiled pieces
@@ -44,6 +46,7 @@ at start-up (runtime/artifact/bundle.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -52,7 +55,8 @@ import time
 from pathlib import Path
 
 __all__ = ["cmd_build", "build_bundle", "check_buildable", "build_on_ranks", "add_build_arguments", "build_root",
-           "build_lock", "small_m_for", "pdl_refusal", "norm_linear_refusal"]
+           "build_lock", "small_m_for", "pdl_refusal", "norm_linear_refusal", "norm_rope_refusal", "BundleChoices",
+           "add_bundle_choices"]
 
 
 def small_m_for(docs, device: str) -> bool:
@@ -109,6 +113,73 @@ def norm_linear_refusal(device: str, batch_invariant: bool = False) -> str | Non
     return None
 
 
+def norm_rope_refusal(device: str) -> str | None:
+    """Why a bundle for `device` cannot be built with --norm-rope (a GQA layer's q / k norms and
+    rotary as one call of hgc_glue::qk_norm_rope, whose kernel is CUDA's), or None."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return f"the q / k norms and rotary run as one CUDA kernel; a {kind} bundle keeps Inductor's code for them"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class BundleChoices:
+    """What a build may add to its bundle beyond the defaults, each a flag of `hgc build` and `hgc
+    compile`, off until a GPU measures it faster: one record from the flags to the build, the ranks'
+    command lines and the rebuild hint."""
+
+    pdl: bool = False  # --pdl: kernels launched with programmatic dependent launch
+    norm_linear: bool = False  # --norm-linear: norms folded into the GEMVs beside them
+    norm_rope: bool = False  # --norm-rope: a GQA layer's q / k norms and rotary as one kernel
+
+    @classmethod
+    def of(cls, args) -> "BundleChoices":
+        return cls(**{f.name: bool(getattr(args, f.name)) for f in dataclasses.fields(cls)})
+
+    def argv(self) -> list[str]:
+        """The flags that ask for these choices."""
+        return [_flag(f.name) for f in dataclasses.fields(self) if getattr(self, f.name)]
+
+    def refusal(self, device: str, batch_invariant: bool = False) -> str | None:
+        """'--flag: why' for the first choice a bundle for `device` cannot take, or None."""
+        whys = {"pdl": lambda: pdl_refusal(device), "norm_linear": lambda: norm_linear_refusal(device, batch_invariant),
+                "norm_rope": lambda: norm_rope_refusal(device)}
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) and (why := whys[f.name]()) is not None:
+                return f"{_flag(f.name)}: {why}"
+        return None
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+# Each choice's flag help, for `hgc build` (what it does) and `hgc compile` (which builds with it)
+_CHOICE_HELP = {
+    "pdl": "cuda, compute capability 9 or more: launch the decode step's Triton kernels (ours and Inductor's) "
+           "with programmatic dependent launch, each starting while the one before it drains. Off by default: "
+           "not yet measured faster (docs/DESIGN.md, \"Programmatic dependent launch\")",
+    "norm_linear": "cuda, with the GEMV projections (not a batch-invariant artifact): fold each layer's input "
+                   "RMSNorm, and the residual add before it, into the GEMV of the projection that reads it, and its "
+                   "post-attention RMSNorm, with the residual add, into the GEMV of the output projection before "
+                   "it: two launches fewer per layer at decode. Off by default: not yet measured faster "
+                   "(docs/DESIGN.md, \"Norms folded into the GEMVs\")",
+    "norm_rope": "cuda: run each GQA layer's q and k head RMSNorms and their rotary as one kernel that reads each "
+                 "row once (hgc_glue::qk_norm_rope) instead of Inductor's code for them. Off by default: not yet "
+                 "measured faster (docs/DESIGN.md, \"A GQA layer's q / k norms and rotary as one kernel\")",
+}
+
+
+def add_bundle_choices(p, compile_command: bool = False) -> None:
+    """The BundleChoices flags on a parser: `hgc build`'s, or `hgc compile`'s (which builds with them)."""
+    for name, text in _CHOICE_HELP.items():
+        p.add_argument(_flag(name), action="store_true",
+                       help=f"build the target bundle with `hgc build {_flag(name)}`: {text}" if compile_command
+                       else text)
+
+
 def build_root(key: str) -> Path:
     if os.environ.get("HGC_HOME"):
         return Path(os.environ["HGC_HOME"]) / "build" / key
@@ -161,13 +232,12 @@ def build_lock(work: Path, log=lambda line: None):
 
 
 def build_bundle(artifact, device: str, *, force: bool = False, slots: int | None = None,
-                 max_model_len: int | None = None, log=lambda line: None, group=None, pdl: bool = False,
-                 norm_linear: bool = False) -> dict | None:
+                 max_model_len: int | None = None, log=lambda line: None, group=None,
+                 choices: BundleChoices = BundleChoices()) -> dict | None:
     """Steps 1-5 of the module docstring; returns the bundle's document (signed). A tensor-parallel
     artifact is built by its ranks together (`group`: this process's runtime.dist.distributed.RankGroup;
-    "Ranks" in the module docstring): rank 0 returns the document, the others None. pdl: launch the
-    kernels with programmatic dependent launch (cuda only; `pdl_refusal` says why not). norm_linear:
-    fold each input norm into its projection's GEMV (`norm_linear_refusal` says where not)."""
+    "Ranks" in the module docstring): rank 0 returns the document, the others None. choices: what
+    the bundle adds beyond the defaults (`BundleChoices`; its `refusal` says where it cannot)."""
     import torch
 
     from compiler.artifact_writer import add_bundle, hgc_version
@@ -187,10 +257,8 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
         raise ValueError(f"{artifact}: compiled for --tp {docs.tp}; its bundle is built by {docs.tp} ranks together, "
                          f"which `hgc build` launches")
     check_buildable(docs, device)
-    if pdl and (why := pdl_refusal(device)) is not None:
-        raise ValueError(f"--pdl: {why}")
-    if norm_linear and (why := norm_linear_refusal(device, batch_invariant(docs))) is not None:
-        raise ValueError(f"--norm-linear: {why}")
+    if (why := choices.refusal(device, batch_invariant(docs))) is not None:
+        raise ValueError(why)
     facts = target_facts(device)
     key = target_key(facts)
     if (artifact / bundle_dir(key)).exists() and not force:
@@ -229,18 +297,20 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
             small_m, on_cuda = small_m_for(docs, device), torch.device(device).type == "cuda"
             log("glue projections: " + ("calls of hgc_glue::small_m_linear (one GEMV launch for a few rows)" if small_m
                                         else f"aten's linear ({'batch-invariant' if on_cuda else device})"))
-            if pdl:
+            if choices.pdl:
                 log("programmatic dependent launch: on (Inductor's kernels and the backends' decode kernels)")
-            if norm_linear:
+            if choices.norm_linear:
                 log("norms: folded into the GEMVs beside them (hgc_glue::add_rms_norm_linear, linear_add_rms_norm)")
+            if choices.norm_rope:
+                log("q / k norms and rotary: one kernel per GQA layer (hgc_glue::qk_norm_rope)")
             records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
-                                           dev, out, caches["inductor"], log=log, small_m=small_m, pdl=pdl,
-                                           norm_linear=norm_linear)
+                                           dev, out, caches["inductor"], log=log, small_m=small_m,
+                                           **dataclasses.asdict(choices))
             files = {name: sha256_file(out / name) for name in pieces}
             sources = {p: docs.manifest["files"][PROGRAM_FILES[p]] for p in art.programs}
             # load_built switches PDL as the document says, before the start-up below captures
             doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version(),
-                             small_m=small_m, pdl=pdl, norm_linear=norm_linear)
+                             small_m=small_m, **dataclasses.asdict(choices))
             art.compiled = load_built(doc, out, caches)
             buckets = docs.manifest["buckets"]
             on_gpu = torch.device(device).type == "cuda"
@@ -267,7 +337,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
                                  f"of one artifact must run one program")
         files = {p.relative_to(staged).as_posix(): sha256_file(p) for p in sorted(staged.rglob("*")) if p.is_file()}
         doc = bundle_doc(key, facts, records, sources, pieces, files, time.perf_counter() - start, hgc_version(),
-                         ranks=tp, small_m=small_m, pdl=pdl, norm_linear=norm_linear)
+                         ranks=tp, small_m=small_m, **dataclasses.asdict(choices))
         doc["parity"] = parity
         if by_rank:  # every rank's start-up compared its own pieces with its traced glue
             doc["parity_per_rank"] = [other["parity"] for other in by_rank]
@@ -301,14 +371,14 @@ def check_buildable(docs, device: str) -> None:
                          f"--device {torch.device(target).type}")
 
 
-def build_on_ranks(artifact, device: str, tp: int, force: bool = False, pdl: bool = False,
-                   norm_linear: bool = False) -> int:
+def build_on_ranks(artifact, device: str, tp: int, force: bool = False,
+                   choices: BundleChoices = BundleChoices()) -> int:
     """`hgc build` of a tensor-parallel artifact from a process that is not one of its ranks: launch
     them (runtime/dist/launcher.py), each running this command; their exit status."""
     from runtime.dist.launcher import launch
 
     argv = [sys.executable, "-m", "hgc", "build", str(artifact), "--device", device,
-            *(["--force"] if force else []), *(["--pdl"] if pdl else []), *(["--norm-linear"] if norm_linear else [])]
+            *(["--force"] if force else []), *choices.argv()]
     return launch(tp, argv, "hgc build")
 
 
@@ -322,23 +392,20 @@ def cmd_build(args) -> int:
     from runtime.artifact.loader import read_artifact
 
     log = lambda line: print(f"hgc build: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    if args.pdl and (why := pdl_refusal(args.device)) is not None:
-        raise UsageError(f"--pdl: {why}")  # before anything is read: a flag the device cannot take
-    if args.norm_linear and (why := norm_linear_refusal(args.device)) is not None:
-        raise UsageError(f"--norm-linear: {why}")
+    choices = BundleChoices.of(args)
+    if (why := choices.refusal(args.device)) is not None:
+        raise UsageError(why)  # before anything is read: a flag the device cannot take
     docs = read_artifact(args.artifact, verify_hashes=False)  # the build's own read checks the hashes
     tp, group = docs.tp, None
     if tp > 1:
         if not launched_rank():
             check_buildable(docs, args.device)  # one line here, not one per rank
-            return build_on_ranks(args.artifact, args.device, tp, force=args.force, pdl=args.pdl,
-                                  norm_linear=args.norm_linear)
+            return build_on_ranks(args.artifact, args.device, tp, force=args.force, choices=choices)
         group = join(tp, torch.device(args.device).type, label="hgc build")
         args.rank = group.rank
     try:
         build_bundle(args.artifact, args.device, force=args.force, slots=args.slots,
-                     max_model_len=args.max_model_len, log=log, group=group, pdl=args.pdl,
-                     norm_linear=args.norm_linear)
+                     max_model_len=args.max_model_len, log=log, group=group, choices=choices)
         if group is not None and not group.leader:
             group.wait_for_stop()  # rank 0 is writing the bundle; it sends STOP when it is done
     finally:
@@ -359,17 +426,7 @@ def add_build_arguments(subparsers) -> None:
     p.add_argument("--device", required=True, choices=("cpu", "cuda"), help="the device the bundle is built for "
                                                                             "(this machine's)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle of this target")
-    p.add_argument("--pdl", action="store_true",
-                   help="cuda, compute capability 9 or more: launch the decode step's Triton kernels (ours and "
-                        "Inductor's) with programmatic dependent launch, each starting while the one before it "
-                        "drains. Off by default: not yet measured faster (docs/DESIGN.md, \"Programmatic dependent "
-                        "launch\")")
-    p.add_argument("--norm-linear", action="store_true",
-                   help="cuda, with the GEMV projections (not a batch-invariant artifact): fold each layer's input "
-                        "RMSNorm, and the residual add before it, into the GEMV of the projection that reads it, "
-                        "and its post-attention RMSNorm, with the residual add, into the GEMV of the output "
-                        "projection before it: two launches fewer per layer at decode. Off by default: not yet "
-                        "measured faster (docs/DESIGN.md, \"Norms folded into the GEMVs\")")
+    add_bundle_choices(p)
     p.add_argument("--slots", type=int, default=None,
                    help="cuda: state slots of the start-up run (default: the largest decode bucket, so every bucket "
                         "is captured)")

@@ -219,10 +219,11 @@ def cmd_compile(args) -> int:
     inductor = _inductor_wanted(args)
     if isinstance(inductor, Exception):
         raise UsageError(str(inductor))
-    if args.pdl and (why := _pdl_refusal(args, inductor)) is not None:
-        raise UsageError(f"--pdl: {why}")
-    if args.norm_linear and (why := _norm_linear_refusal(args, inductor)) is not None:
-        raise UsageError(f"--norm-linear: {why}")
+    from hgc.build_command import BundleChoices
+
+    choices = BundleChoices.of(args)
+    if (why := _choices_refusal(args, inductor, choices)) is not None:
+        raise UsageError(why)
     tools = toolchain()
     if args.plan_only:
         result = plan(args.checkpoint, _config(args), tools, progress=args.progress)
@@ -253,15 +254,15 @@ def cmd_compile(args) -> int:
     if inductor and args.tp > 1:  # the ranks build it together, each in a process of its own
         from hgc.build_command import build_on_ranks
         device = args.target.split(":")[0]
-        code = build_on_ranks(args.output, device, args.tp, force=True, pdl=args.pdl, norm_linear=args.norm_linear)
+        code = build_on_ranks(args.output, device, args.tp, force=True, choices=choices)
         if code != 0:
-            flags = (" --pdl" if args.pdl else "") + (" --norm-linear" if args.norm_linear else "")
+            flags = "".join(" " + flag for flag in choices.argv())
             raise RuntimeError(f"{args.output}: the artifact is written, but building its bundle on {args.tp} ranks "
                                f"failed (exit status {code}, the ranks' errors above); rebuild it with `hgc build "
                                f"{args.output} --device {device} --force{flags}`")
     elif inductor:
         from hgc.build_command import build_bundle
-        build_bundle(args.output, args.target, force=True, pdl=args.pdl, norm_linear=args.norm_linear,
+        build_bundle(args.output, args.target, force=True, choices=choices,
                      log=lambda line: print(f"hgc compile: {line}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps({"artifact": str(args.output), "family": result.traced.family.name, "counts": counts}))
@@ -302,7 +303,7 @@ def _inductor_wanted(args):
 
 
 def _no_bundle_refusal(args, inductor: bool) -> str | None:
-    """Why a flag that decides something of the target bundle (--pdl, --norm-linear) has nothing to
+    """Why a flag that decides something of the target bundle (BundleChoices) has nothing to
     decide: this compile builds no bundle (None: it builds one)."""
     if inductor:
         return None
@@ -311,22 +312,15 @@ def _no_bundle_refusal(args, inductor: bool) -> str | None:
             + (problems[0] if problems else "--no-inductor or --plan-only") + ")")
 
 
-def _pdl_refusal(args, inductor: bool) -> str | None:
-    """Why `hgc compile --pdl` cannot do what it asks (None: it can): --pdl is a decision of the
-    target bundle (hgc/build_command.py `pdl_refusal`), so the compile must build one."""
-    from hgc.build_command import pdl_refusal
-
-    return pdl_refusal(args.target.split(":")[0]) or _no_bundle_refusal(args, inductor)
-
-
-def _norm_linear_refusal(args, inductor: bool) -> str | None:
-    """Why `hgc compile --norm-linear` cannot do what it asks (None: it can): a decision of the target
-    bundle (hgc/build_command.py `norm_linear_refusal`), so the compile must build one, and of its
-    GEMV projections, which a batch-invariant artifact has none of."""
-    from hgc.build_command import norm_linear_refusal
-
-    why = norm_linear_refusal(args.target.split(":")[0], batch_invariant=bool(args.batch_invariant))
-    return why or _no_bundle_refusal(args, inductor)
+def _choices_refusal(args, inductor: bool, choices) -> str | None:
+    """Why `hgc compile` cannot build with the bundle choices it was given (None: it can): each is a
+    decision of the target bundle (hgc/build_command.py `BundleChoices.refusal`: the device, and
+    --norm-linear's GEMV projections, which a batch-invariant artifact has none of), so the compile
+    must build one."""
+    why = choices.refusal(args.target.split(":")[0], batch_invariant=bool(args.batch_invariant))
+    if why is None and choices.argv() and (none := _no_bundle_refusal(args, inductor)) is not None:
+        why = f"{choices.argv()[0]}: {none}"
+    return why
 
 
 def _no_bundle_note(args) -> str | None:
@@ -524,6 +518,15 @@ def folded_norms(doc: dict) -> str:
     return _per_forward(doc, "norm_linear") if bundle_norm_linear(doc) else "off"
 
 
+def norm_rope_calls(doc: dict) -> str:
+    """A bundle.json's calls of hgc_glue::qk_norm_rope per forward (`hgc build --norm-rope`: each a GQA
+    layer's q / k norms and rotary), by program as `gemv_projections` counts; "off" for a bundle built
+    without it (one from before the field too)."""
+    from compiler.splitops.bundle import bundle_norm_rope
+
+    return _per_forward(doc, "norm_rope") if bundle_norm_rope(doc) else "off"
+
+
 def _per_forward(doc: dict, count: str) -> str:
     """A piece count of bundle.json per program ("main 37, draft 4"): every glue segment counted with
     its piece's count, so a structure shared by many layers counts once per layer."""
@@ -560,6 +563,7 @@ def bundle_rows(manifest: dict, root: Path | None = None) -> list[dict]:
             doc = json.loads((Path(root) / entry["bundle"]).read_text())
             rows[-1]["GEMV projections"] = gemv_projections(doc)
             rows[-1]["folded norms"] = folded_norms(doc)
+            rows[-1]["q/k norm+rope calls"] = norm_rope_calls(doc)
             rows[-1]["PDL"] = pdl_column(doc)
     return rows
 
@@ -676,6 +680,8 @@ def _compile_flags(p) -> None:
 
 
 def add_arguments(subparsers) -> None:
+    from hgc.build_command import add_bundle_choices
+
     p = subparsers.add_parser(
         "lint", help="check a checkpoint (or a folder with only config.json) without weights",
         description="Trace config.json on the meta device (no weights are read), run every pass, and print the "
@@ -730,13 +736,7 @@ def add_arguments(subparsers) -> None:
                         "--overlap yet), off elsewhere; --no-inductor turns it off. With --tp N the N ranks build "
                         "it, each for its own device. --inductor where it cannot be built is an error (without a "
                         "CUDA device: run `hgc build ARTIFACT --device cuda` on the GPU machine)")
-    p.add_argument("--pdl", action="store_true",
-                   help="build the target bundle with programmatic dependent launch (`hgc build --pdl`: cuda, "
-                        "compute capability 9 or more; off by default)")
-    p.add_argument("--norm-linear", action="store_true",
-                   help="build the target bundle with each layer's RMSNorms (and the residual adds beside them) "
-                        "folded into the GEMVs of the projections beside them (`hgc build --norm-linear`: cuda, not "
-                        "with --batch-invariant; off by default)")
+    add_bundle_choices(p, compile_command=True)
     _compile_flags(p)
     p.set_defaults(func=cmd_compile)
 

@@ -1,9 +1,15 @@
 """A program's glue with each segment's own traced glue as its piece (`traced_glue`): what
 runtime/artifact/compiled_glue.py installs when a piece is the segment itself rather than an
 Inductor build, so tests/compiler/test_glue_in_split_plans.py and benchmarks/host/split_modules_bench.py
-run the runtime's real install without compiling a bundle."""
+run the runtime's real install without compiling a bundle. And what the tests of the glue rewrites
+(compiler/splitops/glue_ops.py) share: the tiny families' programs compiled for the CPU in a dtype
+(`program_factory`), their segments as modules (`segment_modules`) and random inputs for them
+(`random_inputs`)."""
 
 from __future__ import annotations
+
+import contextlib
+import io
 
 import torch
 
@@ -47,3 +53,59 @@ def stand_in_inductor(monkeypatch, count) -> list:
 
     monkeypatch.setattr(inductor_pieces, "compile_piece", compile_piece)
     return compiled
+
+
+def program_factory(tmp_path_factory):
+    """get(family, dtype) -> {program: GraphModule} of the tiny checkpoint compiled for the CPU in
+    that dtype (float32: the suite's shared artifact), each compiled once per factory."""
+    from hgc import main
+    from runtime.artifact.docs import read_artifact
+    from runtime.artifact.loader import load_programs
+    from testkit.helpers import shared_artifact, tiny_checkpoint
+    from testkit.traces import shared_traces
+
+    made: dict = {}
+
+    def get(family: str, dtype: str = "bfloat16") -> dict[str, torch.fx.GraphModule]:
+        if (family, dtype) not in made:
+            if dtype == "float32":
+                art = shared_artifact(tmp_path_factory, family)[1]
+            else:
+                root = tmp_path_factory.mktemp(f"glue-{family}-{dtype}")
+                tiny_checkpoint(family, root / "ckpt", seed=3)
+                err = io.StringIO()
+                with shared_traces(), contextlib.redirect_stderr(err):
+                    assert main(["compile", str(root / "ckpt"), "-o", str(root / "art"), "--target", "cpu",
+                                 "--dtype", dtype, "--no-dumps", "--quiet"]) == 0, err.getvalue()[-3000:]
+                art = root / "art"
+            made[family, dtype] = {p: ep.graph_module for p, ep in load_programs(read_artifact(art)).items()}
+        return made[family, dtype]
+
+    return get
+
+
+def segment_modules(gm: torch.fx.GraphModule):
+    """(segment, its module) for every glue segment with outputs, retargeted to the CPU."""
+    for segment in glue_segments(gm):
+        if segment.outputs:
+            yield segment, traced_piece(gm, segment, torch.device("cpu"))
+
+
+def random_inputs(module: torch.fx.GraphModule, rows: int, seed: int) -> list[torch.Tensor]:
+    """Every placeholder's value with each symbolic size `rows`: floats normal, integers (ids,
+    positions, row indices) below `rows`."""
+    g = torch.Generator().manual_seed(seed)
+
+    def size(s):
+        return s if isinstance(s, int) else int(s.node.expr.xreplace({x: rows for x in s.node.expr.free_symbols}))
+
+    values = []
+    for node in module.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta["val"]
+            shape = [size(s) for s in val.shape]
+            if val.dtype.is_floating_point:
+                values.append(torch.randn(shape, generator=g).to(val.dtype))
+            else:
+                values.append(torch.randint(0, rows, shape, generator=g).to(val.dtype))
+    return values

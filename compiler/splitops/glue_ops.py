@@ -42,6 +42,13 @@ RMSNorm(summed). Defined as the two above are; `use_norm_linear` folds them too 
 the runtime runs the GEMV with the add and the norm in its epilogue where small_m_linear would take
 the GEMV (the last of its programs to finish normalises the row), else F.linear and the row kernel.
 
+`qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, unit_offset) -> (q_out, k_out)`: a
+layer's per-head RMSNorms of q [T, Hq, D] and k [T, Hk, D] and `apply_rotary`'s GPT-NeoX rotation of
+their first 2 * len(inv_freq) channels (`norm_rope_rows`, the traced glue's ops, is its CPU kernel).
+`use_norm_rope(gm)` (`hgc build --norm-rope`) folds each pair it finds, q's then k's, into one call,
+with the rotation's inv_freq as the glue computed it; the runtime's CUDA kernel
+(runtime/backends/kernels/norm_rope.py) reads each row once where Inductor's code passed over q twice.
+
 What it does not do: decide which device runs the GEMV (the kernel registration does), or touch an
 op core's arguments.
 """
@@ -57,8 +64,8 @@ import torch.fx
 import torch.nn.functional as F
 
 __all__ = ["NAMESPACE", "SMALL_M_LINEAR", "ADD_RMS_NORM_LINEAR", "RMS_NORM_LINEAR", "LINEAR_ADD_RMS_NORM",
-           "rms_norm_rows",
-           "use_small_m_linear", "use_norm_linear"]
+           "QK_NORM_ROPE", "rms_norm_rows", "norm_rope_rows",
+           "use_small_m_linear", "use_norm_linear", "use_norm_rope"]
 
 NAMESPACE = "hgc_glue"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: kept for the process: dropping it undefines the op
@@ -181,6 +188,39 @@ torch.library.register_fake(f"{NAMESPACE}::linear_add_rms_norm", _linear_norm_fa
 
 LINEAR_ADD_RMS_NORM = torch.ops.hgc_glue.linear_add_rms_norm.default
 
+# -- a GQA layer's q / k norms and their rotary --------------------------------------------------------
+
+_LIB.define("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor positions, Tensor inv_freq, "
+            "float eps, bool unit_offset) -> (Tensor, Tensor)")
+
+
+def norm_rope_rows(x: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                   eps: float, unit_offset: bool) -> torch.Tensor:
+    """models/common.py's RMSNorm of each head's row of x [T, H, D], then `apply_rotary`'s GPT-NeoX
+    rotation of its first 2 * len(inv_freq) channels, op for op as the glue traces them."""
+    normed = rms_norm_rows(x, norm_weight, eps, unit_offset)
+    rotary = 2 * inv_freq.shape[0]
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
+    rot, rest = normed[..., :rotary].float(), normed[..., rotary:]
+    x1, x2 = rot[..., : rotary // 2], rot[..., rotary // 2:]
+    return torch.cat(((x1 * cos - x2 * sin).to(x.dtype), (x2 * cos + x1 * sin).to(x.dtype), rest), dim=-1)
+
+
+def _qk_norm_rope_reference(q, k, q_weight, k_weight, positions, inv_freq, eps: float, unit_offset: bool):
+    return (norm_rope_rows(q, q_weight, positions, inv_freq, eps, unit_offset),
+            norm_rope_rows(k, k_weight, positions, inv_freq, eps, unit_offset))
+
+
+def _qk_norm_rope_fake(q, k, q_weight, k_weight, positions, inv_freq, eps: float, unit_offset: bool):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+_LIB.impl("qk_norm_rope", _qk_norm_rope_reference, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::qk_norm_rope", _qk_norm_rope_fake, lib=_LIB)
+
+QK_NORM_ROPE = torch.ops.hgc_glue.qk_norm_rope.default
+
 _aten = torch.ops.aten
 _ASSERT = _aten._assert_tensor_metadata.default  # export's dtype checks: readers that compute nothing
 
@@ -289,10 +329,10 @@ def _normalized_of(node) -> Optional[tuple[torch.fx.Node, float, list[torch.fx.N
     return None
 
 
-def _rms_norm_of(y) -> Optional[_Norm]:
+def _rms_norm_of(y, rank: int = 2) -> Optional[_Norm]:
     """The RMSNorm (models/common.py) whose normed row y is, else None: `y = to(mul(normalized,
     scale), A)` with A the row's dtype, normalized and scale as `_normalized_of` and `_scale_of` say,
-    the float32 row `to(row, float32)` of a 2-D row of A."""
+    the float32 row `to(row, float32)` of a row of A of `rank` dimensions (3: a head's rows [T, H, D])."""
     row_value = _val(y)
     if row_value is None or _cast_to(y) != row_value.dtype:
         return None
@@ -308,8 +348,8 @@ def _rms_norm_of(y) -> Optional[_Norm]:
         norm_weight, unit_offset, scale_nodes = scaled
         row = to_float.args[0] if _cast_to(to_float) == torch.float32 else None
         value, w = _val(row), _val(norm_weight)
-        if value is None or w is None or value.dtype != row_value.dtype or value.dim() != 2 or \
-                not _same_sizes(w.shape, value.shape[1:]):
+        if value is None or w is None or value.dtype != row_value.dtype or value.dim() != rank or \
+                not _same_sizes(w.shape, value.shape[-1:]):
             continue
         # the float32 row has readers of its own only where the cast is no cast (a float32 row): the
         # residual stream, read as the row itself
@@ -466,6 +506,202 @@ def use_norm_linear(gm: torch.fx.GraphModule) -> int:
             continue
         _fold_output(gm.graph, *output)
         count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+# -- a GQA layer's q / k norms with their rotary, as one call -----------------------------------------
+
+_LAST = (-1, 2)  # the channel dimension of a [T, H, D] value, as a slice or cat names it
+
+
+@dataclasses.dataclass
+class _Rotary:
+    """A head norm and the NeoX rotation of its rows as the rewrite found them: `out` the rotated
+    rows (a cat), `nodes` the rotation's own nodes (`out` first: readers before what they read)."""
+
+    out: torch.fx.Node
+    norm: _Norm
+    positions: torch.fx.Node
+    inv_freq: torch.fx.Node
+    rotary_dim: int
+    nodes: list[torch.fx.Node]
+
+
+def _readers_are(node, readers) -> bool:
+    return isinstance(node, torch.fx.Node) and set(_readers(node)) == set(readers) and \
+        len(_readers(node)) == len(set(readers))
+
+
+def _channel_slice(node, source=None) -> Optional[tuple[torch.fx.Node, int, int]]:
+    """(source, start, end) of `slice(source, last dim, start, end)` with a unit step, else None."""
+    if not _call(node, _aten.slice.Tensor) or node.kwargs or not 4 <= len(node.args) <= 5 or \
+            node.args[1] not in _LAST or (len(node.args) == 5 and node.args[4] != 1):
+        return None
+    if source is not None and node.args[0] is not source:
+        return None
+    return node.args[0], node.args[2], node.args[3]
+
+
+def _product(node, a, b) -> bool:
+    """Whether node is `mul(a, b)`, read by one node."""
+    return _call(node, _aten.mul.Tensor) and list(node.args) == [a, b] and not node.kwargs and \
+        len(_readers(node)) == 1
+
+
+def _angles(c, s) -> Optional[tuple[torch.fx.Node, torch.fx.Node, list[torch.fx.Node]]]:
+    """(positions, inv_freq, nodes) where c, s are `unsqueeze(cos(f), 1)`, `unsqueeze(sin(f), 1)` of
+    f = `mul(unsqueeze(to(positions, float32), -1), inv_freq)`, read by nothing else; else None."""
+    if not (_call(c, _aten.unsqueeze.default) and _call(s, _aten.unsqueeze.default) and c.args[1:] == (1,)
+            and s.args[1:] == (1,)):
+        return None
+    cos, sin = c.args[0], s.args[0]
+    if not (_call(cos, _aten.cos.default) and _call(sin, _aten.sin.default) and cos.args[0] is sin.args[0]):
+        return None
+    f = cos.args[0]
+    if not (_call(f, _aten.mul.Tensor) and len(f.args) == 2 and _readers_are(f, [cos, sin])
+            and _read_only_by(cos, c) and _read_only_by(sin, s)):
+        return None
+    column, inv_freq = f.args
+    if not (_call(column, _aten.unsqueeze.default) and column.args[1:] == (-1,) and _read_only_by(column, f)):
+        return None
+    as_float = column.args[0]
+    if _cast_to(as_float) != torch.float32 or not _read_only_by(as_float, column):
+        return None
+    inv = _val(inv_freq)
+    if inv is None or inv.dim() != 1 or inv.dtype != torch.float32:
+        return None
+    return as_float.args[0], inv_freq, [c, s, cos, sin, f, column, as_float]
+
+
+def _neox_rotary_of(cat: torch.fx.Node) -> Optional[_Rotary]:
+    """The rotation `apply_rotary` (models/common.py, interleaved=False) writes as cat is, of a head
+    norm's rows, else None:
+
+        rot = to(slice(n, -1, 0, R), float32); x1, x2 = slice(rot, -1, 0, R/2), slice(rot, -1, R/2, end)
+        cat([to(sub(mul(x1, c), mul(x2, s)), A), to(add(mul(x2, c), mul(x1, s)), A), slice(n, -1, R, end)], -1)
+
+    with c, s as `_angles` says and n a head norm's normed rows [T, H, D] (`_rms_norm_of`, rank 3),
+    every node read only inside it."""
+    if not _call(cat, _aten.cat.default) or len(cat.args) != 2 or cat.args[1] not in _LAST or cat.kwargs:
+        return None
+    parts = cat.args[0]
+    value = _val(cat)
+    if not isinstance(parts, (list, tuple)) or len(parts) != 3 or value is None or value.dim() != 3:
+        return None
+    first, second, rest = parts
+    dtype = value.dtype
+    if _cast_to(first) != dtype or _cast_to(second) != dtype or not (_read_only_by(first, cat)
+                                                                      and _read_only_by(second, cat)):
+        return None
+    minus, plus = first.args[0], second.args[0]
+    if not (_call(minus, _aten.sub.Tensor) and _call(plus, _aten.add.Tensor) and len(minus.args) == 2
+            and len(plus.args) == 2 and not minus.kwargs and not plus.kwargs
+            and _read_only_by(minus, first) and _read_only_by(plus, second)):
+        return None
+    (m1, m2), (m3, m4) = minus.args, plus.args
+    if not all(_call(m, _aten.mul.Tensor) for m in (m1, m2, m3, m4)):
+        return None
+    x1, c = m1.args
+    x2, s = m2.args
+    if not (_product(m1, x1, c) and _product(m2, x2, s) and _product(m3, x2, c) and _product(m4, x1, s)):
+        return None
+    low, high = _channel_slice(x1), _channel_slice(x2)
+    if low is None or high is None or low[0] is not high[0]:
+        return None
+    rot, half = low[0], low[2]
+    if low[1] != 0 or high[1] != half or not (_readers_are(x1, [m1, m4]) and _readers_are(x2, [m2, m3])
+                                              and _readers_are(rot, [x1, x2])):
+        return None
+    if _cast_to(rot) != torch.float32:
+        return None
+    head = _channel_slice(rot.args[0])
+    tail = _channel_slice(rest)
+    if head is None or tail is None or head[0] is not tail[0] or head[1] != 0 or head[2] != 2 * half or \
+            tail[1] != 2 * half or not _read_only_by(rot.args[0], rot) or not _read_only_by(rest, cat):
+        return None
+    normed = head[0]
+    if not _readers_are(normed, [rot.args[0], rest]):
+        return None
+    angles = _angles(c, s)
+    norm = _rms_norm_of(normed, rank=3)
+    if angles is None or norm is None or _val(angles[1]).shape[0] != half:
+        return None
+    if not (_readers_are(c, [m1, m3]) and _readers_are(s, [m2, m4])):
+        return None
+    positions, inv_freq, angle_nodes = angles
+    nodes = [cat, first, second, minus, plus, m1, m2, m3, m4, x1, x2, rot, rot.args[0], rest, *angle_nodes]
+    return _Rotary(cat, norm, positions, inv_freq, 2 * half, nodes)
+
+
+def _same_computation(a, b) -> bool:
+    """Whether two nodes compute the same value from the same inputs: the same op on the same
+    constants and the same (or equally computed) nodes, as two calls of rope_inv_freq do."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)) or a.op != "call_function" or \
+            b.op != "call_function" or a.target is not b.target or len(a.args) != len(b.args) or a.kwargs != b.kwargs:
+        return False
+    return all(_same_computation(x, y) if isinstance(x, torch.fx.Node) else x == y for x, y in zip(a.args, b.args))
+
+
+def _pairs_with(q: _Rotary, k: _Rotary, order: dict) -> bool:
+    """Whether q's and k's rotaries fold into one call: the same positions, rotation and norm form,
+    rows of one head size and dtype, and every reader of q's rows after k's (the call takes k's place)."""
+    qv, kv = _val(q.norm.row), _val(k.norm.row)
+    return (q.positions is k.positions and q.rotary_dim == k.rotary_dim and q.norm.eps == k.norm.eps
+            and q.norm.unit_offset == k.norm.unit_offset and qv.dtype == kv.dtype
+            and _same_sizes(qv.shape[2:], kv.shape[2:]) and _same_computation(q.inv_freq, k.inv_freq)
+            and all(order[r] > order[k.out] for r in q.out.users))
+
+
+def _erase_unread(graph: torch.fx.Graph, node) -> None:
+    """Erase node (and, in turn, what it read) where nothing but export's dtype checks reads it."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or _readers(node):
+        return
+    inputs = [a for a in node.all_input_nodes]
+    _erase(graph, [node])
+    for a in inputs:
+        _erase_unread(graph, a)
+
+
+def _fold_norm_rope(graph: torch.fx.Graph, q: _Rotary, k: _Rotary) -> None:
+    """Replace both rotaries and their norms with one call of qk_norm_rope, placed where k's
+    rotated rows were made; k's inv_freq, no longer read, goes with them."""
+    with graph.inserting_before(k.out):
+        call = graph.call_function(QK_NORM_ROPE, (q.norm.row, k.norm.row, q.norm.norm_weight, k.norm.norm_weight,
+                                                  q.positions, q.inv_freq, q.norm.eps, q.norm.unit_offset))
+    q_out, k_out = _results(graph, call, q.out, k.out)
+    q.out.replace_all_uses_with(q_out)
+    k.out.replace_all_uses_with(k_out)
+    spare = k.inv_freq
+    for found in (q, k):
+        _reroute_float_readers(found.norm, found.norm.row)
+        _erase(graph, [*found.nodes, *found.norm.nodes])
+    _erase_unread(graph, spare)
+
+
+def use_norm_rope(gm: torch.fx.GraphModule) -> int:
+    """A GQA layer's q and k head norms with their rotary become one call of qk_norm_rope; how many
+    calls (`hgc build --norm-rope`).
+
+    It finds each NeoX rotation of a head norm's rows (`_neox_rotary_of`: RMSNorm with its weight a
+    graph input, then `apply_rotary(..., interleaved=False)`, every node read only inside it) and
+    folds each one with the next one found (`_pairs_with`: the layer's q, then its k). Anything else
+    stays as it was: a lone norm and rotary, the GPT-J rotation, a rotation of rows no norm made, a
+    norm's rows that something else reads too. Export's dtype checks of the folded nodes go with
+    them."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    found = [r for r in (_neox_rotary_of(n) for n in gm.graph.nodes) if r is not None]
+    count, i = 0, 0
+    while i + 1 < len(found):
+        if _pairs_with(found[i], found[i + 1], order):
+            _fold_norm_rope(gm.graph, found[i], found[i + 1])
+            count, i = count + 1, i + 2
+        else:
+            i += 1
     if count:
         gm.graph.lint()
         gm.recompile()

@@ -1,15 +1,17 @@
-"""The CUDA kernels of the compiled glue's projection ops (compiler/splitops/glue_ops.py).
+"""The CUDA kernels of the compiled glue's ops (compiler/splitops/glue_ops.py).
 
 A cuda bundle built without --batch-invariant compiles each plain projection of the glue as a call
 of `hgc_glue::small_m_linear` (hgc/build_command.py `small_m_for`), and with --norm-linear a layer's
 input norm with its projection as a call of `hgc_glue::add_rms_norm_linear` or `rms_norm_linear`,
 and its output projection with the residual add and the post-attention norm after it as a call of
-`hgc_glue::linear_add_rms_norm`; Inductor leaves the calls in the piece, and this module says what
-they run:
+`hgc_glue::linear_add_rms_norm`, and with --norm-rope a GQA layer's q / k norms and rotary as a call
+of `hgc_glue::qk_norm_rope`; Inductor leaves the calls in the piece, and this module says what they
+run:
 
-1. `register()` installs `project` as small_m_linear's CUDA kernel and `add_norm_project`,
-   `norm_project` and `linear_add_norm` as the norm ops', for the process (runtime/artifact/bundle.py calls it before it
-   loads a cuda bundle's pieces). A second call does nothing.
+1. `register()` installs `project` as small_m_linear's CUDA kernel, `add_norm_project`,
+   `norm_project` and `linear_add_norm` as the norm ops' and `norm_rope` as qk_norm_rope's, for the
+   process (runtime/artifact/bundle.py calls it before it loads a cuda bundle's pieces). A second
+   call does nothing.
 2. `project(x, weight)`, per call: x [M, K] with M <= MAX_ROWS, in bf16, whose (N, K, row bucket)
    CONFIGS lists (runtime/backends/kernels/gemv.py: the shapes where the one-launch GEMV beat cuBLAS
    by 5% or more on an H200), both with a contiguous last dimension -> `small_m_linear`, one launch;
@@ -24,12 +26,17 @@ they run:
    would take the GEMV for x (`takes_gemv_norm`), the GEMV with the add in its epilogue and the norm
    in its last program (norm_gemv.py `gemv_add_rms_norm`), one launch; anything else -> F.linear,
    then the row kernel.
-4. `torch_only()`: while it is open, `project` takes F.linear always and the norm ops their row
+4. `norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, unit_offset)`: qk_norm_rope's
+   kernel (`hgc build --norm-rope`): runtime/backends/kernels/norm_rope.py's one launch for q's
+   and k's heads, for every step size and float dtype (each row's sums are its own, in one order,
+   so the step's size never changes its bits); inputs whose channels are not contiguous are
+   copied first.
+5. `torch_only()`: while it is open, `project` takes F.linear always and the norm ops their row
    kernel and F.linear (an A/B of the same bundle: benchmarks/kernels/step_account.py
    --torch-projections). It acts on what runs or is captured inside it, not on graphs captured before.
 
-Only bf16: CONFIGS were timed in bf16 (gemv.py), and a float32 product reads twice the bytes, for
-which nobody measured the kernel against cuBLAS. The GEMV's bits follow the row bucket (its config),
+The GEMVs only in bf16: CONFIGS were timed in bf16 (gemv.py), and a float32 product reads twice the
+bytes, for which nobody measured the kernel against cuBLAS. The GEMV's bits follow the row bucket (its config),
 which is why a batch-invariant artifact never calls the op (build_command.small_m_for).
 """
 
@@ -45,7 +52,8 @@ import torch.nn.functional as F
 
 from compiler.splitops import glue_ops
 
-__all__ = ["add_norm_project", "linear_add_norm", "norm_project", "project", "register", "registered", "takes_gemv",
+__all__ = ["add_norm_project", "linear_add_norm", "norm_project", "norm_rope", "project", "register", "registered",
+           "takes_gemv",
            "takes_gemv_norm", "takes_norm_gemv", "torch_only"]
 
 _LIB: Optional[torch.library.Library] = None  # kept here: dropping the Library unregisters the kernel
@@ -57,6 +65,12 @@ MEASURED_DTYPE = torch.bfloat16  # the dtype CONFIGS were timed in
 def _gemv():
     """runtime/backends/kernels/gemv.py, on first use (it imports triton; a CPU-only install never calls)."""
     return importlib.import_module("runtime.backends.kernels.gemv")
+
+
+@functools.cache
+def _norm_rope():
+    """runtime/backends/kernels/norm_rope.py, on first use (as `_gemv`)."""
+    return importlib.import_module("runtime.backends.kernels.norm_rope")
 
 
 @functools.cache
@@ -155,6 +169,15 @@ def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     return _norm_rows(residual, F.linear(x, weight), norm_weight, eps, unit_offset)
 
 
+def norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+              positions: torch.Tensor, inv_freq: torch.Tensor, eps: float,
+              unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk_norm_rope: (q's rows normed and rotated, k's), contiguous: step 4."""
+    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+    return _norm_rope().qk_norm_rope(q, k, q_weight.contiguous(), k_weight.contiguous(), positions,
+                                     inv_freq.float().contiguous(), eps, unit_offset)
+
+
 def register() -> None:
     """Step 1: the ops' CUDA kernels (the CompositeExplicitAutograd references of glue_ops still
     serve every other device)."""
@@ -166,6 +189,7 @@ def register() -> None:
     lib.impl("add_rms_norm_linear", add_norm_project, "CUDA")
     lib.impl("rms_norm_linear", norm_project, "CUDA")
     lib.impl("linear_add_rms_norm", linear_add_norm, "CUDA")
+    lib.impl("qk_norm_rope", norm_rope, "CUDA")
     _LIB = lib
 
 

@@ -27,7 +27,6 @@ tests/gpu/test_gpu_norm_linear.py runs them on a GPU.
 from __future__ import annotations
 
 import contextlib
-import io
 import operator
 from pathlib import Path
 
@@ -52,9 +51,9 @@ from models.common import RMSNorm  # noqa: E402
 from runtime.backends import glue_kernels  # noqa: E402
 from runtime.backends.kernels import gemv as G  # noqa: E402
 from runtime.backends.kernels import norm_gemv as NG  # noqa: E402
-from testkit.helpers import shared_artifact, tiny_checkpoint  # noqa: E402
+from testkit.helpers import shared_artifact  # noqa: E402
 from testkit.linear_cases import rel_err  # noqa: E402
-from testkit.traced_glue import stand_in_inductor  # noqa: E402
+from testkit.traced_glue import program_factory, random_inputs, segment_modules, stand_in_inductor  # noqa: E402
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
@@ -70,40 +69,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory):
-    """get(family, dtype) -> {program: GraphModule} of the tiny checkpoint compiled for the CPU in
-    that dtype (float32: the suite's shared artifact), each compiled once for the module."""
-    from runtime.artifact.docs import read_artifact
-    from runtime.artifact.loader import load_programs
-    from testkit.traces import shared_traces
-
-    made: dict = {}
-
-    def get(family: str, dtype: str = "bfloat16") -> dict[str, torch.fx.GraphModule]:
-        if (family, dtype) not in made:
-            if dtype == "float32":
-                art = shared_artifact(tmp_path_factory, family)[1]
-            else:
-                root = tmp_path_factory.mktemp(f"norm-{family}-{dtype}")
-                tiny_checkpoint(family, root / "ckpt", seed=3)
-                err = io.StringIO()
-                with shared_traces(), contextlib.redirect_stderr(err):
-                    assert main(["compile", str(root / "ckpt"), "-o", str(root / "art"), "--target", "cpu",
-                                 "--dtype", dtype, "--no-dumps", "--quiet"]) == 0, err.getvalue()[-3000:]
-                art = root / "art"
-            made[family, dtype] = {p: ep.graph_module for p, ep in load_programs(read_artifact(art)).items()}
-        return made[family, dtype]
-
-    return get
-
-
-def segment_modules(gm: torch.fx.GraphModule):
-    """(segment, its module) for every glue segment with outputs, retargeted to the CPU."""
-    for segment in glue_segments(gm):
-        if segment.outputs:
-            module = segment_module(gm, segment)
-            retarget_meta_devices(module.graph, torch.device("cpu"))
-            module.recompile()
-            yield segment, module
+    return program_factory(tmp_path_factory)
 
 
 def rewritten(module: torch.fx.GraphModule) -> int:
@@ -207,26 +173,6 @@ def test_bailing_linear_folds_its_plain_norms_and_kimi_linear_none(programs):
     assert calls and all(n.args[-1] is False for n in calls), "plain weights: no unit offset"
     kimi = programs("kimi_linear")["main"]
     assert sum(rewritten(m) for _, m in segment_modules(kimi)) == 0
-
-
-def random_inputs(module: torch.fx.GraphModule, rows: int, seed: int) -> list[torch.Tensor]:
-    """Every placeholder's value with each symbolic size `rows`: floats normal, integers (ids,
-    positions, row indices) below `rows`."""
-    g = torch.Generator().manual_seed(seed)
-
-    def size(s):
-        return s if isinstance(s, int) else int(s.node.expr.xreplace({x: rows for x in s.node.expr.free_symbols}))
-
-    values = []
-    for node in module.graph.nodes:
-        if node.op == "placeholder":
-            val = node.meta["val"]
-            shape = [size(s) for s in val.shape]
-            if val.dtype.is_floating_point:
-                values.append(torch.randn(shape, generator=g).to(val.dtype))
-            else:
-                values.append(torch.randint(0, rows, shape, generator=g).to(val.dtype))
-    return values
 
 
 @pytest.mark.parametrize("family,dtype", [(f, "bfloat16") for f in FAMILIES] + [("qwen3_next", "float32")])
@@ -526,13 +472,16 @@ def test_norm_linear_needs_the_gemv_projections():
     """Refused where the GEMV op is not used: a batch-invariant artifact, a compile that builds no bundle."""
     import argparse
 
-    from hgc.build_command import norm_linear_refusal
-    from hgc.compile_commands import _norm_linear_refusal
+    from hgc.build_command import BundleChoices, norm_linear_refusal
+    from hgc.compile_commands import _choices_refusal
 
     assert norm_linear_refusal("cuda") is None
     assert "batch-invariant" in norm_linear_refusal("cuda", batch_invariant=True)
     args = argparse.Namespace(target="cuda", batch_invariant=False, inductor=False, plan_only=False)
-    assert "this compile builds none (--no-inductor" in _norm_linear_refusal(args, inductor=False)
+    why = _choices_refusal(args, False, BundleChoices(norm_linear=True))
+    assert why.startswith("--norm-linear: it is a choice of the target bundle, and this compile builds none "
+                          "(--no-inductor"), why
+    assert _choices_refusal(args, True, BundleChoices(norm_linear=True)) is None
 
 
 def test_bundle_json_records_the_flag_and_inspect_counts_the_folded_norms():

@@ -1,0 +1,244 @@
+"""A GQA layer's q / k norms and rotary as one call of hgc_glue::qk_norm_rope (`hgc build --norm-rope`), on the CPU.
+
+1. The rewrite (compiler/splitops/glue_ops.py `use_norm_rope`) on real traced glue: the tiny
+   families compiled for the CPU (bfloat16, and qwen3_next in float32) fold each layer whose q and k
+   heads are normed and rotated into one call, main and draft program alike: qwen3_next's and
+   qwen3_5's GQA layers (unit-offset norms), bailing_linear's Lightning layers (plain norms);
+   kimi_linear (MLA, and KDA without a rotary) has none to fold. Every rewritten segment gives the
+   bits it gave on random inputs: the op's CPU kernel is the traced glue's own ops.
+2. What it leaves as it was: a lone norm and rotary, GPT-J's rotation, a rotation of rows no norm
+   made, normed rows something else reads too.
+3. The op's CPU kernel is models/common.py's RMSNorm and apply_rotary, bit for bit; registering
+   the CUDA kernels installs the op's.
+4. A CPU Inductor piece holding the op gives the uncompiled piece's values.
+5. The build decision: a cpu bundle is refused in one line, nothing written; bundle.json's field;
+   `hgc inspect`'s column; compile_glue's counts.
+
+The kernel itself: tests/runtime/backends/test_norm_rope.py (interpreter, and on a GPU).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch.export import Dim
+
+from compiler.splitops import op_name_of, op_nodes
+from compiler.splitops.glue import glue_segments, segment_module
+from compiler.splitops.glue_ops import QK_NORM_ROPE, norm_rope_rows, use_norm_rope
+from hgc import main
+from hgc.errors import EXIT_BAD_INPUT
+from models.common import RMSNorm, apply_rotary, rope_inv_freq
+from testkit.helpers import shared_artifact
+from testkit.traced_glue import program_factory, random_inputs, segment_modules, stand_in_inductor
+
+ALLOCATIONS = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format,
+               torch.ops.aten.new_empty.default)
+
+
+# -- 1. the rewrite on traced glue ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    return program_factory(tmp_path_factory)
+
+
+def calls(module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in module.graph.nodes if n.target is QK_NORM_ROPE]
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3_next", "bfloat16"), ("qwen3_next", "float32"),
+                                          ("qwen3_5", "bfloat16"), ("kimi_linear", "bfloat16"),
+                                          ("bailing_linear", "bfloat16")])
+def test_each_layer_folds_once_and_every_rewritten_segment_gives_the_bits_it_gave(programs, family, dtype):
+    """Per program, one call per layer whose attention op reads normed, rotated q and k heads
+    (gqa_attention, lightning_core; the call's first two arguments q's and k's views of the
+    projection), and every rewritten segment against itself unrewritten on the same random inputs at
+    a token count it was not traced with: every output the same bits."""
+    for program, gm in programs(family, dtype).items():
+        folded = 0
+        for segment, reference in segment_modules(gm):
+            module = copy.deepcopy(reference)
+            count = use_norm_rope(module)
+            assert count == len(calls(module)) <= 1, f"{family} {program} segment {segment.index}"
+            if not count:
+                continue
+            folded += 1
+            (call,) = calls(module)
+            q, k = (a.meta["val"] for a in call.args[:2])
+            assert q.dim() == k.dim() == 3 and q.shape[1] >= k.shape[1] and q.shape[2] == k.shape[2], (q.shape, k.shape)
+            given = random_inputs(reference, rows=3, seed=segment.index)
+            outputs = reference.graph.output_node().args[0]
+            for node, got, want in zip(outputs, module(*given), reference(*given)):
+                if isinstance(want, torch.Tensor) and node.target not in ALLOCATIONS:
+                    assert torch.equal(got, want), f"{family} {program} segment {segment.index}: {node.name}"
+        readers = 0 if family == "kimi_linear" else sum(op_name_of(n.target) in ("gqa_attention", "lightning_core")
+                                                         for n in op_nodes(gm))
+        assert folded == readers, (family, program, folded, readers)
+        assert folded or family == "kimi_linear" or program != "main"
+
+
+# -- 2. what it leaves ----------------------------------------------------------------------------------
+
+
+class Heads(torch.nn.Module):
+    """A GQA layer's glue from its projection's output to q and k, in the forms the rewrite must tell
+    apart: `kind` "gqa" (q and k normed and rotated, the layer's form), "lone" (q only), "gptj" (the
+    interleaved rotation), "no norm" (k rotated as it comes), "read twice" (q's normed rows returned too)."""
+
+    def __init__(self, kind: str, H=2, Hk=1, D=32, R=8):
+        super().__init__()
+        self.kind, self.H, self.Hk, self.D, self.R = kind, H, Hk, D, R
+        self.q_norm = RMSNorm(D, 1e-6, unit_offset=True)
+        self.k_norm = RMSNorm(D, 1e-6, unit_offset=True)
+        with torch.no_grad():
+            self.q_norm.weight.normal_(0, 0.3)
+            self.k_norm.weight.normal_(0, 0.3)
+
+    def forward(self, qkv, positions):
+        H, Hk, D, R = self.H, self.Hk, self.D, self.R
+        q, k, _ = qkv.split([H * 2 * D, Hk * D, Hk * D], dim=-1)
+        q, gate = q.view(-1, H, 2 * D).split([D, D], dim=-1)
+        k = k.view(-1, Hk, D)
+        gptj = self.kind == "gptj"
+        qn = self.q_norm(q)
+        q = apply_rotary(qn, positions, R, 1e7, interleaved=gptj)
+        if self.kind == "lone":
+            return q, gate
+        k = apply_rotary(k if self.kind == "no norm" else self.k_norm(k), positions, R, 1e7, interleaved=gptj)
+        return (q, k, gate, qn) if self.kind == "read twice" else (q, k, gate)
+
+
+def exported(kind: str, dtype=torch.bfloat16) -> tuple[torch.fx.GraphModule, Heads]:
+    model = Heads(kind)
+    T = Dim("T", min=1, max=64)
+    example = (torch.randn(5, 2 * 2 * 32 + 2 * 32).to(dtype), torch.arange(5))
+    return torch.export.export(model.to(dtype), example, dynamic_shapes=({0: T}, {0: T})).graph_module, model
+
+
+@pytest.mark.parametrize("kind,folds", [("gqa", 1), ("lone", 0), ("gptj", 0), ("no norm", 0), ("read twice", 0)])
+def test_the_rewrite_takes_the_layers_form_and_leaves_the_others(kind, folds):
+    gm, model = exported(kind)
+    rewritten = copy.deepcopy(gm)
+    assert use_norm_rope(rewritten) == folds
+    if folds:  # what the rotation read is gone: no cos, sin or norm left for Inductor
+        left = {n.target for n in rewritten.graph.nodes}
+        assert not left & {torch.ops.aten.cos.default, torch.ops.aten.sin.default, torch.ops.aten.rsqrt.default}
+    params = [p.detach() for p in (model.q_norm.weight, model.k_norm.weight)]
+    for rows in (1, 7):
+        given = (*params, torch.randn(rows, 192).to(torch.bfloat16), torch.randint(0, 9000, (rows,)))
+        for got, want in zip(rewritten(*given), gm(*given)):
+            assert torch.equal(got, want)
+
+
+# -- 3. the op's kernels --------------------------------------------------------------------------------
+
+
+def test_the_reference_is_the_models_norm_and_rotary():
+    """norm_rope_rows (the op's CPU kernel) and models/common.py's RMSNorm then apply_rotary: the same bits."""
+    for unit_offset, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        norm = RMSNorm(64, eps=1e-6, unit_offset=unit_offset).to(dtype)
+        with torch.no_grad():
+            norm.weight.normal_(0, 0.3)
+        x, positions = torch.randn(5, 3, 64).to(dtype), torch.randint(0, 50000, (5,))
+        inv = rope_inv_freq(16, 1e7)
+        want = apply_rotary(norm(x), positions, 16, 1e7)
+        assert torch.equal(norm_rope_rows(x, norm.weight, positions, inv, 1e-6, unit_offset), want)
+        q, k = QK_NORM_ROPE(x, x[:, :1], norm.weight, norm.weight, positions, inv, 1e-6, unit_offset)
+        assert torch.equal(q, want) and torch.equal(k, want[:, :1])
+
+
+def test_register_installs_the_ops_cuda_kernel():
+    from runtime.backends import glue_kernels
+
+    glue_kernels.register()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("hgc_glue::qk_norm_rope", "CUDA")
+
+
+# -- 4. a CPU Inductor piece holding the op -------------------------------------------------------------
+
+
+@pytest.mark.slow  # one Inductor C++ compile: about 10 s on 2 cores
+def test_a_piece_with_the_op_compiles_with_inductor_and_gives_the_uncompiled_values(tmp_path, one_thread):
+    from compiler.inductor_pieces import compile_piece
+    from compiler.splitops.bundle import cache_env
+
+    gm, model = exported("gqa")
+    (segment,) = glue_segments(gm)
+    reference_module, module = segment_module(gm, segment), segment_module(gm, segment)
+    assert use_norm_rope(module) == 1
+    with cache_env({"inductor": tmp_path / "inductor"}):
+        piece = compile_piece(module, torch.device("cpu"))
+    params = {"p_q_norm_weight": model.q_norm.weight.detach(), "p_k_norm_weight": model.k_norm.weight.detach()}
+    for rows in (1, 7):  # neither is the traced count (5)
+        given = {**params, "qkv": torch.randn(rows, 192).to(torch.bfloat16),
+                 "positions": torch.randint(0, 9000, (rows,))}
+        inputs = [given[name] for name in segment.inputs]
+        got, want = piece(*inputs), reference_module(*inputs)
+        assert len(got) == len(want) == 3
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+# -- 5. the build decision ------------------------------------------------------------------------------
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("argv", [["build", "{w}/art", "--device", "cpu", "--norm-rope"],
+                                  ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--inductor",
+                                   "--norm-rope"]])
+def test_norm_rope_for_a_cpu_bundle_is_one_line_and_writes_nothing(tmp_path, capsys, argv):
+    (tmp_path / "ckpt").mkdir()
+    before = tree(tmp_path)
+    assert main([a.replace("{w}", str(tmp_path)) for a in argv]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"hgc {argv[0]}: --norm-rope: the q / k norms and rotary run as one CUDA kernel"), err
+    assert "cpu bundle" in err[0] and len(err) <= 3 and "Traceback" not in "\n".join(err)
+    assert tree(tmp_path) == before
+
+
+def test_bundle_json_records_the_flag_and_inspect_counts_the_calls():
+    from compiler.splitops.artifact import ArtifactFormatError
+    from compiler.splitops.bundle import bundle_doc, bundle_norm_rope, parse_bundle_doc
+    from hgc.compile_commands import norm_rope_calls
+
+    facts = {"device": "cuda", "torch": torch.__version__}
+    a, b = {"piece": "pieces/a.bin"}, {"piece": "pieces/b.bin"}
+    programs = {"draft": [b], "main": [a, {"piece": None}, a, b]}
+    pieces = {"pieces/a.bin": {"norm_rope": 1}, "pieces/b.bin": {"norm_rope": 0}}
+    files = {name: "0" for name in pieces}
+    for on in (False, True):
+        doc = bundle_doc("sm90-x", facts, programs, {}, pieces, files, 1.0, "0", norm_rope=on)
+        assert doc["norm_rope"] is on and bundle_norm_rope(doc) is on
+        assert norm_rope_calls(doc) == ("main 2, draft 0" if on else "off")
+        parse_bundle_doc(doc, "bundle.json")
+    older = {k: v for k, v in doc.items() if k != "norm_rope"}
+    assert bundle_norm_rope(older) is False and norm_rope_calls(older) == "off", "a bundle from before the field"
+    with pytest.raises(ArtifactFormatError, match="field 'norm_rope' must be true or false"):
+        parse_bundle_doc({**doc, "norm_rope": 1}, "bundle.json")
+
+
+def test_compile_glue_counts_the_calls_per_piece(tmp_path_factory, tmp_path, monkeypatch):
+    """compile_glue(norm_rope=True) folds before the key is taken and it compiles (Inductor stood in
+    for): per forward, one call for each GQA layer of each program (its gqa_attention ops)."""
+    import compiler.inductor_pieces as inductor_pieces
+    from runtime.artifact.docs import read_artifact
+    from runtime.artifact.loader import load_programs
+
+    docs = read_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
+    gms = {p: ep.graph_module for p, ep in load_programs(docs).items()}
+    compiled = stand_in_inductor(monkeypatch, lambda module: len(calls(module)))
+    records, pieces = inductor_pieces.compile_glue(gms, docs.split_plans, "cpu", tmp_path, tmp_path / "cache",
+                                                   norm_rope=True)
+    assert sorted(p["norm_rope"] for p in pieces.values()) == sorted(compiled)
+    per_forward = {p: sum(pieces[r["piece"]]["norm_rope"] for r in records[p] if r["piece"]) for p in gms}
+    gqa = {p: sum(op_name_of(n.target) == "gqa_attention" for n in op_nodes(gm)) for p, gm in gms.items()}
+    assert per_forward == gqa and gqa["main"] > 0
