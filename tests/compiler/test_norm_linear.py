@@ -17,8 +17,8 @@
    round as a GPU's do: testkit `nearest_even_bf16_casts`). Which calls take the GEMV
    (runtime/backends/glue_kernels.py).
 3. A CPU Inductor piece holding the op gives the uncompiled piece's values.
-4. The build decision: a cpu bundle is refused in one line, nothing written; bundle.json's field;
-   `hgc inspect`'s column; compile_glue's counts.
+4. The build decision: where it is refused (the CLI's refusals: tests/hgc/test_bundle_choices.py);
+   bundle.json's field; `hgc inspect`'s column; compile_glue's counts.
 
 tests/runtime/backends/test_pdl.py compiles the kernels for sm90 and checks their waits;
 tests/gpu/test_gpu_norm_linear.py runs them on a GPU.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from pathlib import Path
 
 import pytest
 import torch
@@ -45,8 +44,6 @@ from compiler.splitops.artifact import retarget_meta_devices  # noqa: E402
 from compiler.splitops.glue import glue_segments, segment_module  # noqa: E402
 from compiler.splitops.glue_ops import (ADD_RMS_NORM_LINEAR, LINEAR_ADD_RMS_NORM, RMS_NORM_LINEAR,  # noqa: E402
                                         SMALL_M_LINEAR, rms_norm_rows, use_norm_linear, use_small_m_linear)
-from hgc import main  # noqa: E402
-from hgc.errors import EXIT_BAD_INPUT  # noqa: E402
 from models.common import RMSNorm  # noqa: E402
 from runtime.backends import glue_kernels  # noqa: E402
 from runtime.backends.kernels import gemv as G  # noqa: E402
@@ -448,24 +445,6 @@ def test_a_piece_with_the_op_compiles_with_inductor_and_gives_the_uncompiled_val
 
 
 # -- 4. the build decision ------------------------------------------------------------------------------
-
-
-def tree(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-
-
-@pytest.mark.parametrize("argv", [["build", "{w}/art", "--device", "cpu", "--norm-linear"],
-                                  ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--norm-linear"],
-                                  ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--inductor",
-                                   "--norm-linear"]])
-def test_norm_linear_for_a_cpu_bundle_is_one_line_and_writes_nothing(tmp_path, capsys, argv):
-    (tmp_path / "ckpt").mkdir()
-    before = tree(tmp_path)
-    assert main([a.replace("{w}", str(tmp_path)) for a in argv]) == EXIT_BAD_INPUT
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[0].startswith(f"hgc {argv[0]}: --norm-linear: the norms fold into the projections' GEMV"), err
-    assert "cpu bundle" in err[0] and len(err) <= 3 and "Traceback" not in "\n".join(err)
-    assert tree(tmp_path) == before
 
 
 def test_norm_linear_needs_the_gemv_projections():

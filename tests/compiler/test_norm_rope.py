@@ -11,8 +11,8 @@
 3. The op's CPU kernel is models/common.py's RMSNorm and apply_rotary, bit for bit; registering
    the CUDA kernels installs the op's.
 4. A CPU Inductor piece holding the op gives the uncompiled piece's values.
-5. The build decision: a cpu bundle is refused in one line, nothing written; bundle.json's field;
-   `hgc inspect`'s column; compile_glue's counts.
+5. The build decision: bundle.json's field, `hgc inspect`'s column, compile_glue's counts (its
+   refusals: tests/hgc/test_bundle_choices.py).
 
 The kernel itself: tests/runtime/backends/test_norm_rope.py (interpreter, and on a GPU).
 """
@@ -20,7 +20,6 @@ The kernel itself: tests/runtime/backends/test_norm_rope.py (interpreter, and on
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,8 +28,6 @@ from torch.export import Dim
 from compiler.splitops import op_name_of, op_nodes
 from compiler.splitops.glue import glue_segments, segment_module
 from compiler.splitops.glue_ops import QK_NORM_ROPE, norm_rope_rows, use_norm_rope
-from hgc import main
-from hgc.errors import EXIT_BAD_INPUT
 from models.common import RMSNorm, apply_rotary, rope_inv_freq
 from testkit.helpers import shared_artifact
 from testkit.traced_glue import program_factory, random_inputs, segment_modules, stand_in_inductor
@@ -186,23 +183,6 @@ def test_a_piece_with_the_op_compiles_with_inductor_and_gives_the_uncompiled_val
 
 
 # -- 5. the build decision ------------------------------------------------------------------------------
-
-
-def tree(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-
-
-@pytest.mark.parametrize("argv", [["build", "{w}/art", "--device", "cpu", "--norm-rope"],
-                                  ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--inductor",
-                                   "--norm-rope"]])
-def test_norm_rope_for_a_cpu_bundle_is_one_line_and_writes_nothing(tmp_path, capsys, argv):
-    (tmp_path / "ckpt").mkdir()
-    before = tree(tmp_path)
-    assert main([a.replace("{w}", str(tmp_path)) for a in argv]) == EXIT_BAD_INPUT
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[0].startswith(f"hgc {argv[0]}: --norm-rope: the q / k norms and rotary run as one CUDA kernel"), err
-    assert "cpu bundle" in err[0] and len(err) <= 3 and "Traceback" not in "\n".join(err)
-    assert tree(tmp_path) == before
 
 
 def test_bundle_json_records_the_flag_and_inspect_counts_the_calls():

@@ -15,8 +15,8 @@
    the interpreter (TRITON_INTERPRET is read when triton is imported): Triton needs no GPU to emit
    PTX, and the last stage, ptxas's cubin, is left out (it checks nothing asked here).
 2. `launch_options` / `launch_args`: nothing on the CPU, under the interpreter or with the switch off.
-3. The build decision: `--pdl` for a cpu bundle is a one-line refusal, nothing written; bundle.json's
-   `pdl` and Inductor settings follow the flag (at the function level: a cuda build needs a GPU).
+3. The build decision: bundle.json's `pdl` and Inductor settings follow the flag (at the function
+   level: a cuda build needs a GPU); tests/hgc/test_bundle_choices.py checks its refusals.
 
 tests/gpu/test_gpu_pdl.py checks on a GPU that a captured chain gives the same bits with PDL on and off.
 """
@@ -34,8 +34,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from hgc import main
-from hgc.errors import EXIT_BAD_INPUT
 from testkit.sm90 import Launch, compile_sm90, record, specialisation
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -473,33 +471,6 @@ def test_the_launch_cache_passes_the_pdl_option_through_and_keys_on_it():
 
 
 # -- the build decision ---------------------------------------------------------------------------------
-
-
-def tree(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-
-
-@pytest.mark.parametrize("argv", [["build", "{w}/art", "--device", "cpu", "--pdl"],
-                                  ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--pdl"],
-                                  ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--inductor", "--pdl"]])
-def test_pdl_for_a_cpu_bundle_is_one_line_and_writes_nothing(tmp_path, capsys, argv):
-    (tmp_path / "ckpt").mkdir()
-    before = tree(tmp_path)
-    assert main([a.replace("{w}", str(tmp_path)) for a in argv]) == EXIT_BAD_INPUT
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[0].startswith(f"hgc {argv[0]}: --pdl: programmatic dependent launch is a CUDA launch attribute"), err
-    assert "cpu bundle" in err[0] and len(err) <= 3 and "Traceback" not in "\n".join(err)
-    assert tree(tmp_path) == before
-
-
-def test_a_cuda_compile_that_builds_no_bundle_refuses_pdl(tmp_path, capsys):
-    (tmp_path / "ckpt").mkdir()
-    argv = ["compile", str(tmp_path / "ckpt"), "-o", str(tmp_path / "new"), "--target", "cuda", "--no-inductor",
-            "--pdl"]
-    assert main(argv) == EXIT_BAD_INPUT
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[0].startswith("hgc compile: --pdl: it is a choice of the target bundle, and this compile builds none")
-    assert not (tmp_path / "new").exists()
 
 
 def test_bundle_json_and_the_inductor_settings_follow_the_flag():

@@ -1,0 +1,66 @@
+"""The bundle choices of `hgc build` and `hgc compile` (hgc/build_command.py `BundleChoices`): --pdl,
+--norm-linear, --norm-rope.
+
+Each is a decision of a cuda target bundle: asked of a cpu bundle (by `hgc build`, or by `hgc
+compile` with or without --inductor) it is one line naming the flag and why, the documented exit
+code, and nothing written; asked of a cuda compile that builds no bundle, it says so. The record
+itself: read from the flags, written back as the flags (a tensor-parallel build's ranks and the
+rebuild hint take them so), the first refusal in the flags' order.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from hgc import main
+from hgc.build_command import BundleChoices
+from hgc.errors import EXIT_BAD_INPUT
+
+# flag -> how its refusal of a cpu bundle begins
+CPU_REFUSALS = {"--pdl": "programmatic dependent launch is a CUDA launch attribute",
+                "--norm-linear": "the norms fold into the projections' GEMV",
+                "--norm-rope": "the q / k norms and rotary run as one CUDA kernel"}
+FORMS = {"build": ["build", "{w}/art", "--device", "cpu"],
+         "compile": ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu"],
+         "compile --inductor": ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--inductor"]}
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("flag", sorted(CPU_REFUSALS))
+def test_a_choice_for_a_cpu_bundle_is_one_line_and_writes_nothing(tmp_path, capsys, flag, form):
+    (tmp_path / "ckpt").mkdir()
+    before = tree(tmp_path)
+    argv = [a.replace("{w}", str(tmp_path)) for a in FORMS[form]] + [flag]
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"hgc {argv[0]}: {flag}: {CPU_REFUSALS[flag]}"), err
+    assert "cpu bundle" in err[0] and len(err) <= 3 and "Traceback" not in "\n".join(err)
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("flag", sorted(CPU_REFUSALS))
+def test_a_cuda_compile_that_builds_no_bundle_refuses_a_choice(tmp_path, capsys, flag):
+    (tmp_path / "ckpt").mkdir()
+    argv = ["compile", str(tmp_path / "ckpt"), "-o", str(tmp_path / "new"), "--target", "cuda", "--no-inductor",
+            flag]
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"hgc compile: {flag}: it is a choice of the target bundle, and this compile builds none")
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_record_reads_and_writes_its_flags():
+    args = argparse.Namespace(pdl=False, norm_linear=True, norm_rope=True, device="cuda")
+    choices = BundleChoices.of(args)
+    assert choices == BundleChoices(norm_linear=True, norm_rope=True)
+    assert choices.argv() == ["--norm-linear", "--norm-rope"] and BundleChoices().argv() == []
+    assert choices.refusal("cuda") is None
+    assert choices.refusal("cuda", batch_invariant=True).startswith("--norm-linear: the artifact is batch-invariant")
+    assert BundleChoices(pdl=True, norm_rope=True).refusal("cpu").startswith("--pdl: "), "the flags' order"
