@@ -17,8 +17,8 @@
    round as a GPU's do: testkit `nearest_even_bf16_casts`). Which calls take the GEMV
    (runtime/backends/glue_kernels.py).
 3. A CPU Inductor piece holding the op gives the uncompiled piece's values.
-4. The build decision: where it is refused (the CLI's refusals: tests/hgc/test_bundle_choices.py);
-   bundle.json's field; `hgc inspect`'s column; compile_glue's counts.
+4. The build decision: where the GEMV op is missing it is refused; compile_glue's counts (the
+   CLI's refusals, bundle.json's field and `hgc inspect`'s column: tests/hgc/test_bundle_choices.py).
 
 tests/runtime/backends/test_pdl.py compiles the kernels for sm90 and checks their waits;
 tests/gpu/test_gpu_norm_linear.py runs them on a GPU.
@@ -461,28 +461,6 @@ def test_norm_linear_needs_the_gemv_projections():
     assert why.startswith("--norm-linear: it is a choice of the target bundle, and this compile builds none "
                           "(--no-inductor"), why
     assert _choices_refusal(args, True, BundleChoices(norm_linear=True)) is None
-
-
-def test_bundle_json_records_the_flag_and_inspect_counts_the_folded_norms():
-    from compiler.splitops.artifact import ArtifactFormatError
-    from compiler.splitops.bundle import bundle_doc, bundle_norm_linear, parse_bundle_doc
-    from hgc.compile_commands import folded_norms
-
-    facts = {"device": "cuda", "torch": torch.__version__}
-    a, b = {"piece": "pieces/a.bin"}, {"piece": "pieces/b.bin"}
-    programs = {"draft": [b], "main": [a, {"piece": None}, a, b]}  # a segment left traced names no piece
-    pieces = {"pieces/a.bin": {"small_m_linear": 3, "norm_linear": 2},
-              "pieces/b.bin": {"small_m_linear": 1, "norm_linear": 1}}
-    files = {name: "0" for name in pieces}
-    for on in (False, True):
-        doc = bundle_doc("sm90-x", facts, programs, {}, pieces, files, 1.0, "0", small_m=True, norm_linear=on)
-        assert doc["norm_linear"] is on and bundle_norm_linear(doc) is on
-        assert folded_norms(doc) == ("main 5, draft 1" if on else "off")
-        parse_bundle_doc(doc, "bundle.json")
-    older = {k: v for k, v in doc.items() if k != "norm_linear"}
-    assert bundle_norm_linear(older) is False and folded_norms(older) == "off", "a bundle from before the field"
-    with pytest.raises(ArtifactFormatError, match="field 'norm_linear' must be true or false"):
-        parse_bundle_doc({**doc, "norm_linear": 1}, "bundle.json")
 
 
 def test_compile_glue_counts_the_folded_norms_per_piece(tmp_path_factory, tmp_path, monkeypatch):

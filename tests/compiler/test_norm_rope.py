@@ -11,8 +11,8 @@
 3. The op's CPU kernel is models/common.py's RMSNorm and apply_rotary, bit for bit; registering
    the CUDA kernels installs the op's.
 4. A CPU Inductor piece holding the op gives the uncompiled piece's values.
-5. The build decision: bundle.json's field, `hgc inspect`'s column, compile_glue's counts (its
-   refusals: tests/hgc/test_bundle_choices.py).
+5. compile_glue's counts (the flag's refusals, bundle.json's field and `hgc inspect`'s column:
+   tests/hgc/test_bundle_choices.py).
 
 The kernel itself: tests/runtime/backends/test_norm_rope.py (interpreter, and on a GPU).
 """
@@ -183,27 +183,6 @@ def test_a_piece_with_the_op_compiles_with_inductor_and_gives_the_uncompiled_val
 
 
 # -- 5. the build decision ------------------------------------------------------------------------------
-
-
-def test_bundle_json_records_the_flag_and_inspect_counts_the_calls():
-    from compiler.splitops.artifact import ArtifactFormatError
-    from compiler.splitops.bundle import bundle_doc, bundle_norm_rope, parse_bundle_doc
-    from hgc.compile_commands import norm_rope_calls
-
-    facts = {"device": "cuda", "torch": torch.__version__}
-    a, b = {"piece": "pieces/a.bin"}, {"piece": "pieces/b.bin"}
-    programs = {"draft": [b], "main": [a, {"piece": None}, a, b]}
-    pieces = {"pieces/a.bin": {"norm_rope": 1}, "pieces/b.bin": {"norm_rope": 0}}
-    files = {name: "0" for name in pieces}
-    for on in (False, True):
-        doc = bundle_doc("sm90-x", facts, programs, {}, pieces, files, 1.0, "0", norm_rope=on)
-        assert doc["norm_rope"] is on and bundle_norm_rope(doc) is on
-        assert norm_rope_calls(doc) == ("main 2, draft 0" if on else "off")
-        parse_bundle_doc(doc, "bundle.json")
-    older = {k: v for k, v in doc.items() if k != "norm_rope"}
-    assert bundle_norm_rope(older) is False and norm_rope_calls(older) == "off", "a bundle from before the field"
-    with pytest.raises(ArtifactFormatError, match="field 'norm_rope' must be true or false"):
-        parse_bundle_doc({**doc, "norm_rope": 1}, "bundle.json")
 
 
 def test_compile_glue_counts_the_calls_per_piece(tmp_path_factory, tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ Each is a decision of a cuda target bundle: asked of a cpu bundle (by `hgc build
 compile` with or without --inductor) it is one line naming the flag and why, the documented exit
 code, and nothing written; asked of a cuda compile that builds no bundle, it says so. The record
 itself: read from the flags, written back as the flags (a tensor-parallel build's ranks and the
-rebuild hint take them so), the first refusal in the flags' order.
+rebuild hint take them so), the first refusal in the flags' order. bundle.json records the two
+rewrites and `hgc inspect` counts their calls per forward.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import argparse
 from pathlib import Path
 
 import pytest
+import torch
 
+from compiler.splitops.artifact import ArtifactFormatError
+from compiler.splitops.bundle import bundle_doc, bundle_norm_linear, bundle_norm_rope, parse_bundle_doc
 from hgc import main
 from hgc.build_command import BundleChoices
+from hgc.compile_commands import folded_norms, norm_rope_calls
 from hgc.errors import EXIT_BAD_INPUT
 
 # flag -> how its refusal of a cpu bundle begins
@@ -64,3 +69,22 @@ def test_the_record_reads_and_writes_its_flags():
     assert choices.refusal("cuda") is None
     assert choices.refusal("cuda", batch_invariant=True).startswith("--norm-linear: the artifact is batch-invariant")
     assert BundleChoices(pdl=True, norm_rope=True).refusal("cpu").startswith("--pdl: "), "the flags' order"
+
+
+@pytest.mark.parametrize("field,recorded,column", [("norm_linear", bundle_norm_linear, folded_norms),
+                                                   ("norm_rope", bundle_norm_rope, norm_rope_calls)])
+def test_bundle_json_records_a_rewrite_and_inspect_counts_its_calls(field, recorded, column):
+    facts = {"device": "cuda", "torch": torch.__version__}
+    a, b = {"piece": "pieces/a.bin"}, {"piece": "pieces/b.bin"}
+    programs = {"draft": [b], "main": [a, {"piece": None}, a, b]}  # a segment left traced names no piece
+    pieces = {"pieces/a.bin": {"small_m_linear": 3, field: 2}, "pieces/b.bin": {"small_m_linear": 1, field: 1}}
+    files = {name: "0" for name in pieces}
+    for on in (False, True):
+        doc = bundle_doc("sm90-x", facts, programs, {}, pieces, files, 1.0, "0", small_m=True, **{field: on})
+        assert doc[field] is on and recorded(doc) is on
+        assert column(doc) == ("main 5, draft 1" if on else "off")
+        parse_bundle_doc(doc, "bundle.json")
+    older = {k: v for k, v in doc.items() if k != field}
+    assert recorded(older) is False and column(older) == "off", "a bundle from before the field"
+    with pytest.raises(ArtifactFormatError, match=f"field '{field}' must be true or false"):
+        parse_bundle_doc({**doc, field: 1}, "bundle.json")
