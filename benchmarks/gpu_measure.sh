@@ -27,6 +27,9 @@
 #                columns, 4 or 8 warps), each checked first, against the unfused pair (issue 50)
 #   grouped      benchmarks/probes/grouped_mm_probe.py at 512 / 1024 / 2048 / 4096 tokens: the split down (down=split)
 #                and the stacked grouped path against the sorted kernels, each checked first (issue 51)
+#   norm_rope    the q / k norm and rotary kernel (--norm-rope): its GPU tests and its CPU tests on the card, then
+#                rotary_glue_probe.py (the kernel beside Inductor's two forms at 1 / 512 / 4096 tokens, each checked
+#                first); the whole step: TAG=rope COMPILE_ARGS="--norm-rope $B" ... account_serving
 #   moe_router   the MoE's router and sort: router_logits_probe.py at 1 / 128 / 512 / 2048 / 4096 tokens (the
 #                split router against the GEMM and the routing kernel, and the GEMV) and moe_bookkeeping.py at
 #                32 / 128 / 512 / 4096 (the sort with counted ranks against sorted ones), each checked first
@@ -140,6 +143,10 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/kernels/norm_gemv_bench.py --out "$OUT/norm_sweep" --sweep --rows 1 2>&1 | tail -14 ;;
     grouped)
         python3 benchmarks/probes/grouped_mm_probe.py --out "$OUT/grouped" 2>&1 | tail -13 ;;
+    norm_rope)
+        python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_norm_rope.py 2>&1 | tail -3
+        python3 -m pytest -q -p no:cacheprovider tests/runtime/backends/test_norm_rope.py 2>&1 | tail -3
+        python3 benchmarks/probes/rotary_glue_probe.py --out "$OUT/norm_rope" 2>&1 | tail -4 ;;
     moe_router)
         python3 benchmarks/probes/router_logits_probe.py --out "$OUT/moe_router" --tokens 1,128,512,2048,4096 2>&1
         python3 benchmarks/kernels/moe_bookkeeping.py --out "$OUT/moe_router" --tokens 32,128,512,4096 2>&1 | tail -9 ;;
