@@ -292,7 +292,7 @@ def _capture(graphs, device):
     return graphs
 
 
-def _may_tune(art) -> bool:
+def _is_build(art) -> bool:
     """Whether this start-up is a build's (`load_built`): its compiled pieces' kernels choose their
     launch configurations at their first launch and the bundle keeps the choices; a run loads them
     and runs no tuning step, so it launches nothing the build did not (GraphRunner's `tuning_step`
@@ -326,7 +326,7 @@ def _graph_runner(art, ops: BoundOps, kv_pool: KVPool, state_pool: StatePool, li
                          extend_max_seqs=extend_seqs(max(recorded["decode_batch_sizes"], default=1), extend),
                          chunk_size=limits["token_budget"],
                          graphs=capture, verify_buckets=verify, verify_tokens=draft_tokens + 1,
-                         tuning_step=_may_tune(art))
+                         tuning_step=_is_build(art))
     runner.start(_vocab_size(art), log=log, progress=progress)
     if art.compiled is not None:
         art.compiled.parity = list(runner.parity.compiled.values())

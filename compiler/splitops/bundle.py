@@ -49,7 +49,8 @@ import torch
 from .artifact import FORMAT_NAME, FORMAT_VERSION, ArtifactFormatError, check_format, dump_json
 
 __all__ = ["TARGETS", "BUNDLE", "PIECES", "KERNELS", "INDUCTOR_CONFIG", "INDUCTOR_PDL", "CACHE_ENV", "CACHE_SETTINGS",
-           "cache_env", "inductor_config", "inductor_has_pdl", "bundle_pdl", "bundle_norm_linear", "bundle_norm_rope", "pin_triton_ptxas",
+           "cache_env", "inductor_config", "inductor_has_pdl", "bundle_pdl", "bundle_norm_linear", "bundle_norm_rope",
+           "pin_triton_ptxas",
            "NOT_REPRODUCIBLE", "not_reproducible", "target_facts", "target_key", "describe_target",
            "facts_differences", "bundle_doc", "signed_payload", "parse_bundle_doc", "bundle_dir", "executable_summary",
            "rank_dir", "without_rank_dir"]

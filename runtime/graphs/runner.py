@@ -16,8 +16,9 @@ Lifecycle:
    captured kernel reads the same addresses; an eager step uses its own tensors and may be of any size.
 2. `capture()` (start-up only): `backend.init_capture_state`, then (`tuning_step`, a build's
    start-up) the largest extend bucket's step eagerly, where Inductor's kernels then time their
-   candidate launch configurations, then for each decode bucket, largest first, one graph of the whole step when the artifact's decode plan (split.json) is one
-   captured piece, or piecewise graphs otherwise; the same for each target_verify bucket
+   candidate launch configurations, then for each decode bucket, largest first, one graph of the
+   whole step when the artifact's decode plan (split.json) is one captured piece, or piecewise
+   graphs otherwise; the same for each target_verify bucket
    (speculative decoding: `verify_tokens` tokens per request, so a bucket of B requests is
    B * verify_tokens rows; whole-step graphs where split.json's target_verify plan is one captured
    piece); then each extend token bucket, largest first: one whole-step graph where split.json's
