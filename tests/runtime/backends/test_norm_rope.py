@@ -26,8 +26,9 @@ from testkit.linear_cases import rel_err  # noqa: E402
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-# (q heads, k heads, head dim, rotary dim): a small layer, and bench qwen3_next's GQA layer
-DIMS = [(2, 1, 32, 8), (16, 2, 256, 64)]
+# (q heads, k heads, head dim, rotary dim): a small layer, a head dim that fills no power of two
+# (masked channels), and bench qwen3_next's GQA layer
+DIMS = [(2, 1, 32, 8), (3, 3, 48, 16), (16, 2, 256, 64)]
 
 
 def layer(T: int, dims, dtype, seed: int):
@@ -50,7 +51,7 @@ def model_ops(x, weight, positions, rotary_dim, theta, eps, unit_offset, interle
 
 
 @in_process
-@pytest.mark.parametrize("dims", DIMS, ids=["small", "bench"])
+@pytest.mark.parametrize("dims", DIMS, ids=["small", "odd", "bench"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 def test_q_and_k_are_the_models_norm_and_rotary(dims, dtype, interleaved):
