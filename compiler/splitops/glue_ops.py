@@ -535,12 +535,10 @@ def _readers_are(node, readers) -> bool:
         len(_readers(node)) == len(set(readers))
 
 
-def _channel_slice(node, source=None) -> Optional[tuple[torch.fx.Node, int, int]]:
+def _channel_slice(node) -> Optional[tuple[torch.fx.Node, int, int]]:
     """(source, start, end) of `slice(source, last dim, start, end)` with a unit step, else None."""
     if not _call(node, _aten.slice.Tensor) or node.kwargs or not 4 <= len(node.args) <= 5 or \
             node.args[1] not in _LAST or (len(node.args) == 5 and node.args[4] != 1):
-        return None
-    if source is not None and node.args[0] is not source:
         return None
     return node.args[0], node.args[2], node.args[3]
 
