@@ -168,10 +168,19 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
 def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
-    """Channel tile for the decode conv: about two programs per SM, at least one channel a thread."""
+    """Channel tile for the decode conv: the widest of 128, 64 and 32 channels that still gives about
+    two programs per SM, at least one channel a thread.
+
+    Not wider: in the H200 tile sweep of the Qwen3-Next conv (8192 channels, bf16;
+    `gpu_linear_decode_h200_2026-11-26.json`, benchmarks/kernels/gpu_linear_decode.py) 512 channels
+    on 4 warps, which this rule took from batch 32 on, took 5.14 / 8.37 / 24.93 us at batch 32 / 64 /
+    256 against 4.92 / 7.18 / 20.81 for 128 on 2 warps (256 on 4: 4.81 / 7.31 / 21.87); the tile of
+    512 holds 4 channels a thread (compiled for sm90: 120 registers, 4 programs an SM), 128 on 2 warps
+    2 (62 registers, 16 programs; the fixed tile's, `fixed_conv_config`). Batch 8 and 1 keep their
+    tiles (128 and 32)."""
     target = 2 * num_sms(device)
     block_c = 32
-    for bc in (512, 256, 128, 64, 32):
+    for bc in (128, 64, 32):
         if batch * cdiv(channels, bc) >= target:
             block_c = bc
             break
