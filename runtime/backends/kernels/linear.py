@@ -152,17 +152,23 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
 
     The kernel is bound by the state bytes; what limits it at small batch is how many programs
     are in flight to keep every SM's loads outstanding. Take the widest Dv tile (fewer, larger
-    programs: less per-program overhead) that still gives about four programs per SM; at batch 1
-    with 32 heads of 128 that is BV=8 (512 programs). Keep ~32 state floats per thread.
+    programs: less per-program overhead, and q, k and the gates loaded once for more columns) that
+    still gives about four programs per SM; at batch 1 with 32 heads of 128 that is BV=8 (512
+    programs). About 32 state floats a thread, at most 4 warps: a tile of 64 columns keeps 4 warps.
+
+    Why 64 columns at large batches: in the H200 tile sweep (`gpu_linear_decode_h200_2026-11-26.json`,
+    benchmarks/kernels/gpu_linear_decode.py; Dk = Dv = 128) 64 columns on 4 warps took 34.9 / 64.6 /
+    246.2 us for GDN at batch 32 / 64 / 256 against 37.9 / 73.1 / 288.7 for 32 columns (KDA and
+    Lightning alike), and 8 warps were slower than 4 (44.2 / 80.4 / 298.1).
     """
     target = 4 * num_sms(device)
     max_bv = next_pow2(dv)
     block_v = min(8, max_bv)
-    for bv in (32, 16, 8):
+    for bv in (64, 32, 16, 8):
         if bv <= max_bv and batch * heads * cdiv(dv, bv) >= target:
             block_v = bv
             break
-    num_warps = max(1, min(8, next_pow2(dk) * block_v // 1024))
+    num_warps = max(1, min(4, next_pow2(dk) * block_v // 1024))
     return RecurrentConfig(block_v, num_warps)
 
 
@@ -214,7 +220,7 @@ def extend_config(heads: int, dk: int, dv: int, device: torch.device) -> Recurre
 @functools.lru_cache(maxsize=None)
 def fixed_recurrent_config(heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
     """The decode and verify tile of decode_tiles="fixed": what `recurrent_config` picks once the
-    batch fills the device (Dv 32, 4 warps at Dk = Dv = 128)."""
+    batch fills the device (Dv 64, 4 warps at Dk = Dv = 128)."""
     return recurrent_config(4 * num_sms(device), heads, dk, dv, device)
 
 

@@ -215,7 +215,7 @@ def test_fixed_tiles_are_a_full_batchs_at_qwen3_next_dims():
     conv channels), not one request's (8 Dv columns, 1 warp), which cost 1.9x at batch 32 on an H200."""
     dev = torch.device("cpu")
     assert TL.fixed_recurrent_config(32, 128, 128, dev) == TL.recurrent_config(4096, 32, 128, 128, dev) == \
-        TL.RecurrentConfig(32, 4)
+        TL.RecurrentConfig(64, 4)
     assert TL.fixed_conv_config(8192) == TL.ConvConfig(128, 2)
     assert TL.fixed_conv_config(48) == TL.ConvConfig(64, 1)  # a tiny layer: no tile wider than its channels
 
@@ -300,8 +300,10 @@ def test_default_tiles_keep_batch_one_spread_over_the_chip():
     """Batch 1 at Qwen3-Next dims must not run as a handful of programs (see recurrent_config)."""
     cfg = TL.recurrent_config(1, 32, 128, 128, torch.device("cpu"))
     assert (cfg.block_v, cfg.num_warps) == (8, 1) and 1 * 32 * (128 // cfg.block_v) == 512
-    big = TL.recurrent_config(64, 32, 128, 128, torch.device("cpu"))
-    assert big.block_v == 32 and big.num_warps == 4
+    eight = TL.recurrent_config(8, 32, 128, 128, torch.device("cpu"))
+    assert (eight.block_v, eight.num_warps) == (32, 4)
+    big = TL.recurrent_config(64, 32, 128, 128, torch.device("cpu"))  # the H200 sweep's best from batch 32
+    assert big.block_v == 64 and big.num_warps == 4
 
 
 # -- extend, mixed and target-verify steps ------------------------------------------------------
