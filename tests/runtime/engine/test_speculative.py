@@ -192,6 +192,25 @@ def test_penalties_bias_and_logprobs_at_verified_positions_match_plain_decoding(
         assert engine.stats()["spec_tokens_per_verify"] > 2
 
 
+def test_a_builds_tuning_step_runs_in_both_programs_and_serves_the_same_tokens(artifacts, plain, monkeypatch):
+    """A build's start-up (runtime/assembly.py `_is_build`) runs each runner's largest extend step
+    eagerly before its captures, the draft program's with its hidden-state input; the engine then
+    serves the tokens of plain decoding."""
+    import runtime.assembly as assembly
+    from testkit.graph_cases import RerunGraphs
+
+    monkeypatch.setattr(assembly, "_is_build", lambda art: True)
+    lines: list[str] = []
+    engine = engine_for_artifact(artifacts("qwen3_next"), options(3), MAX_LEN, graphs=RerunGraphs(),
+                                 log=lines.append)
+    for runner in (engine.runner, engine.spec.drafter.steps):
+        extend = [k for k in runner.keys if k.mode == Mode.EXTEND]
+        assert runner.tuning_step and runner.tuned_on == max(extend, key=lambda k: (k.tokens, k.seqs))
+    assert any(line.startswith("tuning step: extend[") for line in lines)
+    outputs, _ = run(engine)
+    assert outputs == plain("qwen3_next")
+
+
 def test_graph_runner_captures_verify_and_draft_keys_and_serves_the_same_tokens(artifacts, plain):
     from testkit.graph_cases import RerunGraphs
 
