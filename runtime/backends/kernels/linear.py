@@ -154,7 +154,7 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
     are in flight to keep every SM's loads outstanding. Take the widest Dv tile (fewer, larger
     programs: less per-program overhead, and q, k and the gates loaded once for more columns) that
     still gives about four programs per SM; at batch 1 with 32 heads of 128 that is BV=8 (512
-    programs). About 32 state floats a thread, at most 4 warps: a tile of 64 columns keeps 4 warps.
+    programs). About 32 state floats a thread, 64 in a tile of 64 columns (4 warps at Dk = 128).
 
     Why 64 columns at large batches: in the H200 tile sweep (`gpu_linear_decode_h200_2026-11-26.json`,
     benchmarks/kernels/gpu_linear_decode.py; Dk = Dv = 128) 64 columns on 4 warps took 34.9 / 64.6 /
@@ -168,7 +168,8 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
         if bv <= max_bv and batch * heads * cdiv(dv, bv) >= target:
             block_v = bv
             break
-    num_warps = max(1, min(4, next_pow2(dk) * block_v // 1024))
+    per_thread = 64 if block_v == 64 else 32  # state floats a thread
+    num_warps = max(1, min(8, next_pow2(dk) * block_v // (32 * per_thread)))
     return RecurrentConfig(block_v, num_warps)
 
 
