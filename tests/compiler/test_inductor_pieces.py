@@ -191,6 +191,7 @@ def test_inspect_lists_the_bundle(built, capsys):
     assert [b["bundle"] for b in bundles] == [f"{TARGETS}/{built['key']}"] and bundles[0]["pieces"] >= 1
     assert bundles[0]["GEMV projections"] == "off", "a cpu bundle's projections stay aten's linear"
     assert bundles[0]["folded norms"] == "off", "a cpu bundle folds no norm into a projection"
+    assert bundles[0]["q/k norm+rope calls"] == "off", "a cpu bundle keeps Inductor's code for the q / k norms"
     assert bundles[0]["PDL"] == "off", "a cpu bundle launches nothing with programmatic dependent launch"
 
 
