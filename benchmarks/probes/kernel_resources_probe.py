@@ -22,7 +22,8 @@ warpgroup tensor cores (HGMMA) and pipelines its loads (LDGSTS: cp.async; UTMALD
      kernels at 128) and the GQA split-KV decode over 1024 cached tokens a request;
    - extend512 / extend4096: one request of 512 / 4096 tokens through the MoE, the extend conv
      (row layout, as the backend takes it for long steps), the GDN gates, the chunk kernels and
-     the gated norm.
+     the gated norm;
+   - every step: a GQA layer's q / k norms and rotary as one kernel (`hgc build --norm-rope`).
 2. Compile each distinct launch for sm90 in a process outside the interpreter, read its resources
    (cuobjdump) and its SASS op counts.
 
@@ -125,6 +126,18 @@ def _gqa_decode(B: int) -> None:
                          1, _bf16(B, HQ, HEAD), HEAD ** -0.5)  # one query row a request
 
 
+def _qk_norm_rope(T: int) -> None:
+    """A GQA layer's q / k norms and rotary as `hgc build --norm-rope` runs them: q and k views of the
+    projection's output (q beside its gates), rotary dim 64, theta 1e7."""
+    from models.common import rope_inv_freq
+    from runtime.backends.kernels.norm_rope import qk_norm_rope
+
+    qkv = _bf16(T, HQ * 2 * HEAD + 2 * HKV * HEAD)
+    q = qkv[:, :HQ * 2 * HEAD].view(T, HQ, 2 * HEAD)[..., :HEAD]
+    k = qkv[:, HQ * 2 * HEAD:HQ * 2 * HEAD + HKV * HEAD].view(T, HKV, HEAD)
+    qk_norm_rope(q, k, _bf16(HEAD), _bf16(HEAD), _i64(T), rope_inv_freq(HEAD // 4, 1e7), 1e-6, True)
+
+
 def _gdn_extend(T: int) -> None:
     from runtime.backends.kernels import chunk as CK
     from runtime.backends.kernels import gdn_fused as GF
@@ -151,9 +164,10 @@ def step_launches(step: str) -> list[Launch]:
     """Step 1: the launches of one step, recorded."""
     if step.startswith("decode"):
         B = int(step[len("decode"):])
-        return record(lambda: (_gemvs() if B == 1 else None, _moe(B), _gdn_decode(B), _gqa_decode(B)))
+        return record(lambda: (_gemvs() if B == 1 else None, _moe(B), _gdn_decode(B), _gqa_decode(B),
+                               _qk_norm_rope(B)))
     T = int(step[len("extend"):])
-    return record(lambda: (_moe(T), _gdn_extend(T)))
+    return record(lambda: (_moe(T), _gdn_extend(T), _qk_norm_rope(T)))
 
 
 def _key(launch: Launch) -> str:

@@ -659,7 +659,7 @@ def _erase_unread(graph: torch.fx.Graph, node) -> None:
     """Erase node (and, in turn, what it read) where nothing but export's dtype checks reads it."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or _readers(node):
         return
-    inputs = [a for a in node.all_input_nodes]
+    inputs = list(node.all_input_nodes)
     _erase(graph, [node])
     for a in inputs:
         _erase_unread(graph, a)

@@ -36,8 +36,8 @@ run:
    --torch-projections). It acts on what runs or is captured inside it, not on graphs captured before.
 
 The GEMVs only in bf16: CONFIGS were timed in bf16 (gemv.py), and a float32 product reads twice the
-bytes, for which nobody measured the kernel against cuBLAS. The GEMV's bits follow the row bucket (its config),
-which is why a batch-invariant artifact never calls the op (build_command.small_m_for).
+bytes, for which nobody measured the kernel against cuBLAS. The GEMV's bits follow the row bucket
+(its config), which is why a batch-invariant artifact never calls the op (build_command.small_m_for).
 """
 
 from __future__ import annotations

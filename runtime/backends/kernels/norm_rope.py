@@ -39,9 +39,10 @@ from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpr
 
 __all__ = ["qk_norm_rope", "BLOCK_T"]
 
-# Tokens per program, in 4 warps. Compiled for sm90 (testkit/sm90.py) at bench qwen3_next's heads of 256:
-# 32 registers a thread and 16 programs an SM at 4 tokens; at 8 tokens in 4 warps 105 registers and 4
-# programs (the tiles' layouts then go through shared memory), as many as 4 tokens hold in 8 warps.
+# Tokens per program, in 4 warps. Compiled for sm90 at bench qwen3_next's heads of 256
+# (benchmarks/probes/kernel_resources_probe.py): 32 registers a thread and 16 programs an SM at 4
+# tokens; at 8 tokens in 4 warps 105 registers and 4 programs (the tiles' layouts then go through
+# shared memory), as many as 4 tokens hold in 8 warps.
 BLOCK_T = 4
 # 2 pi in three float32 parts (`_cos_sin`): 6.28125 (8 significant bits), then the float32 nearest
 # what is left, then the rest
@@ -93,11 +94,13 @@ def _norm_rope_tile(x_ptr, w_ptr, out_ptr, pos_ptr, freq_ptr, T, head, stride_ro
 
 @triton.jit
 def _cos_sin(angle, FAST_TRIG: tl.constexpr):
-    """cos and sin of float32 angles. FAST_TRIG (compiled): the angle reduced to [-pi, pi] with 2 pi
-    in three parts (the first exact in 8 bits, so k * TWO_PI_HI is exact for |k| < 2^16: angles up to
-    about 4e5, a position of 4e5 at the highest frequency), then the hardware's approximations, good to
-    about 1e-6 there; libdevice's accurate cosf and sinf keep a slow path for large arguments whose
-    registers held an SM to four programs (124 registers a thread against 87 without them, sm90).
+    """cos and sin of float32 angles. FAST_TRIG (compiled): the angle less k times 2 pi in three parts
+    (the first exact in 8 bits, so k * TWO_PI_HI is exact for |k| < 2^16: angles up to about 4e5, a
+    position of 4e5 at the highest frequency), k the nearest integer to angle / (2 pi), which leaves
+    it within about 0.03 of [-pi, pi]; then the hardware's approximations. Within 4e-6 of the float32
+    angle's own cos and sin up to position 262144 (test_norm_rope.py checks the reduction). libdevice's
+    accurate cosf and sinf keep a slow path for large arguments, whose registers held an SM to four
+    programs in an earlier form of this kernel (124 registers a thread against 87 without them, sm90).
     The interpreter has no libdevice: it takes tl.cos and tl.sin."""
     if FAST_TRIG:
         k = libdevice.rint(angle * INV_TWO_PI)

@@ -6,6 +6,9 @@ read through the projection's strided view beside its gates, k's heads after the
 blocks), not of speed. The oracle is models/common.py: `RMSNorm` then `apply_rotary`, what the
 traced glue runs, on fresh random inputs each check, compared by ||out - ref|| / ||ref|| (16-bit
 outputs: the interpreter truncates where a GPU rounds to nearest, so a value may differ by one unit).
+The compiled kernel's cos and sin (a reduction by 2 pi in three parts, then the hardware's
+approximations) have no interpreter form: the reduction is checked here in float32 arithmetic,
+the kernel at bench dims on a GPU (tests/gpu/test_gpu_norm_rope.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ from testkit.triton_interpreter import DEVICE, interpreter_or_fresh_process  # n
 
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
+
 from models.common import RMSNorm, apply_rotary, rope_inv_freq  # noqa: E402
+from runtime.backends.kernels import norm_rope as NR  # noqa: E402
 from runtime.backends.kernels.norm_rope import BLOCK_T, qk_norm_rope  # noqa: E402
 from testkit.helpers import assert_one_line_error  # noqa: E402
 from testkit.linear_cases import rel_err  # noqa: E402
@@ -89,3 +97,31 @@ def test_bad_shapes_are_one_line_errors():
         args = dict(q=q, k=k, q_weight=wq, k_weight=wk, positions=positions, inv_freq=inv, eps=1e-6,
                     unit_offset=True) | bad
         assert_one_line_error(lambda: qk_norm_rope(**args), "qk_norm_rope")
+
+
+def test_the_compiled_angle_reduction_keeps_cos_and_sin_within_4e_6():
+    """`_cos_sin`'s FAST_TRIG reduction, step for step in float32 (each fma one rounding): the three
+    parts of 2 pi sum to it, the first has 8 significant bits (so k times it is exact for the k of
+    positions up to 262144), and the reduced angle's cos and sin are within 4e-6 of the float32
+    angle's own at every position and frequency of qwen3_next's rotary (64 of 256, theta 1e7) and a
+    theta of 1e4, each reduced angle within 0.05 of [-pi, pi] (k is taken from the angle times
+    1 / (2 pi) in float32, which may round it one way or the other at large angles), where the
+    hardware's approximations keep their accuracy."""
+    hi, mid, lo, inv = (float(c.value) for c in (NR.TWO_PI_HI, NR.TWO_PI_MID, NR.TWO_PI_LO, NR.INV_TWO_PI))
+    assert abs(hi + mid + lo - 2 * math.pi) < 1e-15 and (hi * 32).is_integer() and hi * 32 < 256
+    assert np.float32(mid) == mid and np.float32(lo) == lo
+
+    def fma(a, b, c):  # a * b + c rounded once to float32 (the product of two float32 is exact in float64)
+        return (a.astype(np.float64) * b + c.astype(np.float64)).astype(np.float32)
+
+    positions = np.arange(0, 262144, 7, dtype=np.float32)
+    for theta in (1e7, 1e4):
+        angle = positions[:, None] * rope_inv_freq(64, theta).numpy()[None, :]  # float32, as the kernel
+        k = np.rint(angle * np.float32(inv)).astype(np.float32)
+        r = fma(-k, np.float32(hi), angle)
+        r = fma(-k, np.float32(mid), r)
+        r = fma(-k, np.float32(lo), r)
+        assert np.abs(r).max() <= math.pi + 0.05
+        exact = angle.astype(np.float64)
+        assert np.abs(np.cos(r.astype(np.float64)) - np.cos(exact)).max() < 4e-6, theta
+        assert np.abs(np.sin(r.astype(np.float64)) - np.sin(exact)).max() < 4e-6, theta
