@@ -60,11 +60,13 @@ class CaptureError(RuntimeError):
 
 # The gemm_tiles routing option's choices, the default first (the capability's comment says what each does).
 GEMM_TILES = ("tuned", "fixed")
-# The router option's choices, the default first: the router's GEMV then a routing kernel (two
-# launches); the GEMV's last program routing (one launch, kernels/moe.py `router_folds`); or, past
-# the GEMV's bound, the router GEMM in slices of D with the last slice routing (one launch,
-# kernels/moe.py `_split_router_kernel`; shorter steps as the default).
-ROUTERS = ("two_launches", "one_launch", "split")
+# The router option's choices, the default first: past the GEMV's bound the router GEMM in slices
+# of D with the last slice routing (one launch, kernels/moe.py `_split_router_kernel`; shorter steps
+# as two_launches); the router's GEMV or GEMM then a routing kernel (two launches); the GEMV's last
+# program routing (one launch, kernels/moe.py `router_folds`). Why split is the default: on an H100,
+# in one call, bench qwen3_next's router took 110.6 against 160.9 us a 512-token step (12 layers)
+# and 174.9 against 225.5 at 4096 (benchmarks/results/step_account_options_h100_2026-12-06.md).
+ROUTERS = ("split", "two_launches", "one_launch")
 # The sort_ranks option's choices, the default first: how the sort ranks each block's pairs
 # (kernels/moe.py `_place_pairs`): a sort of their keys, or a running count (up to 64 expert bins).
 SORT_RANKS = ("sorted", "counted")
@@ -109,8 +111,9 @@ class TritonMoEBackend(BackendHooks):
         # router: "one_launch" runs the logits and the routing as one launch where the step folds
         # (kernels/moe.py router_folds: the GEMV's last program routes, and sorts, a step of tokens
         # that fit one routing tile; the GEMM's programs route their own rows up to 64 experts);
-        # "split" runs a step past 128 tokens as the GEMM in slices of D, the last slice of each row
-        # block routing it (one launch; under 64 experts).
+        # "split" (the default) runs a step past 128 tokens as the GEMM in slices of D, the last slice
+        # of each row block routing it (one launch; under 64 experts); "two_launches" the GEMM, then
+        # the routing kernel.
         # sort_ranks: "counted" ranks each block's pairs by a running count, not a sort (the same
         # layout; up to 64 experts with the shared expert's chunks).
         # down: "split" runs a step of 2048 tokens or more (bf16 on a GPU) through torch's grouped

@@ -656,6 +656,18 @@ def test_the_split_router_and_counted_ranks_options_serve_as_the_defaults(monkey
         TritonMoEBackend(device="cpu", sort_ranks="bitonic")
 
 
+def test_the_default_router_is_the_gemv_then_the_split_router_past_128_tokens(monkeypatch):
+    """With no router option a step up to 128 tokens takes the GEMV and a step past it the split
+    router (ROUTERS' first choice), against the CPU oracle; router=two_launches keeps the GEMM."""
+    asked = _spy_on_route(monkeypatch, lambda a, k: a[10])  # a[10]: the logits kernel
+    for T, out, expected in _backend_steps(TritonMoEBackend(device=DEV), (70, 130), seed=41):
+        assert _rel(out, expected) <= 1e-4
+    assert asked == ["gemv", "split"]
+    asked.clear()
+    list(_backend_steps(TritonMoEBackend(device=DEV, router="two_launches"), (130,), seed=41))
+    assert asked == ["dot"]
+
+
 def test_the_down_option_splits_the_down_of_long_sorted_steps(monkeypatch):
     """down="split" (--route 'moe=triton_moe[down=split]'): sorted steps from SPLIT_DOWN_MIN_TOKENS
     (lowered here to 64: the interpreter would take minutes at 2048) take the split down and match
