@@ -27,9 +27,9 @@
 #                columns, 4 or 8 warps), each checked first, against the unfused pair (issue 50)
 #   grouped      benchmarks/probes/grouped_mm_probe.py at 512 / 1024 / 2048 / 4096 tokens: the split down (down=split)
 #                and the stacked grouped path against the sorted kernels, each checked first (issue 51)
-#   norm_rope    the q / k norm and rotary kernel (--norm-rope): its GPU tests and its CPU tests on the card, then
+#   norm_rope    the q / k norm and rotary kernel (a cuda bundle's default): its GPU tests and its CPU tests on the card, then
 #                rotary_glue_probe.py (the kernel beside Inductor's two forms at 1 / 512 / 4096 tokens, each checked
-#                first); the whole step: TAG=rope COMPILE_ARGS="--norm-rope $B" ... account_serving
+#                first); the whole step without it: TAG=norope COMPILE_ARGS="--no-norm-rope $B" ... account_serving
 #   moe_router   the MoE's router and sort: router_logits_probe.py at 1 / 128 / 512 / 2048 / 4096 tokens (the
 #                split router against the GEMM and the routing kernel, and the GEMV) and moe_bookkeeping.py at
 #                32 / 128 / 512 / 4096 (the sort with counted ranks against sorted ones), each checked first

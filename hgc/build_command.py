@@ -18,9 +18,9 @@ load. Building needs the target device, since kernels are built for the machine 
    off by default) every kernel that can launches with programmatic dependent launch: Inductor's
    and the backends' (docs/DESIGN.md, "Programmatic dependent launch"); with --norm-linear (cuda,
    with the GEMV op; off by default) each layer's norms and the residual adds beside them fold
-   into the projections' GEMVs (docs/DESIGN.md, "Norms folded into the GEMVs"); with --norm-rope
-   (cuda; off by default) a GQA layer's q / k norms and rotary run as one kernel (docs/DESIGN.md,
-   "A GQA layer's q / k norms and rotary as one kernel"). Those three are `BundleChoices`.
+   into the projections' GEMVs (docs/DESIGN.md, "Norms folded into the GEMVs"); on cuda, unless
+   --no-norm-rope, a GQA layer's q / k norms and rotary run as one kernel (docs/DESIGN.md, "A GQA
+   layer's q / k norms and rotary as one kernel"). Those three are `BundleChoices`.
 3. Start-up runs as `hgc run` / `hgc serve` would, with the fresh pieces: on cuda every recorded
    bucket is captured and checked (which builds the FlashInfer modules and Triton kernels of the
    captured shapes and tunes FLA's kernels, into the caches of step 1), and the compiled pieces
@@ -45,6 +45,7 @@ at start-up (runtime/artifact/bundle.py).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -126,21 +127,36 @@ def norm_rope_refusal(device: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class BundleChoices:
-    """What a build may add to its bundle beyond the defaults, each a flag of `hgc build` and `hgc
-    compile`, off until a GPU measures it faster: one record from the flags to the build, the ranks'
-    command lines and the rebuild hint."""
+    """What a build may change of its bundle, each a flag of `hgc build` and `hgc compile`: one
+    record from the flags to the build, the ranks' command lines and the rebuild hint. pdl and
+    norm_linear are off until a GPU measures them faster; norm_rope is None where no flag named it,
+    which `resolved` turns into the device's default (DEVICE_DEFAULTS)."""
 
     pdl: bool = False  # --pdl: kernels launched with programmatic dependent launch
     norm_linear: bool = False  # --norm-linear: norms folded into the GEMVs beside them
-    norm_rope: bool = False  # --norm-rope: a GQA layer's q / k norms and rotary as one kernel
+    norm_rope: bool | None = None  # --norm-rope / --no-norm-rope: a GQA layer's q / k norms and rotary as one kernel
 
     @classmethod
     def of(cls, args) -> "BundleChoices":
-        return cls(**{f.name: bool(getattr(args, f.name)) for f in dataclasses.fields(cls)})
+        def read(name):
+            value = getattr(args, name)
+            return None if value is None else bool(value)
+        return cls(**{f.name: read(f.name) for f in dataclasses.fields(cls)})
+
+    def resolved(self, device: str) -> "BundleChoices":
+        """Every choice decided: one no flag named takes the device's default."""
+        import torch
+
+        kind = torch.device(device).type
+        return dataclasses.replace(self, **{name: on(kind) for name, on in DEVICE_DEFAULTS.items()
+                                            if getattr(self, name) is None})
 
     def argv(self) -> list[str]:
-        """The flags that ask for these choices."""
-        return [_flag(f.name) for f in dataclasses.fields(self) if getattr(self, f.name)]
+        """The flags that ask for these choices (a choice no flag named: none, so a rank resolves
+        the same default)."""
+        return [_flag(f.name) if value else "--no-" + _flag(f.name)[2:]
+                for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None
+                and (value or f.name in DEVICE_DEFAULTS)]
 
     def refusal(self, device: str, batch_invariant: bool = False) -> str | None:
         """'--flag: why' for the first choice a bundle for `device` cannot take, or None."""
@@ -156,6 +172,13 @@ def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+# The choices on by default where they apply, by device kind. norm_rope on cuda: measured faster on
+# an H100, two bundles in one call (benchmarks/results/step_account_options_h100_2026-12-06.md): the
+# kernel and what is left of that glue took 31.3 against 49.4 us of a 512-token step and 221.3
+# against 342.0 at 4096, within 1.5 us at decode 1 and 128.
+DEVICE_DEFAULTS = {"norm_rope": lambda kind: kind == "cuda"}
+
+
 # Each choice's flag help, for `hgc build` (what it does) and `hgc compile` (which builds with it)
 _CHOICE_HELP = {
     "pdl": "cuda, compute capability 9 or more: launch the decode step's Triton kernels (ours and Inductor's) "
@@ -167,15 +190,18 @@ _CHOICE_HELP = {
                    "it: two launches fewer per layer at decode. Off by default: not yet measured faster "
                    "(docs/DESIGN.md, \"Norms folded into the GEMVs\")",
     "norm_rope": "cuda: run each GQA layer's q and k head RMSNorms and their rotary as one kernel that reads each "
-                 "row once (hgc_glue::qk_norm_rope) instead of Inductor's code for them. Off by default: not yet "
-                 "measured faster (docs/DESIGN.md, \"A GQA layer's q / k norms and rotary as one kernel\")",
+                 "row once (hgc_glue::qk_norm_rope) instead of Inductor's code for them. On by default for cuda "
+                 "(measured faster); --no-norm-rope keeps Inductor's code (docs/DESIGN.md, \"A GQA layer's q / k "
+                 "norms and rotary as one kernel\")",
 }
 
 
 def add_bundle_choices(p, compile_command: bool = False) -> None:
     """The BundleChoices flags on a parser: `hgc build`'s, or `hgc compile`'s (which builds with them)."""
     for name, text in _CHOICE_HELP.items():
-        p.add_argument(_flag(name), action="store_true",
+        # a choice with a device default takes --no-FLAG too; its value is None where neither is given
+        action = argparse.BooleanOptionalAction if name in DEVICE_DEFAULTS else "store_true"
+        p.add_argument(_flag(name), action=action, default=None if name in DEVICE_DEFAULTS else False,
                        help=f"build the target bundle with `hgc build {_flag(name)}`: {text}" if compile_command
                        else text)
 
@@ -259,6 +285,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     check_buildable(docs, device)
     if (why := choices.refusal(device, batch_invariant(docs))) is not None:
         raise ValueError(why)
+    choices = choices.resolved(device)
     facts = target_facts(device)
     key = target_key(facts)
     if (artifact / bundle_dir(key)).exists() and not force:

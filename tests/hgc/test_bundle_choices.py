@@ -5,7 +5,7 @@ Each is a decision of a cuda target bundle: asked of a cpu bundle (by `hgc build
 compile` with or without --inductor) it is one line naming the flag and why, the documented exit
 code, and nothing written; asked of a cuda compile that builds no bundle, it says so. The record
 itself: read from the flags, written back as the flags (a tensor-parallel build's ranks and the
-rebuild hint take them so), the first refusal in the flags' order. bundle.json records the two
+rebuild hint take them so), the first refusal in the flags' order; --norm-rope's default by device. bundle.json records the two
 rewrites and `hgc inspect` counts their calls per forward.
 """
 
@@ -69,6 +69,21 @@ def test_the_record_reads_and_writes_its_flags():
     assert choices.refusal("cuda") is None
     assert choices.refusal("cuda", batch_invariant=True).startswith("--norm-linear: the artifact is batch-invariant")
     assert BundleChoices(pdl=True, norm_rope=True).refusal("cpu").startswith("--pdl: "), "the flags' order"
+
+
+def test_norm_rope_is_the_cuda_default_that_a_flag_turns_off():
+    """--norm-rope takes the device's default where no flag names it (on for cuda, off for cpu),
+    --no-norm-rope keeps Inductor's code; a rank's command line names only what a flag said."""
+    from hgc.build_command import add_bundle_choices
+
+    parser = argparse.ArgumentParser()
+    add_bundle_choices(parser)
+    unnamed, off, on = (BundleChoices.of(parser.parse_args(a)) for a in ([], ["--no-norm-rope"], ["--norm-rope"]))
+    assert unnamed.norm_rope is None and unnamed.argv() == []
+    assert unnamed.resolved("cuda").norm_rope is True and unnamed.resolved("cpu").norm_rope is False
+    assert off.resolved("cuda").norm_rope is False and off.argv() == ["--no-norm-rope"]
+    assert on.resolved("cuda").norm_rope is True and on.argv() == ["--norm-rope"]
+    assert unnamed.refusal("cpu") is None and off.refusal("cpu") is None, "only an asked choice is refused"
 
 
 @pytest.mark.parametrize("field,recorded,column", [("norm_linear", bundle_norm_linear, folded_norms),
