@@ -4,8 +4,9 @@ replaces: checks first, then times, JSON and a table to --out.
     python3 benchmarks/kernels/norm_gemv_bench.py --out $OUT               # GPU: bench qwen3_next's shapes
     python3 benchmarks/kernels/norm_gemv_bench.py --out /tmp/n --dry-run   # CPU: Triton's interpreter, tiny
 
-Cases, bf16, rows M = 1, 2, 4, 8 (--rows), each with the launch config of gemv.py's plain GEMV of its
-shape (gemv.config_for), as the glue kernels take it:
+Cases, bf16, rows M = 1, 2, 4, 8 (--rows), each with the launch configs the glue kernels take: the
+plain GEMV's of its shape (gemv.config_for) for the unfused pair, the fused kernel's (the input norm's
+own where norm_gemv.NORM_CONFIGS has one, `norm_config_for`) for the fused one:
 
 - input norm (runtime/backends/kernels/norm_gemv.py `add_rms_norm_gemv`: the residual add and the
   RMSNorm in the GEMV's prologue) at the GDN input projection (N 12352, K 2048) and GQA's q|k|v (9216 x
@@ -78,7 +79,9 @@ class Case:
         self.x = torch.randn(M, K, generator=g).to(dt).to(device)  # the projection's input (post) or residual a
         self.b = torch.randn(M, width, generator=g).to(dt).to(device)  # the residual (post) or the update b
         self.norm_w = (torch.randn(width, generator=g) * 0.2).to(dt).to(device)
-        self.config = G.config_for(N, K, M)
+        self.config = G.config_for(N, K, M)  # the plain GEMV's, the unfused pair's
+        # the fused kernel's as the glue launches it: the input norm's own where NORM_CONFIGS has one
+        self.fused_config = self.config if self.post else NG.norm_config_for(N, K, M)
         cpu = [t.cpu() for t in (self.x, self.b, self.norm_w)]
         if self.post:  # summed = residual + x @ w^T, then the norm
             summed = cpu[1] + F.linear(cpu[0], w)
@@ -91,7 +94,7 @@ class Case:
         self.weights = [w] + [w.clone() for _ in range(copies - 1)]
 
     def fused(self, i: int = 0, config=None):
-        config = config or self.config
+        config = config or self.fused_config
         if self.post:
             return NG.gemv_add_rms_norm(self.x, self.weights[i], self.b, self.norm_w, EPS, True, config=config)
         return NG.add_rms_norm_gemv(self.x, self.b, self.norm_w, self.weights[i], EPS, True, config=config)
@@ -145,6 +148,7 @@ def sweep_case(case: Case, device, calls: int, replays: int, unfused_us: float |
 
 def run_case(case: Case, device, calls: int, replays: int, sweep: bool = False) -> dict:
     row = {"case": case.what, "N": case.N, "K": case.K, "M": case.M, "config": repr(case.config),
+           "fused_config": repr(case.fused_config),
            "check": {"fused": case.check(case.fused), "unfused": case.check(case.unfused)}}
     if not all(c["ok"] for c in row["check"].values()):
         return row

@@ -230,9 +230,11 @@ def reference(a, b, norm_weight, weight, unit_offset: bool):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("projection", sorted(PROJECTIONS))
 def test_the_norm_gemv_at_bench_dims(projection, dtype, M):
-    """The GEMV with the norm in its prologue, in the config of the full projection (gemv.config_for:
-    one-step FMA at one row, DOT or a two-row FMA past it) on its first columns."""
-    config = G.config_for(PROJECTIONS[projection], K_BENCH, M)
+    """The GEMV with the norm in its prologue, in the config it launches for the full projection
+    (norm_gemv.norm_config_for: its own two-column tile at one row, the plain GEMV's DOT or two-row
+    FMA past it) on its first columns."""
+    config = NG.norm_config_for(PROJECTIONS[projection], K_BENCH, M)
+    assert (config in NG.NORM_CONFIGS.values()) == (M == 1), "bench's input norms have a tile of their own at one row"
     a, b, norm_weight, weight = operands(M, COLUMNS, K_BENCH, dtype, seed=M + len(projection))
     with nearest_even_bf16_casts():
         out, summed = NG.add_rms_norm_gemv(a, b, norm_weight, weight, 1e-6, True, config=config)

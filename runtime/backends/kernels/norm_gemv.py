@@ -8,8 +8,9 @@ times rsqrt(mean of their squares + eps), times (w + 1) or w in float32, rounded
 projection of that row. Without b the norm's input is a itself (the embedding's output) and there
 is no summed. For a post-attention norm the projection comes first and its rounded output is b.
 
-1. `add_rms_norm_gemv`: M <= gemv.MAX_ROWS rows in one launch, with the config of gemv.py's
-   plain GEMV of the same shape (`gemv.config_for`; FMA or DOT as that config says). One program
+1. `add_rms_norm_gemv`: M <= gemv.MAX_ROWS rows in one launch, with a config of its own where
+   NORM_CONFIGS has one (`norm_config_for`), else that of gemv.py's plain GEMV of the same shape
+   (`gemv.config_for`; FMA or DOT as that config says). One program
    per BLOCK_N output columns reads its weight tile and the rows, and computes the norm itself in
    its prologue: every program sums a and b, takes the mean square over the whole K in float32,
    scales and rounds to A as the glue does (the glue rounds the normed row before its linear),
@@ -47,18 +48,36 @@ import triton.language as tl
 
 from runtime.backends.kernels.arrivals import arrival_counters, last_to_arrive
 from runtime.backends.kernels.gemv import (MAX_ROWS, GemvConfig, _fma_products, _fma_sum, _load_tile, config_for,
-                                           gemv_sums, launch_constants)
+                                           gemv_sums, launch_constants, row_bucket)
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 
-__all__ = ["add_rms_norm_gemv", "add_rms_norm_rows", "gemv_add_rms_norm", "ROW_BLOCK_MAX", "EPILOGUE_BLOCK"]
+__all__ = ["add_rms_norm_gemv", "add_rms_norm_rows", "gemv_add_rms_norm", "ROW_BLOCK_MAX", "EPILOGUE_BLOCK",
+           "NORM_CONFIGS", "norm_config_for"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ROW_BLOCK_MAX = 8192  # the row kernel's widest tile: a row of K up to it is read once, wider ones in steps
 # The elements (rows x columns) the epilogue's last program reads at a time: one row of bench's
 # hidden size in one step, more rows in narrower steps (the tile stays in registers).
 EPILOGUE_BLOCK = 2048
+
+# (N, K, M bucket) -> the input-norm GEMV's config where it is not the plain GEMV's, from
+# `benchmarks/kernels/norm_gemv_bench.py --sweep --rows 1` on an H100, bf16, 2026-12-06
+# (benchmarks/results/norm_gemv_sweep_h100_2026-12-06.json). The plain GEMV's one column a program
+# suits the weight stream; fused, each program also reads the row, its residual and the norm weight
+# from L2 and reduces the row, three vectors of K per column of weight at one column: at the GDN
+# in_proj 20.27 us against the unfused pair's 19.09, at 2 columns on 8 warps 18.25; GQA's q, k, v
+# 15.93 against 15.36, at 2 columns 14.24.
+NORM_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
+    (12352, 2048, 1): GemvConfig(BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=1, DOT=False),
+    (9216, 2048, 1): GemvConfig(BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=1, DOT=False),
+}
+
+
+def norm_config_for(N: int, K: int, M: int) -> GemvConfig:
+    """`add_rms_norm_gemv`'s config: NORM_CONFIGS' entry for (N, K, M's bucket), else the plain GEMV's."""
+    return NORM_CONFIGS.get((N, K, row_bucket(M))) or config_for(N, K, M)
 
 
 @triton.jit
@@ -302,7 +321,7 @@ def add_rms_norm_gemv(a: torch.Tensor, b: Optional[torch.Tensor], norm_weight: t
                       config: Optional[GemvConfig] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(out [M, N], summed [M, K] or None without b) in A, float32 sums: step 1 of the module
     docstring. M <= MAX_ROWS; a and b any row stride with a contiguous last dimension, weight
-    row-major (nn.Linear's layout). `config` overrides gemv.config_for (the tests)."""
+    row-major (nn.Linear's layout). `config` overrides norm_config_for (the tests)."""
     _check(a, b, norm_weight, weight, "add_rms_norm_gemv")
     M, K = a.shape
     N = weight.shape[0]
@@ -310,7 +329,7 @@ def add_rms_norm_gemv(a: torch.Tensor, b: Optional[torch.Tensor], norm_weight: t
     summed = torch.empty(M, K, dtype=a.dtype, device=a.device) if b is not None else None
     if M == 0:
         return out, summed
-    cfg = config or config_for(N, K, M)
+    cfg = config or norm_config_for(N, K, M)
     other = b if b is not None else a  # never read without b (HAS_B False), nor is summed's stand-in written
     into = summed if summed is not None else out
     _NORM_GEMV[(cdiv(N, cfg.BLOCK_N),)](
