@@ -519,9 +519,9 @@ def folded_norms(doc: dict) -> str:
 
 
 def norm_rope_calls(doc: dict) -> str:
-    """A bundle.json's calls of hgc_glue::qk_norm_rope per forward (`hgc build --norm-rope`: each a GQA
-    layer's q / k norms and rotary), by program as `gemv_projections` counts; "off" for a bundle built
-    without it (one from before the field too)."""
+    """A bundle.json's calls of hgc_glue::qk_norm_rope per forward (a cuda bundle's default, `hgc build
+    --no-norm-rope` none: each a GQA layer's q / k norms and rotary), by program as `gemv_projections`
+    counts; "off" for a bundle built without it (a cpu one, one from before the field too)."""
     from compiler.splitops.bundle import bundle_norm_rope
 
     return _per_forward(doc, "norm_rope") if bundle_norm_rope(doc) else "off"
