@@ -5,8 +5,8 @@ Each is a decision of a cuda target bundle: asked of a cpu bundle (by `hgc build
 compile` with or without --inductor) it is one line naming the flag and why, the documented exit
 code, and nothing written; asked of a cuda compile that builds no bundle, it says so. The record
 itself: read from the flags, written back as the flags (a tensor-parallel build's ranks and the
-rebuild hint take them so), the first refusal in the flags' order; --norm-rope's default by device. bundle.json records the two
-rewrites and `hgc inspect` counts their calls per forward.
+rebuild hint take them so), the first refusal in the flags' order, --norm-rope's default by device.
+bundle.json records the two rewrites and `hgc inspect` counts their calls per forward.
 """
 
 from __future__ import annotations
