@@ -146,7 +146,7 @@ class TritonMoEBackend(BackendHooks):
             check_count_ranks(layer.experts + layer.slots - layer.top_k)  # routed experts and shared chunks
         self.fixed_tiles = gemm_tiles == "fixed"
         self.one_launch_router = router == "one_launch"
-        self.split_router = router == "split"
+        self.split_router = router == "split" and gemm_tiles != "fixed"  # fixed tiles: the GEMV router at every count
         self.count_ranks = counted
         self.split_down = down == "split" and gemm_tiles != "fixed"
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR

@@ -666,6 +666,7 @@ def test_the_default_router_is_the_gemv_then_the_split_router_past_128_tokens(mo
     asked.clear()
     list(_backend_steps(TritonMoEBackend(device=DEV, router="two_launches"), (130,), seed=41))
     assert asked == ["dot"]
+    assert not TritonMoEBackend(device=DEV, gemm_tiles="fixed").split_router, "fixed tiles keep one router"
 
 
 def test_the_down_option_splits_the_down_of_long_sorted_steps(monkeypatch):
