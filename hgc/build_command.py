@@ -173,9 +173,9 @@ def _flag(field: str) -> str:
 
 
 # The choices on by default where they apply, by device kind. norm_rope on cuda: measured faster on
-# an H100, two bundles in one call (benchmarks/results/step_account_options_h100_2026-12-06.md): the
-# kernel and what is left of that glue took 31.3 against 49.4 us of a 512-token step and 221.3
-# against 342.0 at 4096, within 1.5 us at decode 1 and 128.
+# an H100, two bundles in one call (benchmarks/results/step_account_options_h100_2026-12-06.md, the
+# glue rows): the compiled glue took 130.0 against 144.9 us of a 512-token step and 772.1 against
+# 890.2 at 4096; 57.2 against 55.0 at decode 1 and 84.2 against 85.6 at decode 128.
 DEVICE_DEFAULTS = {"norm_rope": lambda kind: kind == "cuda"}
 
 

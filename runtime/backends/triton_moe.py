@@ -65,7 +65,9 @@ GEMM_TILES = ("tuned", "fixed")
 # as two_launches); the router's GEMV or GEMM then a routing kernel (two launches); the GEMV's last
 # program routing (one launch, kernels/moe.py `router_folds`). Why split is the default: on an H100,
 # in one call, bench qwen3_next's router took 110.6 against 160.9 us a 512-token step (12 layers)
-# and 174.9 against 225.5 at 4096 (benchmarks/results/step_account_options_h100_2026-12-06.md).
+# and 174.9 against 225.5 at 4096 (benchmarks/kernels/account_diff.py on the raw accounts of
+# benchmarks/results/step_account_options_h100_2026-12-06.md: the split router's row against the
+# logits GEMM's and the routing kernel's).
 ROUTERS = ("split", "two_launches", "one_launch")
 # The sort_ranks option's choices, the default first: how the sort ranks each block's pairs
 # (kernels/moe.py `_place_pairs`): a sort of their keys, or a running count (up to 64 expert bins).
