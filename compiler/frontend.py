@@ -138,8 +138,10 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def build_model(family, text_config: dict, dtype: str, tp: int = 1) -> nn.Module:
-    """The family's model (one rank of `tp`) on the meta device, in `dtype`, with the traced op table."""
+def build_model(family, text_config: dict, dtype: str, tp: int = 1, state_dtype: str = "float32") -> nn.Module:
+    """The family's model (one rank of `tp`) on the meta device, in `dtype`, with the traced op table;
+    its registry keeps recurrent states in `state_dtype` (the traced ops take the state pool by
+    layer id, so the graph does not depend on it: the pool and the kernels do)."""
     # The registry's cache dtypes come from the config's dtype fields, and the caches must hold
     # what the traced model computes: a float32 config compiled in bfloat16 gets a bfloat16 KV
     # cache (FlashInfer plans attention for one q/kv dtype pair), not a float32 one.
@@ -155,6 +157,7 @@ def build_model(family, text_config: dict, dtype: str, tp: int = 1) -> nn.Module
     if not isinstance(getattr(model, "layer_registry", None), LayerRegistry):
         raise FrontendError(f"frontend: the {family.name} model has no layer_registry (a LayerRegistry); "
                             f"models/ must set it in __init__")
+    model.layer_registry = model.layer_registry.with_state_dtype(state_dtype)
     return model
 
 
@@ -358,12 +361,14 @@ def trace_model(model: nn.Module, family, config: dict, text_config: dict, dtype
     return traced
 
 
-def trace_checkpoint(ckpt_dir: str | os.PathLike, dtype: str, read_model, tp: int = 1) -> TracedModel:
+def trace_checkpoint(ckpt_dir: str | os.PathLike, dtype: str, read_model, tp: int = 1,
+                     state_dtype: str = "float32") -> TracedModel:
     """Steps 1-4 of the module docstring for one checkpoint directory (config.json is all it reads).
 
     read_model(ckpt_dir) -> (family, config.json, text config): compiler/toolchain.py.
-    tp > 1: the programs of one rank of `tp` (see "Tensor parallel" above)."""
+    tp > 1: the programs of one rank of `tp` (see "Tensor parallel" above). state_dtype: what the
+    registry keeps recurrent states in (`--state-dtype`)."""
     family, config, text = read_model(ckpt_dir)
-    model = build_model(family, text, dtype, tp)
-    whole = build_model(family, text, dtype) if tp > 1 else None
+    model = build_model(family, text, dtype, tp, state_dtype)
+    whole = build_model(family, text, dtype, state_dtype=state_dtype) if tp > 1 else None
     return trace_model(model, family, config, text, dtype, whole)

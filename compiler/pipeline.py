@@ -119,7 +119,8 @@ def plan(ckpt_dir, config: CompileConfig, toolchain: Toolchain, dump_dir: Option
     `progress`: a tqdm-like factory (hgc/progress.py), for a bar over the passes."""
     timing = timing or TimingInstrument()
     start = time.perf_counter()
-    traced = trace_checkpoint(ckpt_dir, config.dtype, toolchain.read_model, tp=config.tp)
+    traced = trace_checkpoint(ckpt_dir, config.dtype, toolchain.read_model, tp=config.tp,
+                              state_dtype=config.state_dtype)
     timing.add("00 export", "+".join(traced.programs), time.perf_counter() - start)
     return run_passes(traced, config, toolchain, dump_dir, timing, progress=progress)
 

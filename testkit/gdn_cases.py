@@ -64,10 +64,11 @@ def gdn_registry(layers: dict[int, GdnShape]) -> LayerRegistry:
 
 
 def gdn_pools(layers: dict[int, GdnShape], num_slots: int, device, seed: int, verify: dict | None = None,
-              copies: int = 2) -> list[StatePool]:
+              copies: int = 2, state_dtype: str = "float32") -> list[StatePool]:
     """`copies` pools (the first on the host, the others on `device`) with the same random non-zero
-    states; `verify`: StatePool's draft_tokens / verify_rows, for target-verify steps."""
-    reg = gdn_registry(layers)
+    states; `verify`: StatePool's draft_tokens / verify_rows, for target-verify steps; recurrent
+    states in `state_dtype`."""
+    reg = gdn_registry(layers).with_state_dtype(state_dtype)
     pools = [StatePool(reg, num_slots, **(verify or {}))]
     pools += [StatePool(reg, num_slots, device, **(verify or {})) for _ in range(copies - 1)]
     g = torch.Generator().manual_seed(seed)

@@ -4,11 +4,11 @@ Most of a tiny model's in-process compile is the frontend's trace (`compiler.fro
 torch.export on the meta device: 1.5 to 3.5 s on 2 cores against well under a second for every pass
 and the artifact together), and a module that compiles one checkpoint with several routes, targets
 or flags traced it again each time. The trace reads config.json alone, so inside `shared_traces()`
-`compiler.pipeline.plan` traces each (config.json bytes, dtype, tp, read_model, family) once per
-process and every compile gets its own deep copy of that TracedModel: the passes edit their copy's
-graphs in place and never see another compile's edits. A copy shares with the trace only the
-family and the export's fake values (FakeTensors and symbolic sizes in node meta), which no pass
-edits, and a compile of a copy leaves the trace as it was traced. The copy carries each graph's
+`compiler.pipeline.plan` traces each (config.json bytes, dtype, tp, state dtype, read_model, family)
+once per process and every compile gets its own deep copy of that TracedModel: the passes edit
+their copy's graphs in place and never see another compile's edits. A copy shares with the trace
+only the family and the export's fake values (FakeTensors and symbolic sizes in node meta), which
+no pass edits, and a compile of a copy leaves the trace as it was traced. The copy carries each graph's
 name table too, so a pass that adds nodes names them as it would on a fresh trace: an artifact
 compiled from a copy is byte for byte the one compiled from its own trace (both checked by
 tests/testkit/test_traces.py).
@@ -82,14 +82,15 @@ def shared_traces():
         yield
         return
 
-    def trace(ckpt_dir, dtype, read_model, tp=1):
+    def trace(ckpt_dir, dtype, read_model, tp=1, state_dtype="float32"):
         try:
             family = read_model(ckpt_dir)[0]
-            key = ((Path(ckpt_dir) / "config.json").read_bytes(), dtype, tp, id(read_model), id(family))
+            key = ((Path(ckpt_dir) / "config.json").read_bytes(), dtype, tp, state_dtype, id(read_model),
+                   id(family))
         except Exception:  # an unreadable checkpoint: the real trace says why
-            return real(ckpt_dir, dtype, read_model, tp=tp)
+            return real(ckpt_dir, dtype, read_model, tp=tp, state_dtype=state_dtype)
         if key not in _TRACES:  # the value holds read_model and the family: their ids stay theirs
-            _TRACES[key] = (read_model, family, real(ckpt_dir, dtype, read_model, tp=tp))
+            _TRACES[key] = (read_model, family, real(ckpt_dir, dtype, read_model, tp=tp, state_dtype=state_dtype))
         return copy_traced(_TRACES[key][2])
 
     trace.shared = True

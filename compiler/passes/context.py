@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch.fx
 
-from compiler.splitops import CapabilityTable, LayerRegistry, Mode
+from compiler.splitops import STATE_DTYPES, CapabilityTable, LayerRegistry, Mode
 from compiler.splitops.artifact import (BUCKET_CHOICES, DEFAULT_DECODE_BATCH_SIZES, DEFAULT_EXTEND_TOKEN_COUNTS,
                                         BucketCosts, SplitPlan)
 from compiler.lints.base import Finding
@@ -46,6 +46,9 @@ class CompileConfig:
     # decode step alone would be (routing sets each backend's declared choices; the runtime routes
     # the glue's matrix products to a kernel of one launch shape: docs/DESIGN.md "Batch invariance")
     batch_invariant: bool = False
+    # --state-dtype: the dtype linear layers keep their recurrent state in (STATE_DTYPES; the
+    # registry's "recurrent" entries, which size and type the state pool)
+    state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for field in ("decode_batch_sizes", "extend_token_counts"):
@@ -70,6 +73,8 @@ class CompileConfig:
             raise ValueError(f"compile config: --batch-invariant with --tp {self.tp}: an all-reduce's summation order "
                              f"follows its message size, so rows of a tensor-parallel step are not batch-invariant; "
                              f"drop one")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"compile config: --state-dtype {self.state_dtype!r}: one of {', '.join(STATE_DTYPES)}")
         if self.overlap and self.tp > 1:
             raise ValueError(f"compile config: --overlap with --tp {self.tp}: the side-stream pass has not been "
                              f"built for tensor-parallel programs (the shared expert's partial sums); drop one")
@@ -79,6 +84,7 @@ class CompileConfig:
                 "extend_token_counts": list(self.extend_token_counts), "routes": [str(r) for r in self.routes],
                 "overlap": self.overlap,
                 **({"batch_invariant": True} if self.batch_invariant else {}),
+                **({"state_dtype": self.state_dtype} if self.state_dtype != "float32" else {}),
                 **({"overlap_min_bytes": self.overlap_min_bytes} if self.overlap_min_bytes is not None else {}),
                 **({"tp": self.tp} if self.tp > 1 else {})}
 

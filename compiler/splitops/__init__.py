@@ -25,7 +25,7 @@ from .ops import (COLLECTIVE_OPS, FUSED_OPS, OP_SPECS, UNFUSED, OPS_BY_KIND, Cal
 from .policy import MODES, Capture, Mode
 from .rows import GroupedRows
 from .sharding import REPLICATED, ShardingError, ShardSpec, split_count
-from .registry import (FULL_KINDS, LINEAR_KINDS, LayerKind, LayerRegistry, LayerSpec, RegistryError,
+from .registry import (FULL_KINDS, LINEAR_KINDS, STATE_DTYPES, LayerKind, LayerRegistry, LayerSpec, RegistryError,
                        TensorSpec, dtype_from_name)
 from .table import TRACED_OPS, TracedOps
 
@@ -34,7 +34,7 @@ __all__ = [
     "op_arguments", "call_arguments", "CallFacts", "call_facts", "is_op_node", "op_nodes",
     "MODES", "Capture", "Mode",
     "FULL_KINDS", "LINEAR_KINDS", "LayerKind", "LayerRegistry", "LayerSpec", "RegistryError",
-    "TensorSpec", "dtype_from_name",
+    "STATE_DTYPES", "TensorSpec", "dtype_from_name",
     "TRACED_OPS", "TracedOps",
     "DTYPES", "BackendCapability", "CapabilityError", "CapabilityTable", "ChoiceScope", "OpCapture", "OptionDtypes",
     "ShapeLimit", "instance_key",

@@ -34,6 +34,7 @@ __all__ = [
     "FULL_KINDS",
     "LINEAR_KINDS",
     "dtype_from_name",
+    "STATE_DTYPES",
 ]
 
 
@@ -58,6 +59,13 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise RegistryError(f"unknown dtype name {name!r}")
     return dtype
+
+
+# The dtypes a linear layer's recurrent state may be kept in (`hgc compile --state-dtype`). Kernels
+# read it into float32 and round what they store; bfloat16 halves the bytes a decode step moves
+# (at 128 requests the state is most of them) and keeps float32's range, which a state summing
+# many tokens needs: float16 could overflow, so it is not offered.
+STATE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +194,19 @@ class LayerRegistry:
     def kinds(self) -> list[str]:
         """The kind of each main layer in id order: the layout golden tests compare against."""
         return [l.kind.value for l in sorted(self.main_layers(), key=lambda l: l.layer_id)]
+
+    def with_state_dtype(self, dtype: str) -> "LayerRegistry":
+        """This registry with every linear layer's recurrent state ("recurrent") kept in `dtype`
+        (one of STATE_DTYPES); convolution windows keep the model's dtype."""
+        if dtype not in STATE_DTYPES:
+            raise RegistryError(f"registry: recurrent state dtype {dtype!r}; one of {', '.join(STATE_DTYPES)}")
+
+        def kept(layer: LayerSpec) -> LayerSpec:
+            if "recurrent" not in layer.state:
+                return layer
+            spec = layer.state["recurrent"]
+            return dataclasses.replace(layer, state={**layer.state, "recurrent": TensorSpec(spec.shape, dtype)})
+        return LayerRegistry(kept(layer) for layer in self.layers)
 
     def to_json(self) -> list[dict]:
         return [l.to_json() for l in self.layers]

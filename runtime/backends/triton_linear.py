@@ -706,7 +706,9 @@ class TritonLinearBackend(BackendHooks):
         T = plan.num_tokens
         if T > 0:
             states = self._layer_state(layer_id, "recurrent")
-            h0 = states.index_select(0, plan.slots)  # [R, H, Dk, Dv] float32, a copy FLA may overwrite
+            # [R, H, Dk, Dv], a copy FLA may overwrite, in float32 whatever the pool keeps (--state-dtype):
+            # the initial state FLA's chunk kernels are written for
+            h0 = states.index_select(0, plan.slots).float()
             fla = self._fla_ops()
             if fla_name in self._fla_chunk_indices:
                 options["chunk_indices"] = plan.chunk_indices

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import torch
 
-from compiler.splitops import LayerRegistry, dtype_from_name
+from compiler.splitops import STATE_DTYPES, LayerRegistry, dtype_from_name
 from runtime.step.host_copy import to_device
 
-__all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT", "linear_state_buffers"]
+__all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT", "STATE_DTYPES", "STATE_TORCH_DTYPES", "linear_state_buffers"]
 
 PADDING_SLOT = 0
+# What a recurrent state may be kept in (`hgc compile --state-dtype`), as the kernels check it.
+STATE_TORCH_DTYPES = tuple(dtype_from_name(name) for name in STATE_DTYPES)
 
 
 class OutOfSlots(RuntimeError):

@@ -46,11 +46,12 @@ STATE_TOL = {torch.bfloat16: 5e-3 * BF16_STEPS, torch.float32: 1e-5}
 FLA_STATE_TOL_F32 = 1e-4
 
 
-def backends(dtype, seed: int, **kwargs):
-    """Two triton_linear backends over two device pools with the same states, and the layer's weights."""
+def backends(dtype, seed: int, state_dtype: str = "float32", **kwargs):
+    """Two triton_linear backends over two device pools with the same states (recurrent ones in
+    `state_dtype`), and the layer's weights."""
     from runtime.backends.triton_linear import TritonLinearBackend
 
-    _, fused_pool, unfused_pool = gdn_pools({0: S}, NUM_SLOTS, DEV, seed, VERIFY, copies=3)
+    _, fused_pool, unfused_pool = gdn_pools({0: S}, NUM_SLOTS, DEV, seed, VERIFY, copies=3, state_dtype=state_dtype)
     for pool in (fused_pool, unfused_pool):
         for t in pool.layer(0).values():
             t[1].zero_()  # slot 1: a request that starts from the empty state
@@ -82,15 +83,19 @@ def plan(backend, ctx) -> None:
     plan_eager_step(backend, ctx, 8192)
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"], ids=["state_f32", "state_bf16"])
 @pytest.mark.parametrize("path", ["own_choice", *DECODE_PATHS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("B", [1, 8, 128])
-def test_decode_matches_the_unfused_ops(B, dtype, path, monkeypatch):
+def test_decode_matches_the_unfused_ops(B, dtype, path, state_dtype, monkeypatch):
     """The op's choice of launches at each batch (kernels/gdn_fused.py decode_launches), and each of
-    its paths at every batch: the two-launch split, the one launch, the unfused kernels."""
+    its paths at every batch: the two-launch split, the one launch, the unfused kernels; bfloat16
+    states (--state-dtype) on the op's own choice, with bfloat16 inputs."""
+    if state_dtype == "bfloat16" and (path != "own_choice" or dtype != torch.bfloat16):
+        pytest.skip("bfloat16 states on the op's own choice of launches, with bfloat16 inputs")
     if path != "own_choice":
         take_decode_path(monkeypatch, path, B)
-    fused, unfused, p = backends(dtype, seed=B)
+    fused, unfused, p = backends(dtype, seed=B, state_dtype=state_dtype)
     g = torch.Generator().manual_seed(100 + B)
     num_real = max(1, B - B // 8)  # padding rows at the end, as the runtime pads to a bucket
     slots = list(torch.randperm(NUM_SLOTS, generator=g)[:num_real].add(1).tolist()) + [PADDING_SLOT] * (B - num_real)

@@ -646,7 +646,7 @@ def _chunk_state_kernel(
         # the padding slot's tile: neither read nor written (a [BK, BV] mask: the interpreter takes no
         # scalar in a mask)
         m_own = m_s & ((offs_k[:, None] * 0 + slot) != PAD_SLOT)
-        s = tl.load(s_ptrs, mask=m_own, other=0.0)
+        s = tl.load(s_ptrs, mask=m_own, other=0.0).to(tl.float32)  # a bfloat16 pool's too: the walk is float32
         cs_tile = cs_ptr + head * stride_cs_head + offs_k[:, None] * DV + offs_v[None, :]
         first = _first_chunk(bounds_ptr, req, BT=BT, BR=BR)
         # Tables of requests with rows only: a captured step's extra request has none.
@@ -681,7 +681,7 @@ def _chunk_state_kernel(
                     stride_w_row, stride_w_head, stride_vp_row, stride_vp_head, stride_cs_chunk,
                     GROUP=GROUP, BT=BT, GATE=GATE, DELTA=DELTA, DOT_PREC=DOT_PREC, LOWP=LOWP)
         # Only this program owns this tile of this slot (requests have distinct slots).
-        tl.store(s_ptrs, s, mask=m_own)
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_own)
 
 
 @triton.jit
@@ -786,7 +786,7 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
 
     q, k [T, Hk, Dk]; v, out [T, Hv, Dv] (value head h reads key head h // (Hv // Hk)); gate [T, Hv]
     (GATE_PER_HEAD) or [Hv] (GATE_CONSTANT) log-decays; beta [T, Hv] (the delta rule) or None;
-    state [num_slots+1, Hv, Dk, Dv] float32; slots [R] int64, request r's state slot (no padding
+    state [num_slots+1, Hv, Dk, Dv] float32 or bfloat16; slots [R] int64, request r's state slot (no padding
     slot); bounds [R+1] int64, request r owns rows bounds[r] .. bounds[r+1]-1 (maybe none); chunks
     [N, 2] int64 on the device, (request, chunk j) rows: launch_math.token_blocks of the requests'
     lengths for this block_t (chunk j of request r starts at row bounds[r] + j * block_t); block_t

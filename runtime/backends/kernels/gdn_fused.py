@@ -65,7 +65,7 @@ from runtime.backends.kernels.launch_math import next_pow2
 from runtime.backends.kernels.linear import conv_rolled, conv_token, scalar_decay_step, store_history
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
-from runtime.cache.state_pool import PADDING_SLOT
+from runtime.cache.state_pool import PADDING_SLOT, STATE_DTYPES, STATE_TORCH_DTYPES
 
 __all__ = ["BLOCK_ROWS", "L2NORM_EPS", "SOFTPLUS_THRESHOLD", "SPLIT_DECODE_MAX_ROWS", "ONE_LAUNCH_MAX_ROWS", "GdnDims",
            "gdn_dims",
@@ -589,8 +589,8 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
                      num_warps: int | None = None, launches: int | None = None,
                      v_blocks: int | None = None, merged_split: bool = False) -> None:
     """One decode step of a GDN mixer: row r is request r, on slot slots[r] (the padding slot: a zero
-    row, nothing read or kept). conv_state [slots+1, C, K-1] and state [slots+1, Hv, Dk, Dv] float32
-    are the layer's, updated in place.
+    row, nothing read or kept). conv_state [slots+1, C, K-1] and state [slots+1, Hv, Dk, Dv] (float32
+    or bfloat16, read into float32) are the layer's, updated in place.
 
     launches: 1, one program per (request, key head) through everything; 2, the split: the conv and
     the l2norm per (request, q | k | v head) into a [B, C] buffer, then the gates, recurrence and
@@ -617,10 +617,10 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     if conv_state.shape[1:] != (d.channels, d.kernel_width - 1) or conv_state.stride(2) != 1:
         raise ValueError(f"{what}: conv state {tuple(conv_state.shape)}, expected [slots+1, {d.channels}, "
                          f"{d.kernel_width - 1}] with unit stride last")
-    if state.dtype != torch.float32 or state.shape[1:] != (d.hv, d.dk, d.dv) or state.stride(3) != 1 \
+    if state.dtype not in STATE_TORCH_DTYPES or state.shape[1:] != (d.hv, d.dk, d.dv) or state.stride(3) != 1 \
             or state.stride(2) != d.dv:
-        raise ValueError(f"{what}: state {state.dtype} {tuple(state.shape)}, expected float32 [slots+1, {d.hv}, "
-                         f"{d.dk}, {d.dv}] with contiguous [Dk, Dv] states")
+        raise ValueError(f"{what}: state {state.dtype} {tuple(state.shape)}, expected [slots+1, {d.hv}, {d.dk}, "
+                         f"{d.dv}] in one of {STATE_DTYPES} with contiguous [Dk, Dv] states")
     launches = decode_launches(B) if launches is None else launches
     if launches not in (1, 2):
         raise ValueError(f"{what}: launches {launches}: 1 or 2 (a step of {B} requests takes the unfused "

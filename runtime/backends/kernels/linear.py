@@ -71,7 +71,7 @@ from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
-from runtime.cache.state_pool import PADDING_SLOT
+from runtime.cache.state_pool import PADDING_SLOT, STATE_DTYPES, STATE_TORCH_DTYPES
 
 __all__ = [
     "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
@@ -863,8 +863,9 @@ def _recurrent_args(op: str, q, k, v, gate, beta, out, state, gate_kind: int, ro
     assert q.shape[0] == rows and k.shape == q.shape and v.shape[0] == rows and out.shape == v.shape, (
         f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, out {tuple(out.shape)} disagree")
     assert Hv % Hk == 0, f"{op}: {Hv} value heads cannot share {Hk} key heads evenly"
-    assert state.dtype == torch.float32 and state.shape[1:] == (Hv, Dk, Dv), (
-        f"{op}: state pool layer must be float32 [slots+1, {Hv}, {Dk}, {Dv}], got {state.dtype} {tuple(state.shape)}")
+    assert state.dtype in STATE_TORCH_DTYPES and state.shape[1:] == (Hv, Dk, Dv), (
+        f"{op}: state pool layer must be [slots+1, {Hv}, {Dk}, {Dv}] in one of {STATE_DTYPES}, got {state.dtype} "
+        f"{tuple(state.shape)}")
     assert state.stride(3) == 1 and state.stride(2) == Dv, f"{op}: each state [Dk, Dv] must be contiguous"
     assert out.stride(-1) == 1, f"{op}: out must have a unit-stride last dimension (it is written in place)"
     expected_gate = {GATE_PER_HEAD: (rows, Hv), GATE_PER_CHANNEL: (rows, Hv, Dk), GATE_CONSTANT: (Hv,)}[gate_kind]
@@ -889,7 +890,8 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     """One decode step of the gated (delta-rule) recurrence over the slot-indexed pool, in place.
 
     q, k [B, Hk, Dk]; v, out [B, Hv, Dv]; gate [B, Hv] / [B, Hv, Dk] / [Hv] by gate_kind; beta [B, Hv]
-    or None (no delta rule); state [num_slots+1, Hv, Dk, Dv] float32; slots [B] int64.
+    or None (no delta rule); state [num_slots+1, Hv, Dk, Dv] float32 or bfloat16 (STATE_DTYPES: read
+    into float32, the new state rounded to it); slots [B] int64.
     """
     op = OP_OF_GATE[gate_kind]
     B = q.shape[0]

@@ -54,10 +54,12 @@ STATE_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3 * BF16_STEPS}
 class Case:
     """One layer's reference and device pools and backends, stepped together."""
 
-    def __init__(self, layer_id: int, dtype, seed: int, backend_kwargs=None, norm_dtype=None, shape=None):
+    def __init__(self, layer_id: int, dtype, seed: int, backend_kwargs=None, norm_dtype=None, shape=None,
+                 state_dtype="float32"):
         self.layer_id, self.dtype = layer_id, dtype
         self.shape = shape or LAYERS[layer_id]
-        self.ref_pool, self.dev_pool = gdn_pools({layer_id: self.shape}, NUM_SLOTS, DEVICE, seed, VERIFY)
+        self.ref_pool, self.dev_pool = gdn_pools({layer_id: self.shape}, NUM_SLOTS, DEVICE, seed, VERIFY,
+                                                 state_dtype=state_dtype)
         for pool in (self.ref_pool, self.dev_pool):
             for t in pool.layer(layer_id).values():
                 t[4].zero_()  # slot 4: a request that starts from the empty state
@@ -127,6 +129,20 @@ def test_decode_steps_match_the_unfused_ops(layer_id, batch, dtype, choice, monk
         take_decode_path(monkeypatch, choice, batch)
     slots, num_real = DECODES[batch]
     case = Case(layer_id, dtype, seed=10 * layer_id + batch)
+    for _ in range(3):
+        case.step(decode_ctx(slots, num_real, "cpu"), decode_ctx(slots, num_real, DEVICE), slots[:num_real])
+    case.check_untouched()
+
+
+@in_process
+@pytest.mark.parametrize("choice", list(DECODE_PATHS))
+def test_decode_paths_over_bfloat16_states(choice, monkeypatch):
+    """Recurrent states kept in bfloat16 (--state-dtype) on each decode path: every kernel reads the
+    state into float32 and rounds the one it stores, as the unfused ops over the reference do."""
+    slots, num_real = DECODES[6]
+    if GF.decode_launches(6) != DECODE_PATHS[choice][0]:  # else the op's own choice is this path
+        take_decode_path(monkeypatch, choice, 6)
+    case = Case(0, torch.bfloat16, seed=70, state_dtype="bfloat16")
     for _ in range(3):
         case.step(decode_ctx(slots, num_real, "cpu"), decode_ctx(slots, num_real, DEVICE), slots[:num_real])
     case.check_untouched()

@@ -66,21 +66,25 @@ REGISTRY = LayerRegistry([
     for lid, (kind, hk, hv, dk, dv) in LAYERS.items()
 ])
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
-STATE_TOL = 1e-4  # states are float32 on both sides, computed from the same (rounded) inputs
+# Float32 states on both sides, computed from the same (rounded) inputs; bfloat16 states (--state-dtype)
+# are rounded after each step on both sides, so an element may sit one bfloat16 step apart.
+STATE_TOL = {"float32": 1e-4, "bfloat16": 1e-2}
 
 
 
 VERIFY = dict(draft_tokens=3, verify_rows=4)  # target_verify steps of up to 4 requests x 4 tokens
 
 
-def make_pools(seed: int) -> tuple[StatePool, StatePool]:
-    """Two pools with the same random non-zero states: one for the reference, one for the kernels."""
-    ref = StatePool(REGISTRY, NUM_SLOTS, **VERIFY)
+def make_pools(seed: int, state_dtype: str = "float32") -> tuple[StatePool, StatePool]:
+    """Two pools with the same random non-zero states: one for the reference, one for the kernels;
+    recurrent states in `state_dtype`."""
+    registry = REGISTRY.with_state_dtype(state_dtype)
+    ref = StatePool(registry, NUM_SLOTS, **VERIFY)
     g = torch.Generator().manual_seed(seed)
     for entries in ref.buffers.values():
         for t in entries.values():
             t.copy_(torch.randn(t.shape, generator=g) * 0.5)
-    dev = StatePool(REGISTRY, NUM_SLOTS, DEVICE, **VERIFY)
+    dev = StatePool(registry, NUM_SLOTS, DEVICE, **VERIFY)
     for lid, entries in ref.buffers.items():
         for name, t in entries.items():
             dev.buffers[lid][name].copy_(t)
@@ -131,9 +135,9 @@ def run_op(backend, ctx, op: str, layer_id: int, x: dict, out_dtype: torch.dtype
 
 
 def compare_steps(op: str, layer_id: int, slots: list[int], num_real: int, dtype: torch.dtype, steps: int,
-                  seed: int, backend_kwargs=None, conv_bias=True, silu=True):
+                  seed: int, backend_kwargs=None, conv_bias=True, silu=True, state_dtype="float32"):
     """Run `steps` decode steps on both backends from the same pools; check everything each step."""
-    ref_pool, dev_pool = make_pools(seed)
+    ref_pool, dev_pool = make_pools(seed, state_dtype)
     kv = KVPool(REGISTRY, 4, 16)
     ref = CPUReferenceBackend(kv, ref_pool)
     tri = TritonLinearBackend(dev_pool, **(backend_kwargs or {}))
@@ -154,7 +158,8 @@ def compare_steps(op: str, layer_id: int, slots: list[int], num_real: int, dtype
         assert err <= TOL[dtype], f"{op} layer {layer_id} B={len(slots)} {dtype}: out rel err {err:.2e}"
         s_ref, s_dev = ref_pool.layer(layer_id)[entry], dev_pool.layer(layer_id)[entry].cpu()
         s_err = rel_err(s_dev[touched], s_ref[touched])
-        assert s_err <= STATE_TOL, f"{op} layer {layer_id} B={len(slots)} {dtype}: state rel err {s_err:.2e}"
+        assert s_err <= STATE_TOL[state_dtype], (
+            f"{op} layer {layer_id} B={len(slots)} {dtype}: state rel err {s_err:.2e}")
     after = dev_pool.layer(layer_id)[entry]
     assert torch.equal(after[untouched], before[untouched]), "padding slot or a free slot was written"
     assert not torch.equal(after[touched], before[touched]), "the real slots were never updated"
@@ -165,6 +170,7 @@ def compare_steps(op: str, layer_id: int, slots: list[int], num_real: int, dtype
 BATCHES = {1: [5], 3: [7, 2, PADDING_SLOT], 8: [4, 9, 1, 6, 3, 10, PADDING_SLOT, PADDING_SLOT]}
 REAL = {1: 1, 3: 2, 8: 6}
 OPS = [("gdn_core", 0), ("gdn_core", 1), ("kda_core", 2), ("lightning_core", 3), ("short_conv", 0)]
+RECURRENT_OPS = [o for o in OPS if o[0] != "short_conv"]
 
 
 @in_process
@@ -178,6 +184,16 @@ def test_decode_steps_match_reference(op, layer_id, batch, dtype):
 @in_process
 def test_dims_that_are_not_powers_of_two():
     compare_steps("gdn_core", 4, BATCHES[3], REAL[3], torch.float32, steps=2, seed=3)
+
+
+@in_process
+@pytest.mark.parametrize("op,layer_id", RECURRENT_OPS, ids=[f"{op}-L{lid}" for op, lid in RECURRENT_OPS])
+def test_bfloat16_states_decode_as_the_reference_rounds_them(op, layer_id):
+    """Pools keeping recurrent states in bfloat16 (--state-dtype): the decode kernels read the
+    state into float32 and round the new one, as the reference does after each step; outputs and
+    states over three steps, padding rows and untouched slots."""
+    compare_steps(op, layer_id, BATCHES[8], REAL[8], torch.bfloat16, steps=3, seed=90 + layer_id,
+                  state_dtype="bfloat16")
 
 
 @in_process
@@ -247,7 +263,7 @@ def test_padding_row_between_real_rows(op, layer_id):
     assert out[1].eq(0).all()
     assert rel_err(out[[0, 2]], out_ref) <= 1e-4
     after = dev_pool.layer(layer_id)[entry].cpu()
-    assert rel_err(after[[3, 5]], ref_pool.layer(layer_id)[entry][[3, 5]]) <= STATE_TOL
+    assert rel_err(after[[3, 5]], ref_pool.layer(layer_id)[entry][[3, 5]]) <= STATE_TOL["float32"]
     keep = [s for s in range(NUM_SLOTS + 1) if s not in (3, 5)]
     assert torch.equal(after[keep], before.cpu()[keep])
 
@@ -331,11 +347,13 @@ MODE_STEPS = [
 
 
 def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=0, silu=True, conv_bias=True,
-                       qk_dtype=None, backend_kwargs=None, replayed=False, conv_extend_rows=False):
+                       qk_dtype=None, backend_kwargs=None, replayed=False, conv_extend_rows=False,
+                       state_dtype="float32"):
     """replayed: extend and mixed steps run as a captured graph's would, over the static plan
     init_replay_state fills (each step's padding is its bucket); conv_extend_rows: the backend's
-    extend conv streams rows (TritonLinearBackend.conv_extend_rows)."""
-    ref_pool, dev_pool = make_pools(seed)
+    extend conv streams rows (TritonLinearBackend.conv_extend_rows); state_dtype: the pools'
+    recurrent states'."""
+    ref_pool, dev_pool = make_pools(seed, state_dtype)
     for pool in (ref_pool, dev_pool):
         for t in pool.buffers[layer_id].values():
             t[4].zero_()  # slot 4: a request that starts from the empty state
@@ -372,14 +390,15 @@ def compare_mode_steps(op: str, layer_id: int, steps, dtype=torch.float32, seed=
         touched |= {slot for slot, *_ in reqs}
         rows = sorted(touched)
         s_err = rel_err(dev_pool.layer(layer_id)[entry].cpu()[rows], ref_pool.layer(layer_id)[entry][rows])
-        assert s_err <= STATE_TOL, f"{what}: state rel err {s_err:.2e}"
+        assert s_err <= STATE_TOL[state_dtype], f"{what}: state rel err {s_err:.2e}"
         n = reqs[0][2]
         if mode == Mode.TARGET_VERIFY and all(new == n for *_, new in reqs):
             # the verify kernels keep the state after each of the first n - 1 tokens, per row
             got = dev_pool.verify_buffers[layer_id][entry].cpu()[:len(reqs), :n - 1]
             want = ref_pool.verify_buffers[layer_id][entry][:len(reqs), :n - 1]
             i_err = rel_err(got, want)
-            assert i_err <= STATE_TOL and want.abs().sum() > 0, f"{what}: intermediate state rel err {i_err:.2e}"
+            assert i_err <= STATE_TOL[state_dtype] and want.abs().sum() > 0, (
+                f"{what}: intermediate state rel err {i_err:.2e}")
     untouched = [s for s in range(NUM_SLOTS + 1) if s not in touched]
     assert PADDING_SLOT in untouched
     assert torch.equal(dev_pool.layer(layer_id)[entry][untouched], before[untouched]), "padding or free slot written"
@@ -451,9 +470,6 @@ def test_extend_mixed_and_verify_steps_match_reference(op, layer_id):
         assert [c[1] for c in fake.calls] == [[0, 6, 11], [0, 4, 5, 8], [0, 2, 5]]
 
 
-RECURRENT_OPS = [o for o in OPS if o[0] != "short_conv"]
-
-
 @in_process
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("op,layer_id", RECURRENT_OPS, ids=[f"{op}-L{lid}" for op, lid in RECURRENT_OPS])
@@ -504,6 +520,19 @@ CHUNK_STEPS = [
     (Mode.DECODE, [(2, 6, 1), (4, 76, 1)], 1, 1),
 ]
 CHUNK_OPS = [("gdn_core", 0), ("gdn_core", 1), ("gdn_core", 4), ("lightning_core", 3)]
+
+
+@in_process
+@pytest.mark.parametrize("path", ["fla", "recurrent_extend", "chunk"])
+def test_bfloat16_states_through_every_extend_path(path):
+    """Extend, mixed and verify steps over bfloat16 recurrent states (--state-dtype), on each path an
+    extend takes: FLA's chunk call (handed a float32 initial state, its final state rounded back),
+    the recurrent extend kernel and our chunk kernels; outputs and states as the reference has them."""
+    kwargs = {"fla": {}, "recurrent_extend": {"short_extend_tokens": 8}, "chunk": {"chunk_impl": "triton"}}[path]
+    steps = CHUNK_STEPS if path == "chunk" else MODE_STEPS
+    fake = compare_mode_steps("gdn_core", 0, steps, dtype=torch.bfloat16, seed=95, backend_kwargs=kwargs,
+                              state_dtype="bfloat16")
+    assert bool(fake.calls) == (path == "fla")
 
 
 @in_process
@@ -690,7 +719,8 @@ def test_the_recurrent_extend_kernel_over_a_bucket_static_plan(case):
         assert rel_err(out[span], want) <= TOL[torch.float32], f"{case}: request {r} against the reference"
     after = dev_pool.layer(layer_id)["recurrent"].cpu()
     if real_slots:
-        assert rel_err(after[real_slots], state[real_slots]) <= STATE_TOL, f"{case}: states against the reference"
+        assert rel_err(after[real_slots], state[real_slots]) <= STATE_TOL["float32"], (
+            f"{case}: states against the reference")
     untouched = [s for s in range(NUM_SLOTS + 1) if s not in real_slots]
     assert PADDING_SLOT in untouched and torch.equal(after[untouched], before.cpu()[untouched])
 
@@ -804,7 +834,7 @@ def test_replayed_verify_step_reads_the_static_slots():
     assert rel_err(out[:4], out_ref[:4]) <= 1e-4 and out[4:].eq(0).all()
     assert tri._fla.calls == []
     kept, want = dev_pool.verify_buffers[2]["recurrent"].cpu()[:2, :1], ref_pool.verify_buffers[2]["recurrent"][:2, :1]
-    assert rel_err(kept, want) <= STATE_TOL, "the state after each request's first token, in its row"
+    assert rel_err(kept, want) <= STATE_TOL["float32"], "the state after each request's first token, in its row"
     ragged = mode_step(Mode.TARGET_VERIFY, [(6, 7, 1), (1, 5, 3)])
     tri.init_replay_state(ragged, bucket=2)
     with pytest.raises(WrongModeError, match="same number of rows"):
