@@ -421,7 +421,8 @@ def build_artifacts(args, work: Path, doc: dict, env: dict) -> dict:
     dtype = "float32" if args.dry_run else "bfloat16"
     routes = [arg for route in args.route for arg in ("--route", route)]
     doc["compile_s"] = hgc_process("compile", str(ckpt), "-o", str(plain), "--target", target, "--dtype", dtype,
-                                   "--no-dumps", "--no-inductor", "--force", *routes, env=env)
+                                   "--no-dumps", "--no-inductor", "--force", "--state-dtype", args.state_dtype,
+                                   *routes, env=env)
     shutil.rmtree(built, ignore_errors=True)
     shutil.copytree(plain, built)
     build_env = {**env, **empty_caches(work / "caches_build")}
@@ -516,6 +517,9 @@ def main(argv=None) -> int:
     p.add_argument("--route", action="append", default=[],
                    help="passed to hgc compile --route (repeatable), e.g. 'gqa_attention=flashinfer[decode_impl=flashinfer]'; "
                         "use another --work (or no --reuse) for each set of routes")
+    p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="passed to hgc compile --state-dtype: what the linear layers keep their recurrent states "
+                        "in (use another --work, or no --reuse, for each)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -543,7 +547,8 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not args.dry_run
     doc = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "dry_run": args.dry_run, "size": args.size,
-           "family": args.family, "routes": args.route, "all_programs": args.all_programs, "batches": args.batch_list,
+           "family": args.family, "routes": args.route, "state_dtype": args.state_dtype,
+           "all_programs": args.all_programs, "batches": args.batch_list,
            "iters": args.iters, "stages": {}, "variants": {}}
     path = out / "startup_bench.json"
     save = lambda: path.write_text(json.dumps(doc, indent=1, default=str))  # noqa: E731
