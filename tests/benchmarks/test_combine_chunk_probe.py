@@ -1,0 +1,23 @@
+"""benchmarks/probes/combine_chunk_probe.py --dry-run on the CPU (interpreted, small steps): the split-KV
+combine at every chunk of partials, each checked against the float64 merge, then timed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "probes" / "combine_chunk_probe.py"
+
+
+def test_dry_run_checks_every_chunk_then_times_it(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "combine_chunk_probe.json").read_text())
+    assert doc["in_use"] in (4, 8, 16, 32) and set(doc["steps"]) == {"decode_1", "extend_8"}
+    for row in doc["steps"].values():
+        for chunk in (4, 8, 16, 32):
+            assert row[f"chunk_{chunk}"]["rel_err"] < 1e-2 and row[f"chunk_{chunk}"]["us"] > 0, row
