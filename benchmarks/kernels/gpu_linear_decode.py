@@ -26,7 +26,9 @@ One script for one call on the GPU machine (it never needs a second):
    $OUT/gpu_linear_decode_subprocess.log).
 
 `--dry-run` walks the same code on the CPU through Triton's interpreter at tiny dims (timings
-meaningless), to validate the script without a GPU.
+meaningless), to validate the script without a GPU. `--state-dtype bfloat16` keeps the recurrent
+states in bfloat16 (`hgc compile --state-dtype`) on both sides of every check, and the floors count
+their bytes; `--cases` picks kernels by name.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec  # noqa: E402
+from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec, dtype_from_name  # noqa: E402
 from runtime.backends.kernels import linear as TL  # noqa: E402
 from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence  # noqa: E402
 from runtime.backends.triton_linear import TritonLinearBackend  # noqa: E402
@@ -69,6 +71,10 @@ from testkit.linear_cases import decode_ctx  # noqa: E402
 START = time.time()
 OUT_TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 STATE_TOL = 1e-4
+# bfloat16 states (--state-dtype) are rounded after the step on both sides: an element may sit one
+# bfloat16 step apart
+STATE_TOLS = {"float32": STATE_TOL, "bfloat16": 1e-2}
+STATE_DTYPE = "float32"  # --state-dtype: the recurrent states' (main sets it before any problem is made)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +117,7 @@ DRY_CASES = [
     Case("lightning_h4", "lightning_core", LayerKind.LIGHTNING, 4, 4, 16, 16),
     Case("short_conv", "short_conv", LayerKind.GDN, channels=48, width=4),
 ]
-RECURRENT_SWEEP = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8)]  # (BV, warps)
+RECURRENT_SWEEP = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]  # (BV, warps)
 CONV_SWEEP = [(32, 1), (64, 1), (128, 2), (256, 4), (512, 4), (1024, 4)]  # (channels, warps)
 
 
@@ -122,7 +128,7 @@ def num_real_rows(B: int) -> int:
 
 def make_pool(case: Case, num_slots: int, device, gen: torch.Generator) -> StatePool:
     if case.recurrent:
-        state = {"recurrent": TensorSpec((case.hv, case.dk, case.dv), "float32")}
+        state = {"recurrent": TensorSpec((case.hv, case.dk, case.dv), STATE_DTYPE)}
     else:
         state = {"conv": TensorSpec((case.channels, case.width - 1), "float32")}
     pool = StatePool(LayerRegistry([LayerSpec(0, case.kind, state=state)]), num_slots, device)
@@ -212,7 +218,7 @@ def reference_step(p: Problem, state_before: torch.Tensor, x_cpu: dict) -> tuple
     """(out [B, ...] in p.out's dtype, state after) from the CPU reference backend, float32."""
     c = p.case
     ref_pool = StatePool(LayerRegistry([LayerSpec(0, c.kind, state={c.entry: TensorSpec(
-        tuple(state_before.shape[1:]), "float32")})]), state_before.shape[0] - 1)
+        tuple(state_before.shape[1:]), str(state_before.dtype).removeprefix("torch."))})]), state_before.shape[0] - 1)
     ref_pool.layer(0)[c.entry].copy_(state_before)
     ref = CPUReferenceBackend(None, ref_pool)
     cpu = Problem(c, ref_pool, p.slots, p.num_real, x_cpu, {n: t.cpu() for n, t in p.consts.items()},
@@ -237,7 +243,8 @@ def check_against(p: Problem, out: torch.Tensor, state_after: torch.Tensor, stat
         "other_slots_untouched": bool(torch.equal(state_after[untouched], state_before[untouched])),
     }
     tol = OUT_TOL[p.out.dtype]
-    r["ok"] = (r["out_rel_err"] <= tol and r["state_rel_err"] <= STATE_TOL and r["all_written"]
+    state_tol = STATE_TOLS[str(state_after.dtype).removeprefix("torch.")]
+    r["ok"] = (r["out_rel_err"] <= tol and r["state_rel_err"] <= state_tol and r["all_written"]
                and r["padding_rows_zero"] and r["other_slots_untouched"])
     return r
 
@@ -255,7 +262,7 @@ def bytes_and_flops(case: Case, B: int, num_real: int, in_bytes: int) -> tuple[i
         io = num_real * C * in_bytes + B * C * in_bytes + C * (K + 1) * in_bytes  # x, out, weight+bias
         return state + io + B * 8, num_real * C * (2 * K + 4)
     hk, hv, dk, dv = case.hk, case.hv, case.dk, case.dv
-    state = 2 * num_real * hv * dk * dv * 4  # float32 read + write
+    state = 2 * num_real * hv * dk * dv * dtype_from_name(STATE_DTYPE).itemsize  # read + write
     g = hv * dk if case.op == "kda_core" else (hv if case.op == "gdn_core" else 0)
     beta = hv if case.op != "lightning_core" else 0
     per_row = (2 * hk * dk + hv * dv + g + beta) * in_bytes
@@ -788,6 +795,10 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny dims")
     ap.add_argument("--batches", default=None, help="comma list (default 1,8,32,64,256; dry run 1,3,8)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="what the recurrent states are kept in (hgc compile --state-dtype)")
+    ap.add_argument("--cases", default=None, help="comma list of kernel names (default: all: gdn, kda, "
+                                                   "lightning_h16, lightning_h32, short_conv)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--budget-s", type=float, default=520.0,
@@ -811,6 +822,10 @@ def main(argv=None) -> int:
         return 2
     device = "cuda" if not dry else "cpu"
     cases = DRY_CASES if dry else REAL_CASES
+    if args.cases:
+        cases = [c for c in cases if c.name in args.cases.split(",")]
+    global STATE_DTYPE
+    STATE_DTYPE = args.state_dtype
     log = lambda msg: print(msg, flush=True)
 
     if args.part != "main":  # a subprocess: one part, its JSON to --result
@@ -836,7 +851,7 @@ def main(argv=None) -> int:
     env = device_facts(dry)
     rates = device_rates()
     env["copy_bytes_per_s"], env["copy"] = rates["copy_bytes_per_s"], rates
-    env["batches"] = args.batch_list
+    env["batches"], env["state_dtype"] = args.batch_list, args.state_dtype
     args.copy_bytes_per_s = rates["copy_bytes_per_s"]
     log(f"{env['device']}: copy {rates['copy_bytes_per_s'] / 1e12:.3f} TB/s; batches {args.batch_list}")
     results: dict = {"env": env, "kernels": []}
@@ -866,7 +881,7 @@ def main(argv=None) -> int:
         # 3. the tile sweep, with what time is left (reserve: pytest and the crash check)
         if not args.no_sweep:
             log(f"[{time.time() - START:6.0f}s] tile sweep")
-            env["reserve_s"] = 0 if dry else 150
+            env["reserve_s"] = 0 if dry or args.no_pytest else 150  # kept for the GPU tests
             # the hard small batches first, in case the budget ends the sweep early
             order = {b: i for i, b in enumerate([1, 8, 64, 256, 32])}
             for r in sorted(results["kernels"], key=lambda r: order.get(r["batch"], 9)):

@@ -1,12 +1,13 @@
 """The split-KV combine pass (runtime/backends/kernels/split_kv.py `_combine_kernel`) at each chunk of
 partial rows it merges at a time.
 
-The combine walks a row's partials COMBINE_CHUNK (4) at a time, one loop iteration after another,
-each waiting for its own loads. At a one-request decode step of bench qwen3_next a GQA row has 32
-splits: eight chunks in a row, 3.85 us a launch on an H100 (step_account_options_h100_2026-12-06),
-where the one-tile combine it replaced took 1.8 us on an H200. A wider chunk has fewer iterations
-and holds more registers ([CHUNK, Dv] float32 a program), which is what the one tile cost an
-extend step's combine (2 splits, 4096 rows). Per chunk and step shape:
+The combine walks a row's partials a chunk at a time (`combine_chunk`: 4, or all 32 of a row of 32
+splits), one loop iteration after another, each waiting for its own loads. In chunks of four, a
+one-request decode step of bench qwen3_next (32 splits a GQA row) took eight iterations, 3.85 us a
+launch on an H100 (step_account_options_h100_2026-12-06), where the one-tile combine before took
+1.8 us on an H200. A wider chunk has fewer iterations and holds more registers ([CHUNK, Dv] float32
+a program), which is what one tile cost an extend step's combine (2 splits, 4096 rows). Per chunk
+and step shape:
 
 1. `_combine_kernel` with that CHUNK on fresh random partials (some splits empty, as a short row's
    are), checked against a float64 merge of the same partials (relative error of the norm);
@@ -80,12 +81,12 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU: Triton's interpreter, small steps")
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.dry_run else "cuda")
-    doc = {"env": device_facts(args.dry_run), "in_use": split_kv.COMBINE_CHUNK, "steps": {}}
+    doc = {"env": device_facts(args.dry_run), "steps": {}}
     g = torch.Generator().manual_seed(0)
     for name, (rows, splits) in (DRY_STEPS if args.dry_run else STEPS).items():
         part_o, part_lse = partials(rows, splits, device, g)
         want = reference(part_o, part_lse, rows, splits)
-        row = doc["steps"][name] = {"rows": rows, "splits": splits}
+        row = doc["steps"][name] = {"rows": rows, "splits": splits, "in_use": split_kv.combine_chunk(splits)}
         for chunk in CHUNKS:
             out = torch.empty(rows, HEADS, DV, dtype=torch.bfloat16, device=device)
             launch(chunk, part_o, part_lse, out, splits)

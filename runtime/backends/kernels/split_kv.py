@@ -41,8 +41,8 @@ import triton.language as tl
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 
-__all__ = ["LOG2E", "MAX_SPLITS", "SPLIT_TOKENS", "combine_splits", "num_splits_for", "paged_tile", "round_keys",
-           "softmax_step", "split_chunks", "split_layout", "split_result"]
+__all__ = ["LOG2E", "MAX_SPLITS", "SPLIT_TOKENS", "combine_chunk", "combine_splits", "num_splits_for", "paged_tile",
+           "round_keys", "softmax_step", "split_chunks", "split_layout", "split_result"]
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * LOG2E)
 
@@ -83,8 +83,21 @@ SPLIT_TOKENS = 256
 # Partial rows the combine pass merges at a time (`_combine_kernel`): its [CHUNK, Dv] float32 tile
 # is what a program holds, where a [MAX_SPLITS, Dv] tile (64 values a thread at Dv 256) left an SM
 # room for a few programs; an extend step's combine (2 splits) took 21.7 us of a bench qwen3_next
-# GQA layer's 51 us at 512 tokens on an H200 (step accounts of 2026-12-04/05).
+# GQA layer's 51 us at 512 tokens on an H200 (step accounts of 2026-12-04/05). A row of MAX_SPLITS
+# partials is merged in one tile instead: its chunks are iterations one after another, each waiting
+# on its own loads, and a one-request decode step has few programs, so the wait is the launch's
+# time. One H200 (benchmarks/probes/combine_chunk_probe.py, bench qwen3_next's 16 heads of 256,
+# combine_chunk_probe_h200_2026-12-06.json), us a launch at chunks of 4 / 8 / 16 / 32: one request
+# of 32 splits 4.66 / 3.53 / 3.34 / 2.56; 128 rows of 2 splits 5.03 / 5.42 / 5.74 / 7.14; 512 and
+# 4096 rows of 2 splits 15.6 / 16.4 / 17.4 / 23.0 and 115 / 125 / 131 / 180.
 COMBINE_CHUNK = 4
+
+
+def combine_chunk(num_splits: int) -> int:
+    """Partials `_combine_kernel` merges at a time for rows of `num_splits`: MAX_SPLITS (one tile)
+    past half of it, else COMBINE_CHUNK. Two builds of the kernel in all; fixed splits always
+    merge MAX_SPLITS partials, so a row's sums there never depend on the batch."""
+    return MAX_SPLITS if num_splits > MAX_SPLITS // 2 else COMBINE_CHUNK
 
 
 @triton.jit
@@ -197,4 +210,5 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
     assert out.stride(-1) == 1
     assert 1 <= num_splits <= MAX_SPLITS, f"split-KV attention: {num_splits} splits (1 to {MAX_SPLITS})"
     _COMBINE[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, num_splits,
-                     R=DV, MAX_SPLITS=MAX_SPLITS, CHUNK=COMBINE_CHUNK, num_warps=4, **launch_args(out.device))
+                     R=DV, MAX_SPLITS=MAX_SPLITS, CHUNK=combine_chunk(num_splits), num_warps=4,
+                     **launch_args(out.device))
