@@ -47,7 +47,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from compiler.splitops.errors import CompileError
-from compiler.splitops import TRACED_OPS, LayerRegistry, RegistryError
+from compiler.splitops import STATE_DTYPES, TRACED_OPS, LayerRegistry, RegistryError
 from compiler.splitops.artifact import PROGRAM_INPUTS, ParamSource, TensorView, program_outputs
 
 __all__ = ["FrontendError", "TracedModel", "trace_checkpoint", "trace_model", "build_model", "example_sizes", "export_programs",
@@ -361,14 +361,29 @@ def trace_model(model: nn.Module, family, config: dict, text_config: dict, dtype
     return traced
 
 
+def state_dtype_of(text_config: dict, asked: Optional[str]) -> str:
+    """What the registry keeps recurrent states in: `asked` (--state-dtype), else the checkpoint's
+    `mamba_ssm_dtype` (Qwen3.5's configs name float32, as vLLM reads them), else float32."""
+    if asked is not None:
+        return asked
+    named = text_config.get("mamba_ssm_dtype")
+    if named is None:
+        return "float32"
+    if named not in STATE_DTYPES:
+        raise FrontendError(f"frontend: config.json: mamba_ssm_dtype {named!r} is not a state dtype hgc keeps "
+                            f"({', '.join(STATE_DTYPES)}); pass --state-dtype to choose one")
+    return named
+
+
 def trace_checkpoint(ckpt_dir: str | os.PathLike, dtype: str, read_model, tp: int = 1,
-                     state_dtype: str = "float32") -> TracedModel:
+                     state_dtype: Optional[str] = None) -> TracedModel:
     """Steps 1-4 of the module docstring for one checkpoint directory (config.json is all it reads).
 
     read_model(ckpt_dir) -> (family, config.json, text config): compiler/toolchain.py.
     tp > 1: the programs of one rank of `tp` (see "Tensor parallel" above). state_dtype: what the
-    registry keeps recurrent states in (`--state-dtype`)."""
+    registry keeps recurrent states in (`--state-dtype`; None: `state_dtype_of` the config)."""
     family, config, text = read_model(ckpt_dir)
+    state_dtype = state_dtype_of(text, state_dtype)
     model = build_model(family, text, dtype, tp, state_dtype)
     whole = build_model(family, text, dtype, state_dtype=state_dtype) if tp > 1 else None
     return trace_model(model, family, config, text, dtype, whole)

@@ -361,8 +361,10 @@ def cmd_inspect(args) -> int:
     print(f"{args.artifact}: {m['family']} (torch {m['versions']['torch']}, hgc {m['versions']['hgc']}), target "
           f"{m['compile']['target']}, dtype {m['compile']['dtype']}, weights {m['weights']['mode']}")
     print(f"routes: {' '.join(routes) if routes else 'none (every node by priority)'}")
-    if m["compile"].get("state_dtype"):
-        print(f"recurrent states: {m['compile']['state_dtype']} (hgc compile --state-dtype)")
+    kept = {layer["state"]["recurrent"]["dtype"] for layer in m["registry"] if "recurrent" in layer.get("state", {})}
+    if kept - {"float32"}:
+        source = "hgc compile --state-dtype" if m["compile"].get("state_dtype") else "config.json's mamba_ssm_dtype"
+        print(f"recurrent states: {', '.join(sorted(kept))} ({source})")
     if m["compile"].get("batch_invariant"):
         print("numerics: batch-invariant (hgc compile --batch-invariant: decode and verify rows computed as the "
               "request's own decode step would be)")
@@ -654,12 +656,13 @@ def _compile_flags(p) -> None:
                         "the GDN mixers the fusion pass would make one op")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the model is traced in; match `hgc generate --dtype`")
-    p.add_argument("--state-dtype", default="float32", choices=STATE_DTYPES,
+    p.add_argument("--state-dtype", default=None, choices=STATE_DTYPES,
                    help="dtype linear layers keep their recurrent state in (kernels compute in float32 either way). "
                         "bfloat16 halves the bytes of every state read and written, which at 128 decoding requests "
                         "are most of a step's, and holds twice the requests in the same memory; the state is then "
                         "rounded after every step, so greedy tokens can differ from a float32 state's. vLLM keeps "
-                        "Qwen3-Next's in the model dtype; Qwen3.5's config asks for float32. Default float32")
+                        "Qwen3-Next's in the model dtype. Default: the checkpoint's mamba_ssm_dtype (Qwen3.5's "
+                        "configs ask for float32), else float32")
     p.add_argument("--timings", action="store_true", help="print the pass timing table on stderr (compile always does)")
     p.add_argument("--tp", type=int_at_least(1), default=1, metavar="N",
                    help="tensor-parallel ranks: trace one rank's program (heads and widths split, collectives "

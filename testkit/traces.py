@@ -82,7 +82,7 @@ def shared_traces():
         yield
         return
 
-    def trace(ckpt_dir, dtype, read_model, tp=1, state_dtype="float32"):
+    def trace(ckpt_dir, dtype, read_model, tp=1, state_dtype=None):
         try:
             family = read_model(ckpt_dir)[0]
             key = ((Path(ckpt_dir) / "config.json").read_bytes(), dtype, tp, state_dtype, id(read_model),

@@ -47,8 +47,9 @@ class CompileConfig:
     # the glue's matrix products to a kernel of one launch shape: docs/DESIGN.md "Batch invariance")
     batch_invariant: bool = False
     # --state-dtype: the dtype linear layers keep their recurrent state in (STATE_DTYPES; the
-    # registry's "recurrent" entries, which size and type the state pool)
-    state_dtype: str = "float32"
+    # registry's "recurrent" entries, which size and type the state pool). None: the checkpoint's
+    # `mamba_ssm_dtype`, else float32 (compiler/frontend.py `state_dtype_of`)
+    state_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         for field in ("decode_batch_sizes", "extend_token_counts"):
@@ -73,7 +74,7 @@ class CompileConfig:
             raise ValueError(f"compile config: --batch-invariant with --tp {self.tp}: an all-reduce's summation order "
                              f"follows its message size, so rows of a tensor-parallel step are not batch-invariant; "
                              f"drop one")
-        if self.state_dtype not in STATE_DTYPES:
+        if self.state_dtype is not None and self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"compile config: --state-dtype {self.state_dtype!r}: one of {', '.join(STATE_DTYPES)}")
         if self.overlap and self.tp > 1:
             raise ValueError(f"compile config: --overlap with --tp {self.tp}: the side-stream pass has not been "
@@ -84,7 +85,7 @@ class CompileConfig:
                 "extend_token_counts": list(self.extend_token_counts), "routes": [str(r) for r in self.routes],
                 "overlap": self.overlap,
                 **({"batch_invariant": True} if self.batch_invariant else {}),
-                **({"state_dtype": self.state_dtype} if self.state_dtype != "float32" else {}),
+                **({"state_dtype": self.state_dtype} if self.state_dtype is not None else {}),
                 **({"overlap_min_bytes": self.overlap_min_bytes} if self.overlap_min_bytes is not None else {}),
                 **({"tp": self.tp} if self.tp > 1 else {})}
 

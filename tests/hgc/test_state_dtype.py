@@ -1,7 +1,8 @@
 """`hgc compile --state-dtype bfloat16`: the registry, the manifest, `hgc inspect` and the runtime's
 state pool keep linear layers' recurrent states in bfloat16, and a model's logits stay within
 bfloat16 rounding of a float32 state's (the CPU reference rounds the state after every step, as
-the GPU kernels do: tests/runtime/backends/test_triton_linear.py checks them against it)."""
+the GPU kernels do: tests/runtime/backends/test_triton_linear.py checks them against it). Without
+the flag a checkpoint's `mamba_ssm_dtype` decides, and one hgc does not keep is refused."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from hgc import main
+from hgc.errors import EXIT_BAD_INPUT
 from testkit.graph_cases import greedy
 from testkit.helpers import shared_artifact
 
@@ -74,3 +76,48 @@ def test_logits_stay_within_bfloat16_rounding_of_a_float32_state(artifacts):
     assert max(errs) < 2e-2, errs
     assert max(errs) > 0, "the bfloat16 states changed nothing: the pool did not keep them"
     assert got_tokens[0][:2] == tokens[0][:2]
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_checkpoint(tmp_path_factory):
+    """A tiny qwen3_5 checkpoint (its config names mamba_ssm_dtype, as the released ones do)."""
+    ckpt = tmp_path_factory.mktemp("qwen3_5") / "ckpt"
+    assert main(["init-model", "--family", "qwen3_5", "--size", "tiny", "--seed", "0", "-o", str(ckpt), "-q"]) == 0
+    return ckpt
+
+
+def _with_ssm_dtype(ckpt, name: str):
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    config.get("text_config", config)["mamba_ssm_dtype"] = name  # a release nests it, init-model's tiny one not
+    path.write_text(json.dumps(config))
+
+
+def _recurrent_dtypes(art) -> set[str]:
+    registry = json.loads((art / "manifest.json").read_text())["registry"]
+    return {layer["state"]["recurrent"]["dtype"] for layer in registry if "recurrent" in layer["state"]}
+
+
+def test_the_checkpoints_mamba_ssm_dtype_is_the_default_and_the_flag_overrides_it(qwen3_5_checkpoint, tmp_path,
+                                                                                   capsys):
+    ckpt = qwen3_5_checkpoint
+    compile_args = ["--no-dumps", "--no-weights", "-q"]
+    _with_ssm_dtype(ckpt, "float32")  # as Qwen3.5's released configs name it
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "named"), *compile_args]) == 0
+    assert _recurrent_dtypes(tmp_path / "named") == {"float32"}
+    _with_ssm_dtype(ckpt, "bfloat16")
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "bf16"), *compile_args]) == 0
+    assert _recurrent_dtypes(tmp_path / "bf16") == {"bfloat16"}
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "bf16")]) == 0
+    assert "recurrent states: bfloat16 (config.json's mamba_ssm_dtype)" in capsys.readouterr().out
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "asked"), "--state-dtype", "float32", *compile_args]) == 0
+    assert _recurrent_dtypes(tmp_path / "asked") == {"float32"}
+    _with_ssm_dtype(ckpt, "float16")  # no state dtype hgc keeps: refused, naming the field, nothing written
+    capsys.readouterr()
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "refused"), *compile_args]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "mamba_ssm_dtype 'float16'" in err and "--state-dtype" in err and len(err.strip().splitlines()) <= 2, err
+    assert not (tmp_path / "refused").exists()
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "chosen"), "--state-dtype", "bfloat16", *compile_args]) == 0
+    assert _recurrent_dtypes(tmp_path / "chosen") == {"bfloat16"}
