@@ -68,7 +68,7 @@ for path in (ROOT, ROOT / "benchmarks", ROOT / "benchmarks" / "kernels"):
 import torch  # noqa: E402
 
 from bench_common import (Stages, compiled_artifact, decode_batch, device_facts, device_rates, fmt,  # noqa: E402
-                          is_cuda, run_guarded, time_ms, verdict)
+                          host_speed_ms, is_cuda, run_guarded, time_ms, verdict)
 from account_cost import KEYS, cost  # noqa: E402
 from account_trace import (StepFacts, UNMATCHED, align, labelled, node_labels, per_call,  # noqa: E402
                            profile_kernels, split_compiled, timeline)
@@ -305,6 +305,7 @@ def tables(doc: dict) -> str:
     rates = doc.get("rates") or {}
     out = [f"## step account ({doc['env'].get('device')}; copy {fmt(rates.get('copy_bytes_per_s', 0) / 1e9, '.0f')} "
            f"GB/s, matmul {fmt(rates.get('matmul_flops_per_s', 0) / 1e12, '.0f')} TFLOP/s"
+           f"{'; host ' + fmt(doc['env']['host_speed_ms'], '.2f') + ' ms' if 'host_speed_ms' in doc['env'] else ''}"
            f"{'; projections on torch (--torch-projections)' if doc['config'].get('torch_projections') else ''}"
            f"{'; dry run: CPU ops stand in for kernels, numbers not judged' if dry else ''})", ""]
     for family, rec in doc["families"].items():
@@ -443,8 +444,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     args.work = args.work or str(out / "work")
     args.dtype, args.config, args.batch_invariant = None, None, False  # what bench_common.compiled_artifact reads
-    doc = {"env": device_facts(args.dry_run), "config": {k: v for k, v in vars(args).items()}, "stages": {},
-           "families": {}}
+    # A step's time between its kernels is host time (staging, launches), and lent machines' hosts
+    # differ: a fixed pure-Python workload's time beside it says whether two accounts' hosts compare.
+    doc = {"env": {**device_facts(args.dry_run), "host_speed_ms": host_speed_ms()},
+           "config": {k: v for k, v in vars(args).items()}, "stages": {}, "families": {}}
     path = out / "step_account.json"
 
     def save():
