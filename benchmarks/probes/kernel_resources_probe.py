@@ -27,7 +27,8 @@ warpgroup tensor cores (HGMMA) and pipelines its loads (LDGSTS: cp.async; UTMALD
 2. Compile each distinct launch for sm90 in a process outside the interpreter, read its resources
    (cuobjdump) and its SASS op counts.
 
-OUT/kernel_resources.json and a table. Not here: times (a GPU's), Inductor's glue kernels and
+`--state-dtype bfloat16` records the GDN kernels over bfloat16 recurrent states (`hgc compile
+--state-dtype`). OUT/kernel_resources.json and a table. Not here: times (a GPU's), Inductor's glue kernels and
 cuBLAS / FlashInfer kernels (not ours to compile), the attention of an extend step (FlashInfer).
 """
 
@@ -73,6 +74,13 @@ def _i64(*shape):
     return torch.zeros(*shape, dtype=torch.int64)
 
 
+STATE_DTYPE = torch.float32  # --state-dtype: the GDN recurrent states' (hgc compile --state-dtype)
+
+
+def _state(*shape):
+    return torch.empty(*shape, dtype=STATE_DTYPE)
+
+
 def _moe(T: int) -> None:
     from runtime.backends.kernels.moe import fused_moe
     from runtime.backends.kernels.moe_config import CONFIG_DIR, config_file_name, load_config_table, pick_bucket
@@ -100,7 +108,7 @@ def _gdn_decode(B: int) -> None:
 
     C = 2 * HK * DK + HV * DV
     conv_w, norm_w, slots = _bf16(C, KW), _bf16(DV), _i64(B)
-    conv_state, state = _f32(B + 1, C, KW - 1), _f32(B + 1, HV, DK, DV)
+    conv_state, state = _f32(B + 1, C, KW - 1), _state(B + 1, HV, DK, DV)
     if GF.decode_launches(B) < 4:  # the fused decode (in one or two launches), else the unfused kernels
         GF.gdn_fused_decode(_bf16(B, C), _bf16(B, HV, DV), _bf16(B, HV), _bf16(B, HV), conv_w, _f32(HV), _f32(HV),
                             norm_w, _bf16(B, HV, DV), conv_state, state, slots, HK, DK ** -0.5, 1e-6)
@@ -155,7 +163,7 @@ def _gdn_extend(T: int) -> None:
                                    GF.GdnDims(HK, HV, DK, DV, C, KW))
     core = _bf16(T, HV, DV)
     chunks = torch.from_numpy(token_blocks([T], CK.chunk_length(T)))
-    CK.chunk_extend(q, k, v, g, beta, core, _f32(2, HV, DK, DV), slots, bounds[:2], chunks, DK ** -0.5,
+    CK.chunk_extend(q, k, v, g, beta, core, _state(2, HV, DK, DV), slots, bounds[:2], chunks, DK ** -0.5,
                     L.GATE_PER_HEAD)
     GF.gated_rmsnorm(core, _bf16(T, HV, DV), _bf16(DV), _bf16(T, HV, DV), 1e-6, bounds=bounds)
 
@@ -210,8 +218,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")
     ap.add_argument("--kernels", default="", help="comma-separated kernel names (e.g. _gemv_kernel): only those")
+    ap.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the GDN recurrent states' dtype (hgc compile --state-dtype)")
     ap.add_argument("--compile", help=argparse.SUPPRESS)  # internal: the compiling process's specs file
     args = ap.parse_args(argv)
+    global STATE_DTYPE
+    STATE_DTYPE = getattr(torch, args.state_dtype)
     if args.compile:  # the compiling process: specs in, resources out
         specs = json.loads(Path(args.compile).read_text())
         Path(args.compile + ".out").write_text(json.dumps(compile_all(specs)))
