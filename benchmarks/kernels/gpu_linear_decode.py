@@ -59,7 +59,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from compiler.splitops import LayerKind, LayerRegistry, LayerSpec, TensorSpec, dtype_from_name  # noqa: E402
+from compiler.splitops import STATE_DTYPES, LayerKind, LayerRegistry, LayerSpec, TensorSpec, dtype_from_name  # noqa: E402
 from runtime.backends.kernels import linear as TL  # noqa: E402
 from runtime.backends.cpu_reference import CPUReferenceBackend, gated_recurrence  # noqa: E402
 from runtime.backends.triton_linear import TritonLinearBackend  # noqa: E402
@@ -686,7 +686,8 @@ def run_subprocess(args, part: str, extra: list[str], timeout: float, log_file, 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "part.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--result", str(result),
-               "--batches", ",".join(map(str, args.batch_list)), "--copy-bytes-per-s", str(args.copy_bytes_per_s)]
+               "--batches", ",".join(map(str, args.batch_list)), "--copy-bytes-per-s", str(args.copy_bytes_per_s),
+               "--state-dtype", args.state_dtype] + (["--cases", args.cases] if args.cases else [])
         cmd += (["--dry-run"] if args.dry_run else []) + extra
         log(f"[{time.time() - START:6.0f}s] subprocess {part} {' '.join(extra)} (timeout {timeout:.0f} s)")
         t0 = time.time()
@@ -795,8 +796,9 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny dims")
     ap.add_argument("--batches", default=None, help="comma list (default 1,8,32,64,256; dry run 1,3,8)")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="what the recurrent states are kept in (hgc compile --state-dtype)")
+    ap.add_argument("--state-dtype", default="float32", choices=STATE_DTYPES,
+                    help="what the recurrent states are kept in (hgc compile --state-dtype); the FLA parts "
+                         "run over the same")
     ap.add_argument("--cases", default=None, help="comma list of kernel names (default: all: gdn, kda, "
                                                    "lightning_h16, lightning_h32, short_conv)")
     ap.add_argument("--no-fla", action="store_true")

@@ -28,8 +28,9 @@ warpgroup tensor cores (HGMMA) and pipelines its loads (LDGSTS: cp.async; UTMALD
    (cuobjdump) and its SASS op counts.
 
 `--state-dtype bfloat16` records the GDN kernels over bfloat16 recurrent states (`hgc compile
---state-dtype`). OUT/kernel_resources.json and a table. Not here: times (a GPU's), Inductor's glue kernels and
-cuBLAS / FlashInfer kernels (not ours to compile), the attention of an extend step (FlashInfer).
+--state-dtype`). OUT/kernel_resources.json and a table. Not here: times (a GPU's), Inductor's glue
+kernels and cuBLAS / FlashInfer kernels (not ours to compile), the attention of an extend step
+(FlashInfer).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from compiler.splitops.registry import STATE_DTYPES  # noqa: E402
 from testkit.sm90 import SM90, Launch, compile_sm90, programs_per_sm, record, resources  # noqa: E402
 
 D, E, I, TOP_K, VOCAB = 2048, 16, 512, 4, 151936
@@ -218,7 +220,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")
     ap.add_argument("--kernels", default="", help="comma-separated kernel names (e.g. _gemv_kernel): only those")
-    ap.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+    ap.add_argument("--state-dtype", default="float32", choices=STATE_DTYPES,
                     help="the GDN recurrent states' dtype (hgc compile --state-dtype)")
     ap.add_argument("--compile", help=argparse.SUPPRESS)  # internal: the compiling process's specs file
     args = ap.parse_args(argv)

@@ -66,6 +66,7 @@ import torch  # noqa: E402
 
 from bench_common import (Stages, compare, decode_batch, host_profile, profile_call, prompts_for,  # noqa: E402
                           host_speed_ms, launch_check_ms, replay_host_split, synchronizer, time_ms)
+from compiler.splitops.registry import STATE_DTYPES  # noqa: E402
 
 PAGE = 16
 HISTORY = 64
@@ -421,8 +422,8 @@ def build_artifacts(args, work: Path, doc: dict, env: dict) -> dict:
     dtype = "float32" if args.dry_run else "bfloat16"
     routes = [arg for route in args.route for arg in ("--route", route)]
     doc["compile_s"] = hgc_process("compile", str(ckpt), "-o", str(plain), "--target", target, "--dtype", dtype,
-                                   "--no-dumps", "--no-inductor", "--force", "--state-dtype", args.state_dtype,
-                                   *routes, env=env)
+                                   "--no-dumps", "--no-inductor", "--force", *routes,
+                                   *(["--state-dtype", args.state_dtype] if args.state_dtype else []), env=env)
     shutil.rmtree(built, ignore_errors=True)
     shutil.copytree(plain, built)
     build_env = {**env, **empty_caches(work / "caches_build")}
@@ -517,9 +518,10 @@ def main(argv=None) -> int:
     p.add_argument("--route", action="append", default=[],
                    help="passed to hgc compile --route (repeatable), e.g. 'gqa_attention=flashinfer[decode_impl=flashinfer]'; "
                         "use another --work (or no --reuse) for each set of routes")
-    p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+    p.add_argument("--state-dtype", default=None, choices=STATE_DTYPES,
                    help="passed to hgc compile --state-dtype: what the linear layers keep their recurrent states "
-                        "in (use another --work, or no --reuse, for each)")
+                        "in (default: the checkpoint's, as hgc compile decides; another --work, or no --reuse, "
+                        "for each)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
