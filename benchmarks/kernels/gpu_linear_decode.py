@@ -28,7 +28,8 @@ One script for one call on the GPU machine (it never needs a second):
 `--dry-run` walks the same code on the CPU through Triton's interpreter at tiny dims (timings
 meaningless), to validate the script without a GPU. `--state-dtype bfloat16` keeps the recurrent
 states in bfloat16 (`hgc compile --state-dtype`) on both sides of every check, and the floors count
-their bytes; `--cases` picks kernels by name.
+their bytes; `--cases` picks kernels by name; `--sweep walk` sweeps the recurrent kernels' tiles
+walked by a few programs an SM (`triton_linear[decode_tiles=walk]`) against the one-tile default.
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ DRY_CASES = [
 ]
 RECURRENT_SWEEP = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]  # (BV, warps)
 CONV_SWEEP = [(32, 1), (64, 1), (128, 2), (256, 4), (512, 4), (1024, 4)]  # (channels, warps)
+# --sweep walk: the recurrent kernels' tiles walked by a few programs an SM (RecurrentConfig.walk),
+# (BV, warps, programs an SM, stages), the one-tile default (64, 4) first as the baseline.
+WALK_SWEEP = [(64, 4, 0, 2), (64, 4, 2, 2), (64, 4, 3, 2), (64, 4, 4, 2), (64, 4, 2, 3), (64, 4, 3, 3),
+              (32, 4, 4, 2), (32, 2, 6, 2), (32, 2, 8, 2), (128, 8, 1, 2), (128, 8, 2, 2)]
+SWEEP = "tiles"  # --sweep (main sets it)
 
 
 def num_real_rows(B: int) -> int:
@@ -423,16 +429,16 @@ def run_sweep(case: Case, B: int, device, env: dict, budget: Budget, log) -> dic
     x0 = {n: t.clone() for n, t in p.x.items()}
     out_ref, state_ref = reference_step(p, initial.cpu(), {n: t.cpu() for n, t in p.x.items()})
     sets = timing_sets(case, B, p, device, env)
-    space = RECURRENT_SWEEP if case.recurrent else CONV_SWEEP
+    space = (RECURRENT_SWEEP if SWEEP == "tiles" else WALK_SWEEP) if case.recurrent else CONV_SWEEP
     points = []
-    for a, w in space:
+    for a, w, *walk in space:
         if budget.left() < env["reserve_s"]:
             points.append({"skipped": "time budget"})
             break
         if case.recurrent:
             if a > triton.next_power_of_2(case.dv) or triton.next_power_of_2(case.dk) * a < 32 * w:
                 continue
-            config = TL.RecurrentConfig(a, w)
+            config = TL.RecurrentConfig(a, w, *walk)
         else:
             if a < 32 * w or a > 2 * triton.next_power_of_2(case.channels):
                 continue
@@ -801,6 +807,9 @@ def parse_args(argv=None):
                          "run over the same")
     ap.add_argument("--cases", default=None, help="comma list of kernel names (default: all: gdn, kda, "
                                                    "lightning_h16, lightning_h32, short_conv)")
+    ap.add_argument("--sweep", default="tiles", choices=("tiles", "walk"),
+                    help="the recurrent kernels' sweep: one program a tile at each width and warps (tiles), or "
+                         "tiles walked by a few programs an SM, the one-tile default first (walk)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--budget-s", type=float, default=520.0,
@@ -826,8 +835,8 @@ def main(argv=None) -> int:
     cases = DRY_CASES if dry else REAL_CASES
     if args.cases:
         cases = [c for c in cases if c.name in args.cases.split(",")]
-    global STATE_DTYPE
-    STATE_DTYPE = args.state_dtype
+    global STATE_DTYPE, SWEEP
+    STATE_DTYPE, SWEEP = args.state_dtype, args.sweep
     log = lambda msg: print(msg, flush=True)
 
     if args.part != "main":  # a subprocess: one part, its JSON to --result

@@ -28,7 +28,8 @@ warpgroup tensor cores (HGMMA) and pipelines its loads (LDGSTS: cp.async; UTMALD
    (cuobjdump) and its SASS op counts.
 
 `--state-dtype bfloat16` records the GDN kernels over bfloat16 recurrent states (`hgc compile
---state-dtype`). OUT/kernel_resources.json and a table. Not here: times (a GPU's), Inductor's glue
+--state-dtype`); `--decode-tiles walk` decode128's recurrence on programs walking its tiles
+(`triton_linear[decode_tiles=walk]`). OUT/kernel_resources.json and a table. Not here: times (a GPU's), Inductor's glue
 kernels and cuBLAS / FlashInfer kernels (not ours to compile), the attention of an extend step
 (FlashInfer).
 """
@@ -79,6 +80,9 @@ def _i64(*shape):
 STATE_DTYPE = torch.float32  # --state-dtype: the GDN recurrent states' (hgc compile --state-dtype)
 
 
+DECODE_TILES = "by_batch"  # --decode-tiles: the GDN decode's (the triton_linear routing option)
+
+
 def _state(*shape):
     return torch.empty(*shape, dtype=STATE_DTYPE)
 
@@ -120,7 +124,8 @@ def _gdn_decode(B: int) -> None:
     q, k, v, g, beta = GF.qk_gates(mixed, _bf16(B, HV), _bf16(B, HV), _f32(HV), _f32(HV),
                                    GF.GdnDims(HK, HV, DK, DV, C, KW))
     core = _bf16(B, HV, DV)
-    L.gdn_decode(q, k, v, g, beta, core, state, slots, DK ** -0.5)
+    walk = L.walk_recurrent_config(B, HV, DK, DV, torch.device("cpu")) if DECODE_TILES == "walk" else None
+    L.gdn_decode(q, k, v, g, beta, core, state, slots, DK ** -0.5, walk)
     GF.gated_rmsnorm(core, _bf16(B, HV, DV), norm_w, _bf16(B, HV, DV), 1e-6, slots=slots, rows_per_slot=1)
 
 
@@ -222,10 +227,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--kernels", default="", help="comma-separated kernel names (e.g. _gemv_kernel): only those")
     ap.add_argument("--state-dtype", default="float32", choices=STATE_DTYPES,
                     help="the GDN recurrent states' dtype (hgc compile --state-dtype)")
+    ap.add_argument("--decode-tiles", default="by_batch", choices=("by_batch", "walk"),
+                    help="the GDN decode's tiles (triton_linear[decode_tiles=...]): walk runs decode128's on "
+                         "programs walking them")
     ap.add_argument("--compile", help=argparse.SUPPRESS)  # internal: the compiling process's specs file
     args = ap.parse_args(argv)
-    global STATE_DTYPE
-    STATE_DTYPE = getattr(torch, args.state_dtype)
+    global STATE_DTYPE, DECODE_TILES
+    STATE_DTYPE, DECODE_TILES = getattr(torch, args.state_dtype), args.decode_tiles
     if args.compile:  # the compiling process: specs in, resources out
         specs = json.loads(Path(args.compile).read_text())
         Path(args.compile + ".out").write_text(json.dumps(compile_all(specs)))

@@ -377,8 +377,9 @@ SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 # and the short convolution has no chunk kernels: they take the default with GDN, so the ops of one
 # layer resolve alike and share one backend instance.
 CHUNK_IMPL_CHOICES = ("triton", "fla")
-# decode_tiles: the decode and verify kernels' tiles "by_batch" (the default) or "fixed" (the capability's comment).
-DECODE_TILES = ("by_batch", "fixed")
+# decode_tiles: the decode and verify kernels' tiles "by_batch" (the default), "fixed" or "walk" (the
+# capability's comment).
+DECODE_TILES = ("by_batch", "fixed", "walk")
 # split_decode: the fused GDN mixer's split decode (one request) in "two_launches" (the default) or
 # "one_launch" (kernels/gdn_fused.py `_split_one_kernel`: the second launch's programs do the first's
 # conv and l2norm for what they read).
@@ -423,6 +424,9 @@ class TritonLinearBackend(BackendHooks):
         # count (more, narrower programs for few requests); "fixed" takes one tile for every count
         # (triton_linear.fixed_recurrent_config), so a request's state and output reduce in one order
         # whatever shares its step.
+        # "walk" takes by_batch's tiles, and a decode launch of many tiles runs them on a few programs an
+        # SM that load the next tile's state while they compute one (kernels/linear.py
+        # walk_recurrent_config).
         # split_decode: the fused mixer's one-request decode in two launches or one (SPLIT_DECODE).
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
                  ("decode_tiles", DECODE_TILES), ("split_decode", SPLIT_DECODE)),
@@ -461,7 +465,8 @@ class TritonLinearBackend(BackendHooks):
         build() passes. Built directly (tests, benchmarks), FLA's unless asked. `decode_tiles`: the
         routing option of the same name; "fixed" launches decode and verify steps with one tile at
         every request count (triton_linear.fixed_recurrent_config, fixed_conv_config; unless a
-        config is pinned). `snapshots`: the prefix cache's SnapshotPool, which the chunk kernels and
+        config is pinned); "walk" launches decode steps of many requests on programs walking the
+        tiles (walk_recurrent_config). `snapshots`: the prefix cache's SnapshotPool, which the chunk kernels and
         the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
         routing binds to this instance (None: any it supports), which say whether it may write them
         (`writes_step_snapshots`). `split_decode`: the routing option of the same name."""
@@ -471,6 +476,7 @@ class TritonLinearBackend(BackendHooks):
         if decode_tiles not in DECODE_TILES:
             raise ValueError(f"{self.name}: decode_tiles must be one of {DECODE_TILES}, not {decode_tiles!r}")
         self.fixed_tiles = decode_tiles == "fixed"
+        self.walk_tiles = decode_tiles == "walk"
         if chunk_impl not in CHUNK_IMPL_CHOICES:
             raise ValueError(f"{self.name}: chunk_impl must be one of {CHUNK_IMPL_CHOICES}, not {chunk_impl!r}")
         self.state_pool = state_pool
@@ -852,6 +858,8 @@ class TritonLinearBackend(BackendHooks):
         config = self.recurrent_config
         if config is None and self.fixed_tiles:  # one tile, whatever the step holds
             config = kernels.fixed_recurrent_config(v.shape[1], q.shape[2], v.shape[2], v.device)
+        elif config is None and self.walk_tiles and n == 1:
+            config = kernels.walk_recurrent_config(q.shape[0], v.shape[1], q.shape[2], v.shape[2], v.device)
         if n == 1:
             kernels.recurrent_decode(q, k, v, gate, beta, out, state, slots, scale, gate_kind, config)
         else:

@@ -454,3 +454,18 @@ def test_the_one_launch_router_and_gdn_split_are_routing_options_built_from_rout
     assert not TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {})).merged_split
     assert TritonMoEBackend.build(BackendSetup(None, pool, pool.device, (), {"router": "one_launch"})).one_launch_router
     assert not TritonMoEBackend.build(BackendSetup(None, pool, pool.device, (), {})).one_launch_router
+
+
+def test_walking_decode_tiles_are_a_routing_option_built_from_routing_json(checkpoints, tmp_path, capsys):
+    """`decode_tiles=walk` (triton_linear: decode launches of many tiles on programs walking them) is
+    chosen at compile time, recorded on every GDN mixer node, and the binder's instance runs with it."""
+    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16",
+                                "--route", "gdn_fused=triton_linear[decode_tiles=walk]")
+    assert rc == 0, err[-3000:]
+    tiles = {e["options"].get("decode_tiles") for e in entries(art) if e["op"] == "gdn_fused"}
+    assert tiles == {"walk"}
+    pool = StatePool(LayerRegistry([LayerSpec(0, LayerKind.GDN, state={"x": TensorSpec((2, 4), "float32")})]), 2,
+                     torch.device("cpu"))
+    walker = TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {"decode_tiles": "walk"}))
+    assert walker.walk_tiles and not walker.fixed_tiles
+    assert not TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {})).walk_tiles

@@ -153,6 +153,50 @@ def test_kernels_match_reference_at_real_dims(op, B, dtype, state_dtype):
     assert torch.equal(dev_pool.layer(0)[entry][untouched], before), "padding slot or a free slot was written"
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"], ids=["state_f32", "state_bf16"])
+@pytest.mark.parametrize("op", [op for op in SPECS if op != "short_conv"])
+def test_walking_decode_matches_reference_and_the_one_tile_kernel(op, state_dtype):
+    """decode_tiles="walk" at 128 requests (a few programs an SM walking the tiles, loads pipelined):
+    two steps against the reference, padding rows zero and free slots untouched, and each step's
+    outputs and states bit for bit those of the one-tile kernel at the walk's tile."""
+    import dataclasses
+
+    from runtime.backends.kernels import linear as TL
+    from runtime.backends.triton_linear import TritonLinearBackend
+
+    B, num_slots = 128, 131
+    _, hk, hv, dk, dv = SPECS[op]
+    walk = TL.walk_recurrent_config(B, hv, dk, dv, torch.device(DEV))
+    assert walk.walk, f"{op}: 128 requests must walk ({walk})"
+    ref_pool, dev_pool = pools(op, num_slots, seed=7, state_dtype=state_dtype)
+    one_pool = pools(op, num_slots, seed=7, state_dtype=state_dtype)[1]
+    ref = CPUReferenceBackend(None, ref_pool)
+    walker = TritonLinearBackend(dev_pool, decode_tiles="walk")
+    one = TritonLinearBackend(one_pool, recurrent_config=dataclasses.replace(walk, walk=0))
+    slots, num_real = slots_for(B, num_slots, seed=7)
+    touched = slots[:num_real]
+    untouched = [s for s in range(num_slots + 1) if s not in touched]
+    before = dev_pool.layer(0)["recurrent"][untouched].clone()
+    g = torch.Generator().manual_seed(700)
+    for _ in range(2):
+        x = inputs(op, B, num_real, torch.bfloat16, g)
+        out_ref = out_like(op, B, torch.bfloat16, "cpu")
+        call(ref, decode_ctx(slots, num_real, "cpu"), op, x, out_ref)
+        outs = []
+        for backend in (walker, one):
+            out = out_like(op, B, torch.bfloat16, DEV)
+            call(backend, decode_ctx(slots, num_real, DEV), op, {n: t.to(DEV) for n, t in x.items()}, out)
+            outs.append(out.cpu())
+        out = outs[0]
+        assert torch.isfinite(out).all() and out[num_real:].eq(0).all()
+        assert rel_err(out[:num_real], out_ref[:num_real]) <= 1e-2
+        state_tol = 1e-2 if state_dtype == "bfloat16" else 1e-4
+        assert rel_err(dev_pool.layer(0)["recurrent"][touched], ref_pool.layer(0)["recurrent"][touched]) <= state_tol
+        assert torch.equal(out, outs[1]), "a walked tile computes what one program a tile computes"
+        assert torch.equal(dev_pool.layer(0)["recurrent"], one_pool.layer(0)["recurrent"])
+    assert torch.equal(dev_pool.layer(0)["recurrent"][untouched], before), "padding slot or a free slot was written"
+
+
 @pytest.mark.parametrize("B", [1, 8])
 def test_short_conv_decode_reads_a_column_slice_of_a_stacked_projection(B):
     """The conv's input as the q|k|v columns of a wider projection output (Kimi's KDA, Qwen3.5's

@@ -77,7 +77,7 @@ __all__ = [
     "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
     "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config", "fixed_conv_config",
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
-    "recurrent_verify", "short_conv_verify", "extend_config",
+    "recurrent_verify", "short_conv_verify", "extend_config", "walk_recurrent_config",
     "CONV_EXTEND_BLOCK_T", "conv_extend_config", "conv_extend_rows_config", "short_conv_extend", "StepSnapshots",
 ]
 
@@ -92,6 +92,11 @@ OP_OF_GATE = {GATE_PER_HEAD: "gdn_core", GATE_PER_CHANNEL: "kda_core", GATE_CONS
 class RecurrentConfig:
     block_v: int  # BV: Dv columns of the state one program owns (a power of two)
     num_warps: int
+    # Decode only. 0: one program a (request, value head, Dv tile). n > 0: n programs an SM, each
+    # walking tiles a grid's width apart in a loop that loads the next `stages` - 1 tiles' state
+    # while it computes this one (`_recurrent_walk_kernel`; verify launches ignore it).
+    walk: int = 0
+    stages: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +197,26 @@ def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
             block_c = bc
             break
     return _conv_tile(block_c, channels)
+
+
+# decode_tiles="walk": decode launches of many tiles walk them (RecurrentConfig.walk). Programs an
+# SM and stages in flight: from decode_walk_probe.py's sm90 compile (bfloat16 states, 64 Dv columns,
+# 4 warps, 2 stages: 159 registers a thread, 16.6 KiB of shared memory, 3 programs an SM); a
+# launch walks only where each program gets WALK_MIN_TILES tiles or more, since below that the
+# loop's prologue is most of a program's work.
+WALK_PER_SM = 3
+WALK_STAGES = 2
+WALK_MIN_TILES = 4
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
+def walk_recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
+    """The decode tile of decode_tiles="walk": `recurrent_config`'s, walked where the launch has at
+    least WALK_MIN_TILES tiles a program (bench qwen3_next: from 24 requests)."""
+    cfg = recurrent_config(batch, heads, dk, dv, device)
+    if batch * heads * cdiv(dv, cfg.block_v) < WALK_MIN_TILES * WALK_PER_SM * num_sms(device):
+        return cfg
+    return dataclasses.replace(cfg, walk=WALK_PER_SM, stages=WALK_STAGES)
 
 
 def _conv_tile(block_c: int, channels: int) -> ConvConfig:
@@ -390,6 +415,49 @@ def _recurrent_decode_kernel(
     else:
         # padding row: its inputs may hold anything; it reads nothing and writes zeros.
         tl.store(o_ptrs, tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
+
+
+@triton.jit(do_not_specialize=["n_tiles"])
+def _recurrent_walk_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
+    stride_s_slot, stride_s_head,
+    scale, n_tiles,
+    HV: tl.constexpr,  # value heads
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, PAD_SLOT: tl.constexpr,
+    STAGES: tl.constexpr,  # tiles whose state is in flight at once (a pipelined loop: cp.async from 2)
+    USE_GDC: tl.constexpr,
+):
+    """`_recurrent_decode_kernel`'s step over tiles t = (request, value head, Dv tile), request-major,
+    walked by each program from its id a grid's width apart. One tile a program leaves nothing in
+    flight while the program computes; here the loop's pipelining loads the next tiles' states
+    while this one's step runs. A padding row is masks, not a branch (a branch would break the
+    pipeline): its state is neither loaded nor stored, and its output is zeros."""
+    pdl_wait(USE_GDC)
+    TILES_V: tl.constexpr = (DV + BV - 1) // BV
+    offs_k = tl.arange(0, BK)
+    m_k = offs_k < DK
+    for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        row = tl.cast(t // (HV * TILES_V), tl.int64)  # the interpreter's loop index is a Python int
+        head = t // TILES_V % HV
+        offs_v = t % TILES_V * BV + tl.arange(0, BV)
+        m_v = offs_v < DV
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        live = slot + offs_v * 0 != PAD_SLOT  # [BV]: the interpreter masks by no scalar and tensor of bools
+        m_s = m_k[:, None] & (m_v & live)[None, :]
+        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+        s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
+                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                           stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                           GROUP=GROUP, GATE=GATE, DELTA=DELTA)
+        # as in the one-tile kernel: each stored element comes from the one loaded at its address
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+        o = tl.where(live, o, 0.0)  # a padding row's inputs may hold anything, NaN included
+        tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v, o.to(out_ptr.dtype.element_ty),
+                 mask=m_v)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -836,6 +904,7 @@ def _short_conv_extend_rows_kernel(
 # The decode kernels launch in the eager gaps of piecewise steps with the same arguments step
 # after step: launched through a Launcher, they skip Triton's per-launch binding (launch_cache.py).
 _RECURRENT_DECODE = Launcher(_recurrent_decode_kernel)
+_RECURRENT_WALK = Launcher(_recurrent_walk_kernel)
 _SHORT_CONV_DECODE = Launcher(_short_conv_decode_kernel)
 _RECURRENT_VERIFY = Launcher(_recurrent_verify_kernel)
 _RECURRENT_EXTEND = Launcher(_recurrent_extend_kernel)  # a replayed step's eager gap repeats its arguments
@@ -904,6 +973,13 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     # A tile smaller than the program's threads would only replicate elements across them.
     assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
     b_t = beta if beta is not None else gate  # never read without DELTA; any valid pointer will do
+    if cfg.walk:
+        n_tiles = B * Hv * cdiv(Dv, cfg.block_v)
+        grid = (min(n_tiles, cfg.walk * num_sms(q.device)),)
+        _RECURRENT_WALK[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), n_tiles, HV=Hv,
+                              **consts, BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, STAGES=cfg.stages,
+                              num_warps=cfg.num_warps, **launch_args(q.device))
+        return
     grid = (B, Hv, cdiv(Dv, cfg.block_v))
     _RECURRENT_DECODE[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), **consts,
                             BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps, **launch_args(q.device))

@@ -22,6 +22,7 @@ here and `test_in_a_fresh_interpreter_process` runs this file in a new process i
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -203,6 +204,80 @@ def test_every_tile_width_gives_the_same_result(block_v, num_warps):
     cfg = TL.RecurrentConfig(block_v, num_warps)
     compare_steps("kda_core", 2, BATCHES[3], REAL[3], torch.float32, steps=2, seed=4,
                   backend_kwargs={"recurrent_config": cfg})
+
+
+@in_process
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op,layer_id", RECURRENT_OPS, ids=[f"{op}-L{lid}" for op, lid in RECURRENT_OPS])
+def test_walking_programs_match_the_reference(monkeypatch, op, layer_id, state_dtype):
+    """RecurrentConfig.walk: 2 programs (an SM of 2 stands in for the chip) walk the 8 requests' 16 to 32
+    tiles, padding rows among them, and match the reference (outputs, states, zeros for padding,
+    untouched slots) over three steps."""
+    monkeypatch.setattr(TL, "num_sms", lambda device: 1)
+    dtype = torch.float32 if state_dtype == "float32" else torch.bfloat16  # the interpreter truncates to bf16
+    compare_steps(op, layer_id, BATCHES[8], REAL[8], dtype, steps=3, seed=60 + layer_id,
+                  state_dtype=state_dtype, backend_kwargs={"recurrent_config": TL.RecurrentConfig(8, 1, walk=2)})
+
+
+@in_process
+@pytest.mark.parametrize("stages", [1, 3])
+def test_a_walk_computes_each_tile_as_one_program_a_tile_does(monkeypatch, stages):
+    """The walk changes which program runs a tile, not what the tile computes: its outputs and states
+    equal the one-tile kernel's bit for bit at the same tile, a padding row between real rows
+    (NaN inputs) included."""
+    monkeypatch.setattr(TL, "num_sms", lambda device: 1)
+    _, hk, hv, dk, dv = LAYERS[0]
+    slots = torch.tensor([4, PADDING_SLOT, 9, 1, 6], dtype=torch.int64)
+    g = torch.Generator().manual_seed(70 + stages)
+    x = {n: torch.randn(shape, generator=g) for n, shape in
+         (("q", (5, hk, dk)), ("k", (5, hk, dk)), ("v", (5, hv, dv)), ("g", (5, hv)), ("beta", (5, hv)))}
+    x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
+    x["g"], x["beta"] = -x["g"].abs(), x["beta"].sigmoid()
+    for t in x.values():
+        t[1] = float("nan")
+    state = torch.randn(NUM_SLOTS + 1, hv, dk, dv, generator=g)
+    results = []
+    for cfg in (TL.RecurrentConfig(4, 1), TL.RecurrentConfig(4, 1, walk=3, stages=stages)):
+        s = state.clone().to(DEVICE)
+        out = torch.full((5, hv, dv), float("nan"), device=DEVICE)
+        TL.recurrent_decode(*(x[n].to(DEVICE) for n in ("q", "k", "v", "g", "beta")), out, s, slots.to(DEVICE),
+                            dk ** -0.5, TL.GATE_PER_HEAD, cfg)
+        results.append((out.cpu(), s.cpu()))
+    (out_one, s_one), (out_walk, s_walk) = results
+    assert out_walk[1].eq(0).all() and torch.isfinite(out_walk).all()
+    assert torch.equal(out_walk, out_one) and torch.equal(s_walk, s_one)
+    assert torch.equal(s_walk[PADDING_SLOT], state[PADDING_SLOT])
+
+
+def test_walk_tiles_walk_only_where_each_program_gets_several_tiles():
+    """decode_tiles="walk" at bench qwen3_next's GDN dims (32 value heads of 128, 132 SMs): one request
+    and 8 keep the one-tile kernel; 128 requests (8192 tiles of 64 columns) walk them on 3 programs
+    an SM."""
+    dev = torch.device("cpu")
+    assert TL.walk_recurrent_config(1, 32, 128, 128, dev) == TL.recurrent_config(1, 32, 128, 128, dev)
+    assert TL.walk_recurrent_config(8, 32, 128, 128, dev).walk == 0
+    walked = TL.walk_recurrent_config(128, 32, 128, 128, dev)
+    assert walked == TL.RecurrentConfig(64, 4, walk=TL.WALK_PER_SM, stages=TL.WALK_STAGES)
+    assert 128 * 32 * 2 >= TL.WALK_MIN_TILES * walked.walk * 132
+
+
+@in_process
+def test_walk_decode_tiles_is_a_routing_option(monkeypatch):
+    """The backend built with decode_tiles="walk" asks walk_recurrent_config for its decode launches;
+    the results match the reference."""
+    launched = []
+    real = TL.recurrent_decode
+    monkeypatch.setattr(TL, "recurrent_decode", lambda *a: launched.append(a[-1]) or real(*a))
+    monkeypatch.setattr(TL, "WALK_MIN_TILES", 0)  # a tiny layer's few tiles walk too
+    TL.walk_recurrent_config.cache_clear()
+    try:
+        compare_steps("gdn_core", 0, BATCHES[8], REAL[8], torch.float32, steps=1, seed=8,
+                      backend_kwargs={"decode_tiles": "walk"})
+    finally:
+        TL.walk_recurrent_config.cache_clear()
+    _, _, hv, dk, dv = LAYERS[0]
+    assert launched == [dataclasses.replace(TL.recurrent_config(8, hv, dk, dv, torch.device(DEVICE)),
+                                            walk=TL.WALK_PER_SM, stages=TL.WALK_STAGES)]
 
 
 @in_process
