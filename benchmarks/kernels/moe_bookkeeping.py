@@ -12,9 +12,11 @@ For each T, first the checks (exact: the layout and the sums have one right answ
 - the fused op against moe_reference (float32, CPU) to gpu_moe's tolerance, and the old composition
   bit for bit (same GEMMs on the same layout, same slot-order sum).
 Then times (each alone in a CUDA graph, median us, moe_layers.Bench):
-- sort: the new sort_tokens (one launch up to 1024 pairs, a count and a sort past that), at its
-  default width and at block_p 256, 512, 2048 (past 1024 pairs: which width places 20K pairs
-  fastest); sort_counted_ranks: the same with each block's ranks counted instead of sorted
+- sort: sort_tokens at its defaults (one program up to 256 pairs, blocks of 128 whose programs
+  count every pair themselves to SCAN_MAX_PAIRS, past that blocks of 1024 counted first); at block_p
+  64 .. 2048 scanned (to SCAN_MAX_PAIRS pairs) and `_counted` (a count kernel first);
+  sort_unscanned: the defaults before the scanned blocks (one program up to 1024 pairs, else blocks
+  of 1024 counted first); sort_counted_ranks: the default with each block's ranks counted instead of sorted
   (sort_ranks="counted"); sort_before: the kernel before (one program per expert scanning every pair) with its
   counts already made (the op before had the router's atomics make them after a zero fill);
   sort_before_counting: that plus the zero fill and a scatter_add counting (sort_tokens before,
@@ -55,13 +57,14 @@ from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer, runtime_c
 from runtime.backends.cpu_reference import moe_reference  # noqa: E402
 from runtime.backends.kernels.launch_math import cdiv, next_pow2  # noqa: E402
 from runtime.backends.kernels.moe import (  # noqa: E402
-    combine, down_sorted, fused_moe, gate_up_sorted, max_sorted_rows, route, shared_chunks, sort_tokens,
+    align_block_p, combine, down_sorted, fused_moe, gate_up_sorted, max_sorted_rows, route, shared_chunks,
+    sort_tokens,
 )
 from testkit.moe_checks import combine_reference, sorted_layout_reference  # noqa: E402
 
 TOKENS_GPU = [32, 512, 4096]
 TOKENS_DRY = [8, 64, 300]
-SORT_WIDTHS = [256, 512, 2048]
+SORT_WIDTHS = [64, 128, 256, 512, 2048]
 
 
 # -- the kernels before -----------------------------------------------------------------------
@@ -194,8 +197,8 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
     checks = {
         "sort_layout": layout_ok(sort, ids, experts, bm),
         "sort_layout_counted_ranks": layout_ok(sort_tokens(ids, experts, bm, count_ranks=True), ids, experts, bm),
-        "sort_layout_widths": all(layout_ok(sort_tokens(ids, experts, bm, block_p=w), ids, experts, bm)
-                                  for w in SORT_WIDTHS),
+        "sort_layout_widths": all(layout_ok(sort_tokens(ids, experts, bm, block_p=w, scan=scan), ids, experts, bm)
+                                  for w in SORT_WIDTHS for scan in (False, True)),
         "sort_before_layout": layout_ok(sort_before(ids, experts, bm, counts), ids, experts, bm),
         "combine_exact": bool(torch.equal(sums[0], want)), "combine_before_exact": bool(torch.equal(sums[1], want)),
         "combine_equals_before": bool(torch.equal(out_new, out_old)),
@@ -211,6 +214,10 @@ def bench_tokens(bench: Bench, layer, E: int, top_k: int, T: int, rates: dict) -
     times = {"sort": us(lambda: sort_tokens(ids, experts, bm)),
              "sort_counted_ranks": us(lambda: sort_tokens(ids, experts, bm, count_ranks=True)),
              **{f"sort_block_p{w}": us(lambda w=w: sort_tokens(ids, experts, bm, block_p=w)) for w in SORT_WIDTHS},
+             **{f"sort_block_p{w}_counted": us(lambda w=w: sort_tokens(ids, experts, bm, block_p=w, scan=False))
+                for w in SORT_WIDTHS},
+             "sort_unscanned": us(lambda: sort_tokens(ids, experts, bm, block_p=align_block_p(ids.numel()),
+                                                      scan=False)),
              "sort_before": us(lambda: sort_before(ids, experts, bm, counts)),
              "sort_before_counting": us(lambda: sort_before(ids, experts, bm, count_before(ids, experts))),
              "combine": us(lambda: combine(y, ids, out, experts)),

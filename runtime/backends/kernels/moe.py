@@ -38,8 +38,9 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
    expert's segment start + the expert's pairs in earlier blocks + its rank in its own block (a
    sort of the block's expert-major keys, or with count_ranks a running count down a one-hot of
    the block's experts); further programs pad the segments. Up to
-   ALIGN_BLOCK_P pairs one block holds them all and the kernel counts them itself (one launch
-   for a decode or short extend step); past that `_align_count_kernel` first counts each
+   256 pairs one block holds them all and the kernel counts them itself; up to SCAN_MAX_PAIRS
+   blocks of SCAN_BLOCK_P whose programs each count every pair (one launch for a decode or short
+   extend step either way, `sort_blocks`); past that `_align_count_kernel` first counts each
    block's pairs per expert, so no program scans more than its own block. Nothing is zeroed
    before, and no atomics. Buffers have the static bound
    `P + min(E + n_shared, P) * (BLOCK_M - 1)` rows; blocks past the used total exit at once, and
@@ -463,12 +464,25 @@ def _align_count_kernel(ids_ptr, block_counts_ptr, P, E: tl.constexpr, E_BINS: t
 
 @triton.jit
 def _align_counts(ids_ptr, block_counts_ptr, b, num_blocks, P, E: tl.constexpr, E_BINS: tl.constexpr,
-                  BLOCK_P: tl.constexpr, COUNTED: tl.constexpr, NB_STEP: tl.constexpr):
+                  BLOCK_P: tl.constexpr, COUNTED: tl.constexpr, NB_STEP: tl.constexpr, SCANNED: tl.constexpr):
     """(pairs of each expert, of each expert in the blocks before block b, of each expert in block b), [E_BINS].
 
-    COUNTED: summed from _align_count_kernel's rows; otherwise one block holds every pair and is
-    counted here."""
-    if COUNTED:
+    COUNTED: summed from _align_count_kernel's rows; SCANNED: counted here from every pair's id,
+    SCAN_CHUNK at a time (each program reads the step's ids, a few KiB from L2, where the count
+    kernel would cost a launch); otherwise one block holds every pair and is counted here."""
+    if SCANNED:
+        counts = tl.zeros((E_BINS,), dtype=tl.int32)
+        before = tl.zeros((E_BINS,), dtype=tl.int32)
+        first = b * BLOCK_P
+        for c0 in range(0, P, SCAN_CHUNK):
+            p = c0 + tl.arange(0, SCAN_CHUNK)
+            ids = tl.load(ids_ptr + p, mask=p < P, other=E)
+            counts += tl.histogram(ids, E_BINS, mask=ids < E)
+            before += tl.histogram(ids, E_BINS, mask=(ids < E) & (p < first))
+        p = first + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=E)
+        mine = tl.histogram(ids, E_BINS, mask=ids < E)
+    elif COUNTED:
         bins = tl.arange(0, E_BINS)
         counts = tl.zeros((E_BINS,), dtype=tl.int32)
         before = tl.zeros((E_BINS,), dtype=tl.int32)
@@ -492,7 +506,7 @@ def _align_counts(ids_ptr, block_counts_ptr, b, num_blocks, P, E: tl.constexpr, 
 def _align_kernel(ids_ptr, block_counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, P, num_blocks,
                   E: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
                   COUNTED: tl.constexpr, NB_STEP: tl.constexpr, E_CHUNK: tl.constexpr, COUNT_RANKS: tl.constexpr,
-                  USE_GDC: tl.constexpr):
+                  SCANNED: tl.constexpr, USE_GDC: tl.constexpr):
     """The sorted layout (sort_tokens' contract). Programs below num_blocks place the pairs of one
     block of BLOCK_P (`_place_pairs`, ranks counted with COUNT_RANKS, else sorted); each program
     past them pads the segments of E_CHUNK experts and names their blocks' expert (`_pad_segments`)."""
@@ -500,7 +514,7 @@ def _align_kernel(ids_ptr, block_counts_ptr, sorted_ptr, block_expert_ptr, total
     pid = tl.program_id(0)
     b = tl.minimum(pid, num_blocks - 1)  # an expert program's counts need no block of its own
     counts, before, mine = _align_counts(ids_ptr, block_counts_ptr, b, num_blocks, P, E, E_BINS, BLOCK_P,
-                                         COUNTED, NB_STEP)
+                                         COUNTED, NB_STEP, SCANNED)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     starts = tl.cumsum(padded, axis=0) - padded  # exclusive prefix: segment start of each expert
     if pid < num_blocks:
@@ -592,7 +606,7 @@ def _route_sort_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, sort
     # this program's global stores before those loads.
     tl.debug_barrier()
     EXPERTS: tl.constexpr = E + N_SHARED  # the shared chunks sort as experts; ids past them are padding
-    counts, before, mine = _align_counts(ids_ptr, ids_ptr, 0, 1, P, EXPERTS, E_BINS, BLOCK_P, False, 1)
+    counts, before, mine = _align_counts(ids_ptr, ids_ptr, 0, 1, P, EXPERTS, E_BINS, BLOCK_P, False, 1, False)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     starts = tl.cumsum(padded, axis=0) - padded
     _place_pairs(ids_ptr, sorted_ptr, 0, P, starts, before, mine, EXPERTS, E_BINS, BLOCK_P, COUNT_RANKS)
@@ -1105,10 +1119,31 @@ ALIGN_BLOCK_P = 1024  # pairs one program of the sort places: a step of more is 
 
 
 def align_block_p(num_pairs: int) -> int:
-    """The pairs one `_align_kernel` program places (a power of two): up to ALIGN_BLOCK_P pairs one
-    program sorts them all (256 wide where they fit, a shorter sort), past it blocks of ALIGN_BLOCK_P
-    after `_align_count_kernel` has counted each block."""
+    """The width of one program that places every pair of a step of up to ALIGN_BLOCK_P pairs (a
+    power of two; 256 where they fit, a shorter sort): the folds' (`_route_sort_kernel`,
+    `_router_kernel`) one program, and past that `sort_tokens`' blocks counted first."""
     return 256 if num_pairs <= 256 else ALIGN_BLOCK_P
+
+
+# sort_tokens from 257 pairs up to SCAN_MAX_PAIRS: blocks of SCAN_BLOCK_P pairs in one launch, each
+# program counting every pair itself (SCANNED), where one program sorted up to 1024 keys (about 55
+# shared-memory exchange stages in a chain) or a count kernel ran first. 128 tokens of bench
+# qwen3_next's MoE are 640 pairs: 5 programs sorting 128 keys each.
+SCAN_MAX_PAIRS = 4096
+SCAN_BLOCK_P = 128
+SCAN_CHUNK = tl.constexpr(1024)  # ids a scanning program counts at once
+
+
+def sort_blocks(num_pairs: int) -> tuple[int, bool]:
+    """(pairs one `_align_kernel` program places, whether its programs scan every pair for their
+    counts) of `sort_tokens` at its defaults: up to 256 pairs one program; up to SCAN_MAX_PAIRS
+    blocks of SCAN_BLOCK_P scanned in one launch; past that blocks of ALIGN_BLOCK_P counted first
+    by `_align_count_kernel` (a second launch)."""
+    if num_pairs <= 256:
+        return align_block_p(num_pairs), False
+    if num_pairs <= SCAN_MAX_PAIRS:
+        return SCAN_BLOCK_P, True
+    return ALIGN_BLOCK_P, False
 
 
 # Routing and sort in one launch (`route_sort_folds`) up to this many tokens. Its one program routes
@@ -1172,9 +1207,9 @@ def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits
     logits_kernel = logits_kernel or logits_kernel_for(T, E, D)
     sort = None
     if config.path == "sorted":
-        block_p = align_block_p(T * slots)
+        block_p, scanned = sort_blocks(T * slots)
         folded = route_sort_folds(T, E, slots, logits_kernel) if fold is None else fold
-        sort = block_p, T * slots > block_p, folded
+        sort = block_p, T * slots > block_p, scanned, folded
     one_launch = _one_launch_router(T, E, slots, logits_kernel, config.path, fold, one_launch_router)
     return logits_kernel, config, sort, one_launch, split_down and config.path == "sorted"
 
@@ -1467,7 +1502,7 @@ def _pad_chunk(e_bins: int, block_m: int) -> int:
 
 
 def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Optional[int] = None,
-                count_ranks: bool = False):
+                count_ranks: bool = False, scan: Optional[bool] = None):
     """Group the (token, slot) pairs of `ids` [T,k] by expert, each segment padded to block_m.
 
     num_experts: E, every id the GEMMs compute (routed experts and the shared expert's chunks);
@@ -1476,7 +1511,9 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     expert by expert in id order, the pair ids t*k+j of that expert in increasing order, then the
     sentinel T*k up to the segment's padded end; entries at or past total are unspecified.
     block_p: the pairs one program places (a power of two; benchmarks compare widths), by default
-    align_block_p's. One launch where a block holds every pair; two past that (counts per block first).
+    sort_blocks'. One launch where a block holds every pair, or where the programs scan every pair for
+    their counts (scan; by default sort_blocks' choice, at an explicit block_p up to SCAN_MAX_PAIRS
+    pairs); else two (counts per block first).
     count_ranks: each block's ranks counted instead of sorted (`_place_pairs`; the same layout;
     moe_config.check_count_ranks says where a count fits).
     """
@@ -1486,13 +1523,17 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     sorted_pairs, block_expert, total = _sort_buffers(P, E, block_m, dev)
     if P == 0:
         return sorted_pairs, block_expert, torch.zeros(1, dtype=torch.int32, device=dev)
-    block_p = block_p or align_block_p(P)
+    default_p, default_scan = sort_blocks(P)
+    if scan is None:
+        scan = default_scan if block_p is None else P <= SCAN_MAX_PAIRS
+    block_p = block_p or default_p
     assert block_p & (block_p - 1) == 0 and (E + 1) * block_p < 2 ** 31, f"moe: sort width {block_p}"
     num_blocks = cdiv(P, block_p)
     e_bins = next_pow2(E)
     if count_ranks:
         check_count_ranks(E)
-    counted = num_blocks > 1
+    scan = scan and num_blocks > 1
+    counted = num_blocks > 1 and not scan
     block_counts = torch.empty(num_blocks, e_bins, dtype=torch.int32, device=dev) if counted else ids
     if counted:
         _align_count_kernel[(num_blocks,)](ids, block_counts, P, E=E, E_BINS=e_bins, BLOCK_P=block_p, num_warps=4,
@@ -1501,7 +1542,7 @@ def sort_tokens(ids: torch.Tensor, num_experts: int, block_m: int, block_p: Opti
     _align_kernel[(num_blocks + cdiv(E, e_chunk),)](
         ids, block_counts, sorted_pairs, block_expert, total, P, num_blocks, E=E, E_BINS=e_bins, BLOCK_M=block_m,
         BLOCK_P=block_p, COUNTED=counted, NB_STEP=max(1, min(64, 4096 // e_bins)), E_CHUNK=e_chunk,
-        COUNT_RANKS=count_ranks, num_warps=4,
+        COUNT_RANKS=count_ranks, SCANNED=scan, num_warps=4,
         **launch_args(dev))
     return sorted_pairs, block_expert, total
 

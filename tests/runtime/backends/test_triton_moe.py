@@ -436,19 +436,22 @@ def _routed_ids(g, T, k, E, padding_tokens=0, skewed=False):
     return ids
 
 
-# (T, k, E, block_m, block_p): one block of every pair (one launch), and blocks counted first
-# (two launches), with P not a multiple of block_p, a block of one pair, and power-of-two E (the
-# sentinel past the last histogram bin) and odd E; ranks counted in chunks (E = 17: 256 pairs a
-# chunk; E = 64, the widest count: 128) and sorted (E = 100, past COUNT_RANKS_MAX_EXPERTS).
+# (T, k, E, block_m, block_p): one block of every pair (one launch), blocks whose programs scan
+# every pair for their counts (one launch; the default from 257 pairs to SCAN_MAX_PAIRS) and
+# blocks counted first (two launches; the default past it), with P not a multiple of block_p, a
+# block of one pair, and power-of-two E (the sentinel past the last histogram bin) and odd E;
+# ranks counted in chunks (E = 17: 256 pairs a chunk; E = 64, the widest count: 128) and sorted
+# (E = 100, past COUNT_RANKS_MAX_EXPERTS).
 SORT_CASES = [(37, 3, 8, 16, None), (1, 1, 4, 16, None), (90, 3, 9, 16, None), (300, 5, 17, 32, None),
               (37, 3, 8, 16, 16), (200, 3, 9, 16, 32), (50, 4, 16, 128, 64), (33, 2, 8, 16, 1),
-              (200, 6, 64, 16, None), (60, 6, 100, 16, None)]
+              (200, 6, 64, 16, None), (60, 6, 100, 16, None), (1100, 4, 16, 16, None)]
 
 
 @pytest.mark.parametrize("skewed", [False, True])
 @pytest.mark.parametrize("T,k,E,block_m,block_p", SORT_CASES)
 def test_sort_tokens_matches_the_stable_layout_in_torch(T, k, E, block_m, block_p, skewed):
-    """Ranks counted (the default up to 64 bins) and sorted: the same layout."""
+    """Ranks counted (the default up to 64 bins) and sorted, blocks counted first and scanned: the
+    same layout."""
     from runtime.backends.kernels.moe_config import COUNT_RANKS_MAX_EXPERTS
 
     g = torch.Generator().manual_seed(T * 131 + E)
@@ -456,14 +459,15 @@ def test_sort_tokens_matches_the_stable_layout_in_torch(T, k, E, block_m, block_
     rows, blocks = sorted_layout_reference(ids, E, block_m)
     counts = [True, False] if E <= COUNT_RANKS_MAX_EXPERTS else [False]
     for count_ranks in counts:
-        sorted_pairs, block_expert, total = (t.cpu() for t in sort_tokens(ids.to(DEV), E, block_m, block_p=block_p,
-                                                                          count_ranks=count_ranks))
-        total = int(total)
-        assert total == rows.numel() <= sorted_pairs.numel() and sorted_pairs.numel() % block_m == 0
-        assert torch.equal(sorted_pairs[:total], rows), f"count_ranks={count_ranks}: each expert's pairs in pair " \
-                                                        "order, then the sentinel"
-        # Only experts that received pairs own blocks, so only their weights are ever read.
-        assert torch.equal(block_expert[:total // block_m], blocks)
+        for scan in (None, False, True):
+            sorted_pairs, block_expert, total = (t.cpu() for t in sort_tokens(
+                ids.to(DEV), E, block_m, block_p=block_p, count_ranks=count_ranks, scan=scan))
+            total = int(total)
+            assert total == rows.numel() <= sorted_pairs.numel() and sorted_pairs.numel() % block_m == 0
+            assert torch.equal(sorted_pairs[:total], rows), (
+                f"count_ranks={count_ranks} scan={scan}: each expert's pairs in pair order, then the sentinel")
+            # Only experts that received pairs own blocks, so only their weights are ever read.
+            assert torch.equal(block_expert[:total // block_m], blocks)
     if counts == [False]:
         with pytest.raises(ValueError, match="too many to count ranks"):
             sort_tokens(ids.to(DEV), E, block_m, count_ranks=True)
@@ -484,6 +488,27 @@ def test_combine_sums_live_slots_in_slot_order_bit_for_bit(T, slots, width, dtyp
     out = torch.full((T, width), float("nan"), device=DEV)
     combine(*_on(y, ids), out, sentinel)
     assert torch.equal(out.cpu(), combine_reference(y, ids, sentinel))
+
+
+def test_sorts_of_a_few_hundred_to_scan_max_pairs_pairs_scan_in_one_launch(monkeypatch):
+    """sort_blocks: one program up to 256 pairs; blocks of SCAN_BLOCK_P whose programs count every
+    pair themselves to SCAN_MAX_PAIRS (128 decoding requests of bench qwen3_next's MoE: 640 pairs, 5
+    programs); past it blocks counted first, the count kernel's launch before the sort's."""
+    from runtime.backends.kernels import moe as M
+
+    assert M.sort_blocks(256) == (256, False)
+    assert M.sort_blocks(640) == (M.SCAN_BLOCK_P, True) == (128, True)
+    assert M.sort_blocks(M.SCAN_MAX_PAIRS) == (128, True)
+    assert M.sort_blocks(M.SCAN_MAX_PAIRS + 1) == (M.ALIGN_BLOCK_P, False)
+    counted = []
+    real = M._align_count_kernel
+    monkeypatch.setattr(M, "_align_count_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: counted.append(grid) or real[grid](*a, **kw))})())
+    g = torch.Generator().manual_seed(3)
+    sort_tokens(_routed_ids(g, 128, 5, 17, 0, False).to(DEV), 17, 16)
+    assert counted == []
+    sort_tokens(_routed_ids(g, 1000, 5, 17, 0, False).to(DEV), 17, 16)
+    assert counted == [(-(-5000 // M.ALIGN_BLOCK_P),)]
 
 
 def test_sort_tokens_bound_is_static_and_holds_for_one_expert_or_all():
@@ -570,8 +595,8 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     config's token path to T=2 (2 columns) and T=4 (4), sorted tiles of BLOCK_M 16 from T=5 (a
     mean of T/4 pairs per expert: <= 10), 32 from 41, 64 from 97, 128 from 193; routing and sort
     in one launch to T=64, two from 65; the router's GEMV to T=128, a dot past it; the sort's wider
-    block past 256 pairs (T=86); with down=split, its first count. A count of each, the smallest, and
-    nothing under the interpreter."""
+    block past 256 pairs (T=86: blocks of SCAN_BLOCK_P scanned); with down=split, its first count. A
+    count of each, the smallest, and nothing under the interpreter."""
     import runtime.backends.triton_moe as backend_module
     from runtime.backends.triton_moe import MoELayerShape
     layer = MoELayerShape.of(_moe_call())
@@ -580,8 +605,10 @@ def test_kernel_variant_tokens_name_the_first_count_of_each_launch_variant(monke
     monkeypatch.setattr(backend_module, "triton_interpreted", lambda: False)
     assert backend.kernel_variant_tokens(256) == (1, 3, 5, 41, 65, 86, 97, 129, 193)
     assert backend.kernel_variant_tokens(64) == (1, 3, 5, 41)
-    # past 1024 pairs (T=342) the sort counts its blocks first: one more variant
-    assert backend.kernel_variant_tokens(512) == (1, 3, 5, 41, 65, 86, 97, 129, 193, 342)
+    # the scanned blocks hold to SCAN_MAX_PAIRS (4096 pairs, T=1365); past it (T=1366) the sort counts
+    # its blocks first: one more variant
+    assert backend.kernel_variant_tokens(512) == (1, 3, 5, 41, 65, 86, 97, 129, 193)
+    assert backend.kernel_variant_tokens(2048)[-1] == 1366
     # a second layer shape adds its own first counts (no shared expert: 2 slots, wider block at T=129)
     other = MoELayerShape.of(_moe_call(S=0))
     both = TritonMoEBackend(device="cpu", layers=(layer, other))
