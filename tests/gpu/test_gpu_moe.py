@@ -265,13 +265,15 @@ def _routed(E: int, top_k: int, T: int, seed: int, shared: str = "gated_S=I"):
 @pytest.mark.parametrize("block_m", [16, 64, 128])
 @pytest.mark.parametrize("T", BENCH_TOKENS)
 @pytest.mark.parametrize("E,top_k", [(16, 4), (512, 10)])
-def test_sort_tokens_gives_the_stable_layout_bit_for_bit(E, top_k, T, block_m):
-    """One launch at 32 tokens (160 pairs), a count then a sort of 1024-pair blocks past that; the
-    layout is exactly the torch one: each expert's pairs in pair order, then the sentinel."""
+@pytest.mark.parametrize("scan", [None, False])
+def test_sort_tokens_gives_the_stable_layout_bit_for_bit(E, top_k, T, block_m, scan):
+    """The default layouts (one launch at 32 tokens, 160 pairs; scanned blocks to 4096 pairs; a count
+    then a sort of 1024-pair blocks past that) and blocks counted first at every count; the layout
+    is exactly the torch one: each expert's pairs in pair order, then the sentinel."""
     from runtime.backends.kernels.moe import sort_tokens
     from testkit.moe_checks import sorted_layout_reference
     _, _, _, ids, _, experts = _routed(E, top_k, T, seed=T + block_m)
-    sorted_pairs, block_expert, total = sort_tokens(ids, experts, block_m)
+    sorted_pairs, block_expert, total = sort_tokens(ids, experts, block_m, scan=scan)
     rows, blocks = sorted_layout_reference(ids, experts, block_m)
     total = int(total)
     assert total == rows.numel()
