@@ -99,8 +99,8 @@ def norm_gemv_launches() -> dict[str, Launch]:
 
 def moe_launches() -> list[Launch]:
     """A decode step's MoE launches at batch 1 (the token path), 32 (routing and sort in one launch),
-    128 (routing, then the sort) and 256 (the tiled router GEMM, the sort counted in blocks first),
-    and a split down's combine (down=split; its GEMMs are torch's)."""
+    128 (routing, then the sort in scanned blocks), 256 (the tiled router GEMM) and 1024 (the sort
+    counted in blocks first), and a split down's combine (down=split; its GEMMs are torch's)."""
     from runtime.backends.kernels.moe import fused_moe
     from runtime.backends.kernels.moe_config import default_config
 
@@ -111,7 +111,7 @@ def moe_launches() -> list[Launch]:
         fused_moe(_bf16(T, D), router, None, w13, w2, *shared, _bf16(T, D), TOP_K, "softmax", True, 1.0, 1, 1,
                   default_config(T, E, I, D, TOP_K), split_down=split_down)
 
-    return record(lambda: [step(T) for T in (1, 32, 128, 256)] + [step(32, split_down=True)])
+    return record(lambda: [step(T) for T in (1, 32, 128, 256, 1024)] + [step(32, split_down=True)])
 
 
 def router_launches() -> dict[str, Launch]:
@@ -131,7 +131,8 @@ def router_launches() -> dict[str, Launch]:
 
 def gdn_launches() -> list[Launch]:
     """A GDN layer's decode launches: the split (batch 1) in two launches and in one, the one launch,
-    and the four launches of the unfused kernels (a decode step of 8)."""
+    the four launches of the unfused kernels (a decode step of 8), and the recurrence walking its
+    tiles (decode_tiles=walk)."""
     from runtime.backends.kernels import gdn_fused as GF
     from runtime.backends.kernels import linear as L
 
@@ -144,17 +145,18 @@ def gdn_launches() -> list[Launch]:
                             norm_w, _bf16(B, HV, DV), conv_state, state, torch.zeros(B, dtype=torch.int64), HK,
                             DK ** -0.5, 1e-6, launches=launches, merged_split=merged)
 
-    def unfused(B: int):
+    def unfused(B: int, config=None):
         slots = torch.zeros(B, dtype=torch.int64)
         mixed = _bf16(B, C)
         L.short_conv_decode(_bf16(B, C), conv_w, None, mixed, conv_state, slots, True)
         dims = GF.GdnDims(HK, HV, DK, DV, C, KW)
         q, k, v, g, beta = GF.qk_gates(mixed, _bf16(B, HV), _bf16(B, HV), A_log, dt_bias, dims)
         core = _bf16(B, HV, DV)
-        L.gdn_decode(q, k, v, g, beta, core, state, slots, DK ** -0.5)
+        L.gdn_decode(q, k, v, g, beta, core, state, slots, DK ** -0.5, config)
         GF.gated_rmsnorm(core, _bf16(B, HV, DV), norm_w, _bf16(B, HV, DV), 1e-6, slots=slots, rows_per_slot=1)
 
-    return record(lambda: (fused(1, 2), fused(1, 2, merged=True), fused(1, 1), unfused(8)))
+    walk = L.RecurrentConfig(64, 4, walk=L.WALK_PER_SM, stages=L.WALK_STAGES)
+    return record(lambda: (fused(1, 2), fused(1, 2, merged=True), fused(1, 1), unfused(8), unfused(8, walk)))
 
 
 def attention_launches() -> list[Launch]:
@@ -208,7 +210,7 @@ KERNELS = {"gemv one step", "gemv dot", "gemv fma loop", "moe router one launch"
            *(f"gdn_fused.{k}" for k in ("_split_prep_kernel", "_split_core_kernel", "_split_one_kernel",
                                         "_gdn_fused_decode_kernel",
                                         "_qk_gates_kernel", "_gated_rmsnorm_kernel")),
-           "linear._recurrent_decode_kernel", "linear._short_conv_decode_kernel",
+           "linear._recurrent_decode_kernel", "linear._recurrent_walk_kernel", "linear._short_conv_decode_kernel",
            "gqa._gqa_split_kernel", "split_kv._combine_kernel", "flashinfer_attention._store_rows_kernel",
            "mla._mla_split_kernel"}
 
