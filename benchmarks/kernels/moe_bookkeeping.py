@@ -13,7 +13,7 @@ For each T, first the checks (exact: the layout and the sums have one right answ
   bit for bit (same GEMMs on the same layout, same slot-order sum).
 Then times (each alone in a CUDA graph, median us, moe_layers.Bench):
 - sort: sort_tokens at its defaults (one program up to 256 pairs, blocks of 128 whose programs
-  count every pair themselves to SCAN_MAX_PAIRS, past that blocks of 1024 counted first); at block_p
+  count every pair themselves to SCAN_MAX_PAIRS, past that blocks of 512 counted first); at block_p
   64 .. 2048 scanned (to SCAN_MAX_PAIRS pairs) and `_counted` (a count kernel first);
   sort_unscanned: the defaults before the scanned blocks (one program up to 1024 pairs, else blocks
   of 1024 counted first); sort_counted_ranks: the default with each block's ranks counted instead of sorted

@@ -268,7 +268,7 @@ def _routed(E: int, top_k: int, T: int, seed: int, shared: str = "gated_S=I"):
 @pytest.mark.parametrize("scan", [None, False])
 def test_sort_tokens_gives_the_stable_layout_bit_for_bit(E, top_k, T, block_m, scan):
     """The default layouts (one launch at 32 tokens, 160 pairs; scanned blocks to 4096 pairs; a count
-    then a sort of 1024-pair blocks past that) and blocks counted first at every count; the layout
+    then a sort of 512-pair blocks past that) and blocks counted first at every count; the layout
     is exactly the torch one: each expert's pairs in pair order, then the sentinel."""
     from runtime.backends.kernels.moe import sort_tokens
     from testkit.moe_checks import sorted_layout_reference

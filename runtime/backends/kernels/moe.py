@@ -40,7 +40,7 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
    the block's experts); further programs pad the segments. Up to
    256 pairs one block holds them all and the kernel counts them itself; up to SCAN_MAX_PAIRS
    blocks of SCAN_BLOCK_P whose programs each count every pair (one launch for a decode or short
-   extend step either way, `sort_blocks`); past that `_align_count_kernel` first counts each
+   extend step either way, `sort_blocks`); past that (blocks of COUNTED_BLOCK_P) `_align_count_kernel` first counts each
    block's pairs per expert, so no program scans more than its own block. Nothing is zeroed
    before, and no atomics. Buffers have the static bound
    `P + min(E + n_shared, P) * (BLOCK_M - 1)` rows; blocks past the used total exit at once, and
@@ -1129,21 +1129,28 @@ def align_block_p(num_pairs: int) -> int:
 # program counting every pair itself (SCANNED), where one program sorted up to 1024 keys (about 55
 # shared-memory exchange stages in a chain) or a count kernel ran first. 128 tokens of bench
 # qwen3_next's MoE are 640 pairs: 5 programs sorting 128 keys each.
+# Measured (moe_bookkeeping.py, bench qwen3_next's MoE, each layout checked first): on an H100 the
+# scanned sort took 6.4 / 8.5 us at 128 / 512 tokens against 12.4 / 13.0 for one program of 1024 keys
+# and a count then a sort (moe_bookkeeping_scanned_h100_2026-12-06.json).
 SCAN_MAX_PAIRS = 4096
 SCAN_BLOCK_P = 128
 SCAN_CHUNK = tl.constexpr(1024)  # ids a scanning program counts at once
+# Past SCAN_MAX_PAIRS, blocks of COUNTED_BLOCK_P counted first: at 4096 tokens (20480 pairs) blocks of
+# 512 took 10.2 us against 13.8 for blocks of 1024 on an H100 (same file) and 10.0 against 13.4 on an
+# H200 (moe_bookkeeping_h200_2026-12-03.json).
+COUNTED_BLOCK_P = 512
 
 
 def sort_blocks(num_pairs: int) -> tuple[int, bool]:
     """(pairs one `_align_kernel` program places, whether its programs scan every pair for their
     counts) of `sort_tokens` at its defaults: up to 256 pairs one program; up to SCAN_MAX_PAIRS
-    blocks of SCAN_BLOCK_P scanned in one launch; past that blocks of ALIGN_BLOCK_P counted first
+    blocks of SCAN_BLOCK_P scanned in one launch; past that blocks of COUNTED_BLOCK_P counted first
     by `_align_count_kernel` (a second launch)."""
     if num_pairs <= 256:
         return align_block_p(num_pairs), False
     if num_pairs <= SCAN_MAX_PAIRS:
         return SCAN_BLOCK_P, True
-    return ALIGN_BLOCK_P, False
+    return COUNTED_BLOCK_P, False
 
 
 # Routing and sort in one launch (`route_sort_folds`) up to this many tokens. Its one program routes

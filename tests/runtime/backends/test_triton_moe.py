@@ -493,13 +493,14 @@ def test_combine_sums_live_slots_in_slot_order_bit_for_bit(T, slots, width, dtyp
 def test_sorts_of_a_few_hundred_to_scan_max_pairs_pairs_scan_in_one_launch(monkeypatch):
     """sort_blocks: one program up to 256 pairs; blocks of SCAN_BLOCK_P whose programs count every
     pair themselves to SCAN_MAX_PAIRS (128 decoding requests of bench qwen3_next's MoE: 640 pairs, 5
-    programs); past it blocks counted first, the count kernel's launch before the sort's."""
+    programs); past it blocks of COUNTED_BLOCK_P counted first, the count kernel's launch before the
+    sort's."""
     from runtime.backends.kernels import moe as M
 
     assert M.sort_blocks(256) == (256, False)
     assert M.sort_blocks(640) == (M.SCAN_BLOCK_P, True) == (128, True)
     assert M.sort_blocks(M.SCAN_MAX_PAIRS) == (128, True)
-    assert M.sort_blocks(M.SCAN_MAX_PAIRS + 1) == (M.ALIGN_BLOCK_P, False)
+    assert M.sort_blocks(M.SCAN_MAX_PAIRS + 1) == (M.COUNTED_BLOCK_P, False) == (512, False)
     counted = []
     real = M._align_count_kernel
     monkeypatch.setattr(M, "_align_count_kernel", type("K", (), {"__getitem__": lambda self, grid: (
@@ -508,7 +509,7 @@ def test_sorts_of_a_few_hundred_to_scan_max_pairs_pairs_scan_in_one_launch(monke
     sort_tokens(_routed_ids(g, 128, 5, 17, 0, False).to(DEV), 17, 16)
     assert counted == []
     sort_tokens(_routed_ids(g, 1000, 5, 17, 0, False).to(DEV), 17, 16)
-    assert counted == [(-(-5000 // M.ALIGN_BLOCK_P),)]
+    assert counted == [(-(-5000 // M.COUNTED_BLOCK_P),)]
 
 
 def test_sort_tokens_bound_is_static_and_holds_for_one_expert_or_all():
