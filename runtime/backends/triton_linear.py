@@ -426,7 +426,7 @@ class TritonLinearBackend(BackendHooks):
         # whatever shares its step.
         # "walk" takes by_batch's tiles, and a decode launch of many tiles runs them on a few programs an
         # SM that load the next tile's state while they compute one (kernels/linear.py
-        # walk_recurrent_config).
+        # walk_recurrent_config; measured slower than by_batch on an H100, so off unless asked).
         # split_decode: the fused mixer's one-request decode in two launches or one (SPLIT_DECODE).
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
                  ("decode_tiles", DECODE_TILES), ("split_decode", SPLIT_DECODE)),
