@@ -373,6 +373,26 @@ def scalar_decay_step(s, q, k, v, decay, beta, DELTA: tl.constexpr):
 
 
 @triton.jit
+def _tile_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot, row, head, offs_k, offs_v, m_k, m_v, m_s,
+               stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+               stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_s_slot, stride_s_head, scale,
+               GROUP: tl.constexpr, DV: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
+    """One decode token through the state tile [BK, BV] of `slot` and `head` (the pool's [Dk, Dv]
+    rows contiguous), loaded and stored under m_s; returns the output [BV] in float32. The decode
+    kernels' one statement of it (one tile a program, or tiles walked)."""
+    s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
+    s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
+    s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
+                       stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                       stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
+                       GROUP=GROUP, GATE=GATE, DELTA=DELTA)
+    # Each stored element is computed from the element loaded at the same address, so no thread's
+    # store can overtake another thread's load of it.
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+    return o
+
+
+@triton.jit
 def _recurrent_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
@@ -402,17 +422,10 @@ def _recurrent_decode_kernel(
     # slot ids are int64 and the pool can exceed 2**31 elements: keep offsets in int64.
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
-        # state tile [BK, BV] of this slot and head; the pool's [Dk, Dv] rows are contiguous.
-        m_s = m_k[:, None] & m_v[None, :]
-        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
-        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
-        s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
-                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-                           stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
-                           GROUP=GROUP, GATE=GATE, DELTA=DELTA)
-        # Each stored element is computed from the element loaded at the same address, so no
-        # thread's store can overtake another thread's load of it.
-        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+        o = _tile_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot, row, head, offs_k, offs_v, m_k, m_v,
+                       m_k[:, None] & m_v[None, :], stride_q_row, stride_q_head, stride_k_row, stride_k_head,
+                       stride_v_row, stride_v_head, stride_g_row, stride_g_head, stride_b_row, stride_b_head,
+                       stride_s_slot, stride_s_head, scale, GROUP=GROUP, DV=DV, GATE=GATE, DELTA=DELTA)
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_v)
     else:
         # padding row: its inputs may hold anything; it reads nothing and writes zeros.
@@ -448,15 +461,10 @@ def _recurrent_walk_kernel(
         m_v = offs_v < DV
         slot = tl.load(slots_ptr + row).to(tl.int64)
         live = slot + offs_v * 0 != PAD_SLOT  # [BV]: the interpreter masks by no scalar and tensor of bools
-        m_s = m_k[:, None] & (m_v & live)[None, :]
-        s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + offs_v[None, :]
-        s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
-        s, o = _token_step(s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, offs_k, offs_v, m_k, m_v,
-                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-                           stride_g_row, stride_g_head, stride_b_row, stride_b_head, scale,
-                           GROUP=GROUP, GATE=GATE, DELTA=DELTA)
-        # as in the one-tile kernel: each stored element comes from the one loaded at its address
-        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
+        o = _tile_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot, row, head, offs_k, offs_v, m_k, m_v,
+                       m_k[:, None] & (m_v & live)[None, :], stride_q_row, stride_q_head, stride_k_row,
+                       stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head, stride_b_row,
+                       stride_b_head, stride_s_slot, stride_s_head, scale, GROUP=GROUP, DV=DV, GATE=GATE, DELTA=DELTA)
         o = tl.where(live, o, 0.0)  # a padding row's inputs may hold anything, NaN included
         tl.store(out_ptr + row * stride_o_row + head * stride_o_head + offs_v, o.to(out_ptr.dtype.element_ty),
                  mask=m_v)
