@@ -1,0 +1,178 @@
+"""Whether a split-K Triton GEMM beats cuBLAS at decode's projections of 32 to 128 rows.
+
+In bench qwen3_next's decode step at 128 requests on an H200 the output projections ([128, 4096] x
+[4096 -> 2048], 9 GDN and 3 GQA layers) took 11.2 us each in cuBLAS's 64x32 tile, 36% of the copy
+rate for their 16.8 MB of weight (`step_account_state_dtype_h200_2026-12-06.md`; the input
+projections 17.2 us for 50.6 MB, 69%). With one 64x32 tile an SM, each program streams 768 KB of x
+and weight; splitting K puts several programs on an SM, each streaming a share. Here, for each
+projection shape of the step and M = 32, 64, 128 (bf16):
+
+1. cuBLAS (`F.linear`) and each candidate `_split_k_kernel` config, checked first against
+   x.float() @ w.float().T on fresh random inputs (||y - ref|| / ||ref|| <= 1e-2; a failing config
+   is recorded and left out);
+2. times, one call in a CUDA graph of many rotating over copies of the weight whose bytes pass 4x
+   the L2 (`bench_common.graph_call_us`), median over replays: a split of S > 1 is two launches, the
+   partial products [S, M, N] in float32 and their sum in split order (torch's `sum(0)`, then the
+   cast), so the result has one order of sums whatever the step; S = 1 stores bf16 directly.
+
+Not in the runtime: this says whether a kernel of this shape is worth building there (the glue's
+`small_m_linear` takes up to 16 rows, `F.linear` the rest). OUT/split_k_probe.json and a table.
+
+    python3 benchmarks/probes/split_k_probe.py --out $OUT            # GPU
+    python3 benchmarks/probes/split_k_probe.py --out /tmp/sk --dry-run  # CPU: the interpreter, tiny shapes
+
+(The dry run multiplies float32: Triton's interpreter gives wrong bf16 tl.dot products on this
+machine's numpy.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from bench_common import device_facts, device_rates, graph_call_us, rel_err  # noqa: E402
+
+# bench qwen3_next's decode projections (N, K): the GDN and GQA output projections, the GDN input
+# projection, GQA's q|k|v.
+SHAPES = {"out_proj": (2048, 4096), "gdn_in_proj": (12352, 2048), "gqa_qkv": (9216, 2048)}
+DRY_SHAPES = {"out_proj": (32, 64), "gdn_in_proj": (48, 32)}
+ROWS, DRY_ROWS = (32, 64, 128), (16,)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    SPLIT: int  # programs sharing one output tile's K
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _split_k_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
+                    STAGES: tl.constexpr):
+    """out[s, m, n] = sum over k in split s of x[m, k] * w[n, k] (float32 partials, or the product in
+    out's dtype where one split covers K): one program per (column tile, split, row tile)."""
+    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k0 = pid_s * K_SPLIT
+    for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K, num_stages=STAGES):
+        kk = k + offs_k
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=(offs_m[:, None] < M) & (kk[None, :] < K),
+                    other=0.0)
+        b = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=(offs_n[:, None] < N) & (kk[None, :] < K),
+                    other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+    ptrs = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def split_k_linear(x: torch.Tensor, w: torch.Tensor, cfg: SplitConfig, partials: torch.Tensor | None = None):
+    """x [M, K] @ w[N, K]^T with cfg; partials [SPLIT, M, N] float32 (made if None) for SPLIT > 1."""
+    M, K = x.shape
+    N = w.shape[0]
+    k_split = triton.cdiv(triton.cdiv(K, cfg.SPLIT), cfg.BLOCK_K) * cfg.BLOCK_K
+    one = cfg.SPLIT == 1
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if one else (
+        partials if partials is not None else torch.empty(cfg.SPLIT, M, N, dtype=torch.float32, device=x.device))
+    grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT, triton.cdiv(M, cfg.BLOCK_M))
+    _split_k_kernel[grid](x, w, out, M, N, K, x.stride(0), w.stride(0), 0 if one else out.stride(0),
+                          out.stride(-2), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+                          K_SPLIT=k_split, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    return out if one else out.sum(0).to(x.dtype)
+
+
+def candidates(M: int, dry: bool) -> list[SplitConfig]:
+    if dry:
+        return [SplitConfig(16, 16, 16, 1, 1, 1), SplitConfig(16, 16, 16, 2, 1, 1)]
+    bm = min(128, max(32, M))
+    out = []
+    for bn, bk, split, warps, stages in ((32, 128, 1, 4, 4), (64, 64, 2, 4, 4), (64, 128, 2, 4, 3),
+                                         (32, 128, 2, 4, 4), (64, 64, 4, 4, 4), (32, 64, 4, 4, 4),
+                                         (64, 128, 4, 8, 3), (128, 64, 4, 8, 3), (32, 128, 8, 4, 3),
+                                         (64, 64, 8, 4, 3)):
+        out.append(SplitConfig(bm, bn, bk, split, warps, stages))
+    return out
+
+
+def run_shape(name: str, N: int, K: int, M: int, device, rates: dict, dry: bool, log) -> dict:
+    g = torch.Generator().manual_seed(N + K + M)
+    dtype = torch.float32 if dry else torch.bfloat16  # the interpreter's bf16 tl.dot is not numpy's
+    x = (torch.randn(M, K, generator=g) * 0.5).to(dtype).to(device)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(device)
+    ref = x.float().cpu() @ w.float().cpu().T
+    bytes_once = (N * K + M * K + M * N) * x.element_size()
+    l2 = 50 * 2 ** 20
+    rotate = 1 if dry else max(1, -(-4 * l2 // (N * K * x.element_size())))
+    weights = [w] + [w.clone() for _ in range(rotate - 1)]
+    row = {"shape": name, "N": N, "K": K, "M": M, "bytes": bytes_once,
+           "floor_us": bytes_once / rates["copy_bytes_per_s"] * 1e6, "points": []}
+    row["torch_rel_err"] = rel_err(F.linear(x, w).float().cpu(), ref)
+    row["torch_us"] = graph_call_us(lambda i: F.linear(x, weights[i]), 64, 15, device, rotate)
+    for cfg in candidates(M, dry):
+        point = {"config": dataclasses.asdict(cfg)}
+        try:
+            point["rel_err"] = err = rel_err(split_k_linear(x, w, cfg).float().cpu(), ref)
+            if err <= 1e-2:
+                parts = (None if cfg.SPLIT == 1 else
+                         torch.empty(cfg.SPLIT, M, N, dtype=torch.float32, device=device))
+                point["us"] = graph_call_us(lambda i: split_k_linear(x, weights[i], cfg, parts), 64, 15, device, rotate)
+        except Exception as e:  # a config the compiler refuses must not end the run
+            point["error"] = f"{type(e).__name__}: {e}"[:300]
+        row["points"].append(point)
+    timed = [p for p in row["points"] if "us" in p]
+    if timed:
+        best = min(timed, key=lambda p: p["us"])
+        row["best_us"], row["best_config"] = best["us"], best["config"]
+    log(f"{name:12s} M={M:<4d} floor {row['floor_us']:7.2f} us  cuBLAS {row['torch_us']:7.2f}  "
+        f"split-K best {row.get('best_us', float('nan')):7.2f} {tuple(row.get('best_config', {}).values())}")
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
+    ap.add_argument("--rows", default=None, help="comma list of M (default 32,64,128)")
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        sys.exit("split_k_probe: no CUDA device (run with --dry-run on a CPU)")
+    device = torch.device("cpu" if dry else "cuda")
+    rows = [int(r) for r in args.rows.split(",")] if args.rows else (DRY_ROWS if dry else ROWS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    doc = {"env": device_facts(dry), "rates": device_rates(), "rows": []}
+    for name, (N, K) in (DRY_SHAPES if dry else SHAPES).items():
+        for M in rows:
+            doc["rows"].append(run_shape(name, N, K, M, device, doc["rates"], dry, lambda s: print(s, flush=True)))
+            doc["seconds"] = time.time() - t0
+            (args.out / "split_k_probe.json").write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
