@@ -466,8 +466,8 @@ class TritonLinearBackend(BackendHooks):
         routing option of the same name; "fixed" launches decode and verify steps with one tile at
         every request count (triton_linear.fixed_recurrent_config, fixed_conv_config; unless a
         config is pinned); "walk" launches decode steps of many requests on programs walking the
-        tiles (walk_recurrent_config). `snapshots`: the prefix cache's SnapshotPool, which the chunk kernels and
-        the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
+        tiles (walk_recurrent_config). `snapshots`: the prefix cache's SnapshotPool, which the chunk
+        kernels and the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
         routing binds to this instance (None: any it supports), which say whether it may write them
         (`writes_step_snapshots`). `split_decode`: the routing option of the same name."""
         if split_decode not in SPLIT_DECODE:

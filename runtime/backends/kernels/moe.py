@@ -40,8 +40,9 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
    the block's experts); further programs pad the segments. Up to
    256 pairs one block holds them all and the kernel counts them itself; up to SCAN_MAX_PAIRS
    blocks of SCAN_BLOCK_P whose programs each count every pair (one launch for a decode or short
-   extend step either way, `sort_blocks`); past that (blocks of COUNTED_BLOCK_P) `_align_count_kernel` first counts each
-   block's pairs per expert, so no program scans more than its own block. Nothing is zeroed
+   extend step either way, `sort_blocks`); past that, in blocks of COUNTED_BLOCK_P,
+   `_align_count_kernel` first counts each block's pairs per expert, so no program scans more
+   than its own block. Nothing is zeroed
    before, and no atomics. Buffers have the static bound
    `P + min(E + n_shared, P) * (BLOCK_M - 1)` rows; blocks past the used total exit at once, and
    an expert with no pairs owns no block, so its weights are never read.
