@@ -32,7 +32,11 @@
 #                first); the whole step without it: TAG=norope COMPILE_ARGS="--no-norm-rope $B" ... account_serving
 #   moe_router   the MoE's router and sort: router_logits_probe.py at 1 / 128 / 512 / 2048 / 4096 tokens (the
 #                split router against the GEMM and the routing kernel, and the GEMV) and moe_bookkeeping.py at
-#                32 / 128 / 512 / 4096 (the sort with counted ranks against sorted ones), each checked first
+#                32 / 128 / 512 / 4096 (the sort's layouts: scanned, counted first, ranks counted), each checked
+#                first; it has once written its results and not exited (the profiler with CUDA graphs?), so it
+#                runs under a timeout
+#   split_k      benchmarks/probes/split_k_probe.py: a split-K Triton GEMM against cuBLAS at decode's projections
+#                of 32 / 64 / 128 rows, each config checked first (issue 50)
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
@@ -148,8 +152,13 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 -m pytest -q -p no:cacheprovider tests/runtime/backends/test_norm_rope.py 2>&1 | tail -3
         python3 benchmarks/probes/rotary_glue_probe.py --out "$OUT/norm_rope" 2>&1 | tail -4 ;;
     moe_router)
+        mkdir -p "$OUT/moe_router"
         python3 benchmarks/probes/router_logits_probe.py --out "$OUT/moe_router" --tokens 1,128,512,2048,4096 2>&1
-        python3 benchmarks/kernels/moe_bookkeeping.py --out "$OUT/moe_router" --tokens 32,128,512,4096 2>&1 | tail -9 ;;
+        timeout 240 python3 benchmarks/kernels/moe_bookkeeping.py --out "$OUT/moe_router" --tokens 32,128,512,4096 \
+            > "$OUT/moe_router/moe_bookkeeping.log" 2>&1
+        tail -9 "$OUT/moe_router/moe_bookkeeping.log" ;;
+    split_k)
+        timeout 150 python3 benchmarks/probes/split_k_probe.py --out "$OUT/split_k" 2>&1 | tail -12 ;;
     serve|serve_sync)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         schedule=--overlap-schedule; [ "$stage" = serve_sync ] && schedule=--no-overlap-schedule
