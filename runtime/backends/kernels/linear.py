@@ -214,7 +214,7 @@ WALK_MIN_TILES = 4
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
 def walk_recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
     """The decode tile of decode_tiles="walk": `recurrent_config`'s, walked where the launch has at
-    least WALK_MIN_TILES tiles a program (bench qwen3_next: from 24 requests)."""
+    least WALK_MIN_TILES tiles a program (bench qwen3_next: from 25 requests)."""
     cfg = recurrent_config(batch, heads, dk, dv, device)
     if batch * heads * cdiv(dv, cfg.block_v) < WALK_MIN_TILES * WALK_PER_SM * num_sms(device):
         return cfg
