@@ -7,22 +7,20 @@ projections 17.2 us for 50.6 MB, 69%). With one 64x32 tile an SM, each program s
 and weight; splitting K puts several programs on an SM, each streaming a share. Here, for each
 projection shape of the step and M = 32, 64, 128 (bf16):
 
-1. cuBLAS (`F.linear`) and each candidate `_split_k_kernel` config, checked first against
-   x.float() @ w.float().T on fresh random inputs (||y - ref|| / ||ref|| <= 1e-2; a failing config
+1. cuBLAS (`F.linear`) and each candidate config of the runtime's split-K GEMM
+   (runtime/backends/kernels/split_k.py, which the glue takes for no shape until measured),
+   checked first against x.float() @ w.float().T on fresh random inputs (||y - ref|| / ||ref|| <= 1e-2; a failing config
    is recorded and left out);
 2. times, one call in a CUDA graph of many rotating over copies of the weight whose bytes pass 4x
    the L2 (`bench_common.graph_call_us`), median over replays: a split of S > 1 is two launches, the
    partial products [S, M, N] in float32 and their sum in split order (torch's `sum(0)`, then the
    cast), so the result has one order of sums whatever the step; S = 1 stores bf16 directly.
 
-Not in the runtime: this says whether a kernel of this shape is worth building there (the glue's
-`small_m_linear` takes up to 16 rows, `F.linear` the rest). OUT/split_k_probe.json and a table.
+It prints the entries of split_k.CONFIGS the run measured (a shape and bucket where the best config
+beat cuBLAS by 5% or more); only such entries make the glue take the kernel. OUT/split_k_probe.json.
 
     python3 benchmarks/probes/split_k_probe.py --out $OUT            # GPU
     python3 benchmarks/probes/split_k_probe.py --out /tmp/sk --dry-run  # CPU: the interpreter, tiny shapes
-
-(The dry run multiplies float32: Triton's interpreter gives wrong bf16 tl.dot products on this
-machine's numpy.)
 """
 
 from __future__ import annotations
@@ -45,10 +43,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_common
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from bench_common import device_facts, device_rates, graph_call_us, rel_err  # noqa: E402
+from runtime.backends.kernels.split_k import SplitKConfig, row_bucket, split_k_linear  # noqa: E402
 
 # bench qwen3_next's decode projections (N, K): the GDN and GQA output projections, the GDN input
 # projection, GQA's q|k|v.
@@ -57,70 +54,22 @@ DRY_SHAPES = {"out_proj": (32, 64), "gdn_in_proj": (48, 32)}
 ROWS, DRY_ROWS = (32, 64, 128), (16,)
 
 
-@dataclasses.dataclass(frozen=True)
-class SplitConfig:
-    BLOCK_M: int
-    BLOCK_N: int
-    BLOCK_K: int
-    SPLIT: int  # programs sharing one output tile's K
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-@triton.jit
-def _split_k_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-                    STAGES: tl.constexpr):
-    """out[s, m, n] = sum over k in split s of x[m, k] * w[n, k] (float32 partials, or the product in
-    out's dtype where one split covers K): one program per (column tile, split, row tile)."""
-    pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k0 = pid_s * K_SPLIT
-    for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K, num_stages=STAGES):
-        kk = k + offs_k
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=(offs_m[:, None] < M) & (kk[None, :] < K),
-                    other=0.0)
-        b = tl.load(w_ptr + offs_n[:, None] * stride_wn + kk[None, :], mask=(offs_n[:, None] < N) & (kk[None, :] < K),
-                    other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
-    ptrs = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
-def split_k_linear(x: torch.Tensor, w: torch.Tensor, cfg: SplitConfig, partials: torch.Tensor | None = None):
-    """x [M, K] @ w[N, K]^T with cfg; partials [SPLIT, M, N] float32 (made if None) for SPLIT > 1."""
-    M, K = x.shape
-    N = w.shape[0]
-    k_split = triton.cdiv(triton.cdiv(K, cfg.SPLIT), cfg.BLOCK_K) * cfg.BLOCK_K
-    one = cfg.SPLIT == 1
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if one else (
-        partials if partials is not None else torch.empty(cfg.SPLIT, M, N, dtype=torch.float32, device=x.device))
-    grid = (triton.cdiv(N, cfg.BLOCK_N), cfg.SPLIT, triton.cdiv(M, cfg.BLOCK_M))
-    _split_k_kernel[grid](x, w, out, M, N, K, x.stride(0), w.stride(0), 0 if one else out.stride(0),
-                          out.stride(-2), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                          K_SPLIT=k_split, STAGES=cfg.num_stages, num_warps=cfg.num_warps)
-    return out if one else out.sum(0).to(x.dtype)
-
-
-def candidates(M: int, dry: bool) -> list[SplitConfig]:
+def candidates(M: int, dry: bool) -> list[SplitKConfig]:
     if dry:
-        return [SplitConfig(16, 16, 16, 1, 1, 1), SplitConfig(16, 16, 16, 2, 1, 1)]
+        return [SplitKConfig(16, 16, 16, 1, 1, 1), SplitKConfig(16, 16, 16, 2, 1, 1)]
     bm = min(128, max(32, M))
     out = []
     for bn, bk, split, warps, stages in ((32, 128, 1, 4, 4), (64, 64, 2, 4, 4), (64, 128, 2, 4, 3),
                                          (32, 128, 2, 4, 4), (64, 64, 4, 4, 4), (32, 64, 4, 4, 4),
                                          (64, 128, 4, 8, 3), (128, 64, 4, 8, 3), (32, 128, 8, 4, 3),
                                          (64, 64, 8, 4, 3)):
-        out.append(SplitConfig(bm, bn, bk, split, warps, stages))
+        out.append(SplitKConfig(bm, bn, bk, split, warps, stages))
     return out
 
 
 def run_shape(name: str, N: int, K: int, M: int, device, rates: dict, dry: bool, log) -> dict:
     g = torch.Generator().manual_seed(N + K + M)
-    dtype = torch.float32 if dry else torch.bfloat16  # the interpreter's bf16 tl.dot is not numpy's
+    dtype = torch.bfloat16
     x = (torch.randn(M, K, generator=g) * 0.5).to(dtype).to(device)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(device)
     ref = x.float().cpu() @ w.float().cpu().T
@@ -137,9 +86,7 @@ def run_shape(name: str, N: int, K: int, M: int, device, rates: dict, dry: bool,
         try:
             point["rel_err"] = err = rel_err(split_k_linear(x, w, cfg).float().cpu(), ref)
             if err <= 1e-2:
-                parts = (None if cfg.SPLIT == 1 else
-                         torch.empty(cfg.SPLIT, M, N, dtype=torch.float32, device=device))
-                point["us"] = graph_call_us(lambda i: split_k_linear(x, weights[i], cfg, parts), 64, 15, device, rotate)
+                point["us"] = graph_call_us(lambda i: split_k_linear(x, weights[i], cfg), 64, 15, device, rotate)
         except Exception as e:  # a config the compiler refuses must not end the run
             point["error"] = f"{type(e).__name__}: {e}"[:300]
         row["points"].append(point)
@@ -171,6 +118,13 @@ def main(argv=None) -> int:
             doc["rows"].append(run_shape(name, N, K, M, device, doc["rates"], dry, lambda s: print(s, flush=True)))
             doc["seconds"] = time.time() - t0
             (args.out / "split_k_probe.json").write_text(json.dumps(doc, indent=1))
+    # The CONFIGS entries of runtime/backends/kernels/split_k.py this run measured: a shape and bucket
+    # where the best config beat cuBLAS by 5% or more.
+    print("split_k.CONFIGS entries (best config at least 1.05x cuBLAS):")
+    for r in doc["rows"]:
+        if "best_us" in r and r["torch_us"] >= 1.05 * r["best_us"]:
+            print(f"    ({r['N']}, {r['K']}, {row_bucket(r['M'])}): SplitKConfig(**{r['best_config']}),  "
+                  f"# {r['shape']}: {r['best_us']:.2f} against {r['torch_us']:.2f} us")
     return 0
 
 

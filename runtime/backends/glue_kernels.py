@@ -15,6 +15,8 @@ run:
 2. `project(x, weight)`, per call: x [M, K] with M <= MAX_ROWS, in bf16, whose (N, K, row bucket)
    CONFIGS lists (runtime/backends/kernels/gemv.py: the shapes where the one-launch GEMV beat cuBLAS
    by 5% or more on an H200), both with a contiguous last dimension -> `small_m_linear`, one launch;
+   17 to 128 rows whose shape and bucket runtime/backends/kernels/split_k.py's CONFIGS lists (none
+   yet: it lists only shapes a GPU run measured faster than cuBLAS) -> `split_k_linear`;
    anything else (a prompt's many rows, a shape or dtype not measured) -> F.linear, what the traced
    glue runs. The choice is made when the call runs, so inside a CUDA graph it is the one made at
    capture: a decode bucket's step replays its GEMVs.
@@ -53,7 +55,7 @@ import torch.nn.functional as F
 from compiler.splitops import glue_ops
 
 __all__ = ["add_norm_project", "linear_add_norm", "norm_project", "norm_rope", "project", "register", "registered",
-           "takes_gemv",
+           "takes_gemv", "takes_split_k",
            "takes_gemv_norm", "takes_norm_gemv", "torch_only"]
 
 _LIB: Optional[torch.library.Library] = None  # kept here: dropping the Library unregisters the kernel
@@ -68,6 +70,12 @@ def _gemv():
 
 
 @functools.cache
+def _split_k():
+    """runtime/backends/kernels/split_k.py, on first use (as `_gemv`)."""
+    return importlib.import_module("runtime.backends.kernels.split_k")
+
+
+@functools.cache
 def _norm_rope():
     """runtime/backends/kernels/norm_rope.py, on first use (as `_gemv`)."""
     return importlib.import_module("runtime.backends.kernels.norm_rope")
@@ -79,23 +87,40 @@ def _norm_gemv():
     return importlib.import_module("runtime.backends.kernels.norm_gemv")
 
 
+def _measured_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a call may take one of our kernels at all: 2-D bf16 operands sharing K, each row of
+    unit stride (the kernels read rows so), outside torch_only()."""
+    if _torch_only or x.dim() != 2 or weight.dim() != 2 or x.dtype != MEASURED_DTYPE or weight.dtype != x.dtype:
+        return False
+    return x.shape[1] == weight.shape[1] and x.stride(1) == 1 and weight.stride(1) == 1
+
+
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Step 2's choice: whether `project` runs this call's product as the one-launch GEMV."""
-    if _torch_only or x.dim() != 2 or weight.dim() != 2 or x.dtype != MEASURED_DTYPE or weight.dtype != x.dtype:
+    if not _measured_operands(x, weight):
         return False
     gemv = _gemv()
     M, (N, K) = x.shape[0], weight.shape
-    if not 1 <= M <= gemv.MAX_ROWS or x.shape[1] != K:
+    return 1 <= M <= gemv.MAX_ROWS and (N, K, gemv.row_bucket(M)) in gemv.CONFIGS
+
+
+def takes_split_k(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Step 2's choice: whether `project` runs this call's product as the split-K GEMM."""
+    if not _measured_operands(x, weight):
         return False
-    if x.stride(1) != 1 or weight.stride(1) != 1:  # the kernel reads rows with a unit stride
-        return False
-    return (N, K, gemv.row_bucket(M)) in gemv.CONFIGS
+    split_k = _split_k()
+    M, (N, K) = x.shape[0], weight.shape
+    return split_k.MIN_ROWS <= M <= split_k.MAX_ROWS and (N, K, split_k.row_bucket(M)) in split_k.CONFIGS
 
 
 def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] (contiguous, as the op's fake kernel says): step 2."""
     if takes_gemv(x, weight):
         return _gemv().small_m_linear(x, weight)
+    if takes_split_k(x, weight):
+        split_k = _split_k()
+        M, (N, K) = x.shape[0], weight.shape
+        return split_k.split_k_linear(x, weight, split_k.CONFIGS[(N, K, split_k.row_bucket(M))])
     return F.linear(x, weight)
 
 
