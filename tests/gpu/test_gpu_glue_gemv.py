@@ -140,3 +140,28 @@ def test_a_compiled_piece_calls_the_gemv_and_its_cuda_graph_replays_its_eager_bi
     torch.cuda.synchronize()
     for got, want in zip(captured, eager):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+SPLIT_CASES = [(2048, 4096, 128, (128, 64, 128, 4, 8, 3)), (2048, 4096, 32, (32, 32, 128, 4, 4, 4)),
+               (12352, 2048, 128, (128, 64, 64, 2, 4, 4)), (9216, 2048, 64, (64, 64, 128, 1, 4, 4))]
+
+
+@pytest.mark.parametrize("N,K,M,tiles", SPLIT_CASES, ids=[f"{n}x{k}-m{m}" for n, k, m, _ in SPLIT_CASES])
+def test_the_split_k_gemm_at_real_dims_and_in_a_cuda_graph(N, K, M, tiles):
+    """The split-K GEMM (runtime/backends/kernels/split_k.py) at bench qwen3_next's projections against
+    the float32 product, and replayed from a CUDA graph with the bits of its eager call."""
+    from runtime.backends.kernels.split_k import SplitKConfig, split_k_linear
+
+    cfg = SplitKConfig(*tiles)
+    g = torch.Generator().manual_seed(N + M)
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16().cuda()
+    eager = split_k_linear(x, w, cfg)
+    ref = x.float() @ w.float().T
+    assert (eager.float() - ref).norm() / ref.norm() <= RTOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = split_k_linear(x, w, cfg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, eager)
