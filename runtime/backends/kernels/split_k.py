@@ -17,8 +17,9 @@ One call (x [M, K], weight [N, K] in nn.Linear's layout, MIN_ROWS <= M <= MAX_RO
 2. One program per (BLOCK_N columns, split, BLOCK_M rows): it walks its split's share of K, BLOCK_K
    at a time, with tensor-core dots of x [BLOCK_M, BLOCK_K] and weight [BLOCK_N, BLOCK_K]^T, and
    stores float32 partial sums [SPLIT, M, N]; the splits are then summed in split order (torch's
-   sum over the first dimension) and rounded once to x's dtype. SPLIT 1 stores the rounded product
-   directly. No atomics: a row's sums run in one order, so two calls give the same bits.
+   sum over the first dimension) and rounded once to x's dtype: three launches in all, which the
+   probe's times include. SPLIT 1 stores the rounded product directly, one launch. No atomics: a
+   row's sums run in one order, so two calls give the same bits.
 
 CPU reference: x.float() @ weight.float().T. Not done here: bias, other dtypes than the glue's, batch
 invariance across M buckets (a bucket's config sets its order of sums; batch-invariant artifacts
