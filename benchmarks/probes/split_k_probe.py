@@ -12,9 +12,9 @@ projection shape of the step and M = 32, 64, 128 (bf16):
    checked first against x.float() @ w.float().T on fresh random inputs (||y - ref|| / ||ref|| <= 1e-2; a failing config
    is recorded and left out);
 2. times, one call in a CUDA graph of many rotating over copies of the weight whose bytes pass 4x
-   the L2 (`bench_common.graph_call_us`), median over replays: a split of S > 1 is three launches,
-   the partial products [S, M, N] in float32, their sum in split order (torch's `sum(0)`) and the
-   cast, so the result has one order of sums whatever the step; S = 1 stores bf16 directly.
+   the L2 (`bench_common.graph_call_us`), median over replays: one launch at any split (a tile's
+   last program sums its float32 partials in split order, so the result has one order of sums
+   whatever the step).
 
 It prints the entries of split_k.CONFIGS the run measured (a shape and bucket where the best config
 beat cuBLAS by 5% or more); only such entries make the glue take the kernel. OUT/split_k_probe.json.

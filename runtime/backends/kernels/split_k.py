@@ -16,10 +16,10 @@ One call (x [M, K], weight [N, K] in nn.Linear's layout, MIN_ROWS <= M <= MAX_RO
    GPU run says where it wins.
 2. One program per (BLOCK_N columns, split, BLOCK_M rows): it walks its split's share of K, BLOCK_K
    at a time, with tensor-core dots of x [BLOCK_M, BLOCK_K] and weight [BLOCK_N, BLOCK_K]^T, and
-   stores float32 partial sums [SPLIT, M, N]; the splits are then summed in split order (torch's
-   sum over the first dimension) and rounded once to x's dtype: three launches in all, which the
-   probe's times include. SPLIT 1 stores the rounded product directly, one launch. No atomics: a
-   row's sums run in one order, so two calls give the same bits.
+   stores its float32 partial tile; the last of a tile's programs to finish (a counter per tile,
+   runtime/backends/kernels/arrivals.py) sums the partials in split order and stores the tile,
+   rounded once to x's dtype: one launch, and a row's sums run in one order whichever program
+   finishes last, so two calls give the same bits. SPLIT 1 stores the rounded product directly.
 
 CPU reference: x.float() @ weight.float().T. Not done here: bias, other dtypes than the glue's, batch
 invariance across M buckets (a bucket's config sets its order of sums; batch-invariant artifacts
@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.backends.kernels.arrivals import arrival_counters, last_to_arrive
 from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
 
 __all__ = ["CONFIGS", "MAX_ROWS", "MIN_ROWS", "SplitKConfig", "row_bucket", "split_k_linear"]
@@ -72,12 +73,14 @@ def row_bucket(M: int) -> int:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _split_k_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
+def _split_k_kernel(x_ptr, w_ptr, out_ptr, part_ptr, arrived_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-                    STAGES: tl.constexpr, DOT_FP32: tl.constexpr):
-    """out[s, m, n] = sum over k in split s of x[m, k] * w[n, k]: float32 partials, or the product in
-    out's dtype where one split covers K. M is not specialised on: every row count of a bucket
-    launches the kernel the bundle built."""
+                    SPLITS: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """out[m, n] = sum over k of x[m, k] * w[n, k], rounded once to out's dtype. Program (n, s, m)
+    sums split s of K for its tile; with SPLITS > 1 it stores that float32 partial tile in part
+    [SPLITS, M, N], and the last of the tile's SPLITS programs to finish (arrivals.py) sums the
+    partials in split order, stores the tile and zeroes its counter. M is not specialised on: every
+    row count of a bucket launches the kernel the bundle built."""
     pid_n, pid_s, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,8 +97,20 @@ def _split_k_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride
         if DOT_FP32:  # the interpreter (launch_math.triton_interpreted says why)
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc)
-    ptrs = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tile_mask = m_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+    else:
+        cell = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # [M, N] contiguous partial tiles
+        tl.store(part_ptr + pid_s * M * N + cell, acc, mask=tile_mask)
+        counter = arrived_ptr + pid_m * tl.num_programs(0) + pid_n
+        if last_to_arrive(counter, SPLITS):
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(SPLITS):  # split order, whichever program came last
+                total += tl.load(part_ptr + j * M * N + cell, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=tile_mask)
+            tl.store(counter, 0)
 
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config: SplitKConfig) -> torch.Tensor:
@@ -107,12 +122,15 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, config: SplitKConfig) 
     cfg = config
     k_split = cdiv(cdiv(K, cfg.SPLIT), cfg.BLOCK_K) * cfg.BLOCK_K  # each split's share, whole BLOCK_Ks
     splits = cdiv(K, k_split)  # a share past K would sum nothing
-    one = splits == 1
-    out = (torch.empty(M, N, dtype=x.dtype, device=x.device) if one
-           else torch.empty(splits, M, N, dtype=torch.float32, device=x.device))
     grid = (cdiv(N, cfg.BLOCK_N), splits, cdiv(M, cfg.BLOCK_M))
-    _split_k_kernel[grid](x, weight, out, M, N, K, x.stride(0), weight.stride(0), 0 if one else out.stride(0),
-                          out.stride(-2), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-                          K_SPLIT=k_split, STAGES=cfg.num_stages, DOT_FP32=triton_interpreted(),
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if splits == 1:  # no partials, no counters: any valid pointer stands in
+        part, arrived = out, out
+    else:
+        part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+        arrived = arrival_counters(x.device, grid[0] * grid[2], "split_k")
+    _split_k_kernel[grid](x, weight, out, part, arrived, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+                          BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, K_SPLIT=k_split,
+                          SPLITS=splits, STAGES=cfg.num_stages, DOT_FP32=triton_interpreted(),
                           num_warps=cfg.num_warps)
-    return out if one else out.sum(0).to(x.dtype)
+    return out

@@ -1,6 +1,6 @@
 """The split-K GEMM (runtime/backends/kernels/split_k.py) against the float32 product, in Triton's
 interpreter on a machine without CUDA: masked rows, columns and K, more splits than K has blocks,
-bf16 and float32 operands, and the same bits from two calls. Which glue calls take it:
+bf16 and float32 operands, the same bits from two calls, and every tile's counter left at zero. Which glue calls take it:
 test_glue_kernels.py. The GPU side: benchmarks/probes/split_k_probe.py checks every config it times.
 """
 
@@ -15,6 +15,7 @@ from testkit.triton_interpreter import DEVICE, interpreter_or_fresh_process  # n
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 
 from runtime.backends.kernels import split_k as S  # noqa: E402
+from runtime.backends.kernels.arrivals import arrival_counters  # noqa: E402
 from testkit.linear_cases import rel_err  # noqa: E402
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
@@ -37,6 +38,8 @@ def test_split_k_linear_matches_the_float32_product(M, N, K, cfg, dtype):
     assert y.shape == (M, N) and y.dtype == dtype and y.is_contiguous()
     assert rel_err(y.float().cpu(), x.float().cpu() @ w.float().cpu().T) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
     assert torch.equal(S.split_k_linear(x, w, cfg), y), "one order of sums: the same bits every call"
+    counters = arrival_counters(x.device, 1, "split_k")
+    assert counters.eq(0).all(), "each tile's last program zeroes its counter (a graph replays from there)"
 
 
 def test_configs_are_checked_and_the_table_lists_only_measured_shapes():
