@@ -251,14 +251,18 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     specs_path = args.out / "kernel_specs.json"
     specs_path.write_text(json.dumps([vars(la) for la in distinct.values()]))
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT),
+    # the caller's PYTHONPATH after the repo: a Triton put first there (another version's wheel) compiles
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=path,
                TRITON_CACHE_DIR=str(args.out / "triton_cache"))  # a cache of its own: sm90 kernels, not this machine's
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--out", str(args.out), "--compile",
                            str(specs_path)], env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         sys.exit(f"kernel_resources_probe: the sm90 compile failed:\n{proc.stderr[-3000:]}")
     by_key = dict(zip(distinct, json.loads(Path(str(specs_path) + ".out").read_text())))
-    doc = {"target": "sm90 (H100 / H200)", "sms": SM90["sms"],
+    import triton  # the recording process's: the compiling one's, by the path above
+
+    doc = {"target": "sm90 (H100 / H200)", "sms": SM90["sms"], "triton": triton.__version__,
            "steps": {s: [describe(la, by_key[_key(la)]) for la in found] for s, found in launches.items()}}
     (args.out / "kernel_resources.json").write_text(json.dumps(doc, indent=2))
     print(f"{'step':10s} {'kernel':30s} {'programs':>8} {'warps':>5} {'regs':>4} {'spill':>5} {'smem KiB':>8} "

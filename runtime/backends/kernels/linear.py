@@ -200,8 +200,9 @@ def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
 
 
 # decode_tiles="walk": decode launches of many tiles walk them (RecurrentConfig.walk). Programs an
-# SM and stages in flight: from decode_walk_probe.py's sm90 compile (bfloat16 states, 64 Dv columns,
-# 4 warps, 2 stages: 159 registers a thread, 16.6 KiB of shared memory, 3 programs an SM); a
+# SM and stages in flight: from its sm90 compile (kernel_resources_probe.py --decode-tiles walk;
+# bfloat16 states, 64 Dv columns, 4 warps, 2 stages: 161 registers a thread, 17.6 KiB of shared
+# memory, 3 programs an SM); a
 # launch walks only where each program gets WALK_MIN_TILES tiles or more, since below that the
 # loop's prologue is most of a program's work. Measured slower than one program a tile (an H100,
 # 128 requests over bfloat16 states: 136.5 against 95.4 us; docs/DESIGN.md "Recurrent states in

@@ -258,7 +258,8 @@ def test_walk_tiles_walk_only_where_each_program_gets_several_tiles():
     assert TL.walk_recurrent_config(8, 32, 128, 128, dev).walk == 0
     walked = TL.walk_recurrent_config(128, 32, 128, 128, dev)
     assert walked == TL.RecurrentConfig(64, 4, walk=TL.WALK_PER_SM, stages=TL.WALK_STAGES)
-    assert 128 * 32 * 2 >= TL.WALK_MIN_TILES * walked.walk * 132
+    assert TL.walk_recurrent_config(24, 32, 128, 128, dev).walk == 0  # 1536 tiles: under 4 a program
+    assert TL.walk_recurrent_config(25, 32, 128, 128, dev).walk == TL.WALK_PER_SM
 
 
 @in_process
