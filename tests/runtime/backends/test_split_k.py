@@ -1,7 +1,8 @@
 """The split-K GEMM (runtime/backends/kernels/split_k.py) against the float32 product, in Triton's
 interpreter on a machine without CUDA: masked rows, columns and K, more splits than K has blocks,
 bf16 and float32 operands, the same bits from two calls, and every tile's counter left at zero.
-Which glue calls take it: test_glue_kernels.py. The GPU side: benchmarks/probes/split_k_probe.py checks every config it times.
+Which glue calls take it: test_glue_kernels.py. The GPU side: benchmarks/probes/split_k_probe.py
+checks every config it times, tests/gpu/test_gpu_glue_gemv.py the kernel at real dims.
 """
 
 from __future__ import annotations
