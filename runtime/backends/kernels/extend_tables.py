@@ -19,7 +19,9 @@ profile), before the graph could start, on a 2 ms step; on the device they are o
 graph, which reads the offsets the graph runner staged, so a replay does no host work for them.
 
 Each program takes ROWS rows of both tables; every program recomputes the per-request block counts
-and their running sum (B+3 integers) rather than sharing them, which is cheaper than a second launch.
+and their running sum (B+3 integers, REQUESTS at a time) rather than sharing them, which is cheaper
+than a second launch. The kernel's compile-time constants do not depend on the step's request count,
+so one variant serves every bucket.
 """
 
 from __future__ import annotations
@@ -28,27 +30,48 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.backends.kernels.launch_math import cdiv, next_pow2
+from runtime.backends.kernels.launch_math import cdiv
 from runtime.cache.state_pool import PADDING_SLOT
 
 __all__ = ["fill_extend_tables"]
 
-ROWS = 16  # table rows a program writes, per table; [ROWS, requests] comparison tiles stay small
+ROWS = 16  # table rows a program writes, per table; [ROWS, REQUESTS] comparison tiles stay small
+# Requests a program reads at a time, a fixed width: a width from the step's request count (its next
+# power of two) would make one kernel variant per count, and a bundle built for one count of extend
+# requests would lack the variant a runtime of another count launches (runtime/artifact/bundle.py
+# refuses to build it at start-up).
+REQUESTS = 64
 
 
 @triton.jit
-def _block_rows(out_ptr, lens, rows, empty, j, SIZE: tl.constexpr, BR: tl.constexpr):
-    """Rows j of a (request, block) table over `lens` [BR] in blocks of SIZE; rows past the real
-    blocks name `empty` with block 0."""
-    counts = (lens + SIZE - 1) // SIZE
-    ends = tl.cumsum(counts, 0)  # one past each request's last row
-    firsts = ends - counts
-    total = tl.sum(counts, 0)
-    r = tl.arange(0, BR)
-    seq = tl.sum((ends[None, :] <= j[:, None]).to(tl.int32), 1)  # requests that end at or before row j
-    first = tl.sum(tl.where(r[None, :] == seq[:, None], firsts[None, :], 0), 1)
+def _request_lens(qsl_ptr, r, B, T, real):
+    """Rows r of the step's B+3 requests: start offsets (r >= B: the last offset) and lengths (request
+    B+1 owns the padding rows T - real; B and B+2 are empty)."""
+    starts = tl.load(qsl_ptr + tl.minimum(r, B), mask=r < B + 3, other=0)
+    ends = tl.load(qsl_ptr + tl.minimum(r + 1, B), mask=r < B, other=0)
+    return starts, tl.where(r < B, ends - starts, tl.where(r == B + 1, T - real, 0))
+
+
+@triton.jit
+def _block_rows(out_ptr, qsl_ptr, B, T, real, rows, j, SIZE: tl.constexpr, BR: tl.constexpr):
+    """Rows j of a (request, block) table of the requests' lengths in blocks of SIZE; rows past the
+    real blocks name request B (the empty one) with block 0. The requests go by in groups of BR:
+    a row's request is the number of requests that end at or before it, and its first row the
+    largest such end, both sums over the groups."""
+    seq = tl.zeros(j.shape, tl.int32)
+    first = tl.zeros(j.shape, tl.int32)
+    total = tl.full([], 0, tl.int32)  # rows of the groups before
+    for base in range(0, B + 2, BR):
+        r = base + tl.arange(0, BR)
+        _, lens = _request_lens(qsl_ptr, r, B, T, real)
+        counts = (lens + SIZE - 1) // SIZE
+        ends = total + tl.cumsum(counts, 0)  # one past each request's last row
+        done = (ends[None, :] <= j[:, None]) & (r < B + 2)[None, :]
+        seq += tl.sum(done.to(tl.int32), 1)
+        first = tl.maximum(first, tl.max(tl.where(done, ends[None, :], 0), 1))
+        total += tl.sum(counts, 0)
     live = j < total
-    seq = tl.where(live, seq, empty)
+    seq = tl.where(live, seq, B)
     block = tl.where(live, j - first, 0)
     keep = j < rows
     tl.store(out_ptr + 2 * j, seq.to(tl.int64), mask=keep)
@@ -59,17 +82,17 @@ def _block_rows(out_ptr, lens, rows, empty, j, SIZE: tl.constexpr, BR: tl.conste
 def _extend_tables_kernel(qsl_ptr, out_ptr, slots_ptr, B, T, bounds_at, chunks_at, n_chunks, blocks_at, n_blocks,
                           CHUNK: tl.constexpr, CONV: tl.constexpr, BR: tl.constexpr, ROWS_: tl.constexpr,
                           PAD_SLOT: tl.constexpr):
-    r = tl.arange(0, BR)
-    starts = tl.load(qsl_ptr + tl.minimum(r, B), mask=r < B + 3, other=0)  # r >= B: the last offset
     real = tl.load(qsl_ptr + B)
-    ends = tl.load(qsl_ptr + tl.minimum(r + 1, B), mask=r < B, other=0)
-    lens = tl.where(r < B, ends - starts, tl.where(r == B + 1, T - real, 0))  # request B+1: the padding rows
     if tl.program_id(0) == 0:
-        tl.store(out_ptr + bounds_at + r, tl.where(r == B + 2, T, starts).to(tl.int64), mask=r < B + 3)
+        for base in range(0, B + 3, BR):
+            r = base + tl.arange(0, BR)
+            starts, _ = _request_lens(qsl_ptr, r, B, T, real)
+            tl.store(out_ptr + bounds_at + r, tl.where(r == B + 2, T, starts).to(tl.int64), mask=r < B + 3)
+        r = tl.arange(0, BR)
         tl.store(slots_ptr + B + r, tl.full([BR], PAD_SLOT, tl.int64), mask=r < 1)
     j = tl.program_id(0) * ROWS_ + tl.arange(0, ROWS_)
-    _block_rows(out_ptr + chunks_at, lens, n_chunks, B, j, CHUNK, BR)
-    _block_rows(out_ptr + blocks_at, lens, n_blocks, B, j, CONV, BR)
+    _block_rows(out_ptr + chunks_at, qsl_ptr, B, T, real, n_chunks, j, CHUNK, BR)
+    _block_rows(out_ptr + blocks_at, qsl_ptr, B, T, real, n_blocks, j, CONV, BR)
 
 
 def fill_extend_tables(query_start_loc: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, tokens: int,
@@ -88,4 +111,4 @@ def fill_extend_tables(query_start_loc: torch.Tensor, out: torch.Tensor, slots: 
     (bd, _), (ch, (n_chunks, _)), (bl, (n_blocks, _)) = spans
     grid = (cdiv(max(n_chunks, n_blocks), ROWS),)
     _extend_tables_kernel[grid](query_start_loc, out, slots, B, T, bd, ch, n_chunks, bl, n_blocks,
-                                CHUNK=chunk, CONV=conv_block, BR=next_pow2(B + 3), ROWS_=ROWS, PAD_SLOT=PADDING_SLOT)
+                                CHUNK=chunk, CONV=conv_block, BR=REQUESTS, ROWS_=ROWS, PAD_SLOT=PADDING_SLOT)

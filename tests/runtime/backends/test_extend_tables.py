@@ -55,6 +55,7 @@ def expected(lens: list[int], T: int, B: int):
     ([32], 32, 1), ([1], 16, 1), ([16], 16, 16), ([64, 1, 65], 256, 4), ([100, 3, 0][:2], 128, 8),
     ([7] * 5, 64, 64), ([300, 500, 1, 129], 1024, 256), ([], 16, 1),
     ([1, 1], 128, 2), ([1] * 16, 16, 16), ([65], 4096, 1),  # the chunk table full to its last row
+    ([3] * 70 + [1, 40] * 15, 1024, 128),  # requests in several of the kernel's groups of REQUESTS
 ])
 def test_tables_match_the_host_path(lens, T, B):
     real = sum(lens)
@@ -81,3 +82,29 @@ def test_refuses_offsets_or_slots_of_the_wrong_shape():
     with pytest.raises(ValueError, match="slots must be int64 with room for 3 requests"):
         fill_extend_tables(torch.zeros(3, dtype=torch.int32, device=DEVICE), out, slots[:2], 32, 2, spans, CHUNK,
                            CONV)
+
+
+@in_process
+def test_one_kernel_variant_for_every_request_count(monkeypatch):
+    """The launch's compile-time constants are the same for 1 and 256 requests: a bundle built for
+    one count of extend requests holds the kernel a runtime of another count launches."""
+    from runtime.backends.kernels import extend_tables
+
+    kernel, seen = extend_tables._extend_tables_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **constexprs):
+                seen.append(constexprs)
+                return kernel[grid](*args, **constexprs)
+            return launch
+
+    monkeypatch.setattr(extend_tables, "_extend_tables_kernel", Recorder())
+    for T, B in ((32, 1), (1024, 256)):
+        spans, size = layout(T, B)
+        qsl = torch.zeros(B + 1, dtype=torch.int32, device=DEVICE)
+        qsl[1:] = torch.arange(1, B + 1, dtype=torch.int32) if T >= B else 0
+        out = torch.zeros(size, dtype=torch.int64, device=DEVICE)
+        slots = torch.zeros(B + 1, dtype=torch.int64, device=DEVICE)
+        fill_extend_tables(qsl, out, slots, T, B, spans, CHUNK, CONV)
+    assert len(seen) == 2 and seen[0] == seen[1]
