@@ -504,7 +504,7 @@ def replay_host_split(runner, step, key, iters: int = 50) -> dict:
     between calls: the copy into the static buffers (`_fill`), the backends' hook (`_plan`) and the
     graph launch (`replay()`). The device idles for all three before the step's first kernel.
     (Reaches into the runner's parts on purpose: `run_outputs` is exactly these three calls.)"""
-    graph = runner._full_graphs[key]
+    graph, _ = runner._full_graphs[key]  # (graph, its static outputs)
     parts = {"fill_ms": [], "plan_ms": [], "replay_ms": []}
     for _ in range(iters):
         torch.cuda.synchronize()

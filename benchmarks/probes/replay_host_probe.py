@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         for B in batches:
             with decode_batch(runner, st, B, vocab, g) as items:
                 step, key = runner.build(items)
-                graph = runner._full_graphs[key]
+                graph, _ = runner._full_graphs[key]  # (graph, its static outputs)
                 cell = {"key": str(key)}
                 cell["step_ms"] = time_ms(lambda: runner.run(step, key), dev, args.iters)
                 cell["replay_ms"] = time_ms(graph.replay, dev, args.iters)
