@@ -499,25 +499,28 @@ def device_gaps(kernels: list, top: int = 12) -> dict:
             "longest_gaps": sorted(gaps, key=lambda g: -g["us"])[:top]}
 
 
-def replay_host_split(runner, step, key, iters: int = 50) -> dict:
+def replay_host_split(runner, step, key, iters: int = 50, sync=None) -> dict:
     """Median host milliseconds of a whole-step replay's three parts, the device synchronised
-    between calls: the copy into the static buffers (`_fill`), the backends' hook (`_plan`) and the
-    graph launch (`replay()`). The device idles for all three before the step's first kernel.
-    (Reaches into the runner's parts on purpose: `run_outputs` is exactly these three calls.)"""
+    between calls (`sync`, default torch.cuda.synchronize): the copy into the static buffers
+    (`_fill`), the backends' hook (`_plan`) and the graph launch (`replay()`). The device idles for
+    all three before the step's first kernel. (Reaches into the runner's parts on purpose:
+    `run_outputs` is exactly these three calls.)"""
+    sync = sync or torch.cuda.synchronize
     graph, _ = runner._full_graphs[key]  # (graph, its static outputs)
     parts = {"fill_ms": [], "plan_ms": [], "replay_ms": []}
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         _, ctx = runner._fill(step, key)
         t1 = time.perf_counter()
         runner._plan(ctx, key)
         t2 = time.perf_counter()
-        graph.replay()
+        with runner.ops.step(ctx):  # as run_outputs replays: a CPU stand-in reruns the ops there
+            graph.replay()
         t3 = time.perf_counter()
         for name, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
             parts[name].append(dt * 1e3)
-    torch.cuda.synchronize()
+    sync()
     return {name: round(statistics.median(v), 4) for name, v in parts.items()}
 
 

@@ -12,3 +12,31 @@ def test_a_dry_run_judges_only_the_targets_set_for_the_cpu():
     gpu = target_rows({"config": {"dry_run": False}, "targets": targets})
     assert gpu == ["hit_speedup: 1.2 (goal >= 10x): MISSED", "serve_over_run: 0.7 (goal >= 0.8): MISSED"]
     assert verdict(True, dry_run=False) == "met" and verdict(None, dry_run=False) == "not measured"
+
+
+def test_replay_host_split_times_a_real_runners_replay(tmp_path_factory):
+    """The three host parts of a replayed decode step, on a GraphRunner started on the CPU (its
+    graphs rerun the ops): the split reads the runner's own table of whole-step graphs."""
+    import torch
+
+    from benchmarks.bench_common import decode_batch, replay_host_split
+    from runtime.artifact.loader import load_artifact
+    from runtime.backends.cpu_reference import CPUReferenceBackend
+    from runtime.engine.generate import make_pools
+    from runtime.graphs.runner import GraphRunner
+    from runtime.step.bound_ops import BoundOps
+    from testkit.graph_cases import RerunGraphs
+    from testkit.helpers import shared_artifact
+
+    art = load_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
+    kv, st = make_pools(art.registry, 128, 4, page_size=8)
+    ops = BoundOps(CPUReferenceBackend(kv, st))
+    runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(32,),
+                         max_pages_per_seq=16, extend_max_seqs=2, graphs=RerunGraphs())
+    vocab = art.manifest["model"]["vocab_size"]
+    runner.start(vocab_size=vocab)
+    with decode_batch(runner, st, 2, vocab, torch.Generator().manual_seed(0), history=8) as items:
+        step, key = runner.build(items)
+        split = replay_host_split(runner, step, key, iters=3, sync=lambda: None)
+    assert set(split) == {"fill_ms", "plan_ms", "replay_ms"} and all(v >= 0 for v in split.values())
+    assert split["replay_ms"] > 0, "the replay reran the step's ops"
