@@ -40,6 +40,10 @@
 #   serve        serve_bench at 1 / 32 / 128 clients with the offline figure beside it (issue 53)
 #   serve_sync   the same with --no-overlap-schedule on the server and the engine alone
 #   account      benchmarks/kernels/step_account.py: per-kernel decode and per-op extend accounts (issues 50, 51)
+#                of FAMILIES, at BATCHES and EXTENDS where set; PIECES=1 with the compiled bundle (without it
+#                the traced glue runs: about 790 glue kernels a bailing_linear step). kimi_linear's captured
+#                extend plan takes steps of up to 64 tokens apart, so EXTENDS must name 64 for it:
+#                FAMILIES=kimi_linear,bailing_linear PIECES=1 BATCHES=1,128 EXTENDS=64,512,4096
 #   prompt_host  benchmarks/host/prompt_host_bench.py on the serving artifact: a short prompt's TTFT, the
 #                runner's part and the host's around it, with a profile (issue 49)
 #   account_serving  the same on the serving artifact (ROUTE applies), decode at BATCHES (default 1), extends
@@ -180,7 +184,8 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/serving/offline_bench.py --artifact "$art" --device cuda --concurrency "${CONCURRENCY:-1 32 128}" \
             --skip all_at_once --decodes-apart-from 0 --out "$OUT/apart_off" 2>&1 | tail -6 ;;
     account)
-        python3 benchmarks/kernels/step_account.py --out "$OUT/account" --work "$W" --family "$FAMILIES" ;;
+        python3 benchmarks/kernels/step_account.py --out "$OUT/account" --work "$W" --family "$FAMILIES" \
+            ${PIECES:+--compiled-pieces} ${BATCHES:+--batches "$BATCHES"} ${EXTENDS:+--extends "$EXTENDS"} ;;
     prompt_host)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         python3 benchmarks/host/prompt_host_bench.py --out "$OUT/prompt_host" --artifact "$art" ;;
