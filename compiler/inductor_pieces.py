@@ -19,6 +19,8 @@ aten glue, functionalizes nothing of ours and never copies an op's `out`.
    `hgc_glue::linear_add_rms_norm` (the add and the norm in the GEMV's epilogue): `use_norm_linear`.
    With `norm_rope` (`hgc build --norm-rope`), a GQA layer's q and k head norms and their rotary
    become one call of `hgc_glue::qk_norm_rope` (one kernel reading each row once): `use_norm_rope`.
+   With `sigmoid_gate` (`hgc build --sigmoid-gate`), an attention output's sigmoid gate becomes one
+   call of `hgc_glue::sigmoid_gate` (a kernel of a fixed tile): `use_sigmoid_gate`.
 3. `fake_inputs(module, device)`: the segment's inputs as fake tensors on the target device, every
    symbolic size (the token count T, the logits row count R) a fresh symbol of one ShapeEnv, hinted
    with the example size the program was traced with. One compile then covers every bucket.
@@ -49,7 +51,8 @@ from compiler.splitops.artifact import retarget_meta_devices
 from compiler.splitops.bundle import PIECES, inductor_config
 from compiler.splitops.errors import CompileError
 from compiler.splitops.glue import GlueSplitError, glue_segments, segment_module, segment_pieces, structure_key
-from compiler.splitops.glue_ops import use_norm_linear, use_norm_rope, use_small_m_linear
+from compiler.splitops.glue_ops import (use_norm_linear, use_norm_rope, use_sigmoid_gate,
+                                        use_small_m_linear)
 
 __all__ = ["PieceBuildError", "compile_glue", "compile_piece", "drop_metadata_asserts", "fake_inputs", "inductor_cache_files"]
 
@@ -149,13 +152,14 @@ def _code_files(cache_dir: Path) -> set[Path]:
 def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device: str | torch.device, out_dir: Path,
                  cache_dir: Path, log: Callable[[str], None] = lambda line: None,
                  small_m: bool = False, pdl: bool = False, norm_linear: bool = False,
-                 norm_rope: bool = False) -> tuple[dict, dict]:
+                 norm_rope: bool = False, sigmoid_gate: bool = False) -> tuple[dict, dict]:
     """Steps 1-4 for every program; plans: program -> mode -> SplitPlan (split.json). Returns
     (programs: program -> segment records with the piece file running each, pieces: file ->
-    {structure, nodes, seconds, code_sha256, small_m_linear, norm_linear, norm_rope}: small_m_linear, how
+    {structure, nodes, seconds, code_sha256, small_m_linear, norm_linear, norm_rope, sigmoid_gate}: small_m_linear, how
     many of the piece's projections call a GEMV op, 0 without `small_m`; norm_linear, how many of those
     carry their input norm, 0 without `norm_linear`, which needs `small_m`; norm_rope, how many calls
-    of qk_norm_rope hold a layer's q / k norms and rotary, 0 without `norm_rope`). `pdl`: the pieces'
+    of qk_norm_rope hold a layer's q / k norms and rotary, 0 without `norm_rope`; sigmoid_gate, how
+    many calls of sigmoid_gate gate an attention output, 0 without `sigmoid_gate`). `pdl`: the pieces'
     Triton kernels launch with programmatic dependent launch (`inductor_config`). Piece files are
     written under out_dir/pieces/; Inductor's cache must point at cache_dir (cache_env)."""
     if norm_linear and not small_m:
@@ -186,6 +190,7 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device:
         projections = use_small_m_linear(module) if small_m else 0
         norms = use_norm_linear(module) if norm_linear else 0
         rotaries = use_norm_rope(module) if norm_rope else 0
+        gates = use_sigmoid_gate(module) if sigmoid_gate else 0
         key = structure_key(module)
         if key in by_key:
             record["piece"] = by_key[key]
@@ -209,11 +214,12 @@ def compile_glue(programs: dict[str, torch.fx.GraphModule], plans: dict, device:
         by_key[key] = record["piece"] = name
         pieces[name] = {"structure": key, "nodes": len(segment.nodes), "seconds": round(seconds, 2),
                         "code_sha256": code.hexdigest(), "small_m_linear": projections, "norm_linear": norms,
-                        "norm_rope": rotaries}
+                        "norm_rope": rotaries, "sigmoid_gate": gates}
         log(f"piece {i}/{len(todo)} ({program}, {len(segment.nodes)} nodes from {segment.nodes[0]}"
             + (f", {projections} GEMV projection(s)" if projections else "")
             + (f", {norms} with their input norm" if norms else "")
-            + (f", {rotaries} q / k norm and rotary call(s)" if rotaries else "") + f"): compiled in {seconds:.1f} s")
+            + (f", {rotaries} q / k norm and rotary call(s)" if rotaries else "")
+            + (f", {gates} sigmoid gate call(s)" if gates else "") + f"): compiled in {seconds:.1f} s")
     return records, pieces
 
 

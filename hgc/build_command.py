@@ -56,7 +56,8 @@ import time
 from pathlib import Path
 
 __all__ = ["cmd_build", "build_bundle", "check_buildable", "build_on_ranks", "add_build_arguments", "build_root",
-           "build_lock", "small_m_for", "pdl_refusal", "norm_linear_refusal", "norm_rope_refusal", "BundleChoices",
+           "build_lock", "small_m_for", "pdl_refusal", "norm_linear_refusal", "norm_rope_refusal",
+           "sigmoid_gate_refusal", "BundleChoices",
            "add_bundle_choices"]
 
 
@@ -125,16 +126,28 @@ def norm_rope_refusal(device: str) -> str | None:
     return None
 
 
+def sigmoid_gate_refusal(device: str) -> str | None:
+    """Why a bundle for `device` cannot be built with --sigmoid-gate (an attention output's sigmoid
+    gate as one call of hgc_glue::sigmoid_gate, whose kernel is CUDA's), or None."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return f"the attention output's gate runs as one CUDA kernel; a {kind} bundle keeps Inductor's code for it"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class BundleChoices:
     """What a build may change of its bundle, each a flag of `hgc build` and `hgc compile`: one
-    record from the flags to the build, the ranks' command lines and the rebuild hint. pdl and
-    norm_linear are off until a GPU measures them faster; norm_rope is None where no flag named it,
-    which `resolved` turns into the device's default (DEVICE_DEFAULTS)."""
+    record from the flags to the build, the ranks' command lines and the rebuild hint. pdl,
+    norm_linear and sigmoid_gate are off until a GPU measures them faster; norm_rope is None where
+    no flag named it, which `resolved` turns into the device's default (DEVICE_DEFAULTS)."""
 
     pdl: bool = False  # --pdl: kernels launched with programmatic dependent launch
     norm_linear: bool = False  # --norm-linear: norms folded into the GEMVs beside them
     norm_rope: bool | None = None  # --norm-rope / --no-norm-rope: a GQA layer's q / k norms and rotary as one kernel
+    sigmoid_gate: bool = False  # --sigmoid-gate: an attention output's sigmoid gate as one kernel of a fixed tile
 
     @classmethod
     def of(cls, args) -> "BundleChoices":
@@ -161,7 +174,8 @@ class BundleChoices:
     def refusal(self, device: str, batch_invariant: bool = False) -> str | None:
         """'--flag: why' for the first choice a bundle for `device` cannot take, or None."""
         whys = {"pdl": lambda: pdl_refusal(device), "norm_linear": lambda: norm_linear_refusal(device, batch_invariant),
-                "norm_rope": lambda: norm_rope_refusal(device)}
+                "norm_rope": lambda: norm_rope_refusal(device),
+                "sigmoid_gate": lambda: sigmoid_gate_refusal(device)}
         for f in dataclasses.fields(self):
             if getattr(self, f.name) and (why := whys[f.name]()) is not None:
                 return f"{_flag(f.name)}: {why}"
@@ -193,6 +207,11 @@ _CHOICE_HELP = {
                  "row once (hgc_glue::qk_norm_rope) instead of Inductor's code for them. On by default for cuda "
                  "(measured faster); --no-norm-rope keeps Inductor's code (docs/DESIGN.md, \"A GQA layer's q / k "
                  "norms and rotary as one kernel\")",
+    "sigmoid_gate": "cuda: run each attention output's sigmoid gate (x * sigmoid(gate), gate beside q in the "
+                    "projection's output) as one kernel of a fixed tile (hgc_glue::sigmoid_gate) instead of "
+                    "Inductor's, whose tile the build chooses by timing and which took one of two tiles about "
+                    "twice apart at 4096 tokens, build by build. Off by default: not yet measured in a step "
+                    "(docs/DESIGN.md, \"An attention output's gate as one kernel\")",
 }
 
 
@@ -330,6 +349,8 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
                 log("norms: folded into the GEMVs beside them (hgc_glue::add_rms_norm_linear, linear_add_rms_norm)")
             if choices.norm_rope:
                 log("q / k norms and rotary: one kernel per GQA layer (hgc_glue::qk_norm_rope)")
+            if choices.sigmoid_gate:
+                log("attention output gates: one kernel each (hgc_glue::sigmoid_gate)")
             records, pieces = compile_glue({p: ep.graph_module for p, ep in art.programs.items()}, art.split_plans,
                                            dev, out, caches["inductor"], log=log, small_m=small_m,
                                            **dataclasses.asdict(choices))

@@ -533,6 +533,15 @@ def norm_rope_calls(doc: dict) -> str:
     return _per_forward(doc, "norm_rope") if bundle_norm_rope(doc) else "off"
 
 
+def sigmoid_gate_calls(doc: dict) -> str:
+    """A bundle.json's calls of hgc_glue::sigmoid_gate per forward (`hgc build --sigmoid-gate`: each
+    an attention output's gate), by program as `gemv_projections` counts; "off" for a bundle built
+    without it (one from before the field too)."""
+    from compiler.splitops.bundle import bundle_sigmoid_gate
+
+    return _per_forward(doc, "sigmoid_gate") if bundle_sigmoid_gate(doc) else "off"
+
+
 def _per_forward(doc: dict, count: str) -> str:
     """A piece count of bundle.json per program ("main 37, draft 4"): every glue segment counted with
     its piece's count, so a structure shared by many layers counts once per layer."""
@@ -570,6 +579,7 @@ def bundle_rows(manifest: dict, root: Path | None = None) -> list[dict]:
             rows[-1]["GEMV projections"] = gemv_projections(doc)
             rows[-1]["folded norms"] = folded_norms(doc)
             rows[-1]["q/k norm+rope calls"] = norm_rope_calls(doc)
+            rows[-1]["sigmoid gate calls"] = sigmoid_gate_calls(doc)
             rows[-1]["PDL"] = pdl_column(doc)
     return rows
 

@@ -30,7 +30,8 @@ bundle.json, whose HMAC signature (runtime/artifact/signing.py) says which insta
    bundle.json records them and whether the bundle was built with --pdl (`bundle_pdl` reads it).
 4. `bundle_norm_linear(doc)`: whether the bundle was built with --norm-linear (its pieces call
    hgc_glue::add_rms_norm_linear for the input norms; each piece's `norm_linear` says how many);
-   `bundle_norm_rope(doc)` likewise for --norm-rope (hgc_glue::qk_norm_rope; `norm_rope`).
+   `bundle_norm_rope(doc)` likewise for --norm-rope (hgc_glue::qk_norm_rope; `norm_rope`), and
+   `bundle_sigmoid_gate(doc)` for --sigmoid-gate (hgc_glue::sigmoid_gate; `sigmoid_gate`).
 
 What it does not do: compile (compiler/inductor_pieces.py), sign or check (runtime/artifact/signing.py,
 runtime/artifact/bundle.py), or write the artifact (compiler/artifact_writer.py).
@@ -50,6 +51,7 @@ from .artifact import FORMAT_NAME, FORMAT_VERSION, ArtifactFormatError, check_fo
 
 __all__ = ["TARGETS", "BUNDLE", "PIECES", "KERNELS", "INDUCTOR_CONFIG", "INDUCTOR_PDL", "CACHE_ENV", "CACHE_SETTINGS",
            "cache_env", "inductor_config", "inductor_has_pdl", "bundle_pdl", "bundle_norm_linear", "bundle_norm_rope",
+           "bundle_sigmoid_gate",
            "pin_triton_ptxas",
            "NOT_REPRODUCIBLE", "not_reproducible", "target_facts", "target_key", "describe_target",
            "facts_differences", "bundle_doc", "signed_payload", "parse_bundle_doc", "bundle_dir", "executable_summary",
@@ -121,6 +123,12 @@ def bundle_norm_rope(doc: dict) -> bool:
     """Whether a bundle.json says its GQA layers' q / k norms and rotary are calls of qk_norm_rope
     (`hgc build --norm-rope`); a bundle built before the field existed has none."""
     return bool(doc.get("norm_rope", False))
+
+
+def bundle_sigmoid_gate(doc: dict) -> bool:
+    """Whether a bundle.json says its attention outputs' sigmoid gates are calls of sigmoid_gate
+    (`hgc build --sigmoid-gate`); a bundle built before the field existed has none."""
+    return bool(doc.get("sigmoid_gate", False))
 
 # kernels/<cache>/ in a bundle <-> the environment variable that points its library at that cache.
 # The build empties and fills these folders; a run points them at its checked copy of the bundle's.
@@ -285,10 +293,11 @@ def executable_summary(files) -> str:
 
 def bundle_doc(key: str, facts: dict, programs: dict, programs_sha256: dict, pieces: dict, files: dict,
                seconds: float, hgc: str, ranks: int = 1, small_m: bool = False, pdl: bool = False,
-               norm_linear: bool = False, norm_rope: bool = False) -> dict:
+               norm_linear: bool = False, norm_rope: bool = False, sigmoid_gate: bool = False) -> dict:
     """bundle.json without its signature. programs: program -> segment records (glue.GlueSegment.to_json()
     plus the piece file that runs it, or None); programs_sha256: program -> SHA-256 of the .pt2 it was
-    built from; pieces: file -> {structure, code_sha256, nodes, small_m_linear, norm_linear, norm_rope}
+    built from; pieces: file -> {structure, code_sha256, nodes, small_m_linear, norm_linear, norm_rope,
+    sigmoid_gate}
     (rank 0's, where there are ranks); files: path inside the bundle -> SHA-256; ranks: the
     tensor-parallel ranks it holds
     pieces for; small_m: whether the glue's projections were rewritten to the GEMV op
@@ -298,11 +307,12 @@ def bundle_doc(key: str, facts: dict, programs: dict, programs_sha256: dict, pie
     whether the input norms were folded into their projections (`hgc build --norm-linear`; each
     piece's `norm_linear` says how many); norm_rope: whether each GQA layer's q / k norms and rotary
     are one call of hgc_glue::qk_norm_rope (`hgc build --norm-rope`; each piece's `norm_rope` says
-    how many)."""
+    how many); sigmoid_gate: whether attention outputs' sigmoid gates are calls of
+    hgc_glue::sigmoid_gate (`hgc build --sigmoid-gate`; each piece's `sigmoid_gate` says how many)."""
     return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "target": key, "facts": facts,
             **({"ranks": ranks} if ranks > 1 else {}),
             "inductor_config": inductor_config(facts["device"], pdl), "small_m_linear": small_m, "pdl": pdl,
-            "norm_linear": norm_linear, "norm_rope": norm_rope,
+            "norm_linear": norm_linear, "norm_rope": norm_rope, "sigmoid_gate": sigmoid_gate,
             "programs": programs,
             "programs_sha256": programs_sha256, "pieces": pieces, "files": files,
             "not_reproducible": not_reproducible(files),
@@ -327,7 +337,7 @@ def parse_bundle_doc(doc, source: str) -> dict:
             if r.get("piece") is not None and r["piece"] not in doc["pieces"]:
                 raise ArtifactFormatError(f"{source}: programs.{program} segment {r.get('index')} names piece "
                                           f"{r['piece']!r}, which 'pieces' does not list")
-    for flag in ("pdl", "norm_linear", "norm_rope"):
+    for flag in ("pdl", "norm_linear", "norm_rope", "sigmoid_gate"):
         if not isinstance(doc.get(flag, False), bool):
             raise ArtifactFormatError(f"{source}: field {flag!r} must be true or false, not {doc[flag]!r}")
     ranks = doc.get("ranks", 1)

@@ -49,6 +49,15 @@ their first 2 * len(inv_freq) channels (`norm_rope_rows`, the traced glue's ops,
 with the rotation's inv_freq as the glue computed it; the runtime's CUDA kernel
 (runtime/backends/kernels/norm_rope.py) reads each row once where Inductor's code passed over q twice.
 
+`sigmoid_gate(x, gate) -> out`: an attention output's gate, out = x * sigmoid(gate) rounded as the
+traced glue rounds it (the sigmoid to the activation dtype, then the product), x and gate [T, H, D]
+(or [T, D]) with a contiguous last dimension (gate a view of the projection's output, beside q),
+out contiguous. `use_sigmoid_gate(gm)` (`hgc build --sigmoid-gate`) takes each `mul(x,
+sigmoid(gate))` whose sigmoid nothing else reads; the runtime's CUDA kernel
+(runtime/backends/kernels/sigmoid_gate.py) reads each row once in a fixed tile, where Inductor's
+fused kernel chose its tile by timing candidates at the build and took one of two, about twice
+apart at 4096 tokens, build by build (docs/DESIGN.md, "An attention output's gate as one kernel").
+
 What it does not do: decide which device runs the GEMV (the kernel registration does), or touch an
 op core's arguments.
 """
@@ -64,8 +73,8 @@ import torch.fx
 import torch.nn.functional as F
 
 __all__ = ["NAMESPACE", "SMALL_M_LINEAR", "ADD_RMS_NORM_LINEAR", "RMS_NORM_LINEAR", "LINEAR_ADD_RMS_NORM",
-           "QK_NORM_ROPE", "rms_norm_rows", "norm_rope_rows",
-           "use_small_m_linear", "use_norm_linear", "use_norm_rope"]
+           "QK_NORM_ROPE", "SIGMOID_GATE", "rms_norm_rows", "norm_rope_rows",
+           "use_small_m_linear", "use_norm_linear", "use_norm_rope", "use_sigmoid_gate"]
 
 NAMESPACE = "hgc_glue"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: kept for the process: dropping it undefines the op
@@ -220,6 +229,25 @@ _LIB.impl("qk_norm_rope", _qk_norm_rope_reference, "CompositeExplicitAutograd")
 torch.library.register_fake(f"{NAMESPACE}::qk_norm_rope", _qk_norm_rope_fake, lib=_LIB)
 
 QK_NORM_ROPE = torch.ops.hgc_glue.qk_norm_rope.default
+
+# -- an attention output's sigmoid gate ----------------------------------------------------------------
+
+_LIB.define("sigmoid_gate(Tensor x, Tensor gate) -> Tensor")
+
+
+def _sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The traced glue's two ops (sigmoid in the activation dtype, then the product), contiguous."""
+    return (x * torch.sigmoid(gate)).contiguous()
+
+
+def _sigmoid_gate_fake(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_LIB.impl("sigmoid_gate", _sigmoid_gate_reference, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::sigmoid_gate", _sigmoid_gate_fake, lib=_LIB)
+
+SIGMOID_GATE = torch.ops.hgc_glue.sigmoid_gate.default
 
 _aten = torch.ops.aten
 _ASSERT = _aten._assert_tensor_metadata.default  # export's dtype checks: readers that compute nothing
@@ -700,6 +728,52 @@ def use_norm_rope(gm: torch.fx.GraphModule) -> int:
             count, i = count + 1, i + 2
         else:
             i += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+# -- the sigmoid gate rewrite ---------------------------------------------------------------------------
+
+
+def _sigmoid_gate_of(mul: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]:
+    """(x, gate, the sigmoid node) of `mul(x, sigmoid(gate))` (either order), else None: the sigmoid
+    read by the product alone, x and gate of one float dtype and one shape (no broadcast), 2-D or
+    3-D, each with a contiguous last dimension (what the kernel reads)."""
+    if not _call(mul, _aten.mul.Tensor) or len(mul.args) != 2 or mul.kwargs:
+        return None
+    out = _val(mul)
+    for x, sig in (mul.args, reversed(mul.args)):
+        if not (_call(sig, _aten.sigmoid.default) and _read_only_by(sig, mul) and isinstance(x, torch.fx.Node)):
+            continue
+        gate = sig.args[0]
+        xv, gv = _val(x), _val(gate)
+        if xv is None or gv is None or out is None:
+            continue
+        if (xv.dim() in (2, 3) and xv.dtype == gv.dtype == out.dtype and xv.dtype in _FLOATS
+                and _same_sizes(xv.shape, gv.shape) and _same_sizes(out.shape, xv.shape)
+                and xv.stride(-1) == 1 and gv.stride(-1) == 1):
+            return x, gate, sig
+    return None
+
+
+def use_sigmoid_gate(gm: torch.fx.GraphModule) -> int:
+    """Each `mul(x, sigmoid(gate))` of `gm` (`_sigmoid_gate_of`) becomes one call of sigmoid_gate in
+    the product's place; how many (`hgc build --sigmoid-gate`). A sigmoid something else reads, a
+    broadcast product, mixed dtypes or a strided last dimension stay as they were."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        found = _sigmoid_gate_of(node)
+        if found is None:
+            continue
+        x, gate, sig = found
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(SIGMOID_GATE, (x, gate))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        _erase(gm.graph, [node, sig])
+        count += 1
     if count:
         gm.graph.lint()
         gm.recompile()

@@ -4,14 +4,15 @@ A cuda bundle built without --batch-invariant compiles each plain projection of 
 of `hgc_glue::small_m_linear` (hgc/build_command.py `small_m_for`), and with --norm-linear a layer's
 input norm with its projection as a call of `hgc_glue::add_rms_norm_linear` or `rms_norm_linear`,
 and its output projection with the residual add and the post-attention norm after it as a call of
-`hgc_glue::linear_add_rms_norm`, and with --norm-rope a GQA layer's q / k norms and rotary as a call
-of `hgc_glue::qk_norm_rope`; Inductor leaves the calls in the piece, and this module says what they
+`hgc_glue::linear_add_rms_norm`, with --norm-rope a GQA layer's q / k norms and rotary as a call
+of `hgc_glue::qk_norm_rope`, and with --sigmoid-gate an attention output's gate as a call of
+`hgc_glue::sigmoid_gate`; Inductor leaves the calls in the piece, and this module says what they
 run:
 
 1. `register()` installs `project` as small_m_linear's CUDA kernel, `add_norm_project`,
-   `norm_project` and `linear_add_norm` as the norm ops' and `norm_rope` as qk_norm_rope's, for the
-   process (runtime/artifact/bundle.py calls it before it loads a cuda bundle's pieces). A second
-   call does nothing.
+   `norm_project` and `linear_add_norm` as the norm ops', `norm_rope` as qk_norm_rope's and `gated`
+   as sigmoid_gate's, for the process (runtime/artifact/bundle.py calls it before it loads a cuda
+   bundle's pieces). A second call does nothing.
 2. `project(x, weight)`, per call: x [M, K] with M <= MAX_ROWS, in bf16, whose (N, K, row bucket)
    CONFIGS lists (runtime/backends/kernels/gemv.py: the shapes where the one-launch GEMV beat cuBLAS
    by 5% or more on an H200), both with a contiguous last dimension -> `small_m_linear`, one launch;
@@ -33,7 +34,11 @@ run:
    and k's heads, for every step size and float dtype (each row's sums are its own, in one order,
    so the step's size never changes its bits); inputs whose channels are not contiguous are
    copied first.
-5. `torch_only()`: while it is open, `project` takes F.linear always and the norm ops their row
+5. `gated(x, gate)`: sigmoid_gate's kernel (`hgc build --sigmoid-gate`):
+   runtime/backends/kernels/sigmoid_gate.py's one launch of a fixed tile, every step size and float
+   dtype (an element's result is its own: the step's size never changes its bits); inputs whose
+   channels are not contiguous are copied first.
+6. `torch_only()`: while it is open, `project` takes F.linear always and the norm ops their row
    kernel and F.linear (an A/B of the same bundle: benchmarks/kernels/step_account.py
    --torch-projections). It acts on what runs or is captured inside it, not on graphs captured before.
 
@@ -54,7 +59,8 @@ import torch.nn.functional as F
 
 from compiler.splitops import glue_ops
 
-__all__ = ["add_norm_project", "linear_add_norm", "norm_project", "norm_rope", "project", "register", "registered",
+__all__ = ["add_norm_project", "gated", "linear_add_norm", "norm_project", "norm_rope", "project", "register",
+           "registered",
            "takes_gemv", "takes_split_k",
            "takes_gemv_norm", "takes_norm_gemv", "torch_only"]
 
@@ -79,6 +85,12 @@ def _split_k():
 def _norm_rope():
     """runtime/backends/kernels/norm_rope.py, on first use (as `_gemv`)."""
     return importlib.import_module("runtime.backends.kernels.norm_rope")
+
+
+@functools.cache
+def _sigmoid_gate():
+    """runtime/backends/kernels/sigmoid_gate.py, on first use (as `_gemv`)."""
+    return importlib.import_module("runtime.backends.kernels.sigmoid_gate")
 
 
 @functools.cache
@@ -203,6 +215,12 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight
                                      inv_freq.float().contiguous(), eps, unit_offset)
 
 
+def gated(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """sigmoid_gate: x * sigmoid(gate), contiguous: step 5."""
+    x, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, gate))
+    return _sigmoid_gate().sigmoid_gate(x, gate)
+
+
 def register() -> None:
     """Step 1: the ops' CUDA kernels (the CompositeExplicitAutograd references of glue_ops still
     serve every other device)."""
@@ -215,6 +233,7 @@ def register() -> None:
     lib.impl("rms_norm_linear", norm_project, "CUDA")
     lib.impl("linear_add_rms_norm", linear_add_norm, "CUDA")
     lib.impl("qk_norm_rope", norm_rope, "CUDA")
+    lib.impl("sigmoid_gate", gated, "CUDA")
     _LIB = lib
 
 
@@ -224,7 +243,7 @@ def registered() -> bool:
 
 @contextlib.contextmanager
 def torch_only():
-    """Step 4: F.linear for every projection made inside the block."""
+    """Step 6: F.linear for every projection made inside the block."""
     global _torch_only
     before, _torch_only = _torch_only, True
     try:

@@ -1,12 +1,12 @@
 """The bundle choices of `hgc build` and `hgc compile` (hgc/build_command.py `BundleChoices`): --pdl,
---norm-linear, --norm-rope.
+--norm-linear, --norm-rope, --sigmoid-gate.
 
 Each is a decision of a cuda target bundle: asked of a cpu bundle (by `hgc build`, or by `hgc
 compile` with or without --inductor) it is one line naming the flag and why, the documented exit
 code, and nothing written; asked of a cuda compile that builds no bundle, it says so. The record
 itself: read from the flags, written back as the flags (a tensor-parallel build's ranks and the
 rebuild hint take them so), the first refusal in the flags' order, --norm-rope's default by device.
-bundle.json records the two rewrites and `hgc inspect` counts their calls per forward.
+bundle.json records the rewrites and `hgc inspect` counts their calls per forward.
 """
 
 from __future__ import annotations
@@ -18,16 +18,18 @@ import pytest
 import torch
 
 from compiler.splitops.artifact import ArtifactFormatError
-from compiler.splitops.bundle import bundle_doc, bundle_norm_linear, bundle_norm_rope, parse_bundle_doc
+from compiler.splitops.bundle import (bundle_doc, bundle_norm_linear, bundle_norm_rope, bundle_sigmoid_gate,
+                                     parse_bundle_doc)
 from hgc import main
 from hgc.build_command import BundleChoices
-from hgc.compile_commands import folded_norms, norm_rope_calls
+from hgc.compile_commands import folded_norms, norm_rope_calls, sigmoid_gate_calls
 from hgc.errors import EXIT_BAD_INPUT
 
 # flag -> how its refusal of a cpu bundle begins
 CPU_REFUSALS = {"--pdl": "programmatic dependent launch is a CUDA launch attribute",
                 "--norm-linear": "the norms fold into the projections' GEMV",
-                "--norm-rope": "the q / k norms and rotary run as one CUDA kernel"}
+                "--norm-rope": "the q / k norms and rotary run as one CUDA kernel",
+                "--sigmoid-gate": "the attention output's gate runs as one CUDA kernel"}
 FORMS = {"build": ["build", "{w}/art", "--device", "cpu"],
          "compile": ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu"],
          "compile --inductor": ["compile", "{w}/ckpt", "-o", "{w}/new", "--target", "cpu", "--inductor"]}
@@ -62,7 +64,7 @@ def test_a_cuda_compile_that_builds_no_bundle_refuses_a_choice(tmp_path, capsys,
 
 
 def test_the_record_reads_and_writes_its_flags():
-    args = argparse.Namespace(pdl=False, norm_linear=True, norm_rope=True, device="cuda")
+    args = argparse.Namespace(pdl=False, norm_linear=True, norm_rope=True, sigmoid_gate=False, device="cuda")
     choices = BundleChoices.of(args)
     assert choices == BundleChoices(norm_linear=True, norm_rope=True)
     assert choices.argv() == ["--norm-linear", "--norm-rope"] and BundleChoices().argv() == []
@@ -87,7 +89,8 @@ def test_norm_rope_is_the_cuda_default_that_a_flag_turns_off():
 
 
 @pytest.mark.parametrize("field,recorded,column", [("norm_linear", bundle_norm_linear, folded_norms),
-                                                   ("norm_rope", bundle_norm_rope, norm_rope_calls)])
+                                                   ("norm_rope", bundle_norm_rope, norm_rope_calls),
+                                                   ("sigmoid_gate", bundle_sigmoid_gate, sigmoid_gate_calls)])
 def test_bundle_json_records_a_rewrite_and_inspect_counts_its_calls(field, recorded, column):
     facts = {"device": "cuda", "torch": torch.__version__}
     a, b = {"piece": "pieces/a.bin"}, {"piece": "pieces/b.bin"}

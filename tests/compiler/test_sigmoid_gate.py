@@ -1,0 +1,156 @@
+"""An attention output's sigmoid gate as one call of hgc_glue::sigmoid_gate (`hgc build --sigmoid-gate`), on the CPU.
+
+1. The rewrite (compiler/splitops/glue_ops.py `use_sigmoid_gate`) on real traced glue: the tiny
+   families compiled for the CPU (bfloat16, and qwen3_next in float32) take each layer's gated
+   output (GQA, KDA and Lightning layers); every rewritten segment gives the bits it gave on random inputs, since the
+   op's CPU kernel is the traced glue's own two ops.
+2. What it leaves as it was: a sigmoid something else reads, a broadcast product, mixed dtypes.
+3. The op's CPU kernel against the two ops; registering the CUDA kernels installs the op's.
+4. compile_glue's counts per piece (the flag's refusals, bundle.json's field and `hgc inspect`'s
+   column: tests/hgc/test_bundle_choices.py).
+
+The kernel itself: tests/runtime/backends/test_sigmoid_gate.py (interpreter), tests/gpu/ (a GPU).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.export import Dim
+
+from compiler.splitops import op_name_of, op_nodes
+from compiler.splitops.glue_ops import SIGMOID_GATE, use_sigmoid_gate
+from testkit.helpers import shared_artifact
+from testkit.traced_glue import program_factory, random_inputs, segment_modules, stand_in_inductor
+
+ALLOCATIONS = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format,
+               torch.ops.aten.new_empty.default)
+# ops whose output the layer gates with a sigmoid of a projection, by family: Qwen3-Next's and
+# Qwen3.5's GQA layers (the gate beside q), Kimi's KDA and Ling's Lightning layers
+GATED = {"qwen3_next": ("gqa_attention",), "qwen3_5": ("gqa_attention",), "kimi_linear": ("kda_core",),
+         "bailing_linear": ("lightning_core",)}
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    return program_factory(tmp_path_factory)
+
+
+def calls(module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in module.graph.nodes if n.target is SIGMOID_GATE]
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3_next", "bfloat16"), ("qwen3_next", "float32"),
+                                          ("qwen3_5", "bfloat16"), ("kimi_linear", "bfloat16"),
+                                          ("bailing_linear", "bfloat16")])
+def test_each_gated_layer_takes_one_call_and_every_rewritten_segment_gives_the_bits_it_gave(programs, family,
+                                                                                          dtype):
+    """Per program, the calls number the gated ops of GATED; every rewritten segment against
+    itself unrewritten on the same random inputs at a token count it was not traced with: every
+    output the same bits."""
+    for program, gm in programs(family, dtype).items():
+        taken = 0
+        for segment, reference in segment_modules(gm):
+            module = copy.deepcopy(reference)
+            count = use_sigmoid_gate(module)
+            assert count == len(calls(module)), f"{family} {program} segment {segment.index}"
+            if not count:
+                continue
+            taken += count
+            for call in calls(module):
+                x, gate = (a.meta["val"] for a in call.args)
+                assert x.shape == gate.shape and x.stride(-1) == gate.stride(-1) == 1
+            given = random_inputs(reference, rows=3, seed=segment.index)
+            outputs = reference.graph.output_node().args[0]
+            for node, got, want in zip(outputs, module(*given), reference(*given)):
+                if isinstance(want, torch.Tensor) and node.target not in ALLOCATIONS:
+                    assert torch.equal(got, want), f"{family} {program} segment {segment.index}: {node.name}"
+        gated = sum(op_name_of(n.target) in GATED[family] for n in op_nodes(gm))
+        assert taken == gated, (family, program, taken, gated)
+        assert taken or program != "main"
+
+
+# -- 2. what it leaves ----------------------------------------------------------------------------------
+
+
+class Gate(torch.nn.Module):
+    """An attention output gated by a sigmoid of the projection beside q, in the forms the rewrite
+    must tell apart: "gate" (the layer's form), "read twice" (the sigmoid returned too), "broadcast"
+    (a gate of one channel a head), "mixed" (a float32 gate on bf16 rows)."""
+
+    def __init__(self, kind: str, H=2, D=32):
+        super().__init__()
+        self.kind, self.H, self.D = kind, H, D
+
+    def forward(self, attn, qg):
+        H, D = self.H, self.D
+        gate = qg.view(-1, H, 2 * D)[..., D:]
+        if self.kind == "broadcast":
+            gate = gate[..., :1]
+        if self.kind == "mixed":
+            gate = gate.float()
+        s = torch.sigmoid(gate)
+        out = attn.view(-1, H, D) * s
+        return (out, s) if self.kind == "read twice" else (out,)
+
+
+def exported(kind: str):
+    model = Gate(kind)
+    T = Dim("T", min=1, max=64)
+    example = (torch.randn(5, 64).to(torch.bfloat16), torch.randn(5, 128).to(torch.bfloat16))
+    return torch.export.export(model, example, dynamic_shapes=({0: T}, {0: T})).graph_module
+
+
+@pytest.mark.parametrize("kind,takes", [("gate", 1), ("read twice", 0), ("broadcast", 0), ("mixed", 0)])
+def test_the_rewrite_takes_the_layers_form_and_leaves_the_others(kind, takes):
+    gm = exported(kind)
+    rewritten = copy.deepcopy(gm)
+    assert use_sigmoid_gate(rewritten) == takes
+    left = {n.target for n in rewritten.graph.nodes}
+    assert (torch.ops.aten.sigmoid.default in left) == (not takes)
+    for rows in (1, 7):
+        given = (torch.randn(rows, 64).to(torch.bfloat16), torch.randn(rows, 128).to(torch.bfloat16))
+        for got, want in zip(rewritten(*given), gm(*given)):
+            assert torch.equal(got, want)
+            assert got.is_contiguous()
+
+
+# -- 3. the op's kernels --------------------------------------------------------------------------------
+
+
+def test_the_reference_is_the_two_ops_and_its_output_is_contiguous():
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(5, 3, 64).to(dtype)
+        gate = torch.randn(5, 3, 128).to(dtype)[..., 64:]  # a strided view, as q's neighbour is
+        got = SIGMOID_GATE(x, gate)
+        assert torch.equal(got, x * torch.sigmoid(gate)) and got.is_contiguous()
+
+
+def test_register_installs_the_ops_cuda_kernel():
+    from runtime.backends import glue_kernels
+
+    glue_kernels.register()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("hgc_glue::sigmoid_gate", "CUDA")
+
+
+# -- 4. the build decision ------------------------------------------------------------------------------
+
+
+def test_compile_glue_counts_the_calls_per_piece(tmp_path_factory, tmp_path, monkeypatch):
+    """compile_glue(sigmoid_gate=True) rewrites before the key is taken and it compiles (Inductor
+    stood in for): per forward, one call for each GQA layer of each program."""
+    import compiler.inductor_pieces as inductor_pieces
+    from runtime.artifact.docs import read_artifact
+    from runtime.artifact.loader import load_programs
+
+    docs = read_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
+    gms = {p: ep.graph_module for p, ep in load_programs(docs).items()}
+    compiled = stand_in_inductor(monkeypatch, lambda module: len(calls(module)))
+    records, pieces = inductor_pieces.compile_glue(gms, docs.split_plans, "cpu", tmp_path, tmp_path / "cache",
+                                                   sigmoid_gate=True)
+    assert sorted(p["sigmoid_gate"] for p in pieces.values()) == sorted(compiled)
+    per_forward = {p: sum(pieces[r["piece"]]["sigmoid_gate"] for r in records[p] if r["piece"]) for p in gms}
+    gqa = {p: sum(op_name_of(n.target) == "gqa_attention" for n in op_nodes(gm)) for p, gm in gms.items()}
+    assert per_forward == gqa and gqa["main"] > 0
