@@ -58,8 +58,10 @@
 #   multiturn_compiled  multiturn_bench.py on the serving artifact
 #   glue_source  the Inductor sources in the serving artifact's bundle of the kernels named in GLUE_KERNELS
 #                (space-separated), up to 4 files each, in one file $OUT/glue_source/glue_source.txt: what a glue kernel does
+#                and the tile its build chose (.best_config)
 #   glue_config  benchmarks/kernels/glue_config_bench.py: each glue piece of bench qwen3_next under the
-#                bundle's Inductor settings and its variants, at 1 / 32 / 512 / 4096 tokens (issue 51)
+#                bundle's Inductor settings and its variants, at 1 / 32 / 512 / 4096 tokens (issue 51);
+#                GLUE_CONFIG_ARGS adds its flags (--variants bundle,fixed_pointwise --sigmoid-gate)
 #   apart        offline_bench at CONCURRENCY with mixed steps in one forward (--decodes-apart-from 0): against
 #                the offline run of the serve stage (decodes apart, the default)
 #   e2e_compiled benchmarks/serving/gpu_e2e.py --compiled-glue on FAMILIES: extends at EXTENDS (default
@@ -202,11 +204,13 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
             grep -rl --include='*.py' "def $kernel(" "$art" | head -4 | while read -r f; do
                 printf '\n##### %s in %s\n' "$kernel" "${f#"$art"/}"
                 cat "$f"
+                # the launch configuration the build's timing chose for it (Inductor keeps it beside the source)
+                [ -f "${f%.py}.best_config" ] && printf '\n##### chosen: %s\n' "$(cat "${f%.py}.best_config")"
             done
         done > "$OUT/glue_source/glue_source.txt"
         grep -c '^##### ' "$OUT/glue_source/glue_source.txt" ;;
     glue_config)
-        python3 benchmarks/kernels/glue_config_bench.py --out "$OUT/glue_config" --work "$W" ;;
+        python3 benchmarks/kernels/glue_config_bench.py --out "$OUT/glue_config" --work "$W" ${GLUE_CONFIG_ARGS:-} ;;
     e2e_compiled)
         python3 benchmarks/serving/gpu_e2e.py --out "$OUT/e2e_compiled" --families "$FAMILIES" --compiled-glue \
             --keep-caches --batches 1 --iters 15 --extends "${EXTENDS:-512,2048,4096}" \

@@ -12,11 +12,15 @@ prompt sizes alike, before the bundle's settings change:
 
 1. the artifact (bench_common.compiled_artifact: `hgc compile`, traced glue) of --family/--size,
    loaded on random weights; its main program's glue segments as `hgc build` cuts them
-   (compiler/splitops/glue.py), with the build's rewrite of projections (`small_m_for`), one per
-   distinct structure (--max-segments of them, largest first);
+   (compiler/splitops/glue.py), with the build's rewrites (the projections' GEMV op, `small_m_for`;
+   the device's default bundle choices, and --sigmoid-gate's where asked), one per distinct
+   structure (--max-segments of them, largest first);
 2. per variant (`VARIANTS`: bundle = INDUCTOR_CONFIG; no_combo = combo kernels off; per_block = a
-   block size per combo sub-kernel), each piece compiled as the build compiles it
-   (inductor_pieces.compile_piece); a setting this torch lacks marks the variant skipped;
+   block size per combo sub-kernel; fixed_pointwise = Inductor's pointwise kernels at their first
+   candidate tile, none timed), each piece compiled as the build compiles it
+   (inductor_pieces.compile_piece) and called once at the largest token count first, as the build's
+   tuning step calls it (a kernel that times its candidate tiles keeps the choice of its first
+   launch); a setting this torch lacks marks the variant skipped;
 3. per token count T (every symbolic size of the piece set to T): fresh random inputs (floats
    N(0, 0.1^2), integer and bool inputs 0, which every index and position accepts); each variant's
    outputs checked against the traced segment run eagerly on the same inputs (relative error of the
@@ -49,16 +53,19 @@ from compiler.inductor_pieces import compile_piece, drop_metadata_asserts  # noq
 from compiler.splitops.artifact import retarget_meta_devices  # noqa: E402
 from compiler.splitops.bundle import INDUCTOR_CONFIG  # noqa: E402
 from compiler.splitops.glue import glue_segments, segment_module, structure_key  # noqa: E402
-from compiler.splitops.glue_ops import use_small_m_linear  # noqa: E402
+from compiler.splitops.glue_ops import use_norm_rope, use_sigmoid_gate, use_small_m_linear  # noqa: E402
 
 # setting overrides on top of the device's INDUCTOR_CONFIG
 VARIANTS = {"bundle": {}, "no_combo": {"combo_kernels": False},
-            "per_block": {"combo_kernel_per_subkernel_blocks": True}}
+            "per_block": {"combo_kernel_per_subkernel_blocks": True},
+            "fixed_pointwise": {"triton.autotune_pointwise": False}}
 CHECK_TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 
-def pieces(gm: torch.fx.GraphModule, small_m: bool, limit: int) -> list[dict]:
-    """The program's distinct glue pieces, each with how many segments it serves, largest first."""
+def pieces(gm: torch.fx.GraphModule, small_m: bool, limit: int, norm_rope: bool = False,
+           sigmoid_gate: bool = False) -> list[dict]:
+    """The program's distinct glue pieces, each with how many segments it serves, largest first,
+    rewritten as the build rewrites them (compiler/inductor_pieces.py compile_glue)."""
     by_key: dict[str, dict] = {}
     for segment in glue_segments(gm):
         if not segment.outputs:
@@ -66,6 +73,10 @@ def pieces(gm: torch.fx.GraphModule, small_m: bool, limit: int) -> list[dict]:
         module = segment_module(gm, segment)
         if small_m:
             use_small_m_linear(module)
+        if norm_rope:
+            use_norm_rope(module)
+        if sigmoid_gate:
+            use_sigmoid_gate(module)
         entry = by_key.setdefault(structure_key(module), {"module": module, "first": segment.nodes[0],
                                                           "nodes": len(segment.nodes), "segments": 0})
         entry["segments"] += 1
@@ -131,8 +142,11 @@ def run(args) -> dict:
         missing = [k for k in patch if k not in known]
         doc["variants"][name] = {"patch": patch, "skipped": f"this torch has no {missing}" if missing else None}
     generator = torch.Generator().manual_seed(0)
-    from hgc.build_command import small_m_for
-    for entry in pieces(gm, small_m=small_m_for(art.docs, device.type), limit=args.max_segments):
+    from hgc.build_command import BundleChoices, small_m_for
+    choices = BundleChoices(sigmoid_gate=args.sigmoid_gate).resolved(device.type)
+    doc["rewrites"] = {"norm_rope": bool(choices.norm_rope), "sigmoid_gate": choices.sigmoid_gate}
+    for entry in pieces(gm, small_m=small_m_for(art.docs, device.type), limit=args.max_segments,
+                        norm_rope=bool(choices.norm_rope), sigmoid_gate=choices.sigmoid_gate):
         module = entry.pop("module")
         # as compile_piece prepares it: on the device, without export's dtype asserts (the eager reference)
         retarget_meta_devices(module.graph, device)
@@ -145,6 +159,10 @@ def run(args) -> dict:
                 # compile_piece retargets and rewrites the module in place: each variant compiles a copy
                 compiled[name] = compile_piece(copy.deepcopy(module), device, {**base, **v["patch"]})
         keep = defined_outputs(module)
+        first = concrete_inputs(module, max(args.tokens), device, generator)
+        with torch.no_grad():
+            for fn in compiled.values():  # the build's tuning step: the first launch at the largest count
+                fn(*first)
         for T in args.tokens:
             inputs = concrete_inputs(module, T, device, generator)
             with torch.no_grad():
@@ -180,6 +198,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,32,512,4096; dry run 1,8)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--max-segments", type=int, default=16, help="the largest distinct pieces to take")
+    ap.add_argument("--sigmoid-gate", action="store_true",
+                    help="rewrite the attention outputs' gates as hgc build --sigmoid-gate does")
     ap.add_argument("--calls", type=int, default=20, help="calls captured in one graph")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)

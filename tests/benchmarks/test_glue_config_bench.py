@@ -31,6 +31,24 @@ def test_dry_run_checks_each_variant_then_times_it(tmp_path):
                 assert cell[name]["ok"] and cell[name]["rel_err"] < 1e-4 and cell[name]["us"] > 0, cell
     assert set(doc["step_us"]) == {"1", "5"} and all(v > 0 for row in doc["step_us"].values() for v in row.values())
     assert "| tokens | bundle | no_combo |" in proc.stdout
+    assert doc["rewrites"] == {"norm_rope": False, "sigmoid_gate": False}, "a cpu bundle's rewrites"
+
+
+def test_the_pieces_take_the_builds_rewrites(tmp_path_factory):
+    """pieces() rewrites as compile_glue does: with sigmoid_gate, the GQA layer's piece calls the op."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from glue_config_bench import pieces
+    from compiler.splitops.glue_ops import SIGMOID_GATE
+    from runtime.artifact.loader import load_artifact
+    from testkit.helpers import shared_artifact
+
+    gm = load_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1]).programs["main"].graph_module
+    calls = [sum(n.target is SIGMOID_GATE for n in e["module"].graph.nodes)
+             for e in pieces(gm, small_m=False, limit=64, sigmoid_gate=True)]
+    plain = [sum(n.target is SIGMOID_GATE for n in e["module"].graph.nodes)
+             for e in pieces(gm, small_m=False, limit=64)]
+    assert sum(calls) == 1 and sum(plain) == 0, (calls, plain)
 
 
 def test_an_unknown_variant_is_refused_naming_the_flag(tmp_path):
