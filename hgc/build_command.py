@@ -115,26 +115,27 @@ def norm_linear_refusal(device: str, batch_invariant: bool = False) -> str | Non
     return None
 
 
-def norm_rope_refusal(device: str) -> str | None:
-    """Why a bundle for `device` cannot be built with --norm-rope (a GQA layer's q / k norms and
-    rotary as one call of hgc_glue::qk_norm_rope, whose kernel is CUDA's), or None."""
+def _one_kernel_refusal(device: str, what: str, of_it: str) -> str | None:
+    """Why a bundle for `device` cannot run `what` as one of the glue ops' CUDA kernels (the ops'
+    rewrites are for cuda bundles: a cpu one keeps Inductor's code), or None."""
     import torch
 
     kind = torch.device(device).type
     if kind != "cuda":
-        return f"the q / k norms and rotary run as one CUDA kernel; a {kind} bundle keeps Inductor's code for them"
+        return f"{what} as one CUDA kernel; a {kind} bundle keeps Inductor's code for {of_it}"
     return None
+
+
+def norm_rope_refusal(device: str) -> str | None:
+    """Why a bundle for `device` cannot be built with --norm-rope (a GQA layer's q / k norms and
+    rotary as one call of hgc_glue::qk_norm_rope, whose kernel is CUDA's), or None."""
+    return _one_kernel_refusal(device, "the q / k norms and rotary run", "them")
 
 
 def sigmoid_gate_refusal(device: str) -> str | None:
     """Why a bundle for `device` cannot be built with --sigmoid-gate (an attention output's sigmoid
     gate as one call of hgc_glue::sigmoid_gate, whose kernel is CUDA's), or None."""
-    import torch
-
-    kind = torch.device(device).type
-    if kind != "cuda":
-        return f"the attention output's gate runs as one CUDA kernel; a {kind} bundle keeps Inductor's code for it"
-    return None
+    return _one_kernel_refusal(device, "the attention output's gate runs", "it")
 
 
 @dataclasses.dataclass(frozen=True)

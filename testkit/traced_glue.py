@@ -3,8 +3,8 @@ runtime/artifact/compiled_glue.py installs when a piece is the segment itself ra
 Inductor build, so tests/compiler/test_glue_in_split_plans.py and benchmarks/host/split_modules_bench.py
 run the runtime's real install without compiling a bundle. And what the tests of the glue rewrites
 (compiler/splitops/glue_ops.py) share: the tiny families' programs compiled for the CPU in a dtype
-(`program_factory`), their segments as modules (`segment_modules`) and random inputs for them
-(`random_inputs`)."""
+(`program_factory`), the builds they rewrite (`REWRITE_BUILDS`), their segments as modules
+(`segment_modules`) and random inputs for them (`random_inputs`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ import torch
 from compiler.splitops.artifact import retarget_meta_devices
 from compiler.splitops.glue import glue_segments, segment_module
 from runtime.artifact.compiled_glue import CompiledGlue
+
+
+# (family, dtype) builds a glue rewrite's tests take: every family in bfloat16, a cuda bundle's
+# dtype, and qwen3_next in float32 too
+REWRITE_BUILDS = [("qwen3_next", "bfloat16"), ("qwen3_next", "float32"), ("qwen3_5", "bfloat16"),
+                  ("kimi_linear", "bfloat16"), ("bailing_linear", "bfloat16")]
 
 
 def traced_piece(gm: torch.fx.GraphModule, segment, device: torch.device) -> torch.fx.GraphModule:

@@ -30,7 +30,8 @@ from compiler.splitops.glue import glue_segments, segment_module
 from compiler.splitops.glue_ops import QK_NORM_ROPE, norm_rope_rows, use_norm_rope
 from models.common import RMSNorm, apply_rotary, rope_inv_freq
 from testkit.helpers import shared_artifact
-from testkit.traced_glue import program_factory, random_inputs, segment_modules, stand_in_inductor
+from testkit.traced_glue import (REWRITE_BUILDS, program_factory, random_inputs, segment_modules,
+                                 stand_in_inductor)
 
 ALLOCATIONS = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format,
                torch.ops.aten.new_empty.default)
@@ -48,9 +49,7 @@ def calls(module: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in module.graph.nodes if n.target is QK_NORM_ROPE]
 
 
-@pytest.mark.parametrize("family,dtype", [("qwen3_next", "bfloat16"), ("qwen3_next", "float32"),
-                                          ("qwen3_5", "bfloat16"), ("kimi_linear", "bfloat16"),
-                                          ("bailing_linear", "bfloat16")])
+@pytest.mark.parametrize("family,dtype", REWRITE_BUILDS)
 def test_each_layer_folds_once_and_every_rewritten_segment_gives_the_bits_it_gave(programs, family, dtype):
     """Per program, one call per layer whose attention op reads normed, rotated q and k heads
     (gqa_attention, lightning_core; the call's first two arguments q's and k's views of the

@@ -23,7 +23,8 @@ from torch.export import Dim
 from compiler.splitops import op_name_of, op_nodes
 from compiler.splitops.glue_ops import SIGMOID_GATE, use_sigmoid_gate
 from testkit.helpers import shared_artifact
-from testkit.traced_glue import program_factory, random_inputs, segment_modules, stand_in_inductor
+from testkit.traced_glue import (REWRITE_BUILDS, program_factory, random_inputs, segment_modules,
+                                 stand_in_inductor)
 
 ALLOCATIONS = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format,
                torch.ops.aten.new_empty.default)
@@ -42,9 +43,7 @@ def calls(module: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in module.graph.nodes if n.target is SIGMOID_GATE]
 
 
-@pytest.mark.parametrize("family,dtype", [("qwen3_next", "bfloat16"), ("qwen3_next", "float32"),
-                                          ("qwen3_5", "bfloat16"), ("kimi_linear", "bfloat16"),
-                                          ("bailing_linear", "bfloat16")])
+@pytest.mark.parametrize("family,dtype", REWRITE_BUILDS)
 def test_each_gated_layer_takes_one_call_and_every_rewritten_segment_gives_the_bits_it_gave(programs, family,
                                                                                           dtype):
     """Per program, the calls number the gated ops of GATED; every rewritten segment against
