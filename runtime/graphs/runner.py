@@ -12,8 +12,9 @@ Lifecycle:
 
 1. Construction: static device buffers for the largest bucket (input ids, positions, logits
    rows and every ExecContext tensor; `StepStaging`). Each step that replays graphs has its
-   host-built tensors copied into them in place (one copy per dtype, never reassigned), so every
-   captured kernel reads the same addresses; an eager step uses its own tensors and may be of any size.
+   host-built tensors copied into them in place (one copy of one packed block, never
+   reassigned), so every captured kernel reads the same addresses; an eager step uses its own
+   tensors and may be of any size.
 2. `capture()` (start-up only): `backend.init_capture_state`, then (`tuning_step`, a build's
    start-up) the largest extend bucket's step eagerly, where Inductor's kernels then time their
    candidate launch configurations, then for each decode bucket, largest first, one graph of the

@@ -1,14 +1,14 @@
 """Static step staging: the device buffers every captured graph reads a step's inputs from.
 
-`StepStaging` holds them (two packed blocks, one per dtype, filled by one host-to-device copy
-each, and the draft program's hidden states); `lay_out` writes a step straight into the host
-block's views for its capture key (the graph runner's steps) and `stage` sends it over, or copies
-a step built elsewhere (`build_step`'s own tensors) in and refuses one that does not fit.
-`step_on_device` moves an eager step's own tensors instead (no graph reads them, so they may be
-of any size). The graph runner decides which of the two a step
-gets. `hidden_input_spec` reads the width and dtype of the draft program's hidden-state input, the
-one input a step does not lay out itself; `StepStaging.with_random_hidden` makes it up for a step
-whose contents do not matter (a capture's, the start-up parity check's).
+`StepStaging` holds them (one packed block, its int64 fields then its int32 ones, filled by one
+host-to-device copy, and the draft program's hidden states); `lay_out` writes a step straight
+into the host block's views for its capture key (the graph runner's steps) and `stage` sends it
+over, or copies a step built elsewhere (`build_step`'s own tensors) in and refuses one that does
+not fit. `step_on_device` moves an eager step's own tensors instead (no graph reads them, so they
+may be of any size). The graph runner decides which of the two a step gets. `hidden_input_spec`
+reads the width and dtype of the draft program's hidden-state input, the one input a step does
+not lay out itself; `StepStaging.with_random_hidden` makes it up for a step whose contents do not
+matter (a capture's, the start-up parity check's).
 """
 
 from __future__ import annotations
@@ -39,23 +39,25 @@ CONTEXT_TABLES = ("query_start_loc", "seq_lens", "state_slots", "page_table", "s
 # 8-byte offset (a one-request key's snapshot ids, say) would launch another build of the kernel than
 # the same table elsewhere does, one that a bundle built without that layout lacks.
 FIELD_ALIGN = 16
-_ALIGN_ELEMS = FIELD_ALIGN // 4  # elements of the narrowest field type (int32); a multiple for int64 too
 
 
-def _field_elems(n: int) -> int:
-    """Elements a field of n takes in its block, padding to the next field included."""
-    return -(-n // _ALIGN_ELEMS) * _ALIGN_ELEMS
+def _field_bytes(n: int, dtype: torch.dtype) -> int:
+    """Bytes a field of n elements takes in the block, padding to the next field included."""
+    return -(-n * dtype.itemsize // FIELD_ALIGN) * FIELD_ALIGN
 
 
 class StepStaging:
-    """The static step buffers: two device blocks (int64, int32), each filled by one host-to-device copy.
+    """The static step buffers: one device block of bytes, filled by one host-to-device copy.
 
     A replayed step's metadata is ten small tensors. Copied one by one from pageable host
     memory, each copy is a synchronous driver call of its own; here they are laid out back to
-    back in a host block (pinned on CUDA) and the block's used prefix goes over in one
-    asynchronous copy per dtype. The layout is packed per step shape (T tokens, B requests), so
-    the prefix holds exactly that step's fields: every capture key has its own views into the
-    same blocks, which is safe because one step runs at a time and each fills all of its views.
+    back in a host block (pinned on CUDA), the int64 fields first, then the int32 ones, each a
+    view of the block's bytes in its dtype, and the block's used prefix goes over in one
+    asynchronous copy (one per dtype before: a replayed decode step's two copies, each a driver
+    call on the host and a copy on the device before the graph's first kernel). The layout is
+    packed per step shape (T tokens, B requests), so the prefix holds exactly that step's fields:
+    every capture key has its own views into the same block, which is safe because one step runs
+    at a time and each fills all of its views.
 
     The host block is written again only once the previous copy has left it (an event on CUDA;
     on the CPU the copy is synchronous).
@@ -78,10 +80,9 @@ class StepStaging:
         which gets a static buffer [max_tokens, width] of its own; None: the program takes none."""
         self.max_tokens, self.max_seqs, self.max_pages, self.device = max_tokens, max_seqs, max_pages, device
         cuda = device.type == "cuda"
-        sizes = {torch.int64: self._size(self.INT64, max_tokens, max_seqs),
-                 torch.int32: self._size(self.INT32, max_tokens, max_seqs)}
-        self.host = {dt: torch.zeros(n, dtype=dt, pin_memory=cuda) for dt, n in sizes.items()}
-        self.dev = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
+        size = self._size(max_tokens, max_seqs)
+        self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=cuda)
+        self.dev = torch.zeros(size, dtype=torch.uint8, device=device)
         self._event = torch.cuda.Event() if cuda else None
         # The device's index, resolved once: Event.record() without a stream looks the current
         # device and stream up through torch's Python helpers, a measurable share of a replayed
@@ -107,26 +108,28 @@ class StepStaging:
             return (B if R is None else R,)
         return (B,)
 
-    def _size(self, names, T: int, B: int) -> int:
-        # logits rows are at most T (one per token: a target_verify step checks every token)
-        return sum(_field_elems(math.prod(self.shape(n, T, B, max(T, B)))) for n in names)
+    def _fields(self):
+        """(name, dtype) of every field in block order: the int64 ones, then the int32 ones."""
+        return [(n, torch.int64) for n in self.INT64] + [(n, torch.int32) for n in self.INT32]
 
-    def views(self, T: int, B: int, R: int | None = None) -> tuple[dict, dict, dict]:
-        """(host numpy views, device views, used length per dtype) of the layout for T tokens, B
+    def _size(self, T: int, B: int) -> int:
+        # logits rows are at most T (one per token: a target_verify step checks every token)
+        return sum(_field_bytes(math.prod(self.shape(n, T, B, max(T, B))), dt) for n, dt in self._fields())
+
+    def views(self, T: int, B: int, R: int | None = None) -> tuple[dict, dict, int]:
+        """(host numpy views, device views, used bytes of the block) of the layout for T tokens, B
         requests and R logits rows (default B)."""
         R = B if R is None else R
         if (T, B, R) not in self._views:
-            host, dev, used = {}, {}, {}
-            for dt, names in ((torch.int64, self.INT64), (torch.int32, self.INT32)):
-                at = 0
-                for name in names:
-                    shape = self.shape(name, T, B, R)
-                    n = math.prod(shape)
-                    host[name] = self.host[dt][at: at + n].view(shape).numpy()
-                    dev[name] = self.dev[dt][at: at + n].view(shape)
-                    at += _field_elems(n)
-                used[dt] = at
-            self._views[(T, B, R)] = (host, dev, used)
+            host, dev, at = {}, {}, 0
+            for name, dt in self._fields():
+                shape = self.shape(name, T, B, R)
+                n = math.prod(shape)
+                end = at + n * dt.itemsize
+                host[name] = self.host[at:end].view(dt).view(shape).numpy()
+                dev[name] = self.dev[at:end].view(dt).view(shape)
+                at += _field_bytes(n, dt)
+            self._views[(T, B, R)] = (host, dev, at)
         return self._views[(T, B, R)]
 
     def _claim_host(self) -> None:
@@ -137,15 +140,15 @@ class StepStaging:
         if self._event is not None:
             self._event.synchronize()
 
-    def _send(self, prefixes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Each (device, host) pair of used block prefixes over, one copy per dtype (queued on CUDA)."""
-        for dev, host in prefixes:
-            dev.copy_(host, non_blocking=True)
+    def _send(self, prefix: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The block's used prefix (device, host) over in one copy (queued on CUDA)."""
+        dev, host = prefix
+        dev.copy_(host, non_blocking=True)
         if self._event is not None:
             self._event.record(torch.cuda.current_stream(self._device_index))
 
-    def _prefixes(self, used: dict[torch.dtype, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.dev[dt][:n], self.host[dt][:n]) for dt, n in used.items()]
+    def _prefix(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dev[:used], self.host[:used]
 
     def fill(self, T: int, B: int, sources: dict[str, torch.Tensor], R: int | None = None) -> dict[str, torch.Tensor]:
         """Copy a step's host tensors in and send them over; returns the device views."""
@@ -162,7 +165,7 @@ class StepStaging:
             else:
                 h[: a.shape[0]] = a
                 h[a.shape[0]:] = 0
-        self._send(self._prefixes(used))
+        self._send(self._prefix(used))
         return dev
 
     def _key_layout(self, key: CaptureKey) -> _KeyLayout:
@@ -174,7 +177,7 @@ class StepStaging:
                 raise CaptureError(f"step does not fit {key}: the buffers hold {self.max_tokens} tokens, "
                                    f"{self.max_seqs} requests")
             host, dev, used = self.views(T, B, R)
-            layout = self._keys[key] = _KeyLayout(key, host, dev, self._prefixes(used), self.hidden)
+            layout = self._keys[key] = _KeyLayout(key, host, dev, self._prefix(used), self.hidden)
         return layout
 
     def lay_out(self, items: list[tuple[SeqState, list[int]]], key: CaptureKey, mode: Mode,
@@ -231,7 +234,7 @@ class StepStaging:
         if self._resident is not None and self._resident() is step:
             if self._resident_key == key:  # laid out in place (`lay_out`): send it as it is
                 layout, ctx = self._keys[key], step.ctx
-                self._send(layout.prefixes)
+                self._send(layout.prefix)
                 inputs = dict(layout.inputs)
                 if self.hidden is not None:
                     self._stage_hidden(step, inputs["hidden"])
@@ -281,13 +284,13 @@ class StepStaging:
 
 class _KeyLayout:
     """What a key's steps use at every step, resolved once: the host views (numpy, for `lay_out`,
-    and as tensors, a laid-out step's own), the device views, the used block prefixes (device,
-    host) `_send` copies and the program's inputs as device views."""
+    and as tensors, a laid-out step's own), the device views, the used block prefix (device, host)
+    `_send` copies and the program's inputs as device views."""
 
-    def __init__(self, key: CaptureKey, host: dict, dev: dict, prefixes: list, hidden: torch.Tensor | None):
+    def __init__(self, key: CaptureKey, host: dict, dev: dict, prefix: tuple, hidden: torch.Tensor | None):
         for name, a in host.items():
             assert a.dtype == FIELD_DTYPES[name], (name, a.dtype)
-        self.host, self.dev, self.prefixes = host, dev, prefixes
+        self.host, self.dev, self.prefix = host, dev, prefix
         self.host_t = {name: torch.from_numpy(a) for name, a in host.items()}
         self.inputs = {name: dev[name] for name in ("input_ids", "positions", "logits_index")}
         if hidden is not None:

@@ -95,9 +95,10 @@ def test_padded_static_step_gives_the_unpadded_tokens(artifact):
     assert runner.counters["eager_steps"] + runner.counters["piecewise_steps"] == 4
 
 
-def test_static_buffers_take_each_key_in_one_packed_copy_per_dtype(artifact):
-    """Each key's fields lie back to back in the blocks (each starting 16-byte aligned), a smaller key
-    after a larger one leaves no stale row in what it reads, and a step not padded to its key is refused."""
+def test_static_buffers_take_each_key_in_one_packed_copy(artifact):
+    """Each key's fields lie back to back in the block, the int64 ones then the int32 ones (each
+    starting 16-byte aligned), so one copy of its used bytes sends a step; a smaller key after a
+    larger one leaves no stale row in what it reads, and a step not padded to its key is refused."""
     from runtime.cache.batch import build_step
 
     runner, kv, st = make_runner(artifact)
@@ -108,8 +109,10 @@ def test_static_buffers_take_each_key_in_one_packed_copy_per_dtype(artifact):
     _, dev, used = staging.views(32, 4)
     # per token: ids, positions, slot mapping; per request: logits rows, state slots, snapshot rows and ids;
     # query_start_loc's 5 rows padded to 8 so seq_lens starts 16-byte aligned
-    assert used == {torch.int64: 3 * 32 + 4 * 4, torch.int32: 8 + 4 + 4 * 16}
+    assert used == (3 * 32 + 4 * 4) * 8 + (8 + 4 + 4 * 16) * 4, "bytes"
     assert dev["positions"].data_ptr() == dev["input_ids"].data_ptr() + 32 * 8, "packed back to back"
+    assert dev["query_start_loc"].data_ptr() == dev["input_ids"].data_ptr() + (3 * 32 + 4 * 4) * 8, \
+        "the int32 fields right after the int64 ones"
     assert inputs[0].data_ptr() == dev["input_ids"].data_ptr() and ctx.page_table.data_ptr() == dev["page_table"].data_ptr()
     assert torch.equal(ctx.slot_mapping, big.ctx.slot_mapping) and torch.equal(ctx.page_table, big.ctx.page_table)
     assert inputs[2].tolist() == [8, 17, 26, 0], "the padded request's logits row reads row 0"

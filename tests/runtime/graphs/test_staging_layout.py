@@ -29,11 +29,10 @@ def registry():
 
 
 def junk(staging: StepStaging, seed: int) -> None:
-    """Every element of both blocks, host and device, something no step writes."""
+    """Every byte of the block, host and device, something no step writes (random bytes)."""
     g = torch.Generator().manual_seed(seed)
-    for blocks in (staging.host, staging.dev):
-        for block in blocks.values():
-            block.copy_(torch.randint(-99999, 99999, block.shape, generator=g, dtype=block.dtype))
+    for block in (staging.host, staging.dev):
+        block.copy_(torch.randint(0, 256, block.shape, generator=g, dtype=block.dtype))
 
 
 def requests(rng: random.Random, kind: str, B: int, pool: KVPool, verify_tokens: int = 3):
@@ -88,8 +87,8 @@ def assert_same(ref, ref_step, ref_ctx, got, step, ctx, key: CaptureKey):
         assert torch.equal(got_dev[name], ref_dev[name]), name
     for name in CONTEXT_TABLES:
         assert torch.equal(getattr(ctx, name), getattr(ref_ctx, name)), name
-        assert getattr(ctx, name).data_ptr() == getattr(ref_ctx, name).data_ptr() - ref.dev[getattr(ctx, name).dtype
-                                                                                           ].data_ptr() + got.dev[getattr(ctx, name).dtype].data_ptr()
+        at = getattr(ref_ctx, name).data_ptr() - ref.dev.data_ptr()
+        assert getattr(ctx, name).data_ptr() == got.dev.data_ptr() + at, name
     for f in ("mode", "query_lens", "cache_lens", "page_size", "num_tokens", "num_seqs"):
         assert getattr(ctx, f) == getattr(ref_ctx, f) == getattr(step.ctx, f), f
     # the laid-out step's own (host) tensors: build_step's, the page table at the key's width
@@ -155,20 +154,20 @@ def test_a_held_step_stays_whole_when_another_is_laid_out(registry):
                       pad_seqs_to=4, max_pages=MAX_PAGES)
     a = staging.lay_out(a_items, key_a, Mode.EXTEND, *step_lengths(a_items), pool)
     held_ctx = a.ctx
-    assert a.input_ids.data_ptr() == staging.host[torch.int64].data_ptr(), "laid out in the block itself"
+    assert a.input_ids.data_ptr() == staging.host.data_ptr(), "laid out in the block itself"
     b = staging.lay_out(b_items, key_b, Mode.DECODE, *step_lengths(b_items), pool)
-    assert a.ctx is held_ctx and a.input_ids.data_ptr() != staging.host[torch.int64].data_ptr()
+    assert a.ctx is held_ctx and a.input_ids.data_ptr() != staging.host.data_ptr()
     assert torch.equal(a.input_ids, want.input_ids) and torch.equal(a.ctx.slot_mapping, want.ctx.slot_mapping)
     inputs, ctx = staging.stage(a, key_a)
     assert torch.equal(inputs["input_ids"], want.input_ids) and torch.equal(ctx.page_table, want.ctx.page_table)
-    assert b.input_ids.data_ptr() != staging.host[torch.int64].data_ptr(), "b was copied out in turn"
+    assert b.input_ids.data_ptr() != staging.host.data_ptr(), "b was copied out in turn"
     assert b.input_ids.tolist() == [9, 1] and b.positions.tolist() == [2, 1]
     del a, b, held_ctx
     c = staging.lay_out(b_items, key_b, Mode.DECODE, *step_lengths(b_items), pool)
     inputs, _ = staging.stage(c, key_b)
     del c
     d = staging.lay_out(b_items, key_b, Mode.DECODE, *step_lengths(b_items), pool)
-    assert d.input_ids.data_ptr() == staging.host[torch.int64].data_ptr()
+    assert d.input_ids.data_ptr() == staging.host.data_ptr()
 
 
 def test_a_step_beyond_the_buffers_pages_is_refused(registry):
@@ -229,10 +228,13 @@ def test_the_layout_follows_its_rules_request_by_request(registry, seed):
 @pytest.mark.parametrize("T,B,R", [(16, 1, 1), (17, 3, 3), (5, 5, 7), (64, 4, 4), (63, 8, 1)])
 def test_every_field_of_a_layout_starts_16_byte_aligned(T, B, R):
     """Triton builds a kernel per 16-byte alignment of each pointer it takes: a table at an odd
-    8-byte offset (a one-request key's snapshot ids) would launch a build the bundle lacks."""
+    8-byte offset (a one-request key's snapshot ids) would launch a build the bundle lacks. And
+    every field, int64 and int32, lies in the block's used prefix: one copy sends a step."""
     staging = StepStaging(MAX_TOKENS, MAX_SEQS, MAX_PAGES, torch.device("cpu"))
     _, dev, used = staging.views(T, B, R)
     assert set(dev) == {*StepStaging.INT64, *StepStaging.INT32}
     for name, view in dev.items():
-        assert (view.data_ptr() - staging.dev[view.dtype].data_ptr()) % 16 == 0, (name, T, B, R)
-    assert all(n <= staging.dev[dt].numel() for dt, n in used.items())
+        at = view.data_ptr() - staging.dev.data_ptr()
+        assert at % 16 == 0, (name, T, B, R)
+        assert at + view.numel() * view.element_size() <= used, "every field inside the one copied prefix"
+    assert used <= staging.dev.numel()
