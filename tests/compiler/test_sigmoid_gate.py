@@ -5,7 +5,8 @@
    output (GQA, KDA and Lightning layers); every rewritten segment gives the bits it gave on random inputs, since the
    op's CPU kernel is the traced glue's own two ops.
 2. What it leaves as it was: a sigmoid something else reads, a broadcast product, mixed dtypes.
-3. The op's CPU kernel against the two ops; registering the CUDA kernels installs the op's.
+3. The op's CPU kernel against the two ops; registering the CUDA kernels installs the op's; a CPU
+   Inductor piece holding the op gives the uncompiled piece's values.
 4. compile_glue's counts per piece (the flag's refusals, bundle.json's field and `hgc inspect`'s
    column: tests/hgc/test_bundle_choices.py).
 
@@ -132,6 +133,25 @@ def test_register_installs_the_ops_cuda_kernel():
 
     glue_kernels.register()
     assert torch._C._dispatch_has_kernel_for_dispatch_key("hgc_glue::sigmoid_gate", "CUDA")
+
+
+@pytest.mark.slow  # one Inductor C++ compile: about 10 s on 2 cores
+def test_a_piece_with_the_op_compiles_with_inductor_and_gives_the_uncompiled_values(tmp_path, one_thread):
+    from compiler.inductor_pieces import compile_piece
+    from compiler.splitops.bundle import cache_env
+    from compiler.splitops.glue import glue_segments, segment_module
+
+    gm = exported("gate")
+    (segment,) = glue_segments(gm)
+    reference_module, module = segment_module(gm, segment), segment_module(gm, segment)
+    assert use_sigmoid_gate(module) == 1
+    with cache_env({"inductor": tmp_path / "inductor"}):
+        piece = compile_piece(module, torch.device("cpu"))
+    for rows in (1, 7):  # neither is the traced count (5)
+        given = {"attn": torch.randn(rows, 64).to(torch.bfloat16), "qg": torch.randn(rows, 128).to(torch.bfloat16)}
+        inputs = [given[name] for name in segment.inputs]
+        (got,), (want,) = piece(*inputs), reference_module(*inputs)
+        assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
 
 
 # -- 4. the build decision ------------------------------------------------------------------------------
