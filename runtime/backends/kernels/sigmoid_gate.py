@@ -11,7 +11,7 @@ dimension; out [T, H, D] contiguous. A [T, D] pair is one head.
 
 Why a kernel: Inductor compiled these two ops into one pointwise kernel whose tile the build chose
 by timing two candidates, and in step accounts of bench qwen3_next's builds of the same code
-(H100 and H200, 2026-12-02 to 12-06) the three GQA layers' gates took either about 125 or about 242
+(H100 and H200, 2026-12-04 to 12-06) the three GQA layers' gates took either about 125 or about 242
 us at 4096 tokens (18 or 33 at 512), build by build, on either card: twice the bytes' time at best.
 Here program (token block, head) reads BLOCK_T rows of one head from each input, whole channels at
 once, and writes them once: one tile, chosen here, for every step and every build.
