@@ -23,7 +23,10 @@ warpgroup tensor cores (HGMMA) and pipelines its loads (LDGSTS: cp.async; UTMALD
    - extend512 / extend4096: one request of 512 / 4096 tokens through the MoE, the extend conv
      (row layout, as the backend takes it for long steps), the GDN gates, the chunk kernels and
      the gated norm;
-   - every step: a GQA layer's q / k norms and rotary as one kernel (`hgc build --norm-rope`).
+   - every step: a GQA layer's q / k norms and rotary as one kernel (`hgc build --norm-rope`) and
+     its output gate as one kernel (`hgc build --sigmoid-gate`);
+   - extend512 / extend4096: the captured extend step's tables (one kernel variant for every
+     request count: made here for 256 requests).
 2. Compile each distinct launch for sm90 in a process outside the interpreter, read its resources
    (cuobjdump) and its SASS op counts.
 
@@ -153,6 +156,25 @@ def _qk_norm_rope(T: int) -> None:
     qk_norm_rope(q, k, _bf16(HEAD), _bf16(HEAD), _i64(T), rope_inv_freq(HEAD // 4, 1e7), 1e-6, True)
 
 
+def _sigmoid_gate(T: int) -> None:
+    """A GQA layer's output gate as `hgc build --sigmoid-gate` runs it: the attention output and the
+    gate view of the projection's output, beside q."""
+    from runtime.backends.kernels.sigmoid_gate import sigmoid_gate
+
+    qkv = _bf16(T, HQ * 2 * HEAD + 2 * HKV * HEAD)
+    sigmoid_gate(_bf16(T, HQ, HEAD), qkv[:, :HQ * 2 * HEAD].view(T, HQ, 2 * HEAD)[..., HEAD:])
+
+
+def _extend_tables(T: int, B: int = 256) -> None:
+    """The captured extend step's tables for T tokens of a bucket of B requests."""
+    from runtime.backends.kernels.extend_tables import fill_extend_tables
+    from runtime.backends.kernels.linear import CONV_EXTEND_BLOCK_T
+    from runtime.backends.triton_linear import FLA_CHUNK, _StaticExtendPlan
+
+    fill_extend_tables(torch.zeros(B + 1, dtype=torch.int32), _i64(_StaticExtendPlan._size(T, B)), _i64(B + 1), T, B,
+                       _StaticExtendPlan._layout(T, B), FLA_CHUNK, CONV_EXTEND_BLOCK_T)
+
+
 def _gdn_extend(T: int) -> None:
     from runtime.backends.kernels import chunk as CK
     from runtime.backends.kernels import gdn_fused as GF
@@ -180,9 +202,9 @@ def step_launches(step: str) -> list[Launch]:
     if step.startswith("decode"):
         B = int(step[len("decode"):])
         return record(lambda: (_gemvs() if B == 1 else None, _moe(B), _gdn_decode(B), _gqa_decode(B),
-                               _qk_norm_rope(B)))
+                               _qk_norm_rope(B), _sigmoid_gate(B)))
     T = int(step[len("extend"):])
-    return record(lambda: (_moe(T), _gdn_extend(T), _qk_norm_rope(T)))
+    return record(lambda: (_moe(T), _gdn_extend(T), _qk_norm_rope(T), _sigmoid_gate(T), _extend_tables(T)))
 
 
 def _key(launch: Launch) -> str:

@@ -48,3 +48,15 @@ def test_an_unknown_step_is_refused(tmp_path):
     proc = probe(tmp_path, "--steps", "decode1,prefill")
     assert proc.returncode == 2 and "--steps: unknown ['prefill']" in proc.stderr, proc.stderr
     assert not (tmp_path / "kernel_resources.json").exists()
+
+
+def test_the_output_gate_is_one_variant_at_every_step(tmp_path):
+    """The gate kernel (`hgc build --sigmoid-gate`) compiles to the same constants at one decode row
+    and at 512 prompt tokens (its tile is fixed), without spills, its loads 16-byte vectors."""
+    proc = probe(tmp_path, "--steps", "decode1,extend512", "--kernels", "_sigmoid_gate_kernel")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "kernel_resources.json").read_text())
+    (one,), (many,) = doc["steps"]["decode1"], doc["steps"]["extend512"]
+    assert one["constants"] == many["constants"] and one["local_bytes"] == many["local_bytes"] == 0
+    # [16 tokens, 256 channels] of two bf16 inputs on 128 threads: 32 elements, four 16-byte loads each
+    assert one["sass"]["LDG"] == 8 and one["sass"]["STG"] == 4, one["sass"]

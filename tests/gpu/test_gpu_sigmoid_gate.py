@@ -23,11 +23,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 H, D = 16, 256
 
 
+def gate_of(qkv: torch.Tensor) -> torch.Tensor:
+    """The gate view of a projection's output [q | gate per head, k, v]."""
+    return qkv[:, :H * 2 * D].view(qkv.shape[0], H, 2 * D)[..., D:]
+
+
 def layer(T: int, seed: int, dtype=torch.bfloat16, device="cuda"):
+    """(the attention output, the projection's output) on fresh random values."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, D, generator=g).to(dtype).to(device)
-    qkv = (3 * torch.randn(T, H * 2 * D + 4 * D, generator=g)).to(dtype).to(device)
-    return x, qkv[:, :H * 2 * D].view(T, H, 2 * D)[..., D:]
+    return x, (3 * torch.randn(T, H * 2 * D + 4 * D, generator=g)).to(dtype).to(device)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -40,7 +45,8 @@ def test_the_kernel_is_the_traced_glue_at_bench_dims(T, dtype):
     from runtime.backends import glue_kernels
 
     glue_kernels.register()
-    x, gate = layer(T, seed=T, dtype=dtype)
+    x, qkv = layer(T, seed=T, dtype=dtype)
+    gate = gate_of(qkv)
     got = SIGMOID_GATE(x, gate)
     want = SIGMOID_GATE(x.cpu(), gate.cpu())  # the CPU kernel: the glue's own ops
     assert got.is_cuda and got.is_contiguous() and got.shape == want.shape and got.dtype == dtype
@@ -48,18 +54,18 @@ def test_the_kernel_is_the_traced_glue_at_bench_dims(T, dtype):
 
 
 def test_a_captured_call_replays_its_eager_bits():
+    """The gate read through the projection's strided view, as the glue calls it."""
     from runtime.backends import glue_kernels
 
     glue_kernels.register()
-    x, gate = layer(64, seed=1)
-    static_x, static_qkv = x.clone(), gate.clone()
-    SIGMOID_GATE(static_x, static_qkv)  # warm-up: the kernel compiles
+    static_x, static_qkv = layer(64, seed=1)
+    SIGMOID_GATE(static_x, gate_of(static_qkv))  # warm-up: the kernel compiles
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = SIGMOID_GATE(static_x, static_qkv)
+        out = SIGMOID_GATE(static_x, gate_of(static_qkv))
     for seed in (2, 3):
-        fresh_x, fresh_gate = layer(64, seed=seed)
+        fresh_x, fresh_qkv = layer(64, seed=seed)
         static_x.copy_(fresh_x)
-        static_qkv.copy_(fresh_gate)
+        static_qkv.copy_(fresh_qkv)
         graph.replay()
-        assert torch.equal(out, SIGMOID_GATE(static_x, static_qkv))
+        assert torch.equal(out, SIGMOID_GATE(static_x, gate_of(static_qkv)))
