@@ -55,7 +55,9 @@ def test_capture_parity_and_tokens_match_eager(artifact):
     eager, keys = greedy(runner, st, prompts, 6)
     assert all(k is None for k in keys)
     runner.capture()
-    assert runner.sealed and len(runner.keys) == 4
+    # decode buckets 1, 2, 4; the 64-token extend bucket for 4 requests and for one (SOLO_EXTEND_TOKENS)
+    assert runner.sealed and sorted((k.mode.value, k.tokens, k.seqs) for k in runner.keys) == \
+        [("decode", 1, 1), ("decode", 2, 2), ("decode", 4, 4), ("extend", 64, 1), ("extend", 64, 4)]
     report = check_parity(runner, vocab_size=256)
     assert set(report) == {str(k) for k in runner.keys} and max(report.values()) < 2e-2
     graph, keys = greedy(runner, st, prompts, 6)
@@ -75,7 +77,7 @@ def test_small_extend_buckets_are_whole_step_graphs_and_large_ones_pieces(artifa
     prompts (one, and three at once) replay whole graphs, a 600-token prompt runs pieces, and every
     first token is eager's (bf16: padded shapes may part later, never at once)."""
     runner, kv, st = make_runner(artifact, extend_buckets=(16, 64, 512, 1024), max_pages=48)
-    assert sorted(k.tokens for k in runner.whole_keys if k.mode == Mode.EXTEND) == [16, 64, 512]
+    assert sorted({k.tokens for k in runner.whole_keys if k.mode == Mode.EXTEND}) == [16, 64, 512]
     batches = [[[(7 * j) % 200 + 3 for j in range(12)]], [[(5 * j) % 150 + 2 for j in range(300)]],
                [list(range(2, 12)), list(range(40, 47)), [9] * 13], [[(3 * j) % 190 + 4 for j in range(600)]]]
     eager = [greedy(runner, st, prompts, 4)[0] for prompts in batches]
@@ -160,8 +162,7 @@ def layer1_apart(artifact, tmp_path_factory):
 def test_one_gdn_layer_on_a_second_linear_variant_passes_parity_and_runs_only_there(artifact, layer1_apart):
     entries = layer1_apart.docs.routing.entries("main")
     assert {e.backend for e in entries if e.layer_id == 1} == {"torch_reference"}
-    assert {e.backend for e in entries if e.layer_id in (0, 2) and e.op in ("gdn_core", "short_conv")} == \
-        {"triton_linear"}
+    assert {e.backend for e in entries if e.layer_id in (0, 2) and e.op == "gdn_fused"} == {"triton_linear"}
     runner, kv, st = make_runner(layer1_apart)
     assert not runner.full_decode, "layer 1's nodes are eager gaps in decode (torch_reference captures nothing)"
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
