@@ -61,7 +61,7 @@
 #                and the tile its build chose (.best_config)
 #   glue_config  benchmarks/kernels/glue_config_bench.py: each glue piece of bench qwen3_next under the
 #                bundle's Inductor settings and its variants, at 1 / 32 / 512 / 4096 tokens (issue 51);
-#                GLUE_CONFIG_ARGS adds its flags (--variants bundle,fixed_pointwise --sigmoid-gate)
+#                GLUE_CONFIG_ARGS adds its flags (--variants bundle,fixed_pointwise --no-sigmoid-gate)
 #   apart        offline_bench at CONCURRENCY with mixed steps in one forward (--decodes-apart-from 0): against
 #                the offline run of the serve stage (decodes apart, the default)
 #   e2e_compiled benchmarks/serving/gpu_e2e.py --compiled-glue on FAMILIES: extends at EXTENDS (default
@@ -97,8 +97,13 @@ serving_artifact() {  # prints the artifact's folder (ART, if set and built); bu
             hgc init-model --family qwen3_next --size bench --seed 0 -o /tmp/ckpt_qwen3_next --force >&2 || return 1
         local glue=(); [ "${GLUE:-compiled}" = traced ] && glue=(--no-inductor)
         local route=(); [ -n "${ROUTE:-}" ] && route=(--route "$ROUTE")
+        # Built under another name and renamed once whole: a build cut off by the call's time limit leaves
+        # an artifact without its bundle, which the next call on a warm machine would take and run with
+        # the traced glue.
+        rm -rf "$art.partial"
         /usr/bin/time -f "compile: %e s" python3 -m hgc compile /tmp/ckpt_qwen3_next --target cuda --dtype bfloat16 \
-            "${glue[@]}" "${route[@]}" ${COMPILE_ARGS:-} -o "$art" >&2 || return 1
+            "${glue[@]}" "${route[@]}" ${COMPILE_ARGS:-} -o "$art.partial" >&2 || return 1
+        mv "$art.partial" "$art"
     fi
     echo "$art"
 }
@@ -186,8 +191,11 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/serving/offline_bench.py --artifact "$art" --device cuda --concurrency "${CONCURRENCY:-1 32 128}" \
             --skip all_at_once --decodes-apart-from 0 --out "$OUT/apart_off" 2>&1 | tail -6 ;;
     account)
-        python3 benchmarks/kernels/step_account.py --out "$OUT/account" --work "$W" --family "$FAMILIES" \
-            ${PIECES:+--compiled-pieces} ${BATCHES:+--batches "$BATCHES"} ${EXTENDS:+--extends "$EXTENDS"} ;;
+        # one process per family: a compiled bundle must load before anything imports FlashInfer
+        for family in ${FAMILIES//,/ }; do
+            python3 benchmarks/kernels/step_account.py --out "$OUT/account/$family" --work "$W" --family "$family" \
+                ${PIECES:+--compiled-pieces} ${BATCHES:+--batches "$BATCHES"} ${EXTENDS:+--extends "$EXTENDS"}
+        done ;;
     prompt_host)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         python3 benchmarks/host/prompt_host_bench.py --out "$OUT/prompt_host" --artifact "$art" ;;

@@ -2,7 +2,7 @@
 
 On the GPU machine (benchmarks/gpu_call.sh installs the wheels), one call for two families:
 
-    python3 benchmarks/kernels/step_account.py --out $OUT --family qwen3_next,kimi_linear
+    python3 benchmarks/kernels/step_account.py --out $OUT --family qwen3_next,kimi_linear   # traced glue
     python3 benchmarks/kernels/step_account.py --out $OUT --artifact ART   # a compiled artifact, its bundle
     python3 benchmarks/kernels/step_account.py --dry-run --out /tmp/acct   # CPU, tiny: the script's own test
     python3 benchmarks/kernels/step_account.py --out $OUT --compiled-pieces --batches 1 --torch-projections
@@ -435,6 +435,11 @@ def main(argv=None) -> int:
     families = [f for f in args.family.split(",") if f]
     if args.artifact and len(families) > 1:
         p.error("--artifact: one artifact is one family; give one --family (or none)")
+    if args.compiled_pieces and len(families) > 1:
+        # A bundle points FlashInfer's module cache at its own copy before anything imports FlashInfer
+        # (runtime/artifact/bundle.py), so a second family's bundle cannot load in the same process.
+        p.error(f"--compiled-pieces: one family per run (each bundle must load before FlashInfer is imported); "
+                f"run the script once for each of {','.join(families)}")
     if args.artifact and not (Path(args.artifact) / "manifest.json").is_file():
         p.error(f"--artifact {args.artifact}: no manifest.json there")
     if not args.dry_run and not is_cuda():

@@ -168,3 +168,13 @@ def test_a_synchronising_call_is_reported_at_the_project_line_under_it(monkeypat
     assert len(sites) == 2, sites
     assert "runtime/step/host_copy.py:" in sites[0] and sites[0].endswith("(x2)"), sites
     assert "tests/benchmarks/test_step_account.py:" in sites[1] and sites[1].endswith("(x1)"), sites
+
+
+def test_compiled_bundles_of_two_families_are_refused_before_any_work(tmp_path):
+    """A compiled bundle points FlashInfer's module cache at its own copy before FlashInfer is imported,
+    so a second family's bundle cannot load in the process: the run is refused in one line, up front."""
+    cmd = [sys.executable, "benchmarks/kernels/step_account.py", "--dry-run", "--out", str(tmp_path / "o"),
+           "--family", "qwen3_next,kimi_linear", "--compiled-pieces"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--compiled-pieces: one family per run" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "o").exists()
