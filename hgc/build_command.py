@@ -141,14 +141,14 @@ def sigmoid_gate_refusal(device: str) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class BundleChoices:
     """What a build may change of its bundle, each a flag of `hgc build` and `hgc compile`: one
-    record from the flags to the build, the ranks' command lines and the rebuild hint. pdl,
-    norm_linear and sigmoid_gate are off until a GPU measures them faster; norm_rope is None where
-    no flag named it, which `resolved` turns into the device's default (DEVICE_DEFAULTS)."""
+    record from the flags to the build, the ranks' command lines and the rebuild hint. pdl and
+    norm_linear are off until a GPU measures them faster; norm_rope and sigmoid_gate are None where
+    no flag named them, which `resolved` turns into the device's default (DEVICE_DEFAULTS)."""
 
     pdl: bool = False  # --pdl: kernels launched with programmatic dependent launch
     norm_linear: bool = False  # --norm-linear: norms folded into the GEMVs beside them
     norm_rope: bool | None = None  # --norm-rope / --no-norm-rope: a GQA layer's q / k norms and rotary as one kernel
-    sigmoid_gate: bool = False  # --sigmoid-gate: an attention output's sigmoid gate as one kernel of a fixed tile
+    sigmoid_gate: bool | None = None  # --sigmoid-gate / --no-sigmoid-gate: an attention output's gate as one kernel
 
     @classmethod
     def of(cls, args) -> "BundleChoices":
@@ -190,8 +190,12 @@ def _flag(field: str) -> str:
 # The choices on by default where they apply, by device kind. norm_rope on cuda: measured faster on
 # an H100, two bundles in one call (benchmarks/results/step_account_options_h100_2026-12-06.md, the
 # glue rows): the compiled glue took 130.0 against 144.9 us of a 512-token step and 772.1 against
-# 890.2 at 4096; 57.2 against 55.0 at decode 1 and 84.2 against 85.6 at decode 128.
-DEVICE_DEFAULTS = {"norm_rope": lambda kind: kind == "cuda"}
+# 890.2 at 4096; 57.2 against 55.0 at decode 1 and 84.2 against 85.6 at decode 128. sigmoid_gate on
+# cuda: the same A/B (benchmarks/results/step_account_sigmoid_gate_ab_h100_2026-12-06.md) gave the
+# three gates 105.9 against Inductor's 124.8 us of a 4096-token step, 12.9 against 18.5 at 512, 5.0
+# against 3.5 at decode 1 and 7.5 against 6.6 at decode 128; and its one tile takes away Inductor's
+# choice between two tiles about twice apart (242 us at 4096 in other builds of the same code).
+DEVICE_DEFAULTS = {"norm_rope": lambda kind: kind == "cuda", "sigmoid_gate": lambda kind: kind == "cuda"}
 
 
 # Each choice's flag help, for `hgc build` (what it does) and `hgc compile` (which builds with it)
@@ -211,7 +215,8 @@ _CHOICE_HELP = {
     "sigmoid_gate": "cuda: run each attention output's sigmoid gate (x * sigmoid(gate), gate beside q in the "
                     "projection's output) as one kernel of a fixed tile (hgc_glue::sigmoid_gate) instead of "
                     "Inductor's, whose tile the build chooses by timing and which took one of two tiles about "
-                    "twice apart at 4096 tokens, build by build. Off by default: not yet measured in a step "
+                    "twice apart at 4096 tokens, build by build. On by default for cuda (measured faster at "
+                    "extend, a microsecond slower at decode); --no-sigmoid-gate keeps Inductor's code "
                     "(docs/DESIGN.md, \"An attention output's gate as one kernel\")",
 }
 

@@ -13,7 +13,7 @@ prompt sizes alike, before the bundle's settings change:
 1. the artifact (bench_common.compiled_artifact: `hgc compile`, traced glue) of --family/--size,
    loaded on random weights; its main program's glue segments as `hgc build` cuts them
    (compiler/splitops/glue.py), with the build's rewrites (the projections' GEMV op, `small_m_for`;
-   the device's default bundle choices, and --sigmoid-gate's where asked), one per distinct
+   the device's default bundle choices, or --[no-]sigmoid-gate's where given), one per distinct
    structure (--max-segments of them, largest first);
 2. per variant (`VARIANTS`: bundle = INDUCTOR_CONFIG; no_combo = combo kernels off; per_block = a
    block size per combo sub-kernel; fixed_pointwise = Inductor's pointwise kernels at their first
@@ -144,9 +144,9 @@ def run(args) -> dict:
     generator = torch.Generator().manual_seed(0)
     from hgc.build_command import BundleChoices, small_m_for
     choices = BundleChoices(sigmoid_gate=args.sigmoid_gate).resolved(device.type)
-    doc["rewrites"] = {"norm_rope": bool(choices.norm_rope), "sigmoid_gate": choices.sigmoid_gate}
+    doc["rewrites"] = {"norm_rope": bool(choices.norm_rope), "sigmoid_gate": bool(choices.sigmoid_gate)}
     for entry in pieces(gm, small_m=small_m_for(art.docs, device.type), limit=args.max_segments,
-                        norm_rope=bool(choices.norm_rope), sigmoid_gate=choices.sigmoid_gate):
+                        norm_rope=bool(choices.norm_rope), sigmoid_gate=bool(choices.sigmoid_gate)):
         module = entry.pop("module")
         # as compile_piece prepares it: on the device, without export's dtype asserts (the eager reference)
         retarget_meta_devices(module.graph, device)
@@ -198,8 +198,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", default=None, help="comma-separated token counts (default 1,32,512,4096; dry run 1,8)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--max-segments", type=int, default=16, help="the largest distinct pieces to take")
-    ap.add_argument("--sigmoid-gate", action="store_true",
-                    help="rewrite the attention outputs' gates as hgc build --sigmoid-gate does")
+    ap.add_argument("--sigmoid-gate", action=argparse.BooleanOptionalAction, default=None,
+                    help="rewrite the attention outputs' gates as hgc build --sigmoid-gate does (default: the "
+                         "device's default, as a build's)")
     ap.add_argument("--calls", type=int, default=20, help="calls captured in one graph")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args(argv)

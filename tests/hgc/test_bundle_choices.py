@@ -64,7 +64,7 @@ def test_a_cuda_compile_that_builds_no_bundle_refuses_a_choice(tmp_path, capsys,
 
 
 def test_the_record_reads_and_writes_its_flags():
-    args = argparse.Namespace(pdl=False, norm_linear=True, norm_rope=True, sigmoid_gate=False, device="cuda")
+    args = argparse.Namespace(pdl=False, norm_linear=True, norm_rope=True, sigmoid_gate=None, device="cuda")
     choices = BundleChoices.of(args)
     assert choices == BundleChoices(norm_linear=True, norm_rope=True)
     assert choices.argv() == ["--norm-linear", "--norm-rope"] and BundleChoices().argv() == []
@@ -73,18 +73,21 @@ def test_the_record_reads_and_writes_its_flags():
     assert BundleChoices(pdl=True, norm_rope=True).refusal("cpu").startswith("--pdl: "), "the flags' order"
 
 
-def test_norm_rope_is_the_cuda_default_that_a_flag_turns_off():
-    """--norm-rope takes the device's default where no flag names it (on for cuda, off for cpu),
-    --no-norm-rope keeps Inductor's code; a rank's command line names only what a flag said."""
+@pytest.mark.parametrize("field", ["norm_rope", "sigmoid_gate"])
+def test_a_cuda_default_takes_the_device_and_a_flag_turns_it_off(field):
+    """--norm-rope and --sigmoid-gate take the device's default where no flag names them (on for
+    cuda, off for cpu), --no-FLAG keeps Inductor's code; a rank's command line names only what a
+    flag said."""
     from hgc.build_command import add_bundle_choices
 
+    flag = "--" + field.replace("_", "-")
     parser = argparse.ArgumentParser()
     add_bundle_choices(parser)
-    unnamed, off, on = (BundleChoices.of(parser.parse_args(a)) for a in ([], ["--no-norm-rope"], ["--norm-rope"]))
-    assert unnamed.norm_rope is None and unnamed.argv() == []
-    assert unnamed.resolved("cuda").norm_rope is True and unnamed.resolved("cpu").norm_rope is False
-    assert off.resolved("cuda").norm_rope is False and off.argv() == ["--no-norm-rope"]
-    assert on.resolved("cuda").norm_rope is True and on.argv() == ["--norm-rope"]
+    unnamed, off, on = (BundleChoices.of(parser.parse_args(a)) for a in ([], ["--no-" + flag[2:]], [flag]))
+    assert getattr(unnamed, field) is None and unnamed.argv() == []
+    assert getattr(unnamed.resolved("cuda"), field) is True and getattr(unnamed.resolved("cpu"), field) is False
+    assert getattr(off.resolved("cuda"), field) is False and off.argv() == ["--no-" + flag[2:]]
+    assert getattr(on.resolved("cuda"), field) is True and on.argv() == [flag]
     assert unnamed.refusal("cpu") is None and off.refusal("cpu") is None, "only an asked choice is refused"
 
 
