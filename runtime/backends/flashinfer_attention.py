@@ -2,7 +2,8 @@
 
 What it owns: the FlashInfer wrappers (and their plans) for every full-attention layer of one
 model, the step's paged metadata, the write of each step's K/V rows into the pool, and the choice
-of the plan-free Triton kernels for decode and target_verify steps (`decode_impl="triton"`).
+of the plan-free Triton kernels for decode and target_verify steps (`decode_impl="triton"`, and
+`mla_decode_impl="triton"` for MLA layers).
 
 Lifecycle (the hooks of runtime/backends/protocol.py):
 
@@ -22,7 +23,8 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    prefill plan covers a whole extend.
    Table steps plan nothing: a decode step, or a target_verify step whose requests all carry the
    same n rows, runs GQA groups with `decode_impl="triton"` (runtime/backends/kernels/gqa.py) and
-   MLA groups with `mla_impl="triton"` (triton_mla.py's page-table mode) straight from the step's
+   MLA groups with `mla_decode_impl="triton"` (both defaults) or `mla_impl="triton"` (the Triton
+   MLA kernel's page-table mode, runtime/backends/kernels/mla.py) straight from the step's
    `page_table` and `seq_lens`: no paged metadata is built and no wrapper is planned for them
    (paged metadata is built only when some other group of the step needs it). Extend and mixed
    steps keep FlashInfer's prefill wrappers (and the Triton MLA kernel its row arrays), except
@@ -137,6 +139,16 @@ __all__ = [
 # (triton_gqa.py) replays as fast as FlashInfer's decode and needs no host plan per step
 # (benchmarks/history/compiled_pieces.md, "Plan-free decode"); FlashInfer's stays a routing choice.
 DECODE_IMPLS = ("triton", "flashinfer")
+# Decode and target_verify kernels of MLA layers, the default first: the Triton MLA kernel from the
+# page table (kernels/mla.py's page-table mode) plans nothing on the host, so a decode graph's replay
+# state is device copies recorded in it; FlashInfer's MLA decode plans BatchMLAPagedAttentionWrapper
+# before every replay. On an H200 the Triton route took bench bailing_linear's batch-1 decode step
+# from 1.715 to 0.904 ms and kimi_linear's from 2.312 to 1.422 (3.186 to 2.168 and 4.436 to 3.234
+# at batch 128; benchmarks/history/compiled_pieces.md, "the MLA families on the Triton MLA
+# decode"); on an H100 the planned decode left 0.35 ms a batch-1 step between the kernels of both
+# families (benchmarks/results/step_account_mla_compiled_h100_2026-12-06.md). Extends keep what
+# mla_impl says (FlashInfer's MLA prefill above whole_extend_tokens).
+MLA_DECODE_IMPLS = ("triton", "flashinfer")
 # How the Triton attention kernels split a row's keys, the default first: "auto" by the step's rows,
 # "fixed" at fixed key positions (a row's result then independent of its step's batch).
 KV_SPLITS = ("auto", "fixed")
@@ -517,7 +529,8 @@ class FlashInferAttentionBackend(BackendHooks):
                 ShapeLimit("mla_attention", "q_rope", -1, frozenset({FLASHINFER_MLA_ROPE}), why=_MLA_WHY)),
         # Kernel alternatives routing records (the first choice is the default; see __init__).
         # decode_impl: the default is the first choice; "triton" plans nothing on the host for
-        # decode and target_verify steps (runtime/backends/kernels/gqa.py).
+        # decode and target_verify steps (runtime/backends/kernels/gqa.py). mla_decode_impl: the
+        # same for MLA layers (runtime/backends/kernels/mla.py's page-table mode; MLA_DECODE_IMPLS).
         # kv_splits: "fixed" makes the Triton kernels' results independent of the step's batch
         # (module docstring, "Splits of the keys"). extend_impl: "triton" runs GQA extend and mixed
         # steps on the Triton kernel (EXTEND_IMPLS); MLA layers refuse it (choice_ops).
@@ -525,6 +538,7 @@ class FlashInferAttentionBackend(BackendHooks):
         # extend_impl says (WHOLE_EXTEND_TOKENS).
         options=(("extend_impl", EXTEND_IMPLS),
                  ("decode_impl", DECODE_IMPLS),
+                 ("mla_decode_impl", MLA_DECODE_IMPLS),
                  ("decode_backend", ("fa2", "auto", "fa3")),
                  ("decode_tensor_cores", ("auto", "on", "off")),
                  ("prefill_backend", ("auto", "fa2", "fa3")),
@@ -552,8 +566,8 @@ class FlashInferAttentionBackend(BackendHooks):
     @staticmethod
     def _kernel_options(options: Mapping[str, str]) -> dict:
         """Routing's recorded choices (capability.options) as constructor arguments."""
-        kwargs = {k: options[k] for k in ("extend_impl", "decode_impl", "decode_backend", "prefill_backend",
-                                          "mla_backend", "kv_splits") if k in options}
+        kwargs = {k: options[k] for k in ("extend_impl", "decode_impl", "mla_decode_impl", "decode_backend",
+                                          "prefill_backend", "mla_backend", "kv_splits") if k in options}
         if "whole_extend_tokens" in options:
             kwargs["whole_extend_tokens"] = int(options["whole_extend_tokens"])
         if "decode_tensor_cores" in options:
@@ -566,7 +580,8 @@ class FlashInferAttentionBackend(BackendHooks):
                  workspace_bytes: int = 256 * 1024 * 1024, decode_tensor_cores: Optional[bool] = None,
                  decode_backend: str = "fa2", prefill_backend: str = "auto", mla_backend: str = "auto",
                  mla_impl: str = "flashinfer", extend_impl: str = "ragged", decode_impl: str = DECODE_IMPLS[0],
-                 kv_splits: str = KV_SPLITS[0], whole_extend_tokens: int = 0):
+                 mla_decode_impl: str = "flashinfer", kv_splits: str = KV_SPLITS[0],
+                 whole_extend_tokens: int = 0):
         """q_heads: query heads of every full layer (one int, or per layer id). layers: the full
         layers this instance serves (default: every full layer of the pool). scales: softmax
         scale per layer (GQA default head_dim**-0.5; MLA layers need one: the scale depends on
@@ -585,7 +600,11 @@ class FlashInferAttentionBackend(BackendHooks):
         through triton_gqa_attention_varlen from the page table: no host plan, capturable; GQA
         layers only). decode_impl: "flashinfer" or "triton"
         (GQA layers of decode and uniform target_verify steps through triton_gqa.py, straight from
-        the page table: nothing planned on the host). kv_splits: "auto" or "fixed", how the Triton
+        the page table: nothing planned on the host). mla_decode_impl: "triton" or "flashinfer", the
+        same for MLA layers (the Triton MLA kernel's page-table mode; mla_impl="triton" runs it
+        whatever this says). Routing records MLA_DECODE_IMPLS[0] for an artifact; an instance built by
+        hand keeps FlashInfer's MLA decode unless told, so a kernel test or benchmark naming
+        mla_impl="flashinfer" measures FlashInfer's kernel. kv_splits: "auto" or "fixed", how the Triton
         kernels split a row's keys (module docstring, "Splits of the keys"); "fixed" needs
         decode_impl="triton" for GQA layers and mla_impl="triton" for MLA layers.
         whole_extend_tokens: extend and mixed steps of up to that many tokens run the Triton
@@ -602,6 +621,9 @@ class FlashInferAttentionBackend(BackendHooks):
             raise ValueError(f"extend_impl must be one of {', '.join(map(repr, EXTEND_IMPLS))}, not {extend_impl!r}")
         if decode_impl not in DECODE_IMPLS:
             raise ValueError(f"decode_impl must be one of {', '.join(map(repr, DECODE_IMPLS))}, not {decode_impl!r}")
+        if mla_decode_impl not in MLA_DECODE_IMPLS:
+            raise ValueError(f"mla_decode_impl must be one of {', '.join(map(repr, MLA_DECODE_IMPLS))}, "
+                             f"not {mla_decode_impl!r}")
         if kv_splits not in KV_SPLITS:
             raise ValueError(f"kv_splits must be one of {', '.join(map(repr, KV_SPLITS))}, not {kv_splits!r}")
         self.kv_pool = kv_pool
@@ -614,6 +636,7 @@ class FlashInferAttentionBackend(BackendHooks):
         self.mla_impl = mla_impl
         self.extend_impl = extend_impl
         self.decode_impl = decode_impl
+        self.mla_decode_impl = mla_decode_impl
         self.fixed_splits = kv_splits == "fixed"  # passed to every Triton attention kernel
         if whole_extend_tokens < 0:
             raise ValueError(f"whole_extend_tokens must be a token count, not {whole_extend_tokens!r}")
@@ -793,7 +816,9 @@ class FlashInferAttentionBackend(BackendHooks):
 
     def _table_kernel(self, g: _Group) -> bool:
         """Whether the group runs a Triton kernel from the page table in a table step."""
-        return self.decode_impl == "triton" if g.kind == "gqa" else self.mla_impl == "triton"
+        if g.kind == "gqa":
+            return self.decode_impl == "triton"
+        return self.mla_impl == "triton" or self.mla_decode_impl == "triton"
 
     def _varlen(self, mode: Mode, tokens: int) -> bool:
         """Whether a step of `mode` and `tokens` rows whose requests carry different rows runs the GQA
@@ -901,7 +926,7 @@ class FlashInferAttentionBackend(BackendHooks):
             "kv_last_page_len": torch.zeros(n, **i32),
             "row_req": torch.zeros(n, **i32),
             "row_pos": torch.zeros(n, **i32),
-            "seq_lens": torch.zeros(n, **i32),  # table steps (decode_impl / mla_impl "triton")
+            "seq_lens": torch.zeros(n, **i32),  # table steps (decode_impl / mla_decode_impl "triton")
             "query_start_loc": torch.zeros(n + 1, **i32),  # extend and mixed steps (extend_impl "triton")
             "page_table": None,  # [n, width]: allocated by the first table step (its width)
         }
@@ -939,7 +964,7 @@ class FlashInferAttentionBackend(BackendHooks):
 
     def replay_state_in_graph(self, mode: Mode) -> bool:
         """A whole-step graph records this backend's replay state where every group runs a Triton
-        kernel from the page table (decode_impl / mla_impl "triton"; in extend and mixed steps,
+        kernel from the page table (decode_impl / mla_decode_impl "triton"; in extend and mixed steps,
         extend_impl "triton"): _plan then only copies the step's slots, page table and lengths (and
         query offsets) into the static buffers on the device, and the rows per request, or the
         most rows a request can own, are fixed by the bucket. FlashInfer's own plan() works on the

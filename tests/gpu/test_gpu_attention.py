@@ -136,6 +136,15 @@ def test_triton_gqa_graph_replays_growing_lengths_like_eager(cfg):
     _assert(check_graph_growing(cfg, decode_impl="triton"))
 
 
+@pytest.mark.parametrize("check", [check_decode, check_graph_decode, check_verify], ids=lambda f: f.__name__)
+def test_mla_decode_on_the_triton_kernel_beside_flashinfers_mla(check):
+    """The routing default for a bf16 MLA layer on this backend: FlashInfer's MLA for extends, the
+    Triton MLA kernel's page-table mode for decode and verify steps (mla_decode_impl="triton"),
+    eager and replayed, against the reference."""
+    args = (MLA_32, 37) if check is check_decode else (MLA_32,)
+    _assert(check(*args, mla_impl="flashinfer", mla_decode_impl="triton"))
+
+
 def test_triton_mla_decode_in_float32():
     """The MLA kernel's page-table mode (decode steps of the triton_mla backend) in float32."""
     _assert(check_decode(MLA_16, 5, dtype=torch.float32, mla_impl="triton"))

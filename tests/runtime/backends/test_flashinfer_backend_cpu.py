@@ -280,7 +280,7 @@ def _store_rows_torch(slot_mapping, page_size, a, b):
 
 class CPUFlashInferBackend(FlashInferAttentionBackend):
     """The backend over the stand-in flashinfer. Decode steps go through FlashInfer's wrappers
-    unless a test asks for the Triton decode (the backend's default) by name."""
+    unless a test asks for the Triton decode (the backend's default for GQA) by name."""
 
     def __init__(self, *args, decode_impl: str = "flashinfer", **kwargs):
         super().__init__(*args, decode_impl=decode_impl, **kwargs)
@@ -527,6 +527,32 @@ def test_triton_decode_graph_buckets_plan_nothing_on_the_host(host_plans, n):
                       max_pages=9).ctx
     with pytest.raises(ValueError, match="page table has 9 columns, the static one 8"):
         pair.be.init_replay_state(wide, 4)
+
+
+def test_mla_decode_on_the_triton_kernel_beside_flashinfers_mla_extends(host_plans):
+    """mla_decode_impl="triton" with mla_impl="flashinfer" (the routing defaults for a bf16 MLA
+    layer): extend and mixed steps plan FlashInfer's MLA wrapper; eager decode steps and decode
+    graph buckets build no paged metadata and plan nothing (a decode graph then records its replay
+    state); every output equals the reference's, padding rows zero; the KV pages match."""
+    pair = Pair(decode_impl="triton", mla_decode_impl="triton", layers=[2])
+    assert pair.be.replay_state_in_graph(Mode.DECODE) and pair.be.replay_state_in_graph(Mode.TARGET_VERIFY)
+    assert not Pair(decode_impl="triton", layers=[2]).be.replay_state_in_graph(Mode.DECODE), "FlashInfer's MLA plans"
+    seqs = [SeqState(i + 1) for i in range(3)]
+    for ctx in _schedule(pair.ref_pool, seqs, pad_tokens_to=16, pad_seqs_to=4):
+        pair.be.init_step_metadata(ctx)
+        assert pair.run(ctx, 2, ctx.num_tokens) < 1e-5
+    assert host_plans == [Mode.EXTEND, Mode.MIXED] and _plans() == ["mla", "mla"]
+    pair.be.init_capture_state(4, 4)
+    for count in (2, 3, 1):
+        items = [(s, [0]) for s in seqs[:count]]
+        ctx = build_step(items, pair.ref_pool, pad_tokens_to=4, pad_seqs_to=4, max_pages=8).ctx
+        pair.be.init_replay_state(ctx, 4)
+        assert pair.be._step.meta is None and pair.be._step.table.rows_per_req == 1
+        assert pair.run(ctx, 2, 4) < 1e-5
+        commit_step(items)
+    assert host_plans == [Mode.EXTEND, Mode.MIXED] and _plans() == ["mla", "mla"]
+    assert not any(e[0] == "init" and e[2] for e in _Fake.log), "no use_cuda_graph wrapper"
+    assert torch.equal(pair.pool.layer(2)["latent"], pair.ref_pool.layer(2)["latent"])
 
 
 @pytest.mark.parametrize("n", [1, 3], ids=["decode", "verify"])
@@ -818,6 +844,9 @@ def test_the_binder_refuses_a_recorded_choice_its_backend_scopes_to_other_ops():
 def test_decode_impl_is_a_routing_choice_and_refuses_odd_head_dims(fake_fi):
     cap = FlashInferAttentionBackend.capability
     assert cap.option_choices()["decode_impl"] == ("triton", "flashinfer")  # triton: the default
+    assert cap.option_choices()["mla_decode_impl"] == ("triton", "flashinfer")
+    assert FlashInferAttentionBackend._kernel_options({"mla_decode_impl": "flashinfer"}) == {
+        "mla_decode_impl": "flashinfer"}
     assert FlashInferAttentionBackend._kernel_options({"decode_impl": "triton"}) == {"decode_impl": "triton"}
     reg = LayerRegistry([LayerSpec(0, LayerKind.FULL_GQA, kv={"k": TensorSpec((1, 24), "float32"),
                                                               "v": TensorSpec((1, 24), "float32")})])
