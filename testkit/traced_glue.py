@@ -4,7 +4,8 @@ Inductor build, so tests/compiler/test_glue_in_split_plans.py and benchmarks/hos
 run the runtime's real install without compiling a bundle. And what the tests of the glue rewrites
 (compiler/splitops/glue_ops.py) share: the tiny families' programs compiled for the CPU in a dtype
 (`program_factory`), the builds they rewrite (`REWRITE_BUILDS`), their segments as modules
-(`segment_modules`) and random inputs for them (`random_inputs`)."""
+(`segment_modules`), random inputs for them (`random_inputs`) and the check that a rewritten
+segment gives the bits it gave (`assert_same_bits`)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,19 @@ def random_inputs(module: torch.fx.GraphModule, rows: int, seed: int) -> list[to
             else:
                 values.append(torch.randint(0, rows, shape, generator=g).to(val.dtype))
     return values
+
+
+# Outputs that are memory a segment allocates for a later op to fill: their bits are whatever the
+# allocator handed out, so a rewritten segment and its reference need not agree on them.
+_ALLOCATIONS = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format,
+                torch.ops.aten.new_empty.default)
+
+
+def assert_same_bits(reference: torch.fx.GraphModule, rewritten: torch.fx.GraphModule, seed: int, where: str) -> None:
+    """The rewritten segment against its unrewritten reference on the same random inputs, at a
+    token count neither was traced with (3 rows): every output the same bits."""
+    given = random_inputs(reference, rows=3, seed=seed)
+    outputs = reference.graph.output_node().args[0]
+    for node, got, want in zip(outputs, rewritten(*given), reference(*given)):
+        if isinstance(want, torch.Tensor) and node.target not in _ALLOCATIONS:
+            assert torch.equal(got, want), f"{where}: {node.name}"
