@@ -23,7 +23,7 @@ Lifecycle (the hooks of runtime/backends/protocol.py):
    prefill plan covers a whole extend.
    Table steps plan nothing: a decode step, or a target_verify step whose requests all carry the
    same n rows, runs GQA groups with `decode_impl="triton"` (runtime/backends/kernels/gqa.py) and
-   MLA groups with `mla_decode_impl="triton"` (both defaults) or `mla_impl="triton"` (the Triton
+   MLA groups with `mla_decode_impl="triton"` (both routing's defaults) or `mla_impl="triton"` (the Triton
    MLA kernel's page-table mode, runtime/backends/kernels/mla.py) straight from the step's
    `page_table` and `seq_lens`: no paged metadata is built and no wrapper is planned for them
    (paged metadata is built only when some other group of the step needs it). Extend and mixed
