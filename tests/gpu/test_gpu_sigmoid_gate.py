@@ -4,8 +4,8 @@ The registered CUDA kernel at bench qwen3_next's GQA layer (16 query heads of 25
 its q in the projection's output, bf16) and in float32, at 1, 7, 512 and 4096 tokens, against the
 op's CPU kernel (the traced glue's two ops) on fresh random inputs: the relative error of the norm
 of the difference under the dtype's parity tolerance. A captured CUDA graph of the call replays
-the bits of its eager run on fresh inputs. A compiled piece is not needed: the op is a call
-Inductor leaves.
+the bits of its eager run on fresh inputs. bench bailing_linear's Lightning gate, one [T, 2048] row
+of every head, the same way. A compiled piece is not needed: the op is a call Inductor leaves.
 
 Runs only on the GPU machine (`pytest -m gpu`).
 """
@@ -51,6 +51,22 @@ def test_the_kernel_is_the_traced_glue_at_bench_dims(T, dtype):
     want = SIGMOID_GATE(x.cpu(), gate.cpu())  # the CPU kernel: the glue's own ops
     assert got.is_cuda and got.is_contiguous() and got.shape == want.shape and got.dtype == dtype
     assert rel_err(got.cpu(), want) < PARITY_RTOL[dtype]
+
+
+@pytest.mark.parametrize("T", [1, 512, 4096])
+def test_a_wide_row_of_every_head_at_bench_bailing_dims(T):
+    """Ling's Lightning gate as its glue traces it: one [T, 2048] row of all 16 heads of 128, the
+    gate a view of a wider projection output; the kernel runs it in heads of ROW_CHUNK channels."""
+    from runtime.backends import glue_kernels
+
+    glue_kernels.register()
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 2048, generator=g).to(torch.bfloat16).cuda()
+    gate = (3 * torch.randn(T, 4 * 2048, generator=g)).to(torch.bfloat16).cuda()[:, 3 * 2048:]
+    got = SIGMOID_GATE(x, gate)
+    want = SIGMOID_GATE(x.cpu(), gate.cpu())
+    assert got.shape == (T, 2048) and got.is_contiguous()
+    assert rel_err(got.cpu(), want) < PARITY_RTOL[torch.bfloat16]
 
 
 def test_a_captured_call_replays_its_eager_bits():

@@ -7,7 +7,8 @@ activation dtype A as torch rounds them):
 
 x [T, H, D] (the attention op's output) and gate [T, H, D] (a view of the projection's output: in
 Qwen3-Next's GQA layers each head's gate sits beside its q channels) with a contiguous last
-dimension; out [T, H, D] contiguous. A [T, D] pair is one head.
+dimension; out [T, H, D] contiguous. A [T, D] pair is one head, or where D is wider than ROW_CHUNK
+(Ling's Lightning gate is traced as one [T, heads x head dim] row) heads of ROW_CHUNK channels.
 
 Why a kernel: Inductor compiled these two ops into one pointwise kernel whose tile the build chose
 by timing two candidates, and in step accounts of bench qwen3_next's builds of the same code
@@ -22,18 +23,24 @@ The compiled glue calls it as hgc_glue::sigmoid_gate in a bundle built with --si
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from runtime.backends.kernels.launch_math import cdiv, next_pow2
 
-__all__ = ["sigmoid_gate", "BLOCK_T"]
+__all__ = ["sigmoid_gate", "BLOCK_T", "ROW_CHUNK"]
 
 # Tokens per program, 4 warps: at bench qwen3_next's heads of 256 bf16 channels a program moves
 # 3 x 8 KiB, 16 bytes a thread a load. Fixed, so one variant serves every step (a width from the
 # step's token count would make a kernel variant per count, each one the bundle must hold).
 BLOCK_T = 16
+# The widest row a program reads: a [T, D] pair wider than this is cut into heads of the largest
+# power of two up to it that divides D. A program's tile then stays [BLOCK_T, ROW_CHUNK] at most,
+# where a whole 2048-channel row (bench bailing_linear's) would be 256 values a thread an input.
+ROW_CHUNK = 256
 
 
 @triton.jit(do_not_specialize=["T"])  # a token count: one compile for every step
@@ -60,7 +67,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
                          "must be [T, H, D] or [T, D] of one shape and dtype")
     if x.stride(-1) != 1 or gate.stride(-1) != 1:
         raise ValueError("sigmoid_gate: x and gate must have a contiguous last dimension")
-    x3, g3 = (t.unsqueeze(1) if t.dim() == 2 else t for t in (x, gate))
+    x3, g3 = (_as_heads(t) for t in (x, gate))
     T, H, D = x3.shape
     out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if T:
@@ -68,3 +75,14 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             x3, g3, out, T, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1),
             H=H, D=D, BLOCK_T_=BLOCK_T, BLOCK_D=next_pow2(D), num_warps=4)
     return out.view(x.shape)
+
+
+def _as_heads(t: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] as the kernel reads it: a [T, D] pair as one head, or as heads of ROW_CHUNK channels
+    (fewer where that divides D) where D is wider; a view either way (the last dimension is
+    contiguous, so its chunks are too)."""
+    if t.dim() == 3:
+        return t
+    D = t.shape[1]
+    chunk = math.gcd(D, ROW_CHUNK)  # the largest power of two up to ROW_CHUNK that divides D
+    return t.unflatten(1, (D // chunk, chunk)) if D > ROW_CHUNK and chunk >= 64 else t.unsqueeze(1)

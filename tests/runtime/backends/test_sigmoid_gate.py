@@ -18,7 +18,7 @@ from testkit.triton_interpreter import DEVICE, interpreter_or_fresh_process  # n
 
 triton = pytest.importorskip("triton", reason="triton is not importable here (it ships Linux wheels only)")
 
-from runtime.backends.kernels.sigmoid_gate import BLOCK_T, sigmoid_gate  # noqa: E402
+from runtime.backends.kernels.sigmoid_gate import BLOCK_T, ROW_CHUNK, sigmoid_gate  # noqa: E402
 from testkit.linear_cases import rel_err  # noqa: E402
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
@@ -60,6 +60,27 @@ def test_a_two_dimensional_pair_is_one_head_and_no_rows_is_nothing():
     assert got.shape == (5, 40) and rel_err(got, x2 * torch.sigmoid(gate2)) <= TOL[torch.float32]
     empty = sigmoid_gate(x[:0], gate[:0])
     assert empty.shape == (0, 1, 40)
+
+
+@in_process
+@pytest.mark.parametrize("width,heads", [(2 * ROW_CHUNK, 2), (ROW_CHUNK + 64, 5), (ROW_CHUNK + 8, 1)])
+def test_a_wide_two_dimensional_pair_runs_in_heads_of_at_most_row_chunk_channels(width, heads):
+    """A [T, W] pair wider than ROW_CHUNK (Ling's Lightning gate: one row of every head's channels,
+    the gate a view of a wider projection output) runs as heads of the largest power of two up to
+    ROW_CHUNK dividing W (at least 64; else one head), and gives the two ops."""
+    from testkit.sm90 import record
+
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(BLOCK_T + 3, width, generator=g).to(DEVICE)
+    gate = (3 * torch.randn(BLOCK_T + 3, 2 * width, generator=g)).to(DEVICE)[:, width:]
+    (launch,) = record(lambda: sigmoid_gate(x, gate))
+    assert launch.grid == [2, heads] and launch.args["BLOCK_D"] == next_pow2(width // heads), launch
+    got = sigmoid_gate(x, gate)
+    assert got.shape == x.shape and rel_err(got, x * torch.sigmoid(gate)) <= TOL[torch.float32]
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 @in_process
