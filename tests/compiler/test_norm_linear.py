@@ -50,7 +50,7 @@ from runtime.backends.kernels import gemv as G  # noqa: E402
 from runtime.backends.kernels import norm_gemv as NG  # noqa: E402
 from testkit.helpers import shared_artifact  # noqa: E402
 from testkit.linear_cases import rel_err  # noqa: E402
-from testkit.traced_glue import assert_same_bits, program_factory, segment_modules, stand_in_inductor  # noqa: E402
+from testkit.traced_glue import assert_same_bits, segment_modules, stand_in_inductor  # noqa: E402
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
@@ -60,11 +60,6 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 # -- 1. the rewrite on traced glue ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    return program_factory(tmp_path_factory)
 
 
 def rewritten(module: torch.fx.GraphModule) -> int:

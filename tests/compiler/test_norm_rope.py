@@ -30,17 +30,12 @@ from compiler.splitops.glue import glue_segments, segment_module
 from compiler.splitops.glue_ops import QK_NORM_ROPE, norm_rope_rows, use_norm_rope
 from models.common import RMSNorm, apply_rotary, rope_inv_freq
 from testkit.helpers import shared_artifact
-from testkit.traced_glue import (REWRITE_BUILDS, assert_same_bits, program_factory, segment_modules,
+from testkit.traced_glue import (REWRITE_BUILDS, assert_same_bits, segment_modules,
                                  stand_in_inductor)
 
 
 
 # -- 1. the rewrite on traced glue ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    return program_factory(tmp_path_factory)
 
 
 def calls(module: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -24,18 +24,13 @@ from torch.export import Dim
 from compiler.splitops import op_name_of, op_nodes
 from compiler.splitops.glue_ops import SIGMOID_GATE, use_sigmoid_gate
 from testkit.helpers import shared_artifact
-from testkit.traced_glue import (REWRITE_BUILDS, assert_same_bits, program_factory, segment_modules,
+from testkit.traced_glue import (REWRITE_BUILDS, assert_same_bits, segment_modules,
                                  stand_in_inductor)
 
 # ops whose output the layer gates with a sigmoid of a projection, by family: Qwen3-Next's and
 # Qwen3.5's GQA layers (the gate beside q), Kimi's KDA and Ling's Lightning layers
 GATED = {"qwen3_next": ("gqa_attention",), "qwen3_5": ("gqa_attention",), "kimi_linear": ("kda_core",),
          "bailing_linear": ("lightning_core",)}
-
-
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    return program_factory(tmp_path_factory)
 
 
 def calls(module: torch.fx.GraphModule) -> list[torch.fx.Node]:
