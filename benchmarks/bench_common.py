@@ -581,6 +581,17 @@ def synchronizer(device: torch.device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
+def _whole(art_dir: Path, pieces: bool) -> bool:
+    """Whether an earlier run left a whole artifact: its manifest, and with pieces a bundle too. A
+    compile cut off while it built the bundle leaves the artifact without one, whose glue runs
+    traced: an account of it would time the traced glue as if it were the bundle's."""
+    from compiler.splitops.bundle import BUNDLE, TARGETS
+
+    if not (art_dir / "manifest.json").is_file():
+        return False
+    return not pieces or any((art_dir / TARGETS).glob(f"*/{BUNDLE}"))
+
+
 def compiled_artifact(args) -> Path:
     """WORK/FAMILY-SIZE-art: `hgc init-model` and `hgc compile` (--target cuda --dtype bfloat16 on
     the GPU, cpu in a dry run) unless an earlier run left it there. With `args.compiled_pieces`
@@ -604,7 +615,7 @@ def compiled_artifact(args) -> Path:
     invariant = bool(getattr(args, "batch_invariant", False))
     art_dir = work / (f"{ckpt.name}-art{'-compiled' if pieces else ''}{routed}{'-' + dtype if dtype else ''}"
                       f"{'-invariant' if invariant else ''}")
-    if not (art_dir / "manifest.json").is_file():
+    if not _whole(art_dir, pieces):
         if config:  # the folder holds config.json alone: nothing else is read
             ckpt.mkdir(parents=True, exist_ok=True)
             shutil.copy(release_config(config), ckpt / "config.json")

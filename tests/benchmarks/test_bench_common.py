@@ -40,3 +40,19 @@ def test_replay_host_split_times_a_real_runners_replay(tmp_path_factory):
         split = replay_host_split(runner, step, key, iters=3, sync=lambda: None)
     assert set(split) == {"fill_ms", "plan_ms", "replay_ms"} and all(v >= 0 for v in split.values())
     assert split["replay_ms"] > 0, "the replay reran the step's ops"
+
+
+def test_an_artifact_whose_bundle_build_was_cut_off_is_not_taken_for_a_compiled_one(tmp_path):
+    """compiled_artifact reuses WORK's artifact only when it is whole: with --compiled-pieces, one
+    whose compile stopped before its bundle (manifest, no bundle.json) is built again."""
+    from benchmarks.bench_common import _whole
+
+    art = tmp_path / "art"
+    assert not _whole(art, pieces=False)
+    art.mkdir()
+    (art / "manifest.json").write_text("{}")
+    assert _whole(art, pieces=False) and not _whole(art, pieces=True)
+    (art / "targets" / "sm90-x").mkdir(parents=True)
+    assert not _whole(art, pieces=True)  # the build's folder, before it wrote bundle.json
+    (art / "targets" / "sm90-x" / "bundle.json").write_text("{}")
+    assert _whole(art, pieces=True)
