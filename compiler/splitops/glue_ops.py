@@ -737,15 +737,36 @@ def use_norm_rope(gm: torch.fx.GraphModule) -> int:
 # -- the sigmoid gate rewrite ---------------------------------------------------------------------------
 
 
+# Ops that only reshape what they read: a gated output seen through them is still the segment's input.
+_RESHAPES = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.unflatten.int,
+             _aten.flatten.using_ints)
+
+
+def _segment_input(x: torch.fx.Node) -> bool:
+    """Whether x is an input of the segment (an op core's output), seen through reshapes only.
+
+    Not where the segment computes x itself: Kimi's KDA and Ling's Lightning layers gate the output
+    of their own norm, and Inductor fuses that norm, the sigmoid and the product into one kernel,
+    which a call of the op would split in two. In bailing_linear's step accounts on an H100
+    (step_account_mla_triton_decode_h100_2026-12-06.md) the split cost 9.8 us of a batch-1 step and
+    14.6 at 128 requests, and at 4096 tokens took 232.7 us where the fused kernels took 226.7; in
+    kimi_linear's the glue took 18 us more of a batch-1 step and 282 more of a 4096-token one."""
+    while x.op == "call_function" and x.target in _RESHAPES:
+        x = x.args[0]
+    return x.op == "placeholder"
+
+
 def _sigmoid_gate_of(mul: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]:
     """(x, gate, the sigmoid node) of `mul(x, sigmoid(gate))` (either order), else None: the sigmoid
-    read by the product alone, x and gate of one float dtype and one shape (no broadcast), 2-D or
-    3-D, each with a contiguous last dimension (what the kernel reads)."""
+    read by the product alone, x an input of the segment (`_segment_input`), x and gate of one float
+    dtype and one shape (no broadcast), 2-D or 3-D, each with a contiguous last dimension (what the
+    kernel reads)."""
     if not _call(mul, _aten.mul.Tensor) or len(mul.args) != 2 or mul.kwargs:
         return None
     out = _val(mul)
     for x, sig in (mul.args, reversed(mul.args)):
-        if not (_call(sig, _aten.sigmoid.default) and _read_only_by(sig, mul) and isinstance(x, torch.fx.Node)):
+        if not (_call(sig, _aten.sigmoid.default) and _read_only_by(sig, mul) and isinstance(x, torch.fx.Node)
+                and _segment_input(x)):
             continue
         gate = sig.args[0]
         xv, gv = _val(x), _val(gate)
@@ -761,7 +782,8 @@ def _sigmoid_gate_of(mul: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.
 def use_sigmoid_gate(gm: torch.fx.GraphModule) -> int:
     """Each `mul(x, sigmoid(gate))` of `gm` (`_sigmoid_gate_of`) becomes one call of sigmoid_gate in
     the product's place; how many (`hgc build --sigmoid-gate`). A sigmoid something else reads, a
-    broadcast product, mixed dtypes or a strided last dimension stay as they were."""
+    gate of rows the segment computes, a broadcast product, mixed dtypes or a strided last dimension
+    stay as they were."""
     count = 0
     for node in list(gm.graph.nodes):
         found = _sigmoid_gate_of(node)

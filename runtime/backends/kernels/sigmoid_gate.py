@@ -8,7 +8,8 @@ activation dtype A as torch rounds them):
 x [T, H, D] (the attention op's output) and gate [T, H, D] (a view of the projection's output: in
 Qwen3-Next's GQA layers each head's gate sits beside its q channels) with a contiguous last
 dimension; out [T, H, D] contiguous. A [T, D] pair is one head, or where D is wider than ROW_CHUNK
-(Ling's Lightning gate is traced as one [T, heads x head dim] row) heads of ROW_CHUNK channels.
+(a gate traced as one [T, heads x head dim] row, as Ling's Lightning gate is; the rewrite leaves
+that one to Inductor, which fuses it with the layer's norm) heads of ROW_CHUNK channels.
 
 Why a kernel: Inductor compiled these two ops into one pointwise kernel whose tile the build chose
 by timing two candidates, and in step accounts of bench qwen3_next's builds of the same code
