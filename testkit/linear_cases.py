@@ -88,25 +88,34 @@ class FakeFLA:
     It checks what the backend must pass: keyword arguments, batch 1, cu_seqlens int64 equal to
     cu_seqlens_cpu, one initial state per sequence, final states requested, no in-kernel l2norm,
     and q, k, v of one dtype (FLA's kernels tl.dot them together and refuse a mix). Like FLA's
-    current entry points, gdn takes precomputed chunk indices and kda / simple_gla do not."""
+    current entry points, gdn takes precomputed chunk indices and kda / simple_gla do not; kda also
+    takes FLA 0.6's graph form (use_graph), whose rows past the real requests' it leaves NaN."""
 
     def __init__(self):
         self.calls = []
 
-    def _run(self, name, *, q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-             g=None, beta=None, g_gamma=None, use_qk_l2norm_in_kernel=False):
+    def _run(self, name, *, q, k, v, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu=None,
+             g=None, beta=None, g_gamma=None, use_qk_l2norm_in_kernel=False, use_graph=False, max_num_seqs=None):
         assert q.shape[0] == 1 and k.shape[0] == 1 and v.shape[0] == 1, "varlen calls use batch 1"
         assert q.dtype == k.dtype == v.dtype, f"FLA needs q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-        assert cu_seqlens.dtype == torch.int64 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
-        assert cu_seqlens_cpu.device.type == "cpu" and int(cu_seqlens_cpu[-1]) == q.shape[1]
-        assert initial_state.shape[0] == len(cu_seqlens_cpu) - 1 and initial_state.dtype == torch.float32
+        assert cu_seqlens.dtype == torch.int64
+        if use_graph:
+            # chunk_kda's graph form: cu_seqlens on the device alone, max_num_seqs + 1 entries, the
+            # requests past the real ones empty; rows past the last request's are left undefined
+            assert cu_seqlens_cpu is None and max_num_seqs == len(cu_seqlens) - 1, (cu_seqlens, max_num_seqs)
+            bounds = cu_seqlens.cpu().tolist()
+            assert bounds[-1] <= q.shape[1]
+        else:
+            assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+            assert cu_seqlens_cpu.device.type == "cpu" and int(cu_seqlens_cpu[-1]) == q.shape[1]
+            bounds = cu_seqlens_cpu.tolist()
+        assert initial_state.shape[0] == len(bounds) - 1 and initial_state.dtype == torch.float32
         assert output_final_state and not use_qk_l2norm_in_kernel
-        self.calls.append((name, cu_seqlens_cpu.tolist()))
+        self.calls.append((name, bounds, use_graph))
         rep = v.shape[2] // q.shape[2]
         qq, kk = q[0].repeat_interleave(rep, dim=1), k[0].repeat_interleave(rep, dim=1)
         ht = initial_state.clone()
-        o = torch.empty(v.shape[1:], dtype=torch.float32, device=v.device)
-        bounds = cu_seqlens_cpu.tolist()
+        o = torch.full(v.shape[1:], float("nan"), dtype=torch.float32, device=v.device)
         for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
             if name == "gdn":
                 decay = g[0, a:b].unsqueeze(-1)
@@ -115,6 +124,9 @@ class FakeFLA:
             else:
                 assert g is None and g_gamma is not None and g_gamma.shape == (v.shape[2],)
                 decay = g_gamma.float().view(1, -1, 1)
+            if use_graph and a == b:
+                ht[i] = float("nan")  # the graph form's empty requests: sentinel rows, their states not promised
+                continue
             o[a:b] = gated_recurrence(qq[a:b], kk[a:b], v[0, a:b], decay, None if beta is None else beta[0, a:b],
                                       ht[i], scale)
         initial_state.fill_(float("nan"))  # FLA may scribble on it: the backend must not reuse it
@@ -128,8 +140,9 @@ class FakeFLA:
         assert chunk_indices.dtype == torch.int64 and chunk_indices.tolist() == want, (chunk_indices, want)
         return self._run("gdn", **kw)
 
-    def kda(self, **kw):
-        return self._run("kda", **kw)
+    def kda(self, *, use_graph=False, max_num_seqs=None, **kw):
+        """As FLA 0.6's chunk_kda, which has the graph form (use_graph, max_num_seqs) besides its plain one."""
+        return self._run("kda", use_graph=use_graph, max_num_seqs=max_num_seqs, **kw)
 
     def simple_gla(self, **kw):
         return self._run("simple_gla", **kw)

@@ -30,7 +30,8 @@ four modes:
   chunk table the step's plan made on the host. Ours and the extend conv are capturable (the
   capability's `op_capture`): a replayed step reads the tables from the static extend plan
   init_replay_state fills, padded to the bucket (_StaticExtendPlan); FLA's are not (its Python
-  plans on the host), so KDA and `chunk_impl=fla` stay eager gaps of the larger steps. With
+  plans on the host), so KDA and `chunk_impl=fla` stay eager gaps of the larger steps (KDA's are
+  captured at every size under `kda_graph=on`, FLA 0.6's graph form of chunk_kda). With
   `short_extend_tokens` set, a step of such an op whose requests each bring at most that many
   tokens (a prefix-cache hit's tail, a short prompt) runs the recurrent cores through our
   short-extend kernel instead (triton_linear.recurrent_extend: one launch a layer, each request's
@@ -186,6 +187,12 @@ def _gdn_forward():
             state_v_first=False, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK)
         return o.to(q.dtype), final_state
     return gdn
+
+
+@functools.lru_cache(maxsize=8)
+def _takes_graph_form(kda) -> bool:
+    """Whether FLA's chunk_kda (or a stand-in) names `use_graph`: FLA 0.6's form for graph capture."""
+    return "use_graph" in inspect.signature(kda).parameters
 
 
 def _simple_gla_taking_chunk_indices():
@@ -377,6 +384,14 @@ SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 # and the short convolution has no chunk kernels: they take the default with GDN, so the ops of one
 # layer resolve alike and share one backend instance.
 CHUNK_IMPL_CHOICES = ("triton", "fla")
+# kda_graph: whether KDA's extend steps past the short-extend limit call FLA's chunk_kda in its form
+# for graph capture ("on": `use_graph=True`, the chunk table built on the device at a fixed size from
+# cu_seqlens padded with empty requests), so a bucket captures KDA at every size as it captures our
+# chunk kernels, or in its plain form in the eager gaps ("off", the default). Kimi's prompt steps past
+# 64 tokens spend most of their time on the host in those gaps; the graph form costs a state gather
+# and write-back for every request row of the bucket, padding ones too (docs/DESIGN.md, "Past 64
+# tokens a KDA layer is an eager gap"). "on" has not run on a GPU yet, hence off.
+KDA_GRAPH = ("off", "on")
 # decode_tiles: the decode and verify kernels' tiles "by_batch" (the default), "fixed" or "walk" (the
 # capability's comment).
 DECODE_TILES = ("by_batch", "fixed", "walk")
@@ -407,6 +422,8 @@ class TritonLinearBackend(BackendHooks):
                       why="our chunk kernels over the bucket's static tables"),
             OpCapture("short_conv", frozenset({Mode.EXTEND, Mode.MIXED}),
                       why="our extend conv over the bucket's static tables"),
+            OpCapture("kda_core", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("kda_graph", "on"),),
+                      why="FLA's chunk_kda in its graph form over the bucket's static tables"),
             # The recurrent cores that no entry above captures (KDA, or chunk_impl=fla): a bucket of
             # at most short_extend_tokens rows holds no longer request, so its steps, eager or
             # replayed, run the short-extend kernel, which reads its requests, bounds and slots from
@@ -428,8 +445,9 @@ class TritonLinearBackend(BackendHooks):
         # SM that load the next tile's state while they compute one (kernels/linear.py
         # walk_recurrent_config; measured slower than by_batch on an H100, so off unless asked).
         # split_decode: the fused mixer's one-request decode in two launches or one (SPLIT_DECODE).
+        # kda_graph: KDA's long extends on FLA's graph form, captured at every size (KDA_GRAPH).
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
-                 ("decode_tiles", DECODE_TILES), ("split_decode", SPLIT_DECODE)),
+                 ("decode_tiles", DECODE_TILES), ("split_decode", SPLIT_DECODE), ("kda_graph", KDA_GRAPH)),
         batch_invariant=(("decode_tiles", "fixed"),),
         # The fused GDN mixer is this backend's by default (no fused_on_route): with its decode on the
         # split at one request and the unfused kernels past it (kernels/gdn_fused.py decode_launches),
@@ -442,7 +460,7 @@ class TritonLinearBackend(BackendHooks):
             "chunk kernels for KDA, or with chunk_impl=fla), a Triton extend conv; "
             "in place on the slot-indexed state pool (padding slot skipped); capturable in decode and target_verify, "
             "and in extend and mixed where our own kernels run (KDA, and chunk_impl=fla, in steps of up to "
-            "short_extend_tokens tokens)")
+            "short_extend_tokens tokens; KDA at every size on FLA's graph form with kda_graph=on)")
 
     # The extend conv's layout: None row streaming (conv_extend_rows_config) for steps of at least
     # CONV_EXTEND_ROWS_MIN_TOKENS rows and kernel widths up to CONV_EXTEND_ROWS_MAX_K (every released
@@ -452,7 +470,8 @@ class TritonLinearBackend(BackendHooks):
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
                  short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0],
-                 snapshots=None, routed_ops: frozenset[str] | None = None, split_decode: str = SPLIT_DECODE[0]):
+                 snapshots=None, routed_ops: frozenset[str] | None = None, split_decode: str = SPLIT_DECODE[0],
+                 kda_graph: str = KDA_GRAPH[0]):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
@@ -469,7 +488,7 @@ class TritonLinearBackend(BackendHooks):
         tiles (walk_recurrent_config). `snapshots`: the prefix cache's SnapshotPool, which the chunk
         kernels and the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
         routing binds to this instance (None: any it supports), which say whether it may write them
-        (`writes_step_snapshots`). `split_decode`: the routing option of the same name."""
+        (`writes_step_snapshots`). `split_decode`, `kda_graph`: the routing options of the same names."""
         if split_decode not in SPLIT_DECODE:
             raise ValueError(f"{self.name}: split_decode must be one of {SPLIT_DECODE}, not {split_decode!r}")
         self.merged_split = split_decode == "one_launch"
@@ -479,6 +498,9 @@ class TritonLinearBackend(BackendHooks):
         self.walk_tiles = decode_tiles == "walk"
         if chunk_impl not in CHUNK_IMPL_CHOICES:
             raise ValueError(f"{self.name}: chunk_impl must be one of {CHUNK_IMPL_CHOICES}, not {chunk_impl!r}")
+        if kda_graph not in KDA_GRAPH:
+            raise ValueError(f"{self.name}: kda_graph must be one of {KDA_GRAPH}, not {kda_graph!r}")
+        self.kda_graph = kda_graph == "on"
         self.state_pool = state_pool
         self.device = state_pool.device
         self.recurrent_config = recurrent_config
@@ -494,7 +516,7 @@ class TritonLinearBackend(BackendHooks):
         self._static_extend: _StaticExtendPlan | None = None  # captured extend and mixed steps' tables
         self._graph_workspaces: dict[tuple, object] = {}  # the chunk kernels' in captured steps (never regrown)
         self._step: _StepPlan | None = None
-        options = {"short_extend_tokens": str(short_extend_tokens), "chunk_impl": chunk_impl}
+        options = {"short_extend_tokens": str(short_extend_tokens), "chunk_impl": chunk_impl, "kda_graph": kda_graph}
         # Ops whose extend and mixed steps this instance may run inside a captured graph, at any
         # size, and those it may run there in steps of up to some tokens (the short-extend kernel).
         self._captured_extend = frozenset(op for op in self.supported_ops
@@ -525,7 +547,8 @@ class TritonLinearBackend(BackendHooks):
         return {"short_extend_tokens": int(options.get("short_extend_tokens", SHORT_EXTEND_CHOICES[0])),
                 "chunk_impl": options.get("chunk_impl", CHUNK_IMPL_CHOICES[0]),
                 "decode_tiles": options.get("decode_tiles", DECODE_TILES[0]),
-                "split_decode": options.get("split_decode", SPLIT_DECODE[0])}
+                "split_decode": options.get("split_decode", SPLIT_DECODE[0]),
+                "kda_graph": options.get("kda_graph", KDA_GRAPH[0])}
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -806,8 +829,48 @@ class TritonLinearBackend(BackendHooks):
         if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_CHANNEL):
             return
         q, k = _in_dtype_of(v, q, k)
-        self._chunk(ctx, "kda_core", layer_id, out, "kda", dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
-                    use_qk_l2norm_in_kernel=False)
+        tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
+        if self.kda_graph:
+            self._kda_graph_form(ctx, layer_id, out, tokens, scale)
+            return
+        self._chunk(ctx, "kda_core", layer_id, out, "kda", tokens, scale=scale, use_qk_l2norm_in_kernel=False)
+
+    def _kda_graph_form(self, ctx, layer_id: int, out: torch.Tensor, tokens: dict, scale: float) -> None:
+        """FLA's chunk_kda in its graph form (kda_graph "on"), eager and captured steps alike, so an
+        eager step computes what the replayed graph of the same step does.
+
+        Captured: over the static plan, the bucket's rows and its B + 1 requests (padding requests
+        and the always-empty one on the padding slot, empty at the tail of cu_seqlens, as the form
+        requires); FLA leaves the padding rows undefined, so they are written as zeros here, and
+        the padding requests' final states (they sit on the padding slot) are replaced by the slot's
+        own contents before the write-back, so the padding slot keeps what it held. Eager: the plan's
+        real requests and rows, as `_chunk` hands FLA's plain form."""
+        plan = self._extend_plan(self._step_plan(ctx), "kda_core")
+        states = self._layer_state(layer_id, "recurrent")
+        if plan.captured:
+            bounds, slots, rows = plan.padded_bounds, plan.slots, out.shape[0]
+            cu = bounds[:-1]  # the B + 1 requests; the last entry, the bucket's rows, is the padding rows'
+        else:
+            cu, slots, rows = plan.cu_seqlens, plan.slots, plan.num_tokens
+        if rows > 0:
+            kda = self._fla_ops().kda
+            if not _takes_graph_form(kda):  # before FLA 0.6, its **kwargs would swallow use_graph
+                raise RuntimeError(f"{self.name}: kda_graph=on takes FLA's chunk_kda in its graph form (use_graph, "
+                                   f"FLA 0.6 and later); this FLA's chunk_kda has none")
+            h0 = states.index_select(0, slots).float()  # [B, H, Dk, Dv] float32, as FLA's kernels take it
+            o, ht = kda(**{name: t[None, :rows] for name, t in tokens.items()}, scale=scale,
+                                        initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                        use_qk_l2norm_in_kernel=False, use_graph=True, max_num_seqs=slots.shape[0])
+            o = o[0].reshape(out[:rows].shape)
+            if plan.captured:
+                real = torch.arange(rows, device=out.device) < bounds[-2]
+                o = torch.where(real.view(-1, *([1] * (o.dim() - 1))), o, 0)
+                held = states[PADDING_SLOT].float().expand_as(ht)
+                ht = torch.where((slots == PADDING_SLOT).view(-1, 1, 1, 1), held, ht)
+            out[:rows].copy_(o)
+            states.index_copy_(0, slots, ht.to(states.dtype))
+        if out.shape[0] > rows:
+            out[rows:].zero_()
 
     def _lightning_extend(self, ctx, q, k, v, decay, out, layer_id, scale):
         if self._short_extend(ctx, layer_id, q, k, v, decay, None, out, scale, _kernels().GATE_CONSTANT):

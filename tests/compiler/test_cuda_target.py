@@ -242,6 +242,7 @@ def test_hgc_backends_lists_each_kernel_option_with_its_choices_default_first(ca
     at = next(i for i, ln in enumerate(lines) if ln.startswith("triton_linear "))
     assert "short_extend_tokens=64|0|16|32|128" in lines[at]
     assert "chunk_impl=triton|fla" in lines[at + 1]
+    assert any("kda_graph=off|on" in line for line in lines[at:at + 6])
     at = next(i for i, ln in enumerate(lines) if ln.startswith("flashinfer "))
     assert "extend_impl=ragged|paged|triton" in lines[at] and "(triton: gqa_attention only)" in lines[at + 1]
 
@@ -353,6 +354,21 @@ def test_a_kimi_linear_compile_has_whole_step_graphs_up_to_the_kda_bound(checkpo
     assert rc == 0, err[-3000:]
     plan = json.loads((art / "split.json").read_text())["programs"]["main"]["extend"]
     assert plan["whole_up_to"] == 0 and "hgc.kda_core on triton_linear cannot be captured in extend" in plan["whole_why"]
+
+
+def test_kda_graph_takes_kda_out_of_kimis_extend_gaps(checkpoints, tmp_path, capsys):
+    """`--route kda_core=triton_linear[kda_graph=on]`: KDA's extends on FLA's graph form are captured
+    at every size, so MLA is the one extend gap left and its bound (512) the plans' whole-step
+    bound; routing.json records the choice on every KDA node, and the layer's conv shares it."""
+    rc, art, err = compile_cuda(checkpoints, "kimi_linear", tmp_path, capsys, "--dtype", "bfloat16",
+                                "--route", "kda_core=triton_linear[kda_graph=on]")
+    assert rc == 0, err[-3000:]
+    assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["mla_attention"]
+    plan = json.loads((art / "split.json").read_text())["programs"]["main"]["extend"]
+    assert plan["whole_up_to"] == 512, plan
+    kda = [e for e in entries(art) if e["op"] == "kda_core"]
+    assert kda and {e["options"]["kda_graph"] for e in kda} == {"on"}
+    assert all("extend" in e["backend_capturable"] for e in kda)
 
 
 @pytest.mark.parametrize("route", ["mla_attention=flashinfer[extend_impl=triton]",

@@ -504,13 +504,14 @@ REPLAYED_STEPS = [  # replayed in it: slots 1 and 3 start empty; decode rows bes
 ]
 
 
-@pytest.mark.parametrize("op", ["gdn_core", "lightning_core", "short_conv"])
-def test_extend_graph_capture_and_replay(op):
-    """An extend step captured once in a CUDA graph (our chunk kernels, the extend conv) from a
-    placeholder step on the padding slot, then replayed for an extend and a mixed step of other
-    lengths, slots and request counts through the static plan: outputs and states against the
-    reference, padding rows zero, the padding slot and free slots untouched (the placeholder step's
-    warm-up and capture included)."""
+@pytest.mark.parametrize("op,options", [("gdn_core", {}), ("lightning_core", {}), ("short_conv", {}),
+                                        ("kda_core", {"kda_graph": "on"})], ids=["gdn", "lightning", "conv", "kda_graph"])
+def test_extend_graph_capture_and_replay(op, options):
+    """An extend step captured once in a CUDA graph (our chunk kernels, the extend conv; KDA under
+    kda_graph=on, FLA's chunk_kda in its graph form) from a placeholder step on the padding slot,
+    then replayed for an extend and a mixed step of other lengths, slots and request counts through
+    the static plan: outputs and states against the reference, padding rows zero, the padding slot
+    and free slots untouched (the placeholder step's warm-up and capture included)."""
     from runtime.backends.triton_linear import TritonLinearBackend
 
     if DEV != "cuda":
@@ -521,7 +522,7 @@ def test_extend_graph_capture_and_replay(op):
     for pool in (ref_pool, dev_pool):
         pool.layer(0)[entry][[1, 3]] = 0  # new requests start from the empty state
     before = dev_pool.layer(0)[entry].clone()
-    tri = TritonLinearBackend(dev_pool, chunk_impl="triton")
+    tri = TritonLinearBackend(dev_pool, chunk_impl="triton", **options)
     tri.init_capture_state(max_tokens=T, max_seqs=B)
     g = torch.Generator().manual_seed(42)
 

@@ -711,6 +711,62 @@ def test_buckets_up_to_the_short_extend_limit_hold_the_other_cores_on_the_static
 
 
 @in_process
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_kda_graph_captures_kdas_extends_on_flas_graph_form_at_every_size(monkeypatch, state_dtype):
+    """kda_graph=on: KDA's extend and mixed steps are captured at every size. Replayed, each calls
+    FLA's chunk_kda in its graph form over the static plan (cu_seqlens of the bucket's B + 1
+    requests, the padding and spare ones empty at the tail; the bucket's rows, the stand-in leaving
+    the padding rows NaN): outputs and states match the reference, padding rows are zeros, the
+    padding slot and free slots keep what they held. The short-extend kernel is not taken, even
+    for steps within its limit: eager steps run the graph form too (the next test)."""
+    short = []
+    real = TL.recurrent_extend
+    monkeypatch.setattr(TL, "recurrent_extend", lambda *a, **k: (short.append(1), real(*a, **k)))
+    options = {"short_extend_tokens": 64, "kda_graph": "on"}
+    tri = TritonLinearBackend(make_pools(0)[1], **options)
+    assert "kda_core" in tri._captured_extend and "kda_core" not in tri._bounded_extend
+    fake = compare_mode_steps("kda_core", 2, REPLAYED_STEPS, seed=77, backend_kwargs=options, replayed=True,
+                              state_dtype=state_dtype)
+    # the 128-row bucket of 4 requests: 5 requests in cu_seqlens; the 128-row bucket of 4 again
+    assert fake.calls == [("kda", [0, 70, 75, 75, 75, 75], True), ("kda", [0, 4, 5, 8, 8, 8], True)]
+    assert short == []
+
+
+@in_process
+def test_kda_graph_runs_eager_steps_on_the_graph_form_over_their_real_requests():
+    """kda_graph=on, eager steps (the eager gaps' plan, no capture): the graph form over the step's
+    real requests and rows (cu_seqlens on the device alone), whatever their length; outputs, states
+    and padding rows as the reference has them. FLA's plain form is not called."""
+    fake = compare_mode_steps("kda_core", 2, MODE_STEPS, seed=78, backend_kwargs={"kda_graph": "on"})
+    assert fake.calls == [("kda", [0, 6, 11], True), ("kda", [0, 4, 5, 8], True), ("kda", [0, 2, 5], True)]
+
+
+def test_kda_graph_is_a_routing_option_and_needs_flas_graph_form():
+    from runtime.backends.protocol import BackendSetup
+
+    assert dict(TritonLinearBackend.capability.options)["kda_graph"] == ("off", "on")
+    _, dev_pool = make_pools(0)
+    build = lambda options: TritonLinearBackend.build(BackendSetup(None, dev_pool, dev_pool.device, (), options))
+    assert not build({}).kda_graph and build({"kda_graph": "on"}).kda_graph  # the default: off
+    assert "kda_core" in build({"kda_graph": "on"})._captured_extend
+    assert "kda_core" not in build({})._captured_extend
+    with pytest.raises(ValueError, match="kda_graph"):
+        TritonLinearBackend(dev_pool, kda_graph="yes")
+
+    class PlainFLA(FakeFLA):  # an FLA before 0.6: chunk_kda without its graph form
+        def kda(self, **kw):
+            return self._run("kda", **kw)
+
+    tri = TritonLinearBackend(dev_pool, fla=PlainFLA(), kda_graph="on")
+    ctx = mode_step(Mode.EXTEND, [(4, 0, 6), (7, 9, 5)], 3, 1)
+    tri.init_step_metadata(ctx)
+    tri.init_chunk_metadata(ctx, 64)
+    x = step_inputs("kda_core", 2, 14, 11, torch.float32, torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="graph form"):
+        run_op(tri, ctx, "kda_core", 2, x, torch.float32, DEVICE)
+
+
+@in_process
 def test_static_plan_tables_are_padded_to_the_bucket():
     """The layout a captured step's launches keep: slots and bounds for B+1 requests (the last one
     empty, on the padding slot), chunk rows T/64 + B and conv-block rows T/32 + B + 1, the rows past
