@@ -18,7 +18,10 @@ of 128), and what a route onto it would cost around the kernel:
    pool, in place); FlashInfer's kernel alone on prepared inputs; and FlashInfer as a route would
    run it inside a step: the values made contiguous (the conv's output holds them as a strided
    view), the log-decays' exp and beta in float32 (its interface), the requests' states gathered
-   from the pool in its layout, and its final states put back.
+   from the pool in its layout, and its final states put back. FlashInfer's launch function
+   allocates the kernel's workspace in every call, which no capture allows; csrc/gdn_prefill_sm90.cu
+   also launches the same kernel with a workspace kept across calls and the values' row stride given
+   ("lean": no copy of the values, nothing allocated), checked first to give the plain launch's bits.
 
     $(python3 benchmarks/probes/gdn_prefill_probe.py --build-command)   # nvcc, once, any machine
     bash benchmarks/gpu_call.sh python3 benchmarks/probes/gdn_prefill_probe.py --out $OUT
@@ -104,6 +107,10 @@ class StandInPrefill:
             output_state[r] = state.transpose(-1, -2)
         return output, output_state
 
+    def into(self, q, k, v, alpha, beta, scale, initial_state, cu_seqlens, output, output_state):
+        """The launch with the caller's workspace (PrefillLibrary.into): the same computation."""
+        self(q, k, v, alpha, beta, scale, initial_state, True, cu_seqlens, output=output, output_state=output_state)
+
 
 class PrefillLibrary:
     """FlashInfer's kernel in the one variant csrc/gdn_prefill_sm90.cu builds (bf16, GVA, alpha, beta,
@@ -114,11 +121,36 @@ class PrefillLibrary:
     def __init__(self, path: Path):
         import ctypes
 
-        self.fn = ctypes.CDLL(str(path)).hgc_gdn_prefill_bf16_gva
+        lib = ctypes.CDLL(str(path))
+        self.fn = lib.hgc_gdn_prefill_bf16_gva
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_int32] * 5
                             + [ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p])
+        self.fn_into = lib.hgc_gdn_prefill_bf16_gva_into
+        self.fn_into.restype = ctypes.c_int
+        self.fn_into.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
+                                 + [ctypes.c_int32] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int32,
+                                                           ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+        lib.hgc_gdn_prefill_workspace_bytes.restype = ctypes.c_size_t
+        lib.hgc_gdn_prefill_workspace_bytes.argtypes = [ctypes.c_int32]
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        # the kernel's workspace (a TMA descriptor per SM), made once: nothing is allocated in a call
+        self.workspace = torch.empty(lib.hgc_gdn_prefill_workspace_bytes(self.sms), dtype=torch.uint8,
+                                     device="cuda")
+
+    def into(self, q, k, v, alpha, beta, scale, initial_state, cu_seqlens, output, output_state):
+        """The kernel launched with the kept workspace; v may be a strided view (rows of any stride,
+        heads of head_size), as the conv's output holds the values."""
+        T, hq, d = q.shape
+        hv = v.shape[1]
+        assert q.is_contiguous() and k.is_contiguous() and v.stride(2) == 1 and v.stride(1) == d
+        assert output.is_contiguous() and output_state.is_contiguous() and initial_state.is_contiguous()
+        rc = self.fn_into(output.data_ptr(), output_state.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                          v.stride(0), initial_state.data_ptr(), alpha.data_ptr(), beta.data_ptr(),
+                          cu_seqlens.data_ptr(), cu_seqlens.numel() - 1, hq, hv, d, T, scale, self.sms,
+                          self.workspace.data_ptr(), self.workspace.numel(), torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"FlashInfer's GDN prefill (kept workspace) failed: code {rc}")
 
     def __call__(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                  use_qk_l2norm_in_kernel=False, output=None, output_state=None):
@@ -243,6 +275,18 @@ class Theirs:
         self.kernel()
         self.pool.index_copy_(0, self.slots, self._layout(self.state))
 
+    def lean(self) -> None:
+        """What a route with the kept-workspace launch needs around the kernel: the values read where
+        the conv left them (no copy), exp of the decays, beta in float32, the states gathered and
+        put back in FlashInfer's layout."""
+        c = self.case
+        torch.exp(c["g"], out=self.alpha)
+        self.beta.copy_(c["beta"])
+        self.h0.copy_(self._layout(self.pool.index_select(0, self.slots)))
+        self.prefill.into(c["q"], c["k"], c["v"], self.alpha, self.beta, c["scale"], self.h0, c["cu"], self.out,
+                          self.state)
+        self.pool.index_copy_(0, self.slots, self._layout(self.state))
+
     def final_states(self) -> torch.Tensor:
         return self._layout(self.state)
 
@@ -262,6 +306,15 @@ def check(case: dict, ref_out, ref_state, prefill) -> dict:
     result["flashinfer"] = layouts
     matching = [name for name, errs in layouts.items() if max(errs.values()) < TOL]
     result["flashinfer_layout"] = matching[0] if matching else None
+    if matching:  # the kept-workspace launch on the strided values: the kernel's bits
+        theirs = Theirs(case, prefill, transposed=matching[0] == "dv_dk")
+        theirs.reset()
+        theirs.kernel()
+        want_out, want_state = theirs.out.clone(), theirs.final_states().clone()
+        theirs.reset()
+        theirs.lean()
+        result["lean_same_bits"] = bool(torch.equal(theirs.out, want_out)
+                                        and torch.equal(theirs.pool[1:], want_state.to(theirs.pool.dtype)))
     result["ours_ok"] = max(result["ours_out"], result["ours_state"]) < TOL
     return result
 
@@ -312,16 +365,22 @@ def probe_case(name: str, dims: dict, device, prefill, dry: bool, gen) -> dict:
         timings["flashinfer_kernel"], failures["flashinfer_kernel"] = timed_ms(theirs.kernel, dry)
         theirs.reset()
         timings["flashinfer_route"], failures["flashinfer_route"] = timed_ms(theirs.route, dry)
+        if row["checks"].get("lean_same_bits"):
+            theirs.reset()
+            timings["flashinfer_lean"], failures["flashinfer_lean"] = timed_ms(theirs.lean, dry)
     row["us"] = {k: v * 1e3 for k, v in timings.items()}
     row["capture_failed"] = {k: v for k, v in failures.items() if v}
     if "ours" in timings and "flashinfer_route" in timings:
         row["route_over_ours"] = timings["flashinfer_route"] / timings["ours"]
+    if "ours" in timings and "flashinfer_lean" in timings:
+        row["lean_over_ours"] = timings["flashinfer_lean"] / timings["ours"]
     return row
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| case | ours out / state | FlashInfer out / state (layout) | ours us | FlashInfer kernel us | "
-             "FlashInfer route us | route / ours |", "|---|---|---|---:|---:|---:|---:|"]
+             "FlashInfer route us | route / ours | lean route us | lean / ours |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         c = row["checks"]
         layout = c["flashinfer_layout"]
@@ -330,7 +389,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {row['case']} | {c['ours_out']:.1e} / {c['ours_state']:.1e} | {fi['out']:.1e} / "
                      f"{fi['state']:.1e} ({layout or 'no layout matched'}) | {us.get('ours', float('nan')):.1f} | "
                      f"{us.get('flashinfer_kernel', float('nan')):.1f} | {us.get('flashinfer_route', float('nan')):.1f} "
-                     f"| {row.get('route_over_ours', float('nan')):.2f} |")
+                     f"| {row.get('route_over_ours', float('nan')):.2f} | {us.get('flashinfer_lean', float('nan')):.1f} "
+                     f"| {row.get('lean_over_ours', float('nan')):.2f} |")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """benchmarks/probes/gdn_prefill_probe.py --dry-run on the CPU: our chunk kernels (Triton's interpreter, tiny
 dims) and the stand-in for FlashInfer's GDN prefill, each checked against the reference recurrence from non-zero
-states, the stand-in's state layout found among the two readings, then each path timed."""
+states, the stand-in's state layout found among the two readings, the kept-workspace launch on strided values
+giving the plain launch's bits, then each path timed."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ def test_dry_run_checks_both_kernels_finds_the_state_layout_then_times_them(tmp_
     # the stand-in keeps FlashInfer's documented [Dv, Dk] states: the other reading must not pass
     assert checks["flashinfer_layout"] == "dv_dk", checks
     assert checks["flashinfer"]["dk_dv"]["state"] > 0.1, checks
-    assert set(row["us"]) == {"ours", "flashinfer_kernel", "flashinfer_route"} and all(v > 0 for v in row["us"].values())
-    assert row["capture_failed"] == {} and row["route_over_ours"] > 0
+    assert checks["lean_same_bits"], checks
+    assert set(row["us"]) == {"ours", "flashinfer_kernel", "flashinfer_route", "flashinfer_lean"}
+    assert all(v > 0 for v in row["us"].values())
+    assert row["capture_failed"] == {} and row["route_over_ours"] > 0 and row["lean_over_ours"] > 0
 
 
 def test_a_case_that_is_not_requests_by_tokens_is_refused_in_one_line(tmp_path):
