@@ -43,7 +43,9 @@
 #                of FAMILIES, at BATCHES and EXTENDS where set; PIECES=1 with the compiled bundle (without it
 #                the traced glue runs: about 790 glue kernels a bailing_linear step). kimi_linear's captured
 #                extend plan takes steps of up to 64 tokens apart, so EXTENDS must name 64 for it:
-#                FAMILIES=kimi_linear,bailing_linear PIECES=1 BATCHES=1,128 EXTENDS=64,512,4096
+#                FAMILIES=kimi_linear,bailing_linear PIECES=1 BATCHES=1,128 EXTENDS=64,512,4096; ROUTE adds one
+#                `hgc compile --route` (an artifact of its own, the account under $OUT/account_routed), e.g.
+#                ROUTE="kda_core=triton_linear[kda_graph=on]" FAMILIES=kimi_linear for KDA on FLA's graph form
 #   prompt_host  benchmarks/host/prompt_host_bench.py on the serving artifact: a short prompt's TTFT, the
 #                runner's part and the host's around it, with a profile (issue 49)
 #   account_serving  the same on the serving artifact (ROUTE applies), decode at BATCHES (default 1), extends
@@ -193,8 +195,9 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
     account)
         # one process per family: a compiled bundle must load before anything imports FlashInfer
         for family in ${FAMILIES//,/ }; do
-            python3 benchmarks/kernels/step_account.py --out "$OUT/account/$family" --work "$W" --family "$family" \
-                ${PIECES:+--compiled-pieces} ${BATCHES:+--batches "$BATCHES"} ${EXTENDS:+--extends "$EXTENDS"}
+            python3 benchmarks/kernels/step_account.py --out "$OUT/account${ROUTE:+_routed}/$family" --work "$W" \
+                --family "$family" ${PIECES:+--compiled-pieces} ${BATCHES:+--batches "$BATCHES"} \
+                ${EXTENDS:+--extends "$EXTENDS"} ${ROUTE:+--route "$ROUTE"}
         done ;;
     prompt_host)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
