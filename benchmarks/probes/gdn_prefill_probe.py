@@ -62,7 +62,7 @@ from runtime.backends.kernels.linear import GATE_PER_HEAD  # noqa: E402
 
 GPU_DIMS = dict(hk=16, hv=32, d=128)  # bench qwen3_next's GDN layers (Qwen3-Next-80B-A3B's)
 DRY_DIMS = dict(hk=2, hv=4, d=32)
-GPU_CASES = ["1x512", "1x2048", "1x4096", "4x1024"]  # requests x tokens each
+GPU_CASES = ["1x512", "1x2048", "1x4096", "4x1024", "16x256"]  # requests x tokens each (issue 51's splits)
 DRY_CASES = ["1x40", "2x24"]
 TOL = 2e-2  # bf16 inputs, bf16 products in both kernels
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gdn_prefill_sm90.cu"
