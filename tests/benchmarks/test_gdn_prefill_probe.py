@@ -34,3 +34,20 @@ def test_a_case_that_is_not_requests_by_tokens_is_refused_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--cases", "4096"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--cases: '4096' is not REQUESTSxTOKENS" in proc.stderr, proc.stderr
+
+
+def test_the_build_command_takes_flashinfers_headers_from_the_package_python_finds(tmp_path):
+    """--build-command prints nvcc over csrc/gdn_prefill_sm90.cu against the importable FlashInfer's
+    data folder (a stand-in package here), sm90a, and the library path the probe loads."""
+    import os
+
+    (tmp_path / "flashinfer" / "data").mkdir(parents=True)
+    (tmp_path / "flashinfer" / "__init__.py").write_text("")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--build-command"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    words = proc.stdout.split()
+    assert words[0] == "nvcc" and "-gencode=arch=compute_90a,code=sm_90a" in words
+    assert f"-I{tmp_path / 'flashinfer' / 'data' / 'csrc'}" in words
+    assert words[-1].endswith("csrc/gdn_prefill_sm90.cu") and words[-2].endswith("libhgc_gdn_prefill_sm90.so")
