@@ -15,8 +15,10 @@ Both caches can live in the checkout instead of the home folder, so they travel:
 
 and the next call names `.jitcache_parts` in its `carry`, beside `.whl`. The parts travel
 compressed (Triton's cache compresses about 6 to 1), since what travels with a call is limited
-to 64 MiB, the wheels take 16 of it (the server's included) and the checkout itself about 21
-(hence --max-mib 26; a checkout that grows needs a smaller bound).
+to 64 MiB, the wheels take 16 of it (the server's included) and the checkout itself about 21, and
+a call whose carry passes the limit is refused before it starts. So pack measures what else
+arrived (`carry_room`: every file of the checkout but the cache and its parts, a carried build
+included) and takes the rest less a margin, 26 MiB at most; --max-mib overrides it.
 
 What is packed: FlashInfer's built modules (`cached_ops/**.so`; not its object files or
 generated sources) and Triton's cache, newest first, until the compressed parts reach --max-mib.
@@ -42,6 +44,23 @@ CACHE = ROOT / ".jitcache"
 PARTS = ROOT / ".jitcache_parts"
 PART_BYTES = 15 << 20
 PREFIX = "jitcache.tar.gz."
+CARRY_BYTES = 64 << 20  # what travels with a call, at most: the checkout, the wheels, these parts
+MARGIN_BYTES = 2 << 20  # for the files the next stop's work adds to the checkout
+MAX_PARTS_BYTES = 26 << 20  # enough for a warm start of the bench builds (the timings above)
+MIN_PARTS_BYTES = 4 << 20
+
+
+def carry_room(root: Path) -> int:
+    """Bytes the parts may take: CARRY_BYTES less every other file under root as the call found it
+    (the checkout, the wheels, a carried build; not the cache, nor the parts the new ones replace),
+    less MARGIN_BYTES, within MIN_PARTS_BYTES .. MAX_PARTS_BYTES."""
+    skip = {root / CACHE.name, root / PARTS.name, root / ".git"}
+    used = 0
+    for folder, subfolders, files in os.walk(root):
+        here = Path(folder)
+        subfolders[:] = [n for n in subfolders if here / n not in skip and n != "__pycache__"]
+        used += sum((here / f).stat().st_size for f in files if (here / f).is_file())
+    return max(MIN_PARTS_BYTES, min(MAX_PARTS_BYTES, CARRY_BYTES - MARGIN_BYTES - used))
 
 
 def complete_kernel_folder(folder: Path) -> list[Path]:
@@ -139,14 +158,16 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     pk = sub.add_parser("pack", help="on the GPU machine: the cache into parts under --out")
     pk.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    pk.add_argument("--max-mib", type=int, default=26, help="most MiB of compressed parts (newest units first)")
+    pk.add_argument("--max-mib", type=int, default=None,
+                    help="most MiB of compressed parts, newest units first (default: what the carry limit leaves "
+                         "beside the checkout, 26 at most)")
     up = sub.add_parser("unpack", help="parts (carried in, or a call's returned files) into .jitcache")
     up.add_argument("src", type=Path)
     st = sub.add_parser("stash", help="here: a call's returned parts into .jitcache_parts, for the next carry")
     st.add_argument("src", type=Path)
     args = p.parse_args(argv)
     if args.command == "pack":
-        return pack(CACHE, args.out, args.max_mib << 20)
+        return pack(CACHE, args.out, carry_room(ROOT) if args.max_mib is None else args.max_mib << 20)
     if args.command == "stash":
         return stash(args.src, PARTS)
     return unpack(args.src, CACHE)

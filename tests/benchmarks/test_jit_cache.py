@@ -90,3 +90,21 @@ def test_a_kernel_folder_missing_a_file_its_group_lists_stays_behind(tmp_path):
     (cut / "k.cubin").unlink()
     got = unpacked(cache, tmp_path, 4096 * KIB)
     assert got == sorted(["triton/AAA/k.json", "triton/AAA/k.cubin", "triton/AAA/__grp__k.json"])
+
+
+def test_the_parts_take_what_the_carry_limit_leaves_beside_the_checkout(tmp_path):
+    """carry_room: 64 MiB less every other file of the checkout (wheels and a carried build too, not
+    the cache nor the parts being replaced), less the margin; 26 MiB at most, 4 at least."""
+    MIB = 1 << 20
+    (tmp_path / ".jitcache" / "triton").mkdir(parents=True)
+    (tmp_path / ".jitcache" / "triton" / "big").write_bytes(b"\0" * (5 * MIB))
+    (tmp_path / ".jitcache_parts").mkdir()
+    (tmp_path / ".jitcache_parts" / "jitcache.tar.gz.000").write_bytes(b"\0" * (3 * MIB))
+    assert jit_cache.carry_room(tmp_path) == 26 * MIB  # an empty checkout: the cap
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "w.whl").write_bytes(b"\0" * (16 * MIB))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "results.json").write_bytes(b"\0" * (21 * MIB + 512 * KIB))
+    assert jit_cache.carry_room(tmp_path) == (64 - 2 - 16 - 21) * MIB - 512 * KIB
+    (tmp_path / "build.so").write_bytes(b"\0" * (30 * MIB))
+    assert jit_cache.carry_room(tmp_path) == 4 * MIB
