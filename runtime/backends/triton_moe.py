@@ -63,7 +63,7 @@ GEMM_TILES = ("tuned", "fixed")
 # The router option's choices, the default first: past the GEMV's bound the router GEMM in slices
 # of D with the last slice routing (one launch, kernels/moe.py `_split_router_kernel`; shorter steps
 # as two_launches); the router's GEMV or GEMM then a routing kernel (two launches); the GEMV's last
-# program routing (one launch, kernels/moe.py `router_folds`). Why split is the default: on an H100,
+# program routing (one launch, kernels/moe.py `router_folds`), and past the GEMV the split router. Why split is the default: on an H100,
 # in one call, bench qwen3_next's router took 110.6 against 160.9 us a 512-token step (12 layers)
 # and 174.9 against 225.5 at 4096 (benchmarks/kernels/account_diff.py on the raw accounts of
 # benchmarks/results/step_account_options_h100_2026-12-06.md: the split router's row against the
@@ -110,9 +110,9 @@ class TritonMoEBackend(BackendHooks):
         # gemm_tiles: "tuned" picks tiles and the router's logits kernel by the step's token count
         # (moe_configs/); "fixed" uses one of each for every count (moe_config.FIXED_CONFIG), so a
         # token's result does not depend on what shares its step.
-        # router: "one_launch" runs the logits and the routing as one launch where the step folds
-        # (kernels/moe.py router_folds: the GEMV's last program routes, and sorts, a step of tokens
-        # that fit one routing tile; the GEMM's programs route their own rows up to 64 experts);
+        # router: "one_launch" runs the logits and the routing as one launch where the GEMV takes the
+        # logits (kernels/moe.py router_folds: the GEMV's last program routes, and sorts, a step of
+        # tokens that fit one routing tile), and past 128 tokens the split router as "split" does;
         # "split" (the default) runs a step past 128 tokens as the GEMM in slices of D, the last slice
         # of each row block routing it (one launch; under 64 experts); "two_launches" the GEMM, then
         # the routing kernel.
@@ -148,7 +148,12 @@ class TritonMoEBackend(BackendHooks):
             check_count_ranks(layer.experts + layer.slots - layer.top_k)  # routed experts and shared chunks
         self.fixed_tiles = gemm_tiles == "fixed"
         self.one_launch_router = router == "one_launch"
-        self.split_router = router == "split" and gemm_tiles != "fixed"  # fixed tiles: the GEMV router at every count
+        # one_launch folds the routing into the GEMV's launch where the GEMV takes the logits; past
+        # that it takes the split router, one launch too, as split does: the GEMM's programs routing
+        # their own rows (`_logits_route_kernel`) took 296 against the split router's 110 us of a
+        # 512-token step on an H100, 286 against 177 at 4096 (DESIGN, "The batch-1 decode step's
+        # launches"). Fixed tiles: the GEMV router at every count.
+        self.split_router = router in ("split", "one_launch") and gemm_tiles != "fixed"
         self.count_ranks = counted
         self.split_down = down == "split" and gemm_tiles != "fixed"
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR

@@ -659,13 +659,16 @@ def _backend_steps(backend, counts, seed: int):
 
 def test_the_router_option_runs_the_router_in_one_launch_where_the_step_folds(monkeypatch):
     """router="one_launch" (--route 'moe=triton_moe[router=one_launch]'): the backend's steps launch
-    the router kernel where the step folds and match the CPU oracle; a bad choice is a one-line error."""
-    asked = _spy_on_route(monkeypatch, lambda a, k: k.get("one_launch"))
+    the router kernel where the GEMV's step folds, and past 128 tokens the split router (one launch
+    too, and faster than the GEMM routing its own rows), and match the CPU oracle; a bad choice is a
+    one-line error."""
+    asked = _spy_on_route(monkeypatch, lambda a, k: (a[10], k.get("one_launch")))  # a[10]: the logits kernel
     backend = TritonMoEBackend(device=DEV, router="one_launch")
     for T, out, expected in _backend_steps(backend, (1, 9, 70, 130), seed=23):
         assert _rel(out, expected) <= 1e-4
-    assert asked == [True, True, False, True], ("one launch to 64 tokens (a routing tile at 8 experts) after the "
-                                                "GEMV, two past it; one again after the GEMM (past 128)")
+    assert asked == [("gemv", True), ("gemv", True), ("gemv", False), ("split", False)], (
+        "one launch to 64 tokens (a routing tile at 8 experts) after the GEMV, two past it; the split router "
+        "past 128")
     with pytest.raises(ValueError, match="router must be one of"):
         TritonMoEBackend(device="cpu", router="fused")
 
