@@ -152,7 +152,8 @@ def test_the_one_launch_router_replays_with_fresh_inputs_as_the_eager_two_launch
     shared expert): each of three replays, on fresh random inputs copied into the captured buffer,
     gives the eager two-launch router's ids (the last program to finish routed that replay: its
     counter was back at zero) and the CPU oracle's output. T=1: the token path; 32: it sorts too;
-    256: the GEMM's programs route their own rows."""
+    256: the backend takes the split router there, and route(one_launch=True) the GEMM's programs
+    routing their own rows."""
     from runtime.backends.kernels.arrivals import arrival_counters
     from runtime.backends.kernels.moe import route
 
