@@ -726,31 +726,56 @@ class TritonLinearBackend(BackendHooks):
 
     # -- the extend path (eager) ---------------------------------------------------------------
 
-    def _chunk(self, ctx, op, layer_id, out, fla_name: str, tokens: dict, **options) -> None:
-        """One FLA chunk call over the step's real requests, states gathered and scattered by slot.
+    def _chunk(self, ctx, op, layer_id, out, fla_name: str, tokens: dict, graph_form: bool = False,
+               **options) -> None:
+        """One FLA chunk call, states gathered and scattered by slot.
 
         `tokens`: the call's per-token inputs over the step's rows; `options`: its other keyword
-        arguments. Everything derived from the step comes from the plan."""
+        arguments. Everything derived from the step comes from the plan. The plain form runs over the
+        step's real requests and rows. `graph_form` (kda_graph "on"): chunk_kda's form for graph
+        capture, in eager and captured steps alike, so an eager step computes what the replayed graph
+        of the same step does; captured, over the static plan, the bucket's rows and its B + 1
+        requests (padding requests and the always-empty one on the padding slot, empty at the tail of
+        cu_seqlens, as the form requires). FLA leaves the padding rows undefined, so they are written
+        as zeros here, and the padding requests' final states (they sit on the padding slot) are
+        replaced by the slot's own contents before the write-back: the padding slot keeps what it held."""
         plan = self._extend_plan(self._step_plan(ctx), op)
-        T = plan.num_tokens
-        if T > 0:
+        if plan.captured:
+            assert graph_form, f"{self.name}: hgc.{op} captured in extend takes FLA's graph form only"
+            bounds, slots, rows = plan.padded_bounds, plan.slots, out.shape[0]
+            cu = bounds[:-1]  # the B + 1 requests; the last entry, the bucket's rows, is the padding rows'
+        else:
+            cu, slots, rows = plan.cu_seqlens, plan.slots, plan.num_tokens
+        if rows > 0:
             states = self._layer_state(layer_id, "recurrent")
+            fn = getattr(self._fla_ops(), fla_name)
+            if graph_form:
+                if not _takes_graph_form(fn):  # before FLA 0.6, its **kwargs would swallow use_graph
+                    raise RuntimeError(f"{self.name}: kda_graph=on takes FLA's chunk_kda in its graph form "
+                                       f"(use_graph, FLA 0.6 and later); this FLA's chunk_kda has none")
+                options.update(use_graph=True, max_num_seqs=slots.shape[0])
+            else:
+                options["cu_seqlens_cpu"] = plan.cu_seqlens_cpu
+                if fla_name in self._fla_chunk_indices:
+                    options["chunk_indices"] = plan.chunk_indices
             # [R, H, Dk, Dv], a copy FLA may overwrite, in float32 whatever the pool keeps (--state-dtype):
             # the initial state FLA's chunk kernels are written for
-            h0 = states.index_select(0, plan.slots).float()
-            fla = self._fla_ops()
-            if fla_name in self._fla_chunk_indices:
-                options["chunk_indices"] = plan.chunk_indices
-            o, ht = getattr(fla, fla_name)(**{name: t[None, :T] for name, t in tokens.items()}, **options,
-                                           initial_state=h0, output_final_state=True,
-                                           cu_seqlens=plan.cu_seqlens, cu_seqlens_cpu=plan.cu_seqlens_cpu)
+            h0 = states.index_select(0, slots).float()
+            o, ht = fn(**{name: t[None, :rows] for name, t in tokens.items()}, **options, initial_state=h0,
+                       output_final_state=True, cu_seqlens=cu)
             if ht is None or tuple(ht.shape) != tuple(h0.shape):
                 raise RuntimeError(f"{self.name}: hgc.{op} (layer {layer_id}): FLA returned a final state of shape "
                                    f"{None if ht is None else tuple(ht.shape)}, expected {tuple(h0.shape)}")
-            out[:T].copy_(o.reshape(out[:T].shape))
-            states.index_copy_(0, plan.slots, ht.to(states.dtype))
-        if out.shape[0] > T:
-            out[T:].zero_()
+            o = o.reshape(out[:rows].shape)
+            if plan.captured:
+                real = torch.arange(rows, device=out.device) < bounds[-2]
+                o = torch.where(real.view(-1, *([1] * (o.dim() - 1))), o, 0)
+                held = states[PADDING_SLOT].float().expand_as(ht)
+                ht = torch.where((slots == PADDING_SLOT).view(-1, 1, 1, 1), held, ht)
+            out[:rows].copy_(o)
+            states.index_copy_(0, slots, ht.to(states.dtype))
+        if out.shape[0] > rows:
+            out[rows:].zero_()
 
     def _short_extend(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
         """The recurrent extend kernel over the step's requests, where each brings at most
@@ -829,48 +854,8 @@ class TritonLinearBackend(BackendHooks):
         if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_CHANNEL):
             return
         q, k = _in_dtype_of(v, q, k)
-        tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
-        if self.kda_graph:
-            self._kda_graph_form(ctx, layer_id, out, tokens, scale)
-            return
-        self._chunk(ctx, "kda_core", layer_id, out, "kda", tokens, scale=scale, use_qk_l2norm_in_kernel=False)
-
-    def _kda_graph_form(self, ctx, layer_id: int, out: torch.Tensor, tokens: dict, scale: float) -> None:
-        """FLA's chunk_kda in its graph form (kda_graph "on"), eager and captured steps alike, so an
-        eager step computes what the replayed graph of the same step does.
-
-        Captured: over the static plan, the bucket's rows and its B + 1 requests (padding requests
-        and the always-empty one on the padding slot, empty at the tail of cu_seqlens, as the form
-        requires); FLA leaves the padding rows undefined, so they are written as zeros here, and
-        the padding requests' final states (they sit on the padding slot) are replaced by the slot's
-        own contents before the write-back, so the padding slot keeps what it held. Eager: the plan's
-        real requests and rows, as `_chunk` hands FLA's plain form."""
-        plan = self._extend_plan(self._step_plan(ctx), "kda_core")
-        states = self._layer_state(layer_id, "recurrent")
-        if plan.captured:
-            bounds, slots, rows = plan.padded_bounds, plan.slots, out.shape[0]
-            cu = bounds[:-1]  # the B + 1 requests; the last entry, the bucket's rows, is the padding rows'
-        else:
-            cu, slots, rows = plan.cu_seqlens, plan.slots, plan.num_tokens
-        if rows > 0:
-            kda = self._fla_ops().kda
-            if not _takes_graph_form(kda):  # before FLA 0.6, its **kwargs would swallow use_graph
-                raise RuntimeError(f"{self.name}: kda_graph=on takes FLA's chunk_kda in its graph form (use_graph, "
-                                   f"FLA 0.6 and later); this FLA's chunk_kda has none")
-            h0 = states.index_select(0, slots).float()  # [B, H, Dk, Dv] float32, as FLA's kernels take it
-            o, ht = kda(**{name: t[None, :rows] for name, t in tokens.items()}, scale=scale,
-                                        initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                        use_qk_l2norm_in_kernel=False, use_graph=True, max_num_seqs=slots.shape[0])
-            o = o[0].reshape(out[:rows].shape)
-            if plan.captured:
-                real = torch.arange(rows, device=out.device) < bounds[-2]
-                o = torch.where(real.view(-1, *([1] * (o.dim() - 1))), o, 0)
-                held = states[PADDING_SLOT].float().expand_as(ht)
-                ht = torch.where((slots == PADDING_SLOT).view(-1, 1, 1, 1), held, ht)
-            out[:rows].copy_(o)
-            states.index_copy_(0, slots, ht.to(states.dtype))
-        if out.shape[0] > rows:
-            out[rows:].zero_()
+        self._chunk(ctx, "kda_core", layer_id, out, "kda", dict(q=q, k=k, v=v, g=g, beta=beta),
+                    graph_form=self.kda_graph, scale=scale, use_qk_l2norm_in_kernel=False)
 
     def _lightning_extend(self, ctx, q, k, v, decay, out, layer_id, scale):
         if self._short_extend(ctx, layer_id, q, k, v, decay, None, out, scale, _kernels().GATE_CONSTANT):
