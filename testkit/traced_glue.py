@@ -4,8 +4,9 @@ Inductor build, so tests/compiler/test_glue_in_split_plans.py and benchmarks/hos
 run the runtime's real install without compiling a bundle. And what the tests of the glue rewrites
 (compiler/splitops/glue_ops.py) share: the tiny families' programs compiled for the CPU in a dtype
 (`program_factory`), the builds they rewrite (`REWRITE_BUILDS`), their segments as modules
-(`segment_modules`), random inputs for them (`random_inputs`) and the check that a rewritten
-segment gives the bits it gave (`assert_same_bits`)."""
+(`segment_modules`), random inputs for them (`random_inputs`), the check that a rewritten
+segment gives the bits it gave (`assert_same_bits`) and a build's counts of a rewrite's calls
+(`gqa_calls_per_forward`)."""
 
 from __future__ import annotations
 
@@ -132,3 +133,24 @@ def assert_same_bits(reference: torch.fx.GraphModule, rewritten: torch.fx.GraphM
     for node, got, want in zip(outputs, rewritten(*given), reference(*given)):
         if isinstance(want, torch.Tensor) and node.target not in _ALLOCATIONS:
             assert torch.equal(got, want), f"{where}: {node.name}"
+
+
+def gqa_calls_per_forward(shared_art, monkeypatch, out, calls, **choice) -> tuple[dict, dict]:
+    """compile_glue over a shared qwen3_next artifact (`shared_art`: its folder) with one rewrite's
+    `choice` (e.g. sigmoid_gate=True), Inductor stood in for: ({program: the calls bundle records say
+    a forward makes}, {program: its gqa_attention ops}). Each piece's recorded count is checked
+    against `calls(module)` of the module it compiled; the keyword names the pieces' field."""
+    import compiler.inductor_pieces as inductor_pieces
+    from compiler.splitops import op_name_of, op_nodes
+    from runtime.artifact.docs import read_artifact
+    from runtime.artifact.loader import load_programs
+
+    (field,) = choice
+    docs = read_artifact(shared_art)
+    gms = {p: ep.graph_module for p, ep in load_programs(docs).items()}
+    compiled = stand_in_inductor(monkeypatch, lambda module: len(calls(module)))
+    records, pieces = inductor_pieces.compile_glue(gms, docs.split_plans, "cpu", out, out / "cache", **choice)
+    assert sorted(p[field] for p in pieces.values()) == sorted(compiled)
+    per_forward = {p: sum(pieces[r["piece"]][field] for r in records[p] if r["piece"]) for p in gms}
+    gqa = {p: sum(op_name_of(n.target) == "gqa_attention" for n in op_nodes(gm)) for p, gm in gms.items()}
+    return per_forward, gqa

@@ -30,8 +30,7 @@ from compiler.splitops.glue import glue_segments, segment_module
 from compiler.splitops.glue_ops import QK_NORM_ROPE, norm_rope_rows, use_norm_rope
 from models.common import RMSNorm, apply_rotary, rope_inv_freq
 from testkit.helpers import shared_artifact
-from testkit.traced_glue import (REWRITE_BUILDS, assert_same_bits, segment_modules,
-                                 stand_in_inductor)
+from testkit.traced_glue import REWRITE_BUILDS, assert_same_bits, gqa_calls_per_forward, segment_modules
 
 
 
@@ -176,16 +175,6 @@ def test_a_piece_with_the_op_compiles_with_inductor_and_gives_the_uncompiled_val
 def test_compile_glue_counts_the_calls_per_piece(tmp_path_factory, tmp_path, monkeypatch):
     """compile_glue(norm_rope=True) folds before the key is taken and it compiles (Inductor stood in
     for): per forward, one call for each GQA layer of each program (its gqa_attention ops)."""
-    import compiler.inductor_pieces as inductor_pieces
-    from runtime.artifact.docs import read_artifact
-    from runtime.artifact.loader import load_programs
-
-    docs = read_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
-    gms = {p: ep.graph_module for p, ep in load_programs(docs).items()}
-    compiled = stand_in_inductor(monkeypatch, lambda module: len(calls(module)))
-    records, pieces = inductor_pieces.compile_glue(gms, docs.split_plans, "cpu", tmp_path, tmp_path / "cache",
-                                                   norm_rope=True)
-    assert sorted(p["norm_rope"] for p in pieces.values()) == sorted(compiled)
-    per_forward = {p: sum(pieces[r["piece"]]["norm_rope"] for r in records[p] if r["piece"]) for p in gms}
-    gqa = {p: sum(op_name_of(n.target) == "gqa_attention" for n in op_nodes(gm)) for p, gm in gms.items()}
+    per_forward, gqa = gqa_calls_per_forward(shared_artifact(tmp_path_factory, "qwen3_next")[1], monkeypatch,
+                                             tmp_path, calls, norm_rope=True)
     assert per_forward == gqa and gqa["main"] > 0

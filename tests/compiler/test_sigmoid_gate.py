@@ -26,8 +26,7 @@ from torch.export import Dim
 from compiler.splitops import op_name_of, op_nodes
 from compiler.splitops.glue_ops import SIGMOID_GATE, use_sigmoid_gate
 from testkit.helpers import shared_artifact
-from testkit.traced_glue import (REWRITE_BUILDS, assert_same_bits, segment_modules,
-                                 stand_in_inductor)
+from testkit.traced_glue import REWRITE_BUILDS, assert_same_bits, gqa_calls_per_forward, segment_modules
 
 # ops whose output the layer gates with a sigmoid of a projection, by family: Qwen3-Next's and
 # Qwen3.5's GQA layers (the gate beside q). Kimi's KDA and Ling's Lightning layers gate their own
@@ -157,16 +156,6 @@ def test_a_piece_with_the_op_compiles_with_inductor_and_gives_the_uncompiled_val
 def test_compile_glue_counts_the_calls_per_piece(tmp_path_factory, tmp_path, monkeypatch):
     """compile_glue(sigmoid_gate=True) rewrites before the key is taken and it compiles (Inductor
     stood in for): per forward, one call for each GQA layer of each program."""
-    import compiler.inductor_pieces as inductor_pieces
-    from runtime.artifact.docs import read_artifact
-    from runtime.artifact.loader import load_programs
-
-    docs = read_artifact(shared_artifact(tmp_path_factory, "qwen3_next")[1])
-    gms = {p: ep.graph_module for p, ep in load_programs(docs).items()}
-    compiled = stand_in_inductor(monkeypatch, lambda module: len(calls(module)))
-    records, pieces = inductor_pieces.compile_glue(gms, docs.split_plans, "cpu", tmp_path, tmp_path / "cache",
-                                                   sigmoid_gate=True)
-    assert sorted(p["sigmoid_gate"] for p in pieces.values()) == sorted(compiled)
-    per_forward = {p: sum(pieces[r["piece"]]["sigmoid_gate"] for r in records[p] if r["piece"]) for p in gms}
-    gqa = {p: sum(op_name_of(n.target) == "gqa_attention" for n in op_nodes(gm)) for p, gm in gms.items()}
+    per_forward, gqa = gqa_calls_per_forward(shared_artifact(tmp_path_factory, "qwen3_next")[1], monkeypatch,
+                                             tmp_path, calls, sigmoid_gate=True)
     assert per_forward == gqa and gqa["main"] > 0
