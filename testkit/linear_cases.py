@@ -1,7 +1,8 @@
 """Shared by the linear-kernel tests and the linear benchmarks (gpu_linear_decode.py,
 gpu_linear_extend.py): ExecContexts without a KV pool (`decode_ctx`, `step_ctx`), fresh random
 inputs of one step for a linear op (padding rows NaN), `FakeFLA`, FLA's chunk interface over
-the reference recurrence for CPU runs of the extend path, `interpreted_triton_linear`, the
+the reference recurrence for CPU runs of the extend path, `FakeFlashInferGdn`, FlashInfer's GDN
+prefill launch over it, `interpreted_triton_linear`, the
 triton_linear backend declared for the cpu device so routing can bind a CPU artifact's linear
 ops to it (its kernels then run in Triton's interpreter), `check_conv_extend`, the extend
 conv kernel against the reference over the request lengths that matter to it,
@@ -146,6 +147,38 @@ class FakeFLA:
 
     def simple_gla(self, **kw):
         return self._run("simple_gla", **kw)
+
+
+class FakeFlashInferGdn:
+    """Stands in for FlashInfer's GDN prefill launch (kernels/flashinfer_gdn.GdnPrefill.launch) on
+    the CPU: the reference recurrence per request, in FlashInfer's conventions.
+
+    It checks what the route must hand the kernel: q, k and the output contiguous, v's heads of D
+    (rows of any stride), alpha the decay itself and beta in float32, one float32 initial state per
+    request in FlashInfer's [Dv, Dk] layout, cu_seqlens int64 ending at the step's rows. It writes
+    NaN into the initial states it was given (the kernel may: the route must not reuse them).
+    `calls`: (cu_seqlens) of each launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, alpha, beta, scale, initial_state, cu_seqlens, output, output_state):
+        assert q.is_contiguous() and k.is_contiguous() and output.is_contiguous()
+        assert v.stride(2) == 1 and v.stride(1) == v.shape[2]
+        assert alpha.dtype == beta.dtype == initial_state.dtype == output_state.dtype == torch.float32
+        assert cu_seqlens.dtype == torch.int64 and int(cu_seqlens[-1]) == q.shape[0] == v.shape[0]
+        bounds = cu_seqlens.cpu().tolist()
+        assert initial_state.shape == output_state.shape == (len(bounds) - 1, v.shape[1], v.shape[2], q.shape[2])
+        self.calls.append(bounds)
+        rep = v.shape[1] // q.shape[1]
+        qq, kk = q.float().repeat_interleave(rep, dim=1), k.float().repeat_interleave(rep, dim=1)
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            state = initial_state[i].transpose(-1, -2).clone()  # [Hv, Dk, Dv], the reference's layout
+            o = gated_recurrence(qq[a:b], kk[a:b], v[a:b].float(), torch.log(alpha[a:b])[..., None], beta[a:b],
+                                 state, scale)
+            output[a:b] = o.to(output.dtype)
+            output_state[i] = state.transpose(-1, -2)
+        initial_state.fill_(float("nan"))
 
 
 INTERPRETED_TRITON_LINEAR = "triton_linear_interpreted"

@@ -19,13 +19,14 @@ of 128), and what a route onto it would cost around the kernel:
    run it inside a step: the values made contiguous (the conv's output holds them as a strided
    view), the log-decays' exp and beta in float32 (its interface), the requests' states gathered
    from the pool in its layout, and its final states put back. FlashInfer's launch function
-   allocates the kernel's workspace in every call, which no capture allows; csrc/gdn_prefill_sm90.cu
-   also launches the same kernel with a workspace kept across calls and the values' row stride given
+   allocates the kernel's workspace in every call, which no capture allows;
+   runtime/backends/kernels/csrc/gdn_prefill_sm90.cu also launches the same kernel with a workspace kept across calls and the values' row stride given
    ("lean": no copy of the values, nothing allocated), checked first to give the plain launch's bits.
 
     $(python3 benchmarks/probes/gdn_prefill_probe.py --build-command)   # nvcc, once, any machine
     bash benchmarks/gpu_call.sh python3 benchmarks/probes/gdn_prefill_probe.py --out $OUT
-    (carry benchmarks/probes/csrc/build)
+    (carry benchmarks/probes/csrc/build; the runtime builds the same source through FlashInfer's JIT,
+    runtime/backends/kernels/flashinfer_gdn.py, whose launch class the lean route here runs)
     python3 benchmarks/probes/gdn_prefill_probe.py --dry-run --out /tmp/gp   # CPU: plumbing only
 
 The dry run runs our kernels in Triton's interpreter at tiny dims and stands in for FlashInfer with
@@ -57,6 +58,7 @@ import torch.nn.functional as F  # noqa: E402
 from bench_common import device_facts, rel_err  # noqa: E402
 from runtime.backends.cpu_reference import gated_recurrence  # noqa: E402
 from runtime.backends.kernels.chunk import CHUNK_T, chunk_extend  # noqa: E402
+from runtime.backends.kernels.flashinfer_gdn import SOURCE, GdnPrefill  # noqa: E402
 from runtime.backends.kernels.launch_math import token_blocks  # noqa: E402
 from runtime.backends.kernels.linear import GATE_PER_HEAD  # noqa: E402
 
@@ -65,8 +67,7 @@ DRY_DIMS = dict(hk=2, hv=4, d=32)
 GPU_CASES = ["1x512", "1x2048", "1x4096", "4x1024", "16x256"]  # requests x tokens each (issue 51's splits)
 DRY_CASES = ["1x40", "2x24"]
 TOL = 2e-2  # bf16 inputs, bf16 products in both kernels
-SOURCE = Path(__file__).resolve().parent / "csrc" / "gdn_prefill_sm90.cu"
-LIBRARY = SOURCE.parent / "build" / "libhgc_gdn_prefill_sm90.so"  # git-ignored; a GPU call carries it
+LIBRARY = Path(__file__).resolve().parent / "csrc" / "build" / "libhgc_gdn_prefill_sm90.so"  # git-ignored; carried
 
 
 def flashinfer_data() -> Path | None:
@@ -78,7 +79,7 @@ def flashinfer_data() -> Path | None:
 
 
 def build_command(library: Path, data: Path) -> list[str]:
-    """nvcc over csrc/gdn_prefill_sm90.cu with FlashInfer's flags for its sm90a modules
+    """nvcc over the runtime's csrc/gdn_prefill_sm90.cu with FlashInfer's flags for its sm90a modules
     (flashinfer/jit/core.py), against FlashInfer's headers under `data`. No GPU needed: built with
     nvcc 13.0 on the CPU machine in about 2 minutes."""
     return ["nvcc", "-std=c++20", "-O3", "-DNDEBUG", "-use_fast_math", "--expt-relaxed-constexpr",
@@ -130,31 +131,9 @@ class PrefillLibrary:
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_int32] * 5
                             + [ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p])
-        self.fn_into = lib.hgc_gdn_prefill_bf16_gva_into
-        self.fn_into.restype = ctypes.c_int
-        self.fn_into.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
-                                 + [ctypes.c_int32] * 4 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int32,
-                                                           ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
-        lib.hgc_gdn_prefill_workspace_bytes.restype = ctypes.c_size_t
-        lib.hgc_gdn_prefill_workspace_bytes.argtypes = [ctypes.c_int32]
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
-        # the kernel's workspace (a TMA descriptor per SM), made once: nothing is allocated in a call
-        self.workspace = torch.empty(lib.hgc_gdn_prefill_workspace_bytes(self.sms), dtype=torch.uint8,
-                                     device="cuda")
-
-    def into(self, q, k, v, alpha, beta, scale, initial_state, cu_seqlens, output, output_state):
-        """The kernel launched with the kept workspace; v may be a strided view (rows of any stride,
-        heads of head_size), as the conv's output holds the values."""
-        T, hq, d = q.shape
-        hv = v.shape[1]
-        assert q.is_contiguous() and k.is_contiguous() and v.stride(2) == 1 and v.stride(1) == d
-        assert output.is_contiguous() and output_state.is_contiguous() and initial_state.is_contiguous()
-        rc = self.fn_into(output.data_ptr(), output_state.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                          v.stride(0), initial_state.data_ptr(), alpha.data_ptr(), beta.data_ptr(),
-                          cu_seqlens.data_ptr(), cu_seqlens.numel() - 1, hq, hv, d, T, scale, self.sms,
-                          self.workspace.data_ptr(), self.workspace.numel(), torch.cuda.current_stream().cuda_stream)
-        if rc:
-            raise RuntimeError(f"FlashInfer's GDN prefill (kept workspace) failed: code {rc}")
+        # the kept-workspace launch, as the runtime's route runs it (chunk_impl=flashinfer)
+        self.into = GdnPrefill(torch.device("cuda"), path).launch
 
     def __call__(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                  use_qk_l2norm_in_kernel=False, output=None, output_state=None):

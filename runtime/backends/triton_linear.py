@@ -31,7 +31,12 @@ four modes:
   capability's `op_capture`): a replayed step reads the tables from the static extend plan
   init_replay_state fills, padded to the bucket (_StaticExtendPlan); FLA's are not (its Python
   plans on the host), so KDA and `chunk_impl=fla` stay eager gaps of the larger steps (KDA's are
-  captured at every size under `kda_graph=on`, FLA 0.6's graph form of chunk_kda). With
+  captured at every size under `kda_graph=on`, FLA 0.6's graph form of chunk_kda). GDN's with
+  `chunk_impl="flashinfer"`: FlashInfer's SM90 prefill kernel (kernels/flashinfer_gdn.py, one
+  launch over the step's requests, their states gathered by slot into its layout and put back) in
+  steps of more than `flashinfer_past` tokens, eagerly: its route gathers a state for every request
+  row of a bucket, so a captured bucket (of at most flashinfer_past tokens) runs our chunk kernels,
+  as an eager step of as many tokens does. With
   `short_extend_tokens` set, a step of such an op whose requests each bring at most that many
   tokens (a prefix-cache hit's tail, a short prompt) runs the recurrent cores through our
   short-extend kernel instead (triton_linear.recurrent_extend: one launch a layer, each request's
@@ -97,7 +102,7 @@ import types
 import numpy as np
 import torch
 
-from compiler.splitops import MODES, BackendCapability, LayerKind, Mode, OpCapture
+from compiler.splitops import MODES, BackendCapability, ChoiceScope, LayerKind, Mode, OpCapture
 from runtime.backends.kernels.launch_math import cdiv, token_blocks
 from runtime.backends.protocol import BackendHooks, BackendSetup
 from runtime.step.context import ExecContext
@@ -126,6 +131,21 @@ def _chunk_kernels():
 
 def _fused_kernels():
     return importlib.import_module("runtime.backends.kernels.gdn_fused")
+
+
+def _flashinfer_kernels():
+    return importlib.import_module("runtime.backends.kernels.flashinfer_gdn")
+
+
+def _gdn_heads(call) -> tuple[int, int, int, int]:
+    """(key heads, value heads, Dk, Dv) of a gdn_core or gdn_fused node's CallFacts."""
+    if call.op == "gdn_core":
+        _, hk, dk = call.shapes["q"]
+        _, hv, dv = call.shapes["v"]
+        return hk, hv, dk, dv
+    _, hv, dv = call.shapes["out"]
+    hk = int(call.scalars["k_heads"])
+    return hk, hv, (call.shapes["qkv"][1] - hv * dv) // (2 * hk), dv
 
 
 def _extend_tables():
@@ -383,7 +403,21 @@ SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 # "GDN extend steps on our chunk kernels"). KDA's per-channel gates run FLA's whatever the choice,
 # and the short convolution has no chunk kernels: they take the default with GDN, so the ops of one
 # layer resolve alike and share one backend instance.
-CHUNK_IMPL_CHOICES = ("triton", "fla")
+# "flashinfer": GDN layers' steps of more than flashinfer_past tokens on FlashInfer's SM90 prefill
+# kernel (kernels/flashinfer_gdn.py), shorter ones on ours; GDN only (the kernel is the delta rule's),
+# bf16, head dim 128, more value heads than key heads. Not the default: its kernel beat our three
+# (1770 against 2829 us of a 4096-token step of bench qwen3_next, 9 layers, H100), but its steps run
+# the whole mixer in eager gaps, whose host time left the card idle: whole steps 6.246 / 8.821 /
+# 15.675 ms against 4.427 / 7.640 / 14.491 at 1024 / 2048 / 4096 tokens
+# (benchmarks/results/step_account_flashinfer_ab_h100_2026-12-06.md).
+CHUNK_IMPL_CHOICES = ("triton", "fla", "flashinfer")
+# flashinfer_past: the most tokens of a step that chunk_impl="flashinfer" leaves to our chunk kernels,
+# and so the largest extend bucket that captures the GDN ops (the route runs in eager gaps). 512, the
+# default: FlashInfer's kernel and its copies against ours on an H100 at bench qwen3_next's dims
+# (benchmarks/probes/gdn_prefill_probe.py, one call): 59.0 against 52.1 us at one request of 512
+# tokens, 128.9 against 170.0 at 2048, 219.2 against 315.6 at 4096, 120.4 against 292.8 at 4 x 1024
+# (its time is about 35 + 0.046 us a token for one request, ours 8 + 0.075: even near 930 tokens).
+FLASHINFER_PAST = ("512", "256", "1024", "2048")
 # kda_graph: whether KDA's extend steps past the short-extend limit call FLA's chunk_kda in its form
 # for graph capture ("on": `use_graph=True`, the chunk table built on the device at a fixed size from
 # cu_seqlens padded with empty requests), so a bucket captures KDA at every size as it captures our
@@ -424,6 +458,13 @@ class TritonLinearBackend(BackendHooks):
                       why="our extend conv over the bucket's static tables"),
             OpCapture("kda_core", frozenset({Mode.EXTEND, Mode.MIXED}), when=(("kda_graph", "on"),),
                       why="FLA's chunk_kda in its graph form over the bucket's static tables"),
+            # chunk_impl=flashinfer: buckets of up to flashinfer_past tokens on our chunk kernels (and
+            # the extend conv); larger steps hold the op in an eager gap, on FlashInfer's kernel.
+            *(OpCapture(op, frozenset({Mode.EXTEND, Mode.MIXED}), when=(("chunk_impl", "flashinfer"),),
+                        up_to="flashinfer_past",
+                        why="steps of up to flashinfer_past tokens on our chunk kernels over the bucket's "
+                            "static tables (FlashInfer's kernel past them, in eager gaps)")
+              for op in ("gdn_core", "gdn_fused")),
             # The recurrent cores that no entry above captures (KDA, or chunk_impl=fla): a bucket of
             # at most short_extend_tokens rows holds no longer request, so its steps, eager or
             # replayed, run the short-extend kernel, which reads its requests, bounds and slots from
@@ -446,8 +487,13 @@ class TritonLinearBackend(BackendHooks):
         # walk_recurrent_config; measured slower than by_batch on an H100, so off unless asked).
         # split_decode: the fused mixer's one-request decode in two launches or one (SPLIT_DECODE).
         # kda_graph: KDA's long extends on FLA's graph form, captured at every size (KDA_GRAPH).
+        # flashinfer_past: the step size past which chunk_impl=flashinfer takes FlashInfer's kernel.
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
-                 ("decode_tiles", DECODE_TILES), ("split_decode", SPLIT_DECODE), ("kda_graph", KDA_GRAPH)),
+                 ("decode_tiles", DECODE_TILES), ("split_decode", SPLIT_DECODE), ("kda_graph", KDA_GRAPH),
+                 ("flashinfer_past", FLASHINFER_PAST)),
+        # (short_conv too: a GDN layer's conv shares its core's instance, and the choice leaves it as it is)
+        choice_ops=(ChoiceScope("chunk_impl", "flashinfer", frozenset({"gdn_core", "gdn_fused", "short_conv"}),
+                                why="FlashInfer's prefill kernel is the gated delta rule's (GDN layers)"),),
         batch_invariant=(("decode_tiles", "fixed"),),
         # The fused GDN mixer is this backend's by default (no fused_on_route): with its decode on the
         # split at one request and the unfused kernels past it (kernels/gdn_fused.py decode_launches),
@@ -471,7 +517,7 @@ class TritonLinearBackend(BackendHooks):
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
                  short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0],
                  snapshots=None, routed_ops: frozenset[str] | None = None, split_decode: str = SPLIT_DECODE[0],
-                 kda_graph: str = KDA_GRAPH[0]):
+                 kda_graph: str = KDA_GRAPH[0], flashinfer_past: int = int(FLASHINFER_PAST[0]), flashinfer=None):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
@@ -488,7 +534,9 @@ class TritonLinearBackend(BackendHooks):
         tiles (walk_recurrent_config). `snapshots`: the prefix cache's SnapshotPool, which the chunk
         kernels and the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
         routing binds to this instance (None: any it supports), which say whether it may write them
-        (`writes_step_snapshots`). `split_decode`, `kda_graph`: the routing options of the same names."""
+        (`writes_step_snapshots`). `split_decode`, `kda_graph`, `flashinfer_past`: the routing options of
+        the same names. `flashinfer`: a callable standing in for FlashInfer's kernel launch
+        (kernels/flashinfer_gdn.GdnPrefill.launch; tests); None loads the library on first use."""
         if split_decode not in SPLIT_DECODE:
             raise ValueError(f"{self.name}: split_decode must be one of {SPLIT_DECODE}, not {split_decode!r}")
         self.merged_split = split_decode == "one_launch"
@@ -507,6 +555,8 @@ class TritonLinearBackend(BackendHooks):
         self.conv_config = conv_config
         self.short_extend_tokens = short_extend_tokens
         self.chunk_impl = chunk_impl
+        self.flashinfer_past = flashinfer_past
+        self._flashinfer = flashinfer
         self.snapshots = snapshots
         self.routed_ops = self.supported_ops if routed_ops is None else frozenset(routed_ops)
         self._fla = fla
@@ -516,7 +566,8 @@ class TritonLinearBackend(BackendHooks):
         self._static_extend: _StaticExtendPlan | None = None  # captured extend and mixed steps' tables
         self._graph_workspaces: dict[tuple, object] = {}  # the chunk kernels' in captured steps (never regrown)
         self._step: _StepPlan | None = None
-        options = {"short_extend_tokens": str(short_extend_tokens), "chunk_impl": chunk_impl, "kda_graph": kda_graph}
+        options = {"short_extend_tokens": str(short_extend_tokens), "chunk_impl": chunk_impl, "kda_graph": kda_graph,
+                   "flashinfer_past": str(flashinfer_past)}
         # Ops whose extend and mixed steps this instance may run inside a captured graph, at any
         # size, and those it may run there in steps of up to some tokens (the short-extend kernel).
         self._captured_extend = frozenset(op for op in self.supported_ops
@@ -527,8 +578,14 @@ class TritonLinearBackend(BackendHooks):
     @classmethod
     def build(cls, setup: BackendSetup) -> "TritonLinearBackend":
         """Over the state pool: every kernel finds its layer's state by layer id and slot."""
+        options = cls.routed_options(setup.options)
+        if options["chunk_impl"] == "flashinfer":  # at build, naming the layer: not at its first long step
+            for call in setup.calls:
+                if call.op in ("gdn_core", "gdn_fused"):
+                    _flashinfer_kernels().check_layer(getattr(torch, call.dtype), *_gdn_heads(call),
+                                                      f"triton_linear: hgc.{call.op} (layer {call.layer_id})")
         return cls(setup.state_pool, snapshots=setup.snapshots, routed_ops=frozenset(c.op for c in setup.calls),
-                   **cls.routed_options(setup.options))
+                   **options)
 
     def writes_step_snapshots(self, snapshots) -> bool:
         """Into the pool it was built with, where every extend step of its ops runs our kernels: the
@@ -548,7 +605,8 @@ class TritonLinearBackend(BackendHooks):
                 "chunk_impl": options.get("chunk_impl", CHUNK_IMPL_CHOICES[0]),
                 "decode_tiles": options.get("decode_tiles", DECODE_TILES[0]),
                 "split_decode": options.get("split_decode", SPLIT_DECODE[0]),
-                "kda_graph": options.get("kda_graph", KDA_GRAPH[0])}
+                "kda_graph": options.get("kda_graph", KDA_GRAPH[0]),
+                "flashinfer_past": int(options.get("flashinfer_past", FLASHINFER_PAST[0]))}
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -820,6 +878,17 @@ class TritonLinearBackend(BackendHooks):
             out[T:].zero_()
         return True
 
+    def _flashinfer_chunk(self, ctx, layer_id, q, k, v, g, beta, out, scale) -> bool:
+        """FlashInfer's kernel over an eager step of more than flashinfer_past rows; False for a
+        captured step (its bucket is at most that many rows) or a shorter one."""
+        plan = self._extend_plan(self._step_plan(ctx), "gdn_core")
+        if plan.captured or plan.num_tokens <= self.flashinfer_past:
+            return False
+        launch = self._flashinfer or _flashinfer_kernels().prefill(v.device).launch
+        _flashinfer_kernels().chunk_into_pool(launch, q, k, v, g, beta, out, self._layer_state(layer_id, "recurrent"),
+                                              plan.slots, plan.cu_seqlens, plan.num_tokens, scale)
+        return True
+
     def _graph_chunk_config(self, v: torch.Tensor, rows: int):
         """Tiles of a captured step's chunk kernels: chosen for one request (the fewest programs in
         flight), since the graph keeps them whatever the step's requests, and for the bucket's rows
@@ -842,7 +911,10 @@ class TritonLinearBackend(BackendHooks):
         return held
 
     def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
-        if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
+        if self.chunk_impl == "flashinfer":  # past flashinfer_past FlashInfer's, else ours as "triton" runs them
+            if self._flashinfer_chunk(ctx, layer_id, q, k, v, g, beta, out, scale):
+                return
+        elif self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
             return
         if self._triton_chunk(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
             return

@@ -5,7 +5,8 @@ non-zero pools.
 
 Marked gpu (CI deselects them). bf16 and float32; decode at batch 1, 8 and 128 (padding rows
 pointing at the padding slot), each on the op's choice of launches and on the two-launch split, extend steps of one 512-token request and of 4 x 100 tokens on our
-chunk kernels (and on FLA's where it is installed), a target-verify step of 4 requests x 4 tokens;
+chunk kernels (and on FLA's where it is installed), a target-verify step of 4 requests x 4 tokens,
+extend and mixed steps past 512 tokens on FlashInfer's kernel (chunk_impl=flashinfer, sm90);
 outputs and the touched slots' conv and recurrent states by relative error of the norm, padding
 rows zero. The last test captures the fused decode path in a CUDA graph and replays it for steps
 of other slots and inputs against the same steps run eagerly.
@@ -120,6 +121,39 @@ def _fla_available() -> bool:
         return True
     except ImportError:
         return False
+
+
+# chunk_impl=flashinfer past its bound (512 tokens): one long request, then three requests (one
+# with history) beside a mixed step whose decode rows are requests of one token
+FLASHINFER_STEPS = [(Mode.EXTEND, [(1, 0, 1024)], 0, 0),
+                    (Mode.EXTEND, [(5, 0, 600), (9, 50, 300), (12, 0, 200)], 24, 1),
+                    (Mode.MIXED, [(1, 1024, 1), (5, 600, 1), (3, 0, 700)], 5, 1),
+                    (Mode.DECODE, [(1, 1025, 1), (3, 700, 1)], 0, 0)]
+# FlashInfer's kernel and ours each sit ~3e-3 from the reference recurrence in bf16 (their products
+# in another order: benchmarks/probes/gdn_prefill_probe.py), so the two are compared at twice that
+FLASHINFER_STATE_TOL = 1e-2
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"], ids=["state_f32", "state_bf16"])
+def test_flashinfer_steps_match_our_chunk_kernels(state_dtype):
+    """The fused mixer with chunk_impl=flashinfer (FlashInfer's SM90 kernel past 512 tokens, built
+    by its JIT on first use) against the unfused ops on our chunk kernels, bf16, the bench dims."""
+    if DEV != "cuda" or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer's GDN prefill kernel is built for sm_90a")
+    pytest.importorskip("flashinfer")
+    from runtime.backends.triton_linear import TritonLinearBackend
+
+    fused, unfused, p = backends(torch.bfloat16, seed=17, state_dtype=state_dtype, chunk_impl="flashinfer")
+    unfused = TritonLinearBackend(unfused.state_pool, chunk_impl="triton")
+    g = torch.Generator().manual_seed(18)
+    touched = set()
+    for mode, reqs, pad_t, pad_s in FLASHINFER_STEPS:
+        ctx = step_ctx(mode, reqs, pad_t, pad_s, DEV)
+        for backend in (fused, unfused):
+            plan(backend, ctx)
+        touched |= {slot for slot, _, n in reqs if n}
+        compare(fused, unfused, p, ctx, torch.bfloat16, g, touched, f"flashinfer {mode.value} {state_dtype}",
+                FLASHINFER_STATE_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])

@@ -32,7 +32,7 @@ from runtime.backends.triton_linear import TritonLinearBackend  # noqa: E402
 from runtime.cache.state_pool import PADDING_SLOT  # noqa: E402
 from testkit.gdn_cases import (BENCH_GDN, DECODE_PATHS, GdnShape, fused_gdn, gdn_inputs, gdn_params,  # noqa: E402
                                gdn_pools, take_decode_path, unfused_gdn)
-from testkit.linear_cases import FakeFLA, decode_ctx, rel_err, step_ctx  # noqa: E402
+from testkit.linear_cases import FakeFLA, FakeFlashInferGdn, decode_ctx, rel_err, step_ctx  # noqa: E402
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
@@ -458,6 +458,43 @@ def test_replayed_extend_steps_read_the_static_plan():
 
 
 @in_process
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_steps_past_the_bound_on_flashinfer_shorter_ones_on_our_chunk_kernels(dtype, replayed):
+    """chunk_impl=flashinfer with a bound of 8 tokens: the 20-row extend step runs FlashInfer's
+    launch (a stand-in over the reference recurrence, in its layout and conventions) on its three
+    requests, eagerly in a replayed step too (its bucket is past the bound: an eager gap), and the
+    mixed step of 8 real rows and the ragged verify step our chunk kernels; outputs, padding rows and
+    every state as the reference has them, free slots untouched (run_mode_steps)."""
+    stand_in = FakeFlashInferGdn()
+    run_mode_steps(0, dtype, backend_kwargs=dict(chunk_impl="flashinfer", flashinfer_past=8, flashinfer=stand_in),
+                   replayed=replayed)
+    assert stand_in.calls == [[0, 6, 11, 20]]
+
+
+def test_flashinfer_bounds_the_gdn_ops_capture_and_serves_gdn_layers_only():
+    cap = TritonLinearBackend.capability
+    for past in ("256", "512", "2048"):
+        options = {"chunk_impl": "flashinfer", "flashinfer_past": past}
+        for op in ("gdn_core", "gdn_fused"):
+            assert cap.capture_tokens(op, Mode.EXTEND, options) == int(past)
+            assert cap.capture_tokens(op, Mode.MIXED, options) == int(past)
+            assert cap.choice_refusal(op, options) is None
+    for op in ("kda_core", "lightning_core"):
+        assert "GDN layers" in cap.choice_refusal(op, {"chunk_impl": "flashinfer"})
+
+
+def test_flashinfer_refuses_a_layer_its_variant_cannot_run_naming_it():
+    fi = pytest.importorskip("runtime.backends.kernels.flashinfer_gdn")
+    fi.check_layer(torch.bfloat16, 16, 32, 128, 128, "layer 0")  # bench qwen3_next's: runs
+    for args, why in [((torch.float32, 16, 32, 128, 128), "float32"), ((torch.bfloat16, 16, 32, 64, 64), "64 / 64"),
+                      ((torch.bfloat16, 16, 16, 128, 128), "16 value heads"),
+                      ((torch.bfloat16, 16, 40, 128, 128), "40 value heads")]:
+        with pytest.raises(ValueError, match=f"layer 3: .*{why}.*chunk_impl=triton"):
+            fi.check_layer(*args, "layer 3")
+
+
+@in_process
 def test_short_extends_take_the_recurrent_extend_kernel():
     run_mode_steps(2, torch.float32, backend_kwargs=dict(short_extend_tokens=16))
 
@@ -526,7 +563,7 @@ def test_capability_serves_gdn_fused_where_gdn_core_is_served():
     cap = TritonLinearBackend.capability
     assert "gdn_fused" in cap.ops
     for mode in Mode:
-        for impl in ("triton", "fla"):
+        for impl in ("triton", "fla", "flashinfer"):
             options = {"chunk_impl": impl}
             assert cap.capturable("gdn_fused", mode, options) == cap.capturable("gdn_core", mode, options), (mode, impl)
     assert any(isinstance(c, OpCapture) and c.op == "gdn_fused" for c in cap.op_capture)

@@ -882,11 +882,22 @@ def test_captured_steps_keep_their_first_workspaces():
 def test_chunk_impl_is_a_routing_option_kda_keeps_fla():
     from runtime.backends.protocol import BackendSetup
 
-    assert dict(TritonLinearBackend.capability.options)["chunk_impl"] == ("triton", "fla")
+    from compiler.splitops.ops import CallFacts
+
+    assert dict(TritonLinearBackend.capability.options)["chunk_impl"] == ("triton", "fla", "flashinfer")
     _, dev_pool = make_pools(0)
-    build = lambda options: TritonLinearBackend.build(BackendSetup(None, dev_pool, dev_pool.device, (), options))
+    build = lambda options, calls=(): TritonLinearBackend.build(BackendSetup(None, dev_pool, dev_pool.device, calls,
+                                                                             options))
     # an entry routed before the option existed gets the declared default
     assert build({}).chunk_impl == "triton" and build({"chunk_impl": "fla"}).chunk_impl == "fla"
+    # FlashInfer's one variant: a layer it cannot run is refused at build, named
+    bench = CallFacts("gdn_core", 3, "bfloat16", {"q": (None, 16, 128), "v": (None, 32, 128)}, {})
+    fused = CallFacts("gdn_fused", 5, "bfloat16", {"qkv": (None, 8192), "out": (None, 32, 128)}, {"k_heads": 16})
+    assert build({"chunk_impl": "flashinfer"}, (bench, fused)).flashinfer_past == 512
+    for call in (dataclasses.replace(bench, dtype="float32"), dataclasses.replace(fused, shapes={
+            "qkv": (None, 6144), "out": (None, 32, 128)})):
+        with pytest.raises(ValueError, match=f"hgc.{call.op} \\(layer {call.layer_id}\\): chunk_impl=flashinfer"):
+            build({"chunk_impl": "flashinfer"}, (call,))
     with pytest.raises(ValueError, match="chunk_impl"):
         TritonLinearBackend(dev_pool, chunk_impl="ours")
     fake = compare_mode_steps("kda_core", 2, CHUNK_STEPS[:1], seed=90, backend_kwargs={"chunk_impl": "triton"})
