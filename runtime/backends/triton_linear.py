@@ -424,7 +424,13 @@ FLASHINFER_PAST = ("512", "256", "1024", "2048")
 # chunk kernels, or in its plain form in the eager gaps ("off", the default). Kimi's prompt steps past
 # 64 tokens spend most of their time on the host in those gaps; the graph form costs a state gather
 # and write-back for every request row of the bucket, padding ones too (docs/DESIGN.md, "Past 64
-# tokens a KDA layer is an eager gap"). "on" has not run on a GPU yet, hence off.
+# tokens a KDA layer is an eager gap"). Steps of at most short_extend_tokens rows (a bucket's, or an
+# eager step's real rows) keep the short-extend kernel under "on" as under "off". Measured on an
+# H100 (one call, bench kimi_linear, benchmarks/results/step_account_kda_graph_ab_h100_2026-12-06.md),
+# "on" against "off" when "on" still took the graph form at every size: 4.387 against 7.478 ms at
+# 512 tokens, 22.643 against 23.892 at 4096, and 2.514 against 2.017 at 64, where the graph form
+# had replaced the short-extend kernel (kda_core 0.599 against 0.272 ms). Off until the rule above
+# has run on a GPU.
 KDA_GRAPH = ("off", "on")
 # decode_tiles: the decode and verify kernels' tiles "by_batch" (the default), "fixed" or "walk" (the
 # capability's comment).
@@ -844,10 +850,17 @@ class TritonLinearBackend(BackendHooks):
         bound), so it holds no longer request: the graph and the eager step of the same requests
         run this kernel alike."""
         op = _kernels().OP_OF_GATE[gate_kind]
-        if not self.short_extend_tokens or op in self._captured_extend:
+        graph_form = op == "kda_core" and self.kda_graph
+        if not self.short_extend_tokens or (op in self._captured_extend and not graph_form):
             return False  # an op captured in extend takes its graph's kernels eagerly too (SHORT_EXTEND_CHOICES)
         plan = self._extend_plan(self._step_plan(ctx), op)
-        if not plan.captured and not 0 < plan.longest <= self.short_extend_tokens:
+        if graph_form:
+            # kda_graph=on: a step of at most short_extend_tokens rows (a bucket's, or an eager step's
+            # real rows, which a bucket of as many rows replays) on this kernel, larger ones on the
+            # graph form: the kernel each size was measured faster on (KDA_GRAPH)
+            if (ctx.num_tokens if plan.captured else plan.num_tokens) > self.short_extend_tokens:
+                return False
+        elif not plan.captured and not 0 < plan.longest <= self.short_extend_tokens:
             return False
         _kernels().recurrent_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"), plan.slots,
                                     plan.padded_bounds, scale, gate_kind, self.recurrent_config)

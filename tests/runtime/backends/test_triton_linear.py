@@ -717,8 +717,8 @@ def test_kda_graph_captures_kdas_extends_on_flas_graph_form_at_every_size(monkey
     FLA's chunk_kda in its graph form over the static plan (cu_seqlens of the bucket's B + 1
     requests, the padding and spare ones empty at the tail; the bucket's rows, the stand-in leaving
     the padding rows NaN): outputs and states match the reference, padding rows are zeros, the
-    padding slot and free slots keep what they held. The short-extend kernel is not taken, even
-    for steps within its limit: eager steps run the graph form too (the next test)."""
+    padding slot and free slots keep what they held. Both buckets hold more rows than the
+    short-extend limit, so its kernel is not taken (the steps within it: the test after next)."""
     short = []
     real = TL.recurrent_extend
     monkeypatch.setattr(TL, "recurrent_extend", lambda *a, **k: (short.append(1), real(*a, **k)))
@@ -739,6 +739,27 @@ def test_kda_graph_runs_eager_steps_on_the_graph_form_over_their_real_requests()
     and padding rows as the reference has them. FLA's plain form is not called."""
     fake = compare_mode_steps("kda_core", 2, MODE_STEPS, seed=78, backend_kwargs={"kda_graph": "on"})
     assert fake.calls == [("kda", [0, 6, 11], True), ("kda", [0, 4, 5, 8], True), ("kda", [0, 2, 5], True)]
+
+
+@in_process
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+def test_kda_graph_keeps_steps_within_the_short_extend_limit_on_its_kernel(monkeypatch, replayed):
+    """kda_graph=on with a short-extend limit: a step of at most that many rows (a bucket's, or an
+    eager step's real rows) runs the short-extend kernel, a larger one the graph form; each matches
+    the reference. Replayed: the two 16-row buckets on the kernel over their static bounds, the
+    32-row one on the graph form over its B + 1 requests. Eager (limit 8): the 11-row extend step on
+    the graph form, the 8-row mixed step and the 5-row ragged verify step on the kernel."""
+    launches = []
+    real = TL.recurrent_extend
+    monkeypatch.setattr(TL, "recurrent_extend", lambda *a, **k: (launches.append(a[8].shape[0]), real(*a, **k)))
+    short = 16 if replayed else 8
+    options = {"short_extend_tokens": short, "kda_graph": "on"}
+    fake = compare_mode_steps("kda_core", 2, SHORT_REPLAYED_STEPS if replayed else MODE_STEPS, seed=79,
+                              backend_kwargs=options, replayed=replayed)
+    if replayed:
+        assert launches == [3 + 3, 4 + 3] and fake.calls == [("kda", [0, 20, 23, 23], True)]
+    else:
+        assert launches == [3 + 2, 2 + 2] and fake.calls == [("kda", [0, 6, 11], True)]
 
 
 def test_kda_graph_is_a_routing_option_and_needs_flas_graph_form():
