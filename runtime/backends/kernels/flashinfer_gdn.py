@@ -143,14 +143,15 @@ def chunk_into_pool(prefill_fn, q, k, v, g, beta, out, states, slots, cu_seqlens
         v_rows = v[:rows]
         if v_rows.stride(2) != 1 or v_rows.stride(1) != v.shape[2]:
             v_rows = v_rows.contiguous()
-        # [R, Hv, Dv, Dk] float32: FlashInfer's layout and state type, a copy the kernel may write
-        h0 = states.index_select(0, slots).transpose(-1, -2).float().contiguous()
+        # [R, Hv, Dv, Dk] float32: FlashInfer's layout and state type, a copy the kernel may write;
+        # gathered through the pool's transposed view, one kernel (index_select's output is contiguous)
+        h0 = states.transpose(-1, -2).index_select(0, slots).float()
         ht = torch.empty_like(h0)
         o = out[:rows] if out.is_contiguous() else torch.empty_like(out[:rows], memory_format=torch.contiguous_format)
         prefill_fn(qr, kr, v_rows, torch.exp(g[:rows].float()), beta[:rows].float(), scale, h0, cu_seqlens,
                    o.view(rows, v.shape[1], v.shape[2]), ht)
         if o.data_ptr() != out.data_ptr():
             out[:rows].copy_(o)
-        states.index_copy_(0, slots, ht.transpose(-1, -2).to(states.dtype))
+        states.transpose(-1, -2).index_copy_(0, slots, ht.to(states.dtype))  # into the pool's view: one kernel
     if out.shape[0] > rows:
         out[rows:].zero_()

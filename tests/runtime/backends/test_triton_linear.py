@@ -45,7 +45,7 @@ from runtime.backends.triton_linear import (FLANotInstalled, TritonLinearBackend
 from runtime.cache.batch import SeqState, build_step  # noqa: E402
 from runtime.cache.kv_pool import KVPool  # noqa: E402
 from runtime.cache.state_pool import PADDING_SLOT, StatePool  # noqa: E402
-from testkit.linear_cases import (FakeFLA, check_conv_extend, conv_extend_launch, conv_extend_ok,  # noqa: E402
+from testkit.linear_cases import (FakeFLA, FakeFlashInferGdn, check_conv_extend, conv_extend_launch, conv_extend_ok,  # noqa: E402
                                   random_inputs, rel_err)
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
@@ -923,6 +923,18 @@ def test_chunk_impl_is_a_routing_option_kda_keeps_fla():
         TritonLinearBackend(dev_pool, chunk_impl="ours")
     fake = compare_mode_steps("kda_core", 2, CHUNK_STEPS[:1], seed=90, backend_kwargs={"chunk_impl": "triton"})
     assert [c[1] for c in fake.calls] == [[0, 70, 75]]
+
+
+@in_process
+def test_gdn_core_alone_takes_flashinfer_past_its_bound():
+    """chunk_impl=flashinfer on an unfused GDN layer's core (a route naming gdn_core keeps the region
+    unfused): the 11-row extend step past a bound of 8 through FlashInfer's launch (a stand-in over
+    the reference, testkit.linear_cases.FakeFlashInferGdn), the 8-row mixed step and the ragged
+    verify step on our chunk kernels; outputs, padding rows and states as the reference has them."""
+    stand_in = FakeFlashInferGdn()
+    fake = compare_mode_steps("gdn_core", 0, MODE_STEPS, seed=91,
+                              backend_kwargs={"chunk_impl": "flashinfer", "flashinfer_past": 8, "flashinfer": stand_in})
+    assert stand_in.calls == [[0, 6, 11]] and fake.calls == []
 
 
 # The extend conv's two layouts (ConvConfig.rows): the [token block, channels] tile and row streaming.
