@@ -150,7 +150,9 @@ def test_a_compile_stays_unfused_where_its_linear_backend_does_not_declare_the_o
     tools = toolchain()
     def without_op(c):  # the declaration as it was before the backend took the op on
         return dataclasses.replace(c, ops=c.ops - {"gdn_fused"}, fused_on_route=frozenset(),
-                                   op_capture=tuple(x for x in c.op_capture if x.op != "gdn_fused"))
+                                   op_capture=tuple(x for x in c.op_capture if x.op != "gdn_fused"),
+                                   choice_ops=tuple(dataclasses.replace(x, ops=x.ops - {"gdn_fused"})
+                                                    for x in c.choice_ops))
 
     table = CapabilityTable([without_op(c) if c.name == "triton_linear" else c for c in tools.capabilities],
                             tools.capabilities.sources)
