@@ -34,9 +34,10 @@ four modes:
   captured at every size under `kda_graph=on`, FLA 0.6's graph form of chunk_kda). GDN's with
   `chunk_impl="flashinfer"`: FlashInfer's SM90 prefill kernel (kernels/flashinfer_gdn.py, one
   launch over the step's requests, their states gathered by slot into its layout and put back) in
-  steps of more than `flashinfer_past` tokens, eagerly: its route gathers a state for every request
-  row of a bucket, so a captured bucket (of at most flashinfer_past tokens) runs our chunk kernels,
-  as an eager step of as many tokens does. With
+  steps of more than `flashinfer_past` tokens, eagerly: a bucket holds empty request rows, which
+  FlashInfer's kernel is not written for and whose states the route would gather too, so a captured
+  bucket (of at most flashinfer_past tokens) runs our chunk kernels, as an eager step of as many
+  tokens does. With
   `short_extend_tokens` set, a step of such an op whose requests each bring at most that many
   tokens (a prefix-cache hit's tail, a short prompt) runs the recurrent cores through our
   short-extend kernel instead (triton_linear.recurrent_extend: one launch a layer, each request's

@@ -28,11 +28,14 @@ tokens, 128.9 against 170.0 at 2048, 219.2 against 315.6 at 4096, 120.4 against 
 
 In whole steps (benchmarks/results/step_account_flashinfer_ab_h100_2026-12-06.md) the kernel took
 1770 against our 2829 us of a 4096-token step's 9 layers, the gathers, transposes and scatters here
-about 210 us, and the eager gaps' host time more than the difference: the route is not the default.
+about 200 us (before each way became one kernel), and the eager gaps' host time more than the
+difference: the route is not the default.
 
 Not done here: float16 or float32 activations, head dims other than 128, the in-step snapshots of the
-prefix cache (the kernel returns a request's state after its last token only), capture (the route
-gathers and scatters every request row of a bucket: the backend runs it in eager gaps).
+prefix cache (the kernel returns a request's state after its last token only), capture: a bucket's
+spare request rows are empty sequences, for which the kernel's loads and compute loop still take a
+tail step (at block -1: flat_collective_tma_warpspecialized_delta_rule.hpp), and the route would
+gather and scatter a state for each; the backend runs it in eager gaps.
 """
 
 from __future__ import annotations
