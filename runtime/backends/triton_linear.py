@@ -587,10 +587,13 @@ class TritonLinearBackend(BackendHooks):
         """Over the state pool: every kernel finds its layer's state by layer id and slot."""
         options = cls.routed_options(setup.options)
         if options["chunk_impl"] == "flashinfer":  # at build, naming the layer: not at its first long step
+            fi = _flashinfer_kernels()
+            if setup.device.type == "cuda":
+                fi.check_device(setup.device)
             for call in setup.calls:
                 if call.op in ("gdn_core", "gdn_fused"):
-                    _flashinfer_kernels().check_layer(getattr(torch, call.dtype), *_gdn_heads(call),
-                                                      f"triton_linear: hgc.{call.op} (layer {call.layer_id})")
+                    fi.check_layer(call.dtype, *_gdn_heads(call),
+                                   f"triton_linear: hgc.{call.op} (layer {call.layer_id})")
         return cls(setup.state_pool, snapshots=setup.snapshots, routed_ops=frozenset(c.op for c in setup.calls),
                    **options)
 

@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SOURCE", "HEAD_DIM", "GdnPrefill", "check_layer", "chunk_into_pool", "jit_spec", "module_name", "prefill"]
+__all__ = ["SOURCE", "HEAD_DIM", "GdnPrefill", "check_device", "check_layer", "chunk_into_pool", "jit_spec",
+           "module_name", "prefill"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gdn_prefill_sm90.cu"
 HEAD_DIM = 128  # the variant's tile: Shape<_64, _64, _128> (csrc/gdn_prefill_sm90.cu)
@@ -70,11 +71,24 @@ def jit_spec():
                         extra_include_paths=[jit_env.FLASHINFER_CSRC_DIR])
 
 
-def check_layer(dtype: torch.dtype, k_heads: int, v_heads: int, dk: int, dv: int, what: str) -> None:
-    """Refuse, in one line naming the layer, a GDN layer the built variant cannot run."""
+def check_device(device: torch.device) -> None:
+    """Refuse, in one line, a device or an installation the library cannot be built for or run on."""
+    import importlib.util
+
+    if torch.cuda.get_device_capability(device)[0] != _MAJOR:
+        raise RuntimeError(f"chunk_impl=flashinfer: FlashInfer's GDN prefill kernel is built for sm_90a (Hopper); "
+                           f"{torch.cuda.get_device_name(device)} is not one; route GDN with chunk_impl=triton")
+    if importlib.util.find_spec("flashinfer") is None:
+        raise RuntimeError("chunk_impl=flashinfer: FlashInfer is not installed here (pip install flashinfer-python); "
+                           "its JIT builds the kernel's library")
+
+
+def check_layer(dtype: "str | None", k_heads: int, v_heads: int, dk: int, dv: int, what: str) -> None:
+    """Refuse, in one line naming the layer, a GDN layer the built variant cannot run (dtype: the
+    activations', torch's name)."""
     why = []
-    if dtype != torch.bfloat16:
-        why.append(f"activations in {str(dtype).removeprefix('torch.')} (bfloat16 only)")
+    if dtype != "bfloat16":
+        why.append(f"activations in {dtype or 'an unknown dtype'} (bfloat16 only)")
     if dk != HEAD_DIM or dv != HEAD_DIM:
         why.append(f"head dims {dk} / {dv} ({HEAD_DIM} only)")
     if v_heads <= k_heads or v_heads % k_heads:
@@ -88,9 +102,9 @@ class GdnPrefill:
     """The built library on one device: `launch` runs the kernel on the current stream."""
 
     def __init__(self, device: torch.device, path: Path | None = None):
-        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != _MAJOR:
-            raise RuntimeError(f"chunk_impl=flashinfer: FlashInfer's GDN prefill kernel is built for sm_90a (Hopper); "
-                               f"{device} is not one")
+        if device.type != "cuda":
+            raise RuntimeError(f"chunk_impl=flashinfer: FlashInfer's GDN prefill kernel runs on CUDA, not {device}")
+        check_device(device)
         if path is None:
             spec = jit_spec()
             if not spec.is_compiled:

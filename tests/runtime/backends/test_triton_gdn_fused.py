@@ -486,12 +486,28 @@ def test_flashinfer_bounds_the_gdn_ops_capture_and_serves_gdn_layers_only():
 
 def test_flashinfer_refuses_a_layer_its_variant_cannot_run_naming_it():
     fi = pytest.importorskip("runtime.backends.kernels.flashinfer_gdn")
-    fi.check_layer(torch.bfloat16, 16, 32, 128, 128, "layer 0")  # bench qwen3_next's: runs
-    for args, why in [((torch.float32, 16, 32, 128, 128), "float32"), ((torch.bfloat16, 16, 32, 64, 64), "64 / 64"),
-                      ((torch.bfloat16, 16, 16, 128, 128), "16 value heads"),
-                      ((torch.bfloat16, 16, 40, 128, 128), "40 value heads")]:
+    fi.check_layer("bfloat16", 16, 32, 128, 128, "layer 0")  # bench qwen3_next's: runs
+    for args, why in [(("float32", 16, 32, 128, 128), "float32"), (("bfloat16", 16, 32, 64, 64), "64 / 64"),
+                      (("bfloat16", 16, 16, 128, 128), "16 value heads"),
+                      (("bfloat16", 16, 40, 128, 128), "40 value heads"), ((None, 16, 32, 128, 128), "unknown")]:
         with pytest.raises(ValueError, match=f"layer 3: .*{why}.*chunk_impl=triton"):
             fi.check_layer(*args, "layer 3")
+
+
+def test_flashinfer_refuses_a_card_or_an_installation_it_cannot_build_for(monkeypatch):
+    """At build, one line: a card that is not Hopper (the library is sm_90a code), or no FlashInfer
+    (its JIT builds the library). The card's answers are stood in for: no GPU here."""
+    import importlib.util
+
+    fi = pytest.importorskip("runtime.backends.kernels.flashinfer_gdn")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(RuntimeError, match="sm_90a.*A100 is not one.*chunk_impl=triton"):
+        fi.check_device(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="FlashInfer is not installed"):
+        fi.check_device(torch.device("cuda"))
 
 
 @in_process
