@@ -852,7 +852,9 @@ class TritonLinearBackend(BackendHooks):
         bucket the host does not know the real count), and a captured bucket's padding requests sit
         on the padding slot. A captured bucket is at most short_extend_tokens rows (the capture's
         bound), so it holds no longer request: the graph and the eager step of the same requests
-        run this kernel alike."""
+        run this kernel alike. KDA under kda_graph=on is captured at every size: there the step's
+        rows decide (a bucket's, or an eager step's real rows), the longer ones going to the graph
+        form."""
         op = _kernels().OP_OF_GATE[gate_kind]
         graph_form = op == "kda_core" and self.kda_graph
         if not self.short_extend_tokens or (op in self._captured_extend and not graph_form):
