@@ -46,6 +46,8 @@
 #                FAMILIES=kimi_linear,bailing_linear PIECES=1 BATCHES=1,128 EXTENDS=64,512,4096; ROUTE adds one
 #                `hgc compile --route` (an artifact of its own, the account under $OUT/account_routed), e.g.
 #                ROUTE="kda_core=triton_linear[kda_graph=on]" FAMILIES=kimi_linear for KDA on FLA's graph form
+#                ACCOUNT_ARGS adds step_account.py flags, as in account_serving (--extend-seqs 256: the extend
+#                buckets laid out for a served artifact's 256 requests)
 #   prompt_host  benchmarks/host/prompt_host_bench.py on the serving artifact: a short prompt's TTFT, the
 #                runner's part and the host's around it, with a profile (issue 49)
 #   account_serving  the same on the serving artifact (ROUTE applies), decode at BATCHES (default 1), extends
@@ -197,7 +199,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         for family in ${FAMILIES//,/ }; do
             python3 benchmarks/kernels/step_account.py --out "$OUT/account${ROUTE:+_routed}/$family" --work "$W" \
                 --family "$family" ${PIECES:+--compiled-pieces} ${BATCHES:+--batches "$BATCHES"} \
-                ${EXTENDS:+--extends "$EXTENDS"} ${ROUTE:+--route "$ROUTE"}
+                ${EXTENDS:+--extends "$EXTENDS"} ${ROUTE:+--route "$ROUTE"} ${ACCOUNT_ARGS:-}
         done ;;
     prompt_host)
         art=$(serving_artifact) || { echo "no artifact"; continue; }

@@ -427,11 +427,13 @@ FLASHINFER_PAST = ("512", "256", "1024", "2048")
 # and write-back for every request row of the bucket, padding ones too (docs/DESIGN.md, "Past 64
 # tokens a KDA layer is an eager gap"). Steps of at most short_extend_tokens rows (a bucket's, or an
 # eager step's real rows) keep the short-extend kernel under "on" as under "off". Measured on an
-# H100 (one call, bench kimi_linear, benchmarks/results/step_account_kda_graph_ab_h100_2026-12-06.md),
-# "on" against "off" when "on" still took the graph form at every size: 4.387 against 7.478 ms at
-# 512 tokens, 22.643 against 23.892 at 4096, and 2.514 against 2.017 at 64, where the graph form
-# had replaced the short-extend kernel (kda_core 0.599 against 0.272 ms). Off until the rule above
-# has run on a GPU.
+# H100 (bench kimi_linear, one call each), "on" against "off", in one-request buckets: 4.387 against
+# 7.478 ms at 512 tokens, 22.643 against 23.892 at 4096 (step_account_kda_graph_ab_h100_2026-12-06.md,
+# before the rule); in a served artifact's buckets (256 request rows past 128 tokens), with the
+# rule: 2.067 against 2.055 ms at 64 tokens, 2.861 against 7.143 at 128 (a one-request key), but
+# 14.099 against 7.620 at 512 and 32.104 against 23.544 at 4096, every request row's state gathered,
+# handed through FLA and written back (step_account_kda_graph_served_ab_h100_2026-12-06.md). Off: a
+# served artifact's long prompts would pay that.
 KDA_GRAPH = ("off", "on")
 # decode_tiles: the decode and verify kernels' tiles "by_batch" (the default), "fixed" or "walk" (the
 # capability's comment).
