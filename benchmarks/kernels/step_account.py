@@ -38,8 +38,8 @@ Per run, once: `rates`, the card's device-to-device copy rate and bf16 matmul ra
 --timeline: per step also where its time beyond its kernels goes (account_trace.timeline: the host's
 time until `run` returns against the device's, the runner's staging and plan alone, synchronising
 lines, the device's idle spans with the host ops during them, a Chrome trace per step in OUT), and
-the step timed with a piecewise step's gap-only plans after its first launch (the default) and
-before it (`GraphRunner.defer_gap_plans`), alternated.
+the step timed with a piecewise step's gap-only plans at their backend's first op (the default)
+and before its first launch (`GraphRunner.defer_gap_plans`), alternated.
 
 Tables group ops by what they are across layers (`gemm linear_attn.in_proj_qkvz`, `moe`, `gdn_core`,
 `gdn_fused` where the fusion pass made one GDN mixer op, `glue`...); the JSON (OUT/step_account.json) keeps every kernel in the order it ran with its label
@@ -327,8 +327,8 @@ def timeline_text(tl: dict) -> str:
     """A step's timeline (account_trace.timeline) in a few lines for the log."""
     if not tl:
         return ""
-    lines = [f"    step ms, the gaps' plans after the first launch {tl['step_ms_gap_plans_deferred']}, before it "
-             f"{tl['step_ms_gap_plans_first']}",
+    lines = [f"    step ms, the gaps' plans at their first op {tl['step_ms_gap_plans_deferred']}, before the first "
+             f"launch {tl['step_ms_gap_plans_first']}",
              f"    host {tl['host_call_us']:.0f} us to return, device {tl['device_call_us']:.0f} us; host phases "
              f"{ {k: round(v) for k, v in tl['phases_us'].items()} }; syncs {tl['syncs']}",
              f"    profiled: wall {tl['profiled_wall_us']:.0f} us, device busy {tl['device_busy_us']:.0f}, idle "

@@ -189,7 +189,7 @@ class BackendHooks(abc.ABC):
 
     def plan_piecewise_step(self, ctx: ExecContext, bucket: int, chunk_size: int,
                             plan_mode: Mode | None = None, first_piece_stages: bool = False,
-                            defer_gaps: Callable[[Callable[[], None]], None] | None = None) -> None:
+                            defer_gaps: Callable[["BackendHooks", Callable[[], None]], None] | None = None) -> None:
         """Before a piecewise step (captured pieces around eager gaps): the gaps' plan
         (`plan_eager_step`), then `init_replay_state` for the pieces. Not a hook of its own: a
         backend set sends the first to the members with a node in an eager gap of the step's mode
@@ -202,10 +202,11 @@ class BackendHooks(abc.ABC):
         extend plan's pieces: the graph runner's piecewise decode). `first_piece_stages`: the
         step's first captured piece records `stage_in_first_piece` (below), so what that stages is
         not staged again here; a lone backend stages nothing there and plans everything here.
-        `defer_gaps`: where the step opens with a captured piece, the runner's way to run host work
-        after that piece's launch (the device busy meanwhile) and before the first gap; a backend
-        set hands it the plans of its members that own nodes in the gaps alone (FlashInfer's
-        prefill plan in a long extend step). A lone backend owns the pieces' nodes too and plans now."""
+        `defer_gaps(member, plan)`: the runner's way to run a member's plan just before that
+        member's first op of the step, after the pieces before that op were launched (the device
+        busy with them meanwhile); a backend set hands it the plans of its members that own nodes
+        in the gaps alone (FlashInfer's prefill plan in a long extend step, needed first at the
+        first attention layer). A lone backend owns the pieces' nodes too and plans now."""
         plan_eager_step(self, ctx, chunk_size)
         self.init_replay_state(ctx, bucket)
 

@@ -407,10 +407,12 @@ SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 # "flashinfer": GDN layers' steps of more than flashinfer_past tokens on FlashInfer's SM90 prefill
 # kernel (kernels/flashinfer_gdn.py), shorter ones on ours; GDN only (the kernel is the delta rule's),
 # bf16, head dim 128, more value heads than key heads. Not the default: its kernel beat our three
-# (1770 against 2829 us of a 4096-token step of bench qwen3_next, 9 layers, H100), but its steps run
-# the whole mixer in eager gaps, whose host time left the card idle: whole steps 6.246 / 8.821 /
-# 15.675 ms against 4.427 / 7.640 / 14.491 at 1024 / 2048 / 4096 tokens
-# (benchmarks/results/step_account_flashinfer_ab_h100_2026-12-06.md).
+# (1770 against 2829 us of a 4096-token step of bench qwen3_next, 9 layers, H100), but its steps are
+# piecewise, and the card sat idle while the host ran the gap-only backends' plans right after a
+# short first piece: whole steps 6.246 / 8.821 / 15.675 ms against 4.427 / 7.640 / 14.491 at 1024 /
+# 2048 / 4096 tokens (benchmarks/results/step_account_flashinfer_ab_h100_2026-12-06.md; the unfused
+# route on the core alone, step_account_flashinfer_core_ab_h100_2026-12-06.md, traced it). Those
+# plans now wait for their backend's first op (GraphRunner._plan); not measured since.
 CHUNK_IMPL_CHOICES = ("triton", "fla", "flashinfer")
 # flashinfer_past: the most tokens of a step that chunk_impl="flashinfer" leaves to our chunk kernels,
 # and so the largest extend bucket that captures the GDN ops (the route runs in eager gaps). 512, the

@@ -88,9 +88,6 @@ class CaptureState:
         # Device work the first captured piece of the step being captured records ahead of its ops
         # (the backends' replay state that its graph may hold: GraphRunner._plan); None: nothing.
         self.prologue: Optional[Callable[[], None]] = None
-        # Host work of the step being replayed that its first captured piece runs right after its
-        # launch, once (the plans only the eager gaps read: GraphRunner._plan); None: nothing.
-        self.after_first_piece: Optional[Callable[[], None]] = None
 
 
 class CapturedPiece(torch.nn.Module):
@@ -138,7 +135,4 @@ class CapturedPiece(torch.nn.Module):
                 raise CaptureError(f"piece {self.index} {key}: input {bad} moved: captured at {addresses[bad]:#x}, "
                                    f"got {now[bad]:#x}; every input must be a static buffer")
         graph.replay()
-        if self.first and self.state.after_first_piece is not None:
-            after, self.state.after_first_piece = self.state.after_first_piece, None
-            after()  # the device runs this piece meanwhile
         return out

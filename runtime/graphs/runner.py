@@ -73,7 +73,7 @@ from compiler.splitops.artifact import (CAPTURED, DEFAULT_DECODE_BATCH_SIZES, DE
                                         PROGRAM_INPUTS, piece_module_names, whole_bound_refusal)
 from runtime.cache.batch import RowsAt, SeqState, StepInputs, build_step, step_lengths, step_mode, write_rows
 from runtime.backends.protocol import plan_eager_step
-from runtime.step.bound_ops import BoundOps
+from runtime.step.bound_ops import BoundOps, backend_name
 from runtime.graphs.buckets import Buckets, CaptureKey, buckets_for, piecewise_plan_mode, whole_step, whole_step_modes
 from runtime.graphs.cuda_graphs import CaptureError, CapturedPiece, CaptureState, CudaGraphs
 from runtime.step.context import ExecContext
@@ -155,8 +155,8 @@ class GraphRunner:
                                     ) if decode_graphs == "full" else frozenset()
         self.keys: list[CaptureKey] = []
         self.chunk_size = chunk_size or self.max_tokens
-        # Plans only the eager gaps read wait for the first captured piece's launch (_plan); False
-        # makes them precede it, as before (step_account.py --timeline times both).
+        # Plans only the eager gaps read wait for their backend's first op of the step (_plan); False
+        # makes them precede the step's first launch, as before (step_account.py --timeline times both).
         self.defer_gap_plans = True
         self.input_names = PROGRAM_INPUTS[program.name]
         # Static buffers: the only tensors a captured graph reads besides weights, caches and its pool
@@ -302,17 +302,20 @@ class GraphRunner:
         # stages what it may (stage_in_first_piece, recorded at capture): host time before the
         # step's first launch, while the device waits, is what a piecewise step pays over a
         # whole-step graph.
-        # A replayed step that opens with a captured piece launches it before the plans only the
-        # gaps read (CaptureState.after_first_piece): at 4096 tokens FlashInfer's prefill plan took
-        # about 0.5 ms of host time before the first launch, the device idle
-        # (benchmarks/history/linear_extend.md, "Where a long extend step waits on the host").
+        # In a replayed step the plans only the gaps read wait for their backend's first op
+        # (BoundOps.before_first_call), so the pieces before it are launched first and the device
+        # runs them meanwhile: at 4096 tokens FlashInfer's prefill plan took about 0.5 ms of host
+        # time before the first launch, the device idle (benchmarks/history/linear_extend.md, "Where
+        # a long extend step waits on the host"); run right after the first piece, the plans of
+        # several gap backends still left the device idle when that piece was short (a GDN layer's
+        # input projection: benchmarks/results/step_account_flashinfer_core_ab_h100_2026-12-06.md).
         plan_mode = piecewise_plan_mode(self.program.plans, key.mode)
         staged = self.program.plans[plan_mode].pieces[0].kind == CAPTURED
-        deferred: list = []
-        defer = staged and self.defer_gap_plans and not self.state.capturing
+        deferred: dict = {}
+        defer = self.defer_gap_plans and not self.state.capturing
         self.backend.plan_piecewise_step(ctx, key.seqs, self.chunk_size, plan_mode, first_piece_stages=staged,
-                                         defer_gaps=deferred.append if defer else None)
-        self.state.after_first_piece = (lambda: [plan() for plan in deferred]) if deferred else None
+                                         defer_gaps=deferred.__setitem__ if defer else None)
+        self.ops.before_first_call = deferred or None
         if staged and self.state.capturing:
             self.state.prologue = lambda: self.backend.stage_in_first_piece(ctx, key.seqs, plan_mode)
 
@@ -341,10 +344,11 @@ class GraphRunner:
         try:
             with self.ops.step(ctx):
                 outputs = self._call(self._module(ctx.mode), inputs)
-            if self.state.after_first_piece is not None:  # a plan no gap of the step was there to read
-                raise CaptureError(f"{key}: the plans deferred to the first captured piece never ran")
+            if self.ops.before_first_call is not None:  # a plan no gap op of the step was there to read
+                raise CaptureError(f"{key}: the plans deferred to the first ops of "
+                                   f"{sorted(backend_name(b) for b in self.ops.before_first_call)} never ran")
         finally:
-            self.state.key, self.state.after_first_piece = None, None
+            self.state.key, self.ops.before_first_call = None, None
         self.counters["piecewise_steps" if key else "eager_steps"] += 1
         return [out[:n] for out, n in zip(outputs, real)]
 

@@ -15,6 +15,8 @@ an op reaches a backend:
 Every call records (layer id, backend) in `ops.executed` after the backend returned: what ran is
 reported from the calls themselves (`hgc run --json`'s executed_backends), not copied from
 routing.json. Outside a step, calling an op is an error rather than a silent use of stale metadata.
+A step may leave host work to run just before a backend's first op call (`before_first_call`:
+the graph runner's plans of the backends whose ops all run in a piecewise step's eager gaps).
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class BoundOps:
         self.intercept = None
         # (layer id, backend name) of every op call a backend has returned from.
         self.executed: set[tuple[int, str]] = set()
+        # backend instance -> host work of the running step to run just before that backend's first
+        # op call, once (the graph runner's deferred gap plans: GraphRunner._plan). None (one
+        # attribute test) when the step left none, or all have run.
+        self.before_first_call: dict[object, Callable[[], None]] | None = None
 
     @contextlib.contextmanager
     def step(self, ctx: ExecContext):
@@ -73,6 +79,8 @@ class BoundOps:
         def call(*args):
             if self.ctx is None:
                 raise NoStepError(f"hgc.{op} called outside a runtime step (use `with ops.step(ctx):`)")
+            if self.before_first_call is not None:
+                self._first_call_of(backend)
             if self.intercept is None:
                 method(self.ctx, *args)
             else:
@@ -84,6 +92,14 @@ class BoundOps:
         call.__name__ = call.__qualname__ = f"hgc_{op}"
         call.hgc_op, call.hgc_backend = op, backend  # what the start-up check compares with routing.json
         return call
+
+    def _first_call_of(self, backend) -> None:
+        """Run what the step left for `backend`'s first op call, if anything."""
+        work = self.before_first_call.pop(backend, None)
+        if not self.before_first_call:
+            self.before_first_call = None
+        if work is not None:
+            work()
 
     def sibling(self, backend) -> "BoundOps":
         """An op table of another program of the same model (the draft's) over `backend`, whose

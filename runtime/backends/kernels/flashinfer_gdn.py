@@ -28,8 +28,9 @@ tokens, 128.9 against 170.0 at 2048, 219.2 against 315.6 at 4096, 120.4 against 
 
 In whole steps (benchmarks/results/step_account_flashinfer_ab_h100_2026-12-06.md) the kernel took
 1770 against our 2829 us of a 4096-token step's 9 layers, the gathers, transposes and scatters here
-about 200 us (before each way became one kernel), and the eager gaps' host time more than the
-difference: the route is not the default.
+about 200 us (before each way became one kernel), and the card's idle time in the piecewise steps
+more than the difference (the gap-only plans run after a short first piece:
+step_account_flashinfer_core_ab_h100_2026-12-06.md): the route is not the default.
 
 Not done here: float16 or float32 activations, head dims other than 128, the in-step snapshots of the
 prefix cache (the kernel returns a request's state after its last token only), capture: a bucket's

@@ -133,20 +133,20 @@ def test_a_piecewise_step_plans_eagerly_only_the_members_in_its_gaps():
 
 
 def test_a_piecewise_step_hands_the_plans_of_gap_only_members_to_defer_gaps():
-    """defer_gaps (the runner's, where the step opens with a captured piece): a member whose nodes are
-    all in the gaps plans when the callable it got is called, after the first piece's launch; a
-    member on both sides plans now (its init_replay_state keeps the eager plan made first), and the
-    captured members stage as before."""
+    """defer_gaps (the runner's): a member whose nodes are all in the gaps is handed over with its
+    plan, which runs when called (the runner calls it before the member's first op); a member on
+    both sides plans now (its init_replay_state keeps the eager plan made first), and the captured
+    members stage as before."""
     attn, linear, mixed = Spy(FULL_OPS - {"moe"}), Spy(LINEAR_OPS), Spy({"moe"})
     backends = BackendSet({"attn": attn, "linear": linear, "mixed": mixed},
                           {Mode.EXTEND: ("linear", "mixed")}, {Mode.EXTEND: ("attn", "mixed")})
     ctx = types.SimpleNamespace(mode=Mode.EXTEND)
-    deferred = []
-    backends.plan_piecewise_step(ctx, 4, 512, defer_gaps=deferred.append)
-    assert attn.calls == [] and len(deferred) == 1
+    deferred = {}
+    backends.plan_piecewise_step(ctx, 4, 512, defer_gaps=deferred.__setitem__)
+    assert attn.calls == [] and list(deferred) == [attn]
     assert linear.calls == [("init_replay_state", ctx, 4)]
     assert mixed.calls == [("init_step_metadata", ctx), ("init_chunk_metadata", ctx, 512), ("init_replay_state", ctx, 4)]
-    deferred[0]()
+    deferred[attn]()
     assert attn.calls == [("init_step_metadata", ctx), ("init_chunk_metadata", ctx, 512)]
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hgc import main
-from compiler.splitops import Mode
+from compiler.splitops import OP_SPECS, Mode, op_arguments
 from runtime.backends.cpu_reference import CPUReferenceBackend
 from runtime.cache.batch import SeqState, commit_step
 from runtime.step.bound_ops import BoundOps
@@ -24,6 +24,8 @@ from testkit.graph_cases import RerunGraphs, greedy
 from runtime.artifact.loader import LoadError, load_artifact
 from runtime.backends.flashinfer_attention import FlashInferAttentionBackend
 from testkit.helpers import edit_routing, shared_artifact
+
+OP_NAMES = frozenset(OP_SPECS)
 
 pytestmark = pytest.mark.usefixtures("shared_traces")  # the tiny configs traced once, compiles on copies
 
@@ -625,33 +627,104 @@ def test_glue_drift_that_grows_layer_by_layer_passes_and_a_jump_is_named():
     assert forced.first_beyond(rtol) == "layer 1 (gdn_core, rel err 0.021 on the same inputs)"
 
 
-def test_the_first_captured_piece_runs_the_deferred_plans_right_after_its_launch_once():
-    """CaptureState.after_first_piece (GraphRunner._plan leaves there the plans only the eager gaps
-    read): the step's first captured piece launches, then runs it, once; no other piece runs it, and
-    a capture leaves it alone."""
-    from runtime.graphs.cuda_graphs import CapturedPiece, CaptureState
+def gap_reference_runner(tmp_path, tmp_path_factory, log: list):
+    """A runner (CPU stand-in graphs) over the test run's tiny qwen3_next compiled with its GQA
+    attention on a second reference instance, `gap_reference`, whose extend calls are eager gaps
+    there (as the reference's are), so in extend steps it owns nodes in the gaps alone. `log` gets
+    ("plan", mode) for each of its step plans and (op, layer) for every op call of either instance."""
+    import dataclasses
+
+    from hgc.wiring import toolchain
+    from compiler.passes.context import CompileConfig
+    from compiler.passes.routing import parse_route
+    from compiler.pipeline import compile_checkpoint
+    from runtime.backends import discover
+
+    class Logged(CPUReferenceBackend):
+        def __getattribute__(self, name):
+            attr = super().__getattribute__(name)
+            if name in OP_NAMES:
+                return lambda ctx, *args: (log.append((name, args[op_arguments(name).index("layer_id")])),
+                                           attr(ctx, *args))
+            return attr
+
+    class GapReference(Logged):
+        name = "gap_reference"
+        capability = dataclasses.replace(CPUReferenceBackend.capability, name=name)
+
+        def init_step_metadata(self, ctx):
+            log.append(("plan", Mode(ctx.mode)))
+
+    registry = discover().with_classes(GapReference, source="tests/runtime/graphs/test_graph_runner.py")
+    checkpoint = shared_artifact(tmp_path_factory, "qwen3_next")[0]
+    compile_checkpoint(checkpoint, tmp_path / "a", CompileConfig(routes=(parse_route("gqa_attention=gap_reference"),)),
+                       toolchain(registry), dumps=False)
+    art = load_artifact(tmp_path / "a")
+    kv, st = make_pools(art.registry, 128, 8, page_size=8)
+    ops = BoundOps(art.backends(kv, st, registry).for_program("main"))
+    members = ops.backend.members
+    assert set(members) == {"cpu_reference", "gap_reference"}
+    members["cpu_reference"].__class__ = Logged  # the same instance, its op calls logged too
+    runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
+                         max_pages_per_seq=16, extend_max_seqs=2, debug=True, graphs=RerunGraphs())
+    runner.start(vocab_size=art.manifest["model"]["vocab_size"])
+    return runner, st
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_gap_only_backend_plans_just_before_its_first_op_of_a_replayed_step(artifact, tmp_path, tmp_path_factory,
+                                                                            defer):
+    """GraphRunner._plan leaves the plan of a backend whose nodes are all in a piecewise step's eager
+    gaps to BoundOps.before_first_call: in a replayed extend step it runs once, right before that
+    backend's first op, after the ops of the layers before it (the pieces launched first, which the
+    device runs meanwhile); with defer_gap_plans off it precedes the step's first op. The tokens are
+    the single-backend runner's either way."""
+    log: list = []
+    runner, st = gap_reference_runner(tmp_path, tmp_path_factory, log)
+    runner.defer_gap_plans = defer
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    reference, _, reference_st = make_runner(artifact)
+    want, _ = greedy(reference, reference_st, prompts, 2)
+    log.clear()
+    piecewise = runner.counters["piecewise_steps"]
+    got, keys = greedy(runner, st, prompts, 1)  # the prompts' step alone: one replayed extend step
+    assert got == [w[:1] for w in want] and keys == [CaptureKey(Mode.EXTEND, 16, 2)]
+    assert runner.counters["piecewise_steps"] == piecewise + 1
+    plans = [i for i, e in enumerate(log) if e[0] == "plan"]
+    first_attention = next(i for i, e in enumerate(log) if e[0] == "gqa_attention")
+    assert len(plans) == 1, log
+    if defer:
+        assert plans[0] == first_attention - 1, log
+        assert {layer for op, layer in log[:plans[0]]} == set(range(log[first_attention][1])), \
+            "every layer before the first attention layer ran before the plan"
+    else:
+        assert plans[0] == 0, log
+    assert runner.ops.before_first_call is None
+
+
+def test_before_first_call_runs_each_backend_s_work_once_before_its_first_op():
+    """BoundOps.before_first_call: a backend's work runs just before its first op call of the step,
+    once; another backend's calls leave it pending; the table empties to None."""
+    from runtime.step.bound_ops import BoundOps
 
     log = []
 
-    class Piece(torch.nn.Module):
+    class Named:
         def __init__(self, name):
-            super().__init__()
             self.name = name
 
-        def forward(self, x):
+        def gdn_core(self, ctx, *args):
             log.append(self.name)
-            return x + 1
 
-    state = CaptureState(RerunGraphs())
-    first, later = (CapturedPiece(Piece(name), i, state, first=i == 0) for i, name in enumerate(("first", "later")))
-    x = torch.zeros(2)
-    state.key, state.capturing = CaptureKey(Mode.EXTEND, 32, 1), True
-    first(x), later(x)
-    state.capturing = False
-    log.clear()
-    state.after_first_piece = lambda: log.append("plan")
-    first(x), later(x)
-    assert log == ["first", "plan", "later"] and state.after_first_piece is None
-    state.after_first_piece = lambda: log.append("plan again")
-    later(x)
-    assert log[-1] == "later" and state.after_first_piece is not None
+    a, b = Named("a"), Named("b")
+    ops = BoundOps(a)
+    call_a, call_b = ops.call_of(a, "gdn_core"), ops.call_of(b, "gdn_core")
+    args = [None] * len(op_arguments("gdn_core"))
+    args[op_arguments("gdn_core").index("layer_id")] = 0
+    ops.before_first_call = {b: lambda: log.append("plan b")}
+    with ops.step(object()):
+        call_a(*args)
+        assert ops.before_first_call is not None
+        call_b(*args)
+        call_b(*args)
+    assert log == ["a", "plan b", "b", "b"] and ops.before_first_call is None
