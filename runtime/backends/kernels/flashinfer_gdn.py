@@ -20,6 +20,12 @@ across calls and the values' row stride given, so they are read where the conv l
    runtime/backends/triton_linear.py runs for a GDN layer's step past the bound: the requests'
    states gathered by slot into FlashInfer's layout ([Dv, Dk] per head, float32, whatever the pool
    keeps), the decays' exp and beta in float32 (its interface), the kernel, the final states put back.
+   The gather, the gates and the put-back are one Triton launch each (`_states_in_kernel`,
+   `_gates_kernel`, `_states_out_kernel`, through the Launcher) into workspaces kept per device:
+   as torch ops they were nine launches and about 150 us of host time in each layer's eager gap on
+   an H100's host (index_select, the float copies, exp, index_copy_: the timeline of
+   benchmarks/results/step_account_flashinfer_core_ab_h100_2026-12-06.md), which a gap spends
+   while the device may be waiting for it.
 
 Measured against our chunk kernels (benchmarks/probes/gdn_prefill_probe.py, H100, bench qwen3_next's
 dims; the kernel and the copies around it, captured): 59.0 against 52.1 us at one request of 512
@@ -47,6 +53,11 @@ import hashlib
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
+
+from runtime.backends.kernels.launch_cache import Launcher
+from runtime.backends.kernels.launch_math import cdiv, next_pow2
 
 __all__ = ["SOURCE", "HEAD_DIM", "GdnPrefill", "check_device", "check_layer", "chunk_into_pool", "jit_spec",
            "module_name", "prefill"]
@@ -148,6 +159,79 @@ def prefill(device: torch.device) -> GdnPrefill:
     return GdnPrefill(device)
 
 
+# Rows of Dk a program of the state copies moves: [STATE_BLOCK_K, Dv] tiles, 16 KiB of float32 at Dv 128.
+STATE_BLOCK_K = 32
+GATES_BLOCK = 1024
+
+
+@triton.jit
+def _states_in_kernel(states_ptr, slots_ptr, h0_ptr, stride_slot, stride_head, HV, DK: tl.constexpr,
+                      DV: tl.constexpr, BK: tl.constexpr):
+    """h0[r, h] = states[slots[r], h]^T in float32: program (r * HV + h, key block)."""
+    rh = tl.program_id(0)
+    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+    offs_v = tl.arange(0, DV)
+    slot = tl.load(slots_ptr + rh // HV).to(tl.int64)
+    src = states_ptr + slot * stride_slot + (rh % HV) * stride_head
+    tile = tl.load(src + offs_k[:, None] * DV + offs_v[None, :], mask=(offs_k < DK)[:, None]).to(tl.float32)
+    dst = h0_ptr + rh.to(tl.int64) * DV * DK
+    tl.store(dst + offs_v[:, None] * DK + offs_k[None, :], tl.trans(tile), mask=(offs_k < DK)[None, :])
+
+
+@triton.jit
+def _states_out_kernel(ht_ptr, slots_ptr, states_ptr, stride_slot, stride_head, HV, DK: tl.constexpr,
+                       DV: tl.constexpr, BK: tl.constexpr):
+    """states[slots[r], h] = ht[r, h]^T in the pool's dtype: program (r * HV + h, key block)."""
+    rh = tl.program_id(0)
+    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+    offs_v = tl.arange(0, DV)
+    src = ht_ptr + rh.to(tl.int64) * DV * DK
+    tile = tl.load(src + offs_v[:, None] * DK + offs_k[None, :], mask=(offs_k < DK)[None, :])  # [DV, BK]
+    slot = tl.load(slots_ptr + rh // HV).to(tl.int64)
+    dst = states_ptr + slot * stride_slot + (rh % HV) * stride_head
+    tl.store(dst + offs_k[:, None] * DV + offs_v[None, :], tl.trans(tile).to(states_ptr.dtype.element_ty),
+             mask=(offs_k < DK)[:, None])
+
+
+@triton.jit
+def _gates_kernel(g_ptr, beta_ptr, alpha_ptr, beta32_ptr, n, stride_g, stride_b, HV, BLOCK: tl.constexpr):
+    """alpha = exp(g) and beta32 = beta, float32 [rows, HV] contiguous, from g and beta [rows, HV]
+    of any row stride."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    row, head = offs // HV, offs % HV
+    g = tl.load(g_ptr + row * stride_g + head, mask=live, other=0.0).to(tl.float32)
+    b = tl.load(beta_ptr + row * stride_b + head, mask=live, other=0.0).to(tl.float32)
+    tl.store(alpha_ptr + offs, tl.exp(g), mask=live)
+    tl.store(beta32_ptr + offs, b, mask=live)
+
+
+_STATES_IN = Launcher(_states_in_kernel)
+_STATES_OUT = Launcher(_states_out_kernel)
+_GATES = Launcher(_gates_kernel)
+
+
+class _Workspaces:
+    """The route's float32 buffers per device, grown to a power of two and never shrunk, so an
+    eager gap's launches find the same addresses step after step (the Launcher's hits): the
+    initial and final states [R, Hv, Dv, Dk] and the gates [rows, Hv]. One layer's launches are
+    done with them before the next layer's, in stream order."""
+
+    def __init__(self):
+        self.held: dict[tuple, torch.Tensor] = {}
+
+    def take(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        key = (name, device)
+        buf = self.held.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(next_pow2(max(numel, 1)), dtype=torch.float32, device=device)
+            self.held[key] = buf
+        return buf[:numel]
+
+
+_WORKSPACES = _Workspaces()
+
+
 def chunk_into_pool(prefill_fn, q, k, v, g, beta, out, states, slots, cu_seqlens, rows: int, scale: float) -> None:
     """One eager extend step of a GDN layer's recurrent core over the pool, in place.
 
@@ -161,15 +245,23 @@ def chunk_into_pool(prefill_fn, q, k, v, g, beta, out, states, slots, cu_seqlens
         v_rows = v[:rows]
         if v_rows.stride(2) != 1 or v_rows.stride(1) != v.shape[2]:
             v_rows = v_rows.contiguous()
-        # [R, Hv, Dv, Dk] float32: FlashInfer's layout and state type, a copy the kernel may write;
-        # gathered through the pool's transposed view, one kernel (index_select's output is contiguous)
-        h0 = states.transpose(-1, -2).index_select(0, slots).float()
-        ht = torch.empty_like(h0)
+        R, hv, dk, dv = slots.shape[0], v.shape[1], q.shape[2], v.shape[2]
+        if states.stride(3) != 1 or states.stride(2) != dv:
+            raise ValueError("flashinfer_gdn: each head's [Dk, Dv] state in the pool must be contiguous")
+        # [R, Hv, Dv, Dk] float32: FlashInfer's layout and state type, a copy the kernel may write
+        h0 = _WORKSPACES.take("h0", R * hv * dv * dk, v.device).view(R, hv, dv, dk)
+        ht = _WORKSPACES.take("ht", R * hv * dv * dk, v.device).view(R, hv, dv, dk)
+        grid = (R * hv, cdiv(dk, STATE_BLOCK_K))
+        _STATES_IN[grid](states, slots, h0, states.stride(0), states.stride(1), hv, DK=dk, DV=dv, BK=STATE_BLOCK_K)
+        g, beta = (t if t.stride(1) == 1 else t.contiguous() for t in (g, beta))  # the gates kernel's heads
+        alpha = _WORKSPACES.take("alpha", rows * hv, v.device).view(rows, hv)
+        beta32 = _WORKSPACES.take("beta", rows * hv, v.device).view(rows, hv)
+        _GATES[(cdiv(rows * hv, GATES_BLOCK),)](g, beta, alpha, beta32, rows * hv, g.stride(0), beta.stride(0), hv,
+                                               BLOCK=GATES_BLOCK)
         o = out[:rows] if out.is_contiguous() else torch.empty_like(out[:rows], memory_format=torch.contiguous_format)
-        prefill_fn(qr, kr, v_rows, torch.exp(g[:rows].float()), beta[:rows].float(), scale, h0, cu_seqlens,
-                   o.view(rows, v.shape[1], v.shape[2]), ht)
+        prefill_fn(qr, kr, v_rows, alpha, beta32, scale, h0, cu_seqlens, o.view(rows, hv, dv), ht)
         if o.data_ptr() != out.data_ptr():
             out[:rows].copy_(o)
-        states.transpose(-1, -2).index_copy_(0, slots, ht.to(states.dtype))  # into the pool's view: one kernel
+        _STATES_OUT[grid](ht, slots, states, states.stride(0), states.stride(1), hv, DK=dk, DV=dv, BK=STATE_BLOCK_K)
     if out.shape[0] > rows:
         out[rows:].zero_()

@@ -494,6 +494,46 @@ def test_flashinfer_refuses_a_layer_its_variant_cannot_run_naming_it():
             fi.check_layer(*args, "layer 3")
 
 
+@in_process
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_flashinfer_route_copies_states_and_gates_in_its_layouts(state_dtype):
+    """The route's three Triton copies around FlashInfer's launch, against torch on fresh random
+    inputs: the requests' states gathered by slot into [R, Hv, Dv, Dk] float32, the gates as
+    exp(g) and beta in float32 from strided rows, and the final states put back transposed into
+    the pool's dtype at the same slots; no other slot touched. The launch stands in as a copy of
+    the initial states plus one, so the put-back is checked against what it was handed."""
+    fi = pytest.importorskip("runtime.backends.kernels.flashinfer_gdn")
+    gen = torch.Generator().manual_seed(7)
+    T, Hk, Hv, D, slots_n = 12, 2, 4, 128, 6
+    states = torch.randn(slots_n, Hv, D, D, generator=gen).to(state_dtype)
+    before = states.clone()
+    slots = torch.tensor([4, 1, 3])
+    q, k = torch.randn(T, Hk, D, generator=gen), torch.randn(T, Hk, D, generator=gen)
+    v = torch.randn(T, Hv, 2 * D, generator=gen)[:, :, :D]  # the conv's strided values
+    mixed = torch.randn(T, 3 * Hv, generator=gen)  # g and beta as column slices of one tensor
+    g, beta = -mixed[:, :Hv].abs(), mixed[:, Hv:2 * Hv].sigmoid()
+    out = torch.zeros(T, Hv, D)
+    seen = {}
+
+    def launch(q, k, v, alpha, beta32, scale, h0, cu, o, ht):
+        seen.update(alpha=alpha.clone(), beta=beta32.clone(), h0=h0.clone())
+        ht.copy_(h0 + 1)
+
+    cu = torch.tensor([0, 4, 9, 10])
+    fi.chunk_into_pool(launch, q, k, v, g, beta, out, states, slots, cu, 10, 0.1)
+    want_h0 = before[slots].float().transpose(-1, -2)
+    assert torch.equal(seen["h0"], want_h0)
+    assert torch.allclose(seen["alpha"], torch.exp(g[:10]), rtol=1e-6) and torch.equal(seen["beta"], beta[:10])
+    put_back = (want_h0 + 1).transpose(-1, -2)
+    if state_dtype == torch.float32:
+        assert torch.equal(states[slots], put_back)
+    else:  # within one bfloat16 step: the interpreter's float-to-bfloat16 rounding is not torch's
+        assert torch.allclose(states[slots].float(), put_back, rtol=2 ** -7, atol=0)
+    others = [s for s in range(slots_n) if s not in slots.tolist()]
+    assert torch.equal(states[others], before[others])
+    assert torch.equal(out[10:], torch.zeros(2, Hv, D))
+
+
 def test_flashinfer_refuses_a_card_or_an_installation_it_cannot_build_for(monkeypatch):
     """At build, one line: a card that is not Hopper (the library is sm_90a code), or no FlashInfer
     (its JIT builds the library). The card's answers are stood in for: no GPU here."""
