@@ -165,32 +165,36 @@ GATES_BLOCK = 1024
 
 
 @triton.jit
-def _states_in_kernel(states_ptr, slots_ptr, h0_ptr, stride_slot, stride_head, HV, DK: tl.constexpr,
-                      DV: tl.constexpr, BK: tl.constexpr):
-    """h0[r, h] = states[slots[r], h]^T in float32: program (r * HV + h, key block)."""
+def _state_tile(states_ptr, slots_ptr, flat_ptr, stride_slot, stride_head, HV, DK: tl.constexpr, DV: tl.constexpr,
+                BK: tl.constexpr):
+    """Program (r * HV + h, key block)'s tile of request r's head h: its [BK, DV] pointers into the
+    pool (slot slots[r], [Dk, Dv] a head), its [DV, BK] pointers into the flat [R, HV, Dv, Dk] copy,
+    and the key rows' mask [BK]."""
     rh = tl.program_id(0)
     offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
     offs_v = tl.arange(0, DV)
     slot = tl.load(slots_ptr + rh // HV).to(tl.int64)
-    src = states_ptr + slot * stride_slot + (rh % HV) * stride_head
-    tile = tl.load(src + offs_k[:, None] * DV + offs_v[None, :], mask=(offs_k < DK)[:, None]).to(tl.float32)
-    dst = h0_ptr + rh.to(tl.int64) * DV * DK
-    tl.store(dst + offs_v[:, None] * DK + offs_k[None, :], tl.trans(tile), mask=(offs_k < DK)[None, :])
+    pool = states_ptr + slot * stride_slot + (rh % HV) * stride_head + offs_k[:, None] * DV + offs_v[None, :]
+    flat = flat_ptr + rh.to(tl.int64) * DV * DK + offs_v[:, None] * DK + offs_k[None, :]
+    return pool, flat, offs_k < DK
+
+
+@triton.jit
+def _states_in_kernel(states_ptr, slots_ptr, h0_ptr, stride_slot, stride_head, HV, DK: tl.constexpr,
+                      DV: tl.constexpr, BK: tl.constexpr):
+    """h0[r, h] = states[slots[r], h]^T in float32."""
+    pool, flat, live = _state_tile(states_ptr, slots_ptr, h0_ptr, stride_slot, stride_head, HV, DK, DV, BK)
+    tile = tl.load(pool, mask=live[:, None]).to(tl.float32)
+    tl.store(flat, tl.trans(tile), mask=live[None, :])
 
 
 @triton.jit
 def _states_out_kernel(ht_ptr, slots_ptr, states_ptr, stride_slot, stride_head, HV, DK: tl.constexpr,
                        DV: tl.constexpr, BK: tl.constexpr):
-    """states[slots[r], h] = ht[r, h]^T in the pool's dtype: program (r * HV + h, key block)."""
-    rh = tl.program_id(0)
-    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
-    offs_v = tl.arange(0, DV)
-    src = ht_ptr + rh.to(tl.int64) * DV * DK
-    tile = tl.load(src + offs_v[:, None] * DK + offs_k[None, :], mask=(offs_k < DK)[None, :])  # [DV, BK]
-    slot = tl.load(slots_ptr + rh // HV).to(tl.int64)
-    dst = states_ptr + slot * stride_slot + (rh % HV) * stride_head
-    tl.store(dst + offs_k[:, None] * DV + offs_v[None, :], tl.trans(tile).to(states_ptr.dtype.element_ty),
-             mask=(offs_k < DK)[:, None])
+    """states[slots[r], h] = ht[r, h]^T in the pool's dtype."""
+    pool, flat, live = _state_tile(states_ptr, slots_ptr, ht_ptr, stride_slot, stride_head, HV, DK, DV, BK)
+    tile = tl.load(flat, mask=live[None, :])
+    tl.store(pool, tl.trans(tile).to(states_ptr.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit
