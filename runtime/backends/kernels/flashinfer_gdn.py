@@ -22,7 +22,7 @@ across calls and the values' row stride given, so they are read where the conv l
    keeps), the decays' exp and beta in float32 (its interface), the kernel, the final states put back.
    The gather, the gates and the put-back are one Triton launch each (`_states_in_kernel`,
    `_gates_kernel`, `_states_out_kernel`, through the Launcher) into workspaces kept per device:
-   as torch ops they were nine launches and about 150 us of host time in each layer's eager gap on
+   as torch ops they were six launches and about 150 us of host time in each layer's eager gap on
    an H100's host (index_select, the float copies, exp, index_copy_: the timeline of
    benchmarks/results/step_account_flashinfer_core_ab_h100_2026-12-06.md), which a gap spends
    while the device may be waiting for it.
@@ -215,25 +215,20 @@ _STATES_OUT = Launcher(_states_out_kernel)
 _GATES = Launcher(_gates_kernel)
 
 
-class _Workspaces:
-    """The route's float32 buffers per device, grown to a power of two and never shrunk, so an
-    eager gap's launches find the same addresses step after step (the Launcher's hits): the
-    initial and final states [R, Hv, Dv, Dk] and the gates [rows, Hv]. One layer's launches are
-    done with them before the next layer's, in stream order."""
-
-    def __init__(self):
-        self.held: dict[tuple, torch.Tensor] = {}
-
-    def take(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
-        key = (name, device)
-        buf = self.held.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(next_pow2(max(numel, 1)), dtype=torch.float32, device=device)
-            self.held[key] = buf
-        return buf[:numel]
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 
-_WORKSPACES = _Workspaces()
+def _workspace(name: str, numel: int, device: torch.device) -> torch.Tensor:
+    """`numel` float32 of the route's buffer `name` on `device` (the initial and final states
+    [R, Hv, Dv, Dk], the gates [rows, Hv]), grown to a power of two and never shrunk, as chunk.py's
+    workspaces are, so an eager gap's launches find the same addresses step after step (the
+    Launcher's hits). One layer's launches are done with them before the next layer's, in stream
+    order."""
+    held = _WORKSPACES.get((name, device))
+    if held is None or held.numel() < numel:
+        held = torch.empty(next_pow2(max(numel, 1)), dtype=torch.float32, device=device)
+        _WORKSPACES[(name, device)] = held
+    return held[:numel]
 
 
 def chunk_into_pool(prefill_fn, q, k, v, g, beta, out, states, slots, cu_seqlens, rows: int, scale: float) -> None:
@@ -253,13 +248,13 @@ def chunk_into_pool(prefill_fn, q, k, v, g, beta, out, states, slots, cu_seqlens
         if states.stride(3) != 1 or states.stride(2) != dv:
             raise ValueError("flashinfer_gdn: each head's [Dk, Dv] state in the pool must be contiguous")
         # [R, Hv, Dv, Dk] float32: FlashInfer's layout and state type, a copy the kernel may write
-        h0 = _WORKSPACES.take("h0", R * hv * dv * dk, v.device).view(R, hv, dv, dk)
-        ht = _WORKSPACES.take("ht", R * hv * dv * dk, v.device).view(R, hv, dv, dk)
+        h0 = _workspace("h0", R * hv * dv * dk, v.device).view(R, hv, dv, dk)
+        ht = _workspace("ht", R * hv * dv * dk, v.device).view(R, hv, dv, dk)
         grid = (R * hv, cdiv(dk, STATE_BLOCK_K))
         _STATES_IN[grid](states, slots, h0, states.stride(0), states.stride(1), hv, DK=dk, DV=dv, BK=STATE_BLOCK_K)
         g, beta = (t if t.stride(1) == 1 else t.contiguous() for t in (g, beta))  # the gates kernel's heads
-        alpha = _WORKSPACES.take("alpha", rows * hv, v.device).view(rows, hv)
-        beta32 = _WORKSPACES.take("beta", rows * hv, v.device).view(rows, hv)
+        alpha = _workspace("alpha", rows * hv, v.device).view(rows, hv)
+        beta32 = _workspace("beta", rows * hv, v.device).view(rows, hv)
         _GATES[(cdiv(rows * hv, GATES_BLOCK),)](g, beta, alpha, beta32, rows * hv, g.stride(0), beta.stride(0), hv,
                                                BLOCK=GATES_BLOCK)
         o = out[:rows] if out.is_contiguous() else torch.empty_like(out[:rows], memory_format=torch.contiguous_format)
