@@ -417,7 +417,7 @@ def _sync_sites(fn) -> list[str]:
     return [f"{site} (x{n})" for site, n in sites.items()]
 
 
-def timeline(fn, cuda: bool, trace_path=None, phases=None) -> dict:
+def timeline(fn, cuda: bool, trace_path=None, phases=None, stacks: bool = False) -> dict:
     """Where one call's wall time goes that its kernels' times do not account for.
 
     - host against device: per call (median of TIMELINE_REPS), the host's time until fn returns and the
@@ -428,7 +428,10 @@ def timeline(fn, cuda: bool, trace_path=None, phases=None) -> dict:
     - under torch.profiler (the last of three calls, the first two warming CUPTI up): the device's
       busy time (the union of its kernels and copies), its idle time before the first kernel,
       between kernels and after the last, the longest idle spans with the kernels on either side and
-      the host ops during them; and the Chrome trace at trace_path (gzip if it ends in .gz).
+      the host ops during them; and the Chrome trace at trace_path (gzip if it ends in .gz), with
+      each op's Python stack where `stacks` (a larger trace: where a gap's host time goes);
+    - the launches through runtime/backends/kernels/launch_cache.Launcher per call, and how many of
+      them missed its cache (Triton's whole launch path: new arguments, a new buffer's address).
     CPU: an empty record."""
     import statistics
     import time
@@ -438,7 +441,10 @@ def timeline(fn, cuda: bool, trace_path=None, phases=None) -> dict:
     if not cuda:
         fn()
         return {}
+    from runtime.backends.kernels.launch_cache import Launcher
+
     host, device_ms = [], []
+    hits0, misses0 = Launcher.totals()
     for _ in range(TIMELINE_REPS):
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -449,6 +455,7 @@ def timeline(fn, cuda: bool, trace_path=None, phases=None) -> dict:
         b.record()
         b.synchronize()
         device_ms.append(a.elapsed_time(b))
+    hits1, misses1 = Launcher.totals()
     phase_us = {}
     for name, phase in (phases or {}).items():
         runs = []
@@ -460,7 +467,7 @@ def timeline(fn, cuda: bool, trace_path=None, phases=None) -> dict:
         phase_us[name] = statistics.median(runs)
     torch.cuda.synchronize()
     syncs = _sync_sites(fn)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as prof:
         for i in range(3):
             with record_function(f"{CALL}{i}"):
                 fn()
@@ -497,6 +504,8 @@ def timeline(fn, cuda: bool, trace_path=None, phases=None) -> dict:
     listed = sorted((g for g in gaps if g[0] >= TIMELINE_GAP_US), key=lambda g: -g[0])[:TIMELINE_GAPS]
     return {"host_call_us": statistics.median(host), "device_call_us": statistics.median(device_ms) * 1e3,
             "phases_us": phase_us, "syncs": syncs,
+            "launcher_launches": (hits1 - hits0 + misses1 - misses0) / TIMELINE_REPS,
+            "launcher_misses": (misses1 - misses0) / TIMELINE_REPS,
             "profiled_wall_us": t1 - t0, "device_busy_us": busy, "device_idle_us": (t1 - t0) - busy,
             "idle_before_first_us": (device[0].time_range.start - t0) if device else t1 - t0,
             "idle_after_last_us": t1 - end, "device_events": len(device),

@@ -39,7 +39,9 @@ Per run, once: `rates`, the card's device-to-device copy rate and bf16 matmul ra
 time until `run` returns against the device's, the runner's staging and plan alone, synchronising
 lines, the device's idle spans with the host ops during them, a Chrome trace per step in OUT), and
 the step timed with a piecewise step's gap-only plans at their backend's first op (the default)
-and before its first launch (`GraphRunner.defer_gap_plans`), alternated.
+and before its first launch (`GraphRunner.defer_gap_plans`), alternated; the launches through the
+Launcher a step and how many missed its cache. --timeline-stacks: the traces with each op's Python
+stack (where an eager gap's host time goes; larger files).
 
 Tables group ops by what they are across layers (`gemm linear_attn.in_proj_qkvz`, `moe`, `gdn_core`,
 `gdn_fused` where the fusion pass made one GDN mixer op, `glue`...); the JSON (OUT/step_account.json) keeps every kernel in the order it ran with its label
@@ -157,7 +159,7 @@ def account_step(runner, kv, st, step, key, args, dev) -> dict:
         phases = {"fill": lambda: filled.update(ctx=runner._fill(step, key)[1]),
                   "plan": lambda: runner._plan(filled["ctx"], key)}  # the fill's ctx, as run_outputs plans it
         rec["timeline"] = timeline(lambda: runner.run(step, key), cuda, Path(args.out) / name if cuda else None,
-                                   phases)
+                                   phases, stacks=args.timeline_stacks)
         if cuda:  # the step with the gaps' plans after (the default) and before the first launch, alternated
             times: dict = {True: [], False: []}
             try:
@@ -330,7 +332,8 @@ def timeline_text(tl: dict) -> str:
     lines = [f"    step ms, the gaps' plans at their first op {tl['step_ms_gap_plans_deferred']}, before the first "
              f"launch {tl['step_ms_gap_plans_first']}",
              f"    host {tl['host_call_us']:.0f} us to return, device {tl['device_call_us']:.0f} us; host phases "
-             f"{ {k: round(v) for k, v in tl['phases_us'].items()} }; syncs {tl['syncs']}",
+             f"{ {k: round(v) for k, v in tl['phases_us'].items()} }; syncs {tl['syncs']}; Launcher launches "
+             f"{tl['launcher_launches']:.0f}, {tl['launcher_misses']:.0f} of them missed",
              f"    profiled: wall {tl['profiled_wall_us']:.0f} us, device busy {tl['device_busy_us']:.0f}, idle "
              f"{tl['device_idle_us']:.0f} (before the first kernel {tl['idle_before_first_us']:.0f}, after the last "
              f"{tl['idle_after_last_us']:.0f}, {tl['gaps_count']} gaps of {tl['gaps_at_least_us']:.0f} us or more: "
@@ -422,8 +425,12 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", action="store_true",
                    help="also one profiled run of each step with the host: the device's idle spans, the longest "
                         "listed with the host ops during them, and a Chrome trace per step (OUT/timeline_*.json.gz)")
+    p.add_argument("--timeline-stacks", action="store_true",
+                   help="with --timeline: the traces carry each op's Python stack (where a gap's host time goes)")
     p.add_argument("--skip", default="", help="stages to skip, comma-separated (load, decode_bB, extend_tT)")
     args = p.parse_args(argv)
+    if args.timeline_stacks and not args.timeline:
+        p.error("--timeline-stacks: it adds the stacks to --timeline's traces; pass --timeline too")
     for key, value in (DRY_DEFAULTS if args.dry_run else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -178,3 +178,12 @@ def test_compiled_bundles_of_two_families_are_refused_before_any_work(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--compiled-pieces: one family per run" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "o").exists()
+
+
+def test_timeline_stacks_without_timeline_is_refused(tmp_path):
+    cmd = [sys.executable, "benchmarks/kernels/step_account.py", "--dry-run", "--out", str(tmp_path / "o"),
+           "--timeline-stacks"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--timeline-stacks: " in proc.stderr and "--timeline too" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert not (tmp_path / "o").exists()

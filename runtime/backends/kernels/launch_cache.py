@@ -31,12 +31,21 @@ class Launcher:
     # False: every launch takes Triton's path (benchmarks/serving/startup_bench.py times piecewise steps
     # both ways in one process).
     enabled = True
+    # Every Launcher made (module-level, one per kernel): `totals` sums their counts.
+    made: list["Launcher"] = []
 
     def __init__(self, kernel, size: int = 256):
         self.kernel, self.size = kernel, size
         self._compiled: collections.OrderedDict = collections.OrderedDict()
         self.hits = self.misses = 0
         self._hooks = None  # triton.knobs.runtime, once a kernel is remembered (no import before)
+        Launcher.made.append(self)
+
+    @classmethod
+    def totals(cls) -> tuple[int, int]:
+        """(hits, misses) over every Launcher so far: a benchmark takes the difference around a step
+        to see how many of its launches took Triton's path (a miss: new arguments, or the interpreter)."""
+        return sum(x.hits for x in cls.made), sum(x.misses for x in cls.made)
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(tuple(grid), args, kwargs)

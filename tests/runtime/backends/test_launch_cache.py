@@ -124,3 +124,16 @@ def test_the_same_arguments_on_another_device_go_through_triton():
     launch[(1,)](x, 1, x, BLOCK=16)
     (_, stream, _), = kernel.compiled.launches
     assert launch.hits == 1 and stream == "stream of 1"
+
+
+def test_totals_sum_every_launchers_hits_and_misses():
+    """Launcher.totals: what a benchmark differences around a step to count the launches that took
+    Triton's path (step_account.py --timeline)."""
+    hits0, misses0 = Launcher.totals()
+    first, second = StreamLauncher(FakeKernel()), StreamLauncher(FakeKernel())
+    x = torch.zeros(4)
+    for _ in range(3):
+        first[(1,)](x, 1, x, BLOCK=16)
+    second[(1,)](x, 2, x, BLOCK=16)
+    assert (first.hits, first.misses, second.hits, second.misses) == (2, 1, 0, 1)
+    assert Launcher.totals() == (hits0 + 2, misses0 + 2)
