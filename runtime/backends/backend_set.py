@@ -90,18 +90,21 @@ class BackendSet(BackendHooks):
     def plan_piecewise_step(self, ctx: ExecContext, bucket: int, chunk_size: int,
                             plan_mode: Mode | None = None, first_piece_stages: bool = False,
                             defer_gaps: Callable[[BackendHooks, Callable[[], None]], None] | None = None) -> None:
-        """The gaps' members plan the step eagerly, then the captured members stage it for the
-        pieces; both as the split plan of `plan_mode` (default: the step's mode) places them. With
+        """The gaps' members plan the step (`plan_gap_step`; a member on both sides an eager step,
+        which its init_replay_state keeps), then the captured members stage it for the pieces; both
+        as the split plan of `plan_mode` (default: the step's mode) places them. With
         `first_piece_stages`, the members `stage_in_first_piece` reaches are left to the piece.
         With `defer_gaps`, the plans of the members that own nodes in the gaps alone go to it, each
         with its member: no piece reads them, so each may wait for its member's first op (a member
-        on both sides plans now: its init_replay_state keeps the eager plan made first)."""
+        on both sides plans now)."""
         mode = Mode(plan_mode or ctx.mode)
         for member in self._gaps[mode]:
-            if defer_gaps is not None and member not in self._replayed[mode]:
-                defer_gaps(member, functools.partial(plan_eager_step, member, ctx, chunk_size))
-                continue
-            plan_eager_step(member, ctx, chunk_size)
+            if member in self._replayed[mode]:  # nodes on both sides: its init_replay_state keeps this plan
+                plan_eager_step(member, ctx, chunk_size)
+            elif defer_gaps is not None:
+                defer_gaps(member, functools.partial(member.plan_gap_step, ctx, bucket, chunk_size))
+            else:
+                member.plan_gap_step(ctx, bucket, chunk_size)
         in_piece = self._in_first_piece(Mode(ctx.mode), mode) if first_piece_stages else ()
         for member in self._replayed[mode]:
             if member not in in_piece:

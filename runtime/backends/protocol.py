@@ -17,7 +17,8 @@ of a backend, in the order the runtime calls it:
       `init_chunk_metadata(ctx, chunk_size)`, then the forward, whose op calls arrive as
       `backend.<op>(ctx, *op_args)` (arguments in the op's schema order);
    c. a piecewise step (captured pieces with eager gaps): as b, then `init_replay_state(ctx,
-      bucket)` before the forward, for the ops that sit inside the captured pieces.
+      bucket)` before the forward, for the ops that sit inside the captured pieces (a backend set's
+      member whose nodes all sit in the gaps: `plan_gap_step` instead of b).
 
 Every hook is abstract: a backend that has nothing to plan says so in its own method (with a
 docstring saying why), so a wrapper that forgets to forward a hook cannot be instantiated (and
@@ -209,6 +210,17 @@ class BackendHooks(abc.ABC):
         first attention layer). A lone backend owns the pieces' nodes too and plans now."""
         plan_eager_step(self, ctx, chunk_size)
         self.init_replay_state(ctx, bucket)
+
+    def plan_gap_step(self, ctx: ExecContext, bucket: int, chunk_size: int) -> None:
+        """Before a piecewise step, for a member of a backend set whose nodes of the step's plan
+        all sit in its eager gaps (none in a captured piece: `plan_piecewise_step` sends such a
+        member this, or hands it to `defer_gaps`): the plan its gap ops read. `ctx` is padded to
+        `bucket` as for init_replay_state, its tensors the runner's staged ones. The protocol plans
+        an eager step (`plan_eager_step`): always correct. A backend whose gap ops can run on its
+        captured steps' static tables, made on the device from the staged step, may plan those here
+        instead (no host-built tables, the same buffers every step of the bucket:
+        runtime/backends/triton_linear.py under chunk_impl=flashinfer)."""
+        plan_eager_step(self, ctx, chunk_size)
 
     def stage_in_first_piece(self, ctx: ExecContext, bucket: int, plan_mode: Mode) -> None:
         """Inside the capture of a piecewise decode or target_verify step's first captured piece,

@@ -659,6 +659,27 @@ class TritonLinearBackend(BackendHooks):
             return bool(self._captured_extend or self._bounded_extend)
         return mode in self.capability.modes_capturable
 
+    def plan_gap_step(self, ctx: ExecContext, bucket: int, chunk_size: int) -> None:
+        """A piecewise step whose eager gaps hold every node of this instance (FlashInfer's GDN
+        extends past `flashinfer_past`: the whole fused mixer a gap): where the step fits the static
+        tables, its gap ops run on them, as the captured steps' ops do (init_replay_state: the step's
+        slot ids and one launch of tables from the staged query offsets), not on tables built on
+        the host. The host then builds and copies nothing for the step, and the gap's launches see
+        the bucket's grids and the static buffers' addresses every step of the bucket (the
+        Launcher's hits). FlashInfer's kernel takes the real requests, which lead the tables
+        (_flashinfer_chunk). Otherwise (another chunk_impl, a step past the tables or of at most
+        `flashinfer_past` real rows, a request without rows, which FlashInfer's kernel is not
+        written for, or a snapshot pool without the step's snapshot tables) an eager step's plan."""
+        if (self.chunk_impl == "flashinfer" and self._static_extend is not None
+                and Mode(ctx.mode) in (Mode.EXTEND, Mode.MIXED)
+                and ctx.num_tokens <= self._static_extend.max_tokens and ctx.num_seqs <= self._static_extend.max_seqs
+                and ctx.num_real_tokens > self.flashinfer_past and min(ctx.query_lens) > 0
+                and (self.snapshots is None or ctx.snapshot_rows is not None)):
+            self.init_replay_state(ctx, bucket)
+            self._step.eager_extend = self._step.extend  # the gaps' plan: the static tables
+            return
+        super().plan_gap_step(ctx, bucket, chunk_size)
+
     def init_step_metadata(self, ctx: ExecContext) -> None:
         """An eager step: plan what every op call of the step reads (slot ids on the device, the
         target-verify row layout), forgetting the last step's plan."""
@@ -902,14 +923,25 @@ class TritonLinearBackend(BackendHooks):
         return True
 
     def _flashinfer_chunk(self, ctx, layer_id, q, k, v, g, beta, out, scale) -> bool:
-        """FlashInfer's kernel over an eager step of more than flashinfer_past rows; False for a
-        captured step (its bucket is at most that many rows) or a shorter one."""
-        plan = self._extend_plan(self._step_plan(ctx), "gdn_core")
-        if plan.captured or plan.num_tokens <= self.flashinfer_past:
+        """FlashInfer's kernel over an eager step of more than flashinfer_past rows, or over a
+        piecewise step's gap on the static tables (plan_gap_step); False for a captured step (its
+        bucket is at most that many rows) or a shorter one."""
+        step = self._step_plan(ctx)
+        plan = self._extend_plan(step, "gdn_core")
+        if plan.captured:
+            if step.eager_extend is not plan or _capturing(self.device):
+                return False
+            # plan_gap_step's static tables: the real requests lead them (the bucket's padding
+            # requests, empty, after), so FlashInfer gets the first R, none of them empty
+            R = ctx.num_real_seqs
+            slots, cu, rows = plan.slots[:R], plan.padded_bounds[:R + 1], ctx.num_real_tokens
+        elif plan.num_tokens <= self.flashinfer_past:
             return False
+        else:
+            slots, cu, rows = plan.slots, plan.cu_seqlens, plan.num_tokens
         launch = self._flashinfer or _flashinfer_kernels().prefill(v.device).launch
         _flashinfer_kernels().chunk_into_pool(launch, q, k, v, g, beta, out, self._layer_state(layer_id, "recurrent"),
-                                              plan.slots, plan.cu_seqlens, plan.num_tokens, scale)
+                                              slots, cu, rows, scale)
         return True
 
     def _graph_chunk_config(self, v: torch.Tensor, rows: int):

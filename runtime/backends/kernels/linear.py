@@ -920,6 +920,9 @@ _SHORT_CONV_DECODE = Launcher(_short_conv_decode_kernel)
 _RECURRENT_VERIFY = Launcher(_recurrent_verify_kernel)
 _RECURRENT_EXTEND = Launcher(_recurrent_extend_kernel)  # a replayed step's eager gap repeats its arguments
 _SHORT_CONV_VERIFY = Launcher(_short_conv_verify_kernel)
+# the extend conv in a piecewise step's gap on the static tables (triton_linear plan_gap_step)
+_SHORT_CONV_EXTEND = Launcher(_short_conv_extend_kernel)
+_SHORT_CONV_EXTEND_ROWS = Launcher(_short_conv_extend_rows_kernel)
 
 
 def _unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -1182,7 +1185,7 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     cfg = config or conv_extend_config(num_blocks, C, x.device)
     grid = (num_blocks, cdiv(C, cfg.block_c))
     snap_rows, snap_ids, snap = (snapshots or StepSnapshots.none(R, conv_state)).checked(what, R, conv_state)
-    kernel = _short_conv_extend_rows_kernel if cfg.rows else _short_conv_extend_kernel
+    kernel = _SHORT_CONV_EXTEND_ROWS if cfg.rows else _SHORT_CONV_EXTEND
     kernel[grid](
         x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks, snap_rows, snap_ids,
         snap, x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), snap.stride(0),

@@ -150,6 +150,31 @@ def test_a_piecewise_step_hands_the_plans_of_gap_only_members_to_defer_gaps():
     assert attn.calls == [("init_step_metadata", ctx), ("init_chunk_metadata", ctx, 512)]
 
 
+def test_a_gap_only_member_plans_through_plan_gap_step_with_the_bucket():
+    """A member whose nodes are all in the gaps plans through its plan_gap_step (ctx, bucket, chunk
+    size), now or when the deferred plan runs; the protocol's answer is an eager step's plan. A
+    member on both sides plans an eager step, which its init_replay_state keeps."""
+
+    class GapSpy(Spy):
+        def plan_gap_step(self, ctx, bucket, chunk_size):
+            self.calls.append(("plan_gap_step", ctx, bucket, chunk_size))
+
+    attn, mixed, plain = GapSpy(FULL_OPS - {"moe"}), GapSpy({"moe"}), Spy(LINEAR_OPS)
+    backends = BackendSet({"attn": attn, "mixed": mixed, "plain": plain}, {Mode.EXTEND: ("mixed",)},
+                          {Mode.EXTEND: ("attn", "mixed", "plain")})
+    ctx = types.SimpleNamespace(mode=Mode.EXTEND)
+    backends.plan_piecewise_step(ctx, 4, 512)
+    assert attn.calls == [("plan_gap_step", ctx, 4, 512)]
+    assert mixed.calls == [("init_step_metadata", ctx), ("init_chunk_metadata", ctx, 512), ("init_replay_state", ctx, 4)]
+    assert plain.calls == [("init_step_metadata", ctx), ("init_chunk_metadata", ctx, 512)]  # the protocol's
+    deferred = {}
+    attn.calls.clear()
+    backends.plan_piecewise_step(ctx, 8, 256, defer_gaps=deferred.__setitem__)
+    assert attn.calls == [] and set(deferred) == {attn, plain}
+    deferred[attn]()
+    assert attn.calls == [("plan_gap_step", ctx, 8, 256)]
+
+
 def test_a_decode_step_through_the_extend_pieces_is_planned_as_the_extend_plan_places_its_members():
     """Piecewise decode (a decode step run through the extend plan's pieces and gaps): attention, in
     the gaps there, plans the step eagerly instead of staging it for a graph that does not hold it;

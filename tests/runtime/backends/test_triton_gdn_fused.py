@@ -414,12 +414,20 @@ MODE_STEPS = [
 ]
 
 
-def run_mode_steps(layer_id: int, dtype, backend_kwargs=None, replayed=False, seed=0):
+def run_mode_steps(layer_id: int, dtype, backend_kwargs=None, replayed=False, seed=0, gap_only=False):
+    """gap_only: each step planned as a piecewise step plans a backend whose nodes all sit in its
+    gaps (plan_gap_step, after init_capture_state); `case.gap_plans` then lists each step's mode and
+    whether its gap ops ran on the static tables."""
     case = Case(layer_id, dtype, seed, backend_kwargs)
-    if replayed:
+    case.gap_plans = []
+    if replayed or gap_only:
         case.tri.init_capture_state(max_tokens=64, max_seqs=8)
 
     def prepare(tri, ctx):
+        if gap_only:
+            tri.plan_gap_step(ctx, ctx.num_seqs, 64)
+            case.gap_plans.append((ctx.mode, tri._step.eager_extend is not None and tri._step.eager_extend.captured))
+            return
         plan_eager_step(tri, ctx, 64)
         if replayed and ctx.mode in (Mode.EXTEND, Mode.MIXED):
             tri.init_replay_state(ctx, ctx.num_seqs)
@@ -470,6 +478,30 @@ def test_steps_past_the_bound_on_flashinfer_shorter_ones_on_our_chunk_kernels(dt
     run_mode_steps(0, dtype, backend_kwargs=dict(chunk_impl="flashinfer", flashinfer_past=8, flashinfer=stand_in),
                    replayed=replayed)
     assert stand_in.calls == [[0, 6, 11, 20]]
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_gap_only_flashinfer_step_runs_on_the_static_tables_without_a_host_plan(dtype, monkeypatch):
+    """plan_gap_step under chunk_impl=flashinfer (bound 8): the 20-row extend step's gap ops (the conv,
+    FlashInfer's launch on its three real requests, the gates and the norm) run on the static tables
+    made from the staged step, with no table built on the host, and give the reference's outputs,
+    padding rows and states; the mixed step of 8 real rows (not past the bound) and the verify and
+    decode steps plan an eager step as before (run_mode_steps checks each against the reference)."""
+    stand_in = FakeFlashInferGdn()
+    made = []
+    eager_plan = TritonLinearBackend._make_extend_plan
+
+    def counted(self, step):
+        made.append(Mode(step.ctx.mode))
+        return eager_plan(self, step)
+
+    monkeypatch.setattr(TritonLinearBackend, "_make_extend_plan", counted)
+    case = run_mode_steps(0, dtype, backend_kwargs=dict(chunk_impl="flashinfer", flashinfer_past=8,
+                                                        flashinfer=stand_in), gap_only=True)
+    assert stand_in.calls == [[0, 6, 11, 20]]
+    assert case.gap_plans[0] == (Mode.EXTEND, True) and not any(static for _, static in case.gap_plans[1:])
+    assert Mode.EXTEND not in made and Mode.MIXED in made
 
 
 def test_flashinfer_bounds_the_gdn_ops_capture_and_serves_gdn_layers_only():

@@ -1122,8 +1122,8 @@ def _conv_extend_step():
 
 @in_process
 def test_conv_extend_is_one_launch_and_refuses_what_it_cannot_run_naming_the_layer(monkeypatch):
-    launches = CountingKernel(TL._short_conv_extend_kernel)  # the backend's layout for a short step
-    monkeypatch.setattr(TL, "_short_conv_extend_kernel", launches)
+    launches = CountingKernel(TL._SHORT_CONV_EXTEND)  # the backend's layout for a short step
+    monkeypatch.setattr(TL, "_SHORT_CONV_EXTEND", launches)
     tri, ctx, x = _conv_extend_step()
     run_op(tri, ctx, "short_conv", 1, x, torch.float32, DEVICE)
     # (2 blocks of request 0, 1 of request 1, 1 of padding rows) x one tile of 24 channels
@@ -1141,9 +1141,9 @@ def test_conv_extend_is_one_launch_and_refuses_what_it_cannot_run_naming_the_lay
 def test_a_step_of_conv_extend_rows_min_tokens_rows_takes_the_row_streaming_conv(monkeypatch):
     """The backend's default layout by the step's padded rows: the same 44-row step as above takes the
     row-streaming kernel once the bound is 44 (CONV_EXTEND_ROWS_MIN_TOKENS), the tile below it."""
-    rows, tile = CountingKernel(TL._short_conv_extend_rows_kernel), CountingKernel(TL._short_conv_extend_kernel)
-    monkeypatch.setattr(TL, "_short_conv_extend_rows_kernel", rows)
-    monkeypatch.setattr(TL, "_short_conv_extend_kernel", tile)
+    rows, tile = CountingKernel(TL._SHORT_CONV_EXTEND_ROWS), CountingKernel(TL._SHORT_CONV_EXTEND)
+    monkeypatch.setattr(TL, "_SHORT_CONV_EXTEND_ROWS", rows)
+    monkeypatch.setattr(TL, "_SHORT_CONV_EXTEND", tile)
     tri, ctx, x = _conv_extend_step()
     for bound in (45, 44):
         monkeypatch.setattr(TL, "CONV_EXTEND_ROWS_MIN_TOKENS", bound)
