@@ -11,7 +11,9 @@ load. Building needs the target device, since kernels are built for the machine 
    `$HGC_HOME/build/<key>/` (default `~/.cache/hgc/build/<key>/`) for the whole build: whatever they
    hold afterwards was built for this bundle. The folders keep their paths from one build to the
    next, because compiled kernels record the path they were compiled at; so builds of one target
-   take turns (`build_lock`: a second one waits for the first and says so).
+   take turns (`build_lock`: a second one waits for the first and says so). A run does not read
+   them: Triton's group files, which name the folder, are rewritten to name the loader's copy
+   (runtime/artifact/bundle.py `_relocated_group`).
 2. The portable artifact is loaded (its own checks) and each program's glue is compiled
    (compiler/inductor_pieces.py), one piece per distinct structure; on cuda, unless the artifact
    is batch-invariant, its projections as calls of the GEMV op (`small_m_for`); with --pdl (cuda,

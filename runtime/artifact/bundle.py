@@ -20,7 +20,9 @@ bundle (compiler/splitops/bundle.py) is code, so it gets its own steps:
    passed --trust-compiled. Otherwise refused, naming the executable files, how to trust them and
    how to rebuild them here.
 4. materialize: the kernel caches are copied into a private folder, each file's SHA-256 checked on
-   the bytes copied, so what runs is what was checked (the artifact stays read-only).
+   the bytes copied, so what runs is what was checked (the artifact stays read-only). Triton's group
+   files, which name a kernel's files by absolute path (the build folder's), are written there
+   naming the copy's (`_relocated_group`).
 5. load: every piece with `CompiledArtifact.load` under the Inductor settings bundle.json says it
    was built with, Inductor's cache pointed at the copy, inside a `KernelWatch`: a kernel the bundle
    lacks would be built now, which is an error naming it unless --allow-kernel-builds. The glue ops
@@ -95,9 +97,15 @@ def _rebuild(docs: ArtifactDocs, device: str, force: bool = False) -> str:
 
 # -- kernel builds --------------------------------------------------------------------------------
 
+# Triton's cache files a kernel's files under one folder per cache key, with a group file,
+# __grp__<kernel>.json, that lists them: {"child_paths": {file name: absolute path}}. A lookup takes
+# the kernel from those paths if every one exists, and builds it again (rewriting the group) if not.
+TRITON_GROUP = "__grp__"
+
+
 # What a new file in a cache means: a kernel built (or tuned) now, named by its file.
 _BUILT = {"inductor": lambda p: p.suffix in (".so", ".cubin", ".hsaco", ".best_config"),
-          "triton": lambda p: p.name.startswith("__grp__"),
+          "triton": lambda p: p.name.startswith(TRITON_GROUP),
           "flashinfer": lambda p: p.suffix == ".so"}
 
 
@@ -212,7 +220,7 @@ class ServingWatch:
         new = sorted(entries - self._seen)
         self._seen = entries
         for folder in new:
-            names = sorted(p.name for p in (self.folder / folder).glob("*.json") if not p.name.startswith("__grp__"))
+            names = sorted(p.name for p in (self.folder / folder).glob("*.json") if not p.name.startswith(TRITON_GROUP))
             self.builds.append(f"triton/{folder}")
             self.log(f"warning: Triton built kernel {', '.join(names) or folder} while serving: the bundle lacks "
                      f"it, so this step waited for a build; {self.remedy}")
@@ -379,12 +387,29 @@ def _materialize(docs: ArtifactDocs, key: str, doc: dict, rank: int) -> dict[str
         rel, sha, dest = kernel
         data = (base / rel).read_bytes()
         check_hash(base / rel, sha, f"{bundle_dir(key)}/{rel}", data)
+        if dest.name.startswith(TRITON_GROUP) and dest.is_relative_to(caches["triton"]):
+            data = _relocated_group(data, dest.parent, f"{bundle_dir(key)}/{rel}")
         dest.write_bytes(data)
         if rel.endswith(".so"):
             dest.chmod(0o755)
 
     _in_parallel(copy, kernels)  # the first file that fails its hash raises here
     return caches
+
+
+def _relocated_group(data: bytes, folder: Path, what: str) -> bytes:
+    """A Triton group file's bytes with its files' paths in `folder`, the copy's folder of that cache
+    key. As built they name the build folder, which the next build of the target empties: a lookup
+    would then find the files of only the kernels that build made again, build the others at
+    start-up (refused, "rebuilt"), and meanwhile read the files from outside the checked copy."""
+    try:
+        doc = json.loads(data)
+        children = doc["child_paths"]
+        doc["child_paths"] = {name: str(folder / Path(path).name) for name, path in children.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BundleError(f"{what}: not a Triton cache group file ({{\"child_paths\": {{file: path}}}}): "
+                          f"{type(e).__name__}: {e}") from None
+    return json.dumps(doc).encode()
 
 
 def _load_pieces(base: Path, doc: dict, rank: int = 0, programs: tuple[str, ...] | None = None) -> dict:

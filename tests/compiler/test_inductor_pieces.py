@@ -257,6 +257,46 @@ def test_a_kernel_missing_from_the_bundle_is_an_error_naming_it(built):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_triton_group_names_the_private_copy_not_the_build_folder(built, monkeypatch, tmp_path):
+    """Triton's group file lists a kernel's files by absolute path, the build folder's, which the next
+    build of the target empties. Materialized, the group names the copy's files, so Triton's own
+    lookup finds the kernel there (not built again at start-up) with the build folder gone, and reads
+    the checked copy. A group file that is not one is refused, naming it."""
+    from triton.runtime.cache import FileCacheManager
+
+    from runtime.artifact.bundle import _materialize
+    from runtime.artifact.docs import read_artifact
+
+    art, key = copy_of(built, "groups"), built["key"]
+    gone = tmp_path / "build" / "triton" / "KEY"  # the build's folder: never created here
+    children = {"k.cubin": b"cubin bytes", "k.json": b'{"name": "k"}'}
+
+    def add_kernel(doc, folder, group: bytes):
+        kernel = folder / "kernels" / "triton" / "KEY"
+        kernel.mkdir(parents=True, exist_ok=True)
+        for name, data in children.items():
+            (kernel / name).write_bytes(data)
+        (kernel / "__grp__k.json").write_bytes(group)
+
+    group = json.dumps({"child_paths": {n: str(gone / n) for n in children}}).encode()
+    rewrite_bundle(art, key, lambda doc, folder: add_kernel(doc, folder, group))
+    docs = read_artifact(art)
+    doc = json.loads((art / TARGETS / key / BUNDLE).read_text())
+    caches = _materialize(docs, key, doc, 0)
+    copy = caches["triton"] / "KEY"
+    assert json.loads((copy / "__grp__k.json").read_text()) == {"child_paths": {n: str(copy / n) for n in children}}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(caches["triton"]))
+    found = FileCacheManager("KEY").get_group("k.json")
+    assert found == {n: str(copy / n) for n in children} and all(Path(p).read_bytes() == children[n]
+                                                                  for n, p in found.items())
+
+    rewrite_bundle(art, key, lambda doc, folder: add_kernel(doc, folder, b'{"paths": []}'))
+    docs = read_artifact(art)
+    doc = json.loads((art / TARGETS / key / BUNDLE).read_text())
+    with pytest.raises(BundleError, match=r"kernels/triton/KEY/__grp__k.json: not a Triton cache group file"):
+        _materialize(docs, key, doc, 0)
+
+
 def test_the_kernel_watch_tells_a_rewrite_of_the_same_bytes_from_a_build(tmp_path):
     """Loading a piece writes its recorded tuning choices again (the same bytes): no build. A choice
     whose bytes change, or a new kernel file, is a build, refused by name."""
