@@ -53,7 +53,8 @@
 #   account_serving  the same on the serving artifact (ROUTE applies), decode at BATCHES (default 1), extends
 #                at EXTENDS (default 16,32,128,512): where a short extend's step goes (issue 49); EXTEND_SEQS=N
 #                lays the extend buckets out for N requests (a served artifact's: 256) instead of one;
-#                ACCOUNT_ARGS adds step_account.py flags (--timeline: the device's idle spans in each step);
+#                ACCOUNT_ARGS adds step_account.py flags (--timeline: the device's idle spans in each step
+#                and the Launcher's misses; --timeline --timeline-stacks: Python stacks in its traces);
 #                with ROUTE the account goes to $OUT/account_serving_routed
 #   mixed        bucket_costs.py on the serving artifact: extend buckets, and steps of 128 decodes and a prompt
 #                against their parts (what a token budget costs)
