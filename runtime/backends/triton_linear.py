@@ -665,7 +665,7 @@ class TritonLinearBackend(BackendHooks):
         tables, its gap ops run on them, as the captured steps' ops do (init_replay_state: the step's
         slot ids and one launch of tables from the staged query offsets), not on tables built on
         the host. The host then builds and copies nothing for the step, and the gap's launches see
-        the bucket's grids and the static buffers' addresses every step of the bucket (the
+        the bucket's grids and the static tables' addresses every step of the bucket (the
         Launcher's hits). FlashInfer's kernel takes the real requests, which lead the tables
         (_flashinfer_chunk). Otherwise (another chunk_impl, a step past the tables or of at most
         `flashinfer_past` real rows, a request without rows, which FlashInfer's kernel is not
