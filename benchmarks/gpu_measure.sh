@@ -15,7 +15,8 @@
 #   overlap_tests  the GPU tests of the overlapped engine loop and of decodes apart (CUDA graphs)
 #   extend_tests   the GPU test of whole-step extend graphs (tests/gpu/test_gpu_extend_graphs.py)
 #   gpu_tests    the GPU tests of the files in GPU_TESTS (space-separated, -k GPU_TESTS_K if set), the whole
-#                report under $OUT/gpu_tests
+#                report under $OUT/gpu_tests (a failure's report as soon as it fails: tests/gpu/conftest.py);
+#                tests/gpu/test_gpu_inductor.py alone took more than 7 minutes on an H100 (three builds)
 #   kernel_tests the CPU test modules of KERNEL_TESTS (space-separated, -k KERNEL_TESTS_K if set) run on the GPU:
 #                with CUDA present their Triton kernels run compiled there, against the same references
 #   kernels      the kernel benchmarks of the decode folds, each checked before it is timed: norm_gemv_bench.py
