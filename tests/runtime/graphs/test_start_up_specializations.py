@@ -6,7 +6,8 @@ prompts: 3 slots, max_seq_len 15, the prefix cache on) and refuses to build a ke
 lacks. Triton builds a kernel per constexpr value and per specialization of the other arguments: a
 pointer 16-byte aligned or not, an integer equal to 1, divisible by 16 or neither. Here, on the CPU
 (the linear layers on triton_linear in Triton's interpreter, graphs re-run eagerly), both start-ups
-record that signature of every launch, and the run's must all be among the build's. (The GPU test
+record that signature of every launch, and the run's must all be among the build's (the fused GDN
+mixer's launches, as a cuda bundle routes GDN layers). (The GPU test
 of the same promise, with real builds, is tests/gpu/test_gpu_inductor.py.)"""
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ def artifact(tmp_path_factory, registry):
     # arguments of the same kinds, and tiny's three made the interpreter walk each extend's chunk
     # kernels three times (most of the module's time). Few buckets (the interpreter walks every
     # program of a launch), one with a one-request key; chunk_impl=triton: the kernels that write
-    # in-step snapshots.
+    # in-step snapshots. The fused mixer, as a cuda bundle routes it by default: its own kernels (the
+    # split decode, the gates, the gated norm) and, in extend steps, the extend conv and chunk kernels
+    # the unfused ops launch.
     root = tmp_path_factory.mktemp("specializations")
     ckpt = tiny_checkpoint("qwen3_next", root / "ckpt", seed=0, num_hidden_layers=2, full_attention_interval=2)
-    compile_linear_routed(ckpt, root / "art", ("gdn_core", "short_conv"), "chunk_impl=triton", registry,
+    compile_linear_routed(ckpt, root / "art", ("gdn_fused",), "chunk_impl=triton", registry,
                           decode_batch_sizes=(1, 2, 4), extend_token_counts=(16, 64))
     return load_artifact(root / "art")
 
