@@ -122,18 +122,25 @@ class FLANotInstalled(RuntimeError):
     """An extend or mixed step needs FLA's chunk kernels and fla-core is not importable."""
 
 
+# The kernel modules, imported on first use (they import triton, which the CPU tests' conftest
+# must configure first) and kept: import_module on every op call was about 3 us each, four to six
+# a fused GDN layer's eager extend.
+@functools.cache
 def _kernels():
     return importlib.import_module("runtime.backends.kernels.linear")
 
 
+@functools.cache
 def _chunk_kernels():
     return importlib.import_module("runtime.backends.kernels.chunk")
 
 
+@functools.cache
 def _fused_kernels():
     return importlib.import_module("runtime.backends.kernels.gdn_fused")
 
 
+@functools.cache
 def _flashinfer_kernels():
     return importlib.import_module("runtime.backends.kernels.flashinfer_gdn")
 
@@ -820,7 +827,7 @@ class TritonLinearBackend(BackendHooks):
     # -- the extend path (eager) ---------------------------------------------------------------
 
     def _chunk(self, ctx, op, layer_id, out, fla_name: str, tokens: dict, graph_form: bool = False,
-               **options) -> None:
+               zero_padding: bool = True, **options) -> None:
         """One FLA chunk call, states gathered and scattered by slot.
 
         `tokens`: the call's per-token inputs over the step's rows; `options`: its other keyword
@@ -831,7 +838,9 @@ class TritonLinearBackend(BackendHooks):
         requests (padding requests and the always-empty one on the padding slot, empty at the tail of
         cu_seqlens, as the form requires). FLA leaves the padding rows undefined, so they are written
         as zeros here, and the padding requests' final states (they sit on the padding slot) are
-        replaced by the slot's own contents before the write-back: the padding slot keeps what it held."""
+        replaced by the slot's own contents before the write-back: the padding slot keeps what it held.
+        `zero_padding` False: an eager step leaves the padding rows of `out` as they are, for a
+        caller that never reads them (gdn_fused's core, whose gated norm writes its own zeros)."""
         plan = self._extend_plan(self._step_plan(ctx), op)
         if plan.captured:
             assert graph_form, f"{self.name}: hgc.{op} captured in extend takes FLA's graph form only"
@@ -867,7 +876,7 @@ class TritonLinearBackend(BackendHooks):
                 ht = torch.where((slots == PADDING_SLOT).view(-1, 1, 1, 1), held, ht)
             out[:rows].copy_(o)
             states.index_copy_(0, slots, ht.to(states.dtype))
-        if out.shape[0] > rows:
+        if zero_padding and out.shape[0] > rows:
             out[rows:].zero_()
 
     def _short_extend(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
@@ -897,9 +906,10 @@ class TritonLinearBackend(BackendHooks):
                                     plan.padded_bounds, scale, gate_kind, self.recurrent_config)
         return True
 
-    def _triton_chunk(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind) -> bool:
+    def _triton_chunk(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind, zero_padding=True) -> bool:
         """Our chunk kernels over the step's real requests, states read from and written to their
-        slots in place (padding rows zeroed, as _chunk does); False where chunk_impl is "fla"."""
+        slots in place (padding rows zeroed as _chunk does, or left where `zero_padding` is False);
+        False where chunk_impl is "fla"."""
         if self.chunk_impl == "fla":
             return False
         plan = self._extend_plan(self._step_plan(ctx), _kernels().OP_OF_GATE[gate_kind])
@@ -918,11 +928,11 @@ class TritonLinearBackend(BackendHooks):
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
                                           plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind,
                                           snapshots=self._step_snapshots(plan, layer_id, "recurrent"))
-        if out.shape[0] > T:
+        if zero_padding and out.shape[0] > T:
             out[T:].zero_()
         return True
 
-    def _flashinfer_chunk(self, ctx, layer_id, q, k, v, g, beta, out, scale) -> bool:
+    def _flashinfer_chunk(self, ctx, layer_id, q, k, v, g, beta, out, scale, zero_padding=True) -> bool:
         """FlashInfer's kernel over an eager step of more than flashinfer_past rows, or over a
         piecewise step's gap on the static tables (plan_gap_step); False for a captured step (its
         bucket is at most that many rows) or a shorter one."""
@@ -941,7 +951,7 @@ class TritonLinearBackend(BackendHooks):
             slots, cu, rows = plan.slots, plan.cu_seqlens, plan.num_tokens
         launch = self._flashinfer or _flashinfer_kernels().prefill(v.device).launch
         _flashinfer_kernels().chunk_into_pool(launch, q, k, v, g, beta, out, self._layer_state(layer_id, "recurrent"),
-                                              slots, cu, rows, scale)
+                                              slots, cu, rows, scale, zero_padding)
         return True
 
     def _graph_chunk_config(self, v: torch.Tensor, rows: int):
@@ -965,17 +975,18 @@ class TritonLinearBackend(BackendHooks):
             self._graph_workspaces[key] = held
         return held
 
-    def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+    def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding=True):
+        """`zero_padding` False: padding rows of `out` may be left unwritten (gdn_fused's core)."""
         if self.chunk_impl == "flashinfer":  # past flashinfer_past FlashInfer's, else ours as "triton" runs them
-            if self._flashinfer_chunk(ctx, layer_id, q, k, v, g, beta, out, scale):
+            if self._flashinfer_chunk(ctx, layer_id, q, k, v, g, beta, out, scale, zero_padding):
                 return
         elif self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
             return
-        if self._triton_chunk(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
+        if self._triton_chunk(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD, zero_padding):
             return
         q, k = _in_dtype_of(v, q, k)
-        self._chunk(ctx, "gdn_core", layer_id, out, "gdn", dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
-                    use_qk_l2norm_in_kernel=False)
+        self._chunk(ctx, "gdn_core", layer_id, out, "gdn", dict(q=q, k=k, v=v, g=g, beta=beta),
+                    zero_padding=zero_padding, scale=scale, use_qk_l2norm_in_kernel=False)
 
     def _kda_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
         if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_CHANNEL):
@@ -1082,7 +1093,10 @@ class TritonLinearBackend(BackendHooks):
         self.short_conv(ctx, qkv, conv_weight, None, mixed, layer_id, True)
         q, k, v, g, beta = fused.qk_gates(mixed, b, a, A_log, dt_bias, dims)
         core = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        self.gdn_core(ctx, q, k, v, g, beta, core, layer_id, scale)
+        # the core as gdn_core runs it, but an eager extend leaves its padding rows unwritten: the
+        # gated norm reads no padding row and writes its zeros (one launch fewer a layer)
+        if not self._recurrent(ctx, "gdn_core", layer_id, q, k, v, g, beta, core, scale, _kernels().GATE_PER_HEAD):
+            self._gdn_extend(ctx, q, k, v, g, beta, core, layer_id, scale, zero_padding=False)
         if path != "extend":  # decode (n 1) or verify
             fused.gated_rmsnorm(core, z, norm_weight, out, eps, slots=self._step_slots(ctx), rows_per_slot=n)
         else:  # padding rows: from the bounds of the plan gdn_core ran on

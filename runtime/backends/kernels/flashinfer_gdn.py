@@ -231,14 +231,16 @@ def _workspace(name: str, numel: int, device: torch.device) -> torch.Tensor:
     return held[:numel]
 
 
-def chunk_into_pool(prefill_fn, q, k, v, g, beta, out, states, slots, cu_seqlens, rows: int, scale: float) -> None:
+def chunk_into_pool(prefill_fn, q, k, v, g, beta, out, states, slots, cu_seqlens, rows: int, scale: float,
+                    zero_padding: bool = True) -> None:
     """One eager extend step of a GDN layer's recurrent core over the pool, in place.
 
     q, k [T, Hk, D]; v [T, Hv, D] (a view of the conv's output); g [T, Hv] float32 log-decays; beta
     [T, Hv]; out [T, Hv, D]; states [num_slots + 1, Hv, Dk, Dv] float32 or bfloat16; slots [R] int64,
     the requests' slots (no padding slot); cu_seqlens [R + 1] int64 on the device; rows the real rows
-    (cu_seqlens[R]). Rows from `rows` on come out zero. `prefill_fn`: a GdnPrefill's `launch` (tests
-    stand in for it)."""
+    (cu_seqlens[R]). Rows from `rows` on come out zero, or are left as they are where `zero_padding`
+    is False (a caller that never reads them). `prefill_fn`: a GdnPrefill's `launch` (tests stand in
+    for it)."""
     if rows > 0:
         qr, kr = q[:rows].contiguous(), k[:rows].contiguous()  # views of the step's rows: no copy
         v_rows = v[:rows]
@@ -253,14 +255,18 @@ def chunk_into_pool(prefill_fn, q, k, v, g, beta, out, states, slots, cu_seqlens
         grid = (R * hv, cdiv(dk, STATE_BLOCK_K))
         _STATES_IN[grid](states, slots, h0, states.stride(0), states.stride(1), hv, DK=dk, DV=dv, BK=STATE_BLOCK_K)
         g, beta = (t if t.stride(1) == 1 else t.contiguous() for t in (g, beta))  # the gates kernel's heads
-        alpha = _workspace("alpha", rows * hv, v.device).view(rows, hv)
-        beta32 = _workspace("beta", rows * hv, v.device).view(rows, hv)
-        _GATES[(cdiv(rows * hv, GATES_BLOCK),)](g, beta, alpha, beta32, rows * hv, g.stride(0), beta.stride(0), hv,
-                                               BLOCK=GATES_BLOCK)
+        # over every row of the step, padding too (never read): a bucket's steps then launch it with
+        # one grid and the same arguments whatever their real rows, which the Launcher finds again
+        T = out.shape[0]
+        alpha = _workspace("alpha", T * hv, v.device).view(T, hv)
+        beta32 = _workspace("beta", T * hv, v.device).view(T, hv)
+        _GATES[(cdiv(T * hv, GATES_BLOCK),)](g, beta, alpha, beta32, T * hv, g.stride(0), beta.stride(0), hv,
+                                            BLOCK=GATES_BLOCK)
+        alpha, beta32 = alpha[:rows], beta32[:rows]
         o = out[:rows] if out.is_contiguous() else torch.empty_like(out[:rows], memory_format=torch.contiguous_format)
         prefill_fn(qr, kr, v_rows, alpha, beta32, scale, h0, cu_seqlens, o.view(rows, hv, dv), ht)
         if o.data_ptr() != out.data_ptr():
             out[:rows].copy_(o)
         _STATES_OUT[grid](ht, slots, states, states.stride(0), states.stride(1), hv, DK=dk, DV=dv, BK=STATE_BLOCK_K)
-    if out.shape[0] > rows:
+    if zero_padding and out.shape[0] > rows:
         out[rows:].zero_()

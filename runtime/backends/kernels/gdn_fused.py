@@ -61,7 +61,7 @@ import triton.language as tl
 
 from runtime.backends.kernels.arrivals import arrival_counters, last_to_arrive
 from runtime.backends.kernels.launch_cache import Launcher
-from runtime.backends.kernels.launch_math import next_pow2
+from runtime.backends.kernels.launch_math import cdiv, next_pow2
 from runtime.backends.kernels.linear import conv_rolled, conv_token, scalar_decay_step, store_history
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
@@ -728,7 +728,7 @@ def qk_gates(mixed, b, a, A_log, dt_bias, d: GdnDims, block_rows: int = BLOCK_RO
     v = mixed[:, 2 * d.hk * d.dk:].view(T, d.hv, d.dv)
     if T:
         group = d.hv // d.hk
-        _QK_GATES[(triton.cdiv(T, block_rows), d.hk)](
+        _QK_GATES[(cdiv(T, block_rows), d.hk)](
             mixed, b, a, A_log, dt_bias, q, k, g, beta, T,
             mixed.stride(0), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), L2NORM_EPS,
@@ -753,7 +753,7 @@ def gated_rmsnorm(core, z, norm_weight, out, eps: float, *, slots=None, rows_per
         return
     marker = slots if slots is not None else bounds
     real_at = 0 if bounds is None else bounds.shape[0] - 2
-    _GATED_RMSNORM[(triton.cdiv(T, block_rows), Hv)](
+    _GATED_RMSNORM[(cdiv(T, block_rows), Hv)](
         core, z, norm_weight, out, marker, marker, real_at, T,
         core.stride(0), core.stride(1), z.stride(0), z.stride(1), out.stride(0), out.stride(1),
         float(eps), DV=Dv, BV=next_pow2(Dv), BR=block_rows, ROUND_Y=rounds_weighted_norm(norm_weight, out),

@@ -504,6 +504,55 @@ def test_a_gap_only_flashinfer_step_runs_on_the_static_tables_without_a_host_pla
     assert Mode.EXTEND not in made and Mode.MIXED in made
 
 
+@in_process
+def test_a_buckets_flashinfer_gap_steps_launch_alike_whatever_their_real_rows(monkeypatch):
+    """Two steps of one bucket (32 rows, 4 request rows) on the static gap tables, with 22 and 15
+    real rows of two requests: every Triton launch of the gap (conv, gates, state copies, the
+    route's gates, gated norm) gets the same grid and the same non-tensor arguments in both, so on a
+    GPU the Launcher finds each again (the route's gates once took the real rows' grid and missed
+    every new count). The core's padding rows are not zeroed (the gated norm writes zeros there),
+    and the outputs, padding rows and states are the reference's (Case.step)."""
+    from runtime.backends.kernels.launch_cache import Launcher
+
+    pytest.importorskip("runtime.backends.kernels.flashinfer_gdn")  # its Launchers made before they are patched
+    launches, zeroed = [], []
+    real_zero = torch.Tensor.zero_
+
+    def recorded(launcher, real):
+        def launch(grid, args, kwargs):
+            launches.append((launcher.kernel.__name__, grid, tuple(str(a.dtype) if isinstance(a, torch.Tensor) else a
+                                                                   for a in args), tuple(sorted(kwargs.items()))))
+            return real(grid, args, kwargs)
+        return launch
+
+    def counted_zero(t):
+        zeroed.append(tuple(t.shape))
+        return real_zero(t)
+
+    for launcher in Launcher.made:  # each one's own (another test's patch may have left one there)
+        monkeypatch.setattr(launcher, "launch", recorded(launcher, launcher.launch))
+    stand_in = FakeFlashInferGdn()
+    case = Case(0, torch.float32, 0, dict(chunk_impl="flashinfer", flashinfer_past=8, flashinfer=stand_in))
+    case.tri.init_capture_state(max_tokens=64, max_seqs=8)
+    def gap_step(tri, ctx):  # after the reference's step: from here on the backend's alone
+        launches.clear()
+        monkeypatch.setattr(torch.Tensor, "zero_", counted_zero)
+        tri.plan_gap_step(ctx, ctx.num_seqs, 64)
+
+    seen = []
+    for reqs, pad_t in (([(4, 0, 10), (7, 3, 12)], 10), ([(4, 10, 6), (7, 15, 9)], 17)):
+        case.step(step_ctx(Mode.EXTEND, reqs, pad_t, 2, "cpu"), step_ctx(Mode.EXTEND, reqs, pad_t, 2, DEVICE),
+                  [slot for slot, _, n in reqs if n], gap_step)
+        monkeypatch.setattr(torch.Tensor, "zero_", real_zero)
+        assert case.tri._step.eager_extend is not None and case.tri._step.eager_extend.captured
+        seen.append(list(launches))
+    assert stand_in.calls == [[0, 10, 22], [0, 6, 15]]
+    assert {name for name, *_ in seen[0]} >= {"_gates_kernel", "_states_in_kernel", "_qk_gates_kernel",
+                                               "_gated_rmsnorm_kernel"}
+    assert seen[0] == seen[1]
+    assert not zeroed, f"padding rows zeroed on the host: {zeroed}"
+
+
 def test_flashinfer_bounds_the_gdn_ops_capture_and_serves_gdn_layers_only():
     cap = TritonLinearBackend.capability
     for past in ("256", "512", "2048"):
