@@ -26,12 +26,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # code_root
-from code_root import CHECKOUT as HERE, code_root  # noqa: E402
+from code_root import code_root, unpacked  # noqa: E402
 
 CODE = code_root(sys.argv[1:])
 sys.path.insert(0, str(CODE))
@@ -108,15 +107,7 @@ def time_us(fn, iterations: int, reps: int) -> dict:
 
 def baseline(args, out: Path) -> dict:
     """This script over GITREF's code, in a process of its own; its JSON record."""
-    src = out / "baseline-src"
-    if not src.is_dir():
-        src.mkdir(parents=True)
-        tar = out / "baseline.tar"
-        tar.write_bytes(subprocess.run(["git", "archive", "--format=tar", args.baseline_ref], cwd=HERE, check=True,
-                                       capture_output=True).stdout)
-        with tarfile.open(tar) as t:
-            t.extractall(src)
-        tar.unlink()
+    src = unpacked(args.baseline_ref, out / "baseline-src")
     subprocess.run([sys.executable, __file__, "--out", str(out / "baseline"), "--code-root", str(src),
                     "--iterations", str(args.iterations), "--reps", str(args.reps)],
                    env=dict(os.environ, PYTHONPATH=str(src)), check=True)

@@ -30,13 +30,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # code_root
-from code_root import CHECKOUT as HERE, code_root  # noqa: E402
+from code_root import code_root, unpacked  # noqa: E402
 
 CODE = code_root(sys.argv[1:])
 sys.path.insert(0, str(CODE))  # the runtime measured: first on the path
@@ -114,15 +113,7 @@ def measure(art_dir: Path, device: torch.device, context: int, reps: int) -> dic
 def baseline(args, argv: list[str], art_dir: Path) -> dict:
     """This script over GITREF's code, in a process of its own, on the same artifact; its JSON record."""
     out = Path(args.out)
-    src = out / "baseline-src"
-    if not src.is_dir():
-        src.mkdir(parents=True)
-        tar = out / "baseline.tar"
-        tar.write_bytes(subprocess.run(["git", "archive", "--format=tar", args.baseline_ref], cwd=HERE, check=True,
-                                       capture_output=True).stdout)
-        with tarfile.open(tar) as t:
-            t.extractall(src)
-        tar.unlink()
+    src = unpacked(args.baseline_ref, out / "baseline-src")
     kept, skip = [], False
     for a in argv:  # this run's flags but those the baseline sets itself
         if skip:

@@ -47,14 +47,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # code_root
-from code_root import CHECKOUT as HERE, code_root  # noqa: E402
+from code_root import CHECKOUT as HERE, code_root, unpacked  # noqa: E402
 
 CODE = code_root(sys.argv[1:])
 sys.path.insert(0, str(HERE / "benchmarks"))  # bench_common: this checkout's
@@ -247,16 +246,7 @@ def message_path(art_dir: Path, engine, steps: int) -> dict:
 
 def baseline(args, argv: list[str], out: Path) -> dict:
     """Step 5: this script over GITREF's code, in a process of its own, with this run's `argv`; its JSON record."""
-    src = out / "baseline-src"
-    if not src.is_dir():
-        src.mkdir(parents=True)
-        archive = subprocess.run(["git", "archive", "--format=tar", args.baseline_ref], cwd=HERE, check=True,
-                                 capture_output=True).stdout
-        tar = out / "baseline.tar"
-        tar.write_bytes(archive)
-        with tarfile.open(tar) as t:
-            t.extractall(src)
-        tar.unlink()
+    src = unpacked(args.baseline_ref, out / "baseline-src")
     argv = _drop_flag(_drop_flag(_drop_flag(_drop_flag(argv, "--baseline-ref"), "--out"), "--code-root"), "--work")
     env = dict(os.environ, PYTHONPATH=str(src))
     subprocess.run([sys.executable, __file__, *argv, "--out", str(out / "baseline"), "--work", args.work,
