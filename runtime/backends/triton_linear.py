@@ -418,8 +418,11 @@ SHORT_EXTEND_CHOICES = ("64", "0", "16", "32", "128")
 # piecewise, and the card sat idle while the host ran the gap-only backends' plans right after a
 # short first piece: whole steps 6.246 / 8.821 / 15.675 ms against 4.427 / 7.640 / 14.491 at 1024 /
 # 2048 / 4096 tokens (benchmarks/results/step_account_flashinfer_ab_h100_2026-12-06.md; the unfused
-# route on the core alone, step_account_flashinfer_core_ab_h100_2026-12-06.md, traced it). Those
-# plans now wait for their backend's first op (GraphRunner._plan); not measured since.
+# route on the core alone, step_account_flashinfer_core_ab_h100_2026-12-06.md, traced it). With those
+# plans at their backend's first op and the gaps on the static tables (plan_gap_step), one warm H100:
+# 6.103 / 7.970 / 13.986 ms against 4.385 / 7.574 / 14.737, under the default at 4096 tokens only; up
+# to 2048 the card waits on the gaps' host, about 0.55 ms a layer
+# (step_account_flashinfer_gap_tables_ab_h100_2026-12-06.md).
 CHUNK_IMPL_CHOICES = ("triton", "fla", "flashinfer")
 # flashinfer_past: the most tokens of a step that chunk_impl="flashinfer" leaves to our chunk kernels,
 # and so the largest extend bucket that captures the GDN ops (the route runs in eager gaps). 512, the
