@@ -6,12 +6,12 @@
 Under `chunk_impl=flashinfer` a GDN layer's whole fused mixer is an eager gap of a piecewise extend
 step past `flashinfer_past` tokens, run on the static tables (plan_gap_step): the conv, the gates,
 the state copies, FlashInfer's kernel and the gated norm, eight launches from Python. On an H100 the
-host took about 0.55 ms a layer there (benchmarks/results/step_account_flashinfer_gap_tables_ab_h100
-_2026-12-06.md), the card waiting on it up to 2048 tokens. This times the part that is our code:
-`gdn_fused` on bench qwen3_next's dims (16 key / 32 value heads of 128, bf16) over a 64-row bucket
-of one request with 40 real rows, on the CPU, with every Triton launch and FlashInfer's launch
-replaced by a no-op (what remains is the backend's routing, plan lookups, shape checks, the
-allocations and views, and the arguments each launch is handed). The Launcher's own hit path is
+host took about 0.55 ms a layer there, the card waiting on it up to 2048 tokens
+(benchmarks/results/step_account_flashinfer_gap_tables_ab_h100_2026-12-06.md). This times the part
+that is our code: `gdn_fused` on bench qwen3_next's dims (16 key / 32 value heads of 128, bf16) over
+a 64-row bucket of one request with 40 real rows, on the CPU, with every Triton launch and
+FlashInfer's launch replaced by a no-op (what remains is the backend's routing, plan lookups, shape
+checks, the allocations and views, and the arguments each launch is handed). The Launcher's own hit path is
 timed apart (`launcher_hit_us`: a 20-argument launch found again, its compiled kernel a no-op).
 Neither includes the driver's launch or CUDA's allocator, so this is a share of the host time in
 the trace, not all of it. --baseline-ref GITREF runs the same over GITREF's code, in a process of
