@@ -979,7 +979,6 @@ class TritonLinearBackend(BackendHooks):
         return held
 
     def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding=True):
-        """`zero_padding` False: padding rows of `out` may be left unwritten (gdn_fused's core)."""
         if self.chunk_impl == "flashinfer":  # past flashinfer_past FlashInfer's, else ours as "triton" runs them
             if self._flashinfer_chunk(ctx, layer_id, q, k, v, g, beta, out, scale, zero_padding):
                 return
@@ -1059,8 +1058,13 @@ class TritonLinearBackend(BackendHooks):
     # -- ops ------------------------------------------------------------------------------------
 
     def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
+        self._gdn_core(ctx, q, k, v, g, beta, out, layer_id, scale)
+
+    def _gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding=True):
+        """`zero_padding` False (gdn_fused's core, whose gated norm reads no padding row and writes
+        its zeros): an eager extend leaves the padding rows of `out` unwritten, one launch fewer."""
         if not self._recurrent(ctx, "gdn_core", layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
-            self._gdn_extend(ctx, q, k, v, g, beta, out, layer_id, scale)
+            self._gdn_extend(ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding)
 
     def kda_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
         if not self._recurrent(ctx, "kda_core", layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_CHANNEL):
@@ -1096,10 +1100,7 @@ class TritonLinearBackend(BackendHooks):
         self.short_conv(ctx, qkv, conv_weight, None, mixed, layer_id, True)
         q, k, v, g, beta = fused.qk_gates(mixed, b, a, A_log, dt_bias, dims)
         core = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        # the core as gdn_core runs it, but an eager extend leaves its padding rows unwritten: the
-        # gated norm reads no padding row and writes its zeros (one launch fewer a layer)
-        if not self._recurrent(ctx, "gdn_core", layer_id, q, k, v, g, beta, core, scale, _kernels().GATE_PER_HEAD):
-            self._gdn_extend(ctx, q, k, v, g, beta, core, layer_id, scale, zero_padding=False)
+        self._gdn_core(ctx, q, k, v, g, beta, core, layer_id, scale, zero_padding=False)
         if path != "extend":  # decode (n 1) or verify
             fused.gated_rmsnorm(core, z, norm_weight, out, eps, slots=self._step_slots(ctx), rows_per_slot=n)
         else:  # padding rows: from the bounds of the plan gdn_core ran on

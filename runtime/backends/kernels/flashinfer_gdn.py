@@ -220,7 +220,7 @@ _WORKSPACES: dict[tuple, torch.Tensor] = {}
 
 def _workspace(name: str, numel: int, device: torch.device) -> torch.Tensor:
     """`numel` float32 of the route's buffer `name` on `device` (the initial and final states
-    [R, Hv, Dv, Dk], the gates [rows, Hv]), grown to a power of two and never shrunk, as chunk.py's
+    [R, Hv, Dv, Dk], the gates [T, Hv] over the step's rows), grown to a power of two and never shrunk, as chunk.py's
     workspaces are, so an eager gap's launches find the same addresses step after step (the
     Launcher's hits). One layer's launches are done with them before the next layer's, in stream
     order."""
