@@ -467,7 +467,8 @@ class _StepPlan:
     bucket: Optional[int]  # the captured bucket this plan serves; None: an eager step
     num_rows: int  # query rows the kernels read (a graph step's padding requests included)
     slots: torch.Tensor  # [rows] slot ids the store kernel reads: ctx.slot_mapping, or the static copy
-    pad_rows: Optional[torch.Tensor]  # graph steps with padding rows: [rows, 1, 1] bool, True on those (static)
+    # graph steps with padding rows and a group off the table kernels: [rows, 1, 1] bool, True on those (static)
+    pad_rows: Optional[torch.Tensor]
     wrappers: dict  # _Group -> flashinfer wrapper (groups on a Triton kernel: absent)
     triton_meta: Optional[tuple] = None  # (kv_indptr, kv_indices, row_req, row_pos) on the device
     table: Optional[_StepTable] = None  # decode / uniform target_verify steps with Triton groups
@@ -808,7 +809,11 @@ class FlashInferAttentionBackend(BackendHooks):
             slots = self._static["slots"][:ctx.num_tokens]
             slots.copy_(ctx.slot_mapping, non_blocking=True)
             pad_rows = None
-            if not (per and bucket == 1):  # a one-request table step's rows are all its request's: nothing to mask
+            # Only a group off the table kernels masks its padding rows: those kernels write zeros
+            # there themselves (a padding request sees no key: kernels/gqa.py, kernels/mla.py), and
+            # a one-request table step has none. So a step whose groups are all on the table
+            # launches neither the mask's compare nor a masked_fill per attention layer.
+            if (wrapped or row_mla) and not (per and bucket == 1):
                 pad_rows = self._static["pad_rows"][:ctx.num_tokens]
                 torch.lt(slots.view(-1, 1, 1), 0, out=pad_rows)  # once per step, not once per layer
         table = self._table(ctx, bucket, per, on_table) if on_table else None
@@ -1010,12 +1015,13 @@ class FlashInferAttentionBackend(BackendHooks):
         return g, step
 
     @staticmethod
-    def _zero_padding(step: _StepPlan, out: torch.Tensor) -> None:
+    def _zero_padding(step: _StepPlan, out: torch.Tensor, g: _Group) -> None:
         if step.bucket is not None:
-            # The real row count changes between replays: mask on the device (rows with slot -1);
-            # a graph whose rows are all one request's (pad_rows None) records no mask: at batch 1
-            # that is one kernel fewer per attention layer.
-            if step.pad_rows is not None:
+            # The real row count changes between replays: mask on the device (rows with slot -1).
+            # A table kernel ran over every row of the bucket and wrote zeros on its padding
+            # rows, and a graph whose rows are all one request's (pad_rows None) has none: either
+            # way no mask is recorded, one kernel fewer per attention layer.
+            if step.pad_rows is not None and not (step.table is not None and g in step.table.groups):
                 out.masked_fill_(step.pad_rows, 0)
         elif step.num_rows < out.shape[0]:
             out[step.num_rows:].zero_()
@@ -1045,7 +1051,7 @@ class FlashInferAttentionBackend(BackendHooks):
             step.wrappers[g].run(q[:n], (kc, vc), out=target)
         if target.data_ptr() != out.data_ptr():
             out[:n].copy_(target)
-        self._zero_padding(step, out)
+        self._zero_padding(step, out, g)
 
     def mla_attention(self, ctx, q_latent, q_rope, kv_latent, k_rope, out, layer_id, scale):
         g, step = self._step_for(ctx, layer_id, "mla", scale)
@@ -1076,4 +1082,4 @@ class FlashInferAttentionBackend(BackendHooks):
             step.wrappers[g].run(q_latent[:n], q_rope[:n], ckv, kpe, out=target)
         if target.data_ptr() != out.data_ptr():
             out[:n].copy_(target)
-        self._zero_padding(step, out)
+        self._zero_padding(step, out, g)

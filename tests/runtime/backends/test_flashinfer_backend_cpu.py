@@ -556,11 +556,12 @@ def test_mla_decode_on_the_triton_kernel_beside_flashinfers_mla_extends(host_pla
 
 
 @pytest.mark.parametrize("n", [1, 3], ids=["decode", "verify"])
-def test_a_one_request_graph_bucket_records_no_padding_mask(host_plans, n):
-    """A graph bucket of one request on the Triton table kernels: its rows are all that request's
-    (a decode row, or a verify step's n), so the step plans no padding mask and the ops launch no
-    masked_fill (in a batch-1 decode graph: one kernel fewer per attention layer). A bucket of two
-    holding the same one request still masks, and its padding rows come out zero."""
+def test_a_graph_bucket_on_the_table_kernels_records_no_padding_mask(host_plans, n):
+    """A graph bucket on the Triton table kernels plans no padding mask and its ops launch no
+    masked_fill (one kernel fewer per attention layer): a bucket of one request has no padding
+    rows (a decode row, or a verify step's n), and in a bucket of two holding one request the
+    kernels write the padding request's rows as zeros themselves (pair.run fills them with NaN
+    first and checks them zero)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -580,13 +581,13 @@ def test_a_one_request_graph_bucket_records_no_padding_mask(host_plans, n):
         ctx = build_step(items, pair.ref_pool, mode=mode, pad_tokens_to=bucket * n, pad_seqs_to=bucket,
                          max_pages=8).ctx
         pair.be.init_replay_state(ctx, bucket)
-        assert (pair.be._step.pad_rows is None) == (bucket == 1)
+        assert pair.be._step.pad_rows is None
         ops = Ops()
         for layer in (0, 2, 3):
             with ops:
                 err = pair.run(ctx, layer, bucket * n)  # padding rows (bucket 2) checked zero there
             assert err < 1e-5
-        assert ("masked_fill_" in ops.seen) == (bucket == 2), sorted(ops.seen)
+        assert "masked_fill_" not in ops.seen, sorted(ops.seen)
         commit_step(items)
 
 
