@@ -24,7 +24,11 @@ tile, both grids at the default's); then 512 tokens in buckets laid out for 33 a
 and 4 x 128 in one for 256 (the default's split and tile, both grids). `--long` times instead the
 steps past `whole_extend_tokens` (2048 and 4096 tokens of one request, 4 x 1024; each key tile, both
 grids), which run FlashInfer's prefill kernel in an eager gap today: whether this kernel could take
-them inside the step's graph. Writes OUT/gqa_extend_sweep.json.
+them inside the step's graph. `--tiles` times instead, for the steps alone, the program's launch:
+query rows a program (64, 128), warps (4, 8) and pipeline stages (2, 3), each with the default's
+split count, one and two splits, and 32 and 64-key tiles. The default (64 rows, 4 warps) holds a
+[64, 256] float32 accumulator in 128 registers a thread before its query, key and value tiles.
+Writes OUT/gqa_extend_sweep.json.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ CHECK_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 SPLITS = ("auto", 1, 2, 4, 8, 16)  # 16: the two-wave count at 128 tokens, the default before one wave
 BLOCK_N = (16, 32, 64)
 DRY_SPLITS, DRY_BLOCK_N = ("auto", 4), (32,)  # the interpreter is slow: enough to walk every path
+# --tiles: (query rows a program, warps, stages), crossed with TILE_SPLITS and BLOCK_N[1:]
+TILES = [(m, w, st) for m in (64, 128) for w in (4, 8) for st in (2, 3)]
+TILE_SPLITS = ("auto", 1, 2)
+DRY_TILES = [(16, 4, 2), (32, 2, 1)]
 
 
 def make_step(reqs: list[int], hq: int, hkv: int, d: int, page: int, dtype, device, gen, seqs: int = 0) -> dict:
@@ -114,12 +122,21 @@ def run(args) -> dict:
         out = torch.empty(t["q"].shape[0], hq, d, dtype=dtype, device=device)
         row = {"requests": reqs, "seqs": seqs, "variants": {}}
         alone = seqs == len(reqs)  # the split and tile sweep for steps alone; the default's grids everywhere
-        variants = [(splits, block_n, False) for splits in (DRY_SPLITS if args.dry_run else SPLITS)
-                    for block_n in (DRY_BLOCK_N if args.dry_run else BLOCK_N)] if alone else [("auto", 32, False)]
+        if args.tiles and not alone:
+            continue
+        variants = [(splits, block_n, False, None) for splits in (DRY_SPLITS if args.dry_run else SPLITS)
+                    for block_n in (DRY_BLOCK_N if args.dry_run else BLOCK_N)] if alone else [("auto", 32, False, None)]
         if args.long:  # one split fills the card at these sizes: the key tiles only
-            variants = [("auto", block_n, False) for block_n in (DRY_BLOCK_N if args.dry_run else BLOCK_N)]
-        for splits, block_n, flat in variants + [("auto", 32, True)]:
+            variants = [("auto", block_n, False, None) for block_n in (DRY_BLOCK_N if args.dry_run else BLOCK_N)]
+        if args.tiles:
+            variants = [("auto", 32, False, None)] + [
+                (splits, block_n, False, tile) for tile in (DRY_TILES if args.dry_run else TILES)
+                for splits in (DRY_SPLITS if args.dry_run else TILE_SPLITS)
+                for block_n in (DRY_BLOCK_N if args.dry_run else BLOCK_N[1:])]
+        for splits, block_n, flat, tile in variants + [("auto", 32, True, None)]:
             kw = dict(num_splits=None if splits == "auto" else splits, block_n=block_n, flat_grid=flat)
+            if tile is not None:
+                kw.update(block_m=tile[0], num_warps=tile[1], num_stages=tile[2])
 
             def call(_=None, kw=kw):
                 triton_gqa_attention_varlen(t["q"], t["k"], t["v"], t["table"], t["lens"], t["starts"], out,
@@ -130,7 +147,8 @@ def run(args) -> dict:
             cell = {"rel_err": err, "ok": err <= CHECK_TOL[dtype]}
             if cell["ok"]:
                 cell["us"] = graph_call_us(call, args.calls, args.replays, device)
-            row["variants"][f"{'flat ' if flat else ''}splits={splits} block_n={block_n}"] = cell
+            launch = "" if tile is None else f" block_m={tile[0]} warps={tile[1]} stages={tile[2]}"
+            row["variants"][f"{'flat ' if flat else ''}splits={splits} block_n={block_n}{launch}"] = cell
         doc["rows"].append(row)
         timed = {k: v["us"] for k, v in row["variants"].items() if "us" in v}
         best = min(timed, key=timed.get) if timed else None
@@ -147,6 +165,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dry-run", action="store_true", help="CPU: Triton's interpreter, tiny dims; times mean nothing")
     ap.add_argument("--long", action="store_true",
                     help="instead: 2048 and 4096 tokens of one request and 4 x 1024 (every key tile, both grids)")
+    ap.add_argument("--tiles", action="store_true",
+                    help="instead: the steps alone at each program tile, warps and stages (TILES)")
     ap.add_argument("--calls", type=int, default=20, help="calls captured in one graph")
     ap.add_argument("--replays", type=int, default=30)
     args = ap.parse_args(argv)

@@ -18,6 +18,8 @@ and step shape:
 
 Shapes: bench qwen3_next's GQA layer (16 query heads, head dim 256); rows and split counts as the
 step accounts' steps launch them: decode 1 (32 splits), decode 128 (2), extend 512 and 4096 (2).
+`--launches` times instead, at the chunk in use, each launch: heads a program (1, 2, 4, 8; a program
+a row and head is 8,192 programs of 2 KiB of partials at 512 rows of 2 splits) and warps (1, 2, 4).
 Writes OUT/combine_chunk_probe.json.
 """
 
@@ -68,17 +70,24 @@ def reference(part_o, part_lse, rows: int, splits: int) -> torch.Tensor:
     return (w.unsqueeze(-1) * o).sum(2) / w.sum(-1, keepdim=True)
 
 
-def launch(chunk: int, part_o, part_lse, out, splits: int) -> None:
+# --launches: (heads a program, warps) at the chunk in use, (1, 4) the default
+LAUNCHES = [(h, w) for h in (1, 2, 4, 8) for w in (1, 2, 4)]
+DRY_LAUNCHES = [(1, 4), (4, 1)]
+
+
+def launch(chunk: int, part_o, part_lse, out, splits: int, heads: int = 1, warps: int = 4) -> None:
     rows = out.shape[0]
-    split_kv._combine_kernel[(rows, HEADS)](part_o, part_lse, out, out.stride(0), out.stride(1), HEADS, splits,
-                                           R=DV, MAX_SPLITS=split_kv.MAX_SPLITS, CHUNK=chunk, num_warps=4,
-                                           **launch_args(out.device))
+    split_kv._combine_kernel[(rows, HEADS // heads)](part_o, part_lse, out, out.stride(0), out.stride(1), HEADS,
+                                                     splits, R=DV, MAX_SPLITS=split_kv.MAX_SPLITS, CHUNK=chunk,
+                                                     HEADS=heads, num_warps=warps, **launch_args(out.device))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true", help="CPU: Triton's interpreter, small steps")
+    p.add_argument("--launches", action="store_true",
+                   help="instead of the chunks: heads a program (1, 2, 4, 8) and warps (1, 2, 4) at the chunk in use")
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.dry_run else "cuda")
     doc = {"env": device_facts(args.dry_run), "steps": {}}
@@ -87,15 +96,18 @@ def main(argv=None) -> int:
         part_o, part_lse = partials(rows, splits, device, g)
         want = reference(part_o, part_lse, rows, splits)
         row = doc["steps"][name] = {"rows": rows, "splits": splits, "in_use": split_kv.combine_chunk(splits)}
-        for chunk in CHUNKS:
+        variants = ([(f"heads_{h}_warps_{w}", row["in_use"], h, w)
+                     for h, w in (DRY_LAUNCHES if args.dry_run else LAUNCHES)] if args.launches
+                    else [(f"chunk_{chunk}", chunk, 1, 4) for chunk in CHUNKS])
+        for label, chunk, heads, warps in variants:
             out = torch.empty(rows, HEADS, DV, dtype=torch.bfloat16, device=device)
-            launch(chunk, part_o, part_lse, out, splits)
+            launch(chunk, part_o, part_lse, out, splits, heads, warps)
             err = rel_err(out, want)
             if err > CHECK_TOL:
-                raise SystemExit(f"combine chunk {chunk} at {name}: rel err {err:.2e} against the float64 merge")
-            us = graph_call_us(lambda i: launch(chunk, part_o, part_lse, out, splits), 50, 20, device)
-            row[f"chunk_{chunk}"] = {"us": round(us, 3), "rel_err": err}
-            print(f"{name:12s} chunk {chunk:2d}: {us:8.2f} us (rel err {err:.1e})", flush=True)
+                raise SystemExit(f"combine {label} at {name}: rel err {err:.2e} against the float64 merge")
+            us = graph_call_us(lambda i: launch(chunk, part_o, part_lse, out, splits, heads, warps), 50, 20, device)
+            row[label] = {"us": round(us, 3), "rel_err": err}
+            print(f"{name:12s} {label}: {us:8.2f} us (rel err {err:.1e})", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "combine_chunk_probe.json").write_text(json.dumps(doc, indent=1))
     return 0

@@ -22,3 +22,15 @@ def test_dry_run_checks_every_chunk_then_times_it(tmp_path):
     for row in doc["steps"].values():
         for chunk in (4, 8, 16, 32):
             assert row[f"chunk_{chunk}"]["rel_err"] < 1e-2 and row[f"chunk_{chunk}"]["us"] > 0, row
+
+
+def test_launches_dry_run_checks_every_launch_then_times_it(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--launches", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "combine_chunk_probe.json").read_text())
+    for row in doc["steps"].values():
+        timed = {k: v for k, v in row.items() if k.startswith("heads_")}
+        assert set(timed) == {"heads_1_warps_4", "heads_4_warps_1"}, row
+        for cell in timed.values():
+            assert cell["rel_err"] < 1e-2 and cell["us"] > 0, row

@@ -58,6 +58,10 @@ from runtime.backends.kernels.split_kv import (LOG2E, combine_splits, num_splits
 __all__ = ["triton_gqa_attention", "triton_gqa_attention_varlen", "gqa_head_dim_refusal"]
 
 _MAX_BLOCK_M = 64  # query rows per program: a larger n x group is split over several programs
+# The varlen kernel's launch. A [64, 256] float32 accumulator over 4 warps is 128 registers a
+# thread before the query tile and the key and value tiles (bench qwen3_next's head dim 256).
+VARLEN_WARPS = 4
+VARLEN_STAGES = 2
 
 
 def gqa_head_dim_refusal(head_dim: int) -> str | None:
@@ -259,7 +263,8 @@ def triton_gqa_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 out: torch.Tensor, scale: float, max_rows: int | None = None,
                                 num_splits: int | None = None, block_n: int | None = None,
                                 fixed_splits: bool = False, split_tokens: int | None = None,
-                                flat_grid: bool = False) -> None:
+                                flat_grid: bool = False, block_m: int | None = None, num_warps: int | None = None,
+                                num_stages: int | None = None) -> None:
     """Requests of different lengths (the module docstring): q [T, Hq, D]; k_cache, v_cache as for
     triton_gqa_attention; page_table [B, width], seq_lens [B] and query_start_loc [B+1] int32 on q's
     device (request b: rows query_start_loc[b] .. query_start_loc[b+1] - 1, cached + new tokens
@@ -273,7 +278,9 @@ def triton_gqa_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     each finding its request by a binary search over the offsets) in place of every request's
     blocks of the longest one ((B + 1) * max_rows * group / 64): the same programs do the work, bit
     for bit, and a bucket laid out for many requests launches few empty ones. Not the default: it
-    is weighed in benchmarks/kernels/gqa_extend_sweep.py first."""
+    is weighed in benchmarks/kernels/gqa_extend_sweep.py first.
+    block_m, num_warps, num_stages: the program's tile of query rows (a power of two >= 16) and its
+    launch (default _MAX_BLOCK_M, VARLEN_WARPS, VARLEN_STAGES); gqa_extend_sweep.py --tiles weighs them."""
     T, Hq, D = q.shape
     Hkv, DV = k_cache.shape[2], v_cache.shape[3]
     if T == 0:
@@ -299,7 +306,9 @@ def triton_gqa_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     num_splits, split_tokens = split_layout(num_splits, fixed_splits, split_tokens, block_n)
     # One tile height for every step: the rows a request brings change from step to step, and a
     # tile chosen from them would be a kernel built in the middle of serving.
-    block_m = _MAX_BLOCK_M
+    block_m = _MAX_BLOCK_M if block_m is None else block_m
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"triton GQA (varlen): block_m {block_m} is not a power of two >= 16")
     row_blocks = cdiv(max_rows * group, block_m)
     if num_splits is None:  # by the blocks the step's rows fill, not the grid's idle ones
         # One wave, not decode's two: a prompt's row blocks already fill much of the card, and each
@@ -318,5 +327,6 @@ def triton_gqa_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0),
         B, T, row_blocks, Hq, k_cache.shape[1], scale * LOG2E, num_splits,
         GROUP=group, D=D, DV=DV, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_TOKENS=split_tokens,
-        PRECISION=precision, FLAT=flat_grid, num_warps=4, num_stages=2)
+        PRECISION=precision, FLAT=flat_grid, num_warps=num_warps or VARLEN_WARPS,
+        num_stages=num_stages or VARLEN_STAGES)
     combine_splits(part_o, part_lse, out, num_splits)

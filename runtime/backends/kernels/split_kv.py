@@ -140,10 +140,20 @@ def paged_tile(page_row, n0, end, page_size, BLOCK_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_o, part_lse, out, s_o_t, s_o_h, num_heads, num_splits,
-                    R: tl.constexpr, MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr, USE_GDC: tl.constexpr):
+                    R: tl.constexpr, MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr, HEADS: tl.constexpr,
+                    USE_GDC: tl.constexpr):
+    """Program (t, j) merges row t's heads j * HEADS .. (j + 1) * HEADS - 1 (HEADS divides the
+    heads), one after another in the same code: a head's bits do not depend on HEADS."""
     pdl_wait(USE_GDC)  # launched with PDL (pdl.py): the partials are the split pass's
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    for i in tl.static_range(HEADS):
+        _combine_head(part_o, part_lse, out, t, tl.program_id(1) * HEADS + i, s_o_t, s_o_h, num_heads, num_splits,
+                      R, MAX_SPLITS, CHUNK)
+
+
+@triton.jit
+def _combine_head(part_o, part_lse, out, t, h, s_o_t, s_o_h, num_heads, num_splits,
+                  R: tl.constexpr, MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
     base = (t * num_heads + h) * num_splits
     sp = tl.arange(0, MAX_SPLITS)
     m = tl.max(tl.load(part_lse + base + sp, mask=sp < num_splits, other=float("-inf")), 0)
@@ -201,14 +211,19 @@ def split_layout(num_splits: int | None, fixed_splits: bool, split_tokens: int |
     return MAX_SPLITS, tokens
 
 
-def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int,
+                   heads_per_program: int = 1, num_warps: int = 4) -> None:
     """Merge the split pass's partial outputs: part_o [(row * H + head) * splits + split, Dv] float32
     and their base-2 log-sum-exp part_lse (-inf: the split saw no key, and its part_o row is not
     read) into out [rows, H, Dv] (unit last stride). A row and head whose splits all saw no key
-    gets zeros."""
+    gets zeros. heads_per_program (a divisor of H) and num_warps: the launch
+    (benchmarks/probes/combine_chunk_probe.py weighs them; a head's bits depend on num_warps, not on
+    heads_per_program)."""
     T, H, DV = out.shape
     assert out.stride(-1) == 1
     assert 1 <= num_splits <= MAX_SPLITS, f"split-KV attention: {num_splits} splits (1 to {MAX_SPLITS})"
-    _COMBINE[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, num_splits,
-                     R=DV, MAX_SPLITS=MAX_SPLITS, CHUNK=combine_chunk(num_splits), num_warps=4,
-                     **launch_args(out.device))
+    if heads_per_program < 1 or H % heads_per_program:
+        raise ValueError(f"split-KV combine: {heads_per_program} heads a program do not divide {H} heads")
+    _COMBINE[(T, H // heads_per_program)](part_o, part_lse, out, out.stride(0), out.stride(1), H, num_splits,
+                                          R=DV, MAX_SPLITS=MAX_SPLITS, CHUNK=combine_chunk(num_splits),
+                                          HEADS=heads_per_program, num_warps=num_warps, **launch_args(out.device))
