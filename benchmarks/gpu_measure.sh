@@ -28,6 +28,9 @@
 #                columns, 4 or 8 warps), each checked first, against the unfused pair (issue 50)
 #   grouped      benchmarks/probes/grouped_mm_probe.py at 512 / 1024 / 2048 / 4096 tokens: the split down (down=split)
 #                and the stacked grouped path against the sorted kernels, each checked first (issue 51)
+#   attention_launches  the GQA varlen kernel's program tiles, warps and stages (gqa_extend_sweep.py --tiles) and the
+#                split-KV combine's heads a program and warps (combine_chunk_probe.py --launches), each checked
+#                first, under timeouts (issue 51)
 #   norm_rope    the q / k norm and rotary kernel (a cuda bundle's default): its GPU tests and its CPU tests on the card, then
 #                rotary_glue_probe.py (the kernel beside Inductor's two forms at 1 / 512 / 4096 tokens, each checked
 #                first); the whole step without it: TAG=norope COMPILE_ARGS="--no-norm-rope $B" ... account_serving
@@ -164,6 +167,9 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/kernels/norm_gemv_bench.py --out "$OUT/norm_sweep" --sweep --rows 1 2>&1 | tail -14 ;;
     grouped)
         python3 benchmarks/probes/grouped_mm_probe.py --out "$OUT/grouped" 2>&1 | tail -13 ;;
+    attention_launches)
+        timeout 90 python3 benchmarks/probes/combine_chunk_probe.py --out "$OUT/attention_launches" --launches 2>&1 | tail -50
+        timeout 180 python3 benchmarks/kernels/gqa_extend_sweep.py --out "$OUT/attention_launches" --tiles 2>&1 | tail -6 ;;
     norm_rope)
         python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_norm_rope.py 2>&1 | tail -3
         python3 -m pytest -q -p no:cacheprovider tests/runtime/backends/test_norm_rope.py 2>&1 | tail -3
