@@ -9,8 +9,9 @@ launch on an H100 (step_account_options_h100_2026-12-06), where the one-tile com
 a program), which is what one tile cost an extend step's combine (2 splits, 4096 rows). Per chunk
 and step shape:
 
-1. `_combine_kernel` with that CHUNK on fresh random partials (some splits empty, as a short row's
-   are), checked against a float64 merge of the same partials (relative error of the norm);
+1. `_combine_kernel` with that CHUNK (on 4 warps, the launch its H200 results were taken with) on
+   fresh random partials (some splits empty, as a short row's are), checked against a float64 merge
+   of the same partials (relative error of the norm);
 2. timed in a CUDA graph (bench_common.graph_call_us).
 
     bash benchmarks/gpu_call.sh python3 benchmarks/probes/combine_chunk_probe.py --out $OUT
@@ -70,7 +71,7 @@ def reference(part_o, part_lse, rows: int, splits: int) -> torch.Tensor:
     return (w.unsqueeze(-1) * o).sum(2) / w.sum(-1, keepdim=True)
 
 
-# --launches: (heads a program, warps) at the chunk in use, (1, 4) the default
+# --launches: (heads a program, warps) at the chunk in use; (1, 4) the launch before COMBINE_WARPS
 LAUNCHES = [(h, w) for h in (1, 2, 4, 8) for w in (1, 2, 4)]
 DRY_LAUNCHES = [(1, 4), (4, 1)]
 

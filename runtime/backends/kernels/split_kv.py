@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from runtime.backends.kernels.launch_cache import Launcher
+from runtime.backends.kernels.launch_math import cdiv, next_pow2
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 
 __all__ = ["LOG2E", "MAX_SPLITS", "SPLIT_TOKENS", "combine_chunk", "combine_splits", "num_splits_for", "paged_tile",
@@ -211,12 +212,29 @@ def split_layout(num_splits: int | None, fixed_splits: bool, split_tokens: int |
     return MAX_SPLITS, tokens
 
 
+# Floats of a combine program's [CHUNK, Dv] tile a warp holds: a program (a row and head) merges a
+# few rows of Dv floats, and more warps only hold more of the SM for the same loads. On an H100, at
+# bench qwen3_next's GQA layer (16 heads of 256), one warp took 6.44 against four warps' 15.40 us at
+# 512 rows of 2 splits, 53.2 against 114.5 at 4096, 2.68 against 4.99 at a 128-request decode, and
+# 2.41 against 2.39 at one request, whose 32 splits make the largest tile measured (32 x 256); more
+# heads a program gained at most 2 us at 512 rows and lost up to 14 at one request
+# (benchmarks/results/combine_launch_probe_h100_2026-12-06.json, combine_chunk_probe.py --launches).
+# A larger tile (an MLA latent of 512 in one chunk of 32) gets a warp per this many floats.
+COMBINE_TILE_PER_WARP = 32 * 256
+
+
+def combine_warps(num_splits: int, dv: int) -> int:
+    """Warps of the combine's programs for rows of `num_splits` partials of `dv` floats."""
+    tile = combine_chunk(num_splits) * dv
+    return min(8, next_pow2(cdiv(tile, COMBINE_TILE_PER_WARP)))
+
+
 def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int,
-                   heads_per_program: int = 1, num_warps: int = 4) -> None:
+                   heads_per_program: int = 1, num_warps: int | None = None) -> None:
     """Merge the split pass's partial outputs: part_o [(row * H + head) * splits + split, Dv] float32
     and their base-2 log-sum-exp part_lse (-inf: the split saw no key, and its part_o row is not
     read) into out [rows, H, Dv] (unit last stride). A row and head whose splits all saw no key
-    gets zeros. heads_per_program (a divisor of H) and num_warps: the launch
+    gets zeros. heads_per_program (a divisor of H) and num_warps (default `combine_warps`): the launch
     (benchmarks/probes/combine_chunk_probe.py weighs them; a head's bits depend on num_warps, not on
     heads_per_program)."""
     T, H, DV = out.shape
@@ -226,4 +244,5 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
         raise ValueError(f"split-KV combine: {heads_per_program} heads a program do not divide {H} heads")
     _COMBINE[(T, H // heads_per_program)](part_o, part_lse, out, out.stride(0), out.stride(1), H, num_splits,
                                           R=DV, MAX_SPLITS=MAX_SPLITS, CHUNK=combine_chunk(num_splits),
-                                          HEADS=heads_per_program, num_warps=num_warps, **launch_args(out.device))
+                                          HEADS=heads_per_program, num_warps=num_warps or combine_warps(num_splits, DV),
+                                          **launch_args(out.device))

@@ -495,3 +495,12 @@ def test_the_combine_gives_a_head_the_same_bits_whatever_heads_a_program_merges(
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     with pytest.raises(ValueError, match="do not divide 8 heads"):
         combine_splits(part_o, part_lse, outs[0], splits, heads_per_program=3)
+
+
+def test_the_combine_runs_a_warp_a_program_up_to_the_largest_tile_measured():
+    """combine_warps: one warp for bench qwen3_next's GQA rows (head dim 256, chunks of 4 and the one
+    tile of 32 splits), a warp per 32 x 256 floats past that (an MLA latent of 512 in one tile)."""
+    from runtime.backends.kernels.split_kv import combine_warps
+
+    assert [combine_warps(n, 256) for n in (1, 2, 16, 32)] == [1, 1, 1, 1]
+    assert [combine_warps(n, 512) for n in (2, 32)] == [1, 2]
