@@ -59,7 +59,10 @@ __all__ = ["triton_gqa_attention", "triton_gqa_attention_varlen", "gqa_head_dim_
 
 _MAX_BLOCK_M = 64  # query rows per program: a larger n x group is split over several programs
 # The varlen kernel's launch. A [64, 256] float32 accumulator over 4 warps is 128 registers a
-# thread before the query tile and the key and value tiles (bench qwen3_next's head dim 256).
+# thread before the query tile and the key and value tiles (bench qwen3_next's head dim 256), but no
+# other launch was faster at every step size on an H100 (gqa_extend_sweep.py --tiles: 13.7 against
+# 17.5 us at 128 tokens on 8 warps, 37.8 against 41.1 at 512 on 128 rows and 8 warps, within 1 us at
+# 256 and 4 x 128; benchmarks/results/gqa_extend_sweep_tiles_h100_2026-12-06.json).
 VARLEN_WARPS = 4
 VARLEN_STAGES = 2
 

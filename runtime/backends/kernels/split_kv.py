@@ -229,20 +229,15 @@ def combine_warps(num_splits: int, dv: int) -> int:
     return min(8, next_pow2(cdiv(tile, COMBINE_TILE_PER_WARP)))
 
 
-def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int,
-                   heads_per_program: int = 1, num_warps: int | None = None) -> None:
+def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
     """Merge the split pass's partial outputs: part_o [(row * H + head) * splits + split, Dv] float32
     and their base-2 log-sum-exp part_lse (-inf: the split saw no key, and its part_o row is not
     read) into out [rows, H, Dv] (unit last stride). A row and head whose splits all saw no key
-    gets zeros. heads_per_program (a divisor of H) and num_warps (default `combine_warps`): the launch
-    (benchmarks/probes/combine_chunk_probe.py weighs them; a head's bits depend on num_warps, not on
-    heads_per_program)."""
+    gets zeros. A program a row and head, on `combine_warps` warps (benchmarks/probes/
+    combine_chunk_probe.py --launches weighs other launches, several heads a program among them)."""
     T, H, DV = out.shape
     assert out.stride(-1) == 1
     assert 1 <= num_splits <= MAX_SPLITS, f"split-KV attention: {num_splits} splits (1 to {MAX_SPLITS})"
-    if heads_per_program < 1 or H % heads_per_program:
-        raise ValueError(f"split-KV combine: {heads_per_program} heads a program do not divide {H} heads")
-    _COMBINE[(T, H // heads_per_program)](part_o, part_lse, out, out.stride(0), out.stride(1), H, num_splits,
-                                          R=DV, MAX_SPLITS=MAX_SPLITS, CHUNK=combine_chunk(num_splits),
-                                          HEADS=heads_per_program, num_warps=num_warps or combine_warps(num_splits, DV),
-                                          **launch_args(out.device))
+    _COMBINE[(T, H)](part_o, part_lse, out, out.stride(0), out.stride(1), H, num_splits,
+                     R=DV, MAX_SPLITS=MAX_SPLITS, CHUNK=combine_chunk(num_splits), HEADS=1,
+                     num_warps=combine_warps(num_splits, DV), **launch_args(out.device))

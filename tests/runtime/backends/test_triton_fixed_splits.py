@@ -477,24 +477,26 @@ def test_backends_pass_fixed_splits_to_the_kernels(kernel_calls, op):
 
 
 def test_the_combine_gives_a_head_the_same_bits_whatever_heads_a_program_merges():
-    """combine_splits over several heads a program runs each head's code as one head a program does,
-    so the merged rows are equal bit for bit (empty splits among them); a count that does not divide
-    the heads is refused."""
+    """_combine_kernel over several heads a program (combine_chunk_probe.py --launches weighs them)
+    runs each head's code as one head a program does: the merged rows are equal bit for bit to
+    combine_splits', empty splits among them."""
+    from runtime.backends.kernels.split_kv import _combine_kernel, combine_chunk, combine_warps
+
     g = torch.Generator().manual_seed(5)
     rows, heads, splits, R = 3, 8, 6, 32
     part_o = torch.randn(rows * heads * splits, R, generator=g).to(DEVICE)
     part_lse = torch.randn(rows * heads * splits, generator=g) * 4
     part_lse[::5] = float("-inf")
     part_lse = part_lse.to(DEVICE)
-    outs = []
-    for per in (1, 2, 8):
-        out = torch.full((rows, heads, R), float("nan"), device=DEVICE)
-        combine_splits(part_o, part_lse, out, splits, heads_per_program=per)
-        outs.append(out)
-    assert torch.isfinite(outs[0]).all()
-    assert all(torch.equal(o, outs[0]) for o in outs[1:])
-    with pytest.raises(ValueError, match="do not divide 8 heads"):
-        combine_splits(part_o, part_lse, outs[0], splits, heads_per_program=3)
+    want = torch.full((rows, heads, R), float("nan"), device=DEVICE)
+    combine_splits(part_o, part_lse, want, splits)
+    assert torch.isfinite(want).all()
+    for per in (2, 8):
+        out = torch.full_like(want, float("nan"))
+        _combine_kernel[(rows, heads // per)](part_o, part_lse, out, out.stride(0), out.stride(1), heads, splits,
+                                              R=R, MAX_SPLITS=MAX_SPLITS, CHUNK=combine_chunk(splits), HEADS=per,
+                                              USE_GDC=False, num_warps=combine_warps(splits, R))
+        assert torch.equal(out, want), per
 
 
 def test_the_combine_runs_a_warp_a_program_up_to_the_largest_tile_measured():
