@@ -168,8 +168,9 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
     grouped)
         python3 benchmarks/probes/grouped_mm_probe.py --out "$OUT/grouped" 2>&1 | tail -13 ;;
     attention_launches)
-        timeout 90 python3 benchmarks/probes/combine_chunk_probe.py --out "$OUT/attention_launches" --launches 2>&1 | tail -50
-        timeout 180 python3 benchmarks/kernels/gqa_extend_sweep.py --out "$OUT/attention_launches" --tiles 2>&1 | tail -6 ;;
+        out="$OUT/attention_launches"
+        timeout 90 python3 benchmarks/probes/combine_chunk_probe.py --out "$out" --launches 2>&1 | tail -50
+        timeout 180 python3 benchmarks/kernels/gqa_extend_sweep.py --out "$out" --tiles 2>&1 | tail -6 ;;
     norm_rope)
         python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_norm_rope.py 2>&1 | tail -3
         python3 -m pytest -q -p no:cacheprovider tests/runtime/backends/test_norm_rope.py 2>&1 | tail -3
