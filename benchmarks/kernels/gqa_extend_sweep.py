@@ -26,9 +26,8 @@ steps past `whole_extend_tokens` (2048 and 4096 tokens of one request, 4 x 1024;
 grids), which run FlashInfer's prefill kernel in an eager gap today: whether this kernel could take
 them inside the step's graph. `--tiles` times instead, for the steps alone, the program's launch:
 query rows a program (64, 128), warps (4, 8) and pipeline stages (2, 3), each with the default's
-split count, one and two splits, and 32 and 64-key tiles. The default (64 rows, 4 warps) holds a
-[64, 256] float32 accumulator in 128 registers a thread before its query, key and value tiles.
-Writes OUT/gqa_extend_sweep.json.
+split count, one and two splits, and 32 and 64-key tiles (kernels/gqa.py VARLEN_WARPS says what
+the default holds and what the sweep found). Writes OUT/gqa_extend_sweep.json.
 """
 
 from __future__ import annotations
