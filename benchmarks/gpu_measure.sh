@@ -31,6 +31,9 @@
 #   attention_launches  the GQA varlen kernel's program tiles, warps and stages (gqa_extend_sweep.py --tiles) and the
 #                split-KV combine's heads a program and warps (combine_chunk_probe.py --launches), each checked
 #                first, under timeouts (issue 51)
+#   conv_decode  benchmarks/probes/conv_decode_probe.py: the decode conv at 1 / 32 / 128 / 256 requests, its
+#                tiles against its history read in contiguous runs (flat) and laid out [slots, K-1, C], each
+#                checked first, under a timeout (issue 50)
 #   norm_rope    the q / k norm and rotary kernel (a cuda bundle's default): its GPU tests and its CPU tests on the card, then
 #                rotary_glue_probe.py (the kernel beside Inductor's two forms at 1 / 512 / 4096 tokens, each checked
 #                first); the whole step without it: TAG=norope COMPILE_ARGS="--no-norm-rope $B" ... account_serving
@@ -203,6 +206,8 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         art=$(serving_artifact) || { echo "no artifact"; continue; }
         python3 benchmarks/serving/offline_bench.py --artifact "$art" --device cuda --concurrency "${CONCURRENCY:-1 32 128}" \
             --skip all_at_once --decodes-apart-from 0 --out "$OUT/apart_off" 2>&1 | tail -6 ;;
+    conv_decode)
+        timeout 240 python3 benchmarks/probes/conv_decode_probe.py --out "$OUT/conv_decode" ;;
     account)
         # one process per family: a compiled bundle must load before anything imports FlashInfer
         for family in ${FAMILIES//,/ }; do
