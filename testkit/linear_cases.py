@@ -300,12 +300,15 @@ def check_conv_extend(channels: int, K: int, dtype, device, many: int, seed: int
             "untouched_slots_kept": kept}
 
 
-def conv_extend_launch(config, K: int, channels: int, device, sliced: bool = False, seed: int = 0):
+def conv_extend_launch(config, K: int, channels: int, device, sliced: bool = False, seed: int = 0,
+                       channels_last: bool = False):
     """One short_conv_extend launch with `config` (a ConvConfig: tile or row streaming) over requests
     of 0, 1, 2 (fewer than K-1), 70 (three token blocks) and 33 tokens, 5 padding rows (NaN inputs)
     and table rows past their request's blocks (the padding rows again, the empty request, a fourth
     block of 70 tokens), from random histories; float32, bias and silu; in-step snapshots after rows
-    1 and 40. `sliced`: x is a `column_slice`. Returns (outputs, histories, snapshot pool) on the host."""
+    1 and 40. `sliced`: x is a `column_slice`; `channels_last`: the histories and the snapshot pool
+    stored [.., K-1, C] (the state pool's layout, CONV_HISTORY_CHANNELS_LAST) and passed as their
+    [.., C, K-1] views. Returns (outputs, histories, snapshot pool) on the host, contiguous."""
     from runtime.backends.kernels.linear import CONV_EXTEND_BLOCK_T, StepSnapshots, short_conv_extend
 
     g = torch.Generator().manual_seed(seed)
@@ -314,18 +317,24 @@ def conv_extend_launch(config, K: int, channels: int, device, sliced: bool = Fal
     x = torch.randn(rows, channels, generator=g)
     x[sum(lens):] = float("nan")
     w, b = torch.randn(channels, K, generator=g), torch.randn(channels, generator=g)
-    state = torch.randn(R + 2, channels, K - 1, generator=g).to(device)
+    state = laid_out(torch.randn(R + 2, channels, K - 1, generator=g).to(device), channels_last)
     bounds = torch.tensor(np.concatenate([[0], np.cumsum(lens), [rows]]), dtype=torch.int64)
     blocks = torch.from_numpy(token_blocks(np.asarray(lens + [pad]), CONV_EXTEND_BLOCK_T))
     blocks = torch.cat([blocks, torch.tensor([[R, 0], [0, 0], [3, 3]])])
-    pool = torch.zeros(R + 1, channels, K - 1, device=device)
+    pool = laid_out(torch.zeros(R + 1, channels, K - 1, device=device), channels_last)
     snaps = StepSnapshots(torch.tensor([-1, 1, -1, 40, -1], device=device),
                           torch.tensor([0, 1, 0, 2, 0], device=device), pool)
     out = torch.full((rows, channels), float("nan"), device=device)
     x = column_slice(x.to(device)) if sliced else x.to(device)
     short_conv_extend(x, w.to(device), b.to(device), out, state, torch.tensor([2, 5, 1, 4, 3], device=device),
                       bounds.to(device), blocks.to(device), True, config=config, snapshots=snaps)
-    return out.cpu(), state.cpu(), pool.cpu()
+    return out.cpu(), state.contiguous().cpu(), pool.contiguous().cpu()
+
+
+def laid_out(history: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """A conv history [.., C, K-1] as is, or (channels_last) the same values stored [.., K-1, C] and
+    returned as that storage's [.., C, K-1] view."""
+    return history.transpose(-1, -2).contiguous().transpose(-1, -2) if channels_last else history
 
 
 def conv_extend_ok(result: dict, out_tol: float, state_tol: float = 1e-6) -> bool:

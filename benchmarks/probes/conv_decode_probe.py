@@ -7,13 +7,14 @@ read and written, inputs and outputs: 36% of the card's copy rate. The history i
 a channel's three inputs sit 6 bytes apart, so each thread reads and writes them as 2-byte scalars,
 and reads them twice (the window, then the shifted window it stores). Variants, each a probe kernel:
 
-- `rows`: the runtime's kernel, at `conv_config`'s tile and at two others;
+- `rows`: the runtime's kernel on [slots, C, K-1] histories, at `conv_config`'s tile and another;
+- `rows_last`: the runtime's kernel on histories stored [slots, K-1, C] (the state pool's layout,
+  CONV_HISTORY_CHANNELS_LAST), which it addresses through their strides, at tiles up to 1024;
 - `flat`: the same layout, the tile's K-1 history columns of BC channels read as one contiguous
   run of (K-1) BC elements (vector loads), each column gathered from it in registers (tl.gather),
   the rolled history stored back as one contiguous run;
-- `channels_last`: the history laid out [slots, K-1, C]: a column of a tile is BC contiguous
-  elements, loaded and stored as vectors, the roll in registers. A layout change for the runtime
-  (every kernel and the reference that touch the state), so it is measured first.
+- `channels_last`: a kernel of its own on the [slots, K-1, C] storage, its tile [K, BC] (columns
+  by channels) laid out by the probe, not left to the compiler.
 
 Each variant is checked against a float64 reference on fresh random inputs (outputs and the rolled
 history, padding rows zero and their slot untouched, relative error of the norm) before it is
@@ -55,6 +56,7 @@ DRY_C = 96  # not a multiple of the dry tiles: the last tile's masks are exercis
 BATCHES, DRY_BATCHES = (1, 32, 128, 256), (3,)
 # (channels a program, warps) of each variant
 ROWS_TILES = [(128, 2), (256, 4)]
+ROWS_LAST_TILES = [(128, 2), (256, 1), (256, 2), (512, 2), (1024, 4)]
 FLAT_TILES = [(128, 2), (256, 2), (256, 4), (512, 4)]
 LAST_TILES = [(256, 1), (512, 2), (1024, 4), (2048, 8)]
 DRY_TILES = [(32, 1), (64, 2)]
@@ -128,6 +130,11 @@ def run_rows(x, w, out, hist, slots, bc, warps):
     linear.short_conv_decode(x, w, None, out, hist, slots, True, config=linear.ConvConfig(bc, warps))
 
 
+def run_rows_last(x, w, out, hist, slots, bc, warps):
+    """The runtime's kernel on histories stored [slots, K-1, C], given their [slots, C, K-1] view."""
+    run_rows(x, w, out, hist.transpose(1, 2), slots, bc, warps)
+
+
 def run_flat(x, w, out, hist, slots, bc, warps):
     Cx = x.shape[1]
     _flat_kernel[(x.shape[0], cdiv(Cx, bc))](x, w, out, hist, slots, x.stride(0), out.stride(0), hist.stride(0), Cx,
@@ -142,7 +149,8 @@ def run_last(x, w, out, hist, slots, bc, warps):
                                                        PAD_SLOT=PADDING_SLOT, num_warps=warps)
 
 
-VARIANTS = {"rows": (run_rows, False), "flat": (run_flat, False), "channels_last": (run_last, True)}
+VARIANTS = {"rows": (run_rows, False), "rows_last": (run_rows_last, True), "flat": (run_flat, False),
+            "channels_last": (run_last, True)}
 
 
 def reference(x, w, hist, slots):
@@ -173,6 +181,7 @@ def problem(B: int, channels: int, device, g: torch.Generator):
 
 
 def laid_out(hist: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """[slots, C, K-1] histories as they are, or (channels_last) stored [slots, K-1, C]."""
     return hist.transpose(1, 2).contiguous() if channels_last else hist.clone()
 
 
@@ -213,7 +222,7 @@ def main(argv=None) -> int:
         doc["rates"] = device_rates()
     rate = doc.get("rates", {}).get("copy_bytes_per_s")
     g = torch.Generator().manual_seed(0)
-    tiles = {"rows": ROWS_TILES, "flat": FLAT_TILES, "channels_last": LAST_TILES}
+    tiles = {"rows": ROWS_TILES, "rows_last": ROWS_LAST_TILES, "flat": FLAT_TILES, "channels_last": LAST_TILES}
     for B in (DRY_BATCHES if dry else BATCHES):
         real = B - 1 if B > 1 else 1
         moved = real * channels * (2 * 2 * (K - 1) + 2 + 2)  # history read + written, x, out (bf16)

@@ -31,7 +31,8 @@ import torch
 from compiler.splitops import STATE_DTYPES, LayerRegistry, dtype_from_name
 from runtime.step.host_copy import to_device
 
-__all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT", "STATE_DTYPES", "STATE_TORCH_DTYPES", "linear_state_buffers"]
+__all__ = ["StatePool", "OutOfSlots", "PADDING_SLOT", "STATE_DTYPES", "STATE_TORCH_DTYPES", "linear_state_buffers",
+           "CONV_HISTORY_CHANNELS_LAST"]
 
 PADDING_SLOT = 0
 # What a recurrent state may be kept in (`hgc compile --state-dtype`), as the kernels check it.
@@ -41,6 +42,15 @@ STATE_TORCH_DTYPES = tuple(dtype_from_name(name) for name in STATE_DTYPES)
 class OutOfSlots(RuntimeError):
     pass
 
+
+# The convolution history of a linear layer ("conv": [C, K-1], the last K-1 inputs of each channel) is
+# stored [K-1, C] and handed out as its transposed view, so a column of the history is C contiguous
+# values: the decode conv reads and writes a tile's history in 16-byte vectors along its channels,
+# where [C, K-1] gives each channel's K-1 values 2(K-1) bytes apart, read and written one scalar at a
+# time (benchmarks/probes/conv_decode_probe.py times both). Every kernel takes both strides
+# (kernels/linear.py `history_strided`); torch code sees the same [C, K-1] tensor either way.
+CONV_HISTORY_CHANNELS_LAST = True
+_HISTORY_ENTRIES = ("conv",)
 
 # Bytes one layer's row of a grouped entry must be a multiple of: every layer's view in a group then
 # starts on the alignment a tensor of its own would have, which kernels specialise on.
@@ -56,21 +66,27 @@ def linear_state_buffers(registry: LayerRegistry, rows: int,
     *shape], a group, when a row of one is a multiple of GROUP_ALIGN bytes (an entry that is not
     is a group of its own, [1, rows, *shape]). A row moved, zeroed or copied in every layer is then
     one operation per group, not one per layer and entry (a hybrid model has dozens of linear
-    layers). The groups depend on the registry alone, so two pools of one registry pair them."""
-    members: dict[tuple, list[tuple[int, str]]] = {}  # (shape, dtype) -> (layer id, entry) in layer order
+    layers). The groups depend on the registry alone, so two pools of one registry pair them. A
+    convolution history is stored transposed (CONV_HISTORY_CHANNELS_LAST) and handed out as the
+    [rows, C, K-1] view of its storage."""
+    # (shape, dtype, stored transposed) -> (layer id, entry) in layer order
+    members: dict[tuple, list[tuple[int, str]]] = {}
     for layer in registry.linear_layers():
         for name, spec in layer.state.items():
-            members.setdefault((tuple(spec.shape), dtype_from_name(spec.dtype)), []).append((layer.layer_id, name))
+            swapped = CONV_HISTORY_CHANNELS_LAST and name in _HISTORY_ENTRIES and len(spec.shape) >= 2
+            key = (tuple(spec.shape), dtype_from_name(spec.dtype), swapped)
+            members.setdefault(key, []).append((layer.layer_id, name))
     buffers = {layer.layer_id: {} for layer in registry.linear_layers()}
     groups = []
-    for (shape, dtype), owners in members.items():
+    for (shape, dtype, swapped), owners in members.items():
         row_bytes = torch.Size(shape).numel() * dtype.itemsize
         stacks = [(owners, len(owners))] if row_bytes % GROUP_ALIGN == 0 else [([o], 1) for o in owners]
+        stored = (*shape[:-2], shape[-1], shape[-2]) if swapped else shape
         for owned, count in stacks:
-            group = torch.zeros((count, rows, *shape), dtype=dtype, device=device)
+            group = torch.zeros((count, rows, *stored), dtype=dtype, device=device)
             groups.append(group)
             for i, (layer_id, name) in enumerate(owned):
-                buffers[layer_id][name] = group[i]
+                buffers[layer_id][name] = group[i].transpose(-1, -2) if swapped else group[i]
     # entries in the registry's order within each layer, as callers iterate them
     order = {layer.layer_id: list(layer.state) for layer in registry.linear_layers()}
     return {layer_id: {name: entries[name] for name in order[layer_id]} for layer_id, entries in buffers.items()}, groups

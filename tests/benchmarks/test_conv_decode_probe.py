@@ -28,16 +28,17 @@ def test_dry_run_checks_every_variant_then_times_it(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     row = json.loads((tmp_path / "conv_decode_probe.json").read_text())["batches"]["3"]
-    timed = {k for k in row if k.startswith(("rows_", "flat_", "channels_last_"))}
-    assert timed == {f"{v}_{t}" for v in ("rows", "flat", "channels_last") for t in ("32x1", "64x2")}, row
+    variants = ("rows", "rows_last", "flat", "channels_last")
+    timed = {k for k in row if k.startswith(tuple(f"{v}_" for v in variants))}
+    assert timed == {f"{v}_{t}" for v in variants for t in ("32x1", "64x2")}, row
     for label in timed:
         assert row[label]["rel_err"] < 1e-2 and row[label]["us"] > 0, row
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_the_check_rejects_a_history_rolled_wrong(channels_last):
+@pytest.mark.parametrize("variant", ["flat", "channels_last", "rows_last"])
+def test_the_check_rejects_a_history_rolled_wrong(variant):
     probe = _probe()
-    run = probe.run_last if channels_last else probe.run_flat
+    run, channels_last = probe.VARIANTS[variant]
 
     def unrolled(x, w, out, hist, slots, bc, warps):  # the outputs right, the history left as it was
         kept = hist.clone()

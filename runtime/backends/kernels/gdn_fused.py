@@ -62,7 +62,7 @@ import triton.language as tl
 from runtime.backends.kernels.arrivals import arrival_counters, last_to_arrive
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2
-from runtime.backends.kernels.linear import conv_rolled, conv_token, scalar_decay_step, store_history
+from runtime.backends.kernels.linear import conv_rolled, conv_token, history_strided, scalar_decay_step, store_history
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
 from runtime.cache.state_pool import PADDING_SLOT, STATE_DTYPES, STATE_TORCH_DTYPES
@@ -133,7 +133,7 @@ def _gdn_fused_decode_kernel(
     qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr,
     conv_ptr, state_ptr, slots_ptr,
     stride_x_row, stride_z_row, stride_z_head, stride_b_row, stride_b_head, stride_a_row, stride_a_head,
-    stride_o_row, stride_o_head, stride_w_c, stride_c_slot, stride_c_c, stride_s_slot, stride_s_head,
+    stride_o_row, stride_o_head, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, stride_s_slot, stride_s_head,
     scale, eps, l2_eps,
     HK: tl.constexpr, GROUP: tl.constexpr,  # key heads; value heads per key head
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -151,10 +151,10 @@ def _gdn_fused_decode_kernel(
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
         yq, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, kh * DK + offs_k, m_k, stride_x_row,
-                           stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
+                           stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
         yk, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, (HK + kh) * DK + offs_k, m_k,
-                           stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False,
-                           SILU=True)
+                           stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP,
+                           HAS_BIAS=False, SILU=True)
         # q carries the output scale, as the recurrent kernels' do
         q = l2norm_head(yq, m_k, act, l2_eps) * scale
         k = l2norm_head(yk, m_k, act, l2_eps)
@@ -169,7 +169,7 @@ def _gdn_fused_decode_kernel(
             g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
                                 stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
             yv, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, 2 * HK * DK + head * DV + offs_v,
-                               m_v, stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP,
+                               m_v, stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP,
                                HAS_BIAS=False, SILU=True)
             v = yv.to(act).to(tl.float32)
             s, o = scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
@@ -186,7 +186,7 @@ def _gdn_fused_decode_kernel(
 
 @triton.jit
 def _split_prep_kernel(qkv_ptr, conv_w_ptr, conv_ptr, slots_ptr, mixed_ptr,
-                       stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_m_row, l2_eps,
+                       stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, stride_m_row, l2_eps,
                        HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        KW: tl.constexpr, KWP: tl.constexpr, PAD_SLOT: tl.constexpr, USE_GDC: tl.constexpr):
     """The split decode's first launch, one program per (request, head h of q | k | v): the conv step
@@ -204,13 +204,15 @@ def _split_prep_kernel(qkv_ptr, conv_w_ptr, conv_ptr, slots_ptr, mixed_ptr,
             offs_k = h * DK + tl.arange(0, BK)
             m_k = tl.arange(0, BK) < DK
             yk = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs_k, m_k, stride_x_row,
-                            stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)[0]
+                            stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False,
+                            SILU=True)[0]
             tl.store(mixed_ptr + row * stride_m_row + offs_k, l2norm_head(yk, m_k, act, l2_eps).to(act), mask=m_k)
         else:
             offs_v = 2 * HK * DK + (h - 2 * HK) * DV + tl.arange(0, BV)
             m_v = tl.arange(0, BV) < DV
             yv = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs_v, m_v, stride_x_row,
-                            stride_w_c, stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)[0]
+                            stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False,
+                            SILU=True)[0]
             tl.store(mixed_ptr + row * stride_m_row + offs_v, yv.to(act), mask=m_v)
 
 
@@ -311,7 +313,7 @@ def _split_core_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, n
 def _split_one_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, conv_ptr,
                       state_ptr, slots_ptr, o_ws_ptr, arrived_ptr, conv_arrived_ptr,
                       stride_x_row, stride_z_row, stride_z_head, stride_b_row, stride_b_head, stride_a_row,
-                      stride_a_head, stride_o_row, stride_o_head, stride_w_c, stride_c_slot, stride_c_c,
+                      stride_a_head, stride_o_row, stride_o_head, stride_w_c, stride_c_slot, stride_c_c, stride_c_k,
                       stride_s_slot, stride_s_head, scale, eps, l2_eps,
                       HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, NVB: tl.constexpr, BVB: tl.constexpr,
@@ -342,19 +344,20 @@ def _split_one_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bi
         s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + cols[None, :]
         s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
         yq, hq = conv_rolled(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, kh * DK + offs_k, m_k,
-                             stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW, KWP, False, True)
+                             stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW, KWP, False, True)
         yk, hk = conv_rolled(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, (HK + kh) * DK + offs_k, m_k,
-                             stride_x_row, stride_w_c, stride_c_slot, stride_c_c, KW, KWP, False, True)
+                             stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW, KWP, False, True)
         v_ch = 2 * HK * DK + head * DV + cols
         yv = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, v_ch, m_c, stride_x_row, stride_w_c,
-                        stride_c_slot, stride_c_c, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)[0]
+                        stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)[0]
         # q and k as the first launch stores them (rounded to A), q with the output scale
         q = l2norm_head(yq, m_k, act, l2_eps) * scale
         k = l2norm_head(yk, m_k, act, l2_eps)
         v = yv.to(act).to(tl.float32)
         if last_to_arrive(conv_arrived_ptr + row * HK + kh, GROUP * NVB):
-            store_history(conv_ptr, slot, kh * DK + offs_k, m_k, hq, stride_c_slot, stride_c_c, KW, KWP)
-            store_history(conv_ptr, slot, (HK + kh) * DK + offs_k, m_k, hk, stride_c_slot, stride_c_c, KW, KWP)
+            store_history(conv_ptr, slot, kh * DK + offs_k, m_k, hq, stride_c_slot, stride_c_c, stride_c_k, KW, KWP)
+            store_history(conv_ptr, slot, (HK + kh) * DK + offs_k, m_k, hk, stride_c_slot, stride_c_c, stride_c_k,
+                          KW, KWP)
             tl.store(conv_arrived_ptr + row * HK + kh, 0)
         value_block_step(s, s_ptrs, m_s, q, k, v, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr, state_ptr,
                          o_row_ptr, o_ws_ptr, arrived_ptr, row, head, cols, m_c, stride_a_row, stride_a_head,
@@ -614,9 +617,10 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     B = qkv.shape[0]
     if slots.shape != (B,):
         raise ValueError(f"{what}: {B} decode rows and state slots of shape {tuple(slots.shape)}")
-    if conv_state.shape[1:] != (d.channels, d.kernel_width - 1) or conv_state.stride(2) != 1:
-        raise ValueError(f"{what}: conv state {tuple(conv_state.shape)}, expected [slots+1, {d.channels}, "
-                         f"{d.kernel_width - 1}] with unit stride last")
+    if conv_state.shape[1:] != (d.channels, d.kernel_width - 1) or not history_strided(conv_state):
+        raise ValueError(f"{what}: conv state {tuple(conv_state.shape)} strides {conv_state.stride()}, expected "
+                         f"[slots+1, {d.channels}, {d.kernel_width - 1}] with a unit stride on its channels or its "
+                         f"history")
     if state.dtype not in STATE_TORCH_DTYPES or state.shape[1:] != (d.hv, d.dk, d.dv) or state.stride(3) != 1 \
             or state.stride(2) != d.dv:
         raise ValueError(f"{what}: state {state.dtype} {tuple(state.shape)}, expected [slots+1, {d.hv}, {d.dk}, "
@@ -642,8 +646,8 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     if launches == 2:
         mixed = torch.empty((B, d.channels), dtype=qkv.dtype, device=qkv.device)
         _SPLIT_PREP[(B, 2 * d.hk + d.hv)](
-            qkv, conv_weight, conv_state, slots, mixed, qkv.stride(0), conv_weight.stride(0), conv_state.stride(0),
-            conv_state.stride(1), mixed.stride(0), L2NORM_EPS, HK=d.hk, DK=d.dk, DV=d.dv, BK=BK, BV=BV,
+            qkv, conv_weight, conv_state, slots, mixed, qkv.stride(0), conv_weight.stride(0), *conv_state.stride(),
+            mixed.stride(0), L2NORM_EPS, HK=d.hk, DK=d.dk, DV=d.dv, BK=BK, BV=BV,
             KW=d.kernel_width, KWP=KWP, PAD_SLOT=PADDING_SLOT, num_warps=1, **launch_args(qkv.device))
         _split_core(mixed, z, b, a, A_log, dt_bias, norm_weight, out, state, slots, d, scale, eps, round_y,
                     num_warps, v_blocks, what)
@@ -651,7 +655,7 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     _GDN_FUSED_DECODE[(B, d.hk)](
         qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots,
         qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
-        out.stride(0), out.stride(1), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
+        out.stride(0), out.stride(1), conv_weight.stride(0), *conv_state.stride(),
         state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
         HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=BK, BV=BV, KW=d.kernel_width, KWP=KWP, ROUND_Y=round_y,
         SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=warps, **launch_args(qkv.device))
@@ -678,8 +682,8 @@ def _split_one(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv
     _SPLIT_ONE[grid](
         qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots, scratch.o_ws,
         scratch.arrived, conv_arrived, qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1),
-        a.stride(0), a.stride(1), out.stride(0), out.stride(1), conv_weight.stride(0), conv_state.stride(0),
-        conv_state.stride(1), state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
+        a.stride(0), a.stride(1), out.stride(0), out.stride(1), conv_weight.stride(0), *conv_state.stride(),
+        state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
         HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=next_pow2(d.dk), BV=next_pow2(d.dv), KW=d.kernel_width,
         KWP=next_pow2(d.kernel_width), NVB=nvb, BVB=block, BVP=next_pow2(block), ROUND_Y=round_y,
         SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=num_warps or decode_warps(d.dk, block),

@@ -79,6 +79,7 @@ __all__ = [
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
     "recurrent_verify", "short_conv_verify", "extend_config", "walk_recurrent_config",
     "CONV_EXTEND_BLOCK_T", "conv_extend_config", "conv_extend_rows_config", "short_conv_extend", "StepSnapshots",
+    "history_strided",
 ]
 
 # How the log-decay is given (a constexpr of the kernel).
@@ -567,7 +568,7 @@ def _recurrent_verify_kernel(
 @triton.jit
 def _short_conv_decode_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr,
-    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c,
+    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_s_k,
     C,
     KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
     KWP: tl.constexpr,  # next power of two >= KW: the window's columns in registers
@@ -587,7 +588,7 @@ def _short_conv_decode_kernel(
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
         y, _ = conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
-                           stride_s_slot, stride_s_c, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
+                           stride_s_slot, stride_s_c, stride_s_k, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
     else:
         tl.store(o_ptrs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=m_c)
@@ -595,37 +596,37 @@ def _short_conv_decode_kernel(
 
 @triton.jit
 def conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
-                stride_s_slot, stride_s_c, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                stride_s_slot, stride_s_c, stride_s_k, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SILU: tl.constexpr):
     """One token (row `row` of x) through the conv of one slot's channels offs_c: (output [BC] in
     float32, the rolled history [BC, KWP] in float32), the history stored back into the slot."""
     y, new_hist = conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
-                              stride_s_slot, stride_s_c, KW, KWP, HAS_BIAS, SILU)
+                              stride_s_slot, stride_s_c, stride_s_k, KW, KWP, HAS_BIAS, SILU)
     # No thread may overwrite a column another thread has yet to read (the compiler may give loads
     # and stores different thread layouts).
     tl.debug_barrier()
-    store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_s_c, KW, KWP)
+    store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_s_c, stride_s_k, KW, KWP)
     return y, new_hist
 
 
 @triton.jit
-def store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_s_c, KW: tl.constexpr,
+def store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_s_c, stride_s_k, KW: tl.constexpr,
                   KWP: tl.constexpr):
     """A rolled history [BC, KWP] (`conv_rolled`'s) stored into the slot's channels offs_c."""
     cols = tl.arange(0, KWP)
-    s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :]
+    s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :] * stride_s_k
     tl.store(s_ptrs, new_hist.to(state_ptr.dtype.element_ty), mask=m_c[:, None] & (cols[None, :] < KW - 1))
 
 
 @triton.jit
 def conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
-                stride_s_slot, stride_s_c, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                stride_s_slot, stride_s_c, stride_s_k, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SILU: tl.constexpr):
     """`conv_token` without the store: (output [BC] in float32, the rolled history [BC, KWP] in
     float32), the slot's history only read (the caller stores it, or has another program do so)."""
     cols = tl.arange(0, KWP)
     # [BC, KWP] pointers to the slot's history; columns 0..K-2 exist
-    s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :]
+    s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :] * stride_s_k
     m_hist = m_c[:, None] & (cols[None, :] < KW - 1)
     hist = tl.load(s_ptrs, mask=m_hist, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x_row + offs_c, mask=m_c, other=0.0).to(tl.float32)  # [BC]
@@ -638,7 +639,7 @@ def conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, strid
     if SILU:
         y = y * tl.sigmoid(y)
     # The rolled history: column j takes column j+1, the last one the new input.
-    shifted = tl.load(s_ptrs + 1, mask=m_c[:, None] & (cols[None, :] < KW - 2), other=0.0).to(tl.float32)
+    shifted = tl.load(s_ptrs + stride_s_k, mask=m_c[:, None] & (cols[None, :] < KW - 2), other=0.0).to(tl.float32)
     new_hist = tl.where(cols[None, :] == KW - 2, x[:, None], shifted)
     return y, new_hist
 
@@ -646,8 +647,8 @@ def conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, strid
 @triton.jit
 def _short_conv_verify_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, inter_ptr,
-    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_i_row, stride_i_tok, stride_i_c,
-    C,
+    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_s_k, stride_i_row, stride_i_tok,
+    stride_i_c, stride_i_k, C,
     N: tl.constexpr,  # tokens per request: request r owns rows r*N .. r*N+N-1
     KW: tl.constexpr, KWP: tl.constexpr, BC: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PAD_SLOT: tl.constexpr,
@@ -664,10 +665,11 @@ def _short_conv_verify_kernel(
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     if slot != PAD_SLOT:
         cols = tl.arange(0, KWP)
-        i_ptrs = inter_ptr + seq * stride_i_row + offs_c[:, None] * stride_i_c + cols[None, :]
+        i_ptrs = inter_ptr + seq * stride_i_row + offs_c[:, None] * stride_i_c + cols[None, :] * stride_i_k
         for t in tl.static_range(N):
             y, kept = conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, first + t, offs_c, m_c, stride_x_row,
-                                  stride_w_c, stride_s_slot, stride_s_c, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
+                                  stride_w_c, stride_s_slot, stride_s_c, stride_s_k, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS,
+                                  SILU=SILU)
             tl.store(out_ptr + (first + t) * stride_o_row + offs_c, y.to(out_ptr.dtype.element_ty), mask=m_c)
             if t < N - 1:
                 tl.store(i_ptrs + t * stride_i_tok, kept.to(inter_ptr.dtype.element_ty),
@@ -681,7 +683,7 @@ def _short_conv_verify_kernel(
 
 
 @triton.jit
-def _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
+def _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c, stride_s_k,
                  KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HISTORY: tl.constexpr):
     """sum_k w[c, k] * input[i - (K-1) + k, c] over a [BT, BC] tile of tokens i, in float32, the taps
     added in the reference's order. Input p >= 0 of the request is row p of x_rows; p < 0 is history
@@ -692,7 +694,8 @@ def _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_
         v = tl.load(x_rows + p[:, None] * stride_x_row + offs_c[None, :], mask=m_out & (p >= 0)[:, None], other=0.0)
         v = v.to(tl.float32)
         if HISTORY:  # exactly one of the two masked loads is live per element
-            h = tl.load(hist_ptrs[None, :] + (KW - 1 + p)[:, None], mask=m_out & (p < 0)[:, None], other=0.0)
+            h = tl.load(hist_ptrs[None, :] + (KW - 1 + p)[:, None] * stride_s_k, mask=m_out & (p < 0)[:, None],
+                        other=0.0)
             v += h.to(tl.float32)
         wk = tl.load(w_ptr + offs_c * stride_w_c + k, mask=m_c, other=0.0).to(tl.float32)
         acc += v * wk[None, :]
@@ -700,18 +703,18 @@ def _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_
 
 
 @triton.jit
-def _conv_history(x_rows, hist_ptrs, n, cols, offs_c, m_col, stride_x_row, KW: tl.constexpr):
+def _conv_history(x_rows, hist_ptrs, n, cols, offs_c, m_col, stride_x_row, stride_s_k, KW: tl.constexpr):
     """[BC, HP] float32: the last K-1 inputs after the request's first n tokens, column q being input
     p = n - (K-1) + q: a token of x, or (fewer than K-1 tokens) old history column n + q."""
     p = n - (KW - 1) + cols
     new_x = tl.load(x_rows + p[None, :] * stride_x_row + offs_c[:, None], mask=m_col & (p >= 0)[None, :], other=0.0)
-    new_h = tl.load(hist_ptrs[:, None] + (KW - 1 + p)[None, :], mask=m_col & (p < 0)[None, :], other=0.0)
+    new_h = tl.load(hist_ptrs[:, None] + (KW - 1 + p)[None, :] * stride_s_k, mask=m_col & (p < 0)[None, :], other=0.0)
     return new_x.to(tl.float32) + new_h.to(tl.float32)
 
 
 @triton.jit
 def _conv_new_history(x_rows, hist_ptrs, snap_rows_ptr, snap_ids_ptr, snap_ptr, seq, n, offs_c, m_c, stride_x_row,
-                      stride_s_c, stride_snap_slot, KW: tl.constexpr, HP: tl.constexpr):
+                      stride_s_c, stride_s_k, stride_snap_slot, KW: tl.constexpr, HP: tl.constexpr):
     """The slot's new history, written by the program of a request's first token block, and the
     request's in-step snapshot if it has one.
 
@@ -724,24 +727,24 @@ def _conv_new_history(x_rows, hist_ptrs, snap_rows_ptr, snap_ids_ptr, snap_ptr, 
     load of the history precedes one barrier and every store follows it, as in the decode conv."""
     cols = tl.arange(0, HP)
     m_col = m_c[:, None] & (cols < KW - 1)[None, :]
-    new_hist = _conv_history(x_rows, hist_ptrs, n, cols, offs_c, m_col, stride_x_row, KW=KW)
+    new_hist = _conv_history(x_rows, hist_ptrs, n, cols, offs_c, m_col, stride_x_row, stride_s_k, KW=KW)
     # An in-step snapshot (the prefix cache's): the history after the request's first r tokens,
     # read, like the new one, before the barrier.
     snap_row = tl.load(snap_rows_ptr + seq).to(tl.int64)
     if snap_row >= 0:
-        snap = _conv_history(x_rows, hist_ptrs, snap_row, cols, offs_c, m_col, stride_x_row, KW=KW)
+        snap = _conv_history(x_rows, hist_ptrs, snap_row, cols, offs_c, m_col, stride_x_row, stride_s_k, KW=KW)
         snap_id = tl.load(snap_ids_ptr + seq).to(tl.int64)
-        tl.store(snap_ptr + snap_id * stride_snap_slot + offs_c[:, None] * stride_s_c + cols[None, :],
+        tl.store(snap_ptr + snap_id * stride_snap_slot + offs_c[:, None] * stride_s_c + cols[None, :] * stride_s_k,
                  snap.to(snap_ptr.dtype.element_ty), mask=m_col)
     tl.debug_barrier()
-    tl.store(hist_ptrs[:, None] + cols[None, :], new_hist.to(hist_ptrs.dtype.element_ty), mask=m_col)
+    tl.store(hist_ptrs[:, None] + cols[None, :] * stride_s_k, new_hist.to(hist_ptrs.dtype.element_ty), mask=m_col)
 
 
 # num_seqs changes every step: not specialized, so one build serves every batch (the bundle holds it)
 @triton.jit(do_not_specialize=["num_seqs"])
 def _short_conv_extend_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr, snap_rows_ptr, snap_ids_ptr,
-    snap_ptr, stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_snap_slot,
+    snap_ptr, stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_s_k, stride_snap_slot,
     C, num_seqs,
     KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
     HP: tl.constexpr,  # next power of two >= K-1: the history's columns in registers
@@ -780,10 +783,10 @@ def _short_conv_extend_kernel(
         # its loads altogether.
         if j == 0:
             acc = _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
-                               KW=KW, BT=BT, BC=BC, HISTORY=True)
+                               stride_s_k, KW=KW, BT=BT, BC=BC, HISTORY=True)
         else:
             acc = _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_row, stride_w_c,
-                               KW=KW, BT=BT, BC=BC, HISTORY=False)
+                               stride_s_k, KW=KW, BT=BT, BC=BC, HISTORY=False)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
         if SILU:
@@ -792,18 +795,18 @@ def _short_conv_extend_kernel(
         # The race on the slot's history: see _conv_new_history.
         if (j == 0) & (slot != PAD_SLOT):
             _conv_new_history(x_rows, hist_ptrs, snap_rows_ptr, snap_ids_ptr, snap_ptr, seq, n, offs_c, m_c,
-                              stride_x_row, stride_s_c, stride_snap_slot, KW=KW, HP=HP)
+                              stride_x_row, stride_s_c, stride_s_k, stride_snap_slot, KW=KW, HP=HP)
 
 
 @triton.jit
-def _rows_input(x_rows, hist_ptrs, p, offs_c, m_c, stride_x_row, KW: tl.constexpr, BC: tl.constexpr,
+def _rows_input(x_rows, hist_ptrs, p, offs_c, m_c, stride_x_row, stride_s_k, KW: tl.constexpr, BC: tl.constexpr,
                 LIVE: tl.constexpr):
     """[BC] float32: input p ([BC], one value) of the request (row p of x_rows, or p < 0 history
     column K-1+p), as _conv_window reads it; zeros where not LIVE (a register K never uses)."""
     v = tl.zeros([BC], dtype=tl.float32)
     if LIVE:  # exactly one of the two masked loads is live
         v = tl.load(x_rows + p * stride_x_row + offs_c, mask=m_c & (p >= 0), other=0.0).to(tl.float32)
-        v += tl.load(hist_ptrs + (KW - 1 + p), mask=m_c & (p < 0), other=0.0).to(tl.float32)
+        v += tl.load(hist_ptrs + (KW - 1 + p) * stride_s_k, mask=m_c & (p < 0), other=0.0).to(tl.float32)
     return v
 
 
@@ -819,7 +822,7 @@ def _rows_weight(w_ptr, offs_c, m_c, stride_w_c, k: tl.constexpr, BC: tl.constex
 @triton.jit(do_not_specialize=["num_seqs"])
 def _short_conv_extend_rows_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr, snap_rows_ptr, snap_ids_ptr,
-    snap_ptr, stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_snap_slot,
+    snap_ptr, stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_s_k, stride_snap_slot,
     C, num_seqs,
     KW: tl.constexpr,  # kernel width K, 2 to 4: the K-1 earlier inputs live in p1, p2, p3
     HP: tl.constexpr,
@@ -861,9 +864,9 @@ def _short_conv_extend_rows_kernel(
         x_rows = x_ptr + bos * stride_x_row
         # p_a: input t - a of the row t about to be computed, u_a its tap (K-1-a); u0 the row's own.
         # Before the block: from x, or for the first block (BT >= K-1) all from the history.
-        p1 = _rows_input(x_rows, hist_ptrs, t_c - 1, offs_c, m_c, stride_x_row, KW=KW, BC=BC, LIVE=True)
-        p2 = _rows_input(x_rows, hist_ptrs, t_c - 2, offs_c, m_c, stride_x_row, KW=KW, BC=BC, LIVE=KW >= 3)
-        p3 = _rows_input(x_rows, hist_ptrs, t_c - 3, offs_c, m_c, stride_x_row, KW=KW, BC=BC, LIVE=KW >= 4)
+        p1 = _rows_input(x_rows, hist_ptrs, t_c - 1, offs_c, m_c, stride_x_row, stride_s_k, KW=KW, BC=BC, LIVE=True)
+        p2 = _rows_input(x_rows, hist_ptrs, t_c - 2, offs_c, m_c, stride_x_row, stride_s_k, KW=KW, BC=BC, LIVE=KW >= 3)
+        p3 = _rows_input(x_rows, hist_ptrs, t_c - 3, offs_c, m_c, stride_x_row, stride_s_k, KW=KW, BC=BC, LIVE=KW >= 4)
         u0 = _rows_weight(w_ptr, offs_c, m_c, stride_w_c, KW - 1, BC=BC, LIVE=True)
         u1 = _rows_weight(w_ptr, offs_c, m_c, stride_w_c, KW - 2, BC=BC, LIVE=True)
         u2 = _rows_weight(w_ptr, offs_c, m_c, stride_w_c, KW - 3, BC=BC, LIVE=KW >= 3)
@@ -904,7 +907,7 @@ def _short_conv_extend_rows_kernel(
             p1 = x
         if (j == 0) & (slot != PAD_SLOT):
             _conv_new_history(x_rows, hist_ptrs, snap_rows_ptr, snap_ids_ptr, snap_ptr, seq, n, offs_c, m_c,
-                              stride_x_row, stride_s_c, stride_snap_slot, KW=KW, HP=HP)
+                              stride_x_row, stride_s_c, stride_s_k, stride_snap_slot, KW=KW, HP=HP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -928,6 +931,13 @@ _SHORT_CONV_EXTEND_ROWS = Launcher(_short_conv_extend_rows_kernel)
 def _unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
     """Inputs need a unit-stride last dimension (16-byte loads); copy the rare one that has not."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def history_strided(conv_state: torch.Tensor) -> bool:
+    """Whether a conv history [..., C, K-1] is laid out as the kernels address it: with a unit stride
+    on its channels (the state pool's, `CONV_HISTORY_CHANNELS_LAST`) or on its K-1 columns, the
+    other stride any. The kernels take both strides."""
+    return 1 in conv_state.stride()[-2:]
 
 
 def _check_rows(op: str, rows: int, slots: torch.Tensor, *tensors: torch.Tensor) -> None:
@@ -1107,11 +1117,12 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
     assert rows == B * n and weight.shape == (C, K) and out.shape == x.shape, (
         f"short_conv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)} for {B} requests "
         f"of {n} token(s) disagree")
-    assert conv_state.shape[1:] == (C, K - 1) and conv_state.stride(2) == 1, (
-        f"short_conv: conv state must be [slots+1, {C}, {K - 1}] with unit stride last, got {tuple(conv_state.shape)}")
+    assert conv_state.shape[1:] == (C, K - 1) and history_strided(conv_state), (
+        f"short_conv: conv state must be [slots+1, {C}, {K - 1}] with a unit stride on its channels or its history, "
+        f"got {tuple(conv_state.shape)} strides {conv_state.stride()}")
     if inter is not None:
         assert inter.dtype == conv_state.dtype and inter.shape[0] >= B and inter.shape[1] >= n - 1 and \
-            inter.shape[2:] == (C, K - 1) and inter.stride(3) == 1, (
+            inter.shape[2:] == (C, K - 1) and history_strided(inter), (
                 f"short_conv: intermediate histories must be [>= {B}, >= {n - 1}, {C}, {K - 1}], got "
                 f"{tuple(inter.shape)}")
     assert out.stride(-1) == 1, "short_conv: out must have a unit-stride last dimension"
@@ -1125,7 +1136,7 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
     assert cfg.block_c >= 32 * cfg.num_warps, f"short_conv: {cfg} leaves threads idle"
     assert not cfg.rows, f"short_conv: {cfg} is a row-streaming tile, a layout of the extend conv only"
     grid = (B, cdiv(C, cfg.block_c))
-    common = (x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1))
+    common = (x.stride(0), out.stride(0), weight.stride(0), *conv_state.stride())
     consts = dict(KW=K, KWP=next_pow2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu),
                   PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
     b_t = bias if bias is not None else weight  # never read without HAS_BIAS
@@ -1134,7 +1145,7 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
                                  **launch_args(x.device))
     else:
         _SHORT_CONV_VERIFY[grid](x, weight, b_t, out, conv_state, slots, inter, *common,
-                                 inter.stride(0), inter.stride(1), inter.stride(2), C, N=n, **consts)
+                                 *inter.stride(), C, N=n, **consts)
 
 
 def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -1164,9 +1175,9 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if config is not None and config.rows and K > CONV_EXTEND_ROWS_MAX_K:
         raise ValueError(f"{what}: kernel width {K} is not supported by the row-streaming extend conv (at most "
                          f"{CONV_EXTEND_ROWS_MAX_K}); the tile layout (ConvConfig.rows False) takes it")
-    if conv_state.shape[1:] != (C, K - 1) or conv_state.stride(2) != 1:
-        raise ValueError(f"{what}: conv state must be [slots+1, {C}, {K - 1}] with unit stride last, got "
-                         f"{tuple(conv_state.shape)} strides {conv_state.stride()}")
+    if conv_state.shape[1:] != (C, K - 1) or not history_strided(conv_state):
+        raise ValueError(f"{what}: conv state must be [slots+1, {C}, {K - 1}] with a unit stride on its channels or "
+                         f"its history, got {tuple(conv_state.shape)} strides {conv_state.stride()}")
     if bias is not None and bias.shape != (C,):
         raise ValueError(f"{what}: bias shape {tuple(bias.shape)}, expected {(C,)}")
     if bounds.shape != (R + 2,) or blocks.dim() != 2 or blocks.shape[1] != 2:
@@ -1188,7 +1199,7 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     kernel = _SHORT_CONV_EXTEND_ROWS if cfg.rows else _SHORT_CONV_EXTEND
     kernel[grid](
         x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks, snap_rows, snap_ids,
-        snap, x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), snap.stride(0),
+        snap, x.stride(0), out.stride(0), weight.stride(0), *conv_state.stride(), snap.stride(0),
         C, R,
         KW=K, HP=max(2, next_pow2(K - 1)), BT=CONV_EXTEND_BLOCK_T, BC=cfg.block_c,
         HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,

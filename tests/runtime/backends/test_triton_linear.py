@@ -46,7 +46,7 @@ from runtime.cache.batch import SeqState, build_step  # noqa: E402
 from runtime.cache.kv_pool import KVPool  # noqa: E402
 from runtime.cache.state_pool import PADDING_SLOT, StatePool  # noqa: E402
 from testkit.linear_cases import (FakeFLA, FakeFlashInferGdn, check_conv_extend, conv_extend_launch, conv_extend_ok,  # noqa: E402
-                                  random_inputs, rel_err)
+                                  laid_out, random_inputs, rel_err)
 
 in_process, test_in_a_fresh_interpreter_process = interpreter_or_fresh_process(__file__)
 
@@ -317,6 +317,47 @@ def test_fixed_tiles_are_a_full_batchs_at_qwen3_next_dims():
 def test_short_conv_without_bias_or_silu(conv_bias, silu):
     compare_steps("short_conv", 1, BATCHES[3], REAL[3], torch.float32, steps=4, seed=5,
                   conv_bias=conv_bias, silu=silu, backend_kwargs={"conv_config": TL.ConvConfig(32, 1)})
+
+
+@in_process
+@pytest.mark.parametrize("config", [TL.ConvConfig(32, 1), TL.ConvConfig(64, 2)], ids=["32x1", "64x2"])
+def test_decode_and_verify_convs_give_the_same_bits_on_either_history_layout(config):
+    """The decode and target-verify convs read a history [slots, C, K-1] stored as is or stored
+    [slots, K-1, C] (the state pool's layout) through its strides: outputs, rolled histories and the
+    verify step's intermediate histories equal bit for bit; the padding request's row is zero and
+    its slot untouched. 40 channels: a masked last tile at both tiles."""
+    g = torch.Generator().manual_seed(7)
+    B, C, K, n = 3, 40, 4, 3
+    w, b = torch.randn(C, K, generator=g).to(DEVICE), torch.randn(C, generator=g).to(DEVICE)
+    history = torch.randn(B + 2, C, K - 1, generator=g).to(DEVICE)
+    slots = torch.tensor([2, PADDING_SLOT, 4], device=DEVICE)
+    x1, xn = torch.randn(B, C, generator=g).to(DEVICE), torch.randn(B * n, C, generator=g).to(DEVICE)
+    got = {}
+    for last in (False, True):
+        state = laid_out(history.clone(), last)
+        inter = laid_out(torch.zeros(B, n - 1, C, K - 1, device=DEVICE), last)
+        out1, outn = torch.full_like(x1, float("nan")), torch.full_like(xn, float("nan"))
+        TL.short_conv_decode(x1, w, b, out1, state, slots, True, config=config)
+        TL.short_conv_verify(xn, w, b, outn, state, slots, inter, n, True, config=config)
+        got[last] = (out1.cpu(), outn.cpu(), state.contiguous().cpu(), inter.contiguous().cpu())
+    for name, a, c in zip(("decode out", "verify out", "histories", "intermediates"), got[False], got[True]):
+        assert torch.equal(a, c), name
+    out1, outn, state, _ = got[True]
+    assert out1[1].abs().sum() == 0 and outn[n:2 * n].abs().sum() == 0 and torch.isfinite(outn).all()
+    assert torch.equal(state[PADDING_SLOT], history[PADDING_SLOT].cpu()) and not torch.equal(state[2], history[2].cpu())
+
+
+@in_process
+@pytest.mark.parametrize("rows", [False, True], ids=["tile", "rows"])
+def test_extend_conv_gives_the_same_bits_on_either_history_layout(rows):
+    """The extend conv (tile and row streaming) over histories and a snapshot pool stored [.., K-1, C]:
+    outputs, new histories and snapshots equal those over [.., C, K-1] bit for bit."""
+    config = TL.ConvConfig(32, 1, rows=rows)
+    want = conv_extend_launch(config, 4, 40, DEVICE)
+    got = conv_extend_launch(config, 4, 40, DEVICE, channels_last=True)
+    assert want[2][1:].abs().sum() > 0
+    for name, a, c in zip(("outputs", "histories", "snapshots"), got, want):
+        assert torch.equal(a, c), name
 
 
 @in_process
