@@ -179,25 +179,21 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
     return RecurrentConfig(block_v, num_warps)
 
 
-@functools.lru_cache(maxsize=None)  # a pure function of its arguments, on every launch path
-def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
-    """Channel tile for the decode conv: the widest of 128, 64 and 32 channels that still gives about
-    two programs per SM, at least one channel a thread.
+# The decode conv's tile: this many channels a program, on a warp per this many (8 channels a thread:
+# a 16-byte vector of each bfloat16 history column in the state pool's [K-1, C] storage), at every
+# request count. In conv_decode_probe.py on an H100 (bench qwen3_next's 8192 channels, bfloat16) a
+# kernel of this tile orientation over that storage took 1.80 / 3.63 / 8.08 / 14.04 us at 1 / 32 /
+# 128 / 256 requests, within 0.4 us of its best tile (512 to 2048 channels on 2 to 8 warps) at
+# each; the kernel over [C, K-1] storage before, at its tiles of 32 to 128 channels, 1.90 / 4.65 /
+# 11.76 / 20.53 (conv_decode_probe_h100_2026-12-06.json).
+DECODE_CONV_CHANNELS = 256
 
-    Not wider: in the H200 tile sweep of the Qwen3-Next conv (8192 channels, bf16;
-    `gpu_linear_decode_h200_2026-11-26.json`, benchmarks/kernels/gpu_linear_decode.py) 512 channels
-    on 4 warps, which this rule took from batch 32 on, took 5.14 / 8.37 / 24.93 us at batch 32 / 64 /
-    256 against 4.92 / 7.18 / 20.81 for 128 on 2 warps (256 on 4: 4.81 / 7.31 / 21.87); the tile of
-    512 holds 4 channels a thread (compiled for sm90: 120 registers, 4 programs an SM), 128 on 2 warps
-    2 (62 registers, 16 programs; the fixed tile's, `fixed_conv_config`). Batch 8 and 1 keep their
-    tiles (128 and 32)."""
-    target = 2 * num_sms(device)
-    block_c = 32
-    for bc in (128, 64, 32):
-        if batch * cdiv(channels, bc) >= target:
-            block_c = bc
-            break
-    return _conv_tile(block_c, channels)
+
+def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
+    """Channel tile of the decode and verify convs: DECODE_CONV_CHANNELS channels a program on one
+    warp, whatever the batch (fewer where the layer has fewer channels). `batch` and `device` are
+    the launch's, for a rule that would weigh them; this one does not."""
+    return _conv_tile(DECODE_CONV_CHANNELS, channels)
 
 
 # decode_tiles="walk": decode launches of many tiles walk them (RecurrentConfig.walk). Programs an
@@ -224,18 +220,19 @@ def walk_recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torc
 
 
 def _conv_tile(block_c: int, channels: int) -> ConvConfig:
-    """A decode-conv tile of block_c channels (fewer where the layer has fewer), one warp per 64."""
+    """A decode-conv tile of block_c channels (fewer where the layer has fewer), a warp per
+    DECODE_CONV_CHANNELS."""
     block_c = min(block_c, max(32, next_pow2(channels)))
-    return ConvConfig(block_c, max(1, min(4, block_c // 64)))
+    return ConvConfig(block_c, max(1, min(8, block_c // DECODE_CONV_CHANNELS)))
 
 
 # decode_tiles="fixed" (hgc compile --batch-invariant): one tile for every request count, since a
 # different tile reduces a request's state and window in a different order. The tile chosen is the
 # one that serves a full batch best, not one request's: in the tile sweep of
 # benchmarks/kernels/gpu_linear_decode.py (benchmarks/history/batch_invariant.md, second run; GDN at 32
-# heads of 128, the Qwen3-Next conv of 8192 channels) one request's tiles (Dv 8, 1 warp; 32
-# channels) took 1.9x and 1.5x the time of these at batch 32 and 3.4x and 2.0x at batch 256, while
-# these cost at most 0.2 us more than one request's tiles at batch 1.
+# heads of 128) one request's tiles (Dv 8, 1 warp) took 1.9x the time of these at batch 32 and 3.4x
+# at batch 256, while these cost at most 0.2 us more than one request's tiles at batch 1. The
+# decode conv's tile is one for every batch already (`conv_config`).
 
 
 def extend_config(heads: int, dk: int, dv: int, device: torch.device) -> RecurrentConfig:
@@ -255,9 +252,9 @@ def fixed_recurrent_config(heads: int, dk: int, dv: int, device: torch.device) -
 
 
 def fixed_conv_config(channels: int) -> ConvConfig:
-    """The decode and verify conv tile of decode_tiles="fixed": 128 channels and 2 warps (fewer
-    where the layer has fewer channels)."""
-    return _conv_tile(128, channels)
+    """The decode and verify conv tile of decode_tiles="fixed": `conv_config`'s, which is the same
+    at every batch."""
+    return _conv_tile(DECODE_CONV_CHANNELS, channels)
 
 
 # Tokens one extend-conv program owns. The block table is planned once per step for this size,
@@ -599,7 +596,7 @@ def conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride
                 stride_s_slot, stride_s_c, stride_s_k, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SILU: tl.constexpr):
     """One token (row `row` of x) through the conv of one slot's channels offs_c: (output [BC] in
-    float32, the rolled history [BC, KWP] in float32), the history stored back into the slot."""
+    float32, the rolled history [KWP, BC] in float32), the history stored back into the slot."""
     y, new_hist = conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
                               stride_s_slot, stride_s_c, stride_s_k, KW, KWP, HAS_BIAS, SILU)
     # No thread may overwrite a column another thread has yet to read (the compiler may give loads
@@ -612,35 +609,41 @@ def conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride
 @triton.jit
 def store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_s_c, stride_s_k, KW: tl.constexpr,
                   KWP: tl.constexpr):
-    """A rolled history [BC, KWP] (`conv_rolled`'s) stored into the slot's channels offs_c."""
+    """A rolled history [KWP, BC] (`conv_rolled`'s) stored into the slot's channels offs_c."""
     cols = tl.arange(0, KWP)
-    s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :] * stride_s_k
-    tl.store(s_ptrs, new_hist.to(state_ptr.dtype.element_ty), mask=m_c[:, None] & (cols[None, :] < KW - 1))
+    s_ptrs = state_ptr + slot * stride_s_slot + cols[:, None] * stride_s_k + offs_c[None, :] * stride_s_c
+    tl.store(s_ptrs, new_hist.to(state_ptr.dtype.element_ty), mask=(cols[:, None] < KW - 1) & m_c[None, :])
 
 
 @triton.jit
 def conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
                 stride_s_slot, stride_s_c, stride_s_k, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SILU: tl.constexpr):
-    """`conv_token` without the store: (output [BC] in float32, the rolled history [BC, KWP] in
-    float32), the slot's history only read (the caller stores it, or has another program do so)."""
+    """`conv_token` without the store: (output [BC] in float32, the rolled history [KWP, BC] in
+    float32), the slot's history only read (the caller stores it, or has another program do so).
+
+    The tile is history columns by channels, [KWP, BC]: over the state pool's [K-1, C] storage
+    (CONV_HISTORY_CHANNELS_LAST) a column of the tile is BC contiguous values, which the compiler
+    lays out along the threads in 16-byte vectors. The [BC, KWP] tile over the same storage took
+    9.8 us against 8.0 at 128 requests of bench qwen3_next's 8192 channels on an H100, and over the
+    [C, K-1] storage before 11.8 (conv_decode_probe_h100_2026-12-06.json)."""
     cols = tl.arange(0, KWP)
-    # [BC, KWP] pointers to the slot's history; columns 0..K-2 exist
-    s_ptrs = state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c + cols[None, :] * stride_s_k
-    m_hist = m_c[:, None] & (cols[None, :] < KW - 1)
+    # [KWP, BC] pointers to the slot's history; columns 0..K-2 exist
+    s_ptrs = state_ptr + slot * stride_s_slot + cols[:, None] * stride_s_k + offs_c[None, :] * stride_s_c
+    m_hist = (cols[:, None] < KW - 1) & m_c[None, :]
     hist = tl.load(s_ptrs, mask=m_hist, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x_row + offs_c, mask=m_c, other=0.0).to(tl.float32)  # [BC]
-    w = tl.load(w_ptr + offs_c[:, None] * stride_w_c + cols[None, :],
-                mask=m_c[:, None] & (cols[None, :] < KW), other=0.0).to(tl.float32)  # [BC, KWP]
-    window = tl.where(cols[None, :] == KW - 1, x[:, None], hist)  # inputs t-K+1 .. t
-    y = tl.sum(window * w, axis=1)
+    w = tl.load(w_ptr + offs_c[None, :] * stride_w_c + cols[:, None],
+                mask=(cols[:, None] < KW) & m_c[None, :], other=0.0).to(tl.float32)  # [KWP, BC]
+    window = tl.where(cols[:, None] == KW - 1, x[None, :], hist)  # inputs t-K+1 .. t
+    y = tl.sum(window * w, axis=0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)
     if SILU:
         y = y * tl.sigmoid(y)
     # The rolled history: column j takes column j+1, the last one the new input.
-    shifted = tl.load(s_ptrs + stride_s_k, mask=m_c[:, None] & (cols[None, :] < KW - 2), other=0.0).to(tl.float32)
-    new_hist = tl.where(cols[None, :] == KW - 2, x[:, None], shifted)
+    shifted = tl.load(s_ptrs + stride_s_k, mask=(cols[:, None] < KW - 2) & m_c[None, :], other=0.0).to(tl.float32)
+    new_hist = tl.where(cols[:, None] == KW - 2, x[None, :], shifted)
     return y, new_hist
 
 
@@ -665,7 +668,7 @@ def _short_conv_verify_kernel(
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     if slot != PAD_SLOT:
         cols = tl.arange(0, KWP)
-        i_ptrs = inter_ptr + seq * stride_i_row + offs_c[:, None] * stride_i_c + cols[None, :] * stride_i_k
+        i_ptrs = inter_ptr + seq * stride_i_row + cols[:, None] * stride_i_k + offs_c[None, :] * stride_i_c
         for t in tl.static_range(N):
             y, kept = conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, first + t, offs_c, m_c, stride_x_row,
                                   stride_w_c, stride_s_slot, stride_s_c, stride_s_k, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS,
@@ -673,7 +676,7 @@ def _short_conv_verify_kernel(
             tl.store(out_ptr + (first + t) * stride_o_row + offs_c, y.to(out_ptr.dtype.element_ty), mask=m_c)
             if t < N - 1:
                 tl.store(i_ptrs + t * stride_i_tok, kept.to(inter_ptr.dtype.element_ty),
-                         mask=m_c[:, None] & (cols[None, :] < KW - 1))
+                         mask=(cols[:, None] < KW - 1) & m_c[None, :])
             # the next token reads the history this one stored, maybe from another thread
             tl.debug_barrier()
     else:

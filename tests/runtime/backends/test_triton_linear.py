@@ -303,12 +303,14 @@ def test_fixed_decode_tiles_launch_one_tile_at_any_batch(monkeypatch, op, layer_
 
 
 def test_fixed_tiles_are_a_full_batchs_at_qwen3_next_dims():
-    """The fixed tiles are those the by-batch rule gives a full device (wide Dv tiles, 4 warps; 128
-    conv channels), not one request's (8 Dv columns, 1 warp), which cost 1.9x at batch 32 on an H200."""
+    """The fixed recurrent tile is the one the by-batch rule gives a full device (wide Dv tiles, 4
+    warps), not one request's (8 Dv columns, 1 warp), which cost 1.9x at batch 32 on an H200; the
+    conv's tile is the same at every batch (256 channels on a warp)."""
     dev = torch.device("cpu")
     assert TL.fixed_recurrent_config(32, 128, 128, dev) == TL.recurrent_config(4096, 32, 128, 128, dev) == \
         TL.RecurrentConfig(64, 4)
-    assert TL.fixed_conv_config(8192) == TL.ConvConfig(128, 2)
+    assert TL.fixed_conv_config(8192) == TL.conv_config(1, 8192, dev) == TL.conv_config(256, 8192, dev) == \
+        TL.ConvConfig(256, 1)
     assert TL.fixed_conv_config(48) == TL.ConvConfig(64, 1)  # a tiny layer: no tile wider than its channels
 
 
