@@ -133,7 +133,7 @@ def _gdn_fused_decode_kernel(
     qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr,
     conv_ptr, state_ptr, slots_ptr,
     stride_x_row, stride_z_row, stride_z_head, stride_b_row, stride_b_head, stride_a_row, stride_a_head,
-    stride_o_row, stride_o_head, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, stride_s_slot, stride_s_head,
+    stride_o_row, stride_o_head, stride_c_slot, stride_c_c, stride_c_k, stride_s_slot, stride_s_head,
     scale, eps, l2_eps,
     HK: tl.constexpr, GROUP: tl.constexpr,  # key heads; value heads per key head
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -151,9 +151,9 @@ def _gdn_fused_decode_kernel(
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
         yq, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, kh * DK + offs_k, m_k, stride_x_row,
-                           stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
+                           stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)
         yk, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, (HK + kh) * DK + offs_k, m_k,
-                           stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP,
+                           stride_x_row, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP,
                            HAS_BIAS=False, SILU=True)
         # q carries the output scale, as the recurrent kernels' do
         q = l2norm_head(yq, m_k, act, l2_eps) * scale
@@ -169,7 +169,7 @@ def _gdn_fused_decode_kernel(
             g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
                                 stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
             yv, _ = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, 2 * HK * DK + head * DV + offs_v,
-                               m_v, stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP,
+                               m_v, stride_x_row, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP,
                                HAS_BIAS=False, SILU=True)
             v = yv.to(act).to(tl.float32)
             s, o = scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
@@ -186,7 +186,7 @@ def _gdn_fused_decode_kernel(
 
 @triton.jit
 def _split_prep_kernel(qkv_ptr, conv_w_ptr, conv_ptr, slots_ptr, mixed_ptr,
-                       stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, stride_m_row, l2_eps,
+                       stride_x_row, stride_c_slot, stride_c_c, stride_c_k, stride_m_row, l2_eps,
                        HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        KW: tl.constexpr, KWP: tl.constexpr, PAD_SLOT: tl.constexpr, USE_GDC: tl.constexpr):
     """The split decode's first launch, one program per (request, head h of q | k | v): the conv step
@@ -204,14 +204,14 @@ def _split_prep_kernel(qkv_ptr, conv_w_ptr, conv_ptr, slots_ptr, mixed_ptr,
             offs_k = h * DK + tl.arange(0, BK)
             m_k = tl.arange(0, BK) < DK
             yk = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs_k, m_k, stride_x_row,
-                            stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False,
+                            stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False,
                             SILU=True)[0]
             tl.store(mixed_ptr + row * stride_m_row + offs_k, l2norm_head(yk, m_k, act, l2_eps).to(act), mask=m_k)
         else:
             offs_v = 2 * HK * DK + (h - 2 * HK) * DV + tl.arange(0, BV)
             m_v = tl.arange(0, BV) < DV
             yv = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, offs_v, m_v, stride_x_row,
-                            stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False,
+                            stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False,
                             SILU=True)[0]
             tl.store(mixed_ptr + row * stride_m_row + offs_v, yv.to(act), mask=m_v)
 
@@ -313,7 +313,7 @@ def _split_core_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, n
 def _split_one_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, conv_ptr,
                       state_ptr, slots_ptr, o_ws_ptr, arrived_ptr, conv_arrived_ptr,
                       stride_x_row, stride_z_row, stride_z_head, stride_b_row, stride_b_head, stride_a_row,
-                      stride_a_head, stride_o_row, stride_o_head, stride_w_c, stride_c_slot, stride_c_c, stride_c_k,
+                      stride_a_head, stride_o_row, stride_o_head, stride_c_slot, stride_c_c, stride_c_k,
                       stride_s_slot, stride_s_head, scale, eps, l2_eps,
                       HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, NVB: tl.constexpr, BVB: tl.constexpr,
@@ -344,11 +344,11 @@ def _split_one_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bi
         s_ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head + offs_k[:, None] * DV + cols[None, :]
         s = tl.load(s_ptrs, mask=m_s, other=0.0).to(tl.float32)
         yq, hq = conv_rolled(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, kh * DK + offs_k, m_k,
-                             stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW, KWP, False, True)
+                             stride_x_row, stride_c_slot, stride_c_c, stride_c_k, KW, KWP, False, True)
         yk, hk = conv_rolled(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, (HK + kh) * DK + offs_k, m_k,
-                             stride_x_row, stride_w_c, stride_c_slot, stride_c_c, stride_c_k, KW, KWP, False, True)
+                             stride_x_row, stride_c_slot, stride_c_c, stride_c_k, KW, KWP, False, True)
         v_ch = 2 * HK * DK + head * DV + cols
-        yv = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, v_ch, m_c, stride_x_row, stride_w_c,
+        yv = conv_token(qkv_ptr, conv_w_ptr, conv_w_ptr, conv_ptr, slot, row, v_ch, m_c, stride_x_row,
                         stride_c_slot, stride_c_c, stride_c_k, KW=KW, KWP=KWP, HAS_BIAS=False, SILU=True)[0]
         # q and k as the first launch stores them (rounded to A), q with the output scale
         q = l2norm_head(yq, m_k, act, l2_eps) * scale
@@ -480,10 +480,11 @@ def gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_head
         problems.append(f"conv width {K}: a width-1 conv keeps no state")
     if qkv.dtype != out.dtype:
         problems.append(f"qkv is {qkv.dtype} and out {out.dtype}: the op computes in one activation dtype")
-    for name, t in (("qkv", qkv), ("z", z), ("out", out), ("conv_weight", conv_weight)):
+    for name, t in (("qkv", qkv), ("z", z), ("out", out)):
         if t.stride(-1) != 1:
             problems.append(f"{name} needs a unit-stride last dimension (strides {t.stride()})")
-    for name, t in (("A_log", A_log), ("dt_bias", dt_bias), ("norm_weight", norm_weight)):
+    # conv_weight: the kernels take its width as its row stride (linear.py conv_rolled)
+    for name, t in (("conv_weight", conv_weight), ("A_log", A_log), ("dt_bias", dt_bias), ("norm_weight", norm_weight)):
         if not t.is_contiguous():
             problems.append(f"{name} must be contiguous")
     if problems:
@@ -646,7 +647,7 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     if launches == 2:
         mixed = torch.empty((B, d.channels), dtype=qkv.dtype, device=qkv.device)
         _SPLIT_PREP[(B, 2 * d.hk + d.hv)](
-            qkv, conv_weight, conv_state, slots, mixed, qkv.stride(0), conv_weight.stride(0), *conv_state.stride(),
+            qkv, conv_weight, conv_state, slots, mixed, qkv.stride(0), *conv_state.stride(),
             mixed.stride(0), L2NORM_EPS, HK=d.hk, DK=d.dk, DV=d.dv, BK=BK, BV=BV,
             KW=d.kernel_width, KWP=KWP, PAD_SLOT=PADDING_SLOT, num_warps=1, **launch_args(qkv.device))
         _split_core(mixed, z, b, a, A_log, dt_bias, norm_weight, out, state, slots, d, scale, eps, round_y,
@@ -655,7 +656,7 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     _GDN_FUSED_DECODE[(B, d.hk)](
         qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots,
         qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
-        out.stride(0), out.stride(1), conv_weight.stride(0), *conv_state.stride(),
+        out.stride(0), out.stride(1), *conv_state.stride(),
         state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
         HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=BK, BV=BV, KW=d.kernel_width, KWP=KWP, ROUND_Y=round_y,
         SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=warps, **launch_args(qkv.device))
@@ -682,7 +683,7 @@ def _split_one(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv
     _SPLIT_ONE[grid](
         qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots, scratch.o_ws,
         scratch.arrived, conv_arrived, qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1),
-        a.stride(0), a.stride(1), out.stride(0), out.stride(1), conv_weight.stride(0), *conv_state.stride(),
+        a.stride(0), a.stride(1), out.stride(0), out.stride(1), *conv_state.stride(),
         state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
         HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=next_pow2(d.dk), BV=next_pow2(d.dv), KW=d.kernel_width,
         KWP=next_pow2(d.kernel_width), NVB=nvb, BVB=block, BVP=next_pow2(block), ROUND_Y=round_y,

@@ -575,9 +575,9 @@ def _recurrent_verify_kernel(
 @triton.jit
 def _short_conv_decode_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr,
-    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_s_k,
+    stride_x_row, stride_o_row, stride_s_slot, stride_s_c, stride_s_k,
     C,
-    KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
+    KW: tl.constexpr,  # kernel width K (the weight's row stride); the state holds the last K-1 inputs, oldest first
     KWP: tl.constexpr,  # next power of two >= KW: the window's columns in registers
     BC: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -594,7 +594,7 @@ def _short_conv_decode_kernel(
 
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
-        y, _ = conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+        y, _ = conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row,
                            stride_s_slot, stride_s_c, stride_s_k, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
     else:
@@ -602,12 +602,12 @@ def _short_conv_decode_kernel(
 
 
 @triton.jit
-def conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+def conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row,
                 stride_s_slot, stride_s_c, stride_s_k, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SILU: tl.constexpr):
     """One token (row `row` of x) through the conv of one slot's channels offs_c: (output [BC] in
     float32, the rolled history [KWP, BC] in float32), the history stored back into the slot."""
-    y, new_hist = conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+    y, new_hist = conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row,
                               stride_s_slot, stride_s_c, stride_s_k, KW, KWP, HAS_BIAS, SILU)
     # No thread may overwrite a column another thread has yet to read (the compiler may give loads
     # and stores different thread layouts).
@@ -626,7 +626,7 @@ def store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_
 
 
 @triton.jit
-def conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row, stride_w_c,
+def conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row,
                 stride_s_slot, stride_s_c, stride_s_k, KW: tl.constexpr, KWP: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SILU: tl.constexpr):
     """`conv_token` without the store: (output [BC] in float32, the rolled history [KWP, BC] in
@@ -643,7 +643,9 @@ def conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, strid
     m_hist = (cols[:, None] < KW - 1) & m_c[None, :]
     hist = tl.load(s_ptrs, mask=m_hist, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x_row + offs_c, mask=m_c, other=0.0).to(tl.float32)  # [BC]
-    w = tl.load(w_ptr + offs_c[None, :] * stride_w_c + cols[:, None],
+    # the weight [C, K] contiguous (the launchers make it so): a row stride the compiler knows, so
+    # a channel's K taps load as one vector
+    w = tl.load(w_ptr + offs_c[None, :] * KW + cols[:, None],
                 mask=(cols[:, None] < KW) & m_c[None, :], other=0.0).to(tl.float32)  # [KWP, BC]
     window = tl.where(cols[:, None] == KW - 1, x[None, :], hist)  # inputs t-K+1 .. t
     y = tl.sum(window * w, axis=0)
@@ -660,7 +662,7 @@ def conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, strid
 @triton.jit
 def _short_conv_verify_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, inter_ptr,
-    stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_s_k, stride_i_row, stride_i_tok,
+    stride_x_row, stride_o_row, stride_s_slot, stride_s_c, stride_s_k, stride_i_row, stride_i_tok,
     stride_i_c, stride_i_k, C,
     N: tl.constexpr,  # tokens per request: request r owns rows r*N .. r*N+N-1
     KW: tl.constexpr, KWP: tl.constexpr, BC: tl.constexpr,
@@ -681,8 +683,7 @@ def _short_conv_verify_kernel(
         i_ptrs = inter_ptr + seq * stride_i_row + cols[:, None] * stride_i_k + offs_c[None, :] * stride_i_c
         for t in tl.static_range(N):
             y, kept = conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, first + t, offs_c, m_c, stride_x_row,
-                                  stride_w_c, stride_s_slot, stride_s_c, stride_s_k, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS,
-                                  SILU=SILU)
+                                  stride_s_slot, stride_s_c, stride_s_k, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
             tl.store(out_ptr + (first + t) * stride_o_row + offs_c, y.to(out_ptr.dtype.element_ty), mask=m_c)
             if t < N - 1:
                 tl.store(i_ptrs + t * stride_i_tok, kept.to(inter_ptr.dtype.element_ty),
@@ -1144,7 +1145,7 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
                 f"short_conv: intermediate histories must be [>= {B}, >= {n - 1}, {C}, {K - 1}], got "
                 f"{tuple(inter.shape)}")
     assert out.stride(-1) == 1, "short_conv: out must have a unit-stride last dimension"
-    x, weight = _unit_last("x", x), _unit_last("weight", weight)
+    x, weight = _unit_last("x", x), weight.contiguous()  # conv_rolled takes K as its row stride
     if bias is not None:
         assert bias.shape == (C,), f"short_conv: bias shape {tuple(bias.shape)}, expected {(C,)}"
         bias = bias.contiguous()
@@ -1154,7 +1155,7 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
     assert cfg.block_c >= 32 * cfg.num_warps, f"short_conv: {cfg} leaves threads idle"
     assert not cfg.rows, f"short_conv: {cfg} is a row-streaming tile, a layout of the extend conv only"
     grid = (B, cdiv(C, cfg.block_c))
-    common = (x.stride(0), out.stride(0), weight.stride(0), *conv_state.stride())
+    common = (x.stride(0), out.stride(0), *conv_state.stride())
     consts = dict(KW=K, KWP=next_pow2(K), BC=cfg.block_c, HAS_BIAS=bias is not None, SILU=bool(silu),
                   PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
     b_t = bias if bias is not None else weight  # never read without HAS_BIAS
