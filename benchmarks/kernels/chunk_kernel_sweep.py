@@ -275,16 +275,13 @@ def conv_configs(dry: bool) -> dict[str, TL.ConvConfig | str | None]:
     table's empty rows are programs too (each loads the table and the bounds before it returns),
     so a narrower tile multiplies them: the sweep weighs that against the real blocks' latency.
     "rows ...": the row-streaming layout (ConvConfig.rows; x read once, 8 channels a thread),
-    "rows default" conv_extend_rows_config, the backend's choice; "... split N": each token block
-    streamed by N programs (ConvConfig.split), N times the programs of a short step."""
+    "rows default" conv_extend_rows_config, the backend's choice."""
     named = {"default": "table", "one request": None, "rows default": "rows"}
     tiles = [(32, 1)] if dry else [(32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4),
                                    (256, 4), (256, 8)]
     named.update({f"c{bc} w{w}": TL.ConvConfig(bc, w) for bc, w in tiles})
-    rows = [(256, 1, 1), (256, 1, 4)] if dry else [(256, 1, 1), (512, 2, 1), (1024, 4, 1), (1024, 4, 2), (1024, 4, 4),
-                                                    (1024, 4, 8), (512, 2, 4), (256, 1, 4), (256, 1, 8)]
-    named.update({f"rows c{bc} w{w}" + (f" split{sp}" if sp > 1 else ""): TL.ConvConfig(bc, w, rows=True, split=sp)
-                  for bc, w, sp in rows})
+    rows = [(256, 1)] if dry else [(256, 1), (512, 2), (1024, 4)]
+    named.update({f"rows c{bc} w{w}": TL.ConvConfig(bc, w, rows=True) for bc, w in rows})
     return named
 
 
@@ -380,8 +377,7 @@ def sweep_conv(C: int, K: int, shapes, device, reps: int, bucket_seqs: int, dry:
                 fn = lambda: conv_run(fresh, out, cfg)  # noqa: E731
                 split = device_ms_by_kernel(fn)
                 entry.update(wall_ms=bench_ms(fn, reps), kernel_ms=sum(split.values()) if split else None)
-            print(f"conv {T}x{R} {name} {cfg.block_c}/{cfg.num_warps}{' rows' if cfg.rows else ''}"
-                  f"{f' split {cfg.split}' if cfg.split > 1 else ''}: err {err:.1e}"
+            print(f"conv {T}x{R} {name} {cfg.block_c}/{cfg.num_warps}{' rows' if cfg.rows else ''}: err {err:.1e}"
                   + (f", wall {entry['wall_ms']:.4f} ms" if entry["ok"] else " FAIL")
                   + (f", kernel {entry['kernel_ms']:.4f} ms" if entry.get("kernel_ms") else "")
                   + (conv_rate(entry, moved) if entry["ok"] else ""), flush=True)

@@ -107,16 +107,6 @@ class ConvConfig:
     # The extend conv's layout: False the [token block, block_c] tile, True row streaming (one
     # row of block_c channels at a time, the window in registers; K <= 4). The decode conv has one.
     rows: bool = False
-    # Row streaming only: programs a token block of the step's table, each streaming 1/split of
-    # its CONV_EXTEND_BLOCK_T rows (at least 4: the rows it loads ahead), so a short step has
-    # `split` times the programs, and bytes, in flight.
-    split: int = 1
-
-    def __post_init__(self):
-        rows_a_part = CONV_EXTEND_BLOCK_T // max(1, self.split)
-        if self.split < 1 or CONV_EXTEND_BLOCK_T % self.split or rows_a_part < 4 or (self.split > 1 and not self.rows):
-            raise ValueError(f"bad conv config {self}: split divides the {CONV_EXTEND_BLOCK_T} rows of a token block "
-                             "into parts of at least 4, and only the row-streaming layout (rows=True) splits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -841,7 +831,6 @@ def _short_conv_extend_rows_kernel(
     KW: tl.constexpr,  # kernel width K, 2 to 4: the K-1 earlier inputs live in p1, p2, p3
     HP: tl.constexpr,
     BT: tl.constexpr,
-    RT: tl.constexpr,  # rows of the block this program streams (BT / ConvConfig.split, at least 4)
     BC: tl.constexpr,  # channels of the program: 8 a thread, one 16-byte load of a bf16 row
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
@@ -851,21 +840,17 @@ def _short_conv_extend_rows_kernel(
     walks its block's BT tokens one row of BC channels at a time, each row of x loaded once (the
     tile kernel loads each K times, once per shifted tap) and the window's K-1 earlier inputs
     carried in registers from row to row. The loop is unrolled, and each row is loaded four rows
-    ahead of its use (q0..q3, RT >= 4). Taps are added oldest first in float32, as in
-    _conv_window: the same bits. Program (block, tile, part) streams rows part * RT .. of the
-    block; a part past the first reads its window's earlier inputs from x (its first row is at
-    least RT >= K-1 past the block's), so only the first part of a request's first block reads
-    the history, and it alone writes the new one."""
+    ahead of its use (q0..q3, BT >= 4). Taps are added oldest first in float32, as in
+    _conv_window: the same bits."""
     blk = tl.program_id(0)
     c_tile = tl.program_id(1)
-    part = tl.program_id(2)
     seq = tl.load(blocks_ptr + 2 * blk)
     j = tl.load(blocks_ptr + 2 * blk + 1)
     bos = tl.load(bounds_ptr + seq).to(tl.int64)
     n = tl.load(bounds_ptr + seq + 1).to(tl.int64) - bos
-    t0 = j * BT + part * RT  # the part's first token within the request
-    if t0 >= n:  # a row of a captured step's table past the step's blocks, or a part past the request's rows
+    if j * BT >= n:  # a row of a captured step's table past the step's blocks
         return
+    t0 = j * BT  # the block's first token within the request
     offs_c = c_tile * BC + tl.arange(0, BC)
     m_c = offs_c < C
     o_rows = out_ptr + (bos + t0) * stride_o_row + offs_c
@@ -874,7 +859,7 @@ def _short_conv_extend_rows_kernel(
     t_c = tl.zeros([BC], dtype=tl.int64) + t0
 
     if seq == num_seqs:  # padding rows: read nothing, come out zero
-        for t in tl.static_range(RT):
+        for t in tl.static_range(BT):
             tl.store(o_rows + t * stride_o_row, tl.zeros([BC], dtype=out_ptr.dtype.element_ty),
                      mask=m_c & (t_c + t < n))
     else:
@@ -900,13 +885,13 @@ def _short_conv_extend_rows_kernel(
         q1 = tl.load(x_rows + (t0 + 1) * stride_x_row + offs_c, mask=m_c & (t_c + 1 < n), other=0.0)
         q2 = tl.load(x_rows + (t0 + 2) * stride_x_row + offs_c, mask=m_c & (t_c + 2 < n), other=0.0)
         q3 = tl.load(x_rows + (t0 + 3) * stride_x_row + offs_c, mask=m_c & (t_c + 3 < n), other=0.0)
-        for t in tl.static_range(RT):
+        for t in tl.static_range(BT):
             m_row = m_c & (t_c + t < n)
             x = q0.to(tl.float32)
             q0 = q1
             q1 = q2
             q2 = q3
-            if t + 4 < RT:
+            if t + 4 < BT:
                 q3 = tl.load(x_rows + (t0 + t + 4) * stride_x_row + offs_c, mask=m_c & (t_c + (t + 4) < n),
                              other=0.0)
             acc = tl.zeros([BC], dtype=tl.float32)
@@ -924,7 +909,7 @@ def _short_conv_extend_rows_kernel(
             p3 = p2
             p2 = p1
             p1 = x
-        if (j == 0) & (part == 0) & (slot != PAD_SLOT):
+        if (j == 0) & (slot != PAD_SLOT):
             _conv_new_history(x_rows, hist_ptrs, snap_rows_ptr, snap_ids_ptr, snap_ptr, seq, n, offs_c, m_c,
                               stride_x_row, stride_s_c, stride_s_k, stride_snap_slot, KW=KW, HP=HP)
 
@@ -1213,15 +1198,14 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if num_blocks == 0 or C == 0:
         return
     cfg = config or conv_extend_config(num_blocks, C, x.device)
-    grid = (num_blocks, cdiv(C, cfg.block_c)) + ((cfg.split,) if cfg.split > 1 else ())
+    grid = (num_blocks, cdiv(C, cfg.block_c))
     snap_rows, snap_ids, snap = (snapshots or StepSnapshots.none(R, conv_state)).checked(what, R, conv_state)
     kernel = _SHORT_CONV_EXTEND_ROWS if cfg.rows else _SHORT_CONV_EXTEND
-    part_rows = dict(RT=CONV_EXTEND_BLOCK_T // cfg.split) if cfg.rows else {}
     kernel[grid](
         x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks, snap_rows, snap_ids,
         snap, x.stride(0), out.stride(0), weight.stride(0), *conv_state.stride(), snap.stride(0),
         C, R,
         KW=K, HP=max(2, next_pow2(K - 1)), BT=CONV_EXTEND_BLOCK_T, BC=cfg.block_c,
         HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
-        num_warps=cfg.num_warps, **part_rows,
+        num_warps=cfg.num_warps,
     )
