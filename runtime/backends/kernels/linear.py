@@ -181,11 +181,13 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
 
 # The decode conv's tile: this many channels a program, on a warp per this many (8 channels a thread:
 # a 16-byte vector of each bfloat16 history column in the state pool's [K-1, C] storage), at every
-# request count. In conv_decode_probe.py on an H100 (bench qwen3_next's 8192 channels, bfloat16) a
-# kernel of this tile orientation over that storage took 1.80 / 3.63 / 8.08 / 14.04 us at 1 / 32 /
-# 128 / 256 requests, within 0.4 us of its best tile (512 to 2048 channels on 2 to 8 warps) at
-# each; the kernel over [C, K-1] storage before, at its tiles of 32 to 128 channels, 1.90 / 4.65 /
-# 11.76 / 20.53 (conv_decode_probe_h100_2026-12-06.json).
+# request count. In conv_decode_probe.py on an H100 (bench qwen3_next's 8192 channels, bfloat16) the
+# probe's kernel of this tile over that storage took 1.80 / 3.63 / 8.08 / 14.04 us at 1 / 32 / 128 /
+# 256 requests, within 0.4 us of its best tile (512 to 2048 channels on 2 to 8 warps) at each; the
+# kernel over [C, K-1] storage before 1.90 / 4.65 / 11.76 / 20.53. This kernel, before it took the
+# weight's row stride as K and the probe's store order, 2.49 / 4.60 / 10.82 / 16.95; since, not yet
+# timed (conv_decode_probe_h100_2026-12-06.json, conv_decode_probe_runtime_tile_h100_2026-12-06.json;
+# docs/DESIGN.md "Convolution histories stored channels-last").
 DECODE_CONV_CHANNELS = 256
 
 
@@ -584,9 +586,13 @@ def _short_conv_decode_kernel(
 
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
-        y, _ = conv_token(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row,
-                           stride_s_slot, stride_s_c, stride_s_k, KW=KW, KWP=KWP, HAS_BIAS=HAS_BIAS, SILU=SILU)
+        # conv_token's step with the output stored before the history, the order of the probe kernel
+        # measured for this tile (benchmarks/probes/conv_decode_probe.py `_channels_last_kernel`)
+        y, new_hist = conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row,
+                                  stride_s_slot, stride_s_c, stride_s_k, KW, KWP, HAS_BIAS, SILU)
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
+        tl.debug_barrier()  # every load of the history before any store of it (conv_token says why)
+        store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_s_c, stride_s_k, KW, KWP)
     else:
         tl.store(o_ptrs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=m_c)
 
@@ -624,9 +630,9 @@ def conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, strid
 
     The tile is history columns by channels, [KWP, BC]: over the state pool's [K-1, C] storage
     (CONV_HISTORY_CHANNELS_LAST) a column of the tile is BC contiguous values, which the compiler
-    lays out along the threads in 16-byte vectors. The [BC, KWP] tile over the same storage took
-    9.8 us against 8.0 at 128 requests of bench qwen3_next's 8192 channels on an H100, and over the
-    [C, K-1] storage before 11.8 (conv_decode_probe_h100_2026-12-06.json)."""
+    lays out along the threads in 16-byte vectors. A probe kernel of this tile took 8.0 us at 128
+    requests of bench qwen3_next's 8192 channels on an H100, where a [BC, KWP] tile over the same
+    storage took 9.8 and the [C, K-1] storage before 11.8 (DECODE_CONV_CHANNELS)."""
     cols = tl.arange(0, KWP)
     # [KWP, BC] pointers to the slot's history; columns 0..K-2 exist
     s_ptrs = state_ptr + slot * stride_s_slot + cols[:, None] * stride_s_k + offs_c[None, :] * stride_s_c
