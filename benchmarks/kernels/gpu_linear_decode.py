@@ -393,7 +393,7 @@ def run_case(case: Case, B: int, device, env: dict, log) -> dict:
     res["out_rel_err"] = max(s["out_rel_err"] for s in steps)
     res["state_rel_err"] = max(s["state_rel_err"] for s in steps)
     cfg = (TL.recurrent_config(B, case.hv, case.dk, case.dv, p.state.device) if case.recurrent
-           else TL.conv_config(B, case.channels, p.state.device))
+           else TL.conv_config(case.channels))
     res["default_config"] = dataclasses.asdict(cfg)
 
     # float32 inputs at batch 8 (tolerance 1e-4)

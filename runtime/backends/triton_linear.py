@@ -550,7 +550,7 @@ class TritonLinearBackend(BackendHooks):
         and Lightning layers, "fla" or "triton" (triton_chunk.chunk_extend); the routing option of the same name (CHUNK_IMPL_CHOICES), whose recorded choice
         build() passes. Built directly (tests, benchmarks), FLA's unless asked. `decode_tiles`: the
         routing option of the same name; "fixed" launches decode and verify steps with one tile at
-        every request count (triton_linear.fixed_recurrent_config, fixed_conv_config; unless a
+        every request count (triton_linear.fixed_recurrent_config; the conv's tile is one already; unless a
         config is pinned); "walk" launches decode steps of many requests on programs walking the
         tiles (walk_recurrent_config). `snapshots`: the prefix cache's SnapshotPool, which the chunk
         kernels and the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
@@ -1113,9 +1113,7 @@ class TritonLinearBackend(BackendHooks):
         if path == "extend":
             return self._conv_extend(ctx, x, weight, bias, out, layer_id, silu)
         slots, state = self._step_slots(ctx), self._layer_state(layer_id, "conv")
-        config = self.conv_config
-        if config is None and self.fixed_tiles:
-            config = _kernels().fixed_conv_config(x.shape[1])
+        config = self.conv_config  # None: the launch's tile, one at every batch (fixed tiles need none of their own)
         if n == 1:
             _kernels().short_conv_decode(x, weight, bias, out, state, slots, silu, config)
             return

@@ -75,7 +75,7 @@ from runtime.cache.state_pool import PADDING_SLOT, STATE_DTYPES, STATE_TORCH_DTY
 
 __all__ = [
     "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
-    "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config", "fixed_conv_config",
+    "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config",
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
     "recurrent_verify", "short_conv_verify", "extend_config", "walk_recurrent_config",
     "CONV_EXTEND_BLOCK_T", "conv_extend_config", "conv_extend_rows_config", "short_conv_extend", "StepSnapshots",
@@ -191,11 +191,12 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
 DECODE_CONV_CHANNELS = 256
 
 
-def conv_config(batch: int, channels: int, device: torch.device) -> ConvConfig:
-    """Channel tile of the decode and verify convs: DECODE_CONV_CHANNELS channels a program on one
-    warp, whatever the batch (fewer where the layer has fewer channels). `batch` and `device` are
-    the launch's, for a rule that would weigh them; this one does not."""
-    return _conv_tile(DECODE_CONV_CHANNELS, channels)
+def conv_config(channels: int) -> ConvConfig:
+    """Channel tile of the decode and verify convs: DECODE_CONV_CHANNELS channels a program, a warp
+    per DECODE_CONV_CHANNELS (fewer where the layer has fewer channels). One tile at every request
+    count, so decode_tiles="fixed" (batch invariance) needs no conv tile of its own."""
+    block_c = min(DECODE_CONV_CHANNELS, max(32, next_pow2(channels)))
+    return ConvConfig(block_c, max(1, block_c // DECODE_CONV_CHANNELS))
 
 
 # decode_tiles="walk": decode launches of many tiles walk them (RecurrentConfig.walk). Programs an
@@ -221,13 +222,6 @@ def walk_recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torc
     return dataclasses.replace(cfg, walk=WALK_PER_SM, stages=WALK_STAGES)
 
 
-def _conv_tile(block_c: int, channels: int) -> ConvConfig:
-    """A decode-conv tile of block_c channels (fewer where the layer has fewer), a warp per
-    DECODE_CONV_CHANNELS."""
-    block_c = min(block_c, max(32, next_pow2(channels)))
-    return ConvConfig(block_c, max(1, min(8, block_c // DECODE_CONV_CHANNELS)))
-
-
 # decode_tiles="fixed" (hgc compile --batch-invariant): one tile for every request count, since a
 # different tile reduces a request's state and window in a different order. The tile chosen is the
 # one that serves a full batch best, not one request's: in the tile sweep of
@@ -251,12 +245,6 @@ def fixed_recurrent_config(heads: int, dk: int, dv: int, device: torch.device) -
     """The decode and verify tile of decode_tiles="fixed": what `recurrent_config` picks once the
     batch fills the device (Dv 64, 4 warps at Dk = Dv = 128)."""
     return recurrent_config(4 * num_sms(device), heads, dk, dv, device)
-
-
-def fixed_conv_config(channels: int) -> ConvConfig:
-    """The decode and verify conv tile of decode_tiles="fixed": `conv_config`'s, which is the same
-    at every batch."""
-    return _conv_tile(DECODE_CONV_CHANNELS, channels)
 
 
 # Tokens one extend-conv program owns. The block table is planned once per step for this size,
@@ -1142,7 +1130,7 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
         bias = bias.contiguous()
     if B == 0:
         return
-    cfg = config or conv_config(B, C, x.device)
+    cfg = config or conv_config(C)
     assert cfg.block_c >= 32 * cfg.num_warps, f"short_conv: {cfg} leaves threads idle"
     assert not cfg.rows, f"short_conv: {cfg} is a row-streaming tile, a layout of the extend conv only"
     grid = (B, cdiv(C, cfg.block_c))

@@ -282,15 +282,16 @@ def test_walk_decode_tiles_is_a_routing_option(monkeypatch):
 
 
 @in_process
-@pytest.mark.parametrize("op,layer_id", [("gdn_core", 0), ("short_conv", 0)])
+@pytest.mark.parametrize("op,layer_id", [("gdn_core", 0)])
 def test_fixed_decode_tiles_launch_one_tile_at_any_batch(monkeypatch, op, layer_id):
     """decode_tiles="fixed" (hgc compile --batch-invariant): a decode step of one request and one of 8
-    rows launch with the same tile (triton_linear.fixed_recurrent_config / fixed_conv_config), so a
-    request's state reduces in one order whatever shares its step; the results still match the
-    reference. The default picks tiles by the request count (the launch's own choice)."""
-    kernel = {"gdn_core": "recurrent_decode", "short_conv": "short_conv_decode"}[op]
+    rows launch with the same tile (triton_linear.fixed_recurrent_config), so a request's state
+    reduces in one order whatever shares its step; the results still match the reference. The
+    default picks tiles by the request count (the launch's own choice). The conv's tile is a
+    function of its channels alone (`conv_config`)."""
+    kernel = "recurrent_decode"
     _, hk, hv, dk, dv = LAYERS[layer_id]
-    fixed = TL.fixed_recurrent_config(hv, dk, dv, torch.device(DEVICE)) if op == "gdn_core" else TL.fixed_conv_config(C)
+    fixed = TL.fixed_recurrent_config(hv, dk, dv, torch.device(DEVICE))
     launched = []
     real = getattr(TL, kernel)
     monkeypatch.setattr(TL, kernel, lambda *a: launched.append(a[-1]) or real(*a))
@@ -309,9 +310,8 @@ def test_fixed_tiles_are_a_full_batchs_at_qwen3_next_dims():
     dev = torch.device("cpu")
     assert TL.fixed_recurrent_config(32, 128, 128, dev) == TL.recurrent_config(4096, 32, 128, 128, dev) == \
         TL.RecurrentConfig(64, 4)
-    assert TL.fixed_conv_config(8192) == TL.conv_config(1, 8192, dev) == TL.conv_config(256, 8192, dev) == \
-        TL.ConvConfig(256, 1)
-    assert TL.fixed_conv_config(48) == TL.ConvConfig(64, 1)  # a tiny layer: no tile wider than its channels
+    assert TL.conv_config(8192) == TL.ConvConfig(256, 1)
+    assert TL.conv_config(48) == TL.ConvConfig(64, 1)  # a tiny layer: no tile wider than its channels
 
 
 @in_process
