@@ -529,10 +529,11 @@ class TritonLinearBackend(BackendHooks):
             "and in extend and mixed where our own kernels run (KDA, and chunk_impl=fla, in steps of up to "
             "short_extend_tokens tokens; KDA at every size on FLA's graph form with kda_graph=on)")
 
-    # The extend conv's layout: None row streaming (conv_extend_rows_config) for steps of at least
-    # CONV_EXTEND_ROWS_MIN_TOKENS rows and kernel widths up to CONV_EXTEND_ROWS_MAX_K (every released
-    # model's: 4), else the tile kernel (conv_extend_config); True / False one layout at every step
-    # (tests and benchmarks; True still leaves wider kernels to the tile). kernels/linear.py says why.
+    # The extend conv's layout: None row streaming (conv_extend_rows_config) where
+    # conv_extend_takes_rows says (long steps, or tables laid out for many requests; kernel widths up
+    # to CONV_EXTEND_ROWS_MAX_K, every released model's 4), else the tile kernel (conv_extend_config);
+    # True / False one layout at every step (tests and benchmarks; True still leaves wider kernels to
+    # the tile). kernels/linear.py says why.
     conv_extend_rows: bool | None = None
 
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
@@ -1011,9 +1012,11 @@ class TritonLinearBackend(BackendHooks):
         """The Triton extend conv, one launch: every request's tokens, its new history, zero padding rows."""
         plan = self._extend_plan(self._step_plan(ctx), "short_conv")
         kernels = _kernels()
-        long_step = x.shape[0] >= kernels.CONV_EXTEND_ROWS_MIN_TOKENS  # padded rows: one choice per bucket
-        rows = (long_step if self.conv_extend_rows is None else self.conv_extend_rows) and \
-            weight.shape[-1] <= kernels.CONV_EXTEND_ROWS_MAX_K
+        width = weight.shape[-1]
+        if self.conv_extend_rows is None:  # by the padded rows and the table's length: one choice per bucket
+            rows = kernels.conv_extend_takes_rows(x.shape[0], plan.conv_blocks.shape[0], width)
+        else:
+            rows = self.conv_extend_rows and width <= kernels.CONV_EXTEND_ROWS_MAX_K
         config = kernels.conv_extend_rows_config(x.shape[1]) if rows else None
         kernels.short_conv_extend(x, weight, bias, out, self._layer_state(layer_id, "conv"), plan.slots,
                                   plan.padded_bounds, plan.conv_blocks, silu,

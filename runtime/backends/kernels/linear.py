@@ -78,8 +78,8 @@ __all__ = [
     "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config",
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
     "recurrent_verify", "short_conv_verify", "extend_config", "walk_recurrent_config",
-    "CONV_EXTEND_BLOCK_T", "conv_extend_config", "conv_extend_rows_config", "short_conv_extend", "StepSnapshots",
-    "history_strided",
+    "CONV_EXTEND_BLOCK_T", "conv_extend_config", "conv_extend_rows_config", "conv_extend_takes_rows",
+    "short_conv_extend", "StepSnapshots", "history_strided",
 ]
 
 # How the log-decay is given (a constexpr of the kernel).
@@ -280,6 +280,28 @@ CONV_EXTEND_ROWS_MAX_K = 4
 # took 26 us at 512 tokens against the tile's 15, and 70 against 85 at 4096 (steps between
 # unmeasured; the kernel alone at 2048: 53 against 73 us).
 CONV_EXTEND_ROWS_MIN_TOKENS = 2048
+
+
+def conv_extend_takes_rows(rows: int, table_blocks: int, width: int) -> bool:
+    """Whether an extend conv of `rows` rows (padding included) over a block table of
+    `table_blocks` rows takes the row-streaming kernel (triton_linear's default): at least
+    CONV_EXTEND_ROWS_MIN_TOKENS rows, or a table of more than twice the blocks those rows fill
+    (one laid out for many requests, as a served artifact's buckets are: min(tokens, 256) request
+    rows), for kernel widths up to CONV_EXTEND_ROWS_MAX_K.
+
+    Every table row is a program of either kernel, empty or not, and the tile kernel has eight
+    times the row kernel's programs a block row (128 channels against 1024), so a table of mostly
+    empty or short blocks costs it the most. Bench qwen3_next's 8192 channels at 512 tokens:
+    - over a table laid out for 256 requests (273 block rows, 16 filled), the kernels alone (x warm
+      in L2): tile 38.9 us, rows 17.0 on an H200 (conv_extend_rows_lookahead_h200_2026-12-04.json),
+      38.9 and 16.8 on an H100 (conv_extend_split_h100_2026-12-06.json);
+    - over one request's table (18 block rows), in whole steps on an H200: tile 15 us a layer, rows
+      26 (benchmarks/history/linear_extend.md, "The extend conv streamed by rows").
+    Tables between those (3 to 16 block rows a filled one) are not measured: twice the filled rows
+    is a line the two measured layouts fall on either side of, not a measured crossing.
+    """
+    filled = cdiv(rows, CONV_EXTEND_BLOCK_T)
+    return width <= CONV_EXTEND_ROWS_MAX_K and (rows >= CONV_EXTEND_ROWS_MIN_TOKENS or table_blocks > 2 * filled)
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of its argument, on every launch path

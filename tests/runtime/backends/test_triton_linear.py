@@ -1182,8 +1182,9 @@ def test_conv_extend_is_one_launch_and_refuses_what_it_cannot_run_naming_the_lay
 
 @in_process
 def test_a_step_of_conv_extend_rows_min_tokens_rows_takes_the_row_streaming_conv(monkeypatch):
-    """The backend's default layout by the step's padded rows: the same 44-row step as above takes the
-    row-streaming kernel once the bound is 44 (CONV_EXTEND_ROWS_MIN_TOKENS), the tile below it."""
+    """The backend's default layout by the step's padded rows: the same 44-row step as above (4 block
+    rows for 2 filled) takes the row-streaming kernel once the bound is 44 (CONV_EXTEND_ROWS_MIN_TOKENS),
+    the tile below it."""
     rows, tile = CountingKernel(TL._SHORT_CONV_EXTEND_ROWS), CountingKernel(TL._SHORT_CONV_EXTEND)
     monkeypatch.setattr(TL, "_SHORT_CONV_EXTEND_ROWS", rows)
     monkeypatch.setattr(TL, "_SHORT_CONV_EXTEND", tile)
@@ -1192,6 +1193,39 @@ def test_a_step_of_conv_extend_rows_min_tokens_rows_takes_the_row_streaming_conv
         monkeypatch.setattr(TL, "CONV_EXTEND_ROWS_MIN_TOKENS", bound)
         run_op(tri, ctx, "short_conv", 1, x, torch.float32, DEVICE)
     assert tile.grids == [(4, 1)] and rows.grids == [(4, 1)]
+
+
+@in_process
+def test_a_short_step_over_a_table_of_many_block_rows_takes_the_row_streaming_conv(monkeypatch):
+    """Five one-token requests and three padding rows: 8 rows fill one block, the table has 6 block
+    rows (one a request, one the padding's), so the short step takes the row-streaming kernel, and
+    gives what the tile kernel gives."""
+    rows, tile = CountingKernel(TL._SHORT_CONV_EXTEND_ROWS), CountingKernel(TL._SHORT_CONV_EXTEND)
+    monkeypatch.setattr(TL, "_SHORT_CONV_EXTEND_ROWS", rows)
+    monkeypatch.setattr(TL, "_SHORT_CONV_EXTEND", tile)
+    outs = []
+    for layout in (None, False):
+        _, dev_pool = make_pools(0)
+        tri = TritonLinearBackend(dev_pool)
+        tri.conv_extend_rows = layout
+        ctx = mode_step(Mode.EXTEND, [(slot, 3, 1) for slot in (1, 2, 4, 5, 7)], pad_tokens=3, pad_seqs=1)
+        plan_eager_step(tri, ctx, 64)
+        x = step_inputs("short_conv", 1, 8, 5, torch.float32, torch.Generator().manual_seed(1))
+        outs.append((run_op(tri, ctx, "short_conv", 1, x, torch.float32, DEVICE).cpu(),
+                     dev_pool.buffers[1]["conv"].cpu().clone()))
+    assert rows.grids == [(6, 1)] and tile.grids == [(6, 1)]
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_extend_conv_takes_rows_by_the_steps_rows_and_its_tables_length():
+    """The measured layouts of bench qwen3_next's 512-token bucket: 273 block rows (256 requests) take
+    the row kernel, 18 (one request) the tile; 4096 rows the row kernel whatever the table; a kernel
+    wider than CONV_EXTEND_ROWS_MAX_K never."""
+    assert TL.conv_extend_takes_rows(512, 273, 4) and not TL.conv_extend_takes_rows(512, 18, 4)
+    assert TL.conv_extend_takes_rows(4096, 130, 4) and TL.conv_extend_takes_rows(2048, 66, 2)
+    assert not TL.conv_extend_takes_rows(512, 273, TL.CONV_EXTEND_ROWS_MAX_K + 1)
+    assert not TL.conv_extend_takes_rows(512, 32, 4) and TL.conv_extend_takes_rows(512, 33, 4)
 
 
 # -- host work per layer ---------------------------------------------------------------------------
