@@ -270,8 +270,9 @@ def time_short(spec, T: int, R: int, device, override: dict, reps: int, bucket_s
 
 def conv_configs(dry: bool) -> dict[str, TL.ConvConfig | str | None]:
     """The extend conv's candidates at short steps: "default" the backend's choice for a captured
-    step (conv_extend_config from the padded table's length, every request row the bucket could
-    hold); "one request" the choice for one request of the bucket's rows; then fixed tiles. The
+    step (conv_extend_takes_rows over the padded table, every request row the bucket could hold:
+    conv_extend_rows_config, else conv_extend_config from the table's length); "one request" the
+    tile for one request of the bucket's rows; then fixed tiles. The
     table's empty rows are programs too (each loads the table and the bounds before it returns),
     so a narrower tile multiplies them: the sweep weighs that against the real blocks' latency.
     "rows ...": the row-streaming layout (ConvConfig.rows; x read once, 8 channels a thread),
@@ -326,10 +327,12 @@ def conv_run(args: dict, out: torch.Tensor, config) -> None:
                          args["blocks"], True, config=config)
 
 
-def conv_config_of(name, chosen, T: int, C: int, blocks: int, device):
+def conv_config_of(name, chosen, T: int, C: int, K: int, blocks: int, device):
     if chosen is None:
         return TL.conv_extend_config(cdiv(T, TL.CONV_EXTEND_BLOCK_T), C, torch.device(device))
     if chosen == "table":
+        if TL.conv_extend_takes_rows(T, blocks, K):
+            return TL.conv_extend_rows_config(C)
         return TL.conv_extend_config(blocks, C, torch.device(device))
     if chosen == "rows":
         return TL.conv_extend_rows_config(C)
@@ -367,7 +370,7 @@ def sweep_conv(C: int, K: int, shapes, device, reps: int, bucket_seqs: int, dry:
               + (f", kernel {entry['kernel_ms']:.4f} ms" if entry.get("kernel_ms") else "")
               + conv_rate(entry, moved), flush=True)
         for name, chosen in conv_configs(dry).items():
-            cfg = conv_config_of(name, chosen, T, C, args["blocks"].shape[0], device)
+            cfg = conv_config_of(name, chosen, T, C, K, args["blocks"].shape[0], device)
             fresh = dict(args, state=args["state"].clone())
             out = torch.full((T, C), float("nan"), dtype=torch.bfloat16, device=device)
             conv_run(fresh, out, cfg)
