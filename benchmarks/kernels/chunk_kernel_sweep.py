@@ -116,14 +116,27 @@ def configs(dry: bool) -> dict[str, dict]:
     }
 
 
+# An override's key: chunk.TABLE_PROGRAMS_PER_SM for its launches (the programs a walking grid
+# keeps over the bucket's padded table; a count past the table's rows launches a program a row).
+PER_SM = "table programs an SM"
+A_PROGRAM_A_ROW = {PER_SM: 10 ** 9}
+
+
 def short_configs(dry: bool) -> dict[str, dict]:
     """--short's candidates: named overrides of the single-chunk tiles, "block_t" the chunk length
-    (else chunk_length of the step's tokens), "long tiles" the long steps' tiles."""
+    (else chunk_length of the step's tokens), "long tiles" the long steps' tiles, PER_SM the
+    programs an SM that the kernels keep over the padded table ("a program a row": none walk)."""
     if dry:
         return {"default": {}, "chunk 64": {"block_t": 64}, "long tiles": {"long tiles": True, "block_t": 64},
-                "chunk 16": {"block_t": 16}, "out bv16": {"out_block_v": 16}}
+                "chunk 16": {"block_t": 16}, "out bv16": {"out_block_v": 16}, "a program a row": A_PROGRAM_A_ROW,
+                # no floor: one request's rows of programs, so the tiny dims' grids walk too
+                "walk 0 an SM": {PER_SM: 0}}
     return {
         "default": {},
+        "a program a row": A_PROGRAM_A_ROW,  # the kernels over padded tables before they walked them
+        "walk 2 an SM": {PER_SM: 2},
+        "walk 8 an SM": {PER_SM: 8},
+        "walk 16 an SM": {PER_SM: 16},
         # what captured short steps ran before: 64-row chunks, the long steps' tiles
         "before": {"block_t": 64, "long tiles": True},
         "chunk 64": {"block_t": 64},
@@ -153,7 +166,7 @@ def short_configs(dry: bool) -> dict[str, dict]:
 def config_for(R: int, H: int, D: int, device, override: dict, rows: int | None = None) -> TC.ChunkConfig:
     """chunk_config's tiles for R requests (single-chunk tiles where `rows` fit a chunk) with the
     override's ChunkConfig fields."""
-    fields = {k: v for k, v in override.items() if k not in ("block_t", "long tiles")}
+    fields = {k: v for k, v in override.items() if k not in ("block_t", "long tiles", PER_SM)}
     single = rows is not None and TC.takes_short_tiles(rows) and not override.get("long tiles")
     return dataclasses.replace(TC.chunk_config(R, H, D, torch.device(device), single), **fields)
 
@@ -206,17 +219,32 @@ def check_case(spec, device, block_t: int = TC.CHUNK_T):
     return lens, x, states, slots, tables, ref_out, ref_states
 
 
-def check(spec, device, override: dict, rows: int | None = None) -> dict:
+def with_programs_an_sm(override: dict, fn) -> None:
+    """fn() with chunk.TABLE_PROGRAMS_PER_SM as the override names it (PER_SM; else as it is)."""
+    held = TC.TABLE_PROGRAMS_PER_SM
+    TC.TABLE_PROGRAMS_PER_SM = override.get(PER_SM, held)
+    try:
+        fn()
+    finally:
+        TC.TABLE_PROGRAMS_PER_SM = held
+
+
+def check(spec, device, override: dict, rows: int | None = None, bucket_seqs: int | None = None) -> dict:
     """One launch of CHECK_LENS requests against the recurrence, per request, in the override's
     chunk length (--short: chunk_length of `rows` where it names none) and tiles (those of a step of
-    `rows` rows)."""
+    `rows` rows); with `bucket_seqs` over tables padded as a captured bucket's (captured_chunk_tables:
+    that many request rows, at least the requests'), so the kernels walk them as the timed steps do."""
     op, _, hk, hv, dk, dv = spec
     block_t = override.get("block_t") or (TC.chunk_length(rows) if rows else TC.CHUNK_T)
     lens, x, states, slots, tables, ref_out, ref_states = check_case(spec, device, block_t)
+    if bucket_seqs is not None:
+        padded = captured_chunk_tables(lens, slots, sum(lens), max(len(lens), bucket_seqs), block_t, device)
+        tables = dict(zip(("slots", "bounds", "chunks"), padded))
     dev_states = states.to(device, copy=True)  # the launch writes it; the cached case's stays as it was
     out = torch.zeros(sum(lens), hv, dv, dtype=torch.bfloat16, device=device)
-    run(spec, {k: v.to(device) for k, v in x.items()}, dev_states, tables, out,
-        config_for(len(lens), hv, dv, device, override, rows), block_t)
+    cfg = config_for(len(lens), hv, dv, device, override, rows)
+    with_programs_an_sm(override, lambda: run(spec, {k: v.to(device) for k, v in x.items()}, dev_states, tables,
+                                              out, cfg, block_t))
     out, dev_states = out.float().cpu(), dev_states.cpu()
     worst_out = worst_state = 0.0
     at = 0
@@ -260,12 +288,15 @@ def time_short(spec, T: int, R: int, device, override: dict, reps: int, bucket_s
     cfg = config_for(1, hv, dv, device, override, T)
     work = TC.ChunkWorkspaces.allocate(T, chunks.shape[0], hv, dk, dv, torch.bfloat16, op != "lightning_core",
                                        torch.device(device))
-    fn = lambda: run(spec, x, state, tables, out, cfg, block_t, work)  # noqa: E731
+    def fn() -> None:
+        with_programs_an_sm(override, lambda: run(spec, x, state, tables, out, cfg, block_t, work))
+
     if device != "cpu":
         fn()
     split = device_ms_by_kernel(fn)
     return {"wall_ms": bench_ms(fn, reps), "kernel_ms": sum(split.values()) if split else None, "kernels": split,
-            "config": dataclasses.asdict(cfg), "block_t": block_t, "bucket_seqs": seqs}
+            "config": dataclasses.asdict(cfg), "block_t": block_t, "bucket_seqs": seqs,
+            "programs_an_sm": override.get(PER_SM, TC.TABLE_PROGRAMS_PER_SM)}
 
 
 def conv_configs(dry: bool) -> dict[str, TL.ConvConfig | str | None]:
@@ -472,7 +503,7 @@ def main() -> int:
                 cfg = config_for(1, spec[3], spec[5], device, override, rows)
                 key = (override.get("block_t") or (TC.chunk_length(rows) if rows else TC.CHUNK_T), cfg)
                 if key not in checked:
-                    checked[key] = check(spec, device, override, rows)
+                    checked[key] = check(spec, device, override, rows, args.bucket_seqs if args.short else None)
             c = fam["checks"][name] = {"out_rel_err": max(v["out_rel_err"] for v in checked.values()),
                                        "state_rel_err": max(v["state_rel_err"] for v in checked.values()),
                                        "ok": all(v["ok"] for v in checked.values())}

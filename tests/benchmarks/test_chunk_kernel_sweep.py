@@ -88,3 +88,19 @@ def test_short_dry_run_times_the_buckets_steps_and_the_conv(tmp_path):
         assert not row["one request"]["config"]["rows"]
         tokens = int(shape.split("x")[0])
         assert row["copy (copy-rate reference)"]["bytes"] == 2 * tokens * 24 * 2  # bf16 x read, out written
+
+
+def test_short_dry_run_checks_and_times_the_walking_grids_over_padded_tables(tmp_path):
+    """--short's PER_SM candidates: each checked over a padded table of the bucket's request rows (with
+    no floor on the programs an SM the kernels walk it; "a program a row" launches one a row), then
+    timed over the bucket's own table, the count it ran at kept with its timing."""
+    proc = sweep(tmp_path, "--short", "--families", "gdn", "--configs", "default,a program a row,walk 0 an SM",
+                 "--shapes", "16x1", "--bucket-seqs", "16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "chunk_kernel_sweep.json").read_text())
+    fam = doc["families"]["gdn"]
+    assert set(fam["checks"]) == {"default", "a program a row", "walk 0 an SM"}
+    assert all(c["ok"] for c in fam["checks"].values()), fam["checks"]
+    (row,) = fam["timings"]
+    assert row["ours"]["walk 0 an SM"]["programs_an_sm"] == 0 and row["ours"]["walk 0 an SM"]["bucket_seqs"] == 16
+    assert row["ours"]["a program a row"]["programs_an_sm"] == 10 ** 9

@@ -783,14 +783,17 @@ CAPTURED_CHUNK_BUCKETS = {
     (512, 4): {0: [], 1: [1], 64: [64], 65: [40, 25], 512: [300, 100, 100, 12]},
     (32, 32): {0: [], 1: [1], 20: [1, 16, 3], 32: [32], 31: [1] * 31},
     (16, 16): {0: [], 16: [5, 11], 15: [15]},
+    # a served artifact's layout (256 request rows): the kernels walk the table (chunk._table_programs)
+    (512, 256): {0: [], 300: [300], 511: [256] + [1] * 255, 64: [64]},
 }
 
 
 @pytest.mark.parametrize("bucket", list(CAPTURED_CHUNK_BUCKETS), ids=lambda b: f"{b[0]}x{b[1]}")
 @pytest.mark.parametrize("op", ["gdn_core", "lightning_core"])
 def test_a_captured_chunk_step_writes_zeros_over_its_padding_rows(op, bucket):
-    """chunk_extend over tables padded to a bucket (512 rows and 4 requests; the short buckets of
-    32 and 16 rows, one request row a row, in chunks of their rows), the padding rows the tables'
+    """chunk_extend over tables padded to a bucket (512 rows and 4 requests, or 256 as a served
+    artifact's, whose grids walk the table; the short buckets of 32 and 16 rows, one request row a
+    row, in chunks of their rows), the padding rows the tables'
     last request (testkit.linear_cases.captured_chunk_tables, the backend's 64-row table), bf16 at
     bench dims, the backend's graph tiles and workspaces. On a GPU the launches are captured once
     in a CUDA graph from the step without real rows and replayed with steps of other real rows,

@@ -250,7 +250,8 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device, singl
     request in 64-row chunks: 10.4 us solve, 5.9 state, 5.0 output a GDN layer). More programs in
     flight shorten it only where they are not empty: a captured bucket's grid covers every request
     row it could hold (a 32-row bucket: 33 request rows, one real in a prompt's step), and every
-    program of an empty row still loads the tables before it returns. So: the state kernel's
+    program of an empty row still loads the tables before it returns (fewer since such grids walk
+    their rows: `_table_programs`). So: the state kernel's
     32-column tiles (what one request takes anyway), 32-column output tiles (twice the long steps'
     programs, each with half their state product), one stage (no chunk loop to pipeline) and the
     solve's W and U columns over two programs. An estimate, for benchmarks/kernels/chunk_kernel_sweep.py
@@ -267,6 +268,29 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device, singl
 
 # Requests the state kernel sums at a time to find a request's first chunk (its row of the table).
 _REQUEST_BLOCK = 128
+
+# Programs an SM, at the least, that a walking kernel's grid keeps (`_table_programs`).
+TABLE_PROGRAMS_PER_SM = 4
+
+
+def _table_programs(table_rows: int, one_request_rows: int, programs_a_row: int, padded: bool,
+                    device: torch.device) -> tuple[int, bool]:
+    """(grid rows, WALK) of a kernel with a program per table row (a request, or a chunk row) and
+    `programs_a_row` programs a row. Over a padded table (a captured bucket's, laid out for every
+    request the bucket could hold: most rows empty in a step of few requests) a program per row
+    would launch them all, and every empty program still loads the table before it returns, at the
+    occupancy the kernel's registers and shared memory allow: over bench qwen3_next's 512-token
+    bucket laid out for 256 requests, a one-request step's state kernel took 113.5 us against 15.9
+    over its own table, the solve 36.0 against 15.6, the output 28.6 against 12.1 (an H200,
+    conv_extend_rows_lookahead_h200_2026-12-04.json against chunk_kernel_sweep_step_snapshots_h200_
+    2026-12-03.json). So there the grid keeps as many rows as one request's step fills
+    (`one_request_rows`), and at least TABLE_PROGRAMS_PER_SM programs an SM, and each program walks
+    the rows a grid's width apart up to the last row with rows (WALK); a table no longer than
+    that, or an eager step's (every row live), keeps a program a row."""
+    if not padded:
+        return table_rows, False
+    rows = max(one_request_rows, cdiv(TABLE_PROGRAMS_PER_SM * num_sms(device), programs_a_row))
+    return (table_rows, False) if table_rows <= rows else (rows, True)
 
 
 # One set of workspaces per (device, Hv, Dk, Dv, dtype), shared by every layer of that shape: the
@@ -481,7 +505,7 @@ def _chunk_solve_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
     stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
     stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row, stride_u_head,
-    stride_t_chunk, stride_t_head, num_seqs,
+    stride_t_chunk, stride_t_head, num_seqs, table_seqs,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
     BVF: tl.constexpr,  # next power of two >= DV (at least 16): all of Dv in one program
     BKW: tl.constexpr,  # key columns of W this program stores (BK: all of them)
@@ -489,62 +513,90 @@ def _chunk_solve_kernel(
     BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
     SCRATCH: tl.constexpr,  # T through the matrix workspace t (else in registers; t is then never read)
     SQUARINGS: tl.constexpr,  # log2(BT // BS) - 1, at least 0
+    WALK: tl.constexpr, BR: tl.constexpr,  # `_table_rows`
 ):
     """W and U of one chunk and value head (module docstring): A, then T = (I + A)^-1 by blocks,
     then W = T R_w and U = T R_u, in column tile program_id(2) of each (BKW and BVW columns: every
-    tile's program forms T). Request num_seqs (the padding rows) has no W or U."""
-    chunk = tl.program_id(0).to(tl.int64)
+    tile's program forms T). Request num_seqs (the padding rows) has no W or U. WALK: program
+    (c, ...) takes chunk rows c, c + the grid's width, ... up to the table's last row with rows
+    (`_table_rows`)."""
     head = tl.program_id(1)
     col_tile = tl.program_id(2)
+    if WALK:
+        live = _first_chunk(bounds_ptr, table_seqs, BT=BT, BR=BR)
+        for chunk in range(tl.program_id(0).to(tl.int64), live, tl.num_programs(0)):
+            _solve_chunk(chunk, head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr,
+                         bounds_ptr, chunks_ptr, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                         stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_w_row, stride_w_head,
+                         stride_u_row, stride_u_head, stride_t_chunk, stride_t_head, num_seqs, GROUP=GROUP, DK=DK,
+                         DV=DV, BK=BK, BKW=BKW, BVW=BVW, BT=BT, BS=BS, GATE=GATE, DOT_PREC=DOT_PREC,
+                         LOWP=LOWP, SCRATCH=SCRATCH, SQUARINGS=SQUARINGS)
+    else:
+        _solve_chunk(tl.program_id(0).to(tl.int64), head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr,
+                     t_ptr, bounds_ptr, chunks_ptr, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                     stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_w_row, stride_w_head,
+                     stride_u_row, stride_u_head, stride_t_chunk, stride_t_head, num_seqs, GROUP=GROUP, DK=DK,
+                     DV=DV, BK=BK, BKW=BKW, BVW=BVW, BT=BT, BS=BS, GATE=GATE, DOT_PREC=DOT_PREC,
+                     LOWP=LOWP, SCRATCH=SCRATCH, SQUARINGS=SQUARINGS)
+
+
+@triton.jit
+def _solve_chunk(chunk, head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
+                 stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
+                 stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row, stride_u_head,
+                 stride_t_chunk, stride_t_head, num_seqs,
+                 GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                 BKW: tl.constexpr, BVW: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr,
+                 DOT_PREC: tl.constexpr, LOWP: tl.constexpr, SCRATCH: tl.constexpr, SQUARINGS: tl.constexpr):
+    """`_chunk_solve_kernel`'s work for chunk row `chunk` of the table."""
     key_head = head // GROUP
     req = tl.load(chunks_ptr + 2 * chunk)
     start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
     n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
     # n <= 0: a row of a captured step's table past the step's chunks (an empty request's)
-    if (n <= 0) | (req == num_seqs):
-        return
-    offs_t = tl.arange(0, BT)
-    offs_k = tl.arange(0, BK)
-    m_t = offs_t < n
-    m_k = offs_k < DK
-    rows = start + offs_t
-    k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :],
-                mask=m_t[:, None] & m_k[None, :], other=0.0)
-    beta = tl.load(beta_ptr + rows * stride_b_row + head * stride_b_head, mask=m_t, other=0.0).to(tl.float32)
-    gate = _chunk_gates(g_ptr, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
-    if LOWP:  # 16-bit keys: their products are exact either way, the 16-bit tensor cores faster
-        kk = tl.dot(k, tl.trans(k))
-    else:
-        kk = tl.dot(k.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=DOT_PREC)
-    # A, strictly lower, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
-    lower = offs_t[:, None] > offs_t[None, :]
-    a = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gate[:, None] - gate[None, :], 0.0)), 0.0)
-    if SCRATCH:
-        t = _unit_lower_inverse_in_scratch(a, t_ptr + chunk * stride_t_chunk + head * stride_t_head, BT=BT, BS=BS,
-                                           DOT_PREC=DOT_PREC)
-    else:
-        t = _unit_lower_inverse_in_registers(a, BT=BT, BS=BS, SQUARINGS=SQUARINGS, DOT_PREC=DOT_PREC)
-    if LOWP:  # T and the right-hand sides in the workspace's 16 bits, as FLA's (module docstring, precision)
-        t = t.to(w_ptr.dtype.element_ty)
-    # W, then U: one [BT, D] right-hand side live at a time. Only the chunk's own rows are stored:
-    # the rows after it belong to the next request.
-    if BKW == BK:
-        k_cols = k
-    else:  # this tile's key columns, again from memory (the whole rows were loaded for A)
-        offs_k = col_tile * BKW + tl.arange(0, BKW)
+    if (n > 0) & (req != num_seqs):
+        offs_t = tl.arange(0, BT)
+        offs_k = tl.arange(0, BK)
+        m_t = offs_t < n
         m_k = offs_k < DK
-        k_cols = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :],
-                         mask=m_t[:, None] & m_k[None, :], other=0.0)
-    w = _times_t(t, (beta * tl.exp(gate))[:, None] * k_cols.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
-    tl.store(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :],
-             w.to(w_ptr.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
-    offs_v = col_tile * BVW + tl.arange(0, BVW)
-    m_v = offs_v < DV
-    v = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
-                mask=m_t[:, None] & m_v[None, :], other=0.0)
-    u = _times_t(t, beta[:, None] * v.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
-    tl.store(u_ptr + rows[:, None] * stride_u_row + head * stride_u_head + offs_v[None, :],
-             u.to(u_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        rows = start + offs_t
+        k = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :],
+                    mask=m_t[:, None] & m_k[None, :], other=0.0)
+        beta = tl.load(beta_ptr + rows * stride_b_row + head * stride_b_head, mask=m_t, other=0.0).to(tl.float32)
+        gate = _chunk_gates(g_ptr, start, n, head, stride_g_row, stride_g_head, BT=BT, GATE=GATE)
+        if LOWP:  # 16-bit keys: their products are exact either way, the 16-bit tensor cores faster
+            kk = tl.dot(k, tl.trans(k))
+        else:
+            kk = tl.dot(k.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=DOT_PREC)
+        # A, strictly lower, masked before exp (G_i - G_j > 0 above the diagonal could overflow)
+        lower = offs_t[:, None] > offs_t[None, :]
+        a = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gate[:, None] - gate[None, :], 0.0)), 0.0)
+        if SCRATCH:
+            t = _unit_lower_inverse_in_scratch(a, t_ptr + chunk * stride_t_chunk + head * stride_t_head, BT=BT, BS=BS,
+                                               DOT_PREC=DOT_PREC)
+        else:
+            t = _unit_lower_inverse_in_registers(a, BT=BT, BS=BS, SQUARINGS=SQUARINGS, DOT_PREC=DOT_PREC)
+        if LOWP:  # T and the right-hand sides in the workspace's 16 bits, as FLA's (module docstring, precision)
+            t = t.to(w_ptr.dtype.element_ty)
+        # W, then U: one [BT, D] right-hand side live at a time. Only the chunk's own rows are stored:
+        # the rows after it belong to the next request.
+        if BKW == BK:
+            k_cols = k
+        else:  # this tile's key columns, again from memory (the whole rows were loaded for A)
+            offs_k = col_tile * BKW + tl.arange(0, BKW)
+            m_k = offs_k < DK
+            k_cols = tl.load(k_ptr + rows[:, None] * stride_k_row + key_head * stride_k_head + offs_k[None, :],
+                             mask=m_t[:, None] & m_k[None, :], other=0.0)
+        w = _times_t(t, (beta * tl.exp(gate))[:, None] * k_cols.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
+        tl.store(w_ptr + rows[:, None] * stride_w_row + head * stride_w_head + offs_k[None, :],
+                 w.to(w_ptr.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+        offs_v = col_tile * BVW + tl.arange(0, BVW)
+        m_v = offs_v < DV
+        v = tl.load(v_ptr + rows[:, None] * stride_v_row + head * stride_v_head + offs_v[None, :],
+                    mask=m_t[:, None] & m_v[None, :], other=0.0)
+        u = _times_t(t, beta[:, None] * v.to(tl.float32), DOT_PREC=DOT_PREC, LOWP=LOWP)
+        tl.store(u_ptr + rows[:, None] * stride_u_row + head * stride_u_head + offs_v[None, :],
+                 u.to(u_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -611,10 +663,10 @@ def _chunk_state_kernel(
     k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, state_ptr, slots_ptr, bounds_ptr, snap_rows_ptr, snap_ids_ptr, snap_ptr,
     stride_k_row, stride_k_head, stride_g_row, stride_g_head, stride_w_row, stride_w_head,
     stride_vp_row, stride_vp_head, stride_cs_chunk, stride_cs_head, stride_s_slot, stride_s_head,
-    stride_snap_slot, stride_snap_head,
+    stride_snap_slot, stride_snap_head, num_seqs,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BR: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, DOT_PREC: tl.constexpr,
-    LOWP: tl.constexpr, PAD_SLOT: tl.constexpr,
+    LOWP: tl.constexpr, PAD_SLOT: tl.constexpr, WALK: tl.constexpr,
 ):
     """One request's chunks in order through one [BK, BV] state tile: per chunk the state entering it
     (to the chunk-state workspace cs, [chunks, Hv, Dk, Dv] contiguous in its last two dims), V' and
@@ -627,10 +679,52 @@ def _chunk_state_kernel(
     stops at the chunk holding row r, takes that chunk's step, forms the state after its first
     j = r - (chunk start) rows from the same S_c, V', K and G (rows from j on masked out: the state
     the walk would end with on a request of r rows), and walks on. The two walks are plain loops,
-    so the compiler pipelines each as it did the one."""
-    req = tl.program_id(0).to(tl.int64)
+    so the compiler pipelines each as it did the one.
+
+    WALK: program (r, ...) takes requests r, r + the grid's width, ... up to the last of the
+    num_seqs requests with rows (`_requests_with_rows`; `_table_programs` says why)."""
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
+    if WALK:
+        live = _requests_with_rows(bounds_ptr, num_seqs, BR=BR)
+        for req in range(tl.program_id(0).to(tl.int64), live, tl.num_programs(0)):
+            _state_request(req, head, v_tile, k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, state_ptr, slots_ptr,
+                           bounds_ptr, snap_rows_ptr, snap_ids_ptr, snap_ptr, stride_k_row, stride_k_head,
+                           stride_g_row, stride_g_head, stride_w_row, stride_w_head, stride_vp_row, stride_vp_head,
+                           stride_cs_chunk, stride_cs_head, stride_s_slot, stride_s_head, stride_snap_slot,
+                           stride_snap_head, GROUP=GROUP, DK=DK, DV=DV, BK=BK, BV=BV, BT=BT, BR=BR, GATE=GATE,
+                           DELTA=DELTA, DOT_PREC=DOT_PREC, LOWP=LOWP, PAD_SLOT=PAD_SLOT)
+    else:
+        _state_request(tl.program_id(0).to(tl.int64), head, v_tile, k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, state_ptr,
+                       slots_ptr, bounds_ptr, snap_rows_ptr, snap_ids_ptr, snap_ptr, stride_k_row, stride_k_head,
+                       stride_g_row, stride_g_head, stride_w_row, stride_w_head, stride_vp_row, stride_vp_head,
+                       stride_cs_chunk, stride_cs_head, stride_s_slot, stride_s_head, stride_snap_slot,
+                       stride_snap_head, GROUP=GROUP, DK=DK, DV=DV, BK=BK, BV=BV, BT=BT, BR=BR, GATE=GATE,
+                       DELTA=DELTA, DOT_PREC=DOT_PREC, LOWP=LOWP, PAD_SLOT=PAD_SLOT)
+
+
+@triton.jit
+def _requests_with_rows(bounds_ptr, num_seqs, BR: tl.constexpr):
+    """One past the last of requests 0 .. num_seqs-1 with rows: the requests that start before
+    bounds[num_seqs] (the bounds never decrease), counted BR at a time."""
+    end = tl.load(bounds_ptr + num_seqs).to(tl.int64)
+    n = tl.full([], 0, tl.int64)
+    for base in range(0, num_seqs, BR):
+        offs = base + tl.arange(0, BR)
+        lo = tl.load(bounds_ptr + offs, mask=offs < num_seqs, other=0).to(tl.int64)
+        n += tl.sum(((lo < end) & (offs < num_seqs)).to(tl.int64), axis=0)
+    return n
+
+
+@triton.jit
+def _state_request(req, head, v_tile, k_ptr, g_ptr, w_ptr, vp_ptr, cs_ptr, state_ptr, slots_ptr, bounds_ptr,
+                   snap_rows_ptr, snap_ids_ptr, snap_ptr, stride_k_row, stride_k_head, stride_g_row, stride_g_head,
+                   stride_w_row, stride_w_head, stride_vp_row, stride_vp_head, stride_cs_chunk, stride_cs_head,
+                   stride_s_slot, stride_s_head, stride_snap_slot, stride_snap_head,
+                   GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   BT: tl.constexpr, BR: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+                   DOT_PREC: tl.constexpr, LOWP: tl.constexpr, PAD_SLOT: tl.constexpr):
+    """`_chunk_state_kernel`'s work for request `req`, Dv tile `v_tile` of value head `head`."""
     bos = tl.load(bounds_ptr + req).to(tl.int64)
     eos = tl.load(bounds_ptr + req + 1).to(tl.int64)
     if eos > bos:  # a request without rows keeps its state as it is (not even rewritten)
@@ -736,36 +830,61 @@ def _chunk_output_kernel(
     q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
     stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
-    scale, num_seqs,
+    scale, num_seqs, table_seqs,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
     BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
+    WALK: tl.constexpr, BR: tl.constexpr,  # as the solve kernel's
 ):
     """One chunk's output rows for one value head and Dv tile, from the state entering the chunk (cs)
     and V' (vp: V' over U with the delta rule, V without), the key dimension KB columns at a time.
-    A chunk of request num_seqs (the padding rows) stores zeros and reads nothing."""
-    chunk = tl.program_id(0).to(tl.int64)
+    A chunk of request num_seqs (the padding rows) stores zeros and reads nothing. WALK: as the
+    solve kernel's."""
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
+    if WALK:
+        live = _first_chunk(bounds_ptr, table_seqs, BT=BT, BR=BR)
+        for chunk in range(tl.program_id(0).to(tl.int64), live, tl.num_programs(0)):
+            _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr,
+                          chunks_ptr, stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row,
+                          stride_vp_head, stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk,
+                          stride_cs_head, scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT,
+                          GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP)
+    else:
+        _output_chunk(tl.program_id(0).to(tl.int64), head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr,
+                      bounds_ptr, chunks_ptr, stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row,
+                      stride_vp_head, stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk,
+                      stride_cs_head, scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT,
+                      GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP)
+
+
+@triton.jit
+def _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
+                  stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
+                  stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
+                  scale, num_seqs,
+                  GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
+                  BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr,
+                  LOWP: tl.constexpr):
+    """`_chunk_output_kernel`'s work for chunk row `chunk` of the table."""
     req = tl.load(chunks_ptr + 2 * chunk)
     start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
     n = tl.minimum(tl.load(bounds_ptr + req + 1) - start, BT)
-    if n <= 0:  # a row of a captured step's table past the step's chunks (an empty request's)
-        return
-    offs_t = tl.arange(0, BT)
-    offs_v = v_tile * BV + tl.arange(0, BV)
-    m_tv = (offs_t < n)[:, None] & (offs_v < DV)[None, :]
-    # Only the chunk's own rows: the rows after it belong to the next request (or to the padding).
-    o_ptrs = out_ptr + (start + offs_t)[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :]
-    if req == num_seqs:
-        # padding rows: their inputs may hold anything; they read nothing and come out zero
-        tl.store(o_ptrs, tl.zeros([BT, BV], dtype=out_ptr.dtype.element_ty), mask=m_tv)
-    else:
-        o = _chunk_output(q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, start, n, chunk, head, offs_v, m_tv,
-                          stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
-                          stride_g_row, stride_g_head, stride_cs_chunk, stride_cs_head,
-                          GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT, GATE=GATE, DOT_PREC=DOT_PREC,
-                          LOWP=LOWP)
-        tl.store(o_ptrs, (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
+    if n > 0:  # else a row of a captured step's table past the step's chunks (an empty request's)
+        offs_t = tl.arange(0, BT)
+        offs_v = v_tile * BV + tl.arange(0, BV)
+        m_tv = (offs_t < n)[:, None] & (offs_v < DV)[None, :]
+        # Only the chunk's own rows: the rows after it belong to the next request (or to the padding).
+        o_ptrs = out_ptr + (start + offs_t)[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :]
+        if req == num_seqs:
+            # padding rows: their inputs may hold anything; they read nothing and come out zero
+            tl.store(o_ptrs, tl.zeros([BT, BV], dtype=out_ptr.dtype.element_ty), mask=m_tv)
+        else:
+            o = _chunk_output(q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, start, n, chunk, head, offs_v, m_tv,
+                              stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
+                              stride_g_row, stride_g_head, stride_cs_chunk, stride_cs_head,
+                              GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT, GATE=GATE, DOT_PREC=DOT_PREC,
+                              LOWP=LOWP)
+            tl.store(o_ptrs, (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -802,7 +921,8 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     Inside a captured graph the tables are static buffers padded to the bucket (the backend's
     static plan): slots and bounds for more requests than the step has, the extra ones empty
     (bounds[r] == bounds[r+1]: their programs do nothing), the padding rows as request R, and the
-    chunk table's extra rows naming an empty request (their programs store nothing); `workspaces`
+    chunk table's extra rows naming an empty request (their programs store nothing; over such a
+    table each kernel launches fewer programs, each walking its rows: `_table_programs`); `workspaces`
     are then the caller's own, sized for the largest bucket (ChunkWorkspaces). Requests on the
     padding slot read a zero state and write none back.
 
@@ -830,6 +950,9 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     Hv, Dk, Dv = v.shape[1], q.shape[2], v.shape[2]
     (sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, so_r, so_h, ss_slot, ss_head) = strides
     block_t = chunk_length(rows) if block_t is None else block_t
+    # A padded table (bounds [R+2], a captured bucket's) may end in many empty rows: _table_programs.
+    padded, table_seqs = bounds.shape[0] == R + 2, bounds.shape[0] - 1
+    chunk_rows = cdiv(rows, block_t) + 1  # one request's chunks and the padding rows' one
     cfg = config or chunk_config(R, Hv, Dv, q.device, takes_short_tiles(rows))
     BK = max(SUB_T, next_pow2(Dk))
     common = dict(GROUP=consts["GROUP"], DK=Dk, DV=Dv, BK=BK, BT=block_t, GATE=gate_kind,
@@ -861,23 +984,31 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
             raise ValueError(f"{op}: the solve through the matrix workspace takes one program a chunk and head "
                              f"(solve_col_tiles={tiles}: each would write the same scratch)")
         bkw, bvw = max(SOLVE_MIN_TILE, bk // tiles), max(SOLVE_MIN_TILE, bvf // tiles)
-        _CHUNK_SOLVE[(num_chunks, Hv, max(cdiv(bk, bkw), cdiv(bvf, bvw)))](
+        col_tiles = max(cdiv(bk, bkw), cdiv(bvf, bvw))
+        grid_rows, walk = _table_programs(num_chunks, chunk_rows, Hv * col_tiles, padded, q.device)
+        _CHUNK_SOLVE[(grid_rows, Hv, col_tiles)](
             k, v, gate, beta, w, vp, t, bounds, chunks,
             sk_r, sk_h, sv_r, sv_h, sg_r, sg_h, sb_r, sb_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1),
-            t.stride(0), t.stride(1), R,
+            t.stride(0), t.stride(1), R, table_seqs,
             **{**common, "BK": bk}, BVF=bvf, BKW=bkw, BVW=bvw, BS=SUB_T,
             LOWP=lowp, SCRATCH=not cfg.solve_in_registers,
-            SQUARINGS=max(0, (block_t // SUB_T).bit_length() - 2), num_warps=cfg.solve_warps)
+            SQUARINGS=max(0, (block_t // SUB_T).bit_length() - 2), WALK=walk, BR=_REQUEST_BLOCK,
+            num_warps=cfg.solve_warps)
     else:
         w, vp = k, v  # w is never read without the delta rule (any valid pointer will do); V' is V
     snap_rows, snap_ids, snap = (snapshots or StepSnapshots.none(R, state)).checked(op, R, state)
-    _CHUNK_STATE[(R, Hv, cdiv(Dv, cfg.block_v))](
+    v_tiles = cdiv(Dv, cfg.block_v)
+    grid_rows, walk = _table_programs(R, 1, Hv * v_tiles, padded, q.device)
+    _CHUNK_STATE[(grid_rows, Hv, v_tiles)](
         k, gate, w, vp, cs, state, slots, bounds, snap_rows, snap_ids, snap,
         sk_r, sk_h, sg_r, sg_h, w.stride(0), w.stride(1), vp.stride(0), vp.stride(1), cs.stride(0), cs.stride(1),
-        ss_slot, ss_head, snap.stride(0), snap.stride(1),
-        **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, LOWP=lowp, PAD_SLOT=PADDING_SLOT,
+        ss_slot, ss_head, snap.stride(0), snap.stride(1), R,
+        **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, LOWP=lowp, PAD_SLOT=PADDING_SLOT, WALK=walk,
         num_warps=cfg.num_warps, num_stages=cfg.state_stages)
-    _CHUNK_OUTPUT[(num_chunks, Hv, cdiv(Dv, cfg.out_block_v))](
+    out_tiles = cdiv(Dv, cfg.out_block_v)
+    grid_rows, walk = _table_programs(num_chunks, chunk_rows, Hv * out_tiles, padded, q.device)
+    _CHUNK_OUTPUT[(grid_rows, Hv, out_tiles)](
         q, k, vp, gate, cs, out, bounds, chunks,
         sq_r, sq_h, sk_r, sk_h, vp.stride(0), vp.stride(1), sg_r, sg_h, so_r, so_h, cs.stride(0), cs.stride(1),
-        float(scale), R, **common, KB=min(BK, cfg.out_key_block), BV=cfg.out_block_v, LOWP=lowp, num_warps=cfg.out_warps)
+        float(scale), R, table_seqs, **common, KB=min(BK, cfg.out_key_block), BV=cfg.out_block_v, LOWP=lowp,
+        WALK=walk, BR=_REQUEST_BLOCK, num_warps=cfg.out_warps)

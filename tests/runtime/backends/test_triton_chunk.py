@@ -463,6 +463,51 @@ def test_a_captured_step_writes_zeros_over_its_padding_rows(lens, delta, gate_ki
     assert torch.equal(got_pool[untouched], state[untouched]), "the padding slot or a free slot was written"
 
 
+WIDE_SEQS = 12  # request rows of the walking steps below: more than their requests and one request's programs
+
+
+@in_process
+@pytest.mark.parametrize("lens", [[], [1], [10, 0, 7, 20]], ids=["none", "one", "three_and_an_empty_one"])
+@pytest.mark.parametrize("delta,gate_kind", [(True, GATE_PER_HEAD), (False, GATE_CONSTANT)], ids=["gdn", "lightning"])
+def test_a_padded_table_walked_by_fewer_programs_gives_the_same_bits(monkeypatch, lens, delta, gate_kind):
+    """A captured-style step over a table of 12 request rows (a 64-row bucket, chunks of 16), with
+    in-step snapshots of two requests: with no floor on the programs an SM (TABLE_PROGRAMS_PER_SM
+    0) each kernel keeps one request's rows of programs (the state kernel one request, the solve
+    and output kernels a bucket's chunks and the padding's) and walks the table (WALK), and its
+    outputs, states and snapshots are the same bits as a program a row's; both as the recurrence's."""
+    x, state, slots = make_case(lens, 2, 4, 16, 16, delta, gate_kind, torch.float32, seed=17,
+                                extra_rows=BUCKET - sum(lens), k_scale=1.0 if delta else 0.3)
+    scale = 16 ** -0.5
+    want, want_pool = reference(x, lens, state, slots, scale, gate_kind)
+    dev = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    tables = captured_chunk_tables(lens, slots, BUCKET, WIDE_SEQS, 16, DEVICE)
+    snap_at = [5, -1, -1, 16][:len(lens)] + [-1] * (WIDE_SEQS + 1 - len(lens))
+    grids = []
+    for kernel in (TC._CHUNK_SOLVE, TC._CHUNK_STATE, TC._CHUNK_OUTPUT):
+        monkeypatch.setattr(kernel, "launch", lambda grid, args, kwargs, launch=kernel.launch: (
+            grids.append((grid[0], kwargs["WALK"])), launch(grid, args, kwargs)))
+    results = []
+    for per_sm in (0, 10 ** 6):
+        monkeypatch.setattr(TC, "TABLE_PROGRAMS_PER_SM", per_sm)
+        out = torch.full((BUCKET, 4, 16), float("nan"), device=DEVICE)
+        pool = state.to(DEVICE, copy=True)
+        snaps = TC.StepSnapshots(torch.tensor(snap_at, device=DEVICE), torch.arange(WIDE_SEQS + 1, device=DEVICE),
+                                 torch.zeros(WIDE_SEQS + 1, 4, 16, 16, device=DEVICE))
+        workspaces = TC.ChunkWorkspaces.allocate(BUCKET, tables[2].shape[0], 4, 16, 16, torch.float32, delta, DEVICE)
+        TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out, pool, *tables, scale,
+                        gate_kind, block_t=16, workspaces=workspaces, snapshots=snaps)
+        results.append((out.cpu(), pool.cpu(), snaps.pool.cpu()))
+    table_rows = tables[2].shape[0]  # 64 / 16 + 12 chunk rows; 13 requests
+    walked = [(BUCKET // 16 + 1, True)] * delta + [(1, True), (BUCKET // 16 + 1, True)]
+    whole = [(table_rows, False)] * delta + [(WIDE_SEQS + 1, False), (table_rows, False)]
+    assert grids == walked + whole
+    for walk, one_a_row in zip(*results):
+        assert torch.equal(walk, one_a_row)
+    got, got_pool, _ = results[0]
+    assert torch.equal(got[sum(lens):], torch.zeros_like(got[sum(lens):])), "padding rows must come out exactly zero"
+    check_requests(got, want, got_pool, want_pool, lens, slots, 1e-4, 1e-4)
+
+
 @in_process
 def test_the_padding_rows_need_their_own_request():
     """bounds [R+2] name the padding rows; any other length is refused, naming both forms."""
