@@ -134,6 +134,7 @@ def short_configs(dry: bool) -> dict[str, dict]:
     return {
         "default": {},
         "a program a row": A_PROGRAM_A_ROW,  # the kernels over padded tables before they walked them
+        "walk 1 an SM": {PER_SM: 1},
         "walk 2 an SM": {PER_SM: 2},
         "walk 8 an SM": {PER_SM: 8},
         "walk 16 an SM": {PER_SM: 16},
