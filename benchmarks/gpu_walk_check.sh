@@ -12,9 +12,12 @@ timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_gpu_linear_kernels.py \
     -k "captured_chunk_step or chunk_extend_kernels_match_reference_at_real_dims or conv" \
     > "$OUT/walk_tests/pytest.log" 2>&1
 tail -3 "$OUT/walk_tests/pytest.log"
-[ -n "${WITH_FUSED_TESTS:-}" ] && timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_gpu_gdn_fused.py \
-    -k "conv or verify_launches or decode_graph or decode_matches or graph_capture_and_replay_matches" \
-    > "$OUT/walk_tests/pytest_gdn_fused.log" 2>&1 && tail -3 "$OUT/walk_tests/pytest_gdn_fused.log"
+if [ -n "${WITH_FUSED_TESTS:-}" ]; then
+    timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_gpu_gdn_fused.py \
+        -k "conv or verify_launches or decode_graph or decode_matches or graph_capture_and_replay_matches" \
+        > "$OUT/walk_tests/pytest_gdn_fused.log" 2>&1
+    tail -3 "$OUT/walk_tests/pytest_gdn_fused.log"
+fi
 timeout 150 python3 benchmarks/kernels/chunk_kernel_sweep.py --out "$OUT/walk_256" --short --families gdn \
     --configs "${WALK_CONFIGS:-default,a program a row,walk 1 an SM,walk 2 an SM}" --shapes 512x1,4096x1 \
     --bucket-seqs 256 2>&1 | \
