@@ -531,23 +531,28 @@ def _chunk_solve_kernel(
     (`_table_programs`)."""
     head = tl.program_id(1)
     col_tile = tl.program_id(2)
-    if WALK:
-        live = _first_chunk(bounds_ptr, table_seqs, BT=BT, BR=BR)
-        for chunk in range(tl.program_id(0).to(tl.int64), live, tl.num_programs(0)):
-            _solve_chunk(chunk, head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr,
-                         bounds_ptr, chunks_ptr, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-                         stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_w_row, stride_w_head,
-                         stride_u_row, stride_u_head, stride_t_chunk, stride_t_head, num_seqs, GROUP=GROUP, DK=DK,
-                         DV=DV, BK=BK, BKW=BKW, BVW=BVW, BT=BT, BS=BS, GATE=GATE, DOT_PREC=DOT_PREC,
-                         LOWP=LOWP, SCRATCH=SCRATCH, SQUARINGS=SQUARINGS)
-    else:
-        _solve_chunk(tl.program_id(0).to(tl.int64), head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr,
-                     t_ptr, bounds_ptr, chunks_ptr, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-                     stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_w_row, stride_w_head,
-                     stride_u_row, stride_u_head, stride_t_chunk, stride_t_head, num_seqs, GROUP=GROUP, DK=DK,
-                     DV=DV, BK=BK, BKW=BKW, BVW=BVW, BT=BT, BS=BS, GATE=GATE, DOT_PREC=DOT_PREC,
-                     LOWP=LOWP, SCRATCH=SCRATCH, SQUARINGS=SQUARINGS)
+    first, end, step = _chunk_rows(bounds_ptr, table_seqs, WALK=WALK, BT=BT, BR=BR)
+    for chunk in range(first, end, step):
+        _solve_chunk(chunk, head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr,
+                     chunks_ptr, stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row,
+                     stride_g_head, stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row,
+                     stride_u_head, stride_t_chunk, stride_t_head, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK,
+                     BKW=BKW, BVW=BVW, BT=BT, BS=BS, GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP, SCRATCH=SCRATCH,
+                     SQUARINGS=SQUARINGS)
 
+
+@triton.jit
+def _chunk_rows(bounds_ptr, table_seqs, WALK: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr):
+    """(first, end, step) of the chunk-table rows a program of the solve or output kernel takes: its
+    own row (program_id(0)); with WALK, every grid's width apart up to the table's last row with
+    rows (the chunks of its table_seqs requests, summed BR requests at a time; `_table_programs`)."""
+    first = tl.program_id(0).to(tl.int64)
+    end = first + 1
+    step = 1
+    if WALK:
+        end = _first_chunk(bounds_ptr, table_seqs, BT=BT, BR=BR)
+        step = tl.num_programs(0)
+    return first, end, step
 
 @triton.jit
 def _solve_chunk(chunk, head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
@@ -695,6 +700,8 @@ def _chunk_state_kernel(
     why)."""
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
+    # Not `_chunk_rows`' one loop form: a request's chunk walk is a software-pipelined loop, which a
+    # program that does not walk keeps outside any other loop, as the timed kernel had it.
     if WALK:
         live = _requests_with_rows(bounds_ptr, num_seqs, BR=BL)
         for req in range(tl.program_id(0).to(tl.int64), live, tl.num_programs(0)):
@@ -851,21 +858,13 @@ def _chunk_output_kernel(
     solve kernel's."""
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
-    if WALK:
-        live = _first_chunk(bounds_ptr, table_seqs, BT=BT, BR=BR)
-        for chunk in range(tl.program_id(0).to(tl.int64), live, tl.num_programs(0)):
-            _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr,
-                          chunks_ptr, stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row,
-                          stride_vp_head, stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk,
-                          stride_cs_head, scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT,
-                          GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP)
-    else:
-        _output_chunk(tl.program_id(0).to(tl.int64), head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr,
-                      bounds_ptr, chunks_ptr, stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row,
-                      stride_vp_head, stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk,
-                      stride_cs_head, scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT,
-                      GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP)
-
+    first, end, step = _chunk_rows(bounds_ptr, table_seqs, WALK=WALK, BT=BT, BR=BR)
+    for chunk in range(first, end, step):
+        _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
+                      stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
+                      stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
+                      scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT, GATE=GATE,
+                      DOT_PREC=DOT_PREC, LOWP=LOWP)
 
 @triton.jit
 def _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
