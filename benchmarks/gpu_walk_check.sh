@@ -19,7 +19,7 @@ if [ -n "${WITH_FUSED_TESTS:-}" ]; then
     tail -3 "$OUT/walk_tests/pytest_gdn_fused.log"
 fi
 timeout 150 python3 benchmarks/kernels/chunk_kernel_sweep.py --out "$OUT/walk_256" --short --families gdn \
-    --configs "${WALK_CONFIGS:-default,a program a row,walk 1 an SM,walk 2 an SM}" --shapes 512x1,4096x1 \
+    --configs "${WALK_CONFIGS:-default,a program a row,walk 1 an SM,walk 4 an SM}" --shapes 512x1,4096x1 \
     --bucket-seqs 256 2>&1 | \
     grep -v "^conv .* c[0-9]"
 timeout 90 python3 benchmarks/kernels/chunk_kernel_sweep.py --out "$OUT/walk_1" --short --families gdn \

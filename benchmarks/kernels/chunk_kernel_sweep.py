@@ -136,6 +136,7 @@ def short_configs(dry: bool) -> dict[str, dict]:
         "a program a row": A_PROGRAM_A_ROW,  # the kernels over padded tables before they walked them
         "walk 1 an SM": {PER_SM: 1},
         "walk 2 an SM": {PER_SM: 2},
+        "walk 4 an SM": {PER_SM: 4},
         "walk 8 an SM": {PER_SM: 8},
         "walk 16 an SM": {PER_SM: 16},
         # what captured short steps ran before: 64-row chunks, the long steps' tiles

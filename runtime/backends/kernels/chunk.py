@@ -269,8 +269,11 @@ def chunk_config(requests: int, heads: int, dv: int, device: torch.device, singl
 # Requests the state kernel sums at a time to find a request's first chunk (its row of the table).
 _REQUEST_BLOCK = 128
 
-# Programs an SM, at the least, that a walking kernel's grid keeps (`_table_programs`).
-TABLE_PROGRAMS_PER_SM = 4
+# Programs an SM, at the least, that a walking kernel's grid keeps (`_table_programs`). 2 and not
+# more: on an H100 over bench qwen3_next's 512- / 4096-token buckets of 256 request rows the three
+# kernels of a one-request step took 56 / 373 us at 2, 68 / 378 at 4, 82 / 396 at 8
+# (chunk_walk_256_requests_h100_2026-12-06.json; one request's own table: 45 / 314).
+TABLE_PROGRAMS_PER_SM = 2
 
 
 def _live_block(table_seqs: int, walk: bool) -> int:
