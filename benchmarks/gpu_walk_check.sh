@@ -4,12 +4,12 @@
 # qwen3_next's 512- and 4096-token buckets laid out for 256 requests, each candidate checked over a
 # padded table before it is timed ("a program a row": the kernels before they walked), then the
 # same steps over one request's table (the floor the walk aims at). WITH_FUSED_TESTS=1 adds the
-# fused GDN mixer's GPU tests of its conv, decode and verify paths.
+# fused GDN mixer's GPU tests of its conv, decode and verify paths; WALK_TESTS_K narrows the first tests.
 set -u
 : "${OUT:?OUT is the folder whose files come back}"
 mkdir -p "$OUT/walk_tests"
 timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_gpu_linear_kernels.py \
-    -k "captured_chunk_step or chunk_extend_kernels_match_reference_at_real_dims or conv" \
+    -k "${WALK_TESTS_K:-captured_chunk_step or chunk_extend_kernels_match_reference_at_real_dims or conv}" \
     > "$OUT/walk_tests/pytest.log" 2>&1
 tail -3 "$OUT/walk_tests/pytest.log"
 if [ -n "${WITH_FUSED_TESTS:-}" ]; then
