@@ -185,9 +185,11 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
 # probe's kernel of this tile over that storage took 1.80 / 3.63 / 8.08 / 14.04 us at 1 / 32 / 128 /
 # 256 requests, within 0.4 us of its best tile (512 to 2048 channels on 2 to 8 warps) at each; the
 # kernel over [C, K-1] storage before 1.90 / 4.65 / 11.76 / 20.53. This kernel, before it took the
-# weight's row stride as K and the probe's store order, 2.49 / 4.60 / 10.82 / 16.95; since, not yet
-# timed (conv_decode_probe_h100_2026-12-06.json, conv_decode_probe_runtime_tile_h100_2026-12-06.json;
-# docs/DESIGN.md "Convolution histories stored channels-last").
+# weight's row stride as K and the probe's store order, 2.49 / 4.60 / 10.82 / 16.95; since, 1.80 /
+# 3.86 / 8.11 / 13.94 beside the probe's 1.81 / 3.67 / 8.04 / 13.95 in the same run
+# (conv_decode_probe_h100_2026-12-06.json, conv_decode_probe_runtime_tile_h100_2026-12-06.json,
+# conv_decode_probe_final_h100_2026-12-07.json; docs/DESIGN.md "Convolution histories stored
+# channels-last").
 DECODE_CONV_CHANNELS = 256
 
 
