@@ -279,9 +279,10 @@ TABLE_PROGRAMS_PER_SM = 2
 def _live_block(table_seqs: int, walk: bool) -> int:
     """Requests a walking program reads at once to find the table's last live row: every request of
     the table in one vector up to 1024, so the count is one round trip before the walk, not one a
-    block of 128 (summed 128 at a time, the walking output kernel of a 4096-token step over a
-    256-request table took 130 us against 97 over one request's table on an H100); 16 where the
-    kernel does not walk (one variant)."""
+    block of 128. The walking output kernel of a 4096-token step over a 256-request table took 130
+    us summing 128 at a time and 123 in one vector, against 96 over one request's table (H100,
+    chunk_walk_256_requests_h100_2026-12-06.json, ..._two_an_sm_h100_2026-12-07.json): the rest of
+    that gap is not explained. 16 where the kernel does not walk (one variant)."""
     return min(1024, max(16, next_pow2(table_seqs + 1))) if walk else 16
 
 
