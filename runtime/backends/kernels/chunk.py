@@ -274,13 +274,24 @@ _REQUEST_BLOCK = 128
 # kernels of a one-request step took 56 / 373 us at 2, 68 / 378 at 4, 82 / 396 at 8
 # (chunk_walk_256_requests_h100_2026-12-06.json; one request's own table: 45 / 314).
 TABLE_PROGRAMS_PER_SM = 2
+# A kernel walks a padded table only where it has more than this many times the rows its walking
+# grid keeps: every walking program first reads the table's bounds to find its last live row (8 KiB
+# at 256 request rows), which the grid's programs pay whether or not they walk far. On an H100 a
+# one-request step over a 256-request bucket (kernels us, walking at two an SM against a program a
+# row; chunk_walk_256_requests_two_an_sm_h100_2026-12-07.json): at 512 tokens (the table 29 times the
+# solve's and output's walking rows) solve 18.3 against 35.6, output 13.5 against 28.8; at 4096 (4.9
+# times) solve 127.7 against 124.0, output 122.6 against 104.9; the state kernel (86 times at
+# both) 20.8 against 113.8 and 108.6 against 254.4. 8 lies between the measured ratios; the crossing
+# itself is not measured.
+WALK_TABLE_RATIO = 8
 
 
 def _live_block(table_seqs: int, walk: bool) -> int:
     """Requests a walking program reads at once to find the table's last live row: every request of
     the table in one vector up to 1024, so the count is one round trip before the walk, not one a
     block of 128. The walking output kernel of a 4096-token step over a 256-request table took 130
-    us summing 128 at a time and 123 in one vector, against 96 over one request's table (H100,
+    us summing 128 at a time (four programs an SM) and 123 in one vector (two; walk 4 an SM: 123
+    too), against 96 over one request's table (H100,
     chunk_walk_256_requests_h100_2026-12-06.json, ..._two_an_sm_h100_2026-12-07.json): the rest of
     that gap is not explained. 16 where the kernel does not walk (one variant)."""
     return min(1024, max(16, next_pow2(table_seqs + 1))) if walk else 16
@@ -298,12 +309,13 @@ def _table_programs(table_rows: int, one_request_rows: int, programs_a_row: int,
     conv_extend_rows_lookahead_h200_2026-12-04.json against chunk_kernel_sweep_step_snapshots_h200_
     2026-12-03.json). So there the grid keeps as many rows as one request's step fills
     (`one_request_rows`), and at least TABLE_PROGRAMS_PER_SM programs an SM, and each program walks
-    the rows a grid's width apart up to the last row with rows (WALK); a table no longer than
-    that, or an eager step's (every row live), keeps a program a row."""
+    the rows a grid's width apart up to the last row with rows (WALK), where the table has more
+    than WALK_TABLE_RATIO times those rows; a shorter table, or an eager step's (every row live),
+    keeps a program a row."""
     if not padded:
         return table_rows, False
     rows = max(one_request_rows, cdiv(TABLE_PROGRAMS_PER_SM * num_sms(device), programs_a_row))
-    return (table_rows, False) if table_rows <= rows else (rows, True)
+    return (rows, True) if table_rows > WALK_TABLE_RATIO * rows else (table_rows, False)
 
 
 # One set of workspaces per (device, Hv, Dk, Dv, dtype), shared by every layer of that shape: the

@@ -463,6 +463,19 @@ def test_a_captured_step_writes_zeros_over_its_padding_rows(lens, delta, gate_ki
     assert torch.equal(got_pool[untouched], state[untouched]), "the padding slot or a free slot was written"
 
 
+def test_a_kernel_walks_a_padded_table_only_where_it_is_many_times_its_walking_rows():
+    """`_table_programs` at bench qwen3_next's launches over a 256-request bucket (132 SMs): the state
+    kernel (257 requests, 128 programs a request) walks at 512 and 4096 tokens; the solve and output
+    kernels (their tables 264 and 320 chunk rows) walk at 512 tokens (9 rows kept) and not at 4096
+    (65 kept: 320 is under WALK_TABLE_RATIO times that); an eager table never walks."""
+    dev = torch.device("cpu")
+    assert TC._table_programs(257, 1, 32 * 4, True, dev) == (3, True)
+    assert TC._table_programs(264, 512 // 64 + 1, 32, True, dev) == (9, True)
+    assert TC._table_programs(264, 512 // 64 + 1, 64, True, dev) == (9, True)
+    assert TC._table_programs(320, 4096 // 64 + 1, 32, True, dev) == (320, False)
+    assert TC._table_programs(257, 1, 128, False, dev) == (257, False)
+
+
 WIDE_SEQS = 12  # request rows of the walking steps below: more than their requests and one request's programs
 
 
@@ -472,8 +485,9 @@ WIDE_SEQS = 12  # request rows of the walking steps below: more than their reque
 def test_a_padded_table_walked_by_fewer_programs_gives_the_same_bits(monkeypatch, lens, delta, gate_kind):
     """A captured-style step over a table of 12 request rows (a 64-row bucket, chunks of 16), with
     in-step snapshots of two requests: with no floor on the programs an SM (TABLE_PROGRAMS_PER_SM
-    0) each kernel keeps one request's rows of programs (the state kernel one request, the solve
-    and output kernels a bucket's chunks and the padding's) and walks the table (WALK), and its
+    0) and a walk wherever the table is longer (WALK_TABLE_RATIO 1) each kernel keeps one request's
+    rows of programs (the state kernel one request, the solve and output kernels a bucket's chunks
+    and the padding's) and walks the table (WALK), and its
     outputs, states and snapshots are the same bits as a program a row's; both as the recurrence's."""
     x, state, slots = make_case(lens, 2, 4, 16, 16, delta, gate_kind, torch.float32, seed=17,
                                 extra_rows=BUCKET - sum(lens), k_scale=1.0 if delta else 0.3)
@@ -487,6 +501,7 @@ def test_a_padded_table_walked_by_fewer_programs_gives_the_same_bits(monkeypatch
         monkeypatch.setattr(kernel, "launch", lambda grid, args, kwargs, launch=kernel.launch: (
             grids.append((grid[0], kwargs["WALK"])), launch(grid, args, kwargs)))
     results = []
+    monkeypatch.setattr(TC, "WALK_TABLE_RATIO", 1)  # every table longer than the walking rows walks
     for per_sm in (0, 10 ** 6):
         monkeypatch.setattr(TC, "TABLE_PROGRAMS_PER_SM", per_sm)
         out = torch.full((BUCKET, 4, 16), float("nan"), device=DEVICE)
