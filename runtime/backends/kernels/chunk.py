@@ -570,6 +570,7 @@ def _chunk_rows(bounds_ptr, table_seqs, WALK: tl.constexpr, BT: tl.constexpr, BR
         step = tl.num_programs(0)
     return first, end, step
 
+
 @triton.jit
 def _solve_chunk(chunk, head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr, chunks_ptr,
                  stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row, stride_g_head,
@@ -881,6 +882,7 @@ def _chunk_output_kernel(
                       stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
                       scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT, GATE=GATE,
                       DOT_PREC=DOT_PREC, LOWP=LOWP)
+
 
 @triton.jit
 def _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
