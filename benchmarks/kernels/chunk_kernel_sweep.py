@@ -290,6 +290,7 @@ def time_short(spec, T: int, R: int, device, override: dict, reps: int, bucket_s
     cfg = config_for(1, hv, dv, device, override, T)
     work = TC.ChunkWorkspaces.allocate(T, chunks.shape[0], hv, dk, dv, torch.bfloat16, op != "lightning_core",
                                        torch.device(device))
+
     def fn() -> None:
         with_programs_an_sm(override, lambda: run(spec, x, state, tables, out, cfg, block_t, work))
 
