@@ -276,11 +276,13 @@ def conv_extend_config(num_blocks: int, channels: int, device: torch.device) -> 
 
 # The row-streaming extend conv keeps at most three earlier inputs of a channel in registers.
 CONV_EXTEND_ROWS_MAX_K = 4
-# Steps of at least this many rows take it (triton_linear's default). Each program walks its 32
-# rows in turn, four loads ahead, so a short step's few programs wait on memory where the tile
-# kernel's many do not: in bench qwen3_next's one-request steps on the H200 (8192 channels) rows
-# took 26 us at 512 tokens against the tile's 15, and 70 against 85 at 4096 (steps between
-# unmeasured; the kernel alone at 2048: 53 against 73 us).
+# Steps of at least this many rows take it (and shorter ones over long tables: conv_extend_takes_rows).
+# Each program walks its 32 rows in turn, four loads ahead, so a short step's few programs wait on
+# memory where the tile kernel's many do not: in bench qwen3_next's one-request steps on the H200
+# (8192 channels) rows took 26 us at 512 tokens against the tile's 15, and 70 against 85 at 4096
+# (steps between unmeasured; the kernel alone at 2048: 53 against 73 us). The kernels alone over
+# one request's table, x warm in L2, on an H100: 13.3 against 13.9 us at 512, 66.7 against 93.6 at
+# 4096 (chunk_walk_one_request_two_an_sm_h100_2026-12-07.json); the whole-step figures decide.
 CONV_EXTEND_ROWS_MIN_TOKENS = 2048
 
 
