@@ -68,7 +68,11 @@ GEMM_TILES = ("tuned", "fixed")
 # and 174.9 against 225.5 at 4096 (benchmarks/kernels/account_diff.py on the raw accounts of
 # benchmarks/results/step_account_options_h100_2026-12-06.md: the split router's row against the
 # logits GEMM's and the routing kernel's).
-ROUTERS = ("split", "two_launches", "one_launch")
+# "in_experts": a token-path step (a few tokens: the tuned configs' first buckets) runs the GEMV,
+# then a gate-up kernel whose programs route their own pairs from its logits (kernels/moe.py
+# `route_in_gate_up`): a launch a layer fewer than the GEMV and the routing kernel; other steps as
+# "split". Not the default: measured on no card yet.
+ROUTERS = ("split", "two_launches", "one_launch", "in_experts")
 # The sort_ranks option's choices, the default first: how the sort ranks each block's pairs
 # (kernels/moe.py `_place_pairs`): a sort of their keys, or a running count (up to 64 expert bins).
 SORT_RANKS = ("sorted", "counted")
@@ -115,7 +119,8 @@ class TritonMoEBackend(BackendHooks):
         # tokens that fit one routing tile), and past 128 tokens the split router as "split" does;
         # "split" (the default) runs a step past 128 tokens as the GEMM in slices of D, the last slice
         # of each row block routing it (one launch; under 64 experts); "two_launches" the GEMM, then
-        # the routing kernel.
+        # the routing kernel; "in_experts" routes a token-path step inside its gate-up kernel (after
+        # the GEMV) and other steps as "split" does.
         # sort_ranks: "counted" ranks each block's pairs by a running count, not a sort (the same
         # layout; up to 64 experts with the shared expert's chunks).
         # down: "split" runs a step of 2048 tokens or more (bf16 on a GPU) through torch's grouped
@@ -153,7 +158,9 @@ class TritonMoEBackend(BackendHooks):
         # their own rows (`_logits_route_kernel`) took 296 against the split router's 110 us of a
         # 512-token step on an H100, 286 against 177 at 4096 (DESIGN, "The batch-1 decode step's
         # launches"). Fixed tiles: the GEMV router at every count.
-        self.split_router = router in ("split", "one_launch") and gemm_tiles != "fixed"
+        self.split_router = router in ("split", "one_launch", "in_experts") and gemm_tiles != "fixed"
+        # in_experts: only token-path steps, which fixed tiles never take (FIXED_CONFIG is sorted)
+        self.route_in_experts = router == "in_experts"
         self.count_ranks = counted
         self.split_down = down == "split" and gemm_tiles != "fixed"
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
@@ -213,7 +220,8 @@ class TritonMoEBackend(BackendHooks):
                 config = fitted.get(raw) or fitted.setdefault(raw, fit_shared_memory(raw, layer.torch_dtype.itemsize))
                 variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config,
                                          self._logits_kernel_at(T, layer.experts, layer.hidden), self._fold,
-                                         self.one_launch_router, self._splits_down(T, layer.torch_dtype))
+                                         self.one_launch_router, self._splits_down(T, layer.torch_dtype),
+                                         self.route_in_experts)
                 first.setdefault((layer, variant), T)
         self._variant_tokens[max_tokens] = tuple(sorted(set(first.values())))
         return self._variant_tokens[max_tokens]
@@ -279,4 +287,5 @@ class TritonMoEBackend(BackendHooks):
                              scoring, renormalize, routed_scale, num_groups, topk_groups, config, n_real=n_real,
                              logits_kernel=self._logits_kernel_at(x.shape[0], w13.shape[0], x.shape[1]),
                              fold=self._fold, one_launch_router=self.one_launch_router, count_ranks=self.count_ranks,
-                             split_down=config.path == "sorted" and self._splits_down(x.shape[0], x.dtype))
+                             split_down=config.path == "sorted" and self._splits_down(x.shape[0], x.dtype),
+                             route_in_experts=self.route_in_experts)

@@ -168,6 +168,31 @@ def test_the_one_launch_router_replays_with_fresh_inputs_as_the_eager_two_launch
         assert int(arrival_counters(DEV, 1, "moe router")[0]) == 0
 
 
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_the_in_experts_router_replays_with_fresh_inputs_as_the_routing_kernel(T):
+    """router="in_experts" captured at bench qwen3_next's MoE (16 experts of 512, top-4, a gated
+    shared expert) on the token path (1, 2, 4 tokens): each of three replays, on fresh random
+    inputs, gives the eager default's output (1e-3) and the CPU oracle's; route_in_gate_up's ids
+    and h are the routing kernel's and gate_up_token's on them, exactly, and its weights to float32
+    rounding (the routing runs on other warps)."""
+    from runtime.backends.kernels.moe import gate_up_token, route, route_in_gate_up
+
+    E, top_k = 16, 4
+    layer = _layer(E, seed=19, shared="gated_S=I")
+    tail = (top_k, "softmax", True, 1.0, 1, 1)
+    backend = TritonMoEBackend(router="in_experts")
+    config = backend.config_for(T, E, I, D, top_k, DEV)
+    assert config.path == "token"
+    for fresh in _replays(backend, layer, tail, T):
+        kw = dict(n_shared=1, shared_gate=layer[6])
+        ids, weights = route(fresh, layer[0], None, *tail, **kw, logits_kernel="gemv")
+        h = gate_up_token(fresh, layer[2], ids, config.gate_up, shared_w13=layer[4])
+        got_ids, got_w, got_h = route_in_gate_up(fresh, layer[0], None, layer[2], *tail, config.gate_up, **kw,
+                                                 shared_w13=layer[4])
+        assert torch.equal(got_ids, ids) and torch.equal(got_h, h)
+        assert torch.allclose(got_w, weights, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("T", [256, 4096])
 def test_the_split_router_and_counted_ranks_replay_as_the_defaults_route(T):
     """router="split" and sort_ranks="counted" captured at bench qwen3_next's MoE (16 experts of 512,

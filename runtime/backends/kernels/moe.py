@@ -360,18 +360,45 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, t0, T, n_
                 HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr,
                 N_SHARED: tl.constexpr, NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr,
                 GATE_IN_LOGITS: tl.constexpr, CG: tl.constexpr):
-    """Route tokens t0 .. t0 + BLOCK_T - 1 (those below T) from their logits rows, all at once.
-
-    Slots 0..k-1 are the routed top-k; slots k.. are the shared expert's chunks E..E+n_shared-1,
-    weighted by sigmoid(x . shared_gate) (1 without a gate). Padding rows (at or past n_real) get
-    the sentinel E + n_shared and weight 0 in every slot. The gate's logit: column E of the
-    logits row with GATE_IN_LOGITS, else `gate_logit` [BLOCK_T]. CG: the logits are other
-    programs' stores of this launch, read from L2 (arrivals.py).
-    """
+    """Route tokens t0 .. t0 + BLOCK_T - 1 (those below T) from their logits rows, all at once:
+    `_route_select`'s slots stored into ids and weights [T, k + n_shared]."""
     SLOTS: tl.constexpr = TOP_K + N_SHARED
-    SENTINEL: tl.constexpr = E + N_SHARED
     t = t0 + tl.arange(0, BLOCK_T)  # [BT]
     in_step = t < T
+    sel_ids, sel_w, shared_ids, shared_w = _route_select(
+        logits_ptr, bias_ptr, nreal_ptr, t, in_step, n_real, routed_scale, stride_lt, gate_logit, E, TOP_K, K_PAD,
+        NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, BLOCK_T, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR,
+        N_SHARED, NS_PAD, SHARED_GATE, GATE_IN_LOGITS, CG)
+    kk = tl.arange(0, K_PAD)[None, :]
+    pair = t[:, None] * SLOTS
+    k_mask = (kk < TOP_K) & in_step[:, None]
+    tl.store(ids_ptr + pair + kk, sel_ids, mask=k_mask)
+    tl.store(weights_ptr + pair + kk, sel_w, mask=k_mask)
+    if N_SHARED > 0:
+        c = tl.arange(0, NS_PAD)[None, :]
+        c_mask = (c < N_SHARED) & in_step[:, None]
+        tl.store(ids_ptr + pair + TOP_K + c, shared_ids, mask=c_mask)
+        tl.store(weights_ptr + pair + TOP_K + c, shared_w, mask=c_mask)
+
+
+@triton.jit
+def _route_select(logits_ptr, bias_ptr, nreal_ptr, t, in_step, n_real, routed_scale, stride_lt, gate_logit,
+                  E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                  G_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr,
+                  N_SHARED: tl.constexpr, NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr,
+                  GATE_IN_LOGITS: tl.constexpr, CG: tl.constexpr):
+    """The slots of tokens t [BLOCK_T] (rows of the step where in_step) from their logits rows:
+    (routed ids [BT, K_PAD] int32, their weights float32, the shared chunks' ids [BT, NS_PAD], their
+    weights). Slots 0..k-1 are the routed top-k; slots k.. are the shared expert's chunks
+    E..E+n_shared-1, weighted by sigmoid(x . shared_gate) (1 without a gate). Padding rows (at or
+    past n_real) get the sentinel E + n_shared and weight 0 in every slot. The gate's logit: column
+    E of the logits row with GATE_IN_LOGITS, else `gate_logit` [BLOCK_T]. CG: the logits are other
+    programs' stores of this launch, read from L2 (arrivals.py). Columns past k (K_PAD) and past
+    n_shared (NS_PAD) hold the sentinel and weight 0, and are not slots.
+    """
+    SENTINEL: tl.constexpr = E + N_SHARED
     rows = logits_ptr + t.to(tl.int64) * stride_lt
     if N_SHARED > 0 and SHARED_GATE and GATE_IN_LOGITS:
         gate_logit = _load_logits(rows + E, in_step, CG)
@@ -437,19 +464,13 @@ def _route_rows(logits_ptr, bias_ptr, ids_ptr, weights_ptr, nreal_ptr, t0, T, n_
     real = (t < n_real)[:, None]
     sel_ids = tl.where(real, sel_ids, SENTINEL)
     sel_w = tl.where(real, sel_w, 0.0)
-    pair = t[:, None] * SLOTS
-    k_mask = (kk < TOP_K) & in_step[:, None]
-    tl.store(ids_ptr + pair + kk, sel_ids, mask=k_mask)
-    tl.store(weights_ptr + pair + kk, sel_w, mask=k_mask)
 
-    if N_SHARED > 0:
-        gate = tl.full((BLOCK_T, NS_PAD), 1.0, dtype=tl.float32)
-        if SHARED_GATE:
-            gate = gate / (1.0 + tl.exp(-gate_logit[:, None]))
-        c = tl.arange(0, NS_PAD)[None, :]
-        c_mask = (c < N_SHARED) & in_step[:, None]
-        tl.store(ids_ptr + pair + TOP_K + c, tl.where(real, E + c, SENTINEL), mask=c_mask)
-        tl.store(weights_ptr + pair + TOP_K + c, tl.where(real, gate, 0.0), mask=c_mask)
+    c = tl.arange(0, NS_PAD)[None, :]
+    gate = tl.full((BLOCK_T, NS_PAD), 1.0, dtype=tl.float32)
+    if N_SHARED > 0 and SHARED_GATE:
+        gate = gate / (1.0 + tl.exp(-gate_logit[:, None]))
+    live = real & (c < N_SHARED)
+    return sel_ids, sel_w, tl.where(live, E + c, SENTINEL), tl.where(live, gate, 0.0)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -973,27 +994,58 @@ def _gate_up_row(x_ptrs, g_ptrs, up, n_mask, D, BLOCK_N: tl.constexpr, BLOCK_K: 
     return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
 
 
-@triton.jit
-def _gate_up_token_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, ids_ptr, E, SLOTS, D, I, S,
-                          stride_xt, stride_we, stride_wn, stride_swn,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          N_SHARED: tl.constexpr, USE_GDC: tl.constexpr):
+@triton.jit(do_not_specialize=["n_real"])
+def _gate_up_token_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, ids_ptr, logits_ptr, bias_ptr, nreal_ptr, weights_ptr,
+                          SLOTS, D, I, S, n_real, routed_scale, stride_xt, stride_we, stride_wn, stride_swn, stride_lt,
+                          E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                          N_SHARED: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                          NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                          G_PAD: tl.constexpr, S_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr,
+                          RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr, NS_PAD: tl.constexpr,
+                          SHARED_GATE: tl.constexpr, USE_GDC: tl.constexpr):
     """GEMV for one pair: h[pair, cols] float32. Padding pairs (the sentinel E + n_shared) write zeros
     and read no weight; a pair of expert e >= E is chunk e - E of the shared expert.
 
     Loads that feed no dot are not software-pipelined, so a program should finish in one or two
     steps: the token configs use narrow column tiles (2-8) and BLOCK_K up to D, many programs.
     Which weights a pair reads comes from the routing kernel's ids: with PDL it reads none before the wait.
+
+    ROUTE (the router option "in_experts"): no routing kernel ran; each program picks its token's
+    slots from the logits row the GEMV wrote (`_route_select`: the routing kernel's code and tile,
+    the shared gate's logit in column E, the arguments after ids_ptr) and takes its own slot's
+    expert, and the programs of a pair's first column tile store its id and weight for the down
+    projection. Every program of a token repeats the token's few reductions over E in registers,
+    where the routing kernel's launch and its gap in the step would come first. Without ROUTE
+    those arguments are not read.
     """
     pdl_wait(USE_GDC)
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    e = tl.load(ids_ptr + pair)
+    tok = pair // SLOTS
+    if ROUTE:
+        t = tok + tl.arange(0, 1)
+        sel_ids, sel_w, shared_ids, shared_w = _route_select(
+            logits_ptr, bias_ptr, nreal_ptr, t, t >= 0, n_real, routed_scale, stride_lt,
+            tl.zeros((1,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, 1,
+            HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, True, False)
+        # this pair's slot j of the token's row: a column of the routed slots or of the shared ones
+        j = pair - tok * SLOTS
+        kk = tl.arange(0, K_PAD)[None, :]
+        routed = (kk == j) & (kk < TOP_K)  # K_PAD's columns past k are not slots
+        shared = TOP_K + tl.arange(0, NS_PAD)[None, :] == j
+        e = tl.sum(tl.sum(tl.where(routed, sel_ids, 0), axis=1), axis=0) + tl.sum(
+            tl.sum(tl.where(shared, shared_ids, 0), axis=1), axis=0)
+        w = tl.sum(tl.sum(tl.where(routed, sel_w, 0.0), axis=1), axis=0) + tl.sum(
+            tl.sum(tl.where(shared, shared_w, 0.0), axis=1), axis=0)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + pair, e)
+            tl.store(weights_ptr + pair, w)
+    else:
+        e = tl.load(ids_ptr + pair)
     if e >= E + N_SHARED:
         tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=n_mask)
         return
-    tok = pair // SLOTS
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok.to(tl.int64) * stride_xt + offs_k  # [BK]
     if N_SHARED > 0:
@@ -1202,14 +1254,23 @@ def _one_launch_router(T: int, E: int, slots: int, logits_kernel: str, path: str
     return router_folds(T, E, logits_kernel)
 
 
+def routes_in_experts(T: int, E: int, D: int, config: MoEConfig, logits_kernel: Optional[str], asked: bool) -> bool:
+    """Whether `fused_moe` routes a step in its gate-up kernel (`route_in_gate_up`): asked for, a
+    token-path step, and the GEMV computes the logits (the in-kernel routing reads its row, the
+    shared gate's logit in column E)."""
+    return asked and config.path == "token" and T > 0 and (logits_kernel or logits_kernel_for(T, E, D)) == "gemv"
+
+
 def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits_kernel: Optional[str] = None,
-                   fold: Optional[bool] = None, one_launch_router: bool = False, split_down: bool = False) -> tuple:
+                   fold: Optional[bool] = None, one_launch_router: bool = False, split_down: bool = False,
+                   route_in_experts: bool = False) -> tuple:
     """Everything an eager step of T tokens picks from T that makes Triton build another kernel: the
     logits kernel (`logits_kernel` where the caller fixes it), the GEMM configs (their tiles are
     constexprs), the sort's width and whether it counts blocks first, whether the routing and
     sort run as one launch (`fold` as `fused_moe` takes it), whether the router is one launch
     (`one_launch_router` as `fused_moe` takes it), and whether a sorted step splits its down
-    (`split_down`: the gate-up's other variant and the split combine). Two token counts with equal
+    (`split_down`: the gate-up's other variant and the split combine), and whether a token-path step
+    routes in its gate-up kernel (`routes_in_experts`). Two token counts with equal
     variants launch the same kernels; the backend's `kernel_variant_tokens` runs one count of each at
     start-up, so a bundle holds them all."""
     logits_kernel = logits_kernel or logits_kernel_for(T, E, D)
@@ -1219,7 +1280,9 @@ def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits
         folded = route_sort_folds(T, E, slots, logits_kernel) if fold is None else fold
         sort = block_p, T * slots > block_p, scanned, folded
     one_launch = _one_launch_router(T, E, slots, logits_kernel, config.path, fold, one_launch_router)
-    return logits_kernel, config, sort, one_launch, split_down and config.path == "sorted"
+    in_experts = routes_in_experts(T, E, D, config, logits_kernel, route_in_experts)
+    return (logits_kernel, config, sort, one_launch and not in_experts, split_down and config.path == "sorted",
+            in_experts)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
@@ -1273,15 +1336,10 @@ def route_sort(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Option
     return (ids, weights, *layout)
 
 
-def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize: bool, routed_scale: float,
-           num_groups: int, topk_groups: int, n_real, logits_kernel: Optional[str], n_shared: int, shared_gate,
-           gate_in_logits: Optional[bool] = None, sort_block_m: Optional[int] = None, one_launch: bool = False,
-           count_ranks: bool = False):
-    """`route`'s launches: (ids, weights, None); with sort_block_m, the routing kernel is
-    `_route_sort_kernel` and the third item is sort_tokens' (sorted_pairs, block_expert, total),
-    each block's ranks counted with count_ranks (else sorted).
-    one_launch: `_router_kernel` instead of the GEMV and the routing kernel (it sorts with sort_block_m)."""
-    T, D = x.shape
+def _check_routing(x, router_weight, top_k: int, scoring: str, num_groups: int, topk_groups: int, n_shared: int,
+                   shared_gate) -> None:
+    """The routing arguments a router launch takes, refused with a one-line message where they do not fit."""
+    D = x.shape[1]
     E = router_weight.shape[0]
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"moe: unknown scoring {scoring!r} (expected 'softmax' or 'sigmoid')")
@@ -1298,6 +1356,52 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
         assert n_shared > 0, "moe: a shared gate without a shared expert"
         assert shared_gate.numel() == D and shared_gate.stride(-1) == 1, (
             f"moe: shared_gate {tuple(shared_gate.shape)} is not a contiguous [1, D={D}]")
+
+
+def _real_rows(n_real, T: int, ids: torch.Tensor) -> tuple:
+    """(nreal_ptr, n_real_int, NREAL_FROM_PTR) of a routing launch: a device count is read by the
+    kernel (a captured graph follows its value); a host count, or None (every row), is an argument."""
+    if isinstance(n_real, torch.Tensor):
+        assert n_real.device == ids.device and n_real.numel() >= 1, (
+            "moe: n_real must be a one-element tensor on x's device")
+        return n_real, T, True
+    return ids, T if n_real is None else int(n_real), False
+
+
+def _routing_constants(E: int, top_k: int, scoring: str, renormalize: bool, num_groups: int, topk_groups: int,
+                       router_bias, from_ptr: bool, n_shared: int, shared_gate) -> dict:
+    """The constexprs `_route_select` takes, as every routing launch passes them."""
+    group_size = E // num_groups
+    return dict(E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
+                TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=next_pow2(num_groups),
+                S_PAD=next_pow2(group_size), HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax",
+                RENORM=bool(renormalize), NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared,
+                NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=shared_gate is not None)
+
+
+def _launch_logits_gemv(x, router_weight, gate, logits) -> None:
+    """`_logits_gemv_kernel` into logits [T, E (+1 with the shared gate `gate`: its logit in column E)]."""
+    T, D = x.shape
+    E = router_weight.shape[0]
+    block_e, block_d = _gemv_blocks(E, D)
+    _logits_gemv_kernel[(T, cdiv(E, block_e) + (gate is not None))](
+        x, router_weight, gate if gate is not None else router_weight, logits, E, D, x.stride(0),
+        router_weight.stride(0), logits.stride(0),
+        BLOCK_E=block_e, BLOCK_D=block_d, HAS_GATE=gate is not None, ONE_STEP=D <= block_d, num_warps=4,
+        **launch_args(x.device))
+
+
+def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize: bool, routed_scale: float,
+           num_groups: int, topk_groups: int, n_real, logits_kernel: Optional[str], n_shared: int, shared_gate,
+           gate_in_logits: Optional[bool] = None, sort_block_m: Optional[int] = None, one_launch: bool = False,
+           count_ranks: bool = False):
+    """`route`'s launches: (ids, weights, None); with sort_block_m, the routing kernel is
+    `_route_sort_kernel` and the third item is sort_tokens' (sorted_pairs, block_expert, total),
+    each block's ranks counted with count_ranks (else sorted).
+    one_launch: `_router_kernel` instead of the GEMV and the routing kernel (it sorts with sort_block_m)."""
+    T, D = x.shape
+    E = router_weight.shape[0]
+    _check_routing(x, router_weight, top_k, scoring, num_groups, topk_groups, n_shared, shared_gate)
     dev = x.device
     ids = torch.empty(T, top_k + n_shared, dtype=torch.int32, device=dev)
     weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=dev)
@@ -1332,12 +1436,7 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
     if fused or one_launch or logits_kernel == "split":
         pass  # the route kernel, or the router kernel, computes the logits itself
     elif logits_kernel == "gemv":
-        block_e, block_d = _gemv_blocks(E, D)
-        _logits_gemv_kernel[(T, cdiv(E, block_e) + gate_in_logits)](
-            x, router_weight, shared_gate if gate_in_logits else router_weight, logits, E, D, x.stride(0),
-            router_weight.stride(0), logits.stride(0),
-            BLOCK_E=block_e, BLOCK_D=block_d, HAS_GATE=gate_in_logits, ONE_STEP=D <= block_d, num_warps=4,
-            **launch_args(dev))
+        _launch_logits_gemv(x, router_weight, shared_gate if gate_in_logits else None, logits)
     else:
         bn = _dot_columns(E)
         bm, bk, warps, stages = LOGITS_DOT_TILE
@@ -1345,66 +1444,49 @@ def _route(x, router_weight, router_bias, top_k: int, scoring: str, renormalize:
             x, router_weight, logits, T, E, D, x.stride(0), router_weight.stride(0),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype),
             num_warps=warps, num_stages=stages, **launch_args(dev))
-    if isinstance(n_real, torch.Tensor):
-        assert n_real.device == dev and n_real.numel() >= 1, "moe: n_real must be a one-element tensor on x's device"
-        nreal_ptr, n_real_int, from_ptr = n_real, T, True
-    else:
-        nreal_ptr, n_real_int, from_ptr = ids, T if n_real is None else int(n_real), False
-    g_pad = next_pow2(num_groups)
-    s_pad = next_pow2(group_size)
+    nreal_ptr, n_real_int, from_ptr = _real_rows(n_real, T, ids)
+    consts = _routing_constants(E, top_k, scoring, renormalize, num_groups, topk_groups, router_bias, from_ptr,
+                                n_shared, shared_gate)
     if logits_kernel == "split":
         _launch_split_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int,
-                             from_ptr, top_k, scoring, renormalize, routed_scale, num_groups, topk_groups, n_shared)
+                             routed_scale, consts)
         return ids, weights, None
     if one_launch and logits_kernel == "dot":
         bm, bk, warps, stages = LOGITS_DOT_TILE
         _logits_route_kernel[(cdiv(T, bm),)](
             x, router_weight, shared_gate if shared_gate is not None else router_weight, logits,
             router_bias if router_bias is not None else logits, ids, weights, nreal_ptr, T, n_real_int,
-            float(routed_scale), D, x.stride(0), router_weight.stride(0),
-            E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
-            TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=g_pad, S_PAD=s_pad,
-            HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORM=bool(renormalize),
-            NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)),
-            SHARED_GATE=shared_gate is not None, BLOCK_M=bm, BLOCK_N=_dot_columns(E), BLOCK_K=bk,
+            float(routed_scale), D, x.stride(0), router_weight.stride(0), **consts,
+            BLOCK_M=bm, BLOCK_N=_dot_columns(E), BLOCK_K=bk,
             DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype), num_warps=warps, num_stages=stages,
             **launch_args(dev))
         return ids, weights, None
     if one_launch:
         _launch_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int,
-                       from_ptr, top_k, scoring, renormalize, routed_scale, num_groups, topk_groups, n_shared,
-                       sort_block_m, layout if sort_block_m is not None else None, count_ranks)
+                       routed_scale, consts, sort_block_m, layout if sort_block_m is not None else None, count_ranks)
         return ids, weights, layout if sort_block_m is not None else None
     if sort_block_m is not None:
         sorted_pairs, block_expert, total = layout
         e_bins = next_pow2(E + n_shared)
         _route_sort_kernel[(1,)](
             logits, router_bias if router_bias is not None else logits, ids, weights, nreal_ptr,
-            sorted_pairs, block_expert, total, T, n_real_int, P, float(routed_scale), logits.stride(0),
-            E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
-            TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=g_pad, S_PAD=s_pad, BLOCK_T=route_tile_rows(E),
-            HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORM=bool(renormalize),
-            NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)),
-            SHARED_GATE=shared_gate is not None, E_BINS=e_bins, BLOCK_M=sort_block_m, BLOCK_P=align_block_p(P),
+            sorted_pairs, block_expert, total, T, n_real_int, P, float(routed_scale), logits.stride(0), **consts,
+            BLOCK_T=route_tile_rows(E), E_BINS=e_bins, BLOCK_M=sort_block_m, BLOCK_P=align_block_p(P),
             E_CHUNK=_pad_chunk(e_bins, sort_block_m), COUNT_RANKS=count_ranks, num_warps=4, **launch_args(dev))
         return ids, weights, layout
     _route_kernel[(T,)](
         x, router_weight, logits, router_bias if router_bias is not None else logits,
         shared_gate if shared_gate is not None else logits, ids, weights,
         nreal_ptr, T, n_real_int, float(routed_scale), D,
-        x.stride(0), router_weight.stride(0), logits.stride(0),
-        E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
-        TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=g_pad, S_PAD=s_pad, E_PAD=e_pad,
+        x.stride(0), router_weight.stride(0), logits.stride(0), **consts, E_PAD=e_pad,
         # Fused: the router tile is loaded in at most two steps (a serial chain of DRAM round trips
         # would dominate a batch-1 step); 16K elements over 8 warps is 64 values per thread.
-        BLOCK_D=max(16, min(next_pow2(D), 16384 // e_pad)), FUSED_LOGITS=fused, HAS_BIAS=router_bias is not None,
-        SOFTMAX=scoring == "softmax", RENORM=bool(renormalize), NREAL_FROM_PTR=from_ptr,
+        BLOCK_D=max(16, min(next_pow2(D), 16384 // e_pad)), FUSED_LOGITS=fused,
         # Without the fused GEMV the kernel is a chain of small reductions over E: one warp keeps
         # them in shuffles (no shared memory, no barriers) up to 128 experts.
         num_warps=8 if fused else (1 if e_pad <= 128 else (2 if e_pad <= 512 else 4)),
         # The shared gate is one [D] dot per token: loaded in one step up to D = 2048 (two above), not
         # in a chain of small steps (unpipelined loads: each one a DRAM round trip at batch 1).
-        N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=shared_gate is not None,
         GATE_IN_LOGITS=gate_in_logits, GATE_BLOCK_D=min(2048, next_pow2(D)), **launch_args(dev))
     return ids, weights, None
 
@@ -1429,30 +1511,25 @@ def _router_warps(E: int, sort: bool) -> int:
 
 
 def _launch_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int: int,
-                   from_ptr: bool, top_k: int, scoring: str, renormalize: bool, routed_scale: float, num_groups: int,
-                   topk_groups: int, n_shared: int, sort_block_m: Optional[int], layout, count_ranks: bool) -> None:
+                   routed_scale: float, consts: dict, sort_block_m: Optional[int], layout, count_ranks: bool) -> None:
     """`_router_kernel`: the GEMV's programs, the last of them routing (and, with sort_block_m,
-    sorting into `layout`'s buffers) every token."""
+    sorting into `layout`'s buffers) every token. consts: `_routing_constants`."""
     T, D = x.shape
     E = router_weight.shape[0]
     dev = x.device
     block_e, block_d = _gemv_blocks(E, D)
     gate = shared_gate is not None
     sort = sort_block_m is not None
-    e_bins = next_pow2(E + n_shared)
+    e_bins = next_pow2(E + consts["N_SHARED"])
     sorted_pairs, block_expert, total = layout if sort else (ids, ids, ids)  # never touched without SORT
     arrived = arrival_counters(dev, 1, "moe router")
-    group_size = E // num_groups
     _router_kernel[(T, cdiv(E, block_e) + gate)](
         x, router_weight, shared_gate if gate else router_weight, logits,
         router_bias if router_bias is not None else logits, ids, weights, nreal_ptr, sorted_pairs, block_expert,
         total, arrived, T, n_real_int, ids.numel(), float(routed_scale), D, x.stride(0), router_weight.stride(0),
-        logits.stride(0),
-        E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
-        TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=next_pow2(num_groups), S_PAD=next_pow2(group_size),
-        BLOCK_T=route_tile_rows(E) if sort else 1, HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax",
-        RENORM=bool(renormalize), NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)),
-        SHARED_GATE=gate, BLOCK_E=block_e, BLOCK_D=block_d, ONE_STEP=D <= block_d, SORT=sort, E_BINS=e_bins,
+        logits.stride(0), **consts,
+        BLOCK_T=route_tile_rows(E) if sort else 1, BLOCK_E=block_e, BLOCK_D=block_d, ONE_STEP=D <= block_d, SORT=sort,
+        E_BINS=e_bins,
         BLOCK_M=sort_block_m if sort else 16, BLOCK_P=align_block_p(ids.numel()),
         E_CHUNK=_pad_chunk(e_bins, sort_block_m if sort else 16), COUNT_RANKS=count_ranks,
         num_warps=_router_warps(E, sort),
@@ -1468,9 +1545,9 @@ def split_router_shape(T: int, D: int) -> tuple[int, int, int]:
 
 
 def _launch_split_router(x, router_weight, router_bias, shared_gate, logits, ids, weights, nreal_ptr, n_real_int: int,
-                         from_ptr: bool, top_k: int, scoring: str, renormalize: bool, routed_scale: float,
-                         num_groups: int, topk_groups: int, n_shared: int) -> None:
-    """`_split_router_kernel`: the router GEMM in slices of D, the last slice of each row block routing it."""
+                         routed_scale: float, consts: dict) -> None:
+    """`_split_router_kernel`: the router GEMM in slices of D, the last slice of each row block routing
+    it. consts: `_routing_constants`."""
     T, D = x.shape
     E = router_weight.shape[0]
     gate = shared_gate is not None
@@ -1478,16 +1555,11 @@ def _launch_split_router(x, router_weight, router_bias, shared_gate, logits, ids
     blocks, split, k_slice = split_router_shape(T, D)
     block_n = max(16, next_pow2(E + gate))
     partials = torch.empty(split, T, block_n, dtype=torch.float32, device=x.device)
-    group_size = E // num_groups
     _split_router_kernel[(blocks, split)](
         x, router_weight, shared_gate if gate else router_weight, partials, logits,
         router_bias if router_bias is not None else logits, ids, weights, nreal_ptr,
         arrival_counters(x.device, blocks, "moe router"), T, n_real_int, float(routed_scale), D, x.stride(0),
-        router_weight.stride(0), logits.stride(0),
-        E=E, TOP_K=top_k, K_PAD=next_pow2(top_k), NUM_GROUPS=num_groups, GROUP_SIZE=group_size,
-        TOPK_GROUPS=topk_groups if num_groups > 1 else 1, G_PAD=next_pow2(num_groups), S_PAD=next_pow2(group_size),
-        HAS_BIAS=router_bias is not None, SOFTMAX=scoring == "softmax", RENORM=bool(renormalize),
-        NREAL_FROM_PTR=from_ptr, N_SHARED=n_shared, NS_PAD=next_pow2(max(1, n_shared)), SHARED_GATE=gate,
+        router_weight.stride(0), logits.stride(0), **consts,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=bk, SPLIT=split, K_SLICE=k_slice,
         DOT_FP32=_dot_fp32(x.dtype, router_weight.dtype), num_warps=warps, num_stages=stages, **launch_args(x.device))
 
@@ -1704,10 +1776,18 @@ def combine(y, ids, out, sentinel: int) -> None:
         EVEN_D=D % block_d == 0, num_warps=max(1, min(8, block_d // (32 * per_thread))), **launch_args(out.device))
 
 
-def gate_up_token(x, w13, ids, cfg: GemmConfig, h=None, shared_w13=None):
+# The routing constexprs of a `_gate_up_token_kernel` launch that does not route (ROUTE False): not
+# read, and fixed, so the variant does not change with the layer's routing.
+_NO_ROUTING = dict(TOP_K=1, K_PAD=1, NUM_GROUPS=1, GROUP_SIZE=1, TOPK_GROUPS=1, G_PAD=1, S_PAD=1, HAS_BIAS=False,
+                   SOFTMAX=True, RENORM=False, NREAL_FROM_PTR=False, NS_PAD=1, SHARED_GATE=False)
+
+
+def gate_up_token(x, w13, ids, cfg: GemmConfig, h=None, shared_w13=None, routing: Optional[dict] = None):
     """h [T*slots, I] float32, one GEMV program per (pair, column tile); padding pairs are skipped.
 
-    Pairs of expert ids >= E read shared_w13 [2S, D].
+    Pairs of expert ids >= E read shared_w13 [2S, D]. routing (`route_in_gate_up`): the kernel routes
+    each pair itself from the GEMV's logits and writes ids and the routing weights (the dict's
+    "weights") as the routing kernel would; without it, ids come from the routing kernel.
     """
     _check_stage(cfg, "token")
     T, D = x.shape
@@ -1717,11 +1797,48 @@ def gate_up_token(x, w13, ids, cfg: GemmConfig, h=None, shared_w13=None):
     sw13, stride_swn = _shared_operand(shared_w13, w13)
     if h is None:
         h = torch.empty(T * slots, I, dtype=torch.float32, device=x.device)
+    n_shared = shared_chunks(S, I)
+    if routing is None:
+        args, consts = (x, x, ids, ids, 0, 1.0, 0), dict(_NO_ROUTING, E=E, N_SHARED=n_shared)
+    else:
+        logits = routing["logits"]
+        args = (logits, routing["bias"], routing["nreal_ptr"], routing["weights"], routing["n_real"],
+                routing["routed_scale"], logits.stride(0))
+        consts = routing["consts"]
+        assert consts["E"] == E and consts["N_SHARED"] == n_shared and consts["TOP_K"] + n_shared == slots, (
+            f"moe: routing of {consts['E']} experts, {consts['TOP_K']} + {consts['N_SHARED']} slots for a gate-up "
+            f"of {E} experts and {slots} slots")
+    logits, bias, nreal_ptr, weights, n_real, routed_scale, stride_lt = args
     _gate_up_token_kernel[(T * slots, cdiv(I, cfg.BLOCK_N))](
-        x, w13, sw13, h, ids, E, slots, D, I, S, x.stride(0), w13.stride(0), w13.stride(1), stride_swn,
-        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=D % cfg.BLOCK_K == 0, N_SHARED=shared_chunks(S, I),
+        x, w13, sw13, h, ids, logits, bias, nreal_ptr, weights, slots, D, I, S, n_real, float(routed_scale),
+        x.stride(0), w13.stride(0), w13.stride(1), stride_swn, stride_lt, **consts,
+        BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=D % cfg.BLOCK_K == 0, ROUTE=routing is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_args(x.device))
     return h
+
+
+def route_in_gate_up(x, router_weight, router_bias, w13, top_k: int, scoring: str, renormalize: bool,
+                     routed_scale: float, num_groups: int, topk_groups: int, cfg: GemmConfig,
+                     n_real: "int | torch.Tensor | None" = None, n_shared: int = 0, shared_gate=None,
+                     shared_w13=None) -> tuple:
+    """The router option "in_experts" on the token path: the router's GEMV (the shared gate's logit
+    in column E), then `gate_up_token` routing each pair itself. (ids, weights, h) as `route` and
+    `gate_up_token` give them: two launches where they take three."""
+    T, D = x.shape
+    E = router_weight.shape[0]
+    _check_routing(x, router_weight, top_k, scoring, num_groups, topk_groups, n_shared, shared_gate)
+    ids = torch.empty(T, top_k + n_shared, dtype=torch.int32, device=x.device)
+    weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=x.device)
+    logits = torch.empty(T, E + (shared_gate is not None), dtype=torch.float32, device=x.device)
+    if T:
+        _launch_logits_gemv(x, router_weight, shared_gate, logits)
+    nreal_ptr, n_real_int, from_ptr = _real_rows(n_real, T, ids)
+    routing = dict(logits=logits, bias=router_bias if router_bias is not None else logits, nreal_ptr=nreal_ptr,
+                   weights=weights, n_real=n_real_int, routed_scale=routed_scale,
+                   consts=_routing_constants(E, top_k, scoring, renormalize, num_groups, topk_groups, router_bias,
+                                             from_ptr, n_shared, shared_gate))
+    h = gate_up_token(x, w13, ids, cfg, shared_w13=shared_w13, routing=routing) if T else None
+    return ids, weights, h
 
 
 def down_token(h, w2, ids, weights, out, cfg: GemmConfig, shared_w2=None, one_step: Optional[bool] = None) -> None:
@@ -1750,14 +1867,17 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
               top_k: int, scoring: str, renormalize: bool, routed_scale: float, num_groups: int, topk_groups: int,
               config: MoEConfig, n_real: "int | torch.Tensor | None" = None,
               logits_kernel: Optional[str] = None, fold: Optional[bool] = None,
-              one_launch_router: bool = False, count_ranks: bool = False, split_down: bool = False) -> None:
+              one_launch_router: bool = False, count_ranks: bool = False, split_down: bool = False,
+              route_in_experts: bool = False) -> None:
     """The moe op into `out` [T,D] (rows >= n_real zeroed): arguments and shapes as its schema.
     logits_kernel: the router's logits kernel (`route`), by default chosen from T. fold: whether
     a sorted step routes and sorts in one launch (`route_sort`), by default `route_sort_folds`'s answer.
     one_launch_router: the router's GEMV also routes (and sorts) where the step folds (`router_folds`).
     count_ranks: the sort counts each block's ranks instead of sorting them (`route_sort`).
     split_down: a sorted step's down projections as `down_split` and `combine_split` (the shared
-    expert's gate-up rows by token); the caller asks where `splits_down` says."""
+    expert's gate-up rows by token); the caller asks where `splits_down` says.
+    route_in_experts: a token-path step on the GEMV's logits routes in its gate-up kernel
+    (`route_in_gate_up`), no routing launch; other steps route as without it."""
     T, D = x.shape
     E, two_i, D_w = w13.shape
     I = two_i // 2
@@ -1789,6 +1909,11 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
     shared = dict(n_shared=n_shared, shared_gate=shared_gate, logits_kernel=logits_kernel)
     one_launch = _one_launch_router(T, E, slots, logits_kernel or logits_kernel_for(T, E, D), config.path, fold,
                                     one_launch_router)
+    if config.path == "token" and routes_in_experts(T, E, D, config, logits_kernel, route_in_experts):
+        ids, weights, h = route_in_gate_up(*route_args[:3], w13, *route_args[3:-1], config.gate_up, n_real=n_real,
+                                           n_shared=n_shared, shared_gate=shared_gate, shared_w13=shared_w13)
+        down_token(h, w2, ids, weights, out, config.down, shared_w2=shared_w2)
+        return
     if config.path == "token":
         ids, weights = route(*route_args, **shared, one_launch=one_launch)
         h = gate_up_token(x, w13, ids, config.gate_up, shared_w13=shared_w13)

@@ -34,7 +34,8 @@ from runtime.backends.kernels.moe_config import GemmConfig, MoEConfig, config_fi
 from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
 from testkit.moe_checks import combine_reference, sorted_layout_reference  # noqa: E402
 from runtime.backends.kernels.moe import (  # noqa: E402
-    combine, down_token, fused_moe, gate_up_token, route, route_sort, route_sort_folds, shared_chunks, sort_tokens,
+    combine, down_token, fused_moe, gate_up_token, route, route_in_gate_up, route_sort, route_sort_folds,
+    shared_chunks, sort_tokens,
 )
 
 DEV = torch.device("cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda")
@@ -421,6 +422,72 @@ def test_fused_moe_matches_reference_on_both_sides_of_the_one_launch_routing(T, 
     assert _rel(out[:n_real], ref[:n_real]) <= 1e-4
 
 
+# (top_k, routing, shared): top-3 pads the routed slots to 4 columns, the first shared slot's index
+# among them; two shared chunks (S=40) put slots past the pad.
+IN_EXPERTS_CASES = [(2, "softmax", "none"), (3, "sigmoid_bias_grouped", "gated_S=I"), (1, "softmax", "ungated_S=2I"),
+                    (3, "softmax", "gated_S=40")]
+
+
+@pytest.mark.parametrize("top_k,routing,shared", IN_EXPERTS_CASES)
+def test_routing_in_the_gate_up_kernel_gives_the_routing_kernels_slots_and_rows(top_k, routing, shared):
+    """route_in_gate_up (the router option "in_experts"): every gate-up program picks its pair's
+    slot from the GEMV's logits itself, and the first column tile's programs write the ids and
+    weights. Against the GEMV, the routing kernel and gate_up_token on its ids: the same ids, the
+    weights to float32 rounding, the same h rows, with padding rows (a host count and a device one)
+    on the sentinel with weight 0 and zero rows."""
+    g = torch.Generator().manual_seed(top_k * 7 + len(shared))
+    E = 8
+    scoring, bias, groups, topk_groups = ROUTINGS[routing](E)
+    router, b, w13, _, sw13, _, gate = _layer(g, E, bias, shared)
+    T = 5
+    x = torch.randn(T, D, generator=g)
+    n_shared = shared_chunks(SHARED[shared][0], I)
+    tail = (top_k, scoring, True, 2.5, groups, topk_groups)
+    for n_real in (T, 3, torch.tensor([4], dtype=torch.int32)):
+        dev_real = n_real.to(DEV) if isinstance(n_real, torch.Tensor) else n_real
+        kw = dict(n_real=dev_real, n_shared=n_shared, shared_gate=None if gate is None else gate.to(DEV))
+        args = _on(x, router, b)
+        ids, w = route(*args, *tail, **kw, logits_kernel="gemv")
+        h = gate_up_token(args[0], w13.to(DEV), ids, TOKEN_NARROW.gate_up, shared_w13=None if sw13 is None else
+                          sw13.to(DEV))
+        got_ids, got_w, got_h = route_in_gate_up(*args, w13.to(DEV), *tail, TOKEN_NARROW.gate_up, **kw,
+                                                 shared_w13=None if sw13 is None else sw13.to(DEV))
+        real = int(n_real)
+        assert torch.equal(got_ids.cpu(), ids.cpu()) and (got_ids[real:].cpu() == E + n_shared).all()
+        assert torch.allclose(got_w.cpu(), w.cpu(), rtol=1e-6, atol=1e-7) and (got_w[real:].cpu() == 0).all()
+        assert torch.equal(got_h.cpu(), h.cpu()) and (got_h.view(T, -1)[real:].cpu() == 0).all()
+
+
+def test_fused_moe_routing_in_its_experts_launches_no_routing_kernel(monkeypatch):
+    """fused_moe(route_in_experts=True) on the token path matches the CPU oracle without the routing
+    kernel's launch; a sorted step keeps its routing (the option applies to token steps only)."""
+    import runtime.backends.kernels.moe as moe
+
+    launched = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(moe, name)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_route_kernel", "_route_sort_kernel"):
+        monkeypatch.setattr(moe, name, Spy(name))
+    g = torch.Generator().manual_seed(17)
+    layer = _layer(g, 8, True, "gated_S=40")
+    tail = (2, "sigmoid", True, 2.5, 4, 2)
+    for T, config in ((3, TOKEN_NARROW), (9, SORTED)):
+        x = torch.randn(T, D, generator=g)
+        ref = moe_reference(x, *layer, *tail)
+        out = torch.full((T, D), float("nan"), device=DEV)
+        fused_moe(*_on(x, *layer, out), *tail, config, n_real=T - 1, route_in_experts=True)
+        assert (out[T - 1:] == 0).all() and _rel(out[:T - 1], ref[:T - 1]) <= 1e-4
+    assert launched == ["_route_sort_kernel"], (
+        "the token step routes in its gate-up kernel; the sorted one launches its routing and sort")
+
+
 def _routed_ids(g, T, k, E, padding_tokens=0, skewed=False):
     """[T, k] distinct experts per token, the last `padding_tokens` rows the sentinel E. skewed:
     expert 0 in every token and the others drawn from experts 1..min(E, 2k)-1 (ragged counts, and
@@ -671,6 +738,25 @@ def test_the_router_option_runs_the_router_in_one_launch_where_the_step_folds(mo
         "past 128")
     with pytest.raises(ValueError, match="router must be one of"):
         TritonMoEBackend(device="cpu", router="fused")
+
+
+def test_the_in_experts_router_option_routes_token_steps_in_the_gate_up_kernel(monkeypatch):
+    """router="in_experts" (--route 'moe=triton_moe[router=in_experts]'): token-path steps (T 1 and
+    3, the default configs' token path) route in their gate-up kernel and call no router, a sorted
+    step (9) routes as "split" does; each matches the CPU oracle, and the token steps' launch
+    variants differ from the default router's (a bundle builds both)."""
+    import runtime.backends.triton_moe as backend_module
+
+    asked = _spy_on_route(monkeypatch, lambda a, k: a[0].shape[0])
+    backend = TritonMoEBackend(device=DEV, router="in_experts")
+    for T, out, expected in _backend_steps(backend, (1, 3, 9), seed=31):
+        assert _rel(out, expected) <= 1e-4
+    assert asked == [9]
+    kernels = backend_module._kernels()
+    token = backend.config_for(1, 8, 32, 64, 2, torch.device("cpu"))
+    assert token.path == "token"
+    assert kernels.launch_variant(1, 8, 64, 3, token, route_in_experts=True) != kernels.launch_variant(1, 8, 64, 3,
+                                                                                                        token)
 
 
 def test_the_split_router_and_counted_ranks_options_serve_as_the_defaults(monkeypatch):
