@@ -63,9 +63,10 @@ GEMM_TILES = ("tuned", "fixed")
 # The router option's choices, the default first: past the GEMV's bound the router GEMM in slices
 # of D with the last slice routing (one launch, kernels/moe.py `_split_router_kernel`; shorter steps
 # as two_launches); the router's GEMV or GEMM then a routing kernel (two launches); the GEMV's last
-# program routing (one launch, kernels/moe.py `router_folds`), and past the GEMV the split router. Why split is the default: on an H100,
-# in one call, bench qwen3_next's router took 110.6 against 160.9 us a 512-token step (12 layers)
-# and 174.9 against 225.5 at 4096 (benchmarks/kernels/account_diff.py on the raw accounts of
+# program routing (one launch, kernels/moe.py `router_folds`), and past the GEMV the split router.
+# Why split is the default: on an H100, in one call, bench qwen3_next's router took 110.6 against
+# 160.9 us a 512-token step (12 layers) and 174.9 against 225.5 at 4096
+# (benchmarks/kernels/account_diff.py on the raw accounts of
 # benchmarks/results/step_account_options_h100_2026-12-06.md: the split router's row against the
 # logits GEMM's and the routing kernel's).
 # "in_experts": a token-path step (a few tokens: the tuned configs' first buckets) runs the GEMV,
