@@ -9,7 +9,8 @@
 - `prompts_for`, `key_names`, `compare`: prompts, the keys a run used, and how two runs' greedy tokens differ (the tokens themselves:
   testkit/graph_cases.greedy, which the tests use too); `logit_drift`: whether differing tokens are rounding or a fault.
 - `decode_batch`: B requests with a history, and their next decode step's items.
-- `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU); `launch_check_ms`:
+- `time_ms`: median milliseconds between CUDA events (perf_counter on the CPU), each call from an idle
+  device; `back_to_back_ms`: a call's share of many queued without waiting; `launch_check_ms`:
   the host cost of a small graph's replay, which says whether a profiler slowed the timings after it;
   `profile_call` and its `device_gaps`: a call's kernels, host ops and the device's waits (profiler);
   `request_timeline`: the same for one request to its first token, the host's share before the device starts.
@@ -62,7 +63,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     else:
         install_interpreter_patches()
 
-__all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms",
+__all__ = ["is_cuda", "device_facts", "device_rates", "run_gpu_pytest", "fmt", "rel_err", "profile_call", "ensure_einops", "Stages", "run_guarded", "write_checkpoint_hd64", "prompts_for", "key_names", "compare", "decode_batch", "time_ms", "back_to_back_ms",
            "synchronizer", "host_profile", "engine_script", "target_rows", "verdict", "compiled_artifact", "release_config", "load_format", "host_speed_ms",
            "launch_check_ms", "device_gaps", "replay_host_split"]
 
@@ -333,6 +334,32 @@ def time_ms(fn, device, iters: int, warmup: int = 3) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def back_to_back_ms(fn, device, steps: int = 20, rounds: int = 5) -> float:
+    """Milliseconds a call of fn() when `steps` calls are queued one after another without waiting
+    between them (the median over `rounds` runs of them): a step as the overlapped engine loop issues
+    it, its host staging done while the step before runs on the device. `time_ms` starts every call
+    on an idle device, so its figure holds the host's staging and launch before the first kernel
+    too. On the CPU, where nothing is queued, the same mean of perf_counter."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(steps):
+                fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / steps)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / steps)
     return statistics.median(times)
 
 

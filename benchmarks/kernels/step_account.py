@@ -20,7 +20,9 @@ Per run, once: `rates`, the card's device-to-device copy rate and bf16 matmul ra
    with a whole-step decode graph per --batches and piecewise extend graphs per --extends (one
    request), captured (no start-up parity: this bench accounts, it does not check).
 2. decode (issue 50), per batch B: B requests with a 64-token history and their next decode step,
-   replayed as the engine runs it. Its time (CUDA events, median of --iters); the kernels of
+   replayed as the engine runs it. Its time (CUDA events, median of --iters, each from an idle
+   device) and its time queued (--iters steps issued without waiting, as the overlapped engine loop
+   stages a step while the one before runs: the call's share, median of 5 runs); the kernels of
    --replays replays (torch.profiler; the kernels inside a CUDA graph replay are traced one by one
    on recent CUDA: the JSON says whether they were, and if not the step's eager run is profiled
    instead and the account says so), each position's mean time; each kernel's op and layer
@@ -69,8 +71,8 @@ for path in (ROOT, ROOT / "benchmarks", ROOT / "benchmarks" / "kernels"):
 
 import torch  # noqa: E402
 
-from bench_common import (Stages, compiled_artifact, decode_batch, device_facts, device_rates, fmt,  # noqa: E402
-                          host_speed_ms, is_cuda, run_guarded, time_ms, verdict)
+from bench_common import (Stages, back_to_back_ms, compiled_artifact, decode_batch, device_facts,  # noqa: E402
+                          device_rates, fmt, host_speed_ms, is_cuda, run_guarded, time_ms, verdict)
 from account_cost import KEYS, cost  # noqa: E402
 from account_trace import (StepFacts, UNMATCHED, align, labelled, node_labels, per_call,  # noqa: E402
                            profile_kernels, split_compiled, timeline)
@@ -134,6 +136,8 @@ def account_step(runner, kv, st, step, key, args, dev) -> dict:
     facts = StepFacts.of(step.ctx, kv, st, program.weights)
     # First, before any profiler: one can leave every later launch slower (bench_common, TEARDOWN_CUPTI)
     step_ms = time_ms(lambda: runner.run(step, key), dev, args.iters, warmup=3 if cuda else 1)
+    # and as the overlapped engine loop runs steps: each staged while the one before runs
+    queued_ms = back_to_back_ms(lambda: runner.run(step, key), dev, steps=args.iters, rounds=5 if cuda else 1)
     costs: dict = {}
     with labelled(traced, node_labels(program, mode, traced), costs, facts):
         eager_run(runner, step, traced)  # each op's cost, from its concrete tensors
@@ -151,7 +155,8 @@ def account_step(runner, kv, st, step, key, args, dev) -> dict:
         timed, averaged = per_call(profile_kernels(lambda: runner.run(step, None), cuda, args.replays))
         timed_as = "eager (the profiler reported no kernels inside the graph replay)"
     match = align(timed, eager)
-    rec = {"key": str(key), "timed_as": timed_as, "kernel_times": averaged, "step_ms": step_ms, "match": match,
+    rec = {"key": str(key), "timed_as": timed_as, "kernel_times": averaged, "step_ms": step_ms, "queued_ms": queued_ms,
+           "match": match,
            "kernels": timed, "costs": [{"layer": layer, "what": what, **c} for (layer, what), c in costs.items()]}
     if args.timeline:
         name = f"timeline_{step.ctx.mode.value}_{step.ctx.num_tokens}.json.gz"
@@ -262,7 +267,7 @@ def _grouped(groups: list[dict], total_ms: float, rates: dict) -> list[dict]:
 def decode_table(name: str, rec: dict, rates: dict, dry: bool) -> list[str]:
     s = rec["summary"]
     lines = [f"### {name}: decode B={rec['batch']} ({rec['timed_as']}, {rec['kernels_per_step']} kernels, step "
-             f"{rec['step_ms']:.3f} ms)", "",
+             f"{rec['step_ms']:.3f} ms{_queued(rec)})", "",
              "| op | ops | kernels | kernel ms | MB | floor ms | % copy rate | main kernel |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for g in _grouped(s["groups"], s["kernel_ms"], rates):
@@ -281,7 +286,7 @@ def decode_table(name: str, rec: dict, rates: dict, dry: bool) -> list[str]:
 def extend_table(name: str, rec: dict, rates: dict, dry: bool) -> list[str]:
     s = rec["summary"]
     lines = [f"### {name}: extend {rec['tokens']} tokens, 1 request ({rec['timed_as']}, {rec['kernels_per_step']} "
-             f"kernels, step {rec['step_ms']:.3f} ms)", "",
+             f"kernels, step {rec['step_ms']:.3f} ms{_queued(rec)})", "",
              "| op | ops | kernels | kernel ms | GFLOP | MB | floor ms | % matrix rate | % copy rate |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for g in _grouped(s["groups"], s["kernel_ms"], rates):
@@ -293,6 +298,11 @@ def extend_table(name: str, rec: dict, rates: dict, dry: bool) -> list[str]:
                  f"{s['bytes'] / 1e6:.2f} | {s['floor_ms']:.4f} | kernels {fmt(s['over_floor'], '.2f')}x the floor "
                  f"({verdict(None, dry) if dry else 'measured'}) | |")
     return lines + ["", _notes(rec)]
+
+
+def _queued(rec: dict) -> str:
+    """The step queued behind another (the engine loop's steady state) where the record has it."""
+    return f", {rec['queued_ms']:.3f} ms queued" if rec.get("queued_ms") is not None else ""
 
 
 def _notes(rec: dict) -> str:
@@ -370,7 +380,7 @@ def run_family(family: str, args, doc: dict, save) -> None:
         rec.setdefault("decode", {})[str(B)] = account(r, doc["rates"], extend=False)
         s = r["summary"]
         print(f"  decode B={B}: {r['kernels_per_step']} kernels, {s['kernel_ms']:.3f} ms of kernels against a "
-              f"{s['floor_ms']:.3f} ms floor; step {r['step_ms']:.3f} ms; {r['match']}", flush=True)
+              f"{s['floor_ms']:.3f} ms floor; step {r['step_ms']:.3f} ms{_queued(r)}; {r['match']}", flush=True)
         if r.get("timeline"):
             print(timeline_text(r["timeline"]), flush=True)
 
@@ -387,7 +397,7 @@ def run_family(family: str, args, doc: dict, save) -> None:
         rec.setdefault("extend", {})[str(T)] = account(r, doc["rates"], extend=True)
         s = r["summary"]
         print(f"  extend T={T}: {r['kernels_per_step']} kernels, {s['kernel_ms']:.3f} ms of kernels against a "
-              f"{s['floor_ms']:.3f} ms floor; step {r['step_ms']:.3f} ms; {r['match']}", flush=True)
+              f"{s['floor_ms']:.3f} ms floor; step {r['step_ms']:.3f} ms{_queued(r)}; {r['match']}", flush=True)
         if r.get("timeline"):
             print(timeline_text(r["timeline"]), flush=True)
 

@@ -56,3 +56,21 @@ def test_an_artifact_whose_bundle_build_was_cut_off_is_not_taken_for_a_compiled_
     assert not _whole(art, pieces=True)  # the build's folder, before it wrote bundle.json
     (art / "targets" / "sm90-x" / "bundle.json").write_text("{}")
     assert _whole(art, pieces=True)
+
+
+def test_back_to_back_ms_is_one_call_s_share_of_a_run_of_them():
+    import time
+
+    import torch
+
+    from benchmarks.bench_common import back_to_back_ms
+
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.004)
+
+    ms = back_to_back_ms(fn, torch.device("cpu"), steps=3, rounds=2)
+    assert len(calls) == 1 + 3 * 2  # a warm-up call, then each round's steps
+    assert 4.0 <= ms < 12.0  # a call's share, not a round's (12 ms and more)
