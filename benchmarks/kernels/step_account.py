@@ -31,11 +31,12 @@ Per run, once: `rates`, the card's device-to-device copy rate and bf16 matmul ra
    its parameters, states and KV from the pools' per-layer sizes and the step's lengths), its share
    of the copy rate, and the sum of kernel times against the floor (all bytes at the copy rate).
 3. extend (issue 51), per T: one request's T-token prefill, run as the engine runs it (piecewise
-   graphs); per op its FLOPs and bytes, time, share of the matrix and copy rates, and the sum
-   against the floor (per op node the larger of its FLOP time and byte time, summed). Its bucket
-   is laid out for one request, or for --extend-seqs N of them (a served artifact's extend buckets
-   hold 256; the short ones, up to 128 tokens, keep a one-request key beside, and a one-request
-   step takes it): the same step, with the grids a kernel sizes by the bucket's request rows.
+   graphs), timed both ways as a decode step is; per op its FLOPs and bytes, time, share of the
+   matrix and copy rates, and the sum against the floor (per op node the larger of its FLOP time
+   and byte time, summed). Its bucket is laid out for one request, or for --extend-seqs N of them
+   (a served artifact's extend buckets hold 256; the short ones, up to 128 tokens, keep a
+   one-request key beside, and a one-request step takes it): the same step, with the grids a
+   kernel sizes by the bucket's request rows.
 
 --timeline: per step also where its time beyond its kernels goes (account_trace.timeline: the host's
 time until `run` returns against the device's, the runner's staging and plan alone, synchronising
@@ -155,9 +156,8 @@ def account_step(runner, kv, st, step, key, args, dev) -> dict:
         timed, averaged = per_call(profile_kernels(lambda: runner.run(step, None), cuda, args.replays))
         timed_as = "eager (the profiler reported no kernels inside the graph replay)"
     match = align(timed, eager)
-    rec = {"key": str(key), "timed_as": timed_as, "kernel_times": averaged, "step_ms": step_ms, "queued_ms": queued_ms,
-           "match": match,
-           "kernels": timed, "costs": [{"layer": layer, "what": what, **c} for (layer, what), c in costs.items()]}
+    rec = {"key": str(key), "timed_as": timed_as, "kernel_times": averaged, "step_ms": step_ms,
+           "queued_ms": queued_ms, "match": match, "kernels": timed, "costs": [{"layer": layer, "what": what, **c} for (layer, what), c in costs.items()]}
     if args.timeline:
         name = f"timeline_{step.ctx.mode.value}_{step.ctx.num_tokens}.json.gz"
         filled = {}
