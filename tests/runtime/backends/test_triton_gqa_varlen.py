@@ -148,16 +148,17 @@ def test_a_bucket_sized_grid_gives_the_eager_grid_bit_for_bit():
 
 
 @in_process
-@pytest.mark.parametrize("group, splits", [(4, dict(num_splits=2)), (20, dict(fixed_splits=True, split_tokens=16))],
+@pytest.mark.parametrize("group, hkv, splits", [(4, 2, dict(num_splits=2)),
+                                                (20, 1, dict(fixed_splits=True, split_tokens=16))],
                          ids=["group4-2", "group20-fixed"])
-def test_a_flat_grid_gives_the_request_grid_bit_for_bit(group, splits):
+def test_a_flat_grid_gives_the_request_grid_bit_for_bit(group, hkv, splits):
     """flat_grid: one program per row block the step's rows can fill, each finding its request by a
     binary search over the offsets. In a bucket laid out for more requests than the step has (empty
     requests, then the padding rows) and with a request of one row, its output is the request
-    grid's, bit for bit, and the reference's."""
+    grid's, bit for bit, and the reference's. Two kv heads with a group of 4; one with a group of
+    20 (its rows fill several row blocks a request, each kv head's alike)."""
     reqs = REQUESTS + [(0, 0), (0, 0), (3, 0)]  # three empty requests (one with cached tokens), as a bucket pads
-    hq = 2 * group
-    step = make_step(reqs, hq, 2, 16, 16, seqs=len(reqs) + 1, rows=step_rows(reqs) + 5, seed=6)
+    step = make_step(reqs, hkv * group, hkv, 16, 16, seqs=len(reqs) + 1, rows=step_rows(reqs) + 5, seed=6)
     outs = []
     for flat in (False, True):
         out = torch.full(step.q.shape[:2] + (16,), float("nan"), device=DEVICE)

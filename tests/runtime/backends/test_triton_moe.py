@@ -321,7 +321,7 @@ def test_route_sort_in_one_launch_gives_the_router_and_sort_results(T, routing, 
             route_sort(*args, block_m, **extra, fold=True)
 
 
-@pytest.mark.parametrize("T,E,logits", [(1, 8, "gemv"), (3, 72, "gemv"), (19, 40, "gemv"), (70, 16, "dot"),
+@pytest.mark.parametrize("T,E,logits", [(1, 8, "gemv"), (3, 72, "gemv"), (5, 40, "gemv"), (70, 16, "dot"),
                                         (130, 40, "dot")])
 def test_the_one_launch_router_routes_as_its_two_launches_do(T, E, logits):
     """route(one_launch=True): after the GEMV, its programs write the logits and the last to finish
@@ -428,13 +428,19 @@ IN_EXPERTS_CASES = [(2, "softmax", "none"), (3, "sigmoid_bias_grouped", "gated_S
                     (3, "softmax", "gated_S=40")]
 
 
+# The gate-up tile of the routing-in-experts check: TOKEN_NARROW's BLOCK_K, wider columns.
+IN_EXPERTS_TILE = GemmConfig(1, 16, 64)
+
+
 @pytest.mark.parametrize("top_k,routing,shared", IN_EXPERTS_CASES)
 def test_routing_in_the_gate_up_kernel_gives_the_routing_kernels_slots_and_rows(top_k, routing, shared):
     """route_in_gate_up (the router option "in_experts"): every gate-up program picks its pair's
     slot from the GEMV's logits itself, and the first column tile's programs write the ids and
     weights. Against the GEMV, the routing kernel and gate_up_token on its ids: the same ids, the
     weights to float32 rounding, the same h rows, with padding rows (a host count and a device one)
-    on the sentinel with weight 0 and zero rows."""
+    on the sentinel with weight 0 and zero rows. Column tiles of 16, two per pair (the second masked
+    past I=24): every program routes its token anew, which twelve tiles of 2 repeated six times over
+    (the narrow token config routes in its experts in the fused_moe test below)."""
     g = torch.Generator().manual_seed(top_k * 7 + len(shared))
     E = 8
     scoring, bias, groups, topk_groups = ROUTINGS[routing](E)
@@ -448,9 +454,9 @@ def test_routing_in_the_gate_up_kernel_gives_the_routing_kernels_slots_and_rows(
         kw = dict(n_real=dev_real, n_shared=n_shared, shared_gate=None if gate is None else gate.to(DEV))
         args = _on(x, router, b)
         ids, w = route(*args, *tail, **kw, logits_kernel="gemv")
-        h = gate_up_token(args[0], w13.to(DEV), ids, TOKEN_NARROW.gate_up, shared_w13=None if sw13 is None else
+        h = gate_up_token(args[0], w13.to(DEV), ids, IN_EXPERTS_TILE, shared_w13=None if sw13 is None else
                           sw13.to(DEV))
-        got_ids, got_w, got_h = route_in_gate_up(*args, w13.to(DEV), *tail, TOKEN_NARROW.gate_up, **kw,
+        got_ids, got_w, got_h = route_in_gate_up(*args, w13.to(DEV), *tail, IN_EXPERTS_TILE, **kw,
                                                  shared_w13=None if sw13 is None else sw13.to(DEV))
         real = int(n_real)
         assert torch.equal(got_ids.cpu(), ids.cpu()) and (got_ids[real:].cpu() == E + n_shared).all()
