@@ -1,6 +1,6 @@
 """benchmarks/kernels/chunk_kernel_sweep.py --dry-run on the CPU (Triton's interpreter, tiny dims): each config
 is checked against the recurrence before it is timed, unknown config names are refused, and --quick narrows the
-run to GDN. In a fresh process: the script sets TRITON_INTERPRET before triton is imported."""
+run to GDN. The dry runs in a fresh process: the script sets TRITON_INTERPRET before triton is imported."""
 
 from __future__ import annotations
 
@@ -40,9 +40,15 @@ def test_dry_run_checks_then_times_each_config(tmp_path):
         assert row["summary"]["best"] in DRY_CONFIGS and row["summary"]["default_ms"] > 0
 
 
-def test_unknown_config_names_are_refused(tmp_path):
-    proc = sweep(tmp_path, "--configs", "default,fastest")
-    assert proc.returncode == 2 and "--configs: unknown ['fastest']" in proc.stderr
+def test_unknown_config_names_are_refused(tmp_path, monkeypatch, capsys):
+    # refused before any kernel runs: the script's main in this process (its interpreter already chosen)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "kernels"))
+    import chunk_kernel_sweep
+
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", "default,fastest"])
+    with pytest.raises(SystemExit) as exit_:
+        chunk_kernel_sweep.main()
+    assert exit_.value.code == 2 and "--configs: unknown ['fastest']" in capsys.readouterr().err
 
 
 def test_quick_dry_run_takes_gdn_at_every_dry_shape(tmp_path):

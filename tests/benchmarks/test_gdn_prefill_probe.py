@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "probes" / "gdn_prefill_probe.py"
 
@@ -30,10 +32,15 @@ def test_dry_run_checks_both_kernels_finds_the_state_layout_then_times_them(tmp_
     assert row["capture_failed"] == {} and row["route_over_ours"] > 0 and row["lean_over_ours"] > 0
 
 
-def test_a_case_that_is_not_requests_by_tokens_is_refused_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--cases", "4096"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--cases: '4096' is not REQUESTSxTOKENS" in proc.stderr, proc.stderr
+def test_a_case_that_is_not_requests_by_tokens_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    # refused before any kernel runs: the script's main in this process (its interpreter already chosen)
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from gdn_prefill_probe import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--dry-run", "--out", str(tmp_path), "--cases", "4096"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--cases: '4096' is not REQUESTSxTOKENS" in err, err
 
 
 def test_the_build_command_takes_flashinfers_headers_from_the_package_python_finds(tmp_path):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "kernels" / "gdn_row_kernels_bench.py"
 
@@ -30,6 +32,11 @@ def test_dry_run_checks_every_block_size_then_times_it(tmp_path):
         assert set(row[name]) == {"1", "8"} and all(cell["us"] > 0 for cell in row[name].values())
 
 
-def test_a_block_size_that_is_no_power_of_two_is_refused(tmp_path):
-    proc = run(tmp_path, "--block-rows", "1,12")
-    assert proc.returncode == 2 and "--block-rows: [12] are not powers of two" in proc.stderr
+def test_a_block_size_that_is_no_power_of_two_is_refused(tmp_path, monkeypatch, capsys):
+    # refused before any kernel runs: the script's main in this process (its interpreter already chosen)
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from gdn_row_kernels_bench import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--dry-run", "--out", str(tmp_path), "--replays", "1", "--calls", "1", "--block-rows", "1,12"])
+    assert exit_.value.code == 2 and "--block-rows: [12] are not powers of two" in capsys.readouterr().err

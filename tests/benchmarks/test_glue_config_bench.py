@@ -9,13 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "kernels" / "glue_config_bench.py"
 
 
-def test_dry_run_checks_each_variant_then_times_it(tmp_path):
+def test_dry_run_checks_each_variant_then_times_it(tmp_path, tmp_path_factory):
+    from testkit.helpers import shared_artifact
+
+    # the artifact stage finds the test run's tiny qwen3_next there (its own names), compiled once for every module
+    work = shared_artifact(tmp_path_factory, "qwen3_next")[1].parent
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path / "out"),
-                           "--work", str(tmp_path / "work"), "--tokens", "1,5",
+                           "--work", str(work), "--tokens", "1,5",
                            "--variants", "bundle,no_combo"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((tmp_path / "out" / "glue_config_bench.json").read_text())
@@ -51,7 +57,11 @@ def test_the_pieces_take_the_builds_rewrites(tmp_path_factory):
     assert sum(calls) == 1 and sum(plain) == 0, (calls, plain)
 
 
-def test_an_unknown_variant_is_refused_naming_the_flag(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path),
-                           "--variants", "bundle,fast"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--variants: unknown ['fast']" in proc.stderr
+def test_an_unknown_variant_is_refused_naming_the_flag(tmp_path, monkeypatch, capsys):
+    # refused before any build: the script's main in this process
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from glue_config_bench import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--dry-run", "--out", str(tmp_path), "--variants", "bundle,fast"])
+    assert exit_.value.code == 2 and "--variants: unknown ['fast']" in capsys.readouterr().err

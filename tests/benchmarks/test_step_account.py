@@ -143,6 +143,16 @@ def test_dry_run_gives_both_tables_for_qwen3_next_and_kimi_linear(tmp_path, tmp_
 
 
 
+def refusal(capsys, *argv: str) -> str:
+    """step_account's main in this process (a usage error comes before any work): exit 2, its stderr."""
+    from step_account import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_a_synchronising_call_is_reported_at_the_project_line_under_it(monkeypatch):
     """timeline's sync sites: the innermost frame of runtime/ (or compiler/, models/) under torch's
     warning, counted per site; a warning with no project frame under it keeps its own location; other
@@ -170,20 +180,16 @@ def test_a_synchronising_call_is_reported_at_the_project_line_under_it(monkeypat
     assert "tests/benchmarks/test_step_account.py:" in sites[1] and sites[1].endswith("(x1)"), sites
 
 
-def test_compiled_bundles_of_two_families_are_refused_before_any_work(tmp_path):
+def test_compiled_bundles_of_two_families_are_refused_before_any_work(tmp_path, capsys):
     """A compiled bundle points FlashInfer's module cache at its own copy before FlashInfer is imported,
     so a second family's bundle cannot load in the process: the run is refused in one line, up front."""
-    cmd = [sys.executable, "benchmarks/kernels/step_account.py", "--dry-run", "--out", str(tmp_path / "o"),
-           "--family", "qwen3_next,kimi_linear", "--compiled-pieces"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--compiled-pieces: one family per run" in proc.stderr, proc.stderr[-2000:]
+    err = refusal(capsys, "--dry-run", "--out", str(tmp_path / "o"), "--family", "qwen3_next,kimi_linear",
+                  "--compiled-pieces")
+    assert "--compiled-pieces: one family per run" in err, err[-2000:]
     assert not (tmp_path / "o").exists()
 
 
-def test_timeline_stacks_without_timeline_is_refused(tmp_path):
-    cmd = [sys.executable, "benchmarks/kernels/step_account.py", "--dry-run", "--out", str(tmp_path / "o"),
-           "--timeline-stacks"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--timeline-stacks: " in proc.stderr and "--timeline too" in proc.stderr, \
-        proc.stderr[-2000:]
+def test_timeline_stacks_without_timeline_is_refused(tmp_path, capsys):
+    err = refusal(capsys, "--dry-run", "--out", str(tmp_path / "o"), "--timeline-stacks")
+    assert "--timeline-stacks: " in err and "--timeline too" in err, err[-2000:]
     assert not (tmp_path / "o").exists()
