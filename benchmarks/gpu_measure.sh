@@ -79,6 +79,10 @@
 #   e2e_compiled benchmarks/serving/gpu_e2e.py --compiled-glue on FAMILIES: extends at EXTENDS (default
 #                512,2048,4096) over 1, 4 and 16 requests, ours (piecewise graphs) against transformers' prefill
 #                in the same run (issue 51); about 5 minutes for qwen3_next
+#   hf_baseline  transformers' side of the goals' ratios, in the call that accounts ours (account_serving): its
+#                static-cache (compiled) decode at BATCHES (default 1,128) and its prefill at EXTENDS (default
+#                512,4096) over EXTEND_REQUESTS (default 1) requests, of the same bench qwen3_next config
+#                (gpu_e2e.py's init_compile, load and transformers stages; our runtime's stages skipped)
 # FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account; PIECES=1
 # builds the first two's artifacts with the compiled bundle (--compiled-pieces), once per family. The
 # serving stages build bench qwen3_next once (hgc compile --target cuda: the compiled bundle unless
@@ -242,6 +246,11 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/serving/gpu_e2e.py --out "$OUT/e2e_compiled" --families "$FAMILIES" --compiled-glue \
             --keep-caches --batches 1 --iters 15 --extends "${EXTENDS:-512,2048,4096}" \
             --skip tokens,decode,piecewise_decode,profile,floor,torch_compile,hf_eager,hf_static,mixed ;;
+    hf_baseline)
+        python3 benchmarks/serving/gpu_e2e.py --out "$OUT/hf_baseline" --work "$W/hf_baseline" --families qwen3_next \
+            --keep-caches --batches "${BATCHES:-1,128}" --extends "${EXTENDS:-512,4096}" \
+            --extend-requests "${EXTEND_REQUESTS:-1}" --iters 15 \
+            --skip start,tokens,decode,extend,mixed,piecewise_decode,profile,floor,torch_compile,hf_eager ;;
     *) echo "unknown stage $stage" ;;
     esac
 done
