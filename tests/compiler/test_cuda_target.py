@@ -71,14 +71,30 @@ def compile_cuda(checkpoints, family, tmp_path, capsys, *flags):
     return rc, art, err
 
 
+@pytest.fixture(scope="module")
+def plain_compile(checkpoints, tmp_path_factory):
+    """get(family, dtype, capsys) -> compile_cuda's (rc, artifact, stderr) of the module's checkpoint with
+    no flag but the dtype, compiled once for the module: several tests read the same artifact, and
+    none writes to it."""
+    root = tmp_path_factory.mktemp("plain")
+    made = {}
+
+    def get(family: str, dtype: str, capsys):
+        if (family, dtype) not in made:
+            made[family, dtype] = compile_cuda(checkpoints, family, root / dtype, capsys, "--dtype", dtype)
+        return made[family, dtype]
+
+    return get
+
+
 def entries(art) -> list[dict]:
     routing = json.loads((art / "routing.json").read_text())
     return [e for program in routing["programs"].values() for e in program]
 
 
 @pytest.mark.parametrize("family", GQA_FAMILIES + MLA_FAMILIES)
-def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(checkpoints, family, tmp_path, capsys):
-    rc, art, err = compile_cuda(checkpoints, family, tmp_path, capsys, "--dtype", "bfloat16")
+def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(plain_compile, family, capsys):
+    rc, art, err = plain_compile(family, "bfloat16", capsys)
     assert rc == 0, err[-3000:]
     routing = json.loads((art / "routing.json").read_text())
     assert routing["target"] == "cuda" and routing["routes"] == []
@@ -125,8 +141,8 @@ def test_compile_for_cuda_routes_every_op_to_its_gpu_backend(checkpoints, family
 
 
 @pytest.mark.parametrize("family", MLA_FAMILIES)
-def test_float32_mla_routes_to_the_triton_kernel_not_flashinfer(checkpoints, family, tmp_path, capsys):
-    rc, art, err = compile_cuda(checkpoints, family, tmp_path, capsys, "--dtype", "float32")
+def test_float32_mla_routes_to_the_triton_kernel_not_flashinfer(plain_compile, family, capsys):
+    rc, art, err = plain_compile(family, "float32", capsys)
     assert rc == 0, err[-3000:]
     full = [e for e in entries(art) if LayerKind(e["kind"]) in FULL_KINDS and e["op"] == "mla_attention"]
     assert full and {e["backend"] for e in full} == {MLA.name} and {e["dtype"] for e in full} == {"float32"}
@@ -264,7 +280,8 @@ def test_chunk_impl_fla_makes_gdn_an_extend_gap_again(checkpoints, tmp_path, cap
     assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["gdn_core", "gqa_attention"]
 
 
-def test_the_triton_extend_route_makes_a_qwen3_next_extend_step_one_captured_piece(checkpoints, tmp_path, capsys):
+def test_the_triton_extend_route_makes_a_qwen3_next_extend_step_one_captured_piece(checkpoints, plain_compile,
+                                                                                    tmp_path, capsys):
     """`--route gqa_attention=flashinfer[extend_impl=triton]`: GQA attention, whose policy leaves extend
     and mixed steps to the routed backend, is captured there (FlashInfer's op capture under that
     choice), so with the GDN cores and the conv on our kernels and the MoE captured, the extend and
@@ -288,7 +305,7 @@ def test_the_triton_extend_route_makes_a_qwen3_next_extend_step_one_captured_pie
     lints = json.loads((art / "lints.json").read_text())
     assert lints["counts"]["error"] == 0 and not [f for f in lints["findings"] if f["rule"] == "backend-cannot-capture"]
 
-    rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path / "default", capsys, "--dtype", "bfloat16")
+    rc, art, err = plain_compile("qwen3_next", "bfloat16", capsys)
     assert rc == 0, err[-3000:]
     assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["gqa_attention"] and gap_ops(art, "decode") == []
     split = json.loads((art / "split.json").read_text())
@@ -319,14 +336,15 @@ def test_the_triton_extend_route_makes_a_qwen3_next_extend_step_one_captured_pie
                for f in warned)
 
 
-def test_a_kimi_linear_compile_has_whole_step_graphs_up_to_the_kda_bound(checkpoints, tmp_path, capsys):
+def test_a_kimi_linear_compile_has_whole_step_graphs_up_to_the_kda_bound(checkpoints, plain_compile, tmp_path,
+                                                                          capsys):
     """Kimi's extend gaps, MLA (FlashInfer, the Triton MLA kernel's varlen form up to
     whole_extend_tokens=512) and KDA (the recurrent kernel up to short_extend_tokens=64), are both
     captured in small steps: the extend and mixed plans record the smaller bound, 64, naming KDA;
     the buckets up to it are whole-step graphs, the larger ones pieces with both ops in their gaps.
     routing.json records each node's bound, inspect prints the buckets' graphs. A float32 compile
     (MLA on triton_mla) gets the same bound; with short_extend_tokens=0 KDA is never captured."""
-    rc, art, err = compile_cuda(checkpoints, "kimi_linear", tmp_path, capsys, "--dtype", "bfloat16")
+    rc, art, err = plain_compile("kimi_linear", "bfloat16", capsys)
     assert rc == 0, err[-3000:]
     assert gap_ops(art, "extend") == gap_ops(art, "mixed") == ["kda_core", "mla_attention"]
     why = "hgc.kda_core on triton_linear (short_extend_tokens=64)"
@@ -344,7 +362,7 @@ def test_a_kimi_linear_compile_has_whole_step_graphs_up_to_the_kda_bound(checkpo
     assert f"extend graphs (main): 16 32 64 whole-step, 128 256 512 1024 2048 4096 pieces: " \
            f"gaps captured up to 64 tokens: {why}" in out, out
 
-    rc, art, err = compile_cuda(checkpoints, "kimi_linear", tmp_path / "f32", capsys, "--dtype", "float32")
+    rc, art, err = plain_compile("kimi_linear", "float32", capsys)
     assert rc == 0, err[-3000:]
     assert {e["backend"] for e in entries(art) if e["op"] == "mla_attention"} == {MLA.name}
     assert json.loads((art / "split.json").read_text())["programs"]["main"]["extend"]["whole_up_to"] == 64
