@@ -32,7 +32,7 @@ from compiler.splitops.bundle import BUNDLE, TARGETS, target_facts, target_key
 from testkit.helpers import ROOT, tiny_checkpoint
 from tests.compiler.test_inductor_pieces import rewrite_bundle
 
-pytestmark = pytest.mark.slow  # one compile and build on two ranks (about a minute), three launches
+pytestmark = pytest.mark.slow  # one compile and build on two ranks (about a minute), two launches
 
 PROMPTS = "1,2,3,4,5,6,7,8;9,10,11"
 NEW_TOKENS = 5
@@ -115,16 +115,20 @@ def test_tp2_runs_its_compiled_pieces_with_the_tokens_of_generate(built, capsys)
     assert all(set(b) == {"cpu_reference", "gloo"} for b in two["executed_backends"].values()), two
 
 
-def test_a_flipped_byte_in_rank_1s_piece_is_refused(built):
+def test_a_flipped_byte_in_rank_1s_piece_is_refused(built, monkeypatch, capfd):
     art = _copy(built, "flipped")
     victim = next((art / TARGETS / built["key"] / "rank1" / "pieces").glob("*.bin"))
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
-    proc = run_tp2(art, built["home"])
-    assert proc.returncode == 2  # refused before any rank is launched: the hashes are read first
-    assert "launched" not in proc.stderr
-    assert f"rank1/pieces/{victim.name}" in proc.stderr and "does not match manifest.json" in proc.stderr
+    # `hgc run --tp 2` in this process, the one that would launch the ranks (capfd: a rank's stderr too)
+    monkeypatch.setenv("HGC_HOME", str(built["home"]))
+    capfd.readouterr()
+    code = main(["run", str(art), "--tp", "2", "--prompt-ids", PROMPTS, "--max-new-tokens", str(NEW_TOKENS), "--json"])
+    err = capfd.readouterr().err
+    assert code == 2  # refused before any rank is launched: the hashes are read first
+    assert "launched" not in err
+    assert f"rank1/pieces/{victim.name}" in err and "does not match manifest.json" in err
 
 
 def test_a_bundle_for_another_rank_count_is_refused(built, monkeypatch):

@@ -41,6 +41,8 @@ from runtime.cache.state_pool import StatePool
 from testkit.helpers import shared_artifact
 from testkit.spec_drafters import DisagreeingDrafter, GreedyContinuationDrafter
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FAMILIES = ("qwen3_next", "qwen3_5", "bailing_linear")
 # Eight requests: lengths 1..17, new tokens 3..14, so they are admitted and finish at different steps.
 PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate([1, 5, 17, 3, 9, 2, 12, 7])]
@@ -486,7 +488,7 @@ async def served_tokens(url: str, model: str = "m") -> list[list[int]]:
 
 
 @pytest.mark.slow  # two server processes: about 20 s on 2 cores
-def test_hgc_serve_with_speculative_tokens_gives_the_tokens_of_plain_decoding(artifacts, plain):
+def test_hgc_serve_with_speculative_tokens_gives_the_tokens_of_plain_decoding(artifacts, plain, monkeypatch):
     """`hgc serve` with 4 slots and a 16-token budget (requests queue, prompts are chunked): the
     eight prompts' greedy tokens with drafts are plain decoding's, and /metrics reports the drafts.
     qwen3_5 with D = 7 and bailing_linear with D = 1 here; qwen3_next with D = 3 through `hgc serve`
@@ -499,6 +501,7 @@ def test_hgc_serve_with_speculative_tokens_gives_the_tokens_of_plain_decoding(ar
     from tests.server.test_server import wait_all_free
 
     runs = {"qwen3_5": 7, "bailing_linear": 1}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the servers' torch threads, as this process's (one_thread)
     servers = {family: ServerProcess([str(artifacts(family).docs.path), "--served-model-name", "m", "--slots", "4",
                                       "--token-budget", "16", "--max-model-len", str(MAX_LEN),
                                       "--speculative-tokens", str(D)])

@@ -5,6 +5,8 @@ tests/gpu/test_gpu_graphs.py (marked gpu) covers it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ from testkit.helpers import edit_routing, shared_artifact
 
 OP_NAMES = frozenset(OP_SPECS)
 
-pytestmark = pytest.mark.usefixtures("shared_traces")  # the tiny configs traced once, compiles on copies
+pytestmark = pytest.mark.usefixtures("shared_traces", "one_thread")  # the tiny configs traced once, compiles on copies
 
 FULL_DEFAULTS = FlashInferAttentionBackend.capability.resolve_options({})
 
@@ -627,17 +629,37 @@ def test_glue_drift_that_grows_layer_by_layer_passes_and_a_jump_is_named():
     assert forced.first_beyond(rtol) == "layer 1 (gdn_core, rel err 0.021 on the same inputs)"
 
 
-def gap_reference_runner(tmp_path, tmp_path_factory, log: list):
-    """A runner (CPU stand-in graphs) over the test run's tiny qwen3_next compiled with its GQA
-    attention on a second reference instance, `gap_reference`, whose extend calls are eager gaps
-    there (as the reference's are), so in extend steps it owns nodes in the gaps alone. `log` gets
-    ("plan", mode) for each of its step plans and (op, layer) for every op call of either instance."""
-    import dataclasses
+class GapReferenceCapability(CPUReferenceBackend):
+    """A second reference instance's name and capability, `gap_reference`: what routing and the
+    compile read (gap_reference_runner's logging class declares the same)."""
 
+    name = "gap_reference"
+    capability = dataclasses.replace(CPUReferenceBackend.capability, name=name)
+
+
+@pytest.fixture(scope="module")
+def gap_reference_art(tmp_path_factory):
+    """The test run's tiny qwen3_next compiled with its GQA attention routed to `gap_reference`,
+    once for the module: its tests only read the folder."""
     from hgc.wiring import toolchain
     from compiler.passes.context import CompileConfig
     from compiler.passes.routing import parse_route
     from compiler.pipeline import compile_checkpoint
+    from runtime.backends import discover
+
+    registry = discover().with_classes(GapReferenceCapability, source="tests/runtime/graphs/test_graph_runner.py")
+    checkpoint = shared_artifact(tmp_path_factory, "qwen3_next")[0]
+    out = tmp_path_factory.mktemp("gap-reference") / "a"
+    compile_checkpoint(checkpoint, out, CompileConfig(routes=(parse_route("gqa_attention=gap_reference"),)),
+                       toolchain(registry), dumps=False)
+    return out
+
+
+def gap_reference_runner(art_dir, log: list):
+    """A runner (CPU stand-in graphs) over `gap_reference_art`'s folder: the tiny qwen3_next with its GQA
+    attention on a second reference instance, `gap_reference`, whose extend calls are eager gaps
+    there (as the reference's are), so in extend steps it owns nodes in the gaps alone. `log` gets
+    ("plan", mode) for each of its step plans and (op, layer) for every op call of either instance."""
     from runtime.backends import discover
 
     class Logged(CPUReferenceBackend):
@@ -649,17 +671,14 @@ def gap_reference_runner(tmp_path, tmp_path_factory, log: list):
             return attr
 
     class GapReference(Logged):
-        name = "gap_reference"
-        capability = dataclasses.replace(CPUReferenceBackend.capability, name=name)
+        name = GapReferenceCapability.name
+        capability = GapReferenceCapability.capability
 
         def init_step_metadata(self, ctx):
             log.append(("plan", Mode(ctx.mode)))
 
     registry = discover().with_classes(GapReference, source="tests/runtime/graphs/test_graph_runner.py")
-    checkpoint = shared_artifact(tmp_path_factory, "qwen3_next")[0]
-    compile_checkpoint(checkpoint, tmp_path / "a", CompileConfig(routes=(parse_route("gqa_attention=gap_reference"),)),
-                       toolchain(registry), dumps=False)
-    art = load_artifact(tmp_path / "a")
+    art = load_artifact(art_dir)
     kv, st = make_pools(art.registry, 128, 8, page_size=8)
     ops = BoundOps(art.backends(kv, st, registry).for_program("main"))
     members = ops.backend.members
@@ -672,15 +691,14 @@ def gap_reference_runner(tmp_path, tmp_path_factory, log: list):
 
 
 @pytest.mark.parametrize("defer", [True, False])
-def test_a_gap_only_backend_plans_just_before_its_first_op_of_a_replayed_step(artifact, tmp_path, tmp_path_factory,
-                                                                            defer):
+def test_a_gap_only_backend_plans_just_before_its_first_op_of_a_replayed_step(artifact, gap_reference_art, defer):
     """GraphRunner._plan leaves the plan of a backend whose nodes are all in a piecewise step's eager
     gaps to BoundOps.before_first_call: in a replayed extend step it runs once, right before that
     backend's first op, after the ops of the layers before it (the pieces launched first, which the
     device runs meanwhile); with defer_gap_plans off it precedes the step's first op. The tokens are
     the single-backend runner's either way."""
     log: list = []
-    runner, st = gap_reference_runner(tmp_path, tmp_path_factory, log)
+    runner, st = gap_reference_runner(gap_reference_art, log)
     runner.defer_gap_plans = defer
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     reference, _, reference_st = make_runner(artifact)
