@@ -94,8 +94,9 @@
 # names an artifact built with other COMPILE_ARGS apart, and its account folder (an A/B in one call:
 #   COMPILE_ARGS="$B" bash benchmarks/gpu_measure.sh account_serving
 #   TAG=pdl COMPILE_ARGS="--pdl $B" bash benchmarks/gpu_measure.sh account_serving; the launch folds of
-#   issue 50, each off by default: TAG=folds COMPILE_ARGS="--norm-linear --route moe=triton_moe[router=one_launch]
-#   --route gdn_fused=triton_linear[split_decode=one_launch] $B"; the MoE options of issue 51, off by default:
+#   issue 50 are the cuda defaults, the step without them: TAG=unfolded COMPILE_ARGS="--no-norm-linear
+#   --route moe=triton_moe[router=split] --route gdn_fused=triton_linear[split_decode=two_launches] $B";
+#   the MoE options of issue 51, off by default:
 #   TAG=moe COMPILE_ARGS="--route moe=triton_moe[router=split,sort_ranks=counted,down=split] $B": the down
 #   split from 2048 tokens, so EXTENDS must name one).
 # Bench-size models throughout.

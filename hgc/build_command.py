@@ -18,11 +18,12 @@ load. Building needs the target device, since kernels are built for the machine 
    (compiler/inductor_pieces.py), one piece per distinct structure; on cuda, unless the artifact
    is batch-invariant, its projections as calls of the GEMV op (`small_m_for`); with --pdl (cuda,
    off by default) every kernel that can launches with programmatic dependent launch: Inductor's
-   and the backends' (docs/DESIGN.md, "Programmatic dependent launch"); with --norm-linear (cuda,
-   with the GEMV op; off by default) each layer's norms and the residual adds beside them fold
-   into the projections' GEMVs (docs/DESIGN.md, "Norms folded into the GEMVs"); on cuda, unless
+   and the backends' (docs/DESIGN.md, "Programmatic dependent launch"); with the GEMV op, unless
+   --no-norm-linear, each layer's norms and the residual adds beside them fold into the
+   projections' GEMVs (docs/DESIGN.md, "Norms folded into the GEMVs"); on cuda, unless
    --no-norm-rope, a GQA layer's q / k norms and rotary run as one kernel (docs/DESIGN.md, "A GQA
-   layer's q / k norms and rotary as one kernel"). Those three are `BundleChoices`.
+   layer's q / k norms and rotary as one kernel"), and unless --no-sigmoid-gate an attention
+   output's gate. Those are `BundleChoices`.
 3. Start-up runs as `hgc run` / `hgc serve` would, with the fresh pieces: on cuda every recorded
    bucket is captured and checked (which builds the FlashInfer modules and Triton kernels of the
    captured shapes and tunes FLA's kernels, into the caches of step 1), and the compiled pieces
@@ -143,12 +144,12 @@ def sigmoid_gate_refusal(device: str) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class BundleChoices:
     """What a build may change of its bundle, each a flag of `hgc build` and `hgc compile`: one
-    record from the flags to the build, the ranks' command lines and the rebuild hint. pdl and
-    norm_linear are off until a GPU measures them faster; norm_rope and sigmoid_gate are None where
-    no flag named them, which `resolved` turns into the device's default (DEVICE_DEFAULTS)."""
+    record from the flags to the build, the ranks' command lines and the rebuild hint. pdl is off
+    until a GPU measures it faster; norm_linear, norm_rope and sigmoid_gate are None where no flag
+    named them, which `resolved` turns into the device's default (DEVICE_DEFAULTS)."""
 
     pdl: bool = False  # --pdl: kernels launched with programmatic dependent launch
-    norm_linear: bool = False  # --norm-linear: norms folded into the GEMVs beside them
+    norm_linear: bool | None = None  # --norm-linear / --no-norm-linear: norms folded into the GEMVs beside them
     norm_rope: bool | None = None  # --norm-rope / --no-norm-rope: a GQA layer's q / k norms and rotary as one kernel
     sigmoid_gate: bool | None = None  # --sigmoid-gate / --no-sigmoid-gate: an attention output's gate as one kernel
 
@@ -159,12 +160,13 @@ class BundleChoices:
             return None if value is None else bool(value)
         return cls(**{f.name: read(f.name) for f in dataclasses.fields(cls)})
 
-    def resolved(self, device: str) -> "BundleChoices":
-        """Every choice decided: one no flag named takes the device's default."""
+    def resolved(self, device: str, batch_invariant: bool = False) -> "BundleChoices":
+        """Every choice decided: one no flag named takes the device's default for an artifact that is
+        batch-invariant or not."""
         import torch
 
         kind = torch.device(device).type
-        return dataclasses.replace(self, **{name: on(kind) for name, on in DEVICE_DEFAULTS.items()
+        return dataclasses.replace(self, **{name: on(kind, batch_invariant) for name, on in DEVICE_DEFAULTS.items()
                                             if getattr(self, name) is None})
 
     def argv(self) -> list[str]:
@@ -197,7 +199,14 @@ def _flag(field: str) -> str:
 # three gates 105.9 against Inductor's 124.8 us of a 4096-token step, 12.9 against 18.5 at 512, 5.0
 # against 3.5 at decode 1 and 7.5 against 6.6 at decode 128; and its one tile takes away Inductor's
 # choice between two tiles about twice apart (242 us at 4096 in other builds of the same code).
-DEVICE_DEFAULTS = {"norm_rope": lambda kind: kind == "cuda", "sigmoid_gate": lambda kind: kind == "cuda"}
+# norm_linear on cuda where the projections are GEMVs (not a batch-invariant artifact): the same kind
+# of A/B with the in-experts router and the GDN split in one launch
+# (benchmarks/results/step_account_in_experts_folds_ab_h100_2026-12-07.md) gave the folded GEMVs 317
+# us of a batch-1 step against 289 plus 41 of norms, 21 launches fewer, and moved the other steps by
+# less than their noise (the folded norms 450.5 against Inductor's 478.7 us at 4096 tokens).
+DEVICE_DEFAULTS = {"norm_linear": lambda kind, invariant: kind == "cuda" and not invariant,
+                   "norm_rope": lambda kind, invariant: kind == "cuda",
+                   "sigmoid_gate": lambda kind, invariant: kind == "cuda"}
 
 
 # Each choice's flag help, for `hgc build` (what it does) and `hgc compile` (which builds with it)
@@ -208,7 +217,8 @@ _CHOICE_HELP = {
     "norm_linear": "cuda, with the GEMV projections (not a batch-invariant artifact): fold each layer's input "
                    "RMSNorm, and the residual add before it, into the GEMV of the projection that reads it, and its "
                    "post-attention RMSNorm, with the residual add, into the GEMV of the output projection before "
-                   "it: two launches fewer per layer at decode. Off by default: not yet measured faster "
+                   "it: two launches fewer per layer at decode. On by default where it applies (measured "
+                   "faster at batch-1 decode, the same elsewhere); --no-norm-linear keeps the norms apart "
                    "(docs/DESIGN.md, \"Norms folded into the GEMVs\")",
     "norm_rope": "cuda: run each GQA layer's q and k head RMSNorms and their rotary as one kernel that reads each "
                  "row once (hgc_glue::qk_norm_rope) instead of Inductor's code for them. On by default for cuda "
@@ -312,7 +322,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     check_buildable(docs, device)
     if (why := choices.refusal(device, batch_invariant(docs))) is not None:
         raise ValueError(why)
-    choices = choices.resolved(device)
+    choices = choices.resolved(device, batch_invariant(docs))
     facts = target_facts(device)
     key = target_key(facts)
     if (artifact / bundle_dir(key)).exists() and not force:

@@ -450,10 +450,13 @@ KDA_GRAPH = ("off", "on")
 # decode_tiles: the decode and verify kernels' tiles "by_batch" (the default), "fixed" or "walk" (the
 # capability's comment).
 DECODE_TILES = ("by_batch", "fixed", "walk")
-# split_decode: the fused GDN mixer's split decode (one request) in "two_launches" (the default) or
-# "one_launch" (kernels/gdn_fused.py `_split_one_kernel`: the second launch's programs do the first's
-# conv and l2norm for what they read).
-SPLIT_DECODE = ("two_launches", "one_launch")
+# split_decode: the fused GDN mixer's split decode (one request) in "one_launch" (the default;
+# kernels/gdn_fused.py `_split_one_kernel`: the second launch's programs do the first's conv and
+# l2norm for what they read) or "two_launches". Why one launch: on an H100, in one call, the nine
+# layers' split took 68.8 us of a batch-1 step against 65.3 in two launches, and the step's time
+# outside its kernels about 1 us a launch (9 fewer;
+# benchmarks/results/step_account_in_experts_folds_ab_h100_2026-12-07.md).
+SPLIT_DECODE = ("one_launch", "two_launches")
 
 
 class TritonLinearBackend(BackendHooks):

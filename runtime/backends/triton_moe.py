@@ -60,20 +60,23 @@ class CaptureError(RuntimeError):
 
 # The gemm_tiles routing option's choices, the default first (the capability's comment says what each does).
 GEMM_TILES = ("tuned", "fixed")
-# The router option's choices, the default first: past the GEMV's bound the router GEMM in slices
-# of D with the last slice routing (one launch, kernels/moe.py `_split_router_kernel`; shorter steps
-# as two_launches); the router's GEMV or GEMM then a routing kernel (two launches); the GEMV's last
+# The router option's choices, the default first: the routing of a token-path step in its gate-up
+# kernel (below), others as "split"; past the GEMV's bound the router GEMM in slices of D with the
+# last slice routing (one launch, kernels/moe.py `_split_router_kernel`; shorter steps as
+# two_launches); the router's GEMV or GEMM then a routing kernel (two launches); the GEMV's last
 # program routing (one launch, kernels/moe.py `router_folds`), and past the GEMV the split router.
-# Why split is the default: on an H100, in one call, bench qwen3_next's router took 110.6 against
+# Why the split router past the GEMV: on an H100, in one call, bench qwen3_next's router took 110.6 against
 # 160.9 us a 512-token step (12 layers) and 174.9 against 225.5 at 4096
 # (benchmarks/kernels/account_diff.py on the raw accounts of
 # benchmarks/results/step_account_options_h100_2026-12-06.md: the split router's row against the
 # logits GEMM's and the routing kernel's).
-# "in_experts": a token-path step (a few tokens: the tuned configs' first buckets) runs the GEMV,
-# then a gate-up kernel whose programs route their own pairs from its logits (kernels/moe.py
-# `route_in_gate_up`): a launch a layer fewer than the GEMV and the routing kernel; other steps as
-# "split". Not the default: measured on no card yet.
-ROUTERS = ("split", "two_launches", "one_launch", "in_experts")
+# "in_experts" (the default): a token-path step (a few tokens: the tuned configs' first buckets)
+# runs the GEMV, then a gate-up kernel whose programs route their own pairs from its logits
+# (kernels/moe.py `route_in_gate_up`): a launch a layer fewer than the GEMV and the routing kernel;
+# other steps as "split". Why the default: on an H100, in one call, a batch-1 step's gate-up kernel
+# took 122.5 us with the routing against 110.3 plus the routing kernel's 24.3 (12 layers), and the
+# step 12 launches fewer (benchmarks/results/step_account_in_experts_folds_ab_h100_2026-12-07.md).
+ROUTERS = ("in_experts", "split", "two_launches", "one_launch")
 # The sort_ranks option's choices, the default first: how the sort ranks each block's pairs
 # (kernels/moe.py `_place_pairs`): a sort of their keys, or a running count (up to 64 expert bins).
 SORT_RANKS = ("sorted", "counted")
@@ -115,13 +118,13 @@ class TritonMoEBackend(BackendHooks):
         # gemm_tiles: "tuned" picks tiles and the router's logits kernel by the step's token count
         # (moe_configs/); "fixed" uses one of each for every count (moe_config.FIXED_CONFIG), so a
         # token's result does not depend on what shares its step.
-        # router: "one_launch" runs the logits and the routing as one launch where the GEMV takes the
+        # router: "in_experts" (the default) routes a token-path step inside its gate-up kernel (after
+        # the GEMV) and other steps as "split" does; "split" runs a step past 128 tokens as the GEMM
+        # in slices of D, the last slice of each row block routing it (one launch; under 64 experts),
+        # shorter ones as the GEMV and the routing kernel; "two_launches" the GEMM, then the routing
+        # kernel; "one_launch" runs the logits and the routing as one launch where the GEMV takes the
         # logits (kernels/moe.py router_folds: the GEMV's last program routes, and sorts, a step of
-        # tokens that fit one routing tile), and past 128 tokens the split router as "split" does;
-        # "split" (the default) runs a step past 128 tokens as the GEMM in slices of D, the last slice
-        # of each row block routing it (one launch; under 64 experts); "two_launches" the GEMM, then
-        # the routing kernel; "in_experts" routes a token-path step inside its gate-up kernel (after
-        # the GEMV) and other steps as "split" does.
+        # tokens that fit one routing tile), and past 128 tokens the split router as "split" does.
         # sort_ranks: "counted" ranks each block's pairs by a running count, not a sort (the same
         # layout; up to 64 experts with the shared expert's chunks).
         # down: "split" runs a step of 2048 tokens or more (bf16 on a GPU) through torch's grouped

@@ -470,7 +470,8 @@ def test_batch_invariant_choices_must_be_options_the_backend_offers():
 def test_the_one_launch_router_and_gdn_split_are_routing_options_built_from_routing_json(checkpoints, tmp_path,
                                                                                          capsys):
     """`router=one_launch` (triton_moe) and `split_decode=one_launch` (triton_linear's fused GDN mixer)
-    are chosen at compile time and recorded per node; the binder's instances run with them."""
+    are chosen at compile time and recorded per node; the binder's instances run with them; with no
+    option they route a token step in the gate-up kernel and split in one launch (the defaults)."""
     from runtime.backends.triton_moe import TritonMoEBackend
 
     rc, art, err = compile_cuda(checkpoints, "qwen3_next", tmp_path, capsys, "--dtype", "bfloat16",
@@ -485,9 +486,12 @@ def test_the_one_launch_router_and_gdn_split_are_routing_options_built_from_rout
                      torch.device("cpu"))
     assert TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {"split_decode": "one_launch"})
                                      ).merged_split
-    assert not TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {})).merged_split
+    assert TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {})).merged_split, "the default"
+    assert not TritonLinearBackend.build(BackendSetup(None, pool, pool.device, (), {"split_decode": "two_launches"})
+                                         ).merged_split
     assert TritonMoEBackend.build(BackendSetup(None, pool, pool.device, (), {"router": "one_launch"})).one_launch_router
-    assert not TritonMoEBackend.build(BackendSetup(None, pool, pool.device, (), {})).one_launch_router
+    default = TritonMoEBackend.build(BackendSetup(None, pool, pool.device, (), {}))
+    assert not default.one_launch_router and default.route_in_experts, "the default routes in the gate-up kernel"
 
 
 def test_walking_decode_tiles_are_a_routing_option_built_from_routing_json(checkpoints, tmp_path, capsys):

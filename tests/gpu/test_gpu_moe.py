@@ -172,7 +172,8 @@ def test_the_one_launch_router_replays_with_fresh_inputs_as_the_eager_two_launch
 def test_the_in_experts_router_replays_with_fresh_inputs_as_the_routing_kernel(T):
     """router="in_experts" captured at bench qwen3_next's MoE (16 experts of 512, top-4, a gated
     shared expert) on the token path (1, 2, 4 tokens): each of three replays, on fresh random
-    inputs, gives the eager default's output (1e-3) and the CPU oracle's; route_in_gate_up's ids
+    inputs, gives the eager split router's output (1e-3: the routing kernel apart) and the CPU
+    oracle's; route_in_gate_up's ids
     and h are the routing kernel's and gate_up_token's on them, exactly, and its weights to float32
     rounding (the routing runs on other warps)."""
     from runtime.backends.kernels.moe import gate_up_token, route, route_in_gate_up
@@ -183,7 +184,7 @@ def test_the_in_experts_router_replays_with_fresh_inputs_as_the_routing_kernel(T
     backend = TritonMoEBackend(router="in_experts")
     config = backend.config_for(T, E, I, D, top_k, DEV)
     assert config.path == "token"
-    for fresh in _replays(backend, layer, tail, T):
+    for fresh in _replays(backend, layer, tail, T, eager_backend=TritonMoEBackend(router="split")):
         kw = dict(n_shared=1, shared_gate=layer[6])
         ids, weights = route(fresh, layer[0], None, *tail, **kw, logits_kernel="gemv")
         h = gate_up_token(fresh, layer[2], ids, config.gate_up, shared_w13=layer[4])

@@ -73,11 +73,12 @@ def test_the_record_reads_and_writes_its_flags():
     assert BundleChoices(pdl=True, norm_rope=True).refusal("cpu").startswith("--pdl: "), "the flags' order"
 
 
-@pytest.mark.parametrize("field", ["norm_rope", "sigmoid_gate"])
+@pytest.mark.parametrize("field", ["norm_linear", "norm_rope", "sigmoid_gate"])
 def test_a_cuda_default_takes_the_device_and_a_flag_turns_it_off(field):
-    """--norm-rope and --sigmoid-gate take the device's default where no flag names them (on for
-    cuda, off for cpu), --no-FLAG keeps Inductor's code; a rank's command line names only what a
-    flag said."""
+    """--norm-linear, --norm-rope and --sigmoid-gate take the device's default where no flag names
+    them (on for cuda, off for cpu), --no-FLAG keeps Inductor's code; a rank's command line names
+    only what a flag said. A batch-invariant artifact's default folds no norm (its projections are
+    aten's, no GEMV), and keeps the two glue kernels."""
     from hgc.build_command import add_bundle_choices
 
     flag = "--" + field.replace("_", "-")
@@ -89,6 +90,8 @@ def test_a_cuda_default_takes_the_device_and_a_flag_turns_it_off(field):
     assert getattr(off.resolved("cuda"), field) is False and off.argv() == ["--no-" + flag[2:]]
     assert getattr(on.resolved("cuda"), field) is True and on.argv() == [flag]
     assert unnamed.refusal("cpu") is None and off.refusal("cpu") is None, "only an asked choice is refused"
+    assert getattr(unnamed.resolved("cuda", batch_invariant=True), field) is (field != "norm_linear")
+    assert unnamed.refusal("cuda", batch_invariant=True) is None
 
 
 @pytest.mark.parametrize("field,recorded,column", [("norm_linear", bundle_norm_linear, folded_norms),

@@ -203,11 +203,12 @@ def _counters_zero() -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("layer_id", [0, 1])
 def test_split_decode_over_value_blocks_matches_the_unfused_ops(layer_id, dtype, v_blocks, monkeypatch):
-    """Outputs and states against the reference, padding rows zero, over consecutive steps (each
-    launch finds the counters its predecessor left at zero); Dv 20 in blocks of 10 and 5 columns."""
+    """The split in two launches (split_decode=two_launches): outputs and states against the
+    reference, padding rows zero, over consecutive steps (each launch finds the counters its
+    predecessor left at zero); Dv 20 in blocks of 10 and 5 columns."""
     grids = _split_with_v_blocks(monkeypatch, v_blocks)
     s = LAYERS[layer_id]
-    case = Case(layer_id, dtype, seed=40 + layer_id)
+    case = Case(layer_id, dtype, seed=40 + layer_id, backend_kwargs={"split_decode": "two_launches"})
     for slots, num_real in (DECODES[3], DECODES[6], DECODES[3]):
         case.step(decode_ctx(slots, num_real, "cpu"), decode_ctx(slots, num_real, DEVICE), slots[:num_real])
         assert _counters_zero(), "a launch left a counter non-zero"
@@ -219,9 +220,10 @@ def test_split_decode_over_value_blocks_matches_the_unfused_ops(layer_id, dtype,
 @in_process
 @pytest.mark.parametrize("v_blocks", [2, None], ids=lambda n: f"v{n}")
 def test_split_decode_by_default_splits_wide_heads(v_blocks, monkeypatch):
-    """Dv 64 at three requests: by default 2 blocks of 32 columns (24 programs, fewer than the SMs)."""
+    """Dv 64 at three requests, the split in two launches: by default 2 blocks of 32 columns (24
+    programs, fewer than the SMs)."""
     grids = _split_with_v_blocks(monkeypatch, v_blocks)
-    case = Case(0, torch.float32, seed=47, shape=GdnShape(2, 4, 16, 64))
+    case = Case(0, torch.float32, seed=47, shape=GdnShape(2, 4, 16, 64), backend_kwargs={"split_decode": "two_launches"})
     for _ in range(2):
         slots, num_real = DECODES[3]
         case.step(decode_ctx(slots, num_real, "cpu"), decode_ctx(slots, num_real, DEVICE), slots[:num_real])
@@ -363,11 +365,12 @@ def _count_launches(monkeypatch, unfused_ok: bool = False) -> dict:
 @in_process
 @pytest.mark.parametrize("decode_tiles", ["by_batch", "fixed"])
 def test_one_request_takes_the_split_unless_tiles_are_fixed(monkeypatch, decode_tiles):
-    """Batch 1 (SPLIT_DECODE_MAX_ROWS): the split's two launches, (request, q|k|v head) then (request,
-    value head); with fixed tiles (batch-invariant) the one launch, as at every batch."""
+    """Batch 1 (SPLIT_DECODE_MAX_ROWS) with split_decode=two_launches: the split's two launches,
+    (request, q|k|v head) then (request, value head); with fixed tiles (batch-invariant) the one
+    launch, as at every batch."""
     assert GF.SPLIT_DECODE_MAX_ROWS >= 1
     counts = _count_launches(monkeypatch)
-    case = Case(0, torch.float32, seed=11, backend_kwargs={"decode_tiles": decode_tiles})
+    case = Case(0, torch.float32, seed=11, backend_kwargs={"decode_tiles": decode_tiles, "split_decode": "two_launches"})
     case.step(decode_ctx([6], 1, "cpu"), decode_ctx([6], 1, DEVICE), [6])
     s = case.shape
     want = ({"one": [], "prep": [(1, 2 * s.hk + s.hv)], "core": [(1, s.hv)]} if decode_tiles == "by_batch"

@@ -779,11 +779,13 @@ def test_the_split_router_and_counted_ranks_options_serve_as_the_defaults(monkey
         TritonMoEBackend(device="cpu", sort_ranks="bitonic")
 
 
-def test_the_default_router_is_the_gemv_then_the_split_router_past_128_tokens(monkeypatch):
-    """With no router option a step up to 128 tokens takes the GEMV and a step past it the split
-    router (ROUTERS' first choice), against the CPU oracle; router=two_launches keeps the GEMM."""
+def test_the_default_router_routes_token_steps_in_experts_then_the_gemv_then_the_split_router(monkeypatch):
+    """With no router option (ROUTERS' first choice, in_experts) a token-path step routes in its
+    gate-up kernel and calls no router, a step up to 128 tokens takes the GEMV and a step past it
+    the split router, against the CPU oracle; router=two_launches keeps the GEMM."""
     asked = _spy_on_route(monkeypatch, lambda a, k: a[10])  # a[10]: the logits kernel
-    for T, out, expected in _backend_steps(TritonMoEBackend(device=DEV), (70, 130), seed=41):
+    assert TritonMoEBackend(device=DEV).route_in_experts
+    for T, out, expected in _backend_steps(TritonMoEBackend(device=DEV), (1, 70, 130), seed=41):
         assert _rel(out, expected) <= 1e-4
     assert asked == ["gemv", "split"]
     asked.clear()
