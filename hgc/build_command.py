@@ -160,13 +160,13 @@ class BundleChoices:
             return None if value is None else bool(value)
         return cls(**{f.name: read(f.name) for f in dataclasses.fields(cls)})
 
-    def resolved(self, device: str, batch_invariant: bool = False) -> "BundleChoices":
-        """Every choice decided: one no flag named takes the device's default for an artifact that is
-        batch-invariant or not."""
+    def resolved(self, device: str, gemv_projections: bool) -> "BundleChoices":
+        """Every choice decided: one no flag named takes the device's default, given whether the
+        build's projections are calls of the GEMV op (`small_m_for`)."""
         import torch
 
         kind = torch.device(device).type
-        return dataclasses.replace(self, **{name: on(kind, batch_invariant) for name, on in DEVICE_DEFAULTS.items()
+        return dataclasses.replace(self, **{name: on(kind, gemv_projections) for name, on in DEVICE_DEFAULTS.items()
                                             if getattr(self, name) is None})
 
     def argv(self) -> list[str]:
@@ -199,14 +199,14 @@ def _flag(field: str) -> str:
 # three gates 105.9 against Inductor's 124.8 us of a 4096-token step, 12.9 against 18.5 at 512, 5.0
 # against 3.5 at decode 1 and 7.5 against 6.6 at decode 128; and its one tile takes away Inductor's
 # choice between two tiles about twice apart (242 us at 4096 in other builds of the same code).
-# norm_linear on cuda where the projections are GEMVs (not a batch-invariant artifact): the same kind
+# norm_linear wherever the projections are the GEMV op's calls (`small_m_for`): the same kind
 # of A/B with the in-experts router and the GDN split in one launch
 # (benchmarks/results/step_account_in_experts_folds_ab_h100_2026-12-07.md) gave the folded GEMVs 317
 # us of a batch-1 step against 289 plus 41 of norms, 21 launches fewer, and moved the other steps by
 # less than their noise (the folded norms 450.5 against Inductor's 478.7 us at 4096 tokens).
-DEVICE_DEFAULTS = {"norm_linear": lambda kind, invariant: kind == "cuda" and not invariant,
-                   "norm_rope": lambda kind, invariant: kind == "cuda",
-                   "sigmoid_gate": lambda kind, invariant: kind == "cuda"}
+DEVICE_DEFAULTS = {"norm_linear": lambda kind, gemv_projections: gemv_projections,
+                   "norm_rope": lambda kind, gemv_projections: kind == "cuda",
+                   "sigmoid_gate": lambda kind, gemv_projections: kind == "cuda"}
 
 
 # Each choice's flag help, for `hgc build` (what it does) and `hgc compile` (which builds with it)
@@ -322,7 +322,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     check_buildable(docs, device)
     if (why := choices.refusal(device, batch_invariant(docs))) is not None:
         raise ValueError(why)
-    choices = choices.resolved(device, batch_invariant(docs))
+    choices = choices.resolved(device, small_m_for(docs, device))
     facts = target_facts(device)
     key = target_key(facts)
     if (artifact / bundle_dir(key)).exists() and not force:

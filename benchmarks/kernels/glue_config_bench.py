@@ -53,7 +53,7 @@ from compiler.inductor_pieces import compile_piece, drop_metadata_asserts  # noq
 from compiler.splitops.artifact import retarget_meta_devices  # noqa: E402
 from compiler.splitops.bundle import INDUCTOR_CONFIG  # noqa: E402
 from compiler.splitops.glue import glue_segments, segment_module, structure_key  # noqa: E402
-from compiler.splitops.glue_ops import use_norm_rope, use_sigmoid_gate, use_small_m_linear  # noqa: E402
+from compiler.splitops.glue_ops import use_norm_linear, use_norm_rope, use_sigmoid_gate, use_small_m_linear  # noqa: E402
 
 # setting overrides on top of the device's INDUCTOR_CONFIG
 VARIANTS = {"bundle": {}, "no_combo": {"combo_kernels": False},
@@ -62,7 +62,7 @@ VARIANTS = {"bundle": {}, "no_combo": {"combo_kernels": False},
 CHECK_TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 
-def pieces(gm: torch.fx.GraphModule, small_m: bool, limit: int, norm_rope: bool = False,
+def pieces(gm: torch.fx.GraphModule, small_m: bool, limit: int, norm_linear: bool = False, norm_rope: bool = False,
            sigmoid_gate: bool = False) -> list[dict]:
     """The program's distinct glue pieces, each with how many segments it serves, largest first,
     rewritten as the build rewrites them (compiler/inductor_pieces.py compile_glue)."""
@@ -73,6 +73,8 @@ def pieces(gm: torch.fx.GraphModule, small_m: bool, limit: int, norm_rope: bool 
         module = segment_module(gm, segment)
         if small_m:
             use_small_m_linear(module)
+        if norm_linear:
+            use_norm_linear(module)
         if norm_rope:
             use_norm_rope(module)
         if sigmoid_gate:
@@ -143,10 +145,11 @@ def run(args) -> dict:
         doc["variants"][name] = {"patch": patch, "skipped": f"this torch has no {missing}" if missing else None}
     generator = torch.Generator().manual_seed(0)
     from hgc.build_command import BundleChoices, small_m_for
-    choices = BundleChoices(sigmoid_gate=args.sigmoid_gate).resolved(device.type)
-    doc["rewrites"] = {"norm_rope": bool(choices.norm_rope), "sigmoid_gate": bool(choices.sigmoid_gate)}
-    for entry in pieces(gm, small_m=small_m_for(art.docs, device.type), limit=args.max_segments,
-                        norm_rope=bool(choices.norm_rope), sigmoid_gate=bool(choices.sigmoid_gate)):
+    small_m = small_m_for(art.docs, device.type)
+    choices = BundleChoices(sigmoid_gate=args.sigmoid_gate).resolved(device.type, small_m)
+    rewrites = {name: bool(getattr(choices, name)) for name in ("norm_linear", "norm_rope", "sigmoid_gate")}
+    doc["rewrites"] = rewrites
+    for entry in pieces(gm, small_m=small_m, limit=args.max_segments, **rewrites):
         module = entry.pop("module")
         # as compile_piece prepares it: on the device, without export's dtype asserts (the eager reference)
         retarget_meta_devices(module.graph, device)

@@ -157,7 +157,8 @@ def account_step(runner, kv, st, step, key, args, dev) -> dict:
         timed_as = "eager (the profiler reported no kernels inside the graph replay)"
     match = align(timed, eager)
     rec = {"key": str(key), "timed_as": timed_as, "kernel_times": averaged, "step_ms": step_ms,
-           "queued_ms": queued_ms, "match": match, "kernels": timed, "costs": [{"layer": layer, "what": what, **c} for (layer, what), c in costs.items()]}
+           "queued_ms": queued_ms, "match": match, "kernels": timed,
+           "costs": [{"layer": layer, "what": what, **c} for (layer, what), c in costs.items()]}
     if args.timeline:
         name = f"timeline_{step.ctx.mode.value}_{step.ctx.num_tokens}.json.gz"
         filled = {}

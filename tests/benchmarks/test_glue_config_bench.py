@@ -37,7 +37,7 @@ def test_dry_run_checks_each_variant_then_times_it(tmp_path, tmp_path_factory):
                 assert cell[name]["ok"] and cell[name]["rel_err"] < 1e-4 and cell[name]["us"] > 0, cell
     assert set(doc["step_us"]) == {"1", "5"} and all(v > 0 for row in doc["step_us"].values() for v in row.values())
     assert "| tokens | bundle | no_combo |" in proc.stdout
-    assert doc["rewrites"] == {"norm_rope": False, "sigmoid_gate": False}, "a cpu bundle's rewrites"
+    assert doc["rewrites"] == {"norm_linear": False, "norm_rope": False, "sigmoid_gate": False}, "a cpu bundle's rewrites"
 
 
 def test_the_pieces_take_the_builds_rewrites(tmp_path_factory):

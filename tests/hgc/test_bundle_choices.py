@@ -77,8 +77,8 @@ def test_the_record_reads_and_writes_its_flags():
 def test_a_cuda_default_takes_the_device_and_a_flag_turns_it_off(field):
     """--norm-linear, --norm-rope and --sigmoid-gate take the device's default where no flag names
     them (on for cuda, off for cpu), --no-FLAG keeps Inductor's code; a rank's command line names
-    only what a flag said. A batch-invariant artifact's default folds no norm (its projections are
-    aten's, no GEMV), and keeps the two glue kernels."""
+    only what a flag said. A build whose projections are not the GEMV op's calls (a batch-invariant
+    artifact's) folds no norm by default, and keeps the two glue kernels."""
     from hgc.build_command import add_bundle_choices
 
     flag = "--" + field.replace("_", "-")
@@ -86,11 +86,12 @@ def test_a_cuda_default_takes_the_device_and_a_flag_turns_it_off(field):
     add_bundle_choices(parser)
     unnamed, off, on = (BundleChoices.of(parser.parse_args(a)) for a in ([], ["--no-" + flag[2:]], [flag]))
     assert getattr(unnamed, field) is None and unnamed.argv() == []
-    assert getattr(unnamed.resolved("cuda"), field) is True and getattr(unnamed.resolved("cpu"), field) is False
-    assert getattr(off.resolved("cuda"), field) is False and off.argv() == ["--no-" + flag[2:]]
-    assert getattr(on.resolved("cuda"), field) is True and on.argv() == [flag]
+    assert getattr(unnamed.resolved("cuda", True), field) is True
+    assert getattr(unnamed.resolved("cpu", False), field) is False
+    assert getattr(off.resolved("cuda", True), field) is False and off.argv() == ["--no-" + flag[2:]]
+    assert getattr(on.resolved("cuda", True), field) is True and on.argv() == [flag]
     assert unnamed.refusal("cpu") is None and off.refusal("cpu") is None, "only an asked choice is refused"
-    assert getattr(unnamed.resolved("cuda", batch_invariant=True), field) is (field != "norm_linear")
+    assert getattr(unnamed.resolved("cuda", gemv_projections=False), field) is (field != "norm_linear")
     assert unnamed.refusal("cuda", batch_invariant=True) is None
 
 

@@ -223,7 +223,8 @@ def test_split_decode_by_default_splits_wide_heads(v_blocks, monkeypatch):
     """Dv 64 at three requests, the split in two launches: by default 2 blocks of 32 columns (24
     programs, fewer than the SMs)."""
     grids = _split_with_v_blocks(monkeypatch, v_blocks)
-    case = Case(0, torch.float32, seed=47, shape=GdnShape(2, 4, 16, 64), backend_kwargs={"split_decode": "two_launches"})
+    case = Case(0, torch.float32, seed=47, shape=GdnShape(2, 4, 16, 64),
+                backend_kwargs={"split_decode": "two_launches"})
     for _ in range(2):
         slots, num_real = DECODES[3]
         case.step(decode_ctx(slots, num_real, "cpu"), decode_ctx(slots, num_real, DEVICE), slots[:num_real])
@@ -370,7 +371,8 @@ def test_one_request_takes_the_split_unless_tiles_are_fixed(monkeypatch, decode_
     launch, as at every batch."""
     assert GF.SPLIT_DECODE_MAX_ROWS >= 1
     counts = _count_launches(monkeypatch)
-    case = Case(0, torch.float32, seed=11, backend_kwargs={"decode_tiles": decode_tiles, "split_decode": "two_launches"})
+    case = Case(0, torch.float32, seed=11,
+                backend_kwargs={"decode_tiles": decode_tiles, "split_decode": "two_launches"})
     case.step(decode_ctx([6], 1, "cpu"), decode_ctx([6], 1, DEVICE), [6])
     s = case.shape
     want = ({"one": [], "prep": [(1, 2 * s.hk + s.hv)], "core": [(1, s.hv)]} if decode_tiles == "by_batch"
