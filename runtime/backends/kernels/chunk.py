@@ -547,28 +547,30 @@ def _chunk_solve_kernel(
     (`_table_programs`)."""
     head = tl.program_id(1)
     col_tile = tl.program_id(2)
-    first, end, step = _chunk_rows(bounds_ptr, table_seqs, WALK=WALK, BT=BT, BR=BR)
-    for chunk in range(first, end, step):
-        _solve_chunk(chunk, head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr,
-                     chunks_ptr, stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row,
-                     stride_g_head, stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row,
-                     stride_u_head, stride_t_chunk, stride_t_head, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK,
-                     BKW=BKW, BVW=BVW, BT=BT, BS=BS, GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP, SCRATCH=SCRATCH,
-                     SQUARINGS=SQUARINGS)
-
-
-@triton.jit
-def _chunk_rows(bounds_ptr, table_seqs, WALK: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr):
-    """(first, end, step) of the chunk-table rows a program of the solve or output kernel takes: its
-    own row (program_id(0)); with WALK, every grid's width apart up to the table's last row with
-    rows (the chunks of its table_seqs requests, summed BR requests at a time; `_table_programs`)."""
-    first = tl.program_id(0).to(tl.int64)
-    end = first + 1
-    step = 1
+    # A program that does not walk takes its row outside any loop. As a loop of one trip (the
+    # walk's loop with its bounds set to the program's row) the 16-bit solve in registers gave wrong
+    # W and U on an H100 at key and value head dims of 16 and 32 (64 and up were right; float32,
+    # or T through the matrix workspace, right at every size): tests/gpu/test_gpu_linear_kernels.py
+    # small_head_dims, and the GPU graph tests' start-up parity, whose padded and unpadded eager
+    # steps of the same requests then differed (gdn_fused_padding_probe.py,
+    # benchmarks/results/gdn_fused_padding_probe_h100_2026-12-07.json). A walking program's loop at
+    # those dims is not checked on a GPU.
     if WALK:
-        end = _first_chunk(bounds_ptr, table_seqs, BT=BT, BR=BR)
-        step = tl.num_programs(0)
-    return first, end, step
+        for chunk in range(tl.program_id(0).to(tl.int64), _first_chunk(bounds_ptr, table_seqs, BT=BT, BR=BR),
+                           tl.num_programs(0)):
+            _solve_chunk(chunk, head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, t_ptr, bounds_ptr,
+                         chunks_ptr, stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row,
+                         stride_g_head, stride_b_row, stride_b_head, stride_w_row, stride_w_head, stride_u_row,
+                         stride_u_head, stride_t_chunk, stride_t_head, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK,
+                         BKW=BKW, BVW=BVW, BT=BT, BS=BS, GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP, SCRATCH=SCRATCH,
+                         SQUARINGS=SQUARINGS)
+    else:
+        _solve_chunk(tl.program_id(0).to(tl.int64), head, col_tile, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr,
+                     t_ptr, bounds_ptr, chunks_ptr, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+                     stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_w_row, stride_w_head,
+                     stride_u_row, stride_u_head, stride_t_chunk, stride_t_head, num_seqs, GROUP=GROUP, DK=DK,
+                     DV=DV, BK=BK, BKW=BKW, BVW=BVW, BT=BT, BS=BS, GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP,
+                     SCRATCH=SCRATCH, SQUARINGS=SQUARINGS)
 
 
 @triton.jit
@@ -717,8 +719,8 @@ def _chunk_state_kernel(
     why)."""
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
-    # Not `_chunk_rows`' one loop form: a request's chunk walk is a software-pipelined loop, which a
-    # program that does not walk keeps outside any other loop, as the timed kernel had it.
+    # A request's chunk walk is a software-pipelined loop, which a program that does not walk keeps
+    # outside any other loop, as the timed kernel had it (and as the solve and output kernels do).
     if WALK:
         live = _requests_with_rows(bounds_ptr, num_seqs, BR=BL)
         for req in range(tl.program_id(0).to(tl.int64), live, tl.num_programs(0)):
@@ -875,13 +877,20 @@ def _chunk_output_kernel(
     solve kernel's."""
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
-    first, end, step = _chunk_rows(bounds_ptr, table_seqs, WALK=WALK, BT=BT, BR=BR)
-    for chunk in range(first, end, step):
-        _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
-                      stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
-                      stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
-                      scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT, GATE=GATE,
-                      DOT_PREC=DOT_PREC, LOWP=LOWP)
+    if WALK:  # as the solve kernel's: a program that does not walk takes its row outside any loop
+        for chunk in range(tl.program_id(0).to(tl.int64), _first_chunk(bounds_ptr, table_seqs, BT=BT, BR=BR),
+                           tl.num_programs(0)):
+            _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
+                          stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
+                          stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
+                          scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT, GATE=GATE,
+                          DOT_PREC=DOT_PREC, LOWP=LOWP)
+    else:
+        _output_chunk(tl.program_id(0).to(tl.int64), head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr,
+                      bounds_ptr, chunks_ptr, stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row,
+                      stride_vp_head, stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk,
+                      stride_cs_head, scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT,
+                      GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP)
 
 
 @triton.jit
