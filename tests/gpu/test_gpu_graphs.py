@@ -133,8 +133,9 @@ def test_start_up_parity_refuses_a_padding_leak_on_the_gpu(artifact):
     from runtime.graphs.runner import ParityError
 
     class LeaksPadding(TritonLinearBackend):
-        def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
-            super().gdn_core(ctx, q, k, v, g, beta, out, layer_id, scale)
+        # the recurrent core of gdn_core and of the fused mixer (gdn_fused, the cuda route) alike
+        def _gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding=True):
+            super()._gdn_core(ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding)
             padding = (ctx.slot_mapping < 0).to(v.dtype)[:, None, None]  # [T, 1, 1]
             states = self.state_pool.layer(layer_id)["recurrent"]
             leak = (v * padding).float().sum() + padding.sum()  # nonzero whenever the step has padding rows
