@@ -333,10 +333,6 @@ def cmd_serve(args) -> int:
     """Load and serve; a refusal (LoadError, MemoryPlanError, TokenizerError, a bad option) or a
     start-up failure (CaptureError, ParityError) is raised for the caller to print as one line.
     With --tp N this process launches the ranks and returns how they ended, or is one of them."""
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.engine_core is not None:
         return _serve_core(args)
     code, group = start_ranks(args, "serve")
@@ -372,27 +368,36 @@ def _serve_rank(args, group) -> int:
 def _load(args, group):
     """The ServedModel of the flags (runtime/assembly.load_served_model): in the engine core, or in
     the one process (or each rank) that serves with its engine in process."""
-    from runtime.assembly import EngineOptions, load_served_model
+    import torch
 
+    from runtime.assembly import load_served_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rank, tp = (group.rank, group.world_size) if group is not None else (0, 1)
 
     def log(line: str) -> None:  # rank 0 speaks for every rank (they load and start alike)
         if rank == 0:
             print(f"hgc serve: {line}", file=sys.stderr, flush=True)
 
-    engine_options = EngineOptions(
-        slots=args.slots, max_running=args.max_running, token_budget=args.token_budget, page_size=args.page_size,
-        kv_pages=args.kv_pages, max_model_len=args.max_model_len,
-        memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * (1 << 30)),
-        prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share,
-        speculative_tokens=args.speculative_tokens, **schedule_options(args), **prefix_cache_options(args))
     log(f"loading {args.artifact} ...")
-    return load_served_model(args.artifact, name=args.served_model_name, options=engine_options,
+    return load_served_model(args.artifact, name=args.served_model_name, options=_engine_options(args),
                              tokenizer_dir=args.tokenizer, device=group.device if group is not None else args.device,
                              graphs=not args.no_graphs, compiled=compiled_options(args), log=log,
                              progress=getattr(args, "progress", None) if rank == 0 else None,
                              rank=rank, tp=tp, load_format=args.load_format,
                              tp_lead=group if rank == 0 else None)
+
+
+def _engine_options(args):
+    from runtime.assembly import EngineOptions
+
+    return EngineOptions(
+        slots=args.slots, max_running=args.max_running, token_budget=args.token_budget, page_size=args.page_size,
+        kv_pages=args.kv_pages, max_model_len=args.max_model_len,
+        memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * (1 << 30)),
+        prefix_snapshots=args.prefix_snapshots, snapshot_share=args.snapshot_share,
+        speculative_tokens=args.speculative_tokens, **schedule_options(args), **prefix_cache_options(args))
 
 
 def _server_options(args):
@@ -409,7 +414,12 @@ def _serve_split(args) -> int:
     from runtime.core.client import EngineCoreClient
     from runtime.core.messages import served_from_wire
 
+    from runtime.assembly import check_served_inputs
+
     server_options = _server_options(args)  # its refusals before anything starts
+    # and what the flags and the artifact's documents decide: in about a second, not after the
+    # core's start and imports
+    check_served_inputs(args.artifact, _engine_options(args), args.tokenizer)
     sock = bind_socket(args.host, args.port)  # refused before the model loads
     with tempfile.TemporaryDirectory(prefix="hgc-core-") as folder:  # the two IPC sockets
         client = EngineCoreClient.launch([sys.executable, "-m", "hgc", *args.argv, "--engine-core"], folder)

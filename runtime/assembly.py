@@ -17,6 +17,10 @@
    (tests): pools, its backend, an EagerRunner over `bind(ops)`, the prefix cache.
 4. `load_served_model(artifact)` loads a compiled artifact (runtime/artifact/loader.py), builds its
    engine, finds the tokenizer in the artifact folder (or `tokenizer_dir`), and returns a `ServedModel`.
+   It starts with `check_served_inputs`: what the flags and the artifact's own documents decide
+   (no such artifact, no tokenizer.json in `tokenizer_dir`, a longest request past the model's
+   positions), refused before any weight or program loads; a split `hgc serve` runs it before it
+   starts its engine core too.
 
 The backends of an artifact are the ones its routing.json names, built over the pools and bound
 node by node (runtime/artifact/binding.py); nothing here picks a backend by device. The device must be the
@@ -62,8 +66,8 @@ from runtime.graphs.runner import GraphRunner
 from runtime.graphs.staging import hidden_input_spec
 from runtime.graphs.step_runner import EagerRunner
 
-__all__ = ["EngineOptions", "ServedModel", "build_engine", "engine_for_artifact", "compiled_start_up_parity",
-           "load_served_model", "DEFAULT_MAX_MODEL_LEN"]
+__all__ = ["EngineOptions", "ServedModel", "build_engine", "check_served_inputs", "engine_for_artifact",
+           "compiled_start_up_parity", "load_served_model", "DEFAULT_MAX_MODEL_LEN"]
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when neither the flag nor the model says less
 
@@ -415,6 +419,29 @@ def _vocab_size(art) -> int:
                      f"no lm_head weight)")
 
 
+def check_served_inputs(artifact: str | os.PathLike, options: EngineOptions,
+                        tokenizer_dir: str | os.PathLike | None = None) -> tuple[TextTokenizer | None, int]:
+    """(the tokenizer of `tokenizer_dir` or None, the longest request served) where the flags and
+    the artifact's documents allow them; raises the one-line refusal where they do not: a bad
+    --tokenizer first, then a folder that is no artifact (LoadError), then a --max-model-len past the
+    model's positions. Reads the documents only (their hashes are the loader's to check), so a
+    refusal costs no load of weights or programs, nor in a split `hgc serve` a start of the
+    engine core."""
+    from runtime.artifact.docs import read_artifact
+
+    tokenizer = None
+    if tokenizer_dir is not None:
+        tokenizer = TextTokenizer.from_dir(tokenizer_dir)
+        if tokenizer is None:
+            raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
+    manifest = read_artifact(artifact, verify_hashes=False).manifest
+    model_len = _manifest_int(manifest, "max_position_embeddings")
+    max_model_len = options.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_len or DEFAULT_MAX_MODEL_LEN)
+    if model_len is not None and max_model_len > model_len:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {model_len} positions")
+    return tokenizer, max_model_len
+
+
 def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
                       options: EngineOptions = EngineOptions(), tokenizer_dir: str | os.PathLike | None = None,
                       device: str | torch.device | None = None, backend_factory: Callable | None = None,
@@ -427,14 +454,10 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
     installation built it). `progress`: a tqdm-like factory, for bars over the weights and the captures.
     `rank` of `tp`, `load_format`: which weights to load (runtime/artifact/loader.load_artifact);
     `tp_lead`: rank 0's RankGroup (engine_for_artifact)."""
+    from runtime.artifact.bundle import CompiledOptions
     from runtime.artifact.loader import load_artifact, programs_for_run
 
-    tokenizer = None
-    if tokenizer_dir is not None:  # first: a bad --tokenizer fails before seconds of loading programs
-        tokenizer = TextTokenizer.from_dir(tokenizer_dir)
-        if tokenizer is None:
-            raise ValueError(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
-    from runtime.artifact.bundle import CompiledOptions
+    tokenizer, max_model_len = check_served_inputs(artifact, options, tokenizer_dir)
     # device None: the artifact's target
     art = load_artifact(artifact, device=device, progress=progress, compiled=compiled or CompiledOptions(),
                         rank=rank, tp=tp, load_format=load_format,
@@ -444,10 +467,6 @@ def load_served_model(artifact: str | os.PathLike, *, name: str | None = None,
         # After the load: the artifact's tokenizer files are listed in its manifest, so their hashes
         # were checked with everything else.
         tokenizer = TextTokenizer.from_dir(artifact)
-    model_len = _manifest_int(art.manifest, "max_position_embeddings")
-    max_model_len = options.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_len or DEFAULT_MAX_MODEL_LEN)
-    if model_len is not None and max_model_len > model_len:
-        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {model_len} positions")
     vocab_size = _vocab_size(art)
     engine = engine_for_artifact(art, options, max_model_len, device=device, backend_factory=backend_factory,
                                  graphs=graphs, log=log, progress=progress, tp_lead=tp_lead)

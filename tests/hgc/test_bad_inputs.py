@@ -457,3 +457,24 @@ def test_weights_the_model_does_not_read_are_one_warning_line_and_a_lint(work, c
     assert re.search(r"has no tokenizer.json: the artifact serves token ids only", warnings[0] + warnings[1])
     lints = json.loads((tmp_path / "art" / "lints.json").read_text())
     assert {f["rule"] for f in lints["findings"]} >= {"unused_tensors", "no_tokenizer"}
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["serve", "{w}/missing"], r"missing: not an artifact folder"),
+    (["serve", "{w}/art", "--tokenizer", "{w}/empty_dir"], r"no tokenizer.json"),
+    (["serve", "{w}/art", "--max-model-len", "100000000"], r"exceeds the model's"),
+], ids=["no artifact", "no tokenizer", "past the positions"])
+def test_a_split_serve_refuses_what_the_documents_decide_before_its_engine_core_starts(work, capsys, monkeypatch,
+                                                                                     argv, pattern):
+    """The refusals `check_served_inputs` makes come from the server process itself: no engine core is
+    launched for them (a core's start and imports took seconds before it said the same)."""
+    import re
+
+    from runtime.core.client import EngineCoreClient
+
+    def no_core(*args, **kwargs):
+        raise AssertionError("the engine core was launched for a refusal the documents decide")
+
+    monkeypatch.setattr(EngineCoreClient, "launch", no_core)
+    assert main([a.replace("{w}", str(work)) for a in argv] + ["--port", "0"]) == EXIT_BAD_INPUT
+    assert re.search(pattern, capsys.readouterr().err)
