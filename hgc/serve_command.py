@@ -390,6 +390,7 @@ def _load(args, group):
 
 
 def _engine_options(args):
+    """The EngineOptions of the flags (a combination they refuse is refused here, as one line)."""
     from runtime.assembly import EngineOptions
 
     return EngineOptions(
@@ -411,10 +412,9 @@ def _serve_split(args) -> int:
     """`hgc serve`'s default: this process serves HTTP; the engine core, a process of its own, loads
     the model and steps it (runtime/core/). A refusal of the core's (a bad artifact or budget) is
     raised here as its own one line and exit status."""
+    from runtime.assembly import check_served_inputs
     from runtime.core.client import EngineCoreClient
     from runtime.core.messages import served_from_wire
-
-    from runtime.assembly import check_served_inputs
 
     server_options = _server_options(args)  # its refusals before anything starts
     # and what the flags and the artifact's documents decide: in about a second, not after the
