@@ -96,10 +96,11 @@ class StageRecorder:
         self._wrap()
 
     def _keep(self, name, t):
+        if t is None:  # no beta (a gate-only core)
+            return
         if self.sync and t.is_cuda:
             torch.cuda.synchronize()
-        if t is not None:
-            self.calls[-1][name] = t[:self.rows].float().clone()
+        self.calls[-1][name] = t[:self.rows].float().clone()
 
     def _wrap(self):
         member, fused, keep = self.member, self._fused, self._keep
