@@ -171,7 +171,9 @@ SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's 
 # small models) and 16-bit products after the inverse in registers, an H200 gave wrong W and U
 # (relative error 1.09 against the recurrence) and, inside a model's step, an illegal memory access,
 # where 32 and the same product in float32 were exact; the masked extra columns cost nothing at real
-# head dims (128 and up). tests/gpu/test_gpu_linear_kernels.py, small_head_dims, checks both sizes.
+# head dims (128 and up). tests/gpu/test_gpu_linear_kernels.py, small_head_dims, checks both sizes
+# (which also failed, at tiles of 32, while the kernel ran a program's row as a loop of one trip:
+# _chunk_solve_kernel says why it no longer does).
 SOLVE_MIN_TILE = 32
 
 
