@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from compiler.splitops import Mode  # noqa: E402
-from runtime.backends.triton_linear import TritonLinearBackend, _fused_kernels  # noqa: E402
+from runtime.backends.triton_linear import TritonLinearBackend  # noqa: E402
 from runtime.cache.batch import build_step  # noqa: E402
 from runtime.graphs.buckets import CaptureKey  # noqa: E402
 from runtime.graphs.parity import CacheWatch, OpTrace, TeacherForcing, rel_err  # noqa: E402
@@ -91,7 +92,7 @@ class StageRecorder:
     def __init__(self, member, sync: bool):
         self.member, self.sync, self.rows, self.pad_fill = member, sync, 0, None
         self.calls: list[dict] = []
-        self._fused = _fused_kernels()
+        self._fused = importlib.import_module("runtime.backends.kernels.gdn_fused")  # the mixer's kernels
         self._saved = (self._fused.qk_gates, self._fused.gated_rmsnorm)
         self._wrap()
 
