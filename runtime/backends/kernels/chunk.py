@@ -550,9 +550,10 @@ def _chunk_solve_kernel(
     head = tl.program_id(1)
     col_tile = tl.program_id(2)
     # A program that does not walk takes its row outside any loop. As a loop of one trip (the
-    # walk's loop with its bounds set to the program's row) the 16-bit solve in registers gave wrong
-    # W and U on an H100 at key and value head dims of 16 and 32 (64 and up were right; float32,
-    # or T through the matrix workspace, right at every size): tests/gpu/test_gpu_linear_kernels.py
+    # walk's loop with its bounds set to the program's row) the kernels with 16-bit products and
+    # the solve in registers gave wrong outputs and states on an H100 at key and value head dims of
+    # 16 and 32 (64 and up were right; float32 products, or T through the matrix workspace, right
+    # at every size, so the solve in registers is where it goes wrong): tests/gpu/test_gpu_linear_kernels.py
     # small_head_dims, and the GPU graph tests' start-up parity, whose padded and unpadded eager
     # steps of the same requests then differed (gdn_fused_padding_probe.py,
     # benchmarks/results/gdn_fused_padding_probe_h100_2026-12-07.json). A walking program's loop at
