@@ -5,6 +5,8 @@ On the GPU machine (benchmarks/gpu_call.sh has the wheel install line):
     python3 benchmarks/kernels/gpu_moe.py --out $OUT            # GPU tests, correctness, timings, table
     python3 benchmarks/kernels/gpu_moe.py --tune --out $OUT     # tune configs first (writes JSON), then the above
     python3 benchmarks/kernels/gpu_moe.py --dry-run --out /tmp/moe   # CPU: Triton interpreter, tiny dims
+    python3 benchmarks/kernels/gpu_moe.py --out $OUT --shapes e16 --tokens 1,2,4 --skip-loop --skip-tests \
+        --experts two_launches,one_launch      # a token step's experts as two launches against one
 
 Steps, in order:
 1. `pytest -m gpu tests/gpu/test_gpu_moe.py` in a subprocess (skipped with --skip-tests; log in OUT); its summary
@@ -27,6 +29,8 @@ Steps, in order:
    - floor: max(bytes / copy bandwidth, FLOPs / matmul rate) with bytes = distinct experts hit x
      (w13 + w2 of one expert) + the shared expert's weights (3 S D) + router weight + shared gate
      + x + out, FLOPs = 2 T k 3 I D + 2 T 3 S D + 2 T (E + 1) D.
+   With --experts, each layer and T runs once per choice of the backend's experts option (each
+   checked before it is timed), its rows tagged with it: the A/B of one launch in one run.
 5. Writes OUT/gpu_moe.json and prints a short table last, with the two targets of the issue:
    fused within 1.3x of the floor at T=1, and ahead of the loop at every T.
 """
@@ -57,7 +61,7 @@ from bench_common import device_rates, is_cuda, rel_err, run_gpu_pytest, verdict
 from runtime.backends.cpu_reference import moe_reference, route_topk  # noqa: E402
 from moe_layers import DRY_SHAPES, ROUTING, SHAPES, Bench, make_layer  # noqa: E402
 from runtime.backends.kernels.moe_config import CONFIG_DIR, device_name_of  # noqa: E402
-from runtime.backends.triton_moe import TritonMoEBackend  # noqa: E402
+from runtime.backends.triton_moe import EXPERTS, TritonMoEBackend  # noqa: E402
 from runtime.backends.kernels.moe import (  # noqa: E402
     combine, down_sorted, down_token, fused_moe, gate_up_sorted, gate_up_token, logits_kernel_for, route, route_sort,
     route_sort_folds, shared_chunks, sort_tokens,
@@ -244,19 +248,19 @@ def print_table(rows: list[dict], tests: dict | None, rates: dict, device: str, 
     print("shared expert: " + (", ".join(f"width {S}, gated" for S in widths if S) or "none"))
     if tests is not None:
         print(f"gpu tests: rc={tests['rc']} {tests['summary']}")
-    head = (f"{'layer':<6}{'T':>6} {'path':<7}{'BM':>4}{'err':>9} {'ok':<4}{'hit':>5}{'floor us':>10}"
+    head = (f"{'layer':<6}{'experts':<13}{'T':>6} {'path':<7}{'BM':>4}{'err':>9} {'ok':<4}{'hit':>5}{'floor us':>10}"
             f"{'fused us':>10}{'x floor':>8}{'eager us':>10}{'loop us':>10}{'vs loop':>8}{'GB/s':>7}{'TF/s':>7}")
     print(head)
     print("-" * len(head))
     for r in rows:
         loop = "-" if r["loop_us"] is None else f"{r['loop_us']:.1f}"
         vs = "-" if r["speedup_vs_loop"] is None else f"{r['speedup_vs_loop']:.1f}x"
-        print(f"{r['shape']:<6}{r['T']:>6} {r['path']:<7}{r['BLOCK_M']:>4}{r['rel_err']:>9.1e} "
+        print(f"{r['shape']:<6}{r['experts']:<13}{r['T']:>6} {r['path']:<7}{r['BLOCK_M']:>4}{r['rel_err']:>9.1e} "
               f"{'yes' if r['ok'] else 'NO':<4}{r['experts_hit']:>5}{r['floor_us']:>10.1f}{r['fused_graph_us']:>10.1f}"
               f"{r['x_floor']:>8.2f}{r['fused_eager_us']:>10.1f}{loop:>10}{vs:>8}{r['GBps']:>7.0f}{r['TFLOPs']:>7.1f}")
     for shape in sorted({r["shape"] for r in rows}):
         mine = [r for r in rows if r["shape"] == shape]
-        t1 = [r for r in mine if r["T"] == 1]
+        t1 = [r for r in mine if r["T"] == 1 and r["experts"] == mine[0]["experts"]]
         if t1:
             word = verdict(t1[0]["x_floor"] <= 1.3, dry_run)
             print(f"target {shape}: T=1 within 1.3x of floor: {word} ({t1[0]['x_floor']:.2f}x)")
@@ -282,6 +286,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-tests", action="store_true", help="do not run the GPU pytest file first")
     parser.add_argument("--skip-loop", action="store_true", help="do not time the per-expert loop baseline")
     parser.add_argument("--no-shared", action="store_true", help="bench layers without the shared expert")
+    parser.add_argument("--experts", default=EXPERTS[0],
+                        help=f"the backend's experts option, comma list of {', '.join(EXPERTS)}: each is checked and "
+                             f"timed at every layer and T (default {EXPERTS[0]})")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -310,12 +317,12 @@ def main(argv=None) -> int:
         tuned = tune_moe.tune_all(bench, shapes, config_dir=config_dir, out_dir=args.out,
                                   budget_s=args.tune_budget_s,
                                   buckets=[int(b) for b in args.tune_buckets.split(",")] if args.tune_buckets else None)
-    backend = TritonMoEBackend(config_dir=config_dir)
-
     rows = []
-    for name, shape in shapes.items():
-        rows += bench_shape(bench.for_shape(shape), name, shape["E"], shape["top_k"], tokens, rates, backend,
-                            args.skip_loop)
+    for experts in args.experts.split(","):
+        backend = TritonMoEBackend(config_dir=config_dir, experts=experts)
+        for name, shape in shapes.items():
+            rows += [dict(row, experts=experts) for row in bench_shape(
+                bench.for_shape(shape), name, shape["E"], shape["top_k"], tokens, rates, backend, args.skip_loop)]
 
     result = {"env": env, "rates": rates, "tests": tests, "tuned": tuned, "rows": rows,
               "seconds": time.time() - t0}

@@ -85,6 +85,11 @@ SORT_RANKS = ("sorted", "counted")
 # (`down_split`: torch's grouped GEMM over the routed rows, the shared expert as one dense GEMM,
 # the combine through the sort's inverse map).
 DOWNS = ("sorted", "split")
+# The experts option's choices, the default first: a token-path step that routes in its experts
+# (router "in_experts") runs gate-up and down as two launches, or as one (kernels/moe.py
+# `experts_token`: the down programs load their weights while the gate-up programs run, then wait
+# for their token's h), where the down tile covers the expert width in one step.
+EXPERTS = ("two_launches", "one_launch")
 
 
 class TritonMoEBackend(BackendHooks):
@@ -129,7 +134,10 @@ class TritonMoEBackend(BackendHooks):
         # layout; up to 64 experts with the shared expert's chunks).
         # down: "split" runs a step of 2048 tokens or more (bf16 on a GPU) through torch's grouped
         # GEMM for the routed experts and one dense GEMM for the shared expert.
-        options=(("gemm_tiles", GEMM_TILES), ("router", ROUTERS), ("sort_ranks", SORT_RANKS), ("down", DOWNS)),
+        # experts: "one_launch" runs a token-path step's gate-up and down as one launch where the
+        # router is "in_experts" (kernels/moe.py experts_token); other steps as before.
+        options=(("gemm_tiles", GEMM_TILES), ("router", ROUTERS), ("sort_ranks", SORT_RANKS), ("down", DOWNS),
+                 ("experts", EXPERTS)),
         batch_invariant=(("gemm_tiles", "fixed"),),
         doc="Fused Triton MoE: device-side top-k routing, static-shape token sorting, grouped expert "
             "GEMMs (the shared expert as extra experts) with SiLU-and-mul and weighted combine; no host "
@@ -137,11 +145,11 @@ class TritonMoEBackend(BackendHooks):
 
     def __init__(self, config_dir: "str | os.PathLike | None" = None, device: "str | torch.device" = "cuda",
                  layers: tuple[MoELayerShape, ...] = (), gemm_tiles: str = GEMM_TILES[0], router: str = ROUTERS[0],
-                 sort_ranks: str = SORT_RANKS[0], down: str = DOWNS[0]):
+                 sort_ranks: str = SORT_RANKS[0], down: str = DOWNS[0], experts: str = EXPERTS[0]):
         """layers: the shapes of the moe calls this instance serves (`build` reads them off the
         graph); `kernel_variant_tokens` needs them, nothing else does. gemm_tiles: the capability's
         option ("fixed": FIXED_CONFIG and the GEMV router for every token count; config_dir unused).
-        router, sort_ranks, down: the capability's options (fixed tiles never fold the sort, so never
+        router, sort_ranks, down, experts: the capability's options (fixed tiles never fold the sort, so never
         take one launch, keep the GEMV router at every count, and never split the down: a token's
         bits would change with the step's size)."""
         if gemm_tiles not in GEMM_TILES:
@@ -152,6 +160,8 @@ class TritonMoEBackend(BackendHooks):
             raise ValueError(f"{self.name}: sort_ranks must be one of {SORT_RANKS}, not {sort_ranks!r}")
         if down not in DOWNS:
             raise ValueError(f"{self.name}: down must be one of {DOWNS}, not {down!r}")
+        if experts not in EXPERTS:
+            raise ValueError(f"{self.name}: experts must be one of {EXPERTS}, not {experts!r}")
         counted = sort_ranks == "counted"
         for layer in layers if counted else ():
             check_count_ranks(layer.experts + layer.slots - layer.top_k)  # routed experts and shared chunks
@@ -165,6 +175,7 @@ class TritonMoEBackend(BackendHooks):
         self.split_router = router in ("split", "one_launch", "in_experts") and gemm_tiles != "fixed"
         # in_experts: only token-path steps, which fixed tiles never take (FIXED_CONFIG is sorted)
         self.route_in_experts = router == "in_experts"
+        self.experts_one_launch = experts == "one_launch"
         self.count_ranks = counted
         self.split_down = down == "split" and gemm_tiles != "fixed"
         self.config_dir = Path(config_dir) if config_dir is not None else CONFIG_DIR
@@ -181,18 +192,20 @@ class TritonMoEBackend(BackendHooks):
                    gemm_tiles=setup.options.get("gemm_tiles", GEMM_TILES[0]),
                    router=setup.options.get("router", ROUTERS[0]),
                    sort_ranks=setup.options.get("sort_ranks", SORT_RANKS[0]),
-                   down=setup.options.get("down", DOWNS[0]))
+                   down=setup.options.get("down", DOWNS[0]), experts=setup.options.get("experts", EXPERTS[0]))
 
     # -- hooks --------------------------------------------------------------------------------
 
     def init_capture_state(self, max_tokens: int, max_seqs: int) -> None:
-        """With the split router, its arrival counters, one per row block of the largest step (a
-        capture cannot grow them: arrivals.py); captured graphs read the real token count from the
-        step buffers."""
+        """With the split router, its arrival counters, one per row block of the largest step, and
+        with the experts in one launch, two per token (a capture cannot grow them: arrivals.py);
+        captured graphs read the real token count from the step buffers."""
         if self.split_router and self.layers and self.device.type == "cuda" and not triton_interpreted():
             kernels = _kernels()
             blocks = max(kernels.split_router_shape(max_tokens, layer.hidden)[0] for layer in self.layers)
             kernels.arrival_counters(self.device, blocks, "moe router")
+        if self.experts_one_launch and self.layers and self.device.type == "cuda" and not triton_interpreted():
+            _kernels().arrival_counters(self.device, 2 * max_tokens, "moe experts")  # two per token
 
     def init_replay_state(self, ctx, bucket: int) -> None:
         """The real token count of this step and of every replay of its graph: a view of the step's
@@ -225,7 +238,7 @@ class TritonMoEBackend(BackendHooks):
                 variant = launch_variant(T, layer.experts, layer.hidden, layer.slots, config,
                                          self._logits_kernel_at(T, layer.experts, layer.hidden), self._fold,
                                          self.one_launch_router, self._splits_down(T, layer.torch_dtype),
-                                         self.route_in_experts)
+                                         self.route_in_experts, self.experts_one_launch)
                 first.setdefault((layer, variant), T)
         self._variant_tokens[max_tokens] = tuple(sorted(set(first.values())))
         return self._variant_tokens[max_tokens]
@@ -292,4 +305,4 @@ class TritonMoEBackend(BackendHooks):
                              logits_kernel=self._logits_kernel_at(x.shape[0], w13.shape[0], x.shape[1]),
                              fold=self._fold, one_launch_router=self.one_launch_router, count_ranks=self.count_ranks,
                              split_down=config.path == "sorted" and self._splits_down(x.shape[0], x.dtype),
-                             route_in_experts=self.route_in_experts)
+                             route_in_experts=self.route_in_experts, experts_one_launch=self.experts_one_launch)

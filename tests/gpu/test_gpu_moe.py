@@ -194,6 +194,37 @@ def test_the_in_experts_router_replays_with_fresh_inputs_as_the_routing_kernel(T
         assert torch.allclose(got_w, weights, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_the_experts_in_one_launch_replay_with_fresh_inputs_as_the_two_launches(T):
+    """experts="one_launch" captured at bench qwen3_next's MoE (16 experts of 512, top-4, a gated
+    shared expert) on the token path (1, 2, 4 tokens): each of three replays, on fresh random
+    inputs, gives the eager two launches' output (the default backend's) and the CPU oracle's, and
+    leaves its counters at zero; thirty replays in a row give the same output bits each time (a
+    down program that read h before its token's gate-up programs stored it would show there)."""
+    from runtime.backends.kernels.arrivals import arrival_counters
+
+    E, top_k = 16, 4
+    layer = _layer(E, seed=23, shared="gated_S=I")
+    tail = (top_k, "softmax", True, 1.0, 1, 1)
+    backend = TritonMoEBackend(experts="one_launch")
+    assert backend.config_for(T, E, I, D, top_k, DEV).path == "token"
+    for _ in _replays(backend, layer, tail, T):
+        assert not arrival_counters(DEV, 2 * T, "moe experts")[:2 * T].any()
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    eager = torch.empty(T, D, device=DEV, dtype=torch.bfloat16)
+    backend.moe(None, x, *layer, eager, 0, *tail)
+    outs = torch.full((30, T, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for out in outs:
+            backend.moe(None, x, *layer, out, 0, *tail)
+    graph.replay()
+    torch.cuda.synchronize()
+    differ = [i for i, out in enumerate(outs) if not torch.equal(out, eager)]
+    assert not differ, f"launches {differ} of 30 gave other bits than the eager one"
+    assert not arrival_counters(DEV, 2 * T, "moe experts")[:2 * T].any()
+
+
 @pytest.mark.parametrize("T", [256, 4096])
 def test_the_split_router_and_counted_ranks_replay_as_the_defaults_route(T):
     """router="split" and sort_ranks="counted" captured at bench qwen3_next's MoE (16 experts of 512,

@@ -26,7 +26,9 @@ waits on another, so nothing depends on which programs are resident at once.
 Users (USERS): the MoE router's one launch (moe.py), the post-attention norm in the output
 projection's GEMV (norm_gemv.py), the GDN split in one launch (gdn_fused.py: a key head's conv
 history rolled by its last program), the split-K GEMM (split_k.py: a tile's partials summed by its
-last program). gdn_fused.py's split decode also counts its value blocks in the same way
+last program), the MoE's experts in one launch (moe.py `_experts_token_kernel`: its down programs
+wait on a token's count of gate-up programs, the one kernel here whose programs wait, on programs
+started before them). gdn_fused.py's split decode also counts its value blocks in the same way
 on counters of its own (they sit beside the workspace the blocks park their outputs in).
 """
 
@@ -39,7 +41,7 @@ import triton.language as tl
 __all__ = ["USERS", "arrival_counters", "last_to_arrive"]
 
 # The kernel families that count on these counters, each on its own.
-USERS = ("moe router", "gemv_add_rms_norm", "gdn_fused split", "split_k")
+USERS = ("moe router", "gemv_add_rms_norm", "gdn_fused split", "split_k", "moe experts")
 
 
 @triton.jit

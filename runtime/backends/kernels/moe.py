@@ -1029,36 +1029,54 @@ def _gate_up_token_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, ids_ptr, logits_ptr, 
             logits_ptr, bias_ptr, nreal_ptr, t, t >= 0, n_real, routed_scale, stride_lt,
             tl.zeros((1,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, 1,
             HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, True, False)
-        # this pair's slot j of the token's row: a column of the routed slots or of the shared ones
-        j = pair - tok * SLOTS
-        kk = tl.arange(0, K_PAD)[None, :]
-        routed = (kk == j) & (kk < TOP_K)  # K_PAD's columns past k are not slots
-        shared = TOP_K + tl.arange(0, NS_PAD)[None, :] == j
-        e = tl.sum(tl.sum(tl.where(routed, sel_ids, 0), axis=1), axis=0) + tl.sum(
-            tl.sum(tl.where(shared, shared_ids, 0), axis=1), axis=0)
-        w = tl.sum(tl.sum(tl.where(routed, sel_w, 0.0), axis=1), axis=0) + tl.sum(
-            tl.sum(tl.where(shared, shared_w, 0.0), axis=1), axis=0)
+        e, w = _slot_of(sel_ids, sel_w, shared_ids, shared_w, pair - tok * SLOTS, TOP_K, K_PAD, NS_PAD)
         if tl.program_id(1) == 0:
             tl.store(ids_ptr + pair, e)
             tl.store(weights_ptr + pair, w)
     else:
         e = tl.load(ids_ptr + pair)
-    if e >= E + N_SHARED:
-        tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=n_mask)
-        return
+    h = _pair_h(x_ptr, w13_ptr, sw13_ptr, e, tok, offs_n, n_mask, D, I, S, stride_xt, stride_we, stride_wn,
+                stride_swn, E, N_SHARED, BLOCK_N, BLOCK_K, EVEN_K)
+    tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h, mask=n_mask)
+
+
+@triton.jit
+def _slot_of(sel_ids, sel_w, shared_ids, shared_w, j, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+             NS_PAD: tl.constexpr):
+    """Slot j's (expert id, weight) in one token's `_route_select` row (BLOCK_T 1): a column of the
+    routed slots or of the shared ones (the others add zeros: exact)."""
+    kk = tl.arange(0, K_PAD)[None, :]
+    routed = (kk == j) & (kk < TOP_K)  # K_PAD's columns past k are not slots
+    shared = TOP_K + tl.arange(0, NS_PAD)[None, :] == j
+    e = tl.sum(tl.sum(tl.where(routed, sel_ids, 0), axis=1), axis=0) + tl.sum(
+        tl.sum(tl.where(shared, shared_ids, 0), axis=1), axis=0)
+    w = tl.sum(tl.sum(tl.where(routed, sel_w, 0.0), axis=1), axis=0) + tl.sum(
+        tl.sum(tl.where(shared, shared_w, 0.0), axis=1), axis=0)
+    return e, w
+
+
+@triton.jit
+def _pair_h(x_ptr, w13_ptr, sw13_ptr, e, tok, offs_n, n_mask, D, I, S, stride_xt, stride_we, stride_wn, stride_swn,
+            E: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            EVEN_K: tl.constexpr):
+    """h [BN] float32 of one pair of token `tok` at columns offs_n: silu(x . gate rows) * (x . up
+    rows) of expert e (for e >= E, shared chunk e - E's rows of sw13); zeros for the padding
+    sentinel, which reads no weight."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok.to(tl.int64) * stride_xt + offs_k  # [BK]
-    if N_SHARED > 0:
-        if e >= E:
-            c = e - E
-            g_ptrs = sw13_ptr + (c * I).to(tl.int64) * stride_swn + offs_n[:, None] * stride_swn + offs_k[None, :]
-            h = _gate_up_row(x_ptrs, g_ptrs, S * stride_swn, offs_n < S - c * I, D, BLOCK_N, BLOCK_K, EVEN_K)
-            tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h, mask=n_mask)
-            return
-    g_ptrs = w13_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN,BK]
-    # The up rows sit I rows below the gate rows.
-    h = _gate_up_row(x_ptrs, g_ptrs, I * stride_wn, n_mask, D, BLOCK_N, BLOCK_K, EVEN_K)
-    tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h, mask=n_mask)
+    h = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if e < E:
+        g_ptrs = w13_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN,BK]
+        # The up rows sit I rows below the gate rows.
+        h = _gate_up_row(x_ptrs, g_ptrs, I * stride_wn, n_mask, D, BLOCK_N, BLOCK_K, EVEN_K)
+    else:
+        if N_SHARED > 0:
+            if e < E + N_SHARED:
+                c = e - E
+                g_ptrs = (sw13_ptr + (c * I).to(tl.int64) * stride_swn + offs_n[:, None] * stride_swn
+                          + offs_k[None, :])
+                h = _gate_up_row(x_ptrs, g_ptrs, S * stride_swn, offs_n < S - c * I, D, BLOCK_N, BLOCK_K, EVEN_K)
+    return h
 
 
 @triton.jit
@@ -1131,6 +1149,110 @@ def _down_token_kernel(h_ptr, w2_ptr, sw2_ptr, ids_ptr, weights_ptr, out_ptr, E,
         part = _down_row(h_ptrs, w_ptrs, live, tl.minimum(S - c * I, I), BLOCK_N, BLOCK_K, EVEN_K_SHARED, ONE_STEP)
         acc += tl.load(weights_ptr + pair) * part
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["T", "n_real"])
+def _experts_token_kernel(x_ptr, w13_ptr, sw13_ptr, w2_ptr, sw2_ptr, h_ptr, ids_ptr, weights_ptr, out_ptr,
+                          logits_ptr, bias_ptr, nreal_ptr, ready_ptr, T, D, I, S, n_real, routed_scale,
+                          stride_xt, stride_we, stride_wn, stride_swn, stride_w2e, stride_w2n, stride_sw2n,
+                          stride_ot, stride_lt,
+                          E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                          GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr, G_PAD: tl.constexpr,
+                          S_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr,
+                          NREAL_FROM_PTR: tl.constexpr, N_SHARED: tl.constexpr, NS_PAD: tl.constexpr,
+                          SHARED_GATE: tl.constexpr,
+                          UP_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                          DOWN_TILES: tl.constexpr, BLOCK_ND: tl.constexpr, BLOCK_KD: tl.constexpr,
+                          USE_GDC: tl.constexpr):
+    """A token-path step's experts in one launch (the backend's experts option "one_launch"): the
+    first T * slots * UP_TILES programs are `_gate_up_token_kernel`'s with ROUTE (each routes its
+    pair from the logits row and stores its h columns, then counts itself in on its token's
+    counter, ready[t]); the next T * DOWN_TILES programs are `_down_token_kernel`'s, each routing
+    its token too and loading every slot's down-projection tile [BLOCK_ND, I] (I <= BLOCK_KD: one
+    step) before it waits for ready[t] to reach the token's gate-up programs, then reading h. The
+    down projection's weights stream while the gate-up programs run, where two launches read them
+    only after the gate-up kernel and its drain.
+
+    No program waits on one after it: blocks start in program order, so every gate-up program has
+    started (and runs to its end) before a down program waits (the Triton interpreter runs them in
+    that order too). The last down program of a token (a second counter, ready[T + t]) sets both
+    counters back to zero for the next launch. h is read from L2 (arrivals.py says why)."""
+    pdl_wait(USE_GDC)
+    SLOTS: tl.constexpr = TOP_K + N_SHARED
+    p = tl.program_id(0)
+    up_programs = T * SLOTS * UP_TILES
+    if p < up_programs:
+        pair = p // UP_TILES
+        tile = p - pair * UP_TILES
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        tok = pair // SLOTS
+        t = tok + tl.arange(0, 1)
+        sel_ids, sel_w, shared_ids, shared_w = _route_select(
+            logits_ptr, bias_ptr, nreal_ptr, t, t >= 0, n_real, routed_scale, stride_lt,
+            tl.zeros((1,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, 1,
+            HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, True, False)
+        e, w = _slot_of(sel_ids, sel_w, shared_ids, shared_w, pair - tok * SLOTS, TOP_K, K_PAD, NS_PAD)
+        if tile == 0:
+            tl.store(ids_ptr + pair, e)
+            tl.store(weights_ptr + pair, w)
+        h = _pair_h(x_ptr, w13_ptr, sw13_ptr, e, tok, offs_n, n_mask, D, I, S, stride_xt, stride_we, stride_wn,
+                    stride_swn, E, N_SHARED, BLOCK_N, BLOCK_K, EVEN_K)
+        tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h, mask=n_mask)
+        tl.debug_barrier()  # every thread's h stores issued before the count that publishes them
+        tl.atomic_add(ready_ptr + tok, 1, sem="release", scope="gpu")
+    else:
+        q = p - up_programs
+        tok = q // DOWN_TILES
+        offs_n = (q - tok * DOWN_TILES) * BLOCK_ND + tl.arange(0, BLOCK_ND)
+        n_mask = offs_n < D
+        t = tok + tl.arange(0, 1)
+        sel_ids, sel_w, shared_ids, shared_w = _route_select(
+            logits_ptr, bias_ptr, nreal_ptr, t, t >= 0, n_real, routed_scale, stride_lt,
+            tl.zeros((1,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, 1,
+            HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, True, False)
+        offs_k = tl.arange(0, BLOCK_KD)
+        k_mask = offs_k < I
+        # Every slot's tile, before h exists: routed slots [K_PAD, BN, BK] (the sentinel and K_PAD's
+        # extra columns load nothing), shared chunks [NS_PAD, BN, BK] (chunk c: columns c*I.. of sw2).
+        e3 = tl.reshape(sel_ids, (K_PAD, 1, 1))
+        live = (e3 < E) & n_mask[None, :, None] & k_mask[None, None, :]
+        w_routed = tl.load(w2_ptr + tl.minimum(e3, E - 1).to(tl.int64) * stride_w2e + offs_n[None, :, None] * stride_w2n
+                           + offs_k[None, None, :], mask=live, other=0.0)
+        c3 = tl.arange(0, NS_PAD)[:, None, None]
+        sh_live = ((tl.reshape(shared_ids, (NS_PAD, 1, 1)) < E + N_SHARED) & (c3 < N_SHARED) & n_mask[None, :, None]
+                   & (offs_k[None, None, :] < tl.minimum(S - c3 * I, I)))
+        w_shared = tl.load(sw2_ptr + c3 * I + offs_n[None, :, None] * stride_sw2n + offs_k[None, None, :],
+                           mask=sh_live, other=0.0)
+        target = SLOTS * UP_TILES
+        seen = tl.atomic_add(ready_ptr + tok, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(ready_ptr + tok, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+        pairs = tok.to(tl.int64) * SLOTS
+        kk = tl.arange(0, K_PAD)
+        h_routed = tl.load(h_ptr + (pairs + kk)[:, None] * I + offs_k[None, :],
+                           mask=(kk < TOP_K)[:, None] & k_mask[None, :], other=0.0, cache_modifier=".cg")
+        part = tl.sum(w_routed.to(tl.float32) * h_routed[:, None, :], axis=2)  # [K_PAD, BN]
+        cc = tl.arange(0, NS_PAD)
+        h_shared = tl.load(h_ptr + (pairs + TOP_K + cc)[:, None] * I + offs_k[None, :],
+                           mask=(cc < N_SHARED)[:, None] & k_mask[None, :], other=0.0, cache_modifier=".cg")
+        part_shared = tl.sum(w_shared.to(tl.float32) * h_shared[:, None, :], axis=2)  # [NS_PAD, BN]
+        # summed in slot order, as `_down_token_kernel` sums them (a row picked out by adding zeros: exact)
+        acc = tl.zeros((BLOCK_ND,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            wj = tl.sum(tl.sum(tl.where(kk[None, :] == j, sel_w, 0.0), axis=1), axis=0)
+            acc += wj * tl.sum(tl.where(kk[:, None] == j, part, 0.0), axis=0)
+        for c in tl.static_range(N_SHARED):
+            wc = tl.sum(tl.sum(tl.where(cc[None, :] == c, shared_w, 0.0), axis=1), axis=0)
+            acc += wc * tl.sum(tl.where(cc[:, None] == c, part_shared, 0.0), axis=0)
+        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        # The token's last down program: every gate-up program of the token counted in (the wait saw
+        # them all) and every down program is past its wait, so both counters go back to zero.
+        done = tl.atomic_add(ready_ptr + T + tok, 1, sem="acq_rel", scope="gpu")
+        if done == DOWN_TILES - 1:
+            tl.store(ready_ptr + tok, 0)
+            tl.store(ready_ptr + T + tok, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1263,14 +1385,15 @@ def routes_in_experts(T: int, E: int, D: int, config: MoEConfig, logits_kernel: 
 
 def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits_kernel: Optional[str] = None,
                    fold: Optional[bool] = None, one_launch_router: bool = False, split_down: bool = False,
-                   route_in_experts: bool = False) -> tuple:
+                   route_in_experts: bool = False, experts_one_launch: bool = False) -> tuple:
     """Everything an eager step of T tokens picks from T that makes Triton build another kernel: the
     logits kernel (`logits_kernel` where the caller fixes it), the GEMM configs (their tiles are
     constexprs), the sort's width and whether it counts blocks first, whether the routing and
     sort run as one launch (`fold` as `fused_moe` takes it), whether the router is one launch
     (`one_launch_router` as `fused_moe` takes it), and whether a sorted step splits its down
     (`split_down`: the gate-up's other variant and the split combine), and whether a token-path step
-    routes in its gate-up kernel (`routes_in_experts`). Two token counts with equal
+    routes in its gate-up kernel (`routes_in_experts`), and whether such a step's experts are one
+    launch (`experts_one_launch_fits`). Two token counts with equal
     variants launch the same kernels; the backend's `kernel_variant_tokens` runs one count of each at
     start-up, so a bundle holds them all."""
     logits_kernel = logits_kernel or logits_kernel_for(T, E, D)
@@ -1281,8 +1404,9 @@ def launch_variant(T: int, E: int, D: int, slots: int, config: MoEConfig, logits
         sort = block_p, T * slots > block_p, scanned, folded
     one_launch = _one_launch_router(T, E, slots, logits_kernel, config.path, fold, one_launch_router)
     in_experts = routes_in_experts(T, E, D, config, logits_kernel, route_in_experts)
+    # whether the experts fit one launch follows from the config (in the key) and the layer's I
     return (logits_kernel, config, sort, one_launch and not in_experts, split_down and config.path == "sorted",
-            in_experts)
+            in_experts, in_experts and experts_one_launch)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor], top_k: int,
@@ -1824,6 +1948,17 @@ def route_in_gate_up(x, router_weight, router_bias, w13, top_k: int, scoring: st
     """The router option "in_experts" on the token path: the router's GEMV (the shared gate's logit
     in column E), then `gate_up_token` routing each pair itself. (ids, weights, h) as `route` and
     `gate_up_token` give them: two launches where they take three."""
+    ids, weights, routing = _logits_for_experts(x, router_weight, router_bias, top_k, scoring, renormalize,
+                                                routed_scale, num_groups, topk_groups, n_real, n_shared, shared_gate)
+    h = gate_up_token(x, w13, ids, cfg, shared_w13=shared_w13, routing=routing) if x.shape[0] else None
+    return ids, weights, h
+
+
+def _logits_for_experts(x, router_weight, router_bias, top_k: int, scoring: str, renormalize: bool,
+                        routed_scale: float, num_groups: int, topk_groups: int, n_real, n_shared: int,
+                        shared_gate) -> tuple:
+    """The router's GEMV for expert kernels that route their own pairs: (ids and weights [T, slots],
+    which those kernels fill, and the routing arguments they read: the logits and the constants)."""
     T, D = x.shape
     E = router_weight.shape[0]
     _check_routing(x, router_weight, top_k, scoring, num_groups, topk_groups, n_shared, shared_gate)
@@ -1837,8 +1972,50 @@ def route_in_gate_up(x, router_weight, router_bias, w13, top_k: int, scoring: st
                    weights=weights, n_real=n_real_int, routed_scale=routed_scale,
                    consts=_routing_constants(E, top_k, scoring, renormalize, num_groups, topk_groups, router_bias,
                                              from_ptr, n_shared, shared_gate))
-    h = gate_up_token(x, w13, ids, cfg, shared_w13=shared_w13, routing=routing) if T else None
-    return ids, weights, h
+    return ids, weights, routing
+
+
+def experts_one_launch_fits(I: int, config: MoEConfig) -> bool:
+    """Whether a token-path step's experts can run as one launch (`experts_token`): its down tile
+    covers I in one step, so a down program holds every slot's weights while it waits for h."""
+    return config.path == "token" and I <= config.down.BLOCK_K
+
+
+def experts_token(x, w13, w2, out, cfg: MoEConfig, routing_args: tuple, n_real=None, n_shared: int = 0,
+                  shared_gate=None, shared_w13=None, shared_w2=None) -> tuple:
+    """The router's GEMV, then gate-up and down in one launch (`_experts_token_kernel`) into out
+    [T, D]: the router option "in_experts" with the experts option "one_launch". routing_args:
+    (router_weight, router_bias, top_k, scoring, renormalize, routed_scale, num_groups, topk_groups).
+    Returns (ids, weights) as the routing kernel gives them."""
+    T, D = x.shape
+    E, I = w13.shape[0], w13.shape[1] // 2
+    assert experts_one_launch_fits(I, cfg), f"moe: experts in one launch need a token config whose down tile " \
+                                            f"covers I={I} (got {cfg})"
+    up, down = cfg.gate_up, cfg.down
+    _check_stage(up, "token")
+    _check_stage(down, "token")
+    router_weight, router_bias, top_k, *rest = routing_args
+    ids, weights, routing = _logits_for_experts(x, router_weight, router_bias, top_k, *rest, n_real, n_shared,
+                                                shared_gate)
+    if T == 0:
+        return ids, weights
+    slots = ids.shape[1]
+    S = 0 if shared_w13 is None else shared_w13.shape[0] // 2
+    assert n_shared == shared_chunks(S, I) and routing["consts"]["E"] == E
+    sw13, stride_swn = _shared_operand(shared_w13, w13)
+    sw2, stride_sw2n = _shared_operand(shared_w2, w2)
+    h = torch.empty(T * slots, I, dtype=torch.float32, device=x.device)
+    ready = arrival_counters(x.device, 2 * T, "moe experts")
+    up_tiles, down_tiles = cdiv(I, up.BLOCK_N), cdiv(D, down.BLOCK_N)
+    logits = routing["logits"]
+    _experts_token_kernel[(T * (slots * up_tiles + down_tiles),)](
+        x, w13, sw13, w2, sw2, h, ids, weights, out, logits, routing["bias"], routing["nreal_ptr"], ready, T, D, I, S,
+        routing["n_real"], float(routing["routed_scale"]), x.stride(0), w13.stride(0), w13.stride(1), stride_swn,
+        w2.stride(0), w2.stride(1), stride_sw2n, out.stride(0), logits.stride(0), **routing["consts"],
+        UP_TILES=up_tiles, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, EVEN_K=D % up.BLOCK_K == 0,
+        DOWN_TILES=down_tiles, BLOCK_ND=down.BLOCK_N, BLOCK_KD=down.BLOCK_K,
+        num_warps=up.num_warps, num_stages=up.num_stages, **launch_args(x.device))
+    return ids, weights
 
 
 def down_token(h, w2, ids, weights, out, cfg: GemmConfig, shared_w2=None, one_step: Optional[bool] = None) -> None:
@@ -1868,7 +2045,7 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
               config: MoEConfig, n_real: "int | torch.Tensor | None" = None,
               logits_kernel: Optional[str] = None, fold: Optional[bool] = None,
               one_launch_router: bool = False, count_ranks: bool = False, split_down: bool = False,
-              route_in_experts: bool = False) -> None:
+              route_in_experts: bool = False, experts_one_launch: bool = False) -> None:
     """The moe op into `out` [T,D] (rows >= n_real zeroed): arguments and shapes as its schema.
     logits_kernel: the router's logits kernel (`route`), by default chosen from T. fold: whether
     a sorted step routes and sorts in one launch (`route_sort`), by default `route_sort_folds`'s answer.
@@ -1877,7 +2054,9 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
     split_down: a sorted step's down projections as `down_split` and `combine_split` (the shared
     expert's gate-up rows by token); the caller asks where `splits_down` says.
     route_in_experts: a token-path step on the GEMV's logits routes in its gate-up kernel
-    (`route_in_gate_up`), no routing launch; other steps route as without it."""
+    (`route_in_gate_up`), no routing launch; other steps route as without it. experts_one_launch:
+    such a step runs its gate-up and down as one launch (`experts_token`) where its down tile covers
+    I (`experts_one_launch_fits`)."""
     T, D = x.shape
     E, two_i, D_w = w13.shape
     I = two_i // 2
@@ -1910,6 +2089,10 @@ def fused_moe(x: torch.Tensor, router_weight: torch.Tensor, router_bias: Optiona
     one_launch = _one_launch_router(T, E, slots, logits_kernel or logits_kernel_for(T, E, D), config.path, fold,
                                     one_launch_router)
     if config.path == "token" and routes_in_experts(T, E, D, config, logits_kernel, route_in_experts):
+        if experts_one_launch and experts_one_launch_fits(I, config):
+            experts_token(x, w13, w2, out, config, (router_weight, router_bias, *route_args[3:-1]), n_real=n_real,
+                          n_shared=n_shared, shared_gate=shared_gate, shared_w13=shared_w13, shared_w2=shared_w2)
+            return
         ids, weights, h = route_in_gate_up(*route_args[:3], w13, *route_args[3:-1], config.gate_up, n_real=n_real,
                                            n_shared=n_shared, shared_gate=shared_gate, shared_w13=shared_w13)
         down_token(h, w2, ids, weights, out, config.down, shared_w2=shared_w2)

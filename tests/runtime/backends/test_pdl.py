@@ -100,18 +100,21 @@ def norm_gemv_launches() -> dict[str, Launch]:
 def moe_launches() -> list[Launch]:
     """A decode step's MoE launches at batch 1 (the token path), 32 (routing and sort in one launch),
     128 (routing, then the sort in scanned blocks), 256 (the tiled router GEMM) and 1024 (the sort
-    counted in blocks first), and a split down's combine (down=split; its GEMMs are torch's)."""
+    counted in blocks first), a split down's combine (down=split; its GEMMs are torch's), and a
+    batch-1 step's experts in one launch (router in_experts, experts one_launch)."""
     from runtime.backends.kernels.moe import fused_moe
     from runtime.backends.kernels.moe_config import default_config
 
     router, w13, w2 = _bf16(E, D), _bf16(E, 2 * I, D), _bf16(E, D, I)
     shared = (_bf16(2 * I, D), _bf16(D, I), _bf16(1, D))  # a gated shared expert as wide as a routed one
 
-    def step(T: int, split_down: bool = False):
+    def step(T: int, split_down: bool = False, experts_one_launch: bool = False):
         fused_moe(_bf16(T, D), router, None, w13, w2, *shared, _bf16(T, D), TOP_K, "softmax", True, 1.0, 1, 1,
-                  default_config(T, E, I, D, TOP_K), split_down=split_down)
+                  default_config(T, E, I, D, TOP_K), split_down=split_down, route_in_experts=experts_one_launch,
+                  experts_one_launch=experts_one_launch)
 
-    return record(lambda: [step(T) for T in (1, 32, 128, 256, 1024)] + [step(32, split_down=True)])
+    return record(lambda: [step(T) for T in (1, 32, 128, 256, 1024)] + [step(32, split_down=True),
+                                                                         step(1, experts_one_launch=True)])
 
 
 def router_launches() -> dict[str, Launch]:
@@ -206,7 +209,7 @@ KERNELS = {"gemv one step", "gemv dot", "gemv fma loop", "moe router one launch"
                                   "_align_count_kernel", "_align_kernel", "_gate_up_sorted_kernel",
                                   "_down_sorted_kernel", "_combine_kernel", "_split_maps_kernel",
                                   "_combine_split_kernel", "_gate_up_token_kernel",
-                                  "_down_token_kernel")),
+                                  "_down_token_kernel", "_experts_token_kernel")),
            *(f"gdn_fused.{k}" for k in ("_split_prep_kernel", "_split_core_kernel", "_split_one_kernel",
                                         "_gdn_fused_decode_kernel",
                                         "_qk_gates_kernel", "_gated_rmsnorm_kernel")),

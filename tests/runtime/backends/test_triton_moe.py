@@ -494,6 +494,48 @@ def test_fused_moe_routing_in_its_experts_launches_no_routing_kernel(monkeypatch
         "the token step routes in its gate-up kernel; the sorted one launches its routing and sort")
 
 
+# The experts-in-one-launch check's tiles: gate-up as TOKEN_NARROW's, a down tile whose BLOCK_K
+# covers I=24 in one step (the option's condition) and 16 columns of D=48 (three tiles a token).
+ONE_LAUNCH_TILES = MoEConfig(GemmConfig(1, 2, 64), GemmConfig(1, 16, 32))
+
+
+@pytest.mark.parametrize("top_k,routing,shared", IN_EXPERTS_CASES)
+def test_experts_in_one_launch_give_the_two_launches_output(top_k, routing, shared):
+    """experts_token (the experts option "one_launch"): gate-up and down as one launch, whose down
+    programs load their weights, then wait for their token's gate-up programs. Against the two
+    launches of route_in_gate_up and down_token on the same GEMV logits: the same ids, weights and
+    h, the output to float32 summation order, and the CPU oracle; padding rows (a host count and a
+    device one) zero. The counters are back at zero after every call (a replay starts from them)."""
+    from runtime.backends.kernels.arrivals import arrival_counters
+    from runtime.backends.kernels.moe import experts_token
+
+    g = torch.Generator().manual_seed(top_k * 11 + len(shared))
+    E = 8
+    scoring, bias, groups, topk_groups = ROUTINGS[routing](E)
+    layer = _layer(g, E, bias, shared)
+    router, b, w13, w2, sw13, sw2, gate = layer
+    T = 5
+    x = torch.randn(T, D, generator=g)
+    n_shared = shared_chunks(SHARED[shared][0], I)
+    tail = (top_k, scoring, True, 2.5, groups, topk_groups)
+    ref = moe_reference(x, *layer, *tail)
+    x_d, router_d, b_d, w13_d, w2_d, sw13_d, sw2_d, gate_d = _on(x, *layer)
+    for n_real in (T, 3, torch.tensor([4], dtype=torch.int32)):
+        dev_real = n_real.to(DEV) if isinstance(n_real, torch.Tensor) else n_real
+        kw = dict(n_real=dev_real, n_shared=n_shared, shared_gate=gate_d)
+        ids, w, h = route_in_gate_up(x_d, router_d, b_d, w13_d, *tail, ONE_LAUNCH_TILES.gate_up, **kw, shared_w13=sw13_d)
+        two = torch.full((T, D), float("nan"), device=DEV)
+        down_token(h, w2_d, ids, w, two, ONE_LAUNCH_TILES.down, shared_w2=sw2_d)
+        one = torch.full((T, D), float("nan"), device=DEV)
+        got_ids, got_w = experts_token(x_d, w13_d, w2_d, one, ONE_LAUNCH_TILES, (router_d, b_d, *tail), **kw,
+                                       shared_w13=sw13_d, shared_w2=sw2_d)
+        real = int(n_real)
+        assert torch.equal(got_ids.cpu(), ids.cpu()) and torch.equal(got_w.cpu(), w.cpu())
+        assert (one[real:].cpu() == 0).all() and _rel(one[:real], two[:real]) <= 1e-6
+        assert _rel(one[:real], ref[:real]) <= 1e-4
+        assert not arrival_counters(DEV, 2 * T, "moe experts").any(), "counters left for the next launch"
+
+
 def _routed_ids(g, T, k, E, padding_tokens=0, skewed=False):
     """[T, k] distinct experts per token, the last `padding_tokens` rows the sentinel E. skewed:
     expert 0 in every token and the others drawn from experts 1..min(E, 2k)-1 (ragged counts, and
@@ -764,6 +806,26 @@ def test_the_in_experts_router_option_routes_token_steps_in_the_gate_up_kernel(m
     assert kernels.launch_variant(1, 8, 64, 3, token, route_in_experts=True) != kernels.launch_variant(1, 8, 64, 3,
                                                                                                         token)
 
+
+def test_the_experts_option_runs_token_steps_gate_up_and_down_in_one_launch(monkeypatch):
+    """experts="one_launch" (--route 'moe=triton_moe[experts=one_launch]'): token-path steps (T 1
+    and 3) run `experts_token`, a sorted step (9) does not; each matches the CPU oracle, the token
+    steps' launch variants differ from the two launches' (a bundle builds both), and a bad choice
+    is a one-line error."""
+    import runtime.backends.triton_moe as backend_module
+
+    kernels = backend_module._kernels()
+    asked, real = [], kernels.experts_token
+    monkeypatch.setattr(kernels, "experts_token", lambda x, *a, **k: asked.append(x.shape[0]) or real(x, *a, **k))
+    backend = TritonMoEBackend(device=DEV, experts="one_launch")
+    for T, out, expected in _backend_steps(backend, (1, 3, 9), seed=37):
+        assert _rel(out, expected) <= 1e-4
+    assert asked == [1, 3]
+    token = backend.config_for(1, 8, 32, 64, 2, torch.device("cpu"))
+    assert kernels.launch_variant(1, 8, 64, 3, token, route_in_experts=True, experts_one_launch=True) != (
+        kernels.launch_variant(1, 8, 64, 3, token, route_in_experts=True))
+    with pytest.raises(ValueError, match="experts must be one of"):
+        TritonMoEBackend(device="cpu", experts="three_launches")
 
 def test_the_split_router_and_counted_ranks_options_serve_as_the_defaults(monkeypatch):
     """router="split" (past 128 tokens the router GEMM in slices, the last slice routing) and
