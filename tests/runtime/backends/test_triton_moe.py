@@ -494,9 +494,10 @@ def test_fused_moe_routing_in_its_experts_launches_no_routing_kernel(monkeypatch
         "the token step routes in its gate-up kernel; the sorted one launches its routing and sort")
 
 
-# The experts-in-one-launch check's tiles: gate-up as TOKEN_NARROW's, a down tile whose BLOCK_K
-# covers I=24 in one step (the option's condition) and 16 columns of D=48 (three tiles a token).
-ONE_LAUNCH_TILES = MoEConfig(GemmConfig(1, 2, 64), GemmConfig(1, 16, 32))
+# The experts-in-one-launch check's tiles: gate-up columns in tiles of 8 (three a pair: the
+# interpreter's time goes by programs), a down tile whose BLOCK_K covers I=24 in one step (the
+# option's condition) and 16 columns of D=48 (three tiles a token).
+ONE_LAUNCH_TILES = MoEConfig(GemmConfig(1, 8, 64), GemmConfig(1, 16, 32))
 
 
 @pytest.mark.parametrize("top_k,routing,shared", IN_EXPERTS_CASES)
