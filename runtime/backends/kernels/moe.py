@@ -1024,11 +1024,10 @@ def _gate_up_token_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, ids_ptr, logits_ptr, 
     n_mask = offs_n < I
     tok = pair // SLOTS
     if ROUTE:
-        t = tok + tl.arange(0, 1)
-        sel_ids, sel_w, shared_ids, shared_w = _route_select(
-            logits_ptr, bias_ptr, nreal_ptr, t, t >= 0, n_real, routed_scale, stride_lt,
-            tl.zeros((1,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, 1,
-            HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, True, False)
+        sel_ids, sel_w, shared_ids, shared_w = _token_route(
+            logits_ptr, bias_ptr, nreal_ptr, tok, n_real, routed_scale, stride_lt, E, TOP_K, K_PAD, NUM_GROUPS,
+            GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD,
+            SHARED_GATE)
         e, w = _slot_of(sel_ids, sel_w, shared_ids, shared_w, pair - tok * SLOTS, TOP_K, K_PAD, NS_PAD)
         if tl.program_id(1) == 0:
             tl.store(ids_ptr + pair, e)
@@ -1038,6 +1037,21 @@ def _gate_up_token_kernel(x_ptr, w13_ptr, sw13_ptr, h_ptr, ids_ptr, logits_ptr, 
     h = _pair_h(x_ptr, w13_ptr, sw13_ptr, e, tok, offs_n, n_mask, D, I, S, stride_xt, stride_we, stride_wn,
                 stride_swn, E, N_SHARED, BLOCK_N, BLOCK_K, EVEN_K)
     tl.store(h_ptr + pair.to(tl.int64) * I + offs_n, h, mask=n_mask)
+
+
+@triton.jit
+def _token_route(logits_ptr, bias_ptr, nreal_ptr, tok, n_real, routed_scale, stride_lt,
+                 E: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                 GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORM: tl.constexpr, NREAL_FROM_PTR: tl.constexpr,
+                 N_SHARED: tl.constexpr, NS_PAD: tl.constexpr, SHARED_GATE: tl.constexpr):
+    """Token `tok`'s `_route_select` row (BLOCK_T 1) from the GEMV's logits row (the shared gate's
+    logit in column E), as an expert kernel that routes its own pairs reads it."""
+    t = tok + tl.arange(0, 1)
+    return _route_select(logits_ptr, bias_ptr, nreal_ptr, t, t >= 0, n_real, routed_scale, stride_lt,
+                         tl.zeros((1,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS,
+                         G_PAD, S_PAD, 1, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE,
+                         True, False)
 
 
 @triton.jit
@@ -1187,11 +1201,10 @@ def _experts_token_kernel(x_ptr, w13_ptr, sw13_ptr, w2_ptr, sw2_ptr, h_ptr, ids_
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < I
         tok = pair // SLOTS
-        t = tok + tl.arange(0, 1)
-        sel_ids, sel_w, shared_ids, shared_w = _route_select(
-            logits_ptr, bias_ptr, nreal_ptr, t, t >= 0, n_real, routed_scale, stride_lt,
-            tl.zeros((1,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, 1,
-            HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, True, False)
+        sel_ids, sel_w, shared_ids, shared_w = _token_route(
+            logits_ptr, bias_ptr, nreal_ptr, tok, n_real, routed_scale, stride_lt, E, TOP_K, K_PAD, NUM_GROUPS,
+            GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD,
+            SHARED_GATE)
         e, w = _slot_of(sel_ids, sel_w, shared_ids, shared_w, pair - tok * SLOTS, TOP_K, K_PAD, NS_PAD)
         if tile == 0:
             tl.store(ids_ptr + pair, e)
@@ -1206,11 +1219,10 @@ def _experts_token_kernel(x_ptr, w13_ptr, sw13_ptr, w2_ptr, sw2_ptr, h_ptr, ids_
         tok = q // DOWN_TILES
         offs_n = (q - tok * DOWN_TILES) * BLOCK_ND + tl.arange(0, BLOCK_ND)
         n_mask = offs_n < D
-        t = tok + tl.arange(0, 1)
-        sel_ids, sel_w, shared_ids, shared_w = _route_select(
-            logits_ptr, bias_ptr, nreal_ptr, t, t >= 0, n_real, routed_scale, stride_lt,
-            tl.zeros((1,), dtype=tl.float32), E, TOP_K, K_PAD, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, 1,
-            HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD, SHARED_GATE, True, False)
+        sel_ids, sel_w, shared_ids, shared_w = _token_route(
+            logits_ptr, bias_ptr, nreal_ptr, tok, n_real, routed_scale, stride_lt, E, TOP_K, K_PAD, NUM_GROUPS,
+            GROUP_SIZE, TOPK_GROUPS, G_PAD, S_PAD, HAS_BIAS, SOFTMAX, RENORM, NREAL_FROM_PTR, N_SHARED, NS_PAD,
+            SHARED_GATE)
         offs_k = tl.arange(0, BLOCK_KD)
         k_mask = offs_k < I
         # Every slot's tile, before h exists: routed slots [K_PAD, BN, BK] (the sentinel and K_PAD's
