@@ -117,13 +117,14 @@ def install_interpreter_patches() -> None:
     the interpreter as Triton ships it."""
     cache_builtin_names()  # the interpreter's launches find triton.language's builtins by a list made once
     cache_np_dtypes()  # and the numpy dtype of a Triton dtype by its name, once
+    bfloat16_casts_by_shifts()  # bfloat16 to float32 and back (truncating) as shifts of the bits
     row_independent_dots()  # a dot gives a row the same bits wherever it sits in the tile, as on a GPU
     skip_discarded_overflow_checks()  # no integer overflow check a non-debug build would drop anyway
     vectorized_xor_reductions()  # tl.sort's XOR reductions in numpy, not element by element
     shared_block_shapes()  # a block shape's parts made once per shape, not at every op
     no_broadcast_between_equal_shapes()  # two blocks of one shape need no broadcast
     computation_types_once()  # a binary op's promoted dtype kept per pair of dtypes
-    languages_by_identity()  # a kernel's names for triton.language found by identity
+    languages_by_identity()  # a kernel's names for triton.language found by identity, patched once a launch
 
 
 def cache_builtin_names() -> bool:
@@ -193,6 +194,45 @@ def _np_dtype_by_name(interpreter, original):
         return found
 
     return get_np_dtype
+
+
+def bfloat16_casts_by_shifts() -> bool:
+    """The interpreter casts bfloat16 to float32 and float32 to bfloat16 with `_convert_float`, a
+    general converter between float formats: about twenty numpy operations over the sign, exponent
+    and mantissa apart, a twentieth of a bfloat16 kernel test's time. The two formats share their
+    sign and exponent bits, so where no value is subnormal (exponent bits zero, mantissa not) its
+    result is the bits shifted: bfloat16 to float32 puts 16 zero bits after them, a truncating cast
+    (no rounding mode, or round toward zero) drops the low 16. Those inputs get the shift (the same
+    bits, dtype and shape: every bfloat16 value and float32 values of every exponent were compared);
+    one with a subnormal value, a round-to-nearest cast and every other pair of formats are
+    Triton's as before. True when installed; the wrapper keeps Triton's function as `.original`
+    (the test compares the two)."""
+    return _wrap("_convert_float", _float_casts_by_shifts)
+
+
+def _float_casts_by_shifts(interpreter, original):
+    import numpy as np
+    import triton.language as tl
+
+    ir = getattr(interpreter, "_ir", None)
+    if ir is None:
+        return None
+    rtne = ir.ROUNDING_MODE.RTNE
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.bfloat16 and output_dtype == tl.float32 and input.dtype.itemsize == 2:
+            bits = np.ascontiguousarray(input).view(np.uint16)
+            if not ((bits & np.uint16(0x7FFF)) - np.uint16(1) < np.uint16(0x7F)).any():  # no subnormal
+                return (bits.astype(np.uint32) << np.uint32(16)).reshape(input.shape)
+        elif (input_dtype == tl.float32 and output_dtype == tl.bfloat16 and rounding_mode != rtne
+              and input.dtype.itemsize == 4):
+            bits = np.ascontiguousarray(input).view(np.uint32)
+            if not ((bits & np.uint32(0x7FFFFFFF)) - np.uint32(1) < np.uint32(0x7FFFFF)).any():  # no subnormal
+                return (bits >> np.uint32(16)).astype(np.uint16).reshape(input.shape)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    convert_float.original = original
+    return convert_float
 
 
 def skip_discarded_overflow_checks() -> bool:
@@ -396,8 +436,14 @@ def languages_by_identity() -> bool:
     `_patch_lang` finds the names a kernel's module gives triton.language by walking the module's
     globals with `inspect.ismodule` and a list comparison (`value in [tl, tl.core]`, which for a
     module is identity): about a twentieth of a kernel test's time. Here the same walk asks
-    `is tl or is tl.core`, the same modules in the same order, and the rest of the function is
-    Triton's, step for step. True when installed."""
+    `is tl or is tl.core`, the same modules in the same order.
+
+    A call of one @jit function from another patches the language again (`_patch_lang` once more,
+    into a scope nobody restores): triton.language's tensor methods and its range, reduce, scan...
+    set anew to closures that do what the launch's in place already do, about a tenth of a kernel
+    test's time. Here a module whose patch a launch has in place (its scope not yet restored) is
+    not patched again; a module no launch has patched is, as Triton patches it. When the launch's
+    scope is restored every attribute is back as it was, as before. True when installed."""
     import hashlib
     import inspect
 
@@ -408,9 +454,21 @@ def languages_by_identity() -> bool:
         except (OSError, TypeError):
             return None
         tl = interpreter.tl
+        in_place: dict[int, object] = {}  # id(module) -> the scope whose patch of it is in place
+
+        class Scope(interpreter._LangPatchScope):
+            def __init__(self):
+                super().__init__()
+                self.patched = []
+
+            def restore(self):
+                super().restore()
+                for lang in self.patched:
+                    if in_place.get(id(lang)) is self:
+                        del in_place[id(lang)]
 
         def patch_lang(fn):
-            scope = interpreter._LangPatchScope()
+            scope = Scope()
             langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
             assert len(langs) >= 1, "triton.language must be visible from within jit'd function"
             builder, patch_builtin = interpreter.interpreter_builder, interpreter._patch_builtin
@@ -419,8 +477,12 @@ def languages_by_identity() -> bool:
                 patch_builtin(lang.tensor, builder, scope)
                 if lang == tl:
                     patch_builtin(lang.math, builder, scope)
+                if id(lang) in in_place:
+                    continue  # a call inside a launch: the launch's patch of this module is in place
                 interpreter._patch_lang_tensor(lang.tensor, scope)
                 interpreter._patch_lang_core(lang, scope)
+                in_place[id(lang)] = scope
+                scope.patched.append(lang)
             patch_builtin(tl.core.tensor_descriptor_base, builder, scope)
             return scope
         return patch_lang

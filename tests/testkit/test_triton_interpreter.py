@@ -1,11 +1,19 @@
-"""testkit/triton_interpreter.py's vectorized XOR reductions: a kernel's `tl.xor_sum` at every axis,
-with and without kept dimensions, gives the values of Triton's own element-by-element reduction, and
-a kernel that sorts (tl.sort reduces with XOR) gives torch's order."""
+"""testkit/triton_interpreter.py's patches of Triton's interpreter:
+
+- vectorized XOR reductions: a kernel's `tl.xor_sum` at every axis, with and without kept
+  dimensions, gives the values of Triton's own element-by-element reduction, and a kernel that
+  sorts (tl.sort reduces with XOR) gives torch's order;
+- bfloat16 casts by shifts: every bfloat16 value to float32, and float32 values of every exponent
+  (subnormals, zeros, infinities and NaNs among them) to bfloat16, give the bits of Triton's own
+  converter, and a kernel's casts give torch's values;
+- the language patched once a launch: a launch whose kernel calls @jit functions leaves
+  triton.language as it found it, and a second launch computes what the first did."""
 
 from __future__ import annotations
 
 # before triton: testkit/triton_interpreter.py says why
-from testkit.triton_interpreter import INTERPRETED, _interpreter, vectorized_xor_reductions  # noqa: E402
+from testkit.triton_interpreter import (INTERPRETED, _interpreter, bfloat16_casts_by_shifts,  # noqa: E402
+                                       languages_by_identity, vectorized_xor_reductions)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -59,3 +67,72 @@ def test_a_kernel_that_sorts_gives_torchs_order():
     out = torch.empty_like(x)
     _sort_kernel[(1,)](x, out, N=64)
     assert torch.equal(out, torch.sort(x).values)
+
+
+def test_bfloat16_casts_give_the_bits_of_tritons_converter():
+    import numpy as np
+
+    assert bfloat16_casts_by_shifts()
+    convert = _interpreter()._convert_float
+    every_bf16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    bits = np.random.default_rng(0).integers(0, 1 << 32, size=(256, 64), dtype=np.uint64).astype(np.uint32)
+    bits = (bits & np.uint32(0x807FFFFF)) | (np.arange(256, dtype=np.uint32)[:, None] << np.uint32(23))  # every exponent
+    bits[:4, :4] = 0  # zeros among the subnormal row
+    f32 = bits.view(np.float32)
+    normal_bf16 = every_bf16[(every_bf16 & 0x7F80 != 0) | (every_bf16 & 0x7F == 0)]
+    normal_f32 = f32[(bits & 0x7F800000 != 0) | (bits & 0x7FFFFF == 0)]
+    rtz = _interpreter()._ir.ROUNDING_MODE.RTZ
+    cases = [(a, tl.bfloat16, tl.float32, None) for a in (every_bf16, normal_bf16, normal_bf16[:7], every_bf16[3, 5])]
+    cases += [(a, tl.float32, tl.bfloat16, mode) for a in (f32, normal_f32, f32[200:201, :9], f32[9, 2])
+              for mode in (None, rtz)]
+    for data, src, dst, mode in cases:
+        fast, slow = convert(data, src, dst, mode), convert.original(data, src, dst, mode)
+        assert fast.dtype == slow.dtype and fast.shape == slow.shape and np.array_equal(fast, slow), (src, dst, mode)
+
+
+@triton.jit
+def _round_trip_kernel(x_ptr, up_ptr, down_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(up_ptr + offs, tl.load(x_ptr + offs).to(tl.float32))  # bfloat16 -> float32
+    tl.store(down_ptr + offs, tl.load(up_ptr + offs).to(tl.bfloat16, fp_downcast_rounding="rtz"))
+
+
+def test_a_kernels_bfloat16_casts_give_torchs_values():
+    assert bfloat16_casts_by_shifts()
+    x = torch.randn(64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    up, down = torch.empty(64), torch.empty(64, dtype=torch.bfloat16)
+    _round_trip_kernel[(1,)](x, up, down, N=64)
+    assert torch.equal(up, x.float()) and torch.equal(down, x)
+
+
+@triton.jit
+def _twice(x):
+    return x + x
+
+
+@triton.jit
+def _scaled(x, K: tl.constexpr):
+    for _ in tl.static_range(K):
+        x = _twice(x)
+    return x
+
+
+@triton.jit
+def _nested_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, tl.sum(_scaled(tl.load(x_ptr + offs), 3)[None, :], axis=0))
+
+
+def test_a_launch_with_nested_calls_leaves_the_language_as_it_found_it():
+    assert languages_by_identity()
+    names = ("range", "static_range", "reduce", "associative_scan", "multiple_of", "static_assert")
+    before = {n: getattr(tl, n) for n in names} | {"core." + n: getattr(tl.core, n) for n in names}
+    before["tensor.__index__"] = getattr(tl.core.tensor, "__index__", None)
+    x = torch.arange(16, dtype=torch.float32)
+    outs = [torch.empty(16), torch.empty(16)]
+    for out in outs:
+        _nested_kernel[(2,)](x, out, N=16)
+    after = {n: getattr(tl, n) for n in names} | {"core." + n: getattr(tl.core, n) for n in names}
+    after["tensor.__index__"] = getattr(tl.core.tensor, "__index__", None)
+    assert after == before
+    assert torch.equal(outs[0], x * 8) and torch.equal(outs[1], outs[0])
