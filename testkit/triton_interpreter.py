@@ -124,6 +124,7 @@ def install_interpreter_patches() -> None:
     shared_block_shapes()  # a block shape's parts made once per shape, not at every op
     no_broadcast_between_equal_shapes()  # two blocks of one shape need no broadcast
     computation_types_once()  # a binary op's promoted dtype kept per pair of dtypes
+    operands_of_one_type_as_they_are()  # a binary op of two tensors of one type: no casts, no broadcast
     languages_by_identity()  # a kernel's names for triton.language found by identity, patched once a launch
 
 
@@ -424,6 +425,42 @@ def computation_types_once() -> bool:
         return computation_type_impl
 
     return _wrap_method("TritonSemantic", "computation_type_impl", make)
+
+
+def operands_of_one_type_as_they_are() -> bool:
+    """Every binary op (add, mul, comparisons...) first makes its two operands alike
+    (`binary_op_type_checking_impl`): the dtype both are computed in (`computation_type_impl`),
+    each operand cast to it, then both broadcast to one shape: about a quarter of a kernel test's
+    time. Where both operands are tensors of one shape (or both scalars) and of one dtype, no
+    pointer, and that dtype is the one they are computed in, each cast gives its operand back and
+    the broadcast gives both back: here that case returns the operands as they are, after the same
+    computation_type_impl call (whose errors it raises as before). Every other case is Triton's.
+    True when installed."""
+    import triton.language as tl
+    import triton.language.core as core
+
+    tensor, block_type, dtype = core.tensor, core.block_type, tl.dtype
+
+    def make(original):
+        def binary_op_type_checking_impl(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
+                                         arithmetic_check=True, div_or_mod=False):
+            if type(lhs) is tensor and type(rhs) is tensor and arithmetic_check is True:
+                a, b = lhs.type, rhs.type
+                if type(a) is block_type and type(b) is block_type:
+                    alike = a.shape is b.shape or a.shape.values == b.shape.values
+                else:
+                    alike = type(a) is dtype and type(b) is dtype  # scalars (a pointer's type is a subclass)
+                if alike:
+                    a, b = lhs.dtype, rhs.dtype
+                    if type(a) is dtype and type(b) is dtype and a.name == b.name:
+                        common = self.computation_type_impl(a, False, b, False, div_or_mod)
+                        if type(common) is dtype and common.name == a.name:
+                            return lhs, rhs
+            return original(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+        binary_op_type_checking_impl.original = original
+        return binary_op_type_checking_impl
+
+    return _wrap_method("TritonSemantic", "binary_op_type_checking_impl", make)
 
 
 # triton/runtime/interpreter.py's _patch_lang as `languages_by_identity` was written against (sha256 of

@@ -7,13 +7,16 @@
   (subnormals, zeros, infinities and NaNs among them) to bfloat16, give the bits of Triton's own
   converter, and a kernel's casts give torch's values;
 - the language patched once a launch: a launch whose kernel calls @jit functions leaves
-  triton.language as it found it, and a second launch computes what the first did."""
+  triton.language as it found it, and a second launch computes what the first did;
+- operands of one type as they are: a binary op's operand checks give what Triton's own give, for
+  operands alike and not (shapes, dtypes, scalars, pointers, Python numbers)."""
 
 from __future__ import annotations
 
 # before triton: testkit/triton_interpreter.py says why
 from testkit.triton_interpreter import (INTERPRETED, _interpreter, bfloat16_casts_by_shifts,  # noqa: E402
-                                       languages_by_identity, vectorized_xor_reductions)
+                                       languages_by_identity, operands_of_one_type_as_they_are,
+                                       vectorized_xor_reductions)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -136,3 +139,43 @@ def test_a_launch_with_nested_calls_leaves_the_language_as_it_found_it():
     after["tensor.__index__"] = getattr(tl.core.tensor, "__index__", None)
     assert after == before
     assert torch.equal(outs[0], x * 8) and torch.equal(outs[1], outs[0])
+
+
+def test_binary_op_operands_are_those_tritons_checks_give():
+    import numpy as np
+
+    assert operands_of_one_type_as_they_are()
+    interpreter = _interpreter()
+    semantic = interpreter.interpreter_semantic
+    check = type(semantic).binary_op_type_checking_impl
+
+    def block(dtype, np_dtype, shape):
+        data = np.arange(int(np.prod(shape)), dtype=np_dtype).reshape(shape)
+        return tl.tensor(interpreter.TensorHandle(data, dtype), tl.block_type(dtype, list(shape)))
+
+    def scalar(dtype, np_dtype, value):
+        return tl.tensor(interpreter.TensorHandle(np.array([value], dtype=np_dtype), dtype), dtype)
+
+    f32, f16, i32, i64 = (tl.float32, np.float32), (tl.float16, np.float16), (tl.int32, np.int32), (tl.int64, np.int64)
+    pointers = tl.tensor(interpreter.TensorHandle(np.zeros(4, dtype=np.uint64), tl.pointer_type(tl.float32)),
+                         tl.block_type(tl.pointer_type(tl.float32), [4]))
+    pairs = [(block(*f32, (4, 8)), block(*f32, (4, 8)), {}), (block(*i32, (4,)), block(*i32, (4,)), {}),
+             (scalar(*f32, 1.5), scalar(*f32, 2.0), {}), (block(*f32, (4, 8)), block(*f32, (1, 8)), {}),
+             (block(*f32, (4,)), block(*f16, (4,)), {}), (block(*i32, (4,)), block(*i64, (4,)), {}),
+             (block(*f32, (4,)), scalar(*f32, 3.0), {}), (block(*f32, (4,)), 2.5, {}), (3, block(*i32, (4,)), {}),
+             (block(*i32, (4,)), block(*i32, (4,)), {"div_or_mod": True}),
+             (block(*f16, (4,)), block(*f16, (4,)), {"div_or_mod": True}),
+             (block(*i32, (4,)), block(*i32, (4,)), {"arithmetic_check": False}),
+             (pointers, block(*i32, (4,)), {"allow_lhs_ptr": True})]
+    for lhs, rhs, flags in pairs:
+        got, want = check(semantic, lhs, rhs, **flags), check.original(semantic, lhs, rhs, **flags)
+        for g, w in zip(got, want):
+            assert str(g.type) == str(w.type) and g.handle.data.dtype == w.handle.data.dtype, (lhs, rhs, flags)
+            assert np.array_equal(g.handle.data, w.handle.data), (lhs, rhs, flags)
+    lhs, rhs = pairs[0][:2]
+    assert check(semantic, lhs, rhs) == (lhs, rhs)  # alike: the operands themselves
+    with pytest.raises(Exception) as fast:
+        check(semantic, block(*f32, (4,)), pointers)
+    with pytest.raises(Exception) as slow:
+        check.original(semantic, block(*f32, (4,)), pointers)
+    assert type(fast.value) is type(slow.value)
