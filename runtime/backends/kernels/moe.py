@@ -74,7 +74,10 @@ T*slots (token, slot) pairs, ids E + n_shared the padding sentinel):
 Token path (`BLOCK_M == 1`, chosen for tiny T such as batch-1 decode): no sorting. One GEMV program
 per (pair, column tile) computes h, then one program per (token, column tile) runs the down
 projection of its k experts and n_shared shared chunks and combines them in slot order. Each active
-expert's weights are read once per token, which at T=1 is exactly the active experts' bytes.
+expert's weights are read once per token, which at T=1 is exactly the active experts' bytes. Asked
+for (the backend's experts option "one_launch", with the routing in the gate-up kernel),
+`_experts_token_kernel` runs both as one launch, its down programs waiting for their token's
+gate-up programs (measured slower on an H100: docs/DESIGN.md).
 
 Kernel configs: runtime/backends/kernels/moe_config.py. Shapes never depend on data, so the same launches
 replay from a CUDA graph; the backend (runtime/backends/triton_moe.py) adds the runtime protocol
