@@ -427,6 +427,33 @@ def _write_computed(tmp: Path, computed: dict, index) -> None:
               metadata={"format": "pt"})
 
 
+@contextlib.contextmanager
+def _without_canonical_form_test():
+    """torch.export.save without the test torch's serializer runs on every program it serializes.
+
+    After serializing, `ExportedProgramSerializer.serialize` canonicalizes a deep copy of the
+    serialized program ("Test canonical form is well defined", torch/_export/serde/serialize.py)
+    and throws the copy away: nothing of it is written, and it took about three quarters of the
+    save of a tiny model's programs (deep copies of every node's fields). graph.pt2 is the same
+    bytes without it (tests/compiler/test_compiler_artifact.py checks them against a save with it).
+    The serializer finds the function in its module when it calls it, so it is swapped there for
+    the save and put back after; a torch whose serializer has no such function saves as it does."""
+    try:
+        from torch._export.serde import serialize
+    except ImportError:
+        yield
+        return
+    real = getattr(serialize, "canonicalize", None)
+    if real is None:
+        yield
+        return
+    serialize.canonicalize = lambda ep, constants=None: ep
+    try:
+        yield
+    finally:
+        serialize.canonicalize = real
+
+
 def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenizer_files, link: bool = False,
                    progress=None, allow_non_finite: bool = False) -> dict:
     """Write every file of the artifact into `tmp` (which becomes `out`); returns the manifest.
@@ -439,7 +466,8 @@ def write_artifact(tmp: Path, out: Path, result, index, ckpt_dir: Path, tokenize
     the weight bytes)."""
     traced, ctx = result.traced, result.ctx
     for program, ep in traced.programs.items():
-        torch.export.save(ep, tmp / PROGRAM_FILES[program])
+        with _without_canonical_form_test():
+            torch.export.save(ep, tmp / PROGRAM_FILES[program])
     known: dict[str, str] = {}  # file -> SHA-256 already computed
     if index is None:
         weights = {"mode": "none"}

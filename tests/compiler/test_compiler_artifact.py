@@ -96,6 +96,19 @@ def test_compile_twice_is_byte_identical(ckpt, artifact, tmp_path):
         assert (again / name).read_bytes() == (artifact / name).read_bytes(), name
 
 
+def test_the_programs_are_torchs_own_save_of_them_byte_for_byte(ckpt, artifact, tmp_path):
+    """The writer saves the programs without the canonical-form test torch's serializer runs and
+    discards (compiler/artifact_writer.py): the same bytes as torch.export.save with it."""
+    import torch
+
+    from compiler.pipeline import plan
+    from compiler.splitops.artifact import PROGRAM_FILES
+
+    for program, ep in plan(ckpt, CompileConfig(), toolchain()).traced.programs.items():
+        torch.export.save(ep, tmp_path / PROGRAM_FILES[program])
+        assert (tmp_path / PROGRAM_FILES[program]).read_bytes() == (artifact / PROGRAM_FILES[program]).read_bytes()
+
+
 def test_graph_pt2_holds_no_source_paths(artifact):
     """Stack traces are not recorded: graph.pt2 does not depend on where the code is checked out."""
     archive = zipfile.ZipFile(artifact / GRAPH)
