@@ -20,8 +20,13 @@ from pathlib import Path
 
 
 def main(spec_path: str, out_path: str) -> None:
+    import lm_eval.evaluator
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
+
+    # simple_evaluate adds a report of the environment to each run's results (torch's collect_env:
+    # `pip list` and other probes in subprocesses, about 2.5 s a run); OUT holds the samples alone
+    lm_eval.evaluator.add_env_info = lambda results: None
 
     spec = json.loads(Path(spec_path).read_text())
     tasks = TaskManager(include_path=spec["include_path"], include_defaults=False)
