@@ -96,6 +96,17 @@ def shared_traces():
         yield
 
 
+@pytest.fixture(scope="module")
+def shared_loads():
+    """Each program archive deserialized once per module, every load of it a copy (testkit/loads.py):
+    for a module that loads one artifact again and again. Not for a module that patches
+    torch.export.load or the deserializer."""
+    from testkit.loads import shared_loads as one_deserialization_per_archive
+
+    with one_deserialization_per_archive():
+        yield
+
+
 @pytest.fixture
 def batch_invariant_installed():
     """runtime/backends/batch_invariant_aten.install() for one test (imported here, not at the top: a

@@ -36,7 +36,7 @@ FAMILY = "qwen3_next"  # has a draft program: both .pt2 files are exercised
 PROMPTS = "1,2,3,4,5,6,7,8;9,10,11"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread", "shared_traces")
+pytestmark = pytest.mark.usefixtures("one_thread", "shared_traces", "shared_loads")
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from runtime.artifact.loader import load_programs
 from testkit.helpers import tiny_checkpoint
 from testkit.traced_glue import traced_glue
 
-pytestmark = pytest.mark.usefixtures("one_thread", "shared_traces")
+pytestmark = pytest.mark.usefixtures("one_thread", "shared_traces", "shared_loads")
 
 CUDA_BUILDS = [("qwen3_next", "bfloat16"), ("qwen3_5", "bfloat16"), ("kimi_linear", "bfloat16"),
                ("bailing_linear", "bfloat16"), ("kimi_linear", "float32")]

@@ -34,7 +34,8 @@ from runtime.artifact.signing import sign, signing_key
 from testkit.helpers import ROOT, shared_artifact, tiny_checkpoint
 from testkit.traced_glue import stand_in_inductor
 
-pytestmark = pytest.mark.slow  # an Inductor build (C++ compiles) and two `hgc run` processes: about 90 s on 2 cores
+pytestmark = [pytest.mark.slow,  # an Inductor build (C++ compiles) and two `hgc run` processes: about 90 s on 2 cores
+              pytest.mark.usefixtures("shared_loads")]
 
 PROMPTS = "1,2,3,4,5,6,7;9,10,11"
 NEW_TOKENS = 5

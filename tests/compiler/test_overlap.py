@@ -38,7 +38,7 @@ from runtime.artifact.loader import LoadError, ProgramRunner, load_artifact
 from testkit.graph_cases import RecordingSideStream, RerunGraphs, greedy
 from testkit.helpers import shared_artifact
 
-pytestmark = pytest.mark.usefixtures("one_thread", "shared_traces")  # tiny models: threads only contend
+pytestmark = pytest.mark.usefixtures("one_thread", "shared_traces", "shared_loads")  # tiny models: threads only contend
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY_RULE = "4096"  # bytes: above a tiny model's norms and gates, below its shared expert

@@ -32,7 +32,8 @@ from hgc import main
 from hgc.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from testkit.helpers import edit_manifest, shared_artifact
 
-pytestmark = pytest.mark.usefixtures("shared_traces")  # the cases compile one config again and again
+# the cases compile one config, and load its artifact, again and again
+pytestmark = pytest.mark.usefixtures("shared_traces", "shared_loads")
 
 FAMILY = "qwen3_next"
 POSITIONS = 262144  # the tiny qwen3_next's max_position_embeddings

@@ -23,7 +23,7 @@ from runtime.engine.generate import make_pools
 from runtime.artifact.loader import LoadError, load_artifact
 from testkit.helpers import edit_routing, shared_artifact
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "shared_loads")  # one artifact loaded per test
 
 
 @pytest.fixture(scope="module")

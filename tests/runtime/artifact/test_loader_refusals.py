@@ -10,6 +10,8 @@ import pytest
 from runtime.artifact.loader import LoadError, load_artifact
 from testkit.helpers import edit_manifest, edit_routing, shared_artifact
 
+pytestmark = pytest.mark.usefixtures("shared_loads")  # each case loads the intact copy first
+
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):

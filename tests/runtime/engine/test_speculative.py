@@ -41,7 +41,7 @@ from runtime.cache.state_pool import StatePool
 from testkit.helpers import shared_artifact
 from testkit.spec_drafters import DisagreeingDrafter, GreedyContinuationDrafter
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "shared_loads")
 
 FAMILIES = ("qwen3_next", "qwen3_5", "bailing_linear")
 # Eight requests: lengths 1..17, new tokens 3..14, so they are admitted and finish at different steps.

@@ -29,7 +29,8 @@ from testkit.helpers import edit_routing, shared_artifact
 
 OP_NAMES = frozenset(OP_SPECS)
 
-pytestmark = pytest.mark.usefixtures("shared_traces", "one_thread")  # the tiny configs traced once, compiles on copies
+# the tiny configs traced once, compiles on copies; each artifact deserialized once, loads of copies
+pytestmark = pytest.mark.usefixtures("shared_traces", "shared_loads", "one_thread")
 
 FULL_DEFAULTS = FlashInferAttentionBackend.capability.resolve_options({})
 

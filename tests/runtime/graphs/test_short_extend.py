@@ -31,7 +31,8 @@ from runtime.step.bound_ops import BoundOps
 from testkit.graph_cases import RerunGraphs, greedy
 from testkit.helpers import edit_manifest, shared_artifact
 
-pytestmark = pytest.mark.usefixtures("shared_traces", "one_thread")  # five compiles of the tiny qwen3_next's config
+# five compiles of the tiny qwen3_next's config, their artifacts loaded again and again
+pytestmark = pytest.mark.usefixtures("shared_traces", "shared_loads", "one_thread")
 
 EARLIER_EXTEND_BUCKETS = [256, 512, 1024, 2048, 4096]  # what artifacts recorded before the small buckets
 
