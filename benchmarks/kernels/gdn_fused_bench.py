@@ -26,6 +26,9 @@ row (strided qkv, z, b, a):
 - fused_1v: fused_2v's programs as one launch (`merged_split`, triton_linear's split_decode
   "one_launch"): each does the conv and l2norm of what it reads, the last of a key head's programs
   rolling its q and k history;
+- fused_1v_early: fused_1v with its gates loaded before its slot is known (gdn_fused_decode's
+  early_gates), where fused_1v loads them behind the key head's counter: one dependent round
+  trip fewer a program, the same values;
 - fused_4: the op past ONE_LAUNCH_MAX_ROWS requests, as triton_linear runs it: four launches, the
   decode conv, the op's l2norm-and-gates kernel, the recurrent decode kernel, the op's gated-norm
   kernel.
@@ -134,20 +137,24 @@ class Region:
     def fused_1v(self) -> None:
         self.fused(launches=2, merged_split=True)
 
+    def fused_1v_early(self) -> None:
+        self.fused(launches=2, merged_split=True, early_gates=True)
+
     def fused_4(self) -> None:
         """The op past ONE_LAUNCH_MAX_ROWS requests, as triton_linear runs it: the unfused kernels with
         the op's own two glue kernels."""
         self.unfused(op_glue=True)
 
     def fused(self, num_warps: int | None = None, launches: int = 1, v_blocks: int | None = None,
-              merged_split: bool = False) -> None:
+              merged_split: bool = False, early_gates: bool = False) -> None:
         s, x, p = self.s, self.x, self.p
         GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight,
                             self.out_buf, self.conv, self.state, self.slots, s.hk, s.scale, EPS, num_warps=num_warps,
-                            launches=launches, v_blocks=v_blocks, merged_split=merged_split)
+                            launches=launches, v_blocks=v_blocks, merged_split=merged_split,
+                            early_gates=early_gates)
 
 
-FUSED = ("fused", "fused_2", "fused_2v", "fused_1v", "fused_4")
+FUSED = ("fused", "fused_2", "fused_2v", "fused_1v", "fused_1v_early", "fused_4")
 
 
 def v_blocks_of(s: GdnShape, B: int, device) -> int:
@@ -192,6 +199,7 @@ def bench(s: GdnShape, B: int, glue: tuple, device, calls: int, replays: int) ->
     row["ratio_2"] = row["unfused"]["us"] / row["fused_2"]["us"]
     row["ratio_2v"] = row["unfused"]["us"] / row["fused_2v"]["us"]  # its v_blocks: the check's
     row["ratio_1v"] = row["unfused"]["us"] / row["fused_1v"]["us"]
+    row["ratio_1v_early"] = row["unfused"]["us"] / row["fused_1v_early"]["us"]
     row["ratio_4"] = row["unfused"]["us"] / row["fused_4"]["us"]
     # the one-launch kernel's warps (default: GF.decode_warps): few programs at batch 1 may want more
     row["fused_by_warps"] = {w: graph_call_us(lambda _, w=w: region.fused(w), calls, replays, device) for w in WARPS}
@@ -236,17 +244,17 @@ def main(argv=None) -> dict:
         (args.out / "gdn_fused_bench.json").write_text(json.dumps(doc, indent=2))
     print(f"{'B':>5} {'check':>6} {'out err':>9} {'unfused us':>11} {'kernels':>8} {'fused us':>9} {'kernels':>8} "
           f"{'ratio':>6} {'fused_2 us':>11} {'ratio_2':>8} {'fused_2v us':>12} {'v_blocks':>9} {'ratio_2v':>9} "
-          f"{'fused_1v us':>12} {'ratio_1v':>9} {'fused_4 us':>11} {'ratio_4':>8}")
+          f"{'fused_1v us':>12} {'ratio_1v':>9} {'early us':>9} {'fused_4 us':>11} {'ratio_4':>8}")
     nan = float("nan")
     for B, e in doc["batches"].items():
         u, f, f2, f4 = e.get("unfused", {}), e.get("fused", {}), e.get("fused_2", {}), e.get("fused_4", {})
-        f2v, f1v = e.get("fused_2v", {}), e.get("fused_1v", {})
+        f2v, f1v, f1e = e.get("fused_2v", {}), e.get("fused_1v", {}), e.get("fused_1v_early", {})
         err = e["check"]["variants"]["fused"]["rel_err"]["out"]
         print(f"{B:>5} {'ok' if e['check']['ok'] else 'FAIL':>6} {err:>9.2e} {u.get('us', nan):>11.2f} "
               f"{str(u.get('kernels')):>8} {f.get('us', nan):>9.2f} {str(f.get('kernels')):>8} "
               f"{e.get('ratio', nan):>6.2f} {f2.get('us', nan):>11.2f} {e.get('ratio_2', nan):>8.2f} "
               f"{f2v.get('us', nan):>12.2f} {e['check']['v_blocks']:>9} {e.get('ratio_2v', nan):>9.2f} "
-              f"{f1v.get('us', nan):>12.2f} {e.get('ratio_1v', nan):>9.2f} "
+              f"{f1v.get('us', nan):>12.2f} {e.get('ratio_1v', nan):>9.2f} {f1e.get('us', nan):>9.2f} "
               f"{f4.get('us', nan):>11.2f} {e.get('ratio_4', nan):>8.2f}")
     return doc
 

@@ -26,10 +26,11 @@ def test_dry_run_checks_then_times_every_variant(tmp_path):
     for row in doc["batches"].values():
         assert row["check"]["ok"], row["check"]
         variants = row["check"]["variants"]
-        assert set(variants) == {"fused", "fused_2", "fused_2v", "fused_1v", "fused_4"}
+        assert set(variants) == {"fused", "fused_2", "fused_2v", "fused_1v", "fused_1v_early", "fused_4"}
         assert all(set(v["rel_err"]) == {"out", "conv", "recurrent"} for v in variants.values())
-        assert all(row[name]["us"] > 0 for name in ("unfused", "fused", "fused_2", "fused_2v", "fused_1v", "fused_4"))
-        assert all(row[f"ratio{n}"] > 0 for n in ("", "_2", "_2v", "_1v", "_4"))
+        assert all(row[name]["us"] > 0 for name in ("unfused", "fused", "fused_2", "fused_2v", "fused_1v",
+                                                    "fused_1v_early", "fused_4"))
+        assert all(row[f"ratio{n}"] > 0 for n in ("", "_2", "_2v", "_1v", "_1v_early", "_4"))
         # the dry run's Dv 64 in the default value blocks (the interpreter's stand-in SM count): two of 32 columns
         assert row["check"]["v_blocks"] == 2
         assert set(row["fused_by_warps"]) == {"8", "16"} and all(t > 0 for t in row["fused_by_warps"].values())

@@ -241,16 +241,22 @@ def last_block_gated_norm(o, cols, m_c, o_ws_ptr, arrived_ptr, z_ptr, norm_w_ptr
 
 
 @triton.jit
-def value_block_step(s, s_ptrs, m_s, q, k, v, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr, state_ptr,
-                     o_row_ptr, o_ws_ptr, arrived_ptr, row, head, cols, m_c, stride_a_row, stride_a_head,
-                     stride_b_row, stride_b_head, stride_z_row, stride_z_head, eps, HK: tl.constexpr,
+def head_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, stride_a_row, stride_a_head, stride_b_row,
+               stride_b_head, HK: tl.constexpr, GROUP: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
+               act: tl.constexpr):
+    """A split program's (g, beta): its value head's gates at its request's row."""
+    return gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
+                     stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+
+
+@triton.jit
+def value_block_step(s, s_ptrs, m_s, q, k, v, g, beta, z_ptr, norm_w_ptr, state_ptr, o_row_ptr, o_ws_ptr,
+                     arrived_ptr, row, head, cols, m_c, stride_z_row, stride_z_head, eps, HK: tl.constexpr,
                      GROUP: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, NVB: tl.constexpr,
-                     ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr, act: tl.constexpr):
-    """A split program's work once it holds q, k (q with the output scale) and its block's v and
-    state s: the gates, the recurrent step, the state stored, and the gated norm (the program's own
-    where NVB is 1, else the head's last block's, last_block_gated_norm)."""
-    g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, head < HK * GROUP, stride_a_row,
-                        stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+                     ROUND_Y: tl.constexpr, act: tl.constexpr):
+    """A split program's work once it holds q, k (q with the output scale), its block's v and state
+    s and its head's gates (head_gates): the recurrent step, the state stored, and the gated norm
+    (the program's own where NVB is 1, else the head's last block's, last_block_gated_norm)."""
     s, o = scalar_decay_step(s, q, k, v, tl.exp(g), beta, DELTA=True)
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m_s)
     if NVB == 1:
@@ -300,10 +306,11 @@ def _split_core_kernel(mixed_ptr, z_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, n
         q = tl.load(src + kh * DK + offs_k, mask=m_k, other=0.0).to(tl.float32) * scale
         k = tl.load(src + (HK + kh) * DK + offs_k, mask=m_k, other=0.0).to(tl.float32)
         v = tl.load(src + 2 * HK * DK + head * DV + cols, mask=m_c, other=0.0).to(tl.float32)
-        value_block_step(s, s_ptrs, m_s, q, k, v, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr, state_ptr,
-                         o_row_ptr, o_ws_ptr, arrived_ptr, row, head, cols, m_c, stride_a_row, stride_a_head,
-                         stride_b_row, stride_b_head, stride_z_row, stride_z_head, eps, HK, GROUP, DV, BV, NVB,
-                         ROUND_Y, SOFTPLUS_MAX, act)
+        g, beta = head_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, stride_a_row, stride_a_head,
+                             stride_b_row, stride_b_head, HK, GROUP, SOFTPLUS_MAX, act)
+        value_block_step(s, s_ptrs, m_s, q, k, v, g, beta, z_ptr, norm_w_ptr, state_ptr, o_row_ptr, o_ws_ptr,
+                         arrived_ptr, row, head, cols, m_c, stride_z_row, stride_z_head, eps, HK, GROUP, DV, BV,
+                         NVB, ROUND_Y, act)
     else:
         # padding row: every block zeroes its columns and none counts in, so its counter stays zero
         tl.store(o_row_ptr + cols, tl.zeros([BVP], dtype=act), mask=m_c)
@@ -318,7 +325,7 @@ def _split_one_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bi
                       HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, NVB: tl.constexpr, BVB: tl.constexpr,
                       BVP: tl.constexpr, ROUND_Y: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,
-                      PAD_SLOT: tl.constexpr, USE_GDC: tl.constexpr):
+                      PAD_SLOT: tl.constexpr, EARLY_GATES: tl.constexpr, USE_GDC: tl.constexpr):
     """The split in one launch, one program per (request, value head, value block), the second
     launch's programs doing the first's work for what they read: the conv step of their v columns
     and of their key head's q and k channels, the l2norm of q and k (each program of a key head
@@ -327,7 +334,12 @@ def _split_one_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bi
     itself; a key head's q and k channels are read by its GROUP * NVB programs, so the last of them
     to finish reading counts in last (a per-(request, key head) counter, arrivals.py) and stores
     their rolled history, which it holds like every other. The values are the split's, the same
-    rounding at the same places."""
+    rounding at the same places.
+
+    EARLY_GATES (gdn_fused_decode's early_gates; off unless asked): the gates' loads issued with
+    the slot's, before the branch on it, where they otherwise wait behind the conv counter's
+    atomic (its acquire orders every later load after it): one dependent round trip fewer a
+    program, the same values (a padding row's gates are computed and not used)."""
     pdl_wait(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -337,6 +349,9 @@ def _split_one_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bi
     m_c = tl.arange(0, BVP) < BVB
     act = out_ptr.dtype.element_ty
     o_row_ptr = out_ptr + row * stride_o_row + head * stride_o_head
+    if EARLY_GATES:
+        g, beta = head_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, stride_a_row, stride_a_head,
+                             stride_b_row, stride_b_head, HK, GROUP, SOFTPLUS_MAX, act)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
         kh = head // GROUP
@@ -359,10 +374,12 @@ def _split_one_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, A_log_ptr, dt_bi
             store_history(conv_ptr, slot, (HK + kh) * DK + offs_k, m_k, hk, stride_c_slot, stride_c_c, stride_c_k,
                           KW, KWP)
             tl.store(conv_arrived_ptr + row * HK + kh, 0)
-        value_block_step(s, s_ptrs, m_s, q, k, v, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, z_ptr, norm_w_ptr, state_ptr,
-                         o_row_ptr, o_ws_ptr, arrived_ptr, row, head, cols, m_c, stride_a_row, stride_a_head,
-                         stride_b_row, stride_b_head, stride_z_row, stride_z_head, eps, HK, GROUP, DV, BV, NVB,
-                         ROUND_Y, SOFTPLUS_MAX, act)
+        if not EARLY_GATES:
+            g, beta = head_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, head, stride_a_row, stride_a_head,
+                                 stride_b_row, stride_b_head, HK, GROUP, SOFTPLUS_MAX, act)
+        value_block_step(s, s_ptrs, m_s, q, k, v, g, beta, z_ptr, norm_w_ptr, state_ptr, o_row_ptr, o_ws_ptr,
+                         arrived_ptr, row, head, cols, m_c, stride_z_row, stride_z_head, eps, HK, GROUP, DV, BV,
+                         NVB, ROUND_Y, act)
     else:
         # padding row: every program zeroes its columns and none counts in, so its counters stay zero
         tl.store(o_row_ptr + cols, tl.zeros([BVP], dtype=act), mask=m_c)
@@ -591,7 +608,7 @@ def decode_launches(rows: int) -> int:
 def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots,
                      k_heads: int, scale: float, eps: float, what: str = "gdn_fused",
                      num_warps: int | None = None, launches: int | None = None,
-                     v_blocks: int | None = None, merged_split: bool = False) -> None:
+                     v_blocks: int | None = None, merged_split: bool = False, early_gates: bool = False) -> None:
     """One decode step of a GDN mixer: row r is request r, on slot slots[r] (the padding slot: a zero
     row, nothing read or kept). conv_state [slots+1, C, K-1] and state [slots+1, Hv, Dk, Dv] (float32
     or bfloat16, read into float32) are the layer's, updated in place.
@@ -613,7 +630,9 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     does, their key sums maybe in another order (another tile's layout): float32 noise.
 
     merged_split (the split only): its two launches as one (`_split_one_kernel`: each program of the
-    second does the first's conv and l2norm for what it reads), the same values."""
+    second does the first's conv and l2norm for what it reads), the same values. early_gates (with
+    merged_split; benchmarks): its gates loaded before its slot is known (`_split_one_kernel`'s
+    EARLY_GATES), the same values."""
     d = gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
     B = qkv.shape[0]
     if slots.shape != (B,):
@@ -632,6 +651,8 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
                          f"kernels, which the caller runs)")
     if merged_split and launches != 2:
         raise ValueError(f"{what}: merged_split merges the split's two launches; this call takes {launches}")
+    if early_gates and not merged_split:
+        raise ValueError(f"{what}: early_gates is the merged split's (merged_split); this call does not merge")
     if v_blocks is not None and (launches != 2 or v_blocks < 1 or d.dv % v_blocks):
         raise ValueError(f"{what}: v_blocks {v_blocks}: the two-launch split's value blocks, a count that "
                          f"divides Dv {d.dv} (this call takes {launches} launch(es))")
@@ -642,7 +663,7 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
     warps = num_warps or decode_warps(d.dk, d.dv)
     if launches == 2 and merged_split:
         _split_one(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots, d, scale,
-                   eps, round_y, num_warps, v_blocks, what)
+                   eps, round_y, num_warps, v_blocks, what, early_gates)
         return
     if launches == 2:
         mixed = torch.empty((B, d.channels), dtype=qkv.dtype, device=qkv.device)
@@ -673,7 +694,8 @@ def _value_blocks(B: int, d: GdnDims, slots, out, v_blocks: int | None, what: st
 
 
 def _split_one(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv_state, state, slots, d: GdnDims,
-               scale, eps, round_y: bool, num_warps: int | None, v_blocks: int | None, what: str) -> None:
+               scale, eps, round_y: bool, num_warps: int | None, v_blocks: int | None, what: str,
+               early_gates: bool = False) -> None:
     """The split as one launch (`_split_one_kernel`), its key heads' conv counters on the device's
     shared arrival counters (arrivals.py)."""
     B = qkv.shape[0]
@@ -687,8 +709,8 @@ def _split_one(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, conv
         state.stride(0), state.stride(1), float(scale), float(eps), L2NORM_EPS,
         HK=d.hk, GROUP=d.hv // d.hk, DK=d.dk, DV=d.dv, BK=next_pow2(d.dk), BV=next_pow2(d.dv), KW=d.kernel_width,
         KWP=next_pow2(d.kernel_width), NVB=nvb, BVB=block, BVP=next_pow2(block), ROUND_Y=round_y,
-        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, num_warps=num_warps or decode_warps(d.dk, block),
-        **launch_args(qkv.device))
+        SOFTPLUS_MAX=SOFTPLUS_THRESHOLD, PAD_SLOT=PADDING_SLOT, EARLY_GATES=early_gates,
+        num_warps=num_warps or decode_warps(d.dk, block), **launch_args(qkv.device))
 
 
 def _split_core(mixed, z, b, a, A_log, dt_bias, norm_weight, out, state, slots, d: GdnDims, scale, eps,

@@ -282,27 +282,32 @@ def test_the_split_in_one_launch_matches_the_unfused_ops(layer_id, dtype, v_bloc
 @in_process
 @pytest.mark.parametrize("v_blocks", [1, 4])
 def test_the_split_in_one_launch_gives_the_splits_bits(v_blocks):
-    """The same step through the split's two launches and its one launch, on copies of the same
-    states: the output and both states the same bits (the same rounding at the same places)."""
+    """The same step through the split's two launches, its one launch and its one launch with the
+    gates loaded first (early_gates), on copies of the same states: the output and both states the
+    same bits (the same rounding at the same places)."""
     case = Case(0, torch.float32, seed=71)
     s, p = case.shape, case.params.to(DEVICE)
     x = gdn_inputs(s, 3, 3, torch.float32, case.g, DEVICE)
     slots = torch.tensor([7, PADDING_SLOT, 2], device=DEVICE)
     layer = case.dev_pool.layer(0)
     results = []
-    for merged in (False, True):
+    for merged, early in ((False, False), (True, False), (True, True)):
         conv, state = layer["conv"].clone(), layer["recurrent"].clone()
         out = torch.full((3, s.hv, s.dv), float("nan"), device=DEVICE)
         GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight, out,
                             conv, state, slots, s.hk, s.scale, EPS, launches=2, v_blocks=v_blocks,
-                            merged_split=merged)
+                            merged_split=merged, early_gates=early)
         results.append((out.cpu(), conv.cpu(), state.cpu()))
-    for name, split, merged in zip(("out", "conv", "state"), *results):
-        assert torch.equal(merged, split), name
+    assert not torch.equal(results[0][2], layer["recurrent"].cpu()), "the step changed the states"
+    for name, split, merged, early in zip(("out", "conv", "state"), *results):
+        assert torch.equal(merged, split) and torch.equal(early, split), name
     assert results[0][0][1].eq(0).all(), "the padding row"
     with pytest.raises(ValueError, match="merged_split merges the split's two launches; this call takes 1"):
         GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight, out,
                             conv, state, slots, s.hk, s.scale, EPS, launches=1, merged_split=True)
+    with pytest.raises(ValueError, match="early_gates is the merged split's"):
+        GF.gdn_fused_decode(x["qkv"], x["z"], x["b"], x["a"], p.conv_weight, p.A_log, p.dt_bias, p.norm_weight, out,
+                            conv, state, slots, s.hk, s.scale, EPS, launches=2, early_gates=True)
     with pytest.raises(ValueError, match="split_decode must be one of"):
         Case(0, torch.float32, seed=1, backend_kwargs={"split_decode": "fused"})
 
