@@ -11,7 +11,6 @@ loads go when the block ends.
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 
@@ -23,7 +22,7 @@ from hgc import main
 from runtime.artifact.loader import LoadError, load_artifact
 from testkit.helpers import shared_artifact
 from testkit.loads import shared_loads
-from tests.testkit.test_traces import FAKE_VALUES, IMMUTABLE, NOT_WALKED, referents
+from tests.testkit.test_traces import FAKE_VALUES, IMMUTABLE, reachable, state
 
 PROMPTS = "1,2,3,4,5,6,7,8;9,10,11"
 
@@ -31,31 +30,6 @@ PROMPTS = "1,2,3,4,5,6,7,8;9,10,11"
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     return shared_artifact(tmp_path_factory, "qwen3_next")[1]
-
-
-def reachable(root, leaves=()) -> dict[int, object]:
-    """id -> object for everything reachable from root, not walking into NOT_WALKED nor into
-    instances of `leaves`."""
-    found, todo = {}, [root]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in found or isinstance(obj, NOT_WALKED):
-            continue
-        found[id(obj)] = obj
-        if not isinstance(obj, leaves):
-            todo.extend(referents(obj))
-    return found
-
-
-def state(root) -> dict[int, tuple]:
-    """id -> (type, the ids it refers to, a tensor's geometry) for everything reachable from root."""
-    held = {}
-    for key, obj in reachable(root).items():
-        facts = (type(obj), tuple(map(id, referents(obj))))
-        if isinstance(obj, torch.Tensor):
-            facts += (tuple(obj.shape), tuple(obj.stride()), obj.storage_offset(), obj.dtype)
-        held[key] = facts
-    return held
 
 
 def run_json(art, capsys) -> dict:

@@ -67,10 +67,12 @@ def referents(obj) -> list:
     return gc.get_referents(obj)
 
 
-def reachable(traced, leaves=()) -> dict[int, object]:
-    """id -> object for everything reachable from a TracedModel but its family, not walking into
-    NOT_WALKED nor into instances of `leaves`."""
-    found, todo = {id(traced.family): traced.family}, [traced]
+def reachable(root, leaves=()) -> dict[int, object]:
+    """id -> object for everything reachable from root (a TracedModel, or a program: also
+    tests/testkit/test_loads.py's) but a TracedModel's family, not walking into NOT_WALKED nor
+    into instances of `leaves`."""
+    family = getattr(root, "family", None)
+    found, todo = {id(family): family}, [root]
     while todo:
         obj = todo.pop()
         if id(obj) in found or isinstance(obj, NOT_WALKED):
@@ -78,15 +80,15 @@ def reachable(traced, leaves=()) -> dict[int, object]:
         found[id(obj)] = obj
         if not isinstance(obj, leaves):
             todo.extend(referents(obj))
-    del found[id(traced.family)]
+    del found[id(family)]
     return found
 
 
-def state(traced) -> dict[int, tuple]:
-    """id -> what the object holds, for everything reachable from a TracedModel: the ids of what it
-    refers to and, for a tensor, its geometry and any values."""
+def state(root) -> dict[int, tuple]:
+    """id -> what the object holds, for everything reachable from root (`reachable`): the ids of
+    what it refers to and, for a tensor, its geometry and any values."""
     held = {}
-    for key, obj in reachable(traced).items():
+    for key, obj in reachable(root).items():
         facts = (type(obj), tuple(map(id, referents(obj))))
         if isinstance(obj, torch.Tensor):
             facts += (tuple(obj.shape), tuple(obj.stride()), obj.storage_offset(), obj.dtype)
