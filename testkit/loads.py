@@ -23,9 +23,8 @@ import contextlib
 import copy
 import hashlib
 import io
-import warnings
 
-from testkit.traces import _fake_values
+from testkit.traces import _fake_values, own_graph_copy, quiet_spec_copies
 
 __all__ = ["copy_loaded", "shared_loads"]
 
@@ -33,20 +32,11 @@ __all__ = ["copy_loaded", "shared_loads"]
 def copy_loaded(ep):
     """A deep copy of a loaded ExportedProgram that shares its fake values (and only those) with it."""
     fake: dict = {}  # id -> value: deepcopy's memo, so the fake values stay the load's
-    for node in ep.graph.nodes:
+    for node in ep.graph.nodes:  # first: the program's other parts may hold them too
         _fake_values(node.meta, fake)
-    with warnings.catch_warnings():  # torch's pytree specs warn of their own deprecated check when copied
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                                category=FutureWarning)
+    with quiet_spec_copies():
         fresh = copy.deepcopy(ep, dict(fake))
-        # a graph's copy starts an empty name table: a node added to it would take a name the
-        # load's graph holds
-        old, new = ep.graph._graph_namespace, fresh.graph._graph_namespace
-        new._used_names = set(old._used_names)
-        new._base_count = dict(old._base_count)
-        # fx copies a node's meta dict but not what it holds (nn_module_stack, the tensor meta...)
-        for node in fresh.graph.nodes:
-            node.meta = copy.deepcopy(node.meta, fake)
+        own_graph_copy(ep.graph, fresh.graph, fake)
     return fresh
 
 

@@ -25,7 +25,7 @@ import copy
 import warnings
 from pathlib import Path
 
-__all__ = ["copy_traced", "shared_traces"]
+__all__ = ["copy_traced", "own_graph_copy", "quiet_spec_copies", "shared_traces"]
 
 _TRACES: dict = {}  # key -> (read_model, family, the TracedModel as traced: only ever copied)
 
@@ -37,23 +37,36 @@ def copy_traced(traced):
     shape environment and which no pass edits. Every program, graph, node, node meta dict and what
     those hold is the copy's own (tests/testkit/test_traces.py checks both, and that compiles of
     copies leave the trace as it was traced)."""
-    with warnings.catch_warnings():  # torch's pytree specs warn of their own deprecated check when copied
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                                category=FutureWarning)
+    with quiet_spec_copies():
         fresh = copy.deepcopy(traced, {id(traced.family): traced.family})
         fake = {}  # id -> value: deepcopy's memo, so the fake values stay the trace's
         for name, program in traced.programs.items():
-            graph = fresh.programs[name].graph
-            # a graph's copy starts an empty name table: a pass's new node would take a name the
-            # original's export had used and dropped ("sym_size_int" for "sym_size_int_4")
-            old, new = program.graph._graph_namespace, graph._graph_namespace
-            new._used_names = set(old._used_names)
-            new._base_count = dict(old._base_count)
-            # fx copies a node's meta dict but not what it holds (nn_module_stack, source_fn_stack...)
-            for node in graph.nodes:
-                _fake_values(node.meta, fake)
-                node.meta = copy.deepcopy(node.meta, fake)
+            own_graph_copy(program.graph, fresh.programs[name].graph, fake)
     return fresh
+
+
+@contextlib.contextmanager
+def quiet_spec_copies():
+    """Deep copies of exported programs without the warning torch's pytree specs give of their own
+    deprecated check when they are copied."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        yield
+
+
+def own_graph_copy(original, graph, fake: dict) -> None:
+    """Make `graph`, a deep copy of fx graph `original`, whole: its original's name table (a copy
+    starts an empty one, so a node added to it would take a name the original had used and dropped:
+    "sym_size_int" for "sym_size_int_4") and a meta of its own for each node (fx copies a node's
+    meta dict but not what it holds: nn_module_stack, source_fn_stack...), sharing only the fake
+    values, which go into `fake` (id -> value: the copies' memo)."""
+    old, new = original._graph_namespace, graph._graph_namespace
+    new._used_names = set(old._used_names)
+    new._base_count = dict(old._base_count)
+    for node in graph.nodes:
+        _fake_values(node.meta, fake)
+        node.meta = copy.deepcopy(node.meta, fake)
 
 
 def _fake_values(value, found: dict) -> None:
