@@ -1192,8 +1192,9 @@ def _experts_token_kernel(x_ptr, w13_ptr, sw13_ptr, w2_ptr, sw2_ptr, h_ptr, ids_
 
     No program waits on one after it: blocks start in program order, so every gate-up program has
     started (and runs to its end) before a down program waits (the Triton interpreter runs them in
-    that order too). CUDA does not promise that order; the hardware keeps it (docs/DESIGN.md). The last down program of a token (a second counter, ready[T + t]) sets both
-    counters back to zero for the next launch. h is read from L2 (arrivals.py says why)."""
+    that order too). CUDA does not promise that order; the hardware keeps it (docs/DESIGN.md). The
+    last down program of a token (a second counter, ready[T + t]) sets both counters back to zero
+    for the next launch. h is read from L2 (arrivals.py says why)."""
     pdl_wait(USE_GDC)
     SLOTS: tl.constexpr = TOP_K + N_SHARED
     p = tl.program_id(0)
