@@ -455,8 +455,10 @@ DECODE_TILES = ("by_batch", "fixed", "walk")
 # l2norm for what they read) or "two_launches". Why one launch: on an H100, in one call, the nine
 # layers' split took 68.8 us of a batch-1 step against 65.3 in two launches, and the step's time
 # outside its kernels about 1 us a launch (9 fewer;
-# benchmarks/results/step_account_in_experts_folds_ab_h100_2026-12-07.md).
-SPLIT_DECODE = ("one_launch", "two_launches")
+# benchmarks/results/step_account_in_experts_folds_ab_h100_2026-12-07.md). "one_launch_early": the
+# one launch with its value head's gates loaded before the key head's conv counter
+# (gdn_fused_decode's early_gates), the same values; not the default until it times faster.
+SPLIT_DECODE = ("one_launch", "two_launches", "one_launch_early")
 
 
 class TritonLinearBackend(BackendHooks):
@@ -564,7 +566,8 @@ class TritonLinearBackend(BackendHooks):
         (kernels/flashinfer_gdn.GdnPrefill.launch; tests); None loads the library on first use."""
         if split_decode not in SPLIT_DECODE:
             raise ValueError(f"{self.name}: split_decode must be one of {SPLIT_DECODE}, not {split_decode!r}")
-        self.merged_split = split_decode == "one_launch"
+        self.merged_split = split_decode in ("one_launch", "one_launch_early")
+        self.early_gates = split_decode == "one_launch_early"
         if decode_tiles not in DECODE_TILES:
             raise ValueError(f"{self.name}: decode_tiles must be one of {DECODE_TILES}, not {decode_tiles!r}")
         self.fixed_tiles = decode_tiles == "fixed"
@@ -1099,7 +1102,8 @@ class TritonLinearBackend(BackendHooks):
             fused.gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out,
                                    self._layer_state(layer_id, "conv"), self._layer_state(layer_id, "recurrent"),
                                    self._step_slots(ctx), k_heads, scale, eps, what, launches=launches,
-                                   merged_split=self.merged_split and launches == 2)
+                                   merged_split=self.merged_split and launches == 2,
+                                   early_gates=self.early_gates and launches == 2)
             return
         dims = fused.gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
         mixed = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)

@@ -252,31 +252,33 @@ def _conv_counters_zero() -> bool:
 
 # (layer, dtype, value blocks): two value heads a key head in blocks and whole, masked head dims,
 # one value head a key head, and bf16 on the default blocks
-SPLIT_ONE_CASES = [(0, torch.float32, 2), (0, torch.bfloat16, None), (1, torch.float32, None),
-                   (2, torch.float32, 1)]
+SPLIT_ONE_CASES = [(0, torch.float32, 2, "one_launch"), (0, torch.bfloat16, None, "one_launch"),
+                   (1, torch.float32, None, "one_launch"), (2, torch.float32, 1, "one_launch"),
+                   (0, torch.bfloat16, 2, "one_launch_early"), (1, torch.float32, None, "one_launch_early")]
 
 
 @in_process
-@pytest.mark.parametrize("layer_id,dtype,v_blocks", SPLIT_ONE_CASES,
-                         ids=[f"layer{c[0]}-{str(c[1])[6:]}-v{c[2]}" for c in SPLIT_ONE_CASES])
-def test_the_split_in_one_launch_matches_the_unfused_ops(layer_id, dtype, v_blocks, monkeypatch):
-    """split_decode="one_launch": each program of the second launch does the first's conv and
+@pytest.mark.parametrize("layer_id,dtype,v_blocks,split_decode", SPLIT_ONE_CASES,
+                         ids=[f"layer{c[0]}-{str(c[1])[6:]}-v{c[2]}-{c[3]}" for c in SPLIT_ONE_CASES])
+def test_the_split_in_one_launch_matches_the_unfused_ops(layer_id, dtype, v_blocks, split_decode, monkeypatch):
+    """split_decode="one_launch" (and "one_launch_early", its gates loaded first): each program of the second launch does the first's conv and
     l2norm for what it reads, the last of a key head's programs rolling its q and k history. Outputs
     and both states against the reference over consecutive steps (each step's conv reads the
     history the one before rolled), padding rows zero, no other slot written, every counter back at
-    zero; one kernel launched a step, none of the split's two."""
+    zero; one kernel launched a step, none of the split's two, its gates loaded first where routed."""
     grids = _split_with_v_blocks(monkeypatch, v_blocks)
     counts = _count_launches(monkeypatch)
     one = []
     launch = GF._SPLIT_ONE.launch
-    monkeypatch.setattr(GF._SPLIT_ONE, "launch", lambda *a: (one.append(a[0]), launch(*a))[1])
-    case = Case(layer_id, dtype, seed=60 + layer_id, backend_kwargs={"split_decode": "one_launch"})
+    monkeypatch.setattr(GF._SPLIT_ONE, "launch", lambda *a: (one.append(a[2]["EARLY_GATES"]), launch(*a))[1])
+    case = Case(layer_id, dtype, seed=60 + layer_id, backend_kwargs={"split_decode": split_decode})
     steps = (DECODES[3], DECODES[6], DECODES[3])
     for slots, num_real in steps:
         case.step(decode_ctx(slots, num_real, "cpu"), decode_ctx(slots, num_real, DEVICE), slots[:num_real])
         assert _counters_zero() and _conv_counters_zero(), "a launch left a counter non-zero"
     case.check_untouched()
-    assert counts["prep"] == counts["core"] == grids == [] and len(one) == len(steps)
+    assert counts["prep"] == counts["core"] == grids == []
+    assert one == [split_decode == "one_launch_early"] * len(steps), "the route's gates order not launched"
 
 
 @in_process
