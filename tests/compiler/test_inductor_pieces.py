@@ -39,14 +39,18 @@ pytestmark = [pytest.mark.slow,  # an Inductor build (C++ compiles) and two `hgc
 
 PROMPTS = "1,2,3,4,5,6,7;9,10,11"
 NEW_TOKENS = 5
+# Inductor's own choice of the CPU's vector ISA (its probe builds, which a bundle carries), where the
+# rest of the suite takes the CPU's flags' answer (tests/conftest.py): empty reads as unset.
+PROBE_CPU_ISA = {"TORCHINDUCTOR_VEC_ISA_OK": ""}
 
 
 def hgc(*argv: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """`hgc ...` in a process of its own (nothing in this process's memory helps it)."""
     # One intra-op thread: a tiny model gains nothing from more, and on a busy 2-core machine their
     # spinning costs a decode step 10x its time.
+    # PROBE_CPU_ISA: this module's builds and runs probe the vector ISA, as a user's do.
     full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                OMP_NUM_THREADS="1", **(env or {}))
+                OMP_NUM_THREADS="1", **PROBE_CPU_ISA, **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "hgc", *argv], cwd=ROOT, env=full, capture_output=True,
                           text=True, timeout=600)
     if check:

@@ -47,15 +47,9 @@ def two_layers() -> dict:
     return {"num_hidden_layers": 2, "linear_attn_config": {**linear, "kda_layers": [1], "full_attn_layers": [2]}}
 
 
-# Inductor's CPU vector-ISA choice without its probe builds (it compiles and loads a test library per
-# ISA, about 12 s of each rank's first piece): the ISA the CPU reports is taken as it is. The probe's
-# files travel in a bundle like any kernel; test_inductor_pieces.py builds and runs with them.
-TRUST_CPU_ISA = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
-
-
 def hgc(*argv: str, home) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               HGC_HOME=str(home), OMP_NUM_THREADS="1", **TRUST_CPU_ISA)
+               HGC_HOME=str(home), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "hgc", *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 
