@@ -81,8 +81,9 @@
 #                in the same run (issue 51); about 5 minutes for qwen3_next
 #   hf_baseline  transformers' side of the goals' ratios, in the call that accounts ours (account_serving): its
 #                static-cache (compiled) decode at BATCHES (default 1,128) and its prefill at EXTENDS (default
-#                512,4096) over EXTEND_REQUESTS (default 1) requests, of the same bench qwen3_next config
-#                (gpu_e2e.py's init_compile, load and transformers stages; our runtime's stages skipped)
+#                512,4096) over EXTEND_REQUESTS (default 1) requests, of the same bench config of each of
+#                FAMILIES that transformers loads (qwen3_next, kimi_linear: FAMILIES=kimi_linear beside the
+#                `account` stage's) (gpu_e2e.py's init_compile, load and transformers stages; ours skipped)
 # FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account; PIECES=1
 # builds the first two's artifacts with the compiled bundle (--compiled-pieces), once per family. The
 # serving stages build bench qwen3_next once (hgc compile --target cuda: the compiled bundle unless
@@ -248,7 +249,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
             --keep-caches --batches 1 --iters 15 --extends "${EXTENDS:-512,2048,4096}" \
             --skip tokens,decode,piecewise_decode,profile,floor,torch_compile,hf_eager,hf_static,mixed ;;
     hf_baseline)
-        python3 benchmarks/serving/gpu_e2e.py --out "$OUT/hf_baseline" --work "$W/hf_baseline" --families qwen3_next \
+        python3 benchmarks/serving/gpu_e2e.py --out "$OUT/hf_baseline" --work "$W/hf_baseline" --families "$FAMILIES" \
             --keep-caches --batches "${BATCHES:-1,128}" --extends "${EXTENDS:-512,4096}" \
             --extend-requests "${EXTEND_REQUESTS:-1}" --iters 15 \
             --skip start,tokens,decode,extend,mixed,piecewise_decode,profile,floor,torch_compile,hf_eager ;;
