@@ -84,6 +84,12 @@
 #                512,4096) over EXTEND_REQUESTS (default 1) requests, of the same bench config of each of
 #                FAMILIES that transformers loads (qwen3_next, kimi_linear: FAMILIES=kimi_linear beside the
 #                `account` stage's) (gpu_e2e.py's init_compile, load and transformers stages; ours skipped)
+#   goals        issue 50's and 51's decode and extend measures in one call (about 8 minutes cold): the default
+#                cuda bundle with bfloat16 states (decode buckets 1, 8, 32, 128; extend 512, 4096) accounted at
+#                those sizes (account_serving, TAG=default), then transformers' side (hf_baseline) at the same
+#   split_ab     the GDN split decode with its gates loaded first (split_decode=one_launch_early) against the
+#                default one launch: gdn_fused_bench.py at 1 / 8 / 128 requests (each variant checked first), then
+#                both bundles (decode buckets 1, 128; extend 512, 4096) accounted in the same call (issue 50)
 # FAMILIES (default qwen3_next) names the families of short, prefix, multiturn and account; PIECES=1
 # builds the first two's artifacts with the compiled bundle (--compiled-pieces), once per family. The
 # serving stages build bench qwen3_next once (hgc compile --target cuda: the compiled bundle unless
@@ -248,6 +254,16 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/serving/gpu_e2e.py --out "$OUT/e2e_compiled" --families "$FAMILIES" --compiled-glue \
             --keep-caches --batches 1 --iters 15 --extends "${EXTENDS:-512,2048,4096}" \
             --skip tokens,decode,piecewise_decode,profile,floor,torch_compile,hf_eager,hf_static,mixed ;;
+    split_ab)
+        timeout 100 python3 benchmarks/kernels/gdn_fused_bench.py --out "$OUT/gdn_split" --batches 1,8,128 2>&1 | tail -14
+        B="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096"
+        COMPILE_ARGS="$B" BATCHES=1,128 EXTENDS=512,4096 TAG=default bash "$0" account_serving
+        ROUTE="gdn_fused=triton_linear[split_decode=one_launch_early]" COMPILE_ARGS="$B" BATCHES=1,128 \
+            EXTENDS=512,4096 TAG=early bash "$0" account_serving ;;
+    goals)
+        B="--state-dtype bfloat16 --decode-buckets 1,8,32,128 --extend-buckets 512,4096"
+        COMPILE_ARGS="$B" BATCHES=1,8,32,128 EXTENDS=512,4096 TAG=default bash "$0" account_serving
+        BATCHES=1,8,32,128 EXTENDS=512,4096 bash "$0" hf_baseline ;;
     hf_baseline)
         python3 benchmarks/serving/gpu_e2e.py --out "$OUT/hf_baseline" --work "$W/hf_baseline" --families "$FAMILIES" \
             --keep-caches --batches "${BATCHES:-1,128}" --extends "${EXTENDS:-512,4096}" \
