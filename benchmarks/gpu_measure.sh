@@ -257,7 +257,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
     split_ab)
         timeout 100 python3 benchmarks/kernels/gdn_fused_bench.py --out "$OUT/gdn_split" --batches 1,8,128 2>&1 | tail -14
         B="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096"
-        COMPILE_ARGS="$B" BATCHES=1,128 EXTENDS=512,4096 TAG=default bash "$0" account_serving
+        COMPILE_ARGS="$B" BATCHES=1,128 EXTENDS=512,4096 TAG=split_one bash "$0" account_serving
         ROUTE="gdn_fused=triton_linear[split_decode=one_launch_early]" COMPILE_ARGS="$B" BATCHES=1,128 \
             EXTENDS=512,4096 TAG=early bash "$0" account_serving ;;
     goals)
