@@ -86,7 +86,8 @@
 #                `account` stage's) (gpu_e2e.py's init_compile, load and transformers stages; ours skipped)
 #   goals        issue 50's and 51's decode and extend measures in one call (about 8 minutes cold): the default
 #                cuda bundle with bfloat16 states (decode buckets 1, 8, 32, 128; extend 512, 4096) accounted at
-#                those sizes (account_serving, TAG=default), then transformers' side (hf_baseline) at the same
+#                those sizes (account_serving), then transformers' side (hf_baseline) at the same;
+#                GOAL_DECODES=1,128 builds and measures those two decode batches alone (a cold call's time)
 #   split_ab     the GDN split decode with its gates loaded first (split_decode=one_launch_early) against the
 #                default one launch: gdn_fused_bench.py at 1 / 8 / 128 requests (each variant checked first), then
 #                both bundles (decode buckets 1, 128; extend 512, 4096) accounted in the same call (issue 50)
@@ -261,9 +262,10 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         ROUTE="gdn_fused=triton_linear[split_decode=one_launch_early]" COMPILE_ARGS="$B" BATCHES=1,128 \
             EXTENDS=512,4096 TAG=early bash "$0" account_serving ;;
     goals)
-        B="--state-dtype bfloat16 --decode-buckets 1,8,32,128 --extend-buckets 512,4096"
-        COMPILE_ARGS="$B" BATCHES=1,8,32,128 EXTENDS=512,4096 TAG=default bash "$0" account_serving
-        BATCHES=1,8,32,128 EXTENDS=512,4096 bash "$0" hf_baseline ;;
+        d=${GOAL_DECODES:-1,8,32,128}
+        B="--state-dtype bfloat16 --decode-buckets $d --extend-buckets 512,4096"
+        COMPILE_ARGS="$B" BATCHES=$d EXTENDS=512,4096 TAG=default_${d//,/_} bash "$0" account_serving
+        BATCHES=$d EXTENDS=512,4096 bash "$0" hf_baseline ;;
     hf_baseline)
         python3 benchmarks/serving/gpu_e2e.py --out "$OUT/hf_baseline" --work "$W/hf_baseline" --families "$FAMILIES" \
             --keep-caches --batches "${BATCHES:-1,128}" --extends "${EXTENDS:-512,4096}" \
