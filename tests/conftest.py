@@ -27,6 +27,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # one of them compiled those sources again (about 25 s of the suite's CPU time on 2 cores); the
 # suite's processes write and share the bytecode as an installed copy has it (__pycache__ is ignored).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # Inductor's first C++ build in a process picks the CPU's vector ISA by compiling a test library per
 # ISA and loading each in a child Python that imports torch (about 9 s on 2 cores): every `hgc
@@ -35,7 +36,6 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # which reads it once); tests/compiler/test_inductor_pieces.py builds and runs with the probe, whose
 # libraries travel in a bundle like any kernel.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
-sys.dont_write_bytecode = False
 
 # Tracing, export and compiling allocate objects by the million (FX nodes, fake tensors, sympy
 # expressions): at CPython's default thresholds (700, 10, 10) the cyclic collector ran about 10,500

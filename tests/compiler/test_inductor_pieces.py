@@ -48,7 +48,7 @@ def hgc(*argv: str, env: dict | None = None, check: bool = True) -> subprocess.C
     """`hgc ...` in a process of its own (nothing in this process's memory helps it)."""
     # One intra-op thread: a tiny model gains nothing from more, and on a busy 2-core machine their
     # spinning costs a decode step 10x its time.
-    # PROBE_CPU_ISA: this module's builds and runs probe the vector ISA, as a user's do.
+    # PROBE_CPU_ISA: the module's `hgc` processes probe the vector ISA, as a user's do.
     full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                 OMP_NUM_THREADS="1", **PROBE_CPU_ISA, **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "hgc", *argv], cwd=ROOT, env=full, capture_output=True,

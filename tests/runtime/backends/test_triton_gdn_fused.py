@@ -250,8 +250,8 @@ def _conv_counters_zero() -> bool:
     return not arrival_counters(DEVICE, 1, "gdn_fused split").any()
 
 
-# (layer, dtype, value blocks): two value heads a key head in blocks and whole, masked head dims,
-# one value head a key head, and bf16 on the default blocks
+# (layer, dtype, value blocks, split_decode): two value heads a key head in blocks and whole, masked
+# head dims, one value head a key head, and bf16 on the default blocks; the early gates on two of them
 SPLIT_ONE_CASES = [(0, torch.float32, 2, "one_launch"), (0, torch.bfloat16, None, "one_launch"),
                    (1, torch.float32, None, "one_launch"), (2, torch.float32, 1, "one_launch"),
                    (0, torch.bfloat16, 2, "one_launch_early"), (1, torch.float32, None, "one_launch_early")]
@@ -261,11 +261,12 @@ SPLIT_ONE_CASES = [(0, torch.float32, 2, "one_launch"), (0, torch.bfloat16, None
 @pytest.mark.parametrize("layer_id,dtype,v_blocks,split_decode", SPLIT_ONE_CASES,
                          ids=[f"layer{c[0]}-{str(c[1])[6:]}-v{c[2]}-{c[3]}" for c in SPLIT_ONE_CASES])
 def test_the_split_in_one_launch_matches_the_unfused_ops(layer_id, dtype, v_blocks, split_decode, monkeypatch):
-    """split_decode="one_launch" (and "one_launch_early", its gates loaded first): each program of the second launch does the first's conv and
-    l2norm for what it reads, the last of a key head's programs rolling its q and k history. Outputs
-    and both states against the reference over consecutive steps (each step's conv reads the
-    history the one before rolled), padding rows zero, no other slot written, every counter back at
-    zero; one kernel launched a step, none of the split's two, its gates loaded first where routed."""
+    """split_decode="one_launch" (and "one_launch_early", its gates loaded first): each program of
+    the second launch does the first's conv and l2norm for what it reads, the last of a key head's
+    programs rolling its q and k history. Outputs and both states against the reference over
+    consecutive steps (each step's conv reads the history the one before rolled), padding rows zero,
+    no other slot written, every counter back at zero; one kernel launched a step, none of the
+    split's two, with the route's order of the gates' loads."""
     grids = _split_with_v_blocks(monkeypatch, v_blocks)
     counts = _count_launches(monkeypatch)
     one = []
