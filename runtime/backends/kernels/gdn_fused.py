@@ -631,7 +631,7 @@ def gdn_fused_decode(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out
 
     merged_split (the split only): its two launches as one (`_split_one_kernel`: each program of the
     second does the first's conv and l2norm for what it reads), the same values. early_gates (with
-    merged_split; benchmarks): its gates loaded before its slot is known (`_split_one_kernel`'s
+    merged_split; triton_linear's split_decode "one_launch_early"): its gates loaded before its slot is known (`_split_one_kernel`'s
     EARLY_GATES), the same values."""
     d = gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
     B = qkv.shape[0]
