@@ -62,7 +62,8 @@
 #                lays the extend buckets out for N requests (a served artifact's: 256) instead of one;
 #                ACCOUNT_ARGS adds step_account.py flags (--timeline: the device's idle spans in each step
 #                and the Launcher's misses; --timeline --timeline-stacks: Python stacks in its traces);
-#                with ROUTE the account goes to $OUT/account_serving_routed
+#                with ROUTE the account goes to $OUT/account_serving_routed (_TAG after either), or to
+#                $OUT/ACCOUNT_NAME where set (a second account of the same artifact in one call)
 #   mixed        bucket_costs.py on the serving artifact: extend buckets, and steps of 128 decodes and a prompt
 #                against their parts (what a token budget costs)
 #   budgets      offline_bench at 128 in flight with each token budget of BUDGETS (default "512 1024 2048 4096")
@@ -88,6 +89,12 @@
 #                cuda bundle with bfloat16 states (decode buckets 1, 8, 32, 128; extend 512, 4096) accounted at
 #                those sizes (account_serving), then transformers' side (hf_baseline) at the same;
 #                GOAL_DECODES=1,128 builds and measures those two decode batches alone (a cold call's time)
+#   fold_ab      the goals' bundle against the same without the launch folds (`--no-norm-linear`, router=split,
+#                split_decode=two_launches; TAG=unfolded): decode 1 and 128, extend 512 accounted, the default
+#                again after (issue 50: on an H200 at addea3f the folds were slower, 0.839 against 0.742 ms)
+#   fi_past_ab   the goals' bundle against the same routed `chunk_impl=flashinfer,flashinfer_past=2048` (GDN's
+#                extends past 2048 tokens on FlashInfer's kernel in eager gaps, ours captured up to 2048): decode 1,
+#                extend 512 and 4096 accounted, the default again after the routed one (issue 51)
 #   split_ab     the GDN split decode with its gates loaded first (split_decode=one_launch_early) against the
 #                default one launch: gdn_fused_bench.py at 1 / 8 / 128 requests (each variant checked first), then
 #                both bundles (decode buckets 1, 128; extend 512, 4096) accounted in the same call (issue 50)
@@ -233,7 +240,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         python3 benchmarks/host/prompt_host_bench.py --out "$OUT/prompt_host" --artifact "$art" ;;
     account_serving)
         art=$(serving_artifact) || { echo "no artifact"; continue; }
-        python3 benchmarks/kernels/step_account.py --out "$OUT/account_serving${ROUTE:+_routed}${TAG:+_$TAG}" --work "$W" --artifact "$art" \
+        python3 benchmarks/kernels/step_account.py --out "$OUT/${ACCOUNT_NAME:-account_serving${ROUTE:+_routed}${TAG:+_$TAG}}" --work "$W" --artifact "$art" \
             --batches "${BATCHES:-1}" --extends "${EXTENDS:-16,32,128,512}" --extend-seqs "${EXTEND_SEQS:-1}" \
             ${ACCOUNT_ARGS:-} ;;
     glue_source)
@@ -258,9 +265,28 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
     split_ab)
         timeout 100 python3 benchmarks/kernels/gdn_fused_bench.py --out "$OUT/gdn_split" --batches 1,8,128 2>&1 | tail -14
         B="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096"
-        COMPILE_ARGS="$B" BATCHES=1,128 EXTENDS=512,4096 TAG=split_one bash "$0" account_serving
+        # the default's artifact is the goals' (one build on a warm machine), its account under the old name
+        COMPILE_ARGS="$B" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 ACCOUNT_NAME=account_serving_split_one \
+            bash "$0" account_serving
         ROUTE="gdn_fused=triton_linear[split_decode=one_launch_early]" COMPILE_ARGS="$B" BATCHES=1,128 \
             EXTENDS=512,4096 TAG=early bash "$0" account_serving ;;
+    fold_ab)
+        # the goals' bundle (the launch folds, the cuda defaults) against the same without them, the default
+        # accounted again after; account_diff.py on the two JSONs says which kernels moved
+        B="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096"
+        TAG=unfolded COMPILE_ARGS="--no-norm-linear --route moe=triton_moe[router=split] \
+            --route gdn_fused=triton_linear[split_decode=two_launches] $B" BATCHES=1,128 EXTENDS=512 \
+            bash "$0" account_serving
+        COMPILE_ARGS="$B" BATCHES=1,128 EXTENDS=512 TAG=default_1_128 ACCOUNT_NAME=account_serving_fold_base \
+            bash "$0" account_serving ;;
+    fi_past_ab)
+        # the goals' bundle (built by `goals` on a warm machine, else here) against the same with GDN's
+        # extends past 2048 tokens on FlashInfer's kernel, ours captured up to it; the default timed again after
+        B="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096"
+        ROUTE="gdn_fused=triton_linear[chunk_impl=flashinfer,flashinfer_past=2048]" COMPILE_ARGS="$B" BATCHES=1 \
+            EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
+        COMPILE_ARGS="$B" BATCHES=1 EXTENDS=512,4096 TAG=default_1_128 ACCOUNT_NAME=account_serving_fi_base \
+            bash "$0" account_serving ;;
     goals)
         d=${GOAL_DECODES:-1,8,32,128}
         B="--state-dtype bfloat16 --decode-buckets $d --extend-buckets 512,4096"
