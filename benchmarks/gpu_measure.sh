@@ -89,6 +89,12 @@
 #                cuda bundle with bfloat16 states (decode buckets 1, 8, 32, 128; extend 512, 4096) accounted at
 #                those sizes (account_serving), then transformers' side (hf_baseline) at the same;
 #                GOAL_DECODES=1,128 builds and measures those two decode batches alone (a cold call's time)
+#   judge        one cold call on an H200: the goals' bundle (GOAL_DECODES=1,128) accounted, fold_ab, then
+#                transformers' side (hf_baseline), last since the call's bound may cut it off
+#   routes_ab    one cold call: the goals' bundle (GOAL_DECODES=1,128) accounted, then the two routing choices
+#                not yet timed in whole steps, each in a bundle of the buckets it changes: the early-gates
+#                split (decode 1 and 128, extend 512) and GDN's extends past 2048 tokens on FlashInfer's kernel
+#                (decode 1, extend 512 and 4096)
 #   fold_ab      the goals' bundle against the same without the launch folds (`--no-norm-linear`, router=split,
 #                split_decode=two_launches; TAG=unfolded): decode 1 and 128, extend 512 accounted, the default
 #                again after (issue 50: on an H200 at addea3f the folds were slower, 0.839 against 0.742 ms)
@@ -286,6 +292,18 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         ROUTE="gdn_fused=triton_linear[chunk_impl=flashinfer,flashinfer_past=2048]" COMPILE_ARGS="$B" BATCHES=1 \
             EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
         COMPILE_ARGS="$B" BATCHES=1 EXTENDS=512,4096 TAG=default_1_128 ACCOUNT_NAME=account_serving_fi_base \
+            bash "$0" account_serving ;;
+    judge)
+        COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096" BATCHES=1,128 \
+            EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving fold_ab
+        BATCHES=1,128 EXTENDS=512,4096 bash "$0" hf_baseline ;;
+    routes_ab)
+        COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096" BATCHES=1,128 \
+            EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
+        ROUTE="gdn_fused=triton_linear[split_decode=one_launch_early]" BATCHES=1,128 EXTENDS=512 TAG=early_512 \
+            COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512" bash "$0" account_serving
+        ROUTE="gdn_fused=triton_linear[chunk_impl=flashinfer,flashinfer_past=2048]" BATCHES=1 EXTENDS=512,4096 \
+            TAG=fi_past COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1 --extend-buckets 512,4096" \
             bash "$0" account_serving ;;
     goals)
         d=${GOAL_DECODES:-1,8,32,128}
