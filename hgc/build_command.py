@@ -13,7 +13,8 @@ load. Building needs the target device, since kernels are built for the machine 
    next, because compiled kernels record the path they were compiled at; so builds of one target
    take turns (`build_lock`: a second one waits for the first and says so). A run does not read
    them: Triton's group files, which name the folder, are rewritten to name the loader's copy
-   (runtime/artifact/bundle.py `_relocated_group`).
+   (runtime/artifact/bundle.py `_relocated_group`). On cuda, Triton's cache reads through to the
+   kernels earlier builds of the target compiled there, kept beside the folder (hgc/kernel_seed.py).
 2. The portable artifact is loaded (its own checks) and each program's glue is compiled
    (compiler/inductor_pieces.py), one piece per distinct structure; on cuda, unless the artifact
    is batch-invariant, its projections as calls of the GEMV op (`small_m_for`); with --pdl (cuda,
@@ -250,6 +251,12 @@ def build_root(key: str) -> Path:
     return cache / "hgc" / "build" / key
 
 
+def _kernel_seed():
+    """hgc/kernel_seed.py, on a cuda build only: it imports triton."""
+    from hgc import kernel_seed
+    return kernel_seed
+
+
 def _copy_caches(caches: dict[str, Path], staged: Path) -> int:
     """Step 4's copy: what each cache gained during the build, under kernels/<cache>/."""
     from compiler.inductor_pieces import inductor_cache_files
@@ -334,6 +341,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
     # depend on shapes and dtypes only, and parity compares two runs of the same weights.
     load_format = "dummy" if docs.manifest["weights"].get("mode") == "none" else "auto"
     log = log if rank == 0 else (lambda line: None)  # rank 0 speaks for every rank (they build alike)
+    on_cuda = torch.device(device).type == "cuda"
     work = build_root(key)
     mine = work / f"rank{rank}" if tp > 1 else work  # this rank's kernel caches
     staged = work / "bundle"
@@ -354,11 +362,14 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
             + (", random weights: the artifact has none" if load_format == "dummy" else "") + ")")
         start = time.perf_counter()
         dev = group.device if group is not None else device
-        with cache_env(caches):
+        # cuda: Triton's lookups read through to the kernels earlier builds kept (hgc/kernel_seed.py;
+        # a cpu build compiles no Triton kernel, and the CPU path never imports triton)
+        seed = _kernel_seed().seed_folder(work) / mine.relative_to(work) / "triton" if on_cuda else None
+        with cache_env(caches), _kernel_seed().reading(seed) if seed else contextlib.nullcontext():
             pin_triton_ptxas(torch.device(device).type)  # the run does the same (runtime/artifact/bundle.py)
             art = load_artifact(artifact, dev, compiled=CompiledOptions(enabled=False), rank=rank, tp=tp,
                                 load_format=load_format)
-            small_m, on_cuda = small_m_for(docs, device), torch.device(device).type == "cuda"
+            small_m = small_m_for(docs, device)
             log("glue projections: " + ("calls of hgc_glue::small_m_linear (one GEMV launch for a few rows)" if small_m
                                         else f"aten's linear ({'batch-invariant' if on_cuda else device})"))
             if choices.pdl:
@@ -379,17 +390,18 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
                              small_m=small_m, **dataclasses.asdict(choices))
             art.compiled = load_built(doc, out, caches)
             buckets = docs.manifest["buckets"]
-            on_gpu = torch.device(device).type == "cuda"
-            options = EngineOptions(slots=slots or (max(buckets["decode_batch_sizes"]) if on_gpu else 2),
-                                    token_budget=max(buckets["extend_token_counts"]) if on_gpu else 64,
+            options = EngineOptions(slots=slots or (max(buckets["decode_batch_sizes"]) if on_cuda else 2),
+                                    token_budget=max(buckets["extend_token_counts"]) if on_cuda else 64,
                                     prefix_cache=False)
             model_len = max_model_len or min(4096, int(docs.manifest["config"].get("max_position_embeddings") or 4096))
-            log("start-up with the compiled pieces" + (" (capture and parity of every bucket)" if on_gpu else ""))
+            log("start-up with the compiled pieces" + (" (capture and parity of every bucket)" if on_cuda else ""))
             engine = engine_for_artifact(art, options, model_len, device=dev, log=log)
             del engine
-            if on_gpu:
+            if on_cuda:
                 torch.cuda.synchronize()
         copied = _copy_caches(caches, out)
+        if seed:
+            log(_kernel_seed().keep_and_say(caches["triton"], seed))
         parity = art.compiled.report()["parity"]
         if group is not None:  # what rank 0 checks and records of the others, once they are done
             (mine / "rank.json").write_text(json.dumps({"programs": records, "parity": parity}))
@@ -485,7 +497,10 @@ def add_build_arguments(subparsers) -> None:
         "build", help="add this installation's target bundle (compiled pieces, kernels) to an artifact",
         description="Compile an artifact's glue with Inductor for this machine's device and torch build, start it "
                     "up once (every bucket captured and checked on cuda), and write what the kernel caches gained, "
-                    "signed with this installation's key, into targets/<key>/ of the artifact.",
+                    "signed with this installation's key, into targets/<key>/ of the artifact. On cuda, Triton "
+                    "kernels an earlier build of the same target compiled are copied in as the build asks for them "
+                    "(kept in ~/.cache/hgc/build/<key>.seed/, or $HGC_HOME/build/<key>.seed/; HGC_FRESH_KERNELS=1 "
+                    "compiles every one anew).",
         epilog="examples:\n  hgc build artifacts/tiny --device cpu\n  hgc build artifacts/bench --device cuda --force\n"
                "  hgc build artifacts/big-tp2 --device cuda    # compiled with --tp 2: launches 2 ranks, one GPU each")
     p.add_argument("artifact", help="artifact folder written by `hgc compile`")
