@@ -89,12 +89,14 @@
 #                cuda bundle with bfloat16 states (decode buckets 1, 8, 32, 128; extend 512, 4096) accounted at
 #                those sizes (account_serving), then transformers' side (hf_baseline) at the same;
 #                GOAL_DECODES=1,128 builds and measures those two decode batches alone (a cold call's time)
-#   judge        one cold call on an H200: the goals' bundle (GOAL_DECODES=1,128) accounted, fold_ab, then
-#                transformers' side (hf_baseline), last since the call's bound may cut it off
-#   routes_ab    one cold call: the goals' bundle (GOAL_DECODES=1,128) accounted, then the two routing choices
-#                not yet timed in whole steps, each in a bundle of the buckets it changes: the early-gates
-#                split (decode 1 and 128, extend 512) and GDN's extends past 2048 tokens on FlashInfer's kernel
-#                (decode 1, extend 512 and 4096)
+#   judge        on an H200: the goals' bundle (GOAL_DECODES=1,128) accounted, fold_ab, then transformers' side
+#                (hf_baseline), last since the call's bound may cut it off
+#   routes_ab    the goals' bundle (GOAL_DECODES=1,128) accounted, then the two routing choices not yet timed in
+#                whole steps, each in a bundle of the buckets it changes: the early-gates split (decode 1 and 128,
+#                extend 512) and GDN's extends past 2048 tokens on FlashInfer's kernel (decode 1, extend 512 and
+#                4096). A cold build of the goals' bundle took 255 s on an H100 (2026-12-07), and the call ran out
+#                in the second build: the later builds of a call read the first's Triton kernels since
+#                (hgc/kernel_seed.py), by how much faster not yet measured; else run them on the warm machine
 #   fold_ab      the goals' bundle against the same without the launch folds (`--no-norm-linear`, router=split,
 #                split_decode=two_launches; TAG=unfolded): decode 1 and 128, extend 512 accounted, the default
 #                again after (issue 50: on an H200 at addea3f the folds were slower, 0.839 against 0.742 ms)

@@ -21,7 +21,8 @@ arrived (`carry_room`: every file of the checkout but the cache and its parts, a
 included) and takes the rest less a margin, 26 MiB at most; --max-mib overrides it.
 
 What is packed: FlashInfer's built modules (`cached_ops/**.so`; not its object files or
-generated sources) and Triton's cache, newest first, until the compressed parts reach --max-mib.
+generated sources), Triton's cache and the Triton kernels `hgc build` keeps for the next build of
+its target (`hgc/build/<key>.seed/`, hgc/kernel_seed.py), newest first, until the compressed parts reach --max-mib.
 Triton's cache is taken a kernel folder at a time: Triton uses a cached kernel only if every
 file its group lists is there, so half a folder is worth nothing. Parts are at most 15 MiB
 each, since a returned file may not exceed 16 MiB. Timings from runs on a warm cache say so:
@@ -86,9 +87,11 @@ def cache_units(cache: Path) -> list[list[Path]]:
     """What is worth carrying, newest first, in units that are useful only whole: one Triton
     kernel folder, or one FlashInfer module."""
     units = []
-    triton = cache / "triton"
-    if triton.is_dir():
-        units += [files for d in triton.iterdir() if d.is_dir() and (files := complete_kernel_folder(d))]
+    # Triton's cache of the runs, and the kernels `hgc build` keeps for the next build of a target
+    # (hgc/kernel_seed.py; gpu_call.sh points HGC_HOME under the cache)
+    for triton in [cache / "triton", *cache.glob("hgc/build/*.seed/**/triton")]:
+        if triton.is_dir():
+            units += [files for d in triton.iterdir() if d.is_dir() and (files := complete_kernel_folder(d))]
     units += [[p] for p in cache.glob(".cache/flashinfer/**/cached_ops/**/*.so") if p.is_file()]
     return sorted(units, key=lambda u: max(p.stat().st_mtime for p in u), reverse=True)
 

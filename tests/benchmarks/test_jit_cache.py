@@ -108,3 +108,20 @@ def test_the_parts_take_what_the_carry_limit_leaves_beside_the_checkout(tmp_path
     assert jit_cache.carry_room(tmp_path) == (64 - 2 - 16 - 21) * MIB - 512 * KIB
     (tmp_path / "build.so").write_bytes(b"\0" * (30 * MIB))
     assert jit_cache.carry_room(tmp_path) == 4 * MIB
+
+
+def test_the_kernels_hgc_build_keeps_travel_as_triton_folders(tmp_path):
+    # hgc/kernel_seed.py keeps a build's Triton folders in <key>.seed/triton (a rank's under rankN/);
+    # gpu_call.sh points HGC_HOME under the cache, so the next call's build reads them
+    cache = tmp_path / "cache"
+    make_cache(cache)
+    kept = [cache / "hgc/build/sm90-key.seed/triton/GHI", cache / "hgc/build/sm90-tp.seed/rank1/triton/JKL"]
+    for folder in kept:
+        folder.mkdir(parents=True)
+        (folder / "k.cubin").write_bytes(os.urandom(KIB))
+        (folder / "__grp__k.json").write_text(json.dumps({"child_paths": {"c": str(folder / "k.cubin")}}))
+    (cache / "hgc/signing.key").write_bytes(b"k" * 32)  # beside them, never packed
+    got = unpacked(cache, tmp_path, 4096 * KIB)
+    for folder in kept:
+        assert {str((folder / n).relative_to(cache)) for n in ("k.cubin", "__grp__k.json")} <= set(got)
+    assert not any("signing" in name for name in got)
