@@ -40,7 +40,7 @@ __all__ = ["SEED_ENV", "FRESH_ENV", "MANAGER", "SEED_MAX_BYTES", "SeededCacheMan
 SEED_ENV = "HGC_KERNEL_SEED"  # the seed's Triton folder, set for a build by `reading`
 FRESH_ENV = "HGC_FRESH_KERNELS"  # "1": the build reads nothing from the seed
 MANAGER = f"{__name__}:SeededCacheManager"
-SEED_MAX_BYTES = 4 << 30  # a build of bench qwen3_next's default bundle keeps about 60 MB
+SEED_MAX_BYTES = 4 << 30  # a bound on the disk the seed may take
 
 
 def seed_folder(work: Path) -> Path:
