@@ -365,7 +365,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
         # cuda: Triton's lookups read through to the kernels earlier builds kept (hgc/kernel_seed.py;
         # a cpu build compiles no Triton kernel, and the CPU path never imports triton)
         seed = _kernel_seed().seed_folder(work) / mine.relative_to(work) / "triton" if on_cuda else None
-        with cache_env(caches), _kernel_seed().reading(seed) if seed else contextlib.nullcontext():
+        with cache_env(caches, _kernel_seed().settings(seed) if seed else None):
             pin_triton_ptxas(torch.device(device).type)  # the run does the same (runtime/artifact/bundle.py)
             art = load_artifact(artifact, dev, compiled=CompiledOptions(enabled=False), rank=rank, tp=tp,
                                 load_format=load_format)

@@ -16,7 +16,7 @@ whole, first (`SeededCacheManager`). The build's folder still ends with the fold
 up and no others, so the bundle holds what it did before.
 
 Triton takes its cache manager from TRITON_CACHE_MANAGER (MODULE:CLASS), read at each lookup, in the
-build's process and in Inductor's compile workers, which inherit the environment (`reading`). A hit
+build's process and in Inductor's compile workers, which inherit the environment (`settings`). A hit
 is decided by Triton's key as in any long-lived cache: the kernel's source, constants and options,
 Triton's version and the backend's (ptxas, the arch). An autotuned kernel's kept choice
 (TRITON_CACHE_AUTOTUNING) is the earlier build's timing. HGC_FRESH_KERNELS=1 compiles every kernel
@@ -26,7 +26,6 @@ folders no build has used for longest go first.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import uuid
@@ -34,10 +33,10 @@ from pathlib import Path
 
 from triton.runtime.cache import FileCacheManager
 
-__all__ = ["SEED_ENV", "FRESH_ENV", "MANAGER", "SEED_MAX_BYTES", "SeededCacheManager", "seed_folder", "reading",
-           "restore", "keep", "keep_and_say"]
+__all__ = ["SEED_ENV", "FRESH_ENV", "MANAGER", "SEED_MAX_BYTES", "SeededCacheManager", "seed_folder",
+           "restore", "settings", "keep", "keep_and_say"]
 
-SEED_ENV = "HGC_KERNEL_SEED"  # the seed's Triton folder, set for a build by `reading`
+SEED_ENV = "HGC_KERNEL_SEED"  # the seed's Triton folder, set for a build by `settings`
 FRESH_ENV = "HGC_FRESH_KERNELS"  # "1": the build reads nothing from the seed
 MANAGER = f"{__name__}:SeededCacheManager"
 SEED_MAX_BYTES = 4 << 30  # a bound on the disk the seed may take
@@ -80,21 +79,10 @@ def restore(key: str) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def reading(seed: Path):
-    """Triton's lookups in the block read through to `seed` (the build's own TRITON_CACHE_DIR set
-    around it, by compiler/splitops/bundle.py's cache_env); the environment restored after."""
-    values = {"TRITON_CACHE_MANAGER": MANAGER, SEED_ENV: str(seed)}
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def settings(seed: Path) -> dict[str, str]:
+    """The environment under which Triton's lookups read through to `seed`: what build_command.py sets
+    around a build beside the build's own TRITON_CACHE_DIR (compiler/splitops/bundle.py cache_env)."""
+    return {"TRITON_CACHE_MANAGER": MANAGER, SEED_ENV: str(seed)}
 
 
 def keep_and_say(cache: Path, seed: Path) -> str:

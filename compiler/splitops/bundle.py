@@ -193,10 +193,12 @@ def pin_triton_ptxas(device_type: str) -> None:
 
 
 @contextlib.contextmanager
-def cache_env(folders: dict[str, str]):
-    """The kernel caches (CACHE_ENV names -> folders) set for the block, the environment restored after."""
+def cache_env(folders: dict[str, str], extra: dict[str, str] | None = None):
+    """The kernel caches (CACHE_ENV names -> folders) and the `extra` variables set for the block, the
+    environment restored after."""
     values = {CACHE_ENV[name]: str(path) for name, path in folders.items()}
     values.update(CACHE_SETTINGS)
+    values.update(extra or {})
     before = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("triton")
 from triton.runtime.cache import get_cache_manager  # noqa: E402
 
+from compiler.splitops.bundle import cache_env  # noqa: E402
 from hgc import kernel_seed  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def test_a_second_build_finds_the_first_builds_kernel_through_tritons_lookup(bui
     shutil.rmtree(cache)  # the next build empties its folder (build_command.py step 1)
     cache.mkdir()
 
-    with kernel_seed.reading(seed):
+    with cache_env({"triton": cache}, kernel_seed.settings(seed)):
         assert os.environ["TRITON_CACHE_MANAGER"] == kernel_seed.MANAGER
         group = get_cache_manager(_key("kernel a")).get_group("k.json")
         missing = get_cache_manager(_key("kernel b")).get_group("k.json")
@@ -69,7 +70,7 @@ def test_fresh_kernels_read_nothing_from_the_seed(build, monkeypatch):
     shutil.rmtree(cache)
     cache.mkdir()
     monkeypatch.setenv(kernel_seed.FRESH_ENV, "1")
-    with kernel_seed.reading(seed):
+    with cache_env({"triton": cache}, kernel_seed.settings(seed)):
         assert get_cache_manager(_key("kernel a")).get_group("k.json") is None
     assert "compiled anew" in kernel_seed.keep_and_say(cache, seed)
 
@@ -81,7 +82,7 @@ def test_a_folder_the_cache_has_is_left_as_it_is(build):
     shutil.rmtree(cache)
     cache.mkdir()
     _compile_into(cache, _key("kernel a"), b"new")  # compiled by this build before any lookup read the seed
-    with kernel_seed.reading(seed):
+    with cache_env({"triton": cache}, kernel_seed.settings(seed)):
         group = get_cache_manager(_key("kernel a")).get_group("k.json")
     assert {open(p, "rb").read() for p in group.values()} == {b"newk.cubin", b"newk.json"}
 
