@@ -402,6 +402,10 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
         copied = _copy_caches(caches, out)
         if seed:
             log(_kernel_seed().keep_and_say(caches["triton"], seed))
+            # FlashInfer's modules are still built anew by every build (its GDN prefill module: about 2 minutes
+            # of nvcc, docs/DESIGN.md): say which, so that a build's time can be read
+            built = sorted({p.parent.name for p in caches["flashinfer"].rglob("*.so") if "cached_ops" in p.parts})
+            log(f"FlashInfer modules built: {len(built)}" + (f" ({', '.join(built)})" if built else ""))
         parity = art.compiled.report()["parity"]
         if group is not None:  # what rank 0 checks and records of the others, once they are done
             (mine / "rank.json").write_text(json.dumps({"programs": records, "parity": parity}))
