@@ -31,6 +31,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from triton import knobs
 from triton.runtime.cache import FileCacheManager
 
 __all__ = ["SEED_ENV", "FRESH_ENV", "MANAGER", "SEED_MAX_BYTES", "SeededCacheManager", "seed_folder",
@@ -62,7 +63,7 @@ def restore(key: str) -> bool:
     """Copy the seed's folder of `key` into the build's Triton cache if the cache lacks it; whether
     it did. Copied under a temporary name and renamed, so a concurrent lookup (a compile worker)
     sees the folder whole or not at all."""
-    seed, cache = os.environ.get(SEED_ENV), os.environ.get("TRITON_CACHE_DIR")
+    seed, cache = os.environ.get(SEED_ENV), knobs.cache.dir  # the folder FileCacheManager uses
     if not seed or not cache or os.environ.get(FRESH_ENV) == "1":
         return False
     src, dest = Path(seed) / key, Path(cache) / key
