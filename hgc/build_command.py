@@ -365,6 +365,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
         # cuda: Triton's lookups read through to the kernels earlier builds kept (hgc/kernel_seed.py;
         # a cpu build compiles no Triton kernel, and the CPU path never imports triton)
         seed = _kernel_seed().seed_folder(work) / mine.relative_to(work) / "triton" if on_cuda else None
+        seeded = _kernel_seed().kept(seed) if seed else set()
         with cache_env(caches, _kernel_seed().settings(seed) if seed else None):
             pin_triton_ptxas(torch.device(device).type)  # the run does the same (runtime/artifact/bundle.py)
             art = load_artifact(artifact, dev, compiled=CompiledOptions(enabled=False), rank=rank, tp=tp,
@@ -401,7 +402,7 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
                 torch.cuda.synchronize()
         copied = _copy_caches(caches, out)
         if seed:
-            log(_kernel_seed().keep_and_say(caches["triton"], seed))
+            log(_kernel_seed().keep_and_say(caches["triton"], seed, seeded))
             # FlashInfer's modules are still built anew by every build (its GDN prefill module: about 2 minutes
             # of nvcc, docs/DESIGN.md): say which, so that a build's time can be read
             built = sorted({p.parent.name for p in caches["flashinfer"].rglob("*.so") if "cached_ops" in p.parts})

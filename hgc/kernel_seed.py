@@ -9,9 +9,10 @@ of two routing choices pays it twice.
 
 The build folder's path is fixed (compiled kernels name it; Triton's group files list their files
 by absolute path), so a kernel folder one build compiled there is valid, unchanged, for the next
-build of the target. So after each build its Triton folders are kept in a seed folder beside the
-build folder (`<key>.seed/triton`, `seed_folder`), and the next build's Triton cache reads through
-to it: when Triton asks its cache for a key the build's folder lacks, the kept folder is copied in,
+build of the target. So a build's Triton folders are kept in a seed folder beside the build folder
+(`<key>.seed/triton`, `seed_folder`): each compiled kernel as Triton finishes writing it, so a build
+cut off by a time limit leaves what it compiled, the rest when the build ends (`keep`). The next
+build's Triton cache reads through to it: when Triton asks its cache for a key the build's folder lacks, the kept folder is copied in,
 whole, first (`SeededCacheManager`). The build's folder still ends with the folders its build looked
 up and no others, so the bundle holds what it did before.
 
@@ -35,7 +36,7 @@ from triton import knobs
 from triton.runtime.cache import FileCacheManager
 
 __all__ = ["SEED_ENV", "FRESH_ENV", "MANAGER", "SEED_MAX_BYTES", "SeededCacheManager", "seed_folder",
-           "restore", "settings", "keep", "keep_and_say"]
+           "restore", "settings", "kept", "keep", "keep_and_say"]
 
 SEED_ENV = "HGC_KERNEL_SEED"  # the seed's Triton folder, set for a build by `settings`
 FRESH_ENV = "HGC_FRESH_KERNELS"  # "1": the build reads nothing from the seed
@@ -54,9 +55,19 @@ class SeededCacheManager(FileCacheManager):
     copied in from the seed before Triton looks in it."""
 
     def __init__(self, key, override=False, dump=False):
-        if not (override or dump):  # the cache proper (not Triton's debugging dump or override folders)
+        self.seeded = not (override or dump)  # the cache proper (not Triton's debugging dump or override folders)
+        if self.seeded:
             restore(key)
         super().__init__(key, override=override, dump=dump)
+
+    def put_group(self, filename, group):
+        """Triton's last write of a compiled kernel (its files are in place): the folder goes to the
+        seed at once, not only when the build ends, so a build cut off by a time limit leaves what it
+        compiled for the next one."""
+        path = super().put_group(filename, group)
+        if self.seeded and (seed := os.environ.get(SEED_ENV)):
+            _copy_whole(Path(self.cache_dir), Path(seed) / Path(self.cache_dir).name)
+        return path
 
 
 def restore(key: str) -> bool:
@@ -67,16 +78,27 @@ def restore(key: str) -> bool:
     if not seed or not cache or os.environ.get(FRESH_ENV) == "1":
         return False
     src, dest = Path(seed) / key, Path(cache) / key
-    if dest.exists() or not src.is_dir():
-        return False
-    tmp = Path(cache) / f".restoring.{key}.{os.getpid()}.{uuid.uuid4().hex}"
-    shutil.copytree(src, tmp)
-    try:
-        os.rename(tmp, dest)
-    except OSError:  # another process restored or created it first: theirs stands
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not src.is_dir() or not _copy_whole(src, dest):
         return False
     os.utime(src)  # used now: the bound keeps recently used folders
+    return True
+
+
+def _copy_whole(src: Path, dest: Path) -> bool:
+    """Copy folder src to dest unless dest exists; under a temporary name, renamed, so a reader (a
+    concurrent lookup, a compile worker) sees dest whole or not at all. Whether it copied. A copy
+    that fails (another process put dest there first, a full disk) leaves nothing: the seed only
+    saves time, so it never fails a build."""
+    if dest.exists():
+        return False
+    tmp = dest.parent / f".copying.{dest.name}.{os.getpid()}.{uuid.uuid4().hex}"
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("tmp.pid_*"))  # Triton's unfinished writes
+        os.rename(tmp, dest)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
     return True
 
 
@@ -86,9 +108,9 @@ def settings(seed: Path) -> dict[str, str]:
     return {"TRITON_CACHE_MANAGER": MANAGER, SEED_ENV: str(seed)}
 
 
-def keep_and_say(cache: Path, seed: Path) -> str:
+def keep_and_say(cache: Path, seed: Path, before: set[str]) -> str:
     """`keep`, and the build's line about it."""
-    used, known = keep(cache, seed)
+    used, known = keep(cache, seed, before)
     if os.environ.get(FRESH_ENV) == "1":
         return f"Triton kernels: {used} compiled anew ({FRESH_ENV}=1), kept under {seed}"
     return f"Triton kernels: {known} of {used} from earlier builds of this target, the rest kept under {seed}"
@@ -98,25 +120,21 @@ def _size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def keep(cache: Path, seed: Path, max_bytes: int = SEED_MAX_BYTES) -> tuple[int, int]:
-    """After a build: copy the folders of its Triton cache that the seed lacks into it, mark the
-    others used, then drop the least recently used folders while the seed passes max_bytes (never
-    one this build used). Returns (folders the build used, of them already in the seed)."""
+def kept(seed: Path) -> set[str]:
+    """The kernel folders the seed holds (taken before a build: what it can read)."""
+    return {p.name for p in seed.iterdir() if p.is_dir() and not p.name.startswith(".")} if seed.is_dir() else set()
+
+
+def keep(cache: Path, seed: Path, before: set[str], max_bytes: int = SEED_MAX_BYTES) -> tuple[int, int]:
+    """After a build: copy the folders of its Triton cache that the seed lacks into it (the compiled
+    kernels are there already, `put_group`; autotuning records and Triton's own libraries are not),
+    mark the others used, then drop the least recently used folders while the seed passes max_bytes
+    (never one this build used). Returns (folders the build used, of them in the seed `before` it)."""
     seed.mkdir(parents=True, exist_ok=True)
-    used, known = set(), 0
-    for folder in sorted(p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        used.add(folder.name)
-        kept = seed / folder.name
-        if kept.exists():
-            known += 1
-            os.utime(kept)
-            continue
-        tmp = seed / f".keeping.{folder.name}.{uuid.uuid4().hex}"
-        shutil.copytree(folder, tmp, ignore=shutil.ignore_patterns("tmp.pid_*"))  # Triton's unfinished writes
-        try:
-            os.rename(tmp, kept)
-        except OSError:  # another build kept it meanwhile
-            shutil.rmtree(tmp, ignore_errors=True)
+    used = {p.name for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    for name in sorted(used):
+        if not _copy_whole(cache / name, seed / name) and (seed / name).exists():
+            os.utime(seed / name)
     folders = sorted((p for p in seed.iterdir() if p.is_dir() and not p.name.startswith(".")),
                      key=lambda p: p.stat().st_mtime)
     sizes = {p: _size(p) for p in folders}
@@ -127,4 +145,4 @@ def keep(cache: Path, seed: Path, max_bytes: int = SEED_MAX_BYTES) -> tuple[int,
         if p.name not in used:
             shutil.rmtree(p, ignore_errors=True)
             total -= sizes[p]
-    return len(used), known
+    return len(used), len(used & before)

@@ -43,9 +43,10 @@ def build(tmp_path, monkeypatch):
 def test_a_second_build_finds_the_first_builds_kernel_through_tritons_lookup(build):
     cache, seed = build
     _compile_into(cache, _key("kernel a"), b"a")
-    assert kernel_seed.keep(cache, seed) == (1, 0)
+    assert kernel_seed.keep(cache, seed, set()) == (1, 0)
     shutil.rmtree(cache)  # the next build empties its folder (build_command.py step 1)
     cache.mkdir()
+    before = kernel_seed.kept(seed)
 
     with cache_env({"triton": cache}, kernel_seed.settings(seed)):
         assert os.environ["TRITON_CACHE_MANAGER"] == kernel_seed.MANAGER
@@ -60,25 +61,25 @@ def test_a_second_build_finds_the_first_builds_kernel_through_tritons_lookup(bui
         get_cache_manager(_key(t)).key for t in ("kernel a", "kernel b"))
     assert not any(cache.glob(".restoring*"))
     # this build's lookups counted: the folder it got from the seed
-    assert kernel_seed.keep(cache, seed) == (2, 1)
+    assert kernel_seed.keep(cache, seed, before) == (2, 1)
 
 
 def test_fresh_kernels_read_nothing_from_the_seed(build, monkeypatch):
     cache, seed = build
     _compile_into(cache, _key("kernel a"), b"a")
-    kernel_seed.keep(cache, seed)
+    kernel_seed.keep(cache, seed, set())
     shutil.rmtree(cache)
     cache.mkdir()
     monkeypatch.setenv(kernel_seed.FRESH_ENV, "1")
     with cache_env({"triton": cache}, kernel_seed.settings(seed)):
         assert get_cache_manager(_key("kernel a")).get_group("k.json") is None
-    assert "compiled anew" in kernel_seed.keep_and_say(cache, seed)
+    assert "compiled anew" in kernel_seed.keep_and_say(cache, seed, kernel_seed.kept(seed))
 
 
 def test_a_folder_the_cache_has_is_left_as_it_is(build):
     cache, seed = build
     _compile_into(cache, _key("kernel a"), b"old")
-    kernel_seed.keep(cache, seed)
+    kernel_seed.keep(cache, seed, set())
     shutil.rmtree(cache)
     cache.mkdir()
     _compile_into(cache, _key("kernel a"), b"new")  # compiled by this build before any lookup read the seed
@@ -97,6 +98,16 @@ def test_the_seed_is_bounded_least_recently_used_first_never_what_the_build_used
         os.utime(folder, (when, when))
     (cache / "older_used").mkdir()  # this build used it (restored, or compiled the same)
     (cache / "older_used" / "f").write_bytes(b"x" * 1000)
-    assert kernel_seed.keep(cache, seed, max_bytes=2500) == (1, 1)
+    assert kernel_seed.keep(cache, seed, kernel_seed.kept(seed), max_bytes=2500) == (1, 1)
     assert sorted(p.name for p in seed.iterdir()) == ["new", "older_used"]
     assert (seed / "older_used").stat().st_mtime > 1_000_020  # marked used: the newest now
+
+
+def test_a_kernel_goes_to_the_seed_as_triton_finishes_writing_it(build):
+    # a build cut off by a time limit runs no `keep`: what it compiled is in the seed already
+    cache, seed = build
+    with cache_env({"triton": cache}, kernel_seed.settings(seed)):
+        _compile_into(cache, _key("kernel a"), b"a")
+    folder = seed / get_cache_manager(_key("kernel a")).key
+    assert sorted(p.name for p in folder.iterdir()) == ["__grp__k.json", "k.cubin", "k.json"]
+    assert not any(p.name.startswith(".") for p in seed.iterdir())
