@@ -71,9 +71,8 @@ class SeededCacheManager(FileCacheManager):
 
 
 def restore(key: str) -> bool:
-    """Copy the seed's folder of `key` into the build's Triton cache if the cache lacks it; whether
-    it did. Copied under a temporary name and renamed, so a concurrent lookup (a compile worker)
-    sees the folder whole or not at all."""
+    """Copy the seed's folder of `key` into the build's Triton cache if the cache lacks it (whole or
+    not at all: `_copy_whole`); whether it did."""
     seed, cache = os.environ.get(SEED_ENV), knobs.cache.dir  # the folder FileCacheManager uses
     if not seed or not cache or os.environ.get(FRESH_ENV) == "1":
         return False
