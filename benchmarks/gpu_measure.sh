@@ -101,9 +101,6 @@
 #   fold_ab      the goals' bundle against the same without the launch folds (`--no-norm-linear`, router=split,
 #                split_decode=two_launches; TAG=unfolded): decode 1 and 128, extend 512 accounted, the default
 #                again after (issue 50: on an H200 at addea3f the folds were slower, 0.839 against 0.742 ms)
-#   fi_past_ab   the goals' bundle against the same routed `chunk_impl=flashinfer,flashinfer_past=2048` (GDN's
-#                extends past 2048 tokens on FlashInfer's kernel in eager gaps, ours captured up to 2048): decode 1,
-#                extend 512 and 4096 accounted, the default again after the routed one (issue 51)
 #   split_ab     the GDN split decode with its gates loaded first (split_decode=one_launch_early) against the
 #                default one launch: gdn_fused_bench.py at 1 / 8 / 128 requests (each variant checked first), then
 #                both bundles (decode buckets 1, 128; extend 512, 4096) accounted in the same call (issue 50)
@@ -128,6 +125,9 @@ set -u
 : "${OUT:?OUT is the folder whose files come back}"
 W=${W:-/tmp/measure_work}  # the work folder of the build stage and the benchmarks (a caller may name its own)
 FAMILIES=${FAMILIES:-qwen3_next}
+# the bundle the A/B stages compare against: the goals' at decode 1 and 128 (`goals` with GOAL_DECODES=1,128
+# builds the same artifact, TAG default_1_128, so a warm machine builds it once)
+AB_BUNDLE="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096"
 hgc() { python3 -m hgc "$@"; }
 
 serving_artifact() {  # prints the artifact's folder (ART, if set and built); builds it unless a warm machine has it
@@ -273,34 +273,22 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
             --skip tokens,decode,piecewise_decode,profile,floor,torch_compile,hf_eager,hf_static,mixed ;;
     split_ab)
         timeout 100 python3 benchmarks/kernels/gdn_fused_bench.py --out "$OUT/gdn_split" --batches 1,8,128 2>&1 | tail -14
-        B="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096"
-        # the default's artifact is the goals' (one build on a warm machine), its account under the old name
-        COMPILE_ARGS="$B" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 ACCOUNT_NAME=account_serving_split_one \
-            bash "$0" account_serving
-        ROUTE="gdn_fused=triton_linear[split_decode=one_launch_early]" COMPILE_ARGS="$B" BATCHES=1,128 \
+        COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 \
+            ACCOUNT_NAME=account_serving_split_one bash "$0" account_serving
+        ROUTE="gdn_fused=triton_linear[split_decode=one_launch_early]" COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 \
             EXTENDS=512,4096 TAG=early bash "$0" account_serving ;;
     fold_ab)
         # the goals' bundle (the launch folds, the cuda defaults) against the same without them, the default
         # accounted again after; account_diff.py on the two JSONs says which kernels moved
-        B="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096"
         TAG=unfolded COMPILE_ARGS="--no-norm-linear --route moe=triton_moe[router=split] \
-            --route gdn_fused=triton_linear[split_decode=two_launches] $B" BATCHES=1,128 EXTENDS=512 \
+            --route gdn_fused=triton_linear[split_decode=two_launches] $AB_BUNDLE" BATCHES=1,128 EXTENDS=512 \
             bash "$0" account_serving
-        COMPILE_ARGS="$B" BATCHES=1,128 EXTENDS=512 TAG=default_1_128 ACCOUNT_NAME=account_serving_fold_base \
-            bash "$0" account_serving ;;
-    fi_past_ab)
-        # the goals' bundle (built by `goals` on a warm machine, else here) against the same with GDN's
-        # extends past 2048 tokens on FlashInfer's kernel, ours captured up to it; the default timed again after
-        B="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096"
-        ROUTE="gdn_fused=triton_linear[chunk_impl=flashinfer,flashinfer_past=2048]" COMPILE_ARGS="$B" BATCHES=1 \
-            EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
-        COMPILE_ARGS="$B" BATCHES=1 EXTENDS=512,4096 TAG=default_1_128 ACCOUNT_NAME=account_serving_fi_base \
-            bash "$0" account_serving ;;
+        COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512 TAG=default_1_128 \
+            ACCOUNT_NAME=account_serving_fold_base bash "$0" account_serving ;;
     judge)
         GOAL_DECODES=1,128 bash "$0" goals fold_ab ;;
     routes_ab)
-        COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512,4096" BATCHES=1,128 \
-            EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
+        COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
         ROUTE="gdn_fused=triton_linear[split_decode=one_launch_early]" BATCHES=1,128 EXTENDS=512 TAG=early_512 \
             COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512" bash "$0" account_serving
         ROUTE="gdn_fused=triton_linear[chunk_impl=flashinfer,flashinfer_past=2048]" BATCHES=1 EXTENDS=512,4096 \

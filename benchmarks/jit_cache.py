@@ -20,13 +20,13 @@ a call whose carry passes the limit is refused before it starts. So pack measure
 arrived (`carry_room`: every file of the checkout but the cache and its parts, a carried build
 included) and takes the rest less a margin, 26 MiB at most; --max-mib overrides it.
 
-What is packed: FlashInfer's built modules (`cached_ops/**.so`; not its object files or
-generated sources), Triton's cache and the Triton kernels `hgc build` keeps for the next build of
-its target (`hgc/build/<key>.seed/`, hgc/kernel_seed.py), newest first, until the compressed parts reach --max-mib.
-Triton's cache is taken a kernel folder at a time: Triton uses a cached kernel only if every
-file its group lists is there, so half a folder is worth nothing. Parts are at most 15 MiB
-each, since a returned file may not exceed 16 MiB. Timings from runs on a warm cache say so:
-the graph benchmarks record whether `.jitcache` was present.
+What is packed: FlashInfer's built modules (`cached_ops/**.so`; not its object files or generated
+sources), Triton's cache and the Triton kernels `hgc build` keeps for the next build of its target
+(`hgc/build/<key>.seed/`, hgc/kernel_seed.py), newest first, until the compressed parts reach
+--max-mib. Triton's cache is taken a kernel folder at a time: Triton uses a cached kernel only if
+every file its group lists is there, so half a folder is worth nothing. Parts are at most 15 MiB
+each, since a returned file may not exceed 16 MiB. Timings from runs on a warm cache say so: the
+graph benchmarks record whether `.jitcache` was present.
 """
 
 from __future__ import annotations

@@ -3,18 +3,18 @@
 `hgc build` compiles a bundle's Triton kernels into an empty cache folder (build_command.py, step
 1), so that what the folder holds afterwards is what this build used and the bundle copies exactly
 that (step 4). The price is every kernel compiled again by every build: on an H100, capturing the 4
-buckets of bench qwen3_next took 205 s of a 255 s `hgc compile` (Triton's compiles among FlashInfer's
-JIT modules and FLA's autotuning), where a second capture in the same process takes seconds; an A/B
-of two routing choices pays it twice.
+buckets of bench qwen3_next took 205 s of a 255 s `hgc compile` (Triton's compiles among
+FlashInfer's JIT modules and FLA's autotuning), where a second capture in the same process takes
+seconds; an A/B of two routing choices pays it twice.
 
-The build folder's path is fixed (compiled kernels name it; Triton's group files list their files
-by absolute path), so a kernel folder one build compiled there is valid, unchanged, for the next
-build of the target. So a build's Triton folders are kept in a seed folder beside the build folder
+The build folder's path is fixed (compiled kernels name it; Triton's group files list their files by
+absolute path), so a kernel folder one build compiled there is valid, unchanged, for the next build
+of the target. So a build's Triton folders are kept in a seed folder beside the build folder
 (`<key>.seed/triton`, `seed_folder`): each compiled kernel as Triton finishes writing it, so a build
 cut off by a time limit leaves what it compiled, the rest when the build ends (`keep`). The next
-build's Triton cache reads through to it: when Triton asks its cache for a key the build's folder lacks, the kept folder is copied in,
-whole, first (`SeededCacheManager`). The build's folder still ends with the folders its build looked
-up and no others, so the bundle holds what it did before.
+build's Triton cache reads through to it: when Triton asks its cache for a key the build's folder
+lacks, the kept folder is copied in, whole, first (`SeededCacheManager`). The build's folder still
+ends with the folders its build looked up and no others, so the bundle holds what it did before.
 
 Triton takes its cache manager from TRITON_CACHE_MANAGER (MODULE:CLASS), read at each lookup, in the
 build's process and in Inductor's compile workers, which inherit the environment (`settings`). A hit
