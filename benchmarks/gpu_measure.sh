@@ -89,8 +89,8 @@
 #                cuda bundle with bfloat16 states (decode buckets 1, 8, 32, 128; extend 512, 4096) accounted at
 #                those sizes (account_serving), then transformers' side (hf_baseline) at the same;
 #                GOAL_DECODES=1,128 builds and measures those two decode batches alone (a cold call's time)
-#   judge        on an H200: goals with GOAL_DECODES=1,128 (a cold build and account, then transformers' side:
-#                about 520 s on an H100), then fold_ab, which a cold call's bound cuts off unless the unfolded
+#   judge        on an H200: goals with GOAL_DECODES=1,128 (a cold build, 255 s on an H100 on 2026-12-07, its
+#                account, then transformers' side, about 200 s in earlier H100 calls), then fold_ab, which a cold call's bound cuts off unless the unfolded
 #                build's Triton kernels mostly come from the first build's (hgc/kernel_seed.py)
 #   routes_ab    the goals' bundle (GOAL_DECODES=1,128) accounted, then the two routing choices not yet timed in
 #                whole steps, each in a bundle of the buckets it changes: the early-gates split (decode 1 and 128,
