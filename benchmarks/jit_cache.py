@@ -21,12 +21,12 @@ arrived (`carry_room`: every file of the checkout but the cache and its parts, a
 included) and takes the rest less a margin, 26 MiB at most; --max-mib overrides it.
 
 What is packed: FlashInfer's built modules (`cached_ops/**.so`; not its object files or generated
-sources), Triton's cache and the Triton kernels `hgc build` keeps for the next build of its target
-(`hgc/build/<key>.seed/`, hgc/kernel_seed.py), newest first, until the compressed parts reach
---max-mib. Triton's cache is taken a kernel folder at a time: Triton uses a cached kernel only if
-every file its group lists is there, so half a folder is worth nothing. Parts are at most 15 MiB
-each, since a returned file may not exceed 16 MiB. Timings from runs on a warm cache say so: the
-graph benchmarks record whether `.jitcache` was present.
+sources), Triton's cache, and the Triton kernels and FlashInfer modules `hgc build` keeps for the
+next build of its target (`hgc/build/<key>.seed/`, hgc/kernel_seed.py and flashinfer_seed.py),
+newest first, until the compressed parts reach --max-mib. Triton's cache is taken a kernel folder at
+a time: Triton uses a cached kernel only if every file its group lists is there, so half a folder is
+worth nothing. Parts are at most 15 MiB each, since a returned file may not exceed 16 MiB. Timings
+from runs on a warm cache say so: the graph benchmarks record whether `.jitcache` was present.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def cache_units(cache: Path) -> list[list[Path]]:
         if triton.is_dir():
             units += [files for d in triton.iterdir() if d.is_dir() and (files := complete_kernel_folder(d))]
     units += [[p] for p in cache.glob(".cache/flashinfer/**/cached_ops/**/*.so") if p.is_file()]
+    # and the FlashInfer modules it keeps (hgc/flashinfer_seed.py)
+    units += [[p] for p in cache.glob("hgc/build/*.seed/**/flashinfer/**/*.so") if p.is_file()]
     return sorted(units, key=lambda u: max(p.stat().st_mtime for p in u), reverse=True)
 
 

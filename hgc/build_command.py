@@ -14,7 +14,8 @@ load. Building needs the target device, since kernels are built for the machine 
    take turns (`build_lock`: a second one waits for the first and says so). A run does not read
    them: Triton's group files, which name the folder, are rewritten to name the loader's copy
    (runtime/artifact/bundle.py `_relocated_group`). On cuda, Triton's cache reads through to the
-   kernels earlier builds of the target compiled there, kept beside the folder (hgc/kernel_seed.py).
+   kernels earlier builds of the target compiled there, kept beside the folder (hgc/kernel_seed.py),
+   and FlashInfer loads the modules they built from there (hgc/flashinfer_seed.py).
 2. The portable artifact is loaded (its own checks) and each program's glue is compiled
    (compiler/inductor_pieces.py), one piece per distinct structure; on cuda, unless the artifact
    is batch-invariant, its projections as calls of the GEMV op (`small_m_for`); with --pdl (cuda,
@@ -257,6 +258,12 @@ def _kernel_seed():
     return kernel_seed
 
 
+def _flashinfer_seed():
+    """hgc/flashinfer_seed.py, on a cuda build only (kernel_seed's switch and bound)."""
+    from hgc import flashinfer_seed
+    return flashinfer_seed
+
+
 def _copy_caches(caches: dict[str, Path], staged: Path) -> int:
     """Step 4's copy: what each cache gained during the build, under kernels/<cache>/."""
     from compiler.inductor_pieces import inductor_cache_files
@@ -364,10 +371,13 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
         dev = group.device if group is not None else device
         # cuda: Triton's lookups read through to the kernels earlier builds kept (hgc/kernel_seed.py;
         # a cpu build compiles no Triton kernel, and the CPU path never imports triton)
-        seed = _kernel_seed().seed_folder(work) / mine.relative_to(work) / "triton" if on_cuda else None
+        seeds = _kernel_seed().seed_folder(work) / mine.relative_to(work) if on_cuda else None
+        seed = seeds / "triton" if seeds else None
         seeded = _kernel_seed().kept(seed) if seed else set()
         with cache_env(caches, _kernel_seed().settings(seed) if seed else None):
             pin_triton_ptxas(torch.device(device).type)  # the run does the same (runtime/artifact/bundle.py)
+            # and FlashInfer's modules load from those earlier builds kept (hgc/flashinfer_seed.py)
+            modules = _flashinfer_seed().use(seeds / "flashinfer") if seeds else None
             art = load_artifact(artifact, dev, compiled=CompiledOptions(enabled=False), rank=rank, tp=tp,
                                 load_format=load_format)
             small_m = small_m_for(docs, device)
@@ -400,13 +410,12 @@ def build_bundle(artifact, device: str, *, force: bool = False, slots: int | Non
             del engine
             if on_cuda:
                 torch.cuda.synchronize()
+            taken = _flashinfer_seed().take(*modules) if modules else []  # into the build's folder: the bundle's
         copied = _copy_caches(caches, out)
         if seed:
             log(_kernel_seed().keep_and_say(caches["triton"], seed, seeded))
-            # FlashInfer's modules are still built anew by every build (its GDN prefill module: about 2 minutes
-            # of nvcc, docs/DESIGN.md): say which, so that a build's time can be read
-            built = sorted({p.parent.name for p in caches["flashinfer"].rglob("*.so") if "cached_ops" in p.parts})
-            log(f"FlashInfer modules built: {len(built)}" + (f" ({', '.join(built)})" if built else ""))
+        if modules:
+            log(_flashinfer_seed().keep_and_say(*modules, taken))
         parity = art.compiled.report()["parity"]
         if group is not None:  # what rank 0 checks and records of the others, once they are done
             (mine / "rank.json").write_text(json.dumps({"programs": records, "parity": parity}))
@@ -502,10 +511,10 @@ def add_build_arguments(subparsers) -> None:
         "build", help="add this installation's target bundle (compiled pieces, kernels) to an artifact",
         description="Compile an artifact's glue with Inductor for this machine's device and torch build, start it "
                     "up once (every bucket captured and checked on cuda), and write what the kernel caches gained, "
-                    "signed with this installation's key, into targets/<key>/ of the artifact. On cuda, Triton "
-                    "kernels an earlier build of the same target compiled are copied in as the build asks for them "
-                    "(kept in ~/.cache/hgc/build/<key>.seed/, or $HGC_HOME/build/<key>.seed/; HGC_FRESH_KERNELS=1 "
-                    "compiles every one anew).",
+                    "signed with this installation's key, into targets/<key>/ of the artifact. On cuda, the Triton "
+                    "kernels and FlashInfer modules an earlier build of the same target made are taken as the build "
+                    "asks for them (kept in ~/.cache/hgc/build/<key>.seed/, or $HGC_HOME/build/<key>.seed/; "
+                    "HGC_FRESH_KERNELS=1 builds every one anew).",
         epilog="examples:\n  hgc build artifacts/tiny --device cpu\n  hgc build artifacts/bench --device cuda --force\n"
                "  hgc build artifacts/big-tp2 --device cuda    # compiled with --tp 2: launches 2 ranks, one GPU each")
     p.add_argument("artifact", help="artifact folder written by `hgc compile`")

@@ -120,8 +120,13 @@ def test_the_kernels_hgc_build_keeps_travel_as_triton_folders(tmp_path):
         folder.mkdir(parents=True)
         (folder / "k.cubin").write_bytes(os.urandom(KIB))
         (folder / "__grp__k.json").write_text(json.dumps({"child_paths": {"c": str(folder / "k.cubin")}}))
+    # and its FlashInfer modules in <key>.seed/flashinfer (hgc/flashinfer_seed.py)
+    module = cache / "hgc/build/sm90-key.seed/flashinfer/0.6.0/90a/cached_ops/prefill_x/prefill_x.so"
+    module.parent.mkdir(parents=True)
+    module.write_bytes(os.urandom(KIB))
     (cache / "hgc/signing.key").write_bytes(b"k" * 32)  # beside them, never packed
     got = unpacked(cache, tmp_path, 4096 * KIB)
     for folder in kept:
         assert {str((folder / n).relative_to(cache)) for n in ("k.cubin", "__grp__k.json")} <= set(got)
+    assert str(module.relative_to(cache)) in got
     assert not any("signing" in name for name in got)

@@ -183,6 +183,9 @@ def test_a_second_build_gives_the_same_code(built):
     # the same code under the same fixed build folder has the same keys
     reused = re.search(r"Triton kernels: (\d+) of (\d+) from earlier builds", proc.stderr)
     assert reused and reused[1] == reused[2] != "0", proc.stderr[-2000:]
+    # and so did every FlashInfer module it loaded (hgc/flashinfer_seed.py): none built again
+    modules = re.search(r"FlashInfer modules: (\d+) of (\d+) from earlier builds", proc.stderr)
+    assert modules and modules[1] == modules[2], proc.stderr[-2000:]
     assert {p: v["code_sha256"] for p, v in first["pieces"].items()} == \
            {p: v["code_sha256"] for p, v in second["pieces"].items()}
     differ = sorted(f for f in set(first["files"]) | set(second["files"])
