@@ -23,10 +23,11 @@ included) and takes the rest less a margin, 26 MiB at most; --max-mib overrides 
 What is packed: FlashInfer's built modules (`cached_ops/**.so`; not its object files or generated
 sources), Triton's cache, and the Triton kernels and FlashInfer modules `hgc build` keeps for the
 next build of its target (`hgc/build/<key>.seed/`, hgc/kernel_seed.py and flashinfer_seed.py),
-newest first, until the compressed parts reach --max-mib. Triton's cache is taken a kernel folder at
-a time: Triton uses a cached kernel only if every file its group lists is there, so half a folder is
-worth nothing. Parts are at most 15 MiB each, since a returned file may not exceed 16 MiB. Timings
-from runs on a warm cache say so: the graph benchmarks record whether `.jitcache` was present.
+newest first, each that still fits under --max-mib compressed (one that would pass it stays behind).
+Triton's cache is taken a kernel folder at a time: Triton uses a cached kernel only if every file
+its group lists is there, so half a folder is worth nothing. Parts are at most 15 MiB each, since a
+returned file may not exceed 16 MiB. Timings from runs on a warm cache say so: the graph benchmarks
+record whether `.jitcache` was present.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import os
 import shutil
 import sys
 import tarfile
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,19 +100,32 @@ def cache_units(cache: Path) -> list[list[Path]]:
     return sorted(units, key=lambda u: max(p.stat().st_mtime for p in u), reverse=True)
 
 
+def _compressed_size(unit: list[Path]) -> int:
+    """About what a unit adds to the packed stream: its files compressed as pack compresses them."""
+    return sum(len(zlib.compress(p.read_bytes(), 6)) + 512 for p in unit)  # 512: a tar header
+
+
 def pack(cache: Path, out: Path, max_bytes: int) -> int:
-    """Units newest first while the compressed stream stays under max_bytes (checked after each
-    unit, so the last one kept may pass it by its own compressed size)."""
-    units, kept, size = cache_units(cache), 0, 0
+    """Units newest first, each that still fits under max_bytes compressed; one that would pass it
+    stays behind (a newer module of tens of MiB would otherwise take the parts past what a carry
+    may hold, and the next call would be refused)."""
+    units, chosen, size, room = cache_units(cache), [], 0, max_bytes
+    for unit in units:
+        if room < 64 << 10:
+            break
+        raw = sum(p.stat().st_size for p in unit)
+        # what compresses better than 8 to 1 is rare among built kernels: no need to measure it
+        if raw > 8 * room or (packed := _compressed_size(unit)) > room:
+            continue
+        chosen.append(unit)
+        room -= packed
+        size += raw
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for unit in units:
-            if buf.tell() >= max_bytes:
-                break
+        for unit in chosen:
             for p in unit:
                 tar.add(p, arcname=str(p.relative_to(cache)))
-            kept += 1
-            size += sum(p.stat().st_size for p in unit)
+    kept = len(chosen)
     data = buf.getvalue()
     out.mkdir(parents=True, exist_ok=True)
     parts = [data[i: i + PART_BYTES] for i in range(0, len(data), PART_BYTES)] or [b""]
@@ -118,7 +133,7 @@ def pack(cache: Path, out: Path, max_bytes: int) -> int:
         (out / f"{PREFIX}{i:03d}").write_bytes(part)
     print(f"jit_cache: packed {kept} of {len(units)} kernel folders and modules ({size / 2**20:.1f} MiB, "
           f"{len(data) / 2**20:.1f} MiB compressed) into {len(parts)} part(s) under {out}"
-          + (f"; left out the {len(units) - kept} oldest over the {max_bytes >> 20} MiB bound"
+          + (f"; left out {len(units) - kept} that would pass the {max_bytes / 2**20:.1f} MiB bound"
              if kept < len(units) else ""))
     return 0
 

@@ -49,10 +49,23 @@ def unpacked(cache: Path, tmp_path: Path, max_bytes: int) -> list[str]:
 def test_pack_then_unpack_gives_back_the_newest_built_kernels(tmp_path):
     cache = tmp_path / "cache"
     files = make_cache(cache)
-    # 500 KiB compressed: new (300) is under it, so the module goes too; then the bound is passed
-    got = unpacked(cache, tmp_path, 500 * KIB)
+    # 700 KiB compressed: new (300) and the module (300) fit, the old folder would pass the bound
+    got = unpacked(cache, tmp_path, 700 * KIB)
     assert got == sorted(str(files[n].relative_to(cache)) for n in ("so", "new", "new_grp"))
     assert (tmp_path / "back" / files["so"].relative_to(cache)).read_bytes() == files["so"].read_bytes()
+
+
+def test_a_unit_that_would_pass_the_bound_stays_behind_and_older_ones_that_fit_go(tmp_path):
+    # the parts must stay under what a carry may hold, whatever the newest unit weighs
+    cache = tmp_path / "cache"
+    files = make_cache(cache)
+    big = cache / ".cache/flashinfer/0.6.0/90a/cached_ops/gdn_prefill/gdn_prefill.so"
+    big.parent.mkdir(parents=True)
+    big.write_bytes(os.urandom(900 * KIB))  # the newest
+    got = unpacked(cache, tmp_path, 700 * KIB)
+    assert str(big.relative_to(cache)) not in got
+    assert got == sorted(str(files[n].relative_to(cache)) for n in ("so", "new", "new_grp"))
+    assert sum(p.stat().st_size for p in (tmp_path / "out").iterdir()) <= 700 * KIB
 
 
 def test_a_triton_kernel_folder_travels_whole(tmp_path):
