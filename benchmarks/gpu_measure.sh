@@ -89,9 +89,12 @@
 #                cuda bundle with bfloat16 states (decode buckets 1, 8, 32, 128; extend 512, 4096) accounted at
 #                those sizes (account_serving), then transformers' side (hf_baseline) at the same;
 #                GOAL_DECODES=1,128 builds and measures those two decode batches alone (a cold call's time)
-#   judge        on an H200: goals with GOAL_DECODES=1,128 (a cold build, 255 s on an H100 on 2026-12-07, its
-#                account, then transformers' side, about 200 s in earlier H100 calls), then fold_ab, which a cold call's bound cuts off unless the unfolded
-#                build's Triton kernels mostly come from the first build's (hgc/kernel_seed.py)
+#   judge        on an H200: goals with GOAL_DECODES=1,128 (a cold build, 178 to 255 s on an H100 on 2026-12-07,
+#                its account, then transformers' side, about 200 s), state_sweep (under 2 minutes), then fold_ab,
+#                which a cold call's bound cuts off unless the unfolded build's kernels mostly come from the
+#                first build's (hgc/kernel_seed.py, flashinfer_seed.py)
+#   state_sweep  gpu_linear_decode.py's GDN recurrence over bfloat16 states at 128 requests, the default tile
+#                against a sweep of tiles (each checked first): whether another card wants another tile
 #   routes_ab    the goals' bundle (GOAL_DECODES=1,128) accounted, then the two routing choices not yet timed in
 #                whole steps, each in a bundle of the buckets it changes: GDN's extends past 2048 tokens on
 #                FlashInfer's kernel (decode 1, extend 512 and 4096) and the early-gates split (decode 1 and 128,
@@ -286,7 +289,13 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512 TAG=default_1_128 \
             ACCOUNT_NAME=account_serving_fold_base bash "$0" account_serving ;;
     judge)
-        GOAL_DECODES=1,128 bash "$0" goals fold_ab ;;
+        GOAL_DECODES=1,128 bash "$0" goals state_sweep fold_ab ;;
+    state_sweep)
+        # the GDN recurrence over bfloat16 states at 128 requests: the default tile and a sweep of tiles (each
+        # checked against the CPU reference first); on an H200 at 89a83fb it ran at 67% of the copy rate in the
+        # step, on an H100 at 83% alone (BENCHMARKS.md)
+        timeout 130 python3 benchmarks/kernels/gpu_linear_decode.py --out "$OUT/state_sweep" --state-dtype bfloat16 \
+            --cases gdn --batches 128 --no-fla --no-pytest --budget-s 95 2>&1 | tail -16 ;;
     routes_ab)
         # the larger expected saving first (0.75 ms of a 4096-token step in an H100 probe), then the early gates
         COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
