@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,9 +184,13 @@ def test_a_second_build_gives_the_same_code(built):
     # the same code under the same fixed build folder has the same keys
     reused = re.search(r"Triton kernels: (\d+) of (\d+) from earlier builds", proc.stderr)
     assert reused and reused[1] == reused[2] != "0", proc.stderr[-2000:]
-    # and so did every FlashInfer module it loaded (hgc/flashinfer_seed.py): none built again
+    # and so did every FlashInfer module it loaded (hgc/flashinfer_seed.py): none built again, and the
+    # bundle holds the same modules as the first build's (a module loaded from the seed is the bundle's too)
+    def modules_of(doc):
+        return sorted(Path(f).name for f in doc["files"] if "/flashinfer/" in f and f.endswith(".so"))
     modules = re.search(r"FlashInfer modules: (\d+) of (\d+) from earlier builds", proc.stderr)
-    assert modules and modules[1] == modules[2], proc.stderr[-2000:]
+    assert modules_of(second) == modules_of(first)
+    assert modules and modules[1] == modules[2] == str(len(modules_of(first))), proc.stderr[-2000:]
     assert {p: v["code_sha256"] for p, v in first["pieces"].items()} == \
            {p: v["code_sha256"] for p, v in second["pieces"].items()}
     differ = sorted(f for f in set(first["files"]) | set(second["files"])
