@@ -22,12 +22,12 @@ included) and takes the rest less a margin, 26 MiB at most; --max-mib overrides 
 
 What is packed: FlashInfer's built modules (`cached_ops/**.so`; not its object files or generated
 sources), Triton's cache, and the Triton kernels and FlashInfer modules `hgc build` keeps for the
-next build of its target (`hgc/build/<key>.seed/`, hgc/kernel_seed.py and flashinfer_seed.py),
-newest first, each that still fits under --max-mib compressed (one that would pass it stays behind).
-Triton's cache is taken a kernel folder at a time: Triton uses a cached kernel only if every file
-its group lists is there, so half a folder is worth nothing. Parts are at most 15 MiB each, since a
-returned file may not exceed 16 MiB. Timings from runs on a warm cache say so: the graph benchmarks
-record whether `.jitcache` was present.
+next build of its target (`hgc/build/<key>.seed/`, hgc/kernel_seed.py and flashinfer_seed.py), the
+builds' first and newest first within each, each that still fits under --max-mib compressed (one
+that would pass it stays behind). Triton's cache is taken a kernel folder at a time: Triton uses a
+cached kernel only if every file its group lists is there, so half a folder is worth nothing. Parts
+are at most 15 MiB each, since a returned file may not exceed 16 MiB. Timings from runs on a warm
+cache say so: the graph benchmarks record whether `.jitcache` was present.
 """
 
 from __future__ import annotations
@@ -86,18 +86,23 @@ def complete_kernel_folder(folder: Path) -> list[Path]:
 
 
 def cache_units(cache: Path) -> list[list[Path]]:
-    """What is worth carrying, newest first, in units that are useful only whole: one Triton
-    kernel folder, or one FlashInfer module."""
-    units = []
-    # Triton's cache of the runs, and the kernels `hgc build` keeps for the next build of a target
-    # (hgc/kernel_seed.py; gpu_call.sh points HGC_HOME under the cache)
-    for triton in [cache / "triton", *cache.glob("hgc/build/*.seed/**/triton")]:
-        if triton.is_dir():
-            units += [files for d in triton.iterdir() if d.is_dir() and (files := complete_kernel_folder(d))]
-    units += [[p] for p in cache.glob(".cache/flashinfer/**/cached_ops/**/*.so") if p.is_file()]
-    # and the FlashInfer modules it keeps (hgc/flashinfer_seed.py)
-    units += [[p] for p in cache.glob("hgc/build/*.seed/**/flashinfer/**/*.so") if p.is_file()]
-    return sorted(units, key=lambda u: max(p.stat().st_mtime for p in u), reverse=True)
+    """What is worth carrying, in units that are useful only whole (one Triton kernel folder, or
+    one FlashInfer module): what `hgc build` keeps for the next build of a target first, since a
+    build's capture is the longest wait of a call (205 of a 255 s build on an H100, 2026-12-07),
+    then the runs' caches; newest first within each."""
+    def newest_first(units):
+        return sorted(units, key=lambda u: max(p.stat().st_mtime for p in u), reverse=True)
+
+    def triton_units(folders):
+        return [files for triton in folders if triton.is_dir()
+                for d in triton.iterdir() if d.is_dir() and (files := complete_kernel_folder(d))]
+
+    # the build seeds (hgc/kernel_seed.py, flashinfer_seed.py; gpu_call.sh points HGC_HOME under the cache)
+    seeds = triton_units(cache.glob("hgc/build/*.seed/**/triton"))
+    seeds += [[p] for p in cache.glob("hgc/build/*.seed/**/flashinfer/**/*.so") if p.is_file()]
+    runs = triton_units([cache / "triton"])
+    runs += [[p] for p in cache.glob(".cache/flashinfer/**/cached_ops/**/*.so") if p.is_file()]
+    return newest_first(seeds) + newest_first(runs)
 
 
 def _compressed_size(unit: list[Path]) -> int:

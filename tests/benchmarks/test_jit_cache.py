@@ -143,3 +143,15 @@ def test_the_kernels_hgc_build_keeps_travel_as_triton_folders(tmp_path):
         assert {str((folder / n).relative_to(cache)) for n in ("k.cubin", "__grp__k.json")} <= set(got)
     assert str(module.relative_to(cache)) in got
     assert not any("signing" in name for name in got)
+
+
+def test_what_a_build_keeps_goes_before_the_runs_caches_whatever_their_age(tmp_path):
+    # a build's capture is the longest wait of a call: its seed travels first when not all fits
+    cache = tmp_path / "cache"
+    files = make_cache(cache)
+    kept = cache / "hgc/build/sm90-key.seed/flashinfer/0.6.0/90a/cached_ops/prefill_x/prefill_x.so"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(os.urandom(300 * KIB))
+    os.utime(kept, (999, 999))  # older than everything else
+    got = unpacked(cache, tmp_path, 700 * KIB)
+    assert got == sorted([str(kept.relative_to(cache))] + [str(files[n].relative_to(cache)) for n in ("new", "new_grp")])
