@@ -94,7 +94,8 @@
 #                which a cold call's bound cuts off unless the unfolded build's kernels mostly come from the
 #                first build's (hgc/kernel_seed.py, flashinfer_seed.py)
 #   state_sweep  gpu_linear_decode.py's GDN recurrence over bfloat16 states at 128 requests, the default tile
-#                against a sweep of tiles (each checked first): whether another card wants another tile
+#                against the sweeps of tiles and of walked tiles (each checked first): whether another card
+#                wants another tile
 #   routes_ab    the goals' bundle (GOAL_DECODES=1,128) accounted, then the two routing choices not yet timed in
 #                whole steps, each in a bundle of the buckets it changes: GDN's extends past 2048 tokens on
 #                FlashInfer's kernel (decode 1, extend 512 and 4096) and the early-gates split (decode 1 and 128,
@@ -291,11 +292,14 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
     judge)
         GOAL_DECODES=1,128 bash "$0" goals state_sweep fold_ab ;;
     state_sweep)
-        # the GDN recurrence over bfloat16 states at 128 requests: the default tile and a sweep of tiles (each
-        # checked against the CPU reference first); on an H200 at 89a83fb it ran at 67% of the copy rate in the
-        # step, on an H100 at 83% alone (BENCHMARKS.md)
-        timeout 130 python3 benchmarks/kernels/gpu_linear_decode.py --out "$OUT/state_sweep" --state-dtype bfloat16 \
-            --cases gdn --batches 128 --no-fla --no-pytest --budget-s 95 2>&1 | tail -16 ;;
+        # the GDN recurrence over bfloat16 states at 128 requests, the default tile against both sweeps (each
+        # point checked against the CPU reference first): in the steps of 89a83fb it took about the same time on
+        # an H200 as on an H100 (0.87 / 0.93 ms), 61% of the H200's copy rate against 82% of the H100's, so
+        # bytes in flight rather than bytes may bound it there: wider tiles, or tiles walked a few programs an SM
+        for sweep in tiles walk; do
+            timeout 90 python3 benchmarks/kernels/gpu_linear_decode.py --out "$OUT/state_sweep/$sweep" --sweep $sweep \
+                --state-dtype bfloat16 --cases gdn --batches 128 --no-fla --no-pytest --budget-s 55 2>&1 | tail -8
+        done ;;
     routes_ab)
         # the larger expected saving first (0.75 ms of a 4096-token step in an H100 probe), then the early gates
         COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
