@@ -293,8 +293,8 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         GOAL_DECODES=1,128 bash "$0" goals state_sweep fold_ab ;;
     state_sweep)
         # the GDN recurrence over bfloat16 states at 128 requests, the default tile against both sweeps (each
-        # point checked against the CPU reference first): in the steps of 89a83fb it took about the same time on
-        # an H200 as on an H100 (0.87 / 0.93 ms), 61% of the H200's copy rate against 82% of the H100's, so
+        # point checked against the CPU reference first): in the last step accounts (H200 at 89a83fb, H100 at
+        # 33023b3) it took about the same time on both (0.87 / 0.93 ms), 61% of the H200's copy rate against 82%, so
         # bytes in flight rather than bytes may bound it there: wider tiles, or tiles walked a few programs an SM
         for sweep in tiles walk; do
             timeout 90 python3 benchmarks/kernels/gpu_linear_decode.py --out "$OUT/state_sweep/$sweep" --sweep $sweep \
