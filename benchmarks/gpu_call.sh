@@ -31,8 +31,8 @@ mkdir -p .jitcache
 # TRITON_CACHE_AUTOTUNING: autotuned kernels (FLA's) keep their choice in the cache too, so a
 # warm cache skips the benchmarking of every config, not only the builds.
 export FLASHINFER_WORKSPACE_BASE=$PWD/.jitcache TRITON_CACHE_DIR=$PWD/.jitcache/triton TRITON_CACHE_AUTOTUNING=1
-# hgc build's folders, and the Triton kernels it keeps for the next build of a target (hgc/kernel_seed.py),
-# under the cache too: a bundle built in an earlier call reads its kernels from there (their files name
+# hgc build's folders, and the Triton kernels and FlashInfer modules it keeps for the next build of a target
+# (hgc/kernel_seed.py, flashinfer_seed.py), under the cache too: a later call's build reads them (kernel files name
 # the folder's path, the checkout's: where a later call's checkout lies elsewhere, Triton compiles anew)
 export HGC_HOME=$PWD/.jitcache/hgc
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/call.log"

@@ -26,7 +26,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from hgc.kernel_seed import FRESH_ENV, SEED_MAX_BYTES  # one switch and one bound for both seeds
+from hgc.kernel_seed import FRESH_ENV, SEED_MAX_BYTES, drop_least_recent  # one switch, one bound
 
 __all__ = ["use", "loaded_from", "take", "keep", "keep_and_say"]
 
@@ -76,22 +76,16 @@ def take(seed_modules: Path, build_modules: Path) -> list[str]:
 
 
 def keep(build_modules: Path, seed_modules: Path, max_bytes: int = SEED_MAX_BYTES) -> list[str]:
-    """After a build: its modules into the seed (those it took from there marked used), then the least
-    recently used modules out while the seed passes max_bytes (never one this build has); the names
-    of the build's modules."""
-    used = sorted(p.relative_to(build_modules) for p in build_modules.glob("*/*.so"))
-    for rel in used:
+    """After a build: its modules into the seed (those it took from there marked used), then the Triton
+    seed's bound over the module folders (`drop_least_recent`); the names of the build's modules."""
+    modules = sorted(p.relative_to(build_modules) for p in build_modules.glob("*/*.so"))  # <name>/<name>.so
+    for rel in modules:
         if not _copy_file(build_modules / rel, seed_modules / rel) and (seed_modules / rel).exists():
-            os.utime(seed_modules / rel)
-    kept = sorted(seed_modules.glob("*/*.so"), key=lambda p: p.stat().st_mtime)
-    total = sum(p.stat().st_size for p in kept)
-    for p in kept:
-        if total <= max_bytes:
-            break
-        if p.relative_to(seed_modules) not in used:
-            total -= p.stat().st_size
-            shutil.rmtree(p.parent, ignore_errors=True)
-    return [rel.parent.name for rel in used]
+            os.utime(seed_modules / rel.parent)  # used now: the bound keeps recently used folders
+    names = [rel.parent.name for rel in modules]
+    if seed_modules.is_dir():
+        drop_least_recent(seed_modules, set(names), max_bytes)
+    return names
 
 
 def keep_and_say(seed_modules: Path, build_modules: Path, taken: list[str]) -> str:

@@ -36,7 +36,7 @@ from triton import knobs
 from triton.runtime.cache import FileCacheManager
 
 __all__ = ["SEED_ENV", "FRESH_ENV", "MANAGER", "SEED_MAX_BYTES", "SeededCacheManager", "seed_folder",
-           "restore", "settings", "kept", "keep", "keep_and_say"]
+           "restore", "settings", "kept", "keep", "keep_and_say", "drop_least_recent"]
 
 SEED_ENV = "HGC_KERNEL_SEED"  # the seed's Triton folder, set for a build by `settings`
 FRESH_ENV = "HGC_FRESH_KERNELS"  # "1": the build reads nothing from the seed
@@ -134,6 +134,14 @@ def keep(cache: Path, seed: Path, before: set[str], max_bytes: int = SEED_MAX_BY
     for name in sorted(used):
         if not _copy_whole(cache / name, seed / name) and (seed / name).exists():
             os.utime(seed / name)
+    drop_least_recent(seed, used, max_bytes)
+    return len(used), len(used & before)
+
+
+def drop_least_recent(seed: Path, used: set[str], max_bytes: int) -> None:
+    """The bound of a seed whose entries are its folders (a Triton key's, a FlashInfer module's): the
+    folders used longest ago (their mtime, which a use renews) go first while the seed passes
+    max_bytes, never one named in `used` (the build's own)."""
     folders = sorted((p for p in seed.iterdir() if p.is_dir() and not p.name.startswith(".")),
                      key=lambda p: p.stat().st_mtime)
     sizes = {p: _size(p) for p in folders}
@@ -144,4 +152,3 @@ def keep(cache: Path, seed: Path, before: set[str], max_bytes: int = SEED_MAX_BY
         if p.name not in used:
             shutil.rmtree(p, ignore_errors=True)
             total -= sizes[p]
-    return len(used), len(used & before)

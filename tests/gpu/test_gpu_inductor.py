@@ -1,6 +1,7 @@
 """Compiled pieces on a CUDA GPU: `hgc compile --target cuda` builds the bundle by default, a run from empty
 kernel caches compiles, builds and tunes nothing, graph replay gives the eager tokens, compiled glue gives
-the traced glue's tokens, a second build gives the same code, its Triton kernels all from the first's.
+the traced glue's tokens, a second build gives the same code, its Triton kernels and FlashInfer modules all
+from the first's.
 
 Runs only on the GPU machine (`pytest -m gpu`); benchmarks/serving/startup_bench.py measures start-up and
 decode. Each `hgc` runs in a process of its own with empty kernel caches (Inductor's, Triton's,

@@ -99,7 +99,7 @@ def test_the_bound_drops_the_least_recently_used_module_never_one_the_build_has(
         so = seed / name / f"{name}.so"
         so.parent.mkdir(parents=True)
         so.write_bytes(b"\0" * 100)
-        os.utime(so, (1000 + i, 1000 + i))
+        os.utime(so.parent, (1000 + i, 1000 + i))  # a module folder's use, as keep renews it
     mine = build / "mine" / "mine.so"
     mine.parent.mkdir(parents=True)
     mine.write_bytes(b"\0" * 100)
