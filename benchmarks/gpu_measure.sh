@@ -89,10 +89,13 @@
 #                cuda bundle with bfloat16 states (decode buckets 1, 8, 32, 128; extend 512, 4096) accounted at
 #                those sizes (account_serving), then transformers' side (hf_baseline) at the same;
 #                GOAL_DECODES=1,128 builds and measures those two decode batches alone (a cold call's time)
-#   judge        on an H200: goals with GOAL_DECODES=1,128 (a cold build, 178 to 255 s on an H100 on 2026-12-07,
-#                its account, then transformers' side, about 200 s), state_sweep (under 2 minutes), then fold_ab,
-#                which a cold call's bound cuts off unless the unfolded build's kernels mostly come from the
-#                first build's (hgc/kernel_seed.py, flashinfer_seed.py)
+#   judge        on an H200: the goals' stages with GOAL_DECODES=1,128 and two stages between them: the goals'
+#                bundle accounted (a cold build, 178 to 255 s on an H100 on 2026-12-07), fi_past, state_sweep
+#                (under 2 minutes), transformers' side (hf_baseline, about 200 s), then fold_ab; a cold call's
+#                bound cuts the later ones off unless the later builds' kernels mostly come from the first
+#                build's (hgc/kernel_seed.py, flashinfer_seed.py)
+#   fi_past      GDN's extends past 2048 tokens on FlashInfer's kernel (decode 1, extend 512 and 4096) in a
+#                bundle of its own, accounted: against the goals' bundle's account of the same call
 #   state_sweep  gpu_linear_decode.py's GDN recurrence over bfloat16 states at 128 requests, the default tile
 #                against the sweeps of tiles and of walked tiles (each checked first): whether another card
 #                wants another tile
@@ -290,7 +293,18 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512 TAG=default_1_128 \
             ACCOUNT_NAME=account_serving_fold_base bash "$0" account_serving ;;
     judge)
-        GOAL_DECODES=1,128 bash "$0" goals state_sweep fold_ab ;;
+        # the goals' bundle accounted first, then the GDN extend route that may decide the 4096-token goal
+        # (FlashInfer's kernel past 2048 tokens: 0.75 ms of a 4096-token step in an H100 probe), since a
+        # default taken from it changes what transformers' side is compared against; then the sweep,
+        # transformers' side, and the folds
+        COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
+        bash "$0" fi_past state_sweep
+        BATCHES=1,128 EXTENDS=512,4096 bash "$0" hf_baseline
+        bash "$0" fold_ab ;;
+    fi_past)
+        ROUTE="gdn_fused=triton_linear[chunk_impl=flashinfer,flashinfer_past=2048]" BATCHES=1 EXTENDS=512,4096 \
+            TAG=fi_past COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1 --extend-buckets 512,4096" \
+            bash "$0" account_serving ;;
     state_sweep)
         # the GDN recurrence over bfloat16 states at 128 requests, the default tile against both sweeps (each
         # point checked against the CPU reference first): in the last step accounts (H200 at 89a83fb, H100 at
@@ -302,10 +316,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         done ;;
     routes_ab)
         # the larger expected saving first (0.75 ms of a 4096-token step in an H100 probe), then the early gates
-        COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
-        ROUTE="gdn_fused=triton_linear[chunk_impl=flashinfer,flashinfer_past=2048]" BATCHES=1 EXTENDS=512,4096 \
-            TAG=fi_past COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1 --extend-buckets 512,4096" \
-            bash "$0" account_serving
+        COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving fi_past
         ROUTE="gdn_fused=triton_linear[split_decode=one_launch_early]" BATCHES=1,128 EXTENDS=512 TAG=early_512 \
             COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512" bash "$0" account_serving ;;
     goals)
