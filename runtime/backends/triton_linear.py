@@ -459,6 +459,15 @@ DECODE_TILES = ("by_batch", "fixed", "walk")
 # one launch with its value head's gates loaded before the key head's conv counter
 # (gdn_fused_decode's early_gates), the same values; not the default until it times faster.
 SPLIT_DECODE = ("one_launch", "two_launches", "one_launch_early")
+# extend_norm: where a fused GDN mixer's extend step applies its gated RMSNorm on our chunk kernels,
+# "apart" (the default: kernels/gdn_fused.py `gated_rmsnorm`, one launch after the core) or
+# "in_output" (the chunk output kernel normalises each row's head as it stores it:
+# kernels/chunk.py `GatedNorm`; one launch a layer fewer, and the core's write and read gone: at
+# bench qwen3_next's 4096 tokens about 67 MB a layer). Its programs then take a head's whole Dv row,
+# where the default tile takes half of bench's 128 columns. Not the default until a whole step
+# times it faster. Steps on FLA's or FlashInfer's kernels, or on the short-extend kernel, keep the
+# norm apart whatever this says.
+EXTEND_NORM = ("apart", "in_output")
 
 
 class TritonLinearBackend(BackendHooks):
@@ -514,9 +523,11 @@ class TritonLinearBackend(BackendHooks):
         # split_decode: the fused mixer's one-request decode in two launches or one (SPLIT_DECODE).
         # kda_graph: KDA's long extends on FLA's graph form, captured at every size (KDA_GRAPH).
         # flashinfer_past: the step size past which chunk_impl=flashinfer takes FlashInfer's kernel.
+        # extend_norm: the fused GDN mixer's gated norm in its own launch or in the chunk output
+        # kernel (EXTEND_NORM).
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
                  ("decode_tiles", DECODE_TILES), ("split_decode", SPLIT_DECODE), ("kda_graph", KDA_GRAPH),
-                 ("flashinfer_past", FLASHINFER_PAST)),
+                 ("flashinfer_past", FLASHINFER_PAST), ("extend_norm", EXTEND_NORM)),
         # (short_conv too: a GDN layer's conv shares its core's instance, and the choice leaves it as it is)
         choice_ops=(ChoiceScope("chunk_impl", "flashinfer", frozenset({"gdn_core", "gdn_fused", "short_conv"}),
                                 why="FlashInfer's prefill kernel is the gated delta rule's (GDN layers)"),),
@@ -544,7 +555,8 @@ class TritonLinearBackend(BackendHooks):
     def __init__(self, state_pool: StatePool, recurrent_config=None, conv_config=None, fla=None,
                  short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0],
                  snapshots=None, routed_ops: frozenset[str] | None = None, split_decode: str = SPLIT_DECODE[0],
-                 kda_graph: str = KDA_GRAPH[0], flashinfer_past: int = int(FLASHINFER_PAST[0]), flashinfer=None):
+                 kda_graph: str = KDA_GRAPH[0], flashinfer_past: int = int(FLASHINFER_PAST[0]), flashinfer=None,
+                 extend_norm: str = EXTEND_NORM[0]):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
@@ -561,8 +573,8 @@ class TritonLinearBackend(BackendHooks):
         tiles (walk_recurrent_config). `snapshots`: the prefix cache's SnapshotPool, which the chunk
         kernels and the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
         routing binds to this instance (None: any it supports), which say whether it may write them
-        (`writes_step_snapshots`). `split_decode`, `kda_graph`, `flashinfer_past`: the routing options of
-        the same names. `flashinfer`: a callable standing in for FlashInfer's kernel launch
+        (`writes_step_snapshots`). `split_decode`, `kda_graph`, `flashinfer_past`, `extend_norm`: the
+        routing options of the same names. `flashinfer`: a callable standing in for FlashInfer's kernel launch
         (kernels/flashinfer_gdn.GdnPrefill.launch; tests); None loads the library on first use."""
         if split_decode not in SPLIT_DECODE:
             raise ValueError(f"{self.name}: split_decode must be one of {SPLIT_DECODE}, not {split_decode!r}")
@@ -577,6 +589,9 @@ class TritonLinearBackend(BackendHooks):
         if kda_graph not in KDA_GRAPH:
             raise ValueError(f"{self.name}: kda_graph must be one of {KDA_GRAPH}, not {kda_graph!r}")
         self.kda_graph = kda_graph == "on"
+        if extend_norm not in EXTEND_NORM:
+            raise ValueError(f"{self.name}: extend_norm must be one of {EXTEND_NORM}, not {extend_norm!r}")
+        self.norm_in_output = extend_norm == "in_output"
         self.state_pool = state_pool
         self.device = state_pool.device
         self.recurrent_config = recurrent_config
@@ -637,7 +652,8 @@ class TritonLinearBackend(BackendHooks):
                 "decode_tiles": options.get("decode_tiles", DECODE_TILES[0]),
                 "split_decode": options.get("split_decode", SPLIT_DECODE[0]),
                 "kda_graph": options.get("kda_graph", KDA_GRAPH[0]),
-                "flashinfer_past": int(options.get("flashinfer_past", FLASHINFER_PAST[0]))}
+                "flashinfer_past": int(options.get("flashinfer_past", FLASHINFER_PAST[0])),
+                "extend_norm": options.get("extend_norm", EXTEND_NORM[0])}
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -916,12 +932,18 @@ class TritonLinearBackend(BackendHooks):
                                     plan.padded_bounds, scale, gate_kind, self.recurrent_config)
         return True
 
-    def _triton_chunk(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind, zero_padding=True) -> bool:
+    def _triton_chunk(self, ctx, layer_id, q, k, v, gate, beta, out, scale, gate_kind, zero_padding=True,
+                      norm=None) -> bool:
         """Our chunk kernels over the step's real requests, states read from and written to their
         slots in place (padding rows zeroed as _chunk does, or left where `zero_padding` is False);
-        False where chunk_impl is "fla"."""
+        False where chunk_impl is "fla". `norm`: (GatedNorm, the mixer's output): the output kernel
+        writes the normalised rows there instead of the core into `out`, padding rows zero."""
         if self.chunk_impl == "fla":
             return False
+        gated = None
+        if norm is not None:
+            gated, out = norm
+            zero_padding = True  # as the norm's own kernel leaves the output's padding rows
         plan = self._extend_plan(self._step_plan(ctx), _kernels().OP_OF_GATE[gate_kind])
         if plan.captured:
             # the padding rows are the table's last request, written as zeros by the output kernel:
@@ -931,13 +953,15 @@ class TritonLinearBackend(BackendHooks):
                                           plan.chunk_indices, scale, gate_kind,
                                           config=self._graph_chunk_config(v, q.shape[0]),
                                           workspaces=self._workspaces(q, v, beta, plan.chunk_indices.shape[0]),
-                                          snapshots=self._step_snapshots(plan, layer_id, "recurrent"))
+                                          snapshots=self._step_snapshots(plan, layer_id, "recurrent"),
+                                          gated_norm=gated)
             return True
         T = plan.num_tokens
         if T > 0:
             _chunk_kernels().chunk_extend(q, k, v, gate, beta, out, self._layer_state(layer_id, "recurrent"),
                                           plan.slots, plan.cu_seqlens, plan.chunk_indices, scale, gate_kind,
-                                          snapshots=self._step_snapshots(plan, layer_id, "recurrent"))
+                                          snapshots=self._step_snapshots(plan, layer_id, "recurrent"),
+                                          gated_norm=gated)
         if zero_padding and out.shape[0] > T:
             out[T:].zero_()
         return True
@@ -985,17 +1009,20 @@ class TritonLinearBackend(BackendHooks):
             self._graph_workspaces[key] = held
         return held
 
-    def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding=True):
+    def _gdn_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding=True, norm=None) -> bool:
+        """Whether `norm` (`_triton_chunk`'s) was applied: only our chunk kernels fold it."""
         if self.chunk_impl == "flashinfer":  # past flashinfer_past FlashInfer's, else ours as "triton" runs them
             if self._flashinfer_chunk(ctx, layer_id, q, k, v, g, beta, out, scale, zero_padding):
-                return
+                return False
         elif self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
-            return
-        if self._triton_chunk(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD, zero_padding):
-            return
+            return False
+        if self._triton_chunk(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD, zero_padding,
+                              norm):
+            return norm is not None
         q, k = _in_dtype_of(v, q, k)
         self._chunk(ctx, "gdn_core", layer_id, out, "gdn", dict(q=q, k=k, v=v, g=g, beta=beta),
                     zero_padding=zero_padding, scale=scale, use_qk_l2norm_in_kernel=False)
+        return False
 
     def _kda_extend(self, ctx, q, k, v, g, beta, out, layer_id, scale):
         if self._short_extend(ctx, layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_CHANNEL):
@@ -1069,11 +1096,13 @@ class TritonLinearBackend(BackendHooks):
     def gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
         self._gdn_core(ctx, q, k, v, g, beta, out, layer_id, scale)
 
-    def _gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding=True):
+    def _gdn_core(self, ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding=True, norm=None) -> bool:
         """`zero_padding` False (gdn_fused's core, whose gated norm reads no padding row and writes
-        its zeros): an eager extend leaves the padding rows of `out` unwritten, one launch fewer."""
-        if not self._recurrent(ctx, "gdn_core", layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
-            self._gdn_extend(ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding)
+        its zeros): an eager extend leaves the padding rows of `out` unwritten, one launch fewer.
+        Whether `norm` was applied (`_gdn_extend`)."""
+        if self._recurrent(ctx, "gdn_core", layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_HEAD):
+            return False
+        return self._gdn_extend(ctx, q, k, v, g, beta, out, layer_id, scale, zero_padding, norm)
 
     def kda_core(self, ctx, q, k, v, g, beta, out, layer_id, scale):
         if not self._recurrent(ctx, "kda_core", layer_id, q, k, v, g, beta, out, scale, _kernels().GATE_PER_CHANNEL):
@@ -1110,7 +1139,11 @@ class TritonLinearBackend(BackendHooks):
         self.short_conv(ctx, qkv, conv_weight, None, mixed, layer_id, True)
         q, k, v, g, beta = fused.qk_gates(mixed, b, a, A_log, dt_bias, dims)
         core = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        self._gdn_core(ctx, q, k, v, g, beta, core, layer_id, scale, zero_padding=False)
+        # extend_norm=in_output: our chunk kernels write the normalised rows into `out` themselves
+        norm = ((_chunk_kernels().GatedNorm(z, norm_weight, eps), out)
+                if self.norm_in_output and path == "extend" else None)
+        if self._gdn_core(ctx, q, k, v, g, beta, core, layer_id, scale, zero_padding=False, norm=norm):
+            return
         if path != "extend":  # decode (n 1) or verify
             fused.gated_rmsnorm(core, z, norm_weight, out, eps, slots=self._step_slots(ctx), rows_per_slot=n)
         else:  # padding rows: from the bounds of the plan gdn_core ran on

@@ -180,6 +180,22 @@ def test_extend_mixed_verify_match_the_unfused_ops(steps, chunk_impl, dtype):
             assert rel_err(got, want) <= STATE_TOL[dtype], f"{entry} intermediate states"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("steps", list(EXTENDS))
+def test_steps_with_the_norm_in_the_output_kernel_match_the_unfused_ops(steps, dtype):
+    """extend_norm=in_output (the gated norm applied by the chunk output kernel, whole-row tiles)
+    at the bench dims against the unfused ops on our chunk kernels."""
+    fused, unfused, p = backends(dtype, seed=27, chunk_impl="triton", extend_norm="in_output")
+    g = torch.Generator().manual_seed(28)
+    touched = set()
+    for mode, reqs, pad_t, pad_s in EXTENDS[steps]:
+        ctx = step_ctx(mode, reqs, pad_t, pad_s, DEV)
+        for backend in (fused, unfused):
+            plan(backend, ctx)
+        touched |= {slot for slot, _, n in reqs if n}
+        compare(fused, unfused, p, ctx, dtype, g, touched, f"{steps} {mode.value} norm in the output kernel {dtype}")
+
+
 def test_decode_graph_capture_and_replay_matches_eager():
     """The fused decode op captured once (from a padding-only step) and replayed for two steps of
     other slots and inputs, against the same steps run eagerly on a copy of the pools."""

@@ -151,11 +151,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from runtime.backends.kernels.gdn_fused import gated_norm_head, rounds_weighted_norm
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
 from runtime.backends.kernels.sm_count import num_sms
@@ -163,7 +165,7 @@ from runtime.backends.kernels.linear import GATE_PER_CHANNEL, OP_OF_GATE, StepSn
 from runtime.cache.state_pool import PADDING_SLOT
 
 __all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_length", "takes_short_tiles", "chunk_config", "chunk_workspace",
-           "chunk_matrix_workspace", "chunk_workspace_dtype", "chunk_state_workspace", "chunk_extend"]
+           "chunk_matrix_workspace", "chunk_workspace_dtype", "chunk_state_workspace", "chunk_extend", "GatedNorm"]
 
 CHUNK_T = 64  # rows of a chunk by default: FLA's chunk length, so the backend's one table serves both
 SUB_T = 16  # rows of a diagonal block solved by forward substitution (tl.dot's smallest tile)
@@ -866,44 +868,49 @@ def _chunk_output(q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, start, n, chunk, head, of
 
 @triton.jit
 def _chunk_output_kernel(
-    q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
+    q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr, z_ptr, norm_w_ptr,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
     stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
-    scale, num_seqs, table_seqs,
+    stride_z_row, stride_z_head, scale, eps, num_seqs, table_seqs,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
     BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, LOWP: tl.constexpr,
     WALK: tl.constexpr, BR: tl.constexpr,  # as the solve kernel's
+    NORM: tl.constexpr, ROUND_Y: tl.constexpr,  # the gated norm after the outputs (`GatedNorm`)
 ):
     """One chunk's output rows for one value head and Dv tile, from the state entering the chunk (cs)
     and V' (vp: V' over U with the delta rule, V without), the key dimension KB columns at a time.
     A chunk of request num_seqs (the padding rows) stores zeros and reads nothing. WALK: as the
-    solve kernel's."""
+    solve kernel's. NORM (one Dv tile a head): each row's head rounded to out's dtype, as the core
+    would be stored, then GatedRMSNorm'd with z and the norm weight before it is stored."""
     head = tl.program_id(1)
     v_tile = tl.program_id(2)
     if WALK:  # as the solve kernel's: a program that does not walk takes its row outside any loop
         for chunk in range(tl.program_id(0).to(tl.int64), _first_chunk(bounds_ptr, table_seqs, BT=BT, BR=BR),
                            tl.num_programs(0)):
             _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
+                          z_ptr, norm_w_ptr,
                           stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
                           stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
-                          scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT, GATE=GATE,
-                          DOT_PREC=DOT_PREC, LOWP=LOWP)
+                          stride_z_row, stride_z_head, scale, eps, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB,
+                          BV=BV, BT=BT, GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP, NORM=NORM, ROUND_Y=ROUND_Y)
     else:
         _output_chunk(tl.program_id(0).to(tl.int64), head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr,
-                      bounds_ptr, chunks_ptr, stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row,
-                      stride_vp_head, stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk,
-                      stride_cs_head, scale, num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT,
-                      GATE=GATE, DOT_PREC=DOT_PREC, LOWP=LOWP)
+                      bounds_ptr, chunks_ptr, z_ptr, norm_w_ptr, stride_q_row, stride_q_head, stride_k_row,
+                      stride_k_head, stride_vp_row, stride_vp_head, stride_g_row, stride_g_head, stride_o_row,
+                      stride_o_head, stride_cs_chunk, stride_cs_head, stride_z_row, stride_z_head, scale, eps,
+                      num_seqs, GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT, GATE=GATE, DOT_PREC=DOT_PREC,
+                      LOWP=LOWP, NORM=NORM, ROUND_Y=ROUND_Y)
 
 
 @triton.jit
 def _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_ptr, bounds_ptr, chunks_ptr,
+                  z_ptr, norm_w_ptr,
                   stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_vp_row, stride_vp_head,
                   stride_g_row, stride_g_head, stride_o_row, stride_o_head, stride_cs_chunk, stride_cs_head,
-                  scale, num_seqs,
+                  stride_z_row, stride_z_head, scale, eps, num_seqs,
                   GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
                   BV: tl.constexpr, BT: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr,
-                  LOWP: tl.constexpr):
+                  LOWP: tl.constexpr, NORM: tl.constexpr, ROUND_Y: tl.constexpr):
     """`_chunk_output_kernel`'s work for chunk row `chunk` of the table."""
     req = tl.load(chunks_ptr + 2 * chunk)
     start = tl.load(bounds_ptr + req) + tl.load(chunks_ptr + 2 * chunk + 1) * BT  # the request's j-th chunk
@@ -923,7 +930,14 @@ def _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_
                               stride_g_row, stride_g_head, stride_cs_chunk, stride_cs_head,
                               GROUP=GROUP, DK=DK, DV=DV, BK=BK, KB=KB, BV=BV, BT=BT, GATE=GATE, DOT_PREC=DOT_PREC,
                               LOWP=LOWP)
-            tl.store(o_ptrs, (o * scale).to(out_ptr.dtype.element_ty), mask=m_tv)
+            act = out_ptr.dtype.element_ty
+            y = (o * scale).to(act)  # the core as the unfused op stores it
+            if NORM:
+                z = tl.load(z_ptr + (start + offs_t)[:, None] * stride_z_row + head * stride_z_head + offs_v[None, :],
+                            mask=m_tv, other=0.0).to(tl.float32)
+                weight = tl.load(norm_w_ptr + offs_v, mask=offs_v < DV, other=0.0).to(tl.float32)
+                y = gated_norm_head(y.to(tl.float32), z, weight[None, :], m_tv, eps, DV, act, ROUND_Y).to(act)
+            tl.store(o_ptrs, y, mask=m_tv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -935,11 +949,21 @@ _CHUNK_STATE = Launcher(_chunk_state_kernel)
 _CHUNK_OUTPUT = Launcher(_chunk_output_kernel)
 
 
+class GatedNorm(NamedTuple):
+    """The gated RMSNorm a GDN mixer applies to its core's outputs (kernels/gdn_fused.py
+    `gated_rmsnorm`), for the output kernel to apply as it stores them: z [rows, Hv, Dv] (unit last
+    stride), the norm's weight [Dv] and its epsilon."""
+
+    z: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
 def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor | None,
                  out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor,
                  chunks: torch.Tensor, scale: float, gate_kind: int, block_t: int | None = None,
                  config: ChunkConfig | None = None, workspaces: ChunkWorkspaces | None = None,
-                 snapshots: StepSnapshots | None = None) -> None:
+                 snapshots: StepSnapshots | None = None, gated_norm: GatedNorm | None = None) -> None:
     """The recurrent cores of an extend step by chunks, over the slot-indexed pool, in place.
 
     q, k [T, Hk, Dk]; v, out [T, Hv, Dv] (value head h reads key head h // (Hv // Hk)); gate [T, Hv]
@@ -966,7 +990,12 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     padding slot read a zero state and write none back.
 
     `snapshots`: the step's in-step snapshots (StepSnapshots; None: none), request r's state after
-    its first rows[r] rows of the step into snapshot ids[r] of the pool tensor."""
+    its first rows[r] rows of the step into snapshot ids[r] of the pool tensor.
+
+    `gated_norm` (GatedNorm; None: none): `out` receives GatedRMSNorm(core, z) instead of the core,
+    each row's head normalised by the output kernel as it stores it (`gated_norm_head`, the values
+    of the core rounded to out's dtype then `gated_rmsnorm`): one launch and the core's round trip
+    through memory fewer. Its programs then take a head's whole Dv row (one Dv tile)."""
     op = OP_OF_GATE[gate_kind]
     if gate_kind == GATE_PER_CHANNEL:
         raise ValueError(f"{op}: chunk_extend takes per-head or constant log-decays; per-channel gates (KDA) "
@@ -1044,10 +1073,19 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
         ss_slot, ss_head, snap.stride(0), snap.stride(1), R,
         **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, LOWP=lowp, PAD_SLOT=PADDING_SLOT, WALK=walk,
         BL=_live_block(R, walk), num_warps=cfg.num_warps, num_stages=cfg.state_stages)
-    out_tiles = cdiv(Dv, cfg.out_block_v)
+    out_bv, out_warps, z, norm_w, eps, round_y = cfg.out_block_v, cfg.out_warps, out, out, 0.0, False
+    if gated_norm is not None:
+        z, norm_w, eps = gated_norm
+        assert z.shape == out.shape and z.stride(-1) == 1 and tuple(norm_w.shape) == (Dv,), (
+            f"{op}: the gated norm's z {tuple(z.shape)} and weight {tuple(norm_w.shape)} for out {tuple(out.shape)}")
+        out_bv = max(SUB_T, next_pow2(Dv))  # the norm reduces a head's whole row in one program
+        out_warps = min(8, cfg.out_warps * max(1, out_bv // cfg.out_block_v))  # as many columns a warp
+        round_y = rounds_weighted_norm(norm_w, out)
+    out_tiles = cdiv(Dv, out_bv)
     grid_rows, walk = _table_programs(num_chunks, chunk_rows, Hv * out_tiles, padded, q.device)
     _CHUNK_OUTPUT[(grid_rows, Hv, out_tiles)](
-        q, k, vp, gate, cs, out, bounds, chunks,
+        q, k, vp, gate, cs, out, bounds, chunks, z, norm_w,
         sq_r, sq_h, sk_r, sk_h, vp.stride(0), vp.stride(1), sg_r, sg_h, so_r, so_h, cs.stride(0), cs.stride(1),
-        float(scale), R, table_seqs, **common, KB=min(BK, cfg.out_key_block), BV=cfg.out_block_v, LOWP=lowp,
-        WALK=walk, BR=_live_block(table_seqs, walk), num_warps=cfg.out_warps)
+        z.stride(0), z.stride(1), float(scale), float(eps), R, table_seqs, **common,
+        KB=min(BK, cfg.out_key_block), BV=out_bv, LOWP=lowp, WALK=walk, BR=_live_block(table_seqs, walk),
+        NORM=gated_norm is not None, ROUND_Y=round_y, num_warps=out_warps)

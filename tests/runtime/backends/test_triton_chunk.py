@@ -660,3 +660,82 @@ def test_a_split_solve_takes_no_matrix_workspace():
         TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], torch.zeros(8, 1, 64, device=DEVICE),
                         state.to(DEVICE), torch.tensor(slots, device=DEVICE), torch.tensor([0, 5], device=DEVICE),
                         torch.tensor([[0, 0]], device=DEVICE), 0.25, GATE_PER_HEAD, config=config)
+
+
+def run_with_norm(x, lens, state, slots, scale, block_t, dtype, gated, tables=None, config=None):
+    """chunk_extend with the gated norm folded in (out starts as NaN), and the unfused pair: chunk_extend
+    into a core, then gdn_fused's gated_rmsnorm over its real rows. (fused out, unfused out) on the host."""
+    from runtime.backends.kernels.gdn_fused import gated_rmsnorm
+
+    T, hv, dv = x["v"].shape
+    dev = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    if tables is None:
+        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)).to(DEVICE)
+        chunks = torch.from_numpy(token_blocks(np.asarray(lens, dtype=np.int64), block_t)).to(DEVICE)
+        tables = (torch.tensor(slots, dtype=torch.int64, device=DEVICE), cu, chunks)
+    outs = []
+    for fold in (True, False):
+        pool = state.clone().to(DEVICE)  # each from the same states (on the CPU .to would not copy)
+        core = torch.full((T, hv, dv), float("nan"), dtype=dtype, device=DEVICE)
+        out = torch.full((T, hv, dv), float("nan"), dtype=dtype, device=DEVICE)
+        TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], out if fold else core, pool, *tables,
+                        scale, GATE_PER_HEAD, block_t=block_t, config=config, gated_norm=gated if fold else None)
+        if not fold:
+            bounds = torch.tensor([*np.cumsum([0, *lens]).tolist(), T], dtype=torch.int64, device=DEVICE)
+            gated_rmsnorm(core, gated.z, gated.weight, out, gated.eps, bounds=bounds)
+        outs.append(out.cpu())
+    return outs
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_gated_norm_in_the_output_kernel_gives_the_norm_launch_s_rows(dtype):
+    """GDN's core with its GatedRMSNorm folded into the output kernel (GatedNorm) against the core
+    then gdn_fused's norm kernel, over requests of 0, 1, a partial chunk, several chunks: Dv 32 in
+    output tiles of 16 by the config, which the fold widens to the whole row; z a strided view (as
+    the mixer's projection hands it); rows past the requests never written. The same values up to
+    the order of the row sums."""
+    lens, hk, hv, dk, dv = LENS, 2, 4, 16, 32
+    x, state, slots = make_case(lens, hk, hv, dk, dv, True, GATE_PER_HEAD, dtype, seed=31)
+    g = torch.Generator().manual_seed(32)
+    T = x["v"].shape[0]
+    z = torch.randn(T, hv, dv + 8, generator=g).to(dtype)[..., :dv].to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(dv, generator=g)).to(dtype).to(DEVICE)
+    gated = TC.GatedNorm(z, weight, 1e-6)
+    fused, apart = run_with_norm(x, lens, state, slots, dk ** -0.5, 16, dtype, gated,
+                                 config=TC.ChunkConfig(16, 1, 1, 16, 1, out_key_block=16))
+    real = sum(lens)
+    assert fused[real:].isnan().all(), "rows past the requests must not be touched"
+    assert torch.isfinite(fused[:real]).all()
+    err = rel_err(fused[:real].float(), apart[:real].float())
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2), f"folded norm against the norm's launch: {err:.2e}"
+    assert rel_err(fused[:real].float(), torch.zeros_like(fused[:real]).float() + 1) > 0.1  # not a constant
+
+
+@in_process
+@pytest.mark.parametrize("lens", [[], [10, 7], [40, 24]], ids=["none", "a_chunk_and_one", "the_bucket"])
+def test_a_captured_step_with_the_folded_norm_writes_zeros_over_its_padding_rows(lens):
+    """The fold over a captured-style table (the padding rows the table's last request): the real rows
+    as the unfused pair gives them, every padding row exactly zero over an output full of NaN."""
+    x, state, slots = make_case(lens, 2, 4, 16, 16, True, GATE_PER_HEAD, torch.bfloat16, seed=33,
+                                extra_rows=BUCKET - sum(lens))
+    g = torch.Generator().manual_seed(34)
+    gated = TC.GatedNorm(torch.randn(BUCKET, 4, 16, generator=g).to(torch.bfloat16).to(DEVICE),
+                         torch.ones(16, dtype=torch.bfloat16, device=DEVICE), 1e-6)
+    tables = captured_chunk_tables(lens, slots, BUCKET, BUCKET_SEQS, 16, DEVICE)
+    fused, apart = run_with_norm(x, lens, state, slots, 16 ** -0.5, 16, torch.bfloat16, gated, tables=tables)
+    real = sum(lens)
+    assert torch.equal(fused[real:], torch.zeros_like(fused[real:])), "padding rows must come out exactly zero"
+    if real:
+        assert rel_err(fused[:real].float(), apart[:real].float()) < 1e-2
+
+
+@in_process
+def test_the_folded_norm_refuses_a_z_of_another_shape():
+    x, state, slots = make_case([5], 1, 1, 16, 16, True, GATE_PER_HEAD, torch.float32, seed=35)
+    dev = {n: t.to(DEVICE) for n, t in x.items()}
+    gated = TC.GatedNorm(torch.zeros(8, 1, 8, device=DEVICE), torch.ones(16, device=DEVICE), 1e-6)
+    with pytest.raises(AssertionError, match="gated norm"):
+        TC.chunk_extend(dev["q"], dev["k"], dev["v"], dev["gate"], dev["beta"], torch.zeros(8, 1, 16, device=DEVICE),
+                        state.to(DEVICE), torch.tensor(slots, device=DEVICE), torch.tensor([0, 5], device=DEVICE),
+                        torch.tensor([[0, 0]], device=DEVICE), 0.25, GATE_PER_HEAD, gated_norm=gated)

@@ -478,6 +478,56 @@ def test_replayed_extend_steps_read_the_static_plan():
     run_mode_steps(0, torch.float32, backend_kwargs=dict(chunk_impl="triton"), replayed=True)
 
 
+def norm_launches(monkeypatch) -> list:
+    """The modes of the steps that launch gdn_fused's gated norm kernel from here on."""
+    modes, real = [], GF.gated_rmsnorm
+
+    def counted(core, *args, **kwargs):
+        modes.append("slots" if kwargs.get("slots") is not None else "bounds")
+        return real(core, *args, **kwargs)
+
+    monkeypatch.setattr(GF, "gated_rmsnorm", counted)
+    return modes
+
+
+@in_process
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layer_id", [0, 1])
+def test_extend_steps_with_the_norm_in_the_output_kernel(layer_id, dtype, replayed, monkeypatch):
+    """extend_norm=in_output on our chunk kernels: the extend, mixed and ragged verify steps (the
+    extend path) launch no norm kernel (the output kernel normalises its rows), the uniform verify
+    step and the decode step (the unfused decode kernels at two requests) still do; outputs, padding
+    rows (zero) and states are the reference's (Case.step), eager and on a captured step's tables."""
+    modes = norm_launches(monkeypatch)
+    run_mode_steps(layer_id, dtype, backend_kwargs=dict(chunk_impl="triton", extend_norm="in_output"),
+                   replayed=replayed)
+    assert modes == ["slots", "slots"], "only the uniform verify step and the decode step launch the norm"
+
+
+@in_process
+def test_the_norm_stays_apart_by_default_and_where_flashinfer_runs_the_core(monkeypatch):
+    """extend_norm's default keeps the norm's launch in every step that runs one; under
+    chunk_impl=flashinfer (bound 8) the 20-row extend step past the bound runs FlashInfer's kernel
+    and the norm apart even with in_output, and the mixed and ragged verify steps, on our chunk
+    kernels, fold it."""
+    modes = norm_launches(monkeypatch)
+    run_mode_steps(0, torch.float32, backend_kwargs=dict(chunk_impl="triton"))
+    assert modes == ["bounds", "bounds", "slots", "bounds", "slots"]
+    modes.clear()
+    stand_in = FakeFlashInferGdn()
+    run_mode_steps(0, torch.float32, backend_kwargs=dict(chunk_impl="flashinfer", flashinfer_past=8,
+                                                         flashinfer=stand_in, extend_norm="in_output"))
+    assert stand_in.calls == [[0, 6, 11, 20]]
+    assert modes == ["bounds", "slots", "slots"]
+
+
+def test_an_unknown_extend_norm_is_refused_naming_the_option():
+    pool, _ = gdn_pools({0: LAYERS[0]}, NUM_SLOTS, "cpu", 0, VERIFY)
+    with pytest.raises(ValueError, match="extend_norm must be one of"):
+        TritonLinearBackend(pool, fla=FakeFLA(), extend_norm="inside")
+
+
 @in_process
 @pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
