@@ -90,21 +90,22 @@
 #                those sizes (account_serving), then transformers' side (hf_baseline) at the same;
 #                GOAL_DECODES=1,128 builds and measures those two decode batches alone (a cold call's time)
 #   judge        on an H200: the goals' stages with GOAL_DECODES=1,128 and three stages between them: the goals'
-#                bundle accounted (a cold build, 178 to 255 s on an H100 on 2026-12-07), fi_past, norm_ab,
+#                bundle accounted (a cold build, 178 to 255 s on an H100 on 2026-12-07), fi_past, folds_ab,
 #                state_sweep (under 2 minutes), transformers' side (hf_baseline, about 200 s), then fold_ab; a cold call's
 #                bound cuts the later ones off unless the later builds' kernels mostly come from the first
 #                build's (hgc/kernel_seed.py, flashinfer_seed.py)
 #   fi_past      GDN's extends past 2048 tokens on FlashInfer's kernel (decode 1, extend 512 and 4096) in a
 #                bundle of its own, accounted: against the goals' bundle's account of the same call
-#   norm_ab      the fused GDN layer's gated norm in the chunk output kernel (extend_norm=in_output):
-#                gdn_norm_fold_bench.py (both ways checked, then timed at 512 / 2048 / 4096 tokens and 4 x 1024),
-#                then a bundle of its own (decode 1, extend 512 and 4096) accounted, as fi_past is
+#   folds_ab     the fused GDN layer's extend folds (extend_qk=in_conv: its q / k norm and gates in the conv's
+#                launch; extend_norm=in_output: its gated norm in the chunk output kernel): gdn_extend_folds_bench.py
+#                (each fold's two ways checked, then timed at 512 / 2048 / 4096 tokens and 4 x 1024), then one
+#                bundle with both (decode 1, extend 512 and 4096) accounted, as fi_past is
 #   state_sweep  gpu_linear_decode.py's GDN recurrence over bfloat16 states at 128 requests, the default tile
 #                against the sweeps of tiles and of walked tiles (each checked first): whether another card
 #                wants another tile
 #   routes_ab    the goals' bundle (GOAL_DECODES=1,128) accounted, then the three routing choices not yet timed in
 #                whole steps, each in a bundle of the buckets it changes: GDN's extends past 2048 tokens on
-#                FlashInfer's kernel (fi_past), the gated norm in the chunk output kernel (norm_ab), and the
+#                FlashInfer's kernel (fi_past), the GDN extend folds (folds_ab), and the
 #                early-gates split (decode 1 and 128, extend 512). A cold build of the goals' bundle took 255 s on an H100 (2026-12-07), and the call ran out
 #                in the second build: the later builds of a call read the first's Triton kernels since
 #                (hgc/kernel_seed.py), by how much faster not yet measured; else run them on the warm machine
@@ -301,15 +302,16 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         # default taken from it changes what transformers' side is compared against; then the sweep,
         # transformers' side, and the folds
         COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving
-        bash "$0" fi_past norm_ab state_sweep
+        bash "$0" fi_past folds_ab state_sweep
         BATCHES=1,128 EXTENDS=512,4096 bash "$0" hf_baseline
         bash "$0" fold_ab ;;
-    norm_ab)
-        # the fused GDN layer's gated norm in the chunk output kernel: the kernels alone (checked first), then
-        # a bundle of its own accounted, against the goals' bundle's account of the same call
-        timeout 150 python3 benchmarks/kernels/gdn_norm_fold_bench.py --out "$OUT/norm_fold" 2>&1 | tail -6
-        ROUTE="gdn_fused=triton_linear[extend_norm=in_output]" BATCHES=1 EXTENDS=512,4096 TAG=norm_out \
-            COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1 --extend-buckets 512,4096" \
+    folds_ab)
+        # the fused GDN layer's extend folds (q / k norm and gates in the conv, gated norm in the chunk output
+        # kernel): the kernels alone (each checked first), then one bundle with both accounted, against the
+        # goals' bundle's account of the same call
+        timeout 180 python3 benchmarks/kernels/gdn_extend_folds_bench.py --out "$OUT/extend_folds" 2>&1 | tail -22
+        ROUTE="gdn_fused=triton_linear[extend_norm=in_output,extend_qk=in_conv]" BATCHES=1 EXTENDS=512,4096 \
+            TAG=extend_folds COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1 --extend-buckets 512,4096" \
             bash "$0" account_serving ;;
     fi_past)
         ROUTE="gdn_fused=triton_linear[chunk_impl=flashinfer,flashinfer_past=2048]" BATCHES=1 EXTENDS=512,4096 \
@@ -325,10 +327,10 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
                 --state-dtype bfloat16 --cases gdn --batches 128 --no-fla --no-pytest --budget-s 55 2>&1 | tail -8
         done ;;
     routes_ab)
-        # the larger expected savings first (0.75 ms of a 4096-token step in an H100 probe; the norm's 27 us a
-        # layer at 4096 tokens on an H200), then the early gates
+        # the larger expected savings first (0.75 ms of a 4096-token step in an H100 probe; the GDN layer's
+        # norm and qk_gates kernels, 27 and 19 us a layer at 4096 tokens on an H200), then the early gates
         COMPILE_ARGS="$AB_BUNDLE" BATCHES=1,128 EXTENDS=512,4096 TAG=default_1_128 bash "$0" account_serving fi_past \
-            norm_ab
+            folds_ab
         ROUTE="gdn_fused=triton_linear[split_decode=one_launch_early]" BATCHES=1,128 EXTENDS=512 TAG=early_512 \
             COMPILE_ARGS="--state-dtype bfloat16 --decode-buckets 1,128 --extend-buckets 512" bash "$0" account_serving ;;
     goals)

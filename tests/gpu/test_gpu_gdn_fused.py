@@ -180,12 +180,18 @@ def test_extend_mixed_verify_match_the_unfused_ops(steps, chunk_impl, dtype):
             assert rel_err(got, want) <= STATE_TOL[dtype], f"{entry} intermediate states"
 
 
+EXTEND_FOLDS = {"norm": dict(extend_norm="in_output"), "qk": dict(extend_qk="in_conv"),
+                "both": dict(extend_norm="in_output", extend_qk="in_conv")}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("folds", list(EXTEND_FOLDS))
 @pytest.mark.parametrize("steps", list(EXTENDS))
-def test_steps_with_the_norm_in_the_output_kernel_match_the_unfused_ops(steps, dtype):
-    """extend_norm=in_output (the gated norm applied by the chunk output kernel, whole-row tiles)
-    at the bench dims against the unfused ops on our chunk kernels."""
-    fused, unfused, p = backends(dtype, seed=27, chunk_impl="triton", extend_norm="in_output")
+def test_steps_with_the_extend_folds_match_the_unfused_ops(steps, folds, dtype):
+    """extend_norm=in_output (the gated norm applied by the chunk output kernel, whole-row tiles) and
+    extend_qk=in_conv (the q / k norm and gates in the extend conv's launch), apart and together, at
+    the bench dims against the unfused ops on our chunk kernels."""
+    fused, unfused, p = backends(dtype, seed=27, chunk_impl="triton", **EXTEND_FOLDS[folds])
     g = torch.Generator().manual_seed(28)
     touched = set()
     for mode, reqs, pad_t, pad_s in EXTENDS[steps]:
@@ -193,7 +199,7 @@ def test_steps_with_the_norm_in_the_output_kernel_match_the_unfused_ops(steps, d
         for backend in (fused, unfused):
             plan(backend, ctx)
         touched |= {slot for slot, _, n in reqs if n}
-        compare(fused, unfused, p, ctx, dtype, g, touched, f"{steps} {mode.value} norm in the output kernel {dtype}")
+        compare(fused, unfused, p, ctx, dtype, g, touched, f"{steps} {mode.value} folds {folds} {dtype}")
 
 
 def test_decode_graph_capture_and_replay_matches_eager():

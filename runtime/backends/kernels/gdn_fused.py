@@ -62,7 +62,8 @@ import triton.language as tl
 from runtime.backends.kernels.arrivals import arrival_counters, last_to_arrive
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2
-from runtime.backends.kernels.linear import conv_rolled, conv_token, history_strided, scalar_decay_step, store_history
+from runtime.backends.kernels.linear import (conv_rolled, conv_token, gdn_gates, history_strided, l2norm_head,
+                                            scalar_decay_step, store_history)
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
 from runtime.cache.state_pool import PADDING_SLOT, STATE_DTYPES, STATE_TORCH_DTYPES
@@ -83,30 +84,6 @@ SOFTPLUS_THRESHOLD = 20.0
 # ---------------------------------------------------------------------------------------------
 # the pieces of the math, each once
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def l2norm_head(y, mask, act_dtype: tl.constexpr, eps):
-    """A head's conv output y [BK] (float32) as q or k reach the recurrence: rounded to A (the
-    conv's output), l2-normalised in float32 (eps inside the root), rounded to A, back in float32.
-    y may also be [rows, BK]: each row is a head, normalised alone (the reduction is the last axis)."""
-    x = tl.where(mask, y.to(act_dtype).to(tl.float32), 0.0)
-    x = x * tl.math.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) + eps)
-    return x.to(act_dtype).to(tl.float32)
-
-
-@triton.jit
-def gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, heads, mask, stride_a_row, stride_a_head,
-           stride_b_row, stride_b_head, act_dtype: tl.constexpr, SOFTPLUS_MAX: tl.constexpr):
-    """(g, beta) of value heads `heads` at row `row`, in float32: g = -exp(A_log) * softplus(a +
-    dt_bias) computed in float32, beta = sigmoid(b) rounded to A."""
-    a = tl.load(a_ptr + row * stride_a_row + heads * stride_a_head, mask=mask, other=0.0).to(tl.float32)
-    x = a + tl.load(dt_bias_ptr + heads, mask=mask, other=0.0).to(tl.float32)
-    softplus = tl.where(x > SOFTPLUS_MAX, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_MAX))))
-    g = -tl.exp(tl.load(A_log_ptr + heads, mask=mask, other=0.0).to(tl.float32)) * softplus
-    b = tl.load(b_ptr + row * stride_b_row + heads * stride_b_head, mask=mask, other=0.0).to(tl.float32)
-    beta = tl.sigmoid(b).to(act_dtype).to(tl.float32)
-    return g, beta
 
 
 @triton.jit

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -79,7 +80,7 @@ __all__ = [
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
     "recurrent_verify", "short_conv_verify", "extend_config", "walk_recurrent_config",
     "CONV_EXTEND_BLOCK_T", "conv_extend_config", "conv_extend_rows_config", "conv_extend_takes_rows",
-    "short_conv_extend", "StepSnapshots", "history_strided",
+    "short_conv_extend", "StepSnapshots", "history_strided", "ConvQk", "conv_qk_fits", "l2norm_head", "gdn_gates",
 ]
 
 # How the log-decay is given (a constexpr of the kernel).
@@ -107,6 +108,33 @@ class ConvConfig:
     # The extend conv's layout: False the [token block, block_c] tile, True row streaming (one
     # row of block_c channels at a time, the window in registers; K <= 4). The decode conv has one.
     rows: bool = False
+
+
+class ConvQk(NamedTuple):
+    """A fused GDN layer's q / k l2norm and gates, which the extend conv may compute as it stores its
+    outputs (the fused op's `qk_gates`, kernels/gdn_fused.py, in the conv's launch): the conv's
+    channels are q | k | v, Hk x Dk each of q and k. Written: q, k [rows, Hk, Dk] (contiguous; the
+    conv's own q and k outputs are not stored), g [rows, Hv] float32 and beta [rows, Hv] (unit head
+    stride). Read: b, a [rows, Hv] (any row and head strides), A_log and dt_bias [Hv]. The constants
+    are the op's (gdn_fused.L2NORM_EPS, SOFTPLUS_THRESHOLD)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    b: torch.Tensor
+    a: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    l2_eps: float
+    softplus_max: float
+
+
+def conv_qk_fits(config: ConvConfig, key_dim: int) -> bool:
+    """Whether the extend conv's channel tile `config` can take `ConvQk`: whole heads of `key_dim`
+    channels a program (a head's l2norm is a reduction in one program; q and k start at channels
+    that are multiples of it)."""
+    return config.block_c % key_dim == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +352,34 @@ def conv_extend_rows_config(channels: int) -> ConvConfig:
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
+
+
+# The GDN mixer's q / k norm and gates, each once: the fused op's kernels (gdn_fused.py) and the
+# extend conv's epilogue for a fused GDN layer (`ConvQk`) compute them with these.
+
+
+@triton.jit
+def l2norm_head(y, mask, act_dtype: tl.constexpr, eps):
+    """A head's conv output y [BK] (float32) as q or k reach the recurrence: rounded to A (the
+    conv's output), l2-normalised in float32 (eps inside the root), rounded to A, back in float32.
+    y may also be [rows, BK]: each row is a head, normalised alone (the reduction is the last axis)."""
+    x = tl.where(mask, y.to(act_dtype).to(tl.float32), 0.0)
+    x = x * tl.math.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) + eps)
+    return x.to(act_dtype).to(tl.float32)
+
+
+@triton.jit
+def gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, heads, mask, stride_a_row, stride_a_head,
+           stride_b_row, stride_b_head, act_dtype: tl.constexpr, SOFTPLUS_MAX: tl.constexpr):
+    """(g, beta) of value heads `heads` at row `row`, in float32: g = -exp(A_log) * softplus(a +
+    dt_bias) computed in float32, beta = sigmoid(b) rounded to A."""
+    a = tl.load(a_ptr + row * stride_a_row + heads * stride_a_head, mask=mask, other=0.0).to(tl.float32)
+    x = a + tl.load(dt_bias_ptr + heads, mask=mask, other=0.0).to(tl.float32)
+    softplus = tl.where(x > SOFTPLUS_MAX, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_MAX))))
+    g = -tl.exp(tl.load(A_log_ptr + heads, mask=mask, other=0.0).to(tl.float32)) * softplus
+    b = tl.load(b_ptr + row * stride_b_row + heads * stride_b_head, mask=mask, other=0.0).to(tl.float32)
+    beta = tl.sigmoid(b).to(act_dtype).to(tl.float32)
+    return g, beta
 
 
 @triton.jit
@@ -727,6 +783,41 @@ def _conv_window(x_rows, hist_ptrs, w_ptr, offs_t, offs_c, m_out, m_c, stride_x_
 
 
 @triton.jit
+def _store_conv_rows(y, m, rows, offs_c, c0, out_ptr, stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps,
+                     QK: tl.constexpr, DK: tl.constexpr, R: tl.constexpr, BC: tl.constexpr):
+    """Store a [R, BC] tile of conv outputs y (float32) of rows `rows` and channels `offs_c` from c0:
+    into out, or with QK (a fused GDN layer's conv, `ConvQk`: channels q | k | v, the tile whole
+    heads of DK) each q and k head l2-normalised as the recurrence takes it (l2norm_head) into q or
+    k [rows, HKDK], the v channels into out."""
+    act = out_ptr.dtype.element_ty
+    dst = out_ptr + rows[:, None] * stride_o_row + offs_c[None, :]
+    if QK:
+        if c0 < 2 * HKDK:  # some of the tile's heads are q's or k's
+            normed = tl.reshape(l2norm_head(tl.reshape(y, (R, BC // DK, DK)), tl.reshape(m, (R, BC // DK, DK)), act,
+                                            l2_eps), (R, BC))
+            c = offs_c[None, :]
+            y = tl.where(c < 2 * HKDK, normed, y)
+            dst = tl.where(c < HKDK, q_ptr + rows[:, None] * stride_qk_row + c,
+                           tl.where(c < 2 * HKDK, k_ptr + rows[:, None] * stride_qk_row + (c - HKDK), dst))
+    tl.store(dst, y.to(act), mask=m)
+
+
+@triton.jit
+def _conv_rows_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, rows, m_rows, stride_a_row, stride_a_head,
+                     stride_b_row, stride_b_head, stride_g_row, stride_beta_row, HV: tl.constexpr, BG: tl.constexpr,
+                     SOFTPLUS_MAX: tl.constexpr):
+    """A fused GDN layer's gates of every value head at rows `rows` (gdn_gates), stored: what the
+    extend conv's first channel tile adds for `ConvQk`."""
+    heads = tl.arange(0, BG)
+    m = m_rows[:, None] & (heads < HV)[None, :]
+    act = beta_ptr.dtype.element_ty
+    g, beta = gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, rows[:, None], heads[None, :], m, stride_a_row,
+                        stride_a_head, stride_b_row, stride_b_head, act, SOFTPLUS_MAX)
+    tl.store(g_ptr + rows[:, None] * stride_g_row + heads[None, :], g, mask=m)
+    tl.store(beta_ptr + rows[:, None] * stride_beta_row + heads[None, :], beta.to(act), mask=m)
+
+
+@triton.jit
 def _conv_history(x_rows, hist_ptrs, n, cols, offs_c, m_col, stride_x_row, stride_s_k, KW: tl.constexpr):
     """[BC, HP] float32: the last K-1 inputs after the request's first n tokens, column q being input
     p = n - (K-1) + q: a token of x, or (fewer than K-1 tokens) old history column n + q."""
@@ -770,6 +861,8 @@ def _short_conv_extend_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr, snap_rows_ptr, snap_ids_ptr,
     snap_ptr, stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_s_k, stride_snap_slot,
     C, num_seqs,
+    q_ptr, k_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, stride_qk_row, stride_g_row,
+    stride_beta_row, stride_a_row, stride_a_head, stride_b_row, stride_b_head, HKDK, l2_eps,  # ConvQk's
     KW: tl.constexpr,  # kernel width K; the state holds the last K-1 inputs, oldest first
     HP: tl.constexpr,  # next power of two >= K-1: the history's columns in registers
     BT: tl.constexpr,  # tokens of a block (CONV_EXTEND_BLOCK_T), at least K-1
@@ -777,6 +870,7 @@ def _short_conv_extend_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     PAD_SLOT: tl.constexpr,
+    QK: tl.constexpr, DK: tl.constexpr, HV: tl.constexpr, BG: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,  # ConvQk's
 ):
     # blocks [NB, 2]: (request r, block j) covers tokens j*BT .. j*BT+BT-1 of request r, which are
     # rows bounds[r] + those of x and out; bounds [R+2] is cu_seqlens then the step's row count,
@@ -794,11 +888,15 @@ def _short_conv_extend_kernel(
     m_t = offs_t < n
     m_c = offs_c < C
     m_out = m_t[:, None] & m_c[None, :]
-    o_ptrs = out_ptr + (bos + offs_t)[:, None] * stride_o_row + offs_c[None, :]
+    if QK and c_tile == 0:  # the gates of the block's rows, once (a padding row's too, as qk_gates gives them)
+        _conv_rows_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, bos + offs_t, m_t, stride_a_row,
+                         stride_a_head, stride_b_row, stride_b_head, stride_g_row, stride_beta_row, HV=HV, BG=BG,
+                         SOFTPLUS_MAX=SOFTPLUS_MAX)
 
     if seq == num_seqs:
         # padding rows: their inputs may hold anything; they read nothing and come out zero.
-        tl.store(o_ptrs, tl.zeros([BT, BC], dtype=out_ptr.dtype.element_ty), mask=m_out)
+        _store_conv_rows(tl.zeros([BT, BC], dtype=tl.float32), m_out, bos + offs_t, offs_c, c_tile * BC, out_ptr,
+                         stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, R=BT, BC=BC)
     else:
         slot = tl.load(slots_ptr + seq).to(tl.int64)
         hist_ptrs = state_ptr + slot * stride_s_slot + offs_c * stride_s_c  # [BC]: column 0 of the history
@@ -815,7 +913,8 @@ def _short_conv_extend_kernel(
             acc += tl.load(bias_ptr + offs_c, mask=m_c, other=0.0).to(tl.float32)[None, :]
         if SILU:
             acc = acc * tl.sigmoid(acc)
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_out)
+        _store_conv_rows(acc, m_out, bos + offs_t, offs_c, c_tile * BC, out_ptr, stride_o_row, q_ptr, k_ptr,
+                         stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, R=BT, BC=BC)
         # The race on the slot's history: see _conv_new_history.
         if (j == 0) & (slot != PAD_SLOT):
             _conv_new_history(x_rows, hist_ptrs, snap_rows_ptr, snap_ids_ptr, snap_ptr, seq, n, offs_c, m_c,
@@ -848,6 +947,8 @@ def _short_conv_extend_rows_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr, bounds_ptr, blocks_ptr, snap_rows_ptr, snap_ids_ptr,
     snap_ptr, stride_x_row, stride_o_row, stride_w_c, stride_s_slot, stride_s_c, stride_s_k, stride_snap_slot,
     C, num_seqs,
+    q_ptr, k_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, stride_qk_row, stride_g_row,
+    stride_beta_row, stride_a_row, stride_a_head, stride_b_row, stride_b_head, HKDK, l2_eps,  # ConvQk's
     KW: tl.constexpr,  # kernel width K, 2 to 4: the K-1 earlier inputs live in p1, p2, p3
     HP: tl.constexpr,
     BT: tl.constexpr,
@@ -855,6 +956,7 @@ def _short_conv_extend_rows_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     PAD_SLOT: tl.constexpr,
+    QK: tl.constexpr, DK: tl.constexpr, HV: tl.constexpr, BG: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,  # ConvQk's
 ):
     """The extend conv streamed by rows: the tile kernel's table, grid and results, but a program
     walks its block's BT tokens one row of BC channels at a time, each row of x loaded once (the
@@ -873,15 +975,25 @@ def _short_conv_extend_rows_kernel(
     t0 = j * BT  # the block's first token within the request
     offs_c = c_tile * BC + tl.arange(0, BC)
     m_c = offs_c < C
-    o_rows = out_ptr + (bos + t0) * stride_o_row + offs_c
     # t0 as a [BC] vector: the interpreter takes no scalar in a mask, and a splat keeps the row
     # masks constant across a thread's channels (16-byte loads)
     t_c = tl.zeros([BC], dtype=tl.int64) + t0
+    if QK and c_tile == 0:  # the gates of the block's rows, once (a padding row's too, as qk_gates gives them)
+        offs_t = t0 + tl.arange(0, BT)
+        _conv_rows_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, bos + offs_t, offs_t < n,
+                         stride_a_row, stride_a_head, stride_b_row, stride_b_head, stride_g_row, stride_beta_row,
+                         HV=HV, BG=BG, SOFTPLUS_MAX=SOFTPLUS_MAX)
 
+    o_rows = out_ptr + (bos + t0) * stride_o_row + offs_c
     if seq == num_seqs:  # padding rows: read nothing, come out zero
         for t in tl.static_range(BT):
-            tl.store(o_rows + t * stride_o_row, tl.zeros([BC], dtype=out_ptr.dtype.element_ty),
-                     mask=m_c & (t_c + t < n))
+            if QK:  # zeros into q, k or out as the channels go (a row of [1, BC]: _store_conv_rows)
+                _store_conv_rows(tl.zeros([1, BC], dtype=tl.float32), (m_c & (t_c + t < n))[None, :],
+                                 tl.zeros([1], dtype=tl.int64) + (bos + t0 + t), offs_c, c_tile * BC, out_ptr,
+                                 stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, R=1, BC=BC)
+            else:
+                tl.store(o_rows + t * stride_o_row, tl.zeros([BC], dtype=out_ptr.dtype.element_ty),
+                         mask=m_c & (t_c + t < n))
     else:
         slot = tl.load(slots_ptr + seq).to(tl.int64)
         hist_ptrs = state_ptr + slot * stride_s_slot + offs_c * stride_s_c
@@ -925,7 +1037,12 @@ def _short_conv_extend_rows_kernel(
                 acc += bias
             if SILU:
                 acc = acc * tl.sigmoid(acc)
-            tl.store(o_rows + t * stride_o_row, acc.to(out_ptr.dtype.element_ty), mask=m_row)
+            if QK:
+                _store_conv_rows(acc[None, :], m_row[None, :], tl.zeros([1], dtype=tl.int64) + (bos + t0 + t),
+                                 offs_c, c_tile * BC, out_ptr, stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps,
+                                 QK=QK, DK=DK, R=1, BC=BC)
+            else:
+                tl.store(o_rows + t * stride_o_row, acc.to(out_ptr.dtype.element_ty), mask=m_row)
             p3 = p2
             p2 = p1
             p1 = x
@@ -1175,7 +1292,7 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
 def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                       conv_state: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, blocks: torch.Tensor,
                       silu: bool, what: str = "short_conv", config: ConvConfig | None = None,
-                      snapshots: StepSnapshots | None = None) -> None:
+                      snapshots: StepSnapshots | None = None, qk: ConvQk | None = None) -> None:
     """Causal depthwise conv over ragged requests, one launch: x, out [rows, C]; weight [C, K];
     bias [C] or None; conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rewritten in
     place for every request; slots [R] the requests' slots; bounds [R+2] int64 (cu_seqlens of the
@@ -1186,7 +1303,9 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     The host reads no device value: the table is planned once per step by the caller, and NB is
     its length. `snapshots`: the step's in-step snapshots of the history (StepSnapshots; None: none).
     `config`: the channel tile and layout (None: conv_extend_config's tile); a row-streaming one
-    (ConvConfig.rows, conv_extend_rows_config) takes kernel widths up to CONV_EXTEND_ROWS_MAX_K."""
+    (ConvConfig.rows, conv_extend_rows_config) takes kernel widths up to CONV_EXTEND_ROWS_MAX_K.
+    `qk`: a fused GDN layer's q / k norm and gates in the same launch (ConvQk; its tile must fit:
+    conv_qk_fits), `out` then holding the v channels alone."""
     rows, C = x.shape
     K = weight.shape[1] if weight.dim() == 2 else 0
     R = slots.shape[0]
@@ -1224,8 +1343,30 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     kernel[grid](
         x, weight, bias if bias is not None else weight, out, conv_state, slots, bounds, blocks, snap_rows, snap_ids,
         snap, x.stride(0), out.stride(0), weight.stride(0), *conv_state.stride(), snap.stride(0),
-        C, R,
+        C, R, *_conv_qk_args(qk, out, cfg, rows, C, what),
         KW=K, HP=max(2, next_pow2(K - 1)), BT=CONV_EXTEND_BLOCK_T, BC=cfg.block_c,
         HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
+        QK=qk is not None, DK=qk.q.shape[2] if qk is not None else 1,
+        HV=qk.g.shape[1] if qk is not None else 1, BG=next_pow2(qk.g.shape[1]) if qk is not None else 1,
+        SOFTPLUS_MAX=qk.softplus_max if qk is not None else 0.0,
         num_warps=cfg.num_warps,
     )
+
+
+def _conv_qk_args(qk: ConvQk | None, out: torch.Tensor, cfg: ConvConfig, rows: int, C: int, what: str) -> tuple:
+    """The extend conv kernels' ConvQk arguments, checked (placeholders without it: never read)."""
+    if qk is None:
+        return (out,) * 8 + (0,) * 7 + (0, 0.0)
+    T, hk, dk = qk.q.shape
+    hv = qk.g.shape[1]
+    ok = (qk.q.is_contiguous() and qk.k.shape == qk.q.shape and qk.k.is_contiguous() and T == rows
+          and qk.g.shape == (rows, hv) and qk.g.dtype == torch.float32 and qk.beta.shape == (rows, hv)
+          and qk.g.stride(1) == 1 and qk.beta.stride(1) == 1 and qk.b.shape == (rows, hv) and qk.a.shape == (rows, hv)
+          and qk.A_log.shape == (hv,) and qk.dt_bias.shape == (hv,) and C > 2 * hk * dk)
+    if not ok:
+        raise ValueError(f"{what}: the conv's q / k norm and gates take q, k [{rows}, Hk, Dk] contiguous and g, beta, "
+                         f"b, a [{rows}, Hv] within {C} channels; got q {tuple(qk.q.shape)}, g {tuple(qk.g.shape)}")
+    if not conv_qk_fits(cfg, dk):
+        raise ValueError(f"{what}: a channel tile of {cfg.block_c} does not hold whole key heads of {dk}: conv_qk_fits")
+    return (qk.q, qk.k, qk.g, qk.beta, qk.a, qk.b, qk.A_log, qk.dt_bias, hk * dk, qk.g.stride(0), qk.beta.stride(0),
+            qk.a.stride(0), qk.a.stride(1), qk.b.stride(0), qk.b.stride(1), hk * dk, float(qk.l2_eps))

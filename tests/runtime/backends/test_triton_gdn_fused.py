@@ -522,10 +522,51 @@ def test_the_norm_stays_apart_by_default_and_where_flashinfer_runs_the_core(monk
     assert modes == ["bounds", "slots", "slots"]
 
 
-def test_an_unknown_extend_norm_is_refused_naming_the_option():
+def qk_gates_launches(monkeypatch) -> list:
+    """One entry per qk_gates launch from here on."""
+    calls, real = [], GF.qk_gates
+
+    def counted(mixed, *args, **kwargs):
+        calls.append(mixed.shape[0])
+        return real(mixed, *args, **kwargs)
+
+    monkeypatch.setattr(GF, "qk_gates", counted)
+    return calls
+
+
+@in_process
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layer_id", [0, 2])
+def test_extend_steps_with_the_q_k_norm_and_gates_in_the_conv(layer_id, dtype, replayed, monkeypatch):
+    """extend_qk=in_conv (with the norm in the output kernel too): the extend, mixed and ragged
+    verify steps, whose conv tiles hold whole key heads at these dims, launch no qk_gates; the
+    uniform verify step and the decode step (two requests: the unfused kernels) still launch
+    qk_gates and the norm; outputs, padding rows and
+    states are the reference's (Case.step), eager and on a captured step's tables."""
+    calls = qk_gates_launches(monkeypatch)
+    modes = norm_launches(monkeypatch)
+    run_mode_steps(layer_id, dtype, backend_kwargs=dict(chunk_impl="triton", extend_qk="in_conv",
+                                                        extend_norm="in_output"), replayed=replayed)
+    assert calls == [12, 3], "only the uniform verify step (12 rows) and the decode step (3) run qk_gates"
+    assert modes == ["slots", "slots"]
+
+
+@in_process
+def test_a_conv_tile_that_would_split_a_key_head_keeps_qk_gates(monkeypatch):
+    """extend_qk=in_conv over key heads of 12 channels, which no power-of-two channel tile holds whole:
+    every step launches qk_gates as by default (the extend, mixed, uniform and ragged verify and decode
+    steps), with the reference's outputs and states."""
+    calls = qk_gates_launches(monkeypatch)
+    run_mode_steps(1, torch.float32, backend_kwargs=dict(chunk_impl="triton", extend_qk="in_conv"))
+    assert calls == [23, 10, 12, 5, 3]
+
+
+@pytest.mark.parametrize("option", ["extend_norm", "extend_qk"])
+def test_an_unknown_extend_fold_choice_is_refused_naming_the_option(option):
     pool, _ = gdn_pools({0: LAYERS[0]}, NUM_SLOTS, "cpu", 0, VERIFY)
-    with pytest.raises(ValueError, match="extend_norm must be one of"):
-        TritonLinearBackend(pool, fla=FakeFLA(), extend_norm="inside")
+    with pytest.raises(ValueError, match=f"{option} must be one of"):
+        TritonLinearBackend(pool, fla=FakeFLA(), **{option: "inside"})
 
 
 @in_process
@@ -785,3 +826,72 @@ def test_shapes_that_disagree_are_refused_naming_the_argument():
     p.norm_weight = p.norm_weight[:-1]
     with pytest.raises(ValueError, match="norm_weight"):
         fused_gdn(case.tri, decode_ctx([3], 1, DEVICE), x, p, out, 0, s, EPS)
+
+
+def conv_qk_launch(config, dtype, qk_in_conv: bool, seed: int = 40):
+    """One extend conv launch over a GDN layer's channels (Hk 2, Dk 16, Hv 4, Dv 16: q | k | v, 128
+    channels, K 4) for requests of 0, 1, 2, 70 and 33 tokens and 5 padding rows, then the q / k
+    norm and gates: in the conv's launch (ConvQk) or by qk_gates after it. Returns the outputs
+    (q, k, g, beta, the v channels, the histories) on the host."""
+    from runtime.backends.kernels.launch_math import token_blocks
+    from runtime.backends.kernels.linear import CONV_EXTEND_BLOCK_T, ConvQk, short_conv_extend
+
+    hk, dk, hv, dv, K = 2, 16, 4, 16, 4
+    C = 2 * hk * dk + hv * dv
+    g = torch.Generator().manual_seed(seed)
+    lens, pad = [0, 1, 2, 70, 33], 5
+    R, rows = len(lens), sum(lens) + pad
+    x = torch.randn(rows, C, generator=g).to(dtype)
+    x[sum(lens):] = float("nan")
+    w = (torch.randn(C, K, generator=g) * 0.5).to(dtype)
+    state = torch.randn(R + 2, C, K - 1, generator=g).to(dtype).to(DEVICE)
+    ba = torch.randn(rows, 2, hv + 3, generator=g).to(dtype)  # b and a as strided views of one projection
+    b, a = ba[:, 0, :hv].to(DEVICE), ba[:, 1, 1:hv + 1].to(DEVICE)
+    A_log, dt_bias = torch.randn(hv, generator=g).to(DEVICE), torch.randn(hv, generator=g).to(DEVICE)
+    bounds = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist(), rows], dtype=torch.int64, device=DEVICE)
+    blocks = torch.from_numpy(token_blocks(__import__("numpy").asarray(lens + [pad]), CONV_EXTEND_BLOCK_T))
+    mixed = torch.full((rows, C), float("nan"), dtype=dtype, device=DEVICE)
+    slots = torch.tensor([2, 5, 1, 4, 3], device=DEVICE)
+    if qk_in_conv:
+        q = torch.full((rows, hk, dk), float("nan"), dtype=dtype, device=DEVICE)
+        k = torch.full_like(q, float("nan"))
+        gate = torch.full((rows, hv), float("nan"), device=DEVICE)
+        beta = torch.full((rows, hv), float("nan"), dtype=dtype, device=DEVICE)
+        qk = ConvQk(q, k, gate, beta, b, a, A_log, dt_bias, GF.L2NORM_EPS, GF.SOFTPLUS_THRESHOLD)
+        short_conv_extend(x.to(DEVICE), w.to(DEVICE), None, mixed, state, slots, bounds, blocks.to(DEVICE), True,
+                          config=config, qk=qk)
+    else:
+        short_conv_extend(x.to(DEVICE), w.to(DEVICE), None, mixed, state, slots, bounds, blocks.to(DEVICE), True,
+                          config=config)
+        q, k, _, gate, beta = GF.qk_gates(mixed, b, a, A_log, dt_bias, GF.GdnDims(hk, hv, dk, dv, C, K))
+    host = lambda t: t.float().cpu()  # noqa: E731
+    return dict(q=host(q), k=host(k), g=host(gate), beta=host(beta), v=host(mixed[:, 2 * hk * dk:]),
+                history=host(state))
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["tile16", "tile64", "rows128"])
+def test_the_extend_conv_computes_the_q_k_norm_and_gates_as_qk_gates_does(layout, dtype):
+    """ConvQk: the extend conv's launch computes q and k l2-normalised and both gates, in the tile
+    layout (a head a program; q, k and v heads in one) and the row-streaming one (every channel in
+    one program), against the conv and qk_gates
+    after it: every row (padding rows' q and k zero, their gates from their b and a), the v channels
+    and the histories. The same values up to the order of a head's sum (bf16: a rounding step)."""
+    from runtime.backends.kernels.linear import ConvConfig
+
+    config = {"tile16": ConvConfig(16, 1), "tile64": ConvConfig(64, 2), "rows128": ConvConfig(128, 1, rows=True)}[layout]
+    got, want = conv_qk_launch(config, dtype, True), conv_qk_launch(config, dtype, False)
+    for name in want:
+        assert torch.isfinite(got[name]).all(), f"{name}: rows left unwritten"
+        err = rel_err(got[name], want[name])
+        assert err <= (1e-6 if dtype == torch.float32 else 1e-2), f"{name}: rel err {err:.2e}"
+    assert torch.equal(got["v"], want["v"]) and torch.equal(got["history"], want["history"])
+    assert got["q"][-5:].eq(0).all() and got["k"][-5:].eq(0).all()
+
+
+def test_the_extend_conv_refuses_a_tile_that_splits_a_key_head():
+    from runtime.backends.kernels.linear import ConvConfig, conv_qk_fits
+
+    assert conv_qk_fits(ConvConfig(128, 4), 128) and conv_qk_fits(ConvConfig(1024, 4, rows=True), 128)
+    assert not conv_qk_fits(ConvConfig(64, 2), 128)  # half a head
