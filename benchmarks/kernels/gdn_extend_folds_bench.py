@@ -7,9 +7,9 @@ JSON to --out.
 An extend step of a fused GDN layer on our kernels is the extend conv, `qk_gates` (the l2norm of q
 and k, both gates), the chunk kernels, then `gated_rmsnorm` (runtime/backends/kernels/gdn_fused.py).
 Two routing options of triton_linear fold the small launches into their neighbours:
-- extend_qk=in_conv: the conv normalises each q and k head and computes the gates as it stores its
+- qk_gates=in_conv: the conv normalises each q and k head and computes the gates as it stores its
   rows (`short_conv_extend(qk=...)`, kernels/linear.py `ConvQk`), so q and k are never stored
-  unnormalised and read back;
+  unnormalised and read back (the decode conv of a step of many requests takes it too: not timed here);
 - extend_norm=in_output: the chunk output kernel applies the norm as it stores each row
   (`chunk_extend(gated_norm=...)`, kernels/chunk.py `GatedNorm`), its programs a head's whole Dv
   row wide instead of the default tile's half of bench's 128 columns.
@@ -65,7 +65,7 @@ K = 4
 QK_TOL, NORM_TOL, SAME_TOL = 1e-2, 2e-2, 1e-2
 
 
-# -- extend_qk: the q / k norm and gates in the conv's launch -------------------------------------
+# -- qk_gates=in_conv: the q / k norm and gates in the conv's launch -------------------------------
 
 
 def conv_inputs(spec, lens: list[int], device, seed: int) -> dict:
@@ -155,7 +155,7 @@ def time_qk(spec, T: int, R: int, device, calls: int, replays: int) -> dict:
     return row
 
 
-# -- extend_norm: the gated norm in the chunk output kernel ---------------------------------------
+# -- extend_norm=in_output: the gated norm in the chunk output kernel -----------------------------
 
 
 def norm_inputs(T: int, hv: int, dv: int, device, seed: int) -> TC.GatedNorm:

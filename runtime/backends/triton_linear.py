@@ -468,14 +468,16 @@ SPLIT_DECODE = ("one_launch", "two_launches", "one_launch_early")
 # times it faster. Steps on FLA's or FlashInfer's kernels, or on the short-extend kernel, keep the
 # norm apart whatever this says.
 EXTEND_NORM = ("apart", "in_output")
-# extend_qk: where a fused GDN mixer's extend step computes its q / k l2norm and gates, "apart" (the
-# default: kernels/gdn_fused.py `qk_gates`, one launch after the conv) or "in_conv" (the extend conv
-# normalises each q and k head and its first channel tile computes the gates as it stores its rows:
-# kernels/linear.py `ConvQk`; one launch a layer fewer, and q and k's write and read as the conv's
-# outputs gone: at bench qwen3_next's 4096 tokens about 67 MB a layer, where qk_gates took 19 us a
-# layer on an H200). Where the conv's channel tile would split a key head (a short step's narrow
-# tiles: conv_qk_fits) the step keeps them apart. Not the default until a whole step times it faster.
-EXTEND_QK = ("apart", "in_conv")
+# qk_gates: where a fused GDN mixer's steps on its unfused kernels (extend and mixed steps, and
+# decode steps of more than kernels/gdn_fused.py ONE_LAUNCH_MAX_ROWS requests) compute its q / k
+# l2norm and gates: "apart" (the default: gdn_fused.py `qk_gates`, one launch after the conv) or
+# "in_conv" (the conv normalises each q and k head and its first channel tile computes the gates as
+# it stores its rows: kernels/linear.py `ConvQk`; one launch a layer fewer, and q and k's write and
+# read as the conv's outputs gone: at bench qwen3_next's 4096 tokens about 67 MB a layer, where
+# qk_gates took 19 us a layer on an H200, and about 3 us a layer at a decode of 128 requests). Where
+# the conv's channel tile would split a key head (a short extend's narrow tiles: conv_qk_fits) and
+# in verify steps they stay apart. Not the default until a whole step times it faster.
+QK_GATES = ("apart", "in_conv")
 
 
 class TritonLinearBackend(BackendHooks):
@@ -532,11 +534,11 @@ class TritonLinearBackend(BackendHooks):
         # kda_graph: KDA's long extends on FLA's graph form, captured at every size (KDA_GRAPH).
         # flashinfer_past: the step size past which chunk_impl=flashinfer takes FlashInfer's kernel.
         # extend_norm: the fused GDN mixer's gated norm in its own launch or in the chunk output
-        # kernel (EXTEND_NORM); extend_qk: its q / k norm and gates in their own launch or in the
-        # extend conv's (EXTEND_QK).
+        # kernel (EXTEND_NORM); qk_gates: its q / k norm and gates in their own launch or in the
+        # conv's (QK_GATES).
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
                  ("decode_tiles", DECODE_TILES), ("split_decode", SPLIT_DECODE), ("kda_graph", KDA_GRAPH),
-                 ("flashinfer_past", FLASHINFER_PAST), ("extend_norm", EXTEND_NORM), ("extend_qk", EXTEND_QK)),
+                 ("flashinfer_past", FLASHINFER_PAST), ("extend_norm", EXTEND_NORM), ("qk_gates", QK_GATES)),
         # (short_conv too: a GDN layer's conv shares its core's instance, and the choice leaves it as it is)
         choice_ops=(ChoiceScope("chunk_impl", "flashinfer", frozenset({"gdn_core", "gdn_fused", "short_conv"}),
                                 why="FlashInfer's prefill kernel is the gated delta rule's (GDN layers)"),),
@@ -565,7 +567,7 @@ class TritonLinearBackend(BackendHooks):
                  short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0],
                  snapshots=None, routed_ops: frozenset[str] | None = None, split_decode: str = SPLIT_DECODE[0],
                  kda_graph: str = KDA_GRAPH[0], flashinfer_past: int = int(FLASHINFER_PAST[0]), flashinfer=None,
-                 extend_norm: str = EXTEND_NORM[0], extend_qk: str = EXTEND_QK[0]):
+                 extend_norm: str = EXTEND_NORM[0], qk_gates: str = QK_GATES[0]):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
@@ -583,8 +585,9 @@ class TritonLinearBackend(BackendHooks):
         kernels and the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
         routing binds to this instance (None: any it supports), which say whether it may write them
         (`writes_step_snapshots`). `split_decode`, `kda_graph`, `flashinfer_past`, `extend_norm`,
-        `extend_qk`: the routing options of the same names. `flashinfer`: a callable standing in for FlashInfer's kernel launch
-        (kernels/flashinfer_gdn.GdnPrefill.launch; tests); None loads the library on first use."""
+        `qk_gates`: the routing options of the same names. `flashinfer`: a callable standing in for
+        FlashInfer's kernel launch (kernels/flashinfer_gdn.GdnPrefill.launch; tests); None loads the
+        library on first use."""
         if split_decode not in SPLIT_DECODE:
             raise ValueError(f"{self.name}: split_decode must be one of {SPLIT_DECODE}, not {split_decode!r}")
         self.merged_split = split_decode in ("one_launch", "one_launch_early")
@@ -601,9 +604,9 @@ class TritonLinearBackend(BackendHooks):
         if extend_norm not in EXTEND_NORM:
             raise ValueError(f"{self.name}: extend_norm must be one of {EXTEND_NORM}, not {extend_norm!r}")
         self.norm_in_output = extend_norm == "in_output"
-        if extend_qk not in EXTEND_QK:
-            raise ValueError(f"{self.name}: extend_qk must be one of {EXTEND_QK}, not {extend_qk!r}")
-        self.qk_in_conv = extend_qk == "in_conv"
+        if qk_gates not in QK_GATES:
+            raise ValueError(f"{self.name}: qk_gates must be one of {QK_GATES}, not {qk_gates!r}")
+        self.qk_in_conv = qk_gates == "in_conv"
         self.state_pool = state_pool
         self.device = state_pool.device
         self.recurrent_config = recurrent_config
@@ -666,7 +669,7 @@ class TritonLinearBackend(BackendHooks):
                 "kda_graph": options.get("kda_graph", KDA_GRAPH[0]),
                 "flashinfer_past": int(options.get("flashinfer_past", FLASHINFER_PAST[0])),
                 "extend_norm": options.get("extend_norm", EXTEND_NORM[0]),
-                "extend_qk": options.get("extend_qk", EXTEND_QK[0])}
+                "qk_gates": options.get("qk_gates", QK_GATES[0])}
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -1155,13 +1158,11 @@ class TritonLinearBackend(BackendHooks):
             return
         dims = fused.gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
         mixed = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        qk = self._conv_qk(qkv, b, a, A_log, dt_bias, dims) if self.qk_in_conv and path == "extend" else None
-        if qk is not None and self._conv_extend(ctx, qkv, conv_weight, None, mixed, layer_id, True, qk):
-            q, k, g, beta = qk.q, qk.k, qk.g, qk.beta  # extend_qk=in_conv: the conv's launch made them
+        qk = self._conv_qk(qkv, b, a, A_log, dt_bias, dims) if self.qk_in_conv else None
+        if self._short_conv(ctx, qkv, conv_weight, None, mixed, layer_id, True, qk):
+            q, k, g, beta = qk.q, qk.k, qk.g, qk.beta  # qk_gates=in_conv: the conv's launch made them
             v = mixed[:, 2 * dims.hk * dims.dk:].view(qkv.shape[0], dims.hv, dims.dv)
         else:
-            if qk is None:
-                self.short_conv(ctx, qkv, conv_weight, None, mixed, layer_id, True)
             q, k, v, g, beta = fused.qk_gates(mixed, b, a, A_log, dt_bias, dims)
         core = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         # extend_norm=in_output: our chunk kernels write the normalised rows into `out` themselves
@@ -1181,19 +1182,30 @@ class TritonLinearBackend(BackendHooks):
         T = qkv.shape[0]
         fused = _fused_kernels()
         q = torch.empty(T, dims.hk, dims.dk, dtype=qkv.dtype, device=qkv.device)
-        return _kernels().ConvQk(q, torch.empty_like(q), torch.empty(T, dims.hv, dtype=torch.float32, device=qkv.device),
-                                 torch.empty(T, dims.hv, dtype=qkv.dtype, device=qkv.device), b, a, A_log, dt_bias,
-                                 fused.L2NORM_EPS, fused.SOFTPLUS_THRESHOLD)
+        g = torch.empty(T, dims.hv, dtype=torch.float32, device=qkv.device)
+        beta = torch.empty(T, dims.hv, dtype=qkv.dtype, device=qkv.device)
+        return _kernels().ConvQk(q, torch.empty_like(q), g, beta, b, a, A_log, dt_bias, fused.L2NORM_EPS,
+                                 fused.SOFTPLUS_THRESHOLD)
 
     def short_conv(self, ctx, x, weight, bias, out, layer_id, silu):
         """The decode conv, or over a target-verify step its histories kept as the recurrent cores keep states."""
+        self._short_conv(ctx, x, weight, bias, out, layer_id, silu)
+
+    def _short_conv(self, ctx, x, weight, bias, out, layer_id, silu, qk=None) -> bool:
+        """short_conv; `qk` (kernels/linear.py ConvQk): a fused GDN layer's q / k norm and gates in the
+        conv's launch, which an extend or decode step takes where its channel tile holds whole key
+        heads (a verify step never). Whether it took them."""
         path, n = self._route(ctx, "short_conv", layer_id, x.shape[0])
         if path == "extend":
-            return self._conv_extend(ctx, x, weight, bias, out, layer_id, silu)
+            return self._conv_extend(ctx, x, weight, bias, out, layer_id, silu, qk)
         slots, state = self._step_slots(ctx), self._layer_state(layer_id, "conv")
         config = self.conv_config  # None: the launch's tile, one at every batch (fixed tiles need none of their own)
         if n == 1:
-            _kernels().short_conv_decode(x, weight, bias, out, state, slots, silu, config)
-            return
+            kernels = _kernels()
+            if qk is not None and not kernels.conv_qk_fits(config or kernels.conv_config(x.shape[1]), qk.q.shape[2]):
+                qk = None
+            kernels.short_conv_decode(x, weight, bias, out, state, slots, silu, config, qk=qk)
+            return qk is not None
         inter = self.state_pool.verify_layer(layer_id, n, slots.shape[0])["conv"]
         _kernels().short_conv_verify(x, weight, bias, out, state, slots, inter, n, silu, config)
+        return False

@@ -180,21 +180,23 @@ def test_extend_mixed_verify_match_the_unfused_ops(steps, chunk_impl, dtype):
             assert rel_err(got, want) <= STATE_TOL[dtype], f"{entry} intermediate states"
 
 
-EXTEND_FOLDS = {"norm": dict(extend_norm="in_output"), "qk": dict(extend_qk="in_conv"),
-                "both": dict(extend_norm="in_output", extend_qk="in_conv")}
+EXTEND_FOLDS = {"norm": dict(extend_norm="in_output"), "qk": dict(qk_gates="in_conv"),
+                "both": dict(extend_norm="in_output", qk_gates="in_conv")}
+# a decode step of 128 requests (the unfused kernels, whose conv takes qk_gates=in_conv too)
+FOLD_STEPS = {**EXTENDS, "decode_128": [(Mode.DECODE, [(1 + i, 20 + i, 1) for i in range(128)], 0, 0)]}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("folds", list(EXTEND_FOLDS))
-@pytest.mark.parametrize("steps", list(EXTENDS))
+@pytest.mark.parametrize("steps", list(FOLD_STEPS))
 def test_steps_with_the_extend_folds_match_the_unfused_ops(steps, folds, dtype):
     """extend_norm=in_output (the gated norm applied by the chunk output kernel, whole-row tiles) and
-    extend_qk=in_conv (the q / k norm and gates in the extend conv's launch), apart and together, at
-    the bench dims against the unfused ops on our chunk kernels."""
+    qk_gates=in_conv (the q / k norm and gates in the conv's launch: extend steps and a decode of 128
+    requests), apart and together, at the bench dims against the unfused ops on our chunk kernels."""
     fused, unfused, p = backends(dtype, seed=27, chunk_impl="triton", **EXTEND_FOLDS[folds])
     g = torch.Generator().manual_seed(28)
     touched = set()
-    for mode, reqs, pad_t, pad_s in EXTENDS[steps]:
+    for mode, reqs, pad_t, pad_s in FOLD_STEPS[steps]:
         ctx = step_ctx(mode, reqs, pad_t, pad_s, DEV)
         for backend in (fused, unfused):
             plan(backend, ctx)

@@ -1073,13 +1073,16 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
         ss_slot, ss_head, snap.stride(0), snap.stride(1), R,
         **common, BV=cfg.block_v, BR=_REQUEST_BLOCK, DELTA=delta, LOWP=lowp, PAD_SLOT=PADDING_SLOT, WALK=walk,
         BL=_live_block(R, walk), num_warps=cfg.num_warps, num_stages=cfg.state_stages)
-    out_bv, out_warps, z, norm_w, eps, round_y = cfg.out_block_v, cfg.out_warps, out, out, 0.0, False
+    out_bv, z, norm_w, eps, round_y = cfg.out_block_v, out, out, 0.0, False
     if gated_norm is not None:
         z, norm_w, eps = gated_norm
         assert z.shape == out.shape and z.stride(-1) == 1 and tuple(norm_w.shape) == (Dv,), (
             f"{op}: the gated norm's z {tuple(z.shape)} and weight {tuple(norm_w.shape)} for out {tuple(out.shape)}")
-        out_bv = max(SUB_T, next_pow2(Dv))  # the norm reduces a head's whole row in one program
-        out_warps = min(8, cfg.out_warps * max(1, out_bv // cfg.out_block_v))  # as many columns a warp
+        # The norm reduces a head's whole row in one program, on the tile's warps: compiled for sm90
+        # at bench qwen3_next's Dv of 128 (bf16, testkit/sm90.py), 4 warps take 230 registers a
+        # thread and an SM holds 2 programs (2 heads' rows), 8 warps 180 and 1; the default tile of
+        # 64 columns 154 and 3 (1.5 heads' rows). No spills in any.
+        out_bv = max(SUB_T, next_pow2(Dv))
         round_y = rounds_weighted_norm(norm_w, out)
     out_tiles = cdiv(Dv, out_bv)
     grid_rows, walk = _table_programs(num_chunks, chunk_rows, Hv * out_tiles, padded, q.device)
@@ -1088,4 +1091,4 @@ def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
         sq_r, sq_h, sk_r, sk_h, vp.stride(0), vp.stride(1), sg_r, sg_h, so_r, so_h, cs.stride(0), cs.stride(1),
         z.stride(0), z.stride(1), float(scale), float(eps), R, table_seqs, **common,
         KB=min(BK, cfg.out_key_block), BV=out_bv, LOWP=lowp, WALK=walk, BR=_live_block(table_seqs, walk),
-        NORM=gated_norm is not None, ROUND_Y=round_y, num_warps=out_warps)
+        NORM=gated_norm is not None, ROUND_Y=round_y, num_warps=cfg.out_warps)

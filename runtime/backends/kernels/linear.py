@@ -639,12 +639,15 @@ def _short_conv_decode_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, slots_ptr,
     stride_x_row, stride_o_row, stride_s_slot, stride_s_c, stride_s_k,
     C,
+    q_ptr, k_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, stride_qk_row, stride_g_row,
+    stride_beta_row, stride_a_row, stride_a_head, stride_b_row, stride_b_head, HKDK, l2_eps,  # ConvQk's
     KW: tl.constexpr,  # kernel width K (the weight's row stride); the state holds the last K-1 inputs, oldest first
     KWP: tl.constexpr,  # next power of two >= KW: the window's columns in registers
     BC: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     PAD_SLOT: tl.constexpr,
+    QK: tl.constexpr, DK: tl.constexpr, HV: tl.constexpr, BG: tl.constexpr, SOFTPLUS_MAX: tl.constexpr,  # ConvQk's
     USE_GDC: tl.constexpr,  # launched with PDL (pdl.py): it waits first
 ):
     pdl_wait(USE_GDC)
@@ -653,6 +656,12 @@ def _short_conv_decode_kernel(
     offs_c = c_tile * BC + tl.arange(0, BC)
     m_c = offs_c < C
     o_ptrs = out_ptr + row * stride_o_row + offs_c
+    rows = tl.zeros([1], dtype=tl.int64) + row  # the row as a [1] vector: ConvQk's stores take [R, BC] tiles
+    if QK:
+        if c_tile == 0:  # the row's gates (a padding row's too, as qk_gates gives them)
+            _conv_rows_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, rows, rows >= 0, stride_a_row,
+                             stride_a_head, stride_b_row, stride_b_head, stride_g_row, stride_beta_row, HV=HV, BG=BG,
+                             SOFTPLUS_MAX=SOFTPLUS_MAX)
 
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot != PAD_SLOT:
@@ -660,11 +669,19 @@ def _short_conv_decode_kernel(
         # measured for this tile (benchmarks/probes/conv_decode_probe.py `_channels_last_kernel`)
         y, new_hist = conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row,
                                   stride_s_slot, stride_s_c, stride_s_k, KW, KWP, HAS_BIAS, SILU)
-        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
+        if QK:  # q and k heads normalised into q and k, the v channels into out (_store_conv_rows)
+            _store_conv_rows(y[None, :], m_c[None, :], rows, offs_c, c_tile * BC, out_ptr, stride_o_row, q_ptr, k_ptr,
+                             stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, R=1, BC=BC)
+        else:
+            tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
         tl.debug_barrier()  # every load of the history before any store of it (conv_token says why)
         store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_s_c, stride_s_k, KW, KWP)
     else:
-        tl.store(o_ptrs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=m_c)
+        if QK:
+            _store_conv_rows(tl.zeros([1, BC], dtype=tl.float32), m_c[None, :], rows, offs_c, c_tile * BC, out_ptr,
+                             stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, R=1, BC=BC)
+        else:
+            tl.store(o_ptrs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=m_c)
 
 
 @triton.jit
@@ -888,10 +905,11 @@ def _short_conv_extend_kernel(
     m_t = offs_t < n
     m_c = offs_c < C
     m_out = m_t[:, None] & m_c[None, :]
-    if QK and c_tile == 0:  # the gates of the block's rows, once (a padding row's too, as qk_gates gives them)
-        _conv_rows_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, bos + offs_t, m_t, stride_a_row,
-                         stride_a_head, stride_b_row, stride_b_head, stride_g_row, stride_beta_row, HV=HV, BG=BG,
-                         SOFTPLUS_MAX=SOFTPLUS_MAX)
+    if QK:
+        if c_tile == 0:  # the gates of the block's rows, once (a padding row's too, as qk_gates gives them)
+            _conv_rows_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, bos + offs_t, m_t, stride_a_row,
+                             stride_a_head, stride_b_row, stride_b_head, stride_g_row, stride_beta_row, HV=HV, BG=BG,
+                             SOFTPLUS_MAX=SOFTPLUS_MAX)
 
     if seq == num_seqs:
         # padding rows: their inputs may hold anything; they read nothing and come out zero.
@@ -978,11 +996,12 @@ def _short_conv_extend_rows_kernel(
     # t0 as a [BC] vector: the interpreter takes no scalar in a mask, and a splat keeps the row
     # masks constant across a thread's channels (16-byte loads)
     t_c = tl.zeros([BC], dtype=tl.int64) + t0
-    if QK and c_tile == 0:  # the gates of the block's rows, once (a padding row's too, as qk_gates gives them)
-        offs_t = t0 + tl.arange(0, BT)
-        _conv_rows_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, bos + offs_t, offs_t < n,
-                         stride_a_row, stride_a_head, stride_b_row, stride_b_head, stride_g_row, stride_beta_row,
-                         HV=HV, BG=BG, SOFTPLUS_MAX=SOFTPLUS_MAX)
+    if QK:
+        if c_tile == 0:  # the gates of the block's rows, once (a padding row's too, as qk_gates gives them)
+            offs_t = t0 + tl.arange(0, BT)
+            _conv_rows_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, bos + offs_t, offs_t < n,
+                             stride_a_row, stride_a_head, stride_b_row, stride_b_head, stride_g_row, stride_beta_row,
+                             HV=HV, BG=BG, SOFTPLUS_MAX=SOFTPLUS_MAX)
 
     o_rows = out_ptr + (bos + t0) * stride_o_row + offs_c
     if seq == num_seqs:  # padding rows: read nothing, come out zero
@@ -1232,10 +1251,11 @@ def lightning_decode(q, k, v, decay, out, state, slots, scale, config=None) -> N
 
 def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                       conv_state: torch.Tensor, slots: torch.Tensor, silu: bool,
-                      config: ConvConfig | None = None) -> None:
+                      config: ConvConfig | None = None, qk: ConvQk | None = None) -> None:
     """Causal depthwise conv, one token per request: x, out [B,C]; weight [C,K]; bias [C] or None;
-    conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rolled in place; slots [B]."""
-    _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu, config, 1, None)
+    conv_state [slots+1, C, K-1] (last K-1 inputs, oldest first), rolled in place; slots [B].
+    `qk`: a fused GDN layer's q / k norm and gates in the same launch, as short_conv_extend takes it."""
+    _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu, config, 1, None, qk)
 
 
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -1250,8 +1270,9 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, config: ConvConfig | None, n: int,
-                       inter: torch.Tensor | None) -> None:
-    """short_conv_decode (n == 1, no intermediate histories) or short_conv_verify: checks, then one launch."""
+                       inter: torch.Tensor | None, qk: ConvQk | None = None) -> None:
+    """short_conv_decode (n == 1, no intermediate histories; ConvQk may come) or short_conv_verify:
+    checks, then one launch."""
     B, (rows, C), K = slots.shape[0], x.shape, weight.shape[1]
     _check_rows("short_conv", B, slots, x, weight, out, conv_state, *(() if inter is None else (inter,)))
     assert K >= 2, "short_conv: a kernel of width 1 keeps no state; it is not a decode conv"
@@ -1282,7 +1303,8 @@ def _short_conv_tokens(x, weight, bias, out, conv_state, slots, silu: bool, conf
                   PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps)
     b_t = bias if bias is not None else weight  # never read without HAS_BIAS
     if inter is None:
-        _SHORT_CONV_DECODE[grid](x, weight, b_t, out, conv_state, slots, *common, C, **consts,
+        _SHORT_CONV_DECODE[grid](x, weight, b_t, out, conv_state, slots, *common, C,
+                                 *_conv_qk_args(qk, out, cfg, rows, C, "short_conv"), **consts, **_conv_qk_consts(qk),
                                  **launch_args(x.device))
     else:
         _SHORT_CONV_VERIFY[grid](x, weight, b_t, out, conv_state, slots, inter, *common,
@@ -1346,11 +1368,16 @@ def short_conv_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         C, R, *_conv_qk_args(qk, out, cfg, rows, C, what),
         KW=K, HP=max(2, next_pow2(K - 1)), BT=CONV_EXTEND_BLOCK_T, BC=cfg.block_c,
         HAS_BIAS=bias is not None, SILU=bool(silu), PAD_SLOT=PADDING_SLOT,
-        QK=qk is not None, DK=qk.q.shape[2] if qk is not None else 1,
-        HV=qk.g.shape[1] if qk is not None else 1, BG=next_pow2(qk.g.shape[1]) if qk is not None else 1,
-        SOFTPLUS_MAX=qk.softplus_max if qk is not None else 0.0,
-        num_warps=cfg.num_warps,
+        **_conv_qk_consts(qk), num_warps=cfg.num_warps,
     )
+
+
+def _conv_qk_consts(qk: ConvQk | None) -> dict:
+    """The conv kernels' ConvQk constexprs (placeholders without it)."""
+    if qk is None:
+        return dict(QK=False, DK=1, HV=1, BG=1, SOFTPLUS_MAX=0.0)
+    return dict(QK=True, DK=qk.q.shape[2], HV=qk.g.shape[1], BG=next_pow2(qk.g.shape[1]),
+                SOFTPLUS_MAX=qk.softplus_max)
 
 
 def _conv_qk_args(qk: ConvQk | None, out: torch.Tensor, cfg: ConvConfig, rows: int, C: int, what: str) -> tuple:
@@ -1360,6 +1387,7 @@ def _conv_qk_args(qk: ConvQk | None, out: torch.Tensor, cfg: ConvConfig, rows: i
     T, hk, dk = qk.q.shape
     hv = qk.g.shape[1]
     ok = (qk.q.is_contiguous() and qk.k.shape == qk.q.shape and qk.k.is_contiguous() and T == rows
+          and qk.q.dtype == qk.k.dtype == out.dtype
           and qk.g.shape == (rows, hv) and qk.g.dtype == torch.float32 and qk.beta.shape == (rows, hv)
           and qk.g.stride(1) == 1 and qk.beta.stride(1) == 1 and qk.b.shape == (rows, hv) and qk.a.shape == (rows, hv)
           and qk.A_log.shape == (hv,) and qk.dt_bias.shape == (hv,) and C > 2 * hk * dk)

@@ -538,31 +538,31 @@ def qk_gates_launches(monkeypatch) -> list:
 @pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("layer_id", [0, 2])
-def test_extend_steps_with_the_q_k_norm_and_gates_in_the_conv(layer_id, dtype, replayed, monkeypatch):
-    """extend_qk=in_conv (with the norm in the output kernel too): the extend, mixed and ragged
-    verify steps, whose conv tiles hold whole key heads at these dims, launch no qk_gates; the
-    uniform verify step and the decode step (two requests: the unfused kernels) still launch
-    qk_gates and the norm; outputs, padding rows and
-    states are the reference's (Case.step), eager and on a captured step's tables."""
+def test_steps_with_the_q_k_norm_and_gates_in_the_conv(layer_id, dtype, replayed, monkeypatch):
+    """qk_gates=in_conv (with the norm in the output kernel too): the extend, mixed and ragged verify
+    steps and the decode step of two requests (the unfused kernels), whose conv tiles hold whole key
+    heads at these dims, launch no qk_gates; the uniform verify step does, and it and the decode
+    step launch the norm; outputs, padding rows and states are the reference's (Case.step), eager
+    and on a captured step's tables."""
     calls = qk_gates_launches(monkeypatch)
     modes = norm_launches(monkeypatch)
-    run_mode_steps(layer_id, dtype, backend_kwargs=dict(chunk_impl="triton", extend_qk="in_conv",
+    run_mode_steps(layer_id, dtype, backend_kwargs=dict(chunk_impl="triton", qk_gates="in_conv",
                                                         extend_norm="in_output"), replayed=replayed)
-    assert calls == [12, 3], "only the uniform verify step (12 rows) and the decode step (3) run qk_gates"
+    assert calls == [12], "only the uniform verify step (12 rows) runs qk_gates"
     assert modes == ["slots", "slots"]
 
 
 @in_process
 def test_a_conv_tile_that_would_split_a_key_head_keeps_qk_gates(monkeypatch):
-    """extend_qk=in_conv over key heads of 12 channels, which no power-of-two channel tile holds whole:
+    """qk_gates=in_conv over key heads of 12 channels, which no power-of-two channel tile holds whole:
     every step launches qk_gates as by default (the extend, mixed, uniform and ragged verify and decode
     steps), with the reference's outputs and states."""
     calls = qk_gates_launches(monkeypatch)
-    run_mode_steps(1, torch.float32, backend_kwargs=dict(chunk_impl="triton", extend_qk="in_conv"))
+    run_mode_steps(1, torch.float32, backend_kwargs=dict(chunk_impl="triton", qk_gates="in_conv"))
     assert calls == [23, 10, 12, 5, 3]
 
 
-@pytest.mark.parametrize("option", ["extend_norm", "extend_qk"])
+@pytest.mark.parametrize("option", ["extend_norm", "qk_gates"])
 def test_an_unknown_extend_fold_choice_is_refused_naming_the_option(option):
     pool, _ = gdn_pools({0: LAYERS[0]}, NUM_SLOTS, "cpu", 0, VERIFY)
     with pytest.raises(ValueError, match=f"{option} must be one of"):
