@@ -78,6 +78,18 @@ def compare(fused, unfused, p, ctx, dtype, g, slots_used, what: str, state_tol: 
         assert s_err <= (state_tol or STATE_TOL[dtype]), f"{what}: {entry} state rel err {s_err:.2e}"
 
 
+def run_steps(fused, unfused, p, steps, dtype, seed: int, what: str, state_tol: float | None = None) -> None:
+    """Each (mode, requests, padding rows, padding requests) step planned on both backends and compared."""
+    g = torch.Generator().manual_seed(seed)
+    touched = set()
+    for mode, reqs, pad_t, pad_s in steps:
+        ctx = step_ctx(mode, reqs, pad_t, pad_s, DEV)
+        for backend in (fused, unfused):
+            plan(backend, ctx)
+        touched |= {slot for slot, _, n in reqs if n}
+        compare(fused, unfused, p, ctx, dtype, g, touched, f"{what} {mode.value}", state_tol)
+
+
 def plan(backend, ctx) -> None:
     from runtime.backends.protocol import plan_eager_step
 
@@ -145,15 +157,8 @@ def test_flashinfer_steps_match_our_chunk_kernels(state_dtype):
 
     fused, unfused, p = backends(torch.bfloat16, seed=17, state_dtype=state_dtype, chunk_impl="flashinfer")
     unfused = TritonLinearBackend(unfused.state_pool, chunk_impl="triton")
-    g = torch.Generator().manual_seed(18)
-    touched = set()
-    for mode, reqs, pad_t, pad_s in FLASHINFER_STEPS:
-        ctx = step_ctx(mode, reqs, pad_t, pad_s, DEV)
-        for backend in (fused, unfused):
-            plan(backend, ctx)
-        touched |= {slot for slot, _, n in reqs if n}
-        compare(fused, unfused, p, ctx, torch.bfloat16, g, touched, f"flashinfer {mode.value} {state_dtype}",
-                FLASHINFER_STATE_TOL)
+    run_steps(fused, unfused, p, FLASHINFER_STEPS, torch.bfloat16, 18, f"flashinfer {state_dtype}",
+              FLASHINFER_STATE_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
@@ -163,16 +168,9 @@ def test_extend_mixed_verify_match_the_unfused_ops(steps, chunk_impl, dtype):
     if chunk_impl == "fla" and not _fla_available():
         pytest.skip("fla-core is not installed")
     fused, unfused, p = backends(dtype, seed=7, chunk_impl=chunk_impl)
-    g = torch.Generator().manual_seed(8)
-    touched = set()
-    for mode, reqs, pad_t, pad_s in EXTENDS[steps]:
-        ctx = step_ctx(mode, reqs, pad_t, pad_s, DEV)
-        for backend in (fused, unfused):
-            plan(backend, ctx)
-        touched |= {slot for slot, _, n in reqs if n}
-        fla_f32 = chunk_impl == "fla" and dtype == torch.float32
-        compare(fused, unfused, p, ctx, dtype, g, touched, f"{steps} {mode.value} {chunk_impl} {dtype}",
-                FLA_STATE_TOL_F32 if fla_f32 else None)
+    fla_f32 = chunk_impl == "fla" and dtype == torch.float32
+    run_steps(fused, unfused, p, EXTENDS[steps], dtype, 8, f"{steps} {chunk_impl} {dtype}",
+              FLA_STATE_TOL_F32 if fla_f32 else None)
     if steps == "verify_4x4":
         for entry in ("conv", "recurrent"):
             got = fused.state_pool.verify_buffers[0][entry][:4, :3]
@@ -194,14 +192,7 @@ def test_steps_with_the_extend_folds_match_the_unfused_ops(steps, folds, dtype):
     qk_gates=in_conv (the q / k norm and gates in the conv's launch: extend steps and a decode of 128
     requests), apart and together, at the bench dims against the unfused ops on our chunk kernels."""
     fused, unfused, p = backends(dtype, seed=27, chunk_impl="triton", **EXTEND_FOLDS[folds])
-    g = torch.Generator().manual_seed(28)
-    touched = set()
-    for mode, reqs, pad_t, pad_s in FOLD_STEPS[steps]:
-        ctx = step_ctx(mode, reqs, pad_t, pad_s, DEV)
-        for backend in (fused, unfused):
-            plan(backend, ctx)
-        touched |= {slot for slot, _, n in reqs if n}
-        compare(fused, unfused, p, ctx, dtype, g, touched, f"{steps} {mode.value} folds {folds} {dtype}")
+    run_steps(fused, unfused, p, FOLD_STEPS[steps], dtype, 28, f"{steps} folds {folds} {dtype}")
 
 
 def test_decode_graph_capture_and_replay_matches_eager():

@@ -478,16 +478,23 @@ def test_replayed_extend_steps_read_the_static_plan():
     run_mode_steps(0, torch.float32, backend_kwargs=dict(chunk_impl="triton"), replayed=True)
 
 
+def spy(monkeypatch, name: str, label) -> list:
+    """label(args, kwargs) of every call of gdn_fused's `name` from here on (the backend looks it up
+    in the module at each call)."""
+    seen, real = [], getattr(GF, name)
+
+    def counted(*args, **kwargs):
+        seen.append(label(args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(GF, name, counted)
+    return seen
+
+
 def norm_launches(monkeypatch) -> list:
-    """The modes of the steps that launch gdn_fused's gated norm kernel from here on."""
-    modes, real = [], GF.gated_rmsnorm
-
-    def counted(core, *args, **kwargs):
-        modes.append("slots" if kwargs.get("slots") is not None else "bounds")
-        return real(core, *args, **kwargs)
-
-    monkeypatch.setattr(GF, "gated_rmsnorm", counted)
-    return modes
+    """How each gated_rmsnorm launch from here on finds its padding rows: "slots" or "bounds"."""
+    return spy(monkeypatch, "gated_rmsnorm", lambda args, kwargs: "slots" if kwargs.get("slots") is not None
+               else "bounds")
 
 
 @in_process
@@ -523,15 +530,8 @@ def test_the_norm_stays_apart_by_default_and_where_flashinfer_runs_the_core(monk
 
 
 def qk_gates_launches(monkeypatch) -> list:
-    """One entry per qk_gates launch from here on."""
-    calls, real = [], GF.qk_gates
-
-    def counted(mixed, *args, **kwargs):
-        calls.append(mixed.shape[0])
-        return real(mixed, *args, **kwargs)
-
-    monkeypatch.setattr(GF, "qk_gates", counted)
-    return calls
+    """The rows of each qk_gates launch from here on."""
+    return spy(monkeypatch, "qk_gates", lambda args, kwargs: args[0].shape[0])
 
 
 @in_process
