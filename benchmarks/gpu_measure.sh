@@ -321,8 +321,10 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         # the GDN recurrence over bfloat16 states at 128 requests, the default tile against both sweeps (each
         # point checked against the CPU reference first): in the last step accounts (H200 at 89a83fb, H100 at
         # 33023b3) it took about the same time on both (0.87 / 0.93 ms), 61% of the H200's copy rate against 82%, so
-        # bytes in flight rather than bytes may bound it there: wider tiles, or tiles walked a few programs an SM
-        for sweep in tiles walk; do
+        # bytes in flight rather than bytes may bound it there. The walked tiles first: compiled for sm90, every
+        # one-tile program's tile holds 56 to 72 KiB of state an SM in registers, a walk of 3 stages about
+        # 144 KiB with its next tiles in shared memory (docs/DESIGN.md, "Recurrent states in bfloat16")
+        for sweep in walk tiles; do
             timeout 90 python3 benchmarks/kernels/gpu_linear_decode.py --out "$OUT/state_sweep/$sweep" --sweep $sweep \
                 --state-dtype bfloat16 --cases gdn --batches 128 --no-fla --no-pytest --budget-s 55 2>&1 | tail -8
         done ;;
