@@ -98,8 +98,9 @@
 #                bundle of its own, accounted: against the goals' bundle's account of the same call
 #   folds_ab     the fused GDN layer's folds (qk_gates=in_conv: its q / k norm and gates in the conv's launch, in
 #                extend steps and decodes of many requests; extend_norm=in_output: its gated norm in the chunk
-#                output kernel): gdn_extend_folds_bench.py (each fold's two ways checked, then timed at 512 / 2048 /
-#                4096 tokens and 4 x 1024), then one bundle with both (decode 1 and 128, extend 512 and 4096)
+#                output kernel; decode_norm=in_recurrence: in the decode recurrence of many requests):
+#                gdn_extend_folds_bench.py (each extend fold's two ways checked, then timed at 512 / 2048 / 4096
+#                tokens and 4 x 1024), then one bundle with all three (decode 1 and 128, extend 512 and 4096)
 #                accounted, as fi_past is
 #   state_sweep  gpu_linear_decode.py's GDN recurrence over bfloat16 states at 128 requests, the default tile
 #                against the sweeps of tiles and of walked tiles (each checked first): whether another card
@@ -311,7 +312,8 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         # kernel): the kernels alone (each checked first), then one bundle with both accounted, against the
         # goals' bundle's account of the same call
         timeout 180 python3 benchmarks/kernels/gdn_extend_folds_bench.py --out "$OUT/extend_folds" 2>&1 | tail -22
-        ROUTE="gdn_fused=triton_linear[extend_norm=in_output,qk_gates=in_conv]" BATCHES=1,128 EXTENDS=512,4096 \
+        ROUTE="gdn_fused=triton_linear[extend_norm=in_output,qk_gates=in_conv,decode_norm=in_recurrence]" \
+            BATCHES=1,128 EXTENDS=512,4096 \
             TAG=gdn_folds COMPILE_ARGS="$AB_BUNDLE" bash "$0" account_serving ;;
     fi_past)
         ROUTE="gdn_fused=triton_linear[chunk_impl=flashinfer,flashinfer_past=2048]" BATCHES=1 EXTENDS=512,4096 \

@@ -478,6 +478,14 @@ EXTEND_NORM = ("apart", "in_output")
 # the conv's channel tile would split a key head (a short extend's narrow tiles: conv_qk_fits) and
 # in verify steps they stay apart. Not the default until a whole step times it faster.
 QK_GATES = ("apart", "in_conv")
+# decode_norm: where a fused GDN mixer's decode steps on its unfused kernels (more than
+# kernels/gdn_fused.py ONE_LAUNCH_MAX_ROWS requests) apply its gated RMSNorm: "apart" (the default:
+# gdn_fused.py `gated_rmsnorm`, one launch after the recurrence) or "in_recurrence" (the decode
+# recurrence normalises each head's row as it stores it, its programs a head's whole Dv row on
+# kernels/linear.py `whole_row_config`'s tile in place of `recurrent_config`'s: one launch a layer
+# fewer, about 3 us a layer at a decode of 128 requests on an H200). Decode tiles pinned, fixed or
+# walked keep the norm apart. Not the default until a whole step times it faster.
+DECODE_NORM = ("apart", "in_recurrence")
 
 
 class TritonLinearBackend(BackendHooks):
@@ -535,10 +543,12 @@ class TritonLinearBackend(BackendHooks):
         # flashinfer_past: the step size past which chunk_impl=flashinfer takes FlashInfer's kernel.
         # extend_norm: the fused GDN mixer's gated norm in its own launch or in the chunk output
         # kernel (EXTEND_NORM); qk_gates: its q / k norm and gates in their own launch or in the
-        # conv's (QK_GATES).
+        # conv's (QK_GATES); decode_norm: its gated norm at decode in its own launch or in the
+        # recurrence's (DECODE_NORM).
         options=(("short_extend_tokens", SHORT_EXTEND_CHOICES), ("chunk_impl", CHUNK_IMPL_CHOICES),
                  ("decode_tiles", DECODE_TILES), ("split_decode", SPLIT_DECODE), ("kda_graph", KDA_GRAPH),
-                 ("flashinfer_past", FLASHINFER_PAST), ("extend_norm", EXTEND_NORM), ("qk_gates", QK_GATES)),
+                 ("flashinfer_past", FLASHINFER_PAST), ("extend_norm", EXTEND_NORM), ("qk_gates", QK_GATES),
+                 ("decode_norm", DECODE_NORM)),
         # (short_conv too: a GDN layer's conv shares its core's instance, and the choice leaves it as it is)
         choice_ops=(ChoiceScope("chunk_impl", "flashinfer", frozenset({"gdn_core", "gdn_fused", "short_conv"}),
                                 why="FlashInfer's prefill kernel is the gated delta rule's (GDN layers)"),),
@@ -567,7 +577,8 @@ class TritonLinearBackend(BackendHooks):
                  short_extend_tokens: int = 0, chunk_impl: str = "fla", decode_tiles: str = DECODE_TILES[0],
                  snapshots=None, routed_ops: frozenset[str] | None = None, split_decode: str = SPLIT_DECODE[0],
                  kda_graph: str = KDA_GRAPH[0], flashinfer_past: int = int(FLASHINFER_PAST[0]), flashinfer=None,
-                 extend_norm: str = EXTEND_NORM[0], qk_gates: str = QK_GATES[0]):
+                 extend_norm: str = EXTEND_NORM[0], qk_gates: str = QK_GATES[0],
+                 decode_norm: str = DECODE_NORM[0]):
         """`recurrent_config` / `conv_config` (triton_linear.RecurrentConfig / ConvConfig) pin a tile
         choice of the decode kernels, for benchmarks; None picks one per launch from the shapes.
         `fla`: a namespace with gdn / kda / simple_gla standing in for FLA's chunk functions (tests);
@@ -585,7 +596,7 @@ class TritonLinearBackend(BackendHooks):
         kernels and the extend conv write in-step snapshots into (None: caching off); `routed_ops`: the ops
         routing binds to this instance (None: any it supports), which say whether it may write them
         (`writes_step_snapshots`). `split_decode`, `kda_graph`, `flashinfer_past`, `extend_norm`,
-        `qk_gates`: the routing options of the same names. `flashinfer`: a callable standing in for
+        `qk_gates`, `decode_norm`: the routing options of the same names. `flashinfer`: a callable standing in for
         FlashInfer's kernel launch (kernels/flashinfer_gdn.GdnPrefill.launch; tests); None loads the
         library on first use."""
         if split_decode not in SPLIT_DECODE:
@@ -607,6 +618,9 @@ class TritonLinearBackend(BackendHooks):
         if qk_gates not in QK_GATES:
             raise ValueError(f"{self.name}: qk_gates must be one of {QK_GATES}, not {qk_gates!r}")
         self.qk_in_conv = qk_gates == "in_conv"
+        if decode_norm not in DECODE_NORM:
+            raise ValueError(f"{self.name}: decode_norm must be one of {DECODE_NORM}, not {decode_norm!r}")
+        self.norm_in_recurrence = decode_norm == "in_recurrence"
         self.state_pool = state_pool
         self.device = state_pool.device
         self.recurrent_config = recurrent_config
@@ -669,7 +683,8 @@ class TritonLinearBackend(BackendHooks):
                 "kda_graph": options.get("kda_graph", KDA_GRAPH[0]),
                 "flashinfer_past": int(options.get("flashinfer_past", FLASHINFER_PAST[0])),
                 "extend_norm": options.get("extend_norm", EXTEND_NORM[0]),
-                "qk_gates": options.get("qk_gates", QK_GATES[0])}
+                "qk_gates": options.get("qk_gates", QK_GATES[0]),
+                "decode_norm": options.get("decode_norm", DECODE_NORM[0])}
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -1164,9 +1179,12 @@ class TritonLinearBackend(BackendHooks):
             v = mixed[:, 2 * dims.hk * dims.dk:].view(qkv.shape[0], dims.hv, dims.dv)
         else:
             q, k, v, g, beta = fused.qk_gates(mixed, b, a, A_log, dt_bias, dims)
+        if path == "decode" and self._decode_with_norm(ctx, q, k, v, g, beta, z, norm_weight, out, layer_id, scale,
+                                                       eps):
+            return
         core = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         # extend_norm=in_output: our chunk kernels write the normalised rows into `out` themselves
-        norm = ((_chunk_kernels().GatedNorm(z, norm_weight, eps), out)
+        norm = ((_kernels().GatedNorm(z, norm_weight, eps), out)
                 if self.norm_in_output and path == "extend" else None)
         if self._gdn_core(ctx, q, k, v, g, beta, core, layer_id, scale, zero_padding=False, norm=norm):
             return
@@ -1175,6 +1193,18 @@ class TritonLinearBackend(BackendHooks):
         else:  # padding rows: from the bounds of the plan gdn_core ran on
             plan = self._extend_plan(self._step_plan(ctx), "gdn_core")
             fused.gated_rmsnorm(core, z, norm_weight, out, eps, bounds=plan.padded_bounds)
+
+    def _decode_with_norm(self, ctx, q, k, v, g, beta, z, norm_weight, out, layer_id, scale, eps) -> bool:
+        """decode_norm=in_recurrence: a fused GDN layer's decode recurrence and gated norm in one
+        launch on whole-row tiles (kernels/linear.py recurrent_decode's gated_norm); False (nothing
+        run) without the option or where the decode tiles are pinned, fixed or walked."""
+        if not self.norm_in_recurrence or self.recurrent_config is not None or self.fixed_tiles or self.walk_tiles:
+            return False
+        kernels = _kernels()
+        kernels.recurrent_decode(q, k, v, g, beta, out, self._layer_state(layer_id, "recurrent"), self._step_slots(ctx),
+                                 scale, kernels.GATE_PER_HEAD, kernels.whole_row_config(q.shape[2], v.shape[2]),
+                                 gated_norm=kernels.GatedNorm(z, norm_weight, eps))
+        return True
 
     @staticmethod
     def _conv_qk(qkv, b, a, A_log, dt_bias, dims):

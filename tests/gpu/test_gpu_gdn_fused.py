@@ -178,8 +178,8 @@ def test_extend_mixed_verify_match_the_unfused_ops(steps, chunk_impl, dtype):
             assert rel_err(got, want) <= STATE_TOL[dtype], f"{entry} intermediate states"
 
 
-EXTEND_FOLDS = {"norm": dict(extend_norm="in_output"), "qk": dict(qk_gates="in_conv"),
-                "both": dict(extend_norm="in_output", qk_gates="in_conv")}
+EXTEND_FOLDS = {"norm": dict(extend_norm="in_output", decode_norm="in_recurrence"), "qk": dict(qk_gates="in_conv"),
+                "all": dict(extend_norm="in_output", qk_gates="in_conv", decode_norm="in_recurrence")}
 # a decode step of 128 requests (the unfused kernels, whose conv takes qk_gates=in_conv too)
 FOLD_STEPS = {**EXTENDS, "decode_128": [(Mode.DECODE, [(1 + i, 20 + i, 1) for i in range(128)], 0, 0)]}
 
@@ -188,9 +188,10 @@ FOLD_STEPS = {**EXTENDS, "decode_128": [(Mode.DECODE, [(1 + i, 20 + i, 1) for i 
 @pytest.mark.parametrize("folds", list(EXTEND_FOLDS))
 @pytest.mark.parametrize("steps", list(FOLD_STEPS))
 def test_steps_with_the_extend_folds_match_the_unfused_ops(steps, folds, dtype):
-    """extend_norm=in_output (the gated norm applied by the chunk output kernel, whole-row tiles) and
-    qk_gates=in_conv (the q / k norm and gates in the conv's launch: extend steps and a decode of 128
-    requests), apart and together, at the bench dims against the unfused ops on our chunk kernels."""
+    """extend_norm=in_output and decode_norm=in_recurrence (the gated norm applied by the chunk output
+    kernel and by the decode recurrence, whole-row tiles) and qk_gates=in_conv (the q / k norm and
+    gates in the conv's launch: extend steps and a decode of 128 requests), apart and together, at
+    the bench dims against the unfused ops on our chunk kernels."""
     fused, unfused, p = backends(dtype, seed=27, chunk_impl="triton", **EXTEND_FOLDS[folds])
     run_steps(fused, unfused, p, FOLD_STEPS[steps], dtype, 28, f"{steps} folds {folds} {dtype}")
 

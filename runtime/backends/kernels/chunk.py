@@ -151,17 +151,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from runtime.backends.kernels.gdn_fused import gated_norm_head, rounds_weighted_norm
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2, triton_interpreted
 from runtime.backends.kernels.sm_count import num_sms
-from runtime.backends.kernels.linear import GATE_PER_CHANNEL, OP_OF_GATE, StepSnapshots, _check_rows, _recurrent_args
+from runtime.backends.kernels.linear import (GATE_PER_CHANNEL, OP_OF_GATE, GatedNorm, StepSnapshots, _check_rows,
+                                            _recurrent_args, gated_norm_head, rounds_weighted_norm)
 from runtime.cache.state_pool import PADDING_SLOT
 
 __all__ = ["CHUNK_T", "SUB_T", "ChunkConfig", "ChunkWorkspaces", "chunk_length", "takes_short_tiles", "chunk_config", "chunk_workspace",
@@ -947,16 +946,6 @@ def _output_chunk(chunk, head, v_tile, q_ptr, k_ptr, vp_ptr, g_ptr, cs_ptr, out_
 _CHUNK_SOLVE = Launcher(_chunk_solve_kernel)
 _CHUNK_STATE = Launcher(_chunk_state_kernel)
 _CHUNK_OUTPUT = Launcher(_chunk_output_kernel)
-
-
-class GatedNorm(NamedTuple):
-    """The gated RMSNorm a GDN mixer applies to its core's outputs (kernels/gdn_fused.py
-    `gated_rmsnorm`), for the output kernel to apply as it stores them: z [rows, Hv, Dv] (unit last
-    stride), the norm's weight [Dv] and its epsilon."""
-
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
 
 
 def chunk_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, beta: torch.Tensor | None,

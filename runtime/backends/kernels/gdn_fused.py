@@ -62,8 +62,8 @@ import triton.language as tl
 from runtime.backends.kernels.arrivals import arrival_counters, last_to_arrive
 from runtime.backends.kernels.launch_cache import Launcher
 from runtime.backends.kernels.launch_math import cdiv, next_pow2
-from runtime.backends.kernels.linear import (conv_rolled, conv_token, gdn_gates, history_strided, l2norm_head,
-                                            scalar_decay_step, store_history)
+from runtime.backends.kernels.linear import (conv_rolled, conv_token, gated_norm_head, gdn_gates, history_strided,
+                                            l2norm_head, rounds_weighted_norm, scalar_decay_step, store_history)
 from runtime.backends.kernels.pdl import launch_args, pdl_wait
 from runtime.backends.kernels.sm_count import num_sms
 from runtime.cache.state_pool import PADDING_SLOT, STATE_DTYPES, STATE_TORCH_DTYPES
@@ -72,7 +72,7 @@ __all__ = ["BLOCK_ROWS", "L2NORM_EPS", "SOFTPLUS_THRESHOLD", "SPLIT_DECODE_MAX_R
            "gdn_dims",
            "decode_launches", "gdn_fused_decode", "default_v_blocks", "MIN_VALUE_BLOCK", "SplitScratch",
            "split_scratch", "qk_gates", "gated_rmsnorm",
-           "decode_warps", "rounds_weighted_norm", "l2norm_head", "gdn_gates", "gated_norm_head"]
+           "decode_warps"]
 
 # The l2norm's epsilon (inside the root), a constant of the op: the models' l2norm (FLA's and
 # transformers' too); the op's `eps` argument is the gated RMSNorm's.
@@ -84,20 +84,6 @@ SOFTPLUS_THRESHOLD = 20.0
 # ---------------------------------------------------------------------------------------------
 # the pieces of the math, each once
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def gated_norm_head(core, z, weight, mask, eps, DV: tl.constexpr, act_dtype: tl.constexpr, ROUND_Y: tl.constexpr):
-    """GatedRMSNorm.forward of one value head: core [BV] (float32 of an A value), z and weight
-    [BV] in float32 -> the output in float32 (the caller rounds it to A). ROUND_Y: weight * norm
-    is rounded to A (torch's product of an A weight and the A norm); else it stays float32. core
-    and z may also be [rows, BV] (weight still [BV]): each row a head, normalised alone."""
-    x = tl.where(mask, core, 0.0)
-    normed = (x * tl.math.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / DV + eps)).to(act_dtype).to(tl.float32)
-    y = weight * normed
-    if ROUND_Y:
-        y = y.to(act_dtype).to(tl.float32)
-    return y * (z * tl.sigmoid(z))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,11 +470,6 @@ def gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_head
     if problems:
         raise ValueError(f"{what}: " + "; ".join(problems))
     return GdnDims(Hk, Hv, Dk, Dv, C, K)
-
-
-def rounds_weighted_norm(norm_weight: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether torch rounds norm_weight * norm (the norm in out's dtype) to out's dtype."""
-    return torch.promote_types(norm_weight.dtype, out.dtype) == out.dtype
 
 
 def decode_warps(dk: int, dv: int) -> int:

@@ -76,11 +76,12 @@ from runtime.cache.state_pool import PADDING_SLOT, STATE_DTYPES, STATE_TORCH_DTY
 
 __all__ = [
     "GATE_PER_HEAD", "GATE_PER_CHANNEL", "GATE_CONSTANT",
-    "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config",
+    "RecurrentConfig", "ConvConfig", "recurrent_config", "conv_config", "fixed_recurrent_config", "whole_row_config",
     "gdn_decode", "kda_decode", "lightning_decode", "short_conv_decode", "recurrent_decode", "recurrent_extend",
     "recurrent_verify", "short_conv_verify", "extend_config", "walk_recurrent_config",
     "CONV_EXTEND_BLOCK_T", "conv_extend_config", "conv_extend_rows_config", "conv_extend_takes_rows",
-    "short_conv_extend", "StepSnapshots", "history_strided", "ConvQk", "conv_qk_fits", "l2norm_head", "gdn_gates",
+    "short_conv_extend", "StepSnapshots", "history_strided", "ConvQk", "conv_qk_fits", "GatedNorm", "l2norm_head",
+    "gdn_gates", "gated_norm_head", "rounds_weighted_norm",
 ]
 
 # How the log-decay is given (a constexpr of the kernel).
@@ -108,6 +109,22 @@ class ConvConfig:
     # The extend conv's layout: False the [token block, block_c] tile, True row streaming (one
     # row of block_c channels at a time, the window in registers; K <= 4). The decode conv has one.
     rows: bool = False
+
+
+def rounds_weighted_norm(norm_weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether torch rounds norm_weight * norm (the norm in out's dtype) to out's dtype."""
+    return torch.promote_types(norm_weight.dtype, out.dtype) == out.dtype
+
+
+class GatedNorm(NamedTuple):
+    """The gated RMSNorm a GDN mixer applies to its core's outputs (kernels/gdn_fused.py
+    `gated_rmsnorm`), for a kernel that makes them to apply as it stores them (the chunk output
+    kernel, kernels/chunk.py; the decode recurrence): z [rows, Hv, Dv] (unit last stride), the
+    norm's weight [Dv] and its epsilon."""
+
+    z: torch.Tensor
+    weight: torch.Tensor
+    eps: float
 
 
 class ConvQk(NamedTuple):
@@ -205,6 +222,16 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
     per_thread = 64 if block_v == 64 else 32  # state floats a thread
     num_warps = max(1, min(8, next_pow2(dk) * block_v // (32 * per_thread)))
     return RecurrentConfig(block_v, num_warps)
+
+
+def whole_row_config(dk: int, dv: int) -> RecurrentConfig:
+    """A decode tile of a head's whole Dv row (what `recurrent_decode`'s gated norm needs), warps as
+    `recurrent_config` gives a tile of 64 columns: about 64 state floats a thread (8 warps at Dk = Dv
+    = 128). Compiled for sm90 at those dims over bfloat16 states: 127 registers, 2 programs an SM,
+    the same 64 KiB of state in flight an SM as the default tile's 4 programs of 64 columns
+    (docs/DESIGN.md, "Recurrent states in bfloat16")."""
+    block_v = next_pow2(dv)
+    return RecurrentConfig(block_v, max(1, min(8, next_pow2(dk) * block_v // (32 * 64))))
 
 
 # The decode conv's tile: this many channels a program, on a warp per this many (8 channels a thread:
@@ -354,8 +381,9 @@ def conv_extend_rows_config(channels: int) -> ConvConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-# The GDN mixer's q / k norm and gates, each once: the fused op's kernels (gdn_fused.py) and the
-# extend conv's epilogue for a fused GDN layer (`ConvQk`) compute them with these.
+# The GDN mixer's q / k norm, gates and gated output norm, each once: the fused op's kernels
+# (gdn_fused.py), the conv kernels' epilogue for a fused GDN layer (`ConvQk`) and the recurrence's and
+# chunk output kernel's (`GatedNorm`) compute them with these.
 
 
 @triton.jit
@@ -380,6 +408,20 @@ def gdn_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, row, heads, mask, stride_a_r
     b = tl.load(b_ptr + row * stride_b_row + heads * stride_b_head, mask=mask, other=0.0).to(tl.float32)
     beta = tl.sigmoid(b).to(act_dtype).to(tl.float32)
     return g, beta
+
+
+@triton.jit
+def gated_norm_head(core, z, weight, mask, eps, DV: tl.constexpr, act_dtype: tl.constexpr, ROUND_Y: tl.constexpr):
+    """GatedRMSNorm.forward of one value head: core [BV] (float32 of an A value), z and weight
+    [BV] in float32 -> the output in float32 (the caller rounds it to A). ROUND_Y: weight * norm
+    is rounded to A (torch's product of an A weight and the A norm); else it stays float32. core
+    and z may also be [rows, BV] (weight still [BV]): each row a head, normalised alone."""
+    x = tl.where(mask, core, 0.0)
+    normed = (x * tl.math.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / DV + eps)).to(act_dtype).to(tl.float32)
+    y = weight * normed
+    if ROUND_Y:
+        y = y.to(act_dtype).to(tl.float32)
+    return y * (z * tl.sigmoid(z))
 
 
 @triton.jit
@@ -470,6 +512,7 @@ def _recurrent_decode_kernel(
     stride_g_row, stride_g_head, stride_b_row, stride_b_head, stride_o_row, stride_o_head,
     stride_s_slot, stride_s_head,
     scale,
+    z_ptr, norm_w_ptr, stride_z_row, stride_z_head, eps,  # GatedNorm's
     GROUP: tl.constexpr,  # value heads per key head (Hv // Hk)
     DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr,  # next power of two >= DK: the whole key dimension sits in one program
@@ -477,6 +520,7 @@ def _recurrent_decode_kernel(
     GATE: tl.constexpr,  # GATE_PER_HEAD / GATE_PER_CHANNEL / GATE_CONSTANT
     DELTA: tl.constexpr,  # delta rule with beta (GDN, KDA) or plain outer product (Lightning)
     PAD_SLOT: tl.constexpr,
+    NORM: tl.constexpr, ROUND_Y: tl.constexpr,  # GatedNorm: the head's output normalised (BV >= DV)
     USE_GDC: tl.constexpr,  # launched with PDL (pdl.py): everything it reads is the step's, so it waits first
 ):
     pdl_wait(USE_GDC)
@@ -497,7 +541,12 @@ def _recurrent_decode_kernel(
                        m_k[:, None] & m_v[None, :], stride_q_row, stride_q_head, stride_k_row, stride_k_head,
                        stride_v_row, stride_v_head, stride_g_row, stride_g_head, stride_b_row, stride_b_head,
                        stride_s_slot, stride_s_head, scale, GROUP=GROUP, DV=DV, GATE=GATE, DELTA=DELTA)
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_v)
+        act = out_ptr.dtype.element_ty
+        if NORM:  # the core as the unfused op stores it, then its gated norm (the program holds the whole row)
+            z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + offs_v, mask=m_v, other=0.0)
+            weight = tl.load(norm_w_ptr + offs_v, mask=m_v, other=0.0).to(tl.float32)
+            o = gated_norm_head(o.to(act).to(tl.float32), z.to(tl.float32), weight, m_v, eps, DV, act, ROUND_Y)
+        tl.store(o_ptrs, o.to(act), mask=m_v)
     else:
         # padding row: its inputs may hold anything; it reads nothing and writes zeros.
         tl.store(o_ptrs, tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=m_v)
@@ -1139,12 +1188,17 @@ def _recurrent_args(op: str, q, k, v, gate, beta, out, state, gate_kind: int, ro
 
 def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
                      beta: torch.Tensor | None, out: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                     scale: float, gate_kind: int, config: RecurrentConfig | None = None) -> None:
+                     scale: float, gate_kind: int, config: RecurrentConfig | None = None,
+                     gated_norm: GatedNorm | None = None) -> None:
     """One decode step of the gated (delta-rule) recurrence over the slot-indexed pool, in place.
 
     q, k [B, Hk, Dk]; v, out [B, Hv, Dv]; gate [B, Hv] / [B, Hv, Dk] / [Hv] by gate_kind; beta [B, Hv]
     or None (no delta rule); state [num_slots+1, Hv, Dk, Dv] float32 or bfloat16 (STATE_DTYPES: read
     into float32, the new state rounded to it); slots [B] int64.
+
+    `gated_norm` (GatedNorm; one program a tile that holds the whole Dv row, not walked): `out`
+    receives GatedRMSNorm(core, z) instead of the core (a fused GDN layer's norm in the recurrence's
+    launch: the values of gdn_fused's `gated_rmsnorm` over the core rounded to out's dtype).
     """
     op = OP_OF_GATE[gate_kind]
     B = q.shape[0]
@@ -1157,6 +1211,14 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     # A tile smaller than the program's threads would only replicate elements across them.
     assert next_pow2(Dk) * cfg.block_v >= 32 * cfg.num_warps, f"{op}: {cfg} leaves threads idle"
     b_t = beta if beta is not None else gate  # never read without DELTA; any valid pointer will do
+    z, norm_w, eps, round_y = out, out, 0.0, False
+    if gated_norm is not None:
+        z, norm_w, eps = gated_norm
+        if cfg.walk or cfg.block_v < Dv or z.shape != out.shape or z.stride(-1) != 1 or norm_w.shape != (Dv,):
+            raise ValueError(f"{op}: the gated norm takes one program a whole Dv row ({Dv} columns, not walked; "
+                             f"{cfg}) and z {tuple(out.shape)} with a unit last stride, weight [{Dv}]; got z "
+                             f"{tuple(z.shape)}, weight {tuple(norm_w.shape)}")
+        round_y = rounds_weighted_norm(norm_w, out)
     if cfg.walk:
         n_tiles = B * Hv * cdiv(Dv, cfg.block_v)
         grid = (min(n_tiles, cfg.walk * num_sms(q.device)),)
@@ -1165,8 +1227,10 @@ def recurrent_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
                               num_warps=cfg.num_warps, **launch_args(q.device))
         return
     grid = (B, Hv, cdiv(Dv, cfg.block_v))
-    _RECURRENT_DECODE[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), **consts,
-                            BV=cfg.block_v, PAD_SLOT=PADDING_SLOT, num_warps=cfg.num_warps, **launch_args(q.device))
+    _RECURRENT_DECODE[grid](q, k, v, gate, b_t, out, state, slots, *strides, float(scale), z, norm_w, z.stride(0),
+                            z.stride(1), float(eps), **consts, BV=cfg.block_v, PAD_SLOT=PADDING_SLOT,
+                            NORM=gated_norm is not None, ROUND_Y=round_y, num_warps=cfg.num_warps,
+                            **launch_args(q.device))
 
 
 def recurrent_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,

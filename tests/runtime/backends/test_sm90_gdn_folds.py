@@ -1,8 +1,8 @@
 """The GDN layer's folded kernels compiled for sm90 without a GPU (testkit/sm90.py).
 
 The folds (the q / k norm and gates in the conv's launch, kernels/linear.py `ConvQk`, in the extend
-conv's two layouts and the decode conv; the gated norm in the chunk output kernel, kernels/chunk.py
-`GatedNorm`) run in Triton's interpreter in the CPU tests, which executes Python and so cannot tell
+conv's two layouts and the decode conv; the gated norm in the chunk output kernel and in the decode
+recurrence, kernels/linear.py `GatedNorm`) run in Triton's interpreter in the CPU tests, which executes Python and so cannot tell
 whether the compiler takes them (a value defined in one branch only, a select between pointers,
 a reshape of a mask). Here each launch of bench qwen3_next's dims (Hk 16, Hv 32, Dk = Dv = 128, the
 conv's 8192 channels, K 4, bf16), recorded under the interpreter at the launch sites, is compiled for
@@ -68,11 +68,19 @@ def fold_launches() -> dict[str, Launch]:
                         _bf16(T, HV, DV), _bf16(2, HV, DK, DV), torch.tensor([1]), torch.tensor([0, T]), chunks,
                         DK ** -0.5, TL.GATE_PER_HEAD, gated_norm=gated)
 
+    def recurrence_with_norm(B: int) -> None:
+        gated = TL.GatedNorm(_bf16(B, HV, DV + 64)[..., :DV], _bf16(DV), 1e-6)
+        TL.recurrent_decode(_bf16(B, HK, DK), _bf16(B, HK, DK), _bf16(B, HV, DV), torch.empty(B, HV), _bf16(B, HV),
+                            _bf16(B, HV, DV), _bf16(B + 1, HV, DK, DV), torch.arange(B), DK ** -0.5, TL.GATE_PER_HEAD,
+                            TL.whole_row_config(DK, DV), gated_norm=gated)
+
     tile, rows = record(lambda: [conv_extend(4096, TL.conv_extend_config(129, C, torch.device("cpu"))),
                                  conv_extend(4096, TL.conv_extend_rows_config(C))])
     (decode,) = record(lambda: conv_decode(128))
     output = [launch for launch in record(lambda: chunk_with_norm(4096)) if launch.name == "_chunk_output_kernel"]
-    return {"conv extend tile": tile, "conv extend rows": rows, "conv decode": decode, "chunk output": output[0]}
+    (recurrence,) = record(lambda: recurrence_with_norm(128))
+    return {"conv extend tile": tile, "conv extend rows": rows, "conv decode": decode, "chunk output": output[0],
+            "decode recurrence": recurrence}
 
 
 def _compile_main(spec_path: str, out_path: str) -> None:
@@ -111,13 +119,17 @@ def compiled(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("name", ["conv extend tile", "conv extend rows", "conv decode", "chunk output",
-                                  "conv extend tile, no fold", "conv extend rows, no fold", "conv decode, no fold"])
+                                  "decode recurrence", "conv extend tile, no fold", "conv extend rows, no fold",
+                                  "conv decode, no fold"])
 def test_each_fold_compiles_for_sm90_without_spills(compiled, name):
     res = compiled["resources"][name]
     assert res["local_bytes"] == 0 and res["stack_bytes"] == 0, f"{name}: spills {res}"
     assert res["programs_per_sm"] >= 2, f"{name}: {res}"
 
 
-def test_the_output_kernel_takes_whole_rows_on_the_default_warps(compiled):
-    launch = compiled["launches"]["chunk output"]
-    assert launch.args["BV"] == DV and launch.grid[2] == 1 and launch.options["num_warps"] == 4
+def test_the_normalising_kernels_take_whole_rows(compiled):
+    """The chunk output kernel's on the default tile's 4 warps, the decode recurrence's on 8 (the
+    default tile's state floats a thread): a program a head's whole row."""
+    output, recurrence = compiled["launches"]["chunk output"], compiled["launches"]["decode recurrence"]
+    assert output.args["BV"] == DV and output.grid[2] == 1 and output.options["num_warps"] == 4
+    assert recurrence.args["BV"] == DV and recurrence.grid == [128, HV, 1] and recurrence.options["num_warps"] == 8

@@ -553,6 +553,64 @@ def test_steps_with_the_q_k_norm_and_gates_in_the_conv(layer_id, dtype, replayed
 
 
 @in_process
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "replayed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layer_id", [0, 1])
+def test_every_fold_at_once(layer_id, dtype, replayed, monkeypatch):
+    """qk_gates=in_conv, extend_norm=in_output and decode_norm=in_recurrence together: only the uniform
+    verify step launches the norm (the decode step of two requests normalises in its recurrence on
+    whole-row tiles); outputs, padding rows and states are the reference's (Case.step)."""
+    modes = norm_launches(monkeypatch)
+    run_mode_steps(layer_id, dtype, backend_kwargs=dict(chunk_impl="triton", qk_gates="in_conv",
+                                                        extend_norm="in_output", decode_norm="in_recurrence"),
+                   replayed=replayed)
+    assert modes == ["slots"], "only the uniform verify step launches the norm"
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_decode_recurrence_applies_the_norm_as_the_norm_launch_does(dtype):
+    """recurrent_decode with GatedNorm on whole-row tiles against recurrent_decode then gated_rmsnorm,
+    three requests and a padding row, from the same states: the same outputs (the order of a row's
+    sums aside), the padding row zero, the same states bit for bit; a walked or narrower tile refused."""
+    from runtime.backends.kernels import linear as TL
+
+    hk, hv, dk, dv, B = 2, 4, 16, 32, 4
+    g = torch.Generator().manual_seed(51)
+    q = torch.nn.functional.normalize(torch.randn(B, hk, dk, generator=g), dim=-1).to(dtype).to(DEVICE)
+    k = torch.nn.functional.normalize(torch.randn(B, hk, dk, generator=g), dim=-1).to(dtype).to(DEVICE)
+    v = torch.randn(B, hv, dv, generator=g).to(dtype).to(DEVICE)
+    gate = (-torch.rand(B, hv, generator=g)).to(DEVICE)
+    beta = torch.rand(B, hv, generator=g).to(dtype).to(DEVICE)
+    z = torch.randn(B, hv, dv + 8, generator=g).to(dtype)[..., :dv].to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(dv, generator=g)).to(dtype).to(DEVICE)
+    state = torch.randn(6, hv, dk, dv, generator=g).to(DEVICE)
+    slots = torch.tensor([3, 1, PADDING_SLOT, 5], device=DEVICE)
+    gated = TL.GatedNorm(z, weight, EPS)
+    outs, states = [], []
+    for fold in (True, False):
+        pool, out = state.clone(), torch.full((B, hv, dv), float("nan"), dtype=dtype, device=DEVICE)
+        config = TL.whole_row_config(dk, dv)
+        if fold:
+            TL.recurrent_decode(q, k, v, gate, beta, out, pool, slots, dk ** -0.5, TL.GATE_PER_HEAD, config,
+                                gated_norm=gated)
+        else:
+            core = torch.empty_like(out)
+            TL.recurrent_decode(q, k, v, gate, beta, core, pool, slots, dk ** -0.5, TL.GATE_PER_HEAD, config)
+            GF.gated_rmsnorm(core, z, weight, out, EPS, slots=slots, rows_per_slot=1)
+        outs.append(out.float().cpu())
+        states.append(pool.cpu())
+    assert outs[0][2].eq(0).all() and torch.isfinite(outs[0]).all()
+    assert rel_err(outs[0], outs[1]) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_err(outs[0], torch.zeros_like(outs[0])) > 0.5  # normalised rows, not zeros
+    assert torch.equal(states[0], states[1])
+    for config in (TL.RecurrentConfig(16, 1), TL.RecurrentConfig(32, 4, walk=2)):
+        with pytest.raises(ValueError, match="whole Dv row"):
+            TL.recurrent_decode(q, k, v, gate, beta, torch.empty_like(v), state.clone(), slots, 0.25,
+                                TL.GATE_PER_HEAD, config, gated_norm=gated)
+
+
+@in_process
 def test_a_conv_tile_that_would_split_a_key_head_keeps_qk_gates(monkeypatch):
     """qk_gates=in_conv over key heads of 12 channels, which no power-of-two channel tile holds whole:
     every step launches qk_gates as by default (the extend, mixed, uniform and ragged verify and decode
@@ -562,7 +620,7 @@ def test_a_conv_tile_that_would_split_a_key_head_keeps_qk_gates(monkeypatch):
     assert calls == [23, 10, 12, 5, 3]
 
 
-@pytest.mark.parametrize("option", ["extend_norm", "qk_gates"])
+@pytest.mark.parametrize("option", ["extend_norm", "qk_gates", "decode_norm"])
 def test_an_unknown_extend_fold_choice_is_refused_naming_the_option(option):
     pool, _ = gdn_pools({0: LAYERS[0]}, NUM_SLOTS, "cpu", 0, VERIFY)
     with pytest.raises(ValueError, match=f"{option} must be one of"):

@@ -552,8 +552,9 @@ def test_triton_linear_backend_under_the_runner(artifact, tmp_path, tmp_path_fac
     kv, st = make_pools(art.registry, 128, 8, page_size=8)
     ops = BoundOps(art.backends(kv, st, registry).for_program("main"))
     # members are keyed by backend and kernel options ("name[option=choice]")
-    triton_key = (f"{InterpretedTritonLinear.name}[chunk_impl=triton,decode_tiles=by_batch,extend_norm=apart,"
-                  f"flashinfer_past=512,kda_graph=off,qk_gates=apart,short_extend_tokens=64,split_decode=one_launch]")
+    triton_key = (f"{InterpretedTritonLinear.name}[chunk_impl=triton,decode_norm=apart,decode_tiles=by_batch,"
+                  f"extend_norm=apart,flashinfer_past=512,kda_graph=off,qk_gates=apart,short_extend_tokens=64,"
+                  f"split_decode=one_launch]")
     assert set(ops.backend.members) == {"cpu_reference", triton_key}
     runner = GraphRunner(art.runner(ops), ops, kv, st, "cpu", decode_buckets=(2,), extend_buckets=(16,),
                          max_pages_per_seq=16, extend_max_seqs=2, debug=True, graphs=RerunGraphs())
