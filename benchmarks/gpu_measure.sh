@@ -99,9 +99,9 @@
 #   folds_ab     the fused GDN layer's folds (qk_gates=in_conv: its q / k norm and gates in the conv's launch, in
 #                extend steps and decodes of many requests; extend_norm=in_output: its gated norm in the chunk
 #                output kernel; decode_norm=in_recurrence: in the decode recurrence of many requests):
-#                gdn_extend_folds_bench.py (each extend fold's two ways checked, then timed at 512 / 2048 / 4096
-#                tokens and 4 x 1024), then one bundle with all three (decode 1 and 128, extend 512 and 4096)
-#                accounted, as fi_past is
+#                gdn_folds_bench.py (each fold's two ways checked, then the extend folds timed at 512 / 2048 /
+#                4096 tokens and 4 x 1024, the decode layer at 32 and 128 requests), then one bundle with all
+#                three (decode 1 and 128, extend 512 and 4096) accounted, as fi_past is
 #   state_sweep  gpu_linear_decode.py's GDN recurrence over bfloat16 states at 128 requests, the default tile
 #                against the sweeps of tiles and of walked tiles (each checked first): whether another card
 #                wants another tile
@@ -311,7 +311,7 @@ print(compiled_artifact(argparse.Namespace(work='$W', family='$family', size='be
         # the fused GDN layer's extend folds (q / k norm and gates in the conv, gated norm in the chunk output
         # kernel): the kernels alone (each checked first), then one bundle with both accounted, against the
         # goals' bundle's account of the same call
-        timeout 180 python3 benchmarks/kernels/gdn_extend_folds_bench.py --out "$OUT/extend_folds" 2>&1 | tail -22
+        timeout 200 python3 benchmarks/kernels/gdn_folds_bench.py --out "$OUT/gdn_folds" 2>&1 | tail -26
         ROUTE="gdn_fused=triton_linear[extend_norm=in_output,qk_gates=in_conv,decode_norm=in_recurrence]" \
             BATCHES=1,128 EXTENDS=512,4096 \
             TAG=gdn_folds COMPILE_ARGS="$AB_BUNDLE" bash "$0" account_serving ;;

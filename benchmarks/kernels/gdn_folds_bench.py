@@ -1,30 +1,36 @@
-"""A fused GDN layer's extend folds against the launches they replace: one command, checks first,
-JSON to --out.
+"""A fused GDN layer's folds against the launches they replace: one command, checks first, JSON to --out.
 
-    python3 benchmarks/kernels/gdn_extend_folds_bench.py --out $OUT              # GPU
-    python3 benchmarks/kernels/gdn_extend_folds_bench.py --dry-run --out /tmp/f    # CPU: interpreter, tiny dims
+    python3 benchmarks/kernels/gdn_folds_bench.py --out $OUT              # GPU
+    python3 benchmarks/kernels/gdn_folds_bench.py --dry-run --out /tmp/f    # CPU: interpreter, tiny dims
 
 An extend step of a fused GDN layer on our kernels is the extend conv, `qk_gates` (the l2norm of q
-and k, both gates), the chunk kernels, then `gated_rmsnorm` (runtime/backends/kernels/gdn_fused.py).
-Two routing options of triton_linear fold the small launches into their neighbours:
+and k, both gates), the chunk kernels, then `gated_rmsnorm` (runtime/backends/kernels/gdn_fused.py);
+a decode of many requests the decode conv, qk_gates, the recurrence and the norm. Three routing
+options of triton_linear fold the small launches into their neighbours:
 - qk_gates=in_conv: the conv normalises each q and k head and computes the gates as it stores its
   rows (`short_conv_extend(qk=...)`, kernels/linear.py `ConvQk`), so q and k are never stored
   unnormalised and read back (the decode conv of a step of many requests takes it too: not timed here);
 - extend_norm=in_output: the chunk output kernel applies the norm as it stores each row
   (`chunk_extend(gated_norm=...)`, kernels/chunk.py `GatedNorm`), its programs a head's whole Dv
-  row wide instead of the default tile's half of bench's 128 columns.
-Each is a launch a layer fewer and about 67 MB a layer less at 4096 tokens. This times each pair at
-the bench dims (Hk 16, Hv 32, Dk = Dv = 128, the conv's 8192 channels, K 4, bf16) for one request of
-each of --tokens rows and for 4 x 1024, the conv in the tile the backend would take.
+  row wide instead of the default tile's half of bench's 128 columns;
+- decode_norm=in_recurrence: the decode recurrence applies the norm on whole-row tiles.
+The extend folds are a launch a layer fewer and about 67 MB a layer less each at 4096 tokens. This
+times each extend pair at the bench dims (Hk 16, Hv 32, Dk = Dv = 128, the conv's 8192 channels, K
+4, bf16) for one request of each of --tokens rows and for 4 x 1024, the conv in the tile the backend
+would take; and the whole layer at decode ("decode": the backend's gdn_fused op on the unfused
+kernels, with qk_gates=in_conv and decode_norm=in_recurrence against neither) at --decodes requests.
 
 First the checks, on fresh random inputs, both ways of each against the CPU reference by
 ||x - ref|| / ||ref||: the conv (float32, then rounded to bf16) with the mixer's l2norm and gates
 for q, k, g and beta (bound 1e-2); the recurrence (cpu_reference, float32) over requests of 0, 1,
 100, 64, 300 and 1000 rows from random states (chunk_kernel_sweep.py's), the core rounded to bf16,
 then the mixer's gated_rms_norm (bound 2e-2: the chunk kernels' 1e-2 and the norm's roundings);
-and the two ways against each other. A failed check skips that fold's timing. Then per shape: us
-a call inside a CUDA graph of --calls calls (median over --replays replays) of each way, and the
-profiler's time per kernel. The dry run walks the same code on the CPU at tiny dims; its times
+and the two ways against each other; at decode, both backends' layers against the CPU reference
+backend's unfused ops on the same states (testkit/gdn_cases.py unfused_gdn; bound 1e-2, 4e-2 in the
+dry run's interpreter). A failed
+check skips that fold's timing. Then per shape: us a call inside a CUDA graph of --calls calls
+(median over --replays replays) of each way (at decode, the median of do_bench's wall times: the
+backend's eager step), and the profiler's time per kernel. The dry run walks the same code on the CPU at tiny dims; its times
 mean nothing.
 """
 
@@ -219,7 +225,81 @@ def time_norm(spec, T: int, R: int, device, calls: int, replays: int) -> dict:
     return row
 
 
-# -- both ------------------------------------------------------------------------------------------
+# -- decode: the layer on the unfused kernels, with qk_gates=in_conv and decode_norm=in_recurrence ---
+
+
+DECODE_FOLDS = dict(qk_gates="in_conv", decode_norm="in_recurrence")
+
+
+def decode_layer(spec, B: int, device, seed: int):
+    """A GDN layer's decode step of B requests (the last an eighth padding) on two triton_linear
+    backends, apart and folded, and the CPU reference, over copies of one state pool: (shape, ctx on
+    the device, ctx on the host, inputs, params, {name: backend}, reference backend)."""
+    from runtime.backends.cpu_reference import CPUReferenceBackend
+    from runtime.backends.protocol import plan_eager_step
+    from runtime.backends.triton_linear import TritonLinearBackend
+    from testkit.gdn_cases import GdnShape, gdn_inputs, gdn_params, gdn_pools
+    from testkit.linear_cases import decode_ctx
+
+    _, _, hk, hv, dk, dv = spec
+    shape = GdnShape(hk, hv, dk, dv, K)
+    real = B - max(1, B // 8)
+    slots = list(range(1, real + 1)) + [0] * (B - real)  # slot 0: the padding slot
+    host, *dev = gdn_pools({0: shape}, B + 1, device, seed, copies=3, state_dtype="bfloat16")
+    backends = {name: TritonLinearBackend(pool, **opts) for (name, opts), pool in
+                zip((("apart", {}), ("folded", DECODE_FOLDS)), dev)}
+    ctx = decode_ctx(slots, real, device)
+    for backend in backends.values():
+        plan_eager_step(backend, ctx, B)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = gdn_inputs(shape, B, real, torch.bfloat16, g, device)
+    params = gdn_params(shape, torch.bfloat16, seed + 2).to(device)
+    return shape, ctx, decode_ctx(slots, real, "cpu"), x, params, backends, CPUReferenceBackend(None, host), real
+
+
+def check_decode(spec, device) -> dict:
+    from testkit.gdn_cases import fused_gdn, unfused_gdn
+
+    B = 8 if device == "cpu" else 32
+    shape, ctx, host_ctx, x, params, backends, ref, real = decode_layer(spec, B, device, seed=61)
+    want = torch.empty(B, shape.hv, shape.dv, dtype=torch.bfloat16)
+    unfused_gdn(ref, host_ctx, {k: v.cpu() for k, v in x.items()}, params.to("cpu"), want, 0, shape, EPS)
+    got = {}
+    for name, backend in backends.items():
+        out = torch.full((B, shape.hv, shape.dv), float("nan"), dtype=torch.bfloat16, device=device)
+        fused_gdn(backend, ctx, x, params, out, 0, shape, EPS)
+        got[name] = out.float().cpu()
+    errs = {name: rel_err(o[:real], want[:real].float()) for name, o in got.items()}
+    errs["folded_vs_apart"] = rel_err(got["folded"][:real], got["apart"][:real])
+    # the interpreter truncates where a GPU rounds to nearest, a bias at each of the layer's bf16
+    # roundings (tests/runtime/backends/test_triton_gdn_fused.py BF16_STEPS): the dry run's bound is 4x
+    tol = QK_TOL * (4 if device == "cpu" else 1)
+    errs["ok"] = (max(errs["folded"], errs["apart"]) <= tol and errs["folded_vs_apart"] <= SAME_TOL
+                  and all(bool(o[real:].eq(0).all()) and bool(torch.isfinite(o).all()) for o in got.values()))
+    return errs
+
+
+def time_decode(spec, B: int, device, reps: int) -> dict:
+    from gpu_linear_extend import bench_ms
+    from testkit.gdn_cases import fused_gdn
+
+    shape, ctx, _, x, params, backends, _, _ = decode_layer(spec, B, device, seed=B)
+    out = torch.empty(B, shape.hv, shape.dv, dtype=torch.bfloat16, device=device)
+    row = {}
+    for name, backend in backends.items():
+        fn = lambda backend=backend: fused_gdn(backend, ctx, x, params, out, 0, shape, EPS)  # noqa: E731
+        fn()
+        kernels = device_ms_by_kernel(fn)
+        row[name] = {"wall_us": 1e3 * bench_ms(fn, reps), "kernels_us": {k: 1e3 * v for k, v in kernels.items()},
+                     "kernel_us": 1e3 * sum(kernels.values()) if kernels else None}
+        print(f"decode {B} requests, {name}: kernels {row[name]['kernel_us'] or 0:.1f} us"
+              + "".join(f"; {k} {1e3 * v:.1f}" for k, v in kernels.items()), flush=True)
+    if row["apart"]["kernel_us"]:
+        row["folded_over_apart"] = row["folded"]["kernel_us"] / row["apart"]["kernel_us"]
+    return row
+
+
+# -- all --------------------------------------------------------------------------------------------
 
 
 def timed(fn, calls: int, replays: int, device, what: str) -> dict:
@@ -229,18 +309,21 @@ def timed(fn, calls: int, replays: int, device, what: str) -> dict:
     return {"us": us, "kernels_us": {k: 1e3 * v for k, v in kernels.items()}}
 
 
-FOLDS = {"qk": (check_qk, time_qk), "norm": (check_norm, time_norm)}
+FOLDS = {"qk": (check_qk, time_qk), "norm": (check_norm, time_norm), "decode": (check_decode, None)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Writes OUT/gdn_extend_folds_bench.json and prints a line per shape and way.")
-    p.add_argument("--out", type=Path, required=True, help="folder for gdn_extend_folds_bench.json")
-    p.add_argument("--folds", default="qk,norm", help="comma-separated folds to check and time (default qk,norm)")
+                                epilog="Writes OUT/gdn_folds_bench.json and prints a line per shape and way.")
+    p.add_argument("--out", type=Path, required=True, help="folder for gdn_folds_bench.json")
+    p.add_argument("--folds", default="qk,norm,decode",
+                   help="comma-separated folds to check and time (default qk,norm,decode)")
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[512, 2048, 4096],
                    help="one request of each of these many rows, comma-separated (default 512,2048,4096); "
                         "4 x 1024 is timed too")
+    p.add_argument("--decodes", type=lambda s: [int(v) for v in s.split(",")], default=[32, 128],
+                   help="requests of the decode steps timed, comma-separated (default 32,128)")
     p.add_argument("--calls", type=int, default=10, help="calls in the timed CUDA graph (default 10)")
     p.add_argument("--replays", type=int, default=10, help="replays timed, median taken (default 10)")
     p.add_argument("--dry-run", action="store_true", help="the CPU interpreter at tiny dims (times mean nothing)")
@@ -264,10 +347,14 @@ def main(argv=None) -> int:
             ok = False
             print(f"{fold}: check failed, not timed", flush=True)
             continue
+        if fold == "decode":
+            for B in ([8] if args.dry_run else args.decodes):
+                entry["rows"][str(B)] = time_decode(spec, B, device, reps=args.replays * 10)
+            continue
         for T, R in shapes:
             entry["rows"][f"{R}x{T // R}"] = time_fold(spec, T, R, device, args.calls, args.replays)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gdn_extend_folds_bench.json").write_text(json.dumps(rec, indent=1, default=str))
+    (args.out / "gdn_folds_bench.json").write_text(json.dumps(rec, indent=1, default=str))
     return 0 if ok else 1
 
 
