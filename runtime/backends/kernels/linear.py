@@ -128,8 +128,8 @@ class GatedNorm(NamedTuple):
 
 
 class ConvQk(NamedTuple):
-    """A fused GDN layer's q / k l2norm and gates, which the extend conv may compute as it stores its
-    outputs (the fused op's `qk_gates`, kernels/gdn_fused.py, in the conv's launch): the conv's
+    """A fused GDN layer's q / k l2norm and gates, which the extend and decode convs may compute as
+    they store their outputs (the fused op's `qk_gates`, kernels/gdn_fused.py, in the conv's launch): the conv's
     channels are q | k | v, Hk x Dk each of q and k. Written: q, k [rows, Hk, Dk] (contiguous; the
     conv's own q and k outputs are not stored), g [rows, Hv] float32 and beta [rows, Hv] (unit head
     stride). Read: b, a [rows, Hv] (any row and head strides), A_log and dt_bias [Hv]. The constants
@@ -148,7 +148,7 @@ class ConvQk(NamedTuple):
 
 
 def conv_qk_fits(config: ConvConfig, key_dim: int) -> bool:
-    """Whether the extend conv's channel tile `config` can take `ConvQk`: whole heads of `key_dim`
+    """Whether a conv's channel tile `config` can take `ConvQk`: whole heads of `key_dim`
     channels a program (a head's l2norm is a reduction in one program; q and k start at channels
     that are multiples of it)."""
     return config.block_c % key_dim == 0
