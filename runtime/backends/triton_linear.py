@@ -599,28 +599,22 @@ class TritonLinearBackend(BackendHooks):
         `qk_gates`, `decode_norm`: the routing options of the same names. `flashinfer`: a callable standing in for
         FlashInfer's kernel launch (kernels/flashinfer_gdn.GdnPrefill.launch; tests); None loads the
         library on first use."""
-        if split_decode not in SPLIT_DECODE:
-            raise ValueError(f"{self.name}: split_decode must be one of {SPLIT_DECODE}, not {split_decode!r}")
+        def choice(option: str, value: str, choices: tuple) -> str:
+            if value not in choices:
+                raise ValueError(f"{self.name}: {option} must be one of {choices}, not {value!r}")
+            return value
+
+        split_decode = choice("split_decode", split_decode, SPLIT_DECODE)
         self.merged_split = split_decode in ("one_launch", "one_launch_early")
         self.early_gates = split_decode == "one_launch_early"
-        if decode_tiles not in DECODE_TILES:
-            raise ValueError(f"{self.name}: decode_tiles must be one of {DECODE_TILES}, not {decode_tiles!r}")
+        decode_tiles = choice("decode_tiles", decode_tiles, DECODE_TILES)
         self.fixed_tiles = decode_tiles == "fixed"
         self.walk_tiles = decode_tiles == "walk"
-        if chunk_impl not in CHUNK_IMPL_CHOICES:
-            raise ValueError(f"{self.name}: chunk_impl must be one of {CHUNK_IMPL_CHOICES}, not {chunk_impl!r}")
-        if kda_graph not in KDA_GRAPH:
-            raise ValueError(f"{self.name}: kda_graph must be one of {KDA_GRAPH}, not {kda_graph!r}")
-        self.kda_graph = kda_graph == "on"
-        if extend_norm not in EXTEND_NORM:
-            raise ValueError(f"{self.name}: extend_norm must be one of {EXTEND_NORM}, not {extend_norm!r}")
-        self.norm_in_output = extend_norm == "in_output"
-        if qk_gates not in QK_GATES:
-            raise ValueError(f"{self.name}: qk_gates must be one of {QK_GATES}, not {qk_gates!r}")
-        self.qk_in_conv = qk_gates == "in_conv"
-        if decode_norm not in DECODE_NORM:
-            raise ValueError(f"{self.name}: decode_norm must be one of {DECODE_NORM}, not {decode_norm!r}")
-        self.norm_in_recurrence = decode_norm == "in_recurrence"
+        choice("chunk_impl", chunk_impl, CHUNK_IMPL_CHOICES)
+        self.kda_graph = choice("kda_graph", kda_graph, KDA_GRAPH) == "on"
+        self.norm_in_output = choice("extend_norm", extend_norm, EXTEND_NORM) == "in_output"
+        self.qk_in_conv = choice("qk_gates", qk_gates, QK_GATES) == "in_conv"
+        self.norm_in_recurrence = choice("decode_norm", decode_norm, DECODE_NORM) == "in_recurrence"
         self.state_pool = state_pool
         self.device = state_pool.device
         self.recurrent_config = recurrent_config
