@@ -11,8 +11,8 @@ options of triton_linear fold the small launches into their neighbours:
   rows (`short_conv_extend(qk=...)`, kernels/linear.py `ConvQk`), so q and k are never stored
   unnormalised and read back (the decode conv of a step of many requests takes it too: not timed here);
 - extend_norm=in_output: the chunk output kernel applies the norm as it stores each row
-  (`chunk_extend(gated_norm=...)`, kernels/chunk.py `GatedNorm`), its programs a head's whole Dv
-  row wide instead of the default tile's half of bench's 128 columns;
+  (kernels/chunk.py `chunk_extend(gated_norm=...)`, kernels/linear.py `GatedNorm`), its programs a
+  head's whole Dv row wide instead of the default tile's half of bench's 128 columns;
 - decode_norm=in_recurrence: the decode recurrence applies the norm on whole-row tiles.
 The extend folds are a launch a layer fewer and about 67 MB a layer less each at 4096 tokens. This
 times each extend pair at the bench dims (Hk 16, Hv 32, Dk = Dv = 128, the conv's 8192 channels, K
@@ -27,11 +27,10 @@ for q, k, g and beta (bound 1e-2); the recurrence (cpu_reference, float32) over 
 then the mixer's gated_rms_norm (bound 2e-2: the chunk kernels' 1e-2 and the norm's roundings);
 and the two ways against each other; at decode, both backends' layers against the CPU reference
 backend's unfused ops on the same states (testkit/gdn_cases.py unfused_gdn; bound 1e-2, 4e-2 in the
-dry run's interpreter). A failed
-check skips that fold's timing. Then per shape: us a call inside a CUDA graph of --calls calls
-(median over --replays replays) of each way (at decode, the median of do_bench's wall times: the
-backend's eager step), and the profiler's time per kernel. The dry run walks the same code on the CPU at tiny dims; its times
-mean nothing.
+dry run's interpreter). A failed check skips that fold's timing. Then per shape: us a call inside
+a CUDA graph of --calls calls (median over --replays replays) of each way (at decode, the median of
+do_bench's wall times: the backend's eager step), and the profiler's time per kernel. The dry run
+walks the same code on the CPU at tiny dims; its times mean nothing.
 """
 
 from __future__ import annotations

@@ -461,9 +461,9 @@ DECODE_TILES = ("by_batch", "fixed", "walk")
 SPLIT_DECODE = ("one_launch", "two_launches", "one_launch_early")
 # extend_norm: where a fused GDN mixer's extend step applies its gated RMSNorm on our chunk kernels,
 # "apart" (the default: kernels/gdn_fused.py `gated_rmsnorm`, one launch after the core) or
-# "in_output" (the chunk output kernel normalises each row's head as it stores it:
-# kernels/chunk.py `GatedNorm`; one launch a layer fewer, and the core's write and read gone: at
-# bench qwen3_next's 4096 tokens about 67 MB a layer). Its programs then take a head's whole Dv row,
+# "in_output" (the chunk output kernel normalises each row's head as it stores it: kernels/chunk.py
+# `chunk_extend`, kernels/linear.py `GatedNorm`; one launch a layer fewer, and the core's write and
+# read gone: at bench qwen3_next's 4096 tokens about 67 MB a layer). Its programs then take a head's whole Dv row,
 # where the default tile takes half of bench's 128 columns. Not the default until a whole step
 # times it faster. Steps on FLA's or FlashInfer's kernels, or on the short-extend kernel, keep the
 # norm apart whatever this says.
@@ -474,7 +474,9 @@ EXTEND_NORM = ("apart", "in_output")
 # "in_conv" (the conv normalises each q and k head and its first channel tile computes the gates as
 # it stores its rows: kernels/linear.py `ConvQk`; one launch a layer fewer, and q and k's write and
 # read as the conv's outputs gone: at bench qwen3_next's 4096 tokens about 67 MB a layer, where
-# qk_gates took 19 us a layer on an H200, and about 3 us a layer at a decode of 128 requests). Where
+# qk_gates took 19.4 us a layer on an H200, and 2.3 us a layer at a decode of 128 requests; the
+# account of 89a83fb's bfloat16 states, benchmarks/results/step_account_state_dtype_h200_2026-12-06.md
+# and its raw JSON). Where
 # the conv's channel tile would split a key head (a short extend's narrow tiles: conv_qk_fits) and
 # in verify steps they stay apart. Not the default until a whole step times it faster.
 QK_GATES = ("apart", "in_conv")
@@ -483,7 +485,8 @@ QK_GATES = ("apart", "in_conv")
 # gdn_fused.py `gated_rmsnorm`, one launch after the recurrence) or "in_recurrence" (the decode
 # recurrence normalises each head's row as it stores it, its programs a head's whole Dv row on
 # kernels/linear.py `whole_row_config`'s tile in place of `recurrent_config`'s: one launch a layer
-# fewer, about 3 us a layer at a decode of 128 requests on an H200). Decode tiles pinned, fixed or
+# fewer: the norm's kernel took 3.7 us a layer at a decode of 128 requests on an H200, the same
+# account). Decode tiles pinned, fixed or
 # walked keep the norm apart. Not the default until a whole step times it faster.
 DECODE_NORM = ("apart", "in_recurrence")
 
