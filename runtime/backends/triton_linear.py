@@ -1170,7 +1170,8 @@ class TritonLinearBackend(BackendHooks):
             return
         dims = fused.gdn_dims(qkv, z, b, a, conv_weight, A_log, dt_bias, norm_weight, out, k_heads, what)
         mixed = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        qk = self._conv_qk(qkv, b, a, A_log, dt_bias, dims) if self.qk_in_conv else None
+        # (a verify step's conv never takes them: no buffers made for it)
+        qk = self._conv_qk(qkv, b, a, A_log, dt_bias, dims) if self.qk_in_conv and path != "verify" else None
         if self._short_conv(ctx, qkv, conv_weight, None, mixed, layer_id, True, qk):
             q, k, g, beta = qk.q, qk.k, qk.g, qk.beta  # qk_gates=in_conv: the conv's launch made them
             v = mixed[:, 2 * dims.hk * dims.dk:].view(qkv.shape[0], dims.hv, dims.dv)

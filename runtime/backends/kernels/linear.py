@@ -227,9 +227,9 @@ def recurrent_config(batch: int, heads: int, dk: int, dv: int, device: torch.dev
 def whole_row_config(dk: int, dv: int) -> RecurrentConfig:
     """A decode tile of a head's whole Dv row (what `recurrent_decode`'s gated norm needs), warps as
     `recurrent_config` gives a tile of 64 columns: about 64 state floats a thread (8 warps at Dk = Dv
-    = 128). Compiled for sm90 at those dims over bfloat16 states: 127 registers, 2 programs an SM,
-    the same 64 KiB of state in flight an SM as the default tile's 4 programs of 64 columns
-    (docs/DESIGN.md, "Recurrent states in bfloat16")."""
+    = 128). Compiled for sm90 at those dims over bfloat16 states: 127 registers (126 with the norm),
+    2 programs an SM, the same 64 KiB of state in flight an SM as the default tile's 4 programs of 64
+    columns (docs/DESIGN.md, "Recurrent states in bfloat16")."""
     block_v = next_pow2(dv)
     return RecurrentConfig(block_v, max(1, min(8, next_pow2(dk) * block_v // (32 * 64))))
 
@@ -704,10 +704,9 @@ def _short_conv_decode_kernel(
     c_tile = tl.program_id(1)
     offs_c = c_tile * BC + tl.arange(0, BC)
     m_c = offs_c < C
-    o_ptrs = out_ptr + row * stride_o_row + offs_c
-    rows = tl.zeros([1], dtype=tl.int64) + row  # the row as a [1] vector: ConvQk's stores take [R, BC] tiles
     if QK:
         if c_tile == 0:  # the row's gates (a padding row's too, as qk_gates gives them)
+            rows = tl.zeros([1], dtype=tl.int64) + row
             _conv_rows_gates(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, rows, rows >= 0, stride_a_row,
                              stride_a_head, stride_b_row, stride_b_head, stride_g_row, stride_beta_row, HV=HV, BG=BG,
                              SOFTPLUS_MAX=SOFTPLUS_MAX)
@@ -718,19 +717,13 @@ def _short_conv_decode_kernel(
         # measured for this tile (benchmarks/probes/conv_decode_probe.py `_channels_last_kernel`)
         y, new_hist = conv_rolled(x_ptr, w_ptr, bias_ptr, state_ptr, slot, row, offs_c, m_c, stride_x_row,
                                   stride_s_slot, stride_s_c, stride_s_k, KW, KWP, HAS_BIAS, SILU)
-        if QK:  # q and k heads normalised into q and k, the v channels into out (_store_conv_rows)
-            _store_conv_rows(y[None, :], m_c[None, :], rows, offs_c, c_tile * BC, out_ptr, stride_o_row, q_ptr, k_ptr,
-                             stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, R=1, BC=BC)
-        else:
-            tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=m_c)
+        _store_conv_row(y, m_c, row, offs_c, c_tile * BC, out_ptr, stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK,
+                        l2_eps, QK=QK, DK=DK, BC=BC)
         tl.debug_barrier()  # every load of the history before any store of it (conv_token says why)
         store_history(state_ptr, slot, offs_c, m_c, new_hist, stride_s_slot, stride_s_c, stride_s_k, KW, KWP)
     else:
-        if QK:
-            _store_conv_rows(tl.zeros([1, BC], dtype=tl.float32), m_c[None, :], rows, offs_c, c_tile * BC, out_ptr,
-                             stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, R=1, BC=BC)
-        else:
-            tl.store(o_ptrs, tl.zeros([BC], dtype=out_ptr.dtype.element_ty), mask=m_c)
+        _store_conv_row(tl.zeros([BC], dtype=tl.float32), m_c, row, offs_c, c_tile * BC, out_ptr, stride_o_row, q_ptr,
+                        k_ptr, stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, BC=BC)
 
 
 @triton.jit
@@ -866,6 +859,18 @@ def _store_conv_rows(y, m, rows, offs_c, c0, out_ptr, stride_o_row, q_ptr, k_ptr
             dst = tl.where(c < HKDK, q_ptr + rows[:, None] * stride_qk_row + c,
                            tl.where(c < 2 * HKDK, k_ptr + rows[:, None] * stride_qk_row + (c - HKDK), dst))
     tl.store(dst, y.to(act), mask=m)
+
+
+@triton.jit
+def _store_conv_row(y, m, row, offs_c, c0, out_ptr, stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps,
+                    QK: tl.constexpr, DK: tl.constexpr, BC: tl.constexpr):
+    """One row's [BC] conv outputs y (float32) of row `row`: into out as a plain [BC] store (the
+    row-streaming and decode kernels' layout), or with QK through `_store_conv_rows` as a [1, BC] tile."""
+    if QK:
+        _store_conv_rows(y[None, :], m[None, :], tl.zeros([1], dtype=tl.int64) + row, offs_c, c0, out_ptr,
+                         stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, R=1, BC=BC)
+    else:
+        tl.store(out_ptr + row * stride_o_row + offs_c, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -1052,16 +1057,10 @@ def _short_conv_extend_rows_kernel(
                              stride_a_row, stride_a_head, stride_b_row, stride_b_head, stride_g_row, stride_beta_row,
                              HV=HV, BG=BG, SOFTPLUS_MAX=SOFTPLUS_MAX)
 
-    o_rows = out_ptr + (bos + t0) * stride_o_row + offs_c
     if seq == num_seqs:  # padding rows: read nothing, come out zero
         for t in tl.static_range(BT):
-            if QK:  # zeros into q, k or out as the channels go (a row of [1, BC]: _store_conv_rows)
-                _store_conv_rows(tl.zeros([1, BC], dtype=tl.float32), (m_c & (t_c + t < n))[None, :],
-                                 tl.zeros([1], dtype=tl.int64) + (bos + t0 + t), offs_c, c_tile * BC, out_ptr,
-                                 stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, R=1, BC=BC)
-            else:
-                tl.store(o_rows + t * stride_o_row, tl.zeros([BC], dtype=out_ptr.dtype.element_ty),
-                         mask=m_c & (t_c + t < n))
+            _store_conv_row(tl.zeros([BC], dtype=tl.float32), m_c & (t_c + t < n), bos + t0 + t, offs_c, c_tile * BC,
+                            out_ptr, stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, BC=BC)
     else:
         slot = tl.load(slots_ptr + seq).to(tl.int64)
         hist_ptrs = state_ptr + slot * stride_s_slot + offs_c * stride_s_c
@@ -1105,12 +1104,8 @@ def _short_conv_extend_rows_kernel(
                 acc += bias
             if SILU:
                 acc = acc * tl.sigmoid(acc)
-            if QK:
-                _store_conv_rows(acc[None, :], m_row[None, :], tl.zeros([1], dtype=tl.int64) + (bos + t0 + t),
-                                 offs_c, c_tile * BC, out_ptr, stride_o_row, q_ptr, k_ptr, stride_qk_row, HKDK, l2_eps,
-                                 QK=QK, DK=DK, R=1, BC=BC)
-            else:
-                tl.store(o_rows + t * stride_o_row, acc.to(out_ptr.dtype.element_ty), mask=m_row)
+            _store_conv_row(acc, m_row, bos + t0 + t, offs_c, c_tile * BC, out_ptr, stride_o_row, q_ptr, k_ptr,
+                            stride_qk_row, HKDK, l2_eps, QK=QK, DK=DK, BC=BC)
             p3 = p2
             p2 = p1
             p1 = x

@@ -709,7 +709,6 @@ def test_the_gated_norm_in_the_output_kernel_gives_the_norm_launch_s_rows(dtype)
     assert torch.isfinite(fused[:real]).all()
     err = rel_err(fused[:real].float(), apart[:real].float())
     assert err < (1e-6 if dtype == torch.float32 else 1e-2), f"folded norm against the norm's launch: {err:.2e}"
-    assert rel_err(fused[:real].float(), torch.zeros_like(fused[:real]).float() + 1) > 0.1  # not a constant
 
 
 @in_process
